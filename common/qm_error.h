@@ -1,0 +1,58 @@
+/* qm_error.h - the one list of error codes, and the status that carries a sentence.
+ *
+ * Every function that can fail returns 0 or a negative QM_E* code. Functions whose
+ * errors reach a user also take a `qm_status *` (may be NULL) and write a readable
+ * sentence there: what was wrong and what was expected. */
+#ifndef QM_ERROR_H
+#define QM_ERROR_H
+
+#include <stddef.h>
+
+/* X(name, value, text). Values are stable: the protocol maps them to JSON-RPC codes. */
+#define QM_ERRNO_MAP(X)                                                                            \
+    X(EINVAL, -1, "invalid argument")                                                              \
+    X(ENOMEM, -2, "out of memory")                                                                 \
+    X(EIO, -3, "input/output error")                                                               \
+    X(INVALID_MODEL, -4, "invalid model")                                                          \
+    X(NOT_FOUND, -5, "not found")                                                                  \
+    X(PERMISSION, -6, "permission denied")                                                         \
+    X(RESOURCE_EXHAUSTED, -7, "resource exhausted")                                                \
+    X(OVERLOADED, -8, "overloaded")                                                                \
+    X(PAYLOAD_TOO_LARGE, -9, "payload too large")                                                  \
+    X(SHUTTING_DOWN, -10, "shutting down")                                                         \
+    X(CONFLICT, -11, "conflict")                                                                   \
+    X(IN_USE, -12, "in use")                                                                       \
+    X(UNSUPPORTED, -13, "unsupported")                                                             \
+    X(DEVICE, -14, "device error")                                                                 \
+    X(INTERNAL, -15, "internal error")                                                             \
+    X(PARSE, -16, "parse error")
+
+enum {
+    QM_OK = 0,
+#define QM__ERR_ENUM(name, value, text) QM_E##name = value,
+    QM_ERRNO_MAP(QM__ERR_ENUM)
+#undef QM__ERR_ENUM
+};
+
+/* Static strings; unknown codes give "unknown error" / "UNKNOWN". */
+const char *qm_strerror(int code);
+const char *qm_err_name(int code);
+
+#define QM_STATUS_MSG_MAX 256
+
+typedef struct qm_status {
+    int code;                     /* 0 or QM_E* */
+    char msg[QM_STATUS_MSG_MAX];  /* one readable sentence, NUL-terminated */
+    char field[64];               /* params path the error is about, "" if none */
+} qm_status;
+
+void qm_status_clear(qm_status *st);
+/* Sets code and a printf-formatted message; returns `code` so callers can
+ * `return qm_status_set(st, QM_EINVAL, "...")`. `st` may be NULL. */
+int qm_status_set(qm_status *st, int code, const char *fmt, ...)
+    __attribute__((format(printf, 3, 4)));
+/* Same, and names the field the error is about. */
+int qm_status_set_field(qm_status *st, int code, const char *field, const char *fmt, ...)
+    __attribute__((format(printf, 4, 5)));
+
+#endif

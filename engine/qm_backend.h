@@ -1,0 +1,100 @@
+/* qm_backend.h - the device backend, seen from its users (pager, forward pass, daemon).
+ *
+ * A backend is { iface, ctx }: CPU and CUDA are two instances of the same
+ * interface (qm_backend_impl.h), neither special-cased. "Device memory" is
+ * whatever the backend's arenas hold: a host arena for CPU, cudaMalloc for CUDA. */
+#ifndef QM_BACKEND_H
+#define QM_BACKEND_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "qm_bank.h"
+#include "qm_error.h"
+
+typedef struct qm_backend qm_backend;
+typedef struct qm_arena qm_arena; /* one device allocation, carved by the caller */
+
+typedef struct qm_device_info {
+    char name[128];       /* "cpu (AVX2+FMA, 2 threads)", "NVIDIA H200" */
+    char kind[16];        /* "cpu" or "cuda" */
+    uint64_t total_bytes; /* device memory (CPU: physical RAM) */
+    uint64_t free_bytes;
+} qm_device_info;
+
+/* Completion of an asynchronous copy. Opaque value owned by the caller
+ * (embed it); qm_backend_fence_wait blocks until the copy it was issued
+ * with has landed. A zeroed fence is complete. */
+typedef struct qm_fence {
+    uint64_t seq;
+    void *handle;
+} qm_fence;
+
+/* Per-expert weight pointers as the backend's kernels read them: pointer
+ * i is tensor i (enum qm_bank_tensor, < QM_T_EXPERT_COUNT) of this expert,
+ * NULL when the layer lacks it. They point into device memory (an arena)
+ * or, for backends with host_visible = 1, may point into the mapped bank. */
+typedef struct qm_expert_weights {
+    const void *ptr[QM_T_EXPERT_COUNT];
+} qm_expert_weights;
+
+/* One expert's work in a layer call: rows of x to run through the FFN.
+ * Output row r is written to y + out_index[r] * hidden. */
+typedef struct qm_expert_job {
+    uint32_t expert;
+    qm_expert_weights weights;
+    const uint32_t *rows; /* token indices into x, ascending */
+    const uint32_t *out_index;
+    uint32_t n_rows;
+} qm_expert_job;
+
+/* A batch of expert jobs of one layer. x: [T, hidden] f32 host memory;
+ * y: host memory with room for every out_index. The backend may run jobs
+ * in any order and in parallel; each job's result must not depend on that
+ * order or on the thread count (bitwise). */
+typedef struct qm_expert_batch {
+    const qm_bank_config *config;
+    const qm_layer_view *layer; /* dtypes and shapes of the tensors */
+    const float *x;
+    uint32_t n_tokens;
+    float *y;
+    const qm_expert_job *jobs;
+    size_t n_jobs;
+} qm_expert_batch;
+
+/* ---- Calls (the only call sites of the iface; optional methods defaulted here) ---- */
+
+/* Creates the CPU backend: `threads` workers (0 = number of cores). */
+int qm_backend_cpu_new(uint32_t threads, qm_backend **out, qm_status *st);
+/* Creates the CUDA backend on `device`; QM_EUNSUPPORTED when built without CUDA,
+ * QM_EDEVICE when no device answers. */
+int qm_backend_cuda_new(int device, qm_backend **out, qm_status *st);
+void qm_backend_free(qm_backend *be); /* accepts NULL */
+
+const char *qm_backend_name(const qm_backend *be); /* "cpu" / "cuda" */
+int qm_backend_info(qm_backend *be, qm_device_info *out);
+/* 1 when kernels can read host memory directly (CPU): whole-bank banks then
+ * need no copy. */
+int qm_backend_host_visible(const qm_backend *be);
+/* Copy granularity: regions should be aligned to it for zero-waste slots. */
+size_t qm_backend_alignment(const qm_backend *be);
+
+/* One arena per session: `bytes` of device memory, never grown. */
+int qm_arena_new(qm_backend *be, uint64_t bytes, qm_arena **out, qm_status *st);
+void qm_arena_free(qm_backend *be, qm_arena *arena);
+/* Device address of arena + offset (offset < size). */
+void *qm_arena_at(qm_arena *arena, uint64_t offset);
+uint64_t qm_arena_size(const qm_arena *arena);
+
+/* Asynchronous host-to-device copy on the backend's copy path. `src` must
+ * stay valid until the fence completes (the mapped bank always does). */
+int qm_backend_copy_h2d(qm_backend *be, void *dst, const void *src, uint64_t bytes,
+                        qm_fence *fence, qm_status *st);
+int qm_backend_fence_wait(qm_backend *be, qm_fence *fence, qm_status *st);
+
+/* Runs the FFN of every job (FC1 -> activation -> FC2, biases included, no
+ * routing weight applied). Synchronous on return. */
+int qm_backend_run_experts(qm_backend *be, const qm_expert_batch *batch, qm_status *st);
+int qm_backend_synchronize(qm_backend *be, qm_status *st);
+
+#endif

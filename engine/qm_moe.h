@@ -1,0 +1,75 @@
+/* qm_moe.h - the MoE forward pass of one layer (../shared/BANK_FORMAT.md semantics).
+ *
+ * Routing and combine run here, on the host, in a fixed order; expert FFNs
+ * run on the backend. The combine of token t sums its k routes in route
+ * order (j = 0..k-1) whatever order experts were computed in, so outputs
+ * are bitwise identical across thread counts, policies, budgets and waves. */
+#ifndef QM_MOE_H
+#define QM_MOE_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "qm_backend.h"
+#include "qm_bank.h"
+
+#define QM_ROUTE_DROPPED UINT32_MAX
+
+/* Top-k of each token's logits (ties: larger expert index wins), softmax over
+ * the k, routes with weight <= 1e-8 dropped (expert QM_ROUTE_DROPPED,
+ * weight 0). logits: [T, E]; experts, weights: [T, k]. */
+void qm_moe_route(const float *logits, uint32_t n_tokens, uint32_t n_experts, uint32_t k,
+                  uint32_t *experts, float *weights);
+
+/* logits = x . router_w^T + router_b for a layer that has a router weight.
+ * QM_EINVAL with a message when the layer has none. x: [T, H] f32. */
+int qm_moe_router_logits(const qm_bank_config *cfg, const qm_layer_view *layer, const float *x,
+                         uint32_t n_tokens, float *logits, qm_status *st);
+
+/* Where expert weights come from. The pager implements this; the direct
+ * source hands out pointers into the mapped bank (host-visible backends). */
+typedef struct qm_expert_source {
+    void *ctx;
+    /* Makes experts[0..n) usable, as many at once as fit (at least one, in
+     * order), filling weights[i] for i < *n_ready. The pointers stay valid
+     * until release() of the same experts. `experts` ascending, distinct. */
+    int (*acquire)(void *ctx, uint32_t layer, const uint32_t *experts, size_t n,
+                   qm_expert_weights *weights, size_t *n_ready, qm_status *st);
+    void (*release)(void *ctx, uint32_t layer, const uint32_t *experts, size_t n);
+} qm_expert_source;
+
+/* Fills a source that reads the mapped bank directly (no copies). */
+void qm_expert_source_direct(const qm_bank *bank, qm_expert_source *out);
+/* Pointers of expert `e` of `layer` when its unit lies at `base` in the order
+ * of its catalog's regions (tensor order, each slice contiguous). Used by the
+ * pager for slots; `base` = qm_bank_data() + offsets gives the direct source. */
+void qm_expert_weights_from_unit(const qm_layer_view *layer, uint32_t n_experts, uint32_t expert,
+                                 const uint8_t *unit_base, qm_expert_weights *out);
+
+typedef struct qm_moe_stats {
+    uint64_t compute_us;
+    uint32_t waves; /* acquire rounds needed (1 when every expert fit at once) */
+} qm_moe_stats;
+
+typedef struct qm_moe_call {
+    uint32_t layer;
+    qm_dtype dtype;       /* of hidden and output: F32, F16 or BF16 */
+    const void *hidden;   /* [T, H] */
+    uint32_t n_tokens;    /* T; 0 gives an empty result */
+    const float *logits;  /* [T, E] f32, or NULL to use the bank's router */
+    void *output;         /* [T, H] in dtype */
+    uint32_t *route_experts; /* optional [T, k] out */
+    float *route_weights;    /* optional [T, k] out */
+} qm_moe_call;
+
+/* Runs one layer. Scratch is allocated per call (bounded by T*k*H floats). */
+int qm_moe_forward(qm_backend *be, const qm_bank *bank, const qm_moe_call *call,
+                   qm_expert_source *source, qm_moe_stats *stats, qm_status *st);
+
+/* f16/bf16 <-> f32, round to nearest even. */
+float qm_f16_to_f32(uint16_t h);
+uint16_t qm_f32_to_f16(float f);
+float qm_bf16_to_f32(uint16_t h);
+uint16_t qm_f32_to_bf16(float f);
+
+#endif

@@ -1,0 +1,116 @@
+/* qm_bank.h - expert bank files (safetensors, ../shared/BANK_FORMAT.md).
+ *
+ * A bank is opened by mmap (read-only) and validated completely at open:
+ * after qm_bank_open succeeds every view below points at checked bytes. */
+#ifndef QM_BANK_H
+#define QM_BANK_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "qm_error.h"
+#include "qm_residency.h"
+
+typedef enum qm_dtype {
+    QM_DTYPE_F32 = 0,
+    QM_DTYPE_F16,
+    QM_DTYPE_BF16,
+    QM_DTYPE_U8,
+} qm_dtype;
+
+size_t qm_dtype_size(qm_dtype dtype);
+const char *qm_dtype_name(qm_dtype dtype); /* "f32", "f16", "bf16", "u8" */
+
+typedef enum qm_activation {
+    QM_ACT_RELU = 0,
+    QM_ACT_GELU,
+    QM_ACT_SILU,
+    QM_ACT_SWIGLU,
+    QM_ACT_IDENTITY,
+} qm_activation;
+
+const char *qm_activation_name(qm_activation act); /* "relu", ... */
+int qm_activation_parse(const char *name, qm_activation *out);
+
+/* The per-layer tensors, in the order used as qm_region.tensor in catalogs. */
+typedef enum qm_bank_tensor {
+    QM_T_FC1_WEIGHT = 0,
+    QM_T_FC1_SCALES,
+    QM_T_FC1_ZERO_POINTS,
+    QM_T_FC1_BIAS,
+    QM_T_FC2_WEIGHT,
+    QM_T_FC2_SCALES,
+    QM_T_FC2_ZERO_POINTS,
+    QM_T_FC2_BIAS,
+    QM_T_FC3_WEIGHT,
+    QM_T_FC3_SCALES,
+    QM_T_FC3_ZERO_POINTS,
+    QM_T_FC3_BIAS,
+    QM_T_EXPERT_COUNT, /* tensors above have a leading expert dimension */
+    QM_T_ROUTER_WEIGHT = QM_T_EXPERT_COUNT,
+    QM_T_ROUTER_BIAS,
+    QM_T_COUNT
+} qm_bank_tensor;
+
+/* "fc1.weight", "fc1.scales", ..., "router.bias" */
+const char *qm_bank_tensor_suffix(qm_bank_tensor t);
+
+/* The model's shape and semantics, from __metadata__. */
+typedef struct qm_bank_config {
+    uint32_t layers, experts, hidden, inter, k;
+    uint32_t bits;          /* 4 or 8 */
+    uint32_t block_size;    /* 0 = one scale per row */
+    qm_activation activation;
+    uint32_t swiglu_fusion; /* 0 separate fc3, 1 interleaved, 2 concatenated */
+    int normalize_routing;
+    float alpha, beta, limit; /* swiglu; defaults 1.702, 1.0, +inf */
+} qm_bank_config;
+
+/* A tensor inside the mapping. present = 0 for absent optional tensors. */
+typedef struct qm_tensor_view {
+    int present;
+    qm_dtype dtype;
+    uint32_t ndim;
+    uint64_t shape[4];
+    uint64_t nbytes;
+    uint64_t offset; /* from the start of the data section */
+    const void *data; /* into the mapping */
+} qm_tensor_view;
+
+typedef struct qm_layer_view {
+    uint32_t index;
+    qm_tensor_view t[QM_T_COUNT];
+    uint64_t bytes_per_expert; /* one expert's unit: sum of its slices of t[0..EXPERT_COUNT) */
+} qm_layer_view;
+
+typedef struct qm_bank qm_bank;
+
+/* Opens and validates `path`. On failure returns QM_EINVALID_MODEL (or
+ * QM_EIO / QM_ENOMEM) with st->msg naming the tensor and rule. The caller
+ * owns the bank; close it with qm_bank_close (accepts NULL). */
+int qm_bank_open(const char *path, qm_bank **out, qm_status *st);
+/* Same over a caller-owned buffer (fuzzing, tests); the buffer must outlive the bank. */
+int qm_bank_open_memory(const void *data, size_t size, qm_bank **out, qm_status *st);
+void qm_bank_close(qm_bank *bank);
+
+const qm_bank_config *qm_bank_get_config(const qm_bank *bank);
+const char *qm_bank_path(const qm_bank *bank); /* "" for memory banks */
+uint64_t qm_bank_file_bytes(const qm_bank *bank);
+/* Start of the data section in the mapping (region offsets are relative to it). */
+const uint8_t *qm_bank_data(const qm_bank *bank);
+/* Borrowed, valid while the bank is open. NULL if layer is out of range. */
+const qm_layer_view *qm_bank_layer(const qm_bank *bank, uint32_t layer);
+/* Sum over layers of every expert tensor's bytes (not router). */
+uint64_t qm_bank_expert_bytes_total(const qm_bank *bank);
+/* Unknown tensors seen at open, as "name" strings. Borrowed. */
+const char *const *qm_bank_warnings(const qm_bank *bank, size_t *count);
+
+/* Builds layer `layer`'s region catalog (bank id = layer). Offsets are
+ * relative to qm_bank_data(). Caller frees it with qm_catalog_free. */
+int qm_bank_build_catalog(const qm_bank *bank, uint32_t layer, qm_region_catalog **out,
+                          qm_status *st);
+
+/* One expert's slice of a per-expert tensor: [data, data + qm_expert_slice_bytes). */
+uint64_t qm_expert_slice_bytes(const qm_tensor_view *tv, uint32_t n_experts);
+
+#endif
