@@ -32,6 +32,11 @@ enum {
 #define QM__ERR_ENUM(name, value, text) QM_E##name = value,
     QM_ERRNO_MAP(QM__ERR_ENUM)
 #undef QM__ERR_ENUM
+    /* The names every header and comment uses: the X-macro pastes QM_E onto
+     * EINVAL/ENOMEM/EIO, which gives QM_EEINVAL etc. */
+    QM_EINVAL = QM_EEINVAL,
+    QM_ENOMEM = QM_EENOMEM,
+    QM_EIO = QM_EEIO,
 };
 
 /* Static strings; unknown codes give "unknown error" / "UNKNOWN". */
