@@ -132,7 +132,12 @@ typedef struct qm_policy_iface {
      * code: the planner then degrades the bank (rejected_by_validation). */
     int (*decide)(void *ctx, const qm_policy_input *in, qm_residency_decision *out);
     /* Run time (optional; default: LRU kept by the caller). `tick` increases
-     * by one per access of a session. */
+     * by one per access of a session. The caller calls, for every access,
+     * on_access first (hit or miss); then, on a miss with no free slot,
+     * choose_victim followed by on_evict of the victim; then on_insert of the
+     * new expert. These hooks are called per miss: the shipped ones are O(1)
+     * (on_*) and O(n candidates) (choose_victim), and never fail; under
+     * memory pressure they may forget history, never misbehave. */
     void (*on_access)(void *ctx, qm_expert_ref ref, uint64_t tick, int hit);
     void (*on_insert)(void *ctx, qm_expert_ref ref, uint64_t tick);
     void (*on_evict)(void *ctx, qm_expert_ref ref);
@@ -163,14 +168,26 @@ int qm_policy_choose_victim(const qm_policy *policy, const qm_expert_ref *candid
 void qm_policy_destroy(qm_policy *policy); /* accepts NULL / NULL iface */
 
 /* Shipped policies. Parameters come from policy_params of session.create. */
+#define QM_POLICY_LFU_DEFAULT_DECAY 0.999
+#define QM_POLICY_DEFAULT_PIN_FRACTION 0.5
+
 typedef struct qm_policy_params {
     int has_decay;
-    double decay;        /* lfu: per-access multiplicative decay of counts, 0..1 */
-    double pin_fraction; /* static_hot: share of the budget for pins; default 0.5 */
+    /* lfu: multiplicative decay of an expert's count per access to its bank
+     * (the policy keeps one clock per bank, so aging does not depend on the
+     * number of layers). 1 = no aging, 0 = only the latest access counts.
+     * Default QM_POLICY_LFU_DEFAULT_DECAY. Outside [0, 1] -> QM_EINVAL. */
+    double decay;
+    /* static_hot: share of the budget for pins, [0, 1]. Used when
+     * has_pin_fraction is set, or when it is > 0 (so a zeroed struct means
+     * the default, QM_POLICY_DEFAULT_PIN_FRACTION). The share is split evenly
+     * between the banks that have a non-empty hot list. */
+    double pin_fraction;
     /* static_hot: hottest-first expert lists per bank; hot[b] may be NULL. */
     const uint32_t *const *hot;
     const size_t *hot_len;
     size_t n_hot_banks;
+    int has_pin_fraction; /* added after v1 of this header; see pin_fraction */
 } qm_policy_params;
 
 /* name: "whole_bank", "lru", "lfu", "static_hot" (and "belady" via
@@ -180,6 +197,14 @@ int qm_policy_new(const char *name, const qm_policy_params *params, qm_policy *o
                   qm_status *st);
 /* "whole_bank, static_hot, lru, lfu" - the names offered over the socket. */
 const char *qm_policy_supported_names(void);
+
+/* Belady's MIN, for tests and benchmarks only (not offered over the socket):
+ * knows the whole future access sequence `future[0..n)` (copied). Splits
+ * every pageable bank, pins nothing; choose_victim picks the candidate whose
+ * next use is furthest away (never used again beats everything; ties go to
+ * the lowest candidate index). Each on_access consumes one position of the
+ * sequence, so the caller must replay exactly `future`, in order. */
+int qm_policy_belady_new(const qm_expert_ref *future, size_t n, qm_policy *out, qm_status *st);
 
 /* ---- The plan ------------------------------------------------------------ */
 
@@ -191,8 +216,14 @@ typedef struct qm_plan_options {
 
 typedef struct qm_residency_plan qm_residency_plan;
 
-/* The one place plans are made. Calls decide() per catalog and validates each
- * decision; an invalid one degrades that bank only. Fails only for bad
+/* The one place plans are made. Calls decide() per catalog, in ascending bank
+ * id, and validates each decision; an invalid one degrades that bank only,
+ * to whole-bank with rejected_by_validation and a detail "rule <name>: ..."
+ * naming the rule and the offending index. A bank whose expert unit
+ * (bytes_per_expert) is below options->min_split_bytes stays whole with
+ * non_pageable_catalog("below_split_threshold: ...") whatever the policy
+ * says: the policy cannot see that option. Per-expert arrays are stored
+ * sorted ascending. `options` may be NULL (no budget, no threshold). Fails only for bad
  * arguments or allocation failure (reported in st, nothing leaked).
  * `catalogs` need not be sorted; bank ids must be unique (QM_EINVAL if not).
  * The plan copies what it needs; it does not keep `catalogs`. */
@@ -207,6 +238,7 @@ uint64_t qm_plan_budget(const qm_residency_plan *plan);
 size_t qm_plan_total(const qm_residency_plan *plan);
 size_t qm_plan_resident_count(const qm_residency_plan *plan); /* whole-bank, no reason */
 size_t qm_plan_degraded_count(const qm_residency_plan *plan); /* whole-bank with a reason */
+size_t qm_plan_per_expert_count(const qm_residency_plan *plan); /* total - resident - degraded */
 
 /* One bank's entry, in ascending bank id for i = 0..total-1. Borrowed from the plan. */
 typedef struct qm_plan_bank {

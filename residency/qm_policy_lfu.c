@@ -1,0 +1,114 @@
+/* qm_policy_lfu.c - lfu with aging: each expert's count is multiplied by
+ * `decay` per access to its bank, so popularity that stopped fades. Counts
+ * are aged lazily (count, clock at last update), so every hook is O(1) and
+ * choose_victim O(n candidates). */
+#include "qm_residency.h"
+#include "qm_residency_impl.h"
+
+#include <math.h>
+
+#include "qm_alloc.h"
+
+typedef struct lfu_ctx {
+    /* Per expert: count as of `clock`, last_tick = 1 + latest access tick.
+     * Per bank (qm__bank_key): clock = accesses to the bank so far. */
+    qm__ref_map history;
+    double decay;
+    uint32_t *experts;
+    size_t experts_cap;
+} lfu_ctx;
+
+static int lfu_decide(void *ctx, const qm_policy_input *in, qm_residency_decision *out)
+{
+    lfu_ctx *lfu = ctx;
+    int rc = qm__decide_split_all(in, &lfu->experts, &lfu->experts_cap, out);
+    if (rc == 0 && out->kind == QM_DECISION_PER_EXPERT)
+        qm__ref_map_reserve_bank(&lfu->history, in);
+    return rc;
+}
+
+static uint64_t bank_clock(const lfu_ctx *lfu, uint32_t bank)
+{
+    const qm__ref_entry *b = qm__ref_map_find(&lfu->history, qm__bank_key(bank));
+    return b ? b->clock : 0;
+}
+
+static double aged(const lfu_ctx *lfu, const qm__ref_entry *e, uint64_t now)
+{
+    if (now <= e->clock || lfu->decay == 1.0)
+        return e->count;
+    return e->count * pow(lfu->decay, (double)(now - e->clock));
+}
+
+static void lfu_on_access(void *ctx, qm_expert_ref ref, uint64_t tick, int hit)
+{
+    (void)hit;
+    lfu_ctx *lfu = ctx;
+    qm__ref_entry *b = qm__ref_map_upsert(&lfu->history, qm__bank_key(ref.bank));
+    qm__ref_entry *e = qm__ref_map_upsert(&lfu->history, qm__ref_key(ref));
+    if (!b || !e)
+        return; /* no memory: this access is not counted */
+    /* The upsert of e may have moved b: look the clock up again. */
+    b = qm__ref_map_find(&lfu->history, qm__bank_key(ref.bank));
+    uint64_t now = ++b->clock;
+    e->count = aged(lfu, e, now) + 1.0;
+    e->clock = now;
+    e->last_tick = tick == UINT64_MAX ? tick : tick + 1;
+}
+
+static int lfu_choose_victim(void *ctx, const qm_expert_ref *candidates, size_t n, size_t *victim)
+{
+    lfu_ctx *lfu = ctx;
+    size_t best = 0;
+    double best_count = INFINITY;
+    uint64_t best_tick = UINT64_MAX;
+    for (size_t i = 0; i < n; i++) {
+        const qm__ref_entry *e = qm__ref_map_find(&lfu->history, qm__ref_key(candidates[i]));
+        double count = e ? aged(lfu, e, bank_clock(lfu, candidates[i].bank)) : 0.0;
+        uint64_t tick = e ? e->last_tick : 0;
+        /* Equal counts (e.g. all faded to 0): the least recent goes first. */
+        if (count < best_count || (count == best_count && tick < best_tick)) {
+            best_count = count;
+            best_tick = tick;
+            best = i;
+        }
+    }
+    *victim = best;
+    return 0;
+}
+
+static void lfu_destroy(void *ctx)
+{
+    lfu_ctx *lfu = ctx;
+    if (!lfu)
+        return;
+    qm__ref_map_free(&lfu->history);
+    qm_free(lfu->experts);
+    qm_free(lfu);
+}
+
+static const qm_policy_iface lfu_iface = {
+    .version = QM_POLICY_IFACE_VERSION,
+    .name = "lfu",
+    .decide = lfu_decide,
+    .on_access = lfu_on_access,
+    .choose_victim = lfu_choose_victim,
+    .destroy = lfu_destroy,
+};
+
+int qm__policy_lfu_new(const qm_policy_params *params, qm_policy *out, qm_status *st)
+{
+    double decay = QM_POLICY_LFU_DEFAULT_DECAY;
+    if (params && params->has_decay)
+        decay = params->decay;
+    if (!(decay >= 0.0 && decay <= 1.0)) /* also rejects NaN */
+        return qm_status_set_field(st, QM_EINVAL, "policy_params.decay",
+                                   "decay %g is outside [0, 1]", decay);
+    lfu_ctx *lfu = qm_calloc(1, sizeof *lfu);
+    if (!lfu)
+        return qm_status_set(st, QM_ENOMEM, "out of memory creating policy 'lfu'");
+    lfu->decay = decay;
+    out->iface = &lfu_iface;
+    out->ctx = lfu;
+    return 0;
+}

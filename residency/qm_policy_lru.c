@@ -1,0 +1,222 @@
+/* qm_policy_lru.c - lru (evict the least recently used) and static_hot (pin
+ * the hottest experts of a profile, page the rest under LRU). */
+#include "qm_residency.h"
+#include "qm_residency_impl.h"
+
+#include <math.h>
+#include <string.h>
+
+#include "qm_alloc.h"
+
+typedef struct lru_ctx {
+    qm__ref_map history; /* last_tick = 1 + tick of the latest access; 0 = never */
+    uint32_t *experts;   /* decide()'s answer, valid until the next decide */
+    size_t experts_cap;
+} lru_ctx;
+
+static int lru_decide(void *ctx, const qm_policy_input *in, qm_residency_decision *out)
+{
+    lru_ctx *lru = ctx;
+    int rc = qm__decide_split_all(in, &lru->experts, &lru->experts_cap, out);
+    if (rc == 0 && out->kind == QM_DECISION_PER_EXPERT)
+        qm__ref_map_reserve_bank(&lru->history, in);
+    return rc;
+}
+
+static void lru_touch(void *ctx, qm_expert_ref ref, uint64_t tick)
+{
+    lru_ctx *lru = ctx;
+    qm__ref_entry *e = qm__ref_map_upsert(&lru->history, qm__ref_key(ref));
+    if (e) /* no memory: this expert just looks older than it is */
+        e->last_tick = tick == UINT64_MAX ? tick : tick + 1;
+}
+
+static void lru_on_access(void *ctx, qm_expert_ref ref, uint64_t tick, int hit)
+{
+    (void)hit;
+    lru_touch(ctx, ref, tick);
+}
+
+static void lru_on_insert(void *ctx, qm_expert_ref ref, uint64_t tick) { lru_touch(ctx, ref, tick); }
+
+static int lru_choose_victim(void *ctx, const qm_expert_ref *candidates, size_t n, size_t *victim)
+{
+    lru_ctx *lru = ctx;
+    size_t best = 0;
+    uint64_t best_tick = UINT64_MAX;
+    for (size_t i = 0; i < n; i++) {
+        const qm__ref_entry *e = qm__ref_map_find(&lru->history, qm__ref_key(candidates[i]));
+        uint64_t t = e ? e->last_tick : 0;
+        if (t < best_tick) {
+            best_tick = t;
+            best = i;
+        }
+    }
+    *victim = best;
+    return 0;
+}
+
+static void lru_ctx_release(lru_ctx *lru)
+{
+    qm__ref_map_free(&lru->history);
+    qm_free(lru->experts);
+}
+
+static void lru_destroy(void *ctx)
+{
+    if (!ctx)
+        return;
+    lru_ctx_release(ctx);
+    qm_free(ctx);
+}
+
+static const qm_policy_iface lru_iface = {
+    .version = QM_POLICY_IFACE_VERSION,
+    .name = "lru",
+    .decide = lru_decide,
+    .on_access = lru_on_access,
+    .on_insert = lru_on_insert,
+    .choose_victim = lru_choose_victim,
+    .destroy = lru_destroy,
+};
+
+int qm__policy_lru_new(qm_policy *out, qm_status *st)
+{
+    lru_ctx *lru = qm_calloc(1, sizeof *lru);
+    if (!lru)
+        return qm_status_set(st, QM_ENOMEM, "out of memory creating policy 'lru'");
+    out->iface = &lru_iface;
+    out->ctx = lru;
+    return 0;
+}
+
+/* ---- static_hot ---------------------------------------------------------- */
+
+typedef struct static_hot_ctx {
+    lru_ctx lru; /* first member: the LRU hooks take this ctx as their own */
+    uint32_t **hot;
+    size_t *hot_len;
+    size_t n_hot_banks;
+    size_t n_listed_banks; /* banks with a non-empty hot list share the pin budget */
+    double pin_fraction;
+    uint32_t *pinned; /* decide()'s answer */
+    uint8_t *seen;    /* per expert of the bank being decided: already pinned */
+    size_t scratch_cap;
+} static_hot_ctx;
+
+static int static_hot_decide(void *ctx, const qm_policy_input *in, qm_residency_decision *out)
+{
+    static_hot_ctx *sh = ctx;
+    int rc = lru_decide(&sh->lru, in, out);
+    if (rc != 0 || out->kind != QM_DECISION_PER_EXPERT)
+        return rc;
+    uint32_t b = in->bank_id;
+    if (b >= sh->n_hot_banks || !sh->hot_len[b])
+        return 0; /* no profile for this bank: nothing pinned, pure LRU */
+    uint32_t n = qm_catalog_expert_count(in->catalog);
+    uint64_t slot = qm_catalog_bytes_per_expert(in->catalog);
+    size_t max_pins = SIZE_MAX;
+    if (in->has_budget) {
+        /* Even split of pin_fraction * budget among the listed banks: the
+         * answer does not depend on the order decide() is called in. */
+        long double share = (long double)sh->pin_fraction * (long double)in->budget_bytes /
+                            (long double)sh->n_listed_banks;
+        if (share > (long double)in->budget_bytes)
+            share = (long double)in->budget_bytes;
+        uint64_t share_bytes = (uint64_t)floorl(share);
+        max_pins = slot ? (size_t)(share_bytes / slot) : 0;
+    }
+    if (max_pins == 0)
+        return 0;
+    if (sh->scratch_cap < n) {
+        uint32_t *pinned = qm_realloc(sh->pinned, (size_t)n * sizeof *pinned);
+        if (!pinned)
+            return QM_ENOMEM;
+        sh->pinned = pinned;
+        uint8_t *seen = qm_realloc(sh->seen, n);
+        if (!seen)
+            return QM_ENOMEM;
+        sh->seen = seen;
+        sh->scratch_cap = n;
+    }
+    memset(sh->seen, 0, n);
+    size_t n_pinned = 0;
+    for (size_t i = 0; i < sh->hot_len[b] && n_pinned < max_pins; i++) {
+        uint32_t e = sh->hot[b][i];
+        if (e >= n || sh->seen[e])
+            continue; /* a profile from another model shape, or a repeat */
+        sh->seen[e] = 1;
+        sh->pinned[n_pinned++] = e;
+    }
+    out->pinned = n_pinned ? sh->pinned : NULL;
+    out->n_pinned = n_pinned;
+    return 0;
+}
+
+static void static_hot_destroy(void *ctx)
+{
+    static_hot_ctx *sh = ctx;
+    if (!sh)
+        return;
+    for (size_t b = 0; b < sh->n_hot_banks; b++)
+        qm_free(sh->hot[b]);
+    qm_free(sh->hot);
+    qm_free(sh->hot_len);
+    qm_free(sh->pinned);
+    qm_free(sh->seen);
+    lru_ctx_release(&sh->lru);
+    qm_free(sh);
+}
+
+static const qm_policy_iface static_hot_iface = {
+    .version = QM_POLICY_IFACE_VERSION,
+    .name = "static_hot",
+    .decide = static_hot_decide,
+    .on_access = lru_on_access,
+    .on_insert = lru_on_insert,
+    .choose_victim = lru_choose_victim,
+    .destroy = static_hot_destroy,
+};
+
+int qm__policy_static_hot_new(const qm_policy_params *params, qm_policy *out, qm_status *st)
+{
+    double fraction = QM_POLICY_DEFAULT_PIN_FRACTION;
+    if (params && (params->has_pin_fraction || params->pin_fraction > 0))
+        fraction = params->pin_fraction;
+    if (!(fraction >= 0.0 && fraction <= 1.0)) /* also rejects NaN */
+        return qm_status_set_field(st, QM_EINVAL, "policy_params.pin_fraction",
+                                   "pin_fraction %g is outside [0, 1]", fraction);
+    size_t n_banks = params && params->hot && params->hot_len ? params->n_hot_banks : 0;
+    static_hot_ctx *sh = qm_calloc(1, sizeof *sh);
+    if (!sh)
+        goto fail_ctx;
+    sh->pin_fraction = fraction;
+    if (n_banks) {
+        sh->hot = qm_calloc(n_banks, sizeof *sh->hot);
+        if (!sh->hot)
+            goto fail_copy;
+        sh->n_hot_banks = n_banks; /* from here on destroy frees what was copied */
+        sh->hot_len = qm_calloc(n_banks, sizeof *sh->hot_len);
+        if (!sh->hot_len)
+            goto fail_copy;
+        for (size_t b = 0; b < n_banks; b++) {
+            size_t len = params->hot[b] ? params->hot_len[b] : 0;
+            if (!len)
+                continue;
+            sh->hot[b] = qm_calloc(len, sizeof *sh->hot[b]);
+            if (!sh->hot[b])
+                goto fail_copy;
+            memcpy(sh->hot[b], params->hot[b], len * sizeof *sh->hot[b]);
+            sh->hot_len[b] = len;
+            sh->n_listed_banks++;
+        }
+    }
+    out->iface = &static_hot_iface;
+    out->ctx = sh;
+    return 0;
+
+fail_copy:
+    static_hot_destroy(sh);
+fail_ctx:
+    return qm_status_set(st, QM_ENOMEM, "out of memory creating policy 'static_hot'");
+}

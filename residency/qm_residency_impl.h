@@ -1,0 +1,74 @@
+/* qm_residency_impl.h - private to residency/: the shipped policies'
+ * constructors and the (bank, expert) -> history map their run-time hooks
+ * share. Not installed, not included outside this folder. */
+#ifndef QM_RESIDENCY_IMPL_H
+#define QM_RESIDENCY_IMPL_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "qm_residency.h"
+
+/* The catalog's reason, set or computed, with a detail for computed ones
+ * ("expert 3 has no region"). */
+qm_nonpageable_reason qm__catalog_reason_ex(const qm_region_catalog *cat, char *detail,
+                                            size_t detail_cap);
+
+/* ---- (bank, expert) -> history, open addressing ------------------------- */
+
+/* What a policy remembers about one key. The fields mean what the policy
+ * using the map says (lru: last_tick; lfu: count at clock; belady: next use
+ * in last_tick). */
+typedef struct qm__ref_entry {
+    uint64_t key;
+    uint64_t last_tick;
+    uint64_t clock;
+    double count;
+    int used;
+} qm__ref_entry;
+
+typedef struct qm__ref_map {
+    qm__ref_entry *slots;
+    size_t cap; /* power of two, or 0 */
+    size_t len;
+} qm__ref_map;
+
+/* A hostile caller could feed endless distinct refs; past this many keys the
+ * map stops remembering new ones (ranking quality drops, nothing else). */
+#define QM__REF_MAP_MAX_KEYS ((size_t)1 << 20)
+
+static inline uint64_t qm__ref_key(qm_expert_ref ref)
+{
+    return ((uint64_t)ref.bank << 32) | ref.expert;
+}
+/* The key a policy uses for per-bank state (no expert has index UINT32_MAX:
+ * expert indices are < a uint32 count). */
+static inline uint64_t qm__bank_key(uint32_t bank) { return ((uint64_t)bank << 32) | UINT32_MAX; }
+
+/* Makes room for `n` keys in total; 0 or QM_ENOMEM (map unchanged). */
+int qm__ref_map_reserve(qm__ref_map *map, size_t n);
+/* NULL when absent. */
+qm__ref_entry *qm__ref_map_find(const qm__ref_map *map, uint64_t key);
+/* The entry for key, added zeroed (but for key/used) when absent; NULL when
+ * it cannot be added (no memory, or QM__REF_MAP_MAX_KEYS reached). */
+qm__ref_entry *qm__ref_map_upsert(qm__ref_map *map, uint64_t key);
+void qm__ref_map_free(qm__ref_map *map);
+
+/* ---- Shipped policies (qm_policy_new dispatches here) -------------------- */
+
+int qm__policy_whole_bank_new(qm_policy *out, qm_status *st);
+int qm__policy_lru_new(qm_policy *out, qm_status *st);
+int qm__policy_lfu_new(const qm_policy_params *params, qm_policy *out, qm_status *st);
+int qm__policy_static_hot_new(const qm_policy_params *params, qm_policy *out, qm_status *st);
+
+/* Shared by the splitting policies: a per-expert decision listing every
+ * expert of a pageable bank (whole-bank for a non-pageable one, so the
+ * planner surfaces the catalog's reason). `*scratch` / `*scratch_cap` is the
+ * policy's own buffer, grown as needed; it stays valid until the next call. */
+int qm__decide_split_all(const qm_policy_input *in, uint32_t **scratch, size_t *scratch_cap,
+                         qm_residency_decision *out);
+/* Reserves history for a bank's experts so run-time hooks rarely allocate;
+ * best effort (a failure only means the hooks allocate later). */
+void qm__ref_map_reserve_bank(qm__ref_map *map, const qm_policy_input *in);
+
+#endif
