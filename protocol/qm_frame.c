@@ -1,0 +1,139 @@
+/* qm_frame.c - newline framing with a hard cap, and the nesting pre-scan.
+ *
+ * The cap is enforced while bytes accumulate, not when the newline finally
+ * arrives: a peer streaming an endless line costs at most max_frame bytes. */
+#include "qm_protocol.h"
+
+#include <string.h>
+
+#include "qm_alloc.h"
+
+void qm_framer_init(qm_framer *f, size_t max_frame)
+{
+    memset(f, 0, sizeof *f);
+    f->max_frame = max_frame;
+}
+
+void qm_framer_free(qm_framer *f)
+{
+    if (!f)
+        return;
+    qm_free(f->buf);
+    f->buf = NULL;
+    f->start = f->len = f->cap = f->scanned = f->partial = 0;
+}
+
+size_t qm_framer_buffered(const qm_framer *f) { return f->len - f->start; }
+
+/* Scans the unscanned tail for '\n'; returns its offset or SIZE_MAX. */
+static size_t find_newline(qm_framer *f)
+{
+    size_t from = f->start + f->scanned;
+    if (from < f->len) {
+        const char *nl = memchr(f->buf + from, '\n', f->len - from);
+        if (nl)
+            return (size_t)(nl - f->buf);
+    }
+    f->scanned = f->len - f->start;
+    return SIZE_MAX;
+}
+
+int qm_framer_push(qm_framer *f, const char *data, size_t n)
+{
+    if (f->overflow)
+        return QM_EPAYLOAD_TOO_LARGE;
+    if (n == 0)
+        return 0;
+    /* Drop consumed bytes before growing. */
+    if (f->start > 0 && f->len + n > f->cap) {
+        memmove(f->buf, f->buf + f->start, f->len - f->start);
+        f->len -= f->start;
+        f->start = 0;
+    }
+    if (f->len + n > f->cap) {
+        size_t cap = f->cap ? f->cap : 4096;
+        while (cap < f->len + n)
+            cap *= 2;
+        char *p = qm_realloc(f->buf, cap);
+        if (!p)
+            return QM_ENOMEM;
+        f->buf = p;
+        f->cap = cap;
+    }
+    memcpy(f->buf + f->len, data, n);
+    f->len += n;
+    /* A partial line already over the cap can never become valid: give up
+     * now rather than buffer the rest of it. */
+    const char *nl = memrchr(data, '\n', n);
+    f->partial = nl ? n - (size_t)(nl - data) - 1 : f->partial + n;
+    if (f->partial > f->max_frame) {
+        f->overflow = 1;
+        f->start = f->len = f->scanned = f->partial = 0;
+        return QM_EPAYLOAD_TOO_LARGE;
+    }
+    return 0;
+}
+
+static int is_blank(const char *s, size_t n)
+{
+    for (size_t i = 0; i < n; i++)
+        if (s[i] != ' ' && s[i] != '\t' && s[i] != '\r')
+            return 0;
+    return 1;
+}
+
+int qm_framer_next(qm_framer *f, const char **line, size_t *len)
+{
+    for (;;) {
+        if (f->overflow)
+            return QM_EPAYLOAD_TOO_LARGE;
+        size_t nl = find_newline(f);
+        if (nl == SIZE_MAX) {
+            if (f->len - f->start > f->max_frame) {
+                f->overflow = 1;
+                return QM_EPAYLOAD_TOO_LARGE;
+            }
+            return 0;
+        }
+        const char *s = f->buf + f->start;
+        size_t n = nl - f->start;
+        f->start = nl + 1;
+        f->scanned = 0;
+        if (n > f->max_frame) {
+            f->overflow = 1;
+            return QM_EPAYLOAD_TOO_LARGE;
+        }
+        if (is_blank(s, n))
+            continue;
+        *line = s;
+        *len = n;
+        return 1;
+    }
+}
+
+int qm_json_depth(const char *s, size_t n, int max)
+{
+    int depth = 0, deepest = 0, in_string = 0;
+    for (size_t i = 0; i < n; i++) {
+        char c = s[i];
+        if (in_string) {
+            if (c == '\\')
+                i++;
+            else if (c == '"')
+                in_string = 0;
+            continue;
+        }
+        if (c == '"') {
+            in_string = 1;
+        } else if (c == '[' || c == '{') {
+            if (++depth > max)
+                return -1;
+            if (depth > deepest)
+                deepest = depth;
+        } else if (c == ']' || c == '}') {
+            if (depth > 0)
+                depth--;
+        }
+    }
+    return deepest;
+}

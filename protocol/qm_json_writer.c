@@ -1,0 +1,521 @@
+/* qm_json_writer.c - the byte buffer, the JSON writer, base64, error codes.
+ *
+ * Responses are written straight into a buffer rather than built as a cJSON
+ * tree: it is deterministic (member order = call order), allocation-light,
+ * and keeps the daemon free of cJSON. */
+#include "qm_protocol.h"
+
+#include <math.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <string.h>
+
+#include "qm_alloc.h"
+
+void qm_proto_limits_default(qm_proto_limits *lim)
+{
+    lim->max_request_bytes = QM_DEFAULT_MAX_REQUEST_BYTES;
+    lim->max_nesting = QM_DEFAULT_MAX_NESTING;
+    lim->max_batch = QM_DEFAULT_MAX_BATCH;
+}
+
+int qm_rpc_code_from_status(int qm_code)
+{
+    switch (qm_code) {
+    case QM_EINVAL:
+    case QM_EUNSUPPORTED:
+        return QM_RPC_INVALID_PARAMS;
+    case QM_ENOMEM:
+    case QM_ERESOURCE_EXHAUSTED:
+        return QM_RPC_RESOURCE_EXHAUSTED;
+    case QM_EINVALID_MODEL:
+        return QM_RPC_INVALID_MODEL;
+    case QM_ENOT_FOUND:
+        return QM_RPC_NOT_FOUND;
+    case QM_EPERMISSION:
+        return QM_RPC_PERMISSION_DENIED;
+    case QM_EOVERLOADED:
+        return QM_RPC_OVERLOADED;
+    case QM_EPAYLOAD_TOO_LARGE:
+        return QM_RPC_PAYLOAD_TOO_LARGE;
+    case QM_ESHUTTING_DOWN:
+        return QM_RPC_SHUTTING_DOWN;
+    case QM_ECONFLICT:
+        return QM_RPC_CONFLICT;
+    case QM_EIN_USE:
+        return QM_RPC_IN_USE;
+    case QM_EPARSE:
+        return QM_RPC_PARSE_ERROR;
+    default:
+        return QM_RPC_INTERNAL_ERROR;
+    }
+}
+
+const char *qm_rpc_code_name(int rpc_code)
+{
+    switch (rpc_code) {
+#define QM__RPC_NAME(name, value, text)                                                            \
+    case value:                                                                                    \
+        return text;
+        QM_RPC_CODE_MAP(QM__RPC_NAME)
+#undef QM__RPC_NAME
+    }
+    return "internal_error";
+}
+
+/* ---- buffer ---- */
+
+void qm_buf_init(qm_buf *b)
+{
+    b->data = NULL;
+    b->len = b->cap = 0;
+    b->oom = 0;
+}
+
+void qm_buf_free(qm_buf *b)
+{
+    if (!b)
+        return;
+    qm_free(b->data);
+    qm_buf_init(b);
+}
+
+void qm_buf_reset(qm_buf *b)
+{
+    b->len = 0;
+    b->oom = 0;
+}
+
+int qm_buf_reserve(qm_buf *b, size_t extra)
+{
+    if (b->oom)
+        return QM_ENOMEM;
+    if (extra <= b->cap - b->len)
+        return 0;
+    size_t need;
+    if (__builtin_add_overflow(b->len, extra, &need))
+        goto fail;
+    size_t cap = b->cap ? b->cap : 256;
+    while (cap < need) {
+        if (cap > SIZE_MAX / 2) {
+            cap = need;
+            break;
+        }
+        cap *= 2;
+    }
+    char *p = qm_realloc(b->data, cap);
+    if (!p)
+        goto fail;
+    b->data = p;
+    b->cap = cap;
+    return 0;
+fail:
+    b->oom = 1;
+    return QM_ENOMEM;
+}
+
+int qm_buf_append(qm_buf *b, const void *data, size_t n)
+{
+    if (n == 0)
+        return b->oom ? QM_ENOMEM : 0;
+    if (qm_buf_reserve(b, n) < 0)
+        return QM_ENOMEM;
+    memcpy(b->data + b->len, data, n);
+    b->len += n;
+    return 0;
+}
+
+int qm_buf_printf(qm_buf *b, const char *fmt, ...)
+{
+    char small[256];
+    va_list ap;
+    va_start(ap, fmt);
+    int n = vsnprintf(small, sizeof small, fmt, ap);
+    va_end(ap);
+    if (n < 0)
+        return QM_EINVAL;
+    if ((size_t)n < sizeof small)
+        return qm_buf_append(b, small, (size_t)n);
+    if (qm_buf_reserve(b, (size_t)n + 1) < 0)
+        return QM_ENOMEM;
+    va_start(ap, fmt);
+    vsnprintf(b->data + b->len, (size_t)n + 1, fmt, ap);
+    va_end(ap);
+    b->len += (size_t)n;
+    return 0;
+}
+
+char *qm_buf_take(qm_buf *b, size_t *len)
+{
+    char *p = b->data;
+    if (len)
+        *len = b->len;
+    qm_buf_init(b);
+    return p;
+}
+
+/* ---- writer ---- */
+
+void qm_jw_init(qm_jw *w, qm_buf *out)
+{
+    memset(w, 0, sizeof *w);
+    w->out = out;
+}
+
+/* Separator before a value: a comma unless it is the first in its container
+ * or follows a key. */
+static void jw_value_prefix(qm_jw *w)
+{
+    if (w->after_key) {
+        w->after_key = 0;
+        return;
+    }
+    if (w->depth > 0) {
+        if (w->has_item[w->depth - 1])
+            qm_buf_append(w->out, ",", 1);
+        w->has_item[w->depth - 1] = 1;
+    }
+}
+
+static void jw_open(qm_jw *w, char c)
+{
+    jw_value_prefix(w);
+    qm_buf_append(w->out, &c, 1);
+    if (w->depth < QM_JW_MAX_DEPTH)
+        w->has_item[w->depth] = 0;
+    w->depth++;
+}
+
+static void jw_close(qm_jw *w, char c)
+{
+    if (w->depth > 0)
+        w->depth--;
+    qm_buf_append(w->out, &c, 1);
+}
+
+void qm_jw_obj_begin(qm_jw *w) { jw_open(w, '{'); }
+void qm_jw_obj_end(qm_jw *w) { jw_close(w, '}'); }
+void qm_jw_arr_begin(qm_jw *w) { jw_open(w, '['); }
+void qm_jw_arr_end(qm_jw *w) { jw_close(w, ']'); }
+
+static void jw_string_body(qm_buf *b, const char *s, size_t n)
+{
+    static const char hex[] = "0123456789abcdef";
+    size_t run = 0;
+    for (size_t i = 0; i < n; i++) {
+        unsigned char c = (unsigned char)s[i];
+        if (c >= 0x20 && c != '"' && c != '\\')
+            continue;
+        qm_buf_append(b, s + run, i - run);
+        run = i + 1;
+        char esc[6] = {'\\', 0};
+        size_t len = 2;
+        switch (c) {
+        case '"':
+            esc[1] = '"';
+            break;
+        case '\\':
+            esc[1] = '\\';
+            break;
+        case '\n':
+            esc[1] = 'n';
+            break;
+        case '\r':
+            esc[1] = 'r';
+            break;
+        case '\t':
+            esc[1] = 't';
+            break;
+        default:
+            esc[1] = 'u';
+            esc[2] = '0';
+            esc[3] = '0';
+            esc[4] = hex[c >> 4];
+            esc[5] = hex[c & 15];
+            len = 6;
+        }
+        qm_buf_append(b, esc, len);
+    }
+    qm_buf_append(b, s + run, n - run);
+}
+
+void qm_jw_key(qm_jw *w, const char *key)
+{
+    jw_value_prefix(w);
+    qm_buf_append(w->out, "\"", 1);
+    jw_string_body(w->out, key, strlen(key));
+    qm_buf_append(w->out, "\":", 2);
+    w->after_key = 1;
+}
+
+void qm_jw_str_n(qm_jw *w, const char *s, size_t n)
+{
+    jw_value_prefix(w);
+    qm_buf_append(w->out, "\"", 1);
+    jw_string_body(w->out, s, n);
+    qm_buf_append(w->out, "\"", 1);
+}
+
+void qm_jw_str(qm_jw *w, const char *s)
+{
+    if (!s) {
+        qm_jw_null(w);
+        return;
+    }
+    qm_jw_str_n(w, s, strlen(s));
+}
+
+void qm_jw_u64(qm_jw *w, uint64_t v)
+{
+    jw_value_prefix(w);
+    qm_buf_printf(w->out, "%llu", (unsigned long long)v);
+}
+
+void qm_jw_i64(qm_jw *w, int64_t v)
+{
+    jw_value_prefix(w);
+    qm_buf_printf(w->out, "%lld", (long long)v);
+}
+
+void qm_jw_f64(qm_jw *w, double v)
+{
+    jw_value_prefix(w);
+    if (!isfinite(v))
+        qm_buf_append(w->out, "null", 4);
+    else
+        qm_buf_printf(w->out, "%.17g", v);
+}
+
+void qm_jw_f32(qm_jw *w, float v)
+{
+    jw_value_prefix(w);
+    if (!isfinite(v))
+        qm_buf_append(w->out, "null", 4);
+    else
+        qm_buf_printf(w->out, "%.9g", (double)v);
+}
+
+void qm_jw_bool(qm_jw *w, int v)
+{
+    jw_value_prefix(w);
+    qm_buf_append(w->out, v ? "true" : "false", v ? 4 : 5);
+}
+
+void qm_jw_null(qm_jw *w)
+{
+    jw_value_prefix(w);
+    qm_buf_append(w->out, "null", 4);
+}
+
+void qm_jw_raw(qm_jw *w, const char *json, size_t n)
+{
+    jw_value_prefix(w);
+    qm_buf_append(w->out, json, n);
+}
+
+/* ---- base64 ---- */
+
+static const char b64_alphabet[] =
+    "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
+
+size_t qm_base64_encoded_len(size_t n) { return (n / 3 + (n % 3 != 0)) * 4; }
+
+void qm_base64_encode(const uint8_t *in, size_t n, char *out)
+{
+    size_t i = 0;
+    for (; i + 3 <= n; i += 3) {
+        uint32_t v = (uint32_t)in[i] << 16 | (uint32_t)in[i + 1] << 8 | in[i + 2];
+        *out++ = b64_alphabet[v >> 18];
+        *out++ = b64_alphabet[(v >> 12) & 63];
+        *out++ = b64_alphabet[(v >> 6) & 63];
+        *out++ = b64_alphabet[v & 63];
+    }
+    if (n - i == 1) {
+        uint32_t v = (uint32_t)in[i] << 16;
+        *out++ = b64_alphabet[v >> 18];
+        *out++ = b64_alphabet[(v >> 12) & 63];
+        *out++ = '=';
+        *out++ = '=';
+    } else if (n - i == 2) {
+        uint32_t v = (uint32_t)in[i] << 16 | (uint32_t)in[i + 1] << 8;
+        *out++ = b64_alphabet[v >> 18];
+        *out++ = b64_alphabet[(v >> 12) & 63];
+        *out++ = b64_alphabet[(v >> 6) & 63];
+        *out++ = '=';
+    }
+}
+
+static int b64_value(unsigned char c)
+{
+    if (c >= 'A' && c <= 'Z')
+        return c - 'A';
+    if (c >= 'a' && c <= 'z')
+        return c - 'a' + 26;
+    if (c >= '0' && c <= '9')
+        return c - '0' + 52;
+    if (c == '+')
+        return 62;
+    if (c == '/')
+        return 63;
+    return -1;
+}
+
+int qm_base64_decode(const char *in, size_t in_len, uint8_t *out, size_t cap, size_t *n)
+{
+    *n = 0;
+    if (in_len % 4 != 0)
+        return QM_EINVAL;
+    size_t pad = 0;
+    if (in_len >= 4) {
+        if (in[in_len - 1] == '=')
+            pad++;
+        if (in[in_len - 2] == '=')
+            pad++;
+        if (pad == 1 && in[in_len - 2] == '=')
+            return QM_EINVAL;
+    }
+    size_t out_len = in_len / 4 * 3 - pad;
+    if (out_len > cap)
+        return QM_EINVAL;
+    size_t o = 0;
+    for (size_t i = 0; i < in_len; i += 4) {
+        int last = i + 4 == in_len;
+        int v[4];
+        for (int j = 0; j < 4; j++) {
+            unsigned char c = (unsigned char)in[i + j];
+            if (c == '=' && last && j >= 4 - (int)pad) {
+                v[j] = 0;
+                continue;
+            }
+            v[j] = b64_value(c);
+            if (v[j] < 0)
+                return QM_EINVAL;
+        }
+        uint32_t word = (uint32_t)v[0] << 18 | (uint32_t)v[1] << 12 | (uint32_t)v[2] << 6 |
+                        (uint32_t)v[3];
+        uint8_t bytes[3] = {(uint8_t)(word >> 16), (uint8_t)(word >> 8), (uint8_t)word};
+        size_t take = last ? 3 - pad : 3;
+        memcpy(out + o, bytes, take);
+        o += take;
+    }
+    *n = o;
+    return 0;
+}
+
+void qm_jw_base64(qm_jw *w, const void *data, size_t n)
+{
+    jw_value_prefix(w);
+    size_t enc = qm_base64_encoded_len(n);
+    if (qm_buf_reserve(w->out, enc + 2) < 0)
+        return;
+    char *p = w->out->data + w->out->len;
+    p[0] = '"';
+    qm_base64_encode(data, n, p + 1);
+    p[enc + 1] = '"';
+    w->out->len += enc + 2;
+}
+
+size_t qm_wire_dtype_size(qm_wire_dtype dtype) { return dtype == QM_WIRE_F32 ? 4 : 2; }
+
+const char *qm_wire_dtype_name(qm_wire_dtype dtype)
+{
+    switch (dtype) {
+    case QM_WIRE_F32:
+        return "f32";
+    case QM_WIRE_F16:
+        return "f16";
+    case QM_WIRE_BF16:
+        return "bf16";
+    }
+    return "?";
+}
+
+void qm_tensor_free(qm_tensor *t)
+{
+    if (!t)
+        return;
+    qm_free(t->data);
+    t->data = NULL;
+    t->nbytes = 0;
+}
+
+void qm_jw_tensor(qm_jw *w, qm_wire_dtype dtype, uint32_t ndim, const uint64_t *shape,
+                  const void *data)
+{
+    uint64_t count = 1;
+    for (uint32_t i = 0; i < ndim; i++)
+        count *= shape[i];
+    qm_jw_obj_begin(w);
+    qm_jw_key(w, "dtype");
+    qm_jw_str(w, qm_wire_dtype_name(dtype));
+    qm_jw_key(w, "shape");
+    qm_jw_arr_begin(w);
+    for (uint32_t i = 0; i < ndim; i++)
+        qm_jw_u64(w, shape[i]);
+    qm_jw_arr_end(w);
+    qm_jw_key(w, "data");
+    qm_jw_base64(w, data, (size_t)(count * qm_wire_dtype_size(dtype)));
+    qm_jw_obj_end(w);
+}
+
+/* ---- responses ---- */
+
+void qm_rpc_result_begin(qm_jw *w, const char *id)
+{
+    qm_jw_obj_begin(w);
+    qm_jw_key(w, "jsonrpc");
+    qm_jw_str(w, "2.0");
+    qm_jw_key(w, "id");
+    if (id)
+        qm_jw_raw(w, id, strlen(id));
+    else
+        qm_jw_null(w);
+    qm_jw_key(w, "result");
+}
+
+void qm_rpc_result_end(qm_jw *w) { qm_jw_obj_end(w); }
+
+void qm_rpc_error(qm_jw *w, const char *id, int rpc_code, const char *reason, const char *field)
+{
+    qm_jw_obj_begin(w);
+    qm_jw_key(w, "jsonrpc");
+    qm_jw_str(w, "2.0");
+    qm_jw_key(w, "id");
+    if (id)
+        qm_jw_raw(w, id, strlen(id));
+    else
+        qm_jw_null(w);
+    qm_jw_key(w, "error");
+    qm_jw_obj_begin(w);
+    qm_jw_key(w, "code");
+    qm_jw_i64(w, rpc_code);
+    qm_jw_key(w, "message");
+    qm_jw_str(w, qm_rpc_code_name(rpc_code));
+    qm_jw_key(w, "data");
+    qm_jw_obj_begin(w);
+    qm_jw_key(w, "reason");
+    qm_jw_str(w, reason && reason[0] ? reason : qm_rpc_code_name(rpc_code));
+    if (field && field[0]) {
+        qm_jw_key(w, "field");
+        qm_jw_str(w, field);
+    }
+    qm_jw_obj_end(w);
+    qm_jw_obj_end(w);
+    qm_jw_obj_end(w);
+}
+
+void qm_clip(const char *s, size_t n, char *out, size_t out_size)
+{
+    size_t o = 0, i = 0;
+    if (out_size == 0)
+        return;
+    for (; i < n && i < QM_MAX_ECHO_BYTES && o + 1 < out_size; i++) {
+        unsigned char c = (unsigned char)s[i];
+        out[o++] = (c >= 0x20 && c < 0x7f) ? (char)c : '?';
+    }
+    if (i < n && o + 4 < out_size) {
+        memcpy(out + o, "...", 3);
+        o += 3;
+    }
+    out[o] = '\0';
+}

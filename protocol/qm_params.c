@@ -1,0 +1,476 @@
+/* qm_params.c - strict per-method params validation, and the tensor decoder.
+ *
+ * Every member is checked for type and range; unknown and duplicate members
+ * are errors, so typos surface. The field named in an error is the path
+ * inside params ("policy_params.hot[0].experts[2]", "hidden.shape"). */
+#include "qm_rpc_impl.h"
+
+#include <math.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <string.h>
+
+#include "qm_alloc.h"
+
+#define MAX_SAFE_INT 9007199254740992.0 /* 2^53: beyond it doubles skip integers */
+
+static int bad(qm_status *st, const char *field, const char *fmt, ...)
+    __attribute__((format(printf, 3, 4)));
+
+static int bad(qm_status *st, const char *field, const char *fmt, ...)
+{
+    va_list ap;
+    st->code = QM_EINVAL;
+    va_start(ap, fmt);
+    vsnprintf(st->msg, sizeof st->msg, fmt, ap);
+    va_end(ap);
+    snprintf(st->field, sizeof st->field, "%s", field);
+    return QM_EINVAL;
+}
+
+static void join(char *out, size_t size, const char *prefix, const char *key)
+{
+    if (prefix && prefix[0])
+        snprintf(out, size, "%s.%s", prefix, key);
+    else
+        snprintf(out, size, "%s", key);
+}
+
+/* Unknown or duplicate members of `obj`. `allowed` ends with NULL. */
+static int check_members(const cJSON *obj, const char *const *allowed, const char *prefix,
+                         qm_status *st)
+{
+    char path[96];
+    for (const cJSON *m = obj ? obj->child : NULL; m; m = m->next) {
+        int known = 0;
+        for (const char *const *a = allowed; *a; a++)
+            if (strcmp(*a, m->string) == 0)
+                known = 1;
+        char clip[80];
+        qm_clip(m->string, strlen(m->string), clip, sizeof clip);
+        join(path, sizeof path, prefix, clip);
+        if (!known) {
+            char list[256] = "";
+            for (const char *const *a = allowed; *a; a++) {
+                size_t l = strlen(list);
+                snprintf(list + l, sizeof list - l, "%s%s", l ? ", " : "", *a);
+            }
+            return bad(st, path, "unknown member '%s'; expected %s", clip,
+                       list[0] ? list : "no members");
+        }
+        for (const cJSON *o = obj->child; o != m; o = o->next)
+            if (strcmp(o->string, m->string) == 0)
+                return bad(st, path, "duplicate member '%s'", clip);
+    }
+    return 0;
+}
+
+static const cJSON *member(const cJSON *obj, const char *key)
+{
+    return obj ? cJSON_GetObjectItemCaseSensitive(obj, key) : NULL;
+}
+
+/* String member: required or optional (*out stays NULL when absent). */
+static int get_string(const cJSON *obj, const char *key, const char *prefix, int required,
+                      size_t max_len, char **out, qm_status *st)
+{
+    char path[96];
+    join(path, sizeof path, prefix, key);
+    const cJSON *v = member(obj, key);
+    if (!v) {
+        if (required)
+            return bad(st, path, "%s is required (a string)", path);
+        return 0;
+    }
+    if (!cJSON_IsString(v))
+        return bad(st, path, "%s must be a string, got %s", path, qm__json_type_name(v));
+    size_t n = strlen(v->valuestring);
+    if (n == 0)
+        return bad(st, path, "%s must not be empty", path);
+    if (n > max_len)
+        return bad(st, path, "%s is %zu bytes; at most %zu allowed", path, n, max_len);
+    if (!qm__utf8_valid(v->valuestring, n))
+        return bad(st, path, "%s is not valid UTF-8", path);
+    *out = qm_strdup(v->valuestring);
+    if (!*out)
+        return qm_status_set(st, QM_ENOMEM, "out of memory copying %s", path);
+    return 0;
+}
+
+static int integer_value(const cJSON *v, const char *path, uint64_t max, uint64_t *out,
+                         qm_status *st)
+{
+    if (!cJSON_IsNumber(v))
+        return bad(st, path, "%s must be a non-negative integer, got %s", path,
+                   qm__json_type_name(v));
+    double d = v->valuedouble;
+    if (!isfinite(d) || d != floor(d) || d < 0)
+        return bad(st, path, "%s must be a non-negative integer, got %.17g", path, d);
+    if (d > MAX_SAFE_INT || d > (double)max)
+        return bad(st, path, "%s is %.17g; at most %llu allowed", path, d,
+                   (unsigned long long)(max < (uint64_t)MAX_SAFE_INT ? max : (uint64_t)MAX_SAFE_INT));
+    *out = (uint64_t)d;
+    return 0;
+}
+
+static int get_uint(const cJSON *obj, const char *key, const char *prefix, int required,
+                    uint64_t max, int *has, uint64_t *out, qm_status *st)
+{
+    char path[96];
+    join(path, sizeof path, prefix, key);
+    const cJSON *v = member(obj, key);
+    if (!v) {
+        if (required)
+            return bad(st, path, "%s is required (a non-negative integer)", path);
+        return 0;
+    }
+    if (has)
+        *has = 1;
+    return integer_value(v, path, max, out, st);
+}
+
+static int get_bool(const cJSON *obj, const char *key, const char *prefix, int *has, int *out,
+                    qm_status *st)
+{
+    char path[96];
+    join(path, sizeof path, prefix, key);
+    const cJSON *v = member(obj, key);
+    if (!v)
+        return 0;
+    if (!cJSON_IsBool(v))
+        return bad(st, path, "%s must be true or false, got %s", path, qm__json_type_name(v));
+    if (has)
+        *has = 1;
+    *out = cJSON_IsTrue(v);
+    return 0;
+}
+
+static int get_fraction(const cJSON *obj, const char *key, const char *prefix, int *has,
+                        double *out, qm_status *st)
+{
+    char path[96];
+    join(path, sizeof path, prefix, key);
+    const cJSON *v = member(obj, key);
+    if (!v)
+        return 0;
+    if (!cJSON_IsNumber(v))
+        return bad(st, path, "%s must be a number in 0..1, got %s", path, qm__json_type_name(v));
+    double d = v->valuedouble;
+    if (!isfinite(d) || d < 0 || d > 1)
+        return bad(st, path, "%s must be a number in 0..1, got %.17g", path, d);
+    *has = 1;
+    *out = d;
+    return 0;
+}
+
+static int parse_tensor(const cJSON *t, const char *path, uint32_t expect_ndim, qm_tensor *out,
+                        qm_status *st)
+{
+    static const char *const allowed[] = {"dtype", "shape", "data", NULL};
+    char sub[112];
+    memset(out, 0, sizeof *out);
+    if (!cJSON_IsObject(t))
+        return bad(st, path, "%s must be a tensor object {dtype, shape, data}, got %s", path,
+                   qm__json_type_name(t));
+    int rc = check_members(t, allowed, path, st);
+    if (rc < 0)
+        return rc;
+    const cJSON *dtype = member(t, "dtype"), *shape = member(t, "shape"),
+                *data = member(t, "data");
+    snprintf(sub, sizeof sub, "%s.dtype", path);
+    if (!dtype || !cJSON_IsString(dtype))
+        return bad(st, sub, "%s must be \"f32\", \"f16\" or \"bf16\"", sub);
+    if (strcmp(dtype->valuestring, "f32") == 0)
+        out->dtype = QM_WIRE_F32;
+    else if (strcmp(dtype->valuestring, "f16") == 0)
+        out->dtype = QM_WIRE_F16;
+    else if (strcmp(dtype->valuestring, "bf16") == 0)
+        out->dtype = QM_WIRE_BF16;
+    else {
+        char clip[80];
+        qm_clip(dtype->valuestring, strlen(dtype->valuestring), clip, sizeof clip);
+        return bad(st, sub, "%s '%s' is not one of f32, f16, bf16", sub, clip);
+    }
+    snprintf(sub, sizeof sub, "%s.shape", path);
+    if (!shape || !cJSON_IsArray(shape))
+        return bad(st, sub, "%s must be an array of 1 to %d dimensions", sub, QM_TENSOR_MAX_DIMS);
+    int ndim = cJSON_GetArraySize(shape);
+    if (ndim < 1 || ndim > QM_TENSOR_MAX_DIMS)
+        return bad(st, sub, "%s has %d dimensions; expected 1 to %d", sub, ndim,
+                   QM_TENSOR_MAX_DIMS);
+    unsigned long long count = 1;
+    int i = 0;
+    for (const cJSON *d = shape->child; d; d = d->next, i++) {
+        char dim[120];
+        snprintf(dim, sizeof dim, "%s[%d]", sub, i);
+        rc = integer_value(d, dim, UINT64_MAX, &out->shape[i], st);
+        if (rc < 0)
+            return rc;
+        if (qm_mul_u64(count, out->shape[i], &count) < 0)
+            return bad(st, sub, "%s: element count overflows 64 bits", sub);
+    }
+    out->ndim = (uint32_t)ndim;
+    if (expect_ndim && out->ndim != expect_ndim)
+        return bad(st, sub, "%s has %u dimensions; expected %u", sub, out->ndim, expect_ndim);
+    unsigned long long nbytes;
+    if (qm_mul_u64(count, qm_wire_dtype_size(out->dtype), &nbytes) < 0)
+        return bad(st, sub, "%s: byte size overflows 64 bits", sub);
+    snprintf(sub, sizeof sub, "%s.data", path);
+    if (!data || !cJSON_IsString(data))
+        return bad(st, sub, "%s must be a base64 string", sub);
+    size_t enc_len = strlen(data->valuestring);
+    /* Compare lengths before decoding: a shape that disagrees costs nothing. */
+    size_t decoded_len = 0;
+    if (enc_len % 4 == 0 && enc_len > 0) {
+        decoded_len = enc_len / 4 * 3;
+        if (data->valuestring[enc_len - 1] == '=')
+            decoded_len--;
+        if (data->valuestring[enc_len - 2] == '=')
+            decoded_len--;
+    }
+    if (enc_len % 4 != 0)
+        return bad(st, sub, "%s is not padded base64 (length %zu is not a multiple of 4)", sub,
+                   enc_len);
+    if (decoded_len != nbytes)
+        return bad(st, sub, "%s holds %zu bytes but shape x %s needs %llu", sub, decoded_len,
+                   qm_wire_dtype_name(out->dtype), nbytes);
+    out->data = qm_malloc(nbytes ? (size_t)nbytes : 1);
+    if (!out->data)
+        return qm_status_set(st, QM_ENOMEM, "out of memory for %llu bytes of %s", nbytes, path);
+    size_t got;
+    if (qm_base64_decode(data->valuestring, enc_len, out->data, (size_t)nbytes, &got) < 0 ||
+        got != nbytes) {
+        qm_tensor_free(out);
+        return bad(st, sub, "%s is not valid base64", sub);
+    }
+    out->nbytes = nbytes;
+    return 0;
+}
+
+static int get_tensor(const cJSON *obj, const char *key, int required, uint32_t ndim, int *has,
+                      qm_tensor *out, qm_status *st)
+{
+    const cJSON *v = member(obj, key);
+    if (!v) {
+        if (required)
+            return bad(st, key, "%s is required (a tensor {dtype, shape, data})", key);
+        return 0;
+    }
+    int rc = parse_tensor(v, key, ndim, out, st);
+    if (rc < 0)
+        return rc;
+    if (has)
+        *has = 1;
+    return 0;
+}
+
+int qm_tensor_decode_json(const char *json, size_t n, qm_tensor *out, qm_status *st)
+{
+    memset(out, 0, sizeof *out);
+    cJSON *root = cJSON_ParseWithLength(json, n);
+    if (!root)
+        return qm_status_set(st, QM_EPARSE, "tensor is not a JSON text");
+    qm_status local;
+    qm_status_clear(&local);
+    int rc = parse_tensor(root, "tensor", 0, out, &local);
+    cJSON_Delete(root);
+    if (st)
+        *st = local;
+    return rc;
+}
+
+static int model_name_ok(const char *s)
+{
+    for (const char *p = s; *p; p++)
+        if (!((*p >= 'a' && *p <= 'z') || (*p >= 'A' && *p <= 'Z') || (*p >= '0' && *p <= '9') ||
+              *p == '.' || *p == '_' || *p == '-'))
+            return 0;
+    return 1;
+}
+
+static int decode_hot(const cJSON *hot, qm_policy_params_wire *pp, qm_status *st)
+{
+    static const char *const allowed[] = {"layer", "experts", NULL};
+    if (!cJSON_IsArray(hot))
+        return bad(st, "policy_params.hot", "policy_params.hot must be an array, got %s",
+                   qm__json_type_name(hot));
+    size_t n = (size_t)cJSON_GetArraySize(hot);
+    if (n == 0)
+        return 0;
+    pp->hot = qm_calloc(n, sizeof *pp->hot);
+    if (!pp->hot)
+        return qm_status_set(st, QM_ENOMEM, "out of memory for policy_params.hot");
+    size_t i = 0;
+    for (const cJSON *e = hot->child; e; e = e->next, i++) {
+        char path[96];
+        snprintf(path, sizeof path, "policy_params.hot[%zu]", i);
+        if (!cJSON_IsObject(e))
+            return bad(st, path, "%s must be an object {layer, experts}", path);
+        int rc = check_members(e, allowed, path, st);
+        if (rc < 0)
+            return rc;
+        uint64_t layer = 0;
+        rc = get_uint(e, "layer", path, 1, UINT32_MAX, NULL, &layer, st);
+        if (rc < 0)
+            return rc;
+        for (size_t j = 0; j < i; j++)
+            if (pp->hot[j].layer == layer)
+                return bad(st, path, "%s repeats layer %llu", path, (unsigned long long)layer);
+        pp->hot[i].layer = (uint32_t)layer;
+        pp->n_hot = i + 1;
+        char epath[112];
+        snprintf(epath, sizeof epath, "%s.experts", path);
+        const cJSON *ex = member(e, "experts");
+        if (!ex || !cJSON_IsArray(ex))
+            return bad(st, epath, "%s must be an array of expert indices", epath);
+        size_t m = (size_t)cJSON_GetArraySize(ex);
+        pp->hot[i].experts = qm_calloc(m ? m : 1, sizeof(uint32_t));
+        if (!pp->hot[i].experts)
+            return qm_status_set(st, QM_ENOMEM, "out of memory for %s", epath);
+        size_t j = 0;
+        for (const cJSON *x = ex->child; x; x = x->next, j++) {
+            char xpath[128];
+            snprintf(xpath, sizeof xpath, "%s[%zu]", epath, j);
+            uint64_t v;
+            rc = integer_value(x, xpath, UINT32_MAX, &v, st);
+            if (rc < 0)
+                return rc;
+            for (size_t k = 0; k < j; k++)
+                if (pp->hot[i].experts[k] == v)
+                    return bad(st, xpath, "%s repeats expert %llu", xpath,
+                               (unsigned long long)v);
+            pp->hot[i].experts[j] = (uint32_t)v;
+            pp->hot[i].n_experts = j + 1;
+        }
+    }
+    return 0;
+}
+
+static int decode_policy_params(const cJSON *obj, qm_policy_params_wire *pp, qm_status *st)
+{
+    static const char *const allowed[] = {"prefetch", "min_split_bytes", "decay", "pin_fraction",
+                                          "hot", "record_trace", NULL};
+    const char *prefix = "policy_params";
+    if (!cJSON_IsObject(obj))
+        return bad(st, prefix, "policy_params must be an object, got %s", qm__json_type_name(obj));
+    int rc = check_members(obj, allowed, prefix, st);
+    if (rc == 0)
+        rc = get_bool(obj, "prefetch", prefix, &pp->has_prefetch, &pp->prefetch, st);
+    if (rc == 0)
+        rc = get_uint(obj, "min_split_bytes", prefix, 0, UINT64_MAX, &pp->has_min_split_bytes,
+                      &pp->min_split_bytes, st);
+    if (rc == 0)
+        rc = get_fraction(obj, "decay", prefix, &pp->has_decay, &pp->decay, st);
+    if (rc == 0)
+        rc = get_fraction(obj, "pin_fraction", prefix, &pp->has_pin_fraction, &pp->pin_fraction,
+                          st);
+    if (rc == 0 && member(obj, "hot"))
+        rc = decode_hot(member(obj, "hot"), pp, st);
+    if (rc == 0)
+        rc = get_string(obj, "record_trace", prefix, 0, 255, &pp->record_trace, st);
+    if (rc == 0 && pp->record_trace &&
+        (strchr(pp->record_trace, '/') || strcmp(pp->record_trace, ".") == 0 ||
+         strcmp(pp->record_trace, "..") == 0))
+        return bad(st, "policy_params.record_trace",
+                   "policy_params.record_trace must be a file name inside the state dir, "
+                   "without '/'");
+    return rc;
+}
+
+int qm__params_decode(qm_method m, const cJSON *params, qm_params *out, qm_status *st)
+{
+    static const char *const none[] = {NULL};
+    static const char *const load[] = {"name", "path", NULL};
+    static const char *const unload[] = {"name", "force", NULL};
+    static const char *const create[] = {"model", "policy", "budget_bytes", "policy_params",
+                                         NULL};
+    static const char *const by_session[] = {"session", NULL};
+    static const char *const infer[] = {"session", "layer", "hidden", "router_logits",
+                                        "return_routing", NULL};
+    static const char *const trace[] = {"session", "limit", NULL};
+    int rc = 0;
+    uint64_t v = 0;
+    switch (m) {
+    case QM_METHOD_DAEMON_STATUS:
+    case QM_METHOD_DAEMON_SHUTDOWN:
+    case QM_METHOD_MODEL_LIST:
+    case QM_METHOD_SESSION_LIST:
+    case QM_METHOD_TELEMETRY_METRICS:
+        return check_members(params, none, "", st);
+    case QM_METHOD_MODEL_LOAD:
+        rc = check_members(params, load, "", st);
+        if (rc == 0)
+            rc = get_string(params, "name", "", 1, QM_NAME_MAX, &out->name, st);
+        if (rc == 0 && !model_name_ok(out->name))
+            return bad(st, "name", "name may hold only letters, digits, '.', '_' and '-'");
+        if (rc == 0)
+            rc = get_string(params, "path", "", 1, 4095, &out->path, st);
+        return rc;
+    case QM_METHOD_MODEL_UNLOAD:
+        rc = check_members(params, unload, "", st);
+        if (rc == 0)
+            rc = get_string(params, "name", "", 1, QM_NAME_MAX, &out->name, st);
+        if (rc == 0)
+            rc = get_bool(params, "force", "", NULL, &out->force, st);
+        return rc;
+    case QM_METHOD_SESSION_CREATE:
+        rc = check_members(params, create, "", st);
+        if (rc == 0)
+            rc = get_string(params, "model", "", 1, QM_NAME_MAX, &out->model, st);
+        if (rc == 0)
+            rc = get_string(params, "policy", "", 0, 32, &out->policy, st);
+        if (rc == 0)
+            rc = get_uint(params, "budget_bytes", "", 0, UINT64_MAX, &out->has_budget,
+                          &out->budget_bytes, st);
+        if (rc == 0 && out->has_budget && out->budget_bytes == 0)
+            return bad(st, "budget_bytes", "budget_bytes must be greater than 0");
+        if (rc == 0 && member(params, "policy_params")) {
+            out->has_policy_params = 1;
+            rc = decode_policy_params(member(params, "policy_params"), &out->policy_params, st);
+        }
+        return rc;
+    case QM_METHOD_SESSION_CLOSE:
+    case QM_METHOD_SESSION_PLAN:
+        rc = check_members(params, by_session, "", st);
+        if (rc == 0)
+            rc = get_string(params, "session", "", 1, 128, &out->session, st);
+        return rc;
+    case QM_METHOD_SESSION_INFER:
+        rc = check_members(params, infer, "", st);
+        if (rc == 0)
+            rc = get_string(params, "session", "", 1, 128, &out->session, st);
+        if (rc == 0)
+            rc = get_uint(params, "layer", "", 1, UINT32_MAX, NULL, &v, st);
+        out->layer = (uint32_t)v;
+        if (rc == 0)
+            rc = get_tensor(params, "hidden", 1, 2, NULL, &out->hidden, st);
+        if (rc == 0)
+            rc = get_tensor(params, "router_logits", 0, 2, &out->has_router_logits,
+                            &out->router_logits, st);
+        if (rc == 0 && out->has_router_logits &&
+            out->router_logits.shape[0] != out->hidden.shape[0])
+            return bad(st, "router_logits.shape",
+                       "router_logits.shape[0] is %llu but hidden has %llu tokens",
+                       (unsigned long long)out->router_logits.shape[0],
+                       (unsigned long long)out->hidden.shape[0]);
+        if (rc == 0)
+            rc = get_bool(params, "return_routing", "", NULL, &out->return_routing, st);
+        return rc;
+    case QM_METHOD_TELEMETRY_GET:
+        rc = check_members(params, by_session, "", st);
+        if (rc == 0)
+            rc = get_string(params, "session", "", 0, 128, &out->session, st);
+        return rc;
+    case QM_METHOD_TELEMETRY_TRACE:
+        rc = check_members(params, trace, "", st);
+        if (rc == 0)
+            rc = get_string(params, "session", "", 0, 128, &out->session, st);
+        if (rc == 0)
+            rc = get_uint(params, "limit", "", 0, UINT32_MAX, &out->has_limit, &v, st);
+        out->limit = (uint32_t)v;
+        return rc;
+    case QM_METHOD_COUNT:
+        break;
+    }
+    return bad(st, "", "unknown method");
+}

@@ -1,0 +1,293 @@
+/* qm_protocol.h - the qmoed wire protocol: framing, JSON-RPC 2.0 decoding into
+ * typed requests, the tensor codec, and the writer responses are encoded with.
+ *
+ * The contract is ../shared/PROTOCOL.md (docs/PROTOCOL.md adds the decisions
+ * it leaves open). Nothing outside protocol/ sees cJSON: requests come out as
+ * the C structs below, responses go in through qm_jw (a streaming writer). */
+#ifndef QM_PROTOCOL_H
+#define QM_PROTOCOL_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "qm_error.h"
+
+/* ---- Limits (each one a config key of the daemon) ------------------------ */
+
+#define QM_DEFAULT_MAX_REQUEST_BYTES (64u << 20) /* max_request_bytes */
+#define QM_DEFAULT_MAX_NESTING 64                /* max_nesting */
+#define QM_DEFAULT_MAX_BATCH 128                 /* max_batch */
+#define QM_MAX_ECHO_BYTES 64 /* never echo more of the offending input */
+
+typedef struct qm_proto_limits {
+    size_t max_request_bytes;
+    int max_nesting;
+    size_t max_batch;
+} qm_proto_limits;
+
+/* Fills the defaults above. */
+void qm_proto_limits_default(qm_proto_limits *lim);
+
+/* ---- JSON-RPC error codes ------------------------------------------------ */
+
+#define QM_RPC_CODE_MAP(X)                                                                         \
+    X(PARSE_ERROR, -32700, "parse_error")                                                          \
+    X(INVALID_REQUEST, -32600, "invalid_request")                                                  \
+    X(METHOD_NOT_FOUND, -32601, "method_not_found")                                                \
+    X(INVALID_PARAMS, -32602, "invalid_params")                                                    \
+    X(INTERNAL_ERROR, -32603, "internal_error")                                                    \
+    X(NOT_FOUND, -32001, "not_found")                                                              \
+    X(PERMISSION_DENIED, -32002, "permission_denied")                                              \
+    X(RESOURCE_EXHAUSTED, -32003, "resource_exhausted")                                            \
+    X(OVERLOADED, -32004, "overloaded")                                                            \
+    X(INVALID_MODEL, -32005, "invalid_model")                                                      \
+    X(PAYLOAD_TOO_LARGE, -32006, "payload_too_large")                                              \
+    X(SHUTTING_DOWN, -32007, "shutting_down")                                                      \
+    X(CONFLICT, -32008, "conflict")                                                                \
+    X(IN_USE, -32009, "in_use")
+
+enum {
+#define QM__RPC_ENUM(name, value, text) QM_RPC_##name = value,
+    QM_RPC_CODE_MAP(QM__RPC_ENUM)
+#undef QM__RPC_ENUM
+};
+
+/* QM_E* -> the JSON-RPC code a client sees (QM_EINVAL -> -32602, QM_ENOMEM ->
+ * -32003, ...; unknown codes -> -32603). */
+int qm_rpc_code_from_status(int qm_code);
+/* "invalid_params", ...; "internal_error" for unknown codes. Static string. */
+const char *qm_rpc_code_name(int rpc_code);
+
+/* ---- Growable byte buffer ------------------------------------------------ */
+
+/* Output is built here. Allocation failure is sticky (`oom`), so a writer can
+ * emit a whole response and check once at the end. */
+typedef struct qm_buf {
+    char *data;
+    size_t len, cap;
+    int oom;
+} qm_buf;
+
+void qm_buf_init(qm_buf *b);
+void qm_buf_free(qm_buf *b); /* accepts NULL; leaves an empty buffer */
+void qm_buf_reset(qm_buf *b); /* len = 0, oom = 0, memory kept */
+int qm_buf_reserve(qm_buf *b, size_t extra);
+int qm_buf_append(qm_buf *b, const void *data, size_t n);
+int qm_buf_printf(qm_buf *b, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+/* Hands the bytes to the caller (free with qm_free) and leaves b empty. */
+char *qm_buf_take(qm_buf *b, size_t *len);
+
+/* ---- JSON writer --------------------------------------------------------- */
+
+#define QM_JW_MAX_DEPTH 64
+
+/* A streaming JSON writer that places commas itself. Output is deterministic:
+ * members appear in call order, integers print exactly, f32 values with %.9g
+ * (round-trips), f64 with %.17g, non-finite numbers as null. */
+typedef struct qm_jw {
+    qm_buf *out;
+    int depth;
+    int after_key;
+    uint8_t has_item[QM_JW_MAX_DEPTH];
+} qm_jw;
+
+void qm_jw_init(qm_jw *w, qm_buf *out);
+void qm_jw_obj_begin(qm_jw *w);
+void qm_jw_obj_end(qm_jw *w);
+void qm_jw_arr_begin(qm_jw *w);
+void qm_jw_arr_end(qm_jw *w);
+void qm_jw_key(qm_jw *w, const char *key);
+void qm_jw_str(qm_jw *w, const char *s);           /* NULL writes null */
+void qm_jw_str_n(qm_jw *w, const char *s, size_t n); /* escapes as JSON requires */
+void qm_jw_u64(qm_jw *w, uint64_t v);
+void qm_jw_i64(qm_jw *w, int64_t v);
+void qm_jw_f64(qm_jw *w, double v);
+void qm_jw_f32(qm_jw *w, float v);
+void qm_jw_bool(qm_jw *w, int v);
+void qm_jw_null(qm_jw *w);
+/* Splices a complete JSON value the caller vouches for (a serialised plan). */
+void qm_jw_raw(qm_jw *w, const char *json, size_t n);
+/* Writes a value as the base64 string of `n` bytes. */
+void qm_jw_base64(qm_jw *w, const void *data, size_t n);
+
+/* ---- Tensors --------------------------------------------------------------- */
+
+/* Same numeric values as model/'s qm_dtype F32, F16, BF16. */
+typedef enum qm_wire_dtype {
+    QM_WIRE_F32 = 0,
+    QM_WIRE_F16 = 1,
+    QM_WIRE_BF16 = 2,
+} qm_wire_dtype;
+
+#define QM_TENSOR_MAX_DIMS 4
+
+typedef struct qm_tensor {
+    qm_wire_dtype dtype;
+    uint32_t ndim;
+    uint64_t shape[QM_TENSOR_MAX_DIMS];
+    uint64_t nbytes;
+    void *data; /* owned (qm_malloc), little-endian, row-major */
+} qm_tensor;
+
+size_t qm_wire_dtype_size(qm_wire_dtype dtype);
+const char *qm_wire_dtype_name(qm_wire_dtype dtype); /* "f32", "f16", "bf16" */
+void qm_tensor_free(qm_tensor *t);                    /* frees data, accepts NULL */
+
+/* Standard base64 with padding. decode: strict (length a multiple of 4, no
+ * whitespace, '=' only as padding); QM_EINVAL otherwise. Decodes into `out`
+ * of capacity `cap`; *n is the decoded length. */
+size_t qm_base64_encoded_len(size_t n);
+int qm_base64_decode(const char *in, size_t in_len, uint8_t *out, size_t cap, size_t *n);
+void qm_base64_encode(const uint8_t *in, size_t n, char *out); /* writes encoded_len bytes */
+
+/* Decodes a tensor object given as JSON text (clients, tests, fuzzing), with
+ * the same checks as request params; field paths start at "tensor". */
+int qm_tensor_decode_json(const char *json, size_t n, qm_tensor *out, qm_status *st);
+
+/* Writes {"dtype":..,"shape":[..],"data":".."} for `data` of the given shape. */
+void qm_jw_tensor(qm_jw *w, qm_wire_dtype dtype, uint32_t ndim, const uint64_t *shape,
+                  const void *data);
+
+/* ---- Framing --------------------------------------------------------------- */
+
+/* Cuts a byte stream at '\n'. Memory is bounded by max_request_bytes plus
+ * what one push adds: a line that grows past the limit puts the framer in a
+ * sticky overflow state and its bytes are not kept. */
+typedef struct qm_framer {
+    char *buf;
+    size_t start, len, cap; /* unconsumed bytes are buf[start, len) */
+    size_t scanned;         /* bytes after start known to hold no '\n' */
+    size_t partial;         /* length of the unterminated last line */
+    size_t max_frame;
+    int overflow;
+} qm_framer;
+
+void qm_framer_init(qm_framer *f, size_t max_frame);
+void qm_framer_free(qm_framer *f);
+/* QM_EPAYLOAD_TOO_LARGE once the framer overflowed; QM_ENOMEM. */
+int qm_framer_push(qm_framer *f, const char *data, size_t n);
+/* 1 and the next non-blank line (without its '\n'), borrowed until the next
+ * push or next; 0 when no complete line is buffered; QM_EPAYLOAD_TOO_LARGE
+ * when the next line is over the limit (sticky: the stream is lost). */
+int qm_framer_next(qm_framer *f, const char **line, size_t *len);
+size_t qm_framer_buffered(const qm_framer *f);
+
+/* Nesting depth of a JSON text, counted over brackets outside strings
+ * (before cJSON sees it). Returns the depth, or -1 as soon as it exceeds max. */
+int qm_json_depth(const char *s, size_t n, int max);
+
+/* ---- Requests ---------------------------------------------------------------- */
+
+#define QM_METHOD_MAP(X)                                                                           \
+    X(DAEMON_STATUS, "daemon.status")                                                              \
+    X(DAEMON_SHUTDOWN, "daemon.shutdown")                                                          \
+    X(MODEL_LOAD, "model.load")                                                                    \
+    X(MODEL_UNLOAD, "model.unload")                                                                \
+    X(MODEL_LIST, "model.list")                                                                    \
+    X(SESSION_CREATE, "session.create")                                                            \
+    X(SESSION_CLOSE, "session.close")                                                              \
+    X(SESSION_LIST, "session.list")                                                                \
+    X(SESSION_PLAN, "session.plan")                                                                \
+    X(SESSION_INFER, "session.infer")                                                              \
+    X(TELEMETRY_GET, "telemetry.get")                                                              \
+    X(TELEMETRY_TRACE, "telemetry.trace")                                                          \
+    X(TELEMETRY_METRICS, "telemetry.metrics")
+
+typedef enum qm_method {
+#define QM__METHOD_ENUM(name, text) QM_METHOD_##name,
+    QM_METHOD_MAP(QM__METHOD_ENUM)
+#undef QM__METHOD_ENUM
+        QM_METHOD_COUNT
+} qm_method;
+
+const char *qm_method_name(qm_method m); /* "session.infer"; "?" out of range */
+int qm_method_parse(const char *name, size_t n, qm_method *out); /* 0 or QM_ENOT_FOUND */
+
+#define QM_SESSION_ID_LEN 32 /* 128 bits as lowercase hex */
+#define QM_NAME_MAX 64       /* model names: [A-Za-z0-9._-]{1,64} */
+
+typedef struct qm_hot_layer {
+    uint32_t layer;
+    uint32_t *experts; /* hottest first, distinct */
+    size_t n_experts;
+} qm_hot_layer;
+
+typedef struct qm_policy_params_wire {
+    int has_prefetch, prefetch;
+    int has_min_split_bytes;
+    uint64_t min_split_bytes;
+    int has_decay;
+    double decay;
+    int has_pin_fraction;
+    double pin_fraction;
+    qm_hot_layer *hot; /* NULL when absent */
+    size_t n_hot;
+    char *record_trace; /* NULL when absent */
+} qm_policy_params_wire;
+
+/* Strings are owned by the request (qm_request_free). */
+typedef struct qm_params {
+    char *name, *path;       /* model.load; name also model.unload */
+    int force;               /* model.unload */
+    char *model;             /* session.create */
+    char *policy;            /* session.create; NULL = whole_bank */
+    int has_budget;
+    uint64_t budget_bytes;
+    int has_policy_params;
+    qm_policy_params_wire policy_params;
+    char *session;           /* close, plan, infer; optional for telemetry.* */
+    uint32_t layer;          /* infer */
+    qm_tensor hidden;        /* infer: shape [T, H] */
+    int has_router_logits;
+    qm_tensor router_logits; /* infer: shape [T, E] */
+    int return_routing;
+    int has_limit;
+    uint32_t limit;          /* telemetry.trace */
+} qm_params;
+
+typedef struct qm_request {
+    qm_method method;
+    /* The id as JSON text ("7", "\"a\""), owned; NULL for a notification. */
+    char *id;
+    qm_params params;
+} qm_request;
+
+void qm_request_free(qm_request *req); /* releases members, accepts NULL */
+
+/* One element of a decoded frame: a request, or the error to answer with.
+ * An error item with id NULL and notification = 0 is answered with id null. */
+typedef struct qm_rpc_item {
+    int ok;
+    qm_request req;      /* when ok */
+    int notification;    /* errors of a notification are not answered */
+    int rpc_code;        /* when !ok */
+    qm_status status;    /* when !ok: reason and field */
+} qm_rpc_item;
+
+typedef struct qm_rpc_frame {
+    int is_batch; /* the response is an array (when it has any elements) */
+    size_t n;
+    qm_rpc_item *items; /* owned */
+} qm_rpc_frame;
+
+/* Decodes one frame (a line without its '\n'). Always fills `out` with at
+ * least one item (a frame that is not JSON is one -32700 item); returns 0,
+ * or QM_ENOMEM when nothing could be decoded. Free with qm_rpc_frame_free. */
+int qm_rpc_decode(const char *line, size_t len, const qm_proto_limits *lim, qm_rpc_frame *out);
+void qm_rpc_frame_free(qm_rpc_frame *frame);
+
+/* ---- Responses ----------------------------------------------------------------- */
+
+/* `{"jsonrpc":"2.0","id":<id>,"result":` - the caller writes one value, then
+ * calls qm_rpc_result_end. `id` NULL writes null. */
+void qm_rpc_result_begin(qm_jw *w, const char *id);
+void qm_rpc_result_end(qm_jw *w);
+/* A complete error response: error.code, error.message (the code's name),
+ * error.data {reason, field?}. */
+void qm_rpc_error(qm_jw *w, const char *id, int rpc_code, const char *reason, const char *field);
+
+/* Copies at most QM_MAX_ECHO_BYTES of s (up to n bytes) into out (>= 80
+ * bytes) as printable text, appending "..." when cut: for error messages. */
+void qm_clip(const char *s, size_t n, char *out, size_t out_size);
+
+#endif

@@ -1,0 +1,339 @@
+/* qm_rpc.c - JSON-RPC 2.0 envelopes and batches -> qm_rpc_frame.
+ *
+ * Everything a peer sends passes through here before the daemon sees it: the
+ * nesting pre-scan runs before cJSON, envelopes are checked member by member,
+ * and errors carry a sentence and at most QM_MAX_ECHO_BYTES of the input. */
+#include "qm_rpc_impl.h"
+
+#include <math.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <string.h>
+
+#include "qm_alloc.h"
+
+static const char *const method_names[] = {
+#define QM__METHOD_NAME(name, text) text,
+    QM_METHOD_MAP(QM__METHOD_NAME)
+#undef QM__METHOD_NAME
+};
+
+const char *qm_method_name(qm_method m)
+{
+    return (unsigned)m < QM_METHOD_COUNT ? method_names[m] : "?";
+}
+
+int qm_method_parse(const char *name, size_t n, qm_method *out)
+{
+    for (int i = 0; i < QM_METHOD_COUNT; i++) {
+        if (strlen(method_names[i]) == n && memcmp(method_names[i], name, n) == 0) {
+            *out = (qm_method)i;
+            return 0;
+        }
+    }
+    return QM_ENOT_FOUND;
+}
+
+void qm_request_free(qm_request *req)
+{
+    if (!req)
+        return;
+    qm_free(req->id);
+    qm_params *p = &req->params;
+    qm_free(p->name);
+    qm_free(p->path);
+    qm_free(p->model);
+    qm_free(p->policy);
+    qm_free(p->session);
+    for (size_t i = 0; i < p->policy_params.n_hot; i++)
+        qm_free(p->policy_params.hot[i].experts);
+    qm_free(p->policy_params.hot);
+    qm_free(p->policy_params.record_trace);
+    qm_tensor_free(&p->hidden);
+    qm_tensor_free(&p->router_logits);
+    memset(req, 0, sizeof *req);
+}
+
+void qm_rpc_frame_free(qm_rpc_frame *frame)
+{
+    if (!frame)
+        return;
+    for (size_t i = 0; i < frame->n; i++)
+        qm_request_free(&frame->items[i].req);
+    qm_free(frame->items);
+    frame->items = NULL;
+    frame->n = 0;
+}
+
+int qm__utf8_valid(const char *s, size_t n)
+{
+    const unsigned char *p = (const unsigned char *)s;
+    size_t i = 0;
+    while (i < n) {
+        unsigned char c = p[i];
+        size_t len;
+        uint32_t cp;
+        if (c < 0x80) {
+            i++;
+            continue;
+        } else if ((c & 0xe0) == 0xc0) {
+            len = 2;
+            cp = c & 0x1f;
+        } else if ((c & 0xf0) == 0xe0) {
+            len = 3;
+            cp = c & 0x0f;
+        } else if ((c & 0xf8) == 0xf0) {
+            len = 4;
+            cp = c & 0x07;
+        } else {
+            return 0;
+        }
+        if (n - i < len)
+            return 0;
+        for (size_t j = 1; j < len; j++) {
+            if ((p[i + j] & 0xc0) != 0x80)
+                return 0;
+            cp = cp << 6 | (p[i + j] & 0x3f);
+        }
+        if ((len == 2 && cp < 0x80) || (len == 3 && cp < 0x800) || (len == 4 && cp < 0x10000) ||
+            cp > 0x10ffff || (cp >= 0xd800 && cp <= 0xdfff))
+            return 0;
+        i += len;
+    }
+    return 1;
+}
+
+static const char *type_name(const cJSON *v)
+{
+    if (cJSON_IsString(v))
+        return "a string";
+    if (cJSON_IsNumber(v))
+        return "a number";
+    if (cJSON_IsBool(v))
+        return "a boolean";
+    if (cJSON_IsNull(v))
+        return "null";
+    if (cJSON_IsArray(v))
+        return "an array";
+    if (cJSON_IsObject(v))
+        return "an object";
+    return "invalid";
+}
+
+const char *qm__json_type_name(const cJSON *v) { return type_name(v); }
+
+/* Writes the id as JSON text; QM_EINVAL for a type JSON-RPC does not allow. */
+static int id_to_text(const cJSON *id, char **out)
+{
+    qm_buf b;
+    qm_buf_init(&b);
+    qm_jw w;
+    qm_jw_init(&w, &b);
+    if (cJSON_IsString(id)) {
+        size_t n = strlen(id->valuestring);
+        if (n > 256 || !qm__utf8_valid(id->valuestring, n))
+            return QM_EINVAL;
+        qm_jw_str_n(&w, id->valuestring, n);
+    } else if (cJSON_IsNumber(id)) {
+        double v = id->valuedouble;
+        if (!isfinite(v))
+            return QM_EINVAL;
+        if (v == floor(v) && fabs(v) <= 9007199254740992.0)
+            qm_jw_i64(&w, (int64_t)v);
+        else
+            qm_jw_f64(&w, v);
+    } else {
+        return QM_EINVAL;
+    }
+    qm_buf_append(&b, "", 1);
+    if (b.oom) {
+        qm_buf_free(&b);
+        return QM_ENOMEM;
+    }
+    *out = qm_buf_take(&b, NULL);
+    return 0;
+}
+
+static void item_error(qm_rpc_item *it, int rpc_code, const char *field, const char *fmt, ...)
+    __attribute__((format(printf, 4, 5)));
+
+static void item_error(qm_rpc_item *it, int rpc_code, const char *field, const char *fmt, ...)
+{
+    va_list ap;
+    it->ok = 0;
+    it->rpc_code = rpc_code;
+    it->status.code = QM_EINVAL;
+    va_start(ap, fmt);
+    vsnprintf(it->status.msg, sizeof it->status.msg, fmt, ap);
+    va_end(ap);
+    snprintf(it->status.field, sizeof it->status.field, "%s", field ? field : "");
+}
+
+static void decode_item(const cJSON *obj, qm_rpc_item *it)
+{
+    memset(it, 0, sizeof *it);
+    if (!cJSON_IsObject(obj)) {
+        item_error(it, QM_RPC_INVALID_REQUEST, NULL,
+                   "a request must be a JSON object, got %s", type_name(obj));
+        return;
+    }
+    const cJSON *id = NULL, *version = NULL, *method = NULL, *params = NULL;
+    for (const cJSON *m = obj->child; m; m = m->next) {
+        const cJSON **slot = NULL;
+        if (strcmp(m->string, "id") == 0)
+            slot = &id;
+        else if (strcmp(m->string, "jsonrpc") == 0)
+            slot = &version;
+        else if (strcmp(m->string, "method") == 0)
+            slot = &method;
+        else if (strcmp(m->string, "params") == 0)
+            slot = &params;
+        if (!slot) {
+            char clip[80];
+            qm_clip(m->string, strlen(m->string), clip, sizeof clip);
+            item_error(it, QM_RPC_INVALID_REQUEST, NULL,
+                       "unknown member '%s' in request; expected jsonrpc, id, method, params",
+                       clip);
+            goto answer_with_id;
+        }
+        if (*slot) {
+            item_error(it, QM_RPC_INVALID_REQUEST, NULL, "duplicate member '%s' in request",
+                       m->string);
+            goto answer_with_id;
+        }
+        *slot = m;
+    }
+    if (id) {
+        int rc = id_to_text(id, &it->req.id);
+        if (rc == QM_ENOMEM) {
+            item_error(it, QM_RPC_INTERNAL_ERROR, NULL, "out of memory decoding the id");
+            return;
+        }
+        if (rc < 0) {
+            item_error(it, QM_RPC_INVALID_REQUEST, NULL,
+                       "id must be a number or a string of at most 256 bytes, got %s",
+                       type_name(id));
+            return;
+        }
+    }
+    if (!version || !cJSON_IsString(version) || strcmp(version->valuestring, "2.0") != 0) {
+        item_error(it, QM_RPC_INVALID_REQUEST, NULL, "jsonrpc must be the string \"2.0\"");
+        return;
+    }
+    if (!method || !cJSON_IsString(method)) {
+        item_error(it, QM_RPC_INVALID_REQUEST, NULL, "method must be a string, got %s",
+                   method ? type_name(method) : "nothing");
+        return;
+    }
+    /* A well-formed envelope without id is a notification: from here on its
+     * errors are not answered. */
+    it->notification = id == NULL;
+    const char *name = method->valuestring;
+    if (qm_method_parse(name, strlen(name), &it->req.method) < 0) {
+        char clip[80];
+        qm_clip(name, strlen(name), clip, sizeof clip);
+        item_error(it, QM_RPC_METHOD_NOT_FOUND, NULL,
+                   "unknown method '%s'; expected one of daemon.status, daemon.shutdown, "
+                   "model.load, model.unload, model.list, session.create, session.close, "
+                   "session.list, session.plan, session.infer, telemetry.get, telemetry.trace, "
+                   "telemetry.metrics",
+                   clip);
+        return;
+    }
+    if (params && !cJSON_IsObject(params)) {
+        item_error(it, QM_RPC_INVALID_PARAMS, "params", "params must be an object, got %s",
+                   type_name(params));
+        return;
+    }
+    qm_status st;
+    qm_status_clear(&st);
+    int rc = qm__params_decode(it->req.method, params, &it->req.params, &st);
+    if (rc < 0) {
+        it->ok = 0;
+        it->rpc_code = rc == QM_ENOMEM ? QM_RPC_RESOURCE_EXHAUSTED : QM_RPC_INVALID_PARAMS;
+        it->status = st;
+        return;
+    }
+    it->ok = 1;
+    return;
+answer_with_id:
+    /* The envelope is broken, but a usable id still lets the client match. */
+    if (id && !it->req.id && id_to_text(id, &it->req.id) < 0)
+        it->req.id = NULL;
+}
+
+static int single_error(qm_rpc_frame *out, int rpc_code, const char *msg)
+{
+    out->items = qm_calloc(1, sizeof *out->items);
+    if (!out->items)
+        return QM_ENOMEM;
+    out->n = 1;
+    item_error(&out->items[0], rpc_code, NULL, "%s", msg);
+    return 0;
+}
+
+int qm_rpc_decode(const char *line, size_t len, const qm_proto_limits *lim, qm_rpc_frame *out)
+{
+    memset(out, 0, sizeof *out);
+    char msg[160];
+    if (len > lim->max_request_bytes) {
+        snprintf(msg, sizeof msg, "request of %zu bytes exceeds max_request_bytes %zu", len,
+                 lim->max_request_bytes);
+        return single_error(out, QM_RPC_PAYLOAD_TOO_LARGE, msg);
+    }
+    if (qm_json_depth(line, len, lim->max_nesting) < 0) {
+        snprintf(msg, sizeof msg, "JSON nested deeper than max_nesting %d", lim->max_nesting);
+        return single_error(out, QM_RPC_INVALID_REQUEST, msg);
+    }
+    const char *end = NULL;
+    cJSON *root = cJSON_ParseWithLengthOpts(line, len, &end, 0);
+    if (root && end) {
+        for (const char *p = end; p < line + len; p++) {
+            if (*p != ' ' && *p != '\t' && *p != '\r' && *p != '\n') {
+                cJSON_Delete(root);
+                root = NULL;
+                break;
+            }
+        }
+    }
+    if (!root) {
+        size_t at = end && end >= line && end <= line + len ? (size_t)(end - line) : 0;
+        snprintf(msg, sizeof msg, "not a JSON text (error near byte %zu)", at);
+        return single_error(out, QM_RPC_PARSE_ERROR, msg);
+    }
+    int rc = 0;
+    if (cJSON_IsArray(root)) {
+        size_t n = (size_t)cJSON_GetArraySize(root);
+        if (n == 0) {
+            rc = single_error(out, QM_RPC_INVALID_REQUEST, "empty batch");
+            goto done;
+        }
+        if (n > lim->max_batch) {
+            snprintf(msg, sizeof msg, "batch of %zu requests exceeds max_batch %zu", n,
+                     lim->max_batch);
+            rc = single_error(out, QM_RPC_INVALID_REQUEST, msg);
+            goto done;
+        }
+        out->items = qm_calloc(n, sizeof *out->items);
+        if (!out->items) {
+            rc = QM_ENOMEM;
+            goto done;
+        }
+        out->is_batch = 1;
+        out->n = n;
+        size_t i = 0;
+        for (const cJSON *e = root->child; e && i < n; e = e->next, i++)
+            decode_item(e, &out->items[i]);
+    } else {
+        out->items = qm_calloc(1, sizeof *out->items);
+        if (!out->items) {
+            rc = QM_ENOMEM;
+            goto done;
+        }
+        out->n = 1;
+        decode_item(root, &out->items[0]);
+    }
+done:
+    cJSON_Delete(root);
+    return rc;
+}

@@ -1,0 +1,54 @@
+/* fuzz_rpc.c - libFuzzer: arbitrary bytes through the framer (split into
+ * pieces of at most 143 bytes, as a socket would deliver them), JSON-RPC
+ * decoding with small limits, every method's params validation, and error
+ * encoding of whatever comes out. */
+#include <stdint.h>
+#include <string.h>
+
+#include "qm_protocol.h"
+
+int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
+{
+    qm_proto_limits lim = {.max_request_bytes = 4096, .max_nesting = 16, .max_batch = 8};
+    qm_framer f;
+    qm_framer_init(&f, lim.max_request_bytes);
+    qm_buf out;
+    qm_buf_init(&out);
+    size_t chunk = size ? (size_t)data[0] % 143 + 1 : 1;
+    for (size_t off = 0; off < size; off += chunk) {
+        size_t n = size - off < chunk ? size - off : chunk;
+        if (qm_framer_push(&f, (const char *)data + off, n) < 0)
+            break;
+        const char *line;
+        size_t len;
+        int rc;
+        while ((rc = qm_framer_next(&f, &line, &len)) == 1) {
+            qm_rpc_frame frame;
+            if (qm_rpc_decode(line, len, &lim, &frame) < 0)
+                continue;
+            for (size_t i = 0; i < frame.n; i++) {
+                qm_rpc_item *it = &frame.items[i];
+                qm_jw w;
+                qm_buf_reset(&out);
+                qm_jw_init(&w, &out);
+                if (it->ok) {
+                    qm_rpc_result_begin(&w, it->req.id);
+                    if (it->req.params.hidden.data)
+                        qm_jw_tensor(&w, it->req.params.hidden.dtype, it->req.params.hidden.ndim,
+                                     it->req.params.hidden.shape, it->req.params.hidden.data);
+                    else
+                        qm_jw_str(&w, qm_method_name(it->req.method));
+                    qm_rpc_result_end(&w);
+                } else {
+                    qm_rpc_error(&w, it->req.id, it->rpc_code, it->status.msg, it->status.field);
+                }
+            }
+            qm_rpc_frame_free(&frame);
+        }
+        if (rc < 0)
+            break;
+    }
+    qm_buf_free(&out);
+    qm_framer_free(&f);
+    return 0;
+}

@@ -1,0 +1,549 @@
+/* test_protocol.c - the wire protocol as a specification: framing, nesting,
+ * JSON-RPC envelopes and batches, params validation, tensors, responses. */
+#include <check.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "qm_alloc.h"
+#include "qm_protocol.h"
+
+static qm_proto_limits lim(void)
+{
+    qm_proto_limits l;
+    qm_proto_limits_default(&l);
+    return l;
+}
+
+static qm_rpc_frame decode(const char *s)
+{
+    qm_proto_limits l = lim();
+    qm_rpc_frame f;
+    ck_assert_int_eq(qm_rpc_decode(s, strlen(s), &l, &f), 0);
+    ck_assert_uint_ge(f.n, 1);
+    return f;
+}
+
+/* Decodes one request and returns its error code (0 when it decoded). */
+static int decode_code(const char *s, char *field, size_t field_size)
+{
+    qm_rpc_frame f = decode(s);
+    int code = f.items[0].ok ? 0 : f.items[0].rpc_code;
+    if (field)
+        snprintf(field, field_size, "%s", f.items[0].ok ? "" : f.items[0].status.field);
+    qm_rpc_frame_free(&f);
+    return code;
+}
+
+/* ---- framing ---- */
+
+START_TEST(test_framer_splits_lines_and_skips_blank_ones)
+{
+    qm_framer f;
+    qm_framer_init(&f, 100);
+    const char *in = "{\"a\":1}\n\n  \r\n{\"b\"";
+    ck_assert_int_eq(qm_framer_push(&f, in, strlen(in)), 0);
+    const char *line;
+    size_t len;
+    ck_assert_int_eq(qm_framer_next(&f, &line, &len), 1);
+    ck_assert_uint_eq(len, 7);
+    ck_assert(memcmp(line, "{\"a\":1}", 7) == 0);
+    ck_assert_int_eq(qm_framer_next(&f, &line, &len), 0);
+    ck_assert_int_eq(qm_framer_push(&f, ":2}\n", 4), 0);
+    ck_assert_int_eq(qm_framer_next(&f, &line, &len), 1);
+    ck_assert_uint_eq(len, 7);
+    ck_assert(memcmp(line, "{\"b\":2}", 7) == 0);
+    ck_assert_uint_eq(qm_framer_buffered(&f), 0);
+    qm_framer_free(&f);
+}
+END_TEST
+
+START_TEST(test_framer_reassembles_byte_by_byte)
+{
+    qm_framer f;
+    qm_framer_init(&f, 64);
+    const char *in = "[1,2,3]\n[4]\n";
+    int lines = 0;
+    for (size_t i = 0; i < strlen(in); i++) {
+        ck_assert_int_eq(qm_framer_push(&f, in + i, 1), 0);
+        const char *line;
+        size_t len;
+        while (qm_framer_next(&f, &line, &len) == 1)
+            lines++;
+    }
+    ck_assert_int_eq(lines, 2);
+    qm_framer_free(&f);
+}
+END_TEST
+
+START_TEST(test_framer_rejects_partial_line_over_cap_before_newline)
+{
+    qm_framer f;
+    qm_framer_init(&f, 10);
+    ck_assert_int_eq(qm_framer_push(&f, "0123456789", 10), 0); /* exactly the cap */
+    ck_assert_int_eq(qm_framer_push(&f, "x", 1), QM_EPAYLOAD_TOO_LARGE);
+    ck_assert_uint_eq(qm_framer_buffered(&f), 0); /* nothing kept */
+    const char *line;
+    size_t len;
+    ck_assert_int_eq(qm_framer_next(&f, &line, &len), QM_EPAYLOAD_TOO_LARGE); /* sticky */
+    ck_assert_int_eq(qm_framer_push(&f, "\n", 1), QM_EPAYLOAD_TOO_LARGE);
+    qm_framer_free(&f);
+}
+END_TEST
+
+START_TEST(test_framer_accepts_line_of_exactly_cap_and_rejects_complete_line_over)
+{
+    qm_framer f;
+    qm_framer_init(&f, 4);
+    const char *line;
+    size_t len;
+    ck_assert_int_eq(qm_framer_push(&f, "abcd\nabcde\n", 11), 0);
+    ck_assert_int_eq(qm_framer_next(&f, &line, &len), 1);
+    ck_assert_uint_eq(len, 4);
+    ck_assert_int_eq(qm_framer_next(&f, &line, &len), QM_EPAYLOAD_TOO_LARGE);
+    qm_framer_free(&f);
+}
+END_TEST
+
+START_TEST(test_depth_ignores_brackets_inside_strings)
+{
+    const char *s = "{\"a\":\"[[[[{{{{\\\"]]\",\"b\":[[1]]}";
+    ck_assert_int_eq(qm_json_depth(s, strlen(s), 3), 3);
+    ck_assert_int_eq(qm_json_depth(s, strlen(s), 2), -1);
+}
+END_TEST
+
+START_TEST(test_nesting_at_limit_passes_and_one_beyond_is_invalid_request)
+{
+    char buf[512];
+    qm_proto_limits l = lim();
+    l.max_nesting = 5;
+    /* params at depth 2, so 3 more levels inside a member reach 5. */
+    snprintf(buf, sizeof buf,
+             "{\"jsonrpc\":\"2.0\",\"id\":1,\"method\":\"daemon.status\",\"params\":{\"x\":[[[1]]]}}");
+    qm_rpc_frame f;
+    ck_assert_int_eq(qm_rpc_decode(buf, strlen(buf), &l, &f), 0);
+    ck_assert_int_eq(f.items[0].rpc_code, QM_RPC_INVALID_PARAMS); /* parsed: x is unknown */
+    qm_rpc_frame_free(&f);
+    snprintf(buf, sizeof buf,
+             "{\"jsonrpc\":\"2.0\",\"id\":1,\"method\":\"daemon.status\",\"params\":{\"x\":[[[[1]]]]}}");
+    ck_assert_int_eq(qm_rpc_decode(buf, strlen(buf), &l, &f), 0);
+    ck_assert_int_eq(f.items[0].rpc_code, QM_RPC_INVALID_REQUEST);
+    ck_assert_ptr_null(f.items[0].req.id);
+    qm_rpc_frame_free(&f);
+}
+END_TEST
+
+/* ---- envelopes ---- */
+
+START_TEST(test_decode_request_keeps_id_text)
+{
+    qm_rpc_frame f = decode("{\"jsonrpc\":\"2.0\",\"id\":7,\"method\":\"daemon.status\"}");
+    ck_assert(f.items[0].ok);
+    ck_assert_int_eq(f.items[0].req.method, QM_METHOD_DAEMON_STATUS);
+    ck_assert_str_eq(f.items[0].req.id, "7");
+    ck_assert(!f.is_batch);
+    qm_rpc_frame_free(&f);
+    f = decode("{\"method\":\"model.list\",\"id\":\"a\\\"b\",\"jsonrpc\":\"2.0\",\"params\":{}}");
+    ck_assert(f.items[0].ok);
+    ck_assert_str_eq(f.items[0].req.id, "\"a\\\"b\"");
+    qm_rpc_frame_free(&f);
+}
+END_TEST
+
+START_TEST(test_decode_notification_has_no_id)
+{
+    qm_rpc_frame f = decode("{\"jsonrpc\":\"2.0\",\"method\":\"daemon.status\"}");
+    ck_assert(f.items[0].ok);
+    ck_assert_ptr_null(f.items[0].req.id);
+    ck_assert(f.items[0].notification);
+    qm_rpc_frame_free(&f);
+}
+END_TEST
+
+START_TEST(test_decode_rejects_bad_json_as_parse_error)
+{
+    ck_assert_int_eq(decode_code("{\"jsonrpc\":", NULL, 0), QM_RPC_PARSE_ERROR);
+    ck_assert_int_eq(decode_code("{} x", NULL, 0), QM_RPC_PARSE_ERROR);
+    ck_assert_int_eq(decode_code("\xff\xfe", NULL, 0), QM_RPC_PARSE_ERROR);
+}
+END_TEST
+
+START_TEST(test_decode_rejects_non_request_envelopes)
+{
+    ck_assert_int_eq(decode_code("42", NULL, 0), QM_RPC_INVALID_REQUEST);
+    ck_assert_int_eq(decode_code("{\"jsonrpc\":\"1.0\",\"id\":1,\"method\":\"daemon.status\"}",
+                                 NULL, 0),
+                     QM_RPC_INVALID_REQUEST);
+    ck_assert_int_eq(decode_code("{\"jsonrpc\":\"2.0\",\"id\":1}", NULL, 0),
+                     QM_RPC_INVALID_REQUEST);
+    ck_assert_int_eq(decode_code("{\"jsonrpc\":\"2.0\",\"id\":[1],\"method\":\"daemon.status\"}",
+                                 NULL, 0),
+                     QM_RPC_INVALID_REQUEST);
+    ck_assert_int_eq(decode_code("{\"jsonrpc\":\"2.0\",\"id\":1,\"method\":\"daemon.status\","
+                                 "\"extra\":1}",
+                                 NULL, 0),
+                     QM_RPC_INVALID_REQUEST);
+}
+END_TEST
+
+START_TEST(test_decode_unknown_method_is_method_not_found_and_clipped)
+{
+    char buf[512];
+    char name[201];
+    memset(name, 'm', 200);
+    name[200] = '\0';
+    snprintf(buf, sizeof buf, "{\"jsonrpc\":\"2.0\",\"id\":1,\"method\":\"%s\"}", name);
+    qm_rpc_frame f = decode(buf);
+    ck_assert_int_eq(f.items[0].rpc_code, QM_RPC_METHOD_NOT_FOUND);
+    ck_assert_str_eq(f.items[0].req.id, "1");
+    /* At most 64 bytes of the input echoed. */
+    char run[66];
+    memset(run, 'm', 65);
+    run[65] = '\0';
+    ck_assert_ptr_null(strstr(f.items[0].status.msg, run));
+    ck_assert_ptr_nonnull(strstr(f.items[0].status.msg, "..."));
+    qm_rpc_frame_free(&f);
+}
+END_TEST
+
+START_TEST(test_batch_mixes_requests_notifications_and_errors)
+{
+    qm_rpc_frame f = decode("[{\"jsonrpc\":\"2.0\",\"id\":1,\"method\":\"daemon.status\"},"
+                            "{\"jsonrpc\":\"2.0\",\"method\":\"daemon.status\"},"
+                            "5,"
+                            "{\"jsonrpc\":\"2.0\",\"id\":2,\"method\":\"nope\"}]");
+    ck_assert(f.is_batch);
+    ck_assert_uint_eq(f.n, 4);
+    ck_assert(f.items[0].ok);
+    ck_assert(f.items[1].ok && f.items[1].notification);
+    ck_assert(!f.items[2].ok && f.items[2].rpc_code == QM_RPC_INVALID_REQUEST);
+    ck_assert_int_eq(f.items[3].rpc_code, QM_RPC_METHOD_NOT_FOUND);
+    qm_rpc_frame_free(&f);
+}
+END_TEST
+
+START_TEST(test_batch_empty_and_oversized_are_single_invalid_request)
+{
+    qm_rpc_frame f = decode("[]");
+    ck_assert(!f.is_batch);
+    ck_assert_int_eq(f.items[0].rpc_code, QM_RPC_INVALID_REQUEST);
+    qm_rpc_frame_free(&f);
+    qm_proto_limits l = lim();
+    l.max_batch = 2;
+    const char *three = "[1,2,3]";
+    ck_assert_int_eq(qm_rpc_decode(three, strlen(three), &l, &f), 0);
+    ck_assert(!f.is_batch);
+    ck_assert_int_eq(f.items[0].rpc_code, QM_RPC_INVALID_REQUEST);
+    ck_assert_ptr_nonnull(strstr(f.items[0].status.msg, "max_batch 2"));
+    qm_rpc_frame_free(&f);
+}
+END_TEST
+
+/* ---- params ---- */
+
+#define REQ(method, params)                                                                        \
+    "{\"jsonrpc\":\"2.0\",\"id\":1,\"method\":\"" method "\",\"params\":" params "}"
+
+START_TEST(test_params_unknown_member_names_field)
+{
+    char field[64];
+    ck_assert_int_eq(decode_code(REQ("model.load", "{\"name\":\"m\",\"path\":\"/x\",\"pth\":1}"),
+                                 field, sizeof field),
+                     QM_RPC_INVALID_PARAMS);
+    ck_assert_str_eq(field, "pth");
+    ck_assert_int_eq(decode_code(REQ("session.create",
+                                     "{\"model\":\"m\",\"policy_params\":{\"decay\":2}}"),
+                                 field, sizeof field),
+                     QM_RPC_INVALID_PARAMS);
+    ck_assert_str_eq(field, "policy_params.decay");
+    ck_assert_int_eq(decode_code(REQ("daemon.status", "{\"x\":1}"), field, sizeof field),
+                     QM_RPC_INVALID_PARAMS);
+    ck_assert_str_eq(field, "x");
+}
+END_TEST
+
+START_TEST(test_params_wrong_type_and_missing_name_field)
+{
+    char field[64];
+    ck_assert_int_eq(decode_code(REQ("model.load", "{\"name\":1,\"path\":\"/x\"}"), field,
+                                 sizeof field),
+                     QM_RPC_INVALID_PARAMS);
+    ck_assert_str_eq(field, "name");
+    ck_assert_int_eq(decode_code(REQ("model.load", "{\"name\":\"m\"}"), field, sizeof field),
+                     QM_RPC_INVALID_PARAMS);
+    ck_assert_str_eq(field, "path");
+    ck_assert_int_eq(decode_code(REQ("session.create", "{\"model\":\"m\",\"budget_bytes\":-1}"),
+                                 field, sizeof field),
+                     QM_RPC_INVALID_PARAMS);
+    ck_assert_str_eq(field, "budget_bytes");
+    ck_assert_int_eq(decode_code(REQ("session.create", "{\"model\":\"m\",\"budget_bytes\":1.5}"),
+                                 field, sizeof field),
+                     QM_RPC_INVALID_PARAMS);
+    ck_assert_int_eq(decode_code(REQ("model.unload", "{\"name\":\"m\",\"force\":1}"), field,
+                                 sizeof field),
+                     QM_RPC_INVALID_PARAMS);
+    ck_assert_str_eq(field, "force");
+    ck_assert_int_eq(decode_code(REQ("session.plan", "[]"), field, sizeof field),
+                     QM_RPC_INVALID_PARAMS);
+    ck_assert_str_eq(field, "params");
+}
+END_TEST
+
+START_TEST(test_params_session_create_decodes_policy_params)
+{
+    qm_rpc_frame f = decode(REQ("session.create",
+                                "{\"model\":\"m\",\"policy\":\"static_hot\",\"budget_bytes\":1024,"
+                                "\"policy_params\":{\"prefetch\":false,\"pin_fraction\":0.25,"
+                                "\"hot\":[{\"layer\":1,\"experts\":[5,1,7]}],"
+                                "\"record_trace\":\"t.json\"}}"));
+    ck_assert(f.items[0].ok);
+    const qm_params *p = &f.items[0].req.params;
+    ck_assert_str_eq(p->model, "m");
+    ck_assert_str_eq(p->policy, "static_hot");
+    ck_assert(p->has_budget && p->budget_bytes == 1024);
+    ck_assert(p->policy_params.has_prefetch && !p->policy_params.prefetch);
+    ck_assert_uint_eq(p->policy_params.n_hot, 1);
+    ck_assert_uint_eq(p->policy_params.hot[0].n_experts, 3);
+    ck_assert_uint_eq(p->policy_params.hot[0].experts[2], 7);
+    ck_assert_str_eq(p->policy_params.record_trace, "t.json");
+    qm_rpc_frame_free(&f);
+    char field[64];
+    ck_assert_int_eq(decode_code(REQ("session.create",
+                                     "{\"model\":\"m\",\"policy_params\":{\"hot\":[{\"layer\":0,"
+                                     "\"experts\":[1,1]}]}}"),
+                                 field, sizeof field),
+                     QM_RPC_INVALID_PARAMS);
+    ck_assert_str_eq(field, "policy_params.hot[0].experts[1]");
+    ck_assert_int_eq(decode_code(REQ("session.create",
+                                     "{\"model\":\"m\",\"policy_params\":{\"record_trace\":\"../x\"}}"),
+                                 field, sizeof field),
+                     QM_RPC_INVALID_PARAMS);
+}
+END_TEST
+
+/* f32 [1,2] = {1.0, -2.0}: 0000803f 000000c0 -> "AACAPwAAAMA=" */
+START_TEST(test_params_infer_decodes_tensor)
+{
+    qm_rpc_frame f = decode(REQ("session.infer",
+                                "{\"session\":\"s\",\"layer\":3,\"return_routing\":true,"
+                                "\"hidden\":{\"dtype\":\"f32\",\"shape\":[1,2],"
+                                "\"data\":\"AACAPwAAAMA=\"}}"));
+    ck_assert(f.items[0].ok);
+    const qm_params *p = &f.items[0].req.params;
+    ck_assert_uint_eq(p->layer, 3);
+    ck_assert(p->return_routing);
+    ck_assert_uint_eq(p->hidden.nbytes, 8);
+    float v[2];
+    memcpy(v, p->hidden.data, 8);
+    ck_assert(v[0] == 1.0f && v[1] == -2.0f);
+    qm_rpc_frame_free(&f);
+}
+END_TEST
+
+START_TEST(test_params_infer_rejects_shape_data_disagreement)
+{
+    char field[64];
+    ck_assert_int_eq(decode_code(REQ("session.infer",
+                                     "{\"session\":\"s\",\"layer\":0,\"hidden\":{\"dtype\":\"f32\","
+                                     "\"shape\":[1,3],\"data\":\"AACAPwAAAMA=\"}}"),
+                                 field, sizeof field),
+                     QM_RPC_INVALID_PARAMS);
+    ck_assert_str_eq(field, "hidden.data");
+    ck_assert_int_eq(decode_code(REQ("session.infer",
+                                     "{\"session\":\"s\",\"layer\":0,\"hidden\":{\"dtype\":\"f64\","
+                                     "\"shape\":[1,1],\"data\":\"\"}}"),
+                                 field, sizeof field),
+                     QM_RPC_INVALID_PARAMS);
+    ck_assert_str_eq(field, "hidden.dtype");
+    ck_assert_int_eq(decode_code(REQ("session.infer",
+                                     "{\"session\":\"s\",\"layer\":0,\"hidden\":{\"dtype\":\"f32\","
+                                     "\"shape\":[4294967296,4294967296,4294967296],\"data\":\"\"}}"),
+                                 field, sizeof field),
+                     QM_RPC_INVALID_PARAMS);
+    ck_assert_str_eq(field, "hidden.shape");
+    ck_assert_int_eq(decode_code(REQ("session.infer",
+                                     "{\"session\":\"s\",\"layer\":0,\"hidden\":{\"dtype\":\"f16\","
+                                     "\"shape\":[2],\"data\":\"AAAA\"}}"),
+                                 field, sizeof field),
+                     QM_RPC_INVALID_PARAMS);
+    ck_assert_str_eq(field, "hidden.shape");
+    ck_assert_int_eq(decode_code(REQ("session.infer",
+                                     "{\"session\":\"s\",\"layer\":0,\"hidden\":{\"dtype\":\"f16\","
+                                     "\"shape\":[1,2],\"data\":\"AA*A\"}}"),
+                                 field, sizeof field),
+                     QM_RPC_INVALID_PARAMS);
+    ck_assert_str_eq(field, "hidden.data");
+}
+END_TEST
+
+/* ---- codec and responses ---- */
+
+START_TEST(test_base64_round_trips_every_length)
+{
+    uint8_t in[40], out[40];
+    char enc[64];
+    for (size_t i = 0; i < sizeof in; i++)
+        in[i] = (uint8_t)(i * 37 + 11);
+    for (size_t n = 0; n <= sizeof in; n++) {
+        size_t e = qm_base64_encoded_len(n);
+        qm_base64_encode(in, n, enc);
+        size_t got;
+        ck_assert_int_eq(qm_base64_decode(enc, e, out, sizeof out, &got), 0);
+        ck_assert_uint_eq(got, n);
+        ck_assert(memcmp(in, out, n) == 0);
+    }
+    size_t got;
+    ck_assert_int_eq(qm_base64_decode("AAA", 3, out, sizeof out, &got), QM_EINVAL);
+    ck_assert_int_eq(qm_base64_decode("A=AA", 4, out, sizeof out, &got), QM_EINVAL);
+    ck_assert_int_eq(qm_base64_decode("AA=A", 4, out, sizeof out, &got), QM_EINVAL);
+}
+END_TEST
+
+START_TEST(test_writer_places_commas_and_escapes)
+{
+    qm_buf b;
+    qm_buf_init(&b);
+    qm_jw w;
+    qm_jw_init(&w, &b);
+    qm_jw_obj_begin(&w);
+    qm_jw_key(&w, "s");
+    qm_jw_str(&w, "a\"\\\n\x01");
+    qm_jw_key(&w, "a");
+    qm_jw_arr_begin(&w);
+    qm_jw_u64(&w, 18446744073709551615ull);
+    qm_jw_f32(&w, 0.1f);
+    qm_jw_null(&w);
+    qm_jw_arr_begin(&w);
+    qm_jw_arr_end(&w);
+    qm_jw_arr_end(&w);
+    qm_jw_obj_end(&w);
+    qm_buf_append(&b, "", 1);
+    ck_assert_str_eq(b.data, "{\"s\":\"a\\\"\\\\\\n\\u0001\",\"a\":[18446744073709551615,"
+                             "0.100000001,null,[]]}");
+    qm_buf_free(&b);
+}
+END_TEST
+
+START_TEST(test_error_response_has_code_message_reason_and_field)
+{
+    qm_buf b;
+    qm_buf_init(&b);
+    qm_jw w;
+    qm_jw_init(&w, &b);
+    qm_rpc_error(&w, "\"x\"", QM_RPC_INVALID_PARAMS, "name must be a string", "name");
+    qm_buf_append(&b, "", 1);
+    ck_assert_str_eq(b.data, "{\"jsonrpc\":\"2.0\",\"id\":\"x\",\"error\":{\"code\":-32602,"
+                             "\"message\":\"invalid_params\",\"data\":{\"reason\":\"name must be "
+                             "a string\",\"field\":\"name\"}}}");
+    qm_buf_reset(&b);
+    qm_jw_init(&w, &b);
+    qm_rpc_error(&w, NULL, QM_RPC_PARSE_ERROR, "bad", NULL);
+    qm_buf_append(&b, "", 1);
+    ck_assert_str_eq(b.data, "{\"jsonrpc\":\"2.0\",\"id\":null,\"error\":{\"code\":-32700,"
+                             "\"message\":\"parse_error\",\"data\":{\"reason\":\"bad\"}}}");
+    qm_buf_free(&b);
+}
+END_TEST
+
+START_TEST(test_status_codes_map_to_protocol_codes)
+{
+    ck_assert_int_eq(qm_rpc_code_from_status(QM_EINVAL), -32602);
+    ck_assert_int_eq(qm_rpc_code_from_status(QM_ENOT_FOUND), -32001);
+    ck_assert_int_eq(qm_rpc_code_from_status(QM_EPERMISSION), -32002);
+    ck_assert_int_eq(qm_rpc_code_from_status(QM_ERESOURCE_EXHAUSTED), -32003);
+    ck_assert_int_eq(qm_rpc_code_from_status(QM_EOVERLOADED), -32004);
+    ck_assert_int_eq(qm_rpc_code_from_status(QM_EINVALID_MODEL), -32005);
+    ck_assert_int_eq(qm_rpc_code_from_status(QM_EPAYLOAD_TOO_LARGE), -32006);
+    ck_assert_int_eq(qm_rpc_code_from_status(QM_ESHUTTING_DOWN), -32007);
+    ck_assert_int_eq(qm_rpc_code_from_status(QM_ECONFLICT), -32008);
+    ck_assert_int_eq(qm_rpc_code_from_status(QM_EIN_USE), -32009);
+    ck_assert_int_eq(qm_rpc_code_from_status(QM_EINTERNAL), -32603);
+    ck_assert_str_eq(qm_rpc_code_name(-32009), "in_use");
+}
+END_TEST
+
+/* Fails the Nth allocation, counting from 1. */
+static int fail_at, alloc_count;
+static void *failing_malloc(size_t n, void *ud)
+{
+    (void)ud;
+    return ++alloc_count == fail_at ? NULL : malloc(n);
+}
+static void *failing_realloc(void *p, size_t n, void *ud)
+{
+    (void)ud;
+    return ++alloc_count == fail_at ? NULL : realloc(p, n);
+}
+static void plain_free(void *p, void *ud)
+{
+    (void)ud;
+    free(p);
+}
+
+START_TEST(test_decode_survives_allocation_failure_at_every_site)
+{
+    const char *req = REQ("session.create", "{\"model\":\"m\",\"policy\":\"lru\","
+                                            "\"policy_params\":{\"hot\":[{\"layer\":0,"
+                                            "\"experts\":[1,2]}],\"record_trace\":\"t\"}}");
+    qm_alloc_hooks hooks = {failing_malloc, failing_realloc, plain_free, NULL};
+    qm_proto_limits l = lim();
+    for (fail_at = 1; fail_at < 40; fail_at++) {
+        alloc_count = 0;
+        qm_alloc_set_hooks(&hooks);
+        qm_rpc_frame f;
+        int rc = qm_rpc_decode(req, strlen(req), &l, &f);
+        qm_alloc_set_hooks(NULL);
+        ck_assert(rc == 0 || rc == QM_ENOMEM);
+        if (rc == 0)
+            ck_assert(f.items[0].ok || f.items[0].rpc_code != 0);
+        qm_rpc_frame_free(&f);
+    }
+}
+END_TEST
+
+static Suite *protocol_suite(void)
+{
+    Suite *s = suite_create("protocol");
+    TCase *tc = tcase_create("framing");
+    tcase_add_test(tc, test_framer_splits_lines_and_skips_blank_ones);
+    tcase_add_test(tc, test_framer_reassembles_byte_by_byte);
+    tcase_add_test(tc, test_framer_rejects_partial_line_over_cap_before_newline);
+    tcase_add_test(tc, test_framer_accepts_line_of_exactly_cap_and_rejects_complete_line_over);
+    tcase_add_test(tc, test_depth_ignores_brackets_inside_strings);
+    tcase_add_test(tc, test_nesting_at_limit_passes_and_one_beyond_is_invalid_request);
+    suite_add_tcase(s, tc);
+    tc = tcase_create("jsonrpc");
+    tcase_add_test(tc, test_decode_request_keeps_id_text);
+    tcase_add_test(tc, test_decode_notification_has_no_id);
+    tcase_add_test(tc, test_decode_rejects_bad_json_as_parse_error);
+    tcase_add_test(tc, test_decode_rejects_non_request_envelopes);
+    tcase_add_test(tc, test_decode_unknown_method_is_method_not_found_and_clipped);
+    tcase_add_test(tc, test_batch_mixes_requests_notifications_and_errors);
+    tcase_add_test(tc, test_batch_empty_and_oversized_are_single_invalid_request);
+    suite_add_tcase(s, tc);
+    tc = tcase_create("params");
+    tcase_add_test(tc, test_params_unknown_member_names_field);
+    tcase_add_test(tc, test_params_wrong_type_and_missing_name_field);
+    tcase_add_test(tc, test_params_session_create_decodes_policy_params);
+    tcase_add_test(tc, test_params_infer_decodes_tensor);
+    tcase_add_test(tc, test_params_infer_rejects_shape_data_disagreement);
+    suite_add_tcase(s, tc);
+    tc = tcase_create("encoding");
+    tcase_add_test(tc, test_base64_round_trips_every_length);
+    tcase_add_test(tc, test_writer_places_commas_and_escapes);
+    tcase_add_test(tc, test_error_response_has_code_message_reason_and_field);
+    tcase_add_test(tc, test_status_codes_map_to_protocol_codes);
+    tcase_add_test(tc, test_decode_survives_allocation_failure_at_every_site);
+    suite_add_tcase(s, tc);
+    return s;
+}
+
+int main(void)
+{
+    SRunner *sr = srunner_create(protocol_suite());
+    srunner_run_all(sr, CK_NORMAL);
+    int failed = srunner_ntests_failed(sr);
+    srunner_free(sr);
+    return failed == 0 ? EXIT_SUCCESS : EXIT_FAILURE;
+}
