@@ -1,0 +1,126 @@
+/* qm_pager.h - the paging authority: the single owner of a session's device memory.
+ *
+ * One pager per session. It carves ONE arena (qm_arena_new) into whole-bank
+ * regions and fixed-size expert slots, keeps the map expert -> slot per layer,
+ * accounts resident bytes exactly against the budget, copies units from the
+ * mapped bank through the backend's copy path (with fences), pins the plan's
+ * pinned experts, asks the session's policy for victims (validating every
+ * answer, falling back to LRU for that choice), prefetches predicted experts
+ * and serves qm_moe_forward through a qm_expert_source.
+ * The contract is ../shared/RESIDENCY.md; docs/PAGING.md explains the design.
+ *
+ * Threading: a pager is used by one thread at a time (a session's requests
+ * run in order). It may own one internal copy thread (see copy_thread). */
+#ifndef QM_PAGER_H
+#define QM_PAGER_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "qm_backend.h"
+#include "qm_bank.h"
+#include "qm_moe.h"
+#include "qm_residency.h"
+
+typedef struct qm_pager qm_pager;
+
+typedef struct qm_pager_options {
+    /* 1: after each qm_pager_forward, prefetch the experts predicted for the
+     * next layer call (routing history + next layer's router). Default on in
+     * the daemon (policy_params.prefetch); a zeroed struct means off. */
+    int prefetch;
+    /* Budget override. has_budget = 0: the plan's budget (or, when the plan
+     * has none, room for every expert: the "whole model"). */
+    int has_budget;
+    uint64_t budget_bytes;
+    /* Requests of routing history per layer used for prediction (0 = 1). */
+    uint32_t history;
+    /* Upper bound of experts prefetched per forward call (0 = 2 * k * tokens,
+     * capped by the evictable slots). */
+    uint32_t max_prefetch;
+    /* Copy thread: -1 or 0 = automatic (on for host-visible backends, whose
+     * copies are synchronous memcpy: the thread makes them overlap compute),
+     * 1 = force on, 2 = force off. */
+    int copy_thread;
+    /* 1: copy whole banks into the arena even on host-visible backends
+     * (default 0: host-visible backends read whole banks straight from the
+     * mapping; their bytes still count against the budget). */
+    int copy_whole_banks;
+} qm_pager_options;
+
+typedef struct qm_pager_stats {
+    uint64_t hits;           /* accesses to a paged bank's expert that found it resident */
+    uint64_t misses;         /* ... that had to copy it in (a demand copy) */
+    uint64_t whole_bank_accesses; /* accesses served by a whole-bank bank (no hit/miss) */
+    uint64_t bytes_paged_h2d;     /* every byte copied after creation (demand + prefetch) */
+    uint64_t bytes_loaded_at_create; /* whole banks copied + pinned experts */
+    uint64_t evictions;
+    uint64_t prefetch_issued;    /* experts copied in by prefetch */
+    uint64_t prefetch_useful;    /* ... of which accessed before being evicted */
+    uint64_t resident_bytes;     /* whole banks + resident experts' units, now */
+    uint64_t budget_bytes;       /* the budget in force (UINT64_MAX when none) */
+    uint64_t waves;          /* acquire rounds that could not hold every requested expert */
+    uint64_t policy_fallbacks;   /* victim answers refused/invalid -> LRU used */
+    uint64_t budget_violations;  /* allocations refused by the accounting check (0 always) */
+    /* Fixed at creation. */
+    uint64_t arena_bytes;        /* the one device allocation */
+    uint64_t slot_bytes;         /* slot size (max unit, aligned) */
+    uint32_t n_slots;            /* slots (pins included) */
+    uint32_t n_pinned;           /* slots held by pins */
+    uint64_t overhead_bytes;     /* arena_bytes minus what the budget counts (alignment padding) */
+    uint64_t host_bytes;         /* host-side bookkeeping of the pager */
+} qm_pager_stats;
+
+/* Creates the pager of a session. `backend`, `bank`, `plan` and `policy` are
+ * borrowed and must outlive the pager; the pager calls the policy's run-time
+ * hooks. Loads whole banks (copying them when the backend is not host
+ * visible) and the pinned experts before returning. Errors:
+ * QM_ERESOURCE_EXHAUSTED when the budget is below the minimum (whole banks +
+ * pins + one expert unit), with the minimum in st->msg and field
+ * "budget_bytes"; QM_EINVAL for a plan that does not match the bank;
+ * QM_ENOMEM / QM_EDEVICE from allocation. `options` may be NULL. */
+int qm_pager_new(qm_backend *backend, const qm_bank *bank, const qm_residency_plan *plan,
+                 const qm_policy *policy, const qm_pager_options *options, qm_pager **out,
+                 qm_status *st);
+void qm_pager_free(qm_pager *pager); /* accepts NULL; waits for copies in flight */
+
+/* Minimum budget for `plan` over `bank` on `backend` (whole banks + pins + one
+ * slot when anything is paged). Same rules as qm_pager_new. */
+int qm_pager_min_budget(qm_backend *backend, const qm_bank *bank, const qm_residency_plan *plan,
+                        const qm_pager_options *options, uint64_t *out, qm_status *st);
+
+/* The source qm_moe_forward reads experts from. Borrowed from the pager. */
+qm_expert_source *qm_pager_source(qm_pager *pager);
+
+/* qm_moe_forward through the pager's source, then: records the call's routing
+ * in the history and, with prefetch on, prefetches the next layer's predicted
+ * experts (history + that layer's router applied to call->hidden when the bank
+ * has it). The copies run on the copy path while the caller does other work.
+ * call->route_experts may be NULL (the pager uses its own scratch). */
+int qm_pager_forward(qm_pager *pager, const qm_moe_call *call, qm_moe_stats *mstats,
+                     qm_status *st);
+
+/* Copies experts[0..n) of `layer` into free or evictable slots (never
+ * evicting a pinned, in-use or just-predicted expert) without waiting for the
+ * copies. Experts already resident, out of range or of a whole bank are
+ * skipped. Returns the number issued (>= 0) or a negative error. */
+int qm_pager_prefetch(qm_pager *pager, uint32_t layer, const uint32_t *experts, size_t n,
+                      qm_status *st);
+/* Waits for every copy in flight. */
+int qm_pager_sync(qm_pager *pager, qm_status *st);
+
+void qm_pager_stats_get(const qm_pager *pager, qm_pager_stats *out);
+
+/* Experts of `layer` resident now (ascending; a whole bank lists all of its
+ * experts; copies in flight count as resident). Writes up to `cap`, returns
+ * the total count, or a negative code for an unknown layer. */
+int qm_pager_resident_experts(const qm_pager *pager, uint32_t layer, uint32_t *out, size_t cap);
+/* 1 when `layer` is paged per expert, 0 when whole-bank, negative when unknown. */
+int qm_pager_layer_is_paged(const qm_pager *pager, uint32_t layer);
+
+/* Test hook: called after every slot allocation (demand, prefetch, pin) with
+ * the resident bytes and the budget. NULL removes it. */
+typedef void (*qm_pager_alloc_cb)(void *ud, uint64_t resident_bytes, uint64_t budget_bytes);
+void qm_pager_set_alloc_hook(qm_pager *pager, qm_pager_alloc_cb cb, void *ud);
+
+#endif

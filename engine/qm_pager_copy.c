@@ -1,0 +1,204 @@
+/* qm_pager_copy.c - the pager's copy path.
+ *
+ * Device backends (CUDA) copy asynchronously by themselves: units are issued
+ * with qm_backend_copy_h2d and one fence per region, waited before use.
+ * Host-visible backends (CPU) copy synchronously inside copy_h2d, so a copy
+ * would never overlap compute; the pager then owns one copy thread that is
+ * the only caller of copy_h2d, fed a FIFO of unit jobs. Demand misses go
+ * through the same FIFO (one copy path, like a copy stream), prefetches
+ * overlap with the caller's compute. */
+#include <string.h>
+
+#include "qm_alloc.h"
+#include "qm_pager_impl.h"
+
+static int qm__copy_regions(qm_backend *be, const qm__copy_job *job, qm_status *st)
+{
+    for (uint32_t i = 0; i < job->n; i++) {
+        qm_fence f = {0};
+        int rc = qm_backend_copy_h2d(be, job->dst[i], job->src[i], job->len[i], &f, st);
+        if (rc == 0)
+            rc = qm_backend_fence_wait(be, &f, st);
+        if (rc)
+            return rc;
+    }
+    return 0;
+}
+
+static void *qm__copy_thread_main(void *arg)
+{
+    qm_pager *p = arg;
+    pthread_mutex_lock(&p->mu);
+    for (;;) {
+        while (p->q_len == 0 && !p->stop)
+            pthread_cond_wait(&p->cv_work, &p->mu);
+        if (p->q_len == 0 && p->stop)
+            break;
+        qm__copy_job job = p->queue[p->q_head];
+        pthread_mutex_unlock(&p->mu);
+        int rc = qm__copy_regions(p->backend, &job, NULL);
+        pthread_mutex_lock(&p->mu);
+        p->q_head = (p->q_head + 1) % p->q_cap;
+        p->q_len--;
+        p->slots[job.slot].copy_rc = rc;
+        p->done_seq = job.seq;
+        pthread_cond_broadcast(&p->cv_done);
+    }
+    pthread_mutex_unlock(&p->mu);
+    return NULL;
+}
+
+int qm__pager_copy_start(qm_pager *p, qm_status *st)
+{
+    p->q_cap = (size_t)p->n_slots + 1;
+    p->queue = qm_calloc(p->q_cap, sizeof *p->queue);
+    if (!p->queue)
+        return qm_status_set(st, QM_ENOMEM, "out of memory for the copy queue");
+    if (pthread_mutex_init(&p->mu, NULL))
+        goto fail_mu;
+    if (pthread_cond_init(&p->cv_work, NULL))
+        goto fail_work;
+    if (pthread_cond_init(&p->cv_done, NULL))
+        goto fail_done;
+    p->stop = 0;
+    if (pthread_create(&p->thread, NULL, qm__copy_thread_main, p))
+        goto fail_thread;
+    p->use_thread = 1;
+    return 0;
+fail_thread:
+    pthread_cond_destroy(&p->cv_done);
+fail_done:
+    pthread_cond_destroy(&p->cv_work);
+fail_work:
+    pthread_mutex_destroy(&p->mu);
+fail_mu:
+    qm_free(p->queue);
+    p->queue = NULL;
+    return qm_status_set(st, QM_ERESOURCE_EXHAUSTED, "cannot start the pager's copy thread");
+}
+
+void qm__pager_copy_stop(qm_pager *p)
+{
+    if (!p->use_thread) {
+        qm_free(p->queue);
+        p->queue = NULL;
+        return;
+    }
+    pthread_mutex_lock(&p->mu);
+    p->stop = 1;
+    pthread_cond_broadcast(&p->cv_work);
+    pthread_mutex_unlock(&p->mu);
+    pthread_join(p->thread, NULL);
+    pthread_cond_destroy(&p->cv_done);
+    pthread_cond_destroy(&p->cv_work);
+    pthread_mutex_destroy(&p->mu);
+    qm_free(p->queue);
+    p->queue = NULL;
+    p->use_thread = 0;
+}
+
+static void qm__unit_job(const qm_pager *p, int32_t s, qm__copy_job *job)
+{
+    const qm__slot *sl = &p->slots[s];
+    const qm__layer *L = &p->layers[sl->layer];
+    job->slot = s;
+    job->n = 0;
+    for (int t = 0; t < QM_T_EXPERT_COUNT; t++) {
+        const qm_tensor_view *tv = &L->view->t[t];
+        if (!tv->present || L->slice[t] == 0)
+            continue;
+        job->dst[job->n] = sl->base + L->unit_off[t];
+        job->src[job->n] = (const uint8_t *)tv->data + (uint64_t)sl->expert * L->slice[t];
+        job->len[job->n] = L->slice[t];
+        job->n++;
+    }
+}
+
+int qm__pager_copy_unit(qm_pager *p, int32_t s, qm_status *st)
+{
+    qm__slot *sl = &p->slots[s];
+    qm__copy_job job;
+    qm__unit_job(p, s, &job);
+    sl->n_fences = 0;
+    sl->copy_seq = 0;
+    if (p->use_thread) {
+        pthread_mutex_lock(&p->mu);
+        if (p->q_len == p->q_cap) {
+            /* One job per loading slot at most, so this cannot fill. */
+            pthread_mutex_unlock(&p->mu);
+            return qm_status_set(st, QM_EINTERNAL, "copy queue full (%zu jobs)", p->q_cap);
+        }
+        job.seq = ++p->next_seq;
+        sl->copy_seq = job.seq;
+        sl->copy_rc = 0;
+        p->queue[(p->q_head + p->q_len) % p->q_cap] = job;
+        p->q_len++;
+        pthread_cond_signal(&p->cv_work);
+        pthread_mutex_unlock(&p->mu);
+        return 0;
+    }
+    for (uint32_t i = 0; i < job.n; i++) {
+        sl->fences[i] = (qm_fence){0};
+        int rc = qm_backend_copy_h2d(p->backend, job.dst[i], job.src[i], job.len[i],
+                                     &sl->fences[i], st);
+        if (rc) {
+            /* Wait what was issued so nothing lands in a slot we give back. */
+            for (uint32_t j = 0; j < i; j++)
+                qm_backend_fence_wait(p->backend, &sl->fences[j], NULL);
+            sl->n_fences = 0;
+            return rc;
+        }
+        sl->n_fences = i + 1;
+    }
+    return 0;
+}
+
+int qm__pager_copy_wait(qm_pager *p, int32_t s, qm_status *st)
+{
+    qm__slot *sl = &p->slots[s];
+    int rc = 0;
+    if (sl->copy_seq) {
+        pthread_mutex_lock(&p->mu);
+        while (p->done_seq < sl->copy_seq)
+            pthread_cond_wait(&p->cv_done, &p->mu);
+        rc = sl->copy_rc;
+        pthread_mutex_unlock(&p->mu);
+        sl->copy_seq = 0;
+        if (rc)
+            qm_status_set(st, rc, "copying expert %u of layer %u failed", sl->expert, sl->layer);
+    } else {
+        for (uint32_t i = 0; i < sl->n_fences; i++) {
+            int r = qm_backend_fence_wait(p->backend, &sl->fences[i], rc ? NULL : st);
+            if (r && !rc)
+                rc = r;
+        }
+        sl->n_fences = 0;
+    }
+    if (rc == 0 && sl->state == QM__SLOT_LOADING)
+        sl->state = QM__SLOT_RESIDENT;
+    return rc;
+}
+
+int qm_pager_sync(qm_pager *p, qm_status *st)
+{
+    if (!p)
+        return 0;
+    int rc = 0;
+    for (uint32_t s = 0; s < p->n_slots; s++) {
+        if (p->slots[s].state != QM__SLOT_LOADING)
+            continue;
+        qm_status tmp;
+        int r = qm__pager_copy_wait(p, (int32_t)s, &tmp);
+        if (r == 0)
+            continue;
+        if (p->slots[s].refs == 0) {
+            /* A failed prefetch costs its slot, never the caller's request. */
+            qm__pager_drop(p, (int32_t)s);
+        } else if (!rc) {
+            rc = r;
+            if (st)
+                *st = tmp;
+        }
+    }
+    return rc;
+}

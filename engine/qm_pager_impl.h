@@ -1,0 +1,136 @@
+/* qm_pager_impl.h - the paging authority's private state, shared by
+ * qm_pager.c (slots, accounting, victims, acquire/release),
+ * qm_pager_copy.c (the copy path and its thread) and
+ * qm_pager_prefetch.c (history, prediction, prefetch, forward). Private to engine/. */
+#ifndef QM_PAGER_IMPL_H
+#define QM_PAGER_IMPL_H
+
+#include <pthread.h>
+
+#include "qm_pager.h"
+
+/* Slices inside a slot start on this boundary so that every tensor's slice is
+ * aligned for vector loads (and for CUDA kernels reading f32 scales). */
+#define QM__UNIT_SLICE_ALIGN 64u
+
+typedef enum qm__slot_state {
+    QM__SLOT_FREE = 0,
+    QM__SLOT_LOADING,  /* copy issued, not yet waited for */
+    QM__SLOT_RESIDENT, /* copy landed */
+} qm__slot_state;
+
+typedef struct qm__slot {
+    uint8_t *base; /* device address of the slot in the arena */
+    uint32_t layer, expert;
+    uint8_t state;
+    uint8_t pinned;
+    uint8_t prefetched; /* inserted by prefetch and not accessed since */
+    uint32_t refs;      /* acquired and not yet released */
+    uint64_t last_use;  /* pager tick of the last access/insert (LRU fallback) */
+    uint64_t unit_bytes;
+    /* Copy in flight: a copy-thread job (copy_seq > 0) or device fences. */
+    uint64_t copy_seq;
+    int copy_rc; /* written by the copy thread under the queue lock */
+    uint32_t n_fences;
+    qm_fence fences[QM_T_EXPERT_COUNT];
+} qm__slot;
+
+typedef struct qm__layer {
+    const qm_layer_view *view;
+    int paged;
+    uint32_t n_experts;
+    uint64_t slice[QM_T_EXPERT_COUNT];    /* one expert's bytes per tensor (0 if absent) */
+    uint64_t unit_off[QM_T_EXPERT_COUNT]; /* offset of each slice inside a slot */
+    uint64_t unit_bytes;                  /* the catalog's bytes_per_expert (accounted) */
+    uint64_t unit_span;                   /* bytes a unit spans in a slot (padding included) */
+    /* Whole bank */
+    uint64_t whole_bytes;                  /* accounted: every expert tensor's bytes */
+    uint8_t *whole_base;                   /* device copy, or NULL: served from the mapping */
+    uint64_t tensor_off[QM_T_EXPERT_COUNT]; /* offsets inside whole_base */
+    /* Paged */
+    int32_t *slot_of; /* [n_experts], -1 when not resident */
+    uint8_t *pinned;  /* [n_experts] */
+    uint8_t *mark;    /* [n_experts] scratch for prefetch */
+    /* Routing history: `history` bitsets of words64 words, a ring. */
+    uint64_t *hist;
+    uint32_t words64;
+    uint32_t hist_pos, hist_count;
+} qm__layer;
+
+typedef struct qm__copy_job {
+    uint64_t seq;
+    int32_t slot;
+    uint32_t n;
+    void *dst[QM_T_EXPERT_COUNT];
+    const void *src[QM_T_EXPERT_COUNT];
+    uint64_t len[QM_T_EXPERT_COUNT];
+} qm__copy_job;
+
+struct qm_pager {
+    qm_backend *backend;
+    const qm_bank *bank;
+    const qm_bank_config *cfg;
+    const qm_policy *policy;
+    qm_pager_options opt;
+    qm_expert_source source;
+
+    uint32_t n_layers;
+    qm__layer *layers;
+
+    qm_arena *arena;
+    uint32_t n_slots;
+    qm__slot *slots;
+    int32_t *cand_slots;     /* [n_slots] scratch */
+    qm_expert_ref *cand_refs; /* [n_slots] scratch */
+    int32_t *wave_slots;     /* [n_slots] slots assigned in the current acquire */
+
+    int has_budget;
+    uint64_t budget;
+    uint64_t tick;
+    qm_pager_stats stats;
+    qm_pager_alloc_cb alloc_cb;
+    void *alloc_ud;
+
+    /* Forward scratch */
+    uint32_t *route_buf;
+    size_t route_cap;
+    float *pred_x, *pred_logits;
+    uint32_t *pred_experts;
+    float *pred_weights;
+    size_t pred_cap_tokens;
+    uint32_t *pred_list;
+
+    /* Copy thread (host-visible backends). */
+    int use_thread;
+    pthread_t thread;
+    pthread_mutex_t mu;
+    pthread_cond_t cv_work, cv_done;
+    qm__copy_job *queue; /* ring of n_slots + 1 */
+    size_t q_cap, q_head, q_len;
+    uint64_t next_seq, done_seq;
+    int stop;
+};
+
+/* qm_pager_copy.c */
+int qm__pager_copy_start(qm_pager *p, qm_status *st);
+void qm__pager_copy_stop(qm_pager *p);
+/* Issues the copy of slot s's unit (layer/expert already set). */
+int qm__pager_copy_unit(qm_pager *p, int32_t s, qm_status *st);
+/* Waits for slot s's copy; marks it RESIDENT on success, leaves it LOADING
+ * (with nothing in flight) on failure. */
+int qm__pager_copy_wait(qm_pager *p, int32_t s, qm_status *st);
+
+/* qm_pager.c */
+int32_t qm__pager_free_slot(qm_pager *p);
+int qm__pager_account_alloc(qm_pager *p, uint64_t bytes, qm_status *st);
+void qm__pager_evict(qm_pager *p, int32_t s);
+/* Frees slot s without counting an eviction (a copy that failed). */
+void qm__pager_drop(qm_pager *p, int32_t s);
+/* Chooses a victim among candidates[0..n) (slot indices): the policy's answer
+ * when valid, else LRU (counted as a fallback). */
+int32_t qm__pager_pick_victim(qm_pager *p, size_t n);
+
+/* qm_pager_prefetch.c */
+void qm__pager_history_record(qm_pager *p, uint32_t layer, const uint32_t *route, size_t n);
+
+#endif

@@ -1,0 +1,215 @@
+/* qm_pager_prefetch.c - routing history, prediction of the next layer call,
+ * prefetch into free or evictable slots, and the forward wrapper.
+ *
+ * A wrong prediction costs bandwidth and maybe a later miss, never
+ * correctness: prefetched units land in slots like demand copies and are
+ * waited for (fence) before their first use. */
+#include <string.h>
+
+#include "qm_alloc.h"
+#include "qm_pager_impl.h"
+
+/* Router prediction runs the next layer's router on the current hidden
+ * states: T*E*H multiply-adds. Above this many tokens (prefill) the history
+ * alone predicts, so prediction never costs more than a small fraction of
+ * the layer's own work. */
+#define QM__ROUTER_PREDICT_MAX_TOKENS 64u
+
+void qm__pager_history_record(qm_pager *p, uint32_t layer, const uint32_t *route, size_t n)
+{
+    if (layer >= p->n_layers)
+        return;
+    qm__layer *L = &p->layers[layer];
+    if (!L->paged || !L->hist)
+        return;
+    uint64_t *bits = L->hist + (size_t)L->hist_pos * L->words64;
+    memset(bits, 0, (size_t)L->words64 * sizeof *bits);
+    for (size_t i = 0; i < n; i++)
+        if (route[i] < L->n_experts)
+            bits[route[i] / 64] |= 1ull << (route[i] % 64);
+    L->hist_pos = (L->hist_pos + 1) % p->opt.history;
+    if (L->hist_count < p->opt.history)
+        L->hist_count++;
+}
+
+int qm_pager_prefetch(qm_pager *p, uint32_t layer, const uint32_t *experts, size_t n,
+                      qm_status *st)
+{
+    if (!p || (n && !experts))
+        return qm_status_set(st, QM_EINVAL, "qm_pager_prefetch: NULL argument");
+    if (layer >= p->n_layers)
+        return qm_status_set(st, QM_EINVAL, "layer %u out of range (%u layers)", layer,
+                             p->n_layers);
+    qm__layer *L = &p->layers[layer];
+    if (!L->paged || p->n_slots == 0)
+        return 0;
+    /* Mark the predicted set so one prediction never evicts another. */
+    for (size_t i = 0; i < n; i++)
+        if (experts[i] < L->n_experts)
+            L->mark[experts[i]] = 1;
+    int issued = 0, rc = 0;
+    for (size_t i = 0; i < n; i++) {
+        uint32_t e = experts[i];
+        if (e >= L->n_experts || L->slot_of[e] >= 0)
+            continue; /* out of range, resident, in flight, or a duplicate already issued */
+        int32_t s = qm__pager_free_slot(p);
+        if (s < 0) {
+            size_t nc = 0;
+            for (uint32_t k = 0; k < p->n_slots; k++) {
+                const qm__slot *sl = &p->slots[k];
+                if (sl->state != QM__SLOT_RESIDENT || sl->pinned || sl->refs)
+                    continue;
+                if (sl->layer == layer && L->mark[sl->expert])
+                    continue;
+                p->cand_slots[nc++] = (int32_t)k;
+            }
+            if (nc == 0)
+                break;
+            s = qm__pager_pick_victim(p, nc);
+            qm__pager_evict(p, s);
+        }
+        rc = qm__pager_account_alloc(p, L->unit_bytes, st);
+        if (rc)
+            break;
+        qm__slot *sl = &p->slots[s];
+        sl->layer = layer;
+        sl->expert = e;
+        sl->pinned = 0;
+        sl->refs = 0;
+        sl->prefetched = 1;
+        sl->unit_bytes = L->unit_bytes;
+        sl->state = QM__SLOT_LOADING;
+        sl->last_use = p->tick;
+        L->slot_of[e] = s;
+        qm_policy_on_insert(p->policy, (qm_expert_ref){layer, e}, p->tick);
+        rc = qm__pager_copy_unit(p, s, st);
+        if (rc) {
+            qm__pager_drop(p, s);
+            break;
+        }
+        p->stats.prefetch_issued++;
+        p->stats.bytes_paged_h2d += L->unit_bytes;
+        issued++;
+    }
+    for (size_t i = 0; i < n; i++)
+        if (experts[i] < L->n_experts)
+            L->mark[experts[i]] = 0;
+    return rc ? rc : issued;
+}
+
+static int qm__grow(void **buf, size_t *cap, size_t need, size_t elem)
+{
+    if (*cap >= need)
+        return 0;
+    void *b = qm_realloc(*buf, need * elem);
+    if (!b)
+        return QM_ENOMEM;
+    *buf = b;
+    *cap = need;
+    return 0;
+}
+
+/* Appends the next layer's router top-k for the call's tokens to list. */
+static size_t qm__predict_router(qm_pager *p, const qm_moe_call *call, uint32_t next,
+                                 uint32_t *list, size_t n_list, size_t cap)
+{
+    const qm__layer *L = &p->layers[next];
+    const qm_bank_config *cfg = p->cfg;
+    uint32_t T = call->n_tokens;
+    if (!L->view->t[QM_T_ROUTER_WEIGHT].present || T > QM__ROUTER_PREDICT_MAX_TOKENS ||
+        !call->hidden)
+        return n_list;
+    size_t H = cfg->hidden, E = cfg->experts, K = cfg->k;
+    if (p->pred_cap_tokens < T) {
+        float *x = qm_realloc(p->pred_x, (size_t)T * H * sizeof(float));
+        if (x)
+            p->pred_x = x;
+        float *lg = qm_realloc(p->pred_logits, (size_t)T * E * sizeof(float));
+        if (lg)
+            p->pred_logits = lg;
+        uint32_t *pe = qm_realloc(p->pred_experts, (size_t)T * K * sizeof(uint32_t));
+        if (pe)
+            p->pred_experts = pe;
+        float *pw = qm_realloc(p->pred_weights, (size_t)T * K * sizeof(float));
+        if (pw)
+            p->pred_weights = pw;
+        if (!x || !lg || !pe || !pw)
+            return n_list; /* prediction is optional: skip it */
+        p->pred_cap_tokens = T;
+    }
+    const float *x = call->hidden;
+    if (call->dtype != QM_DTYPE_F32) {
+        const uint16_t *h = call->hidden;
+        for (size_t i = 0; i < (size_t)T * H; i++)
+            p->pred_x[i] = call->dtype == QM_DTYPE_F16 ? qm_f16_to_f32(h[i]) : qm_bf16_to_f32(h[i]);
+        x = p->pred_x;
+    }
+    qm_status tmp;
+    if (qm_moe_router_logits(cfg, L->view, x, T, p->pred_logits, &tmp))
+        return n_list;
+    qm_moe_route(p->pred_logits, T, (uint32_t)E, (uint32_t)K, p->pred_experts, p->pred_weights);
+    for (size_t i = 0; i < (size_t)T * K && n_list < cap; i++) {
+        uint32_t e = p->pred_experts[i];
+        if (e >= E || L->mark[e])
+            continue;
+        L->mark[e] = 1;
+        list[n_list++] = e;
+    }
+    return n_list;
+}
+
+static size_t qm__predict_history(qm_pager *p, uint32_t next, uint32_t *list, size_t n_list,
+                                  size_t cap)
+{
+    const qm__layer *L = &p->layers[next];
+    for (uint32_t e = 0; e < L->n_experts && n_list < cap; e++) {
+        if (L->mark[e])
+            continue;
+        for (uint32_t h = 0; h < L->hist_count; h++) {
+            if (L->hist[(size_t)h * L->words64 + e / 64] >> (e % 64) & 1) {
+                L->mark[e] = 1;
+                list[n_list++] = e;
+                break;
+            }
+        }
+    }
+    return n_list;
+}
+
+int qm_pager_forward(qm_pager *p, const qm_moe_call *call, qm_moe_stats *mstats, qm_status *st)
+{
+    if (!p || !call)
+        return qm_status_set(st, QM_EINVAL, "qm_pager_forward: NULL argument");
+    qm_moe_call c = *call;
+    size_t need = (size_t)call->n_tokens * p->cfg->k;
+    if (!c.route_experts && need) {
+        if (qm__grow((void **)&p->route_buf, &p->route_cap, need, sizeof(uint32_t)))
+            return qm_status_set(st, QM_ENOMEM, "out of memory for routing scratch");
+        c.route_experts = p->route_buf;
+    }
+    int rc = qm_moe_forward(p->backend, p->bank, &c, &p->source, mstats, st);
+    if (rc || call->n_tokens == 0 || call->layer >= p->n_layers)
+        return rc;
+    qm__pager_history_record(p, call->layer, c.route_experts, need);
+    if (!p->opt.prefetch || p->n_slots == 0)
+        return 0;
+    uint32_t next = (call->layer + 1) % p->n_layers;
+    qm__layer *N = &p->layers[next];
+    if (!N->paged)
+        return 0;
+    if (!p->pred_list) {
+        p->pred_list = qm_malloc(sizeof(uint32_t) * N->n_experts);
+        if (!p->pred_list)
+            return 0; /* prefetch is best effort */
+    }
+    size_t cap = p->opt.max_prefetch ? p->opt.max_prefetch : 2 * need;
+    if (cap > N->n_experts)
+        cap = N->n_experts;
+    size_t n = qm__predict_router(p, call, next, p->pred_list, 0, cap);
+    n = qm__predict_history(p, next, p->pred_list, n, cap);
+    for (size_t i = 0; i < n; i++)
+        N->mark[p->pred_list[i]] = 0;
+    qm_status tmp;
+    (void)qm_pager_prefetch(p, next, p->pred_list, n, &tmp);
+    return 0;
+}
