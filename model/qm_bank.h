@@ -52,8 +52,10 @@ typedef enum qm_bank_tensor {
     QM_T_COUNT
 } qm_bank_tensor;
 
-/* "fc1.weight", "fc1.scales", ..., "router.bias" */
+/* "fc1.weight", "fc1.scales", ..., "router.bias"; NULL when out of range. */
 const char *qm_bank_tensor_suffix(qm_bank_tensor t);
+/* Writes "layers.<layer>.<suffix>" into buf; QM_EINVAL if it does not fit. */
+int qm_bank_tensor_name(uint32_t layer, qm_bank_tensor t, char *buf, size_t size);
 
 /* The model's shape and semantics, from __metadata__. */
 typedef struct qm_bank_config {
@@ -63,7 +65,7 @@ typedef struct qm_bank_config {
     qm_activation activation;
     uint32_t swiglu_fusion; /* 0 separate fc3, 1 interleaved, 2 concatenated */
     int normalize_routing;
-    float alpha, beta, limit; /* swiglu; defaults 1.702, 1.0, +inf */
+    float alpha, beta, limit; /* swiglu; defaults (keys absent) as ORT's: 1.0, 0.0, +inf */
 } qm_bank_config;
 
 /* A tensor inside the mapping. present = 0 for absent optional tensors. */
@@ -109,6 +111,11 @@ const char *const *qm_bank_warnings(const qm_bank *bank, size_t *count);
  * relative to qm_bank_data(). Caller frees it with qm_catalog_free. */
 int qm_bank_build_catalog(const qm_bank *bank, uint32_t layer, qm_region_catalog **out,
                           qm_status *st);
+/* Same, but marks the catalog MISALIGNED when a tensor's offset or per-expert
+ * slice is not a multiple of `alignment` (a backend's copy granularity;
+ * 0 or 1 = no requirement). */
+int qm_bank_build_catalog_aligned(const qm_bank *bank, uint32_t layer, uint64_t alignment,
+                                  qm_region_catalog **out, qm_status *st);
 
 /* One expert's slice of a per-expert tensor: [data, data + qm_expert_slice_bytes). */
 uint64_t qm_expert_slice_bytes(const qm_tensor_view *tv, uint32_t n_experts);

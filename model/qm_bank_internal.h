@@ -1,0 +1,26 @@
+/* qm_bank_internal.h - shared between the model/ sources only. */
+#ifndef QM_BANK_INTERNAL_H
+#define QM_BANK_INTERNAL_H
+
+#include "qm_bank.h"
+#include "qm_st_header.h"
+
+/* Metadata bounds: large enough for any real MoE, small enough that every
+ * product of them fits comfortably in 64 bits. */
+#define QM_BANK_MAX_LAYERS 65536u
+#define QM_BANK_MAX_EXPERTS 65536u
+#define QM_BANK_MAX_DIM (1u << 20)
+
+int qm__dtype_from_st(const char *st_name, qm_dtype *out);
+const char *qm__dtype_st_name(qm_dtype dtype);
+int qm__parse_tensor_name(const char *name, uint32_t n_layers, uint32_t *layer,
+                          qm_bank_tensor *t);
+int qm__config_from_metadata(const qm_st_header *h, qm_bank_config *cfg, qm_status *st);
+int qm__gated_fused(const qm_bank_config *cfg);
+int qm__needs_fc3(const qm_bank_config *cfg);
+/* Checks dtype and shape of layer tensor `t` against cfg; message names `name`. */
+int qm__check_layer_tensor(const qm_bank_config *cfg, const char *name, qm_bank_tensor t,
+                           const qm_tensor_view *tv, qm_status *st);
+void qm__format_shape(char *buf, size_t size, const uint64_t *shape, uint32_t ndim);
+
+#endif
