@@ -1,0 +1,699 @@
+/* bank_create.c - `qmoe-bank create`: a deterministic synthetic bank.
+ *
+ * Weights come from a counter-based generator keyed by (seed, layer,
+ * projection, expert), so any slice can be produced alone: the file is
+ * written expert slice by expert slice with pwrite, and memory stays at one
+ * slice whatever the bank's size. Quantisation follows onnxruntime's QMoE
+ * tests: symmetric scale = absmax / qmax, asymmetric scale = (max - min) /
+ * (2^bits - 1), both floored at 1e-8, codes rounded half to even. */
+#include <errno.h>
+#include <fcntl.h>
+#include <getopt.h>
+#include <math.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "qm_alloc.h"
+#include "qm_bank.h"
+#include "qm_st_header.h"
+#include "qmoe_bank_tool.h"
+
+void qmb_help_create(FILE *f)
+{
+    fputs("usage: qmoe-bank create --out FILE --layers L --experts E --hidden H --inter I\n"
+          "                        --k K --bits 4|8 --block-size BS --activation ACT\n"
+          "                        [--swiglu-fusion 0|1|2] [--asymmetric] [--router]\n"
+          "                        [--seed S] [--scale-dtype f32|f16|bf16] [--no-bias]\n"
+          "                        [--alpha A] [--beta B] [--limit X] [--quiet]\n"
+          "\n"
+          "Writes a deterministic synthetic bank: float weights from a generator seeded by\n"
+          "S (default 1), quantised per row (BS 0) or per block of BS columns (a power of\n"
+          "two >= 16) the way onnxruntime's QMoE tests do: symmetric (implicit zero point\n"
+          "2^(bits-1)) or, with --asymmetric, min/max with packed zero points; scales floored\n"
+          "at 1e-8, rounding half to even. Biases (unless --no-bias) and, with --router, a\n"
+          "router weight [E,H] and bias [E] are included. Scales, biases and the router use\n"
+          "--scale-dtype (default f32). ACT is relu, gelu, silu, swiglu or identity; swiglu\n"
+          "uses --swiglu-fusion (default 1: fc1 rows interleaved gate/linear; 2: gate rows\n"
+          "then linear rows; 0: separate fc3) and --alpha/--beta/--limit (defaults 1, 0,\n"
+          "inf). The same arguments always give the same bytes. The file is written\n"
+          "layer by layer through FILE.partial and renamed when complete; progress is shown\n"
+          "on a terminal for banks over 64 MiB.\n",
+          f);
+}
+
+typedef struct create_opts {
+    const char *out;
+    unsigned layers, experts, hidden, inter, k, bits, block_size, fusion;
+    int fusion_set, asymmetric, router, bias, quiet;
+    unsigned long long seed;
+    qm_dtype scale_dtype;
+    float alpha, beta, limit;
+    qm_activation act;
+} create_opts;
+
+/* ---- generator: splitmix64 over a counter ---------------------------------- */
+
+static uint64_t mix64(uint64_t z)
+{
+    z += 0x9e3779b97f4a7c15ull;
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+    return z ^ (z >> 31);
+}
+
+typedef struct rng {
+    uint64_t state;
+} rng;
+
+static rng rng_for(unsigned long long seed, uint32_t layer, uint32_t stream, uint32_t expert)
+{
+    rng r = {mix64(mix64(mix64(seed) ^ layer) ^ ((uint64_t)stream << 32 | expert))};
+    return r;
+}
+
+/* Uniform in [-1, 1). */
+static float rng_uniform(rng *r)
+{
+    r->state += 0x9e3779b97f4a7c15ull;
+    uint64_t z = mix64(r->state);
+    return (float)((double)(z >> 40) / (double)(1ull << 23) - 1.0);
+}
+
+/* ---- f16 / bf16 encodings (round to nearest even) -------------------------- */
+
+static uint16_t f32_to_bf16(float f)
+{
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if ((u & 0x7fffffff) > 0x7f800000)
+        return (uint16_t)((u >> 16) | 0x40);
+    u += 0x7fff + ((u >> 16) & 1);
+    return (uint16_t)(u >> 16);
+}
+
+static uint16_t f32_to_f16(float f)
+{
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    uint32_t sign = (u >> 16) & 0x8000;
+    uint32_t mag = u & 0x7fffffff;
+    if (mag > 0x7f800000)
+        return (uint16_t)(sign | 0x7e00);
+    if (mag >= 0x477ff000) /* rounds to >= 65520: overflow to inf */
+        return (uint16_t)(sign | 0x7c00);
+    if (mag < 0x38800000) { /* subnormal or zero in f16 */
+        float a;
+        memcpy(&a, &mag, 4);
+        /* a * 2^24 rounded to even gives the subnormal mantissa */
+        float scaled = a * 16777216.0f;
+        uint32_t m = (uint32_t)rintf(scaled);
+        return (uint16_t)(sign | m);
+    }
+    uint32_t exp = (mag >> 23) - 127 + 15;
+    uint32_t mant = mag & 0x7fffff;
+    uint32_t h = (exp << 10) | (mant >> 13);
+    uint32_t rest = mant & 0x1fff;
+    if (rest > 0x1000 || (rest == 0x1000 && (h & 1)))
+        h++;
+    return (uint16_t)(sign | h);
+}
+
+static void store_float(void *dst, size_t i, float v, qm_dtype dt)
+{
+    if (dt == QM_DTYPE_F32) {
+        memcpy((uint8_t *)dst + 4 * i, &v, 4);
+    } else {
+        uint16_t h = dt == QM_DTYPE_F16 ? f32_to_f16(v) : f32_to_bf16(v);
+        memcpy((uint8_t *)dst + 2 * i, &h, 2);
+    }
+}
+
+/* ---- the file layout ------------------------------------------------------- */
+
+typedef struct planned {
+    int present;
+    qm_dtype dtype;
+    uint32_t ndim;
+    uint64_t shape[3];
+    uint64_t nbytes;
+    uint64_t begin;
+} planned;
+
+static uint64_t ceil_div(uint64_t a, uint64_t b) { return (a + b - 1) / b; }
+
+/* Rows and reduction length of projection p (1, 2, 3). */
+static void proj_nk(const create_opts *o, int p, uint64_t *n, uint64_t *k)
+{
+    int fused = o->act == QM_ACT_SWIGLU && o->fusion != 0;
+    if (p == 1) {
+        *n = fused ? 2ull * o->inter : o->inter;
+        *k = o->hidden;
+    } else if (p == 2) {
+        *n = o->hidden;
+        *k = o->inter;
+    } else {
+        *n = o->inter;
+        *k = o->hidden;
+    }
+}
+
+static void plan_layer(const create_opts *o, planned *t)
+{
+    uint64_t e = o->experts, pack = 8 / o->bits;
+    memset(t, 0, QM_T_COUNT * sizeof *t);
+    int nproj = o->act == QM_ACT_SWIGLU && o->fusion == 0 ? 3 : 2;
+    for (int p = 1; p <= nproj; p++) {
+        uint64_t n, k;
+        proj_nk(o, p, &n, &k);
+        uint64_t nblk = o->block_size ? ceil_div(k, o->block_size) : 1;
+        planned *w = &t[(p - 1) * 4];
+        w[0] = (planned){1, QM_DTYPE_U8, 3, {e, n, k / pack}, 0, 0};
+        w[1] = o->block_size ? (planned){1, o->scale_dtype, 3, {e, n, nblk}, 0, 0}
+                             : (planned){1, o->scale_dtype, 2, {e, n, 0}, 0, 0};
+        if (o->asymmetric)
+            w[2] = o->block_size ? (planned){1, QM_DTYPE_U8, 3, {e, n, ceil_div(nblk, pack)}, 0, 0}
+                                 : (planned){1, QM_DTYPE_U8, 2, {e, ceil_div(n, pack), 0}, 0, 0};
+        if (o->bias)
+            w[3] = (planned){1, o->scale_dtype, 2, {e, n, 0}, 0, 0};
+    }
+    if (o->router) {
+        t[QM_T_ROUTER_WEIGHT] = (planned){1, o->scale_dtype, 2, {e, o->hidden, 0}, 0, 0};
+        t[QM_T_ROUTER_BIAS] = (planned){1, o->scale_dtype, 1, {e, 0, 0}, 0, 0};
+    }
+    for (int i = 0; i < QM_T_COUNT; i++)
+        if (t[i].present) {
+            t[i].nbytes = qm_dtype_size(t[i].dtype);
+            for (uint32_t d = 0; d < t[i].ndim; d++)
+                t[i].nbytes *= t[i].shape[d];
+        }
+}
+
+static const char *st_dtype(qm_dtype d)
+{
+    return d == QM_DTYPE_F32 ? "F32" : d == QM_DTYPE_F16 ? "F16" : d == QM_DTYPE_BF16 ? "BF16" : "U8";
+}
+
+/* ---- quantisation ------------------------------------------------------------ */
+
+/* Quantises one row of k floats into codes (unpacked, one per column), the
+ * row's scales[nblk] and zero points[nblk] (asymmetric only). */
+static void quantise_row(const float *w, uint64_t k, uint64_t bs, unsigned bits, int asym,
+                         uint8_t *codes, float *scales, uint8_t *zps)
+{
+    uint64_t step = bs ? bs : k;
+    int qmax_sym = (1 << (bits - 1)) - 1, qmin_sym = -(1 << (bits - 1));
+    int smax = (1 << bits) - 1, offset = 1 << (bits - 1);
+    for (uint64_t b = 0, lo = 0; lo < k; b++, lo += step) {
+        uint64_t hi = lo + step < k ? lo + step : k;
+        if (!asym) {
+            float amax = 0;
+            for (uint64_t c = lo; c < hi; c++)
+                amax = fmaxf(amax, fabsf(w[c]));
+            float scale = amax / (float)qmax_sym;
+            if (scale < 1e-8f)
+                scale = 1e-8f;
+            for (uint64_t c = lo; c < hi; c++) {
+                double q = rint((double)w[c] / (double)scale);
+                q = q < qmin_sym ? qmin_sym : q > qmax_sym ? qmax_sym : q;
+                codes[c] = (uint8_t)((int)q + offset);
+            }
+            scales[b] = scale;
+        } else {
+            float mn = w[lo], mx = w[lo];
+            for (uint64_t c = lo; c < hi; c++) {
+                mn = fminf(mn, w[c]);
+                mx = fmaxf(mx, w[c]);
+            }
+            float scale = (mx - mn) / (float)smax;
+            if (scale < 1e-8f)
+                scale = 1e-8f;
+            double zpf = 0.0 - (double)mn / (double)scale;
+            double zpi = rint(zpf);
+            zpi = zpi < 0 ? 0 : zpi > smax ? smax : zpi;
+            for (uint64_t c = lo; c < hi; c++) {
+                double q = rint((double)w[c] / (double)scale + zpf);
+                q = q < 0 ? 0 : q > smax ? smax : q;
+                codes[c] = (uint8_t)q;
+            }
+            scales[b] = scale;
+            zps[b] = (uint8_t)zpi;
+        }
+    }
+}
+
+/* ---- writing ------------------------------------------------------------------ */
+
+typedef struct writer {
+    int fd;
+    const char *path;
+    uint64_t written, total;
+    int progress;
+    time_t last;
+} writer;
+
+static int put(writer *wr, const void *buf, uint64_t n, uint64_t at)
+{
+    const uint8_t *p = buf;
+    while (n) {
+        ssize_t k = pwrite(wr->fd, p, n > (1u << 30) ? (1u << 30) : (size_t)n, (off_t)at);
+        if (k < 0) {
+            if (errno == EINTR)
+                continue;
+            fprintf(stderr, "qmoe-bank create: writing %s: %s\n", wr->path, strerror(errno));
+            return -1;
+        }
+        p += k;
+        at += (uint64_t)k;
+        n -= (uint64_t)k;
+        wr->written += (uint64_t)k;
+    }
+    if (wr->progress) {
+        time_t now = time(NULL);
+        if (now != wr->last) {
+            wr->last = now;
+            fprintf(stderr, "\rcreate: %5.1f%% (%llu of %llu MiB)",
+                    100.0 * (double)wr->written / (double)wr->total,
+                    (unsigned long long)(wr->written >> 20), (unsigned long long)(wr->total >> 20));
+        }
+    }
+    return 0;
+}
+
+/* Writes projection p of one layer, expert by expert. */
+static int write_projection(const create_opts *o, writer *wr, uint64_t data_start, uint32_t layer,
+                            int p, const planned *t)
+{
+    uint64_t n, k;
+    proj_nk(o, p, &n, &k);
+    uint64_t pack = 8 / o->bits, bs = o->block_size;
+    uint64_t nblk = bs ? ceil_div(k, bs) : 1;
+    const planned *pw = &t[(p - 1) * 4];
+    uint64_t w_slice = pw[0].nbytes / o->experts, s_slice = pw[1].nbytes / o->experts;
+    uint64_t z_slice = pw[2].present ? pw[2].nbytes / o->experts : 0;
+    uint64_t b_slice = pw[3].present ? pw[3].nbytes / o->experts : 0;
+    float *row = qm_malloc(k * sizeof *row);
+    float *row_scales = qm_malloc(nblk * sizeof *row_scales);
+    uint8_t *codes = qm_malloc(k);
+    uint8_t *row_zps = qm_calloc(nblk, 1);
+    uint8_t *wbuf = qm_malloc(w_slice);
+    uint8_t *sbuf = qm_malloc(s_slice);
+    uint8_t *zbuf = qm_calloc(z_slice ? z_slice : 1, 1);
+    uint8_t *bbuf = qm_malloc(b_slice ? b_slice : 1);
+    int rc = -1;
+    if (!row || !row_scales || !codes || !row_zps || !wbuf || !sbuf || !zbuf || !bbuf) {
+        fprintf(stderr, "qmoe-bank create: out of memory for one expert slice\n");
+        goto done;
+    }
+    float wscale = 1.0f / sqrtf((float)k);
+    for (uint32_t e = 0; e < o->experts; e++) {
+        rng r = rng_for(o->seed, layer, (uint32_t)p, e);
+        memset(zbuf, 0, z_slice);
+        for (uint64_t row_i = 0; row_i < n; row_i++) {
+            for (uint64_t c = 0; c < k; c++)
+                row[c] = rng_uniform(&r) * wscale;
+            quantise_row(row, k, bs, o->bits, o->asymmetric, codes, row_scales, row_zps);
+            uint8_t *dst = wbuf + row_i * (k / pack);
+            memset(dst, 0, k / pack);
+            for (uint64_t c = 0; c < k; c++)
+                dst[c / pack] |= (uint8_t)(codes[c] << ((c % pack) * o->bits));
+            for (uint64_t b = 0; b < nblk; b++)
+                store_float(sbuf, row_i * nblk + b, row_scales[b], o->scale_dtype);
+            if (o->asymmetric) {
+                if (bs) { /* [N, ceil(nblk/pack)], packed along blocks */
+                    uint64_t per_row = ceil_div(nblk, pack);
+                    for (uint64_t b = 0; b < nblk; b++)
+                        zbuf[row_i * per_row + b / pack] |=
+                            (uint8_t)(row_zps[b] << ((b % pack) * o->bits));
+                } else { /* [ceil(N/pack)], packed along rows */
+                    zbuf[row_i / pack] |= (uint8_t)(row_zps[0] << ((row_i % pack) * o->bits));
+                }
+            }
+        }
+        if (o->bias) {
+            rng rb = rng_for(o->seed, layer, (uint32_t)p + 16, e);
+            for (uint64_t i = 0; i < n; i++)
+                store_float(bbuf, i, 0.1f * rng_uniform(&rb), o->scale_dtype);
+        }
+        if (put(wr, wbuf, w_slice, data_start + pw[0].begin + e * w_slice) ||
+            put(wr, sbuf, s_slice, data_start + pw[1].begin + e * s_slice) ||
+            (z_slice && put(wr, zbuf, z_slice, data_start + pw[2].begin + e * z_slice)) ||
+            (b_slice && put(wr, bbuf, b_slice, data_start + pw[3].begin + e * b_slice)))
+            goto done;
+    }
+    rc = 0;
+done:
+    qm_free(row);
+    qm_free(row_scales);
+    qm_free(codes);
+    qm_free(row_zps);
+    qm_free(wbuf);
+    qm_free(sbuf);
+    qm_free(zbuf);
+    qm_free(bbuf);
+    return rc;
+}
+
+static int write_router(const create_opts *o, writer *wr, uint64_t data_start, uint32_t layer,
+                        const planned *t)
+{
+    const planned *rw = &t[QM_T_ROUTER_WEIGHT], *rb = &t[QM_T_ROUTER_BIAS];
+    uint8_t *buf = qm_malloc(rw->nbytes);
+    uint8_t *bbuf = qm_malloc(rb->nbytes);
+    int rc = -1;
+    if (!buf || !bbuf) {
+        fprintf(stderr, "qmoe-bank create: out of memory for the router\n");
+        goto done;
+    }
+    rng r = rng_for(o->seed, layer, 32, 0);
+    float s = 1.0f / sqrtf((float)o->hidden);
+    for (uint64_t i = 0; i < (uint64_t)o->experts * o->hidden; i++)
+        store_float(buf, i, s * rng_uniform(&r), rw->dtype);
+    for (uint64_t i = 0; i < o->experts; i++)
+        store_float(bbuf, i, 0.1f * rng_uniform(&r), rb->dtype);
+    rc = put(wr, buf, rw->nbytes, data_start + rw->begin) ||
+                 put(wr, bbuf, rb->nbytes, data_start + rb->begin)
+             ? -1
+             : 0;
+done:
+    qm_free(buf);
+    qm_free(bbuf);
+    return rc;
+}
+
+static void fmt_float(char *buf, size_t n, float v)
+{
+    if (isinf(v))
+        snprintf(buf, n, "%s", v > 0 ? "inf" : "-inf");
+    else
+        snprintf(buf, n, "%.9g", (double)v);
+}
+
+static int write_bank(const create_opts *o)
+{
+    planned *plan = NULL;
+    qm_st_tensor *tensors = NULL;
+    char *json = NULL, *partial = NULL;
+    size_t json_len = 0;
+    int fd = -1, rc = QMB_FAIL;
+    size_t n_tensors = 0;
+    qm_status st;
+
+    plan = qm_calloc((size_t)o->layers * QM_T_COUNT, sizeof *plan);
+    tensors = qm_calloc((size_t)o->layers * QM_T_COUNT, sizeof *tensors);
+    if (!plan || !tensors) {
+        fprintf(stderr, "qmoe-bank create: out of memory planning %u layers\n", o->layers);
+        goto done;
+    }
+    for (uint32_t l = 0; l < o->layers; l++)
+        plan_layer(o, &plan[(size_t)l * QM_T_COUNT]);
+    /* Like the Python writer: wider elements first, so every tensor stays
+     * aligned to its element size with no holes between tensors. */
+    uint64_t off = 0;
+    static const size_t widths[] = {4, 2, 1};
+    for (size_t wi = 0; wi < 3; wi++)
+        for (uint32_t l = 0; l < o->layers; l++)
+            for (int t = 0; t < QM_T_COUNT; t++) {
+                planned *p = &plan[(size_t)l * QM_T_COUNT + t];
+                if (!p->present || qm_dtype_size(p->dtype) != widths[wi])
+                    continue;
+                p->begin = off;
+                off += p->nbytes;
+            }
+    uint64_t data_bytes = off;
+    for (uint32_t l = 0; l < o->layers; l++)
+        for (int t = 0; t < QM_T_COUNT; t++) {
+            planned *p = &plan[(size_t)l * QM_T_COUNT + t];
+            if (!p->present)
+                continue;
+            qm_st_tensor *st_t = &tensors[n_tensors++];
+            st_t->name = qm_malloc(64);
+            if (!st_t->name) {
+                fprintf(stderr, "qmoe-bank create: out of memory\n");
+                goto done;
+            }
+            qm_bank_tensor_name(l, (qm_bank_tensor)t, st_t->name, 64);
+            snprintf(st_t->dtype, sizeof st_t->dtype, "%s", st_dtype(p->dtype));
+            st_t->ndim = p->ndim;
+            memcpy(st_t->shape, p->shape, sizeof p->shape);
+            st_t->begin = p->begin;
+            st_t->end = p->begin + p->nbytes;
+        }
+
+    char v[12][32];
+    snprintf(v[0], 32, "%u", o->layers);
+    snprintf(v[1], 32, "%u", o->experts);
+    snprintf(v[2], 32, "%u", o->hidden);
+    snprintf(v[3], 32, "%u", o->inter);
+    snprintf(v[4], 32, "%u", o->k);
+    snprintf(v[5], 32, "%u", o->bits);
+    snprintf(v[6], 32, "%u", o->block_size);
+    snprintf(v[7], 32, "%u", o->fusion);
+    fmt_float(v[8], 32, o->alpha);
+    fmt_float(v[9], 32, o->beta);
+    fmt_float(v[10], 32, o->limit);
+    qm_st_meta meta[] = {
+        {"qmoe.format", "1"},
+        {"qmoe.layers", v[0]},
+        {"qmoe.experts", v[1]},
+        {"qmoe.hidden_size", v[2]},
+        {"qmoe.inter_size", v[3]},
+        {"qmoe.k", v[4]},
+        {"qmoe.activation", (char *)qm_activation_name(o->act)},
+        {"qmoe.bits", v[5]},
+        {"qmoe.block_size", v[6]},
+        {"qmoe.swiglu_fusion", v[7]},
+        {"qmoe.normalize_routing_weights", "1"},
+        {"qmoe.activation_alpha", v[8]},
+        {"qmoe.activation_beta", v[9]},
+        {"qmoe.swiglu_limit", v[10]},
+    };
+    if (qm_st_header_format(tensors, n_tensors, meta, sizeof meta / sizeof meta[0], 8, &json,
+                            &json_len, &st) != 0) {
+        fprintf(stderr, "qmoe-bank create: %s\n", st.msg);
+        goto done;
+    }
+
+    size_t plen = strlen(o->out) + sizeof ".partial";
+    partial = qm_malloc(plen);
+    if (!partial)
+        goto done;
+    snprintf(partial, plen, "%s.partial", o->out);
+    fd = open(partial, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+    if (fd < 0) {
+        fprintf(stderr, "qmoe-bank create: cannot create %s: %s\n", partial, strerror(errno));
+        goto done;
+    }
+    uint64_t data_start = 8 + json_len, total = data_start + data_bytes;
+    writer wr = {.fd = fd, .path = partial, .total = total,
+                 .progress = !o->quiet && isatty(2) && total > (64ull << 20)};
+    if (ftruncate(fd, (off_t)total) != 0) {
+        fprintf(stderr, "qmoe-bank create: cannot size %s to %llu bytes: %s\n", partial,
+                (unsigned long long)total, strerror(errno));
+        goto fail_file;
+    }
+    uint8_t len_le[8];
+    for (int i = 0; i < 8; i++)
+        len_le[i] = (uint8_t)((uint64_t)json_len >> (8 * i));
+    if (put(&wr, len_le, 8, 0) || put(&wr, json, json_len, 8))
+        goto fail_file;
+    int nproj = o->act == QM_ACT_SWIGLU && o->fusion == 0 ? 3 : 2;
+    for (uint32_t l = 0; l < o->layers; l++) {
+        const planned *t = &plan[(size_t)l * QM_T_COUNT];
+        for (int p = 1; p <= nproj; p++)
+            if (write_projection(o, &wr, data_start, l, p, t) != 0)
+                goto fail_file;
+        if (o->router && write_router(o, &wr, data_start, l, t) != 0)
+            goto fail_file;
+    }
+    if (wr.progress)
+        fprintf(stderr, "\rcreate: 100.0%% (%llu MiB)          \n",
+                (unsigned long long)(total >> 20));
+    if (close(fd) != 0) {
+        fd = -1;
+        fprintf(stderr, "qmoe-bank create: closing %s: %s\n", partial, strerror(errno));
+        goto fail_file;
+    }
+    fd = -1;
+    if (rename(partial, o->out) != 0) {
+        fprintf(stderr, "qmoe-bank create: cannot rename %s to %s: %s\n", partial, o->out,
+                strerror(errno));
+        goto fail_file;
+    }
+    if (!o->quiet)
+        printf("wrote %s: %u layers, %u experts, %llu bytes\n", o->out, o->layers, o->experts,
+               (unsigned long long)total);
+    rc = QMB_OK;
+    goto done;
+fail_file:
+    if (fd >= 0)
+        close(fd);
+    fd = -1;
+    unlink(partial);
+done:
+    if (fd >= 0)
+        close(fd);
+    for (size_t i = 0; i < n_tensors; i++)
+        qm_free(tensors[i].name);
+    qm_free(tensors);
+    qm_free(plan);
+    qm_free(json);
+    qm_free(partial);
+    return rc;
+}
+
+static int bad(const char *what)
+{
+    fprintf(stderr, "qmoe-bank create: %s (see qmoe-bank create --help)\n", what);
+    return QMB_USAGE;
+}
+
+static int parse_float_opt(const char *s, float *out)
+{
+    char *end = NULL;
+    float f = strtof(s, &end);
+    if (!*s || *end || isnan(f))
+        return -1;
+    *out = f;
+    return 0;
+}
+
+int qmb_create(int argc, char **argv)
+{
+    enum { O_OUT = 256, O_LAYERS, O_EXPERTS, O_HIDDEN, O_INTER, O_K, O_BITS, O_BS, O_ACT,
+           O_FUSION, O_ASYM, O_ROUTER, O_SEED, O_SDT, O_NOBIAS, O_ALPHA, O_BETA, O_LIMIT,
+           O_QUIET, O_HELP };
+    static const struct option longopts[] = {
+        {"out", required_argument, 0, O_OUT},        {"layers", required_argument, 0, O_LAYERS},
+        {"experts", required_argument, 0, O_EXPERTS}, {"hidden", required_argument, 0, O_HIDDEN},
+        {"inter", required_argument, 0, O_INTER},    {"k", required_argument, 0, O_K},
+        {"bits", required_argument, 0, O_BITS},      {"block-size", required_argument, 0, O_BS},
+        {"activation", required_argument, 0, O_ACT},
+        {"swiglu-fusion", required_argument, 0, O_FUSION},
+        {"asymmetric", no_argument, 0, O_ASYM},      {"router", no_argument, 0, O_ROUTER},
+        {"seed", required_argument, 0, O_SEED},      {"scale-dtype", required_argument, 0, O_SDT},
+        {"no-bias", no_argument, 0, O_NOBIAS},       {"alpha", required_argument, 0, O_ALPHA},
+        {"beta", required_argument, 0, O_BETA},      {"limit", required_argument, 0, O_LIMIT},
+        {"quiet", no_argument, 0, O_QUIET},          {"help", no_argument, 0, O_HELP},
+        {0, 0, 0, 0}};
+    create_opts o = {.bias = 1, .seed = 1, .scale_dtype = QM_DTYPE_F32, .alpha = 1.0f,
+                     .beta = 0.0f, .limit = INFINITY, .block_size = 0};
+    int have_act = 0, have_bits = 0, have_bs = 0;
+    unsigned *u32_target[O_HELP + 1] = {0};
+    u32_target[O_LAYERS] = &o.layers;
+    u32_target[O_EXPERTS] = &o.experts;
+    u32_target[O_HIDDEN] = &o.hidden;
+    u32_target[O_INTER] = &o.inter;
+    u32_target[O_K] = &o.k;
+    u32_target[O_BITS] = &o.bits;
+    u32_target[O_BS] = &o.block_size;
+    u32_target[O_FUSION] = &o.fusion;
+    optind = 1;
+    opterr = 0;
+    int c;
+    while ((c = getopt_long(argc, argv, "", longopts, NULL)) != -1) {
+        char msg[160];
+        if (c == '?') {
+            snprintf(msg, sizeof msg, "unknown or incomplete option \"%.64s\"", argv[optind - 1]);
+            return bad(msg);
+        }
+        if (c >= O_LAYERS && c <= O_FUSION && u32_target[c]) {
+            if (qmb_parse_u32(optarg, 1u << 24, u32_target[c]) != 0) {
+                snprintf(msg, sizeof msg, "--%s wants a non-negative integer, got \"%.32s\"",
+                         longopts[c - O_OUT].name, optarg);
+                return bad(msg);
+            }
+            have_bits |= c == O_BITS;
+            have_bs |= c == O_BS;
+            o.fusion_set |= c == O_FUSION;
+            continue;
+        }
+        switch (c) {
+        case O_OUT:
+            o.out = optarg;
+            break;
+        case O_ACT:
+            if (qm_activation_parse(optarg, &o.act) != 0)
+                return bad("--activation must be relu, gelu, silu, swiglu or identity");
+            have_act = 1;
+            break;
+        case O_ASYM:
+            o.asymmetric = 1;
+            break;
+        case O_ROUTER:
+            o.router = 1;
+            break;
+        case O_NOBIAS:
+            o.bias = 0;
+            break;
+        case O_QUIET:
+            o.quiet = 1;
+            break;
+        case O_SEED: {
+            char *end = NULL;
+            errno = 0;
+            o.seed = strtoull(optarg, &end, 10);
+            if (!*optarg || *end || errno)
+                return bad("--seed wants a non-negative integer");
+            break;
+        }
+        case O_SDT:
+            if (strcmp(optarg, "f32") == 0)
+                o.scale_dtype = QM_DTYPE_F32;
+            else if (strcmp(optarg, "f16") == 0)
+                o.scale_dtype = QM_DTYPE_F16;
+            else if (strcmp(optarg, "bf16") == 0)
+                o.scale_dtype = QM_DTYPE_BF16;
+            else
+                return bad("--scale-dtype must be f32, f16 or bf16");
+            break;
+        case O_ALPHA:
+            if (parse_float_opt(optarg, &o.alpha) || isinf(o.alpha))
+                return bad("--alpha wants a finite number");
+            break;
+        case O_BETA:
+            if (parse_float_opt(optarg, &o.beta) || isinf(o.beta))
+                return bad("--beta wants a finite number");
+            break;
+        case O_LIMIT:
+            if (parse_float_opt(optarg, &o.limit) || !(o.limit > 0))
+                return bad("--limit wants a number > 0 (or inf)");
+            break;
+        case O_HELP:
+            qmb_help_create(stdout);
+            return QMB_OK;
+        }
+    }
+    if (optind < argc)
+        return bad("unexpected positional argument");
+    if (!o.out)
+        return bad("--out FILE is required");
+    if (!o.layers || !o.experts || !o.hidden || !o.inter || !o.k)
+        return bad("--layers, --experts, --hidden, --inter and --k are required and must be >= 1");
+    if (!have_bits || !have_bs || !have_act)
+        return bad("--bits, --block-size and --activation are required");
+    if (o.layers > 65536 || o.experts > 65536 || o.hidden > (1u << 20) || o.inter > (1u << 20))
+        return bad("--layers/--experts at most 65536, --hidden/--inter at most 1048576");
+    if (o.k > o.experts)
+        return bad("--k must not exceed --experts");
+    if (o.bits != 4 && o.bits != 8)
+        return bad("--bits must be 4 or 8");
+    if (o.block_size && (o.block_size < 16 || (o.block_size & (o.block_size - 1))))
+        return bad("--block-size must be 0 or a power of two >= 16");
+    unsigned pack = 8 / o.bits;
+    if (o.hidden % pack || o.inter % pack)
+        return bad("--hidden and --inter must be multiples of 8/bits (codes are packed)");
+    if (o.fusion > 2)
+        return bad("--swiglu-fusion must be 0, 1 or 2");
+    if (o.act != QM_ACT_SWIGLU) {
+        if (o.fusion_set && o.fusion != 0)
+            return bad("--swiglu-fusion applies to --activation swiglu only");
+        o.fusion = 0;
+    } else if (!o.fusion_set) {
+        o.fusion = 1;
+    }
+    return write_bank(&o);
+}

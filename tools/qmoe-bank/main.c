@@ -1,0 +1,78 @@
+/* qmoe-bank - create, inspect and run expert bank files. */
+#include <stdlib.h>
+#include <string.h>
+
+#include "qmoe_bank_tool.h"
+
+static void help_main(FILE *f)
+{
+    fputs("usage: qmoe-bank <command> [options]\n"
+          "\n"
+          "Expert bank files: safetensors files holding the initializers of ONNX Runtime's\n"
+          "com.microsoft.QMoE operator for every MoE layer of a model (docs/BANK_FORMAT.md).\n"
+          "\n"
+          "commands:\n"
+          "  create   write a deterministic synthetic bank (seeded weights, quantised)\n"
+          "  inspect  validate a bank and print its summary, tensors and region catalogs\n"
+          "  run      run one MoE layer of a bank on the CPU engine (.npy in, .npy out)\n"
+          "\n"
+          "`qmoe-bank <command> --help` describes each command.\n"
+          "exit status: 0 ok, 1 runtime failure, 2 bad usage or invalid file.\n",
+          f);
+}
+
+int qmb_parse_u32(const char *s, unsigned long long max, unsigned *out)
+{
+    if (!s || !*s)
+        return -1;
+    unsigned long long v = 0;
+    for (const char *p = s; *p; p++) {
+        if (*p < '0' || *p > '9')
+            return -1;
+        v = v * 10 + (unsigned long long)(*p - '0');
+        if (v > max || v > 0xffffffffull)
+            return -1;
+    }
+    *out = (unsigned)v;
+    return 0;
+}
+
+void qmb_json_string(FILE *f, const char *s)
+{
+    fputc('"', f);
+    for (const unsigned char *c = (const unsigned char *)s; *c; c++) {
+        if (*c == '"' || *c == '\\')
+            fprintf(f, "\\%c", *c);
+        else if (*c < 0x20)
+            fprintf(f, "\\u%04x", *c);
+        else
+            fputc(*c, f);
+    }
+    fputc('"', f);
+}
+
+int main(int argc, char **argv)
+{
+    if (argc < 2) {
+        help_main(stderr);
+        return QMB_USAGE;
+    }
+    const char *cmd = argv[1];
+    if (strcmp(cmd, "--help") == 0 || strcmp(cmd, "-h") == 0 || strcmp(cmd, "help") == 0) {
+        help_main(stdout);
+        return QMB_OK;
+    }
+    if (strcmp(cmd, "--version") == 0) {
+        printf("qmoe-bank %s\n", QMOE_VERSION);
+        return QMB_OK;
+    }
+    if (strcmp(cmd, "create") == 0)
+        return qmb_create(argc - 1, argv + 1);
+    if (strcmp(cmd, "inspect") == 0)
+        return qmb_inspect(argc - 1, argv + 1);
+    if (strcmp(cmd, "run") == 0)
+        return qmb_run(argc - 1, argv + 1);
+    fprintf(stderr, "qmoe-bank: unknown command \"%.64s\" (create, inspect, run; see --help)\n",
+            cmd);
+    return QMB_USAGE;
+}
