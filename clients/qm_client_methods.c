@@ -1,0 +1,723 @@
+/* qm_client_methods.c - one typed helper per PROTOCOL.md method: build the
+ * params tree, make the call, copy the result into cJSON-free C structs. */
+#include <math.h>
+#include <stdio.h>
+#include <string.h>
+
+#include "qm_alloc.h"
+#include "qm_client_internal.h"
+
+#define QM__NOMEM(err) qm__client_fail((err), QM_CLIENT_ENOMEM, "out of memory")
+
+static uint64_t qm__u64(const qm_cval *o, const char *key)
+{
+    uint64_t v = 0;
+    return qm_cval_get_u64(o, key, &v) == 0 ? v : 0;
+}
+
+static double qm__dbl(const qm_cval *o, const char *key)
+{
+    double v = 0;
+    return qm_cval_get_double(o, key, &v) == 0 ? v : 0;
+}
+
+/* A count the daemon may send as a number or as the list itself. */
+static uint64_t qm__count(const qm_cval *o, const char *key)
+{
+    const qm_cval *v = qm_cval_get(o, key);
+    if (v && (v->type == QM_CVAL_ARRAY || v->type == QM_CVAL_OBJECT))
+        return v->count;
+    return qm__u64(o, key);
+}
+
+static qm_cval *qm__params(void) { return qm_cval_new(QM_CVAL_OBJECT); }
+
+/* Adds a string member; on failure frees `p` and returns NULL. */
+static qm_cval *qm__with_str(qm_cval *p, const char *key, const char *s)
+{
+    if (!p || qm_cval_append(p, key, qm_cval_new_string(s)) < 0) {
+        qm_cval_free(p);
+        return NULL;
+    }
+    return p;
+}
+
+static qm_cval *qm__with_num(qm_cval *p, const char *key, double v)
+{
+    if (!p || qm_cval_append(p, key, qm_cval_new_number(v)) < 0) {
+        qm_cval_free(p);
+        return NULL;
+    }
+    return p;
+}
+
+static int qm__bad_result(qm_client_error *err, const char *method, const char *what)
+{
+    return qm__client_fail(err, QM_CLIENT_EPROTO, "qmoed's answer to %s lacks %s", method, what);
+}
+
+/* ---------- daemon.status ---------- */
+
+void qm_client_status_free(qm_client_status *s)
+{
+    if (!s)
+        return;
+    qm_free(s->version);
+    qm_free(s->backend);
+    qm_free(s->device_name);
+    memset(s, 0, sizeof(*s));
+}
+
+int qm_client_daemon_status(qm_client *c, qm_client_status *out, qm_client_error *err)
+{
+    qm_cval *r = NULL;
+    memset(out, 0, sizeof(*out));
+    int rc = qm__client_call(c, "daemon.status", NULL, &r, err);
+    if (rc < 0)
+        return rc;
+    if (r->type != QM_CVAL_OBJECT) {
+        rc = qm__bad_result(err, "daemon.status", "an object");
+        goto out;
+    }
+    const qm_cval *dev = qm_cval_get(r, "device");
+    out->uptime_s = qm__dbl(r, "uptime_s");
+    out->device_total_bytes = qm__u64(dev, "total_bytes");
+    out->device_budget_bytes = qm__u64(dev, "budget_bytes");
+    out->device_used_bytes = qm__u64(dev, "used_bytes");
+    out->models = qm__count(r, "models");
+    out->sessions = qm__count(r, "sessions");
+    out->connections = qm__count(r, "connections");
+    if (qm__client_dup_member(r, "version", &out->version) < 0 ||
+        qm__client_dup_member(r, "backend", &out->backend) < 0 ||
+        qm__client_dup_member(dev, "name", &out->device_name) < 0) {
+        qm_client_status_free(out);
+        rc = QM__NOMEM(err);
+    }
+out:
+    qm_cval_free(r);
+    return rc;
+}
+
+/* ---------- models ---------- */
+
+void qm_client_model_free(qm_client_model *m)
+{
+    if (!m)
+        return;
+    qm_free(m->name);
+    qm_free(m->path);
+    qm_free(m->activation);
+    memset(m, 0, sizeof(*m));
+}
+
+void qm_client_models_free(qm_client_model *models, size_t count)
+{
+    for (size_t i = 0; models && i < count; i++)
+        qm_client_model_free(&models[i]);
+    qm_free(models);
+}
+
+static int qm__model_from(const qm_cval *o, qm_client_model *m)
+{
+    memset(m, 0, sizeof(*m));
+    m->layers = qm__u64(o, "layers");
+    m->experts = qm__u64(o, "experts");
+    m->hidden_size = qm__u64(o, "hidden_size");
+    m->inter_size = qm__u64(o, "inter_size");
+    m->k = qm__u64(o, "k");
+    m->bits = qm__u64(o, "bits");
+    m->block_size = qm__u64(o, "block_size");
+    m->bytes_total = qm__u64(o, "bytes_total");
+    m->bytes_per_expert = qm__u64(o, "bytes_per_expert");
+    if (qm__client_dup_member(o, "name", &m->name) < 0 ||
+        qm__client_dup_member(o, "path", &m->path) < 0 ||
+        qm__client_dup_member(o, "activation", &m->activation) < 0) {
+        qm_client_model_free(m);
+        return QM_CLIENT_ENOMEM;
+    }
+    return 0;
+}
+
+int qm_client_model_load(qm_client *c, const char *name, const char *path,
+                         qm_client_model *out, qm_client_error *err)
+{
+    qm_cval *r = NULL;
+    if (out)
+        memset(out, 0, sizeof(*out));
+    if (!name || !path)
+        return qm__client_fail(err, QM_CLIENT_EINVAL, "model.load needs a name and a path");
+    qm_cval *p = qm__with_str(qm__with_str(qm__params(), "name", name), "path", path);
+    if (!p)
+        return QM__NOMEM(err);
+    int rc = qm__client_call(c, "model.load", p, &r, err);
+    if (rc == 0 && out && qm__model_from(r, out) < 0)
+        rc = QM__NOMEM(err);
+    qm_cval_free(r);
+    return rc;
+}
+
+int qm_client_model_unload(qm_client *c, const char *name, int force, qm_client_error *err)
+{
+    qm_cval *r = NULL;
+    if (!name)
+        return qm__client_fail(err, QM_CLIENT_EINVAL, "model.unload needs a name");
+    qm_cval *p = qm__with_str(qm__params(), "name", name);
+    if (p && force && qm_cval_append(p, "force", qm_cval_new_bool(1)) < 0) {
+        qm_cval_free(p);
+        p = NULL;
+    }
+    if (!p)
+        return QM__NOMEM(err);
+    int rc = qm__client_call(c, "model.unload", p, &r, err);
+    qm_cval_free(r);
+    return rc;
+}
+
+int qm_client_model_list(qm_client *c, qm_client_model **models, size_t *count,
+                         qm_client_error *err)
+{
+    qm_cval *r = NULL;
+    *models = NULL;
+    *count = 0;
+    int rc = qm__client_call(c, "model.list", NULL, &r, err);
+    if (rc < 0)
+        return rc;
+    const qm_cval *list = qm_cval_get(r, "models");
+    if (!list || list->type != QM_CVAL_ARRAY) {
+        rc = qm__bad_result(err, "model.list", "a models array");
+        goto out;
+    }
+    qm_client_model *m = qm_calloc(list->count ? list->count : 1, sizeof(*m));
+    if (!m) {
+        rc = QM__NOMEM(err);
+        goto out;
+    }
+    for (size_t i = 0; i < list->count; i++) {
+        if (qm__model_from(list->items[i], &m[i]) < 0) {
+            qm_client_models_free(m, i);
+            rc = QM__NOMEM(err);
+            goto out;
+        }
+    }
+    *models = m;
+    *count = list->count;
+out:
+    qm_cval_free(r);
+    return rc;
+}
+
+/* ---------- sessions ---------- */
+
+void qm_client_plan_summary_free(qm_client_plan_summary *s)
+{
+    if (!s)
+        return;
+    qm_free(s->policy);
+    memset(s, 0, sizeof(*s));
+}
+
+int qm_client_session_create(qm_client *c, const qm_client_session_params *sp,
+                             char **session_id, qm_client_plan_summary *summary,
+                             qm_client_error *err)
+{
+    qm_cval *r = NULL, *pp = NULL;
+    *session_id = NULL;
+    if (summary)
+        memset(summary, 0, sizeof(*summary));
+    if (!sp || !sp->model)
+        return qm__client_fail(err, QM_CLIENT_EINVAL, "session.create needs a model name");
+    if (sp->policy_params_json) {
+        qm_status st = {0};
+        if (qm_cval_parse(sp->policy_params_json, strlen(sp->policy_params_json), &pp, &st) < 0)
+            return qm__client_fail(err, QM_CLIENT_EINVAL, "policy_params are not valid JSON: %s",
+                                   st.msg);
+        if (pp->type != QM_CVAL_OBJECT) {
+            qm_cval_free(pp);
+            return qm__client_fail(err, QM_CLIENT_EINVAL, "policy_params must be a JSON object");
+        }
+    }
+    qm_cval *p = qm__with_str(qm__params(), "model", sp->model);
+    if (p && sp->policy)
+        p = qm__with_str(p, "policy", sp->policy);
+    if (p && sp->has_budget)
+        p = qm__with_num(p, "budget_bytes", (double)sp->budget_bytes);
+    if (p && pp) {
+        int arc = qm_cval_append(p, "policy_params", pp);
+        pp = NULL;
+        if (arc < 0) {
+            qm_cval_free(p);
+            p = NULL;
+        }
+    }
+    qm_cval_free(pp);
+    if (!p)
+        return QM__NOMEM(err);
+    int rc = qm__client_call(c, "session.create", p, &r, err);
+    if (rc < 0)
+        return rc;
+    if (!qm_cval_get_string(r, "session")) {
+        rc = qm__bad_result(err, "session.create", "a session id");
+        goto out;
+    }
+    if (qm__client_dup_member(r, "session", session_id) < 0) {
+        rc = QM__NOMEM(err);
+        goto out;
+    }
+    if (summary) {
+        const qm_cval *s = qm_cval_get(r, "plan_summary");
+        summary->budget_bytes = qm__u64(s, "budget_bytes");
+        summary->total = qm__u64(s, "total");
+        summary->resident = qm__u64(s, "resident");
+        summary->degraded = qm__u64(s, "degraded");
+        summary->workspace_bytes = qm__u64(s, "workspace_bytes");
+        if (!summary->workspace_bytes)
+            summary->workspace_bytes = qm__u64(r, "workspace_bytes");
+        if (qm__client_dup_member(s, "policy", &summary->policy) < 0) {
+            qm_free(*session_id);
+            *session_id = NULL;
+            rc = QM__NOMEM(err);
+        }
+    }
+out:
+    qm_cval_free(r);
+    return rc;
+}
+
+int qm_client_session_close(qm_client *c, const char *session, qm_client_error *err)
+{
+    qm_cval *r = NULL;
+    if (!session)
+        return qm__client_fail(err, QM_CLIENT_EINVAL, "session.close needs a session id");
+    qm_cval *p = qm__with_str(qm__params(), "session", session);
+    if (!p)
+        return QM__NOMEM(err);
+    int rc = qm__client_call(c, "session.close", p, &r, err);
+    qm_cval_free(r);
+    return rc;
+}
+
+void qm_client_sessions_free(qm_client_session_info *s, size_t count)
+{
+    for (size_t i = 0; s && i < count; i++) {
+        qm_free(s[i].session);
+        qm_free(s[i].model);
+        qm_free(s[i].policy);
+    }
+    qm_free(s);
+}
+
+int qm_client_session_list(qm_client *c, qm_client_session_info **sessions, size_t *count,
+                           qm_client_error *err)
+{
+    qm_cval *r = NULL;
+    *sessions = NULL;
+    *count = 0;
+    int rc = qm__client_call(c, "session.list", NULL, &r, err);
+    if (rc < 0)
+        return rc;
+    const qm_cval *list = qm_cval_get(r, "sessions");
+    if (!list || list->type != QM_CVAL_ARRAY) {
+        rc = qm__bad_result(err, "session.list", "a sessions array");
+        goto out;
+    }
+    qm_client_session_info *s = qm_calloc(list->count ? list->count : 1, sizeof(*s));
+    if (!s) {
+        rc = QM__NOMEM(err);
+        goto out;
+    }
+    for (size_t i = 0; i < list->count; i++) {
+        const qm_cval *o = list->items[i];
+        s[i].owner_uid = qm__u64(o, "owner_uid");
+        s[i].budget_bytes = qm__u64(o, "budget_bytes");
+        s[i].resident_bytes = qm__u64(o, "resident_bytes");
+        s[i].created_at = qm__dbl(o, "created_at");
+        if (qm__client_dup_member(o, "session", &s[i].session) < 0 ||
+            qm__client_dup_member(o, "model", &s[i].model) < 0 ||
+            qm__client_dup_member(o, "policy", &s[i].policy) < 0) {
+            qm_client_sessions_free(s, i + 1);
+            rc = QM__NOMEM(err);
+            goto out;
+        }
+    }
+    *sessions = s;
+    *count = list->count;
+out:
+    qm_cval_free(r);
+    return rc;
+}
+
+/* ---------- session.plan ---------- */
+
+void qm_client_plan_free(qm_client_plan *p)
+{
+    if (!p)
+        return;
+    for (size_t i = 0; p->banks && i < p->n_banks; i++) {
+        qm_client_plan_bank *b = &p->banks[i];
+        qm_free(b->decision);
+        qm_free(b->reason_kind);
+        qm_free(b->reason_detail);
+        qm_free(b->experts);
+        qm_free(b->pinned);
+    }
+    qm_free(p->banks);
+    qm_free(p->policy);
+    memset(p, 0, sizeof(*p));
+}
+
+/* Copies an array of expert indices; a missing or null member gives none. */
+static int qm__indices(const qm_cval *o, const char *key, uint32_t **out, size_t *n)
+{
+    const qm_cval *a = qm_cval_get(o, key);
+    *out = NULL;
+    *n = 0;
+    if (!a || a->type != QM_CVAL_ARRAY)
+        return 0;
+    *out = qm_calloc(a->count ? a->count : 1, sizeof(**out));
+    if (!*out)
+        return QM_CLIENT_ENOMEM;
+    for (size_t i = 0; i < a->count; i++)
+        (*out)[i] = a->items[i]->type == QM_CVAL_NUMBER ? (uint32_t)a->items[i]->number : 0;
+    *n = a->count;
+    return 0;
+}
+
+/* "resident now" is a count, or the list of resident experts; -1 when absent. */
+static int64_t qm__opt_count(const qm_cval *o, const char *key)
+{
+    const qm_cval *v = qm_cval_get(o, key);
+    if (!v)
+        return -1;
+    if (v->type == QM_CVAL_ARRAY)
+        return (int64_t)v->count;
+    if (v->type == QM_CVAL_NUMBER && v->number >= 0)
+        return (int64_t)v->number;
+    return -1;
+}
+
+int qm_client_session_plan(qm_client *c, const char *session, qm_client_plan *out,
+                           qm_client_error *err)
+{
+    qm_cval *r = NULL;
+    memset(out, 0, sizeof(*out));
+    if (!session)
+        return qm__client_fail(err, QM_CLIENT_EINVAL, "session.plan needs a session id");
+    qm_cval *p = qm__with_str(qm__params(), "session", session);
+    if (!p)
+        return QM__NOMEM(err);
+    int rc = qm__client_call(c, "session.plan", p, &r, err);
+    if (rc < 0)
+        return rc;
+    const qm_cval *banks = qm_cval_get(r, "banks");
+    if (!banks || banks->type != QM_CVAL_ARRAY) {
+        rc = qm__bad_result(err, "session.plan", "a banks array");
+        goto out;
+    }
+    out->budget_bytes = qm__u64(r, "budget_bytes");
+    out->total = qm__u64(r, "total");
+    out->resident = qm__u64(r, "resident");
+    out->degraded = qm__u64(r, "degraded");
+    out->banks = qm_calloc(banks->count ? banks->count : 1, sizeof(*out->banks));
+    if (!out->banks || qm__client_dup_member(r, "policy", &out->policy) < 0)
+        goto fail_nomem;
+    out->n_banks = banks->count;
+    for (size_t i = 0; i < banks->count; i++) {
+        const qm_cval *o = banks->items[i];
+        qm_client_plan_bank *b = &out->banks[i];
+        b->bank = qm__u64(o, "bank");
+        b->layer = qm__u64(o, "layer");
+        b->bytes_per_expert = qm__u64(o, "bytes_per_expert");
+        b->resident_now = qm__opt_count(o, "resident_now");
+        if (b->resident_now < 0)
+            b->resident_now = qm__opt_count(o, "resident_experts");
+        b->bank_bytes = qm__opt_count(o, "bank_bytes");
+        const qm_cval *ex = qm_cval_get(o, "experts");
+        b->has_experts = ex && ex->type == QM_CVAL_ARRAY;
+        const qm_cval *reason = qm_cval_get(o, "reason");
+        if (qm__client_dup_member(o, "decision", &b->decision) < 0 ||
+            qm__client_dup_member(reason, "kind", &b->reason_kind) < 0 ||
+            qm__client_dup_member(reason, "detail", &b->reason_detail) < 0 ||
+            qm__indices(o, "experts", &b->experts, &b->n_experts) < 0 ||
+            qm__indices(o, "pinned", &b->pinned, &b->n_pinned) < 0)
+            goto fail_nomem;
+    }
+    goto out;
+fail_nomem:
+    qm_client_plan_free(out);
+    rc = QM__NOMEM(err);
+out:
+    qm_cval_free(r);
+    return rc;
+}
+
+/* ---------- session.infer ---------- */
+
+void qm_client_infer_result_free(qm_client_infer_result *r)
+{
+    if (!r)
+        return;
+    qm_free(r->output.data);
+    qm_free(r->routing_offsets);
+    qm_free(r->routing_experts);
+    qm_free(r->routing_weights);
+    memset(r, 0, sizeof(*r));
+}
+
+static int qm__tensor_param(qm_cval *p, const char *key, const qm_client_tensor *t,
+                            qm_client_error *err)
+{
+    qm_cval *tv = NULL;
+    qm_status st = {0};
+    if (t->ndim < 1 || t->ndim > QM_CLIENT_MAX_DIMS || (!t->data && t->nbytes))
+        return qm__client_fail(err, QM_CLIENT_EINVAL, "%s: a tensor needs 1 to %d dimensions",
+                               key, QM_CLIENT_MAX_DIMS);
+    int rc = qm_client_codec_tensor_encode((qm_cdtype)t->dtype, t->shape, t->ndim,
+                                           t->data ? t->data : "", t->nbytes, &tv, &st);
+    if (rc < 0)
+        return qm__client_fail(err, rc == QM_ENOMEM ? QM_CLIENT_ENOMEM : QM_CLIENT_EINVAL,
+                               "%s: %s", key, st.msg);
+    if (qm_cval_append(p, key, tv) < 0)
+        return QM__NOMEM(err);
+    return 0;
+}
+
+static int qm__routing(const qm_cval *routing, qm_client_infer_result *out)
+{
+    size_t pairs = 0;
+    for (size_t t = 0; t < routing->count; t++)
+        pairs += routing->items[t]->type == QM_CVAL_ARRAY ? routing->items[t]->count : 0;
+    out->routing_offsets = qm_calloc(routing->count + 1, sizeof(size_t));
+    out->routing_experts = qm_calloc(pairs ? pairs : 1, sizeof(uint32_t));
+    out->routing_weights = qm_calloc(pairs ? pairs : 1, sizeof(double));
+    if (!out->routing_offsets || !out->routing_experts || !out->routing_weights)
+        return QM_CLIENT_ENOMEM;
+    size_t k = 0;
+    for (size_t t = 0; t < routing->count; t++) {
+        const qm_cval *tok = routing->items[t];
+        out->routing_offsets[t] = k;
+        for (size_t j = 0; tok->type == QM_CVAL_ARRAY && j < tok->count; j++, k++) {
+            const qm_cval *pair = tok->items[j];
+            const qm_cval *e = qm_cval_at(pair, 0), *w = qm_cval_at(pair, 1);
+            out->routing_experts[k] = e && e->type == QM_CVAL_NUMBER ? (uint32_t)e->number : 0;
+            out->routing_weights[k] = w && w->type == QM_CVAL_NUMBER ? w->number : NAN;
+        }
+    }
+    out->routing_offsets[routing->count] = k;
+    out->routing_tokens = routing->count;
+    return 0;
+}
+
+int qm_client_session_infer(qm_client *c, const char *session, uint64_t layer,
+                            const qm_client_tensor *hidden,
+                            const qm_client_tensor *router_logits, int return_routing,
+                            qm_client_infer_result *out, qm_client_error *err)
+{
+    qm_cval *r = NULL;
+    memset(out, 0, sizeof(*out));
+    if (!session || !hidden)
+        return qm__client_fail(err, QM_CLIENT_EINVAL, "session.infer needs a session and hidden");
+    qm_cval *p = qm__with_num(qm__with_str(qm__params(), "session", session), "layer",
+                              (double)layer);
+    if (!p)
+        return QM__NOMEM(err);
+    int rc = qm__tensor_param(p, "hidden", hidden, err);
+    if (rc == 0 && router_logits)
+        rc = qm__tensor_param(p, "router_logits", router_logits, err);
+    if (rc == 0 && return_routing && qm_cval_append(p, "return_routing", qm_cval_new_bool(1)) < 0)
+        rc = QM__NOMEM(err);
+    if (rc < 0) {
+        qm_cval_free(p);
+        return rc;
+    }
+    rc = qm__client_call(c, "session.infer", p, &r, err);
+    if (rc < 0)
+        return rc;
+    qm_status st = {0};
+    qm_cdtype dt;
+    int trc = qm_client_codec_tensor_decode(qm_cval_get(r, "output"), &dt, out->output.shape,
+                                            &out->output.ndim, &out->output.data,
+                                            &out->output.nbytes, &st);
+    if (trc < 0) {
+        rc = qm__client_fail(err, trc == QM_ENOMEM ? QM_CLIENT_ENOMEM : QM_CLIENT_EPROTO,
+                             "qmoed's output tensor is unreadable: %s", st.msg);
+        goto fail;
+    }
+    out->output.dtype = (qm_client_dtype)dt;
+    const qm_cval *stats = qm_cval_get(r, "stats");
+    out->stats.hits = qm__u64(stats, "hits");
+    out->stats.misses = qm__u64(stats, "misses");
+    out->stats.bytes_paged = qm__u64(stats, "bytes_paged");
+    out->stats.queue_us = qm__u64(stats, "queue_us");
+    out->stats.compute_us = qm__u64(stats, "compute_us");
+    const qm_cval *routing = qm_cval_get(r, "routing");
+    if (routing && routing->type == QM_CVAL_ARRAY && qm__routing(routing, out) < 0) {
+        rc = QM__NOMEM(err);
+        goto fail;
+    }
+    qm_cval_free(r);
+    return 0;
+fail:
+    qm_client_infer_result_free(out);
+    qm_cval_free(r);
+    return rc;
+}
+
+/* ---------- telemetry ---------- */
+
+static void qm__counters_from(const qm_cval *o, qm_client_counters *k)
+{
+    k->requests = qm__u64(o, "requests");
+    k->errors = qm__u64(o, "errors");
+    k->tokens = qm__u64(o, "tokens");
+    k->expert_hits = qm__u64(o, "expert_hits");
+    k->expert_misses = qm__u64(o, "expert_misses");
+    k->bytes_paged_h2d = qm__u64(o, "bytes_paged_h2d");
+    k->evictions = qm__u64(o, "evictions");
+    k->prefetch_issued = qm__u64(o, "prefetch_issued");
+    k->prefetch_useful = qm__u64(o, "prefetch_useful");
+    k->resident_bytes = qm__u64(o, "resident_bytes");
+    k->p50_us = qm__dbl(o, "p50_us");
+    k->p99_us = qm__dbl(o, "p99_us");
+}
+
+void qm_client_telemetry_free(qm_client_telemetry *t)
+{
+    if (!t)
+        return;
+    for (size_t i = 0; t->sessions && i < t->n_sessions; i++) {
+        qm_free(t->sessions[i].session);
+        qm_free(t->sessions[i].model);
+    }
+    qm_free(t->sessions);
+    memset(t, 0, sizeof(*t));
+}
+
+static int qm__session_counters(const qm_cval *o, qm_client_session_counters *s)
+{
+    qm__counters_from(o, &s->counters);
+    if (qm__client_dup_member(o, "session", &s->session) < 0 ||
+        qm__client_dup_member(o, "model", &s->model) < 0)
+        return QM_CLIENT_ENOMEM;
+    return 0;
+}
+
+int qm_client_telemetry_get(qm_client *c, const char *session, qm_client_telemetry *out,
+                            qm_client_error *err)
+{
+    qm_cval *r = NULL, *p = NULL;
+    memset(out, 0, sizeof(*out));
+    if (session && !(p = qm__with_str(qm__params(), "session", session)))
+        return QM__NOMEM(err);
+    int rc = qm__client_call(c, "telemetry.get", p, &r, err);
+    if (rc < 0)
+        return rc;
+    if (r->type != QM_CVAL_OBJECT) {
+        rc = qm__bad_result(err, "telemetry.get", "an object");
+        goto out;
+    }
+    if (session) {
+        out->sessions = qm_calloc(1, sizeof(*out->sessions));
+        if (!out->sessions)
+            goto fail_nomem;
+        out->n_sessions = 1;
+        if (qm__session_counters(r, &out->sessions[0]) < 0)
+            goto fail_nomem;
+        goto out;
+    }
+    out->has_daemon = 1;
+    qm__counters_from(qm_cval_get(r, "daemon"), &out->daemon);
+    const qm_cval *list = qm_cval_get(r, "sessions");
+    size_t n = list && list->type == QM_CVAL_ARRAY ? list->count : 0;
+    out->sessions = qm_calloc(n ? n : 1, sizeof(*out->sessions));
+    if (!out->sessions)
+        goto fail_nomem;
+    out->n_sessions = n;
+    for (size_t i = 0; i < n; i++)
+        if (qm__session_counters(list->items[i], &out->sessions[i]) < 0)
+            goto fail_nomem;
+    goto out;
+fail_nomem:
+    qm_client_telemetry_free(out);
+    rc = QM__NOMEM(err);
+out:
+    qm_cval_free(r);
+    return rc;
+}
+
+void qm_client_spans_free(qm_client_span *spans, size_t count)
+{
+    for (size_t i = 0; spans && i < count; i++) {
+        qm_free(spans[i].name);
+        qm_free(spans[i].session);
+        qm_free(spans[i].args_json);
+    }
+    qm_free(spans);
+}
+
+int qm_client_telemetry_trace(qm_client *c, const char *session, uint64_t limit,
+                              qm_client_span **spans, size_t *count, qm_client_error *err)
+{
+    qm_cval *r = NULL, *p = qm__params();
+    *spans = NULL;
+    *count = 0;
+    if (p && session)
+        p = qm__with_str(p, "session", session);
+    if (p && limit)
+        p = qm__with_num(p, "limit", (double)limit);
+    if (!p)
+        return QM__NOMEM(err);
+    int rc = qm__client_call(c, "telemetry.trace", p, &r, err);
+    if (rc < 0)
+        return rc;
+    const qm_cval *list = qm_cval_get(r, "spans");
+    if (!list || list->type != QM_CVAL_ARRAY) {
+        rc = qm__bad_result(err, "telemetry.trace", "a spans array");
+        goto out;
+    }
+    qm_client_span *s = qm_calloc(list->count ? list->count : 1, sizeof(*s));
+    if (!s) {
+        rc = QM__NOMEM(err);
+        goto out;
+    }
+    for (size_t i = 0; i < list->count; i++) {
+        const qm_cval *o = list->items[i];
+        s[i].start_us = qm__dbl(o, "start_us");
+        s[i].dur_us = qm__dbl(o, "dur_us");
+        const qm_cval *args = qm_cval_get(o, "args");
+        s[i].args_json = qm_cval_print(args, 0, NULL);
+        if (!s[i].args_json || qm__client_dup_member(o, "name", &s[i].name) < 0 ||
+            qm__client_dup_member(o, "session", &s[i].session) < 0) {
+            qm_client_spans_free(s, i + 1);
+            rc = QM__NOMEM(err);
+            goto out;
+        }
+    }
+    *spans = s;
+    *count = list->count;
+out:
+    qm_cval_free(r);
+    return rc;
+}
+
+int qm_client_telemetry_metrics(qm_client *c, char **text, qm_client_error *err)
+{
+    qm_cval *r = NULL;
+    *text = NULL;
+    int rc = qm__client_call(c, "telemetry.metrics", NULL, &r, err);
+    if (rc < 0)
+        return rc;
+    if (!qm_cval_get_string(r, "text"))
+        rc = qm__bad_result(err, "telemetry.metrics", "a text member");
+    else if (qm__client_dup_member(r, "text", text) < 0)
+        rc = QM__NOMEM(err);
+    qm_cval_free(r);
+    return rc;
+}
+
+int qm_client_daemon_shutdown(qm_client *c, qm_client_error *err)
+{
+    qm_cval *r = NULL;
+    int rc = qm__client_call(c, "daemon.shutdown", NULL, &r, err);
+    qm_cval_free(r);
+    return rc;
+}

@@ -1,0 +1,235 @@
+/* qmoe_client.h - libqmoe-client: talk to qmoed over its Unix socket.
+ *
+ * One qm_client is one connection. Every call is synchronous and bounded by
+ * the handle's timeout; calls on one handle from several threads are
+ * serialised by the handle's mutex (open one handle per thread for
+ * parallelism). Every function returns 0 or a negative code; the same code,
+ * its protocol name and a readable sentence land in the qm_client_error the
+ * caller passes (may be NULL).
+ *
+ * Ownership: results come back in caller-provided structs or freshly
+ * allocated arrays; release each with the matching qm_client_*_free, which
+ * accepts NULL. Borrowed `const char *` arguments are only read during the
+ * call. Link with `pkg-config --libs qmoe-client`. */
+#ifndef QMOE_CLIENT_H
+#define QMOE_CLIENT_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#define QM_CLIENT_VERSION "0.1.0"
+#define QM_CLIENT_DEFAULT_TIMEOUT_MS 30000
+
+/* Client-side failures; daemon errors carry their JSON-RPC code (-32700,
+ * -32600..-32603, -32001..-32009) as named in PROTOCOL.md. */
+enum {
+    QM_CLIENT_EINVAL = -1,       /* bad argument to a client function */
+    QM_CLIENT_ENOMEM = -2,       /* out of memory */
+    QM_CLIENT_ENOTRUNNING = -3,  /* no daemon listens on the socket path */
+    QM_CLIENT_EACCES = -4,       /* no permission to open the socket */
+    QM_CLIENT_ETIMEDOUT = -5,    /* no answer within the timeout */
+    QM_CLIENT_EIO = -6,          /* connection broke */
+    QM_CLIENT_EPROTO = -7,       /* the answer is not what PROTOCOL.md says */
+};
+
+typedef struct qm_client_error {
+    int code;          /* 0, a QM_CLIENT_E* code, or a JSON-RPC error code */
+    char name[32];     /* "not_running", "invalid_params", "not_found", ... */
+    char reason[512];  /* one readable sentence */
+    char field[128];   /* params path the daemon blamed, "" if none */
+} qm_client_error;
+
+typedef struct qm_client qm_client;
+
+/* Resolves the socket path the way qmoed does: `explicit_path` if given,
+ * then $QMOED_SOCKET, $RUNTIME_DIRECTORY/qmoed.sock, /run/qmoed/qmoed.sock
+ * for root, $XDG_RUNTIME_DIR/qmoed.sock when that socket exists, else the
+ * system daemon's /run/qmoed/qmoed.sock. Returns 0, or QM_CLIENT_EINVAL when
+ * the path does not fit in `cap` bytes. */
+int qm_client_socket_path(const char *explicit_path, char *buf, size_t cap);
+
+/* Connects. `socket_path` NULL resolves as above; `timeout_ms` <= 0 means
+ * QM_CLIENT_DEFAULT_TIMEOUT_MS. On 0, *out is a handle to qm_client_close. */
+int qm_client_open(qm_client **out, const char *socket_path, int timeout_ms,
+                   qm_client_error *err);
+void qm_client_close(qm_client *c); /* accepts NULL */
+const char *qm_client_path(const qm_client *c); /* borrowed, lives with the handle */
+void qm_client_set_timeout(qm_client *c, int timeout_ms);
+
+/* Any method, JSON in and out: `params_json` is an object's text or NULL;
+ * on 0 *result_json is a malloc'd JSON text (two-space indented when
+ * `pretty`) to release with qm_client_string_free. */
+int qm_client_call_json(qm_client *c, const char *method, const char *params_json,
+                        int pretty, char **result_json, qm_client_error *err);
+void qm_client_string_free(char *s);
+
+/* ---- daemon.status ---- */
+typedef struct qm_client_status {
+    char *version;
+    double uptime_s;
+    char *backend; /* "cpu" or "cuda" */
+    char *device_name;
+    uint64_t device_total_bytes, device_budget_bytes, device_used_bytes;
+    uint64_t models, sessions, connections;
+} qm_client_status;
+int qm_client_daemon_status(qm_client *c, qm_client_status *out, qm_client_error *err);
+void qm_client_status_free(qm_client_status *s); /* frees the members, not `s` */
+
+/* ---- models ---- */
+typedef struct qm_client_model {
+    char *name, *path, *activation;
+    uint64_t layers, experts, hidden_size, inter_size, k, bits, block_size;
+    uint64_t bytes_total, bytes_per_expert;
+} qm_client_model;
+int qm_client_model_load(qm_client *c, const char *name, const char *path,
+                         qm_client_model *out /* may be NULL */, qm_client_error *err);
+int qm_client_model_unload(qm_client *c, const char *name, int force, qm_client_error *err);
+int qm_client_model_list(qm_client *c, qm_client_model **models, size_t *count,
+                         qm_client_error *err);
+void qm_client_model_free(qm_client_model *m);               /* members only */
+void qm_client_models_free(qm_client_model *models, size_t count); /* array too */
+
+/* ---- sessions ---- */
+typedef struct qm_client_session_params {
+    const char *model;
+    const char *policy;             /* NULL: the daemon's default (whole_bank) */
+    uint64_t budget_bytes;          /* used when has_budget */
+    int has_budget;
+    const char *policy_params_json; /* an object's JSON text, or NULL */
+} qm_client_session_params;
+
+typedef struct qm_client_plan_summary {
+    char *policy;
+    uint64_t budget_bytes, total, resident, degraded;
+    uint64_t workspace_bytes; /* 0 when the daemon does not report it */
+} qm_client_plan_summary;
+
+/* On 0, *session_id is a malloc'd id (qm_client_string_free) and `summary`
+ * (may be NULL) is filled (qm_client_plan_summary_free). */
+int qm_client_session_create(qm_client *c, const qm_client_session_params *p,
+                             char **session_id, qm_client_plan_summary *summary,
+                             qm_client_error *err);
+void qm_client_plan_summary_free(qm_client_plan_summary *s);
+int qm_client_session_close(qm_client *c, const char *session, qm_client_error *err);
+
+typedef struct qm_client_session_info {
+    char *session, *model, *policy;
+    uint64_t owner_uid, budget_bytes, resident_bytes;
+    double created_at; /* seconds since the epoch */
+} qm_client_session_info;
+int qm_client_session_list(qm_client *c, qm_client_session_info **sessions, size_t *count,
+                           qm_client_error *err);
+void qm_client_sessions_free(qm_client_session_info *sessions, size_t count);
+
+/* ---- session.plan ---- */
+typedef struct qm_client_plan_bank {
+    uint64_t bank, layer;
+    char *decision;      /* "whole_bank_resident" or "per_expert_candidate" */
+    char *reason_kind;   /* NULL when the decision carries no reason */
+    char *reason_detail; /* NULL when none */
+    int has_experts;     /* 0 for a whole-bank decision (experts: null) */
+    uint32_t *experts;   /* candidate expert indices */
+    size_t n_experts;
+    uint32_t *pinned;
+    size_t n_pinned;
+    uint64_t bytes_per_expert; /* 0 when absent */
+    int64_t resident_now;      /* experts resident at this moment; -1 when not reported */
+    int64_t bank_bytes;        /* the whole bank's bytes; -1 when not reported */
+} qm_client_plan_bank;
+
+typedef struct qm_client_plan {
+    char *policy;
+    uint64_t budget_bytes, total, resident, degraded;
+    qm_client_plan_bank *banks;
+    size_t n_banks;
+} qm_client_plan;
+int qm_client_session_plan(qm_client *c, const char *session, qm_client_plan *out,
+                           qm_client_error *err);
+void qm_client_plan_free(qm_client_plan *p); /* members only */
+
+/* ---- session.infer ---- */
+typedef enum qm_client_dtype {
+    QM_CLIENT_F32 = 0,
+    QM_CLIENT_F16 = 1,
+    QM_CLIENT_BF16 = 2,
+} qm_client_dtype;
+
+#define QM_CLIENT_MAX_DIMS 8
+typedef struct qm_client_tensor {
+    qm_client_dtype dtype;
+    int ndim;
+    uint64_t shape[QM_CLIENT_MAX_DIMS];
+    void *data;    /* little-endian, row-major */
+    size_t nbytes; /* product(shape) * element size */
+} qm_client_tensor;
+
+typedef struct qm_client_infer_stats {
+    uint64_t hits, misses, bytes_paged, queue_us, compute_us;
+} qm_client_infer_stats;
+
+typedef struct qm_client_infer_result {
+    qm_client_tensor output; /* output.data is malloc'd and owned by the result */
+    size_t routing_tokens;   /* 0 unless routing was asked for */
+    size_t *routing_offsets; /* token t's pairs are [offsets[t], offsets[t+1]) */
+    uint32_t *routing_experts;
+    double *routing_weights;
+    qm_client_infer_stats stats;
+} qm_client_infer_result;
+
+/* `router_logits` may be NULL when the bank holds a router weight. */
+int qm_client_session_infer(qm_client *c, const char *session, uint64_t layer,
+                            const qm_client_tensor *hidden,
+                            const qm_client_tensor *router_logits, int return_routing,
+                            qm_client_infer_result *out, qm_client_error *err);
+void qm_client_infer_result_free(qm_client_infer_result *r); /* members only */
+
+/* ---- telemetry ---- */
+typedef struct qm_client_counters {
+    uint64_t requests, errors, tokens, expert_hits, expert_misses, bytes_paged_h2d;
+    uint64_t evictions, prefetch_issued, prefetch_useful, resident_bytes;
+    double p50_us, p99_us;
+} qm_client_counters;
+
+typedef struct qm_client_session_counters {
+    char *session, *model;
+    qm_client_counters counters;
+} qm_client_session_counters;
+
+typedef struct qm_client_telemetry {
+    int has_daemon; /* 1 when asked without a session */
+    qm_client_counters daemon;
+    qm_client_session_counters *sessions;
+    size_t n_sessions;
+} qm_client_telemetry;
+/* `session` NULL: daemon-wide counters and every visible session. */
+int qm_client_telemetry_get(qm_client *c, const char *session, qm_client_telemetry *out,
+                            qm_client_error *err);
+void qm_client_telemetry_free(qm_client_telemetry *t); /* members only */
+
+typedef struct qm_client_span {
+    char *name;
+    double start_us, dur_us;
+    char *session;   /* NULL when the span belongs to no session */
+    char *args_json; /* the span's args object as compact JSON text */
+} qm_client_span;
+/* `session` may be NULL, `limit` 0 means the daemon's default. */
+int qm_client_telemetry_trace(qm_client *c, const char *session, uint64_t limit,
+                              qm_client_span **spans, size_t *count, qm_client_error *err);
+void qm_client_spans_free(qm_client_span *spans, size_t count);
+
+/* Prometheus text; *text is malloc'd (qm_client_string_free). */
+int qm_client_telemetry_metrics(qm_client *c, char **text, qm_client_error *err);
+
+int qm_client_daemon_shutdown(qm_client *c, qm_client_error *err);
+
+/* Static names for codes ("not_running", "invalid_params", ...). */
+const char *qm_client_error_name(int code);
+
+#ifdef __cplusplus
+}
+#endif
+#endif

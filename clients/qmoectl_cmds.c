@@ -1,0 +1,775 @@
+/* qmoectl_cmds.c - one function per qmoectl subcommand. Human output is
+ * tables in humane units; --json prints the daemon's raw result. */
+#include <signal.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "qmoectl.h"
+
+#define B(n, buf) qmoectl_bytes((n), (buf), sizeof(buf))
+
+/* {"KEY":"VALUE"} for the one-string-param methods. */
+static int one_param(char *out, size_t cap, const char *key, const char *value)
+{
+    char q[1024];
+    if (qmoectl_json_quote(value, q, sizeof(q)) < 0)
+        return -1;
+    int n = snprintf(out, cap, "{\"%s\":%s}", key, q);
+    return n < 0 || (size_t)n >= cap ? -1 : 0;
+}
+
+/* ---------- status, models, load, unload ---------- */
+
+static int cmd_status(qm_client *c, const qmoectl_args *a)
+{
+    if (a->json)
+        return qmoectl_print_json(c, "daemon.status", NULL);
+    qm_client_status s;
+    qm_client_error err;
+    if (qm_client_daemon_status(c, &s, &err) < 0)
+        return qmoectl_fail(&err);
+    char up[32], tot[32], bud[32], used[32], pct[16];
+    printf("qmoed %s, up %s, socket %s\n", s.version ? s.version : "?",
+           qmoectl_duration(s.uptime_s, up, sizeof(up)), qm_client_path(c));
+    printf("backend  %s (%s)\n", s.backend ? s.backend : "?",
+           s.device_name ? s.device_name : "unnamed device");
+    printf("memory   budget %s, used %s (%s of budget), device total %s\n",
+           B(s.device_budget_bytes, bud), B(s.device_used_bytes, used),
+           qmoectl_percent((double)s.device_used_bytes, (double)s.device_budget_bytes, pct,
+                           sizeof(pct)),
+           B(s.device_total_bytes, tot));
+    printf("models   %llu   sessions %llu   connections %llu\n", (unsigned long long)s.models,
+           (unsigned long long)s.sessions, (unsigned long long)s.connections);
+    qm_client_status_free(&s);
+    return QMOECTL_OK;
+}
+
+static int cmd_models(qm_client *c, const qmoectl_args *a)
+{
+    if (a->json)
+        return qmoectl_print_json(c, "model.list", NULL);
+    qm_client_model *m = NULL;
+    size_t n = 0;
+    qm_client_error err;
+    if (qm_client_model_list(c, &m, &n, &err) < 0)
+        return qmoectl_fail(&err);
+    if (n == 0) {
+        printf("no models loaded (load one with `qmoectl load NAME PATH`)\n");
+        qm_client_models_free(m, n);
+        return QMOECTL_OK;
+    }
+    static const char *const hdr[] = {"NAME",  "LAYERS", "EXPERTS", "K",         "HIDDEN",
+                                      "INTER", "BITS",   "ACT",     "PER-EXPERT", "SIZE",
+                                      "PATH"};
+    qmoectl_table *t = qmoectl_table_new(11, hdr);
+    for (size_t i = 0; i < n; i++) {
+        char pe[32], sz[32];
+        qmoectl_table_cell(t, "%s", m[i].name ? m[i].name : "?");
+        qmoectl_table_cell(t, "%llu", (unsigned long long)m[i].layers);
+        qmoectl_table_cell(t, "%llu", (unsigned long long)m[i].experts);
+        qmoectl_table_cell(t, "%llu", (unsigned long long)m[i].k);
+        qmoectl_table_cell(t, "%llu", (unsigned long long)m[i].hidden_size);
+        qmoectl_table_cell(t, "%llu", (unsigned long long)m[i].inter_size);
+        qmoectl_table_cell(t, "%llu/%llu", (unsigned long long)m[i].bits,
+                           (unsigned long long)m[i].block_size);
+        qmoectl_table_cell(t, "%s", m[i].activation ? m[i].activation : "?");
+        qmoectl_table_cell(t, "%s", B(m[i].bytes_per_expert, pe));
+        qmoectl_table_cell(t, "%s", B(m[i].bytes_total, sz));
+        qmoectl_table_cell(t, "%s", m[i].path ? m[i].path : "?");
+    }
+    qmoectl_table_print(t, stdout);
+    qmoectl_table_free(t);
+    qm_client_models_free(m, n);
+    return QMOECTL_OK;
+}
+
+static int cmd_load(qm_client *c, const qmoectl_args *a)
+{
+    char path[4096];
+    /* The daemon opens the file from its own working directory: send an absolute path. */
+    const char *p = a->pos[1];
+    if (p[0] != '/' && realpath(p, path))
+        p = path;
+    if (a->json) {
+        char qn[1024], qp[8192], params[9300];
+        if (qmoectl_json_quote(a->pos[0], qn, sizeof(qn)) < 0 ||
+            qmoectl_json_quote(p, qp, sizeof(qp)) < 0)
+            return qmoectl_usage_error("name or path too long");
+        snprintf(params, sizeof(params), "{\"name\":%s,\"path\":%s}", qn, qp);
+        return qmoectl_print_json(c, "model.load", params);
+    }
+    qm_client_model m;
+    qm_client_error err;
+    if (qm_client_model_load(c, a->pos[0], p, &m, &err) < 0)
+        return qmoectl_fail(&err);
+    char sz[32], pe[32];
+    printf("loaded %s: %llu layers x %llu experts (k %llu), %s, %s per expert unit\n",
+           m.name ? m.name : a->pos[0], (unsigned long long)m.layers,
+           (unsigned long long)m.experts, (unsigned long long)m.k, B(m.bytes_total, sz),
+           B(m.bytes_per_expert, pe));
+    qm_client_model_free(&m);
+    return QMOECTL_OK;
+}
+
+static int cmd_unload(qm_client *c, const qmoectl_args *a)
+{
+    int force = qmoectl_opt(a, "--force") != NULL;
+    if (a->json) {
+        char q[1024], params[1100];
+        if (qmoectl_json_quote(a->pos[0], q, sizeof(q)) < 0)
+            return qmoectl_usage_error("name too long");
+        snprintf(params, sizeof(params), "{\"name\":%s%s}", q, force ? ",\"force\":true" : "");
+        return qmoectl_print_json(c, "model.unload", params);
+    }
+    qm_client_error err;
+    if (qm_client_model_unload(c, a->pos[0], force, &err) < 0) {
+        qmoectl_fail(&err);
+        if (err.code == -32009)
+            fprintf(stderr, "qmoectl: close its sessions first, or unload with --force to close "
+                            "them\n");
+        return QMOECTL_FAILED;
+    }
+    printf("unloaded %s\n", a->pos[0]);
+    return QMOECTL_OK;
+}
+
+/* ---------- sessions, create, close ---------- */
+
+static int cmd_sessions(qm_client *c, const qmoectl_args *a)
+{
+    if (a->json)
+        return qmoectl_print_json(c, "session.list", NULL);
+    qm_client_session_info *s = NULL;
+    size_t n = 0;
+    qm_client_error err;
+    if (qm_client_session_list(c, &s, &n, &err) < 0)
+        return qmoectl_fail(&err);
+    if (n == 0) {
+        printf("no sessions (create one with `qmoectl create MODEL`)\n");
+        qm_client_sessions_free(s, n);
+        return QMOECTL_OK;
+    }
+    static const char *const hdr[] = {"SESSION", "MODEL", "POLICY", "OWNER",
+                                      "BUDGET",  "RESIDENT", "USE", "AGE"};
+    qmoectl_table *t = qmoectl_table_new(8, hdr);
+    time_t now = time(NULL);
+    for (size_t i = 0; i < n; i++) {
+        char bud[32], res[32], pct[16], age[32];
+        qmoectl_table_cell(t, "%s", s[i].session ? s[i].session : "?");
+        qmoectl_table_cell(t, "%s", s[i].model ? s[i].model : "?");
+        qmoectl_table_cell(t, "%s", s[i].policy ? s[i].policy : "?");
+        qmoectl_table_cell(t, "%llu", (unsigned long long)s[i].owner_uid);
+        qmoectl_table_cell(t, "%s", B(s[i].budget_bytes, bud));
+        qmoectl_table_cell(t, "%s", B(s[i].resident_bytes, res));
+        qmoectl_table_cell(t, "%s", qmoectl_percent((double)s[i].resident_bytes,
+                                                    (double)s[i].budget_bytes, pct, sizeof(pct)));
+        qmoectl_table_cell(t, "%s", s[i].created_at > 0
+                                        ? qmoectl_duration((double)now - s[i].created_at, age,
+                                                           sizeof(age))
+                                        : "-");
+    }
+    qmoectl_table_print(t, stdout);
+    qmoectl_table_free(t);
+    qm_client_sessions_free(s, n);
+    return QMOECTL_OK;
+}
+
+/* A --param value goes in as JSON when it reads as JSON, else as a string. */
+static int param_value_is_json(const char *v)
+{
+    if (!*v)
+        return 0;
+    if (strcmp(v, "true") == 0 || strcmp(v, "false") == 0 || strcmp(v, "null") == 0)
+        return 1;
+    if (*v == '[' || *v == '{' || *v == '"')
+        return 1;
+    char *end = NULL;
+    strtod(v, &end);
+    return end && *end == '\0';
+}
+
+static int build_policy_params(const qmoectl_args *a, char *out, size_t cap, int *any)
+{
+    size_t o = 0;
+    *any = 0;
+    out[o++] = '{';
+    for (int i = 0; i < a->nopt; i++) {
+        if (strcmp(a->opt_name[i], "--param") != 0)
+            continue;
+        const char *kv = a->opt_value[i];
+        const char *eq = strchr(kv, '=');
+        if (!eq || eq == kv)
+            return qmoectl_usage_error("--param takes KEY=VALUE, not '%.64s'", kv);
+        char key[128], qk[300], qv[8192];
+        snprintf(key, sizeof(key), "%.*s", (int)(eq - kv), kv);
+        if (qmoectl_json_quote(key, qk, sizeof(qk)) < 0)
+            return qmoectl_usage_error("--param key too long");
+        const char *val = eq + 1;
+        if (!param_value_is_json(val)) {
+            if (qmoectl_json_quote(val, qv, sizeof(qv)) < 0)
+                return qmoectl_usage_error("--param value too long");
+            val = qv;
+        }
+        int n = snprintf(out + o, cap - o, "%s%s:%s", *any ? "," : "", qk, val);
+        if (n < 0 || (size_t)n >= cap - o)
+            return qmoectl_usage_error("--param values too long");
+        o += (size_t)n;
+        *any = 1;
+    }
+    if (o + 2 > cap)
+        return qmoectl_usage_error("--param values too long");
+    out[o++] = '}';
+    out[o] = '\0';
+    return 0;
+}
+
+/* --budget BYTES|SIZE|N%: a percentage is of the model's expert bytes. */
+static int resolve_budget(qm_client *c, const char *model, const char *s, uint64_t *out)
+{
+    size_t len = strlen(s);
+    if (len > 1 && s[len - 1] == '%') {
+        char *end = NULL;
+        double pct = strtod(s, &end);
+        if (end != s + len - 1 || !(pct > 0) || pct > 100)
+            return qmoectl_usage_error("--budget percentage must be in (0, 100], not '%.32s'", s);
+        qm_client_model *m = NULL;
+        size_t n = 0;
+        qm_client_error err;
+        if (qm_client_model_list(c, &m, &n, &err) < 0)
+            return qmoectl_fail(&err);
+        int found = 0;
+        for (size_t i = 0; i < n; i++)
+            if (m[i].name && strcmp(m[i].name, model) == 0) {
+                *out = (uint64_t)((double)m[i].bytes_total * pct / 100.0);
+                found = 1;
+            }
+        qm_client_models_free(m, n);
+        if (!found)
+            return qmoectl_error("no model named '%.64s' is loaded (see qmoectl models)", model);
+        return 0;
+    }
+    if (qmoectl_parse_bytes(s, out) < 0)
+        return qmoectl_usage_error("--budget takes bytes (1073741824), a size (1GiB, 512M) or a "
+                                   "percentage of the model (50%%), not '%.32s'",
+                                   s);
+    return 0;
+}
+
+static int cmd_create(qm_client *c, const qmoectl_args *a)
+{
+    char pp[16384];
+    int any = 0, rc;
+    uint64_t budget = 0;
+    const char *policy = qmoectl_opt(a, "--policy"), *bstr = qmoectl_opt(a, "--budget");
+    if ((rc = build_policy_params(a, pp, sizeof(pp), &any)) != 0)
+        return rc;
+    if (bstr && (rc = resolve_budget(c, a->pos[0], bstr, &budget)) != 0)
+        return rc;
+    if (a->json) {
+        char qm[1024], qp[256], params[17000];
+        if (qmoectl_json_quote(a->pos[0], qm, sizeof(qm)) < 0 ||
+            (policy && qmoectl_json_quote(policy, qp, sizeof(qp)) < 0))
+            return qmoectl_usage_error("model or policy name too long");
+        int n = snprintf(params, sizeof(params), "{\"model\":%s", qm);
+        if (policy)
+            n += snprintf(params + n, sizeof(params) - (size_t)n, ",\"policy\":%s", qp);
+        if (bstr)
+            n += snprintf(params + n, sizeof(params) - (size_t)n, ",\"budget_bytes\":%llu",
+                          (unsigned long long)budget);
+        if (any)
+            n += snprintf(params + n, sizeof(params) - (size_t)n, ",\"policy_params\":%s", pp);
+        snprintf(params + n, sizeof(params) - (size_t)n, "}");
+        return qmoectl_print_json(c, "session.create", params);
+    }
+    qm_client_session_params sp = {.model = a->pos[0],
+                                   .policy = policy,
+                                   .budget_bytes = budget,
+                                   .has_budget = bstr != NULL,
+                                   .policy_params_json = any ? pp : NULL};
+    char *id = NULL;
+    qm_client_plan_summary sum;
+    qm_client_error err;
+    if (qm_client_session_create(c, &sp, &id, &sum, &err) < 0)
+        return qmoectl_fail(&err);
+    char bud[32], ws[32];
+    printf("%s\n", id);
+    printf("policy %s, budget %s, workspace %s; %llu banks: %llu whole-bank resident, %llu "
+           "per-expert, %llu degraded\n",
+           sum.policy ? sum.policy : (policy ? policy : "whole_bank"), B(sum.budget_bytes, bud),
+           B(sum.workspace_bytes, ws), (unsigned long long)sum.total,
+           (unsigned long long)sum.resident,
+           (unsigned long long)(sum.total - sum.resident - sum.degraded),
+           (unsigned long long)sum.degraded);
+    printf("inspect it with `qmoectl plan %s`\n", id);
+    qm_client_string_free(id);
+    qm_client_plan_summary_free(&sum);
+    return QMOECTL_OK;
+}
+
+static int cmd_close(qm_client *c, const qmoectl_args *a)
+{
+    if (a->json) {
+        char params[1100];
+        if (one_param(params, sizeof(params), "session", a->pos[0]) < 0)
+            return qmoectl_usage_error("session id too long");
+        return qmoectl_print_json(c, "session.close", params);
+    }
+    qm_client_error err;
+    if (qm_client_session_close(c, a->pos[0], &err) < 0)
+        return qmoectl_fail(&err);
+    printf("closed %s\n", a->pos[0]);
+    return QMOECTL_OK;
+}
+
+/* ---------- plan ---------- */
+
+/* The session's model, for the size of whole-bank-resident banks. */
+static void plan_model_shape(qm_client *c, const char *session, uint64_t *experts, uint64_t *bpe)
+{
+    qm_client_session_info *s = NULL;
+    qm_client_model *m = NULL;
+    size_t ns = 0, nm = 0;
+    qm_client_error err;
+    *experts = *bpe = 0;
+    if (qm_client_session_list(c, &s, &ns, &err) < 0)
+        return;
+    if (qm_client_model_list(c, &m, &nm, &err) == 0) {
+        for (size_t i = 0; i < ns; i++) {
+            if (!s[i].session || strcmp(s[i].session, session) != 0 || !s[i].model)
+                continue;
+            for (size_t j = 0; j < nm; j++)
+                if (m[j].name && strcmp(m[j].name, s[i].model) == 0) {
+                    *experts = m[j].experts;
+                    *bpe = m[j].bytes_per_expert;
+                }
+        }
+    }
+    qm_client_sessions_free(s, ns);
+    qm_client_models_free(m, nm);
+}
+
+static int cmd_plan(qm_client *c, const qmoectl_args *a)
+{
+    if (a->json) {
+        char params[1100];
+        if (one_param(params, sizeof(params), "session", a->pos[0]) < 0)
+            return qmoectl_usage_error("session id too long");
+        return qmoectl_print_json(c, "session.plan", params);
+    }
+    qm_client_plan p;
+    qm_client_error err;
+    if (qm_client_session_plan(c, a->pos[0], &p, &err) < 0)
+        return qmoectl_fail(&err);
+    uint64_t model_experts = 0, model_bpe = 0;
+    plan_model_shape(c, a->pos[0], &model_experts, &model_bpe);
+
+    static const char *const hdr[] = {"BANK",   "LAYER",     "DECISION", "REASON",
+                                      "CAND",   "CAND-SIZE", "PINNED",   "PIN-SIZE",
+                                      "RES-NOW", "RES-SIZE"};
+    qmoectl_table *t = qmoectl_table_new(10, hdr);
+    uint64_t tc = 0, tcb = 0, tp = 0, tpb = 0, tr = 0, trb = 0, whole_bytes = 0;
+    int res_known = 1;
+    char b1[32], b2[32], b3[32];
+    for (size_t i = 0; i < p.n_banks; i++) {
+        const qm_client_plan_bank *k = &p.banks[i];
+        int whole = !k->has_experts;
+        uint64_t bpe = k->bytes_per_expert ? k->bytes_per_expert : model_bpe;
+        char reason[96] = "-";
+        if (k->reason_kind)
+            snprintf(reason, sizeof(reason), "%s%s%.48s%s", k->reason_kind,
+                     k->reason_detail ? " (" : "", k->reason_detail ? k->reason_detail : "",
+                     k->reason_detail ? (strlen(k->reason_detail) > 48 ? "...)" : ")") : "");
+        qmoectl_table_cell(t, "%llu", (unsigned long long)k->bank);
+        qmoectl_table_cell(t, "%llu", (unsigned long long)k->layer);
+        qmoectl_table_cell(t, "%s", whole ? "whole-bank" : "per-expert");
+        qmoectl_table_cell(t, "%s", reason);
+        if (whole) {
+            uint64_t bytes = k->bank_bytes >= 0 ? (uint64_t)k->bank_bytes : model_experts * bpe;
+            qmoectl_table_cell(t, "-");
+            qmoectl_table_cell(t, "-");
+            qmoectl_table_cell(t, "-");
+            qmoectl_table_cell(t, "-");
+            qmoectl_table_cell(t, model_experts ? "all %llu" : "all",
+                               (unsigned long long)model_experts);
+            qmoectl_table_cell(t, "%s", bytes ? B(bytes, b1) : "?");
+            tr += model_experts;
+            trb += bytes;
+            whole_bytes += bytes;
+        } else {
+            qmoectl_table_cell(t, "%zu", k->n_experts);
+            qmoectl_table_cell(t, "%s", B(k->n_experts * bpe, b1));
+            qmoectl_table_cell(t, "%zu", k->n_pinned);
+            qmoectl_table_cell(t, "%s", B(k->n_pinned * bpe, b2));
+            tc += k->n_experts;
+            tcb += k->n_experts * bpe;
+            tp += k->n_pinned;
+            tpb += k->n_pinned * bpe;
+            if (k->resident_now >= 0) {
+                qmoectl_table_cell(t, "%lld", (long long)k->resident_now);
+                qmoectl_table_cell(t, "%s", B((uint64_t)k->resident_now * bpe, b3));
+                tr += (uint64_t)k->resident_now;
+                trb += (uint64_t)k->resident_now * bpe;
+            } else {
+                res_known = 0;
+                qmoectl_table_cell(t, "?");
+                qmoectl_table_cell(t, "?");
+            }
+        }
+    }
+    qmoectl_table_cell(t, "total");
+    qmoectl_table_cell(t, "%zu", p.n_banks);
+    qmoectl_table_cell(t, "%s", "");
+    qmoectl_table_cell(t, "%s", "");
+    qmoectl_table_cell(t, "%llu", (unsigned long long)tc);
+    qmoectl_table_cell(t, "%s", B(tcb, b1));
+    qmoectl_table_cell(t, "%llu", (unsigned long long)tp);
+    qmoectl_table_cell(t, "%s", B(tpb, b2));
+    qmoectl_table_cell(t, res_known ? "%llu" : "%llu+?", (unsigned long long)tr);
+    qmoectl_table_cell(t, "%s%s", B(trb, b3), res_known ? "" : "+?");
+
+    char bud[32], pct[16], pct2[16];
+    printf("session %s  policy %s  budget %s\n", a->pos[0], p.policy ? p.policy : "?",
+           B(p.budget_bytes, bud));
+    printf("banks %llu: %llu whole-bank resident, %llu per-expert, %llu degraded to whole-bank\n\n",
+           (unsigned long long)p.total, (unsigned long long)p.resident,
+           (unsigned long long)(p.total - p.resident - p.degraded),
+           (unsigned long long)p.degraded);
+    qmoectl_table_print(t, stdout);
+    qmoectl_table_free(t);
+    printf("\nwhole-bank %s, pinned %s, resident now %s%s (%s of budget); pinned share %s\n",
+           B(whole_bytes, b1), B(tpb, b2), B(trb, b3), res_known ? "" : " or more",
+           qmoectl_percent((double)trb, (double)p.budget_bytes, pct, sizeof(pct)),
+           qmoectl_percent((double)tpb, (double)p.budget_bytes, pct2, sizeof(pct2)));
+    qm_client_plan_free(&p);
+    return QMOECTL_OK;
+}
+
+/* ---------- telemetry ---------- */
+
+static void counters_row(qmoectl_table *t, const char *who, const char *model,
+                         const qm_client_counters *k)
+{
+    char hr[16], paged[32], res[32], p50[32], p99[32];
+    qmoectl_table_cell(t, "%s", who);
+    qmoectl_table_cell(t, "%s", model ? model : "-");
+    qmoectl_table_cell(t, "%llu", (unsigned long long)k->requests);
+    qmoectl_table_cell(t, "%llu", (unsigned long long)k->errors);
+    qmoectl_table_cell(t, "%llu", (unsigned long long)k->tokens);
+    qmoectl_table_cell(t, "%s", qmoectl_percent((double)k->expert_hits,
+                                                (double)(k->expert_hits + k->expert_misses), hr,
+                                                sizeof(hr)));
+    qmoectl_table_cell(t, "%llu", (unsigned long long)k->expert_misses);
+    qmoectl_table_cell(t, "%s", B(k->bytes_paged_h2d, paged));
+    qmoectl_table_cell(t, "%llu", (unsigned long long)k->evictions);
+    qmoectl_table_cell(t, "%llu/%llu", (unsigned long long)k->prefetch_useful,
+                       (unsigned long long)k->prefetch_issued);
+    qmoectl_table_cell(t, "%s", B(k->resident_bytes, res));
+    qmoectl_table_cell(t, "%s", qmoectl_micros(k->p50_us, p50, sizeof(p50)));
+    qmoectl_table_cell(t, "%s", qmoectl_micros(k->p99_us, p99, sizeof(p99)));
+}
+
+static int telemetry_once(qm_client *c, const char *session, int json)
+{
+    if (json) {
+        char params[1100];
+        if (session && one_param(params, sizeof(params), "session", session) < 0)
+            return qmoectl_usage_error("session id too long");
+        return qmoectl_print_json(c, "telemetry.get", session ? params : NULL);
+    }
+    qm_client_telemetry tm;
+    qm_client_error err;
+    if (qm_client_telemetry_get(c, session, &tm, &err) < 0)
+        return qmoectl_fail(&err);
+    static const char *const hdr[] = {"SESSION",   "MODEL",  "REQUESTS",  "ERRORS", "TOKENS",
+                                      "HIT-RATE",  "MISSES", "PAGED",     "EVICTED",
+                                      "PREFETCH",  "RESIDENT", "P50",     "P99"};
+    qmoectl_table *t = qmoectl_table_new(13, hdr);
+    if (tm.has_daemon)
+        counters_row(t, "(daemon)", NULL, &tm.daemon);
+    for (size_t i = 0; i < tm.n_sessions; i++)
+        counters_row(t, tm.sessions[i].session ? tm.sessions[i].session : "?",
+                     tm.sessions[i].model, &tm.sessions[i].counters);
+    qmoectl_table_print(t, stdout);
+    qmoectl_table_free(t);
+    qm_client_telemetry_free(&tm);
+    return QMOECTL_OK;
+}
+
+static volatile sig_atomic_t qmoectl_stop;
+static void on_sigint(int sig)
+{
+    (void)sig;
+    qmoectl_stop = 1;
+}
+
+static int cmd_telemetry(qm_client *c, const qmoectl_args *a)
+{
+    const char *session = a->npos ? a->pos[0] : NULL;
+    const char *w = qmoectl_opt(a, "--watch"), *cnt = qmoectl_opt(a, "--count");
+    if (!w) {
+        if (cnt)
+            return qmoectl_usage_error("--count only makes sense with --watch");
+        return telemetry_once(c, session, a->json);
+    }
+    char *end = NULL;
+    double every = strtod(w, &end);
+    if (end == w || *end || !(every > 0) || every > 86400)
+        return qmoectl_usage_error("--watch takes seconds (> 0), not '%.32s'", w);
+    long count = 0;
+    if (cnt) {
+        count = strtol(cnt, &end, 10);
+        if (end == cnt || *end || count < 1)
+            return qmoectl_usage_error("--count takes a positive number, not '%.32s'", cnt);
+    }
+    struct sigaction sa = {.sa_handler = on_sigint};
+    sigaction(SIGINT, &sa, NULL);
+    int tty = isatty(STDOUT_FILENO) && !a->json;
+    for (long i = 0; !qmoectl_stop && (!count || i < count); i++) {
+        if (i > 0) {
+            struct timespec ts = {(time_t)every, (long)((every - (double)(time_t)every) * 1e9)};
+            while (nanosleep(&ts, &ts) < 0 && !qmoectl_stop) {
+            }
+            if (qmoectl_stop)
+                break;
+        }
+        if (!a->json) {
+            char when[32];
+            time_t now = time(NULL);
+            strftime(when, sizeof(when), "%H:%M:%S", localtime(&now));
+            if (tty)
+                fputs("\033[H\033[J", stdout);
+            else if (i > 0)
+                fputs("\n", stdout);
+            printf("qmoed telemetry at %s, every %gs%s\n", when, every,
+                   tty ? " (Ctrl-C to stop)" : "");
+        }
+        int rc = telemetry_once(c, session, a->json);
+        fflush(stdout);
+        if (rc != QMOECTL_OK)
+            return rc;
+    }
+    return QMOECTL_OK;
+}
+
+/* ---------- trace, metrics, shutdown ---------- */
+
+static int cmd_trace(qm_client *c, const qmoectl_args *a)
+{
+    const char *lim = qmoectl_opt(a, "--limit"), *session = qmoectl_opt(a, "--session");
+    unsigned long long limit = 0;
+    if (lim) {
+        char *end = NULL;
+        limit = strtoull(lim, &end, 10);
+        if (end == lim || *end || limit == 0 || lim[0] == '-')
+            return qmoectl_usage_error("--limit takes a positive number, not '%.32s'", lim);
+    }
+    if (a->json) {
+        char params[1200] = "{", q[1024];
+        size_t n = 1;
+        if (session) {
+            if (qmoectl_json_quote(session, q, sizeof(q)) < 0)
+                return qmoectl_usage_error("session id too long");
+            n += (size_t)snprintf(params + n, sizeof(params) - n, "\"session\":%s", q);
+        }
+        if (lim)
+            n += (size_t)snprintf(params + n, sizeof(params) - n, "%s\"limit\":%llu",
+                                  session ? "," : "", limit);
+        snprintf(params + n, sizeof(params) - n, "}");
+        return qmoectl_print_json(c, "telemetry.trace", params);
+    }
+    qm_client_span *s = NULL;
+    size_t n = 0;
+    qm_client_error err;
+    if (qm_client_telemetry_trace(c, session, limit, &s, &n, &err) < 0)
+        return qmoectl_fail(&err);
+    if (n == 0) {
+        printf("no spans recorded\n");
+        qm_client_spans_free(s, n);
+        return QMOECTL_OK;
+    }
+    static const char *const hdr[] = {"AT", "DURATION", "NAME", "SESSION", "ARGS"};
+    qmoectl_table *t = qmoectl_table_new(5, hdr);
+    double t0 = s[0].start_us;
+    for (size_t i = 0; i < n; i++) {
+        char at[32], dur[32];
+        qmoectl_table_cell(t, "+%s", qmoectl_micros(s[i].start_us - t0, at, sizeof(at)));
+        qmoectl_table_cell(t, "%s", qmoectl_micros(s[i].dur_us, dur, sizeof(dur)));
+        qmoectl_table_cell(t, "%s", s[i].name ? s[i].name : "?");
+        qmoectl_table_cell(t, "%s", s[i].session ? s[i].session : "-");
+        qmoectl_table_cell(t, "%s", s[i].args_json ? s[i].args_json : "");
+    }
+    qmoectl_table_print(t, stdout);
+    qmoectl_table_free(t);
+    qm_client_spans_free(s, n);
+    return QMOECTL_OK;
+}
+
+static int cmd_metrics(qm_client *c, const qmoectl_args *a)
+{
+    if (a->json)
+        return qmoectl_print_json(c, "telemetry.metrics", NULL);
+    char *text = NULL;
+    qm_client_error err;
+    if (qm_client_telemetry_metrics(c, &text, &err) < 0)
+        return qmoectl_fail(&err);
+    size_t n = strlen(text);
+    fputs(text, stdout);
+    if (n && text[n - 1] != '\n')
+        fputs("\n", stdout);
+    qm_client_string_free(text);
+    return QMOECTL_OK;
+}
+
+static int cmd_shutdown(qm_client *c, const qmoectl_args *a)
+{
+    if (a->json)
+        return qmoectl_print_json(c, "daemon.shutdown", NULL);
+    qm_client_error err;
+    if (qm_client_daemon_shutdown(c, &err) < 0)
+        return qmoectl_fail(&err);
+    printf("qmoed is draining: it answers what it accepted, then exits\n");
+    return QMOECTL_OK;
+}
+
+/* ---------- infer ---------- */
+
+static int cmd_infer(qm_client *c, const qmoectl_args *a)
+{
+    const char *layer_s = qmoectl_opt(a, "--layer"), *hid = qmoectl_opt(a, "--hidden"),
+               *logits = qmoectl_opt(a, "--logits"), *outp = qmoectl_opt(a, "--out");
+    int routing = qmoectl_opt(a, "--routing") != NULL;
+    if (!layer_s || !hid || !outp)
+        return qmoectl_usage_error("infer needs --layer N, --hidden X.npy and --out Y.npy");
+    char *end = NULL;
+    unsigned long long layer = strtoull(layer_s, &end, 10);
+    if (end == layer_s || *end || layer_s[0] == '-')
+        return qmoectl_usage_error("--layer takes a layer index, not '%.32s'", layer_s);
+    qm_client_tensor h = {0}, r = {0};
+    char msg[512];
+    int rc = QMOECTL_FAILED;
+    if (qmoectl_npy_read(hid, &h, msg, sizeof(msg)) < 0)
+        return qmoectl_error("%s", msg);
+    if (logits && qmoectl_npy_read(logits, &r, msg, sizeof(msg)) < 0) {
+        free(h.data);
+        return qmoectl_error("%s", msg);
+    }
+    qm_client_infer_result res;
+    qm_client_error err;
+    if (qm_client_session_infer(c, a->pos[0], layer, &h, logits ? &r : NULL, routing, &res,
+                                &err) < 0) {
+        rc = qmoectl_fail(&err);
+        goto out;
+    }
+    if (qmoectl_npy_write(outp, &res.output, msg, sizeof(msg)) < 0) {
+        rc = qmoectl_error("%s", msg);
+        goto out_res;
+    }
+    char shape[128] = "";
+    size_t o = 0;
+    for (int i = 0; i < res.output.ndim && o < sizeof(shape); i++)
+        o += (size_t)snprintf(shape + o, sizeof(shape) - o, "%s%llu", i ? "," : "",
+                              (unsigned long long)res.output.shape[i]);
+    static const char *dn[] = {"f32", "f16", "bf16"};
+    if (a->json) {
+        /* The raw result, with the output tensor's data replaced by the file it went to. */
+        char qo[4200];
+        qmoectl_json_quote(outp, qo, sizeof(qo));
+        printf("{\n  \"output\": {\"dtype\": \"%s\", \"shape\": [%s], \"path\": %s},\n",
+               dn[res.output.dtype], shape, qo);
+        printf("  \"stats\": {\"hits\": %llu, \"misses\": %llu, \"bytes_paged\": %llu, "
+               "\"queue_us\": %llu, \"compute_us\": %llu}",
+               (unsigned long long)res.stats.hits, (unsigned long long)res.stats.misses,
+               (unsigned long long)res.stats.bytes_paged, (unsigned long long)res.stats.queue_us,
+               (unsigned long long)res.stats.compute_us);
+        if (res.routing_offsets) {
+            printf(",\n  \"routing\": [");
+            for (size_t t = 0; t < res.routing_tokens; t++) {
+                printf("%s[", t ? ", " : "");
+                for (size_t j = res.routing_offsets[t]; j < res.routing_offsets[t + 1]; j++)
+                    printf("%s[%u, %.9g]", j > res.routing_offsets[t] ? ", " : "",
+                           res.routing_experts[j], res.routing_weights[j]);
+                printf("]");
+            }
+            printf("]");
+        }
+        printf("\n}\n");
+    } else {
+        char paged[32], q[32], cu[32];
+        printf("wrote %s: %s [%s]\n", outp, dn[res.output.dtype], shape);
+        printf("experts %llu hits, %llu misses; paged %s; queue %s, compute %s\n",
+               (unsigned long long)res.stats.hits, (unsigned long long)res.stats.misses,
+               B(res.stats.bytes_paged, paged),
+               qmoectl_micros((double)res.stats.queue_us, q, sizeof(q)),
+               qmoectl_micros((double)res.stats.compute_us, cu, sizeof(cu)));
+        for (size_t t = 0; res.routing_offsets && t < res.routing_tokens; t++) {
+            printf("token %zu:", t);
+            for (size_t j = res.routing_offsets[t]; j < res.routing_offsets[t + 1]; j++)
+                printf(" %u (%.3f)", res.routing_experts[j], res.routing_weights[j]);
+            printf("\n");
+        }
+    }
+    rc = QMOECTL_OK;
+out_res:
+    qm_client_infer_result_free(&res);
+out:
+    free(h.data);
+    free(r.data);
+    return rc;
+}
+
+const qmoectl_cmd qmoectl_cmds[] = {
+    {"status", "", "Show the daemon's version, uptime, backend, memory and counts.", "", 0, 0,
+     cmd_status},
+    {"models", "", "List loaded models: shape, quantisation, bytes per expert unit, size.", "",
+     0, 0, cmd_models},
+    {"load", "NAME PATH",
+     "Load the bank file PATH as model NAME (admin). A relative PATH is made absolute.", "", 2, 2,
+     cmd_load},
+    {"unload", "NAME [--force]",
+     "Unload model NAME (admin).\n"
+     "Refused while sessions use it, unless --force closes them.",
+     "--force", 1, 1, cmd_unload},
+    {"sessions", "", "List sessions (a non-admin sees only their own).", "", 0, 0, cmd_sessions},
+    {"create", "MODEL [--policy P] [--budget BYTES|SIZE|N%] [--param KEY=VALUE]...",
+     "Create a session on MODEL and print its id on the first line.\n"
+     "  --policy P        whole_bank (default), static_hot, lru or lfu\n"
+     "  --budget B        expert bytes the session may keep resident: bytes, a size\n"
+     "                    (512MiB, 2G) or a percentage of the model's bytes (50%)\n"
+     "  --param KEY=VALUE a policy parameter; VALUE is JSON when it reads as JSON\n"
+     "                    (prefetch=false, pin_fraction=0.25, hot='[{\"layer\":0,\"experts\":[3,1]}]'),\n"
+     "                    else a string; repeatable",
+     "--policy= --budget= --param=", 1, 1, cmd_create},
+    {"close", "SESSION", "Close a session and release its memory (owner or admin).", "", 1, 1,
+     cmd_close},
+    {"plan", "SESSION",
+     "Show a session's residency plan, one row per bank.\n"
+     "Each row: the bank's decision, the reason a bank stays whole, and counts and\n"
+     "sizes of candidate, pinned and currently resident experts; then totals\n"
+     "against the budget.",
+     "", 1, 1, cmd_plan},
+    {"telemetry", "[SESSION] [--watch SECONDS [--count N]]",
+     "Show counters: hit rate, bytes paged, p50/p99 latency, ...\n"
+     "Requests, errors, tokens, expert hit rate and misses, bytes paged, evictions,\n"
+     "prefetches (useful/issued), resident bytes, p50/p99 inference latency;\n"
+     "daemon-wide and per session.\n"
+     "  --watch S   refresh every S seconds until Ctrl-C\n"
+     "  --count N   stop after N refreshes",
+     "--watch= --count=", 0, 1, cmd_telemetry},
+    {"trace", "[--limit N] [--session SESSION]",
+     "Show recent trace spans, oldest first (admin).\n"
+     "  --limit N         at most N spans\n"
+     "  --session SESSION only that session's spans",
+     "--limit= --session=", 0, 0, cmd_trace},
+    {"metrics", "", "Print Prometheus metrics (text exposition format).", "", 0, 0, cmd_metrics},
+    {"infer", "SESSION --layer N --hidden X.npy [--logits R.npy] --out Y.npy [--routing]",
+     "Run one MoE layer on a session.\n"
+     "Hidden states come from X.npy ([T, H], f32 or f16), optional router logits\n"
+     "from R.npy ([T, E]); the output goes to Y.npy.\n"
+     "  --routing   also print the experts and weights chosen per token",
+     "--layer= --hidden= --logits= --out= --routing", 1, 1, cmd_infer},
+    {"shutdown", "", "Drain and stop the daemon (admin), as SIGTERM does.", "", 0, 0,
+     cmd_shutdown},
+    {NULL, NULL, NULL, NULL, 0, 0, NULL},
+};

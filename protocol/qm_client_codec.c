@@ -1,0 +1,701 @@
+/* qm_client_codec.c - JSON value tree, request printing, response parsing and
+ * the tensor codec for clients. The only client file that includes cJSON. */
+#include "qm_client_codec.h"
+
+#include <cjson/cJSON.h>
+#include <math.h>
+#include <stdio.h>
+#include <string.h>
+
+#include "qm_alloc.h"
+
+#define QM__CVAL_MAX_DEPTH 64
+
+/* ---------- value tree ---------- */
+
+qm_cval *qm_cval_new(qm_cval_type type)
+{
+    qm_cval *v = qm_calloc(1, sizeof(*v));
+    if (v)
+        v->type = type;
+    return v;
+}
+
+qm_cval *qm_cval_new_number(double x)
+{
+    qm_cval *v = qm_cval_new(QM_CVAL_NUMBER);
+    if (v)
+        v->number = x;
+    return v;
+}
+
+qm_cval *qm_cval_new_bool(int b)
+{
+    qm_cval *v = qm_cval_new(QM_CVAL_BOOL);
+    if (v)
+        v->boolean = b ? 1 : 0;
+    return v;
+}
+
+qm_cval *qm_cval_new_string_owned(char *buf, size_t len)
+{
+    qm_cval *v = qm_cval_new(QM_CVAL_STRING);
+    if (!v) {
+        qm_free(buf);
+        return NULL;
+    }
+    v->string = buf;
+    v->string_len = len;
+    return v;
+}
+
+qm_cval *qm_cval_new_string_len(const char *s, size_t len)
+{
+    if (len == SIZE_MAX)
+        return NULL;
+    char *copy = qm_malloc(len + 1);
+    if (!copy)
+        return NULL;
+    memcpy(copy, s, len);
+    copy[len] = '\0';
+    return qm_cval_new_string_owned(copy, len);
+}
+
+qm_cval *qm_cval_new_string(const char *s)
+{
+    return qm_cval_new_string_len(s ? s : "", s ? strlen(s) : 0);
+}
+
+void qm_cval_free(qm_cval *v)
+{
+    if (!v)
+        return;
+    for (size_t i = 0; i < v->count; i++)
+        qm_cval_free(v->items[i]);
+    qm_free(v->items);
+    qm_free(v->key);
+    qm_free(v->string);
+    qm_free(v);
+}
+
+int qm_cval_append(qm_cval *c, const char *key, qm_cval *item)
+{
+    if (!c || !item || (c->type != QM_CVAL_ARRAY && c->type != QM_CVAL_OBJECT) ||
+        (c->type == QM_CVAL_OBJECT && !key)) {
+        qm_cval_free(item);
+        return QM_EINVAL;
+    }
+    if (c->type == QM_CVAL_OBJECT) {
+        qm_free(item->key);
+        item->key = qm_strdup(key);
+        if (!item->key) {
+            qm_cval_free(item);
+            return QM_ENOMEM;
+        }
+    }
+    if (c->count == c->cap) {
+        size_t cap = c->cap ? c->cap * 2 : 4;
+        qm_cval **items = qm_realloc(c->items, cap * sizeof(*items));
+        if (!items) {
+            qm_cval_free(item);
+            return QM_ENOMEM;
+        }
+        c->items = items;
+        c->cap = cap;
+    }
+    c->items[c->count++] = item;
+    return 0;
+}
+
+const qm_cval *qm_cval_get(const qm_cval *obj, const char *key)
+{
+    if (!obj || obj->type != QM_CVAL_OBJECT || !key)
+        return NULL;
+    for (size_t i = 0; i < obj->count; i++)
+        if (obj->items[i]->key && strcmp(obj->items[i]->key, key) == 0)
+            return obj->items[i];
+    return NULL;
+}
+
+const qm_cval *qm_cval_at(const qm_cval *arr, size_t index)
+{
+    if (!arr || (arr->type != QM_CVAL_ARRAY && arr->type != QM_CVAL_OBJECT) ||
+        index >= arr->count)
+        return NULL;
+    return arr->items[index];
+}
+
+int qm_cval_get_double(const qm_cval *obj, const char *key, double *out)
+{
+    const qm_cval *v = qm_cval_get(obj, key);
+    if (!v || v->type != QM_CVAL_NUMBER)
+        return QM_EINVAL;
+    *out = v->number;
+    return 0;
+}
+
+int qm_cval_get_u64(const qm_cval *obj, const char *key, uint64_t *out)
+{
+    double d;
+    if (qm_cval_get_double(obj, key, &d) < 0)
+        return QM_EINVAL;
+    /* 2^64 as a double; anything at or above it does not fit. */
+    if (!(d >= 0.0) || d >= 18446744073709551616.0 || d != floor(d))
+        return QM_EINVAL;
+    *out = (uint64_t)d;
+    return 0;
+}
+
+int qm_cval_get_i64(const qm_cval *obj, const char *key, int64_t *out)
+{
+    double d;
+    if (qm_cval_get_double(obj, key, &d) < 0)
+        return QM_EINVAL;
+    if (!(d >= -9223372036854775808.0) || d >= 9223372036854775808.0 || d != floor(d))
+        return QM_EINVAL;
+    *out = (int64_t)d;
+    return 0;
+}
+
+const char *qm_cval_get_string(const qm_cval *obj, const char *key)
+{
+    const qm_cval *v = qm_cval_get(obj, key);
+    return v && v->type == QM_CVAL_STRING ? v->string : NULL;
+}
+
+/* ---------- parse (through cJSON) ---------- */
+
+static int qm__cval_from_cjson(const cJSON *j, int depth, qm_cval **out, qm_status *st)
+{
+    qm_cval *v = NULL;
+    if (depth > QM__CVAL_MAX_DEPTH)
+        return qm_status_set(st, QM_EPARSE, "JSON nests deeper than %d levels",
+                             QM__CVAL_MAX_DEPTH);
+    if (cJSON_IsNull(j)) {
+        v = qm_cval_new(QM_CVAL_NULL);
+    } else if (cJSON_IsBool(j)) {
+        v = qm_cval_new_bool(cJSON_IsTrue(j));
+    } else if (cJSON_IsNumber(j)) {
+        v = qm_cval_new_number(j->valuedouble);
+    } else if (cJSON_IsString(j)) {
+        v = qm_cval_new_string(j->valuestring);
+    } else if (cJSON_IsArray(j) || cJSON_IsObject(j)) {
+        v = qm_cval_new(cJSON_IsArray(j) ? QM_CVAL_ARRAY : QM_CVAL_OBJECT);
+        if (!v)
+            goto fail_nomem;
+        for (const cJSON *c = j->child; c; c = c->next) {
+            qm_cval *item = NULL;
+            int rc = qm__cval_from_cjson(c, depth + 1, &item, st);
+            if (rc < 0) {
+                qm_cval_free(v);
+                return rc;
+            }
+            rc = qm_cval_append(v, v->type == QM_CVAL_OBJECT ? (c->string ? c->string : "")
+                                                             : NULL,
+                                item);
+            if (rc < 0) {
+                qm_cval_free(v);
+                return qm_status_set(st, rc, "out of memory building the JSON tree");
+            }
+        }
+    } else {
+        return qm_status_set(st, QM_EPARSE, "JSON value of unknown type");
+    }
+    if (!v)
+        goto fail_nomem;
+    *out = v;
+    return 0;
+fail_nomem:
+    return qm_status_set(st, QM_ENOMEM, "out of memory building the JSON tree");
+}
+
+int qm_cval_parse(const char *buf, size_t len, qm_cval **out, qm_status *st)
+{
+    const char *end = NULL;
+    *out = NULL;
+    if (!buf)
+        return qm_status_set(st, QM_EINVAL, "no JSON text given");
+    cJSON *j = cJSON_ParseWithLengthOpts(buf, len, &end, 0);
+    if (!j) {
+        size_t at = end && end >= buf && end <= buf + len ? (size_t)(end - buf) : 0;
+        return qm_status_set(st, QM_EPARSE, "invalid JSON near byte %zu", at);
+    }
+    /* Only whitespace may follow the value. */
+    for (const char *p = end; p && p < buf + len; p++) {
+        if (*p != ' ' && *p != '\t' && *p != '\r' && *p != '\n') {
+            cJSON_Delete(j);
+            return qm_status_set(st, QM_EPARSE, "trailing bytes after the JSON value at byte %zu",
+                                 (size_t)(p - buf));
+        }
+    }
+    int rc = qm__cval_from_cjson(j, 0, out, st);
+    cJSON_Delete(j);
+    return rc;
+}
+
+/* ---------- print (our own, to stream large base64 strings without copies) ---------- */
+
+typedef struct qm__sbuf {
+    char *p;
+    size_t len, cap;
+    int failed;
+} qm__sbuf;
+
+static void qm__sb_put(qm__sbuf *b, const char *s, size_t n)
+{
+    if (b->failed)
+        return;
+    if (n > SIZE_MAX - b->len - 1) {
+        b->failed = 1;
+        return;
+    }
+    if (b->len + n + 1 > b->cap) {
+        size_t cap = b->cap ? b->cap : 256;
+        while (cap < b->len + n + 1)
+            cap = cap > SIZE_MAX / 2 ? b->len + n + 1 : cap * 2;
+        char *p = qm_realloc(b->p, cap);
+        if (!p) {
+            b->failed = 1;
+            return;
+        }
+        b->p = p;
+        b->cap = cap;
+    }
+    memcpy(b->p + b->len, s, n);
+    b->len += n;
+    b->p[b->len] = '\0';
+}
+
+static void qm__sb_str(qm__sbuf *b, const char *s) { qm__sb_put(b, s, strlen(s)); }
+
+static void qm__sb_json_string(qm__sbuf *b, const char *s, size_t n)
+{
+    static const char hex[] = "0123456789abcdef";
+    qm__sb_put(b, "\"", 1);
+    size_t run = 0;
+    for (size_t i = 0; i < n; i++) {
+        unsigned char c = (unsigned char)s[i];
+        if (c >= 0x20 && c != '"' && c != '\\')
+            continue;
+        qm__sb_put(b, s + run, i - run);
+        run = i + 1;
+        char esc[7] = {'\\', 0, 0, 0, 0, 0, 0};
+        size_t elen = 2;
+        switch (c) {
+        case '"': esc[1] = '"'; break;
+        case '\\': esc[1] = '\\'; break;
+        case '\n': esc[1] = 'n'; break;
+        case '\r': esc[1] = 'r'; break;
+        case '\t': esc[1] = 't'; break;
+        case '\b': esc[1] = 'b'; break;
+        case '\f': esc[1] = 'f'; break;
+        default:
+            esc[1] = 'u';
+            esc[2] = '0';
+            esc[3] = '0';
+            esc[4] = hex[c >> 4];
+            esc[5] = hex[c & 15];
+            elen = 6;
+        }
+        qm__sb_put(b, esc, elen);
+    }
+    qm__sb_put(b, s + run, n - run);
+    qm__sb_put(b, "\"", 1);
+}
+
+static void qm__sb_number(qm__sbuf *b, double d)
+{
+    char tmp[40];
+    if (!isfinite(d))
+        qm__sb_str(b, "null"); /* JSON has no NaN/Inf */
+    else if (d == floor(d) && fabs(d) < 9007199254740992.0)
+        snprintf(tmp, sizeof(tmp), "%.0f", d), qm__sb_str(b, tmp);
+    else
+        snprintf(tmp, sizeof(tmp), "%.17g", d), qm__sb_str(b, tmp);
+}
+
+static void qm__sb_indent(qm__sbuf *b, int pretty, int depth)
+{
+    if (!pretty)
+        return;
+    qm__sb_put(b, "\n", 1);
+    for (int i = 0; i < depth; i++)
+        qm__sb_put(b, "  ", 2);
+}
+
+static void qm__print_value(qm__sbuf *b, const qm_cval *v, int pretty, int depth)
+{
+    if (!v) {
+        qm__sb_str(b, "null");
+        return;
+    }
+    switch (v->type) {
+    case QM_CVAL_NULL: qm__sb_str(b, "null"); break;
+    case QM_CVAL_BOOL: qm__sb_str(b, v->boolean ? "true" : "false"); break;
+    case QM_CVAL_NUMBER: qm__sb_number(b, v->number); break;
+    case QM_CVAL_STRING: qm__sb_json_string(b, v->string ? v->string : "", v->string_len); break;
+    case QM_CVAL_ARRAY:
+    case QM_CVAL_OBJECT: {
+        int obj = v->type == QM_CVAL_OBJECT;
+        qm__sb_put(b, obj ? "{" : "[", 1);
+        for (size_t i = 0; i < v->count; i++) {
+            if (i)
+                qm__sb_put(b, ",", 1);
+            qm__sb_indent(b, pretty, depth + 1);
+            if (obj) {
+                const char *k = v->items[i]->key ? v->items[i]->key : "";
+                qm__sb_json_string(b, k, strlen(k));
+                qm__sb_put(b, pretty ? ": " : ":", pretty ? 2 : 1);
+            }
+            qm__print_value(b, v->items[i], pretty, depth + 1);
+        }
+        if (v->count)
+            qm__sb_indent(b, pretty, depth);
+        qm__sb_put(b, obj ? "}" : "]", 1);
+        break;
+    }
+    }
+}
+
+char *qm_cval_print(const qm_cval *v, int pretty, size_t *len_out)
+{
+    qm__sbuf b = {0};
+    qm__print_value(&b, v, pretty, 0);
+    if (b.failed) {
+        qm_free(b.p);
+        return NULL;
+    }
+    if (len_out)
+        *len_out = b.len;
+    return b.p;
+}
+
+char *qm_client_codec_request(uint64_t id, const char *method, const qm_cval *params,
+                              size_t *len_out)
+{
+    qm__sbuf b = {0};
+    char tmp[64];
+    snprintf(tmp, sizeof(tmp), "{\"jsonrpc\":\"2.0\",\"id\":%llu,\"method\":",
+             (unsigned long long)id);
+    qm__sb_str(&b, tmp);
+    qm__sb_json_string(&b, method ? method : "", method ? strlen(method) : 0);
+    if (params) {
+        qm__sb_str(&b, ",\"params\":");
+        qm__print_value(&b, params, 0, 0);
+    }
+    qm__sb_str(&b, "}\n");
+    if (b.failed) {
+        qm_free(b.p);
+        return NULL;
+    }
+    if (len_out)
+        *len_out = b.len;
+    return b.p;
+}
+
+/* ---------- response envelopes ---------- */
+
+const char *qm_client_codec_error_name(int code)
+{
+    switch (code) {
+    case -32700: return "parse_error";
+    case -32600: return "invalid_request";
+    case -32601: return "method_not_found";
+    case -32602: return "invalid_params";
+    case -32603: return "internal_error";
+    case -32001: return "not_found";
+    case -32002: return "permission_denied";
+    case -32003: return "resource_exhausted";
+    case -32004: return "overloaded";
+    case -32005: return "invalid_model";
+    case -32006: return "payload_too_large";
+    case -32007: return "shutting_down";
+    case -32008: return "conflict";
+    case -32009: return "in_use";
+    default: return "error";
+    }
+}
+
+static void qm__copy(char *dst, size_t cap, const char *src)
+{
+    snprintf(dst, cap, "%s", src ? src : "");
+}
+
+int qm_client_codec_response(const char *buf, size_t len, uint64_t *id_out,
+                             qm_cval **result_out, int *is_error,
+                             qm_client_codec_error *error, qm_status *st)
+{
+    qm_cval *root = NULL;
+    *result_out = NULL;
+    *is_error = 0;
+    int rc = qm_cval_parse(buf, len, &root, st);
+    if (rc < 0)
+        return rc;
+    if (root->type != QM_CVAL_OBJECT) {
+        rc = qm_status_set(st, QM_EPARSE, "response is not a JSON object");
+        goto out;
+    }
+    const char *ver = qm_cval_get_string(root, "jsonrpc");
+    if (!ver || strcmp(ver, "2.0") != 0) {
+        rc = qm_status_set(st, QM_EPARSE, "response lacks \"jsonrpc\":\"2.0\"");
+        goto out;
+    }
+    const qm_cval *id = qm_cval_get(root, "id");
+    if (id && id->type == QM_CVAL_NULL) {
+        *id_out = 0; /* an error about a request the daemon could not read */
+    } else if (qm_cval_get_u64(root, "id", id_out) < 0) {
+        rc = qm_status_set(st, QM_EPARSE, "response id is missing or not a number");
+        goto out;
+    }
+    const qm_cval *err = qm_cval_get(root, "error");
+    if (err) {
+        double code = 0;
+        if (err->type != QM_CVAL_OBJECT || qm_cval_get_double(err, "code", &code) < 0) {
+            rc = qm_status_set(st, QM_EPARSE, "response error lacks a numeric code");
+            goto out;
+        }
+        memset(error, 0, sizeof(*error));
+        error->code = (int)code;
+        qm__copy(error->message, sizeof(error->message), qm_cval_get_string(err, "message"));
+        const qm_cval *data = qm_cval_get(err, "data");
+        const char *reason = qm_cval_get_string(data, "reason");
+        qm__copy(error->reason, sizeof(error->reason), reason ? reason : error->message);
+        qm__copy(error->field, sizeof(error->field), qm_cval_get_string(data, "field"));
+        *is_error = 1;
+        goto out;
+    }
+    for (size_t i = 0; i < root->count; i++) {
+        if (strcmp(root->items[i]->key, "result") == 0) {
+            /* Detach the result so the caller owns it without a copy. */
+            *result_out = root->items[i];
+            root->items[i] = NULL;
+            qm_free((*result_out)->key);
+            (*result_out)->key = NULL;
+            memmove(root->items + i, root->items + i + 1,
+                    (root->count - i - 1) * sizeof(*root->items));
+            root->count--;
+            goto out;
+        }
+    }
+    rc = qm_status_set(st, QM_EPARSE, "response has neither result nor error");
+out:
+    qm_cval_free(root);
+    return rc;
+}
+
+/* ---------- base64 ---------- */
+
+static const char qm__b64[] = "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
+
+char *qm_client_b64_encode(const void *data, size_t len, size_t *out_len)
+{
+    const unsigned char *in = data;
+    size_t groups = len / 3 + (len % 3 != 0);
+    if (groups > (SIZE_MAX - 1) / 4)
+        return NULL;
+    char *out = qm_malloc(groups * 4 + 1);
+    if (!out)
+        return NULL;
+    size_t o = 0, i = 0;
+    for (; i + 3 <= len; i += 3) {
+        uint32_t v = (uint32_t)in[i] << 16 | (uint32_t)in[i + 1] << 8 | in[i + 2];
+        out[o++] = qm__b64[v >> 18];
+        out[o++] = qm__b64[(v >> 12) & 63];
+        out[o++] = qm__b64[(v >> 6) & 63];
+        out[o++] = qm__b64[v & 63];
+    }
+    if (i < len) {
+        uint32_t v = (uint32_t)in[i] << 16 | (i + 1 < len ? (uint32_t)in[i + 1] << 8 : 0);
+        out[o++] = qm__b64[v >> 18];
+        out[o++] = qm__b64[(v >> 12) & 63];
+        out[o++] = i + 1 < len ? qm__b64[(v >> 6) & 63] : '=';
+        out[o++] = '=';
+    }
+    out[o] = '\0';
+    if (out_len)
+        *out_len = o;
+    return out;
+}
+
+static int qm__b64_value(unsigned char c)
+{
+    if (c >= 'A' && c <= 'Z') return c - 'A';
+    if (c >= 'a' && c <= 'z') return c - 'a' + 26;
+    if (c >= '0' && c <= '9') return c - '0' + 52;
+    if (c == '+') return 62;
+    if (c == '/') return 63;
+    return -1;
+}
+
+int qm_client_b64_decode(const char *s, size_t len, void **out, size_t *out_len)
+{
+    *out = NULL;
+    if (len % 4 != 0)
+        return QM_EINVAL;
+    size_t pad = 0;
+    if (len >= 1 && s[len - 1] == '=')
+        pad++;
+    if (len >= 2 && s[len - 2] == '=')
+        pad++;
+    size_t n = len / 4 * 3 - pad;
+    unsigned char *buf = qm_malloc(n ? n : 1);
+    if (!buf)
+        return QM_ENOMEM;
+    size_t o = 0;
+    for (size_t i = 0; i < len; i += 4) {
+        int last = i + 4 == len;
+        int v[4];
+        for (int k = 0; k < 4; k++) {
+            unsigned char c = (unsigned char)s[i + k];
+            if (c == '=' && last && k >= 4 - (int)pad) {
+                v[k] = 0;
+                continue;
+            }
+            v[k] = qm__b64_value(c);
+            if (v[k] < 0)
+                goto fail_bad;
+        }
+        uint32_t w = (uint32_t)v[0] << 18 | (uint32_t)v[1] << 12 | (uint32_t)v[2] << 6 | v[3];
+        size_t take = last ? 3 - pad : 3;
+        /* Canonical form: bits below the padding must be zero. */
+        if (last && pad == 1 && (w & 0xff))
+            goto fail_bad;
+        if (last && pad == 2 && (w & 0xffff))
+            goto fail_bad;
+        if (take > 0) buf[o++] = (unsigned char)(w >> 16);
+        if (take > 1) buf[o++] = (unsigned char)(w >> 8);
+        if (take > 2) buf[o++] = (unsigned char)w;
+    }
+    *out = buf;
+    *out_len = o;
+    return 0;
+fail_bad:
+    qm_free(buf);
+    return QM_EINVAL;
+}
+
+/* ---------- tensors ---------- */
+
+const char *qm_cdtype_name(qm_cdtype dt)
+{
+    switch (dt) {
+    case QM_CDTYPE_F32: return "f32";
+    case QM_CDTYPE_F16: return "f16";
+    case QM_CDTYPE_BF16: return "bf16";
+    }
+    return "?";
+}
+
+size_t qm_cdtype_size(qm_cdtype dt) { return dt == QM_CDTYPE_F32 ? 4 : 2; }
+
+int qm_cdtype_parse(const char *name, qm_cdtype *out)
+{
+    if (!name)
+        return QM_EINVAL;
+    if (strcmp(name, "f32") == 0)
+        *out = QM_CDTYPE_F32;
+    else if (strcmp(name, "f16") == 0)
+        *out = QM_CDTYPE_F16;
+    else if (strcmp(name, "bf16") == 0)
+        *out = QM_CDTYPE_BF16;
+    else
+        return QM_EINVAL;
+    return 0;
+}
+
+static int qm__tensor_bytes(qm_cdtype dt, const uint64_t *shape, int ndim, uint64_t *out)
+{
+    unsigned long long n = qm_cdtype_size(dt);
+    for (int i = 0; i < ndim; i++)
+        if (qm_mul_u64(n, shape[i], &n) < 0)
+            return QM_EINVAL;
+    *out = n;
+    return 0;
+}
+
+int qm_client_codec_tensor_encode(qm_cdtype dt, const uint64_t *shape, int ndim,
+                                  const void *data, size_t nbytes, qm_cval **out,
+                                  qm_status *st)
+{
+    uint64_t want = 0;
+    *out = NULL;
+    if (ndim < 1 || ndim > QM_CTENSOR_MAX_DIMS || (size_t)dt > QM_CDTYPE_BF16)
+        return qm_status_set(st, QM_EINVAL, "a tensor needs 1 to %d dimensions and a known dtype",
+                             QM_CTENSOR_MAX_DIMS);
+    if (qm__tensor_bytes(dt, shape, ndim, &want) < 0 || want != nbytes)
+        return qm_status_set(st, QM_EINVAL,
+                             "tensor shape and byte length disagree (%zu bytes given)", nbytes);
+    qm_cval *t = qm_cval_new(QM_CVAL_OBJECT), *sh = qm_cval_new(QM_CVAL_ARRAY);
+    size_t b64_len = 0;
+    char *b64 = qm_client_b64_encode(data, nbytes, &b64_len);
+    int rc = QM_ENOMEM;
+    if (!t || !sh || !b64) {
+        qm_cval_free(sh);
+        qm_free(b64);
+        goto fail;
+    }
+    for (int i = 0; i < ndim; i++)
+        if ((rc = qm_cval_append(sh, NULL, qm_cval_new_number((double)shape[i]))) < 0) {
+            qm_cval_free(sh);
+            qm_free(b64);
+            goto fail;
+        }
+    if ((rc = qm_cval_append(t, "dtype", qm_cval_new_string(qm_cdtype_name(dt)))) < 0 ||
+        (rc = qm_cval_append(t, "shape", sh)) < 0) {
+        qm_free(b64);
+        goto fail;
+    }
+    if ((rc = qm_cval_append(t, "data", qm_cval_new_string_owned(b64, b64_len))) < 0)
+        goto fail;
+    *out = t;
+    return 0;
+fail:
+    qm_cval_free(t);
+    return qm_status_set(st, rc, "out of memory encoding a tensor");
+}
+
+int qm_client_codec_tensor_decode(const qm_cval *t, qm_cdtype *dt_out,
+                                  uint64_t shape_out[QM_CTENSOR_MAX_DIMS], int *ndim_out,
+                                  void **data_out, size_t *nbytes_out, qm_status *st)
+{
+    *data_out = NULL;
+    if (!t || t->type != QM_CVAL_OBJECT)
+        return qm_status_set(st, QM_EPARSE, "tensor is not an object");
+    if (qm_cdtype_parse(qm_cval_get_string(t, "dtype"), dt_out) < 0)
+        return qm_status_set_field(st, QM_EPARSE, "dtype", "tensor dtype is not f32, f16 or bf16");
+    const qm_cval *shape = qm_cval_get(t, "shape");
+    if (!shape || shape->type != QM_CVAL_ARRAY || shape->count < 1 ||
+        shape->count > QM_CTENSOR_MAX_DIMS)
+        return qm_status_set_field(st, QM_EPARSE, "shape", "tensor shape is not an array of 1 to %d sizes",
+                                   QM_CTENSOR_MAX_DIMS);
+    for (size_t i = 0; i < shape->count; i++) {
+        const qm_cval *d = shape->items[i];
+        if (d->type != QM_CVAL_NUMBER || d->number < 0 || d->number != floor(d->number) ||
+            d->number > 9007199254740992.0)
+            return qm_status_set_field(st, QM_EPARSE, "shape", "tensor shape holds a non-integer size");
+        shape_out[i] = (uint64_t)d->number;
+    }
+    *ndim_out = (int)shape->count;
+    const qm_cval *data = qm_cval_get(t, "data");
+    if (!data || data->type != QM_CVAL_STRING)
+        return qm_status_set_field(st, QM_EPARSE, "data", "tensor data is not a base64 string");
+    uint64_t want = 0;
+    if (qm__tensor_bytes(*dt_out, shape_out, *ndim_out, &want) < 0)
+        return qm_status_set_field(st, QM_EPARSE, "shape", "tensor shape overflows 64 bits");
+    void *buf = NULL;
+    size_t n = 0;
+    int rc = qm_client_b64_decode(data->string, data->string_len, &buf, &n);
+    if (rc == QM_ENOMEM)
+        return qm_status_set(st, rc, "out of memory decoding a tensor");
+    if (rc < 0)
+        return qm_status_set_field(st, QM_EPARSE, "data", "tensor data is not valid base64");
+    if (n != want) {
+        qm_free(buf);
+        return qm_status_set_field(st, QM_EPARSE, "data",
+                                   "tensor data holds %zu bytes, its shape needs %llu", n,
+                                   (unsigned long long)want);
+    }
+    *data_out = buf;
+    *nbytes_out = n;
+    return 0;
+}
