@@ -1,0 +1,427 @@
+/* test_policies.c - the run-time half of the shipped policies: which victim
+ * each picks, LFU aging, static_hot's pins, and Belady against a brute-force
+ * optimum on tiny traces, through a small cache simulator. */
+#include <check.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "qm_residency.h"
+#include "rt_util.h"
+
+#define REF(b, e) ((qm_expert_ref){(b), (e)})
+
+static qm_policy make(const char *name, const qm_policy_params *params)
+{
+    qm_policy pol;
+    qm_status st;
+    ck_assert_msg(qm_policy_new(name, params, &pol, &st) == 0, "%s", st.msg);
+    return pol;
+}
+
+static size_t victim_of(const qm_policy *pol, const qm_expert_ref *cands, size_t n)
+{
+    size_t v = SIZE_MAX;
+    ck_assert_int_eq(qm_policy_choose_victim(pol, cands, n, &v), 0);
+    ck_assert_uint_lt(v, n);
+    return v;
+}
+
+/* ---- A tiny cache ----------------------------------------------------------- */
+
+#define SIM_MAX 8
+
+/* Replays `trace` through a cache of `cap` equal slots, calling the hooks in
+ * the order the paging authority does. Returns the misses. */
+static size_t simulate(const qm_policy *pol, const qm_expert_ref *trace, size_t len, size_t cap)
+{
+    qm_expert_ref slots[SIM_MAX];
+    size_t n = 0, misses = 0;
+    for (size_t t = 0; t < len; t++) {
+        int hit = 0;
+        for (size_t i = 0; i < n; i++)
+            hit |= slots[i].bank == trace[t].bank && slots[i].expert == trace[t].expert;
+        qm_policy_on_access(pol, trace[t], t, hit);
+        if (hit)
+            continue;
+        misses++;
+        if (n == cap) {
+            size_t v = 0;
+            if (qm_policy_choose_victim(pol, slots, n, &v) != 0)
+                v = 0;
+            qm_policy_on_evict(pol, slots[v]);
+            slots[v] = slots[--n];
+        }
+        slots[n++] = trace[t];
+        qm_policy_on_insert(pol, trace[t], t);
+    }
+    return misses;
+}
+
+/* Fewest misses any eviction choice achieves (exhaustive search). */
+static size_t brute_force(const qm_expert_ref *trace, size_t len, size_t cap, size_t t,
+                          qm_expert_ref *slots, size_t n)
+{
+    for (; t < len; t++) {
+        int hit = 0;
+        for (size_t i = 0; i < n; i++)
+            hit |= slots[i].bank == trace[t].bank && slots[i].expert == trace[t].expert;
+        if (hit)
+            continue;
+        if (n < cap) {
+            slots[n++] = trace[t];
+            return 1 + brute_force(trace, len, cap, t + 1, slots, n);
+        }
+        size_t best = SIZE_MAX;
+        for (size_t v = 0; v < n; v++) {
+            qm_expert_ref copy[SIM_MAX];
+            memcpy(copy, slots, n * sizeof *slots);
+            copy[v] = trace[t];
+            size_t m = brute_force(trace, len, cap, t + 1, copy, n);
+            if (m < best)
+                best = m;
+        }
+        return 1 + best;
+    }
+    return 0;
+}
+
+/* ---- lru ----------------------------------------------------------------------- */
+
+START_TEST(test_lru_evicts_the_least_recently_used)
+{
+    qm_policy pol = make("lru", NULL);
+    qm_expert_ref a = REF(0, 1), b = REF(0, 2), c = REF(1, 1);
+    qm_policy_on_access(&pol, a, 0, 0);
+    qm_policy_on_access(&pol, b, 1, 0);
+    qm_policy_on_access(&pol, c, 2, 0);
+    qm_policy_on_access(&pol, a, 3, 1);
+    qm_expert_ref cands[] = {a, b, c};
+    ck_assert_uint_eq(victim_of(&pol, cands, 3), 1); /* b */
+    qm_policy_on_access(&pol, b, 4, 1);
+    ck_assert_uint_eq(victim_of(&pol, cands, 3), 2); /* c */
+    /* An expert the policy never saw counts as the oldest. */
+    qm_expert_ref with_new[] = {a, b, REF(5, 5)};
+    ck_assert_uint_eq(victim_of(&pol, with_new, 3), 2);
+    qm_policy_destroy(&pol);
+}
+END_TEST
+
+START_TEST(test_lru_on_insert_counts_as_a_use)
+{
+    qm_policy pol = make("lru", NULL);
+    qm_policy_on_access(&pol, REF(0, 0), 0, 0);
+    qm_policy_on_insert(&pol, REF(0, 1), 1); /* e.g. a prefetch */
+    qm_expert_ref cands[] = {REF(0, 1), REF(0, 0)};
+    ck_assert_uint_eq(victim_of(&pol, cands, 2), 1);
+    qm_policy_destroy(&pol);
+}
+END_TEST
+
+/* ---- lfu ----------------------------------------------------------------------- */
+
+START_TEST(test_lfu_evicts_the_least_frequently_used)
+{
+    qm_policy_params p = {.has_decay = 1, .decay = 1.0};
+    qm_policy pol = make("lfu", &p);
+    qm_expert_ref a = REF(0, 0), b = REF(0, 1), c = REF(0, 2);
+    const qm_expert_ref seq[] = {a, b, c, a, c, a};
+    for (size_t t = 0; t < 6; t++)
+        qm_policy_on_access(&pol, seq[t], t, 0);
+    qm_expert_ref cands[] = {a, b, c};
+    ck_assert_uint_eq(victim_of(&pol, cands, 3), 1); /* b: 1 use */
+    qm_expert_ref ac[] = {a, c};
+    ck_assert_uint_eq(victim_of(&pol, ac, 2), 1); /* c: 2 uses < a: 3 */
+    qm_policy_destroy(&pol);
+}
+END_TEST
+
+START_TEST(test_lfu_decay_lets_stale_popularity_fade)
+{
+    qm_expert_ref a = REF(0, 0), b = REF(0, 1);
+    for (int aging = 0; aging < 2; aging++) {
+        qm_policy_params p = {.has_decay = 1, .decay = aging ? 0.5 : 1.0};
+        qm_policy pol = make("lfu", &p);
+        uint64_t t = 0;
+        for (int i = 0; i < 10; i++) /* a was popular ... */
+            qm_policy_on_access(&pol, a, t++, 0);
+        for (int i = 0; i < 3; i++) /* ... then b is what is used */
+            qm_policy_on_access(&pol, b, t++, 0);
+        qm_expert_ref cands[] = {a, b};
+        /* Without aging a's old 10 uses keep it; with decay 0.5 a is at
+         * about 2 * 0.5^3 = 0.25 against b's 1.75, so a goes. */
+        ck_assert_uint_eq(victim_of(&pol, cands, 2), aging ? 0 : 1);
+        qm_policy_destroy(&pol);
+    }
+}
+END_TEST
+
+START_TEST(test_lfu_ages_by_accesses_to_the_same_bank_only)
+{
+    qm_policy_params p = {.has_decay = 1, .decay = 0.9};
+    qm_policy pol = make("lfu", &p);
+    qm_expert_ref a = REF(0, 0), c = REF(1, 0), d = REF(1, 1);
+    uint64_t t = 0;
+    qm_policy_on_access(&pol, a, t++, 0); /* bank 0: one use, then silence */
+    for (int i = 0; i < 3; i++)
+        qm_policy_on_access(&pol, c, t++, 0);
+    for (int i = 0; i < 10; i++) /* bank 1 keeps running */
+        qm_policy_on_access(&pol, d, t++, 0);
+    /* a stays at 1.0 (its bank's clock did not move); c is at about
+     * (1 + 0.9 + 0.81) * 0.9^10 = 0.94. A global clock would age a as well
+     * (to 0.9^13 = 0.25) and evict it instead. */
+    qm_expert_ref cands[] = {a, c};
+    ck_assert_uint_eq(victim_of(&pol, cands, 2), 1);
+    qm_policy_destroy(&pol);
+}
+END_TEST
+
+START_TEST(test_lfu_breaks_ties_by_recency)
+{
+    qm_policy_params p = {.has_decay = 1, .decay = 0.0}; /* only the latest access counts */
+    qm_policy pol = make("lfu", &p);
+    qm_policy_on_access(&pol, REF(0, 0), 0, 0);
+    qm_policy_on_access(&pol, REF(0, 1), 1, 0);
+    qm_policy_on_access(&pol, REF(0, 2), 2, 0);
+    qm_expert_ref cands[] = {REF(0, 1), REF(0, 0)}; /* both faded to 0 */
+    ck_assert_uint_eq(victim_of(&pol, cands, 2), 1);
+    qm_policy_destroy(&pol);
+}
+END_TEST
+
+/* ---- static_hot ------------------------------------------------------------------- */
+
+static const qm_plan_bank *plan_one(qm_policy *pol, qm_region_catalog **cats, size_t n,
+                                    uint64_t budget, qm_residency_plan **plan)
+{
+    qm_plan_options opt = {.has_budget = 1, .budget_bytes = budget};
+    qm_status st;
+    ck_assert_msg(qm_plan_residency((const qm_region_catalog *const *)cats, n, pol, &opt, plan,
+                                    &st) == 0,
+                  "%s", st.msg);
+    return qm_plan_bank_at(*plan, 0);
+}
+
+START_TEST(test_static_hot_pins_the_hottest_up_to_pin_fraction_of_the_budget)
+{
+    qm_region_catalog *cats[2] = {rt_catalog(0, 8, 1, 100), rt_catalog(1, 8, 1, 100)};
+    static const uint32_t hot0[] = {7, 6, 5, 4, 3, 2, 1};
+    const uint32_t *hot[] = {hot0};
+    const size_t hot_len[] = {7};
+    qm_policy_params p = {.hot = hot, .hot_len = hot_len, .n_hot_banks = 1};
+    qm_policy pol = make("static_hot", &p);
+    qm_residency_plan *plan = NULL;
+    /* Default pin_fraction 0.5 of 1000 B: five 100 B experts, hottest first. */
+    const qm_plan_bank *b = plan_one(&pol, cats, 2, 1000, &plan);
+    ck_assert_int_eq(b->decision.kind, QM_DECISION_PER_EXPERT);
+    ck_assert_uint_eq(b->decision.n_experts, 8);
+    ck_assert_uint_eq(b->decision.n_pinned, 5);
+    for (uint32_t i = 0; i < 5; i++)
+        ck_assert_uint_eq(b->decision.pinned[i], 3 + i);
+    /* A bank without a hot list pins nothing. */
+    ck_assert_uint_eq(qm_plan_bank_at(plan, 1)->decision.n_pinned, 0);
+    qm_plan_free(plan);
+    qm_policy_destroy(&pol);
+
+    p.has_pin_fraction = 1;
+    p.pin_fraction = 0.25; /* 250 B: two experts */
+    pol = make("static_hot", &p);
+    b = plan_one(&pol, cats, 2, 1000, &plan);
+    ck_assert_uint_eq(b->decision.n_pinned, 2);
+    ck_assert_uint_eq(b->decision.pinned[0], 6);
+    ck_assert_uint_eq(b->decision.pinned[1], 7);
+    qm_plan_free(plan);
+    qm_policy_destroy(&pol);
+
+    p.pin_fraction = 0.0; /* explicitly nothing */
+    pol = make("static_hot", &p);
+    b = plan_one(&pol, cats, 2, 1000, &plan);
+    ck_assert_uint_eq(b->decision.n_pinned, 0);
+    qm_plan_free(plan);
+    qm_policy_destroy(&pol);
+    qm_catalog_free(cats[0]);
+    qm_catalog_free(cats[1]);
+}
+END_TEST
+
+START_TEST(test_static_hot_shares_the_pin_budget_between_listed_banks)
+{
+    qm_region_catalog *cats[2] = {rt_catalog(0, 8, 1, 100), rt_catalog(1, 8, 1, 100)};
+    static const uint32_t hot0[] = {0, 1, 2, 3}, hot1[] = {9, 4, 4, 5, 6}; /* 9: no such expert */
+    const uint32_t *hot[] = {hot0, hot1};
+    const size_t hot_len[] = {4, 5};
+    qm_policy_params p = {.hot = hot, .hot_len = hot_len, .n_hot_banks = 2};
+    qm_policy pol = make("static_hot", &p);
+    qm_residency_plan *plan = NULL;
+    plan_one(&pol, cats, 2, 1000, &plan); /* 500 B for pins: 250 B = 2 experts per bank */
+    const qm_plan_bank *b0 = qm_plan_bank_at(plan, 0), *b1 = qm_plan_bank_at(plan, 1);
+    ck_assert_uint_eq(b0->decision.n_pinned, 2);
+    ck_assert_uint_eq(b0->decision.pinned[0], 0);
+    ck_assert_uint_eq(b0->decision.pinned[1], 1);
+    ck_assert_uint_eq(b1->decision.n_pinned, 2); /* 9 skipped, the repeated 4 once */
+    ck_assert_uint_eq(b1->decision.pinned[0], 4);
+    ck_assert_uint_eq(b1->decision.pinned[1], 5);
+    qm_plan_free(plan);
+    qm_policy_destroy(&pol);
+    qm_catalog_free(cats[0]);
+    qm_catalog_free(cats[1]);
+}
+END_TEST
+
+START_TEST(test_static_hot_without_a_profile_behaves_as_lru)
+{
+    qm_region_catalog *cat = rt_catalog(0, 6, 1, 100);
+    qm_policy sh = make("static_hot", NULL), lru = make("lru", NULL);
+    qm_residency_plan *p1 = NULL, *p2 = NULL;
+    const qm_plan_bank *b1 = plan_one(&sh, &cat, 1, 1000, &p1);
+    const qm_plan_bank *b2 = plan_one(&lru, &cat, 1, 1000, &p2);
+    ck_assert_uint_eq(b1->decision.n_pinned, 0);
+    ck_assert_uint_eq(b1->decision.n_experts, b2->decision.n_experts);
+    uint64_t r = 42;
+    qm_expert_ref trace[400];
+    for (size_t t = 0; t < 400; t++)
+        trace[t] = REF(0, (uint32_t)(rt_rand(&r) % 6));
+    ck_assert_uint_eq(simulate(&sh, trace, 400, 3), simulate(&lru, trace, 400, 3));
+    qm_plan_free(p1);
+    qm_plan_free(p2);
+    qm_policy_destroy(&sh);
+    qm_policy_destroy(&lru);
+    qm_catalog_free(cat);
+}
+END_TEST
+
+/* ---- belady ------------------------------------------------------------------------ */
+
+START_TEST(test_belady_picks_the_candidate_used_furthest_in_the_future)
+{
+    qm_expert_ref a = REF(0, 0), b = REF(0, 1), c = REF(0, 2), d = REF(0, 3);
+    const qm_expert_ref future[] = {a, b, c, d, b, a, c};
+    qm_policy pol;
+    ck_assert_int_eq(qm_policy_belady_new(future, 7, &pol, NULL), 0);
+    for (size_t t = 0; t < 4; t++) /* a b c d accessed; next: b@4, a@5, c@6 */
+        qm_policy_on_access(&pol, future[t], t, 0);
+    qm_expert_ref cands[] = {a, b, c};
+    ck_assert_uint_eq(victim_of(&pol, cands, 3), 2); /* c */
+    qm_expert_ref with_d[] = {a, d, b};
+    ck_assert_uint_eq(victim_of(&pol, with_d, 3), 1); /* d: never again */
+    qm_policy_on_access(&pol, future[4], 4, 1);
+    qm_expert_ref ab[] = {a, b};
+    ck_assert_uint_eq(victim_of(&pol, ab, 2), 1); /* b: never again now */
+    qm_policy_destroy(&pol);
+    ck_assert_int_eq(qm_policy_belady_new(NULL, 3, &pol, NULL), QM_EINVAL);
+}
+END_TEST
+
+START_TEST(test_belady_matches_a_brute_force_optimum_on_tiny_traces)
+{
+    uint64_t r = 7;
+    for (int round = 0; round < 300; round++) {
+        size_t len = 1 + rt_rand(&r) % 10;
+        uint32_t universe = 2 + (uint32_t)(rt_rand(&r) % 4);
+        size_t cap = 1 + rt_rand(&r) % 3;
+        qm_expert_ref trace[10];
+        for (size_t t = 0; t < len; t++)
+            trace[t] = REF((uint32_t)(rt_rand(&r) % 2), (uint32_t)(rt_rand(&r) % universe));
+        qm_expert_ref slots[SIM_MAX];
+        size_t optimum = brute_force(trace, len, cap, 0, slots, 0);
+        qm_policy bel;
+        ck_assert_int_eq(qm_policy_belady_new(trace, len, &bel, NULL), 0);
+        size_t got = simulate(&bel, trace, len, cap);
+        ck_assert_msg(got == optimum, "round %d: belady %zu misses, optimum %zu", round, got,
+                      optimum);
+        qm_policy_destroy(&bel);
+        const char *others[] = {"lru", "lfu", "static_hot"};
+        for (size_t k = 0; k < 3; k++) {
+            qm_policy pol = make(others[k], NULL);
+            ck_assert_uint_ge(simulate(&pol, trace, len, cap), optimum);
+            qm_policy_destroy(&pol);
+        }
+    }
+}
+END_TEST
+
+/* ---- The seam --------------------------------------------------------------------- */
+
+START_TEST(test_hooks_default_when_a_policy_has_none)
+{
+    qm_policy pol = make("whole_bank", NULL);
+    qm_policy_on_access(&pol, REF(0, 0), 0, 1); /* no-ops */
+    qm_policy_on_insert(&pol, REF(0, 0), 0);
+    qm_policy_on_evict(&pol, REF(0, 0));
+    qm_expert_ref cands[] = {REF(0, 0)};
+    size_t v = 99;
+    ck_assert_int_eq(qm_policy_choose_victim(&pol, cands, 1, &v), QM_EUNSUPPORTED);
+    ck_assert_uint_eq(v, 99);
+    ck_assert_int_eq(qm_policy_choose_victim(&pol, cands, 0, &v), QM_EINVAL);
+    ck_assert_int_eq(qm_policy_choose_victim(&pol, NULL, 1, &v), QM_EINVAL);
+    qm_policy_destroy(&pol);
+    qm_policy_on_access(NULL, REF(0, 0), 0, 1);
+}
+END_TEST
+
+START_TEST(test_run_time_hooks_are_cheap_per_miss)
+{
+    /* 64 layers x 128 experts; 200k accesses, a victim chosen among 64
+     * candidates every 4th access. Linear in candidates, O(1) per access. */
+    const char *names[] = {"lru", "lfu", "static_hot"};
+    for (size_t k = 0; k < 3; k++) {
+        qm_policy pol = make(names[k], NULL);
+        uint64_t r = 1;
+        qm_expert_ref cands[64];
+        clock_t start = clock();
+        for (uint64_t t = 0; t < 200000; t++) {
+            qm_expert_ref ref = REF((uint32_t)(t % 64), (uint32_t)(rt_rand(&r) % 128));
+            qm_policy_on_access(&pol, ref, t, 0);
+            if (t % 4 == 0) {
+                for (size_t i = 0; i < 64; i++)
+                    cands[i] = REF(ref.bank, (uint32_t)((ref.expert + i) % 128));
+                size_t v;
+                ck_assert_int_eq(qm_policy_choose_victim(&pol, cands, 64, &v), 0);
+            }
+        }
+        double s = (double)(clock() - start) / CLOCKS_PER_SEC;
+        ck_assert_msg(s < 20.0, "%s: %.2f s for 200k accesses", names[k], s);
+        qm_policy_destroy(&pol);
+    }
+}
+END_TEST
+
+static Suite *policies_suite(void)
+{
+    Suite *s = suite_create("residency_policies");
+    TCase *c = tcase_create("lru");
+    tcase_add_test(c, test_lru_evicts_the_least_recently_used);
+    tcase_add_test(c, test_lru_on_insert_counts_as_a_use);
+    suite_add_tcase(s, c);
+    c = tcase_create("lfu");
+    tcase_add_test(c, test_lfu_evicts_the_least_frequently_used);
+    tcase_add_test(c, test_lfu_decay_lets_stale_popularity_fade);
+    tcase_add_test(c, test_lfu_ages_by_accesses_to_the_same_bank_only);
+    tcase_add_test(c, test_lfu_breaks_ties_by_recency);
+    suite_add_tcase(s, c);
+    c = tcase_create("static_hot");
+    tcase_add_test(c, test_static_hot_pins_the_hottest_up_to_pin_fraction_of_the_budget);
+    tcase_add_test(c, test_static_hot_shares_the_pin_budget_between_listed_banks);
+    tcase_add_test(c, test_static_hot_without_a_profile_behaves_as_lru);
+    suite_add_tcase(s, c);
+    c = tcase_create("belady");
+    tcase_add_test(c, test_belady_picks_the_candidate_used_furthest_in_the_future);
+    tcase_add_test(c, test_belady_matches_a_brute_force_optimum_on_tiny_traces);
+    suite_add_tcase(s, c);
+    c = tcase_create("seam");
+    tcase_set_timeout(c, 60);
+    tcase_add_test(c, test_hooks_default_when_a_policy_has_none);
+    tcase_add_test(c, test_run_time_hooks_are_cheap_per_miss);
+    suite_add_tcase(s, c);
+    return s;
+}
+
+int main(void)
+{
+    SRunner *sr = srunner_create(policies_suite());
+    srunner_run_all(sr, CK_NORMAL);
+    int failed = srunner_ntests_failed(sr);
+    srunner_free(sr);
+    return failed ? EXIT_FAILURE : EXIT_SUCCESS;
+}
