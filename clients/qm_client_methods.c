@@ -417,6 +417,7 @@ int qm_client_session_plan(qm_client *c, const char *session, qm_client_plan *ou
     out->total = qm__u64(r, "total");
     out->resident = qm__u64(r, "resident");
     out->degraded = qm__u64(r, "degraded");
+    out->resident_bytes = qm__opt_count(r, "resident_bytes");
     out->banks = qm_calloc(banks->count ? banks->count : 1, sizeof(*out->banks));
     if (!out->banks || qm__client_dup_member(r, "policy", &out->policy) < 0)
         goto fail_nomem;

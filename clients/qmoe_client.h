@@ -137,13 +137,14 @@ typedef struct qm_client_plan_bank {
     uint32_t *pinned;
     size_t n_pinned;
     uint64_t bytes_per_expert; /* 0 when absent */
-    int64_t resident_now;      /* experts resident at this moment; -1 when not reported */
+    int64_t resident_now;      /* how many experts are resident now; -1 when not reported */
     int64_t bank_bytes;        /* the whole bank's bytes; -1 when not reported */
 } qm_client_plan_bank;
 
 typedef struct qm_client_plan {
     char *policy;
     uint64_t budget_bytes, total, resident, degraded;
+    int64_t resident_bytes; /* expert bytes resident now; -1 when not reported */
     qm_client_plan_bank *banks;
     size_t n_banks;
 } qm_client_plan;

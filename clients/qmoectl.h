@@ -67,9 +67,11 @@ void qmoectl_table_cell(qmoectl_table *t, const char *fmt, ...) __attribute__((f
 void qmoectl_table_print(qmoectl_table *t, FILE *out);
 void qmoectl_table_free(qmoectl_table *t);
 
-/* .npy files (f32/f16, little-endian, C order). On 0 the tensor's data is
- * malloc'd (free()); errors are written to `msg`. */
+/* .npy files (f32/f16, '<u2' as bf16 bits; little-endian, C order). On 0
+ * the tensor owns its data (release with qmoectl_npy_free); errors are
+ * written to `msg`. */
 int qmoectl_npy_read(const char *path, qm_client_tensor *t, char *msg, size_t cap);
 int qmoectl_npy_write(const char *path, const qm_client_tensor *t, char *msg, size_t cap);
+void qmoectl_npy_free(qm_client_tensor *t); /* accepts NULL */
 
 #endif

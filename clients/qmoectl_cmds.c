@@ -652,7 +652,7 @@ static int cmd_infer(qm_client *c, const qmoectl_args *a)
     if (qmoectl_npy_read(hid, &h, msg, sizeof(msg)) < 0)
         return qmoectl_error("%s", msg);
     if (logits && qmoectl_npy_read(logits, &r, msg, sizeof(msg)) < 0) {
-        free(h.data);
+        qmoectl_npy_free(&h);
         return qmoectl_error("%s", msg);
     }
     qm_client_infer_result res;
@@ -714,8 +714,8 @@ static int cmd_infer(qm_client *c, const qmoectl_args *a)
 out_res:
     qm_client_infer_result_free(&res);
 out:
-    free(h.data);
-    free(r.data);
+    qmoectl_npy_free(&h);
+    qmoectl_npy_free(&r);
     return rc;
 }
 
