@@ -206,7 +206,7 @@ int qm__config_from_metadata(const qm_st_header *h, qm_bank_config *cfg, qm_stat
         (rc = meta_u32(h, "qmoe.hidden_size", 1, 0, 1, QM_BANK_MAX_DIM, &cfg->hidden, st)) ||
         (rc = meta_u32(h, "qmoe.inter_size", 1, 0, 1, QM_BANK_MAX_DIM, &cfg->inter, st)) ||
         (rc = meta_u32(h, "qmoe.k", 1, 0, 1, cfg->experts, &cfg->k, st)) ||
-        (rc = meta_u32(h, "qmoe.bits", 1, 0, 4, 8, &cfg->bits, st)) ||
+        (rc = meta_u32(h, "qmoe.bits", 1, 0, 1, 8, &cfg->bits, st)) ||
         (rc = meta_u32(h, "qmoe.block_size", 1, 0, 0, QM_BANK_MAX_DIM, &cfg->block_size, st)))
         return rc;
     if (cfg->bits != 4 && cfg->bits != 8)
