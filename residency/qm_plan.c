@@ -275,9 +275,10 @@ int qm_plan_residency(const qm_region_catalog *const *catalogs, size_t n_catalog
     qsort(order, n_catalogs, sizeof *order, cmp_bank_order);
     for (size_t i = 1; i < n_catalogs; i++) {
         if (order[i].bank_id == order[i - 1].bank_id) {
+            rc = qm_status_set(st, QM_EINVAL, "bank id %u appears in catalogs[%zu] and [%zu]",
+                               order[i].bank_id, order[i - 1].index, order[i].index);
             qm_free(order);
-            return qm_status_set(st, QM_EINVAL, "bank id %u appears in catalogs[%zu] and [%zu]",
-                                 order[i].bank_id, order[i - 1].index, order[i].index);
+            return rc;
         }
     }
 
