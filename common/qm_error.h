@@ -10,9 +10,9 @@
 
 /* X(name, value, text). Values are stable: the protocol maps them to JSON-RPC codes. */
 #define QM_ERRNO_MAP(X)                                                                            \
-    X(EINVAL, -1, "invalid argument")                                                              \
-    X(ENOMEM, -2, "out of memory")                                                                 \
-    X(EIO, -3, "input/output error")                                                               \
+    X(INVAL, -1, "invalid argument")                                                              \
+    X(NOMEM, -2, "out of memory")                                                                 \
+    X(IO, -3, "input/output error")                                                               \
     X(INVALID_MODEL, -4, "invalid model")                                                          \
     X(NOT_FOUND, -5, "not found")                                                                  \
     X(PERMISSION, -6, "permission denied")                                                         \
@@ -32,11 +32,6 @@ enum {
 #define QM__ERR_ENUM(name, value, text) QM_E##name = value,
     QM_ERRNO_MAP(QM__ERR_ENUM)
 #undef QM__ERR_ENUM
-    /* The names every header and comment uses: the X-macro pastes QM_E onto
-     * EINVAL/ENOMEM/EIO, which gives QM_EEINVAL etc. */
-    QM_EINVAL = QM_EEINVAL,
-    QM_ENOMEM = QM_EENOMEM,
-    QM_EIO = QM_EEIO,
 };
 
 /* Static strings; unknown codes give "unknown error" / "UNKNOWN". */
