@@ -1,18 +1,211 @@
-/* bank_run.c - `qmoe-bank run`: one MoE layer on the CPU engine. */
+/* bank_run.c - `qmoe-bank run`: one MoE layer on the CPU engine, .npy in and out. */
+#include <getopt.h>
 #include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
 
 #include "qmoe_bank_tool.h"
 
 void qmb_help_run(FILE *f)
 {
     fputs("usage: qmoe-bank run FILE --layer N --hidden X.npy [--logits R.npy] --out Y.npy\n"
-          "                     [--threads T]\n", f);
+          "                     [--threads T] [--bf16]\n"
+          "\n"
+          "Runs MoE layer N of bank FILE on the CPU engine (the daemon's forward pass, with\n"
+          "the experts read straight from the mapped file). X.npy holds the hidden states:\n"
+          "shape [..., hidden_size] (leading dimensions are tokens), dtype float32 or\n"
+          "float16; with --bf16, a uint16 array of bfloat16 bit patterns. R.npy holds the\n"
+          "router logits [tokens, experts] (float32 or float16); it may be omitted when the\n"
+          "bank has layers.N.router.weight (logits = x.W^T + b). Y.npy receives the output,\n"
+          "same shape and dtype as X. T worker threads (default 0 = one per core); the\n"
+          "result is bitwise the same for every T. .npy files must be C-ordered,\n"
+          "little-endian; their headers are fully validated.\n",
+          f);
+}
+
+#ifndef QMOE_HAVE_ENGINE
+
+int qmb_run(int argc, char **argv)
+{
+    for (int i = 1; i < argc; i++)
+        if (strcmp(argv[i], "--help") == 0) {
+            qmb_help_run(stdout);
+            return QMB_OK;
+        }
+    fprintf(stderr, "qmoe-bank run: engine not built\n");
+    return QMB_FAIL;
+}
+
+#else
+
+#include "qm_alloc.h"
+#include "qm_backend.h"
+#include "qm_bank.h"
+#include "qm_moe.h"
+#include "qm_npy.h"
+
+static int usage(const char *what)
+{
+    fprintf(stderr, "qmoe-bank run: %s (see qmoe-bank run --help)\n", what);
+    return QMB_USAGE;
 }
 
 int qmb_run(int argc, char **argv)
 {
-    (void)argc;
-    (void)argv;
-    fprintf(stderr, "qmoe-bank run: engine not built\n");
-    return 1;
+    static const struct option longopts[] = {
+        {"layer", required_argument, 0, 'l'},   {"hidden", required_argument, 0, 'x'},
+        {"logits", required_argument, 0, 'r'},  {"out", required_argument, 0, 'o'},
+        {"threads", required_argument, 0, 't'}, {"bf16", no_argument, 0, 'b'},
+        {"help", no_argument, 0, 'h'},          {0, 0, 0, 0}};
+    const char *hidden_path = NULL, *logits_path = NULL, *out_path = NULL;
+    unsigned layer = 0, threads = 0;
+    int have_layer = 0, bf16 = 0, c;
+    optind = 1;
+    opterr = 0;
+    while ((c = getopt_long(argc, argv, "", longopts, NULL)) != -1) {
+        switch (c) {
+        case 'l':
+            if (qmb_parse_u32(optarg, 0xffffffffu, &layer) != 0)
+                return usage("--layer wants a non-negative integer");
+            have_layer = 1;
+            break;
+        case 'x':
+            hidden_path = optarg;
+            break;
+        case 'r':
+            logits_path = optarg;
+            break;
+        case 'o':
+            out_path = optarg;
+            break;
+        case 't':
+            if (qmb_parse_u32(optarg, 4096, &threads) != 0)
+                return usage("--threads wants an integer in [0, 4096]");
+            break;
+        case 'b':
+            bf16 = 1;
+            break;
+        case 'h':
+            qmb_help_run(stdout);
+            return QMB_OK;
+        default:
+            return usage("unknown or incomplete option");
+        }
+    }
+    if (optind != argc - 1)
+        return usage("expected exactly one bank FILE");
+    if (!have_layer || !hidden_path || !out_path)
+        return usage("--layer, --hidden and --out are required");
+    const char *path = argv[optind];
+
+    qm_bank *bank = NULL;
+    qm_backend *be = NULL;
+    qm_npy x = {0}, r = {0};
+    float *logits = NULL;
+    void *out = NULL;
+    qm_status st;
+    int ret = QMB_FAIL, rc;
+    qm_status_clear(&st);
+
+    if ((rc = qm_bank_open(path, &bank, &st)) != 0) {
+        fprintf(stderr, "qmoe-bank run: %s: %s\n", path, st.msg);
+        return rc == QM_ENOMEM ? QMB_FAIL : QMB_USAGE;
+    }
+    const qm_bank_config *cfg = qm_bank_get_config(bank);
+    const qm_layer_view *lv = qm_bank_layer(bank, layer);
+    if (!lv) {
+        fprintf(stderr, "qmoe-bank run: --layer %u out of range (the bank has %u layers)\n", layer,
+                cfg->layers);
+        ret = QMB_USAGE;
+        goto done;
+    }
+    if ((rc = qm_npy_read(hidden_path, 0, &x, &st)) != 0) {
+        fprintf(stderr, "qmoe-bank run: %s\n", st.msg);
+        ret = rc == QM_EINVAL ? QMB_USAGE : QMB_FAIL;
+        goto done;
+    }
+    qm_dtype dtype;
+    if (x.dtype == QM_NPY_F32 && !bf16)
+        dtype = QM_DTYPE_F32;
+    else if (x.dtype == QM_NPY_F16 && !bf16)
+        dtype = QM_DTYPE_F16;
+    else if (x.dtype == QM_NPY_U16 && bf16)
+        dtype = QM_DTYPE_BF16;
+    else {
+        fprintf(stderr, "qmoe-bank run: %s: dtype must be float32 or float16 (or uint16 with "
+                        "--bf16)\n", hidden_path);
+        ret = QMB_USAGE;
+        goto done;
+    }
+    if (x.ndim < 1 || x.shape[x.ndim - 1] != cfg->hidden) {
+        fprintf(stderr, "qmoe-bank run: %s: last dimension must be hidden_size %u\n", hidden_path,
+                cfg->hidden);
+        ret = QMB_USAGE;
+        goto done;
+    }
+    uint64_t tokens = x.count / cfg->hidden;
+    if (tokens > 0xffffffffu) {
+        fprintf(stderr, "qmoe-bank run: too many tokens\n");
+        ret = QMB_USAGE;
+        goto done;
+    }
+    if (logits_path) {
+        if ((rc = qm_npy_read(logits_path, 0, &r, &st)) != 0) {
+            fprintf(stderr, "qmoe-bank run: %s\n", st.msg);
+            ret = rc == QM_EINVAL ? QMB_USAGE : QMB_FAIL;
+            goto done;
+        }
+        if (r.dtype == QM_NPY_U16 || r.count != tokens * cfg->experts || r.ndim < 1 ||
+            r.shape[r.ndim - 1] != cfg->experts) {
+            fprintf(stderr, "qmoe-bank run: %s: want float32/float16 logits of shape [%llu, %u]\n",
+                    logits_path, (unsigned long long)tokens, cfg->experts);
+            ret = QMB_USAGE;
+            goto done;
+        }
+        logits = qm_malloc((size_t)(r.count ? r.count : 1) * sizeof *logits);
+        if (!logits)
+            goto oom;
+        for (uint64_t i = 0; i < r.count; i++)
+            logits[i] = r.dtype == QM_NPY_F32 ? ((const float *)r.data)[i]
+                                              : qm_f16_to_f32(((const uint16_t *)r.data)[i]);
+    } else if (!lv->t[QM_T_ROUTER_WEIGHT].present) {
+        fprintf(stderr, "qmoe-bank run: layer %u has no router weight; pass --logits R.npy\n",
+                layer);
+        ret = QMB_USAGE;
+        goto done;
+    }
+    out = qm_malloc(x.nbytes ? (size_t)x.nbytes : 1);
+    if (!out)
+        goto oom;
+    if ((rc = qm_backend_cpu_new(threads, &be, &st)) != 0) {
+        fprintf(stderr, "qmoe-bank run: CPU backend: %s\n", st.msg);
+        goto done;
+    }
+    qm_expert_source src;
+    qm_expert_source_direct(bank, &src);
+    qm_moe_call call = {.layer = layer, .dtype = dtype, .hidden = x.data,
+                        .n_tokens = (uint32_t)tokens, .logits = logits, .output = out};
+    qm_moe_stats stats = {0};
+    if ((rc = qm_moe_forward(be, bank, &call, &src, &stats, &st)) != 0) {
+        fprintf(stderr, "qmoe-bank run: forward: %s\n", st.msg[0] ? st.msg : qm_strerror(rc));
+        goto done;
+    }
+    if (qm_npy_write(out_path, x.dtype, x.shape, x.ndim, out, &st) != 0) {
+        fprintf(stderr, "qmoe-bank run: %s\n", st.msg);
+        goto done;
+    }
+    ret = QMB_OK;
+    goto done;
+oom:
+    fprintf(stderr, "qmoe-bank run: out of memory\n");
+done:
+    qm_backend_free(be);
+    qm_free(out);
+    qm_free(logits);
+    qm_npy_free(&x);
+    qm_npy_free(&r);
+    qm_bank_close(bank);
+    return ret;
 }
+
+#endif
