@@ -1,0 +1,49 @@
+/* qm_cuda.h - what the CUDA backend offers beyond the backend interface.
+ *
+ * The backend itself is created with qm_backend_cuda_new (engine/qm_backend.h)
+ * and used through the common calls. These extras are CUDA-only knobs: host
+ * memory registration for direct DMA, and the kernel choice (tests, bench).
+ * Every function returns QM_EINVAL when `be` is not a CUDA backend. */
+#ifndef QM_CUDA_H
+#define QM_CUDA_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "qm_backend.h"
+
+/* Pins [ptr, ptr + bytes) (typically a whole mapped bank, once, after
+ * qm_bank_open) with cudaHostRegister, read-only where the device supports
+ * it, so that qm_backend_copy_h2d from inside it is one DMA with no bounce
+ * copy. Copies from unregistered memory still work, through the backend's
+ * ring of pinned bounce buffers. The range must stay mapped until
+ * qm_backend_cuda_unregister_host or qm_backend_free. Fails with
+ * QM_EUNSUPPORTED when the driver refuses (the copy path keeps working). */
+int qm_backend_cuda_register_host(qm_backend *be, const void *ptr, size_t bytes, qm_status *st);
+/* Undoes one registration made with the same `ptr`. QM_ENOT_FOUND if none. */
+int qm_backend_cuda_unregister_host(qm_backend *be, const void *ptr, qm_status *st);
+
+typedef enum qm_cuda_kernels {
+    QM_CUDA_KERNELS_AUTO = 0, /* GEMV for few rows per expert, tiled GEMM for many */
+    QM_CUDA_KERNELS_GEMV,
+    QM_CUDA_KERNELS_GEMM,
+    QM_CUDA_KERNELS_NAIVE, /* one thread per output: the reference */
+} qm_cuda_kernels;
+
+/* Chooses the matmul kernels for later run_experts calls. `gemm_min_rows`
+ * (AUTO only; 0 keeps the default, 16): the largest job's row count from
+ * which the tiled GEMM runs. The environment variable QMOE_CUDA_KERNELS
+ * (auto|gemv|gemm|naive) sets the initial choice at creation. */
+int qm_backend_cuda_set_kernels(qm_backend *be, qm_cuda_kernels kernels, uint32_t gemm_min_rows);
+
+typedef struct qm_cuda_stats {
+    uint64_t copies;          /* copy_h2d calls */
+    uint64_t bytes_direct;    /* copied straight from registered memory */
+    uint64_t bytes_bounced;   /* copied through the pinned bounce ring */
+    uint64_t batches;         /* run_experts calls that ran kernels */
+    uint64_t scratch_grows;   /* device/pinned scratch reallocations in run_experts */
+} qm_cuda_stats;
+
+int qm_backend_cuda_stats(qm_backend *be, qm_cuda_stats *out);
+
+#endif
