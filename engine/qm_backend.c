@@ -1,0 +1,143 @@
+/* qm_backend.c - the only call sites of qm_backend_iface; optional methods defaulted here. */
+#include <stdlib.h>
+
+#include "qm_alloc.h"
+#include "qm_backend_impl.h"
+
+int qm__backend_wrap(const qm_backend_iface *iface, void *ctx, qm_backend **out, qm_status *st)
+{
+    *out = NULL;
+    if (!iface || iface->version != QM_BACKEND_IFACE_VERSION) {
+        int got = iface ? iface->version : -1;
+        if (iface && iface->destroy)
+            iface->destroy(ctx);
+        return qm_status_set(st, QM_EUNSUPPORTED,
+                             "backend interface version %d, this build expects %d", got,
+                             QM_BACKEND_IFACE_VERSION);
+    }
+    if (!iface->name || !iface->info || !iface->arena_alloc || !iface->arena_release ||
+        !iface->copy_h2d || !iface->run_experts || !iface->destroy) {
+        if (iface->destroy)
+            iface->destroy(ctx);
+        return qm_status_set(st, QM_EINVAL, "backend '%s' lacks a required method",
+                             iface->name ? iface->name : "?");
+    }
+    qm_backend *be = qm_malloc(sizeof *be);
+    if (!be) {
+        iface->destroy(ctx);
+        return qm_status_set(st, QM_ENOMEM, "out of memory creating the backend handle");
+    }
+    be->iface = iface;
+    be->ctx = ctx;
+    *out = be;
+    return 0;
+}
+
+void qm_backend_free(qm_backend *be)
+{
+    if (!be)
+        return;
+    be->iface->destroy(be->ctx);
+    qm_free(be);
+}
+
+const char *qm_backend_name(const qm_backend *be)
+{
+    return be->iface->name;
+}
+
+int qm_backend_info(qm_backend *be, qm_device_info *out)
+{
+    return be->iface->info(be->ctx, out);
+}
+
+int qm_backend_host_visible(const qm_backend *be)
+{
+    return be->iface->host_visible;
+}
+
+size_t qm_backend_alignment(const qm_backend *be)
+{
+    return be->iface->alignment ? be->iface->alignment : 1;
+}
+
+int qm_arena_new(qm_backend *be, uint64_t bytes, qm_arena **out, qm_status *st)
+{
+    *out = NULL;
+    if (bytes == 0)
+        return qm_status_set(st, QM_EINVAL, "arena size must be > 0 bytes");
+    qm_arena *a = qm_calloc(1, sizeof *a);
+    if (!a)
+        return qm_status_set(st, QM_ENOMEM, "out of memory creating an arena handle");
+    a->backend = be;
+    int rc = be->iface->arena_alloc(be->ctx, a, bytes, st);
+    if (rc < 0) {
+        qm_free(a);
+        return rc;
+    }
+    a->size = bytes;
+    *out = a;
+    return 0;
+}
+
+void qm_arena_free(qm_backend *be, qm_arena *arena)
+{
+    if (!arena)
+        return;
+    if (!be)
+        be = arena->backend;
+    be->iface->arena_release(be->ctx, arena);
+    qm_free(arena);
+}
+
+void *qm_arena_at(qm_arena *arena, uint64_t offset)
+{
+    return (uint8_t *)arena->base + offset;
+}
+
+uint64_t qm_arena_size(const qm_arena *arena)
+{
+    return arena->size;
+}
+
+int qm_backend_copy_h2d(qm_backend *be, void *dst, const void *src, uint64_t bytes,
+                        qm_fence *fence, qm_status *st)
+{
+    if (bytes > 0 && (!dst || !src))
+        return qm_status_set(st, QM_EINVAL, "copy of %llu bytes with a NULL pointer",
+                             (unsigned long long)bytes);
+    return be->iface->copy_h2d(be->ctx, dst, src, bytes, fence, st);
+}
+
+int qm_backend_fence_wait(qm_backend *be, qm_fence *fence, qm_status *st)
+{
+    if (!fence || !be->iface->fence_wait)
+        return 0; /* synchronous copies: nothing to wait for */
+    return be->iface->fence_wait(be->ctx, fence, st);
+}
+
+int qm_backend_run_experts(qm_backend *be, const qm_expert_batch *batch, qm_status *st)
+{
+    if (!batch)
+        return qm_status_set(st, QM_EINVAL, "run_experts without a batch");
+    if (batch->n_jobs == 0)
+        return 0;
+    return be->iface->run_experts(be->ctx, batch, st);
+}
+
+int qm_backend_synchronize(qm_backend *be, qm_status *st)
+{
+    if (!be->iface->synchronize)
+        return 0;
+    return be->iface->synchronize(be->ctx, st);
+}
+
+#ifndef QMOE_HAVE_CUDA
+int qm_backend_cuda_new(int device, qm_backend **out, qm_status *st)
+{
+    (void)device;
+    if (out)
+        *out = NULL;
+    return qm_status_set(st, QM_EUNSUPPORTED, "built without CUDA");
+}
+#endif

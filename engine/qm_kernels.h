@@ -1,0 +1,126 @@
+/* qm_kernels.h - quantised matrix kernels of the CPU backend. Private to engine/.
+ *
+ * One primitive: y[r, n] = sum_c W[n, c] * x[r, c] for a row range of one
+ * expert's quantised matrix (../shared/BANK_FORMAT.md storage rules), bias
+ * and activation excluded. Each ISA provides a kernel table; the scalar one
+ * is the readable specification. Every output element is computed by one
+ * call in a fixed order that depends only on the matrix geometry and on
+ * whether the GEMV or GEMM path runs (a function of the job's row count),
+ * never on the thread count or on which rows share a call: that is what
+ * makes outputs bitwise identical across threads, orders and waves. */
+#ifndef QM_KERNELS_H
+#define QM_KERNELS_H
+
+#include <stddef.h>
+#include <stdint.h>
+#include <string.h>
+
+#include "qm_bank.h"
+
+/* One expert's quantised matrix [N, K] as stored in a bank. */
+typedef struct qm__qmat {
+    const uint8_t *w;     /* N rows of row_bytes */
+    size_t row_bytes;     /* >= ceil(K * bits / 8) */
+    const void *scales;   /* [N, nblk] in scale_dtype */
+    qm_dtype scale_dtype;
+    const uint8_t *zp;    /* NULL: implicit 2^(bits-1) */
+    int zp_blockwise;     /* 1: [N, zp_row_bytes] packed along blocks; 0: packed along rows */
+    size_t zp_row_bytes;
+    uint32_t n, k, bits;
+    uint32_t nblk;        /* 1 = row-wise */
+    uint32_t block;       /* columns per block; k when nblk == 1 */
+} qm__qmat;
+
+/* Output rows of one kernel task (fixed: the split never depends on threads). */
+#define QM__TILE_ROWS 16u
+/* Columns of a dequantised W tile in the GEMM path (a multiple of every block size). */
+#define QM__GEMM_KT 256u
+/* Jobs with more rows than this use the GEMM path. */
+#define QM__GEMV_MAX_ROWS 4u
+
+typedef struct qm__kernel {
+    const char *name; /* "scalar", "avx2", "avx512" */
+    /* Floats per prepared input row for matrix m (GEMV or GEMM path). */
+    size_t (*x_stride)(const qm__qmat *m, int gemm);
+    /* Prepares one natural-order input row x[0..k) into xp[0..x_stride). */
+    void (*prep)(const qm__qmat *m, int gemm, const float *x, float *xp);
+    /* Rows [n0, n1) of W times nx prepared rows; y[r * ldy + n]. */
+    void (*gemv)(const qm__qmat *m, uint32_t n0, uint32_t n1, const float *xp, size_t ldx,
+                 uint32_t nx, float *y, size_t ldy, float *scratch);
+    /* Same for many rows; xp has room for nx rounded up to gemm_row_pad (zero rows). */
+    void (*gemm)(const qm__qmat *m, uint32_t n0, uint32_t n1, const float *xp, size_t ldx,
+                 uint32_t nx, float *y, size_t ldy, float *scratch);
+    uint32_t gemm_row_pad;
+} qm__kernel;
+
+/* Per-worker scratch floats a kernel may use for matrix m. */
+size_t qm__kernel_scratch_floats(const qm__qmat *m);
+
+extern const qm__kernel qm__kernel_scalar;
+#if defined(QMOE_X86_KERNELS)
+extern const qm__kernel qm__kernel_avx2;
+extern const qm__kernel qm__kernel_avx512;
+/* Entry points the AVX-512 table borrows from the AVX2 file. */
+size_t qm__avx2_x_stride(const qm__qmat *m, int gemm);
+void qm__avx2_prep(const qm__qmat *m, int gemm, const float *x, float *xp);
+void qm__avx2_gemv(const qm__qmat *m, uint32_t n0, uint32_t n1, const float *xp, size_t ldx,
+                   uint32_t nx, float *y, size_t ldy, float *scratch);
+void qm__avx2_gemm(const qm__qmat *m, uint32_t n0, uint32_t n1, const float *xp, size_t ldx,
+                   uint32_t nx, float *y, size_t ldy, float *scratch);
+#endif
+
+/* Best kernel for this CPU; QMOE_KERNEL=scalar|avx2|avx512 forces one (an
+ * unavailable one falls back to the best available). */
+const qm__kernel *qm__kernel_select(void);
+
+/* ---- Shared helpers ---- */
+
+float qm__f16_to_f32(uint16_t h);
+static inline float qm__load_float(const void *base, qm_dtype dt, size_t i)
+{
+    if (dt == QM_DTYPE_F32) {
+        float f;
+        memcpy(&f, (const uint8_t *)base + 4 * i, 4);
+        return f;
+    }
+    uint16_t h;
+    memcpy(&h, (const uint8_t *)base + 2 * i, 2);
+    if (dt == QM_DTYPE_BF16) {
+        uint32_t u = (uint32_t)h << 16;
+        float f;
+        memcpy(&f, &u, 4);
+        return f;
+    }
+    return qm__f16_to_f32(h);
+}
+
+static inline float qm__qmat_scale(const qm__qmat *m, uint32_t n, uint32_t b)
+{
+    return qm__load_float(m->scales, m->scale_dtype, (size_t)n * m->nblk + b);
+}
+
+/* Zero point of (row n, block b) as an integer code. */
+static inline int qm__qmat_zp(const qm__qmat *m, uint32_t n, uint32_t b)
+{
+    if (!m->zp)
+        return 1 << (m->bits - 1);
+    uint32_t pack = 8 / m->bits, mask = (1u << m->bits) - 1;
+    uint8_t byte;
+    uint32_t idx;
+    if (m->zp_blockwise) {
+        byte = m->zp[(size_t)n * m->zp_row_bytes + b / pack];
+        idx = b % pack;
+    } else {
+        byte = m->zp[n / pack];
+        idx = n % pack;
+    }
+    return (int)((byte >> (idx * m->bits)) & mask);
+}
+
+static inline int qm__qmat_code(const qm__qmat *m, const uint8_t *row, uint32_t c)
+{
+    uint32_t pack = 8 / m->bits, mask = (1u << m->bits) - 1;
+    return (int)((row[c / pack] >> ((c % pack) * m->bits)) & mask);
+}
+
+#endif

@@ -1,0 +1,153 @@
+/* qm_threadpool.c - persistent pthread workers; tasks claimed by an atomic counter. */
+#include "qm_threadpool.h"
+
+#include <pthread.h>
+#include <stdatomic.h>
+
+#include "qm_alloc.h"
+#include "qm_error.h"
+
+struct qm__pool {
+    unsigned threads; /* computing threads including the caller */
+    pthread_t *workers;
+    unsigned started;
+    pthread_mutex_t run_lock; /* one run at a time */
+    pthread_mutex_t mu;
+    pthread_cond_t wake, done;
+    unsigned long generation;
+    unsigned active; /* workers still inside the current run */
+    int stopping;
+    /* Current run. */
+    qm__task_fn fn;
+    void *arg;
+    size_t n;
+    atomic_size_t next;
+};
+
+typedef struct qm__worker_arg {
+    qm__pool *pool;
+    unsigned id;
+} qm__worker_arg;
+
+static void qm__pool_drain(qm__pool *p, unsigned worker)
+{
+    for (;;) {
+        size_t i = atomic_fetch_add_explicit(&p->next, 1, memory_order_relaxed);
+        if (i >= p->n)
+            return;
+        p->fn(p->arg, i, worker);
+    }
+}
+
+static void *qm__pool_main(void *varg)
+{
+    qm__worker_arg *wa = varg;
+    qm__pool *p = wa->pool;
+    unsigned id = wa->id;
+    qm_free(wa);
+    unsigned long seen = 0;
+    pthread_mutex_lock(&p->mu);
+    for (;;) {
+        while (!p->stopping && p->generation == seen)
+            pthread_cond_wait(&p->wake, &p->mu);
+        if (p->stopping)
+            break;
+        seen = p->generation;
+        pthread_mutex_unlock(&p->mu);
+        qm__pool_drain(p, id);
+        pthread_mutex_lock(&p->mu);
+        if (--p->active == 0)
+            pthread_cond_signal(&p->done);
+    }
+    pthread_mutex_unlock(&p->mu);
+    return NULL;
+}
+
+int qm__pool_new(unsigned threads, qm__pool **out)
+{
+    *out = NULL;
+    if (threads == 0)
+        threads = 1;
+    qm__pool *p = qm_calloc(1, sizeof *p);
+    if (!p)
+        return QM_ENOMEM;
+    p->threads = threads;
+    pthread_mutex_init(&p->run_lock, NULL);
+    pthread_mutex_init(&p->mu, NULL);
+    pthread_cond_init(&p->wake, NULL);
+    pthread_cond_init(&p->done, NULL);
+    atomic_init(&p->next, 0);
+    if (threads > 1) {
+        p->workers = qm_calloc(threads - 1, sizeof(pthread_t));
+        if (!p->workers)
+            goto fail;
+        for (unsigned i = 0; i + 1 < threads; i++) {
+            qm__worker_arg *wa = qm_malloc(sizeof *wa);
+            if (!wa)
+                goto fail;
+            wa->pool = p;
+            wa->id = i + 1;
+            if (pthread_create(&p->workers[i], NULL, qm__pool_main, wa) != 0) {
+                qm_free(wa);
+                goto fail;
+            }
+            p->started++;
+        }
+    }
+    *out = p;
+    return 0;
+fail:
+    qm__pool_free(p);
+    return QM_ENOMEM;
+}
+
+void qm__pool_free(qm__pool *p)
+{
+    if (!p)
+        return;
+    pthread_mutex_lock(&p->mu);
+    p->stopping = 1;
+    pthread_cond_broadcast(&p->wake);
+    pthread_mutex_unlock(&p->mu);
+    for (unsigned i = 0; i < p->started; i++)
+        pthread_join(p->workers[i], NULL);
+    qm_free(p->workers);
+    pthread_cond_destroy(&p->wake);
+    pthread_cond_destroy(&p->done);
+    pthread_mutex_destroy(&p->mu);
+    pthread_mutex_destroy(&p->run_lock);
+    qm_free(p);
+}
+
+unsigned qm__pool_threads(const qm__pool *p)
+{
+    return p->threads;
+}
+
+void qm__pool_run(qm__pool *p, size_t n, qm__task_fn fn, void *arg)
+{
+    if (n == 0)
+        return;
+    pthread_mutex_lock(&p->run_lock);
+    if (p->started == 0 || n == 1) {
+        for (size_t i = 0; i < n; i++)
+            fn(arg, i, 0);
+        pthread_mutex_unlock(&p->run_lock);
+        return;
+    }
+    pthread_mutex_lock(&p->mu);
+    p->fn = fn;
+    p->arg = arg;
+    p->n = n;
+    atomic_store_explicit(&p->next, 0, memory_order_relaxed);
+    p->active = p->started;
+    p->generation++;
+    pthread_cond_broadcast(&p->wake);
+    pthread_mutex_unlock(&p->mu);
+    qm__pool_drain(p, 0);
+    pthread_mutex_lock(&p->mu);
+    while (p->active > 0)
+        pthread_cond_wait(&p->done, &p->mu);
+    pthread_mutex_unlock(&p->mu);
+    pthread_mutex_unlock(&p->run_lock);
+}

@@ -1,0 +1,718 @@
+/* test_engine.c - the CPU backend and the MoE forward pass, against a float64
+ * reference, across kernel paths, thread counts, expert orders and waves. */
+#include <check.h>
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "engine_fixture.h"
+#include "qm_backend_impl.h"
+#include "qm_moe.h"
+#include "qm_moe_internal.h"
+
+static const qm_activation ACTS[] = {QM_ACT_RELU, QM_ACT_GELU, QM_ACT_SILU, QM_ACT_IDENTITY,
+                                     QM_ACT_SWIGLU, QM_ACT_SWIGLU, QM_ACT_SWIGLU};
+static const uint32_t FUSIONS[] = {1, 1, 1, 1, 1, 2, 0};
+static const qm_dtype DTS[] = {QM_DTYPE_F32, QM_DTYPE_F16, QM_DTYPE_BF16};
+
+static int cpu_has(const char *kernel)
+{
+    __builtin_cpu_init();
+    if (strcmp(kernel, "scalar") == 0)
+        return 1;
+    if (strcmp(kernel, "avx2") == 0)
+        return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+           __builtin_cpu_supports("avx512vl");
+}
+
+static qm_backend *new_backend(const char *kernel, unsigned threads)
+{
+    qm_backend *be = NULL;
+    qm_status st = {0};
+    setenv("QMOE_KERNEL", kernel, 1);
+    int rc = qm_backend_cpu_new(threads, &be, &st);
+    ck_assert_msg(rc == 0, "cpu backend: %s", st.msg);
+    qm_device_info info;
+    ck_assert_int_eq(qm_backend_info(be, &info), 0);
+    ck_assert_msg(strstr(info.name, kernel) != NULL, "wanted %s kernels, got '%s'", kernel,
+                  info.name);
+    return be;
+}
+
+/* Runs one f32 forward; returns the status code. */
+static int forward_f32(qm_backend *be, tl_layer *L, uint32_t T, const float *x, const float *logits,
+                       float *out, qm_expert_source *src, qm_moe_stats *stats)
+{
+    qm_expert_source local;
+    if (!src) {
+        tl_source(L, &local);
+        src = &local;
+    }
+    qm_moe_call call = {.layer = 0, .dtype = QM_DTYPE_F32, .hidden = x, .n_tokens = T,
+                        .logits = logits, .output = out};
+    qm_status st = {0};
+    int rc = qm__moe_forward_layer(be, &L->cfg, &L->lv, &call, src, stats, &st);
+    if (rc != 0)
+        fprintf(stderr, "forward: %s\n", st.msg);
+    return rc;
+}
+
+static double check_against_reference(qm_backend *be, tl_layer *L, uint32_t T, uint64_t seed,
+                                      float *out_copy)
+{
+    uint32_t H = L->spec.H, E = L->spec.E;
+    float *x = malloc(sizeof(float) * T * H), *lg = malloc(sizeof(float) * T * E);
+    float *out = malloc(sizeof(float) * T * H);
+    double *ref = malloc(sizeof(double) * T * H);
+    tl_random_inputs(seed, T, H, E, x, lg);
+    ck_assert_int_eq(forward_f32(be, L, T, x, lg, out, NULL, NULL), 0);
+    tl_reference(L, x, lg, T, ref);
+    double err = tl_rel_err_f(out, ref, (size_t)T * H);
+    if (out_copy)
+        memcpy(out_copy, out, sizeof(float) * T * H);
+    free(x);
+    free(lg);
+    free(out);
+    free(ref);
+    return err;
+}
+
+/* Every variant (bits, block size, symmetry, activation/fusion, scale and bias
+ * dtypes, biases, GEMV and GEMM row counts) on every kernel path of this CPU,
+ * against the float64 reference; paths also agree with each other. */
+START_TEST(test_every_variant_matches_float64_reference)
+{
+    static const uint32_t BS[] = {0, 16, 32, 64, 128};
+    const char *kernels[] = {"scalar", "avx2", "avx512"};
+    int n_cases = 0;
+    double worst = 0;
+    for (int bits = 4; bits <= 8; bits += 4)
+        for (size_t bi = 0; bi < sizeof BS / sizeof BS[0]; bi++)
+            for (int asym = 0; asym <= 1; asym++)
+                for (size_t ai = 0; ai < sizeof ACTS / sizeof ACTS[0]; ai++) {
+                    uint64_t seed = 1000 + (uint64_t)n_cases;
+                    tl_spec s = tl_default_spec(seed);
+                    s.H = 136;
+                    s.I = 72;
+                    s.bits = (uint32_t)bits;
+                    s.block_size = BS[bi];
+                    s.asym = asym;
+                    s.act = ACTS[ai];
+                    s.fusion = FUSIONS[ai];
+                    s.bias = (n_cases % 3) != 0;
+                    s.scale_dtype = DTS[n_cases % 3];
+                    s.bias_dtype = DTS[(n_cases / 3) % 3];
+                    s.limit = (n_cases % 2) ? 7.0f : 0.5f; /* 0.5 exercises the clamps */
+                    tl_layer L;
+                    ck_assert_int_eq(tl_layer_build(&s, &L), 0);
+                    for (int T = 3; T <= 37; T += 34) {
+                        float first[37 * 136];
+                        int have_first = 0;
+                        for (int ki = 0; ki < 3; ki++) {
+                            if (!cpu_has(kernels[ki]))
+                                continue;
+                            qm_backend *be = new_backend(kernels[ki], 2);
+                            float out[37 * 136];
+                            double err = check_against_reference(be, &L, (uint32_t)T, seed + 7, out);
+                            ck_assert_msg(err <= 1e-5,
+                                          "%s bits %d bs %u asym %d act %d fusion %u T %d "
+                                          "(seed %llu): rel err %.3g > 1e-5",
+                                          kernels[ki], bits, BS[bi], asym, (int)s.act, s.fusion, T,
+                                          (unsigned long long)seed, err);
+                            if (err > worst)
+                                worst = err;
+                            if (have_first) {
+                                double d = 0, nrm = 0;
+                                for (int i = 0; i < T * 136; i++) {
+                                    d += (out[i] - first[i]) * (double)(out[i] - first[i]);
+                                    nrm += first[i] * (double)first[i];
+                                }
+                                ck_assert_msg(sqrt(d / nrm) <= 1e-5, "%s disagrees with scalar: %.3g",
+                                              kernels[ki], sqrt(d / nrm));
+                            } else {
+                                memcpy(first, out, sizeof(float) * T * 136);
+                                have_first = 1;
+                            }
+                            qm_backend_free(be);
+                        }
+                    }
+                    tl_layer_free(&L);
+                    n_cases++;
+                }
+    fprintf(stderr, "variants: %d layers x 2 row counts, worst rel err %.3g\n", n_cases, worst);
+}
+END_TEST
+
+/* Block size 256 and shapes with long rows (several 256-column GEMM tiles). */
+START_TEST(test_block_256_and_long_rows_match_reference)
+{
+    const char *kernels[] = {"scalar", "avx2"};
+    for (int ki = 0; ki < 2; ki++) {
+        if (!cpu_has(kernels[ki]))
+            continue;
+        for (int bits = 4; bits <= 8; bits += 4) {
+            tl_spec s = tl_default_spec(77 + (uint64_t)bits);
+            s.H = 600;
+            s.I = 330;
+            s.E = 8;
+            s.k = 4;
+            s.bits = (uint32_t)bits;
+            s.block_size = 256;
+            s.asym = bits == 8;
+            s.act = QM_ACT_SWIGLU;
+            s.fusion = 1;
+            tl_layer L;
+            ck_assert_int_eq(tl_layer_build(&s, &L), 0);
+            qm_backend *be = new_backend(kernels[ki], 2);
+            for (uint32_t T = 1; T <= 40; T += 39) {
+                double err = check_against_reference(be, &L, T, 5, NULL);
+                ck_assert_msg(err <= 1e-5, "%s bits %d T %u: rel err %.3g", kernels[ki], bits, T,
+                              err);
+            }
+            qm_backend_free(be);
+            tl_layer_free(&L);
+        }
+    }
+}
+END_TEST
+
+/* f16 and bf16 hidden states: f32 arithmetic, output rounded to the input dtype. */
+START_TEST(test_f16_and_bf16_activations_round_once)
+{
+    for (int di = 1; di <= 2; di++) {
+        qm_dtype dt = DTS[di];
+        tl_spec s = tl_default_spec(31 + (uint64_t)di);
+        s.act = QM_ACT_SWIGLU;
+        s.scale_dtype = dt;
+        s.bias_dtype = dt;
+        tl_layer L;
+        ck_assert_int_eq(tl_layer_build(&s, &L), 0);
+        qm_backend *be = new_backend(cpu_has("avx2") ? "avx2" : "scalar", 2);
+        uint32_t T = 9, H = s.H;
+        float x[9 * 88], lg[9 * 4], xr[9 * 88], outf[9 * 88];
+        uint16_t xh[9 * 88], oh[9 * 88];
+        double ref[9 * 88];
+        tl_random_inputs(99, T, H, s.E, x, lg);
+        for (uint32_t i = 0; i < T * H; i++) {
+            xh[i] = dt == QM_DTYPE_F16 ? qm_f32_to_f16(x[i]) : qm_f32_to_bf16(x[i]);
+            xr[i] = dt == QM_DTYPE_F16 ? qm_f16_to_f32(xh[i]) : qm_bf16_to_f32(xh[i]);
+        }
+        qm_expert_source src;
+        tl_source(&L, &src);
+        qm_moe_call call = {.dtype = dt, .hidden = xh, .n_tokens = T, .logits = lg, .output = oh};
+        qm_status st = {0};
+        ck_assert_int_eq(qm__moe_forward_layer(be, &L.cfg, &L.lv, &call, &src, NULL, &st), 0);
+        for (uint32_t i = 0; i < T * H; i++)
+            outf[i] = dt == QM_DTYPE_F16 ? qm_f16_to_f32(oh[i]) : qm_bf16_to_f32(oh[i]);
+        tl_reference(&L, xr, lg, T, ref);
+        double err = tl_rel_err_f(outf, ref, (size_t)T * H);
+        double tol = dt == QM_DTYPE_F16 ? 1e-3 : 8e-3;
+        ck_assert_msg(err <= tol, "%s: rel err %.3g > %.3g", dt == QM_DTYPE_F16 ? "f16" : "bf16", err, tol);
+        qm_backend_free(be);
+        tl_layer_free(&L);
+    }
+}
+END_TEST
+
+/* A layer whose call has both GEMV (few rows) and GEMM (many rows) experts. */
+static void mixed_layer(tl_layer *L, uint64_t seed)
+{
+    tl_spec s = tl_default_spec(seed);
+    s.E = 8;
+    s.k = 2;
+    s.H = 200;
+    s.I = 120;
+    s.act = QM_ACT_SWIGLU;
+    s.asym = 1;
+    ck_assert_int_eq(tl_layer_build(&s, L), 0);
+}
+
+/* Logits that send most tokens to experts 0 and 1 and a few elsewhere. */
+static void skewed_logits(uint32_t T, uint32_t E, float *lg, uint64_t seed)
+{
+    uint64_t s = seed;
+    for (uint32_t t = 0; t < T; t++)
+        for (uint32_t e = 0; e < E; e++)
+            lg[t * E + e] = tl_uniform(&s, -1, 1) + (e < 2 && t % 5 != 0 ? 3.0f : 0.0f);
+}
+
+START_TEST(test_outputs_bitwise_identical_across_thread_counts)
+{
+    const char *kernels[] = {"scalar", "avx2", "avx512"};
+    tl_layer L;
+    mixed_layer(&L, 5);
+    uint32_t T = 41, H = L.spec.H, E = L.spec.E;
+    float *x = malloc(sizeof(float) * T * H), *lg = malloc(sizeof(float) * T * E);
+    float *out[3];
+    tl_random_inputs(11, T, H, E, x, lg);
+    skewed_logits(T, E, lg, 12);
+    for (int ki = 0; ki < 3; ki++) {
+        if (!cpu_has(kernels[ki]))
+            continue;
+        for (unsigned th = 1; th <= 3; th++) {
+            qm_backend *be = new_backend(kernels[ki], th);
+            out[th - 1] = malloc(sizeof(float) * T * H);
+            ck_assert_int_eq(forward_f32(be, &L, T, x, lg, out[th - 1], NULL, NULL), 0);
+            qm_backend_free(be);
+        }
+        ck_assert_msg(memcmp(out[0], out[1], sizeof(float) * T * H) == 0,
+                      "%s: 1 and 2 threads differ", kernels[ki]);
+        ck_assert_msg(memcmp(out[0], out[2], sizeof(float) * T * H) == 0,
+                      "%s: 1 and 3 threads differ", kernels[ki]);
+        for (int i = 0; i < 3; i++)
+            free(out[i]);
+    }
+    free(x);
+    free(lg);
+    tl_layer_free(&L);
+}
+END_TEST
+
+/* A hostile source: makes one expert usable per acquire (or `step`), and
+ * checks the protocol (ascending, distinct, release of what was acquired). */
+typedef struct one_at_a_time {
+    tl_layer *L;
+    size_t step;
+    int acquired, released, outstanding;
+} one_at_a_time;
+
+static int oaat_acquire(void *ctx, uint32_t layer, const uint32_t *experts, size_t n,
+                        qm_expert_weights *weights, size_t *n_ready, qm_status *st)
+{
+    one_at_a_time *s = ctx;
+    (void)layer;
+    (void)st;
+    ck_assert_int_eq(s->outstanding, 0);
+    for (size_t i = 1; i < n; i++)
+        ck_assert_uint_lt(experts[i - 1], experts[i]);
+    size_t r = n < s->step ? n : s->step;
+    for (size_t i = 0; i < r; i++)
+        tl_expert_weights(s->L, experts[i], &weights[i]);
+    *n_ready = r;
+    s->acquired += (int)r;
+    s->outstanding = (int)r;
+    return 0;
+}
+
+static void oaat_release(void *ctx, uint32_t layer, const uint32_t *experts, size_t n)
+{
+    one_at_a_time *s = ctx;
+    (void)layer;
+    (void)experts;
+    ck_assert_int_eq((int)n, s->outstanding);
+    s->released += (int)n;
+    s->outstanding = 0;
+}
+
+START_TEST(test_waves_give_bitwise_identical_outputs)
+{
+    tl_layer L;
+    mixed_layer(&L, 6);
+    uint32_t T = 41, H = L.spec.H, E = L.spec.E;
+    float *x = malloc(sizeof(float) * T * H), *lg = malloc(sizeof(float) * T * E);
+    float *a = malloc(sizeof(float) * T * H), *b = malloc(sizeof(float) * T * H);
+    tl_random_inputs(13, T, H, E, x, lg);
+    skewed_logits(T, E, lg, 14);
+    qm_backend *be = new_backend(cpu_has("avx2") ? "avx2" : "scalar", 2);
+    qm_moe_stats st1, st2;
+    ck_assert_int_eq(forward_f32(be, &L, T, x, lg, a, NULL, &st1), 0);
+    ck_assert_uint_eq(st1.waves, 1);
+    for (size_t step = 1; step <= 3; step++) {
+        one_at_a_time s = {.L = &L, .step = step};
+        qm_expert_source src = {.ctx = &s, .acquire = oaat_acquire, .release = oaat_release};
+        ck_assert_int_eq(forward_f32(be, &L, T, x, lg, b, &src, &st2), 0);
+        ck_assert_int_eq(s.acquired, s.released);
+        ck_assert_msg(st2.waves == (uint32_t)((s.acquired + step - 1) / step),
+                      "step %zu: %u waves for %d experts", step, st2.waves, s.acquired);
+        ck_assert_msg(memcmp(a, b, sizeof(float) * T * H) == 0, "step %zu changed the bits", step);
+    }
+    qm_backend_free(be);
+    free(x);
+    free(lg);
+    free(a);
+    free(b);
+    tl_layer_free(&L);
+}
+END_TEST
+
+/* The backend may run jobs in any order: results of each job do not change. */
+START_TEST(test_expert_order_does_not_change_bits)
+{
+    tl_layer L;
+    mixed_layer(&L, 7);
+    uint32_t T = 30, H = L.spec.H, E = L.spec.E;
+    float *x = malloc(sizeof(float) * T * H), *lg = malloc(sizeof(float) * T * E);
+    tl_random_inputs(15, T, H, E, x, lg);
+    /* Expert e gets tokens t with t % (e + 1) == 0: row counts 30, 15, 10, ... */
+    uint32_t rows[8][30], outi[8][30], n[8] = {0};
+    size_t total = 0;
+    for (uint32_t e = 0; e < E; e++)
+        for (uint32_t t = 0; t < T; t++)
+            if (t % (e + 1) == 0) {
+                rows[e][n[e]] = t;
+                outi[e][n[e]++] = (uint32_t)total++;
+            }
+    float *ya = calloc(total * H, sizeof(float)), *yb = calloc(total * H, sizeof(float));
+    qm_expert_job ja[8], jb[8];
+    for (uint32_t e = 0; e < E; e++) {
+        ja[e] = (qm_expert_job){.expert = e, .rows = rows[e], .out_index = outi[e], .n_rows = n[e]};
+        tl_expert_weights(&L, e, &ja[e].weights);
+        jb[E - 1 - e] = ja[e];
+    }
+    qm_backend *be = new_backend(cpu_has("avx2") ? "avx2" : "scalar", 3);
+    qm_status st = {0};
+    qm_expert_batch ba = {.config = &L.cfg, .layer = &L.lv, .x = x, .n_tokens = T, .y = ya,
+                          .jobs = ja, .n_jobs = E};
+    qm_expert_batch bb = ba;
+    bb.y = yb;
+    bb.jobs = jb;
+    ck_assert_int_eq(qm_backend_run_experts(be, &ba, &st), 0);
+    ck_assert_int_eq(qm_backend_run_experts(be, &bb, &st), 0);
+    ck_assert(memcmp(ya, yb, sizeof(float) * total * H) == 0);
+    /* One expert per batch, last first. */
+    memset(yb, 0, sizeof(float) * total * H);
+    for (int e = (int)E - 1; e >= 0; e--) {
+        bb.jobs = &ja[e];
+        bb.n_jobs = 1;
+        ck_assert_int_eq(qm_backend_run_experts(be, &bb, &st), 0);
+    }
+    ck_assert(memcmp(ya, yb, sizeof(float) * total * H) == 0);
+    qm_backend_free(be);
+    free(x);
+    free(lg);
+    free(ya);
+    free(yb);
+    tl_layer_free(&L);
+}
+END_TEST
+
+START_TEST(test_zero_tokens_give_empty_result)
+{
+    tl_layer L;
+    tl_spec s = tl_default_spec(3);
+    ck_assert_int_eq(tl_layer_build(&s, &L), 0);
+    qm_backend *be = new_backend("scalar", 1);
+    qm_expert_source src;
+    tl_source(&L, &src);
+    qm_moe_call call = {.dtype = QM_DTYPE_F32, .n_tokens = 0};
+    qm_moe_stats stats = {.waves = 99};
+    qm_status st = {0};
+    ck_assert_int_eq(qm__moe_forward_layer(be, &L.cfg, &L.lv, &call, &src, &stats, &st), 0);
+    ck_assert_uint_eq(stats.waves, 0);
+    qm_backend_free(be);
+    tl_layer_free(&L);
+}
+END_TEST
+
+START_TEST(test_routing_ties_go_to_larger_index)
+{
+    float lg[] = {1.0f, 3.0f, 3.0f, 2.0f, 3.0f};
+    uint32_t ex[3];
+    float w[3];
+    qm_moe_route(lg, 1, 5, 3, ex, w);
+    ck_assert_uint_eq(ex[0], 4);
+    ck_assert_uint_eq(ex[1], 2);
+    ck_assert_uint_eq(ex[2], 1);
+    ck_assert_float_eq_tol(w[0], 1.0f / 3, 1e-7);
+    ck_assert_float_eq_tol(w[0] + w[1] + w[2], 1.0f, 1e-6);
+}
+END_TEST
+
+START_TEST(test_routing_softmax_over_k_and_drop_tiny)
+{
+    float lg[] = {0.0f, -40.0f, 1.0f, -0.5f};
+    uint32_t ex[3];
+    float w[3];
+    /* k = 2: experts 2 then 0, weights softmax(1, 0). */
+    qm_moe_route(lg, 1, 4, 2, ex, w);
+    ck_assert_uint_eq(ex[0], 2);
+    ck_assert_uint_eq(ex[1], 0);
+    ck_assert_float_eq_tol(w[0], 1.0 / (1.0 + exp(-1.0)), 1e-6);
+    /* k = 4 reaches the -40 logit: exp(-41) / sum <= 1e-8, dropped. */
+    uint32_t ex4[4];
+    float w4[4];
+    qm_moe_route(lg, 1, 4, 4, ex4, w4);
+    ck_assert_uint_eq(ex4[3], QM_ROUTE_DROPPED);
+    ck_assert_float_eq(w4[3], 0.0f);
+    ck_assert_uint_eq(ex4[2], 3);
+}
+END_TEST
+
+START_TEST(test_dropped_route_contributes_nothing)
+{
+    tl_layer L;
+    tl_spec s = tl_default_spec(4);
+    s.k = 3;
+    ck_assert_int_eq(tl_layer_build(&s, &L), 0);
+    qm_backend *be = new_backend("scalar", 1);
+    uint32_t T = 2, H = s.H;
+    float x[2 * 88], lg[2 * 4], a[2 * 88], b[2 * 88];
+    tl_random_inputs(8, T, H, 4, x, lg);
+    lg[3] = lg[4 + 3] = -100.0f; /* third route of each token: weight e^-100ish, dropped */
+    lg[2] = lg[4 + 2] = -200.0f;
+    ck_assert_int_eq(forward_f32(be, &L, T, x, lg, a, NULL, NULL), 0);
+    L.cfg.k = 2;
+    ck_assert_int_eq(forward_f32(be, &L, T, x, lg, b, NULL, NULL), 0);
+    ck_assert(memcmp(a, b, sizeof a) == 0);
+    qm_backend_free(be);
+    tl_layer_free(&L);
+}
+END_TEST
+
+START_TEST(test_router_logits_come_from_bank_router)
+{
+    tl_layer L;
+    tl_spec s = tl_default_spec(9);
+    s.router = 1;
+    s.E = 6;
+    ck_assert_int_eq(tl_layer_build(&s, &L), 0);
+    uint32_t T = 5, H = s.H, E = s.E;
+    float x[5 * 88], lg[5 * 6], mine[5 * 6], a[5 * 88], b[5 * 88];
+    tl_random_inputs(10, T, H, E, x, lg);
+    qm_status st = {0};
+    ck_assert_int_eq(qm_moe_router_logits(&L.cfg, &L.lv, x, T, mine, &st), 0);
+    for (uint32_t t = 0; t < T; t++)
+        for (uint32_t e = 0; e < E; e++) {
+            double acc = L.router_b[e];
+            for (uint32_t c = 0; c < H; c++)
+                acc += L.router_w[e * H + c] * x[t * H + c];
+            ck_assert_float_eq_tol(mine[t * E + e], acc, 1e-6 * (1 + fabs(acc)));
+        }
+    qm_backend *be = new_backend("scalar", 1);
+    ck_assert_int_eq(forward_f32(be, &L, T, x, NULL, a, NULL, NULL), 0);
+    ck_assert_int_eq(forward_f32(be, &L, T, x, mine, b, NULL, NULL), 0);
+    ck_assert(memcmp(a, b, sizeof a) == 0);
+    qm_backend_free(be);
+    tl_layer_free(&L);
+}
+END_TEST
+
+START_TEST(test_missing_router_is_einval_with_message)
+{
+    tl_layer L;
+    tl_spec s = tl_default_spec(9);
+    ck_assert_int_eq(tl_layer_build(&s, &L), 0);
+    qm_backend *be = new_backend("scalar", 1);
+    float x[88] = {1}, out[88];
+    qm_expert_source src;
+    tl_source(&L, &src);
+    qm_moe_call call = {.dtype = QM_DTYPE_F32, .hidden = x, .n_tokens = 1, .output = out};
+    qm_status st = {0};
+    ck_assert_int_eq(qm__moe_forward_layer(be, &L.cfg, &L.lv, &call, &src, NULL, &st), QM_EINVAL);
+    ck_assert_msg(strstr(st.msg, "router") != NULL, "message: %s", st.msg);
+    qm_backend_free(be);
+    tl_layer_free(&L);
+}
+END_TEST
+
+START_TEST(test_arena_is_aligned_and_sized_exactly)
+{
+    qm_backend *be = new_backend("scalar", 1);
+    qm_status st = {0};
+    qm_arena *a = NULL;
+    ck_assert_str_eq(qm_backend_name(be), "cpu");
+    ck_assert_int_eq(qm_backend_host_visible(be), 1);
+    ck_assert_uint_eq(qm_backend_alignment(be), 64);
+    ck_assert_int_eq(qm_arena_new(be, 1000003, &a, &st), 0);
+    ck_assert_uint_eq(qm_arena_size(a), 1000003);
+    ck_assert_uint_eq((uintptr_t)qm_arena_at(a, 0) % 64, 0);
+    uint8_t src[4096];
+    for (int i = 0; i < 4096; i++)
+        src[i] = (uint8_t)(i * 7);
+    qm_fence f = {0};
+    ck_assert_int_eq(qm_backend_copy_h2d(be, qm_arena_at(a, 999000), src, 1000, &f, &st), 0);
+    ck_assert_int_eq(qm_backend_fence_wait(be, &f, &st), 0);
+    ck_assert(memcmp(qm_arena_at(a, 999000), src, 1000) == 0);
+    ck_assert_uint_gt(f.seq, 0);
+    ck_assert_int_eq(qm_backend_synchronize(be, &st), 0);
+    qm_arena *none = (qm_arena *)1;
+    ck_assert_int_eq(qm_arena_new(be, 0, &none, &st), QM_EINVAL);
+    ck_assert_ptr_null(none);
+    qm_arena_free(be, a);
+    qm_arena_free(be, NULL);
+    qm_backend_free(be);
+    qm_backend_free(NULL);
+}
+END_TEST
+
+static int fake_info(void *ctx, qm_device_info *out)
+{
+    (void)ctx;
+    memset(out, 0, sizeof *out);
+    return 0;
+}
+static int destroyed;
+static void fake_destroy(void *ctx)
+{
+    (void)ctx;
+    destroyed++;
+}
+
+START_TEST(test_backend_wrap_rejects_other_iface_version)
+{
+    qm_backend_iface iface = {.version = QM_BACKEND_IFACE_VERSION + 1, .name = "fake",
+                              .info = fake_info, .destroy = fake_destroy};
+    qm_backend *be = (qm_backend *)1;
+    qm_status st = {0};
+    destroyed = 0;
+    ck_assert_int_eq(qm__backend_wrap(&iface, NULL, &be, &st), QM_EUNSUPPORTED);
+    ck_assert_ptr_null(be);
+    ck_assert_int_eq(destroyed, 1);
+    ck_assert_msg(strstr(st.msg, "version") != NULL, "%s", st.msg);
+}
+END_TEST
+
+START_TEST(test_cuda_without_cuda_is_unsupported)
+{
+#ifdef QMOE_HAVE_CUDA
+    fprintf(stderr, "skipped: built with CUDA, the stub is not compiled\n");
+#else
+    qm_backend *be = (qm_backend *)1;
+    qm_status st = {0};
+    ck_assert_int_eq(qm_backend_cuda_new(0, &be, &st), QM_EUNSUPPORTED);
+    ck_assert_ptr_null(be);
+    ck_assert_msg(strstr(st.msg, "without CUDA") != NULL, "%s", st.msg);
+#endif
+}
+END_TEST
+
+START_TEST(test_half_conversions_round_to_nearest_even)
+{
+    ck_assert_uint_eq(qm_f32_to_f16(1.0f), 0x3c00);
+    ck_assert_uint_eq(qm_f32_to_f16(-2.0f), 0xc000);
+    ck_assert_uint_eq(qm_f32_to_f16(65504.0f), 0x7bff);
+    ck_assert_uint_eq(qm_f32_to_f16(65520.0f), 0x7c00);         /* rounds up to inf */
+    ck_assert_uint_eq(qm_f32_to_f16(1.0f + 1.0f / 2048), 0x3c00); /* tie to even */
+    ck_assert_uint_eq(qm_f32_to_f16(1.0f + 3.0f / 2048), 0x3c02); /* tie to even (up) */
+    ck_assert_uint_eq(qm_f32_to_f16(5.9604644775390625e-8f), 0x0001); /* smallest subnormal */
+    ck_assert_uint_eq(qm_f32_to_f16(2.98e-8f), 0x0000);
+    ck_assert_float_eq(qm_f16_to_f32(0x0001), 5.9604644775390625e-8f);
+    ck_assert_float_eq(qm_f16_to_f32(0x3555), 0.333251953125f);
+    ck_assert(isinf(qm_f16_to_f32(0x7c00)));
+    ck_assert(isnan(qm_f16_to_f32(0x7e00)));
+    ck_assert(isnan(qm_f16_to_f32(qm_f32_to_f16(NAN))));
+    for (uint32_t h = 0; h < 0x7c00; h++) /* every finite f16 survives a round trip */
+        ck_assert_uint_eq(qm_f32_to_f16(qm_f16_to_f32((uint16_t)h)), h);
+    ck_assert_uint_eq(qm_f32_to_bf16(1.0f), 0x3f80);
+    ck_assert_uint_eq(qm_f32_to_bf16(1.00390625f), 0x3f80); /* tie to even */
+    ck_assert_uint_eq(qm_f32_to_bf16(1.01171875f), 0x3f82); /* tie to even (up) */
+    ck_assert_float_eq(qm_bf16_to_f32(0xc000), -2.0f);
+    ck_assert(isnan(qm_bf16_to_f32(qm_f32_to_bf16(NAN))));
+}
+END_TEST
+
+START_TEST(test_weights_from_unit_follow_tensor_order)
+{
+    tl_layer L;
+    tl_spec s = tl_default_spec(21);
+    s.asym = 1;
+    s.act = QM_ACT_SWIGLU;
+    s.fusion = 0;
+    ck_assert_int_eq(tl_layer_build(&s, &L), 0);
+    /* Build expert 2's unit: its slices concatenated in tensor order. */
+    uint8_t *unit = malloc(L.lv.bytes_per_expert);
+    qm_expert_weights direct, from_unit;
+    tl_expert_weights(&L, 2, &direct);
+    size_t off = 0;
+    for (int t = 0; t < QM_T_EXPERT_COUNT; t++) {
+        if (!L.lv.t[t].present)
+            continue;
+        size_t n = L.lv.t[t].nbytes / s.E;
+        memcpy(unit + off, direct.ptr[t], n);
+        off += n;
+    }
+    ck_assert_uint_eq(off, L.lv.bytes_per_expert);
+    qm_expert_weights_from_unit(&L.lv, s.E, 2, unit, &from_unit);
+    off = 0;
+    for (int t = 0; t < QM_T_EXPERT_COUNT; t++) {
+        if (!L.lv.t[t].present) {
+            ck_assert_ptr_null(from_unit.ptr[t]);
+            continue;
+        }
+        ck_assert_ptr_eq(from_unit.ptr[t], unit + off);
+        off += L.lv.t[t].nbytes / s.E;
+    }
+    /* Running the expert from the unit gives the same bits as from the layer. */
+    qm_backend *be = new_backend("scalar", 1);
+    float x[88], y1[88], y2[88];
+    float lg[4];
+    tl_random_inputs(3, 1, 88, 4, x, lg);
+    uint32_t row = 0, oi = 0;
+    qm_expert_job job = {.expert = 2, .weights = direct, .rows = &row, .out_index = &oi, .n_rows = 1};
+    qm_expert_batch b = {.config = &L.cfg, .layer = &L.lv, .x = x, .n_tokens = 1, .y = y1,
+                         .jobs = &job, .n_jobs = 1};
+    qm_status st = {0};
+    ck_assert_int_eq(qm_backend_run_experts(be, &b, &st), 0);
+    job.weights = from_unit;
+    b.y = y2;
+    ck_assert_int_eq(qm_backend_run_experts(be, &b, &st), 0);
+    ck_assert(memcmp(y1, y2, sizeof y1) == 0);
+    qm_backend_free(be);
+    free(unit);
+    tl_layer_free(&L);
+}
+END_TEST
+
+START_TEST(test_bad_jobs_are_rejected_with_a_message)
+{
+    tl_layer L;
+    tl_spec s = tl_default_spec(22);
+    ck_assert_int_eq(tl_layer_build(&s, &L), 0);
+    qm_backend *be = new_backend("scalar", 2);
+    float x[88] = {0}, y[88];
+    uint32_t row = 5, oi = 0;
+    qm_expert_job job = {.expert = 1, .rows = &row, .out_index = &oi, .n_rows = 1};
+    tl_expert_weights(&L, 1, &job.weights);
+    qm_expert_batch b = {.config = &L.cfg, .layer = &L.lv, .x = x, .n_tokens = 1, .y = y,
+                         .jobs = &job, .n_jobs = 1};
+    qm_status st = {0};
+    ck_assert_int_eq(qm_backend_run_experts(be, &b, &st), QM_EINVAL); /* row 5 of 1 token */
+    row = 0;
+    job.expert = 9;
+    ck_assert_int_eq(qm_backend_run_experts(be, &b, &st), QM_EINVAL);
+    job.expert = 1;
+    job.weights.ptr[QM_T_FC2_SCALES] = NULL;
+    ck_assert_int_eq(qm_backend_run_experts(be, &b, &st), QM_EINVAL);
+    ck_assert_msg(strstr(st.msg, "fc2") != NULL, "%s", st.msg);
+    qm_backend_free(be);
+    tl_layer_free(&L);
+}
+END_TEST
+
+static Suite *engine_suite(void)
+{
+    Suite *s = suite_create("engine");
+    TCase *tc = tcase_create("core");
+    tcase_set_timeout(tc, 120);
+    tcase_add_test(tc, test_every_variant_matches_float64_reference);
+    tcase_add_test(tc, test_block_256_and_long_rows_match_reference);
+    tcase_add_test(tc, test_f16_and_bf16_activations_round_once);
+    tcase_add_test(tc, test_outputs_bitwise_identical_across_thread_counts);
+    tcase_add_test(tc, test_waves_give_bitwise_identical_outputs);
+    tcase_add_test(tc, test_expert_order_does_not_change_bits);
+    tcase_add_test(tc, test_zero_tokens_give_empty_result);
+    tcase_add_test(tc, test_routing_ties_go_to_larger_index);
+    tcase_add_test(tc, test_routing_softmax_over_k_and_drop_tiny);
+    tcase_add_test(tc, test_dropped_route_contributes_nothing);
+    tcase_add_test(tc, test_router_logits_come_from_bank_router);
+    tcase_add_test(tc, test_missing_router_is_einval_with_message);
+    tcase_add_test(tc, test_arena_is_aligned_and_sized_exactly);
+    tcase_add_test(tc, test_backend_wrap_rejects_other_iface_version);
+    tcase_add_test(tc, test_cuda_without_cuda_is_unsupported);
+    tcase_add_test(tc, test_half_conversions_round_to_nearest_even);
+    tcase_add_test(tc, test_weights_from_unit_follow_tensor_order);
+    tcase_add_test(tc, test_bad_jobs_are_rejected_with_a_message);
+    suite_add_tcase(s, tc);
+    return s;
+}
+
+int main(void)
+{
+    SRunner *sr = srunner_create(engine_suite());
+    srunner_run_all(sr, CK_NORMAL);
+    int failed = srunner_ntests_failed(sr);
+    srunner_free(sr);
+    return failed ? EXIT_FAILURE : EXIT_SUCCESS;
+}
