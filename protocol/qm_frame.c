@@ -67,8 +67,11 @@ int qm_framer_push(qm_framer *f, const char *data, size_t n)
     const char *nl = memrchr(data, '\n', n);
     f->partial = nl ? n - (size_t)(nl - data) - 1 : f->partial + n;
     if (f->partial > f->max_frame) {
+        /* Keep the complete lines before it: they are still answered. */
+        f->len -= f->partial;
+        f->partial = 0;
+        f->scanned = 0;
         f->overflow = 1;
-        f->start = f->len = f->scanned = f->partial = 0;
         return QM_EPAYLOAD_TOO_LARGE;
     }
     return 0;
@@ -85,14 +88,10 @@ static int is_blank(const char *s, size_t n)
 int qm_framer_next(qm_framer *f, const char **line, size_t *len)
 {
     for (;;) {
-        if (f->overflow)
-            return QM_EPAYLOAD_TOO_LARGE;
         size_t nl = find_newline(f);
         if (nl == SIZE_MAX) {
-            if (f->len - f->start > f->max_frame) {
-                f->overflow = 1;
+            if (f->overflow)
                 return QM_EPAYLOAD_TOO_LARGE;
-            }
             return 0;
         }
         const char *s = f->buf + f->start;
@@ -101,6 +100,7 @@ int qm_framer_next(qm_framer *f, const char **line, size_t *len)
         f->scanned = 0;
         if (n > f->max_frame) {
             f->overflow = 1;
+            f->start = f->len;
             return QM_EPAYLOAD_TOO_LARGE;
         }
         if (is_blank(s, n))

@@ -152,7 +152,8 @@ void qm_jw_tensor(qm_jw *w, qm_wire_dtype dtype, uint32_t ndim, const uint64_t *
 
 /* Cuts a byte stream at '\n'. Memory is bounded by max_request_bytes plus
  * what one push adds: a line that grows past the limit puts the framer in a
- * sticky overflow state and its bytes are not kept. */
+ * sticky overflow state and its bytes are not kept (complete lines before it
+ * are still returned by next, then the error). */
 typedef struct qm_framer {
     char *buf;
     size_t start, len, cap; /* unconsumed bytes are buf[start, len) */
@@ -289,5 +290,22 @@ void qm_rpc_error(qm_jw *w, const char *id, int rpc_code, const char *reason, co
 /* Copies at most QM_MAX_ECHO_BYTES of s (up to n bytes) into out (>= 80
  * bytes) as printable text, appending "..." when cut: for error messages. */
 void qm_clip(const char *s, size_t n, char *out, size_t out_size);
+
+/* ---- Config files ---------------------------------------------------------------- */
+
+typedef enum qm_conf_type { QM_CONF_STRING, QM_CONF_NUMBER, QM_CONF_BOOL } qm_conf_type;
+
+typedef struct qm_conf_entry {
+    char *key; /* "max_batch", or "models.NAME" for a member of a nested object */
+    qm_conf_type type;
+    char *str;
+    double num;
+    int boolean;
+} qm_conf_entry;
+
+/* Parses a JSON object of scalars (one level of nested objects allowed) into
+ * entries in file order. The caller frees them with qm_conf_free. */
+int qm_conf_parse(const char *text, size_t n, qm_conf_entry **out, size_t *count, qm_status *st);
+void qm_conf_free(qm_conf_entry *entries, size_t count);
 
 #endif

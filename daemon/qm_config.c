@@ -1,0 +1,394 @@
+/* qm_config.c - flags, the JSON config file, and SIGHUP reloads.
+ *
+ * Precedence: built-in defaults < config file < command-line flags. On
+ * SIGHUP only the reloadable keys (limits, log level, admin group) are read
+ * again; the socket, backend, budget and threads need a restart. */
+#include "qm_daemon.h"
+
+#include <errno.h>
+#include <getopt.h>
+#include <math.h>
+#include <stddef.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "qm_alloc.h"
+
+void qm_config_defaults(qm_config *cfg)
+{
+    memset(cfg, 0, sizeof *cfg);
+    snprintf(cfg->backend, sizeof cfg->backend, "cpu");
+    cfg->workers = 2;
+    cfg->log_level = QM_LOG_INFO;
+    cfg->max_request_bytes = QM_DEFAULT_MAX_REQUEST_BYTES;
+    cfg->max_nesting = QM_DEFAULT_MAX_NESTING;
+    cfg->max_batch = QM_DEFAULT_MAX_BATCH;
+    cfg->max_connections = 256;
+    cfg->max_sessions = 64;
+    cfg->max_output_bytes = 64ull << 20;
+    cfg->queue_depth = 1024;
+    cfg->idle_timeout_s = 300;
+    cfg->frames_per_wakeup = 32;
+    cfg->drain_timeout_s = 10;
+    cfg->trace_capacity = 4096;
+    cfg->session_workspace_bytes = 16ull << 20;
+}
+
+void qm_config_free(qm_config *cfg)
+{
+    qm_free(cfg->socket_path);
+    qm_free(cfg->config_path);
+    for (size_t i = 0; i < cfg->n_models; i++) {
+        qm_free(cfg->models[i].name);
+        qm_free(cfg->models[i].path);
+    }
+    qm_free(cfg->models);
+    qm_free(cfg->state_dir);
+    qm_free(cfg->admin_group);
+    memset(cfg, 0, sizeof *cfg);
+}
+
+int qm_config_add_model(qm_config *cfg, const char *name, const char *path, qm_status *st)
+{
+    for (size_t i = 0; i < cfg->n_models; i++) {
+        if (strcmp(cfg->models[i].name, name) == 0) {
+            /* A flag overrides the file's entry of the same name. */
+            char *p = qm_strdup(path);
+            if (!p)
+                return qm_status_set(st, QM_ENOMEM, "out of memory");
+            qm_free(cfg->models[i].path);
+            cfg->models[i].path = p;
+            return 0;
+        }
+    }
+    qm_model_spec *m = qm_realloc(cfg->models, (cfg->n_models + 1) * sizeof *m);
+    if (!m)
+        return qm_status_set(st, QM_ENOMEM, "out of memory");
+    cfg->models = m;
+    m[cfg->n_models].name = qm_strdup(name);
+    m[cfg->n_models].path = qm_strdup(path);
+    if (!m[cfg->n_models].name || !m[cfg->n_models].path) {
+        qm_free(m[cfg->n_models].name);
+        qm_free(m[cfg->n_models].path);
+        return qm_status_set(st, QM_ENOMEM, "out of memory");
+    }
+    cfg->n_models++;
+    return 0;
+}
+
+/* "64MiB", "1G", "4096": bytes with an optional binary suffix. */
+static int parse_bytes(const char *s, uint64_t *out)
+{
+    char *end;
+    errno = 0;
+    unsigned long long v = strtoull(s, &end, 10);
+    if (errno || end == s || s[0] == '-')
+        return QM_EINVAL;
+    unsigned shift = 0;
+    if (*end == 'K' || *end == 'k')
+        shift = 10;
+    else if (*end == 'M' || *end == 'm')
+        shift = 20;
+    else if (*end == 'G' || *end == 'g')
+        shift = 30;
+    else if (*end == 'T' || *end == 't')
+        shift = 40;
+    if (shift) {
+        end++;
+        if (strcmp(end, "iB") == 0 || strcmp(end, "B") == 0 || strcmp(end, "") == 0)
+            end += strlen(end);
+        if (v > (UINT64_MAX >> shift))
+            return QM_EINVAL;
+        v <<= shift;
+    }
+    if (*end)
+        return QM_EINVAL;
+    *out = v;
+    return 0;
+}
+
+static int set_string(char **slot, const char *v, qm_status *st)
+{
+    char *p = qm_strdup(v);
+    if (!p)
+        return qm_status_set(st, QM_ENOMEM, "out of memory");
+    qm_free(*slot);
+    *slot = p;
+    return 0;
+}
+
+typedef enum { K_U32, K_U64, K_STR, K_LEVEL, K_BACKEND } key_kind;
+
+typedef struct key_def {
+    const char *name;
+    key_kind kind;
+    size_t offset;
+    int reloadable;
+    uint64_t min, max;
+} key_def;
+
+#define OFF(f) offsetof(qm_config, f)
+static const key_def keys[] = {
+    {"socket", K_STR, OFF(socket_path), 0, 0, 0},
+    {"backend", K_BACKEND, 0, 0, 0, 0},
+    {"device_budget", K_U64, OFF(device_budget), 0, 1, UINT64_MAX},
+    {"state_dir", K_STR, OFF(state_dir), 0, 0, 0},
+    {"threads", K_U32, OFF(threads), 0, 0, 1024},
+    {"workers", K_U32, OFF(workers), 0, 1, 256},
+    {"admin_group", K_STR, OFF(admin_group), 1, 0, 0},
+    {"log_level", K_LEVEL, 0, 1, 0, 0},
+    {"max_request_bytes", K_U64, OFF(max_request_bytes), 1, 64, 1ull << 32},
+    {"max_nesting", K_U32, OFF(max_nesting), 1, 2, 1000},
+    {"max_batch", K_U32, OFF(max_batch), 1, 1, 1u << 20},
+    {"max_connections", K_U32, OFF(max_connections), 1, 1, 1u << 20},
+    {"max_sessions", K_U32, OFF(max_sessions), 1, 1, 1u << 20},
+    {"max_output_bytes", K_U64, OFF(max_output_bytes), 1, 4096, UINT64_MAX},
+    {"queue_depth", K_U32, OFF(queue_depth), 1, 1, 1u << 24},
+    {"idle_timeout_s", K_U32, OFF(idle_timeout_s), 1, 0, 1u << 30},
+    {"frames_per_wakeup", K_U32, OFF(frames_per_wakeup), 1, 1, 1u << 20},
+    {"drain_timeout_s", K_U32, OFF(drain_timeout_s), 1, 0, 86400},
+    {"trace_capacity", K_U32, OFF(trace_capacity), 0, 16, 1u << 24},
+    {"session_workspace_bytes", K_U64, OFF(session_workspace_bytes), 0, 0, UINT64_MAX},
+};
+
+static const key_def *find_key(const char *name)
+{
+    for (size_t i = 0; i < sizeof keys / sizeof keys[0]; i++)
+        if (strcmp(keys[i].name, name) == 0)
+            return &keys[i];
+    return NULL;
+}
+
+/* Applies one key given as text (flags) or as a number (the file). */
+static int apply_key(qm_config *cfg, const key_def *k, const char *text, int has_num, double num,
+                     qm_status *st)
+{
+    uint64_t v = 0;
+    char *base = (char *)cfg;
+    switch (k->kind) {
+    case K_STR:
+        if (!text)
+            return qm_status_set_field(st, QM_EINVAL, k->name, "%s must be a string", k->name);
+        return set_string((char **)(base + k->offset), text, st);
+    case K_LEVEL:
+        if (!text || qm_log_level_parse(text, &cfg->log_level) < 0)
+            return qm_status_set_field(st, QM_EINVAL, k->name,
+                                       "%s must be one of error, warning, notice, info, debug",
+                                       k->name);
+        return 0;
+    case K_BACKEND:
+        if (!text || (strcmp(text, "cpu") && strcmp(text, "cuda") && strcmp(text, "auto")))
+            return qm_status_set_field(st, QM_EINVAL, k->name, "%s must be cpu, cuda or auto",
+                                       k->name);
+        snprintf(cfg->backend, sizeof cfg->backend, "%s", text);
+        return 0;
+    case K_U32:
+    case K_U64:
+        if (text) {
+            if (parse_bytes(text, &v) < 0)
+                return qm_status_set_field(st, QM_EINVAL, k->name,
+                                           "%s must be a non-negative integer", k->name);
+        } else if (has_num && isfinite(num) && num >= 0 && num == floor(num) && num < 1.8e19) {
+            v = (uint64_t)num;
+        } else {
+            return qm_status_set_field(st, QM_EINVAL, k->name,
+                                       "%s must be a non-negative integer", k->name);
+        }
+        if (v < k->min || v > k->max)
+            return qm_status_set_field(st, QM_EINVAL, k->name, "%s must be in %llu..%llu",
+                                       k->name, (unsigned long long)k->min,
+                                       (unsigned long long)k->max);
+        if (k->kind == K_U32)
+            *(uint32_t *)(base + k->offset) = (uint32_t)v;
+        else
+            *(uint64_t *)(base + k->offset) = v;
+        if (k->offset == OFF(device_budget) && k->kind == K_U64)
+            cfg->has_device_budget = 1;
+        return 0;
+    }
+    return QM_EINVAL;
+}
+
+int qm_config_load_file(qm_config *cfg, const char *path, int reload, qm_status *st)
+{
+    FILE *f = fopen(path, "rb");
+    if (!f)
+        return qm_status_set(st, QM_EIO, "cannot open config %s: %s", path, strerror(errno));
+    char *text = NULL;
+    size_t len = 0, cap = 0;
+    int rc = 0;
+    for (;;) {
+        if (len + 4096 > cap) {
+            if (cap >= (1u << 20)) {
+                rc = qm_status_set(st, QM_EINVAL, "config %s is over 1 MiB", path);
+                break;
+            }
+            char *p = qm_realloc(text, cap = cap ? cap * 2 : 8192);
+            if (!p) {
+                rc = qm_status_set(st, QM_ENOMEM, "out of memory");
+                break;
+            }
+            text = p;
+        }
+        size_t n = fread(text + len, 1, cap - len, f);
+        len += n;
+        if (n == 0)
+            break;
+    }
+    fclose(f);
+    qm_conf_entry *e = NULL;
+    size_t count = 0;
+    if (rc == 0)
+        rc = qm_conf_parse(text, len, &e, &count, st);
+    qm_free(text);
+    for (size_t i = 0; rc == 0 && i < count; i++) {
+        if (strncmp(e[i].key, "models.", 7) == 0) {
+            if (reload)
+                continue;
+            if (e[i].type != QM_CONF_STRING)
+                rc = qm_status_set_field(st, QM_EINVAL, e[i].key, "%s must be a bank path",
+                                         e[i].key);
+            else
+                rc = qm_config_add_model(cfg, e[i].key + 7, e[i].str, st);
+            continue;
+        }
+        const key_def *k = find_key(e[i].key);
+        if (!k) {
+            rc = qm_status_set_field(st, QM_EINVAL, e[i].key, "unknown config key '%.64s'",
+                                     e[i].key);
+            break;
+        }
+        if (reload && !k->reloadable)
+            continue;
+        rc = apply_key(cfg, k, e[i].type == QM_CONF_STRING ? e[i].str : NULL,
+                       e[i].type == QM_CONF_NUMBER, e[i].num, st);
+    }
+    qm_conf_free(e, count);
+    if (rc < 0 && st && !strstr(st->msg, path)) {
+        char msg[QM_STATUS_MSG_MAX];
+        snprintf(msg, sizeof msg, "%.40s: %.200s", path, st->msg);
+        snprintf(st->msg, sizeof st->msg, "%s", msg);
+    }
+    return rc;
+}
+
+static void usage(FILE *out)
+{
+    fprintf(out,
+            "usage: qmoed [options]\n"
+            "  --socket PATH         listen here (default $RUNTIME_DIRECTORY/qmoed.sock,\n"
+            "                        /run/qmoed/qmoed.sock as root, else $XDG_RUNTIME_DIR)\n"
+            "  --config FILE         JSON config: the keys below plus every limit\n"
+            "  --model NAME=PATH     load a bank at start (repeatable)\n"
+            "  --backend cpu|cuda|auto\n"
+            "  --device-budget BYTES daemon-wide budget for sessions (K/M/G suffixes)\n"
+            "  --state-dir DIR       persisted state (hotness profiles, traces)\n"
+            "  --threads N           compute threads of the backend (0 = cores)\n"
+            "  --workers N           sessions computed in parallel (default 2)\n"
+            "  --admin-group GROUP   members may use admin methods\n"
+            "  --log-level LEVEL     error, warning, notice, info, debug\n"
+            "  --set KEY=VALUE       any config key (e.g. --set max_batch=16)\n"
+            "  --version, --help\n"
+            "Config keys: socket backend device_budget state_dir threads workers admin_group\n"
+            "  log_level max_request_bytes max_nesting max_batch max_connections max_sessions\n"
+            "  max_output_bytes queue_depth idle_timeout_s frames_per_wakeup drain_timeout_s\n"
+            "  trace_capacity session_workspace_bytes, and \"models\": {NAME: PATH}.\n"
+            "SIGHUP re-reads the reloadable keys (limits, log_level, admin_group).\n");
+}
+
+int qm_config_from_args(qm_config *cfg, int argc, char **argv, qm_status *st)
+{
+    enum { O_SOCKET = 256, O_CONFIG, O_MODEL, O_BACKEND, O_BUDGET, O_STATE, O_THREADS,
+           O_WORKERS, O_ADMIN, O_LEVEL, O_SET, O_VERSION, O_HELP };
+    static const struct option opts[] = {
+        {"socket", required_argument, 0, O_SOCKET},   {"config", required_argument, 0, O_CONFIG},
+        {"model", required_argument, 0, O_MODEL},     {"backend", required_argument, 0, O_BACKEND},
+        {"device-budget", required_argument, 0, O_BUDGET},
+        {"state-dir", required_argument, 0, O_STATE}, {"threads", required_argument, 0, O_THREADS},
+        {"workers", required_argument, 0, O_WORKERS},
+        {"admin-group", required_argument, 0, O_ADMIN},
+        {"log-level", required_argument, 0, O_LEVEL}, {"set", required_argument, 0, O_SET},
+        {"version", no_argument, 0, O_VERSION},       {"help", no_argument, 0, O_HELP},
+        {0, 0, 0, 0}};
+    /* First pass: the config file, so flags override it. */
+    for (int i = 1; i < argc; i++) {
+        const char *path = NULL;
+        if (strcmp(argv[i], "--config") == 0 && i + 1 < argc)
+            path = argv[i + 1];
+        else if (strncmp(argv[i], "--config=", 9) == 0)
+            path = argv[i] + 9;
+        if (path) {
+            int rc = set_string(&cfg->config_path, path, st);
+            if (rc == 0)
+                rc = qm_config_load_file(cfg, path, 0, st);
+            if (rc < 0)
+                return rc;
+        }
+    }
+    optind = 1;
+    opterr = 0;
+    int c;
+    while ((c = getopt_long(argc, argv, "", opts, NULL)) != -1) {
+        const char *key = NULL;
+        int rc = 0;
+        switch (c) {
+        case O_SOCKET: key = "socket"; break;
+        case O_CONFIG: continue;
+        case O_BACKEND: key = "backend"; break;
+        case O_BUDGET: key = "device_budget"; break;
+        case O_STATE: key = "state_dir"; break;
+        case O_THREADS: key = "threads"; break;
+        case O_WORKERS: key = "workers"; break;
+        case O_ADMIN: key = "admin_group"; break;
+        case O_LEVEL: key = "log_level"; break;
+        case O_MODEL: {
+            const char *eq = strchr(optarg, '=');
+            if (!eq || eq == optarg || !eq[1])
+                return qm_status_set(st, QM_EINVAL, "--model expects NAME=PATH, got '%.64s'",
+                                     optarg);
+            char name[QM_NAME_MAX + 1];
+            if ((size_t)(eq - optarg) > QM_NAME_MAX)
+                return qm_status_set(st, QM_EINVAL, "--model name is over %d bytes",
+                                     QM_NAME_MAX);
+            memcpy(name, optarg, (size_t)(eq - optarg));
+            name[eq - optarg] = '\0';
+            rc = qm_config_add_model(cfg, name, eq + 1, st);
+            if (rc < 0)
+                return rc;
+            continue;
+        }
+        case O_SET: {
+            const char *eq = strchr(optarg, '=');
+            char name[64];
+            if (!eq || (size_t)(eq - optarg) >= sizeof name)
+                return qm_status_set(st, QM_EINVAL, "--set expects KEY=VALUE");
+            memcpy(name, optarg, (size_t)(eq - optarg));
+            name[eq - optarg] = '\0';
+            const key_def *k = find_key(name);
+            if (!k)
+                return qm_status_set(st, QM_EINVAL, "unknown config key '%s'", name);
+            rc = apply_key(cfg, k, eq + 1, 0, 0, st);
+            if (rc < 0)
+                return rc;
+            continue;
+        }
+        case O_VERSION:
+            printf("qmoed %s\n", QMOE_VERSION);
+            return 1;
+        case O_HELP:
+            usage(stdout);
+            return 1;
+        default:
+            usage(stderr);
+            return qm_status_set(st, QM_EINVAL, "unknown or incomplete option '%.64s'",
+                                 argv[optind - 1]);
+        }
+        rc = apply_key(cfg, find_key(key), optarg, 0, 0, st);
+        if (rc < 0)
+            return rc;
+    }
+    if (optind < argc)
+        return qm_status_set(st, QM_EINVAL, "unexpected argument '%.64s'", argv[optind]);
+    return 0;
+}

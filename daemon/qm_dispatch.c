@@ -1,0 +1,682 @@
+/* qm_dispatch.c - from decoded requests to responses: roles, ordering,
+ * every method of PROTOCOL.md.
+ *
+ * Ordering: a request that names a session with queued work joins that
+ * session's FIFO (as a barrier job the worker passes straight through), so
+ * responses about one session leave in request order; everything else is
+ * answered at once. Every accepted request is answered exactly once (never a
+ * notification), also when the connection has gone: the reply is dropped. */
+#include "qm_daemon.h"
+
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "qm_alloc.h"
+#include "qm_plan_json.h"
+
+/* ---- replies ---- */
+
+static qm_reply *reply_new(qm_conn *c, size_t n, int is_batch)
+{
+    qm_reply *r = qm_calloc(1, sizeof *r);
+    if (!r)
+        return NULL;
+    r->parts = qm_calloc(n, sizeof *r->parts);
+    r->lens = qm_calloc(n, sizeof *r->lens);
+    if (!r->parts || !r->lens) {
+        qm_free(r->parts);
+        qm_free(r->lens);
+        qm_free(r);
+        return NULL;
+    }
+    r->conn = c;
+    r->n = r->pending = n;
+    r->is_batch = is_batch;
+    qm_conn_ref(c);
+    c->replies_pending++;
+    return r;
+}
+
+static void reply_send(qm_reply *r)
+{
+    qm_buf b;
+    qm_buf_init(&b);
+    size_t present = 0;
+    for (size_t i = 0; i < r->n; i++)
+        present += r->parts[i] != NULL;
+    if (present) {
+        if (r->is_batch)
+            qm_buf_append(&b, "[", 1);
+        size_t k = 0;
+        for (size_t i = 0; i < r->n; i++) {
+            if (!r->parts[i])
+                continue;
+            if (k++)
+                qm_buf_append(&b, ",", 1);
+            qm_buf_append(&b, r->parts[i], r->lens[i]);
+        }
+        if (r->is_batch)
+            qm_buf_append(&b, "]", 1);
+        qm_buf_append(&b, "\n", 1);
+        if (!b.oom) {
+            size_t len;
+            char *data = qm_buf_take(&b, &len);
+            qm_conn_write(r->conn, data, len);
+        } else {
+            qm_log(QM_LOG_ERR, "out of memory assembling a response; dropping connection %llu",
+                   (unsigned long long)r->conn->id);
+            r->conn->drop = 1;
+        }
+    }
+    qm_buf_free(&b);
+    for (size_t i = 0; i < r->n; i++)
+        qm_free(r->parts[i]);
+    qm_free(r->parts);
+    qm_free(r->lens);
+    qm_conn *c = r->conn;
+    qm_free(r);
+    qm_conn_reply_done(c);
+    qm_conn_unref(c);
+}
+
+void qm_reply_fill(qm_reply *r, size_t slot, char *data, size_t len)
+{
+    r->parts[slot] = data;
+    r->lens[slot] = len;
+    if (--r->pending == 0)
+        reply_send(r);
+}
+
+/* Takes the writer's bytes as slot's part. */
+static void fill_from_buf(qm_daemon *d, qm_reply *r, size_t slot, qm_buf *b)
+{
+    if (b->oom) {
+        qm_buf_reset(b);
+        qm_jw w;
+        qm_jw_init(&w, b);
+        qm_rpc_error(&w, NULL, QM_RPC_INTERNAL_ERROR, "out of memory encoding the response",
+                     NULL);
+        d->counters.errors++;
+    }
+    size_t len;
+    char *data = qm_buf_take(b, &len);
+    qm_reply_fill(r, slot, data, len);
+}
+
+static void answer_error(qm_daemon *d, qm_reply *r, size_t slot, const char *id, int notification,
+                         int rpc_code, const char *reason, const char *field)
+{
+    d->counters.errors++;
+    if (notification) {
+        qm_reply_fill(r, slot, NULL, 0);
+        return;
+    }
+    qm_buf b;
+    qm_buf_init(&b);
+    qm_jw w;
+    qm_jw_init(&w, &b);
+    qm_rpc_error(&w, id, rpc_code, reason, field);
+    fill_from_buf(d, r, slot, &b);
+}
+
+static void answer_status(qm_daemon *d, qm_reply *r, size_t slot, const qm_request *req,
+                          const qm_status *st)
+{
+    answer_error(d, r, slot, req->id, req->id == NULL, qm_rpc_code_from_status(st->code), st->msg,
+                 st->field);
+}
+
+/* ---- methods answered on the loop thread ---- */
+
+static void write_status(qm_daemon *d, qm_jw *w)
+{
+    qm_jw_obj_begin(w);
+    qm_jw_key(w, "version");
+    qm_jw_str(w, QMOE_VERSION);
+    qm_jw_key(w, "uptime_s");
+    qm_jw_u64(w, (qm_now_us() - d->start_us) / 1000000);
+    qm_jw_key(w, "backend");
+    qm_jw_str(w, qm_backend_name(d->backend));
+    qm_jw_key(w, "device");
+    qm_jw_obj_begin(w);
+    qm_jw_key(w, "name");
+    qm_jw_str(w, d->device.name);
+    qm_jw_key(w, "total_bytes");
+    qm_jw_u64(w, d->device.total_bytes);
+    qm_jw_key(w, "budget_bytes");
+    qm_jw_u64(w, d->device_budget);
+    qm_jw_key(w, "used_bytes");
+    qm_jw_u64(w, d->admitted_bytes);
+    qm_jw_obj_end(w);
+    qm_jw_key(w, "models");
+    qm_jw_u64(w, d->n_models);
+    qm_jw_key(w, "sessions");
+    qm_jw_u64(w, d->n_sessions);
+    qm_jw_key(w, "connections");
+    qm_jw_u64(w, d->n_conns);
+    qm_jw_key(w, "draining");
+    qm_jw_bool(w, d->draining);
+    qm_jw_obj_end(w);
+}
+
+static void write_plan_summary(qm_jw *w, const qm_session *s)
+{
+    size_t total = qm_plan_total(s->plan), resident = qm_plan_resident_count(s->plan),
+           degraded = qm_plan_degraded_count(s->plan);
+    qm_jw_obj_begin(w);
+    qm_jw_key(w, "policy");
+    qm_jw_str(w, s->policy_name);
+    qm_jw_key(w, "budget_bytes");
+    qm_jw_u64(w, s->budget_bytes);
+    qm_jw_key(w, "total");
+    qm_jw_u64(w, total);
+    qm_jw_key(w, "resident");
+    qm_jw_u64(w, resident);
+    qm_jw_key(w, "degraded");
+    qm_jw_u64(w, degraded);
+    qm_jw_key(w, "per_expert");
+    qm_jw_u64(w, total - resident - degraded);
+    qm_jw_obj_end(w);
+}
+
+static void write_session_entry(qm_jw *w, const qm_session *s)
+{
+    qm_jw_obj_begin(w);
+    qm_jw_key(w, "session");
+    qm_jw_str(w, s->id);
+    qm_jw_key(w, "model");
+    qm_jw_str(w, s->model->name);
+    qm_jw_key(w, "policy");
+    qm_jw_str(w, s->policy_name);
+    qm_jw_key(w, "owner_uid");
+    qm_jw_u64(w, s->owner_uid);
+    qm_jw_key(w, "budget_bytes");
+    qm_jw_u64(w, s->budget_bytes);
+    qm_jw_key(w, "resident_bytes");
+    qm_jw_u64(w, s->counters.resident_bytes);
+    qm_jw_key(w, "workspace_bytes");
+    qm_jw_u64(w, s->workspace_bytes);
+    qm_jw_key(w, "created_at");
+    qm_jw_i64(w, s->created_at);
+    qm_jw_obj_end(w);
+}
+
+static int is_admin_method(qm_method m)
+{
+    return m == QM_METHOD_MODEL_LOAD || m == QM_METHOD_MODEL_UNLOAD ||
+           m == QM_METHOD_TELEMETRY_TRACE || m == QM_METHOD_DAEMON_SHUTDOWN;
+}
+
+static int is_session_method(qm_method m)
+{
+    return m == QM_METHOD_SESSION_CLOSE || m == QM_METHOD_SESSION_PLAN ||
+           m == QM_METHOD_SESSION_INFER;
+}
+
+/* Runs a method whose answer needs no worker. Returns 0 and writes the
+ * result value, or an error in st. `after` is set for daemon.shutdown. */
+static int run_sync(qm_daemon *d, qm_conn *c, qm_request *req, qm_jw *w, int *drain,
+                    qm_status *st)
+{
+    qm_params *p = &req->params;
+    int rc;
+    switch (req->method) {
+    case QM_METHOD_DAEMON_STATUS:
+        write_status(d, w);
+        return 0;
+    case QM_METHOD_DAEMON_SHUTDOWN:
+        qm_jw_obj_begin(w);
+        qm_jw_obj_end(w);
+        *drain = 1;
+        return 0;
+    case QM_METHOD_MODEL_LOAD: {
+        qm_model *m;
+        uint64_t t0 = qm_now_us();
+        rc = qm_model_load(d, p->name, p->path, &m, st);
+        if (rc < 0)
+            return rc;
+        char args[160];
+        snprintf(args, sizeof args, "{\"model\":\"%s\",\"layers\":%u}", m->name, m->n_layers);
+        qm_trace_add(&d->trace, "model.load", t0 - d->start_us, qm_now_us() - t0, NULL, args,
+                     NULL);
+        qm_log(QM_LOG_INFO, "model %s loaded from %s (%u layers, %llu expert bytes)", m->name,
+               m->path, m->n_layers, (unsigned long long)m->bytes_total);
+        qm_jw_model_summary(w, m);
+        return 0;
+    }
+    case QM_METHOD_MODEL_UNLOAD:
+        rc = qm_model_unload(d, p->name, p->force, st);
+        if (rc < 0)
+            return rc;
+        qm_jw_obj_begin(w);
+        qm_jw_obj_end(w);
+        return 0;
+    case QM_METHOD_MODEL_LIST:
+        qm_jw_obj_begin(w);
+        qm_jw_key(w, "models");
+        qm_jw_arr_begin(w);
+        for (qm_model *m = d->models; m; m = m->next)
+            qm_jw_model_summary(w, m);
+        qm_jw_arr_end(w);
+        qm_jw_obj_end(w);
+        return 0;
+    case QM_METHOD_SESSION_CREATE: {
+        qm_session *s;
+        rc = qm_session_create(d, p, c->uid, &s, st);
+        if (rc < 0)
+            return rc;
+        qm_jw_obj_begin(w);
+        qm_jw_key(w, "session");
+        qm_jw_str(w, s->id);
+        qm_jw_key(w, "plan_summary");
+        write_plan_summary(w, s);
+        qm_jw_key(w, "budget_bytes");
+        qm_jw_u64(w, s->budget_bytes);
+        qm_jw_key(w, "resident_bytes");
+        qm_jw_u64(w, s->counters.resident_bytes);
+        qm_jw_key(w, "workspace_bytes");
+        qm_jw_u64(w, s->workspace_bytes);
+        qm_jw_obj_end(w);
+        return 0;
+    }
+    case QM_METHOD_SESSION_LIST:
+        qm_jw_obj_begin(w);
+        qm_jw_key(w, "sessions");
+        qm_jw_arr_begin(w);
+        for (qm_session *s = d->sessions; s; s = s->next)
+            if (c->is_admin || s->owner_uid == c->uid)
+                write_session_entry(w, s);
+        qm_jw_arr_end(w);
+        qm_jw_obj_end(w);
+        return 0;
+    case QM_METHOD_SESSION_CLOSE:
+    case QM_METHOD_SESSION_PLAN: {
+        qm_session *s = qm_session_find(d, p->session);
+        if (!s)
+            return qm_status_set_field(st, QM_ENOT_FOUND, "session", "no session with that id");
+        if (req->method == QM_METHOD_SESSION_CLOSE) {
+            qm_log(QM_LOG_INFO, "session %s closed by uid %u", s->id, (unsigned)c->uid);
+            qm_session_close(d, s);
+            qm_jw_obj_begin(w);
+            qm_jw_obj_end(w);
+            return 0;
+        }
+        char *json;
+        size_t len;
+        rc = qm_plan_to_json(s->plan, &json, &len, st);
+        if (rc < 0)
+            return rc;
+        qm_jw_raw(w, json, len);
+        qm_free(json);
+        return 0;
+    }
+    case QM_METHOD_TELEMETRY_GET:
+        return qm_telemetry_get(d, c, p, w, st);
+    case QM_METHOD_TELEMETRY_TRACE:
+        return qm_telemetry_trace(d, p, w, st);
+    case QM_METHOD_TELEMETRY_METRICS: {
+        qm_buf text;
+        qm_buf_init(&text);
+        rc = qm_telemetry_metrics(d, c, &text);
+        if (rc == 0) {
+            qm_jw_obj_begin(w);
+            qm_jw_key(w, "text");
+            qm_jw_str_n(w, text.data ? text.data : "", text.len);
+            qm_jw_obj_end(w);
+        } else {
+            qm_status_set(st, rc, "out of memory writing metrics");
+        }
+        qm_buf_free(&text);
+        return rc;
+    }
+    case QM_METHOD_SESSION_INFER:
+    case QM_METHOD_COUNT:
+        break;
+    }
+    return qm_status_set(st, QM_EINTERNAL, "method has no synchronous handler");
+}
+
+static void answer_sync(qm_daemon *d, qm_conn *c, qm_reply *r, size_t slot, qm_request *req)
+{
+    qm_buf b;
+    qm_buf_init(&b);
+    qm_jw w;
+    qm_jw_init(&w, &b);
+    qm_status st;
+    qm_status_clear(&st);
+    int drain = 0;
+    qm_rpc_result_begin(&w, req->id);
+    int rc = run_sync(d, c, req, &w, &drain, &st);
+    if (rc < 0) {
+        qm_buf_free(&b);
+        answer_status(d, r, slot, req, &st);
+        return;
+    }
+    qm_rpc_result_end(&w);
+    if (!req->id) {
+        qm_buf_free(&b);
+        qm_reply_fill(r, slot, NULL, 0);
+    } else {
+        fill_from_buf(d, r, slot, &b);
+    }
+    if (drain) {
+        qm_log(QM_LOG_NOTICE, "daemon.shutdown requested by uid %u", (unsigned)c->uid);
+        qm_daemon_begin_drain(d, "daemon.shutdown");
+    }
+}
+
+/* session.infer checks that need the model, before queueing. */
+static int check_infer(const qm_session *s, const qm_params *p, qm_status *st)
+{
+    const qm_bank_config *cfg = qm_bank_get_config(s->model->bank);
+    if (p->layer >= cfg->layers)
+        return qm_status_set_field(st, QM_EINVAL, "layer",
+                                   "layer %u is out of range; the model has %u layers", p->layer,
+                                   cfg->layers);
+    if (p->hidden.shape[1] != cfg->hidden)
+        return qm_status_set_field(st, QM_EINVAL, "hidden.shape",
+                                   "hidden.shape is [%llu, %llu]; expected [T, %u]",
+                                   (unsigned long long)p->hidden.shape[0],
+                                   (unsigned long long)p->hidden.shape[1], cfg->hidden);
+    if (p->hidden.shape[0] > UINT32_MAX)
+        return qm_status_set_field(st, QM_EINVAL, "hidden.shape", "too many tokens");
+    if (p->has_router_logits) {
+        if (p->router_logits.shape[1] != cfg->experts)
+            return qm_status_set_field(st, QM_EINVAL, "router_logits.shape",
+                                       "router_logits.shape is [%llu, %llu]; expected [%llu, %u]",
+                                       (unsigned long long)p->router_logits.shape[0],
+                                       (unsigned long long)p->router_logits.shape[1],
+                                       (unsigned long long)p->hidden.shape[0], cfg->experts);
+    } else {
+        const qm_layer_view *lv = qm_bank_layer(s->model->bank, p->layer);
+        if (!lv || !lv->t[QM_T_ROUTER_WEIGHT].present)
+            return qm_status_set_field(st, QM_EINVAL, "router_logits",
+                                       "router_logits is required: layer %u of the bank holds "
+                                       "no router weight",
+                                       p->layer);
+    }
+    return 0;
+}
+
+static void handle_request(qm_daemon *d, qm_conn *c, qm_reply *r, size_t slot, qm_request *req)
+{
+    qm_status st;
+    qm_status_clear(&st);
+    d->counters.requests++;
+    if (d->draining) {
+        answer_error(d, r, slot, req->id, req->id == NULL, QM_RPC_SHUTTING_DOWN,
+                     "the daemon is draining and takes no new requests", NULL);
+        return;
+    }
+    if (is_admin_method(req->method) && !c->is_admin) {
+        char reason[200];
+        snprintf(reason, sizeof reason,
+                 "%s needs an admin (uid 0, the daemon's uid%s%s); you are uid %u",
+                 qm_method_name(req->method), d->cfg.admin_group ? " or group " : "",
+                 d->cfg.admin_group ? d->cfg.admin_group : "", (unsigned)c->uid);
+        answer_error(d, r, slot, req->id, req->id == NULL, QM_RPC_PERMISSION_DENIED, reason,
+                     NULL);
+        return;
+    }
+    const char *sid = req->params.session;
+    int scoped = is_session_method(req->method) || (req->method == QM_METHOD_TELEMETRY_GET && sid);
+    qm_session *s = NULL;
+    if (scoped) {
+        s = qm_session_find(d, sid);
+        if (!s) {
+            answer_error(d, r, slot, req->id, req->id == NULL, QM_RPC_NOT_FOUND,
+                         "no session with that id", "session");
+            return;
+        }
+        if (!c->is_admin && s->owner_uid != c->uid) {
+            char reason[160];
+            snprintf(reason, sizeof reason,
+                     "session belongs to uid %u; only its owner or an admin may use it",
+                     (unsigned)s->owner_uid);
+            answer_error(d, r, slot, req->id, req->id == NULL, QM_RPC_PERMISSION_DENIED, reason,
+                         "session");
+            return;
+        }
+        if (req->method == QM_METHOD_SESSION_INFER && check_infer(s, &req->params, &st) < 0) {
+            answer_status(d, r, slot, req, &st);
+            return;
+        }
+    }
+    if (!s || (req->method != QM_METHOD_SESSION_INFER && s->pending == 0)) {
+        answer_sync(d, c, r, slot, req);
+        return;
+    }
+    qm_job *job = qm_calloc(1, sizeof *job);
+    if (!job) {
+        answer_error(d, r, slot, req->id, req->id == NULL, QM_RPC_RESOURCE_EXHAUSTED,
+                     "out of memory queueing the request", NULL);
+        return;
+    }
+    job->kind = req->method == QM_METHOD_SESSION_INFER ? QM_JOB_INFER : QM_JOB_BARRIER;
+    job->d = d;
+    job->session = s;
+    job->reply = r;
+    job->slot = slot;
+    job->req = *req; /* moved: the frame no longer owns it */
+    memset(req, 0, sizeof *req);
+    qm_buf_init(&job->response);
+    s->refs++;
+    int rc = qm_pool_submit(d, job);
+    if (rc < 0) {
+        *req = job->req; /* give it back so the frame frees it */
+        memset(&job->req, 0, sizeof job->req);
+        qm_session_unref(d, s);
+        qm_job_free(job);
+        char reason[128];
+        snprintf(reason, sizeof reason, "queue_depth %u reached; retry later",
+                 d->cfg.queue_depth);
+        answer_error(d, r, slot, req->id, req->id == NULL, QM_RPC_OVERLOADED, reason, NULL);
+    }
+}
+
+void qm_dispatch_frame(qm_conn *c, qm_rpc_frame *frame)
+{
+    qm_daemon *d = c->d;
+    qm_reply *r = reply_new(c, frame->n, frame->is_batch);
+    if (!r) {
+        qm_log(QM_LOG_ERR, "out of memory for a reply; dropping connection %llu",
+               (unsigned long long)c->id);
+        c->drop = 1;
+        return;
+    }
+    /* The reply is sent when its last slot fills, which may be inside this
+     * loop: hold it open until every item has been looked at. */
+    r->pending++;
+    for (size_t i = 0; i < frame->n; i++) {
+        qm_rpc_item *it = &frame->items[i];
+        if (!it->ok) {
+            d->counters.requests++;
+            answer_error(d, r, i, it->req.id, it->notification, it->rpc_code, it->status.msg,
+                         it->status.field);
+            continue;
+        }
+        handle_request(d, c, r, i, &it->req);
+    }
+    if (--r->pending == 0)
+        reply_send(r);
+}
+
+/* ---- infer on a worker ---- */
+
+static qm_dtype dtype_of(qm_wire_dtype t)
+{
+    return t == QM_WIRE_F16 ? QM_DTYPE_F16 : t == QM_WIRE_BF16 ? QM_DTYPE_BF16 : QM_DTYPE_F32;
+}
+
+/* Router logits arrive in any wire dtype; the engine wants f32. */
+static float *logits_f32(const qm_tensor *t)
+{
+    size_t n = (size_t)(t->shape[0] * t->shape[1]);
+    float *out = qm_malloc(n ? n * sizeof(float) : 1);
+    if (!out)
+        return NULL;
+    const uint16_t *h = t->data;
+    for (size_t i = 0; i < n; i++) {
+        if (t->dtype == QM_WIRE_F32)
+            memcpy(&out[i], (const char *)t->data + 4 * i, 4);
+        else if (t->dtype == QM_WIRE_F16)
+            out[i] = qm_f16_to_f32(h[i]);
+        else
+            out[i] = qm_bf16_to_f32(h[i]);
+    }
+    return out;
+}
+
+void qm_job_run(qm_job *job)
+{
+    qm_session *s = job->session;
+    qm_params *p = &job->req.params;
+    if (atomic_load(&s->closed)) {
+        job->rc = qm_status_set_field(&job->st, QM_ENOT_FOUND, "session",
+                                      "the session was closed before this request ran");
+        return;
+    }
+    const qm_bank_config *cfg = qm_bank_get_config(s->model->bank);
+    uint32_t T = (uint32_t)p->hidden.shape[0], H = cfg->hidden, k = cfg->k;
+    size_t out_bytes = (size_t)T * H * qm_wire_dtype_size(p->hidden.dtype);
+    void *output = qm_malloc(out_bytes ? out_bytes : 1);
+    float *logits = p->has_router_logits ? logits_f32(&p->router_logits) : NULL;
+    uint32_t *rexp = p->return_routing ? qm_malloc((size_t)T * k * sizeof *rexp + 4) : NULL;
+    float *rw = p->return_routing ? qm_malloc((size_t)T * k * sizeof *rw + 4) : NULL;
+    if (!output || (p->has_router_logits && !logits) || (p->return_routing && (!rexp || !rw))) {
+        job->rc = qm_status_set(&job->st, QM_ENOMEM, "out of memory for %u tokens", T);
+        goto done;
+    }
+    qm_pager_stats before;
+    qm_pager_stats_get(s->pager, &before);
+    qm_moe_call call = {.layer = p->layer,
+                        .dtype = dtype_of(p->hidden.dtype),
+                        .hidden = p->hidden.data,
+                        .n_tokens = T,
+                        .logits = logits,
+                        .output = output,
+                        .route_experts = rexp,
+                        .route_weights = rw};
+    job->rc = qm_pager_forward(s->pager, &call, &job->mstats, &job->st);
+    qm_pager_stats_get(s->pager, &job->pstats);
+    job->tokens = T;
+    if (job->rc < 0 || !job->req.id)
+        goto done;
+    uint64_t now = qm_now_us();
+    qm_jw w;
+    qm_jw_init(&w, &job->response);
+    qm_rpc_result_begin(&w, job->req.id);
+    qm_jw_obj_begin(&w);
+    qm_jw_key(&w, "output");
+    qm_jw_tensor(&w, p->hidden.dtype, 2, p->hidden.shape, output);
+    if (p->return_routing) {
+        qm_jw_key(&w, "routing");
+        qm_jw_arr_begin(&w);
+        for (uint32_t t = 0; t < T; t++) {
+            qm_jw_arr_begin(&w);
+            for (uint32_t j = 0; j < k; j++) {
+                if (rexp[(size_t)t * k + j] == QM_ROUTE_DROPPED)
+                    continue;
+                qm_jw_arr_begin(&w);
+                qm_jw_u64(&w, rexp[(size_t)t * k + j]);
+                qm_jw_f32(&w, rw[(size_t)t * k + j]);
+                qm_jw_arr_end(&w);
+            }
+            qm_jw_arr_end(&w);
+        }
+        qm_jw_arr_end(&w);
+    }
+    qm_jw_key(&w, "stats");
+    qm_jw_obj_begin(&w);
+    qm_jw_key(&w, "hits");
+    qm_jw_u64(&w, job->pstats.hits - before.hits + (job->pstats.whole_bank_accesses -
+                                                    before.whole_bank_accesses));
+    qm_jw_key(&w, "misses");
+    qm_jw_u64(&w, job->pstats.misses - before.misses);
+    qm_jw_key(&w, "bytes_paged");
+    qm_jw_u64(&w, job->pstats.bytes_paged_h2d - before.bytes_paged_h2d);
+    qm_jw_key(&w, "queue_us");
+    qm_jw_u64(&w, job->start_us - job->enqueue_us);
+    qm_jw_key(&w, "compute_us");
+    qm_jw_u64(&w, job->mstats.compute_us);
+    qm_jw_key(&w, "wall_us");
+    qm_jw_u64(&w, now - job->start_us);
+    qm_jw_obj_end(&w);
+    qm_jw_obj_end(&w);
+    qm_rpc_result_end(&w);
+    if (job->response.oom)
+        job->rc = qm_status_set(&job->st, QM_ENOMEM, "out of memory encoding the output");
+done:
+    qm_free(output);
+    qm_free(logits);
+    qm_free(rexp);
+    qm_free(rw);
+}
+
+static void account_infer(qm_daemon *d, qm_session *s, qm_job *job)
+{
+    qm_counters *sc = &s->counters, *dc = &d->counters;
+    uint64_t latency = qm_now_us() - job->enqueue_us;
+    sc->requests++;
+    if (job->rc < 0) {
+        sc->errors++;
+        return;
+    }
+    const qm_pager_stats *now = &job->pstats, *was = &s->last_stats;
+    uint64_t hits = (now->hits - was->hits) + (now->whole_bank_accesses - was->whole_bank_accesses);
+    uint64_t misses = now->misses - was->misses, paged = now->bytes_paged_h2d - was->bytes_paged_h2d,
+             ev = now->evictions - was->evictions,
+             pi = now->prefetch_issued - was->prefetch_issued,
+             pu = now->prefetch_useful - was->prefetch_useful;
+    sc->tokens += job->tokens;
+    dc->tokens += job->tokens;
+    sc->expert_hits += hits;
+    dc->expert_hits += hits;
+    sc->expert_misses += misses;
+    dc->expert_misses += misses;
+    sc->bytes_paged_h2d += paged;
+    dc->bytes_paged_h2d += paged;
+    sc->evictions += ev;
+    dc->evictions += ev;
+    sc->prefetch_issued += pi;
+    dc->prefetch_issued += pi;
+    sc->prefetch_useful += pu;
+    dc->prefetch_useful += pu;
+    sc->resident_bytes = now->resident_bytes;
+    s->last_stats = *now;
+    qm_hist_add(&sc->latency, latency);
+    qm_hist_add(&dc->latency, latency);
+    char args[192];
+    snprintf(args, sizeof args,
+             "{\"layer\":%u,\"tokens\":%u,\"hits\":%llu,\"misses\":%llu,\"queue_us\":%llu,"
+             "\"compute_us\":%llu}",
+             job->req.params.layer, job->tokens, (unsigned long long)hits,
+             (unsigned long long)misses, (unsigned long long)(job->start_us - job->enqueue_us),
+             (unsigned long long)job->mstats.compute_us);
+    qm_trace_add(&d->trace, "session.infer", job->enqueue_us - d->start_us, latency, s->id, args,
+                 NULL);
+}
+
+void qm_dispatch_job_done(qm_daemon *d, qm_job *job)
+{
+    qm_session *s = job->session;
+    s->pending--;
+    if (job->kind == QM_JOB_BARRIER) {
+        /* Its turn in the session's order: answer it now, as if synchronous. */
+        answer_sync(d, job->reply->conn, job->reply, job->slot, &job->req);
+    } else {
+        account_infer(d, s, job);
+        if (job->rc < 0) {
+            answer_status(d, job->reply, job->slot, &job->req, &job->st);
+        } else if (!job->req.id) {
+            qm_reply_fill(job->reply, job->slot, NULL, 0);
+        } else {
+            size_t len;
+            char *data = qm_buf_take(&job->response, &len);
+            qm_reply_fill(job->reply, job->slot, data, len);
+        }
+    }
+    qm_session_unref(d, s);
+    qm_job_free(job);
+}

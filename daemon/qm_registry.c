@@ -1,0 +1,379 @@
+/* qm_registry.c - models (loaded once, shared, reference counted) and
+ * sessions (unguessable ids, owner, policy, plan, pager), with admission
+ * against the daemon-wide device budget. Loop thread only. */
+#include "qm_daemon.h"
+
+#include <errno.h>
+#include <stdio.h>
+#include <string.h>
+#include <sys/random.h>
+#include <time.h>
+
+#include "qm_alloc.h"
+#include "qm_plan_json.h"
+
+static const char *const supported_policies[] = {"whole_bank", "static_hot", "lru", "lfu"};
+#define SUPPORTED_POLICY_LIST "whole_bank, static_hot, lru, lfu"
+
+static void model_free(qm_model *m)
+{
+    if (!m)
+        return;
+    for (uint32_t i = 0; m->catalogs && i < m->n_layers; i++)
+        qm_catalog_free(m->catalogs[i]);
+    qm_free(m->catalogs);
+    qm_bank_close(m->bank);
+    qm_free(m->path);
+    qm_free(m);
+}
+
+void qm_model_unref(qm_model *m)
+{
+    if (m && --m->refs == 0)
+        model_free(m);
+}
+
+qm_model *qm_model_find(qm_daemon *d, const char *name)
+{
+    for (qm_model *m = d->models; m; m = m->next)
+        if (strcmp(m->name, name) == 0)
+            return m;
+    return NULL;
+}
+
+int qm_model_load(qm_daemon *d, const char *name, const char *path, qm_model **out,
+                  qm_status *st)
+{
+    if (qm_model_find(d, name))
+        return qm_status_set_field(st, QM_ECONFLICT, "name",
+                                   "a model named '%s' is already loaded; unload it first", name);
+    qm_model *m = qm_calloc(1, sizeof *m);
+    if (!m)
+        return qm_status_set(st, QM_ENOMEM, "out of memory");
+    snprintf(m->name, sizeof m->name, "%s", name);
+    m->path = qm_strdup(path);
+    int rc = m->path ? 0 : qm_status_set(st, QM_ENOMEM, "out of memory");
+    if (rc == 0)
+        rc = qm_bank_open(path, &m->bank, st);
+    if (rc < 0) {
+        /* Every way a bank file can be unusable is the client's invalid_model. */
+        if (rc != QM_ENOMEM)
+            rc = QM_EINVALID_MODEL;
+        if (st) {
+            st->code = rc;
+            snprintf(st->field, sizeof st->field, "path");
+        }
+        goto fail;
+    }
+    const qm_bank_config *cfg = qm_bank_get_config(m->bank);
+    m->n_layers = cfg->layers;
+    m->catalogs = qm_calloc(m->n_layers ? m->n_layers : 1, sizeof *m->catalogs);
+    if (!m->catalogs) {
+        rc = qm_status_set(st, QM_ENOMEM, "out of memory");
+        goto fail;
+    }
+    for (uint32_t l = 0; l < m->n_layers; l++) {
+        rc = qm_bank_build_catalog(m->bank, l, &m->catalogs[l], st);
+        if (rc < 0)
+            goto fail;
+    }
+    m->bytes_total = qm_bank_expert_bytes_total(m->bank);
+    const qm_layer_view *lv = qm_bank_layer(m->bank, 0);
+    m->bytes_per_expert = lv ? lv->bytes_per_expert : 0;
+    m->refs = 1;
+    m->registered = 1;
+    m->next = d->models;
+    d->models = m;
+    d->n_models++;
+    if (out)
+        *out = m;
+    return 0;
+fail:
+    model_free(m);
+    return rc;
+}
+
+void qm_jw_model_summary(qm_jw *w, const qm_model *m)
+{
+    const qm_bank_config *c = qm_bank_get_config(m->bank);
+    qm_jw_obj_begin(w);
+    qm_jw_key(w, "name");
+    qm_jw_str(w, m->name);
+    qm_jw_key(w, "path");
+    qm_jw_str(w, m->path);
+    qm_jw_key(w, "layers");
+    qm_jw_u64(w, c->layers);
+    qm_jw_key(w, "experts");
+    qm_jw_u64(w, c->experts);
+    qm_jw_key(w, "hidden_size");
+    qm_jw_u64(w, c->hidden);
+    qm_jw_key(w, "inter_size");
+    qm_jw_u64(w, c->inter);
+    qm_jw_key(w, "k");
+    qm_jw_u64(w, c->k);
+    qm_jw_key(w, "activation");
+    qm_jw_str(w, qm_activation_name(c->activation));
+    qm_jw_key(w, "bits");
+    qm_jw_u64(w, c->bits);
+    qm_jw_key(w, "block_size");
+    qm_jw_u64(w, c->block_size);
+    qm_jw_key(w, "bytes_total");
+    qm_jw_u64(w, m->bytes_total);
+    qm_jw_key(w, "bytes_per_expert");
+    qm_jw_u64(w, m->bytes_per_expert);
+    qm_jw_obj_end(w);
+}
+
+int qm_model_unload(qm_daemon *d, const char *name, int force, qm_status *st)
+{
+    qm_model *m = qm_model_find(d, name);
+    if (!m)
+        return qm_status_set_field(st, QM_ENOT_FOUND, "name", "no model named '%s' is loaded",
+                                   name);
+    size_t users = 0;
+    for (qm_session *s = d->sessions; s; s = s->next)
+        users += s->model == m;
+    if (users && !force)
+        return qm_status_set_field(st, QM_EIN_USE, "name",
+                                   "model '%s' has %zu open sessions; close them or pass force",
+                                   name, users);
+    for (qm_session *s = d->sessions, *next; s; s = next) {
+        next = s->next;
+        if (s->model == m)
+            qm_session_close(d, s);
+    }
+    for (qm_model **pp = &d->models; *pp; pp = &(*pp)->next) {
+        if (*pp == m) {
+            *pp = m->next;
+            break;
+        }
+    }
+    d->n_models--;
+    m->registered = 0;
+    qm_log(QM_LOG_INFO, "model %s unloaded%s", name, users ? " (sessions closed)" : "");
+    qm_model_unref(m);
+    return 0;
+}
+
+/* ---- sessions ---- */
+
+qm_session *qm_session_find(qm_daemon *d, const char *id)
+{
+    for (qm_session *s = d->sessions; s; s = s->next)
+        if (strcmp(s->id, id) == 0)
+            return s;
+    return NULL;
+}
+
+static void session_free(qm_session *s)
+{
+    qm_pager_free(s->pager);
+    qm_plan_free(s->plan);
+    qm_policy_destroy(&s->policy);
+    qm_model_unref(s->model);
+    qm_free(s);
+}
+
+void qm_session_unref(qm_daemon *d, qm_session *s)
+{
+    (void)d;
+    if (s && --s->refs == 0)
+        session_free(s);
+}
+
+void qm_session_close(qm_daemon *d, qm_session *s)
+{
+    for (qm_session **pp = &d->sessions; *pp; pp = &(*pp)->next) {
+        if (*pp == s) {
+            *pp = s->next;
+            d->n_sessions--;
+            d->admitted_bytes -= s->admitted_bytes;
+            atomic_store(&s->closed, 1);
+            s->next = NULL;
+            qm_session_unref(d, s);
+            return;
+        }
+    }
+}
+
+void qm_registry_free_all(qm_daemon *d)
+{
+    while (d->sessions)
+        qm_session_close(d, d->sessions);
+    while (d->models) {
+        qm_model *m = d->models;
+        d->models = m->next;
+        d->n_models--;
+        qm_model_unref(m);
+    }
+}
+
+static int random_id(char out[QM_SESSION_ID_LEN + 1], qm_status *st)
+{
+    uint8_t raw[16];
+    size_t got = 0;
+    while (got < sizeof raw) {
+        ssize_t n = getrandom(raw + got, sizeof raw - got, 0);
+        if (n < 0) {
+            if (errno == EINTR)
+                continue;
+            return qm_status_set(st, QM_EINTERNAL, "getrandom failed: %s", strerror(errno));
+        }
+        got += (size_t)n;
+    }
+    for (size_t i = 0; i < sizeof raw; i++)
+        snprintf(out + 2 * i, 3, "%02x", raw[i]);
+    return 0;
+}
+
+int qm_session_create(qm_daemon *d, const qm_params *p, uid_t owner, qm_session **out,
+                      qm_status *st)
+{
+    const char *policy = p->policy ? p->policy : "whole_bank";
+    int known = 0;
+    for (size_t i = 0; i < sizeof supported_policies / sizeof supported_policies[0]; i++)
+        known |= strcmp(policy, supported_policies[i]) == 0;
+    if (!known)
+        return qm_status_set_field(st, QM_EINVAL, "policy",
+                                   "policy '%.64s' is not supported; supported: "
+                                   SUPPORTED_POLICY_LIST,
+                                   policy);
+    qm_model *m = qm_model_find(d, p->model);
+    if (!m)
+        return qm_status_set_field(st, QM_ENOT_FOUND, "model", "no model named '%.64s' is loaded",
+                                   p->model);
+    const qm_bank_config *cfg = qm_bank_get_config(m->bank);
+    const qm_policy_params_wire *pw = &p->policy_params;
+    if (pw->record_trace)
+        return qm_status_set_field(st, QM_EINVAL, "policy_params.record_trace",
+                                   "policy_params.record_trace is not supported by this daemon "
+                                   "yet");
+    if (pw->has_decay && strcmp(policy, "lfu") != 0)
+        return qm_status_set_field(st, QM_EINVAL, "policy_params.decay",
+                                   "policy_params.decay applies to policy lfu only");
+    if ((pw->has_pin_fraction || pw->hot) && strcmp(policy, "static_hot") != 0)
+        return qm_status_set_field(st, QM_EINVAL,
+                                   pw->hot ? "policy_params.hot" : "policy_params.pin_fraction",
+                                   "%s applies to policy static_hot only",
+                                   pw->hot ? "policy_params.hot" : "policy_params.pin_fraction");
+    for (size_t i = 0; i < pw->n_hot; i++) {
+        char field[96];
+        if (pw->hot[i].layer >= cfg->layers) {
+            snprintf(field, sizeof field, "policy_params.hot[%zu].layer", i);
+            return qm_status_set_field(st, QM_EINVAL, field,
+                                       "layer %u is out of range; the model has %u layers",
+                                       pw->hot[i].layer, cfg->layers);
+        }
+        for (size_t j = 0; j < pw->hot[i].n_experts; j++) {
+            if (pw->hot[i].experts[j] >= cfg->experts) {
+                snprintf(field, sizeof field, "policy_params.hot[%zu].experts[%zu]", i, j);
+                return qm_status_set_field(st, QM_EINVAL, field,
+                                           "expert %u is out of range; the model has %u experts",
+                                           pw->hot[i].experts[j], cfg->experts);
+            }
+        }
+    }
+    if (d->n_sessions >= d->cfg.max_sessions) {
+        qm_limit_hit(d, QM_LIMIT_MAX_SESSIONS, "max_sessions %u reached", d->cfg.max_sessions);
+        return qm_status_set(st, QM_ERESOURCE_EXHAUSTED,
+                             "max_sessions %u reached; close a session first",
+                             d->cfg.max_sessions);
+    }
+    uint64_t budget = p->has_budget ? p->budget_bytes : m->bytes_total;
+    uint64_t workspace = d->cfg.session_workspace_bytes;
+    unsigned long long need;
+    if (qm_add_u64(budget, workspace, &need) < 0 || d->admitted_bytes > d->device_budget ||
+        need > d->device_budget - d->admitted_bytes) {
+        uint64_t free_bytes =
+            d->device_budget > d->admitted_bytes ? d->device_budget - d->admitted_bytes : 0;
+        return qm_status_set_field(st, QM_ERESOURCE_EXHAUSTED, "budget_bytes",
+                                   "session needs %llu bytes (budget %llu + workspace %llu) but "
+                                   "only %llu bytes of the daemon-wide budget %llu are free",
+                                   need, (unsigned long long)budget,
+                                   (unsigned long long)workspace, (unsigned long long)free_bytes,
+                                   (unsigned long long)d->device_budget);
+    }
+
+    qm_session *s = qm_calloc(1, sizeof *s);
+    if (!s)
+        return qm_status_set(st, QM_ENOMEM, "out of memory");
+    int rc = random_id(s->id, st);
+    if (rc < 0)
+        goto fail;
+    s->owner_uid = owner;
+    s->model = m;
+    m->refs++;
+    snprintf(s->policy_name, sizeof s->policy_name, "%s", policy);
+    s->budget_bytes = budget;
+    s->workspace_bytes = workspace;
+    s->admitted_bytes = need;
+    s->created_at = (int64_t)time(NULL);
+
+    /* static_hot's hot lists, indexed by layer. */
+    const uint32_t **hot = NULL;
+    size_t *hot_len = NULL;
+    qm_policy_params pp = {0};
+    pp.pin_fraction = pw->has_pin_fraction ? pw->pin_fraction : 0.5;
+    pp.has_decay = pw->has_decay;
+    pp.decay = pw->decay;
+    if (pw->hot) {
+        hot = qm_calloc(cfg->layers, sizeof *hot);
+        hot_len = qm_calloc(cfg->layers, sizeof *hot_len);
+        if (!hot || !hot_len) {
+            qm_free(hot);
+            qm_free(hot_len);
+            rc = qm_status_set(st, QM_ENOMEM, "out of memory");
+            goto fail;
+        }
+        for (size_t i = 0; i < pw->n_hot; i++) {
+            hot[pw->hot[i].layer] = pw->hot[i].experts;
+            hot_len[pw->hot[i].layer] = pw->hot[i].n_experts;
+        }
+        pp.hot = hot;
+        pp.hot_len = hot_len;
+        pp.n_hot_banks = cfg->layers;
+    }
+    rc = qm_policy_new(policy, &pp, &s->policy, st);
+    qm_free(hot);
+    qm_free(hot_len);
+    if (rc < 0)
+        goto fail;
+
+    uint64_t t0 = qm_now_us();
+    qm_plan_options opts = {.has_budget = 1, .budget_bytes = budget,
+                            .min_split_bytes = pw->has_min_split_bytes ? pw->min_split_bytes : 0};
+    rc = qm_plan_residency((const qm_region_catalog *const *)m->catalogs, m->n_layers, &s->policy,
+                           &opts, &s->plan, st);
+    if (rc < 0)
+        goto fail;
+    uint64_t plan_us = qm_now_us() - t0;
+
+    qm_pager_options po = {.prefetch = pw->has_prefetch ? pw->prefetch : 1,
+                           .has_budget = 1,
+                           .budget_bytes = budget};
+    rc = qm_pager_new(d->backend, m->bank, s->plan, &s->policy, &po, &s->pager, st);
+    if (rc < 0)
+        goto fail;
+    qm_pager_stats_get(s->pager, &s->last_stats);
+    s->counters.resident_bytes = s->last_stats.resident_bytes;
+
+    char args[192];
+    snprintf(args, sizeof args, "{\"policy\":\"%s\",\"resident\":%zu,\"degraded\":%zu,\"total\":%zu}",
+             s->policy_name, qm_plan_resident_count(s->plan), qm_plan_degraded_count(s->plan),
+             qm_plan_total(s->plan));
+    qm_trace_add(&d->trace, "session.residency_plan", t0 - d->start_us, plan_us, s->id, args,
+                 &s->plan_span);
+
+    s->refs = 1;
+    s->next = d->sessions;
+    d->sessions = s;
+    d->n_sessions++;
+    d->admitted_bytes += need;
+    qm_log(QM_LOG_INFO, "session %s created: model %s, policy %s, budget %llu, uid %u", s->id,
+           m->name, policy, (unsigned long long)budget, (unsigned)owner);
+    *out = s;
+    return 0;
+fail:
+    session_free(s);
+    return rc;
+}

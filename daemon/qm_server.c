@@ -1,0 +1,548 @@
+/* qm_server.c - the listening socket and the connections.
+ *
+ * Per-connection limits follow Redis's networking: the input buffer is
+ * bounded by max_request_bytes (qm_framer), reads pause while the output
+ * queue is over max_output_bytes and resume once it halves, at most
+ * frames_per_wakeup frames are handled per wake-up (the rest wait for the
+ * next loop iteration), and a connection to be dropped is only marked: the
+ * check handle closes it at a safe point, never inside a callback chain. */
+#include "qm_daemon.h"
+
+#include <errno.h>
+#include <grp.h>
+#include <pwd.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/un.h>
+#include <unistd.h>
+
+#include "qm_alloc.h"
+
+#define READ_CHUNK 65536
+
+typedef struct write_req {
+    uv_write_t req;
+    qm_conn *conn;
+    char *data;
+    size_t len;
+} write_req;
+
+static void conn_update_reading(qm_conn *c);
+static void conn_process(qm_conn *c, size_t cap);
+static void idle_cb(uv_idle_t *h);
+
+void qm_conn_ref(qm_conn *c) { c->refs++; }
+
+void qm_conn_unref(qm_conn *c)
+{
+    if (--c->refs > 0)
+        return;
+    qm_framer_free(&c->framer);
+    qm_free(c);
+}
+
+static void conn_close_cb(uv_handle_t *h)
+{
+    qm_conn *c = h->data;
+    qm_daemon *d = c->d;
+    if (c->prev)
+        c->prev->next = c->next;
+    else
+        d->conns = c->next;
+    if (c->next)
+        c->next->prev = c->prev;
+    d->n_conns--;
+    qm_conn_unref(c);
+    qm_daemon_maybe_finish(d);
+}
+
+static void conn_close_now(qm_conn *c)
+{
+    if (c->closing)
+        return;
+    c->closing = 1;
+    c->reading = 0;
+    qm_framer_free(&c->framer);
+    uv_close((uv_handle_t *)&c->pipe, conn_close_cb);
+}
+
+/* Closes once nothing more is owed to the peer. */
+static void conn_maybe_close(qm_conn *c)
+{
+    if ((c->eof || c->close_after_write) && c->replies_pending == 0 && c->out_bytes == 0)
+        c->drop = 1;
+}
+
+static void write_cb(uv_write_t *req, int status)
+{
+    write_req *w = (write_req *)req;
+    qm_conn *c = w->conn;
+    c->out_bytes -= w->len;
+    qm_free(w->data);
+    qm_free(w);
+    if (status < 0 && !c->closing)
+        c->drop = 1;
+    if (c->paused_output && c->out_bytes <= c->d->cfg.max_output_bytes / 2) {
+        c->paused_output = 0;
+        conn_update_reading(c);
+    }
+    conn_maybe_close(c);
+    qm_daemon_maybe_finish(c->d);
+    qm_conn_unref(c);
+}
+
+void qm_conn_write(qm_conn *c, char *data, size_t len)
+{
+    if (c->closing || c->drop) {
+        qm_free(data);
+        return;
+    }
+    c->last_active_us = qm_now_us();
+    size_t off = 0;
+    if (c->out_bytes == 0) {
+        uv_buf_t b = uv_buf_init(data, (unsigned)len);
+        int n = uv_try_write((uv_stream_t *)&c->pipe, &b, 1);
+        if (n == (int)len) {
+            qm_free(data);
+            return;
+        }
+        if (n > 0)
+            off = (size_t)n;
+        else if (n != UV_EAGAIN) {
+            qm_free(data);
+            c->drop = 1;
+            return;
+        }
+    }
+    write_req *w = qm_malloc(sizeof *w);
+    if (!w) {
+        qm_free(data);
+        c->drop = 1;
+        return;
+    }
+    w->conn = c;
+    w->data = data;
+    w->len = len - off;
+    uv_buf_t b = uv_buf_init(data + off, (unsigned)(len - off));
+    if (uv_write(&w->req, (uv_stream_t *)&c->pipe, &b, 1, write_cb) < 0) {
+        qm_free(data);
+        qm_free(w);
+        c->drop = 1;
+        return;
+    }
+    qm_conn_ref(c);
+    c->out_bytes += w->len;
+    if (c->out_bytes > c->d->cfg.max_output_bytes && !c->paused_output) {
+        c->paused_output = 1;
+        if (!c->logged_output_limit) {
+            c->logged_output_limit = 1;
+            qm_limit_hit(c->d, QM_LIMIT_MAX_OUTPUT_BYTES,
+                         "connection %llu (uid %u) has %llu bytes unread, over max_output_bytes "
+                         "%llu: pausing its reads",
+                         (unsigned long long)c->id, (unsigned)c->uid,
+                         (unsigned long long)c->out_bytes,
+                         (unsigned long long)c->d->cfg.max_output_bytes);
+        } else {
+            c->d->limit_hits[QM_LIMIT_MAX_OUTPUT_BYTES]++;
+        }
+        conn_update_reading(c);
+    }
+}
+
+static void alloc_cb(uv_handle_t *h, size_t suggested, uv_buf_t *buf)
+{
+    (void)h;
+    (void)suggested;
+    buf->base = qm_malloc(READ_CHUNK);
+    buf->len = buf->base ? READ_CHUNK : 0;
+}
+
+/* An error line with id null, then the connection closes: the stream cannot
+ * be resynchronised after an oversized frame. */
+static void conn_fatal(qm_conn *c, int rpc_code, const char *reason)
+{
+    qm_buf b;
+    qm_buf_init(&b);
+    qm_jw w;
+    qm_jw_init(&w, &b);
+    qm_rpc_error(&w, NULL, rpc_code, reason, NULL);
+    qm_buf_append(&b, "\n", 1);
+    c->d->counters.requests++;
+    c->d->counters.errors++;
+    if (!b.oom) {
+        size_t len;
+        char *data = qm_buf_take(&b, &len);
+        qm_conn_write(c, data, len);
+    }
+    qm_buf_free(&b);
+    c->close_after_write = 1;
+    conn_update_reading(c);
+    conn_maybe_close(c);
+}
+
+static void read_cb(uv_stream_t *s, ssize_t nread, const uv_buf_t *buf)
+{
+    qm_conn *c = s->data;
+    if (nread > 0 && !c->close_after_write) {
+        c->last_active_us = qm_now_us();
+        int rc = qm_framer_push(&c->framer, buf->base, (size_t)nread);
+        qm_free(buf->base);
+        if (rc == QM_EPAYLOAD_TOO_LARGE) {
+            /* The frames before the oversized one are answered, then the error. */
+            conn_process(c, SIZE_MAX);
+            return;
+        }
+        if (rc < 0) {
+            c->drop = 1;
+            return;
+        }
+        conn_process(c, c->d->cfg.frames_per_wakeup);
+        return;
+    }
+    qm_free(buf->base);
+    if (nread == UV_EOF) {
+        /* Half-close: answer what was sent, then close. */
+        c->eof = 1;
+        conn_update_reading(c);
+        conn_process(c, SIZE_MAX);
+        conn_maybe_close(c);
+    } else if (nread < 0) {
+        c->drop = 1;
+    }
+}
+
+static void conn_update_reading(qm_conn *c)
+{
+    int want = !c->closing && !c->drop && !c->eof && !c->close_after_write && !c->paused_output &&
+               !c->paused_frames && !c->d->stopping;
+    if (want && !c->reading) {
+        if (uv_read_start((uv_stream_t *)&c->pipe, alloc_cb, read_cb) == 0)
+            c->reading = 1;
+        else
+            c->drop = 1;
+    } else if (!want && c->reading) {
+        uv_read_stop((uv_stream_t *)&c->pipe);
+        c->reading = 0;
+    }
+}
+
+/* Handles up to `cap` buffered frames; leaves the rest for the idle handle. */
+static void conn_process(qm_conn *c, size_t cap)
+{
+    qm_daemon *d = c->d;
+    size_t done = 0;
+    for (;;) {
+        if (c->closing || c->drop || c->close_after_write)
+            return;
+        if (done == cap) {
+            if (!c->paused_frames) {
+                c->paused_frames = 1;
+                d->limit_hits[QM_LIMIT_FRAMES_PER_WAKEUP]++;
+                if (!c->on_pending) {
+                    c->on_pending = 1;
+                    qm_conn_ref(c);
+                    c->pending_next = d->pending;
+                    d->pending = c;
+                    uv_idle_start(&d->idle, idle_cb);
+                }
+                conn_update_reading(c);
+            }
+            return;
+        }
+        const char *line;
+        size_t len;
+        int rc = qm_framer_next(&c->framer, &line, &len);
+        if (rc == QM_EPAYLOAD_TOO_LARGE) {
+            qm_limit_hit(d, QM_LIMIT_MAX_REQUEST_BYTES,
+                         "connection %llu (uid %u) sent a line over max_request_bytes %llu; "
+                         "closing it",
+                         (unsigned long long)c->id, (unsigned)c->uid,
+                         (unsigned long long)d->cfg.max_request_bytes);
+            char reason[128];
+            snprintf(reason, sizeof reason, "request line exceeds max_request_bytes %llu",
+                     (unsigned long long)d->cfg.max_request_bytes);
+            conn_fatal(c, QM_RPC_PAYLOAD_TOO_LARGE, reason);
+            return;
+        }
+        if (rc == 0)
+            break;
+        qm_rpc_frame frame;
+        if (qm_rpc_decode(line, len, &d->lim, &frame) < 0) {
+            conn_fatal(c, QM_RPC_INTERNAL_ERROR, "out of memory decoding a request");
+            return;
+        }
+        if (frame.n == 1 && !frame.items[0].ok) {
+            int code = frame.items[0].rpc_code;
+            if (code == QM_RPC_INVALID_REQUEST && strstr(frame.items[0].status.msg, "max_nesting"))
+                qm_limit_hit(d, QM_LIMIT_MAX_NESTING, "connection %llu sent JSON deeper than "
+                             "max_nesting %d", (unsigned long long)c->id, d->lim.max_nesting);
+            else if (code == QM_RPC_INVALID_REQUEST &&
+                     strstr(frame.items[0].status.msg, "max_batch"))
+                qm_limit_hit(d, QM_LIMIT_MAX_BATCH, "connection %llu sent a batch over "
+                             "max_batch %zu", (unsigned long long)c->id, d->lim.max_batch);
+        }
+        qm_dispatch_frame(c, &frame);
+        qm_rpc_frame_free(&frame);
+        done++;
+    }
+    if (c->paused_frames) {
+        c->paused_frames = 0;
+        conn_update_reading(c);
+    }
+}
+
+static void idle_cb(uv_idle_t *h)
+{
+    qm_daemon *d = h->data;
+    qm_conn *list = d->pending;
+    d->pending = NULL;
+    uv_idle_stop(h);
+    while (list) {
+        qm_conn *c = list;
+        list = c->pending_next;
+        c->on_pending = 0;
+        if (c->paused_frames) {
+            c->paused_frames = 0;
+            conn_process(c, d->cfg.frames_per_wakeup);
+            conn_update_reading(c);
+            if (c->eof)
+                conn_maybe_close(c);
+        }
+        qm_conn_unref(c);
+    }
+}
+
+/* The safe point: connections marked for dropping are closed here. */
+static void check_cb(uv_check_t *h)
+{
+    qm_daemon *d = h->data;
+    for (qm_conn *c = d->conns; c; c = c->next)
+        if (c->drop && !c->closing)
+            conn_close_now(c);
+}
+
+static int peer_is_admin(qm_daemon *d, uid_t uid, gid_t gid)
+{
+    if (uid == 0 || uid == d->self_uid)
+        return 1;
+    if (!d->has_admin_gid)
+        return 0;
+    if (gid == d->admin_gid)
+        return 1;
+    struct passwd pw, *res = NULL;
+    char buf[4096];
+    if (getpwuid_r(uid, &pw, buf, sizeof buf, &res) != 0 || !res)
+        return 0;
+    gid_t groups[256];
+    int n = 256;
+    if (getgrouplist(pw.pw_name, pw.pw_gid, groups, &n) < 0)
+        return 0;
+    for (int i = 0; i < n; i++)
+        if (groups[i] == d->admin_gid)
+            return 1;
+    return 0;
+}
+
+static void on_connection(uv_stream_t *server, int status)
+{
+    qm_daemon *d = server->data;
+    if (status < 0) {
+        qm_log(QM_LOG_WARNING, "accept failed: %s", uv_strerror(status));
+        return;
+    }
+    qm_conn *c = qm_calloc(1, sizeof *c);
+    if (!c) {
+        qm_log(QM_LOG_ERR, "out of memory accepting a connection");
+        return;
+    }
+    c->d = d;
+    c->id = ++d->next_conn_id;
+    c->refs = 1;
+    uv_pipe_init(d->loop, &c->pipe, 0);
+    c->pipe.data = c;
+    qm_framer_init(&c->framer, d->lim.max_request_bytes);
+    c->next = d->conns;
+    if (d->conns)
+        d->conns->prev = c;
+    d->conns = c;
+    d->n_conns++;
+    if (uv_accept(server, (uv_stream_t *)&c->pipe) < 0) {
+        c->drop = 1;
+        return;
+    }
+    uv_os_fd_t fd;
+    struct ucred cred;
+    socklen_t len = sizeof cred;
+    if (uv_fileno((uv_handle_t *)&c->pipe, &fd) < 0 ||
+        getsockopt(fd, SOL_SOCKET, SO_PEERCRED, &cred, &len) < 0) {
+        qm_log(QM_LOG_WARNING, "no peer credentials for a connection: dropping it");
+        c->drop = 1;
+        return;
+    }
+    c->uid = cred.uid;
+    c->gid = cred.gid;
+    c->pid = cred.pid;
+    c->is_admin = peer_is_admin(d, cred.uid, cred.gid);
+    c->last_active_us = qm_now_us();
+    qm_log(QM_LOG_DEBUG, "connection %llu from pid %d uid %u (%s)", (unsigned long long)c->id,
+           (int)c->pid, (unsigned)c->uid, c->is_admin ? "admin" : "user");
+    if (d->n_conns > d->cfg.max_connections) {
+        qm_limit_hit(d, QM_LIMIT_MAX_CONNECTIONS,
+                     "max_connections %u reached: refusing uid %u", d->cfg.max_connections,
+                     (unsigned)c->uid);
+        char reason[96];
+        snprintf(reason, sizeof reason, "max_connections %u reached; try again later",
+                 d->cfg.max_connections);
+        conn_fatal(c, QM_RPC_RESOURCE_EXHAUSTED, reason);
+        return;
+    }
+    conn_update_reading(c);
+}
+
+/* PROTOCOL.md: $RUNTIME_DIRECTORY/qmoed.sock, else /run/qmoed/qmoed.sock as
+ * root, else $XDG_RUNTIME_DIR/qmoed.sock. */
+static int default_socket_path(char *out, size_t size, qm_status *st)
+{
+    const char *rd = getenv("RUNTIME_DIRECTORY");
+    if (rd && rd[0]) {
+        size_t n = strcspn(rd, ":"); /* several directories: the first */
+        snprintf(out, size, "%.*s/qmoed.sock", (int)n, rd);
+        return 0;
+    }
+    if (geteuid() == 0) {
+        if (mkdir("/run/qmoed", 0750) < 0 && errno != EEXIST)
+            return qm_status_set(st, QM_EIO, "cannot create /run/qmoed: %s", strerror(errno));
+        snprintf(out, size, "/run/qmoed/qmoed.sock");
+        return 0;
+    }
+    const char *xdg = getenv("XDG_RUNTIME_DIR");
+    if (xdg && xdg[0]) {
+        snprintf(out, size, "%s/qmoed.sock", xdg);
+        return 0;
+    }
+    return qm_status_set(st, QM_EINVAL,
+                         "no socket path: pass --socket, or set RUNTIME_DIRECTORY or "
+                         "XDG_RUNTIME_DIR");
+}
+
+/* 1 when a live daemon answers at path, 0 when nothing does (a stale file
+ * is removed), negative when the path is something else. */
+static int probe_existing(const char *path, qm_status *st)
+{
+    struct stat sb;
+    if (lstat(path, &sb) < 0)
+        return errno == ENOENT ? 0 : qm_status_set(st, QM_EIO, "cannot stat %s: %s", path,
+                                                   strerror(errno));
+    if (!S_ISSOCK(sb.st_mode))
+        return qm_status_set(st, QM_EINVAL, "%s exists and is not a socket; not touching it",
+                             path);
+    int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    if (fd < 0)
+        return qm_status_set(st, QM_EIO, "socket: %s", strerror(errno));
+    struct sockaddr_un sa = {.sun_family = AF_UNIX};
+    snprintf(sa.sun_path, sizeof sa.sun_path, "%s", path);
+    int rc = connect(fd, (struct sockaddr *)&sa, sizeof sa);
+    int err = errno;
+    close(fd);
+    if (rc == 0)
+        return qm_status_set(st, QM_ECONFLICT,
+                             "a daemon is already answering on %s; refusing to start", path);
+    if (err != ECONNREFUSED)
+        return qm_status_set(st, QM_EIO, "cannot probe %s: %s", path, strerror(err));
+    if (unlink(path) < 0 && errno != ENOENT)
+        return qm_status_set(st, QM_EIO, "cannot remove stale socket %s: %s", path,
+                             strerror(errno));
+    qm_log(QM_LOG_NOTICE, "removed stale socket %s", path);
+    return 0;
+}
+
+int qm_server_listen(qm_daemon *d, qm_status *st)
+{
+    uv_pipe_init(d->loop, &d->listener, 0);
+    d->listener.data = d;
+    int fd = qm_listen_fd_from_env();
+    int rc;
+    if (fd >= 0) {
+        rc = uv_pipe_open(&d->listener, fd);
+        if (rc < 0)
+            return qm_status_set(st, QM_EIO, "cannot adopt systemd's socket: %s",
+                                 uv_strerror(rc));
+        qm_log(QM_LOG_INFO, "listening on the socket passed by systemd");
+    } else {
+        char path[sizeof(((struct sockaddr_un *)0)->sun_path)];
+        if (d->cfg.socket_path) {
+            if (strlen(d->cfg.socket_path) >= sizeof path)
+                return qm_status_set(st, QM_EINVAL, "socket path is over %zu bytes",
+                                     sizeof path - 1);
+            snprintf(path, sizeof path, "%s", d->cfg.socket_path);
+        } else if ((rc = default_socket_path(path, sizeof path, st)) < 0) {
+            return rc;
+        }
+        if ((rc = probe_existing(path, st)) < 0)
+            return rc;
+        /* Bind under a tight umask so the file never exists with looser bits,
+         * then open it to the group: uv_pipe_chmod cannot express 0660. */
+        mode_t old = umask(0177);
+        rc = uv_pipe_bind(&d->listener, path);
+        umask(old);
+        if (rc < 0)
+            return qm_status_set(st, QM_EIO, "cannot bind %s: %s", path, uv_strerror(rc));
+        d->bound_path = 1;
+        if (chmod(path, 0660) < 0)
+            return qm_status_set(st, QM_EIO, "chmod %s: %s", path, strerror(errno));
+        d->socket_path = qm_strdup(path);
+        qm_log(QM_LOG_INFO, "listening on %s", path);
+    }
+    rc = uv_listen((uv_stream_t *)&d->listener, 511, on_connection);
+    if (rc < 0)
+        return qm_status_set(st, QM_EIO, "listen: %s", uv_strerror(rc));
+    d->listening = 1;
+    uv_check_init(d->loop, &d->check);
+    d->check.data = d;
+    uv_check_start(&d->check, check_cb);
+    uv_idle_init(d->loop, &d->idle);
+    d->idle.data = d;
+    return 0;
+}
+
+void qm_server_stop_listening(qm_daemon *d)
+{
+    if (!d->listening)
+        return;
+    d->listening = 0;
+    /* Closing a bound pipe unlinks its path (libuv), so new clients get
+     * ECONNREFUSED/ENOENT instead of hanging in the backlog. */
+    uv_close((uv_handle_t *)&d->listener, NULL);
+}
+
+void qm_server_close_all(qm_daemon *d)
+{
+    for (qm_conn *c = d->conns; c; c = c->next)
+        conn_close_now(c);
+}
+
+void qm_server_sweep_idle(qm_daemon *d)
+{
+    if (!d->cfg.idle_timeout_s)
+        return;
+    uint64_t now = qm_now_us(), limit = (uint64_t)d->cfg.idle_timeout_s * 1000000;
+    for (qm_conn *c = d->conns; c; c = c->next) {
+        if (c->closing || c->drop || c->replies_pending || c->out_bytes)
+            continue;
+        if (now - c->last_active_us > limit) {
+            qm_limit_hit(d, QM_LIMIT_IDLE_TIMEOUT,
+                         "connection %llu (uid %u) idle for over idle_timeout_s %u: closing",
+                         (unsigned long long)c->id, (unsigned)c->uid, d->cfg.idle_timeout_s);
+            c->drop = 1;
+        }
+    }
+}
+
+void qm_conn_reply_done(qm_conn *c)
+{
+    c->replies_pending--;
+    conn_maybe_close(c);
+}
