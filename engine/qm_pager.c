@@ -221,14 +221,21 @@ void qm__pager_drop(qm_pager *p, int32_t s)
 
 void qm__pager_evict(qm_pager *p, int32_t s)
 {
+    /* Never hand out a slot a copy may still be writing into. */
+    if (p->slots[s].state == QM__SLOT_LOADING)
+        (void)qm__pager_copy_wait(p, s, NULL);
     qm__pager_drop(p, s);
     p->stats.evictions++;
 }
 
+/* A slot whose prefetch copy is still in flight is evictable too (its copy
+ * is waited for first, in qm__pager_evict): otherwise whether a prediction
+ * can be displaced would depend on copy timing, and paging would not be
+ * deterministic. */
 static int qm__evictable(const qm_pager *p, int32_t s)
 {
     const qm__slot *sl = &p->slots[s];
-    return sl->state == QM__SLOT_RESIDENT && !sl->pinned && sl->refs == 0;
+    return sl->state != QM__SLOT_FREE && !sl->pinned && sl->refs == 0;
 }
 
 int32_t qm__pager_pick_victim(qm_pager *p, size_t n)
@@ -533,14 +540,6 @@ static size_t qm__collect_candidates(qm_pager *p, uint32_t layer, const uint32_t
     return n;
 }
 
-static int qm__any_loading_idle(const qm_pager *p)
-{
-    for (uint32_t s = 0; s < p->n_slots; s++)
-        if (p->slots[s].state == QM__SLOT_LOADING && p->slots[s].refs == 0)
-            return 1;
-    return 0;
-}
-
 static void qm__undo_round(qm_pager *p, size_t n_wave)
 {
     for (size_t i = 0; i < n_wave; i++) {
@@ -595,12 +594,6 @@ static int qm__source_acquire(void *ctx, uint32_t layer, const uint32_t *experts
         size_t nc = 0;
         if (s < 0) {
             nc = qm__collect_candidates(p, layer, experts + i, n - i, 1);
-            if (nc == 0 && n_wave == 0 && qm__any_loading_idle(p)) {
-                rc = qm_pager_sync(p, st);
-                if (rc)
-                    break;
-                nc = qm__collect_candidates(p, layer, experts + i, n - i, 1);
-            }
             if (nc == 0 && n_wave == 0)
                 nc = qm__collect_candidates(p, layer, experts + i, n - i, 2);
             if (nc == 0)

@@ -57,7 +57,7 @@ int qm_pager_prefetch(qm_pager *p, uint32_t layer, const uint32_t *experts, size
             size_t nc = 0;
             for (uint32_t k = 0; k < p->n_slots; k++) {
                 const qm__slot *sl = &p->slots[k];
-                if (sl->state != QM__SLOT_RESIDENT || sl->pinned || sl->refs)
+                if (sl->state == QM__SLOT_FREE || sl->pinned || sl->refs)
                     continue;
                 if (sl->layer == layer && L->mark[sl->expert])
                     continue;
