@@ -9,8 +9,9 @@
 
 #include "qm_alloc.h"
 
-/* Byte counts are uint64: a double would round them above 2^53, so they are
- * written as exact decimal text. */
+/* Every number in a plan is a non-negative integer; byte counts are uint64,
+ * which a double would round above 2^53. So all are written as exact decimal
+ * text (also cheaper than cJSON's print-and-reparse of doubles). */
 static cJSON *u64_item(uint64_t v)
 {
     char text[24];
@@ -33,7 +34,7 @@ static cJSON *u32_array(const uint32_t *v, size_t n)
 {
     cJSON *arr = cJSON_CreateArray();
     for (size_t i = 0; arr && i < n; i++) {
-        cJSON *num = cJSON_CreateNumber((double)v[i]);
+        cJSON *num = u64_item(v[i]);
         if (!num || !cJSON_AddItemToArray(arr, num)) {
             cJSON_Delete(num);
             cJSON_Delete(arr);
@@ -78,8 +79,8 @@ static cJSON *bank_item(const qm_plan_bank *b, const qm_plan_json_bank_state *bs
     cJSON *o = cJSON_CreateObject();
     if (!o)
         return NULL;
-    if (add(o, "bank", cJSON_CreateNumber(b->bank_id)) ||
-        add(o, "layer", cJSON_CreateNumber(bs && bs->has_layer ? bs->layer : b->bank_id)) ||
+    if (add(o, "bank", u64_item(b->bank_id)) ||
+        add(o, "layer", u64_item(bs && bs->has_layer ? bs->layer : b->bank_id)) ||
         add(o, "decision",
             cJSON_CreateString(per_expert ? "per_expert_candidate" : "whole_bank_resident")) ||
         add(o, "reason", reason_item(d)))
@@ -120,9 +121,9 @@ int qm_plan_to_json_ex(const qm_residency_plan *plan, const qm_plan_json_state *
     if (add(root, "policy", cJSON_CreateString(qm_plan_policy_name(plan))) ||
         add(root, "budget_bytes",
             qm_plan_has_budget(plan) ? u64_item(qm_plan_budget(plan)) : cJSON_CreateNull()) ||
-        add(root, "total", cJSON_CreateNumber((double)qm_plan_total(plan))) ||
-        add(root, "resident", cJSON_CreateNumber((double)qm_plan_resident_count(plan))) ||
-        add(root, "degraded", cJSON_CreateNumber((double)qm_plan_degraded_count(plan))))
+        add(root, "total", u64_item(qm_plan_total(plan))) ||
+        add(root, "resident", u64_item(qm_plan_resident_count(plan))) ||
+        add(root, "degraded", u64_item(qm_plan_degraded_count(plan))))
         goto fail_build;
     if (state && state->has_resident_bytes &&
         add(root, "resident_bytes", u64_item(state->resident_bytes)))
