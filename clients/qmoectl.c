@@ -231,6 +231,11 @@ int main(int argc, char **argv)
     if (a.npos < cmd->min_pos || a.npos > cmd->max_pos)
         return qmoectl_usage_error("usage: qmoectl %s %s", cmd->name, cmd->synopsis);
 
+    if (cmd->check) {
+        int crc = cmd->check(&a);
+        if (crc != 0)
+            return crc;
+    }
     qm_client *c = NULL;
     qm_client_error err;
     if (qm_client_open(&c, a.socket, a.timeout_ms, &err) < 0)

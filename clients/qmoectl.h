@@ -32,6 +32,8 @@ typedef struct qmoectl_cmd {
     const char *options;  /* space-separated option names; a trailing '=' takes a value */
     int min_pos, max_pos;
     int (*run)(qm_client *c, const qmoectl_args *a);
+    /* (optional) usage checks that need no daemon: 0 or QMOECTL_USAGE. */
+    int (*check)(const qmoectl_args *a);
 } qmoectl_cmd;
 
 extern const qmoectl_cmd qmoectl_cmds[];

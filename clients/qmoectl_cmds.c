@@ -719,19 +719,86 @@ out:
     return rc;
 }
 
+/* ---------- usage checks, before any connection ---------- */
+
+static int check_create(const qmoectl_args *a)
+{
+    char pp[16384];
+    int any = 0, rc;
+    if ((rc = build_policy_params(a, pp, sizeof(pp), &any)) != 0)
+        return rc;
+    const char *b = qmoectl_opt(a, "--budget");
+    uint64_t v;
+    size_t len = b ? strlen(b) : 0;
+    if (!b)
+        return 0;
+    if (len > 1 && b[len - 1] == '%') {
+        char *end = NULL;
+        double pct = strtod(b, &end);
+        if (end != b + len - 1 || !(pct > 0) || pct > 100)
+            return qmoectl_usage_error("--budget percentage must be in (0, 100], not '%.32s'", b);
+        return 0;
+    }
+    if (qmoectl_parse_bytes(b, &v) < 0)
+        return qmoectl_usage_error("--budget takes bytes (1073741824), a size (1GiB, 512M) or a "
+                                   "percentage of the model (50%%), not '%.32s'",
+                                   b);
+    return 0;
+}
+
+static int check_telemetry(const qmoectl_args *a)
+{
+    const char *w = qmoectl_opt(a, "--watch"), *cnt = qmoectl_opt(a, "--count");
+    char *end = NULL;
+    if (!w && cnt)
+        return qmoectl_usage_error("--count only makes sense with --watch");
+    if (w) {
+        double every = strtod(w, &end);
+        if (end == w || *end || !(every > 0) || every > 86400)
+            return qmoectl_usage_error("--watch takes seconds (> 0), not '%.32s'", w);
+    }
+    if (cnt) {
+        long count = strtol(cnt, &end, 10);
+        if (end == cnt || *end || count < 1)
+            return qmoectl_usage_error("--count takes a positive number, not '%.32s'", cnt);
+    }
+    return 0;
+}
+
+static int check_trace(const qmoectl_args *a)
+{
+    const char *lim = qmoectl_opt(a, "--limit");
+    char *end = NULL;
+    if (lim && (strtoull(lim, &end, 10) == 0 || end == lim || *end || lim[0] == '-'))
+        return qmoectl_usage_error("--limit takes a positive number, not '%.32s'", lim);
+    return 0;
+}
+
+static int check_infer(const qmoectl_args *a)
+{
+    const char *layer_s = qmoectl_opt(a, "--layer");
+    char *end = NULL;
+    if (!layer_s || !qmoectl_opt(a, "--hidden") || !qmoectl_opt(a, "--out"))
+        return qmoectl_usage_error("infer needs --layer N, --hidden X.npy and --out Y.npy");
+    strtoull(layer_s, &end, 10);
+    if (end == layer_s || *end || layer_s[0] == '-')
+        return qmoectl_usage_error("--layer takes a layer index, not '%.32s'", layer_s);
+    return 0;
+}
+
 const qmoectl_cmd qmoectl_cmds[] = {
     {"status", "", "Show the daemon's version, uptime, backend, memory and counts.", "", 0, 0,
-     cmd_status},
+     cmd_status, NULL},
     {"models", "", "List loaded models: shape, quantisation, bytes per expert unit, size.", "",
-     0, 0, cmd_models},
+     0, 0, cmd_models, NULL},
     {"load", "NAME PATH",
      "Load the bank file PATH as model NAME (admin). A relative PATH is made absolute.", "", 2, 2,
-     cmd_load},
+     cmd_load, NULL},
     {"unload", "NAME [--force]",
      "Unload model NAME (admin).\n"
      "Refused while sessions use it, unless --force closes them.",
-     "--force", 1, 1, cmd_unload},
-    {"sessions", "", "List sessions (a non-admin sees only their own).", "", 0, 0, cmd_sessions},
+     "--force", 1, 1, cmd_unload, NULL},
+    {"sessions", "", "List sessions (a non-admin sees only their own).", "", 0, 0, cmd_sessions, NULL},
     {"create", "MODEL [--policy P] [--budget BYTES|SIZE|N%] [--param KEY=VALUE]...",
      "Create a session on MODEL and print its id on the first line.\n"
      "  --policy P        whole_bank (default), static_hot, lru or lfu\n"
@@ -740,15 +807,15 @@ const qmoectl_cmd qmoectl_cmds[] = {
      "  --param KEY=VALUE a policy parameter; VALUE is JSON when it reads as JSON\n"
      "                    (prefetch=false, pin_fraction=0.25, hot='[{\"layer\":0,\"experts\":[3,1]}]'),\n"
      "                    else a string; repeatable",
-     "--policy= --budget= --param=", 1, 1, cmd_create},
+     "--policy= --budget= --param=", 1, 1, cmd_create, check_create},
     {"close", "SESSION", "Close a session and release its memory (owner or admin).", "", 1, 1,
-     cmd_close},
+     cmd_close, NULL},
     {"plan", "SESSION",
      "Show a session's residency plan, one row per bank.\n"
      "Each row: the bank's decision, the reason a bank stays whole, and counts and\n"
      "sizes of candidate, pinned and currently resident experts; then totals\n"
      "against the budget.",
-     "", 1, 1, cmd_plan},
+     "", 1, 1, cmd_plan, NULL},
     {"telemetry", "[SESSION] [--watch SECONDS [--count N]]",
      "Show counters: hit rate, bytes paged, p50/p99 latency, ...\n"
      "Requests, errors, tokens, expert hit rate and misses, bytes paged, evictions,\n"
@@ -756,20 +823,20 @@ const qmoectl_cmd qmoectl_cmds[] = {
      "daemon-wide and per session.\n"
      "  --watch S   refresh every S seconds until Ctrl-C\n"
      "  --count N   stop after N refreshes",
-     "--watch= --count=", 0, 1, cmd_telemetry},
+     "--watch= --count=", 0, 1, cmd_telemetry, check_telemetry},
     {"trace", "[--limit N] [--session SESSION]",
      "Show recent trace spans, oldest first (admin).\n"
      "  --limit N         at most N spans\n"
      "  --session SESSION only that session's spans",
-     "--limit= --session=", 0, 0, cmd_trace},
-    {"metrics", "", "Print Prometheus metrics (text exposition format).", "", 0, 0, cmd_metrics},
+     "--limit= --session=", 0, 0, cmd_trace, check_trace},
+    {"metrics", "", "Print Prometheus metrics (text exposition format).", "", 0, 0, cmd_metrics, NULL},
     {"infer", "SESSION --layer N --hidden X.npy [--logits R.npy] --out Y.npy [--routing]",
      "Run one MoE layer on a session.\n"
      "Hidden states come from X.npy ([T, H], f32 or f16), optional router logits\n"
      "from R.npy ([T, E]); the output goes to Y.npy.\n"
      "  --routing   also print the experts and weights chosen per token",
-     "--layer= --hidden= --logits= --out= --routing", 1, 1, cmd_infer},
+     "--layer= --hidden= --logits= --out= --routing", 1, 1, cmd_infer, check_infer},
     {"shutdown", "", "Drain and stop the daemon (admin), as SIGTERM does.", "", 0, 0,
-     cmd_shutdown},
-    {NULL, NULL, NULL, NULL, 0, 0, NULL},
+     cmd_shutdown, NULL},
+    {NULL, NULL, NULL, NULL, 0, 0, NULL, NULL},
 };

@@ -1,0 +1,355 @@
+"""The connection, the typed methods and the tensor codec."""
+
+import base64
+import errno
+import json
+import os
+import socket
+import threading
+import time
+
+try:  # numpy is optional: without it tensors come back as Tensor objects
+    import numpy as _np
+except ImportError:  # pragma: no cover - exercised only without numpy
+    _np = None
+
+ERROR_NAMES = {
+    -32700: "parse_error",
+    -32600: "invalid_request",
+    -32601: "method_not_found",
+    -32602: "invalid_params",
+    -32603: "internal_error",
+    -32001: "not_found",
+    -32002: "permission_denied",
+    -32003: "resource_exhausted",
+    -32004: "overloaded",
+    -32005: "invalid_model",
+    -32006: "payload_too_large",
+    -32007: "shutting_down",
+    -32008: "conflict",
+    -32009: "in_use",
+}
+
+# Client-side failures use the same small negative codes as libqmoe-client.
+E_NOT_RUNNING = -3
+E_ACCESS = -4
+E_TIMEOUT = -5
+E_IO = -6
+E_PROTO = -7
+
+_DTYPE_SIZE = {"f32": 4, "f16": 2, "bf16": 2}
+_MAX_RESPONSE = 1 << 31
+
+
+class QmoeError(Exception):
+    """A request that failed: `code` (JSON-RPC or client-side), `name`
+    ("not_found", "invalid_params", ...), `reason` (one sentence) and `field`
+    (the params path the daemon blamed, or None)."""
+
+    def __init__(self, code, name, reason, field=None):
+        super().__init__(reason if not field else "%s [%s]" % (reason, field))
+        self.code = code
+        self.name = name
+        self.reason = reason
+        self.field = field
+
+
+class DaemonNotRunning(QmoeError):
+    """Nothing listens on the socket path."""
+
+
+class Tensor:
+    """A tensor as the wire carries it: dtype ("f32", "f16", "bf16"), shape
+    and little-endian row-major bytes."""
+
+    __slots__ = ("dtype", "shape", "data")
+
+    def __init__(self, dtype, shape, data):
+        if dtype not in _DTYPE_SIZE:
+            raise ValueError("dtype must be f32, f16 or bf16, not %r" % (dtype,))
+        shape = tuple(int(d) for d in shape)
+        n = _DTYPE_SIZE[dtype]
+        for d in shape:
+            if d < 0:
+                raise ValueError("negative dimension in shape %r" % (shape,))
+            n *= d
+        data = bytes(data)
+        if len(data) != n:
+            raise ValueError("shape %r of %s needs %d bytes, got %d" % (shape, dtype, n, len(data)))
+        self.dtype, self.shape, self.data = dtype, shape, data
+
+    def to_numpy(self):
+        """A numpy array (bf16 widens to float32, exactly)."""
+        if _np is None:
+            raise RuntimeError("numpy is not installed")
+        if self.dtype == "bf16":
+            u = _np.frombuffer(self.data, dtype="<u2").astype(_np.uint32) << 16
+            return u.view(_np.float32).reshape(self.shape)
+        dt = "<f4" if self.dtype == "f32" else "<f2"
+        return _np.frombuffer(self.data, dtype=dt).reshape(self.shape).copy()
+
+    def __repr__(self):
+        return "Tensor(%s, %r, %d bytes)" % (self.dtype, self.shape, len(self.data))
+
+
+def encode_tensor(x, dtype=None):
+    """A numpy array (float32/float16) or Tensor as the protocol's tensor object."""
+    if isinstance(x, Tensor):
+        t = x
+    elif _np is not None and isinstance(x, _np.ndarray):
+        if x.dtype == _np.float32:
+            dt = "f32"
+        elif x.dtype == _np.float16:
+            dt = "f16"
+        else:
+            raise ValueError("tensors must be float32 or float16 arrays, not %s" % x.dtype)
+        arr = _np.ascontiguousarray(x, dtype=x.dtype.newbyteorder("<"))
+        t = Tensor(dt, arr.shape, arr.tobytes())
+    else:
+        raise TypeError("a tensor is a numpy array or a qmoe_client.Tensor")
+    if dtype is not None and dtype != t.dtype:
+        raise ValueError("tensor is %s, %s was asked for" % (t.dtype, dtype))
+    return {"dtype": t.dtype, "shape": list(t.shape), "data": base64.b64encode(t.data).decode("ascii")}
+
+
+def decode_tensor(obj, as_numpy=True):
+    """The protocol's tensor object as a numpy array (when numpy is there and
+    `as_numpy`) or a Tensor. Shape and byte length must agree."""
+    if not isinstance(obj, dict):
+        raise QmoeError(E_PROTO, "bad_response", "tensor is not an object")
+    try:
+        data = base64.b64decode(obj["data"], validate=True)
+        t = Tensor(obj["dtype"], obj["shape"], data)
+    except (KeyError, TypeError, ValueError) as e:
+        raise QmoeError(E_PROTO, "bad_response", "unreadable tensor: %s" % e)
+    if as_numpy and _np is not None and t.dtype != "bf16":
+        return t.to_numpy()
+    return t
+
+
+def default_socket_path(explicit=None):
+    """The socket path, resolved as qmoed and qmoectl do."""
+    if explicit:
+        return explicit
+    env = os.environ
+    if env.get("QMOED_SOCKET"):
+        return env["QMOED_SOCKET"]
+    if env.get("RUNTIME_DIRECTORY"):
+        return os.path.join(env["RUNTIME_DIRECTORY"], "qmoed.sock")
+    if os.geteuid() == 0:
+        return "/run/qmoed/qmoed.sock"
+    xdg = env.get("XDG_RUNTIME_DIR")
+    if xdg and os.path.exists(os.path.join(xdg, "qmoed.sock")):
+        return os.path.join(xdg, "qmoed.sock")
+    return "/run/qmoed/qmoed.sock"
+
+
+class InferResult:
+    """session.infer's answer: `output` (numpy array or Tensor), `routing`
+    (list per token of (expert, weight) pairs, or None) and `stats` (dict)."""
+
+    __slots__ = ("output", "routing", "stats")
+
+    def __init__(self, output, routing, stats):
+        self.output, self.routing, self.stats = output, routing, stats
+
+
+class Client:
+    """One connection to qmoed. Calls are synchronous and bounded by
+    `timeout` seconds; a Client may be shared between threads (calls are
+    serialised by a lock). After a timeout or broken connection the next call
+    reconnects."""
+
+    def __init__(self, socket_path=None, timeout=30.0, as_numpy=True):
+        self.path = default_socket_path(socket_path)
+        self.timeout = float(timeout)
+        self.as_numpy = as_numpy
+        self._lock = threading.Lock()
+        self._sock = None
+        self._buf = bytearray()
+        self._next_id = 1
+        self._connect(time.monotonic() + self.timeout)
+
+    # ---- connection ----
+    def _connect(self, deadline):
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        s.settimeout(max(0.001, deadline - time.monotonic()))
+        try:
+            s.connect(self.path)
+        except FileNotFoundError:
+            s.close()
+            raise DaemonNotRunning(E_NOT_RUNNING, "not_running",
+                                   "qmoed is not running (no socket at %s); start it with "
+                                   "`systemctl start qmoed` or `qmoed`" % self.path)
+        except ConnectionRefusedError:
+            s.close()
+            raise DaemonNotRunning(E_NOT_RUNNING, "not_running",
+                                   "qmoed is not running (nothing listens on %s); start it with "
+                                   "`systemctl start qmoed` or `qmoed`" % self.path)
+        except PermissionError:
+            s.close()
+            raise QmoeError(E_ACCESS, "access_denied",
+                            "permission denied opening %s; ask an admin to add you to the "
+                            "socket's group (qmoe)" % self.path)
+        except socket.timeout:
+            s.close()
+            raise QmoeError(E_TIMEOUT, "timeout", "qmoed did not accept in time")
+        except OSError as e:
+            s.close()
+            raise QmoeError(E_IO, "connection_lost", "cannot connect to %s: %s" % (self.path, e))
+        self._sock = s
+        self._buf = bytearray()
+
+    def _drop(self):
+        if self._sock is not None:
+            try:
+                self._sock.close()
+            except OSError:
+                pass
+        self._sock = None
+        self._buf = bytearray()
+
+    def close(self):
+        with self._lock:
+            self._drop()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def _read_line(self, deadline):
+        while True:
+            i = self._buf.find(b"\n")
+            if i >= 0:
+                line = bytes(self._buf[:i])
+                del self._buf[: i + 1]
+                return line
+            if len(self._buf) > _MAX_RESPONSE:
+                raise QmoeError(E_PROTO, "bad_response", "a response exceeds %d bytes" % _MAX_RESPONSE)
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise socket.timeout()
+            self._sock.settimeout(left)
+            chunk = self._sock.recv(1 << 20)
+            if not chunk:
+                raise QmoeError(E_IO, "connection_lost", "qmoed closed the connection before answering")
+            self._buf += chunk
+
+    def call(self, method, params=None):
+        """Any method: `params` a dict (or None). Returns the result, raises QmoeError."""
+        with self._lock:
+            deadline = time.monotonic() + self.timeout
+            if self._sock is None:
+                self._connect(deadline)
+            rid = self._next_id
+            self._next_id += 1
+            req = {"jsonrpc": "2.0", "id": rid, "method": method}
+            if params is not None:
+                req["params"] = params
+            line = json.dumps(req, separators=(",", ":"), ensure_ascii=False).encode("utf-8") + b"\n"
+            try:
+                self._sock.settimeout(max(0.001, deadline - time.monotonic()))
+                self._sock.sendall(line)
+                while True:
+                    raw = self._read_line(deadline)
+                    if not raw.strip():
+                        continue
+                    try:
+                        msg = json.loads(raw)
+                    except ValueError as e:
+                        raise QmoeError(E_PROTO, "bad_response", "unreadable response from qmoed: %s" % e)
+                    if not isinstance(msg, dict) or msg.get("jsonrpc") != "2.0":
+                        raise QmoeError(E_PROTO, "bad_response", "response is not JSON-RPC 2.0")
+                    got = msg.get("id")
+                    if got is not None and got != rid:
+                        continue  # the answer to a request that timed out earlier
+                    if "error" in msg:
+                        err = msg["error"] or {}
+                        code = err.get("code", -32603)
+                        data = err.get("data") if isinstance(err.get("data"), dict) else {}
+                        if code == -32006 or got is None:
+                            self._drop()  # the daemon closes the stream after these
+                        raise QmoeError(code, ERROR_NAMES.get(code, "error"),
+                                        data.get("reason") or err.get("message", "error"),
+                                        data.get("field"))
+                    if "result" not in msg:
+                        raise QmoeError(E_PROTO, "bad_response", "response has neither result nor error")
+                    return msg["result"]
+            except socket.timeout:
+                self._drop()
+                raise QmoeError(E_TIMEOUT, "timeout", "qmoed did not answer %s in time" % method)
+            except QmoeError as e:
+                if e.code in (E_IO, E_PROTO):
+                    self._drop()
+                raise
+            except OSError as e:
+                self._drop()
+                if e.errno in (errno.EPIPE, errno.ECONNRESET):
+                    raise QmoeError(E_IO, "connection_lost", "qmoed closed the connection")
+                raise QmoeError(E_IO, "connection_lost", str(e))
+
+    # ---- typed methods, one per PROTOCOL.md method ----
+    def status(self):
+        return self.call("daemon.status")
+
+    def models(self):
+        return self.call("model.list")["models"]
+
+    def load_model(self, name, path):
+        return self.call("model.load", {"name": name, "path": os.fspath(path)})
+
+    def unload_model(self, name, force=False):
+        p = {"name": name}
+        if force:
+            p["force"] = True
+        return self.call("model.unload", p)
+
+    def sessions(self):
+        return self.call("session.list")["sessions"]
+
+    def create_session(self, model, policy=None, budget_bytes=None, policy_params=None):
+        p = {"model": model}
+        if policy is not None:
+            p["policy"] = policy
+        if budget_bytes is not None:
+            p["budget_bytes"] = int(budget_bytes)
+        if policy_params is not None:
+            p["policy_params"] = policy_params
+        return self.call("session.create", p)
+
+    def close_session(self, session):
+        return self.call("session.close", {"session": session})
+
+    def plan(self, session):
+        return self.call("session.plan", {"session": session})
+
+    def infer(self, session, layer, hidden, router_logits=None, return_routing=False):
+        p = {"session": session, "layer": int(layer), "hidden": encode_tensor(hidden)}
+        if router_logits is not None:
+            p["router_logits"] = encode_tensor(router_logits)
+        if return_routing:
+            p["return_routing"] = True
+        r = self.call("session.infer", p)
+        routing = r.get("routing")
+        if routing is not None:
+            routing = [[(int(e), float(w)) for e, w in tok] for tok in routing]
+        return InferResult(decode_tensor(r.get("output"), self.as_numpy), routing, r.get("stats", {}))
+
+    def telemetry(self, session=None):
+        return self.call("telemetry.get", {"session": session} if session is not None else None)
+
+    def trace(self, session=None, limit=None):
+        p = {}
+        if session is not None:
+            p["session"] = session
+        if limit is not None:
+            p["limit"] = int(limit)
+        return self.call("telemetry.trace", p)["spans"]
+
+    def metrics(self):
+        return self.call("telemetry.metrics")["text"]
+
+    def shutdown(self):
+        return self.call("daemon.shutdown")

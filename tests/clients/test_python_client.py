@@ -1,0 +1,171 @@
+"""The Python client (clients/python, package qmoe_client) against a real qmoed."""
+
+import os
+import subprocess
+import sys
+import threading
+
+import numpy as np
+import pytest
+
+from conftest import EXPERTS, HIDDEN, LAYERS, QMOE_BANK, SOURCE, need
+from qmoe_client import Client, DaemonNotRunning, QmoeError, Tensor, decode_tensor, encode_tensor
+
+
+@pytest.fixture(scope="module")
+def client(daemon):
+    with Client(daemon.socket, timeout=30) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def sid(client):
+    return client.create_session("demo", policy="lru", budget_bytes=None)["session"]
+
+
+def test_tensor_codec_round_trips_and_checks_lengths():
+    x = np.arange(12, dtype=np.float32).reshape(3, 4)
+    t = encode_tensor(x)
+    assert t["dtype"] == "f32" and t["shape"] == [3, 4]
+    assert np.array_equal(decode_tensor(t), x)
+    b = Tensor("bf16", (2,), b"\x80\x3f\x00\x40")  # 1.0, 2.0
+    assert decode_tensor(encode_tensor(b), as_numpy=False).data == b.data
+    assert b.to_numpy().tolist() == [1.0, 2.0]
+    with pytest.raises(ValueError):
+        Tensor("f32", (2,), b"\x00" * 4)
+    with pytest.raises(QmoeError) as e:
+        decode_tensor({"dtype": "f32", "shape": [2], "data": "AAAAAA=="})
+    assert e.value.name == "bad_response"
+    with pytest.raises(ValueError):
+        encode_tensor(np.zeros(3, dtype=np.float64))
+
+
+def test_no_daemon_raises_daemon_not_running(tmp_path):
+    with pytest.raises(DaemonNotRunning) as e:
+        Client(str(tmp_path / "none.sock"))
+    assert e.value.name == "not_running" and "systemctl start qmoed" in e.value.reason
+
+
+def test_status_and_models(client):
+    s = client.status()
+    assert s["backend"] == "cpu" and {"name", "total_bytes", "budget_bytes", "used_bytes"} <= set(s["device"])
+    m = [m for m in client.models() if m["name"] == "demo"][0]
+    assert (m["layers"], m["experts"], m["hidden_size"]) == (LAYERS, EXPERTS, HIDDEN)
+
+
+def test_load_conflict_and_unload(client, daemon):
+    client.load_model("py2", daemon.bank)
+    with pytest.raises(QmoeError) as e:
+        client.load_model("py2", daemon.bank)
+    assert e.value.code == -32008 and e.value.name == "conflict"
+    assert client.unload_model("py2") == {}
+    with pytest.raises(QmoeError) as e:
+        client.unload_model("py2")
+    assert e.value.name == "not_found"
+
+
+def test_session_lifecycle_and_plan(client, sid):
+    assert sid in [s["session"] for s in client.sessions()]
+    plan = client.plan(sid)
+    assert plan["policy"] == "lru" and plan["total"] == LAYERS
+    assert plan == client.plan(sid)  # nothing ran in between: the same plan
+    with pytest.raises(QmoeError) as e:
+        client.create_session("demo", policy="nope")
+    assert e.value.name == "invalid_params" and e.value.field == "policy"
+    with pytest.raises(QmoeError) as e:
+        client.create_session("missing-model")
+    assert e.value.name == "not_found"
+
+
+def test_infer_matches_qmoe_bank_run(client, sid, daemon):
+    rng = np.random.default_rng(5)
+    x = rng.standard_normal((4, HIDDEN)).astype(np.float32)
+    r = client.infer(sid, 0, x, return_routing=True)
+    assert r.output.shape == x.shape and r.output.dtype == np.float32
+    assert len(r.routing) == 4 and all(len(t) == 2 for t in r.routing)
+    assert all(0 <= e < EXPERTS for t in r.routing for e, _ in t)
+    assert set(r.stats) >= {"hits", "misses", "bytes_paged", "queue_us", "compute_us"}
+    xp, zp = os.path.join(daemon.dir, "px.npy"), os.path.join(daemon.dir, "pz.npy")
+    np.save(xp, x)
+    subprocess.run([need(QMOE_BANK), "run", daemon.bank, "--layer", "0", "--hidden", xp, "--out", zp],
+                   check=True, capture_output=True)
+    assert r.output.tobytes() == np.load(zp).tobytes()
+
+
+def test_infer_errors_name_the_field(client, sid):
+    with pytest.raises(QmoeError) as e:
+        client.infer(sid, 0, np.zeros((1, HIDDEN + 1), dtype=np.float32))
+    assert e.value.name == "invalid_params" and e.value.field and e.value.field.startswith("hidden")
+    with pytest.raises(QmoeError) as e:
+        client.infer(sid, LAYERS, np.zeros((1, HIDDEN), dtype=np.float32))
+    assert e.value.field == "layer"
+
+
+def test_telemetry_counts_inference(client, sid):
+    before = client.telemetry(sid)
+    client.infer(sid, 1, np.ones((2, HIDDEN), dtype=np.float32))
+    after = client.telemetry(sid)
+    assert after["requests"] >= before["requests"] + 1
+    assert after["tokens"] >= before["tokens"] + 2
+    everything = client.telemetry()
+    assert "daemon" in everything and sid in [s["session"] for s in everything["sessions"]]
+
+
+def test_trace_and_metrics(client, sid):
+    spans = client.trace(session=sid)
+    assert any(s["name"] == "session.residency_plan" for s in spans)
+    assert len(client.trace(limit=1)) == 1
+    assert "qmoed_" in client.metrics()
+
+
+def test_unknown_method_and_unknown_param(client):
+    with pytest.raises(QmoeError) as e:
+        client.call("daemon.nope")
+    assert e.value.code == -32601
+    with pytest.raises(QmoeError) as e:
+        client.call("daemon.status", {"verbose": True})
+    assert e.value.code == -32602
+
+
+def test_one_client_is_safe_across_threads(client):
+    errors = []
+
+    def worker():
+        try:
+            for _ in range(25):
+                assert client.status()["backend"] == "cpu"
+        except Exception as e:  # pragma: no cover - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=worker) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors
+
+
+def test_close_session(client):
+    s = client.create_session("demo")["session"]
+    assert client.close_session(s) == {}
+    with pytest.raises(QmoeError) as e:
+        client.plan(s)
+    assert e.value.name == "not_found"
+
+
+def test_package_installs_with_pip(tmp_path):
+    target = tmp_path / "site"
+    cmd = [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--disable-pip-version-check",
+           "--target", str(target), os.path.join(SOURCE, "clients", "python")]
+    try:  # with the build backend already in the venv, build offline; else pip fetches it
+        import setuptools  # noqa: F401
+        import wheel  # noqa: F401
+        cmd.insert(5, "--no-build-isolation")
+    except ImportError:
+        pass
+    p = subprocess.run(cmd, capture_output=True, text=True)
+    assert p.returncode == 0, p.stdout + p.stderr
+    out = subprocess.run([sys.executable, "-c", "import qmoe_client; print(qmoe_client.__version__)"],
+                         env={"PYTHONPATH": str(target), "PATH": os.environ.get("PATH", "")},
+                         capture_output=True, text=True, check=True, cwd=str(tmp_path))
+    assert out.stdout.strip() == "0.1.0"

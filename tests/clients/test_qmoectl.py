@@ -1,0 +1,325 @@
+"""qmoectl against a real qmoed: every subcommand's human output (structure,
+not whitespace) and --json output (the raw result), exit codes, error paths."""
+
+import json
+import os
+import re
+import subprocess
+
+import numpy as np
+import pytest
+
+from conftest import EXPERTS, HIDDEN, LAYERS, QMOE_BANK, QMOECTL, need, run_as_nobody_preexec
+
+COMMANDS = ["status", "models", "load", "unload", "sessions", "create", "close", "plan",
+            "telemetry", "trace", "metrics", "infer", "shutdown"]
+
+
+def ctl(daemon, *args, json_out=False, check_rc=0, preexec=None, timeout=60):
+    cmd = [need(QMOECTL)]
+    if daemon is not None:
+        cmd += ["--socket", daemon.socket if hasattr(daemon, "socket") else daemon]
+    if json_out:
+        cmd.append("--json")
+    cmd += [str(a) for a in args]
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, preexec_fn=preexec)
+    if check_rc is not None:
+        assert p.returncode == check_rc, "%s -> %d (want %d)\nstdout:\n%s\nstderr:\n%s" % (
+            " ".join(cmd), p.returncode, check_rc, p.stdout, p.stderr)
+    if json_out and p.returncode == 0:
+        return json.loads(p.stdout)
+    return p
+
+
+def table(text, first_header):
+    """Rows of the table that starts at the line whose first cell is `first_header`."""
+    lines = text.splitlines()
+    start = next(i for i, l in enumerate(lines) if l.split() and l.split()[0] == first_header)
+    rows = []
+    for l in lines[start:]:
+        if not l.strip():
+            break
+        rows.append(re.split(r"\s{2,}", l.strip()))
+    return rows[0], rows[1:]
+
+
+@pytest.fixture(scope="module")
+def session(daemon):
+    p = ctl(daemon, "create", "demo", "--policy", "lru", "--budget", "50%")
+    sid = p.stdout.splitlines()[0]
+    assert re.fullmatch(r"[0-9a-f]{16,64}", sid), p.stdout
+    return sid
+
+
+# ---- usage, help, no daemon ----
+
+def test_help_lists_every_subcommand():
+    p = ctl(None, "--help")
+    for c in COMMANDS:
+        assert re.search(r"^  %s\s" % c, p.stdout, re.M), c
+
+
+@pytest.mark.parametrize("cmd", COMMANDS)
+def test_every_subcommand_has_help(cmd):
+    p = ctl(None, cmd, "--help")
+    assert p.stdout.startswith("Usage: qmoectl [global options] %s" % cmd)
+
+
+@pytest.mark.parametrize("args", [["bogus"], ["plan"], ["load", "x"], ["status", "--bogus"],
+                                  ["--timeout", "abc", "status"], ["create", "m", "--budget", "lots"],
+                                  ["infer", "s", "--layer", "0"], [], ["trace", "--limit", "-1"]])
+def test_usage_errors_exit_2_with_a_qmoectl_message(args):
+    p = ctl("/nonexistent/qmoed.sock", *args, check_rc=2)
+    assert p.stderr.startswith("qmoectl: ") or p.stderr.startswith("Usage:"), p.stderr
+
+
+def test_no_daemon_says_so_and_how_to_start_it():
+    p = ctl("/nonexistent/qmoed.sock", "status", check_rc=1)
+    assert p.stderr.startswith("qmoectl: qmoed is not running")
+    assert "systemctl start qmoed" in p.stderr and "`qmoed`" in p.stderr
+
+
+# ---- status, models, load, unload ----
+
+def test_status_human_and_json(daemon):
+    p = ctl(daemon, "status")
+    assert p.stdout.startswith("qmoed ")
+    assert re.search(r"^backend\s+cpu", p.stdout, re.M), p.stdout
+    assert re.search(r"^models\s+1\b", p.stdout, re.M), p.stdout
+    r = ctl(daemon, "status", json_out=True)
+    for k in ("version", "uptime_s", "backend", "device", "models", "sessions", "connections"):
+        assert k in r, k
+    assert r["backend"] == "cpu"
+    assert set(r["device"]) >= {"name", "total_bytes", "budget_bytes", "used_bytes"}
+
+
+def test_models_human_and_json(daemon):
+    head, rows = table(ctl(daemon, "models").stdout, "NAME")
+    assert head[:3] == ["NAME", "LAYERS", "EXPERTS"]
+    demo = [r for r in rows if r[0] == "demo"]
+    assert demo and demo[0][1] == str(LAYERS) and demo[0][2] == str(EXPERTS)
+    r = ctl(daemon, "models", json_out=True)
+    m = [x for x in r["models"] if x["name"] == "demo"][0]
+    for k in ("name", "path", "layers", "experts", "hidden_size", "inter_size", "k", "activation",
+              "bits", "block_size", "bytes_total", "bytes_per_expert"):
+        assert k in m, k
+    assert m["layers"] == LAYERS and m["experts"] == EXPERTS and m["hidden_size"] == HIDDEN
+
+
+def test_load_unload_and_conflict(daemon):
+    p = ctl(daemon, "load", "second", daemon.bank)
+    assert p.stdout.startswith("loaded second: %d layers x %d experts" % (LAYERS, EXPERTS))
+    p = ctl(daemon, "load", "second", daemon.bank, check_rc=1)
+    assert p.stderr.startswith("qmoectl: ") and "[conflict" in p.stderr
+    assert "second" in [m["name"] for m in ctl(daemon, "models", json_out=True)["models"]]
+    assert ctl(daemon, "unload", "second").stdout.strip() == "unloaded second"
+    p = ctl(daemon, "unload", "second", check_rc=1)
+    assert "[not_found" in p.stderr
+
+
+def test_load_relative_path_is_made_absolute(daemon):
+    rel = os.path.relpath(daemon.bank)
+    r = ctl(daemon, "load", "rel", rel, json_out=True)
+    assert os.path.isabs(r["path"]) and os.path.samefile(r["path"], daemon.bank)
+    assert ctl(daemon, "unload", "rel", json_out=True) == {}
+
+
+def test_load_of_a_missing_file_is_invalid_model(daemon):
+    p = ctl(daemon, "load", "ghost", "/nonexistent/bank.qmoe", check_rc=1)
+    assert "[invalid_model" in p.stderr
+
+
+# ---- sessions, create, plan ----
+
+def test_create_prints_the_id_then_a_summary(daemon, session):
+    head, rows = table(ctl(daemon, "sessions").stdout, "SESSION")
+    assert head == ["SESSION", "MODEL", "POLICY", "OWNER", "BUDGET", "RESIDENT", "USE", "AGE"]
+    mine = [r for r in rows if r[0] == session]
+    assert mine and mine[0][1] == "demo" and mine[0][2] == "lru"
+    r = ctl(daemon, "sessions", json_out=True)
+    s = [x for x in r["sessions"] if x["session"] == session][0]
+    for k in ("session", "model", "policy", "owner_uid", "budget_bytes", "resident_bytes", "created_at"):
+        assert k in s, k
+    total = [m for m in ctl(daemon, "models", json_out=True)["models"] if m["name"] == "demo"][0]["bytes_total"]
+    assert s["budget_bytes"] == total // 2
+
+
+def test_create_json_with_params(daemon):
+    r = ctl(daemon, "create", "demo", "--policy", "static_hot", "--budget", "1MiB",
+            "--param", "pin_fraction=0.25", "--param", "prefetch=false",
+            "--param", 'hot=[{"layer":0,"experts":[3,1]}]', json_out=True)
+    assert isinstance(r["session"], str) and "plan_summary" in r
+    plan = ctl(daemon, "plan", r["session"], json_out=True)
+    assert plan["policy"] == "static_hot" and plan["budget_bytes"] == 1 << 20
+    ctl(daemon, "close", r["session"])
+
+
+def test_create_with_an_unknown_policy_fails_naming_the_field(daemon):
+    p = ctl(daemon, "create", "demo", "--policy", "mru", check_rc=1)
+    assert p.stderr.startswith("qmoectl: ") and "invalid_params" in p.stderr and "policy" in p.stderr
+
+
+def test_create_with_an_unknown_param_fails(daemon):
+    p = ctl(daemon, "create", "demo", "--param", "prefech=true", check_rc=1)
+    assert "invalid_params" in p.stderr
+
+
+def test_plan_table_has_a_row_per_bank_and_totals(daemon, session):
+    p = ctl(daemon, "plan", session)
+    assert p.stdout.startswith("session %s  policy lru" % session)
+    head, rows = table(p.stdout, "BANK")
+    assert head == ["BANK", "LAYER", "DECISION", "REASON", "CAND", "CAND-SIZE", "PINNED",
+                    "PIN-SIZE", "RES-NOW", "RES-SIZE"]
+    banks, total = rows[:-1], rows[-1]
+    assert len(banks) == LAYERS and total[0] == "total"
+    for i, r in enumerate(banks):
+        assert r[0] == str(i) and r[2] in ("whole-bank", "per-expert")
+    assert "of budget" in p.stdout
+
+
+def test_plan_json_is_the_documented_plan(daemon, session):
+    r = ctl(daemon, "plan", session, json_out=True)
+    for k in ("policy", "budget_bytes", "total", "resident", "degraded", "banks"):
+        assert k in r, k
+    assert r["total"] == LAYERS == len(r["banks"])
+    assert [b["bank"] for b in r["banks"]] == sorted(b["bank"] for b in r["banks"])
+    for b in r["banks"]:
+        assert b["decision"] in ("whole_bank_resident", "per_expert_candidate")
+        if b["decision"] == "per_expert_candidate":
+            assert b["experts"] == list(range(EXPERTS)) and b["bytes_per_expert"] > 0
+
+
+def test_plan_of_an_unknown_session_is_not_found(daemon):
+    p = ctl(daemon, "plan", "0" * 32, check_rc=1)
+    assert p.stderr.startswith("qmoectl: ") and "[not_found" in p.stderr
+
+
+def test_unload_in_use_explains_force(daemon, session):
+    p = ctl(daemon, "unload", "demo", check_rc=1)
+    assert "[in_use" in p.stderr and "--force" in p.stderr
+
+
+# ---- infer ----
+
+def test_infer_matches_qmoe_bank_run_bit_for_bit(daemon, session, workdir):
+    rng = np.random.default_rng(11)
+    x = rng.standard_normal((3, HIDDEN)).astype(np.float32)
+    xp, yp, zp = (os.path.join(daemon.dir, n) for n in ("x.npy", "y.npy", "z.npy"))
+    np.save(xp, x)
+    p = ctl(daemon, "infer", session, "--layer", "1", "--hidden", xp, "--out", yp, "--routing")
+    assert p.stdout.startswith("wrote %s: f32 [3,%d]" % (yp, HIDDEN))
+    assert re.search(r"^experts \d+ hits, \d+ misses; paged ", p.stdout, re.M)
+    assert len(re.findall(r"^token \d+:", p.stdout, re.M)) == 3
+    subprocess.run([need(QMOE_BANK), "run", daemon.bank, "--layer", "1", "--hidden", xp, "--out", zp],
+                   check=True, capture_output=True)
+    y, z = np.load(yp), np.load(zp)
+    assert y.shape == x.shape and y.dtype == np.float32
+    assert y.tobytes() == z.tobytes()
+
+
+def test_infer_json_reports_stats_and_routing(daemon, session):
+    xp, yp = os.path.join(daemon.dir, "x16.npy"), os.path.join(daemon.dir, "y16.npy")
+    np.save(xp, np.ones((2, HIDDEN), dtype=np.float16))
+    r = ctl(daemon, "infer", session, "--layer", "0", "--hidden", xp, "--out", yp, "--routing",
+            json_out=True)
+    assert r["output"]["dtype"] == "f16" and r["output"]["shape"] == [2, HIDDEN]
+    assert set(r["stats"]) == {"hits", "misses", "bytes_paged", "queue_us", "compute_us"}
+    assert len(r["routing"]) == 2 and all(len(t) == 2 for t in r["routing"])
+    assert np.load(yp).dtype == np.float16
+
+
+def test_infer_with_a_bad_layer_names_the_field(daemon, session):
+    xp = os.path.join(daemon.dir, "x.npy")
+    np.save(xp, np.zeros((1, HIDDEN), dtype=np.float32))
+    p = ctl(daemon, "infer", session, "--layer", "99", "--hidden", xp, "--out",
+            os.path.join(daemon.dir, "never.npy"), check_rc=1)
+    assert "invalid_params" in p.stderr and "layer" in p.stderr
+
+
+def test_infer_with_an_unreadable_npy_fails_before_sending(daemon, session):
+    bad = os.path.join(daemon.dir, "bad.npy")
+    with open(bad, "wb") as f:
+        f.write(b"not numpy")
+    p = ctl(daemon, "infer", session, "--layer", "0", "--hidden", bad, "--out", bad + ".out", check_rc=1)
+    assert p.stderr.startswith("qmoectl: %s" % bad)
+
+
+# ---- telemetry, trace, metrics ----
+
+def test_telemetry_human_and_json(daemon, session):
+    head, rows = table(ctl(daemon, "telemetry").stdout, "SESSION")
+    assert head[:6] == ["SESSION", "MODEL", "REQUESTS", "ERRORS", "TOKENS", "HIT-RATE"]
+    assert "P50" in head and "P99" in head and rows[0][0] == "(daemon)"
+    r = ctl(daemon, "telemetry", json_out=True)
+    counters = ("requests", "errors", "tokens", "expert_hits", "expert_misses", "bytes_paged_h2d",
+                "evictions", "prefetch_issued", "prefetch_useful", "resident_bytes", "p50_us", "p99_us")
+    assert all(k in r["daemon"] for k in counters)
+    assert session in [s["session"] for s in r["sessions"]]
+    one = ctl(daemon, "telemetry", session, json_out=True)
+    assert one["session"] == session and one["model"] == "demo"
+    assert all(k in one for k in counters)
+
+
+def test_telemetry_watch_refreshes(daemon, session):
+    p = ctl(daemon, "telemetry", session, "--watch", "0.2", "--count", "2")
+    assert len(re.findall(r"^qmoed telemetry at \d\d:\d\d:\d\d, every 0.2s", p.stdout, re.M)) == 2
+    assert p.stdout.count(session) == 2
+    p = ctl(daemon, "--json", "telemetry", "--watch", "0.1", "--count", "2")
+    dec, text, docs = json.JSONDecoder(), p.stdout.strip(), []
+    while text:
+        obj, end = dec.raw_decode(text)
+        docs.append(obj)
+        text = text[end:].strip()
+    assert len(docs) == 2 and all("daemon" in d for d in docs)
+
+
+def test_trace_shows_the_plan_span(daemon, session):
+    p = ctl(daemon, "trace")
+    head, rows = table(p.stdout, "AT")
+    assert head == ["AT", "DURATION", "NAME", "SESSION", "ARGS"]
+    assert any(r[2] == "session.residency_plan" and r[3] == session for r in rows)
+    r = ctl(daemon, "trace", "--limit", "1", json_out=True)
+    assert len(r["spans"]) == 1
+    r = ctl(daemon, "trace", "--session", session, json_out=True)
+    plan = [s for s in r["spans"] if s["name"] == "session.residency_plan"]
+    assert plan and set(plan[0]["args"]) >= {"policy", "resident", "degraded", "total"}
+
+
+def test_metrics_are_prometheus_text(daemon):
+    p = ctl(daemon, "metrics")
+    assert re.search(r"^# TYPE qmoed_\w+ (counter|gauge|histogram|summary)$", p.stdout, re.M)
+    r = ctl(daemon, "metrics", json_out=True)
+    # The raw result carries the same exposition (counters move between the two calls).
+    names = lambda t: [l for l in t.splitlines() if l.startswith("# TYPE")]
+    assert names(r["text"]) == names(p.stdout)
+
+
+# ---- roles ----
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to run a client as another uid")
+def test_a_non_admin_gets_permission_denied(daemon, session):
+    os.chmod(daemon.socket, 0o666)
+    p = ctl(daemon, "load", "x", daemon.bank, check_rc=1, preexec=run_as_nobody_preexec)
+    assert p.stderr.startswith("qmoectl: ") and "[permission_denied" in p.stderr
+    assert "admin" in p.stderr
+    p = ctl(daemon, "plan", session, check_rc=1, preexec=run_as_nobody_preexec)
+    assert "permission_denied" in p.stderr or "not_found" in p.stderr
+    r = ctl(daemon, "sessions", json_out=True, preexec=run_as_nobody_preexec)
+    assert r["sessions"] == []
+
+
+# ---- close, shutdown ----
+
+def test_close_then_plan_is_not_found(daemon):
+    sid = ctl(daemon, "create", "demo").stdout.splitlines()[0]
+    assert ctl(daemon, "close", sid).stdout.strip() == "closed %s" % sid
+    assert "[not_found" in ctl(daemon, "plan", sid, check_rc=1).stderr
+    assert "[not_found" in ctl(daemon, "close", sid, check_rc=1).stderr
+
+
+def test_shutdown_drains_and_the_daemon_exits_0(fresh_daemon):
+    p = ctl(fresh_daemon, "shutdown")
+    assert "draining" in p.stdout
+    assert fresh_daemon.proc.wait(20) == 0
+    p = ctl(fresh_daemon, "status", check_rc=1)
+    assert "qmoed is not running" in p.stderr
