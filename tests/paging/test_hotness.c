@@ -83,8 +83,10 @@ START_TEST(test_decay_lets_stale_popularity_fade)
     uint32_t out[4];
     ck_assert_int_eq(qm_hotness_hottest(h, 0, out, 4), 2);
     ck_assert_uint_eq(out[0], 3);
-    ck_assert_int_eq(qm_hotness_new(&key, 0.0, &h, &st), QM_EINVAL);
-    ck_assert_int_eq(qm_hotness_new(&key, 1.5, &h, &st), QM_EINVAL);
+    qm_hotness *bad = h;
+    ck_assert_int_eq(qm_hotness_new(&key, 0.0, &bad, &st), QM_EINVAL);
+    ck_assert_ptr_null(bad);
+    ck_assert_int_eq(qm_hotness_new(&key, 1.5, &bad, &st), QM_EINVAL);
     qm_hotness_free(h);
 }
 END_TEST
