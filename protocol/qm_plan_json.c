@@ -21,8 +21,7 @@ static cJSON *u64_item(uint64_t v)
 
 static int add(cJSON *obj, const char *key, cJSON *item)
 {
-    if (!item)
-        return -1;
+    if (!item) return -1;
     if (!cJSON_AddItemToObject(obj, key, item)) {
         cJSON_Delete(item);
         return -1;
@@ -49,11 +48,9 @@ static cJSON *reason_item(const qm_residency_decision *d)
     if (d->kind != QM_DECISION_WHOLE_BANK || d->reason == QM_DEGRADATION_NONE)
         return cJSON_CreateNull();
     cJSON *r = cJSON_CreateObject();
-    if (!r)
-        return NULL;
+    if (!r) return NULL;
     const char *kind = qm_degradation_kind_name(d->reason);
-    if (add(r, "kind", cJSON_CreateString(kind ? kind : "unknown")))
-        goto fail;
+    if (add(r, "kind", cJSON_CreateString(kind ? kind : "unknown"))) goto fail;
     /* policy_declined_split carries no detail; the other two always do. */
     if (d->reason != QM_DEGRADATION_POLICY_DECLINED_SPLIT &&
         add(r, "detail", cJSON_CreateString(d->detail)))
@@ -67,8 +64,7 @@ fail:
 static const qm_plan_json_bank_state *find_state(const qm_plan_json_state *state, uint32_t id)
 {
     for (size_t i = 0; state && state->banks && i < state->n_banks; i++)
-        if (state->banks[i].bank_id == id)
-            return &state->banks[i];
+        if (state->banks[i].bank_id == id) return &state->banks[i];
     return NULL;
 }
 
@@ -77,8 +73,7 @@ static cJSON *bank_item(const qm_plan_bank *b, const qm_plan_json_bank_state *bs
     const qm_residency_decision *d = &b->decision;
     int per_expert = d->kind == QM_DECISION_PER_EXPERT;
     cJSON *o = cJSON_CreateObject();
-    if (!o)
-        return NULL;
+    if (!o) return NULL;
     if (add(o, "bank", u64_item(b->bank_id)) ||
         add(o, "layer", u64_item(bs && bs->has_layer ? bs->layer : b->bank_id)) ||
         add(o, "decision",
@@ -103,21 +98,17 @@ fail:
     return NULL;
 }
 
-int qm_plan_to_json_ex(const qm_residency_plan *plan, const qm_plan_json_state *state,
-                       char **out, size_t *len, qm_status *st)
+int qm_plan_to_json_ex(const qm_residency_plan *plan, const qm_plan_json_state *state, char **out,
+                       size_t *len, qm_status *st)
 {
-    if (!out)
-        return qm_status_set(st, QM_EINVAL, "no string to fill");
+    if (!out) return qm_status_set(st, QM_EINVAL, "no string to fill");
     *out = NULL;
-    if (len)
-        *len = 0;
-    if (!plan)
-        return qm_status_set(st, QM_EINVAL, "no plan to serialise");
+    if (len) *len = 0;
+    if (!plan) return qm_status_set(st, QM_EINVAL, "no plan to serialise");
 
     char *text = NULL;
     cJSON *root = cJSON_CreateObject();
-    if (!root)
-        goto fail_build;
+    if (!root) goto fail_build;
     if (add(root, "policy", cJSON_CreateString(qm_plan_policy_name(plan))) ||
         add(root, "budget_bytes",
             qm_plan_has_budget(plan) ? u64_item(qm_plan_budget(plan)) : cJSON_CreateNull()) ||
@@ -129,8 +120,7 @@ int qm_plan_to_json_ex(const qm_residency_plan *plan, const qm_plan_json_state *
         add(root, "resident_bytes", u64_item(state->resident_bytes)))
         goto fail_build;
     cJSON *banks = cJSON_CreateArray();
-    if (add(root, "banks", banks))
-        goto fail_build;
+    if (add(root, "banks", banks)) goto fail_build;
     for (size_t i = 0; i < qm_plan_total(plan); i++) {
         const qm_plan_bank *b = qm_plan_bank_at(plan, i);
         cJSON *item = bank_item(b, find_state(state, b->bank_id));
@@ -140,20 +130,17 @@ int qm_plan_to_json_ex(const qm_residency_plan *plan, const qm_plan_json_state *
         }
     }
     text = cJSON_PrintUnformatted(root);
-    if (!text)
-        goto fail_build;
+    if (!text) goto fail_build;
     /* Hand back memory from our allocator, so the caller frees it like
      * everything else (cJSON's allocator may be another). */
     size_t n = strlen(text);
     char *copy = qm_malloc(n + 1);
-    if (!copy)
-        goto fail_copy;
+    if (!copy) goto fail_copy;
     memcpy(copy, text, n + 1);
     cJSON_free(text);
     cJSON_Delete(root);
     *out = copy;
-    if (len)
-        *len = n;
+    if (len) *len = n;
     return 0;
 
 fail_copy:

@@ -14,10 +14,10 @@
 
 /* Run-time facts about one bank that session.plan adds to the plan. */
 typedef struct qm_plan_json_bank_state {
-    uint32_t bank_id;  /* which plan bank this describes; unknown ids are ignored */
-    int has_layer;     /* 0: "layer" = bank id */
+    uint32_t bank_id; /* which plan bank this describes; unknown ids are ignored */
+    int has_layer;    /* 0: "layer" = bank id */
     uint32_t layer;
-    int has_resident_now; /* 1: adds "resident_now": [experts resident at this moment] */
+    int has_resident_now;         /* 1: adds "resident_now": [experts resident at this moment] */
     const uint32_t *resident_now; /* written in the order given */
     size_t n_resident_now;
 } qm_plan_json_bank_state;
@@ -34,7 +34,7 @@ typedef struct qm_plan_json_state {
  * A plan without a budget writes "budget_bytes":null. */
 int qm_plan_to_json(const qm_residency_plan *plan, char **out, size_t *len, qm_status *st);
 /* Same, with run-time state (`state` may be NULL: identical to the above). */
-int qm_plan_to_json_ex(const qm_residency_plan *plan, const qm_plan_json_state *state,
-                       char **out, size_t *len, qm_status *st);
+int qm_plan_to_json_ex(const qm_residency_plan *plan, const qm_plan_json_state *state, char **out,
+                       size_t *len, qm_status *st);
 
 #endif

@@ -39,15 +39,12 @@ const char *qm_nonpageable_reason_name(qm_nonpageable_reason reason)
 
 int qm_catalog_new(uint32_t bank_id, uint32_t n_experts, qm_region_catalog **out)
 {
-    if (!out)
-        return QM_EINVAL;
+    if (!out) return QM_EINVAL;
     *out = NULL;
     qm_region_catalog *cat = qm_calloc(1, sizeof *cat);
-    if (!cat)
-        goto fail_catalog;
+    if (!cat) goto fail_catalog;
     cat->units = qm_calloc(n_experts ? n_experts : 1, sizeof *cat->units);
-    if (!cat->units)
-        goto fail_units;
+    if (!cat->units) goto fail_units;
     cat->bank_id = bank_id;
     cat->n_experts = n_experts;
     *out = cat;
@@ -61,8 +58,7 @@ fail_catalog:
 
 void qm_catalog_free(qm_region_catalog *cat)
 {
-    if (!cat)
-        return;
+    if (!cat) return;
     for (uint32_t e = 0; e < cat->n_experts; e++)
         qm_free(cat->units[e].regions);
     qm_free(cat->units);
@@ -71,17 +67,14 @@ void qm_catalog_free(qm_region_catalog *cat)
 
 int qm_catalog_add_region(qm_region_catalog *cat, uint32_t expert, qm_region region)
 {
-    if (!cat || expert >= cat->n_experts)
-        return QM_EINVAL;
+    if (!cat || expert >= cat->n_experts) return QM_EINVAL;
     qm__expert_unit *u = &cat->units[expert];
     if (u->n_regions == u->cap_regions) {
         size_t cap = u->cap_regions ? u->cap_regions * 2 : 4;
         size_t bytes;
-        if (__builtin_mul_overflow(cap, sizeof *u->regions, &bytes))
-            return QM_ENOMEM;
+        if (__builtin_mul_overflow(cap, sizeof *u->regions, &bytes)) return QM_ENOMEM;
         qm_region *grown = qm_realloc(u->regions, bytes);
-        if (!grown)
-            return QM_ENOMEM; /* u->regions is still valid and still owned */
+        if (!grown) return QM_ENOMEM; /* u->regions is still valid and still owned */
         u->regions = grown;
         u->cap_regions = cap;
     }
@@ -94,8 +87,7 @@ int qm_catalog_add_region(qm_region_catalog *cat, uint32_t expert, qm_region reg
 void qm_catalog_set_nonpageable(qm_region_catalog *cat, qm_nonpageable_reason reason,
                                 const char *detail)
 {
-    if (!cat)
-        return;
+    if (!cat) return;
     if ((unsigned)reason >= QM_NONPAGEABLE_COUNT)
         reason = QM_NONPAGEABLE_NOT_EXPERT_MAJOR; /* fail closed on a garbage reason */
     cat->reason = reason;
@@ -105,7 +97,10 @@ void qm_catalog_set_nonpageable(qm_region_catalog *cat, qm_nonpageable_reason re
         snprintf(cat->detail, sizeof cat->detail, "%s", detail);
 }
 
-uint32_t qm_catalog_bank_id(const qm_region_catalog *cat) { return cat ? cat->bank_id : 0; }
+uint32_t qm_catalog_bank_id(const qm_region_catalog *cat)
+{
+    return cat ? cat->bank_id : 0;
+}
 
 uint32_t qm_catalog_expert_count(const qm_region_catalog *cat)
 {
@@ -115,32 +110,26 @@ uint32_t qm_catalog_expert_count(const qm_region_catalog *cat)
 qm_nonpageable_reason qm__catalog_reason_ex(const qm_region_catalog *cat, char *detail,
                                             size_t detail_cap)
 {
-    if (detail && detail_cap)
-        detail[0] = '\0';
-    if (!cat)
-        return QM_NONPAGEABLE_MISSING_REGION;
+    if (detail && detail_cap) detail[0] = '\0';
+    if (!cat) return QM_NONPAGEABLE_MISSING_REGION;
     if (cat->reason != QM_NONPAGEABLE_NONE) {
-        if (detail && detail_cap)
-            snprintf(detail, detail_cap, "%s", cat->detail);
+        if (detail && detail_cap) snprintf(detail, detail_cap, "%s", cat->detail);
         return cat->reason;
     }
     if (cat->n_experts < 2) {
         if (detail && detail_cap)
-            snprintf(detail, detail_cap, "bank %u has %u expert(s)", cat->bank_id,
-                     cat->n_experts);
+            snprintf(detail, detail_cap, "bank %u has %u expert(s)", cat->bank_id, cat->n_experts);
         return QM_NONPAGEABLE_SINGLE_EXPERT;
     }
     for (uint32_t e = 0; e < cat->n_experts; e++) {
         if (cat->units[e].n_regions == 0) {
-            if (detail && detail_cap)
-                snprintf(detail, detail_cap, "expert %u has no region", e);
+            if (detail && detail_cap) snprintf(detail, detail_cap, "expert %u has no region", e);
             return QM_NONPAGEABLE_MISSING_REGION;
         }
     }
     for (uint32_t e = 0; e < cat->n_experts; e++) {
         if (cat->units[e].bytes == 0) {
-            if (detail && detail_cap)
-                snprintf(detail, detail_cap, "expert %u has zero bytes", e);
+            if (detail && detail_cap) snprintf(detail, detail_cap, "expert %u has zero bytes", e);
             return QM_NONPAGEABLE_EMPTY_UNIT;
         }
     }
@@ -160,19 +149,16 @@ const char *qm_catalog_reason_detail(const qm_region_catalog *cat)
 const qm_region *qm_catalog_regions(const qm_region_catalog *cat, uint32_t expert, size_t *count)
 {
     if (!cat || expert >= cat->n_experts) {
-        if (count)
-            *count = 0;
+        if (count) *count = 0;
         return NULL;
     }
-    if (count)
-        *count = cat->units[expert].n_regions;
+    if (count) *count = cat->units[expert].n_regions;
     return cat->units[expert].regions;
 }
 
 uint64_t qm_catalog_expert_bytes(const qm_region_catalog *cat, uint32_t expert)
 {
-    if (!cat || expert >= cat->n_experts)
-        return 0;
+    if (!cat || expert >= cat->n_experts) return 0;
     return cat->units[expert].bytes;
 }
 
@@ -180,8 +166,7 @@ uint64_t qm_catalog_bytes_per_expert(const qm_region_catalog *cat)
 {
     uint64_t most = 0;
     for (uint32_t e = 0; cat && e < cat->n_experts; e++)
-        if (cat->units[e].bytes > most)
-            most = cat->units[e].bytes;
+        if (cat->units[e].bytes > most) most = cat->units[e].bytes;
     return most;
 }
 
@@ -189,7 +174,6 @@ uint64_t qm_catalog_total_bytes(const qm_region_catalog *cat)
 {
     unsigned long long total = 0;
     for (uint32_t e = 0; cat && e < cat->n_experts; e++)
-        if (qm_add_u64(total, cat->units[e].bytes, &total))
-            return UINT64_MAX;
+        if (qm_add_u64(total, cat->units[e].bytes, &total)) return UINT64_MAX;
     return total;
 }

@@ -77,8 +77,7 @@ static void bank_set_whole(qm_plan_bank *b, qm_degradation_kind reason, const ch
 
 #define REJECT(b, ...) (bank_set_whole((b), QM_DEGRADATION_REJECTED_BY_VALIDATION, __VA_ARGS__), 0)
 
-static void bank_set_non_pageable(qm_plan_bank *b, qm_nonpageable_reason reason,
-                                  const char *detail)
+static void bank_set_non_pageable(qm_plan_bank *b, qm_nonpageable_reason reason, const char *detail)
 {
     const char *name = qm_nonpageable_reason_name(reason);
     if (detail && detail[0])
@@ -91,8 +90,7 @@ static void bank_set_non_pageable(qm_plan_bank *b, qm_nonpageable_reason reason,
 static uint32_t *sorted_copy(const uint32_t *src, size_t n)
 {
     uint32_t *copy = qm_malloc(n * sizeof *copy);
-    if (!copy)
-        return NULL;
+    if (!copy) return NULL;
     memcpy(copy, src, n * sizeof *copy);
     qsort(copy, n, sizeof *copy, cmp_u32);
     return copy;
@@ -125,13 +123,14 @@ static int accept_per_expert(qm_plan_bank *b, const qm_region_catalog *cat,
         size_t n_regions = 0;
         qm_catalog_regions(cat, e, &n_regions);
         if (n_regions == 0 || qm_catalog_expert_bytes(cat, e) == 0)
-            return REJECT(b, "rule expert_without_region: experts[%zu] = %u has no bytes in bank %u",
+            return REJECT(b,
+                          "rule expert_without_region: experts[%zu] = %u has no bytes in bank %u",
                           i, e, id);
     }
     if (cat_reason != QM_NONPAGEABLE_NONE)
-        return REJECT(b, "rule per_expert_over_non_pageable_catalog: bank %u cannot be split (%s%s%s)",
-                      id, qm_nonpageable_reason_name(cat_reason), cat_detail[0] ? ": " : "",
-                      cat_detail);
+        return REJECT(
+            b, "rule per_expert_over_non_pageable_catalog: bank %u cannot be split (%s%s%s)", id,
+            qm_nonpageable_reason_name(cat_reason), cat_detail[0] ? ": " : "", cat_detail);
     if (d->n_pinned && !d->pinned)
         return REJECT(b, "rule null_pinned: bank %u: %zu pinned announced, array is NULL", id,
                       d->n_pinned);
@@ -140,13 +139,11 @@ static int accept_per_expert(qm_plan_bank *b, const qm_region_catalog *cat,
                       d->n_experts);
 
     uint32_t *experts = sorted_copy(d->experts, d->n_experts);
-    if (!experts)
-        goto fail_experts;
+    if (!experts) goto fail_experts;
     uint32_t *pinned = NULL;
     if (d->n_pinned) {
         pinned = sorted_copy(d->pinned, d->n_pinned);
-        if (!pinned)
-            goto fail_pinned;
+        if (!pinned) goto fail_pinned;
     }
     /* From here on the bank owns both arrays: REJECT frees them. */
     b->decision.experts = experts;
@@ -158,8 +155,9 @@ static int accept_per_expert(qm_plan_bank *b, const qm_region_catalog *cat,
     for (size_t i = 0; i < d->n_pinned; i++) {
         uint32_t p = d->pinned[i];
         if (!bsearch(&p, experts, d->n_experts, sizeof *experts, cmp_u32))
-            return REJECT(b, "rule pinned_not_candidate: pinned[%zu] = %u is not among bank %u's experts",
-                          i, p, id);
+            return REJECT(
+                b, "rule pinned_not_candidate: pinned[%zu] = %u is not among bank %u's experts", i,
+                p, id);
     }
     for (size_t i = 1; i < d->n_pinned; i++)
         if (pinned[i] == pinned[i - 1])
@@ -216,8 +214,7 @@ static int plan_bank(qm_plan_bank *b, const qm_region_catalog *cat, const qm_pol
         snprintf(b->decision.detail, sizeof b->decision.detail,
                  "%s: expert unit %llu bytes < min_split_bytes %llu",
                  qm_nonpageable_reason_name(QM_NONPAGEABLE_BELOW_SPLIT_THRESHOLD),
-                 (unsigned long long)b->bytes_per_expert,
-                 (unsigned long long)opt->min_split_bytes);
+                 (unsigned long long)b->bytes_per_expert, (unsigned long long)opt->min_split_bytes);
         return 0;
     }
     if (rc < 0)
@@ -252,22 +249,18 @@ int qm_plan_residency(const qm_region_catalog *const *catalogs, size_t n_catalog
                       qm_residency_plan **out, qm_status *st)
 {
     static const qm_plan_options no_options = {0};
-    if (!out)
-        return qm_status_set(st, QM_EINVAL, "no plan to fill");
+    if (!out) return qm_status_set(st, QM_EINVAL, "no plan to fill");
     *out = NULL;
     int rc = qm_policy_check(policy, st);
-    if (rc < 0)
-        return rc;
+    if (rc < 0) return rc;
     if (n_catalogs && !catalogs)
         return qm_status_set(st, QM_EINVAL, "%zu catalogs announced, array is NULL", n_catalogs);
     for (size_t i = 0; i < n_catalogs; i++)
-        if (!catalogs[i])
-            return qm_status_set(st, QM_EINVAL, "catalogs[%zu] is NULL", i);
+        if (!catalogs[i]) return qm_status_set(st, QM_EINVAL, "catalogs[%zu] is NULL", i);
     const qm_plan_options *opt = options ? options : &no_options;
 
     bank_order *order = qm_calloc(n_catalogs ? n_catalogs : 1, sizeof *order);
-    if (!order)
-        goto fail_order;
+    if (!order) goto fail_order;
     for (size_t i = 0; i < n_catalogs; i++) {
         order[i].bank_id = qm_catalog_bank_id(catalogs[i]);
         order[i].index = i;
@@ -283,21 +276,17 @@ int qm_plan_residency(const qm_region_catalog *const *catalogs, size_t n_catalog
     }
 
     qm_residency_plan *plan = qm_calloc(1, sizeof *plan);
-    if (!plan)
-        goto fail_plan;
+    if (!plan) goto fail_plan;
     plan->policy_name = qm_strdup(policy->iface->name);
-    if (!plan->policy_name)
-        goto fail_fill;
+    if (!plan->policy_name) goto fail_fill;
     plan->banks = qm_calloc(n_catalogs ? n_catalogs : 1, sizeof *plan->banks);
-    if (!plan->banks)
-        goto fail_fill;
+    if (!plan->banks) goto fail_fill;
     plan->n_banks = n_catalogs;
     plan->has_budget = opt->has_budget ? 1 : 0;
     plan->budget_bytes = opt->has_budget ? opt->budget_bytes : 0;
     for (size_t i = 0; i < n_catalogs; i++) {
         qm_plan_bank *b = &plan->banks[i];
-        if (plan_bank(b, catalogs[order[i].index], policy, opt) < 0)
-            goto fail_fill;
+        if (plan_bank(b, catalogs[order[i].index], policy, opt) < 0) goto fail_fill;
         if (b->decision.kind == QM_DECISION_WHOLE_BANK) {
             if (b->decision.reason == QM_DEGRADATION_NONE)
                 plan->resident++;
@@ -319,8 +308,7 @@ fail_order:
 
 void qm_plan_free(qm_residency_plan *plan)
 {
-    if (!plan)
-        return;
+    if (!plan) return;
     for (size_t i = 0; plan->banks && i < plan->n_banks; i++) {
         qm_free((void *)plan->banks[i].decision.experts);
         qm_free((void *)plan->banks[i].decision.pinned);
@@ -336,11 +324,26 @@ const char *qm_plan_policy_name(const qm_residency_plan *plan)
 {
     return plan ? plan->policy_name : "";
 }
-int qm_plan_has_budget(const qm_residency_plan *plan) { return plan ? plan->has_budget : 0; }
-uint64_t qm_plan_budget(const qm_residency_plan *plan) { return plan ? plan->budget_bytes : 0; }
-size_t qm_plan_total(const qm_residency_plan *plan) { return plan ? plan->n_banks : 0; }
-size_t qm_plan_resident_count(const qm_residency_plan *plan) { return plan ? plan->resident : 0; }
-size_t qm_plan_degraded_count(const qm_residency_plan *plan) { return plan ? plan->degraded : 0; }
+int qm_plan_has_budget(const qm_residency_plan *plan)
+{
+    return plan ? plan->has_budget : 0;
+}
+uint64_t qm_plan_budget(const qm_residency_plan *plan)
+{
+    return plan ? plan->budget_bytes : 0;
+}
+size_t qm_plan_total(const qm_residency_plan *plan)
+{
+    return plan ? plan->n_banks : 0;
+}
+size_t qm_plan_resident_count(const qm_residency_plan *plan)
+{
+    return plan ? plan->resident : 0;
+}
+size_t qm_plan_degraded_count(const qm_residency_plan *plan)
+{
+    return plan ? plan->degraded : 0;
+}
 size_t qm_plan_per_expert_count(const qm_residency_plan *plan)
 {
     return plan ? plan->n_banks - plan->resident - plan->degraded : 0;
@@ -348,8 +351,7 @@ size_t qm_plan_per_expert_count(const qm_residency_plan *plan)
 
 const qm_plan_bank *qm_plan_bank_at(const qm_residency_plan *plan, size_t i)
 {
-    if (!plan || i >= plan->n_banks)
-        return NULL;
+    if (!plan || i >= plan->n_banks) return NULL;
     return &plan->banks[i];
 }
 
@@ -359,8 +361,7 @@ const qm_plan_bank *qm_plan_find_bank(const qm_residency_plan *plan, uint32_t ba
     while (lo < hi) {
         size_t mid = lo + (hi - lo) / 2;
         uint32_t id = plan->banks[mid].bank_id;
-        if (id == bank_id)
-            return &plan->banks[mid];
+        if (id == bank_id) return &plan->banks[mid];
         if (id < bank_id)
             lo = mid + 1;
         else

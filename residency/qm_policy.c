@@ -10,27 +10,22 @@
 
 int qm_policy_check(const qm_policy *policy, qm_status *st)
 {
-    if (!policy || !policy->iface)
-        return qm_status_set(st, QM_EINVAL, "policy has no interface");
+    if (!policy || !policy->iface) return qm_status_set(st, QM_EINVAL, "policy has no interface");
     const qm_policy_iface *iface = policy->iface;
     if (iface->version != QM_POLICY_IFACE_VERSION)
         return qm_status_set(st, QM_EINVAL, "policy interface version %d, expected %d",
                              iface->version, QM_POLICY_IFACE_VERSION);
-    if (!iface->name || !iface->name[0])
-        return qm_status_set(st, QM_EINVAL, "policy has no name");
+    if (!iface->name || !iface->name[0]) return qm_status_set(st, QM_EINVAL, "policy has no name");
     if (!iface->decide)
         return qm_status_set(st, QM_EINVAL, "policy '%s' has no decide method", iface->name);
     return 0;
 }
 
-int qm_policy_decide(const qm_policy *policy, const qm_policy_input *in,
-                     qm_residency_decision *out)
+int qm_policy_decide(const qm_policy *policy, const qm_policy_input *in, qm_residency_decision *out)
 {
-    if (!out)
-        return QM_EINVAL;
+    if (!out) return QM_EINVAL;
     memset(out, 0, sizeof *out);
-    if (!policy || !policy->iface || !policy->iface->decide || !in)
-        return QM_EINVAL;
+    if (!policy || !policy->iface || !policy->iface->decide || !in) return QM_EINVAL;
     return policy->iface->decide(policy->ctx, in, out);
 }
 
@@ -55,27 +50,21 @@ void qm_policy_on_evict(const qm_policy *policy, qm_expert_ref ref)
 int qm_policy_choose_victim(const qm_policy *policy, const qm_expert_ref *candidates, size_t n,
                             size_t *victim)
 {
-    if (!candidates || n == 0 || !victim)
-        return QM_EINVAL;
+    if (!candidates || n == 0 || !victim) return QM_EINVAL;
     /* No opinion: the caller keeps its own LRU, so that is the default. */
-    if (!policy || !policy->iface || !policy->iface->choose_victim)
-        return QM_EUNSUPPORTED;
+    if (!policy || !policy->iface || !policy->iface->choose_victim) return QM_EUNSUPPORTED;
     size_t pick = n; /* out of range unless the policy writes a real index */
     int rc = policy->iface->choose_victim(policy->ctx, candidates, n, &pick);
-    if (rc < 0)
-        return rc;
-    if (rc > 0 || pick >= n)
-        return QM_EINVAL;
+    if (rc < 0) return rc;
+    if (rc > 0 || pick >= n) return QM_EINVAL;
     *victim = pick;
     return 0;
 }
 
 void qm_policy_destroy(qm_policy *policy)
 {
-    if (!policy)
-        return;
-    if (policy->iface && policy->iface->destroy)
-        policy->iface->destroy(policy->ctx);
+    if (!policy) return;
+    if (policy->iface && policy->iface->destroy) policy->iface->destroy(policy->ctx);
     policy->iface = NULL;
     policy->ctx = NULL;
 }
@@ -91,8 +80,7 @@ int qm__decide_split_all(const qm_policy_input *in, uint32_t **scratch, size_t *
     uint32_t n = qm_catalog_expert_count(in->catalog);
     if (*scratch_cap < n) {
         uint32_t *grown = qm_realloc(*scratch, (size_t)n * sizeof **scratch);
-        if (!grown)
-            return QM_ENOMEM;
+        if (!grown) return QM_ENOMEM;
         *scratch = grown;
         *scratch_cap = n;
     }
@@ -136,28 +124,26 @@ int qm__policy_whole_bank_new(qm_policy *out, qm_status *st)
 
 /* ---- Registry ------------------------------------------------------------ */
 
-const char *qm_policy_supported_names(void) { return "whole_bank, static_hot, lru, lfu"; }
-
-int qm_policy_new(const char *name, const qm_policy_params *params, qm_policy *out,
-                  qm_status *st)
+const char *qm_policy_supported_names(void)
 {
-    if (!out)
-        return qm_status_set(st, QM_EINVAL, "no policy to fill");
+    return "whole_bank, static_hot, lru, lfu";
+}
+
+int qm_policy_new(const char *name, const qm_policy_params *params, qm_policy *out, qm_status *st)
+{
+    if (!out) return qm_status_set(st, QM_EINVAL, "no policy to fill");
     out->iface = NULL;
     out->ctx = NULL;
-    if (!name || !strcmp(name, "whole_bank"))
-        return qm__policy_whole_bank_new(out, st);
-    if (!strcmp(name, "lru"))
-        return qm__policy_lru_new(out, st);
-    if (!strcmp(name, "lfu"))
-        return qm__policy_lfu_new(params, out, st);
-    if (!strcmp(name, "static_hot"))
-        return qm__policy_static_hot_new(params, out, st);
+    if (!name || !strcmp(name, "whole_bank")) return qm__policy_whole_bank_new(out, st);
+    if (!strcmp(name, "lru")) return qm__policy_lru_new(out, st);
+    if (!strcmp(name, "lfu")) return qm__policy_lfu_new(params, out, st);
+    if (!strcmp(name, "static_hot")) return qm__policy_static_hot_new(params, out, st);
     if (!strcmp(name, "belady"))
         return qm_status_set_field(st, QM_EINVAL, "policy",
                                    "policy 'belady' needs the future trace and is for tests "
                                    "and benchmarks only; expected one of: %s",
                                    qm_policy_supported_names());
-    return qm_status_set_field(st, QM_EINVAL, "policy", "unknown policy '%.64s'; expected one of: %s",
-                               name, qm_policy_supported_names());
+    return qm_status_set_field(st, QM_EINVAL, "policy",
+                               "unknown policy '%.64s'; expected one of: %s", name,
+                               qm_policy_supported_names());
 }

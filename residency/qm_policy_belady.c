@@ -11,10 +11,10 @@
 #define NEVER UINT64_MAX
 
 typedef struct belady_ctx {
-    uint64_t *future;    /* keys, in access order */
-    uint64_t *next_use;  /* next_use[i]: next position of future[i]'s key after i, or NEVER */
+    uint64_t *future;   /* keys, in access order */
+    uint64_t *next_use; /* next_use[i]: next position of future[i]'s key after i, or NEVER */
     size_t n;
-    size_t cursor;       /* positions < cursor have been accessed */
+    size_t cursor;        /* positions < cursor have been accessed */
     qm__ref_map upcoming; /* key -> last_tick = its first position >= cursor, or NEVER */
     uint32_t *experts;
     size_t experts_cap;
@@ -32,8 +32,7 @@ static void belady_on_access(void *ctx, qm_expert_ref ref, uint64_t tick, int hi
     (void)tick;
     (void)hit;
     belady_ctx *bl = ctx;
-    if (bl->cursor >= bl->n)
-        return;
+    if (bl->cursor >= bl->n) return;
     qm__ref_entry *e = qm__ref_map_find(&bl->upcoming, bl->future[bl->cursor]);
     if (e) /* always present: built from the same sequence */
         e->last_tick = bl->next_use[bl->cursor];
@@ -65,8 +64,7 @@ static int belady_choose_victim(void *ctx, const qm_expert_ref *candidates, size
 static void belady_destroy(void *ctx)
 {
     belady_ctx *bl = ctx;
-    if (!bl)
-        return;
+    if (!bl) return;
     qm_free(bl->future);
     qm_free(bl->next_use);
     qm__ref_map_free(&bl->upcoming);
@@ -85,19 +83,16 @@ static const qm_policy_iface belady_iface = {
 
 int qm_policy_belady_new(const qm_expert_ref *future, size_t n, qm_policy *out, qm_status *st)
 {
-    if (!out)
-        return qm_status_set(st, QM_EINVAL, "no policy to fill");
+    if (!out) return qm_status_set(st, QM_EINVAL, "no policy to fill");
     out->iface = NULL;
     out->ctx = NULL;
     if (n && !future)
         return qm_status_set(st, QM_EINVAL, "belady: %zu future accesses but no array", n);
     belady_ctx *bl = qm_calloc(1, sizeof *bl);
-    if (!bl)
-        goto fail;
+    if (!bl) goto fail;
     bl->future = qm_calloc(n ? n : 1, sizeof *bl->future);
     bl->next_use = qm_calloc(n ? n : 1, sizeof *bl->next_use);
-    if (!bl->future || !bl->next_use)
-        goto fail_arrays;
+    if (!bl->future || !bl->next_use) goto fail_arrays;
     bl->n = n;
     /* Walking backwards, the map holds each key's nearest later position. */
     for (size_t i = n; i-- > 0;) {
@@ -105,8 +100,7 @@ int qm_policy_belady_new(const qm_expert_ref *future, size_t n, qm_policy *out, 
         bl->future[i] = key;
         int seen = qm__ref_map_find(&bl->upcoming, key) != NULL;
         qm__ref_entry *e = qm__ref_map_upsert(&bl->upcoming, key);
-        if (!e)
-            goto fail_arrays;
+        if (!e) goto fail_arrays;
         bl->next_use[i] = seen ? e->last_tick : NEVER;
         e->last_tick = i;
     }
@@ -117,6 +111,5 @@ int qm_policy_belady_new(const qm_expert_ref *future, size_t n, qm_policy *out, 
 fail_arrays:
     belady_destroy(bl);
 fail:
-    return qm_status_set(st, QM_ENOMEM, "out of memory creating policy 'belady' (%zu accesses)",
-                         n);
+    return qm_status_set(st, QM_ENOMEM, "out of memory creating policy 'belady' (%zu accesses)", n);
 }

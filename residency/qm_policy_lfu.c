@@ -22,8 +22,7 @@ static int lfu_decide(void *ctx, const qm_policy_input *in, qm_residency_decisio
 {
     lfu_ctx *lfu = ctx;
     int rc = qm__decide_split_all(in, &lfu->experts, &lfu->experts_cap, out);
-    if (rc == 0 && out->kind == QM_DECISION_PER_EXPERT)
-        qm__ref_map_reserve_bank(&lfu->history, in);
+    if (rc == 0 && out->kind == QM_DECISION_PER_EXPERT) qm__ref_map_reserve_bank(&lfu->history, in);
     return rc;
 }
 
@@ -35,8 +34,7 @@ static uint64_t bank_clock(const lfu_ctx *lfu, uint32_t bank)
 
 static double aged(const lfu_ctx *lfu, const qm__ref_entry *e, uint64_t now)
 {
-    if (now <= e->clock || lfu->decay == 1.0)
-        return e->count;
+    if (now <= e->clock || lfu->decay == 1.0) return e->count;
     return e->count * pow(lfu->decay, (double)(now - e->clock));
 }
 
@@ -46,8 +44,7 @@ static void lfu_on_access(void *ctx, qm_expert_ref ref, uint64_t tick, int hit)
     lfu_ctx *lfu = ctx;
     qm__ref_entry *b = qm__ref_map_upsert(&lfu->history, qm__bank_key(ref.bank));
     qm__ref_entry *e = qm__ref_map_upsert(&lfu->history, qm__ref_key(ref));
-    if (!b || !e)
-        return; /* no memory: this access is not counted */
+    if (!b || !e) return; /* no memory: this access is not counted */
     /* The upsert of e may have moved b: look the clock up again. */
     b = qm__ref_map_find(&lfu->history, qm__bank_key(ref.bank));
     uint64_t now = ++b->clock;
@@ -80,8 +77,7 @@ static int lfu_choose_victim(void *ctx, const qm_expert_ref *candidates, size_t 
 static void lfu_destroy(void *ctx)
 {
     lfu_ctx *lfu = ctx;
-    if (!lfu)
-        return;
+    if (!lfu) return;
     qm__ref_map_free(&lfu->history);
     qm_free(lfu->experts);
     qm_free(lfu);
@@ -99,14 +95,12 @@ static const qm_policy_iface lfu_iface = {
 int qm__policy_lfu_new(const qm_policy_params *params, qm_policy *out, qm_status *st)
 {
     double decay = QM_POLICY_LFU_DEFAULT_DECAY;
-    if (params && params->has_decay)
-        decay = params->decay;
+    if (params && params->has_decay) decay = params->decay;
     if (!(decay >= 0.0 && decay <= 1.0)) /* also rejects NaN */
         return qm_status_set_field(st, QM_EINVAL, "policy_params.decay",
                                    "decay %g is outside [0, 1]", decay);
     lfu_ctx *lfu = qm_calloc(1, sizeof *lfu);
-    if (!lfu)
-        return qm_status_set(st, QM_ENOMEM, "out of memory creating policy 'lfu'");
+    if (!lfu) return qm_status_set(st, QM_ENOMEM, "out of memory creating policy 'lfu'");
     lfu->decay = decay;
     out->iface = &lfu_iface;
     out->ctx = lfu;

@@ -18,8 +18,7 @@ static int lru_decide(void *ctx, const qm_policy_input *in, qm_residency_decisio
 {
     lru_ctx *lru = ctx;
     int rc = qm__decide_split_all(in, &lru->experts, &lru->experts_cap, out);
-    if (rc == 0 && out->kind == QM_DECISION_PER_EXPERT)
-        qm__ref_map_reserve_bank(&lru->history, in);
+    if (rc == 0 && out->kind == QM_DECISION_PER_EXPERT) qm__ref_map_reserve_bank(&lru->history, in);
     return rc;
 }
 
@@ -37,7 +36,10 @@ static void lru_on_access(void *ctx, qm_expert_ref ref, uint64_t tick, int hit)
     lru_touch(ctx, ref, tick);
 }
 
-static void lru_on_insert(void *ctx, qm_expert_ref ref, uint64_t tick) { lru_touch(ctx, ref, tick); }
+static void lru_on_insert(void *ctx, qm_expert_ref ref, uint64_t tick)
+{
+    lru_touch(ctx, ref, tick);
+}
 
 static int lru_choose_victim(void *ctx, const qm_expert_ref *candidates, size_t n, size_t *victim)
 {
@@ -64,8 +66,7 @@ static void lru_ctx_release(lru_ctx *lru)
 
 static void lru_destroy(void *ctx)
 {
-    if (!ctx)
-        return;
+    if (!ctx) return;
     lru_ctx_release(ctx);
     qm_free(ctx);
 }
@@ -83,8 +84,7 @@ static const qm_policy_iface lru_iface = {
 int qm__policy_lru_new(qm_policy *out, qm_status *st)
 {
     lru_ctx *lru = qm_calloc(1, sizeof *lru);
-    if (!lru)
-        return qm_status_set(st, QM_ENOMEM, "out of memory creating policy 'lru'");
+    if (!lru) return qm_status_set(st, QM_ENOMEM, "out of memory creating policy 'lru'");
     out->iface = &lru_iface;
     out->ctx = lru;
     return 0;
@@ -108,8 +108,7 @@ static int static_hot_decide(void *ctx, const qm_policy_input *in, qm_residency_
 {
     static_hot_ctx *sh = ctx;
     int rc = lru_decide(&sh->lru, in, out);
-    if (rc != 0 || out->kind != QM_DECISION_PER_EXPERT)
-        return rc;
+    if (rc != 0 || out->kind != QM_DECISION_PER_EXPERT) return rc;
     uint32_t b = in->bank_id;
     if (b >= sh->n_hot_banks || !sh->hot_len[b])
         return 0; /* no profile for this bank: nothing pinned, pure LRU */
@@ -121,21 +120,17 @@ static int static_hot_decide(void *ctx, const qm_policy_input *in, qm_residency_
          * answer does not depend on the order decide() is called in. */
         long double share = (long double)sh->pin_fraction * (long double)in->budget_bytes /
                             (long double)sh->n_listed_banks;
-        if (share > (long double)in->budget_bytes)
-            share = (long double)in->budget_bytes;
+        if (share > (long double)in->budget_bytes) share = (long double)in->budget_bytes;
         uint64_t share_bytes = (uint64_t)floorl(share);
         max_pins = slot ? (size_t)(share_bytes / slot) : 0;
     }
-    if (max_pins == 0)
-        return 0;
+    if (max_pins == 0) return 0;
     if (sh->scratch_cap < n) {
         uint32_t *pinned = qm_realloc(sh->pinned, (size_t)n * sizeof *pinned);
-        if (!pinned)
-            return QM_ENOMEM;
+        if (!pinned) return QM_ENOMEM;
         sh->pinned = pinned;
         uint8_t *seen = qm_realloc(sh->seen, n);
-        if (!seen)
-            return QM_ENOMEM;
+        if (!seen) return QM_ENOMEM;
         sh->seen = seen;
         sh->scratch_cap = n;
     }
@@ -143,8 +138,7 @@ static int static_hot_decide(void *ctx, const qm_policy_input *in, qm_residency_
     size_t n_pinned = 0;
     for (size_t i = 0; i < sh->hot_len[b] && n_pinned < max_pins; i++) {
         uint32_t e = sh->hot[b][i];
-        if (e >= n || sh->seen[e])
-            continue; /* a profile from another model shape, or a repeat */
+        if (e >= n || sh->seen[e]) continue; /* a profile from another model shape, or a repeat */
         sh->seen[e] = 1;
         sh->pinned[n_pinned++] = e;
     }
@@ -156,8 +150,7 @@ static int static_hot_decide(void *ctx, const qm_policy_input *in, qm_residency_
 static void static_hot_destroy(void *ctx)
 {
     static_hot_ctx *sh = ctx;
-    if (!sh)
-        return;
+    if (!sh) return;
     for (size_t b = 0; b < sh->n_hot_banks; b++)
         qm_free(sh->hot[b]);
     qm_free(sh->hot);
@@ -188,24 +181,19 @@ int qm__policy_static_hot_new(const qm_policy_params *params, qm_policy *out, qm
                                    "pin_fraction %g is outside [0, 1]", fraction);
     size_t n_banks = params && params->hot && params->hot_len ? params->n_hot_banks : 0;
     static_hot_ctx *sh = qm_calloc(1, sizeof *sh);
-    if (!sh)
-        goto fail_ctx;
+    if (!sh) goto fail_ctx;
     sh->pin_fraction = fraction;
     if (n_banks) {
         sh->hot = qm_calloc(n_banks, sizeof *sh->hot);
-        if (!sh->hot)
-            goto fail_copy;
+        if (!sh->hot) goto fail_copy;
         sh->n_hot_banks = n_banks; /* from here on destroy frees what was copied */
         sh->hot_len = qm_calloc(n_banks, sizeof *sh->hot_len);
-        if (!sh->hot_len)
-            goto fail_copy;
+        if (!sh->hot_len) goto fail_copy;
         for (size_t b = 0; b < n_banks; b++) {
             size_t len = params->hot[b] ? params->hot_len[b] : 0;
-            if (!len)
-                continue;
+            if (!len) continue;
             sh->hot[b] = qm_calloc(len, sizeof *sh->hot[b]);
-            if (!sh->hot[b])
-                goto fail_copy;
+            if (!sh->hot[b]) goto fail_copy;
             memcpy(sh->hot[b], params->hot[b], len * sizeof *sh->hot[b]);
             sh->hot_len[b] = len;
             sh->n_listed_banks++;

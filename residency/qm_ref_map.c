@@ -28,19 +28,15 @@ static qm__ref_entry *probe(qm__ref_entry *slots, size_t cap, uint64_t key)
 
 int qm__ref_map_reserve(qm__ref_map *map, size_t n)
 {
-    if (n > QM__REF_MAP_MAX_KEYS)
-        n = QM__REF_MAP_MAX_KEYS;
+    if (n > QM__REF_MAP_MAX_KEYS) n = QM__REF_MAP_MAX_KEYS;
     size_t want = 16;
     while (want < 2 * n) /* load factor <= 1/2 keeps probes short */
         want *= 2;
-    if (want <= map->cap)
-        return 0;
+    if (want <= map->cap) return 0;
     qm__ref_entry *slots = qm_calloc(want, sizeof *slots);
-    if (!slots)
-        return QM_ENOMEM;
+    if (!slots) return QM_ENOMEM;
     for (size_t i = 0; i < map->cap; i++)
-        if (map->slots[i].used)
-            *probe(slots, want, map->slots[i].key) = map->slots[i];
+        if (map->slots[i].used) *probe(slots, want, map->slots[i].key) = map->slots[i];
     qm_free(map->slots);
     map->slots = slots;
     map->cap = want;
@@ -49,8 +45,7 @@ int qm__ref_map_reserve(qm__ref_map *map, size_t n)
 
 qm__ref_entry *qm__ref_map_find(const qm__ref_map *map, uint64_t key)
 {
-    if (!map->cap)
-        return NULL;
+    if (!map->cap) return NULL;
     qm__ref_entry *e = probe(map->slots, map->cap, key);
     return e->used ? e : NULL;
 }
@@ -58,12 +53,9 @@ qm__ref_entry *qm__ref_map_find(const qm__ref_map *map, uint64_t key)
 qm__ref_entry *qm__ref_map_upsert(qm__ref_map *map, uint64_t key)
 {
     qm__ref_entry *e = qm__ref_map_find(map, key);
-    if (e)
-        return e;
-    if (map->len >= QM__REF_MAP_MAX_KEYS)
-        return NULL;
-    if (qm__ref_map_reserve(map, map->len + 1) != 0)
-        return NULL;
+    if (e) return e;
+    if (map->len >= QM__REF_MAP_MAX_KEYS) return NULL;
+    if (qm__ref_map_reserve(map, map->len + 1) != 0) return NULL;
     e = probe(map->slots, map->cap, key);
     memset(e, 0, sizeof *e);
     e->key = key;
@@ -74,8 +66,7 @@ qm__ref_entry *qm__ref_map_upsert(qm__ref_map *map, uint64_t key)
 
 void qm__ref_map_free(qm__ref_map *map)
 {
-    if (!map)
-        return;
+    if (!map) return;
     qm_free(map->slots);
     memset(map, 0, sizeof *map);
 }

@@ -193,8 +193,7 @@ typedef struct qm_policy_params {
 /* name: "whole_bank", "lru", "lfu", "static_hot" (and "belady" via
  * qm_policy_belady_new). Unknown name -> QM_EINVAL naming the supported ones.
  * `params` may be NULL. The policy owns copies of everything it keeps. */
-int qm_policy_new(const char *name, const qm_policy_params *params, qm_policy *out,
-                  qm_status *st);
+int qm_policy_new(const char *name, const qm_policy_params *params, qm_policy *out, qm_status *st);
 /* "whole_bank, static_hot, lru, lfu" - the names offered over the socket. */
 const char *qm_policy_supported_names(void);
 
@@ -236,8 +235,8 @@ const char *qm_plan_policy_name(const qm_residency_plan *plan);
 int qm_plan_has_budget(const qm_residency_plan *plan);
 uint64_t qm_plan_budget(const qm_residency_plan *plan);
 size_t qm_plan_total(const qm_residency_plan *plan);
-size_t qm_plan_resident_count(const qm_residency_plan *plan); /* whole-bank, no reason */
-size_t qm_plan_degraded_count(const qm_residency_plan *plan); /* whole-bank with a reason */
+size_t qm_plan_resident_count(const qm_residency_plan *plan);   /* whole-bank, no reason */
+size_t qm_plan_degraded_count(const qm_residency_plan *plan);   /* whole-bank with a reason */
 size_t qm_plan_per_expert_count(const qm_residency_plan *plan); /* total - resident - degraded */
 
 /* One bank's entry, in ascending bank id for i = 0..total-1. Borrowed from the plan. */

@@ -43,7 +43,10 @@ static inline uint64_t qm__ref_key(qm_expert_ref ref)
 }
 /* The key a policy uses for per-bank state (no expert has index UINT32_MAX:
  * expert indices are < a uint32 count). */
-static inline uint64_t qm__bank_key(uint32_t bank) { return ((uint64_t)bank << 32) | UINT32_MAX; }
+static inline uint64_t qm__bank_key(uint32_t bank)
+{
+    return ((uint64_t)bank << 32) | UINT32_MAX;
+}
 
 /* Makes room for `n` keys in total; 0 or QM_ENOMEM (map unchanged). */
 int qm__ref_map_reserve(qm__ref_map *map, size_t n);

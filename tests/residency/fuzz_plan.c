@@ -21,7 +21,10 @@ typedef struct reader {
     size_t size, pos;
 } reader;
 
-static uint8_t byte(reader *r) { return r->pos < r->size ? r->data[r->pos++] : 0; }
+static uint8_t byte(reader *r)
+{
+    return r->pos < r->size ? r->data[r->pos++] : 0;
+}
 
 /* A policy whose every answer comes from the input. */
 typedef struct scripted {
@@ -32,10 +35,8 @@ typedef struct scripted {
 
 static uint32_t index_from(uint8_t b, uint32_t n)
 {
-    if (b == 0xff)
-        return UINT32_MAX;
-    if (b == 0xfe)
-        return n;
+    if (b == 0xff) return UINT32_MAX;
+    if (b == 0xfe) return n;
     return b % (n + 2);
 }
 
@@ -44,8 +45,7 @@ static int scripted_decide(void *ctx, const qm_policy_input *in, qm_residency_de
     scripted *s = ctx;
     uint32_t n = qm_catalog_expert_count(in->catalog);
     uint8_t op = byte(s->in);
-    if (op % 16 == 15)
-        return -(int)(byte(s->in) % 20) - 1;
+    if (op % 16 == 15) return -(int)(byte(s->in) % 20) - 1;
     if (op % 16 == 14) {
         out->kind = (qm_decision_kind)byte(s->in);
         return 0;
@@ -66,8 +66,7 @@ static int scripted_decide(void *ctx, const qm_policy_input *in, qm_residency_de
             s->experts[i] = index_from(byte(s->in), n);
         out->n_experts = len;
     }
-    if (op & 0x20)
-        out->n_experts = SIZE_MAX; /* a lie the planner must refuse unread */
+    if (op & 0x20) out->n_experts = SIZE_MAX; /* a lie the planner must refuse unread */
     out->experts = op & 0x40 ? NULL : s->experts;
     size_t n_pinned = byte(s->in) % 8;
     for (size_t i = 0; i < n_pinned; i++)
@@ -91,13 +90,13 @@ static void check(const qm_residency_plan *plan, const qm_region_catalog *const 
     }
     for (size_t i = 0; shipped && i < n; i++) {
         if (qm_plan_bank_at(plan, i)->decision.reason == QM_DEGRADATION_REJECTED_BY_VALIDATION) {
-            fprintf(stderr, "shipped policy rejected: %s\n", qm_plan_bank_at(plan, i)->decision.detail);
+            fprintf(stderr, "shipped policy rejected: %s\n",
+                    qm_plan_bank_at(plan, i)->decision.detail);
             abort();
         }
     }
     char *a = NULL, *b = NULL;
-    if (shipped)
-        return;
+    if (shipped) return;
     if (qm_plan_to_json(plan, &a, NULL, NULL) || qm_plan_to_json(plan, &b, NULL, NULL) ||
         strcmp(a, b) != 0) {
         fprintf(stderr, "JSON not reproducible\n");
@@ -122,17 +121,14 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
     size_t made = 0;
     for (size_t i = 0; i < n; i++) {
         uint32_t id = (uint32_t)(i * 37 + byte(&r) % 37); /* unique and ascending-ish */
-        if (flags & 4)
-            id = UINT32_MAX - id;
+        if (flags & 4) id = UINT32_MAX - id;
         uint32_t experts = byte(&r) % (MAX_EXPERTS + 1);
-        if (qm_catalog_new(id, experts, &cats[i]) != 0)
-            goto done;
+        if (qm_catalog_new(id, experts, &cats[i]) != 0) goto done;
         made++;
         for (uint32_t e = 0; e < experts; e++) {
             uint8_t regions = byte(&r) % 4;
             for (uint8_t k = 0; k < regions; k++)
-                if (qm_catalog_add_region(cats[i], e, (qm_region){k, 0, byte(&r)}) != 0)
-                    goto done;
+                if (qm_catalog_add_region(cats[i], e, (qm_region){k, 0, byte(&r)}) != 0) goto done;
         }
         uint8_t np = byte(&r);
         if (np < 48)
@@ -154,15 +150,13 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
     qm_plan_free(plan);
 
     const char *names[] = {"whole_bank", "lru", "lfu", "static_hot"};
-    qm_policy_params params = {.hot = hot, .hot_len = hot_len, .n_hot_banks = n,
-                               .pin_fraction = (flags >> 4) / 15.0};
+    qm_policy_params params = {
+        .hot = hot, .hot_len = hot_len, .n_hot_banks = n, .pin_fraction = (flags >> 4) / 15.0};
     for (size_t k = 0; k < 4; k++) {
         qm_policy shipped;
-        if (qm_policy_new(names[k], &params, &shipped, NULL) != 0)
-            abort();
+        if (qm_policy_new(names[k], &params, &shipped, NULL) != 0) abort();
         plan = NULL;
-        if (qm_plan_residency(cc, n, &shipped, &opt, &plan, NULL) != 0)
-            abort();
+        if (qm_plan_residency(cc, n, &shipped, &opt, &plan, NULL) != 0) abort();
         check(plan, cc, n, &opt, 1);
         qm_plan_free(plan);
         qm_policy_destroy(&shipped);

@@ -22,8 +22,7 @@ qm_region_catalog *rt_catalog(uint32_t bank, uint32_t n_experts, uint32_t region
                               uint64_t region_bytes)
 {
     qm_region_catalog *cat = NULL;
-    if (qm_catalog_new(bank, n_experts, &cat) != 0)
-        return NULL;
+    if (qm_catalog_new(bank, n_experts, &cat) != 0) return NULL;
     for (uint32_t r = 0; r < regions; r++) {
         for (uint32_t e = 0; e < n_experts; e++) {
             qm_region reg = {.tensor = r,
@@ -56,30 +55,25 @@ static int should_fail(void)
 static void *count_malloc(size_t size, void *ud)
 {
     (void)ud;
-    if (should_fail())
-        return NULL;
+    if (should_fail()) return NULL;
     void *p = malloc(size);
-    if (p)
-        alloc_live++;
+    if (p) alloc_live++;
     return p;
 }
 
 static void *count_realloc(void *ptr, size_t size, void *ud)
 {
     (void)ud;
-    if (should_fail())
-        return NULL;
+    if (should_fail()) return NULL;
     void *p = realloc(ptr, size);
-    if (p && !ptr)
-        alloc_live++;
+    if (p && !ptr) alloc_live++;
     return p;
 }
 
 static void count_free(void *ptr, void *ud)
 {
     (void)ud;
-    if (ptr)
-        alloc_live--;
+    if (ptr) alloc_live--;
     free(ptr);
 }
 
@@ -93,10 +87,22 @@ void rt_alloc_install(long fail_at)
     qm_alloc_set_hooks(&hooks);
 }
 
-void rt_alloc_uninstall(void) { qm_alloc_set_hooks(NULL); }
-long rt_alloc_count(void) { return alloc_count; }
-long rt_alloc_live(void) { return alloc_live; }
-int rt_alloc_failed(void) { return alloc_failed; }
+void rt_alloc_uninstall(void)
+{
+    qm_alloc_set_hooks(NULL);
+}
+long rt_alloc_count(void)
+{
+    return alloc_count;
+}
+long rt_alloc_live(void)
+{
+    return alloc_live;
+}
+int rt_alloc_failed(void)
+{
+    return alloc_failed;
+}
 
 /* ---- Invariants ------------------------------------------------------------- */
 
@@ -105,8 +111,7 @@ static int fail(char *why, size_t cap, const char *fmt, ...)
 {
     va_list ap;
     va_start(ap, fmt);
-    if (why && cap)
-        vsnprintf(why, cap, fmt, ap);
+    if (why && cap) vsnprintf(why, cap, fmt, ap);
     va_end(ap);
     return -1;
 }
@@ -115,8 +120,7 @@ static const qm_region_catalog *find_cat(const qm_region_catalog *const *cats, s
                                          uint32_t id)
 {
     for (size_t i = 0; i < n; i++)
-        if (qm_catalog_bank_id(cats[i]) == id)
-            return cats[i];
+        if (qm_catalog_bank_id(cats[i]) == id) return cats[i];
     return NULL;
 }
 
@@ -124,24 +128,20 @@ int rt_plan_check(const qm_residency_plan *plan, const qm_region_catalog *const 
                   const qm_plan_options *opt, char *why, size_t cap)
 {
     static const qm_plan_options none = {0};
-    if (!opt)
-        opt = &none;
-    if (!plan)
-        return fail(why, cap, "no plan");
+    if (!opt) opt = &none;
+    if (!plan) return fail(why, cap, "no plan");
     if (qm_plan_total(plan) != n)
         return fail(why, cap, "total %zu != %zu catalogs", qm_plan_total(plan), n);
     size_t resident = 0, degraded = 0, per_expert = 0;
     for (size_t i = 0; i < n; i++) {
         const qm_plan_bank *b = qm_plan_bank_at(plan, i);
-        if (!b)
-            return fail(why, cap, "bank_at(%zu) is NULL", i);
+        if (!b) return fail(why, cap, "bank_at(%zu) is NULL", i);
         if (i && qm_plan_bank_at(plan, i - 1)->bank_id >= b->bank_id)
             return fail(why, cap, "banks not strictly ascending at %zu", i);
         if (qm_plan_find_bank(plan, b->bank_id) != b)
             return fail(why, cap, "find_bank(%u) does not find entry %zu", b->bank_id, i);
         const qm_region_catalog *cat = find_cat(cats, n, b->bank_id);
-        if (!cat)
-            return fail(why, cap, "bank %u is in no catalog", b->bank_id);
+        if (!cat) return fail(why, cap, "bank %u is in no catalog", b->bank_id);
         if (b->n_experts_in_bank != qm_catalog_expert_count(cat) ||
             b->bytes_per_expert != qm_catalog_bytes_per_expert(cat))
             return fail(why, cap, "bank %u: shape differs from its catalog", b->bank_id);
@@ -205,8 +205,7 @@ int rt_plan_check(const qm_residency_plan *plan, const qm_region_catalog *const 
                         return fail(why, cap, "bank %u: declined hides the catalog's reason",
                                     b->bank_id);
                 } else if (d->reason == QM_DEGRADATION_NON_PAGEABLE_CATALOG) {
-                    return fail(why, cap, "bank %u: pageable bank called non-pageable",
-                                b->bank_id);
+                    return fail(why, cap, "bank %u: pageable bank called non-pageable", b->bank_id);
                 }
                 if (d->reason == QM_DEGRADATION_REJECTED_BY_VALIDATION &&
                     strncmp(d->detail, "rule ", 5) != 0)
@@ -248,8 +247,7 @@ static int split_fill(split_ctx *s, const qm_policy_input *in, qm_residency_deci
     uint32_t n = qm_catalog_expert_count(in->catalog);
     if (s->cap < (size_t)n + 2) {
         uint32_t *p = realloc(s->experts, ((size_t)n + 2) * sizeof *p);
-        if (!p)
-            return QM_ENOMEM;
+        if (!p) return QM_ENOMEM;
         s->experts = p;
         s->cap = (size_t)n + 2;
     }
@@ -269,8 +267,7 @@ static int split_all_decide(void *ctx, const qm_policy_input *in, qm_residency_d
 static void split_destroy(void *ctx)
 {
     split_ctx *s = ctx;
-    if (s)
-        free(s->experts);
+    if (s) free(s->experts);
     free(s);
 }
 
@@ -318,11 +315,9 @@ const char *rt_invalid_rule(rt_invalid_kind kind)
 static int invalid_decide(void *ctx, const qm_policy_input *in, qm_residency_decision *out)
 {
     invalid_ctx *iv = ctx;
-    if (in->bank_id != iv->bad_bank)
-        return split_fill(&iv->split, in, out, 0);
+    if (in->bank_id != iv->bad_bank) return split_fill(&iv->split, in, out, 0);
     int rc = split_fill(&iv->split, in, out, 1);
-    if (rc)
-        return rc;
+    if (rc) return rc;
     uint32_t n = qm_catalog_expert_count(in->catalog);
     switch (iv->kind) {
     case RT_INVALID_OUT_OF_RANGE:
@@ -384,8 +379,7 @@ static const qm_policy_iface invalid_iface = {
 int rt_policy_invalid(rt_invalid_kind kind, uint32_t bad_bank, qm_policy *out)
 {
     invalid_ctx *iv = calloc(1, sizeof *iv);
-    if (!iv)
-        return QM_ENOMEM;
+    if (!iv) return QM_ENOMEM;
     iv->kind = kind;
     iv->bad_bank = bad_bank;
     out->iface = &invalid_iface;
@@ -423,8 +417,7 @@ static int hostile_decide(void *ctx, const qm_policy_input *in, qm_residency_dec
     size_t need = (size_t)n * 2 + 8;
     if (h->cap < need) {
         uint32_t *p = realloc(h->buf, need * sizeof *p);
-        if (!p)
-            return QM_ENOMEM;
+        if (!p) return QM_ENOMEM;
         h->buf = p;
         h->cap = need;
     }
@@ -461,8 +454,7 @@ static int hostile_decide(void *ctx, const qm_policy_input *in, qm_residency_dec
     for (size_t i = 0; i < len; i++)
         h->buf[i] = valid ? (uint32_t)i : hostile_index(h, n);
     size_t n_pinned = (size_t)((r >> 20) % (len + 2));
-    if (n_pinned > len)
-        n_pinned = len;
+    if (n_pinned > len) n_pinned = len;
     uint32_t *pinned = h->buf + len;
     for (size_t i = 0; i < n_pinned; i++)
         pinned[i] = (r >> 30) & 1 ? h->buf[i] : hostile_index(h, n);
@@ -507,8 +499,7 @@ static int hostile_choose_victim(void *ctx, const qm_expert_ref *c, size_t n, si
 static void hostile_destroy(void *ctx)
 {
     hostile_ctx *h = ctx;
-    if (h)
-        free(h->buf);
+    if (h) free(h->buf);
     free(h);
 }
 
@@ -524,8 +515,7 @@ static const qm_policy_iface hostile_iface = {
 int rt_policy_hostile(uint64_t seed, qm_policy *out)
 {
     hostile_ctx *h = calloc(1, sizeof *h);
-    if (!h)
-        return QM_ENOMEM;
+    if (!h) return QM_ENOMEM;
     h->rng = seed | 1;
     out->iface = &hostile_iface;
     out->ctx = h;

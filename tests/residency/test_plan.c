@@ -43,8 +43,8 @@ static qm_residency_plan *plan_with(const fixture *fx, qm_policy *pol, const qm_
     qm_residency_plan *plan = NULL;
     qm_status st;
     qm_status_clear(&st);
-    int rc = qm_plan_residency((const qm_region_catalog *const *)fx->cats, fx->n, pol, opt,
-                               &plan, &st);
+    int rc =
+        qm_plan_residency((const qm_region_catalog *const *)fx->cats, fx->n, pol, opt, &plan, &st);
     ck_assert_msg(rc == 0, "plan failed: %d %s", rc, st.msg);
     char why[256];
     ck_assert_msg(rt_plan_check(plan, (const qm_region_catalog *const *)fx->cats, fx->n, opt, why,
@@ -53,7 +53,8 @@ static qm_residency_plan *plan_with(const fixture *fx, qm_policy *pol, const qm_
     return plan;
 }
 
-static qm_residency_plan *plan_named(const fixture *fx, const char *name, const qm_plan_options *opt)
+static qm_residency_plan *plan_named(const fixture *fx, const char *name,
+                                     const qm_plan_options *opt)
 {
     qm_policy pol;
     qm_status st;
@@ -163,9 +164,10 @@ START_TEST(test_whole_bank_keeps_every_pageable_bank_resident)
     fixture fx = {0};
     for (uint32_t b = 0; b < 5; b++)
         fx.cats[fx.n++] = rt_catalog(b, 8, 3, 1024);
-    const qm_plan_options budgets[] = {
-        {0}, {.has_budget = 1, .budget_bytes = 0}, {.has_budget = 1, .budget_bytes = 1},
-        {.has_budget = 1, .budget_bytes = UINT64_MAX}};
+    const qm_plan_options budgets[] = {{0},
+                                       {.has_budget = 1, .budget_bytes = 0},
+                                       {.has_budget = 1, .budget_bytes = 1},
+                                       {.has_budget = 1, .budget_bytes = UINT64_MAX}};
     for (size_t i = 0; i < sizeof budgets / sizeof *budgets; i++) {
         qm_residency_plan *plan = plan_named(&fx, "whole_bank", &budgets[i]);
         ck_assert_str_eq(qm_plan_policy_name(plan), "whole_bank");
@@ -194,7 +196,8 @@ START_TEST(test_whole_bank_surfaces_the_catalog_reason_unchanged)
     } cases[] = {
         {QM_NONPAGEABLE_NOT_EXPERT_MAJOR, "fc2 is [H, E*I]", "not_expert_major: fc2 is [H, E*I]"},
         {QM_NONPAGEABLE_MISALIGNED, NULL, "misaligned"},
-        {QM_NONPAGEABLE_BLOCK_STRADDLES_EXPERTS, "block 64 at 960", "block_straddles_experts: block 64 at 960"},
+        {QM_NONPAGEABLE_BLOCK_STRADDLES_EXPERTS, "block 64 at 960",
+         "block_straddles_experts: block 64 at 960"},
         {QM_NONPAGEABLE_MISSING_REGION, "", "missing_region"},
     };
     for (size_t i = 0; i < sizeof cases / sizeof *cases; i++) {
@@ -326,9 +329,9 @@ START_TEST(test_planner_refuses_a_policy_of_another_version)
     fx_mixed(&fx);
     qm_residency_plan *plan = (qm_residency_plan *)&fx; /* must be reset to NULL */
     qm_status st;
-    ck_assert_int_eq(qm_plan_residency((const qm_region_catalog *const *)fx.cats, fx.n, &pol,
-                                       NULL, &plan, &st),
-                     QM_EINVAL);
+    ck_assert_int_eq(
+        qm_plan_residency((const qm_region_catalog *const *)fx.cats, fx.n, &pol, NULL, &plan, &st),
+        QM_EINVAL);
     ck_assert_ptr_null(plan);
     ck_assert_ptr_nonnull(strstr(st.msg, "version"));
     iface.version = QM_POLICY_IFACE_VERSION; /* right version, but no decide */
@@ -347,9 +350,9 @@ START_TEST(test_planner_rejects_duplicate_bank_ids_and_null_catalogs)
     qm_policy_new("whole_bank", NULL, &pol, NULL);
     qm_residency_plan *plan = NULL;
     qm_status st;
-    ck_assert_int_eq(qm_plan_residency((const qm_region_catalog *const *)fx.cats, 2, &pol, NULL,
-                                       &plan, &st),
-                     QM_EINVAL);
+    ck_assert_int_eq(
+        qm_plan_residency((const qm_region_catalog *const *)fx.cats, 2, &pol, NULL, &plan, &st),
+        QM_EINVAL);
     ck_assert_ptr_nonnull(strstr(st.msg, "bank id 5"));
     const qm_region_catalog *with_null[2] = {fx.cats[0], NULL};
     ck_assert_int_eq(qm_plan_residency(with_null, 2, &pol, NULL, &plan, &st), QM_EINVAL);
@@ -531,7 +534,9 @@ START_TEST(test_plan_json_adds_layer_and_resident_now_from_state)
         {.bank_id = 0, .has_resident_now = 1, .resident_now = now0, .n_resident_now = 2},
         {.bank_id = 77, .has_layer = 1, .layer = 1}, /* no such bank: ignored */
     };
-    qm_plan_json_state state = {.banks = banks, .n_banks = 3, .has_resident_bytes = 1,
+    qm_plan_json_state state = {.banks = banks,
+                                .n_banks = 3,
+                                .has_resident_bytes = 1,
                                 .resident_bytes = 9007199254740993ULL}; /* 2^53 + 1: exact */
     char *text = NULL;
     ck_assert_int_eq(qm_plan_to_json_ex(plan, &state, &text, NULL, NULL), 0);

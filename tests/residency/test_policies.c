@@ -43,13 +43,11 @@ static size_t simulate(const qm_policy *pol, const qm_expert_ref *trace, size_t 
         for (size_t i = 0; i < n; i++)
             hit |= slots[i].bank == trace[t].bank && slots[i].expert == trace[t].expert;
         qm_policy_on_access(pol, trace[t], t, hit);
-        if (hit)
-            continue;
+        if (hit) continue;
         misses++;
         if (n == cap) {
             size_t v = 0;
-            if (qm_policy_choose_victim(pol, slots, n, &v) != 0)
-                v = 0;
+            if (qm_policy_choose_victim(pol, slots, n, &v) != 0) v = 0;
             qm_policy_on_evict(pol, slots[v]);
             slots[v] = slots[--n];
         }
@@ -67,8 +65,7 @@ static size_t brute_force(const qm_expert_ref *trace, size_t len, size_t cap, si
         int hit = 0;
         for (size_t i = 0; i < n; i++)
             hit |= slots[i].bank == trace[t].bank && slots[i].expert == trace[t].expert;
-        if (hit)
-            continue;
+        if (hit) continue;
         if (n < cap) {
             slots[n++] = trace[t];
             return 1 + brute_force(trace, len, cap, t + 1, slots, n);
@@ -79,8 +76,7 @@ static size_t brute_force(const qm_expert_ref *trace, size_t len, size_t cap, si
             memcpy(copy, slots, n * sizeof *slots);
             copy[v] = trace[t];
             size_t m = brute_force(trace, len, cap, t + 1, copy, n);
-            if (m < best)
-                best = m;
+            if (m < best) best = m;
         }
         return 1 + best;
     }
@@ -197,9 +193,9 @@ static const qm_plan_bank *plan_one(qm_policy *pol, qm_region_catalog **cats, si
 {
     qm_plan_options opt = {.has_budget = 1, .budget_bytes = budget};
     qm_status st;
-    ck_assert_msg(qm_plan_residency((const qm_region_catalog *const *)cats, n, pol, &opt, plan,
-                                    &st) == 0,
-                  "%s", st.msg);
+    ck_assert_msg(
+        qm_plan_residency((const qm_region_catalog *const *)cats, n, pol, &opt, plan, &st) == 0,
+        "%s", st.msg);
     return qm_plan_bank_at(*plan, 0);
 }
 

@@ -127,8 +127,10 @@ START_TEST(test_shipped_policies_are_never_rejected_on_random_catalogs)
         world w;
         world_random(&w, round + 100000);
         for (size_t p = 0; p < 4; p++) {
-            qm_policy_params params = {.hot = w.hot_ptr, .hot_len = w.hot_len,
-                                       .n_hot_banks = MAX_BANKS, .pin_fraction = 0.7};
+            qm_policy_params params = {.hot = w.hot_ptr,
+                                       .hot_len = w.hot_len,
+                                       .n_hot_banks = MAX_BANKS,
+                                       .pin_fraction = 0.7};
             qm_policy pol;
             ck_assert_int_eq(qm_policy_new(names[p], &params, &pol, NULL), 0);
             check_plan(&w, &pol, round, 1);
@@ -141,7 +143,14 @@ END_TEST
 
 /* ---- Allocation failure at every site ------------------------------------------ */
 
-typedef enum scenario_policy { SC_WHOLE, SC_LRU, SC_LFU, SC_STATIC_HOT, SC_BELADY, SC_COUNT } scenario_policy;
+typedef enum scenario_policy {
+    SC_WHOLE,
+    SC_LRU,
+    SC_LFU,
+    SC_STATIC_HOT,
+    SC_BELADY,
+    SC_COUNT
+} scenario_policy;
 
 /* Builds catalogs, a policy, a plan and its JSON, and drives the run-time
  * hooks; frees everything. Returns 0 or the first error. */
@@ -156,7 +165,7 @@ static int scenario(scenario_policy which, char *msg, size_t msg_cap)
     char *json = NULL;
     for (uint32_t b = 0; b < 3; b++) {
         cats[b] = rt_catalog(b, 6, 3, 128); /* 3 regions: the region array grows */
-        if (!cats[b]) { /* the catalog calls return bare codes, no sentence */
+        if (!cats[b]) {                     /* the catalog calls return bare codes, no sentence */
             rc = qm_status_set(&st, QM_ENOMEM, "catalog %u: out of memory", b);
             goto done;
         }
@@ -172,31 +181,26 @@ static int scenario(scenario_policy which, char *msg, size_t msg_cap)
         rc = qm_policy_belady_new(future, 6, &pol, &st);
     else
         rc = qm_policy_new(names[which], &params, &pol, &st);
-    if (rc)
-        goto done;
+    if (rc) goto done;
     qm_plan_options opt = {.has_budget = 1, .budget_bytes = 4096};
     rc = qm_plan_residency((const qm_region_catalog *const *)cats, 3, &pol, &opt, &plan, &st);
-    if (rc)
-        goto done;
+    if (rc) goto done;
     char why[256];
-    ck_assert_msg(rt_plan_check(plan, (const qm_region_catalog *const *)cats, 3, &opt, why,
-                                sizeof why) == 0,
-                  "%s", why);
+    ck_assert_msg(
+        rt_plan_check(plan, (const qm_region_catalog *const *)cats, 3, &opt, why, sizeof why) == 0,
+        "%s", why);
     rc = qm_plan_to_json(plan, &json, NULL, &st);
-    if (rc)
-        goto done;
+    if (rc) goto done;
     for (uint64_t t = 0; t < 6; t++) {
         qm_policy_on_access(&pol, future[t], t, 0);
         qm_policy_on_insert(&pol, future[t], t);
         size_t victim;
         qm_expert_ref cands[2] = {future[t], future[(t + 1) % 6]};
-        if (qm_policy_choose_victim(&pol, cands, 2, &victim) == 0)
-            ck_assert_uint_lt(victim, 2);
+        if (qm_policy_choose_victim(&pol, cands, 2, &victim) == 0) ck_assert_uint_lt(victim, 2);
         qm_policy_on_evict(&pol, future[t]);
     }
 done:
-    if (rc)
-        snprintf(msg, msg_cap, "%s", st.msg);
+    if (rc) snprintf(msg, msg_cap, "%s", st.msg);
     qm_free(json);
     qm_plan_free(plan);
     qm_policy_destroy(&pol);
@@ -225,8 +229,8 @@ START_TEST(test_allocation_failure_at_every_site_is_reported_and_leaks_nothing)
         }
         /* Either reported as out of memory with a sentence, or absorbed
          * (a best-effort reservation, a degraded bank) with a valid plan. */
-        ck_assert_msg(rc == 0 || rc == QM_ENOMEM, "policy %d, failing allocation %ld: rc %d",
-                      which, fail_at, rc);
+        ck_assert_msg(rc == 0 || rc == QM_ENOMEM, "policy %d, failing allocation %ld: rc %d", which,
+                      fail_at, rc);
         if (rc == QM_ENOMEM)
             ck_assert_msg(msg[0] != '\0',
                           "policy %d, failing allocation %ld: ENOMEM without a sentence", which,

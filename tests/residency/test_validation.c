@@ -77,8 +77,7 @@ static const char *plan_invalid(rt_invalid_kind kind)
     ck_assert_uint_eq(qm_plan_degraded_count(plan), 1);
     ck_assert_uint_eq(qm_plan_resident_count(plan), 0);
     for (uint32_t b = 0; b < N_BANKS; b++) {
-        if (b == BAD_BANK)
-            continue;
+        if (b == BAD_BANK) continue;
         const qm_plan_bank *ok = qm_plan_find_bank(plan, b);
         ck_assert_int_eq(ok->decision.kind, QM_DECISION_PER_EXPERT);
         ck_assert_uint_eq(ok->decision.n_experts, EXPERTS);
@@ -190,9 +189,8 @@ START_TEST(test_pinned_bytes_that_overflow_are_over_budget)
     qm_policy pol = {.iface = &pin_all_iface};
     qm_plan_options opt = {.has_budget = 1, .budget_bytes = UINT64_MAX};
     qm_residency_plan *plan = NULL;
-    ck_assert_int_eq(qm_plan_residency((const qm_region_catalog *const *)&cat, 1, &pol, &opt,
-                                       &plan, NULL),
-                     0);
+    ck_assert_int_eq(
+        qm_plan_residency((const qm_region_catalog *const *)&cat, 1, &pol, &opt, &plan, NULL), 0);
     const qm_plan_bank *b = qm_plan_bank_at(plan, 0);
     ck_assert_int_eq(b->decision.reason, QM_DEGRADATION_REJECTED_BY_VALIDATION);
     ck_assert(strncmp(b->decision.detail, "rule pinned_over_budget", 23) == 0);
@@ -222,9 +220,8 @@ START_TEST(test_a_lying_length_is_refused_without_reading_past_the_array)
     qm_region_catalog *cat = rt_catalog(0, EXPERTS, 1, UNIT);
     qm_policy pol = {.iface = &lying_iface};
     qm_residency_plan *plan = NULL;
-    ck_assert_int_eq(qm_plan_residency((const qm_region_catalog *const *)&cat, 1, &pol, NULL,
-                                       &plan, NULL),
-                     0);
+    ck_assert_int_eq(
+        qm_plan_residency((const qm_region_catalog *const *)&cat, 1, &pol, NULL, &plan, NULL), 0);
     const qm_plan_bank *b = qm_plan_bank_at(plan, 0);
     ck_assert_int_eq(b->decision.reason, QM_DEGRADATION_REJECTED_BY_VALIDATION);
     ck_assert(strncmp(b->decision.detail, "rule too_many_experts", 21) == 0);
