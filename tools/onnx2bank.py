@@ -55,11 +55,15 @@ def constant_values(graph):
     return vals
 
 
-def find_router(graph, vals, probs_name, layer):
-    """(weight [E,H], bias [E] or None) feeding probs_name, or (None, None)."""
-    w = vals.get(f"layers.{layer}.router.weight")
-    if w is not None:
-        return w, vals.get(f"layers.{layer}.router.bias")
+def find_router(graph, vals, node):
+    """(weight [E,H], bias [E] or None) of a node's router, or (None, None)."""
+    probs_name = node.input[1]
+    fc1 = node.input[2]
+    if fc1.endswith("fc1.weight"):  # bank2onnx.py's naming: <prefix>router.weight
+        prefix = fc1[: -len("fc1.weight")]
+        w = vals.get(prefix + "router.weight")
+        if w is not None:
+            return w, vals.get(prefix + "router.bias")
     producer = {o: n for n in graph.node for o in n.output}
     node = producer.get(probs_name)
     bias = None
@@ -149,7 +153,7 @@ def convert(model):
                 if arr is None:
                     raise ConvertError(f"{node.name}: input {idx} ({suffix}) is not an initializer")
                 tensors[f"layers.{layer}.{suffix}"] = arr
-        w, b = find_router(graph, vals, node.input[1], layer)
+        w, b = find_router(graph, vals, node)
         if w is not None:
             tensors[f"layers.{layer}.router.weight"] = w
             if b is not None:
