@@ -14,6 +14,7 @@ typedef struct lfu_ctx {
      * Per bank (qm__bank_key): clock = accesses to the bank so far. */
     qm__ref_map history;
     double decay;
+    double log_decay; /* log(decay), when 0 < decay < 1 */
     uint32_t *experts;
     size_t experts_cap;
 } lfu_ctx;
@@ -35,7 +36,9 @@ static uint64_t bank_clock(const lfu_ctx *lfu, uint32_t bank)
 static double aged(const lfu_ctx *lfu, const qm__ref_entry *e, uint64_t now)
 {
     if (now <= e->clock || lfu->decay == 1.0) return e->count;
-    return e->count * pow(lfu->decay, (double)(now - e->clock));
+    if (lfu->decay == 0.0) return 0.0;
+    /* exp of a precomputed log: this runs per candidate on every miss. */
+    return e->count * exp((double)(now - e->clock) * lfu->log_decay);
 }
 
 static void lfu_on_access(void *ctx, qm_expert_ref ref, uint64_t tick, int hit)
@@ -59,9 +62,16 @@ static int lfu_choose_victim(void *ctx, const qm_expert_ref *candidates, size_t 
     size_t best = 0;
     double best_count = INFINITY;
     uint64_t best_tick = UINT64_MAX;
+    uint32_t clock_bank = 0;
+    uint64_t clock = bank_clock(lfu, 0);
     for (size_t i = 0; i < n; i++) {
+        /* Candidates mostly share a bank: look its clock up only on a change. */
+        if (candidates[i].bank != clock_bank) {
+            clock_bank = candidates[i].bank;
+            clock = bank_clock(lfu, clock_bank);
+        }
         const qm__ref_entry *e = qm__ref_map_find(&lfu->history, qm__ref_key(candidates[i]));
-        double count = e ? aged(lfu, e, bank_clock(lfu, candidates[i].bank)) : 0.0;
+        double count = e ? aged(lfu, e, clock) : 0.0;
         uint64_t tick = e ? e->last_tick : 0;
         /* Equal counts (e.g. all faded to 0): the least recent goes first. */
         if (count < best_count || (count == best_count && tick < best_tick)) {
@@ -102,6 +112,7 @@ int qm__policy_lfu_new(const qm_policy_params *params, qm_policy *out, qm_status
     lfu_ctx *lfu = qm_calloc(1, sizeof *lfu);
     if (!lfu) return qm_status_set(st, QM_ENOMEM, "out of memory creating policy 'lfu'");
     lfu->decay = decay;
+    lfu->log_decay = decay > 0.0 ? log(decay) : 0.0;
     out->iface = &lfu_iface;
     out->ctx = lfu;
     return 0;
