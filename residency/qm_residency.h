@@ -124,7 +124,10 @@ typedef struct qm_expert_ref {
 
 /* A residency policy: decisions at plan time, eviction choices at run time.
  * Bookkeeping (pins, accounting, slots, copies) stays with the caller; the
- * policy only ranks and picks. Every answer is validated by the caller. */
+ * policy only ranks and picks. Every answer is validated by the caller.
+ * A policy instance keeps per-session history and is not thread-safe: make
+ * one per session and serialise its calls (plans, once made, are immutable
+ * and may be read from any thread). */
 typedef struct qm_policy_iface {
     int version; /* QM_POLICY_IFACE_VERSION; checked by qm_policy_init */
     const char *name;
