@@ -325,20 +325,24 @@ static int cmd_close(qm_client *c, const qmoectl_args *a)
 
 /* ---------- plan ---------- */
 
-/* The session's model, for the size of whole-bank-resident banks. */
-static void plan_model_shape(qm_client *c, const char *session, uint64_t *experts, uint64_t *bpe)
+/* The session's model, for the size of whole-bank-resident banks, and the
+ * session's resident bytes (-1 when the session is not listed). */
+static void plan_model_shape(qm_client *c, const char *session, uint64_t *experts, uint64_t *bpe,
+                             int64_t *resident_bytes)
 {
     qm_client_session_info *s = NULL;
     qm_client_model *m = NULL;
     size_t ns = 0, nm = 0;
     qm_client_error err;
     *experts = *bpe = 0;
+    *resident_bytes = -1;
     if (qm_client_session_list(c, &s, &ns, &err) < 0)
         return;
     if (qm_client_model_list(c, &m, &nm, &err) == 0) {
         for (size_t i = 0; i < ns; i++) {
             if (!s[i].session || strcmp(s[i].session, session) != 0 || !s[i].model)
                 continue;
+            *resident_bytes = (int64_t)s[i].resident_bytes;
             for (size_t j = 0; j < nm; j++)
                 if (m[j].name && strcmp(m[j].name, s[i].model) == 0) {
                     *experts = m[j].experts;
@@ -363,7 +367,8 @@ static int cmd_plan(qm_client *c, const qmoectl_args *a)
     if (qm_client_session_plan(c, a->pos[0], &p, &err) < 0)
         return qmoectl_fail(&err);
     uint64_t model_experts = 0, model_bpe = 0;
-    plan_model_shape(c, a->pos[0], &model_experts, &model_bpe);
+    int64_t session_resident = -1;
+    plan_model_shape(c, a->pos[0], &model_experts, &model_bpe, &session_resident);
 
     static const char *const hdr[] = {"BANK",   "LAYER",     "DECISION", "REASON",
                                       "CAND",   "CAND-SIZE", "PINNED",   "PIN-SIZE",
@@ -426,8 +431,13 @@ static int cmd_plan(qm_client *c, const qmoectl_args *a)
     qmoectl_table_cell(t, "%s", B(tcb, b1));
     qmoectl_table_cell(t, "%llu", (unsigned long long)tp);
     qmoectl_table_cell(t, "%s", B(tpb, b2));
-    qmoectl_table_cell(t, res_known ? "%llu" : "%llu+?", (unsigned long long)tr);
-    qmoectl_table_cell(t, "%s%s", B(trb, b3), res_known ? "" : "+?");
+    if (res_known || tr == 0) {
+        qmoectl_table_cell(t, res_known ? "%llu" : "?", (unsigned long long)tr);
+        qmoectl_table_cell(t, "%s", res_known ? B(trb, b3) : "?");
+    } else {
+        qmoectl_table_cell(t, "%llu+?", (unsigned long long)tr);
+        qmoectl_table_cell(t, "%s+?", B(trb, b3));
+    }
 
     char bud[32], pct[16], pct2[16];
     printf("session %s  policy %s  budget %s\n", a->pos[0], p.policy ? p.policy : "?",
@@ -438,10 +448,18 @@ static int cmd_plan(qm_client *c, const qmoectl_args *a)
            (unsigned long long)p.degraded);
     qmoectl_table_print(t, stdout);
     qmoectl_table_free(t);
-    printf("\nwhole-bank %s, pinned %s, resident now %s%s (%s of budget); pinned share %s\n",
-           B(whole_bytes, b1), B(tpb, b2), B(trb, b3), res_known ? "" : " or more",
-           qmoectl_percent((double)trb, (double)p.budget_bytes, pct, sizeof(pct)),
-           qmoectl_percent((double)tpb, (double)p.budget_bytes, pct2, sizeof(pct2)));
+    /* The daemon's own count of resident bytes wins over the per-bank sum. */
+    int64_t resident = p.resident_bytes >= 0 ? p.resident_bytes : session_resident;
+    if (resident < 0 && res_known)
+        resident = (int64_t)trb;
+    printf("\nwhole-bank %s, pinned %s (%s of budget), resident now %s (%s of budget)\n",
+           B(whole_bytes, b1), B(tpb, b2),
+           qmoectl_percent((double)tpb, (double)p.budget_bytes, pct2, sizeof(pct2)),
+           resident >= 0 ? B((uint64_t)resident, b3) : "unknown",
+           resident >= 0 ? qmoectl_percent((double)resident, (double)p.budget_bytes, pct, sizeof(pct))
+                         : "-");
+    if (!res_known)
+        printf("(RES-NOW ?: this daemon does not report which experts are resident per bank)\n");
     qm_client_plan_free(&p);
     return QMOECTL_OK;
 }

@@ -337,10 +337,17 @@ static void qm__print_value(qm__sbuf *b, const qm_cval *v, int pretty, int depth
     case QM_CVAL_ARRAY:
     case QM_CVAL_OBJECT: {
         int obj = v->type == QM_CVAL_OBJECT;
+        /* Pretty output keeps arrays of scalars (expert lists, shapes) on one line. */
+        int inline_items = pretty && !obj;
+        for (size_t i = 0; inline_items && i < v->count; i++)
+            if (v->items[i]->type == QM_CVAL_ARRAY || v->items[i]->type == QM_CVAL_OBJECT)
+                inline_items = 0;
+        if (inline_items)
+            pretty = 0;
         qm__sb_put(b, obj ? "{" : "[", 1);
         for (size_t i = 0; i < v->count; i++) {
             if (i)
-                qm__sb_put(b, ",", 1);
+                qm__sb_put(b, inline_items ? ", " : ",", inline_items ? 2 : 1);
             qm__sb_indent(b, pretty, depth + 1);
             if (obj) {
                 const char *k = v->items[i]->key ? v->items[i]->key : "";

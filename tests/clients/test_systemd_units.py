@@ -22,7 +22,7 @@ def configured_service(dest, exec_path):
     """qmoed.service as CMake configures it, with ExecStart pointing at `exec_path`."""
     with open(os.path.join(SYSTEMD, "qmoed.service.in")) as f:
         text = f.read()
-    text = text.replace("@CMAKE_INSTALL_FULL_BINDIR@/qmoed", exec_path)
+    text = text.replace("@CMAKE_INSTALL_FULL_SBINDIR@/qmoed", exec_path)
     text = text.replace("@CMAKE_INSTALL_FULL_SYSCONFDIR@", "/etc")
     assert "@CMAKE" not in text, "unsubstituted variable in qmoed.service.in"
     path = os.path.join(dest, "qmoed.service")

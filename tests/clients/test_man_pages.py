@@ -1,0 +1,38 @@
+"""The man pages: the committed roff is what md2man.py makes of the Markdown
+source, and groff renders it without a warning."""
+
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from conftest import SOURCE
+
+MAN = os.path.join(SOURCE, "docs", "man")
+PAGES = ["qmoectl.1", "qmoed.8"]
+
+
+@pytest.mark.parametrize("page", PAGES)
+def test_roff_is_generated_from_the_markdown(page):
+    p = subprocess.run([sys.executable, os.path.join(MAN, "md2man.py"), "--check",
+                        os.path.join(MAN, page + ".md"), os.path.join(MAN, page)],
+                       capture_output=True, text=True)
+    assert p.returncode == 0, p.stdout + p.stderr
+
+
+@pytest.mark.skipif(shutil.which("groff") is None, reason="groff is not installed")
+@pytest.mark.parametrize("page", PAGES)
+def test_groff_renders_without_warnings(page):
+    p = subprocess.run(["groff", "-man", "-Tutf8", "-ww", "-z", os.path.join(MAN, page)],
+                       capture_output=True, text=True)
+    assert p.returncode == 0 and p.stderr == "", p.stderr
+
+
+def test_qmoectl_page_documents_every_subcommand():
+    with open(os.path.join(MAN, "qmoectl.1.md")) as f:
+        text = f.read()
+    for cmd in ["status", "models", "load", "unload", "sessions", "create", "close", "plan",
+                "telemetry", "trace", "metrics", "infer", "shutdown"]:
+        assert "\n`%s`" % cmd in text, cmd
