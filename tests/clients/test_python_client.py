@@ -169,3 +169,17 @@ def test_package_installs_with_pip(tmp_path):
                          env={"PYTHONPATH": str(target), "PATH": os.environ.get("PATH", "")},
                          capture_output=True, text=True, check=True, cwd=str(tmp_path))
     assert out.stdout.strip() == "0.1.0"
+
+
+def test_infer_with_router_logits_and_bf16(client, sid):
+    rng = np.random.default_rng(9)
+    x = rng.standard_normal((2, HIDDEN)).astype(np.float32)
+    logits = np.zeros((2, EXPERTS), dtype=np.float32)
+    logits[:, [2, 6]] = 5.0
+    r = client.infer(sid, 1, x, router_logits=logits, return_routing=True)
+    assert all(sorted(e for e, _ in t) == [2, 6] for t in r.routing)
+    # bf16 in, bf16 out (as a Tensor: numpy has no bfloat16).
+    bits = (x.view(np.uint32) >> 16).astype("<u2")
+    rb = client.infer(sid, 1, Tensor("bf16", x.shape, bits.tobytes()))
+    assert isinstance(rb.output, Tensor) and rb.output.dtype == "bf16" and rb.output.shape == x.shape
+    assert np.all(np.isfinite(rb.output.to_numpy()))

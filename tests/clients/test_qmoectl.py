@@ -323,3 +323,20 @@ def test_shutdown_drains_and_the_daemon_exits_0(fresh_daemon):
     assert fresh_daemon.proc.wait(20) == 0
     p = ctl(fresh_daemon, "status", check_rc=1)
     assert "qmoed is not running" in p.stderr
+
+
+def test_infer_with_router_logits_matches_qmoe_bank_run(daemon, session):
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal((2, HIDDEN)).astype(np.float32)
+    logits = rng.standard_normal((2, EXPERTS)).astype(np.float32)
+    xp, rp, yp, zp = (os.path.join(daemon.dir, n) for n in ("lx.npy", "lr.npy", "ly.npy", "lz.npy"))
+    np.save(xp, x)
+    np.save(rp, logits)
+    r = ctl(daemon, "infer", session, "--layer", "0", "--hidden", xp, "--logits", rp, "--out", yp,
+            "--routing", json_out=True)
+    # The experts chosen are the two largest logits of each token.
+    for t, pairs in enumerate(r["routing"]):
+        assert sorted(e for e, _ in pairs) == sorted(np.argsort(-logits[t])[:2].tolist())
+    subprocess.run([need(QMOE_BANK), "run", daemon.bank, "--layer", "0", "--hidden", xp, "--logits", rp,
+                    "--out", zp], check=True, capture_output=True)
+    assert np.load(yp).tobytes() == np.load(zp).tobytes()
