@@ -278,6 +278,7 @@ struct qm_daemon {
     size_t n_conns;
     uint64_t next_conn_id;
     qm_conn *pending; /* connections with unprocessed frames */
+    char *read_buf;   /* shared by every connection's reads (loop thread) */
     qm_pool pool;
     qm_counters counters;
     uint64_t limit_hits[QM_LIMIT_COUNT];

@@ -245,15 +245,8 @@ int main(int argc, char **argv)
         qm_log(QM_LOG_INFO, "model %s loaded from %s", d->cfg.models[i].name,
                d->cfg.models[i].path);
     }
-    qm_status_clear(&st);
-    if ((rc = qm_server_listen(d, &st)) < 0) {
-        qm_log(QM_LOG_ERR, "%s", st.msg);
-        goto out_models;
-    }
-    if (qm_pool_start(d, d->cfg.workers) < 0) {
-        qm_log(QM_LOG_ERR, "cannot start %u workers", d->cfg.workers);
-        goto out_listen;
-    }
+    /* Signals first: a SIGTERM that arrives as soon as the socket answers
+     * must drain, not kill. */
     uv_signal_init(d->loop, &d->sig_term);
     uv_signal_init(d->loop, &d->sig_int);
     uv_signal_init(d->loop, &d->sig_hup);
@@ -266,6 +259,15 @@ int main(int argc, char **argv)
     uv_timer_init(d->loop, &d->drain_timer);
     d->tick.data = d->watchdog.data = d->drain_timer.data = d;
     uv_timer_start(&d->tick, tick_cb, 1000, 1000);
+    qm_status_clear(&st);
+    if ((rc = qm_server_listen(d, &st)) < 0) {
+        qm_log(QM_LOG_ERR, "%s", st.msg);
+        goto out_listen;
+    }
+    if (qm_pool_start(d, d->cfg.workers) < 0) {
+        qm_log(QM_LOG_ERR, "cannot start %u workers", d->cfg.workers);
+        goto out_listen;
+    }
     d->watchdog_usec = qm_watchdog_usec();
     if (d->watchdog_usec) {
         uint64_t ms = d->watchdog_usec / 2000;
@@ -285,6 +287,7 @@ int main(int argc, char **argv)
 out_listen:
     uv_walk(d->loop, close_walk_cb, NULL);
     uv_run(d->loop, UV_RUN_DEFAULT);
+    qm_pool_stop(d);
 out_models:
     qm_registry_free_all(d);
     qm_backend_free(d->backend);
@@ -295,6 +298,7 @@ out_config:
         qm_log(QM_LOG_WARNING, "event loop closed with handles still open");
     qm_log(QM_LOG_INFO, "exiting with status %d", status);
     qm_free(d->socket_path);
+    qm_free(d->read_buf);
     qm_config_free(&d->cfg);
     return status;
 }

@@ -152,12 +152,14 @@ void qm_conn_write(qm_conn *c, char *data, size_t len)
     }
 }
 
+/* One read buffer for all connections: libuv calls read_cb right after the
+ * read that filled it, on this thread, and the framer copies the bytes out. */
 static void alloc_cb(uv_handle_t *h, size_t suggested, uv_buf_t *buf)
 {
-    (void)h;
+    qm_conn *c = h->data;
     (void)suggested;
-    buf->base = qm_malloc(READ_CHUNK);
-    buf->len = buf->base ? READ_CHUNK : 0;
+    buf->base = c->d->read_buf;
+    buf->len = READ_CHUNK;
 }
 
 /* An error line with id null, then the connection closes: the stream cannot
@@ -189,7 +191,6 @@ static void read_cb(uv_stream_t *s, ssize_t nread, const uv_buf_t *buf)
     if (nread > 0 && !c->close_after_write) {
         c->last_active_us = qm_now_us();
         int rc = qm_framer_push(&c->framer, buf->base, (size_t)nread);
-        qm_free(buf->base);
         if (rc == QM_EPAYLOAD_TOO_LARGE) {
             /* The frames before the oversized one are answered, then the error. */
             conn_process(c, SIZE_MAX);
@@ -202,7 +203,6 @@ static void read_cb(uv_stream_t *s, ssize_t nread, const uv_buf_t *buf)
         conn_process(c, c->d->cfg.frames_per_wakeup);
         return;
     }
-    qm_free(buf->base);
     if (nread == UV_EOF) {
         /* Half-close: answer what was sent, then close. */
         c->eof = 1;
@@ -461,6 +461,9 @@ static int probe_existing(const char *path, qm_status *st)
 
 int qm_server_listen(qm_daemon *d, qm_status *st)
 {
+    d->read_buf = qm_malloc(READ_CHUNK);
+    if (!d->read_buf)
+        return qm_status_set(st, QM_ENOMEM, "out of memory for the read buffer");
     uv_pipe_init(d->loop, &d->listener, 0);
     d->listener.data = d;
     int fd = qm_listen_fd_from_env();

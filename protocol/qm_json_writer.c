@@ -265,16 +265,30 @@ void qm_jw_str(qm_jw *w, const char *s)
     qm_jw_str_n(w, s, strlen(s));
 }
 
+/* Integers by hand: printf is the writer's hottest path otherwise. */
+static void put_u64(qm_buf *b, uint64_t v, int negative)
+{
+    char tmp[24];
+    size_t i = sizeof tmp;
+    do {
+        tmp[--i] = (char)('0' + v % 10);
+        v /= 10;
+    } while (v);
+    if (negative)
+        tmp[--i] = '-';
+    qm_buf_append(b, tmp + i, sizeof tmp - i);
+}
+
 void qm_jw_u64(qm_jw *w, uint64_t v)
 {
     jw_value_prefix(w);
-    qm_buf_printf(w->out, "%llu", (unsigned long long)v);
+    put_u64(w->out, v, 0);
 }
 
 void qm_jw_i64(qm_jw *w, int64_t v)
 {
     jw_value_prefix(w);
-    qm_buf_printf(w->out, "%lld", (long long)v);
+    put_u64(w->out, v < 0 ? (uint64_t)0 - (uint64_t)v : (uint64_t)v, v < 0);
 }
 
 void qm_jw_f64(qm_jw *w, double v)

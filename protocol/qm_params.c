@@ -30,10 +30,11 @@ static int bad(qm_status *st, const char *field, const char *fmt, ...)
 
 static void join(char *out, size_t size, const char *prefix, const char *key)
 {
+    /* Paths are bounded: a member name is clipped before it gets here. */
     if (prefix && prefix[0])
-        snprintf(out, size, "%s.%s", prefix, key);
+        snprintf(out, size, "%.47s.%.47s", prefix, key);
     else
-        snprintf(out, size, "%s", key);
+        snprintf(out, size, "%.94s", key);
 }
 
 /* Unknown or duplicate members of `obj`. `allowed` ends with NULL. */
@@ -201,7 +202,7 @@ static int parse_tensor(const cJSON *t, const char *path, uint32_t expect_ndim, 
     unsigned long long count = 1;
     int i = 0;
     for (const cJSON *d = shape->child; d; d = d->next, i++) {
-        char dim[120];
+        char dim[136];
         snprintf(dim, sizeof dim, "%s[%d]", sub, i);
         rc = integer_value(d, dim, UINT64_MAX, &out->shape[i], st);
         if (rc < 0)
