@@ -51,6 +51,8 @@ static void apply_limits(qm_daemon *d)
     d->lim.max_request_bytes = d->cfg.max_request_bytes;
     d->lim.max_nesting = (int)d->cfg.max_nesting;
     d->lim.max_batch = d->cfg.max_batch;
+    for (qm_conn *c = d->conns; c; c = c->next)
+        c->framer.max_frame = d->lim.max_request_bytes;
     qm_log_set_level(d->cfg.log_level);
     d->has_admin_gid = 0;
     if (d->cfg.admin_group) {
