@@ -71,7 +71,7 @@ QM_AI void qm__load_chunk(const uint8_t *row, size_t row_bytes, uint32_t c, cons
     size_t off = (size_t)c * 2 * BITS; /* bytes per chunk: 8 (4-bit) or 16 (8-bit) */
     const uint8_t *p = row + off;
     uint8_t tmp[16];
-    if (off + 2 * BITS > row_bytes) { /* row tail: never read past the row */
+    if (__builtin_expect(off + 2 * BITS > row_bytes, 0)) { /* row tail: never read past the row */
         memset(tmp, 0, sizeof tmp);
         memcpy(tmp, p, row_bytes - off);
         p = tmp;
@@ -86,99 +86,251 @@ QM_AI void qm__load_chunk(const uint8_t *row, size_t row_bytes, uint32_t c, cons
     }
 }
 
-/* Per-row scales and zero points as floats, in scratch: [scales nblk][zps nblk]. */
-static void qm__row_params(const qm__qmat *m, uint32_t n, float *out)
+/* Scale of (row n, block b) as f32; the f32 case is a plain load. */
+QM_AI float qm__scale(const qm__qmat *m, uint32_t n, uint32_t b)
 {
-    if (m->scale_dtype == QM_DTYPE_F32) {
-        memcpy(out, (const uint8_t *)m->scales + (size_t)n * m->nblk * 4, (size_t)m->nblk * 4);
-    } else {
-        for (uint32_t b = 0; b < m->nblk; b++)
-            out[b] = qm__qmat_scale(m, n, b);
+    size_t i = (size_t)n * m->nblk + b;
+    if (__builtin_expect(m->scale_dtype == QM_DTYPE_F32, 1)) {
+        float f;
+        memcpy(&f, (const uint8_t *)m->scales + 4 * i, 4);
+        return f;
     }
-    for (uint32_t b = 0; b < m->nblk; b++)
-        out[m->nblk + b] = (float)qm__qmat_zp(m, n, b);
+    if (m->scale_dtype == QM_DTYPE_F16) {
+        uint16_t h;
+        memcpy(&h, (const uint8_t *)m->scales + 2 * i, 2);
+        return _cvtsh_ss(h);
+    }
+    return qm__load_float(m->scales, m->scale_dtype, i);
 }
 
-/* NR weight rows x R input rows. Each (row, input) pair runs the same
- * operation sequence whatever NR and R are: grouping only interleaves
- * independent chains, so results never depend on the grouping. */
-QM_AI void qm__gemv_group(const qm__qmat *m, uint32_t n, const int NR, const float *xp,
-                          size_t ldx, const int R, float *y, size_t ldy, float *scratch,
-                          const int BITS)
+QM_AI float qm__zp(const qm__qmat *m, uint32_t n, uint32_t b)
+{
+    return m->zp ? (float)qm__qmat_zp(m, n, b) : (float)(1 << (m->bits - 1));
+}
+
+/* Weight rows n..n+NR-1 times input rows 0..R-1 (NR * R <= 4). Accumulators
+ * are named variables (an array would be spilled to the stack). Every
+ * (row, input) pair runs the same operation sequence whatever NR and R are:
+ * grouping only interleaves independent chains, so results never depend on
+ * the grouping:
+ *   per chunk   a0 += w_even * x_even; a1 += w_odd * x_odd
+ *   per block   blk = (a0 + a1) - zp * xsum_block; y += blk * scale
+ *   at the end  hsum(y) in a fixed order. */
+#define QM__ACC_DECL(i)                                                                            \
+    __m256 a0_##i = _mm256_setzero_ps(), a1_##i = _mm256_setzero_ps(), y_##i = _mm256_setzero_ps()
+#define QM__ACC_FMA(i, w0, w1, xv)                                                                 \
+    do {                                                                                           \
+        a0_##i = _mm256_fmadd_ps(w0, _mm256_loadu_ps(xv), a0_##i);                                 \
+        a1_##i = _mm256_fmadd_ps(w1, _mm256_loadu_ps((xv) + 8), a1_##i);                           \
+    } while (0)
+#define QM__ACC_BLOCK(i, zpv, scv, xsp)                                                            \
+    do {                                                                                           \
+        __m256 blk_ = _mm256_add_ps(a0_##i, a1_##i);                                               \
+        blk_ = _mm256_fnmadd_ps(zpv, _mm256_loadu_ps(xsp), blk_);                                  \
+        y_##i = _mm256_fmadd_ps(blk_, scv, y_##i);                                                 \
+        a0_##i = _mm256_setzero_ps();                                                              \
+        a1_##i = _mm256_setzero_ps();                                                              \
+    } while (0)
+
+/* Loads chunk c of a row known to hold all of it (no tail check). */
+QM_AI void qm__load_chunk_full(const uint8_t *row, uint32_t c, const int BITS, __m256 *w0,
+                               __m256 *w1)
+{
+    const uint8_t *p = row + (size_t)c * 2 * BITS;
+    if (BITS == 4) {
+        __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p));
+        *w0 = _mm256_cvtepi32_ps(_mm256_and_si256(v, _mm256_set1_epi32(15)));
+        *w1 = _mm256_cvtepi32_ps(_mm256_srli_epi32(v, 4));
+    } else {
+        *w0 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p)));
+        *w1 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(p + 8))));
+    }
+}
+
+QM_AI float qm__scale_f32(const uint8_t *row_scales, uint32_t b)
+{
+    float f;
+    memcpy(&f, row_scales + 4 * (size_t)b, 4);
+    return f;
+}
+
+/* 4 weight rows x 1 input row: the decode hot loop. CPB > 0 fixes the chunks
+ * per block at compile time; FAST = f32 scales and no zero-point tensor. */
+QM_AI void qm__gemv_4x1_impl(const qm__qmat *m, uint32_t n, const float *xp, float *y,
+                             const int BITS, const uint32_t CPB, const int FAST)
 {
     const uint32_t kp = (uint32_t)qm__round16(m->k), nch = kp / 16;
-    const uint32_t cpb = m->nblk == 1 ? nch : m->block / 16;
-    const uint8_t *row[4];
-    const float *par[4];
-    __m256 yacc[4][2];
-#pragma GCC unroll 4
-    for (int i = 0; i < NR; i++) {
-        row[i] = m->w + (size_t)(n + i) * m->row_bytes;
-        float *p = scratch + (size_t)i * 2 * m->nblk;
-        qm__row_params(m, n + i, p);
-        par[i] = p;
-#pragma GCC unroll 2
-        for (int r = 0; r < R; r++)
-            yacc[i][r] = _mm256_setzero_ps();
-    }
+    const uint32_t cpb = CPB ? CPB : (m->nblk == 1 ? nch : m->block / 16);
+    const size_t rb = m->row_bytes;
+    const uint32_t nfull = (uint32_t)(rb / (2 * BITS)); /* chunks wholly inside a row */
+    const uint8_t *r0 = m->w + (size_t)n * rb, *r1 = r0 + rb, *r2 = r1 + rb, *r3 = r2 + rb;
+    const size_t srow = (size_t)m->nblk * 4;
+    const uint8_t *s0 = (const uint8_t *)m->scales + (size_t)n * srow, *s1 = s0 + srow,
+                  *s2 = s1 + srow, *s3 = s2 + srow;
+    const __m256 zsym = _mm256_set1_ps((float)(1 << (BITS - 1)));
+    QM__ACC_DECL(0);
+    QM__ACC_DECL(1);
+    QM__ACC_DECL(2);
+    QM__ACC_DECL(3);
     uint32_t c = 0;
     for (uint32_t b = 0; b < m->nblk; b++) {
         uint32_t ce = c + cpb < nch ? c + cpb : nch;
-        __m256 a0[4][2], a1[4][2];
-#pragma GCC unroll 4
-        for (int i = 0; i < NR; i++)
-#pragma GCC unroll 2
-            for (int r = 0; r < R; r++)
-                a0[i][r] = a1[i][r] = _mm256_setzero_ps();
-        for (; c < ce; c++) {
-#pragma GCC unroll 4
-            for (int i = 0; i < NR; i++) {
+        const float *xv = xp + 16 * (size_t)c;
+        if (ce <= nfull) {
+#pragma GCC unroll 8
+            for (uint32_t j = 0; j < cpb; j++, xv += 16) {
                 __m256 w0, w1;
-                qm__load_chunk(row[i], m->row_bytes, c, BITS, &w0, &w1);
-#pragma GCC unroll 2
-                for (int r = 0; r < R; r++) {
-                    const float *xv = xp + (size_t)r * ldx + 16 * (size_t)c;
-                    a0[i][r] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(xv), a0[i][r]);
-                    a1[i][r] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(xv + 8), a1[i][r]);
-                }
+                qm__load_chunk_full(r0, c + j, BITS, &w0, &w1);
+                QM__ACC_FMA(0, w0, w1, xv);
+                qm__load_chunk_full(r1, c + j, BITS, &w0, &w1);
+                QM__ACC_FMA(1, w0, w1, xv);
+                qm__load_chunk_full(r2, c + j, BITS, &w0, &w1);
+                QM__ACC_FMA(2, w0, w1, xv);
+                qm__load_chunk_full(r3, c + j, BITS, &w0, &w1);
+                QM__ACC_FMA(3, w0, w1, xv);
+            }
+            c = ce;
+        } else {
+            for (; c < ce; c++, xv += 16) {
+                __m256 w0, w1;
+                qm__load_chunk(r0, rb, c, BITS, &w0, &w1);
+                QM__ACC_FMA(0, w0, w1, xv);
+                qm__load_chunk(r1, rb, c, BITS, &w0, &w1);
+                QM__ACC_FMA(1, w0, w1, xv);
+                qm__load_chunk(r2, rb, c, BITS, &w0, &w1);
+                QM__ACC_FMA(2, w0, w1, xv);
+                qm__load_chunk(r3, rb, c, BITS, &w0, &w1);
+                QM__ACC_FMA(3, w0, w1, xv);
             }
         }
-#pragma GCC unroll 4
-        for (int i = 0; i < NR; i++) {
-            __m256 sc = _mm256_set1_ps(par[i][b]);
-            __m256 zp = _mm256_set1_ps(par[i][m->nblk + b]);
-#pragma GCC unroll 2
-            for (int r = 0; r < R; r++) {
-                const float *xs = xp + (size_t)r * ldx + kp + 8 * (size_t)b;
-                __m256 blk = _mm256_add_ps(a0[i][r], a1[i][r]);
-                blk = _mm256_fnmadd_ps(zp, _mm256_loadu_ps(xs), blk);
-                yacc[i][r] = _mm256_fmadd_ps(blk, sc, yacc[i][r]);
-            }
+        const float *xs = xp + kp + 8 * (size_t)b;
+        if (FAST) {
+            QM__ACC_BLOCK(0, zsym, _mm256_set1_ps(qm__scale_f32(s0, b)), xs);
+            QM__ACC_BLOCK(1, zsym, _mm256_set1_ps(qm__scale_f32(s1, b)), xs);
+            QM__ACC_BLOCK(2, zsym, _mm256_set1_ps(qm__scale_f32(s2, b)), xs);
+            QM__ACC_BLOCK(3, zsym, _mm256_set1_ps(qm__scale_f32(s3, b)), xs);
+        } else {
+            QM__ACC_BLOCK(0, _mm256_set1_ps(qm__zp(m, n, b)), _mm256_set1_ps(qm__scale(m, n, b)), xs);
+            QM__ACC_BLOCK(1, _mm256_set1_ps(qm__zp(m, n + 1, b)), _mm256_set1_ps(qm__scale(m, n + 1, b)), xs);
+            QM__ACC_BLOCK(2, _mm256_set1_ps(qm__zp(m, n + 2, b)), _mm256_set1_ps(qm__scale(m, n + 2, b)), xs);
+            QM__ACC_BLOCK(3, _mm256_set1_ps(qm__zp(m, n + 3, b)), _mm256_set1_ps(qm__scale(m, n + 3, b)), xs);
         }
     }
-#pragma GCC unroll 4
-    for (int i = 0; i < NR; i++)
-#pragma GCC unroll 2
-        for (int r = 0; r < R; r++)
-            y[(size_t)r * ldy + n + i] = qm__hsum8(yacc[i][r]);
+    y[n] = qm__hsum8(y_0);
+    y[n + 1] = qm__hsum8(y_1);
+    y[n + 2] = qm__hsum8(y_2);
+    y[n + 3] = qm__hsum8(y_3);
+}
+
+static void qm__gemv_4x1_q4(const qm__qmat *m, uint32_t n, const float *xp, float *y)
+{
+    int fast = m->scale_dtype == QM_DTYPE_F32 && !m->zp;
+    uint32_t cpb = m->nblk == 1 ? 0 : m->block / 16;
+    if (fast && cpb == 2)
+        qm__gemv_4x1_impl(m, n, xp, y, 4, 2, 1);
+    else if (fast && cpb == 4)
+        qm__gemv_4x1_impl(m, n, xp, y, 4, 4, 1);
+    else if (fast)
+        qm__gemv_4x1_impl(m, n, xp, y, 4, 0, 1);
+    else
+        qm__gemv_4x1_impl(m, n, xp, y, 4, 0, 0);
+}
+
+static void qm__gemv_4x1_q8(const qm__qmat *m, uint32_t n, const float *xp, float *y)
+{
+    int fast = m->scale_dtype == QM_DTYPE_F32 && !m->zp;
+    uint32_t cpb = m->nblk == 1 ? 0 : m->block / 16;
+    if (fast && cpb == 4)
+        qm__gemv_4x1_impl(m, n, xp, y, 8, 4, 1);
+    else if (fast && cpb == 2)
+        qm__gemv_4x1_impl(m, n, xp, y, 8, 2, 1);
+    else if (fast)
+        qm__gemv_4x1_impl(m, n, xp, y, 8, 0, 1);
+    else
+        qm__gemv_4x1_impl(m, n, xp, y, 8, 0, 0);
+}
+
+#define qm__gemv_4x1(m, n, xp, y, BITS)                                                            \
+    ((BITS) == 4 ? qm__gemv_4x1_q4(m, n, xp, y) : qm__gemv_4x1_q8(m, n, xp, y))
+
+/* 1 weight row x 1 input row. */
+QM_AI void qm__gemv_1x1(const qm__qmat *m, uint32_t n, const float *xp, float *y, const int BITS)
+{
+    const uint32_t kp = (uint32_t)qm__round16(m->k), nch = kp / 16;
+    const uint32_t cpb = m->nblk == 1 ? nch : m->block / 16;
+    const uint8_t *r0 = m->w + (size_t)n * m->row_bytes;
+    QM__ACC_DECL(0);
+    uint32_t c = 0;
+    for (uint32_t b = 0; b < m->nblk; b++) {
+        uint32_t ce = c + cpb < nch ? c + cpb : nch;
+        for (; c < ce; c++) {
+            __m256 w0, w1;
+            qm__load_chunk(r0, m->row_bytes, c, BITS, &w0, &w1);
+            QM__ACC_FMA(0, w0, w1, xp + 16 * (size_t)c);
+        }
+        QM__ACC_BLOCK(0, _mm256_set1_ps(qm__zp(m, n, b)), _mm256_set1_ps(qm__scale(m, n, b)),
+                      xp + kp + 8 * (size_t)b);
+    }
+    y[n] = qm__hsum8(y_0);
+}
+
+/* 2 weight rows x 2 input rows (x rows at xp and xp + ldx, y rows at y and y + ldy). */
+QM_AI void qm__gemv_2x2(const qm__qmat *m, uint32_t n, const float *xp, size_t ldx, float *y,
+                        size_t ldy, const int BITS)
+{
+    const uint32_t kp = (uint32_t)qm__round16(m->k), nch = kp / 16;
+    const uint32_t cpb = m->nblk == 1 ? nch : m->block / 16;
+    const size_t rb = m->row_bytes;
+    const uint8_t *r0 = m->w + (size_t)n * rb, *r1 = r0 + rb;
+    const float *xq = xp + ldx;
+    QM__ACC_DECL(0); /* row n, input 0 */
+    QM__ACC_DECL(1); /* row n, input 1 */
+    QM__ACC_DECL(2); /* row n+1, input 0 */
+    QM__ACC_DECL(3); /* row n+1, input 1 */
+    uint32_t c = 0;
+    for (uint32_t b = 0; b < m->nblk; b++) {
+        uint32_t ce = c + cpb < nch ? c + cpb : nch;
+        for (; c < ce; c++) {
+            __m256 w0, w1;
+            qm__load_chunk(r0, rb, c, BITS, &w0, &w1);
+            QM__ACC_FMA(0, w0, w1, xp + 16 * (size_t)c);
+            QM__ACC_FMA(1, w0, w1, xq + 16 * (size_t)c);
+            qm__load_chunk(r1, rb, c, BITS, &w0, &w1);
+            QM__ACC_FMA(2, w0, w1, xp + 16 * (size_t)c);
+            QM__ACC_FMA(3, w0, w1, xq + 16 * (size_t)c);
+        }
+        __m256 z0 = _mm256_set1_ps(qm__zp(m, n, b)), s0 = _mm256_set1_ps(qm__scale(m, n, b));
+        __m256 z1 = _mm256_set1_ps(qm__zp(m, n + 1, b)), s1 = _mm256_set1_ps(qm__scale(m, n + 1, b));
+        QM__ACC_BLOCK(0, z0, s0, xp + kp + 8 * (size_t)b);
+        QM__ACC_BLOCK(1, z0, s0, xq + kp + 8 * (size_t)b);
+        QM__ACC_BLOCK(2, z1, s1, xp + kp + 8 * (size_t)b);
+        QM__ACC_BLOCK(3, z1, s1, xq + kp + 8 * (size_t)b);
+    }
+    y[n] = qm__hsum8(y_0);
+    y[ldy + n] = qm__hsum8(y_1);
+    y[n + 1] = qm__hsum8(y_2);
+    y[ldy + n + 1] = qm__hsum8(y_3);
 }
 
 #define QM__GEMV_BODY(BITS)                                                                        \
     do {                                                                                           \
+        (void)scratch;                                                                             \
         uint32_t r = 0;                                                                            \
         for (; r + 2 <= nx; r += 2) {                                                              \
             uint32_t n = n0;                                                                       \
             for (; n + 2 <= n1; n += 2)                                                            \
-                qm__gemv_group(m, n, 2, xp + r * ldx, ldx, 2, y + r * ldy, ldy, scratch, BITS);   \
-            for (; n < n1; n++)                                                                    \
-                qm__gemv_group(m, n, 1, xp + r * ldx, ldx, 2, y + r * ldy, ldy, scratch, BITS);   \
+                qm__gemv_2x2(m, n, xp + r * ldx, ldx, y + r * ldy, ldy, BITS);                     \
+            for (; n < n1; n++) {                                                                  \
+                qm__gemv_1x1(m, n, xp + r * ldx, y + r * ldy, BITS);                               \
+                qm__gemv_1x1(m, n, xp + (r + 1) * ldx, y + (r + 1) * ldy, BITS);                   \
+            }                                                                                      \
         }                                                                                          \
         for (; r < nx; r++) {                                                                      \
             uint32_t n = n0;                                                                       \
             for (; n + 4 <= n1; n += 4)                                                            \
-                qm__gemv_group(m, n, 4, xp + r * ldx, ldx, 1, y + r * ldy, ldy, scratch, BITS);   \
+                qm__gemv_4x1(m, n, xp + r * ldx, y + r * ldy, BITS);                               \
             for (; n < n1; n++)                                                                    \
-                qm__gemv_group(m, n, 1, xp + r * ldx, ldx, 1, y + r * ldy, ldy, scratch, BITS);   \
+                qm__gemv_1x1(m, n, xp + r * ldx, y + r * ldy, BITS);                               \
         }                                                                                          \
     } while (0)
 

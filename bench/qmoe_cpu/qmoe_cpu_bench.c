@@ -1,0 +1,226 @@
+/* qmoe_cpu_bench - times qm_moe_forward on the CPU backend over a bank file,
+ * and the machine's read bandwidth, for bench/qmoe_cpu/run.py.
+ *
+ *   qmoe_cpu_bench --bank F --tokens T [--threads 2] [--iters 20] [--warmup 3]
+ *                  [--seed S] [--stream-mib 2048]
+ *
+ * Each call gets fresh random hidden states and router logits (from --seed,
+ * drawn outside the timed region) and the calls cycle through the bank's
+ * layers, so decode reads weights from memory, not from the caches. Prints
+ * one JSON object per measurement on stdout. Not a test. */
+#include <pthread.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "qm_backend.h"
+#include "qm_bank.h"
+#include "qm_moe.h"
+
+static double now_s(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
+}
+
+static uint64_t rng_next(uint64_t *s)
+{
+    uint64_t z = (*s += 0x9e3779b97f4a7c15ull);
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+    return z ^ (z >> 31);
+}
+
+static float rng_uniform(uint64_t *s, float lo, float hi)
+{
+    return lo + (hi - lo) * (float)((double)(rng_next(s) >> 11) / 9007199254740992.0);
+}
+
+static int cmp_double(const void *a, const void *b)
+{
+    double x = *(const double *)a, y = *(const double *)b;
+    return x < y ? -1 : x > y;
+}
+
+/* ---- STREAM-like read: each thread sums its half of a large buffer ---- */
+
+typedef struct stream_arg {
+    const uint64_t *p;
+    size_t n;
+    uint64_t sum;
+} stream_arg;
+
+static void *stream_read(void *v)
+{
+    stream_arg *a = v;
+    uint64_t s0 = 0, s1 = 0, s2 = 0, s3 = 0;
+    for (size_t i = 0; i + 4 <= a->n; i += 4) {
+        s0 += a->p[i];
+        s1 += a->p[i + 1];
+        s2 += a->p[i + 2];
+        s3 += a->p[i + 3];
+    }
+    a->sum = s0 + s1 + s2 + s3;
+    return NULL;
+}
+
+static void measure_stream(size_t mib, unsigned threads, int reps)
+{
+    size_t bytes = mib << 20, n = bytes / 8;
+    uint64_t *buf = malloc(bytes);
+    if (!buf) {
+        fprintf(stderr, "stream: cannot allocate %zu MiB\n", mib);
+        return;
+    }
+    for (size_t i = 0; i < n; i++)
+        buf[i] = i * 0x9e3779b97f4a7c15ull;
+    double *gbps = calloc((size_t)reps, sizeof(double));
+    uint64_t check = 0;
+    for (int r = 0; r < reps; r++) {
+        pthread_t th[64];
+        stream_arg args[64];
+        size_t per = n / threads;
+        double t0 = now_s();
+        for (unsigned i = 0; i < threads; i++) {
+            args[i] = (stream_arg){.p = buf + i * per, .n = per};
+            pthread_create(&th[i], NULL, stream_read, &args[i]);
+        }
+        for (unsigned i = 0; i < threads; i++) {
+            pthread_join(th[i], NULL);
+            check += args[i].sum;
+        }
+        gbps[r] = (double)(per * threads * 8) / (now_s() - t0) / 1e9;
+    }
+    qsort(gbps, (size_t)reps, sizeof(double), cmp_double);
+    printf("{\"what\":\"stream_read\",\"mib\":%zu,\"threads\":%u,\"median_gbps\":%.3f,"
+           "\"min_gbps\":%.3f,\"max_gbps\":%.3f,\"check\":%llu}\n",
+           mib, threads, gbps[reps / 2], gbps[0], gbps[reps - 1],
+           (unsigned long long)(check & 0xff));
+    free(gbps);
+    free(buf);
+}
+
+int main(int argc, char **argv)
+{
+    const char *bank_path = NULL;
+    unsigned tokens = 1, threads = 2, iters = 20, warmup = 3;
+    size_t stream_mib = 0;
+    uint64_t seed = 1;
+    for (int i = 1; i < argc; i++) {
+        const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
+        if (!v) {
+            fprintf(stderr, "%s needs a value\n", a);
+            return 2;
+        }
+        if (!strcmp(a, "--bank"))
+            bank_path = v;
+        else if (!strcmp(a, "--tokens"))
+            tokens = (unsigned)atoi(v);
+        else if (!strcmp(a, "--threads"))
+            threads = (unsigned)atoi(v);
+        else if (!strcmp(a, "--iters"))
+            iters = (unsigned)atoi(v);
+        else if (!strcmp(a, "--warmup"))
+            warmup = (unsigned)atoi(v);
+        else if (!strcmp(a, "--seed"))
+            seed = strtoull(v, NULL, 10);
+        else if (!strcmp(a, "--stream-mib"))
+            stream_mib = (size_t)atol(v);
+        else {
+            fprintf(stderr, "unknown option %s\n", a);
+            return 2;
+        }
+        i++;
+    }
+    if (stream_mib)
+        measure_stream(stream_mib, threads, 7);
+    if (!bank_path)
+        return 0;
+    if (iters == 0)
+        iters = 1;
+
+    qm_status st = {0};
+    qm_bank *bank = NULL;
+    qm_backend *be = NULL;
+    if (qm_bank_open(bank_path, &bank, &st) < 0 || qm_backend_cpu_new(threads, &be, &st) < 0) {
+        fprintf(stderr, "qmoe_cpu_bench: %s\n", st.msg);
+        return 1;
+    }
+    const qm_bank_config *cfg = qm_bank_get_config(bank);
+    /* Fault the whole mapping in first: a serving daemon keeps its banks
+     * mapped, and the peer holds its weights in memory too. */
+    {
+        uint8_t acc = 0;
+        for (uint32_t l = 0; l < cfg->layers; l++) {
+            const qm_layer_view *lv = qm_bank_layer(bank, l);
+            for (int t = 0; t < QM_T_COUNT; t++) {
+                const volatile uint8_t *d = lv->t[t].data;
+                for (uint64_t off = 0; lv->t[t].present && off < lv->t[t].nbytes; off += 4096)
+                    acc ^= d[off];
+            }
+        }
+        (void)acc;
+    }
+    qm_device_info info;
+    qm_backend_info(be, &info);
+    qm_expert_source src;
+    qm_expert_source_direct(bank, &src);
+    size_t TH = (size_t)tokens * cfg->hidden, TE = (size_t)tokens * cfg->experts;
+    float *x = malloc(TH * 4), *lg = malloc(TE * 4), *out = malloc(TH * 4);
+    uint32_t *re = malloc((size_t)tokens * cfg->k * 4);
+    double *ms = calloc(iters, sizeof(double));
+    double bytes_sum = 0;
+    uint64_t rng = seed;
+    for (unsigned it = 0; it < warmup + iters; it++) {
+        for (size_t i = 0; i < TH; i++)
+            x[i] = rng_uniform(&rng, -1.0f, 1.0f);
+        for (size_t i = 0; i < TE; i++)
+            lg[i] = rng_uniform(&rng, -3.0f, 3.0f);
+        uint32_t layer = it % cfg->layers;
+        qm_moe_call call = {.layer = layer, .dtype = QM_DTYPE_F32, .hidden = x,
+                            .n_tokens = tokens, .logits = lg, .output = out,
+                            .route_experts = re};
+        double t0 = now_s();
+        if (qm_moe_forward(be, bank, &call, &src, NULL, &st) < 0) {
+            fprintf(stderr, "qmoe_cpu_bench: forward: %s\n", st.msg);
+            return 1;
+        }
+        double dt = now_s() - t0;
+        if (it < warmup)
+            continue;
+        ms[it - warmup] = dt * 1e3;
+        /* Bytes of every distinct expert this call touched. */
+        char used[4096] = {0};
+        uint64_t bytes = 0;
+        const qm_layer_view *lv = qm_bank_layer(bank, layer);
+        for (size_t i = 0; i < (size_t)tokens * cfg->k; i++)
+            if (re[i] != QM_ROUTE_DROPPED && re[i] < 4096 && !used[re[i]]) {
+                used[re[i]] = 1;
+                bytes += lv->bytes_per_expert;
+            }
+        bytes_sum += (double)bytes;
+    }
+    double mean_bytes = bytes_sum / iters;
+    double sorted[iters];
+    memcpy(sorted, ms, sizeof sorted);
+    qsort(sorted, iters, sizeof(double), cmp_double);
+    double med = sorted[iters / 2];
+    printf("{\"what\":\"qmoed\",\"backend\":\"%s\",\"tokens\":%u,\"threads\":%u,\"iters\":%u,"
+           "\"median_ms\":%.4f,\"min_ms\":%.4f,\"max_ms\":%.4f,\"bytes_per_call\":%.0f,"
+           "\"gbps_median\":%.3f,\"samples_ms\":[",
+           info.name, tokens, threads, iters, med, sorted[0], sorted[iters - 1], mean_bytes,
+           mean_bytes / (med * 1e-3) / 1e9);
+    for (unsigned i = 0; i < iters; i++)
+        printf("%s%.4f", i ? "," : "", ms[i]);
+    printf("]}\n");
+    free(x);
+    free(lg);
+    free(out);
+    free(re);
+    free(ms);
+    qm_backend_free(be);
+    qm_bank_close(bank);
+    return 0;
+}

@@ -1,0 +1,224 @@
+#!/usr/bin/env python3
+"""bench/qmoe_cpu/run.py - the CPU engine against onnxruntime's CPU QMoE, side by side.
+
+    .venv/bin/python bench/qmoe_cpu/run.py --build BUILD_DIR [--quick] [--cases gptoss,mixtral,int8]
+
+For each case it writes a random bank to /tmp (deleted at exit), then, in
+rounds, alternates: qmoe_cpu_bench (our engine, 2 threads), onnxruntime with
+its default settings (its fastest paths: MLAS Q4 / QNBit GEMM) and with the
+exact-path settings (ORT_USE_MLAS_Q4_GEMM_MOE=0, ORT_QMOE_CPU_QNBIT_GEMM=0),
+each with intra_op_num_threads = 2 and fresh random inputs per call, calls
+cycling through the bank's layers. A STREAM-like read of a buffer far larger
+than the LLC measures the machine's read bandwidth in the same run. Every
+case's outputs are checked once against each other (qmoe-bank run vs ORT).
+Prints a Markdown table (medians, min/max, ratios).
+"""
+
+import argparse
+import json
+import math
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+
+import numpy as np
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+SRC = os.path.abspath(os.path.join(HERE, "..", ".."))
+sys.path.insert(0, os.path.join(SRC, "tools"))
+import qmoebank  # noqa: E402
+
+CASES = {
+    # name: (H, I, E, k, bits, block, layers, token counts)
+    "gptoss": dict(H=2880, I=2880, E=32, k=4, bits=4, bs=32, layers=2, tokens=(1, 16, 512)),
+    "mixtral": dict(H=4096, I=14336, E=8, k=2, bits=4, bs=32, layers=1, tokens=(1, 128)),
+    "gptoss_int8": dict(H=2880, I=2880, E=32, k=4, bits=8, bs=64, layers=1, tokens=(1, 16)),
+}
+
+
+def make_bank(path, c, seed):
+    """Random codes (every nibble random), scales ~ 1/(sqrt(K) * 2^(bits-1)),
+    f32 biases: GPT-OSS-style swiglu (interleaved, alpha 1.702, beta 1, limit 7)."""
+    rng = np.random.default_rng(seed)
+    cfg = qmoebank.BankConfig(layers=c["layers"], experts=c["E"], hidden_size=c["H"],
+                              inter_size=c["I"], k=c["k"], bits=c["bits"], block_size=c["bs"],
+                              activation="swiglu", swiglu_fusion=1, activation_alpha=1.702,
+                              activation_beta=1.0, swiglu_limit=7.0)
+    tensors = {}
+    pack = 8 // c["bits"]
+    for layer in range(c["layers"]):
+        for proj in ("fc1", "fc2"):
+            n, k = cfg.dims(proj)
+            nblk = -(-k // c["bs"])
+            tensors[f"layers.{layer}.{proj}.weight"] = rng.integers(
+                0, 256, (c["E"], n, k // pack), dtype=np.uint8)
+            base = 1.0 / (math.sqrt(k) * (1 << (c["bits"] - 1)))
+            tensors[f"layers.{layer}.{proj}.scales"] = (
+                base * rng.uniform(0.5, 1.5, (c["E"], n, nblk))).astype(np.float32)
+            tensors[f"layers.{layer}.{proj}.bias"] = (
+                0.05 * rng.standard_normal((c["E"], n))).astype(np.float32)
+    qmoebank.save_bank(path, cfg, tensors)
+    return cfg, tensors
+
+
+def ort_sessions(cfg, tensors, exact, threads):
+    import bank2onnx
+    import onnxruntime as ort
+
+    if exact:
+        os.environ["ORT_USE_MLAS_Q4_GEMM_MOE"] = "0"
+        os.environ["ORT_QMOE_CPU_QNBIT_GEMM"] = "0"
+    else:
+        os.environ.pop("ORT_USE_MLAS_Q4_GEMM_MOE", None)
+        os.environ.pop("ORT_QMOE_CPU_QNBIT_GEMM", None)
+    sessions = []
+    for layer in range(cfg.layers):
+        model = bank2onnx.build_model(cfg, tensors, [layer], np.dtype(np.float32))
+        so = ort.SessionOptions()
+        so.intra_op_num_threads = threads
+        so.inter_op_num_threads = 1
+        so.log_severity_level = 3
+        sessions.append(ort.InferenceSession(model.SerializeToString(), so,
+                                             providers=["CPUExecutionProvider"]))
+    return sessions
+
+
+def time_ort(sessions, cfg, t, iters, warmup, rng):
+    ms = []
+    for it in range(warmup + iters):
+        x = rng.uniform(-1, 1, (t, cfg.hidden_size)).astype(np.float32)
+        lg = rng.uniform(-3, 3, (t, cfg.experts)).astype(np.float32)
+        s = sessions[it % len(sessions)]
+        t0 = time.perf_counter()
+        s.run(None, {"input": x, "router_probs": lg})
+        dt = time.perf_counter() - t0
+        if it >= warmup:
+            ms.append(dt * 1e3)
+    return ms
+
+
+def time_ours(bench, bank, t, iters, warmup, threads, seed):
+    r = subprocess.run([bench, "--bank", bank, "--tokens", str(t), "--threads", str(threads),
+                        "--iters", str(iters), "--warmup", str(warmup), "--seed", str(seed)],
+                       capture_output=True, text=True, check=True)
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def stream(bench, threads, mib):
+    r = subprocess.run([bench, "--stream-mib", str(mib), "--threads", str(threads)],
+                       capture_output=True, text=True, check=True)
+    return json.loads(r.stdout.strip())
+
+
+def check_outputs(qmoe_bank, bank, cfg, sessions_by_mode, tmp, rng):
+    """Our output (qmoe-bank run) vs each onnxruntime mode, on one random input."""
+    t = 7
+    x = rng.uniform(-1, 1, (t, cfg.hidden_size)).astype(np.float32)
+    lg = rng.uniform(-3, 3, (t, cfg.experts)).astype(np.float32)
+    np.save(os.path.join(tmp, "x.npy"), x)
+    np.save(os.path.join(tmp, "lg.npy"), lg)
+    subprocess.run([qmoe_bank, "run", bank, "--layer", "0", "--hidden", os.path.join(tmp, "x.npy"),
+                    "--logits", os.path.join(tmp, "lg.npy"), "--out", os.path.join(tmp, "y.npy"),
+                    "--threads", "2"], check=True, capture_output=True)
+    ours = np.load(os.path.join(tmp, "y.npy")).astype(np.float64)
+    out = {}
+    for mode, sessions in sessions_by_mode.items():
+        theirs = sessions[0].run(None, {"input": x, "router_probs": lg})[0].astype(np.float64)
+        out[mode] = float(np.linalg.norm(ours - theirs) / np.linalg.norm(theirs))
+    return out
+
+
+def med(v):
+    return float(np.median(v))
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--build", default=os.path.join(SRC, "build"))
+    ap.add_argument("--cases", default="gptoss,mixtral,gptoss_int8")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--seed", type=int, default=int(time.time()) % 100000)
+    ap.add_argument("--stream-mib", type=int, default=2048)
+    ap.add_argument("--quick", action="store_true", help="fewer iterations (smoke run)")
+    ap.add_argument("--json", help="also write raw results here")
+    args = ap.parse_args()
+    bench = os.path.join(args.build, "bench", "qmoe_cpu", "qmoe_cpu_bench")
+    qmoe_bank = os.path.join(args.build, "tools", "qmoe-bank", "qmoe-bank")
+    import onnxruntime as ort
+
+    print(f"# seed {args.seed}, onnxruntime {ort.__version__}, threads {args.threads}", flush=True)
+    rng = np.random.default_rng(args.seed)
+    tmp = tempfile.mkdtemp(prefix="qmoe_cpu_bench_", dir="/tmp")
+    rows, raw = [], {"seed": args.seed, "cases": []}
+    bw_samples = []
+    try:
+        for name in args.cases.split(","):
+            c = CASES[name]
+            bank = os.path.join(tmp, f"{name}.safetensors")
+            cfg, tensors = make_bank(bank, c, args.seed)
+            bank_bytes = os.path.getsize(bank)
+            sessions = {"default": ort_sessions(cfg, tensors, False, args.threads),
+                        "exact": ort_sessions(cfg, tensors, True, args.threads)}
+            del tensors
+            errs = check_outputs(qmoe_bank, bank, cfg, sessions, tmp, rng)
+            print(f"# {name}: bank {bank_bytes / 2**20:.0f} MiB ({cfg.layers} layers), "
+                  f"rel err vs ort default {errs['default']:.2g}, exact {errs['exact']:.2g}",
+                  flush=True)
+            for t in c["tokens"]:
+                heavy = t * c["k"] * c["H"] * c["I"] >= 4 * 128 * 4096 * 14336 / 8
+                iters = 3 if heavy else (20 if t == 1 else 8)
+                warm = 1 if heavy else 3
+                if args.quick:
+                    iters, warm = max(2, iters // 4), 1
+                ours_ms, ours_gbps, dflt_ms, exact_ms, ratios, bytes_call = [], [], [], [], [], 0
+                for rnd in range(args.rounds):
+                    bw_samples.append(stream(bench, args.threads, args.stream_mib)["median_gbps"])
+                    o = time_ours(bench, bank, t, iters, warm, args.threads, args.seed + rnd)
+                    d = time_ort(sessions["default"], cfg, t, iters, warm, rng)
+                    e = time_ort(sessions["exact"], cfg, t, max(2, iters // 2) if heavy else iters,
+                                 warm, rng)
+                    ours_ms += o["samples_ms"]
+                    bytes_call = o["bytes_per_call"]
+                    dflt_ms += d
+                    exact_ms += e
+                    ratios.append(med(d) / o["median_ms"])
+                row = dict(case=name, tokens=t, ours_ms=med(ours_ms), ours_min=min(ours_ms),
+                           ours_max=max(ours_ms), bytes_per_call=bytes_call,
+                           gbps=bytes_call / (med(ours_ms) * 1e-3) / 1e9, ort_default_ms=med(dflt_ms),
+                           ort_default_min=min(dflt_ms), ort_default_max=max(dflt_ms),
+                           ort_exact_ms=med(exact_ms), ratio_default=med(ratios),
+                           ratio_exact=med(exact_ms) / med(ours_ms), stream_gbps=med(bw_samples),
+                           err_default=errs["default"], err_exact=errs["exact"],
+                           working_set_mib=bank_bytes / 2**20)
+                rows.append(row)
+                raw["cases"].append(row)
+                print(json.dumps(row), flush=True)
+            del sessions
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    bw = med(bw_samples)
+    print()
+    print(f"Read bandwidth (STREAM-like, {args.threads} threads, {args.stream_mib} MiB buffer): "
+          f"median {bw:.2f} GB/s (min {min(bw_samples):.2f}, max {max(bw_samples):.2f})")
+    print()
+    print("| case | T | qmoed ms (min-max) | weight MB/call | GB/s | % of read BW | "
+          "ORT default ms (min-max) | ORT exact ms | ratio vs default | ratio vs exact |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['case']} | {r['tokens']} | {r['ours_ms']:.2f} ({r['ours_min']:.2f}-{r['ours_max']:.2f}) "
+              f"| {r['bytes_per_call'] / 1e6:.1f} | {r['gbps']:.2f} | {100 * r['gbps'] / bw:.0f}% "
+              f"| {r['ort_default_ms']:.2f} ({r['ort_default_min']:.2f}-{r['ort_default_max']:.2f}) "
+              f"| {r['ort_exact_ms']:.2f} | {r['ratio_default']:.2f}x | {r['ratio_exact']:.2f}x |")
+    if args.json:
+        raw["stream_gbps"] = bw
+        with open(args.json, "w") as f:
+            json.dump(raw, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
