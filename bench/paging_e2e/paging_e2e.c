@@ -1,0 +1,242 @@
+/* paging_e2e.c - decode through the paging authority on the CPU backend with
+ * real copies, against the whole bank read in place (no pager), side by side.
+ *
+ *   paging_e2e --bank FILE [--calls N] [--reps R] [--alpha A] [--locality P]
+ *              [--threads T] [--seed S]
+ *
+ * Each "call" is one layer of one decode token (T = 1), layers cycled in
+ * order, routing taken from a synthetic trace (bench/policy_sim's model) and
+ * hidden states drawn fresh per call. Configurations run alternately, R
+ * times; the first 10% of each run is warm-up and not timed. Outputs are
+ * checked bitwise against the whole-bank run. */
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "qm_moe.h"
+#include "qm_pager.h"
+#include "qm_residency.h"
+#include "sim.h"
+
+typedef struct cfg_t {
+    const char *policy; /* NULL: no pager (whole bank in place) */
+    double frac;        /* budget as a share of all expert bytes; 0 = none */
+    int prefetch;
+} cfg_t;
+
+static double now_s(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return ts.tv_sec + ts.tv_nsec * 1e-9;
+}
+
+static uint64_t rnd(uint64_t *s)
+{
+    uint64_t z = (*s += 0x9e3779b97f4a7c15ull);
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+    return z ^ (z >> 31);
+}
+
+static int cmp_d(const void *a, const void *b)
+{
+    double x = *(const double *)a, y = *(const double *)b;
+    return x < y ? -1 : x > y;
+}
+
+typedef struct run_out {
+    double secs;
+    qm_pager_stats st;
+} run_out;
+
+/* Runs `calls` layer calls; returns 0 and the timed seconds. */
+static int run(qm_backend *be, const qm_bank *bank, const cfg_t *c, const sim_trace *tr,
+               uint32_t calls, uint64_t seed, float *outs, int check, run_out *ro)
+{
+    const qm_bank_config *cfg = qm_bank_get_config(bank);
+    qm_status st = {0};
+    qm_policy pol = {0};
+    qm_residency_plan *plan = NULL;
+    qm_pager *pg = NULL;
+    qm_region_catalog *cats[256];
+    int rc = -1;
+    memset(ro, 0, sizeof *ro);
+    if (c->policy) {
+        if (qm_policy_new(c->policy, NULL, &pol, &st))
+            goto out;
+        for (uint32_t l = 0; l < cfg->layers; l++)
+            if (qm_bank_build_catalog(bank, l, &cats[l], &st))
+                goto out;
+        uint64_t total = qm_bank_expert_bytes_total(bank);
+        qm_plan_options po = {.has_budget = c->frac > 0,
+                              .budget_bytes = (uint64_t)(c->frac * (double)total)};
+        rc = qm_plan_residency((const qm_region_catalog *const *)cats, cfg->layers, &pol, &po,
+                               &plan, &st);
+        for (uint32_t l = 0; l < cfg->layers; l++)
+            qm_catalog_free(cats[l]);
+        if (rc)
+            goto out;
+        qm_pager_options o = {.prefetch = c->prefetch};
+        if ((rc = qm_pager_new(be, bank, plan, &pol, &o, &pg, &st)))
+            goto out;
+    }
+    qm_expert_source direct;
+    qm_expert_source_direct(bank, &direct);
+    float *x = malloc(sizeof(float) * cfg->hidden), *logits = malloc(sizeof(float) * cfg->experts);
+    float *y = malloc(sizeof(float) * cfg->hidden);
+    uint64_t s = seed;
+    uint32_t warm = calls / 10;
+    double t0 = 0;
+    rc = 0;
+    for (uint32_t i = 0; i < calls && rc == 0; i++) {
+        if (i == warm) {
+            if (pg)
+                qm_pager_stats_get(pg, &ro->st); /* baseline, subtracted below */
+            t0 = now_s();
+        }
+        uint32_t t = i / tr->layers, l = i % tr->layers;
+        for (uint32_t h = 0; h < cfg->hidden; h++)
+            x[h] = (float)((rnd(&s) >> 40) * (2.0 / 16777216.0) - 1.0);
+        for (uint32_t e = 0; e < cfg->experts; e++)
+            logits[e] = -30.0f;
+        const int16_t *row = tr->ids + ((size_t)t * tr->layers + l) * tr->k;
+        for (uint32_t j = 0; j < tr->k; j++)
+            logits[row[j]] = 2.0f - 0.25f * (float)j;
+        qm_moe_call mc = {.layer = l, .dtype = QM_DTYPE_F32, .hidden = x, .n_tokens = 1,
+                          .logits = logits, .output = y};
+        qm_moe_stats ms = {0};
+        rc = pg ? qm_pager_forward(pg, &mc, &ms, &st)
+                : qm_moe_forward(be, bank, &mc, &direct, &ms, &st);
+        if (outs && !check)
+            memcpy(outs + (size_t)i * cfg->hidden, y, sizeof(float) * cfg->hidden);
+        if (outs && check && memcmp(outs + (size_t)i * cfg->hidden, y, sizeof(float) * cfg->hidden)) {
+            fprintf(stderr, "paging_e2e: call %u differs from the whole-bank output\n", i);
+            rc = -1;
+        }
+    }
+    ro->secs = now_s() - t0;
+    if (pg) {
+        qm_pager_stats a;
+        qm_pager_stats_get(pg, &a);
+        a.hits -= ro->st.hits;
+        a.misses -= ro->st.misses;
+        a.bytes_paged_h2d -= ro->st.bytes_paged_h2d;
+        a.prefetch_issued -= ro->st.prefetch_issued;
+        a.prefetch_useful -= ro->st.prefetch_useful;
+        a.evictions -= ro->st.evictions;
+        ro->st = a;
+    }
+    free(x);
+    free(logits);
+    free(y);
+out:
+    if (rc)
+        fprintf(stderr, "paging_e2e: %s: %s\n", c->policy ? c->policy : "whole", st.msg);
+    qm_pager_free(pg);
+    qm_plan_free(plan);
+    qm_policy_destroy(&pol);
+    return rc;
+}
+
+int main(int argc, char **argv)
+{
+    const char *path = NULL;
+    uint32_t calls = 2400, reps = 3, threads = 1;
+    double alpha = 1.0, locality = 0.3;
+    uint64_t seed = 1;
+    for (int i = 1; i + 1 < argc; i += 2) {
+        if (!strcmp(argv[i], "--bank"))
+            path = argv[i + 1];
+        else if (!strcmp(argv[i], "--calls"))
+            calls = (uint32_t)strtoul(argv[i + 1], NULL, 10);
+        else if (!strcmp(argv[i], "--reps"))
+            reps = (uint32_t)strtoul(argv[i + 1], NULL, 10);
+        else if (!strcmp(argv[i], "--threads"))
+            threads = (uint32_t)strtoul(argv[i + 1], NULL, 10);
+        else if (!strcmp(argv[i], "--alpha"))
+            alpha = strtod(argv[i + 1], NULL);
+        else if (!strcmp(argv[i], "--locality"))
+            locality = strtod(argv[i + 1], NULL);
+        else if (!strcmp(argv[i], "--seed"))
+            seed = strtoull(argv[i + 1], NULL, 10);
+    }
+    if (!path || reps == 0 || reps > 64 || calls < 20) {
+        fprintf(stderr, "usage: paging_e2e --bank FILE [--calls N>=20] [--reps 1..64] [--alpha A] "
+                        "[--locality P] [--threads T] [--seed S]\n");
+        return 2;
+    }
+    qm_status st = {0};
+    qm_bank *bank = NULL;
+    qm_backend *be = NULL;
+    if (qm_bank_open(path, &bank, &st) || qm_backend_cpu_new(threads, &be, &st)) {
+        fprintf(stderr, "paging_e2e: %s\n", st.msg);
+        return 1;
+    }
+    const qm_bank_config *cfg = qm_bank_get_config(bank);
+    sim_trace tr;
+    uint32_t tokens = (calls + cfg->layers - 1) / cfg->layers;
+    if (sim_trace_generate(&tr, tokens, cfg->layers, cfg->experts, cfg->k, alpha, locality, seed))
+        return 1;
+    qm_device_info di;
+    qm_backend_info(be, &di);
+    uint64_t total = qm_bank_expert_bytes_total(bank);
+    printf("paging_e2e: %s; bank %s: %u layers x %u experts, %.1f MiB per expert, %.1f MiB of "
+           "experts (working set); decode T=1, %u layer calls per run (10%% warm-up), %u reps "
+           "alternating; routing: Zipf alpha %.2f, locality %.2f, seed %llu\n\n",
+           di.name, path, cfg->layers, cfg->experts,
+           qm_bank_layer(bank, 0)->bytes_per_expert / 1048576.0, total / 1048576.0, calls, reps,
+           alpha, locality, (unsigned long long)seed);
+    const cfg_t cfgs[] = {{NULL, 0, 0},          {"lru", 0, 0},   {"lru", 0, 1},
+                          {"lru", 0.5, 0},       {"lru", 0.5, 1}, {"lfu", 0.5, 1},
+                          {"lru", 0.25, 0},      {"lru", 0.25, 1}};
+    enum { N = sizeof cfgs / sizeof cfgs[0] };
+    float *ref = malloc(sizeof(float) * calls * cfg->hidden);
+    double secs[N][64];
+    run_out last[N];
+    for (uint32_t r = 0; r < reps; r++)
+        for (int c = 0; c < N; c++) {
+            if (run(be, bank, &cfgs[c], &tr, calls, seed + r, r == 0 ? ref : NULL,
+                    r == 0 && c > 0, &last[c]))
+                return 1;
+            secs[c][r] = last[c].secs;
+        }
+    printf("| session | budget | prefetch | layer calls/s median (min-max) | vs whole bank "
+           "(median of per-rep ratios) | hit rate | GB paged | prefetch useful / issued |\n"
+           "|---|---|---|---|---|---|---|---|\n");
+    uint32_t timed = calls - calls / 10;
+    for (int c = 0; c < N; c++) {
+        double s[64], ratio[64];
+        for (uint32_t r = 0; r < reps; r++) {
+            s[r] = secs[c][r];
+            ratio[r] = secs[0][r] / secs[c][r];
+        }
+        qsort(s, reps, sizeof *s, cmp_d);
+        qsort(ratio, reps, sizeof *ratio, cmp_d);
+        const qm_pager_stats *p = &last[c].st;
+        char budget[32];
+        if (!cfgs[c].policy)
+            snprintf(budget, sizeof budget, "-");
+        else if (cfgs[c].frac > 0)
+            snprintf(budget, sizeof budget, "%.0f%%", 100 * cfgs[c].frac);
+        else
+            snprintf(budget, sizeof budget, "100%% (none)");
+        double acc = (double)(p->hits + p->misses);
+        char hit[32] = "-";
+        if (cfgs[c].policy && acc > 0)
+            snprintf(hit, sizeof hit, "%.1f%%", 100.0 * (double)p->hits / acc);
+        printf("| %s | %s | %s | %.0f (%.0f-%.0f) | %.3f | %s | %.2f | %llu / %llu |\n",
+               cfgs[c].policy ? cfgs[c].policy : "whole bank, no pager", budget,
+               cfgs[c].policy ? (cfgs[c].prefetch ? "on" : "off") : "-",
+               timed / s[reps / 2], timed / s[reps - 1], timed / s[0], ratio[reps / 2], hit,
+               p->bytes_paged_h2d / 1e9, (unsigned long long)p->prefetch_useful,
+               (unsigned long long)p->prefetch_issued);
+    }
+    free(ref);
+    sim_trace_free(&tr);
+    qm_backend_free(be);
+    qm_bank_close(bank);
+    return 0;
+}
