@@ -1,0 +1,373 @@
+/* test_client_live.c - libqmoe-client against the real qmoed on a temp
+ * socket: every typed helper, errors as the daemon sends them, outputs that
+ * do not depend on the policy, and one handle shared by threads. */
+#include <check.h>
+#include <math.h>
+#include <pthread.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "qmoe_client.h"
+
+#define LAYERS 2
+#define EXPERTS 8
+#define HIDDEN 64
+#define TOKENS 4
+
+static char dir[256], sock[300], bank[300];
+static pid_t daemon_pid = -1;
+
+static int run(char *const argv[])
+{
+    pid_t p = fork();
+    if (p == 0) {
+        execv(argv[0], argv);
+        _exit(127);
+    }
+    int st = 0;
+    waitpid(p, &st, 0);
+    return WIFEXITED(st) ? WEXITSTATUS(st) : -1;
+}
+
+/* Unchecked fixture: once, in the runner, before the forked tests. */
+static void start_daemon(void)
+{
+    const char *build = getenv("QMOE_BUILD_DIR");
+    char qmoed[512], tool[512], model[400], state[300];
+    ck_assert_msg(build != NULL, "QMOE_BUILD_DIR is not set (run through ctest)");
+    snprintf(dir, sizeof dir, "/tmp/qmoe-client-live-XXXXXX");
+    ck_assert_ptr_nonnull(mkdtemp(dir));
+    snprintf(sock, sizeof sock, "%s/qmoed.sock", dir);
+    snprintf(bank, sizeof bank, "%s/demo.qmoe", dir);
+    snprintf(state, sizeof state, "%s/state", dir);
+    snprintf(qmoed, sizeof qmoed, "%s/daemon/qmoed", build);
+    snprintf(tool, sizeof tool, "%s/tools/qmoe-bank/qmoe-bank", build);
+    char *create[] = {tool, "create", "--out", bank, "--quiet", "--layers", "2", "--experts", "8",
+                      "--hidden", "64", "--inter", "32", "--k", "2", "--bits", "4",
+                      "--block-size", "32", "--activation", "silu", "--router", "--seed", "3",
+                      NULL};
+    ck_assert_int_eq(run(create), 0);
+    snprintf(model, sizeof model, "demo=%s", bank);
+    daemon_pid = fork();
+    if (daemon_pid == 0) {
+        freopen("/dev/null", "w", stdout);
+        freopen("/dev/null", "w", stderr);
+        execl(qmoed, qmoed, "--socket", sock, "--backend", "cpu", "--model", model, "--state-dir",
+              state, "--device-budget", "1GiB", (char *)NULL);
+        _exit(127);
+    }
+    for (int i = 0; i < 400; i++) { /* up to 20 s */
+        qm_client *c = NULL;
+        if (qm_client_open(&c, sock, 1000, NULL) == 0) {
+            qm_client_close(c);
+            return;
+        }
+        ck_assert_int_eq(waitpid(daemon_pid, NULL, WNOHANG), 0);
+        usleep(50000);
+    }
+    ck_abort_msg("qmoed did not listen on %s", sock);
+}
+
+static void stop_daemon(void)
+{
+    if (daemon_pid > 0) {
+        kill(daemon_pid, SIGTERM);
+        waitpid(daemon_pid, NULL, 0);
+    }
+    char cmd[400];
+    snprintf(cmd, sizeof cmd, "rm -rf '%s'", dir);
+    (void)!system(cmd);
+}
+
+static qm_client *connect_or_fail(void)
+{
+    qm_client *c = NULL;
+    qm_client_error err;
+    ck_assert_msg(qm_client_open(&c, sock, 30000, &err) == 0, "open: %s", err.reason);
+    return c;
+}
+
+static char *create_session(qm_client *c, const char *policy, uint64_t budget)
+{
+    char *id = NULL;
+    qm_client_plan_summary sum;
+    qm_client_error err;
+    qm_client_session_params p = {.model = "demo", .policy = policy, .budget_bytes = budget,
+                                  .has_budget = budget != 0};
+    ck_assert_msg(qm_client_session_create(c, &p, &id, &sum, &err) == 0, "create: %s", err.reason);
+    ck_assert_uint_eq(sum.total, LAYERS);
+    qm_client_plan_summary_free(&sum);
+    return id;
+}
+
+static void fill_hidden(float *x, int seed)
+{
+    for (int i = 0; i < TOKENS * HIDDEN; i++)
+        x[i] = (float)sin(0.37 * i + seed);
+}
+
+START_TEST(test_status_and_models_describe_the_daemon)
+{
+    qm_client *c = connect_or_fail();
+    qm_client_status s;
+    qm_client_error err;
+    ck_assert_int_eq(qm_client_daemon_status(c, &s, &err), 0);
+    ck_assert_str_eq(s.backend, "cpu");
+    ck_assert_uint_ge(s.models, 1);
+    ck_assert_uint_eq(s.device_budget_bytes, 1ull << 30);
+    qm_client_status_free(&s);
+    qm_client_model *m = NULL;
+    size_t n = 0;
+    ck_assert_int_eq(qm_client_model_list(c, &m, &n, &err), 0);
+    ck_assert_uint_ge(n, 1);
+    ck_assert_str_eq(m[0].name, "demo");
+    ck_assert_uint_eq(m[0].layers, LAYERS);
+    ck_assert_uint_eq(m[0].experts, EXPERTS);
+    ck_assert_uint_eq(m[0].hidden_size, HIDDEN);
+    ck_assert_uint_gt(m[0].bytes_per_expert, 0);
+    ck_assert_uint_ge(m[0].bytes_total, m[0].bytes_per_expert * EXPERTS * LAYERS);
+    qm_client_models_free(m, n);
+    qm_client_close(c);
+}
+END_TEST
+
+START_TEST(test_model_load_conflict_and_unload)
+{
+    qm_client *c = connect_or_fail();
+    qm_client_model m;
+    qm_client_error err;
+    ck_assert_int_eq(qm_client_model_load(c, "live2", bank, &m, &err), 0);
+    ck_assert_str_eq(m.name, "live2");
+    ck_assert_str_eq(m.path, bank);
+    qm_client_model_free(&m);
+    ck_assert_int_eq(qm_client_model_load(c, "live2", bank, NULL, &err), -32008);
+    ck_assert_str_eq(err.name, "conflict");
+    ck_assert_int_eq(qm_client_model_load(c, "ghost", "/nonexistent.qmoe", NULL, &err), -32005);
+    ck_assert_int_eq(qm_client_model_unload(c, "live2", 0, &err), 0);
+    ck_assert_int_eq(qm_client_model_unload(c, "live2", 0, &err), -32001);
+    qm_client_close(c);
+}
+END_TEST
+
+START_TEST(test_session_plan_list_and_close)
+{
+    qm_client *c = connect_or_fail();
+    qm_client_error err;
+    char *id = create_session(c, "lru", 64 * 1024);
+    qm_client_plan p;
+    ck_assert_int_eq(qm_client_session_plan(c, id, &p, &err), 0);
+    ck_assert_str_eq(p.policy, "lru");
+    ck_assert_uint_eq(p.budget_bytes, 64 * 1024);
+    ck_assert_uint_eq(p.n_banks, LAYERS);
+    ck_assert_uint_eq(p.resident + p.degraded + (p.total - p.resident - p.degraded), p.total);
+    for (size_t i = 0; i < p.n_banks; i++) {
+        ck_assert_uint_eq(p.banks[i].bank, i);
+        ck_assert_str_eq(p.banks[i].decision, "per_expert_candidate");
+        ck_assert_uint_eq(p.banks[i].n_experts, EXPERTS);
+        ck_assert_uint_gt(p.banks[i].bytes_per_expert, 0);
+    }
+    qm_client_plan_free(&p);
+    qm_client_session_info *s = NULL;
+    size_t n = 0;
+    ck_assert_int_eq(qm_client_session_list(c, &s, &n, &err), 0);
+    int found = 0;
+    for (size_t i = 0; i < n; i++)
+        if (strcmp(s[i].session, id) == 0) {
+            found = 1;
+            ck_assert_str_eq(s[i].model, "demo");
+            ck_assert_uint_eq(s[i].owner_uid, geteuid());
+            ck_assert_uint_le(s[i].resident_bytes, s[i].budget_bytes);
+            ck_assert(s[i].created_at > 0);
+        }
+    ck_assert(found);
+    qm_client_sessions_free(s, n);
+    ck_assert_int_eq(qm_client_session_close(c, id, &err), 0);
+    ck_assert_int_eq(qm_client_session_plan(c, id, &p, &err), -32001);
+    ck_assert_str_eq(err.name, "not_found");
+    qm_client_string_free(id);
+    qm_client_close(c);
+}
+END_TEST
+
+START_TEST(test_infer_output_does_not_depend_on_policy_or_budget)
+{
+    qm_client *c = connect_or_fail();
+    qm_client_error err;
+    char *whole = create_session(c, NULL, 0), *paged = create_session(c, "lru", 16 * 1024);
+    float x[TOKENS * HIDDEN];
+    fill_hidden(x, 1);
+    qm_client_tensor h = {.dtype = QM_CLIENT_F32, .ndim = 2, .shape = {TOKENS, HIDDEN},
+                          .data = x, .nbytes = sizeof x};
+    for (uint64_t layer = 0; layer < LAYERS; layer++) {
+        qm_client_infer_result a, b;
+        ck_assert_msg(qm_client_session_infer(c, whole, layer, &h, NULL, 1, &a, &err) == 0, "%s",
+                      err.reason);
+        ck_assert_msg(qm_client_session_infer(c, paged, layer, &h, NULL, 0, &b, &err) == 0, "%s",
+                      err.reason);
+        ck_assert_int_eq(a.output.dtype, QM_CLIENT_F32);
+        ck_assert_int_eq(a.output.ndim, 2);
+        ck_assert_uint_eq(a.output.shape[0], TOKENS);
+        ck_assert_uint_eq(a.output.nbytes, sizeof x);
+        ck_assert_msg(memcmp(a.output.data, b.output.data, sizeof x) == 0,
+                      "layer %llu: whole_bank and lru outputs differ", (unsigned long long)layer);
+        ck_assert_uint_eq(a.routing_tokens, TOKENS);
+        ck_assert_uint_eq(a.routing_offsets[TOKENS], TOKENS * 2);
+        ck_assert_uint_eq(b.routing_tokens, 0);
+        ck_assert_uint_gt(b.stats.misses + b.stats.hits, 0);
+        qm_client_infer_result_free(&a);
+        qm_client_infer_result_free(&b);
+    }
+    qm_client_telemetry t;
+    ck_assert_int_eq(qm_client_telemetry_get(c, paged, &t, &err), 0);
+    ck_assert_uint_eq(t.n_sessions, 1);
+    ck_assert_uint_eq(t.sessions[0].counters.requests, LAYERS);
+    ck_assert_uint_eq(t.sessions[0].counters.tokens, LAYERS * TOKENS);
+    ck_assert_uint_gt(t.sessions[0].counters.bytes_paged_h2d, 0);
+    qm_client_telemetry_free(&t);
+    qm_client_session_close(c, whole, &err);
+    qm_client_session_close(c, paged, &err);
+    qm_client_string_free(whole);
+    qm_client_string_free(paged);
+    qm_client_close(c);
+}
+END_TEST
+
+START_TEST(test_infer_errors_carry_the_field)
+{
+    qm_client *c = connect_or_fail();
+    qm_client_error err;
+    char *id = create_session(c, NULL, 0);
+    float x[HIDDEN + 1] = {0};
+    qm_client_tensor h = {.dtype = QM_CLIENT_F32, .ndim = 2, .shape = {1, HIDDEN + 1}, .data = x,
+                          .nbytes = sizeof x};
+    qm_client_infer_result r;
+    ck_assert_int_eq(qm_client_session_infer(c, id, 0, &h, NULL, 0, &r, &err), -32602);
+    ck_assert_str_eq(err.name, "invalid_params");
+    ck_assert_msg(strncmp(err.field, "hidden", 6) == 0, "field '%s'", err.field);
+    h.shape[1] = HIDDEN;
+    h.nbytes = HIDDEN * sizeof(float);
+    ck_assert_int_eq(qm_client_session_infer(c, id, LAYERS, &h, NULL, 0, &r, &err), -32602);
+    ck_assert_str_eq(err.field, "layer");
+    h.nbytes = 3; /* caught before anything is sent */
+    ck_assert_int_eq(qm_client_session_infer(c, id, 0, &h, NULL, 0, &r, &err), QM_CLIENT_EINVAL);
+    qm_client_session_close(c, id, &err);
+    qm_client_string_free(id);
+    qm_client_close(c);
+}
+END_TEST
+
+START_TEST(test_trace_metrics_and_daemon_telemetry)
+{
+    qm_client *c = connect_or_fail();
+    qm_client_error err;
+    char *id = create_session(c, "lfu", 0);
+    qm_client_span *s = NULL;
+    size_t n = 0;
+    ck_assert_int_eq(qm_client_telemetry_trace(c, id, 0, &s, &n, &err), 0);
+    int plan_span = 0;
+    for (size_t i = 0; i < n; i++)
+        if (strcmp(s[i].name, "session.residency_plan") == 0 && s[i].session &&
+            strcmp(s[i].session, id) == 0 && strstr(s[i].args_json, "\"policy\":\"lfu\""))
+            plan_span = 1;
+    ck_assert_msg(plan_span, "no session.residency_plan span for the new session");
+    qm_client_spans_free(s, n);
+    ck_assert_int_eq(qm_client_telemetry_trace(c, NULL, 1, &s, &n, &err), 0);
+    ck_assert_uint_eq(n, 1);
+    qm_client_spans_free(s, n);
+    char *text = NULL;
+    ck_assert_int_eq(qm_client_telemetry_metrics(c, &text, &err), 0);
+    ck_assert_ptr_nonnull(strstr(text, "# TYPE qmoed_"));
+    qm_client_string_free(text);
+    qm_client_telemetry t;
+    ck_assert_int_eq(qm_client_telemetry_get(c, NULL, &t, &err), 0);
+    ck_assert_int_eq(t.has_daemon, 1);
+    ck_assert_uint_gt(t.daemon.requests, 0);
+    qm_client_telemetry_free(&t);
+    qm_client_session_close(c, id, &err);
+    qm_client_string_free(id);
+    qm_client_close(c);
+}
+END_TEST
+
+typedef struct shared_arg {
+    qm_client *c;
+    const char *session;
+    const float *want;
+    int layer, failures;
+} shared_arg;
+
+static void *infer_worker(void *p)
+{
+    shared_arg *a = p;
+    float x[TOKENS * HIDDEN];
+    fill_hidden(x, 2);
+    qm_client_tensor h = {.dtype = QM_CLIENT_F32, .ndim = 2, .shape = {TOKENS, HIDDEN}, .data = x,
+                          .nbytes = sizeof x};
+    for (int i = 0; i < 20; i++) {
+        qm_client_infer_result r;
+        qm_client_error err;
+        if (qm_client_session_infer(a->c, a->session, (uint64_t)a->layer, &h, NULL, 0, &r, &err) ||
+            memcmp(r.output.data, a->want, sizeof x) != 0)
+            a->failures++;
+        qm_client_infer_result_free(&r);
+    }
+    return NULL;
+}
+
+START_TEST(test_one_handle_shared_by_threads_gets_every_answer_right)
+{
+    qm_client *c = connect_or_fail();
+    qm_client_error err;
+    char *id = create_session(c, "lru", 16 * 1024);
+    float x[TOKENS * HIDDEN], want[LAYERS][TOKENS * HIDDEN];
+    fill_hidden(x, 2);
+    qm_client_tensor h = {.dtype = QM_CLIENT_F32, .ndim = 2, .shape = {TOKENS, HIDDEN}, .data = x,
+                          .nbytes = sizeof x};
+    for (int l = 0; l < LAYERS; l++) {
+        qm_client_infer_result r;
+        ck_assert_int_eq(qm_client_session_infer(c, id, (uint64_t)l, &h, NULL, 0, &r, &err), 0);
+        memcpy(want[l], r.output.data, sizeof x);
+        qm_client_infer_result_free(&r);
+    }
+    pthread_t th[4];
+    shared_arg a[4];
+    for (int i = 0; i < 4; i++) {
+        a[i] = (shared_arg){.c = c, .session = id, .want = want[i % LAYERS], .layer = i % LAYERS};
+        ck_assert_int_eq(pthread_create(&th[i], NULL, infer_worker, &a[i]), 0);
+    }
+    for (int i = 0; i < 4; i++) {
+        pthread_join(th[i], NULL);
+        ck_assert_msg(a[i].failures == 0, "thread %d: %d wrong answers", i, a[i].failures);
+    }
+    qm_client_session_close(c, id, &err);
+    qm_client_string_free(id);
+    qm_client_close(c);
+}
+END_TEST
+
+int main(void)
+{
+    Suite *s = suite_create("client_live");
+    TCase *tc = tcase_create("daemon");
+    tcase_add_unchecked_fixture(tc, start_daemon, stop_daemon);
+    tcase_set_timeout(tc, 60);
+    tcase_add_test(tc, test_status_and_models_describe_the_daemon);
+    tcase_add_test(tc, test_model_load_conflict_and_unload);
+    tcase_add_test(tc, test_session_plan_list_and_close);
+    tcase_add_test(tc, test_infer_output_does_not_depend_on_policy_or_budget);
+    tcase_add_test(tc, test_infer_errors_carry_the_field);
+    tcase_add_test(tc, test_trace_metrics_and_daemon_telemetry);
+    tcase_add_test(tc, test_one_handle_shared_by_threads_gets_every_answer_right);
+    suite_add_tcase(s, tc);
+    SRunner *sr = srunner_create(s);
+    srunner_run_all(sr, CK_NORMAL);
+    int failed = srunner_ntests_failed(sr);
+    srunner_free(sr);
+    return failed == 0 ? EXIT_SUCCESS : EXIT_FAILURE;
+}
