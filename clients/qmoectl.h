@@ -38,6 +38,11 @@ typedef struct qmoectl_cmd {
 
 extern const qmoectl_cmd qmoectl_cmds[];
 
+/* The plan and telemetry views (qmoectl_views.c). */
+int qmoectl_cmd_plan(qm_client *c, const qmoectl_args *a);
+int qmoectl_cmd_telemetry(qm_client *c, const qmoectl_args *a);
+int qmoectl_check_telemetry(const qmoectl_args *a);
+
 /* Last value of an option, or NULL; flags give "" when present. */
 const char *qmoectl_opt(const qmoectl_args *a, const char *name);
 
@@ -59,6 +64,8 @@ const char *qmoectl_duration(double s, char *buf, size_t cap);    /* "3h 12m" */
 const char *qmoectl_percent(double num, double den, char *buf, size_t cap); /* "42%" or "-" */
 /* Parses "1048576", "64MiB", "1.5G", "2 GiB"; 0 or -1. */
 int qmoectl_parse_bytes(const char *s, uint64_t *out);
+/* {"KEY":"VALUE"} (VALUE quoted and escaped) into `out`; 0 or -1 when too long. */
+int qmoectl_one_param(char *out, size_t cap, const char *key, const char *value);
 /* Appends `s` to a JSON string literal in `out` (quoted, escaped). */
 int qmoectl_json_quote(const char *s, char *out, size_t cap);
 

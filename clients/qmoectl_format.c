@@ -125,6 +125,15 @@ int qmoectl_json_quote(const char *s, char *out, size_t cap)
     return 0;
 }
 
+int qmoectl_one_param(char *out, size_t cap, const char *key, const char *value)
+{
+    char q[1024];
+    if (qmoectl_json_quote(value, q, sizeof(q)) < 0)
+        return -1;
+    int n = snprintf(out, cap, "{\"%s\":%s}", key, q);
+    return n < 0 || (size_t)n >= cap ? -1 : 0;
+}
+
 struct qmoectl_table {
     int ncols;
     char **cells; /* row-major, headers first */
