@@ -94,7 +94,8 @@ static void finish(qm_daemon *d)
 
 void qm_daemon_maybe_finish(qm_daemon *d)
 {
-    if (!d->draining || d->stopping || d->pool.queued)
+    /* Frames already read but waiting for their turn are owed answers too. */
+    if (!d->draining || d->stopping || d->pool.queued || d->pending)
         return;
     for (qm_conn *c = d->conns; c; c = c->next)
         if (!c->closing && (c->out_bytes || c->replies_pending))
@@ -126,7 +127,7 @@ void qm_daemon_begin_drain(qm_daemon *d, const char *why)
                        0);
         uv_unref((uv_handle_t *)&d->drain_timer);
     }
-    qm_daemon_maybe_finish(d);
+    /* The end comes from the check handle, at a safe point of the loop. */
 }
 
 static void signal_cb(uv_signal_t *h, int signum)

@@ -315,13 +315,15 @@ static void idle_cb(uv_idle_t *h)
     }
 }
 
-/* The safe point: connections marked for dropping are closed here. */
+/* The safe point: connections marked for dropping are closed here, and a
+ * drain that has nothing left to answer ends here. */
 static void check_cb(uv_check_t *h)
 {
     qm_daemon *d = h->data;
     for (qm_conn *c = d->conns; c; c = c->next)
         if (c->drop && !c->closing)
             conn_close_now(c);
+    qm_daemon_maybe_finish(d);
 }
 
 static int peer_is_admin(qm_daemon *d, uid_t uid, gid_t gid)

@@ -463,6 +463,32 @@ START_TEST(test_status_codes_map_to_protocol_codes)
 }
 END_TEST
 
+START_TEST(test_config_flattens_models_and_rejects_arrays)
+{
+    const char *text = "{\"max_batch\": 16, \"log_level\": \"debug\", \"prefetch\": true,"
+                       " \"models\": {\"a\": \"/x.bank\", \"b\": \"/y.bank\"}, \"empty\": {}}";
+    qm_conf_entry *e;
+    size_t n;
+    qm_status st;
+    ck_assert_int_eq(qm_conf_parse(text, strlen(text), &e, &n, &st), 0);
+    ck_assert_uint_eq(n, 5);
+    ck_assert_str_eq(e[0].key, "max_batch");
+    ck_assert(e[0].type == QM_CONF_NUMBER && e[0].num == 16);
+    ck_assert(e[1].type == QM_CONF_STRING);
+    ck_assert_str_eq(e[1].str, "debug");
+    ck_assert(e[2].type == QM_CONF_BOOL && e[2].boolean);
+    ck_assert_str_eq(e[3].key, "models.a");
+    ck_assert_str_eq(e[4].str, "/y.bank");
+    qm_conf_free(e, n);
+    const char *arr = "{\"x\": [1]}";
+    ck_assert_int_eq(qm_conf_parse(arr, strlen(arr), &e, &n, &st), QM_EINVAL);
+    ck_assert_str_eq(st.field, "x");
+    const char *deep = "{\"a\": {\"b\": {}}}";
+    ck_assert_int_eq(qm_conf_parse(deep, strlen(deep), &e, &n, &st), QM_EINVAL);
+    ck_assert_int_eq(qm_conf_parse("[1]", 3, &e, &n, &st), QM_EINVAL);
+}
+END_TEST
+
 /* Fails the Nth allocation, counting from 1. */
 static int fail_at, alloc_count;
 static void *failing_malloc(size_t n, void *ud)
@@ -535,6 +561,7 @@ static Suite *protocol_suite(void)
     tcase_add_test(tc, test_error_response_has_code_message_reason_and_field);
     tcase_add_test(tc, test_status_codes_map_to_protocol_codes);
     tcase_add_test(tc, test_decode_survives_allocation_failure_at_every_site);
+    tcase_add_test(tc, test_config_flattens_models_and_rejects_arrays);
     suite_add_tcase(s, tc);
     return s;
 }
