@@ -152,6 +152,8 @@ struct qm_session {
     qm_policy policy;
     qm_residency_plan *plan;
     qm_pager *pager;          /* (worker) while a job of this session runs */
+    qm_pager_options pager_options;
+    uint64_t plan_start_us, plan_us;
     uint64_t budget_bytes;    /* expert-weight budget */
     uint64_t workspace_bytes; /* fixed at creation */
     uint64_t admitted_bytes;  /* budget + workspace, counted against the device budget */
@@ -180,6 +182,7 @@ typedef struct qm_reply {
 
 typedef enum qm_job_kind {
     QM_JOB_INFER,  /* the worker runs the layer and encodes the response */
+    QM_JOB_CREATE, /* the worker builds a new session's pager */
     QM_JOB_BARRIER /* the worker passes it through; the loop answers it in order */
 } qm_job_kind;
 
@@ -308,8 +311,15 @@ void qm_model_unref(qm_model *m);
 int qm_model_unload(qm_daemon *d, const char *name, int force, qm_status *st);
 void qm_jw_model_summary(qm_jw *w, const qm_model *m);
 
-int qm_session_create(qm_daemon *d, const qm_params *p, uid_t owner, qm_session **out,
-                      qm_status *st);
+/* session.create in three steps: prepare (loop: checks, policy, plan,
+ * admission reserved), build (worker: the pager, which may copy whole banks
+ * and pins), then commit (loop: registered) or abort (loop: reservation
+ * released, session freed). */
+int qm_session_prepare(qm_daemon *d, const qm_params *p, uid_t owner, qm_session **out,
+                       qm_status *st);
+int qm_session_build(qm_daemon *d, qm_session *s, qm_status *st);
+void qm_session_commit(qm_daemon *d, qm_session *s);
+void qm_session_abort(qm_daemon *d, qm_session *s);
 qm_session *qm_session_find(qm_daemon *d, const char *id);
 /* Unregisters and releases the registry's reference (jobs may hold more). */
 void qm_session_close(qm_daemon *d, qm_session *s);

@@ -202,6 +202,22 @@ static void write_session_entry(qm_jw *w, const qm_session *s)
     qm_jw_obj_end(w);
 }
 
+static void write_create_result(qm_jw *w, const qm_session *s)
+{
+    qm_jw_obj_begin(w);
+    qm_jw_key(w, "session");
+    qm_jw_str(w, s->id);
+    qm_jw_key(w, "plan_summary");
+    write_plan_summary(w, s);
+    qm_jw_key(w, "budget_bytes");
+    qm_jw_u64(w, s->budget_bytes);
+    qm_jw_key(w, "resident_bytes");
+    qm_jw_u64(w, s->counters.resident_bytes);
+    qm_jw_key(w, "workspace_bytes");
+    qm_jw_u64(w, s->workspace_bytes);
+    qm_jw_obj_end(w);
+}
+
 static int is_admin_method(qm_method m)
 {
     return m == QM_METHOD_MODEL_LOAD || m == QM_METHOD_MODEL_UNLOAD ||
@@ -261,25 +277,6 @@ static int run_sync(qm_daemon *d, qm_conn *c, qm_request *req, qm_jw *w, int *dr
         qm_jw_arr_end(w);
         qm_jw_obj_end(w);
         return 0;
-    case QM_METHOD_SESSION_CREATE: {
-        qm_session *s;
-        rc = qm_session_create(d, p, c->uid, &s, st);
-        if (rc < 0)
-            return rc;
-        qm_jw_obj_begin(w);
-        qm_jw_key(w, "session");
-        qm_jw_str(w, s->id);
-        qm_jw_key(w, "plan_summary");
-        write_plan_summary(w, s);
-        qm_jw_key(w, "budget_bytes");
-        qm_jw_u64(w, s->budget_bytes);
-        qm_jw_key(w, "resident_bytes");
-        qm_jw_u64(w, s->counters.resident_bytes);
-        qm_jw_key(w, "workspace_bytes");
-        qm_jw_u64(w, s->workspace_bytes);
-        qm_jw_obj_end(w);
-        return 0;
-    }
     case QM_METHOD_SESSION_LIST:
         qm_jw_obj_begin(w);
         qm_jw_key(w, "sessions");
@@ -330,6 +327,7 @@ static int run_sync(qm_daemon *d, qm_conn *c, qm_request *req, qm_jw *w, int *dr
         qm_buf_free(&text);
         return rc;
     }
+    case QM_METHOD_SESSION_CREATE:
     case QM_METHOD_SESSION_INFER:
     case QM_METHOD_COUNT:
         break;
@@ -443,17 +441,27 @@ static void handle_request(qm_daemon *d, qm_conn *c, qm_reply *r, size_t slot, q
             return;
         }
     }
-    if (!s || (req->method != QM_METHOD_SESSION_INFER && s->pending == 0)) {
+    if (req->method == QM_METHOD_SESSION_CREATE) {
+        /* The pager may copy whole banks and pins: built on a worker. */
+        if (qm_session_prepare(d, &req->params, c->uid, &s, &st) < 0) {
+            answer_status(d, r, slot, req, &st);
+            return;
+        }
+    } else if (!s || (req->method != QM_METHOD_SESSION_INFER && s->pending == 0)) {
         answer_sync(d, c, r, slot, req);
         return;
     }
     qm_job *job = qm_calloc(1, sizeof *job);
     if (!job) {
+        if (req->method == QM_METHOD_SESSION_CREATE)
+            qm_session_abort(d, s);
         answer_error(d, r, slot, req->id, req->id == NULL, QM_RPC_RESOURCE_EXHAUSTED,
                      "out of memory queueing the request", NULL);
         return;
     }
-    job->kind = req->method == QM_METHOD_SESSION_INFER ? QM_JOB_INFER : QM_JOB_BARRIER;
+    job->kind = req->method == QM_METHOD_SESSION_INFER    ? QM_JOB_INFER
+                : req->method == QM_METHOD_SESSION_CREATE ? QM_JOB_CREATE
+                                                          : QM_JOB_BARRIER;
     job->d = d;
     job->session = s;
     job->reply = r;
@@ -467,6 +475,8 @@ static void handle_request(qm_daemon *d, qm_conn *c, qm_reply *r, size_t slot, q
         *req = job->req; /* give it back so the frame frees it */
         memset(&job->req, 0, sizeof job->req);
         qm_session_unref(d, s);
+        if (req->method == QM_METHOD_SESSION_CREATE)
+            qm_session_abort(d, s);
         qm_job_free(job);
         char reason[128];
         snprintf(reason, sizeof reason, "queue_depth %u reached; retry later",
@@ -665,6 +675,29 @@ void qm_dispatch_job_done(qm_daemon *d, qm_job *job)
     if (job->kind == QM_JOB_BARRIER) {
         /* Its turn in the session's order: answer it now, as if synchronous. */
         answer_sync(d, job->reply->conn, job->reply, job->slot, &job->req);
+    } else if (job->kind == QM_JOB_CREATE) {
+        if (job->rc == 0 && !s->model->registered)
+            job->rc = qm_status_set_field(&job->st, QM_ENOT_FOUND, "model",
+                                          "model '%s' was unloaded while the session was built",
+                                          s->model->name);
+        if (job->rc < 0) {
+            qm_session_abort(d, s);
+            answer_status(d, job->reply, job->slot, &job->req, &job->st);
+        } else {
+            qm_session_commit(d, s);
+            if (!job->req.id) {
+                qm_reply_fill(job->reply, job->slot, NULL, 0);
+            } else {
+                qm_buf b;
+                qm_buf_init(&b);
+                qm_jw w;
+                qm_jw_init(&w, &b);
+                qm_rpc_result_begin(&w, job->req.id);
+                write_create_result(&w, s);
+                qm_rpc_result_end(&w);
+                fill_from_buf(d, job->reply, job->slot, &b);
+            }
+        }
     } else {
         account_infer(d, s, job);
         if (job->rc < 0) {

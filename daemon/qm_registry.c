@@ -226,8 +226,8 @@ static int random_id(char out[QM_SESSION_ID_LEN + 1], qm_status *st)
     return 0;
 }
 
-int qm_session_create(qm_daemon *d, const qm_params *p, uid_t owner, qm_session **out,
-                      qm_status *st)
+int qm_session_prepare(qm_daemon *d, const qm_params *p, uid_t owner, qm_session **out,
+                       qm_status *st)
 {
     const char *policy = p->policy ? p->policy : "whole_bank";
     int known = 0;
@@ -348,32 +348,51 @@ int qm_session_create(qm_daemon *d, const qm_params *p, uid_t owner, qm_session 
         goto fail;
     uint64_t plan_us = qm_now_us() - t0;
 
-    qm_pager_options po = {.prefetch = pw->has_prefetch ? pw->prefetch : 1,
-                           .has_budget = 1,
-                           .budget_bytes = budget};
-    rc = qm_pager_new(d->backend, m->bank, s->plan, &s->policy, &po, &s->pager, st);
-    if (rc < 0)
-        goto fail;
-    qm_pager_stats_get(s->pager, &s->last_stats);
-    s->counters.resident_bytes = s->last_stats.resident_bytes;
-
-    char args[192];
-    snprintf(args, sizeof args, "{\"policy\":\"%s\",\"resident\":%zu,\"degraded\":%zu,\"total\":%zu}",
-             s->policy_name, qm_plan_resident_count(s->plan), qm_plan_degraded_count(s->plan),
-             qm_plan_total(s->plan));
-    qm_trace_add(&d->trace, "session.residency_plan", t0 - d->start_us, plan_us, s->id, args,
-                 &s->plan_span);
-
+    s->plan_start_us = t0;
+    s->plan_us = plan_us;
+    s->pager_options = (qm_pager_options){.prefetch = pw->has_prefetch ? pw->prefetch : 1,
+                                          .has_budget = 1,
+                                          .budget_bytes = budget};
+    /* Reserved now, so creations in flight cannot overcommit the device
+     * budget while their pagers are built off the loop thread. */
     s->refs = 1;
-    s->next = d->sessions;
-    d->sessions = s;
     d->n_sessions++;
     d->admitted_bytes += need;
-    qm_log(QM_LOG_INFO, "session %s created: model %s, policy %s, budget %llu, uid %u", s->id,
-           m->name, policy, (unsigned long long)budget, (unsigned)owner);
     *out = s;
     return 0;
 fail:
     session_free(s);
     return rc;
+}
+
+int qm_session_build(qm_daemon *d, qm_session *s, qm_status *st)
+{
+    int rc = qm_pager_new(d->backend, s->model->bank, s->plan, &s->policy, &s->pager_options,
+                          &s->pager, st);
+    if (rc == 0)
+        qm_pager_stats_get(s->pager, &s->last_stats);
+    return rc;
+}
+
+void qm_session_commit(qm_daemon *d, qm_session *s)
+{
+    s->counters.resident_bytes = s->last_stats.resident_bytes;
+    char args[192];
+    snprintf(args, sizeof args, "{\"policy\":\"%s\",\"resident\":%zu,\"degraded\":%zu,\"total\":%zu}",
+             s->policy_name, qm_plan_resident_count(s->plan), qm_plan_degraded_count(s->plan),
+             qm_plan_total(s->plan));
+    qm_trace_add(&d->trace, "session.residency_plan", s->plan_start_us - d->start_us, s->plan_us,
+                 s->id, args, &s->plan_span);
+    s->next = d->sessions;
+    d->sessions = s;
+    qm_log(QM_LOG_INFO, "session %s created: model %s, policy %s, budget %llu, uid %u", s->id,
+           s->model->name, s->policy_name, (unsigned long long)s->budget_bytes,
+           (unsigned)s->owner_uid);
+}
+
+void qm_session_abort(qm_daemon *d, qm_session *s)
+{
+    d->n_sessions--;
+    d->admitted_bytes -= s->admitted_bytes;
+    qm_session_unref(d, s);
 }

@@ -45,6 +45,8 @@ static void worker_main(void *arg)
         job->start_us = qm_now_us();
         if (job->kind == QM_JOB_INFER)
             qm_job_run(job);
+        else if (job->kind == QM_JOB_CREATE)
+            job->rc = qm_session_build(d, s, &job->st);
         job->end_us = qm_now_us();
 
         uv_mutex_lock(&p->mu);
