@@ -192,14 +192,12 @@ static int meta_float(const qm_st_header *h, const char *key, float dflt, int al
 int qm__config_from_metadata(const qm_st_header *h, qm_bank_config *cfg, qm_status *st)
 {
     int rc;
-    uint32_t version = 0;
     const char *fmt = qm_st_header_meta(h, "qmoe.format");
     if (!fmt)
         return META_FAIL(st, "__metadata__: qmoe.format is missing (not a qmoe bank file?)");
     if (strcmp(fmt, "1") != 0)
         return META_FAIL(st, "__metadata__: qmoe.format = \"%.32s\" but this build reads format 1",
                          fmt);
-    (void)version;
     memset(cfg, 0, sizeof *cfg);
     if ((rc = meta_u32(h, "qmoe.layers", 1, 0, 1, QM_BANK_MAX_LAYERS, &cfg->layers, st)) ||
         (rc = meta_u32(h, "qmoe.experts", 1, 0, 1, QM_BANK_MAX_EXPERTS, &cfg->experts, st)) ||
