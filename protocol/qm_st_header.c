@@ -29,18 +29,23 @@ size_t qm_st_dtype_size(const char *dtype)
     return 0;
 }
 
-/* Rejects nesting deeper than QM_ST_MAX_DEPTH before cJSON recurses into it:
- * a header of a million '[' must cost a scan, not a stack. */
+/* Rejects nesting deeper than QM_ST_MAX_DEPTH before cJSON recurses into it
+ * (a header of a million '[' must cost a scan, not a stack), and escaped NULs,
+ * which cJSON would silently cut names and values at. */
 static int check_depth(const char *s, size_t len, qm_status *st)
 {
     int depth = 0, in_string = 0;
     for (size_t i = 0; i < len; i++) {
         char c = s[i];
         if (in_string) {
-            if (c == '\\')
+            if (c == '\\') {
+                if (len - i >= 6 && s[i + 1] == 'u' && memcmp(s + i + 2, "0000", 4) == 0)
+                    return ST_FAIL(st, "safetensors header: escaped NUL in a string at byte %zu",
+                                   i);
                 i++;
-            else if (c == '"')
+            } else if (c == '"') {
                 in_string = 0;
+            }
             continue;
         }
         if (c == '"') {

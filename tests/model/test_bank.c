@@ -348,6 +348,9 @@ START_TEST(test_bank_rejects_invalid_json_and_deep_nesting)
         deep[n++] = '[';
     deep[n] = '\0';
     expect_raw_invalid(deep, 0, "nested deeper");
+    expect_raw_invalid("{\"layers.0.fc1.weight\\u0000x\":{\"dtype\":\"U8\",\"shape\":[2],"
+                       "\"data_offsets\":[0,2]}}",
+                       2, "escaped NUL");
     expect_raw_invalid("{\"t\":{\"dtype\":\"U8\",\"shape\":[2],\"data_offsets\":[0,2],\"x\":1}}", 2,
                        "unexpected field");
     expect_raw_invalid("{\"t\":{\"dtype\":\"U8\",\"shape\":[2],\"data_offsets\":[0,2]},"
