@@ -13,6 +13,7 @@
 
 #include "qm_backend.h"
 #include "qm_bank.h"
+#include "qm_hotness.h"
 #include "qm_moe.h"
 #include "qm_pager.h"
 #include "qm_protocol.h"
@@ -139,6 +140,9 @@ typedef struct qm_model {
     qm_region_catalog **catalogs; /* one per layer, bank id = layer */
     uint32_t n_layers;
     uint64_t bytes_total, bytes_per_expert;
+    qm_hotness *hotness;    /* decayed use counts; static_hot's default hot lists */
+    char *hotness_path;     /* state_dir/<name>.hot, NULL without a state dir */
+    uint64_t hotness_saved; /* qm_hotness_records at the last save */
     int refs;        /* registry + sessions */
     int registered;  /* 0 once unloaded: freed when the last session lets go */
     struct qm_model *next;
@@ -202,6 +206,8 @@ struct qm_job {
     qm_moe_stats mstats;
     qm_pager_stats pstats;
     uint32_t tokens;
+    uint32_t *route_experts; /* [tokens * k], for the hotness profile */
+    size_t n_routes;
 };
 
 typedef struct qm_pool {
@@ -269,6 +275,7 @@ struct qm_daemon {
     uv_check_t check;
     uv_idle_t idle;
     uint64_t watchdog_usec;
+    uint64_t ticks;
     qm_backend *backend;
     qm_device_info device;
     uint64_t device_budget;
@@ -310,6 +317,8 @@ void qm_model_unref(qm_model *m);
 /* Unregisters; with force closes its sessions, else QM_EIN_USE while used. */
 int qm_model_unload(qm_daemon *d, const char *name, int force, qm_status *st);
 void qm_jw_model_summary(qm_jw *w, const qm_model *m);
+/* Saves every model's hotness profile that changed (state_dir set). */
+void qm_models_save_hotness(qm_daemon *d);
 
 /* session.create in three steps: prepare (loop: checks, policy, plan,
  * admission reserved), build (worker: the pager, which may copy whole banks

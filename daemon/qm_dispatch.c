@@ -552,9 +552,13 @@ void qm_job_run(qm_job *job)
     size_t out_bytes = (size_t)T * H * qm_wire_dtype_size(p->hidden.dtype);
     void *output = qm_malloc(out_bytes ? out_bytes : 1);
     float *logits = p->has_router_logits ? logits_f32(&p->router_logits) : NULL;
-    uint32_t *rexp = p->return_routing ? qm_malloc((size_t)T * k * sizeof *rexp + 4) : NULL;
-    float *rw = p->return_routing ? qm_malloc((size_t)T * k * sizeof *rw + 4) : NULL;
-    if (!output || (p->has_router_logits && !logits) || (p->return_routing && (!rexp || !rw))) {
+    /* Routes are always kept: the loop feeds them to the model's hotness
+     * profile when the job is done. */
+    uint32_t *rexp = qm_malloc((size_t)T * k * sizeof *rexp + 4);
+    float *rw = qm_malloc((size_t)T * k * sizeof *rw + 4);
+    job->route_experts = rexp;
+    job->n_routes = (size_t)T * k;
+    if (!output || (p->has_router_logits && !logits) || !rexp || !rw) {
         job->rc = qm_status_set(&job->st, QM_ENOMEM, "out of memory for %u tokens", T);
         goto done;
     }
@@ -620,7 +624,6 @@ void qm_job_run(qm_job *job)
 done:
     qm_free(output);
     qm_free(logits);
-    qm_free(rexp);
     qm_free(rw);
 }
 
@@ -655,6 +658,9 @@ static void account_infer(qm_daemon *d, qm_session *s, qm_job *job)
     dc->prefetch_useful += pu;
     sc->resident_bytes = now->resident_bytes;
     s->last_stats = *now;
+    if (s->model->hotness && job->route_experts)
+        qm_hotness_record(s->model->hotness, job->req.params.layer, job->route_experts,
+                          job->n_routes);
     qm_hist_add(&sc->latency, latency);
     qm_hist_add(&dc->latency, latency);
     char args[192];

@@ -168,6 +168,10 @@ static void tick_cb(uv_timer_t *t)
 {
     qm_daemon *d = t->data;
     qm_server_sweep_idle(d);
+    /* Hotness profiles reach the state dir every 5 minutes (and at unload
+     * and exit), so a crash loses little. */
+    if (++d->ticks % 300 == 0)
+        qm_models_save_hotness(d);
 }
 
 static void watchdog_cb(uv_timer_t *t)

@@ -15,10 +15,32 @@
 static const char *const supported_policies[] = {"whole_bank", "static_hot", "lru", "lfu"};
 #define SUPPORTED_POLICY_LIST "whole_bank, static_hot, lru, lfu"
 
+static void model_save_hotness(qm_model *m)
+{
+    if (!m->hotness || !m->hotness_path || qm_hotness_records(m->hotness) == m->hotness_saved)
+        return;
+    qm_status st;
+    qm_status_clear(&st);
+    if (qm_hotness_save(m->hotness, m->hotness_path, &st) < 0) {
+        qm_log(QM_LOG_WARNING, "cannot save the hotness profile of %s: %s", m->name, st.msg);
+        return;
+    }
+    m->hotness_saved = qm_hotness_records(m->hotness);
+}
+
+void qm_models_save_hotness(qm_daemon *d)
+{
+    for (qm_model *m = d->models; m; m = m->next)
+        model_save_hotness(m);
+}
+
 static void model_free(qm_model *m)
 {
     if (!m)
         return;
+    model_save_hotness(m);
+    qm_hotness_free(m->hotness);
+    qm_free(m->hotness_path);
     for (uint32_t i = 0; m->catalogs && i < m->n_layers; i++)
         qm_catalog_free(m->catalogs[i]);
     qm_free(m->catalogs);
@@ -77,6 +99,29 @@ int qm_model_load(qm_daemon *d, const char *name, const char *path, qm_model **o
         if (rc < 0)
             goto fail;
     }
+    /* The profile persists across restarts in the state dir; a missing or
+     * mismatched file starts an empty one. */
+    qm_hotness_key key;
+    qm_hotness_key_of_bank(m->bank, &key);
+    char warning[256] = "";
+    if (d->cfg.state_dir) {
+        size_t n = strlen(d->cfg.state_dir) + strlen(name) + 8;
+        m->hotness_path = qm_malloc(n);
+        if (!m->hotness_path) {
+            rc = qm_status_set(st, QM_ENOMEM, "out of memory");
+            goto fail;
+        }
+        snprintf(m->hotness_path, n, "%s/%s.hot", d->cfg.state_dir, name);
+        rc = qm_hotness_load(m->hotness_path, &key, QM_HOTNESS_DEFAULT_DECAY, &m->hotness,
+                             warning, sizeof warning, st);
+    } else {
+        rc = qm_hotness_new(&key, QM_HOTNESS_DEFAULT_DECAY, &m->hotness, st);
+    }
+    if (rc < 0)
+        goto fail;
+    if (warning[0])
+        qm_log(QM_LOG_WARNING, "model %s: %s", name, warning);
+    m->hotness_saved = qm_hotness_records(m->hotness);
     m->bytes_total = qm_bank_expert_bytes_total(m->bank);
     const qm_layer_view *lv = qm_bank_layer(m->bank, 0);
     m->bytes_per_expert = lv ? lv->bytes_per_expert : 0;
@@ -332,6 +377,13 @@ int qm_session_prepare(qm_daemon *d, const qm_params *p, uid_t owner, qm_session
         pp.hot = hot;
         pp.hot_len = hot_len;
         pp.n_hot_banks = cfg->layers;
+    }
+    if (!pw->hot && strcmp(policy, "static_hot") == 0 && m->hotness &&
+        qm_hotness_records(m->hotness) > 0) {
+        /* No hot lists given: the model's persisted profile supplies them. */
+        rc = qm_hotness_policy_params(m->hotness, &pp, st);
+        if (rc < 0)
+            goto fail;
     }
     rc = qm_policy_new(policy, &pp, &s->policy, st);
     qm_free(hot);

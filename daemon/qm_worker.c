@@ -17,6 +17,7 @@ void qm_job_free(qm_job *job)
         return;
     qm_request_free(&job->req);
     qm_buf_free(&job->response);
+    qm_free(job->route_experts);
     qm_free(job);
 }
 

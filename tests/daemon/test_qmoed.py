@@ -681,3 +681,26 @@ def test_max_sessions_and_connections(banks):
         assert e["error"]["code"] == -32003 and "max_connections" in e["error"]["data"]["reason"]
     finally:
         assert dm.stop() == 0
+
+
+def test_hotness_profile_persists_and_feeds_static_hot(banks):
+    d = tempfile.mkdtemp(prefix="qmoed-state-")
+    state = os.path.join(d, "state")
+    os.mkdir(state)
+    dm = Daemon(models={"small": banks["small"]}, args=["--state-dir", state], workdir=d)
+    c = dm.client()
+    sid = new_session(c)
+    for i in range(20):
+        c.call("session.infer", {"session": sid, "layer": i % 2, "hidden": tensor(hidden(4, i))})
+    assert dm.stop() == 0
+    assert os.path.getsize(os.path.join(state, "small.hot")) > 0
+    dm = Daemon(models={"small": banks["small"]}, args=["--state-dir", state],
+                socket_path=os.path.join(d, "again.sock"), workdir=d)
+    try:
+        c = dm.client()
+        sid = c.call("session.create", {"model": "small", "policy": "static_hot",
+                                        "budget_bytes": 40000})["session"]
+        plan = c.call("session.plan", {"session": sid})
+        assert any(b.get("pinned") for b in plan["banks"]), plan
+    finally:
+        assert dm.stop() == 0
