@@ -1,0 +1,123 @@
+/* qm_infer.c - session.infer on a worker thread: the layer through the
+ * session's pager, and the response encoded there too, so the loop thread
+ * only queues bytes. The job owns everything it touches except the session,
+ * which its FIFO gives it alone while it runs. */
+#include "qm_daemon.h"
+
+#include <string.h>
+
+#include "qm_alloc.h"
+
+static qm_dtype dtype_of(qm_wire_dtype t)
+{
+    return t == QM_WIRE_F16 ? QM_DTYPE_F16 : t == QM_WIRE_BF16 ? QM_DTYPE_BF16 : QM_DTYPE_F32;
+}
+
+/* Router logits arrive in any wire dtype; the engine wants f32. */
+static float *logits_f32(const qm_tensor *t)
+{
+    size_t n = (size_t)(t->shape[0] * t->shape[1]);
+    float *out = qm_malloc(n ? n * sizeof(float) : 1);
+    if (!out)
+        return NULL;
+    const uint16_t *h = t->data;
+    for (size_t i = 0; i < n; i++) {
+        if (t->dtype == QM_WIRE_F32)
+            memcpy(&out[i], (const char *)t->data + 4 * i, 4);
+        else if (t->dtype == QM_WIRE_F16)
+            out[i] = qm_f16_to_f32(h[i]);
+        else
+            out[i] = qm_bf16_to_f32(h[i]);
+    }
+    return out;
+}
+
+void qm_job_run(qm_job *job)
+{
+    qm_session *s = job->session;
+    qm_params *p = &job->req.params;
+    if (atomic_load(&s->closed)) {
+        job->rc = qm_status_set_field(&job->st, QM_ENOT_FOUND, "session",
+                                      "the session was closed before this request ran");
+        return;
+    }
+    const qm_bank_config *cfg = qm_bank_get_config(s->model->bank);
+    uint32_t T = (uint32_t)p->hidden.shape[0], H = cfg->hidden, k = cfg->k;
+    size_t out_bytes = (size_t)T * H * qm_wire_dtype_size(p->hidden.dtype);
+    void *output = qm_malloc(out_bytes ? out_bytes : 1);
+    float *logits = p->has_router_logits ? logits_f32(&p->router_logits) : NULL;
+    /* Routes are always kept: the loop feeds them to the model's hotness
+     * profile when the job is done. */
+    uint32_t *rexp = qm_malloc((size_t)T * k * sizeof *rexp + 4);
+    float *rw = qm_malloc((size_t)T * k * sizeof *rw + 4);
+    job->route_experts = rexp;
+    job->n_routes = (size_t)T * k;
+    if (!output || (p->has_router_logits && !logits) || !rexp || !rw) {
+        job->rc = qm_status_set(&job->st, QM_ENOMEM, "out of memory for %u tokens", T);
+        goto done;
+    }
+    qm_pager_stats before;
+    qm_pager_stats_get(s->pager, &before);
+    qm_moe_call call = {.layer = p->layer,
+                        .dtype = dtype_of(p->hidden.dtype),
+                        .hidden = p->hidden.data,
+                        .n_tokens = T,
+                        .logits = logits,
+                        .output = output,
+                        .route_experts = rexp,
+                        .route_weights = rw};
+    job->rc = qm_pager_forward(s->pager, &call, &job->mstats, &job->st);
+    qm_pager_stats_get(s->pager, &job->pstats);
+    job->tokens = T;
+    if (job->rc < 0 || !job->req.id)
+        goto done;
+    uint64_t now = qm_now_us();
+    qm_jw w;
+    qm_jw_init(&w, &job->response);
+    qm_rpc_result_begin(&w, job->req.id);
+    qm_jw_obj_begin(&w);
+    qm_jw_key(&w, "output");
+    qm_jw_tensor(&w, p->hidden.dtype, 2, p->hidden.shape, output);
+    if (p->return_routing) {
+        qm_jw_key(&w, "routing");
+        qm_jw_arr_begin(&w);
+        for (uint32_t t = 0; t < T; t++) {
+            qm_jw_arr_begin(&w);
+            for (uint32_t j = 0; j < k; j++) {
+                if (rexp[(size_t)t * k + j] == QM_ROUTE_DROPPED)
+                    continue;
+                qm_jw_arr_begin(&w);
+                qm_jw_u64(&w, rexp[(size_t)t * k + j]);
+                qm_jw_f32(&w, rw[(size_t)t * k + j]);
+                qm_jw_arr_end(&w);
+            }
+            qm_jw_arr_end(&w);
+        }
+        qm_jw_arr_end(&w);
+    }
+    qm_jw_key(&w, "stats");
+    qm_jw_obj_begin(&w);
+    qm_jw_key(&w, "hits");
+    qm_jw_u64(&w, job->pstats.hits - before.hits + (job->pstats.whole_bank_accesses -
+                                                    before.whole_bank_accesses));
+    qm_jw_key(&w, "misses");
+    qm_jw_u64(&w, job->pstats.misses - before.misses);
+    qm_jw_key(&w, "bytes_paged");
+    qm_jw_u64(&w, job->pstats.bytes_paged_h2d - before.bytes_paged_h2d);
+    qm_jw_key(&w, "queue_us");
+    qm_jw_u64(&w, job->start_us - job->enqueue_us);
+    qm_jw_key(&w, "compute_us");
+    qm_jw_u64(&w, job->mstats.compute_us);
+    qm_jw_key(&w, "wall_us");
+    qm_jw_u64(&w, now - job->start_us);
+    qm_jw_obj_end(&w);
+    qm_jw_obj_end(&w);
+    qm_rpc_result_end(&w);
+    if (job->response.oom)
+        job->rc = qm_status_set(&job->st, QM_ENOMEM, "out of memory encoding the output");
+done:
+    qm_free(output);
+    qm_free(logits);
+    qm_free(rw);
+}
+
