@@ -24,6 +24,6 @@ if command -v clang >/dev/null; then
   echo "== fuzz targets (bounded)"
   cmake -S . -B build-fuzz -DCMAKE_C_COMPILER=clang -DCMAKE_BUILD_TYPE=Debug \
         -DQMOE_FUZZ=ON -DQMOE_WITH_CUDA=OFF >/dev/null
-  cmake --build build-fuzz -j"$jobs"
+  cmake --build build-fuzz -j"$jobs" --target fuzz_all
   ctest --test-dir build-fuzz --output-on-failure -L fuzz
 fi
