@@ -491,6 +491,7 @@ void qm_pager_free(qm_pager *p)
     qm_free(p->pred_experts);
     qm_free(p->pred_weights);
     qm_free(p->pred_list);
+    qm_free(p->pred_src);
     qm_free(p);
 }
 
@@ -580,7 +581,7 @@ static int qm__source_acquire(void *ctx, uint32_t layer, const uint32_t *experts
             p->stats.hits++;
             qm_policy_on_access(p->policy, ref, p->tick, 1);
             if (sl->prefetched) {
-                p->stats.prefetch_useful++;
+                qm__pager_prefetch_useful(p, sl->prefetched);
                 sl->prefetched = 0;
             }
             sl->refs++;

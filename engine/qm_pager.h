@@ -38,6 +38,11 @@ typedef struct qm_pager_options {
     /* Upper bound of experts prefetched per forward call (0 = 2 * k * tokens,
      * capped by the evictable slots). */
     uint32_t max_prefetch;
+    /* Prefetch gating: a prediction source (next layer's router, routing
+     * history) whose useful/issued ratio over its last 128 prefetches is
+     * below this is switched off and re-probed on one call in 8.
+     * 0 = default 0.25; negative = never gate. */
+    double prefetch_min_precision;
     /* Copy thread: -1 or 0 = automatic (on for host-visible backends, whose
      * copies are synchronous memcpy: the thread makes them overlap compute),
      * 1 = force on, 2 = force off. */
@@ -62,6 +67,10 @@ typedef struct qm_pager_stats {
     uint64_t waves;          /* acquire rounds that could not hold every requested expert */
     uint64_t policy_fallbacks;   /* victim answers refused/invalid -> LRU used */
     uint64_t budget_violations;  /* allocations refused by the accounting check (0 always) */
+    /* Prefetch by prediction source (qm_pager_forward): issued / useful. */
+    uint64_t prefetch_router_issued, prefetch_router_useful;
+    uint64_t prefetch_history_issued, prefetch_history_useful;
+    uint64_t prefetch_gated; /* forward calls where a source was skipped as imprecise */
     /* Fixed at creation. */
     uint64_t arena_bytes;        /* the one device allocation */
     uint64_t slot_bytes;         /* slot size (max unit, aligned) */

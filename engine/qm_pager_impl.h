@@ -19,12 +19,22 @@ typedef enum qm__slot_state {
     QM__SLOT_RESIDENT, /* copy landed */
 } qm__slot_state;
 
+/* Who predicted a prefetched expert: each source's precision gates it. */
+enum { QM__PF_NONE = 0, QM__PF_EXPLICIT, QM__PF_ROUTER, QM__PF_HISTORY, QM__PF_SOURCES };
+
+/* A source whose useful/issued ratio over its last window falls below the
+ * threshold is switched off, and probed on one forward call in
+ * QM__PF_PROBE_EVERY to see whether it has become useful again. */
+#define QM__PF_WINDOW 128u
+#define QM__PF_PROBE_EVERY 8u
+#define QM__PF_DEFAULT_MIN_PRECISION 0.25
+
 typedef struct qm__slot {
     uint8_t *base; /* device address of the slot in the arena */
     uint32_t layer, expert;
     uint8_t state;
     uint8_t pinned;
-    uint8_t prefetched; /* inserted by prefetch and not accessed since */
+    uint8_t prefetched; /* inserted by prefetch (a QM__PF_* source) and not accessed since; 0 = no */
     uint32_t refs;      /* acquired and not yet released */
     uint64_t last_use;  /* pager tick of the last access/insert (LRU fallback) */
     uint64_t unit_bytes;
@@ -99,6 +109,11 @@ struct qm_pager {
     float *pred_weights;
     size_t pred_cap_tokens;
     uint32_t *pred_list;
+    uint8_t *pred_src;
+    /* Prefetch gating per source. */
+    uint32_t pf_win_issued[QM__PF_SOURCES], pf_win_useful[QM__PF_SOURCES];
+    uint8_t pf_off[QM__PF_SOURCES];
+    uint64_t forward_calls;
 
     /* Copy thread (host-visible backends). */
     int use_thread;
@@ -131,6 +146,8 @@ void qm__pager_drop(qm_pager *p, int32_t s);
 int32_t qm__pager_pick_victim(qm_pager *p, size_t n);
 
 /* qm_pager_prefetch.c */
+/* A prefetched expert of `source` was used before being evicted. */
+void qm__pager_prefetch_useful(qm_pager *p, uint8_t source);
 void qm__pager_history_record(qm_pager *p, uint32_t layer, const uint32_t *route, size_t n);
 
 #endif

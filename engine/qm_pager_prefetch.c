@@ -32,8 +32,39 @@ void qm__pager_history_record(qm_pager *p, uint32_t layer, const uint32_t *route
         L->hist_count++;
 }
 
-int qm_pager_prefetch(qm_pager *p, uint32_t layer, const uint32_t *experts, size_t n,
-                      qm_status *st)
+void qm__pager_prefetch_useful(qm_pager *p, uint8_t source)
+{
+    p->stats.prefetch_useful++;
+    if (source >= QM__PF_SOURCES)
+        return;
+    p->pf_win_useful[source]++;
+    if (source == QM__PF_ROUTER)
+        p->stats.prefetch_router_useful++;
+    else if (source == QM__PF_HISTORY)
+        p->stats.prefetch_history_useful++;
+}
+
+static void qm__pf_issued(qm_pager *p, uint8_t source)
+{
+    if (source == QM__PF_ROUTER)
+        p->stats.prefetch_router_issued++;
+    else if (source == QM__PF_HISTORY)
+        p->stats.prefetch_history_issued++;
+    if (++p->pf_win_issued[source] < QM__PF_WINDOW)
+        return;
+    double min = p->opt.prefetch_min_precision;
+    if (min == 0.0)
+        min = QM__PF_DEFAULT_MIN_PRECISION;
+    /* Useful counts of this window may belong to the previous one's issues:
+     * a smoothing that errs toward keeping a source on. */
+    p->pf_off[source] = min > 0 && (double)p->pf_win_useful[source] < min * QM__PF_WINDOW;
+    p->pf_win_issued[source] = 0;
+    p->pf_win_useful[source] = 0;
+}
+
+/* Prefetches experts[i] tagged sources[i] (NULL: explicit). */
+static int qm__prefetch(qm_pager *p, uint32_t layer, const uint32_t *experts,
+                        const uint8_t *sources, size_t n, qm_status *st)
 {
     if (!p || (n && !experts))
         return qm_status_set(st, QM_EINVAL, "qm_pager_prefetch: NULL argument");
@@ -76,7 +107,7 @@ int qm_pager_prefetch(qm_pager *p, uint32_t layer, const uint32_t *experts, size
         sl->expert = e;
         sl->pinned = 0;
         sl->refs = 0;
-        sl->prefetched = 1;
+        sl->prefetched = sources ? sources[i] : QM__PF_EXPLICIT;
         sl->unit_bytes = L->unit_bytes;
         sl->state = QM__SLOT_LOADING;
         sl->last_use = p->tick;
@@ -89,12 +120,19 @@ int qm_pager_prefetch(qm_pager *p, uint32_t layer, const uint32_t *experts, size
         }
         p->stats.prefetch_issued++;
         p->stats.bytes_paged_h2d += L->unit_bytes;
+        qm__pf_issued(p, sl->prefetched);
         issued++;
     }
     for (size_t i = 0; i < n; i++)
         if (experts[i] < L->n_experts)
             L->mark[experts[i]] = 0;
     return rc ? rc : issued;
+}
+
+int qm_pager_prefetch(qm_pager *p, uint32_t layer, const uint32_t *experts, size_t n,
+                      qm_status *st)
+{
+    return qm__prefetch(p, layer, experts, NULL, n, st);
 }
 
 static int qm__grow(void **buf, size_t *cap, size_t need, size_t elem)
@@ -199,17 +237,33 @@ int qm_pager_forward(qm_pager *p, const qm_moe_call *call, qm_moe_stats *mstats,
         return 0;
     if (!p->pred_list) {
         p->pred_list = qm_malloc(sizeof(uint32_t) * N->n_experts);
-        if (!p->pred_list)
+        p->pred_src = qm_malloc(N->n_experts);
+        if (!p->pred_list || !p->pred_src)
             return 0; /* prefetch is best effort */
     }
     size_t cap = p->opt.max_prefetch ? p->opt.max_prefetch : 2 * need;
     if (cap > N->n_experts)
         cap = N->n_experts;
-    size_t n = qm__predict_router(p, call, next, p->pred_list, 0, cap);
-    n = qm__predict_history(p, next, p->pred_list, n, cap);
+    /* A switched-off source still runs on one call in QM__PF_PROBE_EVERY so
+     * its precision keeps being measured. */
+    int probe = p->forward_calls++ % QM__PF_PROBE_EVERY == 0;
+    size_t n = 0;
+    if (!p->pf_off[QM__PF_ROUTER] || probe)
+        n = qm__predict_router(p, call, next, p->pred_list, 0, cap);
+    else
+        p->stats.prefetch_gated++;
+    for (size_t i = 0; i < n; i++)
+        p->pred_src[i] = QM__PF_ROUTER;
+    size_t n_router = n;
+    if (!p->pf_off[QM__PF_HISTORY] || probe)
+        n = qm__predict_history(p, next, p->pred_list, n, cap);
+    else
+        p->stats.prefetch_gated++;
+    for (size_t i = n_router; i < n; i++)
+        p->pred_src[i] = QM__PF_HISTORY;
     for (size_t i = 0; i < n; i++)
         N->mark[p->pred_list[i]] = 0;
     qm_status tmp;
-    (void)qm_pager_prefetch(p, next, p->pred_list, n, &tmp);
+    (void)qm__prefetch(p, next, p->pred_list, p->pred_src, n, &tmp);
     return 0;
 }

@@ -2,11 +2,15 @@
  * real copies, against the whole bank read in place (no pager), side by side.
  *
  *   paging_e2e --bank FILE [--calls N] [--reps R] [--alpha A] [--locality P]
- *              [--threads T] [--seed S]
+ *              [--threads T] [--seed S] [--routing trace|router] [--drift D]
  *
  * Each "call" is one layer of one decode token (T = 1), layers cycled in
- * order, routing taken from a synthetic trace (bench/policy_sim's model) and
- * hidden states drawn fresh per call. Configurations run alternately, R
+ * order. --routing trace (default): routing from a synthetic trace
+ * (bench/policy_sim's model, Zipf alpha + locality), hidden states drawn
+ * fresh per call, so router-based prediction has nothing to go on.
+ * --routing router: the bank's own routers route (the bank needs them) and
+ * the hidden state is a residual stream, x_{l+1} = x_l + D * noise, fresh
+ * per token: the setting next-layer router prediction is meant for. Configurations run alternately, R
  * times; the first 10% of each run is warm-up and not timed. Outputs are
  * checked bitwise against the whole-bank run. */
 #include <math.h>
@@ -53,6 +57,9 @@ typedef struct run_out {
 } run_out;
 
 /* Runs `calls` layer calls; returns 0 and the timed seconds. */
+static int g_router_routing;
+static double g_drift = 0.3;
+
 static int run(qm_backend *be, const qm_bank *bank, const cfg_t *c, const sim_trace *tr,
                uint32_t calls, uint64_t seed, float *outs, int check, run_out *ro)
 {
@@ -98,15 +105,18 @@ static int run(qm_backend *be, const qm_bank *bank, const cfg_t *c, const sim_tr
             t0 = now_s();
         }
         uint32_t t = i / tr->layers, l = i % tr->layers;
-        for (uint32_t h = 0; h < cfg->hidden; h++)
-            x[h] = (float)((rnd(&s) >> 40) * (2.0 / 16777216.0) - 1.0);
+        double amp = g_router_routing && l > 0 ? g_drift : 1.0;
+        for (uint32_t h = 0; h < cfg->hidden; h++) {
+            float noise = (float)((rnd(&s) >> 40) * (2.0 / 16777216.0) - 1.0);
+            x[h] = g_router_routing && l > 0 ? x[h] + (float)amp * noise : noise;
+        }
         for (uint32_t e = 0; e < cfg->experts; e++)
             logits[e] = -30.0f;
         const int16_t *row = tr->ids + ((size_t)t * tr->layers + l) * tr->k;
         for (uint32_t j = 0; j < tr->k; j++)
             logits[row[j]] = 2.0f - 0.25f * (float)j;
         qm_moe_call mc = {.layer = l, .dtype = QM_DTYPE_F32, .hidden = x, .n_tokens = 1,
-                          .logits = logits, .output = y};
+                          .logits = g_router_routing ? NULL : logits, .output = y};
         qm_moe_stats ms = {0};
         rc = pg ? qm_pager_forward(pg, &mc, &ms, &st)
                 : qm_moe_forward(be, bank, &mc, &direct, &ms, &st);
@@ -127,6 +137,11 @@ static int run(qm_backend *be, const qm_bank *bank, const cfg_t *c, const sim_tr
         a.prefetch_issued -= ro->st.prefetch_issued;
         a.prefetch_useful -= ro->st.prefetch_useful;
         a.evictions -= ro->st.evictions;
+        a.prefetch_router_issued -= ro->st.prefetch_router_issued;
+        a.prefetch_router_useful -= ro->st.prefetch_router_useful;
+        a.prefetch_history_issued -= ro->st.prefetch_history_issued;
+        a.prefetch_history_useful -= ro->st.prefetch_history_useful;
+        a.prefetch_gated -= ro->st.prefetch_gated;
         ro->st = a;
     }
     free(x);
@@ -160,12 +175,17 @@ int main(int argc, char **argv)
             alpha = strtod(argv[i + 1], NULL);
         else if (!strcmp(argv[i], "--locality"))
             locality = strtod(argv[i + 1], NULL);
+        else if (!strcmp(argv[i], "--routing"))
+            g_router_routing = !strcmp(argv[i + 1], "router");
+        else if (!strcmp(argv[i], "--drift"))
+            g_drift = strtod(argv[i + 1], NULL);
         else if (!strcmp(argv[i], "--seed"))
             seed = strtoull(argv[i + 1], NULL, 10);
     }
     if (!path || reps == 0 || reps > 64 || calls < 20) {
         fprintf(stderr, "usage: paging_e2e --bank FILE [--calls N>=20] [--reps 1..64] [--alpha A] "
-                        "[--locality P] [--threads T] [--seed S]\n");
+                        "[--locality P] [--threads T] [--seed S] [--routing trace|router] "
+                        "[--drift D]\n");
         return 2;
     }
     qm_status st = {0};
@@ -180,15 +200,26 @@ int main(int argc, char **argv)
     uint32_t tokens = (calls + cfg->layers - 1) / cfg->layers;
     if (sim_trace_generate(&tr, tokens, cfg->layers, cfg->experts, cfg->k, alpha, locality, seed))
         return 1;
+    char route_desc[96];
+    if (g_router_routing)
+        snprintf(route_desc, sizeof route_desc,
+                 "the bank's routers on a residual stream (drift %.2f per layer)", g_drift);
+    else
+        snprintf(route_desc, sizeof route_desc, "trace, Zipf alpha %.2f, locality %.2f", alpha,
+                 locality);
+    if (g_router_routing && !qm_bank_layer(bank, 0)->t[QM_T_ROUTER_WEIGHT].present) {
+        fprintf(stderr, "paging_e2e: --routing router needs a bank with router weights\n");
+        return 2;
+    }
     qm_device_info di;
     qm_backend_info(be, &di);
     uint64_t total = qm_bank_expert_bytes_total(bank);
     printf("paging_e2e: %s; bank %s: %u layers x %u experts, %.1f MiB per expert, %.1f MiB of "
            "experts (working set); decode T=1, %u layer calls per run (10%% warm-up), %u reps "
-           "alternating; routing: Zipf alpha %.2f, locality %.2f, seed %llu\n\n",
+           "alternating; routing: %s, seed %llu\n\n",
            di.name, path, cfg->layers, cfg->experts,
            qm_bank_layer(bank, 0)->bytes_per_expert / 1048576.0, total / 1048576.0, calls, reps,
-           alpha, locality, (unsigned long long)seed);
+           route_desc, (unsigned long long)seed);
     const cfg_t cfgs[] = {{NULL, 0, 0},          {"lru", 0, 0},   {"lru", 0, 1},
                           {"lru", 0.5, 0},       {"lru", 0.5, 1}, {"lfu", 0.5, 1},
                           {"lru", 0.25, 0},      {"lru", 0.25, 1}};
@@ -204,7 +235,8 @@ int main(int argc, char **argv)
             secs[c][r] = last[c].secs;
         }
     printf("| session | budget | prefetch | layer calls/s median (min-max) | vs whole bank "
-           "(median of per-rep ratios) | hit rate | GB paged | prefetch useful / issued |\n"
+           "(median of per-rep ratios) | hit rate | GB paged | prefetch useful / issued: all "
+           "(router, history), calls gated |\n"
            "|---|---|---|---|---|---|---|---|\n");
     uint32_t timed = calls - calls / 10;
     for (int c = 0; c < N; c++) {
@@ -227,12 +259,18 @@ int main(int argc, char **argv)
         char hit[32] = "-";
         if (cfgs[c].policy && acc > 0)
             snprintf(hit, sizeof hit, "%.1f%%", 100.0 * (double)p->hits / acc);
-        printf("| %s | %s | %s | %.0f (%.0f-%.0f) | %.3f | %s | %.2f | %llu / %llu |\n",
+        printf("| %s | %s | %s | %.0f (%.0f-%.0f) | %.3f | %s | %.2f | %llu / %llu (%llu / %llu, "
+               "%llu / %llu), %llu |\n",
                cfgs[c].policy ? cfgs[c].policy : "whole bank, no pager", budget,
                cfgs[c].policy ? (cfgs[c].prefetch ? "on" : "off") : "-",
                timed / s[reps / 2], timed / s[reps - 1], timed / s[0], ratio[reps / 2], hit,
                p->bytes_paged_h2d / 1e9, (unsigned long long)p->prefetch_useful,
-               (unsigned long long)p->prefetch_issued);
+               (unsigned long long)p->prefetch_issued,
+               (unsigned long long)p->prefetch_router_useful,
+               (unsigned long long)p->prefetch_router_issued,
+               (unsigned long long)p->prefetch_history_useful,
+               (unsigned long long)p->prefetch_history_issued,
+               (unsigned long long)p->prefetch_gated);
     }
     free(ref);
     sim_trace_free(&tr);

@@ -298,7 +298,8 @@ static qm_pager *lru_pager(const pf_bank *b, qm_backend *be, qm_policy *pol, uin
 {
     qm_status st = {0};
     *plan = make_plan(b, pol, 1, budget);
-    qm_pager_options o = {.prefetch = prefetch, .history = 1};
+    /* No gating: the model does not gate prefetch sources. */
+    qm_pager_options o = {.prefetch = prefetch, .history = 1, .prefetch_min_precision = -1};
     qm_pager *pg = NULL;
     int rc = qm_pager_new(be, b->bank, *plan, pol, &o, &pg, &st);
     ck_assert_msg(rc == 0, "pager: %s", st.msg);
@@ -756,8 +757,45 @@ START_TEST(test_prefetch_never_evicts_pinned_or_in_use_experts)
 }
 END_TEST
 
+START_TEST(test_imprecise_router_prediction_is_switched_off)
+{
+    pf_spec sp = pf_default_spec();
+    sp.experts = 32; /* random guesses of 2 in 32: precision ~1/16 */
+    pf_bank b;
+    pf_bank_open(&sp, &b);
+    qm_backend *cpu = NULL;
+    qm_status st = {0};
+    ck_assert_int_eq(qm_backend_cpu_new(1, &cpu, &st), 0);
+    qm_policy pol = {0};
+    ck_assert_int_eq(qm_policy_new("lru", NULL, &pol, &st), 0);
+    qm_residency_plan *plan = make_plan(&b, &pol, 1, 8 * unit_bytes(&b));
+    qm_pager_options o = {.prefetch = 1};
+    qm_pager *pg = NULL;
+    ck_assert_int_eq(qm_pager_new(cpu, b.bank, plan, &pol, &o, &pg, &st), 0);
+    uint64_t s = 31;
+    for (uint32_t i = 0; i < 600; i++) {
+        /* Routed by random logits: the bank's routers predict nothing. */
+        uint32_t ex[2] = {(uint32_t)(pf_rand(&s) % 16), 16 + (uint32_t)(pf_rand(&s) % 16)};
+        call_experts(pg, &b, i % sp.layers, ex, 2, &s);
+    }
+    qm_pager_stats ps;
+    qm_pager_stats_get(pg, &ps);
+    ck_assert_uint_ge(ps.prefetch_router_issued, 128);
+    ck_assert_uint_lt(ps.prefetch_router_useful * 4, ps.prefetch_router_issued);
+    ck_assert_uint_gt(ps.prefetch_gated, 300); /* off on most calls after the first window */
+    /* Probing continues: issued keeps growing, at about one call in eight. */
+    ck_assert_uint_lt(ps.prefetch_router_issued, 600);
+    qm_pager_free(pg);
+    qm_plan_free(plan);
+    qm_policy_destroy(&pol);
+    qm_backend_free(cpu);
+    pf_bank_close(&b);
+}
+END_TEST
+
 static void paging_more_tests(TCase *tc)
 {
+    tcase_add_test(tc, test_imprecise_router_prediction_is_switched_off);
     tcase_add_test(tc, test_hostile_victims_fall_back_to_lru_and_keep_accounting_and_outputs);
     tcase_add_test(tc, test_budget_below_one_request_runs_in_waves_with_same_output);
     tcase_add_test(tc, test_budget_below_one_expert_is_refused_naming_the_minimum);
