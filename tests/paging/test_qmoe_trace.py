@@ -1,0 +1,109 @@
+"""tools/qmoe_trace.py: generator, binary format, JSON-lines round trip, and
+the C reader in bench/policy_sim reading what the tool writes."""
+import json
+import os
+import struct
+import subprocess
+import sys
+
+import pytest
+
+SRC = os.environ.get("QMOE_SOURCE_DIR", os.path.join(os.path.dirname(__file__), "..", ".."))
+BUILD = os.environ.get("QMOE_BUILD_DIR", os.path.join(SRC, "build"))
+TOOL = os.path.join(SRC, "tools", "qmoe_trace.py")
+sys.path.insert(0, os.path.join(SRC, "tools"))
+import qmoe_trace  # noqa: E402
+
+
+def run_tool(*args):
+    return subprocess.run([sys.executable, TOOL, *args], capture_output=True, text=True)
+
+
+def test_generated_trace_has_the_documented_header_and_payload(tmp_path):
+    out = tmp_path / "t.qmtr"
+    r = run_tool("gen", "--out", str(out), "--tokens", "50", "--layers", "3", "--experts", "8",
+                 "--k", "2", "--alpha", "1.2", "--locality", "0.5", "--seed", "4")
+    assert r.returncode == 0, r.stderr
+    data = out.read_bytes()
+    magic, ver, tokens, layers, k, experts, flags, meta_len, _ = struct.unpack_from("<8sIIIIIIII", data)
+    assert (magic, ver, tokens, layers, k, experts, flags) == (b"QMTRACE\0", 1, 50, 3, 2, 8, 0)
+    meta = json.loads(data[40:40 + meta_len])
+    assert meta["locality"] == 0.5 and meta["seed"] == 4
+    off = 40 + meta_len
+    off += (8 - off % 8) % 8
+    assert len(data) == off + 2 * 50 * 3 * 2
+    ids = struct.unpack_from("<%dh" % (50 * 3 * 2), data, off)
+    assert all(0 <= e < 8 for e in ids)
+    for t in range(50):  # k distinct experts per (token, layer)
+        for l in range(3):
+            row = ids[(t * 3 + l) * 2:(t * 3 + l) * 2 + 2]
+            assert row[0] != row[1]
+
+
+def test_same_seed_same_bytes_and_locality_one_repeats_the_first_token(tmp_path):
+    a, b = tmp_path / "a", tmp_path / "b"
+    for p in (a, b):
+        assert run_tool("gen", "--out", str(p), "--tokens", "20", "--seed", "9").returncode == 0
+    assert a.read_bytes() == b.read_bytes()
+    tr = qmoe_trace.generate(30, 2, 8, 2, "1.0", 1.0, 3)
+    for t in range(30):
+        for l in range(2):
+            assert list(tr.row(t, l)) == list(tr.row(0, l))
+
+
+def test_skew_concentrates_routing_on_few_experts():
+    flat = qmoe_trace.generate(2000, 1, 16, 1, "0", 0.0, 1)
+    skew = qmoe_trace.generate(2000, 1, 16, 1, "1.5", 0.0, 1)
+    top = lambda tr: max(list(tr.ids).count(e) for e in range(16)) / 2000.0
+    assert top(flat) < 0.12
+    assert top(skew) > 0.3
+
+
+def test_jsonl_round_trip_is_bit_exact_with_weights(tmp_path):
+    a, j, b = tmp_path / "a.qmtr", tmp_path / "a.jsonl", tmp_path / "b.qmtr"
+    assert run_tool("gen", "--out", str(a), "--tokens", "40", "--layers", "4", "--weights").returncode == 0
+    assert run_tool("to-jsonl", str(a), str(j)).returncode == 0
+    lines = j.read_text().splitlines()
+    head = json.loads(lines[0])
+    assert head["format"] == "qmoe-trace" and head["tokens"] == 40 and len(lines) == 41
+    assert run_tool("from-jsonl", str(j), str(b)).returncode == 0
+    assert a.read_bytes() == b.read_bytes()
+
+
+@pytest.mark.parametrize("mutate,needle", [
+    (lambda d: b"XXXXXXXX" + d[8:], "magic"),
+    (lambda d: d[:-1], "bytes, expected"),
+    (lambda d: d[:20], "shorter"),
+])
+def test_reader_rejects_damaged_files(tmp_path, mutate, needle):
+    a = tmp_path / "a.qmtr"
+    assert run_tool("gen", "--out", str(a), "--tokens", "10").returncode == 0
+    a.write_bytes(mutate(a.read_bytes()))
+    r = run_tool("info", str(a))
+    assert r.returncode == 2
+    assert needle in r.stderr
+
+
+def test_jsonl_with_wrong_shape_is_rejected(tmp_path):
+    j = tmp_path / "bad.jsonl"
+    j.write_text(json.dumps({"format": "qmoe-trace", "version": 1, "tokens": 1, "layers": 2,
+                             "k": 2, "experts": 8}) + "\n" +
+                 json.dumps({"token": 0, "experts": [[1, 2]]}) + "\n")
+    r = run_tool("from-jsonl", str(j), str(tmp_path / "x"))
+    assert r.returncode == 2 and "experts must be" in r.stderr
+
+
+def test_policy_sim_reads_the_tools_traces(tmp_path):
+    sim = os.path.join(BUILD, "bench", "policy_sim", "policy_sim")
+    if not os.path.exists(sim):
+        pytest.skip("policy_sim not built at %s" % sim)
+    a = tmp_path / "a.qmtr"
+    assert run_tool("gen", "--out", str(a), "--tokens", "60", "--layers", "4", "--experts", "8",
+                    "--k", "2", "--alpha", "1.0", "--locality", "0.5").returncode == 0
+    r = subprocess.run([sim, "--trace", str(a)], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    rows = [ln for ln in r.stdout.splitlines() if ln.startswith("| " + str(a))]
+    assert len(rows) == 4 + 4  # 4 budgets, then 2 policies x 2 budgets of prefetch
+    a.write_bytes(a.read_bytes()[:-3])
+    r = subprocess.run([sim, "--trace", str(a)], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 1 and "truncated" in r.stderr
