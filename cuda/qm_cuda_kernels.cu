@@ -12,14 +12,43 @@
  * Scales, biases and zero points may sit at any byte offset in an arena
  * slot (a unit's tensors are laid end to end), so their loads check
  * alignment and fall back to byte loads rather than fault. */
-#include <cuda_bf16.h>
+#include <stdint.h>
+
+#ifdef QM_CUDA_EMULATE
+/* tests/cuda/emu: the same source run on the CPU, one fiber per thread. */
+#include "qm_cuda_emu.h"
+#else
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
-#include <stdint.h>
+#endif
 
 #include "qm_cuda_kernels.h"
 
 namespace {
+
+__device__ __forceinline__ float qm_half_to_float(unsigned short h)
+{
+#ifdef QM_CUDA_EMULATE
+    return qm_emu_half_to_float(h);
+#else
+    return __half2float(__ushort_as_half(h));
+#endif
+}
+
+/* Every launch goes through here: one place that checks the launch, and
+ * the one seam the CPU emulation of the tests replaces. */
+template <typename... P, typename... A>
+cudaError_t qm_launch(void (*kernel)(P...), dim3 grid, dim3 block, cudaStream_t stream,
+                      A... args)
+{
+#ifdef QM_CUDA_EMULATE
+    (void)stream;
+    qm_emu_launch(grid, block, [=] { kernel(args...); });
+#else
+    kernel<<<grid, block, 0, stream>>>(args...);
+#endif
+    return cudaGetLastError();
+}
 
 __device__ __forceinline__ float qm_load_real(const void *base, uint32_t dtype, size_t i)
 {
@@ -39,7 +68,7 @@ __device__ __forceinline__ float qm_load_real(const void *base, uint32_t dtype, 
         h = (unsigned short)((unsigned)p[0] | ((unsigned)p[1] << 8));
     if (dtype == QM__CUDA_BF16)
         return __uint_as_float((uint32_t)h << 16);
-    return __half2float(__ushort_as_half(h));
+    return qm_half_to_float(h);
 }
 
 /* Zero point of (row n, block b) as an integer code. */
@@ -382,35 +411,23 @@ __global__ void qm_k_activation(qm__cuda_act act, uint32_t n_rows, const float *
  * batch (the path is a function of its own row count, and no kernel mixes
  * rows), which keeps outputs identical across waves and policies. */
 template <int BITS>
-void qm_launch_gemv(const qm__cuda_job *jobs, uint32_t n_jobs, uint32_t max_rows, int mat,
-                    const qm__cuda_mat &m, bool vec16, uint32_t rows_hi, const float *in,
-                    const uint32_t *in_rows, uint32_t in_stride, float *out, uint32_t out_stride,
-                    cudaStream_t s)
+cudaError_t qm_launch_gemv(const qm__cuda_job *jobs, uint32_t n_jobs, uint32_t max_rows, int mat,
+                           const qm__cuda_mat &m, bool vec16, uint32_t rows_hi, const float *in,
+                           const uint32_t *in_rows, uint32_t in_stride, float *out,
+                           uint32_t out_stride, cudaStream_t s)
 {
     dim3 grid((m.n + 7) / 8, n_jobs);
-#define QM_GEMV(V, T)                                                                              \
-    qm_k_gemv<BITS, V, T><<<grid, 256, 0, s>>>(jobs, mat, m, 1u, rows_hi, in, in_rows, in_stride, \
-                                               out, out_stride)
-    if (vec16) {
-        if (max_rows >= 8)
-            QM_GEMV(true, 8);
-        else if (max_rows >= 4)
-            QM_GEMV(true, 4);
-        else if (max_rows >= 2)
-            QM_GEMV(true, 2);
-        else
-            QM_GEMV(true, 1);
-    } else {
-        if (max_rows >= 8)
-            QM_GEMV(false, 8);
-        else if (max_rows >= 4)
-            QM_GEMV(false, 4);
-        else if (max_rows >= 2)
-            QM_GEMV(false, 2);
-        else
-            QM_GEMV(false, 1);
-    }
-#undef QM_GEMV
+    uint32_t tt = max_rows >= 8 ? 8 : max_rows >= 4 ? 4 : max_rows >= 2 ? 2 : 1;
+    void (*k)(const qm__cuda_job *, int, qm__cuda_mat, uint32_t, uint32_t, const float *,
+              const uint32_t *, uint32_t, float *, uint32_t);
+    if (vec16)
+        k = tt == 8 ? qm_k_gemv<BITS, true, 8> : tt == 4 ? qm_k_gemv<BITS, true, 4>
+            : tt == 2 ? qm_k_gemv<BITS, true, 2> : qm_k_gemv<BITS, true, 1>;
+    else
+        k = tt == 8 ? qm_k_gemv<BITS, false, 8> : tt == 4 ? qm_k_gemv<BITS, false, 4>
+            : tt == 2 ? qm_k_gemv<BITS, false, 2> : qm_k_gemv<BITS, false, 1>;
+    return qm_launch(k, grid, dim3(256), s, jobs, mat, m, 1u, rows_hi, in, in_rows, in_stride, out,
+                     out_stride);
 }
 
 template <int BITS>
@@ -423,28 +440,26 @@ cudaError_t qm_launch_bits(const qm__cuda_job *jobs, uint32_t n_jobs, uint32_t m
     if (path == QM__CUDA_PATH_NAIVE) {
         uint64_t total = (uint64_t)max_rows * m.n;
         dim3 grid((unsigned)((total + 255) / 256), n_jobs);
-        qm_k_naive<BITS><<<grid, 256, 0, s>>>(jobs, mat, m, in, in_rows, in_stride, out,
-                                               out_stride);
-        return cudaGetLastError();
+        return qm_launch(qm_k_naive<BITS>, grid, dim3(256), s, jobs, mat, m, in, in_rows,
+                         in_stride, out, out_stride);
     }
     uint32_t gemm_lo = path == QM__CUDA_PATH_GEMM   ? 1u
                        : path == QM__CUDA_PATH_GEMV ? UINT32_MAX
                                                     : gemm_min_rows;
     if (min_rows < gemm_lo) {
         uint32_t gemv_max = max_rows < gemm_lo ? max_rows : gemm_lo - 1;
-        qm_launch_gemv<BITS>(jobs, n_jobs, gemv_max, mat, m, vec16, gemm_lo, in, in_rows,
-                             in_stride, out, out_stride, s);
-        cudaError_t err = cudaGetLastError();
+        cudaError_t err = qm_launch_gemv<BITS>(jobs, n_jobs, gemv_max, mat, m, vec16, gemm_lo, in,
+                                               in_rows, in_stride, out, out_stride, s);
         if (err != cudaSuccess)
             return err;
     }
     if (max_rows >= gemm_lo) {
         dim3 grid((m.n + QM_GEMM_BM - 1) / QM_GEMM_BM, (max_rows + QM_GEMM_BN - 1) / QM_GEMM_BN,
                   n_jobs);
-        qm_k_gemm<BITS><<<grid, 256, 0, s>>>(jobs, mat, m, gemm_lo, in, in_rows, in_stride, out,
-                                              out_stride);
+        return qm_launch(qm_k_gemm<BITS>, grid, dim3(256), s, jobs, mat, m, gemm_lo, in, in_rows,
+                         in_stride, out, out_stride);
     }
-    return cudaGetLastError();
+    return cudaSuccess;
 }
 
 } /* namespace */
@@ -491,6 +506,6 @@ extern "C" int qm__cuda_launch_activation(const qm__cuda_act *act, uint32_t n_ro
     if (total == 0)
         return (int)cudaSuccess;
     unsigned blocks = (unsigned)((total + 255) / 256);
-    qm_k_activation<<<blocks, 256, 0, (cudaStream_t)stream>>>(*act, n_rows, h1, h3, a);
-    return (int)cudaGetLastError();
+    return (int)qm_launch(qm_k_activation, dim3(blocks), dim3(256), (cudaStream_t)stream, *act,
+                          n_rows, h1, h3, a);
 }

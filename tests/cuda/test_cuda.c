@@ -189,7 +189,7 @@ static double rel_err(const float *a, const float *b, size_t n)
  * stores each path's in errs[4]. The output is poisoned (NaN) before each
  * run so an unwritten element cannot pass. */
 static double compare_paths(qm_backend *cpu, qm_backend *cuda, dev_layer *D, uint32_t T,
-                            uint64_t seed, double errs[4], double *err_ref)
+                            uint64_t seed, double errs[4], double *err_ref, double *cpu_ref)
 {
     tl_layer *L = D->L;
     uint32_t H = L->spec.H, E = L->spec.E;
@@ -203,6 +203,7 @@ static double compare_paths(qm_backend *cpu, qm_backend *cuda, dev_layer *D, uin
     dev_source(D, &dev_src);
     ck_assert_int_eq(forward(cpu, L, &cpu_src, QM_DTYPE_F32, T, x, lg, want), 0);
     tl_reference(L, x, lg, T, ref);
+    *cpu_ref = tl_rel_err_f(want, ref, (size_t)T * H);
     double worst = 0;
     for (int k = 0; k < 4; k++) {
         ck_assert_int_eq(qm_backend_cuda_set_kernels(cuda, (qm_cuda_kernels)k, 0), 0);
@@ -389,9 +390,13 @@ START_TEST(test_cuda_matches_cpu_over_variant_matrix)
     static const uint32_t BSS[] = {0, 16, 32, 64, 128};
     static const uint32_t TS[] = {1, 3, 24};
     qm_backend *cpu = new_cpu(), *cuda = new_cuda();
-    int failures = 0, runs = 0;
+    int failures = 0, cpu_off = 0, runs = 0;
     double worst = 0, worst_ref = 0;
+#ifdef QM_TEST_EMULATED
+    const int n_variants = 20; /* the emulation runs kernels slowly; CI runs this */
+#else
     const int n_variants = 140;
+#endif
     for (int v = 0; v < n_variants; v++) {
         tl_spec s = tl_default_spec(1000 + (uint64_t)v);
         s.bits = (v % 2) ? 8 : 4;
@@ -414,29 +419,38 @@ START_TEST(test_cuda_matches_cpu_over_variant_matrix)
         dev_layer D;
         dev_layer_init(&D, cuda, &L, v % 5 == 4);
         for (size_t ti = 0; ti < sizeof TS / sizeof TS[0]; ti++) {
-            double errs[4], eref;
-            double e = compare_paths(cpu, cuda, &D, TS[ti], 77 + (uint64_t)v * 10 + ti, errs, &eref);
+            double errs[4], eref, cref;
+            double e = compare_paths(cpu, cuda, &D, TS[ti], 77 + (uint64_t)v * 10 + ti, errs, &eref,
+                                     &cref);
             runs++;
             if (!(e <= worst))
                 worst = e;
             if (!(eref <= worst_ref))
                 worst_ref = eref;
-            if (!(e <= TOL_F32)) {
+            /* The float64 reference is the judge when the two backends
+             * disagree; a CPU result off the reference is the CPU's bug and
+             * is reported as such (its own suite owns it). */
+            int cuda_ok = eref <= TOL_F32 && (e <= TOL_F32 || !(cref <= TOL_F32));
+            if (!cuda_ok || !(cref <= TOL_F32)) {
                 char d[256];
                 describe(&s, d, sizeof d);
-                if (failures < 40)
-                    printf("FAIL variant %d T=%u packed=%d [%s]: auto %.3g gemv %.3g gemm %.3g "
-                           "naive %.3g\n",
-                           v, TS[ti], v % 5 == 4, d, errs[0], errs[1], errs[2], errs[3]);
-                failures++;
+                if (failures + cpu_off < 40)
+                    printf("%s variant %d T=%u packed=%d [%s]: vs cpu: auto %.3g gemv %.3g gemm "
+                           "%.3g naive %.3g; vs float64: cuda %.3g cpu %.3g\n",
+                           cuda_ok ? "CPU-OFF-REFERENCE" : "FAIL", v, TS[ti], v % 5 == 4, d,
+                           errs[0], errs[1], errs[2], errs[3], eref, cref);
+                if (cuda_ok)
+                    cpu_off++;
+                else
+                    failures++;
             }
         }
         dev_layer_free(cuda, &D);
         tl_layer_free(&L);
     }
     printf("variant matrix: %d variants, %d runs x %d kernels, worst rel err vs cpu %.3g, "
-           "vs float64 %.3g, failures %d\n",
-           n_variants, runs, 4, worst, worst_ref, failures);
+           "cuda vs float64 %.3g, cuda failures %d, runs where the cpu is off the reference %d\n",
+           n_variants, runs, 4, worst, worst_ref, failures, cpu_off);
     ck_assert_msg(failures == 0, "%d of %d runs over %.0e (worst %.3g)", failures, runs, TOL_F32,
                   worst);
     qm_backend_free(cpu);
@@ -449,14 +463,20 @@ START_TEST(test_cuda_gpt_oss_like_layer_matches_cpu)
     /* GPT-OSS's layer kind (swiglu interleaved, alpha 1.702, beta 1, limit 7,
      * int4 block 32) at a size the float64 reference affords; rows are
      * 16-byte multiples, so the vectorised GEMV runs. */
+#ifdef QM_TEST_EMULATED
+    static const uint32_t TS[] = {1, 4, 16, 40};
+    const uint32_t width = 192;
+#else
     static const uint32_t TS[] = {1, 4, 16, 130};
+    const uint32_t width = 576;
+#endif
     qm_backend *cpu = new_cpu(), *cuda = new_cuda();
     for (int bits = 4; bits <= 8; bits += 4) {
         tl_spec s = tl_default_spec(42 + (uint64_t)bits);
         s.E = 8;
         s.k = 4;
-        s.H = 576;
-        s.I = 576;
+        s.H = width;
+        s.I = width;
         s.bits = (uint32_t)bits;
         s.block_size = bits == 4 ? 32 : 64;
         s.act = QM_ACT_SWIGLU;
@@ -467,12 +487,15 @@ START_TEST(test_cuda_gpt_oss_like_layer_matches_cpu)
         dev_layer D;
         dev_layer_init(&D, cuda, &L, 0);
         for (size_t ti = 0; ti < sizeof TS / sizeof TS[0]; ti++) {
-            double errs[4], eref;
-            double e = compare_paths(cpu, cuda, &D, TS[ti], 500 + ti, errs, &eref);
-            printf("gpt-oss-like int%d T=%u: auto %.3g gemv %.3g gemm %.3g naive %.3g (vs float64 "
-                   "%.3g)\n",
-                   bits, TS[ti], errs[0], errs[1], errs[2], errs[3], eref);
-            ck_assert_msg(e <= TOL_F32, "int%d T=%u: rel err %.3g", bits, TS[ti], e);
+            double errs[4], eref, cref;
+            double e = compare_paths(cpu, cuda, &D, TS[ti], 500 + ti, errs, &eref, &cref);
+            printf("gpt-oss-like H=I=%u int%d T=%u: vs cpu: auto %.3g gemv %.3g gemm %.3g naive "
+                   "%.3g; vs float64: cuda %.3g cpu %.3g\n",
+                   width, bits, TS[ti], errs[0], errs[1], errs[2], errs[3], eref, cref);
+            ck_assert_msg(eref <= TOL_F32, "int%d T=%u: rel err vs float64 %.3g", bits, TS[ti],
+                          eref);
+            ck_assert_msg(e <= TOL_F32 || !(cref <= TOL_F32), "int%d T=%u: rel err vs cpu %.3g",
+                          bits, TS[ti], e);
         }
         dev_layer_free(cuda, &D);
         tl_layer_free(&L);
