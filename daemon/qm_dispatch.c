@@ -45,6 +45,16 @@ static void reply_send(qm_reply *r)
     size_t present = 0;
     for (size_t i = 0; i < r->n; i++)
         present += r->parts[i] != NULL;
+    if (present == 1 && r->n == 1 && !r->is_batch) {
+        /* The common case: one answer, written as it is (no copy). */
+        char *p = qm_realloc(r->parts[0], r->lens[0] + 1);
+        if (p) {
+            p[r->lens[0]] = '\n';
+            qm_conn_write(r->conn, p, r->lens[0] + 1);
+            r->parts[0] = NULL;
+            present = 0;
+        }
+    }
     if (present) {
         if (r->is_batch)
             qm_buf_append(&b, "[", 1);

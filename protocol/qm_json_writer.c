@@ -95,7 +95,7 @@ int qm_buf_reserve(qm_buf *b, size_t extra)
     size_t need;
     if (__builtin_add_overflow(b->len, extra, &need))
         goto fail;
-    size_t cap = b->cap ? b->cap : 256;
+    size_t cap = b->cap ? b->cap : 1024;
     while (cap < need) {
         if (cap > SIZE_MAX / 2) {
             cap = need;
