@@ -704,3 +704,21 @@ def test_hotness_profile_persists_and_feeds_static_hot(banks):
         assert any(b.get("pinned") for b in plan["banks"]), plan
     finally:
         assert dm.stop() == 0
+
+
+def test_hostile_bytes_split_writes_and_blank_lines(daemon):
+    c = daemon.client()
+    c.send_raw(b'{"jsonrpc":"2.0","id":1,"method":"daemon.status"}\x00\n')
+    assert c.read()["error"]["code"] == -32700
+    c.send_raw(b'{"jsonrpc":"2.0","id":2,"method":"daemon.\xff\xfe"}\n')
+    e = c.read()
+    assert e["id"] == 2 and e["error"]["code"] == -32601
+    c.send_raw(b'{"jsonrpc":"2.0","id":3,"method":"model.load","params":{"name":"a",'
+               b'"path":"/x\xc3\x28"}}\n')
+    e = c.read()
+    assert e["error"]["code"] in (-32602, -32002) and e["id"] == 3
+    c.send_raw(b"\n\r\n   \n")
+    line = b'{"jsonrpc":"2.0","id":"split","method":"daemon.status"}\n'
+    for i in range(len(line)):
+        c.send_raw(line[i:i + 1])
+    assert c.read()["id"] == "split"
