@@ -637,22 +637,28 @@ START_TEST(test_cuda_bad_jobs_are_rejected_and_the_backend_survives)
 }
 END_TEST
 
+/* Three cases, so a slow tool (compute-sanitizer) can run one: CK_RUN_CASE=layer. */
 static Suite *cuda_suite(void)
 {
     Suite *s = suite_create("cuda");
-    TCase *tc = tcase_create("core");
-    tcase_set_timeout(tc, 300);
-    tcase_add_test(tc, test_cuda_info_names_the_device);
-    tcase_add_test(tc, test_cuda_oversized_arena_is_resource_exhausted);
-    tcase_add_test(tc, test_cuda_copies_land_through_the_bounce_ring);
-    tcase_add_test(tc, test_cuda_registered_copies_go_direct);
-    tcase_add_test(tc, test_cuda_old_fences_still_wait);
-    tcase_add_test(tc, test_cuda_matches_cpu_over_variant_matrix);
-    tcase_add_test(tc, test_cuda_gpt_oss_like_layer_matches_cpu);
-    tcase_add_test(tc, test_cuda_f16_and_bf16_activations_match_cpu);
-    tcase_add_test(tc, test_cuda_waves_give_bitwise_identical_outputs);
-    tcase_add_test(tc, test_cuda_bad_jobs_are_rejected_and_the_backend_survives);
-    suite_add_tcase(s, tc);
+    TCase *core = tcase_create("core"), *matrix = tcase_create("matrix"),
+          *layer = tcase_create("layer");
+    tcase_set_timeout(core, 300);
+    tcase_set_timeout(matrix, 600);
+    tcase_set_timeout(layer, 300);
+    tcase_add_test(core, test_cuda_info_names_the_device);
+    tcase_add_test(core, test_cuda_oversized_arena_is_resource_exhausted);
+    tcase_add_test(core, test_cuda_copies_land_through_the_bounce_ring);
+    tcase_add_test(core, test_cuda_registered_copies_go_direct);
+    tcase_add_test(core, test_cuda_old_fences_still_wait);
+    tcase_add_test(core, test_cuda_bad_jobs_are_rejected_and_the_backend_survives);
+    tcase_add_test(matrix, test_cuda_matches_cpu_over_variant_matrix);
+    tcase_add_test(layer, test_cuda_gpt_oss_like_layer_matches_cpu);
+    tcase_add_test(layer, test_cuda_f16_and_bf16_activations_match_cpu);
+    tcase_add_test(layer, test_cuda_waves_give_bitwise_identical_outputs);
+    suite_add_tcase(s, core);
+    suite_add_tcase(s, matrix);
+    suite_add_tcase(s, layer);
     return s;
 }
 
