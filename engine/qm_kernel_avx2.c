@@ -6,8 +6,9 @@
  * shuffle; 8-bit weights keep the natural order. The GEMV path also stores,
  * per block, the lane-wise sum of x, so the zero point is applied once per
  * block: partial = sum q*x - zp * sum x, then y += scale * partial. The GEMM
- * path dequantises a 16 x 256 tile of W to f32 once (w = (q - zp) * scale)
- * and reuses it for every input row. */
+ * path dequantises a 16 x 256 tile of W to f32 once (w = (q - zp) * scale),
+ * transposes it into a column-major panel and reuses it for every input
+ * row in a 6 x 16 outer-product kernel (no horizontal sums). */
 #include <immintrin.h>
 #include <string.h>
 
@@ -361,6 +362,9 @@ static void qm__dequant_tile(const qm__qmat *m, uint32_t n0, uint32_t n1, uint32
                              uint32_t len, float *tile)
 {
     const int bits = (int)m->bits;
+    const int fast = m->scale_dtype == QM_DTYPE_F32 && !m->zp;
+    const uint32_t nfull = (uint32_t)(m->row_bytes / (2 * (size_t)bits));
+    const uint32_t cpb = m->nblk == 1 ? UINT32_MAX : m->block / 16;
     for (uint32_t i = 0; i < QM__TILE_ROWS; i++) {
         float *t = tile + (size_t)i * QM__GEMM_KT;
         uint32_t n = n0 + i;
@@ -369,51 +373,129 @@ static void qm__dequant_tile(const qm__qmat *m, uint32_t n0, uint32_t n1, uint32
             continue;
         }
         const uint8_t *row = m->w + (size_t)n * m->row_bytes;
-        uint32_t bprev = UINT32_MAX;
-        __m256 sc = _mm256_setzero_ps(), zp = _mm256_setzero_ps();
-        for (uint32_t cc = 0; cc < len; cc += 16) {
-            uint32_t c = (kt0 + cc) / 16;
-            uint32_t b = m->nblk == 1 ? 0 : (kt0 + cc) / m->block;
-            if (b != bprev) {
+        const uint8_t *srow = (const uint8_t *)m->scales + (size_t)n * m->nblk * 4;
+        const __m256 zsym = _mm256_set1_ps((float)(1 << (bits - 1)));
+        uint32_t c = kt0 / 16, cend = (kt0 + len) / 16;
+        while (c < cend) {
+            uint32_t b = m->nblk == 1 ? 0 : c / cpb;
+            uint32_t bend = m->nblk == 1 ? cend : (b + 1) * cpb;
+            if (bend > cend)
+                bend = cend;
+            __m256 sc, zp;
+            if (fast) {
+                sc = _mm256_set1_ps(qm__scale_f32(srow, b));
+                zp = zsym;
+            } else {
                 sc = _mm256_set1_ps(qm__qmat_scale(m, n, b));
                 zp = _mm256_set1_ps((float)qm__qmat_zp(m, n, b));
-                bprev = b;
             }
-            __m256 w0, w1;
-            if (bits == 4)
-                qm__load_chunk(row, m->row_bytes, c, 4, &w0, &w1);
-            else
-                qm__load_chunk(row, m->row_bytes, c, 8, &w0, &w1);
-            _mm256_storeu_ps(t + cc, _mm256_mul_ps(_mm256_sub_ps(w0, zp), sc));
-            _mm256_storeu_ps(t + cc + 8, _mm256_mul_ps(_mm256_sub_ps(w1, zp), sc));
+            for (; c < bend; c++) {
+                __m256 w0, w1;
+                if (c < nfull) {
+                    if (bits == 4)
+                        qm__load_chunk_full(row, c, 4, &w0, &w1);
+                    else
+                        qm__load_chunk_full(row, c, 8, &w0, &w1);
+                } else if (bits == 4) {
+                    qm__load_chunk(row, m->row_bytes, c, 4, &w0, &w1);
+                } else {
+                    qm__load_chunk(row, m->row_bytes, c, 8, &w0, &w1);
+                }
+                float *d = t + (size_t)c * 16 - kt0;
+                _mm256_storeu_ps(d, _mm256_mul_ps(_mm256_sub_ps(w0, zp), sc));
+                _mm256_storeu_ps(d + 8, _mm256_mul_ps(_mm256_sub_ps(w1, zp), sc));
+            }
         }
     }
 }
 
-/* 4 input rows x 2 tile rows over one tile; sums added into y (or stored
- * for the first tile). */
-QM_AI void qm__gemm_micro(const float *tile, uint32_t i, const float *xp, size_t ldx,
-                          uint32_t len, float *part)
+/* In-register transpose of 8 rows of 8 floats. */
+QM_AI void qm__transpose8(__m256 *r0, __m256 *r1, __m256 *r2, __m256 *r3, __m256 *r4, __m256 *r5,
+                          __m256 *r6, __m256 *r7)
 {
-    const float *w0p = tile + (size_t)i * QM__GEMM_KT, *w1p = w0p + QM__GEMM_KT;
-    __m256 acc[4][2];
-#pragma GCC unroll 4
-    for (int r = 0; r < 4; r++)
-        acc[r][0] = acc[r][1] = _mm256_setzero_ps();
-    for (uint32_t cc = 0; cc < len; cc += 8) {
-        __m256 w0 = _mm256_loadu_ps(w0p + cc), w1 = _mm256_loadu_ps(w1p + cc);
-#pragma GCC unroll 4
-        for (int r = 0; r < 4; r++) {
-            __m256 xv = _mm256_loadu_ps(xp + (size_t)r * ldx + cc);
-            acc[r][0] = _mm256_fmadd_ps(w0, xv, acc[r][0]);
-            acc[r][1] = _mm256_fmadd_ps(w1, xv, acc[r][1]);
+    __m256 t0 = _mm256_unpacklo_ps(*r0, *r1), t1 = _mm256_unpackhi_ps(*r0, *r1);
+    __m256 t2 = _mm256_unpacklo_ps(*r2, *r3), t3 = _mm256_unpackhi_ps(*r2, *r3);
+    __m256 t4 = _mm256_unpacklo_ps(*r4, *r5), t5 = _mm256_unpackhi_ps(*r4, *r5);
+    __m256 t6 = _mm256_unpacklo_ps(*r6, *r7), t7 = _mm256_unpackhi_ps(*r6, *r7);
+    __m256 s0 = _mm256_shuffle_ps(t0, t2, _MM_SHUFFLE(1, 0, 1, 0));
+    __m256 s1 = _mm256_shuffle_ps(t0, t2, _MM_SHUFFLE(3, 2, 3, 2));
+    __m256 s2 = _mm256_shuffle_ps(t1, t3, _MM_SHUFFLE(1, 0, 1, 0));
+    __m256 s3 = _mm256_shuffle_ps(t1, t3, _MM_SHUFFLE(3, 2, 3, 2));
+    __m256 s4 = _mm256_shuffle_ps(t4, t6, _MM_SHUFFLE(1, 0, 1, 0));
+    __m256 s5 = _mm256_shuffle_ps(t4, t6, _MM_SHUFFLE(3, 2, 3, 2));
+    __m256 s6 = _mm256_shuffle_ps(t5, t7, _MM_SHUFFLE(1, 0, 1, 0));
+    __m256 s7 = _mm256_shuffle_ps(t5, t7, _MM_SHUFFLE(3, 2, 3, 2));
+    *r0 = _mm256_permute2f128_ps(s0, s4, 0x20);
+    *r1 = _mm256_permute2f128_ps(s1, s5, 0x20);
+    *r2 = _mm256_permute2f128_ps(s2, s6, 0x20);
+    *r3 = _mm256_permute2f128_ps(s3, s7, 0x20);
+    *r4 = _mm256_permute2f128_ps(s0, s4, 0x31);
+    *r5 = _mm256_permute2f128_ps(s1, s5, 0x31);
+    *r6 = _mm256_permute2f128_ps(s2, s6, 0x31);
+    *r7 = _mm256_permute2f128_ps(s3, s7, 0x31);
+}
+
+/* tile [16 rows][KT] -> wt [len][16]: column-major panel for the outer-product kernel. */
+static void qm__transpose_tile(const float *tile, uint32_t len, float *wt)
+{
+    for (uint32_t g = 0; g < 2; g++) {
+        const float *src = tile + (size_t)g * 8 * QM__GEMM_KT;
+        for (uint32_t cc = 0; cc < len; cc += 8) {
+            __m256 r0 = _mm256_loadu_ps(src + cc), r1 = _mm256_loadu_ps(src + QM__GEMM_KT + cc);
+            __m256 r2 = _mm256_loadu_ps(src + 2 * QM__GEMM_KT + cc);
+            __m256 r3 = _mm256_loadu_ps(src + 3 * QM__GEMM_KT + cc);
+            __m256 r4 = _mm256_loadu_ps(src + 4 * QM__GEMM_KT + cc);
+            __m256 r5 = _mm256_loadu_ps(src + 5 * QM__GEMM_KT + cc);
+            __m256 r6 = _mm256_loadu_ps(src + 6 * QM__GEMM_KT + cc);
+            __m256 r7 = _mm256_loadu_ps(src + 7 * QM__GEMM_KT + cc);
+            qm__transpose8(&r0, &r1, &r2, &r3, &r4, &r5, &r6, &r7);
+            float *d = wt + (size_t)cc * 16 + 8 * g;
+            _mm256_storeu_ps(d, r0);
+            _mm256_storeu_ps(d + 16, r1);
+            _mm256_storeu_ps(d + 32, r2);
+            _mm256_storeu_ps(d + 48, r3);
+            _mm256_storeu_ps(d + 64, r4);
+            _mm256_storeu_ps(d + 80, r5);
+            _mm256_storeu_ps(d + 96, r6);
+            _mm256_storeu_ps(d + 112, r7);
         }
     }
-#pragma GCC unroll 4
-    for (int r = 0; r < 4; r++) {
-        part[2 * r] = qm__hsum8(acc[r][0]);
-        part[2 * r + 1] = qm__hsum8(acc[r][1]);
+}
+
+#define QM__GEMM_MR 6u
+
+/* 6 input rows x 16 tile rows over one K tile, outer-product form: each
+ * output lane accumulates its products in column order; out[r * 2 + h]
+ * holds rows n0 + 8h .. n0 + 8h + 7 of input row r. */
+QM_AI void qm__gemm_micro(const float *wt, uint32_t len, const float *x, size_t ldx, __m256 out[12])
+{
+    __m256 c00 = _mm256_setzero_ps(), c01 = c00, c10 = c00, c11 = c00, c20 = c00, c21 = c00;
+    __m256 c30 = c00, c31 = c00, c40 = c00, c41 = c00, c50 = c00, c51 = c00;
+    const float *x0 = x, *x1 = x + ldx, *x2 = x1 + ldx, *x3 = x2 + ldx, *x4 = x3 + ldx,
+                *x5 = x4 + ldx;
+    for (uint32_t c = 0; c < len; c++) {
+        __m256 w0 = _mm256_loadu_ps(wt + 16 * (size_t)c), w1 = _mm256_loadu_ps(wt + 16 * (size_t)c + 8);
+        __m256 b = _mm256_broadcast_ss(x0 + c);
+        c00 = _mm256_fmadd_ps(w0, b, c00);
+        c01 = _mm256_fmadd_ps(w1, b, c01);
+        b = _mm256_broadcast_ss(x1 + c);
+        c10 = _mm256_fmadd_ps(w0, b, c10);
+        c11 = _mm256_fmadd_ps(w1, b, c11);
+        b = _mm256_broadcast_ss(x2 + c);
+        c20 = _mm256_fmadd_ps(w0, b, c20);
+        c21 = _mm256_fmadd_ps(w1, b, c21);
+        b = _mm256_broadcast_ss(x3 + c);
+        c30 = _mm256_fmadd_ps(w0, b, c30);
+        c31 = _mm256_fmadd_ps(w1, b, c31);
+        b = _mm256_broadcast_ss(x4 + c);
+        c40 = _mm256_fmadd_ps(w0, b, c40);
+        c41 = _mm256_fmadd_ps(w1, b, c41);
+        b = _mm256_broadcast_ss(x5 + c);
+        c50 = _mm256_fmadd_ps(w0, b, c50);
+        c51 = _mm256_fmadd_ps(w1, b, c51);
     }
+    out[0] = c00, out[1] = c01, out[2] = c10, out[3] = c11, out[4] = c20, out[5] = c21;
+    out[6] = c30, out[7] = c31, out[8] = c40, out[9] = c41, out[10] = c50, out[11] = c51;
 }
 
 void qm__avx2_gemm(const qm__qmat *m, uint32_t n0, uint32_t n1, const float *xp, size_t ldx,
@@ -421,19 +503,30 @@ void qm__avx2_gemm(const qm__qmat *m, uint32_t n0, uint32_t n1, const float *xp,
 {
     const uint32_t kp = (uint32_t)qm__round16(m->k);
     const uint32_t nrows = n1 - n0;
-    float *tile = scratch;
+    float *tile = scratch, *wt = scratch + (size_t)QM__TILE_ROWS * QM__GEMM_KT;
     for (uint32_t kt0 = 0; kt0 < kp; kt0 += QM__GEMM_KT) {
         uint32_t len = kp - kt0 < QM__GEMM_KT ? kp - kt0 : QM__GEMM_KT;
         qm__dequant_tile(m, n0, n1, kt0, len, tile);
-        for (uint32_t r0 = 0; r0 < nx; r0 += 4) {
-            for (uint32_t i = 0; i < nrows; i += 2) {
-                float part[8];
-                qm__gemm_micro(tile, i, xp + (size_t)r0 * ldx + kt0, ldx, len, part);
-                for (uint32_t r = 0; r < 4 && r0 + r < nx; r++) {
-                    for (uint32_t j = 0; j < 2 && i + j < nrows; j++) {
-                        float *out = y + (size_t)(r0 + r) * ldy + n0 + i + j;
-                        *out = kt0 == 0 ? part[2 * r + j] : *out + part[2 * r + j];
+        qm__transpose_tile(tile, len, wt);
+        /* xp has zero rows up to a multiple of QM__GEMM_MR (gemm_row_pad). */
+        for (uint32_t r0 = 0; r0 < nx; r0 += QM__GEMM_MR) {
+            __m256 acc[12];
+            qm__gemm_micro(wt, len, xp + (size_t)r0 * ldx + kt0, ldx, acc);
+            for (uint32_t r = 0; r < QM__GEMM_MR && r0 + r < nx; r++) {
+                float *out = y + (size_t)(r0 + r) * ldy + n0;
+                if (nrows == 16) {
+                    for (int h = 0; h < 2; h++) {
+                        __m256 v = acc[2 * r + h];
+                        if (kt0)
+                            v = _mm256_add_ps(_mm256_loadu_ps(out + 8 * h), v);
+                        _mm256_storeu_ps(out + 8 * h, v);
                     }
+                } else { /* a short last tile: never write past n1 */
+                    float p[16];
+                    _mm256_storeu_ps(p, acc[2 * r]);
+                    _mm256_storeu_ps(p + 8, acc[2 * r + 1]);
+                    for (uint32_t j = 0; j < nrows; j++)
+                        out[j] = kt0 == 0 ? p[j] : out[j] + p[j];
                 }
             }
         }
@@ -446,5 +539,5 @@ const qm__kernel qm__kernel_avx2 = {
     .prep = qm__avx2_prep,
     .gemv = qm__avx2_gemv,
     .gemm = qm__avx2_gemm,
-    .gemm_row_pad = 4,
+    .gemm_row_pad = QM__GEMM_MR,
 };

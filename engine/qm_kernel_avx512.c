@@ -199,5 +199,5 @@ const qm__kernel qm__kernel_avx512 = {
     .prep = qm__avx512_prep,
     .gemv = qm__avx512_gemv,
     .gemm = qm__avx2_gemm,
-    .gemm_row_pad = 4,
+    .gemm_row_pad = 6, /* the AVX2 GEMM's QM__GEMM_MR */
 };

@@ -52,9 +52,9 @@ const qm__kernel qm__kernel_scalar = {
 
 size_t qm__kernel_scratch_floats(const qm__qmat *m)
 {
-    /* GEMM: one dequantised tile; GEMV: per-row scales and zero points of
-     * up to 4 rows, plus slack for alignment. */
-    size_t tile = (size_t)QM__TILE_ROWS * QM__GEMM_KT;
+    /* GEMM: one dequantised tile and its transposed panel; GEMV: per-row
+     * scales and zero points of up to 4 rows; plus slack for alignment. */
+    size_t tile = (size_t)2 * QM__TILE_ROWS * QM__GEMM_KT;
     size_t rows = (size_t)8 * m->nblk;
     return (tile > rows ? tile : rows) + 64;
 }

@@ -144,6 +144,7 @@ def main():
     ap.add_argument("--seed", type=int, default=int(time.time()) % 100000)
     ap.add_argument("--stream-mib", type=int, default=2048)
     ap.add_argument("--quick", action="store_true", help="fewer iterations (smoke run)")
+    ap.add_argument("--tokens", help="only these token counts, e.g. 1,512")
     ap.add_argument("--json", help="also write raw results here")
     args = ap.parse_args()
     bench = os.path.join(args.build, "bench", "qmoe_cpu", "qmoe_cpu_bench")
@@ -169,6 +170,8 @@ def main():
                   f"rel err vs ort default {errs['default']:.2g}, exact {errs['exact']:.2g}",
                   flush=True)
             for t in c["tokens"]:
+                if args.tokens and str(t) not in args.tokens.split(","):
+                    continue
                 heavy = t * c["k"] * c["H"] * c["I"] >= 4 * 128 * 4096 * 14336 / 8
                 iters = 3 if heavy else (20 if t == 1 else 8)
                 warm = 1 if heavy else 3
