@@ -276,13 +276,17 @@ QM_AI void qm__gemv_1x1(const qm__qmat *m, uint32_t n, const float *xp, float *y
 }
 
 /* 2 weight rows x 2 input rows (x rows at xp and xp + ldx, y rows at y and y + ldy). */
-QM_AI void qm__gemv_2x2(const qm__qmat *m, uint32_t n, const float *xp, size_t ldx, float *y,
-                        size_t ldy, const int BITS)
+QM_AI void qm__gemv_2x2_impl(const qm__qmat *m, uint32_t n, const float *xp, size_t ldx, float *y,
+                             size_t ldy, const int BITS, const int FAST)
 {
     const uint32_t kp = (uint32_t)qm__round16(m->k), nch = kp / 16;
     const uint32_t cpb = m->nblk == 1 ? nch : m->block / 16;
     const size_t rb = m->row_bytes;
+    const uint32_t nfull = (uint32_t)(rb / (2 * BITS));
     const uint8_t *r0 = m->w + (size_t)n * rb, *r1 = r0 + rb;
+    const uint8_t *sr0 = (const uint8_t *)m->scales + (size_t)n * m->nblk * 4,
+                  *sr1 = sr0 + (size_t)m->nblk * 4;
+    const __m256 zsym = _mm256_set1_ps((float)(1 << (BITS - 1)));
     const float *xq = xp + ldx;
     QM__ACC_DECL(0); /* row n, input 0 */
     QM__ACC_DECL(1); /* row n, input 1 */
@@ -293,15 +297,30 @@ QM_AI void qm__gemv_2x2(const qm__qmat *m, uint32_t n, const float *xp, size_t l
         uint32_t ce = c + cpb < nch ? c + cpb : nch;
         for (; c < ce; c++) {
             __m256 w0, w1;
-            qm__load_chunk(r0, rb, c, BITS, &w0, &w1);
+            if (c < nfull)
+                qm__load_chunk_full(r0, c, BITS, &w0, &w1);
+            else
+                qm__load_chunk(r0, rb, c, BITS, &w0, &w1);
             QM__ACC_FMA(0, w0, w1, xp + 16 * (size_t)c);
             QM__ACC_FMA(1, w0, w1, xq + 16 * (size_t)c);
-            qm__load_chunk(r1, rb, c, BITS, &w0, &w1);
+            if (c < nfull)
+                qm__load_chunk_full(r1, c, BITS, &w0, &w1);
+            else
+                qm__load_chunk(r1, rb, c, BITS, &w0, &w1);
             QM__ACC_FMA(2, w0, w1, xp + 16 * (size_t)c);
             QM__ACC_FMA(3, w0, w1, xq + 16 * (size_t)c);
         }
-        __m256 z0 = _mm256_set1_ps(qm__zp(m, n, b)), s0 = _mm256_set1_ps(qm__scale(m, n, b));
-        __m256 z1 = _mm256_set1_ps(qm__zp(m, n + 1, b)), s1 = _mm256_set1_ps(qm__scale(m, n + 1, b));
+        __m256 z0, s0, z1, s1;
+        if (FAST) {
+            z0 = z1 = zsym;
+            s0 = _mm256_set1_ps(qm__scale_f32(sr0, b));
+            s1 = _mm256_set1_ps(qm__scale_f32(sr1, b));
+        } else {
+            z0 = _mm256_set1_ps(qm__zp(m, n, b));
+            s0 = _mm256_set1_ps(qm__scale(m, n, b));
+            z1 = _mm256_set1_ps(qm__zp(m, n + 1, b));
+            s1 = _mm256_set1_ps(qm__scale(m, n + 1, b));
+        }
         QM__ACC_BLOCK(0, z0, s0, xp + kp + 8 * (size_t)b);
         QM__ACC_BLOCK(1, z0, s0, xq + kp + 8 * (size_t)b);
         QM__ACC_BLOCK(2, z1, s1, xp + kp + 8 * (size_t)b);
@@ -312,6 +331,27 @@ QM_AI void qm__gemv_2x2(const qm__qmat *m, uint32_t n, const float *xp, size_t l
     y[n + 1] = qm__hsum8(y_2);
     y[ldy + n + 1] = qm__hsum8(y_3);
 }
+
+static void qm__gemv_2x2_q4(const qm__qmat *m, uint32_t n, const float *xp, size_t ldx, float *y,
+                            size_t ldy)
+{
+    if (m->scale_dtype == QM_DTYPE_F32 && !m->zp)
+        qm__gemv_2x2_impl(m, n, xp, ldx, y, ldy, 4, 1);
+    else
+        qm__gemv_2x2_impl(m, n, xp, ldx, y, ldy, 4, 0);
+}
+
+static void qm__gemv_2x2_q8(const qm__qmat *m, uint32_t n, const float *xp, size_t ldx, float *y,
+                            size_t ldy)
+{
+    if (m->scale_dtype == QM_DTYPE_F32 && !m->zp)
+        qm__gemv_2x2_impl(m, n, xp, ldx, y, ldy, 8, 1);
+    else
+        qm__gemv_2x2_impl(m, n, xp, ldx, y, ldy, 8, 0);
+}
+
+#define qm__gemv_2x2(m, n, xp, ldx, y, ldy, BITS)                                                  \
+    ((BITS) == 4 ? qm__gemv_2x2_q4(m, n, xp, ldx, y, ldy) : qm__gemv_2x2_q8(m, n, xp, ldx, y, ldy))
 
 #define QM__GEMV_BODY(BITS)                                                                        \
     do {                                                                                           \

@@ -182,7 +182,7 @@ def main():
                     bw_samples.append(stream(bench, args.threads, args.stream_mib)["median_gbps"])
                     o = time_ours(bench, bank, t, iters, warm, args.threads, args.seed + rnd)
                     d = time_ort(sessions["default"], cfg, t, iters, warm, rng)
-                    e = time_ort(sessions["exact"], cfg, t, max(2, iters // 2) if heavy else iters,
+                    e = time_ort(sessions["exact"], cfg, t, iters if t == 1 else max(2, iters // 2),
                                  warm, rng)
                     ours_ms += o["samples_ms"]
                     bytes_call = o["bytes_per_call"]
