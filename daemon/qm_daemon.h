@@ -199,6 +199,7 @@ struct qm_job {
     size_t slot;
     qm_request req; /* owned */
     uint64_t enqueue_us, start_us, end_us;
+    uint64_t decode_us; /* the frame's decoding on the loop thread (whole batch) */
     /* results (worker) */
     int rc;
     qm_status st;
@@ -289,6 +290,7 @@ struct qm_daemon {
     uint64_t next_conn_id;
     qm_conn *pending; /* connections with unprocessed frames */
     char *read_buf;   /* shared by every connection's reads (loop thread) */
+    uint64_t frame_decode_us; /* of the frame being dispatched */
     qm_pool pool;
     qm_counters counters;
     uint64_t limit_hits[QM_LIMIT_COUNT];

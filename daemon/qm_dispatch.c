@@ -476,6 +476,7 @@ static void handle_request(qm_daemon *d, qm_conn *c, qm_reply *r, size_t slot, q
     job->session = s;
     job->reply = r;
     job->slot = slot;
+    job->decode_us = d->frame_decode_us;
     job->req = *req; /* moved: the frame no longer owns it */
     memset(req, 0, sizeof *req);
     qm_buf_init(&job->response);

@@ -76,6 +76,7 @@ void qm_job_run(qm_job *job)
     qm_jw_init(&w, &job->response);
     qm_rpc_result_begin(&w, job->req.id);
     qm_jw_obj_begin(&w);
+    uint64_t enc0 = qm_now_us();
     qm_jw_key(&w, "output");
     qm_jw_tensor(&w, p->hidden.dtype, 2, p->hidden.shape, output);
     if (p->return_routing) {
@@ -95,6 +96,7 @@ void qm_job_run(qm_job *job)
         }
         qm_jw_arr_end(&w);
     }
+    uint64_t encode_us = qm_now_us() - enc0;
     qm_jw_key(&w, "stats");
     qm_jw_obj_begin(&w);
     qm_jw_key(&w, "hits");
@@ -108,6 +110,10 @@ void qm_job_run(qm_job *job)
     qm_jw_u64(&w, job->start_us - job->enqueue_us);
     qm_jw_key(&w, "compute_us");
     qm_jw_u64(&w, job->mstats.compute_us);
+    qm_jw_key(&w, "decode_us");
+    qm_jw_u64(&w, job->decode_us);
+    qm_jw_key(&w, "encode_us");
+    qm_jw_u64(&w, encode_us);
     qm_jw_key(&w, "wall_us");
     qm_jw_u64(&w, now - job->start_us);
     qm_jw_obj_end(&w);

@@ -270,7 +270,10 @@ static void conn_process(qm_conn *c, size_t cap)
         if (rc == 0)
             break;
         qm_rpc_frame frame;
-        if (qm_rpc_decode(line, len, &d->lim, &frame) < 0) {
+        uint64_t t0 = qm_now_us();
+        int drc = qm_rpc_decode(line, len, &d->lim, &frame);
+        d->frame_decode_us = qm_now_us() - t0;
+        if (drc < 0) {
             conn_fatal(c, QM_RPC_INTERNAL_ERROR, "out of memory decoding a request");
             return;
         }

@@ -55,12 +55,13 @@ def main():
     ap.add_argument("--workdir", default=os.path.join(tempfile.gettempdir(), "qmoe-bench-ipc"))
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--reps", type=int, default=5)
     a = ap.parse_args()
     os.environ["QMOE_BUILD_DIR"] = a.build
     from qmoed_harness import Client, Daemon, make_bank
 
     os.makedirs(a.workdir, exist_ok=True)
-    n1, n50, ninf = (5000, 20000, 50) if a.quick else (50000, 200000, 300)
+    n1, n50, ninf = (3000, 10000, 30) if a.quick else (20000, 50000, 100)
     bank = make_bank(os.path.join(a.workdir, "gptoss20b-like-%dl.bank" % a.layers),
                      layers=a.layers, experts=32, hidden=2880, inter=2880, k=4, bits=4, block=32,
                      activation="swiglu", fusion=1, router=True, seed=7)
@@ -77,89 +78,125 @@ def main():
         while not os.path.exists(redis_sock) and time.time() < deadline:
             time.sleep(0.02)
         status = '{"jsonrpc":"2.0","id":1,"method":"daemon.status"}'
-        for clients, n in ((1, n1), (50, n50)):
-            results["qmoed_status_c%d" % clients] = load(a.build, dm.socket, clients, n,
-                                                         n // 10, line=status)
-            results["redis_load_c%d" % clients] = load(a.build, redis_sock, clients, n, n // 10,
-                                                       redis=True)
-            results["redis_benchmark_c%d" % clients] = redis_benchmark(redis_sock, clients, n)
+        # Interleaved repetitions: on a shared machine the load drifts, so
+        # each contender gets the same mix of quiet and busy moments.
+        runs = {}
+        for rep in range(a.reps):
+            for clients, n in ((1, n1), (50, n50)):
+                for name, fn in (
+                        ("qmoed", lambda: load(a.build, dm.socket, clients, n, n // 10,
+                                               line=status)),
+                        ("redis_load", lambda: load(a.build, redis_sock, clients, n, n // 10,
+                                                    redis=True)),
+                        ("redis_benchmark", lambda: redis_benchmark(redis_sock, clients, n))):
+                    runs.setdefault("%s_c%d" % (name, clients), []).append(fn())
+        for key, rs in runs.items():
+            rs.sort(key=lambda r: r["rps"])
+            med = rs[len(rs) // 2]
+            results[key] = {"rps": med["rps"], "p50_us": med["p50_us"], "p99_us": med["p99_us"],
+                            "best_rps": rs[-1]["rps"], "all_rps": [r["rps"] for r in rs]}
 
         # session.infer at T = 1 on the GPT-OSS-20B-like layer.
-        c = dm.client()
-        sid = c.call("session.create", {"model": "gptoss"})["session"]
         import numpy as np
         x = np.random.default_rng(1).standard_normal((1, 2880)).astype(np.float32)
-        req = {"jsonrpc": "2.0", "id": 1, "method": "session.infer",
-               "params": {"session": sid, "layer": 0,
-                          "hidden": {"dtype": "f32", "shape": [1, 2880],
-                                     "data": base64.b64encode(x.tobytes()).decode()}}}
-        line_file = os.path.join(run_dir, "infer.json")
-        with open(line_file, "w") as f:
-            f.write(json.dumps(req))
-        r = load(a.build, dm.socket, 1, ninf, max(ninf // 10, 5), line_file=line_file)
-        results["infer_t1"] = r
-        results["infer_t1_request_bytes"] = os.path.getsize(line_file)
-        tele = c.call("telemetry.get", {"session": sid})
-        results["infer_t1_daemon_p50_us"] = tele["p50_us"]
-        c.close()
+
+        def infer_run(daemon, tag):
+            c = daemon.client()
+            sid = c.call("session.create", {"model": "gptoss"})["session"]
+            req = {"jsonrpc": "2.0", "id": 1, "method": "session.infer",
+                   "params": {"session": sid, "layer": 0,
+                              "hidden": {"dtype": "f32", "shape": [1, 2880],
+                                         "data": base64.b64encode(x.tobytes()).decode()}}}
+            line_file = os.path.join(run_dir, "infer.json")
+            with open(line_file, "w") as f:
+                f.write(json.dumps(req))
+            r = load(a.build, daemon.socket, 1, ninf, max(ninf // 10, 5), line_file=line_file)
+            r["request_bytes"] = os.path.getsize(line_file)
+            r["daemon_p50_us"] = c.call("telemetry.get", {"session": sid})["p50_us"]
+            c.call("session.close", {"session": sid})
+            c.close()
+            results[tag] = r
+
+        infer_run(dm, "infer_t1")
+        dm1 = Daemon(models={"gptoss": bank}, workdir=run_dir,
+                     socket_path=os.path.join(run_dir, "t1.sock"),
+                     args=["--threads", "1", "--workers", "1", "--log-level", "notice"])
+        try:
+            infer_run(dm1, "infer_t1_threads1")
+        finally:
+            dm1.stop()
     finally:
         redis.terminate()
         redis.wait()
         dm.stop()
 
-    q1, q50 = results["qmoed_status_c1"], results["qmoed_status_c50"]
+    q1, q50 = results["qmoed_c1"], results["qmoed_c50"]
     rb1, rb50 = results["redis_benchmark_c1"], results["redis_benchmark_c50"]
     rl1, rl50 = results["redis_load_c1"], results["redis_load_c50"]
-    inf = results["infer_t1"]
-    overhead = inf["mean_us"] - inf["compute_us_mean"]
+
+    def infer_row(r, label):
+        over = r["mean_us"] - r["compute_us_mean"]
+        eng = r["compute_us_mean"] or 1
+        return ("| %s | %.0f µs | %.0f µs | %.0f µs | %.0f µs | %.0f µs = **%.1f%%** | "
+                "%.0f µs = **%.2f%%** |"
+                % (label, r["mean_us"], r["p50_us"], r["p99_us"], r["compute_us_mean"], over,
+                   100.0 * over / eng, r["codec_us_mean"], 100.0 * r["codec_us_mean"] / eng))
+
+    def row(label, clients, r):
+        return ("| %s | %d | %.0f | %.0f | %.1f | %.1f |"
+                % (label, clients, r["rps"], r["best_rps"], r["p50_us"], r["p99_us"]))
+
+    inf, inf1 = results["infer_t1"], results["infer_t1_threads1"]
     lines = [
         "## IPC",
         "",
-        "`cmake --build build --target bench-ipc` (bench/ipc/bench_ipc.py), %s, %s, %d cores. "
-        "qmoed (CPU backend, release build) and a private `redis-server %s` (`--port 0 "
-        "--unixsocket`, no persistence) on Unix sockets in the same run. Round trips are "
-        "closed-loop: each client sends one request and waits for its answer. `qmoe-ipc-load` "
-        "is one epoll thread driving every connection (it speaks both protocols); "
-        "`redis-benchmark -t ping_mbulk` is redis's own client."
+        "`cmake --build build --target bench-ipc` (bench/ipc/bench_ipc.py), %s, %s, %d cores, "
+        "load average %.1f at the end (the machine is shared). qmoed (CPU backend, release "
+        "build) and a private `redis-server %s` (`--port 0 --unixsocket`, no persistence) on "
+        "Unix sockets in the same run. Round trips are closed-loop: each client sends one "
+        "request and waits for its answer. `qmoe-ipc-load` is one epoll thread driving every "
+        "connection (it speaks both protocols); `redis-benchmark -t ping_mbulk` is redis's own "
+        "client. %d interleaved repetitions of each row; the table gives the run with the "
+        "median requests/s (its p50/p99) and the best run."
         % (datetime.datetime.utcnow().strftime("%Y-%m-%d %H:%M UTC"), platform.machine(),
-           os.cpu_count(), subprocess.run(["redis-server", "--version"], capture_output=True,
-                                          text=True).stdout.split()[2].split("=")[1]),
+           os.cpu_count(), os.getloadavg()[0],
+           subprocess.run(["redis-server", "--version"], capture_output=True,
+                          text=True).stdout.split()[2].split("=")[1], a.reps),
         "",
-        "| round trip | clients | requests/s | p50 µs | p99 µs |",
-        "|---|---|---|---|---|",
-        "| qmoed `daemon.status` (qmoe-ipc-load) | 1 | %.0f | %.1f | %.1f |"
-        % (q1["rps"], q1["p50_us"], q1["p99_us"]),
-        "| redis `PING` (qmoe-ipc-load) | 1 | %.0f | %.1f | %.1f |"
-        % (rl1["rps"], rl1["p50_us"], rl1["p99_us"]),
-        "| redis `ping_mbulk` (redis-benchmark) | 1 | %.0f | %.1f | %.1f |"
-        % (rb1["rps"], rb1["p50_us"], rb1["p99_us"]),
-        "| qmoed `daemon.status` (qmoe-ipc-load) | 50 | %.0f | %.1f | %.1f |"
-        % (q50["rps"], q50["p50_us"], q50["p99_us"]),
-        "| redis `PING` (qmoe-ipc-load) | 50 | %.0f | %.1f | %.1f |"
-        % (rl50["rps"], rl50["p50_us"], rl50["p99_us"]),
-        "| redis `ping_mbulk` (redis-benchmark) | 50 | %.0f | %.1f | %.1f |"
-        % (rb50["rps"], rb50["p50_us"], rb50["p99_us"]),
+        "| round trip | clients | requests/s (median) | best | p50 µs | p99 µs |",
+        "|---|---|---|---|---|---|",
+        row("qmoed `daemon.status` (qmoe-ipc-load)", 1, q1),
+        row("redis `PING` (qmoe-ipc-load)", 1, rl1),
+        row("redis `ping_mbulk` (redis-benchmark)", 1, rb1),
+        row("qmoed `daemon.status` (qmoe-ipc-load)", 50, q50),
+        row("redis `PING` (qmoe-ipc-load)", 50, rl50),
+        row("redis `ping_mbulk` (redis-benchmark)", 50, rb50),
         "",
-        "Ratios against redis-benchmark's figure (target ≥ 1.0× with 1 client, ≥ 0.8× with "
-        "50): **%.2f×** with 1 client, **%.2f×** with 50. Against redis driven by the same "
-        "client: %.2f× and %.2f×."
+        "Ratios of medians (targets ≥ 1.0× with 1 client, ≥ 0.8× with 50): against "
+        "redis-benchmark **%.2f×** with 1 client and **%.2f×** with 50; against redis driven "
+        "by the same client **%.2f×** and **%.2f×**."
         % (q1["rps"] / rb1["rps"], q50["rps"] / rb50["rps"], q1["rps"] / rl1["rps"],
            q50["rps"] / rl50["rps"]),
         "",
         "`session.infer` at T = 1, GPT-OSS-20B-like layer (H = I = 2880, E = 32, k = 4, swiglu "
         "interleaved, int4 block 32, %d layers generated by `qmoe-bank create`), policy "
-        "whole_bank, f32 hidden (request line %d bytes), 1 client, %d requests:"
-        % (a.layers, results["infer_t1_request_bytes"], inf["requests"]),
+        "whole_bank, f32 hidden (request line %d bytes), 1 client, %d requests each:"
+        % (a.layers, inf["request_bytes"], inf["requests"]),
         "",
-        "| end to end through the socket, mean | p50 | p99 | engine `compute_us`, mean | "
-        "socket + codec + queue overhead |",
-        "|---|---|---|---|---|",
-        "| %.0f µs | %.0f µs | %.0f µs | %.0f µs | %.0f µs = **%.1f%%** of engine time |"
-        % (inf["mean_us"], inf["p50_us"], inf["p99_us"], inf["compute_us_mean"], overhead,
-           100.0 * overhead / inf["compute_us_mean"] if inf["compute_us_mean"] else 0),
+        "| daemon | end to end, mean | p50 | p99 | engine `compute_us`, mean | "
+        "everything else (socket, codec, queue, thread wake-ups) / engine | "
+        "codec alone (`decode_us` + `encode_us`) / engine |",
+        "|---|---|---|---|---|---|---|",
+        infer_row(inf, "default (`--threads 0`: 2 compute threads, 2 workers)"),
+        infer_row(inf1, "`--threads 1 --workers 1` (a core left for the loop and client)"),
         "",
-        "(target ≤ 5%%). The daemon's own `p50_us` for these calls (frame decoded to response "
-        "encoded) was %d µs." % results["infer_t1_daemon_p50_us"],
+        "Target ≤ 5%%. `decode_us` (JSON + base64 of the request, loop thread) and "
+        "`encode_us` (base64 + JSON of the answer, worker) are the daemon's own timings in "
+        "each answer's `stats`; the rest of the gap is the two sockets' round trip and the "
+        "thread hand-offs (loop -> worker -> loop), which on this shared 2-core machine "
+        "wait for a free core. The daemon's own p50 (frame decoded to answer ready, "
+        "histogram bucket bound) was %d µs and %d µs."
+        % (inf["daemon_p50_us"], inf1["daemon_p50_us"]),
         "",
     ]
     text = "\n".join(lines)
