@@ -243,7 +243,7 @@ struct qm_conn {
     int paused_frames; /* reads stopped: frames left for the next wake-up */
     int logged_output_limit;
     uint64_t out_bytes;
-    uint64_t last_active_us;
+    uint64_t last_active_ms; /* uv_now() of the last read or write */
     qm_conn *next, *prev;
     qm_conn *pending_next; /* on d->pending (frames left to process) */
     int on_pending;
@@ -291,6 +291,7 @@ struct qm_daemon {
     qm_conn *pending; /* connections with unprocessed frames */
     char *read_buf;   /* shared by every connection's reads (loop thread) */
     uint64_t frame_decode_us; /* of the frame being dispatched */
+    size_t drops_marked;      /* connections marked since the last safe point */
     qm_pool pool;
     qm_counters counters;
     uint64_t limit_hits[QM_LIMIT_COUNT];
@@ -351,6 +352,8 @@ void qm_job_free(qm_job *job);
 int qm_server_listen(qm_daemon *d, qm_status *st);
 void qm_server_stop_listening(qm_daemon *d);
 void qm_conn_ref(qm_conn *c);
+/* Marks the connection to be closed at the next safe point. */
+void qm_conn_drop(qm_conn *c);
 void qm_conn_unref(qm_conn *c);
 /* Queues bytes (takes ownership of `data`, from qm_malloc) for writing. */
 void qm_conn_write(qm_conn *c, char *data, size_t len);

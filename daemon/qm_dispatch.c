@@ -76,7 +76,7 @@ static void reply_send(qm_reply *r)
         } else {
             qm_log(QM_LOG_ERR, "out of memory assembling a response; dropping connection %llu",
                    (unsigned long long)r->conn->id);
-            r->conn->drop = 1;
+            qm_conn_drop(r->conn);
         }
     }
     qm_buf_free(&b);
@@ -503,7 +503,7 @@ void qm_dispatch_frame(qm_conn *c, qm_rpc_frame *frame)
     if (!r) {
         qm_log(QM_LOG_ERR, "out of memory for a reply; dropping connection %llu",
                (unsigned long long)c->id);
-        c->drop = 1;
+        qm_conn_drop(c);
         return;
     }
     /* The reply is sent when its last slot fills, which may be inside this

@@ -36,6 +36,14 @@ static void idle_cb(uv_idle_t *h);
 
 void qm_conn_ref(qm_conn *c) { c->refs++; }
 
+void qm_conn_drop(qm_conn *c)
+{
+    if (c->drop)
+        return;
+    c->drop = 1;
+    c->d->drops_marked++;
+}
+
 void qm_conn_unref(qm_conn *c)
 {
     if (--c->refs > 0)
@@ -73,7 +81,7 @@ static void conn_close_now(qm_conn *c)
 static void conn_maybe_close(qm_conn *c)
 {
     if ((c->eof || c->close_after_write) && c->replies_pending == 0 && c->out_bytes == 0)
-        c->drop = 1;
+        qm_conn_drop(c);
 }
 
 static void write_cb(uv_write_t *req, int status)
@@ -84,7 +92,7 @@ static void write_cb(uv_write_t *req, int status)
     qm_free(w->data);
     qm_free(w);
     if (status < 0 && !c->closing)
-        c->drop = 1;
+        qm_conn_drop(c);
     if (c->paused_output && c->out_bytes <= c->d->cfg.max_output_bytes / 2) {
         c->paused_output = 0;
         conn_update_reading(c);
@@ -100,7 +108,7 @@ void qm_conn_write(qm_conn *c, char *data, size_t len)
         qm_free(data);
         return;
     }
-    c->last_active_us = qm_now_us();
+    c->last_active_ms = uv_now(c->d->loop);
     size_t off = 0;
     if (c->out_bytes == 0) {
         uv_buf_t b = uv_buf_init(data, (unsigned)len);
@@ -113,14 +121,14 @@ void qm_conn_write(qm_conn *c, char *data, size_t len)
             off = (size_t)n;
         else if (n != UV_EAGAIN) {
             qm_free(data);
-            c->drop = 1;
+            qm_conn_drop(c);
             return;
         }
     }
     write_req *w = qm_malloc(sizeof *w);
     if (!w) {
         qm_free(data);
-        c->drop = 1;
+        qm_conn_drop(c);
         return;
     }
     w->conn = c;
@@ -130,7 +138,7 @@ void qm_conn_write(qm_conn *c, char *data, size_t len)
     if (uv_write(&w->req, (uv_stream_t *)&c->pipe, &b, 1, write_cb) < 0) {
         qm_free(data);
         qm_free(w);
-        c->drop = 1;
+        qm_conn_drop(c);
         return;
     }
     qm_conn_ref(c);
@@ -189,7 +197,7 @@ static void read_cb(uv_stream_t *s, ssize_t nread, const uv_buf_t *buf)
 {
     qm_conn *c = s->data;
     if (nread > 0 && !c->close_after_write) {
-        c->last_active_us = qm_now_us();
+        c->last_active_ms = uv_now(c->d->loop);
         int rc = qm_framer_push(&c->framer, buf->base, (size_t)nread);
         if (rc == QM_EPAYLOAD_TOO_LARGE) {
             /* The frames before the oversized one are answered, then the error. */
@@ -197,7 +205,7 @@ static void read_cb(uv_stream_t *s, ssize_t nread, const uv_buf_t *buf)
             return;
         }
         if (rc < 0) {
-            c->drop = 1;
+            qm_conn_drop(c);
             return;
         }
         conn_process(c, c->d->cfg.frames_per_wakeup);
@@ -210,7 +218,7 @@ static void read_cb(uv_stream_t *s, ssize_t nread, const uv_buf_t *buf)
         conn_process(c, SIZE_MAX);
         conn_maybe_close(c);
     } else if (nread < 0) {
-        c->drop = 1;
+        qm_conn_drop(c);
     }
 }
 
@@ -222,7 +230,7 @@ static void conn_update_reading(qm_conn *c)
         if (uv_read_start((uv_stream_t *)&c->pipe, alloc_cb, read_cb) == 0)
             c->reading = 1;
         else
-            c->drop = 1;
+            qm_conn_drop(c);
     } else if (!want && c->reading) {
         uv_read_stop((uv_stream_t *)&c->pipe);
         c->reading = 0;
@@ -323,9 +331,12 @@ static void idle_cb(uv_idle_t *h)
 static void check_cb(uv_check_t *h)
 {
     qm_daemon *d = h->data;
-    for (qm_conn *c = d->conns; c; c = c->next)
-        if (c->drop && !c->closing)
-            conn_close_now(c);
+    if (d->drops_marked) {
+        d->drops_marked = 0;
+        for (qm_conn *c = d->conns; c; c = c->next)
+            if (c->drop && !c->closing)
+                conn_close_now(c);
+    }
     qm_daemon_maybe_finish(d);
 }
 
@@ -375,7 +386,7 @@ static void on_connection(uv_stream_t *server, int status)
     d->conns = c;
     d->n_conns++;
     if (uv_accept(server, (uv_stream_t *)&c->pipe) < 0) {
-        c->drop = 1;
+        qm_conn_drop(c);
         return;
     }
     uv_os_fd_t fd;
@@ -384,14 +395,14 @@ static void on_connection(uv_stream_t *server, int status)
     if (uv_fileno((uv_handle_t *)&c->pipe, &fd) < 0 ||
         getsockopt(fd, SOL_SOCKET, SO_PEERCRED, &cred, &len) < 0) {
         qm_log(QM_LOG_WARNING, "no peer credentials for a connection: dropping it");
-        c->drop = 1;
+        qm_conn_drop(c);
         return;
     }
     c->uid = cred.uid;
     c->gid = cred.gid;
     c->pid = cred.pid;
     c->is_admin = peer_is_admin(d, cred.uid, cred.gid);
-    c->last_active_us = qm_now_us();
+    c->last_active_ms = uv_now(c->d->loop);
     qm_log(QM_LOG_DEBUG, "connection %llu from pid %d uid %u (%s)", (unsigned long long)c->id,
            (int)c->pid, (unsigned)c->uid, c->is_admin ? "admin" : "user");
     if (d->n_conns > d->cfg.max_connections) {
@@ -536,15 +547,15 @@ void qm_server_sweep_idle(qm_daemon *d)
 {
     if (!d->cfg.idle_timeout_s)
         return;
-    uint64_t now = qm_now_us(), limit = (uint64_t)d->cfg.idle_timeout_s * 1000000;
+    uint64_t now = uv_now(d->loop), limit = (uint64_t)d->cfg.idle_timeout_s * 1000;
     for (qm_conn *c = d->conns; c; c = c->next) {
         if (c->closing || c->drop || c->replies_pending || c->out_bytes)
             continue;
-        if (now - c->last_active_us > limit) {
+        if (now - c->last_active_ms > limit) {
             qm_limit_hit(d, QM_LIMIT_IDLE_TIMEOUT,
                          "connection %llu (uid %u) idle for over idle_timeout_s %u: closing",
                          (unsigned long long)c->id, (unsigned)c->uid, d->cfg.idle_timeout_s);
-            c->drop = 1;
+            qm_conn_drop(c);
         }
     }
 }
