@@ -109,8 +109,14 @@ def run_load(socket_path, model, clients=50, seconds=5.0, depth=2, disconnect=0.
         rng = random.Random(seed * 1000 + ci)
         try:
             conn = _Conn(socket_path, timeout)
-            r = conn.call("session.create", {"model": model,
-                                             "policy": policies[ci % len(policies)]}, rid="c")
+            for attempt in range(200):
+                r = conn.call("session.create", {"model": model,
+                                                 "policy": policies[ci % len(policies)]}, rid="c")
+                # session.create is queued on the workers too and may be
+                # refused with overloaded (notes/BUGS.md B6): retry.
+                if r.get("error", {}).get("code") != OVERLOADED:
+                    break
+                time.sleep(0.01 * (1 + attempt % 10))
             sid = r["result"]["session"]
         except Exception as e:  # noqa: BLE001 - every failure is a finding
             problem("client %d could not start: %r" % (ci, e))
@@ -176,7 +182,13 @@ def run_load(socket_path, model, clients=50, seconds=5.0, depth=2, disconnect=0.
                     if kind == "infer" and r["result"]["output"]["data"] != reference[k]:
                         problem("client %d: infer output differs from the reference" % ci)
                 my_lat.append(time.time() - t0)
-            conn.call("session.close", {"session": sid}, rid="z")
+            for attempt in range(200):
+                r = conn.call("session.close", {"session": sid}, rid="z")
+                if r.get("error", {}).get("code") != OVERLOADED:
+                    break
+                time.sleep(0.01)
+            if "error" in r:
+                problem("client %d: session.close answered %s" % (ci, r["error"]))
         except Exception as e:  # noqa: BLE001
             problem("client %d: %r" % (ci, e))
         finally:
