@@ -2,6 +2,9 @@
  *
  * The cap is enforced while bytes accumulate, not when the newline finally
  * arrives: a peer streaming an endless line costs at most max_frame bytes. */
+#ifndef _GNU_SOURCE
+#define _GNU_SOURCE /* memrchr */
+#endif
 #include "qm_protocol.h"
 
 #include <string.h>

@@ -156,6 +156,27 @@ char *qm_buf_take(qm_buf *b, size_t *len)
 
 /* ---- writer ---- */
 
+/* The writer's appends are a few bytes each: skip the call when they fit. */
+static inline void put(qm_buf *b, const char *data, size_t n)
+{
+    if (n == 0)
+        return;
+    if (n <= b->cap - b->len && !b->oom) {
+        memcpy(b->data + b->len, data, n);
+        b->len += n;
+    } else {
+        qm_buf_append(b, data, n);
+    }
+}
+
+static inline void putc1(qm_buf *b, char c)
+{
+    if (b->len < b->cap && !b->oom)
+        b->data[b->len++] = c;
+    else
+        qm_buf_append(b, &c, 1);
+}
+
 void qm_jw_init(qm_jw *w, qm_buf *out)
 {
     memset(w, 0, sizeof *w);
@@ -172,7 +193,7 @@ static void jw_value_prefix(qm_jw *w)
     }
     if (w->depth > 0) {
         if (w->has_item[w->depth - 1])
-            qm_buf_append(w->out, ",", 1);
+            putc1(w->out, ',');
         w->has_item[w->depth - 1] = 1;
     }
 }
@@ -180,7 +201,7 @@ static void jw_value_prefix(qm_jw *w)
 static void jw_open(qm_jw *w, char c)
 {
     jw_value_prefix(w);
-    qm_buf_append(w->out, &c, 1);
+    put(w->out, &c, 1);
     if (w->depth < QM_JW_MAX_DEPTH)
         w->has_item[w->depth] = 0;
     w->depth++;
@@ -190,7 +211,7 @@ static void jw_close(qm_jw *w, char c)
 {
     if (w->depth > 0)
         w->depth--;
-    qm_buf_append(w->out, &c, 1);
+    put(w->out, &c, 1);
 }
 
 void qm_jw_obj_begin(qm_jw *w) { jw_open(w, '{'); }
@@ -206,7 +227,7 @@ static void jw_string_body(qm_buf *b, const char *s, size_t n)
         unsigned char c = (unsigned char)s[i];
         if (c >= 0x20 && c != '"' && c != '\\')
             continue;
-        qm_buf_append(b, s + run, i - run);
+        put(b, s + run, i - run);
         run = i + 1;
         char esc[6] = {'\\', 0};
         size_t len = 2;
@@ -234,26 +255,26 @@ static void jw_string_body(qm_buf *b, const char *s, size_t n)
             esc[5] = hex[c & 15];
             len = 6;
         }
-        qm_buf_append(b, esc, len);
+        put(b, esc, len);
     }
-    qm_buf_append(b, s + run, n - run);
+    put(b, s + run, n - run);
 }
 
 void qm_jw_key(qm_jw *w, const char *key)
 {
     jw_value_prefix(w);
-    qm_buf_append(w->out, "\"", 1);
+    put(w->out, "\"", 1);
     jw_string_body(w->out, key, strlen(key));
-    qm_buf_append(w->out, "\":", 2);
+    put(w->out, "\":", 2);
     w->after_key = 1;
 }
 
 void qm_jw_str_n(qm_jw *w, const char *s, size_t n)
 {
     jw_value_prefix(w);
-    qm_buf_append(w->out, "\"", 1);
+    put(w->out, "\"", 1);
     jw_string_body(w->out, s, n);
-    qm_buf_append(w->out, "\"", 1);
+    put(w->out, "\"", 1);
 }
 
 void qm_jw_str(qm_jw *w, const char *s)
@@ -276,7 +297,7 @@ static void put_u64(qm_buf *b, uint64_t v, int negative)
     } while (v);
     if (negative)
         tmp[--i] = '-';
-    qm_buf_append(b, tmp + i, sizeof tmp - i);
+    put(b, tmp + i, sizeof tmp - i);
 }
 
 void qm_jw_u64(qm_jw *w, uint64_t v)
@@ -295,7 +316,7 @@ void qm_jw_f64(qm_jw *w, double v)
 {
     jw_value_prefix(w);
     if (!isfinite(v))
-        qm_buf_append(w->out, "null", 4);
+        put(w->out, "null", 4);
     else
         qm_buf_printf(w->out, "%.17g", v);
 }
@@ -304,7 +325,7 @@ void qm_jw_f32(qm_jw *w, float v)
 {
     jw_value_prefix(w);
     if (!isfinite(v))
-        qm_buf_append(w->out, "null", 4);
+        put(w->out, "null", 4);
     else
         qm_buf_printf(w->out, "%.9g", (double)v);
 }
@@ -312,19 +333,19 @@ void qm_jw_f32(qm_jw *w, float v)
 void qm_jw_bool(qm_jw *w, int v)
 {
     jw_value_prefix(w);
-    qm_buf_append(w->out, v ? "true" : "false", v ? 4 : 5);
+    put(w->out, v ? "true" : "false", v ? 4 : 5);
 }
 
 void qm_jw_null(qm_jw *w)
 {
     jw_value_prefix(w);
-    qm_buf_append(w->out, "null", 4);
+    put(w->out, "null", 4);
 }
 
 void qm_jw_raw(qm_jw *w, const char *json, size_t n)
 {
     jw_value_prefix(w);
-    qm_buf_append(w->out, json, n);
+    put(w->out, json, n);
 }
 
 /* ---- base64 ---- */
