@@ -342,6 +342,40 @@ static int qm__load_pins(qm_pager *p, qm_status *st)
     return 0;
 }
 
+/* When the budget holds every expert, paging can only add first-touch
+ * misses: load everything now (copies issued together, then waited), so a
+ * 100% session hits from its first call. The experts stay evictable. */
+static int qm__preload_all(qm_pager *p, qm_status *st)
+{
+    int rc = 0;
+    for (uint32_t l = 0; l < p->n_layers && rc == 0; l++) {
+        qm__layer *L = &p->layers[l];
+        if (!L->paged)
+            continue;
+        for (uint32_t e = 0; e < L->n_experts && rc == 0; e++) {
+            if (L->slot_of[e] >= 0)
+                continue;
+            int32_t s = qm__pager_free_slot(p);
+            if (s < 0)
+                return qm_status_set(st, QM_EINTERNAL, "no slot left to preload %u/%u", l, e);
+            if ((rc = qm__pager_account_alloc(p, L->unit_bytes, st)))
+                break;
+            qm__slot *sl = &p->slots[s];
+            sl->layer = l;
+            sl->expert = e;
+            sl->pinned = 0;
+            sl->unit_bytes = L->unit_bytes;
+            sl->state = QM__SLOT_LOADING;
+            L->slot_of[e] = s;
+            qm_policy_on_insert(p->policy, (qm_expert_ref){l, e}, 0);
+            p->stats.bytes_loaded_at_create += L->unit_bytes;
+            rc = qm__pager_copy_unit(p, s, st);
+        }
+    }
+    int w = qm_pager_sync(p, rc ? NULL : st);
+    return rc ? rc : w;
+}
+
 static int qm__source_acquire(void *ctx, uint32_t layer, const uint32_t *experts, size_t n,
                               qm_expert_weights *weights, size_t *n_ready, qm_status *st);
 static void qm__source_release(void *ctx, uint32_t layer, const uint32_t *experts, size_t n);
@@ -446,6 +480,11 @@ int qm_pager_new(qm_backend *backend, const qm_bank *bank, const qm_residency_pl
     rc = qm__load_pins(p, st);
     if (rc)
         goto fail;
+    if (!p->opt.no_preload && n_paging > 0 && n_paging == sz.unpinned_count) {
+        rc = qm__preload_all(p, st);
+        if (rc)
+            goto fail;
+    }
 
     p->source.ctx = p;
     p->source.acquire = qm__source_acquire;

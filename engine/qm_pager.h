@@ -43,6 +43,10 @@ typedef struct qm_pager_options {
      * below this is switched off and re-probed on one call in 8.
      * 0 = default 0.25; negative = never gate. */
     double prefetch_min_precision;
+    /* 1: never preload. By default, when the budget holds every expert
+     * (or there is none), all of them are loaded at creation so the session
+     * never misses; they stay evictable. */
+    int no_preload;
     /* Copy thread: -1 or 0 = automatic (on for host-visible backends, whose
      * copies are synchronous memcpy: the thread makes them overlap compute),
      * 1 = force on, 2 = force off. */
@@ -58,7 +62,7 @@ typedef struct qm_pager_stats {
     uint64_t misses;         /* ... that had to copy it in (a demand copy) */
     uint64_t whole_bank_accesses; /* accesses served by a whole-bank bank (no hit/miss) */
     uint64_t bytes_paged_h2d;     /* every byte copied after creation (demand + prefetch) */
-    uint64_t bytes_loaded_at_create; /* whole banks copied + pinned experts */
+    uint64_t bytes_loaded_at_create; /* whole banks copied + pinned (+ preloaded) experts */
     uint64_t evictions;
     uint64_t prefetch_issued;    /* experts copied in by prefetch */
     uint64_t prefetch_useful;    /* ... of which accessed before being evicted */

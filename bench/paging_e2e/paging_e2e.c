@@ -3,6 +3,7 @@
  *
  *   paging_e2e --bank FILE [--calls N] [--reps R] [--alpha A] [--locality P]
  *              [--threads T] [--seed S] [--routing trace|router] [--drift D]
+ *              [--configs 1,2,...]   (rows of the table to run besides row 0)
  *
  * Each "call" is one layer of one decode token (T = 1), layers cycled in
  * order. --routing trace (default): routing from a synthetic trace
@@ -161,6 +162,7 @@ int main(int argc, char **argv)
     const char *path = NULL;
     uint32_t calls = 2400, reps = 3, threads = 1;
     double alpha = 1.0, locality = 0.3;
+    const char *only = NULL; /* --configs 0,1,2: a subset of the table's rows */
     uint64_t seed = 1;
     for (int i = 1; i + 1 < argc; i += 2) {
         if (!strcmp(argv[i], "--bank"))
@@ -175,6 +177,8 @@ int main(int argc, char **argv)
             alpha = strtod(argv[i + 1], NULL);
         else if (!strcmp(argv[i], "--locality"))
             locality = strtod(argv[i + 1], NULL);
+        else if (!strcmp(argv[i], "--configs"))
+            only = argv[i + 1];
         else if (!strcmp(argv[i], "--routing"))
             g_router_routing = !strcmp(argv[i + 1], "router");
         else if (!strcmp(argv[i], "--drift"))
@@ -220,13 +224,30 @@ int main(int argc, char **argv)
            di.name, path, cfg->layers, cfg->experts,
            qm_bank_layer(bank, 0)->bytes_per_expert / 1048576.0, total / 1048576.0, calls, reps,
            route_desc, (unsigned long long)seed);
-    const cfg_t cfgs[] = {{NULL, 0, 0},          {"lru", 0, 0},   {"lru", 0, 1},
-                          {"lru", 0.5, 0},       {"lru", 0.5, 1}, {"lfu", 0.5, 1},
-                          {"lru", 0.25, 0},      {"lru", 0.25, 1}};
-    enum { N = sizeof cfgs / sizeof cfgs[0] };
+    const cfg_t all[] = {{NULL, 0, 0},     {"lru", 0, 0},   {"lru", 0, 1},
+                         {"lru", 0.5, 0},  {"lru", 0.5, 1}, {"lfu", 0.5, 1},
+                         {"lru", 0.25, 0}, {"lru", 0.25, 1}};
+    enum { N_ALL = sizeof all / sizeof all[0] };
+    /* Row 0 (the whole bank in place) always runs: every ratio needs it. */
+    cfg_t cfgs[N_ALL];
+    int N = 0;
+    cfgs[N++] = all[0];
+    for (int c = 1; c < N_ALL; c++) {
+        char key[8];
+        snprintf(key, sizeof key, "%d", c);
+        int want = !only;
+        for (const char *q = only; q && *q;) {
+            size_t len = strcspn(q, ",");
+            if (len == strlen(key) && !strncmp(q, key, len))
+                want = 1;
+            q += len + (q[len] == ',');
+        }
+        if (want)
+            cfgs[N++] = all[c];
+    }
     float *ref = malloc(sizeof(float) * calls * cfg->hidden);
-    double secs[N][64];
-    run_out last[N];
+    double secs[N_ALL][64];
+    run_out last[N_ALL];
     for (uint32_t r = 0; r < reps; r++)
         for (int c = 0; c < N; c++) {
             if (run(be, bank, &cfgs[c], &tr, calls, seed + r, r == 0 ? ref : NULL,

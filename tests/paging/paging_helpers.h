@@ -1,0 +1,55 @@
+/* paging_helpers.h - helpers shared by the paging suites. */
+#ifndef PAGING_HELPERS_H
+#define PAGING_HELPERS_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "paging_fixture.h"
+#include "qm_moe.h"
+#include "qm_pager.h"
+#include "qm_residency.h"
+
+/* Budget the alloc hook checks against (and the count of allocations). */
+extern uint64_t g_budget;
+extern uint64_t g_allocs;
+void budget_hook(void *ud, uint64_t resident, uint64_t budget);
+
+typedef struct pg_call {
+    uint32_t layer, T;
+    float *x, *logits; /* logits NULL: the bank's router */
+    float *ref;        /* whole-bank output */
+    uint32_t uniq[64];
+    size_t n_uniq;
+} pg_call;
+
+typedef struct pg_set {
+    pg_call *calls;
+    size_t n;
+    qm_expert_ref *future; /* every access, in the order the pager sees them */
+    size_t n_future;
+} pg_set;
+
+/* Distinct non-dropped experts of route[0..n), ascending. */
+void uniq_sorted(const uint32_t *route, size_t n, uint32_t *out, size_t *n_out);
+/* `n` random calls over every layer (some routed by the bank's router),
+ * with whole-bank reference outputs and the access sequence. */
+void make_calls(const pf_bank *b, qm_backend *cpu, size_t n, uint64_t seed, pg_set *set);
+void free_calls(pg_set *set);
+uint64_t unit_bytes(const pf_bank *b);
+/* static_hot hot lists used by new_policy: layer l lists (l + 3 i) mod E, E/2 long. */
+extern uint32_t g_hot[8][64];
+extern size_t g_hot_len[8];
+extern const uint32_t *g_hot_ptr[8];
+/* "belady" uses set->future. */
+void new_policy(const char *name, const pf_bank *b, const pg_set *set, qm_policy *pol);
+qm_residency_plan *make_plan(const pf_bank *b, const qm_policy *pol, int has_budget,
+                             uint64_t budget);
+/* A pager with `budget`, history 1, no gating, no preload (the model's rules). */
+qm_pager *lru_pager(const pf_bank *b, qm_backend *be, qm_policy *pol, uint64_t budget,
+                    int prefetch, qm_residency_plan **plan);
+/* One single-token call of `layer` routed to ex[0..n). */
+void call_experts(qm_pager *pg, const pf_bank *b, uint32_t layer, const uint32_t *ex, uint32_t n,
+                  uint64_t *seed);
+
+#endif

@@ -1,0 +1,432 @@
+/* test_paging_edges.c - the paging authority at its edges: hostile policies,
+ * waves, the minimum budget, prefetch safety and gating, preloading. */
+#include <check.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "paging_helpers.h"
+
+/* ---- Hostile policy -------------------------------------------------------------------- */
+
+typedef struct hostile {
+    uint32_t *all;
+    size_t n_all;
+    uint64_t answers, invalid;
+} hostile;
+
+static int hostile_decide(void *ctx, const qm_policy_input *in, qm_residency_decision *out)
+{
+    hostile *h = ctx;
+    uint32_t n = qm_catalog_expert_count(in->catalog);
+    if (h->n_all < n) {
+        h->all = realloc(h->all, n * sizeof *h->all);
+        h->n_all = n;
+    }
+    for (uint32_t e = 0; e < n; e++)
+        h->all[e] = e;
+    out->kind = QM_DECISION_PER_EXPERT;
+    out->experts = h->all;
+    out->n_experts = n;
+    return 0;
+}
+
+/* Cycles through every kind of bad answer, with a valid one now and then. */
+static int hostile_choose(void *ctx, const qm_expert_ref *cand, size_t n, size_t *victim)
+{
+    hostile *h = ctx;
+    switch (h->answers++ % 6) {
+    case 0:
+        h->invalid++;
+        return -1; /* refuses */
+    case 1:
+        h->invalid++;
+        *victim = n + 5; /* out of range */
+        return 0;
+    case 2:
+        h->invalid++;
+        *victim = SIZE_MAX;
+        return 0;
+    case 3:
+        *victim = n - 1; /* valid */
+        return 0;
+    case 4: {
+        /* Scribbles over the (const) candidates and names the scribbled one. */
+        qm_expert_ref *w = (qm_expert_ref *)cand;
+        w[0].expert = 999;
+        w[0].bank = 77;
+        h->invalid++;
+        *victim = 0;
+        return 0;
+    }
+    default:
+        h->invalid++;
+        *victim = (size_t)-7; /* garbage */
+        return 0;
+    }
+}
+
+static void hostile_destroy(void *ctx)
+{
+    hostile *h = ctx;
+    free(h->all);
+    free(h);
+}
+
+static const qm_policy_iface hostile_iface = {
+    .version = QM_POLICY_IFACE_VERSION,
+    .name = "hostile",
+    .decide = hostile_decide,
+    .choose_victim = hostile_choose,
+    .destroy = hostile_destroy,
+};
+
+START_TEST(test_hostile_victims_fall_back_to_lru_and_keep_accounting_and_outputs)
+{
+    pf_spec sp = pf_default_spec();
+    pf_bank b;
+    pf_bank_open(&sp, &b);
+    qm_backend *cpu = NULL;
+    qm_status st = {0};
+    ck_assert_int_eq(qm_backend_cpu_new(1, &cpu, &st), 0);
+    pg_set set;
+    make_calls(&b, cpu, 30, 21, &set);
+    for (uint64_t cap = 1; cap <= 6; cap++) {
+        hostile *h = calloc(1, sizeof *h);
+        qm_policy pol = {.iface = &hostile_iface, .ctx = h};
+        uint64_t budget = cap * unit_bytes(&b);
+        qm_residency_plan *plan = make_plan(&b, &pol, 1, budget);
+        qm_pager_options o = {.prefetch = (int)(cap % 2)};
+        qm_pager *pg = NULL;
+        ck_assert_int_eq(qm_pager_new(cpu, b.bank, plan, &pol, &o, &pg, &st), 0);
+        g_budget = budget;
+        qm_pager_set_alloc_hook(pg, budget_hook, NULL);
+        float out[8 * 64];
+        for (size_t i = 0; i < set.n; i++) {
+            const pg_call *c = &set.calls[i];
+            qm_moe_call mc = {.layer = c->layer, .dtype = QM_DTYPE_F32, .hidden = c->x,
+                              .n_tokens = c->T, .logits = c->logits, .output = out};
+            qm_moe_stats ms = {0};
+            ck_assert_int_eq(qm_pager_forward(pg, &mc, &ms, &st), 0);
+            ck_assert_msg(memcmp(out, c->ref, sizeof(float) * c->T * sp.hidden) == 0,
+                          "hostile policy changed call %zu's output", i);
+        }
+        qm_pager_stats s;
+        qm_pager_stats_get(pg, &s);
+        ck_assert_uint_gt(h->answers, 0);
+        ck_assert_uint_eq(s.policy_fallbacks, h->invalid);
+        ck_assert_uint_le(s.resident_bytes, budget);
+        ck_assert_uint_eq(s.budget_violations, 0);
+        qm_pager_free(pg);
+        qm_plan_free(plan);
+        qm_policy_destroy(&pol);
+    }
+    free_calls(&set);
+    qm_backend_free(cpu);
+    pf_bank_close(&b);
+}
+END_TEST
+
+/* ---- Waves and the minimum budget ------------------------------------------------------- */
+
+START_TEST(test_budget_below_one_request_runs_in_waves_with_same_output)
+{
+    pf_spec sp = pf_default_spec();
+    pf_bank b;
+    pf_bank_open(&sp, &b);
+    qm_backend *cpu = NULL;
+    qm_status st = {0};
+    ck_assert_int_eq(qm_backend_cpu_new(1, &cpu, &st), 0);
+    const qm_bank_config *cfg = qm_bank_get_config(b.bank);
+    /* Four tokens over all eight experts of layer 1. */
+    enum { T = 4 };
+    float x[T * 32], logits[T * 8], ref[T * 32], out[T * 32];
+    uint64_t s = 5;
+    for (int i = 0; i < T * 32; i++)
+        x[i] = pf_uniform(&s, -1, 1);
+    for (uint32_t t = 0; t < T; t++) {
+        uint32_t ex[2] = {2 * t, 2 * t + 1};
+        pf_route_logits(cfg->experts, ex, 2, logits + t * cfg->experts);
+    }
+    qm_expert_source direct;
+    qm_expert_source_direct(b.bank, &direct);
+    qm_moe_call mc = {.layer = 1, .dtype = QM_DTYPE_F32, .hidden = x, .n_tokens = T,
+                      .logits = logits, .output = ref};
+    qm_moe_stats ms = {0};
+    ck_assert_int_eq(qm_moe_forward(cpu, b.bank, &mc, &direct, &ms, &st), 0);
+    for (uint64_t cap = 1; cap <= 3; cap++) {
+        qm_policy pol = {0};
+        ck_assert_int_eq(qm_policy_new("lru", NULL, &pol, &st), 0);
+        qm_residency_plan *plan;
+        qm_pager *pg = lru_pager(&b, cpu, &pol, cap * unit_bytes(&b), 1, &plan);
+        mc.output = out;
+        memset(&ms, 0, sizeof ms);
+        ck_assert_int_eq(qm_pager_forward(pg, &mc, &ms, &st), 0);
+        ck_assert_msg(memcmp(out, ref, sizeof out) == 0, "waves changed the output (cap %llu)",
+                      (unsigned long long)cap);
+        qm_pager_stats ps;
+        qm_pager_stats_get(pg, &ps);
+        uint64_t rounds = (8 + cap - 1) / cap;
+        ck_assert_uint_eq(ms.waves, rounds);
+        ck_assert_uint_eq(ps.waves, rounds - 1);
+        ck_assert_uint_eq(ps.misses, 8);
+        ck_assert_uint_le(ps.resident_bytes, cap * unit_bytes(&b));
+        qm_pager_free(pg);
+        qm_plan_free(plan);
+        qm_policy_destroy(&pol);
+    }
+    qm_backend_free(cpu);
+    pf_bank_close(&b);
+}
+END_TEST
+
+START_TEST(test_budget_below_one_expert_is_refused_naming_the_minimum)
+{
+    pf_spec sp = pf_default_spec();
+    pf_bank b;
+    pf_bank_open(&sp, &b);
+    qm_backend *cpu = NULL;
+    qm_status st = {0};
+    ck_assert_int_eq(qm_backend_cpu_new(1, &cpu, &st), 0);
+    const char *names[] = {"lru", "whole_bank"};
+    uint64_t mins[] = {unit_bytes(&b), qm_bank_expert_bytes_total(b.bank)};
+    for (int i = 0; i < 2; i++) {
+        qm_policy pol = {0};
+        ck_assert_int_eq(qm_policy_new(names[i], NULL, &pol, &st), 0);
+        qm_residency_plan *plan = make_plan(&b, &pol, 1, mins[i] - 1);
+        qm_pager *pg = (qm_pager *)&pol; /* must be reset to NULL */
+        qm_status_clear(&st);
+        int rc = qm_pager_new(cpu, b.bank, plan, &pol, NULL, &pg, &st);
+        ck_assert_int_eq(rc, QM_ERESOURCE_EXHAUSTED);
+        ck_assert_ptr_null(pg);
+        char num[32];
+        snprintf(num, sizeof num, "%llu", (unsigned long long)mins[i]);
+        ck_assert_msg(strstr(st.msg, num) != NULL, "message '%s' lacks the minimum %s", st.msg,
+                      num);
+        ck_assert_str_eq(st.field, "budget_bytes");
+        uint64_t min = 0;
+        ck_assert_int_eq(qm_pager_min_budget(cpu, b.bank, plan, NULL, &min, &st), 0);
+        ck_assert_uint_eq(min, mins[i]);
+        qm_plan_free(plan);
+        /* Exactly the minimum works. */
+        plan = make_plan(&b, &pol, 1, mins[i]);
+        ck_assert_int_eq(qm_pager_new(cpu, b.bank, plan, &pol, NULL, &pg, &st), 0);
+        qm_pager_free(pg);
+        qm_plan_free(plan);
+        qm_policy_destroy(&pol);
+    }
+    qm_backend_free(cpu);
+    pf_bank_close(&b);
+}
+END_TEST
+
+/* ---- Prefetch ------------------------------------------------------------------------------ */
+
+START_TEST(test_router_prefetch_makes_next_layer_call_all_hits)
+{
+    pf_spec sp = pf_default_spec();
+    pf_bank b;
+    pf_bank_open(&sp, &b);
+    qm_backend *cpu = NULL;
+    qm_status st = {0};
+    ck_assert_int_eq(qm_backend_cpu_new(1, &cpu, &st), 0);
+    qm_policy pol = {0};
+    ck_assert_int_eq(qm_policy_new("lru", NULL, &pol, &st), 0);
+    qm_residency_plan *plan;
+    qm_pager *pg = lru_pager(&b, cpu, &pol, 4 * unit_bytes(&b), 1, &plan);
+    float x[32], out[32];
+    uint64_t s = 77;
+    for (int i = 0; i < 32; i++)
+        x[i] = pf_uniform(&s, -1, 1);
+    qm_moe_call mc = {.layer = 0, .dtype = QM_DTYPE_F32, .hidden = x, .n_tokens = 1,
+                      .output = out};
+    qm_moe_stats ms = {0};
+    ck_assert_int_eq(qm_pager_forward(pg, &mc, &ms, &st), 0);
+    qm_pager_stats a;
+    qm_pager_stats_get(pg, &a);
+    ck_assert_uint_eq(a.misses, sp.k);
+    ck_assert_uint_eq(a.prefetch_issued, sp.k); /* layer 1's router on the same hidden state */
+    mc.layer = 1; /* same hidden, routed by layer 1's own router: exactly the prediction */
+    ck_assert_int_eq(qm_pager_forward(pg, &mc, &ms, &st), 0);
+    qm_pager_stats c;
+    qm_pager_stats_get(pg, &c);
+    ck_assert_uint_eq(c.misses, a.misses);
+    ck_assert_uint_eq(c.hits, sp.k);
+    ck_assert_uint_eq(c.prefetch_useful, sp.k);
+    qm_pager_free(pg);
+    qm_plan_free(plan);
+    qm_policy_destroy(&pol);
+    qm_backend_free(cpu);
+    pf_bank_close(&b);
+}
+END_TEST
+
+START_TEST(test_prefetch_never_evicts_pinned_or_in_use_experts)
+{
+    pf_spec sp = pf_default_spec();
+    pf_bank b;
+    pf_bank_open(&sp, &b);
+    qm_backend *cpu = NULL;
+    qm_status st = {0};
+    ck_assert_int_eq(qm_backend_cpu_new(1, &cpu, &st), 0);
+    pg_set none = {0};
+    qm_policy pol = {0};
+    new_policy("static_hot", &b, &none, &pol);
+    uint64_t U = unit_bytes(&b);
+    /* pin_fraction 0.5 of 12 units over 3 listed banks: 2 pins per layer, 6 paging slots. */
+    qm_residency_plan *plan = make_plan(&b, &pol, 1, 12 * U);
+    qm_pager_options o = {.prefetch = 1};
+    qm_pager *pg = NULL;
+    ck_assert_int_eq(qm_pager_new(cpu, b.bank, plan, &pol, &o, &pg, &st), 0);
+    qm_pager_stats s0;
+    qm_pager_stats_get(pg, &s0);
+    ck_assert_uint_eq(s0.n_pinned, 6);
+    ck_assert_uint_eq(s0.n_slots, 12);
+    qm_expert_source *src = qm_pager_source(pg);
+    /* Hold six unpinned experts of layer 2 (hot list: 2, 5, 0, 3, ...: pins 2 and 5). */
+    const uint32_t held[6] = {0, 1, 3, 4, 6, 7};
+    qm_expert_weights w[6];
+    size_t ready = 0;
+    ck_assert_int_eq(src->acquire(src->ctx, 2, held, 6, w, &ready, &st), 0);
+    ck_assert_uint_eq(ready, 6);
+    const qm_layer_view *lv = qm_bank_layer(b.bank, 2);
+    uint64_t slice = qm_expert_slice_bytes(&lv->t[QM_T_FC1_WEIGHT], sp.experts);
+    /* Every slot is pinned or in use: prefetch must find nothing to evict. */
+    const uint32_t want[8] = {0, 1, 2, 3, 4, 5, 6, 7};
+    ck_assert_int_eq(qm_pager_prefetch(pg, 0, want, 8, &st), 0);
+    ck_assert_int_eq(qm_pager_prefetch(pg, 1, want, 8, &st), 0);
+    for (int i = 0; i < 6; i++)
+        ck_assert_msg(memcmp(w[i].ptr[QM_T_FC1_WEIGHT],
+                             (const uint8_t *)lv->t[QM_T_FC1_WEIGHT].data + held[i] * slice,
+                             slice) == 0,
+                      "held expert %u was overwritten", held[i]);
+    src->release(src->ctx, 2, held, 6);
+    /* Released: now prefetch may take their slots, never the pins. */
+    ck_assert_int_eq(qm_pager_prefetch(pg, 0, want, 8, &st), 6);
+    ck_assert_int_eq(qm_pager_sync(pg, &st), 0);
+    for (uint32_t l = 0; l < sp.layers; l++) {
+        uint32_t r[8];
+        int n = qm_pager_resident_experts(pg, l, r, 8);
+        int has_a = 0, has_b = 0;
+        for (int i = 0; i < n; i++) {
+            has_a |= r[i] == g_hot[l][0];
+            has_b |= r[i] == g_hot[l][1];
+        }
+        ck_assert_msg(has_a && has_b, "a pinned expert of layer %u was evicted", l);
+    }
+    qm_pager_stats s;
+    qm_pager_stats_get(pg, &s);
+    ck_assert_uint_le(s.resident_bytes, 12 * U);
+    qm_pager_free(pg);
+    qm_plan_free(plan);
+    qm_policy_destroy(&pol);
+    qm_backend_free(cpu);
+    pf_bank_close(&b);
+}
+END_TEST
+
+START_TEST(test_imprecise_router_prediction_is_switched_off)
+{
+    pf_spec sp = pf_default_spec();
+    sp.experts = 32; /* random guesses of 2 in 32: precision ~1/16 */
+    pf_bank b;
+    pf_bank_open(&sp, &b);
+    qm_backend *cpu = NULL;
+    qm_status st = {0};
+    ck_assert_int_eq(qm_backend_cpu_new(1, &cpu, &st), 0);
+    qm_policy pol = {0};
+    ck_assert_int_eq(qm_policy_new("lru", NULL, &pol, &st), 0);
+    qm_residency_plan *plan = make_plan(&b, &pol, 1, 8 * unit_bytes(&b));
+    qm_pager_options o = {.prefetch = 1};
+    qm_pager *pg = NULL;
+    ck_assert_int_eq(qm_pager_new(cpu, b.bank, plan, &pol, &o, &pg, &st), 0);
+    uint64_t s = 31;
+    for (uint32_t i = 0; i < 600; i++) {
+        /* Routed by random logits: the bank's routers predict nothing. */
+        uint32_t ex[2] = {(uint32_t)(pf_rand(&s) % 16), 16 + (uint32_t)(pf_rand(&s) % 16)};
+        call_experts(pg, &b, i % sp.layers, ex, 2, &s);
+    }
+    qm_pager_stats ps;
+    qm_pager_stats_get(pg, &ps);
+    ck_assert_uint_ge(ps.prefetch_router_issued, 128);
+    ck_assert_uint_lt(ps.prefetch_router_useful * 4, ps.prefetch_router_issued);
+    ck_assert_uint_gt(ps.prefetch_gated, 300); /* off on most calls after the first window */
+    /* Probing continues: issued keeps growing, at about one call in eight. */
+    ck_assert_uint_lt(ps.prefetch_router_issued, 600);
+    qm_pager_free(pg);
+    qm_plan_free(plan);
+    qm_policy_destroy(&pol);
+    qm_backend_free(cpu);
+    pf_bank_close(&b);
+}
+END_TEST
+
+START_TEST(test_budget_holding_every_expert_preloads_and_never_misses)
+{
+    pf_spec sp = pf_default_spec();
+    pf_bank b;
+    pf_bank_open(&sp, &b);
+    qm_backend *cpu = NULL;
+    qm_status st = {0};
+    ck_assert_int_eq(qm_backend_cpu_new(1, &cpu, &st), 0);
+    pg_set set;
+    make_calls(&b, cpu, 12, 5, &set);
+    uint64_t total = qm_bank_expert_bytes_total(b.bank);
+    for (int budgeted = 0; budgeted < 2; budgeted++) {
+        qm_policy pol = {0};
+        ck_assert_int_eq(qm_policy_new("lru", NULL, &pol, &st), 0);
+        qm_residency_plan *plan = make_plan(&b, &pol, budgeted, total);
+        qm_pager *pg = NULL;
+        ck_assert_int_eq(qm_pager_new(cpu, b.bank, plan, &pol, NULL, &pg, &st), 0);
+        qm_pager_stats s;
+        qm_pager_stats_get(pg, &s);
+        ck_assert_uint_eq(s.bytes_loaded_at_create, total);
+        ck_assert_uint_eq(s.resident_bytes, total);
+        float out[8 * 64];
+        for (size_t i = 0; i < set.n; i++) {
+            const pg_call *c = &set.calls[i];
+            qm_moe_call mc = {.layer = c->layer, .dtype = QM_DTYPE_F32, .hidden = c->x,
+                              .n_tokens = c->T, .logits = c->logits, .output = out};
+            qm_moe_stats ms = {0};
+            ck_assert_int_eq(qm_pager_forward(pg, &mc, &ms, &st), 0);
+            ck_assert(memcmp(out, c->ref, sizeof(float) * c->T * sp.hidden) == 0);
+        }
+        qm_pager_stats_get(pg, &s);
+        ck_assert_uint_eq(s.misses, 0);
+        ck_assert_uint_gt(s.hits, 0);
+        ck_assert_uint_eq(s.bytes_paged_h2d, 0);
+        ck_assert_uint_eq(s.evictions, 0);
+        qm_pager_free(pg);
+        qm_plan_free(plan);
+        qm_policy_destroy(&pol);
+    }
+    free_calls(&set);
+    qm_backend_free(cpu);
+    pf_bank_close(&b);
+}
+END_TEST
+
+static void add_edge_tests(TCase *tc)
+{
+    tcase_add_test(tc, test_budget_holding_every_expert_preloads_and_never_misses);
+    tcase_add_test(tc, test_imprecise_router_prediction_is_switched_off);
+    tcase_add_test(tc, test_hostile_victims_fall_back_to_lru_and_keep_accounting_and_outputs);
+    tcase_add_test(tc, test_budget_below_one_request_runs_in_waves_with_same_output);
+    tcase_add_test(tc, test_budget_below_one_expert_is_refused_naming_the_minimum);
+    tcase_add_test(tc, test_router_prefetch_makes_next_layer_call_all_hits);
+    tcase_add_test(tc, test_prefetch_never_evicts_pinned_or_in_use_experts);
+}
+
+int main(void)
+{
+    Suite *s = suite_create("paging_edges");
+    TCase *tc = tcase_create("edges");
+    tcase_set_timeout(tc, 120);
+    add_edge_tests(tc);
+    suite_add_tcase(s, tc);
+    SRunner *sr = srunner_create(s);
+    srunner_run_all(sr, CK_NORMAL);
+    int failed = srunner_ntests_failed(sr);
+    srunner_free(sr);
+    return failed ? EXIT_FAILURE : EXIT_SUCCESS;
+}
