@@ -5,7 +5,7 @@
 # network, nvcc + cmake + ninja, no libuv/cJSON/Check). Run from the
 # repository root:
 #
-#     bash scripts/device_check.sh            # logs and results in $OUT (or ./out-device)
+#     bash scripts/device_check.sh            # logs and results in $OUT (or out/device-check)
 #
 # Missing build dependencies are taken from .qmdeps/*.deb (downloaded on a
 # machine with network: see docs/CUDA.md) and unpacked into a private prefix,
@@ -19,7 +19,7 @@ set -uo pipefail
 
 here=$(cd "$(dirname "$0")/.." && pwd)
 cd "$here" || exit 1
-OUT=${OUT:-$here/out-device}
+OUT=${OUT:-$here/out/device-check}
 mkdir -p "$OUT"
 exec > >(tee -a "$OUT/log") 2>&1
 start=$(date +%s)
