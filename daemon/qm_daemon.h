@@ -308,6 +308,8 @@ struct qm_daemon {
 };
 
 uint64_t qm_now_us(void); /* monotonic */
+/* The whole daemon: parses argv, serves until drained; the exit status. */
+int qm_daemon_main(int argc, char **argv);
 void qm_limit_hit(qm_daemon *d, int limit, const char *fmt, ...)
     __attribute__((format(printf, 3, 4)));
 

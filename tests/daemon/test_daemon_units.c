@@ -1,0 +1,179 @@
+/* test_daemon_units.c - the daemon's pieces that need no socket: latency
+ * histograms, the trace ring, flags and the config file, the systemd
+ * helpers. The wire behaviour is tested end to end in test_qmoed.py. */
+#include <check.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/socket.h>
+#include <sys/un.h>
+#include <unistd.h>
+
+#include "qm_daemon.h"
+
+START_TEST(test_hist_quantiles_are_bucket_upper_bounds_within_25_percent)
+{
+    qm_hist h;
+    memset(&h, 0, sizeof h);
+    ck_assert_uint_eq(qm_hist_quantile(&h, 0.5), 0);
+    for (uint64_t v = 1; v <= 1000; v++)
+        qm_hist_add(&h, v);
+    uint64_t p50 = qm_hist_quantile(&h, 0.5), p99 = qm_hist_quantile(&h, 0.99);
+    ck_assert_msg(p50 >= 500 && p50 <= 625, "p50 = %llu", (unsigned long long)p50);
+    ck_assert_msg(p99 >= 990 && p99 <= 1237, "p99 = %llu", (unsigned long long)p99);
+    qm_hist_add(&h, UINT64_MAX); /* the last bucket holds anything */
+    ck_assert_uint_eq(h.count, 1001);
+}
+END_TEST
+
+START_TEST(test_trace_ring_keeps_the_newest_spans)
+{
+    qm_trace t;
+    ck_assert_int_eq(qm_trace_init(&t, 4), 0);
+    qm_span out;
+    for (int i = 0; i < 6; i++)
+        qm_trace_add(&t, "session.infer", (uint64_t)i, 1, "s", NULL, &out);
+    ck_assert_uint_eq(t.count, 4);
+    ck_assert_uint_eq(out.seq, 6);
+    ck_assert_str_eq(out.args, "{}");
+    size_t oldest = (t.head + t.cap - t.count) % t.cap;
+    ck_assert_uint_eq(t.ring[oldest].start_us, 2);
+    qm_trace_free(&t);
+}
+END_TEST
+
+static char *write_temp(const char *text)
+{
+    static char path[64];
+    snprintf(path, sizeof path, "/tmp/qmoed-unit-XXXXXX");
+    int fd = mkstemp(path);
+    ck_assert_int_ge(fd, 0);
+    ck_assert_int_eq(write(fd, text, strlen(text)), (ssize_t)strlen(text));
+    close(fd);
+    return path;
+}
+
+START_TEST(test_flags_override_the_config_file)
+{
+    char *path = write_temp("{\"max_batch\": 3, \"socket\": \"/tmp/a.sock\", "
+                            "\"models\": {\"m\": \"/from/file\"}}");
+    char *argv[] = {"qmoed", "--set", "max_batch=5", "--config", path, "--model", "m=/from/flag",
+                    "--device-budget", "2G", "--log-level", "debug", NULL};
+    qm_config cfg;
+    qm_config_defaults(&cfg);
+    qm_status st;
+    qm_status_clear(&st);
+    ck_assert_int_eq(qm_config_from_args(&cfg, 11, argv, &st), 0);
+    ck_assert_uint_eq(cfg.max_batch, 5);
+    ck_assert_str_eq(cfg.socket_path, "/tmp/a.sock");
+    ck_assert_uint_eq(cfg.n_models, 1);
+    ck_assert_str_eq(cfg.models[0].path, "/from/flag");
+    ck_assert(cfg.has_device_budget && cfg.device_budget == 2ull << 30);
+    ck_assert_int_eq(cfg.log_level, QM_LOG_DEBUG);
+    qm_config_free(&cfg);
+    unlink(path);
+}
+END_TEST
+
+START_TEST(test_config_rejects_unknown_keys_and_bad_values)
+{
+    qm_config cfg;
+    qm_status st;
+    char *path = write_temp("{\"max_batchh\": 1}");
+    qm_config_defaults(&cfg);
+    ck_assert_int_eq(qm_config_load_file(&cfg, path, 0, &st), QM_EINVAL);
+    ck_assert_ptr_nonnull(strstr(st.msg, "max_batchh"));
+    unlink(path);
+    char *a1[] = {"qmoed", "--set", "max_nesting=1", NULL};
+    optind = 1;
+    ck_assert_int_eq(qm_config_from_args(&cfg, 3, a1, &st), QM_EINVAL);
+    ck_assert_ptr_nonnull(strstr(st.msg, "2..1000"));
+    char *a2[] = {"qmoed", "--log-level", "loud", NULL};
+    ck_assert_int_eq(qm_config_from_args(&cfg, 3, a2, &st), QM_EINVAL);
+    char *a3[] = {"qmoed", "--model", "noequals", NULL};
+    ck_assert_int_eq(qm_config_from_args(&cfg, 3, a3, &st), QM_EINVAL);
+    char *a4[] = {"qmoed", "--backend", "tpu", NULL};
+    ck_assert_int_eq(qm_config_from_args(&cfg, 3, a4, &st), QM_EINVAL);
+    qm_config_free(&cfg);
+}
+END_TEST
+
+START_TEST(test_reload_changes_only_reloadable_keys)
+{
+    qm_config cfg;
+    qm_config_defaults(&cfg);
+    qm_status st;
+    char *path = write_temp("{\"socket\": \"/tmp/new.sock\", \"max_batch\": 9, \"workers\": 7, "
+                            "\"admin_group\": \"wheel\", \"models\": {\"x\": \"/x\"}}");
+    ck_assert_int_eq(qm_config_load_file(&cfg, path, 1, &st), 0);
+    ck_assert_ptr_null(cfg.socket_path);
+    ck_assert_uint_eq(cfg.workers, 2);
+    ck_assert_uint_eq(cfg.n_models, 0);
+    ck_assert_uint_eq(cfg.max_batch, 9);
+    ck_assert_str_eq(cfg.admin_group, "wheel");
+    qm_config_free(&cfg);
+    unlink(path);
+}
+END_TEST
+
+START_TEST(test_notify_sends_one_datagram_and_is_silent_without_socket)
+{
+    unsetenv("NOTIFY_SOCKET");
+    ck_assert_int_eq(qm_notify("READY=1"), 0);
+    char path[64];
+    snprintf(path, sizeof path, "/tmp/qmoed-notify-%d", (int)getpid());
+    unlink(path);
+    int fd = socket(AF_UNIX, SOCK_DGRAM, 0);
+    struct sockaddr_un sa = {.sun_family = AF_UNIX};
+    snprintf(sa.sun_path, sizeof sa.sun_path, "%s", path);
+    ck_assert_int_eq(bind(fd, (struct sockaddr *)&sa, sizeof sa), 0);
+    setenv("NOTIFY_SOCKET", path, 1);
+    ck_assert_int_eq(qm_notify("READY=1\nSTATUS=serving"), 0);
+    char buf[64] = {0};
+    ck_assert_int_eq(recv(fd, buf, sizeof buf - 1, 0), 22);
+    ck_assert_str_eq(buf, "READY=1\nSTATUS=serving");
+    close(fd);
+    unlink(path);
+    unsetenv("NOTIFY_SOCKET");
+}
+END_TEST
+
+START_TEST(test_socket_activation_and_watchdog_need_our_pid)
+{
+    setenv("LISTEN_PID", "1", 1);
+    setenv("LISTEN_FDS", "1", 1);
+    ck_assert_int_eq(qm_listen_fd_from_env(), -1);
+    unsetenv("LISTEN_PID");
+    unsetenv("LISTEN_FDS");
+    setenv("WATCHDOG_USEC", "2000000", 1);
+    unsetenv("WATCHDOG_PID");
+    ck_assert_uint_eq(qm_watchdog_usec(), 2000000);
+    setenv("WATCHDOG_PID", "1", 1);
+    ck_assert_uint_eq(qm_watchdog_usec(), 0);
+    unsetenv("WATCHDOG_USEC");
+    unsetenv("WATCHDOG_PID");
+}
+END_TEST
+
+int main(void)
+{
+    Suite *s = suite_create("daemon");
+    TCase *tc = tcase_create("telemetry");
+    tcase_add_test(tc, test_hist_quantiles_are_bucket_upper_bounds_within_25_percent);
+    tcase_add_test(tc, test_trace_ring_keeps_the_newest_spans);
+    suite_add_tcase(s, tc);
+    tc = tcase_create("config");
+    tcase_add_test(tc, test_flags_override_the_config_file);
+    tcase_add_test(tc, test_config_rejects_unknown_keys_and_bad_values);
+    tcase_add_test(tc, test_reload_changes_only_reloadable_keys);
+    suite_add_tcase(s, tc);
+    tc = tcase_create("systemd");
+    tcase_add_test(tc, test_notify_sends_one_datagram_and_is_silent_without_socket);
+    tcase_add_test(tc, test_socket_activation_and_watchdog_need_our_pid);
+    suite_add_tcase(s, tc);
+    SRunner *sr = srunner_create(s);
+    srunner_run_all(sr, CK_NORMAL);
+    int failed = srunner_ntests_failed(sr);
+    srunner_free(sr);
+    return failed == 0 ? EXIT_SUCCESS : EXIT_FAILURE;
+}
