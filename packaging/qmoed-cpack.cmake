@@ -96,20 +96,15 @@ endif()
 
 # Maintainer scripts and the conffiles list (dpkg keeps a locally edited
 # /etc/qmoed/qmoed.json across upgrades and asks before replacing it).
-foreach(f postinst prerm postrm)
-  file(COPY ${CMAKE_CURRENT_LIST_DIR}/${f} DESTINATION ${CMAKE_BINARY_DIR}/packaging
-       FILE_PERMISSIONS OWNER_READ OWNER_WRITE OWNER_EXECUTE GROUP_READ GROUP_EXECUTE
-                        WORLD_READ WORLD_EXECUTE)
-endforeach()
 file(WRITE ${CMAKE_BINARY_DIR}/packaging/conffiles "/etc/qmoed/qmoed.json\n")
 # libqmoe-client.so.0 lands in a linker directory: have dpkg run ldconfig.
 file(WRITE ${CMAKE_BINARY_DIR}/packaging/triggers "activate-noawait ldconfig\n")
 set(CPACK_DEBIAN_PACKAGE_CONTROL_EXTRA
     ${CMAKE_BINARY_DIR}/packaging/conffiles
     ${CMAKE_BINARY_DIR}/packaging/triggers
-    ${CMAKE_BINARY_DIR}/packaging/postinst
-    ${CMAKE_BINARY_DIR}/packaging/prerm
-    ${CMAKE_BINARY_DIR}/packaging/postrm)
+    ${CMAKE_CURRENT_LIST_DIR}/postinst
+    ${CMAKE_CURRENT_LIST_DIR}/prerm
+    ${CMAKE_CURRENT_LIST_DIR}/postrm)
 
 # Values the staging fix-up needs (CPackConfig.cmake passes CPACK_* on).
 set(CPACK_QMOE_SYSCONFDIR "${CMAKE_INSTALL_SYSCONFDIR}")

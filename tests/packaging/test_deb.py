@@ -1,12 +1,15 @@
 """The .deb: cpack builds it from this build tree, its control data declares
 what the binaries need, every installed piece is in it under /usr (config
 under /etc, a conffile), and once extracted into a scratch root (dpkg -x)
-its qmoed, qmoectl and qmoe-bank run from there. The maintainer scripts run
-against stub systemd tools and never fail.
+its qmoed, qmoectl and qmoe-bank run from there. Then dpkg itself installs,
+removes and purges it in a second scratch root (dpkg --root, maintainer
+scripts chrootless with DPKG_ROOT); the maintainer scripts also run against
+stub systemd tools and never fail.
 
-Not done here: `dpkg -i` (it would change this machine: users, /usr/bin) or
-`dpkg --root` (needs a whole dpkg database and a chroot with /bin/sh)."""
+Never done: a plain `dpkg -i` on this machine (users, /usr/bin, systemd).
+"""
 
+import functools
 import glob
 import os
 import re
@@ -94,6 +97,7 @@ def elf_files(root):
                     yield path
 
 
+@functools.lru_cache(maxsize=None)
 def owner(path):
     """The installed package owning `path`, trying the merged-/usr aliases."""
     cands = [path, os.path.realpath(path)]
@@ -265,3 +269,62 @@ def test_maintainer_scripts_never_fail(pkg, tmp_path):
         assert p.returncode == 0, (script, args, p.stderr)
     p = run_script(ctl, "postinst", ["configure", ""], empty, log, tools=())
     assert "systemd-sysusers not found" in p.stderr, p.stderr
+
+
+GUARD = """#!/bin/sh
+# Pass through only when aimed at the scratch root: a maintainer script that
+# ignored DPKG_ROOT must not touch this machine's users or systemd.
+case "$*" in
+*--root=%(root)s*) exec %(real)s "$@" ;;
+esac
+echo "guard: refused: ${0##*/} $*" >&2
+exit 99
+"""
+
+
+def test_dpkg_installs_into_a_scratch_root_and_removes_cleanly(pkg, tmp_path):
+    """dpkg --root with chrootless maintainer scripts: the real postinst
+    runs, with DPKG_ROOT, against the scratch root only."""
+    if os.geteuid() != 0:
+        pytest.skip("dpkg --root unpacks files owned by root: run as root")
+    deb, _, _ = pkg
+    root = tmp_path / "sysroot"
+    for d in ("var/lib/dpkg/info", "var/lib/dpkg/updates", "etc"):
+        (root / d).mkdir(parents=True)
+    (root / "var/lib/dpkg/status").write_text("")
+    guards = tmp_path / "guards"
+    guards.mkdir()
+    for tool in ("systemd-sysusers", "systemd-tmpfiles", "systemctl"):
+        real = shutil.which(tool) or "/bin/false"
+        (guards / tool).write_text(GUARD % {"root": root, "real": real})
+        (guards / tool).chmod(0o755)
+    env = dict(os.environ, PATH="%s:/usr/sbin:/usr/bin:/sbin:/bin" % guards)
+    dpkg = ["dpkg", "--root=%s" % root, "--force-script-chrootless", "--force-depends",
+            "--log=/dev/null"]
+
+    p = run(dpkg + ["-i", deb], env=env)
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert "guard: refused" not in p.stderr, p.stderr
+    status = run(["dpkg-query", "--admindir=%s/var/lib/dpkg" % root, "-W", "-f=${Status} ${Version}", "qmoed"])
+    assert status.stdout == "install ok installed %s-1" % project_version(), status.stdout + status.stderr
+    exe = root / "usr/sbin/qmoed"
+    v = run([str(exe), "--version"], env={"PATH": "/usr/bin:/bin"})
+    assert v.returncode == 0 and v.stdout.strip() == "qmoed " + project_version(), v.stdout + v.stderr
+    h = run([str(root / "usr/bin/qmoectl"), "--help"], env={"PATH": "/usr/bin:/bin"})
+    assert h.returncode == 0 and "Usage: qmoectl" in h.stdout, h.stdout + h.stderr
+    if shutil.which("systemd-sysusers"):
+        assert any(l.startswith("qmoed:") for l in (root / "etc/passwd").read_text().splitlines()), \
+            "postinst did not create the qmoed user in the scratch root:\n" + p.stderr
+    if shutil.which("systemd-tmpfiles"):
+        assert (root / "var/lib/qmoed").is_dir(), "postinst did not create /var/lib/qmoed:\n" + p.stderr
+
+    # A locally edited conffile survives removal and goes on purge.
+    conf = root / "etc/qmoed/qmoed.json"
+    conf.write_text(conf.read_text().replace('"log_level": "info"', '"log_level": "debug"'))
+    p = run(dpkg + ["-r", "qmoed"], env=env)
+    assert p.returncode == 0 and "guard: refused" not in p.stderr, p.stdout + p.stderr
+    assert not exe.exists() and not (root / "usr/bin/qmoectl").exists()
+    assert '"log_level": "debug"' in conf.read_text()
+    p = run(dpkg + ["--purge", "qmoed"], env=env)
+    assert p.returncode == 0 and "guard: refused" not in p.stderr, p.stdout + p.stderr
+    assert not conf.exists()
