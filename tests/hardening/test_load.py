@@ -94,6 +94,75 @@ def test_overloaded_is_only_for_session_infer(bank):
         assert dm.stop() == 0
 
 
+def test_sessions_racing_for_the_daemon_wide_budget(bank):
+    """Invariant 5 under contention: of many simultaneous session.create
+    calls exactly as many succeed as the daemon-wide budget holds, the rest
+    get -32003 naming the bytes free, and closing gives every byte back."""
+    probe = Daemon(models={"small": bank})
+    try:
+        total = probe.client().call("model.list")["models"][0]["bytes_total"]
+    finally:
+        assert probe.stop() == 0
+    ws = 1 << 20
+    fit = 3
+    dm = Daemon(models={"small": bank},
+                config={"session_workspace_bytes": ws,
+                        "device_budget": fit * (ws + total) + total // 2})
+    try:
+        c = dm.client()
+        used0 = c.call("daemon.status")["device"]["used_bytes"]
+        n = 12
+        gate = threading.Barrier(n)
+        out = [None] * n
+
+        def create(i):
+            cl = dm.client()
+            gate.wait()
+            out[i] = cl.request("session.create", {"model": "small", "policy": "lru"})
+            cl.close()
+
+        threads = [threading.Thread(target=create, args=(i,)) for i in range(n)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        ok = [r["result"]["session"] for r in out if "result" in r]
+        refused = [r["error"] for r in out if "error" in r]
+        assert len(ok) == fit, out
+        assert all(e["code"] == -32003 and "free" in e["data"]["reason"] for e in refused), refused
+        st = c.call("daemon.status")["device"]
+        assert st["used_bytes"] <= st["budget_bytes"]
+        for sid in ok:
+            assert c.call("session.close", {"session": sid}) == {}
+        assert c.call("daemon.status")["device"]["used_bytes"] == used0
+        # ...and the freed budget is usable again.
+        sid = c.call("session.create", {"model": "small"})["session"]
+        assert c.call("session.close", {"session": sid}) == {}
+        c.close()
+    finally:
+        assert dm.stop() == 0, dm.log_text()[-2000:]
+
+
+def test_connections_opened_and_never_used_up_to_the_limit(bank):
+    limit = 40
+    dm = Daemon(models={"small": bank}, config={"max_connections": limit})
+    try:
+        by = Bystander(dm)
+        base = Baseline(dm)
+        idle = [connect(dm.socket) for _ in range(limit - 1)]  # with the bystander: the limit
+        over = connect(dm.socket)
+        r = json.loads(over.makefile("rb").readline())
+        assert r["error"]["code"] == -32003 and "max_connections" in r["error"]["data"]["reason"]
+        over.close()
+        for s in idle:
+            s.close()
+        assert wait_for(lambda: dm.fds() == base.fds, 10), "fds did not return to the baseline"
+        base.check(by)
+        assert dm.limit_hits("max_connections") >= 1
+    finally:
+        assert dm.stop() == 0
+
+
 CHILD = textwrap.dedent("""
     import json, socket, sys, base64, struct
     s = socket.socket(socket.AF_UNIX); s.connect(sys.argv[1])
