@@ -138,9 +138,10 @@ def main():
         over = r["mean_us"] - r["compute_us_mean"]
         eng = r["compute_us_mean"] or 1
         return ("| %s | %.0f µs | %.0f µs | %.0f µs | %.0f µs | %.0f µs = **%.1f%%** | "
-                "%.0f µs = **%.2f%%** |"
+                "%.0f µs | %.0f µs = **%.2f%%** |"
                 % (label, r["mean_us"], r["p50_us"], r["p99_us"], r["compute_us_mean"], over,
-                   100.0 * over / eng, r["codec_us_mean"], 100.0 * r["codec_us_mean"] / eng))
+                   100.0 * over / eng, r["queue_us_mean"], r["codec_us_mean"],
+                   100.0 * r["codec_us_mean"] / eng))
 
     def row(label, clients, r):
         return ("| %s | %d | %.0f | %.0f | %.1f | %.1f |"
@@ -185,8 +186,9 @@ def main():
         "",
         "| daemon | end to end, mean | p50 | p99 | engine `compute_us`, mean | "
         "everything else (socket, codec, queue, thread wake-ups) / engine | "
-        "codec alone (`decode_us` + `encode_us`) / engine |",
-        "|---|---|---|---|---|---|---|",
+        "of which `queue_us` (worker wake-up) | codec alone (`decode_us` + `encode_us`) / "
+        "engine |",
+        "|---|---|---|---|---|---|---|---|",
         infer_row(inf, "default (`--threads 0`: 2 compute threads, 2 workers)"),
         infer_row(inf1, "`--threads 1 --workers 1` (a core left for the loop and client)"),
         "",

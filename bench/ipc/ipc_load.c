@@ -142,7 +142,7 @@ int main(int argc, char **argv)
     long total = warmup + requests, started = 0, finished = 0;
     uint64_t *lat = malloc(sizeof(uint64_t) * (size_t)requests);
     long n_lat = 0;
-    double compute_sum = 0, codec_sum = 0;
+    double compute_sum = 0, codec_sum = 0, queue_sum = 0;
     long compute_n = 0;
     uint64_t t_start = 0;
     if (warmup == 0)
@@ -192,6 +192,9 @@ int main(int argc, char **argv)
                         char *en = memmem(c->in, used, "\"encode_us\":", 12);
                         if (de && en)
                             codec_sum += strtod(de + 12, NULL) + strtod(en + 12, NULL);
+                        char *qu = memmem(c->in, used, "\"queue_us\":", 11);
+                        if (qu)
+                            queue_sum += strtod(qu + 11, NULL);
                     }
                 }
                 if (finished == warmup - 1)
@@ -216,11 +219,13 @@ int main(int argc, char **argv)
         mean += (double)lat[i];
     mean /= (double)n_lat;
     printf("{\"clients\":%d,\"requests\":%ld,\"seconds\":%.4f,\"rps\":%.1f,\"mean_us\":%.2f,"
-           "\"p50_us\":%.2f,\"p99_us\":%.2f,\"compute_us_mean\":%.2f,\"codec_us_mean\":%.2f}\n",
+           "\"p50_us\":%.2f,\"p99_us\":%.2f,\"compute_us_mean\":%.2f,\"codec_us_mean\":%.2f,"
+           "\"queue_us_mean\":%.2f}\n",
            clients, n_lat, secs, (double)n_lat / secs, mean / 1e3,
            (double)lat[(size_t)((double)n_lat * 0.50)] / 1e3,
            (double)lat[(size_t)((double)(n_lat - 1) * 0.99)] / 1e3,
            compute_n ? compute_sum / (double)compute_n : 0.0,
-           compute_n ? codec_sum / (double)compute_n : 0.0);
+           compute_n ? codec_sum / (double)compute_n : 0.0,
+           compute_n ? queue_sum / (double)compute_n : 0.0);
     return 0;
 }
