@@ -10,7 +10,9 @@
  * The contract is ../shared/RESIDENCY.md; docs/PAGING.md explains the design.
  *
  * Threading: a pager is used by one thread at a time (a session's requests
- * run in order). It may own one internal copy thread (see copy_thread). */
+ * run in order); that includes qm_pager_stats_get and
+ * qm_pager_resident_experts, so read them on the session's thread or under
+ * the session's lock. It may own one internal copy thread (see copy_thread). */
 #ifndef QM_PAGER_H
 #define QM_PAGER_H
 
