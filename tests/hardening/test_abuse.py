@@ -570,9 +570,9 @@ def test_client_that_never_reads_is_paused_and_counted(dm):
         except BlockingIOError:
             if stalled_at is None:
                 stalled_at = time.time()
-            elif time.time() - stalled_at > 0.5:
-                break  # the daemon stopped reading us
-            time.sleep(0.01)
+            elif time.time() - stalled_at > 0.5 and dm.limit_hits("max_output_bytes") > before:
+                break  # the daemon stopped reading us, and said why
+            time.sleep(0.05)
     assert stalled_at is not None, "the daemon kept reading a peer that never reads"
     assert dm.limit_hits("max_output_bytes") > before
     # What the daemon holds for this peer is bounded by the output limit
