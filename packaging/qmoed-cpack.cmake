@@ -23,7 +23,9 @@ set(CPACK_PACKAGE_VENDOR "qmoed")
 set(CPACK_PACKAGE_VERSION ${PROJECT_VERSION})
 set(CPACK_PACKAGE_CONTACT "qmoed maintainers <maintainers@users.noreply.a-seed-e69f879a.example>")
 set(CPACK_PACKAGE_DESCRIPTION_SUMMARY "MoE expert-residency daemon for ONNX Runtime QMoE layers")
-set(CPACK_PACKAGING_INSTALL_PREFIX /usr)
+# The DEB generator's own default prefix is /usr; not set here, or the
+# source tarball would nest the tree under usr/ too.
+set(qm__pkg_prefix /usr)
 set(CPACK_GENERATOR DEB)
 set(CPACK_STRIP_FILES OFF)
 
@@ -80,7 +82,7 @@ set(CPACK_DEBIAN_PACKAGE_CONTROL_STRICT_PERMISSION ON)
 # The package's unit: qmoed.service.in configured for /usr/sbin/qmoed and
 # /etc/qmoed/qmoed.json (the build tree's copy carries the build's prefix).
 function(qm__pkg_configure_unit)
-  set(CMAKE_INSTALL_FULL_SBINDIR ${CPACK_PACKAGING_INSTALL_PREFIX}/${CMAKE_INSTALL_SBINDIR})
+  set(CMAKE_INSTALL_FULL_SBINDIR ${qm__pkg_prefix}/${CMAKE_INSTALL_SBINDIR})
   if(IS_ABSOLUTE "${CMAKE_INSTALL_SBINDIR}")
     set(CMAKE_INSTALL_FULL_SBINDIR ${CMAKE_INSTALL_SBINDIR})
   endif()
@@ -113,7 +115,11 @@ set(CPACK_QMOE_UNIT "${QMOE_PKG_UNIT}")
 set(CPACK_PRE_BUILD_SCRIPTS ${CMAKE_CURRENT_LIST_DIR}/stage-fixup.cmake)
 
 # `package_source`: a tarball of the tree without builds and local state.
+# The patterns are regexes on full paths: anchor them at the source dir.
 set(CPACK_SOURCE_GENERATOR TGZ)
-set(CPACK_SOURCE_IGNORE_FILES "/\\\\.git/" "/\\\\.venv/" "/build[^/]*/" "__pycache__" "/\\\\.pytest_cache/")
+# CPackSourceConfig.cmake gets the values unescaped: hence doubled backslashes.
+string(REGEX REPLACE "([][+.*()^$?|\\\\])" "\\\\\\\\\\1" qm__src_re "${CMAKE_SOURCE_DIR}")
+set(CPACK_SOURCE_IGNORE_FILES "^${qm__src_re}/(\\\\.git|\\\\.venv|build[^/]*|out|demo)(/|$)"
+    "/__pycache__/" "/\\\\.pytest_cache/")
 
 include(CPack)

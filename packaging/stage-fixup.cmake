@@ -11,11 +11,20 @@
 # Anything unexpected is an error: a package that disagrees with itself must
 # not be written.
 
+# Only the .deb installs under /usr; source tarballs and other generators
+# are packaged as staged.
+if(NOT CPACK_GENERATOR STREQUAL "DEB")
+  return()
+endif()
+
 set(stage "${CPACK_TEMPORARY_DIRECTORY}")
 if(NOT stage OR NOT IS_DIRECTORY "${stage}")
   message(FATAL_ERROR "qmoed packaging: no staging directory (CPACK_TEMPORARY_DIRECTORY='${stage}')")
 endif()
 set(prefix "${CPACK_PACKAGING_INSTALL_PREFIX}")
+if(NOT prefix STREQUAL "/usr")
+  message(FATAL_ERROR "qmoed packaging: the .deb installs under /usr, not '${prefix}' (CPACK_PACKAGING_INSTALL_PREFIX)")
+endif()
 
 if(NOT IS_ABSOLUTE "${CPACK_QMOE_SYSCONFDIR}")
   set(from "${stage}${prefix}/${CPACK_QMOE_SYSCONFDIR}")
