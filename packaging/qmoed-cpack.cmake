@@ -31,7 +31,7 @@ set(CPACK_STRIP_FILES OFF)
 
 if(QMOE_HAVE_CUDA)
   set(qm__pkg_backend
-      "This build includes the CUDA backend (CUDA runtime linked statically).\nIt uses the NVIDIA driver's libcuda.so.1 when present; without a driver,\nbackend \"auto\" falls back to the CPU backend.")
+      "This build includes the CUDA backend (CUDA runtime linked statically).\nIt uses the NVIDIA driver's libcuda.so.1 when present; without a driver,\nthe default backend (auto) falls back to the CPU backend.")
 else()
   set(qm__pkg_backend "This build has the CPU backend only (built without CUDA).")
 endif()
