@@ -163,6 +163,48 @@ def test_connections_opened_and_never_used_up_to_the_limit(bank):
         assert dm.stop() == 0
 
 
+def test_close_and_force_unload_with_inferences_in_flight(bank):
+    """A session closed, and its model force-unloaded, while inferences on
+    it are queued or running: every request gets exactly one answer (a
+    result, or not_found once the session is gone), nothing leaks, the
+    daemon keeps serving."""
+    import numpy as np
+    from hardening import tensor
+    dm = Daemon(models={"small": bank})
+    try:
+        by = Bystander(dm)
+        base = Baseline(dm)
+        x = tensor(np.ones((256, 64), np.float32))
+        admin = dm.client()
+        for round_ in range(4):
+            admin.call("model.load", {"name": "victim", "path": bank})
+            c = dm.client()
+            sids = [c.call("session.create", {"model": "victim", "policy": p})["session"]
+                    for p in ("whole_bank", "lru")]
+            n = 24
+            c.send_raw(b"".join(req("session.infer", {"session": sids[i % 2], "layer": i % 2,
+                                                      "hidden": x}, id=i) for i in range(n)))
+            time.sleep(0.02)
+            if round_ % 2 == 0:
+                assert admin.call("session.close", {"session": sids[0]}) == {}
+            assert admin.call("model.unload", {"name": "victim", "force": True}) == {}
+            got = {}
+            for _ in range(n):
+                r = c.read()
+                assert r["id"] not in got
+                got[r["id"]] = r
+            assert sorted(got) == list(range(n))
+            for r in got.values():
+                assert "result" in r or r["error"]["code"] == -32001, r
+            c.close()
+        admin.close()
+        base.check(by, settle=10)
+        st = dm.client().call("daemon.status")
+        assert st["models"] == 1 and st["sessions"] == 1
+    finally:
+        assert dm.stop() == 0, dm.log_text()[-2000:]
+
+
 CHILD = textwrap.dedent("""
     import json, socket, sys, base64, struct
     s = socket.socket(socket.AF_UNIX); s.connect(sys.argv[1])
@@ -195,8 +237,10 @@ def test_kill_9_client_with_requests_in_flight(bank):
             p.send_signal(signal.SIGKILL)
             p.wait()
             p.stdout.close()
-            # The session outlives the connection (it belongs to the uid).
+            # The session outlives the connection (it belongs to the uid);
+            # close waits behind the dead client's queued inferences.
             c = dm.client()
+            c.sock.settimeout(30 * SLOW)
             assert c.call("session.close", {"session": sid}) == {}
             c.close()
         base.check(by, settle=15)
