@@ -473,6 +473,34 @@ def test_duplicate_keys_are_refused_at_every_level(dm):
             assert r["error"]["data"]["field"] == field, (line[:100], r)
 
 
+def test_long_hot_list_does_not_stall_the_daemon(dm):
+    """BUGS.md B9: policy_params.hot is checked for repeats pairwise while
+    decoding, on the loop thread: a 0.3 MB session.create (any user) with
+    50,000 experts stalls every client for seconds (150,000: 13 s; with the
+    default 64 MiB max_request_bytes, hours)."""
+    line = req("session.create", {"model": "small", "policy": "static_hot",
+                                  "policy_params": {"hot": [{"layer": 0,
+                                                             "experts": list(range(50000))}]}})
+    assert len(line) < MAX_REQUEST
+    s = connect(dm.socket)
+    other = connect(dm.socket)
+    f = other.makefile("rb")
+    try:
+        s.sendall(line)
+        time.sleep(0.05)
+        t0 = time.time()
+        other.sendall(req("daemon.status", id=2))
+        assert json.loads(f.readline())["id"] == 2
+        stalled = time.time() - t0
+        r = json.loads(s.makefile("rb").readline())
+        assert r["error"]["code"] == -32602
+    finally:
+        f.close()
+        other.close()
+        s.close()
+    assert stalled < 1.0 * SLOW, "daemon.status waited %.1f s behind one request" % stalled
+
+
 # ---- batches ----------------------------------------------------------------------------------
 
 
