@@ -11,6 +11,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <map>
+#include <memory>
 #include <vector>
 
 thread_local dim3 threadIdx, blockIdx, blockDim;
@@ -57,7 +58,7 @@ struct Fiber {
 #else
     ucontext_t ctx;
 #endif
-    char *stack = nullptr;
+    std::unique_ptr<char[]> stack; /* kept across launches, freed at exit */
     FiberState state = DONE;
 };
 
@@ -106,12 +107,12 @@ void run_block(unsigned n)
     for (unsigned i = 0; i < n; i++) {
         Fiber &f = g_fibers[i];
         if (!f.stack)
-            f.stack = static_cast<char *>(malloc(kStackBytes));
+            f.stack.reset(new char[kStackBytes]);
 #ifdef QM_EMU_ASM_SWITCH
         /* A frame that "returns" into fiber_main with the stack aligned as
          * after a call: six zeroed registers, the entry, a dummy return. */
         uintptr_t *sp = reinterpret_cast<uintptr_t *>(
-            (reinterpret_cast<uintptr_t>(f.stack) + kStackBytes) & ~static_cast<uintptr_t>(15));
+            (reinterpret_cast<uintptr_t>(f.stack.get()) + kStackBytes) & ~static_cast<uintptr_t>(15));
         *--sp = 0;
         *--sp = reinterpret_cast<uintptr_t>(&fiber_main);
         for (int r = 0; r < 6; r++)
@@ -119,7 +120,7 @@ void run_block(unsigned n)
         f.sp = sp;
 #else
         getcontext(&f.ctx);
-        f.ctx.uc_stack.ss_sp = f.stack;
+        f.ctx.uc_stack.ss_sp = f.stack.get();
         f.ctx.uc_stack.ss_size = kStackBytes;
         f.ctx.uc_link = nullptr;
         makecontext(&f.ctx, fiber_main, 0);
