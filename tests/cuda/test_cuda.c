@@ -464,8 +464,8 @@ START_TEST(test_cuda_gpt_oss_like_layer_matches_cpu)
      * int4 block 32) at a size the float64 reference affords; rows are
      * 16-byte multiples, so the vectorised GEMV runs. */
 #ifdef QM_TEST_EMULATED
-    static const uint32_t TS[] = {1, 4, 16, 40};
-    const uint32_t width = 192;
+    static const uint32_t TS[] = {1, 4, 20};
+    const uint32_t width = 128;
 #else
     static const uint32_t TS[] = {1, 4, 16, 130};
     const uint32_t width = 576;
