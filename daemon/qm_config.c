@@ -147,6 +147,7 @@ static const key_def keys[] = {
     {"queue_depth", K_U32, OFF(queue_depth), 1, 1, 1u << 24},
     {"idle_timeout_s", K_U32, OFF(idle_timeout_s), 1, 0, 1u << 30},
     {"frames_per_wakeup", K_U32, OFF(frames_per_wakeup), 1, 1, 1u << 20},
+    {"frame_timeout_s", K_U32, OFF(frame_timeout_s), 1, 0, 1u << 30},
     {"drain_timeout_s", K_U32, OFF(drain_timeout_s), 1, 0, 86400},
     {"trace_capacity", K_U32, OFF(trace_capacity), 0, 16, 1u << 24},
     {"session_workspace_bytes", K_U64, OFF(session_workspace_bytes), 0, 0, UINT64_MAX},
@@ -292,8 +293,9 @@ static void usage(FILE *out)
             "  --version, --help\n"
             "Config keys: socket backend device_budget state_dir threads workers admin_group\n"
             "  log_level max_request_bytes max_nesting max_batch max_connections max_sessions\n"
-            "  max_output_bytes queue_depth idle_timeout_s frames_per_wakeup drain_timeout_s\n"
-            "  trace_capacity session_workspace_bytes, and \"models\": {NAME: PATH}.\n"
+            "  max_output_bytes queue_depth idle_timeout_s frame_timeout_s frames_per_wakeup\n"
+            "  drain_timeout_s"
+            " trace_capacity session_workspace_bytes, and \"models\": {NAME: PATH}.\n"
             "SIGHUP re-reads the reloadable keys (limits, log_level, admin_group).\n");
 }
 

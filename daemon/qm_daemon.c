@@ -20,6 +20,7 @@
 const char *const qm_limit_names[QM_LIMIT_COUNT] = {
     "max_request_bytes", "max_nesting",  "max_batch",      "max_connections",  "max_sessions",
     "max_output_bytes",  "queue_depth",  "idle_timeout_s", "frames_per_wakeup",
+    "frame_timeout_s",   "output_stall",
 };
 
 uint64_t qm_now_us(void)

@@ -65,6 +65,7 @@ typedef struct qm_config {
     uint64_t max_output_bytes; /* per connection: reads pause above it */
     uint32_t queue_depth;      /* jobs queued daemon-wide */
     uint32_t idle_timeout_s;   /* 0 = never */
+    uint32_t frame_timeout_s;  /* partial frame / stalled output; 0 = 2 x idle (60 s if none) */
     uint32_t frames_per_wakeup;
     uint32_t drain_timeout_s;
     uint32_t trace_capacity;
@@ -220,7 +221,8 @@ typedef struct qm_pool {
     qm_job *done_head, *done_tail;
     int stop;
     uv_async_t async;
-    size_t queued; /* jobs enqueued and not completed (loop thread) */
+    size_t queued;       /* jobs enqueued and not completed (loop thread) */
+    size_t queued_infer; /* ... of which inferences (what queue_depth bounds) */
 } qm_pool;
 
 struct qm_conn {
@@ -244,6 +246,8 @@ struct qm_conn {
     int logged_output_limit;
     uint64_t out_bytes;
     uint64_t last_active_ms; /* uv_now() of the last read or write */
+    uint64_t frame_started_ms;  /* when the buffered partial frame began (0: none) */
+    uint64_t last_progress_ms;  /* when queued output last shrank */
     qm_conn *next, *prev;
     qm_conn *pending_next; /* on d->pending (frames left to process) */
     int on_pending;
@@ -259,6 +263,8 @@ enum {
     QM_LIMIT_QUEUE_DEPTH,
     QM_LIMIT_IDLE_TIMEOUT,
     QM_LIMIT_FRAMES_PER_WAKEUP,
+    QM_LIMIT_FRAME_TIMEOUT,
+    QM_LIMIT_OUTPUT_STALL,
     QM_LIMIT_COUNT
 };
 extern const char *const qm_limit_names[QM_LIMIT_COUNT];

@@ -7,6 +7,7 @@
 #include <stdio.h>
 #include <string.h>
 #include <sys/random.h>
+#include <sys/stat.h>
 #include <time.h>
 
 #include "qm_alloc.h"
@@ -75,6 +76,14 @@ int qm_model_load(qm_daemon *d, const char *name, const char *path, qm_model **o
     snprintf(m->name, sizeof m->name, "%s", name);
     m->path = qm_strdup(path);
     int rc = m->path ? 0 : qm_status_set(st, QM_ENOMEM, "out of memory");
+    /* A FIFO or device would block open(2) on the loop thread: only regular
+     * files get that far (the loader checks again on the open fd). */
+    struct stat sb;
+    if (rc == 0 && stat(path, &sb) < 0)
+        rc = qm_status_set(st, QM_EINVALID_MODEL, "cannot open %.200s: %s", path,
+                           strerror(errno));
+    else if (rc == 0 && !S_ISREG(sb.st_mode))
+        rc = qm_status_set(st, QM_EINVALID_MODEL, "%.200s is not a regular file", path);
     if (rc == 0)
         rc = qm_bank_open(path, &m->bank, st);
     if (rc < 0) {

@@ -31,7 +31,7 @@ typedef struct write_req {
 } write_req;
 
 static void conn_update_reading(qm_conn *c);
-static void conn_process(qm_conn *c, size_t cap);
+static size_t conn_process(qm_conn *c, size_t cap);
 static void idle_cb(uv_idle_t *h);
 
 void qm_conn_ref(qm_conn *c) { c->refs++; }
@@ -89,6 +89,7 @@ static void write_cb(uv_write_t *req, int status)
     write_req *w = (write_req *)req;
     qm_conn *c = w->conn;
     c->out_bytes -= w->len;
+    c->last_progress_ms = uv_now(c->d->loop);
     qm_free(w->data);
     qm_free(w);
     if (status < 0 && !c->closing)
@@ -145,6 +146,7 @@ void qm_conn_write(qm_conn *c, char *data, size_t len)
     c->out_bytes += w->len;
     if (c->out_bytes > c->d->cfg.max_output_bytes && !c->paused_output) {
         c->paused_output = 1;
+        c->last_progress_ms = uv_now(c->d->loop);
         if (!c->logged_output_limit) {
             c->logged_output_limit = 1;
             qm_limit_hit(c->d, QM_LIMIT_MAX_OUTPUT_BYTES,
@@ -208,7 +210,12 @@ static void read_cb(uv_stream_t *s, ssize_t nread, const uv_buf_t *buf)
             qm_conn_drop(c);
             return;
         }
-        conn_process(c, c->d->cfg.frames_per_wakeup);
+        size_t handled = conn_process(c, c->d->cfg.frames_per_wakeup);
+        /* The deadline runs from the first byte of a frame, not the last. */
+        if (qm_framer_buffered(&c->framer) == 0)
+            c->frame_started_ms = 0;
+        else if (!c->frame_started_ms || handled)
+            c->frame_started_ms = uv_now(c->d->loop);
         return;
     }
     if (nread == UV_EOF) {
@@ -237,14 +244,15 @@ static void conn_update_reading(qm_conn *c)
     }
 }
 
-/* Handles up to `cap` buffered frames; leaves the rest for the idle handle. */
-static void conn_process(qm_conn *c, size_t cap)
+/* Handles up to `cap` buffered frames; leaves the rest for the idle handle.
+ * Returns how many were handled. */
+static size_t conn_process(qm_conn *c, size_t cap)
 {
     qm_daemon *d = c->d;
     size_t done = 0;
     for (;;) {
         if (c->closing || c->drop || c->close_after_write)
-            return;
+            return done;
         if (done == cap) {
             if (!c->paused_frames) {
                 c->paused_frames = 1;
@@ -258,7 +266,7 @@ static void conn_process(qm_conn *c, size_t cap)
                 }
                 conn_update_reading(c);
             }
-            return;
+            return done;
         }
         const char *line;
         size_t len;
@@ -273,7 +281,7 @@ static void conn_process(qm_conn *c, size_t cap)
             snprintf(reason, sizeof reason, "request line exceeds max_request_bytes %llu",
                      (unsigned long long)d->cfg.max_request_bytes);
             conn_fatal(c, QM_RPC_PAYLOAD_TOO_LARGE, reason);
-            return;
+            return done;
         }
         if (rc == 0)
             break;
@@ -283,7 +291,7 @@ static void conn_process(qm_conn *c, size_t cap)
         d->frame_decode_us = qm_now_us() - t0;
         if (drc < 0) {
             conn_fatal(c, QM_RPC_INTERNAL_ERROR, "out of memory decoding a request");
-            return;
+            return done;
         }
         if (frame.n == 1 && !frame.items[0].ok) {
             int code = frame.items[0].rpc_code;
@@ -303,6 +311,7 @@ static void conn_process(qm_conn *c, size_t cap)
         c->paused_frames = 0;
         conn_update_reading(c);
     }
+    return done;
 }
 
 static void idle_cb(uv_idle_t *h)
@@ -545,13 +554,35 @@ void qm_server_close_all(qm_daemon *d)
 
 void qm_server_sweep_idle(qm_daemon *d)
 {
-    if (!d->cfg.idle_timeout_s)
-        return;
-    uint64_t now = uv_now(d->loop), limit = (uint64_t)d->cfg.idle_timeout_s * 1000;
+    uint64_t now = uv_now(d->loop), idle = (uint64_t)d->cfg.idle_timeout_s * 1000;
+    /* A frame must complete, and paused output must move, within this. */
+    uint64_t deadline = d->cfg.frame_timeout_s ? (uint64_t)d->cfg.frame_timeout_s * 1000
+                        : idle                 ? 2 * idle
+                                               : 60000;
     for (qm_conn *c = d->conns; c; c = c->next) {
-        if (c->closing || c->drop || c->replies_pending || c->out_bytes)
+        if (c->closing || c->drop)
             continue;
-        if (now - c->last_active_ms > limit) {
+        if (c->frame_started_ms && !c->paused_frames && now - c->frame_started_ms > deadline) {
+            qm_limit_hit(d, QM_LIMIT_FRAME_TIMEOUT,
+                         "connection %llu (uid %u) left a frame incomplete for over %llu ms: "
+                         "closing it",
+                         (unsigned long long)c->id, (unsigned)c->uid,
+                         (unsigned long long)deadline);
+            qm_conn_drop(c);
+            continue;
+        }
+        if (c->paused_output && now - c->last_progress_ms > deadline) {
+            qm_limit_hit(d, QM_LIMIT_OUTPUT_STALL,
+                         "connection %llu (uid %u) read none of its %llu queued bytes for over "
+                         "%llu ms: closing it",
+                         (unsigned long long)c->id, (unsigned)c->uid,
+                         (unsigned long long)c->out_bytes, (unsigned long long)deadline);
+            qm_conn_drop(c);
+            continue;
+        }
+        if (!idle || c->replies_pending || c->out_bytes)
+            continue;
+        if (now - c->last_active_ms > idle) {
             qm_limit_hit(d, QM_LIMIT_IDLE_TIMEOUT,
                          "connection %llu (uid %u) idle for over idle_timeout_s %u: closing",
                          (unsigned long long)c->id, (unsigned)c->uid, d->cfg.idle_timeout_s);

@@ -84,6 +84,8 @@ static void done_cb(uv_async_t *h)
         list = job->next;
         job->next = NULL;
         p->queued--;
+        if (job->kind == QM_JOB_INFER)
+            p->queued_infer--;
         qm_dispatch_job_done(d, job);
     }
     qm_daemon_maybe_finish(d);
@@ -132,7 +134,9 @@ void qm_pool_stop(qm_daemon *d)
 int qm_pool_submit(qm_daemon *d, qm_job *job)
 {
     qm_pool *p = &d->pool;
-    if (p->queued >= d->cfg.queue_depth) {
+    /* Only inferences hold compute worth refusing: barriers and session
+     * creation are bounded by the sessions that exist. */
+    if (job->kind == QM_JOB_INFER && p->queued_infer >= d->cfg.queue_depth) {
         qm_limit_hit(d, QM_LIMIT_QUEUE_DEPTH, "queue_depth %u reached: answering overloaded",
                      d->cfg.queue_depth);
         return QM_EOVERLOADED;
@@ -141,6 +145,8 @@ int qm_pool_submit(qm_daemon *d, qm_job *job)
     job->enqueue_us = qm_now_us();
     job->next = NULL;
     p->queued++;
+    if (job->kind == QM_JOB_INFER)
+        p->queued_infer++;
     s->pending++;
     uv_mutex_lock(&p->mu);
     if (s->q_tail)

@@ -140,3 +140,89 @@ int qm_json_depth(const char *s, size_t n, int max)
     }
     return deepest;
 }
+
+static int is_digit(char c) { return c >= '0' && c <= '9'; }
+
+/* One JSON number token at s[i]; returns the index after it, or 0 when the
+ * spelling is not JSON (strtod would take "01", "1.", "0x10", ...). */
+static size_t number_end(const char *s, size_t n, size_t i)
+{
+    if (s[i] == '-')
+        i++;
+    if (i >= n || !is_digit(s[i]))
+        return 0;
+    if (s[i] == '0')
+        i++;
+    else
+        while (i < n && is_digit(s[i]))
+            i++;
+    if (i < n && s[i] == '.') {
+        i++;
+        if (i >= n || !is_digit(s[i]))
+            return 0;
+        while (i < n && is_digit(s[i]))
+            i++;
+    }
+    if (i < n && (s[i] == 'e' || s[i] == 'E')) {
+        i++;
+        if (i < n && (s[i] == '+' || s[i] == '-'))
+            i++;
+        if (i >= n || !is_digit(s[i]))
+            return 0;
+        while (i < n && is_digit(s[i]))
+            i++;
+    }
+    if (i < n) {
+        char c = s[i];
+        if (is_digit(c) || c == '.' || c == '+' || c == '-' || (c >= 'a' && c <= 'z') ||
+            (c >= 'A' && c <= 'Z'))
+            return 0;
+    }
+    return i;
+}
+
+int qm_json_check(const char *s, size_t n, int max_depth, const char **why)
+{
+    int depth = 0;
+    *why = NULL;
+    for (size_t i = 0; i < n; i++) {
+        unsigned char c = (unsigned char)s[i];
+        if (c == '"') {
+            for (i++; i < n && s[i] != '"'; i++) {
+                unsigned char d = (unsigned char)s[i];
+                if (d < 0x20) {
+                    *why = "a raw control character inside a string";
+                    return QM_EPARSE;
+                }
+                if (d == '\\') {
+                    if (i + 5 < n && s[i + 1] == 'u' && memcmp(s + i + 2, "0000", 4) == 0) {
+                        *why = "a string holds \\u0000, which this daemon does not accept";
+                        return QM_EINVAL;
+                    }
+                    i++;
+                }
+            }
+            continue;
+        }
+        if (c == '[' || c == '{') {
+            if (++depth > max_depth) {
+                *why = "JSON nested deeper than max_nesting";
+                return QM_ERESOURCE_EXHAUSTED;
+            }
+        } else if (c == ']' || c == '}') {
+            if (depth > 0)
+                depth--;
+        } else if (c == '-' || is_digit((char)c)) {
+            size_t end = number_end(s, n, i);
+            if (!end) {
+                *why = "a number that is not spelled as JSON";
+                return QM_EPARSE;
+            }
+            i = end - 1;
+        } else if (c < 0x20 && c != ' ' && c != '\t' && c != '\r' && c != '\n') {
+            *why = "a control character outside a string";
+            return QM_EPARSE;
+        }
+    }
+    return 0;
+}

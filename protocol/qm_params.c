@@ -6,6 +6,8 @@
 #include "qm_rpc_impl.h"
 
 #include <math.h>
+#include <stddef.h>
+#include <stdlib.h>
 #include <stdarg.h>
 #include <stdio.h>
 #include <string.h>
@@ -289,6 +291,50 @@ static int model_name_ok(const char *s)
     return 1;
 }
 
+static int cmp_u32(const void *a, const void *b)
+{
+    uint32_t x = *(const uint32_t *)a, y = *(const uint32_t *)b;
+    return x < y ? -1 : x > y;
+}
+
+/* Index of the first element that repeats an earlier one (n when none), in
+ * O(n log n): hot lists can be long, and this runs on the loop thread.
+ * Elements are uint32_t at `offset` within records of `stride` bytes. */
+static int first_repeat(const void *base, size_t n, size_t stride, size_t offset, size_t *out,
+                        qm_status *st)
+{
+    *out = n;
+    if (n < 2)
+        return 0;
+    uint32_t *sorted = qm_malloc(n * sizeof *sorted);
+    if (!sorted)
+        return qm_status_set(st, QM_ENOMEM, "out of memory checking policy_params.hot");
+    for (size_t i = 0; i < n; i++)
+        memcpy(&sorted[i], (const char *)base + i * stride + offset, sizeof(uint32_t));
+    qsort(sorted, n, sizeof *sorted, cmp_u32);
+    int found = 0;
+    uint32_t dup = 0;
+    for (size_t i = 1; i < n && !found; i++)
+        if (sorted[i] == sorted[i - 1]) {
+            found = 1;
+            dup = sorted[i];
+        }
+    qm_free(sorted);
+    if (!found)
+        return 0;
+    /* The second occurrence is the one to name. */
+    int seen = 0;
+    for (size_t i = 0; i < n; i++) {
+        uint32_t v;
+        memcpy(&v, (const char *)base + i * stride + offset, sizeof v);
+        if (v == dup && seen++) {
+            *out = i;
+            break;
+        }
+    }
+    return 0;
+}
+
 static int decode_hot(const cJSON *hot, qm_policy_params_wire *pp, qm_status *st)
 {
     static const char *const allowed[] = {"layer", "experts", NULL};
@@ -298,6 +344,9 @@ static int decode_hot(const cJSON *hot, qm_policy_params_wire *pp, qm_status *st
     size_t n = (size_t)cJSON_GetArraySize(hot);
     if (n == 0)
         return 0;
+    if (n > QM_HOT_MAX)
+        return bad(st, "policy_params.hot", "policy_params.hot has %zu entries; at most %d",
+                   n, QM_HOT_MAX);
     pp->hot = qm_calloc(n, sizeof *pp->hot);
     if (!pp->hot)
         return qm_status_set(st, QM_ENOMEM, "out of memory for policy_params.hot");
@@ -314,9 +363,6 @@ static int decode_hot(const cJSON *hot, qm_policy_params_wire *pp, qm_status *st
         rc = get_uint(e, "layer", path, 1, UINT32_MAX, NULL, &layer, st);
         if (rc < 0)
             return rc;
-        for (size_t j = 0; j < i; j++)
-            if (pp->hot[j].layer == layer)
-                return bad(st, path, "%s repeats layer %llu", path, (unsigned long long)layer);
         pp->hot[i].layer = (uint32_t)layer;
         pp->n_hot = i + 1;
         char epath[112];
@@ -325,24 +371,42 @@ static int decode_hot(const cJSON *hot, qm_policy_params_wire *pp, qm_status *st
         if (!ex || !cJSON_IsArray(ex))
             return bad(st, epath, "%s must be an array of expert indices", epath);
         size_t m = (size_t)cJSON_GetArraySize(ex);
+        if (m > QM_HOT_MAX)
+            return bad(st, epath, "%s has %zu experts; at most %d", epath, m, QM_HOT_MAX);
         pp->hot[i].experts = qm_calloc(m ? m : 1, sizeof(uint32_t));
         if (!pp->hot[i].experts)
             return qm_status_set(st, QM_ENOMEM, "out of memory for %s", epath);
         size_t j = 0;
         for (const cJSON *x = ex->child; x; x = x->next, j++) {
-            char xpath[128];
+            char xpath[144];
             snprintf(xpath, sizeof xpath, "%s[%zu]", epath, j);
             uint64_t v;
             rc = integer_value(x, xpath, UINT32_MAX, &v, st);
             if (rc < 0)
                 return rc;
-            for (size_t k = 0; k < j; k++)
-                if (pp->hot[i].experts[k] == v)
-                    return bad(st, xpath, "%s repeats expert %llu", xpath,
-                               (unsigned long long)v);
             pp->hot[i].experts[j] = (uint32_t)v;
             pp->hot[i].n_experts = j + 1;
         }
+        int rc2 = first_repeat(pp->hot[i].experts, pp->hot[i].n_experts, sizeof(uint32_t), 0,
+                               &j, st);
+        if (rc2 < 0)
+            return rc2;
+        if (j < pp->hot[i].n_experts) {
+            char xpath[144];
+            snprintf(xpath, sizeof xpath, "%s[%zu]", epath, j);
+            return bad(st, xpath, "%s repeats expert %u", xpath, pp->hot[i].experts[j]);
+        }
+    }
+    /* Layers: the same check over the entries. */
+    size_t j;
+    int rc2 = first_repeat(pp->hot, pp->n_hot, sizeof *pp->hot, offsetof(qm_hot_layer, layer), &j,
+                           st);
+    if (rc2 < 0)
+        return rc2;
+    if (j < pp->n_hot) {
+        char path[96];
+        snprintf(path, sizeof path, "policy_params.hot[%zu]", j);
+        return bad(st, path, "%s repeats layer %u", path, pp->hot[j].layer);
     }
     return 0;
 }

@@ -176,6 +176,12 @@ size_t qm_framer_buffered(const qm_framer *f);
 /* Nesting depth of a JSON text, counted over brackets outside strings
  * (before cJSON sees it). Returns the depth, or -1 as soon as it exceeds max. */
 int qm_json_depth(const char *s, size_t n, int max);
+/* The pre-scan of every request, before cJSON (which is lenient): nesting
+ * over max_depth (QM_ERESOURCE_EXHAUSTED), control bytes outside strings
+ * other than JSON whitespace, raw control bytes inside strings, numbers not
+ * spelled as JSON such as 01, 1., 0x10 (QM_EPARSE), and the escape \u0000,
+ * which C strings cannot carry (QM_EINVAL). *why: a static phrase. */
+int qm_json_check(const char *s, size_t n, int max_depth, const char **why);
 
 /* ---- Requests ---------------------------------------------------------------- */
 
@@ -206,6 +212,8 @@ int qm_method_parse(const char *name, size_t n, qm_method *out); /* 0 or QM_ENOT
 
 #define QM_SESSION_ID_LEN 32 /* 128 bits as lowercase hex */
 #define QM_NAME_MAX 64       /* model names: [A-Za-z0-9._-]{1,64} */
+
+#define QM_HOT_MAX 65536 /* entries of policy_params.hot, and experts in each */
 
 typedef struct qm_hot_layer {
     uint32_t layer;

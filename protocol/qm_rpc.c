@@ -138,7 +138,11 @@ static int id_to_text(const cJSON *id, char **out)
         double v = id->valuedouble;
         if (!isfinite(v))
             return QM_EINVAL;
-        if (v == floor(v) && fabs(v) <= 9007199254740992.0)
+        /* Integers at or past 2^53 may have been rounded by the parse: an
+         * id that cannot come back exactly is refused. */
+        if (v == floor(v) && fabs(v) >= 9007199254740992.0)
+            return QM_EINVAL;
+        if (v == floor(v))
             qm_jw_i64(&w, (int64_t)v);
         else
             qm_jw_f64(&w, v);
@@ -211,7 +215,8 @@ static void decode_item(const cJSON *obj, qm_rpc_item *it)
         }
         if (rc < 0) {
             item_error(it, QM_RPC_INVALID_REQUEST, NULL,
-                       "id must be a number or a string of at most 256 bytes, got %s",
+                       "id must be a string of at most 256 bytes or an integer below 2^53 "
+                       "in magnitude, got %s",
                        type_name(id));
             return;
         }
@@ -281,9 +286,17 @@ int qm_rpc_decode(const char *line, size_t len, const qm_proto_limits *lim, qm_r
                  lim->max_request_bytes);
         return single_error(out, QM_RPC_PAYLOAD_TOO_LARGE, msg);
     }
-    if (qm_json_depth(line, len, lim->max_nesting) < 0) {
+    const char *why;
+    int pre = qm_json_check(line, len, lim->max_nesting, &why);
+    if (pre == QM_ERESOURCE_EXHAUSTED) {
         snprintf(msg, sizeof msg, "JSON nested deeper than max_nesting %d", lim->max_nesting);
         return single_error(out, QM_RPC_INVALID_REQUEST, msg);
+    }
+    if (pre < 0) {
+        snprintf(msg, sizeof msg, "%s %s", pre == QM_EPARSE ? "not a JSON text:" : "refused:",
+                 why);
+        return single_error(out, pre == QM_EPARSE ? QM_RPC_PARSE_ERROR : QM_RPC_INVALID_REQUEST,
+                            msg);
     }
     const char *end = NULL;
     cJSON *root = cJSON_ParseWithLengthOpts(line, len, &end, 0);

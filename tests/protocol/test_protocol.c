@@ -134,6 +134,89 @@ START_TEST(test_nesting_at_limit_passes_and_one_beyond_is_invalid_request)
 }
 END_TEST
 
+#define REQ(method, params)                                                                        \
+    "{\"jsonrpc\":\"2.0\",\"id\":1,\"method\":\"" method "\",\"params\":" params "}"
+
+START_TEST(test_prescan_refuses_what_cjson_would_forgive)
+{
+    /* Control bytes outside strings, raw control bytes inside them, numbers
+     * strtod takes but JSON does not: parse errors. */
+    ck_assert_int_eq(decode_code("\x01{\"jsonrpc\":\"2.0\",\"id\":1,\"method\":\"daemon.status\"}",
+                                 NULL, 0),
+                     QM_RPC_PARSE_ERROR);
+    ck_assert_int_eq(decode_code("{\"jsonrpc\":\"2.0\",\"id\":\"a\x02\",\"method\":\"daemon.status\"}",
+                                 NULL, 0),
+                     QM_RPC_PARSE_ERROR);
+    const char *bad_numbers[] = {"01", "-01", "1.", "0x10", "1e", "-", "1.5e+"};
+    for (size_t i = 0; i < sizeof bad_numbers / sizeof bad_numbers[0]; i++) {
+        char buf[128];
+        snprintf(buf, sizeof buf, "{\"jsonrpc\":\"2.0\",\"id\":%s,\"method\":\"daemon.status\"}",
+                 bad_numbers[i]);
+        ck_assert_msg(decode_code(buf, NULL, 0) == QM_RPC_PARSE_ERROR, "%s", bad_numbers[i]);
+    }
+    const char *good_numbers[] = {"0", "-0", "10", "1.5", "1e3", "-2.5E-3", "9007199254740991"};
+    for (size_t i = 0; i < sizeof good_numbers / sizeof good_numbers[0]; i++) {
+        char buf[128];
+        snprintf(buf, sizeof buf, "{\"jsonrpc\":\"2.0\",\"id\":%s,\"method\":\"daemon.status\"}",
+                 good_numbers[i]);
+        ck_assert_msg(decode_code(buf, NULL, 0) == 0, "%s", good_numbers[i]);
+    }
+    /* Brackets and digits inside strings are text. */
+    ck_assert_int_eq(decode_code("{\"jsonrpc\":\"2.0\",\"id\":\"01[\",\"method\":\"daemon.status\"}",
+                                 NULL, 0),
+                     0);
+}
+END_TEST
+
+START_TEST(test_escaped_nul_is_refused_not_truncated)
+{
+    ck_assert_int_eq(decode_code("{\"jsonrpc\":\"2.0\",\"id\":1,\"method\":\"daemon.status\\u0000x\"}",
+                                 NULL, 0),
+                     QM_RPC_INVALID_REQUEST);
+    ck_assert_int_eq(decode_code(REQ("session.plan", "{\"session\":\"ab\\u0000c\"}"), NULL, 0),
+                     QM_RPC_INVALID_REQUEST);
+    /* Other escapes are fine. */
+    ck_assert_int_eq(decode_code(REQ("session.plan", "{\"session\":\"ab\\u0041\\n\"}"), NULL, 0),
+                     0);
+}
+END_TEST
+
+START_TEST(test_ids_that_cannot_come_back_exactly_are_refused)
+{
+    ck_assert_int_eq(decode_code("{\"jsonrpc\":\"2.0\",\"id\":9007199254740993,"
+                                 "\"method\":\"daemon.status\"}",
+                                 NULL, 0),
+                     QM_RPC_INVALID_REQUEST);
+    ck_assert_int_eq(decode_code("{\"jsonrpc\":\"2.0\",\"id\":-9223372036854775808,"
+                                 "\"method\":\"daemon.status\"}",
+                                 NULL, 0),
+                     QM_RPC_INVALID_REQUEST);
+    qm_rpc_frame f = decode("{\"jsonrpc\":\"2.0\",\"id\":-9007199254740991,\"method\":\"daemon.status\"}");
+    ck_assert(f.items[0].ok);
+    ck_assert_str_eq(f.items[0].req.id, "-9007199254740991");
+    qm_rpc_frame_free(&f);
+}
+END_TEST
+
+START_TEST(test_long_hot_lists_decode_fast_and_name_the_repeat)
+{
+    size_t n = 60000;
+    char *buf = malloc(n * 8 + 256);
+    size_t o = (size_t)sprintf(buf, "{\"jsonrpc\":\"2.0\",\"id\":1,\"method\":\"session.create\","
+                                    "\"params\":{\"model\":\"m\",\"policy\":\"static_hot\","
+                                    "\"policy_params\":{\"hot\":[{\"layer\":0,\"experts\":[");
+    for (size_t i = 0; i < n; i++)
+        o += (size_t)sprintf(buf + o, "%s%zu", i ? "," : "", i == n - 1 ? (size_t)17 : i);
+    strcpy(buf + o, "]}]}}}");
+    char field[64];
+    ck_assert_int_eq(decode_code(buf, field, sizeof field), QM_RPC_INVALID_PARAMS);
+    char want[64];
+    snprintf(want, sizeof want, "policy_params.hot[0].experts[%zu]", n - 1);
+    ck_assert_str_eq(field, want);
+    free(buf);
+}
+END_TEST
+
 /* ---- envelopes ---- */
 
 START_TEST(test_decode_request_keeps_id_text)
@@ -242,8 +325,6 @@ END_TEST
 
 /* ---- params ---- */
 
-#define REQ(method, params)                                                                        \
-    "{\"jsonrpc\":\"2.0\",\"id\":1,\"method\":\"" method "\",\"params\":" params "}"
 
 START_TEST(test_params_unknown_member_names_field)
 {
@@ -538,6 +619,10 @@ static Suite *protocol_suite(void)
     tcase_add_test(tc, test_framer_accepts_line_of_exactly_cap_and_rejects_complete_line_over);
     tcase_add_test(tc, test_depth_ignores_brackets_inside_strings);
     tcase_add_test(tc, test_nesting_at_limit_passes_and_one_beyond_is_invalid_request);
+    tcase_add_test(tc, test_prescan_refuses_what_cjson_would_forgive);
+    tcase_add_test(tc, test_escaped_nul_is_refused_not_truncated);
+    tcase_add_test(tc, test_ids_that_cannot_come_back_exactly_are_refused);
+    tcase_add_test(tc, test_long_hot_lists_decode_fast_and_name_the_repeat);
     suite_add_tcase(s, tc);
     tc = tcase_create("jsonrpc");
     tcase_add_test(tc, test_decode_request_keeps_id_text);
