@@ -46,6 +46,7 @@ void qm_config_free(qm_config *cfg)
     qm_free(cfg->models);
     qm_free(cfg->state_dir);
     qm_free(cfg->admin_group);
+    qm_free(cfg->user);
     memset(cfg, 0, sizeof *cfg);
 }
 
@@ -118,7 +119,7 @@ static int set_string(char **slot, const char *v, qm_status *st)
     return 0;
 }
 
-typedef enum { K_U32, K_U64, K_STR, K_LEVEL, K_BACKEND } key_kind;
+typedef enum { K_U32, K_U64, K_STR, K_LEVEL, K_BACKEND, K_BOOL } key_kind;
 
 typedef struct key_def {
     const char *name;
@@ -137,6 +138,8 @@ static const key_def keys[] = {
     {"threads", K_U32, OFF(threads), 0, 0, 1024},
     {"workers", K_U32, OFF(workers), 0, 1, 256},
     {"admin_group", K_STR, OFF(admin_group), 1, 0, 0},
+    {"user", K_STR, OFF(user), 0, 0, 0},
+    {"allow_root", K_BOOL, OFF(allow_root), 0, 0, 0},
     {"log_level", K_LEVEL, 0, 1, 0, 0},
     {"max_request_bytes", K_U64, OFF(max_request_bytes), 1, 64, 1ull << 32},
     {"max_nesting", K_U32, OFF(max_nesting), 1, 2, 1000},
@@ -176,6 +179,17 @@ static int apply_key(qm_config *cfg, const key_def *k, const char *text, int has
         if (!text || qm_log_level_parse(text, &cfg->log_level) < 0)
             return qm_status_set_field(st, QM_EINVAL, k->name,
                                        "%s must be one of error, warning, notice, info, debug",
+                                       k->name);
+        return 0;
+    case K_BOOL:
+        if (text && (strcmp(text, "true") == 0 || strcmp(text, "1") == 0))
+            *(int *)(base + k->offset) = 1;
+        else if (text && (strcmp(text, "false") == 0 || strcmp(text, "0") == 0))
+            *(int *)(base + k->offset) = 0;
+        else if (!text && has_num == 2)
+            *(int *)(base + k->offset) = num != 0;
+        else
+            return qm_status_set_field(st, QM_EINVAL, k->name, "%s must be true or false",
                                        k->name);
         return 0;
     case K_BACKEND:
@@ -263,7 +277,8 @@ int qm_config_load_file(qm_config *cfg, const char *path, int reload, qm_status 
         if (reload && !k->reloadable)
             continue;
         rc = apply_key(cfg, k, e[i].type == QM_CONF_STRING ? e[i].str : NULL,
-                       e[i].type == QM_CONF_NUMBER, e[i].num, st);
+                       e[i].type == QM_CONF_BOOL ? 2 : e[i].type == QM_CONF_NUMBER,
+                       e[i].type == QM_CONF_BOOL ? e[i].boolean : e[i].num, st);
     }
     qm_conf_free(e, count);
     if (rc < 0 && st && !strstr(st->msg, path)) {
@@ -288,10 +303,13 @@ static void usage(FILE *out)
             "  --threads N           compute threads of the backend (0 = cores)\n"
             "  --workers N           sessions computed in parallel (default 2)\n"
             "  --admin-group GROUP   members may use admin methods\n"
+            "  --user USER           as root: drop to USER after binding and loading\n"
+            "  --allow-root          keep running as root (otherwise a warning)\n"
             "  --log-level LEVEL     error, warning, notice, info, debug\n"
             "  --set KEY=VALUE       any config key (e.g. --set max_batch=16)\n"
             "  --version, --help\n"
             "Config keys: socket backend device_budget state_dir threads workers admin_group\n"
+            "  user allow_root"
             "  log_level max_request_bytes max_nesting max_batch max_connections max_sessions\n"
             "  max_output_bytes queue_depth idle_timeout_s frame_timeout_s frames_per_wakeup\n"
             "  drain_timeout_s"
@@ -302,7 +320,7 @@ static void usage(FILE *out)
 int qm_config_from_args(qm_config *cfg, int argc, char **argv, qm_status *st)
 {
     enum { O_SOCKET = 256, O_CONFIG, O_MODEL, O_BACKEND, O_BUDGET, O_STATE, O_THREADS,
-           O_WORKERS, O_ADMIN, O_LEVEL, O_SET, O_VERSION, O_HELP };
+           O_WORKERS, O_ADMIN, O_LEVEL, O_SET, O_VERSION, O_HELP, O_USER, O_ALLOW_ROOT };
     static const struct option opts[] = {
         {"socket", required_argument, 0, O_SOCKET},   {"config", required_argument, 0, O_CONFIG},
         {"model", required_argument, 0, O_MODEL},     {"backend", required_argument, 0, O_BACKEND},
@@ -310,6 +328,8 @@ int qm_config_from_args(qm_config *cfg, int argc, char **argv, qm_status *st)
         {"state-dir", required_argument, 0, O_STATE}, {"threads", required_argument, 0, O_THREADS},
         {"workers", required_argument, 0, O_WORKERS},
         {"admin-group", required_argument, 0, O_ADMIN},
+        {"user", required_argument, 0, O_USER},
+        {"allow-root", no_argument, 0, O_ALLOW_ROOT},
         {"log-level", required_argument, 0, O_LEVEL}, {"set", required_argument, 0, O_SET},
         {"version", no_argument, 0, O_VERSION},       {"help", no_argument, 0, O_HELP},
         {0, 0, 0, 0}};
@@ -343,6 +363,10 @@ int qm_config_from_args(qm_config *cfg, int argc, char **argv, qm_status *st)
         case O_THREADS: key = "threads"; break;
         case O_WORKERS: key = "workers"; break;
         case O_ADMIN: key = "admin_group"; break;
+        case O_USER: key = "user"; break;
+        case O_ALLOW_ROOT:
+            cfg->allow_root = 1;
+            continue;
         case O_LEVEL: key = "log_level"; break;
         case O_MODEL: {
             const char *eq = strchr(optarg, '=');

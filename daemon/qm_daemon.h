@@ -55,6 +55,8 @@ typedef struct qm_config {
     uint32_t threads;   /* backend compute threads (0 = cores) */
     uint32_t workers;   /* sessions computed in parallel */
     char *admin_group;
+    char *user;     /* drop to this user after binding (when started as root) */
+    int allow_root; /* keep running as root without a warning */
     int log_level;
     /* limits */
     uint64_t max_request_bytes;

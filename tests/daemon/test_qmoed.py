@@ -739,3 +739,26 @@ def test_hostile_bytes_split_writes_and_blank_lines(daemon):
     for i in range(len(line)):
         c.send_raw(line[i:i + 1])
     assert c.read()["id"] == "split"
+
+
+def test_user_flag_drops_root_after_binding(banks):
+    if os.geteuid() != 0:
+        pytest.skip("needs root to test dropping to another user")
+    d = tempfile.mkdtemp(prefix="qmoed-drop-")
+    os.chmod(d, 0o755)
+    os.chmod(banks["dir"], 0o755)
+    dm = Daemon(models={"small": banks["small"]}, args=["--user", "nobody"], workdir=d)
+    try:
+        st = os.stat(dm.socket)
+        assert st.st_uid == 65534 and (st.st_mode & 0o777) == 0o660
+        status = open("/proc/%d/status" % dm.proc.pid).read()
+        uids = [l for l in status.splitlines() if l.startswith("Uid:")][0].split()[1:]
+        assert set(uids) == {"65534"}, uids
+        c = dm.client()  # root is still an admin
+        assert c.call("model.list")["models"][0]["name"] == "small"
+        new_session(c)
+    finally:
+        assert dm.stop() == 0
+    p = subprocess.run([qmoed_path(), "--socket", os.path.join(d, "x.sock"), "--user",
+                        "no-such-user-qmoed"], capture_output=True, timeout=10)
+    assert p.returncode != 0 and b"no user named" in p.stderr
