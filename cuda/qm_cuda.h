@@ -37,11 +37,11 @@ typedef enum qm_cuda_kernels {
 int qm_backend_cuda_set_kernels(qm_backend *be, qm_cuda_kernels kernels, uint32_t gemm_min_rows);
 
 typedef struct qm_cuda_stats {
-    uint64_t copies;          /* copy_h2d calls */
-    uint64_t bytes_direct;    /* copied straight from registered memory */
-    uint64_t bytes_bounced;   /* copied through the pinned bounce ring */
-    uint64_t batches;         /* run_experts calls that ran kernels */
-    uint64_t scratch_grows;   /* device/pinned scratch reallocations in run_experts */
+    uint64_t copies;        /* copy_h2d calls */
+    uint64_t bytes_direct;  /* copied straight from registered memory */
+    uint64_t bytes_bounced; /* copied through the pinned bounce ring */
+    uint64_t batches;       /* run_experts calls that ran kernels */
+    uint64_t scratch_grows; /* device/pinned scratch reallocations in run_experts */
 } qm_cuda_stats;
 
 int qm_backend_cuda_stats(qm_backend *be, qm_cuda_stats *out);

@@ -67,12 +67,10 @@ int qm__cuda_fail(qm__cuda_ctx *c, cudaError_t err, qm_status *st, const char *w
 int qm__cuda_enter(qm__cuda_ctx *c, qm_status *st)
 {
     if (c->lost)
-        return qm_status_set(st, QM_EDEVICE,
-                             "CUDA device %d is lost (%s); create a new backend", c->device,
-                             c->lost_reason);
+        return qm_status_set(st, QM_EDEVICE, "CUDA device %d is lost (%s); create a new backend",
+                             c->device, c->lost_reason);
     cudaError_t err = cudaSetDevice(c->device);
-    if (err != cudaSuccess)
-        return qm__cuda_fail(c, err, st, "cudaSetDevice");
+    if (err != cudaSuccess) return qm__cuda_fail(c, err, st, "cudaSetDevice");
     return 0;
 }
 
@@ -90,31 +88,23 @@ int qm__cuda_enter(qm__cuda_ctx *c, qm_status *st)
 static void qm__cuda_destroy(void *ctx)
 {
     qm__cuda_ctx *c = ctx;
-    if (!c)
-        return;
+    if (!c) return;
     (void)cudaSetDevice(c->device);
-    if (c->copy_stream)
-        (void)cudaStreamSynchronize(c->copy_stream);
-    if (c->compute_stream)
-        (void)cudaStreamSynchronize(c->compute_stream);
+    if (c->copy_stream) (void)cudaStreamSynchronize(c->copy_stream);
+    if (c->compute_stream) (void)cudaStreamSynchronize(c->compute_stream);
     for (size_t i = 0; i < c->n_regs; i++)
         (void)cudaHostUnregister((void *)c->regs[i].start);
     qm_free(c->regs);
     for (unsigned i = 0; i < QM__CUDA_BOUNCE_COUNT; i++) {
-        if (c->bounce[i])
-            (void)cudaFreeHost(c->bounce[i]);
-        if (c->bounce_event[i])
-            (void)cudaEventDestroy(c->bounce_event[i]);
+        if (c->bounce[i]) (void)cudaFreeHost(c->bounce[i]);
+        if (c->bounce_event[i]) (void)cudaEventDestroy(c->bounce_event[i]);
     }
     for (unsigned i = 0; i < QM__CUDA_FENCE_RING; i++) {
-        if (c->fence_event[i])
-            (void)cudaEventDestroy(c->fence_event[i]);
+        if (c->fence_event[i]) (void)cudaEventDestroy(c->fence_event[i]);
     }
     qm__cuda_scratch_free(&c->scratch);
-    if (c->copy_stream)
-        (void)cudaStreamDestroy(c->copy_stream);
-    if (c->compute_stream)
-        (void)cudaStreamDestroy(c->compute_stream);
+    if (c->copy_stream) (void)cudaStreamDestroy(c->copy_stream);
+    if (c->compute_stream) (void)cudaStreamDestroy(c->compute_stream);
     (void)cudaGetLastError();
     pthread_mutex_destroy(&c->copy_lock);
     pthread_mutex_destroy(&c->run_lock);
@@ -124,14 +114,10 @@ static void qm__cuda_destroy(void *ctx)
 static qm_cuda_kernels qm__cuda_kernels_from_env(void)
 {
     const char *v = getenv("QMOE_CUDA_KERNELS");
-    if (!v)
-        return QM_CUDA_KERNELS_AUTO;
-    if (strcmp(v, "gemv") == 0)
-        return QM_CUDA_KERNELS_GEMV;
-    if (strcmp(v, "gemm") == 0)
-        return QM_CUDA_KERNELS_GEMM;
-    if (strcmp(v, "naive") == 0)
-        return QM_CUDA_KERNELS_NAIVE;
+    if (!v) return QM_CUDA_KERNELS_AUTO;
+    if (strcmp(v, "gemv") == 0) return QM_CUDA_KERNELS_GEMV;
+    if (strcmp(v, "gemm") == 0) return QM_CUDA_KERNELS_GEMM;
+    if (strcmp(v, "naive") == 0) return QM_CUDA_KERNELS_NAIVE;
     return QM_CUDA_KERNELS_AUTO;
 }
 
@@ -139,8 +125,7 @@ int qm_backend_cuda_new(int device, qm_backend **out, qm_status *st)
 {
     int rc = 0, count = 0;
     qm__cuda_ctx *c = NULL;
-    if (!out)
-        return qm_status_set(st, QM_EINVAL, "qm_backend_cuda_new: out is NULL");
+    if (!out) return qm_status_set(st, QM_EINVAL, "qm_backend_cuda_new: out is NULL");
     *out = NULL;
 
     cudaError_t err = cudaGetDeviceCount(&count);
@@ -148,15 +133,13 @@ int qm_backend_cuda_new(int device, qm_backend **out, qm_status *st)
         (void)cudaGetLastError();
         return qm_status_set(st, QM_EDEVICE, "no CUDA device: %s", cudaGetErrorString(err));
     }
-    if (count <= 0)
-        return qm_status_set(st, QM_EDEVICE, "no CUDA device: the driver lists none");
+    if (count <= 0) return qm_status_set(st, QM_EDEVICE, "no CUDA device: the driver lists none");
     if (device < 0 || device >= count)
         return qm_status_set(st, QM_EDEVICE, "no CUDA device %d: the driver lists %d (0..%d)",
                              device, count, count - 1);
 
     c = qm_calloc(1, sizeof *c);
-    if (!c)
-        return qm_status_set(st, QM_ENOMEM, "cannot allocate the CUDA backend context");
+    if (!c) return qm_status_set(st, QM_ENOMEM, "cannot allocate the CUDA backend context");
     c->device = device;
     c->kernels = qm__cuda_kernels_from_env();
     c->gemm_min_rows = QM__CUDA_GEMM_MIN_ROWS_DEFAULT;
@@ -204,12 +187,10 @@ static int qm__cuda_info(void *ctx, qm_device_info *out)
     snprintf(out->name, sizeof out->name, "%.127s", c->name);
     snprintf(out->kind, sizeof out->kind, "cuda");
     int rc = qm__cuda_enter(c, NULL);
-    if (rc < 0)
-        return rc;
+    if (rc < 0) return rc;
     size_t free_b = 0, total_b = 0;
     cudaError_t err = cudaMemGetInfo(&free_b, &total_b);
-    if (err != cudaSuccess)
-        return qm__cuda_fail(c, err, NULL, "cudaMemGetInfo");
+    if (err != cudaSuccess) return qm__cuda_fail(c, err, NULL, "cudaMemGetInfo");
     out->total_bytes = total_b;
     out->free_bytes = free_b;
     return 0;
@@ -219,12 +200,10 @@ static int qm__cuda_arena_alloc(void *ctx, qm_arena *arena, uint64_t bytes, qm_s
 {
     qm__cuda_ctx *c = ctx;
     int rc = qm__cuda_enter(c, st);
-    if (rc < 0)
-        return rc;
+    if (rc < 0) return rc;
     arena->base = NULL;
     arena->handle = NULL;
-    if (bytes == 0)
-        return 0;
+    if (bytes == 0) return 0;
     if (bytes > (uint64_t)SIZE_MAX)
         return qm_status_set(st, QM_ERESOURCE_EXHAUSTED, "arena of %llu bytes is too large",
                              (unsigned long long)bytes);
@@ -234,8 +213,7 @@ static int qm__cuda_arena_alloc(void *ctx, qm_arena *arena, uint64_t bytes, qm_s
         rc = qm__cuda_fail(c, err, st, "cudaMalloc (arena)");
         if (rc == QM_ERESOURCE_EXHAUSTED) {
             size_t free_b = 0, total_b = 0;
-            if (cudaMemGetInfo(&free_b, &total_b) != cudaSuccess)
-                (void)cudaGetLastError();
+            if (cudaMemGetInfo(&free_b, &total_b) != cudaSuccess) (void)cudaGetLastError();
             qm_status_set(st, rc,
                           "cannot allocate an arena of %llu bytes on %s: %llu of %llu bytes free",
                           (unsigned long long)bytes, c->name, (unsigned long long)free_b,
@@ -250,12 +228,10 @@ static int qm__cuda_arena_alloc(void *ctx, qm_arena *arena, uint64_t bytes, qm_s
 static void qm__cuda_arena_release(void *ctx, qm_arena *arena)
 {
     qm__cuda_ctx *c = ctx;
-    if (!arena || !arena->base)
-        return;
+    if (!arena || !arena->base) return;
     (void)cudaSetDevice(c->device);
     /* cudaFree waits for work that may still read the arena. */
-    if (cudaFree(arena->base) != cudaSuccess)
-        (void)cudaGetLastError();
+    if (cudaFree(arena->base) != cudaSuccess) (void)cudaGetLastError();
     arena->base = NULL;
 }
 
@@ -266,16 +242,15 @@ static int qm__cuda_is_registered(const qm__cuda_ctx *c, const void *src, uint64
     uintptr_t s = (uintptr_t)src;
     for (size_t i = 0; i < c->n_regs; i++) {
         const qm__cuda_registration *r = &c->regs[i];
-        if (s >= r->start && bytes <= r->bytes && s - r->start <= r->bytes - bytes)
-            return 1;
+        if (s >= r->start && bytes <= r->bytes && s - r->start <= r->bytes - bytes) return 1;
     }
     return 0;
 }
 
 /* Copies through the pinned ring: the host fills buffer i while the device
  * still drains buffer i - 1. Caller holds copy_lock. */
-static int qm__cuda_copy_bounced(qm__cuda_ctx *c, uint8_t *dst, const uint8_t *src,
-                                 uint64_t bytes, qm_status *st)
+static int qm__cuda_copy_bounced(qm__cuda_ctx *c, uint8_t *dst, const uint8_t *src, uint64_t bytes,
+                                 qm_status *st)
 {
     int rc = 0;
     while (bytes > 0) {
@@ -302,8 +277,8 @@ fail:
     return rc;
 }
 
-static int qm__cuda_copy_h2d(void *ctx, void *dst, const void *src, uint64_t bytes,
-                             qm_fence *fence, qm_status *st)
+static int qm__cuda_copy_h2d(void *ctx, void *dst, const void *src, uint64_t bytes, qm_fence *fence,
+                             qm_status *st)
 {
     qm__cuda_ctx *c = ctx;
     int rc = qm__cuda_enter(c, st);
@@ -311,10 +286,8 @@ static int qm__cuda_copy_h2d(void *ctx, void *dst, const void *src, uint64_t byt
         fence->seq = 0;
         fence->handle = NULL;
     }
-    if (rc < 0)
-        return rc;
-    if (bytes == 0)
-        return 0;
+    if (rc < 0) return rc;
+    if (bytes == 0) return 0;
     if (!dst || !src)
         return qm_status_set(st, QM_EINVAL, "copy_h2d: NULL %s", dst ? "source" : "destination");
 
@@ -325,8 +298,7 @@ static int qm__cuda_copy_h2d(void *ctx, void *dst, const void *src, uint64_t byt
         c->stats.bytes_direct += bytes;
     } else {
         rc = qm__cuda_copy_bounced(c, dst, src, bytes, st);
-        if (rc < 0)
-            goto fail;
+        if (rc < 0) goto fail;
         c->stats.bytes_bounced += bytes;
     }
     c->stats.copies++;
@@ -351,11 +323,9 @@ fail:
 static int qm__cuda_fence_wait(void *ctx, qm_fence *fence, qm_status *st)
 {
     qm__cuda_ctx *c = ctx;
-    if (!fence || fence->seq == 0)
-        return 0;
+    if (!fence || fence->seq == 0) return 0;
     int rc = qm__cuda_enter(c, st);
-    if (rc < 0)
-        return rc;
+    if (rc < 0) return rc;
     pthread_mutex_lock(&c->copy_lock);
     if (fence->seq > c->copy_seq) {
         pthread_mutex_unlock(&c->copy_lock);
@@ -374,11 +344,9 @@ static int qm__cuda_fence_wait(void *ctx, qm_fence *fence, qm_status *st)
     pthread_mutex_unlock(&c->copy_lock);
 
     cudaError_t err = cudaEventSynchronize(ev);
-    if (err != cudaSuccess)
-        return qm__cuda_fail(c, err, st, "cudaEventSynchronize (fence)");
+    if (err != cudaSuccess) return qm__cuda_fail(c, err, st, "cudaEventSynchronize (fence)");
     pthread_mutex_lock(&c->copy_lock);
-    if (ev_seq > c->done_seq)
-        c->done_seq = ev_seq;
+    if (ev_seq > c->done_seq) c->done_seq = ev_seq;
     pthread_mutex_unlock(&c->copy_lock);
     fence->seq = 0;
     fence->handle = NULL;
@@ -389,8 +357,7 @@ static int qm__cuda_synchronize(void *ctx, qm_status *st)
 {
     qm__cuda_ctx *c = ctx;
     int rc = qm__cuda_enter(c, st);
-    if (rc < 0)
-        return rc;
+    if (rc < 0) return rc;
     QM__CU(c, cudaStreamSynchronize(c->copy_stream), "cudaStreamSynchronize (copy)");
     QM__CU(c, cudaStreamSynchronize(c->compute_stream), "cudaStreamSynchronize (compute)");
     pthread_mutex_lock(&c->copy_lock);
@@ -426,19 +393,15 @@ static qm__cuda_ctx *qm__cuda_of(qm_backend *be)
 int qm_backend_cuda_register_host(qm_backend *be, const void *ptr, size_t bytes, qm_status *st)
 {
     qm__cuda_ctx *c = qm__cuda_of(be);
-    if (!c)
-        return qm_status_set(st, QM_EINVAL, "register_host: not a CUDA backend");
-    if (!ptr || bytes == 0)
-        return qm_status_set(st, QM_EINVAL, "register_host: empty range");
+    if (!c) return qm_status_set(st, QM_EINVAL, "register_host: not a CUDA backend");
+    if (!ptr || bytes == 0) return qm_status_set(st, QM_EINVAL, "register_host: empty range");
     int rc = qm__cuda_enter(c, st);
-    if (rc < 0)
-        return rc;
+    if (rc < 0) return rc;
     long page = sysconf(_SC_PAGESIZE);
     uintptr_t pg = page > 0 ? (uintptr_t)page : 4096u;
     uintptr_t start = (uintptr_t)ptr & ~(pg - 1);
     uintptr_t end = ((uintptr_t)ptr + bytes + pg - 1) & ~(pg - 1);
-    if (end < start)
-        return qm_status_set(st, QM_EINVAL, "register_host: range wraps around");
+    if (end < start) return qm_status_set(st, QM_EINVAL, "register_host: range wraps around");
 
     pthread_mutex_lock(&c->copy_lock);
     for (size_t i = 0; i < c->n_regs; i++) {
@@ -470,14 +433,14 @@ int qm_backend_cuda_register_host(qm_backend *be, const void *ptr, size_t bytes,
     if (err != cudaSuccess) {
         (void)cudaGetLastError();
         pthread_mutex_unlock(&c->copy_lock);
-        if (qm__cuda_is_sticky(err))
-            return qm__cuda_fail(c, err, st, "cudaHostRegister");
+        if (qm__cuda_is_sticky(err)) return qm__cuda_fail(c, err, st, "cudaHostRegister");
         return qm_status_set(st, QM_EUNSUPPORTED,
                              "cudaHostRegister of %zu bytes refused: %s; copies will use the "
                              "pinned bounce buffers",
                              (size_t)(end - start), cudaGetErrorString(err));
     }
-    c->regs[c->n_regs++] = (qm__cuda_registration){.ptr = ptr, .start = start, .bytes = end - start};
+    c->regs[c->n_regs++] =
+        (qm__cuda_registration){.ptr = ptr, .start = start, .bytes = end - start};
     pthread_mutex_unlock(&c->copy_lock);
     return 0;
 }
@@ -485,13 +448,11 @@ int qm_backend_cuda_register_host(qm_backend *be, const void *ptr, size_t bytes,
 int qm_backend_cuda_unregister_host(qm_backend *be, const void *ptr, qm_status *st)
 {
     qm__cuda_ctx *c = qm__cuda_of(be);
-    if (!c)
-        return qm_status_set(st, QM_EINVAL, "unregister_host: not a CUDA backend");
+    if (!c) return qm_status_set(st, QM_EINVAL, "unregister_host: not a CUDA backend");
     (void)cudaSetDevice(c->device);
     pthread_mutex_lock(&c->copy_lock);
     for (size_t i = 0; i < c->n_regs; i++) {
-        if (c->regs[i].ptr != ptr)
-            continue;
+        if (c->regs[i].ptr != ptr) continue;
         /* Copies in flight may still read the range. */
         (void)cudaStreamSynchronize(c->copy_stream);
         c->done_seq = c->copy_seq;
@@ -508,8 +469,7 @@ int qm_backend_cuda_unregister_host(qm_backend *be, const void *ptr, qm_status *
 int qm_backend_cuda_set_kernels(qm_backend *be, qm_cuda_kernels kernels, uint32_t gemm_min_rows)
 {
     qm__cuda_ctx *c = qm__cuda_of(be);
-    if (!c || kernels < QM_CUDA_KERNELS_AUTO || kernels > QM_CUDA_KERNELS_NAIVE)
-        return QM_EINVAL;
+    if (!c || kernels < QM_CUDA_KERNELS_AUTO || kernels > QM_CUDA_KERNELS_NAIVE) return QM_EINVAL;
     pthread_mutex_lock(&c->run_lock);
     c->kernels = kernels;
     c->gemm_min_rows = gemm_min_rows ? gemm_min_rows : QM__CUDA_GEMM_MIN_ROWS_DEFAULT;
@@ -520,8 +480,7 @@ int qm_backend_cuda_set_kernels(qm_backend *be, qm_cuda_kernels kernels, uint32_
 int qm_backend_cuda_stats(qm_backend *be, qm_cuda_stats *out)
 {
     qm__cuda_ctx *c = qm__cuda_of(be);
-    if (!c || !out)
-        return QM_EINVAL;
+    if (!c || !out) return QM_EINVAL;
     pthread_mutex_lock(&c->copy_lock);
     pthread_mutex_lock(&c->run_lock);
     *out = c->stats;

@@ -85,10 +85,8 @@ static int cmp_double(const void *a, const void *b)
 static double median(double *v, int n, double *lo, double *hi)
 {
     qsort(v, (size_t)n, sizeof *v, cmp_double);
-    if (lo)
-        *lo = v[0];
-    if (hi)
-        *hi = v[n - 1];
+    if (lo) *lo = v[0];
+    if (hi) *hi = v[n - 1];
     return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
 }
 
@@ -110,10 +108,19 @@ static uint64_t g_size[6], g_off[6], g_unit;
 static void layer_init(qm_bank_config *cfg, qm_layer_view *lv)
 {
     memset(cfg, 0, sizeof *cfg);
-    *cfg = (qm_bank_config){.layers = 1, .experts = E_, .hidden = H_, .inter = I_, .k = K_,
-                            .bits = 4, .block_size = BS_, .activation = QM_ACT_SWIGLU,
-                            .swiglu_fusion = 1, .normalize_routing = 1, .alpha = 1.702f,
-                            .beta = 1.0f, .limit = 7.0f};
+    *cfg = (qm_bank_config){.layers = 1,
+                            .experts = E_,
+                            .hidden = H_,
+                            .inter = I_,
+                            .k = K_,
+                            .bits = 4,
+                            .block_size = BS_,
+                            .activation = QM_ACT_SWIGLU,
+                            .swiglu_fusion = 1,
+                            .normalize_routing = 1,
+                            .alpha = 1.702f,
+                            .beta = 1.0f,
+                            .limit = 7.0f};
     memset(lv, 0, sizeof *lv);
     uint64_t shapes[6][3] = {{E_, N1_, H_ / 2}, {E_, N1_, H_ / BS_}, {E_, N1_, 0},
                              {E_, H_, I_ / 2},  {E_, H_, I_ / BS_},  {E_, H_, 0}};
@@ -182,8 +189,7 @@ static size_t route_random(routing *r, uint32_t T, const uint8_t *layer_base)
     }
     size_t nj = 0;
     for (uint32_t e = 0; e < E_; e++) {
-        if (!r->n[e])
-            continue;
+        if (!r->n[e]) continue;
         qm_expert_job *j = &r->jobs[nj++];
         j->expert = e;
         j->rows = r->rows[e];
@@ -222,10 +228,8 @@ int main(int argc, char **argv)
             return 64;
         }
     }
-    if (layers < 1)
-        layers = 1;
-    if (iters < 5)
-        iters = 5;
+    if (layers < 1) layers = 1;
+    if (iters < 5) iters = 5;
     if (out_path && !(g_out = fopen(out_path, "w"))) {
         perror(out_path);
         return 1;
@@ -263,8 +267,7 @@ int main(int argc, char **argv)
         CK(cudaEventSynchronize(e1));
         float ms;
         CK(cudaEventElapsedTime(&ms, e0, e1));
-        if (i >= 3)
-            t[i - 3] = ms * 1e-3;
+        if (i >= 3) t[i - 3] = ms * 1e-3;
     }
     double t_d2d = median(t, 10, &lo, &hi);
     double bw_d2d = 2.0 * (double)d2d / t_d2d / 1e9;
@@ -280,16 +283,14 @@ int main(int argc, char **argv)
     for (int i = 0; i < 8; i++) {
         double s = now_s();
         CK(cudaMemcpy(da, pinned, hbytes, cudaMemcpyHostToDevice));
-        if (i >= 2)
-            t[i - 2] = now_s() - s;
+        if (i >= 2) t[i - 2] = now_s() - s;
     }
     double bw_pinned = hbytes / median(t, 6, NULL, NULL) / 1e9;
     report("%-44s %12.2f %8s  256 MiB cudaMemcpy from cudaMallocHost\n", "h2d pinned peak",
            bw_pinned, "GB/s");
     CK(cudaFreeHost(pinned));
     uint8_t *pageable = NULL;
-    if (posix_memalign((void **)&pageable, 4096, hbytes) != 0)
-        return 1;
+    if (posix_memalign((void **)&pageable, 4096, hbytes) != 0) return 1;
     for (size_t i = 0; i < hbytes; i++)
         pageable[i] = (uint8_t)(i * 2654435761u >> 13);
     for (int pass = 0; pass < 2; pass++) {
@@ -305,12 +306,12 @@ int main(int argc, char **argv)
             double s = now_s();
             QM(qm_backend_copy_h2d(be, da, pageable, hbytes, &f, &st));
             QM(qm_backend_fence_wait(be, &f, &st));
-            if (i >= 1)
-                t[i - 1] = now_s() - s;
+            if (i >= 1) t[i - 1] = now_s() - s;
         }
         double bw = hbytes / median(t, 5, NULL, NULL) / 1e9;
         report("%-44s %12.2f %8s  %.0f%% of pinned peak (target >= 85%%)\n",
-               pass ? "h2d copy_h2d, registered (direct DMA)" : "h2d copy_h2d, pageable (bounce ring)",
+               pass ? "h2d copy_h2d, registered (direct DMA)"
+                    : "h2d copy_h2d, pageable (bounce ring)",
                bw, "GB/s", 100.0 * bw / bw_pinned);
     }
     CK(cudaFree(da));
@@ -345,10 +346,10 @@ int main(int argc, char **argv)
 
     const uint32_t TMAX = 512;
     float *x = malloc(sizeof(float) * TMAX * H_);
-    float *y = malloc(sizeof(float) * TMAX * K_ * H_), *ycpu = malloc(sizeof(float) * TMAX * K_ * H_);
+    float *y = malloc(sizeof(float) * TMAX * K_ * H_),
+          *ycpu = malloc(sizeof(float) * TMAX * K_ * H_);
     routing *r = calloc(1, sizeof *r);
-    if (!x || !y || !ycpu || !r)
-        return 1;
+    if (!x || !y || !ycpu || !r) return 1;
     for (uint32_t i = 0; i < TMAX * H_; i++)
         x[i] = (float)((int)(rnd() % 2001) - 1000) * 1e-3f;
 
@@ -357,15 +358,19 @@ int main(int argc, char **argv)
         qm_backend *cpu = NULL;
         QM(qm_backend_cpu_new(0, &cpu, &st));
         uint8_t *host_layer = malloc(layer_bytes);
-        if (!host_layer)
-            return 1;
+        if (!host_layer) return 1;
         CK(cudaMemcpy(host_layer, base, layer_bytes, cudaMemcpyDeviceToHost));
         const uint32_t Ts[2] = {1, 64};
         for (int k = 0; k < 2; k++) {
             uint32_t T = Ts[k];
             size_t nj = route_random(r, T, base);
-            qm_expert_batch b = {.config = &cfg, .layer = &lv, .x = x, .n_tokens = T, .y = y,
-                                 .jobs = r->jobs, .n_jobs = nj};
+            qm_expert_batch b = {.config = &cfg,
+                                 .layer = &lv,
+                                 .x = x,
+                                 .n_tokens = T,
+                                 .y = y,
+                                 .jobs = r->jobs,
+                                 .n_jobs = nj};
             for (size_t i = 0; i < (size_t)T * K_ * H_; i++)
                 y[i] = NAN;
             QM(qm_backend_run_experts(be, &b, &st));
@@ -415,16 +420,26 @@ int main(int argc, char **argv)
             }
         }
         CK(cudaMemcpy(dj, hj, (size_t)SETS * K_ * sizeof *hj, cudaMemcpyHostToDevice));
-        qm__cuda_mat m1 = {.n = N1_, .k = H_, .bits = 4, .row_bytes = H_ / 2, .nblk = H_ / BS_,
-                           .block_shift = 5, .scale_dtype = QM__CUDA_F16,
+        qm__cuda_mat m1 = {.n = N1_,
+                           .k = H_,
+                           .bits = 4,
+                           .row_bytes = H_ / 2,
+                           .nblk = H_ / BS_,
+                           .block_shift = 5,
+                           .scale_dtype = QM__CUDA_F16,
                            .bias_dtype = QM__CUDA_F16};
         qm__cuda_mat m2 = m1;
         m2.n = H_;
         m2.k = I_;
         m2.row_bytes = I_ / 2;
         m2.nblk = I_ / BS_;
-        qm__cuda_act act = {.kind = QM__CUDA_ACT_SWIGLU, .fusion = 1, .inter = I_,
-                            .h1_stride = N1_, .alpha = 1.702f, .beta = 1.0f, .limit = 7.0f};
+        qm__cuda_act act = {.kind = QM__CUDA_ACT_SWIGLU,
+                            .fusion = 1,
+                            .inter = I_,
+                            .h1_stride = N1_,
+                            .alpha = 1.702f,
+                            .beta = 1.0f,
+                            .limit = 7.0f};
         /* in_rows: every job reads token 0 (one row of x). */
         uint32_t *drows4 = NULL;
         CK(cudaMalloc((void **)&drows4, sizeof zero_rows));
@@ -447,13 +462,11 @@ int main(int argc, char **argv)
                 CK(cudaEventSynchronize(e1));
                 float ms;
                 CK(cudaEventElapsedTime(&ms, e0, e1));
-                if (i >= 5)
-                    t[i - 5] = ms * 1e-3;
+                if (i >= 5) t[i - 5] = ms * 1e-3;
             }
             double tm = median(t, iters, &lo, &hi);
-            uint64_t bytes = variant == 0
-                                 ? K_ * (g_size[0] + g_size[1] + g_size[2])
-                                 : K_ * per_expert;
+            uint64_t bytes =
+                variant == 0 ? K_ * (g_size[0] + g_size[1] + g_size[2]) : K_ * per_expert;
             double bw = bytes / tm / 1e9;
             report("%-44s %12.2f %8s  %.1f us, %.0f%% of d2d (target >= 80%%), min/max %.1f/%.1f "
                    "us\n",
@@ -480,8 +493,13 @@ int main(int argc, char **argv)
         for (int i = 0; i < n + 3; i++) {
             uint32_t l = rnd() % layers;
             size_t nj = route_random(r, T, base + (uint64_t)l * layer_bytes);
-            qm_expert_batch b = {.config = &cfg, .layer = &lv, .x = x, .n_tokens = T, .y = y,
-                                 .jobs = r->jobs, .n_jobs = nj};
+            qm_expert_batch b = {.config = &cfg,
+                                 .layer = &lv,
+                                 .x = x,
+                                 .n_tokens = T,
+                                 .y = y,
+                                 .jobs = r->jobs,
+                                 .n_jobs = nj};
             double s = now_s();
             QM(qm_backend_run_experts(be, &b, &st));
             if (i >= 3) {
@@ -493,8 +511,8 @@ int main(int argc, char **argv)
         double bytes = (double)experts_touched / n * (double)per_expert;
         double flops = 2.0 * T * K_ * ((double)N1_ * H_ + (double)H_ * I_);
         report("%-44s %12.3f %8s  %.1f GB/s weights, %.2f TFLOP/s, min/max %.3f/%.3f ms\n",
-               T == 1    ? "run_experts T=1 (whole call)"
-               : T == 16 ? "run_experts T=16"
+               T == 1     ? "run_experts T=1 (whole call)"
+               : T == 16  ? "run_experts T=16"
                : T == 128 ? "run_experts T=128"
                           : "run_experts T=512",
                tm * 1e3, "ms", bytes / tm / 1e9, flops / tm / 1e12, lo * 1e3, hi * 1e3);
@@ -505,8 +523,7 @@ int main(int argc, char **argv)
     {
         size_t ubytes = (size_t)(K_ * g_unit);
         uint8_t *host_units = NULL;
-        if (posix_memalign((void **)&host_units, 4096, ubytes) != 0)
-            return 1;
+        if (posix_memalign((void **)&host_units, 4096, ubytes) != 0) return 1;
         CK(cudaMemcpy(host_units, base, ubytes, cudaMemcpyDeviceToHost));
         int registered = qm_backend_cuda_register_host(be, host_units, ubytes, &st) == 0;
         qm_arena *slots = NULL;
@@ -518,8 +535,13 @@ int main(int argc, char **argv)
             for (int i = 0; i < n; i++) {
                 uint32_t l = rnd() % layers;
                 size_t nj = route_random(r, T, base + (uint64_t)l * layer_bytes);
-                qm_expert_batch b = {.config = &cfg, .layer = &lv, .x = x, .n_tokens = T,
-                                     .y = y, .jobs = r->jobs, .n_jobs = nj};
+                qm_expert_batch b = {.config = &cfg,
+                                     .layer = &lv,
+                                     .x = x,
+                                     .n_tokens = T,
+                                     .y = y,
+                                     .jobs = r->jobs,
+                                     .n_jobs = nj};
                 qm_fence f;
                 double s = now_s();
                 QM(qm_backend_copy_h2d(be, qm_arena_at(slots, 0), host_units, ubytes, &f, &st));
@@ -540,13 +562,13 @@ int main(int argc, char **argv)
             double hidden = (mc + mr - mo) / shorter;
             report("%-44s %12.0f %8s  copy %.3f ms (%.1f GB/s, %s), compute %.3f ms, both %.3f ms "
                    "(target >= 50%%)\n",
-                   T == 1 ? "prefetch hidden behind compute, T=1" : "prefetch hidden behind compute, T=512",
+                   T == 1 ? "prefetch hidden behind compute, T=1"
+                          : "prefetch hidden behind compute, T=512",
                    100.0 * hidden, "%", mc * 1e3, ubytes / mc / 1e9,
                    registered ? "registered" : "bounce", mr * 1e3, mo * 1e3);
         }
         qm_arena_free(be, slots);
-        if (registered)
-            qm_backend_cuda_unregister_host(be, host_units, &st);
+        if (registered) qm_backend_cuda_unregister_host(be, host_units, &st);
         free(host_units);
     }
 
@@ -564,7 +586,6 @@ int main(int argc, char **argv)
     free(ycpu);
     free(r);
     free(t);
-    if (g_out)
-        fclose(g_out);
+    if (g_out) fclose(g_out);
     return 0;
 }

@@ -4,7 +4,8 @@
 #include <cuda_runtime.h>
 #include <stdint.h>
 
-namespace {
+namespace
+{
 
 __device__ __forceinline__ uint32_t qm_hash(uint64_t x)
 {

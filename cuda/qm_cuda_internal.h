@@ -24,8 +24,8 @@
 #define QM__CUDA_GEMM_MIN_ROWS_DEFAULT 16u
 
 typedef struct qm__cuda_registration {
-    const void *ptr;   /* as the caller passed it */
-    uintptr_t start;   /* page-aligned range actually registered */
+    const void *ptr; /* as the caller passed it */
+    uintptr_t start; /* page-aligned range actually registered */
     size_t bytes;
 } qm__cuda_registration;
 
@@ -36,8 +36,8 @@ typedef struct qm__cuda_scratch {
     uint32_t *rows;
     qm__cuda_job *jobs;
     size_t x_cap, h1_cap, h3_cap, a_cap, y_cap, rows_cap, jobs_cap; /* elements */
-    float *host_x, *host_y;    /* pinned */
-    void *host_table;          /* pinned: jobs then rows */
+    float *host_x, *host_y;                                         /* pinned */
+    void *host_table;                                               /* pinned: jobs then rows */
     size_t host_x_cap, host_y_cap, host_table_cap; /* bytes for host_table, elements else */
 } qm__cuda_scratch;
 

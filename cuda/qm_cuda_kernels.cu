@@ -24,7 +24,8 @@
 
 #include "qm_cuda_kernels.h"
 
-namespace {
+namespace
+{
 
 __device__ __forceinline__ float qm_half_to_float(unsigned short h)
 {
@@ -38,8 +39,7 @@ __device__ __forceinline__ float qm_half_to_float(unsigned short h)
 /* Every launch goes through here: one place that checks the launch, and
  * the one seam the CPU emulation of the tests replaces. */
 template <typename... P, typename... A>
-cudaError_t qm_launch(void (*kernel)(P...), dim3 grid, dim3 block, cudaStream_t stream,
-                      A... args)
+cudaError_t qm_launch(void (*kernel)(P...), dim3 grid, dim3 block, cudaStream_t stream, A... args)
 {
 #ifdef QM_CUDA_EMULATE
     (void)stream;
@@ -54,8 +54,7 @@ __device__ __forceinline__ float qm_load_real(const void *base, uint32_t dtype, 
 {
     if (dtype == QM__CUDA_F32) {
         const unsigned char *p = (const unsigned char *)base + 4 * i;
-        if (((uintptr_t)p & 3u) == 0)
-            return __ldg((const float *)p);
+        if (((uintptr_t)p & 3u) == 0) return __ldg((const float *)p);
         uint32_t u = (uint32_t)p[0] | ((uint32_t)p[1] << 8) | ((uint32_t)p[2] << 16) |
                      ((uint32_t)p[3] << 24);
         return __uint_as_float(u);
@@ -66,8 +65,7 @@ __device__ __forceinline__ float qm_load_real(const void *base, uint32_t dtype, 
         h = __ldg((const unsigned short *)p);
     else
         h = (unsigned short)((unsigned)p[0] | ((unsigned)p[1] << 8));
-    if (dtype == QM__CUDA_BF16)
-        return __uint_as_float((uint32_t)h << 16);
+    if (dtype == QM__CUDA_BF16) return __uint_as_float((uint32_t)h << 16);
     return qm_half_to_float(h);
 }
 
@@ -77,8 +75,7 @@ __device__ __forceinline__ int qm_zero_point(const uint8_t *zp, const qm__cuda_m
                                              uint32_t b)
 {
     constexpr uint32_t PACK = 8 / BITS, MASK = (1u << BITS) - 1;
-    if (!zp)
-        return 1 << (BITS - 1);
+    if (!zp) return 1 << (BITS - 1);
     uint32_t byte, idx;
     if (m.zp_blockwise) {
         byte = __ldg(zp + (size_t)n * m.zp_row_bytes + b / PACK);
@@ -105,8 +102,7 @@ __global__ void qm_k_naive(const qm__cuda_job *jobs, int mat, qm__cuda_mat m, co
     constexpr uint32_t PACK = 8 / BITS, MASK = (1u << BITS) - 1;
     const qm__cuda_job *job = &jobs[blockIdx.y];
     uint64_t idx = (uint64_t)blockIdx.x * blockDim.x + threadIdx.x;
-    if (idx >= (uint64_t)job->n_rows * m.n)
-        return;
+    if (idx >= (uint64_t)job->n_rows * m.n) return;
     uint32_t r = (uint32_t)(idx / m.n), n = (uint32_t)(idx % m.n);
     uint32_t brow = job->row0 + r;
     const float *x = in + (size_t)(in_rows ? in_rows[brow] : brow) * in_stride;
@@ -119,8 +115,7 @@ __global__ void qm_k_naive(const qm__cuda_job *jobs, int mat, qm__cuda_mat m, co
         float w = s * (float)(q - qm_zero_point<BITS>(job->zp[mat], m, n, b));
         acc = fmaf(w, x[c], acc);
     }
-    if (job->bias[mat])
-        acc += qm_load_real(job->bias[mat], m.bias_dtype, n);
+    if (job->bias[mat]) acc += qm_load_real(job->bias[mat], m.bias_dtype, n);
     out[(size_t)brow * out_stride + n] = acc;
 }
 
@@ -183,9 +178,9 @@ __device__ __forceinline__ void qm_dot_chunk(uint4 v, uint32_t chunk, uint32_t n
 
 template <int BITS, bool VEC16, int TT>
 __global__ void __launch_bounds__(256)
-    qm_k_gemv(const qm__cuda_job *jobs, int mat, qm__cuda_mat m, uint32_t rows_lo,
-              uint32_t rows_hi, const float *in, const uint32_t *in_rows, uint32_t in_stride,
-              float *out, uint32_t out_stride)
+    qm_k_gemv(const qm__cuda_job *jobs, int mat, qm__cuda_mat m, uint32_t rows_lo, uint32_t rows_hi,
+              const float *in, const uint32_t *in_rows, uint32_t in_stride, float *out,
+              uint32_t out_stride)
 {
     constexpr uint32_t PACK = 8 / BITS, MASK = (1u << BITS) - 1;
     const qm__cuda_job *job = &jobs[blockIdx.y];
@@ -225,8 +220,7 @@ __global__ void __launch_bounds__(256)
                 uint4 v1 = two ? __ldg(wv + ch + 32) : make_uint4(0, 0, 0, 0);
                 qm_dot_chunk<BITS, TT>(v0, ch, n, m, scales, zp, s_row, z_row, xr, acc);
                 if (two)
-                    qm_dot_chunk<BITS, TT>(v1, ch + 32, n, m, scales, zp, s_row, z_row, xr,
-                                           acc);
+                    qm_dot_chunk<BITS, TT>(v1, ch + 32, n, m, scales, zp, s_row, z_row, xr, acc);
             }
         } else {
             for (uint32_t byte = lane; byte < m.row_bytes; byte += 32) {
@@ -274,9 +268,8 @@ __global__ void __launch_bounds__(256)
 
 template <int BITS>
 __global__ void __launch_bounds__(256)
-    qm_k_gemm(const qm__cuda_job *jobs, int mat, qm__cuda_mat m, uint32_t rows_lo,
-              const float *in, const uint32_t *in_rows, uint32_t in_stride, float *out,
-              uint32_t out_stride)
+    qm_k_gemm(const qm__cuda_job *jobs, int mat, qm__cuda_mat m, uint32_t rows_lo, const float *in,
+              const uint32_t *in_rows, uint32_t in_stride, float *out, uint32_t out_stride)
 {
     constexpr uint32_t PACK = 8 / BITS, MASK = (1u << BITS) - 1;
     /* +1 column of padding: the loaders write down a column (32 lanes, 32 rows). */
@@ -285,8 +278,7 @@ __global__ void __launch_bounds__(256)
     const qm__cuda_job *job = &jobs[blockIdx.z];
     const uint32_t n_rows = job->n_rows;
     const uint32_t t0 = blockIdx.y * QM_GEMM_BN, n0 = blockIdx.x * QM_GEMM_BM;
-    if (t0 >= n_rows || n_rows < rows_lo)
-        return; /* the whole block: before any barrier */
+    if (t0 >= n_rows || n_rows < rows_lo) return; /* the whole block: before any barrier */
     const uint32_t tid = threadIdx.x, tx = tid & 15u, ty = tid >> 4;
     const uint32_t col = tid & 31u, row_base = tid >> 5; /* loader: rows row_base + 8i */
     const uint8_t *w = job->w[mat];
@@ -317,7 +309,8 @@ __global__ void __launch_bounds__(256)
             uint32_t nn = n0 + r;
             float wv = 0.0f;
             if (cin && nn < m.n) {
-                int q = (int)((w[(size_t)nn * m.row_bytes + c / PACK] >> ((c % PACK) * BITS)) & MASK);
+                int q =
+                    (int)((w[(size_t)nn * m.row_bytes + c / PACK] >> ((c % PACK) * BITS)) & MASK);
                 float s = qm_load_real(scales, m.scale_dtype, (size_t)nn * m.nblk + b);
                 wv = s * (float)(q - qm_zero_point<BITS>(zp, m, nn, b));
             }
@@ -345,28 +338,28 @@ __global__ void __launch_bounds__(256)
 #pragma unroll
     for (int i = 0; i < 4; i++) {
         uint32_t nn = n0 + ty * 4 + i;
-        if (nn >= m.n)
-            continue;
+        if (nn >= m.n) continue;
         float bias = job->bias[mat] ? qm_load_real(job->bias[mat], m.bias_dtype, nn) : 0.0f;
 #pragma unroll
         for (int j = 0; j < 4; j++) {
             uint32_t t = t0 + tx * 4 + j;
-            if (t < n_rows)
-                out[(size_t)(job->row0 + t) * out_stride + nn] = acc[i][j] + bias;
+            if (t < n_rows) out[(size_t)(job->row0 + t) * out_stride + nn] = acc[i][j] + bias;
         }
     }
 }
 
 /* ---- activation ---- */
 
-__device__ __forceinline__ float qm_sigmoid(float v) { return 1.0f / (1.0f + expf(-v)); }
+__device__ __forceinline__ float qm_sigmoid(float v)
+{
+    return 1.0f / (1.0f + expf(-v));
+}
 
-__global__ void qm_k_activation(qm__cuda_act act, uint32_t n_rows, const float *h1,
-                                const float *h3, float *a)
+__global__ void qm_k_activation(qm__cuda_act act, uint32_t n_rows, const float *h1, const float *h3,
+                                float *a)
 {
     uint64_t idx = (uint64_t)blockIdx.x * blockDim.x + threadIdx.x;
-    if (idx >= (uint64_t)n_rows * act.inter)
-        return;
+    if (idx >= (uint64_t)n_rows * act.inter) return;
     uint32_t r = (uint32_t)(idx / act.inter), i = (uint32_t)(idx % act.inter);
     const float *h = h1 + (size_t)r * act.h1_stride;
     float v;
@@ -421,11 +414,15 @@ cudaError_t qm_launch_gemv(const qm__cuda_job *jobs, uint32_t n_jobs, uint32_t m
     void (*k)(const qm__cuda_job *, int, qm__cuda_mat, uint32_t, uint32_t, const float *,
               const uint32_t *, uint32_t, float *, uint32_t);
     if (vec16)
-        k = tt == 8 ? qm_k_gemv<BITS, true, 8> : tt == 4 ? qm_k_gemv<BITS, true, 4>
-            : tt == 2 ? qm_k_gemv<BITS, true, 2> : qm_k_gemv<BITS, true, 1>;
+        k = tt == 8   ? qm_k_gemv<BITS, true, 8>
+            : tt == 4 ? qm_k_gemv<BITS, true, 4>
+            : tt == 2 ? qm_k_gemv<BITS, true, 2>
+                      : qm_k_gemv<BITS, true, 1>;
     else
-        k = tt == 8 ? qm_k_gemv<BITS, false, 8> : tt == 4 ? qm_k_gemv<BITS, false, 4>
-            : tt == 2 ? qm_k_gemv<BITS, false, 2> : qm_k_gemv<BITS, false, 1>;
+        k = tt == 8   ? qm_k_gemv<BITS, false, 8>
+            : tt == 4 ? qm_k_gemv<BITS, false, 4>
+            : tt == 2 ? qm_k_gemv<BITS, false, 2>
+                      : qm_k_gemv<BITS, false, 1>;
     return qm_launch(k, grid, dim3(256), s, jobs, mat, m, 1u, rows_hi, in, in_rows, in_stride, out,
                      out_stride);
 }
@@ -440,8 +437,8 @@ cudaError_t qm_launch_bits(const qm__cuda_job *jobs, uint32_t n_jobs, uint32_t m
     if (path == QM__CUDA_PATH_NAIVE) {
         uint64_t total = (uint64_t)max_rows * m.n;
         dim3 grid((unsigned)((total + 255) / 256), n_jobs);
-        return qm_launch(qm_k_naive<BITS>, grid, dim3(256), s, jobs, mat, m, in, in_rows,
-                         in_stride, out, out_stride);
+        return qm_launch(qm_k_naive<BITS>, grid, dim3(256), s, jobs, mat, m, in, in_rows, in_stride,
+                         out, out_stride);
     }
     uint32_t gemm_lo = path == QM__CUDA_PATH_GEMM   ? 1u
                        : path == QM__CUDA_PATH_GEMV ? UINT32_MAX
@@ -450,8 +447,7 @@ cudaError_t qm_launch_bits(const qm__cuda_job *jobs, uint32_t n_jobs, uint32_t m
         uint32_t gemv_max = max_rows < gemm_lo ? max_rows : gemm_lo - 1;
         cudaError_t err = qm_launch_gemv<BITS>(jobs, n_jobs, gemv_max, mat, m, vec16, gemm_lo, in,
                                                in_rows, in_stride, out, out_stride, s);
-        if (err != cudaSuccess)
-            return err;
+        if (err != cudaSuccess) return err;
     }
     if (max_rows >= gemm_lo) {
         dim3 grid((m.n + QM_GEMM_BM - 1) / QM_GEMM_BM, (max_rows + QM_GEMM_BN - 1) / QM_GEMM_BN,
@@ -466,30 +462,27 @@ cudaError_t qm_launch_bits(const qm__cuda_job *jobs, uint32_t n_jobs, uint32_t m
 
 extern "C" int qm__cuda_launch_matmul(const qm__cuda_job *jobs_dev, uint32_t n_jobs,
                                       uint32_t min_rows, uint32_t max_rows, int mat,
-                                      const qm__cuda_mat *m,
-                                      int vec16, qm__cuda_path path, uint32_t gemm_min_rows,
-                                      const float *in, const uint32_t *in_rows,
-                                      uint32_t in_stride, float *out, uint32_t out_stride,
-                                      void *stream)
+                                      const qm__cuda_mat *m, int vec16, qm__cuda_path path,
+                                      uint32_t gemm_min_rows, const float *in,
+                                      const uint32_t *in_rows, uint32_t in_stride, float *out,
+                                      uint32_t out_stride, void *stream)
 {
-    if (n_jobs == 0 || max_rows == 0 || m->n == 0)
-        return (int)cudaSuccess;
-    if (gemm_min_rows == 0)
-        gemm_min_rows = 1;
+    if (n_jobs == 0 || max_rows == 0 || m->n == 0) return (int)cudaSuccess;
+    if (gemm_min_rows == 0) gemm_min_rows = 1;
     cudaStream_t s = (cudaStream_t)stream;
     cudaError_t err;
     switch (m->bits) {
     case 2:
-        err = qm_launch_bits<2>(jobs_dev, n_jobs, min_rows, max_rows, mat, *m, vec16 != 0,
-                                path, gemm_min_rows, in, in_rows, in_stride, out, out_stride, s);
+        err = qm_launch_bits<2>(jobs_dev, n_jobs, min_rows, max_rows, mat, *m, vec16 != 0, path,
+                                gemm_min_rows, in, in_rows, in_stride, out, out_stride, s);
         break;
     case 4:
-        err = qm_launch_bits<4>(jobs_dev, n_jobs, min_rows, max_rows, mat, *m, vec16 != 0,
-                                path, gemm_min_rows, in, in_rows, in_stride, out, out_stride, s);
+        err = qm_launch_bits<4>(jobs_dev, n_jobs, min_rows, max_rows, mat, *m, vec16 != 0, path,
+                                gemm_min_rows, in, in_rows, in_stride, out, out_stride, s);
         break;
     case 8:
-        err = qm_launch_bits<8>(jobs_dev, n_jobs, min_rows, max_rows, mat, *m, vec16 != 0,
-                                path, gemm_min_rows, in, in_rows, in_stride, out, out_stride, s);
+        err = qm_launch_bits<8>(jobs_dev, n_jobs, min_rows, max_rows, mat, *m, vec16 != 0, path,
+                                gemm_min_rows, in, in_rows, in_stride, out, out_stride, s);
         break;
     default:
         err = cudaErrorInvalidValue;
@@ -498,13 +491,11 @@ extern "C" int qm__cuda_launch_matmul(const qm__cuda_job *jobs_dev, uint32_t n_j
     return (int)err;
 }
 
-extern "C" int qm__cuda_launch_activation(const qm__cuda_act *act, uint32_t n_rows,
-                                          const float *h1, const float *h3, float *a,
-                                          void *stream)
+extern "C" int qm__cuda_launch_activation(const qm__cuda_act *act, uint32_t n_rows, const float *h1,
+                                          const float *h3, float *a, void *stream)
 {
     uint64_t total = (uint64_t)n_rows * act->inter;
-    if (total == 0)
-        return (int)cudaSuccess;
+    if (total == 0) return (int)cudaSuccess;
     unsigned blocks = (unsigned)((total + 255) / 256);
     return (int)qm_launch(qm_k_activation, dim3(blocks), dim3(256), (cudaStream_t)stream, *act,
                           n_rows, h1, h3, a);

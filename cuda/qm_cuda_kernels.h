@@ -25,34 +25,39 @@ enum { QM__CUDA_F32 = 0, QM__CUDA_F16 = 1, QM__CUDA_BF16 = 2 };
 
 /* One expert's job, as the kernels read it (device copy of a host array). */
 typedef struct qm__cuda_job {
-    const uint8_t *w[QM__CUDA_MATS];     /* packed codes [N, row_bytes] */
-    const void *scales[QM__CUDA_MATS];   /* [N, nblk] */
-    const uint8_t *zp[QM__CUDA_MATS];    /* NULL: implicit 2^(bits-1) */
-    const void *bias[QM__CUDA_MATS];     /* NULL: none */
-    uint32_t row0;                       /* first batch row */
+    const uint8_t *w[QM__CUDA_MATS];   /* packed codes [N, row_bytes] */
+    const void *scales[QM__CUDA_MATS]; /* [N, nblk] */
+    const uint8_t *zp[QM__CUDA_MATS];  /* NULL: implicit 2^(bits-1) */
+    const void *bias[QM__CUDA_MATS];   /* NULL: none */
+    uint32_t row0;                     /* first batch row */
     uint32_t n_rows;
 } qm__cuda_job;
 
 /* Geometry of one of the layer's matrices, the same for every expert. */
 typedef struct qm__cuda_mat {
-    uint32_t n, k;           /* output features, input columns */
-    uint32_t bits;           /* 2, 4 or 8 */
-    uint32_t row_bytes;      /* bytes per packed row: ceil(k * bits / 8) */
-    uint32_t nblk;           /* scales per row; 1 = row-wise */
-    uint32_t block_shift;    /* log2(block size) when nblk > 1 */
-    uint32_t zp_blockwise;   /* 1: zp [n, zp_row_bytes] along blocks; 0: along rows */
+    uint32_t n, k;         /* output features, input columns */
+    uint32_t bits;         /* 2, 4 or 8 */
+    uint32_t row_bytes;    /* bytes per packed row: ceil(k * bits / 8) */
+    uint32_t nblk;         /* scales per row; 1 = row-wise */
+    uint32_t block_shift;  /* log2(block size) when nblk > 1 */
+    uint32_t zp_blockwise; /* 1: zp [n, zp_row_bytes] along blocks; 0: along rows */
     uint32_t zp_row_bytes;
     uint32_t scale_dtype, bias_dtype;
 } qm__cuda_mat;
 
-enum { QM__CUDA_ACT_RELU = 0, QM__CUDA_ACT_GELU, QM__CUDA_ACT_SILU, QM__CUDA_ACT_SWIGLU,
-       QM__CUDA_ACT_IDENTITY };
+enum {
+    QM__CUDA_ACT_RELU = 0,
+    QM__CUDA_ACT_GELU,
+    QM__CUDA_ACT_SILU,
+    QM__CUDA_ACT_SWIGLU,
+    QM__CUDA_ACT_IDENTITY
+};
 
 typedef struct qm__cuda_act {
-    uint32_t kind;       /* QM__CUDA_ACT_* */
-    uint32_t fusion;     /* swiglu: 0 g from fc1 / l from fc3, 1 interleaved, 2 concatenated */
-    uint32_t inter;      /* I: output columns */
-    uint32_t h1_stride;  /* columns of the fc1 output buffer (N1) */
+    uint32_t kind;      /* QM__CUDA_ACT_* */
+    uint32_t fusion;    /* swiglu: 0 g from fc1 / l from fc3, 1 interleaved, 2 concatenated */
+    uint32_t inter;     /* I: output columns */
+    uint32_t h1_stride; /* columns of the fc1 output buffer (N1) */
     float alpha, beta, limit;
 } qm__cuda_act;
 
@@ -76,9 +81,10 @@ typedef enum qm__cuda_path {
  * row_bytes * 8 / bits == k and in_stride % 4 == 0 (the host checks).
  * Returns a cudaError_t value. */
 int qm__cuda_launch_matmul(const qm__cuda_job *jobs_dev, uint32_t n_jobs, uint32_t min_rows,
-                           uint32_t max_rows, int mat, const qm__cuda_mat *m, int vec16, qm__cuda_path path,
-                           uint32_t gemm_min_rows, const float *in, const uint32_t *in_rows,
-                           uint32_t in_stride, float *out, uint32_t out_stride, void *stream);
+                           uint32_t max_rows, int mat, const qm__cuda_mat *m, int vec16,
+                           qm__cuda_path path, uint32_t gemm_min_rows, const float *in,
+                           const uint32_t *in_rows, uint32_t in_stride, float *out,
+                           uint32_t out_stride, void *stream);
 
 /* a[b, i] for every batch row b < n_rows (h3 used only for swiglu fusion 0). */
 int qm__cuda_launch_activation(const qm__cuda_act *act, uint32_t n_rows, const float *h1,

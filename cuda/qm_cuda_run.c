@@ -23,13 +23,11 @@ void qm__cuda_scratch_free(qm__cuda_scratch *s)
 {
     void *dev[] = {s->x, s->h1, s->h3, s->a, s->y, s->rows, s->jobs};
     for (size_t i = 0; i < sizeof dev / sizeof dev[0]; i++) {
-        if (dev[i])
-            (void)cudaFree(dev[i]);
+        if (dev[i]) (void)cudaFree(dev[i]);
     }
     void *host[] = {s->host_x, s->host_y, s->host_table};
     for (size_t i = 0; i < sizeof host / sizeof host[0]; i++) {
-        if (host[i])
-            (void)cudaFreeHost(host[i]);
+        if (host[i]) (void)cudaFreeHost(host[i]);
     }
     memset(s, 0, sizeof *s);
 }
@@ -38,8 +36,7 @@ void qm__cuda_scratch_free(qm__cuda_scratch *s)
 static int qm__cuda_reserve(qm__cuda_ctx *c, void **buf, size_t *cap, size_t need, size_t size,
                             int pinned, qm_status *st)
 {
-    if (need <= *cap)
-        return 0;
+    if (need <= *cap) return 0;
     size_t n = need + need / 4; /* headroom: slowly growing batches reallocate rarely */
     size_t bytes;
     if (__builtin_mul_overflow(n, size, &bytes))
@@ -93,11 +90,10 @@ static int qm__cuda_describe(const qm_bank_config *cfg, const qm_layer_view *lv,
         return qm_status_set(st, QM_EINVALID_MODEL, "layer %u lacks %s or its scales", lv->index,
                              what);
     if (w->ndim != 3 || w->shape[1] != n || w->shape[2] != m->row_bytes)
-        return qm_status_set(st, QM_EINVALID_MODEL,
-                             "layer %u %s has shape [%llu, %llu, %llu], expected [E, %u, %u]",
-                             lv->index, what, (unsigned long long)w->shape[0],
-                             (unsigned long long)w->shape[1], (unsigned long long)w->shape[2], n,
-                             m->row_bytes);
+        return qm_status_set(
+            st, QM_EINVALID_MODEL, "layer %u %s has shape [%llu, %llu, %llu], expected [E, %u, %u]",
+            lv->index, what, (unsigned long long)w->shape[0], (unsigned long long)w->shape[1],
+            (unsigned long long)w->shape[2], n, m->row_bytes);
     if (!qm__is_real(s->dtype) || (b->present && !qm__is_real(b->dtype)))
         return qm_status_set(st, QM_EINVALID_MODEL, "layer %u %s scales/bias dtype unsupported",
                              lv->index, what);
@@ -108,8 +104,8 @@ static int qm__cuda_describe(const qm_bank_config *cfg, const qm_layer_view *lv,
         uint32_t bs = cfg->block_size;
         if (bs < 16 || (bs & (bs - 1)) != 0 || m->nblk != (k + bs - 1) / bs)
             return qm_status_set(st, QM_EINVALID_MODEL,
-                                 "layer %u %s: %u scale blocks do not match block_size %u", lv->index,
-                                 what, m->nblk, bs);
+                                 "layer %u %s: %u scale blocks do not match block_size %u",
+                                 lv->index, what, m->nblk, bs);
         m->block_shift = (uint32_t)__builtin_ctz(bs);
     }
     if (zp->present) {
@@ -143,14 +139,16 @@ _Static_assert((int)QM_CUDA_KERNELS_GEMV == (int)QM__CUDA_PATH_GEMV &&
                    (int)QM_CUDA_KERNELS_NAIVE == (int)QM__CUDA_PATH_NAIVE,
                "qm_cuda_kernels and qm__cuda_path share their values");
 
-static int qm__cuda_aligned16(const void *p) { return ((uintptr_t)p & 15u) == 0; }
+static int qm__cuda_aligned16(const void *p)
+{
+    return ((uintptr_t)p & 15u) == 0;
+}
 
 int qm__cuda_run_experts(void *ctx, const qm_expert_batch *batch, qm_status *st)
 {
     qm__cuda_ctx *c = ctx;
     int rc = qm__cuda_enter(c, st);
-    if (rc < 0)
-        return rc;
+    if (rc < 0) return rc;
     if (!batch || !batch->config || !batch->layer || (batch->n_jobs && !batch->jobs))
         return qm_status_set(st, QM_EINVAL, "run_experts: incomplete batch");
     const qm_bank_config *cfg = batch->config;
@@ -169,15 +167,13 @@ int qm__cuda_run_experts(void *ctx, const qm_expert_batch *batch, qm_status *st)
     uint32_t max_rows = 0, min_rows = UINT32_MAX, n_active = 0;
     for (size_t j = 0; j < batch->n_jobs; j++) {
         const qm_expert_job *job = &batch->jobs[j];
-        if (job->n_rows == 0)
-            continue;
+        if (job->n_rows == 0) continue;
         if (!job->rows || !job->out_index)
             return qm_status_set(st, QM_EINVAL, "run_experts: job %zu has no row lists", j);
         for (uint32_t r = 0; r < job->n_rows; r++) {
             if (job->rows[r] >= batch->n_tokens)
-                return qm_status_set(st, QM_EINVAL,
-                                     "run_experts: job %zu row %u is token %u of %u", j, r,
-                                     job->rows[r], batch->n_tokens);
+                return qm_status_set(st, QM_EINVAL, "run_experts: job %zu row %u is token %u of %u",
+                                     j, r, job->rows[r], batch->n_tokens);
         }
         for (int t = 0; t < QM_T_EXPERT_COUNT; t++) {
             int needed = lv->t[t].present && (use_fc3 || t < QM_T_FC3_WEIGHT);
@@ -186,16 +182,12 @@ int qm__cuda_run_experts(void *ctx, const qm_expert_batch *batch, qm_status *st)
                                      job->expert, qm_bank_tensor_suffix((qm_bank_tensor)t));
         }
         total_rows += job->n_rows;
-        if (job->n_rows > max_rows)
-            max_rows = job->n_rows;
-        if (job->n_rows < min_rows)
-            min_rows = job->n_rows;
+        if (job->n_rows > max_rows) max_rows = job->n_rows;
+        if (job->n_rows < min_rows) min_rows = job->n_rows;
         n_active++;
     }
-    if (total_rows == 0)
-        return 0;
-    if (!batch->x || !batch->y)
-        return qm_status_set(st, QM_EINVAL, "run_experts: NULL x or y");
+    if (total_rows == 0) return 0;
+    if (!batch->x || !batch->y) return qm_status_set(st, QM_EINVAL, "run_experts: NULL x or y");
     if (total_rows > UINT32_MAX / 2 || n_active > 65535)
         return qm_status_set(st, QM_ERESOURCE_EXHAUSTED,
                              "run_experts: %llu rows in %u jobs exceed one batch",
@@ -206,8 +198,8 @@ int qm__cuda_run_experts(void *ctx, const qm_expert_batch *batch, qm_status *st)
     if ((rc = qm__cuda_describe(cfg, lv, QM_T_FC1_WEIGHT, n1, H, &mats[QM__CUDA_FC1], st)) < 0 ||
         (rc = qm__cuda_describe(cfg, lv, QM_T_FC2_WEIGHT, H, I, &mats[QM__CUDA_FC2], st)) < 0)
         return rc;
-    if (use_fc3 && (rc = qm__cuda_describe(cfg, lv, QM_T_FC3_WEIGHT, I, H, &mats[QM__CUDA_FC3],
-                                           st)) < 0)
+    if (use_fc3 &&
+        (rc = qm__cuda_describe(cfg, lv, QM_T_FC3_WEIGHT, I, H, &mats[QM__CUDA_FC3], st)) < 0)
         return rc;
 
     pthread_mutex_lock(&c->run_lock);
@@ -223,8 +215,8 @@ int qm__cuda_run_experts(void *ctx, const qm_expert_batch *batch, qm_status *st)
          (rc = qm__cuda_reserve(c, (void **)&s->h3, &s->h3_cap, (size_t)R * I, 4, 0, st)) < 0) ||
         (rc = qm__cuda_reserve(c, (void **)&s->a, &s->a_cap, (size_t)R * I, 4, 0, st)) < 0 ||
         (rc = qm__cuda_reserve(c, (void **)&s->y, &s->y_cap, (size_t)R * H, 4, 0, st)) < 0 ||
-        (rc = qm__cuda_reserve(c, (void **)&s->host_x, &s->host_x_cap,
-                               (size_t)batch->n_tokens * H, 4, 1, st)) < 0 ||
+        (rc = qm__cuda_reserve(c, (void **)&s->host_x, &s->host_x_cap, (size_t)batch->n_tokens * H,
+                               4, 1, st)) < 0 ||
         (rc = qm__cuda_reserve(c, (void **)&s->host_y, &s->host_y_cap, (size_t)R * H, 4, 1, st)) <
             0 ||
         (rc = qm__cuda_reserve(c, &s->host_table, &s->host_table_cap, table_bytes, 1, 1, st)) < 0)
@@ -240,22 +232,19 @@ int qm__cuda_run_experts(void *ctx, const qm_expert_batch *batch, qm_status *st)
     uint32_t row0 = 0, a = 0;
     for (size_t j = 0; j < batch->n_jobs; j++) {
         const qm_expert_job *job = &batch->jobs[j];
-        if (job->n_rows == 0)
-            continue;
+        if (job->n_rows == 0) continue;
         qm__cuda_job *dj = &hjobs[a++];
         memset(dj, 0, sizeof *dj);
         for (int m = 0; m < QM__CUDA_MATS; m++) {
-            int first = m == QM__CUDA_FC1 ? QM_T_FC1_WEIGHT
+            int first = m == QM__CUDA_FC1   ? QM_T_FC1_WEIGHT
                         : m == QM__CUDA_FC2 ? QM_T_FC2_WEIGHT
                                             : QM_T_FC3_WEIGHT;
-            if (m == QM__CUDA_FC3 && !use_fc3)
-                continue;
+            if (m == QM__CUDA_FC3 && !use_fc3) continue;
             dj->w[m] = job->weights.ptr[first];
             dj->scales[m] = job->weights.ptr[first + 1];
             dj->zp[m] = lv->t[first + 2].present ? job->weights.ptr[first + 2] : NULL;
             dj->bias[m] = lv->t[first + 3].present ? job->weights.ptr[first + 3] : NULL;
-            if (!qm__cuda_aligned16(dj->w[m]))
-                vec16[m] = 0;
+            if (!qm__cuda_aligned16(dj->w[m])) vec16[m] = 0;
         }
         dj->row0 = row0;
         dj->n_rows = job->n_rows;
@@ -265,11 +254,13 @@ int qm__cuda_run_experts(void *ctx, const qm_expert_batch *batch, qm_status *st)
     memcpy(s->host_x, batch->x, (size_t)batch->n_tokens * H * 4);
 
     cudaStream_t cs = c->compute_stream;
-    QM__CU(c, cudaMemcpyAsync(s->x, s->host_x, (size_t)batch->n_tokens * H * 4,
-                              cudaMemcpyHostToDevice, cs),
+    QM__CU(c,
+           cudaMemcpyAsync(s->x, s->host_x, (size_t)batch->n_tokens * H * 4, cudaMemcpyHostToDevice,
+                           cs),
            "cudaMemcpyAsync (x)");
-    QM__CU(c, cudaMemcpyAsync(s->jobs, hjobs, (size_t)n_active * sizeof *hjobs,
-                              cudaMemcpyHostToDevice, cs),
+    QM__CU(c,
+           cudaMemcpyAsync(s->jobs, hjobs, (size_t)n_active * sizeof *hjobs, cudaMemcpyHostToDevice,
+                           cs),
            "cudaMemcpyAsync (job table)");
     QM__CU(c, cudaMemcpyAsync(s->rows, hrows, (size_t)R * 4, cudaMemcpyHostToDevice, cs),
            "cudaMemcpyAsync (row index)");
@@ -282,10 +273,9 @@ int qm__cuda_run_experts(void *ctx, const qm_expert_batch *batch, qm_status *st)
            "FC1 kernel launch");
     if (use_fc3)
         QM__CU(c,
-               (cudaError_t)qm__cuda_launch_matmul(s->jobs, n_active, min_rows, max_rows, QM__CUDA_FC3,
-                                                   &mats[QM__CUDA_FC3], vec16[QM__CUDA_FC3], path,
-                                                   c->gemm_min_rows, s->x, s->rows, H, s->h3, I,
-                                                   cs),
+               (cudaError_t)qm__cuda_launch_matmul(
+                   s->jobs, n_active, min_rows, max_rows, QM__CUDA_FC3, &mats[QM__CUDA_FC3],
+                   vec16[QM__CUDA_FC3], path, c->gemm_min_rows, s->x, s->rows, H, s->h3, I, cs),
                "FC3 kernel launch");
     qm__cuda_act act = {
         .kind = qm__cuda_act_kind(cfg->activation),
@@ -321,8 +311,7 @@ int qm__cuda_run_experts(void *ctx, const qm_expert_batch *batch, qm_status *st)
 
 fail:
     /* Leave the stream idle so the pinned scratch can be reused next call. */
-    if (!c->lost)
-        (void)cudaStreamSynchronize(c->compute_stream);
+    if (!c->lost) (void)cudaStreamSynchronize(c->compute_stream);
     (void)cudaGetLastError();
 fail_locked:
     pthread_mutex_unlock(&c->run_lock);

@@ -21,7 +21,7 @@
 
 #define TOL_F32 1e-5
 
-static const qm_activation ACTS[] = {QM_ACT_RELU, QM_ACT_GELU, QM_ACT_SILU, QM_ACT_IDENTITY,
+static const qm_activation ACTS[] = {QM_ACT_RELU,   QM_ACT_GELU,   QM_ACT_SILU,  QM_ACT_IDENTITY,
                                      QM_ACT_SWIGLU, QM_ACT_SWIGLU, QM_ACT_SWIGLU};
 static const uint32_t FUSIONS[] = {0, 0, 0, 0, 1, 2, 0};
 static const qm_dtype DTS[] = {QM_DTYPE_F32, QM_DTYPE_F16, QM_DTYPE_BF16};
@@ -61,10 +61,8 @@ static int copy_and_wait(qm_backend *be, void *dst, const void *src, uint64_t n)
     qm_fence f = {0};
     qm_status st = {0};
     int rc = qm_backend_copy_h2d(be, dst, src, n, &f, &st);
-    if (rc == 0)
-        rc = qm_backend_fence_wait(be, &f, &st);
-    if (rc != 0)
-        fprintf(stderr, "copy: %s\n", st.msg);
+    if (rc == 0) rc = qm_backend_fence_wait(be, &f, &st);
+    if (rc != 0) fprintf(stderr, "copy: %s\n", st.msg);
     return rc;
 }
 
@@ -83,8 +81,7 @@ static void dev_layer_init(dev_layer *D, qm_backend *be, tl_layer *L, int packed
     if (!packed) {
         for (int t = 0; t < QM_T_EXPERT_COUNT; t++) {
             const qm_tensor_view *tv = &L->lv.t[t];
-            if (!tv->present)
-                continue;
+            if (!tv->present) continue;
             for (uint32_t e = 0; e < E; e++)
                 D->off[e][t] = total + e * (tv->nbytes / E);
             total += (tv->nbytes + 255) & ~255ull;
@@ -94,8 +91,7 @@ static void dev_layer_init(dev_layer *D, qm_backend *be, tl_layer *L, int packed
             uint64_t o = total;
             for (int t = 0; t < QM_T_EXPERT_COUNT; t++) {
                 const qm_tensor_view *tv = &L->lv.t[t];
-                if (!tv->present)
-                    continue;
+                if (!tv->present) continue;
                 D->off[e][t] = o;
                 o += tv->nbytes / E;
             }
@@ -108,8 +104,7 @@ static void dev_layer_init(dev_layer *D, qm_backend *be, tl_layer *L, int packed
     for (uint32_t e = 0; e < E; e++) {
         for (int t = 0; t < QM_T_EXPERT_COUNT; t++) {
             const qm_tensor_view *tv = &L->lv.t[t];
-            if (!tv->present)
-                continue;
+            if (!tv->present) continue;
             uint64_t slice = tv->nbytes / E;
             ck_assert_int_eq(copy_and_wait(be, base + D->off[e][t],
                                            (const uint8_t *)tv->data + e * slice, slice),
@@ -162,12 +157,11 @@ static void dev_source(dev_layer *D, qm_expert_source *src)
 static int forward(qm_backend *be, tl_layer *L, qm_expert_source *src, qm_dtype dt, uint32_t T,
                    const void *x, const float *lg, void *out)
 {
-    qm_moe_call call = {.layer = 0, .dtype = dt, .hidden = x, .n_tokens = T, .logits = lg,
-                        .output = out};
+    qm_moe_call call = {
+        .layer = 0, .dtype = dt, .hidden = x, .n_tokens = T, .logits = lg, .output = out};
     qm_status st = {0};
     int rc = qm__moe_forward_layer(be, &L->cfg, &L->lv, &call, src, NULL, &st);
-    if (rc != 0)
-        fprintf(stderr, "forward on %s: %s\n", qm_backend_name(be), st.msg);
+    if (rc != 0) fprintf(stderr, "forward on %s: %s\n", qm_backend_name(be), st.msg);
     return rc;
 }
 
@@ -176,8 +170,7 @@ static double rel_err(const float *a, const float *b, size_t n)
     double num = 0, den = 0;
     for (size_t i = 0; i < n; i++) {
         double d = (double)a[i] - (double)b[i];
-        if (isnan(a[i]) || isnan(b[i]))
-            return INFINITY;
+        if (isnan(a[i]) || isnan(b[i])) return INFINITY;
         num += d * d;
         den += (double)b[i] * b[i];
     }
@@ -211,10 +204,8 @@ static double compare_paths(qm_backend *cpu, qm_backend *cuda, dev_layer *D, uin
             got[i] = NAN;
         ck_assert_int_eq(forward(cuda, L, &dev_src, QM_DTYPE_F32, T, x, lg, got), 0);
         errs[k] = rel_err(got, want, (size_t)T * H);
-        if (k == 0)
-            *err_ref = tl_rel_err_f(got, ref, (size_t)T * H);
-        if (!(errs[k] <= worst))
-            worst = errs[k];
+        if (k == 0) *err_ref = tl_rel_err_f(got, ref, (size_t)T * H);
+        if (!(errs[k] <= worst)) worst = errs[k];
     }
     ck_assert_int_eq(qm_backend_cuda_set_kernels(cuda, QM_CUDA_KERNELS_AUTO, 0), 0);
     free(x);
@@ -227,8 +218,7 @@ static double compare_paths(qm_backend *cpu, qm_backend *cuda, dev_layer *D, uin
 
 static void describe(const tl_spec *s, char *buf, size_t n)
 {
-    snprintf(buf, n,
-             "E%u H%u I%u k%u bits%u bs%u %s fusion%u asym%d bias%d scales %s bias %s",
+    snprintf(buf, n, "E%u H%u I%u k%u bits%u bs%u %s fusion%u asym%d bias%d scales %s bias %s",
              s->E, s->H, s->I, s->k, s->bits, s->block_size, qm_activation_name(s->act), s->fusion,
              s->asym, s->bias, qm_dtype_name(s->scale_dtype), qm_dtype_name(s->bias_dtype));
 }
@@ -412,8 +402,7 @@ START_TEST(test_cuda_matches_cpu_over_variant_matrix)
         s.I = IS[(v / 6) % 5];
         s.E = ES[(v / 10) % 3];
         s.k = KS[v % 3] < s.E ? KS[v % 3] : s.E;
-        if (s.act == QM_ACT_SWIGLU && v % 4 == 0)
-            s.limit = INFINITY;
+        if (s.act == QM_ACT_SWIGLU && v % 4 == 0) s.limit = INFINITY;
         tl_layer L;
         ck_assert_int_eq(tl_layer_build(&s, &L), 0);
         dev_layer D;
@@ -423,10 +412,8 @@ START_TEST(test_cuda_matches_cpu_over_variant_matrix)
             double e = compare_paths(cpu, cuda, &D, TS[ti], 77 + (uint64_t)v * 10 + ti, errs, &eref,
                                      &cref);
             runs++;
-            if (!(e <= worst))
-                worst = e;
-            if (!(eref <= worst_ref))
-                worst_ref = eref;
+            if (!(e <= worst)) worst = e;
+            if (!(eref <= worst_ref)) worst_ref = eref;
             /* The float64 reference is the judge when the two backends
              * disagree; a CPU result off the reference is the CPU's bug and
              * is reported as such (its own suite owns it). */
@@ -613,8 +600,8 @@ START_TEST(test_cuda_bad_jobs_are_rejected_and_the_backend_survives)
     uint32_t rows[1] = {5}, outi[1] = {0};
     qm_expert_job job = {.expert = 1, .rows = rows, .out_index = outi, .n_rows = 1};
     dev_weights(&D, 1, &job.weights);
-    qm_expert_batch b = {.config = &L.cfg, .layer = &L.lv, .x = x, .n_tokens = 1, .y = y,
-                         .jobs = &job, .n_jobs = 1};
+    qm_expert_batch b = {
+        .config = &L.cfg, .layer = &L.lv, .x = x, .n_tokens = 1, .y = y, .jobs = &job, .n_jobs = 1};
     qm_status st = {0};
     ck_assert_int_eq(qm_backend_run_experts(cuda, &b, &st), QM_EINVAL); /* row 5 of 1 token */
     ck_assert_msg(strstr(st.msg, "token") != NULL, "%s", st.msg);

@@ -46,7 +46,8 @@ asm(".text\n"
 #include <ucontext.h>
 #endif
 
-namespace {
+namespace
+{
 
 constexpr size_t kStackBytes = 256 * 1024;
 
@@ -101,18 +102,17 @@ void fiber_main()
 
 void run_block(unsigned n)
 {
-    if (g_fibers.size() < n)
-        g_fibers.resize(n);
+    if (g_fibers.size() < n) g_fibers.resize(n);
     g_xfer.assign(n, 0.0f);
     for (unsigned i = 0; i < n; i++) {
         Fiber &f = g_fibers[i];
-        if (!f.stack)
-            f.stack.reset(new char[kStackBytes]);
+        if (!f.stack) f.stack.reset(new char[kStackBytes]);
 #ifdef QM_EMU_ASM_SWITCH
         /* A frame that "returns" into fiber_main with the stack aligned as
          * after a call: six zeroed registers, the entry, a dummy return. */
         uintptr_t *sp = reinterpret_cast<uintptr_t *>(
-            (reinterpret_cast<uintptr_t>(f.stack.get()) + kStackBytes) & ~static_cast<uintptr_t>(15));
+            (reinterpret_cast<uintptr_t>(f.stack.get()) + kStackBytes) &
+            ~static_cast<uintptr_t>(15));
         *--sp = 0;
         *--sp = reinterpret_cast<uintptr_t>(&fiber_main);
         for (int r = 0; r < 6; r++)
@@ -130,8 +130,7 @@ void run_block(unsigned n)
     for (;;) {
         /* Run every runnable fiber until it waits at a barrier or ends. */
         for (unsigned i = 0; i < n; i++) {
-            if (g_fibers[i].state != RUNNABLE)
-                continue;
+            if (g_fibers[i].state != RUNNABLE) continue;
             g_current = i;
             threadIdx = dim3(i, 0, 0);
             to_fiber(i);
@@ -144,8 +143,7 @@ void run_block(unsigned n)
                 waiting = true;
             }
         }
-        if (!waiting)
-            break;
+        if (!waiting) break;
     }
 }
 
@@ -233,8 +231,7 @@ cudaError_t cudaSetDevice(int device)
 
 cudaError_t cudaGetDeviceProperties(struct cudaDeviceProp *prop, int device)
 {
-    if (device != 0)
-        return fail(cudaErrorInvalidDevice);
+    if (device != 0) return fail(cudaErrorInvalidDevice);
     memset(prop, 0, sizeof *prop);
     snprintf(prop->name, sizeof prop->name, "qmoe CUDA emulator (CPU)");
     prop->totalGlobalMem = kDeviceBytes;
@@ -295,11 +292,9 @@ cudaError_t cudaEventSynchronize(cudaEvent_t event)
 cudaError_t cudaMalloc(void **ptr, size_t size)
 {
     *ptr = nullptr;
-    if (size > kDeviceBytes - g_allocated)
-        return fail(cudaErrorMemoryAllocation);
+    if (size > kDeviceBytes - g_allocated) return fail(cudaErrorMemoryAllocation);
     void *p = nullptr;
-    if (posix_memalign(&p, 256, size ? size : 1) != 0)
-        return fail(cudaErrorMemoryAllocation);
+    if (posix_memalign(&p, 256, size ? size : 1) != 0) return fail(cudaErrorMemoryAllocation);
     g_device_allocs[p] = size;
     g_allocated += size;
     *ptr = p;
@@ -308,11 +303,9 @@ cudaError_t cudaMalloc(void **ptr, size_t size)
 
 cudaError_t cudaFree(void *ptr)
 {
-    if (!ptr)
-        return cudaSuccess;
+    if (!ptr) return cudaSuccess;
     auto it = g_device_allocs.find(ptr);
-    if (it == g_device_allocs.end())
-        return fail(cudaErrorInvalidDevicePointer);
+    if (it == g_device_allocs.end()) return fail(cudaErrorInvalidDevicePointer);
     g_allocated -= it->second;
     g_device_allocs.erase(it);
     free(ptr);
@@ -321,8 +314,7 @@ cudaError_t cudaFree(void *ptr)
 
 cudaError_t cudaMallocHost(void **ptr, size_t size)
 {
-    if (posix_memalign(ptr, 4096, size ? size : 1) != 0)
-        return fail(cudaErrorMemoryAllocation);
+    if (posix_memalign(ptr, 4096, size ? size : 1) != 0) return fail(cudaErrorMemoryAllocation);
     return cudaSuccess;
 }
 
@@ -355,8 +347,7 @@ cudaError_t cudaMemcpyAsync(void *dst, const void *src, size_t count, enum cudaM
 {
     (void)kind;
     (void)stream;
-    if (count && (!dst || !src))
-        return fail(cudaErrorInvalidValue);
+    if (count && (!dst || !src)) return fail(cudaErrorInvalidValue);
     memcpy(dst, src, count);
     return cudaSuccess;
 }

@@ -34,19 +34,28 @@ void qm_emu_barrier(void);
 float qm_emu_exchange(float v, unsigned src_lane);
 float qm_emu_half_to_float(unsigned short h);
 
-static inline void __syncthreads(void) { qm_emu_barrier(); }
+static inline void __syncthreads(void)
+{
+    qm_emu_barrier();
+}
 static inline float __shfl_xor_sync(unsigned mask, float v, int lane_mask)
 {
     (void)mask;
     return qm_emu_exchange(v, (threadIdx.x & 31u) ^ (unsigned)lane_mask);
 }
-template <typename T> static inline T __ldg(const T *p) { return *p; }
+template <typename T> static inline T __ldg(const T *p)
+{
+    return *p;
+}
 static inline float __uint_as_float(uint32_t u)
 {
     float f;
     memcpy(&f, &u, 4);
     return f;
 }
-static inline unsigned min(unsigned a, unsigned b) { return a < b ? a : b; }
+static inline unsigned min(unsigned a, unsigned b)
+{
+    return a < b ? a : b;
+}
 
 #endif
