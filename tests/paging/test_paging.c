@@ -95,6 +95,7 @@ START_TEST(test_outputs_bitwise_equal_whole_bank_for_every_policy_budget_and_pre
                 }
     /* whole_bank runs only at total/none; everything else at every budget. */
     ck_assert_int_ge(ran, 4 * 7 * 2 * N_MODES);
+    ck_assert_int_eq(skipped, 5 * 2 * N_MODES); /* whole_bank below the whole model */
     ck_assert_uint_gt(g_allocs, 0);
     free_calls(&set);
     qm_backend_free(cpu);
