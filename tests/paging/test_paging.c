@@ -192,6 +192,7 @@ START_TEST(test_counters_match_policy_sim_model_for_every_policy_and_capacity)
         qm_expert_ref *fut;
         size_t nf;
         ck_assert_int_eq(sim_future(&tr, 0, tr.tokens, &fut, &nf), 0);
+        uint64_t demand_hits[3][7] = {{0}};
         for (int p = 0; p < 3; p++)
             for (size_t ci = 0; ci < 7; ci++)
                 for (int pf = 0; pf < 2; pf++) {
@@ -239,11 +240,20 @@ START_TEST(test_counters_match_policy_sim_model_for_every_policy_and_capacity)
                                   (unsigned long long)r.prefetch_useful);
                     ck_assert_uint_eq(ps.policy_fallbacks, 0);
                     ck_assert_uint_le(ps.resident_bytes, caps[ci] * unit_bytes(&b));
+                    if (!pf)
+                        demand_hits[p][ci] = ps.hits;
                     qm_pager_free(pg);
                     qm_plan_free(plan);
                     qm_policy_destroy(&pol);
                     qm_policy_destroy(&pol2);
                 }
+        /* Through the authority too, Belady's MIN is never beaten on demand paging. */
+        for (size_t ci = 0; ci < 7; ci++)
+            for (int p = 0; p < 2; p++)
+                ck_assert_msg(demand_hits[2][ci] >= demand_hits[p][ci],
+                              "cap %u: belady %llu hits < %s %llu", caps[ci],
+                              (unsigned long long)demand_hits[2][ci], policies[p],
+                              (unsigned long long)demand_hits[p][ci]);
         free(fut);
         sim_trace_free(&tr);
     }
