@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 from hardening import (H, RSS_SLACK_KB, SLOW, Baseline, Bystander, Daemon, connect, lines,
-                       make_bank, read_until_closed, req, tensor)
+                       make_bank, read_until_closed, req, tensor, wait_for)
 
 MAX_REQUEST = 1 << 20
 MAX_NESTING = 32
@@ -690,6 +690,7 @@ def test_slowloris_trickling_one_frame_is_cut_off(idle_daemon):
     by.check()
     assert closed, "a peer trickling one frame for %.0f s past idle_timeout_s=1 is still " \
                    "connected" % (time.time() - t0)
+    assert dm.limit_hits("frame_timeout_s") >= 1
 
 
 def test_client_that_never_reads_is_disconnected(idle_daemon):
@@ -728,3 +729,31 @@ def test_client_that_never_reads_is_disconnected(idle_daemon):
         t.join()
     assert dm.limit_hits("max_output_bytes") >= 1
     assert closed, "a peer that has not read for 10 s past idle_timeout_s=1 is still connected"
+    # Its reads stopped mid-line, so the frame deadline may fire first.
+    assert dm.limit_hits("output_stall") + dm.limit_hits("frame_timeout_s") >= 1
+
+
+def test_peer_that_never_reads_one_large_answer_is_dropped_for_output_stall(idle_daemon):
+    """One complete request whose answer (~1.4 MB) exceeds max_output_bytes
+    and is never read: no partial frame is pending, so the output-stall
+    deadline closes the connection and counts it."""
+    dm, by = idle_daemon
+    stop = threading.Event()
+    t = threading.Thread(target=keepalive, args=(by, stop))
+    t.start()
+    try:
+        before = dm.limit_hits("output_stall")
+        c = dm.client()
+        sid = c.call("session.create", {"model": "small"})["session"]
+        c.close()
+        s = connect(dm.socket)
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        s.sendall(req("session.infer", {"session": sid, "layer": 0,
+                                        "hidden": tensor(hidden(4096))}, id=1))
+        closed = wait_for(lambda: dm.limit_hits("output_stall") > before, 10)
+        s.close()
+    finally:
+        stop.set()
+        t.join()
+    by.check()
+    assert closed, "a peer that never read a 1.4 MB answer is still connected after 10 s"
