@@ -511,6 +511,7 @@ void qm_pager_free(qm_pager *p)
     if (!p)
         return;
     qm__pager_copy_stop(p);
+    qm__pager_trace_close(p);
     if (p->backend && p->slots) {
         /* Land every device copy before the arena goes away. */
         for (uint32_t s = 0; s < p->n_slots; s++)

@@ -77,6 +77,8 @@ typedef struct qm_pager_stats {
     uint64_t prefetch_router_issued, prefetch_router_useful;
     uint64_t prefetch_history_issued, prefetch_history_useful;
     uint64_t prefetch_gated; /* forward calls where a source was skipped as imprecise */
+    /* Routing trace (qm_pager_record_trace). */
+    uint64_t trace_tokens, trace_dropped, trace_errors;
     /* Fixed at creation. */
     uint64_t arena_bytes;        /* the one device allocation */
     uint64_t slot_bytes;         /* slot size (max unit, aligned) */
@@ -132,6 +134,19 @@ void qm_pager_stats_get(const qm_pager *pager, qm_pager_stats *out);
 int qm_pager_resident_experts(const qm_pager *pager, uint32_t layer, uint32_t *out, size_t cap);
 /* 1 when `layer` is paged per expert, 0 when whole-bank, negative when unknown. */
 int qm_pager_layer_is_paged(const qm_pager *pager, uint32_t layer);
+
+/* Records the routing of every later qm_pager_forward call into a routing
+ * trace at `path` (docs/TRACES.md, .qmtr; created or truncated, mode 0600)
+ * for policy_params.record_trace. Token rows are written as they complete:
+ * a token is complete once every layer has routed it, so layer calls must
+ * come in order per token, as a decoder makes them (a prefill call of T
+ * tokens adds T rows to its layer). The header's token count is kept
+ * current, so the file is a valid trace at any moment. Recording never
+ * fails inference: an I/O error stops it (trace_errors); rows of a layer
+ * that runs more than 65536 tokens ahead of another are dropped
+ * (trace_dropped). A second call replaces the recording. QM_EIO when the
+ * file cannot be created. */
+int qm_pager_record_trace(qm_pager *pager, const char *path, qm_status *st);
 
 /* Test hook: called after every slot allocation (demand, prefetch, pin) with
  * the resident bytes and the budget. NULL removes it. */

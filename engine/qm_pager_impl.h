@@ -76,6 +76,16 @@ typedef struct qm__copy_job {
     uint64_t len[QM_T_EXPERT_COUNT];
 } qm__copy_job;
 
+/* A routing-trace recording (qm_pager_trace.c). */
+typedef struct qm__trace {
+    int fd;
+    uint64_t payload_off;
+    int16_t **rows;    /* per layer: ring of pending rows, k ids each */
+    uint32_t *head, *len; /* per layer */
+    uint32_t cap;      /* rows per layer ring */
+    int16_t *token;    /* one token's row: [layers][k] */
+} qm__trace;
+
 struct qm_pager {
     qm_backend *backend;
     const qm_bank *bank;
@@ -114,6 +124,7 @@ struct qm_pager {
     uint32_t pf_win_issued[QM__PF_SOURCES], pf_win_useful[QM__PF_SOURCES];
     uint8_t pf_off[QM__PF_SOURCES];
     uint64_t forward_calls;
+    qm__trace *trace;
 
     /* Copy thread (host-visible backends). */
     int use_thread;
@@ -125,6 +136,10 @@ struct qm_pager {
     uint64_t next_seq, done_seq;
     int stop;
 };
+
+/* qm_pager_trace.c */
+void qm__pager_trace_record(qm_pager *p, uint32_t layer, const uint32_t *route, uint32_t tokens);
+void qm__pager_trace_close(qm_pager *p);
 
 /* qm_pager_copy.c */
 int qm__pager_copy_start(qm_pager *p, qm_status *st);

@@ -229,6 +229,8 @@ int qm_pager_forward(qm_pager *p, const qm_moe_call *call, qm_moe_stats *mstats,
     if (rc || call->n_tokens == 0 || call->layer >= p->n_layers)
         return rc;
     qm__pager_history_record(p, call->layer, c.route_experts, need);
+    if (p->trace)
+        qm__pager_trace_record(p, call->layer, c.route_experts, call->n_tokens);
     if (!p->opt.prefetch || p->n_slots == 0)
         return 0;
     uint32_t next = (call->layer + 1) % p->n_layers;

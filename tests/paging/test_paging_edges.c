@@ -4,8 +4,10 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 #include "paging_helpers.h"
+#include "sim.h"
 
 /* ---- Hostile policy -------------------------------------------------------------------- */
 
@@ -406,8 +408,88 @@ START_TEST(test_budget_holding_every_expert_preloads_and_never_misses)
 }
 END_TEST
 
+START_TEST(test_recorded_trace_holds_each_tokens_routing_in_layer_order)
+{
+    pf_spec sp = pf_default_spec();
+    pf_bank b;
+    pf_bank_open(&sp, &b);
+    qm_backend *cpu = NULL;
+    qm_status st = {0};
+    ck_assert_int_eq(qm_backend_cpu_new(1, &cpu, &st), 0);
+    qm_policy pol = {0};
+    ck_assert_int_eq(qm_policy_new("lru", NULL, &pol, &st), 0);
+    qm_residency_plan *plan;
+    qm_pager *pg = lru_pager(&b, cpu, &pol, 4 * unit_bytes(&b), 1, &plan);
+    char path[] = "/tmp/qm_trace_test.XXXXXX";
+    int fd = mkstemp(path);
+    ck_assert_int_ge(fd, 0);
+    close(fd);
+    ck_assert_int_eq(qm_pager_record_trace(pg, path, &st), 0);
+    uint64_t s = 1;
+    /* Five decode tokens; token 2 of layer 1 has a single route (the other dropped). */
+    int16_t want[8][3][2];
+    for (uint32_t t = 0; t < 5; t++)
+        for (uint32_t l = 0; l < 3; l++) {
+            uint32_t ex[2] = {(t + l) % 8, (t + 2 * l + 3) % 8};
+            if (ex[1] == ex[0])
+                ex[1] = (ex[1] + 1) % 8;
+            uint32_t n = (t == 2 && l == 1) ? 1 : 2;
+            call_experts(pg, &b, l, ex, n, &s);
+            /* The route order is the router's: first expert, then the second (or -1). */
+            want[t][l][0] = (int16_t)ex[0];
+            want[t][l][1] = n == 2 ? (int16_t)ex[1] : -1;
+        }
+    /* Then a prefill of three tokens, layer by layer: rows complete only at layer 2. */
+    const qm_bank_config *cfg = qm_bank_get_config(b.bank);
+    float x[3 * 32], logits[3 * 8], out[3 * 32];
+    for (int i = 0; i < 3 * 32; i++)
+        x[i] = pf_uniform(&s, -1, 1);
+    for (uint32_t l = 0; l < 3; l++) {
+        for (uint32_t t = 0; t < 3; t++) {
+            uint32_t ex[2] = {t, 7 - l};
+            pf_route_logits(cfg->experts, ex, 2, logits + t * cfg->experts);
+            want[5 + t][l][0] = (int16_t)ex[0];
+            want[5 + t][l][1] = (int16_t)ex[1];
+        }
+        qm_moe_call mc = {.layer = l, .dtype = QM_DTYPE_F32, .hidden = x, .n_tokens = 3,
+                          .logits = logits, .output = out};
+        qm_moe_stats ms = {0};
+        ck_assert_int_eq(qm_pager_forward(pg, &mc, &ms, &st), 0);
+        qm_pager_stats ps;
+        qm_pager_stats_get(pg, &ps);
+        ck_assert_uint_eq(ps.trace_tokens, l < 2 ? 5 : 8);
+    }
+    sim_trace tr;
+    char err[256];
+    ck_assert_msg(sim_trace_load(path, &tr, err, sizeof err) == 0, "%s", err);
+    ck_assert_uint_eq(tr.tokens, 8);
+    ck_assert_uint_eq(tr.layers, 3);
+    ck_assert_uint_eq(tr.k, 2);
+    ck_assert_uint_eq(tr.experts, 8);
+    for (uint32_t t = 0; t < 8; t++)
+        for (uint32_t l = 0; l < 3; l++)
+            for (uint32_t j = 0; j < 2; j++)
+                ck_assert_msg(tr.ids[(t * 3 + l) * 2 + j] == want[t][l][j],
+                              "token %u layer %u route %u: %d, want %d", t, l, j,
+                              tr.ids[(t * 3 + l) * 2 + j], want[t][l][j]);
+    sim_trace_free(&tr);
+    qm_pager_stats ps;
+    qm_pager_stats_get(pg, &ps);
+    ck_assert_uint_eq(ps.trace_errors, 0);
+    ck_assert_uint_eq(ps.trace_dropped, 0);
+    ck_assert_int_eq(qm_pager_record_trace(pg, "/nonexistent-qm-dir/t.qmtr", &st), QM_EIO);
+    qm_pager_free(pg);
+    unlink(path);
+    qm_plan_free(plan);
+    qm_policy_destroy(&pol);
+    qm_backend_free(cpu);
+    pf_bank_close(&b);
+}
+END_TEST
+
 static void add_edge_tests(TCase *tc)
 {
+    tcase_add_test(tc, test_recorded_trace_holds_each_tokens_routing_in_layer_order);
     tcase_add_test(tc, test_budget_holding_every_expert_preloads_and_never_misses);
     tcase_add_test(tc, test_imprecise_router_prediction_is_switched_off);
     tcase_add_test(tc, test_hostile_victims_fall_back_to_lru_and_keep_accounting_and_outputs);
