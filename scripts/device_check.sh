@@ -123,9 +123,11 @@ for p in libuv libcjson check; do
 done
 
 # ---- 3. build: CMake (the project's own build), else a direct compile ----
-targets="test_cuda test_cuda_emu qmoe-cuda-bench"
+targets="test_cuda qmoe-cuda-bench"               # required
+optional_targets="test_cuda_paging test_cuda_emu" # built one by one if they exist
 bin_test="$build/tests/cuda/test_cuda"
 bin_emu="$build/tests/cuda/test_cuda_emu"
+bin_paging="$build/tests/cuda/test_cuda_paging"
 bin_bench="$build/cuda/qmoe-cuda-bench"
 gen=()
 command -v ninja >/dev/null && gen=(-G Ninja)
@@ -138,6 +140,10 @@ elif timeout -k 5 "$(step_timeout 90 300)" cmake -S . -B "$build" "${gen[@]}" -D
    timeout -k 5 "$(step_timeout 300 200)" cmake --build "$build" -j"$(nproc)" --target $targets \
      >>"$OUT/build.log" 2>&1; then
   built=1
+  for t in $optional_targets; do
+    timeout -k 5 "$(step_timeout 120 200)" cmake --build "$build" -j"$(nproc)" --target "$t" \
+      >>"$OUT/build.log" 2>&1 || note "build: optional target $t not built"
+  done
   note "build: cmake OK ($(($(date +%s) - start))s since start)"
 else
   note "build: cmake FAILED (see build.log tail below); trying the direct compile"
@@ -195,6 +201,13 @@ if ((built)) && [ -x "$bin_test" ]; then
   rc=$?
   note "test_cuda: exit $rc ($([ $rc = 0 ] && echo PASS || ([ $rc = 77 ] && echo SKIPPED || echo FAIL)))"
   grep -E "^(device|variant matrix|gpt-oss|f16|bf16|FAIL|CPU-OFF|SKIP)|Checks:|:[EF]:" "$OUT/test_cuda.log" | head -60 | tee -a "$summary"
+  if [ -x "$bin_paging" ]; then
+    CK_FORK=no LD_LIBRARY_PATH="$runlib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" \
+      timeout -k 5 "$(step_timeout 90 150)" "$bin_paging" >>"$OUT/test_cuda.log" 2>&1
+    rc=$?
+    note "test_cuda_paging (pager on CUDA): exit $rc ($([ $rc = 0 ] && echo PASS || echo FAIL))"
+    grep -E "^paging|Checks:|:[EF]:" "$OUT/test_cuda.log" | tail -8 | tee -a "$summary"
+  fi
   if [ -x "$bin_emu" ]; then
     CK_FORK=no LD_LIBRARY_PATH="$runlib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" \
       timeout -k 5 "$(step_timeout 60 140)" "$bin_emu" >>"$OUT/test_cuda.log" 2>&1
