@@ -6,9 +6,7 @@
  * (1 when drain_timeout_s ran out first). SIGHUP: reload reloadable keys. */
 #include "qm_daemon.h"
 
-#include <errno.h>
 #include <grp.h>
-#include <pwd.h>
 #include <signal.h>
 #include <stdarg.h>
 #include <stdio.h>
@@ -183,45 +181,6 @@ static void watchdog_cb(uv_timer_t *t)
     qm_notify("WATCHDOG=1");
 }
 
-/* Issue 8: a daemon holding weights for many users should not keep root.
- * With --user it drops to that user once the socket is bound and the banks
- * are open (the socket file is handed to the user); with --allow-root it
- * stays. Without either it warns; QM_REFUSE_ROOT makes that a refusal, kept
- * off until every test harness that starts qmoed as root passes
- * --allow-root (the lead flips it). */
-#define QM_REFUSE_ROOT 0
-
-static int drop_privileges(qm_daemon *d, qm_status *st)
-{
-    if (geteuid() != 0)
-        return 0;
-    if (!d->cfg.user) {
-        if (d->cfg.allow_root)
-            return 0;
-        if (QM_REFUSE_ROOT)
-            return qm_status_set(st, QM_EPERMISSION,
-                                 "refusing to run as root: pass --user USER to drop to it after "
-                                 "binding, or --allow-root");
-        qm_log(QM_LOG_WARNING, "running as root; pass --user USER (or --allow-root to say so)");
-        return 0;
-    }
-    struct passwd *pw = getpwnam(d->cfg.user);
-    if (!pw)
-        return qm_status_set(st, QM_EINVAL, "no user named '%.64s'", d->cfg.user);
-    if (d->socket_path && chown(d->socket_path, pw->pw_uid, pw->pw_gid) < 0)
-        return qm_status_set(st, QM_EIO, "chown %s: %s", d->socket_path, strerror(errno));
-    if (initgroups(pw->pw_name, pw->pw_gid) < 0 || setgid(pw->pw_gid) < 0 ||
-        setuid(pw->pw_uid) < 0)
-        return qm_status_set(st, QM_EPERMISSION, "cannot become user %s: %s", pw->pw_name,
-                             strerror(errno));
-    if (setuid(0) == 0)
-        return qm_status_set(st, QM_EPERMISSION, "could regain root after dropping to %s",
-                             pw->pw_name);
-    d->self_uid = geteuid();
-    qm_log(QM_LOG_NOTICE, "dropped to user %s (uid %u)", pw->pw_name, (unsigned)pw->pw_uid);
-    return 0;
-}
-
 static int open_backend(qm_daemon *d, qm_status *st)
 {
     const char *want = d->cfg.backend;
@@ -310,11 +269,6 @@ int qm_daemon_main(int argc, char **argv)
     uv_timer_start(&d->tick, tick_cb, 1000, 1000);
     qm_status_clear(&st);
     if ((rc = qm_server_listen(d, &st)) < 0) {
-        qm_log(QM_LOG_ERR, "%s", st.msg);
-        goto out_listen;
-    }
-    qm_status_clear(&st);
-    if (drop_privileges(d, &st) < 0) {
         qm_log(QM_LOG_ERR, "%s", st.msg);
         goto out_listen;
     }
