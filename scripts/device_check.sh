@@ -31,6 +31,7 @@ summary="$OUT/summary.txt"
 : >"$summary"
 
 note() { echo "$*" | tee -a "$summary"; }
+verdict() { case $1 in 0) echo PASS ;; 77) echo SKIPPED ;; 124 | 137) echo TIMEOUT ;; *) echo FAIL ;; esac; }
 left() { echo $((deadline - $(date +%s))); }
 # step_timeout WANT [RESERVE]: WANT seconds, or what is left minus RESERVE.
 step_timeout() {
@@ -199,19 +200,20 @@ if ((built)) && [ -x "$bin_test" ]; then
   CK_FORK=no LD_LIBRARY_PATH="$runlib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" \
     timeout -k 5 "$(step_timeout 200 150)" "$bin_test" >"$OUT/test_cuda.log" 2>&1
   rc=$?
-  note "test_cuda: exit $rc ($([ $rc = 0 ] && echo PASS || ([ $rc = 77 ] && echo SKIPPED || echo FAIL)))"
+  note "test_cuda: exit $rc ($(verdict $rc))"
   grep -E "^(device|variant matrix|gpt-oss|f16|bf16|FAIL|CPU-OFF|SKIP)|Checks:|:[EF]:" "$OUT/test_cuda.log" | head -60 | tee -a "$summary"
   if [ -x "$bin_paging" ]; then
     CK_FORK=no LD_LIBRARY_PATH="$runlib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" \
       timeout -k 5 "$(step_timeout 90 150)" "$bin_paging" >>"$OUT/test_cuda.log" 2>&1
     rc=$?
-    note "test_cuda_paging (pager on CUDA): exit $rc ($([ $rc = 0 ] && echo PASS || echo FAIL))"
+    note "test_cuda_paging (pager on CUDA): exit $rc ($(verdict $rc))"
     grep -E "^paging|Checks:|:[EF]:" "$OUT/test_cuda.log" | tail -8 | tee -a "$summary"
   fi
   if [ -x "$bin_emu" ]; then
     CK_FORK=no LD_LIBRARY_PATH="$runlib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" \
       timeout -k 5 "$(step_timeout 60 140)" "$bin_emu" >>"$OUT/test_cuda.log" 2>&1
-    note "test_cuda_emu (CPU emulation of the kernels): exit $?"
+    rc=$?
+    note "test_cuda_emu (CPU emulation of the kernels): exit $rc ($(verdict $rc))"
   fi
 else
   note "test_cuda: not built"
@@ -222,7 +224,7 @@ if ((built)) && [ -x "$bin_bench" ]; then
   LD_LIBRARY_PATH="$runlib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" \
     timeout -k 5 "$(step_timeout 150 50)" "$bin_bench" --out "$OUT/bench.txt" --layers 8 --iters 60 >/dev/null 2>"$OUT/bench.err"
   rc=$?
-  note "bench: exit $rc"
+  note "bench: exit $rc ($(verdict $rc))"
   [ -f "$OUT/bench.txt" ] && cat "$OUT/bench.txt" >>"$summary"
   [ -s "$OUT/bench.err" ] && head -20 "$OUT/bench.err" | tee -a "$summary"
   rm -f "$OUT/bench.err"
