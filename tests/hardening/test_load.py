@@ -59,7 +59,7 @@ def test_many_clients_every_request_answered_once(bank):
 
 
 def test_overloaded_is_only_for_session_infer(bank):
-    """BUGS.md B6: PROTOCOL.md documents -32004 for session.infer; plan,
+    """BUGS.md B6 (fixed in cb54dcb): PROTOCOL.md documents -32004 for session.infer; plan,
     close and telemetry.get queue behind the session's work and create
     always goes through the worker queue, so they are refused too."""
     dm = Daemon(models={"small": bank}, config={"queue_depth": 1, "workers": 1})

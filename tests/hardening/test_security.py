@@ -236,7 +236,7 @@ def test_session_ids_are_unguessable(bank):
 
 
 def test_model_load_refuses_non_regular_files_without_blocking(bank):
-    """BUGS.md B7: model.load opens the path with a blocking open(2) on the
+    """BUGS.md B7 (fixed in cb54dcb): model.load opens the path with a blocking open(2) on the
     loop thread; a FIFO freezes the whole daemon until someone writes to it."""
     dm = Daemon(models={"small": bank})
     fifo = os.path.join(dm.dir, "fifo")
