@@ -22,6 +22,7 @@
 
 typedef struct conn {
     int fd;
+    int want_out; /* EPOLLOUT armed: a request did not fit the socket buffer */
     uint64_t sent_ns;
     size_t out_off;
     char *in;
@@ -63,18 +64,33 @@ static char *read_file(const char *path, size_t *len)
     return buf;
 }
 
-/* Sends what is left of the request; 1 when complete. */
-static int send_some(conn *c, const char *req, size_t req_len)
+static int epfd;
+
+/* Sends what is left of the request; 1 when complete. EPOLLOUT is armed only
+ * while a request is stuck: level-triggered writability on every idle
+ * connection would turn the loop into a busy poll (and measure the client). */
+static int send_some(conn *c, const char *req, size_t req_len, uint32_t index)
 {
     while (c->out_off < req_len) {
         ssize_t n = send(c->fd, req + c->out_off, req_len - c->out_off, MSG_NOSIGNAL);
         if (n < 0) {
-            if (errno == EAGAIN)
+            if (errno == EAGAIN) {
+                if (!c->want_out) {
+                    struct epoll_event ev = {.events = EPOLLIN | EPOLLOUT, .data.u32 = index};
+                    epoll_ctl(epfd, EPOLL_CTL_MOD, c->fd, &ev);
+                    c->want_out = 1;
+                }
                 return 0;
+            }
             perror("send");
             exit(1);
         }
         c->out_off += (size_t)n;
+    }
+    if (c->want_out) {
+        struct epoll_event ev = {.events = EPOLLIN, .data.u32 = index};
+        epoll_ctl(epfd, EPOLL_CTL_MOD, c->fd, &ev);
+        c->want_out = 0;
     }
     return 1;
 }
@@ -127,6 +143,7 @@ int main(int argc, char **argv)
         req[req_len - 1] = '\n';
     }
     int ep = epoll_create1(0);
+    epfd = ep;
     conn *cs = calloc((size_t)clients, sizeof *cs);
     for (int i = 0; i < clients; i++) {
         struct sockaddr_un sa = {.sun_family = AF_UNIX};
@@ -136,7 +153,7 @@ int main(int argc, char **argv)
             perror("connect");
             return 1;
         }
-        struct epoll_event ev = {.events = EPOLLIN | EPOLLOUT, .data.u32 = (uint32_t)i};
+        struct epoll_event ev = {.events = EPOLLIN, .data.u32 = (uint32_t)i};
         epoll_ctl(ep, EPOLL_CTL_ADD, cs[i].fd, &ev);
     }
     long total = warmup + requests, started = 0, finished = 0;
@@ -149,7 +166,7 @@ int main(int argc, char **argv)
         t_start = now_ns();
     for (int i = 0; i < clients && started < total; i++, started++) {
         cs[i].sent_ns = now_ns();
-        send_some(&cs[i], req, req_len);
+        send_some(&cs[i], req, req_len, (uint32_t)i);
     }
     struct epoll_event evs[256];
     while (finished < total) {
@@ -159,9 +176,10 @@ int main(int argc, char **argv)
             return 1;
         }
         for (int e = 0; e < n; e++) {
-            conn *c = &cs[evs[e].data.u32];
+            uint32_t ci = evs[e].data.u32;
+            conn *c = &cs[ci];
             if (c->out_off < req_len && (evs[e].events & EPOLLOUT))
-                send_some(c, req, req_len);
+                send_some(c, req, req_len, ci);
             if (!(evs[e].events & EPOLLIN))
                 continue;
             for (;;) {
@@ -169,7 +187,8 @@ int main(int argc, char **argv)
                     c->in_cap = c->in_cap ? c->in_cap * 2 : 1 << 17;
                     c->in = realloc(c->in, c->in_cap);
                 }
-                ssize_t r = recv(c->fd, c->in + c->in_len, c->in_cap - c->in_len, 0);
+                size_t room = c->in_cap - c->in_len;
+                ssize_t r = recv(c->fd, c->in + c->in_len, room, 0);
                 if (r < 0 && errno == EAGAIN)
                     break;
                 if (r <= 0) {
@@ -177,6 +196,8 @@ int main(int argc, char **argv)
                     return 1;
                 }
                 c->in_len += (size_t)r;
+                if ((size_t)r < room)
+                    break; /* drained: no second recv just to hear EAGAIN */
             }
             char *nl;
             while ((nl = memchr(c->in, '\n', c->in_len)) != NULL) {
@@ -206,7 +227,7 @@ int main(int argc, char **argv)
                     started++;
                     c->out_off = 0;
                     c->sent_ns = now_ns();
-                    send_some(c, req, req_len);
+                    send_some(c, req, req_len, ci);
                 }
             }
         }
