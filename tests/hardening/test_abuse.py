@@ -329,7 +329,8 @@ def test_strings_with_an_escaped_nul_are_refused_not_truncated(dm, what):
 
 
 def test_string_ids_come_back_byte_for_byte(dm):
-    """BUGS.md B1 (ids, fixed in cb54dcb): an id with an escaped NUL must be echoed whole or refused."""
+    """BUGS.md B1 (ids, fixed in cb54dcb): an id with an escaped NUL must be
+    echoed whole or refused."""
     r = ask(dm, b'{"jsonrpc":"2.0","id":"a\\u0000b","method":"daemon.status"}')
     assert r["id"] == "a\u0000b" or "error" in r, "id came back as %r" % r["id"]
 
