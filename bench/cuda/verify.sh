@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
-# device_check.sh - build, test and benchmark the CUDA backend on a GPU machine.
+# verify.sh - build, test and benchmark the CUDA backend on a GPU machine.
 #
 # One command for a lent GPU machine (the H200 of this workplace: root, no
 # network, nvcc + cmake + ninja, no libuv/cJSON/Check). Run from the
 # repository root:
 #
-#     bash scripts/device_check.sh            # logs and results in $OUT (or out/device-check)
+#     bash bench/cuda/verify.sh            # logs and results in $OUT (or out/device-check)
 #
 # Missing build dependencies are taken from .qmdeps/*.deb (downloaded on a
 # machine with network: see docs/CUDA.md) and unpacked into a private prefix,
@@ -17,7 +17,7 @@
 # bench.txt, sanitizer.log, summary.txt. The summary is printed last.
 set -uo pipefail
 
-here=$(cd "$(dirname "$0")/.." && pwd)
+here=$(cd "$(dirname "$0")/../.." && pwd)
 cd "$here" || exit 1
 OUT=${OUT:-$here/out/device-check}
 mkdir -p "$OUT"
@@ -42,7 +42,7 @@ step_timeout() {
   echo "$want"
 }
 
-echo "== device_check.sh at $(date -u +%FT%TZ), budget ${budget}s, commit $(git rev-parse --short HEAD 2>/dev/null || echo '?')"
+echo "== verify.sh at $(date -u +%FT%TZ), budget ${budget}s, commit $(git rev-parse --short HEAD 2>/dev/null || echo '?')"
 set -x
 
 # ---- 1. what is on this machine ----
