@@ -190,7 +190,8 @@ typedef struct qm_reply {
 typedef enum qm_job_kind {
     QM_JOB_INFER,  /* the worker runs the layer and encodes the response */
     QM_JOB_CREATE, /* the worker builds a new session's pager */
-    QM_JOB_BARRIER /* the worker passes it through; the loop answers it in order */
+    QM_JOB_BARRIER, /* the worker passes it through; the loop answers it in order */
+    QM_JOB_PLAN     /* session.plan: the worker reads the pager's residency now */
 } qm_job_kind;
 
 struct qm_job {
@@ -386,7 +387,13 @@ void qm_dispatch_job_done(qm_daemon *d, qm_job *job);
 /* Fills a reply slot; writes the reply when it is complete. */
 void qm_reply_fill(qm_reply *r, size_t slot, char *data, size_t len);
 
-/* The job's work on a worker thread (qm_dispatch.c: encodes the response). */
+/* The job's work on a worker thread (qm_infer.c: encodes the response). */
 void qm_job_run(qm_job *job);
+/* session.plan on a worker thread (qm_infer.c): the plan with resident_now
+ * per paged bank and resident_bytes, as the result of job->req. */
+void qm_job_run_plan(qm_job *job);
+/* The session's plan JSON with its pager's residency now (worker thread, or
+ * any thread while no job of the session runs). */
+int qm_session_plan_json(qm_session *s, char **json, size_t *len, qm_status *st);
 
 #endif

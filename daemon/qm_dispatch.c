@@ -311,7 +311,7 @@ static int run_sync(qm_daemon *d, qm_conn *c, qm_request *req, qm_jw *w, int *dr
         }
         char *json;
         size_t len;
-        rc = qm_plan_to_json(s->plan, &json, &len, st);
+        rc = qm_session_plan_json(s, &json, &len, st);
         if (rc < 0)
             return rc;
         qm_jw_raw(w, json, len);
@@ -457,7 +457,11 @@ static void handle_request(qm_daemon *d, qm_conn *c, qm_reply *r, size_t slot, q
             answer_status(d, r, slot, req, &st);
             return;
         }
-    } else if (!s || (req->method != QM_METHOD_SESSION_INFER && s->pending == 0)) {
+    } else if (!s || (req->method != QM_METHOD_SESSION_INFER &&
+                      req->method != QM_METHOD_SESSION_PLAN && s->pending == 0)) {
+        /* session.plan always takes the session's queue: its resident_now
+         * comes from the pager, which belongs to the worker running the
+         * session's jobs, and it is ordered with the session's inferences. */
         answer_sync(d, c, r, slot, req);
         return;
     }
@@ -471,6 +475,7 @@ static void handle_request(qm_daemon *d, qm_conn *c, qm_reply *r, size_t slot, q
     }
     job->kind = req->method == QM_METHOD_SESSION_INFER    ? QM_JOB_INFER
                 : req->method == QM_METHOD_SESSION_CREATE ? QM_JOB_CREATE
+                : req->method == QM_METHOD_SESSION_PLAN   ? QM_JOB_PLAN
                                                           : QM_JOB_BARRIER;
     job->d = d;
     job->session = s;
@@ -601,7 +606,8 @@ void qm_dispatch_job_done(qm_daemon *d, qm_job *job)
             }
         }
     } else {
-        account_infer(d, s, job);
+        if (job->kind == QM_JOB_INFER)
+            account_infer(d, s, job);
         if (job->rc < 0) {
             answer_status(d, job->reply, job->slot, &job->req, &job->st);
         } else if (!job->req.id) {

@@ -7,6 +7,7 @@
 #include <string.h>
 
 #include "qm_alloc.h"
+#include "qm_plan_json.h"
 
 static qm_dtype dtype_of(qm_wire_dtype t)
 {
@@ -127,3 +128,76 @@ done:
     qm_free(rw);
 }
 
+
+/* Whole-bank banks get no resident_now: they are resident for the session's
+ * life, which the plan's decision already says (docs/PROTOCOL.md). */
+int qm_session_plan_json(qm_session *s, char **json, size_t *len, qm_status *st)
+{
+    size_t n = qm_plan_total(s->plan);
+    qm_plan_json_bank_state *banks = qm_calloc(n ? n : 1, sizeof *banks);
+    uint32_t **lists = qm_calloc(n ? n : 1, sizeof *lists);
+    int rc = 0;
+    if (!banks || !lists) {
+        rc = qm_status_set(st, QM_ENOMEM, "out of memory reading the residency");
+        goto out;
+    }
+    qm_plan_json_state state = {.banks = banks, .n_banks = 0};
+    for (size_t i = 0; i < n && s->pager; i++) {
+        uint32_t layer = qm_plan_bank_at(s->plan, i)->bank_id; /* bank id = layer */
+        if (qm_pager_layer_is_paged(s->pager, layer) != 1)
+            continue;
+        int count = qm_pager_resident_experts(s->pager, layer, NULL, 0);
+        if (count < 0)
+            continue;
+        lists[i] = qm_malloc(((size_t)count + 1) * sizeof **lists);
+        if (!lists[i]) {
+            rc = qm_status_set(st, QM_ENOMEM, "out of memory reading the residency");
+            goto out;
+        }
+        size_t cap = (size_t)count;
+        count = qm_pager_resident_experts(s->pager, layer, lists[i], cap);
+        qm_plan_json_bank_state *b = &banks[state.n_banks++];
+        b->bank_id = layer;
+        b->has_resident_now = 1;
+        b->resident_now = lists[i];
+        b->n_resident_now = count < 0 ? 0 : (size_t)count < cap ? (size_t)count : cap;
+    }
+    if (s->pager) {
+        qm_pager_stats ps;
+        qm_pager_stats_get(s->pager, &ps);
+        state.has_resident_bytes = 1;
+        state.resident_bytes = ps.resident_bytes;
+    }
+    rc = qm_plan_to_json_ex(s->plan, &state, json, len, st);
+out:
+    for (size_t i = 0; lists && i < n; i++)
+        qm_free(lists[i]);
+    qm_free(lists);
+    qm_free(banks);
+    return rc;
+}
+
+void qm_job_run_plan(qm_job *job)
+{
+    qm_session *s = job->session;
+    if (atomic_load(&s->closed)) {
+        job->rc = qm_status_set_field(&job->st, QM_ENOT_FOUND, "session",
+                                      "the session was closed before this request ran");
+        return;
+    }
+    if (!job->req.id)
+        return; /* a notification: nothing to answer */
+    char *json;
+    size_t len;
+    job->rc = qm_session_plan_json(s, &json, &len, &job->st);
+    if (job->rc < 0)
+        return;
+    qm_jw w;
+    qm_jw_init(&w, &job->response);
+    qm_rpc_result_begin(&w, job->req.id);
+    qm_jw_raw(&w, json, len);
+    qm_rpc_result_end(&w);
+    qm_free(json);
+    if (job->response.oom)
+        job->rc = qm_status_set(&job->st, QM_ENOMEM, "out of memory encoding the plan");
+}

@@ -48,6 +48,8 @@ static void worker_main(void *arg)
             qm_job_run(job);
         else if (job->kind == QM_JOB_CREATE)
             job->rc = qm_session_build(d, s, &job->st);
+        else if (job->kind == QM_JOB_PLAN)
+            qm_job_run_plan(job);
         job->end_us = qm_now_us();
 
         uv_mutex_lock(&p->mu);

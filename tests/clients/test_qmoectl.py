@@ -174,6 +174,9 @@ def test_plan_table_has_a_row_per_bank_and_totals(daemon, session):
     assert len(banks) == LAYERS and total[0] == "total"
     for i, r in enumerate(banks):
         assert r[0] == str(i) and r[2] in ("whole-bank", "per-expert")
+        # The daemon reports resident_now per paged bank: a count, never "?".
+        assert r[8].isdigit() or r[8].startswith("all"), r
+    assert total[-2].isdigit() and "?" not in p.stdout
     assert "of budget" in p.stdout
 
 

@@ -134,10 +134,54 @@ def test_plan_json_is_byte_identical_across_calls(daemon):
             params["policy_params"] = {"hot": [{"layer": 0, "experts": [3, 1]}]}
         sid = c.call("session.create", params)["session"]
         a = c.request("session.plan", {"session": sid}, id=5, raw=True)
+        b = c.request("session.plan", {"session": sid}, id=5, raw=True)
+        assert a == b
+        # After an inference the residency may differ, but two reads with
+        # nothing run between them still agree byte for byte.
         c.call("session.infer", {"session": sid, "layer": 0, "hidden": tensor(hidden(2))})
+        a = c.request("session.plan", {"session": sid}, id=5, raw=True)
         b = c.request("session.plan", {"session": sid}, id=5, raw=True)
         assert a == b
         c.call("session.close", {"session": sid})
+
+
+def test_plan_reports_resident_now_per_paged_bank_and_resident_bytes(daemon):
+    c = daemon.client()
+    bpe = c.call("model.list")["models"][0]["bytes_per_expert"]
+    # Room for a few experts, not all 16: nothing is preloaded; prefetch off,
+    # so only what an inference routes becomes resident.
+    sid = c.call("session.create", {"model": "small", "policy": "lru", "budget_bytes": 6 * bpe,
+                                    "policy_params": {"prefetch": False}})["session"]
+    plan = c.call("session.plan", {"session": sid})
+    assert plan["resident_bytes"] == 0 and plan["budget_bytes"] == 6 * bpe
+    for b in plan["banks"]:
+        assert b["decision"] == "per_expert_candidate" and b["resident_now"] == [], b
+    r = c.call("session.infer", {"session": sid, "layer": 0, "hidden": tensor(hidden(1, seed=4)),
+                                 "return_routing": True})
+    routed = sorted({e for e, _ in r["routing"][0]})
+    plan = c.call("session.plan", {"session": sid})
+    assert plan["banks"][0]["resident_now"] == routed and plan["banks"][1]["resident_now"] == []
+    assert plan["resident_bytes"] == len(routed) * bpe <= plan["budget_bytes"]
+    assert [s for s in c.call("session.list")["sessions"]
+            if s["session"] == sid][0]["resident_bytes"] == plan["resident_bytes"]
+    # A plan read pipelined behind inferences is answered after them, with
+    # their residency (it takes the session's queue).
+    reqs = [{"jsonrpc": "2.0", "id": 10 + i, "method": "session.infer",
+             "params": {"session": sid, "layer": 1, "hidden": tensor(hidden(1, seed=i))}}
+            for i in range(3)]
+    reqs.append({"jsonrpc": "2.0", "id": 20, "method": "session.plan", "params": {"session": sid}})
+    c.send_raw("".join(json.dumps(q) + "\n" for q in reqs).encode())
+    got = [c.read() for _ in reqs]
+    assert [g["id"] for g in got] == [10, 11, 12, 20]
+    assert got[-1]["result"]["banks"][1]["resident_now"] != []
+    c.call("session.close", {"session": sid})
+    # Whole-bank banks carry no resident_now: they are resident for the
+    # session's life.
+    sid = c.call("session.create", {"model": "small"})["session"]
+    plan = c.call("session.plan", {"session": sid})
+    assert all("resident_now" not in b for b in plan["banks"])
+    assert plan["resident_bytes"] == c.call("model.list")["models"][0]["bytes_total"]
+    c.call("session.close", {"session": sid})
 
 
 def test_every_policy_gives_the_same_bits(daemon):
