@@ -160,6 +160,7 @@ struct qm_session {
     qm_residency_plan *plan;
     qm_pager *pager;          /* (worker) while a job of this session runs */
     qm_pager_options pager_options;
+    char *trace_path;         /* policy_params.record_trace in the state dir, or NULL */
     uint64_t plan_start_us, plan_us;
     uint64_t budget_bytes;    /* expert-weight budget */
     uint64_t workspace_bytes; /* fixed at creation */

@@ -222,6 +222,7 @@ qm_session *qm_session_find(qm_daemon *d, const char *id)
 static void session_free(qm_session *s)
 {
     qm_pager_free(s->pager);
+    qm_free(s->trace_path);
     qm_plan_free(s->plan);
     qm_policy_destroy(&s->policy);
     qm_model_unref(s->model);
@@ -298,10 +299,19 @@ int qm_session_prepare(qm_daemon *d, const qm_params *p, uid_t owner, qm_session
                                    p->model);
     const qm_bank_config *cfg = qm_bank_get_config(m->bank);
     const qm_policy_params_wire *pw = &p->policy_params;
-    if (pw->record_trace)
-        return qm_status_set_field(st, QM_EINVAL, "policy_params.record_trace",
-                                   "policy_params.record_trace is not supported by this daemon "
-                                   "yet");
+    if (pw->record_trace) {
+        /* The decoder refused '/', "." and ".."; a name ending in .hot would
+         * overwrite a model's hotness profile in the same directory. */
+        size_t n = strlen(pw->record_trace);
+        if (!d->cfg.state_dir)
+            return qm_status_set_field(st, QM_EINVAL, "policy_params.record_trace",
+                                       "policy_params.record_trace needs a state dir; this "
+                                       "daemon runs without one (state_dir)");
+        if (n >= 4 && strcmp(pw->record_trace + n - 4, ".hot") == 0)
+            return qm_status_set_field(st, QM_EINVAL, "policy_params.record_trace",
+                                       "policy_params.record_trace must not end in .hot (the "
+                                       "state dir's hotness profiles)");
+    }
     if (pw->has_decay && strcmp(policy, "lfu") != 0)
         return qm_status_set_field(st, QM_EINVAL, "policy_params.decay",
                                    "policy_params.decay applies to policy lfu only");
@@ -362,6 +372,15 @@ int qm_session_prepare(qm_daemon *d, const qm_params *p, uid_t owner, qm_session
     s->workspace_bytes = workspace;
     s->admitted_bytes = need;
     s->created_at = (int64_t)time(NULL);
+    if (pw->record_trace) {
+        size_t n = strlen(d->cfg.state_dir) + strlen(pw->record_trace) + 2;
+        s->trace_path = qm_malloc(n);
+        if (!s->trace_path) {
+            rc = qm_status_set(st, QM_ENOMEM, "out of memory");
+            goto fail;
+        }
+        snprintf(s->trace_path, n, "%s/%s", d->cfg.state_dir, pw->record_trace);
+    }
 
     /* static_hot's hot lists, indexed by layer. */
     const uint32_t **hot = NULL;
@@ -430,6 +449,15 @@ int qm_session_build(qm_daemon *d, qm_session *s, qm_status *st)
 {
     int rc = qm_pager_new(d->backend, s->model->bank, s->plan, &s->policy, &s->pager_options,
                           &s->pager, st);
+    if (rc == 0 && s->trace_path) {
+        rc = qm_pager_record_trace(s->pager, s->trace_path, st);
+        if (rc < 0) {
+            if (st)
+                snprintf(st->field, sizeof st->field, "policy_params.record_trace");
+        } else {
+            qm_log(QM_LOG_INFO, "session %s records its routing to %s", s->id, s->trace_path);
+        }
+    }
     if (rc == 0)
         qm_pager_stats_get(s->pager, &s->last_stats);
     return rc;

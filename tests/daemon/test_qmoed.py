@@ -767,6 +767,64 @@ def test_hotness_profile_persists_and_feeds_static_hot(banks):
         assert dm.stop() == 0
 
 
+def load_trace_tool():
+    import importlib.util
+    path = os.path.join(os.path.dirname(__file__), "..", "..", "tools", "qmoe_trace.py")
+    spec = importlib.util.spec_from_file_location("qmoe_trace", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_record_trace_writes_the_routing_to_the_state_dir(banks, daemon):
+    # The module daemon has no state dir: the field is refused, named.
+    e = err(daemon.client().request("session.create", {
+        "model": "small", "policy_params": {"record_trace": "t.qmtr"}}))
+    assert e["code"] == -32602 and e["data"]["field"] == "policy_params.record_trace"
+    d = tempfile.mkdtemp(prefix="qmoed-state-")
+    state = os.path.join(d, "state")
+    os.mkdir(state)
+    dm = Daemon(models={"small": banks["small"]}, args=["--state-dir", state], workdir=d)
+    try:
+        c = dm.client()
+        for bad in ("../t.qmtr", "a/b", "..", ".", "", "small.hot"):
+            e = err(c.request("session.create", {"model": "small",
+                                                 "policy_params": {"record_trace": bad}}))
+            assert e["code"] == -32602, (bad, e)
+            assert e["data"]["field"] == "policy_params.record_trace", (bad, e)
+        sid = c.call("session.create", {"model": "small", "policy": "lru",
+                                        "budget_bytes": 40000,
+                                        "policy_params": {"record_trace": "run1.qmtr"}})["session"]
+        routes = []
+        for i in range(3):  # a decoder's order: every layer for each step
+            step = []
+            for layer in (0, 1):
+                r = c.call("session.infer", {"session": sid, "layer": layer,
+                                             "hidden": tensor(hidden(2, seed=10 * i + layer)),
+                                             "return_routing": True})
+                step.append([sorted(e for e, _ in tok) for tok in r["routing"]])
+            routes.append(step)
+        c.call("session.close", {"session": sid})
+        path = os.path.join(state, "run1.qmtr")
+        assert os.path.exists(path)
+        tool = load_trace_tool()
+        tr = tool.read_trace(path)
+        assert (tr.tokens, tr.layers, tr.k, tr.experts) == (6, 2, K, E)
+        for i, step in enumerate(routes):
+            for layer in (0, 1):
+                for t in range(2):
+                    got = sorted(x for x in tr.row(2 * i + t, layer) if x >= 0)
+                    assert got == step[layer][t], (i, layer, t)
+        info = subprocess.run([os.path.join(os.path.dirname(__file__), "..", "..", ".venv",
+                                            "bin", "python"),
+                               os.path.join(os.path.dirname(__file__), "..", "..", "tools",
+                                            "qmoe_trace.py"), "info", path],
+                              capture_output=True, text=True)
+        assert info.returncode == 0 and "6" in info.stdout, info
+    finally:
+        assert dm.stop() == 0
+
+
 def test_hostile_bytes_split_writes_and_blank_lines(daemon):
     c = daemon.client()
     c.send_raw(b'{"jsonrpc":"2.0","id":1,"method":"daemon.status"}\x00\n')
