@@ -190,8 +190,10 @@ static int open_backend(qm_daemon *d, qm_status *st)
         if (rc < 0 && strcmp(want, "cuda") == 0)
             return rc;
         if (rc < 0)
-            qm_log(QM_LOG_INFO, "backend auto: CUDA unavailable (%s); using cpu",
+            qm_log(QM_LOG_NOTICE, "backend auto: CUDA unavailable (%s); using cpu",
                    st ? st->msg : "");
+        else if (strcmp(want, "auto") == 0)
+            qm_log(QM_LOG_NOTICE, "backend auto: using cuda");
     }
     if (rc < 0) {
         qm_status_clear(st);

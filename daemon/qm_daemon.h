@@ -146,6 +146,7 @@ typedef struct qm_model {
     qm_hotness *hotness;    /* decayed use counts; static_hot's default hot lists */
     char *hotness_path;     /* state_dir/<name>.hot, NULL without a state dir */
     uint64_t hotness_saved; /* qm_hotness_records at the last save */
+    qm_backend *host_registered; /* CUDA backend the mapping is registered with, or NULL */
     int refs;        /* registry + sessions */
     int registered;  /* 0 once unloaded: freed when the last session lets go */
     struct qm_model *next;

@@ -12,6 +12,9 @@
 
 #include "qm_alloc.h"
 #include "qm_plan_json.h"
+#ifdef QMOE_HAVE_CUDA
+#include "qm_cuda.h"
+#endif
 
 static const char *const supported_policies[] = {"whole_bank", "static_hot", "lru", "lfu"};
 #define SUPPORTED_POLICY_LIST "whole_bank, static_hot, lru, lfu"
@@ -35,10 +38,53 @@ void qm_models_save_hotness(qm_daemon *d)
         model_save_hotness(m);
 }
 
+/* On CUDA the whole mapping is pinned once (cudaHostRegister), so paging
+ * copies are one DMA each instead of going through bounce buffers. A refusal
+ * only costs speed. No-op on other backends and in builds without CUDA. */
+static void model_register_host(qm_daemon *d, qm_model *m)
+{
+#ifdef QMOE_HAVE_CUDA
+    if (strcmp(qm_backend_name(d->backend), "cuda") != 0)
+        return;
+    uint64_t bytes;
+    const void *base = qm_bank_mapping(m->bank, &bytes);
+    qm_status st;
+    qm_status_clear(&st);
+    if (qm_backend_cuda_register_host(d->backend, base, (size_t)bytes, &st) == 0) {
+        m->host_registered = d->backend;
+        qm_log(QM_LOG_INFO, "model %s: %llu mapped bytes registered with CUDA", m->name,
+               (unsigned long long)bytes);
+    } else {
+        qm_log(QM_LOG_WARNING, "model %s: cannot register the mapping with CUDA (%s); copies "
+               "go through bounce buffers", m->name, st.msg);
+    }
+#else
+    (void)d;
+    (void)m;
+#endif
+}
+
+static void model_unregister_host(qm_model *m)
+{
+#ifdef QMOE_HAVE_CUDA
+    if (!m->host_registered)
+        return;
+    qm_status st;
+    qm_status_clear(&st);
+    if (qm_backend_cuda_unregister_host(m->host_registered, qm_bank_mapping(m->bank, NULL), &st) <
+        0)
+        qm_log(QM_LOG_WARNING, "model %s: cannot unregister the mapping: %s", m->name, st.msg);
+    m->host_registered = NULL;
+#else
+    (void)m;
+#endif
+}
+
 static void model_free(qm_model *m)
 {
     if (!m)
         return;
+    model_unregister_host(m);
     model_save_hotness(m);
     qm_hotness_free(m->hotness);
     qm_free(m->hotness_path);
@@ -134,6 +180,7 @@ int qm_model_load(qm_daemon *d, const char *name, const char *path, qm_model **o
     m->bytes_total = qm_bank_expert_bytes_total(m->bank);
     const qm_layer_view *lv = qm_bank_layer(m->bank, 0);
     m->bytes_per_expert = lv ? lv->bytes_per_expert : 0;
+    model_register_host(d, m);
     m->refs = 1;
     m->registered = 1;
     m->next = d->models;

@@ -333,6 +333,13 @@ uint64_t qm_bank_file_bytes(const qm_bank *bank) { return bank->size; }
 const uint8_t *qm_bank_data(const qm_bank *bank) { return bank->data; }
 uint64_t qm_bank_expert_bytes_total(const qm_bank *bank) { return bank->expert_bytes_total; }
 
+const void *qm_bank_mapping(const qm_bank *bank, uint64_t *bytes)
+{
+    if (bytes)
+        *bytes = bank->size;
+    return bank->base;
+}
+
 const qm_layer_view *qm_bank_layer(const qm_bank *bank, uint32_t layer)
 {
     if (!bank || layer >= bank->cfg.layers)

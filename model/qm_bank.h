@@ -104,6 +104,8 @@ const uint8_t *qm_bank_data(const qm_bank *bank);
 const qm_layer_view *qm_bank_layer(const qm_bank *bank, uint32_t layer);
 /* Sum over layers of every expert tensor's bytes (not router). */
 uint64_t qm_bank_expert_bytes_total(const qm_bank *bank);
+/* The whole mapped file (or memory buffer) and its size at open. */
+const void *qm_bank_mapping(const qm_bank *bank, uint64_t *bytes);
 /* Unknown tensors seen at open, as "name" strings. Borrowed. */
 const char *const *qm_bank_warnings(const qm_bank *bank, size_t *count);
 
