@@ -227,6 +227,13 @@ int qm_daemon_main(int argc, char **argv)
         qm_config_free(&d->cfg);
         return 2;
     }
+    if (geteuid() == 0 && !d->cfg.user && !d->cfg.allow_root) {
+        /* Issue 8: root only when asked for, before any bank is opened. */
+        fprintf(stderr, "qmoed: refusing to run as root: pass --user USER to drop to it after "
+                        "binding, or --allow-root (config keys user, allow_root)\n");
+        qm_config_free(&d->cfg);
+        return 2;
+    }
     signal(SIGPIPE, SIG_IGN);
     d->self_uid = geteuid();
     d->start_us = qm_now_us();

@@ -487,10 +487,9 @@ static int probe_existing(const char *path, qm_status *st)
 /* Issue 8: a daemon holding weights for many users should not keep root.
  * With --user it drops to that user once the socket is bound and the banks
  * are open (the socket file is handed to the user); with --allow-root it
- * stays. Without either it warns; QM_REFUSE_ROOT makes that a refusal, kept
- * off until every test harness that starts qmoed as root passes
- * --allow-root (the lead flips it). */
-#define QM_REFUSE_ROOT 0
+ * stays. Without either it refuses to start (qm_daemon_main already checked
+ * before loading anything; this is the last line). */
+#define QM_REFUSE_ROOT 1
 
 static int drop_privileges(qm_daemon *d, qm_status *st)
 {

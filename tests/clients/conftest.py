@@ -58,7 +58,8 @@ class Daemon:
         self.log_path = os.path.join(self.dir, "qmoed.log")
         self.log = open(self.log_path, "wb")
         self.proc = subprocess.Popen(
-            [need(QMOED), "--socket", self.socket, "--backend", "cpu", "--model", "demo=" + bank,
+            [need(QMOED), "--socket", self.socket, "--backend", "cpu", "--model", "demo=" + bank]
+            + (["--allow-root"] if os.geteuid() == 0 else []) + [
              "--state-dir", os.path.join(self.dir, "state"), "--device-budget", "1GiB",
              "--log-level", "info"],
             stdout=self.log, stderr=subprocess.STDOUT)

@@ -17,6 +17,9 @@ from conftest import BUILD, QMOECTL, QMOED, SOURCE, need
 
 SYSTEMD = os.path.join(SOURCE, "systemd")
 
+# qmoed refuses to run as root unless told to (CI runs as root).
+ROOT_ARGS = ["--allow-root"] if os.geteuid() == 0 else []
+
 
 def configured_service(dest, exec_path):
     """qmoed.service as CMake configures it, with ExecStart pointing at `exec_path`."""
@@ -88,7 +91,7 @@ def test_example_config_is_accepted_by_qmoed(workdir):
     # The flags override the machine-specific keys; everything else is the shipped file.
     proc = subprocess.Popen([need(QMOED), "--config", os.path.join(SYSTEMD, "qmoed.json"), "--socket", sock,
                              "--state-dir", os.path.join(d, "state"), "--backend", "cpu",
-                             "--admin-group", "root"],
+                             "--admin-group", "root"] + ROOT_ARGS,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     try:
         wait_for_socket(sock, proc)
@@ -147,7 +150,7 @@ def test_notify_ready_status_watchdog_and_stopping(workdir, bank):
     env = dict(os.environ, NOTIFY_SOCKET=n.path, WATCHDOG_USEC="400000")
     env.pop("WATCHDOG_PID", None)
     proc = subprocess.Popen([need(QMOED), "--socket", sock, "--backend", "cpu", "--model", "demo=" + bank,
-                             "--state-dir", os.path.join(d, "state")], env=env,
+                             "--state-dir", os.path.join(d, "state")] + ROOT_ARGS, env=env,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         ready = n.collect(lambda kv: kv.get("READY") == "1", 20)
@@ -188,7 +191,7 @@ def test_socket_activation_serves_on_the_passed_socket(workdir, bank):
     script = 'export LISTEN_PID=$$ LISTEN_FDS=1; exec 3<&%d %d<&-; exec "$@"' % (fd, fd)
     proc = subprocess.Popen(["bash", "-c", script, "bash", need(QMOED), "--backend", "cpu",
                              "--socket", os.path.join(d, "unused.sock"),
-                             "--state-dir", os.path.join(d, "state")],
+                             "--state-dir", os.path.join(d, "state")] + ROOT_ARGS,
                             pass_fds=(fd,), stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     listener.close()  # the daemon holds its own copy now
     try:

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 from qmoed_harness import (Client, Daemon, from_tensor, make_bank, qmoe_bank_path, qmoed_path,
-                           tensor)
+                           root_args, tensor)
 
 H, E, K = 64, 8, 2
 
@@ -618,8 +618,8 @@ def test_daemon_shutdown_drains_and_refuses_new_work(banks):
 
 
 def test_refuses_a_live_socket_and_replaces_a_stale_one(banks, daemon):
-    p = subprocess.run([qmoed_path(),
-                        "--socket", daemon.socket], capture_output=True, timeout=10)
+    p = subprocess.run([qmoed_path(), "--socket", daemon.socket] + root_args(),
+                       capture_output=True, timeout=10)
     assert p.returncode != 0 and b"already answering" in p.stderr
     d = tempfile.mkdtemp(prefix="qmoed-stale-")
     path = os.path.join(d, "s.sock")
@@ -651,7 +651,8 @@ def test_socket_activation_notify_and_journal_prefixes(banks):
     proc = subprocess.Popen(
         ["bash", "-c", 'exec 3<&%d; LISTEN_PID=$$ LISTEN_FDS=1 exec "$0" "$@"' % fd,
          qmoed_path(),
-         "--socket", os.path.join(d, "unused.sock"), "--model", "small=" + banks["small"]],
+         "--socket", os.path.join(d, "unused.sock"), "--model", "small=" + banks["small"]]
+        + root_args(),
         pass_fds=(fd,), env=env, stdout=log, stderr=log)
     try:
         msgs = []
@@ -864,3 +865,24 @@ def test_user_flag_drops_root_after_binding(banks):
     p = subprocess.run([qmoed_path(), "--socket", os.path.join(d, "x.sock"), "--user",
                         "no-such-user-qmoed"], capture_output=True, timeout=10)
     assert p.returncode != 0 and b"no user named" in p.stderr
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root: checks the refusal to run as root")
+def test_refuses_to_run_as_root_unless_told(banks):
+    d = tempfile.mkdtemp(prefix="qmoed-root-")
+    sock = os.path.join(d, "r.sock")
+    p = subprocess.run([qmoed_path(), "--socket", sock, "--model", "small=" + banks["small"]],
+                       capture_output=True, timeout=10)
+    assert p.returncode == 2 and b"refusing to run as root" in p.stderr, p
+    assert b"--allow-root" in p.stderr and not os.path.exists(sock)
+    for flag in ("--version", "--help"):  # need no flag
+        assert subprocess.run([qmoed_path(), flag], capture_output=True, timeout=10).returncode == 0
+    with open(os.path.join(d, "c.json"), "w") as f:
+        json.dump({"allow_root": True}, f)
+    dm = Daemon(models={"small": banks["small"]}, workdir=d, root_flag=False,
+                args=["--config", os.path.join(d, "c.json")])
+    try:
+        assert dm.client().call("daemon.status")["models"] == 1
+    finally:
+        assert dm.stop() == 0
+
