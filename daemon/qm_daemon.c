@@ -235,6 +235,9 @@ int qm_daemon_main(int argc, char **argv)
         return 2;
     }
     signal(SIGPIPE, SIG_IGN);
+    if (qm_sigbus_install() < 0)
+        qm_log(QM_LOG_WARNING, "cannot install the SIGBUS handler: a bank file truncated "
+               "while a request reads it would end the daemon");
     d->self_uid = geteuid();
     d->start_us = qm_now_us();
     d->start_wall = (int64_t)time(NULL);

@@ -147,6 +147,7 @@ typedef struct qm_model {
     char *hotness_path;     /* state_dir/<name>.hot, NULL without a state dir */
     uint64_t hotness_saved; /* qm_hotness_records at the last save */
     qm_backend *host_registered; /* CUDA backend the mapping is registered with, or NULL */
+    int guard_slot;              /* qm_sigbus_register's slot, or -1 */
     int refs;        /* registry + sessions */
     int registered;  /* 0 once unloaded: freed when the last session lets go */
     struct qm_model *next;
@@ -323,6 +324,18 @@ uint64_t qm_now_us(void); /* monotonic */
 int qm_daemon_main(int argc, char **argv);
 void qm_limit_hit(qm_daemon *d, int limit, const char *fmt, ...)
     __attribute__((format(printf, 3, 4)));
+
+/* ---- truncated bank files (qm_sigbus.c) ---- */
+
+/* Installs the SIGBUS handler (once). */
+int qm_sigbus_install(void);
+/* Registers a bank mapping (loop thread); returns its slot or -1. */
+int qm_sigbus_register(const void *base, uint64_t size);
+void qm_sigbus_unregister(int slot); /* before the mapping goes */
+int qm_sigbus_poisoned(int slot);
+/* Before and after each use of a model's bank: QM_EINVALID_MODEL when its
+ * file was truncated on disk (fstat) or a read hit a missing page. */
+int qm_model_check(const qm_model *m, qm_status *st);
 
 /* ---- registries (qm_registry.c) ---- */
 

@@ -67,7 +67,13 @@ void qm_job_run(qm_job *job)
                         .output = output,
                         .route_experts = rexp,
                         .route_weights = rw};
-    job->rc = qm_pager_forward(s->pager, &call, &job->mstats, &job->st);
+    /* A bank file truncated on disk fails the request before it reads the
+     * mapping, and after it when the truncation raced it (qm_sigbus.c). */
+    job->rc = qm_model_check(s->model, &job->st);
+    if (job->rc == 0)
+        job->rc = qm_pager_forward(s->pager, &call, &job->mstats, &job->st);
+    if (job->rc == 0)
+        job->rc = qm_model_check(s->model, &job->st);
     qm_pager_stats_get(s->pager, &job->pstats);
     job->tokens = T;
     if (job->rc < 0 || !job->req.id)

@@ -85,6 +85,7 @@ static void model_free(qm_model *m)
     if (!m)
         return;
     model_unregister_host(m);
+    qm_sigbus_unregister(m->guard_slot);
     model_save_hotness(m);
     qm_hotness_free(m->hotness);
     qm_free(m->hotness_path);
@@ -119,6 +120,7 @@ int qm_model_load(qm_daemon *d, const char *name, const char *path, qm_model **o
     qm_model *m = qm_calloc(1, sizeof *m);
     if (!m)
         return qm_status_set(st, QM_ENOMEM, "out of memory");
+    m->guard_slot = -1;
     snprintf(m->name, sizeof m->name, "%s", name);
     m->path = qm_strdup(path);
     int rc = m->path ? 0 : qm_status_set(st, QM_ENOMEM, "out of memory");
@@ -142,6 +144,9 @@ int qm_model_load(qm_daemon *d, const char *name, const char *path, qm_model **o
         }
         goto fail;
     }
+    uint64_t mapped_bytes;
+    const void *mapped = qm_bank_mapping(m->bank, &mapped_bytes);
+    m->guard_slot = qm_sigbus_register(mapped, mapped_bytes);
     const qm_bank_config *cfg = qm_bank_get_config(m->bank);
     m->n_layers = cfg->layers;
     m->catalogs = qm_calloc(m->n_layers ? m->n_layers : 1, sizeof *m->catalogs);
@@ -344,6 +349,8 @@ int qm_session_prepare(qm_daemon *d, const qm_params *p, uid_t owner, qm_session
     if (!m)
         return qm_status_set_field(st, QM_ENOT_FOUND, "model", "no model named '%.64s' is loaded",
                                    p->model);
+    if (qm_model_check(m, st) < 0)
+        return QM_EINVALID_MODEL;
     const qm_bank_config *cfg = qm_bank_get_config(m->bank);
     const qm_policy_params_wire *pw = &p->policy_params;
     if (pw->record_trace) {
@@ -494,8 +501,14 @@ fail:
 
 int qm_session_build(qm_daemon *d, qm_session *s, qm_status *st)
 {
-    int rc = qm_pager_new(d->backend, s->model->bank, s->plan, &s->policy, &s->pager_options,
+    /* The pager reads the mapping (whole banks, pins, preload): the bank
+     * file must be whole before, and still after. */
+    int rc = qm_model_check(s->model, st);
+    if (rc == 0)
+        rc = qm_pager_new(d->backend, s->model->bank, s->plan, &s->policy, &s->pager_options,
                           &s->pager, st);
+    if (rc == 0)
+        rc = qm_model_check(s->model, st);
     if (rc == 0 && s->trace_path) {
         rc = qm_pager_record_trace(s->pager, s->trace_path, st);
         if (rc < 0) {

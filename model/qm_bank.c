@@ -24,6 +24,7 @@ struct qm_bank {
     const uint8_t *base; /* whole file / buffer */
     uint64_t size;
     int mapped; /* 1: munmap(base, size) at close */
+    int fd;     /* the mapped file, kept open for qm_bank_check_file; -1 for memory */
     const uint8_t *data; /* byte buffer after the header */
     uint64_t data_bytes;
     qm_bank_config cfg;
@@ -253,6 +254,8 @@ int qm_bank_open(const char *path, qm_bank **out, qm_status *st)
         return qm_status_set(st, QM_EINVAL, "qm_bank_open: path and out are required");
     *out = NULL;
     b = qm_calloc(1, sizeof *b);
+    if (b)
+        b->fd = -1;
     if (!b || !(b->path = qm_strdup(path))) {
         rc = qm_status_set(st, QM_ENOMEM, "out of memory opening %.128s", path);
         goto fail_alloc;
@@ -284,7 +287,9 @@ int qm_bank_open(const char *path, qm_bank **out, qm_status *st)
                            strerror(errno));
         goto fail_fd;
     }
-    close(fd); /* the mapping keeps the file */
+    /* The fd stays open: qm_bank_check_file fstats it to notice a file
+     * truncated under the mapping (reading past the new end is SIGBUS). */
+    b->fd = fd;
     b->base = m;
     b->mapped = 1;
     return finish_open(b, out, st);
@@ -306,6 +311,7 @@ int qm_bank_open_memory(const void *data, size_t size, qm_bank **out, qm_status 
         qm_free(b);
         return qm_status_set(st, QM_ENOMEM, "out of memory opening a bank");
     }
+    b->fd = -1;
     b->base = data;
     b->size = size;
     return finish_open(b, out, st);
@@ -317,6 +323,8 @@ void qm_bank_close(qm_bank *bank)
         return;
     if (bank->mapped)
         munmap((void *)bank->base, (size_t)bank->size);
+    if (bank->mapped && bank->fd >= 0)
+        close(bank->fd);
     for (size_t i = 0; i < bank->n_warnings; i++)
         qm_free(bank->warnings[i]);
     qm_free(bank->warnings);
@@ -338,6 +346,22 @@ const void *qm_bank_mapping(const qm_bank *bank, uint64_t *bytes)
     if (bytes)
         *bytes = bank->size;
     return bank->base;
+}
+
+int qm_bank_check_file(const qm_bank *bank, qm_status *st)
+{
+    if (!bank || !bank->mapped || bank->fd < 0)
+        return 0;
+    struct stat sb;
+    if (fstat(bank->fd, &sb) != 0)
+        return qm_status_set(st, QM_EIO, "cannot stat bank file %.128s: %s", bank->path,
+                             strerror(errno));
+    if ((uint64_t)sb.st_size < bank->size)
+        return qm_status_set(st, QM_EINVALID_MODEL,
+                             "bank file %.128s was truncated on disk (%llu < %llu bytes)",
+                             bank->path, (unsigned long long)sb.st_size,
+                             (unsigned long long)bank->size);
+    return 0;
 }
 
 const qm_layer_view *qm_bank_layer(const qm_bank *bank, uint32_t layer)

@@ -106,6 +106,11 @@ const qm_layer_view *qm_bank_layer(const qm_bank *bank, uint32_t layer);
 uint64_t qm_bank_expert_bytes_total(const qm_bank *bank);
 /* The whole mapped file (or memory buffer) and its size at open. */
 const void *qm_bank_mapping(const qm_bank *bank, uint64_t *bytes);
+/* For a bank opened from a file: fstat()s the file (kept open) and fails
+ * with QM_EINVALID_MODEL "bank file <path> was truncated on disk (N < M
+ * bytes)" when it is now shorter than the mapping, whose pages past the new
+ * end would raise SIGBUS. 0 for memory banks and intact files. */
+int qm_bank_check_file(const qm_bank *bank, qm_status *st);
 /* Unknown tensors seen at open, as "name" strings. Borrowed. */
 const char *const *qm_bank_warnings(const qm_bank *bank, size_t *count);
 

@@ -5,6 +5,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/mman.h>
 #include <sys/socket.h>
 #include <sys/un.h>
 #include <unistd.h>
@@ -155,6 +156,36 @@ START_TEST(test_socket_activation_and_watchdog_need_our_pid)
 }
 END_TEST
 
+/* A read of a bank page past the file's new end patches in zeros and
+ * poisons the bank instead of killing the process. */
+START_TEST(test_sigbus_in_a_truncated_bank_mapping_reads_zeros_and_poisons)
+{
+    long page = sysconf(_SC_PAGESIZE);
+    char path[] = "/tmp/qmoed-sigbus-XXXXXX";
+    int fd = mkstemp(path);
+    ck_assert_int_ge(fd, 0);
+    unlink(path);
+    char *fill = malloc((size_t)page * 3);
+    memset(fill, 0x5a, (size_t)page * 3);
+    ck_assert_int_eq(write(fd, fill, (size_t)page * 3), page * 3);
+    free(fill);
+    volatile unsigned char *m = mmap(NULL, (size_t)page * 3, PROT_READ, MAP_SHARED, fd, 0);
+    ck_assert_ptr_ne((void *)m, MAP_FAILED);
+    ck_assert_int_eq(qm_sigbus_install(), 0);
+    int slot = qm_sigbus_register((const void *)m, (uint64_t)page * 3);
+    ck_assert_int_ge(slot, 0);
+    ck_assert_int_eq(qm_sigbus_poisoned(slot), 0);
+    ck_assert_int_eq(m[2 * page], 0x5a);
+    ck_assert_int_eq(ftruncate(fd, page), 0);
+    ck_assert_int_eq(m[0], 0x5a);            /* still in the file */
+    ck_assert_int_eq(m[2 * page + 7], 0);    /* past the end: SIGBUS, patched */
+    ck_assert_int_eq(qm_sigbus_poisoned(slot), 1);
+    qm_sigbus_unregister(slot);
+    munmap((void *)m, (size_t)page * 3);
+    close(fd);
+}
+END_TEST
+
 int main(void)
 {
     Suite *s = suite_create("daemon");
@@ -170,6 +201,9 @@ int main(void)
     tc = tcase_create("systemd");
     tcase_add_test(tc, test_notify_sends_one_datagram_and_is_silent_without_socket);
     tcase_add_test(tc, test_socket_activation_and_watchdog_need_our_pid);
+    suite_add_tcase(s, tc);
+    tc = tcase_create("sigbus");
+    tcase_add_test(tc, test_sigbus_in_a_truncated_bank_mapping_reads_zeros_and_poisons);
     suite_add_tcase(s, tc);
     SRunner *sr = srunner_create(s);
     srunner_run_all(sr, CK_NORMAL);

@@ -886,3 +886,31 @@ def test_refuses_to_run_as_root_unless_told(banks):
     finally:
         assert dm.stop() == 0
 
+
+def test_bank_file_truncated_on_disk_fails_requests_not_the_daemon(banks):
+    d = tempfile.mkdtemp(prefix="qmoed-trunc-")
+    path = os.path.join(d, "copy.bank")
+    with open(banks["small"], "rb") as src, open(path, "wb") as dst:
+        dst.write(src.read())
+    size = os.path.getsize(path)
+    dm = Daemon(models={"t": path}, workdir=d)
+    try:
+        c = dm.client()
+        sid = c.call("session.create", {"model": "t", "policy": "lru",
+                                        "budget_bytes": 40000})["session"]
+        c.call("session.infer", {"session": sid, "layer": 0, "hidden": tensor(hidden(2))})
+        os.truncate(path, size // 2)
+        assert c.call("daemon.status")["models"] == 1
+        for layer in (0, 1):
+            e = err(c.request("session.infer", {"session": sid, "layer": layer,
+                                                "hidden": tensor(hidden(3, seed=layer))}))
+            assert e["code"] == -32005, e
+            assert "truncated on disk" in e["data"]["reason"], e
+            assert "(%d < %d bytes)" % (size // 2, size) in e["data"]["reason"], e
+        e = err(c.request("session.create", {"model": "t"}))
+        assert e["code"] == -32005 and "truncated" in e["data"]["reason"], e
+        assert dm.client().call("daemon.status")["sessions"] == 1
+        assert c.call("session.close", {"session": sid}) == {}
+        assert c.call("model.unload", {"name": "t"}) == {}
+    finally:
+        assert dm.stop() == 0, dm.log_text()
