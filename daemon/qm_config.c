@@ -47,6 +47,7 @@ void qm_config_free(qm_config *cfg)
     qm_free(cfg->state_dir);
     qm_free(cfg->admin_group);
     qm_free(cfg->user);
+    qm_free(cfg->model_dirs);
     memset(cfg, 0, sizeof *cfg);
 }
 
@@ -140,6 +141,7 @@ static const key_def keys[] = {
     {"admin_group", K_STR, OFF(admin_group), 1, 0, 0},
     {"user", K_STR, OFF(user), 0, 0, 0},
     {"allow_root", K_BOOL, OFF(allow_root), 0, 0, 0},
+    {"model_dirs", K_STR, OFF(model_dirs), 0, 0, 0},
     {"log_level", K_LEVEL, 0, 1, 0, 0},
     {"max_request_bytes", K_U64, OFF(max_request_bytes), 1, 64, 1ull << 32},
     {"max_nesting", K_U32, OFF(max_nesting), 1, 2, 1000},
@@ -309,7 +311,7 @@ static void usage(FILE *out)
             "  --set KEY=VALUE       any config key (e.g. --set max_batch=16)\n"
             "  --version, --help\n"
             "Config keys: socket backend device_budget state_dir threads workers admin_group\n"
-            "  user allow_root"
+            "  user allow_root model_dirs (a list; --set model_dirs=DIR:DIR)\n"
             "  log_level max_request_bytes max_nesting max_batch max_connections max_sessions\n"
             "  max_output_bytes queue_depth idle_timeout_s frame_timeout_s frames_per_wakeup\n"
             "  drain_timeout_s"

@@ -57,6 +57,7 @@ typedef struct qm_config {
     char *admin_group;
     char *user;     /* drop to this user after binding (when started as root) */
     int allow_root; /* keep running as root without a warning */
+    char *model_dirs; /* model.load only below these (':'-separated); NULL: anywhere */
     int log_level;
     /* limits */
     uint64_t max_request_bytes;
@@ -341,6 +342,9 @@ int qm_model_check(const qm_model *m, qm_status *st);
 
 int qm_model_load(qm_daemon *d, const char *name, const char *path, qm_model **out,
                   qm_status *st);
+/* model.load's path check against model_dirs: the resolved path (qm_malloc'd)
+ * in *resolved, or QM_EPERMISSION naming the key when it lies outside. */
+int qm_model_path_allowed(qm_daemon *d, const char *path, char **resolved, qm_status *st);
 qm_model *qm_model_find(qm_daemon *d, const char *name);
 void qm_model_unref(qm_model *m);
 /* Unregisters; with force closes its sessions, else QM_EIN_USE while used. */

@@ -259,7 +259,11 @@ static int run_sync(qm_daemon *d, qm_conn *c, qm_request *req, qm_jw *w, int *dr
     case QM_METHOD_MODEL_LOAD: {
         qm_model *m;
         uint64_t t0 = qm_now_us();
-        rc = qm_model_load(d, p->name, p->path, &m, st);
+        char *resolved = NULL;
+        rc = qm_model_path_allowed(d, p->path, &resolved, st);
+        if (rc == 0)
+            rc = qm_model_load(d, p->name, resolved ? resolved : p->path, &m, st);
+        qm_free(resolved);
         if (rc < 0)
             return rc;
         char args[160];

@@ -5,6 +5,7 @@
 
 #include <errno.h>
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 #include <sys/random.h>
 #include <sys/stat.h>
@@ -197,6 +198,48 @@ int qm_model_load(qm_daemon *d, const char *name, const char *path, qm_model **o
 fail:
     model_free(m);
     return rc;
+}
+
+/* Symlinks and ".." are resolved on both sides before comparing, so a path
+ * cannot step out of a directory; the resolved path is what gets opened. */
+int qm_model_path_allowed(qm_daemon *d, const char *path, char **resolved, qm_status *st)
+{
+    *resolved = NULL;
+    if (!d->cfg.model_dirs)
+        return 0;
+    char *real = realpath(path, NULL);
+    if (!real)
+        return qm_status_set_field(st, QM_EINVALID_MODEL, "path", "cannot open %.200s: %s",
+                                   path, strerror(errno));
+    const char *dirs = d->cfg.model_dirs;
+    while (*dirs) {
+        size_t n = strcspn(dirs, ":");
+        char dir[4096];
+        if (n > 0 && n < sizeof dir) {
+            memcpy(dir, dirs, n);
+            dir[n] = '\0';
+            char *rdir = realpath(dir, NULL);
+            if (rdir) {
+                size_t rn = strlen(rdir);
+                int inside = strncmp(real, rdir, rn) == 0 &&
+                             (real[rn] == '/' || (rn == 1 && rdir[0] == '/'));
+                free(rdir);
+                if (inside) {
+                    *resolved = qm_strdup(real);
+                    free(real);
+                    return *resolved ? 0 : qm_status_set(st, QM_ENOMEM, "out of memory");
+                }
+            }
+        }
+        dirs += n;
+        if (*dirs == ':')
+            dirs++;
+    }
+    free(real);
+    return qm_status_set_field(st, QM_EPERMISSION, "path",
+                               "%.200s is outside the directories of config key model_dirs "
+                               "(%.200s)",
+                               path, d->cfg.model_dirs[0] ? d->cfg.model_dirs : "empty: none");
 }
 
 void qm_jw_model_summary(qm_jw *w, const qm_model *m)

@@ -21,6 +21,36 @@ void qm_conf_free(qm_conf_entry *entries, size_t count)
     qm_free(entries);
 }
 
+/* An array of strings (model_dirs) becomes one string entry, its items
+ * joined with ':' as on the command line; so an item may not hold ':'. */
+static int add_list_entry(const cJSON *v, qm_conf_entry *e, qm_status *st)
+{
+    char key[160];
+    snprintf(key, sizeof key, "%s", v->string);
+    memset(e, 0, sizeof *e);
+    size_t n = 1, i = 0;
+    for (const cJSON *c = v->child; c; c = c->next, i++) {
+        if (!cJSON_IsString(c) || !c->valuestring[0] || strchr(c->valuestring, ':'))
+            return qm_status_set_field(st, QM_EINVAL, key,
+                                       "config key %s item %zu must be a non-empty string "
+                                       "without ':'",
+                                       key, i);
+        n += strlen(c->valuestring) + 1;
+    }
+    e->type = QM_CONF_STRING;
+    e->str = qm_malloc(n);
+    e->key = qm_strdup(key);
+    if (!e->str || !e->key)
+        return qm_status_set(st, QM_ENOMEM, "out of memory reading the config");
+    e->str[0] = '\0';
+    for (const cJSON *c = v->child; c; c = c->next) {
+        if (e->str[0])
+            strcat(e->str, ":");
+        strcat(e->str, c->valuestring);
+    }
+    return 0;
+}
+
 static int add_entry(const cJSON *v, const char *prefix, qm_conf_entry *e, qm_status *st)
 {
     char key[160];
@@ -80,6 +110,9 @@ int qm_conf_parse(const char *text, size_t n, qm_conf_entry **out, size_t *count
                 rc = add_entry(c, m->string, &entries[k], st);
                 k++;
             }
+        } else if (cJSON_IsArray(m)) {
+            rc = add_list_entry(m, &entries[k], st);
+            k++;
         } else {
             rc = add_entry(m, NULL, &entries[k], st);
             k++;

@@ -312,7 +312,8 @@ typedef struct qm_conf_entry {
 } qm_conf_entry;
 
 /* Parses a JSON object of scalars (one level of nested objects allowed) into
- * entries in file order. The caller frees them with qm_conf_free. */
+ * entries in file order. A top-level array of strings (model_dirs) is one
+ * string entry, its items joined with ':'. The caller frees them with qm_conf_free. */
 int qm_conf_parse(const char *text, size_t n, qm_conf_entry **out, size_t *count, qm_status *st);
 void qm_conf_free(qm_conf_entry *entries, size_t count);
 

@@ -914,3 +914,52 @@ def test_bank_file_truncated_on_disk_fails_requests_not_the_daemon(banks):
         assert c.call("model.unload", {"name": "t"}) == {}
     finally:
         assert dm.stop() == 0, dm.log_text()
+
+
+def test_model_load_only_below_model_dirs(banks):
+    d = tempfile.mkdtemp(prefix="qmoed-dirs-")
+    allowed, other = os.path.join(d, "models"), os.path.join(d, "other")
+    os.mkdir(allowed)
+    os.mkdir(other)
+    inside = make_bank(os.path.join(allowed, "in.bank"))
+    outside = make_bank(os.path.join(other, "out.bank"))
+    os.symlink(outside, os.path.join(allowed, "link.bank"))
+    os.mkfifo(os.path.join(allowed, "fifo.bank"))
+    cfg = os.path.join(d, "c.json")
+    with open(cfg, "w") as f:
+        json.dump({"model_dirs": [allowed]}, f)
+    dm = Daemon(args=["--config", cfg], workdir=d)
+    try:
+        c = dm.client()
+        assert c.call("model.load", {"name": "a", "path": inside})["name"] == "a"
+        for path in (outside, os.path.join(allowed, "link.bank"),
+                     os.path.join(allowed, "..", "other", "out.bank")):
+            e = err(c.request("model.load", {"name": "b", "path": path}))
+            assert e["code"] == -32002 and "model_dirs" in e["data"]["reason"], (path, e)
+            assert e["data"]["field"] == "path"
+        e = err(c.request("model.load", {"name": "f", "path": os.path.join(allowed, "fifo.bank")}))
+        assert e["code"] == -32005 and "regular file" in e["data"]["reason"], e
+        assert c.call("model.list")["models"][0]["name"] == "a"
+    finally:
+        assert dm.stop() == 0
+    # The flag form, and an empty list that allows nothing.
+    with open(cfg, "w") as f:
+        json.dump({"model_dirs": []}, f)
+    for args in (["--set", "model_dirs=%s:%s" % (os.path.join(d, "nowhere"), other)],
+                 ["--config", cfg]):
+        dm = Daemon(args=args, workdir=d, socket_path=os.path.join(d, "s%d.sock" % len(args)))
+        try:
+            c = dm.client()
+            r = c.request("model.load", {"name": "b", "path": outside})
+            if args[0] == "--set":
+                assert r["result"]["name"] == "b", r
+            else:
+                assert err(r)["code"] == -32002, r
+            assert err(c.request("model.load", {"name": "a", "path": inside}))["code"] == -32002
+        finally:
+            assert dm.stop() == 0
+    with open(cfg, "w") as f:
+        json.dump({"model_dirs": ["/a:b"]}, f)
+    p = subprocess.run([qmoed_path(), "--config", cfg] + root_args(), capture_output=True,
+                       timeout=10)
+    assert p.returncode == 2 and b"model_dirs" in p.stderr, p
