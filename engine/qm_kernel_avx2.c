@@ -416,8 +416,9 @@ static void qm__dequant_tile(const qm__qmat *m, uint32_t n0, uint32_t n1, uint32
         const uint8_t *srow = (const uint8_t *)m->scales + (size_t)n * m->nblk * 4;
         const __m256 zsym = _mm256_set1_ps((float)(1 << (bits - 1)));
         uint32_t c = kt0 / 16, cend = (kt0 + len) / 16;
-        while (c < cend) {
-            uint32_t b = m->nblk == 1 ? 0 : c / cpb;
+        /* One division per row and tile; blocks then advance by addition. */
+        uint32_t b = m->nblk == 1 ? 0 : c / cpb;
+        for (; c < cend; b++) {
             uint32_t bend = m->nblk == 1 ? cend : (b + 1) * cpb;
             if (bend > cend)
                 bend = cend;
@@ -548,6 +549,22 @@ void qm__avx2_gemm(const qm__qmat *m, uint32_t n0, uint32_t n1, const float *xp,
         uint32_t len = kp - kt0 < QM__GEMM_KT ? kp - kt0 : QM__GEMM_KT;
         qm__dequant_tile(m, n0, n1, kt0, len, tile);
         qm__transpose_tile(tile, len, wt);
+        /* The next tile's codes and scales are 16 short runs at a row
+         * stride, a pattern the hardware prefetcher follows poorly: ask for
+         * them now, while this tile's FMAs run. */
+        if (kt0 + QM__GEMM_KT < kp) {
+            size_t off = (size_t)(kt0 + QM__GEMM_KT) * m->bits / 8;
+            size_t run = (size_t)QM__GEMM_KT * m->bits / 8;
+            size_t ssz = m->scale_dtype == QM_DTYPE_F32 ? 4 : 2;
+            size_t soff = m->nblk == 1 ? 0 : (size_t)(kt0 + QM__GEMM_KT) / m->block * ssz;
+            for (uint32_t n = n0; n < n1; n++) {
+                const uint8_t *r = m->w + (size_t)n * m->row_bytes;
+                for (size_t o = off; o < off + run && o < m->row_bytes; o += 64)
+                    _mm_prefetch((const char *)(r + o), _MM_HINT_T0);
+                _mm_prefetch((const char *)m->scales + ((size_t)n * m->nblk) * ssz + soff,
+                             _MM_HINT_T0);
+            }
+        }
         /* xp has zero rows up to a multiple of QM__GEMM_MR (gemm_row_pad). */
         for (uint32_t r0 = 0; r0 < nx; r0 += QM__GEMM_MR) {
             __m256 acc[12];
