@@ -12,6 +12,8 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
+#include <errno.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -231,6 +233,15 @@ int qm_daemon_main(int argc, char **argv)
         /* Issue 8: root only when asked for, before any bank is opened. */
         fprintf(stderr, "qmoed: refusing to run as root: pass --user USER to drop to it after "
                         "binding, or --allow-root (config keys user, allow_root)\n");
+        qm_config_free(&d->cfg);
+        return 2;
+    }
+    /* The state dir holds hotness profiles and recorded traces; systemd's
+     * StateDirectory= creates it for the service, a hand-started daemon
+     * creates it here (one level, like StateDirectory). */
+    if (d->cfg.state_dir && mkdir(d->cfg.state_dir, 0750) < 0 && errno != EEXIST) {
+        fprintf(stderr, "qmoed: cannot create state_dir %s: %s\n", d->cfg.state_dir,
+                strerror(errno));
         qm_config_free(&d->cfg);
         return 2;
     }
