@@ -177,7 +177,7 @@ QM_AI void qm__gemv_4x1_impl(const qm__qmat *m, uint32_t n, const float *xp, flo
     for (uint32_t b = 0; b < m->nblk; b++) {
         uint32_t ce = c + cpb < nch ? c + cpb : nch;
         const float *xv = xp + 16 * (size_t)c;
-        if (ce <= nfull) {
+        if (ce - c == cpb && ce <= nfull) { /* whole block, no row tail */
 #pragma GCC unroll 8
             for (uint32_t j = 0; j < cpb; j++, xv += 16) {
                 __m256 w0, w1;

@@ -178,6 +178,42 @@ START_TEST(test_block_256_and_long_rows_match_reference)
 }
 END_TEST
 
+/* A last block shorter than the others while the row has no byte tail
+ * (K = 80 with blocks of 32 or 64; K = 48): the decode kernels' whole-block
+ * fast path must not run past the block. f32 symmetric scales select it. */
+START_TEST(test_partial_last_block_matches_reference)
+{
+    const char *kernels[] = {"scalar", "avx2", "avx512"};
+    static const uint32_t BS[] = {32, 64};
+    for (int ki = 0; ki < 3; ki++) {
+        if (!cpu_has(kernels[ki]))
+            continue;
+        qm_backend *be = new_backend(kernels[ki], 2);
+        for (int bits = 4; bits <= 8; bits += 4)
+            for (int bi = 0; bi < 2; bi++)
+                for (int asym = 0; asym <= 1; asym++) {
+                    tl_spec s = tl_default_spec(500 + (uint64_t)(bits * 4 + bi * 2 + asym));
+                    s.H = 80;
+                    s.I = 48;
+                    s.E = 8;
+                    s.bits = (uint32_t)bits;
+                    s.block_size = BS[bi];
+                    s.asym = asym;
+                    s.act = QM_ACT_SWIGLU;
+                    tl_layer L;
+                    ck_assert_int_eq(tl_layer_build(&s, &L), 0);
+                    for (uint32_t T = 1; T <= 41; T += 20) {
+                        double err = check_against_reference(be, &L, T, 9 + T, NULL);
+                        ck_assert_msg(err <= 1e-5, "%s bits %d bs %u asym %d T %u: rel err %.3g",
+                                      kernels[ki], bits, BS[bi], asym, T, err);
+                    }
+                    tl_layer_free(&L);
+                }
+        qm_backend_free(be);
+    }
+}
+END_TEST
+
 /* f16 and bf16 hidden states: f32 arithmetic, output rounded to the input dtype. */
 START_TEST(test_f16_and_bf16_activations_round_once)
 {
@@ -688,6 +724,7 @@ static Suite *engine_suite(void)
     tcase_set_timeout(tc, 120);
     tcase_add_test(tc, test_every_variant_matches_float64_reference);
     tcase_add_test(tc, test_block_256_and_long_rows_match_reference);
+    tcase_add_test(tc, test_partial_last_block_matches_reference);
     tcase_add_test(tc, test_f16_and_bf16_activations_round_once);
     tcase_add_test(tc, test_outputs_bitwise_identical_across_thread_counts);
     tcase_add_test(tc, test_waves_give_bitwise_identical_outputs);

@@ -35,7 +35,7 @@ import qmoebank  # noqa: E402
 
 ort = pytest.importorskip("onnxruntime", reason="onnxruntime is not installed (scripts/setup.sh)")
 
-SEED = int(os.environ.get("QMOE_TEST_SEED", str(int(time.time() * 1000) % 2**31)))
+SEED = int(os.environ.get("QMOE_TEST_SEED") or int(time.time() * 1000) % 2**31)
 print(f"test_vs_ort: seed {SEED} (QMOE_TEST_SEED={SEED} replays)", file=sys.stderr)
 
 QMOE_BANK = os.path.join(BUILD, "tools", "qmoe-bank", "qmoe-bank")
