@@ -108,7 +108,7 @@ int main(int argc, char **argv)
     unsigned tokens = 1, threads = 2, iters = 20, warmup = 3;
     size_t stream_mib = 0;
     uint64_t seed = 1;
-    for (int i = 1; i < argc; i++) {
+    for (int i = 1; i < argc; i += 2) {
         const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
         if (!v) {
             fprintf(stderr, "%s needs a value\n", a);
@@ -132,7 +132,6 @@ int main(int argc, char **argv)
             fprintf(stderr, "unknown option %s\n", a);
             return 2;
         }
-        i++;
     }
     if (stream_mib)
         measure_stream(stream_mib, threads, 7);
