@@ -240,8 +240,15 @@ int qm_pager_forward(qm_pager *p, const qm_moe_call *call, qm_moe_stats *mstats,
     if (!p->pred_list) {
         p->pred_list = qm_malloc(sizeof(uint32_t) * N->n_experts);
         p->pred_src = qm_malloc(N->n_experts);
-        if (!p->pred_list || !p->pred_src)
-            return 0; /* prefetch is best effort */
+        if (!p->pred_list || !p->pred_src) {
+            /* Prefetch is best effort; drop both, so a half-made pair is
+             * never taken as ready on the next call. */
+            qm_free(p->pred_list);
+            qm_free(p->pred_src);
+            p->pred_list = NULL;
+            p->pred_src = NULL;
+            return 0;
+        }
     }
     size_t cap = p->opt.max_prefetch ? p->opt.max_prefetch : 2 * need;
     if (cap > N->n_experts)
