@@ -7,9 +7,41 @@
  * done list the loop drains from a uv_async callback (sends coalesce). */
 #include "qm_daemon.h"
 
+#include <stdatomic.h>
+#include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "qm_alloc.h"
+
+/* Test hook for the hardening suite (docs/RELIABILITY.md, "Faults"):
+ * QMOED_FAULT_ALLOC=N makes the Nth qm_malloc/qm_realloc made while a
+ * worker runs a job (session build, inference, plan: the engine and pager
+ * paths) return NULL, once; N=0 only counts. The count is printed at exit.
+ * Unset, no hook is installed and allocation is plain libc. */
+static _Thread_local int fault_in_job;
+static atomic_ulong fault_count;
+static unsigned long fault_at;
+
+static int fault_hit(void)
+{
+    return fault_in_job && atomic_fetch_add(&fault_count, 1) + 1 == fault_at;
+}
+static void *fault_malloc(size_t n, void *ud)
+{
+    (void)ud;
+    return fault_hit() ? NULL : malloc(n);
+}
+static void *fault_realloc(void *ptr, size_t n, void *ud)
+{
+    (void)ud;
+    return fault_hit() ? NULL : realloc(ptr, n);
+}
+static void fault_free(void *ptr, void *ud)
+{
+    (void)ud;
+    free(ptr);
+}
 
 void qm_job_free(qm_job *job)
 {
@@ -44,12 +76,14 @@ static void worker_main(void *arg)
         uv_mutex_unlock(&p->mu);
 
         job->start_us = qm_now_us();
+        fault_in_job = 1;
         if (job->kind == QM_JOB_INFER)
             qm_job_run(job);
         else if (job->kind == QM_JOB_CREATE)
             job->rc = qm_session_build(d, s, &job->st);
         else if (job->kind == QM_JOB_PLAN)
             qm_job_run_plan(job);
+        fault_in_job = 0;
         job->end_us = qm_now_us();
 
         uv_mutex_lock(&p->mu);
@@ -105,6 +139,12 @@ int qm_pool_start(qm_daemon *d, uint32_t n_threads)
     }
     uv_async_init(d->loop, &p->async, done_cb);
     p->async.data = d;
+    const char *fault = getenv("QMOED_FAULT_ALLOC");
+    if (fault && *fault) {
+        static const qm_alloc_hooks hooks = {fault_malloc, fault_realloc, fault_free, NULL};
+        fault_at = strtoul(fault, NULL, 10);
+        qm_alloc_set_hooks(&hooks); /* no worker runs yet */
+    }
     p->threads = qm_calloc(n_threads, sizeof *p->threads);
     if (!p->threads)
         return QM_ENOMEM;
@@ -129,6 +169,9 @@ void qm_pool_stop(qm_daemon *d)
         uv_thread_join(&p->threads[i]);
     qm_free(p->threads);
     p->threads = NULL;
+    if (getenv("QMOED_FAULT_ALLOC"))
+        fprintf(stderr, "qmoed: QMOED_FAULT_ALLOC: %lu worker allocations, failed #%lu\n",
+                (unsigned long)atomic_load(&fault_count), fault_at);
     uv_cond_destroy(&p->cv);
     uv_mutex_destroy(&p->mu);
 }
