@@ -10,7 +10,7 @@ if [ "$(id -u)" != 0 ]; then
   fi
 fi
 
-pkgs="build-essential cmake pkg-config libuv1-dev libcjson-dev check clang libclang-rt-dev
+pkgs="build-essential cmake pkg-config libuv1-dev libcjson-dev check clang libclang-rt-dev valgrind
       python3 python3-venv python3-pip redis-server redis-tools"
 missing=""
 for p in $pkgs; do
