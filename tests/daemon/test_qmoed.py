@@ -906,7 +906,12 @@ def test_bank_file_truncated_on_disk_fails_requests_not_the_daemon(banks):
                                                 "hidden": tensor(hidden(3, seed=layer))}))
             assert e["code"] == -32005, e
             assert "truncated on disk" in e["data"]["reason"], e
-            assert "(%d < %d bytes)" % (size // 2, size) in e["data"]["reason"], e
+            # Two detections, both correct: fstat before use names the sizes;
+            # a prefetch copy that touched the cut pages first (SIGBUS, model
+            # poisoned) says the file was cut while in use.
+            reason = e["data"]["reason"]
+            assert ("(%d < %d bytes)" % (size // 2, size) in reason
+                    or "truncated on disk while in use" in reason), e
         e = err(c.request("session.create", {"model": "t"}))
         assert e["code"] == -32005 and "truncated" in e["data"]["reason"], e
         assert dm.client().call("daemon.status")["sessions"] == 1
