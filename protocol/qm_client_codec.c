@@ -8,6 +8,7 @@
 #include <string.h>
 
 #include "qm_alloc.h"
+#include "qm_protocol.h"
 
 #define QM__CVAL_MAX_DEPTH 64
 
@@ -490,48 +491,21 @@ out:
     return rc;
 }
 
-/* ---------- base64 ---------- */
-
-static const char qm__b64[] = "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
+/* ---------- base64 (the shared codec in qm_base64.c) ---------- */
 
 char *qm_client_b64_encode(const void *data, size_t len, size_t *out_len)
 {
-    const unsigned char *in = data;
-    size_t groups = len / 3 + (len % 3 != 0);
-    if (groups > (SIZE_MAX - 1) / 4)
+    if (len / 3 + 1 > (SIZE_MAX - 1) / 4)
         return NULL;
-    char *out = qm_malloc(groups * 4 + 1);
+    size_t enc = qm_base64_encoded_len(len);
+    char *out = qm_malloc(enc + 1);
     if (!out)
         return NULL;
-    size_t o = 0, i = 0;
-    for (; i + 3 <= len; i += 3) {
-        uint32_t v = (uint32_t)in[i] << 16 | (uint32_t)in[i + 1] << 8 | in[i + 2];
-        out[o++] = qm__b64[v >> 18];
-        out[o++] = qm__b64[(v >> 12) & 63];
-        out[o++] = qm__b64[(v >> 6) & 63];
-        out[o++] = qm__b64[v & 63];
-    }
-    if (i < len) {
-        uint32_t v = (uint32_t)in[i] << 16 | (i + 1 < len ? (uint32_t)in[i + 1] << 8 : 0);
-        out[o++] = qm__b64[v >> 18];
-        out[o++] = qm__b64[(v >> 12) & 63];
-        out[o++] = i + 1 < len ? qm__b64[(v >> 6) & 63] : '=';
-        out[o++] = '=';
-    }
-    out[o] = '\0';
+    qm_base64_encode(data, len, out);
+    out[enc] = '\0';
     if (out_len)
-        *out_len = o;
+        *out_len = enc;
     return out;
-}
-
-static int qm__b64_value(unsigned char c)
-{
-    if (c >= 'A' && c <= 'Z') return c - 'A';
-    if (c >= 'a' && c <= 'z') return c - 'a' + 26;
-    if (c >= '0' && c <= '9') return c - '0' + 52;
-    if (c == '+') return 62;
-    if (c == '/') return 63;
-    return -1;
 }
 
 int qm_client_b64_decode(const char *s, size_t len, void **out, size_t *out_len)
@@ -539,46 +513,19 @@ int qm_client_b64_decode(const char *s, size_t len, void **out, size_t *out_len)
     *out = NULL;
     if (len % 4 != 0)
         return QM_EINVAL;
-    size_t pad = 0;
-    if (len >= 1 && s[len - 1] == '=')
-        pad++;
-    if (len >= 2 && s[len - 2] == '=')
-        pad++;
-    size_t n = len / 4 * 3 - pad;
-    unsigned char *buf = qm_malloc(n ? n : 1);
+    size_t cap = len / 4 * 3;
+    uint8_t *buf = qm_malloc(cap ? cap : 1);
     if (!buf)
         return QM_ENOMEM;
-    size_t o = 0;
-    for (size_t i = 0; i < len; i += 4) {
-        int last = i + 4 == len;
-        int v[4];
-        for (int k = 0; k < 4; k++) {
-            unsigned char c = (unsigned char)s[i + k];
-            if (c == '=' && last && k >= 4 - (int)pad) {
-                v[k] = 0;
-                continue;
-            }
-            v[k] = qm__b64_value(c);
-            if (v[k] < 0)
-                goto fail_bad;
-        }
-        uint32_t w = (uint32_t)v[0] << 18 | (uint32_t)v[1] << 12 | (uint32_t)v[2] << 6 | v[3];
-        size_t take = last ? 3 - pad : 3;
-        /* Canonical form: bits below the padding must be zero. */
-        if (last && pad == 1 && (w & 0xff))
-            goto fail_bad;
-        if (last && pad == 2 && (w & 0xffff))
-            goto fail_bad;
-        if (take > 0) buf[o++] = (unsigned char)(w >> 16);
-        if (take > 1) buf[o++] = (unsigned char)(w >> 8);
-        if (take > 2) buf[o++] = (unsigned char)w;
+    size_t n = 0;
+    int rc = qm_base64_decode(s, len, buf, cap, &n);
+    if (rc < 0) {
+        qm_free(buf);
+        return rc;
     }
     *out = buf;
-    *out_len = o;
+    *out_len = n;
     return 0;
-fail_bad:
-    qm_free(buf);
-    return QM_EINVAL;
 }
 
 /* ---------- tensors ---------- */

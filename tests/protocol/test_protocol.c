@@ -478,6 +478,11 @@ START_TEST(test_base64_round_trips_every_length)
     ck_assert_int_eq(qm_base64_decode("AAA", 3, out, sizeof out, &got), QM_EINVAL);
     ck_assert_int_eq(qm_base64_decode("A=AA", 4, out, sizeof out, &got), QM_EINVAL);
     ck_assert_int_eq(qm_base64_decode("AA=A", 4, out, sizeof out, &got), QM_EINVAL);
+    /* One spelling per byte string: bits hidden by the padding must be zero. */
+    ck_assert_int_eq(qm_base64_decode("Zh==", 4, out, sizeof out, &got), QM_EINVAL);
+    ck_assert_int_eq(qm_base64_decode("Zm9=", 4, out, sizeof out, &got), QM_EINVAL);
+    ck_assert_int_eq(qm_base64_decode("Zg==", 4, out, sizeof out, &got), 0);
+    ck_assert_int_eq(qm_base64_decode("Zm8=", 4, out, sizeof out, &got), 0);
 }
 END_TEST
 
