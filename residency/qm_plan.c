@@ -217,6 +217,10 @@ static int plan_bank(qm_plan_bank *b, const qm_region_catalog *cat, const qm_pol
                  (unsigned long long)b->bytes_per_expert, (unsigned long long)opt->min_split_bytes);
         return 0;
     }
+    /* Out of memory is not a wrong decision: degrading the bank would hand
+     * the caller a different plan (whole banks, over a budget that holds the
+     * split) for a transient failure. The plan fails instead. */
+    if (rc == QM_ENOMEM) return rc;
     if (rc < 0)
         return REJECT(b, "rule decide_failed: policy '%s' returned %s for bank %u",
                       policy->iface->name, qm_err_name(rc), b->bank_id);

@@ -423,8 +423,12 @@ static int hostile_decide(void *ctx, const qm_policy_input *in, qm_residency_dec
     }
     uint64_t r = rt_rand(&h->rng);
     switch (r % 12) {
-    case 0:
-        return -(int)(1 + (r >> 8) % 40); /* any negative code, known or not */
+    case 0: {
+        /* Any negative code, known or not, except out of memory: that one
+         * fails the plan (RELIABILITY.md B11; test_validation.c pins it). */
+        int code = -(int)(1 + (r >> 8) % 40);
+        return code == QM_ENOMEM ? QM_EINTERNAL : code;
+    }
     case 1:
         out->kind = (qm_decision_kind)(int)(r >> 8);
         return 0;

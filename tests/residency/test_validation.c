@@ -148,6 +148,36 @@ START_TEST(test_plan_degrades_bank_whose_decide_failed)
 }
 END_TEST
 
+/* A policy whose decide runs out of memory (as lru's scratch can). */
+static int nomem_decide(void *ctx, const qm_policy_input *in, qm_residency_decision *out)
+{
+    (void)ctx;
+    (void)in;
+    memset(out, 0, sizeof *out);
+    return QM_ENOMEM;
+}
+static const qm_policy_iface nomem_iface = {
+    .version = QM_POLICY_IFACE_VERSION, .name = "nomem", .decide = nomem_decide};
+
+/* RELIABILITY.md B11: the bank used to be degraded to whole, so qmoed then
+ * refused the session with a false "budget_bytes is below the minimum". */
+START_TEST(test_plan_fails_with_out_of_memory_when_decide_runs_out_of_memory)
+{
+    qm_region_catalog *cat = rt_catalog(0, EXPERTS, 1, UNIT);
+    qm_policy pol = {.iface = &nomem_iface};
+    qm_plan_options opt = {.has_budget = 1, .budget_bytes = 2 * UNIT};
+    qm_residency_plan *plan = NULL;
+    qm_status st;
+    qm_status_clear(&st);
+    ck_assert_int_eq(
+        qm_plan_residency((const qm_region_catalog *const *)&cat, 1, &pol, &opt, &plan, &st),
+        QM_ENOMEM);
+    ck_assert_ptr_null(plan);
+    ck_assert_msg(strstr(st.msg, "out of memory") != NULL, "message: %s", st.msg);
+    qm_catalog_free(cat);
+}
+END_TEST
+
 /* A policy that pins every expert of every bank. */
 static uint32_t all4[EXPERTS] = {0, 1, 2, 3};
 static int pin_all_decide(void *ctx, const qm_policy_input *in, qm_residency_decision *out)
@@ -242,6 +272,7 @@ static Suite *validation_suite(void)
     tcase_add_test(c, test_plan_rejects_pinned_expert_that_is_not_a_candidate);
     tcase_add_test(c, test_plan_rejects_pinned_bytes_over_budget);
     tcase_add_test(c, test_plan_degrades_bank_whose_decide_failed);
+    tcase_add_test(c, test_plan_fails_with_out_of_memory_when_decide_runs_out_of_memory);
     suite_add_tcase(s, c);
     c = tcase_create("boundaries");
     tcase_add_test(c, test_pins_exactly_filling_the_budget_or_without_budget_are_accepted);
