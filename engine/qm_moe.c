@@ -1,10 +1,14 @@
 /* qm_moe.c - routing, router logits, token grouping, the expert-source
- * protocol (waves) and the combine of one MoE layer. */
+ * protocol (waves) and the combine of one MoE layer. A backend with the
+ * optional routing methods (qm_backend_impl.h: CUDA) does the routing, the
+ * token permutation and the combine itself, with the same semantics; only
+ * the routes come back here, for the expert source (the pager). */
 #include <math.h>
 #include <string.h>
 #include <time.h>
 
 #include "qm_alloc.h"
+#include "qm_backend_impl.h"
 #include "qm_kernels.h"
 #include "qm_moe_internal.h"
 
@@ -156,22 +160,49 @@ int qm__moe_forward_layer(qm_backend *be, const qm_bank_config *cfg, const qm_la
     uint32_t *uniq = qm_malloc((size_t)E * sizeof(uint32_t));
     qm_expert_weights *wts = qm_malloc((size_t)E * sizeof(qm_expert_weights));
     qm_expert_job *jobs = qm_malloc((size_t)E * sizeof(qm_expert_job));
+    uint32_t *dev_count = qm_malloc((size_t)E * sizeof(uint32_t));
+    void *pass = NULL; /* the backend's routed pass, when it routes */
     if (!x || !logits || !route_e || !route_w || !y || !out || !count || !rows || !out_index ||
-        !uniq || !wts || !jobs) {
+        !uniq || !wts || !jobs || !dev_count) {
         rc = qm_status_set(st, QM_ENOMEM, "out of memory for a %u-token forward pass", T);
         goto done;
     }
 
-    /* 1. Routing. */
+    /* 1. Routing: on the backend when it offers it, else here. */
     qm__load_hidden(call->dtype, call->hidden, TH, x);
-    if (call->logits) {
-        memcpy(logits, call->logits, (size_t)T * E * sizeof(float));
-    } else {
-        rc = qm_moe_router_logits(cfg, layer, x, T, logits, st);
-        if (rc < 0)
+    if (qm__backend_can_route(be)) {
+        if (!call->logits && !layer->t[QM_T_ROUTER_WEIGHT].present) {
+            rc = qm_status_set(st, QM_EINVAL, "layer %u has no router weight: pass router_logits",
+                               layer->index);
             goto done;
+        }
+        qm_route_request rq = {.config = cfg,
+                               .layer = layer,
+                               .x = x,
+                               .logits = call->logits,
+                               .n_tokens = T,
+                               .experts = route_e,
+                               .weights = route_w,
+                               .counts = dev_count};
+        qm_status rst = {0};
+        rc = qm__backend_route(be, &rq, &pass, &rst);
+        if (rc < 0 && rc != QM_EUNSUPPORTED) {
+            if (st)
+                *st = rst;
+            goto done;
+        }
+        rc = 0;
     }
-    qm_moe_route(logits, T, E, k, route_e, route_w);
+    if (!pass) {
+        if (call->logits) {
+            memcpy(logits, call->logits, (size_t)T * E * sizeof(float));
+        } else {
+            rc = qm_moe_router_logits(cfg, layer, x, T, logits, st);
+            if (rc < 0)
+                goto done;
+        }
+        qm_moe_route(logits, T, E, k, route_e, route_w);
+    }
     if (call->route_experts)
         memcpy(call->route_experts, route_e, TK * sizeof(uint32_t));
     if (call->route_weights)
@@ -183,11 +214,17 @@ int qm__moe_forward_layer(qm_backend *be, const qm_bank_config *cfg, const qm_la
             count[route_e[i] + 1]++;
     size_t n_uniq = 0;
     for (uint32_t e = 0; e < E; e++) {
+        if (pass && count[e + 1] != dev_count[e]) {
+            rc = qm_status_set(st, QM_EINTERNAL,
+                               "backend routing counted %u routes to expert %u, the routes say %u",
+                               dev_count[e], e, count[e + 1]);
+            goto done;
+        }
         if (count[e + 1])
             uniq[n_uniq++] = e;
         count[e + 1] += count[e]; /* count[e] = first slot of expert e */
     }
-    {
+    if (!pass) {
         uint32_t *fill = qm_malloc((size_t)E * sizeof(uint32_t));
         if (!fill) {
             rc = qm_status_set(st, QM_ENOMEM, "out of memory grouping tokens");
@@ -224,13 +261,16 @@ int qm__moe_forward_layer(qm_backend *be, const qm_bank_config *cfg, const qm_la
             uint32_t e = uniq[done_n + i];
             jobs[i] = (qm_expert_job){.expert = e,
                                       .weights = wts[done_n + i],
-                                      .rows = rows + count[e],
-                                      .out_index = out_index + count[e],
+                                      .rows = pass ? NULL : rows + count[e],
+                                      .out_index = pass ? NULL : out_index + count[e],
                                       .n_rows = count[e + 1] - count[e]};
         }
         batch.jobs = jobs;
         batch.n_jobs = ready;
-        rc = qm_backend_run_experts(be, &batch, st);
+        if (pass)
+            rc = qm__backend_run_routed(be, pass, &batch, st);
+        else
+            rc = qm_backend_run_experts(be, &batch, st);
         if (source->release)
             source->release(source->ctx, layer->index, uniq + done_n, ready);
         if (rc < 0)
@@ -242,7 +282,12 @@ int qm__moe_forward_layer(qm_backend *be, const qm_bank_config *cfg, const qm_la
 
     /* 4. Combine in route order j = 0..k-1: the same sums whatever order the
      * experts ran in. The fc2 bias is inside y, so inside the weighted sum. */
-    for (uint32_t t = 0; t < T; t++) {
+    if (pass) {
+        rc = qm__backend_combine(be, pass, out, st);
+        if (rc < 0)
+            goto done;
+    }
+    for (uint32_t t = 0; t < T && !pass; t++) {
         float *o = out + (size_t)t * H;
         for (uint32_t c = 0; c < H; c++)
             o[c] = 0.0f;
@@ -259,6 +304,8 @@ int qm__moe_forward_layer(qm_backend *be, const qm_bank_config *cfg, const qm_la
     qm__store_output(call->dtype, out, TH, call->output);
 
 done:
+    qm__backend_pass_release(be, pass);
+    qm_free(dev_count);
     qm_free(x);
     qm_free(logits);
     qm_free(route_e);
