@@ -36,12 +36,21 @@ typedef enum qm_cuda_kernels {
  * (auto|gemv|gemm|naive) sets the initial choice at creation. */
 int qm_backend_cuda_set_kernels(qm_backend *be, qm_cuda_kernels kernels, uint32_t gemm_min_rows);
 
+/* Where layer calls are routed. on_device = 1 (the default): router logits,
+ * top-k softmax, the permutation of token rows by expert and the combine run
+ * on the device, and only the routes come back to the host (for the pager).
+ * 0: the engine routes and combines on the host (the CPU backend's way) and
+ * the device runs the expert FFNs only. The environment variable
+ * QMOE_CUDA_ROUTING=host|device sets the initial choice at creation. */
+int qm_backend_cuda_set_routing(qm_backend *be, int on_device);
+
 typedef struct qm_cuda_stats {
     uint64_t copies;        /* copy_h2d calls */
     uint64_t bytes_direct;  /* copied straight from registered memory */
     uint64_t bytes_bounced; /* copied through the pinned bounce ring */
     uint64_t batches;       /* run_experts calls that ran kernels */
-    uint64_t scratch_grows; /* device/pinned scratch reallocations in run_experts */
+    uint64_t scratch_grows; /* device/pinned scratch reallocations (run_experts, routed passes) */
+    uint64_t routes;        /* layer calls routed on the device */
 } qm_cuda_stats;
 
 int qm_backend_cuda_stats(qm_backend *be, qm_cuda_stats *out);

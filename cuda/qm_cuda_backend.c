@@ -103,6 +103,7 @@ static void qm__cuda_destroy(void *ctx)
         if (c->fence_event[i]) (void)cudaEventDestroy(c->fence_event[i]);
     }
     qm__cuda_scratch_free(&c->scratch);
+    qm__cuda_passes_free(c);
     if (c->copy_stream) (void)cudaStreamDestroy(c->copy_stream);
     if (c->compute_stream) (void)cudaStreamDestroy(c->compute_stream);
     (void)cudaGetLastError();
@@ -143,6 +144,8 @@ int qm_backend_cuda_new(int device, qm_backend **out, qm_status *st)
     c->device = device;
     c->kernels = qm__cuda_kernels_from_env();
     c->gemm_min_rows = QM__CUDA_GEMM_MIN_ROWS_DEFAULT;
+    const char *routing = getenv("QMOE_CUDA_ROUTING");
+    c->route_on_device = !(routing && strcmp(routing, "host") == 0);
     pthread_mutex_init(&c->copy_lock, NULL);
     pthread_mutex_init(&c->run_lock, NULL);
 
@@ -381,6 +384,10 @@ static const qm_backend_iface qm__cuda_iface = {
     .run_experts = qm__cuda_run_experts,
     .synchronize = qm__cuda_synchronize,
     .destroy = qm__cuda_destroy,
+    .route = qm__cuda_route,
+    .run_routed = qm__cuda_run_routed,
+    .combine = qm__cuda_combine,
+    .pass_release = qm__cuda_pass_release,
 };
 
 /* ---- CUDA-only extras (qm_cuda.h) ---- */
@@ -473,6 +480,16 @@ int qm_backend_cuda_set_kernels(qm_backend *be, qm_cuda_kernels kernels, uint32_
     pthread_mutex_lock(&c->run_lock);
     c->kernels = kernels;
     c->gemm_min_rows = gemm_min_rows ? gemm_min_rows : QM__CUDA_GEMM_MIN_ROWS_DEFAULT;
+    pthread_mutex_unlock(&c->run_lock);
+    return 0;
+}
+
+int qm_backend_cuda_set_routing(qm_backend *be, int on_device)
+{
+    qm__cuda_ctx *c = qm__cuda_of(be);
+    if (!c) return QM_EINVAL;
+    pthread_mutex_lock(&c->run_lock);
+    c->route_on_device = on_device != 0;
     pthread_mutex_unlock(&c->run_lock);
     return 0;
 }

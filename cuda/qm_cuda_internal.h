@@ -41,6 +41,34 @@ typedef struct qm__cuda_scratch {
     size_t host_x_cap, host_y_cap, host_table_cap; /* bytes for host_table, elements else */
 } qm__cuda_scratch;
 
+/* A layer call routed on the device (qm_cuda_route.c): x, the routes, their
+ * permutation and the experts' outputs stay here from route to combine.
+ * Passes are pooled in the context and keep their buffers, so a steady
+ * workload allocates nothing per call; two sessions at once use two passes. */
+typedef struct qm__cuda_pass {
+    struct qm__cuda_pass *next; /* pool */
+    uint32_t n_tokens, n_experts, k, hidden;
+    uint32_t n_active;   /* routes not dropped = rows of y */
+    uint32_t *counts;    /* host [E]: routes per expert (in host_res) */
+    uint32_t *offsets;   /* host [E + 1]: first row of each expert in y */
+    uint8_t *ran;        /* host [E]: the expert's rows of y are computed */
+    size_t host_cap_e;   /* capacity of offsets/ran (experts) */
+    /* device; caps in elements (bytes for router) */
+    float *x;            /* [T, H]; the combine's output reuses it */
+    float *logits;       /* [T, E] */
+    void *router;        /* router weight then bias, as in the bank */
+    void *res;           /* experts [T*k] | weights [T*k] | counts [E] | offsets [E + 1] */
+    uint32_t *idx;       /* rank [T*k] | slot_of [T*k] | perm_token [T*k] */
+    float *y, *h1, *h3, *a;
+    qm__cuda_job *jobs;
+    size_t x_cap, logits_cap, router_cap, res_cap, idx_cap, y_cap, h1_cap, h3_cap, a_cap, jobs_cap;
+    /* pinned */
+    void *host_io;       /* x (and logits or router) up; the output down */
+    void *host_res;      /* res down */
+    void *host_jobs;     /* job table up */
+    size_t host_io_cap, host_res_cap, host_jobs_cap; /* bytes */
+} qm__cuda_pass;
+
 typedef struct qm__cuda_ctx {
     int device;
     char name[256];
@@ -65,6 +93,8 @@ typedef struct qm__cuda_ctx {
     qm__cuda_scratch scratch;
     qm_cuda_kernels kernels;
     uint32_t gemm_min_rows;
+    int route_on_device;       /* 1: the optional route methods answer (default) */
+    qm__cuda_pass *pass_pool;  /* idle passes, under run_lock */
 
     qm_cuda_stats stats; /* under copy_lock (copies) or run_lock (batches) */
 } qm__cuda_ctx;
@@ -78,5 +108,42 @@ int qm__cuda_enter(qm__cuda_ctx *c, qm_status *st);
 
 int qm__cuda_run_experts(void *ctx, const qm_expert_batch *batch, qm_status *st);
 void qm__cuda_scratch_free(qm__cuda_scratch *s);
+
+/* Makes *buf hold at least `need` elements of `size` bytes (device or pinned,
+ * grown with headroom, never shrunk; counts scratch_grows). */
+int qm__cuda_reserve(qm__cuda_ctx *c, void **buf, size_t *cap, size_t need, size_t size,
+                     int pinned, qm_status *st);
+
+/* The layer's matrices as the kernels see them, checked against its shapes. */
+typedef struct qm__cuda_geom {
+    qm__cuda_mat mats[QM__CUDA_MATS];
+    int use_fc3;
+    uint32_t n1; /* fc1 outputs: 2I for fused swiglu, else I */
+    qm__cuda_act act;
+    int vec16[QM__CUDA_MATS]; /* layer allows the 16-byte GEMV (pointers checked per job) */
+} qm__cuda_geom;
+int qm__cuda_geom_of(const qm_bank_config *cfg, const qm_layer_view *lv, qm__cuda_geom *g,
+                     qm_status *st);
+/* Checks that `job` has every weight pointer the layer needs. */
+int qm__cuda_check_job(const qm__cuda_geom *g, const qm_layer_view *lv, const qm_expert_job *job,
+                       qm_status *st);
+/* Fills the device job entry of `job` (row0 and n_rows by the caller);
+ * clears vec16[m] when a weight pointer is not 16-byte aligned. */
+void qm__cuda_fill_job(const qm__cuda_geom *g, const qm_layer_view *lv, const qm_expert_job *job,
+                       qm__cuda_job *dj, int vec16[QM__CUDA_MATS]);
+/* FC1 (FC3), activation and FC2 over n_jobs jobs (a device table) of R
+ * batch rows: input row b is x + x_rows[b] * H, output row b is y + b * H. */
+int qm__cuda_launch_ffn(qm__cuda_ctx *c, const qm__cuda_geom *g, const int vec16[QM__CUDA_MATS],
+                        const qm__cuda_job *jobs_dev, uint32_t n_jobs, uint32_t min_rows,
+                        uint32_t max_rows, uint32_t R, const float *x, const uint32_t *x_rows,
+                        uint32_t hidden, float *h1, float *h3, float *a, float *y,
+                        cudaStream_t cs, qm_status *st);
+
+/* Device routing (qm_cuda_route.c): the optional methods of the interface. */
+int qm__cuda_route(void *ctx, const qm_route_request *rq, void **pass, qm_status *st);
+int qm__cuda_run_routed(void *ctx, void *pass, const qm_expert_batch *batch, qm_status *st);
+int qm__cuda_combine(void *ctx, void *pass, float *out, qm_status *st);
+void qm__cuda_pass_release(void *ctx, void *pass);
+void qm__cuda_passes_free(qm__cuda_ctx *c); /* the pool, at destroy */
 
 #endif

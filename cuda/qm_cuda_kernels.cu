@@ -12,62 +12,10 @@
  * Scales, biases and zero points may sit at any byte offset in an arena
  * slot (a unit's tensors are laid end to end), so their loads check
  * alignment and fall back to byte loads rather than fault. */
-#include <stdint.h>
-
-#ifdef QM_CUDA_EMULATE
-/* tests/cuda/emu: the same source run on the CPU, one fiber per thread. */
-#include "qm_cuda_emu.h"
-#else
-#include <cuda_fp16.h>
-#include <cuda_runtime.h>
-#endif
-
-#include "qm_cuda_kernels.h"
+#include "qm_cuda_device.cuh"
 
 namespace
 {
-
-__device__ __forceinline__ float qm_half_to_float(unsigned short h)
-{
-#ifdef QM_CUDA_EMULATE
-    return qm_emu_half_to_float(h);
-#else
-    return __half2float(__ushort_as_half(h));
-#endif
-}
-
-/* Every launch goes through here: one place that checks the launch, and
- * the one seam the CPU emulation of the tests replaces. */
-template <typename... P, typename... A>
-cudaError_t qm_launch(void (*kernel)(P...), dim3 grid, dim3 block, cudaStream_t stream, A... args)
-{
-#ifdef QM_CUDA_EMULATE
-    (void)stream;
-    qm_emu_launch(grid, block, [=] { kernel(args...); });
-#else
-    kernel<<<grid, block, 0, stream>>>(args...);
-#endif
-    return cudaGetLastError();
-}
-
-__device__ __forceinline__ float qm_load_real(const void *base, uint32_t dtype, size_t i)
-{
-    if (dtype == QM__CUDA_F32) {
-        const unsigned char *p = (const unsigned char *)base + 4 * i;
-        if (((uintptr_t)p & 3u) == 0) return __ldg((const float *)p);
-        uint32_t u = (uint32_t)p[0] | ((uint32_t)p[1] << 8) | ((uint32_t)p[2] << 16) |
-                     ((uint32_t)p[3] << 24);
-        return __uint_as_float(u);
-    }
-    const unsigned char *p = (const unsigned char *)base + 2 * i;
-    unsigned short h;
-    if (((uintptr_t)p & 1u) == 0)
-        h = __ldg((const unsigned short *)p);
-    else
-        h = (unsigned short)((unsigned)p[0] | ((unsigned)p[1] << 8));
-    if (dtype == QM__CUDA_BF16) return __uint_as_float((uint32_t)h << 16);
-    return qm_half_to_float(h);
-}
 
 /* Zero point of (row n, block b) as an integer code. */
 template <int BITS>

@@ -90,6 +90,41 @@ int qm__cuda_launch_matmul(const qm__cuda_job *jobs_dev, uint32_t n_jobs, uint32
 int qm__cuda_launch_activation(const qm__cuda_act *act, uint32_t n_rows, const float *h1,
                                const float *h3, float *a, void *stream);
 
+/* ---- routing, permutation and combine (qm_cuda_route.cu) ----
+ * The semantics of engine/qm_moe.c (qm_moe_route, qm_moe_router_logits,
+ * the grouping by expert and the combine), on the device. */
+
+#define QM__CUDA_DROPPED 0xffffffffu /* QM_ROUTE_DROPPED */
+
+/* logits[t, e] = sum_c w[e, c] * x[t, c] (+ b[e]), products and sum in
+ * double (exact products, lane-strided partial sums, a fixed-order warp
+ * reduction), rounded to f32 once. w: [E, H] of w_dtype; b: [E] or NULL. */
+int qm__cuda_launch_router_logits(const float *x, uint32_t n_tokens, uint32_t hidden,
+                                  uint32_t n_experts, const void *w, uint32_t w_dtype,
+                                  const void *b, uint32_t b_dtype, float *logits, void *stream);
+
+/* Top-k (ties to the larger index, NaN never beats a number), softmax over
+ * the k, weights <= 1e-8 dropped: experts/weights [T, k]. One thread per token. */
+int qm__cuda_launch_topk(const float *logits, uint32_t n_tokens, uint32_t n_experts, uint32_t k,
+                         uint32_t *experts, float *weights, void *stream);
+
+/* Groups the routes by expert, tokens ascending within an expert (a stable
+ * counting sort, no atomics: deterministic). counts [E]; offsets [E + 1]
+ * (exclusive prefix); slot_of [T*k]: the route's row in expert order
+ * (QM__CUDA_DROPPED for dropped routes); perm_token [T*k]: the token of each
+ * slot (the first sum(counts) entries are written); rank [T*k]: scratch.
+ * Three launches. */
+int qm__cuda_launch_permute(const uint32_t *experts, uint32_t n_tokens, uint32_t n_experts,
+                            uint32_t k, uint32_t *counts, uint32_t *offsets, uint32_t *rank,
+                            uint32_t *slot_of, uint32_t *perm_token, void *stream);
+
+/* out[t, c] = sum over j = 0..k-1 of weights[t, j] * y[slot_of[t, j], c],
+ * in that order, multiply then add in f32 (no fused multiply-add: the host
+ * combine's order and rounding), dropped routes skipped. */
+int qm__cuda_launch_combine(const float *y, const uint32_t *slot_of, const float *weights,
+                            uint32_t n_tokens, uint32_t k, uint32_t hidden, float *out,
+                            void *stream);
+
 #ifdef __cplusplus
 }
 #endif

@@ -32,9 +32,8 @@ void qm__cuda_scratch_free(qm__cuda_scratch *s)
     memset(s, 0, sizeof *s);
 }
 
-/* Makes *buf hold at least `need` elements of `size` bytes (device or pinned). */
-static int qm__cuda_reserve(qm__cuda_ctx *c, void **buf, size_t *cap, size_t need, size_t size,
-                            int pinned, qm_status *st)
+int qm__cuda_reserve(qm__cuda_ctx *c, void **buf, size_t *cap, size_t need, size_t size,
+                     int pinned, qm_status *st)
 {
     if (need <= *cap) return 0;
     size_t n = need + need / 4; /* headroom: slowly growing batches reallocate rarely */
@@ -144,6 +143,103 @@ static int qm__cuda_aligned16(const void *p)
     return ((uintptr_t)p & 15u) == 0;
 }
 
+int qm__cuda_geom_of(const qm_bank_config *cfg, const qm_layer_view *lv, qm__cuda_geom *g,
+                     qm_status *st)
+{
+    memset(g, 0, sizeof *g);
+    const uint32_t H = cfg->hidden, I = cfg->inter;
+    if (cfg->bits != 2 && cfg->bits != 4 && cfg->bits != 8)
+        return qm_status_set(st, QM_EUNSUPPORTED, "run_experts: %u-bit weights", cfg->bits);
+    if (H == 0 || I == 0)
+        return qm_status_set(st, QM_EINVALID_MODEL, "run_experts: hidden %u, inter %u", H, I);
+    const int swiglu = cfg->activation == QM_ACT_SWIGLU;
+    g->use_fc3 = swiglu && cfg->swiglu_fusion == 0;
+    g->n1 = (swiglu && !g->use_fc3) ? 2 * I : I;
+    int rc;
+    if ((rc = qm__cuda_describe(cfg, lv, QM_T_FC1_WEIGHT, g->n1, H, &g->mats[QM__CUDA_FC1], st)) <
+            0 ||
+        (rc = qm__cuda_describe(cfg, lv, QM_T_FC2_WEIGHT, H, I, &g->mats[QM__CUDA_FC2], st)) < 0)
+        return rc;
+    if (g->use_fc3 &&
+        (rc = qm__cuda_describe(cfg, lv, QM_T_FC3_WEIGHT, I, H, &g->mats[QM__CUDA_FC3], st)) < 0)
+        return rc;
+    for (int m = 0; m < QM__CUDA_MATS; m++)
+        g->vec16[m] = g->mats[m].row_bytes % 16 == 0 && g->mats[m].k % 4 == 0 &&
+                      (uint64_t)g->mats[m].row_bytes * (8 / cfg->bits) == g->mats[m].k;
+    g->act = (qm__cuda_act){
+        .kind = qm__cuda_act_kind(cfg->activation),
+        .fusion = cfg->swiglu_fusion,
+        .inter = I,
+        .h1_stride = g->n1,
+        .alpha = cfg->alpha,
+        .beta = cfg->beta,
+        .limit = cfg->limit,
+    };
+    return 0;
+}
+
+int qm__cuda_check_job(const qm__cuda_geom *g, const qm_layer_view *lv, const qm_expert_job *job,
+                       qm_status *st)
+{
+    for (int t = 0; t < QM_T_EXPERT_COUNT; t++) {
+        int needed = lv->t[t].present && (g->use_fc3 || t < QM_T_FC3_WEIGHT);
+        if (needed && !job->weights.ptr[t])
+            return qm_status_set(st, QM_EINVAL, "run_experts: expert %u has no %s pointer",
+                                 job->expert, qm_bank_tensor_suffix((qm_bank_tensor)t));
+    }
+    return 0;
+}
+
+void qm__cuda_fill_job(const qm__cuda_geom *g, const qm_layer_view *lv, const qm_expert_job *job,
+                       qm__cuda_job *dj, int vec16[QM__CUDA_MATS])
+{
+    memset(dj, 0, sizeof *dj);
+    for (int m = 0; m < QM__CUDA_MATS; m++) {
+        int first = m == QM__CUDA_FC1   ? QM_T_FC1_WEIGHT
+                    : m == QM__CUDA_FC2 ? QM_T_FC2_WEIGHT
+                                        : QM_T_FC3_WEIGHT;
+        if (m == QM__CUDA_FC3 && !g->use_fc3) continue;
+        dj->w[m] = job->weights.ptr[first];
+        dj->scales[m] = job->weights.ptr[first + 1];
+        dj->zp[m] = lv->t[first + 2].present ? job->weights.ptr[first + 2] : NULL;
+        dj->bias[m] = lv->t[first + 3].present ? job->weights.ptr[first + 3] : NULL;
+        if (!qm__cuda_aligned16(dj->w[m])) vec16[m] = 0;
+    }
+}
+
+int qm__cuda_launch_ffn(qm__cuda_ctx *c, const qm__cuda_geom *g, const int vec16[QM__CUDA_MATS],
+                        const qm__cuda_job *jobs_dev, uint32_t n_jobs, uint32_t min_rows,
+                        uint32_t max_rows, uint32_t R, const float *x, const uint32_t *x_rows,
+                        uint32_t hidden, float *h1, float *h3, float *a, float *y,
+                        cudaStream_t cs, qm_status *st)
+{
+    int rc = 0;
+    const uint32_t I = g->act.inter;
+    qm__cuda_path path = (qm__cuda_path)c->kernels; /* the enums share their order */
+    QM__CU(c,
+           (cudaError_t)qm__cuda_launch_matmul(jobs_dev, n_jobs, min_rows, max_rows, QM__CUDA_FC1,
+                                               &g->mats[QM__CUDA_FC1], vec16[QM__CUDA_FC1], path,
+                                               c->gemm_min_rows, x, x_rows, hidden, h1, g->n1, cs),
+           "FC1 kernel launch");
+    if (g->use_fc3)
+        QM__CU(c,
+               (cudaError_t)qm__cuda_launch_matmul(jobs_dev, n_jobs, min_rows, max_rows,
+                                                   QM__CUDA_FC3, &g->mats[QM__CUDA_FC3],
+                                                   vec16[QM__CUDA_FC3], path, c->gemm_min_rows, x,
+                                                   x_rows, hidden, h3, I, cs),
+               "FC3 kernel launch");
+    QM__CU(c, (cudaError_t)qm__cuda_launch_activation(&g->act, R, h1, h3, a, cs),
+           "activation kernel launch");
+    QM__CU(c,
+           (cudaError_t)qm__cuda_launch_matmul(jobs_dev, n_jobs, min_rows, max_rows, QM__CUDA_FC2,
+                                               &g->mats[QM__CUDA_FC2], vec16[QM__CUDA_FC2], path,
+                                               c->gemm_min_rows, a, NULL, I, y, hidden, cs),
+           "FC2 kernel launch");
+    return 0;
+fail:
+    return rc;
+}
+
 int qm__cuda_run_experts(void *ctx, const qm_expert_batch *batch, qm_status *st)
 {
     qm__cuda_ctx *c = ctx;
@@ -154,13 +250,10 @@ int qm__cuda_run_experts(void *ctx, const qm_expert_batch *batch, qm_status *st)
     const qm_bank_config *cfg = batch->config;
     const qm_layer_view *lv = batch->layer;
     const uint32_t H = cfg->hidden, I = cfg->inter;
-    if (cfg->bits != 2 && cfg->bits != 4 && cfg->bits != 8)
-        return qm_status_set(st, QM_EUNSUPPORTED, "run_experts: %u-bit weights", cfg->bits);
-    if (H == 0 || I == 0)
-        return qm_status_set(st, QM_EINVALID_MODEL, "run_experts: hidden %u, inter %u", H, I);
-    const int swiglu = cfg->activation == QM_ACT_SWIGLU;
-    const int use_fc3 = swiglu && cfg->swiglu_fusion == 0;
-    const uint32_t n1 = (swiglu && !use_fc3) ? 2 * I : I;
+    qm__cuda_geom g;
+    if ((rc = qm__cuda_geom_of(cfg, lv, &g, st)) < 0) return rc;
+    const uint32_t n1 = g.n1;
+    const int use_fc3 = g.use_fc3;
 
     /* Count batch rows; validate every job before touching the device. */
     uint64_t total_rows = 0;
@@ -175,12 +268,7 @@ int qm__cuda_run_experts(void *ctx, const qm_expert_batch *batch, qm_status *st)
                 return qm_status_set(st, QM_EINVAL, "run_experts: job %zu row %u is token %u of %u",
                                      j, r, job->rows[r], batch->n_tokens);
         }
-        for (int t = 0; t < QM_T_EXPERT_COUNT; t++) {
-            int needed = lv->t[t].present && (use_fc3 || t < QM_T_FC3_WEIGHT);
-            if (needed && !job->weights.ptr[t])
-                return qm_status_set(st, QM_EINVAL, "run_experts: expert %u has no %s pointer",
-                                     job->expert, qm_bank_tensor_suffix((qm_bank_tensor)t));
-        }
+        if ((rc = qm__cuda_check_job(&g, lv, job, st)) < 0) return rc;
         total_rows += job->n_rows;
         if (job->n_rows > max_rows) max_rows = job->n_rows;
         if (job->n_rows < min_rows) min_rows = job->n_rows;
@@ -193,14 +281,6 @@ int qm__cuda_run_experts(void *ctx, const qm_expert_batch *batch, qm_status *st)
                              "run_experts: %llu rows in %u jobs exceed one batch",
                              (unsigned long long)total_rows, n_active);
     const uint32_t R = (uint32_t)total_rows;
-
-    qm__cuda_mat mats[QM__CUDA_MATS];
-    if ((rc = qm__cuda_describe(cfg, lv, QM_T_FC1_WEIGHT, n1, H, &mats[QM__CUDA_FC1], st)) < 0 ||
-        (rc = qm__cuda_describe(cfg, lv, QM_T_FC2_WEIGHT, H, I, &mats[QM__CUDA_FC2], st)) < 0)
-        return rc;
-    if (use_fc3 &&
-        (rc = qm__cuda_describe(cfg, lv, QM_T_FC3_WEIGHT, I, H, &mats[QM__CUDA_FC3], st)) < 0)
-        return rc;
 
     pthread_mutex_lock(&c->run_lock);
     qm__cuda_scratch *s = &c->scratch;
@@ -226,26 +306,13 @@ int qm__cuda_run_experts(void *ctx, const qm_expert_batch *batch, qm_status *st)
     qm__cuda_job *hjobs = s->host_table;
     uint32_t *hrows = (uint32_t *)((uint8_t *)s->host_table + (size_t)n_active * sizeof *hjobs);
     int vec16[QM__CUDA_MATS];
-    for (int m = 0; m < QM__CUDA_MATS; m++)
-        vec16[m] = mats[m].row_bytes % 16 == 0 && mats[m].k % 4 == 0 &&
-                   (uint64_t)mats[m].row_bytes * (8 / cfg->bits) == mats[m].k;
+    memcpy(vec16, g.vec16, sizeof vec16);
     uint32_t row0 = 0, a = 0;
     for (size_t j = 0; j < batch->n_jobs; j++) {
         const qm_expert_job *job = &batch->jobs[j];
         if (job->n_rows == 0) continue;
         qm__cuda_job *dj = &hjobs[a++];
-        memset(dj, 0, sizeof *dj);
-        for (int m = 0; m < QM__CUDA_MATS; m++) {
-            int first = m == QM__CUDA_FC1   ? QM_T_FC1_WEIGHT
-                        : m == QM__CUDA_FC2 ? QM_T_FC2_WEIGHT
-                                            : QM_T_FC3_WEIGHT;
-            if (m == QM__CUDA_FC3 && !use_fc3) continue;
-            dj->w[m] = job->weights.ptr[first];
-            dj->scales[m] = job->weights.ptr[first + 1];
-            dj->zp[m] = lv->t[first + 2].present ? job->weights.ptr[first + 2] : NULL;
-            dj->bias[m] = lv->t[first + 3].present ? job->weights.ptr[first + 3] : NULL;
-            if (!qm__cuda_aligned16(dj->w[m])) vec16[m] = 0;
-        }
+        qm__cuda_fill_job(&g, lv, job, dj, vec16);
         dj->row0 = row0;
         dj->n_rows = job->n_rows;
         memcpy(hrows + row0, job->rows, (size_t)job->n_rows * 4);
@@ -264,35 +331,9 @@ int qm__cuda_run_experts(void *ctx, const qm_expert_batch *batch, qm_status *st)
            "cudaMemcpyAsync (job table)");
     QM__CU(c, cudaMemcpyAsync(s->rows, hrows, (size_t)R * 4, cudaMemcpyHostToDevice, cs),
            "cudaMemcpyAsync (row index)");
-
-    qm__cuda_path path = (qm__cuda_path)c->kernels; /* the enums share their order */
-    QM__CU(c,
-           (cudaError_t)qm__cuda_launch_matmul(s->jobs, n_active, min_rows, max_rows, QM__CUDA_FC1,
-                                               &mats[QM__CUDA_FC1], vec16[QM__CUDA_FC1], path,
-                                               c->gemm_min_rows, s->x, s->rows, H, s->h1, n1, cs),
-           "FC1 kernel launch");
-    if (use_fc3)
-        QM__CU(c,
-               (cudaError_t)qm__cuda_launch_matmul(
-                   s->jobs, n_active, min_rows, max_rows, QM__CUDA_FC3, &mats[QM__CUDA_FC3],
-                   vec16[QM__CUDA_FC3], path, c->gemm_min_rows, s->x, s->rows, H, s->h3, I, cs),
-               "FC3 kernel launch");
-    qm__cuda_act act = {
-        .kind = qm__cuda_act_kind(cfg->activation),
-        .fusion = cfg->swiglu_fusion,
-        .inter = I,
-        .h1_stride = n1,
-        .alpha = cfg->alpha,
-        .beta = cfg->beta,
-        .limit = cfg->limit,
-    };
-    QM__CU(c, (cudaError_t)qm__cuda_launch_activation(&act, R, s->h1, s->h3, s->a, cs),
-           "activation kernel launch");
-    QM__CU(c,
-           (cudaError_t)qm__cuda_launch_matmul(s->jobs, n_active, min_rows, max_rows, QM__CUDA_FC2,
-                                               &mats[QM__CUDA_FC2], vec16[QM__CUDA_FC2], path,
-                                               c->gemm_min_rows, s->a, NULL, I, s->y, H, cs),
-           "FC2 kernel launch");
+    rc = qm__cuda_launch_ffn(c, &g, vec16, s->jobs, n_active, min_rows, max_rows, R, s->x, s->rows,
+                             H, s->h1, s->h3, s->a, s->y, cs, st);
+    if (rc < 0) goto fail;
     QM__CU(c, cudaMemcpyAsync(s->host_y, s->y, (size_t)R * H * 4, cudaMemcpyDeviceToHost, cs),
            "cudaMemcpyAsync (y)");
     QM__CU(c, cudaStreamSynchronize(cs), "expert kernels");

@@ -13,6 +13,7 @@
 
 #include <cuda_runtime_api.h>
 
+#include "cuda_fixture.h"
 #include "engine_fixture.h"
 #include "qm_backend_impl.h"
 #include "qm_cuda.h"
@@ -27,133 +28,6 @@ static const uint32_t FUSIONS[] = {0, 0, 0, 0, 1, 2, 0};
 static const qm_dtype DTS[] = {QM_DTYPE_F32, QM_DTYPE_F16, QM_DTYPE_BF16};
 static const char *const KERNEL_NAMES[] = {"auto", "gemv", "gemm", "naive"};
 
-static qm_backend *new_cuda(void)
-{
-    qm_backend *be = NULL;
-    qm_status st = {0};
-    int rc = qm_backend_cuda_new(0, &be, &st);
-    ck_assert_msg(rc == 0, "cuda backend: %s", st.msg);
-    return be;
-}
-
-static qm_backend *new_cpu(void)
-{
-    qm_backend *be = NULL;
-    qm_status st = {0};
-    int rc = qm_backend_cpu_new(2, &be, &st);
-    ck_assert_msg(rc == 0, "cpu backend: %s", st.msg);
-    return be;
-}
-
-/* ---- a layer in device memory, handed out as an expert source ---- */
-
-typedef struct dev_layer {
-    tl_layer *L;
-    qm_arena *arena;
-    /* Device address of tensor t of expert e: base + off[e][t]. */
-    uint64_t (*off)[QM_T_EXPERT_COUNT];
-    size_t step; /* experts per acquire (0: all): waves */
-    int acquired, released;
-} dev_layer;
-
-static int copy_and_wait(qm_backend *be, void *dst, const void *src, uint64_t n)
-{
-    qm_fence f = {0};
-    qm_status st = {0};
-    int rc = qm_backend_copy_h2d(be, dst, src, n, &f, &st);
-    if (rc == 0) rc = qm_backend_fence_wait(be, &f, &st);
-    if (rc != 0) fprintf(stderr, "copy: %s\n", st.msg);
-    return rc;
-}
-
-/* packed = 0: each tensor whole at a 256-aligned offset (slices at their
- * natural offsets). packed = 1: one unit per expert, its slices end to end
- * with no padding, as a pager might: scales and biases then sit at odd
- * addresses whenever an earlier slice has an odd size. */
-static void dev_layer_init(dev_layer *D, qm_backend *be, tl_layer *L, int packed)
-{
-    memset(D, 0, sizeof *D);
-    D->L = L;
-    uint32_t E = L->spec.E;
-    D->off = calloc(E, sizeof *D->off);
-    ck_assert_ptr_nonnull(D->off);
-    uint64_t total = 0;
-    if (!packed) {
-        for (int t = 0; t < QM_T_EXPERT_COUNT; t++) {
-            const qm_tensor_view *tv = &L->lv.t[t];
-            if (!tv->present) continue;
-            for (uint32_t e = 0; e < E; e++)
-                D->off[e][t] = total + e * (tv->nbytes / E);
-            total += (tv->nbytes + 255) & ~255ull;
-        }
-    } else {
-        for (uint32_t e = 0; e < E; e++) {
-            uint64_t o = total;
-            for (int t = 0; t < QM_T_EXPERT_COUNT; t++) {
-                const qm_tensor_view *tv = &L->lv.t[t];
-                if (!tv->present) continue;
-                D->off[e][t] = o;
-                o += tv->nbytes / E;
-            }
-            total = (o + 255) & ~255ull;
-        }
-    }
-    qm_status st = {0};
-    ck_assert_msg(qm_arena_new(be, total + 256, &D->arena, &st) == 0, "arena: %s", st.msg);
-    uint8_t *base = qm_arena_at(D->arena, 0);
-    for (uint32_t e = 0; e < E; e++) {
-        for (int t = 0; t < QM_T_EXPERT_COUNT; t++) {
-            const qm_tensor_view *tv = &L->lv.t[t];
-            if (!tv->present) continue;
-            uint64_t slice = tv->nbytes / E;
-            ck_assert_int_eq(copy_and_wait(be, base + D->off[e][t],
-                                           (const uint8_t *)tv->data + e * slice, slice),
-                             0);
-        }
-    }
-}
-
-static void dev_layer_free(qm_backend *be, dev_layer *D)
-{
-    qm_arena_free(be, D->arena);
-    free(D->off);
-}
-
-static void dev_weights(const dev_layer *D, uint32_t e, qm_expert_weights *w)
-{
-    uint8_t *base = qm_arena_at(D->arena, 0);
-    for (int t = 0; t < QM_T_EXPERT_COUNT; t++)
-        w->ptr[t] = D->L->lv.t[t].present ? base + D->off[e][t] : NULL;
-}
-
-static int dev_acquire(void *ctx, uint32_t layer, const uint32_t *experts, size_t n,
-                       qm_expert_weights *weights, size_t *n_ready, qm_status *st)
-{
-    (void)layer;
-    (void)st;
-    dev_layer *D = ctx;
-    size_t k = D->step && D->step < n ? D->step : n;
-    for (size_t i = 0; i < k; i++)
-        dev_weights(D, experts[i], &weights[i]);
-    *n_ready = k;
-    D->acquired += (int)k;
-    return 0;
-}
-
-static void dev_release(void *ctx, uint32_t layer, const uint32_t *experts, size_t n)
-{
-    (void)layer;
-    (void)experts;
-    ((dev_layer *)ctx)->released += (int)n;
-}
-
-static void dev_source(dev_layer *D, qm_expert_source *src)
-{
-    src->ctx = D;
-    src->acquire = dev_acquire;
-    src->release = dev_release;
-}
-
 static int forward(qm_backend *be, tl_layer *L, qm_expert_source *src, qm_dtype dt, uint32_t T,
                    const void *x, const float *lg, void *out)
 {
@@ -163,18 +37,6 @@ static int forward(qm_backend *be, tl_layer *L, qm_expert_source *src, qm_dtype 
     int rc = qm__moe_forward_layer(be, &L->cfg, &L->lv, &call, src, NULL, &st);
     if (rc != 0) fprintf(stderr, "forward on %s: %s\n", qm_backend_name(be), st.msg);
     return rc;
-}
-
-static double rel_err(const float *a, const float *b, size_t n)
-{
-    double num = 0, den = 0;
-    for (size_t i = 0; i < n; i++) {
-        double d = (double)a[i] - (double)b[i];
-        if (isnan(a[i]) || isnan(b[i])) return INFINITY;
-        num += d * d;
-        den += (double)b[i] * b[i];
-    }
-    return den > 0 ? sqrt(num / den) : sqrt(num);
 }
 
 /* Runs T tokens through the CPU backend and through the CUDA backend with
@@ -624,7 +486,7 @@ START_TEST(test_cuda_bad_jobs_are_rejected_and_the_backend_survives)
 }
 END_TEST
 
-/* Three cases, so a slow tool (compute-sanitizer) can run one: CK_RUN_CASE=layer. */
+/* Four cases, so a slow tool (compute-sanitizer) can run one: CK_RUN_CASE=layer. */
 static Suite *cuda_suite(void)
 {
     Suite *s = suite_create("cuda");
@@ -646,6 +508,7 @@ static Suite *cuda_suite(void)
     suite_add_tcase(s, core);
     suite_add_tcase(s, matrix);
     suite_add_tcase(s, layer);
+    suite_add_tcase(s, cuda_route_tcase());
     return s;
 }
 

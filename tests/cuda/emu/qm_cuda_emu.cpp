@@ -69,7 +69,7 @@ void *g_sched_sp;
 ucontext_t g_sched;
 #endif
 std::vector<Fiber> g_fibers;
-std::vector<float> g_xfer;
+std::vector<double> g_xfer; /* one value per thread: float and double shuffles */
 unsigned g_current;
 const std::function<void()> *g_body;
 
@@ -103,7 +103,7 @@ void fiber_main()
 void run_block(unsigned n)
 {
     if (g_fibers.size() < n) g_fibers.resize(n);
-    g_xfer.assign(n, 0.0f);
+    g_xfer.assign(n, 0.0);
     for (unsigned i = 0; i < n; i++) {
         Fiber &f = g_fibers[i];
         if (!f.stack) f.stack.reset(new char[kStackBytes]);
@@ -182,12 +182,12 @@ void qm_emu_barrier(void)
     threadIdx = dim3(me, 0, 0);
 }
 
-float qm_emu_exchange(float v, unsigned src_lane)
+double qm_emu_exchange(double v, unsigned src_lane)
 {
     unsigned me = g_current;
     g_xfer[me] = v;
     qm_emu_barrier();
-    float r = g_xfer[(me & ~31u) | src_lane];
+    double r = g_xfer[(me & ~31u) | src_lane];
     qm_emu_barrier();
     return r;
 }

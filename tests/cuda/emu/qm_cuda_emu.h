@@ -31,7 +31,7 @@ extern thread_local dim3 threadIdx, blockIdx, blockDim;
 
 void qm_emu_launch(dim3 grid, dim3 block, const std::function<void()> &fn);
 void qm_emu_barrier(void);
-float qm_emu_exchange(float v, unsigned src_lane);
+double qm_emu_exchange(double v, unsigned src_lane);
 float qm_emu_half_to_float(unsigned short h);
 
 static inline void __syncthreads(void)
@@ -41,7 +41,34 @@ static inline void __syncthreads(void)
 static inline float __shfl_xor_sync(unsigned mask, float v, int lane_mask)
 {
     (void)mask;
+    return (float)qm_emu_exchange(v, (threadIdx.x & 31u) ^ (unsigned)lane_mask);
+}
+static inline double __shfl_xor_sync(unsigned mask, double v, int lane_mask)
+{
+    (void)mask;
     return qm_emu_exchange(v, (threadIdx.x & 31u) ^ (unsigned)lane_mask);
+}
+/* Rounded single operations: kept apart by `volatile` so that the host
+ * compiler cannot fuse a multiply into an add (what the _rn forms promise). */
+static inline float __fmul_rn(float a, float b)
+{
+    volatile float r = a * b;
+    return r;
+}
+static inline float __fadd_rn(float a, float b)
+{
+    volatile float r = a + b;
+    return r;
+}
+static inline float __fsub_rn(float a, float b)
+{
+    volatile float r = a - b;
+    return r;
+}
+static inline float __fdiv_rn(float a, float b)
+{
+    volatile float r = a / b;
+    return r;
 }
 template <typename T> static inline T __ldg(const T *p)
 {
