@@ -7,6 +7,7 @@
  * done list the loop drains from a uv_async callback (sends coalesce). */
 #include "qm_daemon.h"
 
+#include <execinfo.h>
 #include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -15,17 +16,38 @@
 #include "qm_alloc.h"
 
 /* Test hook for the hardening suite (docs/RELIABILITY.md, "Faults"):
- * QMOED_FAULT_ALLOC=N makes the Nth qm_malloc/qm_realloc made while a
- * worker runs a job (session build, inference, plan: the engine and pager
- * paths) return NULL, once; N=0 only counts. The count is printed at exit.
- * Unset, no hook is installed and allocation is plain libc. */
-static _Thread_local int fault_in_job;
-static atomic_ulong fault_count;
+ * QMOED_FAULT_ALLOC=[CLASS:]N makes the Nth qm_malloc/qm_realloc made by a
+ * thread of CLASS return NULL, once; N=0 only counts. The classes:
+ *   worker  a worker running a job: session build, inference, plan (the
+ *           engine, the pager, the CPU backend's arena and scratch);
+ *   loop    the event-loop thread once the daemon serves: reading and
+ *           decoding requests, dispatch, replies, connections, model.load;
+ *   engine  threads the engine starts itself: the pager's copy thread and
+ *           the CPU backend's compute pool (every untagged thread).
+ * A bare N means worker:N (the hook's first form). The counts of every
+ * class are printed to stderr at exit; QMOED_FAULT_BT=1 also prints the
+ * stack of the failed allocation. Unset, no hook is installed and
+ * allocation is plain libc. */
+enum { FAULT_ENGINE, FAULT_WORKER, FAULT_LOOP, FAULT_OFF, FAULT_N_CLASSES };
+static const char *const fault_names[FAULT_N_CLASSES] = {"engine", "worker", "loop", "off"};
+static _Thread_local int fault_class; /* threads the daemon does not tag: FAULT_ENGINE */
+static atomic_ulong fault_count[FAULT_N_CLASSES];
+static int fault_target = FAULT_WORKER;
 static unsigned long fault_at;
+static int fault_backtrace; /* QMOED_FAULT_BT set: print the failed call's stack */
 
 static int fault_hit(void)
 {
-    return fault_in_job && atomic_fetch_add(&fault_count, 1) + 1 == fault_at;
+    int cls = fault_class;
+    if (cls == FAULT_OFF)
+        return 0;
+    int hit = atomic_fetch_add(&fault_count[cls], 1) + 1 == fault_at && cls == fault_target;
+    if (hit && fault_backtrace) {
+        /* Where the failure was injected, for addr2line. */
+        void *bt[32];
+        backtrace_symbols_fd(bt, backtrace(bt, 32), 2);
+    }
+    return hit;
 }
 static void *fault_malloc(size_t n, void *ud)
 {
@@ -43,6 +65,25 @@ static void fault_free(void *ptr, void *ud)
     free(ptr);
 }
 
+/* Parses QMOED_FAULT_ALLOC; 0 when set and valid. */
+static int fault_parse(const char *spec)
+{
+    const char *colon = strchr(spec, ':');
+    if (colon) {
+        size_t len = (size_t)(colon - spec);
+        fault_target = -1;
+        for (int i = 0; i < FAULT_OFF; i++)
+            if (strlen(fault_names[i]) == len && memcmp(spec, fault_names[i], len) == 0)
+                fault_target = i;
+        if (fault_target < 0)
+            return -1;
+        spec = colon + 1;
+    }
+    char *end;
+    fault_at = strtoul(spec, &end, 10);
+    return *spec && !*end ? 0 : -1;
+}
+
 void qm_job_free(qm_job *job)
 {
     if (!job)
@@ -57,6 +98,7 @@ static void worker_main(void *arg)
 {
     qm_daemon *d = arg;
     qm_pool *p = &d->pool;
+    fault_class = FAULT_WORKER;
     uv_mutex_lock(&p->mu);
     for (;;) {
         while (!p->stop && !p->runq_head)
@@ -76,14 +118,12 @@ static void worker_main(void *arg)
         uv_mutex_unlock(&p->mu);
 
         job->start_us = qm_now_us();
-        fault_in_job = 1;
         if (job->kind == QM_JOB_INFER)
             qm_job_run(job);
         else if (job->kind == QM_JOB_CREATE)
             job->rc = qm_session_build(d, s, &job->st);
         else if (job->kind == QM_JOB_PLAN)
             qm_job_run_plan(job);
-        fault_in_job = 0;
         job->end_us = qm_now_us();
 
         uv_mutex_lock(&p->mu);
@@ -142,8 +182,16 @@ int qm_pool_start(qm_daemon *d, uint32_t n_threads)
     const char *fault = getenv("QMOED_FAULT_ALLOC");
     if (fault && *fault) {
         static const qm_alloc_hooks hooks = {fault_malloc, fault_realloc, fault_free, NULL};
-        fault_at = strtoul(fault, NULL, 10);
-        qm_alloc_set_hooks(&hooks); /* no worker runs yet */
+        if (fault_parse(fault) < 0) {
+            qm_log(QM_LOG_ERR, "QMOED_FAULT_ALLOC=%s: expected [worker:|loop:|engine:]N", fault);
+            return QM_EINVAL;
+        }
+        /* The engine's compute pool already runs but does not allocate
+         * until a job does; no worker runs yet. The loop thread counts
+         * from the end of this function: only request paths. */
+        fault_class = FAULT_OFF;
+        fault_backtrace = getenv("QMOED_FAULT_BT") != NULL;
+        qm_alloc_set_hooks(&hooks);
     }
     p->threads = qm_calloc(n_threads, sizeof *p->threads);
     if (!p->threads)
@@ -153,6 +201,7 @@ int qm_pool_start(qm_daemon *d, uint32_t n_threads)
             return QM_ENOMEM;
         p->n_threads++;
     }
+    fault_class = FAULT_LOOP;
     return 0;
 }
 
@@ -170,8 +219,12 @@ void qm_pool_stop(qm_daemon *d)
     qm_free(p->threads);
     p->threads = NULL;
     if (getenv("QMOED_FAULT_ALLOC"))
-        fprintf(stderr, "qmoed: QMOED_FAULT_ALLOC: %lu worker allocations, failed #%lu\n",
-                (unsigned long)atomic_load(&fault_count), fault_at);
+        fprintf(stderr, "qmoed: QMOED_FAULT_ALLOC: %lu worker allocations, %lu loop, "
+                        "%lu engine; failed %s #%lu\n",
+                (unsigned long)atomic_load(&fault_count[FAULT_WORKER]),
+                (unsigned long)atomic_load(&fault_count[FAULT_LOOP]),
+                (unsigned long)atomic_load(&fault_count[FAULT_ENGINE]),
+                fault_names[fault_target], fault_at);
     uv_cond_destroy(&p->cv);
     uv_mutex_destroy(&p->mu);
 }
