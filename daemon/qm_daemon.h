@@ -284,6 +284,7 @@ struct qm_daemon {
     int bound_path; /* we created the socket file: unlink it at exit */
     uv_pipe_t listener;
     int listening;
+    int accept_retry; /* a connection waits for memory to accept it (qm_server.c) */
     uv_signal_t sig_term, sig_int, sig_hup;
     uv_timer_t tick, watchdog, drain_timer;
     uv_check_t check;

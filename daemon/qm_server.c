@@ -380,7 +380,11 @@ static void on_connection(uv_stream_t *server, int status)
     }
     qm_conn *c = qm_calloc(1, sizeof *c);
     if (!c) {
-        qm_log(QM_LOG_ERR, "out of memory accepting a connection");
+        /* libuv stops listening until this connection is accepted; left
+         * so, the daemon would never accept again (RELIABILITY.md B12).
+         * The next tick tries again; new clients wait in the backlog. */
+        qm_log(QM_LOG_ERR, "out of memory accepting a connection; retrying in a second");
+        d->accept_retry = 1;
         return;
     }
     c->d = d;
@@ -596,6 +600,10 @@ void qm_server_close_all(qm_daemon *d)
 
 void qm_server_sweep_idle(qm_daemon *d)
 {
+    if (d->accept_retry && d->listening) {
+        d->accept_retry = 0;
+        on_connection((uv_stream_t *)&d->listener, 0);
+    }
     uint64_t now = uv_now(d->loop), idle = (uint64_t)d->cfg.idle_timeout_s * 1000;
     /* A frame must complete, and paused output must move, within this. */
     uint64_t deadline = d->cfg.frame_timeout_s ? (uint64_t)d->cfg.frame_timeout_s * 1000
