@@ -98,15 +98,16 @@ void qm_reply_fill(qm_reply *r, size_t slot, char *data, size_t len)
         reply_send(r);
 }
 
-/* Takes the writer's bytes as slot's part. */
-static void fill_from_buf(qm_daemon *d, qm_reply *r, size_t slot, qm_buf *b)
+/* Takes the writer's bytes as slot's part. When they ran out of memory, a
+ * short error for the same id takes their place: with id null the client
+ * could not tell which request failed (RELIABILITY.md B13). */
+static void fill_from_buf(qm_daemon *d, qm_reply *r, size_t slot, qm_buf *b, const char *id)
 {
     if (b->oom) {
         qm_buf_reset(b);
         qm_jw w;
         qm_jw_init(&w, b);
-        qm_rpc_error(&w, NULL, QM_RPC_INTERNAL_ERROR, "out of memory encoding the response",
-                     NULL);
+        qm_rpc_error(&w, id, QM_RPC_INTERNAL_ERROR, "out of memory encoding the response", NULL);
         d->counters.errors++;
     }
     size_t len;
@@ -127,7 +128,7 @@ static void answer_error(qm_daemon *d, qm_reply *r, size_t slot, const char *id,
     qm_jw w;
     qm_jw_init(&w, &b);
     qm_rpc_error(&w, id, rpc_code, reason, field);
-    fill_from_buf(d, r, slot, &b);
+    fill_from_buf(d, r, slot, &b, id);
 }
 
 static void answer_status(qm_daemon *d, qm_reply *r, size_t slot, const qm_request *req,
@@ -370,7 +371,7 @@ static void answer_sync(qm_daemon *d, qm_conn *c, qm_reply *r, size_t slot, qm_r
         qm_buf_free(&b);
         qm_reply_fill(r, slot, NULL, 0);
     } else {
-        fill_from_buf(d, r, slot, &b);
+        fill_from_buf(d, r, slot, &b, req->id);
     }
     if (drain) {
         qm_log(QM_LOG_NOTICE, "daemon.shutdown requested by uid %u", (unsigned)c->uid);
@@ -606,7 +607,7 @@ void qm_dispatch_job_done(qm_daemon *d, qm_job *job)
                 qm_rpc_result_begin(&w, job->req.id);
                 write_create_result(&w, s);
                 qm_rpc_result_end(&w);
-                fill_from_buf(d, job->reply, job->slot, &b);
+                fill_from_buf(d, job->reply, job->slot, &b, job->req.id);
             }
         }
     } else {
