@@ -2,7 +2,7 @@
  * own ceilings, on a GPT-OSS-20B-like layer (H = I = 2880, E = 32, k = 4,
  * swiglu interleaved, int4 block 32, f16 scales and biases).
  *
- *   qmoe-cuda-bench [--out FILE] [--layers L] [--iters N]
+ *   qmoe-cuda-bench [--out FILE] [--layers L] [--iters N] [--e2e-layers L2] [--e2e-seconds S]
  *
  * Measures, in one process: device-to-device copy bandwidth (bytes read +
  * written), pinned host-to-device bandwidth, copy_h2d from pageable
@@ -11,8 +11,12 @@
  * much of a prefetch copy hides behind compute. Weights are random bytes
  * generated on the device over L layers (several times the L2), each call
  * routes to fresh random experts of a random layer, and one decode and one
- * prefill result are checked against the CPU backend first. Exit 0 when it
- * ran (targets are reported, not enforced), 2 when no device answered. */
+ * prefill result are checked against the CPU backend first. Last, the
+ * end-to-end layer throughput through the pager at 100/50/25 % budget
+ * (qm_cuda_bench_e2e.c: L2 layers, default 4, T = 1 and 128, device
+ * routing, fresh hidden states every call; --e2e-layers 0 skips it).
+ * Exit 0 when it ran (targets are reported, not enforced), 2 when no
+ * device answered. */
 #include <math.h>
 #include <stdarg.h>
 #include <stdio.h>
@@ -21,6 +25,7 @@
 #include <time.h>
 
 #include "qm_alloc.h"
+#include "qm_cuda_bench_e2e.h"
 #include "qm_cuda_internal.h"
 
 int qm__cuda_bench_fill_bytes(void *p, size_t n, uint64_t seed);
@@ -214,8 +219,9 @@ static double rel_err(const float *a, const float *b, size_t n)
 int main(int argc, char **argv)
 {
     const char *out_path = NULL;
-    uint32_t layers = 8;
+    uint32_t layers = 8, e2e_layers = 4;
     int iters = 60;
+    double e2e_seconds = 2.0;
     for (int i = 1; i < argc; i++) {
         if (!strcmp(argv[i], "--out") && i + 1 < argc)
             out_path = argv[++i];
@@ -223,8 +229,15 @@ int main(int argc, char **argv)
             layers = (uint32_t)atoi(argv[++i]);
         else if (!strcmp(argv[i], "--iters") && i + 1 < argc)
             iters = atoi(argv[++i]);
+        else if (!strcmp(argv[i], "--e2e-layers") && i + 1 < argc)
+            e2e_layers = (uint32_t)atoi(argv[++i]);
+        else if (!strcmp(argv[i], "--e2e-seconds") && i + 1 < argc)
+            e2e_seconds = atof(argv[++i]);
         else {
-            fprintf(stderr, "usage: %s [--out FILE] [--layers L] [--iters N]\n", argv[0]);
+            fprintf(stderr,
+                    "usage: %s [--out FILE] [--layers L] [--iters N] [--e2e-layers L2] "
+                    "[--e2e-seconds S]\n",
+                    argv[0]);
             return 64;
         }
     }
@@ -572,12 +585,27 @@ int main(int argc, char **argv)
         free(host_units);
     }
 
+    /* 8. end to end: the pager driving this backend at 100/50/25 % budget.
+     * The layer arena above is released first: the pagers need the room. */
+    if (e2e_layers > 0) {
+        qm_arena_free(be, arena);
+        arena = NULL;
+        qm_e2e_spec sp = {.layers = e2e_layers, .experts = E_, .hidden = H_, .inter = I_, .k = K_,
+                          .tokens = {1, 128}, .n_tokens = 2, .budget_pct = {100, 50, 25},
+                          .n_budgets = 3, .seconds = e2e_seconds, .min_steps = 3,
+                          .max_steps = 100000, .prefetch = 1};
+        qm_e2e_row rows[6];
+        if (qm_e2e_run(be, &sp, rows, report, &st) != 0)
+            report("e2e: failed: %s (%s)\n", st.msg, qm_err_name(st.code));
+    }
+
     qm_cuda_stats cs;
     qm_backend_cuda_stats(be, &cs);
-    report("# stats: %llu copies, %.2f GB direct, %.2f GB bounced, %llu batches, %llu scratch "
-           "grows\n",
+    report("# stats: %llu copies, %.2f GB direct, %.2f GB bounced, %llu batches, %llu routed "
+           "on the device, %llu scratch grows\n",
            (unsigned long long)cs.copies, cs.bytes_direct / 1e9, cs.bytes_bounced / 1e9,
-           (unsigned long long)cs.batches, (unsigned long long)cs.scratch_grows);
+           (unsigned long long)cs.batches, (unsigned long long)cs.routes,
+           (unsigned long long)cs.scratch_grows);
     qm_arena_free(be, arena);
     qm_backend_free(be);
     free(pageable);

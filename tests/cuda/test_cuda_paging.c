@@ -13,6 +13,7 @@
 #include <string.h>
 
 #include "paging_helpers.h"
+#include "qm_cuda_bench_e2e.h"
 #include "qm_backend.h"
 #include "qm_cuda.h"
 
@@ -160,6 +161,49 @@ START_TEST(test_cuda_pager_int8_wider_layer)
 }
 END_TEST
 
+/* The bench's end-to-end measurement (qmoe-cuda-bench, bench/cuda/verify.sh)
+ * at a size the emulation affords: a pager per budget driving this backend
+ * through fresh routing (device routing, bf16 router) every layer call. */
+START_TEST(test_cuda_e2e_pager_throughput_rows_are_consistent)
+{
+    qm_backend *cuda = NULL;
+    qm_status st = {0};
+    ck_assert_msg(qm_backend_cuda_new(0, &cuda, &st) == 0, "cuda: %s", st.msg);
+    qm_e2e_spec sp = {.layers = 2, .experts = 8, .hidden = 64, .inter = 32, .k = 2,
+                      .tokens = {1, 16}, .n_tokens = 2, .budget_pct = {100, 50, 25},
+                      .n_budgets = 3, .seconds = 0, .min_steps = 4, .max_steps = 4,
+                      .prefetch = 1};
+    qm_e2e_row rows[6];
+    qm_cuda_stats c0, c1;
+    ck_assert_int_eq(qm_backend_cuda_stats(cuda, &c0), 0);
+    int rc = qm_e2e_run(cuda, &sp, rows, NULL, &st);
+    ck_assert_msg(rc == 0, "e2e: %s", st.msg);
+    ck_assert_int_eq(qm_backend_cuda_stats(cuda, &c1), 0);
+    /* 3 budgets x (1 check call + 2 points x (warm-up + 4 steps) x 2 layers). */
+    ck_assert_uint_eq(c1.routes - c0.routes, 3 * (1 + 2 * 5 * 2));
+    for (int i = 0; i < 6; i++) {
+        const qm_e2e_row *r = &rows[i];
+        printf("e2e budget %u%% T=%u: %.0f tok/s, %llu bytes paged, hits %llu misses %llu, "
+               "bitwise %d\n",
+               r->budget_pct, r->tokens, r->tokens_per_s, (unsigned long long)r->bytes_paged,
+               (unsigned long long)r->hits, (unsigned long long)r->misses,
+               r->bitwise_equal_to_full);
+        ck_assert_uint_eq(r->steps, 4);
+        ck_assert(r->tokens_per_s > 0);
+        ck_assert(r->bitwise_equal_to_full);
+        if (r->budget_pct == 100) {
+            ck_assert_uint_eq(r->bytes_paged, 0); /* everything resident from creation */
+            ck_assert_uint_eq(r->misses, 0);
+        }
+        if (r->budget_pct == 25) {
+            ck_assert_uint_gt(r->misses, 0);
+            ck_assert_uint_gt(r->bytes_paged, 0);
+        }
+    }
+    qm_backend_free(cuda);
+}
+END_TEST
+
 int main(void)
 {
     qm_backend *probe = NULL;
@@ -180,6 +224,10 @@ int main(void)
     tcase_add_test(tc, test_cuda_pager_outputs_bitwise_equal_across_policies_and_budgets);
     tcase_add_test(tc, test_cuda_pager_int8_wider_layer);
     suite_add_tcase(s, tc);
+    TCase *e2e = tcase_create("e2e");
+    tcase_set_timeout(e2e, 300);
+    tcase_add_test(e2e, test_cuda_e2e_pager_throughput_rows_are_consistent);
+    suite_add_tcase(s, e2e);
     SRunner *sr = srunner_create(s);
     srunner_set_fork_status(sr, CK_NOFORK);
     srunner_run_all(sr, CK_NORMAL);
