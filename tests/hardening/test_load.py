@@ -1,10 +1,18 @@
-"""Load and fault tests against a real qmoed (issue 8, item 3), bounded for
-a 2-core CI machine: 50 connections for a few seconds (the documented
-256-connection, 60 s run is bench/load/qmoe_load.py), kill -9 of a client
-with inferences in flight, SIGTERM under load.
+"""Load and fault tests against a real qmoed (issue 8, item 3): 256
+concurrent connections for 60 s (the issue's size; QMOE_LOAD_CLIENTS /
+QMOE_LOAD_SECONDS scale it, e.g. down under a sanitizer), SIGTERM under a
+load of as many connections, kill -9 of a client with inferences in
+flight, close/unload in flight, the daemon-wide budget raced, idle
+connections at the limit.
+
+The load's figures (answered, requests/s, peak RSS, peak fds, ...) are
+printed and written to $QMOE_BUILD_DIR/hardening_load_figures.txt, which
+scripts/test.sh prints.
 """
 import json
 import os
+import random
+import resource
 import signal
 import socket
 import subprocess
@@ -20,8 +28,34 @@ from hardening import HERE, SLOW, Baseline, Bystander, Daemon, connect, make_ban
 sys.path.insert(0, os.path.join(HERE, "..", "..", "bench", "load"))
 from qmoe_load import run_load  # noqa: E402
 
-CLIENTS = int(os.environ.get("QMOE_LOAD_CLIENTS", "50"))
-SECONDS = float(os.environ.get("QMOE_LOAD_SECONDS", "6"))
+CLIENTS = int(os.environ.get("QMOE_LOAD_CLIENTS", "256"))
+SECONDS = float(os.environ.get("QMOE_LOAD_SECONDS", "60"))
+
+
+def need_fds(n):
+    """Raises the soft fd limit so that n client sockets here and n
+    connections in the daemon (which inherits it) fit; skips when the hard
+    limit is too low."""
+    want = 2 * n + 256
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != resource.RLIM_INFINITY and soft < want:
+        if hard != resource.RLIM_INFINITY and hard < want:
+            pytest.skip("fd hard limit %d < %d needed for %d connections" % (hard, want, n))
+        resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
+    return resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+
+
+_reported = []
+
+
+def report(line):
+    """Printed (shown by pytest -s / on failure) and kept for test.sh."""
+    print(line)
+    out = os.environ.get("QMOE_BUILD_DIR")
+    if out and os.path.isdir(out):
+        with open(os.path.join(out, "hardening_load_figures.txt"), "a" if _reported else "w") as f:
+            f.write(line + "\n")
+        _reported.append(line)
 
 
 @pytest.fixture(scope="module")
@@ -30,10 +64,11 @@ def bank(tmp_path_factory):
 
 
 def test_many_clients_every_request_answered_once(bank):
-    # A small queue_depth so that overloaded (the one documented error
-    # under load) really happens.
+    fd_limit = need_fds(CLIENTS)
+    # queue_depth below the inferences that can be in flight, so that
+    # overloaded (the one documented error under load) can happen.
     dm = Daemon(models={"small": bank},
-                config={"queue_depth": 8, "max_connections": CLIENTS + 16,
+                config={"queue_depth": max(8, CLIENTS // 2), "max_connections": CLIENTS + 16,
                         "max_sessions": CLIENTS + 16})
     try:
         by = Bystander(dm)
@@ -41,7 +76,8 @@ def test_many_clients_every_request_answered_once(bank):
         figures, problems = run_load(dm.socket, "small", clients=CLIENTS, seconds=SECONDS,
                                      depth=2, disconnect=0.02, pid=dm.pid,
                                      policies=("whole_bank", "lru", "lfu", "static_hot"))
-        print("load figures:", json.dumps(figures))
+        report("load: %d connections x %.0f s (fd limit %d): %s"
+               % (CLIENTS, SECONDS, fd_limit, json.dumps(figures)))
         assert not problems, problems[:10]
         assert figures["overloaded_status"] == 0, figures
         assert figures["infer"] > CLIENTS and figures["ok"] > 0
@@ -253,28 +289,37 @@ def test_kill_9_client_with_requests_in_flight(bank):
 
 
 def test_sigterm_under_load_answers_every_accepted_request(bank):
-    dm = Daemon(models={"small": bank})
-    n_clients = 16
+    """SIGTERM while CLIENTS connections pipeline windows of 3 requests
+    (status, plan, inference): every answer is a result or -32007
+    shutting_down, none comes twice, everything sent well before the
+    signal is answered, qmoed exits 0 and removes its socket."""
+    n_clients = CLIENTS
+    fd_limit = need_fds(n_clients)
+    dm = Daemon(models={"small": bank},
+                config={"max_connections": n_clients + 16, "max_sessions": n_clients + 16})
     results = []
     lock = threading.Lock()
     sig_at = [None]
     ready = threading.Barrier(n_clients + 1)
+    import numpy as np
+    from hardening import tensor
+    x = tensor(np.ones((8, 64), np.float32))
 
     def client(ci):
+        rng = random.Random(ci)
         sent = {}  # id -> time the send completed
         answers = {}
-        closed_owing = 0
+        s = None
         try:
-            s = connect(dm.socket)
+            s = connect(dm.socket, timeout=60)
             f = s.makefile("rb")
             s.sendall(req("session.create", {"model": "small"}, id="c"))
             sid = json.loads(f.readline())["result"]["session"]
-            import numpy as np
-            from hardening import tensor
-            x = tensor(np.ones((8, 64), np.float32))
         except Exception as e:  # noqa: BLE001
             with lock:
                 results.append({"error": repr(e)})
+            if s:
+                s.close()
             ready.wait()
             return
         ready.wait()
@@ -285,13 +330,19 @@ def test_sigterm_under_load_answers_every_accepted_request(bank):
                 for _ in range(3):
                     n += 1
                     window.append(n)
-                    s.sendall(req("session.infer", {"session": sid, "layer": n % 2,
-                                                    "hidden": x}, id=n))
+                    u = rng.random()
+                    if u < 0.2:
+                        msg = req("daemon.status", None, id=n)
+                    elif u < 0.3:
+                        msg = req("session.plan", {"session": sid}, id=n)
+                    else:
+                        msg = req("session.infer", {"session": sid, "layer": n % 2,
+                                                    "hidden": x}, id=n)
+                    s.sendall(msg)
                     sent[n] = time.time()
                 for _ in window:
                     line = f.readline()
                     if not line:
-                        closed_owing = len([i for i in window if i not in answers])
                         raise EOFError
                     r = json.loads(line)
                     assert r["id"] not in answers, "answered twice"
@@ -304,22 +355,24 @@ def test_sigterm_under_load_answers_every_accepted_request(bank):
         finally:
             s.close()
         with lock:
-            results.append({"sent": sent, "answers": answers, "closed_owing": closed_owing})
+            results.append({"sent": sent, "answers": answers})
 
     threads = [threading.Thread(target=client, args=(i,)) for i in range(n_clients)]
     for t in threads:
         t.start()
     ready.wait()
-    time.sleep(1.5)
+    time.sleep(2.0)
     sig_at[0] = time.time()
     dm.signal(signal.SIGTERM)
     for t in threads:
-        t.join(60)
-    rc = dm.proc.wait(30)
+        t.join(60 * SLOW)
+    rc = dm.proc.wait(60 * SLOW)
     log = dm.log_text()
     dm.stop()
     assert rc == 0, log[-3000:]
-    assert all("error" not in r for r in results), results
+    assert not any(t.is_alive() for t in threads), "a client thread hung"
+    assert len(results) == n_clients and all("error" not in r for r in results), \
+        [r for r in results if "error" in r][:5]
     total = answered_after = refused = 0
     for r in results:
         for i, a in r["answers"].items():
@@ -332,9 +385,10 @@ def test_sigterm_under_load_answers_every_accepted_request(bank):
         # Anything sent well before the signal was read by the daemon, so
         # it must have been answered (a result or shutting_down).
         for i, t in r["sent"].items():
-            if t < sig_at[0] - 0.5 * SLOW:
+            if t < sig_at[0] - 1.0 * SLOW:
                 assert i in r["answers"], "request %d sent before SIGTERM got no answer" % i
     assert total > n_clients
     assert not os.path.exists(dm.socket)
-    print("sigterm under load: %d answers, %d shutting_down, %d results for requests sent "
-          "after the signal" % (total, refused, answered_after))
+    report("sigterm under load: %d connections (fd limit %d), %d answers before exit, "
+           "%d shutting_down, %d results for requests sent after the signal, exit %d"
+           % (n_clients, fd_limit, total, refused, answered_after, rc))
