@@ -112,8 +112,8 @@ def run_load(socket_path, model, clients=50, seconds=5.0, depth=2, disconnect=0.
             for attempt in range(200):
                 r = conn.call("session.create", {"model": model,
                                                  "policy": policies[ci % len(policies)]}, rid="c")
-                # session.create is queued on the workers too and may be
-                # refused with overloaded (notes/BUGS.md B6): retry.
+                # Before B6's fix (cb54dcb) create could be refused with
+                # overloaded; kept so older daemons can be measured.
                 if r.get("error", {}).get("code") != OVERLOADED:
                     break
                 time.sleep(0.01 * (1 + attempt % 10))
@@ -171,9 +171,9 @@ def run_load(socket_path, model, clients=50, seconds=5.0, depth=2, disconnect=0.
                     local[kind] += 1
                     if "error" in r:
                         if r["error"]["code"] == OVERLOADED:
-                            # Documented for infer; plan queues behind the
-                            # session's inferences and is refused too
-                            # (notes/BUGS.md B6), counted apart.
+                            # Documented for infer only; plan and status
+                            # are counted apart (they must stay 0 since
+                            # B6's fix, test_load.py asserts both).
                             local["overloaded" if kind == "infer" else "overloaded_" + kind] += 1
                         else:
                             problem("client %d: %s answered %s" % (ci, kind, r["error"]))
