@@ -44,6 +44,13 @@ int qm_backend_cuda_set_kernels(qm_backend *be, qm_cuda_kernels kernels, uint32_
  * QMOE_CUDA_ROUTING=host|device sets the initial choice at creation. */
 int qm_backend_cuda_set_routing(qm_backend *be, int on_device);
 
+/* Tensor cores (on by default, on devices of compute capability 8.0+):
+ * routed layer calls whose activations are f16 or bf16 run their GEMM-sized
+ * jobs (prefill) through a WMMA dequantise-GEMM with operands rounded to
+ * that type and f32 accumulation; f32 calls always use the f32 GEMM.
+ * QMOE_CUDA_TENSOR_CORES=0 switches them off at creation. */
+int qm_backend_cuda_set_tensor_cores(qm_backend *be, int on);
+
 typedef struct qm_cuda_stats {
     uint64_t copies;        /* copy_h2d calls */
     uint64_t bytes_direct;  /* copied straight from registered memory */
@@ -51,6 +58,7 @@ typedef struct qm_cuda_stats {
     uint64_t batches;       /* run_experts calls that ran kernels */
     uint64_t scratch_grows; /* device/pinned scratch reallocations (run_experts, routed passes) */
     uint64_t routes;        /* layer calls routed on the device */
+    uint64_t tc_batches;    /* FFN launch sets with GEMM-sized jobs on tensor cores */
 } qm_cuda_stats;
 
 int qm_backend_cuda_stats(qm_backend *be, qm_cuda_stats *out);

@@ -146,6 +146,8 @@ int qm_backend_cuda_new(int device, qm_backend **out, qm_status *st)
     c->gemm_min_rows = QM__CUDA_GEMM_MIN_ROWS_DEFAULT;
     const char *routing = getenv("QMOE_CUDA_ROUTING");
     c->route_on_device = !(routing && strcmp(routing, "host") == 0);
+    const char *tcs = getenv("QMOE_CUDA_TENSOR_CORES");
+    c->tensor_cores = !(tcs && strcmp(tcs, "0") == 0);
     pthread_mutex_init(&c->copy_lock, NULL);
     pthread_mutex_init(&c->run_lock, NULL);
 
@@ -153,6 +155,7 @@ int qm_backend_cuda_new(int device, qm_backend **out, qm_status *st)
     struct cudaDeviceProp prop;
     QM__CU(c, cudaGetDeviceProperties(&prop, device), "cudaGetDeviceProperties");
     snprintf(c->name, sizeof c->name, "%s", prop.name);
+    c->cc_major = prop.major;
     int ro = 0;
     if (cudaDeviceGetAttribute(&ro, cudaDevAttrHostRegisterReadOnlySupported, device) !=
         cudaSuccess) {
@@ -490,6 +493,16 @@ int qm_backend_cuda_set_routing(qm_backend *be, int on_device)
     if (!c) return QM_EINVAL;
     pthread_mutex_lock(&c->run_lock);
     c->route_on_device = on_device != 0;
+    pthread_mutex_unlock(&c->run_lock);
+    return 0;
+}
+
+int qm_backend_cuda_set_tensor_cores(qm_backend *be, int on)
+{
+    qm__cuda_ctx *c = qm__cuda_of(be);
+    if (!c) return QM_EINVAL;
+    pthread_mutex_lock(&c->run_lock);
+    c->tensor_cores = on != 0;
     pthread_mutex_unlock(&c->run_lock);
     return 0;
 }

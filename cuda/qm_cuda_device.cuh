@@ -1,6 +1,6 @@
 /* qm_cuda_device.cuh - what the CUDA backend's kernel files share: the
- * launch seam (the one place the CPU emulation of tests/cuda/emu replaces)
- * and loads of f32/f16/bf16 values at any byte offset. Included inside an
+ * launch seam (the one place the CPU emulation of tests/cuda/emu replaces),
+ * loads of f32/f16/bf16 values at any byte offset, zero points and blocks. Included inside an
  * anonymous namespace by each .cu file. Private to cuda/. */
 #ifndef QM_CUDA_DEVICE_CUH
 #define QM_CUDA_DEVICE_CUH
@@ -60,6 +60,29 @@ __device__ __forceinline__ float qm_load_real(const void *base, uint32_t dtype, 
         h = (unsigned short)((unsigned)p[0] | ((unsigned)p[1] << 8));
     if (dtype == QM__CUDA_BF16) return __uint_as_float((uint32_t)h << 16);
     return qm_half_to_float(h);
+}
+
+/* Zero point of (row n, block b) as an integer code. */
+template <int BITS>
+__device__ __forceinline__ int qm_zero_point(const uint8_t *zp, const qm__cuda_mat &m, uint32_t n,
+                                             uint32_t b)
+{
+    constexpr uint32_t PACK = 8 / BITS, MASK = (1u << BITS) - 1;
+    if (!zp) return 1 << (BITS - 1);
+    uint32_t byte, idx;
+    if (m.zp_blockwise) {
+        byte = __ldg(zp + (size_t)n * m.zp_row_bytes + b / PACK);
+        idx = b % PACK;
+    } else {
+        byte = __ldg(zp + n / PACK);
+        idx = n % PACK;
+    }
+    return (int)((byte >> (idx * BITS)) & MASK);
+}
+
+__device__ __forceinline__ uint32_t qm_block_of(const qm__cuda_mat &m, uint32_t c)
+{
+    return m.nblk > 1 ? (c >> m.block_shift) : 0u;
 }
 
 } /* namespace */

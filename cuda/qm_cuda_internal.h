@@ -49,6 +49,7 @@ typedef struct qm__cuda_pass {
     struct qm__cuda_pass *next; /* pool */
     uint32_t n_tokens, n_experts, k, hidden;
     uint32_t n_active;   /* routes not dropped = rows of y */
+    int tc;              /* tensor cores for the GEMM-sized jobs: 0 no, 1 f16, 2 bf16 */
     uint32_t *counts;    /* host [E]: routes per expert (in host_res) */
     uint32_t *offsets;   /* host [E + 1]: first row of each expert in y */
     uint8_t *ran;        /* host [E]: the expert's rows of y are computed */
@@ -94,6 +95,8 @@ typedef struct qm__cuda_ctx {
     qm_cuda_kernels kernels;
     uint32_t gemm_min_rows;
     int route_on_device;       /* 1: the optional route methods answer (default) */
+    int tensor_cores;          /* 1: f16/bf16 routed calls use the WMMA GEMM (default) */
+    int cc_major;              /* compute capability: tensor-core GEMM needs 8+ */
     qm__cuda_pass *pass_pool;  /* idle passes, under run_lock */
 
     qm_cuda_stats stats; /* under copy_lock (copies) or run_lock (batches) */
@@ -133,10 +136,12 @@ void qm__cuda_fill_job(const qm__cuda_geom *g, const qm_layer_view *lv, const qm
                        qm__cuda_job *dj, int vec16[QM__CUDA_MATS]);
 /* FC1 (FC3), activation and FC2 over n_jobs jobs (a device table) of R
  * batch rows: input row b is x + x_rows[b] * H, output row b is y + b * H. */
+/* tc: 0, or 1 / 2 for f16 / bf16 tensor cores on the GEMM-sized jobs
+ * (honoured only with the AUTO kernel choice). */
 int qm__cuda_launch_ffn(qm__cuda_ctx *c, const qm__cuda_geom *g, const int vec16[QM__CUDA_MATS],
                         const qm__cuda_job *jobs_dev, uint32_t n_jobs, uint32_t min_rows,
                         uint32_t max_rows, uint32_t R, const float *x, const uint32_t *x_rows,
-                        uint32_t hidden, float *h1, float *h3, float *a, float *y,
+                        uint32_t hidden, float *h1, float *h3, float *a, float *y, int tc,
                         cudaStream_t cs, qm_status *st);
 
 /* Device routing (qm_cuda_route.c): the optional methods of the interface. */

@@ -17,29 +17,6 @@
 namespace
 {
 
-/* Zero point of (row n, block b) as an integer code. */
-template <int BITS>
-__device__ __forceinline__ int qm_zero_point(const uint8_t *zp, const qm__cuda_mat &m, uint32_t n,
-                                             uint32_t b)
-{
-    constexpr uint32_t PACK = 8 / BITS, MASK = (1u << BITS) - 1;
-    if (!zp) return 1 << (BITS - 1);
-    uint32_t byte, idx;
-    if (m.zp_blockwise) {
-        byte = __ldg(zp + (size_t)n * m.zp_row_bytes + b / PACK);
-        idx = b % PACK;
-    } else {
-        byte = __ldg(zp + n / PACK);
-        idx = n % PACK;
-    }
-    return (int)((byte >> (idx * BITS)) & MASK);
-}
-
-__device__ __forceinline__ uint32_t qm_block_of(const qm__cuda_mat &m, uint32_t c)
-{
-    return m.nblk > 1 ? (c >> m.block_shift) : 0u;
-}
-
 /* ---- naive: one thread per (row, feature) ---- */
 
 template <int BITS>
@@ -388,6 +365,9 @@ cudaError_t qm_launch_bits(const qm__cuda_job *jobs, uint32_t n_jobs, uint32_t m
         return qm_launch(qm_k_naive<BITS>, grid, dim3(256), s, jobs, mat, m, in, in_rows, in_stride,
                          out, out_stride);
     }
+    const int tc = path == QM__CUDA_PATH_AUTO_TC_F16    ? 1
+                   : path == QM__CUDA_PATH_AUTO_TC_BF16 ? 2
+                                                        : 0;
     uint32_t gemm_lo = path == QM__CUDA_PATH_GEMM   ? 1u
                        : path == QM__CUDA_PATH_GEMV ? UINT32_MAX
                                                     : gemm_min_rows;
@@ -397,6 +377,9 @@ cudaError_t qm_launch_bits(const qm__cuda_job *jobs, uint32_t n_jobs, uint32_t m
                                                in_rows, in_stride, out, out_stride, s);
         if (err != cudaSuccess) return err;
     }
+    if (max_rows >= gemm_lo && tc)
+        return (cudaError_t)qm__cuda_launch_gemm_tc(jobs, n_jobs, max_rows, gemm_lo, mat, &m, tc,
+                                                     in, in_rows, in_stride, out, out_stride, s);
     if (max_rows >= gemm_lo) {
         dim3 grid((m.n + QM_GEMM_BM - 1) / QM_GEMM_BM, (max_rows + QM_GEMM_BN - 1) / QM_GEMM_BN,
                   n_jobs);

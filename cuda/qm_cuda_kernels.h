@@ -71,6 +71,11 @@ typedef enum qm__cuda_path {
     QM__CUDA_PATH_GEMV,
     QM__CUDA_PATH_GEMM,
     QM__CUDA_PATH_NAIVE,
+    /* AUTO with the GEMM-sized jobs on tensor cores (qm_cuda_tc.cu, sm_80+),
+     * operands rounded to f16 / bf16: for layer calls whose activations are
+     * f16 / bf16. Chosen by the host code, never by the public knob. */
+    QM__CUDA_PATH_AUTO_TC_F16,
+    QM__CUDA_PATH_AUTO_TC_BF16,
 } qm__cuda_path;
 
 /* out[(job.row0 + r) * out_stride + n] = W_mat(job)[n, :] . in(row) + bias[n]
@@ -85,6 +90,14 @@ int qm__cuda_launch_matmul(const qm__cuda_job *jobs_dev, uint32_t n_jobs, uint32
                            qm__cuda_path path, uint32_t gemm_min_rows, const float *in,
                            const uint32_t *in_rows, uint32_t in_stride, float *out,
                            uint32_t out_stride, void *stream);
+
+/* The tensor-core GEMM over the jobs with n_rows >= rows_lo; tc = 1: f16
+ * operands, 2: bf16; f32 accumulation and bias. Same contract as
+ * qm__cuda_launch_matmul otherwise. */
+int qm__cuda_launch_gemm_tc(const qm__cuda_job *jobs, uint32_t n_jobs, uint32_t max_rows,
+                            uint32_t rows_lo, int mat, const qm__cuda_mat *m, int tc,
+                            const float *in, const uint32_t *in_rows, uint32_t in_stride,
+                            float *out, uint32_t out_stride, void *stream);
 
 /* a[b, i] for every batch row b < n_rows (h3 used only for swiglu fusion 0). */
 int qm__cuda_launch_activation(const qm__cuda_act *act, uint32_t n_rows, const float *h1,

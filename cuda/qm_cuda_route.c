@@ -176,6 +176,10 @@ int qm__cuda_route(void *ctx, const qm_route_request *rq, void **pass_out, qm_st
     p->k = k;
     p->hidden = H;
     p->n_active = 0;
+    p->tc = !c->tensor_cores || c->cc_major < 8 ? 0
+            : rq->act_dtype == QM_DTYPE_F16     ? 1
+            : rq->act_dtype == QM_DTYPE_BF16    ? 2
+                                                : 0;
 
     uint8_t *io = p->host_io;
     memcpy(io, rq->x, (size_t)T * H * 4);
@@ -350,7 +354,7 @@ int qm__cuda_run_routed(void *ctx, void *pass, const qm_expert_batch *batch, qm_
         /* Runs reuse h1/a: the stream orders each after the previous one. */
         rc = qm__cuda_launch_ffn(c, &g, vec16, p->jobs + start, stop - start, lo, hi, rows, p->x,
                                  perm + run_base, H, p->h1, p->h3, p->a,
-                                 p->y + (size_t)run_base * H, cs, st);
+                                 p->y + (size_t)run_base * H, p->tc, cs, st);
         if (rc < 0) goto fail;
         start = stop;
     }

@@ -210,12 +210,16 @@ void qm__cuda_fill_job(const qm__cuda_geom *g, const qm_layer_view *lv, const qm
 int qm__cuda_launch_ffn(qm__cuda_ctx *c, const qm__cuda_geom *g, const int vec16[QM__CUDA_MATS],
                         const qm__cuda_job *jobs_dev, uint32_t n_jobs, uint32_t min_rows,
                         uint32_t max_rows, uint32_t R, const float *x, const uint32_t *x_rows,
-                        uint32_t hidden, float *h1, float *h3, float *a, float *y,
+                        uint32_t hidden, float *h1, float *h3, float *a, float *y, int tc,
                         cudaStream_t cs, qm_status *st)
 {
     int rc = 0;
     const uint32_t I = g->act.inter;
     qm__cuda_path path = (qm__cuda_path)c->kernels; /* the enums share their order */
+    if (path == QM__CUDA_PATH_AUTO && tc) {
+        path = tc == 2 ? QM__CUDA_PATH_AUTO_TC_BF16 : QM__CUDA_PATH_AUTO_TC_F16;
+        if (max_rows >= c->gemm_min_rows) c->stats.tc_batches++;
+    }
     QM__CU(c,
            (cudaError_t)qm__cuda_launch_matmul(jobs_dev, n_jobs, min_rows, max_rows, QM__CUDA_FC1,
                                                &g->mats[QM__CUDA_FC1], vec16[QM__CUDA_FC1], path,
@@ -332,7 +336,7 @@ int qm__cuda_run_experts(void *ctx, const qm_expert_batch *batch, qm_status *st)
     QM__CU(c, cudaMemcpyAsync(s->rows, hrows, (size_t)R * 4, cudaMemcpyHostToDevice, cs),
            "cudaMemcpyAsync (row index)");
     rc = qm__cuda_launch_ffn(c, &g, vec16, s->jobs, n_active, min_rows, max_rows, R, s->x, s->rows,
-                             H, s->h1, s->h3, s->a, s->y, cs, st);
+                             H, s->h1, s->h3, s->a, s->y, 0, cs, st);
     if (rc < 0) goto fail;
     QM__CU(c, cudaMemcpyAsync(s->host_y, s->y, (size_t)R * H * 4, cudaMemcpyDeviceToHost, cs),
            "cudaMemcpyAsync (y)");

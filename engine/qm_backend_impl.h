@@ -32,6 +32,8 @@ typedef struct qm_route_request {
     uint32_t *experts;          /* out [T, k]: as qm_moe_route (QM_ROUTE_DROPPED = UINT32_MAX) */
     float *weights;             /* out [T, k] */
     uint32_t *counts;           /* out [E]: routes per expert (dropped ones not counted) */
+    qm_dtype act_dtype;         /* the call's activation dtype (x is f32 here whatever it is):
+                                 * a backend may compute in it (CUDA: tensor cores for f16/bf16) */
 } qm_route_request;
 
 typedef struct qm_backend_iface {

@@ -183,7 +183,8 @@ int qm__moe_forward_layer(qm_backend *be, const qm_bank_config *cfg, const qm_la
                                .n_tokens = T,
                                .experts = route_e,
                                .weights = route_w,
-                               .counts = dev_count};
+                               .counts = dev_count,
+                               .act_dtype = call->dtype};
         qm_status rst = {0};
         rc = qm__backend_route(be, &rq, &pass, &rst);
         if (rc < 0 && rc != QM_EUNSUPPORTED) {

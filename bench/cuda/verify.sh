@@ -38,7 +38,7 @@ failed=0    # a step failed
 no_device=0 # the suites skipped / the bench found no device
 
 note() { echo "$*" | tee -a "$summary"; }
-verdict() { case $1 in 0) echo PASS ;; 77) echo SKIPPED ;; 124 | 137) echo TIMEOUT ;; *) echo FAIL ;; esac; }
+verdict() { case $1 in 0) echo PASS ;; 77) echo SKIPPED ;; 2) echo "NO DEVICE" ;; 124 | 137) echo TIMEOUT ;; *) echo FAIL ;; esac; }
 left() { echo $((deadline - $(date +%s))); }
 # step_timeout WANT [RESERVE]: WANT seconds, or what is left minus RESERVE.
 step_timeout() {
@@ -179,6 +179,7 @@ direct_build() { # everything test_cuda and the bench need, without CMake
   done
   nvcc -O2 -std=c++17 -gencode arch=compute_90,code=sm_90 -Icuda -c cuda/qm_cuda_kernels.cu -o "$o/obj/kernels.o" || return 1
   nvcc -O2 -std=c++17 -gencode arch=compute_90,code=sm_90 -Icuda -c cuda/qm_cuda_route.cu -o "$o/obj/route.o" || return 1
+  nvcc -O2 -std=c++17 -gencode arch=compute_90,code=sm_90 -Icuda -c cuda/qm_cuda_tc.cu -o "$o/obj/tc.o" || return 1
   nvcc -O2 -std=c++17 -gencode arch=compute_90,code=sm_90 -c cuda/qm_cuda_bench_fill.cu -o "$o/obj/fill.o" || return 1
   local lib=() main_test main_bench
   for f in "$o"/obj/*.o; do

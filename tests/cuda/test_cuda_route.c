@@ -407,6 +407,85 @@ START_TEST(test_cuda_routed_pass_refuses_misuse_and_the_backend_survives)
 }
 END_TEST
 
+/* Prefill of f16/bf16 layer calls: the GEMM-sized jobs go to the WMMA
+ * tensor-core GEMM (operands rounded to the call's type), the rest stays as
+ * it was; both within the 16-bit tolerance of the CPU backend. */
+START_TEST(test_cuda_f16_bf16_prefill_runs_on_tensor_cores_within_tolerance)
+{
+    qm_backend *cpu = new_cpu(), *cuda = new_cuda();
+    for (int di = 0; di < 2; di++) {
+        const qm_dtype dt = di == 0 ? QM_DTYPE_F16 : QM_DTYPE_BF16;
+        tl_spec s = tl_default_spec(950 + (uint64_t)di);
+        s.E = 4;
+        s.k = 2;
+        s.H = 128;
+        s.I = 80; /* FC2's K = 80: a partial 32-column step */
+        s.bits = di == 0 ? 4 : 8;
+        s.block_size = 32;
+        s.act = QM_ACT_SWIGLU;
+        s.fusion = 1;
+        s.bias = 1;
+        s.asym = di;
+        s.scale_dtype = dt;
+        s.bias_dtype = dt;
+        tl_layer L;
+        ck_assert_int_eq(tl_layer_build(&s, &L), 0);
+        dev_layer D;
+        dev_layer_init(&D, cuda, &L, 0);
+        enum { T = 150 }; /* ~75 rows per expert: two 64-row tiles */
+        const uint32_t H = s.H;
+        float *x = malloc(sizeof(float) * T * H), *lg = malloc(sizeof(float) * T * s.E);
+        uint16_t *xh = malloc(2u * T * H), *oc = malloc(2u * T * H), *og = malloc(2u * T * H);
+        float *fc = malloc(sizeof(float) * T * H), *fg = malloc(sizeof(float) * T * H);
+        ck_assert(x && lg && xh && oc && og && fc && fg);
+        tl_random_inputs(960 + (uint64_t)di, T, H, s.E, x, lg);
+        for (uint32_t i = 0; i < T * H; i++)
+            xh[i] = dt == QM_DTYPE_F16 ? qm_f32_to_f16(x[i]) : qm_f32_to_bf16(x[i]);
+        qm_expert_source cs, ds;
+        tl_source(&L, &cs);
+        dev_source(&D, &ds);
+        qm_status st = {0};
+        qm_moe_call call = {.dtype = dt, .hidden = xh, .n_tokens = T, .logits = lg, .output = oc};
+        ck_assert_int_eq(qm__moe_forward_layer(cpu, &L.cfg, &L.lv, &call, &cs, NULL, &st), 0);
+        for (uint32_t i = 0; i < T * H; i++)
+            fc[i] = dt == QM_DTYPE_F16 ? qm_f16_to_f32(oc[i]) : qm_bf16_to_f32(oc[i]);
+        for (int on = 1; on >= 0; on--) {
+            ck_assert_int_eq(qm_backend_cuda_set_tensor_cores(cuda, on), 0);
+            qm_cuda_stats a, b;
+            ck_assert_int_eq(qm_backend_cuda_stats(cuda, &a), 0);
+            memset(og, 0xff, 2u * T * H); /* NaN in both types */
+            call.output = og;
+            ck_assert_int_eq(qm__moe_forward_layer(cuda, &L.cfg, &L.lv, &call, &ds, NULL, &st), 0);
+            ck_assert_int_eq(qm_backend_cuda_stats(cuda, &b), 0);
+            for (uint32_t i = 0; i < T * H; i++)
+                fg[i] = dt == QM_DTYPE_F16 ? qm_f16_to_f32(og[i]) : qm_bf16_to_f32(og[i]);
+            double e = rel_err(fg, fc, (size_t)T * H);
+            printf("route: %s prefill T=%u, tensor cores %s (%llu launch sets): rel err vs cpu "
+                   "%.3g\n",
+                   qm_dtype_name(dt), T, on ? "on" : "off",
+                   (unsigned long long)(b.tc_batches - a.tc_batches), e);
+            ck_assert_msg(e <= 1e-2, "%s tensor cores %d: rel err %.3g", qm_dtype_name(dt), on, e);
+            if (on)
+                ck_assert_uint_gt(b.tc_batches, a.tc_batches);
+            else
+                ck_assert_uint_eq(b.tc_batches, a.tc_batches);
+        }
+        ck_assert_int_eq(qm_backend_cuda_set_tensor_cores(cuda, 1), 0);
+        free(x);
+        free(lg);
+        free(xh);
+        free(oc);
+        free(og);
+        free(fc);
+        free(fg);
+        dev_layer_free(cuda, &D);
+        tl_layer_free(&L);
+    }
+    qm_backend_free(cpu);
+    qm_backend_free(cuda);
+}
+END_TEST
+
 TCase *cuda_route_tcase(void)
 {
     TCase *tc = tcase_create("route");
@@ -415,5 +494,6 @@ TCase *cuda_route_tcase(void)
     tcase_add_test(tc, test_cuda_router_logits_route_like_the_host);
     tcase_add_test(tc, test_cuda_layer_routed_on_device_matches_host_routing);
     tcase_add_test(tc, test_cuda_routed_pass_refuses_misuse_and_the_backend_survives);
+    tcase_add_test(tc, test_cuda_f16_bf16_prefill_runs_on_tensor_cores_within_tolerance);
     return tc;
 }

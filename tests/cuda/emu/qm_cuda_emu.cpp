@@ -214,6 +214,28 @@ float qm_emu_half_to_float(unsigned short h)
     return __uint_as_float(u);
 }
 
+unsigned short qm_emu_float_to_half(float f)
+{
+    uint32_t x;
+    memcpy(&x, &f, 4);
+    const uint32_t sign = (x >> 16) & 0x8000u, exp = (x >> 23) & 0xffu, mant = x & 0x7fffffu;
+    if (exp == 0xffu) return (unsigned short)(sign | 0x7c00u | (mant ? 0x200u : 0u));
+    const int e = (int)exp - 127 + 15;
+    if (e >= 31) return (unsigned short)(sign | 0x7c00u);
+    if (e <= 0) { /* subnormal or zero in f16 */
+        if (e < -10) return (unsigned short)sign;
+        const uint32_t m = mant | 0x800000u, shift = (uint32_t)(14 - e);
+        uint32_t h = m >> shift;
+        const uint32_t rem = m & ((1u << shift) - 1), half = 1u << (shift - 1);
+        if (rem > half || (rem == half && (h & 1u))) h++;
+        return (unsigned short)(sign | h);
+    }
+    uint32_t h = ((uint32_t)e << 10) | (mant >> 13);
+    const uint32_t rem = mant & 0x1fffu;
+    if (rem > 0x1000u || (rem == 0x1000u && (h & 1u))) h++; /* a carry may reach inf: right */
+    return (unsigned short)(sign | h);
+}
+
 /* ---- the runtime calls the backend and its tests make ---- */
 
 extern "C" {
@@ -235,6 +257,7 @@ cudaError_t cudaGetDeviceProperties(struct cudaDeviceProp *prop, int device)
     memset(prop, 0, sizeof *prop);
     snprintf(prop->name, sizeof prop->name, "qmoe CUDA emulator (CPU)");
     prop->totalGlobalMem = kDeviceBytes;
+    prop->major = 9; /* as an H100/H200: the tensor-core path runs (emulated) */
     return cudaSuccess;
 }
 
