@@ -210,6 +210,7 @@ struct qm_job {
     uint64_t decode_us; /* the frame's decoding on the loop thread (whole batch) */
     /* results (worker) */
     int rc;
+    int cancelled; /* skipped: its client went away before it ran */
     qm_status st;
     qm_buf response;
     qm_moe_stats mstats;
@@ -243,6 +244,7 @@ struct qm_conn {
     qm_framer framer;
     int refs;          /* handle + replies in flight */
     int closing;       /* uv_close called */
+    atomic_int gone;   /* set with closing: workers skip this peer's queued inferences */
     int drop;          /* to be closed at the next safe point */
     int close_after_write;
     int eof;             /* the peer half-closed: answer what it sent, then close */

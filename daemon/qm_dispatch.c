@@ -611,7 +611,8 @@ void qm_dispatch_job_done(qm_daemon *d, qm_job *job)
             }
         }
     } else {
-        if (job->kind == QM_JOB_INFER)
+        /* A skipped inference was neither served nor failed: not counted. */
+        if (job->kind == QM_JOB_INFER && !job->cancelled)
             account_infer(d, s, job);
         if (job->rc < 0) {
             answer_status(d, job->reply, job->slot, &job->req, &job->st);

@@ -42,6 +42,14 @@ void qm_job_run(qm_job *job)
                                       "the session was closed before this request ran");
         return;
     }
+    /* Nobody will read the answer: a client that pipelined many inferences
+     * and went away must not keep the session's worker busy for them. */
+    if (job->reply && atomic_load(&job->reply->conn->gone)) {
+        job->cancelled = 1;
+        job->rc = qm_status_set(&job->st, QM_EIO,
+                                "the client disconnected before this request ran");
+        return;
+    }
     const qm_bank_config *cfg = qm_bank_get_config(s->model->bank);
     uint32_t T = (uint32_t)p->hidden.shape[0], H = cfg->hidden, k = cfg->k;
     size_t out_bytes = (size_t)T * H * qm_wire_dtype_size(p->hidden.dtype);

@@ -72,6 +72,7 @@ static void conn_close_now(qm_conn *c)
     if (c->closing)
         return;
     c->closing = 1;
+    atomic_store(&c->gone, 1);
     c->reading = 0;
     qm_framer_free(&c->framer);
     uv_close((uv_handle_t *)&c->pipe, conn_close_cb);

@@ -459,6 +459,43 @@ def test_client_disconnecting_mid_inference_leaves_daemon_unharmed(daemon):
     c2.call("session.infer", {"session": sid, "layer": 0, "hidden": tensor(hidden(1))})
 
 
+
+def test_queued_inferences_of_a_vanished_client_are_skipped(banks):
+    """A client pipelines many slow inferences and disconnects: the ones still
+    queued are not run (nobody would read them), and the session serves the
+    next client at once."""
+    path = make_bank(os.path.join(banks["dir"], "wide.bank"), layers=1, experts=8,
+                     hidden=512, inter=1024, seed=3)
+    dm = Daemon(models={"wide": path})
+    try:
+        c = dm.client()
+        sid = c.call("session.create", {"model": "wide"})["session"]
+        x = np.random.default_rng(5).standard_normal((128, 512)).astype(np.float32)
+        line = (json.dumps({"jsonrpc": "2.0", "id": 1, "method": "session.infer",
+                            "params": {"session": sid, "layer": 0, "hidden": tensor(x)}})
+                + "\n").encode()
+        n = 100
+        c.send_raw(line * n + b'{"jsonrpc":"2.0","id":"mark","method":"daemon.status"}\n')
+        # daemon.status overtakes the session's queue: once it is answered,
+        # every inference before it was read and queued.
+        while c.read().get("id") != "mark":
+            pass
+        c.close()
+        c2 = dm.client()
+        deadline, last = time.time() + 60, -1
+        while time.time() < deadline:
+            t = c2.call("telemetry.get", {"session": sid})
+            if t["requests"] == last and c2.call("daemon.status")["connections"] == 1:
+                break
+            last = t["requests"]
+            time.sleep(0.3)
+        assert 1 <= t["requests"] < n // 2 and t["errors"] == 0, t
+        r = c2.call("session.infer", {"session": sid, "layer": 0, "hidden": tensor(x[:1])})
+        assert r["output"]["shape"] == [1, 512]
+    finally:
+        assert dm.stop() == 0, dm.log_text()
+
+
 # ---- roles ---------------------------------------------------------------------------
 
 
