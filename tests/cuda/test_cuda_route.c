@@ -19,8 +19,9 @@
 
 #define TOL_W 1e-6 /* route weights, relative */
 
-enum { PAT_RANDOM, PAT_TIES, PAT_EQUAL, PAT_DROP, PAT_SPECIAL, PAT_COUNT };
-static const char *const PAT_NAMES[] = {"random", "ties", "all-equal", "drops", "nan/inf"};
+enum { PAT_RANDOM, PAT_TIES, PAT_EQUAL, PAT_DROP, PAT_SPECIAL, PAT_COUNT, PAT_ALL_NAN = PAT_COUNT };
+static const char *const PAT_NAMES[] = {"random", "ties",    "all-equal",
+                                        "drops",  "nan/inf", "all-nan"};
 
 static void make_logits(int pat, uint64_t seed, uint32_t T, uint32_t E, float *lg)
 {
@@ -37,6 +38,9 @@ static void make_logits(int pat, uint64_t seed, uint32_t T, uint32_t E, float *l
                 break;
             case PAT_EQUAL:
                 l[e] = 0.25f;
+                break;
+            case PAT_ALL_NAN: /* every route dropped: nothing to run, zeros out */
+                l[e] = NAN;
                 break;
             case PAT_DROP: /* one clear winner, the rest e^-40 below: dropped */
                 l[e] = e == t % E ? 1.0f : -39.0f - tl_uniform(&r, 0, 1);
@@ -252,7 +256,7 @@ START_TEST(test_cuda_layer_routed_on_device_matches_host_routing)
     static const lc CASES[] = {
         {8, 1, 1, 0, 0, PAT_RANDOM}, {8, 2, 333, 3, 0, PAT_RANDOM}, {8, 8, 333, 0, 0, PAT_TIES},
         {6, 6, 1, 2, 0, PAT_EQUAL},  {8, 4, 45, 1, 0, PAT_SPECIAL}, {8, 2, 333, 0, 1, -1},
-        {4, 2, 17, 0, 0, PAT_DROP},
+        {4, 2, 17, 0, 0, PAT_DROP},  {4, 2, 3, 0, 0, PAT_ALL_NAN},
     };
     qm_backend *cpu = new_cpu(), *cuda = new_cuda();
     double worst_host = 0, worst_cpu = 0;
