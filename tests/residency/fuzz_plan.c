@@ -29,6 +29,7 @@ static uint8_t byte(reader *r)
 /* A policy whose every answer comes from the input. */
 typedef struct scripted {
     reader *in;
+    int said_nomem; /* decide returned QM_ENOMEM at least once */
     uint32_t experts[BUF];
     uint32_t pinned[BUF];
 } scripted;
@@ -45,7 +46,11 @@ static int scripted_decide(void *ctx, const qm_policy_input *in, qm_residency_de
     scripted *s = ctx;
     uint32_t n = qm_catalog_expert_count(in->catalog);
     uint8_t op = byte(s->in);
-    if (op % 16 == 15) return -(int)(byte(s->in) % 20) - 1;
+    if (op % 16 == 15) {
+        int rc = -(int)(byte(s->in) % 20) - 1;
+        if (rc == QM_ENOMEM) s->said_nomem = 1;
+        return rc;
+    }
     if (op % 16 == 14) {
         out->kind = (qm_decision_kind)byte(s->in);
         return 0;
@@ -144,10 +149,16 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
     scripted s = {.in = &r};
     qm_policy pol = {.iface = &scripted_iface, .ctx = &s};
     qm_residency_plan *plan = NULL;
-    if (qm_plan_residency(cc, n, &pol, &opt, &plan, NULL) != 0)
+    int rc = qm_plan_residency(cc, n, &pol, &opt, &plan, NULL);
+    if (rc == QM_ENOMEM && s.said_nomem) {
+        /* B11: a policy out of memory fails the whole plan, leaving nothing. */
+        if (plan) abort();
+    } else if (rc != 0) {
         abort(); /* valid input, no allocation failure: must succeed */
-    check(plan, cc, n, &opt, 0);
-    qm_plan_free(plan);
+    } else {
+        check(plan, cc, n, &opt, 0);
+        qm_plan_free(plan);
+    }
 
     const char *names[] = {"whole_bank", "lru", "lfu", "static_hot"};
     qm_policy_params params = {
