@@ -261,7 +261,7 @@ fi
 
 set +x
 if ((no_device)); then
-  note "NO DEVICE: no CUDA device answered (see the SKIP line of test_cuda.log / bench.txt); the build and the emulated suite ran, nothing was measured"
+  note "NO DEVICE: no CUDA device answered (see the SKIP line of test_cuda.log / bench.txt); nothing was measured (the lines above say what ran)"
 fi
 note "total: $(($(date +%s) - start))s"
 echo "================ summary ================"
