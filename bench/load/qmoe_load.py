@@ -164,7 +164,8 @@ def run_load(socket_path, model, clients=50, seconds=5.0, depth=2, disconnect=0.
                     r = json.loads(line)
                     rid = r.get("id")
                     if rid not in window:
-                        problem("client %d: unexpected or repeated id %r" % (ci, rid))
+                        problem("client %d: unexpected or repeated id %r: %.300s"
+                                % (ci, rid, line))
                         continue
                     kind, k = window.pop(rid)
                     local["answered"] += 1
@@ -258,9 +259,12 @@ def main():
                                         "..", "..", "tests", "daemon"))
         import qmoed_harness as h
         bank = h.make_bank(os.path.join(tempfile.mkdtemp(prefix="qmoe-load-"), "small.bank"))
+        # A dropped connection with answers owed lingers (a half-close to
+        # the daemon) while its client is connected again: room for both.
         n = str(args.clients + 16)
         dm = h.Daemon(models={args.model: bank},
-                      args=["--set", "max_connections=" + n, "--set", "max_sessions=" + n])
+                      args=["--set", "max_connections=" + str(2 * args.clients + 16),
+                            "--set", "max_sessions=" + n])
         args.socket, args.pid = dm.socket, dm.proc.pid
     try:
         figures, problems = run_load(args.socket, args.model, clients=args.clients,
