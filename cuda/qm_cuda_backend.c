@@ -74,15 +74,6 @@ int qm__cuda_enter(qm__cuda_ctx *c, qm_status *st)
     return 0;
 }
 
-#define QM__CU(c, call, what)                                                                      \
-    do {                                                                                           \
-        cudaError_t qm__e = (call);                                                                \
-        if (qm__e != cudaSuccess) {                                                                \
-            rc = qm__cuda_fail((c), qm__e, st, (what));                                            \
-            goto fail;                                                                             \
-        }                                                                                          \
-    } while (0)
-
 /* ---- lifetime ---- */
 
 static void qm__cuda_destroy(void *ctx)

@@ -106,6 +106,17 @@ typedef struct qm__cuda_ctx {
  * `what`, and marks the backend lost on sticky (context-destroying) errors.
  * Out of memory -> QM_ERESOURCE_EXHAUSTED. Returns the code. */
 int qm__cuda_fail(qm__cuda_ctx *c, cudaError_t err, qm_status *st, const char *what);
+
+/* Checks one CUDA call; on failure sets rc and st (qm__cuda_fail) and jumps
+ * to the caller's `fail` label. */
+#define QM__CU(c, call, what)                                                                      \
+    do {                                                                                           \
+        cudaError_t qm__e = (call);                                                                \
+        if (qm__e != cudaSuccess) {                                                                \
+            rc = qm__cuda_fail((c), qm__e, st, (what));                                            \
+            goto fail;                                                                             \
+        }                                                                                          \
+    } while (0)
 /* Makes the backend's device current on this thread; QM_EDEVICE when lost. */
 int qm__cuda_enter(qm__cuda_ctx *c, qm_status *st);
 

@@ -19,15 +19,6 @@
 #include "qm_alloc.h"
 #include "qm_cuda_internal.h"
 
-#define QM__CU(c, call, what)                                                                      \
-    do {                                                                                           \
-        cudaError_t qm__e = (call);                                                                \
-        if (qm__e != cudaSuccess) {                                                                \
-            rc = qm__cuda_fail((c), qm__e, st, (what));                                            \
-            goto fail;                                                                             \
-        }                                                                                          \
-    } while (0)
-
 #define QM__ALIGN256(n) (((n) + 255u) & ~(size_t)255u)
 
 static void qm__cuda_pass_destroy(qm__cuda_pass *p)

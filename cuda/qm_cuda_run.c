@@ -10,15 +10,6 @@
 #include "qm_alloc.h"
 #include "qm_cuda_internal.h"
 
-#define QM__CU(c, call, what)                                                                      \
-    do {                                                                                           \
-        cudaError_t qm__e = (call);                                                                \
-        if (qm__e != cudaSuccess) {                                                                \
-            rc = qm__cuda_fail((c), qm__e, st, (what));                                            \
-            goto fail;                                                                             \
-        }                                                                                          \
-    } while (0)
-
 void qm__cuda_scratch_free(qm__cuda_scratch *s)
 {
     void *dev[] = {s->x, s->h1, s->h3, s->a, s->y, s->rows, s->jobs};
