@@ -402,7 +402,8 @@ int qm_bank_build_catalog_aligned(const qm_bank *bank, uint32_t layer, uint64_t 
     uint32_t e_count = bank->cfg.experts;
     int rc = qm_catalog_new(layer, e_count, &cat);
     if (rc != 0)
-        return qm_status_set(st, rc, "cannot create the catalog of layer %u", layer);
+        return qm_status_set(st, rc, "cannot create the catalog of layer %u: %s", layer,
+                             qm_strerror(rc));
 
     /* Only tensors whose leading dimension is the expert and whose bytes split
      * evenly can be sliced; validation guarantees both, but the catalog says
@@ -442,7 +443,7 @@ int qm_bank_build_catalog_aligned(const qm_bank *bank, uint32_t layer, uint64_t 
             if ((rc = qm_catalog_add_region(cat, e, r)) != 0) {
                 qm_catalog_free(cat);
                 return qm_status_set(st, rc, "cannot add expert %u's regions to the catalog of "
-                                             "layer %u", e, layer);
+                                             "layer %u: %s", e, layer, qm_strerror(rc));
             }
         }
     }
