@@ -3,7 +3,7 @@
  * Precedence: built-in defaults < config file < command-line flags. On
  * SIGHUP only the reloadable keys (limits, log level, admin group) are read
  * again; the socket, backend, budget and threads need a restart. */
-#include "qm_daemon.h"
+#include "qm_config.h"
 
 #include <errno.h>
 #include <getopt.h>
@@ -14,6 +14,8 @@
 #include <string.h>
 
 #include "qm_alloc.h"
+#include "qm_log.h"
+#include "qm_protocol.h"
 
 void qm_config_defaults(qm_config *cfg)
 {

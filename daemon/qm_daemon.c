@@ -18,6 +18,13 @@
 #include <unistd.h>
 
 #include "qm_alloc.h"
+#include "qm_log.h"
+#include "qm_models.h"
+#include "qm_notify.h"
+#include "qm_pool.h"
+#include "qm_server.h"
+#include "qm_sessions.h"
+#include "qm_sigbus.h"
 
 const char *const qm_limit_names[QM_LIMIT_COUNT] = {
     "max_request_bytes", "max_nesting",  "max_batch",      "max_connections",  "max_sessions",
@@ -54,8 +61,7 @@ static void apply_limits(qm_daemon *d)
     d->lim.max_request_bytes = d->cfg.max_request_bytes;
     d->lim.max_nesting = (int)d->cfg.max_nesting;
     d->lim.max_batch = d->cfg.max_batch;
-    for (qm_conn *c = d->conns; c; c = c->next)
-        c->framer.max_frame = d->lim.max_request_bytes;
+    qm_server_apply_limits(d);
     qm_log_set_level(d->cfg.log_level);
     d->has_admin_gid = 0;
     if (d->cfg.admin_group) {
@@ -74,7 +80,8 @@ static void notify_status(qm_daemon *d, const char *prefix)
 {
     char msg[256];
     snprintf(msg, sizeof msg, "%sSTATUS=%s: %zu models, %zu sessions, %zu connections", prefix,
-             d->draining ? "draining" : "serving", d->n_models, d->n_sessions, d->n_conns);
+             d->draining ? "draining" : "serving", d->n_models, d->n_sessions,
+             qm_server_connections(d));
     qm_notify(msg);
 }
 
@@ -97,12 +104,8 @@ static void finish(qm_daemon *d)
 
 void qm_daemon_maybe_finish(qm_daemon *d)
 {
-    /* Frames already read but waiting for their turn are owed answers too. */
-    if (!d->draining || d->stopping || d->pool.queued || d->pending)
+    if (!d->draining || d->stopping || qm_pool_queued(d->pool) || qm_server_owes_answers(d))
         return;
-    for (qm_conn *c = d->conns; c; c = c->next)
-        if (!c->closing && (c->out_bytes || c->replies_pending))
-            return;
     qm_log(QM_LOG_INFO, "drained: every accepted request answered");
     finish(d);
 }
@@ -111,7 +114,7 @@ static void drain_timeout_cb(uv_timer_t *t)
 {
     qm_daemon *d = t->data;
     qm_log(QM_LOG_ERR, "drain_timeout_s %u passed with %zu requests unanswered; exiting",
-           d->cfg.drain_timeout_s, d->pool.queued);
+           d->cfg.drain_timeout_s, qm_pool_queued(d->pool));
     d->exit_code = 1;
     finish(d);
 }
@@ -121,7 +124,7 @@ void qm_daemon_begin_drain(qm_daemon *d, const char *why)
     if (d->draining)
         return;
     d->draining = 1;
-    qm_log(QM_LOG_NOTICE, "draining (%s): %zu requests in flight", why, d->pool.queued);
+    qm_log(QM_LOG_NOTICE, "draining (%s): %zu requests in flight", why, qm_pool_queued(d->pool));
     qm_notify("STOPPING=1");
     notify_status(d, "");
     qm_server_stop_listening(d);
@@ -328,8 +331,7 @@ out_config:
     if (uv_loop_close(d->loop) != 0)
         qm_log(QM_LOG_WARNING, "event loop closed with handles still open");
     qm_log(QM_LOG_INFO, "exiting with status %d", status);
-    qm_free(d->socket_path);
-    qm_free(d->read_buf);
+    qm_server_free(d);
     qm_config_free(&d->cfg);
     return status;
 }

@@ -1,21 +1,34 @@
-/* qm_dispatch.c - from decoded requests to responses: roles, ordering,
- * every method of PROTOCOL.md.
+/* qm_dispatch.c - from decoded requests to responses: the method table,
+ * roles, ordering, every method of PROTOCOL.md.
  *
  * Ordering: a request that names a session with queued work joins that
  * session's FIFO (as a barrier job the worker passes straight through), so
  * responses about one session leave in request order; everything else is
  * answered at once. Every accepted request is answered exactly once (never a
  * notification), also when the connection has gone: the reply is dropped. */
-#include "qm_daemon.h"
+#include "qm_dispatch.h"
 
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "qm_alloc.h"
-#include "qm_plan_json.h"
+#include "qm_daemon.h"
+#include "qm_log.h"
+#include "qm_models.h"
+#include "qm_sessions.h"
 
 /* ---- replies ---- */
+
+struct qm_reply {
+    qm_conn *conn;
+    int is_batch;
+    size_t n, pending;
+    char **parts; /* NULL: no response (notification) */
+    size_t *lens;
+};
+
+int qm_reply_abandoned(const qm_reply *r) { return qm_conn_gone(r->conn); }
 
 static qm_reply *reply_new(qm_conn *c, size_t n, int is_batch)
 {
@@ -33,8 +46,7 @@ static qm_reply *reply_new(qm_conn *c, size_t n, int is_batch)
     r->conn = c;
     r->n = r->pending = n;
     r->is_batch = is_batch;
-    qm_conn_ref(c);
-    c->replies_pending++;
+    qm_conn_reply_begin(c);
     return r;
 }
 
@@ -75,7 +87,7 @@ static void reply_send(qm_reply *r)
             qm_conn_write(r->conn, data, len);
         } else {
             qm_log(QM_LOG_ERR, "out of memory assembling a response; dropping connection %llu",
-                   (unsigned long long)r->conn->id);
+                   (unsigned long long)qm_conn_id(r->conn));
             qm_conn_drop(r->conn);
         }
     }
@@ -87,10 +99,9 @@ static void reply_send(qm_reply *r)
     qm_conn *c = r->conn;
     qm_free(r);
     qm_conn_reply_done(c);
-    qm_conn_unref(c);
 }
 
-void qm_reply_fill(qm_reply *r, size_t slot, char *data, size_t len)
+static void reply_fill(qm_reply *r, size_t slot, char *data, size_t len)
 {
     r->parts[slot] = data;
     r->lens[slot] = len;
@@ -112,7 +123,7 @@ static void fill_from_buf(qm_daemon *d, qm_reply *r, size_t slot, qm_buf *b, con
     }
     size_t len;
     char *data = qm_buf_take(b, &len);
-    qm_reply_fill(r, slot, data, len);
+    reply_fill(r, slot, data, len);
 }
 
 static void answer_error(qm_daemon *d, qm_reply *r, size_t slot, const char *id, int notification,
@@ -120,7 +131,7 @@ static void answer_error(qm_daemon *d, qm_reply *r, size_t slot, const char *id,
 {
     d->counters.errors++;
     if (notification) {
-        qm_reply_fill(r, slot, NULL, 0);
+        reply_fill(r, slot, NULL, 0);
         return;
     }
     qm_buf b;
@@ -165,7 +176,7 @@ static void write_status(qm_daemon *d, qm_jw *w)
     qm_jw_key(w, "sessions");
     qm_jw_u64(w, d->n_sessions);
     qm_jw_key(w, "connections");
-    qm_jw_u64(w, d->n_conns);
+    qm_jw_u64(w, qm_server_connections(d));
     qm_jw_key(w, "draining");
     qm_jw_bool(w, d->draining);
     qm_jw_obj_end(w);
@@ -229,125 +240,190 @@ static void write_create_result(qm_jw *w, const qm_session *s)
     qm_jw_obj_end(w);
 }
 
-static int is_admin_method(qm_method m)
+/* ---- the methods answered on the loop thread ---- */
+
+static int empty_result(qm_jw *w)
 {
-    return m == QM_METHOD_MODEL_LOAD || m == QM_METHOD_MODEL_UNLOAD ||
-           m == QM_METHOD_TELEMETRY_TRACE || m == QM_METHOD_DAEMON_SHUTDOWN;
+    qm_jw_obj_begin(w);
+    qm_jw_obj_end(w);
+    return 0;
 }
 
-static int is_session_method(qm_method m)
+static int daemon_status(qm_call *k, qm_status *st)
 {
-    return m == QM_METHOD_SESSION_CLOSE || m == QM_METHOD_SESSION_PLAN ||
-           m == QM_METHOD_SESSION_INFER;
+    (void)st;
+    write_status(k->d, k->w);
+    return 0;
 }
 
-/* Runs a method whose answer needs no worker. Returns 0 and writes the
- * result value, or an error in st. `after` is set for daemon.shutdown. */
-static int run_sync(qm_daemon *d, qm_conn *c, qm_request *req, qm_jw *w, int *drain,
-                    qm_status *st)
+static int daemon_shutdown(qm_call *k, qm_status *st)
 {
-    qm_params *p = &req->params;
-    int rc;
-    switch (req->method) {
-    case QM_METHOD_DAEMON_STATUS:
-        write_status(d, w);
-        return 0;
-    case QM_METHOD_DAEMON_SHUTDOWN:
-        qm_jw_obj_begin(w);
-        qm_jw_obj_end(w);
-        *drain = 1;
-        return 0;
-    case QM_METHOD_MODEL_LOAD: {
-        qm_model *m;
-        uint64_t t0 = qm_now_us();
-        char *resolved = NULL;
-        rc = qm_model_path_allowed(d, p->path, &resolved, st);
-        if (rc == 0)
-            rc = qm_model_load(d, p->name, resolved ? resolved : p->path, &m, st);
-        qm_free(resolved);
-        if (rc < 0)
-            return rc;
-        char args[160];
-        snprintf(args, sizeof args, "{\"model\":\"%s\",\"layers\":%u}", m->name, m->n_layers);
-        qm_trace_add(&d->trace, "model.load", t0 - d->start_us, qm_now_us() - t0, NULL, args,
-                     NULL);
-        qm_log(QM_LOG_INFO, "model %s loaded from %s (%u layers, %llu expert bytes)", m->name,
-               m->path, m->n_layers, (unsigned long long)m->bytes_total);
-        qm_jw_model_summary(w, m);
-        return 0;
-    }
-    case QM_METHOD_MODEL_UNLOAD:
-        rc = qm_model_unload(d, p->name, p->force, st);
-        if (rc < 0)
-            return rc;
-        qm_jw_obj_begin(w);
-        qm_jw_obj_end(w);
-        return 0;
-    case QM_METHOD_MODEL_LIST:
-        qm_jw_obj_begin(w);
-        qm_jw_key(w, "models");
-        qm_jw_arr_begin(w);
-        for (qm_model *m = d->models; m; m = m->next)
-            qm_jw_model_summary(w, m);
-        qm_jw_arr_end(w);
-        qm_jw_obj_end(w);
-        return 0;
-    case QM_METHOD_SESSION_LIST:
-        qm_jw_obj_begin(w);
-        qm_jw_key(w, "sessions");
-        qm_jw_arr_begin(w);
-        for (qm_session *s = d->sessions; s; s = s->next)
-            if (c->is_admin || s->owner_uid == c->uid)
-                write_session_entry(w, s);
-        qm_jw_arr_end(w);
-        qm_jw_obj_end(w);
-        return 0;
-    case QM_METHOD_SESSION_CLOSE:
-    case QM_METHOD_SESSION_PLAN: {
-        qm_session *s = qm_session_find(d, p->session);
-        if (!s)
-            return qm_status_set_field(st, QM_ENOT_FOUND, "session", "no session with that id");
-        if (req->method == QM_METHOD_SESSION_CLOSE) {
-            qm_log(QM_LOG_INFO, "session %s closed by uid %u", s->id, (unsigned)c->uid);
-            qm_session_close(d, s);
-            qm_jw_obj_begin(w);
-            qm_jw_obj_end(w);
-            return 0;
-        }
-        char *json;
-        size_t len;
-        rc = qm_session_plan_json(s, &json, &len, st);
-        if (rc < 0)
-            return rc;
-        qm_jw_raw(w, json, len);
-        qm_free(json);
-        return 0;
-    }
-    case QM_METHOD_TELEMETRY_GET:
-        return qm_telemetry_get(d, c, p, w, st);
-    case QM_METHOD_TELEMETRY_TRACE:
-        return qm_telemetry_trace(d, p, w, st);
-    case QM_METHOD_TELEMETRY_METRICS: {
-        qm_buf text;
-        qm_buf_init(&text);
-        rc = qm_telemetry_metrics(d, c, &text);
-        if (rc == 0) {
-            qm_jw_obj_begin(w);
-            qm_jw_key(w, "text");
-            qm_jw_str_n(w, text.data ? text.data : "", text.len);
-            qm_jw_obj_end(w);
-        } else {
-            qm_status_set(st, rc, "out of memory writing metrics");
-        }
-        qm_buf_free(&text);
+    (void)st;
+    k->drain = 1;
+    return empty_result(k->w);
+}
+
+static int model_load(qm_call *k, qm_status *st)
+{
+    qm_daemon *d = k->d;
+    const qm_params *p = &k->req->params;
+    qm_model *m;
+    uint64_t t0 = qm_now_us();
+    char *resolved = NULL;
+    int rc = qm_model_path_allowed(d, p->path, &resolved, st);
+    if (rc == 0)
+        rc = qm_model_load(d, p->name, resolved ? resolved : p->path, &m, st);
+    qm_free(resolved);
+    if (rc < 0)
         return rc;
+    char args[160];
+    snprintf(args, sizeof args, "{\"model\":\"%s\",\"layers\":%u}", m->name, m->n_layers);
+    qm_trace_add(&d->trace, "model.load", t0 - d->start_us, qm_now_us() - t0, NULL, args, NULL);
+    qm_log(QM_LOG_INFO, "model %s loaded from %s (%u layers, %llu expert bytes)", m->name,
+           m->path, m->n_layers, (unsigned long long)m->bytes_total);
+    qm_jw_model_summary(k->w, m);
+    return 0;
+}
+
+static int model_unload(qm_call *k, qm_status *st)
+{
+    int rc = qm_model_unload(k->d, k->req->params.name, k->req->params.force, st);
+    return rc < 0 ? rc : empty_result(k->w);
+}
+
+static int model_list(qm_call *k, qm_status *st)
+{
+    (void)st;
+    qm_jw *w = k->w;
+    qm_jw_obj_begin(w);
+    qm_jw_key(w, "models");
+    qm_jw_arr_begin(w);
+    for (qm_model *m = k->d->models; m; m = m->next)
+        qm_jw_model_summary(w, m);
+    qm_jw_arr_end(w);
+    qm_jw_obj_end(w);
+    return 0;
+}
+
+static int session_close(qm_call *k, qm_status *st)
+{
+    qm_session *s = qm_session_find(k->d, k->req->params.session);
+    if (!s)
+        return qm_status_set_field(st, QM_ENOT_FOUND, "session", "no session with that id");
+    qm_log(QM_LOG_INFO, "session %s closed by uid %u", s->id, (unsigned)k->peer->uid);
+    qm_session_close(k->d, s);
+    return empty_result(k->w);
+}
+
+static int session_list(qm_call *k, qm_status *st)
+{
+    (void)st;
+    qm_jw *w = k->w;
+    qm_jw_obj_begin(w);
+    qm_jw_key(w, "sessions");
+    qm_jw_arr_begin(w);
+    for (qm_session *s = k->d->sessions; s; s = s->next)
+        if (k->peer->is_admin || s->owner_uid == k->peer->uid)
+            write_session_entry(w, s);
+    qm_jw_arr_end(w);
+    qm_jw_obj_end(w);
+    return 0;
+}
+
+static int telemetry_get(qm_call *k, qm_status *st)
+{
+    return qm_telemetry_get(k->d, k->peer, &k->req->params, k->w, st);
+}
+
+static int telemetry_trace(qm_call *k, qm_status *st)
+{
+    return qm_telemetry_trace(k->d, &k->req->params, k->w, st);
+}
+
+static int telemetry_metrics(qm_call *k, qm_status *st)
+{
+    qm_buf text;
+    qm_buf_init(&text);
+    int rc = qm_telemetry_metrics(k->d, k->peer, &text);
+    if (rc == 0) {
+        qm_jw_obj_begin(k->w);
+        qm_jw_key(k->w, "text");
+        qm_jw_str_n(k->w, text.data ? text.data : "", text.len);
+        qm_jw_obj_end(k->w);
+    } else {
+        qm_status_set(st, rc, "out of memory writing metrics");
     }
-    case QM_METHOD_SESSION_CREATE:
-    case QM_METHOD_SESSION_INFER:
-    case QM_METHOD_COUNT:
-        break;
+    qm_buf_free(&text);
+    return rc;
+}
+
+/* ---- the method table ---- */
+
+/* X(method, handler, role, session, queued, job kind): one row per method
+ * of QM_METHOD_MAP (checked below). session.create and session.infer have
+ * no loop-thread handler: their job's worker writes the answer. session.plan
+ * always takes the session's queue: its resident_now comes from the pager,
+ * which belongs to the worker running the session's jobs, and it is ordered
+ * with the session's inferences. A method answered at once has job kind
+ * BARRIER: the job it would become behind its session's queued work. */
+#define QM__DAEMON_METHODS(X)                                                                      \
+    X(DAEMON_STATUS, daemon_status, USER, UNUSED, NEVER, BARRIER)                                  \
+    X(DAEMON_SHUTDOWN, daemon_shutdown, ADMIN, UNUSED, NEVER, BARRIER)                             \
+    X(MODEL_LOAD, model_load, ADMIN, UNUSED, NEVER, BARRIER)                                       \
+    X(MODEL_UNLOAD, model_unload, ADMIN, UNUSED, NEVER, BARRIER)                                   \
+    X(MODEL_LIST, model_list, USER, UNUSED, NEVER, BARRIER)                                        \
+    X(SESSION_CREATE, NULL, USER, UNUSED, ALWAYS, CREATE)                                          \
+    X(SESSION_CLOSE, session_close, USER, REQUIRED, BEHIND, BARRIER)                               \
+    X(SESSION_LIST, session_list, USER, UNUSED, NEVER, BARRIER)                                    \
+    X(SESSION_PLAN, NULL, USER, REQUIRED, ALWAYS, PLAN)                                            \
+    X(SESSION_INFER, NULL, USER, REQUIRED, ALWAYS, INFER)                                          \
+    X(TELEMETRY_GET, telemetry_get, USER, OPTIONAL, BEHIND, BARRIER)                               \
+    X(TELEMETRY_TRACE, telemetry_trace, ADMIN, UNUSED, NEVER, BARRIER)                             \
+    X(TELEMETRY_METRICS, telemetry_metrics, USER, UNUSED, NEVER, BARRIER)
+
+#define QM__METHOD_ROW(m, fn, role, session, queued, kind)                                         \
+    [QM_METHOD_##m] = {QM_METHOD_##m, fn, QM_ROLE_##role, QM_SESSION_##session, QM_QUEUE_##queued, \
+                       QM_JOB_##kind},
+static const qm_method_entry method_table[] = {QM__DAEMON_METHODS(QM__METHOD_ROW)};
+#undef QM__METHOD_ROW
+
+/* Every method exactly once: as many rows as methods, and a method listed
+ * twice would be an overridden initialiser (-Woverride-init, an error). */
+#define QM__COUNT_ROW(...) +1
+_Static_assert(0 QM__DAEMON_METHODS(QM__COUNT_ROW) == QM_METHOD_COUNT,
+               "QM__DAEMON_METHODS must list every method of QM_METHOD_MAP");
+#undef QM__COUNT_ROW
+
+const qm_method_entry *qm_method_entry_get(qm_method m)
+{
+    return (unsigned)m < QM_METHOD_COUNT ? &method_table[m] : NULL;
+}
+
+qm_route qm_dispatch_route(const qm_method_entry *e, const qm_peer *peer, int draining,
+                           int names_session, const qm_session *s)
+{
+    qm_route r = {QM_ROUTE_REFUSE, QM_REFUSE_NONE, e->job_kind};
+    if (draining) {
+        r.refusal = QM_REFUSE_DRAINING;
+        return r;
     }
-    return qm_status_set(st, QM_EINTERNAL, "method has no synchronous handler");
+    if (e->role == QM_ROLE_ADMIN && !peer->is_admin) {
+        r.refusal = QM_REFUSE_NOT_ADMIN;
+        return r;
+    }
+    int scoped = e->session == QM_SESSION_REQUIRED ||
+                 (e->session == QM_SESSION_OPTIONAL && names_session);
+    if (scoped && !s) {
+        r.refusal = QM_REFUSE_NO_SESSION;
+        return r;
+    }
+    if (scoped && !peer->is_admin && s->owner_uid != peer->uid) {
+        r.refusal = QM_REFUSE_NOT_OWNER;
+        return r;
+    }
+    int behind = e->queued == QM_QUEUE_BEHIND && scoped && s->queue.pending > 0;
+    r.kind = e->queued == QM_QUEUE_ALWAYS || behind ? QM_ROUTE_QUEUE : QM_ROUTE_ANSWER;
+    return r;
 }
 
 static void answer_sync(qm_daemon *d, qm_conn *c, qm_reply *r, size_t slot, qm_request *req)
@@ -358,9 +434,11 @@ static void answer_sync(qm_daemon *d, qm_conn *c, qm_reply *r, size_t slot, qm_r
     qm_jw_init(&w, &b);
     qm_status st;
     qm_status_clear(&st);
-    int drain = 0;
+    const qm_method_entry *e = qm_method_entry_get(req->method);
+    qm_call call = {.d = d, .peer = qm_conn_peer(c), .req = req, .w = &w};
     qm_rpc_result_begin(&w, req->id);
-    int rc = run_sync(d, c, req, &w, &drain, &st);
+    int rc = e && e->handler ? e->handler(&call, &st)
+                             : qm_status_set(&st, QM_EINTERNAL, "method has no synchronous handler");
     if (rc < 0) {
         qm_buf_free(&b);
         answer_status(d, r, slot, req, &st);
@@ -369,12 +447,12 @@ static void answer_sync(qm_daemon *d, qm_conn *c, qm_reply *r, size_t slot, qm_r
     qm_rpc_result_end(&w);
     if (!req->id) {
         qm_buf_free(&b);
-        qm_reply_fill(r, slot, NULL, 0);
+        reply_fill(r, slot, NULL, 0);
     } else {
         fill_from_buf(d, r, slot, &b, req->id);
     }
-    if (drain) {
-        qm_log(QM_LOG_NOTICE, "daemon.shutdown requested by uid %u", (unsigned)c->uid);
+    if (call.drain) {
+        qm_log(QM_LOG_NOTICE, "daemon.shutdown requested by uid %u", (unsigned)call.peer->uid);
         qm_daemon_begin_drain(d, "daemon.shutdown");
     }
 }
@@ -412,81 +490,85 @@ static int check_infer(const qm_session *s, const qm_params *p, qm_status *st)
     return 0;
 }
 
-static void handle_request(qm_daemon *d, qm_conn *c, qm_reply *r, size_t slot, qm_request *req)
+/* The error a refused request gets: what the route said, in a sentence. */
+static void answer_refusal(qm_daemon *d, qm_reply *r, size_t slot, const qm_request *req,
+                           const qm_peer *peer, const qm_session *s, qm_refusal why)
+{
+    char reason[200];
+    int notification = req->id == NULL;
+    switch (why) {
+    case QM_REFUSE_DRAINING:
+        answer_error(d, r, slot, req->id, notification, QM_RPC_SHUTTING_DOWN,
+                     "the daemon is draining and takes no new requests", NULL);
+        return;
+    case QM_REFUSE_NOT_ADMIN:
+        snprintf(reason, sizeof reason,
+                 "%s needs an admin (uid 0, the daemon's uid%s%s); you are uid %u",
+                 qm_method_name(req->method), d->cfg.admin_group ? " or group " : "",
+                 d->cfg.admin_group ? d->cfg.admin_group : "", (unsigned)peer->uid);
+        answer_error(d, r, slot, req->id, notification, QM_RPC_PERMISSION_DENIED, reason, NULL);
+        return;
+    case QM_REFUSE_NO_SESSION:
+        answer_error(d, r, slot, req->id, notification, QM_RPC_NOT_FOUND,
+                     "no session with that id", "session");
+        return;
+    case QM_REFUSE_NOT_OWNER:
+        snprintf(reason, sizeof reason,
+                 "session belongs to uid %u; only its owner or an admin may use it",
+                 (unsigned)s->owner_uid);
+        answer_error(d, r, slot, req->id, notification, QM_RPC_PERMISSION_DENIED, reason,
+                     "session");
+        return;
+    case QM_REFUSE_NONE:
+        break;
+    }
+    answer_error(d, r, slot, req->id, notification, QM_RPC_INTERNAL_ERROR,
+                 "request refused for no reason", NULL);
+}
+
+static void handle_request(qm_daemon *d, qm_conn *c, qm_reply *r, size_t slot, qm_request *req,
+                           uint64_t decode_us)
 {
     qm_status st;
     qm_status_clear(&st);
     d->counters.requests++;
-    if (d->draining) {
-        answer_error(d, r, slot, req->id, req->id == NULL, QM_RPC_SHUTTING_DOWN,
-                     "the daemon is draining and takes no new requests", NULL);
-        return;
-    }
-    if (is_admin_method(req->method) && !c->is_admin) {
-        char reason[200];
-        snprintf(reason, sizeof reason,
-                 "%s needs an admin (uid 0, the daemon's uid%s%s); you are uid %u",
-                 qm_method_name(req->method), d->cfg.admin_group ? " or group " : "",
-                 d->cfg.admin_group ? d->cfg.admin_group : "", (unsigned)c->uid);
-        answer_error(d, r, slot, req->id, req->id == NULL, QM_RPC_PERMISSION_DENIED, reason,
-                     NULL);
-        return;
-    }
+    const qm_method_entry *e = qm_method_entry_get(req->method);
+    const qm_peer *peer = qm_conn_peer(c);
     const char *sid = req->params.session;
-    int scoped = is_session_method(req->method) || (req->method == QM_METHOD_TELEMETRY_GET && sid);
-    qm_session *s = NULL;
-    if (scoped) {
-        s = qm_session_find(d, sid);
-        if (!s) {
-            answer_error(d, r, slot, req->id, req->id == NULL, QM_RPC_NOT_FOUND,
-                         "no session with that id", "session");
-            return;
-        }
-        if (!c->is_admin && s->owner_uid != c->uid) {
-            char reason[160];
-            snprintf(reason, sizeof reason,
-                     "session belongs to uid %u; only its owner or an admin may use it",
-                     (unsigned)s->owner_uid);
-            answer_error(d, r, slot, req->id, req->id == NULL, QM_RPC_PERMISSION_DENIED, reason,
-                         "session");
-            return;
-        }
-        if (req->method == QM_METHOD_SESSION_INFER && check_infer(s, &req->params, &st) < 0) {
-            answer_status(d, r, slot, req, &st);
-            return;
-        }
+    qm_session *s = e->session != QM_SESSION_UNUSED && sid ? qm_session_find(d, sid) : NULL;
+    qm_route route = qm_dispatch_route(e, peer, d->draining, sid != NULL, s);
+    if (route.kind == QM_ROUTE_REFUSE) {
+        answer_refusal(d, r, slot, req, peer, s, route.refusal);
+        return;
     }
-    if (req->method == QM_METHOD_SESSION_CREATE) {
-        /* The pager may copy whole banks and pins: built on a worker. */
-        if (qm_session_prepare(d, &req->params, c->uid, &s, &st) < 0) {
-            answer_status(d, r, slot, req, &st);
-            return;
-        }
-    } else if (!s || (req->method != QM_METHOD_SESSION_INFER &&
-                      req->method != QM_METHOD_SESSION_PLAN && s->pending == 0)) {
-        /* session.plan always takes the session's queue: its resident_now
-         * comes from the pager, which belongs to the worker running the
-         * session's jobs, and it is ordered with the session's inferences. */
+    if (route.kind == QM_ROUTE_ANSWER) {
         answer_sync(d, c, r, slot, req);
+        return;
+    }
+    if (route.job_kind == QM_JOB_INFER && check_infer(s, &req->params, &st) < 0) {
+        answer_status(d, r, slot, req, &st);
+        return;
+    }
+    /* The pager may copy whole banks and pins: built on a worker. */
+    if (route.job_kind == QM_JOB_CREATE &&
+        qm_session_prepare(d, &req->params, peer->uid, &s, &st) < 0) {
+        answer_status(d, r, slot, req, &st);
         return;
     }
     qm_job *job = qm_calloc(1, sizeof *job);
     if (!job) {
-        if (req->method == QM_METHOD_SESSION_CREATE)
+        if (route.job_kind == QM_JOB_CREATE)
             qm_session_abort(d, s);
         answer_error(d, r, slot, req->id, req->id == NULL, QM_RPC_RESOURCE_EXHAUSTED,
                      "out of memory queueing the request", NULL);
         return;
     }
-    job->kind = req->method == QM_METHOD_SESSION_INFER    ? QM_JOB_INFER
-                : req->method == QM_METHOD_SESSION_CREATE ? QM_JOB_CREATE
-                : req->method == QM_METHOD_SESSION_PLAN   ? QM_JOB_PLAN
-                                                          : QM_JOB_BARRIER;
+    job->kind = route.job_kind;
     job->d = d;
     job->session = s;
     job->reply = r;
     job->slot = slot;
-    job->decode_us = d->frame_decode_us;
+    job->decode_us = decode_us;
     job->req = *req; /* moved: the frame no longer owns it */
     memset(req, 0, sizeof *req);
     qm_buf_init(&job->response);
@@ -496,7 +578,7 @@ static void handle_request(qm_daemon *d, qm_conn *c, qm_reply *r, size_t slot, q
         *req = job->req; /* give it back so the frame frees it */
         memset(&job->req, 0, sizeof job->req);
         qm_session_unref(d, s);
-        if (req->method == QM_METHOD_SESSION_CREATE)
+        if (route.job_kind == QM_JOB_CREATE)
             qm_session_abort(d, s);
         qm_job_free(job);
         char reason[128];
@@ -506,13 +588,13 @@ static void handle_request(qm_daemon *d, qm_conn *c, qm_reply *r, size_t slot, q
     }
 }
 
-void qm_dispatch_frame(qm_conn *c, qm_rpc_frame *frame)
+void qm_dispatch_frame(qm_conn *c, qm_rpc_frame *frame, uint64_t decode_us)
 {
-    qm_daemon *d = c->d;
+    qm_daemon *d = qm_conn_daemon(c);
     qm_reply *r = reply_new(c, frame->n, frame->is_batch);
     if (!r) {
         qm_log(QM_LOG_ERR, "out of memory for a reply; dropping connection %llu",
-               (unsigned long long)c->id);
+               (unsigned long long)qm_conn_id(c));
         qm_conn_drop(c);
         return;
     }
@@ -527,7 +609,7 @@ void qm_dispatch_frame(qm_conn *c, qm_rpc_frame *frame)
                          it->status.field);
             continue;
         }
-        handle_request(d, c, r, i, &it->req);
+        handle_request(d, c, r, i, &it->req, decode_us);
     }
     if (--r->pending == 0)
         reply_send(r);
@@ -583,7 +665,7 @@ static void account_infer(qm_daemon *d, qm_session *s, qm_job *job)
 void qm_dispatch_job_done(qm_daemon *d, qm_job *job)
 {
     qm_session *s = job->session;
-    s->pending--;
+    s->queue.pending--;
     if (job->kind == QM_JOB_BARRIER) {
         /* Its turn in the session's order: answer it now, as if synchronous. */
         answer_sync(d, job->reply->conn, job->reply, job->slot, &job->req);
@@ -598,7 +680,7 @@ void qm_dispatch_job_done(qm_daemon *d, qm_job *job)
         } else {
             qm_session_commit(d, s);
             if (!job->req.id) {
-                qm_reply_fill(job->reply, job->slot, NULL, 0);
+                reply_fill(job->reply, job->slot, NULL, 0);
             } else {
                 qm_buf b;
                 qm_buf_init(&b);
@@ -617,11 +699,11 @@ void qm_dispatch_job_done(qm_daemon *d, qm_job *job)
         if (job->rc < 0) {
             answer_status(d, job->reply, job->slot, &job->req, &job->st);
         } else if (!job->req.id) {
-            qm_reply_fill(job->reply, job->slot, NULL, 0);
+            reply_fill(job->reply, job->slot, NULL, 0);
         } else {
             size_t len;
             char *data = qm_buf_take(&job->response, &len);
-            qm_reply_fill(job->reply, job->slot, data, len);
+            reply_fill(job->reply, job->slot, data, len);
         }
     }
     qm_session_unref(d, s);

@@ -2,11 +2,14 @@
  * session's pager, and the response encoded there too, so the loop thread
  * only queues bytes. The job owns everything it touches except the session,
  * which its FIFO gives it alone while it runs. */
-#include "qm_daemon.h"
+#include "qm_pool.h"
 
 #include <string.h>
 
 #include "qm_alloc.h"
+#include "qm_daemon.h"
+#include "qm_dispatch.h"
+#include "qm_sessions.h"
 #include "qm_plan_json.h"
 
 static qm_dtype dtype_of(qm_wire_dtype t)
@@ -44,7 +47,7 @@ void qm_job_run(qm_job *job)
     }
     /* Nobody will read the answer: a client that pipelined many inferences
      * and went away must not keep the session's worker busy for them. */
-    if (job->reply && atomic_load(&job->reply->conn->gone)) {
+    if (job->reply && qm_reply_abandoned(job->reply)) {
         job->cancelled = 1;
         job->rc = qm_status_set(&job->st, QM_EIO,
                                 "the client disconnected before this request ran");

@@ -3,7 +3,7 @@
  * Under systemd (JOURNAL_STREAM names our stderr) lines carry the "<N>"
  * priority prefix journald parses and no timestamp (journald keeps its own);
  * elsewhere they carry an ISO-8601 UTC timestamp and the level's name. */
-#include "qm_daemon.h"
+#include "qm_log.h"
 
 #include <stdarg.h>
 #include <stdlib.h>
@@ -12,6 +12,8 @@
 #include <sys/stat.h>
 #include <time.h>
 #include <unistd.h>
+
+#include "qm_error.h"
 
 static int log_level = QM_LOG_INFO;
 static int journal_stream;

@@ -1,6 +1,6 @@
 /* qm_notify.c - the systemd protocols, written by hand (they are stable and
  * tiny): sd_notify datagrams, socket activation, the watchdog interval. */
-#include "qm_daemon.h"
+#include "qm_notify.h"
 
 #include <errno.h>
 #include <stddef.h>
@@ -10,6 +10,9 @@
 #include <sys/socket.h>
 #include <sys/un.h>
 #include <unistd.h>
+
+#include "qm_error.h"
+#include "qm_log.h"
 
 int qm_notify(const char *state)
 {

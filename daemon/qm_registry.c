@@ -1,7 +1,8 @@
 /* qm_registry.c - models (loaded once, shared, reference counted) and
  * sessions (unguessable ids, owner, policy, plan, pager), with admission
  * against the daemon-wide device budget. Loop thread only. */
-#include "qm_daemon.h"
+#include "qm_models.h"
+#include "qm_sessions.h"
 
 #include <errno.h>
 #include <stdio.h>
@@ -12,6 +13,9 @@
 #include <time.h>
 
 #include "qm_alloc.h"
+#include "qm_daemon.h"
+#include "qm_log.h"
+#include "qm_sigbus.h"
 #include "qm_plan_json.h"
 #ifdef QMOE_HAVE_CUDA
 #include "qm_cuda.h"

@@ -6,11 +6,12 @@
  * frames_per_wakeup frames are handled per wake-up (the rest wait for the
  * next loop iteration), and a connection to be dropped is only marked: the
  * check handle closes it at a safe point, never inside a callback chain. */
-#include "qm_daemon.h"
+#include "qm_server.h"
 
 #include <errno.h>
 #include <grp.h>
 #include <pwd.h>
+#include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -19,9 +20,57 @@
 #include <sys/un.h>
 #include <unistd.h>
 
+#include <uv.h>
+
 #include "qm_alloc.h"
+#include "qm_daemon.h"
+#include "qm_dispatch.h"
+#include "qm_log.h"
+#include "qm_notify.h"
 
 #define READ_CHUNK 65536
+
+struct qm_conn {
+    uv_pipe_t pipe;
+    qm_daemon *d;
+    uint64_t id;
+    qm_peer peer;
+    qm_framer framer;
+    int refs;          /* handle + replies in flight */
+    int closing;       /* uv_close called */
+    atomic_int gone;   /* set with closing: workers skip this peer's queued inferences */
+    int drop;          /* to be closed at the next safe point */
+    int close_after_write;
+    int eof;             /* the peer half-closed: answer what it sent, then close */
+    size_t replies_pending;
+    int reading;
+    int paused_output; /* reads stopped: output over max_output_bytes */
+    int paused_frames; /* reads stopped: frames left for the next wake-up */
+    int logged_output_limit;
+    uint64_t out_bytes;
+    uint64_t last_active_ms; /* uv_now() of the last read or write */
+    uint64_t frame_started_ms;  /* when the buffered partial frame began (0: none) */
+    uint64_t last_progress_ms;  /* when queued output last shrank */
+    qm_conn *next, *prev;
+    qm_conn *pending_next; /* on s->pending (frames left to process) */
+    int on_pending;
+};
+
+struct qm_server {
+    char *socket_path;
+    int bound_path; /* we created the socket file (libuv unlinks it on close) */
+    uv_pipe_t listener;
+    int listening;
+    int accept_retry; /* a connection waits for memory to accept it */
+    uv_check_t check;
+    uv_idle_t idle;
+    qm_conn *conns;
+    size_t n_conns;
+    uint64_t next_conn_id;
+    qm_conn *pending; /* connections with unprocessed frames */
+    char *read_buf;   /* shared by every connection's reads (loop thread) */
+    size_t drops_marked; /* connections marked since the last safe point */
+};
 
 typedef struct write_req {
     uv_write_t req;
@@ -41,7 +90,7 @@ void qm_conn_drop(qm_conn *c)
     if (c->drop)
         return;
     c->drop = 1;
-    c->d->drops_marked++;
+    c->d->server->drops_marked++;
 }
 
 void qm_conn_unref(qm_conn *c)
@@ -59,10 +108,10 @@ static void conn_close_cb(uv_handle_t *h)
     if (c->prev)
         c->prev->next = c->next;
     else
-        d->conns = c->next;
+        d->server->conns = c->next;
     if (c->next)
         c->next->prev = c->prev;
-    d->n_conns--;
+    d->server->n_conns--;
     qm_conn_unref(c);
     qm_daemon_maybe_finish(d);
 }
@@ -153,7 +202,7 @@ void qm_conn_write(qm_conn *c, char *data, size_t len)
             qm_limit_hit(c->d, QM_LIMIT_MAX_OUTPUT_BYTES,
                          "connection %llu (uid %u) has %llu bytes unread, over max_output_bytes "
                          "%llu: pausing its reads",
-                         (unsigned long long)c->id, (unsigned)c->uid,
+                         (unsigned long long)c->id, (unsigned)c->peer.uid,
                          (unsigned long long)c->out_bytes,
                          (unsigned long long)c->d->cfg.max_output_bytes);
         } else {
@@ -169,7 +218,7 @@ static void alloc_cb(uv_handle_t *h, size_t suggested, uv_buf_t *buf)
 {
     qm_conn *c = h->data;
     (void)suggested;
-    buf->base = c->d->read_buf;
+    buf->base = c->d->server->read_buf;
     buf->len = READ_CHUNK;
 }
 
@@ -261,9 +310,9 @@ static size_t conn_process(qm_conn *c, size_t cap)
                 if (!c->on_pending) {
                     c->on_pending = 1;
                     qm_conn_ref(c);
-                    c->pending_next = d->pending;
-                    d->pending = c;
-                    uv_idle_start(&d->idle, idle_cb);
+                    c->pending_next = d->server->pending;
+                    d->server->pending = c;
+                    uv_idle_start(&d->server->idle, idle_cb);
                 }
                 conn_update_reading(c);
             }
@@ -276,7 +325,7 @@ static size_t conn_process(qm_conn *c, size_t cap)
             qm_limit_hit(d, QM_LIMIT_MAX_REQUEST_BYTES,
                          "connection %llu (uid %u) sent a line over max_request_bytes %llu; "
                          "closing it",
-                         (unsigned long long)c->id, (unsigned)c->uid,
+                         (unsigned long long)c->id, (unsigned)c->peer.uid,
                          (unsigned long long)d->cfg.max_request_bytes);
             char reason[128];
             snprintf(reason, sizeof reason, "request line exceeds max_request_bytes %llu",
@@ -289,7 +338,7 @@ static size_t conn_process(qm_conn *c, size_t cap)
         qm_rpc_frame frame;
         uint64_t t0 = qm_now_us();
         int drc = qm_rpc_decode(line, len, &d->lim, &frame);
-        d->frame_decode_us = qm_now_us() - t0;
+        uint64_t decode_us = qm_now_us() - t0;
         if (drc < 0) {
             conn_fatal(c, QM_RPC_INTERNAL_ERROR, "out of memory decoding a request");
             return done;
@@ -304,7 +353,7 @@ static size_t conn_process(qm_conn *c, size_t cap)
                 qm_limit_hit(d, QM_LIMIT_MAX_BATCH, "connection %llu sent a batch over "
                              "max_batch %zu", (unsigned long long)c->id, d->lim.max_batch);
         }
-        qm_dispatch_frame(c, &frame);
+        qm_dispatch_frame(c, &frame, decode_us);
         qm_rpc_frame_free(&frame);
         done++;
     }
@@ -318,8 +367,8 @@ static size_t conn_process(qm_conn *c, size_t cap)
 static void idle_cb(uv_idle_t *h)
 {
     qm_daemon *d = h->data;
-    qm_conn *list = d->pending;
-    d->pending = NULL;
+    qm_conn *list = d->server->pending;
+    d->server->pending = NULL;
     uv_idle_stop(h);
     while (list) {
         qm_conn *c = list;
@@ -341,9 +390,9 @@ static void idle_cb(uv_idle_t *h)
 static void check_cb(uv_check_t *h)
 {
     qm_daemon *d = h->data;
-    if (d->drops_marked) {
-        d->drops_marked = 0;
-        for (qm_conn *c = d->conns; c; c = c->next)
+    if (d->server->drops_marked) {
+        d->server->drops_marked = 0;
+        for (qm_conn *c = d->server->conns; c; c = c->next)
             if (c->drop && !c->closing)
                 conn_close_now(c);
     }
@@ -385,20 +434,20 @@ static void on_connection(uv_stream_t *server, int status)
          * so, the daemon would never accept again (RELIABILITY.md B12).
          * The next tick tries again; new clients wait in the backlog. */
         qm_log(QM_LOG_ERR, "out of memory accepting a connection; retrying in a second");
-        d->accept_retry = 1;
+        d->server->accept_retry = 1;
         return;
     }
     c->d = d;
-    c->id = ++d->next_conn_id;
+    c->id = ++d->server->next_conn_id;
     c->refs = 1;
     uv_pipe_init(d->loop, &c->pipe, 0);
     c->pipe.data = c;
     qm_framer_init(&c->framer, d->lim.max_request_bytes);
-    c->next = d->conns;
-    if (d->conns)
-        d->conns->prev = c;
-    d->conns = c;
-    d->n_conns++;
+    c->next = d->server->conns;
+    if (d->server->conns)
+        d->server->conns->prev = c;
+    d->server->conns = c;
+    d->server->n_conns++;
     if (uv_accept(server, (uv_stream_t *)&c->pipe) < 0) {
         qm_conn_drop(c);
         return;
@@ -412,17 +461,17 @@ static void on_connection(uv_stream_t *server, int status)
         qm_conn_drop(c);
         return;
     }
-    c->uid = cred.uid;
-    c->gid = cred.gid;
-    c->pid = cred.pid;
-    c->is_admin = peer_is_admin(d, cred.uid, cred.gid);
+    c->peer.uid = cred.uid;
+    c->peer.gid = cred.gid;
+    c->peer.pid = cred.pid;
+    c->peer.is_admin = peer_is_admin(d, cred.uid, cred.gid);
     c->last_active_ms = uv_now(c->d->loop);
     qm_log(QM_LOG_DEBUG, "connection %llu from pid %d uid %u (%s)", (unsigned long long)c->id,
-           (int)c->pid, (unsigned)c->uid, c->is_admin ? "admin" : "user");
-    if (d->n_conns > d->cfg.max_connections) {
+           (int)c->peer.pid, (unsigned)c->peer.uid, c->peer.is_admin ? "admin" : "user");
+    if (d->server->n_conns > d->cfg.max_connections) {
         qm_limit_hit(d, QM_LIMIT_MAX_CONNECTIONS,
                      "max_connections %u reached: refusing uid %u", d->cfg.max_connections,
-                     (unsigned)c->uid);
+                     (unsigned)c->peer.uid);
         char reason[96];
         snprintf(reason, sizeof reason, "max_connections %u reached; try again later",
                  d->cfg.max_connections);
@@ -513,8 +562,8 @@ static int drop_privileges(qm_daemon *d, qm_status *st)
     struct passwd *pw = getpwnam(d->cfg.user);
     if (!pw)
         return qm_status_set(st, QM_EINVAL, "no user named '%.64s'", d->cfg.user);
-    if (d->socket_path && chown(d->socket_path, pw->pw_uid, pw->pw_gid) < 0)
-        return qm_status_set(st, QM_EIO, "chown %s: %s", d->socket_path, strerror(errno));
+    if (d->server->socket_path && chown(d->server->socket_path, pw->pw_uid, pw->pw_gid) < 0)
+        return qm_status_set(st, QM_EIO, "chown %s: %s", d->server->socket_path, strerror(errno));
     if (initgroups(pw->pw_name, pw->pw_gid) < 0 || setgid(pw->pw_gid) < 0 ||
         setuid(pw->pw_uid) < 0)
         return qm_status_set(st, QM_EPERMISSION, "cannot become user %s: %s", pw->pw_name,
@@ -529,15 +578,18 @@ static int drop_privileges(qm_daemon *d, qm_status *st)
 
 int qm_server_listen(qm_daemon *d, qm_status *st)
 {
-    d->read_buf = qm_malloc(READ_CHUNK);
-    if (!d->read_buf)
+    d->server = qm_calloc(1, sizeof *d->server);
+    if (!d->server)
+        return qm_status_set(st, QM_ENOMEM, "out of memory for the server");
+    d->server->read_buf = qm_malloc(READ_CHUNK);
+    if (!d->server->read_buf)
         return qm_status_set(st, QM_ENOMEM, "out of memory for the read buffer");
-    uv_pipe_init(d->loop, &d->listener, 0);
-    d->listener.data = d;
+    uv_pipe_init(d->loop, &d->server->listener, 0);
+    d->server->listener.data = d;
     int fd = qm_listen_fd_from_env();
     int rc;
     if (fd >= 0) {
-        rc = uv_pipe_open(&d->listener, fd);
+        rc = uv_pipe_open(&d->server->listener, fd);
         if (rc < 0)
             return qm_status_set(st, QM_EIO, "cannot adopt systemd's socket: %s",
                                  uv_strerror(rc));
@@ -557,67 +609,71 @@ int qm_server_listen(qm_daemon *d, qm_status *st)
         /* Bind under a tight umask so the file never exists with looser bits,
          * then open it to the group: uv_pipe_chmod cannot express 0660. */
         mode_t old = umask(0177);
-        rc = uv_pipe_bind(&d->listener, path);
+        rc = uv_pipe_bind(&d->server->listener, path);
         umask(old);
         if (rc < 0)
             return qm_status_set(st, QM_EIO, "cannot bind %s: %s", path, uv_strerror(rc));
-        d->bound_path = 1;
+        d->server->bound_path = 1;
         if (chmod(path, 0660) < 0)
             return qm_status_set(st, QM_EIO, "chmod %s: %s", path, strerror(errno));
-        d->socket_path = qm_strdup(path);
+        d->server->socket_path = qm_strdup(path);
         qm_log(QM_LOG_INFO, "listening on %s", path);
     }
     /* Bound (as root if need be) but not yet answering: the right moment to
      * give root up, so no request is ever served with it. */
     if ((rc = drop_privileges(d, st)) < 0)
         return rc;
-    rc = uv_listen((uv_stream_t *)&d->listener, 511, on_connection);
+    rc = uv_listen((uv_stream_t *)&d->server->listener, 511, on_connection);
     if (rc < 0)
         return qm_status_set(st, QM_EIO, "listen: %s", uv_strerror(rc));
-    d->listening = 1;
-    uv_check_init(d->loop, &d->check);
-    d->check.data = d;
-    uv_check_start(&d->check, check_cb);
-    uv_idle_init(d->loop, &d->idle);
-    d->idle.data = d;
+    d->server->listening = 1;
+    uv_check_init(d->loop, &d->server->check);
+    d->server->check.data = d;
+    uv_check_start(&d->server->check, check_cb);
+    uv_idle_init(d->loop, &d->server->idle);
+    d->server->idle.data = d;
     return 0;
 }
 
 void qm_server_stop_listening(qm_daemon *d)
 {
-    if (!d->listening)
+    if (!d->server || !d->server->listening)
         return;
-    d->listening = 0;
+    d->server->listening = 0;
     /* Closing a bound pipe unlinks its path (libuv), so new clients get
      * ECONNREFUSED/ENOENT instead of hanging in the backlog. */
-    uv_close((uv_handle_t *)&d->listener, NULL);
+    uv_close((uv_handle_t *)&d->server->listener, NULL);
 }
 
 void qm_server_close_all(qm_daemon *d)
 {
-    for (qm_conn *c = d->conns; c; c = c->next)
+    if (!d->server)
+        return;
+    for (qm_conn *c = d->server->conns; c; c = c->next)
         conn_close_now(c);
 }
 
 void qm_server_sweep_idle(qm_daemon *d)
 {
-    if (d->accept_retry && d->listening) {
-        d->accept_retry = 0;
-        on_connection((uv_stream_t *)&d->listener, 0);
+    if (!d->server)
+        return;
+    if (d->server->accept_retry && d->server->listening) {
+        d->server->accept_retry = 0;
+        on_connection((uv_stream_t *)&d->server->listener, 0);
     }
     uint64_t now = uv_now(d->loop), idle = (uint64_t)d->cfg.idle_timeout_s * 1000;
     /* A frame must complete, and paused output must move, within this. */
     uint64_t deadline = d->cfg.frame_timeout_s ? (uint64_t)d->cfg.frame_timeout_s * 1000
                         : idle                 ? 2 * idle
                                                : 60000;
-    for (qm_conn *c = d->conns; c; c = c->next) {
+    for (qm_conn *c = d->server->conns; c; c = c->next) {
         if (c->closing || c->drop)
             continue;
         if (c->frame_started_ms && !c->paused_frames && now - c->frame_started_ms > deadline) {
             qm_limit_hit(d, QM_LIMIT_FRAME_TIMEOUT,
                          "connection %llu (uid %u) left a frame incomplete for over %llu ms: "
                          "closing it",
-                         (unsigned long long)c->id, (unsigned)c->uid,
+                         (unsigned long long)c->id, (unsigned)c->peer.uid,
                          (unsigned long long)deadline);
             qm_conn_drop(c);
             continue;
@@ -626,7 +682,7 @@ void qm_server_sweep_idle(qm_daemon *d)
             qm_limit_hit(d, QM_LIMIT_OUTPUT_STALL,
                          "connection %llu (uid %u) read none of its %llu queued bytes for over "
                          "%llu ms: closing it",
-                         (unsigned long long)c->id, (unsigned)c->uid,
+                         (unsigned long long)c->id, (unsigned)c->peer.uid,
                          (unsigned long long)c->out_bytes, (unsigned long long)deadline);
             qm_conn_drop(c);
             continue;
@@ -636,14 +692,57 @@ void qm_server_sweep_idle(qm_daemon *d)
         if (now - c->last_active_ms > idle) {
             qm_limit_hit(d, QM_LIMIT_IDLE_TIMEOUT,
                          "connection %llu (uid %u) idle for over idle_timeout_s %u: closing",
-                         (unsigned long long)c->id, (unsigned)c->uid, d->cfg.idle_timeout_s);
+                         (unsigned long long)c->id, (unsigned)c->peer.uid, d->cfg.idle_timeout_s);
             qm_conn_drop(c);
         }
     }
+}
+
+void qm_conn_reply_begin(qm_conn *c)
+{
+    qm_conn_ref(c);
+    c->replies_pending++;
 }
 
 void qm_conn_reply_done(qm_conn *c)
 {
     c->replies_pending--;
     conn_maybe_close(c);
+    qm_conn_unref(c);
 }
+
+void qm_server_free(qm_daemon *d)
+{
+    if (!d->server)
+        return;
+    qm_free(d->server->socket_path);
+    qm_free(d->server->read_buf);
+    qm_free(d->server);
+    d->server = NULL;
+}
+
+void qm_server_apply_limits(qm_daemon *d)
+{
+    for (qm_conn *c = d->server ? d->server->conns : NULL; c; c = c->next)
+        c->framer.max_frame = d->lim.max_request_bytes;
+}
+
+size_t qm_server_connections(const qm_daemon *d) { return d->server ? d->server->n_conns : 0; }
+
+int qm_server_owes_answers(const qm_daemon *d)
+{
+    if (!d->server)
+        return 0;
+    /* Frames already read but waiting for their turn are owed answers too. */
+    if (d->server->pending)
+        return 1;
+    for (qm_conn *c = d->server->conns; c; c = c->next)
+        if (!c->closing && (c->out_bytes || c->replies_pending))
+            return 1;
+    return 0;
+}
+
+qm_daemon *qm_conn_daemon(const qm_conn *c) { return c->d; }
+const qm_peer *qm_conn_peer(const qm_conn *c) { return &c->peer; }
+uint64_t qm_conn_id(const qm_conn *c) { return c->id; }
+int qm_conn_gone(const qm_conn *c) { return atomic_load(&((qm_conn *)c)->gone); }

@@ -17,7 +17,9 @@
  *    alone would not, and it never unwinds through the pager's locks.
  *    A SIGBUS anywhere else gets the default action (the process dies with
  *    the signal, as it would have without the handler). */
-#include "qm_daemon.h"
+#include "qm_sigbus.h"
+
+#include "qm_models.h"
 
 #include <signal.h>
 #include <stdatomic.h>

@@ -3,7 +3,7 @@
  *
  * All of it lives on the loop thread: workers hand their numbers back with
  * the finished job, so nothing here needs a lock. */
-#include "qm_daemon.h"
+#include "qm_telemetry.h"
 
 #include <stddef.h>
 #include <stdio.h>
@@ -11,6 +11,10 @@
 #include <string.h>
 
 #include "qm_alloc.h"
+#include "qm_daemon.h"
+#include "qm_models.h"
+#include "qm_server.h"
+#include "qm_sessions.h"
 
 /* Log-linear buckets: 4 per power of two, so a quantile is within 25%. */
 static unsigned hist_bucket(uint64_t v)
@@ -115,7 +119,7 @@ void qm_jw_counters(qm_jw *w, const qm_counters *c)
     qm_jw_u64(w, qm_hist_quantile(&c->latency, 0.99));
 }
 
-static int can_see(const qm_conn *c, const qm_session *s)
+static int can_see(const qm_peer *c, const qm_session *s)
 {
     return c->is_admin || c->uid == s->owner_uid;
 }
@@ -129,7 +133,8 @@ static void refresh_resident(qm_daemon *d)
     d->counters.resident_bytes = sum;
 }
 
-int qm_telemetry_get(qm_daemon *d, qm_conn *c, const qm_params *p, qm_jw *w, qm_status *st)
+int qm_telemetry_get(qm_daemon *d, const qm_peer *c, const qm_params *p, qm_jw *w,
+                     qm_status *st)
 {
     refresh_resident(d);
     if (p->session) {
@@ -281,7 +286,7 @@ static void session_labels(qm_buf *b, const qm_session *s, const char *extra)
     qm_buf_printf(b, "\",session=\"%s\"%s}", s->id, extra);
 }
 
-int qm_telemetry_metrics(qm_daemon *d, qm_conn *c, qm_buf *b)
+int qm_telemetry_metrics(qm_daemon *d, const qm_peer *c, qm_buf *b)
 {
     refresh_resident(d);
     for (size_t i = 0; i < sizeof metrics / sizeof metrics[0]; i++) {
@@ -343,7 +348,7 @@ int qm_telemetry_metrics(qm_daemon *d, qm_conn *c, qm_buf *b)
                   "# TYPE qmoed_budget_used_bytes gauge\nqmoed_budget_used_bytes %llu\n"
                   "# HELP qmoed_uptime_seconds Seconds since start.\n"
                   "# TYPE qmoed_uptime_seconds gauge\nqmoed_uptime_seconds %llu\n",
-                  d->n_models, d->n_sessions, d->n_conns, (unsigned long long)d->admitted_bytes,
+                  d->n_models, d->n_sessions, qm_server_connections(d), (unsigned long long)d->admitted_bytes,
                   (unsigned long long)((qm_now_us() - d->start_us) / 1000000));
     return b->oom ? QM_ENOMEM : 0;
 }

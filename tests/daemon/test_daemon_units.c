@@ -10,7 +10,11 @@
 #include <sys/un.h>
 #include <unistd.h>
 
-#include "qm_daemon.h"
+#include "qm_config.h"
+#include "qm_log.h"
+#include "qm_notify.h"
+#include "qm_sigbus.h"
+#include "qm_telemetry.h"
 
 START_TEST(test_hist_quantiles_are_bucket_upper_bounds_within_25_percent)
 {

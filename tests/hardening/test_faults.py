@@ -1,7 +1,7 @@
 """Allocation failures injected in the engine, paging and request paths
 (issue 8, item 3), through the real daemon.
 
-QMOED_FAULT_ALLOC=CLASS:N (daemon/qm_worker.c, a test hook) makes the Nth
+QMOED_FAULT_ALLOC=CLASS:N (daemon/qm_fault.c, a test hook) makes the Nth
 qm_malloc/qm_realloc of one thread class fail, once:
 
   worker  jobs on the worker threads: session build (pager, slots, the CPU

@@ -1,0 +1,56 @@
+/* qm_config.h - the daemon's configuration: flags, the JSON file, SIGHUP
+ * reloads (qm_config.c). A qm_config owns its strings (qm_config_free). */
+#ifndef QM_CONFIG_H
+#define QM_CONFIG_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "qm_error.h"
+
+typedef struct qm_model_spec {
+    char *name, *path;
+} qm_model_spec;
+
+typedef struct qm_config {
+    char *socket_path;  /* NULL: the PROTOCOL.md default */
+    char *config_path;
+    qm_model_spec *models;
+    size_t n_models;
+    char backend[8];    /* cpu, cuda, auto */
+    int has_device_budget;
+    uint64_t device_budget;
+    char *state_dir;
+    uint32_t threads;   /* backend compute threads (0 = cores) */
+    uint32_t workers;   /* sessions computed in parallel */
+    char *admin_group;
+    char *user;     /* drop to this user after binding (when started as root) */
+    int allow_root; /* keep running as root without a warning */
+    char *model_dirs; /* model.load only below these (':'-separated); NULL: anywhere */
+    int log_level;
+    /* limits */
+    uint64_t max_request_bytes;
+    uint32_t max_nesting;
+    uint32_t max_batch;
+    uint32_t max_connections;
+    uint32_t max_sessions;
+    uint64_t max_output_bytes; /* per connection: reads pause above it */
+    uint32_t queue_depth;      /* jobs queued daemon-wide */
+    uint32_t idle_timeout_s;   /* 0 = never */
+    uint32_t frame_timeout_s;  /* partial frame / stalled output; 0 = 2 x idle (60 s if none) */
+    uint32_t frames_per_wakeup;
+    uint32_t drain_timeout_s;
+    uint32_t trace_capacity;
+    uint64_t session_workspace_bytes;
+} qm_config;
+
+void qm_config_defaults(qm_config *cfg);
+void qm_config_free(qm_config *cfg);
+/* Parses argv into cfg (flags win over the file, which is read first).
+ * Returns 0, 1 when --help/--version was printed, or negative with st set. */
+int qm_config_from_args(qm_config *cfg, int argc, char **argv, qm_status *st);
+/* Reads the JSON file; with reload = 1 only the reloadable keys are applied. */
+int qm_config_load_file(qm_config *cfg, const char *path, int reload, qm_status *st);
+int qm_config_add_model(qm_config *cfg, const char *name, const char *path, qm_status *st);
+
+#endif

@@ -1,0 +1,64 @@
+/* qm_server.h - the listening socket and the connections (qm_server.c).
+ *
+ * A connection (qm_conn) is opaque: it lives on the loop thread, is held by
+ * its handle and by each reply in flight (qm_conn_ref/unref), and is never
+ * freed inside a callback chain: qm_conn_drop only marks it, and the
+ * server closes it at the loop's next safe point. */
+#ifndef QM_SERVER_H
+#define QM_SERVER_H
+
+#include <stddef.h>
+#include <stdint.h>
+#include <sys/types.h>
+
+#include "qm_error.h"
+
+typedef struct qm_daemon qm_daemon;
+typedef struct qm_conn qm_conn;
+typedef struct qm_server qm_server;
+
+/* Who is on the other end (SO_PEERCRED at accept), and what it may do. */
+typedef struct qm_peer {
+    uid_t uid;
+    gid_t gid;
+    pid_t pid;
+    int is_admin; /* uid 0, the daemon's uid, or admin_group */
+} qm_peer;
+
+/* Binds (or adopts systemd's socket), drops privileges, starts accepting.
+ * Creates d->server; on failure st says why and qm_server_free cleans up. */
+int qm_server_listen(qm_daemon *d, qm_status *st);
+void qm_server_stop_listening(qm_daemon *d);
+/* Closes every connection (after drain). */
+void qm_server_close_all(qm_daemon *d);
+/* Frees d->server once the loop has closed its handles; accepts none. */
+void qm_server_free(qm_daemon *d);
+/* Marks connections idle past idle_timeout_s for dropping, retries a
+ * refused accept (once a second, from the tick). */
+void qm_server_sweep_idle(qm_daemon *d);
+/* Applies a reloaded max_request_bytes to every open connection. */
+void qm_server_apply_limits(qm_daemon *d);
+size_t qm_server_connections(const qm_daemon *d);
+/* 1 while a connection is owed an answer or bytes: frames waiting for
+ * their turn, replies in flight or output not yet written. */
+int qm_server_owes_answers(const qm_daemon *d);
+
+qm_daemon *qm_conn_daemon(const qm_conn *c);
+const qm_peer *qm_conn_peer(const qm_conn *c); /* lives as long as c */
+uint64_t qm_conn_id(const qm_conn *c);
+/* 1 once the connection is closing: nobody will read what it is sent.
+ * Any thread (workers skip a vanished peer's queued inferences). */
+int qm_conn_gone(const qm_conn *c);
+void qm_conn_ref(qm_conn *c);
+void qm_conn_unref(qm_conn *c);
+/* Marks the connection to be closed at the next safe point. */
+void qm_conn_drop(qm_conn *c);
+/* Queues bytes (takes ownership of `data`, from qm_malloc) for writing. */
+void qm_conn_write(qm_conn *c, char *data, size_t len);
+/* A reply was opened for the connection (holds a reference to it) and,
+ * later, written or dropped (releases it): a half-closed connection closes
+ * once the last one is done. */
+void qm_conn_reply_begin(qm_conn *c);
+void qm_conn_reply_done(qm_conn *c);
+
+#endif

@@ -1,0 +1,67 @@
+/* qm_sessions.h - sessions and their admission against the daemon-wide
+ * device budget (qm_registry.c).
+ *
+ * A session is owned by the loop thread (the registry and the jobs queued
+ * for it each hold a reference); while one of its jobs runs, the worker
+ * running it alone uses its pager. Members marked (pool lock) belong to the
+ * worker pool (qm_pool.h). */
+#ifndef QM_SESSIONS_H
+#define QM_SESSIONS_H
+
+#include <stdatomic.h>
+#include <stdint.h>
+#include <sys/types.h>
+
+#include "qm_models.h"
+#include "qm_pager.h"
+#include "qm_pool.h"
+#include "qm_protocol.h"
+#include "qm_residency.h"
+#include "qm_telemetry.h"
+
+typedef struct qm_daemon qm_daemon;
+
+struct qm_session {
+    char id[QM_SESSION_ID_LEN + 1];
+    uid_t owner_uid;
+    qm_model *model;
+    char policy_name[16];
+    qm_policy policy;
+    qm_residency_plan *plan;
+    qm_pager *pager;          /* (worker) while a job of this session runs */
+    qm_pager_options pager_options;
+    char *trace_path;         /* policy_params.record_trace in the state dir, or NULL */
+    uint64_t plan_start_us, plan_us;
+    uint64_t budget_bytes;    /* expert-weight budget */
+    uint64_t workspace_bytes; /* fixed at creation */
+    uint64_t admitted_bytes;  /* budget + workspace, counted against the device budget */
+    int64_t created_at;       /* unix seconds */
+    int refs;                 /* registry + queued jobs (loop thread) */
+    atomic_int closed;        /* set by the loop; workers answer not_found after it */
+    qm_counters counters;
+    qm_pager_stats last_stats; /* the pager's cumulative stats after the last job */
+    qm_span plan_span;
+    qm_job_queue queue;        /* its FIFO of jobs (qm_pool.h) */
+    qm_session *next;
+};
+
+/* session.create in three steps: prepare (loop: checks, policy, plan,
+ * admission reserved), build (worker: the pager, which may copy whole banks
+ * and pins), then commit (loop: registered) or abort (loop: reservation
+ * released, session freed). */
+int qm_session_prepare(qm_daemon *d, const qm_params *p, uid_t owner, qm_session **out,
+                       qm_status *st);
+int qm_session_build(qm_daemon *d, qm_session *s, qm_status *st);
+void qm_session_commit(qm_daemon *d, qm_session *s);
+void qm_session_abort(qm_daemon *d, qm_session *s);
+qm_session *qm_session_find(qm_daemon *d, const char *id); /* borrowed; NULL when none */
+/* Unregisters and releases the registry's reference (jobs may hold more). */
+void qm_session_close(qm_daemon *d, qm_session *s);
+void qm_session_unref(qm_daemon *d, qm_session *s);
+/* Closes every session and unloads every model (at exit). */
+void qm_registry_free_all(qm_daemon *d);
+/* The session's plan JSON with its pager's residency now (worker thread, or
+ * any thread while no job of the session runs); *json is the caller's. */
+int qm_session_plan_json(qm_session *s, char **json, size_t *len, qm_status *st);
+
+#endif
