@@ -343,16 +343,12 @@ static size_t conn_process(qm_conn *c, size_t cap)
             conn_fatal(c, QM_RPC_INTERNAL_ERROR, "out of memory decoding a request");
             return done;
         }
-        if (frame.n == 1 && !frame.items[0].ok) {
-            int code = frame.items[0].rpc_code;
-            if (code == QM_RPC_INVALID_REQUEST && strstr(frame.items[0].status.msg, "max_nesting"))
-                qm_limit_hit(d, QM_LIMIT_MAX_NESTING, "connection %llu sent JSON deeper than "
-                             "max_nesting %d", (unsigned long long)c->id, d->lim.max_nesting);
-            else if (code == QM_RPC_INVALID_REQUEST &&
-                     strstr(frame.items[0].status.msg, "max_batch"))
-                qm_limit_hit(d, QM_LIMIT_MAX_BATCH, "connection %llu sent a batch over "
-                             "max_batch %zu", (unsigned long long)c->id, d->lim.max_batch);
-        }
+        if (frame.limit == QM_PROTO_LIMIT_NESTING)
+            qm_limit_hit(d, QM_LIMIT_MAX_NESTING, "connection %llu sent JSON deeper than "
+                         "max_nesting %d", (unsigned long long)c->id, d->lim.max_nesting);
+        else if (frame.limit == QM_PROTO_LIMIT_BATCH)
+            qm_limit_hit(d, QM_LIMIT_MAX_BATCH, "connection %llu sent a batch over "
+                         "max_batch %zu", (unsigned long long)c->id, d->lim.max_batch);
         qm_dispatch_frame(c, &frame, decode_us);
         qm_rpc_frame_free(&frame);
         done++;

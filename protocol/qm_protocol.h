@@ -273,8 +273,18 @@ typedef struct qm_rpc_item {
     qm_status status;    /* when !ok: reason and field */
 } qm_rpc_item;
 
+/* The configured limit a frame broke, so the daemon can count it without
+ * reading the error's text. */
+typedef enum qm_proto_limit {
+    QM_PROTO_LIMIT_NONE,
+    QM_PROTO_LIMIT_REQUEST_BYTES, /* max_request_bytes */
+    QM_PROTO_LIMIT_NESTING,       /* max_nesting */
+    QM_PROTO_LIMIT_BATCH          /* max_batch */
+} qm_proto_limit;
+
 typedef struct qm_rpc_frame {
     int is_batch; /* the response is an array (when it has any elements) */
+    qm_proto_limit limit; /* set with the one error item that answers it */
     size_t n;
     qm_rpc_item *items; /* owned */
 } qm_rpc_frame;

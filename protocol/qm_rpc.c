@@ -284,12 +284,14 @@ int qm_rpc_decode(const char *line, size_t len, const qm_proto_limits *lim, qm_r
     if (len > lim->max_request_bytes) {
         snprintf(msg, sizeof msg, "request of %zu bytes exceeds max_request_bytes %zu", len,
                  lim->max_request_bytes);
+        out->limit = QM_PROTO_LIMIT_REQUEST_BYTES;
         return single_error(out, QM_RPC_PAYLOAD_TOO_LARGE, msg);
     }
     const char *why;
     int pre = qm_json_check(line, len, lim->max_nesting, &why);
     if (pre == QM_ERESOURCE_EXHAUSTED) {
         snprintf(msg, sizeof msg, "JSON nested deeper than max_nesting %d", lim->max_nesting);
+        out->limit = QM_PROTO_LIMIT_NESTING;
         return single_error(out, QM_RPC_INVALID_REQUEST, msg);
     }
     if (pre < 0) {
@@ -324,6 +326,7 @@ int qm_rpc_decode(const char *line, size_t len, const qm_proto_limits *lim, qm_r
         if (n > lim->max_batch) {
             snprintf(msg, sizeof msg, "batch of %zu requests exceeds max_batch %zu", n,
                      lim->max_batch);
+            out->limit = QM_PROTO_LIMIT_BATCH;
             rc = single_error(out, QM_RPC_INVALID_REQUEST, msg);
             goto done;
         }

@@ -248,11 +248,18 @@ def nest(depth):
 
 
 def test_nesting_at_the_limit_parses_one_more_is_refused(dm):
+    before = dm.limit_hits("max_nesting")
     r = ask(dm, nest(MAX_NESTING))
     assert code_of(r) == -32602 and r["error"]["data"]["field"] == "x"
+    # An error that only names the limit (an unknown member max_nesting) is
+    # not counted as a hit: the daemon reads the decoder's code, not text.
+    r = ask(dm, b'{"jsonrpc":"2.0","id":1,"method":"daemon.status","max_nesting":1}')
+    assert code_of(r) == -32600 and "max_nesting" in r["error"]["data"]["reason"]
+    assert dm.limit_hits("max_nesting") == before
     r = ask(dm, nest(MAX_NESTING + 1))
     assert code_of(r) == -32600 and r["id"] is None
     assert "max_nesting" in r["error"]["data"]["reason"]
+    assert dm.limit_hits("max_nesting") == before + 1
 
 
 def test_deep_nesting_near_the_size_limit_is_refused_quickly(dm):

@@ -124,12 +124,36 @@ START_TEST(test_nesting_at_limit_passes_and_one_beyond_is_invalid_request)
     qm_rpc_frame f;
     ck_assert_int_eq(qm_rpc_decode(buf, strlen(buf), &l, &f), 0);
     ck_assert_int_eq(f.items[0].rpc_code, QM_RPC_INVALID_PARAMS); /* parsed: x is unknown */
+    ck_assert_int_eq(f.limit, QM_PROTO_LIMIT_NONE);
     qm_rpc_frame_free(&f);
     snprintf(buf, sizeof buf,
              "{\"jsonrpc\":\"2.0\",\"id\":1,\"method\":\"daemon.status\",\"params\":{\"x\":[[[[1]]]]}}");
     ck_assert_int_eq(qm_rpc_decode(buf, strlen(buf), &l, &f), 0);
     ck_assert_int_eq(f.items[0].rpc_code, QM_RPC_INVALID_REQUEST);
     ck_assert_ptr_null(f.items[0].req.id);
+    ck_assert_int_eq(f.limit, QM_PROTO_LIMIT_NESTING);
+    qm_rpc_frame_free(&f);
+}
+END_TEST
+
+/* The daemon counts limit hits from the frame's code: an error whose text
+ * merely names a limit (an unknown member called max_nesting) is none. */
+START_TEST(test_limit_code_names_the_broken_limit_not_the_text)
+{
+    qm_proto_limits l = lim();
+    qm_rpc_frame f;
+    const char *named = "{\"jsonrpc\":\"2.0\",\"id\":1,\"method\":\"daemon.status\","
+                        "\"max_nesting\":1,\"max_batch\":2}";
+    ck_assert_int_eq(qm_rpc_decode(named, strlen(named), &l, &f), 0);
+    ck_assert_int_eq(f.items[0].rpc_code, QM_RPC_INVALID_REQUEST);
+    ck_assert_ptr_nonnull(strstr(f.items[0].status.msg, "max_nesting"));
+    ck_assert_int_eq(f.limit, QM_PROTO_LIMIT_NONE);
+    qm_rpc_frame_free(&f);
+    l.max_request_bytes = 8;
+    const char *big = "{\"jsonrpc\":\"2.0\"}";
+    ck_assert_int_eq(qm_rpc_decode(big, strlen(big), &l, &f), 0);
+    ck_assert_int_eq(f.items[0].rpc_code, QM_RPC_PAYLOAD_TOO_LARGE);
+    ck_assert_int_eq(f.limit, QM_PROTO_LIMIT_REQUEST_BYTES);
     qm_rpc_frame_free(&f);
 }
 END_TEST
@@ -319,6 +343,7 @@ START_TEST(test_batch_empty_and_oversized_are_single_invalid_request)
     ck_assert(!f.is_batch);
     ck_assert_int_eq(f.items[0].rpc_code, QM_RPC_INVALID_REQUEST);
     ck_assert_ptr_nonnull(strstr(f.items[0].status.msg, "max_batch 2"));
+    ck_assert_int_eq(f.limit, QM_PROTO_LIMIT_BATCH);
     qm_rpc_frame_free(&f);
 }
 END_TEST
@@ -624,6 +649,7 @@ static Suite *protocol_suite(void)
     tcase_add_test(tc, test_framer_accepts_line_of_exactly_cap_and_rejects_complete_line_over);
     tcase_add_test(tc, test_depth_ignores_brackets_inside_strings);
     tcase_add_test(tc, test_nesting_at_limit_passes_and_one_beyond_is_invalid_request);
+    tcase_add_test(tc, test_limit_code_names_the_broken_limit_not_the_text);
     tcase_add_test(tc, test_prescan_refuses_what_cjson_would_forgive);
     tcase_add_test(tc, test_escaped_nul_is_refused_not_truncated);
     tcase_add_test(tc, test_ids_that_cannot_come_back_exactly_are_refused);
