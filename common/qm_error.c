@@ -9,7 +9,7 @@ const char *qm_strerror(int code)
     switch (code) {
     case QM_OK:
         return "ok";
-#define QM__ERR_STR(name, value, text)                                                             \
+#define QM__ERR_STR(name, value, text, rpc)                                                        \
     case QM_E##name:                                                                               \
         return text;
         QM_ERRNO_MAP(QM__ERR_STR)
@@ -23,7 +23,7 @@ const char *qm_err_name(int code)
     switch (code) {
     case QM_OK:
         return "OK";
-#define QM__ERR_NAME(name, value, text)                                                            \
+#define QM__ERR_NAME(name, value, text, rpc)                                                       \
     case QM_E##name:                                                                               \
         return #name;
         QM_ERRNO_MAP(QM__ERR_NAME)

@@ -8,28 +8,29 @@
 
 #include <stddef.h>
 
-/* X(name, value, text). Values are stable: the protocol maps them to JSON-RPC codes. */
+/* X(name, value, text, rpc). Values are stable. rpc is the JSON-RPC error a
+ * client sees for the code: QM_RPC_<rpc> of protocol/qm_protocol.h. */
 #define QM_ERRNO_MAP(X)                                                                            \
-    X(INVAL, -1, "invalid argument")                                                              \
-    X(NOMEM, -2, "out of memory")                                                                 \
-    X(IO, -3, "input/output error")                                                               \
-    X(INVALID_MODEL, -4, "invalid model")                                                          \
-    X(NOT_FOUND, -5, "not found")                                                                  \
-    X(PERMISSION, -6, "permission denied")                                                         \
-    X(RESOURCE_EXHAUSTED, -7, "resource exhausted")                                                \
-    X(OVERLOADED, -8, "overloaded")                                                                \
-    X(PAYLOAD_TOO_LARGE, -9, "payload too large")                                                  \
-    X(SHUTTING_DOWN, -10, "shutting down")                                                         \
-    X(CONFLICT, -11, "conflict")                                                                   \
-    X(IN_USE, -12, "in use")                                                                       \
-    X(UNSUPPORTED, -13, "unsupported")                                                             \
-    X(DEVICE, -14, "device error")                                                                 \
-    X(INTERNAL, -15, "internal error")                                                             \
-    X(PARSE, -16, "parse error")
+    X(INVAL, -1, "invalid argument", INVALID_PARAMS)                                               \
+    X(NOMEM, -2, "out of memory", RESOURCE_EXHAUSTED)                                              \
+    X(IO, -3, "input/output error", INTERNAL_ERROR)                                                \
+    X(INVALID_MODEL, -4, "invalid model", INVALID_MODEL)                                           \
+    X(NOT_FOUND, -5, "not found", NOT_FOUND)                                                       \
+    X(PERMISSION, -6, "permission denied", PERMISSION_DENIED)                                      \
+    X(RESOURCE_EXHAUSTED, -7, "resource exhausted", RESOURCE_EXHAUSTED)                            \
+    X(OVERLOADED, -8, "overloaded", OVERLOADED)                                                    \
+    X(PAYLOAD_TOO_LARGE, -9, "payload too large", PAYLOAD_TOO_LARGE)                               \
+    X(SHUTTING_DOWN, -10, "shutting down", SHUTTING_DOWN)                                          \
+    X(CONFLICT, -11, "conflict", CONFLICT)                                                         \
+    X(IN_USE, -12, "in use", IN_USE)                                                               \
+    X(UNSUPPORTED, -13, "unsupported", INVALID_PARAMS)                                             \
+    X(DEVICE, -14, "device error", INTERNAL_ERROR)                                                 \
+    X(INTERNAL, -15, "internal error", INTERNAL_ERROR)                                             \
+    X(PARSE, -16, "parse error", PARSE_ERROR)
 
 enum {
     QM_OK = 0,
-#define QM__ERR_ENUM(name, value, text) QM_E##name = value,
+#define QM__ERR_ENUM(name, value, text, rpc) QM_E##name = value,
     QM_ERRNO_MAP(QM__ERR_ENUM)
 #undef QM__ERR_ENUM
 };

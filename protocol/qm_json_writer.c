@@ -22,33 +22,13 @@ void qm_proto_limits_default(qm_proto_limits *lim)
 int qm_rpc_code_from_status(int qm_code)
 {
     switch (qm_code) {
-    case QM_EINVAL:
-    case QM_EUNSUPPORTED:
-        return QM_RPC_INVALID_PARAMS;
-    case QM_ENOMEM:
-    case QM_ERESOURCE_EXHAUSTED:
-        return QM_RPC_RESOURCE_EXHAUSTED;
-    case QM_EINVALID_MODEL:
-        return QM_RPC_INVALID_MODEL;
-    case QM_ENOT_FOUND:
-        return QM_RPC_NOT_FOUND;
-    case QM_EPERMISSION:
-        return QM_RPC_PERMISSION_DENIED;
-    case QM_EOVERLOADED:
-        return QM_RPC_OVERLOADED;
-    case QM_EPAYLOAD_TOO_LARGE:
-        return QM_RPC_PAYLOAD_TOO_LARGE;
-    case QM_ESHUTTING_DOWN:
-        return QM_RPC_SHUTTING_DOWN;
-    case QM_ECONFLICT:
-        return QM_RPC_CONFLICT;
-    case QM_EIN_USE:
-        return QM_RPC_IN_USE;
-    case QM_EPARSE:
-        return QM_RPC_PARSE_ERROR;
-    default:
-        return QM_RPC_INTERNAL_ERROR;
+#define QM__ERR_RPC(name, value, text, rpc)                                                        \
+    case QM_E##name:                                                                               \
+        return QM_RPC_##rpc;
+        QM_ERRNO_MAP(QM__ERR_RPC)
+#undef QM__ERR_RPC
     }
+    return QM_RPC_INTERNAL_ERROR;
 }
 
 const char *qm_rpc_code_name(int rpc_code)

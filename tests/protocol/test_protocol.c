@@ -570,6 +570,14 @@ START_TEST(test_status_codes_map_to_protocol_codes)
     ck_assert_int_eq(qm_rpc_code_from_status(QM_ECONFLICT), -32008);
     ck_assert_int_eq(qm_rpc_code_from_status(QM_EIN_USE), -32009);
     ck_assert_int_eq(qm_rpc_code_from_status(QM_EINTERNAL), -32603);
+    /* The rest of the column, and codes outside the list. */
+    ck_assert_int_eq(qm_rpc_code_from_status(QM_ENOMEM), -32003);
+    ck_assert_int_eq(qm_rpc_code_from_status(QM_EUNSUPPORTED), -32602);
+    ck_assert_int_eq(qm_rpc_code_from_status(QM_EIO), -32603);
+    ck_assert_int_eq(qm_rpc_code_from_status(QM_EDEVICE), -32603);
+    ck_assert_int_eq(qm_rpc_code_from_status(QM_EPARSE), -32700);
+    ck_assert_int_eq(qm_rpc_code_from_status(0), -32603);
+    ck_assert_int_eq(qm_rpc_code_from_status(-999), -32603);
     ck_assert_str_eq(qm_rpc_code_name(-32009), "in_use");
 }
 END_TEST
