@@ -236,75 +236,31 @@ int qm_cval_parse(const char *buf, size_t len, qm_cval **out, qm_status *st)
 
 /* ---------- print (our own, to stream large base64 strings without copies) ---------- */
 
-typedef struct qm__sbuf {
-    char *p;
-    size_t len, cap;
-    int failed;
-} qm__sbuf;
+static void qm__sb_str(qm_buf *b, const char *s) { qm_buf_append(b, s, strlen(s)); }
 
-static void qm__sb_put(qm__sbuf *b, const char *s, size_t n)
+static void qm__sb_json_string(qm_buf *b, const char *s, size_t n)
 {
-    if (b->failed)
-        return;
-    if (n > SIZE_MAX - b->len - 1) {
-        b->failed = 1;
-        return;
-    }
-    if (b->len + n + 1 > b->cap) {
-        size_t cap = b->cap ? b->cap : 256;
-        while (cap < b->len + n + 1)
-            cap = cap > SIZE_MAX / 2 ? b->len + n + 1 : cap * 2;
-        char *p = qm_realloc(b->p, cap);
-        if (!p) {
-            b->failed = 1;
-            return;
-        }
-        b->p = p;
-        b->cap = cap;
-    }
-    memcpy(b->p + b->len, s, n);
-    b->len += n;
-    b->p[b->len] = '\0';
+    qm_buf_append(b, "\"", 1);
+    qm_json_escape(b, s, n);
+    qm_buf_append(b, "\"", 1);
 }
 
-static void qm__sb_str(qm__sbuf *b, const char *s) { qm__sb_put(b, s, strlen(s)); }
-
-static void qm__sb_json_string(qm__sbuf *b, const char *s, size_t n)
+/* The printed text, NUL-terminated, to the caller; NULL when out of memory. */
+static char *qm__sb_finish(qm_buf *b, size_t *len_out)
 {
-    static const char hex[] = "0123456789abcdef";
-    qm__sb_put(b, "\"", 1);
-    size_t run = 0;
-    for (size_t i = 0; i < n; i++) {
-        unsigned char c = (unsigned char)s[i];
-        if (c >= 0x20 && c != '"' && c != '\\')
-            continue;
-        qm__sb_put(b, s + run, i - run);
-        run = i + 1;
-        char esc[7] = {'\\', 0, 0, 0, 0, 0, 0};
-        size_t elen = 2;
-        switch (c) {
-        case '"': esc[1] = '"'; break;
-        case '\\': esc[1] = '\\'; break;
-        case '\n': esc[1] = 'n'; break;
-        case '\r': esc[1] = 'r'; break;
-        case '\t': esc[1] = 't'; break;
-        case '\b': esc[1] = 'b'; break;
-        case '\f': esc[1] = 'f'; break;
-        default:
-            esc[1] = 'u';
-            esc[2] = '0';
-            esc[3] = '0';
-            esc[4] = hex[c >> 4];
-            esc[5] = hex[c & 15];
-            elen = 6;
-        }
-        qm__sb_put(b, esc, elen);
+    qm_buf_append(b, "", 1);
+    if (b->oom) {
+        qm_buf_free(b);
+        return NULL;
     }
-    qm__sb_put(b, s + run, n - run);
-    qm__sb_put(b, "\"", 1);
+    size_t len;
+    char *p = qm_buf_take(b, &len);
+    if (len_out)
+        *len_out = len - 1;
+    return p;
 }
 
-static void qm__sb_number(qm__sbuf *b, double d)
+static void qm__sb_number(qm_buf *b, double d)
 {
     char tmp[40];
     if (!isfinite(d))
@@ -315,16 +271,16 @@ static void qm__sb_number(qm__sbuf *b, double d)
         snprintf(tmp, sizeof(tmp), "%.17g", d), qm__sb_str(b, tmp);
 }
 
-static void qm__sb_indent(qm__sbuf *b, int pretty, int depth)
+static void qm__sb_indent(qm_buf *b, int pretty, int depth)
 {
     if (!pretty)
         return;
-    qm__sb_put(b, "\n", 1);
+    qm_buf_append(b, "\n", 1);
     for (int i = 0; i < depth; i++)
-        qm__sb_put(b, "  ", 2);
+        qm_buf_append(b, "  ", 2);
 }
 
-static void qm__print_value(qm__sbuf *b, const qm_cval *v, int pretty, int depth)
+static void qm__print_value(qm_buf *b, const qm_cval *v, int pretty, int depth)
 {
     if (!v) {
         qm__sb_str(b, "null");
@@ -345,21 +301,21 @@ static void qm__print_value(qm__sbuf *b, const qm_cval *v, int pretty, int depth
                 inline_items = 0;
         if (inline_items)
             pretty = 0;
-        qm__sb_put(b, obj ? "{" : "[", 1);
+        qm_buf_append(b, obj ? "{" : "[", 1);
         for (size_t i = 0; i < v->count; i++) {
             if (i)
-                qm__sb_put(b, inline_items ? ", " : ",", inline_items ? 2 : 1);
+                qm_buf_append(b, inline_items ? ", " : ",", inline_items ? 2 : 1);
             qm__sb_indent(b, pretty, depth + 1);
             if (obj) {
                 const char *k = v->items[i]->key ? v->items[i]->key : "";
                 qm__sb_json_string(b, k, strlen(k));
-                qm__sb_put(b, pretty ? ": " : ":", pretty ? 2 : 1);
+                qm_buf_append(b, pretty ? ": " : ":", pretty ? 2 : 1);
             }
             qm__print_value(b, v->items[i], pretty, depth + 1);
         }
         if (v->count)
             qm__sb_indent(b, pretty, depth);
-        qm__sb_put(b, obj ? "}" : "]", 1);
+        qm_buf_append(b, obj ? "}" : "]", 1);
         break;
     }
     }
@@ -367,21 +323,17 @@ static void qm__print_value(qm__sbuf *b, const qm_cval *v, int pretty, int depth
 
 char *qm_cval_print(const qm_cval *v, int pretty, size_t *len_out)
 {
-    qm__sbuf b = {0};
+    qm_buf b;
+    qm_buf_init(&b);
     qm__print_value(&b, v, pretty, 0);
-    if (b.failed) {
-        qm_free(b.p);
-        return NULL;
-    }
-    if (len_out)
-        *len_out = b.len;
-    return b.p;
+    return qm__sb_finish(&b, len_out);
 }
 
 char *qm_client_codec_request(uint64_t id, const char *method, const qm_cval *params,
                               size_t *len_out)
 {
-    qm__sbuf b = {0};
+    qm_buf b;
+    qm_buf_init(&b);
     char tmp[64];
     snprintf(tmp, sizeof(tmp), "{\"jsonrpc\":\"2.0\",\"id\":%llu,\"method\":",
              (unsigned long long)id);
@@ -392,13 +344,7 @@ char *qm_client_codec_request(uint64_t id, const char *method, const qm_cval *pa
         qm__print_value(&b, params, 0, 0);
     }
     qm__sb_str(&b, "}\n");
-    if (b.failed) {
-        qm_free(b.p);
-        return NULL;
-    }
-    if (len_out)
-        *len_out = b.len;
-    return b.p;
+    return qm__sb_finish(&b, len_out);
 }
 
 /* ---------- response envelopes ---------- */

@@ -1,4 +1,4 @@
-/* qm_json_writer.c - the byte buffer, the JSON writer, base64, error codes.
+/* qm_json_writer.c - the JSON writer and the error codes.
  *
  * Responses are written straight into a buffer rather than built as a cJSON
  * tree: it is deterministic (member order = call order), allocation-light,
@@ -6,7 +6,6 @@
 #include "qm_protocol.h"
 
 #include <math.h>
-#include <stdarg.h>
 #include <stdio.h>
 #include <string.h>
 
@@ -41,97 +40,6 @@ const char *qm_rpc_code_name(int rpc_code)
 #undef QM__RPC_NAME
     }
     return "internal_error";
-}
-
-/* ---- buffer ---- */
-
-void qm_buf_init(qm_buf *b)
-{
-    b->data = NULL;
-    b->len = b->cap = 0;
-    b->oom = 0;
-}
-
-void qm_buf_free(qm_buf *b)
-{
-    if (!b)
-        return;
-    qm_free(b->data);
-    qm_buf_init(b);
-}
-
-void qm_buf_reset(qm_buf *b)
-{
-    b->len = 0;
-    b->oom = 0;
-}
-
-int qm_buf_reserve(qm_buf *b, size_t extra)
-{
-    if (b->oom)
-        return QM_ENOMEM;
-    if (extra <= b->cap - b->len)
-        return 0;
-    size_t need;
-    if (__builtin_add_overflow(b->len, extra, &need))
-        goto fail;
-    size_t cap = b->cap ? b->cap : 1024;
-    while (cap < need) {
-        if (cap > SIZE_MAX / 2) {
-            cap = need;
-            break;
-        }
-        cap *= 2;
-    }
-    char *p = qm_realloc(b->data, cap);
-    if (!p)
-        goto fail;
-    b->data = p;
-    b->cap = cap;
-    return 0;
-fail:
-    b->oom = 1;
-    return QM_ENOMEM;
-}
-
-int qm_buf_append(qm_buf *b, const void *data, size_t n)
-{
-    if (n == 0)
-        return b->oom ? QM_ENOMEM : 0;
-    if (qm_buf_reserve(b, n) < 0)
-        return QM_ENOMEM;
-    memcpy(b->data + b->len, data, n);
-    b->len += n;
-    return 0;
-}
-
-int qm_buf_printf(qm_buf *b, const char *fmt, ...)
-{
-    char small[256];
-    va_list ap;
-    va_start(ap, fmt);
-    int n = vsnprintf(small, sizeof small, fmt, ap);
-    va_end(ap);
-    if (n < 0)
-        return QM_EINVAL;
-    if ((size_t)n < sizeof small)
-        return qm_buf_append(b, small, (size_t)n);
-    if (qm_buf_reserve(b, (size_t)n + 1) < 0)
-        return QM_ENOMEM;
-    va_start(ap, fmt);
-    vsnprintf(b->data + b->len, (size_t)n + 1, fmt, ap);
-    va_end(ap);
-    b->len += (size_t)n;
-    return 0;
-}
-
-char *qm_buf_take(qm_buf *b, size_t *len)
-{
-    char *p = b->data;
-    if (len)
-        *len = b->len;
-    qm_buf_init(b);
-    return p;
 }
 
 /* ---- writer ---- */
@@ -199,52 +107,11 @@ void qm_jw_obj_end(qm_jw *w) { jw_close(w, '}'); }
 void qm_jw_arr_begin(qm_jw *w) { jw_open(w, '['); }
 void qm_jw_arr_end(qm_jw *w) { jw_close(w, ']'); }
 
-static void jw_string_body(qm_buf *b, const char *s, size_t n)
-{
-    static const char hex[] = "0123456789abcdef";
-    size_t run = 0;
-    for (size_t i = 0; i < n; i++) {
-        unsigned char c = (unsigned char)s[i];
-        if (c >= 0x20 && c != '"' && c != '\\')
-            continue;
-        put(b, s + run, i - run);
-        run = i + 1;
-        char esc[6] = {'\\', 0};
-        size_t len = 2;
-        switch (c) {
-        case '"':
-            esc[1] = '"';
-            break;
-        case '\\':
-            esc[1] = '\\';
-            break;
-        case '\n':
-            esc[1] = 'n';
-            break;
-        case '\r':
-            esc[1] = 'r';
-            break;
-        case '\t':
-            esc[1] = 't';
-            break;
-        default:
-            esc[1] = 'u';
-            esc[2] = '0';
-            esc[3] = '0';
-            esc[4] = hex[c >> 4];
-            esc[5] = hex[c & 15];
-            len = 6;
-        }
-        put(b, esc, len);
-    }
-    put(b, s + run, n - run);
-}
-
 void qm_jw_key(qm_jw *w, const char *key)
 {
     jw_value_prefix(w);
     put(w->out, "\"", 1);
-    jw_string_body(w->out, key, strlen(key));
+    qm_json_escape(w->out, key, strlen(key));
     put(w->out, "\":", 2);
     w->after_key = 1;
 }
@@ -253,7 +120,7 @@ void qm_jw_str_n(qm_jw *w, const char *s, size_t n)
 {
     jw_value_prefix(w);
     put(w->out, "\"", 1);
-    jw_string_body(w->out, s, n);
+    qm_json_escape(w->out, s, n);
     put(w->out, "\"", 1);
 }
 

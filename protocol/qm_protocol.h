@@ -10,6 +10,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "qm_buf.h"
 #include "qm_error.h"
 
 /* ---- Limits (each one a config key of the daemon) ------------------------ */
@@ -57,25 +58,6 @@ enum {
 int qm_rpc_code_from_status(int qm_code);
 /* "invalid_params", ...; "internal_error" for unknown codes. Static string. */
 const char *qm_rpc_code_name(int rpc_code);
-
-/* ---- Growable byte buffer ------------------------------------------------ */
-
-/* Output is built here. Allocation failure is sticky (`oom`), so a writer can
- * emit a whole response and check once at the end. */
-typedef struct qm_buf {
-    char *data;
-    size_t len, cap;
-    int oom;
-} qm_buf;
-
-void qm_buf_init(qm_buf *b);
-void qm_buf_free(qm_buf *b); /* accepts NULL; leaves an empty buffer */
-void qm_buf_reset(qm_buf *b); /* len = 0, oom = 0, memory kept */
-int qm_buf_reserve(qm_buf *b, size_t extra);
-int qm_buf_append(qm_buf *b, const void *data, size_t n);
-int qm_buf_printf(qm_buf *b, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
-/* Hands the bytes to the caller (free with qm_free) and leaves b empty. */
-char *qm_buf_take(qm_buf *b, size_t *len);
 
 /* ---- JSON writer --------------------------------------------------------- */
 

@@ -1,0 +1,140 @@
+/* qm_buf.c - the growable byte buffer and the JSON string escaper (qm_buf.h). */
+#include "qm_buf.h"
+
+#include <stdarg.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <string.h>
+
+#include "qm_alloc.h"
+#include "qm_error.h"
+
+void qm_buf_init(qm_buf *b)
+{
+    b->data = NULL;
+    b->len = b->cap = 0;
+    b->oom = 0;
+}
+
+void qm_buf_free(qm_buf *b)
+{
+    if (!b)
+        return;
+    qm_free(b->data);
+    qm_buf_init(b);
+}
+
+void qm_buf_reset(qm_buf *b)
+{
+    b->len = 0;
+    b->oom = 0;
+}
+
+int qm_buf_reserve(qm_buf *b, size_t extra)
+{
+    if (b->oom)
+        return QM_ENOMEM;
+    if (extra <= b->cap - b->len)
+        return 0;
+    size_t need;
+    if (__builtin_add_overflow(b->len, extra, &need))
+        goto fail;
+    size_t cap = b->cap ? b->cap : 1024;
+    while (cap < need) {
+        if (cap > SIZE_MAX / 2) {
+            cap = need;
+            break;
+        }
+        cap *= 2;
+    }
+    char *p = qm_realloc(b->data, cap);
+    if (!p)
+        goto fail;
+    b->data = p;
+    b->cap = cap;
+    return 0;
+fail:
+    b->oom = 1;
+    return QM_ENOMEM;
+}
+
+int qm_buf_append(qm_buf *b, const void *data, size_t n)
+{
+    if (n == 0)
+        return b->oom ? QM_ENOMEM : 0;
+    if (qm_buf_reserve(b, n) < 0)
+        return QM_ENOMEM;
+    memcpy(b->data + b->len, data, n);
+    b->len += n;
+    return 0;
+}
+
+int qm_buf_printf(qm_buf *b, const char *fmt, ...)
+{
+    char small[256];
+    va_list ap;
+    va_start(ap, fmt);
+    int n = vsnprintf(small, sizeof small, fmt, ap);
+    va_end(ap);
+    if (n < 0)
+        return QM_EINVAL;
+    if ((size_t)n < sizeof small)
+        return qm_buf_append(b, small, (size_t)n);
+    if (qm_buf_reserve(b, (size_t)n + 1) < 0)
+        return QM_ENOMEM;
+    va_start(ap, fmt);
+    vsnprintf(b->data + b->len, (size_t)n + 1, fmt, ap);
+    va_end(ap);
+    b->len += (size_t)n;
+    return 0;
+}
+
+char *qm_buf_take(qm_buf *b, size_t *len)
+{
+    char *p = b->data;
+    if (len)
+        *len = b->len;
+    qm_buf_init(b);
+    return p;
+}
+
+void qm_json_escape(qm_buf *b, const char *s, size_t n)
+{
+    static const char hex[] = "0123456789abcdef";
+    size_t run = 0;
+    for (size_t i = 0; i < n; i++) {
+        unsigned char c = (unsigned char)s[i];
+        if (c >= 0x20 && c != '"' && c != '\\')
+            continue;
+        qm_buf_append(b, s + run, i - run);
+        run = i + 1;
+        char esc[6] = {'\\', 0};
+        size_t len = 2;
+        switch (c) {
+        case '"':
+            esc[1] = '"';
+            break;
+        case '\\':
+            esc[1] = '\\';
+            break;
+        case '\n':
+            esc[1] = 'n';
+            break;
+        case '\r':
+            esc[1] = 'r';
+            break;
+        case '\t':
+            esc[1] = 't';
+            break;
+        default:
+            esc[1] = 'u';
+            esc[2] = '0';
+            esc[3] = '0';
+            esc[4] = hex[c >> 4];
+            esc[5] = hex[c & 15];
+            len = 6;
+        }
+        qm_buf_append(b, esc, len);
+    }
+    qm_buf_append(b, s + run, n - run);
+}

@@ -1,0 +1,32 @@
+/* qm_buf.h - the one growable byte buffer and the one JSON string escaper,
+ * shared by the daemon's response writer (qm_jw) and the client codec
+ * (qm_cval_print, request lines). Free of cJSON, so the client library
+ * compiles it on its own (clients/CMakeLists.txt). */
+#ifndef QM_BUF_H
+#define QM_BUF_H
+
+#include <stddef.h>
+
+/* Output is built here. Allocation failure is sticky (`oom`), so a writer can
+ * emit a whole response and check once at the end. */
+typedef struct qm_buf {
+    char *data;
+    size_t len, cap;
+    int oom;
+} qm_buf;
+
+void qm_buf_init(qm_buf *b);
+void qm_buf_free(qm_buf *b); /* accepts NULL; leaves an empty buffer */
+void qm_buf_reset(qm_buf *b); /* len = 0, oom = 0, memory kept */
+int qm_buf_reserve(qm_buf *b, size_t extra);
+int qm_buf_append(qm_buf *b, const void *data, size_t n);
+int qm_buf_printf(qm_buf *b, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+/* Hands the bytes to the caller (free with qm_free) and leaves b empty. */
+char *qm_buf_take(qm_buf *b, size_t *len);
+
+/* Appends s[0..n) as the body of a JSON string (no quotes): '"', '\\', \n,
+ * \r and \t as two-character escapes, other bytes below 0x20 as \u00XX,
+ * everything else (UTF-8 included) as it is. */
+void qm_json_escape(qm_buf *b, const char *s, size_t n);
+
+#endif
