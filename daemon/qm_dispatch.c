@@ -36,18 +36,22 @@ static qm_reply *reply_new(qm_conn *c, size_t n, int is_batch)
     if (!r)
         return NULL;
     r->parts = qm_calloc(n, sizeof *r->parts);
+    if (!r->parts)
+        goto fail_parts;
     r->lens = qm_calloc(n, sizeof *r->lens);
-    if (!r->parts || !r->lens) {
-        qm_free(r->parts);
-        qm_free(r->lens);
-        qm_free(r);
-        return NULL;
-    }
+    if (!r->lens)
+        goto fail_lens;
     r->conn = c;
     r->n = r->pending = n;
     r->is_batch = is_batch;
     qm_conn_reply_begin(c);
     return r;
+
+fail_lens:
+    qm_free(r->parts);
+fail_parts:
+    qm_free(r);
+    return NULL;
 }
 
 static void reply_send(qm_reply *r)

@@ -66,7 +66,7 @@ void qm_job_run(qm_job *job)
     job->n_routes = (size_t)T * k;
     if (!output || (p->has_router_logits && !logits) || !rexp || !rw) {
         job->rc = qm_status_set(&job->st, QM_ENOMEM, "out of memory for %u tokens", T);
-        goto done;
+        goto free_buffers;
     }
     qm_pager_stats before;
     qm_pager_stats_get(s->pager, &before);
@@ -88,7 +88,7 @@ void qm_job_run(qm_job *job)
     qm_pager_stats_get(s->pager, &job->pstats);
     job->tokens = T;
     if (job->rc < 0 || !job->req.id)
-        goto done;
+        goto free_buffers;
     uint64_t now = qm_now_us();
     qm_jw w;
     qm_jw_init(&w, &job->response);
@@ -139,7 +139,7 @@ void qm_job_run(qm_job *job)
     qm_rpc_result_end(&w);
     if (job->response.oom)
         job->rc = qm_status_set(&job->st, QM_ENOMEM, "out of memory encoding the output");
-done:
+free_buffers:
     qm_free(output);
     qm_free(logits);
     qm_free(rw);
@@ -156,7 +156,7 @@ int qm_session_plan_json(qm_session *s, char **json, size_t *len, qm_status *st)
     int rc = 0;
     if (!banks || !lists) {
         rc = qm_status_set(st, QM_ENOMEM, "out of memory reading the residency");
-        goto out;
+        goto free_lists;
     }
     qm_plan_json_state state = {.banks = banks, .n_banks = 0};
     for (size_t i = 0; i < n && s->pager; i++) {
@@ -169,7 +169,7 @@ int qm_session_plan_json(qm_session *s, char **json, size_t *len, qm_status *st)
         lists[i] = qm_malloc(((size_t)count + 1) * sizeof **lists);
         if (!lists[i]) {
             rc = qm_status_set(st, QM_ENOMEM, "out of memory reading the residency");
-            goto out;
+            goto free_lists;
         }
         size_t cap = (size_t)count;
         count = qm_pager_resident_experts(s->pager, layer, lists[i], cap);
@@ -186,7 +186,7 @@ int qm_session_plan_json(qm_session *s, char **json, size_t *len, qm_status *st)
         state.resident_bytes = ps.resident_bytes;
     }
     rc = qm_plan_to_json_ex(s->plan, &state, json, len, st);
-out:
+free_lists:
     for (size_t i = 0; lists && i < n; i++)
         qm_free(lists[i]);
     qm_free(lists);

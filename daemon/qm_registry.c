@@ -147,7 +147,7 @@ int qm_model_load(qm_daemon *d, const char *name, const char *path, qm_model **o
             st->code = rc;
             snprintf(st->field, sizeof st->field, "path");
         }
-        goto fail;
+        goto free_model;
     }
     uint64_t mapped_bytes;
     const void *mapped = qm_bank_mapping(m->bank, &mapped_bytes);
@@ -157,12 +157,12 @@ int qm_model_load(qm_daemon *d, const char *name, const char *path, qm_model **o
     m->catalogs = qm_calloc(m->n_layers ? m->n_layers : 1, sizeof *m->catalogs);
     if (!m->catalogs) {
         rc = qm_status_set(st, QM_ENOMEM, "out of memory");
-        goto fail;
+        goto free_model;
     }
     for (uint32_t l = 0; l < m->n_layers; l++) {
         rc = qm_bank_build_catalog(m->bank, l, &m->catalogs[l], st);
         if (rc < 0)
-            goto fail;
+            goto free_model;
     }
     /* The profile persists across restarts in the state dir; a missing or
      * mismatched file starts an empty one. */
@@ -174,7 +174,7 @@ int qm_model_load(qm_daemon *d, const char *name, const char *path, qm_model **o
         m->hotness_path = qm_malloc(n);
         if (!m->hotness_path) {
             rc = qm_status_set(st, QM_ENOMEM, "out of memory");
-            goto fail;
+            goto free_model;
         }
         snprintf(m->hotness_path, n, "%s/%s.hot", d->cfg.state_dir, name);
         rc = qm_hotness_load(m->hotness_path, &key, QM_HOTNESS_DEFAULT_DECAY, &m->hotness,
@@ -183,7 +183,7 @@ int qm_model_load(qm_daemon *d, const char *name, const char *path, qm_model **o
         rc = qm_hotness_new(&key, QM_HOTNESS_DEFAULT_DECAY, &m->hotness, st);
     }
     if (rc < 0)
-        goto fail;
+        goto free_model;
     if (warning[0])
         qm_log(QM_LOG_WARNING, "model %s: %s", name, warning);
     m->hotness_saved = qm_hotness_records(m->hotness);
@@ -199,7 +199,7 @@ int qm_model_load(qm_daemon *d, const char *name, const char *path, qm_model **o
     if (out)
         *out = m;
     return 0;
-fail:
+free_model:
     model_free(m);
     return rc;
 }
