@@ -1,0 +1,78 @@
+"""What the tests/daemon/test_qmoed_*.py suites share beyond the harness: the
+bank's shape, request helpers, `qmoe-bank run` as the reference, and running
+a client as another uid. The fixtures (banks, daemon) are in conftest.py.
+"""
+import json
+import os
+import subprocess
+import tempfile
+
+import numpy as np
+
+from qmoed_harness import qmoe_bank_path
+
+H, E, K = 64, 8, 2  # the "small" bank of conftest.banks
+
+
+def hidden(T, seed=0, dtype=np.float32):
+    rng = np.random.default_rng(seed)
+    return rng.standard_normal((T, H)).astype(dtype)
+
+
+def err(resp):
+    assert "error" in resp, resp
+    return resp["error"]
+
+
+def new_session(c, **params):
+    p = {"model": "small"}
+    p.update(params)
+    return c.call("session.create", p)["session"]
+
+
+def run_qmoe_bank(bank, layer, x, logits=None):
+    d = tempfile.mkdtemp(prefix="qmoed-run-")
+    np.save(os.path.join(d, "x.npy"), x)
+    cmd = [qmoe_bank_path(), "run", bank, "--layer", str(layer), "--hidden",
+           os.path.join(d, "x.npy"), "--out", os.path.join(d, "y.npy")]
+    if logits is not None:
+        np.save(os.path.join(d, "r.npy"), logits)
+        cmd += ["--logits", os.path.join(d, "r.npy")]
+    subprocess.run(cmd, check=True)
+    return np.load(os.path.join(d, "y.npy"))
+
+
+def run_as(uid, fn):
+    """Runs fn() in a child that dropped to `uid`; returns what it printed as JSON."""
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        os.close(r)
+        try:
+            os.setgroups([])
+            os.setgid(uid)
+            os.setuid(uid)
+            out = fn()
+            os.write(w, json.dumps(out).encode())
+        except BaseException as e:  # report anything to the parent
+            os.write(w, json.dumps({"exception": repr(e)}).encode())
+        os._exit(0)
+    os.close(w)
+    data = b""
+    while True:
+        chunk = os.read(r, 65536)
+        if not chunk:
+            break
+        data += chunk
+    os.close(r)
+    os.waitpid(pid, 0)
+    return json.loads(data)
+
+
+def load_trace_tool():
+    import importlib.util
+    path = os.path.join(os.path.dirname(__file__), "..", "..", "tools", "qmoe_trace.py")
+    spec = importlib.util.spec_from_file_location("qmoe_trace", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
