@@ -158,29 +158,19 @@ static void answer_status(qm_daemon *d, qm_reply *r, size_t slot, const qm_reque
 static void write_status(qm_daemon *d, qm_jw *w)
 {
     qm_jw_obj_begin(w);
-    qm_jw_key(w, "version");
-    qm_jw_str(w, QMOE_VERSION);
-    qm_jw_key(w, "uptime_s");
-    qm_jw_u64(w, (qm_now_us() - d->start_us) / 1000000);
-    qm_jw_key(w, "backend");
-    qm_jw_str(w, qm_backend_name(d->backend));
+    qm_jw_member_str(w, "version", QMOE_VERSION);
+    qm_jw_member_u64(w, "uptime_s", (qm_now_us() - d->start_us) / 1000000);
+    qm_jw_member_str(w, "backend", qm_backend_name(d->backend));
     qm_jw_key(w, "device");
     qm_jw_obj_begin(w);
-    qm_jw_key(w, "name");
-    qm_jw_str(w, d->device.name);
-    qm_jw_key(w, "total_bytes");
-    qm_jw_u64(w, d->device.total_bytes);
-    qm_jw_key(w, "budget_bytes");
-    qm_jw_u64(w, d->device_budget);
-    qm_jw_key(w, "used_bytes");
-    qm_jw_u64(w, d->admitted_bytes);
+    qm_jw_member_str(w, "name", d->device.name);
+    qm_jw_member_u64(w, "total_bytes", d->device.total_bytes);
+    qm_jw_member_u64(w, "budget_bytes", d->device_budget);
+    qm_jw_member_u64(w, "used_bytes", d->admitted_bytes);
     qm_jw_obj_end(w);
-    qm_jw_key(w, "models");
-    qm_jw_u64(w, d->n_models);
-    qm_jw_key(w, "sessions");
-    qm_jw_u64(w, d->n_sessions);
-    qm_jw_key(w, "connections");
-    qm_jw_u64(w, qm_server_connections(d));
+    qm_jw_member_u64(w, "models", d->n_models);
+    qm_jw_member_u64(w, "sessions", d->n_sessions);
+    qm_jw_member_u64(w, "connections", qm_server_connections(d));
     qm_jw_key(w, "draining");
     qm_jw_bool(w, d->draining);
     qm_jw_obj_end(w);
@@ -191,38 +181,31 @@ static void write_plan_summary(qm_jw *w, const qm_session *s)
     size_t total = qm_plan_total(s->plan), resident = qm_plan_resident_count(s->plan),
            degraded = qm_plan_degraded_count(s->plan);
     qm_jw_obj_begin(w);
-    qm_jw_key(w, "policy");
-    qm_jw_str(w, s->policy_name);
-    qm_jw_key(w, "budget_bytes");
-    qm_jw_u64(w, s->budget_bytes);
-    qm_jw_key(w, "total");
-    qm_jw_u64(w, total);
-    qm_jw_key(w, "resident");
-    qm_jw_u64(w, resident);
-    qm_jw_key(w, "degraded");
-    qm_jw_u64(w, degraded);
-    qm_jw_key(w, "per_expert");
-    qm_jw_u64(w, total - resident - degraded);
+    qm_jw_member_str(w, "policy", s->policy_name);
+    qm_jw_member_u64(w, "budget_bytes", s->budget_bytes);
+    qm_jw_member_u64(w, "total", total);
+    qm_jw_member_u64(w, "resident", resident);
+    qm_jw_member_u64(w, "degraded", degraded);
+    qm_jw_member_u64(w, "per_expert", total - resident - degraded);
     qm_jw_obj_end(w);
+}
+
+/* The members session.list and session.create share. */
+static void write_session_bytes(qm_jw *w, const qm_session *s)
+{
+    qm_jw_member_u64(w, "budget_bytes", s->budget_bytes);
+    qm_jw_member_u64(w, "resident_bytes", s->counters.resident_bytes);
+    qm_jw_member_u64(w, "workspace_bytes", s->workspace_bytes);
 }
 
 static void write_session_entry(qm_jw *w, const qm_session *s)
 {
     qm_jw_obj_begin(w);
-    qm_jw_key(w, "session");
-    qm_jw_str(w, s->id);
-    qm_jw_key(w, "model");
-    qm_jw_str(w, s->model->name);
-    qm_jw_key(w, "policy");
-    qm_jw_str(w, s->policy_name);
-    qm_jw_key(w, "owner_uid");
-    qm_jw_u64(w, s->owner_uid);
-    qm_jw_key(w, "budget_bytes");
-    qm_jw_u64(w, s->budget_bytes);
-    qm_jw_key(w, "resident_bytes");
-    qm_jw_u64(w, s->counters.resident_bytes);
-    qm_jw_key(w, "workspace_bytes");
-    qm_jw_u64(w, s->workspace_bytes);
+    qm_jw_member_str(w, "session", s->id);
+    qm_jw_member_str(w, "model", s->model->name);
+    qm_jw_member_str(w, "policy", s->policy_name);
+    qm_jw_member_u64(w, "owner_uid", s->owner_uid);
+    write_session_bytes(w, s);
     qm_jw_key(w, "created_at");
     qm_jw_i64(w, s->created_at);
     qm_jw_obj_end(w);
@@ -231,16 +214,10 @@ static void write_session_entry(qm_jw *w, const qm_session *s)
 static void write_create_result(qm_jw *w, const qm_session *s)
 {
     qm_jw_obj_begin(w);
-    qm_jw_key(w, "session");
-    qm_jw_str(w, s->id);
+    qm_jw_member_str(w, "session", s->id);
     qm_jw_key(w, "plan_summary");
     write_plan_summary(w, s);
-    qm_jw_key(w, "budget_bytes");
-    qm_jw_u64(w, s->budget_bytes);
-    qm_jw_key(w, "resident_bytes");
-    qm_jw_u64(w, s->counters.resident_bytes);
-    qm_jw_key(w, "workspace_bytes");
-    qm_jw_u64(w, s->workspace_bytes);
+    write_session_bytes(w, s);
     qm_jw_obj_end(w);
 }
 
@@ -441,8 +418,9 @@ static void answer_sync(qm_daemon *d, qm_conn *c, qm_reply *r, size_t slot, qm_r
     const qm_method_entry *e = qm_method_entry_get(req->method);
     qm_call call = {.d = d, .peer = qm_conn_peer(c), .req = req, .w = &w};
     qm_rpc_result_begin(&w, req->id);
-    int rc = e && e->handler ? e->handler(&call, &st)
-                             : qm_status_set(&st, QM_EINTERNAL, "method has no synchronous handler");
+    int rc = e && e->handler
+                 ? e->handler(&call, &st)
+                 : qm_status_set(&st, QM_EINTERNAL, "method has no synchronous handler");
     if (rc < 0) {
         qm_buf_free(&b);
         answer_status(d, r, slot, req, &st);

@@ -120,20 +120,13 @@ void qm_job_run(qm_job *job)
     qm_jw_key(&w, "hits");
     qm_jw_u64(&w, job->pstats.hits - before.hits + (job->pstats.whole_bank_accesses -
                                                     before.whole_bank_accesses));
-    qm_jw_key(&w, "misses");
-    qm_jw_u64(&w, job->pstats.misses - before.misses);
-    qm_jw_key(&w, "bytes_paged");
-    qm_jw_u64(&w, job->pstats.bytes_paged_h2d - before.bytes_paged_h2d);
-    qm_jw_key(&w, "queue_us");
-    qm_jw_u64(&w, job->start_us - job->enqueue_us);
-    qm_jw_key(&w, "compute_us");
-    qm_jw_u64(&w, job->mstats.compute_us);
-    qm_jw_key(&w, "decode_us");
-    qm_jw_u64(&w, job->decode_us);
-    qm_jw_key(&w, "encode_us");
-    qm_jw_u64(&w, encode_us);
-    qm_jw_key(&w, "wall_us");
-    qm_jw_u64(&w, now - job->start_us);
+    qm_jw_member_u64(&w, "misses", job->pstats.misses - before.misses);
+    qm_jw_member_u64(&w, "bytes_paged", job->pstats.bytes_paged_h2d - before.bytes_paged_h2d);
+    qm_jw_member_u64(&w, "queue_us", job->start_us - job->enqueue_us);
+    qm_jw_member_u64(&w, "compute_us", job->mstats.compute_us);
+    qm_jw_member_u64(&w, "decode_us", job->decode_us);
+    qm_jw_member_u64(&w, "encode_us", encode_us);
+    qm_jw_member_u64(&w, "wall_us", now - job->start_us);
     qm_jw_obj_end(&w);
     qm_jw_obj_end(&w);
     qm_rpc_result_end(&w);

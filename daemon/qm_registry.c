@@ -250,30 +250,18 @@ void qm_jw_model_summary(qm_jw *w, const qm_model *m)
 {
     const qm_bank_config *c = qm_bank_get_config(m->bank);
     qm_jw_obj_begin(w);
-    qm_jw_key(w, "name");
-    qm_jw_str(w, m->name);
-    qm_jw_key(w, "path");
-    qm_jw_str(w, m->path);
-    qm_jw_key(w, "layers");
-    qm_jw_u64(w, c->layers);
-    qm_jw_key(w, "experts");
-    qm_jw_u64(w, c->experts);
-    qm_jw_key(w, "hidden_size");
-    qm_jw_u64(w, c->hidden);
-    qm_jw_key(w, "inter_size");
-    qm_jw_u64(w, c->inter);
-    qm_jw_key(w, "k");
-    qm_jw_u64(w, c->k);
-    qm_jw_key(w, "activation");
-    qm_jw_str(w, qm_activation_name(c->activation));
-    qm_jw_key(w, "bits");
-    qm_jw_u64(w, c->bits);
-    qm_jw_key(w, "block_size");
-    qm_jw_u64(w, c->block_size);
-    qm_jw_key(w, "bytes_total");
-    qm_jw_u64(w, m->bytes_total);
-    qm_jw_key(w, "bytes_per_expert");
-    qm_jw_u64(w, m->bytes_per_expert);
+    qm_jw_member_str(w, "name", m->name);
+    qm_jw_member_str(w, "path", m->path);
+    qm_jw_member_u64(w, "layers", c->layers);
+    qm_jw_member_u64(w, "experts", c->experts);
+    qm_jw_member_u64(w, "hidden_size", c->hidden);
+    qm_jw_member_u64(w, "inter_size", c->inter);
+    qm_jw_member_u64(w, "k", c->k);
+    qm_jw_member_str(w, "activation", qm_activation_name(c->activation));
+    qm_jw_member_u64(w, "bits", c->bits);
+    qm_jw_member_u64(w, "block_size", c->block_size);
+    qm_jw_member_u64(w, "bytes_total", m->bytes_total);
+    qm_jw_member_u64(w, "bytes_per_expert", m->bytes_per_expert);
     qm_jw_obj_end(w);
 }
 

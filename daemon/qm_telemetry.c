@@ -91,32 +91,41 @@ void qm_trace_add(qm_trace *t, const char *name, uint64_t start_us, uint64_t dur
         t->count++;
 }
 
+/* The counters, in the order telemetry.get and the metrics list them. */
+typedef struct metric_def {
+    const char *name, *help;
+    int counter;
+    size_t offset;
+} metric_def;
+
+#define COFF(f) offsetof(qm_counters, f)
+static const metric_def metrics[] = {
+    {"requests", "Requests answered.", 1, COFF(requests)},
+    {"errors", "Requests answered with an error.", 1, COFF(errors)},
+    {"tokens", "Tokens run through session.infer.", 1, COFF(tokens)},
+    {"expert_hits", "Expert accesses that found the expert resident.", 1, COFF(expert_hits)},
+    {"expert_misses", "Expert accesses that paged the expert in.", 1, COFF(expert_misses)},
+    {"bytes_paged_h2d", "Bytes copied host to device after session creation.", 1,
+     COFF(bytes_paged_h2d)},
+    {"evictions", "Experts evicted.", 1, COFF(evictions)},
+    {"prefetch_issued", "Experts copied in by prefetch.", 1, COFF(prefetch_issued)},
+    {"prefetch_useful", "Prefetched experts used before eviction.", 1, COFF(prefetch_useful)},
+    {"resident_bytes", "Expert-weight bytes resident now.", 0, COFF(resident_bytes)},
+};
+
+static uint64_t counter_at(const qm_counters *c, const metric_def *m)
+{
+    uint64_t v;
+    memcpy(&v, (const char *)c + m->offset, sizeof v);
+    return v;
+}
+
 void qm_jw_counters(qm_jw *w, const qm_counters *c)
 {
-    qm_jw_key(w, "requests");
-    qm_jw_u64(w, c->requests);
-    qm_jw_key(w, "errors");
-    qm_jw_u64(w, c->errors);
-    qm_jw_key(w, "tokens");
-    qm_jw_u64(w, c->tokens);
-    qm_jw_key(w, "expert_hits");
-    qm_jw_u64(w, c->expert_hits);
-    qm_jw_key(w, "expert_misses");
-    qm_jw_u64(w, c->expert_misses);
-    qm_jw_key(w, "bytes_paged_h2d");
-    qm_jw_u64(w, c->bytes_paged_h2d);
-    qm_jw_key(w, "evictions");
-    qm_jw_u64(w, c->evictions);
-    qm_jw_key(w, "prefetch_issued");
-    qm_jw_u64(w, c->prefetch_issued);
-    qm_jw_key(w, "prefetch_useful");
-    qm_jw_u64(w, c->prefetch_useful);
-    qm_jw_key(w, "resident_bytes");
-    qm_jw_u64(w, c->resident_bytes);
-    qm_jw_key(w, "p50_us");
-    qm_jw_u64(w, qm_hist_quantile(&c->latency, 0.50));
-    qm_jw_key(w, "p99_us");
-    qm_jw_u64(w, qm_hist_quantile(&c->latency, 0.99));
+    for (size_t i = 0; i < sizeof metrics / sizeof metrics[0]; i++)
+        qm_jw_member_u64(w, metrics[i].name, counter_at(c, &metrics[i]));
+    qm_jw_member_u64(w, "p50_us", qm_hist_quantile(&c->latency, 0.50));
+    qm_jw_member_u64(w, "p99_us", qm_hist_quantile(&c->latency, 0.99));
 }
 
 static int can_see(const qm_peer *c, const qm_session *s)
@@ -133,6 +142,15 @@ static void refresh_resident(qm_daemon *d)
     d->counters.resident_bytes = sum;
 }
 
+static void jw_session_counters(qm_jw *w, const qm_session *s)
+{
+    qm_jw_obj_begin(w);
+    qm_jw_member_str(w, "session", s->id);
+    qm_jw_member_str(w, "model", s->model->name);
+    qm_jw_counters(w, &s->counters);
+    qm_jw_obj_end(w);
+}
+
 int qm_telemetry_get(qm_daemon *d, const qm_peer *c, const qm_params *p, qm_jw *w,
                      qm_status *st)
 {
@@ -146,13 +164,7 @@ int qm_telemetry_get(qm_daemon *d, const qm_peer *c, const qm_params *p, qm_jw *
                                        "session belongs to uid %u; only its owner or an admin "
                                        "may read its telemetry",
                                        (unsigned)s->owner_uid);
-        qm_jw_obj_begin(w);
-        qm_jw_key(w, "session");
-        qm_jw_str(w, s->id);
-        qm_jw_key(w, "model");
-        qm_jw_str(w, s->model->name);
-        qm_jw_counters(w, &s->counters);
-        qm_jw_obj_end(w);
+        jw_session_counters(w, s);
         return 0;
     }
     qm_jw_obj_begin(w);
@@ -165,13 +177,7 @@ int qm_telemetry_get(qm_daemon *d, const qm_peer *c, const qm_params *p, qm_jw *
     for (qm_session *s = d->sessions; s; s = s->next) {
         if (!can_see(c, s))
             continue;
-        qm_jw_obj_begin(w);
-        qm_jw_key(w, "session");
-        qm_jw_str(w, s->id);
-        qm_jw_key(w, "model");
-        qm_jw_str(w, s->model->name);
-        qm_jw_counters(w, &s->counters);
-        qm_jw_obj_end(w);
+        jw_session_counters(w, s);
     }
     qm_jw_arr_end(w);
     qm_jw_obj_end(w);
@@ -189,15 +195,11 @@ static int span_cmp(const void *a, const void *b)
 static void jw_span(qm_jw *w, const qm_span *s)
 {
     qm_jw_obj_begin(w);
-    qm_jw_key(w, "name");
-    qm_jw_str(w, s->name);
-    qm_jw_key(w, "start_us");
-    qm_jw_u64(w, s->start_us);
-    qm_jw_key(w, "dur_us");
-    qm_jw_u64(w, s->dur_us);
+    qm_jw_member_str(w, "name", s->name);
+    qm_jw_member_u64(w, "start_us", s->start_us);
+    qm_jw_member_u64(w, "dur_us", s->dur_us);
     if (s->session[0]) {
-        qm_jw_key(w, "session");
-        qm_jw_str(w, s->session);
+        qm_jw_member_str(w, "session", s->session);
     }
     qm_jw_key(w, "args");
     qm_jw_raw(w, s->args, strlen(s->args));
@@ -246,27 +248,6 @@ int qm_telemetry_trace(qm_daemon *d, const qm_params *p, qm_jw *w, qm_status *st
 
 /* ---- Prometheus text exposition ---- */
 
-typedef struct metric_def {
-    const char *name, *help;
-    int counter;
-    size_t offset;
-} metric_def;
-
-#define COFF(f) offsetof(qm_counters, f)
-static const metric_def metrics[] = {
-    {"requests", "Requests answered.", 1, COFF(requests)},
-    {"errors", "Requests answered with an error.", 1, COFF(errors)},
-    {"tokens", "Tokens run through session.infer.", 1, COFF(tokens)},
-    {"expert_hits", "Expert accesses that found the expert resident.", 1, COFF(expert_hits)},
-    {"expert_misses", "Expert accesses that paged the expert in.", 1, COFF(expert_misses)},
-    {"bytes_paged_h2d", "Bytes copied host to device after session creation.", 1,
-     COFF(bytes_paged_h2d)},
-    {"evictions", "Experts evicted.", 1, COFF(evictions)},
-    {"prefetch_issued", "Experts copied in by prefetch.", 1, COFF(prefetch_issued)},
-    {"prefetch_useful", "Prefetched experts used before eviction.", 1, COFF(prefetch_useful)},
-    {"resident_bytes", "Expert-weight bytes resident now.", 0, COFF(resident_bytes)},
-};
-
 static void label_value(qm_buf *b, const char *s)
 {
     for (; *s; s++) {
@@ -296,7 +277,7 @@ int qm_telemetry_metrics(qm_daemon *d, const qm_peer *c, qm_buf *b)
         qm_buf_printf(b, "# HELP qmoed_%s%s %s\n# TYPE qmoed_%s%s %s\n", m->name, suffix, m->help,
                       m->name, suffix, type);
         qm_buf_printf(b, "qmoed_%s%s %llu\n", m->name, suffix,
-                      *(const unsigned long long *)((const char *)&d->counters + m->offset));
+                      (unsigned long long)counter_at(&d->counters, m));
         qm_buf_printf(b, "# HELP qmoed_session_%s%s %s (per session)\n# TYPE qmoed_session_%s%s %s\n",
                       m->name, suffix, m->help, m->name, suffix, type);
         for (qm_session *s = d->sessions; s; s = s->next) {
@@ -304,8 +285,7 @@ int qm_telemetry_metrics(qm_daemon *d, const qm_peer *c, qm_buf *b)
                 continue;
             qm_buf_printf(b, "qmoed_session_%s%s", m->name, suffix);
             session_labels(b, s, "");
-            qm_buf_printf(b, " %llu\n",
-                          *(const unsigned long long *)((const char *)&s->counters + m->offset));
+            qm_buf_printf(b, " %llu\n", (unsigned long long)counter_at(&s->counters, m));
         }
     }
     static const double qs[2] = {0.5, 0.99};

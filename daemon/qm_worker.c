@@ -40,6 +40,15 @@ void qm_job_free(qm_job *job)
     qm_free(job);
 }
 
+static void job_list_append(qm_job **head, qm_job **tail, qm_job *job)
+{
+    if (*tail)
+        (*tail)->next = job;
+    else
+        *head = job;
+    *tail = job;
+}
+
 /* Puts a session with jobs at the tail of the run queue (pool lock). */
 static void runq_push(qm_pool *p, qm_session *s)
 {
@@ -85,11 +94,7 @@ static void worker_main(void *arg)
         job->end_us = qm_now_us();
 
         uv_mutex_lock(&p->mu);
-        if (p->done_tail)
-            p->done_tail->next = job;
-        else
-            p->done_head = job;
-        p->done_tail = job;
+        job_list_append(&p->done_head, &p->done_tail, job);
         if (q->head)
             runq_push(p, s);
         else
@@ -196,11 +201,7 @@ int qm_pool_submit(qm_daemon *d, qm_job *job)
     qm_job_queue *q = &s->queue;
     q->pending++;
     uv_mutex_lock(&p->mu);
-    if (q->tail)
-        q->tail->next = job;
-    else
-        q->head = job;
-    q->tail = job;
+    job_list_append(&q->head, &q->tail, job);
     if (!q->scheduled) {
         q->scheduled = 1;
         runq_push(p, s);

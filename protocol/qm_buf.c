@@ -101,6 +101,9 @@ char *qm_buf_take(qm_buf *b, size_t *len)
 void qm_json_escape(qm_buf *b, const char *s, size_t n)
 {
     static const char hex[] = "0123456789abcdef";
+    /* The letter after '\\' for the bytes with a two-character escape. */
+    static const char short_escape[128] = {
+        ['"'] = '"', ['\\'] = '\\', ['\n'] = 'n', ['\r'] = 'r', ['\t'] = 't'};
     size_t run = 0;
     for (size_t i = 0; i < n; i++) {
         unsigned char c = (unsigned char)s[i];
@@ -108,33 +111,9 @@ void qm_json_escape(qm_buf *b, const char *s, size_t n)
             continue;
         qm_buf_append(b, s + run, i - run);
         run = i + 1;
-        char esc[6] = {'\\', 0};
-        size_t len = 2;
-        switch (c) {
-        case '"':
-            esc[1] = '"';
-            break;
-        case '\\':
-            esc[1] = '\\';
-            break;
-        case '\n':
-            esc[1] = 'n';
-            break;
-        case '\r':
-            esc[1] = 'r';
-            break;
-        case '\t':
-            esc[1] = 't';
-            break;
-        default:
-            esc[1] = 'u';
-            esc[2] = '0';
-            esc[3] = '0';
-            esc[4] = hex[c >> 4];
-            esc[5] = hex[c & 15];
-            len = 6;
-        }
-        qm_buf_append(b, esc, len);
+        const char esc[6] = {'\\', short_escape[c] ? short_escape[c] : 'u', '0', '0',
+                             hex[c >> 4], hex[c & 15]};
+        qm_buf_append(b, esc, short_escape[c] ? 2 : 6);
     }
     qm_buf_append(b, s + run, n - run);
 }

@@ -133,6 +133,12 @@ void qm_jw_str(qm_jw *w, const char *s)
     qm_jw_str_n(w, s, strlen(s));
 }
 
+void qm_jw_member_str(qm_jw *w, const char *key, const char *s)
+{
+    qm_jw_key(w, key);
+    qm_jw_str(w, s);
+}
+
 /* Integers by hand: printf is the writer's hottest path otherwise. */
 static void put_u64(qm_buf *b, uint64_t v, int negative)
 {
@@ -151,6 +157,12 @@ void qm_jw_u64(qm_jw *w, uint64_t v)
 {
     jw_value_prefix(w);
     put_u64(w->out, v, 0);
+}
+
+void qm_jw_member_u64(qm_jw *w, const char *key, uint64_t v)
+{
+    qm_jw_key(w, key);
+    qm_jw_u64(w, v);
 }
 
 void qm_jw_i64(qm_jw *w, int64_t v)
@@ -255,7 +267,8 @@ void qm_jw_tensor(qm_jw *w, qm_wire_dtype dtype, uint32_t ndim, const uint64_t *
 
 /* ---- responses ---- */
 
-void qm_rpc_result_begin(qm_jw *w, const char *id)
+/* {"jsonrpc":"2.0","id":<id>, - the envelope both answers begin with. */
+static void rpc_envelope_begin(qm_jw *w, const char *id)
 {
     qm_jw_obj_begin(w);
     qm_jw_key(w, "jsonrpc");
@@ -265,6 +278,11 @@ void qm_rpc_result_begin(qm_jw *w, const char *id)
         qm_jw_raw(w, id, strlen(id));
     else
         qm_jw_null(w);
+}
+
+void qm_rpc_result_begin(qm_jw *w, const char *id)
+{
+    rpc_envelope_begin(w, id);
     qm_jw_key(w, "result");
 }
 
@@ -272,14 +290,7 @@ void qm_rpc_result_end(qm_jw *w) { qm_jw_obj_end(w); }
 
 void qm_rpc_error(qm_jw *w, const char *id, int rpc_code, const char *reason, const char *field)
 {
-    qm_jw_obj_begin(w);
-    qm_jw_key(w, "jsonrpc");
-    qm_jw_str(w, "2.0");
-    qm_jw_key(w, "id");
-    if (id)
-        qm_jw_raw(w, id, strlen(id));
-    else
-        qm_jw_null(w);
+    rpc_envelope_begin(w, id);
     qm_jw_key(w, "error");
     qm_jw_obj_begin(w);
     qm_jw_key(w, "code");

@@ -87,6 +87,9 @@ void qm_jw_f64(qm_jw *w, double v);
 void qm_jw_f32(qm_jw *w, float v);
 void qm_jw_bool(qm_jw *w, int v);
 void qm_jw_null(qm_jw *w);
+/* An object member: the key, then the value. */
+void qm_jw_member_u64(qm_jw *w, const char *key, uint64_t v);
+void qm_jw_member_str(qm_jw *w, const char *key, const char *s); /* NULL writes null */
 /* Splices a complete JSON value the caller vouches for (a serialised plan). */
 void qm_jw_raw(qm_jw *w, const char *json, size_t n);
 /* Writes a value as the base64 string of `n` bytes. */

@@ -567,6 +567,23 @@ START_TEST(test_writer_places_commas_and_escapes)
 }
 END_TEST
 
+START_TEST(test_writer_members_are_a_key_and_its_value)
+{
+    qm_buf b;
+    qm_buf_init(&b);
+    qm_jw w;
+    qm_jw_init(&w, &b);
+    qm_jw_obj_begin(&w);
+    qm_jw_member_u64(&w, "n", 18446744073709551615ull);
+    qm_jw_member_str(&w, "s", "a\"b");
+    qm_jw_member_str(&w, "none", NULL);
+    qm_jw_obj_end(&w);
+    qm_buf_append(&b, "", 1);
+    ck_assert_str_eq(b.data, "{\"n\":18446744073709551615,\"s\":\"a\\\"b\",\"none\":null}");
+    qm_buf_free(&b);
+}
+END_TEST
+
 START_TEST(test_error_response_has_code_message_reason_and_field)
 {
     qm_buf b;
@@ -713,6 +730,7 @@ static Suite *protocol_suite(void)
     tc = tcase_create("encoding");
     tcase_add_test(tc, test_base64_round_trips_every_length);
     tcase_add_test(tc, test_writer_places_commas_and_escapes);
+    tcase_add_test(tc, test_writer_members_are_a_key_and_its_value);
     tcase_add_test(tc, test_error_response_has_code_message_reason_and_field);
     tcase_add_test(tc, test_status_codes_map_to_protocol_codes);
     tcase_add_test(tc, test_decode_survives_allocation_failure_at_every_site);
