@@ -9,6 +9,7 @@
 #include "qm_alloc.h"
 #include "qm_daemon.h"
 #include "qm_dispatch.h"
+#include "qm_models.h"
 #include "qm_sessions.h"
 #include "qm_plan_json.h"
 

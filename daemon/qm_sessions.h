@@ -12,7 +12,6 @@
 #include <stdint.h>
 #include <sys/types.h>
 
-#include "qm_models.h"
 #include "qm_pager.h"
 #include "qm_pool.h"
 #include "qm_protocol.h"
@@ -20,6 +19,7 @@
 #include "qm_telemetry.h"
 
 typedef struct qm_daemon qm_daemon;
+typedef struct qm_model qm_model; /* qm_models.h */
 
 struct qm_session {
     char id[QM_SESSION_ID_LEN + 1];
