@@ -8,6 +8,8 @@
 
 #include "qmoectl.h"
 
+#include "qm_buf.h"
+
 const char *qmoectl_bytes(uint64_t n, char *buf, size_t cap)
 {
     static const char *units[] = {"B", "KiB", "MiB", "GiB", "TiB", "PiB"};
@@ -97,32 +99,18 @@ int qmoectl_parse_bytes(const char *s, uint64_t *out)
 
 int qmoectl_json_quote(const char *s, char *out, size_t cap)
 {
-    size_t o = 0;
-    if (cap < 3)
-        return -1;
-    out[o++] = '"';
-    for (; *s; s++) {
-        unsigned char ch = (unsigned char)*s;
-        char esc[8];
-        size_t n;
-        if (ch == '"' || ch == '\\') {
-            esc[0] = '\\';
-            esc[1] = (char)ch;
-            n = 2;
-        } else if (ch < 0x20) {
-            n = (size_t)snprintf(esc, sizeof(esc), "\\u%04x", ch);
-        } else {
-            esc[0] = (char)ch;
-            n = 1;
-        }
-        if (o + n + 2 > cap)
-            return -1;
-        memcpy(out + o, esc, n);
-        o += n;
+    qm_buf b;
+    qm_buf_init(&b);
+    qm_buf_append(&b, "\"", 1);
+    qm_json_escape(&b, s, strlen(s));
+    qm_buf_append(&b, "\"", 1);
+    int rc = !b.oom && b.len < cap ? 0 : -1;
+    if (rc == 0) {
+        memcpy(out, b.data, b.len);
+        out[b.len] = '\0';
     }
-    out[o++] = '"';
-    out[o] = '\0';
-    return 0;
+    qm_buf_free(&b);
+    return rc;
 }
 
 int qmoectl_one_param(char *out, size_t cap, const char *key, const char *value)
