@@ -15,6 +15,7 @@ static void help_main(FILE *f)
           "  create   write a deterministic synthetic bank (seeded weights, quantised)\n"
           "  inspect  validate a bank and print its summary, tensors and region catalogs\n"
           "  run      run one MoE layer of a bank on the CPU engine (.npy in, .npy out)\n"
+          "  import   import a model's experts: import hf DIR (a Hugging Face checkpoint)\n"
           "\n"
           "`qmoe-bank <command> --help` describes each command.\n"
           "exit status: 0 ok, 1 runtime failure, 2 bad usage or invalid file.\n",
@@ -72,7 +73,9 @@ int main(int argc, char **argv)
         return qmb_inspect(argc - 1, argv + 1);
     if (strcmp(cmd, "run") == 0)
         return qmb_run(argc - 1, argv + 1);
-    fprintf(stderr, "qmoe-bank: unknown command \"%.64s\" (create, inspect, run; see --help)\n",
+    if (strcmp(cmd, "import") == 0)
+        return qmb_import(argc - 1, argv + 1);
+    fprintf(stderr, "qmoe-bank: unknown command \"%.64s\" (create, inspect, run, import; see --help)\n",
             cmd);
     return QMB_USAGE;
 }
