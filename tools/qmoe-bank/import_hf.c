@@ -819,7 +819,7 @@ static void report_left_out(hf_import *im)
         unsigned l;
         int pos = 0;
         if (sscanf(nm, "model.layers.%u.mlp.%n", &l, &pos) == 1 && pos > 0 &&
-            strncmp(nm + pos, "experts", 7) != 0 && strncmp(nm + pos, "gate", 4) != 0 &&
+            strncmp(nm + pos, "experts", 7) != 0 && strncmp(nm + pos, "gate.", 5) != 0 &&
             strncmp(nm + pos, "router", 6) != 0) {
             dense++;
             dense_b += all[i].nbytes;
@@ -990,10 +990,10 @@ static int run_import(hf_import *im)
     if ((rc = qmi_writer_finish(w, exact, max_err, &bytes, &st)) != 0)
         goto fail;
     if (!im->o.quiet)
-        printf("wrote %s: %u layers (model layers %s), %u experts, %llu bytes; %s%s%.3g\n",
+        printf("wrote %s: %u layers (model layers %s), %u experts, %llu bytes; %s (max "
+               "relative error %.3g)\n",
                im->o.out, im->n_moe, layer_map_s, im->E, (unsigned long long)bytes,
-               exact ? "exact" : "requantised", exact ? "" : ", max relative error ",
-               exact ? 0.0 : max_err);
+               exact ? "exact" : "requantised", max_err);
     rc = QMB_OK;
     goto done;
 fail_input:
@@ -1042,8 +1042,6 @@ int qmb_import(int argc, char **argv)
     optind = 1;
     opterr = 0;
     int c;
-    argc--;
-    argv++;
     while ((c = getopt_long(argc, argv, "", longopts, NULL)) != -1) {
         char msg[160];
         switch (c) {
@@ -1085,7 +1083,7 @@ int qmb_import(int argc, char **argv)
             return usage(msg);
         }
     }
-    if (optind + 2 != argc)
+    if (optind + 2 != argc || strcmp(argv[optind], "hf") != 0)
         return usage("expected: import hf DIR --out FILE");
     im.o.dir = argv[optind + 1];
     if (!im.o.out)

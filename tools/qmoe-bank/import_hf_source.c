@@ -106,6 +106,14 @@ static int cmp_tensor(const void *a, const void *b)
     return strcmp(((const qmi_hf_tensor *)a)->name, ((const qmi_hf_tensor *)b)->name);
 }
 
+static int access_single(const char *dir)
+{
+    char *p = join(dir, "model.safetensors");
+    int ok = p && access(p, F_OK) == 0;
+    qm_free(p);
+    return ok;
+}
+
 /* The shard file names: the index's distinct values, or *.safetensors in dir. */
 static int list_shards(qmi_hf_checkpoint *ck, char ***names, size_t *n, qm_status *st)
 {
@@ -136,6 +144,13 @@ static int list_shards(qmi_hf_checkpoint *ck, char ***names, size_t *n, qm_statu
             list[count++] = qm_strdup(sorted[i]);
         }
         qm_free(sorted);
+    } else if (access_single(ck->dir)) {
+        /* save_pretrained's single file: other *.safetensors beside it
+         * (a consolidated copy, someone's outputs) are not the checkpoint. */
+        list = qm_calloc(1, sizeof *list);
+        if (!list)
+            return qm_status_set(st, QM_ENOMEM, "out of memory");
+        list[count++] = qm_strdup("model.safetensors");
     } else {
         DIR *d = opendir(ck->dir);
         if (!d)

@@ -26,10 +26,10 @@ typedef struct qmi_hf_checkpoint qmi_hf_checkpoint;
 
 /* Opens DIR: reads config.json (required) and the index (when present; every
  * shard it names must exist), maps each shard and checks its header (offsets
- * inside the file, sizes = shape x dtype). Without an index, every
- * *.safetensors file in DIR is a shard. Errors name the file and what was
- * wrong: QM_EINVALID_MODEL / QM_ENOT_FOUND / QM_EPARSE for bad input, QM_EIO,
- * QM_ENOMEM. The caller frees *out with qmi_hf_close (accepts NULL). */
+ * inside the file, sizes = shape x dtype). Without an index the shards are
+ * model.safetensors when it exists, else every *.safetensors file. Errors
+ * name the file and what was wrong: QM_EINVALID_MODEL / QM_ENOT_FOUND /
+ * QM_EPARSE for bad input, QM_EIO, QM_ENOMEM. The caller frees *out with qmi_hf_close (accepts NULL). */
 int qmi_hf_open(const char *dir, qmi_hf_checkpoint **out, qm_status *st);
 void qmi_hf_close(qmi_hf_checkpoint *ck);
 
