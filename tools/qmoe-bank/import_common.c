@@ -190,38 +190,71 @@ double qmi_error_rel(const qmi_error *e)
     return e->ref2 > 0 ? sqrt(e->diff2 / e->ref2) : INFINITY;
 }
 
+/* Round half to even without libm: adding 1.5 * 2^23 leaves no fraction bits,
+ * so the FPU's default rounding does the work (|x| < 2^22 here, since x is a
+ * value over its block's scale). SSE2 has no round instruction and rintf is
+ * a call per element: this is the import's inner loop. */
+static inline float round_even(float x)
+{
+    const float magic = 12582912.0f;
+    return (x + magic) - magic;
+}
+
 void qmi_quantise_row(const float *w, uint64_t k, unsigned bits, uint64_t bs, qm_dtype sdt,
                       uint8_t *packed, void *scales, uint64_t scale_at, qmi_error *err)
 {
-    uint64_t step = bs ? bs : k, pack = 8 / bits;
-    int qmax = (1 << (bits - 1)) - 1, qmin = -(1 << (bits - 1)), zp = 1 << (bits - 1);
+    uint64_t step = bs ? bs : k;
+    const float qmax = (float)((1 << (bits - 1)) - 1), qmin = -(float)(1 << (bits - 1));
+    const int zp = 1 << (bits - 1);
     float smallest = sdt == QM_DTYPE_F16 ? 5.9604645e-8f : 1e-8f;
-    memset(packed, 0, k / pack);
     double diff2 = 0, ref2 = 0;
     int exact = 1;
+    uint8_t codes[32];
     for (uint64_t b = 0, lo = 0; lo < k; b++, lo += step) {
         uint64_t hi = lo + step < k ? lo + step : k;
         float amax = 0;
-        for (uint64_t c = lo; c < hi; c++)
-            amax = fmaxf(amax, fabsf(w[c]));
-        float scale = amax / (float)qmax;
+        for (uint64_t c = lo; c < hi; c++) {
+            float a = fabsf(w[c]);
+            amax = a > amax ? a : amax;
+        }
+        float scale = amax / qmax;
         if (!(scale >= 1e-8f))
             scale = 1e-8f;
         scale = qmi_round_to(sdt, scale);
         if (scale < smallest)
             scale = smallest;
         float inv = 1.0f / scale;
-        for (uint64_t c = lo; c < hi; c++) {
-            /* w*inv can differ from w/scale in the last bit; that only moves
-             * exact .5 ties, and the error below is measured on what is stored. */
-            float qf = rintf(w[c] * inv);
-            int q = qf < (float)qmin ? qmin : qf > (float)qmax ? qmax : (int)qf;
-            packed[c / pack] |= (uint8_t)((unsigned)(q + zp) << ((c % pack) * bits));
-            float deq = scale * (float)q;
-            double d = (double)deq - (double)w[c];
-            diff2 += d * d;
-            ref2 += (double)w[c] * (double)w[c];
-            exact &= deq == w[c];
+        /* Chunks of 32 columns: codes, then packing, and the error summed in
+         * f32 per chunk (exact enough to report) and in f64 across chunks.
+         * w*inv may differ from w/scale in the last bit; that only moves
+         * exact .5 ties, and the error is measured on what is stored. */
+        for (uint64_t c0 = lo; c0 < hi; c0 += 32) {
+            int n = (int)(hi - c0 < 32 ? hi - c0 : 32);
+            float d2 = 0, r2 = 0;
+            int ex = 1;
+            for (int j = 0; j < n; j++) {
+                float x = w[c0 + (uint64_t)j];
+                float q = round_even(x * inv);
+                q = q < qmin ? qmin : q;
+                q = q > qmax ? qmax : q;
+                codes[j] = (uint8_t)((int)q + zp);
+                float d = scale * q - x;
+                d2 += d * d;
+                r2 += x * x;
+                ex &= d == 0.0f;
+            }
+            if (bits == 8) {
+                memcpy(packed + c0, codes, (size_t)n);
+            } else {
+                uint8_t *dst = packed + c0 / 2;
+                for (int j = 0; j + 1 < n; j += 2)
+                    dst[j / 2] = (uint8_t)(codes[j] | codes[j + 1] << 4);
+                if (n & 1)
+                    dst[n / 2] = codes[n - 1];
+            }
+            diff2 += d2;
+            ref2 += r2;
+            exact &= ex;
         }
         qmi_store(scales, sdt, scale_at + b, scale);
     }
