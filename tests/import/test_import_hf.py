@@ -346,7 +346,7 @@ def test_truncated_shard_is_named(tmp_path):
 
 
 def test_usage_errors_exit_2(tmp_path):
-    for args in (["import"], ["import", "gguf", "x", "--out", "y"],
+    for args in (["import"], ["import", "nosuchformat", "x", "--out", "y"],
                  ["import", "hf", str(tmp_path), "--bits", "3", "--out", "y"],
                  ["import", "hf", str(tmp_path)]):
         r = subprocess.run([QMOE_BANK, *args], capture_output=True, text=True)

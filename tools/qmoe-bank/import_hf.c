@@ -19,7 +19,7 @@
 #include "qm_alloc.h"
 #include "qmoe_bank_tool.h"
 
-void qmb_help_import(FILE *f)
+void qmb_help_import_hf(FILE *f)
 {
     fputs("usage: qmoe-bank import hf DIR --out FILE [--bits 4|8] [--block-size N]\n"
           "                         [--scales f32|f16|bf16] [--resume] [--quiet]\n"
@@ -1024,14 +1024,8 @@ static int usage(const char *what)
     return QMB_USAGE;
 }
 
-int qmb_import(int argc, char **argv)
+int qmb_import_hf(int argc, char **argv)
 {
-    if (argc >= 2 && (strcmp(argv[1], "--help") == 0 || strcmp(argv[1], "-h") == 0)) {
-        qmb_help_import(stdout);
-        return QMB_OK;
-    }
-    if (argc < 2 || strcmp(argv[1], "hf") != 0)
-        return usage("expected a source format: import hf DIR --out FILE");
     enum { O_OUT = 256, O_BITS, O_BS, O_SCALES, O_RESUME, O_QUIET, O_HELP };
     static const struct option longopts[] = {
         {"out", required_argument, 0, O_OUT},       {"bits", required_argument, 0, O_BITS},
@@ -1076,7 +1070,7 @@ int qmb_import(int argc, char **argv)
             im.o.quiet = 1;
             break;
         case O_HELP:
-            qmb_help_import(stdout);
+            qmb_help_import_hf(stdout);
             return QMB_OK;
         default:
             snprintf(msg, sizeof msg, "unknown or incomplete option \"%.64s\"", argv[optind - 1]);

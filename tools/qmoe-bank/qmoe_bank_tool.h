@@ -11,12 +11,13 @@ enum { QMB_OK = 0, QMB_FAIL = 1, QMB_USAGE = 2 };
 int qmb_create(int argc, char **argv);
 int qmb_inspect(int argc, char **argv);
 int qmb_run(int argc, char **argv);
-int qmb_import(int argc, char **argv); /* import_hf.c */
+/* `import hf DIR ...`: argv[0] is "import", argv[1] the format. */
+int qmb_import_hf(int argc, char **argv); /* import_hf.c */
 
 void qmb_help_create(FILE *f);
 void qmb_help_inspect(FILE *f);
 void qmb_help_run(FILE *f);
-void qmb_help_import(FILE *f);
+void qmb_help_import_hf(FILE *f);
 
 /* Strict unsigned parse of a whole string; -1 on junk or overflow of `max`. */
 int qmb_parse_u32(const char *s, unsigned long long max, unsigned *out);
