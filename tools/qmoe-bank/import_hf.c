@@ -1077,9 +1077,9 @@ int qmb_import_hf(int argc, char **argv)
             return usage(msg);
         }
     }
-    if (optind + 2 != argc || strcmp(argv[optind], "hf") != 0)
+    if (optind + 1 != argc)
         return usage("expected: import hf DIR --out FILE");
-    im.o.dir = argv[optind + 1];
+    im.o.dir = argv[optind];
     if (!im.o.out)
         return usage("--out FILE is required");
     return run_import(&im);

@@ -52,7 +52,8 @@ void qmb_json_string(FILE *f, const char *s)
     fputc('"', f);
 }
 
-/* `qmoe-bank import FORMAT ...`: one entry per source format. */
+/* `qmoe-bank import FORMAT ...`: one entry per source format; each gets
+ * argv[0] = the format. */
 static int import_main(int argc, char **argv)
 {
     static const struct {
@@ -67,7 +68,7 @@ static int import_main(int argc, char **argv)
     }
     for (size_t i = 0; argc >= 2 && i < sizeof formats / sizeof formats[0]; i++)
         if (strcmp(argv[1], formats[i].format) == 0)
-            return formats[i].run(argc, argv);
+            return formats[i].run(argc - 1, argv + 1);
     fprintf(stderr, "qmoe-bank import: expected a source format (hf) and its arguments; see "
                     "qmoe-bank import --help\n");
     return QMB_USAGE;

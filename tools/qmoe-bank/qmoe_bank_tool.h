@@ -11,8 +11,7 @@ enum { QMB_OK = 0, QMB_FAIL = 1, QMB_USAGE = 2 };
 int qmb_create(int argc, char **argv);
 int qmb_inspect(int argc, char **argv);
 int qmb_run(int argc, char **argv);
-/* `import hf DIR ...`: argv[0] is "import", argv[1] the format. */
-int qmb_import_hf(int argc, char **argv); /* import_hf.c */
+int qmb_import_hf(int argc, char **argv); /* import_hf.c: argv[0] = "hf" */
 
 void qmb_help_create(FILE *f);
 void qmb_help_inspect(FILE *f);
