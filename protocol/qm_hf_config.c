@@ -17,8 +17,7 @@ struct qm_hf_json {
     char what[64];
 };
 
-int qm_hf_json_parse(const char *text, size_t n, const char *what, qm_hf_json **out,
-                     qm_status *st)
+int qm_hf_json_parse(const char *text, size_t n, const char *what, qm_hf_json **out, qm_status *st)
 {
     *out = NULL;
     if (n > QM_HF_MAX_BYTES)
@@ -48,8 +47,7 @@ int qm_hf_json_parse(const char *text, size_t n, const char *what, qm_hf_json **
 
 void qm_hf_json_free(qm_hf_json *j)
 {
-    if (!j)
-        return;
+    if (!j) return;
     cJSON_Delete(j->root);
     qm_free(j);
 }
@@ -63,8 +61,7 @@ static const cJSON *lookup(const qm_hf_json *j, const char *key)
     while (node && *p) {
         const char *slash = strchr(p, '/');
         size_t len = slash ? (size_t)(slash - p) : strlen(p);
-        if (len >= sizeof part || !cJSON_IsObject(node))
-            return NULL;
+        if (len >= sizeof part || !cJSON_IsObject(node)) return NULL;
         memcpy(part, p, len);
         part[len] = '\0';
         node = cJSON_GetObjectItemCaseSensitive(node, part);
@@ -75,17 +72,15 @@ static const cJSON *lookup(const qm_hf_json *j, const char *key)
 
 static int wrong_type(const qm_hf_json *j, const char *key, const char *want, qm_status *st)
 {
-    return qm_status_set_field(st, QM_EINVAL, "", "%.60s: key \"%.100s\" must be %s", j->what,
-                               key, want);
+    return qm_status_set_field(st, QM_EINVAL, "", "%.60s: key \"%.100s\" must be %s", j->what, key,
+                               want);
 }
 
 int qm_hf_json_number(const qm_hf_json *j, const char *key, double *out, qm_status *st)
 {
     const cJSON *v = lookup(j, key);
-    if (!v)
-        return QM_ENOT_FOUND;
-    if (!cJSON_IsNumber(v))
-        return wrong_type(j, key, "a number", st);
+    if (!v) return QM_ENOT_FOUND;
+    if (!cJSON_IsNumber(v)) return wrong_type(j, key, "a number", st);
     *out = v->valuedouble;
     return 0;
 }
@@ -93,10 +88,8 @@ int qm_hf_json_number(const qm_hf_json *j, const char *key, double *out, qm_stat
 int qm_hf_json_bool(const qm_hf_json *j, const char *key, int *out, qm_status *st)
 {
     const cJSON *v = lookup(j, key);
-    if (!v)
-        return QM_ENOT_FOUND;
-    if (!cJSON_IsBool(v))
-        return wrong_type(j, key, "true or false", st);
+    if (!v) return QM_ENOT_FOUND;
+    if (!cJSON_IsBool(v)) return wrong_type(j, key, "true or false", st);
     *out = cJSON_IsTrue(v);
     return 0;
 }
@@ -104,10 +97,8 @@ int qm_hf_json_bool(const qm_hf_json *j, const char *key, int *out, qm_status *s
 int qm_hf_json_string(const qm_hf_json *j, const char *key, const char **out, qm_status *st)
 {
     const cJSON *v = lookup(j, key);
-    if (!v)
-        return QM_ENOT_FOUND;
-    if (!cJSON_IsString(v))
-        return wrong_type(j, key, "a string", st);
+    if (!v) return QM_ENOT_FOUND;
+    if (!cJSON_IsString(v)) return wrong_type(j, key, "a string", st);
     *out = v->valuestring;
     return 0;
 }
@@ -115,10 +106,8 @@ int qm_hf_json_string(const qm_hf_json *j, const char *key, const char **out, qm
 int qm_hf_json_array_len(const qm_hf_json *j, const char *key, size_t *len, qm_status *st)
 {
     const cJSON *v = lookup(j, key);
-    if (!v)
-        return QM_ENOT_FOUND;
-    if (!cJSON_IsArray(v))
-        return wrong_type(j, key, "an array", st);
+    if (!v) return QM_ENOT_FOUND;
+    if (!cJSON_IsArray(v)) return wrong_type(j, key, "an array", st);
     *len = (size_t)cJSON_GetArraySize(v);
     return 0;
 }
@@ -128,8 +117,7 @@ static const cJSON *array_item(const qm_hf_json *j, const char *key, size_t i, q
 {
     size_t len = 0;
     *rc = qm_hf_json_array_len(j, key, &len, st);
-    if (*rc != 0)
-        return NULL;
+    if (*rc != 0) return NULL;
     if (i >= len) {
         *rc = QM_ENOT_FOUND;
         return NULL;
@@ -142,10 +130,8 @@ int qm_hf_json_array_number(const qm_hf_json *j, const char *key, size_t i, doub
 {
     int rc;
     const cJSON *v = array_item(j, key, i, st, &rc);
-    if (!v)
-        return rc;
-    if (!cJSON_IsNumber(v))
-        return wrong_type(j, key, "an array of numbers", st);
+    if (!v) return rc;
+    if (!cJSON_IsNumber(v)) return wrong_type(j, key, "an array of numbers", st);
     *out = v->valuedouble;
     return 0;
 }
@@ -155,10 +141,8 @@ int qm_hf_json_array_string(const qm_hf_json *j, const char *key, size_t i, cons
 {
     int rc;
     const cJSON *v = array_item(j, key, i, st, &rc);
-    if (!v)
-        return rc;
-    if (!cJSON_IsString(v))
-        return wrong_type(j, key, "an array of strings", st);
+    if (!v) return rc;
+    if (!cJSON_IsString(v)) return wrong_type(j, key, "an array of strings", st);
     *out = v->valuestring;
     return 0;
 }
@@ -170,10 +154,8 @@ int qm_hf_json_string_map(const qm_hf_json *j, const char *key, const char ***na
     *values = NULL;
     *n = 0;
     const cJSON *obj = lookup(j, key);
-    if (!obj)
-        return QM_ENOT_FOUND;
-    if (!cJSON_IsObject(obj))
-        return wrong_type(j, key, "an object", st);
+    if (!obj) return QM_ENOT_FOUND;
+    if (!cJSON_IsObject(obj)) return wrong_type(j, key, "an object", st);
     size_t count = (size_t)cJSON_GetArraySize(obj);
     const char **nm = qm_calloc(count ? count : 1, sizeof *nm);
     const char **vs = qm_calloc(count ? count : 1, sizeof *vs);

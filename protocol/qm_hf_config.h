@@ -18,8 +18,7 @@ typedef struct qm_hf_json qm_hf_json;
 /* Parses n bytes of JSON whose top level must be an object. `what` names the
  * file in error sentences ("config.json"). The caller owns *out and frees it
  * with qm_hf_json_free (accepts NULL). QM_EPARSE with a sentence on bad text. */
-int qm_hf_json_parse(const char *text, size_t n, const char *what, qm_hf_json **out,
-                     qm_status *st);
+int qm_hf_json_parse(const char *text, size_t n, const char *what, qm_hf_json **out, qm_status *st);
 void qm_hf_json_free(qm_hf_json *j);
 
 /* Typed lookups. Each returns 0 and writes *out when the key holds a value of

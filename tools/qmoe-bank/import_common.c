@@ -29,8 +29,7 @@ qmi_elem qmi_elem_from_st(const char *s)
                {"F8_E4M3", QMI_ELEM_F8_E4M3},
                {"U8", QMI_ELEM_U8}};
     for (size_t i = 0; i < sizeof map / sizeof map[0]; i++)
-        if (strcmp(s, map[i].name) == 0)
-            return map[i].e;
+        if (strcmp(s, map[i].name) == 0) return map[i].e;
     return QMI_ELEM_OTHER;
 }
 
@@ -95,8 +94,7 @@ uint16_t qmi_f32_to_bf16(float f)
 {
     uint32_t u;
     memcpy(&u, &f, 4);
-    if ((u & 0x7fffffff) > 0x7f800000)
-        return (uint16_t)((u >> 16) | 0x40);
+    if ((u & 0x7fffffff) > 0x7f800000) return (uint16_t)((u >> 16) | 0x40);
     u += 0x7fff + ((u >> 16) & 1);
     return (uint16_t)(u >> 16);
 }
@@ -106,8 +104,7 @@ uint16_t qmi_f32_to_f16(float f)
     uint32_t u;
     memcpy(&u, &f, 4);
     uint32_t sign = (u >> 16) & 0x8000, mag = u & 0x7fffffff;
-    if (mag > 0x7f800000)
-        return (uint16_t)(sign | 0x7e00);
+    if (mag > 0x7f800000) return (uint16_t)(sign | 0x7e00);
     if (mag >= 0x477ff000) /* rounds to >= 65520 */
         return (uint16_t)(sign | 0x7c00);
     if (mag < 0x38800000) { /* f16 subnormal or zero */
@@ -117,8 +114,7 @@ uint16_t qmi_f32_to_f16(float f)
     }
     uint32_t h = ((mag >> 23) - 127 + 15) << 10 | ((mag & 0x7fffff) >> 13);
     uint32_t rest = mag & 0x1fff;
-    if (rest > 0x1000 || (rest == 0x1000 && (h & 1)))
-        h++;
+    if (rest > 0x1000 || (rest == 0x1000 && (h & 1))) h++;
     return (uint16_t)(sign | h);
 }
 
@@ -174,10 +170,8 @@ void qmi_store(void *dst, qm_dtype dt, size_t i, float v)
 
 float qmi_round_to(qm_dtype dt, float v)
 {
-    if (dt == QM_DTYPE_F16)
-        return qmi_f16_to_f32(qmi_f32_to_f16(v));
-    if (dt == QM_DTYPE_BF16)
-        return qmi_bf16_to_f32(qmi_f32_to_bf16(v));
+    if (dt == QM_DTYPE_F16) return qmi_f16_to_f32(qmi_f32_to_f16(v));
+    if (dt == QM_DTYPE_BF16) return qmi_bf16_to_f32(qmi_f32_to_bf16(v));
     return v;
 }
 
@@ -185,8 +179,7 @@ float qmi_round_to(qm_dtype dt, float v)
 
 double qmi_error_rel(const qmi_error *e)
 {
-    if (e->exact || e->diff2 <= 0)
-        return 0.0;
+    if (e->exact || e->diff2 <= 0) return 0.0;
     return e->ref2 > 0 ? sqrt(e->diff2 / e->ref2) : INFINITY;
 }
 
@@ -218,11 +211,9 @@ void qmi_quantise_row(const float *w, uint64_t k, unsigned bits, uint64_t bs, qm
             amax = a > amax ? a : amax;
         }
         float scale = amax / qmax;
-        if (!(scale >= 1e-8f))
-            scale = 1e-8f;
+        if (!(scale >= 1e-8f)) scale = 1e-8f;
         scale = qmi_round_to(sdt, scale);
-        if (scale < smallest)
-            scale = smallest;
+        if (scale < smallest) scale = smallest;
         float inv = 1.0f / scale;
         /* Chunks of 32 columns: codes, then packing, and the error summed in
          * f32 per chunk (exact enough to report) and in f64 across chunks.
@@ -249,8 +240,7 @@ void qmi_quantise_row(const float *w, uint64_t k, unsigned bits, uint64_t bs, qm
                 uint8_t *dst = packed + c0 / 2;
                 for (int j = 0; j + 1 < n; j += 2)
                     dst[j / 2] = (uint8_t)(codes[j] | codes[j + 1] << 4);
-                if (n & 1)
-                    dst[n / 2] = codes[n - 1];
+                if (n & 1) dst[n / 2] = codes[n - 1];
             }
             diff2 += d2;
             ref2 += r2;
@@ -299,11 +289,17 @@ struct qmi_writer {
     uint32_t layers_this_run;
 };
 
-static uint64_t ceil_div(uint64_t a, uint64_t b) { return (a + b - 1) / b; }
+static uint64_t ceil_div(uint64_t a, uint64_t b)
+{
+    return (a + b - 1) / b;
+}
 
 static const char *st_name(qm_dtype d)
 {
-    return d == QM_DTYPE_F32 ? "F32" : d == QM_DTYPE_F16 ? "F16" : d == QM_DTYPE_BF16 ? "BF16" : "U8";
+    return d == QM_DTYPE_F32    ? "F32"
+           : d == QM_DTYPE_F16  ? "F16"
+           : d == QM_DTYPE_BF16 ? "BF16"
+                                : "U8";
 }
 
 static void plan_layer(const qmi_bank_spec *s, planned *t)
@@ -313,7 +309,7 @@ static void plan_layer(const qmi_bank_spec *s, planned *t)
     int gated = s->activation == QM_ACT_SWIGLU;
     int nproj = gated && s->swiglu_fusion == 0 ? 3 : 2;
     for (int p = 1; p <= nproj; p++) {
-        uint64_t n = p == 1 ? (gated && s->swiglu_fusion ? 2ull * s->inter : s->inter)
+        uint64_t n = p == 1   ? (gated && s->swiglu_fusion ? 2ull * s->inter : s->inter)
                      : p == 2 ? s->hidden
                               : s->inter;
         uint64_t k = p == 2 ? s->inter : s->hidden;
@@ -327,8 +323,7 @@ static void plan_layer(const qmi_bank_spec *s, planned *t)
     }
     if (s->router_weight)
         t[QM_T_ROUTER_WEIGHT] = (planned){1, QM_DTYPE_F32, 2, {e, s->hidden, 0}, 0, 0};
-    if (s->router_bias)
-        t[QM_T_ROUTER_BIAS] = (planned){1, QM_DTYPE_F32, 1, {e, 0, 0}, 0, 0};
+    if (s->router_bias) t[QM_T_ROUTER_BIAS] = (planned){1, QM_DTYPE_F32, 1, {e, 0, 0}, 0, 0};
     if (s->correction_bias)
         t[QMI_T_CORRECTION_BIAS] = (planned){1, QM_DTYPE_F32, 1, {e, 0, 0}, 0, 0};
     for (int i = 0; i < QMI_T_COUNT; i++)
@@ -350,10 +345,8 @@ static void fmt_float(char *buf, size_t n, float v)
 /* Fixed width, so the final header has the placeholder's length. */
 static void source_value(const qmi_bank_spec *s, int exact, double err, char *buf, size_t n)
 {
-    if (!(err >= 1e-99))
-        err = 0;
-    if (err > 9.999999e99)
-        err = 9.999999e99;
+    if (!(err >= 1e-99)) err = 0;
+    if (err > 9.999999e99) err = 9.999999e99;
     snprintf(buf, n, "%s,\"exact\":%s,\"max_rel_err\":%.6e}", s->source_prefix,
              exact ? "true " : "false", err);
 }
@@ -425,12 +418,10 @@ static int plan_file(qmi_writer *w, qm_status *st)
     for (uint32_t l = 0; l < s->layers; l++)
         for (int t = 0; t < QMI_T_COUNT; t++) {
             planned *p = &w->plan[(size_t)l * QMI_T_COUNT + t];
-            if (!p->present)
-                continue;
+            if (!p->present) continue;
             qm_st_tensor *tt = &w->tensors[w->n_tensors++];
             tt->name = qm_malloc(64);
-            if (!tt->name)
-                return qm_status_set(st, QM_ENOMEM, "out of memory planning the header");
+            if (!tt->name) return qm_status_set(st, QM_ENOMEM, "out of memory planning the header");
             if (t == QMI_T_CORRECTION_BIAS)
                 snprintf(tt->name, 64, "layers.%u.router.correction_bias", l);
             else
@@ -451,8 +442,7 @@ static int pwrite_all(int fd, const void *buf, uint64_t n, uint64_t at, const ch
     while (n) {
         ssize_t k = pwrite(fd, p, n > (1u << 30) ? (1u << 30) : (size_t)n, (off_t)at);
         if (k < 0) {
-            if (errno == EINTR)
-                continue;
+            if (errno == EINTR) continue;
             return qm_status_set(st, QM_EIO, "writing %.200s: %s", path, strerror(errno));
         }
         p += k;
@@ -467,10 +457,8 @@ static int pread_all(int fd, void *buf, uint64_t n, uint64_t at)
     uint8_t *p = buf;
     while (n) {
         ssize_t k = pread(fd, p, (size_t)n, (off_t)at);
-        if (k < 0 && errno == EINTR)
-            continue;
-        if (k <= 0)
-            return -1;
+        if (k < 0 && errno == EINTR) continue;
+        if (k <= 0) return -1;
         p += k;
         at += (uint64_t)k;
         n -= (uint64_t)k;
@@ -494,8 +482,7 @@ static int check_partial(qmi_writer *w, const char *json, size_t len, uint32_t *
                              "or run without --resume)",
                              w->partial, (unsigned long long)sb.st_size, (unsigned long long)want);
     char *have = qm_malloc(len + 8);
-    if (!have)
-        return qm_status_set(st, QM_ENOMEM, "out of memory reading %.200s", w->partial);
+    if (!have) return qm_status_set(st, QM_ENOMEM, "out of memory reading %.200s", w->partial);
     int rc = 0;
     uint8_t len_le[8];
     for (int i = 0; i < 8; i++)
@@ -512,8 +499,7 @@ static int check_partial(qmi_writer *w, const char *json, size_t len, uint32_t *
                            w->partial, at + 8);
     }
     qm_free(have);
-    if (rc)
-        return rc;
+    if (rc) return rc;
     trailer tr;
     if (pread_all(w->fd, &tr, sizeof tr, w->data_start + w->total) != 0 ||
         memcmp(tr.magic, QMI_TRAILER_MAGIC, 8) != 0 || tr.layers_done > w->spec.layers ||
@@ -529,8 +515,8 @@ static int check_partial(qmi_writer *w, const char *json, size_t len, uint32_t *
 
 static int write_trailer(qmi_writer *w, uint32_t layers_done, double err, qm_status *st)
 {
-    trailer tr = {.layers_done = layers_done, .max_rel_err = err,
-                  .bank_bytes = w->data_start + w->total};
+    trailer tr = {
+        .layers_done = layers_done, .max_rel_err = err, .bank_bytes = w->data_start + w->total};
     memcpy(tr.magic, QMI_TRAILER_MAGIC, 8);
     return pwrite_all(w->fd, &tr, sizeof tr, w->data_start + w->total, w->partial, st);
 }
@@ -546,8 +532,7 @@ int qmi_writer_open(const qmi_bank_spec *spec, const char *out, int resume, cons
     char *json = NULL;
     size_t len = 0;
     int rc;
-    if (!w)
-        return qm_status_set(st, QM_ENOMEM, "out of memory");
+    if (!w) return qm_status_set(st, QM_ENOMEM, "out of memory");
     w->fd = -1;
     w->spec = *spec;
     snprintf(w->tool, sizeof w->tool, "%s", tool);
@@ -559,10 +544,8 @@ int qmi_writer_open(const qmi_bank_spec *spec, const char *out, int resume, cons
         goto fail;
     }
     snprintf(w->partial, plen, "%s.partial", out);
-    if ((rc = plan_file(w, st)) != 0)
-        goto fail;
-    if ((rc = format_header(w, 0, 0, &json, &len, st)) != 0)
-        goto fail;
+    if ((rc = plan_file(w, st)) != 0) goto fail;
+    if ((rc = format_header(w, 0, 0, &json, &len, st)) != 0) goto fail;
     w->header_len = len;
     w->data_start = 8 + len;
     const char *env = getenv("QMOE_IMPORT_KILL_AFTER_LAYERS");
@@ -628,8 +611,7 @@ int qmi_writer_put(qmi_writer *w, uint32_t layer, int t, uint64_t at, const void
 {
     const planned *p = &w->plan[(size_t)layer * QMI_T_COUNT + t];
     if (layer >= w->spec.layers || !p->present || at + n > p->nbytes)
-        return qm_status_set(st, QM_EINTERNAL, "import wrote past tensor %d of layer %u", t,
-                             layer);
+        return qm_status_set(st, QM_EINTERNAL, "import wrote past tensor %d of layer %u", t, layer);
     return pwrite_all(w->fd, buf, n, w->data_start + p->begin + at, w->partial, st);
 }
 
@@ -647,11 +629,9 @@ int qmi_writer_layer_done(qmi_writer *w, uint32_t layer, double max_rel_err,
     if (fdatasync(w->fd) != 0)
         return qm_status_set(st, QM_EIO, "flushing %.200s: %s", w->partial, strerror(errno));
     int rc = write_trailer(w, layer + 1, max_rel_err, st);
-    if (rc)
-        return rc;
+    if (rc) return rc;
     w->layers_this_run++;
-    if (w->kill_after > 0 && (long)w->layers_this_run >= w->kill_after)
-        raise(SIGKILL);
+    if (w->kill_after > 0 && (long)w->layers_this_run >= w->kill_after) raise(SIGKILL);
     if (w->progress) {
         if (!w->started_set) {
             clock_gettime(CLOCK_MONOTONIC, &w->started);
@@ -664,8 +644,7 @@ int qmi_writer_layer_done(qmi_writer *w, uint32_t layer, double max_rel_err,
                 layer + 1, w->spec.layers, (double)source_bytes_done / 1e9,
                 (double)source_bytes_total / 1e9, rate / 1e6, (unsigned)(eta / 60),
                 (unsigned)eta % 60);
-        if (layer + 1 == w->spec.layers)
-            fputc('\n', stderr);
+        if (layer + 1 == w->spec.layers) fputc('\n', stderr);
     }
     return 0;
 }
@@ -684,8 +663,7 @@ int qmi_writer_finish(qmi_writer *w, int exact, double max_rel_err, uint64_t *fi
     char *json = NULL;
     size_t len = 0;
     int rc = format_header(w, exact, exact ? 0 : max_rel_err, &json, &len, st);
-    if (rc)
-        return rc;
+    if (rc) return rc;
     if (len != w->header_len) {
         qm_free(json);
         return qm_status_set(st, QM_EINTERNAL, "final header is %zu bytes, planned %llu", len,
@@ -693,8 +671,7 @@ int qmi_writer_finish(qmi_writer *w, int exact, double max_rel_err, uint64_t *fi
     }
     rc = pwrite_all(w->fd, json, len, 8, w->partial, st);
     qm_free(json);
-    if (rc)
-        return rc;
+    if (rc) return rc;
     if (ftruncate(w->fd, (off_t)(w->data_start + w->total)) != 0 || fsync(w->fd) != 0)
         return qm_status_set(st, QM_EIO, "finishing %.200s: %s", w->partial, strerror(errno));
     if (close(w->fd) != 0) {
@@ -705,19 +682,16 @@ int qmi_writer_finish(qmi_writer *w, int exact, double max_rel_err, uint64_t *fi
     if (rename(w->partial, w->out) != 0)
         return qm_status_set(st, QM_EIO, "cannot rename %.200s to %.200s: %s", w->partial, w->out,
                              strerror(errno));
-    if (file_bytes)
-        *file_bytes = w->data_start + w->total;
+    if (file_bytes) *file_bytes = w->data_start + w->total;
     return 0;
 }
 
 void qmi_writer_free(qmi_writer *w, int keep_partial)
 {
-    if (!w)
-        return;
+    if (!w) return;
     if (w->fd >= 0) {
         close(w->fd);
-        if (!keep_partial)
-            unlink(w->partial);
+        if (!keep_partial) unlink(w->partial);
     }
     for (size_t i = 0; i < w->n_tensors; i++)
         qm_free(w->tensors[i].name);

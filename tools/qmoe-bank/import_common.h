@@ -82,8 +82,8 @@ typedef struct qmi_bank_spec {
     unsigned swiglu_fusion;    /* 0 (unfused: fc3), 1 or 2 */
     qm_activation activation;
     float alpha, beta, limit;
-    int normalize_routing; /* qmoe.normalize_routing_weights */
-    int fc1_bias, fc2_bias;                       /* F32 [E, N] */
+    int normalize_routing;                           /* qmoe.normalize_routing_weights */
+    int fc1_bias, fc2_bias;                          /* F32 [E, N] */
     int router_weight, router_bias, correction_bias; /* F32 [E, H], [E], [E] */
     /* Extra metadata (qmoe.layer_map, qmoe.routing.*), borrowed until the
      * writer is freed; qmoe.source is composed by the writer. */

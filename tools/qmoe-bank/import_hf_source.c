@@ -36,8 +36,7 @@ static char *join(const char *dir, const char *name)
 {
     size_t n = strlen(dir) + strlen(name) + 2;
     char *p = qm_malloc(n);
-    if (p)
-        snprintf(p, n, "%s/%s", dir, name);
+    if (p) snprintf(p, n, "%s/%s", dir, name);
     return p;
 }
 
@@ -55,16 +54,14 @@ static int slurp(const char *path, const char *what, char **text, size_t *len, q
     while (buf) {
         size_t k = fread(buf + n, 1, cap - n, f);
         n += k;
-        if (n < cap)
-            break;
+        if (n < cap) break;
         if (cap >= (64u << 20)) {
             rc = qm_status_set(st, QM_EPARSE, "%.200s: larger than 64 MiB", what);
             break;
         }
         cap *= 2;
         char *nb = qm_realloc(buf, cap + 1);
-        if (!nb)
-            qm_free(buf);
+        if (!nb) qm_free(buf);
         buf = nb;
     }
     if (!buf)
@@ -86,11 +83,9 @@ static int load_json(const char *dir, const char *name, qm_hf_json **out, qm_sta
 {
     char *path = join(dir, name), *text = NULL;
     size_t len = 0;
-    if (!path)
-        return qm_status_set(st, QM_ENOMEM, "out of memory");
+    if (!path) return qm_status_set(st, QM_ENOMEM, "out of memory");
     int rc = slurp(path, path, &text, &len, st);
-    if (rc == 0)
-        rc = qm_hf_json_parse(text, len, name, out, st);
+    if (rc == 0) rc = qm_hf_json_parse(text, len, name, out, st);
     qm_free(text);
     qm_free(path);
     return rc;
@@ -123,14 +118,12 @@ static int list_shards(qmi_hf_checkpoint *ck, char ***names, size_t *n, qm_statu
     size_t count = 0, cap = 0;
     if (ck->index) {
         const char **sorted = qm_calloc(ck->n_index ? ck->n_index : 1, sizeof *sorted);
-        if (!sorted)
-            return qm_status_set(st, QM_ENOMEM, "out of memory");
+        if (!sorted) return qm_status_set(st, QM_ENOMEM, "out of memory");
         memcpy(sorted, ck->index_files, ck->n_index * sizeof *sorted);
         qsort(sorted, ck->n_index, sizeof *sorted, cmp_str);
         list = qm_calloc(ck->n_index ? ck->n_index : 1, sizeof *list);
         for (size_t i = 0; list && i < ck->n_index; i++) {
-            if (count && strcmp(list[count - 1], sorted[i]) == 0)
-                continue;
+            if (count && strcmp(list[count - 1], sorted[i]) == 0) continue;
             if (strchr(sorted[i], '/') || strcmp(sorted[i], "..") == 0) {
                 qm_free(sorted);
                 for (size_t j = 0; j < count; j++)
@@ -148,8 +141,7 @@ static int list_shards(qmi_hf_checkpoint *ck, char ***names, size_t *n, qm_statu
         /* save_pretrained's single file: other *.safetensors beside it
          * (a consolidated copy, someone's outputs) are not the checkpoint. */
         list = qm_calloc(1, sizeof *list);
-        if (!list)
-            return qm_status_set(st, QM_ENOMEM, "out of memory");
+        if (!list) return qm_status_set(st, QM_ENOMEM, "out of memory");
         list[count++] = qm_strdup("model.safetensors");
     } else {
         DIR *d = opendir(ck->dir);
@@ -159,20 +151,17 @@ static int list_shards(qmi_hf_checkpoint *ck, char ***names, size_t *n, qm_statu
         struct dirent *de;
         while ((de = readdir(d)) != NULL) {
             size_t len = strlen(de->d_name);
-            if (len <= 12 || strcmp(de->d_name + len - 12, ".safetensors") != 0)
-                continue;
+            if (len <= 12 || strcmp(de->d_name + len - 12, ".safetensors") != 0) continue;
             if (count == cap) {
                 cap = cap ? 2 * cap : 8;
                 char **nl = qm_realloc(list, cap * sizeof *nl);
-                if (!nl)
-                    break;
+                if (!nl) break;
                 list = nl;
             }
             list[count++] = qm_strdup(de->d_name);
         }
         closedir(d);
-        if (count)
-            qsort(list, count, sizeof *list, cmp_str);
+        if (count) qsort(list, count, sizeof *list, cmp_str);
     }
     for (size_t i = 0; i < count; i++)
         if (!list[i]) {
@@ -183,8 +172,10 @@ static int list_shards(qmi_hf_checkpoint *ck, char ***names, size_t *n, qm_statu
         }
     if (!count) {
         qm_free(list);
-        return qm_status_set(st, QM_ENOT_FOUND, "%.200s: no *.safetensors file (and no "
-                             "model.safetensors.index.json)", ck->dir);
+        return qm_status_set(st, QM_ENOT_FOUND,
+                             "%.200s: no *.safetensors file (and no "
+                             "model.safetensors.index.json)",
+                             ck->dir);
     }
     *names = list;
     *n = count;
@@ -240,14 +231,14 @@ static int map_shard(qmi_hf_checkpoint *ck, shard *s, qm_status *st)
         size_t es = e == QMI_ELEM_OTHER ? qm_st_dtype_size(t->dtype) : qmi_elem_size(e);
         unsigned long long want = es;
         for (uint32_t d = 0; d < t->ndim && es; d++)
-            if (qm_mul_u64(want, t->shape[d], &want) != 0)
-                want = ~0ull;
+            if (qm_mul_u64(want, t->shape[d], &want) != 0) want = ~0ull;
         if (t->end > avail || (es && want != t->end - t->begin))
-            return qm_status_set(st, QM_EINVALID_MODEL,
-                                 "%.100s: tensor %.120s: data_offsets [%llu, %llu] do not hold its "
-                                 "shape and dtype %s inside the file's %llu data bytes (truncated?)",
-                                 s->name, t->name, (unsigned long long)t->begin,
-                                 (unsigned long long)t->end, t->dtype, (unsigned long long)avail);
+            return qm_status_set(
+                st, QM_EINVALID_MODEL,
+                "%.100s: tensor %.120s: data_offsets [%llu, %llu] do not hold its "
+                "shape and dtype %s inside the file's %llu data bytes (truncated?)",
+                s->name, t->name, (unsigned long long)t->begin, (unsigned long long)t->end,
+                t->dtype, (unsigned long long)avail);
     }
     return 0;
 }
@@ -263,8 +254,7 @@ int qmi_hf_open(const char *dir, qmi_hf_checkpoint **out, qm_status *st)
         qm_free(ck);
         return qm_status_set(st, QM_ENOMEM, "out of memory");
     }
-    if ((rc = load_json(dir, "config.json", &ck->config, st)) != 0)
-        goto fail;
+    if ((rc = load_json(dir, "config.json", &ck->config, st)) != 0) goto fail;
     char *ipath = join(dir, "model.safetensors.index.json");
     if (!ipath) {
         rc = qm_status_set(st, QM_ENOMEM, "out of memory");
@@ -273,18 +263,15 @@ int qmi_hf_open(const char *dir, qmi_hf_checkpoint **out, qm_status *st)
     int have_index = access(ipath, F_OK) == 0;
     qm_free(ipath);
     if (have_index) {
-        if ((rc = load_json(dir, "model.safetensors.index.json", &ck->index, st)) != 0)
-            goto fail;
+        if ((rc = load_json(dir, "model.safetensors.index.json", &ck->index, st)) != 0) goto fail;
         rc = qm_hf_json_string_map(ck->index, "weight_map", &ck->index_names, &ck->index_files,
                                    &ck->n_index, st);
         if (rc == QM_ENOT_FOUND)
             rc = qm_status_set(st, QM_EINVALID_MODEL,
                                "model.safetensors.index.json: no \"weight_map\" object");
-        if (rc)
-            goto fail;
+        if (rc) goto fail;
     }
-    if ((rc = list_shards(ck, &names, &n_names, st)) != 0)
-        goto fail;
+    if ((rc = list_shards(ck, &names, &n_names, st)) != 0) goto fail;
     ck->shards = qm_calloc(n_names, sizeof *ck->shards);
     if (!ck->shards) {
         rc = qm_status_set(st, QM_ENOMEM, "out of memory");
@@ -300,8 +287,7 @@ int qmi_hf_open(const char *dir, qmi_hf_checkpoint **out, qm_status *st)
             rc = qm_status_set(st, QM_ENOMEM, "out of memory");
             goto fail;
         }
-        if ((rc = map_shard(ck, s, st)) != 0)
-            goto fail;
+        if ((rc = map_shard(ck, s, st)) != 0) goto fail;
         total += s->header->n_tensors;
     }
     ck->tensors = qm_calloc(total ? total : 1, sizeof *ck->tensors);
@@ -348,12 +334,10 @@ fail:
 
 void qmi_hf_close(qmi_hf_checkpoint *ck)
 {
-    if (!ck)
-        return;
+    if (!ck) return;
     for (uint32_t i = 0; i < ck->n_shards; i++) {
         shard *s = &ck->shards[i];
-        if (s->map)
-            munmap(s->map, s->size);
+        if (s->map) munmap(s->map, s->size);
         qm_st_header_free(s->header);
         qm_free(s->name);
         qm_free(s->path);
@@ -368,7 +352,10 @@ void qmi_hf_close(qmi_hf_checkpoint *ck)
     qm_free(ck);
 }
 
-const qm_hf_json *qmi_hf_config(const qmi_hf_checkpoint *ck) { return ck->config; }
+const qm_hf_json *qmi_hf_config(const qmi_hf_checkpoint *ck)
+{
+    return ck->config;
+}
 
 const qmi_hf_tensor *qmi_hf_find(const qmi_hf_checkpoint *ck, const char *name)
 {
@@ -379,12 +366,14 @@ const qmi_hf_tensor *qmi_hf_find(const qmi_hf_checkpoint *ck, const char *name)
 const char *qmi_hf_index_file(const qmi_hf_checkpoint *ck, const char *name)
 {
     for (size_t i = 0; i < ck->n_index; i++)
-        if (strcmp(ck->index_names[i], name) == 0)
-            return ck->index_files[i];
+        if (strcmp(ck->index_names[i], name) == 0) return ck->index_files[i];
     return NULL;
 }
 
-uint32_t qmi_hf_shard_count(const qmi_hf_checkpoint *ck) { return ck->n_shards; }
+uint32_t qmi_hf_shard_count(const qmi_hf_checkpoint *ck)
+{
+    return ck->n_shards;
+}
 
 const char *qmi_hf_shard_name(const qmi_hf_checkpoint *ck, uint32_t i)
 {
@@ -411,13 +400,11 @@ void qmi_hf_prefetch(const qmi_hf_checkpoint *ck, const qmi_hf_tensor *t)
     uintptr_t lo;
     size_t len;
     page_range(t, &lo, &len);
-    if (len)
-        madvise((void *)lo, len, MADV_WILLNEED);
+    if (len) madvise((void *)lo, len, MADV_WILLNEED);
 }
 
 void qmi_hf_release(qmi_hf_checkpoint *ck)
 {
     for (uint32_t i = 0; i < ck->n_shards; i++)
-        if (ck->shards[i].map)
-            madvise(ck->shards[i].map, ck->shards[i].size, MADV_DONTNEED);
+        if (ck->shards[i].map) madvise(ck->shards[i].map, ck->shards[i].size, MADV_DONTNEED);
 }

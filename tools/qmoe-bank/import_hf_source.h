@@ -12,7 +12,7 @@
 #include "qm_hf_config.h"
 
 typedef struct qmi_hf_tensor {
-    const char *name;  /* borrowed from the shard's header */
+    const char *name; /* borrowed from the shard's header */
     uint32_t shard;
     qmi_elem elem;
     const char *dtype; /* as written */
@@ -29,7 +29,8 @@ typedef struct qmi_hf_checkpoint qmi_hf_checkpoint;
  * inside the file, sizes = shape x dtype). Without an index the shards are
  * model.safetensors when it exists, else every *.safetensors file. Errors
  * name the file and what was wrong: QM_EINVALID_MODEL / QM_ENOT_FOUND /
- * QM_EPARSE for bad input, QM_EIO, QM_ENOMEM. The caller frees *out with qmi_hf_close (accepts NULL). */
+ * QM_EPARSE for bad input, QM_EIO, QM_ENOMEM. The caller frees *out with qmi_hf_close (accepts
+ * NULL). */
 int qmi_hf_open(const char *dir, qmi_hf_checkpoint **out, qm_status *st);
 void qmi_hf_close(qmi_hf_checkpoint *ck);
 
