@@ -3,7 +3,7 @@
 bf16, one shard per layer + model.safetensors.index.json) for the import
 benchmark. Shapes default to Qwen3-30B-A3B's experts (H 2048, I 768, E 128):
 4 layers = 4.8 GB of expert weights. The values are Gaussian bf16 from one
-256 MiB pool, reused at shifting offsets (the importer's speed does not
+--pool-mib pool (256 MiB), reused at shifting offsets (the importer's speed does not
 depend on them)."""
 
 import argparse
@@ -20,10 +20,11 @@ def main():
     ap.add_argument("--experts", type=int, default=128)
     ap.add_argument("--hidden", type=int, default=2048)
     ap.add_argument("--inter", type=int, default=768)
+    ap.add_argument("--pool-mib", type=int, default=256, help="random bf16 values drawn once")
     a = ap.parse_args()
     os.makedirs(a.dir, exist_ok=True)
     rng = np.random.default_rng(1)
-    pool = (rng.standard_normal(128 << 20, dtype=np.float32) * 0.02)
+    pool = (rng.standard_normal(a.pool_mib << 19, dtype=np.float32) * 0.02)
     pool = (pool.view(np.uint32) >> 16).astype(np.uint16).tobytes()  # bf16 (truncated)
     H, I, E = a.hidden, a.inter, a.experts
     cfg = {"model_type": "qwen3_moe", "architectures": ["Qwen3MoeForCausalLM"],

@@ -401,3 +401,27 @@ def test_resume_without_a_partial_file_imports_from_the_start(banks, tmp_path):
     r = run_import(os.path.join(FIXTURES, "mixtral"), out, "--resume")
     assert r.returncode == 0, r.stderr
     assert out.read_bytes() == open(banks["mixtral"], "rb").read()
+
+
+# ---- memory ----------------------------------------------------------------------
+
+def test_peak_rss_stays_near_one_layer_of_source(tmp_path):
+    """The bound of docs/IMPORT.md: about one layer's source pages plus one
+    expert's buffers, whatever the model's size (here 3 layers of 100 MB)."""
+    ck = tmp_path / "ck"
+    subprocess.run([sys.executable, os.path.join(SRC, "bench", "import", "make_synthetic_hf.py"),
+                    str(ck), "--layers", "3", "--experts", "32", "--hidden", "1024",
+                    "--inter", "512", "--pool-mib", "16"], check=True)
+    layer = os.path.getsize(ck / "model-00001-of-00003.safetensors")
+    # A fresh interpreter whose only child is the import: its RUSAGE_CHILDREN
+    # peak is the import's.
+    probe = ("import resource, subprocess, sys\n"
+             "r = subprocess.run(sys.argv[1:], capture_output=True)\n"
+             "print(r.returncode, resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss)")
+    r = subprocess.run([sys.executable, "-c", probe, QMOE_BANK, "import", "hf", str(ck), "--out",
+                        str(tmp_path / "b.bank"), "--quiet"], capture_output=True, text=True)
+    rc, peak_kib = map(int, r.stdout.split())
+    assert rc == 0, r.stderr
+    peak = peak_kib * 1024
+    assert peak <= 1.5 * layer, f"peak RSS {peak / 1e6:.0f} MB for {layer / 1e6:.0f} MB layers"
+    assert os.path.getsize(tmp_path / "b.bank") > 0
