@@ -329,6 +329,23 @@ def test_config_contradicting_the_tensors_is_named(tmp_path):
                    "num_hidden_layers 1")
 
 
+def test_deepseek_multi_token_prediction_layers_stay_out(tmp_path):
+    """DeepSeek-V3 checkpoints hold num_nextn_predict_layers MTP layers after
+    num_hidden_layers, experts included; they are not the model's layers."""
+    ck = copy_fixture(tmp_path, "deepseek_v3")
+    edit_config(ck, num_hidden_layers=2, num_nextn_predict_layers=0)
+    out = tmp_path / "b.bank"
+    assert_refused(run_import(ck, out), out, "model.layers.2.mlp.experts.0.gate_proj.weight",
+                   "num_hidden_layers 2, num_nextn_predict_layers 0")
+    edit_config(ck, num_nextn_predict_layers=1)
+    r = subprocess.run([QMOE_BANK, "import", "hf", str(ck), "--out", str(out)],
+                       capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    assert "multi-token-prediction layer(s) past num_hidden_layers" in r.stdout
+    _, meta, _ = qb.read_header(out)
+    assert json.loads(meta["qmoe.layer_map"]) == [1]
+
+
 def test_missing_config_key_is_named(tmp_path):
     ck = copy_fixture(tmp_path, "gpt_oss")
     edit_config(ck, hidden_size=None)

@@ -82,26 +82,28 @@ static void report_left_out(hf_import *im)
 {
     size_t n = 0;
     const qmi_hf_tensor *all = qmi_hf_tensors(im->ck, &n);
-    size_t shared = 0, dense = 0, other = 0;
-    uint64_t shared_b = 0, dense_b = 0, other_b = 0;
+    size_t shared = 0, dense = 0, mtp = 0, other = 0;
+    uint64_t shared_b = 0, dense_b = 0, mtp_b = 0;
     for (size_t i = 0; i < n; i++) {
         const char *nm = all[i].name;
-        if (strstr(nm, ".shared_expert")) {
+        unsigned l = 0;
+        int pos = 0;
+        int in_layer = sscanf(nm, "model.layers.%u.%n", &l, &pos) == 1 && pos > 0;
+        if (in_layer && l >= im->model_layers) {
+            mtp++;
+            mtp_b += all[i].nbytes;
+        } else if (strstr(nm, ".shared_expert")) {
             shared++;
             shared_b += all[i].nbytes;
-            continue;
-        }
-        unsigned l;
-        int pos = 0;
-        if (sscanf(nm, "model.layers.%u.mlp.%n", &l, &pos) == 1 && pos > 0 &&
-            strncmp(nm + pos, "experts", 7) != 0 && strncmp(nm + pos, "gate.", 5) != 0 &&
-            strncmp(nm + pos, "router", 6) != 0) {
+        } else if (in_layer && strncmp(nm + pos, "mlp.", 4) == 0 &&
+                   strncmp(nm + pos + 4, "experts", 7) != 0 &&
+                   strncmp(nm + pos + 4, "gate.", 5) != 0 &&
+                   strncmp(nm + pos + 4, "router", 6) != 0) {
             dense++;
             dense_b += all[i].nbytes;
-            continue;
+        } else {
+            other++;
         }
-        other++;
-        other_b += all[i].nbytes;
     }
     other -= im->consumed <= other ? im->consumed : other;
     printf("left with the engine:");
@@ -109,8 +111,10 @@ static void report_left_out(hf_import *im)
         printf(" %u dense MLP layer(s) (%zu tensors, %.1f MB);", im->model_layers - im->n_moe,
                dense, (double)dense_b / 1e6);
     if (shared) printf(" shared experts (%zu tensors, %.1f MB);", shared, (double)shared_b / 1e6);
+    if (mtp)
+        printf(" multi-token-prediction layer(s) past num_hidden_layers (%zu tensors, %.1f MB);",
+               mtp, (double)mtp_b / 1e6);
     printf(" %zu other tensors (attention, norms, embeddings, lm_head)\n", other);
-    (void)other_b;
 }
 
 /* ---- the command ----------------------------------------------------------- */

@@ -44,6 +44,7 @@ typedef struct hf_import {
     const family *fam;
     qmi_hf_checkpoint *ck;
     uint32_t model_layers, n_moe, E, H, I, k;
+    uint32_t mtp_layers; /* DeepSeek's num_nextn_predict_layers, after the model's layers */
     uint32_t *layer_map; /* [n_moe] */
     int mxfp4, fp8, mxfp4_exact;
     uint32_t fp8_bn, fp8_bk;

@@ -104,7 +104,9 @@ static int moe_layers(hf_import *im, qm_status *st)
                                  "config.json: decoder_sparse_step is 0, expected >= 1");
     }
     if (im->fam->id == FAM_DEEPSEEK_V2 || im->fam->id == FAM_DEEPSEEK_V3)
-        if ((rc = cfg_u32(im, "first_k_dense_replace", 0, 0, &first_dense, st)) != 0) return rc;
+        if ((rc = cfg_u32(im, "first_k_dense_replace", 0, 0, &first_dense, st)) != 0 ||
+            (rc = cfg_u32(im, "num_nextn_predict_layers", 0, 0, &im->mtp_layers, st)) != 0)
+            return rc;
     size_t n_only = 0;
     rc = qm_hf_json_array_len(c, "mlp_only_layers", &n_only, st);
     if (rc && rc != QM_ENOT_FOUND) return QM_EINVALID_MODEL;
@@ -431,8 +433,11 @@ int qmi__hf_resolve(hf_import *im, qm_status *st)
         }
         im->layer_bytes[li] = bytes;
     }
-    /* Layers the config calls dense, or past num_hidden_layers, must not hold experts. */
-    for (uint32_t l = 0, li = 0; l <= im->model_layers; l++) {
+    /* Layers the config calls dense, or past num_hidden_layers, must not hold
+     * experts. DeepSeek checkpoints carry their multi-token-prediction layers
+     * (num_nextn_predict_layers) after the model's: those stay out. */
+    for (uint32_t l = 0, li = 0; l <= im->model_layers + im->mtp_layers; l++) {
+        if (l == im->model_layers) l += im->mtp_layers;
         if (li < nl && im->layer_map[li] == l) {
             li++;
             continue;
@@ -444,8 +449,9 @@ int qmi__hf_resolve(hf_import *im, qm_status *st)
             snprintf(name, sizeof name, "model.layers.%u.mlp.experts.%s", l,
                      im->mxfp4 ? "gate_up_proj_blocks" : "gate_up_proj");
         char lwhy[128];
-        if (l == im->model_layers)
-            snprintf(lwhy, sizeof lwhy, "num_hidden_layers %u", im->model_layers);
+        if (l >= im->model_layers)
+            snprintf(lwhy, sizeof lwhy, "num_hidden_layers %u, num_nextn_predict_layers %u",
+                     im->model_layers, im->mtp_layers);
         else
             snprintf(lwhy, sizeof lwhy,
                      "layer %u is dense by its first_k_dense_replace / "
