@@ -161,6 +161,57 @@ def test_every_matrix_dequantises_to_the_source_within_the_recorded_bound(banks,
         assert 0.05 < measured < 0.2  # int4 block 32 RTN of Gaussian weights: about 0.1
 
 
+@pytest.mark.parametrize("name,dtype", [("gpt_oss", "BF16"), ("mixtral", "BF16"),
+                                        ("olmoe", "F16"), ("deepseek_v2", "BF16")])
+def test_bf16_and_f16_checkpoints_import_within_the_recorded_bound(tmp_path, name, dtype):
+    """The fixtures are f32 (no ties); real checkpoints are bf16. Rewritten
+    as bf16/f16, every matrix still dequantises within the recorded bound and
+    routers/biases come across exactly."""
+    import make_hf_fixtures as mk
+
+    ck = tmp_path / name
+    shutil.copytree(os.path.join(FIXTURES, name), ck)
+    os.remove(ck / "golden.safetensors")
+    for fn in [f for f in os.listdir(ck) if f.endswith(".safetensors")]:
+        t = ref.read_safetensors_raw(ck / fn)
+        out = {}
+        for k, (dt, shape, raw) in t.items():
+            if dt == "F32":
+                x = np.frombuffer(raw, "<f4")
+                if dtype == "F16":
+                    raw = x.astype("<f2").tobytes()
+                else:  # round to nearest even
+                    u = x.view(np.uint32).astype(np.uint64)
+                    raw = ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype("<u2").tobytes()
+                dt = dtype
+            out[k] = (dt, shape, raw)
+        mk.write_safetensors(ck / fn, out)
+    bank = tmp_path / "b.bank"
+    r = run_import(ck, bank)
+    assert r.returncode == 0, r.stderr
+    cfg, tensors = qb.load_bank(str(bank))
+    _, meta, _ = qb.read_header(str(bank))
+    recorded = json.loads(meta["qmoe.source"])["max_rel_err"]
+    raw = ref.checkpoint_tensors(str(ck))
+    measured = 0.0
+    for i, l in enumerate(json.loads(meta["qmoe.layer_map"])):
+        lt = qb.layer_tensors(tensors, i)
+        src = ref.source_matrices(str(ck), l, family(name))
+        for proj in ("fc1", "fc2"):
+            deq = qb.dequantize(cfg, proj, lt)
+            parts = [(deq[:, 0::2], src[proj][:, 0::2]), (deq[:, 1::2], src[proj][:, 1::2])] \
+                if proj == "fc1" else [(deq, src[proj])]
+            for d, s_ in parts:
+                for e in range(cfg.experts):
+                    measured = max(measured, rel(d[e], s_[e].astype(np.float64)))
+        moe = "block_sparse_moe" if name == "mixtral" else "mlp"
+        rname = "router" if name == "gpt_oss" else "gate"
+        assert np.array_equal(lt["router.weight"], raw[f"model.layers.{l}.{moe}.{rname}.weight"])
+        if name == "gpt_oss":
+            assert np.array_equal(lt["fc1.bias"], raw[f"model.layers.{l}.mlp.experts.gate_up_proj_bias"])
+    assert abs(measured - recorded) <= 1e-5 * recorded and 0.05 < recorded < 0.2
+
+
 # ---- what the bank computes ------------------------------------------------------
 
 @pytest.mark.parametrize("name", NAMES)
