@@ -163,11 +163,12 @@ START_TEST(test_quantise_row_is_symmetric_rtn_with_stored_scales)
     ck_assert(qmi_error_rel(&e3) == 0.0);
     /* f16 scales: the codes are chosen against the scale as stored */
     uint16_t s16[2];
+    uint8_t p8[40];
     qmi_error e4 = {0, 0, 1};
-    qmi_quantise_row(w, 40, 8, 32, QM_DTYPE_F16, packed, s16, 0, &e4);
+    qmi_quantise_row(w, 40, 8, 32, QM_DTYPE_F16, p8, s16, 0, &e4);
     float stored = qmi_f16_to_f32(s16[0]);
     ck_assert(stored == qmi_round_to(QM_DTYPE_F16, 1.0f / 127.0f));
-    ck_assert_int_eq(packed[0] - 128, (int)rintf(w[0] / stored));
+    ck_assert_int_eq(p8[0] - 128, (int)rintf(w[0] / stored));
 }
 END_TEST
 
