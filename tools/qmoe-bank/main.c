@@ -15,6 +15,7 @@ static void help_main(FILE *f)
           "  create   write a deterministic synthetic bank (seeded weights, quantised)\n"
           "  inspect  validate a bank and print its summary, tensors and region catalogs\n"
           "  run      run one MoE layer of a bank on the CPU engine (.npy in, .npy out)\n"
+          "  import   import a model's experts: import hf DIR (a Hugging Face checkpoint)\n"
           "\n"
           "`qmoe-bank <command> --help` describes each command.\n"
           "exit status: 0 ok, 1 runtime failure, 2 bad usage or invalid file.\n",
@@ -51,6 +52,28 @@ void qmb_json_string(FILE *f, const char *s)
     fputc('"', f);
 }
 
+/* `qmoe-bank import FORMAT ...`: one entry per source format; each gets
+ * argv[0] = the format. */
+static int import_main(int argc, char **argv)
+{
+    static const struct {
+        const char *format;
+        int (*run)(int argc, char **argv);
+    } formats[] = {
+        {"hf", qmb_import_hf},
+    };
+    if (argc >= 2 && (strcmp(argv[1], "--help") == 0 || strcmp(argv[1], "-h") == 0)) {
+        qmb_help_import_hf(stdout);
+        return QMB_OK;
+    }
+    for (size_t i = 0; argc >= 2 && i < sizeof formats / sizeof formats[0]; i++)
+        if (strcmp(argv[1], formats[i].format) == 0)
+            return formats[i].run(argc - 1, argv + 1);
+    fprintf(stderr, "qmoe-bank import: expected a source format (hf) and its arguments; see "
+                    "qmoe-bank import --help\n");
+    return QMB_USAGE;
+}
+
 int main(int argc, char **argv)
 {
     if (argc < 2) {
@@ -72,7 +95,9 @@ int main(int argc, char **argv)
         return qmb_inspect(argc - 1, argv + 1);
     if (strcmp(cmd, "run") == 0)
         return qmb_run(argc - 1, argv + 1);
-    fprintf(stderr, "qmoe-bank: unknown command \"%.64s\" (create, inspect, run; see --help)\n",
+    if (strcmp(cmd, "import") == 0)
+        return import_main(argc - 1, argv + 1);
+    fprintf(stderr, "qmoe-bank: unknown command \"%.64s\" (create, inspect, run, import; see --help)\n",
             cmd);
     return QMB_USAGE;
 }

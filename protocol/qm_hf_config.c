@@ -1,0 +1,182 @@
+/* qm_hf_config.c - typed lookups into a checkpoint's config.json and index.json. */
+#include "qm_hf_config.h"
+
+#include <stdio.h>
+#include <string.h>
+
+#include "qm_alloc.h"
+#include "qm_rpc_impl.h"
+
+/* config.json nests a few levels (rope_scaling, quantization_config,
+ * text_config/...); deeper is not a checkpoint we understand. */
+#define QM_HF_MAX_DEPTH 8
+#define QM_HF_MAX_BYTES (64u * 1024u * 1024u)
+
+struct qm_hf_json {
+    cJSON *root;
+    char what[64];
+};
+
+int qm_hf_json_parse(const char *text, size_t n, const char *what, qm_hf_json **out, qm_status *st)
+{
+    *out = NULL;
+    if (n > QM_HF_MAX_BYTES)
+        return qm_status_set(st, QM_EPARSE, "%.60s: %zu bytes, more than the %u allowed", what, n,
+                             QM_HF_MAX_BYTES);
+    if (qm_json_depth(text, n, QM_HF_MAX_DEPTH) < 0)
+        return qm_status_set(st, QM_EPARSE, "%.60s: JSON nests deeper than %d levels", what,
+                             QM_HF_MAX_DEPTH);
+    const char *end = NULL;
+    cJSON *root = cJSON_ParseWithLengthOpts(text, n, &end, 0);
+    if (!root || !cJSON_IsObject(root)) {
+        size_t at = root || !end ? 0 : (size_t)(end - text);
+        cJSON_Delete(root);
+        return qm_status_set(st, QM_EPARSE, "%.60s: not a JSON object (error near byte %zu)", what,
+                             at);
+    }
+    qm_hf_json *j = qm_calloc(1, sizeof *j);
+    if (!j) {
+        cJSON_Delete(root);
+        return qm_status_set(st, QM_ENOMEM, "out of memory reading %.60s", what);
+    }
+    j->root = root;
+    snprintf(j->what, sizeof j->what, "%s", what);
+    *out = j;
+    return 0;
+}
+
+void qm_hf_json_free(qm_hf_json *j)
+{
+    if (!j) return;
+    cJSON_Delete(j->root);
+    qm_free(j);
+}
+
+/* Walks "a/b/c"; NULL when a step is missing or not an object. */
+static const cJSON *lookup(const qm_hf_json *j, const char *key)
+{
+    const cJSON *node = j->root;
+    const char *p = key;
+    char part[256];
+    while (node && *p) {
+        const char *slash = strchr(p, '/');
+        size_t len = slash ? (size_t)(slash - p) : strlen(p);
+        if (len >= sizeof part || !cJSON_IsObject(node)) return NULL;
+        memcpy(part, p, len);
+        part[len] = '\0';
+        node = cJSON_GetObjectItemCaseSensitive(node, part);
+        p += len + (slash ? 1 : 0);
+    }
+    return node && !cJSON_IsNull(node) ? node : NULL;
+}
+
+static int wrong_type(const qm_hf_json *j, const char *key, const char *want, qm_status *st)
+{
+    return qm_status_set_field(st, QM_EINVAL, "", "%.60s: key \"%.100s\" must be %s", j->what, key,
+                               want);
+}
+
+int qm_hf_json_number(const qm_hf_json *j, const char *key, double *out, qm_status *st)
+{
+    const cJSON *v = lookup(j, key);
+    if (!v) return QM_ENOT_FOUND;
+    if (!cJSON_IsNumber(v)) return wrong_type(j, key, "a number", st);
+    *out = v->valuedouble;
+    return 0;
+}
+
+int qm_hf_json_bool(const qm_hf_json *j, const char *key, int *out, qm_status *st)
+{
+    const cJSON *v = lookup(j, key);
+    if (!v) return QM_ENOT_FOUND;
+    if (!cJSON_IsBool(v)) return wrong_type(j, key, "true or false", st);
+    *out = cJSON_IsTrue(v);
+    return 0;
+}
+
+int qm_hf_json_string(const qm_hf_json *j, const char *key, const char **out, qm_status *st)
+{
+    const cJSON *v = lookup(j, key);
+    if (!v) return QM_ENOT_FOUND;
+    if (!cJSON_IsString(v)) return wrong_type(j, key, "a string", st);
+    *out = v->valuestring;
+    return 0;
+}
+
+int qm_hf_json_array_len(const qm_hf_json *j, const char *key, size_t *len, qm_status *st)
+{
+    const cJSON *v = lookup(j, key);
+    if (!v) return QM_ENOT_FOUND;
+    if (!cJSON_IsArray(v)) return wrong_type(j, key, "an array", st);
+    *len = (size_t)cJSON_GetArraySize(v);
+    return 0;
+}
+
+static const cJSON *array_item(const qm_hf_json *j, const char *key, size_t i, qm_status *st,
+                               int *rc)
+{
+    size_t len = 0;
+    *rc = qm_hf_json_array_len(j, key, &len, st);
+    if (*rc != 0) return NULL;
+    if (i >= len) {
+        *rc = QM_ENOT_FOUND;
+        return NULL;
+    }
+    return cJSON_GetArrayItem(lookup(j, key), (int)i);
+}
+
+int qm_hf_json_array_number(const qm_hf_json *j, const char *key, size_t i, double *out,
+                            qm_status *st)
+{
+    int rc;
+    const cJSON *v = array_item(j, key, i, st, &rc);
+    if (!v) return rc;
+    if (!cJSON_IsNumber(v)) return wrong_type(j, key, "an array of numbers", st);
+    *out = v->valuedouble;
+    return 0;
+}
+
+int qm_hf_json_array_string(const qm_hf_json *j, const char *key, size_t i, const char **out,
+                            qm_status *st)
+{
+    int rc;
+    const cJSON *v = array_item(j, key, i, st, &rc);
+    if (!v) return rc;
+    if (!cJSON_IsString(v)) return wrong_type(j, key, "an array of strings", st);
+    *out = v->valuestring;
+    return 0;
+}
+
+int qm_hf_json_string_map(const qm_hf_json *j, const char *key, const char ***names,
+                          const char ***values, size_t *n, qm_status *st)
+{
+    *names = NULL;
+    *values = NULL;
+    *n = 0;
+    const cJSON *obj = lookup(j, key);
+    if (!obj) return QM_ENOT_FOUND;
+    if (!cJSON_IsObject(obj)) return wrong_type(j, key, "an object", st);
+    size_t count = (size_t)cJSON_GetArraySize(obj);
+    const char **nm = qm_calloc(count ? count : 1, sizeof *nm);
+    const char **vs = qm_calloc(count ? count : 1, sizeof *vs);
+    if (!nm || !vs) {
+        qm_free(nm);
+        qm_free(vs);
+        return qm_status_set(st, QM_ENOMEM, "out of memory reading %.60s", j->what);
+    }
+    size_t i = 0;
+    for (const cJSON *m = obj->child; m; m = m->next, i++) {
+        if (!cJSON_IsString(m)) {
+            qm_free(nm);
+            qm_free(vs);
+            return qm_status_set(st, QM_EINVAL, "%.60s: %.40s member \"%.120s\" must be a string",
+                                 j->what, key, m->string);
+        }
+        nm[i] = m->string;
+        vs[i] = m->valuestring;
+    }
+    *names = nm;
+    *values = vs;
+    *n = i;
+    return 0;
+}

@@ -1,0 +1,495 @@
+"""`qmoe-bank import hf` against transformers.
+
+The fixtures are tiny random-initialised checkpoints that transformers wrote
+with save_pretrained (tools/make_hf_fixtures.py; GPT-OSS also in the Hub's
+MXFP4 layout, DeepSeek-V3 also FP8 block-scaled). Their golden.safetensors
+holds what transformers computed: the MoE block's output for an input x with
+the bank's dequantised weights written back into the block, and the experts
+and weights it chose. Only numpy and safetensors are needed here."""
+
+import hashlib
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+SRC = os.environ.get("QMOE_SOURCE_DIR", os.path.abspath(os.path.join(HERE, "..", "..")))
+BUILD = os.environ.get("QMOE_BUILD_DIR", os.path.join(SRC, "build"))
+sys.path.insert(0, os.path.join(SRC, "tools"))
+sys.path.insert(0, os.path.join(SRC, "tests", "daemon"))
+import hf_import_ref as ref  # noqa: E402
+import qmoebank as qb  # noqa: E402
+
+QMOE_BANK = os.path.join(BUILD, "tools", "qmoe-bank", "qmoe-bank")
+FIXTURES = os.path.join(HERE, "fixtures")
+NAMES = sorted(d for d in os.listdir(FIXTURES) if os.path.isdir(os.path.join(FIXTURES, d)))
+# Routing that today's rule (top-k of the logits, softmax over the k) already
+# expresses; the others need the bank's qmoe.routing.* keys in the engine.
+LOGIT_ROUTED = {"mixtral", "qwen3_moe", "gpt_oss", "gpt_oss_mxfp4"}
+LAYER_MAP = {"qwen2_moe": [0, 2], "deepseek_v2": [1, 2], "deepseek_v3": [1, 2],
+             "deepseek_v3_fp8": [1, 2]}
+ROUTING = {  # score, normalize, scale, groups, topk_groups, group_score
+    "mixtral": ("softmax", "1", "1", None, None, None),
+    "qwen3_moe": ("softmax", "1", "1", None, None, None),
+    "qwen2_moe": ("softmax", "0", "1", None, None, None),
+    "olmoe": ("softmax", "0", "1", None, None, None),
+    "deepseek_v2": ("softmax", "0", "1.5", "4", "2", "max"),
+    "deepseek_v3": ("sigmoid", "1", "2.5", "4", "2", "top2_sum"),
+    "deepseek_v3_fp8": ("sigmoid", "1", "2.5", "4", "2", "top2_sum"),
+    "gpt_oss": ("softmax", "1", "1", None, None, None),
+    "gpt_oss_mxfp4": ("softmax", "1", "1", None, None, None),
+}
+
+pytestmark = pytest.mark.skipif(not os.path.exists(QMOE_BANK), reason=f"no {QMOE_BANK}")
+
+
+def family(name):
+    return name.replace("_fp8", "").replace("_mxfp4", "")
+
+
+def run_import(ckdir, out, *args, env=None):
+    e = dict(os.environ)
+    e.update(env or {})
+    return subprocess.run([QMOE_BANK, "import", "hf", str(ckdir), "--out", str(out), "--quiet",
+                           *map(str, args)], capture_output=True, text=True, env=e)
+
+
+def golden(name):
+    from safetensors import safe_open
+
+    with safe_open(os.path.join(FIXTURES, name, "golden.safetensors"), framework="np") as f:
+        return {k: f.get_tensor(k) for k in f.keys()}, f.metadata()
+
+
+@pytest.fixture(scope="module")
+def banks(tmp_path_factory):
+    d = tmp_path_factory.mktemp("banks")
+    out = {}
+    for name in NAMES:
+        path = d / f"{name}.bank"
+        r = run_import(os.path.join(FIXTURES, name), path)
+        assert r.returncode == 0, f"{name}: {r.stderr}"
+        out[name] = str(path)
+    return out
+
+
+def rel(a, b):
+    return float(np.linalg.norm(np.asarray(a, np.float64) - b) / np.linalg.norm(b))
+
+
+# ---- what the bank holds ---------------------------------------------------------
+
+@pytest.mark.parametrize("name", NAMES)
+def test_import_is_the_bank_the_golden_was_computed_from(banks, name):
+    _, meta = golden(name)
+    with open(banks[name], "rb") as f:
+        sha = hashlib.sha256(f.read()).hexdigest()
+    assert sha == meta["bank_sha256"], (
+        f"{name}: the import no longer gives the bank the golden output was computed from; "
+        "if the change is intended, rerun tools/make_hf_fixtures.py")
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_metadata_records_source_layer_map_and_routing(banks, name):
+    _, meta, _ = qb.read_header(banks[name])
+    source = json.loads(meta["qmoe.source"])
+    assert source["format"] == "hf" and source["family"] == family(name)
+    files = sorted(f for f in os.listdir(os.path.join(FIXTURES, name))
+                   if f.endswith(".safetensors") and f != "golden.safetensors")
+    assert source["files"] == files
+    assert source["exact"] is (name == "gpt_oss_mxfp4"), source
+    assert (source["max_rel_err"] == 0) == source["exact"]
+    assert json.loads(meta["qmoe.layer_map"]) == LAYER_MAP.get(name, [0, 1])
+    score, norm, scale, groups, topk_groups, group_score = ROUTING[name]
+    assert meta["qmoe.routing.score"] == score
+    assert meta["qmoe.routing.normalize"] == norm
+    assert float(meta["qmoe.routing.scale"]) == float(scale)
+    assert meta.get("qmoe.routing.groups") == groups
+    assert meta.get("qmoe.routing.topk_groups") == topk_groups
+    assert meta.get("qmoe.routing.group_score") == group_score
+    assert meta["qmoe.activation"] == "swiglu" and meta["qmoe.swiglu_fusion"] == "1"
+    if family(name) == "gpt_oss":
+        assert (meta["qmoe.activation_alpha"], meta["qmoe.activation_beta"],
+                meta["qmoe.swiglu_limit"]) == ("1.70200002", "1", "7")
+    expect_bits = "8" if name == "gpt_oss_mxfp4" else "4"
+    assert (meta["qmoe.bits"], meta["qmoe.block_size"]) == (expect_bits, "32")
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_every_matrix_dequantises_to_the_source_within_the_recorded_bound(banks, name):
+    cfg, tensors = qb.load_bank(banks[name])
+    _, meta, _ = qb.read_header(banks[name])
+    source = json.loads(meta["qmoe.source"])
+    ck = os.path.join(FIXTURES, name)
+    raw = ref.checkpoint_tensors(ck)
+    measured = 0.0
+    for i, l in enumerate(json.loads(meta["qmoe.layer_map"])):
+        lt = qb.layer_tensors(tensors, i)
+        src = ref.source_matrices(ck, l, family(name))
+        for proj in ("fc1", "fc2"):
+            deq = qb.dequantize(cfg, proj, lt)
+            if source["exact"]:
+                # bitwise: the f32 the bank gives is the f32 the source gives
+                assert np.array_equal(deq.astype(np.float32).view(np.uint32),
+                                      src[proj].view(np.uint32)), f"{name} layer {l} {proj}"
+                continue
+            parts = [(deq[:, 0::2], src[proj][:, 0::2]), (deq[:, 1::2], src[proj][:, 1::2])] \
+                if proj == "fc1" else [(deq, src[proj])]
+            for d, s in parts:
+                for e in range(cfg.experts):
+                    measured = max(measured, rel(d[e], s[e].astype(np.float64)))
+        # routers and biases are copied as f32, bit for bit
+        moe = "block_sparse_moe" if family(name) == "mixtral" else "mlp"
+        rname = "router" if family(name) == "gpt_oss" else "gate"
+        assert np.array_equal(lt["router.weight"], raw[f"model.layers.{l}.{moe}.{rname}.weight"])
+        if family(name) == "gpt_oss":
+            assert np.array_equal(lt["router.bias"], raw[f"model.layers.{l}.mlp.router.bias"])
+            assert np.array_equal(lt["fc1.bias"], raw[f"model.layers.{l}.mlp.experts.gate_up_proj_bias"])
+            assert np.array_equal(lt["fc2.bias"], raw[f"model.layers.{l}.mlp.experts.down_proj_bias"])
+        if family(name) == "deepseek_v3":
+            assert np.array_equal(lt["router.correction_bias"],
+                                  raw[f"model.layers.{l}.mlp.gate.e_score_correction_bias"])
+    if not source["exact"]:
+        assert measured <= source["max_rel_err"] * (1 + 1e-5), (measured, source)
+        assert measured >= source["max_rel_err"] * (1 - 1e-5), (measured, source)
+        assert 0.05 < measured < 0.2  # int4 block 32 RTN of Gaussian weights: about 0.1
+
+
+@pytest.mark.parametrize("name,dtype", [("gpt_oss", "BF16"), ("mixtral", "BF16"),
+                                        ("olmoe", "F16"), ("deepseek_v2", "BF16")])
+def test_bf16_and_f16_checkpoints_import_within_the_recorded_bound(tmp_path, name, dtype):
+    """The fixtures are f32 (no ties); real checkpoints are bf16. Rewritten
+    as bf16/f16, every matrix still dequantises within the recorded bound and
+    routers/biases come across exactly."""
+    import make_hf_fixtures as mk
+
+    ck = tmp_path / name
+    shutil.copytree(os.path.join(FIXTURES, name), ck)
+    os.remove(ck / "golden.safetensors")
+    for fn in [f for f in os.listdir(ck) if f.endswith(".safetensors")]:
+        t = ref.read_safetensors_raw(ck / fn)
+        out = {}
+        for k, (dt, shape, raw) in t.items():
+            if dt == "F32":
+                x = np.frombuffer(raw, "<f4")
+                if dtype == "F16":
+                    raw = x.astype("<f2").tobytes()
+                else:  # round to nearest even
+                    u = x.view(np.uint32).astype(np.uint64)
+                    raw = ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype("<u2").tobytes()
+                dt = dtype
+            out[k] = (dt, shape, raw)
+        mk.write_safetensors(ck / fn, out)
+    bank = tmp_path / "b.bank"
+    r = run_import(ck, bank)
+    assert r.returncode == 0, r.stderr
+    cfg, tensors = qb.load_bank(str(bank))
+    _, meta, _ = qb.read_header(str(bank))
+    recorded = json.loads(meta["qmoe.source"])["max_rel_err"]
+    raw = ref.checkpoint_tensors(str(ck))
+    measured = 0.0
+    for i, l in enumerate(json.loads(meta["qmoe.layer_map"])):
+        lt = qb.layer_tensors(tensors, i)
+        src = ref.source_matrices(str(ck), l, family(name))
+        for proj in ("fc1", "fc2"):
+            deq = qb.dequantize(cfg, proj, lt)
+            parts = [(deq[:, 0::2], src[proj][:, 0::2]), (deq[:, 1::2], src[proj][:, 1::2])] \
+                if proj == "fc1" else [(deq, src[proj])]
+            for d, s_ in parts:
+                for e in range(cfg.experts):
+                    measured = max(measured, rel(d[e], s_[e].astype(np.float64)))
+        moe = "block_sparse_moe" if name == "mixtral" else "mlp"
+        rname = "router" if name == "gpt_oss" else "gate"
+        assert np.array_equal(lt["router.weight"], raw[f"model.layers.{l}.{moe}.{rname}.weight"])
+        if name == "gpt_oss":
+            assert np.array_equal(lt["fc1.bias"], raw[f"model.layers.{l}.mlp.experts.gate_up_proj_bias"])
+    assert abs(measured - recorded) <= 1e-5 * recorded and 0.05 < recorded < 0.2
+
+
+# ---- what the bank computes ------------------------------------------------------
+
+@pytest.mark.parametrize("name", NAMES)
+def test_float64_reference_of_the_bank_matches_transformers(banks, name):
+    g, _ = golden(name)
+    cfg, tensors = qb.load_bank(banks[name])
+    for i in range(cfg.layers):
+        y = ref.forward_given(cfg, qb.layer_tensors(tensors, i), g["x"], g[f"topk_ids.{i}"],
+                              g[f"topk_weights.{i}"])
+        assert rel(y, g[f"out.{i}"].astype(np.float64)) < 1e-5
+
+
+@pytest.fixture(scope="module")
+def daemon(banks):
+    import qmoed_harness as h
+
+    if not os.path.exists(h.qmoed_path()):
+        pytest.skip("qmoed not built")
+    d = h.Daemon(models={n: p for n, p in banks.items()})
+    yield d, h
+    d.stop()
+
+
+def i32_tensor(a):
+    import base64
+
+    a = np.ascontiguousarray(a, dtype="<i4")
+    return {"dtype": "i32", "shape": list(a.shape), "data": base64.b64encode(a.tobytes()).decode()}
+
+
+@pytest.fixture(scope="module")
+def engine_routing(daemon):
+    """Whether this qmoed takes topk_ids/topk_weights, and with them routes
+    by the bank's qmoe.routing.* keys (they came in together)."""
+    d, h = daemon
+    g, _ = golden("mixtral")
+    c = d.client()
+    sid = c.call("session.create", {"model": "mixtral", "policy": "whole_bank"})["session"]
+    r = c.request("session.infer", {"session": sid, "layer": 0, "hidden": h.tensor(g["x"]),
+                                    "topk_ids": i32_tensor(g["topk_ids.0"]),
+                                    "topk_weights": h.tensor(g["topk_weights.0"])})
+    c.call("session.close", {"session": sid})
+    return "result" in r or "unknown member 'topk_ids'" not in json.dumps(r.get("error"))
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_session_with_the_engines_routing_matches_transformers(daemon, engine_routing, name):
+    if not engine_routing:
+        pytest.skip("this qmoed predates engine-supplied routing (topk_ids)")
+    d, h = daemon
+    g, _ = golden(name)
+    c = d.client()
+    sid = c.call("session.create", {"model": name, "policy": "whole_bank"})["session"]
+    for i in range(len(LAYER_MAP.get(name, [0, 1]))):
+        r = c.call("session.infer", {"session": sid, "layer": i, "hidden": h.tensor(g["x"]),
+                                     "topk_ids": i32_tensor(g[f"topk_ids.{i}"]),
+                                     "topk_weights": h.tensor(g[f"topk_weights.{i}"])})
+        y = h.from_tensor(r["output"])
+        assert rel(y, g[f"out.{i}"].astype(np.float64)) < 1e-5
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_session_routing_by_itself_chooses_transformers_experts(daemon, engine_routing, name):
+    if name not in LOGIT_ROUTED and not engine_routing:
+        pytest.skip("this qmoed predates routing by the bank's qmoe.routing.* keys")
+    d, h = daemon
+    g, _ = golden(name)
+    c = d.client()
+    sid = c.call("session.create", {"model": name, "policy": "whole_bank"})["session"]
+    for i in range(len(LAYER_MAP.get(name, [0, 1]))):
+        r = c.call("session.infer", {"session": sid, "layer": i, "hidden": h.tensor(g["x"]),
+                                     "return_routing": True})
+        chosen = [sorted(e for e, w in tok if w > 0) for tok in r["routing"]]
+        want = [sorted(int(e) for e in row) for row in g[f"topk_ids.{i}"]]
+        assert chosen == want
+        y = h.from_tensor(r["output"])
+        assert rel(y, g[f"out.{i}"].astype(np.float64)) < 1e-5
+
+
+# ---- bad input -------------------------------------------------------------------
+
+def copy_fixture(tmp_path, name):
+    dst = tmp_path / name
+    shutil.copytree(os.path.join(FIXTURES, name), dst)
+    os.remove(dst / "golden.safetensors")
+    return dst
+
+
+def edit_config(ck, **changes):
+    p = ck / "config.json"
+    c = json.loads(p.read_text())
+    for k, v in changes.items():
+        if v is None:
+            c.pop(k, None)
+        else:
+            c[k] = v
+    p.write_text(json.dumps(c))
+
+
+def edit_tensor(ck, file, name, array=None, dtype=None, shape=None):
+    """Rewrites one tensor of a shard (new array, or the same bytes relabelled)."""
+    import make_hf_fixtures as mk
+
+    path = ck / file
+    t = ref.read_safetensors_raw(path)
+    dt, sh, raw = t[name]
+    if array is not None:
+        t[name] = mk.raw_of(array)
+    else:
+        t[name] = (dtype or dt, shape or sh, raw)
+    mk.write_safetensors(path, t)
+
+
+def assert_refused(r, out, *phrases):
+    assert r.returncode == 2, (r.returncode, r.stderr)
+    assert r.stderr.count("\n") == 1, r.stderr  # one sentence
+    for p in phrases:
+        assert p in r.stderr, (p, r.stderr)
+    assert not os.path.exists(out) and not os.path.exists(str(out) + ".partial")
+
+
+def test_unsupported_family_is_refused(tmp_path):
+    ck = copy_fixture(tmp_path, "qwen3_moe")
+    edit_config(ck, model_type="llama", architectures=["LlamaForCausalLM"])
+    out = tmp_path / "b.bank"
+    assert_refused(run_import(ck, out), out, 'config.json: model_type "llama"',
+                   "not a supported MoE family")
+
+
+def test_missing_shard_is_named(tmp_path):
+    ck = copy_fixture(tmp_path, "mixtral")
+    os.remove(ck / "model-00002-of-00003.safetensors")
+    out = tmp_path / "b.bank"
+    assert_refused(run_import(ck, out), out, "missing shard",
+                   "model-00002-of-00003.safetensors", "model.safetensors.index.json")
+
+
+def test_tensor_with_the_wrong_shape_is_named(tmp_path):
+    ck = copy_fixture(tmp_path, "qwen3_moe")
+    name = "model.layers.1.mlp.experts.3.up_proj.weight"
+    edit_tensor(ck, "model.safetensors", name, array=np.zeros((30, 64), np.float32))
+    out = tmp_path / "b.bank"
+    assert_refused(run_import(ck, out), out, "model.safetensors", name, "shape [30, 64]",
+                   "implies [32, 64]")
+
+
+def test_tensor_with_the_wrong_dtype_is_named(tmp_path):
+    ck = copy_fixture(tmp_path, "olmoe")
+    name = "model.layers.0.mlp.experts.5.down_proj.weight"
+    edit_tensor(ck, "model.safetensors", name, dtype="I32")
+    out = tmp_path / "b.bank"
+    assert_refused(run_import(ck, out), out, name, "dtype I32", "expected F32/F16/BF16")
+
+
+def test_config_contradicting_the_tensors_is_named(tmp_path):
+    ck = copy_fixture(tmp_path, "qwen3_moe")
+    edit_config(ck, num_local_experts=6, num_experts=6)
+    out = tmp_path / "b.bank"
+    assert_refused(run_import(ck, out), out, "model.layers.0.mlp.gate.weight", "shape [8, 64]",
+                   "6 experts) implies [6, 64]")
+    edit_config(ck, num_local_experts=8, num_experts=8, moe_intermediate_size=16)
+    assert_refused(run_import(ck, out), out, "model.layers.0.mlp.experts.0.gate_proj.weight",
+                   "moe_intermediate_size 16", "implies [16, 64]")
+    edit_config(ck, moe_intermediate_size=32, num_hidden_layers=1)
+    assert_refused(run_import(ck, out), out, "model.layers.1.mlp.experts.0.gate_proj.weight",
+                   "num_hidden_layers 1")
+
+
+def test_deepseek_multi_token_prediction_layers_stay_out(tmp_path):
+    """DeepSeek-V3 checkpoints hold num_nextn_predict_layers MTP layers after
+    num_hidden_layers, experts included; they are not the model's layers."""
+    ck = copy_fixture(tmp_path, "deepseek_v3")
+    edit_config(ck, num_hidden_layers=2, num_nextn_predict_layers=0)
+    out = tmp_path / "b.bank"
+    assert_refused(run_import(ck, out), out, "model.layers.2.mlp.experts.0.gate_proj.weight",
+                   "num_hidden_layers 2, num_nextn_predict_layers 0")
+    edit_config(ck, num_nextn_predict_layers=1)
+    r = subprocess.run([QMOE_BANK, "import", "hf", str(ck), "--out", str(out)],
+                       capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    assert "multi-token-prediction layer(s) past num_hidden_layers" in r.stdout
+    _, meta, _ = qb.read_header(out)
+    assert json.loads(meta["qmoe.layer_map"]) == [1]
+
+
+def test_missing_config_key_is_named(tmp_path):
+    ck = copy_fixture(tmp_path, "gpt_oss")
+    edit_config(ck, hidden_size=None)
+    out = tmp_path / "b.bank"
+    assert_refused(run_import(ck, out), out, 'config.json: key "hidden_size" is missing')
+
+
+def test_non_finite_weight_is_named_and_leaves_no_file(tmp_path):
+    ck = copy_fixture(tmp_path, "mixtral")
+    name = "model.layers.1.block_sparse_moe.experts.2.w2.weight"
+    w = np.full((64, 32), 0.1, np.float32)
+    w[3, 4] = np.nan
+    index = json.loads((ck / "model.safetensors.index.json").read_text())["weight_map"]
+    edit_tensor(ck, index[name], name, array=w)
+    out = tmp_path / "b.bank"
+    assert_refused(run_import(ck, out), out, name, "NaN or infinity")
+
+
+def test_truncated_shard_is_named(tmp_path):
+    ck = copy_fixture(tmp_path, "olmoe")
+    p = ck / "model.safetensors"
+    size = p.stat().st_size
+    with open(p, "r+b") as f:
+        f.truncate(size - 1000)
+    out = tmp_path / "b.bank"
+    assert_refused(run_import(ck, out), out, "model.safetensors", "truncated?")
+
+
+def test_usage_errors_exit_2(tmp_path):
+    for args in (["import"], ["import", "nosuchformat", "x", "--out", "y"],
+                 ["import", "hf", str(tmp_path), "--bits", "3", "--out", "y"],
+                 ["import", "hf", str(tmp_path)]):
+        r = subprocess.run([QMOE_BANK, *args], capture_output=True, text=True)
+        assert r.returncode == 2, (args, r.stderr)
+
+
+# ---- resume ----------------------------------------------------------------------
+
+@pytest.mark.parametrize("name", ["qwen2_moe", "gpt_oss_mxfp4", "deepseek_v3_fp8"])
+def test_killed_import_resumes_to_a_byte_identical_bank(banks, tmp_path, name):
+    ck = os.path.join(FIXTURES, name)
+    out = tmp_path / "b.bank"
+    r = run_import(ck, out, env={"QMOE_IMPORT_KILL_AFTER_LAYERS": "1"})
+    assert r.returncode == -signal.SIGKILL, r
+    assert not out.exists() and os.path.exists(str(out) + ".partial")
+    r = subprocess.run([QMOE_BANK, "import", "hf", ck, "--out", str(out), "--resume"],
+                       capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    assert "resuming" in r.stdout and "at layer 1 of 2" in r.stdout
+    assert not os.path.exists(str(out) + ".partial")
+    assert out.read_bytes() == open(banks[name], "rb").read()
+
+
+def test_resume_refuses_a_partial_file_of_other_arguments(tmp_path):
+    ck = os.path.join(FIXTURES, "olmoe")
+    out = tmp_path / "b.bank"
+    r = run_import(ck, out, env={"QMOE_IMPORT_KILL_AFTER_LAYERS": "1"})
+    assert r.returncode == -signal.SIGKILL
+    partial = str(out) + ".partial"
+    before = open(partial, "rb").read()
+    r = run_import(ck, out, "--resume", "--bits", "8")
+    assert r.returncode == 2 and "b.bank.partial" in r.stderr and "remove it" in r.stderr
+    assert open(partial, "rb").read() == before  # left for the user
+    r = run_import(ck, out, "--resume")
+    assert r.returncode == 0, r.stderr
+
+
+def test_resume_without_a_partial_file_imports_from_the_start(banks, tmp_path):
+    out = tmp_path / "b.bank"
+    r = run_import(os.path.join(FIXTURES, "mixtral"), out, "--resume")
+    assert r.returncode == 0, r.stderr
+    assert out.read_bytes() == open(banks["mixtral"], "rb").read()
+
+
+# ---- memory ----------------------------------------------------------------------
+
+def test_peak_rss_stays_near_one_layer_of_source(tmp_path):
+    """The bound of docs/IMPORT.md: about one layer's source pages plus one
+    expert's buffers, whatever the model's size (here 3 layers of 100 MB)."""
+    ck = tmp_path / "ck"
+    subprocess.run([sys.executable, os.path.join(SRC, "bench", "import", "make_synthetic_hf.py"),
+                    str(ck), "--layers", "3", "--experts", "32", "--hidden", "1024",
+                    "--inter", "512", "--pool-mib", "16"], check=True)
+    layer = os.path.getsize(ck / "model-00001-of-00003.safetensors")
+    # A fresh interpreter whose only child is the import: its RUSAGE_CHILDREN
+    # peak is the import's.
+    probe = ("import resource, subprocess, sys\n"
+             "r = subprocess.run(sys.argv[1:], capture_output=True)\n"
+             "print(r.returncode, resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss)")
+    r = subprocess.run([sys.executable, "-c", probe, QMOE_BANK, "import", "hf", str(ck), "--out",
+                        str(tmp_path / "b.bank"), "--quiet"], capture_output=True, text=True)
+    rc, peak_kib = map(int, r.stdout.split())
+    assert rc == 0, r.stderr
+    peak = peak_kib * 1024
+    assert peak <= 1.5 * layer, f"peak RSS {peak / 1e6:.0f} MB for {layer / 1e6:.0f} MB layers"
+    assert os.path.getsize(tmp_path / "b.bank") > 0

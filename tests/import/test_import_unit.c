@@ -1,0 +1,191 @@
+/* test_import_unit.c - the pieces under `qmoe-bank import`: config.json /
+ * index.json lookups (protocol/qm_hf_config) and import_common's element
+ * conversions and round-to-nearest quantisation. */
+#include <check.h>
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#include "import_common.h"
+#include "qm_alloc.h"
+#include "qm_hf_config.h"
+
+static qm_hf_json *parse(const char *text)
+{
+    qm_hf_json *j = NULL;
+    qm_status st;
+    qm_status_clear(&st);
+    ck_assert_int_eq(qm_hf_json_parse(text, strlen(text), "config.json", &j, &st), 0);
+    return j;
+}
+
+START_TEST(test_hf_json_typed_lookups_walk_nested_objects)
+{
+    qm_hf_json *j = parse("{\"hidden_size\": 64, \"norm_topk_prob\": true, \"model_type\": "
+                          "\"qwen3_moe\", \"architectures\": [\"Qwen3MoeForCausalLM\"], "
+                          "\"quantization_config\": {\"quant_method\": \"fp8\", "
+                          "\"weight_block_size\": [128, 64]}, \"n_group\": null}");
+    qm_status st;
+    qm_status_clear(&st);
+    double v = 0;
+    int b = 0;
+    const char *s = NULL;
+    size_t n = 0;
+    ck_assert_int_eq(qm_hf_json_number(j, "hidden_size", &v, &st), 0);
+    ck_assert(v == 64);
+    ck_assert_int_eq(qm_hf_json_bool(j, "norm_topk_prob", &b, &st), 0);
+    ck_assert_int_eq(b, 1);
+    ck_assert_int_eq(qm_hf_json_string(j, "quantization_config/quant_method", &s, &st), 0);
+    ck_assert_str_eq(s, "fp8");
+    ck_assert_int_eq(qm_hf_json_array_len(j, "quantization_config/weight_block_size", &n, &st), 0);
+    ck_assert_uint_eq(n, 2);
+    ck_assert_int_eq(
+        qm_hf_json_array_number(j, "quantization_config/weight_block_size", 1, &v, &st), 0);
+    ck_assert(v == 64);
+    ck_assert_int_eq(qm_hf_json_array_string(j, "architectures", 0, &s, &st), 0);
+    ck_assert_str_eq(s, "Qwen3MoeForCausalLM");
+    /* absent, null and past the end are "not found"; never an error */
+    ck_assert_int_eq(qm_hf_json_number(j, "num_experts", &v, &st), QM_ENOT_FOUND);
+    ck_assert_int_eq(qm_hf_json_number(j, "n_group", &v, &st), QM_ENOT_FOUND);
+    ck_assert_int_eq(qm_hf_json_array_string(j, "architectures", 1, &s, &st), QM_ENOT_FOUND);
+    ck_assert_int_eq(qm_hf_json_string(j, "hidden_size/x", &s, &st), QM_ENOT_FOUND);
+    qm_hf_json_free(j);
+}
+END_TEST
+
+START_TEST(test_hf_json_wrong_types_name_the_file_and_key)
+{
+    qm_hf_json *j = parse("{\"hidden_size\": \"64\", \"norm_topk_prob\": 1, \"architectures\": "
+                          "[3], \"weight_map\": {\"a\": \"x.safetensors\", \"b\": 7}}");
+    qm_status st;
+    qm_status_clear(&st);
+    double v;
+    int b;
+    const char *s;
+    const char **names, **values;
+    size_t n;
+    ck_assert_int_eq(qm_hf_json_number(j, "hidden_size", &v, &st), QM_EINVAL);
+    ck_assert_str_eq(st.msg, "config.json: key \"hidden_size\" must be a number");
+    ck_assert_int_eq(qm_hf_json_bool(j, "norm_topk_prob", &b, &st), QM_EINVAL);
+    ck_assert_str_eq(st.msg, "config.json: key \"norm_topk_prob\" must be true or false");
+    ck_assert_int_eq(qm_hf_json_array_string(j, "architectures", 0, &s, &st), QM_EINVAL);
+    ck_assert_int_eq(qm_hf_json_string_map(j, "weight_map", &names, &values, &n, &st), QM_EINVAL);
+    ck_assert_msg(strstr(st.msg, "\"b\" must be a string"), "%s", st.msg);
+    qm_hf_json_free(j);
+}
+END_TEST
+
+START_TEST(test_hf_json_string_map_lists_an_index)
+{
+    qm_hf_json *j = parse("{\"metadata\": {}, \"weight_map\": {\"t.a\": \"m-1.safetensors\", "
+                          "\"t.b\": \"m-2.safetensors\"}}");
+    qm_status st;
+    const char **names, **values;
+    size_t n;
+    ck_assert_int_eq(qm_hf_json_string_map(j, "weight_map", &names, &values, &n, &st), 0);
+    ck_assert_uint_eq(n, 2);
+    ck_assert_str_eq(names[1], "t.b");
+    ck_assert_str_eq(values[1], "m-2.safetensors");
+    qm_free(names);
+    qm_free(values);
+    qm_hf_json_free(j);
+}
+END_TEST
+
+START_TEST(test_hf_json_rejects_bad_text_with_the_file_name)
+{
+    static const char *bad[] = {"", "[1, 2]", "{\"a\": ", "{\"a\": [[[[[[[[[[1]]]]]]]]]]}"};
+    for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
+        qm_hf_json *j = (qm_hf_json *)1;
+        qm_status st;
+        qm_status_clear(&st);
+        ck_assert_int_eq(qm_hf_json_parse(bad[i], strlen(bad[i]), "index.json", &j, &st),
+                         QM_EPARSE);
+        ck_assert_ptr_null(j);
+        ck_assert_msg(strncmp(st.msg, "index.json: ", 12) == 0, "%s", st.msg);
+    }
+}
+END_TEST
+
+START_TEST(test_element_conversions_match_their_formats)
+{
+    ck_assert(qmi_bf16_to_f32(0x3f80) == 1.0f);
+    ck_assert(qmi_f16_to_f32(0x3c00) == 1.0f);
+    ck_assert(qmi_f16_to_f32(0x0001) == ldexpf(1, -24)); /* smallest subnormal */
+    ck_assert(qmi_f16_to_f32(0xc000) == -2.0f);
+    /* e4m3fn: bias 7, 3 mantissa bits, no infinities, 0x7f NaN, max 448 */
+    ck_assert(qmi_e4m3_to_f32(0x38) == 1.0f);
+    ck_assert(qmi_e4m3_to_f32(0x7e) == 448.0f);
+    ck_assert(qmi_e4m3_to_f32(0xfe) == -448.0f);
+    ck_assert(qmi_e4m3_to_f32(0x01) == ldexpf(1, -9));
+    ck_assert(isnan(qmi_e4m3_to_f32(0x7f)));
+    ck_assert(qmi_e4m3_to_f32(0x78) == 256.0f);
+    /* round trips and ties to even */
+    for (uint32_t h = 0; h < 0x7c00; h++)
+        ck_assert_uint_eq(qmi_f32_to_f16(qmi_f16_to_f32((uint16_t)h)), h);
+    ck_assert_uint_eq(qmi_f32_to_bf16(1.0f + ldexpf(1, -8)), 0x3f80); /* tie -> even */
+    ck_assert_uint_eq(qmi_f32_to_bf16(1.0f + 3 * ldexpf(1, -8)), 0x3f82);
+}
+END_TEST
+
+START_TEST(test_quantise_row_is_symmetric_rtn_with_stored_scales)
+{
+    float w[40];
+    for (int c = 0; c < 40; c++)
+        w[c] = (float)(c - 20) * 0.05f;
+    uint8_t packed[20];
+    float scales[2];
+    qmi_error err = {0, 0, 1};
+    qmi_quantise_row(w, 40, 4, 32, QM_DTYPE_F32, packed, scales, 0, &err);
+    /* block 0: columns 0..31, absmax 1.0 -> scale 1/7; block 1: 32..39, absmax 0.95 */
+    ck_assert(scales[0] == 1.0f / 7.0f);
+    ck_assert(scales[1] == 0.95f / 7.0f);
+    for (int c = 0; c < 40; c++) {
+        int code = c % 2 ? packed[c / 2] >> 4 : packed[c / 2] & 15;
+        float s = scales[c / 32];
+        float want = rintf(w[c] * (1.0f / s));
+        ck_assert_int_eq(code - 8, (int)want);
+        ck_assert(fabsf(s * (float)(code - 8) - w[c]) <= s / 2 * 1.0001f);
+    }
+    ck_assert_int_eq(err.exact, 0);
+    ck_assert(qmi_error_rel(&err) > 0 && qmi_error_rel(&err) < 0.1);
+    /* values on the grid come back exactly: exact, error 0 */
+    float g[32];
+    for (int c = 0; c < 32; c++)
+        g[c] = (float)((c % 15) - 7) * 0.25f;
+    qmi_error e2 = {0, 0, 1};
+    uint8_t p2[32];
+    float s2;
+    qmi_quantise_row(g, 32, 8, 0, QM_DTYPE_F32, p2, &s2, 0, &e2);
+    qmi_error e3 = {0, 0, 1};
+    qmi_quantise_row(g, 32, 4, 32, QM_DTYPE_F32, p2, &s2, 0, &e3);
+    ck_assert_int_eq(e3.exact, 1);
+    ck_assert(qmi_error_rel(&e3) == 0.0);
+    /* f16 scales: the codes are chosen against the scale as stored */
+    uint16_t s16[2];
+    uint8_t p8[40];
+    qmi_error e4 = {0, 0, 1};
+    qmi_quantise_row(w, 40, 8, 32, QM_DTYPE_F16, p8, s16, 0, &e4);
+    float stored = qmi_f16_to_f32(s16[0]);
+    ck_assert(stored == qmi_round_to(QM_DTYPE_F16, 1.0f / 127.0f));
+    ck_assert_int_eq(p8[0] - 128, (int)rintf(w[0] / stored));
+}
+END_TEST
+
+int main(void)
+{
+    Suite *s = suite_create("import_unit");
+    TCase *tc = tcase_create("core");
+    tcase_add_test(tc, test_hf_json_typed_lookups_walk_nested_objects);
+    tcase_add_test(tc, test_hf_json_wrong_types_name_the_file_and_key);
+    tcase_add_test(tc, test_hf_json_string_map_lists_an_index);
+    tcase_add_test(tc, test_hf_json_rejects_bad_text_with_the_file_name);
+    tcase_add_test(tc, test_element_conversions_match_their_formats);
+    tcase_add_test(tc, test_quantise_row_is_symmetric_rtn_with_stored_scales);
+    suite_add_tcase(s, tc);
+    SRunner *sr = srunner_create(s);
+    srunner_run_all(sr, CK_NORMAL);
+    int failed = srunner_ntests_failed(sr);
+    srunner_free(sr);
+    return failed ? 1 : 0;
+}

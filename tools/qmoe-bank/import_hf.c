@@ -1,0 +1,368 @@
+/* import_hf.c - `qmoe-bank import hf`: a Hugging Face MoE checkpoint's routed
+ * experts into a bank.
+ *
+ * Every shape is known from config.json, so the whole checkpoint is checked
+ * (names, dtypes, shapes, layer and expert counts) before a byte is written;
+ * then the bank header goes out first and the layers are streamed one at a
+ * time from the mapped shards (import_common.h). Float sources are
+ * requantised by round to nearest; GPT-OSS's MXFP4 maps onto int8 block 32
+ * bit for bit. Tensor names and layouts per family: docs/IMPORT.md. */
+#include <getopt.h>
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "import_hf_impl.h"
+#include "qm_alloc.h"
+#include "qmoe_bank_tool.h"
+
+void qmb_help_import_hf(FILE *f)
+{
+    fputs("usage: qmoe-bank import hf DIR --out FILE [--bits 4|8] [--block-size N]\n"
+          "                         [--scales f32|f16|bf16] [--resume] [--quiet]\n"
+          "\n"
+          "Imports the routed experts of a Hugging Face checkpoint (config.json plus one\n"
+          "*.safetensors, or shards listed in model.safetensors.index.json) into a bank.\n"
+          "Families: mixtral, qwen2_moe, qwen3_moe, olmoe, deepseek_v2, deepseek_v3 (FP8\n"
+          "block-scaled weights too), gpt_oss (bf16, or the Hub's MXFP4 blocks/scales).\n"
+          "bf16/f16/f32/FP8 weights are requantised by round to nearest, symmetric, to\n"
+          "--bits (default 4) with one scale per --block-size columns (default 32; 0 = one\n"
+          "per row) stored as --scales (default f32); the error is measured and recorded\n"
+          "in qmoe.source. GPT-OSS MXFP4 defaults to int8 block 32 with f32 scales, which\n"
+          "holds it bit for bit (exact). Routers, router biases, DeepSeek-V3's\n"
+          "e_score_correction_bias and GPT-OSS's expert biases are copied as f32, and\n"
+          "the family's routing rule is written as qmoe.routing.* keys. Shared experts,\n"
+          "dense layers, attention and embeddings stay with the engine: the import says\n"
+          "what it left out. Memory stays at about one layer: shards are mapped and each\n"
+          "layer's pages are dropped after it is written. The bank is written as\n"
+          "FILE.partial and renamed when complete; after a crash or Ctrl-C, --resume\n"
+          "continues at the first layer not yet written (the partial file's header must\n"
+          "match these arguments and this checkpoint). A progress line is shown on a\n"
+          "terminal unless --quiet.\n"
+          "exit status: 0 ok, 1 I/O failure, 2 bad usage or a checkpoint that cannot be\n"
+          "imported (the message names the file, tensor or key).\n",
+          f);
+}
+
+/* Bad input: exit 2. Anything else (I/O, memory): exit 1. */
+static int exit_for(int rc)
+{
+    return rc == QM_EIO || rc == QM_ENOMEM || rc == QM_EINTERNAL ? QMB_FAIL : QMB_USAGE;
+}
+
+/* ---- metadata and the report --------------------------------------------- */
+
+static int source_prefix(hf_import *im, char *buf, size_t n)
+{
+    size_t at = (size_t)snprintf(buf, n, "{\"format\":\"hf\",\"family\":\"%s\",\"files\":[",
+                                 im->fam->model_type);
+    uint32_t ns = qmi_hf_shard_count(im->ck);
+    for (uint32_t i = 0; i < ns; i++) {
+        const char *s = qmi_hf_shard_name(im->ck, i);
+        if (at + strlen(s) * 6 + 64 > n - 200) {
+            at += (size_t)snprintf(buf + at, n - at, "%s\"... %u more\"", i ? "," : "", ns - i);
+            break;
+        }
+        at += (size_t)snprintf(buf + at, n - at, "%s\"", i ? "," : "");
+        for (const unsigned char *c = (const unsigned char *)s; *c; c++)
+            at += (size_t)snprintf(buf + at, n - at,
+                                   *c == '"' || *c == '\\' ? "\\%c"
+                                   : *c < 0x20             ? "\\u%04x"
+                                                           : "%c",
+                                   *c);
+        at += (size_t)snprintf(buf + at, n - at, "\"");
+    }
+    at += (size_t)snprintf(buf + at, n - at, "]");
+    return at < n ? 0 : -1;
+}
+
+static void report_left_out(hf_import *im)
+{
+    size_t n = 0;
+    const qmi_hf_tensor *all = qmi_hf_tensors(im->ck, &n);
+    size_t shared = 0, dense = 0, mtp = 0, other = 0;
+    uint64_t shared_b = 0, dense_b = 0, mtp_b = 0;
+    for (size_t i = 0; i < n; i++) {
+        const char *nm = all[i].name;
+        unsigned l = 0;
+        int pos = 0;
+        int in_layer = sscanf(nm, "model.layers.%u.%n", &l, &pos) == 1 && pos > 0;
+        if (in_layer && l >= im->model_layers) {
+            mtp++;
+            mtp_b += all[i].nbytes;
+        } else if (strstr(nm, ".shared_expert")) {
+            shared++;
+            shared_b += all[i].nbytes;
+        } else if (in_layer && strncmp(nm + pos, "mlp.", 4) == 0 &&
+                   strncmp(nm + pos + 4, "experts", 7) != 0 &&
+                   strncmp(nm + pos + 4, "gate.", 5) != 0 &&
+                   strncmp(nm + pos + 4, "router", 6) != 0) {
+            dense++;
+            dense_b += all[i].nbytes;
+        } else {
+            other++;
+        }
+    }
+    other -= im->consumed <= other ? im->consumed : other;
+    printf("left with the engine:");
+    if (im->n_moe < im->model_layers)
+        printf(" %u dense MLP layer(s) (%zu tensors, %.1f MB);", im->model_layers - im->n_moe,
+               dense, (double)dense_b / 1e6);
+    if (shared) printf(" shared experts (%zu tensors, %.1f MB);", shared, (double)shared_b / 1e6);
+    if (mtp)
+        printf(" multi-token-prediction layer(s) past num_hidden_layers (%zu tensors, %.1f MB);",
+               mtp, (double)mtp_b / 1e6);
+    printf(" %zu other tensors (attention, norms, embeddings, lm_head)\n", other);
+}
+
+/* ---- the command ----------------------------------------------------------- */
+
+static void import_free(hf_import *im)
+{
+    qm_free(im->layer_map);
+    qm_free(im->expert_src);
+    qm_free(im->layer_src);
+    qm_free(im->router_w);
+    qm_free(im->router_b);
+    qm_free(im->corr);
+    qm_free(im->layer_bytes);
+    qmi_hf_close(im->ck);
+}
+
+static int run_import(hf_import *im)
+{
+    qm_status st;
+    qm_status_clear(&st);
+    qmi_writer *w = NULL;
+    buffers b = {0};
+    int rc, keep_partial = 1;
+    char layer_map[8 * 65536 / 8], src[QMI_META_MAX * 8 + 4096], groups[16], topk_groups[16],
+        scale[32], norm[4];
+    char *layer_map_s = NULL;
+
+    if ((rc = qmi_hf_open(im->o.dir, &im->ck, &st)) != 0 ||
+        (rc = qmi__hf_read_config(im, &st)) != 0)
+        goto fail_input;
+    if (!im->o.bits_set) im->o.bits = im->mxfp4 ? 8 : 4;
+    im->mxfp4_exact =
+        im->mxfp4 && im->o.bits == 8 && im->o.block_size == 32 && im->o.scale_dtype == QM_DTYPE_F32;
+    if (im->H % (8 / im->o.bits) || im->I % (8 / im->o.bits)) {
+        rc = qm_status_set(&st, QM_EINVALID_MODEL,
+                           "config.json: hidden_size %u and %s %u must be even for 4-bit codes",
+                           im->H, im->fam->inter_key, im->I);
+        goto fail_input;
+    }
+    if ((rc = qmi__hf_resolve(im, &st)) != 0) goto fail_input;
+
+    /* Metadata. */
+    size_t lm_cap = (size_t)im->n_moe * 8 + 4;
+    layer_map_s = qm_malloc(lm_cap);
+    if (!layer_map_s) {
+        rc = qm_status_set(&st, QM_ENOMEM, "out of memory");
+        goto fail;
+    }
+    size_t at = (size_t)snprintf(layer_map_s, lm_cap, "[");
+    for (uint32_t i = 0; i < im->n_moe; i++)
+        at +=
+            (size_t)snprintf(layer_map_s + at, lm_cap - at, "%s%u", i ? "," : "", im->layer_map[i]);
+    snprintf(layer_map_s + at, lm_cap - at, "]");
+    (void)layer_map;
+    if (source_prefix(im, src, sizeof src) != 0) {
+        rc = qm_status_set(&st, QM_EINTERNAL, "qmoe.source does not fit");
+        goto fail;
+    }
+    snprintf(scale, sizeof scale, "%.9g", im->scale);
+    snprintf(norm, sizeof norm, "%d", im->normalize);
+    snprintf(groups, sizeof groups, "%u", im->groups);
+    snprintf(topk_groups, sizeof topk_groups, "%u", im->topk_groups);
+    qmi_bank_spec spec = {
+        .layers = im->n_moe,
+        .experts = im->E,
+        .hidden = im->H,
+        .inter = im->I,
+        .k = im->k,
+        .bits = im->o.bits,
+        .block_size = im->o.block_size,
+        .scale_dtype = im->mxfp4_exact ? QM_DTYPE_F32 : im->o.scale_dtype,
+        .swiglu_fusion = 1,
+        .activation = QM_ACT_SWIGLU,
+        .alpha = im->alpha,
+        .beta = im->beta,
+        .limit = im->limit,
+        .normalize_routing = im->normalize,
+        .fc1_bias = im->fam->id == FAM_GPT_OSS,
+        .fc2_bias = im->fam->id == FAM_GPT_OSS,
+        .router_weight = 1,
+        .router_bias = im->fam->id == FAM_GPT_OSS,
+        .correction_bias = im->fam->id == FAM_DEEPSEEK_V3,
+        .source_prefix = src,
+    };
+    const char *keys[] = {"qmoe.layer_map", "qmoe.routing.score", "qmoe.routing.normalize",
+                          "qmoe.routing.scale"};
+    const char *vals[] = {layer_map_s, im->score, norm, scale};
+    for (size_t i = 0; i < 4; i++) {
+        spec.meta_keys[spec.n_meta] = keys[i];
+        spec.meta_values[spec.n_meta++] = vals[i];
+    }
+    if (im->groups) {
+        spec.meta_keys[spec.n_meta] = "qmoe.routing.groups";
+        spec.meta_values[spec.n_meta++] = groups;
+        spec.meta_keys[spec.n_meta] = "qmoe.routing.topk_groups";
+        spec.meta_values[spec.n_meta++] = topk_groups;
+        spec.meta_keys[spec.n_meta] = "qmoe.routing.group_score";
+        spec.meta_values[spec.n_meta++] = im->group_score;
+    }
+
+    uint32_t first = 0;
+    double max_err = 0;
+    if ((rc = qmi_writer_open(&spec, im->o.out, im->o.resume, "import hf", &w, &first, &max_err,
+                              &st)) != 0) {
+        if (rc == QM_ECONFLICT) goto fail_input;
+        goto fail;
+    }
+    keep_partial = 0; /* until a layer is complete, nothing to resume */
+    uint64_t total_src = 0, done_src = 0;
+    for (uint32_t i = 0; i < im->n_moe; i++) {
+        total_src += im->layer_bytes[i];
+        if (i < first) done_src += im->layer_bytes[i];
+    }
+    if (!im->o.quiet) {
+        printf("importing %s (%s): %u of %u layers have routed experts, %u experts, k %u, "
+               "hidden %u, inter %u; %s -> int%u block %u%s\n",
+               im->o.dir, im->fam->model_type, im->n_moe, im->model_layers, im->E, im->k, im->H,
+               im->I,
+               im->mxfp4 ? "MXFP4"
+               : im->fp8 ? "FP8 e4m3"
+                         : "float",
+               im->o.bits, im->o.block_size, im->mxfp4_exact ? " (exact)" : " (requantised)");
+        if (first) printf("resuming %s.partial at layer %u of %u\n", im->o.out, first, im->n_moe);
+        report_left_out(im);
+        fflush(stdout);
+    }
+    qmi_writer_progress(w, !im->o.quiet && isatty(2), done_src);
+    keep_partial = first > 0;
+    /* Per-expert buffers: the largest matrix of either projection. */
+    uint64_t kmax = im->H > im->I ? im->H : im->I;
+    uint64_t n1 = 2ull * im->I;
+    b.row = qm_malloc((n1 > kmax ? n1 : kmax) * sizeof(float));
+    b.bias = qm_malloc((n1 > im->H ? n1 : im->H) * sizeof(float));
+    b.packed[0] = qm_malloc(qmi_writer_slice_bytes(w, QM_T_FC1_WEIGHT));
+    b.packed[1] = qm_malloc(qmi_writer_slice_bytes(w, QM_T_FC2_WEIGHT));
+    b.scales[0] = qm_malloc(qmi_writer_slice_bytes(w, QM_T_FC1_SCALES));
+    b.scales[1] = qm_malloc(qmi_writer_slice_bytes(w, QM_T_FC2_SCALES));
+    if (im->fam->id == FAM_GPT_OSS && !im->mxfp4) b.mat = qm_malloc(n1 * im->H * sizeof(float));
+    if (!b.row || !b.bias || !b.packed[0] || !b.packed[1] || !b.scales[0] || !b.scales[1] ||
+        (im->fam->id == FAM_GPT_OSS && !im->mxfp4 && !b.mat)) {
+        rc = qm_status_set(&st, QM_ENOMEM, "out of memory for one expert's buffers");
+        goto fail;
+    }
+    for (uint32_t li = first; li < im->n_moe; li++) {
+        rc = qmi__hf_convert_layer(im, w, li, &b, &max_err, &st);
+        qmi_hf_release(im->ck);
+        if (rc) {
+            if (rc == QM_EINVALID_MODEL)
+                keep_partial = 0; /* a resume would stop at the same bytes */
+            goto fail;
+        }
+        done_src += im->layer_bytes[li];
+        if ((rc = qmi_writer_layer_done(w, li, max_err, done_src, total_src, &st)) != 0) goto fail;
+        keep_partial = 1;
+    }
+    int exact = max_err == 0;
+    uint64_t bytes = 0;
+    if ((rc = qmi_writer_finish(w, exact, max_err, &bytes, &st)) != 0) goto fail;
+    if (!im->o.quiet)
+        printf("wrote %s: %u layers (model layers %s), %u experts, %llu bytes; %s (max "
+               "relative error %.3g)\n",
+               im->o.out, im->n_moe, layer_map_s, im->E, (unsigned long long)bytes,
+               exact ? "exact" : "requantised", max_err);
+    rc = QMB_OK;
+    goto done;
+fail_input:
+    fprintf(stderr, "qmoe-bank import hf: %s: %s\n", im->o.dir, st.msg);
+    rc = exit_for(rc);
+    goto done;
+fail:
+    fprintf(stderr, "qmoe-bank import hf: %s%s\n", st.msg,
+            w && keep_partial ? " (the partial file is kept: rerun with --resume)" : "");
+    rc = exit_for(rc);
+done:
+    qmi_writer_free(w, keep_partial);
+    qm_free(b.row);
+    qm_free(b.bias);
+    qm_free(b.mat);
+    qm_free(b.packed[0]);
+    qm_free(b.packed[1]);
+    qm_free(b.scales[0]);
+    qm_free(b.scales[1]);
+    qm_free(layer_map_s);
+    import_free(im);
+    return rc;
+}
+
+static int usage(const char *what)
+{
+    fprintf(stderr, "qmoe-bank import: %s (see qmoe-bank import --help)\n", what);
+    return QMB_USAGE;
+}
+
+int qmb_import_hf(int argc, char **argv)
+{
+    enum { O_OUT = 256, O_BITS, O_BS, O_SCALES, O_RESUME, O_QUIET, O_HELP };
+    static const struct option longopts[] = {
+        {"out", required_argument, 0, O_OUT},       {"bits", required_argument, 0, O_BITS},
+        {"block-size", required_argument, 0, O_BS}, {"scales", required_argument, 0, O_SCALES},
+        {"resume", no_argument, 0, O_RESUME},       {"quiet", no_argument, 0, O_QUIET},
+        {"help", no_argument, 0, O_HELP},           {0, 0, 0, 0}};
+    hf_import im = {.o = {.bits = 4, .block_size = 32, .scale_dtype = QM_DTYPE_F32}};
+    optind = 1;
+    opterr = 0;
+    int c;
+    while ((c = getopt_long(argc, argv, "", longopts, NULL)) != -1) {
+        char msg[160];
+        switch (c) {
+        case O_OUT:
+            im.o.out = optarg;
+            break;
+        case O_BITS:
+            if (qmb_parse_u32(optarg, 8, &im.o.bits) != 0 || (im.o.bits != 4 && im.o.bits != 8))
+                return usage("--bits must be 4 or 8");
+            im.o.bits_set = 1;
+            break;
+        case O_BS:
+            if (qmb_parse_u32(optarg, 1u << 20, &im.o.block_size) != 0 ||
+                (im.o.block_size &&
+                 (im.o.block_size < 16 || (im.o.block_size & (im.o.block_size - 1)))))
+                return usage("--block-size must be 0 or a power of two >= 16");
+            break;
+        case O_SCALES:
+            if (strcmp(optarg, "f32") == 0)
+                im.o.scale_dtype = QM_DTYPE_F32;
+            else if (strcmp(optarg, "f16") == 0)
+                im.o.scale_dtype = QM_DTYPE_F16;
+            else if (strcmp(optarg, "bf16") == 0)
+                im.o.scale_dtype = QM_DTYPE_BF16;
+            else
+                return usage("--scales must be f32, f16 or bf16");
+            break;
+        case O_RESUME:
+            im.o.resume = 1;
+            break;
+        case O_QUIET:
+            im.o.quiet = 1;
+            break;
+        case O_HELP:
+            qmb_help_import_hf(stdout);
+            return QMB_OK;
+        default:
+            snprintf(msg, sizeof msg, "unknown or incomplete option \"%.64s\"", argv[optind - 1]);
+            return usage(msg);
+        }
+    }
+    if (optind + 1 != argc) return usage("expected: import hf DIR --out FILE");
+    im.o.dir = argv[optind];
+    if (!im.o.out) return usage("--out FILE is required");
+    return run_import(&im);
+}

@@ -1,0 +1,410 @@
+/* import_hf_source.c - mapping a Hugging Face checkpoint directory. */
+#include "import_hf_source.h"
+
+#include <dirent.h>
+#include <errno.h>
+#include <fcntl.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include "qm_alloc.h"
+#include "qm_st_header.h"
+
+typedef struct shard {
+    char *name, *path;
+    uint8_t *map;
+    size_t size;
+    qm_st_header *header;
+} shard;
+
+struct qmi_hf_checkpoint {
+    char *dir;
+    qm_hf_json *config, *index;
+    const char **index_names, **index_files;
+    size_t n_index;
+    shard *shards;
+    uint32_t n_shards;
+    qmi_hf_tensor *tensors; /* sorted by name */
+    size_t n_tensors;
+};
+
+static char *join(const char *dir, const char *name)
+{
+    size_t n = strlen(dir) + strlen(name) + 2;
+    char *p = qm_malloc(n);
+    if (p) snprintf(p, n, "%s/%s", dir, name);
+    return p;
+}
+
+/* Reads a whole small file (config, index) into a NUL-terminated buffer. */
+static int slurp(const char *path, const char *what, char **text, size_t *len, qm_status *st)
+{
+    *text = NULL;
+    FILE *f = fopen(path, "rb");
+    if (!f)
+        return qm_status_set(st, errno == ENOENT ? QM_ENOT_FOUND : QM_EIO, "%.200s: %s", what,
+                             strerror(errno));
+    size_t cap = 1 << 16, n = 0;
+    char *buf = qm_malloc(cap + 1);
+    int rc = 0;
+    while (buf) {
+        size_t k = fread(buf + n, 1, cap - n, f);
+        n += k;
+        if (n < cap) break;
+        if (cap >= (64u << 20)) {
+            rc = qm_status_set(st, QM_EPARSE, "%.200s: larger than 64 MiB", what);
+            break;
+        }
+        cap *= 2;
+        char *nb = qm_realloc(buf, cap + 1);
+        if (!nb) qm_free(buf);
+        buf = nb;
+    }
+    if (!buf)
+        rc = qm_status_set(st, QM_ENOMEM, "out of memory reading %.200s", what);
+    else if (!rc && ferror(f))
+        rc = qm_status_set(st, QM_EIO, "%.200s: read error", what);
+    fclose(f);
+    if (rc) {
+        qm_free(buf);
+        return rc;
+    }
+    buf[n] = '\0';
+    *text = buf;
+    *len = n;
+    return 0;
+}
+
+static int load_json(const char *dir, const char *name, qm_hf_json **out, qm_status *st)
+{
+    char *path = join(dir, name), *text = NULL;
+    size_t len = 0;
+    if (!path) return qm_status_set(st, QM_ENOMEM, "out of memory");
+    int rc = slurp(path, path, &text, &len, st);
+    if (rc == 0) rc = qm_hf_json_parse(text, len, name, out, st);
+    qm_free(text);
+    qm_free(path);
+    return rc;
+}
+
+static int cmp_str(const void *a, const void *b)
+{
+    return strcmp(*(const char *const *)a, *(const char *const *)b);
+}
+
+static int cmp_tensor(const void *a, const void *b)
+{
+    return strcmp(((const qmi_hf_tensor *)a)->name, ((const qmi_hf_tensor *)b)->name);
+}
+
+static int access_single(const char *dir)
+{
+    char *p = join(dir, "model.safetensors");
+    int ok = p && access(p, F_OK) == 0;
+    qm_free(p);
+    return ok;
+}
+
+/* The shard file names: the index's distinct values, or *.safetensors in dir. */
+static int list_shards(qmi_hf_checkpoint *ck, char ***names, size_t *n, qm_status *st)
+{
+    *names = NULL;
+    *n = 0;
+    char **list = NULL;
+    size_t count = 0, cap = 0;
+    if (ck->index) {
+        const char **sorted = qm_calloc(ck->n_index ? ck->n_index : 1, sizeof *sorted);
+        if (!sorted) return qm_status_set(st, QM_ENOMEM, "out of memory");
+        memcpy(sorted, ck->index_files, ck->n_index * sizeof *sorted);
+        qsort(sorted, ck->n_index, sizeof *sorted, cmp_str);
+        list = qm_calloc(ck->n_index ? ck->n_index : 1, sizeof *list);
+        for (size_t i = 0; list && i < ck->n_index; i++) {
+            if (count && strcmp(list[count - 1], sorted[i]) == 0) continue;
+            if (strchr(sorted[i], '/') || strcmp(sorted[i], "..") == 0) {
+                qm_free(sorted);
+                for (size_t j = 0; j < count; j++)
+                    qm_free(list[j]);
+                qm_free(list);
+                return qm_status_set(st, QM_EINVALID_MODEL,
+                                     "model.safetensors.index.json: shard \"%.100s\" is not a file "
+                                     "name in the checkpoint directory",
+                                     sorted[i]);
+            }
+            list[count++] = qm_strdup(sorted[i]);
+        }
+        qm_free(sorted);
+    } else if (access_single(ck->dir)) {
+        /* save_pretrained's single file: other *.safetensors beside it
+         * (a consolidated copy, someone's outputs) are not the checkpoint. */
+        list = qm_calloc(1, sizeof *list);
+        if (!list) return qm_status_set(st, QM_ENOMEM, "out of memory");
+        list[count++] = qm_strdup("model.safetensors");
+    } else {
+        DIR *d = opendir(ck->dir);
+        if (!d)
+            return qm_status_set(st, QM_ENOT_FOUND, "cannot open directory %.200s: %s", ck->dir,
+                                 strerror(errno));
+        struct dirent *de;
+        while ((de = readdir(d)) != NULL) {
+            size_t len = strlen(de->d_name);
+            if (len <= 12 || strcmp(de->d_name + len - 12, ".safetensors") != 0) continue;
+            if (count == cap) {
+                cap = cap ? 2 * cap : 8;
+                char **nl = qm_realloc(list, cap * sizeof *nl);
+                if (!nl) break;
+                list = nl;
+            }
+            list[count++] = qm_strdup(de->d_name);
+        }
+        closedir(d);
+        if (count) qsort(list, count, sizeof *list, cmp_str);
+    }
+    for (size_t i = 0; i < count; i++)
+        if (!list[i]) {
+            for (size_t j = 0; j < count; j++)
+                qm_free(list[j]);
+            qm_free(list);
+            return qm_status_set(st, QM_ENOMEM, "out of memory listing shards");
+        }
+    if (!count) {
+        qm_free(list);
+        return qm_status_set(st, QM_ENOT_FOUND,
+                             "%.200s: no *.safetensors file (and no "
+                             "model.safetensors.index.json)",
+                             ck->dir);
+    }
+    *names = list;
+    *n = count;
+    return 0;
+}
+
+static int map_shard(qmi_hf_checkpoint *ck, shard *s, qm_status *st)
+{
+    int fd = open(s->path, O_RDONLY | O_CLOEXEC);
+    if (fd < 0) {
+        if (errno == ENOENT && ck->index) {
+            const char *example = "";
+            for (size_t i = 0; i < ck->n_index; i++)
+                if (strcmp(ck->index_files[i], s->name) == 0) {
+                    example = ck->index_names[i];
+                    break;
+                }
+            return qm_status_set(st, QM_ENOT_FOUND,
+                                 "missing shard %.120s: model.safetensors.index.json puts tensors "
+                                 "there (e.g. %.100s)",
+                                 s->path, example);
+        }
+        return qm_status_set(st, errno == ENOENT ? QM_ENOT_FOUND : QM_EIO, "cannot open %.200s: %s",
+                             s->path, strerror(errno));
+    }
+    struct stat sb;
+    if (fstat(fd, &sb) != 0 || sb.st_size < 8) {
+        close(fd);
+        return qm_status_set(st, QM_EINVALID_MODEL,
+                             "%.200s: not a safetensors file (shorter than 8 bytes)", s->path);
+    }
+    s->size = (size_t)sb.st_size;
+    void *m = mmap(NULL, s->size, PROT_READ, MAP_SHARED, fd, 0);
+    close(fd);
+    if (m == MAP_FAILED)
+        return qm_status_set(st, QM_EIO, "cannot map %.200s: %s", s->path, strerror(errno));
+    s->map = m;
+    uint64_t hlen = 0;
+    for (int i = 0; i < 8; i++)
+        hlen |= (uint64_t)s->map[i] << (8 * i);
+    if (hlen > s->size - 8 || hlen > QM_ST_DEFAULT_MAX_HEADER_BYTES)
+        return qm_status_set(st, QM_EINVALID_MODEL,
+                             "%.200s: header length %llu does not fit in the file (%zu bytes)",
+                             s->path, (unsigned long long)hlen, s->size);
+    qm_status hst;
+    qm_status_clear(&hst);
+    if (qm_st_header_parse((const char *)s->map + 8, hlen, NULL, &s->header, &hst) != 0)
+        return qm_status_set(st, QM_EINVALID_MODEL, "%.120s: %s", s->name, hst.msg);
+    uint64_t data = 8 + hlen, avail = s->size - data;
+    for (size_t i = 0; i < s->header->n_tensors; i++) {
+        const qm_st_tensor *t = &s->header->tensors[i];
+        qmi_elem e = qmi_elem_from_st(t->dtype);
+        size_t es = e == QMI_ELEM_OTHER ? qm_st_dtype_size(t->dtype) : qmi_elem_size(e);
+        unsigned long long want = es;
+        for (uint32_t d = 0; d < t->ndim && es; d++)
+            if (qm_mul_u64(want, t->shape[d], &want) != 0) want = ~0ull;
+        if (t->end > avail || (es && want != t->end - t->begin))
+            return qm_status_set(
+                st, QM_EINVALID_MODEL,
+                "%.100s: tensor %.120s: data_offsets [%llu, %llu] do not hold its "
+                "shape and dtype %s inside the file's %llu data bytes (truncated?)",
+                s->name, t->name, (unsigned long long)t->begin, (unsigned long long)t->end,
+                t->dtype, (unsigned long long)avail);
+    }
+    return 0;
+}
+
+int qmi_hf_open(const char *dir, qmi_hf_checkpoint **out, qm_status *st)
+{
+    *out = NULL;
+    qmi_hf_checkpoint *ck = qm_calloc(1, sizeof *ck);
+    char **names = NULL;
+    size_t n_names = 0;
+    int rc;
+    if (!ck || !(ck->dir = qm_strdup(dir))) {
+        qm_free(ck);
+        return qm_status_set(st, QM_ENOMEM, "out of memory");
+    }
+    if ((rc = load_json(dir, "config.json", &ck->config, st)) != 0) goto fail;
+    char *ipath = join(dir, "model.safetensors.index.json");
+    if (!ipath) {
+        rc = qm_status_set(st, QM_ENOMEM, "out of memory");
+        goto fail;
+    }
+    int have_index = access(ipath, F_OK) == 0;
+    qm_free(ipath);
+    if (have_index) {
+        if ((rc = load_json(dir, "model.safetensors.index.json", &ck->index, st)) != 0) goto fail;
+        rc = qm_hf_json_string_map(ck->index, "weight_map", &ck->index_names, &ck->index_files,
+                                   &ck->n_index, st);
+        if (rc == QM_ENOT_FOUND)
+            rc = qm_status_set(st, QM_EINVALID_MODEL,
+                               "model.safetensors.index.json: no \"weight_map\" object");
+        if (rc) goto fail;
+    }
+    if ((rc = list_shards(ck, &names, &n_names, st)) != 0) goto fail;
+    ck->shards = qm_calloc(n_names, sizeof *ck->shards);
+    if (!ck->shards) {
+        rc = qm_status_set(st, QM_ENOMEM, "out of memory");
+        goto fail;
+    }
+    ck->n_shards = (uint32_t)n_names;
+    size_t total = 0;
+    for (uint32_t i = 0; i < ck->n_shards; i++) {
+        shard *s = &ck->shards[i];
+        s->name = names[i];
+        names[i] = NULL;
+        if (!(s->path = join(dir, s->name))) {
+            rc = qm_status_set(st, QM_ENOMEM, "out of memory");
+            goto fail;
+        }
+        if ((rc = map_shard(ck, s, st)) != 0) goto fail;
+        total += s->header->n_tensors;
+    }
+    ck->tensors = qm_calloc(total ? total : 1, sizeof *ck->tensors);
+    if (!ck->tensors) {
+        rc = qm_status_set(st, QM_ENOMEM, "out of memory indexing %zu tensors", total);
+        goto fail;
+    }
+    for (uint32_t i = 0; i < ck->n_shards; i++) {
+        shard *s = &ck->shards[i];
+        uint64_t data = 8;
+        for (int b = 0; b < 8; b++)
+            data += (uint64_t)s->map[b] << (8 * b);
+        for (size_t j = 0; j < s->header->n_tensors; j++) {
+            const qm_st_tensor *t = &s->header->tensors[j];
+            qmi_hf_tensor *h = &ck->tensors[ck->n_tensors++];
+            h->name = t->name;
+            h->shard = i;
+            h->elem = qmi_elem_from_st(t->dtype);
+            h->dtype = t->dtype;
+            h->ndim = t->ndim;
+            memcpy(h->shape, t->shape, sizeof h->shape);
+            h->data = s->map + data + t->begin;
+            h->nbytes = t->end - t->begin;
+        }
+    }
+    qsort(ck->tensors, ck->n_tensors, sizeof *ck->tensors, cmp_tensor);
+    for (size_t i = 1; i < ck->n_tensors; i++)
+        if (strcmp(ck->tensors[i - 1].name, ck->tensors[i].name) == 0) {
+            rc = qm_status_set(st, QM_EINVALID_MODEL, "tensor %.120s is in both %.80s and %.80s",
+                               ck->tensors[i].name, ck->shards[ck->tensors[i - 1].shard].name,
+                               ck->shards[ck->tensors[i].shard].name);
+            goto fail;
+        }
+    qm_free(names);
+    *out = ck;
+    return 0;
+fail:
+    for (size_t i = 0; names && i < n_names; i++)
+        qm_free(names[i]);
+    qm_free(names);
+    qmi_hf_close(ck);
+    return rc;
+}
+
+void qmi_hf_close(qmi_hf_checkpoint *ck)
+{
+    if (!ck) return;
+    for (uint32_t i = 0; i < ck->n_shards; i++) {
+        shard *s = &ck->shards[i];
+        if (s->map) munmap(s->map, s->size);
+        qm_st_header_free(s->header);
+        qm_free(s->name);
+        qm_free(s->path);
+    }
+    qm_free(ck->shards);
+    qm_free(ck->tensors);
+    qm_free(ck->index_names);
+    qm_free(ck->index_files);
+    qm_hf_json_free(ck->index);
+    qm_hf_json_free(ck->config);
+    qm_free(ck->dir);
+    qm_free(ck);
+}
+
+const qm_hf_json *qmi_hf_config(const qmi_hf_checkpoint *ck)
+{
+    return ck->config;
+}
+
+const qmi_hf_tensor *qmi_hf_find(const qmi_hf_checkpoint *ck, const char *name)
+{
+    qmi_hf_tensor key = {.name = name};
+    return bsearch(&key, ck->tensors, ck->n_tensors, sizeof key, cmp_tensor);
+}
+
+const char *qmi_hf_index_file(const qmi_hf_checkpoint *ck, const char *name)
+{
+    for (size_t i = 0; i < ck->n_index; i++)
+        if (strcmp(ck->index_names[i], name) == 0) return ck->index_files[i];
+    return NULL;
+}
+
+uint32_t qmi_hf_shard_count(const qmi_hf_checkpoint *ck)
+{
+    return ck->n_shards;
+}
+
+const char *qmi_hf_shard_name(const qmi_hf_checkpoint *ck, uint32_t i)
+{
+    return i < ck->n_shards ? ck->shards[i].name : NULL;
+}
+
+const qmi_hf_tensor *qmi_hf_tensors(const qmi_hf_checkpoint *ck, size_t *count)
+{
+    *count = ck->n_tensors;
+    return ck->tensors;
+}
+
+static void page_range(const qmi_hf_tensor *t, uintptr_t *lo, size_t *len)
+{
+    uintptr_t page = (uintptr_t)sysconf(_SC_PAGESIZE);
+    uintptr_t a = (uintptr_t)t->data & ~(page - 1);
+    *lo = a;
+    *len = (size_t)((uintptr_t)t->data + t->nbytes - a);
+}
+
+void qmi_hf_prefetch(const qmi_hf_checkpoint *ck, const qmi_hf_tensor *t)
+{
+    (void)ck;
+    uintptr_t lo;
+    size_t len;
+    page_range(t, &lo, &len);
+    if (len) madvise((void *)lo, len, MADV_WILLNEED);
+}
+
+void qmi_hf_release(qmi_hf_checkpoint *ck)
+{
+    for (uint32_t i = 0; i < ck->n_shards; i++)
+        if (ck->shards[i].map) madvise(ck->shards[i].map, ck->shards[i].size, MADV_DONTNEED);
+}
