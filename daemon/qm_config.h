@@ -42,6 +42,7 @@ typedef struct qm_config {
     uint32_t drain_timeout_s;
     uint32_t trace_capacity;
     uint64_t session_workspace_bytes;
+    uint64_t max_mapped_bytes; /* per session: bytes of its shared-memory maps */
 } qm_config;
 
 void qm_config_defaults(qm_config *cfg);

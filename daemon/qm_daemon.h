@@ -53,6 +53,7 @@ typedef struct qm_daemon {
     qm_device_info device;
     uint64_t device_budget;
     uint64_t admitted_bytes; /* sessions' budgets + workspaces */
+    uint64_t next_map_id;    /* session.map's ids, daemon-wide (qm_shm.h) */
     qm_model *models;        /* qm_models.h */
     size_t n_models;
     qm_session *sessions;    /* qm_sessions.h */

@@ -17,6 +17,7 @@
 #include "qm_log.h"
 #include "qm_models.h"
 #include "qm_sessions.h"
+#include "qm_shm.h"
 
 /* ---- replies ---- */
 
@@ -338,6 +339,56 @@ static int telemetry_metrics(qm_call *k, qm_status *st)
     return rc;
 }
 
+/* session.map: the descriptor that came with the request's first byte
+ * (qm_conn_take_fds), checked and mapped; the map id is daemon-wide unique. */
+static int session_map(qm_call *k, qm_status *st)
+{
+    qm_daemon *d = k->d;
+    const qm_params *p = &k->req->params;
+    qm_session *s = qm_session_find(d, p->session);
+    if (!s)
+        return qm_status_set_field(st, QM_ENOT_FOUND, "session", "no session with that id");
+    qm_fds none = QM_FDS_NONE, *f = k->fds ? k->fds : &none;
+    if (f->count == 0)
+        return qm_status_set_field(st, QM_EINVAL, "fd",
+                                   "no descriptor came with session.map: send one sealed memfd "
+                                   "as SCM_RIGHTS on the sendmsg that carries the request "
+                                   "line's first byte");
+    if (f->count > 1)
+        return qm_status_set_field(st, QM_EINVAL, "fd",
+                                   "%u descriptors came with session.map; expected exactly one "
+                                   "(all were closed)",
+                                   f->count);
+    int fd = f->fd;
+    *f = QM_FDS_NONE;
+    qm_shm_map *m;
+    int rc = qm_shm_map_fd(fd, p->bytes, &m, st);
+    if (rc < 0)
+        return rc;
+    m->id = ++d->next_map_id;
+    rc = qm_shm_session_add(s, m, d->cfg.max_mapped_bytes, st);
+    if (rc < 0) {
+        qm_shm_unref(m);
+        return rc;
+    }
+    qm_log(QM_LOG_DEBUG, "session %s mapped %llu bytes as map %llu", s->id,
+           (unsigned long long)m->bytes, (unsigned long long)m->id);
+    qm_jw_obj_begin(k->w);
+    qm_jw_member_u64(k->w, "map", m->id);
+    qm_jw_member_u64(k->w, "bytes", m->bytes);
+    qm_jw_obj_end(k->w);
+    return 0;
+}
+
+static int session_unmap(qm_call *k, qm_status *st)
+{
+    qm_session *s = qm_session_find(k->d, k->req->params.session);
+    if (!s)
+        return qm_status_set_field(st, QM_ENOT_FOUND, "session", "no session with that id");
+    int rc = qm_shm_session_remove(s, k->req->params.map, st);
+    return rc < 0 ? rc : empty_result(k->w);
+}
+
 /* ---- the method table ---- */
 
 /* X(method, handler, role, session, queued, job kind): one row per method
@@ -358,6 +409,8 @@ static int telemetry_metrics(qm_call *k, qm_status *st)
     X(SESSION_LIST, session_list, USER, UNUSED, NEVER, BARRIER)                                    \
     X(SESSION_PLAN, NULL, USER, REQUIRED, ALWAYS, PLAN)                                            \
     X(SESSION_INFER, NULL, USER, REQUIRED, ALWAYS, INFER)                                          \
+    X(SESSION_MAP, session_map, USER, REQUIRED, BEHIND, BARRIER)                                   \
+    X(SESSION_UNMAP, session_unmap, USER, REQUIRED, BEHIND, BARRIER)                               \
     X(TELEMETRY_GET, telemetry_get, USER, OPTIONAL, BEHIND, BARRIER)                               \
     X(TELEMETRY_TRACE, telemetry_trace, ADMIN, UNUSED, NEVER, BARRIER)                             \
     X(TELEMETRY_METRICS, telemetry_metrics, USER, UNUSED, NEVER, BARRIER)
@@ -407,7 +460,8 @@ qm_route qm_dispatch_route(const qm_method_entry *e, const qm_peer *peer, int dr
     return r;
 }
 
-static void answer_sync(qm_daemon *d, qm_conn *c, qm_reply *r, size_t slot, qm_request *req)
+static void answer_sync(qm_daemon *d, qm_conn *c, qm_reply *r, size_t slot, qm_request *req,
+                        qm_fds *fds)
 {
     qm_buf b;
     qm_buf_init(&b);
@@ -416,7 +470,7 @@ static void answer_sync(qm_daemon *d, qm_conn *c, qm_reply *r, size_t slot, qm_r
     qm_status st;
     qm_status_clear(&st);
     const qm_method_entry *e = qm_method_entry_get(req->method);
-    qm_call call = {.d = d, .peer = qm_conn_peer(c), .req = req, .w = &w};
+    qm_call call = {.d = d, .peer = qm_conn_peer(c), .req = req, .w = &w, .fds = fds};
     qm_rpc_result_begin(&w, req->id);
     int rc = e && e->handler
                  ? e->handler(&call, &st)
@@ -518,16 +572,27 @@ static void handle_request(qm_daemon *d, qm_conn *c, qm_reply *r, size_t slot, q
     const qm_peer *peer = qm_conn_peer(c);
     const char *sid = req->params.session;
     qm_session *s = e->session != QM_SESSION_UNUSED && sid ? qm_session_find(d, sid) : NULL;
+    /* The descriptor a session.map brought travels with it until its
+     * handler takes it; whatever is left is closed here or with its job. */
+    qm_fds fds = req->method == QM_METHOD_SESSION_MAP ? qm_conn_take_fds(c) : QM_FDS_NONE;
     qm_route route = qm_dispatch_route(e, peer, d->draining, sid != NULL, s);
     if (route.kind == QM_ROUTE_REFUSE) {
+        qm_fds_close(&fds);
         answer_refusal(d, r, slot, req, peer, s, route.refusal);
         return;
     }
     if (route.kind == QM_ROUTE_ANSWER) {
-        answer_sync(d, c, r, slot, req);
+        answer_sync(d, c, r, slot, req, &fds);
+        qm_fds_close(&fds);
         return;
     }
-    if (route.job_kind == QM_JOB_INFER && check_infer(s, &req->params, &st) < 0) {
+    /* Mapped tensors point into the session's maps, which the job holds
+     * until it is done (PROTOCOL.md "Shared-memory tensors"). */
+    qm_map_refs maps = {0};
+    if (route.job_kind == QM_JOB_INFER &&
+        (qm_shm_resolve(s, &req->params, req->params.hidden.nbytes, &maps, &st) < 0 ||
+         check_infer(s, &req->params, &st) < 0)) {
+        qm_map_refs_release(&maps);
         answer_status(d, r, slot, req, &st);
         return;
     }
@@ -539,6 +604,8 @@ static void handle_request(qm_daemon *d, qm_conn *c, qm_reply *r, size_t slot, q
     }
     qm_job *job = qm_calloc(1, sizeof *job);
     if (!job) {
+        qm_fds_close(&fds);
+        qm_map_refs_release(&maps);
         if (route.job_kind == QM_JOB_CREATE)
             qm_session_abort(d, s);
         answer_error(d, r, slot, req->id, req->id == NULL, QM_RPC_RESOURCE_EXHAUSTED,
@@ -553,6 +620,8 @@ static void handle_request(qm_daemon *d, qm_conn *c, qm_reply *r, size_t slot, q
     job->decode_us = decode_us;
     job->req = *req; /* moved: the frame no longer owns it */
     memset(req, 0, sizeof *req);
+    job->fds = fds;
+    job->maps = maps;
     qm_buf_init(&job->response);
     s->refs++;
     int rc = qm_pool_submit(d, job);
@@ -650,7 +719,7 @@ void qm_dispatch_job_done(qm_daemon *d, qm_job *job)
     s->queue.pending--;
     if (job->kind == QM_JOB_BARRIER) {
         /* Its turn in the session's order: answer it now, as if synchronous. */
-        answer_sync(d, job->reply->conn, job->reply, job->slot, &job->req);
+        answer_sync(d, job->reply->conn, job->reply, job->slot, &job->req, &job->fds);
     } else if (job->kind == QM_JOB_CREATE) {
         if (job->rc == 0 && !s->model->registered)
             job->rc = qm_status_set_field(&job->st, QM_ENOT_FOUND, "model",

@@ -39,7 +39,8 @@ typedef struct qm_call {
     const qm_peer *peer;
     const qm_request *req;
     qm_jw *w;
-    int drain; /* set by daemon.shutdown: drain once answered */
+    qm_fds *fds; /* session.map: the descriptor that came with it (the handler takes it) */
+    int drain;   /* set by daemon.shutdown: drain once answered */
 } qm_call;
 typedef int (*qm_method_handler)(qm_call *call, qm_status *st);
 

@@ -57,7 +57,10 @@ void qm_job_run(qm_job *job)
     const qm_bank_config *cfg = qm_bank_get_config(s->model->bank);
     uint32_t T = (uint32_t)p->hidden.shape[0], H = cfg->hidden, k = cfg->k;
     size_t out_bytes = (size_t)T * H * qm_wire_dtype_size(p->hidden.dtype);
-    void *output = qm_malloc(out_bytes ? out_bytes : 1);
+    /* output_to: straight into the client's map, unless the region overlaps
+     * an input the layer is still reading (then aside, and copied). */
+    int direct = job->maps.output && !job->maps.output_overlaps;
+    void *output = direct ? job->maps.output : qm_malloc(out_bytes ? out_bytes : 1);
     float *logits = p->has_router_logits ? logits_f32(&p->router_logits) : NULL;
     /* Routes are always kept: the loop feeds them to the model's hotness
      * profile when the job is done. */
@@ -88,6 +91,8 @@ void qm_job_run(qm_job *job)
         job->rc = qm_model_check(s->model, &job->st);
     qm_pager_stats_get(s->pager, &job->pstats);
     job->tokens = T;
+    if (job->rc == 0 && job->maps.output && !direct)
+        memcpy(job->maps.output, output, out_bytes);
     if (job->rc < 0 || !job->req.id)
         goto free_buffers;
     uint64_t now = qm_now_us();
@@ -97,7 +102,11 @@ void qm_job_run(qm_job *job)
     qm_jw_obj_begin(&w);
     uint64_t enc0 = qm_now_us();
     qm_jw_key(&w, "output");
-    qm_jw_tensor(&w, p->hidden.dtype, 2, p->hidden.shape, output);
+    if (job->maps.output)
+        qm_jw_mapped_tensor(&w, p->hidden.dtype, 2, p->hidden.shape, p->output_map,
+                            p->output_offset);
+    else
+        qm_jw_tensor(&w, p->hidden.dtype, 2, p->hidden.shape, output);
     if (p->return_routing) {
         qm_jw_key(&w, "routing");
         qm_jw_arr_begin(&w);
@@ -134,7 +143,8 @@ void qm_job_run(qm_job *job)
     if (job->response.oom)
         job->rc = qm_status_set(&job->st, QM_ENOMEM, "out of memory encoding the output");
 free_buffers:
-    qm_free(output);
+    if (!direct)
+        qm_free(output);
     qm_free(logits);
     qm_free(rw);
 }

@@ -15,6 +15,8 @@
 #include "qm_moe.h"
 #include "qm_pager.h"
 #include "qm_protocol.h"
+#include "qm_server.h"
+#include "qm_shm.h"
 
 typedef struct qm_daemon qm_daemon;
 typedef struct qm_session qm_session;
@@ -37,6 +39,8 @@ struct qm_job {
     qm_reply *reply;
     size_t slot;
     qm_request req; /* owned */
+    qm_fds fds;      /* session.map's descriptor, owned (closed by qm_job_free) */
+    qm_map_refs maps; /* the session's maps its tensors use (released by qm_job_free) */
     uint64_t enqueue_us, start_us, end_us;
     uint64_t decode_us; /* the frame's decoding on the loop thread (whole batch) */
     /* results (worker) */

@@ -308,6 +308,7 @@ qm_session *qm_session_find(qm_daemon *d, const char *id)
 
 static void session_free(qm_session *s)
 {
+    qm_shm_session_release_all(s);
     qm_pager_free(s->pager);
     qm_free(s->trace_path);
     qm_plan_free(s->plan);
@@ -332,6 +333,8 @@ void qm_session_close(qm_daemon *d, qm_session *s)
             d->admitted_bytes -= s->admitted_bytes;
             atomic_store(&s->closed, 1);
             s->next = NULL;
+            /* Its maps go now; jobs still queued hold the ones they use. */
+            qm_shm_session_release_all(s);
             qm_session_unref(d, s);
             return;
         }

@@ -9,6 +9,7 @@
 #include "qm_server.h"
 
 #include <errno.h>
+#include <fcntl.h>
 #include <grp.h>
 #include <pwd.h>
 #include <stdatomic.h>
@@ -29,6 +30,19 @@
 #include "qm_notify.h"
 
 #define READ_CHUNK 65536
+/* Descriptor batches a connection may hold before a frame claims them;
+ * more are closed on arrival (a peer cannot fill the daemon's fd table). */
+#define MAX_FD_BATCHES 4
+
+/* The descriptors one read brought, and the stream bytes [start, end) it
+ * read: they belong to the first session.map line that begins there. The
+ * kernel returns descriptors with the read holding their sendmsg's first
+ * byte and ends that read after it (unix(7)), so a session.map line sent
+ * with its descriptor begins inside that read. */
+typedef struct fd_batch {
+    uint64_t start, end;
+    qm_fds fds;
+} fd_batch;
 
 struct qm_conn {
     uv_pipe_t pipe;
@@ -54,6 +68,10 @@ struct qm_conn {
     qm_conn *next, *prev;
     qm_conn *pending_next; /* on s->pending (frames left to process) */
     int on_pending;
+    uint64_t bytes_in;       /* stream bytes pushed into the framer */
+    uint64_t frame_off;      /* stream offset of the frame being dispatched */
+    fd_batch batches[MAX_FD_BATCHES]; /* oldest first */
+    int n_batches;
 };
 
 struct qm_server {
@@ -84,6 +102,97 @@ static size_t conn_process(qm_conn *c, size_t cap);
 static void idle_cb(uv_idle_t *h);
 
 void qm_conn_ref(qm_conn *c) { c->refs++; }
+
+void qm_fds_close(qm_fds *f)
+{
+    if (f->count == 1 && f->fd >= 0)
+        close(f->fd);
+    *f = QM_FDS_NONE;
+}
+
+/* Closes the batches no frame can claim any more: those read wholly before
+ * `offset`, where the next frame begins (all of them with -1). */
+static void conn_drop_batches(qm_conn *c, uint64_t offset, int all)
+{
+    int keep = 0;
+    for (int i = 0; i < c->n_batches; i++) {
+        if (all || c->batches[i].end <= offset)
+            qm_fds_close(&c->batches[i].fds);
+        else
+            c->batches[keep++] = c->batches[i];
+    }
+    c->n_batches = keep;
+}
+
+qm_fds qm_conn_take_fds(qm_conn *c)
+{
+    for (int i = 0; i < c->n_batches; i++) {
+        fd_batch *b = &c->batches[i];
+        if (b->start <= c->frame_off && c->frame_off < b->end) {
+            qm_fds f = b->fds;
+            memmove(b, b + 1, (size_t)(c->n_batches - i - 1) * sizeof *b);
+            c->n_batches--;
+            return f;
+        }
+    }
+    return QM_FDS_NONE;
+}
+
+static void tmp_pipe_closed(uv_handle_t *h) { qm_free(h); }
+
+/* One descriptor libuv received on the connection (uv_pipe ipc mode): libuv
+ * hands descriptors out only through uv_accept into a handle, so it goes
+ * into a throwaway pipe handle, is duplicated out and the handle closed.
+ * -1 when that fails (the descriptor is closed). */
+static int conn_accept_fd(qm_conn *c)
+{
+    uv_pipe_t *tmp = qm_malloc(sizeof *tmp);
+    if (!tmp)
+        return -2;
+    uv_pipe_init(c->d->loop, tmp, 0);
+    int fd = -1;
+    uv_os_fd_t raw;
+    if (uv_accept((uv_stream_t *)&c->pipe, (uv_stream_t *)tmp) == 0 &&
+        uv_fileno((uv_handle_t *)tmp, &raw) == 0)
+        fd = fcntl(raw, F_DUPFD_CLOEXEC, 3);
+    uv_close((uv_handle_t *)tmp, tmp_pipe_closed);
+    return fd;
+}
+
+/* Takes the descriptors of the read about to be pushed (nread bytes). */
+static void conn_receive_fds(qm_conn *c, size_t nread)
+{
+    int n = uv_pipe_pending_count(&c->pipe);
+    if (n <= 0)
+        return;
+    fd_batch b = {c->bytes_in, c->bytes_in + nread, {-1, (unsigned)n}};
+    for (int i = 0; i < n; i++) {
+        int fd = conn_accept_fd(c);
+        if (fd == -2) {
+            /* Out of memory: libuv still holds the descriptors, and closes
+             * them with the connection. */
+            qm_log(QM_LOG_ERR, "out of memory receiving a descriptor; dropping connection %llu",
+                   (unsigned long long)c->id);
+            qm_conn_drop(c);
+            qm_fds_close(&b.fds);
+            return;
+        }
+        if (n == 1)
+            b.fds.fd = fd;
+        else if (fd >= 0)
+            close(fd); /* several: session.map refuses them, none is kept */
+    }
+    if (n == 1 && b.fds.fd < 0)
+        b.fds.count = 0; /* lost on the way: answered as no descriptor */
+    if (c->n_batches == MAX_FD_BATCHES) {
+        qm_log(QM_LOG_WARNING, "connection %llu sent descriptors no request claimed; closing them",
+               (unsigned long long)c->id);
+        qm_fds_close(&c->batches[0].fds);
+        memmove(&c->batches[0], &c->batches[1], (MAX_FD_BATCHES - 1) * sizeof c->batches[0]);
+        c->n_batches--;
+    }
+    c->batches[c->n_batches++] = b;
+}
 
 void qm_conn_drop(qm_conn *c)
 {
@@ -124,6 +233,7 @@ static void conn_close_now(qm_conn *c)
     atomic_store(&c->gone, 1);
     c->reading = 0;
     qm_framer_free(&c->framer);
+    conn_drop_batches(c, 0, 1);
     uv_close((uv_handle_t *)&c->pipe, conn_close_cb);
 }
 
@@ -248,9 +358,12 @@ static void conn_fatal(qm_conn *c, int rpc_code, const char *reason)
 static void read_cb(uv_stream_t *s, ssize_t nread, const uv_buf_t *buf)
 {
     qm_conn *c = s->data;
+    if (nread > 0)
+        conn_receive_fds(c, (size_t)nread);
     if (nread > 0 && !c->close_after_write) {
         c->last_active_ms = uv_now(c->d->loop);
         int rc = qm_framer_push(&c->framer, buf->base, (size_t)nread);
+        c->bytes_in += (uint64_t)nread;
         if (rc == QM_EPAYLOAD_TOO_LARGE) {
             /* The frames before the oversized one are answered, then the error. */
             conn_process(c, SIZE_MAX);
@@ -335,6 +448,9 @@ static size_t conn_process(qm_conn *c, size_t cap)
         }
         if (rc == 0)
             break;
+        /* Where this line began in the stream: its descriptors, if any. */
+        c->frame_off = c->bytes_in - (uint64_t)(c->framer.len - (size_t)(line - c->framer.buf));
+        conn_drop_batches(c, c->frame_off, 0);
         qm_rpc_frame frame;
         uint64_t t0 = qm_now_us();
         int drc = qm_rpc_decode(line, len, &d->lim, &frame);
@@ -353,6 +469,8 @@ static size_t conn_process(qm_conn *c, size_t cap)
         qm_rpc_frame_free(&frame);
         done++;
     }
+    /* Descriptors read wholly before the unframed rest are nobody's. */
+    conn_drop_batches(c, c->bytes_in - qm_framer_buffered(&c->framer), 0);
     if (c->paused_frames) {
         c->paused_frames = 0;
         conn_update_reading(c);
@@ -436,7 +554,9 @@ static void on_connection(uv_stream_t *server, int status)
     c->d = d;
     c->id = ++d->server->next_conn_id;
     c->refs = 1;
-    uv_pipe_init(d->loop, &c->pipe, 0);
+    /* ipc mode: libuv reads with recvmsg and keeps the descriptors sent
+     * with the bytes (session.map), handed out by uv_accept. */
+    uv_pipe_init(d->loop, &c->pipe, 1);
     c->pipe.data = c;
     qm_framer_init(&c->framer, d->lim.max_request_bytes);
     c->next = d->server->conns;

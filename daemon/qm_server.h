@@ -25,6 +25,17 @@ typedef struct qm_peer {
     int is_admin; /* uid 0, the daemon's uid, or admin_group */
 } qm_peer;
 
+/* The descriptors (SCM_RIGHTS) that came with the first byte of a request
+ * line (PROTOCOL.md "Shared-memory tensors"): count of them, and the one
+ * descriptor when count is 1 (its owner closes it); with several, the
+ * server has closed them all and fd is -1. */
+typedef struct qm_fds {
+    int fd;
+    unsigned count;
+} qm_fds;
+#define QM_FDS_NONE ((qm_fds){-1, 0})
+void qm_fds_close(qm_fds *f); /* closes and empties; accepts an empty one */
+
 /* Binds (or adopts systemd's socket), drops privileges, starts accepting.
  * Creates d->server; on failure st says why and qm_server_free cleans up. */
 int qm_server_listen(qm_daemon *d, qm_status *st);
@@ -51,6 +62,10 @@ uint64_t qm_conn_id(const qm_conn *c);
 int qm_conn_gone(const qm_conn *c);
 void qm_conn_ref(qm_conn *c);
 void qm_conn_unref(qm_conn *c);
+/* The descriptors that came with the frame being dispatched (loop thread,
+ * during qm_dispatch_frame), moved to the caller; the first session.map of
+ * the frame takes them, the rest of it gets none. */
+qm_fds qm_conn_take_fds(qm_conn *c);
 /* Marks the connection to be closed at the next safe point. */
 void qm_conn_drop(qm_conn *c);
 /* Queues bytes (takes ownership of `data`, from qm_malloc) for writing. */

@@ -16,6 +16,7 @@
 #include "qm_pool.h"
 #include "qm_protocol.h"
 #include "qm_residency.h"
+#include "qm_shm.h"
 #include "qm_telemetry.h"
 
 typedef struct qm_daemon qm_daemon;
@@ -42,6 +43,9 @@ struct qm_session {
     qm_pager_stats last_stats; /* the pager's cumulative stats after the last job */
     qm_span plan_span;
     qm_job_queue queue;        /* its FIFO of jobs (qm_pool.h) */
+    qm_shm_map *maps;          /* session.map's (qm_shm.h; loop thread) */
+    uint32_t n_maps;
+    uint64_t mapped_bytes;     /* counted against max_mapped_bytes */
     qm_session *next;
 };
 

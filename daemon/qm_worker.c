@@ -35,6 +35,8 @@ void qm_job_free(qm_job *job)
     if (!job)
         return;
     qm_request_free(&job->req);
+    qm_fds_close(&job->fds);
+    qm_map_refs_release(&job->maps);
     qm_buf_free(&job->response);
     qm_free(job->route_experts);
     qm_free(job);

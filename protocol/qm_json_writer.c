@@ -241,7 +241,8 @@ void qm_tensor_free(qm_tensor *t)
 {
     if (!t)
         return;
-    qm_free(t->data);
+    if (!t->mapped)
+        qm_free(t->data);
     t->data = NULL;
     t->nbytes = 0;
 }
@@ -262,6 +263,21 @@ void qm_jw_tensor(qm_jw *w, qm_wire_dtype dtype, uint32_t ndim, const uint64_t *
     qm_jw_arr_end(w);
     qm_jw_key(w, "data");
     qm_jw_base64(w, data, (size_t)(count * qm_wire_dtype_size(dtype)));
+    qm_jw_obj_end(w);
+}
+
+void qm_jw_mapped_tensor(qm_jw *w, qm_wire_dtype dtype, uint32_t ndim, const uint64_t *shape,
+                         uint64_t map, uint64_t offset)
+{
+    qm_jw_obj_begin(w);
+    qm_jw_member_str(w, "dtype", qm_wire_dtype_name(dtype));
+    qm_jw_key(w, "shape");
+    qm_jw_arr_begin(w);
+    for (uint32_t i = 0; i < ndim; i++)
+        qm_jw_u64(w, shape[i]);
+    qm_jw_arr_end(w);
+    qm_jw_member_u64(w, "map", map);
+    qm_jw_member_u64(w, "offset", offset);
     qm_jw_obj_end(w);
 }
 

@@ -166,16 +166,40 @@ static int get_fraction(const cJSON *obj, const char *key, const char *prefix, i
     return 0;
 }
 
+/* {map, offset} of a mapped tensor or of output_to: the map id (an integer
+ * below 2^53) and an offset that is a multiple of QM_MAP_ALIGN. Whether the
+ * region lies inside the map is the daemon's check (it knows the map). */
+static int parse_region(const cJSON *obj, const char *path, qm_tensor *out, qm_status *st)
+{
+    char sub[112];
+    int rc = get_uint(obj, "map", path, 1, UINT64_MAX, NULL, &out->map, st);
+    if (rc == 0)
+        rc = get_uint(obj, "offset", path, 1, UINT64_MAX, NULL, &out->offset, st);
+    if (rc < 0)
+        return rc;
+    snprintf(sub, sizeof sub, "%s.offset", path);
+    if (out->offset % QM_MAP_ALIGN != 0)
+        return bad(st, sub, "%s is %llu; it must be a multiple of %d", sub,
+                   (unsigned long long)out->offset, QM_MAP_ALIGN);
+    out->mapped = 1;
+    return 0;
+}
+
 static int parse_tensor(const cJSON *t, const char *path, uint32_t expect_ndim, qm_tensor *out,
                         qm_status *st)
 {
     static const char *const allowed[] = {"dtype", "shape", "data", NULL};
+    static const char *const allowed_mapped[] = {"dtype", "shape", "map", "offset", NULL};
     char sub[112];
     memset(out, 0, sizeof *out);
     if (!cJSON_IsObject(t))
-        return bad(st, path, "%s must be a tensor object {dtype, shape, data}, got %s", path,
-                   qm__json_type_name(t));
-    int rc = check_members(t, allowed, path, st);
+        return bad(st, path,
+                   "%s must be a tensor object {dtype, shape, data} or {dtype, shape, map, "
+                   "offset}, got %s",
+                   path, qm__json_type_name(t));
+    /* A mapped tensor names a region of a session.map instead of data. */
+    int mapped = member(t, "map") != NULL || (member(t, "offset") != NULL && !member(t, "data"));
+    int rc = check_members(t, mapped ? allowed_mapped : allowed, path, st);
     if (rc < 0)
         return rc;
     const cJSON *dtype = member(t, "dtype"), *shape = member(t, "shape"),
@@ -218,6 +242,10 @@ static int parse_tensor(const cJSON *t, const char *path, uint32_t expect_ndim, 
     unsigned long long nbytes;
     if (qm_mul_u64(count, qm_wire_dtype_size(out->dtype), &nbytes) < 0)
         return bad(st, sub, "%s: byte size overflows 64 bits", sub);
+    if (mapped) {
+        out->nbytes = nbytes;
+        return parse_region(t, path, out, st);
+    }
     snprintf(sub, sizeof sub, "%s.data", path);
     if (!data || !cJSON_IsString(data))
         return bad(st, sub, "%s must be a base64 string", sub);
@@ -256,7 +284,7 @@ static int get_tensor(const cJSON *obj, const char *key, int required, uint32_t 
     const cJSON *v = member(obj, key);
     if (!v) {
         if (required)
-            return bad(st, key, "%s is required (a tensor {dtype, shape, data})", key);
+            return bad(st, key, "%s is required (a tensor {dtype, shape, data|map, offset})", key);
         return 0;
     }
     int rc = parse_tensor(v, key, ndim, out, st);
@@ -442,6 +470,27 @@ static int decode_policy_params(const cJSON *obj, qm_policy_params_wire *pp, qm_
     return rc;
 }
 
+/* session.infer's output_to: {map, offset} (PROTOCOL.md "Shared-memory
+ * tensors"). */
+static int decode_output_to(const cJSON *v, qm_params *out, qm_status *st)
+{
+    static const char *const allowed[] = {"map", "offset", NULL};
+    if (!cJSON_IsObject(v))
+        return bad(st, "output_to", "output_to must be an object {map, offset}, got %s",
+                   qm__json_type_name(v));
+    int rc = check_members(v, allowed, "output_to", st);
+    qm_tensor region;
+    memset(&region, 0, sizeof region);
+    if (rc == 0)
+        rc = parse_region(v, "output_to", &region, st);
+    if (rc < 0)
+        return rc;
+    out->has_output_to = 1;
+    out->output_map = region.map;
+    out->output_offset = region.offset;
+    return 0;
+}
+
 int qm__params_decode(qm_method m, const cJSON *params, qm_params *out, qm_status *st)
 {
     static const char *const none[] = {NULL};
@@ -451,7 +500,9 @@ int qm__params_decode(qm_method m, const cJSON *params, qm_params *out, qm_statu
                                          NULL};
     static const char *const by_session[] = {"session", NULL};
     static const char *const infer[] = {"session", "layer", "hidden", "router_logits",
-                                        "return_routing", NULL};
+                                        "return_routing", "output_to", NULL};
+    static const char *const map[] = {"session", "bytes", NULL};
+    static const char *const unmap[] = {"session", "map", NULL};
     static const char *const trace[] = {"session", "limit", NULL};
     int rc = 0;
     uint64_t v = 0;
@@ -520,6 +571,24 @@ int qm__params_decode(qm_method m, const cJSON *params, qm_params *out, qm_statu
                        (unsigned long long)out->hidden.shape[0]);
         if (rc == 0)
             rc = get_bool(params, "return_routing", "", NULL, &out->return_routing, st);
+        if (rc == 0 && member(params, "output_to"))
+            rc = decode_output_to(member(params, "output_to"), out, st);
+        return rc;
+    case QM_METHOD_SESSION_MAP:
+        rc = check_members(params, map, "", st);
+        if (rc == 0)
+            rc = get_string(params, "session", "", 1, 128, &out->session, st);
+        if (rc == 0)
+            rc = get_uint(params, "bytes", "", 1, UINT64_MAX, NULL, &out->bytes, st);
+        if (rc == 0 && out->bytes == 0)
+            return bad(st, "bytes", "bytes must be greater than 0");
+        return rc;
+    case QM_METHOD_SESSION_UNMAP:
+        rc = check_members(params, unmap, "", st);
+        if (rc == 0)
+            rc = get_string(params, "session", "", 1, 128, &out->session, st);
+        if (rc == 0)
+            rc = get_uint(params, "map", "", 1, UINT64_MAX, NULL, &out->map, st);
         return rc;
     case QM_METHOD_TELEMETRY_GET:
         rc = check_members(params, by_session, "", st);

@@ -111,12 +111,21 @@ typedef struct qm_tensor {
     uint32_t ndim;
     uint64_t shape[QM_TENSOR_MAX_DIMS];
     uint64_t nbytes;
-    void *data; /* owned (qm_malloc), little-endian, row-major */
+    void *data; /* owned (qm_malloc), little-endian, row-major; see `mapped` */
+    /* A mapped tensor (PROTOCOL.md "Mapped tensors"): {dtype, shape, map,
+     * offset} instead of data. The decoder leaves data NULL; the daemon
+     * points it into the session's map, borrowed (qm_tensor_free leaves it),
+     * or copies it and clears `mapped`. */
+    int mapped;
+    uint64_t map, offset;
 } qm_tensor;
+
+/* Mapped regions start at multiples of this (PROTOCOL.md). */
+#define QM_MAP_ALIGN 64
 
 size_t qm_wire_dtype_size(qm_wire_dtype dtype);
 const char *qm_wire_dtype_name(qm_wire_dtype dtype); /* "f32", "f16", "bf16" */
-void qm_tensor_free(qm_tensor *t);                    /* frees data, accepts NULL */
+void qm_tensor_free(qm_tensor *t); /* frees data unless mapped, accepts NULL */
 
 /* Standard base64 with padding. decode: strict (length a multiple of 4, no
  * whitespace, '=' only as padding); QM_EINVAL otherwise. Decodes into `out`
@@ -132,6 +141,10 @@ int qm_tensor_decode_json(const char *json, size_t n, qm_tensor *out, qm_status 
 /* Writes {"dtype":..,"shape":[..],"data":".."} for `data` of the given shape. */
 void qm_jw_tensor(qm_jw *w, qm_wire_dtype dtype, uint32_t ndim, const uint64_t *shape,
                   const void *data);
+
+/* Writes the mapped tensor {"dtype":..,"shape":[..],"map":M,"offset":O}. */
+void qm_jw_mapped_tensor(qm_jw *w, qm_wire_dtype dtype, uint32_t ndim, const uint64_t *shape,
+                         uint64_t map, uint64_t offset);
 
 /* ---- Framing --------------------------------------------------------------- */
 
@@ -181,6 +194,8 @@ int qm_json_check(const char *s, size_t n, int max_depth, const char **why);
     X(SESSION_LIST, "session.list")                                                                \
     X(SESSION_PLAN, "session.plan")                                                                \
     X(SESSION_INFER, "session.infer")                                                              \
+    X(SESSION_MAP, "session.map")                                                                  \
+    X(SESSION_UNMAP, "session.unmap")                                                              \
     X(TELEMETRY_GET, "telemetry.get")                                                              \
     X(TELEMETRY_TRACE, "telemetry.trace")                                                          \
     X(TELEMETRY_METRICS, "telemetry.metrics")
@@ -235,6 +250,10 @@ typedef struct qm_params {
     int has_router_logits;
     qm_tensor router_logits; /* infer: shape [T, E] */
     int return_routing;
+    int has_output_to;       /* infer: output_to {map, offset} */
+    uint64_t output_map, output_offset;
+    uint64_t bytes;          /* session.map */
+    uint64_t map;            /* session.unmap */
     int has_limit;
     uint32_t limit;          /* telemetry.trace */
 } qm_params;

@@ -240,7 +240,8 @@ static void decode_item(const cJSON *obj, qm_rpc_item *it)
         item_error(it, QM_RPC_METHOD_NOT_FOUND, NULL,
                    "unknown method '%s'; expected one of daemon.status, daemon.shutdown, "
                    "model.load, model.unload, model.list, session.create, session.close, "
-                   "session.list, session.plan, session.infer, telemetry.get, telemetry.trace, "
+                   "session.list, session.plan, session.infer, session.map, session.unmap, "
+                   "telemetry.get, telemetry.trace, "
                    "telemetry.metrics",
                    clip);
         return;

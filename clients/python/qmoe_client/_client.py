@@ -2,7 +2,9 @@
 
 import base64
 import errno
+import fcntl
 import json
+import mmap as _mmap
 import os
 import socket
 import threading
@@ -37,7 +39,10 @@ E_TIMEOUT = -5
 E_IO = -6
 E_PROTO = -7
 
-_DTYPE_SIZE = {"f32": 4, "f16": 2, "bf16": 2}
+_DTYPE_SIZE = {"f32": 4, "f16": 2, "bf16": 2, "i32": 4}
+# numpy dtypes of a mapped tensor's view (bf16 has none: its bits as uint16).
+_NP_DTYPE = {"f32": "<f4", "f16": "<f2", "bf16": "<u2", "i32": "<i4"}
+MAP_ALIGN = 64
 _MAX_RESPONSE = 1 << 31
 
 
@@ -93,7 +98,12 @@ class Tensor:
 
 
 def encode_tensor(x, dtype=None):
-    """A numpy array (float32/float16) or Tensor as the protocol's tensor object."""
+    """A numpy array (float32/float16), Tensor or MappedTensor as the
+    protocol's tensor object (a MappedTensor names its map region)."""
+    if isinstance(x, MappedTensor):
+        if dtype is not None and dtype != x.dtype:
+            raise ValueError("tensor is %s, %s was asked for" % (x.dtype, dtype))
+        return x.wire()
     if isinstance(x, Tensor):
         t = x
     elif _np is not None and isinstance(x, _np.ndarray):
@@ -110,6 +120,113 @@ def encode_tensor(x, dtype=None):
     if dtype is not None and dtype != t.dtype:
         raise ValueError("tensor is %s, %s was asked for" % (t.dtype, dtype))
     return {"dtype": t.dtype, "shape": list(t.shape), "data": base64.b64encode(t.data).decode("ascii")}
+
+
+class SharedMap:
+    """A shared-memory map of a session (PROTOCOL.md "Shared-memory
+    tensors"): a memfd this process created, sealed against shrinking and
+    further seals, mapped here and handed to qmoed by session.map. Tensors
+    placed in it travel without a copy: `tensor()` / `alloc()` return
+    MappedTensor views, and session.infer's `output_to` makes qmoed write the
+    output into it. Create with Client.map(); release with Client.unmap() (or
+    close the session)."""
+
+    def __init__(self, nbytes):
+        nbytes = int(nbytes)
+        if nbytes <= 0:
+            raise ValueError("a map needs at least one byte")
+        page = _mmap.PAGESIZE
+        self.size = nbytes
+        self.id = None
+        self.session = None
+        self._next = 0
+        fd = os.memfd_create("qmoe-map", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+        try:
+            os.ftruncate(fd, (nbytes + page - 1) // page * page)
+            fcntl.fcntl(fd, fcntl.F_ADD_SEALS,
+                        fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL)
+            self.mmap = _mmap.mmap(fd, nbytes)
+        except BaseException:
+            os.close(fd)
+            raise
+        self.fd = fd
+
+    def _close_fd(self):
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
+
+    def close(self):
+        """Drops this process's mapping (the daemon keeps its own until unmap)."""
+        self._close_fd()
+        if self.mmap is not None:
+            try:
+                self.mmap.close()
+            except BufferError:
+                pass  # numpy views are still alive: the mapping goes with them
+            self.mmap = None
+
+    def tensor(self, offset, shape, dtype):
+        """The region at `offset` (a multiple of 64) as a MappedTensor."""
+        return MappedTensor(self, offset, shape, dtype)
+
+    def alloc(self, shape, dtype):
+        """The next free 64-aligned region of `shape` and `dtype` (a bump
+        allocator; reset() starts over)."""
+        t = MappedTensor(self, self._next, shape, dtype)
+        self._next = (t.offset + t.nbytes + MAP_ALIGN - 1) // MAP_ALIGN * MAP_ALIGN
+        return t
+
+    def reset(self):
+        self._next = 0
+
+    def __repr__(self):
+        return "SharedMap(id=%r, %d bytes)" % (self.id, self.size)
+
+
+class MappedTensor:
+    """A tensor in a SharedMap: `map`, `offset`, `shape`, `dtype`. `array`
+    is a numpy view on the shared memory (bf16 as its uint16 bits); writing
+    into it writes what qmoed reads."""
+
+    __slots__ = ("map", "offset", "shape", "dtype", "nbytes")
+
+    def __init__(self, shm, offset, shape, dtype):
+        if dtype not in _DTYPE_SIZE:
+            raise ValueError("dtype must be f32, f16, bf16 or i32, not %r" % (dtype,))
+        offset = int(offset)
+        if offset < 0 or offset % MAP_ALIGN:
+            raise ValueError("offset %d is not a multiple of %d" % (offset, MAP_ALIGN))
+        shape = tuple(int(d) for d in shape)
+        n = _DTYPE_SIZE[dtype]
+        for d in shape:
+            if d < 0:
+                raise ValueError("negative dimension in shape %r" % (shape,))
+            n *= d
+        if offset + n > shm.size:
+            raise ValueError("region [%d, %d) lies outside the %d-byte map" % (offset, offset + n, shm.size))
+        self.map, self.offset, self.shape, self.dtype, self.nbytes = shm, offset, shape, dtype, n
+
+    @property
+    def array(self):
+        if _np is None:
+            raise RuntimeError("numpy is not installed")
+        count = self.nbytes // _DTYPE_SIZE[self.dtype]
+        return _np.frombuffer(self.map.mmap, dtype=_NP_DTYPE[self.dtype], count=count,
+                              offset=self.offset).reshape(self.shape)
+
+    @property
+    def memoryview(self):
+        return memoryview(self.map.mmap)[self.offset:self.offset + self.nbytes]
+
+    def wire(self):
+        if self.map.id is None:
+            raise ValueError("the map was never passed to session.map (or was unmapped)")
+        return {"dtype": self.dtype, "shape": list(self.shape), "map": self.map.id,
+                "offset": self.offset}
+
+    def __repr__(self):
+        return "MappedTensor(map=%r, offset=%d, %s %r)" % (self.map.id, self.offset, self.dtype, self.shape)
 
 
 def decode_tensor(obj, as_numpy=True):
@@ -237,8 +354,10 @@ class Client:
                 raise QmoeError(E_IO, "connection_lost", "qmoed closed the connection before answering")
             self._buf += chunk
 
-    def call(self, method, params=None):
-        """Any method: `params` a dict (or None). Returns the result, raises QmoeError."""
+    def call(self, method, params=None, fd=None):
+        """Any method: `params` a dict (or None). Returns the result, raises
+        QmoeError. `fd`: one descriptor sent as SCM_RIGHTS with the line's
+        first byte (session.map)."""
         with self._lock:
             deadline = time.monotonic() + self.timeout
             if self._sock is None:
@@ -251,6 +370,9 @@ class Client:
             line = json.dumps(req, separators=(",", ":"), ensure_ascii=False).encode("utf-8") + b"\n"
             try:
                 self._sock.settimeout(max(0.001, deadline - time.monotonic()))
+                if fd is not None:
+                    sent = socket.send_fds(self._sock, [line], [fd])
+                    line = line[sent:]
                 self._sock.sendall(line)
                 while True:
                     raw = self._read_line(deadline)
@@ -325,17 +447,53 @@ class Client:
     def plan(self, session):
         return self.call("session.plan", {"session": session})
 
-    def infer(self, session, layer, hidden, router_logits=None, return_routing=False):
+    def map(self, session, nbytes):
+        """session.map: a new SharedMap of `nbytes` for `session`."""
+        shm = SharedMap(nbytes)
+        try:
+            r = self.call("session.map", {"session": session, "bytes": shm.size}, fd=shm.fd)
+        except BaseException:
+            shm.close()
+            raise
+        shm._close_fd()  # the daemon holds its own mapping; ours is shm.mmap
+        shm.id, shm.session = int(r["map"]), session
+        return shm
+
+    def unmap(self, shm):
+        """session.unmap, then drops this process's mapping too."""
+        try:
+            if shm.id is not None:
+                self.call("session.unmap", {"session": shm.session, "map": shm.id})
+        finally:
+            shm.id = None
+            shm.close()
+
+    def infer(self, session, layer, hidden, router_logits=None, return_routing=False,
+              output_to=None):
+        """session.infer. Any tensor may be a MappedTensor (zero copy); with
+        `output_to` (a MappedTensor of hidden's shape and dtype) qmoed writes
+        the output there and `output` is that MappedTensor's view."""
         p = {"session": session, "layer": int(layer), "hidden": encode_tensor(hidden)}
         if router_logits is not None:
             p["router_logits"] = encode_tensor(router_logits)
         if return_routing:
             p["return_routing"] = True
+        if output_to is not None:
+            if not isinstance(output_to, MappedTensor):
+                raise TypeError("output_to is a MappedTensor (SharedMap.tensor / alloc)")
+            p["output_to"] = {"map": output_to.wire()["map"], "offset": output_to.offset}
         r = self.call("session.infer", p)
         routing = r.get("routing")
         if routing is not None:
             routing = [[(int(e), float(w)) for e, w in tok] for tok in routing]
-        return InferResult(decode_tensor(r.get("output"), self.as_numpy), routing, r.get("stats", {}))
+        out = r.get("output")
+        if output_to is not None:
+            if not isinstance(out, dict) or out.get("map") != output_to.map.id:
+                raise QmoeError(E_PROTO, "bad_response", "output is not the mapped tensor asked for")
+            output = output_to.array if (self.as_numpy and _np is not None) else output_to
+        else:
+            output = decode_tensor(out, self.as_numpy)
+        return InferResult(output, routing, r.get("stats", {}))
 
     def telemetry(self, session=None):
         return self.call("telemetry.get", {"session": session} if session is not None else None)
