@@ -301,7 +301,45 @@ static void qm__consume(qm_client *c, size_t n)
     c->len -= n;
 }
 
-static int qm__exchange(qm_client *c, const char *method, const qm_cval *params,
+/* Sends the line's first bytes with `fd` as SCM_RIGHTS (PROTOCOL.md: the
+ * descriptor rides on the sendmsg carrying the line's first byte), then the
+ * rest. Returns how many bytes went, or a negative code. */
+static int qm__send_fd(qm_client *c, const char *p, size_t n, int fd, int64_t deadline,
+                       size_t *sent, qm_client_error *err)
+{
+    union {
+        struct cmsghdr h;
+        char buf[CMSG_SPACE(sizeof(int))];
+    } ctl;
+    memset(&ctl, 0, sizeof(ctl));
+    struct iovec iov = {.iov_base = (void *)p, .iov_len = n};
+    struct msghdr msg = {.msg_iov = &iov, .msg_iovlen = 1, .msg_control = ctl.buf,
+                         .msg_controllen = sizeof(ctl.buf)};
+    struct cmsghdr *cm = CMSG_FIRSTHDR(&msg);
+    cm->cmsg_level = SOL_SOCKET;
+    cm->cmsg_type = SCM_RIGHTS;
+    cm->cmsg_len = CMSG_LEN(sizeof(int));
+    memcpy(CMSG_DATA(cm), &fd, sizeof(int));
+    for (;;) {
+        ssize_t w = sendmsg(c->fd, &msg, MSG_NOSIGNAL);
+        if (w > 0) {
+            *sent = (size_t)w;
+            return 0;
+        }
+        if (w < 0 && errno == EINTR)
+            continue;
+        if (w < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) {
+            int rc = qm__wait(c->fd, POLLOUT, deadline, err);
+            if (rc < 0)
+                return rc;
+            continue;
+        }
+        return qm__client_fail(err, QM_CLIENT_EIO, "cannot pass the descriptor to qmoed (%s)",
+                               w < 0 ? strerror(errno) : "short write");
+    }
+}
+
+static int qm__exchange(qm_client *c, const char *method, const qm_cval *params, int fd,
                         qm_cval **result, qm_client_error *err)
 {
     int64_t deadline = qm__now_ms() + c->timeout_ms;
@@ -313,7 +351,10 @@ static int qm__exchange(qm_client *c, const char *method, const qm_cval *params,
     char *line = qm_client_codec_request(id, method, params, &len);
     if (!line)
         return qm__client_fail(err, QM_CLIENT_ENOMEM, "out of memory encoding the request");
-    rc = qm__send_all(c, line, len, deadline, err);
+    size_t sent = 0;
+    rc = fd >= 0 ? qm__send_fd(c, line, len, fd, deadline, &sent, err) : 0;
+    if (rc == 0)
+        rc = qm__send_all(c, line + sent, len - sent, deadline, err);
     qm_free(line);
     if (rc < 0)
         goto fail_broken;
@@ -362,6 +403,12 @@ fail_broken:
 int qm__client_call(qm_client *c, const char *method, qm_cval *params, qm_cval **result,
                     qm_client_error *err)
 {
+    return qm__client_call_fd(c, method, params, -1, result, err);
+}
+
+int qm__client_call_fd(qm_client *c, const char *method, qm_cval *params, int fd,
+                       qm_cval **result, qm_client_error *err)
+{
     *result = NULL;
     if (err)
         memset(err, 0, sizeof(*err));
@@ -370,7 +417,7 @@ int qm__client_call(qm_client *c, const char *method, qm_cval *params, qm_cval *
         return qm__client_fail(err, QM_CLIENT_EINVAL, "no client handle or method given");
     }
     pthread_mutex_lock(&c->lock);
-    int rc = qm__exchange(c, method, params, result, err);
+    int rc = qm__exchange(c, method, params, fd, result, err);
     pthread_mutex_unlock(&c->lock);
     qm_cval_free(params);
     return rc;

@@ -14,6 +14,10 @@ int qm__client_fail(qm_client_error *err, int code, const char *fmt, ...)
 int qm__client_call(qm_client *c, const char *method, qm_cval *params, qm_cval **result,
                     qm_client_error *err);
 
+/* The same, with `fd` (>= 0) passed as SCM_RIGHTS on the line's first byte. */
+int qm__client_call_fd(qm_client *c, const char *method, qm_cval *params, int fd,
+                       qm_cval **result, qm_client_error *err);
+
 /* Copies a string member; NULL when absent. Returns QM_CLIENT_ENOMEM on failure. */
 int qm__client_dup_member(const qm_cval *obj, const char *key, char **out);
 

@@ -188,6 +188,49 @@ int qm_client_session_infer(qm_client *c, const char *session, uint64_t layer,
                             qm_client_infer_result *out, qm_client_error *err);
 void qm_client_infer_result_free(qm_client_infer_result *r); /* members only */
 
+/* ---- shared-memory tensors (zero copy) ----
+ * A map is a sealed memfd this process creates and maps, handed to qmoed by
+ * session.map (PROTOCOL.md "Shared-memory tensors"). Tensors written into
+ * `data` travel without a copy or base64, and qmoed writes the output of
+ * qm_client_session_infer_mapped straight into it. Regions start at
+ * multiples of 64 bytes; the client must not change an input region until
+ * the call returns. A map lives until qm_client_map_release or until its
+ * session closes (then release with c = NULL to drop this process's side). */
+typedef struct qm_client_map {
+    uint64_t id;       /* the daemon's map id */
+    void *data;        /* this process's mapping of the map, page aligned */
+    size_t bytes;      /* usable bytes */
+    size_t mapped_len; /* bytes rounded up to pages */
+    char session[132]; /* the session it belongs to */
+} qm_client_map;
+/* Creates, seals (F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL), maps and
+ * passes a memfd of `bytes` to `session`. */
+int qm_client_map_create(qm_client *c, const char *session, size_t bytes, qm_client_map *out,
+                         qm_client_error *err);
+/* session.unmap (skipped when c is NULL), then unmaps here; accepts an
+ * empty or NULL map. */
+int qm_client_map_release(qm_client *c, qm_client_map *m, qm_client_error *err);
+
+/* A [rows, cols] tensor at `offset` (a multiple of 64) of a map. */
+typedef struct qm_client_region {
+    qm_client_dtype dtype;
+    uint64_t rows, cols;
+    uint64_t offset;
+} qm_client_region;
+
+typedef struct qm_client_mapped_infer {
+    const char *session;
+    uint64_t layer;
+    const qm_client_map *map;              /* every region below lies in it */
+    qm_client_region hidden;               /* [T, H] */
+    const qm_client_region *router_logits; /* [T, E], or NULL */
+    uint64_t output_offset; /* the output ([T, H], hidden's dtype) is written here */
+} qm_client_mapped_infer;
+/* session.infer with every tensor in the map and output_to it: on 0 the
+ * output is in the map at output_offset; `stats` may be NULL. */
+int qm_client_session_infer_mapped(qm_client *c, const qm_client_mapped_infer *req,
+                                   qm_client_infer_stats *stats, qm_client_error *err);
+
 /* ---- telemetry ---- */
 typedef struct qm_client_counters {
     uint64_t requests, errors, tokens, expert_hits, expert_misses, bytes_paged_h2d;

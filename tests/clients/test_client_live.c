@@ -241,6 +241,47 @@ START_TEST(test_infer_output_does_not_depend_on_policy_or_budget)
 }
 END_TEST
 
+/* The zero-copy call: inputs and output in a shared map, bit for bit what
+ * the base64 call answers; bad regions name their field; release unmaps. */
+START_TEST(test_mapped_infer_equals_base64_without_a_copy)
+{
+    qm_client *c = connect_or_fail();
+    qm_client_error err;
+    char *sid = create_session(c, NULL, 0);
+    qm_client_map m;
+    ck_assert_msg(qm_client_map_create(c, sid, 1 << 16, &m, &err) == 0, "map: %s", err.reason);
+    ck_assert_uint_gt(m.id, 0);
+    float x[TOKENS * HIDDEN];
+    fill_hidden(x, 3);
+    memcpy(m.data, x, sizeof x);
+    qm_client_tensor h = {.dtype = QM_CLIENT_F32, .ndim = 2, .shape = {TOKENS, HIDDEN},
+                          .data = x, .nbytes = sizeof x};
+    qm_client_infer_result want;
+    ck_assert_int_eq(qm_client_session_infer(c, sid, 1, &h, NULL, 0, &want, &err), 0);
+    uint64_t out_off = (sizeof x + 63) / 64 * 64;
+    qm_client_mapped_infer q = {.session = sid, .layer = 1, .map = &m,
+                                .hidden = {QM_CLIENT_F32, TOKENS, HIDDEN, 0},
+                                .output_offset = out_off};
+    qm_client_infer_stats st;
+    ck_assert_msg(qm_client_session_infer_mapped(c, &q, &st, &err) == 0, "%s", err.reason);
+    ck_assert(memcmp((char *)m.data + out_off, want.output.data, sizeof x) == 0);
+    ck_assert_uint_gt(st.hits + st.misses, 0);
+    q.output_offset = 1 << 16; /* past the end */
+    ck_assert_int_eq(qm_client_session_infer_mapped(c, &q, NULL, &err), -32602);
+    ck_assert_str_eq(err.field, "output_to.offset");
+    q.output_offset = 32; /* not a multiple of 64 */
+    ck_assert_int_eq(qm_client_session_infer_mapped(c, &q, NULL, &err), -32602);
+    ck_assert_str_eq(err.field, "output_to.offset");
+    qm_client_infer_result_free(&want);
+    ck_assert_int_eq(qm_client_map_release(c, &m, &err), 0);
+    ck_assert_ptr_null(m.data);
+    ck_assert_int_eq(qm_client_map_release(c, &m, &err), 0); /* twice is harmless */
+    qm_client_session_close(c, sid, &err);
+    qm_client_string_free(sid);
+    qm_client_close(c);
+}
+END_TEST
+
 START_TEST(test_infer_errors_carry_the_field)
 {
     qm_client *c = connect_or_fail();
@@ -366,6 +407,7 @@ int main(void)
     tcase_add_test(tc, test_infer_output_does_not_depend_on_policy_or_budget);
     tcase_add_test(tc, test_infer_errors_carry_the_field);
     tcase_add_test(tc, test_trace_metrics_and_daemon_telemetry);
+    tcase_add_test(tc, test_mapped_infer_equals_base64_without_a_copy);
     tcase_add_test(tc, test_one_handle_shared_by_threads_gets_every_answer_right);
     suite_add_tcase(s, tc);
     SRunner *sr = srunner_create(s);

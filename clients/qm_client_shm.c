@@ -1,0 +1,171 @@
+/* qm_client_shm.c - shared-memory tensors (PROTOCOL.md "Shared-memory
+ * tensors"): a sealed memfd created here, mapped here and handed to qmoed by
+ * session.map; session.infer whose tensors and output live in it. */
+#ifndef _GNU_SOURCE
+#define _GNU_SOURCE /* memfd_create, F_ADD_SEALS */
+#endif
+#include <errno.h>
+#include <fcntl.h>
+#include <stdio.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include "qm_alloc.h"
+#include "qm_client_internal.h"
+
+#define QM__NOMEM(err) qm__client_fail((err), QM_CLIENT_ENOMEM, "out of memory")
+
+static qm_cval *qm__obj_add(qm_cval *o, const char *key, qm_cval *v)
+{
+    if (!o || qm_cval_append(o, key, v) < 0) {
+        qm_cval_free(o);
+        return NULL;
+    }
+    return o;
+}
+
+int qm_client_map_create(qm_client *c, const char *session, size_t bytes, qm_client_map *out,
+                         qm_client_error *err)
+{
+    memset(out, 0, sizeof(*out));
+    if (err)
+        memset(err, 0, sizeof(*err));
+    if (!session || bytes == 0 || strlen(session) >= sizeof(out->session))
+        return qm__client_fail(err, QM_CLIENT_EINVAL, "a map needs a session and bytes > 0");
+    long page = sysconf(_SC_PAGESIZE);
+    size_t len = (bytes + (size_t)page - 1) / (size_t)page * (size_t)page;
+    int fd = memfd_create("qmoe-map", MFD_CLOEXEC | MFD_ALLOW_SEALING);
+    if (fd < 0)
+        return qm__client_fail(err, QM_CLIENT_EIO, "memfd_create: %s", strerror(errno));
+    void *base = MAP_FAILED;
+    if (ftruncate(fd, (off_t)len) < 0 ||
+        fcntl(fd, F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL) < 0 ||
+        (base = mmap(NULL, len, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0)) == MAP_FAILED) {
+        int e = errno;
+        close(fd);
+        return qm__client_fail(err, e == ENOMEM ? QM_CLIENT_ENOMEM : QM_CLIENT_EIO,
+                               "cannot create a %zu-byte shared map: %s", bytes, strerror(e));
+    }
+    qm_cval *p = qm_cval_new(QM_CVAL_OBJECT);
+    p = qm__obj_add(p, "session", qm_cval_new_string(session));
+    p = qm__obj_add(p, "bytes", qm_cval_new_number((double)bytes));
+    if (!p) {
+        munmap(base, len);
+        close(fd);
+        return QM__NOMEM(err);
+    }
+    qm_cval *r = NULL;
+    int rc = qm__client_call_fd(c, "session.map", p, fd, &r, err);
+    close(fd); /* the daemon holds its own mapping, this process `base` */
+    uint64_t id = 0;
+    if (rc == 0 && qm_cval_get_u64(r, "map", &id) < 0)
+        rc = qm__client_fail(err, QM_CLIENT_EPROTO, "qmoed's answer to session.map lacks map");
+    qm_cval_free(r);
+    if (rc < 0) {
+        munmap(base, len);
+        return rc;
+    }
+    out->id = id;
+    out->data = base;
+    out->bytes = bytes;
+    out->mapped_len = len;
+    snprintf(out->session, sizeof(out->session), "%s", session);
+    return 0;
+}
+
+int qm_client_map_release(qm_client *c, qm_client_map *m, qm_client_error *err)
+{
+    int rc = 0;
+    if (err)
+        memset(err, 0, sizeof(*err));
+    if (!m || !m->data)
+        return 0;
+    if (c) {
+        qm_cval *p = qm_cval_new(QM_CVAL_OBJECT);
+        p = qm__obj_add(p, "session", qm_cval_new_string(m->session));
+        p = qm__obj_add(p, "map", qm_cval_new_number((double)m->id));
+        qm_cval *r = NULL;
+        rc = p ? qm__client_call(c, "session.unmap", p, &r, err) : QM__NOMEM(err);
+        qm_cval_free(r);
+    }
+    munmap(m->data, m->mapped_len);
+    memset(m, 0, sizeof(*m));
+    return rc;
+}
+
+static qm_cval *qm__region(const qm_client_map *map, const qm_client_region *t)
+{
+    static const char *const names[] = {"f32", "f16", "bf16", "i32"};
+    if ((unsigned)t->dtype >= sizeof(names) / sizeof(names[0]))
+        return NULL;
+    qm_cval *shape = qm_cval_new(QM_CVAL_ARRAY);
+    if (!shape || qm_cval_append(shape, NULL, qm_cval_new_number((double)t->rows)) < 0 ||
+        qm_cval_append(shape, NULL, qm_cval_new_number((double)t->cols)) < 0) {
+        qm_cval_free(shape);
+        return NULL;
+    }
+    qm_cval *o = qm_cval_new(QM_CVAL_OBJECT);
+    o = qm__obj_add(o, "dtype", qm_cval_new_string(names[t->dtype]));
+    o = qm__obj_add(o, "shape", shape);
+    o = qm__obj_add(o, "map", qm_cval_new_number((double)map->id));
+    return qm__obj_add(o, "offset", qm_cval_new_number((double)t->offset));
+}
+
+int qm_client_session_infer_mapped(qm_client *c, const qm_client_mapped_infer *q,
+                                   qm_client_infer_stats *stats, qm_client_error *err)
+{
+    if (stats)
+        memset(stats, 0, sizeof(*stats));
+    if (err)
+        memset(err, 0, sizeof(*err));
+    if (!q || !q->session || !q->map || !q->map->data)
+        return qm__client_fail(err, QM_CLIENT_EINVAL,
+                               "session.infer needs a session and a map from qm_client_map_create");
+    const qm_client_region *parts[] = {&q->hidden, q->router_logits};
+    const char *keys[] = {"hidden", "router_logits"};
+    qm_cval *p = qm_cval_new(QM_CVAL_OBJECT);
+    p = qm__obj_add(p, "session", qm_cval_new_string(q->session));
+    p = qm__obj_add(p, "layer", qm_cval_new_number((double)q->layer));
+    for (size_t i = 0; i < sizeof(parts) / sizeof(parts[0]) && p; i++) {
+        if (!parts[i])
+            continue;
+        qm_cval *t = qm__region(q->map, parts[i]);
+        if (!t) {
+            qm_cval_free(p);
+            return qm__client_fail(err, QM_CLIENT_EINVAL, "%s: bad dtype or no memory", keys[i]);
+        }
+        p = qm__obj_add(p, keys[i], t);
+    }
+    qm_cval *to = qm_cval_new(QM_CVAL_OBJECT);
+    to = qm__obj_add(to, "map", qm_cval_new_number((double)q->map->id));
+    to = qm__obj_add(to, "offset", qm_cval_new_number((double)q->output_offset));
+    if (to)
+        p = qm__obj_add(p, "output_to", to);
+    else {
+        qm_cval_free(p);
+        p = NULL;
+    }
+    if (!p)
+        return QM__NOMEM(err);
+    qm_cval *r = NULL;
+    int rc = qm__client_call(c, "session.infer", p, &r, err);
+    if (rc < 0)
+        return rc;
+    const qm_cval *out = qm_cval_get(r, "output");
+    uint64_t id = 0, off = 0;
+    if (qm_cval_get_u64(out, "map", &id) < 0 || qm_cval_get_u64(out, "offset", &off) < 0 ||
+        id != q->map->id || off != q->output_offset)
+        rc = qm__client_fail(err, QM_CLIENT_EPROTO,
+                             "qmoed's output is not the mapped tensor output_to asked for");
+    const qm_cval *st = qm_cval_get(r, "stats");
+    if (rc == 0 && stats) {
+        qm_cval_get_u64(st, "hits", &stats->hits);
+        qm_cval_get_u64(st, "misses", &stats->misses);
+        qm_cval_get_u64(st, "bytes_paged", &stats->bytes_paged);
+        qm_cval_get_u64(st, "queue_us", &stats->queue_us);
+        qm_cval_get_u64(st, "compute_us", &stats->compute_us);
+    }
+    qm_cval_free(r);
+    return rc;
+}
