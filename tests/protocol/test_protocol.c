@@ -514,6 +514,67 @@ START_TEST(test_params_infer_rejects_shape_data_disagreement)
 }
 END_TEST
 
+START_TEST(test_params_mapped_tensors_output_to_map_and_unmap)
+{
+    qm_rpc_frame f = decode(REQ("session.infer",
+                                "{\"session\":\"s\",\"layer\":0,\"hidden\":{\"dtype\":\"f16\","
+                                "\"shape\":[3,2],\"map\":9,\"offset\":640},"
+                                "\"output_to\":{\"map\":9,\"offset\":0}}"));
+    ck_assert(f.items[0].ok);
+    const qm_params *p = &f.items[0].req.params;
+    ck_assert(p->hidden.mapped);
+    ck_assert_ptr_null(p->hidden.data);
+    ck_assert_uint_eq(p->hidden.map, 9);
+    ck_assert_uint_eq(p->hidden.offset, 640);
+    ck_assert_uint_eq(p->hidden.nbytes, 12);
+    ck_assert(p->has_output_to);
+    ck_assert_uint_eq(p->output_map, 9);
+    qm_rpc_frame_free(&f);
+    f = decode(REQ("session.map", "{\"session\":\"s\",\"bytes\":4096}"));
+    ck_assert(f.items[0].ok);
+    ck_assert_uint_eq(f.items[0].req.params.bytes, 4096);
+    qm_rpc_frame_free(&f);
+    f = decode(REQ("session.unmap", "{\"session\":\"s\",\"map\":3}"));
+    ck_assert(f.items[0].ok);
+    ck_assert_uint_eq(f.items[0].req.params.map, 3);
+    qm_rpc_frame_free(&f);
+    static const struct {
+        const char *method, *params, *field;
+    } bad[] = {
+        {"session.infer", "{\"session\":\"s\",\"layer\":0,\"hidden\":{\"dtype\":\"f32\","
+                          "\"shape\":[1,1],\"map\":1,\"offset\":65}}", "hidden.offset"},
+        {"session.infer", "{\"session\":\"s\",\"layer\":0,\"hidden\":{\"dtype\":\"f32\","
+                          "\"shape\":[1,1],\"map\":1}}", "hidden.offset"},
+        {"session.infer", "{\"session\":\"s\",\"layer\":0,\"hidden\":{\"dtype\":\"f32\","
+                          "\"shape\":[1,1],\"offset\":0}}", "hidden.map"},
+        {"session.infer", "{\"session\":\"s\",\"layer\":0,\"hidden\":{\"dtype\":\"f32\","
+                          "\"shape\":[1,1],\"map\":\"1\",\"offset\":0}}", "hidden.map"},
+        {"session.infer", "{\"session\":\"s\",\"layer\":0,\"hidden\":{\"dtype\":\"f32\","
+                          "\"shape\":[1,1],\"map\":1,\"offset\":0,\"data\":\"AAAAAA==\"}}",
+         "hidden.data"},
+        {"session.infer", "{\"session\":\"s\",\"layer\":0,\"hidden\":{\"dtype\":\"f32\","
+                          "\"shape\":[1,1],\"data\":\"AAAAAA==\"},\"output_to\":7}", "output_to"},
+        {"session.infer", "{\"session\":\"s\",\"layer\":0,\"hidden\":{\"dtype\":\"f32\","
+                          "\"shape\":[1,1],\"data\":\"AAAAAA==\"},\"output_to\":{\"map\":1,"
+                          "\"offset\":8}}", "output_to.offset"},
+        {"session.map", "{\"session\":\"s\"}", "bytes"},
+        {"session.map", "{\"session\":\"s\",\"bytes\":0}", "bytes"},
+        {"session.map", "{\"session\":\"s\",\"bytes\":1,\"fd\":3}", "fd"},
+        {"session.unmap", "{\"session\":\"s\"}", "map"},
+        {"session.unmap", "{\"session\":\"s\",\"map\":-1}", "map"},
+    };
+    for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
+        char line[512], field[64];
+        snprintf(line, sizeof line,
+                 "{\"jsonrpc\":\"2.0\",\"id\":1,\"method\":\"%s\",\"params\":%s}",
+                 bad[i].method, bad[i].params);
+        ck_assert_int_eq(decode_code(line, field, sizeof field), QM_RPC_INVALID_PARAMS);
+        ck_assert_msg(strcmp(field, bad[i].field) == 0, "case %zu: field %s, expected %s", i,
+                      field, bad[i].field);
+    }
+}
+END_TEST
+
 /* ---- codec and responses ---- */
 
 START_TEST(test_base64_round_trips_every_length)
@@ -726,6 +787,7 @@ static Suite *protocol_suite(void)
     tcase_add_test(tc, test_params_session_create_decodes_policy_params);
     tcase_add_test(tc, test_params_infer_decodes_tensor);
     tcase_add_test(tc, test_params_infer_rejects_shape_data_disagreement);
+    tcase_add_test(tc, test_params_mapped_tensors_output_to_map_and_unmap);
     suite_add_tcase(s, tc);
     tc = tcase_create("encoding");
     tcase_add_test(tc, test_base64_round_trips_every_length);
