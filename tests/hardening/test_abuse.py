@@ -774,3 +774,123 @@ def test_peer_that_never_reads_one_large_answer_is_dropped_for_output_stall(idle
         t.join()
     by.check()
     assert closed, "a peer that never read a 1.4 MB answer is still connected after 10 s"
+
+
+# ---- shared-memory maps (issue 14) ---------------------------------------------------------
+
+
+def _memfd(n, seals):
+    import fcntl
+    fd = os.memfd_create("abuse-map", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    os.ftruncate(fd, n)
+    if seals:
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, seals)
+    return fd
+
+
+def _send_fds(s, f, line, fds):
+    """One line whose first byte carries fds; the parsed answer."""
+    sent = socket.send_fds(s, [line], fds) if fds else 0
+    s.sendall(line[sent:])
+    return json.loads(f.readline())
+
+
+def _maps_of(dm):
+    with open("/proc/%d/maps" % dm.pid) as fh:
+        return sum(1 for ln in fh if "memfd:abuse-map" in ln)
+
+
+def test_bad_maps_get_their_documented_errors_and_leave_nothing(dm):
+    import fcntl
+    ok = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_SEAL
+    sid, other = session(dm), session(dm)
+    s = connect(dm.socket)
+    f = s.makefile("rb")
+    try:
+        def map_req(nbytes, fds, who=None, rid=1):
+            line = req("session.map", {"session": who or sid, "bytes": nbytes}, id=rid)
+            r = _send_fds(s, f, line, fds)
+            for fd in fds:
+                os.close(fd)
+            return r
+
+        for fds, nbytes, why in [
+                ([], 4096, "no descriptor"),
+                ([_memfd(4096, 0)], 4096, "not sealed"),            # unsealed
+                ([_memfd(4096, fcntl.F_SEAL_SEAL)], 4096, "F_SEAL_SHRINK"),
+                ([_memfd(4096, ok)], 8192, "too small"),
+                ([_memfd(4096, ok), _memfd(4096, ok)], 4096, "2 descriptors"),
+                ([_memfd(4096, ok | fcntl.F_SEAL_WRITE)], 4096, "read-write")]:
+            r = map_req(nbytes, fds)
+            assert r["error"]["code"] == -32602 and r["error"]["data"]["field"] == "fd", r
+            assert why in r["error"]["data"]["reason"], r
+        # Too many mapped bytes: the default max_mapped_bytes is 1 GiB.
+        big = _memfd(1 << 20, 0)
+        os.ftruncate(big, (1 << 30) + 4096)
+        fcntl.fcntl(big, fcntl.F_ADD_SEALS, ok)
+        r = map_req((1 << 30) + 4096, [big])
+        assert r["error"]["code"] == -32003, r
+        # A good map, truncation refused by the kernel, regions outside it
+        # and a map of another session.
+        fd = _memfd(4096, ok)
+        good = map_req(4096, [os.dup(fd)])["result"]["map"]
+        with pytest.raises(PermissionError):
+            os.ftruncate(fd, 0)
+        os.close(fd)
+        theirs_fd = _memfd(4096, ok)
+        theirs = map_req(4096, [theirs_fd], who=other)["result"]["map"]
+        for hid, code, field in [
+                ({"map": good, "offset": 4096 - 64}, -32602, "hidden.offset"),
+                ({"map": good, "offset": 96}, -32602, "hidden.offset"),
+                ({"map": theirs, "offset": 0}, -32001, "hidden.map")]:
+            t = {"dtype": "f32", "shape": [2, H]}
+            t.update(hid)
+            s.sendall(req("session.infer", {"session": sid, "layer": 0, "hidden": t}))
+            r = json.loads(f.readline())
+            assert (r["error"]["code"], r["error"]["data"]["field"]) == (code, field), r
+        assert _maps_of(dm) == 2
+    finally:
+        f.close()
+        s.close()
+    c = dm.client()
+    c.call("session.close", {"session": sid})
+    c.call("session.close", {"session": other})
+    c.close()
+    assert wait_for(lambda: _maps_of(dm) == 0, 5)
+
+
+KILLED = r"""
+import json, os, socket, sys, fcntl, mmap
+s = socket.socket(socket.AF_UNIX); s.connect(sys.argv[1]); f = s.makefile("rb")
+def call(m, p, fds=()):
+    line = (json.dumps({"jsonrpc": "2.0", "id": 1, "method": m, "params": p}) + "\n").encode()
+    n = socket.send_fds(s, [line], list(fds)) if fds else 0
+    s.sendall(line[n:]); return json.loads(f.readline())["result"]
+sid = call("session.create", {"model": "small"})["session"]
+fd = os.memfd_create("abuse-map", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+os.ftruncate(fd, 1 << 20)
+fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_SEAL)
+m = call("session.map", {"session": sid, "bytes": 1 << 20}, [fd])["map"]
+p = {"session": sid, "layer": 0, "hidden": {"dtype": "f32", "shape": [512, 64], "map": m,
+     "offset": 0}, "output_to": {"map": m, "offset": 512 * 64 * 4}}
+one = (json.dumps({"jsonrpc": "2.0", "id": 2, "method": "session.infer", "params": p}) + "\n")
+s.sendall(one.encode() * 100)
+print(sid, flush=True)
+os.kill(os.getpid(), 9)
+"""
+
+
+def test_client_killed_while_its_map_is_in_use_harms_nobody(dm):
+    import subprocess
+    import sys
+    p = subprocess.run([sys.executable, "-c", KILLED, dm.socket], capture_output=True,
+                       text=True, timeout=60)
+    assert p.returncode == -9, p.stderr
+    sid = p.stdout.strip()
+    c = dm.client()
+    # The bystander (checked by the fixture) and the daemon are untouched;
+    # the victim's session keeps its map until it is closed.
+    assert any(x["session"] == sid for x in c.call("session.list")["sessions"])
+    c.call("session.close", {"session": sid})
+    c.close()
+    assert wait_for(lambda: _maps_of(dm) == 0, 10)

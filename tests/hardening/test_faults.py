@@ -31,9 +31,12 @@ in each class; then one daemon per point walks through them. Every time:
 QMOE_FAULT_POINTS caps the daemons started per class (default: every
 point); the points are then spread evenly over the count.
 """
+import fcntl
 import json
+import mmap
 import os
 import re
+import socket
 
 import numpy as np
 import pytest
@@ -80,9 +83,9 @@ class Client:
             self.c.close()
             self.c = None
 
-    def once(self, method, params):
+    def once(self, method, params, fd=None):
         """The result, or None after a clean failure (counted); raises on
-        anything else."""
+        anything else. fd: passed with the line's first byte (session.map)."""
         self._connect()
         rid = self.next_id
         self.next_id += 1
@@ -90,7 +93,10 @@ class Client:
             req = {"jsonrpc": "2.0", "id": rid, "method": method}
             if params is not None:
                 req["params"] = params
-            self.c.send_raw((json.dumps(req) + "\n").encode())
+            line = (json.dumps(req) + "\n").encode()
+            if fd is not None:
+                line = line[socket.send_fds(self.c.sock, [line], [fd]):]
+            self.c.send_raw(line)
             r = self.c.read()
         except (EOFError, ConnectionResetError, BrokenPipeError) as e:
             assert self.cls == "loop", "%s: connection lost (%r) with a %s fault" % (
@@ -124,14 +130,14 @@ class Client:
         self.tally[method] += 1
         return None
 
-    def call(self, method, params, lost_ok=None):
+    def call(self, method, params, lost_ok=None, fd=None):
         """Retries clean failures. lost_ok: an error code acceptable on a
         retry after a failure, since the failed try may have acted (its
         answer lost, or not encodable: internal_error)."""
         failed = False
         for _ in range(TRIES):
             try:
-                res = self.once(method, params)
+                res = self.once(method, params, fd)
             except Lost:
                 failed = True
                 continue
@@ -145,6 +151,28 @@ class Client:
         raise AssertionError("%s kept failing: %r" % (method, dict(self.tally)))
 
 
+def mapped_infer(cl, sid):
+    """session.map of a sealed memfd, an inference whose input and output
+    live in it, session.unmap: the output's bytes."""
+    fd = os.memfd_create("fault-map", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    try:
+        os.ftruncate(fd, 8192)
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_SEAL)
+        mm = mmap.mmap(fd, 8192)
+        m = cl.call("session.map", {"session": sid, "bytes": 8192}, fd=fd)["map"]
+    finally:
+        os.close(fd)
+    x3 = np.random.default_rng(6).standard_normal((3, 64)).astype(np.float32)
+    mm[0:x3.nbytes] = x3.tobytes()
+    cl.call("session.infer", {"session": sid, "layer": 0,
+                              "hidden": {"dtype": "f32", "shape": [3, 64], "map": m, "offset": 0},
+                              "output_to": {"map": m, "offset": 1024}})
+    out = bytes(mm[1024:1024 + x3.nbytes])
+    cl.call("session.unmap", {"session": sid, "map": m}, lost_ok=-32001)
+    mm.close()
+    return out
+
+
 def script(dm, cls, tally):
     """Each kind of session: create, two inferences, a plan, close; then
     a model load and unload. Returns the outputs."""
@@ -156,6 +184,8 @@ def script(dm, cls, tally):
             for layer, rows in ((0, 4), (1, 1)):
                 out = cl.call("session.infer", {"session": sid, "layer": layer, "hidden": x(rows)})
                 outs.append(out["output"])
+            if i == 0:
+                outs.append(mapped_infer(cl, sid))
             plan = cl.call("session.plan", {"session": sid})
             outs.append(json.dumps(plan, sort_keys=True))
             cl.call("session.close", {"session": sid}, lost_ok=-32001)
