@@ -527,9 +527,8 @@ int qm_session_prepare(qm_daemon *d, const qm_params *p, uid_t owner, qm_session
 
     s->plan_start_us = t0;
     s->plan_us = plan_us;
-    s->pager_options = (qm_pager_options){.prefetch = pw->has_prefetch ? pw->prefetch : 1,
-                                          .has_budget = 1,
-                                          .budget_bytes = budget};
+    /* The budget travels in the plan (qm_plan_budget); the pager reads it there. */
+    s->pager_options = (qm_pager_options){.prefetch = pw->has_prefetch ? pw->prefetch : 1};
     /* Reserved now, so creations in flight cannot overcommit the device
      * budget while their pagers are built off the loop thread. */
     s->refs = 1;
