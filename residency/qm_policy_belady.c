@@ -2,6 +2,7 @@
  * furthest away. Needs the future, so it is the offline yardstick for tests
  * and benchmarks, never offered over the socket. */
 #include "qm_residency.h"
+#include "qm_policy_impl.h"
 #include "qm_residency_impl.h"
 
 #include <string.h>
@@ -113,3 +114,11 @@ fail_arrays:
 fail:
     return qm_status_set(st, QM_ENOMEM, "out of memory creating policy 'belady' (%zu accesses)", n);
 }
+
+const qm__policy_desc qm__policy_belady_desc = {
+    .version = QM_POLICY_DESC_VERSION,
+    .name = "belady",
+    .summary = "offline optimum: evicts the expert used furthest in the future (tests, benchmarks)",
+    .offered = 0,
+    .refusal = "needs the future trace and is for tests and benchmarks only",
+};

@@ -3,6 +3,7 @@
  * are aged lazily (count, clock at last update), so every hook is O(1) and
  * choose_victim O(n candidates). */
 #include "qm_residency.h"
+#include "qm_policy_impl.h"
 #include "qm_residency_impl.h"
 
 #include <math.h>
@@ -102,13 +103,14 @@ static const qm_policy_iface lfu_iface = {
     .destroy = lfu_destroy,
 };
 
-int qm__policy_lfu_new(const qm_policy_params *params, qm_policy *out, qm_status *st)
+static const qm_policy_param_spec lfu_params[] = {
+    {.name = "decay", .min = 0.0, .max = 1.0, .def = QM_POLICY_LFU_DEFAULT_DECAY,
+     .doc = "multiplicative decay of a count per access to its bank (1 = no aging)"},
+};
+
+static int lfu_new(const qm_policy_params *params, qm_policy *out, qm_status *st)
 {
-    double decay = QM_POLICY_LFU_DEFAULT_DECAY;
-    if (params && params->has_decay) decay = params->decay;
-    if (!(decay >= 0.0 && decay <= 1.0)) /* also rejects NaN */
-        return qm_status_set_field(st, QM_EINVAL, "policy_params.decay",
-                                   "decay %g is outside [0, 1]", decay);
+    double decay = qm__policy_param(params, &qm__policy_lfu_desc, "decay");
     lfu_ctx *lfu = qm_calloc(1, sizeof *lfu);
     if (!lfu) return qm_status_set(st, QM_ENOMEM, "out of memory creating policy 'lfu'");
     lfu->decay = decay;
@@ -117,3 +119,13 @@ int qm__policy_lfu_new(const qm_policy_params *params, qm_policy *out, qm_status
     out->ctx = lfu;
     return 0;
 }
+
+const qm__policy_desc qm__policy_lfu_desc = {
+    .version = QM_POLICY_DESC_VERSION,
+    .name = "lfu",
+    .summary = "pages every expert; evicts the least frequently used, counts aged by decay",
+    .offered = 1,
+    .params = lfu_params,
+    .n_params = sizeof lfu_params / sizeof lfu_params[0],
+    .create = lfu_new,
+};

@@ -1,6 +1,7 @@
 /* qm_policy_lru.c - lru (evict the least recently used) and static_hot (pin
  * the hottest experts of a profile, page the rest under LRU). */
 #include "qm_residency.h"
+#include "qm_policy_impl.h"
 #include "qm_residency_impl.h"
 
 #include <math.h>
@@ -81,14 +82,23 @@ static const qm_policy_iface lru_iface = {
     .destroy = lru_destroy,
 };
 
-int qm__policy_lru_new(qm_policy *out, qm_status *st)
+static int lru_new(const qm_policy_params *params, qm_policy *out, qm_status *st)
 {
+    (void)params;
     lru_ctx *lru = qm_calloc(1, sizeof *lru);
     if (!lru) return qm_status_set(st, QM_ENOMEM, "out of memory creating policy 'lru'");
     out->iface = &lru_iface;
     out->ctx = lru;
     return 0;
 }
+
+const qm__policy_desc qm__policy_lru_desc = {
+    .version = QM_POLICY_DESC_VERSION,
+    .name = "lru",
+    .summary = "pages every expert; evicts the least recently used",
+    .offered = 1,
+    .create = lru_new,
+};
 
 /* ---- static_hot ---------------------------------------------------------- */
 
@@ -171,15 +181,15 @@ static const qm_policy_iface static_hot_iface = {
     .destroy = static_hot_destroy,
 };
 
-int qm__policy_static_hot_new(const qm_policy_params *params, qm_policy *out, qm_status *st)
+static const qm_policy_param_spec static_hot_params[] = {
+    {.name = "pin_fraction", .min = 0.0, .max = 1.0, .def = QM_POLICY_DEFAULT_PIN_FRACTION,
+     .doc = "share of the budget for pins, split evenly between banks with a hot list"},
+};
+
+static int static_hot_new(const qm_policy_params *params, qm_policy *out, qm_status *st)
 {
-    double fraction = QM_POLICY_DEFAULT_PIN_FRACTION;
-    if (params && (params->has_pin_fraction || params->pin_fraction > 0))
-        fraction = params->pin_fraction;
-    if (!(fraction >= 0.0 && fraction <= 1.0)) /* also rejects NaN */
-        return qm_status_set_field(st, QM_EINVAL, "policy_params.pin_fraction",
-                                   "pin_fraction %g is outside [0, 1]", fraction);
-    size_t n_banks = params && params->hot && params->hot_len ? params->n_hot_banks : 0;
+    double fraction = qm__policy_param(params, &qm__policy_static_hot_desc, "pin_fraction");
+    size_t n_banks = params->hot && params->hot_len ? params->n_hot_banks : 0;
     static_hot_ctx *sh = qm_calloc(1, sizeof *sh);
     if (!sh) goto fail_ctx;
     sh->pin_fraction = fraction;
@@ -208,3 +218,15 @@ fail_copy:
 fail_ctx:
     return qm_status_set(st, QM_ENOMEM, "out of memory creating policy 'static_hot'");
 }
+
+const qm__policy_desc qm__policy_static_hot_desc = {
+    .version = QM_POLICY_DESC_VERSION,
+    .name = "static_hot",
+    .summary = "pins the hottest experts (policy_params.hot or the saved profile) up to "
+               "pin_fraction of the budget; pages the rest under LRU",
+    .offered = 1,
+    .accepts_hot = 1,
+    .params = static_hot_params,
+    .n_params = sizeof static_hot_params / sizeof static_hot_params[0],
+    .create = static_hot_new,
+};

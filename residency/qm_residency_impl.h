@@ -1,6 +1,6 @@
-/* qm_residency_impl.h - private to residency/: the shipped policies'
- * constructors and the (bank, expert) -> history map their run-time hooks
- * share. Not installed, not included outside this folder. */
+/* qm_residency_impl.h - private to residency/: the (bank, expert) ->
+ * history map the shipped policies' run-time hooks share, and their helpers
+ * (the plug-in interface itself is qm_policy_impl.h). Not installed, not included outside this folder. */
 #ifndef QM_RESIDENCY_IMPL_H
 #define QM_RESIDENCY_IMPL_H
 
@@ -8,6 +8,7 @@
 #include <stdint.h>
 
 #include "qm_residency.h"
+#include "qm_policy_impl.h"
 
 /* The catalog's reason, set or computed, with a detail for computed ones
  * ("expert 3 has no region"). */
@@ -57,12 +58,7 @@ qm__ref_entry *qm__ref_map_find(const qm__ref_map *map, uint64_t key);
 qm__ref_entry *qm__ref_map_upsert(qm__ref_map *map, uint64_t key);
 void qm__ref_map_free(qm__ref_map *map);
 
-/* ---- Shipped policies (qm_policy_new dispatches here) -------------------- */
-
-int qm__policy_whole_bank_new(qm_policy *out, qm_status *st);
-int qm__policy_lru_new(qm_policy *out, qm_status *st);
-int qm__policy_lfu_new(const qm_policy_params *params, qm_policy *out, qm_status *st);
-int qm__policy_static_hot_new(const qm_policy_params *params, qm_policy *out, qm_status *st);
+/* ---- Helpers of the shipped policies ------------------------------------- */
 
 /* Shared by the splitting policies: a per-expert decision listing every
  * expert of a pageable bank (whole-bank for a non-pageable one, so the

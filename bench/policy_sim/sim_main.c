@@ -132,16 +132,13 @@ static int new_policy(const char *name, const sim_trace *tr, uint32_t t0, uint32
         free(fut);
         return rc;
     }
-    qm_policy_params pp = {0};
-    if (!strcmp(name, "lfu") && g_opts->lfu_decay >= 0) {
-        pp.has_decay = 1;
-        pp.decay = g_opts->lfu_decay;
-    }
+    qm_policy_value vals[1];
+    qm_policy_params pp = {.version = QM_POLICY_PARAMS_VERSION, .values = vals};
+    if (!strcmp(name, "lfu") && g_opts->lfu_decay >= 0)
+        vals[pp.n_values++] = (qm_policy_value){"decay", g_opts->lfu_decay};
     if (!strcmp(name, "static_hot")) {
-        if (g_opts->pin_fraction >= 0) {
-            pp.has_pin_fraction = 1;
-            pp.pin_fraction = g_opts->pin_fraction;
-        }
+        if (g_opts->pin_fraction >= 0)
+            vals[pp.n_values++] = (qm_policy_value){"pin_fraction", g_opts->pin_fraction};
         pp.hot = (const uint32_t *const *)hot->hot;
         pp.hot_len = hot->len;
         pp.n_hot_banks = tr->layers;

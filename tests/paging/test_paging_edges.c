@@ -7,6 +7,7 @@
 #include <unistd.h>
 
 #include "paging_helpers.h"
+#include "qm_policy_impl.h"
 #include "sim.h"
 
 /* ---- Hostile policy -------------------------------------------------------------------- */

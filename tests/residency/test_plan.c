@@ -304,15 +304,37 @@ START_TEST(test_policy_registry_rejects_unknown_names_and_bad_params)
     qm_status_clear(&st);
     ck_assert_int_eq(qm_policy_new("mru", NULL, &pol, &st), QM_EINVAL);
     ck_assert_ptr_nonnull(strstr(st.msg, "whole_bank, static_hot, lru, lfu"));
+    ck_assert_ptr_null(strstr(st.msg, "belady")); /* not offered */
     ck_assert_str_eq(st.field, "policy");
     ck_assert_ptr_null(pol.iface);
     ck_assert_int_eq(qm_policy_new("belady", NULL, &pol, &st), QM_EINVAL);
-    qm_policy_params params = {.has_decay = 1, .decay = 1.5};
+    qm_policy_value v = {"decay", 1.5};
+    qm_policy_params params = {.version = QM_POLICY_PARAMS_VERSION, .values = &v, .n_values = 1};
     ck_assert_int_eq(qm_policy_new("lfu", &params, &pol, &st), QM_EINVAL);
     ck_assert_str_eq(st.field, "policy_params.decay");
-    params = (qm_policy_params){.has_pin_fraction = 1, .pin_fraction = -0.1};
+    v = (qm_policy_value){"pin_fraction", -0.1};
     ck_assert_int_eq(qm_policy_new("static_hot", &params, &pol, &st), QM_EINVAL);
     ck_assert_str_eq(st.field, "policy_params.pin_fraction");
+    /* A knob the policy does not declare, named with who takes it. */
+    ck_assert_int_eq(qm_policy_new("lru", &params, &pol, &st), QM_EINVAL);
+    ck_assert_str_eq(st.field, "policy_params.pin_fraction");
+    ck_assert_ptr_nonnull(strstr(st.msg, "applies to policy static_hot only"));
+    v = (qm_policy_value){"decay", 0.5};
+    params.version = 1; /* the unversioned layout */
+    ck_assert_int_eq(qm_policy_new("lfu", &params, &pol, &st), QM_EINVAL);
+    ck_assert_str_eq(st.field, "policy_params");
+    params.version = QM_POLICY_PARAMS_VERSION;
+    qm_policy_value twice[] = {{"decay", 0.5}, {"decay", 0.6}};
+    params.values = twice;
+    params.n_values = 2;
+    ck_assert_int_eq(qm_policy_new("lfu", &params, &pol, &st), QM_EINVAL);
+    ck_assert_str_eq(st.field, "policy_params.decay");
+    /* The daemon's checks: offered names only. */
+    ck_assert_int_eq(qm_policy_params_check("belady", NULL, &st), QM_EINVAL);
+    ck_assert_str_eq(st.field, "policy");
+    ck_assert_int_eq(qm_policy_params_check("lfu", &params, &st), QM_EINVAL);
+    params.n_values = 1;
+    ck_assert_int_eq(qm_policy_params_check("lfu", &params, &st), 0);
     ck_assert_int_eq(qm_policy_new(NULL, NULL, &pol, &st), 0); /* default */
     ck_assert_str_eq(pol.iface->name, "whole_bank");
     qm_policy_destroy(&pol);
@@ -460,7 +482,7 @@ START_TEST(test_plan_json_has_the_protocol_shape)
     const uint32_t hot0[] = {3, 1, 3, 99};
     const uint32_t *hot[] = {hot0};
     const size_t hot_len[] = {4};
-    qm_policy_params params = {.hot = hot, .hot_len = hot_len, .n_hot_banks = 1};
+    qm_policy_params params = {.version = QM_POLICY_PARAMS_VERSION, .hot = hot, .hot_len = hot_len, .n_hot_banks = 1};
     qm_policy pol;
     ck_assert_int_eq(qm_policy_new("static_hot", &params, &pol, NULL), 0);
     qm_plan_options opt = {.has_budget = 1, .budget_bytes = 1000};

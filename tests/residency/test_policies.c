@@ -119,7 +119,8 @@ END_TEST
 
 START_TEST(test_lfu_evicts_the_least_frequently_used)
 {
-    qm_policy_params p = {.has_decay = 1, .decay = 1.0};
+    qm_policy_value p_v = {"decay", 1.0};
+    qm_policy_params p = {.version = QM_POLICY_PARAMS_VERSION, .values = &p_v, .n_values = 1};
     qm_policy pol = make("lfu", &p);
     qm_expert_ref a = REF(0, 0), b = REF(0, 1), c = REF(0, 2);
     const qm_expert_ref seq[] = {a, b, c, a, c, a};
@@ -137,7 +138,8 @@ START_TEST(test_lfu_decay_lets_stale_popularity_fade)
 {
     qm_expert_ref a = REF(0, 0), b = REF(0, 1);
     for (int aging = 0; aging < 2; aging++) {
-        qm_policy_params p = {.has_decay = 1, .decay = aging ? 0.5 : 1.0};
+        qm_policy_value p_v = {"decay", aging ? 0.5 : 1.0};
+        qm_policy_params p = {.version = QM_POLICY_PARAMS_VERSION, .values = &p_v, .n_values = 1};
         qm_policy pol = make("lfu", &p);
         uint64_t t = 0;
         for (int i = 0; i < 10; i++) /* a was popular ... */
@@ -155,7 +157,8 @@ END_TEST
 
 START_TEST(test_lfu_ages_by_accesses_to_the_same_bank_only)
 {
-    qm_policy_params p = {.has_decay = 1, .decay = 0.9};
+    qm_policy_value p_v = {"decay", 0.9};
+    qm_policy_params p = {.version = QM_POLICY_PARAMS_VERSION, .values = &p_v, .n_values = 1};
     qm_policy pol = make("lfu", &p);
     qm_expert_ref a = REF(0, 0), c = REF(1, 0), d = REF(1, 1);
     uint64_t t = 0;
@@ -175,7 +178,9 @@ END_TEST
 
 START_TEST(test_lfu_breaks_ties_by_recency)
 {
-    qm_policy_params p = {.has_decay = 1, .decay = 0.0}; /* only the latest access counts */
+    qm_policy_value p_v = {"decay", 0.0};
+    /* only the latest access counts */
+    qm_policy_params p = {.version = QM_POLICY_PARAMS_VERSION, .values = &p_v, .n_values = 1};
     qm_policy pol = make("lfu", &p);
     qm_policy_on_access(&pol, REF(0, 0), 0, 0);
     qm_policy_on_access(&pol, REF(0, 1), 1, 0);
@@ -205,7 +210,8 @@ START_TEST(test_static_hot_pins_the_hottest_up_to_pin_fraction_of_the_budget)
     static const uint32_t hot0[] = {7, 6, 5, 4, 3, 2, 1};
     const uint32_t *hot[] = {hot0};
     const size_t hot_len[] = {7};
-    qm_policy_params p = {.hot = hot, .hot_len = hot_len, .n_hot_banks = 1};
+    qm_policy_params p = {.version = QM_POLICY_PARAMS_VERSION, .hot = hot, .hot_len = hot_len,
+                          .n_hot_banks = 1};
     qm_policy pol = make("static_hot", &p);
     qm_residency_plan *plan = NULL;
     /* Default pin_fraction 0.5 of 1000 B: five 100 B experts, hottest first. */
@@ -220,8 +226,9 @@ START_TEST(test_static_hot_pins_the_hottest_up_to_pin_fraction_of_the_budget)
     qm_plan_free(plan);
     qm_policy_destroy(&pol);
 
-    p.has_pin_fraction = 1;
-    p.pin_fraction = 0.25; /* 250 B: two experts */
+    qm_policy_value quarter = {"pin_fraction", 0.25}; /* 250 B: two experts */
+    p.values = &quarter;
+    p.n_values = 1;
     pol = make("static_hot", &p);
     b = plan_one(&pol, cats, 2, 1000, &plan);
     ck_assert_uint_eq(b->decision.n_pinned, 2);
@@ -230,7 +237,8 @@ START_TEST(test_static_hot_pins_the_hottest_up_to_pin_fraction_of_the_budget)
     qm_plan_free(plan);
     qm_policy_destroy(&pol);
 
-    p.pin_fraction = 0.0; /* explicitly nothing */
+    qm_policy_value nothing = {"pin_fraction", 0.0}; /* given as 0: pins nothing */
+    p.values = &nothing;
     pol = make("static_hot", &p);
     b = plan_one(&pol, cats, 2, 1000, &plan);
     ck_assert_uint_eq(b->decision.n_pinned, 0);
@@ -247,7 +255,8 @@ START_TEST(test_static_hot_shares_the_pin_budget_between_listed_banks)
     static const uint32_t hot0[] = {0, 1, 2, 3}, hot1[] = {9, 4, 4, 5, 6}; /* 9: no such expert */
     const uint32_t *hot[] = {hot0, hot1};
     const size_t hot_len[] = {4, 5};
-    qm_policy_params p = {.hot = hot, .hot_len = hot_len, .n_hot_banks = 2};
+    qm_policy_params p = {.version = QM_POLICY_PARAMS_VERSION, .hot = hot, .hot_len = hot_len,
+                          .n_hot_banks = 2};
     qm_policy pol = make("static_hot", &p);
     qm_residency_plan *plan = NULL;
     plan_one(&pol, cats, 2, 1000, &plan); /* 500 B for pins: 250 B = 2 experts per bank */
