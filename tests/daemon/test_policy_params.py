@@ -1,0 +1,64 @@
+"""policy_params over the wire: each policy's knobs reach it as given.
+
+A real qmoed on a temp socket; the policies' parameters are declared by the
+policies themselves (residency registry), so a knob given as 0 must arrive
+as 0, not as "absent, use the default".
+"""
+import os
+import tempfile
+
+import pytest
+
+from qmoed_harness import Daemon, make_bank
+
+
+@pytest.fixture(scope="module")
+def daemon():
+    d = tempfile.mkdtemp(prefix="qmoed-params-")
+    dm = Daemon(models={"small": make_bank(os.path.join(d, "small.bank"))})
+    yield dm
+    assert dm.stop() == 0, dm.log_text()
+
+
+HOT = [{"layer": 0, "experts": [3, 1, 5]}, {"layer": 1, "experts": [2, 0]}]
+
+
+def plan_of(c, policy_params, policy="static_hot"):
+    bpe = c.call("model.list")["models"][0]["bytes_per_expert"]
+    sid = c.call("session.create", {"model": "small", "policy": policy, "budget_bytes": 12 * bpe,
+                                    "policy_params": policy_params})["session"]
+    plan = c.call("session.plan", {"session": sid})
+    c.call("session.close", {"session": sid})
+    return plan
+
+
+def test_pin_fraction_zero_pins_nothing(daemon):
+    c = daemon.client()
+    plan = plan_of(c, {"hot": HOT, "pin_fraction": 0})
+    assert plan["policy"] == "static_hot"
+    assert [b["decision"] for b in plan["banks"]] == ["per_expert_candidate"] * 2, plan
+    assert all(not b.get("pinned") for b in plan["banks"]), plan
+
+
+def test_pin_fraction_absent_takes_the_default_and_pins(daemon):
+    # Default 0.5 of 12 experts' bytes over 2 listed banks: 3 per bank,
+    # capped by the lists (3 and 2). The control for the test above.
+    c = daemon.client()
+    plan = plan_of(c, {"hot": HOT})
+    assert [b.get("pinned", []) for b in plan["banks"]] == [[1, 3, 5], [0, 2]], plan
+
+
+def test_a_knob_of_another_policy_is_refused_naming_it(daemon):
+    c = daemon.client()
+    r = c.request("session.create", {"model": "small", "policy": "lru",
+                                     "policy_params": {"pin_fraction": 0}})
+    e = r["error"]
+    assert e["code"] == -32602 and e["data"]["field"] == "policy_params.pin_fraction", e
+    assert "applies to policy static_hot only" in e["data"]["reason"], e
+    r = c.request("session.create", {"model": "small", "policy": "lfu",
+                                     "policy_params": {"decay": 1.5}})
+    assert r["error"]["data"]["field"] == "policy_params.decay", r
+    r = c.request("session.create", {"model": "small", "policy": "lfu",
+                                     "policy_params": {"decy": 0.5}})
+    e = r["error"]
+    assert e["data"]["field"] == "policy_params.decy" and "decay" in e["data"]["reason"], e
