@@ -85,6 +85,9 @@ extern const qm__policy_desc qm__policy_whole_bank_desc;
 extern const qm__policy_desc qm__policy_static_hot_desc;
 extern const qm__policy_desc qm__policy_lru_desc;
 extern const qm__policy_desc qm__policy_lfu_desc;
+extern const qm__policy_desc qm__policy_arc_desc;
+extern const qm__policy_desc qm__policy_layered_lru_desc;
+extern const qm__policy_desc qm__policy_next_use_desc;
 extern const qm__policy_desc qm__policy_belady_desc;
 
 /* The value of parameter `name` of the policy being built: the given one,

@@ -12,7 +12,8 @@
 /* Order is the order policies are listed in (help, error messages). */
 static const qm__policy_desc *const registry[] = {
     &qm__policy_whole_bank_desc, &qm__policy_static_hot_desc, &qm__policy_lru_desc,
-    &qm__policy_lfu_desc,        &qm__policy_belady_desc,
+    &qm__policy_lfu_desc,        &qm__policy_arc_desc,        &qm__policy_layered_lru_desc,
+    &qm__policy_next_use_desc,   &qm__policy_belady_desc,
 };
 #define N_POLICIES (sizeof registry / sizeof registry[0])
 

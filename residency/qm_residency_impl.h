@@ -25,6 +25,7 @@ typedef struct qm__ref_entry {
     uint64_t last_tick;
     uint64_t clock;
     double count;
+    uint64_t visit; /* layer-aware policies: its bank's visit number at its latest use */
     int used;
 } qm__ref_entry;
 
@@ -69,5 +70,41 @@ int qm__decide_split_all(const qm_policy_input *in, uint32_t **scratch, size_t *
 /* Reserves history for a bank's experts so run-time hooks rarely allocate;
  * best effort (a failure only means the hooks allocate later). */
 void qm__ref_map_reserve_bank(qm__ref_map *map, const qm_policy_input *in);
+
+/* ---- Layer phase: when is a bank next visited? -------------------------- */
+
+/* MoE routing visits the banks in a cycle (layer 0..L-1, then the next
+ * token). The clock learns each bank's visit period from its own history
+ * (per bank in the map, qm__bank_key: clock = visits so far, last_tick =
+ * tick the latest visit started, count = smoothed ticks between visits), so
+ * no visiting order is assumed. A visit starts when an access goes to
+ * another bank than the one before. */
+typedef struct qm__layer_clock {
+    uint64_t now;      /* tick of the latest access */
+    uint32_t cur_bank; /* the bank being visited */
+    int has_cur;
+    double period_all; /* smoothed period over every bank: for a bank seen once */
+} qm__layer_clock;
+
+/* Notes an access to `bank` at `tick`; returns the bank's visit number (0
+ * when its entry cannot be kept: no memory). */
+uint64_t qm__layer_clock_access(qm__layer_clock *lc, qm__ref_map *map, uint32_t bank,
+                                uint64_t tick);
+
+typedef struct qm__bank_phase {
+    double until;    /* ticks until the bank's next visit (>= 0) */
+    double period;   /* ticks between its visits (> 0) */
+    uint64_t visits; /* its visits so far */
+    int current;     /* it is the bank being visited */
+} qm__bank_phase;
+
+void qm__layer_clock_phase(const qm__layer_clock *lc, const qm__ref_map *map, uint32_t bank,
+                           qm__bank_phase *out);
+/* Visits of the bank an expert last used at visit `visit` has had since
+ * without it (the visit in progress not counted). */
+uint64_t qm__visits_since(const qm__bank_phase *ph, uint64_t visit);
+/* Layered-LRU's estimate of the ticks until that expert is used again:
+ * until + period * visits_since (recency counted in its own bank's visits). */
+double qm__layered_next_use(const qm__bank_phase *ph, uint64_t visit);
 
 #endif

@@ -160,9 +160,9 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
         qm_plan_free(plan);
     }
 
-    const char *names[] = {"whole_bank", "lru", "lfu", "static_hot"};
+    const char *names[] = {"whole_bank", "lru", "lfu", "static_hot", "arc", "layered_lru", "next_use"};
     qm_policy_value pin = {"pin_fraction", (flags >> 4) / 15.0};
-    for (size_t k = 0; k < 4; k++) {
+    for (size_t k = 0; k < sizeof names / sizeof names[0]; k++) {
         qm_policy shipped;
         int hot_ok = qm_policy_accepts_hot(names[k]);
         qm_policy_params params = {.version = QM_POLICY_PARAMS_VERSION,

@@ -365,12 +365,79 @@ START_TEST(test_hooks_default_when_a_policy_has_none)
 }
 END_TEST
 
+/* ---- arc, layered_lru, next_use ------------------------------------------------ */
+
+START_TEST(test_arc_keeps_a_reused_expert_through_a_scan_that_flushes_lru)
+{
+    /* A is used twice (T2), then a scan of once-used experts passes through
+     * a cache of 3: LRU loses A, ARC evicts from T1 and keeps it. */
+    const qm_expert_ref trace[] = {REF(0, 0), REF(0, 0), REF(0, 1), REF(0, 2), REF(0, 3),
+                                   REF(0, 4), REF(0, 5), REF(0, 0)};
+    size_t n = sizeof trace / sizeof trace[0];
+    qm_policy lru = make("lru", NULL), arc = make("arc", NULL);
+    ck_assert_uint_eq(simulate(&lru, trace, n, 3), 7);
+    ck_assert_uint_eq(simulate(&arc, trace, n, 3), 6); /* the last A hits */
+    qm_policy_destroy(&lru);
+    qm_policy_destroy(&arc);
+}
+END_TEST
+
+START_TEST(test_layered_policies_survive_the_cycle_that_takes_lru_to_zero)
+{
+    /* Four layers with one expert each, visited in turn, a cache of 3:
+     * LRU always evicts the layer visited next; the layer-aware policies
+     * evict the layer just visited and stay near Belady (16 misses). */
+    qm_expert_ref trace[40];
+    for (size_t t = 0; t < 40; t++)
+        trace[t] = REF((uint32_t)(t % 4), 0);
+    const char *names[] = {"layered_lru", "next_use", "arc"};
+    qm_policy lru = make("lru", NULL), bel;
+    ck_assert_uint_eq(simulate(&lru, trace, 40, 3), 40);
+    qm_policy_destroy(&lru);
+    qm_status st;
+    ck_assert_int_eq(qm_policy_belady_new(trace, 40, &bel, &st), 0);
+    size_t optimum = simulate(&bel, trace, 40, 3);
+    qm_policy_destroy(&bel);
+    for (size_t i = 0; i < 3; i++) {
+        qm_policy pol = make(names[i], NULL);
+        size_t misses = simulate(&pol, trace, 40, 3);
+        /* arc spends some slots on its T1/T2 balance: a looser bound. */
+        size_t bound = i < 2 ? optimum + 3 : 30;
+        ck_assert_msg(misses <= bound, "%s: %zu misses of 40, Belady %zu", names[i], misses,
+                      optimum);
+        qm_policy_destroy(&pol);
+    }
+}
+END_TEST
+
+START_TEST(test_next_use_keeps_the_frequent_expert_of_a_layer)
+{
+    /* Layers 0 and 1 in turn; layer 0 uses expert 0 every visit, expert 1 at
+     * one early visit. At equal phase the rarely used one goes. */
+    qm_policy pol = make("next_use", NULL);
+    uint64_t t = 0;
+    for (int v = 0; v < 12; v++) {
+        qm_policy_on_access(&pol, REF(0, 0), t++, 1);
+        if (v == 2) qm_policy_on_access(&pol, REF(0, 1), t++, 1);
+        qm_policy_on_access(&pol, REF(1, 0), t++, 1);
+    }
+    const qm_expert_ref cands[] = {REF(0, 1), REF(0, 0)};
+    ck_assert_uint_eq(victim_of(&pol, cands, 2), 0);
+    const qm_expert_ref swapped[] = {REF(0, 0), REF(0, 1)};
+    ck_assert_uint_eq(victim_of(&pol, swapped, 2), 1);
+    /* Never used beats everything. */
+    const qm_expert_ref with_new[] = {REF(0, 0), REF(1, 7), REF(0, 1)};
+    ck_assert_uint_eq(victim_of(&pol, with_new, 3), 1);
+    qm_policy_destroy(&pol);
+}
+END_TEST
+
 START_TEST(test_run_time_hooks_are_cheap_per_miss)
 {
     /* 64 layers x 128 experts; 200k accesses, a victim chosen among 64
      * candidates every 4th access. Linear in candidates, O(1) per access. */
-    const char *names[] = {"lru", "lfu", "static_hot"};
-    for (size_t k = 0; k < 3; k++) {
+    const char *names[] = {"lru", "lfu", "static_hot", "arc", "layered_lru", "next_use"};
+    for (size_t k = 0; k < sizeof names / sizeof names[0]; k++) {
         qm_policy pol = make(names[k], NULL);
         uint64_t r = 1;
         qm_expert_ref cands[64];
@@ -383,7 +450,9 @@ START_TEST(test_run_time_hooks_are_cheap_per_miss)
                     cands[i] = REF(ref.bank, (uint32_t)((ref.expert + i) % 128));
                 size_t v;
                 ck_assert_int_eq(qm_policy_choose_victim(&pol, cands, 64, &v), 0);
+                qm_policy_on_evict(&pol, cands[v]);
             }
+            qm_policy_on_insert(&pol, ref, t);
         }
         double s = (double)(clock() - start) / CLOCKS_PER_SEC;
         ck_assert_msg(s < 20.0, "%s: %.2f s for 200k accesses", names[k], s);
@@ -413,6 +482,11 @@ static Suite *policies_suite(void)
     c = tcase_create("belady");
     tcase_add_test(c, test_belady_picks_the_candidate_used_furthest_in_the_future);
     tcase_add_test(c, test_belady_matches_a_brute_force_optimum_on_tiny_traces);
+    suite_add_tcase(s, c);
+    c = tcase_create("adaptive_and_layered");
+    tcase_add_test(c, test_arc_keeps_a_reused_expert_through_a_scan_that_flushes_lru);
+    tcase_add_test(c, test_layered_policies_survive_the_cycle_that_takes_lru_to_zero);
+    tcase_add_test(c, test_next_use_keeps_the_frequent_expert_of_a_layer);
     suite_add_tcase(s, c);
     c = tcase_create("seam");
     tcase_set_timeout(c, 60);

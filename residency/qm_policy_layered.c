@@ -1,0 +1,204 @@
+/* qm_policy_layered.c - layer-aware policies: layered_lru and next_use.
+ *
+ * MoE routing visits the banks (layers) in a cycle: layer 0, 1, ..., L-1,
+ * then the next token. A global LRU ranks by raw recency, so at the moment
+ * layer l misses it evicts the experts of layer l+1, used longest ago and
+ * needed next: the cyclic pattern that sends LRU to 0% once the budget holds
+ * less than one token's experts. Both policies rank candidates by the layer
+ * phase (ticks until their bank's next visit, learnt per bank by
+ * qm__layer_clock, no visiting order assumed) and evict the one that is
+ * expected to wait longest for a hit:
+ *   layered_lru: until + period * visits_since, LRU's guess of the next use
+ *                with recency counted in visits of the expert's own bank
+ *                (the Layered-LRU idea of Angelopoulos et al., arXiv
+ *                2509.02408): an expert of the layer just visited goes
+ *                before an equally recent one of the layer visited next.
+ *   next_use:    (until + period / 20) / p, slot time per expected hit,
+ *                p = the chance of a use at a visit of its bank: a decayed
+ *                per-visit frequency with `recency` of the mass on "used at
+ *                the bank's last visit".
+ * Ties go to the least recent. Hooks are O(1) expected, choose_victim
+ * O(n candidates). */
+#include "qm_residency.h"
+#include "qm_policy_impl.h"
+#include "qm_residency_impl.h"
+
+#include <math.h>
+
+#include "qm_alloc.h"
+
+/* Per expert (qm__ref_key): last_tick = 1 + tick of its latest access;
+ * visit = its bank's visit number then; count = its decayed uses per visit
+ * (next_use). Per bank: the layer clock's entries (qm__layer_clock). */
+typedef struct layered_ctx {
+    qm__ref_map history;
+    qm__layer_clock clock;
+    int use_frequency; /* 0: layered_lru, 1: next_use */
+    double decay;      /* next_use: weight kept per visit of the bank */
+    double recency;    /* next_use: probability mass given to "used at the last visit" */
+    uint32_t *experts;
+    size_t experts_cap;
+} layered_ctx;
+
+static int layered_decide(void *ctx, const qm_policy_input *in, qm_residency_decision *out)
+{
+    layered_ctx *lc = ctx;
+    int rc = qm__decide_split_all(in, &lc->experts, &lc->experts_cap, out);
+    if (rc == 0 && out->kind == QM_DECISION_PER_EXPERT) qm__ref_map_reserve_bank(&lc->history, in);
+    return rc;
+}
+
+static double aged(const layered_ctx *lc, const qm__ref_entry *e, uint64_t bank_visits)
+{
+    if (bank_visits <= e->visit || lc->decay == 1.0) return e->count;
+    if (lc->decay == 0.0) return 0.0;
+    return e->count * pow(lc->decay, (double)(bank_visits - e->visit));
+}
+
+static void layered_on_access(void *ctx, qm_expert_ref ref, uint64_t tick, int hit)
+{
+    (void)hit;
+    layered_ctx *lc = ctx;
+    uint64_t visits = qm__layer_clock_access(&lc->clock, &lc->history, ref.bank, tick);
+    qm__ref_entry *e = qm__ref_map_upsert(&lc->history, qm__ref_key(ref));
+    if (!e) return; /* no memory: this expert just looks colder than it is */
+    if (e->last_tick == 0 || e->visit != visits) /* once per visit: a batch counts as one use */
+        e->count = aged(lc, e, visits) + 1.0;
+    e->visit = visits;
+    e->last_tick = tick == UINT64_MAX ? tick : tick + 1;
+}
+
+/* Prefetched or preloaded: resident but not used yet; recency only. */
+static void layered_on_insert(void *ctx, qm_expert_ref ref, uint64_t tick)
+{
+    layered_ctx *lc = ctx;
+    qm__ref_entry *e = qm__ref_map_upsert(&lc->history, qm__ref_key(ref));
+    if (e && e->last_tick == 0) e->last_tick = tick == UINT64_MAX ? tick : tick + 1;
+}
+
+/* How long keeping the expert is expected to wait for a hit: larger = the
+ * better victim. */
+static double wait_of(const layered_ctx *lc, const qm__ref_entry *e, const qm__bank_phase *ph)
+{
+    if (!e || e->visit == 0) return INFINITY; /* never used: nothing says it is needed */
+    if (!lc->use_frequency) return qm__layered_next_use(ph, e->visit);
+    /* p: chance of a use at a visit of its bank. A decayed frequency (its
+     * steady state is the per-visit frequency), with `recency` of the mass
+     * on whether it was used at the bank's last visit. */
+    double f = lc->decay < 1.0 ? aged(lc, e, ph->visits) * (1.0 - lc->decay)
+                               : e->count / (double)(ph->visits ? ph->visits : 1);
+    if (f > 1.0) f = 1.0;
+    double p = (1.0 - lc->recency) * f + (qm__visits_since(ph, e->visit) == 0 ? lc->recency : 0.0);
+    if (!(p > 0)) return INFINITY;
+    /* Slot time per expected hit: the ticks until its bank's next visit
+     * (plus a little, so a bank visited next still weighs its p) over p. */
+    return (ph->until + 0.05 * ph->period) / p;
+}
+
+static int layered_choose_victim(void *ctx, const qm_expert_ref *candidates, size_t n,
+                                 size_t *victim)
+{
+    layered_ctx *lc = ctx;
+    size_t best = 0;
+    double best_wait = -1.0;
+    uint64_t best_tick = UINT64_MAX;
+    qm__bank_phase ph = {0};
+    for (size_t i = 0; i < n; i++) {
+        /* Candidates mostly share a bank: look its phase up only on a change. */
+        if (i == 0 || candidates[i].bank != candidates[i - 1].bank)
+            qm__layer_clock_phase(&lc->clock, &lc->history, candidates[i].bank, &ph);
+        const qm__ref_entry *e = qm__ref_map_find(&lc->history, qm__ref_key(candidates[i]));
+        double wait = wait_of(lc, e, &ph);
+        uint64_t tick = e ? e->last_tick : 0;
+        /* Equal estimates: the least recent goes first. */
+        if (wait > best_wait || (wait == best_wait && tick < best_tick)) {
+            best_wait = wait;
+            best_tick = tick;
+            best = i;
+        }
+    }
+    *victim = best;
+    return 0;
+}
+
+static void layered_destroy(void *ctx)
+{
+    layered_ctx *lc = ctx;
+    if (!lc) return;
+    qm__ref_map_free(&lc->history);
+    qm_free(lc->experts);
+    qm_free(lc);
+}
+
+static const qm_policy_iface layered_lru_iface = {
+    .version = QM_POLICY_IFACE_VERSION,
+    .name = "layered_lru",
+    .decide = layered_decide,
+    .on_access = layered_on_access,
+    .on_insert = layered_on_insert,
+    .choose_victim = layered_choose_victim,
+    .destroy = layered_destroy,
+};
+
+static const qm_policy_iface next_use_iface = {
+    .version = QM_POLICY_IFACE_VERSION,
+    .name = "next_use",
+    .decide = layered_decide,
+    .on_access = layered_on_access,
+    .on_insert = layered_on_insert,
+    .choose_victim = layered_choose_victim,
+    .destroy = layered_destroy,
+};
+
+static int layered_make(const qm_policy_iface *iface, double decay, double recency,
+                        qm_policy *out, qm_status *st)
+{
+    layered_ctx *lc = qm_calloc(1, sizeof *lc);
+    if (!lc) return qm_status_set(st, QM_ENOMEM, "out of memory creating policy '%s'", iface->name);
+    lc->use_frequency = iface == &next_use_iface;
+    lc->decay = decay;
+    lc->recency = recency;
+    out->iface = iface;
+    out->ctx = lc;
+    return 0;
+}
+
+static int layered_lru_new(const qm_policy_params *params, qm_policy *out, qm_status *st)
+{
+    (void)params;
+    return layered_make(&layered_lru_iface, 1.0, 0.0, out, st);
+}
+
+static const qm_policy_param_spec next_use_params[] = {
+    {.name = "decay", .min = 0.0, .max = 1.0, .def = QM_POLICY_NEXT_USE_DEFAULT_DECAY,
+     .doc = "weight a use keeps per later visit of its layer (memory ~1/(1-decay) visits)"},
+    {.name = "recency", .min = 0.0, .max = 1.0, .def = QM_POLICY_NEXT_USE_DEFAULT_RECENCY,
+     .doc = "share of the reuse estimate given to 'used at its layer's last visit'"},
+};
+
+static int next_use_new(const qm_policy_params *params, qm_policy *out, qm_status *st)
+{
+    const qm__policy_desc *d = &qm__policy_next_use_desc;
+    return layered_make(&next_use_iface, qm__policy_param(params, d, "decay"),
+                        qm__policy_param(params, d, "recency"), out, st);
+}
+
+const qm__policy_desc qm__policy_layered_lru_desc = {
+    .version = QM_POLICY_DESC_VERSION,
+    .name = "layered_lru",
+    .summary = "evicts the expert whose layer-aware LRU estimate of its next use is furthest "
+               "(recency counted in visits of its own layer)",
+    .offered = 1,
+    .create = layered_lru_new,
+};
+
+const qm__policy_desc qm__policy_next_use_desc = {
+    .version = QM_POLICY_DESC_VERSION,
+    .name = "next_use",
+    .summary = "evicts the expert whose estimated next use is furthest (its layer's next visit "
+               "plus a per-visit decayed frequency); recommended for paged sessions",
+    .offered = 1,
+    .params = next_use_params,
+    .n_params = sizeof next_use_params / sizeof next_use_params[0],
+    .create = next_use_new,
+};
