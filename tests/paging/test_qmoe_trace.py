@@ -107,3 +107,39 @@ def test_policy_sim_reads_the_tools_traces(tmp_path):
     a.write_bytes(a.read_bytes()[:-3])
     r = subprocess.run([sim, "--trace", str(a)], capture_output=True, text=True, timeout=60)
     assert r.returncode == 1 and "truncated" in r.stderr
+
+
+# ---- the realistic generator ------------------------------------------------
+
+
+def test_realistic_generator_matches_published_mixtral_routing_statistics():
+    # Mixtral-8x7B (8 experts, top-2, 32 layers): consecutive tokens keep the
+    # top-1 expert 22-27% of the time (chance 12.5%) and share >= 1 expert
+    # ~60%; popularity differs per layer and drifts.
+    for seed in (1, 2):
+        tr = qmoe_trace.generate_realistic(1500, 32, 8, 2, seed)
+        s = qmoe_trace.stats(tr)
+        assert 0.22 <= s["top1_reuse"] <= 0.27, s
+        assert s["chance_top1"] == 0.125
+        assert 0.55 <= s["share_any"] <= 0.65, s
+        assert s["layer_tv"] > 0.08, s  # layers prefer different experts
+        assert s["drift_tv"] > 0.02, s  # the first and second half differ
+        assert tr.meta["model"] == "realistic" and len(tr.meta["alpha"]) == 32
+
+
+def test_realistic_generator_knobs_move_the_statistics_and_seed_fixes_the_bytes(tmp_path):
+    none = qmoe_trace.stats(qmoe_trace.generate_realistic(800, 8, 8, 2, 3, reuse_top1=0.0,
+                                                          reuse_any=0.0, drift=0.0,
+                                                          topic_strength=0.0))
+    more = qmoe_trace.stats(qmoe_trace.generate_realistic(800, 8, 8, 2, 3, reuse_top1=0.6))
+    assert none["top1_reuse"] < 0.2 < 0.5 < more["top1_reuse"], (none, more)
+    a, b = tmp_path / "a", tmp_path / "b"
+    for p in (a, b):
+        r = run_tool("gen-real", "--out", str(p), "--tokens", "30", "--layers", "4", "--seed", "5")
+        assert r.returncode == 0, r.stderr
+    assert a.read_bytes() == b.read_bytes()
+    r = run_tool("stats", str(a))
+    assert r.returncode == 0 and set(json.loads(r.stdout)) >= {"top1_reuse", "share_any"}
+    r = run_tool("gen-real", "--out", str(a), "--reuse-top1", "1.5")
+    assert r.returncode == 2 and "reuse-top1" in r.stderr
+
