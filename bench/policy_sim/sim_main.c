@@ -268,9 +268,9 @@ static int prefetch_table(const char *label, const sim_trace *tr, const sim_opts
     if (make_hot(tr, tr->tokens / 2, &hot))
         return -1;
     uint64_t unit = (uint64_t)(o->expert_mib * 1048576.0);
-    const char *pols[] = {"lru", "lfu"};
+    const char *pols[] = {"lru", "lfu", "next_use"};
     const double fr[] = {0.25, 0.50};
-    for (int p = 0; p < 2; p++) {
+    for (int p = 0; p < 3; p++) {
         for (int b = 0; b < 2; b++) {
             uint32_t cap = cap_of(tr, fr[b]);
             sim_prefetch none = {0}, hist = {.history = 1, .seed = o->seed},

@@ -103,7 +103,7 @@ def test_policy_sim_reads_the_tools_traces(tmp_path):
     r = subprocess.run([sim, "--trace", str(a)], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     rows = [ln for ln in r.stdout.splitlines() if ln.startswith("| " + str(a))]
-    assert len(rows) == 4 + 4  # 4 budgets, then 2 policies x 2 budgets of prefetch
+    assert len(rows) == 4 + 6  # 4 budgets, then 3 policies x 2 budgets of prefetch
     a.write_bytes(a.read_bytes()[:-3])
     r = subprocess.run([sim, "--trace", str(a)], capture_output=True, text=True, timeout=60)
     assert r.returncode == 1 and "truncated" in r.stderr
