@@ -9,7 +9,7 @@ import tempfile
 
 import pytest
 
-from qmoed_harness import Daemon, make_bank
+from qmoed_harness import Daemon, make_bank, tensor
 
 
 @pytest.fixture(scope="module")
@@ -62,3 +62,49 @@ def test_a_knob_of_another_policy_is_refused_naming_it(daemon):
                                      "policy_params": {"decy": 0.5}})
     e = r["error"]
     assert e["data"]["field"] == "policy_params.decy" and "decay" in e["data"]["reason"], e
+
+
+def test_the_registry_s_new_policies_are_offered_with_their_knobs(daemon):
+    c = daemon.client()
+    for policy, params in (("arc", {}), ("layered_lru", {}),
+                           ("next_use", {"decay": 0.95, "recency": 0}),
+                           ("next_use", {})):
+        plan = plan_of(c, params, policy=policy)
+        assert plan["policy"] == policy
+        assert [b["decision"] for b in plan["banks"]] == ["per_expert_candidate"] * 2, plan
+    r = c.request("session.create", {"model": "small", "policy": "arc",
+                                     "policy_params": {"recency": 0.5}})
+    e = r["error"]
+    assert e["data"]["field"] == "policy_params.recency", e
+    assert "applies to policy next_use only" in e["data"]["reason"], e
+    r = c.request("session.create", {"model": "small", "policy": "next_use",
+                                     "policy_params": {"recency": 2}})
+    assert r["error"]["data"]["field"] == "policy_params.recency", r
+    r = c.request("session.create", {"model": "small", "policy": "lru",
+                                     "policy_params": {"decay": 0.5}})
+    assert "applies to policies lfu, next_use only" in r["error"]["data"]["reason"], r
+    r = c.request("session.create", {"model": "small", "policy": "fifo"})
+    assert "whole_bank, static_hot, lru, lfu, arc, layered_lru, next_use" in \
+        r["error"]["data"]["reason"], r
+
+
+def test_every_new_policy_gives_whole_bank_s_bits_at_small_budgets(daemon):
+    np = pytest.importorskip("numpy")
+    c = daemon.client()
+    bpe = c.call("model.list")["models"][0]["bytes_per_expert"]
+    rng = np.random.default_rng(5)
+    xs = [tensor(rng.standard_normal((T, 64)).astype(np.float32)) for T in (1, 3, 1, 5, 1, 2)]
+    outs = {}
+    for policy, budget in (("whole_bank", None), ("arc", 2), ("arc", 5), ("layered_lru", 2),
+                           ("layered_lru", 5), ("next_use", 2), ("next_use", 5)):
+        p = {"model": "small", "policy": policy}
+        if budget:
+            p["budget_bytes"] = budget * bpe
+        sid = c.call("session.create", p)["session"]
+        got = [c.call("session.infer", {"session": sid, "layer": i % 2, "hidden": x})
+               ["output"]["data"] for i, x in enumerate(xs)]
+        c.call("session.close", {"session": sid})
+        outs[(policy, budget)] = got
+    ref = outs.pop(("whole_bank", None))
+    for key, got in outs.items():
+        assert got == ref, key
