@@ -100,6 +100,32 @@ void qm__ref_map_reserve_bank(qm__ref_map *map, const qm_policy_input *in)
     (void)qm__ref_map_reserve(map, map->len + more);
 }
 
+int qm__split_decide(void *ctx, const qm_policy_input *in, qm_residency_decision *out)
+{
+    qm__split_base *base = ctx;
+    int rc = qm__decide_split_all(in, &base->experts, &base->experts_cap, out);
+    if (rc == 0 && out->kind == QM_DECISION_PER_EXPERT) qm__ref_map_reserve_bank(&base->history, in);
+    return rc;
+}
+
+void *qm__policy_alloc(const qm_policy_iface *iface, size_t size, qm_policy *out, qm_status *st)
+{
+    void *ctx = qm_calloc(1, size);
+    if (!ctx) {
+        qm_status_set(st, QM_ENOMEM, "out of memory creating policy '%s'", iface->name);
+        return NULL;
+    }
+    out->iface = iface;
+    out->ctx = ctx;
+    return ctx;
+}
+
+void qm__split_release(qm__split_base *base)
+{
+    qm__ref_map_free(&base->history);
+    qm_free(base->experts);
+}
+
 /* ---- whole_bank: the default; equal to having no residency machinery ----- */
 
 static int whole_bank_decide(void *ctx, const qm_policy_input *in, qm_residency_decision *out)

@@ -30,9 +30,10 @@ typedef struct arc_ghost {
 } arc_ghost;
 
 typedef struct arc_ctx {
-    /* Per expert: clock = list, last_tick = 1 + latest access tick,
-     * count = eviction sequence number while a ghost. */
-    qm__ref_map history;
+    /* history, per expert: clock = list, last_tick = 1 + latest access
+     * tick, visit = its bank's visit then, count = eviction sequence
+     * number while a ghost. */
+    qm__split_base base;
     qm__layer_clock clock;
     size_t t1, t2, b1, b2;
     double p;             /* target |T1| */
@@ -40,17 +41,7 @@ typedef struct arc_ctx {
     uint64_t evict_seq;
     arc_ghost *ring;      /* the last evictions, oldest at head */
     size_t ring_cap, ring_head, ring_len;
-    uint32_t *experts;
-    size_t experts_cap;
 } arc_ctx;
-
-static int arc_decide(void *ctx, const qm_policy_input *in, qm_residency_decision *out)
-{
-    arc_ctx *a = ctx;
-    int rc = qm__decide_split_all(in, &a->experts, &a->experts_cap, out);
-    if (rc == 0 && out->kind == QM_DECISION_PER_EXPERT) qm__ref_map_reserve_bank(&a->history, in);
-    return rc;
-}
 
 static void forget_ghost(arc_ctx *a, qm__ref_entry *e)
 {
@@ -62,8 +53,8 @@ static void forget_ghost(arc_ctx *a, qm__ref_entry *e)
 static void arc_on_access(void *ctx, qm_expert_ref ref, uint64_t tick, int hit)
 {
     arc_ctx *a = ctx;
-    uint64_t visits = qm__layer_clock_access(&a->clock, &a->history, ref.bank, tick);
-    qm__ref_entry *e = qm__ref_map_upsert(&a->history, qm__ref_key(ref));
+    uint64_t visits = qm__layer_clock_access(&a->clock, &a->base.history, ref.bank, tick);
+    qm__ref_entry *e = qm__ref_map_upsert(&a->base.history, qm__ref_key(ref));
     a->last_miss_b2 = 0;
     if (!e) return; /* no memory: the expert is treated as new */
     e->last_tick = tick == UINT64_MAX ? tick : tick + 1;
@@ -96,7 +87,7 @@ static void arc_on_access(void *ctx, qm_expert_ref ref, uint64_t tick, int hit)
 static void arc_on_insert(void *ctx, qm_expert_ref ref, uint64_t tick)
 {
     arc_ctx *a = ctx;
-    qm__ref_entry *e = qm__ref_map_upsert(&a->history, qm__ref_key(ref));
+    qm__ref_entry *e = qm__ref_map_upsert(&a->base.history, qm__ref_key(ref));
     if (!e) return;
     if (e->clock == ARC_T1 || e->clock == ARC_T2) return; /* already counted */
     forget_ghost(a, e); /* a prefetched ghost comes back as new */
@@ -134,7 +125,7 @@ static void ring_push(arc_ctx *a, uint64_t key, uint64_t seq)
         arc_ghost old = a->ring[a->ring_head];
         a->ring_head = (a->ring_head + 1) % a->ring_cap;
         a->ring_len--;
-        qm__ref_entry *g = qm__ref_map_find(&a->history, old.key);
+        qm__ref_entry *g = qm__ref_map_find(&a->base.history, old.key);
         if (g && (g->clock == ARC_B1 || g->clock == ARC_B2) && (uint64_t)g->count == old.seq)
             forget_ghost(a, g);
     }
@@ -146,7 +137,7 @@ static void arc_on_evict(void *ctx, qm_expert_ref ref)
 {
     arc_ctx *a = ctx;
     uint64_t key = qm__ref_key(ref);
-    qm__ref_entry *e = qm__ref_map_find(&a->history, key);
+    qm__ref_entry *e = qm__ref_map_find(&a->base.history, key);
     if (!e || (e->clock != ARC_T1 && e->clock != ARC_T2)) return;
     if (e->clock == ARC_T1) {
         a->t1--;
@@ -172,8 +163,8 @@ static int arc_choose_victim(void *ctx, const qm_expert_ref *candidates, size_t 
     qm__bank_phase ph = {0};
     for (size_t i = 0; i < n; i++) {
         if (i == 0 || candidates[i].bank != candidates[i - 1].bank)
-            qm__layer_clock_phase(&a->clock, &a->history, candidates[i].bank, &ph);
-        const qm__ref_entry *e = qm__ref_map_find(&a->history, qm__ref_key(candidates[i]));
+            qm__layer_clock_phase(&a->clock, &a->base.history, candidates[i].bank, &ph);
+        const qm__ref_entry *e = qm__ref_map_find(&a->base.history, qm__ref_key(candidates[i]));
         int list = e && e->clock == ARC_T2 ? 1 : 0;
         double when = e && e->visit ? qm__layered_next_use(&ph, e->visit) : INFINITY;
         uint64_t t = e ? e->last_tick : 0;
@@ -196,16 +187,15 @@ static void arc_destroy(void *ctx)
 {
     arc_ctx *a = ctx;
     if (!a) return;
-    qm__ref_map_free(&a->history);
+    qm__split_release(&a->base);
     qm_free(a->ring);
-    qm_free(a->experts);
     qm_free(a);
 }
 
 static const qm_policy_iface arc_iface = {
     .version = QM_POLICY_IFACE_VERSION,
     .name = "arc",
-    .decide = arc_decide,
+    .decide = qm__split_decide,
     .on_access = arc_on_access,
     .on_insert = arc_on_insert,
     .on_evict = arc_on_evict,
@@ -216,11 +206,7 @@ static const qm_policy_iface arc_iface = {
 static int arc_new(const qm_policy_params *params, qm_policy *out, qm_status *st)
 {
     (void)params;
-    arc_ctx *a = qm_calloc(1, sizeof *a);
-    if (!a) return qm_status_set(st, QM_ENOMEM, "out of memory creating policy 'arc'");
-    out->iface = &arc_iface;
-    out->ctx = a;
-    return 0;
+    return qm__policy_alloc(&arc_iface, sizeof(arc_ctx), out, st) ? 0 : QM_ENOMEM;
 }
 
 const qm__policy_desc qm__policy_arc_desc = {

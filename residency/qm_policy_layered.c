@@ -31,22 +31,12 @@
  * visit = its bank's visit number then; count = its decayed uses per visit
  * (next_use). Per bank: the layer clock's entries (qm__layer_clock). */
 typedef struct layered_ctx {
-    qm__ref_map history;
+    qm__split_base base;
     qm__layer_clock clock;
     int use_frequency; /* 0: layered_lru, 1: next_use */
     double decay;      /* next_use: weight kept per visit of the bank */
     double recency;    /* next_use: probability mass given to "used at the last visit" */
-    uint32_t *experts;
-    size_t experts_cap;
 } layered_ctx;
-
-static int layered_decide(void *ctx, const qm_policy_input *in, qm_residency_decision *out)
-{
-    layered_ctx *lc = ctx;
-    int rc = qm__decide_split_all(in, &lc->experts, &lc->experts_cap, out);
-    if (rc == 0 && out->kind == QM_DECISION_PER_EXPERT) qm__ref_map_reserve_bank(&lc->history, in);
-    return rc;
-}
 
 static double aged(const layered_ctx *lc, const qm__ref_entry *e, uint64_t bank_visits)
 {
@@ -59,8 +49,8 @@ static void layered_on_access(void *ctx, qm_expert_ref ref, uint64_t tick, int h
 {
     (void)hit;
     layered_ctx *lc = ctx;
-    uint64_t visits = qm__layer_clock_access(&lc->clock, &lc->history, ref.bank, tick);
-    qm__ref_entry *e = qm__ref_map_upsert(&lc->history, qm__ref_key(ref));
+    uint64_t visits = qm__layer_clock_access(&lc->clock, &lc->base.history, ref.bank, tick);
+    qm__ref_entry *e = qm__ref_map_upsert(&lc->base.history, qm__ref_key(ref));
     if (!e) return; /* no memory: this expert just looks colder than it is */
     if (e->last_tick == 0 || e->visit != visits) /* once per visit: a batch counts as one use */
         e->count = aged(lc, e, visits) + 1.0;
@@ -72,7 +62,7 @@ static void layered_on_access(void *ctx, qm_expert_ref ref, uint64_t tick, int h
 static void layered_on_insert(void *ctx, qm_expert_ref ref, uint64_t tick)
 {
     layered_ctx *lc = ctx;
-    qm__ref_entry *e = qm__ref_map_upsert(&lc->history, qm__ref_key(ref));
+    qm__ref_entry *e = qm__ref_map_upsert(&lc->base.history, qm__ref_key(ref));
     if (e && e->last_tick == 0) e->last_tick = tick == UINT64_MAX ? tick : tick + 1;
 }
 
@@ -106,8 +96,8 @@ static int layered_choose_victim(void *ctx, const qm_expert_ref *candidates, siz
     for (size_t i = 0; i < n; i++) {
         /* Candidates mostly share a bank: look its phase up only on a change. */
         if (i == 0 || candidates[i].bank != candidates[i - 1].bank)
-            qm__layer_clock_phase(&lc->clock, &lc->history, candidates[i].bank, &ph);
-        const qm__ref_entry *e = qm__ref_map_find(&lc->history, qm__ref_key(candidates[i]));
+            qm__layer_clock_phase(&lc->clock, &lc->base.history, candidates[i].bank, &ph);
+        const qm__ref_entry *e = qm__ref_map_find(&lc->base.history, qm__ref_key(candidates[i]));
         double wait = wait_of(lc, e, &ph);
         uint64_t tick = e ? e->last_tick : 0;
         /* Equal estimates: the least recent goes first. */
@@ -125,15 +115,14 @@ static void layered_destroy(void *ctx)
 {
     layered_ctx *lc = ctx;
     if (!lc) return;
-    qm__ref_map_free(&lc->history);
-    qm_free(lc->experts);
+    qm__split_release(&lc->base);
     qm_free(lc);
 }
 
 static const qm_policy_iface layered_lru_iface = {
     .version = QM_POLICY_IFACE_VERSION,
     .name = "layered_lru",
-    .decide = layered_decide,
+    .decide = qm__split_decide,
     .on_access = layered_on_access,
     .on_insert = layered_on_insert,
     .choose_victim = layered_choose_victim,
@@ -143,7 +132,7 @@ static const qm_policy_iface layered_lru_iface = {
 static const qm_policy_iface next_use_iface = {
     .version = QM_POLICY_IFACE_VERSION,
     .name = "next_use",
-    .decide = layered_decide,
+    .decide = qm__split_decide,
     .on_access = layered_on_access,
     .on_insert = layered_on_insert,
     .choose_victim = layered_choose_victim,
@@ -153,13 +142,11 @@ static const qm_policy_iface next_use_iface = {
 static int layered_make(const qm_policy_iface *iface, double decay, double recency,
                         qm_policy *out, qm_status *st)
 {
-    layered_ctx *lc = qm_calloc(1, sizeof *lc);
-    if (!lc) return qm_status_set(st, QM_ENOMEM, "out of memory creating policy '%s'", iface->name);
+    layered_ctx *lc = qm__policy_alloc(iface, sizeof *lc, out, st);
+    if (!lc) return QM_ENOMEM;
     lc->use_frequency = iface == &next_use_iface;
     lc->decay = decay;
     lc->recency = recency;
-    out->iface = iface;
-    out->ctx = lc;
     return 0;
 }
 

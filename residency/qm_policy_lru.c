@@ -10,23 +10,13 @@
 #include "qm_alloc.h"
 
 typedef struct lru_ctx {
-    qm__ref_map history; /* last_tick = 1 + tick of the latest access; 0 = never */
-    uint32_t *experts;   /* decide()'s answer, valid until the next decide */
-    size_t experts_cap;
+    qm__split_base base; /* history: last_tick = 1 + tick of the latest access; 0 = never */
 } lru_ctx;
-
-static int lru_decide(void *ctx, const qm_policy_input *in, qm_residency_decision *out)
-{
-    lru_ctx *lru = ctx;
-    int rc = qm__decide_split_all(in, &lru->experts, &lru->experts_cap, out);
-    if (rc == 0 && out->kind == QM_DECISION_PER_EXPERT) qm__ref_map_reserve_bank(&lru->history, in);
-    return rc;
-}
 
 static void lru_touch(void *ctx, qm_expert_ref ref, uint64_t tick)
 {
     lru_ctx *lru = ctx;
-    qm__ref_entry *e = qm__ref_map_upsert(&lru->history, qm__ref_key(ref));
+    qm__ref_entry *e = qm__ref_map_upsert(&lru->base.history, qm__ref_key(ref));
     if (e) /* no memory: this expert just looks older than it is */
         e->last_tick = tick == UINT64_MAX ? tick : tick + 1;
 }
@@ -48,7 +38,7 @@ static int lru_choose_victim(void *ctx, const qm_expert_ref *candidates, size_t 
     size_t best = 0;
     uint64_t best_tick = UINT64_MAX;
     for (size_t i = 0; i < n; i++) {
-        const qm__ref_entry *e = qm__ref_map_find(&lru->history, qm__ref_key(candidates[i]));
+        const qm__ref_entry *e = qm__ref_map_find(&lru->base.history, qm__ref_key(candidates[i]));
         uint64_t t = e ? e->last_tick : 0;
         if (t < best_tick) {
             best_tick = t;
@@ -59,23 +49,17 @@ static int lru_choose_victim(void *ctx, const qm_expert_ref *candidates, size_t 
     return 0;
 }
 
-static void lru_ctx_release(lru_ctx *lru)
-{
-    qm__ref_map_free(&lru->history);
-    qm_free(lru->experts);
-}
-
 static void lru_destroy(void *ctx)
 {
     if (!ctx) return;
-    lru_ctx_release(ctx);
+    qm__split_release(ctx);
     qm_free(ctx);
 }
 
 static const qm_policy_iface lru_iface = {
     .version = QM_POLICY_IFACE_VERSION,
     .name = "lru",
-    .decide = lru_decide,
+    .decide = qm__split_decide,
     .on_access = lru_on_access,
     .on_insert = lru_on_insert,
     .choose_victim = lru_choose_victim,
@@ -85,11 +69,7 @@ static const qm_policy_iface lru_iface = {
 static int lru_new(const qm_policy_params *params, qm_policy *out, qm_status *st)
 {
     (void)params;
-    lru_ctx *lru = qm_calloc(1, sizeof *lru);
-    if (!lru) return qm_status_set(st, QM_ENOMEM, "out of memory creating policy 'lru'");
-    out->iface = &lru_iface;
-    out->ctx = lru;
-    return 0;
+    return qm__policy_alloc(&lru_iface, sizeof(lru_ctx), out, st) ? 0 : QM_ENOMEM;
 }
 
 const qm__policy_desc qm__policy_lru_desc = {
@@ -117,7 +97,7 @@ typedef struct static_hot_ctx {
 static int static_hot_decide(void *ctx, const qm_policy_input *in, qm_residency_decision *out)
 {
     static_hot_ctx *sh = ctx;
-    int rc = lru_decide(&sh->lru, in, out);
+    int rc = qm__split_decide(sh, in, out);
     if (rc != 0 || out->kind != QM_DECISION_PER_EXPERT) return rc;
     uint32_t b = in->bank_id;
     if (b >= sh->n_hot_banks || !sh->hot_len[b])
@@ -167,7 +147,7 @@ static void static_hot_destroy(void *ctx)
     qm_free(sh->hot_len);
     qm_free(sh->pinned);
     qm_free(sh->seen);
-    lru_ctx_release(&sh->lru);
+    qm__split_release(&sh->lru.base);
     qm_free(sh);
 }
 

@@ -61,6 +61,23 @@ void qm__ref_map_free(qm__ref_map *map);
 
 /* ---- Helpers of the shipped policies ------------------------------------- */
 
+/* What every splitting policy keeps: run-time history and decide()'s answer.
+ * A policy whose ctx starts with one uses qm__split_decide as its decide
+ * method and qm__split_release in its destroy. */
+typedef struct qm__split_base {
+    qm__ref_map history;
+    uint32_t *experts; /* decide()'s answer, valid until the next decide */
+    size_t experts_cap;
+} qm__split_base;
+
+/* decide() of the splitting policies (ctx starts with a qm__split_base):
+ * every expert of a pageable bank, history reserved for them. */
+int qm__split_decide(void *ctx, const qm_policy_input *in, qm_residency_decision *out);
+void qm__split_release(qm__split_base *base);
+/* A zeroed ctx of `size` bytes for `iface`, installed in *out; NULL (with
+ * "out of memory creating policy '<name>'" in st) when it cannot be had. */
+void *qm__policy_alloc(const qm_policy_iface *iface, size_t size, qm_policy *out, qm_status *st);
+
 /* Shared by the splitting policies: a per-expert decision listing every
  * expert of a pageable bank (whole-bank for a non-pageable one, so the
  * planner surfaces the catalog's reason). `*scratch` / `*scratch_cap` is the

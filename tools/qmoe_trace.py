@@ -123,6 +123,18 @@ def _parse_alpha(text, layers):
     return vals
 
 
+def _put_row(ids, weights, o, pick, rng):
+    """Writes one (token, layer) row; with weights, k random descending
+    weights summing to 1 (drawn after the ids, so ids do not depend on it)."""
+    for j, e in enumerate(pick):
+        ids[o + j] = e
+    if weights is not None:
+        raw = sorted((rng.random() + 0.05 for _ in range(len(pick))), reverse=True)
+        s = sum(raw)
+        for j, w in enumerate(raw):
+            weights[o + j] = w / s
+
+
 def generate(tokens, layers, experts, k, alpha, locality, seed, with_weights=False):
     """The model (docs/TRACES.md): per layer, a seeded random permutation maps
     popularity rank r (1-based) to an expert; P(rank r) ~ r^-alpha. Token 0 and,
@@ -173,14 +185,7 @@ def generate(tokens, layers, experts, k, alpha, locality, seed, with_weights=Fal
                                 break
                 pick = chosen
             prev[l] = pick
-            o = (t * layers + l) * k
-            for j, e in enumerate(pick):
-                ids[o + j] = e
-            if weights is not None:
-                raw = sorted((rng.random() + 0.05 for _ in range(k)), reverse=True)
-                s = sum(raw)
-                for j in range(k):
-                    weights[o + j] = raw[j] / s
+            _put_row(ids, weights, (t * layers + l) * k, pick, rng)
     meta = {"generator": "qmoe_trace.py", "model": "zipf+locality", "alpha": alphas,
             "locality": locality, "seed": seed}
     return Trace(tokens, layers, k, experts, ids, weights, meta)
@@ -271,14 +276,7 @@ def generate_realistic(tokens, layers, experts, k, seed, reuse_top1=0.13, reuse_
                 else:
                     pick.append(draw(pick))
             prev[l] = pick
-            o = (t * layers + l) * k
-            for j, e in enumerate(pick):
-                ids[o + j] = e
-            if weights is not None:
-                raw = sorted((rng.random() + 0.05 for _ in range(k)), reverse=True)
-                s = sum(raw)
-                for j in range(k):
-                    weights[o + j] = raw[j] / s
+            _put_row(ids, weights, (t * layers + l) * k, pick, rng)
     meta = {"generator": "qmoe_trace.py", "model": "realistic", "alpha": alphas, "seed": seed,
             "reuse_top1": reuse_top1, "reuse_any": reuse_any, "drift": drift,
             "topic_tokens": topic_tokens, "topic_strength": topic_strength}
