@@ -26,6 +26,7 @@ typedef struct qm__ref_entry {
     uint64_t clock;
     double count;
     uint64_t visit; /* layer-aware policies: its bank's visit number at its latest use */
+    double aux;     /* next_use, per bank: summed reuse estimates of its latest visit */
     int used;
 } qm__ref_entry;
 

@@ -67,19 +67,19 @@ def test_a_knob_of_another_policy_is_refused_naming_it(daemon):
 def test_the_registry_s_new_policies_are_offered_with_their_knobs(daemon):
     c = daemon.client()
     for policy, params in (("arc", {}), ("layered_lru", {}),
-                           ("next_use", {"decay": 0.95, "recency": 0}),
+                           ("next_use", {"decay": 0.95}), ("next_use", {"decay": 0}),
                            ("next_use", {})):
         plan = plan_of(c, params, policy=policy)
         assert plan["policy"] == policy
         assert [b["decision"] for b in plan["banks"]] == ["per_expert_candidate"] * 2, plan
     r = c.request("session.create", {"model": "small", "policy": "arc",
-                                     "policy_params": {"recency": 0.5}})
+                                     "policy_params": {"decay": 0.5}})
     e = r["error"]
-    assert e["data"]["field"] == "policy_params.recency", e
-    assert "applies to policy next_use only" in e["data"]["reason"], e
+    assert e["data"]["field"] == "policy_params.decay", e
+    assert "applies to policies lfu, next_use only" in e["data"]["reason"], e
     r = c.request("session.create", {"model": "small", "policy": "next_use",
-                                     "policy_params": {"recency": 2}})
-    assert r["error"]["data"]["field"] == "policy_params.recency", r
+                                     "policy_params": {"decay": 2}})
+    assert r["error"]["data"]["field"] == "policy_params.decay", r
     r = c.request("session.create", {"model": "small", "policy": "lru",
                                      "policy_params": {"decay": 0.5}})
     assert "applies to policies lfu, next_use only" in r["error"]["data"]["reason"], r
