@@ -22,8 +22,10 @@ static int fail(char *err, size_t cap, const char *path, const char *what)
     return -1;
 }
 
-static unsigned char *slurp(const char *path, size_t *len, char *err, size_t cap)
+/* The whole file, NUL-terminated, with *tr zeroed (NULL on error, said in err). */
+static unsigned char *slurp(const char *path, sim_trace *tr, size_t *len, char *err, size_t cap)
 {
+    memset(tr, 0, sizeof *tr);
     FILE *f = fopen(path, "rb");
     if (!f) {
         fail(err, cap, path, "cannot open");
@@ -80,11 +82,20 @@ static int finish(sim_trace *tr, const long long *v, size_t n, uint32_t experts,
     return 0;
 }
 
+/* Frees a reader's buffers, and the trace when it failed; returns rc. */
+static int done(sim_trace *tr, int rc, long long *v, unsigned char *b)
+{
+    free(v);
+    free(b);
+    if (rc)
+        sim_trace_free(tr);
+    return rc;
+}
+
 int sim_trace_load_npy(const char *path, uint32_t experts, sim_trace *tr, char *err, size_t cap)
 {
-    memset(tr, 0, sizeof *tr);
     size_t len;
-    unsigned char *b = slurp(path, &len, err, cap);
+    unsigned char *b = slurp(path, tr, &len, err, cap);
     if (!b)
         return -1;
     int rc = -1;
@@ -174,11 +185,7 @@ int sim_trace_load_npy(const char *path, uint32_t experts, sim_trace *tr, char *
     tr->k = (uint32_t)s2;
     rc = finish(tr, v, n, experts, path, err, cap);
 out:
-    free(v);
-    free(b);
-    if (rc)
-        sim_trace_free(tr);
-    return rc;
+    return done(tr, rc, v, b);
 }
 
 static int json_uint(const cJSON *o, const char *key, uint32_t max, uint32_t *out)
@@ -193,9 +200,8 @@ static int json_uint(const cJSON *o, const char *key, uint32_t max, uint32_t *ou
 
 int sim_trace_load_jsonl(const char *path, sim_trace *tr, char *err, size_t cap)
 {
-    memset(tr, 0, sizeof *tr);
     size_t len;
-    unsigned char *b = slurp(path, &len, err, cap);
+    unsigned char *b = slurp(path, tr, &len, err, cap);
     if (!b)
         return -1;
     int rc = -1;
@@ -265,11 +271,7 @@ int sim_trace_load_jsonl(const char *path, sim_trace *tr, char *err, size_t cap)
     tr->tokens = tokens;
     rc = finish(tr, v, n, experts, path, err, cap);
 out:
-    free(v);
-    free(b);
-    if (rc)
-        sim_trace_free(tr);
-    return rc;
+    return done(tr, rc, v, b);
 }
 
 int sim_trace_load_any(const char *path, uint32_t experts, sim_trace *tr, char *err, size_t cap)

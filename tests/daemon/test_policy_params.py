@@ -32,6 +32,13 @@ def plan_of(c, policy_params, policy="static_hot"):
     return plan
 
 
+def refused(c, policy, policy_params):
+    r = c.request("session.create", {"model": "small", "policy": policy,
+                                     "policy_params": policy_params})
+    assert "error" in r, r
+    return r["error"]
+
+
 def test_pin_fraction_zero_pins_nothing(daemon):
     c = daemon.client()
     plan = plan_of(c, {"hot": HOT, "pin_fraction": 0})
@@ -50,17 +57,11 @@ def test_pin_fraction_absent_takes_the_default_and_pins(daemon):
 
 def test_a_knob_of_another_policy_is_refused_naming_it(daemon):
     c = daemon.client()
-    r = c.request("session.create", {"model": "small", "policy": "lru",
-                                     "policy_params": {"pin_fraction": 0}})
-    e = r["error"]
+    e = refused(c, "lru", {"pin_fraction": 0})
     assert e["code"] == -32602 and e["data"]["field"] == "policy_params.pin_fraction", e
     assert "applies to policy static_hot only" in e["data"]["reason"], e
-    r = c.request("session.create", {"model": "small", "policy": "lfu",
-                                     "policy_params": {"decay": 1.5}})
-    assert r["error"]["data"]["field"] == "policy_params.decay", r
-    r = c.request("session.create", {"model": "small", "policy": "lfu",
-                                     "policy_params": {"decy": 0.5}})
-    e = r["error"]
+    assert refused(c, "lfu", {"decay": 1.5})["data"]["field"] == "policy_params.decay"
+    e = refused(c, "lfu", {"decy": 0.5})
     assert e["data"]["field"] == "policy_params.decy" and "decay" in e["data"]["reason"], e
 
 
@@ -72,20 +73,14 @@ def test_the_registry_s_new_policies_are_offered_with_their_knobs(daemon):
         plan = plan_of(c, params, policy=policy)
         assert plan["policy"] == policy
         assert [b["decision"] for b in plan["banks"]] == ["per_expert_candidate"] * 2, plan
-    r = c.request("session.create", {"model": "small", "policy": "arc",
-                                     "policy_params": {"decay": 0.5}})
-    e = r["error"]
-    assert e["data"]["field"] == "policy_params.decay", e
-    assert "applies to policies lfu, next_use only" in e["data"]["reason"], e
-    r = c.request("session.create", {"model": "small", "policy": "next_use",
-                                     "policy_params": {"decay": 2}})
-    assert r["error"]["data"]["field"] == "policy_params.decay", r
-    r = c.request("session.create", {"model": "small", "policy": "lru",
-                                     "policy_params": {"decay": 0.5}})
-    assert "applies to policies lfu, next_use only" in r["error"]["data"]["reason"], r
-    r = c.request("session.create", {"model": "small", "policy": "fifo"})
+    for policy in ("arc", "lru"):
+        e = refused(c, policy, {"decay": 0.5})
+        assert e["data"]["field"] == "policy_params.decay", e
+        assert "applies to policies lfu, next_use only" in e["data"]["reason"], e
+    assert refused(c, "next_use", {"decay": 2})["data"]["field"] == "policy_params.decay"
+    e = refused(c, "fifo", {})
     assert "whole_bank, static_hot, lru, lfu, arc, layered_lru, next_use" in \
-        r["error"]["data"]["reason"], r
+        e["data"]["reason"], e
 
 
 def test_every_new_policy_gives_whole_bank_s_bits_at_small_budgets(daemon):
