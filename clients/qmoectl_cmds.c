@@ -540,7 +540,13 @@ const qmoectl_cmd qmoectl_cmds[] = {
     {"sessions", "", "List sessions (a non-admin sees only their own).", "", 0, 0, cmd_sessions, NULL},
     {"create", "MODEL [--policy P] [--budget BYTES|SIZE|N%] [--param KEY=VALUE]...",
      "Create a session on MODEL and print its id on the first line.\n"
-     "  --policy P        whole_bank (default), static_hot, lru or lfu\n"
+     "  --policy P        whole_bank (default), static_hot, lru, lfu, arc, layered_lru\n"
+     "                    or next_use. Recommended for a paged session (budget below\n"
+     "                    the model): next_use. It keeps the experts with the most\n"
+     "                    expected hits per slot time (each layer's next visit and\n"
+     "                    per-visit reuse), does not fall into the layer cycle that\n"
+     "                    takes lru to 0% at small budgets, and came closest to\n"
+     "                    Belady's optimum on Mixtral-like routing (docs/BENCHMARKS.md)\n"
      "  --budget B        expert bytes the session may keep resident: bytes, a size\n"
      "                    (512MiB, 2G) or a percentage of the model's bytes (50%)\n"
      "  --param KEY=VALUE a policy parameter; VALUE is JSON when it reads as JSON\n"

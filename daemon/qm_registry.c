@@ -21,9 +21,6 @@
 #include "qm_cuda.h"
 #endif
 
-static const char *const supported_policies[] = {"whole_bank", "static_hot", "lru", "lfu"};
-#define SUPPORTED_POLICY_LIST "whole_bank, static_hot, lru, lfu"
-
 static void model_save_hotness(qm_model *m)
 {
     if (!m->hotness || !m->hotness_path || qm_hotness_records(m->hotness) == m->hotness_saved)
@@ -375,14 +372,8 @@ int qm_session_prepare(qm_daemon *d, const qm_params *p, uid_t owner, qm_session
                        qm_status *st)
 {
     const char *policy = p->policy ? p->policy : "whole_bank";
-    int known = 0;
-    for (size_t i = 0; i < sizeof supported_policies / sizeof supported_policies[0]; i++)
-        known |= strcmp(policy, supported_policies[i]) == 0;
-    if (!known)
-        return qm_status_set_field(st, QM_EINVAL, "policy",
-                                   "policy '%.64s' is not supported; supported: "
-                                   SUPPORTED_POLICY_LIST,
-                                   policy);
+    if (qm_policy_params_check(policy, NULL, st) < 0) /* the name: offered over the socket? */
+        return QM_EINVAL;
     qm_model *m = qm_model_find(d, p->model);
     if (!m)
         return qm_status_set_field(st, QM_ENOT_FOUND, "model", "no model named '%.64s' is loaded",
@@ -404,14 +395,17 @@ int qm_session_prepare(qm_daemon *d, const qm_params *p, uid_t owner, qm_session
                                        "policy_params.record_trace must not end in .hot (the "
                                        "state dir's hotness profiles)");
     }
-    if (pw->has_decay && strcmp(policy, "lfu") != 0)
-        return qm_status_set_field(st, QM_EINVAL, "policy_params.decay",
-                                   "policy_params.decay applies to policy lfu only");
-    if ((pw->has_pin_fraction || pw->hot) && strcmp(policy, "static_hot") != 0)
-        return qm_status_set_field(st, QM_EINVAL,
-                                   pw->hot ? "policy_params.hot" : "policy_params.pin_fraction",
-                                   "%s applies to policy static_hot only",
-                                   pw->hot ? "policy_params.hot" : "policy_params.pin_fraction");
+    /* Which knobs (and hot lists) the policy takes: its own declaration. */
+    static const uint32_t *const no_list = NULL;
+    qm_policy_value values[QM_POLICY_VALUES_MAX];
+    for (size_t i = 0; i < pw->n_values && i < QM_POLICY_VALUES_MAX; i++)
+        values[i] = (qm_policy_value){pw->values[i].name, pw->values[i].value};
+    qm_policy_params probe = {.version = QM_POLICY_PARAMS_VERSION,
+                              .values = values,
+                              .n_values = pw->n_values,
+                              .hot = pw->hot ? &no_list : NULL};
+    if (qm_policy_params_check(policy, &probe, st) < 0)
+        return QM_EINVAL;
     for (size_t i = 0; i < pw->n_hot; i++) {
         char field[96];
         if (pw->hot[i].layer >= cfg->layers) {
@@ -477,10 +471,11 @@ int qm_session_prepare(qm_daemon *d, const qm_params *p, uid_t owner, qm_session
     /* static_hot's hot lists, indexed by layer. */
     const uint32_t **hot = NULL;
     size_t *hot_len = NULL;
-    qm_policy_params pp = {0};
-    pp.pin_fraction = pw->has_pin_fraction ? pw->pin_fraction : 0.5;
-    pp.has_decay = pw->has_decay;
-    pp.decay = pw->decay;
+    /* Knobs given are passed as given (pin_fraction 0 included); the
+     * policy's declared default covers the rest. */
+    qm_policy_params pp = {.version = QM_POLICY_PARAMS_VERSION,
+                           .values = values,
+                           .n_values = pw->n_values};
     if (pw->hot) {
         hot = qm_calloc(cfg->layers, sizeof *hot);
         hot_len = qm_calloc(cfg->layers, sizeof *hot_len);
@@ -498,7 +493,7 @@ int qm_session_prepare(qm_daemon *d, const qm_params *p, uid_t owner, qm_session
         pp.hot_len = hot_len;
         pp.n_hot_banks = cfg->layers;
     }
-    if (!pw->hot && strcmp(policy, "static_hot") == 0 && m->hotness &&
+    if (!pw->hot && qm_policy_accepts_hot(policy) && m->hotness &&
         qm_hotness_records(m->hotness) > 0) {
         /* No hot lists given: the model's persisted profile supplies them. */
         rc = qm_hotness_policy_params(m->hotness, &pp, st);
@@ -522,9 +517,8 @@ int qm_session_prepare(qm_daemon *d, const qm_params *p, uid_t owner, qm_session
 
     s->plan_start_us = t0;
     s->plan_us = plan_us;
-    s->pager_options = (qm_pager_options){.prefetch = pw->has_prefetch ? pw->prefetch : 1,
-                                          .has_budget = 1,
-                                          .budget_bytes = budget};
+    /* The budget travels in the plan (qm_plan_budget); the pager reads it there. */
+    s->pager_options = (qm_pager_options){.prefetch = pw->has_prefetch ? pw->prefetch : 1};
     /* Reserved now, so creations in flight cannot overcommit the device
      * budget while their pagers are built off the loop thread. */
     s->refs = 1;

@@ -133,13 +133,11 @@ static uint64_t qm__min_budget(const qm__sizing *sz)
     return sz->whole_accounted + sz->pinned_bytes + (sz->unpinned_count ? sz->max_unit : 0);
 }
 
-static void qm__budget_in_force(const qm_residency_plan *plan, const qm_pager_options *opt,
-                                int *has, uint64_t *budget)
+/* The budget travels in one place, the plan: with none, room for every
+ * expert (the "whole model"). */
+static void qm__budget_in_force(const qm_residency_plan *plan, int *has, uint64_t *budget)
 {
-    if (opt && opt->has_budget) {
-        *has = 1;
-        *budget = opt->budget_bytes;
-    } else if (qm_plan_has_budget(plan)) {
+    if (qm_plan_has_budget(plan)) {
         *has = 1;
         *budget = qm_plan_budget(plan);
     } else {
@@ -409,7 +407,7 @@ int qm_pager_new(qm_backend *backend, const qm_bank *bank, const qm_residency_pl
     rc = qm__layout(backend, bank, plan, &p->opt, p->layers, &sz, 1, st);
     if (rc)
         goto fail;
-    qm__budget_in_force(plan, &p->opt, &p->has_budget, &p->budget);
+    qm__budget_in_force(plan, &p->has_budget, &p->budget);
     uint64_t min = qm__min_budget(&sz);
     if (p->has_budget && p->budget < min) {
         rc = qm_status_set_field(

@@ -31,10 +31,6 @@ typedef struct qm_pager_options {
      * next layer call (routing history + next layer's router). Default on in
      * the daemon (policy_params.prefetch); a zeroed struct means off. */
     int prefetch;
-    /* Budget override. has_budget = 0: the plan's budget (or, when the plan
-     * has none, room for every expert: the "whole model"). */
-    int has_budget;
-    uint64_t budget_bytes;
     /* Requests of routing history per layer used for prediction (0 = 1). */
     uint32_t history;
     /* Upper bound of experts prefetched per forward call (0 = 2 * k * tokens,

@@ -13,6 +13,7 @@
 #include <string.h>
 
 #include "qm_alloc.h"
+#include "qm_residency.h" /* the policies' knobs: names, ranges */
 
 #define MAX_SAFE_INT 9007199254740992.0 /* 2^53: beyond it doubles skip integers */
 
@@ -145,24 +146,6 @@ static int get_bool(const cJSON *obj, const char *key, const char *prefix, int *
     if (has)
         *has = 1;
     *out = cJSON_IsTrue(v);
-    return 0;
-}
-
-static int get_fraction(const cJSON *obj, const char *key, const char *prefix, int *has,
-                        double *out, qm_status *st)
-{
-    char path[96];
-    join(path, sizeof path, prefix, key);
-    const cJSON *v = member(obj, key);
-    if (!v)
-        return 0;
-    if (!cJSON_IsNumber(v))
-        return bad(st, path, "%s must be a number in 0..1, got %s", path, qm__json_type_name(v));
-    double d = v->valuedouble;
-    if (!isfinite(d) || d < 0 || d > 1)
-        return bad(st, path, "%s must be a number in 0..1, got %.17g", path, d);
-    *has = 1;
-    *out = d;
     return 0;
 }
 
@@ -439,24 +422,84 @@ static int decode_hot(const cJSON *hot, qm_policy_params_wire *pp, qm_status *st
     return 0;
 }
 
+/* A policy knob (decay, pin_fraction, ...): the residency registry says
+ * which names exist and their ranges. */
+static int get_policy_value(const cJSON *v, const qm_policy_param_spec *spec,
+                            qm_policy_params_wire *pp, qm_status *st)
+{
+    char path[96];
+    double min, max;
+    int integer;
+    const char *name = qm_policy_param_name(spec);
+    qm_policy_param_range(spec, &min, &max, NULL, &integer);
+    join(path, sizeof path, "policy_params", name);
+    if (!cJSON_IsNumber(v))
+        return bad(st, path, "%s must be a number in %g..%g, got %s", path, min, max,
+                   qm__json_type_name(v));
+    double d = v->valuedouble;
+    if (!isfinite(d) || d < min || d > max || (integer && d != floor(d)))
+        return bad(st, path, "%s must be a %s in %g..%g, got %.17g", path,
+                   integer ? "whole number" : "number", min, max, d);
+    if (pp->n_values == QM_POLICY_VALUES_MAX)
+        return bad(st, path, "policy_params has more than %d policy knobs", QM_POLICY_VALUES_MAX);
+    pp->values[pp->n_values].name = name;
+    pp->values[pp->n_values].value = d;
+    pp->n_values++;
+    return 0;
+}
+
+/* "prefetch, min_split_bytes, ..., decay, pin_fraction, ...": what
+ * policy_params may hold, the session's own members then the knobs. */
+static void policy_params_members(const char *const *allowed, char *list, size_t cap)
+{
+    size_t len = 0;
+    list[0] = '\0';
+    for (const char *const *a = allowed; *a && len < cap; a++)
+        len += (size_t)snprintf(list + len, cap - len, "%s%s", len ? ", " : "", *a);
+    for (size_t i = 0; i < qm_policy_count(); i++)
+        for (size_t j = 0; j < qm_policy_param_count(i) && len < cap; j++) {
+            const qm_policy_param_spec *spec = qm_policy_param_at(i, j);
+            const char *n = qm_policy_param_name(spec);
+            if (qm_policy_param_find(n, strlen(n)) == spec) /* its first declaration */
+                len += (size_t)snprintf(list + len, cap - len, ", %s", n);
+        }
+}
+
 static int decode_policy_params(const cJSON *obj, qm_policy_params_wire *pp, qm_status *st)
 {
-    static const char *const allowed[] = {"prefetch", "min_split_bytes", "decay", "pin_fraction",
-                                          "hot", "record_trace", NULL};
+    static const char *const allowed[] = {"prefetch", "min_split_bytes", "hot", "record_trace",
+                                          NULL};
     const char *prefix = "policy_params";
     if (!cJSON_IsObject(obj))
         return bad(st, prefix, "policy_params must be an object, got %s", qm__json_type_name(obj));
-    int rc = check_members(obj, allowed, prefix, st);
+    /* Members: the session's own (allowed) and the policies' knobs. */
+    int rc = 0;
+    for (const cJSON *m = obj->child; m && rc == 0; m = m->next) {
+        char clip[80], path[96];
+        qm_clip(m->string, strlen(m->string), clip, sizeof clip);
+        join(path, sizeof path, prefix, clip);
+        for (const cJSON *o = obj->child; o != m; o = o->next)
+            if (strcmp(o->string, m->string) == 0)
+                return bad(st, path, "duplicate member '%s'", clip);
+        const qm_policy_param_spec *spec = qm_policy_param_find(m->string, strlen(m->string));
+        if (spec) {
+            rc = get_policy_value(m, spec, pp, st);
+            continue;
+        }
+        int known = 0;
+        for (const char *const *a = allowed; *a; a++)
+            known |= strcmp(*a, m->string) == 0;
+        if (!known) {
+            char list[512];
+            policy_params_members(allowed, list, sizeof list);
+            return bad(st, path, "unknown member '%s'; expected %s", clip, list);
+        }
+    }
     if (rc == 0)
         rc = get_bool(obj, "prefetch", prefix, &pp->has_prefetch, &pp->prefetch, st);
     if (rc == 0)
         rc = get_uint(obj, "min_split_bytes", prefix, 0, UINT64_MAX, &pp->has_min_split_bytes,
                       &pp->min_split_bytes, st);
-    if (rc == 0)
-        rc = get_fraction(obj, "decay", prefix, &pp->has_decay, &pp->decay, st);
-    if (rc == 0)
-        rc = get_fraction(obj, "pin_fraction", prefix, &pp->has_pin_fraction, &pp->pin_fraction,
-                          st);
     if (rc == 0 && member(obj, "hot"))
         rc = decode_hot(member(obj, "hot"), pp, st);
     if (rc == 0)

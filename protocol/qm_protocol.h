@@ -213,6 +213,7 @@ int qm_method_parse(const char *name, size_t n, qm_method *out); /* 0 or QM_ENOT
 #define QM_SESSION_ID_LEN 32 /* 128 bits as lowercase hex */
 #define QM_NAME_MAX 64       /* model names: [A-Za-z0-9._-]{1,64} */
 
+#define QM_POLICY_VALUES_MAX 16 /* numeric knobs in one policy_params */
 #define QM_HOT_MAX 65536 /* entries of policy_params.hot, and experts in each */
 
 typedef struct qm_hot_layer {
@@ -221,14 +222,23 @@ typedef struct qm_hot_layer {
     size_t n_experts;
 } qm_hot_layer;
 
+/* One policy knob of policy_params; `name` is the residency registry's own
+ * string (static), so the daemon passes it on as a qm_policy_value. */
+typedef struct qm_policy_value_wire {
+    const char *name;
+    double value;
+} qm_policy_value_wire;
+
 typedef struct qm_policy_params_wire {
     int has_prefetch, prefetch;
     int has_min_split_bytes;
     uint64_t min_split_bytes;
-    int has_decay;
-    double decay;
-    int has_pin_fraction;
-    double pin_fraction;
+    /* The policy's numeric knobs (decay, pin_fraction, ...): every member
+     * that some offered policy declares (qm_policy_param_find), checked
+     * against that declaration's range; names are the registry's. Whether
+     * the chosen policy takes them is the daemon's check. */
+    qm_policy_value_wire values[QM_POLICY_VALUES_MAX];
+    size_t n_values;
     qm_hot_layer *hot; /* NULL when absent */
     size_t n_hot;
     char *record_trace; /* NULL when absent */

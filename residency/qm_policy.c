@@ -1,7 +1,9 @@
 /* qm_policy.c - the policy seam: the only call sites of qm_policy_iface
- * (version check, optional methods defaulted here), the name registry, and
- * the default policy, whole_bank. */
+ * (version check, optional methods defaulted here), helpers shared by the
+ * splitting policies, and the default policy, whole_bank. The names live in
+ * qm_policy_registry.c. */
 #include "qm_residency.h"
+#include "qm_policy_impl.h"
 #include "qm_residency_impl.h"
 
 #include <string.h>
@@ -98,6 +100,32 @@ void qm__ref_map_reserve_bank(qm__ref_map *map, const qm_policy_input *in)
     (void)qm__ref_map_reserve(map, map->len + more);
 }
 
+int qm__split_decide(void *ctx, const qm_policy_input *in, qm_residency_decision *out)
+{
+    qm__split_base *base = ctx;
+    int rc = qm__decide_split_all(in, &base->experts, &base->experts_cap, out);
+    if (rc == 0 && out->kind == QM_DECISION_PER_EXPERT) qm__ref_map_reserve_bank(&base->history, in);
+    return rc;
+}
+
+void *qm__policy_alloc(const qm_policy_iface *iface, size_t size, qm_policy *out, qm_status *st)
+{
+    void *ctx = qm_calloc(1, size);
+    if (!ctx) {
+        qm_status_set(st, QM_ENOMEM, "out of memory creating policy '%s'", iface->name);
+        return NULL;
+    }
+    out->iface = iface;
+    out->ctx = ctx;
+    return ctx;
+}
+
+void qm__split_release(qm__split_base *base)
+{
+    qm__ref_map_free(&base->history);
+    qm_free(base->experts);
+}
+
 /* ---- whole_bank: the default; equal to having no residency machinery ----- */
 
 static int whole_bank_decide(void *ctx, const qm_policy_input *in, qm_residency_decision *out)
@@ -114,36 +142,19 @@ static const qm_policy_iface whole_bank_iface = {
     .decide = whole_bank_decide,
 };
 
-int qm__policy_whole_bank_new(qm_policy *out, qm_status *st)
+static int whole_bank_new(const qm_policy_params *params, qm_policy *out, qm_status *st)
 {
+    (void)params;
     (void)st;
     out->iface = &whole_bank_iface;
     out->ctx = NULL;
     return 0;
 }
 
-/* ---- Registry ------------------------------------------------------------ */
-
-const char *qm_policy_supported_names(void)
-{
-    return "whole_bank, static_hot, lru, lfu";
-}
-
-int qm_policy_new(const char *name, const qm_policy_params *params, qm_policy *out, qm_status *st)
-{
-    if (!out) return qm_status_set(st, QM_EINVAL, "no policy to fill");
-    out->iface = NULL;
-    out->ctx = NULL;
-    if (!name || !strcmp(name, "whole_bank")) return qm__policy_whole_bank_new(out, st);
-    if (!strcmp(name, "lru")) return qm__policy_lru_new(out, st);
-    if (!strcmp(name, "lfu")) return qm__policy_lfu_new(params, out, st);
-    if (!strcmp(name, "static_hot")) return qm__policy_static_hot_new(params, out, st);
-    if (!strcmp(name, "belady"))
-        return qm_status_set_field(st, QM_EINVAL, "policy",
-                                   "policy 'belady' needs the future trace and is for tests "
-                                   "and benchmarks only; expected one of: %s",
-                                   qm_policy_supported_names());
-    return qm_status_set_field(st, QM_EINVAL, "policy",
-                               "unknown policy '%.64s'; expected one of: %s", name,
-                               qm_policy_supported_names());
-}
+const qm__policy_desc qm__policy_whole_bank_desc = {
+    .version = QM_POLICY_DESC_VERSION,
+    .name = "whole_bank",
+    .summary = "every bank whole-bank resident; the same as no residency machinery (default)",
+    .offered = 1,
+    .create = whole_bank_new,
+};

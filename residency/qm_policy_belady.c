@@ -2,6 +2,7 @@
  * furthest away. Needs the future, so it is the offline yardstick for tests
  * and benchmarks, never offered over the socket. */
 #include "qm_residency.h"
+#include "qm_policy_impl.h"
 #include "qm_residency_impl.h"
 
 #include <string.h>
@@ -11,20 +12,13 @@
 #define NEVER UINT64_MAX
 
 typedef struct belady_ctx {
+    /* history: key -> last_tick = its first position >= cursor, or NEVER */
+    qm__split_base base;
     uint64_t *future;   /* keys, in access order */
     uint64_t *next_use; /* next_use[i]: next position of future[i]'s key after i, or NEVER */
     size_t n;
     size_t cursor;        /* positions < cursor have been accessed */
-    qm__ref_map upcoming; /* key -> last_tick = its first position >= cursor, or NEVER */
-    uint32_t *experts;
-    size_t experts_cap;
 } belady_ctx;
-
-static int belady_decide(void *ctx, const qm_policy_input *in, qm_residency_decision *out)
-{
-    belady_ctx *bl = ctx;
-    return qm__decide_split_all(in, &bl->experts, &bl->experts_cap, out);
-}
 
 static void belady_on_access(void *ctx, qm_expert_ref ref, uint64_t tick, int hit)
 {
@@ -33,7 +27,7 @@ static void belady_on_access(void *ctx, qm_expert_ref ref, uint64_t tick, int hi
     (void)hit;
     belady_ctx *bl = ctx;
     if (bl->cursor >= bl->n) return;
-    qm__ref_entry *e = qm__ref_map_find(&bl->upcoming, bl->future[bl->cursor]);
+    qm__ref_entry *e = qm__ref_map_find(&bl->base.history, bl->future[bl->cursor]);
     if (e) /* always present: built from the same sequence */
         e->last_tick = bl->next_use[bl->cursor];
     bl->cursor++;
@@ -46,7 +40,7 @@ static int belady_choose_victim(void *ctx, const qm_expert_ref *candidates, size
     size_t best = 0;
     uint64_t best_next = 0;
     for (size_t i = 0; i < n; i++) {
-        const qm__ref_entry *e = qm__ref_map_find(&bl->upcoming, qm__ref_key(candidates[i]));
+        const qm__ref_entry *e = qm__ref_map_find(&bl->base.history, qm__ref_key(candidates[i]));
         uint64_t next = e ? e->last_tick : NEVER;
         if (next == NEVER) {
             best = i;
@@ -67,15 +61,14 @@ static void belady_destroy(void *ctx)
     if (!bl) return;
     qm_free(bl->future);
     qm_free(bl->next_use);
-    qm__ref_map_free(&bl->upcoming);
-    qm_free(bl->experts);
+    qm__split_release(&bl->base);
     qm_free(bl);
 }
 
 static const qm_policy_iface belady_iface = {
     .version = QM_POLICY_IFACE_VERSION,
     .name = "belady",
-    .decide = belady_decide,
+    .decide = qm__split_decide,
     .on_access = belady_on_access,
     .choose_victim = belady_choose_victim,
     .destroy = belady_destroy,
@@ -98,8 +91,8 @@ int qm_policy_belady_new(const qm_expert_ref *future, size_t n, qm_policy *out, 
     for (size_t i = n; i-- > 0;) {
         uint64_t key = qm__ref_key(future[i]);
         bl->future[i] = key;
-        int seen = qm__ref_map_find(&bl->upcoming, key) != NULL;
-        qm__ref_entry *e = qm__ref_map_upsert(&bl->upcoming, key);
+        int seen = qm__ref_map_find(&bl->base.history, key) != NULL;
+        qm__ref_entry *e = qm__ref_map_upsert(&bl->base.history, key);
         if (!e) goto fail_arrays;
         bl->next_use[i] = seen ? e->last_tick : NEVER;
         e->last_tick = i;
@@ -113,3 +106,11 @@ fail_arrays:
 fail:
     return qm_status_set(st, QM_ENOMEM, "out of memory creating policy 'belady' (%zu accesses)", n);
 }
+
+const qm__policy_desc qm__policy_belady_desc = {
+    .version = QM_POLICY_DESC_VERSION,
+    .name = "belady",
+    .summary = "offline optimum: evicts the expert used furthest in the future (tests, benchmarks)",
+    .offered = 0,
+    .refusal = "needs the future trace and is for tests and benchmarks only",
+};

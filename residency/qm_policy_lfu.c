@@ -3,6 +3,7 @@
  * are aged lazily (count, clock at last update), so every hook is O(1) and
  * choose_victim O(n candidates). */
 #include "qm_residency.h"
+#include "qm_policy_impl.h"
 #include "qm_residency_impl.h"
 
 #include <math.h>
@@ -10,26 +11,16 @@
 #include "qm_alloc.h"
 
 typedef struct lfu_ctx {
-    /* Per expert: count as of `clock`, last_tick = 1 + latest access tick.
-     * Per bank (qm__bank_key): clock = accesses to the bank so far. */
-    qm__ref_map history;
+    /* history: per expert, count as of `clock`, last_tick = 1 + latest
+     * access tick; per bank (qm__bank_key), clock = accesses to the bank. */
+    qm__split_base base;
     double decay;
     double log_decay; /* log(decay), when 0 < decay < 1 */
-    uint32_t *experts;
-    size_t experts_cap;
 } lfu_ctx;
-
-static int lfu_decide(void *ctx, const qm_policy_input *in, qm_residency_decision *out)
-{
-    lfu_ctx *lfu = ctx;
-    int rc = qm__decide_split_all(in, &lfu->experts, &lfu->experts_cap, out);
-    if (rc == 0 && out->kind == QM_DECISION_PER_EXPERT) qm__ref_map_reserve_bank(&lfu->history, in);
-    return rc;
-}
 
 static uint64_t bank_clock(const lfu_ctx *lfu, uint32_t bank)
 {
-    const qm__ref_entry *b = qm__ref_map_find(&lfu->history, qm__bank_key(bank));
+    const qm__ref_entry *b = qm__ref_map_find(&lfu->base.history, qm__bank_key(bank));
     return b ? b->clock : 0;
 }
 
@@ -45,11 +36,11 @@ static void lfu_on_access(void *ctx, qm_expert_ref ref, uint64_t tick, int hit)
 {
     (void)hit;
     lfu_ctx *lfu = ctx;
-    qm__ref_entry *b = qm__ref_map_upsert(&lfu->history, qm__bank_key(ref.bank));
-    qm__ref_entry *e = qm__ref_map_upsert(&lfu->history, qm__ref_key(ref));
+    qm__ref_entry *b = qm__ref_map_upsert(&lfu->base.history, qm__bank_key(ref.bank));
+    qm__ref_entry *e = qm__ref_map_upsert(&lfu->base.history, qm__ref_key(ref));
     if (!b || !e) return; /* no memory: this access is not counted */
     /* The upsert of e may have moved b: look the clock up again. */
-    b = qm__ref_map_find(&lfu->history, qm__bank_key(ref.bank));
+    b = qm__ref_map_find(&lfu->base.history, qm__bank_key(ref.bank));
     uint64_t now = ++b->clock;
     e->count = aged(lfu, e, now) + 1.0;
     e->clock = now;
@@ -70,7 +61,7 @@ static int lfu_choose_victim(void *ctx, const qm_expert_ref *candidates, size_t 
             clock_bank = candidates[i].bank;
             clock = bank_clock(lfu, clock_bank);
         }
-        const qm__ref_entry *e = qm__ref_map_find(&lfu->history, qm__ref_key(candidates[i]));
+        const qm__ref_entry *e = qm__ref_map_find(&lfu->base.history, qm__ref_key(candidates[i]));
         double count = e ? aged(lfu, e, clock) : 0.0;
         uint64_t tick = e ? e->last_tick : 0;
         /* Equal counts (e.g. all faded to 0): the least recent goes first. */
@@ -88,32 +79,40 @@ static void lfu_destroy(void *ctx)
 {
     lfu_ctx *lfu = ctx;
     if (!lfu) return;
-    qm__ref_map_free(&lfu->history);
-    qm_free(lfu->experts);
+    qm__split_release(&lfu->base);
     qm_free(lfu);
 }
 
 static const qm_policy_iface lfu_iface = {
     .version = QM_POLICY_IFACE_VERSION,
     .name = "lfu",
-    .decide = lfu_decide,
+    .decide = qm__split_decide,
     .on_access = lfu_on_access,
     .choose_victim = lfu_choose_victim,
     .destroy = lfu_destroy,
 };
 
-int qm__policy_lfu_new(const qm_policy_params *params, qm_policy *out, qm_status *st)
+static const qm_policy_param_spec lfu_params[] = {
+    {.name = "decay", .min = 0.0, .max = 1.0, .def = QM_POLICY_LFU_DEFAULT_DECAY,
+     .doc = "multiplicative decay of a count per access to its bank (1 = no aging)"},
+};
+
+static int lfu_new(const qm_policy_params *params, qm_policy *out, qm_status *st)
 {
-    double decay = QM_POLICY_LFU_DEFAULT_DECAY;
-    if (params && params->has_decay) decay = params->decay;
-    if (!(decay >= 0.0 && decay <= 1.0)) /* also rejects NaN */
-        return qm_status_set_field(st, QM_EINVAL, "policy_params.decay",
-                                   "decay %g is outside [0, 1]", decay);
-    lfu_ctx *lfu = qm_calloc(1, sizeof *lfu);
-    if (!lfu) return qm_status_set(st, QM_ENOMEM, "out of memory creating policy 'lfu'");
+    double decay = qm__policy_param(params, &qm__policy_lfu_desc, "decay");
+    lfu_ctx *lfu = qm__policy_alloc(&lfu_iface, sizeof *lfu, out, st);
+    if (!lfu) return QM_ENOMEM;
     lfu->decay = decay;
     lfu->log_decay = decay > 0.0 ? log(decay) : 0.0;
-    out->iface = &lfu_iface;
-    out->ctx = lfu;
     return 0;
 }
+
+const qm__policy_desc qm__policy_lfu_desc = {
+    .version = QM_POLICY_DESC_VERSION,
+    .name = "lfu",
+    .summary = "pages every expert; evicts the least frequently used, counts aged by decay",
+    .offered = 1,
+    .params = lfu_params,
+    .n_params = sizeof lfu_params / sizeof lfu_params[0],
+    .create = lfu_new,
+};

@@ -1,6 +1,7 @@
 /* qm_policy_lru.c - lru (evict the least recently used) and static_hot (pin
  * the hottest experts of a profile, page the rest under LRU). */
 #include "qm_residency.h"
+#include "qm_policy_impl.h"
 #include "qm_residency_impl.h"
 
 #include <math.h>
@@ -9,23 +10,13 @@
 #include "qm_alloc.h"
 
 typedef struct lru_ctx {
-    qm__ref_map history; /* last_tick = 1 + tick of the latest access; 0 = never */
-    uint32_t *experts;   /* decide()'s answer, valid until the next decide */
-    size_t experts_cap;
+    qm__split_base base; /* history: last_tick = 1 + tick of the latest access; 0 = never */
 } lru_ctx;
-
-static int lru_decide(void *ctx, const qm_policy_input *in, qm_residency_decision *out)
-{
-    lru_ctx *lru = ctx;
-    int rc = qm__decide_split_all(in, &lru->experts, &lru->experts_cap, out);
-    if (rc == 0 && out->kind == QM_DECISION_PER_EXPERT) qm__ref_map_reserve_bank(&lru->history, in);
-    return rc;
-}
 
 static void lru_touch(void *ctx, qm_expert_ref ref, uint64_t tick)
 {
     lru_ctx *lru = ctx;
-    qm__ref_entry *e = qm__ref_map_upsert(&lru->history, qm__ref_key(ref));
+    qm__ref_entry *e = qm__ref_map_upsert(&lru->base.history, qm__ref_key(ref));
     if (e) /* no memory: this expert just looks older than it is */
         e->last_tick = tick == UINT64_MAX ? tick : tick + 1;
 }
@@ -47,7 +38,7 @@ static int lru_choose_victim(void *ctx, const qm_expert_ref *candidates, size_t 
     size_t best = 0;
     uint64_t best_tick = UINT64_MAX;
     for (size_t i = 0; i < n; i++) {
-        const qm__ref_entry *e = qm__ref_map_find(&lru->history, qm__ref_key(candidates[i]));
+        const qm__ref_entry *e = qm__ref_map_find(&lru->base.history, qm__ref_key(candidates[i]));
         uint64_t t = e ? e->last_tick : 0;
         if (t < best_tick) {
             best_tick = t;
@@ -58,37 +49,36 @@ static int lru_choose_victim(void *ctx, const qm_expert_ref *candidates, size_t 
     return 0;
 }
 
-static void lru_ctx_release(lru_ctx *lru)
-{
-    qm__ref_map_free(&lru->history);
-    qm_free(lru->experts);
-}
-
 static void lru_destroy(void *ctx)
 {
     if (!ctx) return;
-    lru_ctx_release(ctx);
+    qm__split_release(ctx);
     qm_free(ctx);
 }
 
 static const qm_policy_iface lru_iface = {
     .version = QM_POLICY_IFACE_VERSION,
     .name = "lru",
-    .decide = lru_decide,
+    .decide = qm__split_decide,
     .on_access = lru_on_access,
     .on_insert = lru_on_insert,
     .choose_victim = lru_choose_victim,
     .destroy = lru_destroy,
 };
 
-int qm__policy_lru_new(qm_policy *out, qm_status *st)
+static int lru_new(const qm_policy_params *params, qm_policy *out, qm_status *st)
 {
-    lru_ctx *lru = qm_calloc(1, sizeof *lru);
-    if (!lru) return qm_status_set(st, QM_ENOMEM, "out of memory creating policy 'lru'");
-    out->iface = &lru_iface;
-    out->ctx = lru;
-    return 0;
+    (void)params;
+    return qm__policy_alloc(&lru_iface, sizeof(lru_ctx), out, st) ? 0 : QM_ENOMEM;
 }
+
+const qm__policy_desc qm__policy_lru_desc = {
+    .version = QM_POLICY_DESC_VERSION,
+    .name = "lru",
+    .summary = "pages every expert; evicts the least recently used",
+    .offered = 1,
+    .create = lru_new,
+};
 
 /* ---- static_hot ---------------------------------------------------------- */
 
@@ -107,7 +97,7 @@ typedef struct static_hot_ctx {
 static int static_hot_decide(void *ctx, const qm_policy_input *in, qm_residency_decision *out)
 {
     static_hot_ctx *sh = ctx;
-    int rc = lru_decide(&sh->lru, in, out);
+    int rc = qm__split_decide(sh, in, out);
     if (rc != 0 || out->kind != QM_DECISION_PER_EXPERT) return rc;
     uint32_t b = in->bank_id;
     if (b >= sh->n_hot_banks || !sh->hot_len[b])
@@ -157,7 +147,7 @@ static void static_hot_destroy(void *ctx)
     qm_free(sh->hot_len);
     qm_free(sh->pinned);
     qm_free(sh->seen);
-    lru_ctx_release(&sh->lru);
+    qm__split_release(&sh->lru.base);
     qm_free(sh);
 }
 
@@ -171,15 +161,15 @@ static const qm_policy_iface static_hot_iface = {
     .destroy = static_hot_destroy,
 };
 
-int qm__policy_static_hot_new(const qm_policy_params *params, qm_policy *out, qm_status *st)
+static const qm_policy_param_spec static_hot_params[] = {
+    {.name = "pin_fraction", .min = 0.0, .max = 1.0, .def = QM_POLICY_DEFAULT_PIN_FRACTION,
+     .doc = "share of the budget for pins, split evenly between banks with a hot list"},
+};
+
+static int static_hot_new(const qm_policy_params *params, qm_policy *out, qm_status *st)
 {
-    double fraction = QM_POLICY_DEFAULT_PIN_FRACTION;
-    if (params && (params->has_pin_fraction || params->pin_fraction > 0))
-        fraction = params->pin_fraction;
-    if (!(fraction >= 0.0 && fraction <= 1.0)) /* also rejects NaN */
-        return qm_status_set_field(st, QM_EINVAL, "policy_params.pin_fraction",
-                                   "pin_fraction %g is outside [0, 1]", fraction);
-    size_t n_banks = params && params->hot && params->hot_len ? params->n_hot_banks : 0;
+    double fraction = qm__policy_param(params, &qm__policy_static_hot_desc, "pin_fraction");
+    size_t n_banks = params->hot && params->hot_len ? params->n_hot_banks : 0;
     static_hot_ctx *sh = qm_calloc(1, sizeof *sh);
     if (!sh) goto fail_ctx;
     sh->pin_fraction = fraction;
@@ -208,3 +198,15 @@ fail_copy:
 fail_ctx:
     return qm_status_set(st, QM_ENOMEM, "out of memory creating policy 'static_hot'");
 }
+
+const qm__policy_desc qm__policy_static_hot_desc = {
+    .version = QM_POLICY_DESC_VERSION,
+    .name = "static_hot",
+    .summary = "pins the hottest experts (policy_params.hot or the saved profile) up to "
+               "pin_fraction of the budget; pages the rest under LRU",
+    .offered = 1,
+    .accepts_hot = 1,
+    .params = static_hot_params,
+    .n_params = sizeof static_hot_params / sizeof static_hot_params[0],
+    .create = static_hot_new,
+};

@@ -107,8 +107,6 @@ typedef struct qm_residency_decision {
 
 /* ---- Policies ------------------------------------------------------------ */
 
-#define QM_POLICY_IFACE_VERSION 1
-
 typedef struct qm_policy_input {
     uint32_t bank_id;
     const qm_region_catalog *catalog;
@@ -122,35 +120,11 @@ typedef struct qm_expert_ref {
     uint32_t expert;
 } qm_expert_ref;
 
-/* A residency policy: decisions at plan time, eviction choices at run time.
- * Bookkeeping (pins, accounting, slots, copies) stays with the caller; the
- * policy only ranks and picks. Every answer is validated by the caller.
- * A policy instance keeps per-session history and is not thread-safe: make
- * one per session and serialise its calls (plans, once made, are immutable
- * and may be read from any thread). */
-typedef struct qm_policy_iface {
-    int version; /* QM_POLICY_IFACE_VERSION; checked by qm_policy_init */
-    const char *name;
-    /* Plan time. Fills *out (zeroed by the caller). Returns 0, or a negative
-     * code: the planner then degrades the bank (rejected_by_validation). */
-    int (*decide)(void *ctx, const qm_policy_input *in, qm_residency_decision *out);
-    /* Run time (optional; default: LRU kept by the caller). `tick` increases
-     * by one per access of a session. The caller calls, for every access,
-     * on_access first (hit or miss); then, on a miss with no free slot,
-     * choose_victim followed by on_evict of the victim; then on_insert of the
-     * new expert. These hooks are called per miss: the shipped ones are O(1)
-     * (on_*) and O(n candidates) (choose_victim), and never fail; under
-     * memory pressure they may forget history, never misbehave. */
-    void (*on_access)(void *ctx, qm_expert_ref ref, uint64_t tick, int hit);
-    void (*on_insert)(void *ctx, qm_expert_ref ref, uint64_t tick);
-    void (*on_evict)(void *ctx, qm_expert_ref ref);
-    /* Picks the victim among `candidates` (all evictable: resident, unpinned,
-     * not in use). Writes its index to *victim; returns 0, or negative to
-     * refuse. The caller checks the index and falls back to LRU if invalid. */
-    int (*choose_victim)(void *ctx, const qm_expert_ref *candidates, size_t n, size_t *victim);
-    /* Optional: releases ctx. */
-    void (*destroy)(void *ctx);
-} qm_policy_iface;
+/* A residency policy: its interface (qm_policy_impl.h, private to
+ * residency/: what a policy implements) and its own state. Made by
+ * qm_policy_new, used through the wrappers below, freed by
+ * qm_policy_destroy. One per session; not thread-safe. */
+typedef struct qm_policy_iface qm_policy_iface;
 
 typedef struct qm_policy {
     const qm_policy_iface *iface;
@@ -170,35 +144,69 @@ int qm_policy_choose_victim(const qm_policy *policy, const qm_expert_ref *candid
                             size_t *victim);
 void qm_policy_destroy(qm_policy *policy); /* accepts NULL / NULL iface */
 
-/* Shipped policies. Parameters come from policy_params of session.create. */
-#define QM_POLICY_LFU_DEFAULT_DECAY 0.999
-#define QM_POLICY_DEFAULT_PIN_FRACTION 0.5
+/* ---- The policy registry ------------------------------------------------ */
+
+/* Parameters of qm_policy_new. Numeric knobs are given by name, so a knob
+ * that is listed is given (0 included) and one that is not takes the
+ * policy's default; which knobs a policy accepts, their ranges and defaults
+ * are declared by the policy itself (qm_policy_param_count/_at). */
+#define QM_POLICY_PARAMS_VERSION 2
+
+typedef struct qm_policy_value {
+    const char *name; /* "decay", "pin_fraction", ... */
+    double value;
+} qm_policy_value;
 
 typedef struct qm_policy_params {
-    int has_decay;
-    /* lfu: multiplicative decay of an expert's count per access to its bank
-     * (the policy keeps one clock per bank, so aging does not depend on the
-     * number of layers). 1 = no aging, 0 = only the latest access counts.
-     * Default QM_POLICY_LFU_DEFAULT_DECAY. Outside [0, 1] -> QM_EINVAL. */
-    double decay;
-    /* static_hot: share of the budget for pins, [0, 1]. Used when
-     * has_pin_fraction is set, or when it is > 0 (so a zeroed struct means
-     * the default, QM_POLICY_DEFAULT_PIN_FRACTION). The share is split evenly
-     * between the banks that have a non-empty hot list. */
-    double pin_fraction;
-    /* static_hot: hottest-first expert lists per bank; hot[b] may be NULL. */
+    int version; /* QM_POLICY_PARAMS_VERSION; anything else -> QM_EINVAL */
+    const qm_policy_value *values;
+    size_t n_values;
+    /* static_hot: hottest-first expert lists per bank; hot[b] may be NULL.
+     * Only policies that accept "hot" take them (qm_policy_accepts_hot). */
     const uint32_t *const *hot;
     const size_t *hot_len;
     size_t n_hot_banks;
-    int has_pin_fraction; /* added after v1 of this header; see pin_fraction */
 } qm_policy_params;
 
-/* name: "whole_bank", "lru", "lfu", "static_hot" (and "belady" via
- * qm_policy_belady_new). Unknown name -> QM_EINVAL naming the supported ones.
- * `params` may be NULL. The policy owns copies of everything it keeps. */
+#define QM_POLICY_LFU_DEFAULT_DECAY 0.999
+#define QM_POLICY_DEFAULT_PIN_FRACTION 0.5
+#define QM_POLICY_NEXT_USE_DEFAULT_DECAY 0.99
+
+/* name: one of the registered policies (qm_policy_names); NULL means
+ * "whole_bank". Unknown name, a policy that cannot be made from parameters
+ * (belady), a wrong params version, a knob the policy does not accept or out
+ * of its range -> QM_EINVAL with st->field naming it ("policy",
+ * "policy_params.decay", ...). `params` may be NULL (every default). The
+ * policy owns copies of everything it keeps. */
 int qm_policy_new(const char *name, const qm_policy_params *params, qm_policy *out, qm_status *st);
-/* "whole_bank, static_hot, lru, lfu" - the names offered over the socket. */
-const char *qm_policy_supported_names(void);
+
+/* The checks qm_policy_new makes, without making the policy, for policies
+ * offered over the socket only: with params NULL only the name is checked
+ * ("policy 'x' is not supported; supported: ..."). The daemon's checks. */
+int qm_policy_params_check(const char *name, const qm_policy_params *params, qm_status *st);
+
+/* Writes the names of the policies offered over the socket, in registry
+ * order, comma-separated ("whole_bank, static_hot, lru, lfu, ..."); returns
+ * the length it needed (like snprintf). */
+size_t qm_policy_names(char *buf, size_t cap);
+
+/* Introspection, for help texts and the wire decoder. */
+typedef struct qm_policy_param_spec qm_policy_param_spec; /* name, min, max, def, integer, doc */
+size_t qm_policy_count(void); /* registered policies, offered or not */
+const char *qm_policy_name_at(size_t i);
+const char *qm_policy_summary_at(size_t i);
+int qm_policy_offered_at(size_t i);
+/* The numeric knobs policy i accepts. */
+size_t qm_policy_param_count(size_t i);
+const qm_policy_param_spec *qm_policy_param_at(size_t i, size_t j);
+const char *qm_policy_param_name(const qm_policy_param_spec *spec);
+void qm_policy_param_range(const qm_policy_param_spec *spec, double *min, double *max, double *def,
+                           int *integer);
+/* The spec of knob `name` as any offered policy declares it; NULL when none
+ * does. `n` bytes of `name` are compared (no terminator needed). */
+const qm_policy_param_spec *qm_policy_param_find(const char *name, size_t n);
+/* 1 when policy `name` takes policy_params.hot. */
+int qm_policy_accepts_hot(const char *name);
 
 /* Belady's MIN, for tests and benchmarks only (not offered over the socket):
  * knows the whole future access sequence `future[0..n)` (copied). Splits

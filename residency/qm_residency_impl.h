@@ -1,6 +1,6 @@
-/* qm_residency_impl.h - private to residency/: the shipped policies'
- * constructors and the (bank, expert) -> history map their run-time hooks
- * share. Not installed, not included outside this folder. */
+/* qm_residency_impl.h - private to residency/: the (bank, expert) ->
+ * history map the shipped policies' run-time hooks share, and their helpers
+ * (the plug-in interface itself is qm_policy_impl.h). Not installed, not included outside this folder. */
 #ifndef QM_RESIDENCY_IMPL_H
 #define QM_RESIDENCY_IMPL_H
 
@@ -8,6 +8,7 @@
 #include <stdint.h>
 
 #include "qm_residency.h"
+#include "qm_policy_impl.h"
 
 /* The catalog's reason, set or computed, with a detail for computed ones
  * ("expert 3 has no region"). */
@@ -24,6 +25,8 @@ typedef struct qm__ref_entry {
     uint64_t last_tick;
     uint64_t clock;
     double count;
+    uint64_t visit; /* layer-aware policies: its bank's visit number at its latest use */
+    double aux;     /* next_use, per bank: summed reuse estimates of its latest visit */
     int used;
 } qm__ref_entry;
 
@@ -57,12 +60,24 @@ qm__ref_entry *qm__ref_map_find(const qm__ref_map *map, uint64_t key);
 qm__ref_entry *qm__ref_map_upsert(qm__ref_map *map, uint64_t key);
 void qm__ref_map_free(qm__ref_map *map);
 
-/* ---- Shipped policies (qm_policy_new dispatches here) -------------------- */
+/* ---- Helpers of the shipped policies ------------------------------------- */
 
-int qm__policy_whole_bank_new(qm_policy *out, qm_status *st);
-int qm__policy_lru_new(qm_policy *out, qm_status *st);
-int qm__policy_lfu_new(const qm_policy_params *params, qm_policy *out, qm_status *st);
-int qm__policy_static_hot_new(const qm_policy_params *params, qm_policy *out, qm_status *st);
+/* What every splitting policy keeps: run-time history and decide()'s answer.
+ * A policy whose ctx starts with one uses qm__split_decide as its decide
+ * method and qm__split_release in its destroy. */
+typedef struct qm__split_base {
+    qm__ref_map history;
+    uint32_t *experts; /* decide()'s answer, valid until the next decide */
+    size_t experts_cap;
+} qm__split_base;
+
+/* decide() of the splitting policies (ctx starts with a qm__split_base):
+ * every expert of a pageable bank, history reserved for them. */
+int qm__split_decide(void *ctx, const qm_policy_input *in, qm_residency_decision *out);
+void qm__split_release(qm__split_base *base);
+/* A zeroed ctx of `size` bytes for `iface`, installed in *out; NULL (with
+ * "out of memory creating policy '<name>'" in st) when it cannot be had. */
+void *qm__policy_alloc(const qm_policy_iface *iface, size_t size, qm_policy *out, qm_status *st);
 
 /* Shared by the splitting policies: a per-expert decision listing every
  * expert of a pageable bank (whole-bank for a non-pageable one, so the
@@ -73,5 +88,41 @@ int qm__decide_split_all(const qm_policy_input *in, uint32_t **scratch, size_t *
 /* Reserves history for a bank's experts so run-time hooks rarely allocate;
  * best effort (a failure only means the hooks allocate later). */
 void qm__ref_map_reserve_bank(qm__ref_map *map, const qm_policy_input *in);
+
+/* ---- Layer phase: when is a bank next visited? -------------------------- */
+
+/* MoE routing visits the banks in a cycle (layer 0..L-1, then the next
+ * token). The clock learns each bank's visit period from its own history
+ * (per bank in the map, qm__bank_key: clock = visits so far, last_tick =
+ * tick the latest visit started, count = smoothed ticks between visits), so
+ * no visiting order is assumed. A visit starts when an access goes to
+ * another bank than the one before. */
+typedef struct qm__layer_clock {
+    uint64_t now;      /* tick of the latest access */
+    uint32_t cur_bank; /* the bank being visited */
+    int has_cur;
+    double period_all; /* smoothed period over every bank: for a bank seen once */
+} qm__layer_clock;
+
+/* Notes an access to `bank` at `tick`; returns the bank's visit number (0
+ * when its entry cannot be kept: no memory). */
+uint64_t qm__layer_clock_access(qm__layer_clock *lc, qm__ref_map *map, uint32_t bank,
+                                uint64_t tick);
+
+typedef struct qm__bank_phase {
+    double until;    /* ticks until the bank's next visit (>= 0) */
+    double period;   /* ticks between its visits (> 0) */
+    uint64_t visits; /* its visits so far */
+    int current;     /* it is the bank being visited */
+} qm__bank_phase;
+
+void qm__layer_clock_phase(const qm__layer_clock *lc, const qm__ref_map *map, uint32_t bank,
+                           qm__bank_phase *out);
+/* Visits of the bank an expert last used at visit `visit` has had since
+ * without it (the visit in progress not counted). */
+uint64_t qm__visits_since(const qm__bank_phase *ph, uint64_t visit);
+/* Layered-LRU's estimate of the ticks until that expert is used again:
+ * until + period * visits_since (recency counted in its own bank's visits). */
+double qm__layered_next_use(const qm__bank_phase *ph, uint64_t visit);
 
 #endif

@@ -11,6 +11,8 @@ routed_experts layout, so a trace from there is a header away.
     qmoe_trace.py to-jsonl t.qmtr t.jsonl
     qmoe_trace.py from-jsonl t.jsonl t2.qmtr
     qmoe_trace.py info t.qmtr
+    qmoe_trace.py gen-real --out r.qmtr --tokens 4000 --layers 32 --experts 8 --k 2 --seed 1
+    qmoe_trace.py stats r.qmtr
 
 Only the Python standard library is used.
 """
@@ -121,6 +123,18 @@ def _parse_alpha(text, layers):
     return vals
 
 
+def _put_row(ids, weights, o, pick, rng):
+    """Writes one (token, layer) row; with weights, k random descending
+    weights summing to 1 (drawn after the ids, so ids do not depend on it)."""
+    for j, e in enumerate(pick):
+        ids[o + j] = e
+    if weights is not None:
+        raw = sorted((rng.random() + 0.05 for _ in range(len(pick))), reverse=True)
+        s = sum(raw)
+        for j, w in enumerate(raw):
+            weights[o + j] = w / s
+
+
 def generate(tokens, layers, experts, k, alpha, locality, seed, with_weights=False):
     """The model (docs/TRACES.md): per layer, a seeded random permutation maps
     popularity rank r (1-based) to an expert; P(rank r) ~ r^-alpha. Token 0 and,
@@ -171,17 +185,141 @@ def generate(tokens, layers, experts, k, alpha, locality, seed, with_weights=Fal
                                 break
                 pick = chosen
             prev[l] = pick
-            o = (t * layers + l) * k
-            for j, e in enumerate(pick):
-                ids[o + j] = e
-            if weights is not None:
-                raw = sorted((rng.random() + 0.05 for _ in range(k)), reverse=True)
-                s = sum(raw)
-                for j in range(k):
-                    weights[o + j] = raw[j] / s
+            _put_row(ids, weights, (t * layers + l) * k, pick, rng)
     meta = {"generator": "qmoe_trace.py", "model": "zipf+locality", "alpha": alphas,
             "locality": locality, "seed": seed}
     return Trace(tokens, layers, k, experts, ids, weights, meta)
+
+
+def generate_realistic(tokens, layers, experts, k, seed, reuse_top1=0.13, reuse_any=0.05,
+                       alpha_lo=0.1, alpha_hi=0.7, drift=0.03, topic_tokens=250.0,
+                       topic_strength=0.5, with_weights=False):
+    """Routing shaped like a real MoE's (docs/TRACES.md, "The realistic model").
+
+    Per layer l: a log-popularity vector from a Zipf law with its own skew
+    alpha_l (uniform in [alpha_lo, alpha_hi]) over its own permutation, so
+    hot experts and skew differ per layer. Popularity drifts: every token
+    each log-popularity takes a mean-reverting random step (sd `drift`), and
+    "topics" change after a geometric number of tokens (mean
+    `topic_tokens`), each topic boosting a random quarter of every layer's
+    experts by up to `topic_strength` (in log space). A token keeps the
+    previous token's top-1 expert of that layer with probability
+    `reuse_top1`, else draws its top-1 from the popularity; each further
+    route reuses one of the previous token's experts with probability
+    `reuse_any`, else draws from the popularity (k distinct experts, top-1
+    first). The defaults give Mixtral's published figures for E=8, k=2
+    (consecutive tokens share their top-1 ~25% of the time, >= 1 expert
+    ~60%); `stats` measures them."""
+    import math
+    if not 1 <= k <= experts:
+        raise TraceError("k=%d must be in [1, experts=%d]" % (k, experts))
+    for name, v in (("reuse_top1", reuse_top1), ("reuse_any", reuse_any)):
+        if not 0.0 <= v <= 1.0:
+            raise TraceError("--%s must be in [0, 1]" % name.replace("_", "-"))
+    if alpha_lo < 0 or alpha_hi < alpha_lo or drift < 0 or topic_tokens < 1:
+        raise TraceError("bad realistic-model parameters")
+    rng = random.Random(seed)
+    base, alphas = [], []
+    for l in range(layers):
+        a = rng.uniform(alpha_lo, alpha_hi)
+        perm = list(range(experts))
+        rng.shuffle(perm)
+        logp = [0.0] * experts
+        for r, e in enumerate(perm):
+            logp[e] = -a * math.log(r + 1)
+        base.append(logp)
+        alphas.append(round(a, 4))
+    cur = [list(b) for b in base]
+    topic = [[0.0] * experts for _ in range(layers)]
+
+    def new_topic():
+        for l in range(layers):
+            boosted = set(rng.sample(range(experts), max(1, experts // 4)))
+            topic[l] = [rng.uniform(0.3, 1.0) * topic_strength if e in boosted else 0.0
+                        for e in range(experts)]
+
+    new_topic()
+    ids = array("h", [0]) * (tokens * layers * k)
+    weights = array("f", [0.0]) * (tokens * layers * k) if with_weights else None
+    prev = [None] * layers
+    for t in range(tokens):
+        if t and rng.random() < 1.0 / topic_tokens:
+            new_topic()
+        for l in range(layers):
+            c, b, tp = cur[l], base[l], topic[l]
+            for e in range(experts):  # mean-reverting drift around the layer's law
+                c[e] += 0.02 * (b[e] - c[e]) + rng.gauss(0.0, drift)
+            w = [math.exp(c[e] + tp[e]) for e in range(experts)]
+
+            def draw(exclude):
+                tot = sum(w[e] for e in range(experts) if e not in exclude)
+                u = rng.random() * tot
+                last = None
+                for e in range(experts):
+                    if e in exclude:
+                        continue
+                    last = e
+                    u -= w[e]
+                    if u <= 0:
+                        return e
+                return last
+
+            p = prev[l]
+            if p is not None and rng.random() < reuse_top1:
+                pick = [p[0]]
+            else:
+                pick = [draw(())]
+            while len(pick) < k:
+                pool = [e for e in (p or []) if e not in pick]
+                if pool and rng.random() < reuse_any:
+                    pick.append(pool[rng.randrange(len(pool))])
+                else:
+                    pick.append(draw(pick))
+            prev[l] = pick
+            _put_row(ids, weights, (t * layers + l) * k, pick, rng)
+    meta = {"generator": "qmoe_trace.py", "model": "realistic", "alpha": alphas, "seed": seed,
+            "reuse_top1": reuse_top1, "reuse_any": reuse_any, "drift": drift,
+            "topic_tokens": topic_tokens, "topic_strength": topic_strength}
+    return Trace(tokens, layers, k, experts, ids, weights, meta)
+
+
+def stats(tr, window=None):
+    """Routing statistics to compare with published figures: how often
+    consecutive tokens keep the top-1 expert of a layer (and the chance
+    level, 1/E), share >= 1 expert, and how popularity differs per layer and
+    drifts (total-variation distance between a layer's expert histogram in
+    the first and second half, averaged; and between layers)."""
+    L, k, E, T = tr.layers, tr.k, tr.experts, tr.tokens
+    same1 = share = pairs = 0
+    for t in range(1, T):
+        for l in range(L):
+            a, b = tr.row(t - 1, l), tr.row(t, l)
+            if a[0] < 0 or b[0] < 0:
+                continue
+            pairs += 1
+            same1 += a[0] == b[0]
+            share += bool(set(x for x in a if x >= 0) & set(x for x in b if x >= 0))
+
+    def hist(l, t0, t1):
+        h = [0] * E
+        for t in range(t0, t1):
+            for e in tr.row(t, l):
+                if e >= 0:
+                    h[e] += 1
+        n = float(sum(h)) or 1.0
+        return [x / n for x in h]
+
+    def tv(p, q):
+        return 0.5 * sum(abs(x - y) for x, y in zip(p, q))
+
+    half = T // 2
+    drift = sum(tv(hist(l, 0, half), hist(l, half, T)) for l in range(L)) / L if T > 1 else 0.0
+    whole = [hist(l, 0, T) for l in range(L)]
+    between = (sum(tv(whole[i], whole[j]) for i in range(L) for j in range(i + 1, L)) /
+               (L * (L - 1) / 2)) if L > 1 else 0.0
+    return {"top1_reuse": same1 / pairs if pairs else 0.0, "chance_top1": 1.0 / E,
+            "share_any": share / pairs if pairs else 0.0, "drift_tv": drift,
+            "layer_tv": between}
 
 
 def to_jsonl(tr, path):
@@ -244,6 +382,27 @@ def main(argv=None):
                    help="probability a token reuses the previous token's experts")
     g.add_argument("--seed", type=int, default=1)
     g.add_argument("--weights", action="store_true", help="also store gate weights")
+    r = sub.add_parser("gen-real", help="generate a trace shaped like real routing (drifting "
+                       "per-layer popularity, token-to-token expert reuse)")
+    r.add_argument("--out", required=True)
+    r.add_argument("--tokens", type=int, default=4000)
+    r.add_argument("--layers", type=int, default=32)
+    r.add_argument("--experts", type=int, default=8)
+    r.add_argument("--k", type=int, default=2)
+    r.add_argument("--seed", type=int, default=1)
+    r.add_argument("--reuse-top1", type=float, default=0.13,
+                   help="probability a token keeps the previous token's top-1 expert")
+    r.add_argument("--reuse-any", type=float, default=0.05,
+                   help="probability each further route reuses one of the previous token's")
+    r.add_argument("--drift", type=float, default=0.03, help="sd of the per-token popularity walk")
+    r.add_argument("--topic-tokens", type=float, default=250.0, help="mean tokens per topic")
+    r.add_argument("--alpha-lo", type=float, default=0.1, help="least per-layer Zipf skew")
+    r.add_argument("--alpha-hi", type=float, default=0.7, help="largest per-layer Zipf skew")
+    r.add_argument("--topic-strength", type=float, default=0.5,
+                   help="largest log-popularity boost of a topic's experts")
+    r.add_argument("--weights", action="store_true", help="also store gate weights")
+    st = sub.add_parser("stats", help="routing statistics of a trace (reuse, drift)")
+    st.add_argument("src")
     a = sub.add_parser("to-jsonl", help="binary -> JSON lines")
     a.add_argument("src")
     a.add_argument("dst")
@@ -258,6 +417,15 @@ def main(argv=None):
             tr = generate(args.tokens, args.layers, args.experts, args.k, args.alpha,
                           args.locality, args.seed, args.weights)
             write_trace(args.out, tr)
+        elif args.cmd == "gen-real":
+            tr = generate_realistic(args.tokens, args.layers, args.experts, args.k, args.seed,
+                                    reuse_top1=args.reuse_top1, reuse_any=args.reuse_any,
+                                    alpha_lo=args.alpha_lo, alpha_hi=args.alpha_hi,
+                                    drift=args.drift, topic_tokens=args.topic_tokens,
+                                    topic_strength=args.topic_strength, with_weights=args.weights)
+            write_trace(args.out, tr)
+        elif args.cmd == "stats":
+            print(json.dumps(stats(read_trace(args.src)), sort_keys=True))
         elif args.cmd == "to-jsonl":
             to_jsonl(read_trace(args.src), args.dst)
         elif args.cmd == "from-jsonl":

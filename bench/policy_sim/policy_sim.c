@@ -10,8 +10,9 @@
  * ascending order, as qm_moe_forward asks for them.
  *
  *   policy_sim                         built-in trace matrix, Markdown tables
- *   policy_sim --trace FILE [...]      one trace file (tools/qmoe_trace.py)
- * Options: --tokens N --expert-mib M --predict-acc Q --seed S --quick */
+ *   policy_sim --trace FILE [...]      one trace: .qmtr, JSON lines or .npy (sim_readers.c)
+ * Options: --tokens N --expert-mib M --predict-acc Q --seed S --quick --experts E
+ *          --policies a,b --lfu-decay D --next-use-decay D --pin-fraction F --no-prefetch */
 #include <math.h>
 #include <stdint.h>
 #include <stdio.h>

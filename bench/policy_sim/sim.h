@@ -29,6 +29,14 @@ typedef struct sim_result {
 int sim_trace_generate(sim_trace *tr, uint32_t tokens, uint32_t layers, uint32_t experts,
                        uint32_t k, double alpha, double locality, uint64_t seed);
 int sim_trace_load(const char *path, sim_trace *tr, char *err, size_t err_cap);
+/* sim_readers.c: a .npy [tokens, layers, k] integer array (vLLM's
+ * routed_experts; `experts` 0 = largest id + 1) and the JSON-lines form of
+ * docs/TRACES.md; _any picks by content (.npy magic, '{', else .qmtr). */
+int sim_trace_load_npy(const char *path, uint32_t experts, sim_trace *tr, char *err,
+                       size_t err_cap);
+int sim_trace_load_jsonl(const char *path, sim_trace *tr, char *err, size_t err_cap);
+int sim_trace_load_any(const char *path, uint32_t experts, sim_trace *tr, char *err,
+                       size_t err_cap);
 void sim_trace_free(sim_trace *tr);
 /* The access sequence of tokens [t0, t1): per (token, layer) its distinct
  * experts ascending. Caller frees *out with free(). */

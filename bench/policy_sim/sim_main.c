@@ -9,16 +9,18 @@
 #include "sim.h"
 
 typedef struct sim_opts {
-    uint32_t tokens;
+    uint32_t tokens, experts; /* experts: of a .npy trace, 0 = largest id + 1 */
     double expert_mib;
     double predict_acc;
-    double lfu_decay, pin_fraction; /* < 0: the policy's default */
+    double lfu_decay, pin_fraction, next_use_decay; /* < 0: the policy's default */
     uint64_t seed;
-    int quick;
+    int quick, no_prefetch;
 } sim_opts;
 
-static const char *const k_policies[] = {"belady", "lru", "lfu", "static_hot"};
-enum { N_POLICIES = 4 };
+/* belady first (the yardstick), then the policies compared (--policies). */
+static const char *k_policies[16] = {"belady", "lru", "lfu", "static_hot", "arc", "layered_lru",
+                                     "next_use"};
+static int N_POLICIES = 7;
 static const double k_budgets[] = {0.10, 0.25, 0.50, 0.75};
 enum { N_BUDGETS = 4 };
 
@@ -132,16 +134,15 @@ static int new_policy(const char *name, const sim_trace *tr, uint32_t t0, uint32
         free(fut);
         return rc;
     }
-    qm_policy_params pp = {0};
-    if (!strcmp(name, "lfu") && g_opts->lfu_decay >= 0) {
-        pp.has_decay = 1;
-        pp.decay = g_opts->lfu_decay;
-    }
+    qm_policy_value vals[2];
+    qm_policy_params pp = {.version = QM_POLICY_PARAMS_VERSION, .values = vals};
+    if (!strcmp(name, "lfu") && g_opts->lfu_decay >= 0)
+        vals[pp.n_values++] = (qm_policy_value){"decay", g_opts->lfu_decay};
+    if (!strcmp(name, "next_use") && g_opts->next_use_decay >= 0)
+        vals[pp.n_values++] = (qm_policy_value){"decay", g_opts->next_use_decay};
     if (!strcmp(name, "static_hot")) {
-        if (g_opts->pin_fraction >= 0) {
-            pp.has_pin_fraction = 1;
-            pp.pin_fraction = g_opts->pin_fraction;
-        }
+        if (g_opts->pin_fraction >= 0)
+            vals[pp.n_values++] = (qm_policy_value){"pin_fraction", g_opts->pin_fraction};
         pp.hot = (const uint32_t *const *)hot->hot;
         pp.hot_len = hot->len;
         pp.n_hot_banks = tr->layers;
@@ -234,7 +235,7 @@ static int policy_table(const char *label, const sim_trace *tr, const sim_opts *
     uint64_t unit = (uint64_t)(o->expert_mib * 1048576.0);
     for (int b = 0; b < N_BUDGETS; b++) {
         uint32_t cap = cap_of(tr, k_budgets[b]);
-        sim_result res[N_POLICIES];
+        sim_result res[16] = {{0}};
         for (int p = 0; p < N_POLICIES; p++)
             if (run_one(k_policies[p], tr, cap, unit, &hot, NULL, &res[p])) {
                 free_hot(&hot);
@@ -249,12 +250,12 @@ static int policy_table(const char *label, const sim_trace *tr, const sim_opts *
         if (b == 2 && best_frac < *worst50)
             *worst50 = best_frac;
         double gb = (double)res[best].misses * (double)unit / 1e9;
-        printf("| %s | %.0f%% (%u) | %.1f | %.1f | %.1f (%.0f) | %.1f (%.0f) | %.1f (%.0f) | %s %.1f%% | "
-               "%.1f / %.1f | %.2f / %.2f |\n",
-               label, 100 * k_budgets[b], cap, pct(res[0].hits, acc), static_oracle(tr, cap), pct(res[1].hits, acc),
-               pct(res[1].hits, res[0].hits), pct(res[2].hits, acc), pct(res[2].hits, res[0].hits),
-               pct(res[3].hits, acc), pct(res[3].hits, res[0].hits), k_policies[best], best_frac,
-               gb, (double)res[0].misses * (double)unit / 1e9, gb / 25.0, gb / 55.0);
+        printf("| %s | %.0f%% (%u) | %.1f | %.1f |", label, 100 * k_budgets[b], cap,
+               pct(res[0].hits, acc), static_oracle(tr, cap));
+        for (int p = 1; p < N_POLICIES; p++)
+            printf(" %.1f (%.0f) |", pct(res[p].hits, acc), pct(res[p].hits, res[0].hits));
+        printf(" %s %.1f%% | %.1f / %.1f | %.2f / %.2f |\n", k_policies[best], best_frac, gb,
+               (double)res[0].misses * (double)unit / 1e9, gb / 25.0, gb / 55.0);
     }
     free_hot(&hot);
     return 0;
@@ -267,9 +268,9 @@ static int prefetch_table(const char *label, const sim_trace *tr, const sim_opts
     if (make_hot(tr, tr->tokens / 2, &hot))
         return -1;
     uint64_t unit = (uint64_t)(o->expert_mib * 1048576.0);
-    const char *pols[] = {"lru", "lfu"};
+    const char *pols[] = {"lru", "lfu", "next_use"};
     const double fr[] = {0.25, 0.50};
-    for (int p = 0; p < 2; p++) {
+    for (int p = 0; p < 3; p++) {
         for (int b = 0; b < 2; b++) {
             uint32_t cap = cap_of(tr, fr[b]);
             sim_prefetch none = {0}, hist = {.history = 1, .seed = o->seed},
@@ -306,14 +307,16 @@ static int prefetch_table(const char *label, const sim_trace *tr, const sim_opts
 
 static void usage(void)
 {
-    fprintf(stderr, "usage: policy_sim [--trace FILE] [--tokens N] [--expert-mib M] "
-                    "[--predict-acc Q] [--lfu-decay D] [--pin-fraction F] [--seed S] [--quick]\n");
+    fprintf(stderr, "usage: policy_sim [--trace FILE.qmtr|.npy|.jsonl [--experts E]] [--tokens N] "
+                    "[--expert-mib M] "
+                    "[--predict-acc Q] [--lfu-decay D] [--next-use-decay D] [--pin-fraction F] "
+                    "[--policies a,b,...] [--seed S] [--quick] [--no-prefetch]\n");
 }
 
 int main(int argc, char **argv)
 {
     sim_opts o = {.tokens = 4000, .expert_mib = 84.0, .predict_acc = 0.85, .seed = 1,
-                  .lfu_decay = -1, .pin_fraction = -1};
+                  .lfu_decay = -1, .pin_fraction = -1, .next_use_decay = -1};
     g_opts = &o;
     const char *trace_path = NULL;
     for (int i = 1; i < argc; i++) {
@@ -321,6 +324,10 @@ int main(int argc, char **argv)
         const char *v = i + 1 < argc ? argv[i + 1] : NULL;
         if (!strcmp(a, "--quick")) {
             o.quick = 1;
+            continue;
+        }
+        if (!strcmp(a, "--no-prefetch")) { /* only the policy table */
+            o.no_prefetch = 1;
             continue;
         }
         if (!v) {
@@ -337,7 +344,22 @@ int main(int argc, char **argv)
             o.predict_acc = strtod(v, NULL);
         else if (!strcmp(a, "--lfu-decay"))
             o.lfu_decay = strtod(v, NULL);
-        else if (!strcmp(a, "--pin-fraction"))
+        else if (!strcmp(a, "--experts"))
+            o.experts = (uint32_t)strtoul(v, NULL, 10);
+        else if (!strcmp(a, "--next-use-decay"))
+            o.next_use_decay = strtod(v, NULL);
+        else if (!strcmp(a, "--policies")) {
+            /* belady stays first: every column is measured against it */
+            static char list[256];
+            snprintf(list, sizeof list, "%s", v);
+            N_POLICIES = 1;
+            for (char *tok = strtok(list, ","); tok && N_POLICIES < 16; tok = strtok(NULL, ","))
+                if (strcmp(tok, "belady") != 0) k_policies[N_POLICIES++] = tok;
+            if (N_POLICIES < 2) {
+                usage();
+                return 2;
+            }
+        } else if (!strcmp(a, "--pin-fraction"))
             o.pin_fraction = strtod(v, NULL);
         else if (!strcmp(a, "--seed"))
             o.seed = strtoull(v, NULL, 10);
@@ -357,10 +379,17 @@ int main(int argc, char **argv)
            "static_hot pin_fraction %s, seed %llu; pin loads count as misses\n\n",
            o.tokens, o.expert_mib, o.predict_acc, o.lfu_decay < 0 ? "default" : argv_decay,
            o.pin_fraction < 0 ? "default" : argv_pin, (unsigned long long)o.seed);
-    const char *head =
-        "| trace | budget (slots) | belady hit% | hindsight top-C hit% | lru hit% (%MIN) | "
-        "lfu hit% (%MIN) | static_hot hit% (%MIN) | best shipped (%MIN) | GB moved best / MIN | "
-        "transfer s @25 / @55 GB/s |\n|---|---|---|---|---|---|---|---|---|---|\n";
+    char head[1024];
+    size_t hl = (size_t)snprintf(head, sizeof head,
+                                 "| trace | budget (slots) | belady hit%% | hindsight top-C hit%% |");
+    for (int p = 1; p < N_POLICIES; p++)
+        hl += (size_t)snprintf(head + hl, sizeof head - hl, " %s hit%% (%%MIN) |", k_policies[p]);
+    hl += (size_t)snprintf(head + hl, sizeof head - hl,
+                           " best shipped (%%MIN) | GB moved best / MIN | transfer s @25 / @55 GB/s "
+                           "|\n|---|---|---|---|");
+    for (int p = 1; p < N_POLICIES; p++)
+        hl += (size_t)snprintf(head + hl, sizeof head - hl, "---|");
+    snprintf(head + hl, sizeof head - hl, "---|---|---|\n");
     const char *phead = "| trace | policy | budget | misses, no prefetch | history prefetch "
                         "(misses -> hits) | router prefetch | both | useful/issued (both) | "
                         "GB moved no pf -> both |\n|---|---|---|---|---|---|---|---|---|\n";
@@ -368,15 +397,17 @@ int main(int argc, char **argv)
     if (trace_path) {
         sim_trace tr;
         char err[256];
-        if (sim_trace_load(trace_path, &tr, err, sizeof err)) {
+        if (sim_trace_load_any(trace_path, o.experts, &tr, err, sizeof err)) {
             fprintf(stderr, "policy_sim: %s\n", err);
             return 1;
         }
         fputs(head, stdout);
         int rc = policy_table(trace_path, &tr, &o, &worst50);
-        printf("\n");
-        fputs(phead, stdout);
-        rc |= prefetch_table(trace_path, &tr, &o, &wh, &wr);
+        if (!o.no_prefetch) {
+            printf("\n");
+            fputs(phead, stdout);
+            rc |= prefetch_table(trace_path, &tr, &o, &wh, &wr);
+        }
         sim_trace_free(&tr);
         return rc ? 1 : 0;
     }

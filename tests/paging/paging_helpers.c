@@ -109,7 +109,7 @@ void new_policy(const char *name, const pf_bank *b, const pg_set *set, qm_policy
     if (!strcmp(name, "belady")) {
         rc = qm_policy_belady_new(set->future, set->n_future, pol, &st);
     } else {
-        qm_policy_params pp = {0};
+        qm_policy_params pp = {.version = QM_POLICY_PARAMS_VERSION};
         if (!strcmp(name, "static_hot")) {
             for (uint32_t l = 0; l < cfg->layers && l < 8; l++) {
                 for (uint32_t i = 0; i < cfg->experts; i++)

@@ -51,7 +51,7 @@ START_TEST(test_hottest_lists_order_by_count_then_index)
     ck_assert_int_eq(qm_hotness_hottest(h, 1, out, 6), 1);
     ck_assert_uint_eq(out[0], 2);
     ck_assert_int_lt(qm_hotness_hottest(h, 2, out, 6), 0);
-    qm_policy_params pp = {0};
+    qm_policy_params pp = {.version = QM_POLICY_PARAMS_VERSION};
     qm_status st = {0};
     ck_assert_int_eq(qm_hotness_policy_params(h, &pp, &st), 0);
     ck_assert_uint_eq(pp.n_hot_banks, 2);

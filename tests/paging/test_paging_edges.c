@@ -7,6 +7,7 @@
 #include <unistd.h>
 
 #include "paging_helpers.h"
+#include "qm_policy_impl.h"
 #include "sim.h"
 
 /* ---- Hostile policy -------------------------------------------------------------------- */
@@ -190,9 +191,10 @@ START_TEST(test_budget_below_one_expert_is_refused_naming_the_minimum)
     qm_backend *cpu = NULL;
     qm_status st = {0};
     ck_assert_int_eq(qm_backend_cpu_new(1, &cpu, &st), 0);
-    const char *names[] = {"lru", "whole_bank"};
-    uint64_t mins[] = {unit_bytes(&b), qm_bank_expert_bytes_total(b.bank)};
-    for (int i = 0; i < 2; i++) {
+    const char *names[] = {"lru", "arc", "layered_lru", "next_use", "whole_bank"};
+    uint64_t mins[] = {unit_bytes(&b), unit_bytes(&b), unit_bytes(&b), unit_bytes(&b),
+                       qm_bank_expert_bytes_total(b.bank)};
+    for (int i = 0; i < 5; i++) {
         qm_policy pol = {0};
         ck_assert_int_eq(qm_policy_new(names[i], NULL, &pol, &st), 0);
         qm_residency_plan *plan = make_plan(&b, &pol, 1, mins[i] - 1);

@@ -103,7 +103,109 @@ def test_policy_sim_reads_the_tools_traces(tmp_path):
     r = subprocess.run([sim, "--trace", str(a)], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     rows = [ln for ln in r.stdout.splitlines() if ln.startswith("| " + str(a))]
-    assert len(rows) == 4 + 4  # 4 budgets, then 2 policies x 2 budgets of prefetch
+    assert len(rows) == 4 + 6  # 4 budgets, then 3 policies x 2 budgets of prefetch
     a.write_bytes(a.read_bytes()[:-3])
     r = subprocess.run([sim, "--trace", str(a)], capture_output=True, text=True, timeout=60)
     assert r.returncode == 1 and "truncated" in r.stderr
+
+
+# ---- the realistic generator ------------------------------------------------
+
+
+def test_realistic_generator_matches_published_mixtral_routing_statistics():
+    # Mixtral-8x7B (8 experts, top-2, 32 layers): consecutive tokens keep the
+    # top-1 expert 22-27% of the time (chance 12.5%) and share >= 1 expert
+    # ~60%; popularity differs per layer and drifts.
+    for seed in (1, 2):
+        tr = qmoe_trace.generate_realistic(1500, 32, 8, 2, seed)
+        s = qmoe_trace.stats(tr)
+        assert 0.22 <= s["top1_reuse"] <= 0.27, s
+        assert s["chance_top1"] == 0.125
+        assert 0.55 <= s["share_any"] <= 0.65, s
+        assert s["layer_tv"] > 0.08, s  # layers prefer different experts
+        assert s["drift_tv"] > 0.02, s  # the first and second half differ
+        assert tr.meta["model"] == "realistic" and len(tr.meta["alpha"]) == 32
+
+
+def test_realistic_generator_knobs_move_the_statistics_and_seed_fixes_the_bytes(tmp_path):
+    none = qmoe_trace.stats(qmoe_trace.generate_realistic(800, 8, 8, 2, 3, reuse_top1=0.0,
+                                                          reuse_any=0.0, drift=0.0,
+                                                          topic_strength=0.0))
+    more = qmoe_trace.stats(qmoe_trace.generate_realistic(800, 8, 8, 2, 3, reuse_top1=0.6))
+    assert none["top1_reuse"] < 0.2 < 0.5 < more["top1_reuse"], (none, more)
+    a, b = tmp_path / "a", tmp_path / "b"
+    for p in (a, b):
+        r = run_tool("gen-real", "--out", str(p), "--tokens", "30", "--layers", "4", "--seed", "5")
+        assert r.returncode == 0, r.stderr
+    assert a.read_bytes() == b.read_bytes()
+    r = run_tool("stats", str(a))
+    assert r.returncode == 0 and set(json.loads(r.stdout)) >= {"top1_reuse", "share_any"}
+    r = run_tool("gen-real", "--out", str(a), "--reuse-top1", "1.5")
+    assert r.returncode == 2 and "reuse-top1" in r.stderr
+
+
+# ---- policy_sim's readers: .npy (vLLM routed_experts) and JSON lines -----------
+
+
+def _sim():
+    sim = os.path.join(BUILD, "bench", "policy_sim", "policy_sim")
+    if not os.path.exists(sim):
+        pytest.skip("policy_sim not built at %s" % sim)
+    return sim
+
+
+def _table(sim, path, *extra):
+    r = subprocess.run([sim, "--trace", str(path), "--no-prefetch", "--policies", "lru,next_use",
+                        *extra], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    rows = [ln.split("|")[2:] for ln in r.stdout.splitlines() if ln.startswith("| " + str(path))]
+    assert len(rows) == 4
+    return rows
+
+
+def test_policy_sim_reads_npy_and_jsonl_like_the_binary_trace(tmp_path):
+    np = pytest.importorskip("numpy")
+    sim = _sim()
+    tr = qmoe_trace.generate_realistic(80, 4, 8, 2, 11)
+    q, j = tmp_path / "t.qmtr", tmp_path / "t.jsonl"
+    qmoe_trace.write_trace(str(q), tr)
+    qmoe_trace.to_jsonl(tr, str(j))
+    want = _table(sim, q)
+    assert _table(sim, j) == want
+    arr = np.array(list(tr.ids), dtype=np.int64).reshape(80, 4, 2)
+    for dtype in (np.int64, np.int32, np.int16):
+        n = tmp_path / ("t_%s.npy" % np.dtype(dtype).name)
+        np.save(str(n), arr.astype(dtype))
+        # The expert count is not in a .npy: given, or the largest id + 1.
+        assert _table(sim, n, "--experts", "8") == want
+    # A dropped route (-1) is read as no expert.
+    arr[0, 0, 1] = -1
+    n = tmp_path / "dropped.npy"
+    np.save(str(n), arr)
+    assert len(_table(sim, n, "--experts", "8")) == 4
+
+
+@pytest.mark.parametrize("make,needle", [
+    (lambda np: np.zeros((5, 4), dtype=np.int64), "3-D"),
+    (lambda np: np.asfortranarray(np.zeros((5, 4, 2), dtype=np.int64)), "Fortran"),
+    (lambda np: np.zeros((5, 4, 2), dtype=np.float32), "dtype"),
+    (lambda np: np.full((5, 4, 2), 40000, dtype=np.int64), "outside"),
+])
+def test_policy_sim_rejects_npy_it_cannot_read_naming_why(tmp_path, make, needle):
+    np = pytest.importorskip("numpy")
+    sim = _sim()
+    n = tmp_path / "bad.npy"
+    np.save(str(n), make(np))
+    r = subprocess.run([sim, "--trace", str(n), "--no-prefetch"], capture_output=True, text=True,
+                       timeout=60)
+    assert r.returncode == 1 and needle in r.stderr, r.stderr
+
+
+def test_policy_sim_rejects_a_jsonl_record_of_the_wrong_shape(tmp_path):
+    sim = _sim()
+    j = tmp_path / "bad.jsonl"
+    j.write_text(json.dumps({"format": "qmoe-trace", "layers": 2, "k": 2, "experts": 8}) + "\n" +
+                 json.dumps({"token": 0, "experts": [[1, 2]]}) + "\n")
+    r = subprocess.run([sim, "--trace", str(j), "--no-prefetch"], capture_output=True, text=True,
+                       timeout=60)
+    assert r.returncode == 1 and "line 2" in r.stderr, r.stderr

@@ -160,11 +160,17 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
         qm_plan_free(plan);
     }
 
-    const char *names[] = {"whole_bank", "lru", "lfu", "static_hot"};
-    qm_policy_params params = {
-        .hot = hot, .hot_len = hot_len, .n_hot_banks = n, .pin_fraction = (flags >> 4) / 15.0};
-    for (size_t k = 0; k < 4; k++) {
+    const char *names[] = {"whole_bank", "lru", "lfu", "static_hot", "arc", "layered_lru", "next_use"};
+    qm_policy_value pin = {"pin_fraction", (flags >> 4) / 15.0};
+    for (size_t k = 0; k < sizeof names / sizeof names[0]; k++) {
         qm_policy shipped;
+        int hot_ok = qm_policy_accepts_hot(names[k]);
+        qm_policy_params params = {.version = QM_POLICY_PARAMS_VERSION,
+                                   .values = &pin,
+                                   .n_values = (size_t)hot_ok,
+                                   .hot = hot_ok ? hot : NULL,
+                                   .hot_len = hot_len,
+                                   .n_hot_banks = n};
         if (qm_policy_new(names[k], &params, &shipped, NULL) != 0) abort();
         plan = NULL;
         if (qm_plan_residency(cc, n, &shipped, &opt, &plan, NULL) != 0) abort();

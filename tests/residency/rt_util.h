@@ -8,6 +8,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "qm_policy_impl.h" /* the hostile and scripted policies implement the iface */
 #include "qm_residency.h"
 
 /* A pageable catalog: `n_experts` experts, each `regions` regions (tensors

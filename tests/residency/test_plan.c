@@ -304,20 +304,99 @@ START_TEST(test_policy_registry_rejects_unknown_names_and_bad_params)
     qm_status_clear(&st);
     ck_assert_int_eq(qm_policy_new("mru", NULL, &pol, &st), QM_EINVAL);
     ck_assert_ptr_nonnull(strstr(st.msg, "whole_bank, static_hot, lru, lfu"));
+    ck_assert_ptr_null(strstr(st.msg, "belady")); /* not offered */
     ck_assert_str_eq(st.field, "policy");
     ck_assert_ptr_null(pol.iface);
     ck_assert_int_eq(qm_policy_new("belady", NULL, &pol, &st), QM_EINVAL);
-    qm_policy_params params = {.has_decay = 1, .decay = 1.5};
+    qm_policy_value v = {"decay", 1.5};
+    qm_policy_params params = {.version = QM_POLICY_PARAMS_VERSION, .values = &v, .n_values = 1};
     ck_assert_int_eq(qm_policy_new("lfu", &params, &pol, &st), QM_EINVAL);
     ck_assert_str_eq(st.field, "policy_params.decay");
-    params = (qm_policy_params){.has_pin_fraction = 1, .pin_fraction = -0.1};
+    v = (qm_policy_value){"pin_fraction", -0.1};
     ck_assert_int_eq(qm_policy_new("static_hot", &params, &pol, &st), QM_EINVAL);
     ck_assert_str_eq(st.field, "policy_params.pin_fraction");
+    /* A knob the policy does not declare, named with who takes it. */
+    ck_assert_int_eq(qm_policy_new("lru", &params, &pol, &st), QM_EINVAL);
+    ck_assert_str_eq(st.field, "policy_params.pin_fraction");
+    ck_assert_ptr_nonnull(strstr(st.msg, "applies to policy static_hot only"));
+    v = (qm_policy_value){"decay", 0.5};
+    params.version = 1; /* the unversioned layout */
+    ck_assert_int_eq(qm_policy_new("lfu", &params, &pol, &st), QM_EINVAL);
+    ck_assert_str_eq(st.field, "policy_params");
+    params.version = QM_POLICY_PARAMS_VERSION;
+    qm_policy_value twice[] = {{"decay", 0.5}, {"decay", 0.6}};
+    params.values = twice;
+    params.n_values = 2;
+    ck_assert_int_eq(qm_policy_new("lfu", &params, &pol, &st), QM_EINVAL);
+    ck_assert_str_eq(st.field, "policy_params.decay");
+    /* The daemon's checks: offered names only. */
+    ck_assert_int_eq(qm_policy_params_check("belady", NULL, &st), QM_EINVAL);
+    ck_assert_str_eq(st.field, "policy");
+    ck_assert_int_eq(qm_policy_params_check("lfu", &params, &st), QM_EINVAL);
+    params.n_values = 1;
+    ck_assert_int_eq(qm_policy_params_check("lfu", &params, &st), 0);
     ck_assert_int_eq(qm_policy_new(NULL, NULL, &pol, &st), 0); /* default */
     ck_assert_str_eq(pol.iface->name, "whole_bank");
     qm_policy_destroy(&pol);
     qm_policy_destroy(&pol); /* idempotent */
     qm_policy_destroy(NULL);
+}
+END_TEST
+
+/* The registry is the one list: names offered in order, every policy makes
+ * and validates through it, and a knob two policies share has one range
+ * (the wire decoder checks a value before it knows the policy). */
+START_TEST(test_registry_lists_every_policy_and_shared_knobs_have_one_range)
+{
+    char names[256];
+    size_t len = qm_policy_names(names, sizeof names);
+    ck_assert_str_eq(names, "whole_bank, static_hot, lru, lfu, arc, layered_lru, next_use");
+    ck_assert_uint_eq(len, strlen(names));
+    char tiny[8];
+    ck_assert_uint_eq(qm_policy_names(tiny, sizeof tiny), len); /* snprintf-like */
+    ck_assert_str_eq(tiny, "whole_b");
+    size_t offered = 0;
+    for (size_t i = 0; i < qm_policy_count(); i++) {
+        const char *name = qm_policy_name_at(i);
+        ck_assert_ptr_nonnull(qm_policy_summary_at(i));
+        offered += (size_t)qm_policy_offered_at(i);
+        qm_policy pol;
+        qm_status st;
+        int rc = qm_policy_new(name, NULL, &pol, &st);
+        if (!qm_policy_offered_at(i)) { /* belady needs a future */
+            ck_assert_int_eq(rc, QM_EINVAL);
+            continue;
+        }
+        ck_assert_msg(rc == 0, "%s: %s", name, st.msg);
+        ck_assert_str_eq(pol.iface ? "made" : "", "made");
+        qm_policy_destroy(&pol);
+        for (size_t j = 0; j < qm_policy_param_count(i); j++) {
+            const qm_policy_param_spec *a = qm_policy_param_at(i, j);
+            const char *pn = qm_policy_param_name(a);
+            const qm_policy_param_spec *first = qm_policy_param_find(pn, strlen(pn));
+            double amin, amax, adef, fmin, fmax;
+            int aint, fint;
+            qm_policy_param_range(a, &amin, &amax, &adef, &aint);
+            qm_policy_param_range(first, &fmin, &fmax, NULL, &fint);
+            ck_assert_msg(amin == fmin && amax == fmax && aint == fint,
+                          "%s.%s: range differs from its first declaration", name, pn);
+            ck_assert(adef >= amin && adef <= amax);
+            /* Each bound is accepted, just outside is refused naming the knob. */
+            qm_policy_value v = {pn, amax};
+            qm_policy_params p = {.version = QM_POLICY_PARAMS_VERSION, .values = &v,
+                                  .n_values = 1};
+            ck_assert_int_eq(qm_policy_new(name, &p, &pol, &st), 0);
+            qm_policy_destroy(&pol);
+            v.value = amin - 0.5;
+            ck_assert_int_eq(qm_policy_new(name, &p, &pol, &st), QM_EINVAL);
+            char field[96];
+            snprintf(field, sizeof field, "policy_params.%s", pn);
+            ck_assert_str_eq(st.field, field);
+        }
+    }
+    ck_assert_uint_eq(offered, 7);
+    ck_assert_ptr_null(qm_policy_param_find("nope", 4));
+    ck_assert(qm_policy_accepts_hot("static_hot") && !qm_policy_accepts_hot("next_use"));
 }
 END_TEST
 
@@ -460,7 +539,7 @@ START_TEST(test_plan_json_has_the_protocol_shape)
     const uint32_t hot0[] = {3, 1, 3, 99};
     const uint32_t *hot[] = {hot0};
     const size_t hot_len[] = {4};
-    qm_policy_params params = {.hot = hot, .hot_len = hot_len, .n_hot_banks = 1};
+    qm_policy_params params = {.version = QM_POLICY_PARAMS_VERSION, .hot = hot, .hot_len = hot_len, .n_hot_banks = 1};
     qm_policy pol;
     ck_assert_int_eq(qm_policy_new("static_hot", &params, &pol, NULL), 0);
     qm_plan_options opt = {.has_budget = 1, .budget_bytes = 1000};
@@ -598,6 +677,7 @@ static Suite *plan_suite(void)
     c = tcase_create("substitutability");
     tcase_add_test(c, test_every_policy_plans_the_same_banks_and_only_splits_pageable_ones);
     tcase_add_test(c, test_policy_registry_rejects_unknown_names_and_bad_params);
+    tcase_add_test(c, test_registry_lists_every_policy_and_shared_knobs_have_one_range);
     tcase_add_test(c, test_planner_refuses_a_policy_of_another_version);
     tcase_add_test(c, test_planner_rejects_duplicate_bank_ids_and_null_catalogs);
     suite_add_tcase(s, c);

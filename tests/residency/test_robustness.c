@@ -122,15 +122,20 @@ END_TEST
 
 START_TEST(test_shipped_policies_are_never_rejected_on_random_catalogs)
 {
-    const char *names[] = {"whole_bank", "lru", "lfu", "static_hot"};
+    const char *names[] = {"whole_bank", "lru",         "lfu",     "static_hot",
+                           "arc",        "layered_lru", "next_use"};
     for (size_t round = 0; round < RANDOM_ROUNDS / 3; round++) {
         world w;
         world_random(&w, round + 100000);
-        for (size_t p = 0; p < 4; p++) {
-            qm_policy_params params = {.hot = w.hot_ptr,
+        for (size_t p = 0; p < sizeof names / sizeof names[0]; p++) {
+            qm_policy_value pin = {"pin_fraction", 0.7};
+            int hot_ok = qm_policy_accepts_hot(names[p]);
+            qm_policy_params params = {.version = QM_POLICY_PARAMS_VERSION,
+                                       .values = &pin,
+                                       .n_values = hot_ok,
+                                       .hot = hot_ok ? w.hot_ptr : NULL,
                                        .hot_len = w.hot_len,
-                                       .n_hot_banks = MAX_BANKS,
-                                       .pin_fraction = 0.7};
+                                       .n_hot_banks = MAX_BANKS};
             qm_policy pol;
             ck_assert_int_eq(qm_policy_new(names[p], &params, &pol, NULL), 0);
             check_plan(&w, &pol, round, 1);
@@ -148,6 +153,9 @@ typedef enum scenario_policy {
     SC_LRU,
     SC_LFU,
     SC_STATIC_HOT,
+    SC_ARC,
+    SC_LAYERED_LRU,
+    SC_NEXT_USE,
     SC_BELADY,
     SC_COUNT
 } scenario_policy;
@@ -174,9 +182,12 @@ static int scenario(scenario_policy which, char *msg, size_t msg_cap)
     static const uint32_t hot0[] = {5, 4, 3}, hot2[] = {1};
     const uint32_t *hot[] = {hot0, NULL, hot2};
     const size_t hot_len[] = {3, 0, 1};
-    qm_policy_params params = {.hot = hot, .hot_len = hot_len, .n_hot_banks = 3};
+    qm_policy_params params = {.version = QM_POLICY_PARAMS_VERSION, .hot = hot,
+                               .hot_len = hot_len, .n_hot_banks = 3};
     const qm_expert_ref future[] = {{0, 1}, {2, 3}, {0, 1}, {0, 2}, {2, 0}, {0, 5}};
-    static const char *const names[] = {"whole_bank", "lru", "lfu", "static_hot"};
+    static const char *const names[] = {"whole_bank", "lru",         "lfu",     "static_hot",
+                                        "arc",        "layered_lru", "next_use"};
+    if (!qm_policy_accepts_hot(which == SC_BELADY ? "belady" : names[which])) params.hot = NULL;
     if (which == SC_BELADY)
         rc = qm_policy_belady_new(future, 6, &pol, &st);
     else

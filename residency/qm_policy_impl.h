@@ -1,0 +1,98 @@
+/* qm_policy_impl.h - the policy plug-in interface: what a residency policy
+ * implements and how it declares itself to the registry. Private to
+ * residency/ and to the tests that build hostile policies; everything else
+ * goes through qm_policy_new and the qm_policy_* wrappers of qm_residency.h.
+ *
+ * A new policy: one file in residency/ with its iface, its parameter table
+ * and a qm__policy_desc, plus one line in the registry (qm_policy_registry.c).
+ * The registry validates every parameter against the policy's table before
+ * the constructor runs, so a constructor only reads values
+ * (qm__policy_param), already known to be in range. */
+#ifndef QM_POLICY_IMPL_H
+#define QM_POLICY_IMPL_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "qm_residency.h"
+
+#define QM_POLICY_IFACE_VERSION 1
+
+/* A residency policy: decisions at plan time, eviction choices at run time.
+ * Bookkeeping (pins, accounting, slots, copies) stays with the caller; the
+ * policy only ranks and picks. Every answer is validated by the caller.
+ * A policy instance keeps per-session history and is not thread-safe: make
+ * one per session and serialise its calls (plans, once made, are immutable
+ * and may be read from any thread). Optional methods are defaulted in one
+ * place, the qm_policy_* wrappers of qm_policy.c. */
+struct qm_policy_iface {
+    int version; /* QM_POLICY_IFACE_VERSION; checked by qm_policy_check */
+    const char *name;
+    /* Plan time. Fills *out (zeroed by the caller). Returns 0, or a negative
+     * code: the planner then degrades the bank (rejected_by_validation). */
+    int (*decide)(void *ctx, const qm_policy_input *in, qm_residency_decision *out);
+    /* Run time (optional; default: LRU kept by the caller). `tick` increases
+     * by one per access of a session. The caller calls, for every access,
+     * on_access first (hit or miss); then, on a miss with no free slot,
+     * choose_victim followed by on_evict of the victim; then on_insert of the
+     * new expert. These hooks are called per miss: the shipped ones are O(1)
+     * (on_*) and O(n candidates) (choose_victim), and never fail; under
+     * memory pressure they may forget history, never misbehave. */
+    void (*on_access)(void *ctx, qm_expert_ref ref, uint64_t tick, int hit);
+    void (*on_insert)(void *ctx, qm_expert_ref ref, uint64_t tick);
+    void (*on_evict)(void *ctx, qm_expert_ref ref);
+    /* Picks the victim among `candidates` (all evictable: resident, unpinned,
+     * not in use). Writes its index to *victim; returns 0, or negative to
+     * refuse. The caller checks the index and falls back to LRU if invalid. */
+    int (*choose_victim)(void *ctx, const qm_expert_ref *candidates, size_t n, size_t *victim);
+    /* Optional: releases ctx. */
+    void (*destroy)(void *ctx);
+};
+
+/* ---- Declaring a policy to the registry ---------------------------------- */
+
+/* One numeric parameter a policy accepts (policy_params.<name>). Values are
+ * checked against [min, max] (and to be whole when `integer`) by the
+ * registry; a parameter that is not given takes `def`. Two policies that
+ * accept the same name declare the same range (a test checks it), so the
+ * wire decoder can check a value before it knows the policy. */
+struct qm_policy_param_spec {
+    const char *name;
+    double min, max, def;
+    int integer;
+    const char *doc; /* one line, for help texts */
+};
+
+#define QM_POLICY_DESC_VERSION 1
+
+typedef struct qm__policy_desc {
+    int version; /* QM_POLICY_DESC_VERSION */
+    const char *name;
+    const char *summary;   /* one line, for help texts */
+    int offered;           /* 1: offered over the socket (session.create) */
+    int accepts_hot;       /* 1: takes policy_params.hot (hottest-first expert lists) */
+    const qm_policy_param_spec *params;
+    size_t n_params;
+    /* NULL for a policy that cannot be made from parameters alone (belady);
+     * then `refusal` says why. `params` is never NULL here and has passed
+     * the registry's checks. */
+    int (*create)(const qm_policy_params *params, qm_policy *out, qm_status *st);
+    const char *refusal;
+} qm__policy_desc;
+
+/* The registered policies, in the order they are listed. */
+extern const qm__policy_desc qm__policy_whole_bank_desc;
+extern const qm__policy_desc qm__policy_static_hot_desc;
+extern const qm__policy_desc qm__policy_lru_desc;
+extern const qm__policy_desc qm__policy_lfu_desc;
+extern const qm__policy_desc qm__policy_arc_desc;
+extern const qm__policy_desc qm__policy_layered_lru_desc;
+extern const qm__policy_desc qm__policy_next_use_desc;
+extern const qm__policy_desc qm__policy_belady_desc;
+
+/* The value of parameter `name` of the policy being built: the given one,
+ * else the declared default. `name` must be in the policy's table. */
+double qm__policy_param(const qm_policy_params *params, const qm__policy_desc *desc,
+                        const char *name);
+
+#endif

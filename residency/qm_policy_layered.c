@@ -1,0 +1,238 @@
+/* qm_policy_layered.c - layer-aware policies: layered_lru and next_use.
+ *
+ * MoE routing visits the banks (layers) in a cycle: layer 0, 1, ..., L-1,
+ * then the next token. A global LRU ranks by raw recency, so at the moment
+ * layer l misses it evicts the experts of layer l+1, used longest ago and
+ * needed next: the cyclic pattern that sends LRU to 0% once the budget holds
+ * less than one token's experts. Both policies rank candidates by the layer
+ * phase (ticks until their bank's next visit, learnt per bank by
+ * qm__layer_clock, no visiting order assumed) and evict the one that is
+ * expected to wait longest for a hit:
+ *   layered_lru: until + period * visits_since, LRU's guess of the next use
+ *                with recency counted in visits of the expert's own bank
+ *                (the Layered-LRU idea of Angelopoulos et al., arXiv
+ *                2509.02408): an expert of the layer just visited goes
+ *                before an equally recent one of the layer visited next.
+ *   next_use:    (until + period / 20) / p, slot time per expected hit,
+ *                p = the chance of a use at a visit of its bank: a decayed
+ *                per-visit frequency, plus a reuse bump for an expert used
+ *                at the bank's last visit. The bump is learnt online (how
+ *                much more often such experts came back than their
+ *                frequency said), so routing with little token-to-token
+ *                reuse ranks by frequency and routing with much ranks
+ *                closer to recency.
+ * Ties go to the least recent. Hooks are O(1) expected, choose_victim
+ * O(n candidates). */
+#include "qm_residency.h"
+#include "qm_policy_impl.h"
+#include "qm_residency_impl.h"
+
+#include <math.h>
+
+#include "qm_alloc.h"
+
+/* Per expert (qm__ref_key): last_tick = 1 + tick of its latest access;
+ * visit = its bank's visit number then; count = its decayed uses per visit
+ * (next_use). Per bank: the layer clock's entries (qm__layer_clock). */
+typedef struct layered_ctx {
+    qm__split_base base;
+    qm__layer_clock clock;
+    int use_frequency; /* 0: layered_lru, 1: next_use */
+    double decay;      /* next_use: weight kept per visit of the bank */
+    /* next_use: how much more likely an expert used at its bank's last visit
+     * is used again than its frequency says, learnt online: per visit, the
+     * reuses of the previous visit's experts minus what their frequencies
+     * predicted, over how many there were. */
+    double bump;
+    uint64_t cur_n, cur_reused;      /* this visit: distinct experts, reused from the last one */
+    double cur_fsum;                 /* ... their frequencies before this visit */
+    uint64_t prev_n;                 /* the same bank's previous visit */
+    double prev_fsum;
+} layered_ctx;
+
+static double aged(const layered_ctx *lc, const qm__ref_entry *e, uint64_t bank_visits)
+{
+    if (bank_visits <= e->visit || lc->decay == 1.0) return e->count;
+    if (lc->decay == 0.0) return 0.0;
+    return e->count * pow(lc->decay, (double)(bank_visits - e->visit));
+}
+
+static double frequency(const layered_ctx *lc, const qm__ref_entry *e, uint64_t bank_visits)
+{
+    double f = lc->decay < 1.0 ? aged(lc, e, bank_visits) * (1.0 - lc->decay)
+                               : e->count / (double)(bank_visits ? bank_visits : 1);
+    return f < 1.0 ? f : 1.0;
+}
+
+/* A visit ends: learn the reuse bump from it, keep its figures on its bank
+ * for the bank's next visit, and load that bank's previous ones. */
+static void switch_visit(layered_ctx *lc, uint32_t next_bank)
+{
+    if (lc->clock.has_cur) {
+        if (lc->prev_n) {
+            double sample = ((double)lc->cur_reused - lc->prev_fsum) / (double)lc->prev_n;
+            lc->bump = 0.98 * lc->bump + 0.02 * sample;
+        }
+        qm__ref_entry *b = qm__ref_map_find(&lc->base.history, qm__bank_key(lc->clock.cur_bank));
+        if (b) {
+            b->visit = lc->cur_n;
+            b->aux = lc->cur_fsum;
+        }
+    }
+    const qm__ref_entry *nb = qm__ref_map_find(&lc->base.history, qm__bank_key(next_bank));
+    lc->prev_n = nb ? nb->visit : 0;
+    lc->prev_fsum = nb ? nb->aux : 0.0;
+    lc->cur_n = lc->cur_reused = 0;
+    lc->cur_fsum = 0.0;
+}
+
+static void layered_on_access(void *ctx, qm_expert_ref ref, uint64_t tick, int hit)
+{
+    (void)hit;
+    layered_ctx *lc = ctx;
+    if (lc->use_frequency && (!lc->clock.has_cur || lc->clock.cur_bank != ref.bank))
+        switch_visit(lc, ref.bank);
+    uint64_t visits = qm__layer_clock_access(&lc->clock, &lc->base.history, ref.bank, tick);
+    qm__ref_entry *e = qm__ref_map_upsert(&lc->base.history, qm__ref_key(ref));
+    if (!e) return; /* no memory: this expert just looks colder than it is */
+    if (e->last_tick == 0 || e->visit != visits) { /* once per visit: a batch counts as one use */
+        int reused = e->visit && e->visit + 1 == visits;
+        e->count = aged(lc, e, visits) + 1.0;
+        e->visit = visits;
+        if (lc->use_frequency) { /* what frequency alone predicts for the next visit */
+            lc->cur_n++;
+            lc->cur_fsum += frequency(lc, e, visits);
+            lc->cur_reused += (uint64_t)reused;
+        }
+    }
+    e->visit = visits;
+    e->last_tick = tick == UINT64_MAX ? tick : tick + 1;
+}
+
+/* Prefetched or preloaded: resident but not used yet; recency only. */
+static void layered_on_insert(void *ctx, qm_expert_ref ref, uint64_t tick)
+{
+    layered_ctx *lc = ctx;
+    qm__ref_entry *e = qm__ref_map_upsert(&lc->base.history, qm__ref_key(ref));
+    if (e && e->last_tick == 0) e->last_tick = tick == UINT64_MAX ? tick : tick + 1;
+}
+
+/* How long keeping the expert is expected to wait for a hit: larger = the
+ * better victim. */
+static double wait_of(const layered_ctx *lc, const qm__ref_entry *e, const qm__bank_phase *ph)
+{
+    if (!e || e->visit == 0) return INFINITY; /* never used: nothing says it is needed */
+    if (!lc->use_frequency) return qm__layered_next_use(ph, e->visit);
+    /* p: chance of a use at a visit of its bank. A decayed frequency (its
+     * steady state is the per-visit frequency), plus the learnt reuse bump
+     * when it was used at the bank's last visit. */
+    double p = frequency(lc, e, ph->visits);
+    if (qm__visits_since(ph, e->visit) == 0) p += lc->bump;
+    if (p > 1.0) p = 1.0;
+    if (!(p > 1e-6)) p = 1e-6; /* a negative bump: rare, not never */
+    /* Slot time per expected hit: the ticks until its bank's next visit
+     * (plus a little, so a bank visited next still weighs its p) over p. */
+    return (ph->until + 0.05 * ph->period) / p;
+}
+
+static int layered_choose_victim(void *ctx, const qm_expert_ref *candidates, size_t n,
+                                 size_t *victim)
+{
+    layered_ctx *lc = ctx;
+    size_t best = 0;
+    double best_wait = -1.0;
+    uint64_t best_tick = UINT64_MAX;
+    qm__bank_phase ph = {0};
+    for (size_t i = 0; i < n; i++) {
+        /* Candidates mostly share a bank: look its phase up only on a change. */
+        if (i == 0 || candidates[i].bank != candidates[i - 1].bank)
+            qm__layer_clock_phase(&lc->clock, &lc->base.history, candidates[i].bank, &ph);
+        const qm__ref_entry *e = qm__ref_map_find(&lc->base.history, qm__ref_key(candidates[i]));
+        double wait = wait_of(lc, e, &ph);
+        uint64_t tick = e ? e->last_tick : 0;
+        /* Equal estimates: the least recent goes first. */
+        if (wait > best_wait || (wait == best_wait && tick < best_tick)) {
+            best_wait = wait;
+            best_tick = tick;
+            best = i;
+        }
+    }
+    *victim = best;
+    return 0;
+}
+
+static void layered_destroy(void *ctx)
+{
+    layered_ctx *lc = ctx;
+    if (!lc) return;
+    qm__split_release(&lc->base);
+    qm_free(lc);
+}
+
+static const qm_policy_iface layered_lru_iface = {
+    .version = QM_POLICY_IFACE_VERSION,
+    .name = "layered_lru",
+    .decide = qm__split_decide,
+    .on_access = layered_on_access,
+    .on_insert = layered_on_insert,
+    .choose_victim = layered_choose_victim,
+    .destroy = layered_destroy,
+};
+
+static const qm_policy_iface next_use_iface = {
+    .version = QM_POLICY_IFACE_VERSION,
+    .name = "next_use",
+    .decide = qm__split_decide,
+    .on_access = layered_on_access,
+    .on_insert = layered_on_insert,
+    .choose_victim = layered_choose_victim,
+    .destroy = layered_destroy,
+};
+
+static int layered_make(const qm_policy_iface *iface, double decay, qm_policy *out,
+                        qm_status *st)
+{
+    layered_ctx *lc = qm__policy_alloc(iface, sizeof *lc, out, st);
+    if (!lc) return QM_ENOMEM;
+    lc->use_frequency = iface == &next_use_iface;
+    lc->decay = decay;
+    lc->bump = 0.1; /* a prior (Mixtral-like routing); learnt from the first visits on */
+    return 0;
+}
+
+static int layered_lru_new(const qm_policy_params *params, qm_policy *out, qm_status *st)
+{
+    (void)params;
+    return layered_make(&layered_lru_iface, 1.0, out, st);
+}
+
+static const qm_policy_param_spec next_use_params[] = {
+    {.name = "decay", .min = 0.0, .max = 1.0, .def = QM_POLICY_NEXT_USE_DEFAULT_DECAY,
+     .doc = "weight a use keeps per later visit of its layer (memory ~1/(1-decay) visits)"},
+};
+
+static int next_use_new(const qm_policy_params *params, qm_policy *out, qm_status *st)
+{
+    const qm__policy_desc *d = &qm__policy_next_use_desc;
+    return layered_make(&next_use_iface, qm__policy_param(params, d, "decay"), out, st);
+}
+
+const qm__policy_desc qm__policy_layered_lru_desc = {
+    .version = QM_POLICY_DESC_VERSION,
+    .name = "layered_lru",
+    .summary = "evicts the expert whose layer-aware LRU estimate of its next use is furthest "
+               "(recency counted in visits of its own layer)",
+    .offered = 1,
+    .create = layered_lru_new,
+};
+
+const qm__policy_desc qm__policy_next_use_desc = {
+    .version = QM_POLICY_DESC_VERSION,
+    .name = "next_use",
+    .summary = "evicts the expert whose estimated next use is furthest (its layer's next visit "
+               "plus a per-visit decayed frequency); recommended for paged sessions",
+    .offered = 1,
+    .params = next_use_params,
+    .n_params = sizeof next_use_params / sizeof next_use_params[0],
+    .create = next_use_new,
+};
