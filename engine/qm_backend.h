@@ -97,4 +97,16 @@ int qm_backend_fence_wait(qm_backend *be, qm_fence *fence, qm_status *st);
 int qm_backend_run_experts(qm_backend *be, const qm_expert_batch *batch, qm_status *st);
 int qm_backend_synchronize(qm_backend *be, qm_status *st);
 
+/* Makes [ptr, ptr + bytes) (typically a whole mapped bank, once, after
+ * qm_bank_open) faster to copy from where the backend can: CUDA pins it
+ * (cudaHostRegister) so each copy is one DMA. Returns 1 when registered
+ * (the range must stay mapped until qm_backend_unregister_host or
+ * qm_backend_free), 0 when the backend has nothing to register (CPU), or a
+ * negative code: QM_EUNSUPPORTED when the driver refuses (copies still
+ * work, slower), QM_ECONFLICT when the range overlaps an earlier one. */
+int qm_backend_register_host(qm_backend *be, const void *ptr, size_t bytes, qm_status *st);
+/* Undoes a registration made with the same `ptr` (0), QM_ENOT_FOUND if none;
+ * 0 on backends with nothing to register. */
+int qm_backend_unregister_host(qm_backend *be, const void *ptr, qm_status *st);
+
 #endif

@@ -34,7 +34,7 @@ static int forward(qm_backend *be, tl_layer *L, qm_expert_source *src, qm_dtype 
     qm_moe_call call = {
         .layer = 0, .dtype = dt, .hidden = x, .n_tokens = T, .logits = lg, .output = out};
     qm_status st = {0};
-    int rc = qm__moe_forward_layer(be, &L->cfg, &L->lv, &call, src, NULL, &st);
+    int rc = qm__moe_forward_layer(be, &L->cfg, &L->lv, &call, src, NULL, NULL, &st);
     if (rc != 0) fprintf(stderr, "forward on %s: %s\n", qm_backend_name(be), st.msg);
     return rc;
 }
