@@ -1,6 +1,7 @@
 /* qm_pager.c - the paging authority: arena layout, slots, exact accounting,
- * pins, victim choice with validation, and the expert source (acquire/release).
- * Copies live in qm_pager_copy.c, prediction and prefetch in qm_pager_prefetch.c. */
+ * pins, victim choice with validation, the expert source (acquire/release)
+ * and the session's forward call. Copies live in qm_pager_copy.c,
+ * prediction and prefetch in qm_pager_prefetch.c. */
 #include <stdint.h>
 #include <string.h>
 
@@ -405,6 +406,9 @@ int qm_pager_new(qm_backend *backend, const qm_bank *bank, const qm_residency_pl
         qm_status_set(st, QM_ENOMEM, "out of memory for the pager's layers");
         goto fail;
     }
+    rc = qm__moe_scratch_new(&p->scratch, st);
+    if (rc)
+        goto fail;
     qm__sizing sz;
     rc = qm__layout(backend, bank, plan, &p->opt, p->layers, &sz, 1, st);
     if (rc)
@@ -526,6 +530,7 @@ void qm_pager_free(qm_pager *p)
     qm_free(p->cand_refs);
     qm_free(p->wave_slots);
     qm_free(p->route_buf);
+    qm__moe_scratch_free(p->scratch);
     qm_free(p->pred_x);
     qm_free(p->pred_logits);
     qm_free(p->pred_experts);
@@ -721,6 +726,34 @@ static void qm__source_release(void *ctx, uint32_t layer, const uint32_t *expert
 qm_expert_source *qm_pager_source(qm_pager *p)
 {
     return p ? &p->source : NULL;
+}
+
+/* ---- The forward call ----------------------------------------------------------------- */
+
+int qm_pager_forward(qm_pager *p, const qm_moe_call *call, qm_moe_stats *mstats, qm_status *st)
+{
+    if (!p || !call)
+        return qm_status_set(st, QM_EINVAL, "qm_pager_forward: NULL argument");
+    qm_moe_call c = *call;
+    size_t need = (size_t)call->n_tokens * p->cfg->k;
+    if (!c.route_experts && need) {
+        if (need > p->route_cap) {
+            uint32_t *b = qm_realloc(p->route_buf, need * sizeof *b);
+            if (!b)
+                return qm_status_set(st, QM_ENOMEM, "out of memory for routing scratch");
+            p->route_buf = b;
+            p->route_cap = need;
+        }
+        c.route_experts = p->route_buf;
+    }
+    int rc = qm__moe_forward(p->backend, p->bank, &c, &p->source, p->scratch, mstats, st);
+    if (rc || call->n_tokens == 0 || call->layer >= p->n_layers)
+        return rc;
+    qm__pager_history_record(p, call->layer, c.route_experts, need);
+    if (p->trace)
+        qm__pager_trace_record(p, call->layer, c.route_experts, call->n_tokens);
+    qm__pager_prefetch_next(p, call);
+    return 0;
 }
 
 /* ---- Introspection ----------------------------------------------------------------- */

@@ -1,12 +1,13 @@
 /* qm_pager_impl.h - the paging authority's private state, shared by
- * qm_pager.c (slots, accounting, victims, acquire/release),
+ * qm_pager.c (slots, accounting, victims, acquire/release, forward),
  * qm_pager_copy.c (the copy path and its thread) and
- * qm_pager_prefetch.c (history, prediction, prefetch, forward). Private to engine/. */
+ * qm_pager_prefetch.c (history, prediction, prefetch). Private to engine/. */
 #ifndef QM_PAGER_IMPL_H
 #define QM_PAGER_IMPL_H
 
 #include <pthread.h>
 
+#include "qm_moe_internal.h"
 #include "qm_pager.h"
 
 /* Slices inside a slot start on this boundary so that every tensor's slice is
@@ -112,6 +113,7 @@ struct qm_pager {
     void *alloc_ud;
 
     /* Forward scratch */
+    qm__moe_scratch *scratch; /* the layer calls' buffers, grow-only */
     uint32_t *route_buf;
     size_t route_cap;
     float *pred_x, *pred_logits;
@@ -164,5 +166,8 @@ int32_t qm__pager_pick_victim(qm_pager *p, size_t n);
 /* A prefetched expert of `source` was used before being evicted. */
 void qm__pager_prefetch_useful(qm_pager *p, uint8_t source);
 void qm__pager_history_record(qm_pager *p, uint32_t layer, const uint32_t *route, size_t n);
+/* After a forward call: predicts the next layer's experts and prefetches
+ * them (best effort, with prefetch on). */
+void qm__pager_prefetch_next(qm_pager *p, const qm_moe_call *call);
 
 #endif

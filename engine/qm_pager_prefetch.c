@@ -1,5 +1,5 @@
 /* qm_pager_prefetch.c - routing history, prediction of the next layer call,
- * prefetch into free or evictable slots, and the forward wrapper.
+ * prefetch into free or evictable slots after each forward call.
  *
  * A wrong prediction costs bandwidth and maybe a later miss, never
  * correctness: prefetched units land in slots like demand copies and are
@@ -135,18 +135,6 @@ int qm_pager_prefetch(qm_pager *p, uint32_t layer, const uint32_t *experts, size
     return qm__prefetch(p, layer, experts, NULL, n, st);
 }
 
-static int qm__grow(void **buf, size_t *cap, size_t need, size_t elem)
-{
-    if (*cap >= need)
-        return 0;
-    void *b = qm_realloc(*buf, need * elem);
-    if (!b)
-        return QM_ENOMEM;
-    *buf = b;
-    *cap = need;
-    return 0;
-}
-
 /* Appends the next layer's router top-k for the call's tokens to list. */
 static size_t qm__predict_router(qm_pager *p, const qm_moe_call *call, uint32_t next,
                                  uint32_t *list, size_t n_list, size_t cap)
@@ -214,29 +202,14 @@ static size_t qm__predict_history(qm_pager *p, uint32_t next, uint32_t *list, si
     return n_list;
 }
 
-int qm_pager_forward(qm_pager *p, const qm_moe_call *call, qm_moe_stats *mstats, qm_status *st)
+void qm__pager_prefetch_next(qm_pager *p, const qm_moe_call *call)
 {
-    if (!p || !call)
-        return qm_status_set(st, QM_EINVAL, "qm_pager_forward: NULL argument");
-    qm_moe_call c = *call;
-    size_t need = (size_t)call->n_tokens * p->cfg->k;
-    if (!c.route_experts && need) {
-        if (qm__grow((void **)&p->route_buf, &p->route_cap, need, sizeof(uint32_t)))
-            return qm_status_set(st, QM_ENOMEM, "out of memory for routing scratch");
-        c.route_experts = p->route_buf;
-    }
-    int rc = qm_moe_forward(p->backend, p->bank, &c, &p->source, mstats, st);
-    if (rc || call->n_tokens == 0 || call->layer >= p->n_layers)
-        return rc;
-    qm__pager_history_record(p, call->layer, c.route_experts, need);
-    if (p->trace)
-        qm__pager_trace_record(p, call->layer, c.route_experts, call->n_tokens);
     if (!p->opt.prefetch || p->n_slots == 0)
-        return 0;
+        return;
     uint32_t next = (call->layer + 1) % p->n_layers;
     qm__layer *N = &p->layers[next];
     if (!N->paged)
-        return 0;
+        return;
     if (!p->pred_list) {
         p->pred_list = qm_malloc(sizeof(uint32_t) * N->n_experts);
         p->pred_src = qm_malloc(N->n_experts);
@@ -247,9 +220,10 @@ int qm_pager_forward(qm_pager *p, const qm_moe_call *call, qm_moe_stats *mstats,
             qm_free(p->pred_src);
             p->pred_list = NULL;
             p->pred_src = NULL;
-            return 0;
+            return;
         }
     }
+    size_t need = (size_t)call->n_tokens * p->cfg->k;
     size_t cap = p->opt.max_prefetch ? p->opt.max_prefetch : 2 * need;
     if (cap > N->n_experts)
         cap = N->n_experts;
@@ -274,5 +248,4 @@ int qm_pager_forward(qm_pager *p, const qm_moe_call *call, qm_moe_stats *mstats,
         N->mark[p->pred_list[i]] = 0;
     qm_status tmp;
     (void)qm__prefetch(p, next, p->pred_list, p->pred_src, n, &tmp);
-    return 0;
 }
