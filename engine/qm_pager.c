@@ -208,6 +208,28 @@ int32_t qm__pager_free_slot(qm_pager *p)
     return -1;
 }
 
+int qm__pager_claim(qm_pager *p, int32_t s, uint32_t layer, uint32_t expert, qm__claim how,
+                    uint8_t pf_source, qm_status *st)
+{
+    qm__layer *L = &p->layers[layer];
+    int rc = qm__pager_account_alloc(p, L->unit_bytes, st);
+    if (rc)
+        return rc;
+    qm__slot *sl = &p->slots[s];
+    sl->layer = layer;
+    sl->expert = expert;
+    sl->pinned = how == QM__CLAIM_PIN;
+    sl->prefetched = how == QM__CLAIM_PREFETCH ? pf_source : QM__PF_NONE;
+    sl->refs = how == QM__CLAIM_DEMAND;
+    sl->last_use = p->tick;
+    sl->unit_bytes = L->unit_bytes;
+    sl->state = QM__SLOT_LOADING;
+    L->slot_of[expert] = s;
+    if (how != QM__CLAIM_PIN)
+        qm_policy_on_insert(p->policy, (qm_expert_ref){layer, expert}, p->tick);
+    return 0;
+}
+
 void qm__pager_drop(qm_pager *p, int32_t s)
 {
     qm__slot *sl = &p->slots[s];
@@ -321,16 +343,9 @@ static int qm__load_pins(qm_pager *p, qm_status *st)
             if (s < 0)
                 return qm_status_set(st, QM_EINTERNAL, "no slot left for pinned expert %u/%u", l,
                                      e);
-            int rc = qm__pager_account_alloc(p, L->unit_bytes, st);
+            int rc = qm__pager_claim(p, s, l, e, QM__CLAIM_PIN, QM__PF_NONE, st);
             if (rc)
                 return rc;
-            qm__slot *sl = &p->slots[s];
-            sl->layer = l;
-            sl->expert = e;
-            sl->pinned = 1;
-            sl->unit_bytes = L->unit_bytes;
-            sl->state = QM__SLOT_LOADING;
-            L->slot_of[e] = s;
             p->stats.n_pinned++;
             rc = qm__pager_copy_unit(p, s, st);
             if (rc == 0)
@@ -359,16 +374,8 @@ static int qm__preload_all(qm_pager *p, qm_status *st)
             int32_t s = qm__pager_free_slot(p);
             if (s < 0)
                 return qm_status_set(st, QM_EINTERNAL, "no slot left to preload %u/%u", l, e);
-            if ((rc = qm__pager_account_alloc(p, L->unit_bytes, st)))
+            if ((rc = qm__pager_claim(p, s, l, e, QM__CLAIM_PRELOAD, QM__PF_NONE, st)))
                 break;
-            qm__slot *sl = &p->slots[s];
-            sl->layer = l;
-            sl->expert = e;
-            sl->pinned = 0;
-            sl->unit_bytes = L->unit_bytes;
-            sl->state = QM__SLOT_LOADING;
-            L->slot_of[e] = s;
-            qm_policy_on_insert(p->policy, (qm_expert_ref){l, e}, 0);
             p->stats.bytes_loaded_at_create += L->unit_bytes;
             rc = qm__pager_copy_unit(p, s, st);
         }
@@ -651,20 +658,9 @@ static int qm__source_acquire(void *ctx, uint32_t layer, const uint32_t *experts
             s = qm__pager_pick_victim(p, nc);
             qm__pager_evict(p, s);
         }
-        rc = qm__pager_account_alloc(p, L->unit_bytes, st);
+        rc = qm__pager_claim(p, s, layer, e, QM__CLAIM_DEMAND, QM__PF_NONE, st);
         if (rc)
             break;
-        qm__slot *sl = &p->slots[s];
-        sl->layer = layer;
-        sl->expert = e;
-        sl->pinned = 0;
-        sl->prefetched = 0;
-        sl->unit_bytes = L->unit_bytes;
-        sl->state = QM__SLOT_LOADING;
-        sl->refs = 1;
-        sl->last_use = p->tick;
-        L->slot_of[e] = s;
-        qm_policy_on_insert(p->policy, ref, p->tick);
         p->tick++;
         p->wave_slots[n_wave++] = s;
         p->stats.bytes_paged_h2d += L->unit_bytes;

@@ -154,6 +154,25 @@ int qm__pager_copy_wait(qm_pager *p, int32_t s, qm_status *st);
 
 /* qm_pager.c */
 int32_t qm__pager_free_slot(qm_pager *p);
+
+/* Who claims a slot. A demand miss holds it (refs = 1) until the wave that
+ * acquired it is released; a prefetched, preloaded or pinned unit is held by
+ * nobody (a prefetched or preloaded one stays evictable, a pinned one never
+ * is). Every claim stamps the current tick (accesses, not claims, advance
+ * it); pins never reach the policy (they are never its victims). */
+typedef enum qm__claim {
+    QM__CLAIM_DEMAND = 0,
+    QM__CLAIM_PREFETCH,
+    QM__CLAIM_PRELOAD,
+    QM__CLAIM_PIN,
+} qm__claim;
+
+/* Claims free slot s for (layer, expert) as a unit whose copy is about to be
+ * issued: accounts its bytes (QM_EINTERNAL past the budget, nothing
+ * changed), marks it LOADING and maps the expert to it. `pf_source` (a
+ * QM__PF_* source) only for QM__CLAIM_PREFETCH. */
+int qm__pager_claim(qm_pager *p, int32_t s, uint32_t layer, uint32_t expert, qm__claim how,
+                    uint8_t pf_source, qm_status *st);
 int qm__pager_account_alloc(qm_pager *p, uint64_t bytes, qm_status *st);
 void qm__pager_evict(qm_pager *p, int32_t s);
 /* Frees slot s without counting an eviction (a copy that failed). */

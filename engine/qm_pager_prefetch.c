@@ -99,20 +99,10 @@ static int qm__prefetch(qm_pager *p, uint32_t layer, const uint32_t *experts,
             s = qm__pager_pick_victim(p, nc);
             qm__pager_evict(p, s);
         }
-        rc = qm__pager_account_alloc(p, L->unit_bytes, st);
+        uint8_t source = sources ? sources[i] : QM__PF_EXPLICIT;
+        rc = qm__pager_claim(p, s, layer, e, QM__CLAIM_PREFETCH, source, st);
         if (rc)
             break;
-        qm__slot *sl = &p->slots[s];
-        sl->layer = layer;
-        sl->expert = e;
-        sl->pinned = 0;
-        sl->refs = 0;
-        sl->prefetched = sources ? sources[i] : QM__PF_EXPLICIT;
-        sl->unit_bytes = L->unit_bytes;
-        sl->state = QM__SLOT_LOADING;
-        sl->last_use = p->tick;
-        L->slot_of[e] = s;
-        qm_policy_on_insert(p->policy, (qm_expert_ref){layer, e}, p->tick);
         rc = qm__pager_copy_unit(p, s, st);
         if (rc) {
             qm__pager_drop(p, s);
@@ -120,7 +110,7 @@ static int qm__prefetch(qm_pager *p, uint32_t layer, const uint32_t *experts,
         }
         p->stats.prefetch_issued++;
         p->stats.bytes_paged_h2d += L->unit_bytes;
-        qm__pf_issued(p, sl->prefetched);
+        qm__pf_issued(p, source);
         issued++;
     }
     for (size_t i = 0; i < n; i++)

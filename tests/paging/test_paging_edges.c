@@ -129,6 +129,141 @@ START_TEST(test_hostile_victims_fall_back_to_lru_and_keep_accounting_and_outputs
 }
 END_TEST
 
+/* ---- Claiming slots ------------------------------------------------------------------------ */
+
+static int refusing_choose(void *ctx, const qm_expert_ref *cand, size_t n, size_t *victim)
+{
+    (void)ctx;
+    (void)cand;
+    (void)n;
+    (void)victim;
+    return -1; /* every victim falls back to the pager's LRU */
+}
+
+static const qm_policy_iface refusing_iface = {
+    .version = QM_POLICY_IFACE_VERSION,
+    .name = "refusing",
+    .decide = hostile_decide,
+    .choose_victim = refusing_choose,
+    .destroy = hostile_destroy,
+};
+
+static qm_pager *claim_pager(const pf_bank *b, qm_backend *cpu, uint64_t slots, qm_policy *pol,
+                             qm_residency_plan **plan)
+{
+    qm_status st = {0};
+    pol->iface = &refusing_iface;
+    pol->ctx = calloc(1, sizeof(hostile));
+    *plan = make_plan(b, pol, 1, slots * unit_bytes(b));
+    qm_pager_options o = {.no_preload = 1};
+    qm_pager *pg = NULL;
+    ck_assert_msg(qm_pager_new(cpu, b->bank, *plan, pol, &o, &pg, &st) == 0, "%s", st.msg);
+    ck_assert_int_eq(qm_pager_layer_is_paged(pg, 1), 1);
+    return pg;
+}
+
+static int acquire_one(qm_pager *pg, uint32_t e, qm_status *st)
+{
+    qm_expert_source *src = qm_pager_source(pg);
+    qm_expert_weights w;
+    size_t ready = 0;
+    int rc = src->acquire(src->ctx, 1, &e, 1, &w, &ready, st);
+    ck_assert(rc < 0 || ready == 1);
+    return rc;
+}
+
+static void release_one(qm_pager *pg, uint32_t e)
+{
+    qm_expert_source *src = qm_pager_source(pg);
+    src->release(src->ctx, 1, &e, 1);
+}
+
+static int is_resident(qm_pager *pg, uint32_t e)
+{
+    uint32_t r[8];
+    int n = qm_pager_resident_experts(pg, 1, r, 8);
+    for (int i = 0; i < n && i < 8; i++)
+        if (r[i] == e)
+            return 1;
+    return 0;
+}
+
+/* A demand miss holds its slot until the wave is released; a prefetched
+ * unit is held by nobody, so a demand miss may take its slot. */
+START_TEST(test_demand_claims_are_held_until_release_prefetched_ones_are_not)
+{
+    pf_spec sp = pf_default_spec();
+    pf_bank b;
+    pf_bank_open(&sp, &b);
+    qm_backend *cpu = NULL;
+    qm_status st = {0};
+    ck_assert_int_eq(qm_backend_cpu_new(1, &cpu, &st), 0);
+    qm_policy pol = {0};
+    qm_residency_plan *plan;
+    qm_pager *pg = claim_pager(&b, cpu, 1, &pol, &plan);
+    ck_assert_int_eq(acquire_one(pg, 1, &st), 0);
+    ck_assert_int_eq(acquire_one(pg, 2, &st), QM_ERESOURCE_EXHAUSTED);
+    ck_assert_msg(strstr(st.msg, "in use") != NULL, "%s", st.msg);
+    ck_assert(is_resident(pg, 1));
+    release_one(pg, 1);
+    ck_assert_int_eq(acquire_one(pg, 2, &st), 0);
+    release_one(pg, 2);
+    uint32_t c = 3;
+    ck_assert_int_eq(qm_pager_prefetch(pg, 1, &c, 1, &st), 1);
+    ck_assert_int_eq(acquire_one(pg, 1, &st), 0); /* takes the prefetched unit's slot */
+    ck_assert(is_resident(pg, 1) && !is_resident(pg, 3));
+    release_one(pg, 1);
+    qm_pager_stats s;
+    qm_pager_stats_get(pg, &s);
+    ck_assert_uint_eq(s.evictions, 3);
+    ck_assert_uint_eq(s.prefetch_issued, 1);
+    ck_assert_uint_eq(s.prefetch_useful, 0);
+    ck_assert_uint_eq(s.resident_bytes, unit_bytes(&b));
+    qm_pager_free(pg);
+    qm_plan_free(plan);
+    qm_policy_destroy(&pol);
+    qm_backend_free(cpu);
+    pf_bank_close(&b);
+}
+END_TEST
+
+/* Every claim stamps the current tick, prefetches included: a unit
+ * prefetched after an expert's last access is the more recent of the two
+ * for the LRU fallback, whatever its slot was used for before. */
+START_TEST(test_every_claim_stamps_the_current_tick)
+{
+    pf_spec sp = pf_default_spec();
+    pf_bank b;
+    pf_bank_open(&sp, &b);
+    qm_backend *cpu = NULL;
+    qm_status st = {0};
+    ck_assert_int_eq(qm_backend_cpu_new(1, &cpu, &st), 0);
+    qm_policy pol = {0};
+    qm_residency_plan *plan;
+    qm_pager *pg = claim_pager(&b, cpu, 2, &pol, &plan);
+    const uint32_t A = 1, B = 2, C = 3, D = 4;
+    ck_assert_int_eq(acquire_one(pg, A, &st), 0); /* slot 0, tick 0 */
+    release_one(pg, A);
+    ck_assert_int_eq(acquire_one(pg, B, &st), 0); /* slot 1, tick 1 */
+    release_one(pg, B);
+    ck_assert_int_eq(acquire_one(pg, A, &st), 0); /* a hit: tick 2 */
+    release_one(pg, A);
+    ck_assert_int_eq(qm_pager_prefetch(pg, 1, &C, 1, &st), 1); /* evicts B: slot 1, tick 3 */
+    ck_assert(is_resident(pg, A) && is_resident(pg, C) && !is_resident(pg, B));
+    ck_assert_int_eq(acquire_one(pg, D, &st), 0); /* the LRU fallback: A (2) before C (3) */
+    release_one(pg, D);
+    ck_assert(is_resident(pg, C) && is_resident(pg, D) && !is_resident(pg, A));
+    qm_pager_stats s;
+    qm_pager_stats_get(pg, &s);
+    ck_assert_uint_eq(s.policy_fallbacks, 2);
+    qm_pager_free(pg);
+    qm_plan_free(plan);
+    qm_policy_destroy(&pol);
+    qm_backend_free(cpu);
+    pf_bank_close(&b);
+}
+END_TEST
+
 /* ---- Waves and the minimum budget ------------------------------------------------------- */
 
 START_TEST(test_budget_below_one_request_runs_in_waves_with_same_output)
@@ -493,6 +628,8 @@ static void add_edge_tests(TCase *tc)
     tcase_add_test(tc, test_budget_holding_every_expert_preloads_and_never_misses);
     tcase_add_test(tc, test_imprecise_router_prediction_is_switched_off);
     tcase_add_test(tc, test_hostile_victims_fall_back_to_lru_and_keep_accounting_and_outputs);
+    tcase_add_test(tc, test_demand_claims_are_held_until_release_prefetched_ones_are_not);
+    tcase_add_test(tc, test_every_claim_stamps_the_current_tick);
     tcase_add_test(tc, test_budget_below_one_request_runs_in_waves_with_same_output);
     tcase_add_test(tc, test_budget_below_one_expert_is_refused_naming_the_minimum);
     tcase_add_test(tc, test_router_prefetch_makes_next_layer_call_all_hits);
