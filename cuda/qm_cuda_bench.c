@@ -308,8 +308,8 @@ int main(int argc, char **argv)
         pageable[i] = (uint8_t)(i * 2654435761u >> 13);
     for (int pass = 0; pass < 2; pass++) {
         if (pass == 1) {
-            int rc = qm_backend_cuda_register_host(be, pageable, hbytes, &st);
-            if (rc != 0) {
+            int rc = qm_backend_register_host(be, pageable, hbytes, &st);
+            if (rc < 0) {
                 report("%-44s %12s %8s  %s\n", "h2d copy_h2d registered", "n/a", "", st.msg);
                 break;
             }
@@ -538,7 +538,7 @@ int main(int argc, char **argv)
         uint8_t *host_units = NULL;
         if (posix_memalign((void **)&host_units, 4096, ubytes) != 0) return 1;
         CK(cudaMemcpy(host_units, base, ubytes, cudaMemcpyDeviceToHost));
-        int registered = qm_backend_cuda_register_host(be, host_units, ubytes, &st) == 0;
+        int registered = qm_backend_register_host(be, host_units, ubytes, &st) > 0;
         qm_arena *slots = NULL;
         QM(qm_arena_new(be, ubytes, &slots, &st));
         for (int k = 0; k < 2; k++) {
@@ -581,7 +581,7 @@ int main(int argc, char **argv)
                    registered ? "registered" : "bounce", mr * 1e3, mo * 1e3);
         }
         qm_arena_free(be, slots);
-        if (registered) qm_backend_cuda_unregister_host(be, host_units, &st);
+        if (registered) qm_backend_unregister_host(be, host_units, &st);
         free(host_units);
     }
 
