@@ -18,6 +18,7 @@
 #include <unistd.h>
 
 #include "qm_alloc.h"
+#include "qm_cuda.h"
 
 const char *const qm_limit_names[QM_LIMIT_COUNT] = {
     "max_request_bytes", "max_nesting",  "max_batch",      "max_connections",  "max_sessions",

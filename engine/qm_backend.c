@@ -206,13 +206,3 @@ void qm__backend_pass_release(qm_backend *be, qm_routed_pass *pass)
     if (pass)
         pass->backend_pass = NULL;
 }
-
-#ifndef QMOE_HAVE_CUDA
-int qm_backend_cuda_new(int device, qm_backend **out, qm_status *st)
-{
-    (void)device;
-    if (out)
-        *out = NULL;
-    return qm_status_set(st, QM_EUNSUPPORTED, "built without CUDA");
-}
-#endif

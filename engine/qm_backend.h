@@ -66,9 +66,7 @@ typedef struct qm_expert_batch {
 
 /* Creates the CPU backend: `threads` workers (0 = number of cores). */
 int qm_backend_cpu_new(uint32_t threads, qm_backend **out, qm_status *st);
-/* Creates the CUDA backend on `device`; QM_EUNSUPPORTED when built without CUDA,
- * QM_EDEVICE when no device answers. */
-int qm_backend_cuda_new(int device, qm_backend **out, qm_status *st);
+/* The CUDA backend's constructor is in cuda/qm_cuda.h. */
 void qm_backend_free(qm_backend *be); /* accepts NULL */
 
 const char *qm_backend_name(const qm_backend *be); /* "cpu" / "cuda" */

@@ -9,6 +9,7 @@
 #include "engine_fixture.h"
 #include "qm_alloc.h"
 #include "qm_backend_impl.h"
+#include "qm_cuda.h"
 #include "qm_moe.h"
 #include "qm_moe_internal.h"
 
