@@ -1,7 +1,7 @@
 /* qm_bank.c - opening a bank: mmap, container checks, views, catalogs.
  *
  * Nothing from the file is trusted. The order of checks is: the 8-byte
- * length against the file, the header through protocol/'s bounded parser,
+ * length against the file, the header through the bounded parser (qm_st_header.c),
  * every tensor's dtype x shape == byte length (overflow-checked), offsets
  * inside the data section, alignment, no overlaps; then the metadata, then
  * each layer tensor against the metadata (qm_bank_layout.c). Views are
