@@ -224,10 +224,10 @@ static int parse_bank(qm_bank *b, qm_status *st)
     b->data_bytes = b->size - 8 - hlen;
     if ((rc = qm_st_header_parse((const char *)b->base + 8, (size_t)hlen, NULL, &h, st)) != 0)
         return rc;
-    if ((rc = check_container(b, h, st)) != 0 ||
-        (rc = qm__config_from_metadata(h, &b->cfg, st)) != 0 || (rc = build_layers(b, h, st)) != 0)
-        goto done;
-done:
+    /* The header is only needed while the views are built from it. */
+    if ((rc = check_container(b, h, st)) == 0 &&
+        (rc = qm__config_from_metadata(h, &b->cfg, st)) == 0)
+        rc = build_layers(b, h, st);
     qm_st_header_free(h);
     return rc;
 }
