@@ -74,6 +74,12 @@ int qm__cuda_enter(qm__cuda_ctx *c, qm_status *st)
     return 0;
 }
 
+void qm__cuda_settle(qm__cuda_ctx *c)
+{
+    if (!c->lost) (void)cudaStreamSynchronize(c->compute_stream);
+    (void)cudaGetLastError();
+}
+
 /* ---- lifetime ---- */
 
 static void qm__cuda_destroy(void *ctx)

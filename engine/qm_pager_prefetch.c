@@ -125,6 +125,17 @@ int qm_pager_prefetch(qm_pager *p, uint32_t layer, const uint32_t *experts, size
     return qm__prefetch(p, layer, experts, NULL, n, st);
 }
 
+/* Resizes *buf to n elements of `elem` bytes; on failure keeps it and
+ * answers QM_ENOMEM. */
+static int qm__regrow(void **buf, size_t n, size_t elem)
+{
+    void *b = qm_realloc(*buf, n * elem);
+    if (!b)
+        return QM_ENOMEM;
+    *buf = b;
+    return 0;
+}
+
 /* Appends the next layer's router top-k for the call's tokens to list. */
 static size_t qm__predict_router(qm_pager *p, const qm_moe_call *call, uint32_t next,
                                  uint32_t *list, size_t n_list, size_t cap)
@@ -137,19 +148,10 @@ static size_t qm__predict_router(qm_pager *p, const qm_moe_call *call, uint32_t 
         return n_list;
     size_t H = cfg->hidden, E = cfg->experts, K = cfg->k;
     if (p->pred_cap_tokens < T) {
-        float *x = qm_realloc(p->pred_x, (size_t)T * H * sizeof(float));
-        if (x)
-            p->pred_x = x;
-        float *lg = qm_realloc(p->pred_logits, (size_t)T * E * sizeof(float));
-        if (lg)
-            p->pred_logits = lg;
-        uint32_t *pe = qm_realloc(p->pred_experts, (size_t)T * K * sizeof(uint32_t));
-        if (pe)
-            p->pred_experts = pe;
-        float *pw = qm_realloc(p->pred_weights, (size_t)T * K * sizeof(float));
-        if (pw)
-            p->pred_weights = pw;
-        if (!x || !lg || !pe || !pw)
+        if (qm__regrow((void **)&p->pred_x, (size_t)T * H, sizeof(float)) ||
+            qm__regrow((void **)&p->pred_logits, (size_t)T * E, sizeof(float)) ||
+            qm__regrow((void **)&p->pred_experts, (size_t)T * K, sizeof(uint32_t)) ||
+            qm__regrow((void **)&p->pred_weights, (size_t)T * K, sizeof(float)))
             return n_list; /* prediction is optional: skip it */
         p->pred_cap_tokens = T;
     }
