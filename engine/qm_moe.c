@@ -159,6 +159,13 @@ static void *qm__carve(qm__carver *c, uint64_t count, size_t elem)
     return p;
 }
 
+/* a * b, or UINT64_MAX when it overflows (qm__carve then reports it). */
+static uint64_t qm__mul_sat(uint64_t a, uint64_t b)
+{
+    unsigned long long r;
+    return qm_mul_u64(a, b, &r) ? UINT64_MAX : (uint64_t)r;
+}
+
 /* The shape of one layer call. */
 typedef struct qm__dims {
     uint32_t T, E, k, H;
@@ -255,7 +262,7 @@ static void qm__layout_host(qm__carver *c, const qm__dims *d, void *out)
     hp->offsets = qm__carve(c, (uint64_t)d->E + 1, sizeof(uint32_t));
     hp->rows = qm__carve(c, TK, sizeof(uint32_t));
     hp->out_index = qm__carve(c, TK, sizeof(uint32_t));
-    hp->y = qm__carve(c, TK * d->H, sizeof(float));
+    hp->y = qm__carve(c, qm__mul_sat(TK, d->H), sizeof(float));
     hp->logits = d->need_logits ? qm__carve(c, (uint64_t)d->T * d->E, sizeof(float)) : NULL;
     hp->jobs = qm__carve(c, d->E, sizeof(qm_expert_job));
 }
