@@ -4,11 +4,6 @@
 #include "qm_alloc.h"
 #include "qm_backend_impl.h"
 
-static int qm__count_set(const void *a, const void *b, const void *c, const void *d)
-{
-    return (a != NULL) + (b != NULL) + (c != NULL) + (d != NULL);
-}
-
 int qm__backend_wrap(const qm_backend_iface *iface, void *ctx, qm_backend **out, qm_status *st)
 {
     *out = NULL;
@@ -22,11 +17,11 @@ int qm__backend_wrap(const qm_backend_iface *iface, void *ctx, qm_backend **out,
     }
     const char *name = iface->name ? iface->name : "?";
     const char *bad = NULL;
+    int routing = !!iface->route + !!iface->run_routed + !!iface->combine + !!iface->pass_release;
     if (!iface->name || !iface->info || !iface->arena_alloc || !iface->arena_release ||
         !iface->copy_h2d || !iface->run_experts || !iface->destroy)
         bad = "lacks a required method";
-    else if (qm__count_set(iface->route, iface->run_routed, iface->combine, iface->pass_release) %
-                 4 != 0)
+    else if (routing != 0 && routing != 4)
         bad = "has some of route, run_routed, combine and pass_release: all four or none";
     else if (!iface->register_host != !iface->unregister_host)
         bad = "has one of register_host and unregister_host: both or none";
