@@ -1,9 +1,12 @@
-/* qm_cuda.h - what the CUDA backend offers beyond the backend interface.
+/* qm_cuda.h - the CUDA backend's public header: its constructor, and what it
+ * offers beyond the backend interface (engine/qm_backend.h).
  *
- * The backend itself is created with qm_backend_cuda_new (engine/qm_backend.h)
- * and used through the common calls. These extras are CUDA-only knobs: host
- * memory registration for direct DMA, and the kernel choice (tests, bench).
- * Every function returns QM_EINVAL when `be` is not a CUDA backend. */
+ * Always available: in a build without CUDA (QMOE_HAVE_CUDA off) the library
+ * qmoe_cuda is a stub whose constructor answers QM_EUNSUPPORTED, so callers
+ * (the daemon) need no #ifdef. Host memory registration goes through the
+ * common qm_backend_register_host. The extras are CUDA-only knobs (kernel
+ * choice, routing, tensor cores: tests, bench); every one of them returns
+ * QM_EINVAL when `be` is not a CUDA backend. */
 #ifndef QM_CUDA_H
 #define QM_CUDA_H
 
@@ -12,16 +15,9 @@
 
 #include "qm_backend.h"
 
-/* Pins [ptr, ptr + bytes) (typically a whole mapped bank, once, after
- * qm_bank_open) with cudaHostRegister, read-only where the device supports
- * it, so that qm_backend_copy_h2d from inside it is one DMA with no bounce
- * copy. Copies from unregistered memory still work, through the backend's
- * ring of pinned bounce buffers. The range must stay mapped until
- * qm_backend_cuda_unregister_host or qm_backend_free. Fails with
- * QM_EUNSUPPORTED when the driver refuses (the copy path keeps working). */
-int qm_backend_cuda_register_host(qm_backend *be, const void *ptr, size_t bytes, qm_status *st);
-/* Undoes one registration made with the same `ptr`. QM_ENOT_FOUND if none. */
-int qm_backend_cuda_unregister_host(qm_backend *be, const void *ptr, qm_status *st);
+/* Creates the CUDA backend on `device`; QM_EUNSUPPORTED when built without
+ * CUDA, QM_EDEVICE when no device answers. Free with qm_backend_free. */
+int qm_backend_cuda_new(int device, qm_backend **out, qm_status *st);
 
 typedef enum qm_cuda_kernels {
     QM_CUDA_KERNELS_AUTO = 0, /* GEMV for few rows per expert, tiled GEMM for many */

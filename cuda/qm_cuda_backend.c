@@ -74,6 +74,12 @@ int qm__cuda_enter(qm__cuda_ctx *c, qm_status *st)
     return 0;
 }
 
+void qm__cuda_settle(qm__cuda_ctx *c)
+{
+    if (!c->lost) (void)cudaStreamSynchronize(c->compute_stream);
+    (void)cudaGetLastError();
+}
+
 /* ---- lifetime ---- */
 
 static void qm__cuda_destroy(void *ctx)
@@ -365,36 +371,11 @@ fail:
     return rc;
 }
 
-static const qm_backend_iface qm__cuda_iface = {
-    .version = QM_BACKEND_IFACE_VERSION,
-    .name = "cuda",
-    .host_visible = 0,
-    .alignment = 256, /* cudaMalloc's; also keeps slot starts 16-byte aligned for the GEMV */
-    .info = qm__cuda_info,
-    .arena_alloc = qm__cuda_arena_alloc,
-    .arena_release = qm__cuda_arena_release,
-    .copy_h2d = qm__cuda_copy_h2d,
-    .fence_wait = qm__cuda_fence_wait,
-    .run_experts = qm__cuda_run_experts,
-    .synchronize = qm__cuda_synchronize,
-    .destroy = qm__cuda_destroy,
-    .route = qm__cuda_route,
-    .run_routed = qm__cuda_run_routed,
-    .combine = qm__cuda_combine,
-    .pass_release = qm__cuda_pass_release,
-};
+/* ---- host registration (the iface's register_host / unregister_host) ---- */
 
-/* ---- CUDA-only extras (qm_cuda.h) ---- */
-
-static qm__cuda_ctx *qm__cuda_of(qm_backend *be)
+static int qm__cuda_register_host(void *ctx, const void *ptr, size_t bytes, qm_status *st)
 {
-    return (be && be->iface == &qm__cuda_iface) ? be->ctx : NULL;
-}
-
-int qm_backend_cuda_register_host(qm_backend *be, const void *ptr, size_t bytes, qm_status *st)
-{
-    qm__cuda_ctx *c = qm__cuda_of(be);
-    if (!c) return qm_status_set(st, QM_EINVAL, "register_host: not a CUDA backend");
+    qm__cuda_ctx *c = ctx;
     if (!ptr || bytes == 0) return qm_status_set(st, QM_EINVAL, "register_host: empty range");
     int rc = qm__cuda_enter(c, st);
     if (rc < 0) return rc;
@@ -446,10 +427,9 @@ int qm_backend_cuda_register_host(qm_backend *be, const void *ptr, size_t bytes,
     return 0;
 }
 
-int qm_backend_cuda_unregister_host(qm_backend *be, const void *ptr, qm_status *st)
+static int qm__cuda_unregister_host(void *ctx, const void *ptr, qm_status *st)
 {
-    qm__cuda_ctx *c = qm__cuda_of(be);
-    if (!c) return qm_status_set(st, QM_EINVAL, "unregister_host: not a CUDA backend");
+    qm__cuda_ctx *c = ctx;
     (void)cudaSetDevice(c->device);
     pthread_mutex_lock(&c->copy_lock);
     for (size_t i = 0; i < c->n_regs; i++) {
@@ -465,6 +445,34 @@ int qm_backend_cuda_unregister_host(qm_backend *be, const void *ptr, qm_status *
     }
     pthread_mutex_unlock(&c->copy_lock);
     return qm_status_set(st, QM_ENOT_FOUND, "unregister_host: %p was not registered", ptr);
+}
+
+static const qm_backend_iface qm__cuda_iface = {
+    .version = QM_BACKEND_IFACE_VERSION,
+    .name = "cuda",
+    .host_visible = 0,
+    .alignment = 256, /* cudaMalloc's; also keeps slot starts 16-byte aligned for the GEMV */
+    .info = qm__cuda_info,
+    .arena_alloc = qm__cuda_arena_alloc,
+    .arena_release = qm__cuda_arena_release,
+    .copy_h2d = qm__cuda_copy_h2d,
+    .fence_wait = qm__cuda_fence_wait,
+    .run_experts = qm__cuda_run_experts,
+    .synchronize = qm__cuda_synchronize,
+    .destroy = qm__cuda_destroy,
+    .route = qm__cuda_route,
+    .run_routed = qm__cuda_run_routed,
+    .combine = qm__cuda_combine,
+    .pass_release = qm__cuda_pass_release,
+    .register_host = qm__cuda_register_host,
+    .unregister_host = qm__cuda_unregister_host,
+};
+
+/* ---- CUDA-only extras (qm_cuda.h) ---- */
+
+static qm__cuda_ctx *qm__cuda_of(qm_backend *be)
+{
+    return (be && be->iface == &qm__cuda_iface) ? be->ctx : NULL;
 }
 
 int qm_backend_cuda_set_kernels(qm_backend *be, qm_cuda_kernels kernels, uint32_t gemm_min_rows)

@@ -205,6 +205,16 @@ static size_t route_random(routing *r, uint32_t T, const uint8_t *layer_base)
     return nj;
 }
 
+/* A batch of T random tokens over the layer at layer_base (route_random). */
+static qm_expert_batch random_batch(routing *r, uint32_t T, const uint8_t *layer_base,
+                                    const qm_bank_config *cfg, const qm_layer_view *lv,
+                                    const float *x, float *y)
+{
+    size_t nj = route_random(r, T, layer_base);
+    return (qm_expert_batch){.config = cfg, .layer = lv, .x = x, .n_tokens = T, .y = y,
+                             .jobs = r->jobs, .n_jobs = nj};
+}
+
 static double rel_err(const float *a, const float *b, size_t n)
 {
     double num = 0, den = 0;
@@ -308,8 +318,8 @@ int main(int argc, char **argv)
         pageable[i] = (uint8_t)(i * 2654435761u >> 13);
     for (int pass = 0; pass < 2; pass++) {
         if (pass == 1) {
-            int rc = qm_backend_cuda_register_host(be, pageable, hbytes, &st);
-            if (rc != 0) {
+            int rc = qm_backend_register_host(be, pageable, hbytes, &st);
+            if (rc < 0) {
                 report("%-44s %12s %8s  %s\n", "h2d copy_h2d registered", "n/a", "", st.msg);
                 break;
             }
@@ -376,14 +386,8 @@ int main(int argc, char **argv)
         const uint32_t Ts[2] = {1, 64};
         for (int k = 0; k < 2; k++) {
             uint32_t T = Ts[k];
-            size_t nj = route_random(r, T, base);
-            qm_expert_batch b = {.config = &cfg,
-                                 .layer = &lv,
-                                 .x = x,
-                                 .n_tokens = T,
-                                 .y = y,
-                                 .jobs = r->jobs,
-                                 .n_jobs = nj};
+            qm_expert_batch b = random_batch(r, T, base, &cfg, &lv, x, y);
+            size_t nj = b.n_jobs;
             for (size_t i = 0; i < (size_t)T * K_ * H_; i++)
                 y[i] = NAN;
             QM(qm_backend_run_experts(be, &b, &st));
@@ -505,14 +509,9 @@ int main(int argc, char **argv)
         uint64_t experts_touched = 0;
         for (int i = 0; i < n + 3; i++) {
             uint32_t l = rnd() % layers;
-            size_t nj = route_random(r, T, base + (uint64_t)l * layer_bytes);
-            qm_expert_batch b = {.config = &cfg,
-                                 .layer = &lv,
-                                 .x = x,
-                                 .n_tokens = T,
-                                 .y = y,
-                                 .jobs = r->jobs,
-                                 .n_jobs = nj};
+            qm_expert_batch b =
+                random_batch(r, T, base + (uint64_t)l * layer_bytes, &cfg, &lv, x, y);
+            size_t nj = b.n_jobs;
             double s = now_s();
             QM(qm_backend_run_experts(be, &b, &st));
             if (i >= 3) {
@@ -538,7 +537,7 @@ int main(int argc, char **argv)
         uint8_t *host_units = NULL;
         if (posix_memalign((void **)&host_units, 4096, ubytes) != 0) return 1;
         CK(cudaMemcpy(host_units, base, ubytes, cudaMemcpyDeviceToHost));
-        int registered = qm_backend_cuda_register_host(be, host_units, ubytes, &st) == 0;
+        int registered = qm_backend_register_host(be, host_units, ubytes, &st) > 0;
         qm_arena *slots = NULL;
         QM(qm_arena_new(be, ubytes, &slots, &st));
         for (int k = 0; k < 2; k++) {
@@ -547,14 +546,8 @@ int main(int argc, char **argv)
             double tc[10], tr[10], to[10];
             for (int i = 0; i < n; i++) {
                 uint32_t l = rnd() % layers;
-                size_t nj = route_random(r, T, base + (uint64_t)l * layer_bytes);
-                qm_expert_batch b = {.config = &cfg,
-                                     .layer = &lv,
-                                     .x = x,
-                                     .n_tokens = T,
-                                     .y = y,
-                                     .jobs = r->jobs,
-                                     .n_jobs = nj};
+                qm_expert_batch b =
+                    random_batch(r, T, base + (uint64_t)l * layer_bytes, &cfg, &lv, x, y);
                 qm_fence f;
                 double s = now_s();
                 QM(qm_backend_copy_h2d(be, qm_arena_at(slots, 0), host_units, ubytes, &f, &st));
@@ -581,7 +574,7 @@ int main(int argc, char **argv)
                    registered ? "registered" : "bounce", mr * 1e3, mo * 1e3);
         }
         qm_arena_free(be, slots);
-        if (registered) qm_backend_cuda_unregister_host(be, host_units, &st);
+        if (registered) qm_backend_unregister_host(be, host_units, &st);
         free(host_units);
     }
 

@@ -199,7 +199,7 @@ int qm_e2e_run(qm_backend *be, const qm_e2e_spec *sp, qm_e2e_row *rows,
     for (size_t i = 0; i < pool_n; i++)
         pool[i] = (float)((int)(qm__e2e_next(&rs) % 2001) - 1000) * 1e-3f;
     qm_status rst = {0};
-    registered = qm_backend_cuda_register_host(be, image, size, &rst) == 0;
+    registered = qm_backend_register_host(be, image, size, &rst) > 0;
     const uint64_t model = qm_bank_expert_bytes_total(bank);
     if (report)
         report("# e2e: %u layers x %u experts (k %u, H %u, I %u), %.2f GB of experts, copies %s; "
@@ -299,7 +299,7 @@ int qm_e2e_run(qm_backend *be, const qm_e2e_spec *sp, qm_e2e_row *rows,
     }
 
 done:
-    if (registered) (void)qm_backend_cuda_unregister_host(be, image, NULL);
+    if (registered) (void)qm_backend_unregister_host(be, image, NULL);
     qm_bank_close(bank);
     free(image);
     qm_free(pool);

@@ -119,6 +119,10 @@ int qm__cuda_fail(qm__cuda_ctx *c, cudaError_t err, qm_status *st, const char *w
     } while (0)
 /* Makes the backend's device current on this thread; QM_EDEVICE when lost. */
 int qm__cuda_enter(qm__cuda_ctx *c, qm_status *st);
+/* After a failed launch sequence: leaves the compute stream idle (unless the
+ * device is lost) so its scratch can be reused by the next call, and clears
+ * non-sticky errors. */
+void qm__cuda_settle(qm__cuda_ctx *c);
 
 int qm__cuda_run_experts(void *ctx, const qm_expert_batch *batch, qm_status *st);
 void qm__cuda_scratch_free(qm__cuda_scratch *s);

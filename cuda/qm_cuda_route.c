@@ -236,8 +236,7 @@ int qm__cuda_route(void *ctx, const qm_route_request *rq, void **pass_out, qm_st
     return 0;
 
 fail:
-    if (!c->lost) (void)cudaStreamSynchronize(c->compute_stream);
-    (void)cudaGetLastError();
+    qm__cuda_settle(c);
 fail_locked:
     p->next = c->pass_pool;
     c->pass_pool = p;
@@ -357,8 +356,7 @@ int qm__cuda_run_routed(void *ctx, void *pass, const qm_expert_batch *batch, qm_
     return 0;
 
 fail:
-    if (!c->lost) (void)cudaStreamSynchronize(c->compute_stream);
-    (void)cudaGetLastError();
+    qm__cuda_settle(c);
 fail_locked:
     pthread_mutex_unlock(&c->run_lock);
     return rc;
@@ -400,8 +398,7 @@ int qm__cuda_combine(void *ctx, void *pass, float *out, qm_status *st)
     return 0;
 
 fail:
-    if (!c->lost) (void)cudaStreamSynchronize(c->compute_stream);
-    (void)cudaGetLastError();
+    qm__cuda_settle(c);
     pthread_mutex_unlock(&c->run_lock);
     return rc;
 }

@@ -346,9 +346,7 @@ int qm__cuda_run_experts(void *ctx, const qm_expert_batch *batch, qm_status *st)
     return 0;
 
 fail:
-    /* Leave the stream idle so the pinned scratch can be reused next call. */
-    if (!c->lost) (void)cudaStreamSynchronize(c->compute_stream);
-    (void)cudaGetLastError();
+    qm__cuda_settle(c);
 fail_locked:
     pthread_mutex_unlock(&c->run_lock);
     return rc;

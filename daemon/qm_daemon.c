@@ -18,6 +18,7 @@
 #include <unistd.h>
 
 #include "qm_alloc.h"
+#include "qm_cuda.h"
 #include "qm_log.h"
 #include "qm_models.h"
 #include "qm_notify.h"

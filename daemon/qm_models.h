@@ -25,7 +25,7 @@ typedef struct qm_model {
     qm_hotness *hotness;    /* decayed use counts; static_hot's default hot lists */
     char *hotness_path;     /* state_dir/<name>.hot, NULL without a state dir */
     uint64_t hotness_saved; /* qm_hotness_records at the last save */
-    qm_backend *host_registered; /* CUDA backend the mapping is registered with, or NULL */
+    qm_backend *host_registered; /* backend the mapping is registered with, or NULL */
     int guard_slot;              /* qm_sigbus_register's slot, or -1 */
     int refs;        /* registry + sessions */
     int registered;  /* 0 once unloaded: freed when the last session lets go */

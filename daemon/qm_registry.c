@@ -17,9 +17,6 @@
 #include "qm_log.h"
 #include "qm_sigbus.h"
 #include "qm_plan_json.h"
-#ifdef QMOE_HAVE_CUDA
-#include "qm_cuda.h"
-#endif
 
 static void model_save_hotness(qm_model *m)
 {
@@ -40,46 +37,36 @@ void qm_models_save_hotness(qm_daemon *d)
         model_save_hotness(m);
 }
 
-/* On CUDA the whole mapping is pinned once (cudaHostRegister), so paging
- * copies are one DMA each instead of going through bounce buffers. A refusal
- * only costs speed. No-op on other backends and in builds without CUDA. */
+/* Where the backend can (CUDA: cudaHostRegister), the whole mapping is
+ * registered once, so paging copies are one DMA each instead of going
+ * through bounce buffers. A refusal only costs speed; backends with nothing
+ * to register (CPU) answer 0. */
 static void model_register_host(qm_daemon *d, qm_model *m)
 {
-#ifdef QMOE_HAVE_CUDA
-    if (strcmp(qm_backend_name(d->backend), "cuda") != 0)
-        return;
     uint64_t bytes;
     const void *base = qm_bank_mapping(m->bank, &bytes);
     qm_status st;
     qm_status_clear(&st);
-    if (qm_backend_cuda_register_host(d->backend, base, (size_t)bytes, &st) == 0) {
+    int rc = qm_backend_register_host(d->backend, base, (size_t)bytes, &st);
+    if (rc > 0) {
         m->host_registered = d->backend;
-        qm_log(QM_LOG_INFO, "model %s: %llu mapped bytes registered with CUDA", m->name,
-               (unsigned long long)bytes);
-    } else {
-        qm_log(QM_LOG_WARNING, "model %s: cannot register the mapping with CUDA (%s); copies "
-               "go through bounce buffers", m->name, st.msg);
+        qm_log(QM_LOG_INFO, "model %s: %llu mapped bytes registered with %s", m->name,
+               (unsigned long long)bytes, qm_backend_name(d->backend));
+    } else if (rc < 0) {
+        qm_log(QM_LOG_WARNING, "model %s: cannot register the mapping with %s (%s); copies "
+               "go through bounce buffers", m->name, qm_backend_name(d->backend), st.msg);
     }
-#else
-    (void)d;
-    (void)m;
-#endif
 }
 
 static void model_unregister_host(qm_model *m)
 {
-#ifdef QMOE_HAVE_CUDA
     if (!m->host_registered)
         return;
     qm_status st;
     qm_status_clear(&st);
-    if (qm_backend_cuda_unregister_host(m->host_registered, qm_bank_mapping(m->bank, NULL), &st) <
-        0)
+    if (qm_backend_unregister_host(m->host_registered, qm_bank_mapping(m->bank, NULL), &st) < 0)
         qm_log(QM_LOG_WARNING, "model %s: cannot unregister the mapping: %s", m->name, st.msg);
     m->host_registered = NULL;
-#else
-    (void)m;
-#endif
 }
 
 static void model_free(qm_model *m)

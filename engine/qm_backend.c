@@ -15,12 +15,20 @@ int qm__backend_wrap(const qm_backend_iface *iface, void *ctx, qm_backend **out,
                              "backend interface version %d, this build expects %d", got,
                              QM_BACKEND_IFACE_VERSION);
     }
+    const char *name = iface->name ? iface->name : "?";
+    const char *bad = NULL;
+    int routing = !!iface->route + !!iface->run_routed + !!iface->combine + !!iface->pass_release;
     if (!iface->name || !iface->info || !iface->arena_alloc || !iface->arena_release ||
-        !iface->copy_h2d || !iface->run_experts || !iface->destroy) {
+        !iface->copy_h2d || !iface->run_experts || !iface->destroy)
+        bad = "lacks a required method";
+    else if (routing != 0 && routing != 4)
+        bad = "has some of route, run_routed, combine and pass_release: all four or none";
+    else if (!iface->register_host != !iface->unregister_host)
+        bad = "has one of register_host and unregister_host: both or none";
+    if (bad) {
         if (iface->destroy)
             iface->destroy(ctx);
-        return qm_status_set(st, QM_EINVAL, "backend '%s' lacks a required method",
-                             iface->name ? iface->name : "?");
+        return qm_status_set(st, QM_EINVAL, "backend '%s' %s", name, bad);
     }
     qm_backend *be = qm_malloc(sizeof *be);
     if (!be) {
@@ -132,12 +140,64 @@ int qm_backend_synchronize(qm_backend *be, qm_status *st)
     return be->iface->synchronize(be->ctx, st);
 }
 
-#ifndef QMOE_HAVE_CUDA
-int qm_backend_cuda_new(int device, qm_backend **out, qm_status *st)
+int qm_backend_register_host(qm_backend *be, const void *ptr, size_t bytes, qm_status *st)
 {
-    (void)device;
-    if (out)
-        *out = NULL;
-    return qm_status_set(st, QM_EUNSUPPORTED, "built without CUDA");
+    if (!be->iface->register_host)
+        return 0; /* nothing to register */
+    int rc = be->iface->register_host(be->ctx, ptr, bytes, st);
+    return rc < 0 ? rc : 1;
 }
-#endif
+
+int qm_backend_unregister_host(qm_backend *be, const void *ptr, qm_status *st)
+{
+    if (!be->iface->unregister_host)
+        return 0;
+    return be->iface->unregister_host(be->ctx, ptr, st);
+}
+
+/* ---- The routed pass: the backend's routing, or the host's by default ---- */
+
+int qm__backend_route(qm_backend *be, const qm_route_request *rq, qm_routed_pass *pass,
+                      qm_status *st)
+{
+    pass->backend_pass = NULL;
+    if (be->iface->route) {
+        qm_status declined = {0};
+        int rc = be->iface->route(be->ctx, rq, &pass->backend_pass, &declined);
+        if (rc == 0 && pass->backend_pass)
+            return 0;
+        pass->backend_pass = NULL;
+        if (rc < 0 && rc != QM_EUNSUPPORTED) {
+            if (st)
+                *st = declined;
+            return rc;
+        }
+        /* Declined (routing switched off): the host routes this call. */
+    }
+    return qm__host_route(pass->host, rq, st);
+}
+
+int qm__backend_run_routed(qm_backend *be, qm_routed_pass *pass, const qm_expert_batch *batch,
+                           qm_status *st)
+{
+    if (!batch || batch->n_jobs == 0)
+        return 0;
+    if (pass->backend_pass)
+        return be->iface->run_routed(be->ctx, pass->backend_pass, batch, st);
+    return qm__host_run_routed(be, pass->host, batch, st);
+}
+
+int qm__backend_combine(qm_backend *be, qm_routed_pass *pass, float *out, qm_status *st)
+{
+    if (pass->backend_pass)
+        return be->iface->combine(be->ctx, pass->backend_pass, out, st);
+    return qm__host_combine(pass->host, out, st);
+}
+
+void qm__backend_pass_release(qm_backend *be, qm_routed_pass *pass)
+{
+    if (pass && pass->backend_pass)
+        be->iface->pass_release(be->ctx, pass->backend_pass);
+    if (pass)
+        pass->backend_pass = NULL;
+}

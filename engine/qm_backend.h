@@ -66,9 +66,7 @@ typedef struct qm_expert_batch {
 
 /* Creates the CPU backend: `threads` workers (0 = number of cores). */
 int qm_backend_cpu_new(uint32_t threads, qm_backend **out, qm_status *st);
-/* Creates the CUDA backend on `device`; QM_EUNSUPPORTED when built without CUDA,
- * QM_EDEVICE when no device answers. */
-int qm_backend_cuda_new(int device, qm_backend **out, qm_status *st);
+/* The CUDA backend's constructor is in cuda/qm_cuda.h. */
 void qm_backend_free(qm_backend *be); /* accepts NULL */
 
 const char *qm_backend_name(const qm_backend *be); /* "cpu" / "cuda" */
@@ -96,5 +94,17 @@ int qm_backend_fence_wait(qm_backend *be, qm_fence *fence, qm_status *st);
  * routing weight applied). Synchronous on return. */
 int qm_backend_run_experts(qm_backend *be, const qm_expert_batch *batch, qm_status *st);
 int qm_backend_synchronize(qm_backend *be, qm_status *st);
+
+/* Makes [ptr, ptr + bytes) (typically a whole mapped bank, once, after
+ * qm_bank_open) faster to copy from where the backend can: CUDA pins it
+ * (cudaHostRegister) so each copy is one DMA. Returns 1 when registered
+ * (the range must stay mapped until qm_backend_unregister_host or
+ * qm_backend_free), 0 when the backend has nothing to register (CPU), or a
+ * negative code: QM_EUNSUPPORTED when the driver refuses (copies still
+ * work, slower), QM_ECONFLICT when the range overlaps an earlier one. */
+int qm_backend_register_host(qm_backend *be, const void *ptr, size_t bytes, qm_status *st);
+/* Undoes a registration made with the same `ptr` (0), QM_ENOT_FOUND if none;
+ * 0 on backends with nothing to register. */
+int qm_backend_unregister_host(qm_backend *be, const void *ptr, qm_status *st);
 
 #endif

@@ -4,7 +4,9 @@
 
 #include "qm_backend.h"
 
-#define QM_BACKEND_IFACE_VERSION 1
+/* 2: register_host / unregister_host; the optional groups (routing, host
+ * registration) are all-or-none, checked once by qm__backend_wrap. */
+#define QM_BACKEND_IFACE_VERSION 2
 
 struct qm_arena {
     qm_backend *backend;
@@ -13,16 +15,15 @@ struct qm_arena {
     void *handle;  /* backend's own */
 };
 
-/* A layer call whose routing, token permutation and combine run on the
- * backend (the optional methods route / run_routed / combine / pass_release
- * below). The engine (qm_moe.c) uses them when all four are present: the
- * backend computes the router logits (or takes rq->logits), top-k, softmax
- * and the 1e-8 drop with exactly qm_moe_route's semantics, groups the routes
- * by expert (tokens ascending within an expert, as the host grouping does),
- * and hands back only the routing result; the engine pages the experts in
- * and runs waves through run_routed; combine sums each token's routes in
- * route order j = 0..k-1 (fc2 bias inside the weighted sum, f32 multiply
- * then add, as the host combine). */
+/* A layer call's routing (route / run_routed / combine / pass_release
+ * below). The backend computes the router logits (or takes rq->logits),
+ * top-k, softmax and the 1e-8 drop with exactly qm_moe_route's semantics,
+ * groups the routes by expert (tokens ascending within an expert, as the
+ * host grouping does), and hands back only the routing result; the engine
+ * pages the experts in and runs waves through run_routed; combine sums each
+ * token's routes in route order j = 0..k-1 (fc2 bias inside the weighted
+ * sum, f32 multiply then add, as the host combine). A backend without these
+ * methods (CPU) gets the host's: the defaults in qm_backend.c. */
 typedef struct qm_route_request {
     const qm_bank_config *config;
     const qm_layer_view *layer; /* its router weight/bias are used when logits is NULL */
@@ -35,6 +36,17 @@ typedef struct qm_route_request {
     qm_dtype act_dtype;         /* the call's activation dtype (x is f32 here whatever it is):
                                  * a backend may compute in it (CUDA: tensor cores for f16/bf16) */
 } qm_route_request;
+
+/* The state of the host's routing (the default route/run_routed/combine):
+ * the token permutation and one result row per route, in the engine's
+ * per-session scratch (qm_moe.c). */
+typedef struct qm__host_pass qm__host_pass;
+
+/* One layer call's pass, from qm__backend_route to qm__backend_pass_release. */
+typedef struct qm_routed_pass {
+    void *backend_pass;  /* the backend's, NULL when the call is routed on the host */
+    qm__host_pass *host; /* set by the caller before route: the host routing's state */
+} qm_routed_pass;
 
 typedef struct qm_backend_iface {
     int version;
@@ -54,11 +66,12 @@ typedef struct qm_backend_iface {
     int (*synchronize)(void *ctx, qm_status *st);
     void (*destroy)(void *ctx);
 
-    /* ---- (optional) device-side routing; all four or none. A backend
-     * leaving them NULL (CPU) is routed on the host, as before. ---- */
+    /* ---- (optional, all four or none) routing on the backend. Default: the
+     * host routes, groups and combines, and runs the waves through
+     * run_experts (qm_backend.c). ---- */
     /* Routes rq->n_tokens tokens and keeps x, the routes and their
      * permutation in a pass (*pass, released with pass_release). May answer
-     * QM_EUNSUPPORTED (e.g. switched off): the engine then routes on the host. */
+     * QM_EUNSUPPORTED (e.g. switched off): the call is then routed on the host. */
     int (*route)(void *ctx, const qm_route_request *rq, void **pass, qm_status *st);
     /* Runs a wave of the pass's experts: batch->jobs give expert, weights
      * and n_rows (= counts[expert]); batch->x, y and the jobs' rows and
@@ -68,6 +81,15 @@ typedef struct qm_backend_iface {
     /* out [T, H] f32 host = the combine of every route run so far. */
     int (*combine)(void *ctx, void *pass, float *out, qm_status *st);
     void (*pass_release)(void *ctx, void *pass); /* accepts NULL */
+
+    /* ---- (optional, both or none) host memory the backend copies from
+     * often (a mapped bank), made faster to copy (CUDA: cudaHostRegister).
+     * Default: nothing to do. ---- */
+    /* 0 when registered; QM_EUNSUPPORTED when the driver refuses (copies
+     * still work, slower); QM_ECONFLICT on overlap with an earlier range. */
+    int (*register_host)(void *ctx, const void *ptr, size_t bytes, qm_status *st);
+    /* Undoes the registration made with the same ptr; QM_ENOT_FOUND if none. */
+    int (*unregister_host)(void *ctx, const void *ptr, qm_status *st);
 } qm_backend_iface;
 
 struct qm_backend {
@@ -75,38 +97,28 @@ struct qm_backend {
     void *ctx;
 };
 
-/* Wraps an implementation; checks the version. Takes ownership of ctx (destroy on failure). */
+/* Wraps an implementation; checks the version, the required methods and
+ * that each optional group is complete. Takes ownership of ctx (destroy on
+ * failure). */
 int qm__backend_wrap(const qm_backend_iface *iface, void *ctx, qm_backend **out, qm_status *st);
 
-/* The call sites of the optional routing methods (qm_backend.c holds the others). */
-static inline int qm__backend_can_route(const qm_backend *be)
-{
-    const qm_backend_iface *i = be->iface;
-    return i->route && i->run_routed && i->combine && i->pass_release;
-}
-static inline int qm__backend_route(qm_backend *be, const qm_route_request *rq, void **pass,
-                                    qm_status *st)
-{
-    *pass = NULL;
-    if (!qm__backend_can_route(be))
-        return qm_status_set(st, QM_EUNSUPPORTED, "backend '%s' does not route", be->iface->name);
-    return be->iface->route(be->ctx, rq, pass, st);
-}
-static inline int qm__backend_run_routed(qm_backend *be, void *pass, const qm_expert_batch *batch,
-                                         qm_status *st)
-{
-    if (!batch || batch->n_jobs == 0)
-        return 0;
-    return be->iface->run_routed(be->ctx, pass, batch, st);
-}
-static inline int qm__backend_combine(qm_backend *be, void *pass, float *out, qm_status *st)
-{
-    return be->iface->combine(be->ctx, pass, out, st);
-}
-static inline void qm__backend_pass_release(qm_backend *be, void *pass)
-{
-    if (pass)
-        be->iface->pass_release(be->ctx, pass);
-}
+/* ---- The routed pass: the only call sites of the routing methods, host
+ * routing when the backend has none (qm_backend.c) ---- */
+
+/* Routes on the backend, or on the host (pass->host) when it has no route
+ * method or declines with QM_EUNSUPPORTED. */
+int qm__backend_route(qm_backend *be, const qm_route_request *rq, qm_routed_pass *pass,
+                      qm_status *st);
+int qm__backend_run_routed(qm_backend *be, qm_routed_pass *pass, const qm_expert_batch *batch,
+                           qm_status *st);
+int qm__backend_combine(qm_backend *be, qm_routed_pass *pass, float *out, qm_status *st);
+void qm__backend_pass_release(qm_backend *be, qm_routed_pass *pass); /* accepts an unrouted pass */
+
+/* The host routing behind those defaults (qm_moe.c). `hp` is NULL-safe:
+ * QM_EUNSUPPORTED when the caller gave no host state. */
+int qm__host_route(qm__host_pass *hp, const qm_route_request *rq, qm_status *st);
+int qm__host_run_routed(qm_backend *be, qm__host_pass *hp, const qm_expert_batch *batch,
+                        qm_status *st);
+int qm__host_combine(qm__host_pass *hp, float *out, qm_status *st);
 
 #endif

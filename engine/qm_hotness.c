@@ -225,30 +225,26 @@ int qm_hotness_save(const qm_hotness *h, const char *path, qm_status *st)
     char *tmp = qm_malloc(tlen);
     int rc = 0;
     if (!tmp) {
-        qm_free(buf);
-        return qm_status_set(st, QM_ENOMEM, "out of memory saving the hotness profile");
+        rc = qm_status_set(st, QM_ENOMEM, "out of memory saving the hotness profile");
+        goto free_buffers;
     }
     snprintf(tmp, tlen, "%s.tmp.%ld", path, (long)getpid());
     int fd = open(tmp, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0600);
     if (fd < 0) {
         rc = qm_status_set(st, QM_EIO, "cannot create %s: %s", tmp, strerror(errno));
-        goto out;
+        goto free_buffers;
     }
     if (qm__write_all(fd, buf, size) || fsync(fd)) {
         rc = qm_status_set(st, QM_EIO, "cannot write %s: %s", tmp, strerror(errno));
-        close(fd);
-        unlink(tmp);
-        goto out;
+        goto close_tmp;
     }
     if (close(fd)) {
         rc = qm_status_set(st, QM_EIO, "cannot close %s: %s", tmp, strerror(errno));
-        unlink(tmp);
-        goto out;
+        goto unlink_tmp;
     }
     if (rename(tmp, path)) {
         rc = qm_status_set(st, QM_EIO, "cannot rename %s to %s: %s", tmp, path, strerror(errno));
-        unlink(tmp);
-        goto out;
+        goto unlink_tmp;
     }
     /* Make the rename itself durable. */
     {
@@ -268,7 +264,12 @@ int qm_hotness_save(const qm_hotness *h, const char *path, qm_status *st)
             qm_free(dir);
         }
     }
-out:
+    goto free_buffers;
+close_tmp:
+    close(fd);
+unlink_tmp:
+    unlink(tmp);
+free_buffers:
     qm_free(tmp);
     qm_free(buf);
     return rc;
@@ -304,21 +305,21 @@ int qm_hotness_load(const char *path, const qm_hotness_key *key, double decay, q
     char why[160];
     if (fstat(fd, &sb) || !S_ISREG(sb.st_mode)) {
         qm__warn(warning, warning_cap, path, "not a regular file");
-        goto done;
+        goto close_file;
     }
     if ((uint64_t)sb.st_size < QM__HOT_HEADER) {
         snprintf(why, sizeof why, "truncated (%lld bytes)", (long long)sb.st_size);
         qm__warn(warning, warning_cap, path, why);
-        goto done;
+        goto close_file;
     }
     buf = qm_malloc(QM__HOT_HEADER);
     if (!buf) {
         rc = qm_status_set(st, QM_ENOMEM, "out of memory loading the hotness profile");
-        goto done;
+        goto close_file;
     }
     if (pread(fd, buf, QM__HOT_HEADER, 0) != (ssize_t)QM__HOT_HEADER) {
         qm__warn(warning, warning_cap, path, "short read");
-        goto done;
+        goto close_file;
     }
     uint32_t u32[4];
     uint64_t fp;
@@ -326,12 +327,12 @@ int qm_hotness_load(const char *path, const qm_hotness_key *key, double decay, q
     memcpy(&fp, buf + 24, 8);
     if (memcmp(buf, QM__HOT_MAGIC, 8)) {
         qm__warn(warning, warning_cap, path, "bad magic (not a hotness profile)");
-        goto done;
+        goto close_file;
     }
     if (u32[0] != QM__HOT_VERSION) {
         snprintf(why, sizeof why, "version %u, expected %u", u32[0], QM__HOT_VERSION);
         qm__warn(warning, warning_cap, path, why);
-        goto done;
+        goto close_file;
     }
     if (u32[1] != key->layers || u32[2] != key->experts ||
         (key->fingerprint && fp != key->fingerprint)) {
@@ -341,28 +342,28 @@ int qm_hotness_load(const char *path, const qm_hotness_key *key, double decay, q
                  u32[1], u32[2], (unsigned long long)fp, key->layers, key->experts,
                  (unsigned long long)key->fingerprint);
         qm__warn(warning, warning_cap, path, why);
-        goto done;
+        goto close_file;
     }
     if ((uint64_t)sb.st_size != want) {
         snprintf(why, sizeof why, "size %lld bytes, expected %zu", (long long)sb.st_size, want);
         qm__warn(warning, warning_cap, path, why);
-        goto done;
+        goto close_file;
     }
     qm_free(buf);
     buf = qm_malloc(want);
     if (!buf) {
         rc = qm_status_set(st, QM_ENOMEM, "out of memory loading the hotness profile");
-        goto done;
+        goto close_file;
     }
     if (pread(fd, buf, want, 0) != (ssize_t)want) {
         qm__warn(warning, warning_cap, path, "short read");
-        goto done;
+        goto close_file;
     }
     uint64_t sum;
     memcpy(&sum, buf + want - 8, 8);
     if (qm__fnv1a(QM__FNV_OFFSET, buf, want - 8) != sum) {
         qm__warn(warning, warning_cap, path, "checksum mismatch (corrupt)");
-        goto done;
+        goto close_file;
     }
     for (size_t i = 0; i < cells; i++) {
         double c;
@@ -371,12 +372,12 @@ int qm_hotness_load(const char *path, const qm_hotness_key *key, double decay, q
             snprintf(why, sizeof why, "count %zu is %g (corrupt)", i, c);
             qm__warn(warning, warning_cap, path, why);
             memset(h->counts, 0, cells * sizeof *h->counts);
-            goto done;
+            goto close_file;
         }
         h->counts[i] = c;
     }
     memcpy(&h->records, buf + 32, 8);
-done:
+close_file:
     qm_free(buf);
     close(fd);
     if (rc) {

@@ -1,9 +1,13 @@
-/* qm_moe.c - routing, router logits, token grouping, the expert-source
- * protocol (waves) and the combine of one MoE layer. A backend with the
- * optional routing methods (qm_backend_impl.h: CUDA) does the routing, the
- * token permutation and the combine itself, with the same semantics; only
- * the routes come back here, for the expert source (the pager). */
+/* qm_moe.c - the forward pass of one MoE layer: route -> group -> waves ->
+ * combine, with its scratch kept per session; the host routing that backends
+ * without routing methods get (qm_backend.c defaults to it); and the direct
+ * expert source over an open bank.
+ *
+ * A backend with the optional routing methods (qm_backend_impl.h: CUDA)
+ * routes, permutes the token rows and combines itself, with the same
+ * semantics; only the routes come back here, for the expert source (the pager). */
 #include <math.h>
+#include <stdint.h>
 #include <string.h>
 #include <time.h>
 
@@ -125,9 +129,395 @@ static void qm__store_output(qm_dtype dt, const float *src, size_t n, void *dst)
         d[i] = dt == QM_DTYPE_F16 ? qm_f32_to_f16(src[i]) : qm_f32_to_bf16(src[i]);
 }
 
+/* ---- Scratch: grow-only blocks, carved per call ---------------------------- */
+
+#define QM__CARVE_ALIGN 64u
+
+typedef struct qm__block {
+    void *base;
+    size_t cap;
+} qm__block;
+
+/* Lays arrays out in a block: a first pass with base NULL sizes it, a second
+ * hands out the pointers. */
+typedef struct qm__carver {
+    uint8_t *base;
+    size_t off;
+    int overflow;
+} qm__carver;
+
+static void *qm__carve(qm__carver *c, uint64_t count, size_t elem)
+{
+    unsigned long long bytes, end;
+    if (c->overflow || qm_mul_u64(count, elem, &bytes) || qm_add_u64(c->off, bytes, &end) ||
+        qm_add_u64(end, QM__CARVE_ALIGN - 1, &end) || end > SIZE_MAX) {
+        c->overflow = 1;
+        return NULL;
+    }
+    void *p = c->base ? c->base + c->off : NULL;
+    c->off = (size_t)(end & ~(unsigned long long)(QM__CARVE_ALIGN - 1));
+    return p;
+}
+
+/* a * b, or UINT64_MAX when it overflows (qm__carve then reports it). */
+static uint64_t qm__mul_sat(uint64_t a, uint64_t b)
+{
+    unsigned long long r;
+    return qm_mul_u64(a, b, &r) ? UINT64_MAX : (uint64_t)r;
+}
+
+/* The shape of one layer call. */
+typedef struct qm__dims {
+    uint32_t T, E, k, H;
+    int need_logits; /* the call brought no router logits */
+} qm__dims;
+
+typedef void (*qm__layout_fn)(qm__carver *c, const qm__dims *d, void *out);
+
+/* Grows `blk` (never shrinks it) to what `layout` needs and carves it. */
+static int qm__block_carve(qm__block *blk, qm__layout_fn layout, const qm__dims *d, void *out,
+                           qm_status *st)
+{
+    qm__carver c = {0};
+    layout(&c, d, out);
+    if (c.overflow)
+        return qm_status_set(st, QM_ENOMEM, "a %u-token forward pass needs more scratch than "
+                                            "this machine can address", d->T);
+    if (c.off > blk->cap) {
+        /* Freed first: the contents are per call, and the peak stays lower. */
+        qm_free(blk->base);
+        blk->base = qm_malloc(c.off);
+        blk->cap = blk->base ? c.off : 0;
+        if (!blk->base)
+            return qm_status_set(st, QM_ENOMEM, "out of memory for a %u-token forward pass",
+                                 d->T);
+    }
+    c = (qm__carver){.base = blk->base};
+    layout(&c, d, out);
+    return 0;
+}
+
+static void qm__block_free(qm__block *blk)
+{
+    qm_free(blk->base);
+    blk->base = NULL;
+    blk->cap = 0;
+}
+
+/* The host routing's state: what the default route / run_routed / combine
+ * keep between the calls of one pass. */
+struct qm__host_pass {
+    qm__block block;
+    /* The call routed last (qm__host_route); experts NULL until then. */
+    const float *x;
+    uint32_t n_tokens, n_experts, k, hidden;
+    const uint32_t *experts; /* [T, k] the routes */
+    const float *weights;    /* [T, k] */
+    const uint32_t *counts;  /* [E] */
+    /* Carved from block. */
+    uint32_t *offsets;   /* [E + 1] first grouped route of each expert */
+    uint32_t *rows;      /* [T * k] token of each grouped route */
+    uint32_t *out_index; /* [T * k] route index (t * k + j) of each grouped route */
+    float *y;            /* [T * k, H] one result row per route */
+    float *logits;       /* [T, E] when the call brought none */
+    qm_expert_job *jobs; /* [E] a wave's jobs with their rows */
+};
+
+struct qm__moe_scratch {
+    qm__block block; /* the forward pass's own buffers (qm__call_buffers) */
+    qm__host_pass host;
+};
+
+int qm__moe_scratch_new(qm__moe_scratch **out, qm_status *st)
+{
+    *out = qm_calloc(1, sizeof **out);
+    return *out ? 0 : qm_status_set(st, QM_ENOMEM, "out of memory for forward scratch");
+}
+
+static void qm__scratch_clear(qm__moe_scratch *s)
+{
+    qm__block_free(&s->block);
+    qm__block_free(&s->host.block);
+}
+
+void qm__moe_scratch_free(qm__moe_scratch *s)
+{
+    if (!s)
+        return;
+    qm__scratch_clear(s);
+    qm_free(s);
+}
+
+size_t qm__moe_scratch_bytes(const qm__moe_scratch *s)
+{
+    return s ? s->block.cap + s->host.block.cap : 0;
+}
+
+/* ---- Host routing: the default of the backend's routing methods ------------ */
+
+static void qm__layout_host(qm__carver *c, const qm__dims *d, void *out)
+{
+    qm__host_pass *hp = out;
+    const uint64_t TK = (uint64_t)d->T * d->k;
+    hp->offsets = qm__carve(c, (uint64_t)d->E + 1, sizeof(uint32_t));
+    hp->rows = qm__carve(c, TK, sizeof(uint32_t));
+    hp->out_index = qm__carve(c, TK, sizeof(uint32_t));
+    hp->y = qm__carve(c, qm__mul_sat(TK, d->H), sizeof(float));
+    hp->logits = d->need_logits ? qm__carve(c, (uint64_t)d->T * d->E, sizeof(float)) : NULL;
+    hp->jobs = qm__carve(c, d->E, sizeof(qm_expert_job));
+}
+
+int qm__host_route(qm__host_pass *hp, const qm_route_request *rq, qm_status *st)
+{
+    if (!hp)
+        return qm_status_set(st, QM_EUNSUPPORTED, "no host routing state for this call");
+    hp->experts = NULL;
+    const qm_bank_config *cfg = rq->config;
+    const uint32_t T = rq->n_tokens, E = cfg->experts, k = cfg->k;
+    qm__dims d = {.T = T, .E = E, .k = k, .H = cfg->hidden, .need_logits = !rq->logits};
+    int rc = qm__block_carve(&hp->block, qm__layout_host, &d, hp, st);
+    if (rc < 0)
+        return rc;
+    const float *logits = rq->logits;
+    if (!logits) {
+        rc = qm_moe_router_logits(cfg, rq->layer, rq->x, T, hp->logits, st);
+        if (rc < 0)
+            return rc;
+        logits = hp->logits;
+    }
+    qm_moe_route(logits, T, E, k, rq->experts, rq->weights);
+
+    /* Group the routes by expert, tokens ascending within an expert. */
+    const size_t TK = (size_t)T * k;
+    memset(rq->counts, 0, (size_t)E * sizeof(uint32_t));
+    for (size_t i = 0; i < TK; i++)
+        if (rq->experts[i] != QM_ROUTE_DROPPED)
+            rq->counts[rq->experts[i]]++;
+    hp->offsets[0] = 0;
+    for (uint32_t e = 0; e < E; e++)
+        hp->offsets[e + 1] = hp->offsets[e] + rq->counts[e];
+    for (size_t i = 0; i < TK; i++) {
+        uint32_t e = rq->experts[i];
+        if (e == QM_ROUTE_DROPPED)
+            continue;
+        hp->rows[hp->offsets[e]] = (uint32_t)(i / k);
+        hp->out_index[hp->offsets[e]] = (uint32_t)i;
+        hp->offsets[e]++;
+    }
+    for (uint32_t e = 0; e < E; e++)
+        hp->offsets[e] -= rq->counts[e]; /* back to each expert's first route */
+
+    hp->x = rq->x;
+    hp->n_tokens = T;
+    hp->n_experts = E;
+    hp->k = k;
+    hp->hidden = cfg->hidden;
+    hp->weights = rq->weights;
+    hp->counts = rq->counts;
+    hp->experts = rq->experts;
+    return 0;
+}
+
+int qm__host_run_routed(qm_backend *be, qm__host_pass *hp, const qm_expert_batch *batch,
+                        qm_status *st)
+{
+    if (!hp || !hp->experts)
+        return qm_status_set(st, QM_EINVAL, "run_routed: the call was not routed on the host");
+    if (batch->n_jobs > hp->n_experts)
+        return qm_status_set(st, QM_EINVAL, "run_routed: %zu jobs for %u experts",
+                             batch->n_jobs, hp->n_experts);
+    for (size_t j = 0; j < batch->n_jobs; j++) {
+        qm_expert_job job = batch->jobs[j];
+        if (job.expert >= hp->n_experts || job.n_rows != hp->counts[job.expert])
+            return qm_status_set(st, QM_EINVAL,
+                                 "run_routed: job for expert %u has %u rows, the routing %u",
+                                 job.expert, job.n_rows,
+                                 job.expert < hp->n_experts ? hp->counts[job.expert] : 0);
+        job.rows = hp->rows + hp->offsets[job.expert];
+        job.out_index = hp->out_index + hp->offsets[job.expert];
+        hp->jobs[j] = job;
+    }
+    qm_expert_batch on_host = *batch;
+    on_host.x = hp->x;
+    on_host.n_tokens = hp->n_tokens;
+    on_host.y = hp->y;
+    on_host.jobs = hp->jobs;
+    return qm_backend_run_experts(be, &on_host, st);
+}
+
+int qm__host_combine(qm__host_pass *hp, float *out, qm_status *st)
+{
+    if (!hp || !hp->experts)
+        return qm_status_set(st, QM_EINVAL, "combine: the call was not routed on the host");
+    /* Route order j = 0..k-1: the same sums whatever order the experts ran
+     * in. The fc2 bias is inside y, so inside the weighted sum. */
+    const uint32_t T = hp->n_tokens, k = hp->k, H = hp->hidden;
+    for (uint32_t t = 0; t < T; t++) {
+        float *o = out + (size_t)t * H;
+        for (uint32_t c = 0; c < H; c++)
+            o[c] = 0.0f;
+        for (uint32_t j = 0; j < k; j++) {
+            size_t i = (size_t)t * k + j;
+            if (hp->experts[i] == QM_ROUTE_DROPPED)
+                continue;
+            const float *yr = hp->y + i * H;
+            float w = hp->weights[i];
+            for (uint32_t c = 0; c < H; c++)
+                o[c] += w * yr[c];
+        }
+    }
+    return 0;
+}
+
+/* ---- The forward pass ------------------------------------------------------ */
+
+/* The forward pass's own buffers, carved from the scratch per call. */
+typedef struct qm__call_buffers {
+    float *x;                /* [T, H] the hidden states in f32 */
+    uint32_t *experts;       /* [T, k] routes, when the call keeps none */
+    float *weights;          /* [T, k] */
+    uint32_t *counts;        /* [E] the routing's count per expert */
+    uint32_t *tally;         /* [E] the routes' count per expert (checks counts) */
+    uint32_t *uniq;          /* [E] experts with routes, ascending */
+    qm_expert_weights *wts;  /* [E] their weights, as the source made them usable */
+    qm_expert_job *jobs;     /* [E] a wave's jobs */
+    float *out;              /* [T, H] the combine, f32 */
+} qm__call_buffers;
+
+static void qm__layout_call(qm__carver *c, const qm__dims *d, void *out)
+{
+    qm__call_buffers *b = out;
+    const uint64_t TK = (uint64_t)d->T * d->k, TH = (uint64_t)d->T * d->H;
+    b->x = qm__carve(c, TH, sizeof(float));
+    b->experts = qm__carve(c, TK, sizeof(uint32_t));
+    b->weights = qm__carve(c, TK, sizeof(float));
+    b->counts = qm__carve(c, d->E, sizeof(uint32_t));
+    b->tally = qm__carve(c, d->E, sizeof(uint32_t));
+    b->uniq = qm__carve(c, d->E, sizeof(uint32_t));
+    b->wts = qm__carve(c, d->E, sizeof(qm_expert_weights));
+    b->jobs = qm__carve(c, d->E, sizeof(qm_expert_job));
+    b->out = qm__carve(c, TH, sizeof(float));
+}
+
+/* Experts with routes, ascending, after checking the routing's counts
+ * against the routes themselves. */
+static int qm__group(const uint32_t *route_e, size_t n_routes, uint32_t E,
+                     const uint32_t *counts, uint32_t *tally, uint32_t *uniq, size_t *n_uniq,
+                     qm_status *st)
+{
+    memset(tally, 0, (size_t)E * sizeof(uint32_t));
+    for (size_t i = 0; i < n_routes; i++) {
+        uint32_t e = route_e[i];
+        if (e == QM_ROUTE_DROPPED)
+            continue;
+        if (e >= E)
+            return qm_status_set(st, QM_EINTERNAL, "routing sent a token to expert %u of %u", e,
+                                 E);
+        tally[e]++;
+    }
+    size_t n = 0;
+    for (uint32_t e = 0; e < E; e++) {
+        if (tally[e] != counts[e])
+            return qm_status_set(st, QM_EINTERNAL,
+                                 "backend routing counted %u routes to expert %u, the routes say %u",
+                                 counts[e], e, tally[e]);
+        if (tally[e])
+            uniq[n++] = e;
+    }
+    *n_uniq = n;
+    return 0;
+}
+
+/* Experts in waves of whatever the source can make usable at once. */
+static int qm__run_waves(qm_backend *be, qm_routed_pass *pass, qm_expert_batch *batch,
+                         qm_expert_source *source, uint32_t layer, const qm__call_buffers *b,
+                         size_t n_uniq, qm_moe_stats *stats, qm_status *st)
+{
+    for (size_t done_n = 0; done_n < n_uniq;) {
+        size_t left = n_uniq - done_n, ready = 0;
+        int rc = source->acquire(source->ctx, layer, b->uniq + done_n, left, b->wts + done_n,
+                                 &ready, st);
+        if (rc < 0)
+            return rc;
+        if (ready == 0 || ready > left)
+            return qm_status_set(st, QM_EINTERNAL,
+                                 "expert source made %zu of %zu experts usable (want 1..%zu)",
+                                 ready, left, left);
+        for (size_t i = 0; i < ready; i++) {
+            uint32_t e = b->uniq[done_n + i];
+            b->jobs[i] = (qm_expert_job){
+                .expert = e, .weights = b->wts[done_n + i], .n_rows = b->counts[e]};
+        }
+        batch->jobs = b->jobs;
+        batch->n_jobs = ready;
+        rc = qm__backend_run_routed(be, pass, batch, st);
+        if (source->release)
+            source->release(source->ctx, layer, b->uniq + done_n, ready);
+        if (rc < 0)
+            return rc;
+        done_n += ready;
+        stats->waves++;
+    }
+    return 0;
+}
+
+static int qm__forward(qm_backend *be, const qm_bank_config *cfg, const qm_layer_view *layer,
+                       const qm_moe_call *call, qm_expert_source *source, qm__moe_scratch *s,
+                       qm_moe_stats *stats, qm_status *st)
+{
+    const uint32_t T = call->n_tokens, E = cfg->experts, k = cfg->k, H = cfg->hidden;
+    const size_t TH = (size_t)T * H;
+    qm__dims d = {.T = T, .E = E, .k = k, .H = H, .need_logits = !call->logits};
+    qm__call_buffers b;
+    int rc = qm__block_carve(&s->block, qm__layout_call, &d, &b, st);
+    if (rc < 0)
+        return rc;
+    uint32_t *route_e = call->route_experts ? call->route_experts : b.experts;
+    float *route_w = call->route_weights ? call->route_weights : b.weights;
+
+    /* 1. Route: on the backend, or on the host (the default). */
+    qm__load_hidden(call->dtype, call->hidden, TH, b.x);
+    qm_route_request rq = {.config = cfg,
+                           .layer = layer,
+                           .x = b.x,
+                           .logits = call->logits,
+                           .n_tokens = T,
+                           .experts = route_e,
+                           .weights = route_w,
+                           .counts = b.counts,
+                           .act_dtype = call->dtype};
+    qm_routed_pass pass = {.host = &s->host};
+    rc = qm__backend_route(be, &rq, &pass, st);
+    if (rc < 0)
+        return rc;
+
+    /* 2. Group: the experts this call needs. */
+    size_t n_uniq = 0;
+    rc = qm__group(route_e, (size_t)T * k, E, b.counts, b.tally, b.uniq, &n_uniq, st);
+    if (rc < 0)
+        goto release_pass;
+
+    /* 3. Waves. */
+    qm_expert_batch batch = {.config = cfg, .layer = layer, .x = b.x, .n_tokens = T};
+    uint64_t t0 = qm__now_us();
+    rc = qm__run_waves(be, &pass, &batch, source, layer->index, &b, n_uniq, stats, st);
+    if (rc < 0)
+        goto release_pass;
+    stats->compute_us = qm__now_us() - t0;
+
+    /* 4. Combine. */
+    rc = qm__backend_combine(be, &pass, b.out, st);
+    if (rc == 0)
+        qm__store_output(call->dtype, b.out, TH, call->output);
+
+release_pass:
+    qm__backend_pass_release(be, &pass);
+    return rc;
+}
+
 int qm__moe_forward_layer(qm_backend *be, const qm_bank_config *cfg, const qm_layer_view *layer,
-                          const qm_moe_call *call, qm_expert_source *source, qm_moe_stats *stats,
-                          qm_status *st)
+                          const qm_moe_call *call, qm_expert_source *source,
+                          qm__moe_scratch *scratch, qm_moe_stats *stats, qm_status *st)
 {
     qm_moe_stats local = {0};
     if (!stats)
@@ -138,186 +528,81 @@ int qm__moe_forward_layer(qm_backend *be, const qm_bank_config *cfg, const qm_la
     if (call->dtype != QM_DTYPE_F32 && call->dtype != QM_DTYPE_F16 &&
         call->dtype != QM_DTYPE_BF16)
         return qm_status_set(st, QM_EINVAL, "hidden dtype must be f32, f16 or bf16");
-    const uint32_t T = call->n_tokens, E = cfg->experts, k = cfg->k, H = cfg->hidden;
-    if (T == 0)
+    if (call->n_tokens == 0)
         return 0; /* an empty batch is an empty result */
     if (!call->hidden || !call->output)
         return qm_status_set(st, QM_EINVAL, "forward: hidden or output missing");
-    if (k == 0 || k > E)
-        return qm_status_set(st, QM_EINVAL, "k = %u with %u experts", k, E);
-
-    int rc = 0;
-    size_t TK = (size_t)T * k, TH = (size_t)T * H;
-    float *x = qm_malloc(TH * sizeof(float));
-    float *logits = qm_malloc((size_t)T * E * sizeof(float));
-    uint32_t *route_e = qm_malloc(TK * sizeof(uint32_t));
-    float *route_w = qm_malloc(TK * sizeof(float));
-    float *y = qm_malloc(TK * H * sizeof(float));
-    float *out = qm_malloc(TH * sizeof(float));
-    uint32_t *count = qm_calloc((size_t)E + 1, sizeof(uint32_t));
-    uint32_t *rows = qm_malloc(TK * sizeof(uint32_t));
-    uint32_t *out_index = qm_malloc(TK * sizeof(uint32_t));
-    uint32_t *uniq = qm_malloc((size_t)E * sizeof(uint32_t));
-    qm_expert_weights *wts = qm_malloc((size_t)E * sizeof(qm_expert_weights));
-    qm_expert_job *jobs = qm_malloc((size_t)E * sizeof(qm_expert_job));
-    uint32_t *dev_count = qm_malloc((size_t)E * sizeof(uint32_t));
-    void *pass = NULL; /* the backend's routed pass, when it routes */
-    if (!x || !logits || !route_e || !route_w || !y || !out || !count || !rows || !out_index ||
-        !uniq || !wts || !jobs || !dev_count) {
-        rc = qm_status_set(st, QM_ENOMEM, "out of memory for a %u-token forward pass", T);
-        goto done;
-    }
-
-    /* 1. Routing: on the backend when it offers it, else here. */
-    qm__load_hidden(call->dtype, call->hidden, TH, x);
-    if (qm__backend_can_route(be)) {
-        if (!call->logits && !layer->t[QM_T_ROUTER_WEIGHT].present) {
-            rc = qm_status_set(st, QM_EINVAL, "layer %u has no router weight: pass router_logits",
-                               layer->index);
-            goto done;
-        }
-        qm_route_request rq = {.config = cfg,
-                               .layer = layer,
-                               .x = x,
-                               .logits = call->logits,
-                               .n_tokens = T,
-                               .experts = route_e,
-                               .weights = route_w,
-                               .counts = dev_count,
-                               .act_dtype = call->dtype};
-        qm_status rst = {0};
-        rc = qm__backend_route(be, &rq, &pass, &rst);
-        if (rc < 0 && rc != QM_EUNSUPPORTED) {
-            if (st)
-                *st = rst;
-            goto done;
-        }
-        rc = 0;
-    }
-    if (!pass) {
-        if (call->logits) {
-            memcpy(logits, call->logits, (size_t)T * E * sizeof(float));
-        } else {
-            rc = qm_moe_router_logits(cfg, layer, x, T, logits, st);
-            if (rc < 0)
-                goto done;
-        }
-        qm_moe_route(logits, T, E, k, route_e, route_w);
-    }
-    if (call->route_experts)
-        memcpy(call->route_experts, route_e, TK * sizeof(uint32_t));
-    if (call->route_weights)
-        memcpy(call->route_weights, route_w, TK * sizeof(float));
-
-    /* 2. Group routes by expert (tokens ascending within an expert). */
-    for (size_t i = 0; i < TK; i++)
-        if (route_e[i] != QM_ROUTE_DROPPED)
-            count[route_e[i] + 1]++;
-    size_t n_uniq = 0;
-    for (uint32_t e = 0; e < E; e++) {
-        if (pass && count[e + 1] != dev_count[e]) {
-            rc = qm_status_set(st, QM_EINTERNAL,
-                               "backend routing counted %u routes to expert %u, the routes say %u",
-                               dev_count[e], e, count[e + 1]);
-            goto done;
-        }
-        if (count[e + 1])
-            uniq[n_uniq++] = e;
-        count[e + 1] += count[e]; /* count[e] = first slot of expert e */
-    }
-    if (!pass) {
-        uint32_t *fill = qm_malloc((size_t)E * sizeof(uint32_t));
-        if (!fill) {
-            rc = qm_status_set(st, QM_ENOMEM, "out of memory grouping tokens");
-            goto done;
-        }
-        memcpy(fill, count, (size_t)E * sizeof(uint32_t));
-        for (size_t i = 0; i < TK; i++) {
-            uint32_t e = route_e[i];
-            if (e == QM_ROUTE_DROPPED)
-                continue;
-            rows[fill[e]] = (uint32_t)(i / k);
-            out_index[fill[e]] = (uint32_t)i;
-            fill[e]++;
-        }
-        qm_free(fill);
-    }
-
-    /* 3. Experts, in waves of whatever the source can make usable at once. */
-    qm_expert_batch batch = {.config = cfg, .layer = layer, .x = x, .n_tokens = T, .y = y};
-    uint64_t t0 = qm__now_us();
-    for (size_t done_n = 0; done_n < n_uniq;) {
-        size_t ready = 0;
-        rc = source->acquire(source->ctx, layer->index, uniq + done_n, n_uniq - done_n,
-                             wts + done_n, &ready, st);
-        if (rc < 0)
-            goto done;
-        if (ready == 0 || ready > n_uniq - done_n) {
-            rc = qm_status_set(st, QM_EINTERNAL,
-                               "expert source made %zu of %zu experts usable (want 1..%zu)",
-                               ready, n_uniq - done_n, n_uniq - done_n);
-            goto done;
-        }
-        for (size_t i = 0; i < ready; i++) {
-            uint32_t e = uniq[done_n + i];
-            jobs[i] = (qm_expert_job){.expert = e,
-                                      .weights = wts[done_n + i],
-                                      .rows = pass ? NULL : rows + count[e],
-                                      .out_index = pass ? NULL : out_index + count[e],
-                                      .n_rows = count[e + 1] - count[e]};
-        }
-        batch.jobs = jobs;
-        batch.n_jobs = ready;
-        if (pass)
-            rc = qm__backend_run_routed(be, pass, &batch, st);
-        else
-            rc = qm_backend_run_experts(be, &batch, st);
-        if (source->release)
-            source->release(source->ctx, layer->index, uniq + done_n, ready);
-        if (rc < 0)
-            goto done;
-        done_n += ready;
-        stats->waves++;
-    }
-    stats->compute_us = qm__now_us() - t0;
-
-    /* 4. Combine in route order j = 0..k-1: the same sums whatever order the
-     * experts ran in. The fc2 bias is inside y, so inside the weighted sum. */
-    if (pass) {
-        rc = qm__backend_combine(be, pass, out, st);
-        if (rc < 0)
-            goto done;
-    }
-    for (uint32_t t = 0; t < T && !pass; t++) {
-        float *o = out + (size_t)t * H;
-        for (uint32_t c = 0; c < H; c++)
-            o[c] = 0.0f;
-        for (uint32_t j = 0; j < k; j++) {
-            size_t i = (size_t)t * k + j;
-            if (route_e[i] == QM_ROUTE_DROPPED)
-                continue;
-            const float *yr = y + i * H;
-            float w = route_w[i];
-            for (uint32_t c = 0; c < H; c++)
-                o[c] += w * yr[c];
-        }
-    }
-    qm__store_output(call->dtype, out, TH, call->output);
-
-done:
-    qm__backend_pass_release(be, pass);
-    qm_free(dev_count);
-    qm_free(x);
-    qm_free(logits);
-    qm_free(route_e);
-    qm_free(route_w);
-    qm_free(y);
-    qm_free(out);
-    qm_free(count);
-    qm_free(rows);
-    qm_free(out_index);
-    qm_free(uniq);
-    qm_free(wts);
-    qm_free(jobs);
+    if (cfg->k == 0 || cfg->k > cfg->experts)
+        return qm_status_set(st, QM_EINVAL, "k = %u with %u experts", cfg->k, cfg->experts);
+    /* Refused before any backend is asked. */
+    if (!call->logits && !layer->t[QM_T_ROUTER_WEIGHT].present)
+        return qm_status_set(st, QM_EINVAL, "layer %u has no router weight: pass router_logits",
+                             layer->index);
+    if (scratch)
+        return qm__forward(be, cfg, layer, call, source, scratch, stats, st);
+    qm__moe_scratch once = {0};
+    int rc = qm__forward(be, cfg, layer, call, source, &once, stats, st);
+    qm__scratch_clear(&once);
     return rc;
+}
+
+int qm__moe_forward(qm_backend *be, const qm_bank *bank, const qm_moe_call *call,
+                    qm_expert_source *source, qm__moe_scratch *scratch, qm_moe_stats *stats,
+                    qm_status *st)
+{
+    if (!bank || !call)
+        return qm_status_set(st, QM_EINVAL, "forward: bank or call missing");
+    const qm_bank_config *cfg = qm_bank_get_config(bank);
+    const qm_layer_view *layer = qm_bank_layer(bank, call->layer);
+    if (!layer)
+        return qm_status_set_field(st, QM_EINVAL, "layer", "layer %u out of range (bank has %u)",
+                                   call->layer, cfg->layers);
+    return qm__moe_forward_layer(be, cfg, layer, call, source, scratch, stats, st);
+}
+
+int qm_moe_forward(qm_backend *be, const qm_bank *bank, const qm_moe_call *call,
+                   qm_expert_source *source, qm_moe_stats *stats, qm_status *st)
+{
+    return qm__moe_forward(be, bank, call, source, NULL, stats, st);
+}
+
+/* ---- The direct expert source ---------------------------------------------- */
+
+static int qm__direct_acquire(void *ctx, uint32_t layer, const uint32_t *experts, size_t n,
+                              qm_expert_weights *weights, size_t *n_ready, qm_status *st)
+{
+    const qm_bank *bank = ctx;
+    const qm_layer_view *lv = qm_bank_layer(bank, layer);
+    const qm_bank_config *cfg = qm_bank_get_config(bank);
+    *n_ready = 0;
+    if (!lv)
+        return qm_status_set(st, QM_EINVAL, "layer %u out of range", layer);
+    for (size_t i = 0; i < n; i++) {
+        if (experts[i] >= cfg->experts)
+            return qm_status_set(st, QM_EINVAL, "expert %u out of range", experts[i]);
+        for (int t = 0; t < QM_T_EXPERT_COUNT; t++) {
+            const qm_tensor_view *tv = &lv->t[t];
+            weights[i].ptr[t] =
+                tv->present ? (const uint8_t *)tv->data +
+                                  experts[i] * qm__expert_slice(tv, cfg->experts)
+                            : NULL;
+        }
+    }
+    *n_ready = n; /* everything is mapped: one wave */
+    return 0;
+}
+
+static void qm__direct_release(void *ctx, uint32_t layer, const uint32_t *experts, size_t n)
+{
+    (void)ctx;
+    (void)layer;
+    (void)experts;
+    (void)n;
+}
+
+void qm_expert_source_direct(const qm_bank *bank, qm_expert_source *out)
+{
+    out->ctx = (void *)bank;
+    out->acquire = qm__direct_acquire;
+    out->release = qm__direct_release;
 }

@@ -1,9 +1,10 @@
 /* qm_moe.h - the MoE forward pass of one layer (../shared/BANK_FORMAT.md semantics).
  *
- * Routing and combine run here, on the host, in a fixed order; expert FFNs
- * run on the backend. The combine of token t sums its k routes in route
- * order (j = 0..k-1) whatever order experts were computed in, so outputs
- * are bitwise identical across thread counts, policies, budgets and waves. */
+ * Routing and combine run on the host in a fixed order (or on a backend with
+ * its own routing, with the same semantics); expert FFNs run on the backend.
+ * The combine of token t sums its k routes in route order (j = 0..k-1)
+ * whatever order experts were computed in, so outputs are bitwise identical
+ * across thread counts, policies, budgets and waves. */
 #ifndef QM_MOE_H
 #define QM_MOE_H
 
@@ -62,7 +63,9 @@ typedef struct qm_moe_call {
     float *route_weights;    /* optional [T, k] out */
 } qm_moe_call;
 
-/* Runs one layer. Scratch is allocated per call (bounded by T*k*H floats). */
+/* Runs one layer: route -> group -> waves -> combine. Its scratch (bounded
+ * by about T*k*H floats) is allocated and freed per call; a session's pager
+ * keeps one instead (qm_pager_forward). */
 int qm_moe_forward(qm_backend *be, const qm_bank *bank, const qm_moe_call *call,
                    qm_expert_source *source, qm_moe_stats *stats, qm_status *st);
 

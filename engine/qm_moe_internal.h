@@ -1,14 +1,32 @@
-/* qm_moe_internal.h - the forward pass over an explicit config and layer view.
- * Private to engine/ and its tests: qm_moe_forward is this with the bank's
- * config and layer; tests drive it with views built from arrays. */
+/* qm_moe_internal.h - the forward pass with a scratch kept by its caller, and
+ * over an explicit config and layer view. Private to engine/ and its tests:
+ * qm_moe_forward is qm__moe_forward with a one-shot scratch; the pager keeps
+ * one scratch per session; tests drive qm__moe_forward_layer with views
+ * built from arrays. */
 #ifndef QM_MOE_INTERNAL_H
 #define QM_MOE_INTERNAL_H
 
 #include "qm_moe.h"
 
+/* The buffers of layer calls: grow to the largest call served, never shrink,
+ * so a session in its steady state allocates nothing per call. One call at
+ * a time (a session's calls are serial). */
+typedef struct qm__moe_scratch qm__moe_scratch;
+
+int qm__moe_scratch_new(qm__moe_scratch **out, qm_status *st);
+void qm__moe_scratch_free(qm__moe_scratch *scratch); /* accepts NULL */
+/* Host bytes the scratch holds now (0 for NULL). */
+size_t qm__moe_scratch_bytes(const qm__moe_scratch *scratch);
+
+/* One layer call: route -> group -> waves -> combine. `scratch` NULL: the
+ * call makes its own and frees it (one allocation, more for the backend). */
 int qm__moe_forward_layer(qm_backend *be, const qm_bank_config *cfg, const qm_layer_view *layer,
-                          const qm_moe_call *call, qm_expert_source *source, qm_moe_stats *stats,
-                          qm_status *st);
+                          const qm_moe_call *call, qm_expert_source *source,
+                          qm__moe_scratch *scratch, qm_moe_stats *stats, qm_status *st);
+/* The same with the bank's config and layer call->layer. */
+int qm__moe_forward(qm_backend *be, const qm_bank *bank, const qm_moe_call *call,
+                    qm_expert_source *source, qm__moe_scratch *scratch, qm_moe_stats *stats,
+                    qm_status *st);
 
 /* Bytes of one expert's slice of a per-expert tensor (nbytes / experts). */
 uint64_t qm__expert_slice(const qm_tensor_view *tv, uint32_t n_experts);

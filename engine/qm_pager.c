@@ -1,6 +1,7 @@
 /* qm_pager.c - the paging authority: arena layout, slots, exact accounting,
- * pins, victim choice with validation, and the expert source (acquire/release).
- * Copies live in qm_pager_copy.c, prediction and prefetch in qm_pager_prefetch.c. */
+ * pins, victim choice with validation, the expert source (acquire/release)
+ * and the session's forward call. Copies live in qm_pager_copy.c,
+ * prediction and prefetch in qm_pager_prefetch.c. */
 #include <stdint.h>
 #include <string.h>
 
@@ -205,6 +206,28 @@ int32_t qm__pager_free_slot(qm_pager *p)
     return -1;
 }
 
+int qm__pager_claim(qm_pager *p, int32_t s, uint32_t layer, uint32_t expert, qm__claim how,
+                    uint8_t pf_source, qm_status *st)
+{
+    qm__layer *L = &p->layers[layer];
+    int rc = qm__pager_account_alloc(p, L->unit_bytes, st);
+    if (rc)
+        return rc;
+    qm__slot *sl = &p->slots[s];
+    sl->layer = layer;
+    sl->expert = expert;
+    sl->pinned = how == QM__CLAIM_PIN;
+    sl->prefetched = how == QM__CLAIM_PREFETCH ? pf_source : QM__PF_NONE;
+    sl->refs = how == QM__CLAIM_DEMAND;
+    sl->last_use = p->tick;
+    sl->unit_bytes = L->unit_bytes;
+    sl->state = QM__SLOT_LOADING;
+    L->slot_of[expert] = s;
+    if (how != QM__CLAIM_PIN)
+        qm_policy_on_insert(p->policy, (qm_expert_ref){layer, expert}, p->tick);
+    return 0;
+}
+
 void qm__pager_drop(qm_pager *p, int32_t s)
 {
     qm__slot *sl = &p->slots[s];
@@ -318,16 +341,9 @@ static int qm__load_pins(qm_pager *p, qm_status *st)
             if (s < 0)
                 return qm_status_set(st, QM_EINTERNAL, "no slot left for pinned expert %u/%u", l,
                                      e);
-            int rc = qm__pager_account_alloc(p, L->unit_bytes, st);
+            int rc = qm__pager_claim(p, s, l, e, QM__CLAIM_PIN, QM__PF_NONE, st);
             if (rc)
                 return rc;
-            qm__slot *sl = &p->slots[s];
-            sl->layer = l;
-            sl->expert = e;
-            sl->pinned = 1;
-            sl->unit_bytes = L->unit_bytes;
-            sl->state = QM__SLOT_LOADING;
-            L->slot_of[e] = s;
             p->stats.n_pinned++;
             rc = qm__pager_copy_unit(p, s, st);
             if (rc == 0)
@@ -356,16 +372,8 @@ static int qm__preload_all(qm_pager *p, qm_status *st)
             int32_t s = qm__pager_free_slot(p);
             if (s < 0)
                 return qm_status_set(st, QM_EINTERNAL, "no slot left to preload %u/%u", l, e);
-            if ((rc = qm__pager_account_alloc(p, L->unit_bytes, st)))
+            if ((rc = qm__pager_claim(p, s, l, e, QM__CLAIM_PRELOAD, QM__PF_NONE, st)))
                 break;
-            qm__slot *sl = &p->slots[s];
-            sl->layer = l;
-            sl->expert = e;
-            sl->pinned = 0;
-            sl->unit_bytes = L->unit_bytes;
-            sl->state = QM__SLOT_LOADING;
-            L->slot_of[e] = s;
-            qm_policy_on_insert(p->policy, (qm_expert_ref){l, e}, 0);
             p->stats.bytes_loaded_at_create += L->unit_bytes;
             rc = qm__pager_copy_unit(p, s, st);
         }
@@ -403,6 +411,9 @@ int qm_pager_new(qm_backend *backend, const qm_bank *bank, const qm_residency_pl
         qm_status_set(st, QM_ENOMEM, "out of memory for the pager's layers");
         goto fail;
     }
+    rc = qm__moe_scratch_new(&p->scratch, st);
+    if (rc)
+        goto fail;
     qm__sizing sz;
     rc = qm__layout(backend, bank, plan, &p->opt, p->layers, &sz, 1, st);
     if (rc)
@@ -524,6 +535,7 @@ void qm_pager_free(qm_pager *p)
     qm_free(p->cand_refs);
     qm_free(p->wave_slots);
     qm_free(p->route_buf);
+    qm__moe_scratch_free(p->scratch);
     qm_free(p->pred_x);
     qm_free(p->pred_logits);
     qm_free(p->pred_experts);
@@ -644,20 +656,9 @@ static int qm__source_acquire(void *ctx, uint32_t layer, const uint32_t *experts
             s = qm__pager_pick_victim(p, nc);
             qm__pager_evict(p, s);
         }
-        rc = qm__pager_account_alloc(p, L->unit_bytes, st);
+        rc = qm__pager_claim(p, s, layer, e, QM__CLAIM_DEMAND, QM__PF_NONE, st);
         if (rc)
             break;
-        qm__slot *sl = &p->slots[s];
-        sl->layer = layer;
-        sl->expert = e;
-        sl->pinned = 0;
-        sl->prefetched = 0;
-        sl->unit_bytes = L->unit_bytes;
-        sl->state = QM__SLOT_LOADING;
-        sl->refs = 1;
-        sl->last_use = p->tick;
-        L->slot_of[e] = s;
-        qm_policy_on_insert(p->policy, ref, p->tick);
         p->tick++;
         p->wave_slots[n_wave++] = s;
         p->stats.bytes_paged_h2d += L->unit_bytes;
@@ -719,6 +720,34 @@ static void qm__source_release(void *ctx, uint32_t layer, const uint32_t *expert
 qm_expert_source *qm_pager_source(qm_pager *p)
 {
     return p ? &p->source : NULL;
+}
+
+/* ---- The forward call ----------------------------------------------------------------- */
+
+int qm_pager_forward(qm_pager *p, const qm_moe_call *call, qm_moe_stats *mstats, qm_status *st)
+{
+    if (!p || !call)
+        return qm_status_set(st, QM_EINVAL, "qm_pager_forward: NULL argument");
+    qm_moe_call c = *call;
+    size_t need = (size_t)call->n_tokens * p->cfg->k;
+    if (!c.route_experts && need) {
+        if (need > p->route_cap) {
+            uint32_t *b = qm_realloc(p->route_buf, need * sizeof *b);
+            if (!b)
+                return qm_status_set(st, QM_ENOMEM, "out of memory for routing scratch");
+            p->route_buf = b;
+            p->route_cap = need;
+        }
+        c.route_experts = p->route_buf;
+    }
+    int rc = qm__moe_forward(p->backend, p->bank, &c, &p->source, p->scratch, mstats, st);
+    if (rc || call->n_tokens == 0 || call->layer >= p->n_layers)
+        return rc;
+    qm__pager_history_record(p, call->layer, c.route_experts, need);
+    if (p->trace)
+        qm__pager_trace_record(p, call->layer, c.route_experts, call->n_tokens);
+    qm__pager_prefetch_next(p, call);
+    return 0;
 }
 
 /* ---- Introspection ----------------------------------------------------------------- */

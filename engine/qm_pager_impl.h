@@ -1,12 +1,13 @@
 /* qm_pager_impl.h - the paging authority's private state, shared by
- * qm_pager.c (slots, accounting, victims, acquire/release),
+ * qm_pager.c (slots, accounting, victims, acquire/release, forward),
  * qm_pager_copy.c (the copy path and its thread) and
- * qm_pager_prefetch.c (history, prediction, prefetch, forward). Private to engine/. */
+ * qm_pager_prefetch.c (history, prediction, prefetch). Private to engine/. */
 #ifndef QM_PAGER_IMPL_H
 #define QM_PAGER_IMPL_H
 
 #include <pthread.h>
 
+#include "qm_moe_internal.h"
 #include "qm_pager.h"
 
 /* Slices inside a slot start on this boundary so that every tensor's slice is
@@ -112,6 +113,7 @@ struct qm_pager {
     void *alloc_ud;
 
     /* Forward scratch */
+    qm__moe_scratch *scratch; /* the layer calls' buffers, grow-only */
     uint32_t *route_buf;
     size_t route_cap;
     float *pred_x, *pred_logits;
@@ -152,6 +154,25 @@ int qm__pager_copy_wait(qm_pager *p, int32_t s, qm_status *st);
 
 /* qm_pager.c */
 int32_t qm__pager_free_slot(qm_pager *p);
+
+/* Who claims a slot. A demand miss holds it (refs = 1) until the wave that
+ * acquired it is released; a prefetched, preloaded or pinned unit is held by
+ * nobody (a prefetched or preloaded one stays evictable, a pinned one never
+ * is). Every claim stamps the current tick (accesses, not claims, advance
+ * it); pins never reach the policy (they are never its victims). */
+typedef enum qm__claim {
+    QM__CLAIM_DEMAND = 0,
+    QM__CLAIM_PREFETCH,
+    QM__CLAIM_PRELOAD,
+    QM__CLAIM_PIN,
+} qm__claim;
+
+/* Claims free slot s for (layer, expert) as a unit whose copy is about to be
+ * issued: accounts its bytes (QM_EINTERNAL past the budget, nothing
+ * changed), marks it LOADING and maps the expert to it. `pf_source` (a
+ * QM__PF_* source) only for QM__CLAIM_PREFETCH. */
+int qm__pager_claim(qm_pager *p, int32_t s, uint32_t layer, uint32_t expert, qm__claim how,
+                    uint8_t pf_source, qm_status *st);
 int qm__pager_account_alloc(qm_pager *p, uint64_t bytes, qm_status *st);
 void qm__pager_evict(qm_pager *p, int32_t s);
 /* Frees slot s without counting an eviction (a copy that failed). */
@@ -164,5 +185,8 @@ int32_t qm__pager_pick_victim(qm_pager *p, size_t n);
 /* A prefetched expert of `source` was used before being evicted. */
 void qm__pager_prefetch_useful(qm_pager *p, uint8_t source);
 void qm__pager_history_record(qm_pager *p, uint32_t layer, const uint32_t *route, size_t n);
+/* After a forward call: predicts the next layer's experts and prefetches
+ * them (best effort, with prefetch on). */
+void qm__pager_prefetch_next(qm_pager *p, const qm_moe_call *call);
 
 #endif

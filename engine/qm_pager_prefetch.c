@@ -1,5 +1,5 @@
 /* qm_pager_prefetch.c - routing history, prediction of the next layer call,
- * prefetch into free or evictable slots, and the forward wrapper.
+ * prefetch into free or evictable slots after each forward call.
  *
  * A wrong prediction costs bandwidth and maybe a later miss, never
  * correctness: prefetched units land in slots like demand copies and are
@@ -99,20 +99,10 @@ static int qm__prefetch(qm_pager *p, uint32_t layer, const uint32_t *experts,
             s = qm__pager_pick_victim(p, nc);
             qm__pager_evict(p, s);
         }
-        rc = qm__pager_account_alloc(p, L->unit_bytes, st);
+        uint8_t source = sources ? sources[i] : QM__PF_EXPLICIT;
+        rc = qm__pager_claim(p, s, layer, e, QM__CLAIM_PREFETCH, source, st);
         if (rc)
             break;
-        qm__slot *sl = &p->slots[s];
-        sl->layer = layer;
-        sl->expert = e;
-        sl->pinned = 0;
-        sl->refs = 0;
-        sl->prefetched = sources ? sources[i] : QM__PF_EXPLICIT;
-        sl->unit_bytes = L->unit_bytes;
-        sl->state = QM__SLOT_LOADING;
-        sl->last_use = p->tick;
-        L->slot_of[e] = s;
-        qm_policy_on_insert(p->policy, (qm_expert_ref){layer, e}, p->tick);
         rc = qm__pager_copy_unit(p, s, st);
         if (rc) {
             qm__pager_drop(p, s);
@@ -120,7 +110,7 @@ static int qm__prefetch(qm_pager *p, uint32_t layer, const uint32_t *experts,
         }
         p->stats.prefetch_issued++;
         p->stats.bytes_paged_h2d += L->unit_bytes;
-        qm__pf_issued(p, sl->prefetched);
+        qm__pf_issued(p, source);
         issued++;
     }
     for (size_t i = 0; i < n; i++)
@@ -135,15 +125,14 @@ int qm_pager_prefetch(qm_pager *p, uint32_t layer, const uint32_t *experts, size
     return qm__prefetch(p, layer, experts, NULL, n, st);
 }
 
-static int qm__grow(void **buf, size_t *cap, size_t need, size_t elem)
+/* Resizes *buf to n elements of `elem` bytes; on failure keeps it and
+ * answers QM_ENOMEM. */
+static int qm__regrow(void **buf, size_t n, size_t elem)
 {
-    if (*cap >= need)
-        return 0;
-    void *b = qm_realloc(*buf, need * elem);
+    void *b = qm_realloc(*buf, n * elem);
     if (!b)
         return QM_ENOMEM;
     *buf = b;
-    *cap = need;
     return 0;
 }
 
@@ -159,19 +148,10 @@ static size_t qm__predict_router(qm_pager *p, const qm_moe_call *call, uint32_t 
         return n_list;
     size_t H = cfg->hidden, E = cfg->experts, K = cfg->k;
     if (p->pred_cap_tokens < T) {
-        float *x = qm_realloc(p->pred_x, (size_t)T * H * sizeof(float));
-        if (x)
-            p->pred_x = x;
-        float *lg = qm_realloc(p->pred_logits, (size_t)T * E * sizeof(float));
-        if (lg)
-            p->pred_logits = lg;
-        uint32_t *pe = qm_realloc(p->pred_experts, (size_t)T * K * sizeof(uint32_t));
-        if (pe)
-            p->pred_experts = pe;
-        float *pw = qm_realloc(p->pred_weights, (size_t)T * K * sizeof(float));
-        if (pw)
-            p->pred_weights = pw;
-        if (!x || !lg || !pe || !pw)
+        if (qm__regrow((void **)&p->pred_x, (size_t)T * H, sizeof(float)) ||
+            qm__regrow((void **)&p->pred_logits, (size_t)T * E, sizeof(float)) ||
+            qm__regrow((void **)&p->pred_experts, (size_t)T * K, sizeof(uint32_t)) ||
+            qm__regrow((void **)&p->pred_weights, (size_t)T * K, sizeof(float)))
             return n_list; /* prediction is optional: skip it */
         p->pred_cap_tokens = T;
     }
@@ -214,29 +194,14 @@ static size_t qm__predict_history(qm_pager *p, uint32_t next, uint32_t *list, si
     return n_list;
 }
 
-int qm_pager_forward(qm_pager *p, const qm_moe_call *call, qm_moe_stats *mstats, qm_status *st)
+void qm__pager_prefetch_next(qm_pager *p, const qm_moe_call *call)
 {
-    if (!p || !call)
-        return qm_status_set(st, QM_EINVAL, "qm_pager_forward: NULL argument");
-    qm_moe_call c = *call;
-    size_t need = (size_t)call->n_tokens * p->cfg->k;
-    if (!c.route_experts && need) {
-        if (qm__grow((void **)&p->route_buf, &p->route_cap, need, sizeof(uint32_t)))
-            return qm_status_set(st, QM_ENOMEM, "out of memory for routing scratch");
-        c.route_experts = p->route_buf;
-    }
-    int rc = qm_moe_forward(p->backend, p->bank, &c, &p->source, mstats, st);
-    if (rc || call->n_tokens == 0 || call->layer >= p->n_layers)
-        return rc;
-    qm__pager_history_record(p, call->layer, c.route_experts, need);
-    if (p->trace)
-        qm__pager_trace_record(p, call->layer, c.route_experts, call->n_tokens);
     if (!p->opt.prefetch || p->n_slots == 0)
-        return 0;
+        return;
     uint32_t next = (call->layer + 1) % p->n_layers;
     qm__layer *N = &p->layers[next];
     if (!N->paged)
-        return 0;
+        return;
     if (!p->pred_list) {
         p->pred_list = qm_malloc(sizeof(uint32_t) * N->n_experts);
         p->pred_src = qm_malloc(N->n_experts);
@@ -247,9 +212,10 @@ int qm_pager_forward(qm_pager *p, const qm_moe_call *call, qm_moe_stats *mstats,
             qm_free(p->pred_src);
             p->pred_list = NULL;
             p->pred_src = NULL;
-            return 0;
+            return;
         }
     }
+    size_t need = (size_t)call->n_tokens * p->cfg->k;
     size_t cap = p->opt.max_prefetch ? p->opt.max_prefetch : 2 * need;
     if (cap > N->n_experts)
         cap = N->n_experts;
@@ -274,5 +240,4 @@ int qm_pager_forward(qm_pager *p, const qm_moe_call *call, qm_moe_stats *mstats,
         N->mark[p->pred_list[i]] = 0;
     qm_status tmp;
     (void)qm__prefetch(p, next, p->pred_list, p->pred_src, n, &tmp);
-    return 0;
 }

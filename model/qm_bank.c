@@ -1,7 +1,7 @@
 /* qm_bank.c - opening a bank: mmap, container checks, views, catalogs.
  *
  * Nothing from the file is trusted. The order of checks is: the 8-byte
- * length against the file, the header through protocol/'s bounded parser,
+ * length against the file, the header through the bounded parser (qm_st_header.c),
  * every tensor's dtype x shape == byte length (overflow-checked), offsets
  * inside the data section, alignment, no overlaps; then the metadata, then
  * each layer tensor against the metadata (qm_bank_layout.c). Views are
@@ -224,10 +224,10 @@ static int parse_bank(qm_bank *b, qm_status *st)
     b->data_bytes = b->size - 8 - hlen;
     if ((rc = qm_st_header_parse((const char *)b->base + 8, (size_t)hlen, NULL, &h, st)) != 0)
         return rc;
-    if ((rc = check_container(b, h, st)) != 0 ||
-        (rc = qm__config_from_metadata(h, &b->cfg, st)) != 0 || (rc = build_layers(b, h, st)) != 0)
-        goto done;
-done:
+    /* The header is only needed while the views are built from it. */
+    if ((rc = check_container(b, h, st)) == 0 &&
+        (rc = qm__config_from_metadata(h, &b->cfg, st)) == 0)
+        rc = build_layers(b, h, st);
     qm_st_header_free(h);
     return rc;
 }

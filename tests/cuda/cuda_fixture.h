@@ -9,6 +9,7 @@
 
 #include "engine_fixture.h"
 #include "qm_backend.h"
+#include "qm_cuda.h"
 #include "qm_moe.h"
 
 qm_backend *new_cuda(void); /* asserts */

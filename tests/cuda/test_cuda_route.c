@@ -90,12 +90,12 @@ static int check_route(qm_backend *cuda, const qm_bank_config *cfg, const qm_lay
                            .experts = de,
                            .weights = dw,
                            .counts = dc};
-    void *pass = NULL;
+    qm_routed_pass pass = {0};
     qm_status st = {0};
     int rc = qm__backend_route(cuda, &rq, &pass, &st);
     ck_assert_msg(rc == 0, "%s: route: %s", what, st.msg);
-    ck_assert_ptr_nonnull(pass);
-    qm__backend_pass_release(cuda, pass);
+    ck_assert_ptr_nonnull(pass.backend_pass);
+    qm__backend_pass_release(cuda, &pass);
     int bad = 0;
     for (size_t i = 0; i < TK; i++) {
         if (de[i] != he[i] || !weights_close(dw[i], hw[i])) {
@@ -156,10 +156,10 @@ START_TEST(test_cuda_route_matches_host_routing_with_ties_drops_and_nan)
     float w[2];
     qm_route_request rq = {
         .config = &cfg, .layer = &lv, .x = x, .logits = lg, .n_tokens = 0, .experts = e, .weights = w};
-    void *pass = NULL;
+    qm_routed_pass pass = {0};
     qm_status st = {0};
     ck_assert_int_eq(qm__backend_route(cuda, &rq, &pass, &st), QM_EINVAL);
-    ck_assert_ptr_null(pass);
+    ck_assert_ptr_null(pass.backend_pass);
     qm_backend_free(cuda);
 }
 END_TEST
@@ -245,7 +245,7 @@ static int run_layer(qm_backend *be, tl_layer *L, qm_expert_source *src, uint32_
                         .route_experts = re,
                         .route_weights = rw};
     qm_status st = {0};
-    int rc = qm__moe_forward_layer(be, &L->cfg, &L->lv, &call, src, NULL, &st);
+    int rc = qm__moe_forward_layer(be, &L->cfg, &L->lv, &call, src, NULL, NULL, &st);
     if (rc != 0) fprintf(stderr, "forward on %s: %s\n", qm_backend_name(be), st.msg);
     return rc;
 }
@@ -368,40 +368,41 @@ START_TEST(test_cuda_routed_pass_refuses_misuse_and_the_backend_survives)
                            .experts = ex,
                            .weights = w,
                            .counts = counts};
-    void *pass = NULL;
+    qm_routed_pass pass = {0};
     qm_status st = {0};
     ck_assert_int_eq(qm__backend_route(cuda, &rq, &pass, &st), 0);
+    ck_assert_ptr_nonnull(pass.backend_pass);
     uint32_t e = 0;
     while (counts[e] == 0)
         e++;
     qm_expert_job job = {.expert = e, .n_rows = counts[e] + 1};
     dev_weights(&D, e, &job.weights);
     qm_expert_batch b = {.config = &L.cfg, .layer = &L.lv, .n_tokens = T, .jobs = &job, .n_jobs = 1};
-    ck_assert_int_eq(qm__backend_run_routed(cuda, pass, &b, &st), QM_EINVAL);
+    ck_assert_int_eq(qm__backend_run_routed(cuda, &pass, &b, &st), QM_EINVAL);
     ck_assert_msg(strstr(st.msg, "rows") != NULL, "%s", st.msg);
     float out[T * 256];
-    ck_assert_int_eq(qm__backend_combine(cuda, pass, out, &st), QM_EINVAL);
+    ck_assert_int_eq(qm__backend_combine(cuda, &pass, out, &st), QM_EINVAL);
     ck_assert_msg(strstr(st.msg, "never run") != NULL, "%s", st.msg);
-    qm__backend_pass_release(cuda, pass);
+    qm__backend_pass_release(cuda, &pass);
     /* No router weight and no logits: refused before the device is asked. */
     qm_moe_call call = {.dtype = QM_DTYPE_F32, .hidden = x, .n_tokens = T, .output = out};
     qm_expert_source src;
     dev_source(&D, &src);
-    ck_assert_int_eq(qm__moe_forward_layer(cuda, &L.cfg, &L.lv, &call, &src, NULL, &st),
+    ck_assert_int_eq(qm__moe_forward_layer(cuda, &L.cfg, &L.lv, &call, &src, NULL, NULL, &st),
                      QM_EINVAL);
     ck_assert_msg(strstr(st.msg, "router") != NULL, "%s", st.msg);
     /* T = 0 through the engine: an empty result, nothing written. */
     out[0] = 42.0f;
     call.logits = lg;
     call.n_tokens = 0;
-    ck_assert_int_eq(qm__moe_forward_layer(cuda, &L.cfg, &L.lv, &call, &src, NULL, &st), 0);
+    ck_assert_int_eq(qm__moe_forward_layer(cuda, &L.cfg, &L.lv, &call, &src, NULL, NULL, &st), 0);
     ck_assert(out[0] == 42.0f);
     /* The backend still works, and reuses its pass: no new scratch. */
     call.n_tokens = T;
-    ck_assert_int_eq(qm__moe_forward_layer(cuda, &L.cfg, &L.lv, &call, &src, NULL, &st), 0);
+    ck_assert_int_eq(qm__moe_forward_layer(cuda, &L.cfg, &L.lv, &call, &src, NULL, NULL, &st), 0);
     qm_cuda_stats a, bb;
     ck_assert_int_eq(qm_backend_cuda_stats(cuda, &a), 0);
-    ck_assert_int_eq(qm__moe_forward_layer(cuda, &L.cfg, &L.lv, &call, &src, NULL, &st), 0);
+    ck_assert_int_eq(qm__moe_forward_layer(cuda, &L.cfg, &L.lv, &call, &src, NULL, NULL, &st), 0);
     ck_assert_int_eq(qm_backend_cuda_stats(cuda, &bb), 0);
     ck_assert_uint_eq(bb.scratch_grows, a.scratch_grows);
     ck_assert_uint_eq(bb.routes, a.routes + 1);
@@ -450,7 +451,7 @@ START_TEST(test_cuda_f16_bf16_prefill_runs_on_tensor_cores_within_tolerance)
         dev_source(&D, &ds);
         qm_status st = {0};
         qm_moe_call call = {.dtype = dt, .hidden = xh, .n_tokens = T, .logits = lg, .output = oc};
-        ck_assert_int_eq(qm__moe_forward_layer(cpu, &L.cfg, &L.lv, &call, &cs, NULL, &st), 0);
+        ck_assert_int_eq(qm__moe_forward_layer(cpu, &L.cfg, &L.lv, &call, &cs, NULL, NULL, &st), 0);
         for (uint32_t i = 0; i < T * H; i++)
             fc[i] = dt == QM_DTYPE_F16 ? qm_f16_to_f32(oc[i]) : qm_bf16_to_f32(oc[i]);
         for (int on = 1; on >= 0; on--) {
@@ -459,7 +460,7 @@ START_TEST(test_cuda_f16_bf16_prefill_runs_on_tensor_cores_within_tolerance)
             ck_assert_int_eq(qm_backend_cuda_stats(cuda, &a), 0);
             memset(og, 0xff, 2u * T * H); /* NaN in both types */
             call.output = og;
-            ck_assert_int_eq(qm__moe_forward_layer(cuda, &L.cfg, &L.lv, &call, &ds, NULL, &st), 0);
+            ck_assert_int_eq(qm__moe_forward_layer(cuda, &L.cfg, &L.lv, &call, &ds, NULL, NULL, &st), 0);
             ck_assert_int_eq(qm_backend_cuda_stats(cuda, &b), 0);
             for (uint32_t i = 0; i < T * H; i++)
                 fg[i] = dt == QM_DTYPE_F16 ? qm_f16_to_f32(og[i]) : qm_bf16_to_f32(og[i]);

@@ -7,7 +7,9 @@
 #include <string.h>
 
 #include "engine_fixture.h"
+#include "qm_alloc.h"
 #include "qm_backend_impl.h"
+#include "qm_cuda.h"
 #include "qm_moe.h"
 #include "qm_moe_internal.h"
 
@@ -53,7 +55,7 @@ static int forward_f32(qm_backend *be, tl_layer *L, uint32_t T, const float *x, 
     qm_moe_call call = {.layer = 0, .dtype = QM_DTYPE_F32, .hidden = x, .n_tokens = T,
                         .logits = logits, .output = out};
     qm_status st = {0};
-    int rc = qm__moe_forward_layer(be, &L->cfg, &L->lv, &call, src, stats, &st);
+    int rc = qm__moe_forward_layer(be, &L->cfg, &L->lv, &call, src, NULL, stats, &st);
     if (rc != 0)
         fprintf(stderr, "forward: %s\n", st.msg);
     return rc;
@@ -239,7 +241,7 @@ START_TEST(test_f16_and_bf16_activations_round_once)
         tl_source(&L, &src);
         qm_moe_call call = {.dtype = dt, .hidden = xh, .n_tokens = T, .logits = lg, .output = oh};
         qm_status st = {0};
-        ck_assert_int_eq(qm__moe_forward_layer(be, &L.cfg, &L.lv, &call, &src, NULL, &st), 0);
+        ck_assert_int_eq(qm__moe_forward_layer(be, &L.cfg, &L.lv, &call, &src, NULL, NULL, &st), 0);
         for (uint32_t i = 0; i < T * H; i++)
             outf[i] = dt == QM_DTYPE_F16 ? qm_f16_to_f32(oh[i]) : qm_bf16_to_f32(oh[i]);
         tl_reference(&L, xr, lg, T, ref);
@@ -435,7 +437,7 @@ START_TEST(test_zero_tokens_give_empty_result)
     qm_moe_call call = {.dtype = QM_DTYPE_F32, .n_tokens = 0};
     qm_moe_stats stats = {.waves = 99};
     qm_status st = {0};
-    ck_assert_int_eq(qm__moe_forward_layer(be, &L.cfg, &L.lv, &call, &src, &stats, &st), 0);
+    ck_assert_int_eq(qm__moe_forward_layer(be, &L.cfg, &L.lv, &call, &src, NULL, &stats, &st), 0);
     ck_assert_uint_eq(stats.waves, 0);
     qm_backend_free(be);
     tl_layer_free(&L);
@@ -536,7 +538,7 @@ START_TEST(test_missing_router_is_einval_with_message)
     tl_source(&L, &src);
     qm_moe_call call = {.dtype = QM_DTYPE_F32, .hidden = x, .n_tokens = 1, .output = out};
     qm_status st = {0};
-    ck_assert_int_eq(qm__moe_forward_layer(be, &L.cfg, &L.lv, &call, &src, NULL, &st), QM_EINVAL);
+    ck_assert_int_eq(qm__moe_forward_layer(be, &L.cfg, &L.lv, &call, &src, NULL, NULL, &st), QM_EINVAL);
     ck_assert_msg(strstr(st.msg, "router") != NULL, "message: %s", st.msg);
     qm_backend_free(be);
     tl_layer_free(&L);
@@ -597,6 +599,284 @@ START_TEST(test_backend_wrap_rejects_other_iface_version)
     ck_assert_ptr_null(be);
     ck_assert_int_eq(destroyed, 1);
     ck_assert_msg(strstr(st.msg, "version") != NULL, "%s", st.msg);
+}
+END_TEST
+
+static int stub_arena_alloc(void *ctx, qm_arena *a, uint64_t bytes, qm_status *st)
+{
+    (void)ctx;
+    (void)a;
+    (void)bytes;
+    return qm_status_set(st, QM_EUNSUPPORTED, "no arenas here");
+}
+static void stub_arena_release(void *ctx, qm_arena *a)
+{
+    (void)ctx;
+    (void)a;
+}
+static int stub_copy(void *ctx, void *dst, const void *src, uint64_t n, qm_fence *f, qm_status *st)
+{
+    (void)ctx;
+    (void)dst;
+    (void)src;
+    (void)n;
+    (void)f;
+    return qm_status_set(st, QM_EUNSUPPORTED, "no copies here");
+}
+static int stub_run(void *ctx, const qm_expert_batch *b, qm_status *st)
+{
+    (void)ctx;
+    (void)b;
+    return qm_status_set(st, QM_EUNSUPPORTED, "no kernels here");
+}
+static int stub_route(void *ctx, const qm_route_request *rq, void **pass, qm_status *st)
+{
+    (void)ctx;
+    (void)rq;
+    *pass = NULL;
+    return qm_status_set(st, QM_EUNSUPPORTED, "no routing here");
+}
+static int stub_register(void *ctx, const void *p, size_t n, qm_status *st)
+{
+    (void)ctx;
+    (void)p;
+    (void)n;
+    return qm_status_set(st, QM_EUNSUPPORTED, "no registration here");
+}
+
+START_TEST(test_backend_wrap_wants_each_optional_group_whole)
+{
+    qm_backend_iface routing = {.version = QM_BACKEND_IFACE_VERSION, .name = "half-routing",
+                                .info = fake_info, .arena_alloc = stub_arena_alloc,
+                                .arena_release = stub_arena_release, .copy_h2d = stub_copy,
+                                .run_experts = stub_run, .destroy = fake_destroy,
+                                .route = stub_route};
+    qm_backend *be = (qm_backend *)1;
+    qm_status st = {0};
+    destroyed = 0;
+    ck_assert_int_eq(qm__backend_wrap(&routing, NULL, &be, &st), QM_EINVAL);
+    ck_assert_ptr_null(be);
+    ck_assert_int_eq(destroyed, 1);
+    ck_assert_msg(strstr(st.msg, "all four or none") != NULL, "%s", st.msg);
+
+    qm_backend_iface reg = routing;
+    reg.name = "half-registration";
+    reg.route = NULL;
+    reg.register_host = stub_register;
+    be = (qm_backend *)1;
+    ck_assert_int_eq(qm__backend_wrap(&reg, NULL, &be, &st), QM_EINVAL);
+    ck_assert_ptr_null(be);
+    ck_assert_int_eq(destroyed, 2);
+    ck_assert_msg(strstr(st.msg, "both or none") != NULL, "%s", st.msg);
+}
+END_TEST
+
+/* A backend that runs its experts on an inner CPU backend, with allocation
+ * counting paused while the CPU backend runs: what is left is the engine's
+ * own allocations. Its routing methods, when present, always decline. */
+typedef struct counting_backend {
+    qm_backend *cpu;
+    int route_calls, run_routed_calls;
+} counting_backend;
+
+static unsigned long n_allocs;
+static int counting;
+static void *count_malloc(size_t n, void *ud)
+{
+    (void)ud;
+    n_allocs += counting;
+    return malloc(n);
+}
+static void *count_realloc(void *p, size_t n, void *ud)
+{
+    (void)ud;
+    n_allocs += counting;
+    return realloc(p, n);
+}
+static void count_free(void *p, void *ud)
+{
+    (void)ud;
+    free(p);
+}
+static const qm_alloc_hooks count_hooks = {count_malloc, count_realloc, count_free, NULL};
+
+static int cb_run(void *ctx, const qm_expert_batch *b, qm_status *st)
+{
+    counting_backend *cb = ctx;
+    int was = counting;
+    counting = 0;
+    int rc = qm_backend_run_experts(cb->cpu, b, st);
+    counting = was;
+    return rc;
+}
+static int cb_route(void *ctx, const qm_route_request *rq, void **pass, qm_status *st)
+{
+    (void)rq;
+    counting_backend *cb = ctx;
+    cb->route_calls++;
+    *pass = NULL;
+    return qm_status_set(st, QM_EUNSUPPORTED, "routing declined");
+}
+static int cb_run_routed(void *ctx, void *pass, const qm_expert_batch *b, qm_status *st)
+{
+    (void)pass;
+    (void)b;
+    counting_backend *cb = ctx;
+    cb->run_routed_calls++;
+    return qm_status_set(st, QM_EINTERNAL, "a declined pass was run");
+}
+static int cb_combine(void *ctx, void *pass, float *out, qm_status *st)
+{
+    (void)ctx;
+    (void)pass;
+    (void)out;
+    return qm_status_set(st, QM_EINTERNAL, "a declined pass was combined");
+}
+static void cb_pass_release(void *ctx, void *pass)
+{
+    (void)ctx;
+    (void)pass;
+}
+
+static qm_backend *counting_backend_new(counting_backend *cb, qm_backend_iface *iface,
+                                        int with_routing)
+{
+    memset(iface, 0, sizeof *iface);
+    iface->version = QM_BACKEND_IFACE_VERSION;
+    iface->name = with_routing ? "declining" : "counting";
+    iface->info = fake_info;
+    iface->arena_alloc = stub_arena_alloc;
+    iface->arena_release = stub_arena_release;
+    iface->copy_h2d = stub_copy;
+    iface->run_experts = cb_run;
+    iface->destroy = fake_destroy;
+    if (with_routing) {
+        iface->route = cb_route;
+        iface->run_routed = cb_run_routed;
+        iface->combine = cb_combine;
+        iface->pass_release = cb_pass_release;
+    }
+    qm_backend *be = NULL;
+    qm_status st = {0};
+    ck_assert_msg(qm__backend_wrap(iface, cb, &be, &st) == 0, "wrap: %s", st.msg);
+    return be;
+}
+
+/* A session's scratch grows to its largest call and stays: the forward pass
+ * allocates nothing per call after that (route, group, waves, combine). */
+START_TEST(test_forward_with_kept_scratch_allocates_nothing_per_call)
+{
+    tl_layer L;
+    tl_spec sp = tl_default_spec(31);
+    sp.E = 8;
+    sp.k = 3;
+    sp.router = 1;
+    ck_assert_int_eq(tl_layer_build(&sp, &L), 0);
+    const uint32_t T = 9, H = L.spec.H, E = L.spec.E;
+    float *x = malloc(sizeof(float) * T * H), *lg = malloc(sizeof(float) * T * E);
+    float *want = malloc(sizeof(float) * T * H), *got = malloc(sizeof(float) * T * H);
+    tl_random_inputs(32, T, H, E, x, lg);
+    counting_backend cb = {.cpu = new_backend("scalar", 2)};
+    qm_backend_iface iface;
+    qm_backend *be = counting_backend_new(&cb, &iface, 0);
+    ck_assert_int_eq(forward_f32(cb.cpu, &L, T, x, NULL, want, NULL, NULL), 0);
+
+    qm__moe_scratch *scratch = NULL;
+    qm_status st = {0};
+    ck_assert_int_eq(qm__moe_scratch_new(&scratch, &st), 0);
+    qm_expert_source src;
+    tl_source(&L, &src);
+    qm_alloc_set_hooks(&count_hooks);
+    unsigned long per_call[4];
+    size_t bytes_after_first = 0;
+    /* T, T, a smaller call, T again; the bank's router (logits NULL) on the
+     * first two, the caller's logits on the others. */
+    static const uint32_t tokens[4] = {T, T, 4, T};
+    for (int i = 0; i < 4; i++) {
+        qm_moe_call call = {.dtype = QM_DTYPE_F32, .hidden = x, .n_tokens = tokens[i],
+                            .logits = i < 2 ? NULL : lg, .output = got};
+        n_allocs = 0;
+        counting = 1;
+        int rc = qm__moe_forward_layer(be, &L.cfg, &L.lv, &call, &src, scratch, NULL, &st);
+        counting = 0;
+        per_call[i] = n_allocs;
+        ck_assert_msg(rc == 0, "call %d: %s", i, st.msg);
+        if (i == 0)
+            bytes_after_first = qm__moe_scratch_bytes(scratch);
+        if (i == 1)
+            ck_assert_msg(memcmp(got, want, sizeof(float) * T * H) == 0,
+                          "kept scratch changed the bits");
+    }
+    qm_alloc_set_hooks(NULL);
+    printf("forward allocations per call with a kept scratch: %lu, %lu, %lu, %lu (%zu bytes)\n",
+           per_call[0], per_call[1], per_call[2], per_call[3], qm__moe_scratch_bytes(scratch));
+    ck_assert_uint_gt(per_call[0], 0);
+    for (int i = 1; i < 4; i++)
+        ck_assert_msg(per_call[i] == 0, "call %d allocated %lu times", i, per_call[i]);
+    ck_assert_uint_eq(qm__moe_scratch_bytes(scratch), bytes_after_first);
+
+    /* Without a kept scratch a call makes its own: a bounded few. */
+    qm_moe_call call = {.dtype = QM_DTYPE_F32, .hidden = x, .n_tokens = T, .output = got};
+    qm_alloc_set_hooks(&count_hooks);
+    n_allocs = 0;
+    counting = 1;
+    ck_assert_int_eq(qm__moe_forward_layer(be, &L.cfg, &L.lv, &call, &src, NULL, NULL, &st), 0);
+    counting = 0;
+    qm_alloc_set_hooks(NULL);
+    printf("forward allocations of a one-shot call: %lu\n", n_allocs);
+    ck_assert_uint_le(n_allocs, 2);
+    ck_assert(memcmp(got, want, sizeof(float) * T * H) == 0);
+
+    qm__moe_scratch_free(scratch);
+    qm__moe_scratch_free(NULL);
+    qm_backend_free(be);
+    qm_backend_free(cb.cpu);
+    free(x);
+    free(lg);
+    free(want);
+    free(got);
+    tl_layer_free(&L);
+}
+END_TEST
+
+/* A backend whose routing declines (QM_EUNSUPPORTED, as CUDA's when switched
+ * off) gets the host routing: the CPU backend's bits, its own routed methods
+ * never called. */
+START_TEST(test_declined_backend_routing_falls_back_to_the_host)
+{
+    tl_layer L;
+    mixed_layer(&L, 33);
+    const uint32_t T = 17, H = L.spec.H, E = L.spec.E;
+    float *x = malloc(sizeof(float) * T * H), *lg = malloc(sizeof(float) * T * E);
+    float *want = malloc(sizeof(float) * T * H), *got = malloc(sizeof(float) * T * H);
+    tl_random_inputs(34, T, H, E, x, lg);
+    counting_backend cb = {.cpu = new_backend("scalar", 2)};
+    qm_backend_iface iface;
+    qm_backend *be = counting_backend_new(&cb, &iface, 1);
+    ck_assert_int_eq(forward_f32(cb.cpu, &L, T, x, lg, want, NULL, NULL), 0);
+    ck_assert_int_eq(forward_f32(be, &L, T, x, lg, got, NULL, NULL), 0);
+    ck_assert_int_eq(cb.route_calls, 1);
+    ck_assert_int_eq(cb.run_routed_calls, 0);
+    ck_assert(memcmp(got, want, sizeof(float) * T * H) == 0);
+    qm_backend_free(be);
+    qm_backend_free(cb.cpu);
+    free(x);
+    free(lg);
+    free(want);
+    free(got);
+    tl_layer_free(&L);
+}
+END_TEST
+
+/* register_host is optional: the CPU backend has nothing to register. */
+START_TEST(test_register_host_defaults_to_nothing_to_do)
+{
+    qm_backend *be = new_backend("scalar", 1);
+    static const char bank[4096];
+    qm_status st = {0};
+    ck_assert_int_eq(qm_backend_register_host(be, bank, sizeof bank, &st), 0);
+    ck_assert_int_eq(qm_backend_unregister_host(be, bank, &st), 0);
+    qm_backend_free(be);
 }
 END_TEST
 
@@ -737,6 +1017,10 @@ static Suite *engine_suite(void)
     tcase_add_test(tc, test_missing_router_is_einval_with_message);
     tcase_add_test(tc, test_arena_is_aligned_and_sized_exactly);
     tcase_add_test(tc, test_backend_wrap_rejects_other_iface_version);
+    tcase_add_test(tc, test_backend_wrap_wants_each_optional_group_whole);
+    tcase_add_test(tc, test_forward_with_kept_scratch_allocates_nothing_per_call);
+    tcase_add_test(tc, test_declined_backend_routing_falls_back_to_the_host);
+    tcase_add_test(tc, test_register_host_defaults_to_nothing_to_do);
     tcase_add_test(tc, test_cuda_without_cuda_is_unsupported);
     tcase_add_test(tc, test_half_conversions_round_to_nearest_even);
     tcase_add_test(tc, test_weights_from_unit_follow_tensor_order);

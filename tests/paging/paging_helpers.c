@@ -175,3 +175,40 @@ void call_experts(qm_pager *pg, const pf_bank *b, uint32_t layer, const uint32_t
     ck_assert_msg(rc == 0, "forward: %s", st.msg);
 }
 
+pg_fixture fixture;
+
+void pg_fixture_setup(void)
+{
+    memset(&fixture, 0, sizeof fixture);
+    fixture.spec = pf_default_spec();
+    pf_bank_open(&fixture.spec, &fixture.bank);
+    int rc = qm_backend_cpu_new(1, &fixture.cpu, &fixture.st);
+    ck_assert_msg(rc == 0, "cpu backend: %s", fixture.st.msg);
+}
+
+void pg_fixture_teardown(void)
+{
+    qm_pager_free(fixture.pager);
+    qm_plan_free(fixture.plan);
+    qm_policy_destroy(&fixture.pol);
+    qm_backend_free(fixture.cpu);
+    pf_bank_close(&fixture.bank);
+    memset(&fixture, 0, sizeof fixture);
+}
+
+void pg_fixture_reopen(const pf_spec *spec)
+{
+    pf_bank_close(&fixture.bank);
+    fixture.spec = *spec;
+    pf_bank_open(&fixture.spec, &fixture.bank);
+}
+
+qm_pager *pg_fixture_lru_pager(uint64_t budget, int prefetch)
+{
+    ck_assert_msg(!fixture.pager, "one fixture pager per test");
+    int rc = qm_policy_new("lru", NULL, &fixture.pol, &fixture.st);
+    ck_assert_msg(rc == 0, "policy lru: %s", fixture.st.msg);
+    fixture.pager = lru_pager(&fixture.bank, fixture.cpu, &fixture.pol, budget, prefetch,
+                              &fixture.plan);
+    return fixture.pager;
+}

@@ -52,4 +52,30 @@ qm_pager *lru_pager(const pf_bank *b, qm_backend *be, qm_policy *pol, uint64_t b
 void call_experts(qm_pager *pg, const pf_bank *b, uint32_t layer, const uint32_t *ex, uint32_t n,
                   uint64_t *seed);
 
+/* ---- The fixture the paging suites share ---------------------------------------------- */
+
+/* Before each test of a TCase given tcase_add_checked_fixture(tc,
+ * pg_fixture_setup, pg_fixture_teardown): the default bank
+ * (pf_default_spec), a one-thread CPU backend and a clear status. After it:
+ * those, and the policy, plan and pager a test made with
+ * pg_fixture_lru_pager, are freed. */
+typedef struct pg_fixture {
+    pf_spec spec;
+    pf_bank bank;
+    qm_backend *cpu;
+    qm_status st;
+    qm_policy pol;
+    qm_residency_plan *plan;
+    qm_pager *pager;
+} pg_fixture;
+
+extern pg_fixture fixture;
+void pg_fixture_setup(void);
+void pg_fixture_teardown(void);
+/* Reopens the bank with `spec` (a test that needs another shape). */
+void pg_fixture_reopen(const pf_spec *spec);
+/* An "lru" policy, its plan at `budget` and a pager as lru_pager makes it,
+ * kept in the fixture (freed by the teardown). */
+qm_pager *pg_fixture_lru_pager(uint64_t budget, int prefetch);
+
 #endif

@@ -71,17 +71,13 @@ static int run_case(const pf_bank *b, qm_backend *be, const char *policy, int ha
 
 START_TEST(test_outputs_bitwise_equal_whole_bank_for_every_policy_budget_and_prefetch)
 {
-    pf_spec sp = pf_default_spec();
-    pf_bank b;
-    pf_bank_open(&sp, &b);
-    qm_backend *cpu = NULL, *dev = NULL;
-    qm_status st = {0};
-    ck_assert_int_eq(qm_backend_cpu_new(1, &cpu, &st), 0);
+    const pf_spec *sp = &fixture.spec;
+    qm_backend *dev = NULL;
     ck_assert_int_eq(pf_fake_device_new(&dev), 0);
     pg_set set;
-    make_calls(&b, cpu, 24, 11, &set);
-    uint64_t U = unit_bytes(&b), total = (uint64_t)sp.layers * sp.experts * U;
-    const uint64_t budgets[] = {U, 2 * U, sp.k * U, total / 4, total / 2, total, 0};
+    make_calls(&fixture.bank, fixture.cpu, 24, 11, &set);
+    uint64_t U = unit_bytes(&fixture.bank), total = (uint64_t)sp->layers * sp->experts * U;
+    const uint64_t budgets[] = {U, 2 * U, sp->k * U, total / 4, total / 2, total, 0};
     const char *policies[] = {"whole_bank", "lru",         "lfu",      "static_hot",
                               "arc",        "layered_lru", "next_use", "belady"};
     const size_t n_policies = sizeof policies / sizeof policies[0];
@@ -90,8 +86,8 @@ START_TEST(test_outputs_bitwise_equal_whole_bank_for_every_policy_budget_and_pre
         for (size_t bi = 0; bi < 7; bi++)
             for (int pf = 0; pf < 2; pf++)
                 for (int mode = 0; mode < N_MODES; mode++) {
-                    int r = run_case(&b, mode == MODE_FAKE_DEVICE ? dev : cpu, policies[p],
-                                     budgets[bi] != 0, budgets[bi], pf, mode, &set);
+                    int r = run_case(&fixture.bank, mode == MODE_FAKE_DEVICE ? dev : fixture.cpu,
+                                     policies[p], budgets[bi] != 0, budgets[bi], pf, mode, &set);
                     ran += !r;
                     skipped += r;
                 }
@@ -100,39 +96,30 @@ START_TEST(test_outputs_bitwise_equal_whole_bank_for_every_policy_budget_and_pre
     ck_assert_int_eq(skipped, 5 * 2 * N_MODES); /* whole_bank below the whole model */
     ck_assert_uint_gt(g_allocs, 0);
     free_calls(&set);
-    qm_backend_free(cpu);
     qm_backend_free(dev);
-    pf_bank_close(&b);
 }
 END_TEST
 
 START_TEST(test_whole_bank_on_host_visible_backend_copies_nothing_and_counts_bytes)
 {
-    pf_spec sp = pf_default_spec();
-    pf_bank b;
-    pf_bank_open(&sp, &b);
-    qm_backend *cpu = NULL;
-    qm_status st = {0};
-    ck_assert_int_eq(qm_backend_cpu_new(1, &cpu, &st), 0);
     qm_policy pol = {0};
-    ck_assert_int_eq(qm_policy_new("whole_bank", NULL, &pol, &st), 0);
-    qm_residency_plan *plan = make_plan(&b, &pol, 0, 0);
+    ck_assert_int_eq(qm_policy_new("whole_bank", NULL, &pol, &fixture.st), 0);
+    qm_residency_plan *plan = make_plan(&fixture.bank, &pol, 0, 0);
     qm_pager *pg = NULL;
-    ck_assert_int_eq(qm_pager_new(cpu, b.bank, plan, &pol, NULL, &pg, &st), 0);
+    ck_assert_int_eq(
+        qm_pager_new(fixture.cpu, fixture.bank.bank, plan, &pol, NULL, &pg, &fixture.st), 0);
     qm_pager_stats s;
     qm_pager_stats_get(pg, &s);
     ck_assert_uint_eq(s.arena_bytes, 0);
     ck_assert_uint_eq(s.n_slots, 0);
     ck_assert_uint_eq(s.bytes_loaded_at_create, 0);
-    ck_assert_uint_eq(s.resident_bytes, qm_bank_expert_bytes_total(b.bank));
+    ck_assert_uint_eq(s.resident_bytes, qm_bank_expert_bytes_total(fixture.bank.bank));
     uint32_t r[16];
-    ck_assert_int_eq(qm_pager_resident_experts(pg, 1, r, 16), (int)sp.experts);
+    ck_assert_int_eq(qm_pager_resident_experts(pg, 1, r, 16), (int)fixture.spec.experts);
     ck_assert_int_eq(qm_pager_layer_is_paged(pg, 1), 0);
     qm_pager_free(pg);
     qm_plan_free(plan);
     qm_policy_destroy(&pol);
-    qm_backend_free(cpu);
-    pf_bank_close(&b);
 }
 END_TEST
 
@@ -142,36 +129,24 @@ START_TEST(test_lru_counters_match_hand_computed_sequence)
 {
     pf_spec sp = pf_default_spec();
     sp.router = 0;
-    pf_bank b;
-    pf_bank_open(&sp, &b);
-    qm_backend *cpu = NULL;
-    qm_status st = {0};
-    ck_assert_int_eq(qm_backend_cpu_new(1, &cpu, &st), 0);
-    qm_policy pol = {0};
-    ck_assert_int_eq(qm_policy_new("lru", NULL, &pol, &st), 0);
-    qm_residency_plan *plan;
-    qm_pager *pg = lru_pager(&b, cpu, &pol, 2 * unit_bytes(&b), 0, &plan);
+    pg_fixture_reopen(&sp);
+    qm_pager *pg = pg_fixture_lru_pager(2 * unit_bytes(&fixture.bank), 0);
     /* a b a c b with two slots: miss miss hit miss(evict b) miss(evict a). */
     const uint32_t seq[] = {1, 4, 1, 6, 4};
     uint64_t s = 3;
     for (int i = 0; i < 5; i++)
-        call_experts(pg, &b, 0, &seq[i], 1, &s);
+        call_experts(pg, &fixture.bank, 0, &seq[i], 1, &s);
     qm_pager_stats ps;
     qm_pager_stats_get(pg, &ps);
     ck_assert_uint_eq(ps.hits, 1);
     ck_assert_uint_eq(ps.misses, 4);
     ck_assert_uint_eq(ps.evictions, 2);
-    ck_assert_uint_eq(ps.bytes_paged_h2d, 4 * unit_bytes(&b));
-    ck_assert_uint_eq(ps.resident_bytes, 2 * unit_bytes(&b));
+    ck_assert_uint_eq(ps.bytes_paged_h2d, 4 * unit_bytes(&fixture.bank));
+    ck_assert_uint_eq(ps.resident_bytes, 2 * unit_bytes(&fixture.bank));
     uint32_t r[8];
     ck_assert_int_eq(qm_pager_resident_experts(pg, 0, r, 8), 2);
     ck_assert_uint_eq(r[0], 4);
     ck_assert_uint_eq(r[1], 6);
-    qm_pager_free(pg);
-    qm_plan_free(plan);
-    qm_policy_destroy(&pol);
-    qm_backend_free(cpu);
-    pf_bank_close(&b);
 }
 END_TEST
 
@@ -179,11 +154,7 @@ START_TEST(test_counters_match_policy_sim_model_for_every_policy_and_capacity)
 {
     pf_spec sp = pf_default_spec();
     sp.router = 0; /* prefetch predicts from history only, as the model does */
-    pf_bank b;
-    pf_bank_open(&sp, &b);
-    qm_backend *cpu = NULL;
-    qm_status st = {0};
-    ck_assert_int_eq(qm_backend_cpu_new(1, &cpu, &st), 0);
+    pg_fixture_reopen(&sp);
     /* belady last: the others are checked against it */
     const char *policies[] = {"lru", "lfu", "arc", "layered_lru", "next_use", "belady"};
     enum { NP = sizeof policies / sizeof policies[0] };
@@ -202,14 +173,15 @@ START_TEST(test_counters_match_policy_sim_model_for_every_policy_and_capacity)
                 for (int pf = 0; pf < 2; pf++) {
                     qm_policy pol = {0}, pol2 = {0};
                     if (p == NP - 1) {
-                        ck_assert_int_eq(qm_policy_belady_new(fut, nf, &pol, &st), 0);
-                        ck_assert_int_eq(qm_policy_belady_new(fut, nf, &pol2, &st), 0);
+                        ck_assert_int_eq(qm_policy_belady_new(fut, nf, &pol, &fixture.st), 0);
+                        ck_assert_int_eq(qm_policy_belady_new(fut, nf, &pol2, &fixture.st), 0);
                     } else {
-                        ck_assert_int_eq(qm_policy_new(policies[p], NULL, &pol, &st), 0);
-                        ck_assert_int_eq(qm_policy_new(policies[p], NULL, &pol2, &st), 0);
+                        ck_assert_int_eq(qm_policy_new(policies[p], NULL, &pol, &fixture.st), 0);
+                        ck_assert_int_eq(qm_policy_new(policies[p], NULL, &pol2, &fixture.st), 0);
                     }
                     qm_residency_plan *plan;
-                    qm_pager *pg = lru_pager(&b, cpu, &pol, caps[ci] * unit_bytes(&b), pf, &plan);
+                    qm_pager *pg = lru_pager(&fixture.bank, fixture.cpu, &pol,
+                                             caps[ci] * unit_bytes(&fixture.bank), pf, &plan);
                     uint64_t s = 9;
                     for (uint32_t t = 0; t < tr.tokens; t++)
                         for (uint32_t l = 0; l < tr.layers; l++) {
@@ -217,7 +189,7 @@ START_TEST(test_counters_match_policy_sim_model_for_every_policy_and_capacity)
                             uint32_t ex[8];
                             for (uint32_t j = 0; j < tr.k; j++)
                                 ex[j] = (uint32_t)row[j];
-                            call_experts(pg, &b, l, ex, tr.k, &s);
+                            call_experts(pg, &fixture.bank, l, ex, tr.k, &s);
                         }
                     sim_prefetch spf = {.history = 1};
                     sim_result r;
@@ -243,7 +215,7 @@ START_TEST(test_counters_match_policy_sim_model_for_every_policy_and_capacity)
                                   (unsigned long long)r.prefetch_issued,
                                   (unsigned long long)r.prefetch_useful);
                     ck_assert_uint_eq(ps.policy_fallbacks, 0);
-                    ck_assert_uint_le(ps.resident_bytes, caps[ci] * unit_bytes(&b));
+                    ck_assert_uint_le(ps.resident_bytes, caps[ci] * unit_bytes(&fixture.bank));
                     if (!pf)
                         demand_hits[p][ci] = ps.hits;
                     qm_pager_free(pg);
@@ -261,8 +233,6 @@ START_TEST(test_counters_match_policy_sim_model_for_every_policy_and_capacity)
         free(fut);
         sim_trace_free(&tr);
     }
-    qm_backend_free(cpu);
-    pf_bank_close(&b);
 }
 END_TEST
 
@@ -313,6 +283,7 @@ static Suite *paging_suite(void)
 {
     Suite *s = suite_create("paging");
     TCase *tc = tcase_create("pager");
+    tcase_add_checked_fixture(tc, pg_fixture_setup, pg_fixture_teardown);
     tcase_set_timeout(tc, 120);
     tcase_add_test(tc, test_outputs_bitwise_equal_whole_bank_for_every_policy_budget_and_prefetch);
     tcase_add_test(tc, test_whole_bank_on_host_visible_backend_copies_nothing_and_counts_bytes);

@@ -86,22 +86,17 @@ static const qm_policy_iface hostile_iface = {
 
 START_TEST(test_hostile_victims_fall_back_to_lru_and_keep_accounting_and_outputs)
 {
-    pf_spec sp = pf_default_spec();
-    pf_bank b;
-    pf_bank_open(&sp, &b);
-    qm_backend *cpu = NULL;
-    qm_status st = {0};
-    ck_assert_int_eq(qm_backend_cpu_new(1, &cpu, &st), 0);
     pg_set set;
-    make_calls(&b, cpu, 30, 21, &set);
+    make_calls(&fixture.bank, fixture.cpu, 30, 21, &set);
     for (uint64_t cap = 1; cap <= 6; cap++) {
         hostile *h = calloc(1, sizeof *h);
         qm_policy pol = {.iface = &hostile_iface, .ctx = h};
-        uint64_t budget = cap * unit_bytes(&b);
-        qm_residency_plan *plan = make_plan(&b, &pol, 1, budget);
+        uint64_t budget = cap * unit_bytes(&fixture.bank);
+        qm_residency_plan *plan = make_plan(&fixture.bank, &pol, 1, budget);
         qm_pager_options o = {.prefetch = (int)(cap % 2)};
         qm_pager *pg = NULL;
-        ck_assert_int_eq(qm_pager_new(cpu, b.bank, plan, &pol, &o, &pg, &st), 0);
+        ck_assert_int_eq(
+            qm_pager_new(fixture.cpu, fixture.bank.bank, plan, &pol, &o, &pg, &fixture.st), 0);
         g_budget = budget;
         qm_pager_set_alloc_hook(pg, budget_hook, NULL);
         float out[8 * 64];
@@ -110,8 +105,8 @@ START_TEST(test_hostile_victims_fall_back_to_lru_and_keep_accounting_and_outputs
             qm_moe_call mc = {.layer = c->layer, .dtype = QM_DTYPE_F32, .hidden = c->x,
                               .n_tokens = c->T, .logits = c->logits, .output = out};
             qm_moe_stats ms = {0};
-            ck_assert_int_eq(qm_pager_forward(pg, &mc, &ms, &st), 0);
-            ck_assert_msg(memcmp(out, c->ref, sizeof(float) * c->T * sp.hidden) == 0,
+            ck_assert_int_eq(qm_pager_forward(pg, &mc, &ms, &fixture.st), 0);
+            ck_assert_msg(memcmp(out, c->ref, sizeof(float) * c->T * fixture.spec.hidden) == 0,
                           "hostile policy changed call %zu's output", i);
         }
         qm_pager_stats s;
@@ -125,8 +120,126 @@ START_TEST(test_hostile_victims_fall_back_to_lru_and_keep_accounting_and_outputs
         qm_policy_destroy(&pol);
     }
     free_calls(&set);
-    qm_backend_free(cpu);
-    pf_bank_close(&b);
+}
+END_TEST
+
+/* ---- Claiming slots ------------------------------------------------------------------------ */
+
+static int refusing_choose(void *ctx, const qm_expert_ref *cand, size_t n, size_t *victim)
+{
+    (void)ctx;
+    (void)cand;
+    (void)n;
+    (void)victim;
+    return -1; /* every victim falls back to the pager's LRU */
+}
+
+static const qm_policy_iface refusing_iface = {
+    .version = QM_POLICY_IFACE_VERSION,
+    .name = "refusing",
+    .decide = hostile_decide,
+    .choose_victim = refusing_choose,
+    .destroy = hostile_destroy,
+};
+
+static qm_pager *claim_pager(const pf_bank *b, qm_backend *cpu, uint64_t slots, qm_policy *pol,
+                             qm_residency_plan **plan)
+{
+    qm_status st = {0};
+    pol->iface = &refusing_iface;
+    pol->ctx = calloc(1, sizeof(hostile));
+    *plan = make_plan(b, pol, 1, slots * unit_bytes(b));
+    qm_pager_options o = {.no_preload = 1};
+    qm_pager *pg = NULL;
+    ck_assert_msg(qm_pager_new(cpu, b->bank, *plan, pol, &o, &pg, &st) == 0, "%s", st.msg);
+    ck_assert_int_eq(qm_pager_layer_is_paged(pg, 1), 1);
+    return pg;
+}
+
+static int acquire_one(qm_pager *pg, uint32_t e, qm_status *st)
+{
+    qm_expert_source *src = qm_pager_source(pg);
+    qm_expert_weights w;
+    size_t ready = 0;
+    int rc = src->acquire(src->ctx, 1, &e, 1, &w, &ready, st);
+    ck_assert(rc < 0 || ready == 1);
+    return rc;
+}
+
+static void release_one(qm_pager *pg, uint32_t e)
+{
+    qm_expert_source *src = qm_pager_source(pg);
+    src->release(src->ctx, 1, &e, 1);
+}
+
+static int is_resident(qm_pager *pg, uint32_t e)
+{
+    uint32_t r[8];
+    int n = qm_pager_resident_experts(pg, 1, r, 8);
+    for (int i = 0; i < n && i < 8; i++)
+        if (r[i] == e)
+            return 1;
+    return 0;
+}
+
+/* A demand miss holds its slot until the wave is released; a prefetched
+ * unit is held by nobody, so a demand miss may take its slot. */
+START_TEST(test_demand_claims_are_held_until_release_prefetched_ones_are_not)
+{
+    qm_policy pol = {0};
+    qm_residency_plan *plan;
+    qm_pager *pg = claim_pager(&fixture.bank, fixture.cpu, 1, &pol, &plan);
+    ck_assert_int_eq(acquire_one(pg, 1, &fixture.st), 0);
+    ck_assert_int_eq(acquire_one(pg, 2, &fixture.st), QM_ERESOURCE_EXHAUSTED);
+    ck_assert_msg(strstr(fixture.st.msg, "in use") != NULL, "%s", fixture.st.msg);
+    ck_assert(is_resident(pg, 1));
+    release_one(pg, 1);
+    ck_assert_int_eq(acquire_one(pg, 2, &fixture.st), 0);
+    release_one(pg, 2);
+    uint32_t c = 3;
+    ck_assert_int_eq(qm_pager_prefetch(pg, 1, &c, 1, &fixture.st), 1);
+    ck_assert_int_eq(acquire_one(pg, 1, &fixture.st), 0); /* takes the prefetched unit's slot */
+    ck_assert(is_resident(pg, 1) && !is_resident(pg, 3));
+    release_one(pg, 1);
+    qm_pager_stats s;
+    qm_pager_stats_get(pg, &s);
+    ck_assert_uint_eq(s.evictions, 3);
+    ck_assert_uint_eq(s.prefetch_issued, 1);
+    ck_assert_uint_eq(s.prefetch_useful, 0);
+    ck_assert_uint_eq(s.resident_bytes, unit_bytes(&fixture.bank));
+    qm_pager_free(pg);
+    qm_plan_free(plan);
+    qm_policy_destroy(&pol);
+}
+END_TEST
+
+/* Every claim stamps the current tick, prefetches included: a unit
+ * prefetched after an expert's last access is the more recent of the two
+ * for the LRU fallback, whatever its slot was used for before. */
+START_TEST(test_every_claim_stamps_the_current_tick)
+{
+    qm_policy pol = {0};
+    qm_residency_plan *plan;
+    qm_pager *pg = claim_pager(&fixture.bank, fixture.cpu, 2, &pol, &plan);
+    const uint32_t A = 1, B = 2, C = 3, D = 4;
+    ck_assert_int_eq(acquire_one(pg, A, &fixture.st), 0); /* slot 0, tick 0 */
+    release_one(pg, A);
+    ck_assert_int_eq(acquire_one(pg, B, &fixture.st), 0); /* slot 1, tick 1 */
+    release_one(pg, B);
+    ck_assert_int_eq(acquire_one(pg, A, &fixture.st), 0); /* a hit: tick 2 */
+    release_one(pg, A);
+    /* Evicts B (tick 1): C lands in slot 1 at tick 3. */
+    ck_assert_int_eq(qm_pager_prefetch(pg, 1, &C, 1, &fixture.st), 1);
+    ck_assert(is_resident(pg, A) && is_resident(pg, C) && !is_resident(pg, B));
+    ck_assert_int_eq(acquire_one(pg, D, &fixture.st), 0); /* the LRU fallback: A (2) before C (3) */
+    release_one(pg, D);
+    ck_assert(is_resident(pg, C) && is_resident(pg, D) && !is_resident(pg, A));
+    qm_pager_stats s;
+    qm_pager_stats_get(pg, &s);
+    ck_assert_uint_eq(s.policy_fallbacks, 2);
+    qm_pager_free(pg);
+    qm_plan_free(plan);
+    qm_policy_destroy(&pol);
 }
 END_TEST
 
@@ -134,13 +247,7 @@ END_TEST
 
 START_TEST(test_budget_below_one_request_runs_in_waves_with_same_output)
 {
-    pf_spec sp = pf_default_spec();
-    pf_bank b;
-    pf_bank_open(&sp, &b);
-    qm_backend *cpu = NULL;
-    qm_status st = {0};
-    ck_assert_int_eq(qm_backend_cpu_new(1, &cpu, &st), 0);
-    const qm_bank_config *cfg = qm_bank_get_config(b.bank);
+    const qm_bank_config *cfg = qm_bank_get_config(fixture.bank.bank);
     /* Four tokens over all eight experts of layer 1. */
     enum { T = 4 };
     float x[T * 32], logits[T * 8], ref[T * 32], out[T * 32];
@@ -152,19 +259,21 @@ START_TEST(test_budget_below_one_request_runs_in_waves_with_same_output)
         pf_route_logits(cfg->experts, ex, 2, logits + t * cfg->experts);
     }
     qm_expert_source direct;
-    qm_expert_source_direct(b.bank, &direct);
+    qm_expert_source_direct(fixture.bank.bank, &direct);
     qm_moe_call mc = {.layer = 1, .dtype = QM_DTYPE_F32, .hidden = x, .n_tokens = T,
                       .logits = logits, .output = ref};
     qm_moe_stats ms = {0};
-    ck_assert_int_eq(qm_moe_forward(cpu, b.bank, &mc, &direct, &ms, &st), 0);
+    ck_assert_int_eq(qm_moe_forward(fixture.cpu, fixture.bank.bank, &mc, &direct, &ms, &fixture.st),
+                     0);
     for (uint64_t cap = 1; cap <= 3; cap++) {
         qm_policy pol = {0};
-        ck_assert_int_eq(qm_policy_new("lru", NULL, &pol, &st), 0);
+        ck_assert_int_eq(qm_policy_new("lru", NULL, &pol, &fixture.st), 0);
         qm_residency_plan *plan;
-        qm_pager *pg = lru_pager(&b, cpu, &pol, cap * unit_bytes(&b), 1, &plan);
+        qm_pager *pg =
+            lru_pager(&fixture.bank, fixture.cpu, &pol, cap * unit_bytes(&fixture.bank), 1, &plan);
         mc.output = out;
         memset(&ms, 0, sizeof ms);
-        ck_assert_int_eq(qm_pager_forward(pg, &mc, &ms, &st), 0);
+        ck_assert_int_eq(qm_pager_forward(pg, &mc, &ms, &fixture.st), 0);
         ck_assert_msg(memcmp(out, ref, sizeof out) == 0, "waves changed the output (cap %llu)",
                       (unsigned long long)cap);
         qm_pager_stats ps;
@@ -173,54 +282,46 @@ START_TEST(test_budget_below_one_request_runs_in_waves_with_same_output)
         ck_assert_uint_eq(ms.waves, rounds);
         ck_assert_uint_eq(ps.waves, rounds - 1);
         ck_assert_uint_eq(ps.misses, 8);
-        ck_assert_uint_le(ps.resident_bytes, cap * unit_bytes(&b));
+        ck_assert_uint_le(ps.resident_bytes, cap * unit_bytes(&fixture.bank));
         qm_pager_free(pg);
         qm_plan_free(plan);
         qm_policy_destroy(&pol);
     }
-    qm_backend_free(cpu);
-    pf_bank_close(&b);
 }
 END_TEST
 
 START_TEST(test_budget_below_one_expert_is_refused_naming_the_minimum)
 {
-    pf_spec sp = pf_default_spec();
-    pf_bank b;
-    pf_bank_open(&sp, &b);
-    qm_backend *cpu = NULL;
-    qm_status st = {0};
-    ck_assert_int_eq(qm_backend_cpu_new(1, &cpu, &st), 0);
     const char *names[] = {"lru", "arc", "layered_lru", "next_use", "whole_bank"};
-    uint64_t mins[] = {unit_bytes(&b), unit_bytes(&b), unit_bytes(&b), unit_bytes(&b),
-                       qm_bank_expert_bytes_total(b.bank)};
+    uint64_t U = unit_bytes(&fixture.bank);
+    uint64_t mins[] = {U, U, U, U, qm_bank_expert_bytes_total(fixture.bank.bank)};
     for (int i = 0; i < 5; i++) {
         qm_policy pol = {0};
-        ck_assert_int_eq(qm_policy_new(names[i], NULL, &pol, &st), 0);
-        qm_residency_plan *plan = make_plan(&b, &pol, 1, mins[i] - 1);
+        ck_assert_int_eq(qm_policy_new(names[i], NULL, &pol, &fixture.st), 0);
+        qm_residency_plan *plan = make_plan(&fixture.bank, &pol, 1, mins[i] - 1);
         qm_pager *pg = (qm_pager *)&pol; /* must be reset to NULL */
-        qm_status_clear(&st);
-        int rc = qm_pager_new(cpu, b.bank, plan, &pol, NULL, &pg, &st);
+        qm_status_clear(&fixture.st);
+        int rc = qm_pager_new(fixture.cpu, fixture.bank.bank, plan, &pol, NULL, &pg, &fixture.st);
         ck_assert_int_eq(rc, QM_ERESOURCE_EXHAUSTED);
         ck_assert_ptr_null(pg);
         char num[32];
         snprintf(num, sizeof num, "%llu", (unsigned long long)mins[i]);
-        ck_assert_msg(strstr(st.msg, num) != NULL, "message '%s' lacks the minimum %s", st.msg,
-                      num);
-        ck_assert_str_eq(st.field, "budget_bytes");
+        ck_assert_msg(strstr(fixture.st.msg, num) != NULL, "message '%s' lacks the minimum %s",
+                      fixture.st.msg, num);
+        ck_assert_str_eq(fixture.st.field, "budget_bytes");
         uint64_t min = 0;
-        ck_assert_int_eq(qm_pager_min_budget(cpu, b.bank, plan, NULL, &min, &st), 0);
+        ck_assert_int_eq(
+            qm_pager_min_budget(fixture.cpu, fixture.bank.bank, plan, NULL, &min, &fixture.st), 0);
         ck_assert_uint_eq(min, mins[i]);
         qm_plan_free(plan);
         /* Exactly the minimum works. */
-        plan = make_plan(&b, &pol, 1, mins[i]);
-        ck_assert_int_eq(qm_pager_new(cpu, b.bank, plan, &pol, NULL, &pg, &st), 0);
+        plan = make_plan(&fixture.bank, &pol, 1, mins[i]);
+        ck_assert_int_eq(
+            qm_pager_new(fixture.cpu, fixture.bank.bank, plan, &pol, NULL, &pg, &fixture.st), 0);
         qm_pager_free(pg);
         qm_plan_free(plan);
         qm_policy_destroy(&pol);
     }
-    qm_backend_free(cpu);
-    pf_bank_close(&b);
 }
 END_TEST
 
@@ -228,16 +329,7 @@ END_TEST
 
 START_TEST(test_router_prefetch_makes_next_layer_call_all_hits)
 {
-    pf_spec sp = pf_default_spec();
-    pf_bank b;
-    pf_bank_open(&sp, &b);
-    qm_backend *cpu = NULL;
-    qm_status st = {0};
-    ck_assert_int_eq(qm_backend_cpu_new(1, &cpu, &st), 0);
-    qm_policy pol = {0};
-    ck_assert_int_eq(qm_policy_new("lru", NULL, &pol, &st), 0);
-    qm_residency_plan *plan;
-    qm_pager *pg = lru_pager(&b, cpu, &pol, 4 * unit_bytes(&b), 1, &plan);
+    qm_pager *pg = pg_fixture_lru_pager(4 * unit_bytes(&fixture.bank), 1);
     float x[32], out[32];
     uint64_t s = 77;
     for (int i = 0; i < 32; i++)
@@ -245,43 +337,34 @@ START_TEST(test_router_prefetch_makes_next_layer_call_all_hits)
     qm_moe_call mc = {.layer = 0, .dtype = QM_DTYPE_F32, .hidden = x, .n_tokens = 1,
                       .output = out};
     qm_moe_stats ms = {0};
-    ck_assert_int_eq(qm_pager_forward(pg, &mc, &ms, &st), 0);
+    ck_assert_int_eq(qm_pager_forward(pg, &mc, &ms, &fixture.st), 0);
     qm_pager_stats a;
     qm_pager_stats_get(pg, &a);
-    ck_assert_uint_eq(a.misses, sp.k);
-    ck_assert_uint_eq(a.prefetch_issued, sp.k); /* layer 1's router on the same hidden state */
+    ck_assert_uint_eq(a.misses, fixture.spec.k);
+    /* Layer 1's router on the same hidden state. */
+    ck_assert_uint_eq(a.prefetch_issued, fixture.spec.k);
     mc.layer = 1; /* same hidden, routed by layer 1's own router: exactly the prediction */
-    ck_assert_int_eq(qm_pager_forward(pg, &mc, &ms, &st), 0);
+    ck_assert_int_eq(qm_pager_forward(pg, &mc, &ms, &fixture.st), 0);
     qm_pager_stats c;
     qm_pager_stats_get(pg, &c);
     ck_assert_uint_eq(c.misses, a.misses);
-    ck_assert_uint_eq(c.hits, sp.k);
-    ck_assert_uint_eq(c.prefetch_useful, sp.k);
-    qm_pager_free(pg);
-    qm_plan_free(plan);
-    qm_policy_destroy(&pol);
-    qm_backend_free(cpu);
-    pf_bank_close(&b);
+    ck_assert_uint_eq(c.hits, fixture.spec.k);
+    ck_assert_uint_eq(c.prefetch_useful, fixture.spec.k);
 }
 END_TEST
 
 START_TEST(test_prefetch_never_evicts_pinned_or_in_use_experts)
 {
-    pf_spec sp = pf_default_spec();
-    pf_bank b;
-    pf_bank_open(&sp, &b);
-    qm_backend *cpu = NULL;
-    qm_status st = {0};
-    ck_assert_int_eq(qm_backend_cpu_new(1, &cpu, &st), 0);
     pg_set none = {0};
     qm_policy pol = {0};
-    new_policy("static_hot", &b, &none, &pol);
-    uint64_t U = unit_bytes(&b);
+    new_policy("static_hot", &fixture.bank, &none, &pol);
+    uint64_t U = unit_bytes(&fixture.bank);
     /* pin_fraction 0.5 of 12 units over 3 listed banks: 2 pins per layer, 6 paging slots. */
-    qm_residency_plan *plan = make_plan(&b, &pol, 1, 12 * U);
+    qm_residency_plan *plan = make_plan(&fixture.bank, &pol, 1, 12 * U);
     qm_pager_options o = {.prefetch = 1};
     qm_pager *pg = NULL;
-    ck_assert_int_eq(qm_pager_new(cpu, b.bank, plan, &pol, &o, &pg, &st), 0);
+    ck_assert_int_eq(qm_pager_new(fixture.cpu, fixture.bank.bank, plan, &pol, &o, &pg, &fixture.st),
+                     0);
     qm_pager_stats s0;
     qm_pager_stats_get(pg, &s0);
     ck_assert_uint_eq(s0.n_pinned, 6);
@@ -291,14 +374,14 @@ START_TEST(test_prefetch_never_evicts_pinned_or_in_use_experts)
     const uint32_t held[6] = {0, 1, 3, 4, 6, 7};
     qm_expert_weights w[6];
     size_t ready = 0;
-    ck_assert_int_eq(src->acquire(src->ctx, 2, held, 6, w, &ready, &st), 0);
+    ck_assert_int_eq(src->acquire(src->ctx, 2, held, 6, w, &ready, &fixture.st), 0);
     ck_assert_uint_eq(ready, 6);
-    const qm_layer_view *lv = qm_bank_layer(b.bank, 2);
-    uint64_t slice = qm_expert_slice_bytes(&lv->t[QM_T_FC1_WEIGHT], sp.experts);
+    const qm_layer_view *lv = qm_bank_layer(fixture.bank.bank, 2);
+    uint64_t slice = qm_expert_slice_bytes(&lv->t[QM_T_FC1_WEIGHT], fixture.spec.experts);
     /* Every slot is pinned or in use: prefetch must find nothing to evict. */
     const uint32_t want[8] = {0, 1, 2, 3, 4, 5, 6, 7};
-    ck_assert_int_eq(qm_pager_prefetch(pg, 0, want, 8, &st), 0);
-    ck_assert_int_eq(qm_pager_prefetch(pg, 1, want, 8, &st), 0);
+    ck_assert_int_eq(qm_pager_prefetch(pg, 0, want, 8, &fixture.st), 0);
+    ck_assert_int_eq(qm_pager_prefetch(pg, 1, want, 8, &fixture.st), 0);
     for (int i = 0; i < 6; i++)
         ck_assert_msg(memcmp(w[i].ptr[QM_T_FC1_WEIGHT],
                              (const uint8_t *)lv->t[QM_T_FC1_WEIGHT].data + held[i] * slice,
@@ -306,9 +389,9 @@ START_TEST(test_prefetch_never_evicts_pinned_or_in_use_experts)
                       "held expert %u was overwritten", held[i]);
     src->release(src->ctx, 2, held, 6);
     /* Released: now prefetch may take their slots, never the pins. */
-    ck_assert_int_eq(qm_pager_prefetch(pg, 0, want, 8, &st), 6);
-    ck_assert_int_eq(qm_pager_sync(pg, &st), 0);
-    for (uint32_t l = 0; l < sp.layers; l++) {
+    ck_assert_int_eq(qm_pager_prefetch(pg, 0, want, 8, &fixture.st), 6);
+    ck_assert_int_eq(qm_pager_sync(pg, &fixture.st), 0);
+    for (uint32_t l = 0; l < fixture.spec.layers; l++) {
         uint32_t r[8];
         int n = qm_pager_resident_experts(pg, l, r, 8);
         int has_a = 0, has_b = 0;
@@ -324,8 +407,6 @@ START_TEST(test_prefetch_never_evicts_pinned_or_in_use_experts)
     qm_pager_free(pg);
     qm_plan_free(plan);
     qm_policy_destroy(&pol);
-    qm_backend_free(cpu);
-    pf_bank_close(&b);
 }
 END_TEST
 
@@ -333,22 +414,19 @@ START_TEST(test_imprecise_router_prediction_is_switched_off)
 {
     pf_spec sp = pf_default_spec();
     sp.experts = 32; /* random guesses of 2 in 32: precision ~1/16 */
-    pf_bank b;
-    pf_bank_open(&sp, &b);
-    qm_backend *cpu = NULL;
-    qm_status st = {0};
-    ck_assert_int_eq(qm_backend_cpu_new(1, &cpu, &st), 0);
+    pg_fixture_reopen(&sp);
     qm_policy pol = {0};
-    ck_assert_int_eq(qm_policy_new("lru", NULL, &pol, &st), 0);
-    qm_residency_plan *plan = make_plan(&b, &pol, 1, 8 * unit_bytes(&b));
+    ck_assert_int_eq(qm_policy_new("lru", NULL, &pol, &fixture.st), 0);
+    qm_residency_plan *plan = make_plan(&fixture.bank, &pol, 1, 8 * unit_bytes(&fixture.bank));
     qm_pager_options o = {.prefetch = 1};
     qm_pager *pg = NULL;
-    ck_assert_int_eq(qm_pager_new(cpu, b.bank, plan, &pol, &o, &pg, &st), 0);
+    ck_assert_int_eq(qm_pager_new(fixture.cpu, fixture.bank.bank, plan, &pol, &o, &pg, &fixture.st),
+                     0);
     uint64_t s = 31;
     for (uint32_t i = 0; i < 600; i++) {
         /* Routed by random logits: the bank's routers predict nothing. */
         uint32_t ex[2] = {(uint32_t)(pf_rand(&s) % 16), 16 + (uint32_t)(pf_rand(&s) % 16)};
-        call_experts(pg, &b, i % sp.layers, ex, 2, &s);
+        call_experts(pg, &fixture.bank, i % sp.layers, ex, 2, &s);
     }
     qm_pager_stats ps;
     qm_pager_stats_get(pg, &ps);
@@ -360,28 +438,21 @@ START_TEST(test_imprecise_router_prediction_is_switched_off)
     qm_pager_free(pg);
     qm_plan_free(plan);
     qm_policy_destroy(&pol);
-    qm_backend_free(cpu);
-    pf_bank_close(&b);
 }
 END_TEST
 
 START_TEST(test_budget_holding_every_expert_preloads_and_never_misses)
 {
-    pf_spec sp = pf_default_spec();
-    pf_bank b;
-    pf_bank_open(&sp, &b);
-    qm_backend *cpu = NULL;
-    qm_status st = {0};
-    ck_assert_int_eq(qm_backend_cpu_new(1, &cpu, &st), 0);
     pg_set set;
-    make_calls(&b, cpu, 12, 5, &set);
-    uint64_t total = qm_bank_expert_bytes_total(b.bank);
+    make_calls(&fixture.bank, fixture.cpu, 12, 5, &set);
+    uint64_t total = qm_bank_expert_bytes_total(fixture.bank.bank);
     for (int budgeted = 0; budgeted < 2; budgeted++) {
         qm_policy pol = {0};
-        ck_assert_int_eq(qm_policy_new("lru", NULL, &pol, &st), 0);
-        qm_residency_plan *plan = make_plan(&b, &pol, budgeted, total);
+        ck_assert_int_eq(qm_policy_new("lru", NULL, &pol, &fixture.st), 0);
+        qm_residency_plan *plan = make_plan(&fixture.bank, &pol, budgeted, total);
         qm_pager *pg = NULL;
-        ck_assert_int_eq(qm_pager_new(cpu, b.bank, plan, &pol, NULL, &pg, &st), 0);
+        ck_assert_int_eq(
+            qm_pager_new(fixture.cpu, fixture.bank.bank, plan, &pol, NULL, &pg, &fixture.st), 0);
         qm_pager_stats s;
         qm_pager_stats_get(pg, &s);
         ck_assert_uint_eq(s.bytes_loaded_at_create, total);
@@ -392,8 +463,8 @@ START_TEST(test_budget_holding_every_expert_preloads_and_never_misses)
             qm_moe_call mc = {.layer = c->layer, .dtype = QM_DTYPE_F32, .hidden = c->x,
                               .n_tokens = c->T, .logits = c->logits, .output = out};
             qm_moe_stats ms = {0};
-            ck_assert_int_eq(qm_pager_forward(pg, &mc, &ms, &st), 0);
-            ck_assert(memcmp(out, c->ref, sizeof(float) * c->T * sp.hidden) == 0);
+            ck_assert_int_eq(qm_pager_forward(pg, &mc, &ms, &fixture.st), 0);
+            ck_assert(memcmp(out, c->ref, sizeof(float) * c->T * fixture.spec.hidden) == 0);
         }
         qm_pager_stats_get(pg, &s);
         ck_assert_uint_eq(s.misses, 0);
@@ -405,28 +476,21 @@ START_TEST(test_budget_holding_every_expert_preloads_and_never_misses)
         qm_policy_destroy(&pol);
     }
     free_calls(&set);
-    qm_backend_free(cpu);
-    pf_bank_close(&b);
 }
 END_TEST
 
 START_TEST(test_recorded_trace_holds_each_tokens_routing_in_layer_order)
 {
-    pf_spec sp = pf_default_spec();
-    pf_bank b;
-    pf_bank_open(&sp, &b);
-    qm_backend *cpu = NULL;
-    qm_status st = {0};
-    ck_assert_int_eq(qm_backend_cpu_new(1, &cpu, &st), 0);
     qm_policy pol = {0};
-    ck_assert_int_eq(qm_policy_new("lru", NULL, &pol, &st), 0);
+    ck_assert_int_eq(qm_policy_new("lru", NULL, &pol, &fixture.st), 0);
     qm_residency_plan *plan;
-    qm_pager *pg = lru_pager(&b, cpu, &pol, 4 * unit_bytes(&b), 1, &plan);
+    qm_pager *pg =
+        lru_pager(&fixture.bank, fixture.cpu, &pol, 4 * unit_bytes(&fixture.bank), 1, &plan);
     char path[] = "/tmp/qm_trace_test.XXXXXX";
     int fd = mkstemp(path);
     ck_assert_int_ge(fd, 0);
     close(fd);
-    ck_assert_int_eq(qm_pager_record_trace(pg, path, &st), 0);
+    ck_assert_int_eq(qm_pager_record_trace(pg, path, &fixture.st), 0);
     uint64_t s = 1;
     /* Five decode tokens; token 2 of layer 1 has a single route (the other dropped). */
     int16_t want[8][3][2];
@@ -436,13 +500,13 @@ START_TEST(test_recorded_trace_holds_each_tokens_routing_in_layer_order)
             if (ex[1] == ex[0])
                 ex[1] = (ex[1] + 1) % 8;
             uint32_t n = (t == 2 && l == 1) ? 1 : 2;
-            call_experts(pg, &b, l, ex, n, &s);
+            call_experts(pg, &fixture.bank, l, ex, n, &s);
             /* The route order is the router's: first expert, then the second (or -1). */
             want[t][l][0] = (int16_t)ex[0];
             want[t][l][1] = n == 2 ? (int16_t)ex[1] : -1;
         }
     /* Then a prefill of three tokens, layer by layer: rows complete only at layer 2. */
-    const qm_bank_config *cfg = qm_bank_get_config(b.bank);
+    const qm_bank_config *cfg = qm_bank_get_config(fixture.bank.bank);
     float x[3 * 32], logits[3 * 8], out[3 * 32];
     for (int i = 0; i < 3 * 32; i++)
         x[i] = pf_uniform(&s, -1, 1);
@@ -456,7 +520,7 @@ START_TEST(test_recorded_trace_holds_each_tokens_routing_in_layer_order)
         qm_moe_call mc = {.layer = l, .dtype = QM_DTYPE_F32, .hidden = x, .n_tokens = 3,
                           .logits = logits, .output = out};
         qm_moe_stats ms = {0};
-        ck_assert_int_eq(qm_pager_forward(pg, &mc, &ms, &st), 0);
+        ck_assert_int_eq(qm_pager_forward(pg, &mc, &ms, &fixture.st), 0);
         qm_pager_stats ps;
         qm_pager_stats_get(pg, &ps);
         ck_assert_uint_eq(ps.trace_tokens, l < 2 ? 5 : 8);
@@ -479,13 +543,11 @@ START_TEST(test_recorded_trace_holds_each_tokens_routing_in_layer_order)
     qm_pager_stats_get(pg, &ps);
     ck_assert_uint_eq(ps.trace_errors, 0);
     ck_assert_uint_eq(ps.trace_dropped, 0);
-    ck_assert_int_eq(qm_pager_record_trace(pg, "/nonexistent-qm-dir/t.qmtr", &st), QM_EIO);
+    ck_assert_int_eq(qm_pager_record_trace(pg, "/nonexistent-qm-dir/t.qmtr", &fixture.st), QM_EIO);
     qm_pager_free(pg);
     unlink(path);
     qm_plan_free(plan);
     qm_policy_destroy(&pol);
-    qm_backend_free(cpu);
-    pf_bank_close(&b);
 }
 END_TEST
 
@@ -495,6 +557,8 @@ static void add_edge_tests(TCase *tc)
     tcase_add_test(tc, test_budget_holding_every_expert_preloads_and_never_misses);
     tcase_add_test(tc, test_imprecise_router_prediction_is_switched_off);
     tcase_add_test(tc, test_hostile_victims_fall_back_to_lru_and_keep_accounting_and_outputs);
+    tcase_add_test(tc, test_demand_claims_are_held_until_release_prefetched_ones_are_not);
+    tcase_add_test(tc, test_every_claim_stamps_the_current_tick);
     tcase_add_test(tc, test_budget_below_one_request_runs_in_waves_with_same_output);
     tcase_add_test(tc, test_budget_below_one_expert_is_refused_naming_the_minimum);
     tcase_add_test(tc, test_router_prefetch_makes_next_layer_call_all_hits);
@@ -505,6 +569,7 @@ int main(void)
 {
     Suite *s = suite_create("paging_edges");
     TCase *tc = tcase_create("edges");
+    tcase_add_checked_fixture(tc, pg_fixture_setup, pg_fixture_teardown);
     tcase_set_timeout(tc, 120);
     add_edge_tests(tc);
     suite_add_tcase(s, tc);

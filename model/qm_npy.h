@@ -1,4 +1,5 @@
-/* qm_npy.h - NumPy .npy files (format 1.0/2.0/3.0), the tensors of `qmoe-bank run`.
+/* qm_npy.h - NumPy .npy files (format 1.0/2.0/3.0), the tensors of `qmoe-bank run`
+ * and `qmoectl infer`.
  *
  * Reads and writes little-endian f32 ('<f4'), f16 ('<f2') and, as a project
  * extension, bf16 (stored as '<u2' raw bits: NumPy has no bfloat16; the

@@ -3,9 +3,9 @@
  * A safetensors file is an 8-byte little-endian header length N, N bytes of
  * JSON, then the byte buffer. This module turns the JSON (untrusted) into
  * plain C structs and back; it is the only code that parses bank headers, so
- * model/ never sees cJSON. Parsing checks syntax, nesting depth, sizes and
- * value types only: offsets against the buffer and shapes against the model
- * are model/'s business. */
+ * the rest of model/ never sees cJSON. Parsing checks syntax, nesting depth,
+ * sizes and value types only: offsets against the buffer and shapes against
+ * the model are qm_bank.c's business. */
 #ifndef QM_ST_HEADER_H
 #define QM_ST_HEADER_H
 
