@@ -122,8 +122,9 @@ int qm_client_session_infer_mapped(qm_client *c, const qm_client_mapped_infer *q
     if (!q || !q->session || !q->map || !q->map->data)
         return qm__client_fail(err, QM_CLIENT_EINVAL,
                                "session.infer needs a session and a map from qm_client_map_create");
-    const qm_client_region *parts[] = {&q->hidden, q->router_logits};
-    const char *keys[] = {"hidden", "router_logits"};
+    const qm_client_region *parts[] = {&q->hidden, q->router_logits, q->topk_ids,
+                                       q->topk_weights};
+    const char *keys[] = {"hidden", "router_logits", "topk_ids", "topk_weights"};
     qm_cval *p = qm_cval_new(QM_CVAL_OBJECT);
     p = qm__obj_add(p, "session", qm_cval_new_string(q->session));
     p = qm__obj_add(p, "layer", qm_cval_new_number((double)q->layer));

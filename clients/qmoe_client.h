@@ -224,6 +224,10 @@ typedef struct qm_client_mapped_infer {
     const qm_client_map *map;              /* every region below lies in it */
     qm_client_region hidden;               /* [T, H] */
     const qm_client_region *router_logits; /* [T, E], or NULL */
+    /* Routing supplied by the engine: i32 ids [T, k'] (dtype 3, QM_CLIENT_I32)
+     * and weights [T, k'], both or neither (PROTOCOL.md). */
+    const qm_client_region *topk_ids;
+    const qm_client_region *topk_weights;
     uint64_t output_offset; /* the output ([T, H], hidden's dtype) is written here */
 } qm_client_mapped_infer;
 /* session.infer with every tensor in the map and output_to it: on 0 the
