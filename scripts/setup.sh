@@ -32,3 +32,35 @@ if [ ! -f "$stamp" ] || ! cmp -s "$here/tools/requirements.txt" "$stamp"; then
   "$venv/bin/python" -m pip install -q --disable-pip-version-check -r "$here/tools/requirements.txt"
   cp "$here/tools/requirements.txt" "$stamp"
 fi
+
+# torch + transformers for the transformers hook (tests/clients/
+# test_transformers_hook.py, examples/generate.py): a venv of its own outside
+# the repo, so every clone and every CI run reuses it ($QMOE_TORCH_VENV;
+# /var/cache/qmoed/venv-torch, or ~/.cache/qmoed/venv-torch when that cannot
+# be written). CPU wheels: the tests need no GPU. QMOE_SKIP_TORCH=1 skips it.
+if [ "${QMOE_SKIP_TORCH:-0}" != 1 ]; then
+  torch_venv="${QMOE_TORCH_VENV:-}"
+  if [ -z "$torch_venv" ]; then
+    torch_venv=/var/cache/qmoed/venv-torch
+    if ! { $SUDO mkdir -p /var/cache/qmoed && $SUDO chown "$(id -u):$(id -g)" /var/cache/qmoed; } \
+        2>/dev/null; then
+      torch_venv="$HOME/.cache/qmoed/venv-torch"
+    fi
+  fi
+  torch_reqs="$here/tools/requirements-torch.txt"
+  tstamp="$torch_venv/.requirements.stamp"
+  if [ ! -f "$tstamp" ] || ! cmp -s "$torch_reqs" "$tstamp"; then
+    t0=$(date +%s)
+    mkdir -p "$(dirname "$torch_venv")"
+    [ -x "$torch_venv/bin/python" ] || python3 -m venv "$torch_venv"
+    # The CPU-only wheel (~200 MB) when its index is reachable, else PyPI's
+    # (CUDA-enabled, a few GB; it runs on CPU as well).
+    "$torch_venv/bin/python" -m pip install -q --disable-pip-version-check --retries 1 \
+      --timeout 20 --index-url https://download.pytorch.org/whl/cpu "torch>=2.5" 2>/dev/null ||
+      "$torch_venv/bin/python" -m pip install -q --disable-pip-version-check "torch>=2.5"
+    "$torch_venv/bin/python" -m pip install -q --disable-pip-version-check -r "$torch_reqs"
+    cp "$torch_reqs" "$tstamp"
+    echo "setup: torch environment at $torch_venv ready in $(( $(date +%s) - t0 )) s"
+  fi
+  echo "setup: export QMOE_TORCH_VENV=$torch_venv for the transformers hook's tests"
+fi

@@ -1,0 +1,95 @@
+#!/usr/bin/env python3
+"""session.infer's cost outside the engine, mapped (session.map) vs base64
+tensors, one client, on the GPT-OSS-20B-like layer (H = I = 2880, E = 32,
+k = 4, int4 block 32), at T = 1 and T = 512; a redis PING round trip over a
+Unix socket measured in the same run (qmoe-ipc-load, one client).
+
+Overhead = end-to-end time of the library call (libqmoe-client, C) minus the
+engine's compute_us from the answer: sockets, JSON, base64 or the map, the
+queue and thread hand-offs.
+
+usage: bench_shm.py --build BUILD_DIR [--requests-t1 N] [--requests-t512 N] [--threads N]
+"""
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, "..", "..", "tests", "daemon"))
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--build", required=True)
+    ap.add_argument("--workdir", default=os.path.join(tempfile.gettempdir(), "qmoe-bench-ipc"))
+    ap.add_argument("--requests-t1", type=int, default=100)
+    ap.add_argument("--requests-t512", type=int, default=5)
+    ap.add_argument("--threads", type=int, default=0, help="qmoed --threads (0 = cores)")
+    a = ap.parse_args()
+    os.environ["QMOE_BUILD_DIR"] = a.build
+    from qmoed_harness import Daemon, make_bank
+
+    os.makedirs(a.workdir, exist_ok=True)
+    bank = make_bank(os.path.join(a.workdir, "gptoss20b-like-2l.bank"), layers=2, experts=32,
+                     hidden=2880, inter=2880, k=4, bits=4, block=32, activation="swiglu",
+                     fusion=1, router=True, seed=7)
+    run_dir = tempfile.mkdtemp(prefix="bench-shm-")
+    dm = Daemon(models={"gptoss": bank}, workdir=run_dir,
+                args=["--set", "idle_timeout_s=0", "--log-level", "notice",
+                      "--threads", str(a.threads), "--set", "max_request_bytes=134217728"])
+    redis_sock = os.path.join(run_dir, "redis.sock")
+    redis = subprocess.Popen(["redis-server", "--port", "0", "--unixsocket", redis_sock,
+                              "--save", "", "--appendonly", "no", "--loglevel", "warning"],
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    out = {}
+    try:
+        deadline = time.time() + 10
+        while not os.path.exists(redis_sock) and time.time() < deadline:
+            time.sleep(0.02)
+
+        def ping():
+            r = subprocess.run([os.path.join(a.build, "bench", "ipc", "qmoe-ipc-load"), "--socket",
+                                redis_sock, "--clients", "1", "--requests", "20000", "--warmup",
+                                "1000", "--redis-ping"], check=True, capture_output=True, text=True)
+            return json.loads(r.stdout)
+
+        def infer(tokens, n):
+            r = subprocess.run([os.path.join(a.build, "bench", "ipc", "qmoe-shm-bench"), "--socket",
+                                dm.socket, "--model", "gptoss", "--tokens", str(tokens),
+                                "--requests", str(n)], check=True, capture_output=True, text=True)
+            return json.loads(r.stdout)
+
+        out["redis_before"] = ping()
+        out["t1"] = infer(1, a.requests_t1)
+        out["t512"] = infer(512, a.requests_t512)
+        out["redis_after"] = ping()
+    finally:
+        redis.terminate()
+        redis.wait()
+        dm.stop()
+    rtt = [r["mean_us"] for r in (out["redis_before"], out["redis_after"])]
+    out["redis_rtt_us_mean"] = sum(rtt) / 2
+    out["redis_p50_us"] = [r.get("p50_us") for r in (out["redis_before"], out["redis_after"])]
+    print(json.dumps(out, indent=1))
+    print()
+    print("| T | tensors | end to end, mean | engine compute_us, mean | outside the engine, mean "
+          "(p50) | / engine | / redis PING RTT |")
+    print("|---|---|---|---|---|---|---|")
+    for t in ("t1", "t512"):
+        for mode in ("base64", "mapped"):
+            r = out[t][mode]
+            print("| %d | %s | %.0f µs | %.0f µs | %.0f µs (%.0f µs) | %.3f%% | %.1f× |" % (
+                out[t]["tokens"], mode, r["e2e_us_mean"], r["compute_us_mean"],
+                r["overhead_us_mean"], r["overhead_us_p50"], 100 * r["overhead_of_engine"],
+                r["overhead_us_mean"] / out["redis_rtt_us_mean"]))
+    print()
+    print("redis PING round trip (qmoe-ipc-load, 1 client, before/after): %.1f / %.1f µs mean, "
+          "p50 %s µs" % (rtt[0], rtt[1], out["redis_p50_us"]))
+
+
+if __name__ == "__main__":
+    main()
