@@ -76,6 +76,11 @@ int qm_moe_router_logits(const qm_bank_config *cfg, const qm_layer_view *layer, 
     return 0;
 }
 
+uint32_t qm_moe_call_k(const qm_bank_config *cfg, const qm_moe_call *call)
+{
+    return call && call->topk_ids ? call->topk_k : cfg->k;
+}
+
 uint64_t qm__expert_slice(const qm_tensor_view *tv, uint32_t n_experts)
 {
     return tv->present && n_experts ? tv->nbytes / n_experts : 0;
@@ -138,11 +143,16 @@ int qm__moe_forward_layer(qm_backend *be, const qm_bank_config *cfg, const qm_la
     if (call->dtype != QM_DTYPE_F32 && call->dtype != QM_DTYPE_F16 &&
         call->dtype != QM_DTYPE_BF16)
         return qm_status_set(st, QM_EINVAL, "hidden dtype must be f32, f16 or bf16");
-    const uint32_t T = call->n_tokens, E = cfg->experts, k = cfg->k, H = cfg->hidden;
+    const uint32_t T = call->n_tokens, E = cfg->experts, k = qm_moe_call_k(cfg, call),
+                   H = cfg->hidden;
     if (T == 0)
         return 0; /* an empty batch is an empty result */
     if (!call->hidden || !call->output)
         return qm_status_set(st, QM_EINVAL, "forward: hidden or output missing");
+    if (call->topk_ids && (k == 0 || k > E))
+        return qm_status_set_field(st, QM_EINVAL, "topk_ids",
+                                   "topk_ids has %u columns but it must have 1..%u (experts)", k,
+                                   E);
     if (k == 0 || k > E)
         return qm_status_set(st, QM_EINVAL, "k = %u with %u experts", k, E);
 
@@ -170,7 +180,10 @@ int qm__moe_forward_layer(qm_backend *be, const qm_bank_config *cfg, const qm_la
 
     /* 1. Routing: on the backend when it offers it, else here. */
     qm__load_hidden(call->dtype, call->hidden, TH, x);
-    if (qm__backend_can_route(be)) {
+    /* The backend's routing knows the legacy rule only: banks with routing
+     * keys and routing supplied by the engine are routed here. */
+    int host_rule = call->topk_ids || cfg->routing.score != QM_ROUTE_SCORE_LEGACY;
+    if (!host_rule && qm__backend_can_route(be)) {
         if (!call->logits && !layer->t[QM_T_ROUTER_WEIGHT].present) {
             rc = qm_status_set(st, QM_EINVAL, "layer %u has no router weight: pass router_logits",
                                layer->index);
@@ -194,7 +207,17 @@ int qm__moe_forward_layer(qm_backend *be, const qm_bank_config *cfg, const qm_la
         }
         rc = 0;
     }
-    if (!pass) {
+    if (!pass && call->topk_ids) {
+        if (!call->topk_weights) {
+            rc = qm_status_set_field(st, QM_EINVAL, "topk_weights",
+                                     "topk_ids given without topk_weights");
+            goto done;
+        }
+        rc = qm_moe_route_supplied(call->topk_ids, call->topk_weights, T, E, k, route_e, route_w,
+                                   st);
+        if (rc < 0)
+            goto done;
+    } else if (!pass) {
         if (call->logits) {
             memcpy(logits, call->logits, (size_t)T * E * sizeof(float));
         } else {
@@ -202,7 +225,10 @@ int qm__moe_forward_layer(qm_backend *be, const qm_bank_config *cfg, const qm_la
             if (rc < 0)
                 goto done;
         }
-        qm_moe_route(logits, T, E, k, route_e, route_w);
+        if (cfg->routing.score == QM_ROUTE_SCORE_LEGACY)
+            qm_moe_route(logits, T, E, k, route_e, route_w);
+        else if ((rc = qm_moe_route_layer(cfg, layer, logits, T, route_e, route_w, st)) < 0)
+            goto done;
     }
     if (call->route_experts)
         memcpy(call->route_experts, route_e, TK * sizeof(uint32_t));

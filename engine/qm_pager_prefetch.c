@@ -185,7 +185,9 @@ static size_t qm__predict_router(qm_pager *p, const qm_moe_call *call, uint32_t 
     qm_status tmp;
     if (qm_moe_router_logits(cfg, L->view, x, T, p->pred_logits, &tmp))
         return n_list;
-    qm_moe_route(p->pred_logits, T, (uint32_t)E, (uint32_t)K, p->pred_experts, p->pred_weights);
+    if (qm_moe_route_layer(cfg, L->view, p->pred_logits, T, p->pred_experts, p->pred_weights,
+                           &tmp))
+        return n_list;
     for (size_t i = 0; i < (size_t)T * K && n_list < cap; i++) {
         uint32_t e = p->pred_experts[i];
         if (e >= E || L->mark[e])
@@ -219,7 +221,7 @@ int qm_pager_forward(qm_pager *p, const qm_moe_call *call, qm_moe_stats *mstats,
     if (!p || !call)
         return qm_status_set(st, QM_EINVAL, "qm_pager_forward: NULL argument");
     qm_moe_call c = *call;
-    size_t need = (size_t)call->n_tokens * p->cfg->k;
+    size_t need = (size_t)call->n_tokens * qm_moe_call_k(p->cfg, call);
     if (!c.route_experts && need) {
         if (qm__grow((void **)&p->route_buf, &p->route_cap, need, sizeof(uint32_t)))
             return qm_status_set(st, QM_ENOMEM, "out of memory for routing scratch");
@@ -230,7 +232,8 @@ int qm_pager_forward(qm_pager *p, const qm_moe_call *call, qm_moe_stats *mstats,
         return rc;
     qm__pager_history_record(p, call->layer, c.route_experts, need);
     if (p->trace)
-        qm__pager_trace_record(p, call->layer, c.route_experts, call->n_tokens);
+        qm__pager_trace_record(p, call->layer, c.route_experts, call->n_tokens,
+                               qm_moe_call_k(p->cfg, call));
     if (!p->opt.prefetch || p->n_slots == 0)
         return 0;
     uint32_t next = (call->layer + 1) % p->n_layers;
