@@ -15,6 +15,7 @@ static void help_main(FILE *f)
           "  create   write a deterministic synthetic bank (seeded weights, quantised)\n"
           "  inspect  validate a bank and print its summary, tensors and region catalogs\n"
           "  run      run one MoE layer of a bank on the CPU engine (.npy in, .npy out)\n"
+          "  import   import gguf FILE: a llama.cpp GGUF file's experts into a bank\n"
           "\n"
           "`qmoe-bank <command> --help` describes each command.\n"
           "exit status: 0 ok, 1 runtime failure, 2 bad usage or invalid file.\n",
@@ -72,6 +73,13 @@ int main(int argc, char **argv)
         return qmb_inspect(argc - 1, argv + 1);
     if (strcmp(cmd, "run") == 0)
         return qmb_run(argc - 1, argv + 1);
+    if (strcmp(cmd, "import") == 0) {
+        if (argc > 2 && strcmp(argv[2], "gguf") == 0)
+            return qmb_import_gguf(argc - 2, argv + 2);
+        fprintf(stderr, "qmoe-bank import: expected a source format: import gguf FILE --out "
+                        "BANK (see qmoe-bank import gguf --help)\n");
+        return QMB_USAGE;
+    }
     fprintf(stderr, "qmoe-bank: unknown command \"%.64s\" (create, inspect, run; see --help)\n",
             cmd);
     return QMB_USAGE;
