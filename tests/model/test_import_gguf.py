@@ -1,6 +1,6 @@
 """`qmoe-bank import gguf`: GGUF files written here with the `gguf` package
 (llama.cpp's gguf-py), imported, and checked against gguf-py's own
-dequantiser: bit for bit for the exact types (Q4_0, Q8_0, MXFP4, Q6_K),
+dequantiser: bit for bit for the exact types (Q4_0, Q8_0, Q5_0, MXFP4, Q6_K),
 within the recorded max_rel_err for the requantised ones; the MoE output of
 the imported bank against a numpy reference; every bad input exits 2 with
 one line naming the tensor or key, and leaves no file behind.
@@ -164,7 +164,7 @@ def import_ok(tmp_path, gpath, *extra):
 FC = {"gate": "fc1", "up": "fc3", "down": "fc2"}
 
 
-@pytest.mark.parametrize("qtype,bits,bs", [(Q.Q4_0, 4, 32), (Q.Q8_0, 8, 32),
+@pytest.mark.parametrize("qtype,bits,bs", [(Q.Q4_0, 4, 32), (Q.Q8_0, 8, 32), (Q.Q5_0, 8, 32),
                                            (Q.MXFP4, 8, 32), (Q.Q6_K, 8, 16)])
 def test_exact_types_repack_bit_for_bit(tmp_path, qtype, bits, bs):
     gpath = tmp_path / "m.gguf"
@@ -188,7 +188,7 @@ def test_exact_types_repack_bit_for_bit(tmp_path, qtype, bits, bs):
     assert not any(k.startswith("qmoe.routing.") for k in meta)
 
 
-@pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q5_K, Q.Q2_K, Q.Q3_K, Q.Q4_1, Q.Q5_0, Q.Q5_1,
+@pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q5_K, Q.Q2_K, Q.Q3_K, Q.Q4_1, Q.Q5_1,
                                    Q.F16, Q.BF16, Q.F32])
 @pytest.mark.parametrize("bits", [8, 4])
 def test_requantised_types_stay_within_the_recorded_error(tmp_path, qtype, bits):

@@ -274,6 +274,7 @@ int qmg_exact_fits(uint32_t type, unsigned bits, unsigned bs, qm_dtype sdt)
         return (bs == 32 || bs == 16) && (sdt == QM_DTYPE_F16 || sdt == QM_DTYPE_F32) &&
                (bits == 4 || bits == 8);
     case QMG_Q8_0:
+    case QMG_Q5_0:
         return bits == 8 && (bs == 32 || bs == 16) &&
                (sdt == QM_DTYPE_F16 || sdt == QM_DTYPE_F32);
     case QMG_MXFP4:
@@ -324,6 +325,16 @@ void qmg_repack_row(uint32_t type, const uint8_t *src, uint64_t n, unsigned bits
             }
             for (unsigned k = 0; k < 32 / bs; k++)
                 put_scale(scales, sdt, c0 / bs + k, d, dh);
+            break;
+        }
+        case QMG_Q5_0: {
+            uint16_t dh = rd16(src);
+            uint32_t qh = (uint32_t)src[2] | (uint32_t)src[3] << 8 | (uint32_t)src[4] << 16 |
+                          (uint32_t)src[5] << 24;
+            for (unsigned j = 0; j < 32; j++) /* q5 - 16 + 128 */
+                put_code(codes, bits, c0 + j, (nib(src + 6, j) | ((qh >> j) & 1u) << 4) + 112u);
+            for (unsigned k = 0; k < 32 / bs; k++)
+                put_scale(scales, sdt, c0 / bs + k, qmg_f16_to_f32(dh), dh);
             break;
         }
         case QMG_MXFP4: {

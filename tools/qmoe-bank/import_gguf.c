@@ -41,9 +41,9 @@ void qmb_help_import_gguf(FILE *f)
           "blocks and shared experts stay with the engine; qmoe.layer_map records the\n"
           "block of each bank layer.\n"
           "\n"
-          "Q4_0, Q8_0, MXFP4 and Q6_K repack bit-exactly (Q4_0 alone: int4 block 32;\n"
-          "with Q8_0/MXFP4: int8 block 32; with Q6_K: int8 block 16). Every other type\n"
-          "(F32, F16, BF16, Q4_1, Q5_0, Q5_1, Q2_K, Q3_K, Q4_K, Q5_K) is requantised to\n"
+          "Q4_0, Q8_0, Q5_0, MXFP4 and Q6_K repack bit-exactly (Q4_0 alone: int4 block\n"
+          "32; with Q8_0/Q5_0/MXFP4: int8 block 32; with Q6_K: int8 block 16). Every other\n"
+          "type (F32, F16, BF16, Q4_1, Q5_1, Q2_K, Q3_K, Q4_K, Q5_K) is requantised to\n"
           "--requant-bits (default 8) with the error recorded in qmoe.source; the output\n"
           "lists which path each tensor type took.\n"
           "A bad file (unknown quant type, truncated data, missing tensor, metadata that\n"
@@ -352,11 +352,11 @@ typedef struct out_tensor {
     uint64_t begin, end;
 } out_tensor;
 
-/* Scale dtype of projection p's bank tensor: f16 for exact Q4_0/Q8_0 (their d
+/* Scale dtype of projection p's bank tensor: f16 for exact Q4_0/Q8_0/Q5_0 (their d
  * is an f16), f32 otherwise. */
 static qm_dtype scale_dtype(const plan *pl, uint32_t type)
 {
-    if ((type == QMG_Q4_0 || type == QMG_Q8_0) && qmg_exact_fits(type, pl->bits, pl->bs,
+    if ((type == QMG_Q4_0 || type == QMG_Q8_0 || type == QMG_Q5_0) && qmg_exact_fits(type, pl->bits, pl->bs,
                                                                   QM_DTYPE_F16))
         return QM_DTYPE_F16;
     return QM_DTYPE_F32;
