@@ -403,3 +403,62 @@ def test_usage_errors(tmp_path):
     assert r.returncode == 2 and "--requant-bits takes 4 or 8" in r.stderr
     expect_bad(tmp_path, tmp_path / "missing.gguf", "cannot open")
     assert "import gguf" in run_tool("import", "gguf", "--help").stdout
+
+
+@pytest.mark.parametrize("arch,family,keys,want", [
+    ("llama", "mixtral", {}, None),
+    ("qwen3moe", "qwen3_moe", {}, None),
+    ("qwen3moe", "qwen3_moe", {"expert_weights_norm": False}, ("softmax", "0")),
+    ("qwen2moe", "qwen2_moe", {}, ("softmax", "0")),
+    ("olmoe", "olmoe", {}, ("softmax", "0")),
+    ("deepseek2", "deepseek_v2", {"expert_weights_scale": 16.0}, ("softmax", "0")),
+])
+def test_routing_keys_per_architecture(tmp_path, arch, family, keys, want):
+    gpath = tmp_path / "m.gguf"
+    src = write_gguf(gpath, arch=arch, types=(Q.Q8_0,) * 3, blocks=1, seed=21, keys=keys)
+    out, stdout = import_ok(tmp_path, gpath)
+    t, meta = load_bank(out)
+    assert json.loads(meta["qmoe.source"])["family"] == family
+    routing = {k: v for k, v in meta.items() if k.startswith("qmoe.routing.")}
+    if want is None:
+        assert routing == {} and "routing: legacy" in stdout
+        return
+    assert (routing["qmoe.routing.score"], routing["qmoe.routing.normalize"]) == want
+    scale = float(routing["qmoe.routing.scale"])
+    assert scale == keys.get("expert_weights_scale", 1.0)
+    # Un-normalised softmax top-k, scaled: the bank routes as the family does.
+    x = np.random.default_rng(8).standard_normal((4, H)).astype(np.float32)
+    logits = x.astype(np.float64) @ src[0]["router"].T.astype(np.float64)
+
+    def route(tok):
+        p = np.exp(logits[tok] - logits[tok].max())
+        p /= p.sum()
+        sel = np.argsort(-p, kind="stable")[:K]
+        return list(zip(sel, p[sel] * scale))
+    want_y = moe_reference(x.astype(np.float64), src[0], route)
+    got = run_bank(tmp_path, out, 0, x)
+    assert np.linalg.norm(got - want_y) / np.linalg.norm(want_y) < 1e-5
+
+
+def test_custom_alignment_is_honoured(tmp_path):
+    gpath = tmp_path / "m.gguf"
+    rng = np.random.default_rng(2)
+    w = gguf.GGUFWriter(str(gpath), "qwen3moe")
+    w.add_custom_alignment(256)
+    w.add_block_count(1)
+    w.add_expert_count(E)
+    w.add_expert_used_count(K)
+    src = {}
+    for name, rows, cols in (("gate", I, H), ("up", I, H), ("down", H, I)):
+        raw, src[name] = make_matrix(rng, Q.Q4_0, rows, cols)
+        w.add_tensor(f"blk.0.ffn_{name}_exps.weight", raw, raw_dtype=Q.Q4_0)
+    w.add_tensor("blk.0.ffn_gate_inp.weight", rng.standard_normal((E, H)).astype(np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    out, _ = import_ok(tmp_path, gpath)
+    t, meta = load_bank(out)
+    for name, fc in FC.items():
+        assert np.array_equal(bank_matrix(t, meta, 0, fc).view(np.uint32),
+                              src[name].view(np.uint32))
