@@ -819,6 +819,10 @@ int qmb_import_gguf(int argc, char **argv)
     }
     goto done;
 fail:
+    /* Names come from the file: keep the one line printable. */
+    for (char *p = st.msg; *p; p++)
+        if ((unsigned char)*p < 0x20 || (unsigned char)*p >= 0x7f)
+            *p = '?';
     fprintf(stderr, "qmoe-bank import gguf: %s: %s\n", j.in_path,
             st.msg[0] ? st.msg : qm_strerror(rc));
     ret = rc == QM_EINVALID_MODEL || rc == QM_EINVAL ? QMB_USAGE : QMB_FAIL;
