@@ -37,7 +37,7 @@ E_TIMEOUT = -5
 E_IO = -6
 E_PROTO = -7
 
-_DTYPE_SIZE = {"f32": 4, "f16": 2, "bf16": 2}
+_DTYPE_SIZE = {"f32": 4, "f16": 2, "bf16": 2, "i32": 4}
 _MAX_RESPONSE = 1 << 31
 
 
@@ -59,14 +59,14 @@ class DaemonNotRunning(QmoeError):
 
 
 class Tensor:
-    """A tensor as the wire carries it: dtype ("f32", "f16", "bf16"), shape
-    and little-endian row-major bytes."""
+    """A tensor as the wire carries it: dtype ("f32", "f16", "bf16", or "i32"
+    for topk_ids), shape and little-endian row-major bytes."""
 
     __slots__ = ("dtype", "shape", "data")
 
     def __init__(self, dtype, shape, data):
         if dtype not in _DTYPE_SIZE:
-            raise ValueError("dtype must be f32, f16 or bf16, not %r" % (dtype,))
+            raise ValueError("dtype must be f32, f16, bf16 or i32, not %r" % (dtype,))
         shape = tuple(int(d) for d in shape)
         n = _DTYPE_SIZE[dtype]
         for d in shape:
@@ -85,7 +85,7 @@ class Tensor:
         if self.dtype == "bf16":
             u = _np.frombuffer(self.data, dtype="<u2").astype(_np.uint32) << 16
             return u.view(_np.float32).reshape(self.shape)
-        dt = "<f4" if self.dtype == "f32" else "<f2"
+        dt = {"f32": "<f4", "f16": "<f2", "i32": "<i4"}[self.dtype]
         return _np.frombuffer(self.data, dtype=dt).reshape(self.shape).copy()
 
     def __repr__(self):
@@ -93,7 +93,8 @@ class Tensor:
 
 
 def encode_tensor(x, dtype=None):
-    """A numpy array (float32/float16) or Tensor as the protocol's tensor object."""
+    """A numpy array (float32/float16, int32 for topk_ids) or Tensor as the
+    protocol's tensor object."""
     if isinstance(x, Tensor):
         t = x
     elif _np is not None and isinstance(x, _np.ndarray):
@@ -101,8 +102,10 @@ def encode_tensor(x, dtype=None):
             dt = "f32"
         elif x.dtype == _np.float16:
             dt = "f16"
+        elif x.dtype == _np.int32:
+            dt = "i32"
         else:
-            raise ValueError("tensors must be float32 or float16 arrays, not %s" % x.dtype)
+            raise ValueError("tensors must be float32, float16 or int32 arrays, not %s" % x.dtype)
         arr = _np.ascontiguousarray(x, dtype=x.dtype.newbyteorder("<"))
         t = Tensor(dt, arr.shape, arr.tobytes())
     else:
@@ -325,10 +328,22 @@ class Client:
     def plan(self, session):
         return self.call("session.plan", {"session": session})
 
-    def infer(self, session, layer, hidden, router_logits=None, return_routing=False):
+    def infer(self, session, layer, hidden, router_logits=None, return_routing=False,
+              topk_ids=None, topk_weights=None):
+        """One MoE layer. Routing: the bank's router (nothing given),
+        `router_logits` [T, E], or the engine's own choice: `topk_ids` (int32
+        [T, k'], -1 = no route) with `topk_weights` (float [T, k']), used
+        exactly as given (PROTOCOL.md "Routing supplied by the engine")."""
+        if (topk_ids is None) != (topk_weights is None):
+            raise ValueError("topk_ids and topk_weights go together")
         p = {"session": session, "layer": int(layer), "hidden": encode_tensor(hidden)}
         if router_logits is not None:
             p["router_logits"] = encode_tensor(router_logits)
+        if topk_ids is not None:
+            if _np is not None and not isinstance(topk_ids, (Tensor, _np.ndarray)):
+                topk_ids = _np.asarray(topk_ids, dtype=_np.int32)
+            p["topk_ids"] = encode_tensor(topk_ids, "i32")
+            p["topk_weights"] = encode_tensor(topk_weights)
         if return_routing:
             p["return_routing"] = True
         r = self.call("session.infer", p)
