@@ -508,15 +508,18 @@ static int qm__routing(const qm_cval *routing, qm_client_infer_result *out)
     return 0;
 }
 
-int qm_client_session_infer(qm_client *c, const char *session, uint64_t layer,
-                            const qm_client_tensor *hidden,
-                            const qm_client_tensor *router_logits, int return_routing,
-                            qm_client_infer_result *out, qm_client_error *err)
+static int qm__infer(qm_client *c, const char *session, uint64_t layer,
+                     const qm_client_tensor *hidden, const qm_client_tensor *router_logits,
+                     const qm_client_tensor *topk_ids, const qm_client_tensor *topk_weights,
+                     int return_routing, qm_client_infer_result *out, qm_client_error *err)
 {
     qm_cval *r = NULL;
     memset(out, 0, sizeof(*out));
     if (!session || !hidden)
         return qm__client_fail(err, QM_CLIENT_EINVAL, "session.infer needs a session and hidden");
+    if (!topk_ids != !topk_weights)
+        return qm__client_fail(err, QM_CLIENT_EINVAL,
+                               "session.infer takes topk_ids and topk_weights together");
     qm_cval *p = qm__with_num(qm__with_str(qm__params(), "session", session), "layer",
                               (double)layer);
     if (!p)
@@ -524,6 +527,10 @@ int qm_client_session_infer(qm_client *c, const char *session, uint64_t layer,
     int rc = qm__tensor_param(p, "hidden", hidden, err);
     if (rc == 0 && router_logits)
         rc = qm__tensor_param(p, "router_logits", router_logits, err);
+    if (rc == 0 && topk_ids)
+        rc = qm__tensor_param(p, "topk_ids", topk_ids, err);
+    if (rc == 0 && topk_weights)
+        rc = qm__tensor_param(p, "topk_weights", topk_weights, err);
     if (rc == 0 && return_routing && qm_cval_append(p, "return_routing", qm_cval_new_bool(1)) < 0)
         rc = QM__NOMEM(err);
     if (rc < 0) {
@@ -561,6 +568,25 @@ fail:
     qm_client_infer_result_free(out);
     qm_cval_free(r);
     return rc;
+}
+
+int qm_client_session_infer(qm_client *c, const char *session, uint64_t layer,
+                            const qm_client_tensor *hidden,
+                            const qm_client_tensor *router_logits, int return_routing,
+                            qm_client_infer_result *out, qm_client_error *err)
+{
+    return qm__infer(c, session, layer, hidden, router_logits, NULL, NULL, return_routing, out,
+                     err);
+}
+
+int qm_client_session_infer_routed(qm_client *c, const char *session, uint64_t layer,
+                                   const qm_client_tensor *hidden,
+                                   const qm_client_tensor *topk_ids,
+                                   const qm_client_tensor *topk_weights, int return_routing,
+                                   qm_client_infer_result *out, qm_client_error *err)
+{
+    return qm__infer(c, session, layer, hidden, NULL, topk_ids, topk_weights, return_routing, out,
+                     err);
 }
 
 /* ---------- telemetry ---------- */

@@ -157,6 +157,7 @@ typedef enum qm_client_dtype {
     QM_CLIENT_F32 = 0,
     QM_CLIENT_F16 = 1,
     QM_CLIENT_BF16 = 2,
+    QM_CLIENT_I32 = 3, /* topk_ids only */
 } qm_client_dtype;
 
 #define QM_CLIENT_MAX_DIMS 8
@@ -187,6 +188,16 @@ int qm_client_session_infer(qm_client *c, const char *session, uint64_t layer,
                             const qm_client_tensor *router_logits, int return_routing,
                             qm_client_infer_result *out, qm_client_error *err);
 void qm_client_infer_result_free(qm_client_infer_result *r); /* members only */
+
+/* Routing supplied by the engine (PROTOCOL.md): topk_ids (QM_CLIENT_I32
+ * [T, k'], -1 = no route) and topk_weights (f32/f16/bf16 [T, k']) are used
+ * exactly as given, with no router_logits. Both or neither; NULL for both is
+ * qm_client_session_infer. */
+int qm_client_session_infer_routed(qm_client *c, const char *session, uint64_t layer,
+                                   const qm_client_tensor *hidden,
+                                   const qm_client_tensor *topk_ids,
+                                   const qm_client_tensor *topk_weights, int return_routing,
+                                   qm_client_infer_result *out, qm_client_error *err);
 
 /* ---- shared-memory tensors (zero copy) ----
  * A map is a sealed memfd this process creates and maps, handed to qmoed by

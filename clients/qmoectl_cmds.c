@@ -397,6 +397,7 @@ static int cmd_infer(qm_client *c, const qmoectl_args *a)
 {
     const char *layer_s = qmoectl_opt(a, "--layer"), *hid = qmoectl_opt(a, "--hidden"),
                *logits = qmoectl_opt(a, "--logits"), *outp = qmoectl_opt(a, "--out");
+    const char *ids_p = qmoectl_opt(a, "--topk-ids"), *wts_p = qmoectl_opt(a, "--topk-weights");
     int routing = qmoectl_opt(a, "--routing") != NULL;
     if (!layer_s || !hid || !outp)
         return qmoectl_usage_error("infer needs --layer N, --hidden X.npy and --out Y.npy");
@@ -404,19 +405,27 @@ static int cmd_infer(qm_client *c, const qmoectl_args *a)
     unsigned long long layer = strtoull(layer_s, &end, 10);
     if (end == layer_s || *end || layer_s[0] == '-')
         return qmoectl_usage_error("--layer takes a layer index, not '%.32s'", layer_s);
-    qm_client_tensor h = {0}, r = {0};
+    qm_client_tensor h = {0}, r = {0}, ids = {0}, wts = {0};
     char msg[512];
     int rc = QMOECTL_FAILED;
-    if (qmoectl_npy_read(hid, &h, msg, sizeof(msg)) < 0)
-        return qmoectl_error("%s", msg);
-    if (logits && qmoectl_npy_read(logits, &r, msg, sizeof(msg)) < 0) {
-        qmoectl_npy_free(&h);
-        return qmoectl_error("%s", msg);
-    }
     qm_client_infer_result res;
     qm_client_error err;
-    if (qm_client_session_infer(c, a->pos[0], layer, &h, logits ? &r : NULL, routing, &res,
-                                &err) < 0) {
+    if (qmoectl_npy_read(hid, &h, msg, sizeof(msg)) < 0 ||
+        (logits && qmoectl_npy_read(logits, &r, msg, sizeof(msg)) < 0) ||
+        (ids_p && qmoectl_npy_read(ids_p, &ids, msg, sizeof(msg)) < 0) ||
+        (wts_p && qmoectl_npy_read(wts_p, &wts, msg, sizeof(msg)) < 0)) {
+        rc = qmoectl_error("%s", msg);
+        goto out;
+    }
+    if (ids_p && ids.dtype != QM_CLIENT_I32) {
+        rc = qmoectl_usage_error("--topk-ids takes an int32 array ('<i4'), not %s", ids_p);
+        goto out;
+    }
+    int irc = ids_p ? qm_client_session_infer_routed(c, a->pos[0], layer, &h, &ids, &wts,
+                                                     routing, &res, &err)
+                    : qm_client_session_infer(c, a->pos[0], layer, &h, logits ? &r : NULL,
+                                              routing, &res, &err);
+    if (irc < 0) {
         rc = qmoectl_fail(&err);
         goto out;
     }
@@ -429,7 +438,7 @@ static int cmd_infer(qm_client *c, const qmoectl_args *a)
     for (int i = 0; i < res.output.ndim && o < sizeof(shape); i++)
         o += (size_t)snprintf(shape + o, sizeof(shape) - o, "%s%llu", i ? "," : "",
                               (unsigned long long)res.output.shape[i]);
-    static const char *dn[] = {"f32", "f16", "bf16"};
+    static const char *dn[] = {"f32", "f16", "bf16", "i32"};
     if (a->json) {
         /* The raw result, with the output tensor's data replaced by the file it went to. */
         char qo[4200];
@@ -474,6 +483,8 @@ out_res:
 out:
     qmoectl_npy_free(&h);
     qmoectl_npy_free(&r);
+    qmoectl_npy_free(&ids);
+    qmoectl_npy_free(&wts);
     return rc;
 }
 
@@ -519,6 +530,10 @@ static int check_infer(const qmoectl_args *a)
     char *end = NULL;
     if (!layer_s || !qmoectl_opt(a, "--hidden") || !qmoectl_opt(a, "--out"))
         return qmoectl_usage_error("infer needs --layer N, --hidden X.npy and --out Y.npy");
+    if (!qmoectl_opt(a, "--topk-ids") != !qmoectl_opt(a, "--topk-weights"))
+        return qmoectl_usage_error("--topk-ids and --topk-weights go together");
+    if (qmoectl_opt(a, "--topk-ids") && qmoectl_opt(a, "--logits"))
+        return qmoectl_usage_error("--logits cannot be combined with --topk-ids/--topk-weights");
     strtoull(layer_s, &end, 10);
     if (end == layer_s || *end || layer_s[0] == '-')
         return qmoectl_usage_error("--layer takes a layer index, not '%.32s'", layer_s);
@@ -575,12 +590,18 @@ const qmoectl_cmd qmoectl_cmds[] = {
      "  --session SESSION only that session's spans",
      "--limit= --session=", 0, 0, cmd_trace, check_trace},
     {"metrics", "", "Print Prometheus metrics (text exposition format).", "", 0, 0, cmd_metrics, NULL},
-    {"infer", "SESSION --layer N --hidden X.npy [--logits R.npy] --out Y.npy [--routing]",
+    {"infer",
+     "SESSION --layer N --hidden X.npy [--logits R.npy | --topk-ids I.npy --topk-weights W.npy] "
+     "--out Y.npy [--routing]",
      "Run one MoE layer on a session.\n"
      "Hidden states come from X.npy ([T, H], f32 or f16), optional router logits\n"
      "from R.npy ([T, E]); the output goes to Y.npy.\n"
+     "  --topk-ids I.npy, --topk-weights W.npy\n"
+     "              routing chosen by the engine: int32 expert ids [T, k'] (-1 = no\n"
+     "              route) and their weights (f32/f16), used exactly as given\n"
      "  --routing   also print the experts and weights chosen per token",
-     "--layer= --hidden= --logits= --out= --routing", 1, 1, cmd_infer, check_infer},
+     "--layer= --hidden= --logits= --topk-ids= --topk-weights= --out= --routing", 1, 1, cmd_infer,
+     check_infer},
     {"shutdown", "", "Drain and stop the daemon (admin), as SIGTERM does.", "", 0, 0,
      cmd_shutdown, NULL},
     {NULL, NULL, NULL, NULL, 0, 0, NULL, NULL},

@@ -1,6 +1,7 @@
 /* qmoectl_npy.c - .npy files for `qmoectl infer`, through protocol/'s
  * validating reader and writer (qm_npy.h). f32 and f16 map to the wire
- * dtypes of the same name; '<u2' arrays travel as bf16 bits. */
+ * dtypes of the same name; '<u2' arrays travel as bf16 bits,
+ * '<i4' as i32 (topk_ids). */
 #include <string.h>
 
 #include "qm_alloc.h"
@@ -22,8 +23,9 @@ int qmoectl_npy_read(const char *path, qm_client_tensor *t, char *msg, size_t ca
         qm_npy_free(&npy);
         return -1;
     }
-    t->dtype = npy.dtype == QM_NPY_F32 ? QM_CLIENT_F32
+    t->dtype = npy.dtype == QM_NPY_F32   ? QM_CLIENT_F32
                : npy.dtype == QM_NPY_F16 ? QM_CLIENT_F16
+               : npy.dtype == QM_NPY_I32 ? QM_CLIENT_I32
                                          : QM_CLIENT_BF16;
     t->ndim = (int)npy.ndim;
     memcpy(t->shape, npy.shape, sizeof(uint64_t) * npy.ndim);
@@ -35,8 +37,9 @@ int qmoectl_npy_read(const char *path, qm_client_tensor *t, char *msg, size_t ca
 int qmoectl_npy_write(const char *path, const qm_client_tensor *t, char *msg, size_t cap)
 {
     qm_status st = {0};
-    qm_npy_dtype dt = t->dtype == QM_CLIENT_F32 ? QM_NPY_F32
+    qm_npy_dtype dt = t->dtype == QM_CLIENT_F32   ? QM_NPY_F32
                       : t->dtype == QM_CLIENT_F16 ? QM_NPY_F16
+                      : t->dtype == QM_CLIENT_I32 ? QM_NPY_I32
                                                   : QM_NPY_U16;
     if (qm_npy_write(path, dt, t->shape, (uint32_t)t->ndim, t->data, &st) < 0) {
         snprintf(msg, cap, "%s: %s", path, st.msg);

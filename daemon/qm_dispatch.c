@@ -508,6 +508,16 @@ static int check_infer(const qm_session *s, const qm_params *p, qm_status *st)
                                    (unsigned long long)p->hidden.shape[1], cfg->hidden);
     if (p->hidden.shape[0] > UINT32_MAX)
         return qm_status_set_field(st, QM_EINVAL, "hidden.shape", "too many tokens");
+    if (p->has_topk) {
+        /* Routing supplied by the engine: checked here so a bad id is the
+         * request's -32602, not a worker's failure. */
+        if (p->topk_ids.shape[1] > cfg->experts)
+            return qm_status_set_field(st, QM_EINVAL, "topk_ids",
+                                       "topk_ids has %llu columns but the model has %u experts",
+                                       (unsigned long long)p->topk_ids.shape[1], cfg->experts);
+        return qm_moe_topk_check(p->topk_ids.data, (uint32_t)p->hidden.shape[0], cfg->experts,
+                                 (uint32_t)p->topk_ids.shape[1], st);
+    }
     if (p->has_router_logits) {
         if (p->router_logits.shape[1] != cfg->experts)
             return qm_status_set_field(st, QM_EINVAL, "router_logits.shape",

@@ -18,7 +18,8 @@ static qm_dtype dtype_of(qm_wire_dtype t)
     return t == QM_WIRE_F16 ? QM_DTYPE_F16 : t == QM_WIRE_BF16 ? QM_DTYPE_BF16 : QM_DTYPE_F32;
 }
 
-/* Router logits arrive in any wire dtype; the engine wants f32. */
+/* Router logits and topk weights arrive in any float wire dtype; the engine
+ * wants f32 (every f16/bf16 value is exact in f32). */
 static float *logits_f32(const qm_tensor *t)
 {
     size_t n = (size_t)(t->shape[0] * t->shape[1]);
@@ -55,20 +56,23 @@ void qm_job_run(qm_job *job)
         return;
     }
     const qm_bank_config *cfg = qm_bank_get_config(s->model->bank);
-    uint32_t T = (uint32_t)p->hidden.shape[0], H = cfg->hidden, k = cfg->k;
+    uint32_t T = (uint32_t)p->hidden.shape[0], H = cfg->hidden;
+    uint32_t k = p->has_topk ? (uint32_t)p->topk_ids.shape[1] : cfg->k;
     size_t out_bytes = (size_t)T * H * qm_wire_dtype_size(p->hidden.dtype);
     /* output_to: straight into the client's map, unless the region overlaps
      * an input the layer is still reading (then aside, and copied). */
     int direct = job->maps.output && !job->maps.output_overlaps;
     void *output = direct ? job->maps.output : qm_malloc(out_bytes ? out_bytes : 1);
     float *logits = p->has_router_logits ? logits_f32(&p->router_logits) : NULL;
+    float *topk_w = p->has_topk ? logits_f32(&p->topk_weights) : NULL;
     /* Routes are always kept: the loop feeds them to the model's hotness
      * profile when the job is done. */
     uint32_t *rexp = qm_malloc((size_t)T * k * sizeof *rexp + 4);
     float *rw = qm_malloc((size_t)T * k * sizeof *rw + 4);
     job->route_experts = rexp;
     job->n_routes = (size_t)T * k;
-    if (!output || (p->has_router_logits && !logits) || !rexp || !rw) {
+    if (!output || (p->has_router_logits && !logits) || (p->has_topk && !topk_w) || !rexp ||
+        !rw) {
         job->rc = qm_status_set(&job->st, QM_ENOMEM, "out of memory for %u tokens", T);
         goto free_buffers;
     }
@@ -81,7 +85,10 @@ void qm_job_run(qm_job *job)
                         .logits = logits,
                         .output = output,
                         .route_experts = rexp,
-                        .route_weights = rw};
+                        .route_weights = rw,
+                        .topk_ids = p->has_topk ? p->topk_ids.data : NULL,
+                        .topk_weights = topk_w,
+                        .topk_k = k};
     /* A bank file truncated on disk fails the request before it reads the
      * mapping, and after it when the truncation raced it (qm_sigbus.c). */
     job->rc = qm_model_check(s->model, &job->st);
@@ -146,6 +153,7 @@ free_buffers:
     if (!direct)
         qm_free(output);
     qm_free(logits);
+    qm_free(topk_w);
     qm_free(rw);
 }
 

@@ -221,7 +221,7 @@ static int resolve_tensor(qm_session *s, qm_tensor *t, const char *name, qm_map_
     int rc = region(s, t->map, t->offset, t->nbytes, name, refs, &p, st);
     if (rc < 0)
         return rc;
-    if (qm_wire_dtype_size(t->dtype) == 4 && t->dtype != QM_WIRE_F32) {
+    if (t->dtype == QM_WIRE_I32) {
         /* Integer inputs are validated before the job runs: a snapshot, so
          * the client cannot change them between the check and the use. */
         void *copy = qm_malloc(t->nbytes ? (size_t)t->nbytes : 1);
@@ -252,7 +252,9 @@ int qm_shm_resolve(qm_session *s, qm_params *p, uint64_t out_bytes, qm_map_refs 
         qm_tensor *t;
         const char *name;
     } inputs[] = {{&p->hidden, "hidden"},
-                  {p->has_router_logits ? &p->router_logits : NULL, "router_logits"}};
+                  {p->has_router_logits ? &p->router_logits : NULL, "router_logits"},
+                  {p->has_topk ? &p->topk_ids : NULL, "topk_ids"},
+                  {p->has_topk ? &p->topk_weights : NULL, "topk_weights"}};
     size_t n_inputs = sizeof inputs / sizeof inputs[0];
     int rc = 0;
     for (size_t i = 0; i < n_inputs && rc == 0; i++)

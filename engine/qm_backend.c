@@ -161,7 +161,10 @@ int qm__backend_route(qm_backend *be, const qm_route_request *rq, qm_routed_pass
                       qm_status *st)
 {
     pass->backend_pass = NULL;
-    if (be->iface->route) {
+    /* A backend's routing knows the legacy rule only: banks with routing
+     * keys and routing supplied by the engine are routed on the host. */
+    int host_rule = rq->topk_ids || rq->config->routing.score != QM_ROUTE_SCORE_LEGACY;
+    if (be->iface->route && !host_rule) {
         qm_status declined = {0};
         int rc = be->iface->route(be->ctx, rq, &pass->backend_pass, &declined);
         if (rc == 0 && pass->backend_pass)

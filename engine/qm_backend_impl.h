@@ -35,6 +35,11 @@ typedef struct qm_route_request {
     uint32_t *counts;           /* out [E]: routes per expert (dropped ones not counted) */
     qm_dtype act_dtype;         /* the call's activation dtype (x is f32 here whatever it is):
                                  * a backend may compute in it (CUDA: tensor cores for f16/bf16) */
+    /* Routing supplied by the engine, or NULL: ids [T, k] (-1 = no route)
+     * and f32 weights [T, k], used exactly as given. */
+    const int32_t *topk_ids;
+    const float *topk_weights;
+    uint32_t k; /* routes per token: the supplied k'; 0 = config->k */
 } qm_route_request;
 
 /* The state of the host's routing (the default route/run_routed/combine):

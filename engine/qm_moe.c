@@ -80,6 +80,11 @@ int qm_moe_router_logits(const qm_bank_config *cfg, const qm_layer_view *layer, 
     return 0;
 }
 
+uint32_t qm_moe_call_k(const qm_bank_config *cfg, const qm_moe_call *call)
+{
+    return call && call->topk_ids ? call->topk_k : cfg->k;
+}
+
 uint64_t qm__expert_slice(const qm_tensor_view *tv, uint32_t n_experts)
 {
     return tv->present && n_experts ? tv->nbytes / n_experts : 0;
@@ -273,19 +278,32 @@ int qm__host_route(qm__host_pass *hp, const qm_route_request *rq, qm_status *st)
         return qm_status_set(st, QM_EUNSUPPORTED, "no host routing state for this call");
     hp->experts = NULL;
     const qm_bank_config *cfg = rq->config;
-    const uint32_t T = rq->n_tokens, E = cfg->experts, k = cfg->k;
-    qm__dims d = {.T = T, .E = E, .k = k, .H = cfg->hidden, .need_logits = !rq->logits};
+    const uint32_t T = rq->n_tokens, E = cfg->experts, k = rq->k ? rq->k : cfg->k;
+    qm__dims d = {.T = T, .E = E, .k = k, .H = cfg->hidden,
+                  .need_logits = !rq->logits && !rq->topk_ids};
     int rc = qm__block_carve(&hp->block, qm__layout_host, &d, hp, st);
     if (rc < 0)
         return rc;
-    const float *logits = rq->logits;
-    if (!logits) {
-        rc = qm_moe_router_logits(cfg, rq->layer, rq->x, T, hp->logits, st);
+    if (rq->topk_ids) {
+        /* The engine's own routing, used exactly as given. */
+        rc = qm_moe_route_supplied(rq->topk_ids, rq->topk_weights, T, E, k, rq->experts,
+                                   rq->weights, st);
         if (rc < 0)
             return rc;
-        logits = hp->logits;
+    } else {
+        const float *logits = rq->logits;
+        if (!logits) {
+            rc = qm_moe_router_logits(cfg, rq->layer, rq->x, T, hp->logits, st);
+            if (rc < 0)
+                return rc;
+            logits = hp->logits;
+        }
+        if (cfg->routing.score == QM_ROUTE_SCORE_LEGACY)
+            qm_moe_route(logits, T, E, k, rq->experts, rq->weights);
+        else if ((rc = qm_moe_route_layer(cfg, rq->layer, logits, T, rq->experts, rq->weights,
+                                          st)) < 0)
+            return rc;
     }
-    qm_moe_route(logits, T, E, k, rq->experts, rq->weights);
 
     /* Group the routes by expert, tokens ascending within an expert. */
     const size_t TK = (size_t)T * k;
@@ -465,7 +483,8 @@ static int qm__forward(qm_backend *be, const qm_bank_config *cfg, const qm_layer
                        const qm_moe_call *call, qm_expert_source *source, qm__moe_scratch *s,
                        qm_moe_stats *stats, qm_status *st)
 {
-    const uint32_t T = call->n_tokens, E = cfg->experts, k = cfg->k, H = cfg->hidden;
+    const uint32_t T = call->n_tokens, E = cfg->experts, k = qm_moe_call_k(cfg, call),
+                   H = cfg->hidden;
     const size_t TH = (size_t)T * H;
     qm__dims d = {.T = T, .E = E, .k = k, .H = H, .need_logits = !call->logits};
     qm__call_buffers b;
@@ -485,7 +504,10 @@ static int qm__forward(qm_backend *be, const qm_bank_config *cfg, const qm_layer
                            .experts = route_e,
                            .weights = route_w,
                            .counts = b.counts,
-                           .act_dtype = call->dtype};
+                           .act_dtype = call->dtype,
+                           .topk_ids = call->topk_ids,
+                           .topk_weights = call->topk_weights,
+                           .k = k};
     qm_routed_pass pass = {.host = &s->host};
     rc = qm__backend_route(be, &rq, &pass, st);
     if (rc < 0)
@@ -528,14 +550,22 @@ int qm__moe_forward_layer(qm_backend *be, const qm_bank_config *cfg, const qm_la
     if (call->dtype != QM_DTYPE_F32 && call->dtype != QM_DTYPE_F16 &&
         call->dtype != QM_DTYPE_BF16)
         return qm_status_set(st, QM_EINVAL, "hidden dtype must be f32, f16 or bf16");
+    const uint32_t k = qm_moe_call_k(cfg, call);
     if (call->n_tokens == 0)
         return 0; /* an empty batch is an empty result */
     if (!call->hidden || !call->output)
         return qm_status_set(st, QM_EINVAL, "forward: hidden or output missing");
-    if (cfg->k == 0 || cfg->k > cfg->experts)
-        return qm_status_set(st, QM_EINVAL, "k = %u with %u experts", cfg->k, cfg->experts);
+    if (call->topk_ids && (k == 0 || k > cfg->experts))
+        return qm_status_set_field(st, QM_EINVAL, "topk_ids",
+                                   "topk_ids has %u columns but it must have 1..%u (experts)", k,
+                                   cfg->experts);
+    if (k == 0 || k > cfg->experts)
+        return qm_status_set(st, QM_EINVAL, "k = %u with %u experts", k, cfg->experts);
+    if (call->topk_ids && !call->topk_weights)
+        return qm_status_set_field(st, QM_EINVAL, "topk_weights",
+                                   "topk_ids given without topk_weights");
     /* Refused before any backend is asked. */
-    if (!call->logits && !layer->t[QM_T_ROUTER_WEIGHT].present)
+    if (!call->topk_ids && !call->logits && !layer->t[QM_T_ROUTER_WEIGHT].present)
         return qm_status_set(st, QM_EINVAL, "layer %u has no router weight: pass router_logits",
                              layer->index);
     if (scratch)

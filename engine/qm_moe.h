@@ -22,6 +22,30 @@
 void qm_moe_route(const float *logits, uint32_t n_tokens, uint32_t n_experts, uint32_t k,
                   uint32_t *experts, float *weights);
 
+/* Routing by `rule` (the bank's qmoe.routing.* keys): the legacy rule above
+ * when rule->score is LEGACY (bitwise the same), else the family rule of
+ * BANK_FORMAT.md (score, correction bias for selection, groups, normalise,
+ * scale; no drop threshold). correction_bias: [E] f32 or NULL. QM_ENOMEM
+ * (scratch of O(E) per call) or QM_EINVAL for k outside 1..E. */
+int qm_moe_route_rule(const qm_routing_rule *rule, const float *correction_bias,
+                      const float *logits, uint32_t n_tokens, uint32_t n_experts, uint32_t k,
+                      uint32_t *experts, float *weights, qm_status *st);
+/* The same with a layer's rule, k and correction bias. */
+int qm_moe_route_layer(const qm_bank_config *cfg, const qm_layer_view *layer,
+                       const float *logits, uint32_t n_tokens, uint32_t *experts, float *weights,
+                       qm_status *st);
+/* Routing supplied by the engine (PROTOCOL.md): ids [T, k] (-1 = no route)
+ * and weights [T, k] used as given; -1 becomes QM_ROUTE_DROPPED with weight
+ * 0. QM_EINVAL with field "topk_ids" for k outside 1..E, an id outside
+ * [-1, E) or an id repeated in a row. */
+/* The checks of qm_moe_route_supplied alone (the daemon runs them before
+ * queueing a request). */
+int qm_moe_topk_check(const int32_t *ids, uint32_t n_tokens, uint32_t n_experts, uint32_t k,
+                      qm_status *st);
+int qm_moe_route_supplied(const int32_t *ids, const float *w, uint32_t n_tokens,
+                          uint32_t n_experts, uint32_t k, uint32_t *experts, float *weights,
+                          qm_status *st);
+
 /* logits = x . router_w^T + router_b for a layer that has a router weight.
  * QM_EINVAL with a message when the layer has none. x: [T, H] f32. */
 int qm_moe_router_logits(const qm_bank_config *cfg, const qm_layer_view *layer, const float *x,
@@ -59,9 +83,18 @@ typedef struct qm_moe_call {
     uint32_t n_tokens;    /* T; 0 gives an empty result */
     const float *logits;  /* [T, E] f32, or NULL to use the bank's router */
     void *output;         /* [T, H] in dtype */
-    uint32_t *route_experts; /* optional [T, k] out */
+    uint32_t *route_experts; /* optional [T, k] out (k = topk_k with supplied routing) */
     float *route_weights;    /* optional [T, k] out */
+    /* Routing supplied by the engine, or NULL: ids [T, topk_k] (-1 = no
+     * route) and f32 weights [T, topk_k], used exactly as given; logits is
+     * then ignored. Routed on the host whatever the backend. */
+    const int32_t *topk_ids;
+    const float *topk_weights;
+    uint32_t topk_k;
 } qm_moe_call;
+
+/* Routes per token of `call`: topk_k with supplied routing, else qmoe.k. */
+uint32_t qm_moe_call_k(const qm_bank_config *cfg, const qm_moe_call *call);
 
 /* Runs one layer: route -> group -> waves -> combine. Its scratch (bounded
  * by about T*k*H floats) is allocated and freed per call; a session's pager

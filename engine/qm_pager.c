@@ -729,7 +729,8 @@ int qm_pager_forward(qm_pager *p, const qm_moe_call *call, qm_moe_stats *mstats,
     if (!p || !call)
         return qm_status_set(st, QM_EINVAL, "qm_pager_forward: NULL argument");
     qm_moe_call c = *call;
-    size_t need = (size_t)call->n_tokens * p->cfg->k;
+    uint32_t route_k = qm_moe_call_k(p->cfg, call);
+    size_t need = (size_t)call->n_tokens * route_k;
     if (!c.route_experts && need) {
         if (need > p->route_cap) {
             uint32_t *b = qm_realloc(p->route_buf, need * sizeof *b);
@@ -745,7 +746,7 @@ int qm_pager_forward(qm_pager *p, const qm_moe_call *call, qm_moe_stats *mstats,
         return rc;
     qm__pager_history_record(p, call->layer, c.route_experts, need);
     if (p->trace)
-        qm__pager_trace_record(p, call->layer, c.route_experts, call->n_tokens);
+        qm__pager_trace_record(p, call->layer, c.route_experts, call->n_tokens, route_k);
     qm__pager_prefetch_next(p, call);
     return 0;
 }

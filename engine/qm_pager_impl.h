@@ -140,7 +140,8 @@ struct qm_pager {
 };
 
 /* qm_pager_trace.c */
-void qm__pager_trace_record(qm_pager *p, uint32_t layer, const uint32_t *route, uint32_t tokens);
+void qm__pager_trace_record(qm_pager *p, uint32_t layer, const uint32_t *route, uint32_t tokens,
+                            uint32_t route_k); /* route: [tokens, route_k] */
 void qm__pager_trace_close(qm_pager *p);
 
 /* qm_pager_copy.c */

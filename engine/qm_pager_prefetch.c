@@ -165,7 +165,9 @@ static size_t qm__predict_router(qm_pager *p, const qm_moe_call *call, uint32_t 
     qm_status tmp;
     if (qm_moe_router_logits(cfg, L->view, x, T, p->pred_logits, &tmp))
         return n_list;
-    qm_moe_route(p->pred_logits, T, (uint32_t)E, (uint32_t)K, p->pred_experts, p->pred_weights);
+    if (qm_moe_route_layer(cfg, L->view, p->pred_logits, T, p->pred_experts, p->pred_weights,
+                           &tmp))
+        return n_list;
     for (size_t i = 0; i < (size_t)T * K && n_list < cap; i++) {
         uint32_t e = p->pred_experts[i];
         if (e >= E || L->mark[e])
@@ -215,7 +217,7 @@ void qm__pager_prefetch_next(qm_pager *p, const qm_moe_call *call)
             return;
         }
     }
-    size_t need = (size_t)call->n_tokens * p->cfg->k;
+    size_t need = (size_t)call->n_tokens * qm_moe_call_k(p->cfg, call);
     size_t cap = p->opt.max_prefetch ? p->opt.max_prefetch : 2 * need;
     if (cap > N->n_experts)
         cap = N->n_experts;

@@ -144,7 +144,8 @@ static int qm__trace_grow(qm__trace *t, uint32_t layers, uint32_t k)
     return 0;
 }
 
-void qm__pager_trace_record(qm_pager *p, uint32_t layer, const uint32_t *route, uint32_t tokens)
+void qm__pager_trace_record(qm_pager *p, uint32_t layer, const uint32_t *route, uint32_t tokens,
+                            uint32_t route_k)
 {
     qm__trace *t = p->trace;
     uint32_t k = p->cfg->k, L = p->n_layers;
@@ -158,10 +159,16 @@ void qm__pager_trace_record(qm_pager *p, uint32_t layer, const uint32_t *route, 
             }
         }
         int16_t *row = t->rows[layer] + (size_t)((t->head[layer] + t->len[layer]) % t->cap) * k;
-        for (uint32_t j = 0; j < k; j++) {
-            uint32_t e = route[(size_t)r * k + j];
-            row[j] = e < p->cfg->experts ? (int16_t)e : (int16_t)-1;
+        /* A row holds the file's k ids: routing supplied with another width
+         * keeps its first k routed ids, padded with -1. */
+        uint32_t n = 0;
+        for (uint32_t j = 0; j < route_k && n < k; j++) {
+            uint32_t e = route[(size_t)r * route_k + j];
+            if (e < p->cfg->experts || route_k == k)
+                row[n++] = e < p->cfg->experts ? (int16_t)e : (int16_t)-1;
         }
+        while (n < k)
+            row[n++] = -1;
         t->len[layer]++;
     }
     for (;;) {

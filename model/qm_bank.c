@@ -29,6 +29,8 @@ struct qm_bank {
     uint64_t data_bytes;
     qm_bank_config cfg;
     qm_layer_view *layers;
+    uint32_t *layer_map; /* qmoe.layer_map, NULL when absent */
+    char *source_json;   /* qmoe.source, NULL when absent */
     char **warnings;
     size_t n_warnings;
     uint64_t expert_bytes_total;
@@ -165,6 +167,10 @@ static int check_presence(const qm_bank *b, const qm_layer_view *lv, qm_status *
     if (lv->t[QM_T_ROUTER_BIAS].present && !lv->t[QM_T_ROUTER_WEIGHT].present)
         return FAIL(st, "layers.%u.router.bias: present without layers.%u.router.weight",
                     lv->index, lv->index);
+    if (lv->t[QM_T_ROUTER_CORRECTION_BIAS].present && cfg->routing.score == QM_ROUTE_SCORE_LEGACY)
+        return FAIL(st, "layers.%u.router.correction_bias: present but the bank has no "
+                        "qmoe.routing.score (the bias applies to routing scores only)",
+                    lv->index);
     return 0;
 }
 
@@ -225,9 +231,16 @@ static int parse_bank(qm_bank *b, qm_status *st)
     if ((rc = qm_st_header_parse((const char *)b->base + 8, (size_t)hlen, NULL, &h, st)) != 0)
         return rc;
     /* The header is only needed while the views are built from it. */
-    if ((rc = check_container(b, h, st)) == 0 &&
-        (rc = qm__config_from_metadata(h, &b->cfg, st)) == 0)
-        rc = build_layers(b, h, st);
+    if ((rc = check_container(b, h, st)) != 0 ||
+        (rc = qm__config_from_metadata(h, &b->cfg, st)) != 0 ||
+        (rc = qm__routing_from_metadata(h, &b->cfg, st)) != 0 ||
+        (rc = qm__layer_map_from_metadata(h, b->cfg.layers, &b->layer_map, st)) != 0 ||
+        (rc = qm__source_check(h, st)) != 0 || (rc = build_layers(b, h, st)) != 0)
+        goto done;
+    const char *source = qm_st_header_meta(h, "qmoe.source");
+    if (source && !(b->source_json = qm_strdup(source)))
+        rc = qm_status_set(st, QM_ENOMEM, "out of memory keeping qmoe.source");
+done:
     qm_st_header_free(h);
     return rc;
 }
@@ -328,6 +341,8 @@ void qm_bank_close(qm_bank *bank)
     for (size_t i = 0; i < bank->n_warnings; i++)
         qm_free(bank->warnings[i]);
     qm_free(bank->warnings);
+    qm_free(bank->layer_map);
+    qm_free(bank->source_json);
     qm_free(bank->layers);
     qm_free(bank->path);
     qm_free(bank);
@@ -370,6 +385,9 @@ const qm_layer_view *qm_bank_layer(const qm_bank *bank, uint32_t layer)
         return NULL;
     return &bank->layers[layer];
 }
+
+const uint32_t *qm_bank_layer_map(const qm_bank *bank) { return bank ? bank->layer_map : NULL; }
+const char *qm_bank_source_json(const qm_bank *bank) { return bank ? bank->source_json : NULL; }
 
 const char *const *qm_bank_warnings(const qm_bank *bank, size_t *count)
 {

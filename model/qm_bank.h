@@ -49,6 +49,7 @@ typedef enum qm_bank_tensor {
     QM_T_EXPERT_COUNT, /* tensors above have a leading expert dimension */
     QM_T_ROUTER_WEIGHT = QM_T_EXPERT_COUNT,
     QM_T_ROUTER_BIAS,
+    QM_T_ROUTER_CORRECTION_BIAS, /* F32 [E], added to scores for selection only */
     QM_T_COUNT
 } qm_bank_tensor;
 
@@ -56,6 +57,31 @@ typedef enum qm_bank_tensor {
 const char *qm_bank_tensor_suffix(qm_bank_tensor t);
 /* Writes "layers.<layer>.<suffix>" into buf; QM_EINVAL if it does not fit. */
 int qm_bank_tensor_name(uint32_t layer, qm_bank_tensor t, char *buf, size_t size);
+
+/* How a token's experts and weights come from its router logits
+ * (BANK_FORMAT.md "Banks imported from real models"). */
+typedef enum qm_route_score {
+    QM_ROUTE_SCORE_LEGACY = 0, /* no routing keys: top-k logits, softmax over the k */
+    QM_ROUTE_SCORE_SOFTMAX,    /* softmax over all E logits */
+    QM_ROUTE_SCORE_SIGMOID,    /* sigmoid of each logit */
+} qm_route_score;
+
+typedef enum qm_group_score {
+    QM_GROUP_SCORE_MAX = 0,  /* a group's score is its best expert's (DeepSeek-V2) */
+    QM_GROUP_SCORE_TOP2_SUM, /* the sum of its two best (DeepSeek-V3) */
+} qm_group_score;
+
+typedef struct qm_routing_rule {
+    qm_route_score score;   /* LEGACY when the bank has no qmoe.routing.* keys */
+    int normalize;          /* renormalise the k gathered scores to sum 1 */
+    float scale;            /* multiplies the final weights */
+    uint32_t groups;        /* 1 = no group-limited selection */
+    uint32_t topk_groups;   /* groups kept per token, 1..groups */
+    qm_group_score group_score;
+} qm_routing_rule;
+
+const char *qm_route_score_name(qm_route_score s);  /* "legacy", "softmax", "sigmoid" */
+const char *qm_group_score_name(qm_group_score s);  /* "max", "top2_sum" */
 
 /* The model's shape and semantics, from __metadata__. */
 typedef struct qm_bank_config {
@@ -66,6 +92,7 @@ typedef struct qm_bank_config {
     uint32_t swiglu_fusion; /* 0 separate fc3, 1 interleaved, 2 concatenated */
     int normalize_routing;
     float alpha, beta, limit; /* swiglu; defaults (keys absent) as ORT's: 1.0, 0.0, +inf */
+    qm_routing_rule routing;  /* zero-initialised = the legacy rule */
 } qm_bank_config;
 
 /* A tensor inside the mapping. present = 0 for absent optional tensors. */
@@ -111,6 +138,13 @@ const void *qm_bank_mapping(const qm_bank *bank, uint64_t *bytes);
  * bytes)" when it is now shorter than the mapping, whose pages past the new
  * end would raise SIGBUS. 0 for memory banks and intact files. */
 int qm_bank_check_file(const qm_bank *bank, qm_status *st);
+/* qmoe.layer_map: the model layer index of each bank layer ([layers],
+ * strictly ascending), or NULL when the bank has no map (bank layer l is model
+ * layer l). Borrowed, valid while the bank is open. */
+const uint32_t *qm_bank_layer_map(const qm_bank *bank);
+/* qmoe.source as written (a JSON object, checked at open), or NULL when
+ * absent. Borrowed, valid while the bank is open. */
+const char *qm_bank_source_json(const qm_bank *bank);
 /* Unknown tensors seen at open, as "name" strings. Borrowed. */
 const char *const *qm_bank_warnings(const qm_bank *bank, size_t *count);
 

@@ -99,6 +99,7 @@ static const char *const tensor_suffixes[QM_T_COUNT] = {
     [QM_T_FC3_WEIGHT] = "fc3.weight",     [QM_T_FC3_SCALES] = "fc3.scales",
     [QM_T_FC3_ZERO_POINTS] = "fc3.zero_points", [QM_T_FC3_BIAS] = "fc3.bias",
     [QM_T_ROUTER_WEIGHT] = "router.weight", [QM_T_ROUTER_BIAS] = "router.bias",
+    [QM_T_ROUTER_CORRECTION_BIAS] = "router.correction_bias",
 };
 
 const char *qm_bank_tensor_suffix(qm_bank_tensor t)
@@ -315,7 +316,16 @@ int qm__check_layer_tensor(const qm_bank_config *cfg, const char *name, qm_bank_
 
     snprintf(why[0], sizeof why[0], "qmoe.experts %u", cfg->experts);
     snprintf(nd_why, sizeof nd_why, "the format");
-    if (t == QM_T_ROUTER_WEIGHT || t == QM_T_ROUTER_BIAS) {
+    if (t == QM_T_ROUTER_CORRECTION_BIAS) {
+        /* Added to f32 scores before a comparison: kept in f32 so selection
+         * is the family's own. */
+        if (tv->dtype != QM_DTYPE_F32)
+            return qm_status_set(st, QM_EINVALID_MODEL, "%s: dtype %s but it must be F32", name,
+                                 qm__dtype_st_name(tv->dtype));
+        is_float = 1;
+        want[0] = e;
+        want_nd = 1;
+    } else if (t == QM_T_ROUTER_WEIGHT || t == QM_T_ROUTER_BIAS) {
         is_float = 1;
         want[0] = e;
         want[1] = cfg->hidden;

@@ -14,6 +14,7 @@ size_t qm_npy_dtype_size(qm_npy_dtype dtype)
 {
     switch (dtype) {
     case QM_NPY_F32:
+    case QM_NPY_I32:
         return 4;
     case QM_NPY_F16:
     case QM_NPY_U16:
@@ -24,7 +25,7 @@ size_t qm_npy_dtype_size(qm_npy_dtype dtype)
 
 static const char *dtype_descr(qm_npy_dtype d)
 {
-    return d == QM_NPY_F32 ? "<f4" : d == QM_NPY_F16 ? "<f2" : "<u2";
+    return d == QM_NPY_F32 ? "<f4" : d == QM_NPY_F16 ? "<f2" : d == QM_NPY_I32 ? "<i4" : "<u2";
 }
 
 /* A cursor over the header dict text. */
@@ -127,9 +128,11 @@ static int parse_dict(const char *text, size_t len, qm_npy *out, qm_status *st)
                 out->dtype = QM_NPY_F16;
             else if (strcmp(descr, "<u2") == 0)
                 out->dtype = QM_NPY_U16;
+            else if (strcmp(descr, "<i4") == 0)
+                out->dtype = QM_NPY_I32;
             else
-                return NPY_FAIL(st, ".npy dtype '%.15s' unsupported (want '<f4', '<f2', or "
-                                    "'<u2' for bf16 bits)", descr);
+                return NPY_FAIL(st, ".npy dtype '%.15s' unsupported (want '<f4', '<f2', "
+                                    "'<u2' for bf16 bits, or '<i4')", descr);
             have_descr = 1;
         } else if (strcmp(key, "fortran_order") == 0 && !have_order) {
             if (read_word(&c, "False")) {

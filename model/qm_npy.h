@@ -22,6 +22,7 @@ typedef enum qm_npy_dtype {
     QM_NPY_F32 = 0, /* '<f4' */
     QM_NPY_F16,     /* '<f2' */
     QM_NPY_U16,     /* '<u2' (bf16 bits when the caller says so) */
+    QM_NPY_I32,     /* '<i4' (routing ids) */
 } qm_npy_dtype;
 
 typedef struct qm_npy {

@@ -482,11 +482,12 @@ const char *qm_cdtype_name(qm_cdtype dt)
     case QM_CDTYPE_F32: return "f32";
     case QM_CDTYPE_F16: return "f16";
     case QM_CDTYPE_BF16: return "bf16";
+    case QM_CDTYPE_I32: return "i32";
     }
     return "?";
 }
 
-size_t qm_cdtype_size(qm_cdtype dt) { return dt == QM_CDTYPE_F32 ? 4 : 2; }
+size_t qm_cdtype_size(qm_cdtype dt) { return dt == QM_CDTYPE_F32 || dt == QM_CDTYPE_I32 ? 4 : 2; }
 
 int qm_cdtype_parse(const char *name, qm_cdtype *out)
 {
@@ -498,6 +499,8 @@ int qm_cdtype_parse(const char *name, qm_cdtype *out)
         *out = QM_CDTYPE_F16;
     else if (strcmp(name, "bf16") == 0)
         *out = QM_CDTYPE_BF16;
+    else if (strcmp(name, "i32") == 0)
+        *out = QM_CDTYPE_I32;
     else
         return QM_EINVAL;
     return 0;
@@ -519,7 +522,7 @@ int qm_client_codec_tensor_encode(qm_cdtype dt, const uint64_t *shape, int ndim,
 {
     uint64_t want = 0;
     *out = NULL;
-    if (ndim < 1 || ndim > QM_CTENSOR_MAX_DIMS || (size_t)dt > QM_CDTYPE_BF16)
+    if (ndim < 1 || ndim > QM_CTENSOR_MAX_DIMS || (size_t)dt > QM_CDTYPE_I32)
         return qm_status_set(st, QM_EINVAL, "a tensor needs 1 to %d dimensions and a known dtype",
                              QM_CTENSOR_MAX_DIMS);
     if (qm__tensor_bytes(dt, shape, ndim, &want) < 0 || want != nbytes)

@@ -100,7 +100,12 @@ int qm_client_codec_response(const char *buf, size_t len, uint64_t *id_out,
 const char *qm_client_codec_error_name(int code);
 
 /* Tensors: dtype names and element sizes. */
-typedef enum qm_cdtype { QM_CDTYPE_F32 = 0, QM_CDTYPE_F16 = 1, QM_CDTYPE_BF16 = 2 } qm_cdtype;
+typedef enum qm_cdtype {
+    QM_CDTYPE_F32 = 0,
+    QM_CDTYPE_F16 = 1,
+    QM_CDTYPE_BF16 = 2,
+    QM_CDTYPE_I32 = 3, /* topk_ids */
+} qm_cdtype;
 #define QM_CTENSOR_MAX_DIMS 8
 const char *qm_cdtype_name(qm_cdtype dt);
 size_t qm_cdtype_size(qm_cdtype dt);

@@ -222,7 +222,10 @@ void qm_jw_base64(qm_jw *w, const void *data, size_t n)
     w->out->len += enc + 2;
 }
 
-size_t qm_wire_dtype_size(qm_wire_dtype dtype) { return dtype == QM_WIRE_F32 ? 4 : 2; }
+size_t qm_wire_dtype_size(qm_wire_dtype dtype)
+{
+    return dtype == QM_WIRE_F32 || dtype == QM_WIRE_I32 ? 4 : 2;
+}
 
 const char *qm_wire_dtype_name(qm_wire_dtype dtype)
 {
@@ -233,6 +236,8 @@ const char *qm_wire_dtype_name(qm_wire_dtype dtype)
         return "f16";
     case QM_WIRE_BF16:
         return "bf16";
+    case QM_WIRE_I32:
+        return "i32";
     }
     return "?";
 }

@@ -168,8 +168,12 @@ static int parse_region(const cJSON *obj, const char *path, qm_tensor *out, qm_s
     return 0;
 }
 
-static int parse_tensor(const cJSON *t, const char *path, uint32_t expect_ndim, qm_tensor *out,
-                        qm_status *st)
+/* Which wire dtypes a tensor field takes. */
+#define QM__DT_FLOAT 1u /* f32, f16, bf16 */
+#define QM__DT_I32 2u
+
+static int parse_tensor(const cJSON *t, const char *path, uint32_t expect_ndim, unsigned dtypes,
+                        qm_tensor *out, qm_status *st)
 {
     static const char *const allowed[] = {"dtype", "shape", "data", NULL};
     static const char *const allowed_mapped[] = {"dtype", "shape", "map", "offset", NULL};
@@ -188,18 +192,26 @@ static int parse_tensor(const cJSON *t, const char *path, uint32_t expect_ndim, 
     const cJSON *dtype = member(t, "dtype"), *shape = member(t, "shape"),
                 *data = member(t, "data");
     snprintf(sub, sizeof sub, "%s.dtype", path);
-    if (!dtype || !cJSON_IsString(dtype))
+    const char *allowed_s = dtypes == QM__DT_I32     ? "i32"
+                            : dtypes == QM__DT_FLOAT ? "f32, f16, bf16"
+                                                     : "f32, f16, bf16, i32";
+    if (!dtype || !cJSON_IsString(dtype)) {
+        if (dtypes == QM__DT_I32)
+            return bad(st, sub, "%s must be \"i32\"", sub);
         return bad(st, sub, "%s must be \"f32\", \"f16\" or \"bf16\"", sub);
-    if (strcmp(dtype->valuestring, "f32") == 0)
+    }
+    if ((dtypes & QM__DT_FLOAT) && strcmp(dtype->valuestring, "f32") == 0)
         out->dtype = QM_WIRE_F32;
-    else if (strcmp(dtype->valuestring, "f16") == 0)
+    else if ((dtypes & QM__DT_FLOAT) && strcmp(dtype->valuestring, "f16") == 0)
         out->dtype = QM_WIRE_F16;
-    else if (strcmp(dtype->valuestring, "bf16") == 0)
+    else if ((dtypes & QM__DT_FLOAT) && strcmp(dtype->valuestring, "bf16") == 0)
         out->dtype = QM_WIRE_BF16;
+    else if ((dtypes & QM__DT_I32) && strcmp(dtype->valuestring, "i32") == 0)
+        out->dtype = QM_WIRE_I32;
     else {
         char clip[80];
         qm_clip(dtype->valuestring, strlen(dtype->valuestring), clip, sizeof clip);
-        return bad(st, sub, "%s '%s' is not one of f32, f16, bf16", sub, clip);
+        return bad(st, sub, "%s '%s' is not one of %s", sub, clip, allowed_s);
     }
     snprintf(sub, sizeof sub, "%s.shape", path);
     if (!shape || !cJSON_IsArray(shape))
@@ -261,8 +273,8 @@ static int parse_tensor(const cJSON *t, const char *path, uint32_t expect_ndim, 
     return 0;
 }
 
-static int get_tensor(const cJSON *obj, const char *key, int required, uint32_t ndim, int *has,
-                      qm_tensor *out, qm_status *st)
+static int get_tensor(const cJSON *obj, const char *key, int required, uint32_t ndim,
+                      unsigned dtypes, int *has, qm_tensor *out, qm_status *st)
 {
     const cJSON *v = member(obj, key);
     if (!v) {
@@ -270,7 +282,7 @@ static int get_tensor(const cJSON *obj, const char *key, int required, uint32_t 
             return bad(st, key, "%s is required (a tensor {dtype, shape, data|map, offset})", key);
         return 0;
     }
-    int rc = parse_tensor(v, key, ndim, out, st);
+    int rc = parse_tensor(v, key, ndim, dtypes, out, st);
     if (rc < 0)
         return rc;
     if (has)
@@ -286,7 +298,7 @@ int qm_tensor_decode_json(const char *json, size_t n, qm_tensor *out, qm_status 
         return qm_status_set(st, QM_EPARSE, "tensor is not a JSON text");
     qm_status local;
     qm_status_clear(&local);
-    int rc = parse_tensor(root, "tensor", 0, out, &local);
+    int rc = parse_tensor(root, "tensor", 0, QM__DT_FLOAT | QM__DT_I32, out, &local);
     cJSON_Delete(root);
     if (st)
         *st = local;
@@ -513,6 +525,41 @@ static int decode_policy_params(const cJSON *obj, qm_policy_params_wire *pp, qm_
     return rc;
 }
 
+/* session.infer's routing supplied by the engine (PROTOCOL.md): topk_ids and
+ * topk_weights, both or neither, never with router_logits. The ids against
+ * the model's E are the daemon's check. */
+static int decode_topk(const cJSON *params, qm_params *out, qm_status *st)
+{
+    int has_ids = 0, has_w = 0, rc;
+    if ((rc = get_tensor(params, "topk_ids", 0, 2, QM__DT_I32, &has_ids, &out->topk_ids, st)) ||
+        (rc = get_tensor(params, "topk_weights", 0, 2, QM__DT_FLOAT, &has_w, &out->topk_weights,
+                         st)))
+        return rc;
+    if (!has_ids && !has_w)
+        return 0;
+    if (!has_w)
+        return bad(st, "topk_weights", "topk_weights is required with topk_ids (both or neither)");
+    if (!has_ids)
+        return bad(st, "topk_ids", "topk_ids is required with topk_weights (both or neither)");
+    if (out->has_router_logits)
+        return bad(st, "router_logits",
+                   "router_logits must be absent when topk_ids and topk_weights are given");
+    out->has_topk = 1;
+    const uint64_t *is = out->topk_ids.shape, *ws = out->topk_weights.shape;
+    if (is[0] != out->hidden.shape[0])
+        return bad(st, "topk_ids.shape", "topk_ids.shape[0] is %llu but hidden has %llu tokens",
+                   (unsigned long long)is[0], (unsigned long long)out->hidden.shape[0]);
+    if (is[1] == 0)
+        return bad(st, "topk_ids.shape", "topk_ids.shape[1] is 0; expected 1 to the model's "
+                                         "expert count");
+    if (ws[0] != is[0] || ws[1] != is[1])
+        return bad(st, "topk_weights.shape",
+                   "topk_weights.shape is [%llu, %llu] but topk_ids.shape is [%llu, %llu]",
+                   (unsigned long long)ws[0], (unsigned long long)ws[1],
+                   (unsigned long long)is[0], (unsigned long long)is[1]);
+    return 0;
+}
+
 /* session.infer's output_to: {map, offset} (PROTOCOL.md "Shared-memory
  * tensors"). */
 static int decode_output_to(const cJSON *v, qm_params *out, qm_status *st)
@@ -542,7 +589,8 @@ int qm__params_decode(qm_method m, const cJSON *params, qm_params *out, qm_statu
     static const char *const create[] = {"model", "policy", "budget_bytes", "policy_params",
                                          NULL};
     static const char *const by_session[] = {"session", NULL};
-    static const char *const infer[] = {"session", "layer", "hidden", "router_logits",
+    static const char *const infer[] = {"session",       "layer",    "hidden",
+                                        "router_logits", "topk_ids", "topk_weights",
                                         "return_routing", "output_to", NULL};
     static const char *const map[] = {"session", "bytes", NULL};
     static const char *const unmap[] = {"session", "map", NULL};
@@ -602,10 +650,12 @@ int qm__params_decode(qm_method m, const cJSON *params, qm_params *out, qm_statu
             rc = get_uint(params, "layer", "", 1, UINT32_MAX, NULL, &v, st);
         out->layer = (uint32_t)v;
         if (rc == 0)
-            rc = get_tensor(params, "hidden", 1, 2, NULL, &out->hidden, st);
+            rc = get_tensor(params, "hidden", 1, 2, QM__DT_FLOAT, NULL, &out->hidden, st);
         if (rc == 0)
-            rc = get_tensor(params, "router_logits", 0, 2, &out->has_router_logits,
+            rc = get_tensor(params, "router_logits", 0, 2, QM__DT_FLOAT, &out->has_router_logits,
                             &out->router_logits, st);
+        if (rc == 0)
+            rc = decode_topk(params, out, st);
         if (rc == 0 && out->has_router_logits &&
             out->router_logits.shape[0] != out->hidden.shape[0])
             return bad(st, "router_logits.shape",

@@ -97,11 +97,13 @@ void qm_jw_base64(qm_jw *w, const void *data, size_t n);
 
 /* ---- Tensors --------------------------------------------------------------- */
 
-/* Same numeric values as model/'s qm_dtype F32, F16, BF16. */
+/* Same numeric values as model/'s qm_dtype F32, F16, BF16. I32 is for
+ * integer inputs only (session.infer's topk_ids). */
 typedef enum qm_wire_dtype {
     QM_WIRE_F32 = 0,
     QM_WIRE_F16 = 1,
     QM_WIRE_BF16 = 2,
+    QM_WIRE_I32 = 3,
 } qm_wire_dtype;
 
 #define QM_TENSOR_MAX_DIMS 4
@@ -124,7 +126,7 @@ typedef struct qm_tensor {
 #define QM_MAP_ALIGN 64
 
 size_t qm_wire_dtype_size(qm_wire_dtype dtype);
-const char *qm_wire_dtype_name(qm_wire_dtype dtype); /* "f32", "f16", "bf16" */
+const char *qm_wire_dtype_name(qm_wire_dtype dtype); /* "f32", "f16", "bf16", "i32" */
 void qm_tensor_free(qm_tensor *t); /* frees data unless mapped, accepts NULL */
 
 /* Standard base64 with padding. decode: strict (length a multiple of 4, no
@@ -259,6 +261,9 @@ typedef struct qm_params {
     qm_tensor hidden;        /* infer: shape [T, H] */
     int has_router_logits;
     qm_tensor router_logits; /* infer: shape [T, E] */
+    int has_topk;            /* infer: routing supplied by the engine (both tensors) */
+    qm_tensor topk_ids;      /* infer: i32 [T, k'], k' >= 1 */
+    qm_tensor topk_weights;  /* infer: f32/f16/bf16, the shape of topk_ids */
     int return_routing;
     int has_output_to;       /* infer: output_to {map, offset} */
     uint64_t output_map, output_offset;

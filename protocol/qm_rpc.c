@@ -51,6 +51,8 @@ void qm_request_free(qm_request *req)
     qm_free(p->policy_params.record_trace);
     qm_tensor_free(&p->hidden);
     qm_tensor_free(&p->router_logits);
+    qm_tensor_free(&p->topk_ids);
+    qm_tensor_free(&p->topk_weights);
     memset(req, 0, sizeof *req);
 }
 

@@ -306,6 +306,50 @@ START_TEST(test_infer_errors_carry_the_field)
 }
 END_TEST
 
+/* Routing supplied by the engine: the daemon's own routes given back yield
+ * the same bits; a repeated id is -32602 naming topk_ids. */
+START_TEST(test_infer_routed_by_the_engine_uses_ids_and_weights_as_given)
+{
+    qm_client *c = connect_or_fail();
+    qm_client_error err;
+    char *id = create_session(c, NULL, 0);
+    float x[TOKENS * HIDDEN];
+    fill_hidden(x, 3);
+    qm_client_tensor h = {.dtype = QM_CLIENT_F32, .ndim = 2, .shape = {TOKENS, HIDDEN},
+                          .data = x, .nbytes = sizeof x};
+    qm_client_infer_result a, b;
+    ck_assert_msg(qm_client_session_infer(c, id, 0, &h, NULL, 1, &a, &err) == 0, "%s",
+                  err.reason);
+    int32_t ids[TOKENS * 2];
+    float w[TOKENS * 2];
+    for (size_t t = 0; t < TOKENS; t++)
+        for (size_t j = 0; j < 2; j++) {
+            size_t at = a.routing_offsets[t] + j;
+            int has = at < a.routing_offsets[t + 1];
+            ids[t * 2 + j] = has ? (int32_t)a.routing_experts[at] : -1;
+            w[t * 2 + j] = has ? (float)a.routing_weights[at] : 0.0f;
+        }
+    qm_client_tensor ti = {.dtype = QM_CLIENT_I32, .ndim = 2, .shape = {TOKENS, 2}, .data = ids,
+                           .nbytes = sizeof ids};
+    qm_client_tensor tw = {.dtype = QM_CLIENT_F32, .ndim = 2, .shape = {TOKENS, 2}, .data = w,
+                           .nbytes = sizeof w};
+    ck_assert_msg(qm_client_session_infer_routed(c, id, 0, &h, &ti, &tw, 0, &b, &err) == 0, "%s",
+                  err.reason);
+    ck_assert(memcmp(a.output.data, b.output.data, sizeof x) == 0);
+    qm_client_infer_result_free(&a);
+    qm_client_infer_result_free(&b);
+    ids[1] = ids[0] >= 0 ? ids[0] : 0;
+    ids[0] = ids[1];
+    ck_assert_int_eq(qm_client_session_infer_routed(c, id, 0, &h, &ti, &tw, 0, &b, &err), -32602);
+    ck_assert_str_eq(err.field, "topk_ids");
+    ck_assert_int_eq(qm_client_session_infer_routed(c, id, 0, &h, &ti, NULL, 0, &b, &err),
+                     QM_CLIENT_EINVAL);
+    qm_client_session_close(c, id, &err);
+    qm_client_string_free(id);
+    qm_client_close(c);
+}
+END_TEST
+
 START_TEST(test_trace_metrics_and_daemon_telemetry)
 {
     qm_client *c = connect_or_fail();
@@ -406,6 +450,7 @@ int main(void)
     tcase_add_test(tc, test_session_plan_list_and_close);
     tcase_add_test(tc, test_infer_output_does_not_depend_on_policy_or_budget);
     tcase_add_test(tc, test_infer_errors_carry_the_field);
+    tcase_add_test(tc, test_infer_routed_by_the_engine_uses_ids_and_weights_as_given);
     tcase_add_test(tc, test_trace_metrics_and_daemon_telemetry);
     tcase_add_test(tc, test_mapped_infer_equals_base64_without_a_copy);
     tcase_add_test(tc, test_one_handle_shared_by_threads_gets_every_answer_right);

@@ -183,3 +183,27 @@ def test_infer_with_router_logits_and_bf16(client, sid):
     rb = client.infer(sid, 1, Tensor("bf16", x.shape, bits.tobytes()))
     assert isinstance(rb.output, Tensor) and rb.output.dtype == "bf16" and rb.output.shape == x.shape
     assert np.all(np.isfinite(rb.output.to_numpy()))
+
+
+def test_infer_with_engine_routing_is_used_as_given(client, sid):
+    rng = np.random.default_rng(12)
+    x = rng.standard_normal((2, HIDDEN)).astype(np.float32)
+    own = client.infer(sid, 0, x, return_routing=True)
+    ids = np.full((2, 2), -1, np.int32)
+    w = np.zeros((2, 2), np.float32)
+    for t, row in enumerate(own.routing):
+        for j, (e, wt) in enumerate(row):
+            ids[t, j], w[t, j] = e, wt
+    r = client.infer(sid, 0, x, topk_ids=ids, topk_weights=w, return_routing=True)
+    assert r.output.tobytes() == own.output.tobytes()
+    assert r.routing == own.routing
+    # Plain lists become int32; weights are not renormalised.
+    r2 = client.infer(sid, 0, x[:1], topk_ids=[[3]], topk_weights=np.full((1, 1), 0.5, np.float32),
+                      return_routing=True)
+    assert r2.routing == [[(3, 0.5)]]
+    with pytest.raises(ValueError):
+        client.infer(sid, 0, x, topk_ids=ids)
+    with pytest.raises(QmoeError) as e:
+        client.infer(sid, 0, x, topk_ids=np.array([[0, 0], [1, 2]], np.int32), topk_weights=w)
+    assert e.value.code == -32602 and e.value.field == "topk_ids"
+    assert "names expert 0 twice" in e.value.reason

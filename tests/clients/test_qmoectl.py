@@ -343,3 +343,29 @@ def test_infer_with_router_logits_matches_qmoe_bank_run(daemon, session):
     subprocess.run([need(QMOE_BANK), "run", daemon.bank, "--layer", "0", "--hidden", xp, "--logits", rp,
                     "--out", zp], check=True, capture_output=True)
     assert np.load(yp).tobytes() == np.load(zp).tobytes()
+
+
+def test_infer_with_topk_ids_and_weights_is_used_as_given(daemon, session):
+    rng = np.random.default_rng(4)
+    x = rng.standard_normal((2, HIDDEN)).astype(np.float32)
+    ids = np.array([[1, -1, 3], [0, 2, -1]], np.int32)
+    w = np.array([[0.25, 9.0, 1.5], [2.0, -1.0, 0.0]], np.float32)
+    xp, ip, wp, yp = (os.path.join(daemon.dir, n) for n in ("tx.npy", "ti.npy", "tw.npy", "ty.npy"))
+    np.save(xp, x)
+    np.save(ip, ids)
+    np.save(wp, w)
+    r = ctl(daemon, "infer", session, "--layer", "1", "--hidden", xp, "--topk-ids", ip,
+            "--topk-weights", wp, "--out", yp, "--routing", json_out=True)
+    assert r["routing"] == [[[1, 0.25], [3, 1.5]], [[0, 2.0], [2, -1.0]]]
+    assert np.load(yp).shape == (2, HIDDEN)
+    p = ctl(daemon, "infer", session, "--layer", "1", "--hidden", xp, "--topk-ids", ip, "--out", yp,
+            check_rc=2)
+    assert "--topk-ids and --topk-weights go together" in p.stderr
+    p = ctl(daemon, "infer", session, "--layer", "1", "--hidden", xp, "--topk-ids", wp,
+            "--topk-weights", wp, "--out", yp, check_rc=2)
+    assert "--topk-ids takes an int32 array" in p.stderr
+    bad = np.array([[1, 1, 3], [0, 2, -1]], np.int32)
+    np.save(ip, bad)
+    p = ctl(daemon, "infer", session, "--layer", "1", "--hidden", xp, "--topk-ids", ip,
+            "--topk-weights", wp, "--out", yp, check_rc=1)
+    assert "topk_ids" in p.stderr and "twice" in p.stderr

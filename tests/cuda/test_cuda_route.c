@@ -344,6 +344,88 @@ START_TEST(test_cuda_layer_routed_on_device_matches_host_routing)
 }
 END_TEST
 
+/* Banks with a routing rule and routing supplied by the engine take the
+ * host-routed path (docs/CUDA.md): the device routing is not used, the
+ * experts still run on the device, and the output matches the CPU backend. */
+START_TEST(test_cuda_rule_banks_and_supplied_routing_route_on_the_host)
+{
+    qm_backend *cpu = new_cpu(), *cuda = new_cuda();
+    tl_spec s = tl_default_spec(960);
+    s.E = 8;
+    s.k = 2;
+    s.H = 64;
+    s.I = 48;
+    s.act = QM_ACT_SWIGLU;
+    s.fusion = 1;
+    s.bias = 1;
+    tl_layer L;
+    ck_assert_int_eq(tl_layer_build(&s, &L), 0);
+    float bias[8] = {0.2f, -0.1f, 0.0f, 0.3f, -0.2f, 0.1f, 0.05f, 0.0f};
+    dev_layer D;
+    dev_layer_init(&D, cuda, &L, 0);
+    const uint32_t T = 37, H = s.H, E = s.E;
+    const size_t TH = (size_t)T * H;
+    float *x = malloc(TH * 4), *lg = malloc((size_t)T * E * 4);
+    float *o_dev = malloc(TH * 4), *o_cpu = malloc(TH * 4);
+    int32_t *ids = malloc((size_t)T * 3 * 4);
+    float *w = malloc((size_t)T * 3 * 4);
+    ck_assert(x && lg && o_dev && o_cpu && ids && w);
+    tl_random_inputs(961, T, H, E, x, lg);
+    for (uint32_t t = 0; t < T; t++)
+        for (uint32_t j = 0; j < 3; j++) {
+            ids[t * 3 + j] = j == 2 && t % 3 == 0 ? -1 : (int32_t)((t + 3 * j) % E);
+            w[t * 3 + j] = 0.25f + 0.5f * (float)j - 0.01f * (float)t;
+        }
+    qm_expert_source dsrc, csrc;
+    dev_source(&D, &dsrc);
+    tl_source(&L, &csrc);
+    for (int mode = 0; mode < 2; mode++) {
+        qm_moe_call call = {.dtype = QM_DTYPE_F32, .hidden = x, .n_tokens = T, .logits = lg};
+        if (mode == 0) { /* DeepSeek-V3's rule */
+            L.cfg.routing = (qm_routing_rule){QM_ROUTE_SCORE_SIGMOID, 1, 2.5f, 4, 2,
+                                              QM_GROUP_SCORE_TOP2_SUM};
+            L.lv.t[QM_T_ROUTER_CORRECTION_BIAS] = (qm_tensor_view){
+                .present = 1, .dtype = QM_DTYPE_F32, .ndim = 1, .shape = {8},
+                .nbytes = sizeof bias, .data = bias};
+        } else { /* engine-supplied, k' = 3 */
+            L.cfg.routing = (qm_routing_rule){0};
+            L.lv.t[QM_T_ROUTER_CORRECTION_BIAS].present = 0;
+            call.logits = NULL;
+            call.topk_ids = ids;
+            call.topk_weights = w;
+            call.topk_k = 3;
+        }
+        qm_cuda_stats s0, s1;
+        qm_status st = {0};
+        ck_assert_int_eq(qm_backend_cuda_stats(cuda, &s0), 0);
+        call.output = o_dev;
+        ck_assert_msg(qm__moe_forward_layer(cuda, &L.cfg, &L.lv, &call, &dsrc, NULL, &st) == 0,
+                      "%s", st.msg);
+        ck_assert_int_eq(qm_backend_cuda_stats(cuda, &s1), 0);
+        ck_assert_uint_eq(s1.routes, s0.routes); /* not routed on the device */
+        ck_assert_int_eq(D.acquired, D.released);
+        call.output = o_cpu;
+        ck_assert_msg(qm__moe_forward_layer(cpu, &L.cfg, &L.lv, &call, &csrc, NULL, &st) == 0,
+                      "%s", st.msg);
+        double e = rel_err(o_dev, o_cpu, TH);
+        printf("route: %s on the CUDA backend (host-routed) vs cpu %.3g\n",
+               mode == 0 ? "sigmoid/groups/bias rule" : "supplied topk_ids", e);
+        ck_assert_msg(e <= 1e-5, "mode %d: vs cpu backend rel err %.3g", mode, e);
+    }
+    L.lv.t[QM_T_ROUTER_CORRECTION_BIAS].present = 0;
+    free(x);
+    free(lg);
+    free(o_dev);
+    free(o_cpu);
+    free(ids);
+    free(w);
+    dev_layer_free(cuda, &D);
+    tl_layer_free(&L);
+    qm_backend_free(cpu);
+    qm_backend_free(cuda);
+}
+END_TEST
+
 START_TEST(test_cuda_routed_pass_refuses_misuse_and_the_backend_survives)
 {
     tl_spec s = tl_default_spec(77);
@@ -498,6 +580,7 @@ TCase *cuda_route_tcase(void)
     tcase_add_test(tc, test_cuda_route_matches_host_routing_with_ties_drops_and_nan);
     tcase_add_test(tc, test_cuda_router_logits_route_like_the_host);
     tcase_add_test(tc, test_cuda_layer_routed_on_device_matches_host_routing);
+    tcase_add_test(tc, test_cuda_rule_banks_and_supplied_routing_route_on_the_host);
     tcase_add_test(tc, test_cuda_routed_pass_refuses_misuse_and_the_backend_survives);
     tcase_add_test(tc, test_cuda_f16_bf16_prefill_runs_on_tensor_cores_within_tolerance);
     return tc;

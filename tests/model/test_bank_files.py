@@ -350,3 +350,39 @@ def test_run_bf16_io_through_u16_npy(tmp_path):
     res = tool("run", path, "--layer", 1, "--hidden", tmp_path / "x.npy", "--logits",
                tmp_path / "r.npy", "--out", tmp_path / "z.npy", check=False)
     assert res.returncode == 2 and "--bf16" in res.stderr
+
+
+def test_inspect_shows_source_exactness_error_layer_map_and_routing(tmp_path):
+    from safetensors import safe_open
+    from safetensors.numpy import load_file, save_file
+    plain = create(tmp_path / "a.qmoe", experts=8)
+    t = load_file(str(plain))
+    with safe_open(str(plain), "np") as f:
+        meta = dict(f.metadata())
+    meta.update({"qmoe.routing.score": "sigmoid", "qmoe.routing.groups": "4",
+                 "qmoe.routing.topk_groups": "2", "qmoe.routing.group_score": "top2_sum",
+                 "qmoe.routing.scale": "2.5", "qmoe.layer_map": "[3, 4]",
+                 "qmoe.source": '{"format":"gguf","family":"deepseek2","files":["m.gguf"],'
+                                '"exact":false,"max_rel_err":0.0123}'})
+    t["layers.1.router.correction_bias"] = np.zeros(8, np.float32)
+    path = tmp_path / "b.qmoe"
+    save_file(t, str(path), metadata=meta)
+    out = tool("inspect", path).stdout
+    for line in ("source_format: gguf", "source_family: deepseek2", "exact: no",
+                 "max_rel_err: 0.0123", "layer_map: 0->3 1->4",
+                 "routing: sigmoid scores, top-2, normalize 1, scale 2.5, groups 4 keep 2 by "
+                 "top2_sum, correction bias in 1 of 2 layers"):
+        assert line in out, out
+    assert "router.correction_bias" in out
+    info = json.loads(tool("inspect", "--json", path).stdout)
+    assert info["source"] == {"format": "gguf", "family": "deepseek2", "files": ["m.gguf"],
+                              "exact": False, "max_rel_err": 0.0123}
+    assert info["layer_map"] == [3, 4]
+    assert info["routing"] == {"score": "sigmoid", "normalize": 1, "scale": 2.5, "groups": 4,
+                               "topk_groups": 2, "group_score": "top2_sum",
+                               "correction_bias_layers": [1]}
+    plain_info = json.loads(tool("inspect", "--json", plain).stdout)
+    assert plain_info["source"] is None and plain_info["layer_map"] is None
+    assert plain_info["routing"] == {"score": "legacy"}
+    out = tool("inspect", plain).stdout
+    assert "exact:" not in out and "layer_map: identity" in out and "routing: legacy" in out

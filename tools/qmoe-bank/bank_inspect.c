@@ -1,5 +1,7 @@
 /* bank_inspect.c - `qmoe-bank inspect`: validate a bank and describe it. */
+#include <cjson/cJSON.h>
 #include <getopt.h>
+#include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -18,7 +20,10 @@ void qmb_help_inspect(FILE *f)
           "bytes_per_expert = one expert's unit in one layer), then per layer its tensors\n"
           "(dtype, shape, offset in the data section, bytes, bytes per expert) and its\n"
           "region catalog (pageable, or the non-pageable reason). Unknown tensors are\n"
-          "listed as warnings. --json prints the same as one JSON object.\n"
+          "listed as warnings. Imported banks also show their source (format, family,\n"
+          "files, exact, max_rel_err), the layer map (bank layer -> model layer) and\n"
+          "the routing rule (legacy, or the qmoe.routing.* keys and which layers carry a\n"
+          "correction bias). --json prints the same as one JSON object.\n"
           "A corrupt or invalid file prints one line on stderr and exits with status 2.\n",
           f);
 }
@@ -44,6 +49,79 @@ static const char *model_name(const char *path, char *buf, size_t n)
     return buf;
 }
 
+/* qmoe.source, layer map and routing in words (the loader checked them). */
+static void print_provenance_text(const qm_bank *bank)
+{
+    const qm_bank_config *c = qm_bank_get_config(bank);
+    const char *src = qm_bank_source_json(bank);
+    cJSON *j = src ? cJSON_Parse(src) : NULL;
+    const cJSON *v;
+    printf("source: %s\n", src ? src : "(none: qmoe.source absent)");
+    if (j) {
+        if (cJSON_IsString(v = cJSON_GetObjectItemCaseSensitive(j, "format")))
+            printf("source_format: %s\n", v->valuestring);
+        if (cJSON_IsString(v = cJSON_GetObjectItemCaseSensitive(j, "family")))
+            printf("source_family: %s\n", v->valuestring);
+        v = cJSON_GetObjectItemCaseSensitive(j, "exact");
+        printf("exact: %s\n", cJSON_IsBool(v) ? (cJSON_IsTrue(v) ? "yes" : "no") : "unknown");
+        if (cJSON_IsNumber(v = cJSON_GetObjectItemCaseSensitive(j, "max_rel_err")))
+            printf("max_rel_err: %.3g\n", v->valuedouble);
+    }
+    cJSON_Delete(j);
+    const uint32_t *map = qm_bank_layer_map(bank);
+    printf("layer_map:");
+    if (!map)
+        printf(" identity (bank layer l = model layer l)");
+    for (uint32_t l = 0; map && l < c->layers; l++)
+        printf(" %u->%u", l, map[l]);
+    printf("\n");
+    const qm_routing_rule *r = &c->routing;
+    if (r->score == QM_ROUTE_SCORE_LEGACY) {
+        printf("routing: legacy (top-%u of the logits, softmax over the %u)\n", c->k, c->k);
+        return;
+    }
+    printf("routing: %s scores, top-%u, normalize %d, scale %g", qm_route_score_name(r->score),
+           c->k, r->normalize, (double)r->scale);
+    if (r->groups > 1)
+        printf(", groups %u keep %u by %s", r->groups, r->topk_groups,
+               qm_group_score_name(r->group_score));
+    uint32_t with_bias = 0;
+    for (uint32_t l = 0; l < c->layers; l++)
+        with_bias += qm_bank_layer(bank, l)->t[QM_T_ROUTER_CORRECTION_BIAS].present;
+    printf(", correction bias in %u of %u layers\n", with_bias, c->layers);
+}
+
+static void print_provenance_json(const qm_bank *bank)
+{
+    const qm_bank_config *c = qm_bank_get_config(bank);
+    const char *src = qm_bank_source_json(bank);
+    /* The loader parsed it as one JSON object: spliced as is. */
+    printf("\"source\":%s,\"layer_map\":", src ? src : "null");
+    const uint32_t *map = qm_bank_layer_map(bank);
+    if (!map)
+        printf("null");
+    for (uint32_t l = 0; map && l < c->layers; l++)
+        printf("%s%u", l ? "," : "[", map[l]);
+    if (map)
+        printf("]");
+    const qm_routing_rule *r = &c->routing;
+    printf(",\"routing\":{\"score\":\"%s\"", qm_route_score_name(r->score));
+    if (r->score != QM_ROUTE_SCORE_LEGACY) {
+        printf(",\"normalize\":%d,\"scale\":%.9g,\"groups\":%u,\"topk_groups\":%u,"
+               "\"group_score\":\"%s\",\"correction_bias_layers\":[",
+               r->normalize, (double)r->scale, r->groups, r->topk_groups,
+               qm_group_score_name(r->group_score));
+        int first = 1;
+        for (uint32_t l = 0; l < c->layers; l++)
+            if (qm_bank_layer(bank, l)->t[QM_T_ROUTER_CORRECTION_BIAS].present) {
+                printf("%s%u", first ? "" : ",", l);
+                first = 0;
+            }
+        printf("]");
+    }
+    printf("},");
+}
+
 static void print_text(const qm_bank *bank, qm_region_catalog **cats)
 {
     const qm_bank_config *c = qm_bank_get_config(bank);
@@ -62,6 +140,7 @@ static void print_text(const qm_bank *bank, qm_region_catalog **cats)
            (unsigned long long)qm_bank_file_bytes(bank), c->swiglu_fusion, c->normalize_routing);
     printf("activation_alpha: %g\nactivation_beta: %g\nswiglu_limit: %g\n", (double)c->alpha,
            (double)c->beta, (double)c->limit);
+    print_provenance_text(bank);
     for (uint32_t l = 0; l < c->layers; l++) {
         const qm_layer_view *lv = qm_bank_layer(bank, l);
         qm_nonpageable_reason r = qm_catalog_reason(cats[l]);
@@ -81,7 +160,7 @@ static void print_text(const qm_bank *bank, qm_region_catalog **cats)
             if (!tv->present)
                 continue;
             shape_str(shape, sizeof shape, tv);
-            printf("  %-16s %-4s %-18s offset %-12llu bytes %-12llu",
+            printf("  %-22s %-4s %-18s offset %-12llu bytes %-12llu",
                    qm_bank_tensor_suffix((qm_bank_tensor)t), qm_dtype_name(tv->dtype), shape,
                    (unsigned long long)tv->offset, (unsigned long long)tv->nbytes);
             if (t < QM_T_EXPERT_COUNT)
@@ -117,6 +196,7 @@ static void print_json(const qm_bank *bank, qm_region_catalog **cats)
     else
         printf("\"activation_alpha\":%.9g,\"activation_beta\":%.9g,\"swiglu_limit\":%.9g,",
                (double)c->alpha, (double)c->beta, (double)c->limit);
+    print_provenance_json(bank);
     printf("\"layer_details\":[");
     for (uint32_t l = 0; l < c->layers; l++) {
         const qm_layer_view *lv = qm_bank_layer(bank, l);

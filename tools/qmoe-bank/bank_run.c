@@ -155,7 +155,7 @@ int qmb_run(int argc, char **argv)
             ret = rc == QM_EINVAL ? QMB_USAGE : QMB_FAIL;
             goto done;
         }
-        if (r.dtype == QM_NPY_U16 || r.count != tokens * cfg->experts || r.ndim < 1 ||
+        if (r.dtype == QM_NPY_U16 || r.dtype == QM_NPY_I32 || r.count != tokens * cfg->experts || r.ndim < 1 ||
             r.shape[r.ndim - 1] != cfg->experts) {
             fprintf(stderr, "qmoe-bank run: %s: want float32/float16 logits of shape [%llu, %u]\n",
                     logits_path, (unsigned long long)tokens, cfg->experts);

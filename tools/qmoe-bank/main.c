@@ -15,7 +15,8 @@ static void help_main(FILE *f)
           "  create   write a deterministic synthetic bank (seeded weights, quantised)\n"
           "  inspect  validate a bank and print its summary, tensors and region catalogs\n"
           "  run      run one MoE layer of a bank on the CPU engine (.npy in, .npy out)\n"
-          "  import   import a model's experts: import hf DIR (a Hugging Face checkpoint)\n"
+          "  import   import a model's experts: import hf DIR (a Hugging Face checkpoint),\n"
+          "           import gguf FILE (a llama.cpp GGUF file)\n"
           "\n"
           "`qmoe-bank <command> --help` describes each command.\n"
           "exit status: 0 ok, 1 runtime failure, 2 bad usage or invalid file.\n",
@@ -61,15 +62,18 @@ static int import_main(int argc, char **argv)
         int (*run)(int argc, char **argv);
     } formats[] = {
         {"hf", qmb_import_hf},
+        {"gguf", qmb_import_gguf},
     };
     if (argc >= 2 && (strcmp(argv[1], "--help") == 0 || strcmp(argv[1], "-h") == 0)) {
         qmb_help_import_hf(stdout);
+        fputc('\n', stdout);
+        qmb_help_import_gguf(stdout);
         return QMB_OK;
     }
     for (size_t i = 0; argc >= 2 && i < sizeof formats / sizeof formats[0]; i++)
         if (strcmp(argv[1], formats[i].format) == 0)
             return formats[i].run(argc - 1, argv + 1);
-    fprintf(stderr, "qmoe-bank import: expected a source format (hf) and its arguments; see "
+    fprintf(stderr, "qmoe-bank import: expected a source format (hf or gguf) and its arguments; see "
                     "qmoe-bank import --help\n");
     return QMB_USAGE;
 }

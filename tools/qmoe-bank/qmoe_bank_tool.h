@@ -12,11 +12,13 @@ int qmb_create(int argc, char **argv);
 int qmb_inspect(int argc, char **argv);
 int qmb_run(int argc, char **argv);
 int qmb_import_hf(int argc, char **argv); /* import_hf.c: argv[0] = "hf" */
+int qmb_import_gguf(int argc, char **argv); /* import_gguf.c: argv[0] = "gguf" */
 
 void qmb_help_create(FILE *f);
 void qmb_help_inspect(FILE *f);
 void qmb_help_run(FILE *f);
 void qmb_help_import_hf(FILE *f);
+void qmb_help_import_gguf(FILE *f);
 
 /* Strict unsigned parse of a whole string; -1 on junk or overflow of `max`. */
 int qmb_parse_u32(const char *s, unsigned long long max, unsigned *out);

@@ -64,14 +64,14 @@ class DaemonNotRunning(QmoeError):
 
 
 class Tensor:
-    """A tensor as the wire carries it: dtype ("f32", "f16", "bf16"), shape
-    and little-endian row-major bytes."""
+    """A tensor as the wire carries it: dtype ("f32", "f16", "bf16", or "i32"
+    for topk_ids), shape and little-endian row-major bytes."""
 
     __slots__ = ("dtype", "shape", "data")
 
     def __init__(self, dtype, shape, data):
         if dtype not in _DTYPE_SIZE:
-            raise ValueError("dtype must be f32, f16 or bf16, not %r" % (dtype,))
+            raise ValueError("dtype must be f32, f16, bf16 or i32, not %r" % (dtype,))
         shape = tuple(int(d) for d in shape)
         n = _DTYPE_SIZE[dtype]
         for d in shape:
@@ -90,7 +90,7 @@ class Tensor:
         if self.dtype == "bf16":
             u = _np.frombuffer(self.data, dtype="<u2").astype(_np.uint32) << 16
             return u.view(_np.float32).reshape(self.shape)
-        dt = "<f4" if self.dtype == "f32" else "<f2"
+        dt = {"f32": "<f4", "f16": "<f2", "i32": "<i4"}[self.dtype]
         return _np.frombuffer(self.data, dtype=dt).reshape(self.shape).copy()
 
     def __repr__(self):
@@ -98,8 +98,9 @@ class Tensor:
 
 
 def encode_tensor(x, dtype=None):
-    """A numpy array (float32/float16), Tensor or MappedTensor as the
-    protocol's tensor object (a MappedTensor names its map region)."""
+    """A numpy array (float32/float16, int32 for topk_ids), Tensor or
+    MappedTensor as the protocol's tensor object (a MappedTensor names its
+    map region)."""
     if isinstance(x, MappedTensor):
         if dtype is not None and dtype != x.dtype:
             raise ValueError("tensor is %s, %s was asked for" % (x.dtype, dtype))
@@ -111,8 +112,10 @@ def encode_tensor(x, dtype=None):
             dt = "f32"
         elif x.dtype == _np.float16:
             dt = "f16"
+        elif x.dtype == _np.int32:
+            dt = "i32"
         else:
-            raise ValueError("tensors must be float32 or float16 arrays, not %s" % x.dtype)
+            raise ValueError("tensors must be float32, float16 or int32 arrays, not %s" % x.dtype)
         arr = _np.ascontiguousarray(x, dtype=x.dtype.newbyteorder("<"))
         t = Tensor(dt, arr.shape, arr.tobytes())
     else:
@@ -469,13 +472,24 @@ class Client:
             shm.close()
 
     def infer(self, session, layer, hidden, router_logits=None, return_routing=False,
-              output_to=None):
-        """session.infer. Any tensor may be a MappedTensor (zero copy); with
-        `output_to` (a MappedTensor of hidden's shape and dtype) qmoed writes
-        the output there and `output` is that MappedTensor's view."""
+              topk_ids=None, topk_weights=None, output_to=None):
+        """One MoE layer. Routing: the bank's router (nothing given),
+        `router_logits` [T, E], or the engine's own choice: `topk_ids` (int32
+        [T, k'], -1 = no route) with `topk_weights` (float [T, k']), used
+        exactly as given (PROTOCOL.md "Routing supplied by the engine").
+        Any tensor may be a MappedTensor (zero copy); with `output_to` (a
+        MappedTensor of hidden's shape and dtype) qmoed writes the output
+        there and `output` is that MappedTensor's view."""
+        if (topk_ids is None) != (topk_weights is None):
+            raise ValueError("topk_ids and topk_weights go together")
         p = {"session": session, "layer": int(layer), "hidden": encode_tensor(hidden)}
         if router_logits is not None:
             p["router_logits"] = encode_tensor(router_logits)
+        if topk_ids is not None:
+            if _np is not None and not isinstance(topk_ids, (Tensor, _np.ndarray)):
+                topk_ids = _np.asarray(topk_ids, dtype=_np.int32)
+            p["topk_ids"] = encode_tensor(topk_ids, "i32")
+            p["topk_weights"] = encode_tensor(topk_weights)
         if return_routing:
             p["return_routing"] = True
         if output_to is not None:

@@ -1,0 +1,464 @@
+"""`qmoe-bank import gguf`: GGUF files written here with the `gguf` package
+(llama.cpp's gguf-py), imported, and checked against gguf-py's own
+dequantiser: bit for bit for the exact types (Q4_0, Q8_0, Q5_0, MXFP4, Q6_K),
+within the recorded max_rel_err for the requantised ones; the MoE output of
+the imported bank against a numpy reference; every bad input exits 2 with
+one line naming the tensor or key, and leaves no file behind.
+"""
+import json
+import os
+import subprocess
+
+import numpy as np
+import pytest
+
+gguf = pytest.importorskip("gguf")
+from gguf import GGMLQuantizationType as Q  # noqa: E402
+from safetensors import safe_open  # noqa: E402
+from safetensors.numpy import load_file  # noqa: E402
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+SRC = os.environ.get("QMOE_SOURCE_DIR", os.path.abspath(os.path.join(HERE, "..", "..")))
+BUILD = os.environ.get("QMOE_BUILD_DIR", os.path.join(SRC, "build"))
+QMOE_BANK = os.path.join(BUILD, "tools", "qmoe-bank", "qmoe-bank")
+
+pytestmark = pytest.mark.skipif(not os.path.exists(QMOE_BANK),
+                                reason=f"qmoe-bank not built at {QMOE_BANK}")
+
+E, H, I, K = 4, 256, 512, 2
+
+
+def run_tool(*args, check=True):
+    r = subprocess.run([QMOE_BANK, *map(str, args)], capture_output=True, text=True)
+    if check and r.returncode != 0:
+        raise AssertionError(f"qmoe-bank {' '.join(map(str, args))}: {r.returncode}\n{r.stderr}")
+    return r
+
+
+# ---- writing GGUF fixtures -----------------------------------------------------------
+
+
+def random_blocks(rng, qtype, n_blocks):
+    """Raw blocks of a K-quant with random codes and a sane f16 d (and dmin)."""
+    block, size = gguf.GGML_QUANT_SIZES[qtype]
+    raw = rng.integers(0, 256, size=(n_blocks, size), dtype=np.uint8)
+
+    def f16(col, lo, hi):
+        raw[:, col:col + 2] = rng.uniform(lo, hi, n_blocks).astype("<f2").view(np.uint8).reshape(-1, 2)
+
+    if qtype == Q.Q6_K:
+        f16(208, 1e-3, 4e-3)
+    elif qtype in (Q.Q4_K, Q.Q5_K):
+        f16(0, 1e-3, 4e-3)
+        f16(2, 1e-4, 1e-3)
+    elif qtype == Q.Q2_K:
+        f16(80, 1e-3, 4e-3)
+        f16(82, 1e-4, 1e-3)
+    elif qtype == Q.Q3_K:
+        f16(108, 1e-3, 4e-3)
+    else:
+        raise ValueError(qtype)
+    return raw
+
+
+def make_matrix(rng, qtype, rows, cols):
+    """(bytes array [E, rows, row_bytes] to write, f32 source [E, rows, cols])."""
+    if qtype in (Q.F32, Q.F16, Q.BF16):
+        w = (rng.standard_normal((E, rows, cols)) * 0.05).astype(np.float32)
+        if qtype == Q.F32:
+            return w, w
+        if qtype == Q.F16:
+            return w.astype(np.float16), w.astype(np.float16).astype(np.float32)
+        raw = gguf.quants.quantize(w, Q.BF16)
+        return raw, gguf.quants.dequantize(raw, Q.BF16).reshape(E, rows, cols)
+    if qtype in (Q.Q4_0, Q.Q8_0, Q.MXFP4, Q.Q4_1, Q.Q5_0, Q.Q5_1):
+        w = (rng.standard_normal((E, rows, cols)) * 0.05).astype(np.float32)
+        raw = gguf.quants.quantize(w, qtype)
+    else:
+        block, size = gguf.GGML_QUANT_SIZES[qtype]
+        raw = random_blocks(rng, qtype, E * rows * cols // block).reshape(E, rows, -1)
+    return raw, gguf.quants.dequantize(raw, qtype).reshape(E, rows, cols)
+
+
+def write_gguf(path, arch="qwen3moe", types=(Q.Q4_0, Q.Q4_0, Q.Q4_0), blocks=2, dense=0,
+               seed=0, keys=None, corr_bias=False, biases=False, omit=(), expert_count=None):
+    """A MoE GGUF: per block gate/up/down stacked experts of the given types,
+    the router in f32; returns {block: {"gate"|"up"|"down": f32 source, ...}}."""
+    rng = np.random.default_rng(seed)
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_block_count(blocks)
+    w.add_embedding_length(H)
+    w.add_expert_count(expert_count or E)
+    w.add_expert_used_count(K)
+    w.add_expert_feed_forward_length(I)
+    if dense:
+        w.add_leading_dense_block_count(dense)
+    for k, v in (keys or {}).items():
+        getattr(w, "add_" + k)(v)
+    src = {}
+    for b in range(dense, blocks):
+        s = {}
+        for p, (name, rows, cols) in enumerate((("gate", I, H), ("up", I, H), ("down", H, I))):
+            raw, deq = make_matrix(rng, types[p], rows, cols)
+            s[name] = deq
+            tname = f"blk.{b}.ffn_{name}_exps.weight"
+            if tname in omit:
+                continue
+            if types[p] in (Q.F32, Q.F16):
+                w.add_tensor(tname, raw)
+            else:
+                w.add_tensor(tname, raw, raw_dtype=types[p])
+            if biases:
+                bias = (rng.standard_normal((E, rows)) * 0.1).astype(np.float32)
+                s[name + "_bias"] = bias
+                w.add_tensor(f"blk.{b}.ffn_{name}_exps.bias", bias)
+        s["router"] = (rng.standard_normal((E, H)) * 0.2).astype(np.float32)
+        w.add_tensor(f"blk.{b}.ffn_gate_inp.weight", s["router"])
+        if biases:
+            s["router_bias"] = (rng.standard_normal(E) * 0.3).astype(np.float32)
+            w.add_tensor(f"blk.{b}.ffn_gate_inp.bias", s["router_bias"])
+        if corr_bias:
+            s["corr"] = (rng.standard_normal(E) * 0.05).astype(np.float32)
+            w.add_tensor(f"blk.{b}.exp_probs_b.bias", s["corr"])
+        src[b] = s
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return src
+
+
+# ---- reading the bank back -------------------------------------------------------------
+
+
+def bank_matrix(t, meta, layer, fc):
+    bits = int(meta["qmoe.bits"])
+    bs = int(meta["qmoe.block_size"])
+    codes = t[f"layers.{layer}.{fc}.weight"]
+    if bits == 4:
+        q = np.empty(codes.shape[:-1] + (codes.shape[-1] * 2,), np.uint8)
+        q[..., 0::2] = codes & 15
+        q[..., 1::2] = codes >> 4
+    else:
+        q = codes
+    zp = np.float32(1 << (bits - 1))
+    sc = t[f"layers.{layer}.{fc}.scales"].astype(np.float32)
+    sc = np.repeat(sc, bs, axis=-1)[..., :q.shape[-1]]
+    return sc * (q.astype(np.float32) - zp)
+
+
+def load_bank(path):
+    t = load_file(str(path))
+    with safe_open(str(path), "np") as f:
+        meta = dict(f.metadata())
+    return t, meta
+
+
+def import_ok(tmp_path, gpath, *extra):
+    out = tmp_path / "out.bank"
+    r = run_tool("import", "gguf", gpath, "--out", out, *extra)
+    assert out.exists() and not os.path.exists(str(out) + ".partial")
+    return out, r.stdout
+
+
+FC = {"gate": "fc1", "up": "fc3", "down": "fc2"}
+
+
+@pytest.mark.parametrize("qtype,bits,bs", [(Q.Q4_0, 4, 32), (Q.Q8_0, 8, 32), (Q.Q5_0, 8, 32),
+                                           (Q.MXFP4, 8, 32), (Q.Q6_K, 8, 16)])
+def test_exact_types_repack_bit_for_bit(tmp_path, qtype, bits, bs):
+    gpath = tmp_path / "m.gguf"
+    src = write_gguf(gpath, types=(qtype,) * 3, seed=int(qtype))
+    out, stdout = import_ok(tmp_path, gpath)
+    t, meta = load_bank(out)
+    assert (int(meta["qmoe.bits"]), int(meta["qmoe.block_size"])) == (bits, bs)
+    source = json.loads(meta["qmoe.source"])
+    assert source["format"] == "gguf" and source["exact"] is True and "max_rel_err" not in source
+    assert source["family"] == "qwen3_moe" and source["files"] == ["m.gguf"]
+    for layer, blk in enumerate(sorted(src)):
+        for name, fc in FC.items():
+            got = bank_matrix(t, meta, layer, fc)
+            want = src[blk][name]
+            assert got.shape == want.shape
+            assert np.array_equal(got.view(np.uint32), want.astype(np.float32).view(np.uint32)), \
+                (qtype.name, layer, name)
+        assert np.array_equal(t[f"layers.{layer}.router.weight"], src[blk]["router"])
+    assert f"{qtype.name}" in stdout and "exact repack" in stdout, stdout
+    # qwen3moe renormalises the top-k: the legacy rule, no routing keys.
+    assert not any(k.startswith("qmoe.routing.") for k in meta)
+
+
+@pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q5_K, Q.Q2_K, Q.Q3_K, Q.Q4_1, Q.Q5_1,
+                                   Q.F16, Q.BF16, Q.F32])
+@pytest.mark.parametrize("bits", [8, 4])
+def test_requantised_types_stay_within_the_recorded_error(tmp_path, qtype, bits):
+    if bits == 4 and qtype not in (Q.Q4_K, Q.F16):
+        pytest.skip("int4 checked on two types, to keep the suite short")
+    gpath = tmp_path / "m.gguf"
+    src = write_gguf(gpath, types=(qtype,) * 3, blocks=1, seed=100 + int(qtype))
+    out, stdout = import_ok(tmp_path, gpath, "--requant-bits", bits)
+    t, meta = load_bank(out)
+    assert int(meta["qmoe.bits"]) == bits
+    source = json.loads(meta["qmoe.source"])
+    assert source["exact"] is False
+    bound = source["max_rel_err"]
+    worst = 0.0
+    for name, fc in FC.items():
+        got = bank_matrix(t, meta, 0, fc).astype(np.float64)
+        want = src[0][name].astype(np.float64)
+        for e in range(E):
+            rel = np.linalg.norm(got[e] - want[e]) / np.linalg.norm(want[e])
+            worst = max(worst, rel)
+            assert rel <= bound * (1 + 1e-6) + 1e-9, (qtype.name, name, e, rel, bound)
+    assert worst > 0 and worst >= bound * 0.999, (worst, bound)  # the bound is the measured one
+    assert bound < (0.02 if bits == 8 else 0.3), bound
+    line = [l for l in stdout.splitlines() if l.strip().startswith(qtype.name + " ")]
+    assert line and "requantised" in line[0] and "max rel err" in line[0], stdout
+
+
+def test_mixed_q4k_q6k_keeps_q6k_exact(tmp_path):
+    gpath = tmp_path / "m.gguf"
+    src = write_gguf(gpath, types=(Q.Q4_K, Q.Q4_K, Q.Q6_K), blocks=1, seed=7)
+    out, stdout = import_ok(tmp_path, gpath)
+    t, meta = load_bank(out)
+    assert (meta["qmoe.bits"], meta["qmoe.block_size"]) == ("8", "16")
+    down = bank_matrix(t, meta, 0, "fc2")
+    assert np.array_equal(down.view(np.uint32), src[0]["down"].view(np.uint32))
+    lines = {l.split()[0]: l for l in stdout.splitlines() if l.startswith("  ")}
+    assert "exact repack" in lines["Q6_K"] and "requantised" in lines["Q4_K"], stdout
+
+
+def silu(z):
+    return z / (1.0 + np.exp(-z))
+
+
+def moe_reference(x, s, route, alpha=1.0, beta=0.0, limit=np.inf):
+    """float64 MoE of one block with the GGUF's own (dequantised) weights."""
+    out = np.zeros((x.shape[0], H))
+    for t in range(x.shape[0]):
+        for e, wgt in route(t):
+            g = s["gate"][e].astype(np.float64) @ x[t] + s.get("gate_bias", np.zeros((E, I)))[e]
+            u = s["up"][e].astype(np.float64) @ x[t] + s.get("up_bias", np.zeros((E, I)))[e]
+            g = np.minimum(g, limit)
+            u = np.clip(u, -limit, limit)
+            a = g / (1.0 + np.exp(-alpha * g)) * (u + beta)
+            y = s["down"][e].astype(np.float64) @ a + s.get("down_bias", np.zeros((E, H)))[e]
+            out[t] += wgt * y
+    return out
+
+
+def run_bank(tmp_path, bank, layer, x):
+    xp, yp = tmp_path / "x.npy", tmp_path / "y.npy"
+    np.save(xp, x)
+    run_tool("run", bank, "--layer", layer, "--hidden", xp, "--out", yp)
+    return np.load(yp).astype(np.float64)
+
+
+def softmax_topk_norm(logits):
+    def route(t):
+        sel = np.argsort(-logits[t], kind="stable")[:K]
+        p = np.exp(logits[t][sel] - logits[t][sel].max())
+        return list(zip(sel, p / p.sum()))
+    return route
+
+
+def test_moe_output_matches_numpy_reference(tmp_path):
+    gpath = tmp_path / "m.gguf"
+    src = write_gguf(gpath, types=(Q.Q8_0,) * 3, blocks=2, seed=11)
+    out, _ = import_ok(tmp_path, gpath)
+    x = np.random.default_rng(3).standard_normal((5, H)).astype(np.float32)
+    for layer in (0, 1):
+        s = src[layer]
+        logits = x.astype(np.float64) @ s["router"].T.astype(np.float64)
+        want = moe_reference(x.astype(np.float64), s, softmax_topk_norm(logits))
+        got = run_bank(tmp_path, out, layer, x)
+        err = np.linalg.norm(got - want) / np.linalg.norm(want)
+        assert err < 1e-5, err
+
+
+def test_gpt_oss_biases_router_bias_and_swiglu_constants(tmp_path):
+    gpath = tmp_path / "m.gguf"
+    src = write_gguf(gpath, arch="gpt-oss", types=(Q.MXFP4,) * 3, blocks=1, seed=12, biases=True)
+    out, stdout = import_ok(tmp_path, gpath)
+    t, meta = load_bank(out)
+    assert meta["qmoe.activation_alpha"] == "1.702" and meta["qmoe.swiglu_limit"] == "7"
+    assert json.loads(meta["qmoe.source"])["family"] == "gpt_oss"
+    for name, fc in FC.items():
+        assert np.array_equal(t[f"layers.0.{fc}.bias"], src[0][name + "_bias"])
+    assert np.array_equal(t["layers.0.router.bias"], src[0]["router_bias"])
+    assert not any(k.startswith("qmoe.routing.") for k in meta)  # top-k logits + bias: legacy
+    x = np.random.default_rng(4).standard_normal((3, H)).astype(np.float32)
+    logits = x.astype(np.float64) @ src[0]["router"].T.astype(np.float64) + src[0]["router_bias"]
+    want = moe_reference(x.astype(np.float64), src[0], softmax_topk_norm(logits), alpha=1.702,
+                         beta=1.0, limit=7.0)
+    got = run_bank(tmp_path, out, 0, x)
+    assert np.linalg.norm(got - want) / np.linalg.norm(want) < 1e-5
+
+
+def test_deepseek_v3_routing_keys_bias_and_layer_map(tmp_path):
+    gpath = tmp_path / "m.gguf"
+    keys = {"expert_gating_func": gguf.ExpertGatingFuncType.SIGMOID, "expert_weights_norm": True,
+            "expert_weights_scale": 2.5, "expert_group_count": 2, "expert_group_used_count": 1}
+    src = write_gguf(gpath, arch="deepseek2", types=(Q.Q8_0,) * 3, blocks=3, dense=1, seed=13,
+                     keys=keys, corr_bias=True)
+    out, stdout = import_ok(tmp_path, gpath)
+    t, meta = load_bank(out)
+    assert meta["qmoe.layers"] == "2" and json.loads(meta["qmoe.layer_map"]) == [1, 2]
+    assert meta["qmoe.routing.score"] == "sigmoid" and meta["qmoe.routing.normalize"] == "1"
+    assert float(meta["qmoe.routing.scale"]) == 2.5
+    assert (meta["qmoe.routing.groups"], meta["qmoe.routing.topk_groups"],
+            meta["qmoe.routing.group_score"]) == ("2", "1", "top2_sum")
+    assert json.loads(meta["qmoe.source"])["family"] == "deepseek_v3"
+    x = np.random.default_rng(5).standard_normal((6, H)).astype(np.float32)
+    for layer, blk in ((0, 1), (1, 2)):
+        s = src[blk]
+        assert np.array_equal(t[f"layers.{layer}.router.correction_bias"], s["corr"])
+        logits = (x.astype(np.float64) @ s["router"].T.astype(np.float64)).astype(np.float32)
+
+        def route(tok):
+            sc = 1.0 / (1.0 + np.exp(-logits[tok].astype(np.float64)))
+            ch = sc + s["corr"]
+            g = np.sort(ch.reshape(2, E // 2), axis=1)[:, -2:].sum(axis=1)
+            keep = np.argmax(g)
+            # transformers' masked_fill(0.0) of the dropped groups; ties: larger index.
+            ch = np.where(np.arange(E) // (E // 2) == keep, ch, 0.0)
+            sel = np.lexsort((-np.arange(E), -ch))[:K]
+            return list(zip(sel, sc[sel] / sc[sel].sum() * 2.5))
+        want = moe_reference(x.astype(np.float64), s, route)
+        got = run_bank(tmp_path, out, layer, x)
+        assert np.linalg.norm(got - want) / np.linalg.norm(want) < 1e-5
+    info = json.loads(run_tool("inspect", "--json", out).stdout)
+    assert info["layer_map"] == [1, 2] and info["routing"]["score"] == "sigmoid"
+
+
+# ---- bad input ---------------------------------------------------------------------------
+
+
+def expect_bad(tmp_path, gpath, needle):
+    out = tmp_path / "bad.bank"
+    r = run_tool("import", "gguf", gpath, "--out", out, check=False)
+    assert r.returncode == 2, (r.returncode, r.stdout, r.stderr)
+    assert needle in r.stderr, r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1, r.stderr
+    assert not out.exists() and not os.path.exists(str(out) + ".partial")
+
+
+def test_unknown_and_unsupported_quant_types(tmp_path):
+    gpath = tmp_path / "m.gguf"
+    write_gguf(gpath, types=(Q.Q8_0,) * 3, blocks=1)
+    data = bytearray(gpath.read_bytes())
+    # The type id of blk.0.ffn_up_exps.weight (u32 after its 3 dims) -> 99.
+    name = b"blk.0.ffn_up_exps.weight"
+    at = data.index(name) + len(name) + 4 + 3 * 8
+    assert int.from_bytes(data[at:at + 4], "little") == int(Q.Q8_0)
+    data[at:at + 4] = (99).to_bytes(4, "little")
+    gpath.write_bytes(bytes(data))
+    expect_bad(tmp_path, gpath, "blk.0.ffn_up_exps.weight: unknown quant type 99")
+    data[at:at + 4] = int(Q.IQ4_NL).to_bytes(4, "little")  # same block size and bytes as Q4_0
+    gpath.write_bytes(bytes(data))
+    expect_bad(tmp_path, gpath, "blk.0.ffn_up_exps.weight: quant type IQ4_NL is not supported")
+
+
+def test_truncated_file(tmp_path):
+    gpath = tmp_path / "m.gguf"
+    write_gguf(gpath, types=(Q.Q8_0,) * 3, blocks=1)
+    data = gpath.read_bytes()
+    gpath.write_bytes(data[:-100])
+    expect_bad(tmp_path, gpath, "runs past the end of the file")
+    gpath.write_bytes(data[:40])
+    expect_bad(tmp_path, gpath, "more than a 40-byte file can hold")
+    gpath.write_bytes(data[:300])
+    expect_bad(tmp_path, gpath, "GGUF truncated")
+    gpath.write_bytes(b"GGUX" + data[4:])
+    expect_bad(tmp_path, gpath, "not a GGUF file")
+
+
+def test_missing_tensor(tmp_path):
+    gpath = tmp_path / "m.gguf"
+    write_gguf(gpath, types=(Q.Q8_0,) * 3, blocks=2, omit=("blk.1.ffn_down_exps.weight",))
+    expect_bad(tmp_path, gpath, "missing tensor blk.1.ffn_down_exps.weight")
+
+
+def test_contradicting_metadata(tmp_path):
+    gpath = tmp_path / "m.gguf"
+    write_gguf(gpath, types=(Q.Q8_0,) * 3, blocks=1, expert_count=6)
+    expect_bad(tmp_path, gpath, "qwen3moe.expert_count = 6 contradicts "
+                                "blk.0.ffn_gate_exps.weight, which holds 4 experts")
+    write_gguf(gpath, types=(Q.Q8_0,) * 3, blocks=1, keys={"expert_group_count": 3})
+    expect_bad(tmp_path, gpath, "qwen3moe.expert_group_count = 3")
+    w = gguf.GGUFWriter(str(gpath), "mamba")
+    w.add_block_count(1)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    expect_bad(tmp_path, gpath, "general.architecture = \"mamba\" is not a supported MoE")
+
+
+def test_usage_errors(tmp_path):
+    r = run_tool("import", "gguf", "x.gguf", check=False)
+    assert r.returncode == 2 and "--out" in r.stderr
+    r = run_tool("import", "gguf", "x.gguf", "--out", tmp_path / "o", "--requant-bits", "3",
+                 check=False)
+    assert r.returncode == 2 and "--requant-bits takes 4 or 8" in r.stderr
+    expect_bad(tmp_path, tmp_path / "missing.gguf", "cannot open")
+    assert "import gguf" in run_tool("import", "gguf", "--help").stdout
+
+
+@pytest.mark.parametrize("arch,family,keys,want", [
+    ("llama", "mixtral", {}, None),
+    ("qwen3moe", "qwen3_moe", {}, None),
+    ("qwen3moe", "qwen3_moe", {"expert_weights_norm": False}, ("softmax", "0")),
+    ("qwen2moe", "qwen2_moe", {}, ("softmax", "0")),
+    ("olmoe", "olmoe", {}, ("softmax", "0")),
+    ("deepseek2", "deepseek_v2", {"expert_weights_scale": 16.0}, ("softmax", "0")),
+])
+def test_routing_keys_per_architecture(tmp_path, arch, family, keys, want):
+    gpath = tmp_path / "m.gguf"
+    src = write_gguf(gpath, arch=arch, types=(Q.Q8_0,) * 3, blocks=1, seed=21, keys=keys)
+    out, stdout = import_ok(tmp_path, gpath)
+    t, meta = load_bank(out)
+    assert json.loads(meta["qmoe.source"])["family"] == family
+    routing = {k: v for k, v in meta.items() if k.startswith("qmoe.routing.")}
+    if want is None:
+        assert routing == {} and "routing: legacy" in stdout
+        return
+    assert (routing["qmoe.routing.score"], routing["qmoe.routing.normalize"]) == want
+    scale = float(routing["qmoe.routing.scale"])
+    assert scale == keys.get("expert_weights_scale", 1.0)
+    # Un-normalised softmax top-k, scaled: the bank routes as the family does.
+    x = np.random.default_rng(8).standard_normal((4, H)).astype(np.float32)
+    logits = x.astype(np.float64) @ src[0]["router"].T.astype(np.float64)
+
+    def route(tok):
+        p = np.exp(logits[tok] - logits[tok].max())
+        p /= p.sum()
+        sel = np.argsort(-p, kind="stable")[:K]
+        return list(zip(sel, p[sel] * scale))
+    want_y = moe_reference(x.astype(np.float64), src[0], route)
+    got = run_bank(tmp_path, out, 0, x)
+    assert np.linalg.norm(got - want_y) / np.linalg.norm(want_y) < 1e-5
+
+
+def test_custom_alignment_is_honoured(tmp_path):
+    gpath = tmp_path / "m.gguf"
+    rng = np.random.default_rng(2)
+    w = gguf.GGUFWriter(str(gpath), "qwen3moe")
+    w.add_custom_alignment(256)
+    w.add_block_count(1)
+    w.add_expert_count(E)
+    w.add_expert_used_count(K)
+    src = {}
+    for name, rows, cols in (("gate", I, H), ("up", I, H), ("down", H, I)):
+        raw, src[name] = make_matrix(rng, Q.Q4_0, rows, cols)
+        w.add_tensor(f"blk.0.ffn_{name}_exps.weight", raw, raw_dtype=Q.Q4_0)
+    w.add_tensor("blk.0.ffn_gate_inp.weight", rng.standard_normal((E, H)).astype(np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    out, _ = import_ok(tmp_path, gpath)
+    t, meta = load_bank(out)
+    for name, fc in FC.items():
+        assert np.array_equal(bank_matrix(t, meta, 0, fc).view(np.uint32),
+                              src[name].view(np.uint32))

@@ -1,0 +1,839 @@
+/* import_gguf.c - `qmoe-bank import gguf FILE --out BANK [--requant-bits 4|8]`:
+ * llama.cpp's stacked MoE tensors of a GGUF file into a bank.
+ *
+ * One bank layout (bits, block size) for the whole file, chosen from the
+ * ggml types of its expert tensors so that as many as possible repack bit
+ * exactly (gguf_quants.h); the others are dequantised and requantised to
+ * --requant-bits with their error measured. The bank is fc1 = gate, fc3 =
+ * up, fc2 = down (swiglu, fusion 0), the router (ffn_gate_inp) in f32, and
+ * the routing keys from the GGUF metadata. The output is written to
+ * BANK.partial, checked by opening it as the daemon does, then renamed; any
+ * failure removes the partial file. */
+#include <errno.h>
+#include <fcntl.h>
+#include <getopt.h>
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include "gguf_quants.h"
+#include "gguf_reader.h"
+#include "qm_alloc.h"
+#include "qm_bank.h"
+#include "qm_st_header.h"
+#include "qmoe_bank_tool.h"
+
+#define BAD(st, ...) qm_status_set((st), QM_EINVALID_MODEL, __VA_ARGS__)
+#define QMG_PLACEHOLDER "9.999999999e+99" /* max_rel_err, rewritten at the end */
+
+void qmb_help_import_gguf(FILE *f)
+{
+    fputs("usage: qmoe-bank import gguf FILE --out BANK [--requant-bits 4|8] [--quiet]\n"
+          "\n"
+          "Imports the routed experts of a llama.cpp GGUF file (architectures llama/Mixtral,\n"
+          "qwen2moe, qwen3moe, olmoe, deepseek2, gpt-oss): blk.N.ffn_{gate,up,down}_exps,\n"
+          "the router ffn_gate_inp (+ bias), exp_probs_b (DeepSeek-V3's correction bias),\n"
+          "expert biases (gpt-oss), and the routing keys (expert_gating_func,\n"
+          "expert_weights_norm, expert_weights_scale, expert_group_count, ...). Dense\n"
+          "blocks and shared experts stay with the engine; qmoe.layer_map records the\n"
+          "block of each bank layer.\n"
+          "\n"
+          "Q4_0, Q8_0, Q5_0, MXFP4 and Q6_K repack bit-exactly (Q4_0 alone: int4 block\n"
+          "32; with Q8_0/Q5_0/MXFP4: int8 block 32; with Q6_K: int8 block 16). Every other\n"
+          "type (F32, F16, BF16, Q4_1, Q5_1, Q2_K, Q3_K, Q4_K, Q5_K) is requantised to\n"
+          "--requant-bits (default 8) with the error recorded in qmoe.source; the output\n"
+          "lists which path each tensor type took.\n"
+          "A bad file (unknown quant type, truncated data, missing tensor, metadata that\n"
+          "contradicts the tensors) prints one line naming the tensor or key and exits 2,\n"
+          "leaving no output file.\n",
+          f);
+}
+
+/* ---- what the file holds ---------------------------------------------------------- */
+
+typedef struct arch_info {
+    const char *arch, *family;
+    int norm_default; /* llama.cpp's norm_w when expert_weights_norm is absent */
+    int gpt_oss;
+} arch_info;
+
+static const arch_info ARCHS[] = {
+    {"llama", "mixtral", 1, 0},      {"qwen2moe", "qwen2_moe", 0, 0},
+    {"qwen3moe", "qwen3_moe", 1, 0}, {"olmoe", "olmoe", 0, 0},
+    {"deepseek2", "deepseek_v2", 0, 0}, {"gpt-oss", "gpt_oss", 1, 1},
+};
+
+enum { P_GATE = 0, P_UP, P_DOWN, P_COUNT };
+static const char *const PROJ_NAME[P_COUNT] = {"ffn_gate_exps", "ffn_up_exps", "ffn_down_exps"};
+/* Bank tensors of each projection: fc1 = gate, fc3 = up, fc2 = down. */
+static const qm_bank_tensor PROJ_W[P_COUNT] = {QM_T_FC1_WEIGHT, QM_T_FC3_WEIGHT, QM_T_FC2_WEIGHT};
+
+typedef struct moe_layer {
+    uint32_t block;
+    const qmg_tensor *w[P_COUNT], *b[P_COUNT]; /* weights, biases (NULL when absent) */
+    const qmg_tensor *router, *router_bias, *corr_bias;
+} moe_layer;
+
+typedef struct plan {
+    const arch_info *ai;
+    const char *arch;
+    uint32_t E, k, H, I, n_layers;
+    moe_layer *layers;
+    unsigned bits, bs;
+    /* routing */
+    int legacy, score_sigmoid, normalize, groups, topk_groups;
+    double scale;
+    char family[32];
+} plan;
+
+static int tensor_name(char *buf, size_t size, uint32_t block, const char *what)
+{
+    return snprintf(buf, size, "blk.%u.%s", block, what) < (int)size ? 0 : -1;
+}
+
+static const qmg_tensor *find_blk(const qmg_file *f, uint32_t block, const char *what)
+{
+    char name[96];
+    tensor_name(name, sizeof name, block, what);
+    return qmg_find_tensor(f, name);
+}
+
+static int need_type(const qmg_tensor *t, qm_status *st)
+{
+    char tb[16];
+    uint64_t bl, by;
+    if (!qmg_type_size(t->type, &bl, &by))
+        return BAD(st, "%s: unknown quant type %u (not a ggml type this importer knows)",
+                   t->name, t->type);
+    if (!qmg_can_dequant(t->type))
+        return BAD(st, "%s: quant type %s is not supported (supported: F32, F16, BF16, Q4_0, "
+                       "Q4_1, Q5_0, Q5_1, Q8_0, MXFP4, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K)",
+                   t->name, qmg_type_name(t->type, tb, sizeof tb));
+    return 0;
+}
+
+static int need_shape(const qmg_tensor *t, uint32_t nd, uint64_t d0, uint64_t d1, uint64_t d2,
+                      const char *why, qm_status *st)
+{
+    uint64_t want[3] = {d0, d1, d2};
+    int ok = t->n_dims == nd;
+    for (uint32_t i = 0; ok && i < nd; i++)
+        ok = t->ne[i] == want[i];
+    if (ok)
+        return 0;
+    char have[96] = "", need[96] = "";
+    size_t o = 0, p = 0;
+    for (uint32_t i = 0; i < t->n_dims && o < sizeof have; i++)
+        o += (size_t)snprintf(have + o, sizeof have - o, "%s%llu", i ? "," : "",
+                              (unsigned long long)t->ne[i]);
+    for (uint32_t i = 0; i < nd && p < sizeof need; i++)
+        p += (size_t)snprintf(need + p, sizeof need - p, "%s%llu", i ? "," : "",
+                              (unsigned long long)want[i]);
+    return BAD(st, "%s: shape (ggml ne) [%s] but %s needs [%s]", t->name, have, why, need);
+}
+
+static int read_plan(const qmg_file *f, plan *pl, unsigned requant_bits, qm_status *st)
+{
+    char key[128];
+    int rc;
+    const qmg_kv *ak = qmg_find_kv(f, "general.architecture");
+    if (!ak || ak->type != QMG_STRING)
+        return BAD(st, "GGUF key general.architecture is missing (or not a string)");
+    pl->arch = ak->str;
+    for (size_t i = 0; i < sizeof ARCHS / sizeof ARCHS[0]; i++)
+        if (strcmp(ARCHS[i].arch, ak->str) == 0)
+            pl->ai = &ARCHS[i];
+    if (!pl->ai)
+        return BAD(st, "GGUF key general.architecture = \"%.32s\" is not a supported MoE "
+                       "architecture (llama, qwen2moe, qwen3moe, olmoe, deepseek2, gpt-oss)",
+                   ak->str);
+    snprintf(pl->family, sizeof pl->family, "%s", pl->ai->family);
+    uint64_t E = 0, k = 0, blocks = 0, dense = 0, v;
+#define KEY(name) (snprintf(key, sizeof key, "%s." name, pl->arch), key)
+    if ((rc = qmg_get_uint(f, KEY("expert_count"), &E, st)) < 0)
+        return rc;
+    if (rc == 1 || E == 0 || E > 65536)
+        return BAD(st, "GGUF key %s is %s (an MoE file needs 1..65536 experts)", key,
+                   rc == 1 ? "missing" : "out of range");
+    if ((rc = qmg_get_uint(f, KEY("expert_used_count"), &k, st)) < 0)
+        return rc;
+    if (rc == 1 || k == 0 || k > E)
+        return BAD(st, "GGUF key %s is %s but it must be in [1, %s.expert_count = %llu]", key,
+                   rc == 1 ? "missing" : "out of range", pl->arch, (unsigned long long)E);
+    if ((rc = qmg_get_uint(f, KEY("block_count"), &blocks, st)) < 0)
+        return rc;
+    if (rc == 1 || blocks == 0 || blocks > 65536)
+        return BAD(st, "GGUF key %s is %s (1..65536 blocks)", key,
+                   rc == 1 ? "missing" : "out of range");
+    if ((rc = qmg_get_uint(f, KEY("leading_dense_block_count"), &dense, st)) < 0)
+        return rc;
+    if (dense > blocks)
+        return BAD(st, "GGUF key %s = %llu exceeds %s.block_count = %llu", key,
+                   (unsigned long long)dense, pl->arch, (unsigned long long)blocks);
+    pl->E = (uint32_t)E;
+    pl->k = (uint32_t)k;
+    for (size_t i = 0; i < f->n_tensors; i++) {
+        unsigned b;
+        char rest[64];
+        if (sscanf(f->tensors[i].name, "blk.%u.%63s", &b, rest) == 2 && b >= blocks &&
+            strstr(rest, "_exps"))
+            return BAD(st, "%s: block %u but %s.block_count is %llu", f->tensors[i].name, b,
+                       pl->arch, (unsigned long long)blocks);
+    }
+    pl->layers = qm_calloc((size_t)blocks, sizeof *pl->layers);
+    if (!pl->layers)
+        return qm_status_set(st, QM_ENOMEM, "out of memory");
+    for (uint32_t b = 0; b < blocks; b++) {
+        const qmg_tensor *gate = find_blk(f, b, "ffn_gate_exps.weight");
+        if (find_blk(f, b, "ffn_gate_up_exps.weight"))
+            return BAD(st, "blk.%u.ffn_gate_up_exps.weight: fused gate+up experts are not "
+                           "supported (expected ffn_gate_exps and ffn_up_exps)", b);
+        if (!gate) {
+            if (b >= dense)
+                return BAD(st, "missing tensor blk.%u.ffn_gate_exps.weight (block %u is past "
+                               "%s.leading_dense_block_count = %llu, so it must be MoE)",
+                           b, b, pl->arch, (unsigned long long)dense);
+            continue;
+        }
+        moe_layer *L = &pl->layers[pl->n_layers++];
+        L->block = b;
+        static const char *const bias_names[P_COUNT] = {"ffn_gate_exps.bias", "ffn_up_exps.bias",
+                                                        "ffn_down_exps.bias"};
+        for (int p = 0; p < P_COUNT; p++) {
+            char nm[64];
+            snprintf(nm, sizeof nm, "%s.weight", PROJ_NAME[p]);
+            L->w[p] = find_blk(f, b, nm);
+            if (!L->w[p])
+                return BAD(st, "missing tensor blk.%u.%s", b, nm);
+            if ((rc = need_type(L->w[p], st)))
+                return rc;
+            L->b[p] = find_blk(f, b, bias_names[p]);
+        }
+        L->router = find_blk(f, b, "ffn_gate_inp.weight");
+        if (!L->router)
+            return BAD(st, "missing tensor blk.%u.ffn_gate_inp.weight (the router)", b);
+        L->router_bias = find_blk(f, b, "ffn_gate_inp.bias");
+        L->corr_bias = find_blk(f, b, "exp_probs_b.bias");
+        if (!L->corr_bias)
+            L->corr_bias = find_blk(f, b, "exp_probs_b");
+    }
+    if (pl->n_layers == 0)
+        return BAD(st, "no MoE expert tensors (blk.N.ffn_gate_exps.weight) in the file");
+
+    /* Shapes: every layer as the first, and the metadata agreeing. */
+    const moe_layer *L0 = &pl->layers[0];
+    pl->H = (uint32_t)L0->w[P_GATE]->ne[0];
+    pl->I = (uint32_t)L0->w[P_GATE]->ne[1];
+    if (L0->w[P_GATE]->n_dims == 3 && L0->w[P_GATE]->ne[2] != E)
+        return BAD(st, "GGUF key %s.expert_count = %llu contradicts %s, which holds %llu experts "
+                       "(ne[2])", pl->arch, (unsigned long long)E, L0->w[P_GATE]->name,
+                   (unsigned long long)L0->w[P_GATE]->ne[2]);
+    if ((rc = qmg_get_uint(f, KEY("embedding_length"), &v, st)) < 0)
+        return rc;
+    if (rc == 0 && v != pl->H)
+        return BAD(st, "GGUF key %s = %llu contradicts %s (ne[0] = %u)", key,
+                   (unsigned long long)v, L0->w[P_GATE]->name, pl->H);
+    if ((rc = qmg_get_uint(f, KEY("expert_feed_forward_length"), &v, st)) < 0)
+        return rc;
+    if (rc == 0 && v != pl->I)
+        return BAD(st, "GGUF key %s = %llu contradicts %s (ne[1] = %u)", key,
+                   (unsigned long long)v, L0->w[P_GATE]->name, pl->I);
+    if (pl->H == 0 || pl->I == 0 || pl->H > (1u << 20) || pl->I > (1u << 20) || pl->H % 2 ||
+        pl->I % 2)
+        return BAD(st, "%s: hidden %u and expert width %u must be even and in [2, 2^20]",
+                   L0->w[P_GATE]->name, pl->H, pl->I);
+    for (uint32_t l = 0; l < pl->n_layers; l++) {
+        const moe_layer *L = &pl->layers[l];
+        if ((rc = need_shape(L->w[P_GATE], 3, pl->H, pl->I, E, "[hidden, expert width, experts]",
+                             st)) ||
+            (rc = need_shape(L->w[P_UP], 3, pl->H, pl->I, E, "the gate's shape", st)) ||
+            (rc = need_shape(L->w[P_DOWN], 3, pl->I, pl->H, E, "[expert width, hidden, experts]",
+                             st)) ||
+            (rc = need_shape(L->router, 2, pl->H, E, 0, "[hidden, experts]", st)) ||
+            (rc = need_type(L->router, st)))
+            return rc;
+        const qmg_tensor *vec[2] = {L->router_bias, L->corr_bias};
+        for (int i = 0; i < 2; i++)
+            if (vec[i] && ((rc = need_shape(vec[i], 1, E, 0, 0, "[experts]", st)) ||
+                           (rc = need_type(vec[i], st))))
+                return rc;
+        for (int p = 0; p < P_COUNT; p++)
+            if (L->b[p] && ((rc = need_shape(L->b[p], 2, p == P_DOWN ? pl->H : pl->I, E, 0,
+                                             "[rows, experts]", st)) ||
+                            (rc = need_type(L->b[p], st))))
+                return rc;
+        if (!L->b[P_GATE] != !L0->b[P_GATE] || !L->b[P_UP] != !L0->b[P_UP] ||
+            !L->b[P_DOWN] != !L0->b[P_DOWN] || !L->corr_bias != !L0->corr_bias ||
+            !L->router_bias != !L0->router_bias)
+            return BAD(st, "blk.%u: its biases differ from blk.%u's (every MoE block must have "
+                           "the same optional tensors)", L->block, L0->block);
+    }
+
+    /* Routing: the file's keys, else llama.cpp's default for the architecture. */
+    uint64_t gating = 1, gcount = 1, gused = 0;
+    int norm = pl->ai->norm_default;
+    double scale = 1.0;
+    if ((rc = qmg_get_uint(f, KEY("expert_gating_func"), &gating, st)) < 0 ||
+        (rc = qmg_get_bool(f, KEY("expert_weights_norm"), &norm, st)) < 0 ||
+        (rc = qmg_get_float(f, KEY("expert_weights_scale"), &scale, st)) < 0 ||
+        (rc = qmg_get_uint(f, KEY("expert_group_count"), &gcount, st)) < 0 ||
+        (rc = qmg_get_uint(f, KEY("expert_group_used_count"), &gused, st)) < 0)
+        return rc;
+    if (gating == 0)
+        gating = 1;
+    if (gating > 3)
+        return BAD(st, "GGUF key %s.expert_gating_func = %llu is unknown (1 softmax, 2 sigmoid, "
+                       "3 softmax over the selected)", pl->arch, (unsigned long long)gating);
+    if (scale < 0.0 || !isfinite(scale))
+        return BAD(st, "GGUF key %s.expert_weights_scale = %g must be a finite number >= 0",
+                   pl->arch, scale);
+    if (scale == 0.0)
+        scale = 1.0; /* llama.cpp: 0 = not set */
+    if (gcount == 0)
+        gcount = 1;
+    if (gused == 0)
+        gused = gcount;
+    if (E % gcount != 0 || gused > gcount)
+        return BAD(st, "GGUF keys %s.expert_group_count = %llu / expert_group_used_count = %llu "
+                       "do not fit %llu experts", pl->arch, (unsigned long long)gcount,
+                   (unsigned long long)gused, (unsigned long long)E);
+    if (gused * (E / gcount) < k)
+        return BAD(st, "GGUF key %s.expert_group_used_count = %llu keeps %llu experts, fewer than "
+                       "expert_used_count %llu", pl->arch, (unsigned long long)gused,
+                   (unsigned long long)(gused * (E / gcount)), (unsigned long long)k);
+    pl->score_sigmoid = gating == 2;
+    pl->normalize = gating == 3 ? 1 : norm;
+    pl->scale = scale;
+    pl->groups = (int)gcount;
+    pl->topk_groups = (int)gused;
+    pl->legacy = !pl->score_sigmoid && pl->normalize && scale == 1.0 && gcount == 1 &&
+                 !L0->corr_bias;
+    if (L0->corr_bias && !pl->score_sigmoid && gating != 1)
+        return BAD(st, "%s: a correction bias needs softmax or sigmoid gating", L0->corr_bias->name);
+    if (strcmp(pl->arch, "deepseek2") == 0 && pl->score_sigmoid)
+        snprintf(pl->family, sizeof pl->family, "deepseek_v3");
+#undef KEY
+
+    /* The layout: exact for as many expert tensors as one (bits, block) allows. */
+    int only_q40 = 1, any_q6k = 0, any_requant = 0;
+    for (uint32_t l = 0; l < pl->n_layers; l++)
+        for (int p = 0; p < P_COUNT; p++) {
+            uint32_t t = pl->layers[l].w[p]->type;
+            only_q40 &= t == QMG_Q4_0;
+            any_q6k |= t == QMG_Q6_K;
+            any_requant |= !qmg_exact_fits(t, 8, 16, QM_DTYPE_F32);
+        }
+    if (only_q40) {
+        pl->bits = 4;
+        pl->bs = 32;
+    } else if (!any_requant) {
+        pl->bits = 8;
+        pl->bs = any_q6k ? 16 : 32;
+    } else {
+        pl->bits = requant_bits;
+        pl->bs = requant_bits == 8 && any_q6k ? 16 : 32;
+    }
+    if (pl->H % pl->bs || pl->I % pl->bs)
+        return BAD(st, "%s: hidden %u and expert width %u must be multiples of the bank's "
+                       "block size %u", L0->w[P_GATE]->name, pl->H, pl->I, pl->bs);
+    return 0;
+}
+
+/* ---- the bank --------------------------------------------------------------------- */
+
+typedef struct out_tensor {
+    char name[64];
+    char dtype[8];
+    uint32_t ndim;
+    uint64_t shape[3];
+    uint64_t begin, end;
+} out_tensor;
+
+/* Scale dtype of projection p's bank tensor: f16 for exact Q4_0/Q8_0/Q5_0 (their d
+ * is an f16), f32 otherwise. */
+static qm_dtype scale_dtype(const plan *pl, uint32_t type)
+{
+    if ((type == QMG_Q4_0 || type == QMG_Q8_0 || type == QMG_Q5_0) && qmg_exact_fits(type, pl->bits, pl->bs,
+                                                                  QM_DTYPE_F16))
+        return QM_DTYPE_F16;
+    return QM_DTYPE_F32;
+}
+
+static int exact_path(const plan *pl, uint32_t type)
+{
+    return qmg_exact_fits(type, pl->bits, pl->bs, scale_dtype(pl, type));
+}
+
+typedef struct type_stats {
+    uint32_t type;
+    unsigned count;
+    int exact;
+    qm_dtype sdt;
+    double max_rel;
+} type_stats;
+
+typedef struct job {
+    const char *in_path, *out_path;
+    char *partial;
+    int fd;
+    uint64_t data_start;
+    out_tensor *ot;
+    size_t n_ot;
+    type_stats ts[32];
+    size_t n_ts;
+    double max_rel;
+    int exact;
+} job;
+
+static uint64_t elem_size(const out_tensor *t)
+{
+    return strcmp(t->dtype, "U8") == 0 ? 1 : strcmp(t->dtype, "F16") == 0 ? 2 : 4;
+}
+
+static out_tensor *add_tensor(job *j, uint32_t layer, const char *suffix, const char *dtype,
+                              uint32_t ndim, uint64_t d0, uint64_t d1, uint64_t d2,
+                              uint64_t *offset)
+{
+    out_tensor *t = &j->ot[j->n_ot++];
+    snprintf(t->name, sizeof t->name, "layers.%u.%s", layer, suffix);
+    snprintf(t->dtype, sizeof t->dtype, "%s", dtype);
+    t->ndim = ndim;
+    t->shape[0] = d0;
+    t->shape[1] = d1;
+    t->shape[2] = d2;
+    uint64_t n = elem_size(t);
+    for (uint32_t i = 0; i < ndim; i++)
+        n *= t->shape[i];
+    t->begin = 0;
+    t->end = n; /* offsets come in place_tensors */
+    *offset += n;
+    return t;
+}
+
+/* safetensors readers want the data section without gaps, and the loader
+ * wants every element aligned: 4-byte tensors first, then 2-byte, then
+ * bytes, each group in plan order. */
+static void place_tensors(job *j)
+{
+    uint64_t at = 0;
+    for (uint64_t es = 4; es >= 1; es /= 2)
+        for (size_t i = 0; i < j->n_ot; i++) {
+            out_tensor *t = &j->ot[i];
+            if (elem_size(t) != es)
+                continue;
+            uint64_t n = t->end - t->begin;
+            t->begin = at;
+            t->end = at + n;
+            at += n;
+        }
+}
+
+static int write_at(job *j, const out_tensor *t, const void *buf, qm_status *st)
+{
+    uint64_t n = t->end - t->begin, done = 0;
+    while (done < n) {
+        ssize_t w = pwrite(j->fd, (const uint8_t *)buf + done, (size_t)(n - done),
+                           (off_t)(j->data_start + t->begin + done));
+        if (w < 0 && errno == EINTR)
+            continue;
+        if (w <= 0)
+            return qm_status_set(st, QM_EIO, "writing %s to %s: %s", t->name, j->partial,
+                                 w < 0 ? strerror(errno) : "short write");
+        done += (uint64_t)w;
+    }
+    return 0;
+}
+
+static type_stats *stats_for(job *j, uint32_t type, int exact, qm_dtype sdt)
+{
+    for (size_t i = 0; i < j->n_ts; i++)
+        if (j->ts[i].type == type)
+            return &j->ts[i];
+    type_stats *s = &j->ts[j->n_ts++];
+    *s = (type_stats){.type = type, .exact = exact, .sdt = sdt};
+    return s;
+}
+
+/* One stacked expert tensor [E, N, K] into codes [E, N, K/pack] and scales. */
+static int write_experts(job *j, const plan *pl, const qmg_tensor *src, const out_tensor *tw,
+                         const out_tensor *tsc, qm_status *st)
+{
+    uint32_t E = pl->E, N = (uint32_t)src->ne[1], K = (uint32_t)src->ne[0];
+    uint64_t row_bytes = src->nbytes / ((uint64_t)E * N), nblk = K / pl->bs;
+    qm_dtype sdt = scale_dtype(pl, src->type);
+    int exact = exact_path(pl, src->type);
+    size_t ssz = qm_dtype_size(sdt);
+    uint8_t *codes = qm_calloc((size_t)(tw->end - tw->begin), 1);
+    uint8_t *scales = qm_malloc((size_t)(tsc->end - tsc->begin));
+    float *row = exact ? NULL : qm_malloc((size_t)K * sizeof(float));
+    float *rs = exact ? NULL : qm_malloc((size_t)nblk * sizeof(float));
+    int rc = 0;
+    if (!codes || !scales || (!exact && (!row || !rs))) {
+        rc = qm_status_set(st, QM_ENOMEM, "out of memory converting %s", src->name);
+        goto done;
+    }
+    type_stats *ts = stats_for(j, src->type, exact, sdt);
+    ts->count++;
+    uint64_t code_row = (uint64_t)K * pl->bits / 8;
+    for (uint32_t e = 0; e < E; e++) {
+        double diff2 = 0, ref2 = 0;
+        for (uint32_t n = 0; n < N; n++) {
+            uint64_t r = (uint64_t)e * N + n;
+            const uint8_t *in = src->data + r * row_bytes;
+            uint8_t *out = codes + r * code_row;
+            void *sc = scales + r * nblk * ssz;
+            if (exact) {
+                qmg_repack_row(src->type, in, K, pl->bits, pl->bs, sdt, out, sc);
+                continue;
+            }
+            qmg_dequant_row(src->type, in, K, row);
+            qmg_quantise_row(row, K, pl->bits, pl->bs, out, rs, &diff2, &ref2);
+            memcpy(sc, rs, (size_t)nblk * sizeof(float));
+        }
+        if (!exact) {
+            double rel = ref2 > 0 ? sqrt(diff2 / ref2) : 0.0;
+            ts->max_rel = rel > ts->max_rel ? rel : ts->max_rel;
+            j->max_rel = rel > j->max_rel ? rel : j->max_rel;
+            j->exact = 0;
+        }
+    }
+    if ((rc = write_at(j, tw, codes, st)) == 0)
+        rc = write_at(j, tsc, scales, st);
+done:
+    qm_free(codes);
+    qm_free(scales);
+    qm_free(row);
+    qm_free(rs);
+    return rc;
+}
+
+/* A float tensor (router, biases) widened to f32 as is: exact for F32, F16
+ * and BF16, the ggml value for a quantised router. */
+static int write_f32(job *j, const qmg_tensor *src, const out_tensor *t, qm_status *st)
+{
+    uint64_t n = (t->end - t->begin) / 4, K = src->ne[0];
+    float *buf = qm_malloc((size_t)n * sizeof(float));
+    if (!buf)
+        return qm_status_set(st, QM_ENOMEM, "out of memory converting %s", src->name);
+    uint64_t row_bytes = src->nbytes / (n / K);
+    for (uint64_t r = 0; r < n / K; r++)
+        qmg_dequant_row(src->type, src->data + r * row_bytes, K, buf + r * K);
+    int rc = write_at(j, t, buf, st);
+    qm_free(buf);
+    return rc;
+}
+
+static void json_escape(const char *s, char *out, size_t size)
+{
+    size_t o = 0;
+    for (; *s && o + 7 < size; s++) {
+        unsigned char c = (unsigned char)*s;
+        if (c == '"' || c == '\\')
+            o += (size_t)snprintf(out + o, size - o, "\\%c", c);
+        else if (c < 0x20)
+            o += (size_t)snprintf(out + o, size - o, "\\u%04x", c);
+        else
+            out[o++] = (char)c;
+    }
+    out[o] = '\0';
+}
+
+static int build_and_write(job *j, const qmg_file *f, const plan *pl, qm_status *st)
+{
+    int rc = 0;
+    char *json = NULL;
+    size_t json_len = 0;
+    qm_st_tensor *sts = NULL;
+    const uint32_t E = pl->E, H = pl->H, I = pl->I, pack = 8 / pl->bits;
+    j->ot = qm_calloc((size_t)pl->n_layers * 16, sizeof *j->ot);
+    sts = qm_calloc((size_t)pl->n_layers * 16, sizeof *sts);
+    if (!j->ot || !sts) {
+        rc = qm_status_set(st, QM_ENOMEM, "out of memory planning the bank");
+        goto done;
+    }
+    /* 1. Plan every tensor (offsets in the data section). */
+    uint64_t off = 0;
+    for (uint32_t l = 0; l < pl->n_layers; l++) {
+        const moe_layer *L = &pl->layers[l];
+        for (int p = 0; p < P_COUNT; p++) {
+            uint64_t N = p == P_DOWN ? H : I, K = p == P_DOWN ? I : H;
+            qm_bank_tensor tw = PROJ_W[p];
+            add_tensor(j, l, qm_bank_tensor_suffix(tw), "U8", 3, E, N, K / pack, &off);
+            add_tensor(j, l, qm_bank_tensor_suffix((qm_bank_tensor)(tw + 1)),
+                       scale_dtype(pl, L->w[p]->type) == QM_DTYPE_F16 ? "F16" : "F32", 3, E, N,
+                       K / pl->bs, &off);
+            if (L->b[p])
+                add_tensor(j, l, qm_bank_tensor_suffix((qm_bank_tensor)(tw + 3)), "F32", 2, E,
+                           N, 0, &off);
+        }
+        add_tensor(j, l, "router.weight", "F32", 2, E, H, 0, &off);
+        if (L->router_bias)
+            add_tensor(j, l, "router.bias", "F32", 1, E, 0, 0, &off);
+        if (L->corr_bias)
+            add_tensor(j, l, "router.correction_bias", "F32", 1, E, 0, 0, &off);
+    }
+    place_tensors(j);
+    for (size_t i = 0; i < j->n_ot; i++) {
+        out_tensor *t = &j->ot[i];
+        sts[i].name = t->name;
+        snprintf(sts[i].dtype, sizeof sts[i].dtype, "%s", t->dtype);
+        sts[i].ndim = t->ndim;
+        memcpy(sts[i].shape, t->shape, sizeof t->shape);
+        sts[i].begin = t->begin;
+        sts[i].end = t->end;
+    }
+
+    /* 2. Metadata. */
+    char v_layers[16], v_E[16], v_H[16], v_I[16], v_k[16], v_bits[8], v_bs[16];
+    char v_scale[32], v_groups[16], v_topk[16], layer_map[4096], source[1024], base[512];
+    snprintf(v_layers, sizeof v_layers, "%u", pl->n_layers);
+    snprintf(v_E, sizeof v_E, "%u", E);
+    snprintf(v_H, sizeof v_H, "%u", H);
+    snprintf(v_I, sizeof v_I, "%u", I);
+    snprintf(v_k, sizeof v_k, "%u", pl->k);
+    snprintf(v_bits, sizeof v_bits, "%u", pl->bits);
+    snprintf(v_bs, sizeof v_bs, "%u", pl->bs);
+    snprintf(v_scale, sizeof v_scale, "%.9g", pl->scale);
+    snprintf(v_groups, sizeof v_groups, "%d", pl->groups);
+    snprintf(v_topk, sizeof v_topk, "%d", pl->topk_groups);
+    size_t o = (size_t)snprintf(layer_map, sizeof layer_map, "[");
+    int identity = 1;
+    for (uint32_t l = 0; l < pl->n_layers && o < sizeof layer_map; l++) {
+        identity &= pl->layers[l].block == l;
+        o += (size_t)snprintf(layer_map + o, sizeof layer_map - o, "%s%u", l ? "," : "",
+                              pl->layers[l].block);
+    }
+    if (o + 2 > sizeof layer_map) {
+        rc = BAD(st, "too many MoE layers for qmoe.layer_map");
+        goto done;
+    }
+    snprintf(layer_map + o, sizeof layer_map - o, "]");
+    const char *slash = strrchr(j->in_path, '/');
+    json_escape(slash ? slash + 1 : j->in_path, base, sizeof base);
+    int exact_all = 1;
+    for (uint32_t l = 0; l < pl->n_layers; l++)
+        for (int p = 0; p < P_COUNT; p++)
+            exact_all &= exact_path(pl, pl->layers[l].w[p]->type);
+    snprintf(source, sizeof source,
+             "{\"format\":\"gguf\",\"family\":\"%s\",\"arch\":\"%s\",\"files\":[\"%s\"],"
+             "\"exact\":%s%s}",
+             pl->family, pl->arch, base, exact_all ? "true" : "false",
+             exact_all ? "" : ",\"max_rel_err\":" QMG_PLACEHOLDER);
+    j->exact = 1;
+    qm_st_meta meta[24];
+    size_t nm = 0;
+#define META(k, v) (meta[nm].key = (char *)(k), meta[nm].value = (char *)(v), nm++)
+    META("qmoe.format", "1");
+    META("qmoe.layers", v_layers);
+    META("qmoe.experts", v_E);
+    META("qmoe.hidden_size", v_H);
+    META("qmoe.inter_size", v_I);
+    META("qmoe.k", v_k);
+    META("qmoe.activation", "swiglu");
+    META("qmoe.bits", v_bits);
+    META("qmoe.block_size", v_bs);
+    META("qmoe.swiglu_fusion", "0");
+    META("qmoe.normalize_routing_weights", "1");
+    if (pl->ai->gpt_oss) {
+        /* llama.cpp's swiglu_oai: not in the GGUF, fixed by the architecture. */
+        META("qmoe.activation_alpha", "1.702");
+        META("qmoe.activation_beta", "1");
+        META("qmoe.swiglu_limit", "7");
+    }
+    if (!pl->legacy) {
+        META("qmoe.routing.score", pl->score_sigmoid ? "sigmoid" : "softmax");
+        META("qmoe.routing.normalize", pl->normalize ? "1" : "0");
+        META("qmoe.routing.scale", v_scale);
+        if (pl->groups > 1) {
+            META("qmoe.routing.groups", v_groups);
+            META("qmoe.routing.topk_groups", v_topk);
+            META("qmoe.routing.group_score", pl->score_sigmoid ? "top2_sum" : "max");
+        }
+    }
+    if (!identity)
+        META("qmoe.layer_map", layer_map);
+    META("qmoe.source", source);
+#undef META
+    if ((rc = qm_st_header_format(sts, j->n_ot, meta, nm, 8, &json, &json_len, st)) != 0)
+        goto done;
+
+    /* 3. Header, then every tensor, then the measured error into the header. */
+    j->fd = open(j->partial, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+    if (j->fd < 0) {
+        rc = qm_status_set(st, QM_EIO, "cannot create %s: %s", j->partial, strerror(errno));
+        goto done;
+    }
+    uint8_t len8[8];
+    for (int i = 0; i < 8; i++)
+        len8[i] = (uint8_t)((uint64_t)json_len >> (8 * i));
+    j->data_start = 8 + json_len;
+    if (pwrite(j->fd, len8, 8, 0) != 8 ||
+        pwrite(j->fd, json, json_len, 8) != (ssize_t)json_len ||
+        ftruncate(j->fd, (off_t)(j->data_start + off)) != 0) {
+        rc = qm_status_set(st, QM_EIO, "writing %s: %s", j->partial, strerror(errno));
+        goto done;
+    }
+    size_t ti = 0;
+    for (uint32_t l = 0; l < pl->n_layers && rc == 0; l++) {
+        const moe_layer *L = &pl->layers[l];
+        for (int p = 0; p < P_COUNT && rc == 0; p++) {
+            const out_tensor *tw = &j->ot[ti++], *tsc = &j->ot[ti++];
+            rc = write_experts(j, pl, L->w[p], tw, tsc, st);
+            if (rc == 0 && L->b[p])
+                rc = write_f32(j, L->b[p], &j->ot[ti++], st);
+        }
+        if (rc == 0)
+            rc = write_f32(j, L->router, &j->ot[ti++], st);
+        if (rc == 0 && L->router_bias)
+            rc = write_f32(j, L->router_bias, &j->ot[ti++], st);
+        if (rc == 0 && L->corr_bias)
+            rc = write_f32(j, L->corr_bias, &j->ot[ti++], st);
+    }
+    if (rc)
+        goto done;
+    if (!exact_all) {
+        char *at = strstr(json, QMG_PLACEHOLDER), val[32];
+        snprintf(val, sizeof val, "%.9e", j->max_rel);
+        if (!at || strlen(val) != strlen(QMG_PLACEHOLDER)) {
+            rc = qm_status_set(st, QM_EINTERNAL, "cannot record max_rel_err %s", val);
+            goto done;
+        }
+        memcpy(at, val, strlen(val));
+        if (pwrite(j->fd, json, json_len, 8) != (ssize_t)json_len) {
+            rc = qm_status_set(st, QM_EIO, "writing %s: %s", j->partial, strerror(errno));
+            goto done;
+        }
+    }
+    if (fsync(j->fd) != 0) {
+        rc = qm_status_set(st, QM_EIO, "syncing %s: %s", j->partial, strerror(errno));
+        goto done;
+    }
+    (void)f;
+done:
+    qm_free(json);
+    qm_free(sts);
+    return rc;
+}
+
+/* ---- the command -------------------------------------------------------------------- */
+
+int qmb_import_gguf(int argc, char **argv)
+{
+    static const struct option longopts[] = {{"out", required_argument, 0, 'o'},
+                                             {"requant-bits", required_argument, 0, 'b'},
+                                             {"quiet", no_argument, 0, 'q'},
+                                             {"help", no_argument, 0, 'h'},
+                                             {0, 0, 0, 0}};
+    const char *out = NULL;
+    unsigned requant_bits = 8;
+    int quiet = 0, c;
+    optind = 1;
+    opterr = 0;
+    while ((c = getopt_long(argc, argv, "", longopts, NULL)) != -1) {
+        if (c == 'o') {
+            out = optarg;
+        } else if (c == 'b') {
+            if (qmb_parse_u32(optarg, 8, &requant_bits) != 0 ||
+                (requant_bits != 4 && requant_bits != 8)) {
+                fprintf(stderr, "qmoe-bank import gguf: --requant-bits takes 4 or 8, not "
+                                "\"%.32s\"\n", optarg);
+                return QMB_USAGE;
+            }
+        } else if (c == 'q') {
+            quiet = 1;
+        } else if (c == 'h') {
+            qmb_help_import_gguf(stdout);
+            return QMB_OK;
+        } else {
+            fprintf(stderr, "qmoe-bank import gguf: unknown option \"%.64s\" (see --help)\n",
+                    argv[optind - 1]);
+            return QMB_USAGE;
+        }
+    }
+    if (optind != argc - 1 || !out) {
+        fprintf(stderr, "qmoe-bank import gguf: expected FILE and --out BANK (see --help)\n");
+        return QMB_USAGE;
+    }
+    job j = {.in_path = argv[optind], .out_path = out, .fd = -1, .exact = 1};
+    plan pl = {0};
+    qmg_file *f = NULL;
+    qm_status st;
+    qm_status_clear(&st);
+    int rc = 0, ret = QMB_OK;
+    size_t plen = strlen(out) + sizeof ".partial";
+    j.partial = qm_malloc(plen);
+    if (!j.partial) {
+        fprintf(stderr, "qmoe-bank import gguf: out of memory\n");
+        return QMB_FAIL;
+    }
+    snprintf(j.partial, plen, "%s.partial", out);
+    if ((rc = qmg_open(j.in_path, &f, &st)) != 0 ||
+        (rc = read_plan(f, &pl, requant_bits, &st)) != 0 ||
+        (rc = build_and_write(&j, f, &pl, &st)) != 0)
+        goto fail;
+    /* The daemon's own checks on what was written, before it gets the name. */
+    qm_bank *bank = NULL;
+    if ((rc = qm_bank_open(j.partial, &bank, &st)) != 0) {
+        char why[QM_STATUS_MSG_MAX];
+        snprintf(why, sizeof why, "%s", st.msg);
+        rc = qm_status_set(&st, QM_EINTERNAL, "the written bank does not open: %s", why);
+        goto fail;
+    }
+    qm_bank_close(bank);
+    close(j.fd);
+    j.fd = -1;
+    if (rename(j.partial, out) != 0) {
+        rc = qm_status_set(&st, QM_EIO, "cannot rename %s to %s: %s", j.partial, out,
+                           strerror(errno));
+        goto fail;
+    }
+    if (!quiet) {
+        struct stat sb;
+        printf("imported %s (%s, family %s): %u MoE layers of %u blocks, %u experts, k %u, "
+               "hidden %u, expert width %u\n",
+               j.in_path, pl.arch, pl.family, pl.n_layers, pl.layers[pl.n_layers - 1].block + 1,
+               pl.E, pl.k, pl.H, pl.I);
+        for (size_t i = 0; i < j.n_ts; i++) {
+            const type_stats *s = &j.ts[i];
+            char tb[16];
+            printf("  %-6s %3u tensors: %s -> int%u block %u, %s scales",
+                   qmg_type_name(s->type, tb, sizeof tb), s->count,
+                   s->exact ? "exact repack" : "requantised", pl.bits, pl.bs,
+                   qm_dtype_name(s->sdt));
+            if (!s->exact)
+                printf(", max rel err %.3e", s->max_rel);
+            printf("\n");
+        }
+        printf("routing: %s\n", pl.legacy ? "legacy (top-k of the logits, softmax over the k)"
+                                : pl.score_sigmoid ? "sigmoid scores (qmoe.routing.*)"
+                                                   : "softmax scores (qmoe.routing.*)");
+        printf("wrote %s: exact %s", out, j.exact ? "yes" : "no");
+        if (!j.exact)
+            printf(", max_rel_err %.3e", j.max_rel);
+        if (stat(out, &sb) == 0)
+            printf(", %lld bytes", (long long)sb.st_size);
+        printf("\n");
+    }
+    goto done;
+fail:
+    /* Names come from the file: keep the one line printable. */
+    for (char *p = st.msg; *p; p++)
+        if ((unsigned char)*p < 0x20 || (unsigned char)*p >= 0x7f)
+            *p = '?';
+    fprintf(stderr, "qmoe-bank import gguf: %s: %s\n", j.in_path,
+            st.msg[0] ? st.msg : qm_strerror(rc));
+    ret = rc == QM_EINVALID_MODEL || rc == QM_EINVAL ? QMB_USAGE : QMB_FAIL;
+    if (j.fd >= 0)
+        close(j.fd);
+    j.fd = -1;
+    unlink(j.partial);
+done:
+    qm_free(j.partial);
+    qm_free(j.ot);
+    qm_free(pl.layers);
+    qmg_close(f);
+    return ret;
+}
