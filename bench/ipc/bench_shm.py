@@ -4,7 +4,9 @@ tensors, one client, on the GPT-OSS-20B-like layer (H = I = 2880, E = 32,
 k = 4, int4 block 32), at T = 1 and T = 512; a redis PING round trip over a
 Unix socket measured in the same run (qmoe-ipc-load, one client).
 
-Overhead = end-to-end time of the library call (libqmoe-client, C) minus the
+Routing is supplied by the engine (topk_ids/topk_weights, 4 distinct experts
+per token), as the transformers hook sends it. Overhead = end-to-end time of
+the library call (libqmoe-client, C) minus the
 engine's compute_us from the answer: sockets, JSON, base64 or the map, the
 queue and thread hand-offs.
 
@@ -86,6 +88,15 @@ def main():
                 out[t]["tokens"], mode, r["e2e_us_mean"], r["compute_us_mean"],
                 r["overhead_us_mean"], r["overhead_us_p50"], 100 * r["overhead_of_engine"],
                 r["overhead_us_mean"] / out["redis_rtt_us_mean"]))
+    for t in ("t1", "t512"):
+        b = out[t]["mapped_breakdown"]
+        print("T = %d mapped, daemon's view (%d calls): end to end %.0f µs = compute %.0f µs + "
+              "rest of the worker's time %.0f µs + queue (worker wake-up) %.0f µs + decode %.0f µs "
+              "+ sockets, loop thread and client %.0f µs" % (
+                  out[t]["tokens"], b["calls"], b["e2e_us_mean"], b["compute_us_mean"],
+                  b["worker_wall_us_mean"] - b["compute_us_mean"], b["queue_us_mean"],
+                  b["decode_us_mean"], b["e2e_us_mean"] - b["worker_wall_us_mean"]
+                  - b["queue_us_mean"] - b["decode_us_mean"]))
     print()
     print("redis PING round trip (qmoe-ipc-load, 1 client, before/after): %.1f / %.1f µs mean, "
           "p50 %s µs" % (rtt[0], rtt[1], out["redis_p50_us"]))
