@@ -39,8 +39,14 @@ def main():
     bank = make_bank(os.path.join(a.workdir, "gptoss20b-like-2l.bank"), layers=2, experts=32,
                      hidden=2880, inter=2880, k=4, bits=4, block=32, activation="swiglu",
                      fusion=1, router=True, seed=7)
+    # A tiny layer too (H = 64, 8 experts): its compute is a few µs, so its
+    # overhead is the protocol path's floor without a 20-40 ms compute next
+    # to it on the same cores.
+    tiny = make_bank(os.path.join(a.workdir, "tiny-h64.bank"), layers=2, experts=32, hidden=64,
+                     inter=32, k=4, bits=4, block=32, activation="swiglu", fusion=1,
+                     router=True, seed=7)
     run_dir = tempfile.mkdtemp(prefix="bench-shm-")
-    dm = Daemon(models={"gptoss": bank}, workdir=run_dir,
+    dm = Daemon(models={"gptoss": bank, "tiny": tiny}, workdir=run_dir,
                 args=["--set", "idle_timeout_s=0", "--log-level", "notice",
                       "--threads", str(a.threads), "--set", "max_request_bytes=134217728"])
     redis_sock = os.path.join(run_dir, "redis.sock")
@@ -59,13 +65,14 @@ def main():
                                 "1000", "--redis-ping"], check=True, capture_output=True, text=True)
             return json.loads(r.stdout)
 
-        def infer(tokens, n):
+        def infer(tokens, n, model="gptoss"):
             r = subprocess.run([os.path.join(a.build, "bench", "ipc", "qmoe-shm-bench"), "--socket",
-                                dm.socket, "--model", "gptoss", "--tokens", str(tokens),
+                                dm.socket, "--model", model, "--tokens", str(tokens),
                                 "--requests", str(n)], check=True, capture_output=True, text=True)
             return json.loads(r.stdout)
 
         out["redis_before"] = ping()
+        out["tiny_t1"] = infer(1, 2000, "tiny")
         out["t1"] = infer(1, a.requests_t1)
         out["t512"] = infer(512, a.requests_t512)
         out["redis_after"] = ping()
@@ -81,14 +88,15 @@ def main():
     print("| T | tensors | end to end, mean | engine compute_us, mean | outside the engine, mean "
           "(p50) | / engine | / redis PING RTT |")
     print("|---|---|---|---|---|---|---|")
-    for t in ("t1", "t512"):
+    for t in ("tiny_t1", "t1", "t512"):
         for mode in ("base64", "mapped"):
             r = out[t][mode]
-            print("| %d | %s | %.0f µs | %.0f µs | %.0f µs (%.0f µs) | %.3f%% | %.1f× |" % (
-                out[t]["tokens"], mode, r["e2e_us_mean"], r["compute_us_mean"],
+            print("| %s%d | %s | %.0f µs | %.0f µs | %.0f µs (%.0f µs) | %.3f%% | %.1f× |" % (
+                "tiny layer, " if t == "tiny_t1" else "", out[t]["tokens"], mode,
+                r["e2e_us_mean"], r["compute_us_mean"],
                 r["overhead_us_mean"], r["overhead_us_p50"], 100 * r["overhead_of_engine"],
                 r["overhead_us_mean"] / out["redis_rtt_us_mean"]))
-    for t in ("t1", "t512"):
+    for t in ("tiny_t1", "t1", "t512"):
         b = out[t]["mapped_breakdown"]
         print("T = %d mapped, daemon's view (%d calls): end to end %.0f µs = compute %.0f µs + "
               "rest of the worker's time %.0f µs + queue (worker wake-up) %.0f µs + decode %.0f µs "
