@@ -229,12 +229,32 @@ static void qm__drop(qm_client *c)
     c->len = 0;
 }
 
-static int qm__send_all(qm_client *c, const char *p, size_t n, int64_t deadline,
+/* Sends all n bytes. With fd >= 0 the first write carries it as SCM_RIGHTS
+ * (PROTOCOL.md: the descriptor rides on the sendmsg holding the line's
+ * first byte). */
+static int qm__send_all(qm_client *c, const char *p, size_t n, int fd, int64_t deadline,
                         qm_client_error *err)
 {
+    union {
+        struct cmsghdr h;
+        char buf[CMSG_SPACE(sizeof(int))];
+    } ctl;
     while (n > 0) {
-        ssize_t w = send(c->fd, p, n, MSG_NOSIGNAL);
+        struct iovec iov = {.iov_base = (void *)p, .iov_len = n};
+        struct msghdr msg = {.msg_iov = &iov, .msg_iovlen = 1};
+        if (fd >= 0) {
+            memset(&ctl, 0, sizeof(ctl));
+            msg.msg_control = ctl.buf;
+            msg.msg_controllen = sizeof(ctl.buf);
+            struct cmsghdr *cm = CMSG_FIRSTHDR(&msg);
+            cm->cmsg_level = SOL_SOCKET;
+            cm->cmsg_type = SCM_RIGHTS;
+            cm->cmsg_len = CMSG_LEN(sizeof(int));
+            memcpy(CMSG_DATA(cm), &fd, sizeof(int));
+        }
+        ssize_t w = sendmsg(c->fd, &msg, MSG_NOSIGNAL);
         if (w > 0) {
+            fd = -1;
             p += w;
             n -= (size_t)w;
             continue;
@@ -301,44 +321,6 @@ static void qm__consume(qm_client *c, size_t n)
     c->len -= n;
 }
 
-/* Sends the line's first bytes with `fd` as SCM_RIGHTS (PROTOCOL.md: the
- * descriptor rides on the sendmsg carrying the line's first byte), then the
- * rest. Returns how many bytes went, or a negative code. */
-static int qm__send_fd(qm_client *c, const char *p, size_t n, int fd, int64_t deadline,
-                       size_t *sent, qm_client_error *err)
-{
-    union {
-        struct cmsghdr h;
-        char buf[CMSG_SPACE(sizeof(int))];
-    } ctl;
-    memset(&ctl, 0, sizeof(ctl));
-    struct iovec iov = {.iov_base = (void *)p, .iov_len = n};
-    struct msghdr msg = {.msg_iov = &iov, .msg_iovlen = 1, .msg_control = ctl.buf,
-                         .msg_controllen = sizeof(ctl.buf)};
-    struct cmsghdr *cm = CMSG_FIRSTHDR(&msg);
-    cm->cmsg_level = SOL_SOCKET;
-    cm->cmsg_type = SCM_RIGHTS;
-    cm->cmsg_len = CMSG_LEN(sizeof(int));
-    memcpy(CMSG_DATA(cm), &fd, sizeof(int));
-    for (;;) {
-        ssize_t w = sendmsg(c->fd, &msg, MSG_NOSIGNAL);
-        if (w > 0) {
-            *sent = (size_t)w;
-            return 0;
-        }
-        if (w < 0 && errno == EINTR)
-            continue;
-        if (w < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) {
-            int rc = qm__wait(c->fd, POLLOUT, deadline, err);
-            if (rc < 0)
-                return rc;
-            continue;
-        }
-        return qm__client_fail(err, QM_CLIENT_EIO, "cannot pass the descriptor to qmoed (%s)",
-                               w < 0 ? strerror(errno) : "short write");
-    }
-}
-
 static int qm__exchange(qm_client *c, const char *method, const qm_cval *params, int fd,
                         qm_cval **result, qm_client_error *err)
 {
@@ -351,10 +333,7 @@ static int qm__exchange(qm_client *c, const char *method, const qm_cval *params,
     char *line = qm_client_codec_request(id, method, params, &len);
     if (!line)
         return qm__client_fail(err, QM_CLIENT_ENOMEM, "out of memory encoding the request");
-    size_t sent = 0;
-    rc = fd >= 0 ? qm__send_fd(c, line, len, fd, deadline, &sent, err) : 0;
-    if (rc == 0)
-        rc = qm__send_all(c, line + sent, len - sent, deadline, err);
+    rc = qm__send_all(c, line, len, fd, deadline, err);
     qm_free(line);
     if (rc < 0)
         goto fail_broken;

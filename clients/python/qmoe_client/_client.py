@@ -63,6 +63,19 @@ class DaemonNotRunning(QmoeError):
     """Nothing listens on the socket path."""
 
 
+def _nbytes(dtype, shape):
+    """(shape as a tuple, its byte length in dtype); ValueError when bad."""
+    if dtype not in _DTYPE_SIZE:
+        raise ValueError("dtype must be f32, f16, bf16 or i32, not %r" % (dtype,))
+    shape = tuple(int(d) for d in shape)
+    n = _DTYPE_SIZE[dtype]
+    for d in shape:
+        if d < 0:
+            raise ValueError("negative dimension in shape %r" % (shape,))
+        n *= d
+    return shape, n
+
+
 class Tensor:
     """A tensor as the wire carries it: dtype ("f32", "f16", "bf16", or "i32"
     for topk_ids), shape and little-endian row-major bytes."""
@@ -70,14 +83,7 @@ class Tensor:
     __slots__ = ("dtype", "shape", "data")
 
     def __init__(self, dtype, shape, data):
-        if dtype not in _DTYPE_SIZE:
-            raise ValueError("dtype must be f32, f16, bf16 or i32, not %r" % (dtype,))
-        shape = tuple(int(d) for d in shape)
-        n = _DTYPE_SIZE[dtype]
-        for d in shape:
-            if d < 0:
-                raise ValueError("negative dimension in shape %r" % (shape,))
-            n *= d
+        shape, n = _nbytes(dtype, shape)
         data = bytes(data)
         if len(data) != n:
             raise ValueError("shape %r of %s needs %d bytes, got %d" % (shape, dtype, n, len(data)))
@@ -195,17 +201,10 @@ class MappedTensor:
     __slots__ = ("map", "offset", "shape", "dtype", "nbytes")
 
     def __init__(self, shm, offset, shape, dtype):
-        if dtype not in _DTYPE_SIZE:
-            raise ValueError("dtype must be f32, f16, bf16 or i32, not %r" % (dtype,))
         offset = int(offset)
         if offset < 0 or offset % MAP_ALIGN:
             raise ValueError("offset %d is not a multiple of %d" % (offset, MAP_ALIGN))
-        shape = tuple(int(d) for d in shape)
-        n = _DTYPE_SIZE[dtype]
-        for d in shape:
-            if d < 0:
-                raise ValueError("negative dimension in shape %r" % (shape,))
-            n *= d
+        shape, n = _nbytes(dtype, shape)
         if offset + n > shm.size:
             raise ValueError("region [%d, %d) lies outside the %d-byte map" % (offset, offset + n, shm.size))
         self.map, self.offset, self.shape, self.dtype, self.nbytes = shm, offset, shape, dtype, n
