@@ -381,3 +381,42 @@ def test_client_killed_while_its_map_is_in_use(daemon):
     assert open_fds(daemon.proc.pid) == before
     c.call("session.close", {"session": mine})
     c.close()
+
+
+@pytest.mark.parametrize("wdtype", ["f32", "f16", "bf16"])
+def test_mapped_engine_routing_equals_base64(daemon, wdtype):
+    """topk_ids (i32) and topk_weights in the map: the same bits as base64."""
+    c = daemon.client()
+    sid = new_session(c)
+    shm = Shm(c, sid, 1 << 15)
+    T, k = 6, 3
+    x = as_bytes(hidden(T, seed=12), "f32")
+    ids = np.array([[(t + 3 * j) % E for j in range(k)] for t in range(T)], dtype="<i4")
+    ids[2, 1] = -1  # no route
+    w = as_bytes(np.random.default_rng(5).random((T, k)), wdtype)
+    shm.put(0, x)
+    shm.put(4096, ids.tobytes())
+    shm.put(8192, w)
+    want = c.call("session.infer", {"session": sid, "layer": 1, "hidden": b64(x, "f32", (T, H)),
+                                    "topk_ids": b64(ids.tobytes(), "i32", (T, k)),
+                                    "topk_weights": b64(w, wdtype, (T, k))})
+    got = c.call("session.infer", {
+        "session": sid, "layer": 1,
+        "hidden": {"dtype": "f32", "shape": [T, H], "map": shm.id, "offset": 0},
+        "topk_ids": {"dtype": "i32", "shape": [T, k], "map": shm.id, "offset": 4096},
+        "topk_weights": {"dtype": wdtype, "shape": [T, k], "map": shm.id, "offset": 8192},
+        "output_to": {"map": shm.id, "offset": 16384}})
+    assert shm.get(16384, len(x)) == base64.b64decode(want["output"]["data"])
+    assert got["output"]["map"] == shm.id
+    # a bad id in the map is refused like a base64 one, naming topk_ids
+    bad = ids.copy()
+    bad[0, 0] = E
+    shm.put(4096, bad.tobytes())
+    e = err(c.request("session.infer", {
+        "session": sid, "layer": 1,
+        "hidden": {"dtype": "f32", "shape": [T, H], "map": shm.id, "offset": 0},
+        "topk_ids": {"dtype": "i32", "shape": [T, k], "map": shm.id, "offset": 4096},
+        "topk_weights": {"dtype": wdtype, "shape": [T, k], "map": shm.id, "offset": 8192}}))
+    assert e["code"] == -32602 and e["data"]["field"] == "topk_ids", e
+    c.call("session.close", {"session": sid})
+    c.close()
