@@ -145,6 +145,19 @@ class Client:
         return r["result"]
 
 
+def memfd(nbytes, seals=None, name="test-map"):
+    """A memfd of nbytes for session.map, sealed with `seals` (default
+    F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL; 0 for none)."""
+    import fcntl
+    if seals is None:
+        seals = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
+    fd = os.memfd_create(name, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    os.ftruncate(fd, nbytes)
+    if seals:
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, seals)
+    return fd
+
+
 def tensor(array):
     """numpy array -> wire tensor."""
     import numpy as np

@@ -20,20 +20,12 @@ import time
 import numpy as np
 import pytest
 
-from qmoed_harness import Daemon, from_tensor, tensor
+from qmoed_harness import Daemon, memfd
 from qmoed_suite import E, H, err, hidden, new_session
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 PYCLIENT = os.path.join(HERE, "..", "..", "clients", "python")
 SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
-
-
-def memfd(nbytes, seals=SEALS):
-    fd = os.memfd_create("test-map", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
-    os.ftruncate(fd, nbytes)
-    if seals:
-        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, seals)
-    return fd
 
 
 def request_fds(c, method, params, fds):

@@ -780,12 +780,8 @@ def test_peer_that_never_reads_one_large_answer_is_dropped_for_output_stall(idle
 
 
 def _memfd(n, seals):
-    import fcntl
-    fd = os.memfd_create("abuse-map", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
-    os.ftruncate(fd, n)
-    if seals:
-        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, seals)
-    return fd
+    from hardening import harness  # tests/daemon/qmoed_harness.py
+    return harness.memfd(n, seals, name="abuse-map")
 
 
 def _send_fds(s, f, line, fds):
