@@ -412,3 +412,34 @@ def test_mapped_engine_routing_equals_base64(daemon, wdtype):
     assert e["code"] == -32602 and e["data"]["field"] == "topk_ids", e
     c.call("session.close", {"session": sid})
     c.close()
+
+
+def test_pipelined_maps_each_get_their_own_descriptor(daemon):
+    """Several session.map lines sent back to back, each with its own
+    descriptor, interleaved with requests that carry none: each map gets
+    the memfd sent with its line (told apart by size)."""
+    c = daemon.client()
+    sid = new_session(c)
+    sizes = [4096, 8192, 12288, 16384]
+    fds = [memfd(n) for n in sizes]
+    for i, (n, fd) in enumerate(zip(sizes, fds)):
+        status = (json.dumps({"jsonrpc": "2.0", "id": "s%d" % i, "method": "daemon.status"})
+                  + "\n").encode()
+        c.sock.sendall(status)
+        line = (json.dumps({"jsonrpc": "2.0", "id": i, "method": "session.map",
+                            "params": {"session": sid, "bytes": n}}) + "\n").encode()
+        socket.send_fds(c.sock, [line], [fd])
+    got = {}
+    for _ in range(2 * len(sizes)):
+        r = json.loads(c.read_line())
+        got[r["id"]] = r
+    for fd in fds:
+        os.close(fd)
+    for i, n in enumerate(sizes):
+        assert got[i]["result"]["bytes"] == n, got[i]
+        # the map is as large as its line asked: a region at its very end fits
+        t = {"dtype": "f32", "shape": [1, H], "map": got[i]["result"]["map"],
+             "offset": n - H * 4}
+        assert "result" in c.request("session.infer", {"session": sid, "layer": 0, "hidden": t})
+    c.call("session.close", {"session": sid})
+    c.close()
