@@ -246,6 +246,16 @@ void qm_jw_model_summary(qm_jw *w, const qm_model *m)
     qm_jw_member_u64(w, "block_size", c->block_size);
     qm_jw_member_u64(w, "bytes_total", m->bytes_total);
     qm_jw_member_u64(w, "bytes_per_expert", m->bytes_per_expert);
+    /* An imported bank's qmoe.layer_map: engines tag their MoE layers with
+     * it (docs/ENGINES.md). Absent when the bank has none (identity). */
+    const uint32_t *map = qm_bank_layer_map(m->bank);
+    if (map) {
+        qm_jw_key(w, "layer_map");
+        qm_jw_arr_begin(w);
+        for (uint32_t l = 0; l < c->layers; l++)
+            qm_jw_u64(w, map[l]);
+        qm_jw_arr_end(w);
+    }
     qm_jw_obj_end(w);
 }
 

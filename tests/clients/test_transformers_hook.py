@@ -95,6 +95,16 @@ def report(torchpy, served):
     return json.loads(r.stdout)
 
 
+def test_model_list_reports_each_bank_layer_map(served):
+    dm, _ = served
+    c = dm.client()
+    maps = {m["name"]: m.get("layer_map") for m in c.call("model.list")["models"]}
+    c.close()
+    want = {"qwen2_moe": [0, 2], "deepseek_v2": [1, 2], "deepseek_v3": [1, 2]}
+    for name in FAMILIES:
+        assert maps[name] == want.get(name, [0, 1]), (name, maps[name])
+
+
 @pytest.mark.parametrize("name", FAMILIES)
 def test_generation_with_experts_in_qmoed_matches_transformers(report, name):
     res = report[name]
