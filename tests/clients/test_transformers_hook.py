@@ -134,3 +134,26 @@ def test_no_session_or_map_left_behind(report, served):
     assert st["sessions"] == 0, st
     with open("/proc/%d/maps" % dm.proc.pid) as f:
         assert not any("memfd:qmoe-map" in ln for ln in f)
+
+
+def test_examples_generate_py(torchpy, served, tmp_path):
+    """examples/generate.py end to end on a fixture without a tokenizer:
+    token ids in, the same tokens as transformers' own experts (--compare),
+    the figures, and a routing trace policy_sim can read."""
+    dm, banks = served
+    trace = str(tmp_path / "olmoe.qmtr")
+    r = subprocess.run([torchpy, os.path.join(SRC, "examples", "generate.py"), "--model",
+                        os.path.join(FIXTURES, "olmoe"), "--bank", banks["olmoe"], "--name",
+                        "olmoe", "--socket", dm.socket, "--policy", "lfu", "--budget", "50%",
+                        "--prompt-ids", "1,2,3", "--max-new-tokens", "16", "--compare",
+                        "--record-trace", trace, "--json"],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    fig = json.loads(r.stdout.strip().splitlines()[-1])
+    assert fig["same_tokens_as_transformers"] is True
+    assert len(fig["token_ids"]) == 16 and fig["tokens_per_s"] > 0
+    assert 0 <= fig["hit_rate"] <= 1 and fig["bytes_paged_per_token"] > 0
+    sys.path.insert(0, os.path.join(SRC, "tools"))
+    import qmoe_trace
+    tr = qmoe_trace.read_trace(trace)
+    assert (tr.tokens, tr.layers, tr.k, tr.experts) == (3 + 15, 2, 2, 8)
