@@ -530,7 +530,8 @@ int qm_backend_cpu_new(uint32_t threads, qm_backend **out, qm_status *st)
     atomic_init(&cx->copy_seq, 0);
     cx->threads = threads;
     cx->kernel = qm__kernel_select();
-    snprintf(cx->name, sizeof cx->name, "cpu (%s kernels, %u threads)", cx->kernel->name, threads);
+    snprintf(cx->name, sizeof cx->name, "cpu (%s kernels, %u threads)",
+             qm__kernel_describe(cx->kernel), threads);
     if (qm__pool_new(threads, &cx->pool) < 0) {
         qm__cpu_destroy(cx);
         return qm_status_set(st, QM_ENOMEM, "cannot start %u CPU worker threads", threads);

@@ -1,5 +1,5 @@
 /* qm_kernel_scalar.c - the readable specification of the quantised matmul,
- * and the kernel selection.
+ * (the kernel selection is in qm_kernel_select.c).
  *
  * W[n, c] = scale[n, b] * (q[n, c] - zp[n, b]) with b = c / block; then
  * y[r, n] = sum over c = 0..k-1, in column order, of W[n, c] * x[r, c]:
@@ -57,28 +57,4 @@ size_t qm__kernel_scratch_floats(const qm__qmat *m)
     size_t tile = (size_t)2 * QM__TILE_ROWS * QM__GEMM_KT;
     size_t rows = (size_t)8 * m->nblk;
     return (tile > rows ? tile : rows) + 64;
-}
-
-const qm__kernel *qm__kernel_select(void)
-{
-    const char *force = getenv("QMOE_KERNEL");
-#if defined(QMOE_X86_KERNELS)
-    __builtin_cpu_init();
-    /* F16C is not a feature name every compiler's builtin knows; every CPU
-     * with AVX2 and FMA (Haswell, Zen and later) has it. */
-    int has_avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-    int has_avx512 = has_avx2 && __builtin_cpu_supports("avx512f") &&
-                     __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl");
-    if (force && strcmp(force, "scalar") == 0)
-        return &qm__kernel_scalar;
-    if (force && strcmp(force, "avx2") == 0 && has_avx2)
-        return &qm__kernel_avx2;
-    if (has_avx512 && !(force && strcmp(force, "avx2") == 0))
-        return &qm__kernel_avx512;
-    if (has_avx2)
-        return &qm__kernel_avx2;
-#else
-    (void)force;
-#endif
-    return &qm__kernel_scalar;
 }

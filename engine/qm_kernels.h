@@ -69,9 +69,16 @@ void qm__avx2_gemm(const qm__qmat *m, uint32_t n0, uint32_t n1, const float *xp,
                    uint32_t nx, float *y, size_t ldy, float *scratch);
 #endif
 
-/* Best kernel for this CPU; QMOE_KERNEL=scalar|avx2|avx512 forces one (an
- * unavailable one falls back to the best available). */
+/* The kernel for this CPU, measured per shape class once per process
+ * (qm_kernel_select.c); QMOE_KERNEL=scalar|avx2|avx512 forces one (an
+ * unavailable one falls back to the measured choice). */
 const qm__kernel *qm__kernel_select(void);
+/* What runs: the kernel's name, or the measured choice of each class. */
+const char *qm__kernel_describe(const qm__kernel *k);
+#if defined(QMOE_X86_KERNELS)
+int qm__cpu_has_avx2(void);
+int qm__cpu_has_avx512(void);
+#endif
 
 /* ---- Shared helpers ---- */
 

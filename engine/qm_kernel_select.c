@@ -1,0 +1,237 @@
+/* qm_kernel_select.c - which kernel runs: measured on this CPU, not assumed.
+ *
+ * Without QMOE_KERNEL, the first CPU backend of a process times every
+ * available vector kernel on each shape class the engine distinguishes
+ * (GEMV = decode jobs of <= QM__GEMV_MAX_ROWS rows, GEMM = longer jobs;
+ * 4-bit and 8-bit weights) on a small synthetic matrix (64 x 2880, blocks of
+ * 32, resident in L2: it measures the kernel's compute, not the memory) and
+ * keeps the fastest of each class; a wider kernel keeps its class unless a
+ * narrower one is more than 10% faster (the margin keeps a noisy, shared
+ * machine from flipping the choice between runs). It costs a few milliseconds once per
+ * process, and every backend of the process then uses the same choice (so
+ * outputs never depend on which backend ran them). The scalar kernel is the
+ * specification and never faster than AVX2; it is not timed.
+ * QMOE_KERNEL=scalar|avx2|avx512 forces one kernel for every class (an
+ * unavailable one falls back to the measured choice); QMOE_KERNEL=auto is
+ * the default. qm__kernel_describe() names the choice (the CPU backend puts
+ * it in its device name: daemon.status device.name, qmoe-bank run --verbose). */
+#include <pthread.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "qm_alloc.h"
+#include "qm_kernels.h"
+
+typedef struct qm__auto_choice {
+    const qm__kernel *gemv[2]; /* [0]: 4-bit, [1]: 8-bit */
+    const qm__kernel *gemm[2];
+    double gemv_us[2], gemm_us[2];
+    char desc[160];
+} qm__auto_choice;
+
+static qm__auto_choice qm__auto;
+static pthread_once_t qm__auto_once = PTHREAD_ONCE_INIT;
+
+static const qm__kernel *qm__auto_pick(const qm__qmat *m, int gemm)
+{
+    int b8 = m->bits == 8;
+    return gemm ? qm__auto.gemm[b8] : qm__auto.gemv[b8];
+}
+
+static size_t qm__auto_x_stride(const qm__qmat *m, int gemm)
+{
+    return qm__auto_pick(m, gemm)->x_stride(m, gemm);
+}
+
+static void qm__auto_prep(const qm__qmat *m, int gemm, const float *x, float *xp)
+{
+    qm__auto_pick(m, gemm)->prep(m, gemm, x, xp);
+}
+
+static void qm__auto_gemv(const qm__qmat *m, uint32_t n0, uint32_t n1, const float *xp, size_t ldx,
+                          uint32_t nx, float *y, size_t ldy, float *scratch)
+{
+    qm__auto_pick(m, 0)->gemv(m, n0, n1, xp, ldx, nx, y, ldy, scratch);
+}
+
+static void qm__auto_gemm(const qm__qmat *m, uint32_t n0, uint32_t n1, const float *xp, size_t ldx,
+                          uint32_t nx, float *y, size_t ldy, float *scratch)
+{
+    qm__auto_pick(m, 1)->gemm(m, n0, n1, xp, ldx, nx, y, ldy, scratch);
+}
+
+static qm__kernel qm__kernel_auto = {
+    .name = "auto",
+    .x_stride = qm__auto_x_stride,
+    .prep = qm__auto_prep,
+    .gemv = qm__auto_gemv,
+    .gemm = qm__auto_gemm,
+    .gemm_row_pad = 1,
+};
+
+static double qm__now_us(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec * 1e6 + (double)ts.tv_nsec * 1e-3;
+}
+
+#define QM__CAL_N 64u
+#define QM__CAL_K 2880u
+#define QM__CAL_GEMM_ROWS 24u
+
+/* Best of a few runs of one kernel on one class; a negative value: no memory. */
+static double qm__time_kernel(const qm__kernel *k, const qm__qmat *m, int gemm, const float *x)
+{
+    uint32_t nx = gemm ? QM__CAL_GEMM_ROWS : 1;
+    size_t ld = (k->x_stride(m, gemm) + 15) & ~(size_t)15;
+    size_t sf = qm__kernel_scratch_floats(m);
+    float *xp = qm_calloc(ld * nx + sf + (size_t)nx * m->n + 64, sizeof(float));
+    if (!xp)
+        return -1.0;
+    float *scratch = xp + ld * nx, *y = scratch + sf;
+    for (uint32_t r = 0; r < nx; r++)
+        k->prep(m, gemm, x + (size_t)r * m->k, xp + r * ld);
+    double best = 1e30;
+    int reps = gemm ? 3 : 7;
+    for (int rep = 0; rep <= reps; rep++) { /* rep 0 warms the caches */
+        double t0 = qm__now_us();
+        for (uint32_t n0 = 0; n0 < m->n; n0 += QM__TILE_ROWS) {
+            if (gemm)
+                k->gemm(m, n0, n0 + QM__TILE_ROWS, xp, ld, nx, y, m->n, scratch);
+            else
+                k->gemv(m, n0, n0 + QM__TILE_ROWS, xp, ld, nx, y, m->n, scratch);
+        }
+        double dt = qm__now_us() - t0;
+        if (rep > 0 && dt < best)
+            best = dt;
+    }
+    qm_free(xp);
+    return best;
+}
+
+static uint32_t qm__gcd(uint32_t a, uint32_t b)
+{
+    while (b) {
+        uint32_t t = a % b;
+        a = b;
+        b = t;
+    }
+    return a;
+}
+
+static void qm__auto_calibrate(void)
+{
+    const qm__kernel *cands[4];
+    int nc = 0;
+#if defined(QMOE_X86_KERNELS)
+    if (qm__cpu_has_avx512())
+        cands[nc++] = &qm__kernel_avx512;
+    if (qm__cpu_has_avx2())
+        cands[nc++] = &qm__kernel_avx2;
+#endif
+    for (int b8 = 0; b8 < 2; b8++) {
+        qm__auto.gemv[b8] = qm__auto.gemm[b8] = nc ? cands[0] : &qm__kernel_scalar;
+        qm__auto.gemv_us[b8] = qm__auto.gemm_us[b8] = 0.0;
+    }
+    uint32_t pad = 1;
+    if (nc > 1) {
+        /* Deterministic synthetic weights, codes everywhere in range. */
+        size_t wbytes = (size_t)QM__CAL_N * QM__CAL_K;
+        uint32_t nblk = QM__CAL_K / 32;
+        uint8_t *w = qm_malloc(wbytes);
+        float *sc = qm_malloc(sizeof(float) * QM__CAL_N * nblk);
+        float *x = qm_malloc(sizeof(float) * QM__CAL_GEMM_ROWS * QM__CAL_K);
+        if (w && sc && x) {
+            uint32_t s = 12345u;
+            for (size_t i = 0; i < wbytes; i++) {
+                s = s * 1664525u + 1013904223u;
+                w[i] = (uint8_t)(s >> 24);
+            }
+            for (size_t i = 0; i < (size_t)QM__CAL_N * nblk; i++)
+                sc[i] = 0.001f * (float)(1 + i % 7);
+            for (size_t i = 0; i < (size_t)QM__CAL_GEMM_ROWS * QM__CAL_K; i++)
+                x[i] = (float)((int)(i % 17) - 8) * 0.125f;
+            for (int b8 = 0; b8 < 2; b8++) {
+                qm__qmat m = {.w = w, .row_bytes = QM__CAL_K * (b8 ? 8u : 4u) / 8u,
+                              .scales = sc, .scale_dtype = QM_DTYPE_F32, .n = QM__CAL_N,
+                              .k = QM__CAL_K, .bits = b8 ? 8u : 4u, .nblk = nblk, .block = 32};
+                for (int gemm = 0; gemm < 2; gemm++) {
+                    const qm__kernel *best = cands[0];
+                    double tbest = qm__time_kernel(cands[0], &m, gemm, x);
+                    for (int c = 1; c < nc && tbest > 0; c++) {
+                        if (gemm ? cands[c]->gemm == best->gemm : cands[c]->gemv == best->gemv)
+                            continue; /* the same code (a borrowed entry) */
+                        double t = qm__time_kernel(cands[c], &m, gemm, x);
+                        if (t > 0 && t < tbest * 0.90) {
+                            tbest = t;
+                            best = cands[c];
+                        }
+                    }
+                    if (gemm) {
+                        qm__auto.gemm[b8] = best;
+                        qm__auto.gemm_us[b8] = tbest;
+                    } else {
+                        qm__auto.gemv[b8] = best;
+                        qm__auto.gemv_us[b8] = tbest;
+                    }
+                }
+            }
+        }
+        qm_free(w);
+        qm_free(sc);
+        qm_free(x);
+    }
+    for (int b8 = 0; b8 < 2; b8++) {
+        uint32_t p = qm__auto.gemm[b8]->gemm_row_pad;
+        pad = pad / qm__gcd(pad, p) * p;
+    }
+    qm__kernel_auto.gemm_row_pad = pad;
+    snprintf(qm__auto.desc, sizeof qm__auto.desc,
+             "measured: gemv %s/%s, gemm %s/%s (4/8-bit)", qm__auto.gemv[0]->name,
+             qm__auto.gemv[1]->name, qm__auto.gemm[0]->name, qm__auto.gemm[1]->name);
+}
+
+#if defined(QMOE_X86_KERNELS)
+int qm__cpu_has_avx2(void)
+{
+    __builtin_cpu_init();
+    /* F16C is not a feature name every compiler's builtin knows; every CPU
+     * with AVX2 and FMA (Haswell, Zen and later) has it. */
+    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+}
+
+int qm__cpu_has_avx512(void)
+{
+    return qm__cpu_has_avx2() && __builtin_cpu_supports("avx512f") &&
+           __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl");
+}
+#endif
+
+const qm__kernel *qm__kernel_select(void)
+{
+    const char *force = getenv("QMOE_KERNEL");
+    if (force && strcmp(force, "scalar") == 0)
+        return &qm__kernel_scalar;
+#if defined(QMOE_X86_KERNELS)
+    if (force && strcmp(force, "avx2") == 0 && qm__cpu_has_avx2())
+        return &qm__kernel_avx2;
+    if (force && strcmp(force, "avx512") == 0 && qm__cpu_has_avx512())
+        return &qm__kernel_avx512;
+    if (!qm__cpu_has_avx2())
+        return &qm__kernel_scalar;
+    pthread_once(&qm__auto_once, qm__auto_calibrate);
+    return &qm__kernel_auto;
+#else
+    return &qm__kernel_scalar;
+#endif
+}
+
+const char *qm__kernel_describe(const qm__kernel *k)
+{
+    if (k == &qm__kernel_auto)
+        return qm__auto.desc;
+    return k->name;
+}
