@@ -4,6 +4,7 @@
  * W[n, c] = scale[n, b] * (q[n, c] - zp[n, b]) with b = c / block; then
  * y[r, n] = sum over c = 0..k-1, in column order, of W[n, c] * x[r, c]:
  * dequantise then dot, as onnxruntime's exact path does. */
+#include <math.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -41,6 +42,77 @@ static void qm__scalar_matmul(const qm__qmat *m, uint32_t n0, uint32_t n1, const
     }
 }
 
+/* ---- fast mode: the specification (qm_kernels.h) ---- */
+
+size_t qm__i8_x_stride(const qm__qmat *m)
+{
+    size_t kp = ((size_t)m->k + 31) / 32 * 32;
+    return kp / 4 + kp / 32 + m->nblk;
+}
+
+void qm__i8_prep(const qm__qmat *m, const float *x, float *xq)
+{
+    size_t kp = ((size_t)m->k + 31) / 32 * 32, nsb = kp / 32;
+    int8_t *q = (int8_t *)xq;
+    float *dx = xq + kp / 4, *xs = dx + nsb;
+    uint32_t spb = qm__i8_spb(m);
+    for (uint32_t b = 0; b < m->nblk; b++)
+        xs[b] = 0.0f;
+    for (size_t j = 0; j < nsb; j++) {
+        float amax = 0.0f;
+        for (size_t t = 0; t < 32; t++) {
+            size_t c = 32 * j + t;
+            float a = c < m->k ? fabsf(x[c]) : 0.0f;
+            amax = a > amax ? a : amax;
+        }
+        float id = amax > 0.0f ? 127.0f / amax : 0.0f;
+        int sum = 0;
+        for (size_t t = 0; t < 32; t++) {
+            size_t c = 32 * j + t;
+            long v = c < m->k ? lrintf(x[c] * id) : 0;
+            v = v > 127 ? 127 : v < -127 ? -127 : v;
+            size_t pos = m->bits == 4 ? (t & 1) * 16 + t / 2 : t;
+            q[32 * j + pos] = (int8_t)v;
+            sum += (int)v;
+        }
+        dx[j] = amax / 127.0f;
+        xs[j / spb] += dx[j] * (float)sum;
+    }
+}
+
+static void qm__scalar_i8mm(const qm__qmat *m, uint32_t n0, uint32_t n1, const float *xq,
+                            size_t ldx, uint32_t nx, float *y, size_t ldy)
+{
+    size_t kp = ((size_t)m->k + 31) / 32 * 32, nsb = kp / 32;
+    uint32_t spb = qm__i8_spb(m);
+    for (uint32_t n = n0; n < n1; n++) {
+        const uint8_t *row = m->w + (size_t)n * m->row_bytes;
+        for (uint32_t r = 0; r < nx; r++) {
+            const float *xr = xq + (size_t)r * ldx;
+            const int8_t *q = (const int8_t *)xr;
+            const float *dx = xr + kp / 4, *xs = dx + nsb;
+            float acc = 0.0f;
+            for (uint32_t b = 0; b < m->nblk; b++) {
+                float blk = 0.0f;
+                for (size_t j = (size_t)b * spb; j < (size_t)(b + 1) * spb && j < nsb; j++) {
+                    int32_t sdot = 0;
+                    for (uint32_t t = 0; t < 32; t++) {
+                        uint32_t c = (uint32_t)(32 * j + t);
+                        if (c >= m->k)
+                            break;
+                        size_t pos = m->bits == 4 ? (t & 1) * 16 + t / 2 : t;
+                        sdot += qm__qmat_code(m, row, c) * q[32 * j + pos];
+                    }
+                    blk += dx[j] * (float)sdot;
+                }
+                blk -= (float)qm__qmat_zp(m, n, b) * xs[b];
+                acc += qm__qmat_scale(m, n, b) * blk;
+            }
+            y[(size_t)r * ldy + n] = acc;
+        }
+    }
+}
+
 const qm__kernel qm__kernel_scalar = {
     .name = "scalar",
     .x_stride = qm__scalar_x_stride,
@@ -49,6 +121,8 @@ const qm__kernel qm__kernel_scalar = {
     .gemm = qm__scalar_matmul,
     .gemm_row_pad = 1,
 };
+
+const qm__i8kernel qm__i8kernel_scalar = {.name = "scalar", .mm = qm__scalar_i8mm};
 
 size_t qm__kernel_scratch_floats(const qm__qmat *m)
 {

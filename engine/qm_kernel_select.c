@@ -71,6 +71,33 @@ static qm__kernel qm__kernel_auto = {
     .gemm_row_pad = 1,
 };
 
+/* ---- fast mode ---- */
+
+typedef struct qm__i8_auto_choice {
+    const qm__i8kernel *k[2][2]; /* [8-bit][prefill] */
+    char desc[160];
+} qm__i8_auto_choice;
+
+static qm__i8_auto_choice qm__i8auto;
+static pthread_once_t qm__i8auto_once = PTHREAD_ONCE_INIT;
+
+static void qm__i8_auto_mm(const qm__qmat *m, uint32_t n0, uint32_t n1, const float *xq,
+                           size_t ldx, uint32_t nx, float *y, size_t ldy)
+{
+    qm__i8auto.k[m->bits == 8][nx > QM__GEMV_MAX_ROWS]->mm(m, n0, n1, xq, ldx, nx, y, ldy);
+}
+
+static const qm__i8kernel qm__i8kernel_auto = {.name = "auto", .mm = qm__i8_auto_mm};
+
+#if defined(QMOE_X86_KERNELS)
+static const qm__i8kernel qm__i8kernel_avx2 = {.name = "avx2", .mm = qm__i8mm_avx2};
+static const qm__i8kernel qm__i8kernel_avx512vnni = {.name = "avx512vnni",
+                                                     .mm = qm__i8mm_avx512vnni};
+#if defined(QMOE_AVXVNNI_KERNEL)
+static const qm__i8kernel qm__i8kernel_avxvnni = {.name = "avxvnni", .mm = qm__i8mm_avxvnni};
+#endif
+#endif
+
 static double qm__now_us(void)
 {
     struct timespec ts;
@@ -112,6 +139,30 @@ static double qm__time_kernel(const qm__kernel *k, const qm__qmat *m, int gemm, 
     return best;
 }
 
+/* Best of a few runs of a fast-mode kernel; negative: no memory. */
+static double qm__time_i8(const qm__i8kernel *k, const qm__qmat *m, uint32_t nx, const float *x)
+{
+    size_t ld = (qm__i8_x_stride(m) + 15) & ~(size_t)15;
+    float *xq = qm_calloc(ld * nx + (size_t)nx * m->n + 64, sizeof(float));
+    if (!xq)
+        return -1.0;
+    float *y = xq + ld * nx;
+    for (uint32_t r = 0; r < nx; r++)
+        qm__i8_prep(m, x + (size_t)r * m->k, xq + r * ld);
+    double best = 1e30;
+    int reps = nx > 4 ? 3 : 7;
+    for (int rep = 0; rep <= reps; rep++) {
+        double t0 = qm__now_us();
+        for (uint32_t n0 = 0; n0 < m->n; n0 += QM__TILE_ROWS)
+            k->mm(m, n0, n0 + QM__TILE_ROWS, xq, ld, nx, y, m->n);
+        double dt = qm__now_us() - t0;
+        if (rep > 0 && dt < best)
+            best = dt;
+    }
+    qm_free(xq);
+    return best;
+}
+
 static uint32_t qm__gcd(uint32_t a, uint32_t b)
 {
     while (b) {
@@ -120,6 +171,88 @@ static uint32_t qm__gcd(uint32_t a, uint32_t b)
         b = t;
     }
     return a;
+}
+
+/* Deterministic synthetic weights, scales and inputs (NULL on no memory). */
+static int qm__cal_data(uint8_t **w, float **sc, float **x)
+{
+    size_t wbytes = (size_t)QM__CAL_N * QM__CAL_K;
+    uint32_t nblk = QM__CAL_K / 32;
+    *w = qm_malloc(wbytes);
+    *sc = qm_malloc(sizeof(float) * QM__CAL_N * nblk);
+    *x = qm_malloc(sizeof(float) * QM__CAL_GEMM_ROWS * QM__CAL_K);
+    if (!*w || !*sc || !*x) {
+        qm_free(*w);
+        qm_free(*sc);
+        qm_free(*x);
+        return -1;
+    }
+    uint32_t s = 12345u;
+    for (size_t i = 0; i < wbytes; i++) {
+        s = s * 1664525u + 1013904223u;
+        (*w)[i] = (uint8_t)(s >> 24);
+    }
+    for (size_t i = 0; i < (size_t)QM__CAL_N * nblk; i++)
+        (*sc)[i] = 0.001f * (float)(1 + i % 7);
+    for (size_t i = 0; i < (size_t)QM__CAL_GEMM_ROWS * QM__CAL_K; i++)
+        (*x)[i] = (float)((int)(i % 17) - 8) * 0.125f;
+    return 0;
+}
+
+static void qm__i8_auto_calibrate(void)
+{
+    const qm__i8kernel *cands[4];
+    int nc = 0;
+#if defined(QMOE_X86_KERNELS)
+    if (qm__cpu_has_avx512vnni())
+        cands[nc++] = &qm__i8kernel_avx512vnni;
+#if defined(QMOE_AVXVNNI_KERNEL)
+    if (qm__cpu_has_avxvnni())
+        cands[nc++] = &qm__i8kernel_avxvnni;
+#endif
+    if (qm__cpu_has_avx2())
+        cands[nc++] = &qm__i8kernel_avx2;
+#endif
+    if (nc == 0)
+        cands[nc++] = &qm__i8kernel_scalar;
+    for (int b8 = 0; b8 < 2; b8++)
+        qm__i8auto.k[b8][0] = qm__i8auto.k[b8][1] = cands[0];
+    uint8_t *w;
+    float *sc, *x;
+    if (nc > 1 && qm__cal_data(&w, &sc, &x) == 0) {
+        for (int b8 = 0; b8 < 2; b8++) {
+            qm__qmat m = {.w = w, .row_bytes = QM__CAL_K * (b8 ? 8u : 4u) / 8u, .scales = sc,
+                          .scale_dtype = QM_DTYPE_F32, .n = QM__CAL_N, .k = QM__CAL_K,
+                          .bits = b8 ? 8u : 4u, .nblk = QM__CAL_K / 32, .block = 32};
+            for (int pf = 0; pf < 2; pf++) {
+                uint32_t nx = pf ? QM__CAL_GEMM_ROWS : 1;
+                const qm__i8kernel *best = cands[0];
+                double tbest = qm__time_i8(cands[0], &m, nx, x);
+                for (int c = 1; c < nc && tbest > 0; c++) {
+                    double t = qm__time_i8(cands[c], &m, nx, x);
+                    if (t > 0 && t < tbest * 0.90) {
+                        tbest = t;
+                        best = cands[c];
+                    }
+                }
+                qm__i8auto.k[b8][pf] = best;
+            }
+        }
+        qm_free(w);
+        qm_free(sc);
+        qm_free(x);
+    }
+    /* "q4 A, q8 B", or "q4 A/C" when decode (A) and prefill (C) differ. */
+    char part[2][64];
+    for (int b8 = 0; b8 < 2; b8++) {
+        if (qm__i8auto.k[b8][0] == qm__i8auto.k[b8][1])
+            snprintf(part[b8], sizeof part[b8], "%s", qm__i8auto.k[b8][0]->name);
+        else
+            snprintf(part[b8], sizeof part[b8], "%s/%s", qm__i8auto.k[b8][0]->name,
+                     qm__i8auto.k[b8][1]->name);
+    }
+    snprintf(qm__i8auto.desc, sizeof qm__i8auto.desc, "measured: q4 %s, q8 %s", part[0],
+             part[1]);
 }
 
 static void qm__auto_calibrate(void)
@@ -138,22 +271,10 @@ static void qm__auto_calibrate(void)
     }
     uint32_t pad = 1;
     if (nc > 1) {
-        /* Deterministic synthetic weights, codes everywhere in range. */
-        size_t wbytes = (size_t)QM__CAL_N * QM__CAL_K;
+        uint8_t *w;
+        float *sc, *x;
         uint32_t nblk = QM__CAL_K / 32;
-        uint8_t *w = qm_malloc(wbytes);
-        float *sc = qm_malloc(sizeof(float) * QM__CAL_N * nblk);
-        float *x = qm_malloc(sizeof(float) * QM__CAL_GEMM_ROWS * QM__CAL_K);
-        if (w && sc && x) {
-            uint32_t s = 12345u;
-            for (size_t i = 0; i < wbytes; i++) {
-                s = s * 1664525u + 1013904223u;
-                w[i] = (uint8_t)(s >> 24);
-            }
-            for (size_t i = 0; i < (size_t)QM__CAL_N * nblk; i++)
-                sc[i] = 0.001f * (float)(1 + i % 7);
-            for (size_t i = 0; i < (size_t)QM__CAL_GEMM_ROWS * QM__CAL_K; i++)
-                x[i] = (float)((int)(i % 17) - 8) * 0.125f;
+        if (qm__cal_data(&w, &sc, &x) == 0) {
             for (int b8 = 0; b8 < 2; b8++) {
                 qm__qmat m = {.w = w, .row_bytes = QM__CAL_K * (b8 ? 8u : 4u) / 8u,
                               .scales = sc, .scale_dtype = QM_DTYPE_F32, .n = QM__CAL_N,
@@ -162,8 +283,10 @@ static void qm__auto_calibrate(void)
                     const qm__kernel *best = cands[0];
                     double tbest = qm__time_kernel(cands[0], &m, gemm, x);
                     for (int c = 1; c < nc && tbest > 0; c++) {
-                        if (gemm ? cands[c]->gemm == best->gemm : cands[c]->gemv == best->gemv)
-                            continue; /* the same code (a borrowed entry) */
+                        if (gemm ? cands[c]->gemm == best->gemm : cands[c]->gemv == best->gemv) {
+                            best = cands[c]; /* the same code, borrowed: name its owner */
+                            continue;
+                        }
                         double t = qm__time_kernel(cands[c], &m, gemm, x);
                         if (t > 0 && t < tbest * 0.90) {
                             tbest = t;
@@ -179,10 +302,10 @@ static void qm__auto_calibrate(void)
                     }
                 }
             }
+            qm_free(w);
+            qm_free(sc);
+            qm_free(x);
         }
-        qm_free(w);
-        qm_free(sc);
-        qm_free(x);
     }
     for (int b8 = 0; b8 < 2; b8++) {
         uint32_t p = qm__auto.gemm[b8]->gemm_row_pad;
@@ -190,7 +313,7 @@ static void qm__auto_calibrate(void)
     }
     qm__kernel_auto.gemm_row_pad = pad;
     snprintf(qm__auto.desc, sizeof qm__auto.desc,
-             "measured: gemv %s/%s, gemm %s/%s (4/8-bit)", qm__auto.gemv[0]->name,
+             "measured: gemv %s/%s, gemm %s/%s", qm__auto.gemv[0]->name,
              qm__auto.gemv[1]->name, qm__auto.gemm[0]->name, qm__auto.gemm[1]->name);
 }
 
@@ -207,6 +330,28 @@ int qm__cpu_has_avx512(void)
 {
     return qm__cpu_has_avx2() && __builtin_cpu_supports("avx512f") &&
            __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl");
+}
+
+int qm__cpu_has_avx512vnni(void)
+{
+    return qm__cpu_has_avx512() && __builtin_cpu_supports("avx512vnni");
+}
+
+/* CPUID.(EAX=7, ECX=1):EAX bit 4; GCC 12's builtin has no name for it. */
+int qm__cpu_has_avxvnni(void)
+{
+#if defined(QMOE_AVXVNNI_KERNEL)
+    unsigned a, b, c, d;
+    if (!qm__cpu_has_avx2())
+        return 0;
+    __asm__ volatile("cpuid" : "=a"(a), "=b"(b), "=c"(c), "=d"(d) : "a"(0), "c"(0));
+    if (a < 7)
+        return 0;
+    __asm__ volatile("cpuid" : "=a"(a), "=b"(b), "=c"(c), "=d"(d) : "a"(7), "c"(1));
+    return (a >> 4) & 1;
+#else
+    return 0;
+#endif
 }
 #endif
 
@@ -227,6 +372,37 @@ const qm__kernel *qm__kernel_select(void)
 #else
     return &qm__kernel_scalar;
 #endif
+}
+
+const qm__i8kernel *qm__i8kernel_select(void)
+{
+    const char *force = getenv("QMOE_KERNEL");
+    if (force && strcmp(force, "scalar") == 0)
+        return &qm__i8kernel_scalar;
+#if defined(QMOE_X86_KERNELS)
+    if (force && strcmp(force, "avx2") == 0 && qm__cpu_has_avx2())
+        return &qm__i8kernel_avx2;
+    if (force && (strcmp(force, "avx512") == 0 || strcmp(force, "avx512vnni") == 0) &&
+        qm__cpu_has_avx512vnni())
+        return &qm__i8kernel_avx512vnni;
+#if defined(QMOE_AVXVNNI_KERNEL)
+    if (force && strcmp(force, "avxvnni") == 0 && qm__cpu_has_avxvnni())
+        return &qm__i8kernel_avxvnni;
+#endif
+    if (!qm__cpu_has_avx2())
+        return &qm__i8kernel_scalar;
+    pthread_once(&qm__i8auto_once, qm__i8_auto_calibrate);
+    return &qm__i8kernel_auto;
+#else
+    return &qm__i8kernel_scalar;
+#endif
+}
+
+const char *qm__i8kernel_describe(const qm__i8kernel *k)
+{
+    if (k == &qm__i8kernel_auto)
+        return qm__i8auto.desc;
+    return k->name;
 }
 
 const char *qm__kernel_describe(const qm__kernel *k)

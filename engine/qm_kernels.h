@@ -53,6 +53,46 @@ typedef struct qm__kernel {
     uint32_t gemm_row_pad;
 } qm__kernel;
 
+/* A fast-mode kernel (int8 activations, integer dot products). Input rows
+ * are quantised by qm__i8_prep, shared by every kernel, so the int8
+ * activations are the same bits whatever kernel runs; one entry serves
+ * every row count: rows [n0, n1) of W times nx quantised rows. */
+typedef struct qm__i8kernel {
+    const char *name; /* "scalar", "avx2" (vpmaddubsw), "avxvnni", "avx512vnni" */
+    void (*mm)(const qm__qmat *m, uint32_t n0, uint32_t n1, const float *xq, size_t ldx,
+               uint32_t nx, float *y, size_t ldy);
+} qm__i8kernel;
+
+extern const qm__i8kernel qm__i8kernel_scalar;
+/* The fast-mode kernel for this CPU: measured once per process like the
+ * exact one; QMOE_KERNEL=scalar|avx2|avxvnni|avx512vnni forces one
+ * (avx512 means avx512vnni; an unavailable one falls back to the choice). */
+const qm__i8kernel *qm__i8kernel_select(void);
+const char *qm__i8kernel_describe(const qm__i8kernel *k);
+
+/* ---- Fast mode: int8 activations (../docs/ARCHITECTURE.md "fast mode") ----
+ * Each input row is cut into sub-blocks of 32 columns (zeros past k); a
+ * sub-block with amax = max |x| stores dx = amax / 127 and the codes
+ * q = rint(x * 127 / amax) in [-127, 127] (all zero when amax is 0).
+ * Prepared row, in floats: kp / 4 floats of int8 codes (kp = k rounded up to
+ * 32; for 4-bit weights each 32 columns are stored [16 even, 16 odd]), then
+ * dx of every sub-block, then per weight block b xs[b] = sum over its
+ * sub-blocks of dx * sum(q) (the zero-point term). Output:
+ *   y[n] = sum_b scale[n,b] * (sum_{j in b} dx_j * S_j - zp[n,b] * xs[b])
+ * with S_j = sum_{c in j} q_w[n,c] * q_x[c] an exact integer. Weight blocks
+ * must be whole sub-blocks: row-wise, or block % 32 == 0 (qm__i8_ok). */
+static inline int qm__i8_ok(const qm__qmat *m)
+{
+    return m->nblk == 1 || m->block % 32 == 0;
+}
+size_t qm__i8_x_stride(const qm__qmat *m);
+void qm__i8_prep(const qm__qmat *m, const float *x, float *xq);
+/* Sub-blocks of 32 per weight block. */
+static inline uint32_t qm__i8_spb(const qm__qmat *m)
+{
+    return m->nblk == 1 ? (uint32_t)((m->k + 31) / 32) : m->block / 32;
+}
+
 /* Per-worker scratch floats a kernel may use for matrix m. */
 size_t qm__kernel_scratch_floats(const qm__qmat *m);
 
@@ -78,6 +118,15 @@ const char *qm__kernel_describe(const qm__kernel *k);
 #if defined(QMOE_X86_KERNELS)
 int qm__cpu_has_avx2(void);
 int qm__cpu_has_avx512(void);
+int qm__cpu_has_avx512vnni(void);
+int qm__cpu_has_avxvnni(void);
+/* Fast-mode entries, one per instruction set (qm_kernel_i8*.c). */
+void qm__i8mm_avx2(const qm__qmat *m, uint32_t n0, uint32_t n1, const float *xq, size_t ldx,
+                   uint32_t nx, float *y, size_t ldy);
+void qm__i8mm_avxvnni(const qm__qmat *m, uint32_t n0, uint32_t n1, const float *xq, size_t ldx,
+                      uint32_t nx, float *y, size_t ldy);
+void qm__i8mm_avx512vnni(const qm__qmat *m, uint32_t n0, uint32_t n1, const float *xq,
+                         size_t ldx, uint32_t nx, float *y, size_t ldy);
 #endif
 
 /* ---- Shared helpers ---- */

@@ -244,7 +244,8 @@ int qm__moe_forward_layer(qm_backend *be, const qm_bank_config *cfg, const qm_la
     }
 
     /* 3. Experts, in waves of whatever the source can make usable at once. */
-    qm_expert_batch batch = {.config = cfg, .layer = layer, .x = x, .n_tokens = T, .y = y};
+    qm_expert_batch batch = {.config = cfg, .layer = layer, .x = x, .n_tokens = T, .y = y,
+                             .precision = call->precision};
     uint64_t t0 = qm__now_us();
     for (size_t done_n = 0; done_n < n_uniq;) {
         size_t ready = 0;

@@ -60,6 +60,7 @@ typedef struct qm_moe_call {
     void *output;         /* [T, H] in dtype */
     uint32_t *route_experts; /* optional [T, k] out */
     float *route_weights;    /* optional [T, k] out */
+    qm_precision precision;  /* zero-initialised: exact */
 } qm_moe_call;
 
 /* Runs one layer. Scratch is allocated per call (bounded by T*k*H floats). */
