@@ -74,7 +74,8 @@ void qm_job_run(qm_job *job)
                         .logits = logits,
                         .output = output,
                         .route_experts = rexp,
-                        .route_weights = rw};
+                        .route_weights = rw,
+                        .precision = s->precision_fast ? QM_PRECISION_FAST : QM_PRECISION_EXACT};
     /* A bank file truncated on disk fails the request before it reads the
      * mapping, and after it when the truncation raced it (qm_sigbus.c). */
     job->rc = qm_model_check(s->model, &job->st);

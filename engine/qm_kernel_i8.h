@@ -3,9 +3,11 @@
  * each compiled for its instruction set. Private to engine/.
  *
  * The includer defines QM__I8_FN (the entry's name), QM__I8_DOT4(w, x) and
- * QM__I8_DOT8(w, x) (8 dword lanes of sums of u8 codes times s8 inputs, 32
- * of each), and QM__I8_OFF8 (the offset its 8-bit dot subtracts from every
- * code: S = sum (q - OFF8) * x, so the zero point term uses zp - OFF8).
+ * QM__I8_DOT8(w, x): 8 dword lanes, lane i the exact sum over columns
+ * 4i..4i+3 of u8 code times s8 input (32 columns), as vpdpbusd computes it,
+ * and QM__I8_OFF8 = 0 (an offset its 8-bit dot would subtract from every
+ * code; the zero-point term then uses zp - OFF8). With the same lanes and
+ * this one template, every fast kernel gives the same output bits.
  *
  * Weight rows are taken 4 at a time and input rows 4 at a time; every
  * (row, input) pair owns one 8-lane f32 accumulator fed, per 32-column

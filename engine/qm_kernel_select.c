@@ -1,20 +1,29 @@
-/* qm_kernel_select.c - which kernel runs: measured on this CPU, not assumed.
+/* qm_kernel_select.c - which kernel runs on this CPU.
  *
- * Without QMOE_KERNEL, the first CPU backend of a process times every
- * available vector kernel on each shape class the engine distinguishes
- * (GEMV = decode jobs of <= QM__GEMV_MAX_ROWS rows, GEMM = longer jobs;
- * 4-bit and 8-bit weights) on a small synthetic matrix (64 x 2880, blocks of
- * 32, resident in L2: it measures the kernel's compute, not the memory) and
- * keeps the fastest of each class; a wider kernel keeps its class unless a
- * narrower one is more than 10% faster (the margin keeps a noisy, shared
- * machine from flipping the choice between runs). It costs a few milliseconds once per
- * process, and every backend of the process then uses the same choice (so
- * outputs never depend on which backend ran them). The scalar kernel is the
- * specification and never faster than AVX2; it is not timed.
- * QMOE_KERNEL=scalar|avx2|avx512 forces one kernel for every class (an
- * unavailable one falls back to the measured choice); QMOE_KERNEL=auto is
- * the default. qm__kernel_describe() names the choice (the CPU backend puts
- * it in its device name: daemon.status device.name, qmoe-bank run --verbose). */
+ * Exact mode: a kernel per shape class the engine distinguishes (GEMV =
+ * decode jobs of <= QM__GEMV_MAX_ROWS rows, GEMM = longer jobs; 4-bit and
+ * 8-bit weights). Kernels of different ISAs sum in different orders, so the
+ * choice must not change between processes (the daemon and `qmoe-bank run`
+ * give the same bits): the default is a fixed table per ISA, set from
+ * measurements (docs/BENCHMARKS.md "kernel choice"): GEMV 4-bit AVX-512
+ * (table-lookup dequantisation) where the CPU has AVX-512F/BW/VL, else
+ * AVX2; GEMV 8-bit AVX2 (measured faster than the AVX-512 8-bit GEMV on
+ * Sapphire Rapids); GEMM AVX2 (the AVX-512 table borrows it).
+ * QMOE_KERNEL=measure times every available vector kernel on each class
+ * instead (a 64 x 2880 matrix with blocks of 32, L2-resident: the kernel's
+ * compute, not the memory) and keeps the fastest, a narrower kernel taking
+ * a class only when more than 10% faster; outputs then follow that
+ * process's measurement. QMOE_KERNEL=scalar|avx2|avx512 forces one kernel
+ * for every class (an unavailable one falls back to the default).
+ *
+ * Fast mode: every SIMD fast kernel produces the same bits (qm_kernel_i8.h),
+ * so its choice is always measured, once per process, among the available
+ * ones (AVX-512 VNNI, AVX-VNNI, AVX2), per class (decode, prefill; 4/8-bit);
+ * QMOE_KERNEL=scalar|avx2|avxvnni|avx512vnni (avx512 = avx512vnni) forces one.
+ *
+ * qm__kernel_describe() / qm__i8kernel_describe() name the choice; the CPU
+ * backend puts them in its device name (daemon.status device.name,
+ * qmoe-bank run --verbose). */
 #include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -31,44 +40,43 @@ typedef struct qm__auto_choice {
     char desc[160];
 } qm__auto_choice;
 
-static qm__auto_choice qm__auto;
-static pthread_once_t qm__auto_once = PTHREAD_ONCE_INIT;
+/* [0]: the fixed defaults, [1]: measured (QMOE_KERNEL=measure). */
+static qm__auto_choice qm__choice[2];
+static pthread_once_t qm__choice_once[2] = {PTHREAD_ONCE_INIT, PTHREAD_ONCE_INIT};
 
-static const qm__kernel *qm__auto_pick(const qm__qmat *m, int gemm)
-{
-    int b8 = m->bits == 8;
-    return gemm ? qm__auto.gemm[b8] : qm__auto.gemv[b8];
-}
+#define QM__AUTO_FNS(IDX)                                                                          \
+    static const qm__kernel *qm__pick##IDX(const qm__qmat *m, int gemm)                            \
+    {                                                                                              \
+        int b8 = m->bits == 8;                                                                     \
+        return gemm ? qm__choice[IDX].gemm[b8] : qm__choice[IDX].gemv[b8];                         \
+    }                                                                                              \
+    static size_t qm__x_stride##IDX(const qm__qmat *m, int gemm)                                   \
+    {                                                                                              \
+        return qm__pick##IDX(m, gemm)->x_stride(m, gemm);                                          \
+    }                                                                                              \
+    static void qm__prep##IDX(const qm__qmat *m, int gemm, const float *x, float *xp)              \
+    {                                                                                              \
+        qm__pick##IDX(m, gemm)->prep(m, gemm, x, xp);                                              \
+    }                                                                                              \
+    static void qm__gemv##IDX(const qm__qmat *m, uint32_t n0, uint32_t n1, const float *xp,        \
+                              size_t ldx, uint32_t nx, float *y, size_t ldy, float *scratch)       \
+    {                                                                                              \
+        qm__pick##IDX(m, 0)->gemv(m, n0, n1, xp, ldx, nx, y, ldy, scratch);                        \
+    }                                                                                              \
+    static void qm__gemm##IDX(const qm__qmat *m, uint32_t n0, uint32_t n1, const float *xp,        \
+                              size_t ldx, uint32_t nx, float *y, size_t ldy, float *scratch)       \
+    {                                                                                              \
+        qm__pick##IDX(m, 1)->gemm(m, n0, n1, xp, ldx, nx, y, ldy, scratch);                        \
+    }
 
-static size_t qm__auto_x_stride(const qm__qmat *m, int gemm)
-{
-    return qm__auto_pick(m, gemm)->x_stride(m, gemm);
-}
+QM__AUTO_FNS(0)
+QM__AUTO_FNS(1)
 
-static void qm__auto_prep(const qm__qmat *m, int gemm, const float *x, float *xp)
-{
-    qm__auto_pick(m, gemm)->prep(m, gemm, x, xp);
-}
-
-static void qm__auto_gemv(const qm__qmat *m, uint32_t n0, uint32_t n1, const float *xp, size_t ldx,
-                          uint32_t nx, float *y, size_t ldy, float *scratch)
-{
-    qm__auto_pick(m, 0)->gemv(m, n0, n1, xp, ldx, nx, y, ldy, scratch);
-}
-
-static void qm__auto_gemm(const qm__qmat *m, uint32_t n0, uint32_t n1, const float *xp, size_t ldx,
-                          uint32_t nx, float *y, size_t ldy, float *scratch)
-{
-    qm__auto_pick(m, 1)->gemm(m, n0, n1, xp, ldx, nx, y, ldy, scratch);
-}
-
-static qm__kernel qm__kernel_auto = {
-    .name = "auto",
-    .x_stride = qm__auto_x_stride,
-    .prep = qm__auto_prep,
-    .gemv = qm__auto_gemv,
-    .gemm = qm__auto_gemm,
-    .gemm_row_pad = 1,
+static qm__kernel qm__kernel_auto[2] = {
+    {.name = "default", .x_stride = qm__x_stride0, .prep = qm__prep0, .gemv = qm__gemv0,
+     .gemm = qm__gemm0, .gemm_row_pad = 1},
+    {.name = "measured", .x_stride = qm__x_stride1, .prep = qm__prep1, .gemv = qm__gemv1,
+     .gemm = qm__gemm1, .gemm_row_pad = 1},
 };
 
 /* ---- fast mode ---- */
@@ -255,8 +263,9 @@ static void qm__i8_auto_calibrate(void)
              part[1]);
 }
 
-static void qm__auto_calibrate(void)
+static void qm__auto_calibrate(int measure)
 {
+    qm__auto_choice *ch = &qm__choice[measure];
     const qm__kernel *cands[4];
     int nc = 0;
 #if defined(QMOE_X86_KERNELS)
@@ -266,11 +275,18 @@ static void qm__auto_calibrate(void)
         cands[nc++] = &qm__kernel_avx2;
 #endif
     for (int b8 = 0; b8 < 2; b8++) {
-        qm__auto.gemv[b8] = qm__auto.gemm[b8] = nc ? cands[0] : &qm__kernel_scalar;
-        qm__auto.gemv_us[b8] = qm__auto.gemm_us[b8] = 0.0;
+        ch->gemv[b8] = ch->gemm[b8] = nc ? cands[0] : &qm__kernel_scalar;
+        ch->gemv_us[b8] = ch->gemm_us[b8] = 0.0;
     }
     uint32_t pad = 1;
-    if (nc > 1) {
+#if defined(QMOE_X86_KERNELS)
+    if (!measure && nc > 0) { /* the fixed defaults */
+        ch->gemv[0] = qm__cpu_has_avx512() ? &qm__kernel_avx512 : &qm__kernel_avx2;
+        ch->gemv[1] = &qm__kernel_avx2;
+        ch->gemm[0] = ch->gemm[1] = &qm__kernel_avx2;
+    }
+#endif
+    if (nc > 1 && measure) {
         uint8_t *w;
         float *sc, *x;
         uint32_t nblk = QM__CAL_K / 32;
@@ -294,11 +310,11 @@ static void qm__auto_calibrate(void)
                         }
                     }
                     if (gemm) {
-                        qm__auto.gemm[b8] = best;
-                        qm__auto.gemm_us[b8] = tbest;
+                        ch->gemm[b8] = best;
+                        ch->gemm_us[b8] = tbest;
                     } else {
-                        qm__auto.gemv[b8] = best;
-                        qm__auto.gemv_us[b8] = tbest;
+                        ch->gemv[b8] = best;
+                        ch->gemv_us[b8] = tbest;
                     }
                 }
             }
@@ -308,13 +324,23 @@ static void qm__auto_calibrate(void)
         }
     }
     for (int b8 = 0; b8 < 2; b8++) {
-        uint32_t p = qm__auto.gemm[b8]->gemm_row_pad;
+        uint32_t p = ch->gemm[b8]->gemm_row_pad;
         pad = pad / qm__gcd(pad, p) * p;
     }
-    qm__kernel_auto.gemm_row_pad = pad;
-    snprintf(qm__auto.desc, sizeof qm__auto.desc,
-             "measured: gemv %s/%s, gemm %s/%s", qm__auto.gemv[0]->name,
-             qm__auto.gemv[1]->name, qm__auto.gemm[0]->name, qm__auto.gemm[1]->name);
+    qm__kernel_auto[measure].gemm_row_pad = pad;
+    snprintf(ch->desc, sizeof ch->desc, "%s: gemv %s/%s, gemm %s/%s",
+             measure ? "measured" : "default", ch->gemv[0]->name,
+             ch->gemv[1]->name, ch->gemm[0]->name, ch->gemm[1]->name);
+}
+
+static void qm__auto_default(void)
+{
+    qm__auto_calibrate(0);
+}
+
+static void qm__auto_measured(void)
+{
+    qm__auto_calibrate(1);
 }
 
 #if defined(QMOE_X86_KERNELS)
@@ -367,8 +393,9 @@ const qm__kernel *qm__kernel_select(void)
         return &qm__kernel_avx512;
     if (!qm__cpu_has_avx2())
         return &qm__kernel_scalar;
-    pthread_once(&qm__auto_once, qm__auto_calibrate);
-    return &qm__kernel_auto;
+    int measure = force && strcmp(force, "measure") == 0;
+    pthread_once(&qm__choice_once[measure], measure ? qm__auto_measured : qm__auto_default);
+    return &qm__kernel_auto[measure];
 #else
     return &qm__kernel_scalar;
 #endif
@@ -407,7 +434,7 @@ const char *qm__i8kernel_describe(const qm__i8kernel *k)
 
 const char *qm__kernel_describe(const qm__kernel *k)
 {
-    if (k == &qm__kernel_auto)
-        return qm__auto.desc;
+    if (k == &qm__kernel_auto[0] || k == &qm__kernel_auto[1])
+        return qm__choice[k == &qm__kernel_auto[1]].desc;
     return k->name;
 }

@@ -2,7 +2,8 @@
  * and the machine's read bandwidth, for bench/qmoe_cpu/run.py.
  *
  *   qmoe_cpu_bench --bank F --tokens T [--threads 2] [--iters 20] [--warmup 3]
- *                  [--seed S] [--stream-mib 2048]
+ *                  [--seed S] [--stream-mib 2048] [--precision exact|fast]
+ *                  [--fma-peak]
  *
  * Each call gets fresh random hidden states and router logits (from --seed,
  * drawn outside the timed region) and the calls cycle through the bank's
@@ -102,14 +103,103 @@ static void measure_stream(size_t mib, unsigned threads, int reps)
     free(buf);
 }
 
+/* ---- FMA peak: independent FMA chains in registers, per thread ---- */
+
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#include <immintrin.h>
+typedef struct fma_arg {
+    long iters;
+    int wide;
+    double secs;
+    float sink;
+} fma_arg;
+
+__attribute__((target("avx2,fma"))) static float fma_loop256(long iters)
+{
+    __m256 a[12], m = _mm256_set1_ps(0.999999f), c = _mm256_set1_ps(1e-7f);
+    for (int i = 0; i < 12; i++)
+        a[i] = _mm256_set1_ps((float)i);
+    for (long it = 0; it < iters; it++)
+        for (int i = 0; i < 12; i++)
+            a[i] = _mm256_fmadd_ps(a[i], m, c);
+    __m256 s = a[0];
+    for (int i = 1; i < 12; i++)
+        s = _mm256_add_ps(s, a[i]);
+    return _mm256_cvtss_f32(s);
+}
+
+__attribute__((target("avx512f"))) static float fma_loop512(long iters)
+{
+    __m512 a[12], m = _mm512_set1_ps(0.999999f), c = _mm512_set1_ps(1e-7f);
+    for (int i = 0; i < 12; i++)
+        a[i] = _mm512_set1_ps((float)i);
+    for (long it = 0; it < iters; it++)
+        for (int i = 0; i < 12; i++)
+            a[i] = _mm512_fmadd_ps(a[i], m, c);
+    return _mm512_reduce_add_ps(a[0]) + _mm512_reduce_add_ps(a[11]);
+}
+
+static void *fma_thread(void *v)
+{
+    fma_arg *a = v;
+    double t0 = now_s();
+    a->sink = a->wide ? fma_loop512(a->iters) : fma_loop256(a->iters);
+    a->secs = now_s() - t0;
+    return NULL;
+}
+
+/* Median over 5 runs of the summed per-thread GFLOP/s (2 flops per lane per FMA). */
+static void measure_fma(unsigned threads)
+{
+    __builtin_cpu_init();
+    for (int wide = 0; wide < 2; wide++) {
+        if (wide && !__builtin_cpu_supports("avx512f"))
+            continue;
+        if (!__builtin_cpu_supports("fma"))
+            continue;
+        double g[5];
+        for (int rep = 0; rep < 5; rep++) {
+            pthread_t th[64];
+            fma_arg args[64];
+            unsigned n = threads > 64 ? 64 : threads;
+            for (unsigned t = 0; t < n; t++) {
+                args[t] = (fma_arg){.iters = 20000000, .wide = wide};
+                pthread_create(&th[t], NULL, fma_thread, &args[t]);
+            }
+            double sum = 0;
+            for (unsigned t = 0; t < n; t++) {
+                pthread_join(th[t], NULL);
+                sum += 2.0 * (wide ? 16 : 8) * 12 * (double)args[t].iters / args[t].secs / 1e9;
+            }
+            g[rep] = sum;
+        }
+        qsort(g, 5, sizeof(double), cmp_double);
+        printf("{\"what\":\"fma_peak\",\"isa\":\"%s\",\"threads\":%u,\"median_gflops\":%.1f,"
+               "\"min_gflops\":%.1f,\"max_gflops\":%.1f}\n",
+               wide ? "avx512" : "avx2", threads, g[2], g[0], g[4]);
+    }
+}
+#else
+static void measure_fma(unsigned threads)
+{
+    (void)threads;
+}
+#endif
+
 int main(int argc, char **argv)
 {
     const char *bank_path = NULL;
     unsigned tokens = 1, threads = 2, iters = 20, warmup = 3;
     size_t stream_mib = 0;
     uint64_t seed = 1;
+    int fast = 0, fma_peak = 0;
     for (int i = 1; i < argc; i += 2) {
         const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
+        if (!strcmp(a, "--fma-peak")) {
+            fma_peak = 1;
+            i--;
+            continue;
+        }
         if (!v) {
             fprintf(stderr, "%s needs a value\n", a);
             return 2;
@@ -126,6 +216,8 @@ int main(int argc, char **argv)
             warmup = (unsigned)atoi(v);
         else if (!strcmp(a, "--seed"))
             seed = strtoull(v, NULL, 10);
+        else if (!strcmp(a, "--precision") && (!strcmp(v, "exact") || !strcmp(v, "fast")))
+            fast = !strcmp(v, "fast");
         else if (!strcmp(a, "--stream-mib"))
             stream_mib = (size_t)atol(v);
         else {
@@ -135,6 +227,8 @@ int main(int argc, char **argv)
     }
     if (stream_mib)
         measure_stream(stream_mib, threads, 7);
+    if (fma_peak)
+        measure_fma(threads);
     if (!bank_path)
         return 0;
     if (iters == 0)
@@ -180,7 +274,8 @@ int main(int argc, char **argv)
         uint32_t layer = it % cfg->layers;
         qm_moe_call call = {.layer = layer, .dtype = QM_DTYPE_F32, .hidden = x,
                             .n_tokens = tokens, .logits = lg, .output = out,
-                            .route_experts = re};
+                            .route_experts = re,
+                            .precision = fast ? QM_PRECISION_FAST : QM_PRECISION_EXACT};
         double t0 = now_s();
         if (qm_moe_forward(be, bank, &call, &src, NULL, &st) < 0) {
             fprintf(stderr, "qmoe_cpu_bench: forward: %s\n", st.msg);
@@ -206,10 +301,10 @@ int main(int argc, char **argv)
     memcpy(sorted, ms, sizeof sorted);
     qsort(sorted, iters, sizeof(double), cmp_double);
     double med = sorted[iters / 2];
-    printf("{\"what\":\"qmoed\",\"backend\":\"%s\",\"tokens\":%u,\"threads\":%u,\"iters\":%u,"
+    printf("{\"what\":\"qmoed\",\"precision\":\"%s\",\"backend\":\"%s\",\"tokens\":%u,\"threads\":%u,\"iters\":%u,"
            "\"median_ms\":%.4f,\"min_ms\":%.4f,\"max_ms\":%.4f,\"bytes_per_call\":%.0f,"
            "\"gbps_median\":%.3f,\"samples_ms\":[",
-           info.name, tokens, threads, iters, med, sorted[0], sorted[iters - 1], mean_bytes,
+           fast ? "fast" : "exact", info.name, tokens, threads, iters, med, sorted[0], sorted[iters - 1], mean_bytes,
            mean_bytes / (med * 1e-3) / 1e9);
     for (unsigned i = 0; i < iters; i++)
         printf("%s%.4f", i ? "," : "", ms[i]);

@@ -16,16 +16,18 @@ static const qm_activation ACTS[] = {QM_ACT_RELU, QM_ACT_GELU, QM_ACT_SILU, QM_A
 static const uint32_t FUSIONS[] = {1, 1, 1, 1, 1, 2, 0};
 static const qm_dtype DTS[] = {QM_DTYPE_F32, QM_DTYPE_F16, QM_DTYPE_BF16};
 
-/* Every kernel path: "auto" is the measured per-class choice (the default). */
-static const char *const KERNELS[] = {"scalar", "avx2", "avx512", "auto"};
-#define N_KERNELS 4
+/* Every kernel path: "auto" is the default per-class table, "measure" the
+ * per-class choice measured in this process (qm_kernel_select.c). */
+static const char *const KERNELS[] = {"scalar", "avx2", "avx512", "auto", "measure"};
+#define N_KERNELS 5
 
 static int cpu_has(const char *kernel)
 {
     static int reported;
     __builtin_cpu_init();
     int has;
-    if (strcmp(kernel, "scalar") == 0 || strcmp(kernel, "auto") == 0)
+    if (strcmp(kernel, "scalar") == 0 || strcmp(kernel, "auto") == 0 ||
+        strcmp(kernel, "measure") == 0)
         has = 1;
     else if (strcmp(kernel, "avx2") == 0)
         has = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
@@ -48,9 +50,11 @@ static qm_backend *new_backend(const char *kernel, unsigned threads)
     ck_assert_msg(rc == 0, "cpu backend: %s", st.msg);
     qm_device_info info;
     ck_assert_int_eq(qm_backend_info(be, &info), 0);
-    const char *want = strcmp(kernel, "auto") == 0
-                           ? (__builtin_cpu_supports("avx2") ? "measured" : "scalar")
-                           : kernel;
+    const char *want = kernel;
+    if (strcmp(kernel, "auto") == 0 || strcmp(kernel, "measure") == 0)
+        want = !__builtin_cpu_supports("avx2") ? "scalar"
+               : kernel[0] == 'a'              ? "default"
+                                               : "measured";
     ck_assert_msg(strstr(info.name, want) != NULL, "wanted %s kernels, got '%s'", kernel,
                   info.name);
     return be;

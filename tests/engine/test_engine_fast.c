@@ -114,6 +114,8 @@ START_TEST(test_fast_kernels_within_derived_bound)
                     for (uint32_t r = 0; r < 37; r++)
                         qm__i8_prep(&m, x + (size_t)r * K, xq + r * ld);
                     const double *W = L.deq[0] + (size_t)1 * N * K;
+                    /* Every SIMD fast kernel gives the same bits (qm_kernel_i8.h). */
+                    float *simd_y[sizeof NX / sizeof NX[0]] = {0};
                     for (int ki = 0; ki < N_I8; ki++) {
                         const qm__i8kernel *k = i8_kernel(I8[ki]);
                         if (!k)
@@ -124,6 +126,15 @@ START_TEST(test_fast_kernels_within_derived_bound)
                             for (uint32_t n0 = 0; n0 < N; n0 += QM__TILE_ROWS)
                                 k->mm(&m, n0, n0 + QM__TILE_ROWS < N ? n0 + QM__TILE_ROWS : N, xq,
                                       ld, nx, y, N);
+                            if (ki > 0 && !simd_y[ni]) {
+                                simd_y[ni] = malloc(sizeof(float) * nx * N);
+                                memcpy(simd_y[ni], y, sizeof(float) * nx * N);
+                            } else if (ki > 0) {
+                                ck_assert_msg(memcmp(simd_y[ni], y, sizeof(float) * nx * N) == 0,
+                                              "%s: bits differ from the other SIMD fast kernels "
+                                              "(bits %d bs %u nx %u)",
+                                              k->name, bits, s.block_size, nx);
+                            }
                             for (uint32_t r = 0; r < nx; r++)
                                 for (uint32_t n = 0; n < N; n++) {
                                     const float *xr = x + (size_t)r * K;
@@ -152,6 +163,8 @@ START_TEST(test_fast_kernels_within_derived_bound)
                                 }
                         }
                     }
+                    for (size_t ni = 0; ni < sizeof NX / sizeof NX[0]; ni++)
+                        free(simd_y[ni]);
                     free(x);
                     free(xq);
                     free(y);
