@@ -8,7 +8,8 @@
  * measurements (docs/BENCHMARKS.md "kernel choice"): GEMV 4-bit AVX-512
  * (table-lookup dequantisation) where the CPU has AVX-512F/BW/VL, else
  * AVX2; GEMV 8-bit AVX2 (measured faster than the AVX-512 8-bit GEMV on
- * Sapphire Rapids); GEMM AVX2 (the AVX-512 table borrows it).
+ * Sapphire Rapids); GEMM AVX-512 where available, else AVX2 (both give the
+ * same bits: same panels, same per-lane order).
  * QMOE_KERNEL=measure times every available vector kernel on each class
  * instead (a 64 x 2880 matrix with blocks of 32, L2-resident: the kernel's
  * compute, not the memory) and keeps the fastest, a narrower kernel taking
@@ -283,7 +284,8 @@ static void qm__auto_calibrate(int measure)
     if (!measure && nc > 0) { /* the fixed defaults */
         ch->gemv[0] = qm__cpu_has_avx512() ? &qm__kernel_avx512 : &qm__kernel_avx2;
         ch->gemv[1] = &qm__kernel_avx2;
-        ch->gemm[0] = ch->gemm[1] = &qm__kernel_avx2;
+        ch->gemm[0] = ch->gemm[1] =
+            qm__cpu_has_avx512() ? &qm__kernel_avx512 : &qm__kernel_avx2;
     }
 #endif
     if (nc > 1 && measure) {

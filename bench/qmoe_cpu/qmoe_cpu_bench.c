@@ -114,29 +114,39 @@ typedef struct fma_arg {
     float sink;
 } fma_arg;
 
+/* 12 independent chains in named registers (an array may live in memory). */
+#define FMA_BODY(T, FMADD)                                                                         \
+    T a0 = SET1(0.f), a1 = SET1(1.f), a2 = SET1(2.f), a3 = SET1(3.f), a4 = SET1(4.f),              \
+      a5 = SET1(5.f), a6 = SET1(6.f), a7 = SET1(7.f), a8 = SET1(8.f), a9 = SET1(9.f),              \
+      a10 = SET1(10.f), a11 = SET1(11.f), m = SET1(0.999999f), c = SET1(1e-7f);                    \
+    for (long it = 0; it < iters; it++) {                                                          \
+        a0 = FMADD(a0, m, c), a1 = FMADD(a1, m, c), a2 = FMADD(a2, m, c);                         \
+        a3 = FMADD(a3, m, c), a4 = FMADD(a4, m, c), a5 = FMADD(a5, m, c);                         \
+        a6 = FMADD(a6, m, c), a7 = FMADD(a7, m, c), a8 = FMADD(a8, m, c);                         \
+        a9 = FMADD(a9, m, c), a10 = FMADD(a10, m, c), a11 = FMADD(a11, m, c);                     \
+        __asm__ volatile("" ::: "memory");                                                         \
+    }
+
 __attribute__((target("avx2,fma"))) static float fma_loop256(long iters)
 {
-    __m256 a[12], m = _mm256_set1_ps(0.999999f), c = _mm256_set1_ps(1e-7f);
-    for (int i = 0; i < 12; i++)
-        a[i] = _mm256_set1_ps((float)i);
-    for (long it = 0; it < iters; it++)
-        for (int i = 0; i < 12; i++)
-            a[i] = _mm256_fmadd_ps(a[i], m, c);
-    __m256 s = a[0];
-    for (int i = 1; i < 12; i++)
-        s = _mm256_add_ps(s, a[i]);
+#define SET1 _mm256_set1_ps
+    FMA_BODY(__m256, _mm256_fmadd_ps)
+#undef SET1
+    __m256 s = _mm256_add_ps(_mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3)),
+                             _mm256_add_ps(_mm256_add_ps(a4, a5), _mm256_add_ps(a6, a7)));
+    s = _mm256_add_ps(s, _mm256_add_ps(_mm256_add_ps(a8, a9), _mm256_add_ps(a10, a11)));
     return _mm256_cvtss_f32(s);
 }
 
 __attribute__((target("avx512f"))) static float fma_loop512(long iters)
 {
-    __m512 a[12], m = _mm512_set1_ps(0.999999f), c = _mm512_set1_ps(1e-7f);
-    for (int i = 0; i < 12; i++)
-        a[i] = _mm512_set1_ps((float)i);
-    for (long it = 0; it < iters; it++)
-        for (int i = 0; i < 12; i++)
-            a[i] = _mm512_fmadd_ps(a[i], m, c);
-    return _mm512_reduce_add_ps(a[0]) + _mm512_reduce_add_ps(a[11]);
+#define SET1 _mm512_set1_ps
+    FMA_BODY(__m512, _mm512_fmadd_ps)
+#undef SET1
+    __m512 s = _mm512_add_ps(_mm512_add_ps(_mm512_add_ps(a0, a1), _mm512_add_ps(a2, a3)),
+                             _mm512_add_ps(_mm512_add_ps(a4, a5), _mm512_add_ps(a6, a7)));
+    s = _mm512_add_ps(s, _mm512_add_ps(_mm512_add_ps(a8, a9), _mm512_add_ps(a10, a11)));
+    return _mm512_reduce_add_ps(s);
 }
 
 static void *fma_thread(void *v)
