@@ -257,7 +257,7 @@ static void qm__run_matrix(qm__run *R, const qm__qmat *m, int gemm, uint32_t n0,
                            float *scratch)
 {
     if (R->i8)
-        R->i8->mm(m, n0, n1, xp, ldx, nx, y, ldy);
+        R->i8->mm(m, n0, n1, xp, ldx, nx, y, ldy, scratch);
     else if (gemm)
         R->k->gemm(m, n0, n1, xp, ldx, nx, y, ldy, scratch);
     else
@@ -551,7 +551,7 @@ int qm_backend_cpu_new(uint32_t threads, qm_backend **out, qm_status *st)
     cx->threads = threads;
     cx->kernel = qm__kernel_select();
     cx->i8 = qm__i8kernel_select();
-    snprintf(cx->name, sizeof cx->name, "cpu (%s kernels; fast: %s; %u threads)",
+    snprintf(cx->name, sizeof cx->name, "cpu (%s; fast %s; %u threads)",
              qm__kernel_describe(cx->kernel), qm__i8kernel_describe(cx->i8), threads);
     if (qm__pool_new(threads, &cx->pool) < 0) {
         qm__cpu_destroy(cx);

@@ -27,5 +27,4 @@ static inline __m256i qm__dot8_avx2(__m256i w, __m256i x)
 #define QM__I8_FN qm__i8mm_avx2
 #define QM__I8_DOT4(w, x) qm__dot4_avx2(w, x)
 #define QM__I8_DOT8(w, x) qm__dot8_avx2(w, x)
-#define QM__I8_OFF8 0
 #include "qm_kernel_i8.h"

@@ -6,5 +6,4 @@
 #define QM__I8_FN qm__i8mm_avxvnni
 #define QM__I8_DOT4(w, x) _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), w, x)
 #define QM__I8_DOT8(w, x) _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), w, x)
-#define QM__I8_OFF8 0
 #include "qm_kernel_i8.h"

@@ -46,17 +46,18 @@ static void qm__scalar_matmul(const qm__qmat *m, uint32_t n0, uint32_t n1, const
 
 size_t qm__i8_x_stride(const qm__qmat *m)
 {
-    size_t kp = ((size_t)m->k + 31) / 32 * 32;
-    return kp / 4 + kp / 32 + m->nblk;
+    size_t nsb = qm__i8_nsb(m);
+    return nsb * 8 + nsb * 8 + ((size_t)m->nblk + 7) / 8 * 8;
 }
 
 void qm__i8_prep(const qm__qmat *m, const float *x, float *xq)
 {
-    size_t kp = ((size_t)m->k + 31) / 32 * 32, nsb = kp / 32;
+    size_t nsb = qm__i8_nsb(m);
     int8_t *q = (int8_t *)xq;
-    float *dx = xq + kp / 4, *xs = dx + nsb;
+    float *dx = xq + nsb * 8, *xs = dx + nsb * 8;
     uint32_t spb = qm__i8_spb(m);
-    for (uint32_t b = 0; b < m->nblk; b++)
+    size_t nxs = ((size_t)m->nblk + 7) / 8 * 8;
+    for (size_t b = 0; b < nxs; b++)
         xs[b] = 0.0f;
     for (size_t j = 0; j < nsb; j++) {
         float amax = 0.0f;
@@ -75,22 +76,26 @@ void qm__i8_prep(const qm__qmat *m, const float *x, float *xq)
             q[32 * j + pos] = (int8_t)v;
             sum += (int)v;
         }
-        dx[j] = amax / 127.0f;
-        xs[j / spb] += dx[j] * (float)sum;
+        float d = amax / 127.0f;
+        for (size_t t = 0; t < 8; t++)
+            dx[8 * j + t] = d;
+        if (32 * j < m->k)
+            xs[j / spb] += d * (float)sum;
     }
 }
 
 static void qm__scalar_i8mm(const qm__qmat *m, uint32_t n0, uint32_t n1, const float *xq,
-                            size_t ldx, uint32_t nx, float *y, size_t ldy)
+                            size_t ldx, uint32_t nx, float *y, size_t ldy, float *scratch)
 {
-    size_t kp = ((size_t)m->k + 31) / 32 * 32, nsb = kp / 32;
+    size_t nsb = qm__i8_nsb(m);
     uint32_t spb = qm__i8_spb(m);
+    (void)scratch;
     for (uint32_t n = n0; n < n1; n++) {
         const uint8_t *row = m->w + (size_t)n * m->row_bytes;
         for (uint32_t r = 0; r < nx; r++) {
             const float *xr = xq + (size_t)r * ldx;
             const int8_t *q = (const int8_t *)xr;
-            const float *dx = xr + kp / 4, *xs = dx + nsb;
+            const float *dx = xr + nsb * 8, *xs = dx + nsb * 8;
             float acc = 0.0f;
             for (uint32_t b = 0; b < m->nblk; b++) {
                 float blk = 0.0f;
@@ -103,7 +108,7 @@ static void qm__scalar_i8mm(const qm__qmat *m, uint32_t n0, uint32_t n1, const f
                         size_t pos = m->bits == 4 ? (t & 1) * 16 + t / 2 : t;
                         sdot += qm__qmat_code(m, row, c) * q[32 * j + pos];
                     }
-                    blk += dx[j] * (float)sdot;
+                    blk += dx[8 * j] * (float)sdot;
                 }
                 blk -= (float)qm__qmat_zp(m, n, b) * xs[b];
                 acc += qm__qmat_scale(m, n, b) * blk;
@@ -126,9 +131,10 @@ const qm__i8kernel qm__i8kernel_scalar = {.name = "scalar", .mm = qm__scalar_i8m
 
 size_t qm__kernel_scratch_floats(const qm__qmat *m)
 {
-    /* GEMM: one dequantised tile and its transposed panel; GEMV: per-row
-     * scales and zero points of up to 4 rows; plus slack for alignment. */
+    /* GEMM: one dequantised tile and its transposed panel; GEMV and fast
+     * mode: per-row scales and zero-point products of up to 4 rows (blocks
+     * padded to 8); plus slack for alignment. */
     size_t tile = (size_t)2 * QM__TILE_ROWS * QM__GEMM_KT;
-    size_t rows = (size_t)8 * m->nblk;
+    size_t rows = (size_t)8 * (((size_t)m->nblk + 7) / 8 * 8);
     return (tile > rows ? tile : rows) + 64;
 }

@@ -91,9 +91,10 @@ static qm__i8_auto_choice qm__i8auto;
 static pthread_once_t qm__i8auto_once = PTHREAD_ONCE_INIT;
 
 static void qm__i8_auto_mm(const qm__qmat *m, uint32_t n0, uint32_t n1, const float *xq,
-                           size_t ldx, uint32_t nx, float *y, size_t ldy)
+                           size_t ldx, uint32_t nx, float *y, size_t ldy, float *scratch)
 {
-    qm__i8auto.k[m->bits == 8][nx > QM__GEMV_MAX_ROWS]->mm(m, n0, n1, xq, ldx, nx, y, ldy);
+    qm__i8auto.k[m->bits == 8][nx > QM__GEMV_MAX_ROWS]->mm(m, n0, n1, xq, ldx, nx, y, ldy,
+                                                           scratch);
 }
 
 static const qm__i8kernel qm__i8kernel_auto = {.name = "auto", .mm = qm__i8_auto_mm};
@@ -152,10 +153,11 @@ static double qm__time_kernel(const qm__kernel *k, const qm__qmat *m, int gemm, 
 static double qm__time_i8(const qm__i8kernel *k, const qm__qmat *m, uint32_t nx, const float *x)
 {
     size_t ld = (qm__i8_x_stride(m) + 15) & ~(size_t)15;
-    float *xq = qm_calloc(ld * nx + (size_t)nx * m->n + 64, sizeof(float));
+    size_t sf = qm__kernel_scratch_floats(m);
+    float *xq = qm_calloc(ld * nx + (size_t)nx * m->n + sf + 64, sizeof(float));
     if (!xq)
         return -1.0;
-    float *y = xq + ld * nx;
+    float *y = xq + ld * nx, *scratch = y + (size_t)nx * m->n;
     for (uint32_t r = 0; r < nx; r++)
         qm__i8_prep(m, x + (size_t)r * m->k, xq + r * ld);
     double best = 1e30;
@@ -163,7 +165,7 @@ static double qm__time_i8(const qm__i8kernel *k, const qm__qmat *m, uint32_t nx,
     for (int rep = 0; rep <= reps; rep++) {
         double t0 = qm__now_us();
         for (uint32_t n0 = 0; n0 < m->n; n0 += QM__TILE_ROWS)
-            k->mm(m, n0, n0 + QM__TILE_ROWS, xq, ld, nx, y, m->n);
+            k->mm(m, n0, n0 + QM__TILE_ROWS, xq, ld, nx, y, m->n, scratch);
         double dt = qm__now_us() - t0;
         if (rep > 0 && dt < best)
             best = dt;

@@ -60,7 +60,7 @@ typedef struct qm__kernel {
 typedef struct qm__i8kernel {
     const char *name; /* "scalar", "avx2" (vpmaddubsw), "avxvnni", "avx512vnni" */
     void (*mm)(const qm__qmat *m, uint32_t n0, uint32_t n1, const float *xq, size_t ldx,
-               uint32_t nx, float *y, size_t ldy);
+               uint32_t nx, float *y, size_t ldy, float *scratch);
 } qm__i8kernel;
 
 extern const qm__i8kernel qm__i8kernel_scalar;
@@ -75,9 +75,10 @@ const char *qm__i8kernel_describe(const qm__i8kernel *k);
  * sub-block with amax = max |x| stores dx = amax / 127 and the codes
  * q = rint(x * 127 / amax) in [-127, 127] (all zero when amax is 0).
  * Prepared row, in floats: kp / 4 floats of int8 codes (kp = k rounded up to
- * 32; for 4-bit weights each 32 columns are stored [16 even, 16 odd]), then
- * dx of every sub-block, then per weight block b xs[b] = sum over its
- * sub-blocks of dx * sum(q) (the zero-point term). Output:
+ * 64, an even number of sub-blocks; for 4-bit weights each 32 columns are
+ * stored [16 even, 16 odd]), then dx of every sub-block repeated 8 times,
+ * then per weight block b xs[b] = sum over its sub-blocks of dx * sum(q)
+ * (the zero-point term), zeros up to a multiple of 8 blocks. Output:
  *   y[n] = sum_b scale[n,b] * (sum_{j in b} dx_j * S_j - zp[n,b] * xs[b])
  * with S_j = sum_{c in j} q_w[n,c] * q_x[c] an exact integer. Weight blocks
  * must be whole sub-blocks: row-wise, or block % 32 == 0 (qm__i8_ok). */
@@ -124,11 +125,16 @@ int qm__cpu_has_avx512vnni(void);
 int qm__cpu_has_avxvnni(void);
 /* Fast-mode entries, one per instruction set (qm_kernel_i8*.c). */
 void qm__i8mm_avx2(const qm__qmat *m, uint32_t n0, uint32_t n1, const float *xq, size_t ldx,
-                   uint32_t nx, float *y, size_t ldy);
+                   uint32_t nx, float *y, size_t ldy, float *scratch);
 void qm__i8mm_avxvnni(const qm__qmat *m, uint32_t n0, uint32_t n1, const float *xq, size_t ldx,
-                      uint32_t nx, float *y, size_t ldy);
+                      uint32_t nx, float *y, size_t ldy, float *scratch);
 void qm__i8mm_avx512vnni(const qm__qmat *m, uint32_t n0, uint32_t n1, const float *xq,
-                         size_t ldx, uint32_t nx, float *y, size_t ldy);
+                         size_t ldx, uint32_t nx, float *y, size_t ldy, float *scratch);
+/* Sub-blocks (even), and floats before dx and before xs, in a prepared row. */
+static inline size_t qm__i8_nsb(const qm__qmat *m)
+{
+    return ((size_t)m->k + 63) / 64 * 2;
+}
 #endif
 
 /* ---- Shared helpers ---- */

@@ -108,6 +108,7 @@ START_TEST(test_fast_kernels_within_derived_bound)
                     float *x = malloc(sizeof(float) * 37 * K);
                     float *xq = calloc(ld * 37, sizeof(float));
                     float *y = malloc(sizeof(float) * 37 * N);
+                    float *scratch = malloc(sizeof(float) * qm__kernel_scratch_floats(&m));
                     uint64_t rs = 77 + (uint64_t)cases;
                     for (uint32_t i = 0; i < 37 * K; i++) /* mixed magnitudes per sub-block */
                         x[i] = tl_uniform(&rs, -1, 1) * ((i / 7) % 5 == 0 ? 8.0f : 1.0f);
@@ -125,7 +126,7 @@ START_TEST(test_fast_kernels_within_derived_bound)
                             uint32_t nx = NX[ni];
                             for (uint32_t n0 = 0; n0 < N; n0 += QM__TILE_ROWS)
                                 k->mm(&m, n0, n0 + QM__TILE_ROWS < N ? n0 + QM__TILE_ROWS : N, xq,
-                                      ld, nx, y, N);
+                                      ld, nx, y, N, scratch);
                             if (ki > 0 && !simd_y[ni]) {
                                 simd_y[ni] = malloc(sizeof(float) * nx * N);
                                 memcpy(simd_y[ni], y, sizeof(float) * nx * N);
@@ -168,6 +169,7 @@ START_TEST(test_fast_kernels_within_derived_bound)
                     free(x);
                     free(xq);
                     free(y);
+                    free(scratch);
                     tl_layer_free(&L);
                     cases++;
                 }
