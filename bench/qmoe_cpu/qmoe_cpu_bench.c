@@ -53,9 +53,55 @@ typedef struct stream_arg {
     uint64_t sum;
 } stream_arg;
 
+/* 256-bit loads, 8 independent accumulators, 512 bytes per iteration: the
+ * loop issues loads as fast as the core can, so the memory is the limit
+ * (a scalar loop measured 2-3x less than the kernels' own traffic here). */
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#include <immintrin.h>
+__attribute__((target("avx2"))) static uint64_t stream_sum256(const uint64_t *p, size_t n)
+{
+    __m256i a0 = _mm256_setzero_si256(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0,
+            a7 = a0;
+    size_t i = 0;
+    for (; i + 64 <= n; i += 64) {
+        const __m256i *q = (const __m256i *)(p + i);
+        a0 = _mm256_add_epi64(a0, _mm256_loadu_si256(q + 0));
+        a1 = _mm256_add_epi64(a1, _mm256_loadu_si256(q + 1));
+        a2 = _mm256_add_epi64(a2, _mm256_loadu_si256(q + 2));
+        a3 = _mm256_add_epi64(a3, _mm256_loadu_si256(q + 3));
+        a4 = _mm256_add_epi64(a4, _mm256_loadu_si256(q + 4));
+        a5 = _mm256_add_epi64(a5, _mm256_loadu_si256(q + 5));
+        a6 = _mm256_add_epi64(a6, _mm256_loadu_si256(q + 6));
+        a7 = _mm256_add_epi64(a7, _mm256_loadu_si256(q + 7));
+        a0 = _mm256_add_epi64(a0, _mm256_loadu_si256(q + 8));
+        a1 = _mm256_add_epi64(a1, _mm256_loadu_si256(q + 9));
+        a2 = _mm256_add_epi64(a2, _mm256_loadu_si256(q + 10));
+        a3 = _mm256_add_epi64(a3, _mm256_loadu_si256(q + 11));
+        a4 = _mm256_add_epi64(a4, _mm256_loadu_si256(q + 12));
+        a5 = _mm256_add_epi64(a5, _mm256_loadu_si256(q + 13));
+        a6 = _mm256_add_epi64(a6, _mm256_loadu_si256(q + 14));
+        a7 = _mm256_add_epi64(a7, _mm256_loadu_si256(q + 15));
+    }
+    a0 = _mm256_add_epi64(_mm256_add_epi64(_mm256_add_epi64(a0, a1), _mm256_add_epi64(a2, a3)),
+                          _mm256_add_epi64(_mm256_add_epi64(a4, a5), _mm256_add_epi64(a6, a7)));
+    uint64_t lanes[4];
+    _mm256_storeu_si256((__m256i *)lanes, a0);
+    uint64_t s = lanes[0] + lanes[1] + lanes[2] + lanes[3];
+    for (; i < n; i++)
+        s += p[i];
+    return s;
+}
+#endif
+
 static void *stream_read(void *v)
 {
     stream_arg *a = v;
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+    if (__builtin_cpu_supports("avx2")) {
+        a->sum = stream_sum256(a->p, a->n);
+        return NULL;
+    }
+#endif
     uint64_t s0 = 0, s1 = 0, s2 = 0, s3 = 0;
     for (size_t i = 0; i + 4 <= a->n; i += 4) {
         s0 += a->p[i];
