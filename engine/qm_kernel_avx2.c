@@ -87,22 +87,7 @@ QM_AI void qm__load_chunk(const uint8_t *row, size_t row_bytes, uint32_t c, cons
     }
 }
 
-/* Scale of (row n, block b) as f32; the f32 case is a plain load. */
-QM_AI float qm__scale(const qm__qmat *m, uint32_t n, uint32_t b)
-{
-    size_t i = (size_t)n * m->nblk + b;
-    if (__builtin_expect(m->scale_dtype == QM_DTYPE_F32, 1)) {
-        float f;
-        memcpy(&f, (const uint8_t *)m->scales + 4 * i, 4);
-        return f;
-    }
-    if (m->scale_dtype == QM_DTYPE_F16) {
-        uint16_t h;
-        memcpy(&h, (const uint8_t *)m->scales + 2 * i, 2);
-        return _cvtsh_ss(h);
-    }
-    return qm__load_float(m->scales, m->scale_dtype, i);
-}
+#define qm__scale(m, n, b) qm__qmat_scale_f16c(m, n, b)
 
 QM_AI float qm__zp(const qm__qmat *m, uint32_t n, uint32_t b)
 {

@@ -66,18 +66,12 @@ static void qm__avx512_prep(const qm__qmat *m, int gemm, const float *x, float *
 /* Scale of (row n, block b); FAST: f32 scales. */
 QM_AI float qm__s512(const qm__qmat *m, uint32_t n, uint32_t b, const int FAST)
 {
-    size_t i = (size_t)n * m->nblk + b;
-    if (FAST || m->scale_dtype == QM_DTYPE_F32) {
+    if (FAST) {
         float f;
-        memcpy(&f, (const uint8_t *)m->scales + 4 * i, 4);
+        memcpy(&f, (const uint8_t *)m->scales + 4 * ((size_t)n * m->nblk + b), 4);
         return f;
     }
-    if (m->scale_dtype == QM_DTYPE_F16) {
-        uint16_t h;
-        memcpy(&h, (const uint8_t *)m->scales + 2 * i, 2);
-        return _cvtsh_ss(h);
-    }
-    return qm__load_float(m->scales, m->scale_dtype, i);
+    return qm__qmat_scale_f16c(m, n, b);
 }
 
 /* Zero point of (row n, block b) as f32; FAST: no zero-point tensor. */

@@ -91,6 +91,50 @@ QM_I8_AI const uint8_t *qm__i8_bytes(const uint8_t *row, size_t rb, size_t off, 
     return tmp;
 }
 
+/* Pointers of a tile of NR weight rows x R inputs; the rows' scales (and
+ * zero-point products) converted into scratch. */
+typedef struct qm__i8_tile_ptrs {
+    const uint8_t *row[4];
+    const float *sc[4], *zsc[4];
+    const int8_t *xc[4];
+    const float *dx[4], *xs[4];
+} qm__i8_tile_ptrs;
+
+QM_I8_AI void qm__i8_tile_setup(const qm__qmat *m, uint32_t n, const int NR, const float *xq,
+                                size_t ldx, const int R, float *scratch, qm__i8_tile_ptrs *p)
+{
+    const size_t nsb = qm__i8_nsb(m), nb8 = ((size_t)m->nblk + 7) / 8 * 8;
+#pragma GCC unroll 4
+    for (int i = 0; i < NR; i++) {
+        p->row[i] = m->w + (size_t)(n + i) * m->row_bytes;
+        float *s = scratch + (size_t)i * 2 * nb8;
+        qm__i8_row_params(m, n + i, s, s + nb8);
+        p->sc[i] = s;
+        p->zsc[i] = s + nb8;
+    }
+#pragma GCC unroll 4
+    for (int r = 0; r < R; r++) {
+        const float *xr = xq + (size_t)r * ldx;
+        p->xc[r] = (const int8_t *)xr;
+        p->dx[r] = xr + nsb * 8;
+        p->xs[r] = p->dx[r] + nsb * 8;
+    }
+}
+
+/* Once per 64 bytes of codes (4 sub-blocks of 4-bit codes, 2 of 8-bit;
+ * called for even j), the same bytes of the next 4 rows (contiguous after
+ * these). */
+QM_I8_AI void qm__i8_prefetch(const qm__i8_tile_ptrs *p, const int NR, size_t j, const int BITS,
+                              size_t rb)
+{
+    if (NR == 4 && (BITS == 8 || (j & 3) == 0)) {
+        size_t poff = j * 4 * BITS + 4 * rb;
+#pragma GCC unroll 4
+        for (int i = 0; i < 4; i++)
+            _mm_prefetch((const char *)(p->row[i] + poff), _MM_HINT_T0);
+    }
+}
+
 #ifdef QM__I8_FN
 /* Sub-blocks j and j + 1 of a row as two vectors of 32 u8 codes in the
  * prepared order. */
@@ -117,54 +161,34 @@ QM_I8_AI void qm__i8_tile(const qm__qmat *m, uint32_t n, const int NR, const flo
                           size_t ldx, const int R, float *y, size_t ldy, float *scratch,
                           const int BITS)
 {
-    const size_t nsb = qm__i8_nsb(m), nb8 = ((size_t)m->nblk + 7) / 8 * 8;
+    const size_t nsb = qm__i8_nsb(m);
     const uint32_t spb = qm__i8_spb(m), nblk = m->nblk;
     const size_t rb = m->row_bytes;
-    const uint8_t *row[4];
-    const float *sc[4], *zsc[4];
-    const int8_t *xc[4];
-    const float *dx[4], *xs[4];
+    qm__i8_tile_ptrs p;
+    qm__i8_tile_setup(m, n, NR, xq, ldx, R, scratch, &p);
     __m256 A[4][4], B[4][4];
 #pragma GCC unroll 4
-    for (int i = 0; i < NR; i++) {
-        row[i] = m->w + (size_t)(n + i) * rb;
-        float *s = scratch + (size_t)i * 2 * nb8;
-        qm__i8_row_params(m, n + i, s, s + nb8);
-        sc[i] = s;
-        zsc[i] = s + nb8;
+    for (int i = 0; i < NR; i++)
 #pragma GCC unroll 4
         for (int r = 0; r < R; r++)
             A[i][r] = B[i][r] = _mm256_setzero_ps();
-    }
-#pragma GCC unroll 4
-    for (int r = 0; r < R; r++) {
-        const float *xr = xq + (size_t)r * ldx;
-        xc[r] = (const int8_t *)xr;
-        dx[r] = xr + nsb * 8;
-        xs[r] = dx[r] + nsb * 8;
-    }
     for (size_t j = 0; j < nsb; j += 2) {
-        if (NR == 4 && (j & 7) == 0) {
-            size_t poff = j * 4 * BITS + 4 * rb;
-#pragma GCC unroll 4
-            for (int i = 0; i < 4; i++)
-                _mm_prefetch((const char *)(row[i] + poff), _MM_HINT_T0);
-        }
+        qm__i8_prefetch(&p, NR, j, BITS, rb);
         __m256i x0[4], x1[4];
         __m256 d0[4], d1[4];
 #pragma GCC unroll 4
         for (int r = 0; r < R; r++) {
-            x0[r] = _mm256_loadu_si256((const __m256i *)(xc[r] + 32 * j));
-            x1[r] = _mm256_loadu_si256((const __m256i *)(xc[r] + 32 * j + 32));
-            d0[r] = _mm256_loadu_ps(dx[r] + 8 * j);
-            d1[r] = _mm256_loadu_ps(dx[r] + 8 * j + 8);
+            x0[r] = _mm256_loadu_si256((const __m256i *)(p.xc[r] + 32 * j));
+            x1[r] = _mm256_loadu_si256((const __m256i *)(p.xc[r] + 32 * j + 32));
+            d0[r] = _mm256_loadu_ps(p.dx[r] + 8 * j);
+            d1[r] = _mm256_loadu_ps(p.dx[r] + 8 * j + 8);
         }
 #pragma GCC unroll 4
         for (int i = 0; i < NR; i++) {
             __m256i w0, w1;
-            qm__i8_wpair(row[i], rb, j, BITS, &w0, &w1);
-            __m256 s0 = _mm256_set1_ps(qm__i8_sc(sc[i], j, spb, nblk));
-            __m256 s1 = _mm256_set1_ps(qm__i8_sc(sc[i], j + 1, spb, nblk));
+            qm__i8_wpair(p.row[i], rb, j, BITS, &w0, &w1);
+            __m256 s0 = _mm256_set1_ps(qm__i8_sc(p.sc[i], j, spb, nblk));
+            __m256 s1 = _mm256_set1_ps(qm__i8_sc(p.sc[i], j + 1, spb, nblk));
 #pragma GCC unroll 4
             for (int r = 0; r < R; r++) {
                 __m256i p0 = BITS == 4 ? QM__I8_DOT4(w0, x0[r]) : QM__I8_DOT8(w0, x0[r]);
@@ -181,7 +205,7 @@ QM_I8_AI void qm__i8_tile(const qm__qmat *m, uint32_t n, const int NR, const flo
 #pragma GCC unroll 4
         for (int r = 0; r < R; r++)
             y[(size_t)r * ldy + n + i] = qm__i8_hsum(_mm256_add_ps(A[i][r], B[i][r])) -
-                                         qm__i8_corr(m, sc[i], zsc[i], xs[r]);
+                                         qm__i8_corr(m, p.sc[i], p.zsc[i], p.xs[r]);
 }
 
 /* Decode: 4 rows x 1 input; otherwise 2 rows x 2 inputs; then the leftovers. */

@@ -27,56 +27,36 @@ QM_I8_AI void qm__i8_tile512(const qm__qmat *m, uint32_t n, const int NR, const 
                              size_t ldx, const int R, float *y, size_t ldy, float *scratch,
                              const int BITS)
 {
-    const size_t nsb = qm__i8_nsb(m), nb8 = ((size_t)m->nblk + 7) / 8 * 8;
+    const size_t nsb = qm__i8_nsb(m);
     const uint32_t spb = qm__i8_spb(m), nblk = m->nblk;
     const int pair_same = nblk == 1 || spb % 2 == 0; /* j, j + 1 always in one block */
     const size_t rb = m->row_bytes;
-    const uint8_t *row[4];
-    const float *sc[4], *zsc[4];
-    const int8_t *xc[4];
-    const float *dx[4], *xs[4];
+    qm__i8_tile_ptrs p;
+    qm__i8_tile_setup(m, n, NR, xq, ldx, R, scratch, &p);
     __m512 acc[4][4];
 #pragma GCC unroll 4
-    for (int i = 0; i < NR; i++) {
-        row[i] = m->w + (size_t)(n + i) * rb;
-        float *s = scratch + (size_t)i * 2 * nb8;
-        qm__i8_row_params(m, n + i, s, s + nb8);
-        sc[i] = s;
-        zsc[i] = s + nb8;
+    for (int i = 0; i < NR; i++)
 #pragma GCC unroll 4
         for (int r = 0; r < R; r++)
             acc[i][r] = _mm512_setzero_ps();
-    }
-#pragma GCC unroll 4
-    for (int r = 0; r < R; r++) {
-        const float *xr = xq + (size_t)r * ldx;
-        xc[r] = (const int8_t *)xr;
-        dx[r] = xr + nsb * 8;
-        xs[r] = dx[r] + nsb * 8;
-    }
     for (size_t j = 0; j < nsb; j += 2) {
-        if (NR == 4 && (j & 7) == 0) {
-            size_t poff = j * 4 * BITS + 4 * rb;
-#pragma GCC unroll 4
-            for (int i = 0; i < 4; i++)
-                _mm_prefetch((const char *)(row[i] + poff), _MM_HINT_T0);
-        }
+        qm__i8_prefetch(&p, NR, j, BITS, rb);
         __m512i xv[4];
         __m512 dv[4];
 #pragma GCC unroll 4
         for (int r = 0; r < R; r++) {
-            xv[r] = _mm512_loadu_si512((const void *)(xc[r] + 32 * j));
-            dv[r] = _mm512_loadu_ps(dx[r] + 8 * j);
+            xv[r] = _mm512_loadu_si512((const void *)(p.xc[r] + 32 * j));
+            dv[r] = _mm512_loadu_ps(p.dx[r] + 8 * j);
         }
 #pragma GCC unroll 4
         for (int i = 0; i < NR; i++) {
-            __m512i w = qm__i8_wpair512(row[i], rb, j, BITS);
+            __m512i w = qm__i8_wpair512(p.row[i], rb, j, BITS);
             __m512 sv;
             if (pair_same) {
-                sv = _mm512_set1_ps(qm__i8_sc(sc[i], j, spb, nblk));
+                sv = _mm512_set1_ps(qm__i8_sc(p.sc[i], j, spb, nblk));
             } else {
-                __m256 s0 = _mm256_set1_ps(qm__i8_sc(sc[i], j, spb, nblk));
-                __m256 s1 = _mm256_set1_ps(qm__i8_sc(sc[i], j + 1, spb, nblk));
+                __m256 s0 = _mm256_set1_ps(qm__i8_sc(p.sc[i], j, spb, nblk));
+                __m256 s1 = _mm256_set1_ps(qm__i8_sc(p.sc[i], j + 1, spb, nblk));
                 sv = _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castpd256_pd512(_mm256_castps_pd(s0)),
                                                          _mm256_castps_pd(s1), 1));
             }
@@ -95,7 +75,7 @@ QM_I8_AI void qm__i8_tile512(const qm__qmat *m, uint32_t n, const int NR, const 
             __m512 v = acc[i][r];
             __m256 ab = _mm256_add_ps(_mm512_castps512_ps256(v),
                                       _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
-            y[(size_t)r * ldy + n + i] = qm__i8_hsum(ab) - qm__i8_corr(m, sc[i], zsc[i], xs[r]);
+            y[(size_t)r * ldy + n + i] = qm__i8_hsum(ab) - qm__i8_corr(m, p.sc[i], p.zsc[i], p.xs[r]);
         }
 }
 

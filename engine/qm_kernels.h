@@ -163,6 +163,28 @@ static inline float qm__qmat_scale(const qm__qmat *m, uint32_t n, uint32_t b)
     return qm__load_float(m->scales, m->scale_dtype, (size_t)n * m->nblk + b);
 }
 
+#if defined(__F16C__)
+#include <immintrin.h>
+/* qm__qmat_scale for files compiled with F16C: f32 a plain load, f16 one
+ * vcvtph2ps. */
+static inline __attribute__((always_inline)) float qm__qmat_scale_f16c(const qm__qmat *m,
+                                                                        uint32_t n, uint32_t b)
+{
+    size_t i = (size_t)n * m->nblk + b;
+    if (__builtin_expect(m->scale_dtype == QM_DTYPE_F32, 1)) {
+        float f;
+        memcpy(&f, (const uint8_t *)m->scales + 4 * i, 4);
+        return f;
+    }
+    if (m->scale_dtype == QM_DTYPE_F16) {
+        uint16_t h;
+        memcpy(&h, (const uint8_t *)m->scales + 2 * i, 2);
+        return _cvtsh_ss(h);
+    }
+    return qm__load_float(m->scales, m->scale_dtype, i);
+}
+#endif
+
 /* Zero point of (row n, block b) as an integer code. */
 static inline int qm__qmat_zp(const qm__qmat *m, uint32_t n, uint32_t b)
 {
