@@ -15,35 +15,10 @@
 #include <string.h>
 #include <time.h>
 
+#include "bench_util.h"
 #include "qm_backend.h"
 #include "qm_bank.h"
 #include "qm_moe.h"
-
-static double now_s(void)
-{
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
-}
-
-static uint64_t rng_next(uint64_t *s)
-{
-    uint64_t z = (*s += 0x9e3779b97f4a7c15ull);
-    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
-    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
-    return z ^ (z >> 31);
-}
-
-static float rng_uniform(uint64_t *s, float lo, float hi)
-{
-    return lo + (hi - lo) * (float)((double)(rng_next(s) >> 11) / 9007199254740992.0);
-}
-
-static int cmp_double(const void *a, const void *b)
-{
-    double x = *(const double *)a, y = *(const double *)b;
-    return x < y ? -1 : x > y;
-}
 
 /* ---- STREAM-like read: each thread sums its half of a large buffer ---- */
 
