@@ -258,6 +258,24 @@ QM_AI void qm__gemm512_micro(const float *wt, uint32_t len, const float *x, size
     out[6] = c6, out[7] = c7, out[8] = c8, out[9] = c9, out[10] = c10, out[11] = c11;
 }
 
+/* The last group of fewer than 12 input rows, 4 at a time: the same
+ * per-lane sequence as the 12-row kernel (so the same bits), without
+ * computing the zero padding rows. */
+QM_AI void qm__gemm512_micro4(const float *wt, uint32_t len, const float *x, size_t ldx,
+                              __m512 out[4])
+{
+    __m512 c0 = _mm512_setzero_ps(), c1 = c0, c2 = c0, c3 = c0;
+    const float *x0 = x, *x1 = x0 + ldx, *x2 = x1 + ldx, *x3 = x2 + ldx;
+    for (uint32_t c = 0; c < len; c++) {
+        __m512 w = _mm512_loadu_ps(wt + 16 * (size_t)c);
+        c0 = _mm512_fmadd_ps(w, _mm512_set1_ps(x0[c]), c0);
+        c1 = _mm512_fmadd_ps(w, _mm512_set1_ps(x1[c]), c1);
+        c2 = _mm512_fmadd_ps(w, _mm512_set1_ps(x2[c]), c2);
+        c3 = _mm512_fmadd_ps(w, _mm512_set1_ps(x3[c]), c3);
+    }
+    out[0] = c0, out[1] = c1, out[2] = c2, out[3] = c3;
+}
+
 static void qm__avx512_gemm(const qm__qmat *m, uint32_t n0, uint32_t n1, const float *xp,
                             size_t ldx, uint32_t nx, float *y, size_t ldy, float *scratch)
 {
@@ -266,17 +284,24 @@ static void qm__avx512_gemm(const qm__qmat *m, uint32_t n0, uint32_t n1, const f
     for (uint32_t kt0 = 0; kt0 < kp; kt0 += QM__GEMM_KT) {
         uint32_t len = kp - kt0 < QM__GEMM_KT ? kp - kt0 : QM__GEMM_KT;
         const float *wt = qm__avx2_gemm_panel(m, n0, n1, kt0, len, scratch);
-        /* xp has zero rows up to a multiple of QM__GEMM512_MR (gemm_row_pad). */
-        for (uint32_t r0 = 0; r0 < nx; r0 += QM__GEMM512_MR) {
+        /* xp has zero rows up to a multiple of QM__GEMM512_MR (gemm_row_pad);
+         * the last group runs 4 rows at a time, so at most 3 padding rows
+         * are computed. */
+        for (uint32_t r0 = 0; r0 < nx;) {
             __m512 acc[QM__GEMM512_MR];
-            qm__gemm512_micro(wt, len, xp + (size_t)r0 * ldx + kt0, ldx, acc);
-            for (uint32_t r = 0; r < QM__GEMM512_MR && r0 + r < nx; r++) {
+            uint32_t mr = nx - r0 >= QM__GEMM512_MR ? QM__GEMM512_MR : 4;
+            if (mr == QM__GEMM512_MR)
+                qm__gemm512_micro(wt, len, xp + (size_t)r0 * ldx + kt0, ldx, acc);
+            else
+                qm__gemm512_micro4(wt, len, xp + (size_t)r0 * ldx + kt0, ldx, acc);
+            for (uint32_t r = 0; r < mr && r0 + r < nx; r++) {
                 float *out = y + (size_t)(r0 + r) * ldy + n0;
                 __m512 v = acc[r];
                 if (kt0)
                     v = _mm512_add_ps(_mm512_maskz_loadu_ps(mask, out), v);
                 _mm512_mask_storeu_ps(out, mask, v);
             }
+            r0 += mr;
         }
     }
 }
