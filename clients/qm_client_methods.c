@@ -241,6 +241,8 @@ int qm_client_session_create(qm_client *c, const qm_client_session_params *sp,
         p = qm__with_str(p, "policy", sp->policy);
     if (p && sp->has_budget)
         p = qm__with_num(p, "budget_bytes", (double)sp->budget_bytes);
+    if (p && sp->precision)
+        p = qm__with_str(p, "precision", sp->precision);
     if (p && pp) {
         int arc = qm_cval_append(p, "policy_params", pp);
         pp = NULL;

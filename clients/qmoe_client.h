@@ -100,6 +100,7 @@ typedef struct qm_client_session_params {
     uint64_t budget_bytes;          /* used when has_budget */
     int has_budget;
     const char *policy_params_json; /* an object's JSON text, or NULL */
+    const char *precision;          /* "exact" or "fast"; NULL: the daemon's default (exact) */
 } qm_client_session_params;
 
 typedef struct qm_client_plan_summary {

@@ -251,6 +251,9 @@ static int cmd_create(qm_client *c, const qmoectl_args *a)
     int any = 0, rc;
     uint64_t budget = 0;
     const char *policy = qmoectl_opt(a, "--policy"), *bstr = qmoectl_opt(a, "--budget");
+    const char *prec = qmoectl_opt(a, "--precision");
+    if (prec && strcmp(prec, "exact") != 0 && strcmp(prec, "fast") != 0)
+        return qmoectl_usage_error("--precision must be exact or fast");
     if ((rc = build_policy_params(a, pp, sizeof(pp), &any)) != 0)
         return rc;
     if (bstr && (rc = resolve_budget(c, a->pos[0], bstr, &budget)) != 0)
@@ -268,6 +271,8 @@ static int cmd_create(qm_client *c, const qmoectl_args *a)
                           (unsigned long long)budget);
         if (any)
             n += snprintf(params + n, sizeof(params) - (size_t)n, ",\"policy_params\":%s", pp);
+        if (prec)
+            n += snprintf(params + n, sizeof(params) - (size_t)n, ",\"precision\":\"%s\"", prec);
         snprintf(params + n, sizeof(params) - (size_t)n, "}");
         return qmoectl_print_json(c, "session.create", params);
     }
@@ -275,7 +280,8 @@ static int cmd_create(qm_client *c, const qmoectl_args *a)
                                    .policy = policy,
                                    .budget_bytes = budget,
                                    .has_budget = bstr != NULL,
-                                   .policy_params_json = any ? pp : NULL};
+                                   .policy_params_json = any ? pp : NULL,
+                                   .precision = prec};
     char *id = NULL;
     qm_client_plan_summary sum;
     qm_client_error err;
@@ -553,7 +559,7 @@ const qmoectl_cmd qmoectl_cmds[] = {
      "Refused while sessions use it, unless --force closes them.",
      "--force", 1, 1, cmd_unload, NULL},
     {"sessions", "", "List sessions (a non-admin sees only their own).", "", 0, 0, cmd_sessions, NULL},
-    {"create", "MODEL [--policy P] [--budget BYTES|SIZE|N%] [--param KEY=VALUE]...",
+    {"create", "MODEL [--policy P] [--budget BYTES|SIZE|N%] [--param KEY=VALUE]... [--precision P]",
      "Create a session on MODEL and print its id on the first line.\n"
      "  --policy P        whole_bank (default), static_hot, lru, lfu, arc, layered_lru\n"
      "                    or next_use. Recommended for a paged session (budget below\n"
@@ -566,8 +572,10 @@ const qmoectl_cmd qmoectl_cmds[] = {
      "                    (512MiB, 2G) or a percentage of the model's bytes (50%)\n"
      "  --param KEY=VALUE a policy parameter; VALUE is JSON when it reads as JSON\n"
      "                    (prefetch=false, pin_fraction=0.25, hot='[{\"layer\":0,\"experts\":[3,1]}]'),\n"
-     "                    else a string; repeatable",
-     "--policy= --budget= --param=", 1, 1, cmd_create, check_create},
+     "                    else a string; repeatable\n"
+     "  --precision P     exact (default: f32, within 1e-5 of onnxruntime) or fast\n"
+     "                    (int8 activations, integer dot products)",
+     "--policy= --budget= --param= --precision=", 1, 1, cmd_create, check_create},
     {"close", "SESSION", "Close a session and release its memory (owner or admin).", "", 1, 1,
      cmd_close, NULL},
     {"plan", "SESSION",

@@ -88,7 +88,8 @@ void qm_job_run(qm_job *job)
                         .route_weights = rw,
                         .topk_ids = p->has_topk ? p->topk_ids.data : NULL,
                         .topk_weights = topk_w,
-                        .topk_k = k};
+                        .topk_k = k,
+                        .precision = s->precision_fast ? QM_PRECISION_FAST : QM_PRECISION_EXACT};
     /* A bank file truncated on disk fails the request before it reads the
      * mapping, and after it when the truncation raced it (qm_sigbus.c). */
     job->rc = qm_model_check(s->model, &job->st);

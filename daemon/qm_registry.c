@@ -451,6 +451,7 @@ int qm_session_prepare(qm_daemon *d, const qm_params *p, uid_t owner, qm_session
     s->model = m;
     m->refs++;
     snprintf(s->policy_name, sizeof s->policy_name, "%s", policy);
+    s->precision_fast = p->precision_fast;
     s->budget_bytes = budget;
     s->workspace_bytes = workspace;
     s->admitted_bytes = need;

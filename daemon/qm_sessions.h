@@ -27,6 +27,7 @@ struct qm_session {
     uid_t owner_uid;
     qm_model *model;
     char policy_name[16];
+    int precision_fast;       /* session.create precision "fast" (fixed for the session) */
     qm_policy policy;
     qm_residency_plan *plan;
     qm_pager *pager;          /* (worker) while a job of this session runs */

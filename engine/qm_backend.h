@@ -48,6 +48,12 @@ typedef struct qm_expert_job {
     uint32_t n_rows;
 } qm_expert_job;
 
+/* Arithmetic of a session (PROTOCOL.md session.create `precision`). EXACT:
+ * f32, within 1e-5 of onnxruntime's exact path. FAST: activations quantised
+ * per 32 columns to int8 and integer dot products (CPU backend; the bound is
+ * in docs/ARCHITECTURE.md); a backend without it runs EXACT. */
+typedef enum qm_precision { QM_PRECISION_EXACT = 0, QM_PRECISION_FAST = 1 } qm_precision;
+
 /* A batch of expert jobs of one layer. x: [T, hidden] f32 host memory;
  * y: host memory with room for every out_index. The backend may run jobs
  * in any order and in parallel; each job's result must not depend on that
@@ -60,6 +66,7 @@ typedef struct qm_expert_batch {
     float *y;
     const qm_expert_job *jobs;
     size_t n_jobs;
+    qm_precision precision; /* zero-initialised: exact */
 } qm_expert_batch;
 
 /* ---- Calls (the only call sites of the iface; optional methods defaulted here) ---- */

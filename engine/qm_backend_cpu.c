@@ -24,6 +24,7 @@ typedef struct qm__cpu {
     unsigned threads;
     qm__pool *pool;
     const qm__kernel *kernel;
+    const qm__i8kernel *i8; /* fast mode */
     pthread_mutex_t lock; /* one run_experts at a time: the scratch below is shared */
     float *scratch;
     size_t scratch_floats;
@@ -115,6 +116,7 @@ typedef struct qm__run {
     qm__cpu *cx;
     const qm_expert_batch *b;
     const qm__kernel *k;
+    const qm__i8kernel *i8; /* non-NULL: fast mode (int8 activations) */
     uint32_t H, I, N1;
     int swiglu, has_fc3;
     qm_dtype b1_dt, b2_dt, b3_dt;
@@ -241,7 +243,9 @@ static void qm__phase_prep(void *arg, size_t j, unsigned worker)
     (void)worker;
     for (uint32_t r = 0; r < g->xrows; r++) {
         float *dst = R->X + (g->xrow + r) * R->ldx;
-        if (r < job->n_rows)
+        if (r < job->n_rows && R->i8)
+            qm__i8_prep(&g->fc1, R->b->x + (size_t)job->rows[r] * R->H, dst);
+        else if (r < job->n_rows)
             R->k->prep(&g->fc1, g->gemm, R->b->x + (size_t)job->rows[r] * R->H, dst);
         else
             memset(dst, 0, R->ldx * sizeof(float));
@@ -252,7 +256,9 @@ static void qm__run_matrix(qm__run *R, const qm__qmat *m, int gemm, uint32_t n0,
                            const float *xp, size_t ldx, uint32_t nx, float *y, size_t ldy,
                            float *scratch)
 {
-    if (gemm)
+    if (R->i8)
+        R->i8->mm(m, n0, n1, xp, ldx, nx, y, ldy, scratch);
+    else if (gemm)
         R->k->gemm(m, n0, n1, xp, ldx, nx, y, ldy, scratch);
     else
         R->k->gemv(m, n0, n1, xp, ldx, nx, y, ldy, scratch);
@@ -291,7 +297,10 @@ static void qm__phase_act(void *arg, size_t j, unsigned worker)
             const float *h1 = R->H1 + (g->hrow + r) * R->N1;
             const float *h3 = R->has_fc3 ? R->H3 + (g->hrow + r) * R->I : NULL;
             qm__activate(R->b->config, h1, h3, R->I, a);
-            R->k->prep(&g->fc2, g->gemm, a, dst);
+            if (R->i8)
+                qm__i8_prep(&g->fc2, a, dst);
+            else
+                R->k->prep(&g->fc2, g->gemm, a, dst);
         } else {
             memset(dst, 0, R->lda * sizeof(float));
         }
@@ -371,6 +380,12 @@ static int qm__cpu_run_experts(void *vctx, const qm_expert_batch *b, qm_status *
     if (R.swiglu && cfg->swiglu_fusion > 2)
         return qm_status_set(st, QM_EINVAL, "swiglu_fusion %u is not 0, 1 or 2",
                              cfg->swiglu_fusion);
+    /* Fast mode needs weight blocks of whole 32-column sub-blocks; other
+     * layouts (blocks of 16) run exact. */
+    if (b->precision == QM_PRECISION_FAST && cx->i8 &&
+        (cfg->block_size == 0 || cfg->block_size % 32 == 0 ||
+         lv->t[QM_T_FC1_WEIGHT + 1].ndim != 3))
+        R.i8 = cx->i8;
     R.b1_dt = lv->t[QM_T_FC1_BIAS].dtype;
     R.b2_dt = lv->t[QM_T_FC2_BIAS].dtype;
     R.b3_dt = lv->t[QM_T_FC3_BIAS].dtype;
@@ -408,7 +423,7 @@ static int qm__cpu_run_experts(void *vctx, const qm_expert_batch *b, qm_status *
         g->b2 = lv->t[QM_T_FC2_BIAS].present ? job->weights.ptr[QM_T_FC2_BIAS] : NULL;
         g->b3 = lv->t[QM_T_FC3_BIAS].present ? job->weights.ptr[QM_T_FC3_BIAS] : NULL;
         g->gemm = job->n_rows > QM__GEMV_MAX_ROWS;
-        g->xrows = g->gemm ? (uint32_t)qm__round_up(job->n_rows, pad) : job->n_rows;
+        g->xrows = g->gemm && !R.i8 ? (uint32_t)qm__round_up(job->n_rows, pad) : job->n_rows;
         g->xrow = xrows;
         g->hrow = hrows;
         xrows += g->xrows;
@@ -427,8 +442,13 @@ static int qm__cpu_run_experts(void *vctx, const qm_expert_batch *b, qm_status *
         goto done;
     {
         const qm__qmat *m1 = &R.geo[0].fc1, *m2 = &R.geo[0].fc2;
-        R.ldx = qm__round_up(qm__max3(cx->kernel->x_stride(m1, 0), cx->kernel->x_stride(m1, 1), 1), 16);
-        R.lda = qm__round_up(qm__max3(cx->kernel->x_stride(m2, 0), cx->kernel->x_stride(m2, 1), 1), 16);
+        if (R.i8) {
+            R.ldx = qm__round_up(qm__max3(qm__i8_x_stride(m1), 1, 1), 16);
+            R.lda = qm__round_up(qm__max3(qm__i8_x_stride(m2), 1, 1), 16);
+        } else {
+            R.ldx = qm__round_up(qm__max3(cx->kernel->x_stride(m1, 0), cx->kernel->x_stride(m1, 1), 1), 16);
+            R.lda = qm__round_up(qm__max3(cx->kernel->x_stride(m2, 0), cx->kernel->x_stride(m2, 1), 1), 16);
+        }
         R.ws_floats = qm__round_up(ws + R.I, 16);
         size_t off_x = 0, off_h1 = off_x + xrows * R.ldx;
         size_t off_h3 = off_h1 + hrows * R.N1;
@@ -530,7 +550,9 @@ int qm_backend_cpu_new(uint32_t threads, qm_backend **out, qm_status *st)
     atomic_init(&cx->copy_seq, 0);
     cx->threads = threads;
     cx->kernel = qm__kernel_select();
-    snprintf(cx->name, sizeof cx->name, "cpu (%s kernels, %u threads)", cx->kernel->name, threads);
+    cx->i8 = qm__i8kernel_select();
+    snprintf(cx->name, sizeof cx->name, "cpu (%s; fast %s; %u threads)",
+             qm__kernel_describe(cx->kernel), qm__i8kernel_describe(cx->i8), threads);
     if (qm__pool_new(threads, &cx->pool) < 0) {
         qm__cpu_destroy(cx);
         return qm_status_set(st, QM_ENOMEM, "cannot start %u CPU worker threads", threads);

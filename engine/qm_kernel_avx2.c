@@ -87,22 +87,7 @@ QM_AI void qm__load_chunk(const uint8_t *row, size_t row_bytes, uint32_t c, cons
     }
 }
 
-/* Scale of (row n, block b) as f32; the f32 case is a plain load. */
-QM_AI float qm__scale(const qm__qmat *m, uint32_t n, uint32_t b)
-{
-    size_t i = (size_t)n * m->nblk + b;
-    if (__builtin_expect(m->scale_dtype == QM_DTYPE_F32, 1)) {
-        float f;
-        memcpy(&f, (const uint8_t *)m->scales + 4 * i, 4);
-        return f;
-    }
-    if (m->scale_dtype == QM_DTYPE_F16) {
-        uint16_t h;
-        memcpy(&h, (const uint8_t *)m->scales + 2 * i, 2);
-        return _cvtsh_ss(h);
-    }
-    return qm__load_float(m->scales, m->scale_dtype, i);
-}
+#define qm__scale(m, n, b) qm__qmat_scale_f16c(m, n, b)
 
 QM_AI float qm__zp(const qm__qmat *m, uint32_t n, uint32_t b)
 {
@@ -554,32 +539,43 @@ QM_AI void qm__gemm_micro(const float *wt, uint32_t len, const float *x, size_t 
     out[6] = c30, out[7] = c31, out[8] = c40, out[9] = c41, out[10] = c50, out[11] = c51;
 }
 
+/* Dequantises and transposes one 16-row x `len`-column tile of W into the
+ * column-major panel returned (in scratch), and asks for the next tile's
+ * codes and scales. Shared with the AVX-512 GEMM. */
+const float *qm__avx2_gemm_panel(const qm__qmat *m, uint32_t n0, uint32_t n1, uint32_t kt0,
+                                 uint32_t len, float *scratch)
+{
+    const uint32_t kp = (uint32_t)qm__round16(m->k);
+    float *tile = scratch, *wt = scratch + (size_t)QM__TILE_ROWS * QM__GEMM_KT;
+    qm__dequant_tile(m, n0, n1, kt0, len, tile);
+    qm__transpose_tile(tile, len, wt);
+    /* The next tile's codes and scales are 16 short runs at a row
+     * stride, a pattern the hardware prefetcher follows poorly: ask for
+     * them now, while this tile's FMAs run. */
+    if (kt0 + QM__GEMM_KT < kp) {
+        size_t off = (size_t)(kt0 + QM__GEMM_KT) * m->bits / 8;
+        size_t run = (size_t)QM__GEMM_KT * m->bits / 8;
+        size_t ssz = m->scale_dtype == QM_DTYPE_F32 ? 4 : 2;
+        size_t soff = m->nblk == 1 ? 0 : (size_t)(kt0 + QM__GEMM_KT) / m->block * ssz;
+        for (uint32_t n = n0; n < n1; n++) {
+            const uint8_t *r = m->w + (size_t)n * m->row_bytes;
+            for (size_t o = off; o < off + run && o < m->row_bytes; o += 64)
+                _mm_prefetch((const char *)(r + o), _MM_HINT_T0);
+            _mm_prefetch((const char *)m->scales + ((size_t)n * m->nblk) * ssz + soff,
+                         _MM_HINT_T0);
+        }
+    }
+    return wt;
+}
+
 void qm__avx2_gemm(const qm__qmat *m, uint32_t n0, uint32_t n1, const float *xp, size_t ldx,
                    uint32_t nx, float *y, size_t ldy, float *scratch)
 {
     const uint32_t kp = (uint32_t)qm__round16(m->k);
     const uint32_t nrows = n1 - n0;
-    float *tile = scratch, *wt = scratch + (size_t)QM__TILE_ROWS * QM__GEMM_KT;
     for (uint32_t kt0 = 0; kt0 < kp; kt0 += QM__GEMM_KT) {
         uint32_t len = kp - kt0 < QM__GEMM_KT ? kp - kt0 : QM__GEMM_KT;
-        qm__dequant_tile(m, n0, n1, kt0, len, tile);
-        qm__transpose_tile(tile, len, wt);
-        /* The next tile's codes and scales are 16 short runs at a row
-         * stride, a pattern the hardware prefetcher follows poorly: ask for
-         * them now, while this tile's FMAs run. */
-        if (kt0 + QM__GEMM_KT < kp) {
-            size_t off = (size_t)(kt0 + QM__GEMM_KT) * m->bits / 8;
-            size_t run = (size_t)QM__GEMM_KT * m->bits / 8;
-            size_t ssz = m->scale_dtype == QM_DTYPE_F32 ? 4 : 2;
-            size_t soff = m->nblk == 1 ? 0 : (size_t)(kt0 + QM__GEMM_KT) / m->block * ssz;
-            for (uint32_t n = n0; n < n1; n++) {
-                const uint8_t *r = m->w + (size_t)n * m->row_bytes;
-                for (size_t o = off; o < off + run && o < m->row_bytes; o += 64)
-                    _mm_prefetch((const char *)(r + o), _MM_HINT_T0);
-                _mm_prefetch((const char *)m->scales + ((size_t)n * m->nblk) * ssz + soff,
-                             _MM_HINT_T0);
-            }
-        }
+        const float *wt = qm__avx2_gemm_panel(m, n0, n1, kt0, len, scratch);
         /* xp has zero rows up to a multiple of QM__GEMM_MR (gemm_row_pad). */
         for (uint32_t r0 = 0; r0 < nx; r0 += QM__GEMM_MR) {
             __m256 acc[12];

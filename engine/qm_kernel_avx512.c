@@ -1,11 +1,27 @@
 /* qm_kernel_avx512.c - AVX-512 GEMV (compiled with -mavx512f -mavx512bw -mavx512vl).
  *
- * Same scheme as the AVX2 GEMV with 32-column chunks and 16 lanes: 4-bit
- * chunks are prepared as [16 even columns, 16 odd columns]. Blocks of 16
- * columns and the GEMM path use the AVX2 code (its own input layout, chosen
- * by the same predicate in prep and gemv). Selected at run time only on
- * CPUs with AVX-512F/BW/VL; the development machine has none, so this file
- * is compile-tested there and must be run on an AVX-512 host to be tested. */
+ * Decode (jobs of 1..4 input rows) dequantises each weight exactly as the
+ * scalar specification does, w = scale * (q - zp), and multiplies it by
+ * every input row while it is in a register: the weights are read once per
+ * call whatever the row count. 4-bit codes go through a per-block table:
+ * lut[q] = (q - zp) * scale for the 16 codes is one 16-lane vector, built
+ * once per (row, block), and vpermps turns 16 codes (zero-extended to
+ * dwords) into 16 dequantised weights. Each 32-column chunk of a 4-bit row
+ * is 16 bytes: low nibbles are the even columns, high nibbles the odd ones,
+ * so the prepared input stores every 32 columns as [16 even, 16 odd].
+ * 8-bit rows convert the codes and use (q - zp) * scale directly.
+ * Accumulation is f32 FMA per lane in column order within a lane, then a
+ * fixed 16 -> 1 reduction: the order depends only on the geometry.
+ * Blocks of 16 columns use the AVX2 GEMV (its own input layout, chosen by
+ * the same predicate in prep and gemv).
+ *
+ * Prefill (GEMM) takes the AVX2 path's panels (a 16-row x 256-column tile
+ * of W dequantised once, transposed so a column's 16 weights are one
+ * vector) and runs a 12 x 16 outer-product micro-kernel on them: 12 input
+ * rows, one 16-lane accumulator each, one FMA per row and column with the
+ * input broadcast from memory. Every output lane sums its products in
+ * column order within a tile and adds the tile to the output, exactly as
+ * the AVX2 GEMM does, so both give the same bits. */
 #include <immintrin.h>
 #include <string.h>
 
@@ -27,7 +43,7 @@ static size_t qm__avx512_x_stride(const qm__qmat *m, int gemm)
 {
     if (!qm__avx512_own(m, gemm))
         return qm__avx2_x_stride(m, gemm);
-    return qm__round32(m->k) + (size_t)16 * m->nblk;
+    return qm__round32(m->k);
 }
 
 static void qm__avx512_prep(const qm__qmat *m, int gemm, const float *x, float *xp)
@@ -45,105 +61,112 @@ static void qm__avx512_prep(const qm__qmat *m, int gemm, const float *x, float *
             xp[pos] = v;
         }
     }
-    size_t nch = kp / 32;
-    size_t cpb = m->nblk == 1 ? nch : m->block / 32;
-    float *xs = xp + kp;
-    for (size_t b = 0; b < m->nblk; b++) {
-        __m512 s = _mm512_setzero_ps();
-        size_t c0 = b * cpb, c1 = c0 + cpb < nch ? c0 + cpb : nch;
-        for (size_t c = c0; c < c1; c++) {
-            s = _mm512_add_ps(s, _mm512_loadu_ps(xp + 32 * c));
-            s = _mm512_add_ps(s, _mm512_loadu_ps(xp + 32 * c + 16));
-        }
-        _mm512_storeu_ps(xs + 16 * b, s);
-    }
 }
 
-QM_AI void qm__load_chunk32(const uint8_t *row, size_t row_bytes, uint32_t c, const int BITS,
-                            __m512 *w0, __m512 *w1)
+/* Scale of (row n, block b); FAST: f32 scales. */
+QM_AI float qm__s512(const qm__qmat *m, uint32_t n, uint32_t b, const int FAST)
 {
-    size_t off = (size_t)c * 4 * BITS; /* 16 (4-bit) or 32 (8-bit) bytes per chunk */
-    const uint8_t *p = row + off;
-    uint8_t tmp[32];
-    if (off + 4 * BITS > row_bytes) {
-        memset(tmp, 0, sizeof tmp);
-        memcpy(tmp, p, row_bytes - off);
-        p = tmp;
+    if (FAST) {
+        float f;
+        memcpy(&f, (const uint8_t *)m->scales + 4 * ((size_t)n * m->nblk + b), 4);
+        return f;
     }
-    if (BITS == 4) {
-        __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p));
-        *w0 = _mm512_cvtepi32_ps(_mm512_and_si512(v, _mm512_set1_epi32(15)));
-        *w1 = _mm512_cvtepi32_ps(_mm512_srli_epi32(v, 4));
-    } else {
-        *w0 = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p)));
-        *w1 = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(p + 16))));
-    }
+    return qm__qmat_scale_f16c(m, n, b);
 }
 
-QM_AI void qm__gemv512_group(const qm__qmat *m, uint32_t n, const int NR, const float *xp,
-                             size_t ldx, const int R, float *y, size_t ldy, float *scratch,
-                             const int BITS)
+/* Zero point of (row n, block b) as f32; FAST: no zero-point tensor. */
+QM_AI float qm__z512(const qm__qmat *m, uint32_t n, uint32_t b, const int BITS, const int FAST)
+{
+    if (FAST || !m->zp)
+        return (float)(1 << (BITS - 1));
+    return (float)qm__qmat_zp(m, n, b);
+}
+
+/* The 16 bytes of chunk c of a row; bytes past the row read as zero (their
+ * columns meet zero inputs, and the table of code 0 is finite). */
+QM_AI __m128i qm__chunk_bytes(const uint8_t *row, size_t row_bytes, uint32_t c, const int BITS,
+                              int half)
+{
+    size_t off = (size_t)c * 4 * BITS + (size_t)half * 16;
+    if (__builtin_expect(off + 16 <= row_bytes, 1))
+        return _mm_loadu_si128((const __m128i *)(row + off));
+    if (off >= row_bytes)
+        return _mm_setzero_si128();
+    __mmask16 k = (__mmask16)((1u << (row_bytes - off)) - 1u);
+    return _mm_maskz_loadu_epi8(k, row + off);
+}
+
+/* NR weight rows (n..n+NR-1) x R input rows, R <= 4, NR in {1, 4}. */
+QM_AI void qm__gemv512(const qm__qmat *m, uint32_t n, const int NR, const float *xp, size_t ldx,
+                       const int R, float *y, size_t ldy, const int BITS, const int FAST)
 {
     const uint32_t kp = (uint32_t)qm__round32(m->k), nch = kp / 32;
     const uint32_t cpb = m->nblk == 1 ? nch : m->block / 32;
+    const size_t rb = m->row_bytes;
     const uint8_t *row[4];
-    const float *par[4];
-    __m512 yacc[4][2];
+    __m512 acc[4][4];
+    const __m512 iota = _mm512_set_ps(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+    const __m512i lo4 = _mm512_set1_epi32(15);
 #pragma GCC unroll 4
     for (int i = 0; i < NR; i++) {
-        row[i] = m->w + (size_t)(n + i) * m->row_bytes;
-        float *p = scratch + (size_t)i * 2 * m->nblk;
-        for (uint32_t b = 0; b < m->nblk; b++) {
-            p[b] = qm__qmat_scale(m, n + i, b);
-            p[m->nblk + b] = (float)qm__qmat_zp(m, n + i, b);
-        }
-        par[i] = p;
-#pragma GCC unroll 2
+        row[i] = m->w + (size_t)(n + i) * rb;
+#pragma GCC unroll 4
         for (int r = 0; r < R; r++)
-            yacc[i][r] = _mm512_setzero_ps();
+            acc[i][r] = _mm512_setzero_ps();
     }
     uint32_t c = 0;
     for (uint32_t b = 0; b < m->nblk; b++) {
         uint32_t ce = c + cpb < nch ? c + cpb : nch;
-        __m512 a0[4][2], a1[4][2];
+        __m512 lut[4], zpv[4], scv[4];
 #pragma GCC unroll 4
-        for (int i = 0; i < NR; i++)
-#pragma GCC unroll 2
-            for (int r = 0; r < R; r++)
-                a0[i][r] = a1[i][r] = _mm512_setzero_ps();
+        for (int i = 0; i < NR; i++) {
+            scv[i] = _mm512_set1_ps(qm__s512(m, n + i, b, FAST));
+            zpv[i] = _mm512_set1_ps(qm__z512(m, n + i, b, BITS, FAST));
+            if (BITS == 4)
+                lut[i] = _mm512_mul_ps(scv[i], _mm512_sub_ps(iota, zpv[i]));
+            else
+                lut[i] = zpv[i];
+        }
+        if (NR == 4 && (b & 1) == 0) {
+            /* The next 4 rows (contiguous after these), same offset. */
+            size_t off = (size_t)c * 4 * BITS + 4 * rb;
+#pragma GCC unroll 4
+            for (int i = 0; i < 4; i++)
+                _mm_prefetch((const char *)(row[i] + off), _MM_HINT_T0);
+        }
         for (; c < ce; c++) {
 #pragma GCC unroll 4
             for (int i = 0; i < NR; i++) {
                 __m512 w0, w1;
-                qm__load_chunk32(row[i], m->row_bytes, c, BITS, &w0, &w1);
-#pragma GCC unroll 2
+                if (BITS == 4) {
+                    __m512i v = _mm512_cvtepu8_epi32(qm__chunk_bytes(row[i], rb, c, 4, 0));
+                    w0 = _mm512_permutexvar_ps(_mm512_and_si512(v, lo4), lut[i]);
+                    w1 = _mm512_permutexvar_ps(_mm512_srli_epi32(v, 4), lut[i]);
+                } else {
+                    __m512 q0 = _mm512_cvtepi32_ps(
+                        _mm512_cvtepu8_epi32(qm__chunk_bytes(row[i], rb, c, 8, 0)));
+                    __m512 q1 = _mm512_cvtepi32_ps(
+                        _mm512_cvtepu8_epi32(qm__chunk_bytes(row[i], rb, c, 8, 1)));
+                    w0 = _mm512_mul_ps(scv[i], _mm512_sub_ps(q0, zpv[i]));
+                    w1 = _mm512_mul_ps(scv[i], _mm512_sub_ps(q1, zpv[i]));
+                }
+#pragma GCC unroll 4
                 for (int r = 0; r < R; r++) {
                     const float *xv = xp + (size_t)r * ldx + 32 * (size_t)c;
-                    a0[i][r] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(xv), a0[i][r]);
-                    a1[i][r] = _mm512_fmadd_ps(w1, _mm512_loadu_ps(xv + 16), a1[i][r]);
+                    acc[i][r] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(xv), acc[i][r]);
+                    acc[i][r] = _mm512_fmadd_ps(w1, _mm512_loadu_ps(xv + 16), acc[i][r]);
                 }
-            }
-        }
-#pragma GCC unroll 4
-        for (int i = 0; i < NR; i++) {
-            __m512 sc = _mm512_set1_ps(par[i][b]);
-            __m512 zp = _mm512_set1_ps(par[i][m->nblk + b]);
-#pragma GCC unroll 2
-            for (int r = 0; r < R; r++) {
-                const float *xs = xp + (size_t)r * ldx + kp + 16 * (size_t)b;
-                __m512 blk = _mm512_add_ps(a0[i][r], a1[i][r]);
-                blk = _mm512_fnmadd_ps(zp, _mm512_loadu_ps(xs), blk);
-                yacc[i][r] = _mm512_fmadd_ps(blk, sc, yacc[i][r]);
             }
         }
     }
 #pragma GCC unroll 4
     for (int i = 0; i < NR; i++)
-#pragma GCC unroll 2
+#pragma GCC unroll 4
         for (int r = 0; r < R; r++) {
             /* Fixed-order reduction: 16 -> 8 -> 4 -> 2 -> 1. */
-            __m512 v = yacc[i][r];
-            __m256 h = _mm256_add_ps(_mm512_castps512_ps256(v), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
+            __m512 v = acc[i][r];
+            __m256 h = _mm256_add_ps(_mm512_castps512_ps256(v),
+                                     _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
             __m128 q = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
             q = _mm_add_ps(q, _mm_movehl_ps(q, q));
             q = _mm_add_ss(q, _mm_shuffle_ps(q, q, 1));
@@ -151,46 +174,136 @@ QM_AI void qm__gemv512_group(const qm__qmat *m, uint32_t n, const int NR, const 
         }
 }
 
-#define QM__GEMV512_BODY(BITS)                                                                     \
+/* One row count R: groups of 4 weight rows, then single rows. */
+#define QM__GEMV512_R(R, BITS, FAST)                                                               \
     do {                                                                                           \
-        uint32_t r = 0;                                                                            \
-        for (; r + 2 <= nx; r += 2) {                                                              \
-            uint32_t n = n0;                                                                       \
-            for (; n + 2 <= n1; n += 2)                                                            \
-                qm__gemv512_group(m, n, 2, xp + r * ldx, ldx, 2, y + r * ldy, ldy, scratch, BITS);\
-            for (; n < n1; n++)                                                                    \
-                qm__gemv512_group(m, n, 1, xp + r * ldx, ldx, 2, y + r * ldy, ldy, scratch, BITS);\
-        }                                                                                          \
-        for (; r < nx; r++) {                                                                      \
-            uint32_t n = n0;                                                                       \
-            for (; n + 4 <= n1; n += 4)                                                            \
-                qm__gemv512_group(m, n, 4, xp + r * ldx, ldx, 1, y + r * ldy, ldy, scratch, BITS);\
-            for (; n < n1; n++)                                                                    \
-                qm__gemv512_group(m, n, 1, xp + r * ldx, ldx, 1, y + r * ldy, ldy, scratch, BITS);\
-        }                                                                                          \
+        uint32_t n = n0;                                                                           \
+        for (; n + 4 <= n1; n += 4)                                                                \
+            qm__gemv512(m, n, 4, xp, ldx, R, y, ldy, BITS, FAST);                                  \
+        for (; n < n1; n++)                                                                        \
+            qm__gemv512(m, n, 1, xp, ldx, R, y, ldy, BITS, FAST);                                  \
     } while (0)
 
-static void qm__gemv512_q4(const qm__qmat *m, uint32_t n0, uint32_t n1, const float *xp,
-                           size_t ldx, uint32_t nx, float *y, size_t ldy, float *scratch)
-{
-    QM__GEMV512_BODY(4);
-}
+#define QM__GEMV512_FN(NAME, BITS, FAST)                                                           \
+    static void NAME(const qm__qmat *m, uint32_t n0, uint32_t n1, const float *xp, size_t ldx,    \
+                     uint32_t nx, float *y, size_t ldy)                                            \
+    {                                                                                              \
+        /* All input rows in one pass (at most 4 per call: QM__GEMV_MAX_ROWS). */                  \
+        for (uint32_t r0 = 0; r0 < nx; r0 += 4) {                                                  \
+            uint32_t R = nx - r0 < 4 ? nx - r0 : 4;                                                \
+            const float *xq = xp + (size_t)r0 * ldx;                                               \
+            float *yq = y + (size_t)r0 * ldy;                                                      \
+            {                                                                                      \
+                const float *xp_ = xq;                                                             \
+                float *y_ = yq;                                                                    \
+                {                                                                                  \
+                    const float *xp = xp_;                                                         \
+                    float *y = y_;                                                                 \
+                    if (R == 1)                                                                    \
+                        QM__GEMV512_R(1, BITS, FAST);                                              \
+                    else if (R == 2)                                                               \
+                        QM__GEMV512_R(2, BITS, FAST);                                              \
+                    else if (R == 3)                                                               \
+                        QM__GEMV512_R(3, BITS, FAST);                                              \
+                    else                                                                           \
+                        QM__GEMV512_R(4, BITS, FAST);                                              \
+                }                                                                                  \
+            }                                                                                      \
+        }                                                                                          \
+    }
 
-static void qm__gemv512_q8(const qm__qmat *m, uint32_t n0, uint32_t n1, const float *xp,
-                           size_t ldx, uint32_t nx, float *y, size_t ldy, float *scratch)
-{
-    QM__GEMV512_BODY(8);
-}
+QM__GEMV512_FN(qm__gemv512_q4f, 4, 1)
+QM__GEMV512_FN(qm__gemv512_q4g, 4, 0)
+QM__GEMV512_FN(qm__gemv512_q8f, 8, 1)
+QM__GEMV512_FN(qm__gemv512_q8g, 8, 0)
 
 static void qm__avx512_gemv(const qm__qmat *m, uint32_t n0, uint32_t n1, const float *xp,
                             size_t ldx, uint32_t nx, float *y, size_t ldy, float *scratch)
 {
+    int fast = m->scale_dtype == QM_DTYPE_F32 && !m->zp;
     if (!qm__avx512_own(m, 0))
         qm__avx2_gemv(m, n0, n1, xp, ldx, nx, y, ldy, scratch);
     else if (m->bits == 4)
-        qm__gemv512_q4(m, n0, n1, xp, ldx, nx, y, ldy, scratch);
+        (fast ? qm__gemv512_q4f : qm__gemv512_q4g)(m, n0, n1, xp, ldx, nx, y, ldy);
     else
-        qm__gemv512_q8(m, n0, n1, xp, ldx, nx, y, ldy, scratch);
+        (fast ? qm__gemv512_q8f : qm__gemv512_q8g)(m, n0, n1, xp, ldx, nx, y, ldy);
+}
+
+#define QM__GEMM512_MR 12u
+
+QM_AI void qm__gemm512_micro(const float *wt, uint32_t len, const float *x, size_t ldx,
+                             __m512 out[QM__GEMM512_MR])
+{
+    __m512 c0 = _mm512_setzero_ps(), c1 = c0, c2 = c0, c3 = c0, c4 = c0, c5 = c0, c6 = c0,
+           c7 = c0, c8 = c0, c9 = c0, c10 = c0, c11 = c0;
+    const float *x0 = x, *x1 = x0 + ldx, *x2 = x1 + ldx, *x3 = x2 + ldx, *x4 = x3 + ldx,
+                *x5 = x4 + ldx, *x6 = x5 + ldx, *x7 = x6 + ldx, *x8 = x7 + ldx, *x9 = x8 + ldx,
+                *x10 = x9 + ldx, *x11 = x10 + ldx;
+    for (uint32_t c = 0; c < len; c++) {
+        __m512 w = _mm512_loadu_ps(wt + 16 * (size_t)c);
+        c0 = _mm512_fmadd_ps(w, _mm512_set1_ps(x0[c]), c0);
+        c1 = _mm512_fmadd_ps(w, _mm512_set1_ps(x1[c]), c1);
+        c2 = _mm512_fmadd_ps(w, _mm512_set1_ps(x2[c]), c2);
+        c3 = _mm512_fmadd_ps(w, _mm512_set1_ps(x3[c]), c3);
+        c4 = _mm512_fmadd_ps(w, _mm512_set1_ps(x4[c]), c4);
+        c5 = _mm512_fmadd_ps(w, _mm512_set1_ps(x5[c]), c5);
+        c6 = _mm512_fmadd_ps(w, _mm512_set1_ps(x6[c]), c6);
+        c7 = _mm512_fmadd_ps(w, _mm512_set1_ps(x7[c]), c7);
+        c8 = _mm512_fmadd_ps(w, _mm512_set1_ps(x8[c]), c8);
+        c9 = _mm512_fmadd_ps(w, _mm512_set1_ps(x9[c]), c9);
+        c10 = _mm512_fmadd_ps(w, _mm512_set1_ps(x10[c]), c10);
+        c11 = _mm512_fmadd_ps(w, _mm512_set1_ps(x11[c]), c11);
+    }
+    out[0] = c0, out[1] = c1, out[2] = c2, out[3] = c3, out[4] = c4, out[5] = c5;
+    out[6] = c6, out[7] = c7, out[8] = c8, out[9] = c9, out[10] = c10, out[11] = c11;
+}
+
+/* The last group of fewer than 12 input rows, 4 at a time: the same
+ * per-lane sequence as the 12-row kernel (so the same bits), without
+ * computing the zero padding rows. */
+QM_AI void qm__gemm512_micro4(const float *wt, uint32_t len, const float *x, size_t ldx,
+                              __m512 out[4])
+{
+    __m512 c0 = _mm512_setzero_ps(), c1 = c0, c2 = c0, c3 = c0;
+    const float *x0 = x, *x1 = x0 + ldx, *x2 = x1 + ldx, *x3 = x2 + ldx;
+    for (uint32_t c = 0; c < len; c++) {
+        __m512 w = _mm512_loadu_ps(wt + 16 * (size_t)c);
+        c0 = _mm512_fmadd_ps(w, _mm512_set1_ps(x0[c]), c0);
+        c1 = _mm512_fmadd_ps(w, _mm512_set1_ps(x1[c]), c1);
+        c2 = _mm512_fmadd_ps(w, _mm512_set1_ps(x2[c]), c2);
+        c3 = _mm512_fmadd_ps(w, _mm512_set1_ps(x3[c]), c3);
+    }
+    out[0] = c0, out[1] = c1, out[2] = c2, out[3] = c3;
+}
+
+static void qm__avx512_gemm(const qm__qmat *m, uint32_t n0, uint32_t n1, const float *xp,
+                            size_t ldx, uint32_t nx, float *y, size_t ldy, float *scratch)
+{
+    const uint32_t kp = (uint32_t)((m->k + 15) & ~15u);
+    const __mmask16 mask = (__mmask16)((1u << (n1 - n0)) - 1u);
+    for (uint32_t kt0 = 0; kt0 < kp; kt0 += QM__GEMM_KT) {
+        uint32_t len = kp - kt0 < QM__GEMM_KT ? kp - kt0 : QM__GEMM_KT;
+        const float *wt = qm__avx2_gemm_panel(m, n0, n1, kt0, len, scratch);
+        /* xp has zero rows up to a multiple of QM__GEMM512_MR (gemm_row_pad);
+         * the last group runs 4 rows at a time, so at most 3 padding rows
+         * are computed. */
+        for (uint32_t r0 = 0; r0 < nx;) {
+            __m512 acc[QM__GEMM512_MR];
+            uint32_t mr = nx - r0 >= QM__GEMM512_MR ? QM__GEMM512_MR : 4;
+            if (mr == QM__GEMM512_MR)
+                qm__gemm512_micro(wt, len, xp + (size_t)r0 * ldx + kt0, ldx, acc);
+            else
+                qm__gemm512_micro4(wt, len, xp + (size_t)r0 * ldx + kt0, ldx, acc);
+            for (uint32_t r = 0; r < mr && r0 + r < nx; r++) {
+                float *out = y + (size_t)(r0 + r) * ldy + n0;
+                __m512 v = acc[r];
+                if (kt0)
+                    v = _mm512_add_ps(_mm512_maskz_loadu_ps(mask, out), v);
+                _mm512_mask_storeu_ps(out, mask, v);
+            }
+            r0 += mr;
+        }
+    }
 }
 
 const qm__kernel qm__kernel_avx512 = {
@@ -198,6 +311,6 @@ const qm__kernel qm__kernel_avx512 = {
     .x_stride = qm__avx512_x_stride,
     .prep = qm__avx512_prep,
     .gemv = qm__avx512_gemv,
-    .gemm = qm__avx2_gemm,
-    .gemm_row_pad = 6, /* the AVX2 GEMM's QM__GEMM_MR */
+    .gemm = qm__avx512_gemm,
+    .gemm_row_pad = QM__GEMM512_MR,
 };

@@ -1,9 +1,10 @@
 /* qm_kernel_scalar.c - the readable specification of the quantised matmul,
- * and the kernel selection.
+ * (the kernel selection is in qm_kernel_select.c).
  *
  * W[n, c] = scale[n, b] * (q[n, c] - zp[n, b]) with b = c / block; then
  * y[r, n] = sum over c = 0..k-1, in column order, of W[n, c] * x[r, c]:
  * dequantise then dot, as onnxruntime's exact path does. */
+#include <math.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -41,6 +42,82 @@ static void qm__scalar_matmul(const qm__qmat *m, uint32_t n0, uint32_t n1, const
     }
 }
 
+/* ---- fast mode: the specification (qm_kernels.h) ---- */
+
+size_t qm__i8_x_stride(const qm__qmat *m)
+{
+    size_t nsb = qm__i8_nsb(m);
+    return nsb * 8 + nsb * 8 + ((size_t)m->nblk + 7) / 8 * 8;
+}
+
+void qm__i8_prep(const qm__qmat *m, const float *x, float *xq)
+{
+    size_t nsb = qm__i8_nsb(m);
+    int8_t *q = (int8_t *)xq;
+    float *dx = xq + nsb * 8, *xs = dx + nsb * 8;
+    uint32_t spb = qm__i8_spb(m);
+    size_t nxs = ((size_t)m->nblk + 7) / 8 * 8;
+    for (size_t b = 0; b < nxs; b++)
+        xs[b] = 0.0f;
+    for (size_t j = 0; j < nsb; j++) {
+        float amax = 0.0f;
+        for (size_t t = 0; t < 32; t++) {
+            size_t c = 32 * j + t;
+            float a = c < m->k ? fabsf(x[c]) : 0.0f;
+            amax = a > amax ? a : amax;
+        }
+        float id = amax > 0.0f ? 127.0f / amax : 0.0f;
+        int sum = 0;
+        for (size_t t = 0; t < 32; t++) {
+            size_t c = 32 * j + t;
+            long v = c < m->k ? lrintf(x[c] * id) : 0;
+            v = v > 127 ? 127 : v < -127 ? -127 : v;
+            size_t pos = m->bits == 4 ? (t & 1) * 16 + t / 2 : t;
+            q[32 * j + pos] = (int8_t)v;
+            sum += (int)v;
+        }
+        float d = amax / 127.0f;
+        for (size_t t = 0; t < 8; t++)
+            dx[8 * j + t] = d;
+        if (32 * j < m->k)
+            xs[j / spb] += d * (float)sum;
+    }
+}
+
+static void qm__scalar_i8mm(const qm__qmat *m, uint32_t n0, uint32_t n1, const float *xq,
+                            size_t ldx, uint32_t nx, float *y, size_t ldy, float *scratch)
+{
+    size_t nsb = qm__i8_nsb(m);
+    uint32_t spb = qm__i8_spb(m);
+    (void)scratch;
+    for (uint32_t n = n0; n < n1; n++) {
+        const uint8_t *row = m->w + (size_t)n * m->row_bytes;
+        for (uint32_t r = 0; r < nx; r++) {
+            const float *xr = xq + (size_t)r * ldx;
+            const int8_t *q = (const int8_t *)xr;
+            const float *dx = xr + nsb * 8, *xs = dx + nsb * 8;
+            float acc = 0.0f;
+            for (uint32_t b = 0; b < m->nblk; b++) {
+                float blk = 0.0f;
+                for (size_t j = (size_t)b * spb; j < (size_t)(b + 1) * spb && j < nsb; j++) {
+                    int32_t sdot = 0;
+                    for (uint32_t t = 0; t < 32; t++) {
+                        uint32_t c = (uint32_t)(32 * j + t);
+                        if (c >= m->k)
+                            break;
+                        size_t pos = m->bits == 4 ? (t & 1) * 16 + t / 2 : t;
+                        sdot += qm__qmat_code(m, row, c) * q[32 * j + pos];
+                    }
+                    blk += dx[8 * j] * (float)sdot;
+                }
+                blk -= (float)qm__qmat_zp(m, n, b) * xs[b];
+                acc += qm__qmat_scale(m, n, b) * blk;
+            }
+            y[(size_t)r * ldy + n] = acc;
+        }
+    }
+}
+
 const qm__kernel qm__kernel_scalar = {
     .name = "scalar",
     .x_stride = qm__scalar_x_stride,
@@ -50,35 +127,14 @@ const qm__kernel qm__kernel_scalar = {
     .gemm_row_pad = 1,
 };
 
+const qm__i8kernel qm__i8kernel_scalar = {.name = "scalar", .mm = qm__scalar_i8mm};
+
 size_t qm__kernel_scratch_floats(const qm__qmat *m)
 {
-    /* GEMM: one dequantised tile and its transposed panel; GEMV: per-row
-     * scales and zero points of up to 4 rows; plus slack for alignment. */
+    /* GEMM: one dequantised tile and its transposed panel; GEMV and fast
+     * mode: per-row scales and zero-point products of up to 4 rows (blocks
+     * padded to 8); plus slack for alignment. */
     size_t tile = (size_t)2 * QM__TILE_ROWS * QM__GEMM_KT;
-    size_t rows = (size_t)8 * m->nblk;
+    size_t rows = (size_t)8 * (((size_t)m->nblk + 7) / 8 * 8);
     return (tile > rows ? tile : rows) + 64;
-}
-
-const qm__kernel *qm__kernel_select(void)
-{
-    const char *force = getenv("QMOE_KERNEL");
-#if defined(QMOE_X86_KERNELS)
-    __builtin_cpu_init();
-    /* F16C is not a feature name every compiler's builtin knows; every CPU
-     * with AVX2 and FMA (Haswell, Zen and later) has it. */
-    int has_avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-    int has_avx512 = has_avx2 && __builtin_cpu_supports("avx512f") &&
-                     __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl");
-    if (force && strcmp(force, "scalar") == 0)
-        return &qm__kernel_scalar;
-    if (force && strcmp(force, "avx2") == 0 && has_avx2)
-        return &qm__kernel_avx2;
-    if (has_avx512 && !(force && strcmp(force, "avx2") == 0))
-        return &qm__kernel_avx512;
-    if (has_avx2)
-        return &qm__kernel_avx2;
-#else
-    (void)force;
-#endif
-    return &qm__kernel_scalar;
 }

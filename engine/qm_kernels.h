@@ -53,6 +53,47 @@ typedef struct qm__kernel {
     uint32_t gemm_row_pad;
 } qm__kernel;
 
+/* A fast-mode kernel (int8 activations, integer dot products). Input rows
+ * are quantised by qm__i8_prep, shared by every kernel, so the int8
+ * activations are the same bits whatever kernel runs; one entry serves
+ * every row count: rows [n0, n1) of W times nx quantised rows. */
+typedef struct qm__i8kernel {
+    const char *name; /* "scalar", "avx2" (vpmaddubsw), "avxvnni", "avx512vnni" */
+    void (*mm)(const qm__qmat *m, uint32_t n0, uint32_t n1, const float *xq, size_t ldx,
+               uint32_t nx, float *y, size_t ldy, float *scratch);
+} qm__i8kernel;
+
+extern const qm__i8kernel qm__i8kernel_scalar;
+/* The fast-mode kernel for this CPU: measured once per process like the
+ * exact one; QMOE_KERNEL=scalar|avx2|avxvnni|avx512vnni forces one
+ * (avx512 means avx512vnni; an unavailable one falls back to the choice). */
+const qm__i8kernel *qm__i8kernel_select(void);
+const char *qm__i8kernel_describe(const qm__i8kernel *k);
+
+/* ---- Fast mode: int8 activations (../docs/ARCHITECTURE.md "fast mode") ----
+ * Each input row is cut into sub-blocks of 32 columns (zeros past k); a
+ * sub-block with amax = max |x| stores dx = amax / 127 and the codes
+ * q = rint(x * 127 / amax) in [-127, 127] (all zero when amax is 0).
+ * Prepared row, in floats: kp / 4 floats of int8 codes (kp = k rounded up to
+ * 64, an even number of sub-blocks; for 4-bit weights each 32 columns are
+ * stored [16 even, 16 odd]), then dx of every sub-block repeated 8 times,
+ * then per weight block b xs[b] = sum over its sub-blocks of dx * sum(q)
+ * (the zero-point term), zeros up to a multiple of 8 blocks. Output:
+ *   y[n] = sum_b scale[n,b] * (sum_{j in b} dx_j * S_j - zp[n,b] * xs[b])
+ * with S_j = sum_{c in j} q_w[n,c] * q_x[c] an exact integer. Weight blocks
+ * must be whole sub-blocks: row-wise, or block % 32 == 0 (qm__i8_ok). */
+static inline int qm__i8_ok(const qm__qmat *m)
+{
+    return m->nblk == 1 || m->block % 32 == 0;
+}
+size_t qm__i8_x_stride(const qm__qmat *m);
+void qm__i8_prep(const qm__qmat *m, const float *x, float *xq);
+/* Sub-blocks of 32 per weight block. */
+static inline uint32_t qm__i8_spb(const qm__qmat *m)
+{
+    return m->nblk == 1 ? (uint32_t)((m->k + 31) / 32) : m->block / 32;
+}
+
 /* Per-worker scratch floats a kernel may use for matrix m. */
 size_t qm__kernel_scratch_floats(const qm__qmat *m);
 
@@ -67,11 +108,34 @@ void qm__avx2_gemv(const qm__qmat *m, uint32_t n0, uint32_t n1, const float *xp,
                    uint32_t nx, float *y, size_t ldy, float *scratch);
 void qm__avx2_gemm(const qm__qmat *m, uint32_t n0, uint32_t n1, const float *xp, size_t ldx,
                    uint32_t nx, float *y, size_t ldy, float *scratch);
+const float *qm__avx2_gemm_panel(const qm__qmat *m, uint32_t n0, uint32_t n1, uint32_t kt0,
+                                 uint32_t len, float *scratch);
 #endif
 
-/* Best kernel for this CPU; QMOE_KERNEL=scalar|avx2|avx512 forces one (an
- * unavailable one falls back to the best available). */
+/* The kernel for this CPU, measured per shape class once per process
+ * (qm_kernel_select.c); QMOE_KERNEL=scalar|avx2|avx512 forces one (an
+ * unavailable one falls back to the measured choice). */
 const qm__kernel *qm__kernel_select(void);
+/* What runs: the kernel's name, or the measured choice of each class. */
+const char *qm__kernel_describe(const qm__kernel *k);
+#if defined(QMOE_X86_KERNELS)
+int qm__cpu_has_avx2(void);
+int qm__cpu_has_avx512(void);
+int qm__cpu_has_avx512vnni(void);
+int qm__cpu_has_avxvnni(void);
+/* Fast-mode entries, one per instruction set (qm_kernel_i8*.c). */
+void qm__i8mm_avx2(const qm__qmat *m, uint32_t n0, uint32_t n1, const float *xq, size_t ldx,
+                   uint32_t nx, float *y, size_t ldy, float *scratch);
+void qm__i8mm_avxvnni(const qm__qmat *m, uint32_t n0, uint32_t n1, const float *xq, size_t ldx,
+                      uint32_t nx, float *y, size_t ldy, float *scratch);
+void qm__i8mm_avx512vnni(const qm__qmat *m, uint32_t n0, uint32_t n1, const float *xq,
+                         size_t ldx, uint32_t nx, float *y, size_t ldy, float *scratch);
+/* Sub-blocks (even), and floats before dx and before xs, in a prepared row. */
+static inline size_t qm__i8_nsb(const qm__qmat *m)
+{
+    return ((size_t)m->k + 63) / 64 * 2;
+}
+#endif
 
 /* ---- Shared helpers ---- */
 
@@ -98,6 +162,28 @@ static inline float qm__qmat_scale(const qm__qmat *m, uint32_t n, uint32_t b)
 {
     return qm__load_float(m->scales, m->scale_dtype, (size_t)n * m->nblk + b);
 }
+
+#if defined(__F16C__)
+#include <immintrin.h>
+/* qm__qmat_scale for files compiled with F16C: f32 a plain load, f16 one
+ * vcvtph2ps. */
+static inline __attribute__((always_inline)) float qm__qmat_scale_f16c(const qm__qmat *m,
+                                                                        uint32_t n, uint32_t b)
+{
+    size_t i = (size_t)n * m->nblk + b;
+    if (__builtin_expect(m->scale_dtype == QM_DTYPE_F32, 1)) {
+        float f;
+        memcpy(&f, (const uint8_t *)m->scales + 4 * i, 4);
+        return f;
+    }
+    if (m->scale_dtype == QM_DTYPE_F16) {
+        uint16_t h;
+        memcpy(&h, (const uint8_t *)m->scales + 2 * i, 2);
+        return _cvtsh_ss(h);
+    }
+    return qm__load_float(m->scales, m->scale_dtype, i);
+}
+#endif
 
 /* Zero point of (row n, block b) as an integer code. */
 static inline int qm__qmat_zp(const qm__qmat *m, uint32_t n, uint32_t b)

@@ -520,7 +520,8 @@ static int qm__forward(qm_backend *be, const qm_bank_config *cfg, const qm_layer
         goto release_pass;
 
     /* 3. Waves. */
-    qm_expert_batch batch = {.config = cfg, .layer = layer, .x = b.x, .n_tokens = T};
+    qm_expert_batch batch = {
+        .config = cfg, .layer = layer, .x = b.x, .n_tokens = T, .precision = call->precision};
     uint64_t t0 = qm__now_us();
     rc = qm__run_waves(be, &pass, &batch, source, layer->index, &b, n_uniq, stats, st);
     if (rc < 0)

@@ -91,6 +91,7 @@ typedef struct qm_moe_call {
     const int32_t *topk_ids;
     const float *topk_weights;
     uint32_t topk_k;
+    qm_precision precision;  /* zero-initialised: exact */
 } qm_moe_call;
 
 /* Routes per token of `call`: topk_k with supplied routing, else qmoe.k. */

@@ -587,7 +587,7 @@ int qm__params_decode(qm_method m, const cJSON *params, qm_params *out, qm_statu
     static const char *const load[] = {"name", "path", NULL};
     static const char *const unload[] = {"name", "force", NULL};
     static const char *const create[] = {"model", "policy", "budget_bytes", "policy_params",
-                                         NULL};
+                                         "precision", NULL};
     static const char *const by_session[] = {"session", NULL};
     static const char *const infer[] = {"session",       "layer",    "hidden",
                                         "router_logits", "topk_ids", "topk_weights",
@@ -634,6 +634,13 @@ int qm__params_decode(qm_method m, const cJSON *params, qm_params *out, qm_statu
         if (rc == 0 && member(params, "policy_params")) {
             out->has_policy_params = 1;
             rc = decode_policy_params(member(params, "policy_params"), &out->policy_params, st);
+        }
+        if (rc == 0 && member(params, "precision")) {
+            const cJSON *pr = member(params, "precision");
+            if (!cJSON_IsString(pr) || (strcmp(pr->valuestring, "exact") != 0 &&
+                                        strcmp(pr->valuestring, "fast") != 0))
+                return bad(st, "precision", "precision must be \"exact\" or \"fast\"");
+            out->precision_fast = strcmp(pr->valuestring, "fast") == 0;
         }
         return rc;
     case QM_METHOD_SESSION_CLOSE:

@@ -256,6 +256,7 @@ typedef struct qm_params {
     uint64_t budget_bytes;
     int has_policy_params;
     qm_policy_params_wire policy_params;
+    int precision_fast;      /* session.create `precision`: 0 exact (default), 1 fast */
     char *session;           /* close, plan, infer; optional for telemetry.* */
     uint32_t layer;          /* infer */
     qm_tensor hidden;        /* infer: shape [T, H] */

@@ -2,7 +2,8 @@
  * and the machine's read bandwidth, for bench/qmoe_cpu/run.py.
  *
  *   qmoe_cpu_bench --bank F --tokens T [--threads 2] [--iters 20] [--warmup 3]
- *                  [--seed S] [--stream-mib 2048]
+ *                  [--seed S] [--stream-mib 2048] [--precision exact|fast]
+ *                  [--fma-peak]
  *
  * Each call gets fresh random hidden states and router logits (from --seed,
  * drawn outside the timed region) and the calls cycle through the bank's
@@ -14,35 +15,10 @@
 #include <string.h>
 #include <time.h>
 
+#include "bench_util.h"
 #include "qm_backend.h"
 #include "qm_bank.h"
 #include "qm_moe.h"
-
-static double now_s(void)
-{
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
-}
-
-static uint64_t rng_next(uint64_t *s)
-{
-    uint64_t z = (*s += 0x9e3779b97f4a7c15ull);
-    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
-    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
-    return z ^ (z >> 31);
-}
-
-static float rng_uniform(uint64_t *s, float lo, float hi)
-{
-    return lo + (hi - lo) * (float)((double)(rng_next(s) >> 11) / 9007199254740992.0);
-}
-
-static int cmp_double(const void *a, const void *b)
-{
-    double x = *(const double *)a, y = *(const double *)b;
-    return x < y ? -1 : x > y;
-}
 
 /* ---- STREAM-like read: each thread sums its half of a large buffer ---- */
 
@@ -52,9 +28,55 @@ typedef struct stream_arg {
     uint64_t sum;
 } stream_arg;
 
+/* 256-bit loads, 8 independent accumulators, 512 bytes per iteration: the
+ * loop issues loads as fast as the core can, so the memory is the limit
+ * (a scalar loop measured 2-3x less than the kernels' own traffic here). */
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#include <immintrin.h>
+__attribute__((target("avx2"))) static uint64_t stream_sum256(const uint64_t *p, size_t n)
+{
+    __m256i a0 = _mm256_setzero_si256(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0,
+            a7 = a0;
+    size_t i = 0;
+    for (; i + 64 <= n; i += 64) {
+        const __m256i *q = (const __m256i *)(p + i);
+        a0 = _mm256_add_epi64(a0, _mm256_loadu_si256(q + 0));
+        a1 = _mm256_add_epi64(a1, _mm256_loadu_si256(q + 1));
+        a2 = _mm256_add_epi64(a2, _mm256_loadu_si256(q + 2));
+        a3 = _mm256_add_epi64(a3, _mm256_loadu_si256(q + 3));
+        a4 = _mm256_add_epi64(a4, _mm256_loadu_si256(q + 4));
+        a5 = _mm256_add_epi64(a5, _mm256_loadu_si256(q + 5));
+        a6 = _mm256_add_epi64(a6, _mm256_loadu_si256(q + 6));
+        a7 = _mm256_add_epi64(a7, _mm256_loadu_si256(q + 7));
+        a0 = _mm256_add_epi64(a0, _mm256_loadu_si256(q + 8));
+        a1 = _mm256_add_epi64(a1, _mm256_loadu_si256(q + 9));
+        a2 = _mm256_add_epi64(a2, _mm256_loadu_si256(q + 10));
+        a3 = _mm256_add_epi64(a3, _mm256_loadu_si256(q + 11));
+        a4 = _mm256_add_epi64(a4, _mm256_loadu_si256(q + 12));
+        a5 = _mm256_add_epi64(a5, _mm256_loadu_si256(q + 13));
+        a6 = _mm256_add_epi64(a6, _mm256_loadu_si256(q + 14));
+        a7 = _mm256_add_epi64(a7, _mm256_loadu_si256(q + 15));
+    }
+    a0 = _mm256_add_epi64(_mm256_add_epi64(_mm256_add_epi64(a0, a1), _mm256_add_epi64(a2, a3)),
+                          _mm256_add_epi64(_mm256_add_epi64(a4, a5), _mm256_add_epi64(a6, a7)));
+    uint64_t lanes[4];
+    _mm256_storeu_si256((__m256i *)lanes, a0);
+    uint64_t s = lanes[0] + lanes[1] + lanes[2] + lanes[3];
+    for (; i < n; i++)
+        s += p[i];
+    return s;
+}
+#endif
+
 static void *stream_read(void *v)
 {
     stream_arg *a = v;
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+    if (__builtin_cpu_supports("avx2")) {
+        a->sum = stream_sum256(a->p, a->n);
+        return NULL;
+    }
+#endif
     uint64_t s0 = 0, s1 = 0, s2 = 0, s3 = 0;
     for (size_t i = 0; i + 4 <= a->n; i += 4) {
         s0 += a->p[i];
@@ -102,14 +124,113 @@ static void measure_stream(size_t mib, unsigned threads, int reps)
     free(buf);
 }
 
+/* ---- FMA peak: independent FMA chains in registers, per thread ---- */
+
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#include <immintrin.h>
+typedef struct fma_arg {
+    long iters;
+    int wide;
+    double secs;
+    float sink;
+} fma_arg;
+
+/* 12 independent chains in named registers (an array may live in memory). */
+#define FMA_BODY(T, FMADD)                                                                         \
+    T a0 = SET1(0.f), a1 = SET1(1.f), a2 = SET1(2.f), a3 = SET1(3.f), a4 = SET1(4.f),              \
+      a5 = SET1(5.f), a6 = SET1(6.f), a7 = SET1(7.f), a8 = SET1(8.f), a9 = SET1(9.f),              \
+      a10 = SET1(10.f), a11 = SET1(11.f), m = SET1(0.999999f), c = SET1(1e-7f);                    \
+    for (long it = 0; it < iters; it++) {                                                          \
+        a0 = FMADD(a0, m, c), a1 = FMADD(a1, m, c), a2 = FMADD(a2, m, c);                         \
+        a3 = FMADD(a3, m, c), a4 = FMADD(a4, m, c), a5 = FMADD(a5, m, c);                         \
+        a6 = FMADD(a6, m, c), a7 = FMADD(a7, m, c), a8 = FMADD(a8, m, c);                         \
+        a9 = FMADD(a9, m, c), a10 = FMADD(a10, m, c), a11 = FMADD(a11, m, c);                     \
+        __asm__ volatile("" ::: "memory");                                                         \
+    }
+
+__attribute__((target("avx2,fma"))) static float fma_loop256(long iters)
+{
+#define SET1 _mm256_set1_ps
+    FMA_BODY(__m256, _mm256_fmadd_ps)
+#undef SET1
+    __m256 s = _mm256_add_ps(_mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3)),
+                             _mm256_add_ps(_mm256_add_ps(a4, a5), _mm256_add_ps(a6, a7)));
+    s = _mm256_add_ps(s, _mm256_add_ps(_mm256_add_ps(a8, a9), _mm256_add_ps(a10, a11)));
+    return _mm256_cvtss_f32(s);
+}
+
+__attribute__((target("avx512f"))) static float fma_loop512(long iters)
+{
+#define SET1 _mm512_set1_ps
+    FMA_BODY(__m512, _mm512_fmadd_ps)
+#undef SET1
+    __m512 s = _mm512_add_ps(_mm512_add_ps(_mm512_add_ps(a0, a1), _mm512_add_ps(a2, a3)),
+                             _mm512_add_ps(_mm512_add_ps(a4, a5), _mm512_add_ps(a6, a7)));
+    s = _mm512_add_ps(s, _mm512_add_ps(_mm512_add_ps(a8, a9), _mm512_add_ps(a10, a11)));
+    return _mm512_reduce_add_ps(s);
+}
+
+static void *fma_thread(void *v)
+{
+    fma_arg *a = v;
+    double t0 = now_s();
+    a->sink = a->wide ? fma_loop512(a->iters) : fma_loop256(a->iters);
+    a->secs = now_s() - t0;
+    return NULL;
+}
+
+/* Median over 5 runs of the summed per-thread GFLOP/s (2 flops per lane per FMA). */
+static void measure_fma(unsigned threads)
+{
+    __builtin_cpu_init();
+    for (int wide = 0; wide < 2; wide++) {
+        if (wide && !__builtin_cpu_supports("avx512f"))
+            continue;
+        if (!__builtin_cpu_supports("fma"))
+            continue;
+        double g[5];
+        for (int rep = 0; rep < 5; rep++) {
+            pthread_t th[64];
+            fma_arg args[64];
+            unsigned n = threads > 64 ? 64 : threads;
+            for (unsigned t = 0; t < n; t++) {
+                args[t] = (fma_arg){.iters = 20000000, .wide = wide};
+                pthread_create(&th[t], NULL, fma_thread, &args[t]);
+            }
+            double sum = 0;
+            for (unsigned t = 0; t < n; t++) {
+                pthread_join(th[t], NULL);
+                sum += 2.0 * (wide ? 16 : 8) * 12 * (double)args[t].iters / args[t].secs / 1e9;
+            }
+            g[rep] = sum;
+        }
+        qsort(g, 5, sizeof(double), cmp_double);
+        printf("{\"what\":\"fma_peak\",\"isa\":\"%s\",\"threads\":%u,\"median_gflops\":%.1f,"
+               "\"min_gflops\":%.1f,\"max_gflops\":%.1f}\n",
+               wide ? "avx512" : "avx2", threads, g[2], g[0], g[4]);
+    }
+}
+#else
+static void measure_fma(unsigned threads)
+{
+    (void)threads;
+}
+#endif
+
 int main(int argc, char **argv)
 {
     const char *bank_path = NULL;
     unsigned tokens = 1, threads = 2, iters = 20, warmup = 3;
     size_t stream_mib = 0;
     uint64_t seed = 1;
+    int fast = 0, fma_peak = 0;
     for (int i = 1; i < argc; i += 2) {
         const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
+        if (!strcmp(a, "--fma-peak")) {
+            fma_peak = 1;
+            i--;
+            continue;
+        }
         if (!v) {
             fprintf(stderr, "%s needs a value\n", a);
             return 2;
@@ -126,6 +247,8 @@ int main(int argc, char **argv)
             warmup = (unsigned)atoi(v);
         else if (!strcmp(a, "--seed"))
             seed = strtoull(v, NULL, 10);
+        else if (!strcmp(a, "--precision") && (!strcmp(v, "exact") || !strcmp(v, "fast")))
+            fast = !strcmp(v, "fast");
         else if (!strcmp(a, "--stream-mib"))
             stream_mib = (size_t)atol(v);
         else {
@@ -135,6 +258,8 @@ int main(int argc, char **argv)
     }
     if (stream_mib)
         measure_stream(stream_mib, threads, 7);
+    if (fma_peak)
+        measure_fma(threads);
     if (!bank_path)
         return 0;
     if (iters == 0)
@@ -180,7 +305,8 @@ int main(int argc, char **argv)
         uint32_t layer = it % cfg->layers;
         qm_moe_call call = {.layer = layer, .dtype = QM_DTYPE_F32, .hidden = x,
                             .n_tokens = tokens, .logits = lg, .output = out,
-                            .route_experts = re};
+                            .route_experts = re,
+                            .precision = fast ? QM_PRECISION_FAST : QM_PRECISION_EXACT};
         double t0 = now_s();
         if (qm_moe_forward(be, bank, &call, &src, NULL, &st) < 0) {
             fprintf(stderr, "qmoe_cpu_bench: forward: %s\n", st.msg);
@@ -206,10 +332,10 @@ int main(int argc, char **argv)
     memcpy(sorted, ms, sizeof sorted);
     qsort(sorted, iters, sizeof(double), cmp_double);
     double med = sorted[iters / 2];
-    printf("{\"what\":\"qmoed\",\"backend\":\"%s\",\"tokens\":%u,\"threads\":%u,\"iters\":%u,"
+    printf("{\"what\":\"qmoed\",\"precision\":\"%s\",\"backend\":\"%s\",\"tokens\":%u,\"threads\":%u,\"iters\":%u,"
            "\"median_ms\":%.4f,\"min_ms\":%.4f,\"max_ms\":%.4f,\"bytes_per_call\":%.0f,"
            "\"gbps_median\":%.3f,\"samples_ms\":[",
-           info.name, tokens, threads, iters, med, sorted[0], sorted[iters - 1], mean_bytes,
+           fast ? "fast" : "exact", info.name, tokens, threads, iters, med, sorted[0], sorted[iters - 1], mean_bytes,
            mean_bytes / (med * 1e-3) / 1e9);
     for (unsigned i = 0; i < iters; i++)
         printf("%s%.4f", i ? "," : "", ms[i]);

@@ -2,16 +2,21 @@
 """bench/qmoe_cpu/run.py - the CPU engine against onnxruntime's CPU QMoE, side by side.
 
     .venv/bin/python bench/qmoe_cpu/run.py --build BUILD_DIR [--quick] [--cases gptoss,mixtral,int8]
+        [--ggml /tmp/qmoe-ggml/ggml_moe_bench]
 
 For each case it writes a random bank to /tmp (deleted at exit), then, in
 rounds, alternates: qmoe_cpu_bench (our engine, 2 threads), onnxruntime with
 its default settings (its fastest paths: MLAS Q4 / QNBit GEMM) and with the
 exact-path settings (ORT_USE_MLAS_Q4_GEMM_MOE=0, ORT_QMOE_CPU_QNBIT_GEMM=0),
 each with intra_op_num_threads = 2 and fresh random inputs per call, calls
-cycling through the bank's layers. A STREAM-like read of a buffer far larger
-than the LLC measures the machine's read bandwidth in the same run. Every
-case's outputs are checked once against each other (qmoe-bank run vs ORT).
-Prints a Markdown table (medians, min/max, ratios).
+cycling through the bank's layers. Our engine runs in both precisions
+(exact, fast). With --ggml (bench/qmoe_cpu/ggml/build.sh builds it),
+llama.cpp's ggml MUL_MAT_ID runs the same shapes with Q4_0 and Q8_0 weights
+in the same rounds. A STREAM-like read of a buffer far larger than the LLC
+measures the machine's read bandwidth, and an FMA loop its f32 FMA peak, in
+the same run. Every case's outputs are checked once against each other
+(qmoe-bank run, both precisions, vs ORT). Prints a Markdown table (medians,
+min/max, ratios).
 """
 
 import argparse
@@ -34,7 +39,7 @@ import qmoebank  # noqa: E402
 CASES = {
     # name: (H, I, E, k, bits, block, layers, token counts)
     "gptoss": dict(H=2880, I=2880, E=32, k=4, bits=4, bs=32, layers=2, tokens=(1, 16, 512)),
-    "mixtral": dict(H=4096, I=14336, E=8, k=2, bits=4, bs=32, layers=1, tokens=(1, 128)),
+    "mixtral": dict(H=4096, I=14336, E=8, k=2, bits=4, bs=32, layers=1, tokens=(1, 16, 512)),
     "gptoss_int8": dict(H=2880, I=2880, E=32, k=4, bits=8, bs=64, layers=1, tokens=(1, 16)),
 }
 
@@ -100,11 +105,31 @@ def time_ort(sessions, cfg, t, iters, warmup, rng):
     return ms
 
 
-def time_ours(bench, bank, t, iters, warmup, threads, seed):
+def time_ours(bench, bank, t, iters, warmup, threads, seed, precision="exact"):
     r = subprocess.run([bench, "--bank", bank, "--tokens", str(t), "--threads", str(threads),
-                        "--iters", str(iters), "--warmup", str(warmup), "--seed", str(seed)],
+                        "--iters", str(iters), "--warmup", str(warmup), "--seed", str(seed),
+                        "--precision", precision],
                        capture_output=True, text=True, check=True)
     return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def time_ggml(ggml, c, typ, t, iters, warmup, threads, seed):
+    r = subprocess.run([ggml, "--type", typ, "--hidden", str(c["H"]), "--inter", str(c["I"]),
+                        "--experts", str(c["E"]), "--k", str(c["k"]), "--layers", str(c["layers"]),
+                        "--tokens", str(t), "--threads", str(threads), "--iters", str(iters),
+                        "--warmup", str(warmup), "--seed", str(seed)],
+                       capture_output=True, text=True, check=True)
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def fma_peak(bench, threads):
+    r = subprocess.run([bench, "--fma-peak", "--threads", str(threads)], capture_output=True,
+                       text=True, check=True)
+    best = {}
+    for line in r.stdout.strip().splitlines():
+        o = json.loads(line)
+        best[o["isa"]] = o["median_gflops"]
+    return best
 
 
 def stream(bench, threads, mib):
@@ -113,7 +138,7 @@ def stream(bench, threads, mib):
     return json.loads(r.stdout.strip())
 
 
-def check_outputs(qmoe_bank, bank, cfg, sessions_by_mode, tmp, rng):
+def check_outputs(qmoe_bank, bank, cfg, sessions_by_mode, tmp, rng, precision="exact"):
     """Our output (qmoe-bank run) vs each onnxruntime mode, on one random input."""
     t = 7
     x = rng.uniform(-1, 1, (t, cfg.hidden_size)).astype(np.float32)
@@ -122,7 +147,7 @@ def check_outputs(qmoe_bank, bank, cfg, sessions_by_mode, tmp, rng):
     np.save(os.path.join(tmp, "lg.npy"), lg)
     subprocess.run([qmoe_bank, "run", bank, "--layer", "0", "--hidden", os.path.join(tmp, "x.npy"),
                     "--logits", os.path.join(tmp, "lg.npy"), "--out", os.path.join(tmp, "y.npy"),
-                    "--threads", "2"], check=True, capture_output=True)
+                    "--threads", "2", "--precision", precision], check=True, capture_output=True)
     ours = np.load(os.path.join(tmp, "y.npy")).astype(np.float64)
     out = {}
     for mode, sessions in sessions_by_mode.items():
@@ -146,6 +171,7 @@ def main():
     ap.add_argument("--quick", action="store_true", help="fewer iterations (smoke run)")
     ap.add_argument("--tokens", help="only these token counts, e.g. 1,512")
     ap.add_argument("--json", help="also write raw results here")
+    ap.add_argument("--ggml", help="ggml_moe_bench (bench/qmoe_cpu/ggml/build.sh) to compare")
     args = ap.parse_args()
     bench = os.path.join(args.build, "bench", "qmoe_cpu", "qmoe_cpu_bench")
     qmoe_bank = os.path.join(args.build, "tools", "qmoe-bank", "qmoe-bank")
@@ -156,6 +182,9 @@ def main():
     tmp = tempfile.mkdtemp(prefix="qmoe_cpu_bench_", dir="/tmp")
     rows, raw = [], {"seed": args.seed, "cases": []}
     bw_samples = []
+    peaks = fma_peak(bench, args.threads)
+    peak = max(peaks.values()) if peaks else float("nan")
+    print(f"# FMA peak ({args.threads} threads, GFLOP/s): {peaks}", flush=True)
     try:
         for name in args.cases.split(","):
             c = CASES[name]
@@ -166,8 +195,10 @@ def main():
                         "exact": ort_sessions(cfg, tensors, True, args.threads)}
             del tensors
             errs = check_outputs(qmoe_bank, bank, cfg, sessions, tmp, rng)
+            ferrs = check_outputs(qmoe_bank, bank, cfg, sessions, tmp, rng, "fast")
             print(f"# {name}: bank {bank_bytes / 2**20:.0f} MiB ({cfg.layers} layers), "
-                  f"rel err vs ort default {errs['default']:.2g}, exact {errs['exact']:.2g}",
+                  f"rel err vs ort default {errs['default']:.2g}, exact {errs['exact']:.2g}; "
+                  f"fast vs ort exact {ferrs['exact']:.2g}",
                   flush=True)
             for t in c["tokens"]:
                 if args.tokens and str(t) not in args.tokens.split(","):
@@ -178,9 +209,17 @@ def main():
                 if args.quick:
                     iters, warm = max(2, iters // 4), 1
                 ours_ms, ours_gbps, dflt_ms, exact_ms, ratios, bytes_call = [], [], [], [], [], 0
+                fast_ms, g4_ms, g8_ms = [], [], []
                 for rnd in range(args.rounds):
                     bw_samples.append(stream(bench, args.threads, args.stream_mib)["median_gbps"])
                     o = time_ours(bench, bank, t, iters, warm, args.threads, args.seed + rnd)
+                    fast_ms += time_ours(bench, bank, t, iters, warm, args.threads,
+                                         args.seed + rnd, "fast")["samples_ms"]
+                    if args.ggml:
+                        g4_ms += time_ggml(args.ggml, c, "q4_0", t, iters, warm, args.threads,
+                                           args.seed + rnd)["samples_ms"]
+                        g8_ms += time_ggml(args.ggml, c, "q8_0", t, iters, warm, args.threads,
+                                           args.seed + rnd)["samples_ms"]
                     d = time_ort(sessions["default"], cfg, t, iters, warm, rng)
                     e = time_ort(sessions["exact"], cfg, t, iters if t == 1 else max(2, iters // 2),
                                  warm, rng)
@@ -196,7 +235,12 @@ def main():
                            ort_exact_ms=med(exact_ms), ratio_default=med(ratios),
                            ratio_exact=med(exact_ms) / med(ours_ms), stream_gbps=med(bw_samples),
                            err_default=errs["default"], err_exact=errs["exact"],
-                           working_set_mib=bank_bytes / 2**20)
+                           err_fast=ferrs["exact"], working_set_mib=bank_bytes / 2**20,
+                           fast_ms=med(fast_ms), fast_min=min(fast_ms), fast_max=max(fast_ms),
+                           ggml_q4_ms=med(g4_ms) if g4_ms else None,
+                           ggml_q8_ms=med(g8_ms) if g8_ms else None,
+                           gflop_per_call=2.0 * t * c["k"] * c["H"] * c["I"] * 3 / 1e9,
+                           fma_peak_gflops=peak)
                 rows.append(row)
                 raw["cases"].append(row)
                 print(json.dumps(row), flush=True)
@@ -208,16 +252,29 @@ def main():
     print(f"Read bandwidth (STREAM-like, {args.threads} threads, {args.stream_mib} MiB buffer): "
           f"median {bw:.2f} GB/s (min {min(bw_samples):.2f}, max {max(bw_samples):.2f})")
     print()
-    print("| case | T | qmoed ms (min-max) | weight MB/call | GB/s | % of read BW | "
-          "ORT default ms (min-max) | ORT exact ms | ratio vs default | ratio vs exact |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print(f"FMA peak (f32, {args.threads} threads): {peaks} GFLOP/s; the best is the reference")
+    print()
+    print("| case | T | qmoed exact ms (min-max) | qmoed fast ms (min-max) | ggml Q4_0 ms | "
+          "ggml Q8_0 ms | ORT default ms (min-max) | ORT exact ms | exact % read BW | "
+          "fast % read BW | exact % FMA peak | exact vs ORT default | fast vs ggml Q4_0 | "
+          "fast vs ORT default |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    na = "n/a"
     for r in rows:
+        fgbps = r["bytes_per_call"] / (r["fast_ms"] * 1e-3) / 1e9
+        gf = r["gflop_per_call"] / (r["ours_ms"] * 1e-3)
+        g4 = f"{r['ggml_q4_ms']:.2f}" if r["ggml_q4_ms"] else na
+        g8 = f"{r['ggml_q8_ms']:.2f}" if r["ggml_q8_ms"] else na
+        fg = f"{r['ggml_q4_ms'] / r['fast_ms']:.2f}x" if r["ggml_q4_ms"] else na
         print(f"| {r['case']} | {r['tokens']} | {r['ours_ms']:.2f} ({r['ours_min']:.2f}-{r['ours_max']:.2f}) "
-              f"| {r['bytes_per_call'] / 1e6:.1f} | {r['gbps']:.2f} | {100 * r['gbps'] / bw:.0f}% "
+              f"| {r['fast_ms']:.2f} ({r['fast_min']:.2f}-{r['fast_max']:.2f}) | {g4} | {g8} "
               f"| {r['ort_default_ms']:.2f} ({r['ort_default_min']:.2f}-{r['ort_default_max']:.2f}) "
-              f"| {r['ort_exact_ms']:.2f} | {r['ratio_default']:.2f}x | {r['ratio_exact']:.2f}x |")
+              f"| {r['ort_exact_ms']:.2f} | {100 * r['gbps'] / bw:.0f}% | {100 * fgbps / bw:.0f}% "
+              f"| {100 * gf / peak:.0f}% | {r['ratio_default']:.2f}x | {fg} "
+              f"| {r['ort_default_ms'] / r['fast_ms']:.2f}x |")
     if args.json:
         raw["stream_gbps"] = bw
+        raw["fma_peak_gflops"] = peaks
         with open(args.json, "w") as f:
             json.dump(raw, f, indent=1)
     return 0

@@ -75,6 +75,11 @@ def test_session_lifecycle_and_plan(client, sid):
     with pytest.raises(QmoeError) as e:
         client.create_session("missing-model")
     assert e.value.name == "not_found"
+    fast = client.create_session("demo", precision="fast")["session"]
+    client.close_session(fast)
+    with pytest.raises(QmoeError) as e:
+        client.create_session("demo", precision="int8")
+    assert e.value.name == "invalid_params" and e.value.field == "precision"
 
 
 def test_infer_matches_qmoe_bank_run(client, sid, daemon):

@@ -159,6 +159,16 @@ def test_create_with_an_unknown_policy_fails_naming_the_field(daemon):
     assert p.stderr.startswith("qmoectl: ") and "invalid_params" in p.stderr and "policy" in p.stderr
 
 
+def test_create_with_precision(daemon):
+    r = ctl(daemon, "create", "demo", "--precision", "fast", json_out=True)
+    assert isinstance(r["session"], str)
+    ctl(daemon, "close", r["session"])
+    out = ctl(daemon, "create", "demo", "--precision", "exact").stdout
+    ctl(daemon, "close", out.splitlines()[0])
+    p = ctl(daemon, "create", "demo", "--precision", "int8", check_rc=2)
+    assert "--precision" in p.stderr
+
+
 def test_create_with_an_unknown_param_fails(daemon):
     p = ctl(daemon, "create", "demo", "--param", "prefech=true", check_rc=1)
     assert "invalid_params" in p.stderr

@@ -30,11 +30,13 @@ def new_session(c, **params):
     return c.call("session.create", p)["session"]
 
 
-def run_qmoe_bank(bank, layer, x, logits=None):
+def run_qmoe_bank(bank, layer, x, logits=None, precision=None):
     d = tempfile.mkdtemp(prefix="qmoed-run-")
     np.save(os.path.join(d, "x.npy"), x)
     cmd = [qmoe_bank_path(), "run", bank, "--layer", str(layer), "--hidden",
            os.path.join(d, "x.npy"), "--out", os.path.join(d, "y.npy")]
+    if precision:
+        cmd += ["--precision", precision]
     if logits is not None:
         np.save(os.path.join(d, "r.npy"), logits)
         cmd += ["--logits", os.path.join(d, "r.npy")]

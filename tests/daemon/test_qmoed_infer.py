@@ -70,6 +70,36 @@ def test_infer_with_router_logits_equals_qmoe_bank_run(daemon, banks):
         c.call("model.unload", {"name": "nr", "force": True})
 
 
+def test_fast_precision_sessions(daemon, banks):
+    """precision "fast": the bits of qmoe-bank run --precision fast, the same
+    bits under every policy (paging changes none), close to but not the exact
+    result; a bad value is -32602 naming precision."""
+    c = daemon.client()
+    x = hidden(6, seed=21)
+    outs = []
+    for policy, budget in (("whole_bank", None), ("lru", 20000), ("static_hot", 30000)):
+        p = {"model": "small", "policy": policy, "precision": "fast"}
+        if budget:
+            p["budget_bytes"] = budget
+        sid = c.call("session.create", p)["session"]
+        for layer in (0, 1):
+            r = c.call("session.infer", {"session": sid, "layer": layer, "hidden": tensor(x)})
+        outs.append(r["output"]["data"])
+        c.call("session.close", {"session": sid})
+    assert len(set(outs)) == 1
+    fast = from_tensor(r["output"])
+    assert fast.tobytes() == run_qmoe_bank(banks["small"], 1, x, precision="fast").tobytes()
+    exact = run_qmoe_bank(banks["small"], 1, x)
+    rel = np.linalg.norm(fast.astype(np.float64) - exact) / np.linalg.norm(exact)
+    assert 0 < rel < 2e-2, rel
+    sid = new_session(c, precision="exact")
+    r = c.call("session.infer", {"session": sid, "layer": 1, "hidden": tensor(x)})
+    assert from_tensor(r["output"]).tobytes() == exact.tobytes()
+    for bad in ("Fast", "int8", 1, None):
+        e = err(c.request("session.create", {"model": "small", "precision": bad}))
+        assert e["code"] == -32602 and e["data"]["field"] == "precision", e
+
+
 def test_infer_with_zero_tokens_gives_an_empty_result(daemon):
     c = daemon.client()
     sid = new_session(c)

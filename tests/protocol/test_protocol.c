@@ -459,6 +459,32 @@ START_TEST(test_params_session_create_decodes_policy_params)
 }
 END_TEST
 
+START_TEST(test_params_session_create_decodes_precision)
+{
+    qm_rpc_frame f = decode(REQ("session.create", "{\"model\":\"m\",\"precision\":\"fast\"}"));
+    ck_assert(f.items[0].ok);
+    ck_assert_int_eq(f.items[0].req.params.precision_fast, 1);
+    qm_rpc_frame_free(&f);
+    f = decode(REQ("session.create", "{\"model\":\"m\",\"precision\":\"exact\"}"));
+    ck_assert(f.items[0].ok);
+    ck_assert_int_eq(f.items[0].req.params.precision_fast, 0);
+    qm_rpc_frame_free(&f);
+    f = decode(REQ("session.create", "{\"model\":\"m\"}"));
+    ck_assert(f.items[0].ok);
+    ck_assert_int_eq(f.items[0].req.params.precision_fast, 0);
+    qm_rpc_frame_free(&f);
+    static const char *const bad[] = {"\"Fast\"", "\"int8\"", "1", "null", "\"\""};
+    for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
+        char req[256], field[64];
+        snprintf(req, sizeof req, REQ("session.create", "{\"model\":\"m\",\"precision\":%s}"),
+                 bad[i]);
+        ck_assert_int_eq(decode_code(req, field, sizeof field),
+                         QM_RPC_INVALID_PARAMS);
+        ck_assert_str_eq(field, "precision");
+    }
+}
+END_TEST
+
 /* f32 [1,2] = {1.0, -2.0}: 0000803f 000000c0 -> "AACAPwAAAMA=" */
 START_TEST(test_params_infer_decodes_tensor)
 {
@@ -785,6 +811,7 @@ static Suite *protocol_suite(void)
     tcase_add_test(tc, test_params_unknown_member_names_field);
     tcase_add_test(tc, test_params_wrong_type_and_missing_name_field);
     tcase_add_test(tc, test_params_session_create_decodes_policy_params);
+    tcase_add_test(tc, test_params_session_create_decodes_precision);
     tcase_add_test(tc, test_params_infer_decodes_tensor);
     tcase_add_test(tc, test_params_infer_rejects_shape_data_disagreement);
     tcase_add_test(tc, test_params_mapped_tensors_output_to_map_and_unmap);

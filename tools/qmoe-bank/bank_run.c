@@ -9,7 +9,7 @@
 void qmb_help_run(FILE *f)
 {
     fputs("usage: qmoe-bank run FILE --layer N --hidden X.npy [--logits R.npy] --out Y.npy\n"
-          "                     [--threads T] [--bf16]\n"
+          "                     [--threads T] [--bf16] [--precision exact|fast] [--verbose]\n"
           "\n"
           "Runs MoE layer N of bank FILE on the CPU engine (the daemon's forward pass, with\n"
           "the experts read straight from the mapped file). X.npy holds the hidden states:\n"
@@ -19,7 +19,10 @@ void qmb_help_run(FILE *f)
           "bank has layers.N.router.weight (logits = x.W^T + b). Y.npy receives the output,\n"
           "same shape and dtype as X. T worker threads (default 0 = one per core); the\n"
           "result is bitwise the same for every T. .npy files must be C-ordered,\n"
-          "little-endian; their headers are fully validated.\n",
+          "little-endian; their headers are fully validated. --precision fast quantises\n"
+          "activations to int8 per 32 columns and uses integer dot products (default\n"
+          "exact: f32, within 1e-5 of onnxruntime). --verbose prints the CPU backend and\n"
+          "the kernels it chose (measured on this CPU) to stderr.\n",
           f);
 }
 
@@ -56,7 +59,9 @@ int qmb_run(int argc, char **argv)
         {"layer", required_argument, 0, 'l'},   {"hidden", required_argument, 0, 'x'},
         {"logits", required_argument, 0, 'r'},  {"out", required_argument, 0, 'o'},
         {"threads", required_argument, 0, 't'}, {"bf16", no_argument, 0, 'b'},
+        {"precision", required_argument, 0, 'p'}, {"verbose", no_argument, 0, 'v'},
         {"help", no_argument, 0, 'h'},          {0, 0, 0, 0}};
+    int fast = 0, verbose = 0;
     const char *hidden_path = NULL, *logits_path = NULL, *out_path = NULL;
     unsigned layer = 0, threads = 0;
     int have_layer = 0, bf16 = 0, c;
@@ -84,6 +89,14 @@ int qmb_run(int argc, char **argv)
             break;
         case 'b':
             bf16 = 1;
+            break;
+        case 'p':
+            if (strcmp(optarg, "exact") != 0 && strcmp(optarg, "fast") != 0)
+                return usage("--precision wants exact or fast");
+            fast = strcmp(optarg, "fast") == 0;
+            break;
+        case 'v':
+            verbose = 1;
             break;
         case 'h':
             qmb_help_run(stdout);
@@ -181,10 +194,17 @@ int qmb_run(int argc, char **argv)
         fprintf(stderr, "qmoe-bank run: CPU backend: %s\n", st.msg);
         goto done;
     }
+    if (verbose) {
+        qm_device_info info;
+        if (qm_backend_info(be, &info) == 0)
+            fprintf(stderr, "qmoe-bank run: %s, precision %s\n", info.name,
+                    fast ? "fast" : "exact");
+    }
     qm_expert_source src;
     qm_expert_source_direct(bank, &src);
     qm_moe_call call = {.layer = layer, .dtype = dtype, .hidden = x.data,
-                        .n_tokens = (uint32_t)tokens, .logits = logits, .output = out};
+                        .n_tokens = (uint32_t)tokens, .logits = logits, .output = out,
+                        .precision = fast ? QM_PRECISION_FAST : QM_PRECISION_EXACT};
     qm_moe_stats stats = {0};
     if ((rc = qm_moe_forward(be, bank, &call, &src, &stats, &st)) != 0) {
         fprintf(stderr, "qmoe-bank run: forward: %s\n", st.msg[0] ? st.msg : qm_strerror(rc));

@@ -433,7 +433,9 @@ class Client:
     def sessions(self):
         return self.call("session.list")["sessions"]
 
-    def create_session(self, model, policy=None, budget_bytes=None, policy_params=None):
+    def create_session(self, model, policy=None, budget_bytes=None, policy_params=None,
+                       precision=None):
+        """precision: "exact" (the daemon's default) or "fast" (int8 activations)."""
         p = {"model": model}
         if policy is not None:
             p["policy"] = policy
@@ -441,6 +443,8 @@ class Client:
             p["budget_bytes"] = int(budget_bytes)
         if policy_params is not None:
             p["policy_params"] = policy_params
+        if precision is not None:
+            p["precision"] = precision
         return self.call("session.create", p)
 
     def close_session(self, session):

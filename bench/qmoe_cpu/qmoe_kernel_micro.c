@@ -1,0 +1,135 @@
+/* qmoe_kernel_micro - every CPU kernel of this build on one matrix, one
+ * thread, timed by thread CPU time (a shared machine's other processes cost
+ * wall time, not this thread's CPU time): the measurements behind the fixed
+ * kernel table of engine/qm_kernel_select.c (docs/BENCHMARKS.md).
+ *
+ *   qmoe_kernel_micro [--rows 512] [--cols 2880] [--bits 4|8] [--inputs 1] [--reps 30]
+ *
+ * Random codes, f32 scales, blocks of 32: the matrix (rows x cols x bits/8
+ * bytes) is meant to stay in L2, so this measures each kernel's compute, not
+ * the memory. --inputs <= 4 runs the GEMV path of the exact kernels, more
+ * the GEMM path; the fast kernels have one entry for both. One JSON line per
+ * kernel: best time over --reps (after one warm-up), weight GB/s per core
+ * (GEMV) or GFLOP/s per core. Kernels this CPU cannot run are skipped with a
+ * line saying so. Not a test. */
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "qm_kernels.h"
+
+static double cpu_us(void)
+{
+    struct timespec t;
+    clock_gettime(CLOCK_THREAD_CPUTIME_ID, &t);
+    return (double)t.tv_sec * 1e6 + (double)t.tv_nsec * 1e-3;
+}
+
+static void report(const char *mode, const char *name, uint32_t n, uint32_t k, uint32_t bits,
+                   uint32_t nx, double us)
+{
+    printf("{\"mode\":\"%s\",\"kernel\":\"%s\",\"rows\":%u,\"cols\":%u,\"bits\":%u,\"inputs\":%u,"
+           "\"best_us\":%.1f,\"weight_gbps_per_core\":%.2f,\"gflops_per_core\":%.1f}\n",
+           mode, name, n, k, bits, nx, us, (double)n * k * bits / 8 / us / 1e3,
+           2.0 * n * k * nx / us / 1e3);
+}
+
+int main(int argc, char **argv)
+{
+    uint32_t N = 512, K = 2880, bits = 4, nx = 1, reps = 30;
+    for (int i = 1; i + 1 < argc; i += 2) {
+        uint32_t v = (uint32_t)strtoul(argv[i + 1], NULL, 10);
+        if (!strcmp(argv[i], "--rows"))
+            N = v;
+        else if (!strcmp(argv[i], "--cols"))
+            K = v;
+        else if (!strcmp(argv[i], "--bits"))
+            bits = v;
+        else if (!strcmp(argv[i], "--inputs"))
+            nx = v;
+        else if (!strcmp(argv[i], "--reps"))
+            reps = v;
+        else {
+            fprintf(stderr, "unknown option %s\n", argv[i]);
+            return 2;
+        }
+    }
+    if ((bits != 4 && bits != 8) || K % 32 || N % 16 || !N || !nx || !reps) {
+        fprintf(stderr, "want --bits 4|8, --cols a multiple of 32, --rows of 16\n");
+        return 2;
+    }
+    uint32_t nblk = K / 32;
+    uint8_t *w = malloc((size_t)N * K);
+    float *sc = malloc(sizeof(float) * N * nblk), *x = malloc(sizeof(float) * K * nx);
+    float *y = malloc(sizeof(float) * N * nx);
+    uint32_t s = 1;
+    for (size_t i = 0; i < (size_t)N * K; i++)
+        w[i] = (uint8_t)((s = s * 1664525u + 1013904223u) >> 24);
+    for (size_t i = 0; i < (size_t)N * nblk; i++)
+        sc[i] = 0.001f * (float)(1 + i % 5);
+    for (size_t i = 0; i < (size_t)K * nx; i++)
+        x[i] = (float)((int)((s = s * 1664525u + 1013904223u) >> 25) - 64) / 64.0f;
+    qm__qmat m = {.w = w, .row_bytes = (size_t)K * bits / 8, .scales = sc,
+                  .scale_dtype = QM_DTYPE_F32, .n = N, .k = K, .bits = bits, .nblk = nblk,
+                  .block = 32};
+    float *scratch = malloc(sizeof(float) * qm__kernel_scratch_floats(&m));
+    int gemm = nx > QM__GEMV_MAX_ROWS;
+    static const char *const exact[] = {"scalar", "avx2", "avx512"};
+    for (int e = 0; e < 3; e++) {
+        setenv("QMOE_KERNEL", exact[e], 1);
+        const qm__kernel *k = qm__kernel_select();
+        if (strcmp(k->name, exact[e]) != 0) {
+            printf("{\"mode\":\"exact\",\"kernel\":\"%s\",\"skipped\":\"this CPU cannot run it\"}\n",
+                   exact[e]);
+            continue;
+        }
+        size_t ld = (k->x_stride(&m, gemm) + 15) & ~(size_t)15;
+        uint32_t rows = (nx + 11) / 12 * 12; /* room for any gemm_row_pad */
+        float *xp = calloc(ld * rows, sizeof(float));
+        for (uint32_t r = 0; r < nx; r++)
+            k->prep(&m, gemm, x + (size_t)r * K, xp + r * ld);
+        double best = 1e300;
+        for (uint32_t rep = 0; rep <= (e ? reps : 1); rep++) {
+            double t0 = cpu_us();
+            for (uint32_t n0 = 0; n0 < N; n0 += QM__TILE_ROWS)
+                (gemm ? k->gemm : k->gemv)(&m, n0, n0 + QM__TILE_ROWS, xp, ld, nx, y, N, scratch);
+            double dt = cpu_us() - t0;
+            if (rep && dt < best)
+                best = dt;
+        }
+        report("exact", k->name, N, K, bits, nx, best);
+        free(xp);
+    }
+    static const char *const fast[] = {"scalar", "avx2", "avxvnni", "avx512vnni"};
+    for (int e = 0; e < 4; e++) {
+        setenv("QMOE_KERNEL", fast[e], 1);
+        const qm__i8kernel *k = qm__i8kernel_select();
+        if (strcmp(k->name, fast[e]) != 0) {
+            printf("{\"mode\":\"fast\",\"kernel\":\"%s\",\"skipped\":\"this CPU cannot run it\"}\n",
+                   fast[e]);
+            continue;
+        }
+        size_t ld = (qm__i8_x_stride(&m) + 15) & ~(size_t)15;
+        float *xq = calloc(ld * nx, sizeof(float));
+        for (uint32_t r = 0; r < nx; r++)
+            qm__i8_prep(&m, x + (size_t)r * K, xq + r * ld);
+        double best = 1e300;
+        for (uint32_t rep = 0; rep <= (e ? reps : 1); rep++) {
+            double t0 = cpu_us();
+            for (uint32_t n0 = 0; n0 < N; n0 += QM__TILE_ROWS)
+                k->mm(&m, n0, n0 + QM__TILE_ROWS, xq, ld, nx, y, N, scratch);
+            double dt = cpu_us() - t0;
+            if (rep && dt < best)
+                best = dt;
+        }
+        report("fast", k->name, N, K, bits, nx, best);
+        free(xq);
+    }
+    free(w);
+    free(sc);
+    free(x);
+    free(y);
+    free(scratch);
+    return 0;
+}

@@ -1,0 +1,444 @@
+/* qm_kernel_select.c - which kernel runs on this CPU.
+ *
+ * Exact mode: a kernel per shape class the engine distinguishes (GEMV =
+ * decode jobs of <= QM__GEMV_MAX_ROWS rows, GEMM = longer jobs; 4-bit and
+ * 8-bit weights). Kernels of different ISAs sum in different orders, so the
+ * choice must not change between processes (the daemon and `qmoe-bank run`
+ * give the same bits): the default is a fixed table per ISA, set from
+ * measurements (docs/BENCHMARKS.md "kernel choice"): GEMV 4-bit AVX-512
+ * (table-lookup dequantisation) where the CPU has AVX-512F/BW/VL, else
+ * AVX2; GEMV 8-bit AVX2 (measured faster than the AVX-512 8-bit GEMV on
+ * Sapphire Rapids); GEMM AVX-512 where available, else AVX2 (both give the
+ * same bits: same panels, same per-lane order).
+ * QMOE_KERNEL=measure times every available vector kernel on each class
+ * instead (a 64 x 2880 matrix with blocks of 32, L2-resident: the kernel's
+ * compute, not the memory) and keeps the fastest, a narrower kernel taking
+ * a class only when more than 10% faster; outputs then follow that
+ * process's measurement. QMOE_KERNEL=scalar|avx2|avx512 forces one kernel
+ * for every class (an unavailable one falls back to the default).
+ *
+ * Fast mode: every SIMD fast kernel produces the same bits (qm_kernel_i8.h),
+ * so its choice is always measured, once per process, among the available
+ * ones (AVX-512 VNNI, AVX-VNNI, AVX2), per class (decode, prefill; 4/8-bit);
+ * QMOE_KERNEL=scalar|avx2|avxvnni|avx512vnni (avx512 = avx512vnni) forces one.
+ *
+ * qm__kernel_describe() / qm__i8kernel_describe() name the choice; the CPU
+ * backend puts them in its device name (daemon.status device.name,
+ * qmoe-bank run --verbose). */
+#include <pthread.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "qm_alloc.h"
+#include "qm_kernels.h"
+
+typedef struct qm__auto_choice {
+    const qm__kernel *gemv[2]; /* [0]: 4-bit, [1]: 8-bit */
+    const qm__kernel *gemm[2];
+    double gemv_us[2], gemm_us[2];
+    char desc[160];
+} qm__auto_choice;
+
+/* [0]: the fixed defaults, [1]: measured (QMOE_KERNEL=measure). */
+static qm__auto_choice qm__choice[2];
+static pthread_once_t qm__choice_once[2] = {PTHREAD_ONCE_INIT, PTHREAD_ONCE_INIT};
+
+#define QM__AUTO_FNS(IDX)                                                                          \
+    static const qm__kernel *qm__pick##IDX(const qm__qmat *m, int gemm)                            \
+    {                                                                                              \
+        int b8 = m->bits == 8;                                                                     \
+        return gemm ? qm__choice[IDX].gemm[b8] : qm__choice[IDX].gemv[b8];                         \
+    }                                                                                              \
+    static size_t qm__x_stride##IDX(const qm__qmat *m, int gemm)                                   \
+    {                                                                                              \
+        return qm__pick##IDX(m, gemm)->x_stride(m, gemm);                                          \
+    }                                                                                              \
+    static void qm__prep##IDX(const qm__qmat *m, int gemm, const float *x, float *xp)              \
+    {                                                                                              \
+        qm__pick##IDX(m, gemm)->prep(m, gemm, x, xp);                                              \
+    }                                                                                              \
+    static void qm__gemv##IDX(const qm__qmat *m, uint32_t n0, uint32_t n1, const float *xp,        \
+                              size_t ldx, uint32_t nx, float *y, size_t ldy, float *scratch)       \
+    {                                                                                              \
+        qm__pick##IDX(m, 0)->gemv(m, n0, n1, xp, ldx, nx, y, ldy, scratch);                        \
+    }                                                                                              \
+    static void qm__gemm##IDX(const qm__qmat *m, uint32_t n0, uint32_t n1, const float *xp,        \
+                              size_t ldx, uint32_t nx, float *y, size_t ldy, float *scratch)       \
+    {                                                                                              \
+        qm__pick##IDX(m, 1)->gemm(m, n0, n1, xp, ldx, nx, y, ldy, scratch);                        \
+    }
+
+QM__AUTO_FNS(0)
+QM__AUTO_FNS(1)
+
+static qm__kernel qm__kernel_auto[2] = {
+    {.name = "default", .x_stride = qm__x_stride0, .prep = qm__prep0, .gemv = qm__gemv0,
+     .gemm = qm__gemm0, .gemm_row_pad = 1},
+    {.name = "measured", .x_stride = qm__x_stride1, .prep = qm__prep1, .gemv = qm__gemv1,
+     .gemm = qm__gemm1, .gemm_row_pad = 1},
+};
+
+/* ---- fast mode ---- */
+
+typedef struct qm__i8_auto_choice {
+    const qm__i8kernel *k[2][2]; /* [8-bit][prefill] */
+    char desc[160];
+} qm__i8_auto_choice;
+
+static qm__i8_auto_choice qm__i8auto;
+static pthread_once_t qm__i8auto_once = PTHREAD_ONCE_INIT;
+
+static void qm__i8_auto_mm(const qm__qmat *m, uint32_t n0, uint32_t n1, const float *xq,
+                           size_t ldx, uint32_t nx, float *y, size_t ldy, float *scratch)
+{
+    qm__i8auto.k[m->bits == 8][nx > QM__GEMV_MAX_ROWS]->mm(m, n0, n1, xq, ldx, nx, y, ldy,
+                                                           scratch);
+}
+
+static const qm__i8kernel qm__i8kernel_auto = {.name = "auto", .mm = qm__i8_auto_mm};
+
+#if defined(QMOE_X86_KERNELS)
+static const qm__i8kernel qm__i8kernel_avx2 = {.name = "avx2", .mm = qm__i8mm_avx2};
+static const qm__i8kernel qm__i8kernel_avx512vnni = {.name = "avx512vnni",
+                                                     .mm = qm__i8mm_avx512vnni};
+#if defined(QMOE_AVXVNNI_KERNEL)
+static const qm__i8kernel qm__i8kernel_avxvnni = {.name = "avxvnni", .mm = qm__i8mm_avxvnni};
+#endif
+#endif
+
+static double qm__now_us(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec * 1e6 + (double)ts.tv_nsec * 1e-3;
+}
+
+#define QM__CAL_N 64u
+#define QM__CAL_K 2880u
+#define QM__CAL_GEMM_ROWS 24u
+
+/* Best of a few runs of one kernel on one class; a negative value: no memory. */
+static double qm__time_kernel(const qm__kernel *k, const qm__qmat *m, int gemm, const float *x)
+{
+    uint32_t nx = gemm ? QM__CAL_GEMM_ROWS : 1;
+    size_t ld = (k->x_stride(m, gemm) + 15) & ~(size_t)15;
+    size_t sf = qm__kernel_scratch_floats(m);
+    float *xp = qm_calloc(ld * nx + sf + (size_t)nx * m->n + 64, sizeof(float));
+    if (!xp)
+        return -1.0;
+    float *scratch = xp + ld * nx, *y = scratch + sf;
+    for (uint32_t r = 0; r < nx; r++)
+        k->prep(m, gemm, x + (size_t)r * m->k, xp + r * ld);
+    double best = 1e30;
+    int reps = gemm ? 3 : 7;
+    for (int rep = 0; rep <= reps; rep++) { /* rep 0 warms the caches */
+        double t0 = qm__now_us();
+        for (uint32_t n0 = 0; n0 < m->n; n0 += QM__TILE_ROWS) {
+            if (gemm)
+                k->gemm(m, n0, n0 + QM__TILE_ROWS, xp, ld, nx, y, m->n, scratch);
+            else
+                k->gemv(m, n0, n0 + QM__TILE_ROWS, xp, ld, nx, y, m->n, scratch);
+        }
+        double dt = qm__now_us() - t0;
+        if (rep > 0 && dt < best)
+            best = dt;
+    }
+    qm_free(xp);
+    return best;
+}
+
+/* Best of a few runs of a fast-mode kernel; negative: no memory. */
+static double qm__time_i8(const qm__i8kernel *k, const qm__qmat *m, uint32_t nx, const float *x)
+{
+    size_t ld = (qm__i8_x_stride(m) + 15) & ~(size_t)15;
+    size_t sf = qm__kernel_scratch_floats(m);
+    float *xq = qm_calloc(ld * nx + (size_t)nx * m->n + sf + 64, sizeof(float));
+    if (!xq)
+        return -1.0;
+    float *y = xq + ld * nx, *scratch = y + (size_t)nx * m->n;
+    for (uint32_t r = 0; r < nx; r++)
+        qm__i8_prep(m, x + (size_t)r * m->k, xq + r * ld);
+    double best = 1e30;
+    int reps = nx > 4 ? 3 : 7;
+    for (int rep = 0; rep <= reps; rep++) {
+        double t0 = qm__now_us();
+        for (uint32_t n0 = 0; n0 < m->n; n0 += QM__TILE_ROWS)
+            k->mm(m, n0, n0 + QM__TILE_ROWS, xq, ld, nx, y, m->n, scratch);
+        double dt = qm__now_us() - t0;
+        if (rep > 0 && dt < best)
+            best = dt;
+    }
+    qm_free(xq);
+    return best;
+}
+
+static uint32_t qm__gcd(uint32_t a, uint32_t b)
+{
+    while (b) {
+        uint32_t t = a % b;
+        a = b;
+        b = t;
+    }
+    return a;
+}
+
+/* Deterministic synthetic weights, scales and inputs (NULL on no memory). */
+static int qm__cal_data(uint8_t **w, float **sc, float **x)
+{
+    size_t wbytes = (size_t)QM__CAL_N * QM__CAL_K;
+    uint32_t nblk = QM__CAL_K / 32;
+    *w = qm_malloc(wbytes);
+    *sc = qm_malloc(sizeof(float) * QM__CAL_N * nblk);
+    *x = qm_malloc(sizeof(float) * QM__CAL_GEMM_ROWS * QM__CAL_K);
+    if (!*w || !*sc || !*x) {
+        qm_free(*w);
+        qm_free(*sc);
+        qm_free(*x);
+        return -1;
+    }
+    uint32_t s = 12345u;
+    for (size_t i = 0; i < wbytes; i++) {
+        s = s * 1664525u + 1013904223u;
+        (*w)[i] = (uint8_t)(s >> 24);
+    }
+    for (size_t i = 0; i < (size_t)QM__CAL_N * nblk; i++)
+        (*sc)[i] = 0.001f * (float)(1 + i % 7);
+    for (size_t i = 0; i < (size_t)QM__CAL_GEMM_ROWS * QM__CAL_K; i++)
+        (*x)[i] = (float)((int)(i % 17) - 8) * 0.125f;
+    return 0;
+}
+
+static void qm__i8_auto_calibrate(void)
+{
+    const qm__i8kernel *cands[4];
+    int nc = 0;
+#if defined(QMOE_X86_KERNELS)
+    if (qm__cpu_has_avx512vnni())
+        cands[nc++] = &qm__i8kernel_avx512vnni;
+#if defined(QMOE_AVXVNNI_KERNEL)
+    if (qm__cpu_has_avxvnni())
+        cands[nc++] = &qm__i8kernel_avxvnni;
+#endif
+    if (qm__cpu_has_avx2())
+        cands[nc++] = &qm__i8kernel_avx2;
+#endif
+    if (nc == 0)
+        cands[nc++] = &qm__i8kernel_scalar;
+    for (int b8 = 0; b8 < 2; b8++)
+        qm__i8auto.k[b8][0] = qm__i8auto.k[b8][1] = cands[0];
+    uint8_t *w;
+    float *sc, *x;
+    if (nc > 1 && qm__cal_data(&w, &sc, &x) == 0) {
+        for (int b8 = 0; b8 < 2; b8++) {
+            qm__qmat m = {.w = w, .row_bytes = QM__CAL_K * (b8 ? 8u : 4u) / 8u, .scales = sc,
+                          .scale_dtype = QM_DTYPE_F32, .n = QM__CAL_N, .k = QM__CAL_K,
+                          .bits = b8 ? 8u : 4u, .nblk = QM__CAL_K / 32, .block = 32};
+            for (int pf = 0; pf < 2; pf++) {
+                uint32_t nx = pf ? QM__CAL_GEMM_ROWS : 1;
+                const qm__i8kernel *best = cands[0];
+                double tbest = qm__time_i8(cands[0], &m, nx, x);
+                for (int c = 1; c < nc && tbest > 0; c++) {
+                    double t = qm__time_i8(cands[c], &m, nx, x);
+                    if (t > 0 && t < tbest * 0.90) {
+                        tbest = t;
+                        best = cands[c];
+                    }
+                }
+                qm__i8auto.k[b8][pf] = best;
+            }
+        }
+        qm_free(w);
+        qm_free(sc);
+        qm_free(x);
+    }
+    /* "q4 A, q8 B", or "q4 A/C" when decode (A) and prefill (C) differ. */
+    char part[2][64];
+    for (int b8 = 0; b8 < 2; b8++) {
+        if (qm__i8auto.k[b8][0] == qm__i8auto.k[b8][1])
+            snprintf(part[b8], sizeof part[b8], "%s", qm__i8auto.k[b8][0]->name);
+        else
+            snprintf(part[b8], sizeof part[b8], "%s/%s", qm__i8auto.k[b8][0]->name,
+                     qm__i8auto.k[b8][1]->name);
+    }
+    snprintf(qm__i8auto.desc, sizeof qm__i8auto.desc, "measured: q4 %s, q8 %s", part[0],
+             part[1]);
+}
+
+static void qm__auto_calibrate(int measure)
+{
+    qm__auto_choice *ch = &qm__choice[measure];
+    const qm__kernel *cands[4];
+    int nc = 0;
+#if defined(QMOE_X86_KERNELS)
+    if (qm__cpu_has_avx512())
+        cands[nc++] = &qm__kernel_avx512;
+    if (qm__cpu_has_avx2())
+        cands[nc++] = &qm__kernel_avx2;
+#endif
+    for (int b8 = 0; b8 < 2; b8++) {
+        ch->gemv[b8] = ch->gemm[b8] = nc ? cands[0] : &qm__kernel_scalar;
+        ch->gemv_us[b8] = ch->gemm_us[b8] = 0.0;
+    }
+    uint32_t pad = 1;
+#if defined(QMOE_X86_KERNELS)
+    if (!measure && nc > 0) { /* the fixed defaults */
+        ch->gemv[0] = qm__cpu_has_avx512() ? &qm__kernel_avx512 : &qm__kernel_avx2;
+        ch->gemv[1] = &qm__kernel_avx2;
+        ch->gemm[0] = ch->gemm[1] =
+            qm__cpu_has_avx512() ? &qm__kernel_avx512 : &qm__kernel_avx2;
+    }
+#endif
+    if (nc > 1 && measure) {
+        uint8_t *w;
+        float *sc, *x;
+        uint32_t nblk = QM__CAL_K / 32;
+        if (qm__cal_data(&w, &sc, &x) == 0) {
+            for (int b8 = 0; b8 < 2; b8++) {
+                qm__qmat m = {.w = w, .row_bytes = QM__CAL_K * (b8 ? 8u : 4u) / 8u,
+                              .scales = sc, .scale_dtype = QM_DTYPE_F32, .n = QM__CAL_N,
+                              .k = QM__CAL_K, .bits = b8 ? 8u : 4u, .nblk = nblk, .block = 32};
+                for (int gemm = 0; gemm < 2; gemm++) {
+                    const qm__kernel *best = cands[0];
+                    double tbest = qm__time_kernel(cands[0], &m, gemm, x);
+                    for (int c = 1; c < nc && tbest > 0; c++) {
+                        if (gemm ? cands[c]->gemm == best->gemm : cands[c]->gemv == best->gemv) {
+                            best = cands[c]; /* the same code, borrowed: name its owner */
+                            continue;
+                        }
+                        double t = qm__time_kernel(cands[c], &m, gemm, x);
+                        if (t > 0 && t < tbest * 0.90) {
+                            tbest = t;
+                            best = cands[c];
+                        }
+                    }
+                    if (gemm) {
+                        ch->gemm[b8] = best;
+                        ch->gemm_us[b8] = tbest;
+                    } else {
+                        ch->gemv[b8] = best;
+                        ch->gemv_us[b8] = tbest;
+                    }
+                }
+            }
+            qm_free(w);
+            qm_free(sc);
+            qm_free(x);
+        }
+    }
+    for (int b8 = 0; b8 < 2; b8++) {
+        uint32_t p = ch->gemm[b8]->gemm_row_pad;
+        pad = pad / qm__gcd(pad, p) * p;
+    }
+    qm__kernel_auto[measure].gemm_row_pad = pad;
+    snprintf(ch->desc, sizeof ch->desc, "%s: gemv %s/%s, gemm %s/%s",
+             measure ? "measured" : "default", ch->gemv[0]->name,
+             ch->gemv[1]->name, ch->gemm[0]->name, ch->gemm[1]->name);
+}
+
+static void qm__auto_default(void)
+{
+    qm__auto_calibrate(0);
+}
+
+static void qm__auto_measured(void)
+{
+    qm__auto_calibrate(1);
+}
+
+#if defined(QMOE_X86_KERNELS)
+int qm__cpu_has_avx2(void)
+{
+    __builtin_cpu_init();
+    /* F16C is not a feature name every compiler's builtin knows; every CPU
+     * with AVX2 and FMA (Haswell, Zen and later) has it. */
+    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+}
+
+int qm__cpu_has_avx512(void)
+{
+    return qm__cpu_has_avx2() && __builtin_cpu_supports("avx512f") &&
+           __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl");
+}
+
+int qm__cpu_has_avx512vnni(void)
+{
+    return qm__cpu_has_avx512() && __builtin_cpu_supports("avx512vnni");
+}
+
+/* CPUID.(EAX=7, ECX=1):EAX bit 4; GCC 12's builtin has no name for it. */
+int qm__cpu_has_avxvnni(void)
+{
+#if defined(QMOE_AVXVNNI_KERNEL)
+    unsigned a, b, c, d;
+    if (!qm__cpu_has_avx2())
+        return 0;
+    __asm__ volatile("cpuid" : "=a"(a), "=b"(b), "=c"(c), "=d"(d) : "a"(0), "c"(0));
+    if (a < 7)
+        return 0;
+    __asm__ volatile("cpuid" : "=a"(a), "=b"(b), "=c"(c), "=d"(d) : "a"(7), "c"(1));
+    return (a >> 4) & 1;
+#else
+    return 0;
+#endif
+}
+#endif
+
+const qm__kernel *qm__kernel_select(void)
+{
+    const char *force = getenv("QMOE_KERNEL");
+    if (force && strcmp(force, "scalar") == 0)
+        return &qm__kernel_scalar;
+#if defined(QMOE_X86_KERNELS)
+    if (force && strcmp(force, "avx2") == 0 && qm__cpu_has_avx2())
+        return &qm__kernel_avx2;
+    if (force && strcmp(force, "avx512") == 0 && qm__cpu_has_avx512())
+        return &qm__kernel_avx512;
+    if (!qm__cpu_has_avx2())
+        return &qm__kernel_scalar;
+    int measure = force && strcmp(force, "measure") == 0;
+    pthread_once(&qm__choice_once[measure], measure ? qm__auto_measured : qm__auto_default);
+    return &qm__kernel_auto[measure];
+#else
+    return &qm__kernel_scalar;
+#endif
+}
+
+const qm__i8kernel *qm__i8kernel_select(void)
+{
+    const char *force = getenv("QMOE_KERNEL");
+    if (force && strcmp(force, "scalar") == 0)
+        return &qm__i8kernel_scalar;
+#if defined(QMOE_X86_KERNELS)
+    if (force && strcmp(force, "avx2") == 0 && qm__cpu_has_avx2())
+        return &qm__i8kernel_avx2;
+    if (force && (strcmp(force, "avx512") == 0 || strcmp(force, "avx512vnni") == 0) &&
+        qm__cpu_has_avx512vnni())
+        return &qm__i8kernel_avx512vnni;
+#if defined(QMOE_AVXVNNI_KERNEL)
+    if (force && strcmp(force, "avxvnni") == 0 && qm__cpu_has_avxvnni())
+        return &qm__i8kernel_avxvnni;
+#endif
+    if (!qm__cpu_has_avx2())
+        return &qm__i8kernel_scalar;
+    pthread_once(&qm__i8auto_once, qm__i8_auto_calibrate);
+    return &qm__i8kernel_auto;
+#else
+    return &qm__i8kernel_scalar;
+#endif
+}
+
+const char *qm__i8kernel_describe(const qm__i8kernel *k)
+{
+    if (k == &qm__i8kernel_auto)
+        return qm__i8auto.desc;
+    return k->name;
+}
+
+const char *qm__kernel_describe(const qm__kernel *k)
+{
+    if (k == &qm__kernel_auto[0] || k == &qm__kernel_auto[1])
+        return qm__choice[k == &qm__kernel_auto[1]].desc;
+    return k->name;
+}
