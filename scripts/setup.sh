@@ -37,7 +37,7 @@ fi
 # test_transformers_hook.py, examples/generate.py): a venv of its own outside
 # the repo, so every clone and every CI run reuses it ($QMOE_TORCH_VENV;
 # /var/cache/qmoed/venv-torch, or ~/.cache/qmoed/venv-torch when that cannot
-# be written). CPU wheels: the tests need no GPU. QMOE_SKIP_TORCH=1 skips it.
+# be written). The tests need no GPU. QMOE_SKIP_TORCH=1 skips it.
 if [ "${QMOE_SKIP_TORCH:-0}" != 1 ]; then
   torch_venv="${QMOE_TORCH_VENV:-}"
   if [ -z "$torch_venv" ]; then
@@ -53,11 +53,9 @@ if [ "${QMOE_SKIP_TORCH:-0}" != 1 ]; then
     t0=$(date +%s)
     mkdir -p "$(dirname "$torch_venv")"
     [ -x "$torch_venv/bin/python" ] || python3 -m venv "$torch_venv"
-    # The CPU-only wheel (~200 MB) when its index is reachable, else PyPI's
-    # (CUDA-enabled, a few GB; it runs on CPU as well).
-    "$torch_venv/bin/python" -m pip install -q --disable-pip-version-check --retries 1 \
-      --timeout 20 --index-url https://download.pytorch.org/whl/cpu "torch>=2.5" 2>/dev/null ||
-      "$torch_venv/bin/python" -m pip install -q --disable-pip-version-check "torch>=2.5"
+    # PyPI's torch (CUDA-enabled on x86_64, a few GB; it runs on the CPU,
+    # which is all the tests need). About 5.5 minutes the first time.
+    "$torch_venv/bin/python" -m pip install -q --disable-pip-version-check "torch>=2.5"
     "$torch_venv/bin/python" -m pip install -q --disable-pip-version-check -r "$torch_reqs"
     cp "$torch_reqs" "$tstamp"
     echo "setup: torch environment at $torch_venv ready in $(( $(date +%s) - t0 )) s"
