@@ -555,6 +555,46 @@ void qm_session_commit(qm_daemon *d, qm_session *s)
            (unsigned)s->owner_uid);
 }
 
+int qm_session_resize_reserve(qm_daemon *d, qm_session *s, uint64_t budget, qm_status *st)
+{
+    unsigned long long need;
+    if (qm_add_u64(budget, s->workspace_bytes, &need) < 0)
+        return qm_status_set_field(st, QM_ERESOURCE_EXHAUSTED, "budget_bytes",
+                                   "budget_bytes %llu overflows", (unsigned long long)budget);
+    if (need > s->admitted_bytes) {
+        uint64_t more = need - s->admitted_bytes;
+        uint64_t free_bytes =
+            d->device_budget > d->admitted_bytes ? d->device_budget - d->admitted_bytes : 0;
+        if (more > free_bytes)
+            return qm_status_set_field(
+                st, QM_ERESOURCE_EXHAUSTED, "budget_bytes",
+                "growing the session to a budget of %llu needs %llu more bytes but only %llu "
+                "bytes of the daemon-wide budget %llu are free",
+                (unsigned long long)budget, (unsigned long long)more,
+                (unsigned long long)free_bytes, (unsigned long long)d->device_budget);
+        d->admitted_bytes += more;
+        s->admitted_bytes = need;
+    }
+    s->resizes_pending++;
+    return 0;
+}
+
+void qm_session_resize_finish(qm_daemon *d, qm_session *s, int ok, uint64_t budget)
+{
+    if (s->resizes_pending)
+        s->resizes_pending--;
+    if (ok)
+        s->budget_bytes = budget;
+    /* A closed session gave its whole reservation back when it closed. */
+    if (s->resizes_pending || atomic_load(&s->closed))
+        return;
+    uint64_t in_force = s->budget_bytes + s->workspace_bytes;
+    if (s->admitted_bytes > in_force) {
+        d->admitted_bytes -= s->admitted_bytes - in_force;
+        s->admitted_bytes = in_force;
+    }
+}
+
 void qm_session_abort(qm_daemon *d, qm_session *s)
 {
     d->n_sessions--;

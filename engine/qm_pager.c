@@ -437,6 +437,13 @@ int qm_pager_new(qm_backend *backend, const qm_bank *bank, const qm_residency_pl
             n_paging = room;
     }
     p->n_slots = (uint32_t)(sz.pinned_count + n_paging);
+    p->slot_cap = p->n_slots;
+    p->whole_accounted = sz.whole_accounted;
+    p->pinned_bytes = sz.pinned_bytes;
+    p->max_unit = sz.max_unit;
+    p->slot_size = sz.slot_size;
+    p->whole_arena = sz.whole_arena;
+    p->n_paged_experts = sz.pinned_count + sz.unpinned_count;
     unsigned long long slots_bytes = 0, arena_bytes = 0;
     if (qm_mul_u64(p->n_slots, sz.slot_size, &slots_bytes) ||
         qm_add_u64(slots_bytes, sz.whole_arena, &arena_bytes)) {
@@ -529,6 +536,7 @@ void qm_pager_free(qm_pager *p)
     }
     if (p->arena)
         qm_arena_free(p->backend, p->arena);
+    qm__pager_grow_free(p);
     qm__layers_free(p->layers, p->n_layers);
     qm_free(p->slots);
     qm_free(p->cand_slots);

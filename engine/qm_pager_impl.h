@@ -99,7 +99,8 @@ struct qm_pager {
     qm__layer *layers;
 
     qm_arena *arena;
-    uint32_t n_slots;
+    uint32_t n_slots;  /* slots in use: [0, n_slots) */
+    uint32_t slot_cap; /* slots with memory behind them (>= n_slots; slots[] has this many) */
     qm__slot *slots;
     int32_t *cand_slots;     /* [n_slots] scratch */
     qm_expert_ref *cand_refs; /* [n_slots] scratch */
@@ -107,6 +108,13 @@ struct qm_pager {
 
     int has_budget;
     uint64_t budget;
+    /* Sizing kept for qm_pager_resize (qm_pager_resize.c). */
+    uint64_t whole_accounted, pinned_bytes, max_unit, slot_size, whole_arena;
+    uint32_t n_paged_experts; /* experts of paged layers, pinned ones included */
+    /* Arenas added by growing, each holding slots [grow_first[i], next one). */
+    qm_arena **grow_arenas;
+    uint32_t *grow_first;
+    size_t n_grow;
     uint64_t tick;
     qm_pager_stats stats;
     qm_pager_alloc_cb alloc_cb;
@@ -181,6 +189,9 @@ void qm__pager_drop(qm_pager *p, int32_t s);
 /* Chooses a victim among candidates[0..n) (slot indices): the policy's answer
  * when valid, else LRU (counted as a fallback). */
 int32_t qm__pager_pick_victim(qm_pager *p, size_t n);
+
+/* qm_pager_resize.c */
+void qm__pager_grow_free(qm_pager *p); /* the arenas added by growing */
 
 /* qm_pager_prefetch.c */
 /* A prefetched expert of `source` was used before being evicted. */
