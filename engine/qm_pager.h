@@ -53,7 +53,18 @@ typedef struct qm_pager_options {
      * (default 0: host-visible backends read whole banks straight from the
      * mapping; their bytes still count against the budget). */
     int copy_whole_banks;
+    /* Where units come from (qm_pager_disk.c). QM_PAGER_SOURCE_MMAP (0):
+     * copied from the bank's mapping (the page cache). QM_PAGER_SOURCE_DIRECT:
+     * read from the bank file with O_DIRECT straight into the slots (whole
+     * banks are read into the arena too, so compute never reads expert
+     * weights from the mapping), the arena locked with mlock where
+     * permitted. Direct needs a host-visible backend, a bank opened from a
+     * file and a filesystem that takes O_DIRECT; otherwise the pager falls
+     * back to MMAP and says why (qm_pager_source_info). */
+    int source;
 } qm_pager_options;
+
+enum { QM_PAGER_SOURCE_MMAP = 0, QM_PAGER_SOURCE_DIRECT = 1 };
 
 typedef struct qm_pager_stats {
     uint64_t hits;           /* accesses to a paged bank's expert that found it resident */
@@ -69,6 +80,11 @@ typedef struct qm_pager_stats {
     uint64_t waves;          /* acquire rounds that could not hold every requested expert */
     uint64_t policy_fallbacks;   /* victim answers refused/invalid -> LRU used */
     uint64_t budget_violations;  /* allocations refused by the accounting check (0 always) */
+    /* Disk source (QM_PAGER_SOURCE_DIRECT) */
+    uint64_t disk_bytes_read;    /* bytes read from the bank file (alignment padding included) */
+    uint64_t disk_reads;         /* read calls */
+    uint64_t disk_errors;        /* units whose read failed (the request failed, not the session) */
+    uint64_t stall_us;           /* forward calls waiting for units to land (any source) */
     /* qm_pager_resize */
     uint64_t resizes;            /* budget changes applied */
     uint64_t pins_released;      /* pins released because a smaller budget could not hold them */
@@ -172,6 +188,19 @@ int qm_pager_layer_is_paged(const qm_pager *pager, uint32_t layer);
  * (trace_dropped). A second call replaces the recording. QM_EIO when the
  * file cannot be created. */
 int qm_pager_record_trace(qm_pager *pager, const char *path, qm_status *st);
+
+/* The source in force: QM_PAGER_SOURCE_DIRECT or _MMAP. *why (may be NULL)
+ * gets a sentence on what was asked and not done ("" when nothing): the
+ * fallback to the mapping (O_DIRECT refused by the filesystem, a memory
+ * bank, a backend that is not host-visible) or an arena left unlocked
+ * (mlock refused: RLIMIT_MEMLOCK). Borrowed from the pager. */
+int qm_pager_source_info(const qm_pager *pager, const char **why);
+
+/* Test hook on the disk source: called before each read of `len` bytes at
+ * file offset `off` (on the copy thread); a non-zero errno fails that read
+ * as if the disk had. NULL removes it. */
+typedef int (*qm_pager_read_cb)(void *ud, uint64_t off, uint64_t len);
+void qm_pager_set_read_hook(qm_pager *pager, qm_pager_read_cb cb, void *ud);
 
 /* Test hook: called after every slot allocation (demand, prefetch, pin) with
  * the resident bytes and the budget. NULL removes it. */

@@ -11,8 +11,10 @@
 
 void qm__pager_grow_free(qm_pager *p)
 {
-    for (size_t i = 0; i < p->n_grow; i++)
+    for (size_t i = 0; i < p->n_grow; i++) {
+        qm__pager_disk_unlock(p, p->grow_arenas[i]);
         qm_arena_free(p->backend, p->grow_arenas[i]);
+    }
     qm_free(p->grow_arenas);
     qm_free(p->grow_first);
     p->grow_arenas = NULL;
@@ -133,6 +135,7 @@ static int qm__shrink(qm_pager *p, uint64_t budget, uint32_t keep, qm_status *st
         qm_arena *a = p->grow_arenas[p->n_grow - 1];
         p->stats.arena_bytes -= qm_arena_size(a);
         p->slot_cap = p->grow_first[p->n_grow - 1];
+        qm__pager_disk_unlock(p, a);
         qm_arena_free(p->backend, a);
         p->n_grow--;
     }
@@ -195,6 +198,7 @@ static int qm__grow(qm_pager *p, uint32_t want, qm_status *st)
     rc = qm_arena_new(p->backend, bytes, &a, st);
     if (rc)
         return rc;
+    qm__pager_disk_lock(p, a);
     memset(&p->slots[p->slot_cap], 0, (size_t)add * sizeof *p->slots);
     for (uint32_t i = 0; i < add; i++)
         p->slots[p->slot_cap + i].base = qm_arena_at(a, (uint64_t)i * p->slot_size);
