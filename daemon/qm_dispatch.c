@@ -631,6 +631,18 @@ void qm_dispatch_frame(qm_conn *c, qm_rpc_frame *frame, uint64_t decode_us)
         reply_send(r);
 }
 
+/* Disk reads and stalls between two readings of a session's pager stats. */
+static void qm_counters_add_paging(qm_counters *sc, qm_counters *dc, const qm_pager_stats *was,
+                                   const qm_pager_stats *now)
+{
+    uint64_t disk = now->disk_bytes_read - was->disk_bytes_read,
+             stall = now->stall_us - was->stall_us;
+    sc->bytes_read_disk += disk;
+    dc->bytes_read_disk += disk;
+    sc->stall_us += stall;
+    dc->stall_us += stall;
+}
+
 static void account_infer(qm_daemon *d, qm_session *s, qm_job *job)
 {
     qm_counters *sc = &s->counters, *dc = &d->counters;
@@ -660,6 +672,7 @@ static void account_infer(qm_daemon *d, qm_session *s, qm_job *job)
     dc->prefetch_issued += pi;
     sc->prefetch_useful += pu;
     dc->prefetch_useful += pu;
+    qm_counters_add_paging(sc, dc, was, now);
     sc->resident_bytes = now->resident_bytes;
     s->last_stats = *now;
     if (s->model->hotness && job->route_experts)
@@ -724,6 +737,7 @@ void qm_dispatch_job_done(qm_daemon *d, qm_job *job)
             d->counters.evictions += now->evictions - was->evictions;
             s->counters.bytes_paged_h2d += now->bytes_paged_h2d - was->bytes_paged_h2d;
             d->counters.bytes_paged_h2d += now->bytes_paged_h2d - was->bytes_paged_h2d;
+            qm_counters_add_paging(&s->counters, &d->counters, was, now);
             s->counters.resident_bytes = now->resident_bytes;
             s->last_stats = *now;
         }

@@ -130,6 +130,9 @@ void qm_job_run(qm_job *job)
                                                     before.whole_bank_accesses));
     qm_jw_member_u64(&w, "misses", job->pstats.misses - before.misses);
     qm_jw_member_u64(&w, "bytes_paged", job->pstats.bytes_paged_h2d - before.bytes_paged_h2d);
+    qm_jw_member_u64(&w, "bytes_read_disk",
+                     job->pstats.disk_bytes_read - before.disk_bytes_read);
+    qm_jw_member_u64(&w, "stall_us", job->pstats.stall_us - before.stall_us);
     qm_jw_member_u64(&w, "queue_us", job->start_us - job->enqueue_us);
     qm_jw_member_u64(&w, "compute_us", job->mstats.compute_us);
     qm_jw_member_u64(&w, "decode_us", job->decode_us);
