@@ -79,6 +79,32 @@ static qm_bank *file_bank(const char *dir, const char *name, char *path, size_t 
     return b;
 }
 
+/* One test's bank file, calls (with whole-bank references) and output buffer. */
+typedef struct dcase {
+    char path[700];
+    qm_bank *bank;
+    pg_set set;
+    float *out;
+} dcase;
+
+static void dcase_open(dcase *c, const char *dir, const char *name, size_t n_calls, uint64_t seed)
+{
+    memset(c, 0, sizeof *c);
+    c->bank = file_bank(dir, name, c->path, sizeof c->path);
+    if (n_calls)
+        make_calls(&fixture.bank, fixture.cpu, n_calls, seed, &c->set);
+    c->out = malloc(sizeof(float) * 8 * qm_bank_get_config(fixture.bank.bank)->hidden);
+}
+
+static void dcase_close(dcase *c)
+{
+    free(c->out);
+    if (c->set.calls)
+        free_calls(&c->set);
+    qm_bank_close(c->bank);
+    unlink(c->path);
+}
+
 static qm_pager *direct_pager(qm_bank *bank, const char *policy, uint64_t budget, int prefetch,
                               int copy_thread, const pg_set *set, qm_policy *pol,
                               qm_residency_plan **plan)
@@ -119,14 +145,14 @@ START_TEST(test_direct_reads_give_bitwise_whole_bank_outputs)
         return;
     const pf_spec *sp = &fixture.spec;
     const qm_bank_config *cfg = qm_bank_get_config(fixture.bank.bank);
-    char path[700];
-    qm_bank *bank = file_bank(g_dir, "direct", path, sizeof path);
-    pg_set set;
-    make_calls(&fixture.bank, fixture.cpu, 24, 23, &set);
+    dcase dc;
+    dcase_open(&dc, g_dir, "direct", 24, 23);
+    qm_bank *bank = dc.bank;
+    const pg_set *set = &dc.set;
+    float *out = dc.out;
     uint64_t U = unit_bytes(&fixture.bank), total = (uint64_t)sp->layers * sp->experts * U;
     const uint64_t budgets[] = {U, sp->k * U, total / 2, total};
     const char *policies[] = {"whole_bank", "lru", "static_hot", "next_use"};
-    float *out = malloc(sizeof(float) * 8 * cfg->hidden);
     for (size_t pi = 0; pi < 4; pi++)
         for (size_t bi = 0; bi < 4; bi++)
             for (int pf = 0; pf < 2; pf++)
@@ -134,13 +160,13 @@ START_TEST(test_direct_reads_give_bitwise_whole_bank_outputs)
                     uint64_t budget = pi == 0 ? total : budgets[bi];
                     qm_policy pol = {0};
                     qm_residency_plan *plan = NULL;
-                    qm_pager *pg = direct_pager(bank, policies[pi], budget, pf, ct ? 2 : 0, &set,
+                    qm_pager *pg = direct_pager(bank, policies[pi], budget, pf, ct ? 2 : 0, set,
                                                 &pol, &plan);
                     const char *why = NULL;
                     ck_assert_int_eq(qm_pager_source_info(pg, &why), QM_PAGER_SOURCE_DIRECT);
                     qm_status st = {0};
-                    for (size_t i = 0; i < set.n; i++) {
-                        const pg_call *c = &set.calls[i];
+                    for (size_t i = 0; i < set->n; i++) {
+                        const pg_call *c = &set->calls[i];
                         ck_assert_msg(run_call(pg, c, out, &st) == 0, "%s: %s", policies[pi],
                                       st.msg);
                         ck_assert_msg(memcmp(out, c->ref, sizeof(float) * c->T * cfg->hidden) ==
@@ -159,10 +185,7 @@ START_TEST(test_direct_reads_give_bitwise_whole_bank_outputs)
                     ck_assert_uint_le(s.resident_bytes, budget);
                     free_pager(pg, plan, &pol);
                 }
-    free(out);
-    free_calls(&set);
-    qm_bank_close(bank);
-    unlink(path);
+    dcase_close(&dc);
 }
 END_TEST
 
@@ -172,14 +195,14 @@ START_TEST(test_compute_never_reads_expert_weights_from_the_mapping)
         return;
     const pf_spec *sp = &fixture.spec;
     const qm_bank_config *cfg = qm_bank_get_config(fixture.bank.bank);
-    char path[700];
-    qm_bank *bank = file_bank(g_dir, "nomap", path, sizeof path);
-    pg_set set;
-    make_calls(&fixture.bank, fixture.cpu, 24, 29, &set);
+    dcase dc;
+    dcase_open(&dc, g_dir, "nomap", 24, 29);
+    qm_bank *bank = dc.bank;
+    pg_set set = dc.set;
     uint64_t U = unit_bytes(&fixture.bank), total = (uint64_t)sp->layers * sp->experts * U;
     uint64_t map_bytes = 0;
     void *map = (void *)qm_bank_mapping(bank, &map_bytes);
-    float *out = malloc(sizeof(float) * 8 * cfg->hidden);
+    float *out = dc.out;
     const char *policies[] = {"whole_bank", "lru"};
     for (int pi = 0; pi < 2; pi++) {
         qm_policy pol = {0};
@@ -200,10 +223,7 @@ START_TEST(test_compute_never_reads_expert_weights_from_the_mapping)
         ck_assert_int_eq(mprotect(map, map_bytes, PROT_READ), 0);
         free_pager(pg, plan, &pol);
     }
-    free(out);
-    free_calls(&set);
-    qm_bank_close(bank);
-    unlink(path);
+    dcase_close(&dc);
 }
 END_TEST
 
@@ -215,10 +235,11 @@ START_TEST(test_tmpfs_falls_back_to_the_mapping_and_says_why)
         return;
     }
     const qm_bank_config *cfg = qm_bank_get_config(fixture.bank.bank);
-    char path[700];
-    qm_bank *bank = file_bank("/dev/shm", "tmpfs", path, sizeof path);
-    pg_set set;
-    make_calls(&fixture.bank, fixture.cpu, 12, 31, &set);
+    dcase dc;
+    dcase_open(&dc, "/dev/shm", "tmpfs", 12, 31);
+    qm_bank *bank = dc.bank;
+    pg_set set = dc.set;
+    const char *path = dc.path;
     qm_policy pol = {0};
     qm_residency_plan *plan = NULL;
     qm_pager *pg = direct_pager(bank, "lru", 3 * unit_bytes(&fixture.bank), 1, 0, &set, &pol,
@@ -228,7 +249,7 @@ START_TEST(test_tmpfs_falls_back_to_the_mapping_and_says_why)
     ck_assert_msg(strstr(why, "does not support O_DIRECT") && strstr(why, path) &&
                       strstr(why, "serving from the mapping"),
                   "why: %s", why);
-    float *out = malloc(sizeof(float) * 8 * cfg->hidden);
+    float *out = dc.out;
     qm_status st = {0};
     for (size_t i = 0; i < set.n; i++) {
         ck_assert_int_eq(run_call(pg, &set.calls[i], out, &st), 0);
@@ -248,10 +269,7 @@ START_TEST(test_tmpfs_falls_back_to_the_mapping_and_says_why)
     ck_assert_int_eq(qm_pager_source_info(pg, &why), QM_PAGER_SOURCE_MMAP);
     ck_assert_msg(strstr(why, "in memory") != NULL, "why: %s", why);
     free_pager(pg, plan, &pol);
-    free(out);
-    free_calls(&set);
-    qm_bank_close(bank);
-    unlink(path);
+    dcase_close(&dc);
 }
 END_TEST
 
@@ -269,11 +287,12 @@ START_TEST(test_a_read_error_fails_that_request_only)
     if (!g_have_direct)
         return;
     const qm_bank_config *cfg = qm_bank_get_config(fixture.bank.bank);
-    char path[700];
-    qm_bank *bank = file_bank(g_dir, "eio", path, sizeof path);
-    pg_set set;
-    make_calls(&fixture.bank, fixture.cpu, 18, 37, &set);
-    float *out = malloc(sizeof(float) * 8 * cfg->hidden);
+    dcase dc;
+    dcase_open(&dc, g_dir, "eio", 18, 37);
+    qm_bank *bank = dc.bank;
+    pg_set set = dc.set;
+    const char *path = dc.path;
+    float *out = dc.out;
     for (int ct = 0; ct < 2; ct++)
         for (int fail_at = 1; fail_at <= 12; fail_at += 3) {
             qm_policy pol = {0};
@@ -307,10 +326,7 @@ START_TEST(test_a_read_error_fails_that_request_only)
             ck_assert_uint_le(s.resident_bytes, 2 * unit_bytes(&fixture.bank));
             free_pager(pg, plan, &pol);
         }
-    free(out);
-    free_calls(&set);
-    qm_bank_close(bank);
-    unlink(path);
+    dcase_close(&dc);
 }
 END_TEST
 
@@ -319,9 +335,11 @@ START_TEST(test_a_truncated_bank_file_fails_the_requests_that_read_past_its_end)
     if (!g_have_direct)
         return;
     const pf_spec *sp = &fixture.spec;
-    char path[700];
-    qm_bank *bank = file_bank(g_dir, "trunc", path, sizeof path);
+    dcase dc;
+    dcase_open(&dc, g_dir, "trunc", 0, 0);
+    qm_bank *bank = dc.bank;
     pg_set set = {0};
+    const char *path = dc.path;
     qm_policy pol = {0};
     qm_residency_plan *plan = NULL;
     qm_pager *pg = direct_pager(bank, "lru", 2 * unit_bytes(&fixture.bank), 0, 0, &set, &pol,
@@ -355,8 +373,7 @@ START_TEST(test_a_truncated_bank_file_fails_the_requests_that_read_past_its_end)
     ck_assert_uint_eq(s.disk_errors, 2);
     ck_assert_uint_le(s.resident_bytes, 2 * unit_bytes(&fixture.bank));
     free_pager(pg, plan, &pol);
-    qm_bank_close(bank);
-    unlink(path);
+    dcase_close(&dc);
 }
 END_TEST
 
@@ -366,15 +383,15 @@ START_TEST(test_direct_pager_resizes_and_reads_into_new_slots)
         return;
     const pf_spec *sp = &fixture.spec;
     const qm_bank_config *cfg = qm_bank_get_config(fixture.bank.bank);
-    char path[700];
-    qm_bank *bank = file_bank(g_dir, "resize", path, sizeof path);
-    pg_set set;
-    make_calls(&fixture.bank, fixture.cpu, 24, 41, &set);
+    dcase dc;
+    dcase_open(&dc, g_dir, "resize", 24, 41);
+    qm_bank *bank = dc.bank;
+    pg_set set = dc.set;
     uint64_t U = unit_bytes(&fixture.bank), total = (uint64_t)sp->layers * sp->experts * U;
     qm_policy pol = {0};
     qm_residency_plan *plan = NULL;
     qm_pager *pg = direct_pager(bank, "lru", 3 * U, 1, 0, &set, &pol, &plan);
-    float *out = malloc(sizeof(float) * 8 * cfg->hidden);
+    float *out = dc.out;
     const uint64_t steps[] = {total, U, total / 2, 2 * U};
     qm_status st = {0};
     for (size_t i = 0; i < set.n; i++) {
@@ -385,10 +402,7 @@ START_TEST(test_direct_pager_resizes_and_reads_into_new_slots)
                   0);
     }
     free_pager(pg, plan, &pol);
-    free(out);
-    free_calls(&set);
-    qm_bank_close(bank);
-    unlink(path);
+    dcase_close(&dc);
 }
 END_TEST
 
