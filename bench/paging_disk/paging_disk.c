@@ -108,7 +108,8 @@ int main(int argc, char **argv)
     /* Cold start: the file leaves the page cache (drop_caches needs root
      * and is global; this is per file and works for the owner). */
     int fd = open(path, O_RDONLY);
-    if (fd < 0 || posix_fadvise(fd, 0, 0, POSIX_FADV_DONTNEED) != 0) {
+    /* Dirty pages (a bank just written) are not dropped: write them first. */
+    if (fd < 0 || fdatasync(fd) != 0 || posix_fadvise(fd, 0, 0, POSIX_FADV_DONTNEED) != 0) {
         perror(path);
         return 1;
     }
