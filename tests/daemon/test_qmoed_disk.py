@@ -45,9 +45,11 @@ def disk_bank(banks):
     d = direct_dir()
     if d is None:
         pytest.skip("no filesystem here takes O_DIRECT")
-    path = os.path.join(tempfile.mkdtemp(dir=d, prefix="qmoed-disk-"), "small.bank")
+    tmp = tempfile.mkdtemp(dir=d, prefix="qmoed-disk-")
+    path = os.path.join(tmp, "small.bank")
     shutil.copy(banks["small"], path)
-    return path
+    yield path
+    shutil.rmtree(tmp, ignore_errors=True)
 
 
 def run_all(c, sid, inputs):
