@@ -216,6 +216,21 @@ void qm_client_plan_summary_free(qm_client_plan_summary *s)
     memset(s, 0, sizeof(*s));
 }
 
+/* The result's plan_summary (session.create, session.resize); QM_CLIENT_ENOMEM. */
+static int qm__read_summary(const qm_cval *r, qm_client_plan_summary *summary)
+{
+    const qm_cval *s = qm_cval_get(r, "plan_summary");
+    summary->budget_bytes = qm__u64(s, "budget_bytes");
+    summary->total = qm__u64(s, "total");
+    summary->resident = qm__u64(s, "resident");
+    summary->degraded = qm__u64(s, "degraded");
+    summary->pins_released = qm__u64(s, "pins_released");
+    summary->workspace_bytes = qm__u64(s, "workspace_bytes");
+    if (!summary->workspace_bytes)
+        summary->workspace_bytes = qm__u64(r, "workspace_bytes");
+    return qm__client_dup_member(s, "policy", &summary->policy) < 0 ? QM_CLIENT_ENOMEM : 0;
+}
+
 int qm_client_session_create(qm_client *c, const qm_client_session_params *sp,
                              char **session_id, qm_client_plan_summary *summary,
                              qm_client_error *err)
@@ -265,22 +280,37 @@ int qm_client_session_create(qm_client *c, const qm_client_session_params *sp,
         rc = QM__NOMEM(err);
         goto out;
     }
-    if (summary) {
-        const qm_cval *s = qm_cval_get(r, "plan_summary");
-        summary->budget_bytes = qm__u64(s, "budget_bytes");
-        summary->total = qm__u64(s, "total");
-        summary->resident = qm__u64(s, "resident");
-        summary->degraded = qm__u64(s, "degraded");
-        summary->workspace_bytes = qm__u64(s, "workspace_bytes");
-        if (!summary->workspace_bytes)
-            summary->workspace_bytes = qm__u64(r, "workspace_bytes");
-        if (qm__client_dup_member(s, "policy", &summary->policy) < 0) {
-            qm_free(*session_id);
-            *session_id = NULL;
-            rc = QM__NOMEM(err);
-        }
+    if (summary && qm__read_summary(r, summary) < 0) {
+        qm_free(*session_id);
+        *session_id = NULL;
+        rc = QM__NOMEM(err);
     }
 out:
+    qm_cval_free(r);
+    return rc;
+}
+
+int qm_client_session_resize(qm_client *c, const char *session, uint64_t budget_bytes,
+                             uint64_t *resident_bytes, qm_client_plan_summary *summary,
+                             qm_client_error *err)
+{
+    qm_cval *r = NULL;
+    if (summary)
+        memset(summary, 0, sizeof(*summary));
+    if (!session)
+        return qm__client_fail(err, QM_CLIENT_EINVAL, "session.resize needs a session id");
+    qm_cval *p = qm__with_str(qm__params(), "session", session);
+    if (p)
+        p = qm__with_num(p, "budget_bytes", (double)budget_bytes);
+    if (!p)
+        return QM__NOMEM(err);
+    int rc = qm__client_call(c, "session.resize", p, &r, err);
+    if (rc < 0)
+        return rc;
+    if (resident_bytes)
+        *resident_bytes = qm__u64(r, "resident_bytes");
+    if (summary && qm__read_summary(r, summary) < 0)
+        rc = QM__NOMEM(err);
     qm_cval_free(r);
     return rc;
 }

@@ -107,6 +107,7 @@ typedef struct qm_client_plan_summary {
     char *policy;
     uint64_t budget_bytes, total, resident, degraded;
     uint64_t workspace_bytes; /* 0 when the daemon does not report it */
+    uint64_t pins_released;   /* pins a session.resize released (0 when none) */
 } qm_client_plan_summary;
 
 /* On 0, *session_id is a malloc'd id (qm_client_string_free) and `summary`
@@ -116,6 +117,13 @@ int qm_client_session_create(qm_client *c, const qm_client_session_params *p,
                              qm_client_error *err);
 void qm_client_plan_summary_free(qm_client_plan_summary *s);
 int qm_client_session_close(qm_client *c, const char *session, qm_client_error *err);
+/* session.resize: the session's new expert budget. On 0, *resident_bytes
+ * (may be NULL) holds the resident bytes after the resize and `summary` (may
+ * be NULL) the plan summary (qm_client_plan_summary_free); budget_bytes is in
+ * summary->budget_bytes. */
+int qm_client_session_resize(qm_client *c, const char *session, uint64_t budget_bytes,
+                             uint64_t *resident_bytes, qm_client_plan_summary *summary,
+                             qm_client_error *err);
 
 typedef struct qm_client_session_info {
     char *session, *model, *policy;

@@ -222,9 +222,9 @@ static int resolve_budget(qm_client *c, const char *model, const char *s, uint64
         double pct = strtod(s, &end);
         if (end != s + len - 1 || !(pct > 0) || pct > 100)
             return qmoectl_usage_error("--budget percentage must be in (0, 100], not '%.32s'", s);
+        qm_client_error err;
         qm_client_model *m = NULL;
         size_t n = 0;
-        qm_client_error err;
         if (qm_client_model_list(c, &m, &n, &err) < 0)
             return qmoectl_fail(&err);
         int found = 0;
@@ -298,6 +298,47 @@ static int cmd_create(qm_client *c, const qmoectl_args *a)
            (unsigned long long)sum.degraded);
     printf("inspect it with `qmoectl plan %s`\n", id);
     qm_client_string_free(id);
+    qm_client_plan_summary_free(&sum);
+    return QMOECTL_OK;
+}
+
+static int cmd_resize(qm_client *c, const qmoectl_args *a)
+{
+    /* A percentage is of the session's model: found through session.list. */
+    char model[128] = "";
+    qm_client_error err;
+    qm_client_session_info *si = NULL;
+    size_t ns = 0;
+    if (qm_client_session_list(c, &si, &ns, &err) < 0)
+        return qmoectl_fail(&err);
+    for (size_t i = 0; i < ns; i++)
+        if (si[i].session && si[i].model && strcmp(si[i].session, a->pos[0]) == 0)
+            snprintf(model, sizeof(model), "%s", si[i].model);
+    qm_client_sessions_free(si, ns);
+    if (!model[0])
+        return qmoectl_error("no session '%.64s' of yours (see qmoectl sessions)", a->pos[0]);
+    uint64_t budget = 0;
+    int rc = resolve_budget(c, model, a->pos[1], &budget);
+    if (rc != 0)
+        return rc;
+    if (a->json) {
+        char q[1024], params[1200];
+        if (qmoectl_json_quote(a->pos[0], q, sizeof(q)) < 0)
+            return qmoectl_usage_error("session id too long");
+        snprintf(params, sizeof(params), "{\"session\":%s,\"budget_bytes\":%llu}", q,
+                 (unsigned long long)budget);
+        return qmoectl_print_json(c, "session.resize", params);
+    }
+    uint64_t resident = 0;
+    qm_client_plan_summary sum;
+    if (qm_client_session_resize(c, a->pos[0], budget, &resident, &sum, &err) < 0)
+        return qmoectl_fail(&err);
+    char bud[32], res[32];
+    printf("resized %s: budget %s, resident %s", a->pos[0], B(sum.budget_bytes, bud),
+           B(resident, res));
+    if (sum.pins_released)
+        printf(", %llu pins released", (unsigned long long)sum.pins_released);
+    printf("\n");
     qm_client_plan_summary_free(&sum);
     return QMOECTL_OK;
 }
@@ -578,6 +619,13 @@ const qmoectl_cmd qmoectl_cmds[] = {
      "--policy= --budget= --param= --precision=", 1, 1, cmd_create, check_create},
     {"close", "SESSION", "Close a session and release its memory (owner or admin).", "", 1, 1,
      cmd_close, NULL},
+    {"resize", "SESSION BYTES|SIZE|N%",
+     "Change a live session's expert budget (owner or admin).\n"
+     "The budget is bytes, a size (512MiB, 2G) or a percentage of the model's bytes\n"
+     "(40%). Shrinking evicts down to it before answering (pins that no longer fit\n"
+     "are released, coldest first); growing is admitted against the daemon-wide\n"
+     "budget. Requests queued before it finish under the old budget.",
+     "", 2, 2, cmd_resize, NULL},
     {"plan", "SESSION",
      "Show a session's residency plan, one row per bank.\n"
      "Each row: the bank's decision, the reason a bank stays whole, and counts and\n"

@@ -21,6 +21,7 @@ void qm_config_defaults(qm_config *cfg)
 {
     memset(cfg, 0, sizeof *cfg);
     snprintf(cfg->backend, sizeof cfg->backend, "cpu");
+    snprintf(cfg->paging_source, sizeof cfg->paging_source, "auto");
     cfg->workers = 2;
     cfg->log_level = QM_LOG_INFO;
     cfg->max_request_bytes = QM_DEFAULT_MAX_REQUEST_BYTES;
@@ -123,7 +124,7 @@ static int set_string(char **slot, const char *v, qm_status *st)
     return 0;
 }
 
-typedef enum { K_U32, K_U64, K_STR, K_LEVEL, K_BACKEND, K_BOOL } key_kind;
+typedef enum { K_U32, K_U64, K_STR, K_LEVEL, K_BACKEND, K_BOOL, K_SOURCE } key_kind;
 
 typedef struct key_def {
     const char *name;
@@ -137,6 +138,7 @@ typedef struct key_def {
 static const key_def keys[] = {
     {"socket", K_STR, OFF(socket_path), 0, 0, 0},
     {"backend", K_BACKEND, 0, 0, 0, 0},
+    {"paging_source", K_SOURCE, 0, 0, 0, 0},
     {"device_budget", K_U64, OFF(device_budget), 0, 1, UINT64_MAX},
     {"state_dir", K_STR, OFF(state_dir), 0, 0, 0},
     {"threads", K_U32, OFF(threads), 0, 0, 1024},
@@ -203,6 +205,12 @@ static int apply_key(qm_config *cfg, const key_def *k, const char *text, int has
             return qm_status_set_field(st, QM_EINVAL, k->name, "%s must be cpu, cuda or auto",
                                        k->name);
         snprintf(cfg->backend, sizeof cfg->backend, "%s", text);
+        return 0;
+    case K_SOURCE:
+        if (!text || (strcmp(text, "auto") && strcmp(text, "mmap") && strcmp(text, "direct")))
+            return qm_status_set_field(st, QM_EINVAL, k->name,
+                                       "%s must be auto, mmap or direct", k->name);
+        snprintf(cfg->paging_source, sizeof cfg->paging_source, "%s", text);
         return 0;
     case K_U32:
     case K_U64:
@@ -314,7 +322,8 @@ static void usage(FILE *out)
             "  --log-level LEVEL     error, warning, notice, info, debug\n"
             "  --set KEY=VALUE       any config key (e.g. --set max_batch=16)\n"
             "  --version, --help\n"
-            "Config keys: socket backend device_budget state_dir threads workers admin_group\n"
+            "Config keys: socket backend paging_source (auto|mmap|direct) device_budget\n"
+            "  state_dir threads workers admin_group\n"
             "  user allow_root model_dirs (a list; --set model_dirs=DIR:DIR)\n"
             "  log_level max_request_bytes max_nesting max_batch max_connections max_sessions\n"
             "  max_output_bytes queue_depth idle_timeout_s frame_timeout_s frames_per_wakeup\n"

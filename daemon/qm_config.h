@@ -18,6 +18,12 @@ typedef struct qm_config {
     qm_model_spec *models;
     size_t n_models;
     char backend[8];    /* cpu, cuda, auto */
+    /* Where a paged session's pager reads expert units: auto (direct on a
+     * host-visible backend, i.e. CPU, for sessions with per-expert banks),
+     * mmap (the bank's mapping and the page cache), direct (O_DIRECT reads
+     * from the bank file into a locked arena; falls back with a logged
+     * reason where the file or backend cannot). */
+    char paging_source[8];
     int has_device_budget;
     uint64_t device_budget;
     char *state_dir;

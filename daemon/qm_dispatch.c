@@ -188,6 +188,8 @@ static void write_plan_summary(qm_jw *w, const qm_session *s)
     qm_jw_member_u64(w, "resident", resident);
     qm_jw_member_u64(w, "degraded", degraded);
     qm_jw_member_u64(w, "per_expert", total - resident - degraded);
+    if (s->last_stats.pins_released)
+        qm_jw_member_u64(w, "pins_released", s->last_stats.pins_released);
     qm_jw_obj_end(w);
 }
 
@@ -209,6 +211,16 @@ static void write_session_entry(qm_jw *w, const qm_session *s)
     write_session_bytes(w, s);
     qm_jw_key(w, "created_at");
     qm_jw_i64(w, s->created_at);
+    qm_jw_obj_end(w);
+}
+
+static void write_resize_result(qm_jw *w, const qm_session *s)
+{
+    qm_jw_obj_begin(w);
+    qm_jw_member_u64(w, "budget_bytes", s->budget_bytes);
+    qm_jw_member_u64(w, "resident_bytes", s->counters.resident_bytes);
+    qm_jw_key(w, "plan_summary");
+    write_plan_summary(w, s);
     qm_jw_obj_end(w);
 }
 
@@ -396,7 +408,9 @@ static int session_unmap(qm_call *k, qm_status *st)
  * no loop-thread handler: their job's worker writes the answer. session.plan
  * always takes the session's queue: its resident_now comes from the pager,
  * which belongs to the worker running the session's jobs, and it is ordered
- * with the session's inferences. A method answered at once has job kind
+ * with the session's inferences. session.resize is a job of that FIFO too:
+ * inferences queued before it finish under the old budget, later ones run
+ * under the new; its growth is admitted on the loop before it is queued. A method answered at once has job kind
  * BARRIER: the job it would become behind its session's queued work. */
 #define QM__DAEMON_METHODS(X)                                                                      \
     X(DAEMON_STATUS, daemon_status, USER, UNUSED, NEVER, BARRIER)                                  \
@@ -408,6 +422,7 @@ static int session_unmap(qm_call *k, qm_status *st)
     X(SESSION_CLOSE, session_close, USER, REQUIRED, BEHIND, BARRIER)                               \
     X(SESSION_LIST, session_list, USER, UNUSED, NEVER, BARRIER)                                    \
     X(SESSION_PLAN, NULL, USER, REQUIRED, ALWAYS, PLAN)                                            \
+    X(SESSION_RESIZE, NULL, USER, REQUIRED, ALWAYS, RESIZE)                                        \
     X(SESSION_INFER, NULL, USER, REQUIRED, ALWAYS, INFER)                                          \
     X(SESSION_MAP, session_map, USER, REQUIRED, BEHIND, BARRIER)                                   \
     X(SESSION_UNMAP, session_unmap, USER, REQUIRED, BEHIND, BARRIER)                               \
@@ -612,12 +627,19 @@ static void handle_request(qm_daemon *d, qm_conn *c, qm_reply *r, size_t slot, q
         answer_status(d, r, slot, req, &st);
         return;
     }
+    if (route.job_kind == QM_JOB_RESIZE &&
+        qm_session_resize_reserve(d, s, req->params.budget_bytes, &st) < 0) {
+        answer_status(d, r, slot, req, &st);
+        return;
+    }
     qm_job *job = qm_calloc(1, sizeof *job);
     if (!job) {
         qm_fds_close(&fds);
         qm_map_refs_release(&maps);
         if (route.job_kind == QM_JOB_CREATE)
             qm_session_abort(d, s);
+        if (route.job_kind == QM_JOB_RESIZE)
+            qm_session_resize_finish(d, s, 0, 0);
         answer_error(d, r, slot, req->id, req->id == NULL, QM_RPC_RESOURCE_EXHAUSTED,
                      "out of memory queueing the request", NULL);
         return;
@@ -638,6 +660,8 @@ static void handle_request(qm_daemon *d, qm_conn *c, qm_reply *r, size_t slot, q
     if (rc < 0) {
         *req = job->req; /* give it back so the frame frees it */
         memset(&job->req, 0, sizeof job->req);
+        if (route.job_kind == QM_JOB_RESIZE)
+            qm_session_resize_finish(d, s, 0, 0);
         qm_session_unref(d, s);
         if (route.job_kind == QM_JOB_CREATE)
             qm_session_abort(d, s);
@@ -676,6 +700,18 @@ void qm_dispatch_frame(qm_conn *c, qm_rpc_frame *frame, uint64_t decode_us)
         reply_send(r);
 }
 
+/* Disk reads and stalls between two readings of a session's pager stats. */
+static void qm_counters_add_paging(qm_counters *sc, qm_counters *dc, const qm_pager_stats *was,
+                                   const qm_pager_stats *now)
+{
+    uint64_t disk = now->disk_bytes_read - was->disk_bytes_read,
+             stall = now->stall_us - was->stall_us;
+    sc->bytes_read_disk += disk;
+    dc->bytes_read_disk += disk;
+    sc->stall_us += stall;
+    dc->stall_us += stall;
+}
+
 static void account_infer(qm_daemon *d, qm_session *s, qm_job *job)
 {
     qm_counters *sc = &s->counters, *dc = &d->counters;
@@ -705,6 +741,7 @@ static void account_infer(qm_daemon *d, qm_session *s, qm_job *job)
     dc->prefetch_issued += pi;
     sc->prefetch_useful += pu;
     dc->prefetch_useful += pu;
+    qm_counters_add_paging(sc, dc, was, now);
     sc->resident_bytes = now->resident_bytes;
     s->last_stats = *now;
     if (s->model->hotness && job->route_experts)
@@ -721,6 +758,24 @@ static void account_infer(qm_daemon *d, qm_session *s, qm_job *job)
              (unsigned long long)job->mstats.compute_us);
     qm_trace_add(&d->trace, "session.infer", job->enqueue_us - d->start_us, latency, s->id, args,
                  NULL);
+}
+
+/* A job the loop answers from the session's state (create, resize). */
+static void answer_session_result(qm_daemon *d, qm_job *job,
+                                  void (*write)(qm_jw *w, const qm_session *s))
+{
+    if (!job->req.id) {
+        reply_fill(job->reply, job->slot, NULL, 0);
+        return;
+    }
+    qm_buf b;
+    qm_buf_init(&b);
+    qm_jw w;
+    qm_jw_init(&w, &b);
+    qm_rpc_result_begin(&w, job->req.id);
+    write(&w, job->session);
+    qm_rpc_result_end(&w);
+    fill_from_buf(d, job->reply, job->slot, &b, job->req.id);
 }
 
 void qm_dispatch_job_done(qm_daemon *d, qm_job *job)
@@ -740,19 +795,30 @@ void qm_dispatch_job_done(qm_daemon *d, qm_job *job)
             answer_status(d, job->reply, job->slot, &job->req, &job->st);
         } else {
             qm_session_commit(d, s);
-            if (!job->req.id) {
-                reply_fill(job->reply, job->slot, NULL, 0);
-            } else {
-                qm_buf b;
-                qm_buf_init(&b);
-                qm_jw w;
-                qm_jw_init(&w, &b);
-                qm_rpc_result_begin(&w, job->req.id);
-                write_create_result(&w, s);
-                qm_rpc_result_end(&w);
-                fill_from_buf(d, job->reply, job->slot, &b, job->req.id);
-            }
+            answer_session_result(d, job, write_create_result);
         }
+    } else if (job->kind == QM_JOB_RESIZE) {
+        qm_session_resize_finish(d, s, job->rc == 0, job->req.params.budget_bytes);
+        if (!atomic_load(&s->closed)) {
+            /* What the resize evicted and re-copied counts like paging. */
+            const qm_pager_stats *now = &job->pstats, *was = &s->last_stats;
+            s->counters.evictions += now->evictions - was->evictions;
+            d->counters.evictions += now->evictions - was->evictions;
+            s->counters.bytes_paged_h2d += now->bytes_paged_h2d - was->bytes_paged_h2d;
+            d->counters.bytes_paged_h2d += now->bytes_paged_h2d - was->bytes_paged_h2d;
+            qm_counters_add_paging(&s->counters, &d->counters, was, now);
+            s->counters.resident_bytes = now->resident_bytes;
+            s->last_stats = *now;
+        }
+        if (job->rc == 0)
+            qm_log(QM_LOG_INFO, "session %s resized: budget %llu, resident %llu, pins released %llu",
+                   s->id, (unsigned long long)s->budget_bytes,
+                   (unsigned long long)s->counters.resident_bytes,
+                   (unsigned long long)s->last_stats.pins_released);
+        if (job->rc < 0)
+            answer_status(d, job->reply, job->slot, &job->req, &job->st);
+        else
+            answer_session_result(d, job, write_resize_result);
     } else {
         /* A skipped inference was neither served nor failed: not counted. */
         if (job->kind == QM_JOB_INFER && !job->cancelled)

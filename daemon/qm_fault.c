@@ -2,7 +2,9 @@
  * contract is in qm_fault.h. */
 #include "qm_fault.h"
 
+#include <errno.h>
 #include <execinfo.h>
+#include <stdint.h>
 #include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -101,4 +103,26 @@ void qm_fault_report(void)
             (unsigned long)atomic_load(&fault_count[QM_FAULT_LOOP]),
             (unsigned long)atomic_load(&fault_count[QM_FAULT_ENGINE]), fault_names[fault_target],
             fault_at);
+}
+
+/* ---- disk reads (QMOED_FAULT_READ) ---- */
+
+static atomic_ulong read_count;
+
+unsigned long qm_fault_read_at(void)
+{
+    const char *spec = getenv("QMOED_FAULT_READ");
+    if (!spec || !*spec)
+        return 0;
+    char *end = NULL;
+    unsigned long n = strtoul(spec, &end, 10);
+    return end && *end == '\0' ? n : 0;
+}
+
+int qm_fault_read_hook(void *ud, uint64_t off, uint64_t len)
+{
+    (void)off;
+    (void)len;
+    unsigned long at = (unsigned long)(uintptr_t)ud;
+    return atomic_fetch_add(&read_count, 1) + 1 == at ? EIO : 0;
 }

@@ -16,6 +16,8 @@
 #ifndef QM_FAULT_H
 #define QM_FAULT_H
 
+#include <stdint.h>
+
 typedef enum qm_fault_class {
     QM_FAULT_ENGINE, /* untagged threads */
     QM_FAULT_WORKER,
@@ -27,6 +29,11 @@ typedef enum qm_fault_class {
  * allocation hooks with the calling thread not counted (QM_FAULT_OFF) until
  * it tags itself. 0, or QM_EINVAL (logged) for a spec it cannot read. */
 int qm_fault_start(void);
+/* QMOED_FAULT_READ=N (test hook): the Nth read of direct disk paging,
+ * daemon-wide, fails with EIO, once. qm_fault_read_at: N, or 0 when unset;
+ * qm_fault_read_hook is the pager's read hook (ud = N as a pointer). */
+unsigned long qm_fault_read_at(void);
+int qm_fault_read_hook(void *ud, uint64_t off, uint64_t len);
 /* Tags the calling thread: its allocations count for `cls` from now on. */
 void qm_fault_tag_thread(qm_fault_class cls);
 /* The counts of every class, on stderr, when the hook is installed. */

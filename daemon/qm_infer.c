@@ -140,6 +140,9 @@ void qm_job_run(qm_job *job)
                                                     before.whole_bank_accesses));
     qm_jw_member_u64(&w, "misses", job->pstats.misses - before.misses);
     qm_jw_member_u64(&w, "bytes_paged", job->pstats.bytes_paged_h2d - before.bytes_paged_h2d);
+    qm_jw_member_u64(&w, "bytes_read_disk",
+                     job->pstats.disk_bytes_read - before.disk_bytes_read);
+    qm_jw_member_u64(&w, "stall_us", job->pstats.stall_us - before.stall_us);
     qm_jw_member_u64(&w, "queue_us", job->start_us - job->enqueue_us);
     qm_jw_member_u64(&w, "compute_us", job->mstats.compute_us);
     qm_jw_member_u64(&w, "decode_us", job->decode_us);
@@ -191,6 +194,22 @@ int qm_session_plan_json(qm_session *s, char **json, size_t *len, qm_status *st)
         b->has_resident_now = 1;
         b->resident_now = lists[i];
         b->n_resident_now = count < 0 ? 0 : (size_t)count < cap ? (size_t)count : cap;
+        /* Pins a resize released: after the resident list, in the same buffer. */
+        int nrel = qm_pager_pins_released(s->pager, layer, NULL, 0);
+        if (nrel > 0) {
+            uint32_t *grown = qm_realloc(lists[i], (b->n_resident_now + (size_t)nrel) *
+                                                        sizeof **lists);
+            if (!grown) {
+                rc = qm_status_set(st, QM_ENOMEM, "out of memory reading the residency");
+                goto free_lists;
+            }
+            lists[i] = grown;
+            b->resident_now = grown;
+            b->pins_released = grown + b->n_resident_now;
+            nrel = qm_pager_pins_released(s->pager, layer, grown + b->n_resident_now,
+                                          (size_t)nrel);
+            b->n_pins_released = nrel < 0 ? 0 : (size_t)nrel;
+        }
     }
     if (s->pager) {
         qm_pager_stats ps;
@@ -230,4 +249,21 @@ void qm_job_run_plan(qm_job *job)
     qm_free(json);
     if (job->response.oom)
         job->rc = qm_status_set(&job->st, QM_ENOMEM, "out of memory encoding the plan");
+}
+
+void qm_job_run_resize(qm_job *job)
+{
+    qm_session *s = job->session;
+    if (atomic_load(&s->closed)) {
+        job->rc = qm_status_set_field(&job->st, QM_ENOT_FOUND, "session",
+                                      "the session was closed before this request ran");
+        return;
+    }
+    /* Every earlier job of the session has finished (its FIFO): they ran
+     * under the old budget, every later one runs under the new. */
+    uint64_t budget = job->req.params.budget_bytes;
+    job->rc = qm_pager_resize(s->pager, budget, &job->st);
+    if (job->rc == 0)
+        qm_plan_set_budget(s->plan, budget);
+    qm_pager_stats_get(s->pager, &job->pstats);
 }

@@ -28,7 +28,8 @@ typedef enum qm_job_kind {
     QM_JOB_INFER,  /* the worker runs the layer and encodes the response */
     QM_JOB_CREATE, /* the worker builds a new session's pager */
     QM_JOB_BARRIER, /* the worker passes it through; the loop answers it in order */
-    QM_JOB_PLAN     /* session.plan: the worker reads the pager's residency now */
+    QM_JOB_PLAN,    /* session.plan: the worker reads the pager's residency now */
+    QM_JOB_RESIZE   /* session.resize: the worker changes the pager's budget */
 } qm_job_kind;
 
 struct qm_job {
@@ -79,5 +80,8 @@ void qm_job_free(qm_job *job); /* accepts NULL */
  * and encodes the plan. Results land in the job. */
 void qm_job_run(qm_job *job);
 void qm_job_run_plan(qm_job *job);
+/* session.resize: changes the pager's budget (the loop answers, reserving
+ * and releasing the daemon-wide budget: qm_session_resize_*). */
+void qm_job_run_resize(qm_job *job);
 
 #endif

@@ -13,6 +13,7 @@
 #include <time.h>
 
 #include "qm_alloc.h"
+#include "qm_fault.h"
 #include "qm_daemon.h"
 #include "qm_log.h"
 #include "qm_sigbus.h"
@@ -517,6 +518,14 @@ int qm_session_prepare(qm_daemon *d, const qm_params *p, uid_t owner, qm_session
     s->plan_us = plan_us;
     /* The budget travels in the plan (qm_plan_budget); the pager reads it there. */
     s->pager_options = (qm_pager_options){.prefetch = pw->has_prefetch ? pw->prefetch : 1};
+    /* paging_source: auto reads a paged session's units from disk on a
+     * host-visible backend (the CPU), so its budget bounds the memory the
+     * bank takes instead of the page cache holding the file. */
+    const char *src = d->cfg.paging_source;
+    if (strcmp(src, "direct") == 0 ||
+        (strcmp(src, "auto") == 0 && qm_backend_host_visible(d->backend) &&
+         qm_plan_per_expert_count(s->plan) > 0))
+        s->pager_options.source = QM_PAGER_SOURCE_DIRECT;
     /* Reserved now, so creations in flight cannot overcommit the device
      * budget while their pagers are built off the loop thread. */
     s->refs = 1;
@@ -548,8 +557,19 @@ int qm_session_build(qm_daemon *d, qm_session *s, qm_status *st)
             qm_log(QM_LOG_INFO, "session %s records its routing to %s", s->id, s->trace_path);
         }
     }
-    if (rc == 0)
+    if (rc == 0) {
         qm_pager_stats_get(s->pager, &s->last_stats);
+        const char *why = "";
+        int direct = qm_pager_source_info(s->pager, &why) == QM_PAGER_SOURCE_DIRECT;
+        unsigned long fail_read = qm_fault_read_at();
+        if (direct && fail_read)
+            qm_pager_set_read_hook(s->pager, qm_fault_read_hook, (void *)(uintptr_t)fail_read);
+        if (direct)
+            qm_log(QM_LOG_INFO, "session %s pages from disk: O_DIRECT reads of %s%s%s", s->id,
+                   qm_bank_path(s->model->bank), *why ? "; " : "", why);
+        else if (*why)
+            qm_log(QM_LOG_WARNING, "session %s: %s", s->id, why);
+    }
     return rc;
 }
 
@@ -567,6 +587,46 @@ void qm_session_commit(qm_daemon *d, qm_session *s)
     qm_log(QM_LOG_INFO, "session %s created: model %s, policy %s, budget %llu, uid %u", s->id,
            s->model->name, s->policy_name, (unsigned long long)s->budget_bytes,
            (unsigned)s->owner_uid);
+}
+
+int qm_session_resize_reserve(qm_daemon *d, qm_session *s, uint64_t budget, qm_status *st)
+{
+    unsigned long long need;
+    if (qm_add_u64(budget, s->workspace_bytes, &need) < 0)
+        return qm_status_set_field(st, QM_ERESOURCE_EXHAUSTED, "budget_bytes",
+                                   "budget_bytes %llu overflows", (unsigned long long)budget);
+    if (need > s->admitted_bytes) {
+        uint64_t more = need - s->admitted_bytes;
+        uint64_t free_bytes =
+            d->device_budget > d->admitted_bytes ? d->device_budget - d->admitted_bytes : 0;
+        if (more > free_bytes)
+            return qm_status_set_field(
+                st, QM_ERESOURCE_EXHAUSTED, "budget_bytes",
+                "growing the session to a budget of %llu needs %llu more bytes but only %llu "
+                "bytes of the daemon-wide budget %llu are free",
+                (unsigned long long)budget, (unsigned long long)more,
+                (unsigned long long)free_bytes, (unsigned long long)d->device_budget);
+        d->admitted_bytes += more;
+        s->admitted_bytes = need;
+    }
+    s->resizes_pending++;
+    return 0;
+}
+
+void qm_session_resize_finish(qm_daemon *d, qm_session *s, int ok, uint64_t budget)
+{
+    if (s->resizes_pending)
+        s->resizes_pending--;
+    if (ok)
+        s->budget_bytes = budget;
+    /* A closed session gave its whole reservation back when it closed. */
+    if (s->resizes_pending || atomic_load(&s->closed))
+        return;
+    uint64_t in_force = s->budget_bytes + s->workspace_bytes;
+    if (s->admitted_bytes > in_force) {
+        d->admitted_bytes -= s->admitted_bytes - in_force;
+        s->admitted_bytes = in_force;
+    }
 }
 
 void qm_session_abort(qm_daemon *d, qm_session *s)

@@ -36,7 +36,9 @@ struct qm_session {
     uint64_t plan_start_us, plan_us;
     uint64_t budget_bytes;    /* expert-weight budget */
     uint64_t workspace_bytes; /* fixed at creation */
-    uint64_t admitted_bytes;  /* budget + workspace, counted against the device budget */
+    uint64_t admitted_bytes;  /* budget + workspace, counted against the device budget; while
+                               * resizes are queued, the largest budget they may set instead */
+    uint32_t resizes_pending; /* session.resize jobs queued and not yet done (loop thread) */
     int64_t created_at;       /* unix seconds */
     int refs;                 /* registry + queued jobs (loop thread) */
     atomic_int closed;        /* set by the loop; workers answer not_found after it */
@@ -63,6 +65,15 @@ qm_session *qm_session_find(qm_daemon *d, const char *id); /* borrowed; NULL whe
 /* Unregisters and releases the registry's reference (jobs may hold more). */
 void qm_session_close(qm_daemon *d, qm_session *s);
 void qm_session_unref(qm_daemon *d, qm_session *s);
+/* session.resize on the loop thread. reserve: before the job is queued,
+ * admits a growth to `budget` against the daemon-wide budget (reserved now,
+ * so a later creation cannot take it; QM_ERESOURCE_EXHAUSTED naming the
+ * bytes free otherwise). finish: when the job is done (ok: the worker
+ * applied it) or was never queued (ok = 0): the budget in force becomes
+ * `budget` when ok, and once no resize is pending the reservation shrinks to
+ * the budget in force. */
+int qm_session_resize_reserve(qm_daemon *d, qm_session *s, uint64_t budget, qm_status *st);
+void qm_session_resize_finish(qm_daemon *d, qm_session *s, int ok, uint64_t budget);
 /* Closes every session and unloads every model (at exit). */
 void qm_registry_free_all(qm_daemon *d);
 /* The session's plan JSON with its pager's residency now (worker thread, or

@@ -111,6 +111,10 @@ static const metric_def metrics[] = {
     {"prefetch_issued", "Experts copied in by prefetch.", 1, COFF(prefetch_issued)},
     {"prefetch_useful", "Prefetched experts used before eviction.", 1, COFF(prefetch_useful)},
     {"resident_bytes", "Expert-weight bytes resident now.", 0, COFF(resident_bytes)},
+    {"bytes_read_disk", "Bytes read from bank files by direct disk paging (O_DIRECT).", 1,
+     COFF(bytes_read_disk)},
+    {"stall_us", "Microseconds inferences waited for expert copies or disk reads to land.", 1,
+     COFF(stall_us)},
 };
 
 static uint64_t counter_at(const qm_counters *c, const metric_def *m)

@@ -93,6 +93,8 @@ static void worker_main(void *arg)
             job->rc = qm_session_build(d, s, &job->st);
         else if (job->kind == QM_JOB_PLAN)
             qm_job_run_plan(job);
+        else if (job->kind == QM_JOB_RESIZE)
+            qm_job_run_resize(job);
         job->end_us = qm_now_us();
 
         uv_mutex_lock(&p->mu);

@@ -290,6 +290,8 @@ int32_t qm__pager_pick_victim(qm_pager *p, size_t n)
 
 static int qm__copy_sync(qm_pager *p, void *dst, const void *src, uint64_t n, qm_status *st)
 {
+    if (p->disk)
+        return qm__pager_disk_read(p, dst, src, n, st);
     qm_fence f = {0};
     int rc = qm_backend_copy_h2d(p->backend, dst, src, n, &f, st);
     if (rc == 0)
@@ -405,6 +407,7 @@ int qm_pager_new(qm_backend *backend, const qm_bank *bank, const qm_residency_pl
         p->opt = *options;
     if (p->opt.history == 0)
         p->opt.history = 1;
+    qm__pager_disk_open(p); /* before the layout: it may force whole banks into the arena */
     p->n_layers = p->cfg->layers;
     p->layers = qm_calloc(p->n_layers, sizeof *p->layers);
     if (!p->layers) {
@@ -437,6 +440,13 @@ int qm_pager_new(qm_backend *backend, const qm_bank *bank, const qm_residency_pl
             n_paging = room;
     }
     p->n_slots = (uint32_t)(sz.pinned_count + n_paging);
+    p->slot_cap = p->n_slots;
+    p->whole_accounted = sz.whole_accounted;
+    p->pinned_bytes = sz.pinned_bytes;
+    p->max_unit = sz.max_unit;
+    p->slot_size = sz.slot_size;
+    p->whole_arena = sz.whole_arena;
+    p->n_paged_experts = sz.pinned_count + sz.unpinned_count;
     unsigned long long slots_bytes = 0, arena_bytes = 0;
     if (qm_mul_u64(p->n_slots, sz.slot_size, &slots_bytes) ||
         qm_add_u64(slots_bytes, sz.whole_arena, &arena_bytes)) {
@@ -447,6 +457,7 @@ int qm_pager_new(qm_backend *backend, const qm_bank *bank, const qm_residency_pl
         rc = qm_arena_new(backend, arena_bytes, &p->arena, st);
         if (rc)
             goto fail;
+        qm__pager_disk_lock(p, p->arena);
     }
     if (p->n_slots) {
         p->slots = qm_calloc(p->n_slots, sizeof *p->slots);
@@ -527,8 +538,12 @@ void qm_pager_free(qm_pager *p)
             for (uint32_t f = 0; f < p->slots[s].n_fences; f++)
                 qm_backend_fence_wait(p->backend, &p->slots[s].fences[f], NULL);
     }
-    if (p->arena)
+    if (p->arena) {
+        qm__pager_disk_unlock(p, p->arena);
         qm_arena_free(p->backend, p->arena);
+    }
+    qm__pager_grow_free(p);
+    qm__pager_disk_close(p);
     qm__layers_free(p->layers, p->n_layers);
     qm_free(p->slots);
     qm_free(p->cand_slots);
@@ -671,12 +686,19 @@ static int qm__source_acquire(void *ctx, uint32_t layer, const uint32_t *experts
                            "no slot can hold expert %u of layer %u: all %u slots are pinned or "
                            "in use",
                            experts[0], layer, p->n_slots);
-    /* Land the copies of this round (and prefetches it hit) before use. */
+    /* Land the copies of this round (and prefetches it hit) before use;
+     * the time spent waiting is the forward call's stall. */
+    uint64_t t_stall = 0;
     for (size_t w = 0; rc == 0 && w < n_wave; w++) {
         int32_t s = p->wave_slots[w];
-        if (p->slots[s].state == QM__SLOT_LOADING)
-            rc = qm__pager_copy_wait(p, s, st);
+        if (p->slots[s].state != QM__SLOT_LOADING)
+            continue;
+        if (!t_stall)
+            t_stall = qm__pager_now_us();
+        rc = qm__pager_copy_wait(p, s, st);
     }
+    if (t_stall)
+        p->stats.stall_us += qm__pager_now_us() - t_stall;
     if (rc) {
         /* Land whatever is still in flight, then drop what did not land; the
          * rest stays resident. */
@@ -762,6 +784,7 @@ void qm_pager_stats_get(const qm_pager *p, qm_pager_stats *out)
         return;
     }
     *out = p->stats;
+    qm__pager_disk_stats(p, out);
 }
 
 int qm_pager_layer_is_paged(const qm_pager *p, uint32_t layer)

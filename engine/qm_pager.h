@@ -53,7 +53,18 @@ typedef struct qm_pager_options {
      * (default 0: host-visible backends read whole banks straight from the
      * mapping; their bytes still count against the budget). */
     int copy_whole_banks;
+    /* Where units come from (qm_pager_disk.c). QM_PAGER_SOURCE_MMAP (0):
+     * copied from the bank's mapping (the page cache). QM_PAGER_SOURCE_DIRECT:
+     * read from the bank file with O_DIRECT straight into the slots (whole
+     * banks are read into the arena too, so compute never reads expert
+     * weights from the mapping), the arena locked with mlock where
+     * permitted. Direct needs a host-visible backend, a bank opened from a
+     * file and a filesystem that takes O_DIRECT; otherwise the pager falls
+     * back to MMAP and says why (qm_pager_source_info). */
+    int source;
 } qm_pager_options;
+
+enum { QM_PAGER_SOURCE_MMAP = 0, QM_PAGER_SOURCE_DIRECT = 1 };
 
 typedef struct qm_pager_stats {
     uint64_t hits;           /* accesses to a paged bank's expert that found it resident */
@@ -69,6 +80,15 @@ typedef struct qm_pager_stats {
     uint64_t waves;          /* acquire rounds that could not hold every requested expert */
     uint64_t policy_fallbacks;   /* victim answers refused/invalid -> LRU used */
     uint64_t budget_violations;  /* allocations refused by the accounting check (0 always) */
+    /* Disk source (QM_PAGER_SOURCE_DIRECT) */
+    uint64_t disk_bytes_read;    /* bytes read from the bank file (alignment padding included) */
+    uint64_t disk_reads;         /* read calls */
+    uint64_t disk_errors;        /* units whose read failed (the request failed, not the session) */
+    uint64_t stall_us;           /* forward calls waiting for units to land (any source) */
+    /* qm_pager_resize */
+    uint64_t resizes;            /* budget changes applied */
+    uint64_t pins_released;      /* pins released because a smaller budget could not hold them */
+    uint64_t resize_moves;       /* units re-copied into a lower slot when slots were given back */
     /* Prefetch by prediction source (qm_pager_forward): issued / useful. */
     uint64_t prefetch_router_issued, prefetch_router_useful;
     uint64_t prefetch_history_issued, prefetch_history_useful;
@@ -101,6 +121,31 @@ void qm_pager_free(qm_pager *pager); /* accepts NULL; waits for copies in flight
  * slot when anything is paged). Same rules as qm_pager_new. */
 int qm_pager_min_budget(qm_backend *backend, const qm_bank *bank, const qm_residency_plan *plan,
                         const qm_pager_options *options, uint64_t *out, qm_status *st);
+
+/* Changes the budget of a live pager (session.resize). Waits for copies in
+ * flight first; call it between forward calls (nothing acquired).
+ * Shrinking: when whole banks + pins + one expert unit no longer fit, pins
+ * are released coldest first (least recently used; they stay resident as
+ * ordinary, evictable experts and stay released); then the policy picks
+ * victims until the resident experts fit both the new budget and the slots
+ * it pays for; the budget in force changes only once resident bytes are
+ * within it, so they are never above the budget in force. Slots given back
+ * are the highest: a survivor in one is re-copied into a lower free slot,
+ * and memory added by an earlier growth is freed once none of its slots is
+ * in use (the creation arena is kept whole). Growing: the new slots come
+ * from memory given back earlier, else from one new arena; nothing is
+ * loaded (misses fill them). Outputs never change. Errors:
+ * QM_ERESOURCE_EXHAUSTED with field "budget_bytes" when the budget is below
+ * the minimum (whole banks + one expert unit when anything is paged; pins
+ * can be released), message shaped as qm_pager_new's; QM_ENOMEM /
+ * QM_EDEVICE from growing (nothing changed). A failed re-copy drops that
+ * expert (evicted; a later access misses). */
+int qm_pager_resize(qm_pager *pager, uint64_t budget_bytes, qm_status *st);
+
+/* Experts of `layer` whose pin qm_pager_resize released (ascending). Writes
+ * up to `cap`, returns the total count, or a negative code for an unknown
+ * layer. */
+int qm_pager_pins_released(const qm_pager *pager, uint32_t layer, uint32_t *out, size_t cap);
 
 /* The source qm_moe_forward reads experts from. Borrowed from the pager. */
 qm_expert_source *qm_pager_source(qm_pager *pager);
@@ -143,6 +188,19 @@ int qm_pager_layer_is_paged(const qm_pager *pager, uint32_t layer);
  * (trace_dropped). A second call replaces the recording. QM_EIO when the
  * file cannot be created. */
 int qm_pager_record_trace(qm_pager *pager, const char *path, qm_status *st);
+
+/* The source in force: QM_PAGER_SOURCE_DIRECT or _MMAP. *why (may be NULL)
+ * gets a sentence on what was asked and not done ("" when nothing): the
+ * fallback to the mapping (O_DIRECT refused by the filesystem, a memory
+ * bank, a backend that is not host-visible) or an arena left unlocked
+ * (mlock refused: RLIMIT_MEMLOCK). Borrowed from the pager. */
+int qm_pager_source_info(const qm_pager *pager, const char **why);
+
+/* Test hook on the disk source: called before each read of `len` bytes at
+ * file offset `off` (on the copy thread); a non-zero errno fails that read
+ * as if the disk had. NULL removes it. */
+typedef int (*qm_pager_read_cb)(void *ud, uint64_t off, uint64_t len);
+void qm_pager_set_read_hook(qm_pager *pager, qm_pager_read_cb cb, void *ud);
 
 /* Test hook: called after every slot allocation (demand, prefetch, pin) with
  * the resident bytes and the budget. NULL removes it. */

@@ -7,18 +7,25 @@
  * the only caller of copy_h2d, fed a FIFO of unit jobs. Demand misses go
  * through the same FIFO (one copy path, like a copy stream), prefetches
  * overlap with the caller's compute. */
+#include <stdio.h>
 #include <string.h>
 
 #include "qm_alloc.h"
 #include "qm_pager_impl.h"
 
-static int qm__copy_regions(qm_backend *be, const qm__copy_job *job, qm_status *st)
+static int qm__copy_regions(qm_pager *p, const qm__copy_job *job, qm_status *st)
 {
     for (uint32_t i = 0; i < job->n; i++) {
+        if (p->disk) {
+            int rc = qm__pager_disk_read(p, job->dst[i], job->src[i], job->len[i], st);
+            if (rc)
+                return rc;
+            continue;
+        }
         qm_fence f = {0};
-        int rc = qm_backend_copy_h2d(be, job->dst[i], job->src[i], job->len[i], &f, st);
+        int rc = qm_backend_copy_h2d(p->backend, job->dst[i], job->src[i], job->len[i], &f, st);
         if (rc == 0)
-            rc = qm_backend_fence_wait(be, &f, st);
+            rc = qm_backend_fence_wait(p->backend, &f, st);
         if (rc)
             return rc;
     }
@@ -36,8 +43,12 @@ static void *qm__copy_thread_main(void *arg)
             break;
         qm__copy_job job = p->queue[p->q_head];
         pthread_mutex_unlock(&p->mu);
-        int rc = qm__copy_regions(p->backend, &job, NULL);
+        qm_status est;
+        qm_status_clear(&est);
+        int rc = qm__copy_regions(p, &job, &est);
         pthread_mutex_lock(&p->mu);
+        if (rc)
+            snprintf(p->copy_msg, sizeof p->copy_msg, "%s", est.msg);
         p->q_head = (p->q_head + 1) % p->q_cap;
         p->q_len--;
         p->slots[job.slot].copy_rc = rc;
@@ -137,6 +148,11 @@ int qm__pager_copy_unit(qm_pager *p, int32_t s, qm_status *st)
         pthread_mutex_unlock(&p->mu);
         return 0;
     }
+    /* A failure stays in copy_rc, so a later wait reports it again rather
+     * than taking the slot for landed. */
+    sl->copy_rc = 0;
+    if (p->disk) /* synchronous reads on the caller's thread */
+        return sl->copy_rc = qm__copy_regions(p, &job, st);
     for (uint32_t i = 0; i < job.n; i++) {
         sl->fences[i] = (qm_fence){0};
         int rc = qm_backend_copy_h2d(p->backend, job.dst[i], job.src[i], job.len[i],
@@ -146,6 +162,7 @@ int qm__pager_copy_unit(qm_pager *p, int32_t s, qm_status *st)
             for (uint32_t j = 0; j < i; j++)
                 qm_backend_fence_wait(p->backend, &sl->fences[j], NULL);
             sl->n_fences = 0;
+            sl->copy_rc = rc;
             return rc;
         }
         sl->n_fences = i + 1;
@@ -162,10 +179,17 @@ int qm__pager_copy_wait(qm_pager *p, int32_t s, qm_status *st)
         while (p->done_seq < sl->copy_seq)
             pthread_cond_wait(&p->cv_done, &p->mu);
         rc = sl->copy_rc;
+        char msg[sizeof p->copy_msg];
+        snprintf(msg, sizeof msg, "%s", rc ? p->copy_msg : "");
         pthread_mutex_unlock(&p->mu);
         sl->copy_seq = 0;
         if (rc)
-            qm_status_set(st, rc, "copying expert %u of layer %u failed", sl->expert, sl->layer);
+            qm_status_set(st, rc, "copying expert %u of layer %u failed: %s", sl->expert,
+                          sl->layer, msg);
+    } else if (sl->copy_rc) {
+        /* Its failure was seen before: the slot never landed. */
+        rc = sl->copy_rc;
+        qm_status_set(st, rc, "copying expert %u of layer %u failed", sl->expert, sl->layer);
     } else {
         for (uint32_t i = 0; i < sl->n_fences; i++) {
             int r = qm_backend_fence_wait(p->backend, &sl->fences[i], rc ? NULL : st);
@@ -173,6 +197,7 @@ int qm__pager_copy_wait(qm_pager *p, int32_t s, qm_status *st)
                 rc = r;
         }
         sl->n_fences = 0;
+        sl->copy_rc = rc;
     }
     if (rc == 0 && sl->state == QM__SLOT_LOADING)
         sl->state = QM__SLOT_RESIDENT;

@@ -99,7 +99,8 @@ struct qm_pager {
     qm__layer *layers;
 
     qm_arena *arena;
-    uint32_t n_slots;
+    uint32_t n_slots;  /* slots in use: [0, n_slots) */
+    uint32_t slot_cap; /* slots with memory behind them (>= n_slots; slots[] has this many) */
     qm__slot *slots;
     int32_t *cand_slots;     /* [n_slots] scratch */
     qm_expert_ref *cand_refs; /* [n_slots] scratch */
@@ -107,6 +108,17 @@ struct qm_pager {
 
     int has_budget;
     uint64_t budget;
+    /* Sizing kept for qm_pager_resize (qm_pager_resize.c). */
+    uint64_t whole_accounted, pinned_bytes, max_unit, slot_size, whole_arena;
+    uint32_t n_paged_experts; /* experts of paged layers, pinned ones included */
+    /* Disk source (qm_pager_disk.c): NULL when units come from the mapping. */
+    struct qm__disk *disk;
+    char source_why[384]; /* what was asked and not done ("" when nothing) */
+    char copy_msg[256];   /* the copy thread's last failure (p->mu) */
+    /* Arenas added by growing, each holding slots [grow_first[i], next one). */
+    qm_arena **grow_arenas;
+    uint32_t *grow_first;
+    size_t n_grow;
     uint64_t tick;
     qm_pager_stats stats;
     qm_pager_alloc_cb alloc_cb;
@@ -181,6 +193,21 @@ void qm__pager_drop(qm_pager *p, int32_t s);
 /* Chooses a victim among candidates[0..n) (slot indices): the policy's answer
  * when valid, else LRU (counted as a fallback). */
 int32_t qm__pager_pick_victim(qm_pager *p, size_t n);
+
+/* qm_pager_resize.c */
+void qm__pager_grow_free(qm_pager *p); /* the arenas added by growing */
+
+/* qm_pager_disk.c */
+uint64_t qm__pager_now_us(void);
+/* With opt.source DIRECT: opens the bank file for O_DIRECT reads (p->disk)
+ * and forces whole banks into the arena, or records why not (source_why). */
+void qm__pager_disk_open(qm_pager *p);
+void qm__pager_disk_close(qm_pager *p);
+/* Reads the bytes the mapping holds at src..src+len into dst (QM_EIO). */
+int qm__pager_disk_read(qm_pager *p, void *dst, const void *src, uint64_t len, qm_status *st);
+void qm__pager_disk_lock(qm_pager *p, qm_arena *arena);   /* mlock, or why not */
+void qm__pager_disk_unlock(qm_pager *p, qm_arena *arena);
+void qm__pager_disk_stats(const qm_pager *p, qm_pager_stats *out);
 
 /* qm_pager_prefetch.c */
 /* A prefetched expert of `source` was used before being evicted. */

@@ -589,6 +589,7 @@ int qm__params_decode(qm_method m, const cJSON *params, qm_params *out, qm_statu
     static const char *const create[] = {"model", "policy", "budget_bytes", "policy_params",
                                          "precision", NULL};
     static const char *const by_session[] = {"session", NULL};
+    static const char *const resize[] = {"session", "budget_bytes", NULL};
     static const char *const infer[] = {"session",       "layer",    "hidden",
                                         "router_logits", "topk_ids", "topk_weights",
                                         "return_routing", "output_to", NULL};
@@ -648,6 +649,16 @@ int qm__params_decode(qm_method m, const cJSON *params, qm_params *out, qm_statu
         rc = check_members(params, by_session, "", st);
         if (rc == 0)
             rc = get_string(params, "session", "", 1, 128, &out->session, st);
+        return rc;
+    case QM_METHOD_SESSION_RESIZE:
+        rc = check_members(params, resize, "", st);
+        if (rc == 0)
+            rc = get_string(params, "session", "", 1, 128, &out->session, st);
+        if (rc == 0)
+            rc = get_uint(params, "budget_bytes", "", 1, UINT64_MAX, &out->has_budget,
+                          &out->budget_bytes, st);
+        if (rc == 0 && out->budget_bytes == 0)
+            return bad(st, "budget_bytes", "budget_bytes must be greater than 0");
         return rc;
     case QM_METHOD_SESSION_INFER:
         rc = check_members(params, infer, "", st);

@@ -92,6 +92,9 @@ static cJSON *bank_item(const qm_plan_bank *b, const qm_plan_json_bank_state *bs
         add(o, "resident_now",
             u32_array(bs->resident_now, bs->resident_now ? bs->n_resident_now : 0)))
         goto fail;
+    if (bs && bs->n_pins_released &&
+        add(o, "pins_released", u32_array(bs->pins_released, bs->n_pins_released)))
+        goto fail;
     return o;
 fail:
     cJSON_Delete(o);

@@ -20,6 +20,11 @@ typedef struct qm_plan_json_bank_state {
     int has_resident_now;         /* 1: adds "resident_now": [experts resident at this moment] */
     const uint32_t *resident_now; /* written in the order given */
     size_t n_resident_now;
+    /* session.resize: pinned experts whose pin a smaller budget released
+     * (they page like any other now); "pins_released" is written when
+     * n_pins_released > 0. */
+    const uint32_t *pins_released;
+    size_t n_pins_released;
 } qm_plan_json_bank_state;
 
 typedef struct qm_plan_json_state {

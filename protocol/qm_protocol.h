@@ -195,6 +195,7 @@ int qm_json_check(const char *s, size_t n, int max_depth, const char **why);
     X(SESSION_CLOSE, "session.close")                                                              \
     X(SESSION_LIST, "session.list")                                                                \
     X(SESSION_PLAN, "session.plan")                                                                \
+    X(SESSION_RESIZE, "session.resize")                                                            \
     X(SESSION_INFER, "session.infer")                                                              \
     X(SESSION_MAP, "session.map")                                                                  \
     X(SESSION_UNMAP, "session.unmap")                                                              \
@@ -253,11 +254,11 @@ typedef struct qm_params {
     char *model;             /* session.create */
     char *policy;            /* session.create; NULL = whole_bank */
     int has_budget;
-    uint64_t budget_bytes;
+    uint64_t budget_bytes;   /* session.create (optional), session.resize (required) */
     int has_policy_params;
     qm_policy_params_wire policy_params;
     int precision_fast;      /* session.create `precision`: 0 exact (default), 1 fast */
-    char *session;           /* close, plan, infer; optional for telemetry.* */
+    char *session;           /* close, plan, infer, resize; optional for telemetry.* */
     uint32_t layer;          /* infer */
     qm_tensor hidden;        /* infer: shape [T, H] */
     int has_router_logits;

@@ -336,6 +336,13 @@ uint64_t qm_plan_budget(const qm_residency_plan *plan)
 {
     return plan ? plan->budget_bytes : 0;
 }
+void qm_plan_set_budget(qm_residency_plan *plan, uint64_t budget_bytes)
+{
+    if (!plan)
+        return;
+    plan->has_budget = 1;
+    plan->budget_bytes = budget_bytes;
+}
 size_t qm_plan_total(const qm_residency_plan *plan)
 {
     return plan ? plan->n_banks : 0;

@@ -245,6 +245,10 @@ void qm_plan_free(qm_residency_plan *plan);
 const char *qm_plan_policy_name(const qm_residency_plan *plan);
 int qm_plan_has_budget(const qm_residency_plan *plan);
 uint64_t qm_plan_budget(const qm_residency_plan *plan);
+/* session.resize: the budget now in force. The decisions stay those made
+ * under the creation budget (the pager, not the plan, releases pins that a
+ * smaller budget cannot hold). */
+void qm_plan_set_budget(qm_residency_plan *plan, uint64_t budget_bytes);
 size_t qm_plan_total(const qm_residency_plan *plan);
 size_t qm_plan_resident_count(const qm_residency_plan *plan);   /* whole-bank, no reason */
 size_t qm_plan_degraded_count(const qm_residency_plan *plan);   /* whole-bank with a reason */

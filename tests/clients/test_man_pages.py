@@ -33,6 +33,6 @@ def test_groff_renders_without_warnings(page):
 def test_qmoectl_page_documents_every_subcommand():
     with open(os.path.join(MAN, "qmoectl.1.md")) as f:
         text = f.read()
-    for cmd in ["status", "models", "load", "unload", "sessions", "create", "close", "plan",
-                "telemetry", "trace", "metrics", "infer", "shutdown"]:
+    for cmd in ["status", "models", "load", "unload", "sessions", "create", "close", "resize",
+                "plan", "telemetry", "trace", "metrics", "infer", "shutdown"]:
         assert "\n`%s`" % cmd in text, cmd

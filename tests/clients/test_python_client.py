@@ -82,6 +82,17 @@ def test_session_lifecycle_and_plan(client, sid):
     assert e.value.name == "invalid_params" and e.value.field == "precision"
 
 
+def test_resize_session(client):
+    sid = client.create_session("demo", policy="lru", budget_bytes=1 << 20)["session"]
+    r = client.resize_session(sid, 1 << 19)
+    assert r["budget_bytes"] == 1 << 19 and r["resident_bytes"] <= 1 << 19
+    assert r["plan_summary"]["budget_bytes"] == 1 << 19
+    with pytest.raises(QmoeError) as e:
+        client.resize_session(sid, 1)
+    assert e.value.name == "resource_exhausted" and e.value.field == "budget_bytes"
+    client.close_session(sid)
+
+
 def test_infer_matches_qmoe_bank_run(client, sid, daemon):
     rng = np.random.default_rng(5)
     x = rng.standard_normal((4, HIDDEN)).astype(np.float32)

@@ -11,7 +11,7 @@ import pytest
 
 from conftest import EXPERTS, HIDDEN, LAYERS, QMOE_BANK, QMOECTL, need, run_as_nobody_preexec
 
-COMMANDS = ["status", "models", "load", "unload", "sessions", "create", "close", "plan",
+COMMANDS = ["status", "models", "load", "unload", "sessions", "create", "close", "resize", "plan",
             "telemetry", "trace", "metrics", "infer", "shutdown"]
 
 
@@ -152,6 +152,25 @@ def test_create_json_with_params(daemon):
     plan = ctl(daemon, "plan", r["session"], json_out=True)
     assert plan["policy"] == "static_hot" and plan["budget_bytes"] == 1 << 20
     ctl(daemon, "close", r["session"])
+
+
+def test_resize_by_percent_and_bytes(daemon):
+    sid = ctl(daemon, "create", "demo", "--policy", "lru", "--budget", "50%").stdout.split()[0]
+    total = [m for m in ctl(daemon, "models", json_out=True)["models"]
+             if m["name"] == "demo"][0]["bytes_total"]
+    p = ctl(daemon, "resize", sid, "40%")
+    assert p.stdout.startswith("resized %s: budget " % sid), p.stdout
+    s = [x for x in ctl(daemon, "sessions", json_out=True)["sessions"] if x["session"] == sid][0]
+    assert s["budget_bytes"] == int(total * 0.4) and s["resident_bytes"] <= s["budget_bytes"]
+    r = ctl(daemon, "resize", sid, "1MiB", json_out=True)
+    assert r["budget_bytes"] == 1 << 20 and r["plan_summary"]["budget_bytes"] == 1 << 20
+    assert r["resident_bytes"] <= r["budget_bytes"]
+    p = ctl(daemon, "resize", sid, "1", check_rc=1)
+    assert "resource_exhausted" in p.stderr and "below the minimum" in p.stderr, p.stderr
+    p = ctl(daemon, "resize", "0" * 32, "40%", check_rc=1)
+    assert "no session" in p.stderr
+    ctl(daemon, "resize", sid, "lots", check_rc=2)
+    ctl(daemon, "close", sid)
 
 
 def test_create_with_an_unknown_policy_fails_naming_the_field(daemon):

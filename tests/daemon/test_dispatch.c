@@ -114,7 +114,7 @@ END_TEST
 START_TEST(test_session_methods_need_an_existing_session)
 {
     static const qm_method scoped[] = {QM_METHOD_SESSION_CLOSE, QM_METHOD_SESSION_PLAN,
-                                       QM_METHOD_SESSION_INFER};
+                                       QM_METHOD_SESSION_INFER, QM_METHOD_SESSION_RESIZE};
     for (size_t i = 0; i < sizeof scoped / sizeof *scoped; i++) {
         const qm_method_entry *e = qm_method_entry_get(scoped[i]);
         ck_assert_int_eq(e->session, QM_SESSION_REQUIRED);
@@ -131,7 +131,8 @@ END_TEST
 START_TEST(test_only_the_owner_or_an_admin_may_use_a_session)
 {
     static const qm_method scoped[] = {QM_METHOD_SESSION_CLOSE, QM_METHOD_SESSION_PLAN,
-                                       QM_METHOD_SESSION_INFER, QM_METHOD_TELEMETRY_GET};
+                                       QM_METHOD_SESSION_INFER, QM_METHOD_TELEMETRY_GET,
+                                       QM_METHOD_SESSION_RESIZE};
     qm_session *theirs = session_of(other_user.uid, 0);
     for (size_t i = 0; i < sizeof scoped / sizeof *scoped; i++) {
         const char *name = qm_method_name(scoped[i]);
@@ -180,6 +181,10 @@ START_TEST(test_infer_plan_and_create_are_always_queued_as_their_job)
     r = route(QM_METHOD_SESSION_CREATE, &user, 0, NULL);
     ck_assert_int_eq(r.kind, QM_ROUTE_QUEUE);
     ck_assert_int_eq(r.job_kind, QM_JOB_CREATE);
+    /* session.resize is ordered with the session's inferences. */
+    r = route(QM_METHOD_SESSION_RESIZE, &user, 0, idle);
+    ck_assert_int_eq(r.kind, QM_ROUTE_QUEUE);
+    ck_assert_int_eq(r.job_kind, QM_JOB_RESIZE);
     free(idle);
     free(busy);
 }

@@ -203,15 +203,36 @@ def script(dm, cls, tally):
     return outs
 
 
-def run(bank, cls, n):
+def resize_script(dm, cls, tally):
+    """A paged session grown (slots, arrays, an arena) and shrunk back
+    around inferences; a failed resize changes nothing, so retrying is safe.
+    Returns the outputs."""
+    cl = Client(dm, cls, tally)
+    outs = []
+    try:
+        sid = cl.call("session.create", SESSIONS[1])["session"]
+        for budget in (60000, 9000, 20000):
+            r = cl.call("session.resize", {"session": sid, "budget_bytes": budget})
+            assert r["resident_bytes"] <= budget, r
+            out = cl.call("session.infer", {"session": sid, "layer": 0, "hidden": x(3)})
+            outs.append(out["output"])
+        for s in cl.call("session.list", None)["sessions"]:
+            cl.call("session.close", {"session": s["session"]}, lost_ok=-32001)
+        outs.append(cl.call("daemon.status", None)["device"]["used_bytes"])
+    finally:
+        cl.close()
+    return outs
+
+
+def run(bank, cls, n, body=script):
     dm = Daemon(models={"small": bank}, env={"QMOED_FAULT_ALLOC": "%s:%d" % (cls, n)})
     dm.bank_path = bank
     tally = {"dropped": 0, "id_null": 0}
-    for m in ("session.create", "session.infer", "session.plan", "session.close",
-              "model.load", "model.unload", "session.list", "daemon.status"):
+    for m in ("session.create", "session.infer", "session.plan", "session.resize",
+              "session.close", "model.load", "model.unload", "session.list", "daemon.status"):
         tally[m] = 0
     try:
-        outs = script(dm, cls, tally)
+        outs = body(dm, cls, tally)
     except BaseException:
         dm.stop()
         print(dm.log_text()[-3000:])
@@ -276,6 +297,26 @@ def test_allocation_failures_give_clean_errors_and_leave_nothing_behind(bank, cl
     if cls == "loop":
         assert total["session.create"] > 0 and total["session.infer"] > 0, total
         assert total["model.load"] > 0, total
+
+
+@pytest.mark.parametrize("cls", ("worker", "loop"))
+def test_resize_allocation_failures_are_clean_and_change_nothing(bank, cls):
+    expect, tally, counts = run(bank, cls, 0, resize_script)
+    assert not any(tally.values()), tally
+    count = counts[cls]
+    points = list(range(1, count + 1))
+    if MAX_POINTS and count > MAX_POINTS:
+        points = sorted({1 + i * (count - 1) // (MAX_POINTS - 1) for i in range(MAX_POINTS)})
+    total = {}
+    for n in points:
+        outs, tally, _ = run(bank, cls, n, resize_script)
+        assert outs == expect, "%s:%d: outputs differ from the fault-free run" % (cls, n)
+        for k, v in tally.items():
+            total[k] = total.get(k, 0) + v
+    print("resize %s: %d allocations, %d points, clean errors %s" % (
+        cls, count, len(points), {k: v for k, v in total.items() if v}))
+    if cls == "worker":
+        assert total["session.resize"] > 0, total
 
 
 def test_out_of_memory_accepting_a_connection_does_not_stop_accepting(bank):

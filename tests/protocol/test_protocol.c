@@ -424,6 +424,24 @@ START_TEST(test_params_wrong_type_and_missing_name_field)
     ck_assert_int_eq(decode_code(REQ("session.plan", "[]"), field, sizeof field),
                      QM_RPC_INVALID_PARAMS);
     ck_assert_str_eq(field, "params");
+    /* session.resize: budget_bytes is required and > 0; nothing else. */
+    static const char *const bad_resize[][2] = {
+        {REQ("session.resize", "{\"session\":\"s\"}"), "budget_bytes"},
+        {REQ("session.resize", "{\"session\":\"s\",\"budget_bytes\":0}"), "budget_bytes"},
+        {REQ("session.resize", "{\"session\":\"s\",\"budget_bytes\":-1}"), "budget_bytes"},
+        {REQ("session.resize", "{\"session\":\"s\",\"budget_bytes\":\"1\"}"), "budget_bytes"},
+        {REQ("session.resize", "{\"budget_bytes\":1}"), "session"},
+        {REQ("session.resize", "{\"session\":\"s\",\"budget_bytes\":1,\"policy\":\"lru\"}"),
+         "policy"}};
+    for (size_t i = 0; i < sizeof bad_resize / sizeof *bad_resize; i++) {
+        ck_assert_int_eq(decode_code(bad_resize[i][0], field, sizeof field),
+                         QM_RPC_INVALID_PARAMS);
+        ck_assert_msg(strcmp(field, bad_resize[i][1]) == 0, "%s: field %s", bad_resize[i][0],
+                      field);
+    }
+    ck_assert_int_eq(decode_code(REQ("session.resize", "{\"session\":\"s\",\"budget_bytes\":4096}"),
+                                 field, sizeof field),
+                     0);
 }
 END_TEST
 

@@ -474,6 +474,13 @@ class Client:
             shm.id = None
             shm.close()
 
+    def resize_session(self, session, budget_bytes):
+        """session.resize: the session's new expert budget in bytes. Requests
+        sent before it finish under the old budget, later ones under the new.
+        Returns {budget_bytes, resident_bytes, plan_summary}."""
+        return self.call("session.resize", {"session": session,
+                                            "budget_bytes": int(budget_bytes)})
+
     def infer(self, session, layer, hidden, router_logits=None, return_routing=False,
               topk_ids=None, topk_weights=None, output_to=None):
         """One MoE layer. Routing: the bank's router (nothing given),

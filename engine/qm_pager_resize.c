@@ -1,0 +1,270 @@
+/* qm_pager_resize.c - elastic budgets: a live pager's budget changes
+ * (session.resize). Shrinking releases pins that no longer fit (coldest
+ * first), evicts by the policy down to the new budget and gives back the
+ * highest slots; growing adds slots from memory given back earlier or from a
+ * new arena. See qm_pager_resize in qm_pager.h and docs/PAGING.md. */
+#include <stddef.h>
+#include <string.h>
+
+#include "qm_alloc.h"
+#include "qm_pager_impl.h"
+
+void qm__pager_grow_free(qm_pager *p)
+{
+    for (size_t i = 0; i < p->n_grow; i++) {
+        qm__pager_disk_unlock(p, p->grow_arenas[i]);
+        qm_arena_free(p->backend, p->grow_arenas[i]);
+    }
+    qm_free(p->grow_arenas);
+    qm_free(p->grow_first);
+    p->grow_arenas = NULL;
+    p->grow_first = NULL;
+    p->n_grow = 0;
+}
+
+static int qm__any_paged(const qm_pager *p)
+{
+    return p->n_paged_experts > 0;
+}
+
+/* Slots the budget pays for: the pins, then as many expert units as fit. */
+static uint32_t qm__slots_for(const qm_pager *p, uint64_t budget, uint32_t n_pinned)
+{
+    if (!qm__any_paged(p) || p->max_unit == 0)
+        return 0;
+    uint64_t room = (budget - p->whole_accounted - p->pinned_bytes) / p->max_unit;
+    uint64_t unpinned = p->n_paged_experts - n_pinned;
+    return (uint32_t)(n_pinned + (room < unpinned ? room : unpinned));
+}
+
+/* The coldest pinned slot (least recently used; lowest index on ties), or -1. */
+static int32_t qm__coldest_pin(const qm_pager *p)
+{
+    int32_t best = -1;
+    for (uint32_t s = 0; s < p->n_slots; s++) {
+        const qm__slot *sl = &p->slots[s];
+        if (sl->state == QM__SLOT_FREE || !sl->pinned)
+            continue;
+        if (best < 0 || sl->last_use < p->slots[best].last_use)
+            best = (int32_t)s;
+    }
+    return best;
+}
+
+static void qm__release_pin(qm_pager *p, int32_t s)
+{
+    qm__slot *sl = &p->slots[s];
+    sl->pinned = 0;
+    p->layers[sl->layer].pinned[sl->expert] = 2; /* released (qm_pager_pins_released) */
+    p->pinned_bytes -= sl->unit_bytes;
+    p->stats.n_pinned--;
+    p->stats.pins_released++;
+    /* From now on the policy sees it like any expert it admitted. */
+    qm_policy_on_insert(p->policy, (qm_expert_ref){sl->layer, sl->expert}, sl->last_use);
+}
+
+static uint32_t qm__occupied(const qm_pager *p)
+{
+    uint32_t n = 0;
+    for (uint32_t s = 0; s < p->n_slots; s++)
+        n += p->slots[s].state != QM__SLOT_FREE;
+    return n;
+}
+
+/* Moves the unit in slot `from` into free slot `to` (re-copied from the
+ * bank); on failure the expert is dropped. */
+static void qm__move_unit(qm_pager *p, int32_t from, int32_t to)
+{
+    qm__slot *a = &p->slots[from], *b = &p->slots[to];
+    uint8_t *to_base = b->base, *from_base = a->base;
+    *b = *a;
+    b->base = to_base;
+    b->copy_seq = 0;
+    b->n_fences = 0;
+    b->state = QM__SLOT_LOADING;
+    p->layers[b->layer].slot_of[b->expert] = to;
+    memset(a, 0, sizeof *a);
+    a->base = from_base;
+    a->state = QM__SLOT_FREE;
+    int rc = qm__pager_copy_unit(p, to, NULL);
+    if (rc == 0)
+        rc = qm__pager_copy_wait(p, to, NULL);
+    if (rc) {
+        if (b->pinned)
+            qm__release_pin(p, to);
+        qm__pager_evict(p, to);
+        return;
+    }
+    p->stats.resize_moves++;
+    p->stats.bytes_paged_h2d += b->unit_bytes;
+}
+
+static int qm__shrink(qm_pager *p, uint64_t budget, uint32_t keep, qm_status *st)
+{
+    /* Evict by the policy until the survivors fit the kept slots and the
+     * budget (each unit is at most max_unit, so `keep` slots fit). */
+    while (qm__occupied(p) > keep || p->stats.resident_bytes > budget) {
+        size_t nc = 0;
+        for (uint32_t s = 0; s < p->n_slots; s++) {
+            const qm__slot *sl = &p->slots[s];
+            if (sl->state != QM__SLOT_FREE && !sl->pinned && sl->refs == 0)
+                p->cand_slots[nc++] = (int32_t)s;
+        }
+        if (nc == 0)
+            return qm_status_set(st, QM_EINTERNAL,
+                                 "resize: nothing evictable with %llu bytes resident over a "
+                                 "budget of %llu",
+                                 (unsigned long long)p->stats.resident_bytes,
+                                 (unsigned long long)budget);
+        qm__pager_evict(p, qm__pager_pick_victim(p, nc));
+    }
+    /* Survivors in the slots given back move down into free kept ones. */
+    uint32_t low = 0;
+    for (uint32_t s = keep; s < p->n_slots; s++) {
+        if (p->slots[s].state == QM__SLOT_FREE)
+            continue;
+        while (low < keep && p->slots[low].state != QM__SLOT_FREE)
+            low++;
+        if (low >= keep)
+            return qm_status_set(st, QM_EINTERNAL, "resize: no free slot below %u", keep);
+        qm__move_unit(p, (int32_t)s, (int32_t)low);
+    }
+    p->n_slots = keep;
+    /* Arenas added by growing whose slots are all given back go. */
+    while (p->n_grow > 0 && p->grow_first[p->n_grow - 1] >= keep) {
+        qm_arena *a = p->grow_arenas[p->n_grow - 1];
+        p->stats.arena_bytes -= qm_arena_size(a);
+        p->slot_cap = p->grow_first[p->n_grow - 1];
+        qm__pager_disk_unlock(p, a);
+        qm_arena_free(p->backend, a);
+        p->n_grow--;
+    }
+    return 0;
+}
+
+static int qm__regrow(void **buf, size_t n, size_t elem)
+{
+    void *b = qm_realloc(*buf, n * elem);
+    if (!b)
+        return QM_ENOMEM;
+    *buf = b;
+    return 0;
+}
+
+static int qm__grow(qm_pager *p, uint32_t want, qm_status *st)
+{
+    if (want <= p->slot_cap) {
+        for (uint32_t s = p->n_slots; s < want; s++)
+            memset(&p->slots[s].layer, 0, sizeof *p->slots - offsetof(qm__slot, layer));
+        p->n_slots = want;
+        return 0;
+    }
+    uint32_t add = want - p->slot_cap;
+    unsigned long long bytes;
+    if (qm_mul_u64(add, p->slot_size, &bytes))
+        return qm_status_set(st, QM_ERESOURCE_EXHAUSTED, "arena size overflows");
+    /* Every array first (a failure leaves the pager as it was: the arrays
+     * are only larger), then the arena. */
+    if (qm__regrow((void **)&p->grow_arenas, p->n_grow + 1, sizeof *p->grow_arenas) ||
+        qm__regrow((void **)&p->grow_first, p->n_grow + 1, sizeof *p->grow_first) ||
+        qm__regrow((void **)&p->cand_slots, want, sizeof *p->cand_slots) ||
+        qm__regrow((void **)&p->cand_refs, want, sizeof *p->cand_refs) ||
+        qm__regrow((void **)&p->wave_slots, want, sizeof *p->wave_slots))
+        return qm_status_set(st, QM_ENOMEM, "out of memory growing to %u slots", want);
+    qm__copy_job *queue = NULL;
+    if (p->use_thread) {
+        queue = qm_calloc((size_t)want + 1, sizeof *queue);
+        if (!queue)
+            return qm_status_set(st, QM_ENOMEM, "out of memory for the copy queue");
+    }
+    /* The copy thread reads slots[] under its lock: swap it there. */
+    if (p->use_thread)
+        pthread_mutex_lock(&p->mu);
+    int rc = qm__regrow((void **)&p->slots, want, sizeof *p->slots);
+    if (rc == 0 && p->use_thread) {
+        /* Nothing is queued (the caller synced): a fresh, larger ring. */
+        qm_free(p->queue);
+        p->queue = queue;
+        p->q_cap = (size_t)want + 1;
+        p->q_head = 0;
+        queue = NULL;
+    }
+    if (p->use_thread)
+        pthread_mutex_unlock(&p->mu);
+    qm_free(queue);
+    if (rc)
+        return qm_status_set(st, QM_ENOMEM, "out of memory growing to %u slots", want);
+    qm_arena *a = NULL;
+    rc = qm_arena_new(p->backend, bytes, &a, st);
+    if (rc)
+        return rc;
+    qm__pager_disk_lock(p, a);
+    memset(&p->slots[p->slot_cap], 0, (size_t)add * sizeof *p->slots);
+    for (uint32_t i = 0; i < add; i++)
+        p->slots[p->slot_cap + i].base = qm_arena_at(a, (uint64_t)i * p->slot_size);
+    p->grow_arenas[p->n_grow] = a;
+    p->grow_first[p->n_grow] = p->slot_cap;
+    p->n_grow++;
+    p->stats.arena_bytes += bytes;
+    for (uint32_t s = p->n_slots; s < p->slot_cap; s++)
+        memset(&p->slots[s].layer, 0, sizeof *p->slots - offsetof(qm__slot, layer));
+    p->slot_cap = want;
+    p->n_slots = want;
+    return 0;
+}
+
+int qm_pager_resize(qm_pager *p, uint64_t budget, qm_status *st)
+{
+    if (!p)
+        return qm_status_set(st, QM_EINVAL, "qm_pager_resize: NULL pager");
+    uint64_t unit = qm__any_paged(p) ? p->max_unit : 0;
+    uint64_t min = p->whole_accounted + unit;
+    if (budget < min)
+        return qm_status_set_field(
+            st, QM_ERESOURCE_EXHAUSTED, "budget_bytes",
+            "budget_bytes %llu is below the minimum of %llu bytes for this plan (whole banks "
+            "%llu + pinned experts %llu + one expert unit %llu)",
+            (unsigned long long)budget, (unsigned long long)min,
+            (unsigned long long)p->whole_accounted, 0ull, (unsigned long long)unit);
+    int rc = qm_pager_sync(p, st);
+    if (rc)
+        return rc;
+    if (budget < p->budget) {
+        /* Pins that no longer leave room for one expert unit go, coldest first. */
+        while (p->stats.n_pinned > 0 && p->whole_accounted + p->pinned_bytes + unit > budget) {
+            int32_t s = qm__coldest_pin(p);
+            if (s < 0)
+                break;
+            qm__release_pin(p, s);
+        }
+    }
+    uint32_t want = qm__slots_for(p, budget, p->stats.n_pinned);
+    if (want < p->n_slots || p->stats.resident_bytes > budget)
+        rc = qm__shrink(p, budget, want < p->n_slots ? want : p->n_slots, st);
+    else if (want > p->n_slots)
+        rc = qm__grow(p, want, st);
+    if (rc)
+        return rc;
+    p->has_budget = 1;
+    p->budget = budget;
+    p->stats.budget_bytes = budget;
+    p->stats.n_slots = p->n_slots;
+    p->stats.resizes++;
+    return 0;
+}
+
+int qm_pager_pins_released(const qm_pager *p, uint32_t layer, uint32_t *out, size_t cap)
+{
+    if (!p || layer >= p->n_layers)
+        return QM_EINVAL;
+    const qm__layer *L = &p->layers[layer];
+    size_t n = 0;
+    for (uint32_t e = 0; L->paged && e < L->n_experts; e++) {
+        if (L->pinned[e] != 2)
+            continue;
+        if (out && n < cap)
+            out[n] = e;
+        n++;
+    }
+    return (int)n;
+}

@@ -1,0 +1,433 @@
+/* test_paging_disk.c - the pager's disk source (QM_PAGER_SOURCE_DIRECT):
+ * outputs bitwise equal to whole_bank for every policy, budget, prefetch and
+ * copy path with units read from the bank file by O_DIRECT; compute never
+ * reads expert weights from the mapping (it is made unreadable while the
+ * forward calls run); a filesystem without O_DIRECT (tmpfs) falls back to
+ * the mapping and says why; a read error or a truncated file fails that
+ * request only, and the pager serves the next ones.
+ *
+ * Direct reads need a filesystem that takes O_DIRECT: the bank file is
+ * written to QMOE_TEST_DISK_DIR, else the working directory (the build
+ * tree), else /var/tmp or /tmp; when none takes it, the direct-only checks
+ * are skipped with a message (the fallback is still checked). */
+#ifndef _GNU_SOURCE
+#define _GNU_SOURCE
+#endif
+#include <check.h>
+#include <errno.h>
+#include <fcntl.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <sys/vfs.h>
+#include <unistd.h>
+
+#include "paging_helpers.h"
+
+#ifndef TMPFS_MAGIC
+#define TMPFS_MAGIC 0x01021994
+#endif
+
+static char g_dir[512];
+static int g_have_direct;
+
+/* A directory whose filesystem takes O_DIRECT reads, or "" (the fallback
+ * is checked anyway). */
+static void find_direct_dir(void)
+{
+    const char *cands[] = {getenv("QMOE_TEST_DISK_DIR"), ".", "/var/tmp", "/tmp"};
+    for (size_t i = 0; i < sizeof cands / sizeof *cands; i++) {
+        if (!cands[i] || !*cands[i])
+            continue;
+        char path[600];
+        snprintf(path, sizeof path, "%s/qm_direct_probe_XXXXXX", cands[i]);
+        int fd = mkstemp(path);
+        if (fd < 0)
+            continue;
+        static char block[8192];
+        int ok = write(fd, block, sizeof block) == (ssize_t)sizeof block;
+        close(fd);
+        int dfd = ok ? open(path, O_RDONLY | O_DIRECT) : -1;
+        void *buf = NULL;
+        if (dfd >= 0 && posix_memalign(&buf, 4096, 4096) == 0 && pread(dfd, buf, 4096, 0) == 4096)
+            snprintf(g_dir, sizeof g_dir, "%s", cands[i]);
+        free(buf);
+        if (dfd >= 0)
+            close(dfd);
+        unlink(path);
+        if (g_dir[0])
+            break;
+    }
+    g_have_direct = g_dir[0] != 0;
+    if (!g_have_direct)
+        fprintf(stderr, "test_paging_disk: no directory takes O_DIRECT here; direct-only "
+                        "checks skipped\n");
+}
+
+/* The fixture's bank image written to dir/name, opened from the file. */
+static qm_bank *file_bank(const char *dir, const char *name, char *path, size_t cap)
+{
+    snprintf(path, cap, "%s/%s.%d.bank", dir, name, (int)getpid());
+    FILE *f = fopen(path, "wb");
+    ck_assert_ptr_nonnull(f);
+    ck_assert_uint_eq(fwrite(fixture.bank.image, 1, fixture.bank.size, f), fixture.bank.size);
+    ck_assert_int_eq(fclose(f), 0);
+    qm_bank *b = NULL;
+    qm_status st = {0};
+    ck_assert_msg(qm_bank_open(path, &b, &st) == 0, "%s: %s", path, st.msg);
+    return b;
+}
+
+/* One test's bank file, calls (with whole-bank references) and output buffer. */
+typedef struct dcase {
+    char path[700];
+    qm_bank *bank;
+    pg_set set;
+    float *out;
+} dcase;
+
+static void dcase_open(dcase *c, const char *dir, const char *name, size_t n_calls, uint64_t seed)
+{
+    memset(c, 0, sizeof *c);
+    c->bank = file_bank(dir, name, c->path, sizeof c->path);
+    if (n_calls)
+        make_calls(&fixture.bank, fixture.cpu, n_calls, seed, &c->set);
+    c->out = malloc(sizeof(float) * 8 * qm_bank_get_config(fixture.bank.bank)->hidden);
+}
+
+static void dcase_close(dcase *c)
+{
+    free(c->out);
+    if (c->set.calls)
+        free_calls(&c->set);
+    qm_bank_close(c->bank);
+    unlink(c->path);
+}
+
+static qm_pager *direct_pager(qm_bank *bank, const char *policy, uint64_t budget, int prefetch,
+                              int copy_thread, const pg_set *set, qm_policy *pol,
+                              qm_residency_plan **plan)
+{
+    pf_bank fb = fixture.bank;
+    fb.bank = bank;
+    new_policy(policy, &fb, set, pol);
+    *plan = make_plan(&fb, pol, 1, budget);
+    qm_pager_options o = {.prefetch = prefetch, .copy_thread = copy_thread,
+                          .source = QM_PAGER_SOURCE_DIRECT};
+    qm_pager *pg = NULL;
+    qm_status st = {0};
+    int rc = qm_pager_new(fixture.cpu, bank, *plan, pol, &o, &pg, &st);
+    ck_assert_msg(rc == 0, "%s budget %llu: %s", policy, (unsigned long long)budget, st.msg);
+    return pg;
+}
+
+static int run_call(qm_pager *pg, const pg_call *c, float *out, qm_status *st)
+{
+    const qm_bank_config *cfg = qm_bank_get_config(fixture.bank.bank);
+    memset(out, 0x7f, sizeof(float) * c->T * cfg->hidden);
+    qm_moe_call mc = {.layer = c->layer, .dtype = QM_DTYPE_F32, .hidden = c->x,
+                      .n_tokens = c->T, .logits = c->logits, .output = out};
+    qm_moe_stats ms = {0};
+    return qm_pager_forward(pg, &mc, &ms, st);
+}
+
+static void free_pager(qm_pager *pg, qm_residency_plan *plan, qm_policy *pol)
+{
+    qm_pager_free(pg);
+    qm_plan_free(plan);
+    qm_policy_destroy(pol);
+}
+
+START_TEST(test_direct_reads_give_bitwise_whole_bank_outputs)
+{
+    if (!g_have_direct)
+        return;
+    const pf_spec *sp = &fixture.spec;
+    const qm_bank_config *cfg = qm_bank_get_config(fixture.bank.bank);
+    dcase dc;
+    dcase_open(&dc, g_dir, "direct", 24, 23);
+    qm_bank *bank = dc.bank;
+    const pg_set *set = &dc.set;
+    float *out = dc.out;
+    uint64_t U = unit_bytes(&fixture.bank), total = (uint64_t)sp->layers * sp->experts * U;
+    const uint64_t budgets[] = {U, sp->k * U, total / 2, total};
+    const char *policies[] = {"whole_bank", "lru", "static_hot", "next_use"};
+    for (size_t pi = 0; pi < 4; pi++)
+        for (size_t bi = 0; bi < 4; bi++)
+            for (int pf = 0; pf < 2; pf++)
+                for (int ct = 0; ct < 2; ct++) {
+                    uint64_t budget = pi == 0 ? total : budgets[bi];
+                    qm_policy pol = {0};
+                    qm_residency_plan *plan = NULL;
+                    qm_pager *pg = direct_pager(bank, policies[pi], budget, pf, ct ? 2 : 0, set,
+                                                &pol, &plan);
+                    const char *why = NULL;
+                    ck_assert_int_eq(qm_pager_source_info(pg, &why), QM_PAGER_SOURCE_DIRECT);
+                    qm_status st = {0};
+                    for (size_t i = 0; i < set->n; i++) {
+                        const pg_call *c = &set->calls[i];
+                        ck_assert_msg(run_call(pg, c, out, &st) == 0, "%s: %s", policies[pi],
+                                      st.msg);
+                        ck_assert_msg(memcmp(out, c->ref, sizeof(float) * c->T * cfg->hidden) ==
+                                          0,
+                                      "%s budget %llu prefetch %d thread %d: call %zu differs",
+                                      policies[pi], (unsigned long long)budget, pf, !ct, i);
+                    }
+                    qm_pager_stats s;
+                    qm_pager_stats_get(pg, &s);
+                    /* Every byte that came in came from the file (whole banks
+                     * and pins at creation, misses and prefetches after). */
+                    ck_assert_uint_ge(s.disk_bytes_read,
+                                      s.bytes_paged_h2d + s.bytes_loaded_at_create);
+                    ck_assert_uint_gt(s.disk_reads, 0);
+                    ck_assert_uint_eq(s.disk_errors, 0);
+                    ck_assert_uint_le(s.resident_bytes, budget);
+                    free_pager(pg, plan, &pol);
+                }
+    dcase_close(&dc);
+}
+END_TEST
+
+START_TEST(test_compute_never_reads_expert_weights_from_the_mapping)
+{
+    if (!g_have_direct)
+        return;
+    const pf_spec *sp = &fixture.spec;
+    const qm_bank_config *cfg = qm_bank_get_config(fixture.bank.bank);
+    dcase dc;
+    dcase_open(&dc, g_dir, "nomap", 24, 29);
+    qm_bank *bank = dc.bank;
+    pg_set set = dc.set;
+    uint64_t U = unit_bytes(&fixture.bank), total = (uint64_t)sp->layers * sp->experts * U;
+    uint64_t map_bytes = 0;
+    void *map = (void *)qm_bank_mapping(bank, &map_bytes);
+    float *out = dc.out;
+    const char *policies[] = {"whole_bank", "lru"};
+    for (int pi = 0; pi < 2; pi++) {
+        qm_policy pol = {0};
+        qm_residency_plan *plan = NULL;
+        /* No prefetch (its router prediction reads the router weight). */
+        qm_pager *pg = direct_pager(bank, policies[pi], pi ? 3 * U : total, 0, 0, &set, &pol,
+                                    &plan);
+        /* The mapping unreadable: a kernel reading an expert from it faults. */
+        ck_assert_int_eq(mprotect(map, map_bytes, PROT_NONE), 0);
+        qm_status st = {0};
+        for (size_t i = 0; i < set.n; i++) {
+            const pg_call *c = &set.calls[i];
+            if (!c->logits)
+                continue; /* the bank's router reads the mapping (not an expert) */
+            ck_assert_msg(run_call(pg, c, out, &st) == 0, "%s", st.msg);
+            ck_assert(memcmp(out, c->ref, sizeof(float) * c->T * cfg->hidden) == 0);
+        }
+        ck_assert_int_eq(mprotect(map, map_bytes, PROT_READ), 0);
+        free_pager(pg, plan, &pol);
+    }
+    dcase_close(&dc);
+}
+END_TEST
+
+START_TEST(test_tmpfs_falls_back_to_the_mapping_and_says_why)
+{
+    struct statfs fs;
+    if (statfs("/dev/shm", &fs) != 0 || fs.f_type != TMPFS_MAGIC) {
+        fprintf(stderr, "test_paging_disk: /dev/shm is not tmpfs; fallback check skipped\n");
+        return;
+    }
+    const qm_bank_config *cfg = qm_bank_get_config(fixture.bank.bank);
+    dcase dc;
+    dcase_open(&dc, "/dev/shm", "tmpfs", 12, 31);
+    qm_bank *bank = dc.bank;
+    pg_set set = dc.set;
+    const char *path = dc.path;
+    qm_policy pol = {0};
+    qm_residency_plan *plan = NULL;
+    qm_pager *pg = direct_pager(bank, "lru", 3 * unit_bytes(&fixture.bank), 1, 0, &set, &pol,
+                                &plan);
+    const char *why = NULL;
+    ck_assert_int_eq(qm_pager_source_info(pg, &why), QM_PAGER_SOURCE_MMAP);
+    ck_assert_msg(strstr(why, "does not support O_DIRECT") && strstr(why, path) &&
+                      strstr(why, "serving from the mapping"),
+                  "why: %s", why);
+    float *out = dc.out;
+    qm_status st = {0};
+    for (size_t i = 0; i < set.n; i++) {
+        ck_assert_int_eq(run_call(pg, &set.calls[i], out, &st), 0);
+        ck_assert(memcmp(out, set.calls[i].ref, sizeof(float) * set.calls[i].T * cfg->hidden) ==
+                  0);
+    }
+    qm_pager_stats s;
+    qm_pager_stats_get(pg, &s);
+    ck_assert_uint_eq(s.disk_bytes_read, 0);
+    /* A memory bank and mmap asked for: nothing to say. */
+    free_pager(pg, plan, &pol);
+    ck_assert_int_eq(qm_policy_new("lru", NULL, &pol, &fixture.st), 0);
+    plan = make_plan(&fixture.bank, &pol, 1, 3 * unit_bytes(&fixture.bank));
+    qm_pager_options o = {.source = QM_PAGER_SOURCE_DIRECT};
+    ck_assert_int_eq(
+        qm_pager_new(fixture.cpu, fixture.bank.bank, plan, &pol, &o, &pg, &fixture.st), 0);
+    ck_assert_int_eq(qm_pager_source_info(pg, &why), QM_PAGER_SOURCE_MMAP);
+    ck_assert_msg(strstr(why, "in memory") != NULL, "why: %s", why);
+    free_pager(pg, plan, &pol);
+    dcase_close(&dc);
+}
+END_TEST
+
+static int g_fail_at, g_reads;
+static int failing_read(void *ud, uint64_t off, uint64_t len)
+{
+    (void)ud;
+    (void)off;
+    (void)len;
+    return ++g_reads == g_fail_at ? EIO : 0;
+}
+
+START_TEST(test_a_read_error_fails_that_request_only)
+{
+    if (!g_have_direct)
+        return;
+    const qm_bank_config *cfg = qm_bank_get_config(fixture.bank.bank);
+    dcase dc;
+    dcase_open(&dc, g_dir, "eio", 18, 37);
+    qm_bank *bank = dc.bank;
+    pg_set set = dc.set;
+    const char *path = dc.path;
+    float *out = dc.out;
+    for (int ct = 0; ct < 2; ct++)
+        for (int fail_at = 1; fail_at <= 12; fail_at += 3) {
+            qm_policy pol = {0};
+            qm_residency_plan *plan = NULL;
+            qm_pager *pg = direct_pager(bank, "lru", 2 * unit_bytes(&fixture.bank), 1,
+                                        ct ? 2 : 0, &set, &pol, &plan);
+            g_reads = 0;
+            g_fail_at = fail_at;
+            qm_pager_set_read_hook(pg, failing_read, NULL);
+            int failed = 0;
+            for (size_t i = 0; i < set.n; i++) {
+                qm_status st = {0};
+                int rc = run_call(pg, &set.calls[i], out, &st);
+                if (rc) {
+                    /* That request fails cleanly, saying what happened... */
+                    ck_assert_int_eq(rc, QM_EIO);
+                    ck_assert_msg(strstr(st.msg, "Input/output error") && strstr(st.msg, path),
+                                  "%s", st.msg);
+                    failed++;
+                    /* ... and the same request succeeds when sent again. */
+                    rc = run_call(pg, &set.calls[i], out, &st);
+                    ck_assert_msg(rc == 0, "retry: %s", st.msg);
+                }
+                ck_assert(memcmp(out, set.calls[i].ref,
+                                 sizeof(float) * set.calls[i].T * cfg->hidden) == 0);
+            }
+            qm_pager_stats s;
+            qm_pager_stats_get(pg, &s);
+            ck_assert_uint_eq(s.disk_errors, 1);
+            ck_assert_int_le(failed, 1); /* a failed prefetch costs no request */
+            ck_assert_uint_le(s.resident_bytes, 2 * unit_bytes(&fixture.bank));
+            free_pager(pg, plan, &pol);
+        }
+    dcase_close(&dc);
+}
+END_TEST
+
+START_TEST(test_a_truncated_bank_file_fails_the_requests_that_read_past_its_end)
+{
+    if (!g_have_direct)
+        return;
+    const pf_spec *sp = &fixture.spec;
+    dcase dc;
+    dcase_open(&dc, g_dir, "trunc", 0, 0);
+    qm_bank *bank = dc.bank;
+    pg_set set = {0};
+    const char *path = dc.path;
+    qm_policy pol = {0};
+    qm_residency_plan *plan = NULL;
+    qm_pager *pg = direct_pager(bank, "lru", 2 * unit_bytes(&fixture.bank), 0, 0, &set, &pol,
+                                &plan);
+    /* Cut the file inside the last layer's experts. */
+    const qm_layer_view *last = qm_bank_layer(bank, sp->layers - 1);
+    uint64_t map_bytes;
+    const uint8_t *map = qm_bank_mapping(bank, &map_bytes);
+    uint64_t cut = (uint64_t)((const uint8_t *)last->t[QM_T_FC1_WEIGHT].data - map);
+    ck_assert_int_eq(truncate(path, (off_t)cut), 0);
+    uint64_t seed = 3;
+    float x[256], logits[256], out[256];
+    const qm_bank_config *cfg = qm_bank_get_config(bank);
+    for (uint32_t i = 0; i < cfg->hidden; i++)
+        x[i] = pf_uniform(&seed, -1, 1);
+    for (int round = 0; round < 2; round++) {
+        uint32_t e = (uint32_t)round;
+        pf_route_logits(cfg->experts, &e, 1, logits);
+        qm_moe_call mc = {.layer = sp->layers - 1, .dtype = QM_DTYPE_F32, .hidden = x,
+                          .n_tokens = 1, .logits = logits, .output = out};
+        qm_moe_stats ms = {0};
+        qm_status st = {0};
+        ck_assert_int_eq(qm_pager_forward(pg, &mc, &ms, &st), QM_EIO);
+        ck_assert_msg(strstr(st.msg, "truncated") != NULL, "%s", st.msg);
+        /* Layer 0 lies before the cut: still served. */
+        mc.layer = 0;
+        ck_assert_msg(qm_pager_forward(pg, &mc, &ms, &st) == 0, "%s", st.msg);
+    }
+    qm_pager_stats s;
+    qm_pager_stats_get(pg, &s);
+    ck_assert_uint_eq(s.disk_errors, 2);
+    ck_assert_uint_le(s.resident_bytes, 2 * unit_bytes(&fixture.bank));
+    free_pager(pg, plan, &pol);
+    dcase_close(&dc);
+}
+END_TEST
+
+START_TEST(test_direct_pager_resizes_and_reads_into_new_slots)
+{
+    if (!g_have_direct)
+        return;
+    const pf_spec *sp = &fixture.spec;
+    const qm_bank_config *cfg = qm_bank_get_config(fixture.bank.bank);
+    dcase dc;
+    dcase_open(&dc, g_dir, "resize", 24, 41);
+    qm_bank *bank = dc.bank;
+    pg_set set = dc.set;
+    uint64_t U = unit_bytes(&fixture.bank), total = (uint64_t)sp->layers * sp->experts * U;
+    qm_policy pol = {0};
+    qm_residency_plan *plan = NULL;
+    qm_pager *pg = direct_pager(bank, "lru", 3 * U, 1, 0, &set, &pol, &plan);
+    float *out = dc.out;
+    const uint64_t steps[] = {total, U, total / 2, 2 * U};
+    qm_status st = {0};
+    for (size_t i = 0; i < set.n; i++) {
+        if (i % 6 == 5)
+            ck_assert_int_eq(qm_pager_resize(pg, steps[(i / 6) % 4], &st), 0);
+        ck_assert_int_eq(run_call(pg, &set.calls[i], out, &st), 0);
+        ck_assert(memcmp(out, set.calls[i].ref, sizeof(float) * set.calls[i].T * cfg->hidden) ==
+                  0);
+    }
+    free_pager(pg, plan, &pol);
+    dcase_close(&dc);
+}
+END_TEST
+
+static Suite *disk_suite(void)
+{
+    Suite *s = suite_create("paging_disk");
+    TCase *tc = tcase_create("disk");
+    tcase_add_checked_fixture(tc, pg_fixture_setup, pg_fixture_teardown);
+    tcase_set_timeout(tc, 120);
+    tcase_add_test(tc, test_direct_reads_give_bitwise_whole_bank_outputs);
+    tcase_add_test(tc, test_compute_never_reads_expert_weights_from_the_mapping);
+    tcase_add_test(tc, test_tmpfs_falls_back_to_the_mapping_and_says_why);
+    tcase_add_test(tc, test_a_read_error_fails_that_request_only);
+    tcase_add_test(tc, test_a_truncated_bank_file_fails_the_requests_that_read_past_its_end);
+    tcase_add_test(tc, test_direct_pager_resizes_and_reads_into_new_slots);
+    suite_add_tcase(s, tc);
+    return s;
+}
+
+int main(void)
+{
+    find_direct_dir();
+    SRunner *sr = srunner_create(disk_suite());
+    srunner_run_all(sr, CK_NORMAL);
+    int failed = srunner_ntests_failed(sr);
+    srunner_free(sr);
+    return failed ? EXIT_FAILURE : EXIT_SUCCESS;
+}
