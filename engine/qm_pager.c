@@ -498,6 +498,9 @@ int qm_pager_new(qm_backend *backend, const qm_bank *bank, const qm_residency_pl
     p->source.ctx = p;
     p->source.acquire = qm__source_acquire;
     p->source.release = qm__source_release;
+    rc = qm__hybrid_start(p, st);
+    if (rc)
+        goto fail;
     p->stats.budget_bytes = p->budget;
     p->stats.arena_bytes = arena_bytes;
     p->stats.slot_bytes = sz.slot_size;
@@ -521,6 +524,7 @@ void qm_pager_free(qm_pager *p)
         return;
     qm__pager_copy_stop(p);
     qm__pager_trace_close(p);
+    qm__hybrid_stop(p);
     if (p->backend && p->slots) {
         /* Land every device copy before the arena goes away. */
         for (uint32_t s = 0; s < p->n_slots; s++)
@@ -547,8 +551,8 @@ void qm_pager_free(qm_pager *p)
 
 /* ---- The expert source ---------------------------------------------------------- */
 
-static void qm__fill_weights(const qm__layer *L, const uint8_t *unit_base, uint32_t e,
-                             int from_slot, qm_expert_weights *w)
+void qm__fill_weights(const qm__layer *L, const uint8_t *unit_base, uint32_t e, int from_slot,
+                      qm_expert_weights *w)
 {
     for (int t = 0; t < QM_T_EXPERT_COUNT; t++) {
         if (!L->view->t[t].present) {
@@ -741,8 +745,14 @@ int qm_pager_forward(qm_pager *p, const qm_moe_call *call, qm_moe_stats *mstats,
         }
         c.route_experts = p->route_buf;
     }
+    qm_moe_stats local;
+    if (!mstats)
+        mstats = &local;
     int rc = qm__moe_forward(p->backend, p->bank, &c, &p->source, p->scratch, mstats, st);
     if (rc || call->n_tokens == 0 || call->layer >= p->n_layers)
+        return rc;
+    rc = qm__hybrid_observe(p, mstats, st);
+    if (rc)
         return rc;
     qm__pager_history_record(p, call->layer, c.route_experts, need);
     if (p->trace)

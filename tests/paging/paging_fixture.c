@@ -6,6 +6,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 #include "qm_alloc.h"
 #include "qm_backend_impl.h"
@@ -141,14 +142,37 @@ void pf_route_logits(uint32_t E, const uint32_t *experts, uint32_t n, float *log
 
 /* ---- The fake device ---------------------------------------------------------- */
 
+static double pf_now_us(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec * 1e6 + (double)ts.tv_nsec / 1e3;
+}
+
+/* Sleeps most of the way, then spins: a modelled copy of a few microseconds
+ * must not cost a scheduler tick. */
+static void pf_sleep_until(double t_us)
+{
+    double left;
+    while ((left = t_us - pf_now_us()) > 0) {
+        if (left > 200) {
+            struct timespec ts = {0, (long)((left - 100) * 1e3)};
+            nanosleep(&ts, NULL);
+        }
+    }
+}
+
 typedef struct pf_copy {
     void *dst;
     const void *src;
     uint64_t bytes;
+    double land_us; /* modelled landing time */
 } pf_copy;
 
 typedef struct pf_dev {
     qm_backend *cpu;
+    pf_dev_model model;
+    double stream_us; /* when the last copy issued lands (modelled) */
     pthread_mutex_t mu;
     pf_copy *pending;
     size_t n, cap;
@@ -197,7 +221,14 @@ static int dev_copy(void *vctx, void *dst, const void *src, uint64_t bytes, qm_f
         d->pending = p;
         d->cap = cap;
     }
-    d->pending[d->n++] = (pf_copy){dst, src, bytes};
+    double land = 0;
+    if (d->model.gbps > 0) {
+        double now = pf_now_us();
+        land = (d->stream_us > now ? d->stream_us : now) + (double)bytes / (d->model.gbps * 1e3) +
+               d->model.latency_us;
+        d->stream_us = land;
+    }
+    d->pending[d->n++] = (pf_copy){dst, src, bytes, land};
     fence->seq = ++d->issued;
     fence->handle = d;
     pthread_mutex_unlock(&d->mu);
@@ -215,6 +246,7 @@ static int dev_fence_wait(void *vctx, qm_fence *fence, qm_status *st)
         size_t todo = (size_t)(fence->seq - d->landed);
         for (size_t i = 0; i < todo; i++)
             memcpy(d->pending[i].dst, d->pending[i].src, d->pending[i].bytes);
+        pf_sleep_until(d->pending[todo - 1].land_us);
         memmove(d->pending, d->pending + todo, (d->n - todo) * sizeof *d->pending);
         d->n -= todo;
         d->landed = fence->seq;
@@ -257,12 +289,18 @@ static const qm_backend_iface pf_dev_iface = {
 
 int pf_fake_device_new(qm_backend **out)
 {
+    return pf_fake_device_new_model(&(pf_dev_model){.threads = 1}, out);
+}
+
+int pf_fake_device_new_model(const pf_dev_model *model, qm_backend **out)
+{
     pf_dev *d = calloc(1, sizeof *d);
     if (!d)
         return QM_ENOMEM;
+    d->model = *model;
     pthread_mutex_init(&d->mu, NULL);
     qm_status st;
-    int rc = qm_backend_cpu_new(1, &d->cpu, &st);
+    int rc = qm_backend_cpu_new(model->threads ? model->threads : 1, &d->cpu, &st);
     if (rc) {
         dev_destroy(d);
         return rc;

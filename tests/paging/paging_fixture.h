@@ -39,4 +39,15 @@ void pf_route_logits(uint32_t E, const uint32_t *experts, uint32_t n, float *log
  * fence is waited, so a missing wait shows up as wrong output. */
 int pf_fake_device_new(qm_backend **out);
 
+/* The same fake device with a cost model: its CPU backend has `threads`
+ * workers (0 = 1), and each copy takes bytes / gbps + latency_us on an
+ * in-order stream (a copy starts when issued or when the one before it
+ * lands, whichever is later), enforced by sleeping in the fence wait until
+ * the modelled landing time. gbps 0: copies cost nothing (as above). */
+typedef struct pf_dev_model {
+    uint32_t threads;
+    double gbps, latency_us;
+} pf_dev_model;
+int pf_fake_device_new_model(const pf_dev_model *model, qm_backend **out);
+
 #endif
