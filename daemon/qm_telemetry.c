@@ -111,6 +111,10 @@ static const metric_def metrics[] = {
     {"prefetch_issued", "Experts copied in by prefetch.", 1, COFF(prefetch_issued)},
     {"prefetch_useful", "Prefetched experts used before eviction.", 1, COFF(prefetch_useful)},
     {"resident_bytes", "Expert-weight bytes resident now.", 0, COFF(resident_bytes)},
+    {"expert_host_runs",
+     "Expert accesses run on the host CPU from the bank mapping instead of being paged in "
+     "(policy_params.on_miss host or auto).",
+     1, COFF(expert_host_runs)},
 };
 
 static uint64_t counter_at(const qm_counters *c, const metric_def *m)

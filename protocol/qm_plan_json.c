@@ -119,6 +119,15 @@ int qm_plan_to_json_ex(const qm_residency_plan *plan, const qm_plan_json_state *
     if (state && state->has_resident_bytes &&
         add(root, "resident_bytes", u64_item(state->resident_bytes)))
         goto fail_build;
+    if (state && state->on_miss) {
+        cJSON *ex = cJSON_CreateObject();
+        if (add(root, "execution", ex) ||
+            add(ex, "on_miss", cJSON_CreateString(state->on_miss)) ||
+            add(ex, "expert_hits", u64_item(state->expert_hits)) ||
+            add(ex, "expert_misses", u64_item(state->expert_misses)) ||
+            add(ex, "expert_host_runs", u64_item(state->expert_host_runs)))
+            goto fail_build;
+    }
     cJSON *banks = cJSON_CreateArray();
     if (add(root, "banks", banks)) goto fail_build;
     for (size_t i = 0; i < qm_plan_total(plan); i++) {

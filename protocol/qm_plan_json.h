@@ -27,6 +27,10 @@ typedef struct qm_plan_json_state {
     size_t n_banks;
     int has_resident_bytes; /* 1: adds "resident_bytes" after "degraded" */
     uint64_t resident_bytes;
+    /* Non-NULL: adds "execution": {"on_miss", "expert_hits", "expert_misses",
+     * "expert_host_runs"} after "resident_bytes" (hybrid execution). */
+    const char *on_miss;
+    uint64_t expert_hits, expert_misses, expert_host_runs;
 } qm_plan_json_state;
 
 /* Writes the plan as JSON. *out is a NUL-terminated string the caller owns
