@@ -68,6 +68,10 @@ static int qm__layout(qm_backend *be, const qm_bank *bank, const qm_residency_pl
         }
         L->unit_bytes = v->bytes_per_expert;
         L->unit_span = off;
+        if (opt && opt->layer_mask && !opt->layer_mask[l]) {
+            L->absent = 1; /* another device's: neither whole nor paged here */
+            continue;
+        }
         const qm_plan_bank *pb = qm_plan_find_bank(plan, l);
         if (!pb || pb->decision.kind != QM_DECISION_PER_EXPERT) {
             L->paged = 0;
@@ -136,9 +140,13 @@ static uint64_t qm__min_budget(const qm__sizing *sz)
 
 /* The budget travels in one place, the plan: with none, room for every
  * expert (the "whole model"). */
-static void qm__budget_in_force(const qm_residency_plan *plan, int *has, uint64_t *budget)
+static void qm__budget_in_force(const qm_residency_plan *plan, const qm_pager_options *opt,
+                                int *has, uint64_t *budget)
 {
-    if (qm_plan_has_budget(plan)) {
+    if (opt->budget_bytes) {
+        *has = 1;
+        *budget = opt->budget_bytes;
+    } else if (qm_plan_has_budget(plan)) {
         *has = 1;
         *budget = qm_plan_budget(plan);
     } else {
@@ -304,7 +312,7 @@ static int qm__load_whole(qm_pager *p, uint64_t *arena_off, uint64_t align, qm_s
     int copy_whole = qm__copies_whole(&p->opt, p->backend);
     for (uint32_t l = 0; l < p->n_layers; l++) {
         qm__layer *L = &p->layers[l];
-        if (L->paged)
+        if (L->paged || L->absent)
             continue;
         int rc = qm__pager_account_alloc(p, L->whole_bytes, st);
         if (rc)
@@ -418,7 +426,7 @@ int qm_pager_new(qm_backend *backend, const qm_bank *bank, const qm_residency_pl
     rc = qm__layout(backend, bank, plan, &p->opt, p->layers, &sz, 1, st);
     if (rc)
         goto fail;
-    qm__budget_in_force(plan, &p->has_budget, &p->budget);
+    qm__budget_in_force(plan, &p->opt, &p->has_budget, &p->budget);
     uint64_t min = qm__min_budget(&sz);
     if (p->has_budget && p->budget < min) {
         rc = qm_status_set_field(
@@ -613,6 +621,9 @@ static int qm__source_acquire(void *ctx, uint32_t layer, const uint32_t *experts
         return qm_status_set(st, QM_EINVAL, "layer %u out of range (%u layers)", layer,
                              p->n_layers);
     qm__layer *L = &p->layers[layer];
+    if (L->absent)
+        return qm_status_set_field(st, QM_EINVAL, "layer",
+                                   "layer %u is placed on another device", layer);
     for (size_t i = 0; i < n; i++)
         if (experts[i] >= L->n_experts)
             return qm_status_set(st, QM_EINVAL, "expert %u out of range (%u experts)",
@@ -732,6 +743,9 @@ int qm_pager_forward(qm_pager *p, const qm_moe_call *call, qm_moe_stats *mstats,
 {
     if (!p || !call)
         return qm_status_set(st, QM_EINVAL, "qm_pager_forward: NULL argument");
+    if (call->layer < p->n_layers && p->layers[call->layer].absent)
+        return qm_status_set_field(st, QM_EINVAL, "layer", "layer %u is placed on another device",
+                                   call->layer);
     qm_moe_call c = *call;
     uint32_t route_k = qm_moe_call_k(p->cfg, call);
     size_t need = (size_t)call->n_tokens * route_k;
@@ -787,7 +801,7 @@ int qm_pager_resident_experts(const qm_pager *p, uint32_t layer, uint32_t *out, 
         return QM_EINVAL;
     const qm__layer *L = &p->layers[layer];
     size_t n = 0;
-    for (uint32_t e = 0; e < L->n_experts; e++) {
+    for (uint32_t e = 0; e < L->n_experts && !L->absent; e++) {
         if (L->paged && L->slot_of[e] < 0)
             continue;
         if (out && n < cap)

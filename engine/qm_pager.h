@@ -65,6 +65,14 @@ typedef struct qm_pager_options {
      * (0 = every core) that the pager makes and owns. */
     qm_backend *host_backend;
     uint32_t host_threads;
+    /* Several devices (qm_placement.h): [layers] 1 for the layers this
+     * pager serves, NULL = all. The others are absent here: nothing of
+     * theirs is loaded, accounted or paged, and a forward call for one is
+     * QM_EINVAL. */
+    const uint8_t *layer_mask;
+    /* The budget this pager keeps, in place of the plan's (0 = the plan's):
+     * a device's share of the session's budget. */
+    uint64_t budget_bytes;
 } qm_pager_options;
 
 enum { QM_ON_MISS_PAGE = 0, QM_ON_MISS_HOST = 1, QM_ON_MISS_AUTO = 2 };

@@ -49,6 +49,7 @@ typedef struct qm__slot {
 typedef struct qm__layer {
     const qm_layer_view *view;
     int paged;
+    int absent; /* served by another device's pager (opt.layer_mask) */
     uint32_t n_experts;
     uint64_t slice[QM_T_EXPERT_COUNT];    /* one expert's bytes per tensor (0 if absent) */
     uint64_t unit_off[QM_T_EXPERT_COUNT]; /* offset of each slice inside a slot */
