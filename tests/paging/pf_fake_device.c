@@ -174,3 +174,77 @@ int pf_fake_device_new_model(const pf_dev_model *model, qm_backend **out)
     }
     return qm__backend_wrap(&pf_dev_iface, d, out, &st);
 }
+
+/* ---- A slowed host ---------------------------------------------------------- */
+
+typedef struct pf_slow {
+    qm_backend *cpu;
+    double slowdown;
+} pf_slow;
+
+static int slow_info(void *ctx, qm_device_info *out)
+{
+    (void)ctx;
+    memset(out, 0, sizeof *out);
+    snprintf(out->name, sizeof out->name, "slowed host (modelled)");
+    snprintf(out->kind, sizeof out->kind, "cpu");
+    out->total_bytes = out->free_bytes = 1ull << 32;
+    return 0;
+}
+
+static int slow_copy(void *ctx, void *dst, const void *src, uint64_t bytes, qm_fence *fence,
+                     qm_status *st)
+{
+    (void)ctx;
+    (void)fence;
+    (void)st;
+    memcpy(dst, src, bytes);
+    return 0;
+}
+
+static int slow_run(void *vctx, const qm_expert_batch *batch, qm_status *st)
+{
+    pf_slow *s = vctx;
+    double t0 = pf_now_us();
+    int rc = qm_backend_run_experts(s->cpu, batch, st);
+    double t1 = pf_now_us();
+    pf_sleep_until(t1 + (s->slowdown - 1.0) * (t1 - t0));
+    return rc;
+}
+
+static void slow_destroy(void *vctx)
+{
+    pf_slow *s = vctx;
+    if (!s)
+        return;
+    qm_backend_free(s->cpu);
+    free(s);
+}
+
+static const qm_backend_iface pf_slow_iface = {
+    .version = QM_BACKEND_IFACE_VERSION,
+    .name = "slow_host",
+    .host_visible = 1,
+    .alignment = 64,
+    .info = slow_info,
+    .arena_alloc = dev_arena_alloc,
+    .arena_release = dev_arena_release,
+    .copy_h2d = slow_copy,
+    .run_experts = slow_run,
+    .destroy = slow_destroy,
+};
+
+int pf_slow_host_new(double slowdown, uint32_t threads, qm_backend **out)
+{
+    pf_slow *s = calloc(1, sizeof *s);
+    if (!s)
+        return QM_ENOMEM;
+    s->slowdown = slowdown < 1 ? 1 : slowdown;
+    qm_status st;
+    int rc = qm_backend_cpu_new(threads ? threads : 1, &s->cpu, &st);
+    if (rc) {
+        slow_destroy(s);
+        return rc;
+    }
+    return qm__backend_wrap(&pf_slow_iface, s, out, &st);
+}

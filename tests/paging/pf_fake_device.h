@@ -24,4 +24,10 @@ typedef struct pf_dev_model {
 } pf_dev_model;
 int pf_fake_device_new_model(const pf_dev_model *model, qm_backend **out);
 
+/* A host-visible backend (arenas and copies are host memory and memcpy)
+ * whose compute is the CPU kernels on `threads` workers, then a sleep of
+ * (slowdown - 1) times what they took: a host modelled `slowdown` times
+ * slower than a device that runs the same kernels (bench/hybrid). */
+int pf_slow_host_new(double slowdown, uint32_t threads, qm_backend **out);
+
 #endif
