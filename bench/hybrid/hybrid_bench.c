@@ -232,7 +232,7 @@ int main(int argc, char **argv)
     const qm_bank_config *cfg = qm_bank_get_config(bank);
     uint64_t unit = qm_bank_layer(bank, 0)->bytes_per_expert;
     printf("hybrid_bench: bank %s: %u layers x %u experts (top-%u), hidden %u, %.2f MiB per expert; "
-           "emulated device: copy = bytes / %.1f GB/s + %.0f us (%.0f us per expert), compute on %u "
+           "emulated device: copy = bytes / %.3g GB/s + %.0f us (%.0f us per expert), compute on %u "
            "CPU thread(s); host: the same kernels on %u thread(s), modelled %.1fx slower (sleep); lru, "
            "prefetch off; %u reps, median\n\n",
            path, cfg->layers, cfg->experts, cfg->k, cfg->hidden, (double)unit / 1048576.0, gbps,
@@ -275,6 +275,12 @@ int main(int argc, char **argv)
                    (double)a->hits / (double)n, (double)a->misses / (double)n,
                    (double)a->host_runs / (double)n);
             (void)calls;
+            if (getenv("HYBRID_BENCH_MODEL"))
+                fprintf(stderr, "  auto model: copy %.0f us, host %.0f + %.1f/row us, device %.0f + "
+                                "%.1f/row us\n",
+                        a->model_copy_us, a->model_host_us - a->model_host_row_us,
+                        a->model_host_row_us, a->model_dev_us - a->model_dev_row_us,
+                        a->model_dev_row_us);
             free_calls(&c);
         }
     }
