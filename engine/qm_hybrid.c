@@ -9,10 +9,10 @@
  *
  *   host: every expert not resident (nor in flight) now runs on the host;
  *         nothing is copied on demand (prefetch still is, when on).
- *   auto: per expert and call, the host when its modelled time for the
- *         expert's rows is below copy + device time (Fiddler's rule,
- *         arXiv 2402.07033), else a demand copy whose victim the policy
- *         chooses as always. An expert run on the host is still an access
+ *   auto: per expert and call, a demand copy (victim chosen by the policy
+ *         as always) when copy + device time for the expert's rows is below
+ *         0.9x the host's modelled time (Fiddler's rule, arXiv 2402.07033,
+ *         with a margin against noisy estimates), else the host. An expert run on the host is still an access
  *         the policy sees, and after the call is admitted into a free slot
  *         (an asynchronous copy, never an eviction) so that free room fills
  *         with what is used.
@@ -34,6 +34,11 @@
 #define QM__RATIO_MIN 0.25 /* one call moves the model by at most 4x */
 #define QM__RATIO_MAX 4.0
 #define QM__MIN_PRED_US 1.0 /* below this a prediction is noise: not refreshed */
+/* auto pages only when copy + device is below this share of the host's
+ * time: the three estimates are noisy (a call's measure moves them), and
+ * where host and device cost about the same a coin-flip page costs a copy
+ * for nothing, while a host run declined wrongly costs at most the margin. */
+#define QM__PAGE_MARGIN 0.9
 
 static const char *const qm__on_miss_names[] = {"page", "host", "auto"};
 
@@ -108,7 +113,7 @@ static int qm__split(void *ctx, uint32_t layer, uint32_t n_tokens, const uint32_
             continue; /* resident: the device runs it */
         }
         double host = qm__cost(&h->host, r);
-        if (p->opt.on_miss == QM_ON_MISS_AUTO && host >= h->copy_us + dev) {
+        if (p->opt.on_miss == QM_ON_MISS_AUTO && h->copy_us + dev < QM__PAGE_MARGIN * host) {
             h->pred_dev_us += dev;
             h->pred_misses++;
             continue; /* paging wins: a demand miss */
