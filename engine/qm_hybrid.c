@@ -30,9 +30,9 @@
 #include "qm_pager_impl.h"
 
 #define QM__CAL_ROWS 16u
-#define QM__SMOOTH 0.25   /* weight of one call's measure */
-#define QM__RATIO_MIN 0.25 /* one call moves the model by at most 4x */
-#define QM__RATIO_MAX 4.0
+#define QM__SMOOTH 0.1 /* weight of one call's measure */
+#define QM__RATIO_MIN 0.5 /* one call's measure counts as at most 2x off */
+#define QM__RATIO_MAX 2.0
 #define QM__MIN_PRED_US 1.0 /* below this a prediction is noise: not refreshed */
 /* auto pages only when copy + device is below this share of the host's
  * time: the three estimates are noisy (a call's measure moves them), and
