@@ -9,6 +9,8 @@
 #include <string.h>
 
 #include "paging_helpers.h"
+#include "qm_alloc.h"
+#include "qm_placement.h"
 
 typedef struct hy_case {
     qm_backend *be;
@@ -192,6 +194,98 @@ START_TEST(test_on_miss_names_round_trip_and_bad_value_refused)
 }
 END_TEST
 
+/* ---- Allocation failures ------------------------------------------------------------ */
+
+static unsigned long g_alloc_n, g_fail_at;
+static int g_failed;
+static void *fail_malloc(size_t n, void *ud)
+{
+    (void)ud;
+    if (++g_alloc_n == g_fail_at) {
+        g_failed = 1;
+        return NULL;
+    }
+    return malloc(n);
+}
+static void *fail_realloc(void *p, size_t n, void *ud)
+{
+    (void)ud;
+    if (++g_alloc_n == g_fail_at) {
+        g_failed = 1;
+        return NULL;
+    }
+    return realloc(p, n);
+}
+static void fail_free(void *p, void *ud)
+{
+    (void)ud;
+    free(p);
+}
+static const qm_alloc_hooks fail_hooks = {fail_malloc, fail_realloc, fail_free, NULL};
+
+/* One session on two fake devices with on_miss auto (calibration, host runs,
+ * admissions, a pager per device), a few calls; the Nth allocation fails.
+ * Returns 1 when nothing failed (N past the last allocation). */
+static int run_failing(const pg_set *set, unsigned long fail_at)
+{
+    const pf_bank *b = &fixture.bank;
+    qm_backend *dev[2] = {NULL, NULL};
+    ck_assert_int_eq(pf_fake_device_new(&dev[0]), 0);
+    ck_assert_int_eq(pf_fake_device_new(&dev[1]), 0);
+    qm_policy pol = {0};
+    new_policy("lru", b, set, &pol);
+    uint64_t total = qm_bank_expert_bytes_total(b->bank);
+    qm_residency_plan *plan = make_plan(b, &pol, 1, total / 2);
+    qm_status st = {0};
+    qm_placement pl = {0};
+    qm_multipager *mp = NULL;
+    qm_pager_options o = {.on_miss = QM_ON_MISS_AUTO, .host_backend = fixture.cpu,
+                          .no_preload = 1, .prefetch = 1};
+    g_alloc_n = 0;
+    g_fail_at = fail_at;
+    g_failed = 0;
+    qm_alloc_set_hooks(&fail_hooks);
+    int rc = qm_placement_make(b->bank, 2, NULL, total / 2, &pl, &st);
+    if (rc == 0)
+        rc = qm_multipager_new(dev, b->bank, plan, &pol, &o, &pl, &mp, &st);
+    const uint32_t H = qm_bank_get_config(b->bank)->hidden;
+    float out[8 * 64];
+    ck_assert_uint_le(H, 64);
+    for (size_t i = 0; rc == 0 && i < 6; i++) {
+        const pg_call *c = &set->calls[i];
+        qm_moe_call mc = {.layer = c->layer, .dtype = QM_DTYPE_F32, .hidden = c->x,
+                          .n_tokens = c->T, .logits = c->logits, .output = out};
+        rc = qm_multipager_forward(mp, &mc, NULL, &st);
+        if (rc == 0)
+            ck_assert_msg(memcmp(out, c->ref, sizeof(float) * c->T * H) == 0, "call %zu differs",
+                          i);
+    }
+    qm_alloc_set_hooks(NULL);
+    if (rc)
+        ck_assert_msg(g_failed && rc == QM_ENOMEM, "fail at %lu: rc %d (%s)", fail_at, rc,
+                      st.msg);
+    int clean = !g_failed;
+    qm_multipager_free(mp);
+    qm_placement_free(&pl);
+    qm_plan_free(plan);
+    qm_policy_destroy(&pol);
+    qm_backend_free(dev[0]);
+    qm_backend_free(dev[1]);
+    return clean;
+}
+
+START_TEST(test_every_allocation_failure_is_enomem_and_leaks_nothing)
+{
+    pg_set set;
+    make_calls(&fixture.bank, fixture.cpu, 6, 41, &set);
+    unsigned long n = 1;
+    while (!run_failing(&set, n))
+        n++;
+    ck_assert_uint_gt(n, 10); /* it did walk through the allocations */
+    free_calls(&set);
+}
+END_TEST
+
 static Suite *hybrid_suite(void)
 {
     Suite *s = suite_create("paging_hybrid");
@@ -203,6 +297,7 @@ static Suite *hybrid_suite(void)
     tcase_add_test(tc, test_auto_sends_misses_to_host_when_copies_are_slow);
     tcase_add_test(tc, test_auto_pages_when_the_model_says_copies_are_cheap);
     tcase_add_test(tc, test_on_miss_names_round_trip_and_bad_value_refused);
+    tcase_add_test(tc, test_every_allocation_failure_is_enomem_and_leaks_nothing);
     suite_add_tcase(s, tc);
     return s;
 }
