@@ -399,13 +399,13 @@ START_TEST(test_cuda_rule_banks_and_supplied_routing_route_on_the_host)
         qm_status st = {0};
         ck_assert_int_eq(qm_backend_cuda_stats(cuda, &s0), 0);
         call.output = o_dev;
-        ck_assert_msg(qm__moe_forward_layer(cuda, &L.cfg, &L.lv, &call, &dsrc, NULL, &st) == 0,
+        ck_assert_msg(qm__moe_forward_layer(cuda, &L.cfg, &L.lv, &call, &dsrc, NULL, NULL, &st) == 0,
                       "%s", st.msg);
         ck_assert_int_eq(qm_backend_cuda_stats(cuda, &s1), 0);
         ck_assert_uint_eq(s1.routes, s0.routes); /* not routed on the device */
         ck_assert_int_eq(D.acquired, D.released);
         call.output = o_cpu;
-        ck_assert_msg(qm__moe_forward_layer(cpu, &L.cfg, &L.lv, &call, &csrc, NULL, &st) == 0,
+        ck_assert_msg(qm__moe_forward_layer(cpu, &L.cfg, &L.lv, &call, &csrc, NULL, NULL, &st) == 0,
                       "%s", st.msg);
         double e = rel_err(o_dev, o_cpu, TH);
         printf("route: %s on the CUDA backend (host-routed) vs cpu %.3g\n",
