@@ -63,7 +63,8 @@ typedef struct qm_expert_source {
     void (*release)(void *ctx, uint32_t layer, const uint32_t *experts, size_t n);
     /* (optional) Hybrid execution (docs/PAGING.md): called once per layer
      * call, after the grouping and before any acquire, with the call's
-     * experts (ascending) and their routed rows; sets on_host[i] = 1 for
+     * experts[0..n) (ascending) and rows[e], the routes of expert e
+     * ([E], indexed by expert id); sets on_host[i] = 1 for
      * the experts that run on `host` straight from the bank mapping instead
      * of being acquired. With it the call is routed and combined on the
      * host whatever the backend (route order, as always). NULL: every

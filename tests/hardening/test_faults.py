@@ -42,10 +42,7 @@ from hardening import Daemon, make_bank, tensor
 
 SESSIONS = ({"model": "small"},
             {"model": "small", "policy": "lru", "budget_bytes": 20000},  # pages on demand
-            {"model": "small", "policy": "static_hot", "budget_bytes": 30000},
-            # hybrid execution: auto's calibration, host runs, admissions
-            {"model": "small", "policy": "lru", "budget_bytes": 20000,
-             "policy_params": {"on_miss": "auto", "prefetch": False}})
+            {"model": "small", "policy": "static_hot", "budget_bytes": 30000})
 CLASSES = ("worker", "loop", "engine")
 MAX_POINTS = int(os.environ.get("QMOE_FAULT_POINTS", "0")) or None
 TRIES = 4
@@ -160,13 +157,8 @@ def script(dm, cls, tally):
                 out = cl.call("session.infer", {"session": sid, "layer": layer, "hidden": x(rows)})
                 outs.append(out["output"])
             plan = cl.call("session.plan", {"session": sid})
-            # Access counts include attempts that failed and were retried;
-            # auto's residency follows measured times: neither is compared.
+            # Access counts include attempts that failed and were retried.
             plan.pop("execution", None)
-            if params.get("policy_params", {}).get("on_miss") == "auto":
-                plan.pop("resident_bytes", None)
-                for b in plan["banks"]:
-                    b.pop("resident_now", None)
             outs.append(json.dumps(plan, sort_keys=True))
             cl.call("session.close", {"session": sid}, lost_ok=-32001)
         cl.call("model.load", {"name": "extra", "path": dm.bank_path}, lost_ok=-32008)
