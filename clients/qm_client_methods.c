@@ -394,6 +394,7 @@ void qm_client_plan_free(qm_client_plan *p)
     }
     qm_free(p->banks);
     qm_free(p->policy);
+    qm_free(p->on_miss);
     memset(p, 0, sizeof(*p));
 }
 
@@ -450,6 +451,14 @@ int qm_client_session_plan(qm_client *c, const char *session, qm_client_plan *ou
     out->resident = qm__u64(r, "resident");
     out->degraded = qm__u64(r, "degraded");
     out->resident_bytes = qm__opt_count(r, "resident_bytes");
+    const qm_cval *ex = qm_cval_get(r, "execution");
+    if (ex && ex->type == QM_CVAL_OBJECT) {
+        if (qm__client_dup_member(ex, "on_miss", &out->on_miss) < 0)
+            goto fail_nomem;
+        out->expert_hits = qm__u64(ex, "expert_hits");
+        out->expert_misses = qm__u64(ex, "expert_misses");
+        out->expert_host_runs = qm__u64(ex, "expert_host_runs");
+    }
     out->banks = qm_calloc(banks->count ? banks->count : 1, sizeof(*out->banks));
     if (!out->banks || qm__client_dup_member(r, "policy", &out->policy) < 0)
         goto fail_nomem;
@@ -635,6 +644,7 @@ static void qm__counters_from(const qm_cval *o, qm_client_counters *k)
     k->prefetch_issued = qm__u64(o, "prefetch_issued");
     k->prefetch_useful = qm__u64(o, "prefetch_useful");
     k->resident_bytes = qm__u64(o, "resident_bytes");
+    k->expert_host_runs = qm__u64(o, "expert_host_runs");
     k->p50_us = qm__dbl(o, "p50_us");
     k->p99_us = qm__dbl(o, "p99_us");
 }

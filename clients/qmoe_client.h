@@ -154,6 +154,9 @@ typedef struct qm_client_plan {
     char *policy;
     uint64_t budget_bytes, total, resident, degraded;
     int64_t resident_bytes; /* expert bytes resident now; -1 when not reported */
+    /* "execution" (hybrid execution): on_miss NULL when not reported. */
+    char *on_miss;
+    uint64_t expert_hits, expert_misses, expert_host_runs;
     qm_client_plan_bank *banks;
     size_t n_banks;
 } qm_client_plan;
@@ -259,6 +262,7 @@ int qm_client_session_infer_mapped(qm_client *c, const qm_client_mapped_infer *r
 typedef struct qm_client_counters {
     uint64_t requests, errors, tokens, expert_hits, expert_misses, bytes_paged_h2d;
     uint64_t evictions, prefetch_issued, prefetch_useful, resident_bytes;
+    uint64_t expert_host_runs; /* 0 from a daemon without hybrid execution */
     double p50_us, p99_us;
 } qm_client_counters;
 

@@ -147,6 +147,10 @@ int qmoectl_cmd_plan(qm_client *c, const qmoectl_args *a)
                          : "-");
     if (!res_known)
         printf("(RES-NOW ?: this daemon does not report which experts are resident per bank)\n");
+    if (p.on_miss)
+        printf("on a miss: %s; experts %llu hit, %llu paged in, %llu run on the host\n",
+               p.on_miss, (unsigned long long)p.expert_hits, (unsigned long long)p.expert_misses,
+               (unsigned long long)p.expert_host_runs);
     qm_client_plan_free(&p);
     return QMOECTL_OK;
 }
@@ -163,9 +167,11 @@ static void counters_row(qmoectl_table *t, const char *who, const char *model,
     qmoectl_table_cell(t, "%llu", (unsigned long long)k->errors);
     qmoectl_table_cell(t, "%llu", (unsigned long long)k->tokens);
     qmoectl_table_cell(t, "%s", qmoectl_percent((double)k->expert_hits,
-                                                (double)(k->expert_hits + k->expert_misses), hr,
-                                                sizeof(hr)));
+                                                (double)(k->expert_hits + k->expert_misses +
+                                                         k->expert_host_runs),
+                                                hr, sizeof(hr)));
     qmoectl_table_cell(t, "%llu", (unsigned long long)k->expert_misses);
+    qmoectl_table_cell(t, "%llu", (unsigned long long)k->expert_host_runs);
     qmoectl_table_cell(t, "%s", B(k->bytes_paged_h2d, paged));
     qmoectl_table_cell(t, "%llu", (unsigned long long)k->evictions);
     qmoectl_table_cell(t, "%llu/%llu", (unsigned long long)k->prefetch_useful,
@@ -188,9 +194,9 @@ static int telemetry_once(qm_client *c, const char *session, int json)
     if (qm_client_telemetry_get(c, session, &tm, &err) < 0)
         return qmoectl_fail(&err);
     static const char *const hdr[] = {"SESSION",   "MODEL",  "REQUESTS",  "ERRORS", "TOKENS",
-                                      "HIT-RATE",  "MISSES", "PAGED",     "EVICTED",
-                                      "PREFETCH",  "RESIDENT", "P50",     "P99"};
-    qmoectl_table *t = qmoectl_table_new(13, hdr);
+                                      "HIT-RATE",  "MISSES", "ON-HOST",   "PAGED",
+                                      "EVICTED",   "PREFETCH", "RESIDENT", "P50",   "P99"};
+    qmoectl_table *t = qmoectl_table_new(14, hdr);
     if (tm.has_daemon)
         counters_row(t, "(daemon)", NULL, &tm.daemon);
     for (size_t i = 0; i < tm.n_sessions; i++)

@@ -733,6 +733,8 @@ static void account_infer(qm_daemon *d, qm_session *s, qm_job *job)
     dc->expert_hits += hits;
     sc->expert_misses += misses;
     dc->expert_misses += misses;
+    sc->expert_host_runs += now->host_runs - was->host_runs;
+    dc->expert_host_runs += now->host_runs - was->host_runs;
     sc->bytes_paged_h2d += paged;
     dc->bytes_paged_h2d += paged;
     sc->evictions += ev;

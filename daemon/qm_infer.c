@@ -139,6 +139,7 @@ void qm_job_run(qm_job *job)
     qm_jw_u64(&w, job->pstats.hits - before.hits + (job->pstats.whole_bank_accesses -
                                                     before.whole_bank_accesses));
     qm_jw_member_u64(&w, "misses", job->pstats.misses - before.misses);
+    qm_jw_member_u64(&w, "host_runs", job->pstats.host_runs - before.host_runs);
     qm_jw_member_u64(&w, "bytes_paged", job->pstats.bytes_paged_h2d - before.bytes_paged_h2d);
     qm_jw_member_u64(&w, "bytes_read_disk",
                      job->pstats.disk_bytes_read - before.disk_bytes_read);
@@ -216,6 +217,10 @@ int qm_session_plan_json(qm_session *s, char **json, size_t *len, qm_status *st)
         qm_pager_stats_get(s->pager, &ps);
         state.has_resident_bytes = 1;
         state.resident_bytes = ps.resident_bytes;
+        state.on_miss = qm_on_miss_name(s->pager_options.on_miss);
+        state.expert_hits = ps.hits + ps.whole_bank_accesses;
+        state.expert_misses = ps.misses;
+        state.expert_host_runs = ps.host_runs;
     }
     rc = qm_plan_to_json_ex(s->plan, &state, json, len, st);
 free_lists:

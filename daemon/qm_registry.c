@@ -517,7 +517,10 @@ int qm_session_prepare(qm_daemon *d, const qm_params *p, uid_t owner, qm_session
     s->plan_start_us = t0;
     s->plan_us = plan_us;
     /* The budget travels in the plan (qm_plan_budget); the pager reads it there. */
-    s->pager_options = (qm_pager_options){.prefetch = pw->has_prefetch ? pw->prefetch : 1};
+    s->pager_options = (qm_pager_options){.prefetch = pw->has_prefetch ? pw->prefetch : 1,
+                                          .on_miss = qm_on_miss_parse(pw->on_miss)};
+    if (s->pager_options.on_miss < 0)
+        s->pager_options.on_miss = QM_ON_MISS_PAGE; /* absent */
     /* paging_source: auto reads a paged session's units from disk on a
      * host-visible backend (the CPU), so its budget bounds the memory the
      * bank takes instead of the page cache holding the file. */

@@ -115,6 +115,10 @@ static const metric_def metrics[] = {
      COFF(bytes_read_disk)},
     {"stall_us", "Microseconds inferences waited for expert copies or disk reads to land.", 1,
      COFF(stall_us)},
+    {"expert_host_runs",
+     "Expert accesses run on the host CPU from the bank mapping instead of being paged in "
+     "(policy_params.on_miss host or auto).",
+     1, COFF(expert_host_runs)},
 };
 
 static uint64_t counter_at(const qm_counters *c, const metric_def *m)

@@ -21,7 +21,8 @@ uint64_t qm_hist_quantile(const qm_hist *h, double q); /* bucket upper bound; 0 
 
 typedef struct qm_counters {
     uint64_t requests, errors, tokens, expert_hits, expert_misses, bytes_paged_h2d, evictions,
-        prefetch_issued, prefetch_useful, resident_bytes, bytes_read_disk, stall_us;
+        prefetch_issued, prefetch_useful, resident_bytes, bytes_read_disk, stall_us,
+        expert_host_runs;
     qm_hist latency; /* session.infer end to end, microseconds */
 } qm_counters;
 

@@ -106,6 +106,17 @@ void qm_expert_weights_from_unit(const qm_layer_view *layer, uint32_t n_experts,
     }
 }
 
+void qm__mapped_weights(const qm_layer_view *layer, uint32_t n_experts, uint32_t expert,
+                        qm_expert_weights *out)
+{
+    for (int t = 0; t < QM_T_EXPERT_COUNT; t++) {
+        const qm_tensor_view *tv = &layer->t[t];
+        out->ptr[t] = tv->present ? (const uint8_t *)tv->data +
+                                        expert * qm__expert_slice(tv, n_experts)
+                                  : NULL;
+    }
+}
+
 static uint64_t qm__now_us(void)
 {
     struct timespec ts;
@@ -399,6 +410,7 @@ typedef struct qm__call_buffers {
     uint32_t *uniq;          /* [E] experts with routes, ascending */
     qm_expert_weights *wts;  /* [E] their weights, as the source made them usable */
     qm_expert_job *jobs;     /* [E] a wave's jobs */
+    uint8_t *on_host;        /* [E] hybrid execution: uniq[i] runs on the host */
     float *out;              /* [T, H] the combine, f32 */
 } qm__call_buffers;
 
@@ -414,6 +426,7 @@ static void qm__layout_call(qm__carver *c, const qm__dims *d, void *out)
     b->uniq = qm__carve(c, d->E, sizeof(uint32_t));
     b->wts = qm__carve(c, d->E, sizeof(qm_expert_weights));
     b->jobs = qm__carve(c, d->E, sizeof(qm_expert_job));
+    b->on_host = qm__carve(c, d->E, sizeof(uint8_t));
     b->out = qm__carve(c, TH, sizeof(float));
 }
 
@@ -453,8 +466,11 @@ static int qm__run_waves(qm_backend *be, qm_routed_pass *pass, qm_expert_batch *
 {
     for (size_t done_n = 0; done_n < n_uniq;) {
         size_t left = n_uniq - done_n, ready = 0;
+        uint64_t t0 = qm__now_us();
         int rc = source->acquire(source->ctx, layer, b->uniq + done_n, left, b->wts + done_n,
                                  &ready, st);
+        uint64_t t1 = qm__now_us();
+        stats->acquire_us += t1 - t0;
         if (rc < 0)
             return rc;
         if (ready == 0 || ready > left)
@@ -469,6 +485,10 @@ static int qm__run_waves(qm_backend *be, qm_routed_pass *pass, qm_expert_batch *
         batch->jobs = b->jobs;
         batch->n_jobs = ready;
         rc = qm__backend_run_routed(be, pass, batch, st);
+        stats->device_us += qm__now_us() - t1;
+        stats->device_experts += (uint32_t)ready;
+        for (size_t i = 0; i < ready; i++)
+            stats->device_rows += b->jobs[i].n_rows;
         if (source->release)
             source->release(source->ctx, layer, b->uniq + done_n, ready);
         if (rc < 0)
@@ -477,6 +497,44 @@ static int qm__run_waves(qm_backend *be, qm_routed_pass *pass, qm_expert_batch *
         stats->waves++;
     }
     return 0;
+}
+
+/* Hybrid execution: asks the source which experts run on the host, runs
+ * them there from the bank mapping (one batch), and leaves the others in
+ * uniq[0..*n_uniq) for the waves. */
+static int qm__run_on_host(qm_routed_pass *pass, qm_expert_batch *batch,
+                           qm_expert_source *source, const qm_layer_view *layer,
+                           const qm__call_buffers *b, size_t *n_uniq, qm_moe_stats *stats,
+                           qm_status *st)
+{
+    const uint32_t E = batch->config->experts;
+    size_t n = *n_uniq, n_host = 0, n_dev = 0;
+    memset(b->on_host, 0, n);
+    int rc = source->split(source->ctx, layer->index, batch->n_tokens, b->uniq, b->counts, n,
+                           b->on_host, st);
+    if (rc < 0)
+        return rc;
+    for (size_t i = 0; i < n; i++) {
+        uint32_t e = b->uniq[i];
+        if (!b->on_host[i]) {
+            b->uniq[n_dev++] = e; /* stays ascending */
+            continue;
+        }
+        b->jobs[n_host] = (qm_expert_job){.expert = e, .n_rows = b->counts[e]};
+        qm__mapped_weights(layer, E, e, &b->jobs[n_host].weights);
+        stats->host_rows += b->counts[e];
+        n_host++;
+    }
+    *n_uniq = n_dev;
+    stats->host_experts = (uint32_t)n_host;
+    if (n_host == 0)
+        return 0;
+    batch->jobs = b->jobs;
+    batch->n_jobs = n_host;
+    uint64_t t0 = qm__now_us();
+    rc = qm__host_run_routed(source->host, pass->host, batch, st);
+    stats->host_us = qm__now_us() - t0;
+    return rc;
 }
 
 static int qm__forward(qm_backend *be, const qm_bank_config *cfg, const qm_layer_view *layer,
@@ -509,7 +567,10 @@ static int qm__forward(qm_backend *be, const qm_bank_config *cfg, const qm_layer
                            .topk_weights = call->topk_weights,
                            .k = k};
     qm_routed_pass pass = {.host = &s->host};
-    rc = qm__backend_route(be, &rq, &pass, st);
+    /* Hybrid execution routes on the host: its results and the device's
+     * meet in the host's combine. */
+    const int hybrid = source->split && source->host;
+    rc = hybrid ? qm__host_route(pass.host, &rq, st) : qm__backend_route(be, &rq, &pass, st);
     if (rc < 0)
         return rc;
 
@@ -523,6 +584,8 @@ static int qm__forward(qm_backend *be, const qm_bank_config *cfg, const qm_layer
     qm_expert_batch batch = {
         .config = cfg, .layer = layer, .x = b.x, .n_tokens = T, .precision = call->precision};
     uint64_t t0 = qm__now_us();
+    if (hybrid && (rc = qm__run_on_host(&pass, &batch, source, layer, &b, &n_uniq, stats, st)) < 0)
+        goto release_pass;
     rc = qm__run_waves(be, &pass, &batch, source, layer->index, &b, n_uniq, stats, st);
     if (rc < 0)
         goto release_pass;
@@ -611,13 +674,7 @@ static int qm__direct_acquire(void *ctx, uint32_t layer, const uint32_t *experts
     for (size_t i = 0; i < n; i++) {
         if (experts[i] >= cfg->experts)
             return qm_status_set(st, QM_EINVAL, "expert %u out of range", experts[i]);
-        for (int t = 0; t < QM_T_EXPERT_COUNT; t++) {
-            const qm_tensor_view *tv = &lv->t[t];
-            weights[i].ptr[t] =
-                tv->present ? (const uint8_t *)tv->data +
-                                  experts[i] * qm__expert_slice(tv, cfg->experts)
-                            : NULL;
-        }
+        qm__mapped_weights(lv, cfg->experts, experts[i], &weights[i]);
     }
     *n_ready = n; /* everything is mapped: one wave */
     return 0;
@@ -636,4 +693,6 @@ void qm_expert_source_direct(const qm_bank *bank, qm_expert_source *out)
     out->ctx = (void *)bank;
     out->acquire = qm__direct_acquire;
     out->release = qm__direct_release;
+    out->split = NULL;
+    out->host = NULL;
 }

@@ -61,6 +61,17 @@ typedef struct qm_expert_source {
     int (*acquire)(void *ctx, uint32_t layer, const uint32_t *experts, size_t n,
                    qm_expert_weights *weights, size_t *n_ready, qm_status *st);
     void (*release)(void *ctx, uint32_t layer, const uint32_t *experts, size_t n);
+    /* (optional) Hybrid execution (docs/PAGING.md): called once per layer
+     * call, after the grouping and before any acquire, with the call's
+     * experts[0..n) (ascending) and rows[e], the routes of expert e
+     * ([E], indexed by expert id); sets on_host[i] = 1 for
+     * the experts that run on `host` straight from the bank mapping instead
+     * of being acquired. With it the call is routed and combined on the
+     * host whatever the backend (route order, as always). NULL: every
+     * expert is acquired. */
+    int (*split)(void *ctx, uint32_t layer, uint32_t n_tokens, const uint32_t *experts,
+                 const uint32_t *rows, size_t n, uint8_t *on_host, qm_status *st);
+    qm_backend *host; /* runs split's experts; required with split */
 } qm_expert_source;
 
 /* Fills a source that reads the mapped bank directly (no copies). */
@@ -74,6 +85,13 @@ void qm_expert_weights_from_unit(const qm_layer_view *layer, uint32_t n_experts,
 typedef struct qm_moe_stats {
     uint64_t compute_us;
     uint32_t waves; /* acquire rounds needed (1 when every expert fit at once) */
+    /* Hybrid execution (a source with split): experts and rows run on the
+     * host, and the time of that run; the time spent in acquire (copies)
+     * and in the backend's waves, and the experts and rows they ran. */
+    uint32_t host_experts, host_rows;
+    uint64_t host_us;
+    uint32_t device_experts, device_rows;
+    uint64_t acquire_us, device_us;
 } qm_moe_stats;
 
 typedef struct qm_moe_call {

@@ -28,6 +28,10 @@ int qm__moe_forward(qm_backend *be, const qm_bank *bank, const qm_moe_call *call
                     qm_expert_source *source, qm__moe_scratch *scratch, qm_moe_stats *stats,
                     qm_status *st);
 
+/* Pointers of expert `expert` straight into the layer's mapped tensors. */
+void qm__mapped_weights(const qm_layer_view *layer, uint32_t n_experts, uint32_t expert,
+                        qm_expert_weights *out);
+
 /* Bytes of one expert's slice of a per-expert tensor (nbytes / experts). */
 uint64_t qm__expert_slice(const qm_tensor_view *tv, uint32_t n_experts);
 

@@ -68,6 +68,10 @@ static int qm__layout(qm_backend *be, const qm_bank *bank, const qm_residency_pl
         }
         L->unit_bytes = v->bytes_per_expert;
         L->unit_span = off;
+        if (opt && opt->layer_mask && !opt->layer_mask[l]) {
+            L->absent = 1; /* another device's: neither whole nor paged here */
+            continue;
+        }
         const qm_plan_bank *pb = qm_plan_find_bank(plan, l);
         if (!pb || pb->decision.kind != QM_DECISION_PER_EXPERT) {
             L->paged = 0;
@@ -136,9 +140,13 @@ static uint64_t qm__min_budget(const qm__sizing *sz)
 
 /* The budget travels in one place, the plan: with none, room for every
  * expert (the "whole model"). */
-static void qm__budget_in_force(const qm_residency_plan *plan, int *has, uint64_t *budget)
+static void qm__budget_in_force(const qm_residency_plan *plan, const qm_pager_options *opt,
+                                int *has, uint64_t *budget)
 {
-    if (qm_plan_has_budget(plan)) {
+    if (opt->budget_bytes) {
+        *has = 1;
+        *budget = opt->budget_bytes;
+    } else if (qm_plan_has_budget(plan)) {
         *has = 1;
         *budget = qm_plan_budget(plan);
     } else {
@@ -306,7 +314,7 @@ static int qm__load_whole(qm_pager *p, uint64_t *arena_off, uint64_t align, qm_s
     int copy_whole = qm__copies_whole(&p->opt, p->backend);
     for (uint32_t l = 0; l < p->n_layers; l++) {
         qm__layer *L = &p->layers[l];
-        if (L->paged)
+        if (L->paged || L->absent)
             continue;
         int rc = qm__pager_account_alloc(p, L->whole_bytes, st);
         if (rc)
@@ -421,7 +429,7 @@ int qm_pager_new(qm_backend *backend, const qm_bank *bank, const qm_residency_pl
     rc = qm__layout(backend, bank, plan, &p->opt, p->layers, &sz, 1, st);
     if (rc)
         goto fail;
-    qm__budget_in_force(plan, &p->has_budget, &p->budget);
+    qm__budget_in_force(plan, &p->opt, &p->has_budget, &p->budget);
     uint64_t min = qm__min_budget(&sz);
     if (p->has_budget && p->budget < min) {
         rc = qm_status_set_field(
@@ -509,6 +517,9 @@ int qm_pager_new(qm_backend *backend, const qm_bank *bank, const qm_residency_pl
     p->source.ctx = p;
     p->source.acquire = qm__source_acquire;
     p->source.release = qm__source_release;
+    rc = qm__hybrid_start(p, st);
+    if (rc)
+        goto fail;
     p->stats.budget_bytes = p->budget;
     p->stats.arena_bytes = arena_bytes;
     p->stats.slot_bytes = sz.slot_size;
@@ -532,6 +543,7 @@ void qm_pager_free(qm_pager *p)
         return;
     qm__pager_copy_stop(p);
     qm__pager_trace_close(p);
+    qm__hybrid_stop(p);
     if (p->backend && p->slots) {
         /* Land every device copy before the arena goes away. */
         for (uint32_t s = 0; s < p->n_slots; s++)
@@ -562,8 +574,8 @@ void qm_pager_free(qm_pager *p)
 
 /* ---- The expert source ---------------------------------------------------------- */
 
-static void qm__fill_weights(const qm__layer *L, const uint8_t *unit_base, uint32_t e,
-                             int from_slot, qm_expert_weights *w)
+void qm__fill_weights(const qm__layer *L, const uint8_t *unit_base, uint32_t e, int from_slot,
+                      qm_expert_weights *w)
 {
     for (int t = 0; t < QM_T_EXPERT_COUNT; t++) {
         if (!L->view->t[t].present) {
@@ -624,6 +636,9 @@ static int qm__source_acquire(void *ctx, uint32_t layer, const uint32_t *experts
         return qm_status_set(st, QM_EINVAL, "layer %u out of range (%u layers)", layer,
                              p->n_layers);
     qm__layer *L = &p->layers[layer];
+    if (L->absent)
+        return qm_status_set_field(st, QM_EINVAL, "layer",
+                                   "layer %u is placed on another device", layer);
     for (size_t i = 0; i < n; i++)
         if (experts[i] >= L->n_experts)
             return qm_status_set(st, QM_EINVAL, "expert %u out of range (%u experts)",
@@ -750,6 +765,9 @@ int qm_pager_forward(qm_pager *p, const qm_moe_call *call, qm_moe_stats *mstats,
 {
     if (!p || !call)
         return qm_status_set(st, QM_EINVAL, "qm_pager_forward: NULL argument");
+    if (call->layer < p->n_layers && p->layers[call->layer].absent)
+        return qm_status_set_field(st, QM_EINVAL, "layer", "layer %u is placed on another device",
+                                   call->layer);
     qm_moe_call c = *call;
     uint32_t route_k = qm_moe_call_k(p->cfg, call);
     size_t need = (size_t)call->n_tokens * route_k;
@@ -763,8 +781,14 @@ int qm_pager_forward(qm_pager *p, const qm_moe_call *call, qm_moe_stats *mstats,
         }
         c.route_experts = p->route_buf;
     }
+    qm_moe_stats local;
+    if (!mstats)
+        mstats = &local;
     int rc = qm__moe_forward(p->backend, p->bank, &c, &p->source, p->scratch, mstats, st);
     if (rc || call->n_tokens == 0 || call->layer >= p->n_layers)
+        return rc;
+    rc = qm__hybrid_observe(p, mstats, st);
+    if (rc)
         return rc;
     qm__pager_history_record(p, call->layer, c.route_experts, need);
     if (p->trace)
@@ -800,7 +824,7 @@ int qm_pager_resident_experts(const qm_pager *p, uint32_t layer, uint32_t *out, 
         return QM_EINVAL;
     const qm__layer *L = &p->layers[layer];
     size_t n = 0;
-    for (uint32_t e = 0; e < L->n_experts; e++) {
+    for (uint32_t e = 0; e < L->n_experts && !L->absent; e++) {
         if (L->paged && L->slot_of[e] < 0)
             continue;
         if (out && n < cap)

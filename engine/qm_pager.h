@@ -62,9 +62,35 @@ typedef struct qm_pager_options {
      * file and a filesystem that takes O_DIRECT; otherwise the pager falls
      * back to MMAP and says why (qm_pager_source_info). */
     int source;
+    /* What a demand miss does (policy_params.on_miss; docs/PAGING.md,
+     * "Hybrid execution"): QM_ON_MISS_PAGE copies the expert in (the zero
+     * value); QM_ON_MISS_HOST runs every non-resident expert on the host
+     * CPU kernels straight from the bank mapping; QM_ON_MISS_AUTO chooses
+     * per expert and call from its rows and the measured costs of copying,
+     * host and device compute (qm_hybrid.c). */
+    int on_miss;
+    /* The backend host runs use (borrowed). NULL: the backend itself when
+     * it is host visible, else a CPU backend of `host_threads` workers
+     * (0 = every core) that the pager makes and owns. */
+    qm_backend *host_backend;
+    uint32_t host_threads;
+    /* Several devices (qm_placement.h): [layers] 1 for the layers this
+     * pager serves, NULL = all. The others are absent here: nothing of
+     * theirs is loaded, accounted or paged, and a forward call for one is
+     * QM_EINVAL. */
+    const uint8_t *layer_mask;
+    /* The budget this pager keeps, in place of the plan's (0 = the plan's):
+     * a device's share of the session's budget. */
+    uint64_t budget_bytes;
 } qm_pager_options;
 
 enum { QM_PAGER_SOURCE_MMAP = 0, QM_PAGER_SOURCE_DIRECT = 1 };
+
+enum { QM_ON_MISS_PAGE = 0, QM_ON_MISS_HOST = 1, QM_ON_MISS_AUTO = 2 };
+
+/* "page", "host", "auto" (NULL for another value), and back (-1 unknown). */
+const char *qm_on_miss_name(int on_miss);
+int qm_on_miss_parse(const char *name);
 
 typedef struct qm_pager_stats {
     uint64_t hits;           /* accesses to a paged bank's expert that found it resident */
@@ -95,6 +121,16 @@ typedef struct qm_pager_stats {
     uint64_t prefetch_gated; /* forward calls where a source was skipped as imprecise */
     /* Routing trace (qm_pager_record_trace). */
     uint64_t trace_tokens, trace_dropped, trace_errors;
+    /* Hybrid execution (on_miss host/auto): accesses to non-resident
+     * experts that ran on the host instead of being paged (counted in
+     * neither hits nor misses), their rows, and the experts `auto` copied
+     * into a free slot after running them on the host (admissions, also in
+     * bytes_paged_h2d). */
+    uint64_t host_runs, host_rows, host_admits;
+    /* auto's cost model now (0 when off): microseconds to copy one expert
+     * unit, and to run one expert of one row / per further row on the host
+     * and on the device. */
+    double model_copy_us, model_host_us, model_host_row_us, model_dev_us, model_dev_row_us;
     /* Fixed at creation. */
     uint64_t arena_bytes;        /* the one device allocation */
     uint64_t slot_bytes;         /* slot size (max unit, aligned) */

@@ -49,6 +49,7 @@ typedef struct qm__slot {
 typedef struct qm__layer {
     const qm_layer_view *view;
     int paged;
+    int absent; /* served by another device's pager (opt.layer_mask) */
     uint32_t n_experts;
     uint64_t slice[QM_T_EXPERT_COUNT];    /* one expert's bytes per tensor (0 if absent) */
     uint64_t unit_off[QM_T_EXPERT_COUNT]; /* offset of each slice inside a slot */
@@ -86,6 +87,25 @@ typedef struct qm__trace {
     uint32_t cap;      /* rows per layer ring */
     int16_t *token;    /* one token's row: [layers][k] */
 } qm__trace;
+
+/* Hybrid execution (qm_hybrid.c): a cost line is time(n rows) = fixed + n * row. */
+typedef struct qm__cost_line {
+    double fixed_us, row_us;
+} qm__cost_line;
+
+typedef struct qm__hybrid {
+    qm_backend *host_be; /* runs host experts; NULL with on_miss page */
+    qm_backend *owned;   /* host_be when the pager made it */
+    qm__cost_line host, dev;
+    double copy_us;      /* one unit's demand copy */
+    /* The last split's predictions, checked against what the call measured. */
+    double pred_host_us, pred_dev_us;
+    uint64_t pred_misses, misses_before;
+    /* Experts the last split ran on the host: admitted after the call. */
+    uint32_t *admit;
+    size_t n_admit;
+    uint32_t admit_layer;
+} qm__hybrid;
 
 struct qm_pager {
     qm_backend *backend;
@@ -139,6 +159,7 @@ struct qm_pager {
     uint8_t pf_off[QM__PF_SOURCES];
     uint64_t forward_calls;
     qm__trace *trace;
+    qm__hybrid hybrid;
 
     /* Copy thread (host-visible backends). */
     int use_thread;
@@ -165,8 +186,20 @@ int qm__pager_copy_unit(qm_pager *p, int32_t s, qm_status *st);
  * (with nothing in flight) on failure. */
 int qm__pager_copy_wait(qm_pager *p, int32_t s, qm_status *st);
 
+/* qm_hybrid.c */
+/* With on_miss host or auto: the host backend, auto's first measures, and
+ * the source's split. */
+int qm__hybrid_start(qm_pager *p, qm_status *st);
+void qm__hybrid_stop(qm_pager *p);
+/* After a successful forward call: auto's admissions and model refresh. */
+int qm__hybrid_observe(qm_pager *p, const qm_moe_stats *ms, qm_status *st);
+
 /* qm_pager.c */
 int32_t qm__pager_free_slot(qm_pager *p);
+/* Weights of expert e of L: in the unit at `unit_base` (from_slot), else
+ * the layer's whole-bank copy or mapping. */
+void qm__fill_weights(const qm__layer *L, const uint8_t *unit_base, uint32_t e, int from_slot,
+                      qm_expert_weights *w);
 
 /* Who claims a slot. A demand miss holds it (refs = 1) until the wave that
  * acquired it is released; a prefetched, preloaded or pinned unit is held by

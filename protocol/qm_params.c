@@ -477,10 +477,31 @@ static void policy_params_members(const char *const *allowed, char *list, size_t
         }
 }
 
+/* policy_params.on_miss: one of the hybrid execution's answers to a miss. */
+static int get_on_miss(const cJSON *obj, qm_policy_params_wire *pp, qm_status *st)
+{
+    static const char *const names[] = {"page", "host", "auto"};
+    const cJSON *v = member(obj, "on_miss");
+    if (!v)
+        return 0;
+    for (size_t i = 0; cJSON_IsString(v) && i < sizeof names / sizeof names[0]; i++)
+        if (strcmp(v->valuestring, names[i]) == 0) {
+            pp->on_miss = names[i];
+            return 0;
+        }
+    char clip[40] = "";
+    if (cJSON_IsString(v))
+        qm_clip(v->valuestring, strlen(v->valuestring), clip, sizeof clip);
+    return bad(st, "policy_params.on_miss",
+               "policy_params.on_miss must be \"page\", \"host\" or \"auto\", got %s%s%s",
+               cJSON_IsString(v) ? "'" : "", cJSON_IsString(v) ? clip : qm__json_type_name(v),
+               cJSON_IsString(v) ? "'" : "");
+}
+
 static int decode_policy_params(const cJSON *obj, qm_policy_params_wire *pp, qm_status *st)
 {
     static const char *const allowed[] = {"prefetch", "min_split_bytes", "hot", "record_trace",
-                                          NULL};
+                                          "on_miss", NULL};
     const char *prefix = "policy_params";
     if (!cJSON_IsObject(obj))
         return bad(st, prefix, "policy_params must be an object, got %s", qm__json_type_name(obj));
@@ -514,6 +535,8 @@ static int decode_policy_params(const cJSON *obj, qm_policy_params_wire *pp, qm_
                       &pp->min_split_bytes, st);
     if (rc == 0 && member(obj, "hot"))
         rc = decode_hot(member(obj, "hot"), pp, st);
+    if (rc == 0)
+        rc = get_on_miss(obj, pp, st);
     if (rc == 0)
         rc = get_string(obj, "record_trace", prefix, 0, 255, &pp->record_trace, st);
     if (rc == 0 && pp->record_trace &&

@@ -61,6 +61,29 @@ fail:
     return NULL;
 }
 
+/* "placement": {"rule", "devices": [{"name", "budget_bytes"}]}: nonzero on failure. */
+static int placement_item(cJSON *root, const qm_plan_json_state *state)
+{
+    cJSON *pl = cJSON_CreateObject();
+    if (add(root, "placement", pl) || add(pl, "rule", cJSON_CreateString(state->placement_rule)))
+        return -1;
+    cJSON *devs = cJSON_CreateArray();
+    if (add(pl, "devices", devs))
+        return -1;
+    for (size_t i = 0; i < state->n_devices; i++) {
+        cJSON *d = cJSON_CreateObject();
+        if (!d || !cJSON_AddItemToArray(devs, d)) {
+            cJSON_Delete(d);
+            return -1;
+        }
+        const char *name = state->device_names ? state->device_names[i] : NULL;
+        if (add(d, "name", cJSON_CreateString(name ? name : "")) ||
+            add(d, "budget_bytes", u64_item(state->device_budgets ? state->device_budgets[i] : 0)))
+            return -1;
+    }
+    return 0;
+}
+
 static const qm_plan_json_bank_state *find_state(const qm_plan_json_state *state, uint32_t id)
 {
     for (size_t i = 0; state && state->banks && i < state->n_banks; i++)
@@ -88,6 +111,8 @@ static cJSON *bank_item(const qm_plan_bank *b, const qm_plan_json_bank_state *bs
     } else if (add(o, "experts", cJSON_CreateNull())) {
         goto fail;
     }
+    if (bs && bs->has_device && add(o, "device", u64_item(bs->device)))
+        goto fail;
     if (bs && bs->has_resident_now &&
         add(o, "resident_now",
             u32_array(bs->resident_now, bs->resident_now ? bs->n_resident_now : 0)))
@@ -121,6 +146,17 @@ int qm_plan_to_json_ex(const qm_residency_plan *plan, const qm_plan_json_state *
         goto fail_build;
     if (state && state->has_resident_bytes &&
         add(root, "resident_bytes", u64_item(state->resident_bytes)))
+        goto fail_build;
+    if (state && state->on_miss) {
+        cJSON *ex = cJSON_CreateObject();
+        if (add(root, "execution", ex) ||
+            add(ex, "on_miss", cJSON_CreateString(state->on_miss)) ||
+            add(ex, "expert_hits", u64_item(state->expert_hits)) ||
+            add(ex, "expert_misses", u64_item(state->expert_misses)) ||
+            add(ex, "expert_host_runs", u64_item(state->expert_host_runs)))
+            goto fail_build;
+    }
+    if (state && state->placement_rule && placement_item(root, state))
         goto fail_build;
     cJSON *banks = cJSON_CreateArray();
     if (add(root, "banks", banks)) goto fail_build;

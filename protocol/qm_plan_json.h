@@ -17,6 +17,8 @@ typedef struct qm_plan_json_bank_state {
     uint32_t bank_id; /* which plan bank this describes; unknown ids are ignored */
     int has_layer;    /* 0: "layer" = bank id */
     uint32_t layer;
+    int has_device; /* 1: adds "device": index into the state's devices (before resident_now) */
+    uint32_t device;
     int has_resident_now;         /* 1: adds "resident_now": [experts resident at this moment] */
     const uint32_t *resident_now; /* written in the order given */
     size_t n_resident_now;
@@ -32,6 +34,17 @@ typedef struct qm_plan_json_state {
     size_t n_banks;
     int has_resident_bytes; /* 1: adds "resident_bytes" after "degraded" */
     uint64_t resident_bytes;
+    /* Non-NULL: adds "execution": {"on_miss", "expert_hits", "expert_misses",
+     * "expert_host_runs"} after "resident_bytes" (hybrid execution). */
+    const char *on_miss;
+    uint64_t expert_hits, expert_misses, expert_host_runs;
+    /* Several devices (engine/qm_placement.h): non-NULL adds "placement":
+     * {"rule", "devices": [{"name", "budget_bytes"}, ...]} after
+     * "execution"; banks then carry "device" (their index in it). */
+    const char *placement_rule;
+    const char *const *device_names; /* [n_devices] */
+    const uint64_t *device_budgets;  /* [n_devices] the session's budget on each */
+    size_t n_devices;
 } qm_plan_json_state;
 
 /* Writes the plan as JSON. *out is a NUL-terminated string the caller owns

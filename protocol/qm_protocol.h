@@ -245,6 +245,9 @@ typedef struct qm_policy_params_wire {
     qm_hot_layer *hot; /* NULL when absent */
     size_t n_hot;
     char *record_trace; /* NULL when absent */
+    /* "page", "host" or "auto" (a static string), NULL when absent: what a
+     * non-resident expert does (hybrid execution, docs/PAGING.md). */
+    const char *on_miss;
 } qm_policy_params_wire;
 
 /* Strings are owned by the request (qm_request_free). */

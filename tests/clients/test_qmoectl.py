@@ -207,6 +207,7 @@ def test_plan_table_has_a_row_per_bank_and_totals(daemon, session):
         assert r[8].isdigit() or r[8].startswith("all"), r
     assert total[-2].isdigit() and "?" not in p.stdout
     assert "of budget" in p.stdout
+    assert "on a miss: page; experts " in p.stdout and " run on the host" in p.stdout
 
 
 def test_plan_json_is_the_documented_plan(daemon, session):
@@ -282,6 +283,7 @@ def test_telemetry_human_and_json(daemon, session):
     head, rows = table(ctl(daemon, "telemetry").stdout, "SESSION")
     assert head[:6] == ["SESSION", "MODEL", "REQUESTS", "ERRORS", "TOKENS", "HIT-RATE"]
     assert "P50" in head and "P99" in head and rows[0][0] == "(daemon)"
+    assert head[6:8] == ["MISSES", "ON-HOST"]
     r = ctl(daemon, "telemetry", json_out=True)
     counters = ("requests", "errors", "tokens", "expert_hits", "expert_misses", "bytes_paged_h2d",
                 "evictions", "prefetch_issued", "prefetch_useful", "resident_bytes", "p50_us", "p99_us")

@@ -223,9 +223,7 @@ static int tl_acquire(void *ctx, uint32_t layer, const uint32_t *experts, size_t
 
 void tl_source(tl_layer *L, qm_expert_source *out)
 {
-    out->ctx = L;
-    out->acquire = tl_acquire;
-    out->release = NULL;
+    *out = (qm_expert_source){.ctx = L, .acquire = tl_acquire};
 }
 
 static double tl_sigmoid(double z)

@@ -2,13 +2,11 @@
 #include "paging_fixture.h"
 
 #include <check.h>
-#include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "qm_alloc.h"
-#include "qm_backend_impl.h"
 
 uint64_t pf_rand(uint64_t *s)
 {
@@ -137,135 +135,4 @@ void pf_route_logits(uint32_t E, const uint32_t *experts, uint32_t n, float *log
         logits[e] = -30.0f - (float)e * 0.01f; /* softmax weight ~1e-15: dropped if chosen */
     for (uint32_t j = 0; j < n; j++)
         logits[experts[j]] = 4.0f - 0.5f * (float)j;
-}
-
-/* ---- The fake device ---------------------------------------------------------- */
-
-typedef struct pf_copy {
-    void *dst;
-    const void *src;
-    uint64_t bytes;
-} pf_copy;
-
-typedef struct pf_dev {
-    qm_backend *cpu;
-    pthread_mutex_t mu;
-    pf_copy *pending;
-    size_t n, cap;
-    uint64_t issued, landed; /* copy sequence numbers */
-} pf_dev;
-
-static int dev_info(void *ctx, qm_device_info *out)
-{
-    memset(out, 0, sizeof *out);
-    snprintf(out->name, sizeof out->name, "fake device (deferred copies)");
-    snprintf(out->kind, sizeof out->kind, "fake");
-    out->total_bytes = out->free_bytes = 1ull << 32;
-    return 0;
-}
-
-static int dev_arena_alloc(void *ctx, qm_arena *arena, uint64_t bytes, qm_status *st)
-{
-    void *p = NULL;
-    if (posix_memalign(&p, 256, bytes ? bytes : 1))
-        return qm_status_set(st, QM_ENOMEM, "fake device: no memory");
-    memset(p, 0xA5, bytes); /* garbage: a read before the copy lands shows */
-    arena->base = p;
-    arena->handle = p;
-    arena->size = bytes;
-    return 0;
-}
-
-static void dev_arena_release(void *ctx, qm_arena *arena)
-{
-    free(arena->handle);
-    arena->handle = arena->base = NULL;
-}
-
-static int dev_copy(void *vctx, void *dst, const void *src, uint64_t bytes, qm_fence *fence,
-                    qm_status *st)
-{
-    pf_dev *d = vctx;
-    pthread_mutex_lock(&d->mu);
-    if (d->n == d->cap) {
-        size_t cap = d->cap ? 2 * d->cap : 64;
-        pf_copy *p = realloc(d->pending, cap * sizeof *p);
-        if (!p) {
-            pthread_mutex_unlock(&d->mu);
-            return qm_status_set(st, QM_ENOMEM, "fake device: no memory");
-        }
-        d->pending = p;
-        d->cap = cap;
-    }
-    d->pending[d->n++] = (pf_copy){dst, src, bytes};
-    fence->seq = ++d->issued;
-    fence->handle = d;
-    pthread_mutex_unlock(&d->mu);
-    return 0;
-}
-
-/* In-order "stream": waiting a fence lands every copy issued before it. */
-static int dev_fence_wait(void *vctx, qm_fence *fence, qm_status *st)
-{
-    pf_dev *d = vctx;
-    if (!fence->seq)
-        return 0;
-    pthread_mutex_lock(&d->mu);
-    if (fence->seq > d->landed) {
-        size_t todo = (size_t)(fence->seq - d->landed);
-        for (size_t i = 0; i < todo; i++)
-            memcpy(d->pending[i].dst, d->pending[i].src, d->pending[i].bytes);
-        memmove(d->pending, d->pending + todo, (d->n - todo) * sizeof *d->pending);
-        d->n -= todo;
-        d->landed = fence->seq;
-    }
-    pthread_mutex_unlock(&d->mu);
-    fence->seq = 0;
-    return 0;
-}
-
-static int dev_run(void *vctx, const qm_expert_batch *batch, qm_status *st)
-{
-    pf_dev *d = vctx;
-    return qm_backend_run_experts(d->cpu, batch, st);
-}
-
-static void dev_destroy(void *vctx)
-{
-    pf_dev *d = vctx;
-    if (!d)
-        return;
-    qm_backend_free(d->cpu);
-    pthread_mutex_destroy(&d->mu);
-    free(d->pending);
-    free(d);
-}
-
-static const qm_backend_iface pf_dev_iface = {
-    .version = QM_BACKEND_IFACE_VERSION,
-    .name = "fake",
-    .host_visible = 0,
-    .alignment = 256,
-    .info = dev_info,
-    .arena_alloc = dev_arena_alloc,
-    .arena_release = dev_arena_release,
-    .copy_h2d = dev_copy,
-    .fence_wait = dev_fence_wait,
-    .run_experts = dev_run,
-    .destroy = dev_destroy,
-};
-
-int pf_fake_device_new(qm_backend **out)
-{
-    pf_dev *d = calloc(1, sizeof *d);
-    if (!d)
-        return QM_ENOMEM;
-    pthread_mutex_init(&d->mu, NULL);
-    qm_status st;
-    int rc = qm_backend_cpu_new(1, &d->cpu, &st);
-    if (rc) {
-        dev_destroy(d);
-        return rc;
-    }
-    return qm__backend_wrap(&pf_dev_iface, d, out, &st);
 }

@@ -8,6 +8,7 @@
 
 #include "qm_backend.h"
 #include "qm_bank.h"
+#include "pf_fake_device.h"
 
 typedef struct pf_spec {
     uint32_t layers, experts, hidden, inter, k, bits;
@@ -32,11 +33,5 @@ float pf_uniform(uint64_t *s, float lo, float hi);
 /* Logits [E] for one token that route it to experts[0..n) (n <= k; the
  * first gets the largest weight) and nowhere else above the drop threshold. */
 void pf_route_logits(uint32_t E, const uint32_t *experts, uint32_t n, float *logits);
-
-/* A "device" backend that is not host visible: arenas are host memory but
- * the pager must treat them as opaque, copy whole banks and use fences.
- * Wraps a real CPU backend for compute. Copies are deferred until the
- * fence is waited, so a missing wait shows up as wrong output. */
-int pf_fake_device_new(qm_backend **out);
 
 #endif

@@ -631,6 +631,30 @@ START_TEST(test_plan_json_adds_layer_and_resident_now_from_state)
         "{\"bank\":2,\"layer\":12,\"decision\":\"per_expert_candidate\",\"reason\":null,"
         "\"experts\":[0,1],\"pinned\":[],\"bytes_per_expert\":50,\"resident_now\":[]}]}");
     qm_free(text);
+    /* Several devices: "placement" after "resident_bytes", "device" per bank
+     * before resident_now (new members only). */
+    const char *names[] = {"cuda:0", "cuda:1"};
+    const uint64_t budgets[] = {300, 700};
+    banks[1].has_device = 1; /* bank 0 */
+    banks[1].device = 0;
+    banks[0].has_device = 1; /* bank 2 */
+    banks[0].device = 1;
+    state.placement_rule = "layers_contiguous";
+    state.device_names = names;
+    state.device_budgets = budgets;
+    state.n_devices = 2;
+    ck_assert_int_eq(qm_plan_to_json_ex(plan, &state, &text, NULL, NULL), 0);
+    ck_assert_ptr_nonnull(strstr(text, "\"resident_bytes\":9007199254740993,\"placement\":{\"rule\":"
+                                       "\"layers_contiguous\",\"devices\":[{\"name\":\"cuda:0\","
+                                       "\"budget_bytes\":300},{\"name\":\"cuda:1\",\"budget_bytes\":"
+                                       "700}]},\"banks\":["));
+    ck_assert_ptr_nonnull(strstr(text, "\"bytes_per_expert\":200,\"device\":0,\"resident_now\":[2,0]}"));
+    ck_assert_ptr_nonnull(strstr(text, "\"bytes_per_expert\":50,\"device\":1,\"resident_now\":[]}"));
+    char *again = NULL;
+    ck_assert_int_eq(qm_plan_to_json_ex(plan, &state, &again, NULL, NULL), 0);
+    ck_assert_str_eq(text, again); /* deterministic */
+    qm_free(again);
+    qm_free(text);
     /* A NULL state is the plain plan. */
     char *plain = NULL, *plain2 = json_of(plan);
     ck_assert_int_eq(qm_plan_to_json_ex(plan, NULL, &plain, NULL, NULL), 0);

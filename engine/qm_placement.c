@@ -1,0 +1,185 @@
+/* qm_placement.c - see qm_placement.h. */
+#include "qm_placement.h"
+
+#include <string.h>
+
+#include "qm_alloc.h"
+
+void qm_placement_free(qm_placement *pl)
+{
+    if (!pl)
+        return;
+    qm_free(pl->device_of);
+    qm_free(pl->budget);
+    qm_free(pl->bytes);
+    memset(pl, 0, sizeof *pl);
+}
+
+int qm_placement_make(const qm_bank *bank, uint32_t n_devices, const uint64_t *weights,
+                      uint64_t budget, qm_placement *out, qm_status *st)
+{
+    memset(out, 0, sizeof *out);
+    if (!bank)
+        return qm_status_set(st, QM_EINVAL, "placement: no bank");
+    if (n_devices == 0 || n_devices > QM_PLACEMENT_MAX_DEVICES)
+        return qm_status_set_field(st, QM_EINVAL, "device",
+                                   "%u devices; expected 1..%d", n_devices,
+                                   QM_PLACEMENT_MAX_DEVICES);
+    const qm_bank_config *cfg = qm_bank_get_config(bank);
+    const uint32_t L = cfg->layers;
+    out->n_devices = n_devices;
+    out->n_layers = L;
+    out->device_of = qm_calloc(L ? L : 1, sizeof *out->device_of);
+    out->budget = qm_calloc(n_devices, sizeof *out->budget);
+    out->bytes = qm_calloc(n_devices, sizeof *out->bytes);
+    if (!out->device_of || !out->budget || !out->bytes) {
+        qm_placement_free(out);
+        return qm_status_set(st, QM_ENOMEM, "out of memory for the placement");
+    }
+    /* Cumulative weights as fractions (doubles: exact enough for a cut). */
+    double w[QM_PLACEMENT_MAX_DEVICES], wsum = 0;
+    for (uint32_t d = 0; d < n_devices; d++)
+        wsum += (w[d] = weights ? (double)weights[d] : 1.0);
+    if (wsum <= 0)
+        for (uint32_t d = 0; d < n_devices; d++)
+            wsum += (w[d] = 1.0);
+    uint64_t total = 0;
+    for (uint32_t l = 0; l < L; l++)
+        total += qm_bank_layer(bank, l)->bytes_per_expert * cfg->experts;
+    uint64_t before = 0;
+    for (uint32_t l = 0; l < L; l++) {
+        uint64_t b = qm_bank_layer(bank, l)->bytes_per_expert * cfg->experts;
+        double mid = total ? ((double)before + (double)b / 2) / (double)total
+                           : ((double)l + 0.5) / (double)L;
+        double edge = 0;
+        uint32_t d = 0;
+        for (; d + 1 < n_devices; d++) {
+            edge += w[d] / wsum;
+            if (mid < edge && w[d] > 0)
+                break;
+        }
+        out->device_of[l] = d;
+        out->bytes[d] += b;
+        before += b;
+    }
+    uint64_t given = 0;
+    int32_t last = -1;
+    for (uint32_t d = 0; d < n_devices; d++) {
+        if (!out->bytes[d])
+            continue;
+        out->budget[d] = budget && total ? (uint64_t)((double)budget * (double)out->bytes[d] /
+                                                      (double)total)
+                                         : out->bytes[d];
+        given += out->budget[d];
+        last = (int32_t)d;
+    }
+    if (budget && last >= 0 && given < budget)
+        out->budget[last] += budget - given;
+    return 0;
+}
+
+struct qm_multipager {
+    const qm_placement *pl;
+    qm_pager *pagers[QM_PLACEMENT_MAX_DEVICES];
+    uint8_t *masks; /* [n_devices][n_layers] */
+};
+
+void qm_multipager_free(qm_multipager *mp)
+{
+    if (!mp)
+        return;
+    for (uint32_t d = 0; d < QM_PLACEMENT_MAX_DEVICES; d++)
+        qm_pager_free(mp->pagers[d]);
+    qm_free(mp->masks);
+    qm_free(mp);
+}
+
+int qm_multipager_new(qm_backend *const *devices, const qm_bank *bank,
+                      const qm_residency_plan *plan, const qm_policy *policy,
+                      const qm_pager_options *options, const qm_placement *pl,
+                      qm_multipager **out, qm_status *st)
+{
+    *out = NULL;
+    if (!devices || !pl || !pl->n_devices || !bank)
+        return qm_status_set(st, QM_EINVAL, "qm_multipager_new: NULL argument");
+    qm_multipager *mp = qm_calloc(1, sizeof *mp);
+    if (!mp)
+        return qm_status_set(st, QM_ENOMEM, "out of memory for the session's devices");
+    mp->pl = pl;
+    size_t L = pl->n_layers ? pl->n_layers : 1;
+    mp->masks = qm_calloc((size_t)pl->n_devices * L, 1);
+    if (!mp->masks) {
+        qm_multipager_free(mp);
+        return qm_status_set(st, QM_ENOMEM, "out of memory for the session's devices");
+    }
+    for (uint32_t l = 0; l < pl->n_layers; l++)
+        mp->masks[(size_t)pl->device_of[l] * L + l] = 1;
+    for (uint32_t d = 0; d < pl->n_devices; d++) {
+        if (!pl->bytes[d])
+            continue;
+        qm_pager_options o = options ? *options : (qm_pager_options){0};
+        o.layer_mask = mp->masks + (size_t)d * L;
+        o.budget_bytes = pl->budget[d];
+        int rc = qm_pager_new(devices[d], bank, plan, policy, &o, &mp->pagers[d], st);
+        if (rc) {
+            qm_multipager_free(mp);
+            return rc;
+        }
+    }
+    *out = mp;
+    return 0;
+}
+
+qm_pager *qm_multipager_pager(const qm_multipager *mp, uint32_t d)
+{
+    return mp && d < mp->pl->n_devices ? mp->pagers[d] : NULL;
+}
+
+int qm_multipager_forward(qm_multipager *mp, const qm_moe_call *call, qm_moe_stats *mstats,
+                          qm_status *st)
+{
+    if (!mp || !call)
+        return qm_status_set(st, QM_EINVAL, "qm_multipager_forward: NULL argument");
+    if (call->layer >= mp->pl->n_layers)
+        return qm_status_set_field(st, QM_EINVAL, "layer", "layer %u out of range (bank has %u)",
+                                   call->layer, mp->pl->n_layers);
+    return qm_pager_forward(mp->pagers[mp->pl->device_of[call->layer]], call, mstats, st);
+}
+
+void qm_multipager_stats(const qm_multipager *mp, qm_pager_stats *out)
+{
+    memset(out, 0, sizeof *out);
+    int first = 1;
+    for (uint32_t d = 0; mp && d < mp->pl->n_devices; d++) {
+        if (!mp->pagers[d])
+            continue;
+        qm_pager_stats s;
+        qm_pager_stats_get(mp->pagers[d], &s);
+        if (first) {
+            *out = s; /* fixed figures and the model from the first device */
+            first = 0;
+            continue;
+        }
+        out->hits += s.hits;
+        out->misses += s.misses;
+        out->whole_bank_accesses += s.whole_bank_accesses;
+        out->bytes_paged_h2d += s.bytes_paged_h2d;
+        out->bytes_loaded_at_create += s.bytes_loaded_at_create;
+        out->evictions += s.evictions;
+        out->prefetch_issued += s.prefetch_issued;
+        out->prefetch_useful += s.prefetch_useful;
+        out->resident_bytes += s.resident_bytes;
+        out->budget_bytes += s.budget_bytes;
+        out->waves += s.waves;
+        out->policy_fallbacks += s.policy_fallbacks;
+        out->budget_violations += s.budget_violations;
+        out->host_runs += s.host_runs;
+        out->host_rows += s.host_rows;
+        out->host_admits += s.host_admits;
+        out->arena_bytes += s.arena_bytes;
+        out->n_slots += s.n_slots;
+        out->n_pinned += s.n_pinned;
+        out->overhead_bytes += s.overhead_bytes;
+        out->host_bytes += s.host_bytes;
+    }
+}

@@ -1,0 +1,160 @@
+/* test_devices.c - a session over several devices (engine/qm_placement.c)
+ * on two emulated non-host-visible devices (the fake device of
+ * paging_fixture.c, one arena each): the placement rule and its budget
+ * split, each device's budget held on every allocation, outputs bitwise
+ * equal to the CPU backend's whole-bank reference with on_miss page, host
+ * and auto, a layer served only by its own device. */
+#include <check.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "paging_helpers.h"
+#include "qm_placement.h"
+
+/* Per-device budget hook: resident bytes of one pager against its share. */
+static void device_hook(void *ud, uint64_t resident, uint64_t budget)
+{
+    uint64_t share = *(const uint64_t *)ud;
+    ck_assert_uint_le(resident, budget);
+    ck_assert_uint_eq(budget, share);
+}
+
+START_TEST(test_placement_cuts_contiguous_runs_by_weight_and_splits_the_budget)
+{
+    pf_spec sp = pf_default_spec();
+    sp.layers = 4;
+    pg_fixture_reopen(&sp);
+    const qm_bank *bank = fixture.bank.bank;
+    uint64_t layer_bytes = unit_bytes(&fixture.bank) * sp.experts;
+    qm_placement pl;
+    ck_assert_int_eq(qm_placement_make(bank, 2, NULL, 1001, &pl, &fixture.st), 0);
+    const uint32_t equal[] = {0, 0, 1, 1};
+    ck_assert_mem_eq(pl.device_of, equal, sizeof equal);
+    ck_assert_uint_eq(pl.bytes[0], 2 * layer_bytes);
+    ck_assert_uint_eq(pl.budget[0], 500);
+    ck_assert_uint_eq(pl.budget[0] + pl.budget[1], 1001); /* the remainder to the last */
+    qm_placement_free(&pl);
+
+    const uint64_t w[] = {3, 1};
+    ck_assert_int_eq(qm_placement_make(bank, 2, w, 0, &pl, &fixture.st), 0);
+    const uint32_t skewed[] = {0, 0, 0, 1};
+    ck_assert_mem_eq(pl.device_of, skewed, sizeof skewed);
+    ck_assert_uint_eq(pl.budget[1], layer_bytes); /* no budget: its bytes */
+    qm_placement_free(&pl);
+
+    const uint64_t none_on_1[] = {1, 0};
+    ck_assert_int_eq(qm_placement_make(bank, 2, none_on_1, 0, &pl, &fixture.st), 0);
+    ck_assert_uint_eq(pl.bytes[1], 0);
+    ck_assert_uint_eq(pl.budget[1], 0);
+    qm_placement_free(&pl);
+
+    ck_assert_int_eq(qm_placement_make(bank, 0, NULL, 0, &pl, &fixture.st), QM_EINVAL);
+    ck_assert_str_eq(fixture.st.field, "device");
+}
+END_TEST
+
+static void run_two_devices(int on_miss, int prefetch, uint64_t budget, const char *policy)
+{
+    const pf_spec *sp = &fixture.spec;
+    const pf_bank *b = &fixture.bank;
+    qm_backend *dev[2] = {NULL, NULL};
+    ck_assert_int_eq(pf_fake_device_new(&dev[0]), 0);
+    ck_assert_int_eq(pf_fake_device_new(&dev[1]), 0);
+    pg_set set;
+    make_calls(b, fixture.cpu, 18, 31, &set);
+    qm_policy pol = {0};
+    new_policy(policy, b, &set, &pol);
+    qm_residency_plan *plan = make_plan(b, &pol, 1, budget);
+    qm_placement pl;
+    ck_assert_int_eq(qm_placement_make(b->bank, 2, NULL, budget, &pl, &fixture.st), 0);
+    qm_pager_options o = {.prefetch = prefetch, .on_miss = on_miss, .host_threads = 1,
+                          .no_preload = 1};
+    qm_multipager *mp = NULL;
+    int rc = qm_multipager_new(dev, b->bank, plan, &pol, &o, &pl, &mp, &fixture.st);
+    ck_assert_msg(rc == 0, "multipager: %s", fixture.st.msg);
+    for (uint32_t d = 0; d < 2; d++)
+        qm_pager_set_alloc_hook(qm_multipager_pager(mp, d), device_hook, &pl.budget[d]);
+    const qm_bank_config *cfg = qm_bank_get_config(b->bank);
+    float out[8 * 64];
+    uint64_t accesses = 0;
+    for (size_t i = 0; i < set.n; i++) {
+        const pg_call *c = &set.calls[i];
+        qm_moe_call mc = {.layer = c->layer, .dtype = QM_DTYPE_F32, .hidden = c->x,
+                          .n_tokens = c->T, .logits = c->logits, .output = out};
+        qm_pager_stats other0, other1;
+        uint32_t here = pl.device_of[c->layer];
+        qm_pager_stats_get(qm_multipager_pager(mp, 1 - here), &other0);
+        rc = qm_multipager_forward(mp, &mc, NULL, &fixture.st);
+        ck_assert_msg(rc == 0, "call %zu: %s", i, fixture.st.msg);
+        ck_assert_msg(memcmp(out, c->ref, sizeof(float) * c->T * cfg->hidden) == 0,
+                      "%s on_miss %d budget %llu: call %zu (layer %u) differs", policy, on_miss,
+                      (unsigned long long)budget, i, c->layer);
+        /* The other device saw nothing of this call. */
+        qm_pager_stats_get(qm_multipager_pager(mp, 1 - here), &other1);
+        ck_assert_uint_eq(other0.hits + other0.misses + other0.host_runs +
+                              other0.whole_bank_accesses,
+                          other1.hits + other1.misses + other1.host_runs +
+                              other1.whole_bank_accesses);
+        accesses += c->n_uniq;
+    }
+    qm_pager_stats s;
+    qm_multipager_stats(mp, &s);
+    ck_assert_uint_eq(s.hits + s.misses + s.host_runs + s.whole_bank_accesses, accesses);
+    ck_assert_uint_le(s.resident_bytes, budget);
+    ck_assert_uint_eq(s.budget_bytes, budget);
+    for (uint32_t d = 0; d < 2; d++) {
+        qm_pager_stats sd;
+        qm_pager_stats_get(qm_multipager_pager(mp, d), &sd);
+        ck_assert_uint_le(sd.resident_bytes, pl.budget[d]);
+    }
+    /* A layer asked of the wrong device's pager is refused. */
+    uint32_t wrong = 1 - pl.device_of[0];
+    qm_moe_call mc = {.layer = 0, .dtype = QM_DTYPE_F32, .hidden = set.calls[0].x,
+                      .n_tokens = 1, .output = out};
+    ck_assert_int_eq(qm_pager_forward(qm_multipager_pager(mp, wrong), &mc, NULL, &fixture.st),
+                     QM_EINVAL);
+    ck_assert_int_eq(qm_pager_resident_experts(qm_multipager_pager(mp, wrong), 0, NULL, 0), 0);
+    (void)sp;
+    qm_multipager_free(mp);
+    qm_placement_free(&pl);
+    qm_plan_free(plan);
+    qm_policy_destroy(&pol);
+    free_calls(&set);
+    qm_backend_free(dev[0]);
+    qm_backend_free(dev[1]);
+}
+
+START_TEST(test_two_devices_bitwise_with_budgets_per_device_for_every_on_miss)
+{
+    const pf_spec *sp = &fixture.spec;
+    uint64_t U = unit_bytes(&fixture.bank), total = (uint64_t)sp->layers * sp->experts * U;
+    const char *policies[] = {"lru", "lfu", "belady"};
+    for (int om = QM_ON_MISS_PAGE; om <= QM_ON_MISS_AUTO; om++)
+        for (size_t p = 0; p < 3; p++)
+            for (int pf = 0; pf < 2; pf++) {
+                run_two_devices(om, pf, total / 2, policies[p]);
+                run_two_devices(om, pf, total, policies[p]);
+            }
+}
+END_TEST
+
+static Suite *devices_suite(void)
+{
+    Suite *s = suite_create("paging_devices");
+    TCase *tc = tcase_create("devices");
+    tcase_add_checked_fixture(tc, pg_fixture_setup, pg_fixture_teardown);
+    tcase_set_timeout(tc, 120);
+    tcase_add_test(tc, test_placement_cuts_contiguous_runs_by_weight_and_splits_the_budget);
+    tcase_add_test(tc, test_two_devices_bitwise_with_budgets_per_device_for_every_on_miss);
+    suite_add_tcase(s, tc);
+    return s;
+}
+
+int main(void)
+{
+    SRunner *sr = srunner_create(devices_suite());
+    srunner_run_all(sr, CK_NORMAL);
+    int failed = srunner_ntests_failed(sr);
+    srunner_free(sr);
+    return failed ? EXIT_FAILURE : EXIT_SUCCESS;
+}
