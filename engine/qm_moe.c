@@ -611,6 +611,9 @@ int qm__moe_forward_layer(qm_backend *be, const qm_bank_config *cfg, const qm_la
     memset(stats, 0, sizeof *stats);
     if (!be || !cfg || !layer || !call || !source || !source->acquire)
         return qm_status_set(st, QM_EINVAL, "forward: backend, layer, call or source missing");
+    if (source->version != QM_EXPERT_SOURCE_VERSION)
+        return qm_status_set(st, QM_EINVAL, "forward: expert source of version %d (want %d)",
+                             source->version, QM_EXPERT_SOURCE_VERSION);
     if (call->dtype != QM_DTYPE_F32 && call->dtype != QM_DTYPE_F16 &&
         call->dtype != QM_DTYPE_BF16)
         return qm_status_set(st, QM_EINVAL, "hidden dtype must be f32, f16 or bf16");
@@ -690,6 +693,7 @@ static void qm__direct_release(void *ctx, uint32_t layer, const uint32_t *expert
 
 void qm_expert_source_direct(const qm_bank *bank, qm_expert_source *out)
 {
+    out->version = QM_EXPERT_SOURCE_VERSION;
     out->ctx = (void *)bank;
     out->acquire = qm__direct_acquire;
     out->release = qm__direct_release;

@@ -52,8 +52,15 @@ int qm_moe_router_logits(const qm_bank_config *cfg, const qm_layer_view *layer, 
                          uint32_t n_tokens, float *logits, qm_status *st);
 
 /* Where expert weights come from. The pager implements this; the direct
- * source hands out pointers into the mapped bank (host-visible backends). */
+ * source hands out pointers into the mapped bank (host-visible backends).
+ * `version` comes first and must be QM_EXPERT_SOURCE_VERSION: the forward
+ * pass refuses (QM_EINVAL) a source made for another layout of this struct.
+ * Required: acquire. Optional, defaulted by the forward pass: release
+ * (nothing to release), split (every expert is acquired). */
+#define QM_EXPERT_SOURCE_VERSION 1
+
 typedef struct qm_expert_source {
+    int version; /* QM_EXPERT_SOURCE_VERSION */
     void *ctx;
     /* Makes experts[0..n) usable, as many at once as fit (at least one, in
      * order), filling weights[i] for i < *n_ready. The pointers stay valid

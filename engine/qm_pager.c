@@ -514,6 +514,7 @@ int qm_pager_new(qm_backend *backend, const qm_bank *bank, const qm_residency_pl
             goto fail;
     }
 
+    p->source.version = QM_EXPERT_SOURCE_VERSION;
     p->source.ctx = p;
     p->source.acquire = qm__source_acquire;
     p->source.release = qm__source_release;

@@ -120,7 +120,8 @@ static void dev_release(void *ctx, uint32_t layer, const uint32_t *experts, size
 
 void dev_source(dev_layer *D, qm_expert_source *src)
 {
-    *src = (qm_expert_source){.ctx = D, .acquire = dev_acquire, .release = dev_release};
+    *src = (qm_expert_source){
+        .version = QM_EXPERT_SOURCE_VERSION, .ctx = D, .acquire = dev_acquire, .release = dev_release};
 }
 
 double rel_err(const float *a, const float *b, size_t n)

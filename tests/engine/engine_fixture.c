@@ -223,7 +223,7 @@ static int tl_acquire(void *ctx, uint32_t layer, const uint32_t *experts, size_t
 
 void tl_source(tl_layer *L, qm_expert_source *out)
 {
-    *out = (qm_expert_source){.ctx = L, .acquire = tl_acquire};
+    *out = (qm_expert_source){.version = QM_EXPERT_SOURCE_VERSION, .ctx = L, .acquire = tl_acquire};
 }
 
 static double tl_sigmoid(double z)

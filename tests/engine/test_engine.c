@@ -235,6 +235,36 @@ START_TEST(test_partial_last_block_matches_reference)
 }
 END_TEST
 
+/* An expert source made for another layout of qm_expert_source is refused
+ * before anything runs, naming both versions. */
+START_TEST(test_forward_refuses_an_expert_source_of_another_version)
+{
+    qm_backend *be = new_backend("scalar", 1);
+    tl_spec s = tl_default_spec(77);
+    tl_layer L;
+    ck_assert_int_eq(tl_layer_build(&s, &L), 0);
+    uint32_t T = 2, H = L.spec.H, E = L.spec.E;
+    float *x = malloc(sizeof(float) * T * H), *lg = malloc(sizeof(float) * T * E);
+    float *out = malloc(sizeof(float) * T * H);
+    tl_random_inputs(3, T, H, E, x, lg);
+    qm_expert_source src;
+    tl_source(&L, &src);
+    ck_assert_int_eq(forward_f32(be, &L, T, x, lg, out, &src, NULL), 0);
+    src.version = QM_EXPERT_SOURCE_VERSION + 1;
+    qm_moe_call call = {.layer = 0, .dtype = QM_DTYPE_F32, .hidden = x, .n_tokens = T,
+                        .logits = lg, .output = out};
+    qm_status st = {0};
+    ck_assert_int_eq(qm__moe_forward_layer(be, &L.cfg, &L.lv, &call, &src, NULL, NULL, &st),
+                     QM_EINVAL);
+    ck_assert_msg(strstr(st.msg, "expert source of version 2 (want 1)") != NULL, "%s", st.msg);
+    free(x);
+    free(lg);
+    free(out);
+    tl_layer_free(&L);
+    qm_backend_free(be);
+}
+END_TEST
+
 /* f16 and bf16 hidden states: f32 arithmetic, output rounded to the input dtype. */
 START_TEST(test_f16_and_bf16_activations_round_once)
 {
@@ -419,7 +449,10 @@ START_TEST(test_waves_give_bitwise_identical_outputs)
     ck_assert_uint_eq(st1.waves, 1);
     for (size_t step = 1; step <= 3; step++) {
         one_at_a_time s = {.L = &L, .step = step};
-        qm_expert_source src = {.ctx = &s, .acquire = oaat_acquire, .release = oaat_release};
+        qm_expert_source src = {.version = QM_EXPERT_SOURCE_VERSION,
+                                .ctx = &s,
+                                .acquire = oaat_acquire,
+                                .release = oaat_release};
         ck_assert_int_eq(forward_f32(be, &L, T, x, lg, b, &src, &st2), 0);
         ck_assert_int_eq(s.acquired, s.released);
         ck_assert_msg(st2.waves == (uint32_t)((s.acquired + step - 1) / step),
@@ -1065,6 +1098,7 @@ static Suite *engine_suite(void)
     tcase_add_test(tc, test_every_variant_matches_float64_reference);
     tcase_add_test(tc, test_block_256_and_long_rows_match_reference);
     tcase_add_test(tc, test_partial_last_block_matches_reference);
+    tcase_add_test(tc, test_forward_refuses_an_expert_source_of_another_version);
     tcase_add_test(tc, test_f16_and_bf16_activations_round_once);
     tcase_add_test(tc, test_outputs_bitwise_identical_across_thread_counts);
     tcase_add_test(tc, test_gemm_bits_same_on_avx2_and_avx512);
