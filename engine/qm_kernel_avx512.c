@@ -105,9 +105,26 @@ QM_AI __m128i qm__chunk_bytes(const uint8_t *row, size_t row_bytes, uint32_t c, 
     return _mm_maskz_loadu_epi8(k, row + off);
 }
 
+/* Asks for the next 4 weight rows (contiguous after row[0..3]); off includes the 4 rows. */
+QM_AI void qm__prefetch_next4(const uint8_t *const row[4], size_t off)
+{
+#pragma GCC unroll 4
+    for (int i = 0; i < 4; i++)
+        _mm_prefetch((const char *)(row[i] + off), _MM_HINT_T0);
+}
+
+/* The AVX2 GEMV's reduction (qm__hsum8): 8 -> 4 -> 2 -> 1. */
+QM_AI float qm__hsum8_512(__m256 h)
+{
+    __m128 q = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+    q = _mm_add_ps(q, _mm_movehl_ps(q, q));
+    q = _mm_add_ss(q, _mm_shuffle_ps(q, q, 1));
+    return _mm_cvtss_f32(q);
+}
+
 /* NR weight rows (n..n+NR-1) x R input rows, R <= 4, NR in {1, 4}. */
 QM_AI void qm__gemv512(const qm__qmat *m, uint32_t n, const int NR, const float *xp, size_t ldx,
-                       const int R, float *y, size_t ldy, const int BITS, const int FAST)
+                       const int R, float *y, size_t ldy, const int FAST)
 {
     const uint32_t kp = (uint32_t)qm__round32(m->k), nch = kp / 32;
     const uint32_t cpb = m->nblk == 1 ? nch : m->block / 32;
@@ -131,13 +148,8 @@ QM_AI void qm__gemv512(const qm__qmat *m, uint32_t n, const int NR, const float 
         for (int i = 0; i < NR; i++)
             lut[i] = _mm512_mul_ps(_mm512_set1_ps(qm__s512(m, n + i, b, FAST)),
                                    _mm512_sub_ps(iota, _mm512_set1_ps(qm__z512(m, n + i, b, 4, FAST))));
-        if (NR == 4 && (b & 1) == 0) {
-            /* The next 4 rows (contiguous after these), same offset. */
-            size_t off = (size_t)c * 4 * BITS + 4 * rb;
-#pragma GCC unroll 4
-            for (int i = 0; i < 4; i++)
-                _mm_prefetch((const char *)(row[i] + off), _MM_HINT_T0);
-        }
+        if (NR == 4 && (b & 1) == 0)
+            qm__prefetch_next4(row, (size_t)c * 16 + 4 * rb);
         for (; c < ce; c++) {
 #pragma GCC unroll 4
             for (int i = 0; i < NR; i++) {
@@ -161,53 +173,10 @@ QM_AI void qm__gemv512(const qm__qmat *m, uint32_t n, const int NR, const float 
             __m512 v = acc[i][r];
             __m256 h = _mm256_add_ps(_mm512_castps512_ps256(v),
                                      _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
-            __m128 q = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
-            q = _mm_add_ps(q, _mm_movehl_ps(q, q));
-            q = _mm_add_ss(q, _mm_shuffle_ps(q, q, 1));
-            y[(size_t)r * ldy + n + i] = _mm_cvtss_f32(q);
+            y[(size_t)r * ldy + n + i] = qm__hsum8_512(h);
         }
 }
 
-/* One row count R: groups of 4 weight rows, then single rows. */
-#define QM__GEMV512_R(R, BITS, FAST)                                                               \
-    do {                                                                                           \
-        uint32_t n = n0;                                                                           \
-        for (; n + 4 <= n1; n += 4)                                                                \
-            qm__gemv512(m, n, 4, xp, ldx, R, y, ldy, BITS, FAST);                                  \
-        for (; n < n1; n++)                                                                        \
-            qm__gemv512(m, n, 1, xp, ldx, R, y, ldy, BITS, FAST);                                  \
-    } while (0)
-
-#define QM__GEMV512_FN(NAME, BITS, FAST)                                                           \
-    static void NAME(const qm__qmat *m, uint32_t n0, uint32_t n1, const float *xp, size_t ldx,    \
-                     uint32_t nx, float *y, size_t ldy)                                            \
-    {                                                                                              \
-        /* All input rows in one pass (at most 4 per call: QM__GEMV_MAX_ROWS). */                  \
-        for (uint32_t r0 = 0; r0 < nx; r0 += 4) {                                                  \
-            uint32_t R = nx - r0 < 4 ? nx - r0 : 4;                                                \
-            const float *xq = xp + (size_t)r0 * ldx;                                               \
-            float *yq = y + (size_t)r0 * ldy;                                                      \
-            {                                                                                      \
-                const float *xp_ = xq;                                                             \
-                float *y_ = yq;                                                                    \
-                {                                                                                  \
-                    const float *xp = xp_;                                                         \
-                    float *y = y_;                                                                 \
-                    if (R == 1)                                                                    \
-                        QM__GEMV512_R(1, BITS, FAST);                                              \
-                    else if (R == 2)                                                               \
-                        QM__GEMV512_R(2, BITS, FAST);                                              \
-                    else if (R == 3)                                                               \
-                        QM__GEMV512_R(3, BITS, FAST);                                              \
-                    else                                                                           \
-                        QM__GEMV512_R(4, BITS, FAST);                                              \
-                }                                                                                  \
-            }                                                                                      \
-        }                                                                                          \
-    }
-
-QM__GEMV512_FN(qm__gemv512_q4f, 4, 1)
-QM__GEMV512_FN(qm__gemv512_q4g, 4, 0)
 
 /* 8-bit GEMV in the AVX2 GEMV's order (qm_kernel_avx2.c, input rows
  * prepared by qm__avx2_prep): NR weight rows x R input rows; each (row,
@@ -237,12 +206,8 @@ QM_AI void qm__gemv512_avx2order(const qm__qmat *m, uint32_t n, const int NR, co
     uint32_t c = 0;
     for (uint32_t b = 0; b < m->nblk; b++) {
         uint32_t ce = c + cpb < nch ? c + cpb : nch;
-        if (NR == 4 && (b & 3) == 0) {
-            size_t off = (size_t)c * 16 + 4 * rb;
-#pragma GCC unroll 4
-            for (int i = 0; i < 4; i++)
-                _mm_prefetch((const char *)(row[i] + off), _MM_HINT_T0);
-        }
+        if (NR == 4 && (b & 3) == 0)
+            qm__prefetch_next4(row, (size_t)c * 16 + 4 * rb);
         for (; c < ce; c++) {
 #pragma GCC unroll 4
             for (int i = 0; i < NR; i++) {
@@ -275,25 +240,23 @@ QM_AI void qm__gemv512_avx2order(const qm__qmat *m, uint32_t n, const int NR, co
     for (int i = 0; i < NR; i++)
 #pragma GCC unroll 4
         for (int r = 0; r < R; r++) {
-            __m256 h = yv[i][r];
-            __m128 q = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
-            q = _mm_add_ps(q, _mm_movehl_ps(q, q));
-            q = _mm_add_ss(q, _mm_shuffle_ps(q, q, 1));
-            y[(size_t)r * ldy + n + i] = _mm_cvtss_f32(q);
+            y[(size_t)r * ldy + n + i] = qm__hsum8_512(yv[i][r]);
         }
 }
 
-/* R input rows: weight rows NR at a time (NR * R <= 8 accumulator pairs). */
-#define QM__GEMV512_Q8_R(R, NR, FAST)                                                              \
+/* R input rows through KERNEL: weight rows NR at a time, then single rows. */
+#define QM__GEMV512_R(KERNEL, R, NR, FAST)                                                         \
     do {                                                                                           \
         uint32_t n = n0;                                                                           \
         for (; n + (NR) <= n1; n += (NR))                                                          \
-            qm__gemv512_avx2order(m, n, NR, xq, ldx, R, yq, ldy, FAST);                            \
+            KERNEL(m, n, NR, xq, ldx, R, yq, ldy, FAST);                                           \
         for (; n < n1; n++)                                                                        \
-            qm__gemv512_avx2order(m, n, 1, xq, ldx, R, yq, ldy, FAST);                             \
+            KERNEL(m, n, 1, xq, ldx, R, yq, ldy, FAST);                                            \
     } while (0)
 
-#define QM__GEMV512_Q8_FN(NAME, FAST)                                                              \
+/* Every input row (at most 4 per call: QM__GEMV_MAX_ROWS) in groups of up
+ * to 4; NR34 weight rows at a time for 3 or 4 input rows, 4 for fewer. */
+#define QM__GEMV512_FN(NAME, KERNEL, FAST, NR34)                                                   \
     static void NAME(const qm__qmat *m, uint32_t n0, uint32_t n1, const float *xp, size_t ldx,    \
                      uint32_t nx, float *y, size_t ldy)                                            \
     {                                                                                              \
@@ -302,18 +265,21 @@ QM_AI void qm__gemv512_avx2order(const qm__qmat *m, uint32_t n, const int NR, co
             const float *xq = xp + (size_t)r0 * ldx;                                               \
             float *yq = y + (size_t)r0 * ldy;                                                      \
             if (R == 1)                                                                            \
-                QM__GEMV512_Q8_R(1, 4, FAST);                                                      \
+                QM__GEMV512_R(KERNEL, 1, 4, FAST);                                                 \
             else if (R == 2)                                                                       \
-                QM__GEMV512_Q8_R(2, 4, FAST);                                                      \
+                QM__GEMV512_R(KERNEL, 2, 4, FAST);                                                 \
             else if (R == 3)                                                                       \
-                QM__GEMV512_Q8_R(3, 2, FAST);                                                      \
+                QM__GEMV512_R(KERNEL, 3, NR34, FAST);                                              \
             else                                                                                   \
-                QM__GEMV512_Q8_R(4, 2, FAST);                                                      \
+                QM__GEMV512_R(KERNEL, 4, NR34, FAST);                                              \
         }                                                                                          \
     }
 
-QM__GEMV512_Q8_FN(qm__gemv512_q8f, 1)
-QM__GEMV512_Q8_FN(qm__gemv512_q8g, 0)
+/* 4-bit table lookup: 4 x 4 accumulators; 8-bit AVX2 order: NR * R <= 8 pairs. */
+QM__GEMV512_FN(qm__gemv512_q4f, qm__gemv512, 1, 4)
+QM__GEMV512_FN(qm__gemv512_q4g, qm__gemv512, 0, 4)
+QM__GEMV512_FN(qm__gemv512_q8f, qm__gemv512_avx2order, 1, 2)
+QM__GEMV512_FN(qm__gemv512_q8g, qm__gemv512_avx2order, 0, 2)
 
 static void qm__avx512_gemv(const qm__qmat *m, uint32_t n0, uint32_t n1, const float *xp,
                             size_t ldx, uint32_t nx, float *y, size_t ldy, float *scratch)

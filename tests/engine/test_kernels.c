@@ -207,7 +207,6 @@ static Suite *suite(void)
 {
     Suite *s = suite_create("kernels");
     TCase *tc = tcase_create("core");
-    tcase_set_timeout(tc, 120);
     tcase_add_test(tc, test_measured_classes_same_bits);
     tcase_add_test(tc, test_pick_with_margin);
     tcase_add_test(tc, test_calibration_takes_fastest);
