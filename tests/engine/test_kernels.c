@@ -23,8 +23,7 @@ static const qm__kernel *kernel(const char *name)
     setenv("QMOE_KERNEL", name, 1);
     const qm__kernel *k = qm__kernel_select();
     unsetenv("QMOE_KERNEL");
-    if (strcmp(k->name, name) == 0)
-        return k;
+    if (strcmp(k->name, name) == 0) return k;
     int *said = strcmp(name, "avx2") == 0 ? &said_avx2 : &said_avx512;
     if (!*said)
         fprintf(stderr, "kernel %s: this CPU cannot run it; its tests are skipped here\n", name);
@@ -62,8 +61,7 @@ static void run(const qm__kernel *k, const qm__qmat *m, int gemm, const float *x
 START_TEST(test_measured_classes_same_bits)
 {
     const qm__kernel *a = kernel("avx2"), *b = kernel("avx512");
-    if (!a || !b)
-        return;
+    if (!a || !b) return;
     static const uint32_t BLOCKS[] = {0, 16, 32, 64, 128};
     static const uint32_t TS[] = {1, 2, 3, 4, 5, 7, 12, 13, 25};
     int checked = 0;
@@ -71,13 +69,11 @@ START_TEST(test_measured_classes_same_bits)
         uint32_t bits = it & 1 ? 8 : 4;
         uint32_t T = TS[(it / 2) % 9];
         int gemm = T > QM__GEMV_MAX_ROWS;
-        if (!gemm && bits == 4)
-            continue; /* the 4-bit GEMV stays on the table: different orders */
+        if (!gemm && bits == 4) continue; /* the 4-bit GEMV stays on the table: different orders */
         uint32_t block = BLOCKS[next() % 5];
-        uint32_t k = block ? block * (1 + next() % 6) - (next() % 2 ? 0 : next() % block)
-                           : 1 + next() % 700;
-        if (k < 2)
-            k = 2;
+        uint32_t k =
+            block ? block * (1 + next() % 6) - (next() % 2 ? 0 : next() % block) : 1 + next() % 700;
+        if (k < 2) k = 2;
         uint32_t n = 1 + next() % 41;
         uint32_t nblk = block ? (k + block - 1) / block : 1;
         size_t rb = ((size_t)k * bits + 7) / 8 + next() % 3;
@@ -99,10 +95,18 @@ START_TEST(test_measured_classes_same_bits)
         }
         for (size_t i = 0; i < (size_t)T * k; i++)
             x[i] = ((float)(next() % 20001) - 10000.0f) * 1e-3f;
-        qm__qmat m = {.w = w, .row_bytes = rb, .scales = f16 ? (void *)s16 : (void *)s32,
+        qm__qmat m = {.w = w,
+                      .row_bytes = rb,
+                      .scales = f16 ? (void *)s16 : (void *)s32,
                       .scale_dtype = f16 ? QM_DTYPE_F16 : QM_DTYPE_F32,
-                      .zp = asym ? zp : NULL, .zp_blockwise = 1, .zp_row_bytes = zprb,
-                      .n = n, .k = k, .bits = bits, .nblk = nblk, .block = block ? block : k};
+                      .zp = asym ? zp : NULL,
+                      .zp_blockwise = 1,
+                      .zp_row_bytes = zprb,
+                      .n = n,
+                      .k = k,
+                      .bits = bits,
+                      .nblk = nblk,
+                      .block = block ? block : k};
         run(a, &m, gemm, x, T, ya);
         run(b, &m, gemm, x, T, yb);
         ck_assert_msg(memcmp(ya, yb, 4 * (size_t)T * n) == 0,
@@ -140,8 +144,7 @@ END_TEST
 
 START_TEST(test_calibration_takes_fastest)
 {
-    if (!kernel("avx2") || !kernel("avx512"))
-        return;
+    if (!kernel("avx2") || !kernel("avx512")) return;
     unsetenv("QMOE_KERNEL_CACHE");
     qm__kernel_set_timer(fake_timer);
     fake_wide = 50.0, fake_narrow = 100.0;
@@ -162,8 +165,7 @@ END_TEST
 START_TEST(test_cache)
 {
     const qm__kernel *a = kernel("avx2"), *b = kernel("avx512");
-    if (!a || !b)
-        return;
+    if (!a || !b) return;
     char path[] = "/tmp/qmoe-kcache-XXXXXX";
     int fd = mkstemp(path);
     ck_assert_int_ge(fd, 0);
