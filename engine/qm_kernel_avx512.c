@@ -9,11 +9,21 @@
  * dwords) into 16 dequantised weights. Each 32-column chunk of a 4-bit row
  * is 16 bytes: low nibbles are the even columns, high nibbles the odd ones,
  * so the prepared input stores every 32 columns as [16 even, 16 odd].
- * 8-bit rows convert the codes and use (q - zp) * scale directly.
  * Accumulation is f32 FMA per lane in column order within a lane, then a
- * fixed 16 -> 1 reduction: the order depends only on the geometry.
- * Blocks of 16 columns use the AVX2 GEMV (its own input layout, chosen by
- * the same predicate in prep and gemv).
+ * fixed 16 -> 1 reduction: the order depends only on the geometry. The
+ * AVX2 GEMV sums in another order (raw codes, zero point and scale applied
+ * per block), so this 4-bit GEMV gives different bits from it: AVX2
+ * cannot run this order without extra work per weight, and the AVX2 order
+ * run with 16 lanes was slower than both here (docs/BENCHMARKS.md "kernel
+ * choice"); the 4-bit GEMV therefore stays on the fixed table. 4-bit blocks
+ * of 16 columns use the AVX2 GEMV (its own input layout, chosen by the same
+ * predicate in prep and gemv).
+ *
+ * 8-bit rows run the AVX2 GEMV's own order with 16 lanes (qm__gemv512_q8):
+ * one 16-column chunk is one vector [a0 | a1] of the AVX2 kernel's two
+ * accumulators, the block fold and the final reduction are its operations
+ * on 8 lanes, so the 8-bit GEMVs of both ISAs give the same bits and the
+ * faster one may be chosen per CPU by measurement.
  *
  * Prefill (GEMM) takes the AVX2 path's panels (a 16-row x 256-column tile
  * of W dequantised once, transposed so a column's 16 weights are one
@@ -31,7 +41,7 @@
 
 static int qm__avx512_own(const qm__qmat *m, int gemm)
 {
-    return !gemm && (m->nblk == 1 || m->block % 32 == 0);
+    return !gemm && m->bits == 4 && (m->nblk == 1 || m->block % 32 == 0);
 }
 
 static size_t qm__round32(size_t v)
@@ -57,8 +67,7 @@ static void qm__avx512_prep(const qm__qmat *m, int gemm, const float *x, float *
         for (size_t j = 0; j < 32; j++) {
             size_t c = g + j;
             float v = c < m->k ? x[c] : 0.0f;
-            size_t pos = m->bits == 4 ? g + (j & 1) * 16 + j / 2 : c;
-            xp[pos] = v;
+            xp[g + (j & 1) * 16 + j / 2] = v;
         }
     }
 }
@@ -96,9 +105,26 @@ QM_AI __m128i qm__chunk_bytes(const uint8_t *row, size_t row_bytes, uint32_t c, 
     return _mm_maskz_loadu_epi8(k, row + off);
 }
 
+/* Asks for the next 4 weight rows (contiguous after row[0..3]); off includes the 4 rows. */
+QM_AI void qm__prefetch_next4(const uint8_t *const row[4], size_t off)
+{
+#pragma GCC unroll 4
+    for (int i = 0; i < 4; i++)
+        _mm_prefetch((const char *)(row[i] + off), _MM_HINT_T0);
+}
+
+/* The AVX2 GEMV's reduction (qm__hsum8): 8 -> 4 -> 2 -> 1. */
+QM_AI float qm__hsum8_512(__m256 h)
+{
+    __m128 q = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+    q = _mm_add_ps(q, _mm_movehl_ps(q, q));
+    q = _mm_add_ss(q, _mm_shuffle_ps(q, q, 1));
+    return _mm_cvtss_f32(q);
+}
+
 /* NR weight rows (n..n+NR-1) x R input rows, R <= 4, NR in {1, 4}. */
 QM_AI void qm__gemv512(const qm__qmat *m, uint32_t n, const int NR, const float *xp, size_t ldx,
-                       const int R, float *y, size_t ldy, const int BITS, const int FAST)
+                       const int R, float *y, size_t ldy, const int FAST)
 {
     const uint32_t kp = (uint32_t)qm__round32(m->k), nch = kp / 32;
     const uint32_t cpb = m->nblk == 1 ? nch : m->block / 32;
@@ -117,39 +143,19 @@ QM_AI void qm__gemv512(const qm__qmat *m, uint32_t n, const int NR, const float 
     uint32_t c = 0;
     for (uint32_t b = 0; b < m->nblk; b++) {
         uint32_t ce = c + cpb < nch ? c + cpb : nch;
-        __m512 lut[4], zpv[4], scv[4];
+        __m512 lut[4];
 #pragma GCC unroll 4
-        for (int i = 0; i < NR; i++) {
-            scv[i] = _mm512_set1_ps(qm__s512(m, n + i, b, FAST));
-            zpv[i] = _mm512_set1_ps(qm__z512(m, n + i, b, BITS, FAST));
-            if (BITS == 4)
-                lut[i] = _mm512_mul_ps(scv[i], _mm512_sub_ps(iota, zpv[i]));
-            else
-                lut[i] = zpv[i];
-        }
-        if (NR == 4 && (b & 1) == 0) {
-            /* The next 4 rows (contiguous after these), same offset. */
-            size_t off = (size_t)c * 4 * BITS + 4 * rb;
-#pragma GCC unroll 4
-            for (int i = 0; i < 4; i++)
-                _mm_prefetch((const char *)(row[i] + off), _MM_HINT_T0);
-        }
+        for (int i = 0; i < NR; i++)
+            lut[i] = _mm512_mul_ps(_mm512_set1_ps(qm__s512(m, n + i, b, FAST)),
+                                   _mm512_sub_ps(iota, _mm512_set1_ps(qm__z512(m, n + i, b, 4, FAST))));
+        if (NR == 4 && (b & 1) == 0)
+            qm__prefetch_next4(row, (size_t)c * 16 + 4 * rb);
         for (; c < ce; c++) {
 #pragma GCC unroll 4
             for (int i = 0; i < NR; i++) {
-                __m512 w0, w1;
-                if (BITS == 4) {
-                    __m512i v = _mm512_cvtepu8_epi32(qm__chunk_bytes(row[i], rb, c, 4, 0));
-                    w0 = _mm512_permutexvar_ps(_mm512_and_si512(v, lo4), lut[i]);
-                    w1 = _mm512_permutexvar_ps(_mm512_srli_epi32(v, 4), lut[i]);
-                } else {
-                    __m512 q0 = _mm512_cvtepi32_ps(
-                        _mm512_cvtepu8_epi32(qm__chunk_bytes(row[i], rb, c, 8, 0)));
-                    __m512 q1 = _mm512_cvtepi32_ps(
-                        _mm512_cvtepu8_epi32(qm__chunk_bytes(row[i], rb, c, 8, 1)));
-                    w0 = _mm512_mul_ps(scv[i], _mm512_sub_ps(q0, zpv[i]));
-                    w1 = _mm512_mul_ps(scv[i], _mm512_sub_ps(q1, zpv[i]));
-                }
+                __m512i v = _mm512_cvtepu8_epi32(qm__chunk_bytes(row[i], rb, c, 4, 0));
+                __m512 w0 = _mm512_permutexvar_ps(_mm512_and_si512(v, lo4), lut[i]);
+                __m512 w1 = _mm512_permutexvar_ps(_mm512_srli_epi32(v, 4), lut[i]);
 #pragma GCC unroll 4
                 for (int r = 0; r < R; r++) {
                     const float *xv = xp + (size_t)r * ldx + 32 * (size_t)c;
@@ -167,66 +173,124 @@ QM_AI void qm__gemv512(const qm__qmat *m, uint32_t n, const int NR, const float 
             __m512 v = acc[i][r];
             __m256 h = _mm256_add_ps(_mm512_castps512_ps256(v),
                                      _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
-            __m128 q = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
-            q = _mm_add_ps(q, _mm_movehl_ps(q, q));
-            q = _mm_add_ss(q, _mm_shuffle_ps(q, q, 1));
-            y[(size_t)r * ldy + n + i] = _mm_cvtss_f32(q);
+            y[(size_t)r * ldy + n + i] = qm__hsum8_512(h);
         }
 }
 
-/* One row count R: groups of 4 weight rows, then single rows. */
-#define QM__GEMV512_R(R, BITS, FAST)                                                               \
+
+/* 8-bit GEMV in the AVX2 GEMV's order (qm_kernel_avx2.c, input rows
+ * prepared by qm__avx2_prep): NR weight rows x R input rows; each (row,
+ * input) pair runs exactly the AVX2 operation sequence
+ *   per chunk   [a0 | a1] += w * x        (one 16-lane FMA = its two 8-lane FMAs)
+ *   per block   blk = (a0 + a1) - zp * xsum_block; y += blk * scale
+ *   at the end  the same 8 -> 4 -> 2 -> 1 reduction,
+ * so both give the same bits. Tail bytes past the row read as zero, as there. */
+QM_AI void qm__gemv512_avx2order(const qm__qmat *m, uint32_t n, const int NR, const float *xp,
+                                 size_t ldx, const int R, float *y, size_t ldy, const int FAST)
+{
+    const uint32_t kp = (m->k + 15) & ~15u, nch = kp / 16;
+    const uint32_t cpb = m->nblk == 1 ? nch : m->block / 16;
+    const size_t rb = m->row_bytes;
+    const uint8_t *row[4];
+    __m512 acc[4][4];
+    __m256 yv[4][4];
+#pragma GCC unroll 4
+    for (int i = 0; i < NR; i++) {
+        row[i] = m->w + (size_t)(n + i) * rb;
+#pragma GCC unroll 4
+        for (int r = 0; r < R; r++) {
+            acc[i][r] = _mm512_setzero_ps();
+            yv[i][r] = _mm256_setzero_ps();
+        }
+    }
+    uint32_t c = 0;
+    for (uint32_t b = 0; b < m->nblk; b++) {
+        uint32_t ce = c + cpb < nch ? c + cpb : nch;
+        if (NR == 4 && (b & 3) == 0)
+            qm__prefetch_next4(row, (size_t)c * 16 + 4 * rb);
+        for (; c < ce; c++) {
+#pragma GCC unroll 4
+            for (int i = 0; i < NR; i++) {
+                __m512 w = _mm512_cvtepi32_ps(
+                    _mm512_cvtepu8_epi32(qm__chunk_bytes(row[i], rb, c >> 1, 8, (int)(c & 1))));
+#pragma GCC unroll 4
+                for (int r = 0; r < R; r++)
+                    acc[i][r] = _mm512_fmadd_ps(
+                        w, _mm512_loadu_ps(xp + (size_t)r * ldx + 16 * (size_t)c), acc[i][r]);
+            }
+        }
+#pragma GCC unroll 4
+        for (int i = 0; i < NR; i++) {
+            __m256 scv = _mm256_set1_ps(qm__s512(m, n + i, b, FAST));
+            __m256 zpv = _mm256_set1_ps(qm__z512(m, n + i, b, 8, FAST));
+#pragma GCC unroll 4
+            for (int r = 0; r < R; r++) {
+                __m512 a = acc[i][r];
+                __m256 blk = _mm256_add_ps(
+                    _mm512_castps512_ps256(a),
+                    _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a), 1)));
+                blk = _mm256_fnmadd_ps(
+                    zpv, _mm256_loadu_ps(xp + (size_t)r * ldx + kp + 8 * (size_t)b), blk);
+                yv[i][r] = _mm256_fmadd_ps(blk, scv, yv[i][r]);
+                acc[i][r] = _mm512_setzero_ps();
+            }
+        }
+    }
+#pragma GCC unroll 4
+    for (int i = 0; i < NR; i++)
+#pragma GCC unroll 4
+        for (int r = 0; r < R; r++) {
+            y[(size_t)r * ldy + n + i] = qm__hsum8_512(yv[i][r]);
+        }
+}
+
+/* R input rows through KERNEL: weight rows NR at a time, then single rows. */
+#define QM__GEMV512_R(KERNEL, R, NR, FAST)                                                         \
     do {                                                                                           \
         uint32_t n = n0;                                                                           \
-        for (; n + 4 <= n1; n += 4)                                                                \
-            qm__gemv512(m, n, 4, xp, ldx, R, y, ldy, BITS, FAST);                                  \
+        for (; n + (NR) <= n1; n += (NR))                                                          \
+            KERNEL(m, n, NR, xq, ldx, R, yq, ldy, FAST);                                           \
         for (; n < n1; n++)                                                                        \
-            qm__gemv512(m, n, 1, xp, ldx, R, y, ldy, BITS, FAST);                                  \
+            KERNEL(m, n, 1, xq, ldx, R, yq, ldy, FAST);                                            \
     } while (0)
 
-#define QM__GEMV512_FN(NAME, BITS, FAST)                                                           \
+/* Every input row (at most 4 per call: QM__GEMV_MAX_ROWS) in groups of up
+ * to 4; NR34 weight rows at a time for 3 or 4 input rows, 4 for fewer. */
+#define QM__GEMV512_FN(NAME, KERNEL, FAST, NR34)                                                   \
     static void NAME(const qm__qmat *m, uint32_t n0, uint32_t n1, const float *xp, size_t ldx,    \
                      uint32_t nx, float *y, size_t ldy)                                            \
     {                                                                                              \
-        /* All input rows in one pass (at most 4 per call: QM__GEMV_MAX_ROWS). */                  \
         for (uint32_t r0 = 0; r0 < nx; r0 += 4) {                                                  \
             uint32_t R = nx - r0 < 4 ? nx - r0 : 4;                                                \
             const float *xq = xp + (size_t)r0 * ldx;                                               \
             float *yq = y + (size_t)r0 * ldy;                                                      \
-            {                                                                                      \
-                const float *xp_ = xq;                                                             \
-                float *y_ = yq;                                                                    \
-                {                                                                                  \
-                    const float *xp = xp_;                                                         \
-                    float *y = y_;                                                                 \
-                    if (R == 1)                                                                    \
-                        QM__GEMV512_R(1, BITS, FAST);                                              \
-                    else if (R == 2)                                                               \
-                        QM__GEMV512_R(2, BITS, FAST);                                              \
-                    else if (R == 3)                                                               \
-                        QM__GEMV512_R(3, BITS, FAST);                                              \
-                    else                                                                           \
-                        QM__GEMV512_R(4, BITS, FAST);                                              \
-                }                                                                                  \
-            }                                                                                      \
+            if (R == 1)                                                                            \
+                QM__GEMV512_R(KERNEL, 1, 4, FAST);                                                 \
+            else if (R == 2)                                                                       \
+                QM__GEMV512_R(KERNEL, 2, 4, FAST);                                                 \
+            else if (R == 3)                                                                       \
+                QM__GEMV512_R(KERNEL, 3, NR34, FAST);                                              \
+            else                                                                                   \
+                QM__GEMV512_R(KERNEL, 4, NR34, FAST);                                              \
         }                                                                                          \
     }
 
-QM__GEMV512_FN(qm__gemv512_q4f, 4, 1)
-QM__GEMV512_FN(qm__gemv512_q4g, 4, 0)
-QM__GEMV512_FN(qm__gemv512_q8f, 8, 1)
-QM__GEMV512_FN(qm__gemv512_q8g, 8, 0)
+/* 4-bit table lookup: 4 x 4 accumulators; 8-bit AVX2 order: NR * R <= 8 pairs. */
+QM__GEMV512_FN(qm__gemv512_q4f, qm__gemv512, 1, 4)
+QM__GEMV512_FN(qm__gemv512_q4g, qm__gemv512, 0, 4)
+QM__GEMV512_FN(qm__gemv512_q8f, qm__gemv512_avx2order, 1, 2)
+QM__GEMV512_FN(qm__gemv512_q8g, qm__gemv512_avx2order, 0, 2)
 
 static void qm__avx512_gemv(const qm__qmat *m, uint32_t n0, uint32_t n1, const float *xp,
                             size_t ldx, uint32_t nx, float *y, size_t ldy, float *scratch)
 {
     int fast = m->scale_dtype == QM_DTYPE_F32 && !m->zp;
-    if (!qm__avx512_own(m, 0))
-        qm__avx2_gemv(m, n0, n1, xp, ldx, nx, y, ldy, scratch);
-    else if (m->bits == 4)
-        (fast ? qm__gemv512_q4f : qm__gemv512_q4g)(m, n0, n1, xp, ldx, nx, y, ldy);
-    else
+    if (m->bits == 8)
         (fast ? qm__gemv512_q8f : qm__gemv512_q8g)(m, n0, n1, xp, ldx, nx, y, ldy);
+    else if (!qm__avx512_own(m, 0))
+        qm__avx2_gemv(m, n0, n1, xp, ldx, nx, y, ldy, scratch);
+    else
+        (fast ? qm__gemv512_q4f : qm__gemv512_q4g)(m, n0, n1, xp, ldx, nx, y, ldy);
 }
 
 #define QM__GEMM512_MR 12u

@@ -2,20 +2,24 @@
  *
  * Exact mode: a kernel per shape class the engine distinguishes (GEMV =
  * decode jobs of <= QM__GEMV_MAX_ROWS rows, GEMM = longer jobs; 4-bit and
- * 8-bit weights). Kernels of different ISAs sum in different orders, so the
- * choice must not change between processes (the daemon and `qmoe-bank run`
- * give the same bits): the default is a fixed table per ISA, set from
- * measurements (docs/BENCHMARKS.md "kernel choice"): GEMV 4-bit AVX-512
- * (table-lookup dequantisation) where the CPU has AVX-512F/BW/VL, else
- * AVX2; GEMV 8-bit AVX2 (measured faster than the AVX-512 8-bit GEMV on
- * Sapphire Rapids); GEMM AVX-512 where available, else AVX2 (both give the
- * same bits: same panels, same per-lane order).
- * QMOE_KERNEL=measure times every available vector kernel on each class
- * instead (a 64 x 2880 matrix with blocks of 32, L2-resident: the kernel's
- * compute, not the memory) and keeps the fastest, a narrower kernel taking
- * a class only when more than 10% faster; outputs then follow that
- * process's measurement. QMOE_KERNEL=scalar|avx2|avx512 forces one kernel
- * for every class (an unavailable one falls back to the default).
+ * 8-bit weights). Where the SIMD kernels of a class give the same bits
+ * (8-bit GEMV: the AVX-512 one runs the AVX2 order; GEMM 4/8-bit: same
+ * panels, same per-lane order) the default is measured once per process:
+ * each available SIMD kernel on a 64 x 2880 matrix with blocks of 32
+ * (L2-resident: the kernel's compute, not the memory), thread CPU time,
+ * best of a few runs, a narrower kernel taking a class only when more than
+ * 10% faster (no flapping between near-equal kernels). Two processes that
+ * measure differently still give the same bits. The 4-bit GEMV's kernels
+ * sum in different orders (qm_kernel_avx512.c says why), so that class
+ * stays on a fixed table (AVX-512 table-lookup GEMV where the CPU has
+ * AVX-512F/BW/VL, else AVX2): the daemon and `qmoe-bank run` agree.
+ * QMOE_KERNEL_CACHE=<file> keeps the measured choice across restarts,
+ * keyed by the CPU's brand string, the candidate kernels and a version (a
+ * stale, invalid or corrupt file is ignored with a line on stderr and
+ * rewritten). QMOE_KERNEL=table uses the fixed table for every class,
+ * =measure measures the 4-bit GEMV too (outputs then follow that
+ * process's measurement), =scalar|avx2|avx512 forces one kernel for every
+ * class (an unavailable one falls back to the default).
  *
  * Fast mode: every SIMD fast kernel produces the same bits (qm_kernel_i8.h),
  * so its choice is always measured, once per process, among the available
@@ -30,6 +34,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
+#include <unistd.h>
 
 #include "qm_alloc.h"
 #include "qm_kernels.h"
@@ -41,9 +46,11 @@ typedef struct qm__auto_choice {
     char desc[160];
 } qm__auto_choice;
 
-/* [0]: the fixed defaults, [1]: measured (QMOE_KERNEL=measure). */
-static qm__auto_choice qm__choice[2];
-static pthread_once_t qm__choice_once[2] = {PTHREAD_ONCE_INIT, PTHREAD_ONCE_INIT};
+/* [0]: the default (measured where the bits agree), [1]: everything
+ * measured (QMOE_KERNEL=measure), [2]: the fixed table (QMOE_KERNEL=table). */
+static qm__auto_choice qm__choice[3];
+static pthread_once_t qm__choice_once[3] = {PTHREAD_ONCE_INIT, PTHREAD_ONCE_INIT,
+                                            PTHREAD_ONCE_INIT};
 
 #define QM__AUTO_FNS(IDX)                                                                          \
     static const qm__kernel *qm__pick##IDX(const qm__qmat *m, int gemm)                            \
@@ -72,12 +79,15 @@ static pthread_once_t qm__choice_once[2] = {PTHREAD_ONCE_INIT, PTHREAD_ONCE_INIT
 
 QM__AUTO_FNS(0)
 QM__AUTO_FNS(1)
+QM__AUTO_FNS(2)
 
-static qm__kernel qm__kernel_auto[2] = {
+static qm__kernel qm__kernel_auto[3] = {
     {.name = "default", .x_stride = qm__x_stride0, .prep = qm__prep0, .gemv = qm__gemv0,
      .gemm = qm__gemm0, .gemm_row_pad = 1},
     {.name = "measured", .x_stride = qm__x_stride1, .prep = qm__prep1, .gemv = qm__gemv1,
      .gemm = qm__gemm1, .gemm_row_pad = 1},
+    {.name = "table", .x_stride = qm__x_stride2, .prep = qm__prep2, .gemv = qm__gemv2,
+     .gemm = qm__gemm2, .gemm_row_pad = 1},
 };
 
 /* ---- fast mode ---- */
@@ -108,10 +118,12 @@ static const qm__i8kernel qm__i8kernel_avxvnni = {.name = "avxvnni", .mm = qm__i
 #endif
 #endif
 
+/* This thread's CPU time: other processes on a shared machine cost wall
+ * time, not this thread's CPU time. */
 static double qm__now_us(void)
 {
     struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
+    clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts);
     return (double)ts.tv_sec * 1e6 + (double)ts.tv_nsec * 1e-3;
 }
 
@@ -120,7 +132,8 @@ static double qm__now_us(void)
 #define QM__CAL_GEMM_ROWS 24u
 
 /* Best of a few runs of one kernel on one class; a negative value: no memory. */
-static double qm__time_kernel(const qm__kernel *k, const qm__qmat *m, int gemm, const float *x)
+static double qm__time_kernel_real(const qm__kernel *k, const qm__qmat *m, int gemm,
+                                   const float *x)
 {
     uint32_t nx = gemm ? QM__CAL_GEMM_ROWS : 1;
     size_t ld = (k->x_stride(m, gemm) + 15) & ~(size_t)15;
@@ -266,9 +279,122 @@ static void qm__i8_auto_calibrate(void)
              part[1]);
 }
 
-static void qm__auto_calibrate(int measure)
+static qm__kernel_timer qm__timer = qm__time_kernel_real;
+
+void qm__kernel_set_timer(qm__kernel_timer fn)
 {
-    qm__auto_choice *ch = &qm__choice[measure];
+    qm__timer = fn ? fn : qm__time_kernel_real;
+}
+
+int qm__kernel_pick(const double *us, int nc)
+{
+    int best = 0;
+    for (int c = 1; c < nc; c++)
+        if (us[best] <= 0.0 || (us[c] > 0.0 && us[c] < us[best] * 0.90))
+            best = c;
+    return best;
+}
+
+/* ---- the measured choice's cache (QMOE_KERNEL_CACHE) ---- */
+
+#define QM__CACHE_VERSION 1
+
+/* The CPU's brand string (CPUID 0x80000002..4), or "unknown". */
+static void qm__cpu_brand(char *out, size_t cap)
+{
+    snprintf(out, cap, "unknown");
+#if defined(QMOE_X86_KERNELS)
+    unsigned r[12], a = 0x80000000u, b, c, d;
+    __asm__ volatile("cpuid" : "+a"(a), "=b"(b), "=c"(c), "=d"(d) : "c"(0));
+    if (a < 0x80000004u)
+        return;
+    for (unsigned i = 0; i < 3; i++) {
+        a = 0x80000002u + i;
+        __asm__ volatile("cpuid" : "+a"(a), "=b"(b), "=c"(c), "=d"(d) : "c"(0));
+        r[4 * i] = a, r[4 * i + 1] = b, r[4 * i + 2] = c, r[4 * i + 3] = d;
+    }
+    char brand[49];
+    memcpy(brand, r, 48);
+    brand[48] = 0;
+    const char *p = brand;
+    while (*p == ' ')
+        p++;
+    snprintf(out, cap, "%s", p);
+    for (char *q = out; *q; q++)
+        if (*q == '|' || *q == '\n')
+            *q = ' ';
+#endif
+}
+
+/* Cache key: version, CPU brand, candidate kernels. */
+static void qm__cache_key(const qm__kernel *const *cands, int nc, char *key, size_t cap)
+{
+    char brand[64];
+    qm__cpu_brand(brand, sizeof brand);
+    int o = snprintf(key, cap, "qmoe-kernels %d|%s|", QM__CACHE_VERSION, brand);
+    for (int c = 0; c < nc && o > 0 && (size_t)o < cap; c++)
+        o += snprintf(key + o, cap - (size_t)o, "%s%s", c ? "," : "", cands[c]->name);
+}
+
+static const qm__kernel *qm__cand_named(const qm__kernel *const *cands, int nc, const char *n)
+{
+    for (int c = 0; c < nc; c++)
+        if (strcmp(cands[c]->name, n) == 0)
+            return cands[c];
+    return NULL;
+}
+
+/* The measured classes (order: gemv 4-bit, gemv 8-bit, gemm 4-bit, gemm 8-bit)
+ * from the cache file; 0 when found and valid, else -1 with a line on stderr
+ * (a missing file says nothing). */
+int qm__kernel_cache_load(const char *path, const qm__kernel *const *cands, int nc,
+                          const qm__kernel *out[4])
+{
+    FILE *f = fopen(path, "r");
+    if (!f)
+        return -1;
+    char line[512], key[256], names[4][32];
+    int ok = fgets(line, sizeof line, f) != NULL;
+    fclose(f);
+    qm__cache_key(cands, nc, key, sizeof key);
+    size_t kl = strlen(key);
+    const char *why = "corrupt";
+    if (ok && strncmp(line, key, kl) == 0 && line[kl] == '|' &&
+        sscanf(line + kl + 1, "%31s %31s %31s %31s", names[0], names[1], names[2], names[3]) == 4) {
+        for (int i = 0; i < 4; i++)
+            if (!(out[i] = qm__cand_named(cands, nc, names[i])))
+                ok = 0;
+        if (ok)
+            return 0;
+    } else if (ok && strncmp(line, "qmoe-kernels ", 13) == 0) {
+        why = "for another CPU, kernel set or version";
+    }
+    fprintf(stderr, "qmoe: kernel cache %s ignored (%s); measuring again\n", path, why);
+    return -1;
+}
+
+static void qm__kernel_cache_save(const char *path, const qm__kernel *const *cands, int nc,
+                                  const qm__kernel *const ch[4])
+{
+    char key[256], tmp[4096];
+    qm__cache_key(cands, nc, key, sizeof key);
+    if (snprintf(tmp, sizeof tmp, "%s.%ld.tmp", path, (long)getpid()) >= (int)sizeof tmp)
+        return;
+    FILE *f = fopen(tmp, "w");
+    if (!f)
+        return;
+    int bad = fprintf(f, "%s|%s %s %s %s\n", key, ch[0]->name, ch[1]->name, ch[2]->name,
+                      ch[3]->name) < 0;
+    bad |= fclose(f) != 0;
+    if (bad || rename(tmp, path) != 0)
+        remove(tmp);
+}
+
+/* mode 0: default (measured where the bits agree), 1: measure everything,
+ * 2: the fixed table. */
+static void qm__auto_calibrate(int mode)
+{
+    qm__auto_choice *ch = &qm__choice[mode];
     const qm__kernel *cands[4];
     int nc = 0;
 #if defined(QMOE_X86_KERNELS)
@@ -281,16 +407,18 @@ static void qm__auto_calibrate(int measure)
         ch->gemv[b8] = ch->gemm[b8] = nc ? cands[0] : &qm__kernel_scalar;
         ch->gemv_us[b8] = ch->gemm_us[b8] = 0.0;
     }
-    uint32_t pad = 1;
-#if defined(QMOE_X86_KERNELS)
-    if (!measure && nc > 0) { /* the fixed defaults */
-        ch->gemv[0] = qm__cpu_has_avx512() ? &qm__kernel_avx512 : &qm__kernel_avx2;
-        ch->gemv[1] = &qm__kernel_avx2;
-        ch->gemm[0] = ch->gemm[1] =
-            qm__cpu_has_avx512() ? &qm__kernel_avx512 : &qm__kernel_avx2;
-    }
-#endif
-    if (nc > 1 && measure) {
+    /* The fixed table: the 4-bit GEMV of every mode but "measure". */
+    ch->gemv[1] = nc ? cands[nc - 1] : &qm__kernel_scalar;
+    const char *cache = mode == 0 ? getenv("QMOE_KERNEL_CACHE") : NULL;
+    const qm__kernel *cached[4];
+    int from_cache = 0;
+    if (nc > 1 && mode != 2 && cache && *cache &&
+        qm__kernel_cache_load(cache, cands, nc, cached) == 0) {
+        ch->gemv[1] = cached[1];
+        ch->gemm[0] = cached[2];
+        ch->gemm[1] = cached[3];
+        from_cache = 1;
+    } else if (nc > 1 && mode != 2) {
         uint8_t *w;
         float *sc, *x;
         uint32_t nblk = QM__CAL_K / 32;
@@ -300,41 +428,46 @@ static void qm__auto_calibrate(int measure)
                               .scales = sc, .scale_dtype = QM_DTYPE_F32, .n = QM__CAL_N,
                               .k = QM__CAL_K, .bits = b8 ? 8u : 4u, .nblk = nblk, .block = 32};
                 for (int gemm = 0; gemm < 2; gemm++) {
-                    const qm__kernel *best = cands[0];
-                    double tbest = qm__time_kernel(cands[0], &m, gemm, x);
-                    for (int c = 1; c < nc && tbest > 0; c++) {
-                        if (gemm ? cands[c]->gemm == best->gemm : cands[c]->gemv == best->gemv) {
-                            best = cands[c]; /* the same code, borrowed: name its owner */
-                            continue;
-                        }
-                        double t = qm__time_kernel(cands[c], &m, gemm, x);
-                        if (t > 0 && t < tbest * 0.90) {
-                            tbest = t;
-                            best = cands[c];
-                        }
-                    }
+                    if (!gemm && !b8 && mode != 1)
+                        continue; /* 4-bit GEMV: the table */
+                    double us[4];
+                    for (int c = 0; c < nc; c++)
+                        us[c] = qm__timer(cands[c], &m, gemm, x);
+                    int best = qm__kernel_pick(us, nc);
                     if (gemm) {
-                        ch->gemm[b8] = best;
-                        ch->gemm_us[b8] = tbest;
+                        ch->gemm[b8] = cands[best];
+                        ch->gemm_us[b8] = us[best];
                     } else {
-                        ch->gemv[b8] = best;
-                        ch->gemv_us[b8] = tbest;
+                        ch->gemv[b8] = cands[best];
+                        ch->gemv_us[b8] = us[best];
                     }
                 }
             }
             qm_free(w);
             qm_free(sc);
             qm_free(x);
+            if (cache && *cache) {
+                const qm__kernel *save[4] = {ch->gemv[0], ch->gemv[1], ch->gemm[0], ch->gemm[1]};
+                qm__kernel_cache_save(cache, cands, nc, save);
+            }
         }
     }
+    uint32_t pad = 1;
     for (int b8 = 0; b8 < 2; b8++) {
         uint32_t p = ch->gemm[b8]->gemm_row_pad;
         pad = pad / qm__gcd(pad, p) * p;
     }
-    qm__kernel_auto[measure].gemm_row_pad = pad;
-    snprintf(ch->desc, sizeof ch->desc, "%s: gemv %s/%s, gemm %s/%s",
-             measure ? "measured" : "default", ch->gemv[0]->name,
-             ch->gemv[1]->name, ch->gemm[0]->name, ch->gemm[1]->name);
+    qm__kernel_auto[mode].gemm_row_pad = pad;
+    static const char *const what[] = {"measured", "all measured", "table"};
+    snprintf(ch->desc, sizeof ch->desc, "%s%s: gemv %s/%s, gemm %s/%s", what[mode],
+             from_cache ? " (cached)" : "", ch->gemv[0]->name, ch->gemv[1]->name,
+             ch->gemm[0]->name, ch->gemm[1]->name);
+}
+
+const char *qm__kernel_recalibrate(void)
+{
+    qm__auto_calibrate(0);
+    return qm__choice[0].desc;
 }
 
 static void qm__auto_default(void)
@@ -345,6 +478,11 @@ static void qm__auto_default(void)
 static void qm__auto_measured(void)
 {
     qm__auto_calibrate(1);
+}
+
+static void qm__auto_table(void)
+{
+    qm__auto_calibrate(2);
 }
 
 #if defined(QMOE_X86_KERNELS)
@@ -397,9 +535,13 @@ const qm__kernel *qm__kernel_select(void)
         return &qm__kernel_avx512;
     if (!qm__cpu_has_avx2())
         return &qm__kernel_scalar;
-    int measure = force && strcmp(force, "measure") == 0;
-    pthread_once(&qm__choice_once[measure], measure ? qm__auto_measured : qm__auto_default);
-    return &qm__kernel_auto[measure];
+    int mode = !force                          ? 0
+               : strcmp(force, "measure") == 0 ? 1
+               : strcmp(force, "table") == 0   ? 2
+                                               : 0;
+    static void (*const init[3])(void) = {qm__auto_default, qm__auto_measured, qm__auto_table};
+    pthread_once(&qm__choice_once[mode], init[mode]);
+    return &qm__kernel_auto[mode];
 #else
     return &qm__kernel_scalar;
 #endif
@@ -438,7 +580,8 @@ const char *qm__i8kernel_describe(const qm__i8kernel *k)
 
 const char *qm__kernel_describe(const qm__kernel *k)
 {
-    if (k == &qm__kernel_auto[0] || k == &qm__kernel_auto[1])
-        return qm__choice[k == &qm__kernel_auto[1]].desc;
+    for (int i = 0; i < 3; i++)
+        if (k == &qm__kernel_auto[i])
+            return qm__choice[i].desc;
     return k->name;
 }

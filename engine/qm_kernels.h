@@ -112,10 +112,25 @@ const float *qm__avx2_gemm_panel(const qm__qmat *m, uint32_t n0, uint32_t n1, ui
                                  uint32_t len, float *scratch);
 #endif
 
-/* The kernel for this CPU, measured per shape class once per process
+/* The kernel for this CPU, measured per shape class once per process where
+ * the class's kernels give the same bits, else a fixed table
  * (qm_kernel_select.c); QMOE_KERNEL=scalar|avx2|avx512 forces one (an
- * unavailable one falls back to the measured choice). */
+ * unavailable one falls back to the default), =table|measure picks the mode. */
 const qm__kernel *qm__kernel_select(void);
+/* Calibration, for tests: the timer of one kernel on one class (best
+ * microseconds, <= 0: could not run); NULL restores thread CPU timing. */
+typedef double (*qm__kernel_timer)(const qm__kernel *k, const qm__qmat *m, int gemm,
+                                   const float *x);
+void qm__kernel_set_timer(qm__kernel_timer fn);
+/* Index of the kernel to take among nc timings, widest kernel first: a
+ * later (narrower) one only when more than 10% faster. */
+int qm__kernel_pick(const double *us, int nc);
+/* Measures the default choice again (not thread-safe: tests) and describes it. */
+const char *qm__kernel_recalibrate(void);
+/* The cached choice [gemv q4, gemv q8, gemm q4, gemm q8] for these
+ * candidates (widest first): 0, or -1 (missing, or invalid: a stderr line). */
+int qm__kernel_cache_load(const char *path, const qm__kernel *const *cands, int nc,
+                          const qm__kernel *out[4]);
 /* What runs: the kernel's name, or the measured choice of each class. */
 const char *qm__kernel_describe(const qm__kernel *k);
 #if defined(QMOE_X86_KERNELS)

@@ -11,7 +11,8 @@
  * the GEMM path; the fast kernels have one entry for both. One JSON line per
  * kernel: best time over --reps (after one warm-up), weight GB/s per core
  * (GEMV) or GFLOP/s per core. Kernels this CPU cannot run are skipped with a
- * line saying so. Not a test. */
+ * line saying so. The last line: how long the default exact choice's
+ * calibration took (thread CPU time) and what it chose. Not a test. */
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -126,6 +127,12 @@ int main(int argc, char **argv)
         report("fast", k->name, N, K, bits, nx, best);
         free(xq);
     }
+    /* The default exact choice's calibration (qm_kernel_select.c), thread CPU time. */
+    unsetenv("QMOE_KERNEL");
+    unsetenv("QMOE_KERNEL_CACHE");
+    double t0 = cpu_us();
+    const char *choice = qm__kernel_recalibrate();
+    printf("{\"calibration_ms\":%.2f,\"choice\":\"%s\"}\n", (cpu_us() - t0) / 1e3, choice);
     free(w);
     free(sc);
     free(x);

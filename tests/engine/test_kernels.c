@@ -1,0 +1,227 @@
+/* test_kernels.c - the exact-mode kernels' choice (qm_kernel_select.c).
+ *
+ *  - Every SIMD kernel pair of a class whose choice is measured gives the
+ *    same bits (8-bit GEMV; GEMM 4/8-bit) on random shapes with tails: K not
+ *    a multiple of the block or of 16/32, odd N, T = 1..4 (GEMV) and larger
+ *    (GEMM), f32/f16 scales, with and without zero points.
+ *  - The calibration takes the fastest kernel, a narrower one only by a
+ *    margin, when fed fake timings (an injected timer).
+ *  - A corrupt or foreign cache file is ignored; a valid one is used.
+ * Kernels this CPU cannot run are named on stderr and skipped. */
+#include <check.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "qm_alloc.h"
+#include "qm_kernels.h"
+
+/* The kernel QMOE_KERNEL=name selects, or NULL (said once) when this CPU cannot run it. */
+static const qm__kernel *kernel(const char *name)
+{
+    static int said_avx2, said_avx512;
+    setenv("QMOE_KERNEL", name, 1);
+    const qm__kernel *k = qm__kernel_select();
+    unsetenv("QMOE_KERNEL");
+    if (strcmp(k->name, name) == 0) return k;
+    int *said = strcmp(name, "avx2") == 0 ? &said_avx2 : &said_avx512;
+    if (!*said)
+        fprintf(stderr, "kernel %s: this CPU cannot run it; its tests are skipped here\n", name);
+    *said = 1;
+    return NULL;
+}
+
+static uint32_t rng = 2463534242u;
+static uint32_t next(void)
+{
+    rng ^= rng << 13;
+    rng ^= rng >> 17;
+    rng ^= rng << 5;
+    return rng;
+}
+
+/* y = W x for nx rows with kernel k (its own preparation), gemm or gemv path. */
+static void run(const qm__kernel *k, const qm__qmat *m, int gemm, const float *x, uint32_t nx,
+                float *y)
+{
+    size_t ld = (k->x_stride(m, gemm) + 15) & ~(size_t)15;
+    uint32_t rows = (nx + 11) / 12 * 12 + 12;
+    float *xp = qm_calloc(ld * rows + qm__kernel_scratch_floats(m), sizeof(float));
+    ck_assert_ptr_nonnull(xp);
+    float *scratch = xp + ld * rows;
+    for (uint32_t r = 0; r < nx; r++)
+        k->prep(m, gemm, x + (size_t)r * m->k, xp + r * ld);
+    for (uint32_t n0 = 0; n0 < m->n; n0 += QM__TILE_ROWS) {
+        uint32_t n1 = n0 + QM__TILE_ROWS < m->n ? n0 + QM__TILE_ROWS : m->n;
+        (gemm ? k->gemm : k->gemv)(m, n0, n1, xp, ld, nx, y, m->n, scratch);
+    }
+    qm_free(xp);
+}
+
+START_TEST(test_measured_classes_same_bits)
+{
+    const qm__kernel *a = kernel("avx2"), *b = kernel("avx512");
+    if (!a || !b) return;
+    static const uint32_t BLOCKS[] = {0, 16, 32, 64, 128};
+    static const uint32_t TS[] = {1, 2, 3, 4, 5, 7, 12, 13, 25};
+    int checked = 0;
+    for (int it = 0; it < 160; it++) {
+        uint32_t bits = it & 1 ? 8 : 4;
+        uint32_t T = TS[(it / 2) % 9];
+        int gemm = T > QM__GEMV_MAX_ROWS;
+        if (!gemm && bits == 4) continue; /* the 4-bit GEMV stays on the table: different orders */
+        uint32_t block = BLOCKS[next() % 5];
+        uint32_t k =
+            block ? block * (1 + next() % 6) - (next() % 2 ? 0 : next() % block) : 1 + next() % 700;
+        if (k < 2) k = 2;
+        uint32_t n = 1 + next() % 41;
+        uint32_t nblk = block ? (k + block - 1) / block : 1;
+        size_t rb = ((size_t)k * bits + 7) / 8 + next() % 3;
+        int f16 = next() % 2, asym = next() % 2;
+        uint8_t *w = malloc((size_t)n * rb);
+        uint16_t *s16 = malloc(2 * (size_t)n * nblk);
+        float *s32 = malloc(4 * (size_t)n * nblk);
+        size_t zprb = (nblk * bits + 7) / 8;
+        uint8_t *zp = malloc((size_t)n * zprb);
+        float *x = malloc(4 * (size_t)T * k), *ya = malloc(4 * (size_t)T * n),
+              *yb = malloc(4 * (size_t)T * n);
+        for (size_t i = 0; i < (size_t)n * rb; i++)
+            w[i] = (uint8_t)next();
+        for (size_t i = 0; i < (size_t)n * zprb; i++)
+            zp[i] = (uint8_t)next();
+        for (size_t i = 0; i < (size_t)n * nblk; i++) {
+            s32[i] = (float)(1 + next() % 1000) * 1e-4f;
+            s16[i] = (uint16_t)(0x1000 + next() % 0x2000); /* positive normal f16 */
+        }
+        for (size_t i = 0; i < (size_t)T * k; i++)
+            x[i] = ((float)(next() % 20001) - 10000.0f) * 1e-3f;
+        qm__qmat m = {.w = w,
+                      .row_bytes = rb,
+                      .scales = f16 ? (void *)s16 : (void *)s32,
+                      .scale_dtype = f16 ? QM_DTYPE_F16 : QM_DTYPE_F32,
+                      .zp = asym ? zp : NULL,
+                      .zp_blockwise = 1,
+                      .zp_row_bytes = zprb,
+                      .n = n,
+                      .k = k,
+                      .bits = bits,
+                      .nblk = nblk,
+                      .block = block ? block : k};
+        run(a, &m, gemm, x, T, ya);
+        run(b, &m, gemm, x, T, yb);
+        ck_assert_msg(memcmp(ya, yb, 4 * (size_t)T * n) == 0,
+                      "%s %u-bit n %u k %u block %u T %u f16 %d zp %d: avx2 and avx512 differ",
+                      gemm ? "gemm" : "gemv", bits, n, k, block, T, f16, asym);
+        checked++;
+        free(w), free(s16), free(s32), free(zp), free(x), free(ya), free(yb);
+    }
+    ck_assert_int_gt(checked, 100);
+}
+END_TEST
+
+/* Fake timings: avx512 takes FAKE_WIDE us, avx2 FAKE_NARROW. */
+static double fake_wide, fake_narrow;
+static double fake_timer(const qm__kernel *k, const qm__qmat *m, int gemm, const float *x)
+{
+    (void)m, (void)gemm, (void)x;
+    return strcmp(k->name, "avx512") == 0 ? fake_wide : fake_narrow;
+}
+
+START_TEST(test_pick_with_margin)
+{
+    double t1[] = {100.0, 95.0};
+    ck_assert_int_eq(qm__kernel_pick(t1, 2), 0); /* 5% faster: not enough */
+    double t2[] = {100.0, 80.0};
+    ck_assert_int_eq(qm__kernel_pick(t2, 2), 1);
+    double t3[] = {50.0, 80.0};
+    ck_assert_int_eq(qm__kernel_pick(t3, 2), 0);
+    double t4[] = {-1.0, 80.0}; /* the wide one could not run */
+    ck_assert_int_eq(qm__kernel_pick(t4, 2), 1);
+    double t5[] = {100.0, 95.0, 70.0};
+    ck_assert_int_eq(qm__kernel_pick(t5, 3), 2);
+}
+END_TEST
+
+START_TEST(test_calibration_takes_fastest)
+{
+    if (!kernel("avx2") || !kernel("avx512")) return;
+    unsetenv("QMOE_KERNEL_CACHE");
+    qm__kernel_set_timer(fake_timer);
+    fake_wide = 50.0, fake_narrow = 100.0;
+    const char *d = qm__kernel_recalibrate();
+    ck_assert_msg(strstr(d, "gemv avx512/avx512, gemm avx512/avx512"), "%s", d);
+    fake_wide = 100.0, fake_narrow = 50.0;
+    d = qm__kernel_recalibrate();
+    /* the 4-bit GEMV stays on the table (avx512 here) */
+    ck_assert_msg(strstr(d, "gemv avx512/avx2, gemm avx2/avx2"), "%s", d);
+    fake_wide = 100.0, fake_narrow = 95.0; /* within the margin: the wider stays */
+    d = qm__kernel_recalibrate();
+    ck_assert_msg(strstr(d, "gemv avx512/avx512, gemm avx512/avx512"), "%s", d);
+    qm__kernel_set_timer(NULL);
+    qm__kernel_recalibrate();
+}
+END_TEST
+
+START_TEST(test_cache)
+{
+    const qm__kernel *a = kernel("avx2"), *b = kernel("avx512");
+    if (!a || !b) return;
+    char path[] = "/tmp/qmoe-kcache-XXXXXX";
+    int fd = mkstemp(path);
+    ck_assert_int_ge(fd, 0);
+    FILE *f = fdopen(fd, "w");
+    fputs("garbage\x01\x02 not a cache\n", f);
+    fclose(f);
+    const qm__kernel *cands[2] = {b, a}, *out[4];
+    ck_assert_int_eq(qm__kernel_cache_load(path, cands, 2, out), -1);
+    setenv("QMOE_KERNEL_CACHE", path, 1);
+    qm__kernel_set_timer(fake_timer);
+    fake_wide = 100.0, fake_narrow = 50.0;
+    const char *d = qm__kernel_recalibrate(); /* corrupt: measured, then written */
+    ck_assert_msg(strstr(d, "measured:") && strstr(d, "gemm avx2/avx2"), "%s", d);
+    ck_assert_int_eq(qm__kernel_cache_load(path, cands, 2, out), 0);
+    ck_assert_ptr_eq(out[2], a);
+    fake_wide = 50.0, fake_narrow = 100.0; /* the cache wins over a new measurement */
+    d = qm__kernel_recalibrate();
+    ck_assert_msg(strstr(d, "(cached)") && strstr(d, "gemm avx2/avx2"), "%s", d);
+    /* another kernel set: ignored */
+    const qm__kernel *other[1] = {a};
+    ck_assert_int_eq(qm__kernel_cache_load(path, other, 1, out), -1);
+    /* a cache naming an unknown kernel: ignored */
+    f = fopen(path, "r+");
+    char line[512];
+    ck_assert_ptr_nonnull(fgets(line, sizeof line, f));
+    char *bar = strrchr(line, '|');
+    ck_assert_ptr_nonnull(bar);
+    snprintf(bar, sizeof line - (size_t)(bar - line), "|avx2 avx2 nope avx2\n");
+    rewind(f);
+    fputs(line, f);
+    fclose(f);
+    ck_assert_int_eq(qm__kernel_cache_load(path, cands, 2, out), -1);
+    unsetenv("QMOE_KERNEL_CACHE");
+    qm__kernel_set_timer(NULL);
+    qm__kernel_recalibrate();
+    remove(path);
+}
+END_TEST
+
+static Suite *suite(void)
+{
+    Suite *s = suite_create("kernels");
+    TCase *tc = tcase_create("core");
+    tcase_add_test(tc, test_measured_classes_same_bits);
+    tcase_add_test(tc, test_pick_with_margin);
+    tcase_add_test(tc, test_calibration_takes_fastest);
+    tcase_add_test(tc, test_cache);
+    suite_add_tcase(s, tc);
+    return s;
+}
+
+int main(void)
+{
+    SRunner *sr = srunner_create(suite());
+    srunner_run_all(sr, CK_NORMAL);
+    int failed = srunner_ntests_failed(sr);
+    srunner_free(sr);
+    return failed ? EXIT_FAILURE : EXIT_SUCCESS;
+}
