@@ -265,6 +265,15 @@ int qm_daemon_main(int argc, char **argv)
         qm_log(QM_LOG_ERR, "out of memory for the trace ring");
         goto out_config;
     }
+    /* The CPU backend's measured kernel choice is kept in the state dir, so
+     * a restart reads it instead of measuring again (an explicit
+     * QMOE_KERNEL_CACHE wins). Set before any thread starts. */
+    if (d->cfg.state_dir && !getenv("QMOE_KERNEL_CACHE")) {
+        char cache[4096];
+        int n = snprintf(cache, sizeof cache, "%s/kernels.cache", d->cfg.state_dir);
+        if (n > 0 && (size_t)n < sizeof cache)
+            setenv("QMOE_KERNEL_CACHE", cache, 0);
+    }
     if ((rc = open_backend(d, &st)) < 0) {
         qm_log(QM_LOG_ERR, "cannot open backend %s: %s", d->cfg.backend, st.msg);
         goto out_trace;
