@@ -8,6 +8,7 @@
  * safetensors), so the header parser rightly never looks inside them. */
 #include <cjson/cJSON.h>
 #include <math.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -150,22 +151,39 @@ int qm__routing_from_metadata(const qm_st_header *h, qm_bank_config *cfg, qm_sta
     return 0;
 }
 
+/* ---- metadata values that are JSON ------------------------------------------ */
+
+/* Parses metadata `key` as one JSON value (nothing after it) that `is`
+ * accepts: *out is that value (cJSON_Delete it), or NULL when the key is
+ * absent. Otherwise fails with "... but it must be <want>". */
+static int meta_json(const qm_st_header *h, const char *key, cJSON_bool (*is)(const cJSON *const),
+                     const char *want, cJSON **out, qm_status *st)
+{
+    *out = NULL;
+    const char *v = qm_st_header_meta(h, key);
+    if (!v)
+        return 0;
+    cJSON *j = cJSON_ParseWithOpts(v, NULL, 1);
+    if (!j || !is(j)) {
+        cJSON_Delete(j);
+        return META_FAIL(st, "__metadata__: %s = \"%.48s\" but it must be %s", key, v, want);
+    }
+    *out = j;
+    return 0;
+}
+
 /* ---- qmoe.layer_map ---------------------------------------------------------- */
 
 int qm__layer_map_from_metadata(const qm_st_header *h, uint32_t layers, uint32_t **map,
                                 qm_status *st)
 {
     *map = NULL;
-    const char *v = qm_st_header_meta(h, "qmoe.layer_map");
-    if (!v)
-        return 0;
-    int rc = 0;
-    cJSON *j = cJSON_ParseWithOpts(v, NULL, 1); /* nothing after the value */
-    if (!j || !cJSON_IsArray(j)) {
-        rc = META_FAIL(st, "__metadata__: qmoe.layer_map = \"%.48s\" but it must be a JSON list "
-                           "of %u integers", v, layers);
-        goto done;
-    }
+    char want[48];
+    snprintf(want, sizeof want, "a JSON list of %u integers", layers);
+    cJSON *j;
+    int rc = meta_json(h, "qmoe.layer_map", cJSON_IsArray, want, &j, st);
+    if (rc || !j)
+        return rc;
     int n = cJSON_GetArraySize(j);
     if (n < 0 || (uint32_t)n != layers) {
         rc = META_FAIL(st, "__metadata__: qmoe.layer_map has %d entries but qmoe.layers is %u",
@@ -208,16 +226,10 @@ done:
 
 int qm__source_check(const qm_st_header *h, qm_status *st)
 {
-    const char *v = qm_st_header_meta(h, "qmoe.source");
-    if (!v)
-        return 0;
-    int rc = 0;
-    cJSON *j = cJSON_ParseWithOpts(v, NULL, 1); /* nothing after the value */
-    if (!j || !cJSON_IsObject(j)) {
-        rc = META_FAIL(st, "__metadata__: qmoe.source = \"%.48s\" but it must be a JSON object",
-                       v);
-        goto done;
-    }
+    cJSON *j;
+    int rc = meta_json(h, "qmoe.source", cJSON_IsObject, "a JSON object", &j, st);
+    if (rc || !j)
+        return rc;
     const cJSON *f;
     if ((f = cJSON_GetObjectItemCaseSensitive(j, "format"))) {
         static const char *const formats[] = {"hf", "gguf", "onnx", "synthetic"};
