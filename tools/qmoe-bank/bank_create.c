@@ -426,8 +426,7 @@ done:
 
 static int bad(const char *what)
 {
-    fprintf(stderr, "qmoe-bank create: %s (see qmoe-bank create --help)\n", what);
-    return QMB_USAGE;
+    return qmb_usage("create", what);
 }
 
 static int parse_float_opt(const char *s, float *out)
