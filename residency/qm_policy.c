@@ -133,29 +133,6 @@ void qm__split_destroy(void *ctx)
     qm_free(ctx);
 }
 
-void qm__victim_scan(const qm__ref_map *history, const qm_expert_ref *candidates, size_t n,
-                     qm__victim_bank_fn bank, qm__victim_rank_fn rank, void *ctx, size_t best[2])
-{
-    double best_rank[2] = {0.0, 0.0};
-    uint64_t best_tick[2] = {0, 0};
-    qm__bank_phase ph = {0};
-    best[0] = best[1] = n;
-    for (size_t i = 0; i < n; i++) {
-        if (bank && (i == 0 || candidates[i].bank != candidates[i - 1].bank))
-            bank(ctx, candidates[i].bank, &ph);
-        const qm__ref_entry *e = qm__ref_map_find(history, qm__ref_key(candidates[i]));
-        int list = 0;
-        double r = rank(ctx, e, &ph, &list);
-        uint64_t t = e ? e->last_tick : 0;
-        if (best[list] == n || r > best_rank[list] ||
-            (r == best_rank[list] && t < best_tick[list])) {
-            best[list] = i;
-            best_rank[list] = r;
-            best_tick[list] = t;
-        }
-    }
-}
-
 void qm__layered_bank_phase(void *ctx, uint32_t bank, qm__bank_phase *ph)
 {
     const qm__layered_base *base = ctx;

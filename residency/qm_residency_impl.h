@@ -151,9 +151,31 @@ typedef void (*qm__victim_bank_fn)(void *ctx, uint32_t bank, qm__bank_phase *ph)
 
 /* Per list, the candidate of the largest rank; equal ranks go to the least
  * recent (smallest last_tick, never seen counting as 0), then to the first.
- * best[list] is n for a list no candidate is in. */
-void qm__victim_scan(const qm__ref_map *history, const qm_expert_ref *candidates, size_t n,
-                     qm__victim_bank_fn bank, qm__victim_rank_fn rank, void *ctx, size_t best[2]);
+ * best[list] is n for a list no candidate is in. Inline: it runs on every
+ * miss, and a policy's constant bank and rank get inlined into its copy. */
+static inline void qm__victim_scan(const qm__ref_map *history, const qm_expert_ref *candidates,
+                                   size_t n, qm__victim_bank_fn bank, qm__victim_rank_fn rank,
+                                   void *ctx, size_t best[2])
+{
+    double best_rank[2] = {0.0, 0.0};
+    uint64_t best_tick[2] = {0, 0};
+    qm__bank_phase ph = {0};
+    best[0] = best[1] = n;
+    for (size_t i = 0; i < n; i++) {
+        if (bank && (i == 0 || candidates[i].bank != candidates[i - 1].bank))
+            bank(ctx, candidates[i].bank, &ph);
+        const qm__ref_entry *e = qm__ref_map_find(history, qm__ref_key(candidates[i]));
+        int list = 0;
+        double r = rank(ctx, e, &ph, &list);
+        uint64_t t = e ? e->last_tick : 0;
+        if (best[list] == n || r > best_rank[list] ||
+            (r == best_rank[list] && t < best_tick[list])) {
+            best[list] = i;
+            best_rank[list] = r;
+            best_tick[list] = t;
+        }
+    }
+}
 
 /* What the layer-aware policies (layered_lru, next_use, arc) start their
  * ctx with: the splitting base and the layer clock. */
