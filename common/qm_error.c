@@ -4,32 +4,35 @@
 #include <stdio.h>
 #include <string.h>
 
+/* One row per code: its name and its text. */
+static const struct {
+    int code;
+    const char *name, *text;
+} errors[] = {
+    {QM_OK, "OK", "ok"},
+#define QM__ERR_ROW(name, value, text, rpc) {QM_E##name, #name, text},
+    QM_ERRNO_MAP(QM__ERR_ROW)
+#undef QM__ERR_ROW
+};
+
+/* The index of `code`'s row, or -1. */
+static int error_row(int code)
+{
+    for (size_t i = 0; i < sizeof errors / sizeof errors[0]; i++)
+        if (errors[i].code == code) return (int)i;
+    return -1;
+}
+
 const char *qm_strerror(int code)
 {
-    switch (code) {
-    case QM_OK:
-        return "ok";
-#define QM__ERR_STR(name, value, text, rpc)                                                        \
-    case QM_E##name:                                                                               \
-        return text;
-        QM_ERRNO_MAP(QM__ERR_STR)
-#undef QM__ERR_STR
-    }
-    return "unknown error";
+    int i = error_row(code);
+    return i < 0 ? "unknown error" : errors[i].text;
 }
 
 const char *qm_err_name(int code)
 {
-    switch (code) {
-    case QM_OK:
-        return "OK";
-#define QM__ERR_NAME(name, value, text, rpc)                                                       \
-    case QM_E##name:                                                                               \
-        return #name;
-        QM_ERRNO_MAP(QM__ERR_NAME)
-#undef QM__ERR_NAME
-    }
-    return "UNKNOWN";
+    int i = error_row(code);
+    return i < 0 ? "UNKNOWN" : errors[i].name;
 }
 
 void qm_status_clear(qm_status *st)

@@ -11,45 +11,33 @@
 
 /* ---- names ---------------------------------------------------------------- */
 
+/* One row per qm_dtype, in enum order: element size, our name, safetensors'. */
+static const struct {
+    size_t size;
+    const char *name, *st_name;
+} dtype_info[] = {
+    [QM_DTYPE_F32] = {4, "f32", "F32"},
+    [QM_DTYPE_F16] = {2, "f16", "F16"},
+    [QM_DTYPE_BF16] = {2, "bf16", "BF16"},
+    [QM_DTYPE_U8] = {1, "u8", "U8"},
+};
+#define N_DTYPES (sizeof dtype_info / sizeof dtype_info[0])
+
 size_t qm_dtype_size(qm_dtype dtype)
 {
-    switch (dtype) {
-    case QM_DTYPE_F32:
-        return 4;
-    case QM_DTYPE_F16:
-    case QM_DTYPE_BF16:
-        return 2;
-    case QM_DTYPE_U8:
-        return 1;
-    }
-    return 0;
+    return (unsigned)dtype < N_DTYPES ? dtype_info[dtype].size : 0;
 }
 
 const char *qm_dtype_name(qm_dtype dtype)
 {
-    switch (dtype) {
-    case QM_DTYPE_F32:
-        return "f32";
-    case QM_DTYPE_F16:
-        return "f16";
-    case QM_DTYPE_BF16:
-        return "bf16";
-    case QM_DTYPE_U8:
-        return "u8";
-    }
-    return "unknown";
+    return (unsigned)dtype < N_DTYPES ? dtype_info[dtype].name : "unknown";
 }
 
 int qm__dtype_from_st(const char *st_name, qm_dtype *out)
 {
-    static const struct {
-        const char *name;
-        qm_dtype dtype;
-    } map[] = {{"F32", QM_DTYPE_F32}, {"F16", QM_DTYPE_F16}, {"BF16", QM_DTYPE_BF16},
-               {"U8", QM_DTYPE_U8}};
-    for (size_t i = 0; i < sizeof map / sizeof map[0]; i++)
-        if (strcmp(st_name, map[i].name) == 0) {
-            *out = map[i].dtype;
+    for (size_t i = 0; i < N_DTYPES; i++)
+        if (strcmp(st_name, dtype_info[i].st_name) == 0) {
+            *out = (qm_dtype)i;
             return 0;
         }
     return -1;
@@ -57,17 +45,7 @@ int qm__dtype_from_st(const char *st_name, qm_dtype *out)
 
 const char *qm__dtype_st_name(qm_dtype dtype)
 {
-    switch (dtype) {
-    case QM_DTYPE_F32:
-        return "F32";
-    case QM_DTYPE_F16:
-        return "F16";
-    case QM_DTYPE_BF16:
-        return "BF16";
-    case QM_DTYPE_U8:
-        return "U8";
-    }
-    return "?";
+    return (unsigned)dtype < N_DTYPES ? dtype_info[dtype].st_name : "?";
 }
 
 static const char *const activation_names[] = {"relu", "gelu", "silu", "swiglu", "identity"};

@@ -8,6 +8,7 @@
  * safetensors), so the header parser rightly never looks inside them. */
 #include <cjson/cJSON.h>
 #include <math.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -16,28 +17,33 @@
 
 #define META_FAIL(st, ...) qm_status_set((st), QM_EINVALID_MODEL, __VA_ARGS__)
 
+static const char *const route_score_names[] = {
+    [QM_ROUTE_SCORE_LEGACY] = "legacy",
+    [QM_ROUTE_SCORE_SOFTMAX] = "softmax",
+    [QM_ROUTE_SCORE_SIGMOID] = "sigmoid",
+};
+static const char *const group_score_names[] = {
+    [QM_GROUP_SCORE_MAX] = "max",
+    [QM_GROUP_SCORE_TOP2_SUM] = "top2_sum",
+};
+#define N_NAMES(names) (sizeof names / sizeof names[0])
+
 const char *qm_route_score_name(qm_route_score s)
 {
-    switch (s) {
-    case QM_ROUTE_SCORE_LEGACY:
-        return "legacy";
-    case QM_ROUTE_SCORE_SOFTMAX:
-        return "softmax";
-    case QM_ROUTE_SCORE_SIGMOID:
-        return "sigmoid";
-    }
-    return "unknown";
+    return (unsigned)s < N_NAMES(route_score_names) ? route_score_names[s] : "unknown";
 }
 
 const char *qm_group_score_name(qm_group_score s)
 {
-    switch (s) {
-    case QM_GROUP_SCORE_MAX:
-        return "max";
-    case QM_GROUP_SCORE_TOP2_SUM:
-        return "top2_sum";
-    }
-    return "unknown";
+    return (unsigned)s < N_NAMES(group_score_names) ? group_score_names[s] : "unknown";
+}
+
+/* The index in names[first, n) of `value`, or -1. */
+static int name_index(const char *const *names, size_t first, size_t n, const char *value)
+{
+    for (size_t i = first; i < n; i++)
+        if (strcmp(value, names[i]) == 0) return (int)i;
+    return -1;
 }
 
 /* ---- qmoe.routing.* ---------------------------------------------------------- */
@@ -97,13 +103,13 @@ int qm__routing_from_metadata(const qm_st_header *h, qm_bank_config *cfg, qm_sta
                                  routing_keys[j]);
         return 0; /* the legacy rule */
     }
-    if (strcmp(score, "softmax") == 0)
-        r->score = QM_ROUTE_SCORE_SOFTMAX;
-    else if (strcmp(score, "sigmoid") == 0)
-        r->score = QM_ROUTE_SCORE_SIGMOID;
-    else
+    /* legacy is what no keys mean, not a value to write */
+    int score_i = name_index(route_score_names, QM_ROUTE_SCORE_SOFTMAX,
+                             N_NAMES(route_score_names), score);
+    if (score_i < 0)
         return META_FAIL(st, "__metadata__: qmoe.routing.score = \"%.32s\" but it must be "
                              "softmax or sigmoid", score);
+    r->score = (qm_route_score)score_i;
     uint32_t normalize = 1;
     int rc;
     if ((rc = routing_u32(h, "qmoe.routing.normalize", 1, 0, 1, &normalize, st)) ||
@@ -132,18 +138,37 @@ int qm__routing_from_metadata(const qm_st_header *h, qm_bank_config *cfg, qm_sta
                          r->topk_groups, r->topk_groups * per_group, per_group, cfg->k);
     const char *gs = qm_st_header_meta(h, "qmoe.routing.group_score");
     if (gs) {
-        if (strcmp(gs, "max") == 0)
-            r->group_score = QM_GROUP_SCORE_MAX;
-        else if (strcmp(gs, "top2_sum") == 0)
-            r->group_score = QM_GROUP_SCORE_TOP2_SUM;
-        else
+        int gs_i = name_index(group_score_names, 0, N_NAMES(group_score_names), gs);
+        if (gs_i < 0)
             return META_FAIL(st, "__metadata__: qmoe.routing.group_score = \"%.32s\" but it "
                                  "must be max or top2_sum", gs);
+        r->group_score = (qm_group_score)gs_i;
         if (r->group_score == QM_GROUP_SCORE_TOP2_SUM && per_group < 2)
             return META_FAIL(st, "__metadata__: qmoe.routing.group_score = top2_sum needs at "
                                  "least 2 experts per group (qmoe.routing.groups = %u of %u "
                                  "experts)", r->groups, cfg->experts);
     }
+    return 0;
+}
+
+/* ---- metadata values that are JSON ------------------------------------------ */
+
+/* Parses metadata `key` as one JSON value (nothing after it) that `is`
+ * accepts: *out is that value (cJSON_Delete it), or NULL when the key is
+ * absent. Otherwise fails with "... but it must be <want>". */
+static int meta_json(const qm_st_header *h, const char *key, cJSON_bool (*is)(const cJSON *const),
+                     const char *want, cJSON **out, qm_status *st)
+{
+    *out = NULL;
+    const char *v = qm_st_header_meta(h, key);
+    if (!v)
+        return 0;
+    cJSON *j = cJSON_ParseWithOpts(v, NULL, 1);
+    if (!j || !is(j)) {
+        cJSON_Delete(j);
+        return META_FAIL(st, "__metadata__: %s = \"%.48s\" but it must be %s", key, v, want);
+    }
+    *out = j;
     return 0;
 }
 
@@ -153,16 +178,12 @@ int qm__layer_map_from_metadata(const qm_st_header *h, uint32_t layers, uint32_t
                                 qm_status *st)
 {
     *map = NULL;
-    const char *v = qm_st_header_meta(h, "qmoe.layer_map");
-    if (!v)
-        return 0;
-    int rc = 0;
-    cJSON *j = cJSON_ParseWithOpts(v, NULL, 1); /* nothing after the value */
-    if (!j || !cJSON_IsArray(j)) {
-        rc = META_FAIL(st, "__metadata__: qmoe.layer_map = \"%.48s\" but it must be a JSON list "
-                           "of %u integers", v, layers);
-        goto done;
-    }
+    char want[48];
+    snprintf(want, sizeof want, "a JSON list of %u integers", layers);
+    cJSON *j;
+    int rc = meta_json(h, "qmoe.layer_map", cJSON_IsArray, want, &j, st);
+    if (rc || !j)
+        return rc;
     int n = cJSON_GetArraySize(j);
     if (n < 0 || (uint32_t)n != layers) {
         rc = META_FAIL(st, "__metadata__: qmoe.layer_map has %d entries but qmoe.layers is %u",
@@ -205,16 +226,10 @@ done:
 
 int qm__source_check(const qm_st_header *h, qm_status *st)
 {
-    const char *v = qm_st_header_meta(h, "qmoe.source");
-    if (!v)
-        return 0;
-    int rc = 0;
-    cJSON *j = cJSON_ParseWithOpts(v, NULL, 1); /* nothing after the value */
-    if (!j || !cJSON_IsObject(j)) {
-        rc = META_FAIL(st, "__metadata__: qmoe.source = \"%.48s\" but it must be a JSON object",
-                       v);
-        goto done;
-    }
+    cJSON *j;
+    int rc = meta_json(h, "qmoe.source", cJSON_IsObject, "a JSON object", &j, st);
+    if (rc || !j)
+        return rc;
     const cJSON *f;
     if ((f = cJSON_GetObjectItemCaseSensitive(j, "format"))) {
         static const char *const formats[] = {"hf", "gguf", "onnx", "synthetic"};

@@ -10,22 +10,37 @@
 
 #define NPY_FAIL(st, ...) qm_status_set((st), QM_EINVAL, __VA_ARGS__)
 
+/* One row per qm_npy_dtype, in enum order: element size and NumPy descr. */
+static const struct {
+    size_t size;
+    const char *descr;
+} npy_dtypes[] = {
+    [QM_NPY_F32] = {4, "<f4"},
+    [QM_NPY_F16] = {2, "<f2"},
+    [QM_NPY_U16] = {2, "<u2"},
+    [QM_NPY_I32] = {4, "<i4"},
+};
+#define N_NPY_DTYPES (sizeof npy_dtypes / sizeof npy_dtypes[0])
+
 size_t qm_npy_dtype_size(qm_npy_dtype dtype)
 {
-    switch (dtype) {
-    case QM_NPY_F32:
-    case QM_NPY_I32:
-        return 4;
-    case QM_NPY_F16:
-    case QM_NPY_U16:
-        return 2;
-    }
-    return 0;
+    return (unsigned)dtype < N_NPY_DTYPES ? npy_dtypes[dtype].size : 0;
 }
 
 static const char *dtype_descr(qm_npy_dtype d)
 {
-    return d == QM_NPY_F32 ? "<f4" : d == QM_NPY_F16 ? "<f2" : d == QM_NPY_I32 ? "<i4" : "<u2";
+    return (unsigned)d < N_NPY_DTYPES ? npy_dtypes[d].descr : "<u2";
+}
+
+/* 0 with *out set when descr names one of ours, else -1. */
+static int dtype_from_descr(const char *descr, qm_npy_dtype *out)
+{
+    for (size_t i = 0; i < N_NPY_DTYPES; i++)
+        if (strcmp(descr, npy_dtypes[i].descr) == 0) {
+            *out = (qm_npy_dtype)i;
+            return 0;
+        }
+    return -1;
 }
 
 /* A cursor over the header dict text. */
@@ -122,15 +137,7 @@ static int parse_dict(const char *text, size_t len, qm_npy *out, qm_status *st)
         if (strcmp(key, "descr") == 0 && !have_descr) {
             if (read_str(&c, descr, sizeof descr) != 0)
                 return NPY_FAIL(st, ".npy header: descr is not a string");
-            if (strcmp(descr, "<f4") == 0)
-                out->dtype = QM_NPY_F32;
-            else if (strcmp(descr, "<f2") == 0)
-                out->dtype = QM_NPY_F16;
-            else if (strcmp(descr, "<u2") == 0)
-                out->dtype = QM_NPY_U16;
-            else if (strcmp(descr, "<i4") == 0)
-                out->dtype = QM_NPY_I32;
-            else
+            if (dtype_from_descr(descr, &out->dtype) != 0)
                 return NPY_FAIL(st, ".npy dtype '%.15s' unsupported (want '<f4', '<f2', "
                                     "'<u2' for bf16 bits, or '<i4')", descr);
             have_descr = 1;

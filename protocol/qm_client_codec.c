@@ -135,13 +135,21 @@ int qm_cval_get_double(const qm_cval *obj, const char *key, double *out)
     return 0;
 }
 
+/* The number at `key` when it is whole and in [lo, hi); QM_EINVAL otherwise. */
+static int get_whole(const qm_cval *obj, const char *key, double lo, double hi, double *out)
+{
+    double d;
+    if (qm_cval_get_double(obj, key, &d) < 0 || !(d >= lo) || d >= hi || d != floor(d))
+        return QM_EINVAL;
+    *out = d;
+    return 0;
+}
+
 int qm_cval_get_u64(const qm_cval *obj, const char *key, uint64_t *out)
 {
     double d;
-    if (qm_cval_get_double(obj, key, &d) < 0)
-        return QM_EINVAL;
     /* 2^64 as a double; anything at or above it does not fit. */
-    if (!(d >= 0.0) || d >= 18446744073709551616.0 || d != floor(d))
+    if (get_whole(obj, key, 0.0, 18446744073709551616.0, &d) < 0)
         return QM_EINVAL;
     *out = (uint64_t)d;
     return 0;
@@ -150,9 +158,7 @@ int qm_cval_get_u64(const qm_cval *obj, const char *key, uint64_t *out)
 int qm_cval_get_i64(const qm_cval *obj, const char *key, int64_t *out)
 {
     double d;
-    if (qm_cval_get_double(obj, key, &d) < 0)
-        return QM_EINVAL;
-    if (!(d >= -9223372036854775808.0) || d >= 9223372036854775808.0 || d != floor(d))
+    if (get_whole(obj, key, -9223372036854775808.0, 9223372036854775808.0, &d) < 0)
         return QM_EINVAL;
     *out = (int64_t)d;
     return 0;

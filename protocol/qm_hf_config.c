@@ -76,40 +76,48 @@ static int wrong_type(const qm_hf_json *j, const char *key, const char *want, qm
                                want);
 }
 
-int qm_hf_json_number(const qm_hf_json *j, const char *key, double *out, qm_status *st)
+typedef cJSON_bool (*json_is_fn)(const cJSON *const item);
+
+/* The value at `key` when `is` accepts it; otherwise NULL with *rc set:
+ * QM_ENOT_FOUND when absent, the wrong-type error (naming `want`) else. */
+static const cJSON *typed(const qm_hf_json *j, const char *key, json_is_fn is, const char *want,
+                          int *rc, qm_status *st)
 {
     const cJSON *v = lookup(j, key);
-    if (!v) return QM_ENOT_FOUND;
-    if (!cJSON_IsNumber(v)) return wrong_type(j, key, "a number", st);
-    *out = v->valuedouble;
-    return 0;
+    *rc = !v ? QM_ENOT_FOUND : !is(v) ? wrong_type(j, key, want, st) : 0;
+    return *rc ? NULL : v;
+}
+
+int qm_hf_json_number(const qm_hf_json *j, const char *key, double *out, qm_status *st)
+{
+    int rc;
+    const cJSON *v = typed(j, key, cJSON_IsNumber, "a number", &rc, st);
+    if (v) *out = v->valuedouble;
+    return rc;
 }
 
 int qm_hf_json_bool(const qm_hf_json *j, const char *key, int *out, qm_status *st)
 {
-    const cJSON *v = lookup(j, key);
-    if (!v) return QM_ENOT_FOUND;
-    if (!cJSON_IsBool(v)) return wrong_type(j, key, "true or false", st);
-    *out = cJSON_IsTrue(v);
-    return 0;
+    int rc;
+    const cJSON *v = typed(j, key, cJSON_IsBool, "true or false", &rc, st);
+    if (v) *out = cJSON_IsTrue(v);
+    return rc;
 }
 
 int qm_hf_json_string(const qm_hf_json *j, const char *key, const char **out, qm_status *st)
 {
-    const cJSON *v = lookup(j, key);
-    if (!v) return QM_ENOT_FOUND;
-    if (!cJSON_IsString(v)) return wrong_type(j, key, "a string", st);
-    *out = v->valuestring;
-    return 0;
+    int rc;
+    const cJSON *v = typed(j, key, cJSON_IsString, "a string", &rc, st);
+    if (v) *out = v->valuestring;
+    return rc;
 }
 
 int qm_hf_json_array_len(const qm_hf_json *j, const char *key, size_t *len, qm_status *st)
 {
-    const cJSON *v = lookup(j, key);
-    if (!v) return QM_ENOT_FOUND;
-    if (!cJSON_IsArray(v)) return wrong_type(j, key, "an array", st);
-    *len = (size_t)cJSON_GetArraySize(v);
-    return 0;
+    int rc;
+    const cJSON *v = typed(j, key, cJSON_IsArray, "an array", &rc, st);
+    if (v) *len = (size_t)cJSON_GetArraySize(v);
+    return rc;
 }
 
 static const cJSON *array_item(const qm_hf_json *j, const char *key, size_t i, qm_status *st,

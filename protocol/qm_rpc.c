@@ -107,18 +107,14 @@ int qm__utf8_valid(const char *s, size_t n)
 
 static const char *type_name(const cJSON *v)
 {
-    if (cJSON_IsString(v))
-        return "a string";
-    if (cJSON_IsNumber(v))
-        return "a number";
-    if (cJSON_IsBool(v))
-        return "a boolean";
-    if (cJSON_IsNull(v))
-        return "null";
-    if (cJSON_IsArray(v))
-        return "an array";
-    if (cJSON_IsObject(v))
-        return "an object";
+    static const struct {
+        cJSON_bool (*is)(const cJSON *const item);
+        const char *name;
+    } kinds[] = {{cJSON_IsString, "a string"}, {cJSON_IsNumber, "a number"},
+                 {cJSON_IsBool, "a boolean"},  {cJSON_IsNull, "null"},
+                 {cJSON_IsArray, "an array"},  {cJSON_IsObject, "an object"}};
+    for (size_t i = 0; i < sizeof kinds / sizeof kinds[0]; i++)
+        if (kinds[i].is(v)) return kinds[i].name;
     return "invalid";
 }
 

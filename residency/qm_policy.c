@@ -126,6 +126,19 @@ void qm__split_release(qm__split_base *base)
     qm_free(base->experts);
 }
 
+void qm__split_destroy(void *ctx)
+{
+    if (!ctx) return;
+    qm__split_release(ctx);
+    qm_free(ctx);
+}
+
+void qm__layered_bank_phase(void *ctx, uint32_t bank, qm__bank_phase *ph)
+{
+    const qm__layered_base *base = ctx;
+    qm__layer_clock_phase(&base->clock, &base->split.history, bank, ph);
+}
+
 /* ---- whole_bank: the default; equal to having no residency machinery ----- */
 
 static int whole_bank_decide(void *ctx, const qm_policy_input *in, qm_residency_decision *out)

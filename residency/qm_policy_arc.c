@@ -33,8 +33,7 @@ typedef struct arc_ctx {
     /* history, per expert: clock = list, last_tick = 1 + latest access
      * tick, visit = its bank's visit then, count = eviction sequence
      * number while a ghost. */
-    qm__split_base base;
-    qm__layer_clock clock;
+    qm__layered_base base;
     size_t t1, t2, b1, b2;
     double p;             /* target |T1| */
     int last_miss_b2;     /* the current miss hit a B2 ghost */
@@ -53,11 +52,12 @@ static void forget_ghost(arc_ctx *a, qm__ref_entry *e)
 static void arc_on_access(void *ctx, qm_expert_ref ref, uint64_t tick, int hit)
 {
     arc_ctx *a = ctx;
-    uint64_t visits = qm__layer_clock_access(&a->clock, &a->base.history, ref.bank, tick);
-    qm__ref_entry *e = qm__ref_map_upsert(&a->base.history, qm__ref_key(ref));
+    uint64_t visits =
+        qm__layer_clock_access(&a->base.clock, &a->base.split.history, ref.bank, tick);
+    qm__ref_entry *e = qm__ref_map_upsert(&a->base.split.history, qm__ref_key(ref));
     a->last_miss_b2 = 0;
     if (!e) return; /* no memory: the expert is treated as new */
-    e->last_tick = tick == UINT64_MAX ? tick : tick + 1;
+    e->last_tick = qm__tick_stamp(tick);
     e->visit = visits;
     if (hit) {
         if (e->clock == ARC_T1) {
@@ -87,7 +87,7 @@ static void arc_on_access(void *ctx, qm_expert_ref ref, uint64_t tick, int hit)
 static void arc_on_insert(void *ctx, qm_expert_ref ref, uint64_t tick)
 {
     arc_ctx *a = ctx;
-    qm__ref_entry *e = qm__ref_map_upsert(&a->base.history, qm__ref_key(ref));
+    qm__ref_entry *e = qm__ref_map_upsert(&a->base.split.history, qm__ref_key(ref));
     if (!e) return;
     if (e->clock == ARC_T1 || e->clock == ARC_T2) return; /* already counted */
     forget_ghost(a, e); /* a prefetched ghost comes back as new */
@@ -97,7 +97,7 @@ static void arc_on_insert(void *ctx, qm_expert_ref ref, uint64_t tick)
         a->t2++;
     else
         a->t1++;
-    if (e->last_tick == 0) e->last_tick = tick == UINT64_MAX ? tick : tick + 1;
+    if (e->last_tick == 0) e->last_tick = qm__tick_stamp(tick);
 }
 
 /* Keeps the ring at most c long (c = experts resident), dropping the oldest
@@ -125,7 +125,7 @@ static void ring_push(arc_ctx *a, uint64_t key, uint64_t seq)
         arc_ghost old = a->ring[a->ring_head];
         a->ring_head = (a->ring_head + 1) % a->ring_cap;
         a->ring_len--;
-        qm__ref_entry *g = qm__ref_map_find(&a->base.history, old.key);
+        qm__ref_entry *g = qm__ref_map_find(&a->base.split.history, old.key);
         if (g && (g->clock == ARC_B1 || g->clock == ARC_B2) && (uint64_t)g->count == old.seq)
             forget_ghost(a, g);
     }
@@ -137,7 +137,7 @@ static void arc_on_evict(void *ctx, qm_expert_ref ref)
 {
     arc_ctx *a = ctx;
     uint64_t key = qm__ref_key(ref);
-    qm__ref_entry *e = qm__ref_map_find(&a->base.history, key);
+    qm__ref_entry *e = qm__ref_map_find(&a->base.split.history, key);
     if (!e || (e->clock != ARC_T1 && e->clock != ARC_T2)) return;
     if (e->clock == ARC_T1) {
         a->t1--;
@@ -152,29 +152,21 @@ static void arc_on_evict(void *ctx, qm_expert_ref ref)
     ring_push(a, key, a->evict_seq);
 }
 
+/* Within its list, the least recent (layer-aware) goes first; unknown
+ * experts count as T1 and as never used. */
+static double arc_rank(void *ctx, const qm__ref_entry *e, const qm__bank_phase *ph, int *list)
+{
+    (void)ctx;
+    *list = e && e->clock == ARC_T2 ? 1 : 0;
+    return e && e->visit ? qm__layered_next_use(ph, e->visit) : INFINITY;
+}
+
 static int arc_choose_victim(void *ctx, const qm_expert_ref *candidates, size_t n, size_t *victim)
 {
     arc_ctx *a = ctx;
-    /* The least recent (layer-aware) of each list among the candidates;
-     * unknown ones count as T1 and as never used. */
-    size_t best[2] = {n, n};
-    double best_when[2] = {-1.0, -1.0};
-    uint64_t best_tick[2] = {UINT64_MAX, UINT64_MAX};
-    qm__bank_phase ph = {0};
-    for (size_t i = 0; i < n; i++) {
-        if (i == 0 || candidates[i].bank != candidates[i - 1].bank)
-            qm__layer_clock_phase(&a->clock, &a->base.history, candidates[i].bank, &ph);
-        const qm__ref_entry *e = qm__ref_map_find(&a->base.history, qm__ref_key(candidates[i]));
-        int list = e && e->clock == ARC_T2 ? 1 : 0;
-        double when = e && e->visit ? qm__layered_next_use(&ph, e->visit) : INFINITY;
-        uint64_t t = e ? e->last_tick : 0;
-        if (best[list] == n || when > best_when[list] ||
-            (when == best_when[list] && t < best_tick[list])) {
-            best[list] = i;
-            best_when[list] = when;
-            best_tick[list] = t;
-        }
-    }
+    size_t best[2];
+    qm__victim_scan(&a->base.split.history, candidates, n, qm__layered_bank_phase, arc_rank, a,
+                    best);
     double t1 = (double)a->t1;
     int from_t1 = a->t1 > 0 && (t1 > a->p || (a->last_miss_b2 && t1 == a->p));
     size_t pick = from_t1 ? best[0] : best[1];
@@ -187,9 +179,8 @@ static void arc_destroy(void *ctx)
 {
     arc_ctx *a = ctx;
     if (!a) return;
-    qm__split_release(&a->base);
     qm_free(a->ring);
-    qm_free(a);
+    qm__split_destroy(a); /* a starts with the split base */
 }
 
 static const qm_policy_iface arc_iface = {

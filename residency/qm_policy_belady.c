@@ -61,8 +61,7 @@ static void belady_destroy(void *ctx)
     if (!bl) return;
     qm_free(bl->future);
     qm_free(bl->next_use);
-    qm__split_release(&bl->base);
-    qm_free(bl);
+    qm__split_destroy(bl);
 }
 
 static const qm_policy_iface belady_iface = {

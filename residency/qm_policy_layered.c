@@ -35,8 +35,7 @@
  * visit = its bank's visit number then; count = its decayed uses per visit
  * (next_use). Per bank: the layer clock's entries (qm__layer_clock). */
 typedef struct layered_ctx {
-    qm__split_base base;
-    qm__layer_clock clock;
+    qm__layered_base base;
     int use_frequency; /* 0: layered_lru, 1: next_use */
     double decay;      /* next_use: weight kept per visit of the bank */
     /* next_use: how much more likely an expert used at its bank's last visit
@@ -68,18 +67,19 @@ static double frequency(const layered_ctx *lc, const qm__ref_entry *e, uint64_t 
  * for the bank's next visit, and load that bank's previous ones. */
 static void switch_visit(layered_ctx *lc, uint32_t next_bank)
 {
-    if (lc->clock.has_cur) {
+    if (lc->base.clock.has_cur) {
         if (lc->prev_n) {
             double sample = ((double)lc->cur_reused - lc->prev_fsum) / (double)lc->prev_n;
             lc->bump = 0.98 * lc->bump + 0.02 * sample;
         }
-        qm__ref_entry *b = qm__ref_map_find(&lc->base.history, qm__bank_key(lc->clock.cur_bank));
+        qm__ref_entry *b =
+            qm__ref_map_find(&lc->base.split.history, qm__bank_key(lc->base.clock.cur_bank));
         if (b) {
             b->visit = lc->cur_n;
             b->aux = lc->cur_fsum;
         }
     }
-    const qm__ref_entry *nb = qm__ref_map_find(&lc->base.history, qm__bank_key(next_bank));
+    const qm__ref_entry *nb = qm__ref_map_find(&lc->base.split.history, qm__bank_key(next_bank));
     lc->prev_n = nb ? nb->visit : 0;
     lc->prev_fsum = nb ? nb->aux : 0.0;
     lc->cur_n = lc->cur_reused = 0;
@@ -90,10 +90,11 @@ static void layered_on_access(void *ctx, qm_expert_ref ref, uint64_t tick, int h
 {
     (void)hit;
     layered_ctx *lc = ctx;
-    if (lc->use_frequency && (!lc->clock.has_cur || lc->clock.cur_bank != ref.bank))
+    if (lc->use_frequency && (!lc->base.clock.has_cur || lc->base.clock.cur_bank != ref.bank))
         switch_visit(lc, ref.bank);
-    uint64_t visits = qm__layer_clock_access(&lc->clock, &lc->base.history, ref.bank, tick);
-    qm__ref_entry *e = qm__ref_map_upsert(&lc->base.history, qm__ref_key(ref));
+    uint64_t visits =
+        qm__layer_clock_access(&lc->base.clock, &lc->base.split.history, ref.bank, tick);
+    qm__ref_entry *e = qm__ref_map_upsert(&lc->base.split.history, qm__ref_key(ref));
     if (!e) return; /* no memory: this expert just looks colder than it is */
     if (e->last_tick == 0 || e->visit != visits) { /* once per visit: a batch counts as one use */
         int reused = e->visit && e->visit + 1 == visits;
@@ -106,15 +107,15 @@ static void layered_on_access(void *ctx, qm_expert_ref ref, uint64_t tick, int h
         }
     }
     e->visit = visits;
-    e->last_tick = tick == UINT64_MAX ? tick : tick + 1;
+    e->last_tick = qm__tick_stamp(tick);
 }
 
 /* Prefetched or preloaded: resident but not used yet; recency only. */
 static void layered_on_insert(void *ctx, qm_expert_ref ref, uint64_t tick)
 {
     layered_ctx *lc = ctx;
-    qm__ref_entry *e = qm__ref_map_upsert(&lc->base.history, qm__ref_key(ref));
-    if (e && e->last_tick == 0) e->last_tick = tick == UINT64_MAX ? tick : tick + 1;
+    qm__ref_entry *e = qm__ref_map_upsert(&lc->base.split.history, qm__ref_key(ref));
+    if (e && e->last_tick == 0) e->last_tick = qm__tick_stamp(tick);
 }
 
 /* How long keeping the expert is expected to wait for a hit: larger = the
@@ -135,38 +136,22 @@ static double wait_of(const layered_ctx *lc, const qm__ref_entry *e, const qm__b
     return (ph->until + 0.05 * ph->period) / p;
 }
 
+/* Equal estimates: the scan sends the least recent first. */
+static double layered_rank(void *ctx, const qm__ref_entry *e, const qm__bank_phase *ph, int *list)
+{
+    (void)list;
+    return wait_of(ctx, e, ph);
+}
+
 static int layered_choose_victim(void *ctx, const qm_expert_ref *candidates, size_t n,
                                  size_t *victim)
 {
     layered_ctx *lc = ctx;
-    size_t best = 0;
-    double best_wait = -1.0;
-    uint64_t best_tick = UINT64_MAX;
-    qm__bank_phase ph = {0};
-    for (size_t i = 0; i < n; i++) {
-        /* Candidates mostly share a bank: look its phase up only on a change. */
-        if (i == 0 || candidates[i].bank != candidates[i - 1].bank)
-            qm__layer_clock_phase(&lc->clock, &lc->base.history, candidates[i].bank, &ph);
-        const qm__ref_entry *e = qm__ref_map_find(&lc->base.history, qm__ref_key(candidates[i]));
-        double wait = wait_of(lc, e, &ph);
-        uint64_t tick = e ? e->last_tick : 0;
-        /* Equal estimates: the least recent goes first. */
-        if (wait > best_wait || (wait == best_wait && tick < best_tick)) {
-            best_wait = wait;
-            best_tick = tick;
-            best = i;
-        }
-    }
-    *victim = best;
+    size_t best[2];
+    qm__victim_scan(&lc->base.split.history, candidates, n, qm__layered_bank_phase, layered_rank,
+                    lc, best);
+    *victim = best[0];
     return 0;
-}
-
-static void layered_destroy(void *ctx)
-{
-    layered_ctx *lc = ctx;
-    if (!lc) return;
-    qm__split_release(&lc->base);
-    qm_free(lc);
 }
 
 static const qm_policy_iface layered_lru_iface = {
@@ -176,7 +161,7 @@ static const qm_policy_iface layered_lru_iface = {
     .on_access = layered_on_access,
     .on_insert = layered_on_insert,
     .choose_victim = layered_choose_victim,
-    .destroy = layered_destroy,
+    .destroy = qm__split_destroy,
 };
 
 static const qm_policy_iface next_use_iface = {
@@ -186,7 +171,7 @@ static const qm_policy_iface next_use_iface = {
     .on_access = layered_on_access,
     .on_insert = layered_on_insert,
     .choose_victim = layered_choose_victim,
-    .destroy = layered_destroy,
+    .destroy = qm__split_destroy,
 };
 
 static int layered_make(const qm_policy_iface *iface, double decay, qm_policy *out,

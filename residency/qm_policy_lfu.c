@@ -44,43 +44,38 @@ static void lfu_on_access(void *ctx, qm_expert_ref ref, uint64_t tick, int hit)
     uint64_t now = ++b->clock;
     e->count = aged(lfu, e, now) + 1.0;
     e->clock = now;
-    e->last_tick = tick == UINT64_MAX ? tick : tick + 1;
+    e->last_tick = qm__tick_stamp(tick);
+}
+
+typedef struct lfu_scan {
+    const lfu_ctx *lfu;
+    uint64_t clock; /* of the bank of the candidate being ranked */
+} lfu_scan;
+
+static void lfu_scan_bank(void *ctx, uint32_t bank, qm__bank_phase *ph)
+{
+    (void)ph;
+    lfu_scan *scan = ctx;
+    scan->clock = bank_clock(scan->lfu, bank);
+}
+
+/* The least frequently used goes first; equal counts (e.g. all faded to 0)
+ * to the least recent. */
+static double lfu_rank(void *ctx, const qm__ref_entry *e, const qm__bank_phase *ph, int *list)
+{
+    (void)ph;
+    (void)list;
+    const lfu_scan *scan = ctx;
+    return e ? -aged(scan->lfu, e, scan->clock) : 0.0;
 }
 
 static int lfu_choose_victim(void *ctx, const qm_expert_ref *candidates, size_t n, size_t *victim)
 {
-    lfu_ctx *lfu = ctx;
-    size_t best = 0;
-    double best_count = INFINITY;
-    uint64_t best_tick = UINT64_MAX;
-    uint32_t clock_bank = 0;
-    uint64_t clock = bank_clock(lfu, 0);
-    for (size_t i = 0; i < n; i++) {
-        /* Candidates mostly share a bank: look its clock up only on a change. */
-        if (candidates[i].bank != clock_bank) {
-            clock_bank = candidates[i].bank;
-            clock = bank_clock(lfu, clock_bank);
-        }
-        const qm__ref_entry *e = qm__ref_map_find(&lfu->base.history, qm__ref_key(candidates[i]));
-        double count = e ? aged(lfu, e, clock) : 0.0;
-        uint64_t tick = e ? e->last_tick : 0;
-        /* Equal counts (e.g. all faded to 0): the least recent goes first. */
-        if (count < best_count || (count == best_count && tick < best_tick)) {
-            best_count = count;
-            best_tick = tick;
-            best = i;
-        }
-    }
-    *victim = best;
+    lfu_scan scan = {.lfu = ctx};
+    size_t best[2];
+    qm__victim_scan(&scan.lfu->base.history, candidates, n, lfu_scan_bank, lfu_rank, &scan, best);
+    *victim = best[0];
     return 0;
-}
-
-static void lfu_destroy(void *ctx)
-{
-    lfu_ctx *lfu = ctx;
-    if (!lfu) return;
-    qm__split_release(&lfu->base);
-    qm_free(lfu);
 }
 
 static const qm_policy_iface lfu_iface = {
@@ -89,7 +84,7 @@ static const qm_policy_iface lfu_iface = {
     .decide = qm__split_decide,
     .on_access = lfu_on_access,
     .choose_victim = lfu_choose_victim,
-    .destroy = lfu_destroy,
+    .destroy = qm__split_destroy,
 };
 
 static const qm_policy_param_spec lfu_params[] = {

@@ -18,7 +18,7 @@ static void lru_touch(void *ctx, qm_expert_ref ref, uint64_t tick)
     lru_ctx *lru = ctx;
     qm__ref_entry *e = qm__ref_map_upsert(&lru->base.history, qm__ref_key(ref));
     if (e) /* no memory: this expert just looks older than it is */
-        e->last_tick = tick == UINT64_MAX ? tick : tick + 1;
+        e->last_tick = qm__tick_stamp(tick);
 }
 
 static void lru_on_access(void *ctx, qm_expert_ref ref, uint64_t tick, int hit)
@@ -32,28 +32,23 @@ static void lru_on_insert(void *ctx, qm_expert_ref ref, uint64_t tick)
     lru_touch(ctx, ref, tick);
 }
 
+/* Every candidate ranks alike: the scan's tie rule, least recent first, is LRU. */
+static double lru_rank(void *ctx, const qm__ref_entry *e, const qm__bank_phase *ph, int *list)
+{
+    (void)ctx;
+    (void)e;
+    (void)ph;
+    (void)list;
+    return 0.0;
+}
+
 static int lru_choose_victim(void *ctx, const qm_expert_ref *candidates, size_t n, size_t *victim)
 {
     lru_ctx *lru = ctx;
-    size_t best = 0;
-    uint64_t best_tick = UINT64_MAX;
-    for (size_t i = 0; i < n; i++) {
-        const qm__ref_entry *e = qm__ref_map_find(&lru->base.history, qm__ref_key(candidates[i]));
-        uint64_t t = e ? e->last_tick : 0;
-        if (t < best_tick) {
-            best_tick = t;
-            best = i;
-        }
-    }
-    *victim = best;
+    size_t best[2];
+    qm__victim_scan(&lru->base.history, candidates, n, NULL, lru_rank, NULL, best);
+    *victim = best[0];
     return 0;
-}
-
-static void lru_destroy(void *ctx)
-{
-    if (!ctx) return;
-    qm__split_release(ctx);
-    qm_free(ctx);
 }
 
 static const qm_policy_iface lru_iface = {
@@ -63,7 +58,7 @@ static const qm_policy_iface lru_iface = {
     .on_access = lru_on_access,
     .on_insert = lru_on_insert,
     .choose_victim = lru_choose_victim,
-    .destroy = lru_destroy,
+    .destroy = qm__split_destroy,
 };
 
 static int lru_new(const qm_policy_params *params, qm_policy *out, qm_status *st)
@@ -147,8 +142,7 @@ static void static_hot_destroy(void *ctx)
     qm_free(sh->hot_len);
     qm_free(sh->pinned);
     qm_free(sh->seen);
-    qm__split_release(&sh->lru.base);
-    qm_free(sh);
+    qm__split_destroy(sh); /* sh starts with its lru_ctx, which starts with the base */
 }
 
 static const qm_policy_iface static_hot_iface = {

@@ -75,9 +75,20 @@ typedef struct qm__split_base {
  * every expert of a pageable bank, history reserved for them. */
 int qm__split_decide(void *ctx, const qm_policy_input *in, qm_residency_decision *out);
 void qm__split_release(qm__split_base *base);
+/* destroy() of a splitting policy: releases the qm__split_base its ctx
+ * starts with, then the ctx (which owns nothing else, or has freed it).
+ * Accepts NULL. */
+void qm__split_destroy(void *ctx);
 /* A zeroed ctx of `size` bytes for `iface`, installed in *out; NULL (with
  * "out of memory creating policy '<name>'" in st) when it cannot be had. */
 void *qm__policy_alloc(const qm_policy_iface *iface, size_t size, qm_policy *out, qm_status *st);
+
+/* The history stamp of an access at `tick`: 1 + tick (0 stays "never"),
+ * saturating. */
+static inline uint64_t qm__tick_stamp(uint64_t tick)
+{
+    return tick == UINT64_MAX ? tick : tick + 1;
+}
 
 /* Shared by the splitting policies: a per-expert decision listing every
  * expert of a pageable bank (whole-bank for a non-pageable one, so the
@@ -124,5 +135,57 @@ uint64_t qm__visits_since(const qm__bank_phase *ph, uint64_t visit);
 /* Layered-LRU's estimate of the ticks until that expert is used again:
  * until + period * visits_since (recency counted in its own bank's visits). */
 double qm__layered_next_use(const qm__bank_phase *ph, uint64_t visit);
+
+/* ---- choose_victim: the scan every shipped ranking policy runs ----------- */
+
+/* A candidate's rank as a victim, larger going first; `e` is its history
+ * (NULL: never seen), `ph` what the bank callback left for its bank (zeroed
+ * without one). Writes *list (0 or 1) for a policy that ranks two lists
+ * apart (arc's T1 / T2); it is 0 unless written. */
+typedef double (*qm__victim_rank_fn)(void *ctx, const qm__ref_entry *e, const qm__bank_phase *ph,
+                                     int *list);
+/* Optional: called before the first candidate and again whenever a
+ * candidate's bank differs from the one before (candidates mostly share a
+ * bank), to look up the per-bank state the ranks need. */
+typedef void (*qm__victim_bank_fn)(void *ctx, uint32_t bank, qm__bank_phase *ph);
+
+/* Per list, the candidate of the largest rank; equal ranks go to the least
+ * recent (smallest last_tick, never seen counting as 0), then to the first.
+ * best[list] is n for a list no candidate is in. Inline: it runs on every
+ * miss, and a policy's constant bank and rank get inlined into its copy. */
+static inline void qm__victim_scan(const qm__ref_map *history, const qm_expert_ref *candidates,
+                                   size_t n, qm__victim_bank_fn bank, qm__victim_rank_fn rank,
+                                   void *ctx, size_t best[2])
+{
+    double best_rank[2] = {0.0, 0.0};
+    uint64_t best_tick[2] = {0, 0};
+    qm__bank_phase ph = {0};
+    best[0] = best[1] = n;
+    for (size_t i = 0; i < n; i++) {
+        if (bank && (i == 0 || candidates[i].bank != candidates[i - 1].bank))
+            bank(ctx, candidates[i].bank, &ph);
+        const qm__ref_entry *e = qm__ref_map_find(history, qm__ref_key(candidates[i]));
+        int list = 0;
+        double r = rank(ctx, e, &ph, &list);
+        uint64_t t = e ? e->last_tick : 0;
+        if (best[list] == n || r > best_rank[list] ||
+            (r == best_rank[list] && t < best_tick[list])) {
+            best[list] = i;
+            best_rank[list] = r;
+            best_tick[list] = t;
+        }
+    }
+}
+
+/* What the layer-aware policies (layered_lru, next_use, arc) start their
+ * ctx with: the splitting base and the layer clock. */
+typedef struct qm__layered_base {
+    qm__split_base split;
+    qm__layer_clock clock;
+} qm__layered_base;
+
+/* The bank callback of a layer-aware policy (ctx starts with a
+ * qm__layered_base): the bank's phase. */
+void qm__layered_bank_phase(void *ctx, uint32_t bank, qm__bank_phase *ph);
 
 #endif

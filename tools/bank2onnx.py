@@ -21,7 +21,6 @@ and bias in the bank are stored as initializers `layers.N.router.weight` /
 `.bias` that no node reads: onnxruntime ignores them, onnx2bank.py keeps them.
 """
 
-import argparse
 import os
 import sys
 
@@ -119,9 +118,7 @@ def build_model(cfg, tensors, layers, dtype=None):
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                 formatter_class=argparse.RawDescriptionHelpFormatter,
-                                 epilog=__doc__.split("\n\n", 1)[1])
+    ap = qmoebank.tool_parser(__doc__)
     ap.add_argument("bank")
     ap.add_argument("--out", required=True)
     ap.add_argument("--layer", default="0", help="layer index, or 'all' for a chain of nodes")

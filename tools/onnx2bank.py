@@ -16,7 +16,6 @@ initializer weights feeding the node's router_probs.
 Models with external data are loaded from the model's directory.
 """
 
-import argparse
 import math
 import os
 import sys
@@ -163,9 +162,7 @@ def convert(model):
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                 formatter_class=argparse.RawDescriptionHelpFormatter,
-                                 epilog=__doc__.split("\n\n", 1)[1])
+    ap = qmoebank.tool_parser(__doc__)
     ap.add_argument("model")
     ap.add_argument("--out", required=True)
     args = ap.parse_args(argv)

@@ -108,6 +108,15 @@ class BankConfig:
         return meta
 
 
+def tool_parser(doc):
+    """The argument parser of a converter script here: its docstring's first
+    paragraph as the description, the rest, as written, after the help."""
+    import argparse
+    return argparse.ArgumentParser(description=doc.split("\n\n")[0],
+                                   formatter_class=argparse.RawDescriptionHelpFormatter,
+                                   epilog=doc.split("\n\n", 1)[1])
+
+
 def read_header(path):
     """(header dict without __metadata__, metadata dict, data offset) of a safetensors file."""
     with open(path, "rb") as f:

@@ -19,6 +19,7 @@
 
 #include "qm_alloc.h"
 #include "qm_bank.h"
+#include "import_common.h"
 #include "qm_st_header.h"
 #include "qmoe_bank_tool.h"
 
@@ -83,65 +84,9 @@ static float rng_uniform(rng *r)
     return (float)((double)(z >> 40) / (double)(1ull << 23) - 1.0);
 }
 
-/* ---- f16 / bf16 encodings (round to nearest even) -------------------------- */
-
-static uint16_t f32_to_bf16(float f)
-{
-    uint32_t u;
-    memcpy(&u, &f, 4);
-    if ((u & 0x7fffffff) > 0x7f800000)
-        return (uint16_t)((u >> 16) | 0x40);
-    u += 0x7fff + ((u >> 16) & 1);
-    return (uint16_t)(u >> 16);
-}
-
-static uint16_t f32_to_f16(float f)
-{
-    uint32_t u;
-    memcpy(&u, &f, 4);
-    uint32_t sign = (u >> 16) & 0x8000;
-    uint32_t mag = u & 0x7fffffff;
-    if (mag > 0x7f800000)
-        return (uint16_t)(sign | 0x7e00);
-    if (mag >= 0x477ff000) /* rounds to >= 65520: overflow to inf */
-        return (uint16_t)(sign | 0x7c00);
-    if (mag < 0x38800000) { /* subnormal or zero in f16 */
-        float a;
-        memcpy(&a, &mag, 4);
-        /* a * 2^24 rounded to even gives the subnormal mantissa */
-        float scaled = a * 16777216.0f;
-        uint32_t m = (uint32_t)rintf(scaled);
-        return (uint16_t)(sign | m);
-    }
-    uint32_t exp = (mag >> 23) - 127 + 15;
-    uint32_t mant = mag & 0x7fffff;
-    uint32_t h = (exp << 10) | (mant >> 13);
-    uint32_t rest = mant & 0x1fff;
-    if (rest > 0x1000 || (rest == 0x1000 && (h & 1)))
-        h++;
-    return (uint16_t)(sign | h);
-}
-
-static void store_float(void *dst, size_t i, float v, qm_dtype dt)
-{
-    if (dt == QM_DTYPE_F32) {
-        memcpy((uint8_t *)dst + 4 * i, &v, 4);
-    } else {
-        uint16_t h = dt == QM_DTYPE_F16 ? f32_to_f16(v) : f32_to_bf16(v);
-        memcpy((uint8_t *)dst + 2 * i, &h, 2);
-    }
-}
-
 /* ---- the file layout ------------------------------------------------------- */
 
-typedef struct planned {
-    int present;
-    qm_dtype dtype;
-    uint32_t ndim;
-    uint64_t shape[3];
-    uint64_t nbytes;
-    uint64_t begin;
-} planned;
+typedef qmi_planned planned;
 
 static uint64_t ceil_div(uint64_t a, uint64_t b) { return (a + b - 1) / b; }
 
@@ -184,17 +129,7 @@ static void plan_layer(const create_opts *o, planned *t)
         t[QM_T_ROUTER_WEIGHT] = (planned){1, o->scale_dtype, 2, {e, o->hidden, 0}, 0, 0};
         t[QM_T_ROUTER_BIAS] = (planned){1, o->scale_dtype, 1, {e, 0, 0}, 0, 0};
     }
-    for (int i = 0; i < QM_T_COUNT; i++)
-        if (t[i].present) {
-            t[i].nbytes = qm_dtype_size(t[i].dtype);
-            for (uint32_t d = 0; d < t[i].ndim; d++)
-                t[i].nbytes *= t[i].shape[d];
-        }
-}
-
-static const char *st_dtype(qm_dtype d)
-{
-    return d == QM_DTYPE_F32 ? "F32" : d == QM_DTYPE_F16 ? "F16" : d == QM_DTYPE_BF16 ? "BF16" : "U8";
+    qmi_plan_sizes(t, QM_T_COUNT);
 }
 
 /* ---- quantisation ------------------------------------------------------------ */
@@ -321,7 +256,7 @@ static int write_projection(const create_opts *o, writer *wr, uint64_t data_star
             for (uint64_t c = 0; c < k; c++)
                 dst[c / pack] |= (uint8_t)(codes[c] << ((c % pack) * o->bits));
             for (uint64_t b = 0; b < nblk; b++)
-                store_float(sbuf, row_i * nblk + b, row_scales[b], o->scale_dtype);
+                qmi_store(sbuf, o->scale_dtype, row_i * nblk + b, row_scales[b]);
             if (o->asymmetric) {
                 if (bs) { /* [N, ceil(nblk/pack)], packed along blocks */
                     uint64_t per_row = ceil_div(nblk, pack);
@@ -336,7 +271,7 @@ static int write_projection(const create_opts *o, writer *wr, uint64_t data_star
         if (o->bias) {
             rng rb = rng_for(o->seed, layer, (uint32_t)p + 16, e);
             for (uint64_t i = 0; i < n; i++)
-                store_float(bbuf, i, 0.1f * rng_uniform(&rb), o->scale_dtype);
+                qmi_store(bbuf, o->scale_dtype, i, 0.1f * rng_uniform(&rb));
         }
         if (put(wr, wbuf, w_slice, data_start + pw[0].begin + e * w_slice) ||
             put(wr, sbuf, s_slice, data_start + pw[1].begin + e * s_slice) ||
@@ -371,9 +306,9 @@ static int write_router(const create_opts *o, writer *wr, uint64_t data_start, u
     rng r = rng_for(o->seed, layer, 32, 0);
     float s = 1.0f / sqrtf((float)o->hidden);
     for (uint64_t i = 0; i < (uint64_t)o->experts * o->hidden; i++)
-        store_float(buf, i, s * rng_uniform(&r), rw->dtype);
+        qmi_store(buf, rw->dtype, i, s * rng_uniform(&r));
     for (uint64_t i = 0; i < o->experts; i++)
-        store_float(bbuf, i, 0.1f * rng_uniform(&r), rb->dtype);
+        qmi_store(bbuf, rb->dtype, i, 0.1f * rng_uniform(&r));
     rc = put(wr, buf, rw->nbytes, data_start + rw->begin) ||
                  put(wr, bbuf, rb->nbytes, data_start + rb->begin)
              ? -1
@@ -382,14 +317,6 @@ done:
     qm_free(buf);
     qm_free(bbuf);
     return rc;
-}
-
-static void fmt_float(char *buf, size_t n, float v)
-{
-    if (isinf(v))
-        snprintf(buf, n, "%s", v > 0 ? "inf" : "-inf");
-    else
-        snprintf(buf, n, "%.9g", (double)v);
 }
 
 static int write_bank(const create_opts *o)
@@ -410,67 +337,19 @@ static int write_bank(const create_opts *o)
     }
     for (uint32_t l = 0; l < o->layers; l++)
         plan_layer(o, &plan[(size_t)l * QM_T_COUNT]);
-    /* Like the Python writer: wider elements first, so every tensor stays
-     * aligned to its element size with no holes between tensors. */
-    uint64_t off = 0;
-    static const size_t widths[] = {4, 2, 1};
-    for (size_t wi = 0; wi < 3; wi++)
-        for (uint32_t l = 0; l < o->layers; l++)
-            for (int t = 0; t < QM_T_COUNT; t++) {
-                planned *p = &plan[(size_t)l * QM_T_COUNT + t];
-                if (!p->present || qm_dtype_size(p->dtype) != widths[wi])
-                    continue;
-                p->begin = off;
-                off += p->nbytes;
-            }
-    uint64_t data_bytes = off;
-    for (uint32_t l = 0; l < o->layers; l++)
-        for (int t = 0; t < QM_T_COUNT; t++) {
-            planned *p = &plan[(size_t)l * QM_T_COUNT + t];
-            if (!p->present)
-                continue;
-            qm_st_tensor *st_t = &tensors[n_tensors++];
-            st_t->name = qm_malloc(64);
-            if (!st_t->name) {
-                fprintf(stderr, "qmoe-bank create: out of memory\n");
-                goto done;
-            }
-            qm_bank_tensor_name(l, (qm_bank_tensor)t, st_t->name, 64);
-            snprintf(st_t->dtype, sizeof st_t->dtype, "%s", st_dtype(p->dtype));
-            st_t->ndim = p->ndim;
-            memcpy(st_t->shape, p->shape, sizeof p->shape);
-            st_t->begin = p->begin;
-            st_t->end = p->begin + p->nbytes;
-        }
-
+    uint64_t data_bytes = qmi_plan_place(plan, o->layers, QM_T_COUNT);
+    if (qmi_plan_header_tensors(plan, o->layers, QM_T_COUNT, tensors, &n_tensors, &st) != 0) {
+        fprintf(stderr, "qmoe-bank create: %s\n", st.msg);
+        goto done;
+    }
+    const qmi_bank_spec spec = {
+        .layers = o->layers, .experts = o->experts, .hidden = o->hidden, .inter = o->inter,
+        .k = o->k, .bits = o->bits, .block_size = o->block_size, .swiglu_fusion = o->fusion,
+        .activation = o->act, .alpha = o->alpha, .beta = o->beta, .limit = o->limit,
+        .normalize_routing = 1};
     char v[12][32];
-    snprintf(v[0], 32, "%u", o->layers);
-    snprintf(v[1], 32, "%u", o->experts);
-    snprintf(v[2], 32, "%u", o->hidden);
-    snprintf(v[3], 32, "%u", o->inter);
-    snprintf(v[4], 32, "%u", o->k);
-    snprintf(v[5], 32, "%u", o->bits);
-    snprintf(v[6], 32, "%u", o->block_size);
-    snprintf(v[7], 32, "%u", o->fusion);
-    fmt_float(v[8], 32, o->alpha);
-    fmt_float(v[9], 32, o->beta);
-    fmt_float(v[10], 32, o->limit);
-    qm_st_meta meta[] = {
-        {"qmoe.format", "1"},
-        {"qmoe.layers", v[0]},
-        {"qmoe.experts", v[1]},
-        {"qmoe.hidden_size", v[2]},
-        {"qmoe.inter_size", v[3]},
-        {"qmoe.k", v[4]},
-        {"qmoe.activation", (char *)qm_activation_name(o->act)},
-        {"qmoe.bits", v[5]},
-        {"qmoe.block_size", v[6]},
-        {"qmoe.swiglu_fusion", v[7]},
-        {"qmoe.normalize_routing_weights", "1"},
-        {"qmoe.activation_alpha", v[8]},
-        {"qmoe.activation_beta", v[9]},
-        {"qmoe.swiglu_limit", v[10]},
-    };
+    qm_st_meta meta[QMI_STD_META];
+    qmi_std_meta(&spec, v, meta);
     if (qm_st_header_format(tensors, n_tensors, meta, sizeof meta / sizeof meta[0], 8, &json,
                             &json_len, &st) != 0) {
         fprintf(stderr, "qmoe-bank create: %s\n", st.msg);
@@ -547,8 +426,7 @@ done:
 
 static int bad(const char *what)
 {
-    fprintf(stderr, "qmoe-bank create: %s (see qmoe-bank create --help)\n", what);
-    return QMB_USAGE;
+    return qmb_usage("create", what);
 }
 
 static int parse_float_opt(const char *s, float *out)

@@ -49,8 +49,7 @@ int qmb_run(int argc, char **argv)
 
 static int usage(const char *what)
 {
-    fprintf(stderr, "qmoe-bank run: %s (see qmoe-bank run --help)\n", what);
-    return QMB_USAGE;
+    return qmb_usage("run", what);
 }
 
 int qmb_run(int argc, char **argv)

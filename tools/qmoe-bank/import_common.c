@@ -265,13 +265,7 @@ typedef struct trailer {
     uint64_t bank_bytes;
 } trailer;
 
-typedef struct planned {
-    int present;
-    qm_dtype dtype;
-    uint32_t ndim;
-    uint64_t shape[3];
-    uint64_t nbytes, begin;
-} planned;
+typedef qmi_planned planned;
 
 struct qmi_writer {
     qmi_bank_spec spec;
@@ -326,12 +320,57 @@ static void plan_layer(const qmi_bank_spec *s, planned *t)
     if (s->router_bias) t[QM_T_ROUTER_BIAS] = (planned){1, QM_DTYPE_F32, 1, {e, 0, 0}, 0, 0};
     if (s->correction_bias)
         t[QMI_T_CORRECTION_BIAS] = (planned){1, QM_DTYPE_F32, 1, {e, 0, 0}, 0, 0};
-    for (int i = 0; i < QMI_T_COUNT; i++)
+    qmi_plan_sizes(t, QMI_T_COUNT);
+}
+
+void qmi_plan_sizes(qmi_planned *t, int n)
+{
+    for (int i = 0; i < n; i++)
         if (t[i].present) {
             t[i].nbytes = qm_dtype_size(t[i].dtype);
             for (uint32_t d = 0; d < t[i].ndim; d++)
                 t[i].nbytes *= t[i].shape[d];
         }
+}
+
+uint64_t qmi_plan_place(qmi_planned *plan, uint32_t layers, int per_layer)
+{
+    uint64_t off = 0;
+    static const size_t widths[] = {4, 2, 1};
+    for (size_t wi = 0; wi < 3; wi++)
+        for (uint32_t l = 0; l < layers; l++)
+            for (int t = 0; t < per_layer; t++) {
+                qmi_planned *p = &plan[(size_t)l * (size_t)per_layer + (size_t)t];
+                if (p->present && qm_dtype_size(p->dtype) == widths[wi]) {
+                    p->begin = off;
+                    off += p->nbytes;
+                }
+            }
+    return off;
+}
+
+int qmi_plan_header_tensors(const qmi_planned *plan, uint32_t layers, int per_layer,
+                            qm_st_tensor *tensors, size_t *n, qm_status *st)
+{
+    *n = 0;
+    for (uint32_t l = 0; l < layers; l++)
+        for (int t = 0; t < per_layer; t++) {
+            const qmi_planned *p = &plan[(size_t)l * (size_t)per_layer + (size_t)t];
+            if (!p->present) continue;
+            qm_st_tensor *tt = &tensors[(*n)++];
+            tt->name = qm_malloc(64);
+            if (!tt->name) return qm_status_set(st, QM_ENOMEM, "out of memory planning the header");
+            if (t == QMI_T_CORRECTION_BIAS)
+                snprintf(tt->name, 64, "layers.%u.router.correction_bias", l);
+            else
+                qm_bank_tensor_name(l, (qm_bank_tensor)t, tt->name, 64);
+            snprintf(tt->dtype, sizeof tt->dtype, "%s", st_name(p->dtype));
+            tt->ndim = p->ndim;
+            memcpy(tt->shape, p->shape, sizeof p->shape);
+            tt->begin = p->begin;
+            tt->end = p->begin + p->nbytes;
+        }
+    return 0;
 }
 
 static void fmt_float(char *buf, size_t n, float v)
@@ -351,11 +390,8 @@ static void source_value(const qmi_bank_spec *s, int exact, double err, char *bu
              exact ? "true " : "false", err);
 }
 
-static int format_header(qmi_writer *w, int exact, double err, char **json, size_t *len,
-                         qm_status *st)
+void qmi_std_meta(const qmi_bank_spec *s, char v[12][32], qm_st_meta *meta)
 {
-    const qmi_bank_spec *s = &w->spec;
-    char v[12][32], source[QM_ST_VALUE_MAX];
     snprintf(v[0], 32, "%u", s->layers);
     snprintf(v[1], 32, "%u", s->experts);
     snprintf(v[2], 32, "%u", s->hidden);
@@ -368,8 +404,7 @@ static int format_header(qmi_writer *w, int exact, double err, char **json, size
     fmt_float(v[9], 32, s->beta);
     fmt_float(v[10], 32, s->limit);
     snprintf(v[11], 32, "%d", s->normalize_routing ? 1 : 0);
-    source_value(s, exact, err, source, sizeof source);
-    qm_st_meta meta[15 + QMI_META_MAX] = {
+    const qm_st_meta rows[QMI_STD_META] = {
         {"qmoe.format", "1"},
         {"qmoe.layers", v[0]},
         {"qmoe.experts", v[1]},
@@ -384,9 +419,20 @@ static int format_header(qmi_writer *w, int exact, double err, char **json, size
         {"qmoe.activation_alpha", v[8]},
         {"qmoe.activation_beta", v[9]},
         {"qmoe.swiglu_limit", v[10]},
-        {"qmoe.source", source},
     };
-    size_t n_meta = 15;
+    memcpy(meta, rows, sizeof rows);
+}
+
+static int format_header(qmi_writer *w, int exact, double err, char **json, size_t *len,
+                         qm_status *st)
+{
+    const qmi_bank_spec *s = &w->spec;
+    char v[12][32], source[QM_ST_VALUE_MAX];
+    qm_st_meta meta[QMI_STD_META + 1 + QMI_META_MAX];
+    qmi_std_meta(s, v, meta);
+    size_t n_meta = QMI_STD_META;
+    source_value(s, exact, err, source, sizeof source);
+    meta[n_meta++] = (qm_st_meta){"qmoe.source", source};
     for (size_t i = 0; i < s->n_meta && i < QMI_META_MAX; i++)
         meta[n_meta++] = (qm_st_meta){(char *)s->meta_keys[i], (char *)s->meta_values[i]};
     return qm_st_header_format(w->tensors, w->n_tensors, meta, n_meta, 8, json, len, st);
@@ -401,38 +447,8 @@ static int plan_file(qmi_writer *w, qm_status *st)
         return qm_status_set(st, QM_ENOMEM, "out of memory planning %u layers", s->layers);
     for (uint32_t l = 0; l < s->layers; l++)
         plan_layer(s, &w->plan[(size_t)l * QMI_T_COUNT]);
-    /* Wider elements first, as `qmoe-bank create` and tools/qmoebank.py do:
-     * every tensor aligned to its element size, no holes. */
-    uint64_t off = 0;
-    static const size_t widths[] = {4, 2, 1};
-    for (size_t wi = 0; wi < 3; wi++)
-        for (uint32_t l = 0; l < s->layers; l++)
-            for (int t = 0; t < QMI_T_COUNT; t++) {
-                planned *p = &w->plan[(size_t)l * QMI_T_COUNT + t];
-                if (p->present && qm_dtype_size(p->dtype) == widths[wi]) {
-                    p->begin = off;
-                    off += p->nbytes;
-                }
-            }
-    w->total = off;
-    for (uint32_t l = 0; l < s->layers; l++)
-        for (int t = 0; t < QMI_T_COUNT; t++) {
-            planned *p = &w->plan[(size_t)l * QMI_T_COUNT + t];
-            if (!p->present) continue;
-            qm_st_tensor *tt = &w->tensors[w->n_tensors++];
-            tt->name = qm_malloc(64);
-            if (!tt->name) return qm_status_set(st, QM_ENOMEM, "out of memory planning the header");
-            if (t == QMI_T_CORRECTION_BIAS)
-                snprintf(tt->name, 64, "layers.%u.router.correction_bias", l);
-            else
-                qm_bank_tensor_name(l, (qm_bank_tensor)t, tt->name, 64);
-            snprintf(tt->dtype, sizeof tt->dtype, "%s", st_name(p->dtype));
-            tt->ndim = p->ndim;
-            memcpy(tt->shape, p->shape, sizeof p->shape);
-            tt->begin = p->begin;
-            tt->end = p->begin + p->nbytes;
-        }
-    return 0;
+    w->total = qmi_plan_place(w->plan, s->layers, QMI_T_COUNT);
+    return qmi_plan_header_tensors(w->plan, s->layers, QMI_T_COUNT, w->tensors, &w->n_tensors, st);
 }
 
 static int pwrite_all(int fd, const void *buf, uint64_t n, uint64_t at, const char *path,

@@ -17,6 +17,7 @@
 
 #include "qm_bank.h"
 #include "qm_error.h"
+#include "qm_st_header.h"
 
 /* ---- elements ------------------------------------------------------------ */
 
@@ -98,6 +99,35 @@ typedef struct qmi_bank_spec {
 
 /* The per-layer tensors of a bank; router.correction_bias is the extra one. */
 enum { QMI_T_CORRECTION_BIAS = QM_T_COUNT, QMI_T_COUNT };
+
+/* ---- the bank's layout, shared with `qmoe-bank create` ------------------- */
+
+/* One tensor of the file being planned. */
+typedef struct qmi_planned {
+    int present;
+    qm_dtype dtype;
+    uint32_t ndim;
+    uint64_t shape[3];
+    uint64_t nbytes, begin; /* begin: from the start of the data */
+} qmi_planned;
+
+/* Sets nbytes of every present tensor of t[n] from its dtype and shape. */
+void qmi_plan_sizes(qmi_planned *t, int n);
+/* Places the present tensors of plan[layers][per_layer] the way
+ * tools/qmoebank.py does: wider elements first, so every tensor is aligned
+ * to its element size with no holes. Returns the data's bytes. */
+uint64_t qmi_plan_place(qmi_planned *plan, uint32_t layers, int per_layer);
+/* Lists the present tensors of plan[layers][per_layer], layer by layer, as
+ * header entries in tensors[] (room for layers * per_layer) and sets *n.
+ * Names are allocated (qm_free each, also after a failure: *n counts
+ * them); index QMI_T_CORRECTION_BIAS is router.correction_bias. */
+int qmi_plan_header_tensors(const qmi_planned *plan, uint32_t layers, int per_layer,
+                            qm_st_tensor *tensors, size_t *n, qm_status *st);
+
+/* The qmoe.* metadata every bank carries, from the spec: QMI_STD_META rows
+ * written to meta[], their values kept in v (which must outlive meta). */
+#define QMI_STD_META 14
+void qmi_std_meta(const qmi_bank_spec *s, char v[12][32], qm_st_meta *meta);
 
 typedef struct qmi_writer qmi_writer;
 

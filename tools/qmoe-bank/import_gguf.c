@@ -135,6 +135,19 @@ static int need_shape(const qmg_tensor *t, uint32_t nd, uint64_t d0, uint64_t d1
     return BAD(st, "%s: shape (ggml ne) [%s] but %s needs [%s]", t->name, have, why, need);
 }
 
+/* A required key in [1, max]: 0, or fails with "GGUF key KEY is missing"
+ * (or "out of range") followed by `why`. */
+static int required_uint(const qmg_file *f, const char *key, uint64_t max, const char *why,
+                         uint64_t *out, qm_status *st)
+{
+    int rc = qmg_get_uint(f, key, out, st);
+    if (rc < 0)
+        return rc;
+    if (rc == 1 || *out == 0 || *out > max)
+        return BAD(st, "GGUF key %s is %s%s", key, rc == 1 ? "missing" : "out of range", why);
+    return 0;
+}
+
 static int read_plan(const qmg_file *f, plan *pl, unsigned requant_bits, qm_status *st)
 {
     char key[128];
@@ -153,21 +166,15 @@ static int read_plan(const qmg_file *f, plan *pl, unsigned requant_bits, qm_stat
     snprintf(pl->family, sizeof pl->family, "%s", pl->ai->family);
     uint64_t E = 0, k = 0, blocks = 0, dense = 0, v;
 #define KEY(name) (snprintf(key, sizeof key, "%s." name, pl->arch), key)
-    if ((rc = qmg_get_uint(f, KEY("expert_count"), &E, st)) < 0)
+    char k_range[96];
+    if ((rc = required_uint(f, KEY("expert_count"), 65536, " (an MoE file needs 1..65536 experts)",
+                            &E, st)))
         return rc;
-    if (rc == 1 || E == 0 || E > 65536)
-        return BAD(st, "GGUF key %s is %s (an MoE file needs 1..65536 experts)", key,
-                   rc == 1 ? "missing" : "out of range");
-    if ((rc = qmg_get_uint(f, KEY("expert_used_count"), &k, st)) < 0)
+    snprintf(k_range, sizeof k_range, " but it must be in [1, %s.expert_count = %llu]", pl->arch,
+             (unsigned long long)E);
+    if ((rc = required_uint(f, KEY("expert_used_count"), E, k_range, &k, st)) ||
+        (rc = required_uint(f, KEY("block_count"), 65536, " (1..65536 blocks)", &blocks, st)))
         return rc;
-    if (rc == 1 || k == 0 || k > E)
-        return BAD(st, "GGUF key %s is %s but it must be in [1, %s.expert_count = %llu]", key,
-                   rc == 1 ? "missing" : "out of range", pl->arch, (unsigned long long)E);
-    if ((rc = qmg_get_uint(f, KEY("block_count"), &blocks, st)) < 0)
-        return rc;
-    if (rc == 1 || blocks == 0 || blocks > 65536)
-        return BAD(st, "GGUF key %s is %s (1..65536 blocks)", key,
-                   rc == 1 ? "missing" : "out of range");
     if ((rc = qmg_get_uint(f, KEY("leading_dense_block_count"), &dense, st)) < 0)
         return rc;
     if (dense > blocks)

@@ -304,8 +304,7 @@ done:
 
 static int usage(const char *what)
 {
-    fprintf(stderr, "qmoe-bank import: %s (see qmoe-bank import --help)\n", what);
-    return QMB_USAGE;
+    return qmb_usage("import", what);
 }
 
 int qmb_import_hf(int argc, char **argv)

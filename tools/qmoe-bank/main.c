@@ -23,6 +23,12 @@ static void help_main(FILE *f)
           f);
 }
 
+int qmb_usage(const char *cmd, const char *what)
+{
+    fprintf(stderr, "qmoe-bank %s: %s (see qmoe-bank %s --help)\n", cmd, what, cmd);
+    return QMB_USAGE;
+}
+
 int qmb_parse_u32(const char *s, unsigned long long max, unsigned *out)
 {
     if (!s || !*s)

@@ -20,6 +20,9 @@ void qmb_help_run(FILE *f);
 void qmb_help_import_hf(FILE *f);
 void qmb_help_import_gguf(FILE *f);
 
+/* Prints "qmoe-bank CMD: WHAT (see qmoe-bank CMD --help)" to stderr;
+ * returns QMB_USAGE. */
+int qmb_usage(const char *cmd, const char *what);
 /* Strict unsigned parse of a whole string; -1 on junk or overflow of `max`. */
 int qmb_parse_u32(const char *s, unsigned long long max, unsigned *out);
 /* Prints s as a JSON string literal. */
