@@ -37,17 +37,6 @@ const char *qmoectl_opt(const qmoectl_args *a, const char *name)
     return v;
 }
 
-int qmoectl_usage_error(const char *fmt, ...)
-{
-    va_list ap;
-    fputs("qmoectl: ", stderr);
-    va_start(ap, fmt);
-    vfprintf(stderr, fmt, ap);
-    va_end(ap);
-    fputs("\n", stderr);
-    return QMOECTL_USAGE;
-}
-
 int qmoectl_error(const char *fmt, ...)
 {
     va_list ap;
