@@ -77,6 +77,14 @@ int qmoectl_print_json(qm_client *c, const char *method, const char *params_json
     return QMOECTL_OK;
 }
 
+int qmoectl_print_json_session(qm_client *c, const char *method, const char *session)
+{
+    char params[1100];
+    if (session && qmoectl_one_param(params, sizeof(params), "session", session) < 0)
+        return qmoectl_usage_error("session id too long");
+    return qmoectl_print_json(c, method, session ? params : NULL);
+}
+
 static const qmoectl_cmd *qmoectl_find(const char *name)
 {
     for (const qmoectl_cmd *c = qmoectl_cmds; c->name; c++)

@@ -56,6 +56,9 @@ int qmoectl_error(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
 
 /* Calls `method` and prints its raw result as indented JSON (--json). */
 int qmoectl_print_json(qm_client *c, const char *method, const char *params_json);
+/* The same for a method taking {"session": SESSION}, or no params when SESSION is NULL;
+ * QMOECTL_USAGE when the id is too long. */
+int qmoectl_print_json_session(qm_client *c, const char *method, const char *session);
 
 /* Humane units into caller buffers (>= 32 bytes). */
 const char *qmoectl_bytes(uint64_t n, char *buf, size_t cap);     /* "1.5 GiB" */
