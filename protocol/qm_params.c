@@ -604,6 +604,24 @@ static int decode_output_to(const cJSON *v, qm_params *out, qm_status *st)
     return 0;
 }
 
+/* A session-addressed method: only the members `allowed`, then the session id. */
+static int session_members(const cJSON *params, const char *const *allowed, int required,
+                           qm_params *out, qm_status *st)
+{
+    int rc = check_members(params, allowed, "", st);
+    return rc == 0 ? get_string(params, "session", "", required, 128, &out->session, st) : rc;
+}
+
+/* A byte count that, when given, must be greater than 0. */
+static int get_positive(const cJSON *params, const char *key, int required, int *has,
+                        uint64_t *out, qm_status *st)
+{
+    int rc = get_uint(params, key, "", required, UINT64_MAX, has, out, st);
+    if (rc == 0 && (!has || *has) && *out == 0)
+        return bad(st, key, "%s must be greater than 0", key);
+    return rc;
+}
+
 int qm__params_decode(qm_method m, const cJSON *params, qm_params *out, qm_status *st)
 {
     static const char *const none[] = {NULL};
@@ -651,10 +669,7 @@ int qm__params_decode(qm_method m, const cJSON *params, qm_params *out, qm_statu
         if (rc == 0)
             rc = get_string(params, "policy", "", 0, 32, &out->policy, st);
         if (rc == 0)
-            rc = get_uint(params, "budget_bytes", "", 0, UINT64_MAX, &out->has_budget,
-                          &out->budget_bytes, st);
-        if (rc == 0 && out->has_budget && out->budget_bytes == 0)
-            return bad(st, "budget_bytes", "budget_bytes must be greater than 0");
+            rc = get_positive(params, "budget_bytes", 0, &out->has_budget, &out->budget_bytes, st);
         if (rc == 0 && member(params, "policy_params")) {
             out->has_policy_params = 1;
             rc = decode_policy_params(member(params, "policy_params"), &out->policy_params, st);
@@ -669,24 +684,14 @@ int qm__params_decode(qm_method m, const cJSON *params, qm_params *out, qm_statu
         return rc;
     case QM_METHOD_SESSION_CLOSE:
     case QM_METHOD_SESSION_PLAN:
-        rc = check_members(params, by_session, "", st);
-        if (rc == 0)
-            rc = get_string(params, "session", "", 1, 128, &out->session, st);
-        return rc;
+        return session_members(params, by_session, 1, out, st);
     case QM_METHOD_SESSION_RESIZE:
-        rc = check_members(params, resize, "", st);
+        rc = session_members(params, resize, 1, out, st);
         if (rc == 0)
-            rc = get_string(params, "session", "", 1, 128, &out->session, st);
-        if (rc == 0)
-            rc = get_uint(params, "budget_bytes", "", 1, UINT64_MAX, &out->has_budget,
-                          &out->budget_bytes, st);
-        if (rc == 0 && out->budget_bytes == 0)
-            return bad(st, "budget_bytes", "budget_bytes must be greater than 0");
+            rc = get_positive(params, "budget_bytes", 1, &out->has_budget, &out->budget_bytes, st);
         return rc;
     case QM_METHOD_SESSION_INFER:
-        rc = check_members(params, infer, "", st);
-        if (rc == 0)
-            rc = get_string(params, "session", "", 1, 128, &out->session, st);
+        rc = session_members(params, infer, 1, out, st);
         if (rc == 0)
             rc = get_uint(params, "layer", "", 1, UINT32_MAX, NULL, &v, st);
         out->layer = (uint32_t)v;
@@ -709,30 +714,19 @@ int qm__params_decode(qm_method m, const cJSON *params, qm_params *out, qm_statu
             rc = decode_output_to(member(params, "output_to"), out, st);
         return rc;
     case QM_METHOD_SESSION_MAP:
-        rc = check_members(params, map, "", st);
+        rc = session_members(params, map, 1, out, st);
         if (rc == 0)
-            rc = get_string(params, "session", "", 1, 128, &out->session, st);
-        if (rc == 0)
-            rc = get_uint(params, "bytes", "", 1, UINT64_MAX, NULL, &out->bytes, st);
-        if (rc == 0 && out->bytes == 0)
-            return bad(st, "bytes", "bytes must be greater than 0");
+            rc = get_positive(params, "bytes", 1, NULL, &out->bytes, st);
         return rc;
     case QM_METHOD_SESSION_UNMAP:
-        rc = check_members(params, unmap, "", st);
-        if (rc == 0)
-            rc = get_string(params, "session", "", 1, 128, &out->session, st);
+        rc = session_members(params, unmap, 1, out, st);
         if (rc == 0)
             rc = get_uint(params, "map", "", 1, UINT64_MAX, NULL, &out->map, st);
         return rc;
     case QM_METHOD_TELEMETRY_GET:
-        rc = check_members(params, by_session, "", st);
-        if (rc == 0)
-            rc = get_string(params, "session", "", 0, 128, &out->session, st);
-        return rc;
+        return session_members(params, by_session, 0, out, st);
     case QM_METHOD_TELEMETRY_TRACE:
-        rc = check_members(params, trace, "", st);
-        if (rc == 0)
-            rc = get_string(params, "session", "", 0, 128, &out->session, st);
+        rc = session_members(params, trace, 0, out, st);
         if (rc == 0)
             rc = get_uint(params, "limit", "", 0, UINT32_MAX, &out->has_limit, &v, st);
         out->limit = (uint32_t)v;
