@@ -31,6 +31,12 @@ static int bad(qm_status *st, const char *field, const char *fmt, ...)
     return QM_EINVAL;
 }
 
+/* "PATH must be WHAT, got TYPE" for a member of the wrong JSON type. */
+static int wrong_type(qm_status *st, const char *path, const char *what, const cJSON *v)
+{
+    return bad(st, path, "%s must be %s, got %s", path, what, qm__json_type_name(v));
+}
+
 static void join(char *out, size_t size, const char *prefix, const char *key)
 {
     /* Paths are bounded: a member name is clipped before it gets here. */
@@ -87,7 +93,7 @@ static int get_string(const cJSON *obj, const char *key, const char *prefix, int
         return 0;
     }
     if (!cJSON_IsString(v))
-        return bad(st, path, "%s must be a string, got %s", path, qm__json_type_name(v));
+        return wrong_type(st, path, "a string", v);
     size_t n = strlen(v->valuestring);
     if (n == 0)
         return bad(st, path, "%s must not be empty", path);
@@ -105,8 +111,7 @@ static int integer_value(const cJSON *v, const char *path, uint64_t max, uint64_
                          qm_status *st)
 {
     if (!cJSON_IsNumber(v))
-        return bad(st, path, "%s must be a non-negative integer, got %s", path,
-                   qm__json_type_name(v));
+        return wrong_type(st, path, "a non-negative integer", v);
     double d = v->valuedouble;
     if (!isfinite(d) || d != floor(d) || d < 0)
         return bad(st, path, "%s must be a non-negative integer, got %.17g", path, d);
@@ -142,7 +147,7 @@ static int get_bool(const cJSON *obj, const char *key, const char *prefix, int *
     if (!v)
         return 0;
     if (!cJSON_IsBool(v))
-        return bad(st, path, "%s must be true or false, got %s", path, qm__json_type_name(v));
+        return wrong_type(st, path, "true or false", v);
     if (has)
         *has = 1;
     *out = cJSON_IsTrue(v);
@@ -362,8 +367,7 @@ static int decode_hot(const cJSON *hot, qm_policy_params_wire *pp, qm_status *st
 {
     static const char *const allowed[] = {"layer", "experts", NULL};
     if (!cJSON_IsArray(hot))
-        return bad(st, "policy_params.hot", "policy_params.hot must be an array, got %s",
-                   qm__json_type_name(hot));
+        return wrong_type(st, "policy_params.hot", "an array", hot);
     size_t n = (size_t)cJSON_GetArraySize(hot);
     if (n == 0)
         return 0;
@@ -504,7 +508,7 @@ static int decode_policy_params(const cJSON *obj, qm_policy_params_wire *pp, qm_
                                           "on_miss", NULL};
     const char *prefix = "policy_params";
     if (!cJSON_IsObject(obj))
-        return bad(st, prefix, "policy_params must be an object, got %s", qm__json_type_name(obj));
+        return wrong_type(st, prefix, "an object", obj);
     /* Members: the session's own (allowed) and the policies' knobs. */
     int rc = 0;
     for (const cJSON *m = obj->child; m && rc == 0; m = m->next) {
@@ -589,8 +593,7 @@ static int decode_output_to(const cJSON *v, qm_params *out, qm_status *st)
 {
     static const char *const allowed[] = {"map", "offset", NULL};
     if (!cJSON_IsObject(v))
-        return bad(st, "output_to", "output_to must be an object {map, offset}, got %s",
-                   qm__json_type_name(v));
+        return wrong_type(st, "output_to", "an object {map, offset}", v);
     int rc = check_members(v, allowed, "output_to", st);
     qm_tensor region;
     memset(&region, 0, sizeof region);
