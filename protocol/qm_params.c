@@ -80,18 +80,27 @@ static const cJSON *member(const cJSON *obj, const char *key)
     return obj ? cJSON_GetObjectItemCaseSensitive(obj, key) : NULL;
 }
 
+/* Finds member `key` of `obj`, its dotted name in `path`; *v is NULL when it is absent, which
+ * is an error ("PATH is required (WHAT)") when it is required. */
+static int find_member(const cJSON *obj, const char *key, const char *prefix, int required,
+                       const char *what, char path[96], const cJSON **v, qm_status *st)
+{
+    join(path, 96, prefix, key);
+    *v = member(obj, key);
+    if (!*v && required)
+        return bad(st, path, "%s is required (%s)", path, what);
+    return 0;
+}
+
 /* String member: required or optional (*out stays NULL when absent). */
 static int get_string(const cJSON *obj, const char *key, const char *prefix, int required,
                       size_t max_len, char **out, qm_status *st)
 {
     char path[96];
-    join(path, sizeof path, prefix, key);
-    const cJSON *v = member(obj, key);
-    if (!v) {
-        if (required)
-            return bad(st, path, "%s is required (a string)", path);
-        return 0;
-    }
+    const cJSON *v;
+    int rc = find_member(obj, key, prefix, required, "a string", path, &v, st);
+    if (rc < 0 || !v)
+        return rc;
     if (!cJSON_IsString(v))
         return wrong_type(st, path, "a string", v);
     size_t n = strlen(v->valuestring);
@@ -126,13 +135,10 @@ static int get_uint(const cJSON *obj, const char *key, const char *prefix, int r
                     uint64_t max, int *has, uint64_t *out, qm_status *st)
 {
     char path[96];
-    join(path, sizeof path, prefix, key);
-    const cJSON *v = member(obj, key);
-    if (!v) {
-        if (required)
-            return bad(st, path, "%s is required (a non-negative integer)", path);
-        return 0;
-    }
+    const cJSON *v;
+    int rc = find_member(obj, key, prefix, required, "a non-negative integer", path, &v, st);
+    if (rc < 0 || !v)
+        return rc;
     if (has)
         *has = 1;
     return integer_value(v, path, max, out, st);
@@ -142,10 +148,10 @@ static int get_bool(const cJSON *obj, const char *key, const char *prefix, int *
                     qm_status *st)
 {
     char path[96];
-    join(path, sizeof path, prefix, key);
-    const cJSON *v = member(obj, key);
-    if (!v)
-        return 0;
+    const cJSON *v;
+    int rc = find_member(obj, key, prefix, 0, "true or false", path, &v, st);
+    if (rc < 0 || !v)
+        return rc;
     if (!cJSON_IsBool(v))
         return wrong_type(st, path, "true or false", v);
     if (has)
