@@ -229,6 +229,21 @@ static void qm__drop(qm_client *c)
     c->len = 0;
 }
 
+/* After a send or recv that moved nothing (`got` <= 0): 1 to try again (interrupted, or the
+ * socket became ready before the deadline), 0 when the connection is gone (errno still
+ * says why), or qm__wait's error. */
+static int qm__io_again(qm_client *c, ssize_t got, short events, int64_t deadline,
+                        qm_client_error *err)
+{
+    if (got < 0 && errno == EINTR)
+        return 1;
+    if (got < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) {
+        int rc = qm__wait(c->fd, events, deadline, err);
+        return rc < 0 ? rc : 1;
+    }
+    return 0;
+}
+
 /* Sends all n bytes. With fd >= 0 the first write carries it as SCM_RIGHTS
  * (PROTOCOL.md: the descriptor rides on the sendmsg holding the line's
  * first byte). */
@@ -259,14 +274,11 @@ static int qm__send_all(qm_client *c, const char *p, size_t n, int fd, int64_t d
             n -= (size_t)w;
             continue;
         }
-        if (w < 0 && errno == EINTR)
+        int again = qm__io_again(c, w, POLLOUT, deadline, err);
+        if (again < 0)
+            return again;
+        if (again)
             continue;
-        if (w < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) {
-            int rc = qm__wait(c->fd, POLLOUT, deadline, err);
-            if (rc < 0)
-                return rc;
-            continue;
-        }
         return qm__client_fail(err, QM_CLIENT_EIO, "qmoed closed the connection (%s)",
                                w < 0 ? strerror(errno) : "short write");
     }
@@ -301,14 +313,11 @@ static int qm__read_line(qm_client *c, size_t *line_len, int64_t deadline, qm_cl
             c->len += (size_t)r;
             continue;
         }
-        if (r < 0 && errno == EINTR)
+        int again = qm__io_again(c, r, POLLIN, deadline, err);
+        if (again < 0)
+            return again;
+        if (again)
             continue;
-        if (r < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) {
-            int rc = qm__wait(c->fd, POLLIN, deadline, err);
-            if (rc < 0)
-                return rc;
-            continue;
-        }
         return qm__client_fail(err, QM_CLIENT_EIO,
                                "qmoed closed the connection before answering%s%s",
                                r < 0 ? ": " : "", r < 0 ? strerror(errno) : "");

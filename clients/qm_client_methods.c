@@ -56,6 +56,37 @@ static int qm__bad_result(qm_client_error *err, const char *method, const char *
     return qm__client_fail(err, QM_CLIENT_EPROTO, "qmoed's answer to %s lacks %s", method, what);
 }
 
+/* Calls `method` and finds the result's array member `key`, allocating `size`-byte items for it
+ * (zeroed, at least one). On success *r (the caller frees it), *list and *items are set; on
+ * failure nothing is left to free. */
+static int qm__call_list(qm_client *c, const char *method, qm_cval *p, const char *key,
+                         const char *what, qm_cval **r, const qm_cval **list, void **items,
+                         size_t size, qm_client_error *err)
+{
+    int rc = qm__client_call(c, method, p, r, err);
+    if (rc < 0)
+        return rc;
+    *list = qm_cval_get(*r, key);
+    if (!*list || (*list)->type != QM_CVAL_ARRAY)
+        rc = qm__bad_result(err, method, what);
+    else if (!(*items = qm_calloc((*list)->count ? (*list)->count : 1, size)))
+        rc = QM__NOMEM(err);
+    if (rc < 0) {
+        qm_cval_free(*r);
+        *r = NULL;
+    }
+    return rc;
+}
+
+/* Calls a method whose result carries nothing the caller keeps. */
+static int qm__call_plain(qm_client *c, const char *method, qm_cval *p, qm_client_error *err)
+{
+    qm_cval *r = NULL;
+    int rc = qm__client_call(c, method, p, &r, err);
+    qm_cval_free(r);
+    return rc;
+}
+
 /* ---------- daemon.status ---------- */
 
 void qm_client_status_free(qm_client_status *s)
@@ -158,7 +189,6 @@ int qm_client_model_load(qm_client *c, const char *name, const char *path,
 
 int qm_client_model_unload(qm_client *c, const char *name, int force, qm_client_error *err)
 {
-    qm_cval *r = NULL;
     if (!name)
         return qm__client_fail(err, QM_CLIENT_EINVAL, "model.unload needs a name");
     qm_cval *p = qm__with_str(qm__params(), "name", name);
@@ -168,30 +198,21 @@ int qm_client_model_unload(qm_client *c, const char *name, int force, qm_client_
     }
     if (!p)
         return QM__NOMEM(err);
-    int rc = qm__client_call(c, "model.unload", p, &r, err);
-    qm_cval_free(r);
-    return rc;
+    return qm__call_plain(c, "model.unload", p, err);
 }
 
 int qm_client_model_list(qm_client *c, qm_client_model **models, size_t *count,
                          qm_client_error *err)
 {
     qm_cval *r = NULL;
+    const qm_cval *list = NULL;
+    qm_client_model *m = NULL;
     *models = NULL;
     *count = 0;
-    int rc = qm__client_call(c, "model.list", NULL, &r, err);
+    int rc = qm__call_list(c, "model.list", NULL, "models", "a models array", &r, &list,
+                           (void **)&m, sizeof(*m), err);
     if (rc < 0)
         return rc;
-    const qm_cval *list = qm_cval_get(r, "models");
-    if (!list || list->type != QM_CVAL_ARRAY) {
-        rc = qm__bad_result(err, "model.list", "a models array");
-        goto out;
-    }
-    qm_client_model *m = qm_calloc(list->count ? list->count : 1, sizeof(*m));
-    if (!m) {
-        rc = QM__NOMEM(err);
-        goto out;
-    }
     for (size_t i = 0; i < list->count; i++) {
         if (qm__model_from(list->items[i], &m[i]) < 0) {
             qm_client_models_free(m, i);
@@ -317,15 +338,12 @@ int qm_client_session_resize(qm_client *c, const char *session, uint64_t budget_
 
 int qm_client_session_close(qm_client *c, const char *session, qm_client_error *err)
 {
-    qm_cval *r = NULL;
     if (!session)
         return qm__client_fail(err, QM_CLIENT_EINVAL, "session.close needs a session id");
     qm_cval *p = qm__with_str(qm__params(), "session", session);
     if (!p)
         return QM__NOMEM(err);
-    int rc = qm__client_call(c, "session.close", p, &r, err);
-    qm_cval_free(r);
-    return rc;
+    return qm__call_plain(c, "session.close", p, err);
 }
 
 void qm_client_sessions_free(qm_client_session_info *s, size_t count)
@@ -342,21 +360,14 @@ int qm_client_session_list(qm_client *c, qm_client_session_info **sessions, size
                            qm_client_error *err)
 {
     qm_cval *r = NULL;
+    const qm_cval *list = NULL;
+    qm_client_session_info *s = NULL;
     *sessions = NULL;
     *count = 0;
-    int rc = qm__client_call(c, "session.list", NULL, &r, err);
+    int rc = qm__call_list(c, "session.list", NULL, "sessions", "a sessions array", &r, &list,
+                           (void **)&s, sizeof(*s), err);
     if (rc < 0)
         return rc;
-    const qm_cval *list = qm_cval_get(r, "sessions");
-    if (!list || list->type != QM_CVAL_ARRAY) {
-        rc = qm__bad_result(err, "session.list", "a sessions array");
-        goto out;
-    }
-    qm_client_session_info *s = qm_calloc(list->count ? list->count : 1, sizeof(*s));
-    if (!s) {
-        rc = QM__NOMEM(err);
-        goto out;
-    }
     for (size_t i = 0; i < list->count; i++) {
         const qm_cval *o = list->items[i];
         s[i].owner_uid = qm__u64(o, "owner_uid");
@@ -735,19 +746,12 @@ int qm_client_telemetry_trace(qm_client *c, const char *session, uint64_t limit,
         p = qm__with_num(p, "limit", (double)limit);
     if (!p)
         return QM__NOMEM(err);
-    int rc = qm__client_call(c, "telemetry.trace", p, &r, err);
+    const qm_cval *list = NULL;
+    qm_client_span *s = NULL;
+    int rc = qm__call_list(c, "telemetry.trace", p, "spans", "a spans array", &r, &list,
+                           (void **)&s, sizeof(*s), err);
     if (rc < 0)
         return rc;
-    const qm_cval *list = qm_cval_get(r, "spans");
-    if (!list || list->type != QM_CVAL_ARRAY) {
-        rc = qm__bad_result(err, "telemetry.trace", "a spans array");
-        goto out;
-    }
-    qm_client_span *s = qm_calloc(list->count ? list->count : 1, sizeof(*s));
-    if (!s) {
-        rc = QM__NOMEM(err);
-        goto out;
-    }
     for (size_t i = 0; i < list->count; i++) {
         const qm_cval *o = list->items[i];
         s[i].start_us = qm__dbl(o, "start_us");
@@ -785,8 +789,5 @@ int qm_client_telemetry_metrics(qm_client *c, char **text, qm_client_error *err)
 
 int qm_client_daemon_shutdown(qm_client *c, qm_client_error *err)
 {
-    qm_cval *r = NULL;
-    int rc = qm__client_call(c, "daemon.shutdown", NULL, &r, err);
-    qm_cval_free(r);
-    return rc;
+    return qm__call_plain(c, "daemon.shutdown", NULL, err);
 }

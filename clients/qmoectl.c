@@ -37,17 +37,6 @@ const char *qmoectl_opt(const qmoectl_args *a, const char *name)
     return v;
 }
 
-int qmoectl_usage_error(const char *fmt, ...)
-{
-    va_list ap;
-    fputs("qmoectl: ", stderr);
-    va_start(ap, fmt);
-    vfprintf(stderr, fmt, ap);
-    va_end(ap);
-    fputs("\n", stderr);
-    return QMOECTL_USAGE;
-}
-
 int qmoectl_error(const char *fmt, ...)
 {
     va_list ap;
@@ -86,6 +75,14 @@ int qmoectl_print_json(qm_client *c, const char *method, const char *params_json
     printf("%s\n", out);
     qm_client_string_free(out);
     return QMOECTL_OK;
+}
+
+int qmoectl_print_json_session(qm_client *c, const char *method, const char *session)
+{
+    char params[1100];
+    if (session && qmoectl_one_param(params, sizeof(params), "session", session) < 0)
+        return qmoectl_usage_error("session id too long");
+    return qmoectl_print_json(c, method, session ? params : NULL);
 }
 
 static const qmoectl_cmd *qmoectl_find(const char *name)

@@ -49,13 +49,16 @@ const char *qmoectl_opt(const qmoectl_args *a, const char *name);
 /* Prints "qmoectl: <reason>" for a failed request, with a hint for the
  * errors a person can act on. Returns QMOECTL_FAILED. */
 int qmoectl_fail(const qm_client_error *err);
-/* Prints "qmoectl: <message>" and returns QMOECTL_USAGE. */
-int qmoectl_usage_error(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
 /* Prints "qmoectl: <message>" and returns QMOECTL_FAILED. */
 int qmoectl_error(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
+/* Prints "qmoectl: <message>" the same way and returns QMOECTL_USAGE. */
+#define qmoectl_usage_error(...) (qmoectl_error(__VA_ARGS__), QMOECTL_USAGE)
 
 /* Calls `method` and prints its raw result as indented JSON (--json). */
 int qmoectl_print_json(qm_client *c, const char *method, const char *params_json);
+/* The same for a method taking {"session": SESSION}, or no params when SESSION is NULL;
+ * QMOECTL_USAGE when the id is too long. */
+int qmoectl_print_json_session(qm_client *c, const char *method, const char *session);
 
 /* Humane units into caller buffers (>= 32 bytes). */
 const char *qmoectl_bytes(uint64_t n, char *buf, size_t cap);     /* "1.5 GiB" */

@@ -345,12 +345,8 @@ static int cmd_resize(qm_client *c, const qmoectl_args *a)
 
 static int cmd_close(qm_client *c, const qmoectl_args *a)
 {
-    if (a->json) {
-        char params[1100];
-        if (qmoectl_one_param(params, sizeof(params), "session", a->pos[0]) < 0)
-            return qmoectl_usage_error("session id too long");
-        return qmoectl_print_json(c, "session.close", params);
-    }
+    if (a->json)
+        return qmoectl_print_json_session(c, "session.close", a->pos[0]);
     qm_client_error err;
     if (qm_client_session_close(c, a->pos[0], &err) < 0)
         return qmoectl_fail(&err);

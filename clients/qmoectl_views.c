@@ -43,12 +43,8 @@ static void plan_model_shape(qm_client *c, const char *session, uint64_t *expert
 
 int qmoectl_cmd_plan(qm_client *c, const qmoectl_args *a)
 {
-    if (a->json) {
-        char params[1100];
-        if (qmoectl_one_param(params, sizeof(params), "session", a->pos[0]) < 0)
-            return qmoectl_usage_error("session id too long");
-        return qmoectl_print_json(c, "session.plan", params);
-    }
+    if (a->json)
+        return qmoectl_print_json_session(c, "session.plan", a->pos[0]);
     qm_client_plan p;
     qm_client_error err;
     if (qm_client_session_plan(c, a->pos[0], &p, &err) < 0)
@@ -183,12 +179,8 @@ static void counters_row(qmoectl_table *t, const char *who, const char *model,
 
 static int telemetry_once(qm_client *c, const char *session, int json)
 {
-    if (json) {
-        char params[1100];
-        if (session && qmoectl_one_param(params, sizeof(params), "session", session) < 0)
-            return qmoectl_usage_error("session id too long");
-        return qmoectl_print_json(c, "telemetry.get", session ? params : NULL);
-    }
+    if (json)
+        return qmoectl_print_json_session(c, "telemetry.get", session);
     qm_client_telemetry tm;
     qm_client_error err;
     if (qm_client_telemetry_get(c, session, &tm, &err) < 0)

@@ -285,17 +285,28 @@ static int model_unload(qm_call *k, qm_status *st)
     return rc < 0 ? rc : empty_result(k->w);
 }
 
+/* A list method's result: {"KEY": [ ... ]}. */
+static void list_result_begin(qm_jw *w, const char *key)
+{
+    qm_jw_obj_begin(w);
+    qm_jw_key(w, key);
+    qm_jw_arr_begin(w);
+}
+
+static void list_result_end(qm_jw *w)
+{
+    qm_jw_arr_end(w);
+    qm_jw_obj_end(w);
+}
+
 static int model_list(qm_call *k, qm_status *st)
 {
     (void)st;
     qm_jw *w = k->w;
-    qm_jw_obj_begin(w);
-    qm_jw_key(w, "models");
-    qm_jw_arr_begin(w);
+    list_result_begin(w, "models");
     for (qm_model *m = k->d->models; m; m = m->next)
         qm_jw_model_summary(w, m);
-    qm_jw_arr_end(w);
-    qm_jw_obj_end(w);
+    list_result_end(w);
     return 0;
 }
 
@@ -313,14 +324,11 @@ static int session_list(qm_call *k, qm_status *st)
 {
     (void)st;
     qm_jw *w = k->w;
-    qm_jw_obj_begin(w);
-    qm_jw_key(w, "sessions");
-    qm_jw_arr_begin(w);
+    list_result_begin(w, "sessions");
     for (qm_session *s = k->d->sessions; s; s = s->next)
         if (k->peer->is_admin || s->owner_uid == k->peer->uid)
             write_session_entry(w, s);
-    qm_jw_arr_end(w);
-    qm_jw_obj_end(w);
+    list_result_end(w);
     return 0;
 }
 

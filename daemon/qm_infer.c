@@ -38,15 +38,22 @@ static float *logits_f32(const qm_tensor *t)
     return out;
 }
 
+/* A job whose session was closed while it queued fails with QM_ENOT_FOUND; returns 1 then. */
+static int job_session_closed(qm_job *job)
+{
+    if (!atomic_load(&job->session->closed))
+        return 0;
+    job->rc = qm_status_set_field(&job->st, QM_ENOT_FOUND, "session",
+                                  "the session was closed before this request ran");
+    return 1;
+}
+
 void qm_job_run(qm_job *job)
 {
     qm_session *s = job->session;
     qm_params *p = &job->req.params;
-    if (atomic_load(&s->closed)) {
-        job->rc = qm_status_set_field(&job->st, QM_ENOT_FOUND, "session",
-                                      "the session was closed before this request ran");
+    if (job_session_closed(job))
         return;
-    }
     /* Nobody will read the answer: a client that pipelined many inferences
      * and went away must not keep the session's worker busy for them. */
     if (job->reply && qm_reply_abandoned(job->reply)) {
@@ -234,11 +241,8 @@ free_lists:
 void qm_job_run_plan(qm_job *job)
 {
     qm_session *s = job->session;
-    if (atomic_load(&s->closed)) {
-        job->rc = qm_status_set_field(&job->st, QM_ENOT_FOUND, "session",
-                                      "the session was closed before this request ran");
+    if (job_session_closed(job))
         return;
-    }
     if (!job->req.id)
         return; /* a notification: nothing to answer */
     char *json;
@@ -259,11 +263,8 @@ void qm_job_run_plan(qm_job *job)
 void qm_job_run_resize(qm_job *job)
 {
     qm_session *s = job->session;
-    if (atomic_load(&s->closed)) {
-        job->rc = qm_status_set_field(&job->st, QM_ENOT_FOUND, "session",
-                                      "the session was closed before this request ran");
+    if (job_session_closed(job))
         return;
-    }
     /* Every earlier job of the session has finished (its FIFO): they ran
      * under the old budget, every later one runs under the new. */
     uint64_t budget = job->req.params.budget_bytes;

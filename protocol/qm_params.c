@@ -31,6 +31,12 @@ static int bad(qm_status *st, const char *field, const char *fmt, ...)
     return QM_EINVAL;
 }
 
+/* "PATH must be WHAT, got TYPE" for a member of the wrong JSON type. */
+static int wrong_type(qm_status *st, const char *path, const char *what, const cJSON *v)
+{
+    return bad(st, path, "%s must be %s, got %s", path, what, qm__json_type_name(v));
+}
+
 static void join(char *out, size_t size, const char *prefix, const char *key)
 {
     /* Paths are bounded: a member name is clipped before it gets here. */
@@ -74,20 +80,29 @@ static const cJSON *member(const cJSON *obj, const char *key)
     return obj ? cJSON_GetObjectItemCaseSensitive(obj, key) : NULL;
 }
 
+/* Finds member `key` of `obj`, its dotted name in `path`; *v is NULL when it is absent, which
+ * is an error ("PATH is required (WHAT)") when it is required. */
+static int find_member(const cJSON *obj, const char *key, const char *prefix, int required,
+                       const char *what, char path[96], const cJSON **v, qm_status *st)
+{
+    join(path, 96, prefix, key);
+    *v = member(obj, key);
+    if (!*v && required)
+        return bad(st, path, "%s is required (%s)", path, what);
+    return 0;
+}
+
 /* String member: required or optional (*out stays NULL when absent). */
 static int get_string(const cJSON *obj, const char *key, const char *prefix, int required,
                       size_t max_len, char **out, qm_status *st)
 {
     char path[96];
-    join(path, sizeof path, prefix, key);
-    const cJSON *v = member(obj, key);
-    if (!v) {
-        if (required)
-            return bad(st, path, "%s is required (a string)", path);
-        return 0;
-    }
+    const cJSON *v;
+    int rc = find_member(obj, key, prefix, required, "a string", path, &v, st);
+    if (rc < 0 || !v)
+        return rc;
     if (!cJSON_IsString(v))
-        return bad(st, path, "%s must be a string, got %s", path, qm__json_type_name(v));
+        return wrong_type(st, path, "a string", v);
     size_t n = strlen(v->valuestring);
     if (n == 0)
         return bad(st, path, "%s must not be empty", path);
@@ -105,8 +120,7 @@ static int integer_value(const cJSON *v, const char *path, uint64_t max, uint64_
                          qm_status *st)
 {
     if (!cJSON_IsNumber(v))
-        return bad(st, path, "%s must be a non-negative integer, got %s", path,
-                   qm__json_type_name(v));
+        return wrong_type(st, path, "a non-negative integer", v);
     double d = v->valuedouble;
     if (!isfinite(d) || d != floor(d) || d < 0)
         return bad(st, path, "%s must be a non-negative integer, got %.17g", path, d);
@@ -121,13 +135,10 @@ static int get_uint(const cJSON *obj, const char *key, const char *prefix, int r
                     uint64_t max, int *has, uint64_t *out, qm_status *st)
 {
     char path[96];
-    join(path, sizeof path, prefix, key);
-    const cJSON *v = member(obj, key);
-    if (!v) {
-        if (required)
-            return bad(st, path, "%s is required (a non-negative integer)", path);
-        return 0;
-    }
+    const cJSON *v;
+    int rc = find_member(obj, key, prefix, required, "a non-negative integer", path, &v, st);
+    if (rc < 0 || !v)
+        return rc;
     if (has)
         *has = 1;
     return integer_value(v, path, max, out, st);
@@ -137,12 +148,12 @@ static int get_bool(const cJSON *obj, const char *key, const char *prefix, int *
                     qm_status *st)
 {
     char path[96];
-    join(path, sizeof path, prefix, key);
-    const cJSON *v = member(obj, key);
-    if (!v)
-        return 0;
+    const cJSON *v;
+    int rc = find_member(obj, key, prefix, 0, "true or false", path, &v, st);
+    if (rc < 0 || !v)
+        return rc;
     if (!cJSON_IsBool(v))
-        return bad(st, path, "%s must be true or false, got %s", path, qm__json_type_name(v));
+        return wrong_type(st, path, "true or false", v);
     if (has)
         *has = 1;
     *out = cJSON_IsTrue(v);
@@ -362,8 +373,7 @@ static int decode_hot(const cJSON *hot, qm_policy_params_wire *pp, qm_status *st
 {
     static const char *const allowed[] = {"layer", "experts", NULL};
     if (!cJSON_IsArray(hot))
-        return bad(st, "policy_params.hot", "policy_params.hot must be an array, got %s",
-                   qm__json_type_name(hot));
+        return wrong_type(st, "policy_params.hot", "an array", hot);
     size_t n = (size_t)cJSON_GetArraySize(hot);
     if (n == 0)
         return 0;
@@ -504,7 +514,7 @@ static int decode_policy_params(const cJSON *obj, qm_policy_params_wire *pp, qm_
                                           "on_miss", NULL};
     const char *prefix = "policy_params";
     if (!cJSON_IsObject(obj))
-        return bad(st, prefix, "policy_params must be an object, got %s", qm__json_type_name(obj));
+        return wrong_type(st, prefix, "an object", obj);
     /* Members: the session's own (allowed) and the policies' knobs. */
     int rc = 0;
     for (const cJSON *m = obj->child; m && rc == 0; m = m->next) {
@@ -589,8 +599,7 @@ static int decode_output_to(const cJSON *v, qm_params *out, qm_status *st)
 {
     static const char *const allowed[] = {"map", "offset", NULL};
     if (!cJSON_IsObject(v))
-        return bad(st, "output_to", "output_to must be an object {map, offset}, got %s",
-                   qm__json_type_name(v));
+        return wrong_type(st, "output_to", "an object {map, offset}", v);
     int rc = check_members(v, allowed, "output_to", st);
     qm_tensor region;
     memset(&region, 0, sizeof region);
@@ -602,6 +611,24 @@ static int decode_output_to(const cJSON *v, qm_params *out, qm_status *st)
     out->output_map = region.map;
     out->output_offset = region.offset;
     return 0;
+}
+
+/* A session-addressed method: only the members `allowed`, then the session id. */
+static int session_members(const cJSON *params, const char *const *allowed, int required,
+                           qm_params *out, qm_status *st)
+{
+    int rc = check_members(params, allowed, "", st);
+    return rc == 0 ? get_string(params, "session", "", required, 128, &out->session, st) : rc;
+}
+
+/* A byte count that, when given, must be greater than 0. */
+static int get_positive(const cJSON *params, const char *key, int required, int *has,
+                        uint64_t *out, qm_status *st)
+{
+    int rc = get_uint(params, key, "", required, UINT64_MAX, has, out, st);
+    if (rc == 0 && (!has || *has) && *out == 0)
+        return bad(st, key, "%s must be greater than 0", key);
+    return rc;
 }
 
 int qm__params_decode(qm_method m, const cJSON *params, qm_params *out, qm_status *st)
@@ -651,10 +678,7 @@ int qm__params_decode(qm_method m, const cJSON *params, qm_params *out, qm_statu
         if (rc == 0)
             rc = get_string(params, "policy", "", 0, 32, &out->policy, st);
         if (rc == 0)
-            rc = get_uint(params, "budget_bytes", "", 0, UINT64_MAX, &out->has_budget,
-                          &out->budget_bytes, st);
-        if (rc == 0 && out->has_budget && out->budget_bytes == 0)
-            return bad(st, "budget_bytes", "budget_bytes must be greater than 0");
+            rc = get_positive(params, "budget_bytes", 0, &out->has_budget, &out->budget_bytes, st);
         if (rc == 0 && member(params, "policy_params")) {
             out->has_policy_params = 1;
             rc = decode_policy_params(member(params, "policy_params"), &out->policy_params, st);
@@ -669,24 +693,14 @@ int qm__params_decode(qm_method m, const cJSON *params, qm_params *out, qm_statu
         return rc;
     case QM_METHOD_SESSION_CLOSE:
     case QM_METHOD_SESSION_PLAN:
-        rc = check_members(params, by_session, "", st);
-        if (rc == 0)
-            rc = get_string(params, "session", "", 1, 128, &out->session, st);
-        return rc;
+        return session_members(params, by_session, 1, out, st);
     case QM_METHOD_SESSION_RESIZE:
-        rc = check_members(params, resize, "", st);
+        rc = session_members(params, resize, 1, out, st);
         if (rc == 0)
-            rc = get_string(params, "session", "", 1, 128, &out->session, st);
-        if (rc == 0)
-            rc = get_uint(params, "budget_bytes", "", 1, UINT64_MAX, &out->has_budget,
-                          &out->budget_bytes, st);
-        if (rc == 0 && out->budget_bytes == 0)
-            return bad(st, "budget_bytes", "budget_bytes must be greater than 0");
+            rc = get_positive(params, "budget_bytes", 1, &out->has_budget, &out->budget_bytes, st);
         return rc;
     case QM_METHOD_SESSION_INFER:
-        rc = check_members(params, infer, "", st);
-        if (rc == 0)
-            rc = get_string(params, "session", "", 1, 128, &out->session, st);
+        rc = session_members(params, infer, 1, out, st);
         if (rc == 0)
             rc = get_uint(params, "layer", "", 1, UINT32_MAX, NULL, &v, st);
         out->layer = (uint32_t)v;
@@ -709,30 +723,19 @@ int qm__params_decode(qm_method m, const cJSON *params, qm_params *out, qm_statu
             rc = decode_output_to(member(params, "output_to"), out, st);
         return rc;
     case QM_METHOD_SESSION_MAP:
-        rc = check_members(params, map, "", st);
+        rc = session_members(params, map, 1, out, st);
         if (rc == 0)
-            rc = get_string(params, "session", "", 1, 128, &out->session, st);
-        if (rc == 0)
-            rc = get_uint(params, "bytes", "", 1, UINT64_MAX, NULL, &out->bytes, st);
-        if (rc == 0 && out->bytes == 0)
-            return bad(st, "bytes", "bytes must be greater than 0");
+            rc = get_positive(params, "bytes", 1, NULL, &out->bytes, st);
         return rc;
     case QM_METHOD_SESSION_UNMAP:
-        rc = check_members(params, unmap, "", st);
-        if (rc == 0)
-            rc = get_string(params, "session", "", 1, 128, &out->session, st);
+        rc = session_members(params, unmap, 1, out, st);
         if (rc == 0)
             rc = get_uint(params, "map", "", 1, UINT64_MAX, NULL, &out->map, st);
         return rc;
     case QM_METHOD_TELEMETRY_GET:
-        rc = check_members(params, by_session, "", st);
-        if (rc == 0)
-            rc = get_string(params, "session", "", 0, 128, &out->session, st);
-        return rc;
+        return session_members(params, by_session, 0, out, st);
     case QM_METHOD_TELEMETRY_TRACE:
-        rc = check_members(params, trace, "", st);
-        if (rc == 0)
-            rc = get_string(params, "session", "", 0, 128, &out->session, st);
+        rc = session_members(params, trace, 0, out, st);
         if (rc == 0)
             rc = get_uint(params, "limit", "", 0, UINT32_MAX, &out->has_limit, &v, st);
         out->limit = (uint32_t)v;
