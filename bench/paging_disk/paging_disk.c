@@ -27,25 +27,11 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "../bench_util.h"
 #include "qm_moe.h"
 #include "qm_pager.h"
 #include "qm_residency.h"
 #include "sim.h"
-
-static double now_s(void)
-{
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return ts.tv_sec + ts.tv_nsec * 1e-9;
-}
-
-static uint64_t rnd(uint64_t *s)
-{
-    uint64_t z = (*s += 0x9e3779b97f4a7c15ull);
-    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
-    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
-    return z ^ (z >> 31);
-}
 
 static uint64_t proc_read_bytes(void)
 {
@@ -175,7 +161,7 @@ int main(int argc, char **argv)
         }
         for (uint32_t l = 0; l < cfg->layers; l++) {
             for (uint32_t h = 0; h < cfg->hidden; h++)
-                x[h] = (float)((rnd(&s) >> 40) * (2.0 / 16777216.0) - 1.0);
+                x[h] = (float)((rng_next(&s) >> 40) * (2.0 / 16777216.0) - 1.0);
             for (uint32_t e = 0; e < cfg->experts; e++)
                 logits[e] = -30.0f;
             const int16_t *row = tr.ids + ((size_t)t * tr.layers + l) * tr.k;

@@ -15,7 +15,7 @@
 #include <string.h>
 #include <time.h>
 
-#include "bench_util.h"
+#include "../bench_util.h"
 #include "qm_backend.h"
 #include "qm_bank.h"
 #include "qm_moe.h"

@@ -23,7 +23,7 @@
 #include <string.h>
 #include <time.h>
 
-#include "../bench_util.h"
+#include "../../bench_util.h"
 #include "ggml-cpu.h"
 #include "ggml.h"
 

@@ -1,0 +1,44 @@
+/* bench_util.h - clock, PRNG (splitmix64) and qsort comparator shared by the
+ * bench programs (ggml/ggml_moe_bench.c is built outside CMake by
+ * ggml/build.sh, so this is a header of static inline functions; each program
+ * includes it by a path relative to its own folder). */
+#ifndef QMOE_BENCH_UTIL_H
+#define QMOE_BENCH_UTIL_H
+
+#include <stdint.h>
+#include <time.h>
+
+static inline double now_s(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
+}
+
+/* splitmix64 */
+static inline uint64_t rng_next(uint64_t *s)
+{
+    uint64_t z = (*s += 0x9e3779b97f4a7c15ull);
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+    return z ^ (z >> 31);
+}
+
+/* uniform in [0, 1) from the top 53 bits */
+static inline double rng_unif01(uint64_t *s)
+{
+    return (double)(rng_next(s) >> 11) * (1.0 / 9007199254740992.0);
+}
+
+static inline float rng_uniform(uint64_t *s, float lo, float hi)
+{
+    return lo + (hi - lo) * (float)((double)(rng_next(s) >> 11) / 9007199254740992.0);
+}
+
+static inline int cmp_double(const void *a, const void *b)
+{
+    double x = *(const double *)a, y = *(const double *)b;
+    return x < y ? -1 : x > y;
+}
+
+#endif
