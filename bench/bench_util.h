@@ -5,7 +5,10 @@
 #ifndef QMOE_BENCH_UTIL_H
 #define QMOE_BENCH_UTIL_H
 
+#include <stddef.h>
 #include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
 #include <time.h>
 
 static inline double now_s(void)
@@ -39,6 +42,41 @@ static inline int cmp_double(const void *a, const void *b)
 {
     double x = *(const double *)a, y = *(const double *)b;
     return x < y ? -1 : x > y;
+}
+
+/* "--name value" options by table: bench_arg_set stores v into the entry
+ * named a (strtoul / strtoull / strtod, base 10, as the programs did by hand)
+ * and returns 1, or returns 0 where no entry has that name. */
+typedef enum { BENCH_ARG_STR, BENCH_ARG_U32, BENCH_ARG_U64, BENCH_ARG_DBL } bench_arg_kind;
+
+typedef struct bench_arg {
+    const char *name;
+    bench_arg_kind kind;
+    void *dst;
+} bench_arg;
+
+static inline int bench_arg_set(const bench_arg *t, size_t n, const char *a, const char *v)
+{
+    for (size_t i = 0; i < n; i++) {
+        if (strcmp(t[i].name, a))
+            continue;
+        switch (t[i].kind) {
+        case BENCH_ARG_STR:
+            *(const char **)t[i].dst = v;
+            break;
+        case BENCH_ARG_U32:
+            *(uint32_t *)t[i].dst = (uint32_t)strtoul(v, NULL, 10);
+            break;
+        case BENCH_ARG_U64:
+            *(uint64_t *)t[i].dst = strtoull(v, NULL, 10);
+            break;
+        case BENCH_ARG_DBL:
+            *(double *)t[i].dst = strtod(v, NULL);
+            break;
+        }
+        return 1;
+    }
+    return 0;
 }
 
 #endif

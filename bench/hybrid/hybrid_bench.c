@@ -158,29 +158,23 @@ int main(int argc, char **argv)
     uint32_t Ts[8] = {1, 16, 512}, budgets[8] = {25, 50};
     int nT = 3, nB = 2;
     uint64_t seed = 1;
+    const bench_arg args[] = {
+        {"--bank", BENCH_ARG_STR, &path},
+        {"--gbps", BENCH_ARG_DBL, &gbps},
+        {"--latency-us", BENCH_ARG_DBL, &lat},
+        {"--dev-threads", BENCH_ARG_U32, &dev_threads},
+        {"--host-threads", BENCH_ARG_U32, &host_threads},
+        {"--reps", BENCH_ARG_U32, &reps},
+        {"--calls-1", BENCH_ARG_U32, &calls1},
+        {"--host-slowdown", BENCH_ARG_DBL, &slowdown},
+        {"--alpha", BENCH_ARG_DBL, &alpha},
+        {"--seed", BENCH_ARG_U64, &seed},
+    };
     for (int i = 1; i + 1 < argc; i += 2) {
         const char *a = argv[i], *v = argv[i + 1];
-        if (!strcmp(a, "--bank"))
-            path = v;
-        else if (!strcmp(a, "--gbps"))
-            gbps = strtod(v, NULL);
-        else if (!strcmp(a, "--latency-us"))
-            lat = strtod(v, NULL);
-        else if (!strcmp(a, "--dev-threads"))
-            dev_threads = (uint32_t)strtoul(v, NULL, 10);
-        else if (!strcmp(a, "--host-threads"))
-            host_threads = (uint32_t)strtoul(v, NULL, 10);
-        else if (!strcmp(a, "--reps"))
-            reps = (uint32_t)strtoul(v, NULL, 10);
-        else if (!strcmp(a, "--calls-1"))
-            calls1 = (uint32_t)strtoul(v, NULL, 10);
-        else if (!strcmp(a, "--host-slowdown"))
-            slowdown = strtod(v, NULL);
-        else if (!strcmp(a, "--alpha"))
-            alpha = strtod(v, NULL);
-        else if (!strcmp(a, "--seed"))
-            seed = strtoull(v, NULL, 10);
-        else if (!strcmp(a, "--tokens"))
+        if (bench_arg_set(args, sizeof args / sizeof *args, a, v))
+            continue;
+        if (!strcmp(a, "--tokens"))
             nT = parse_list(v, Ts, 8);
         else if (!strcmp(a, "--budgets"))
             nB = parse_list(v, budgets, 8);

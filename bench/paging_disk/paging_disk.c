@@ -53,6 +53,13 @@ int main(int argc, char **argv)
     uint32_t tokens = 64, warm = 8, threads = 2;
     uint64_t seed = 1;
     int prefetch = 1;
+    const bench_arg args[] = {
+        {"--bank", BENCH_ARG_STR, &path},       {"--mode", BENCH_ARG_STR, &mode},
+        {"--budget", BENCH_ARG_DBL, &frac},     {"--policy", BENCH_ARG_STR, &policy},
+        {"--tokens", BENCH_ARG_U32, &tokens},   {"--warm", BENCH_ARG_U32, &warm},
+        {"--threads", BENCH_ARG_U32, &threads}, {"--alpha", BENCH_ARG_DBL, &alpha},
+        {"--locality", BENCH_ARG_DBL, &locality}, {"--seed", BENCH_ARG_U64, &seed},
+    };
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
         if (!strcmp(a, "--no-prefetch")) {
@@ -62,26 +69,7 @@ int main(int argc, char **argv)
         if (!v)
             break;
         i++;
-        if (!strcmp(a, "--bank"))
-            path = v;
-        else if (!strcmp(a, "--mode"))
-            mode = v;
-        else if (!strcmp(a, "--budget"))
-            frac = strtod(v, NULL);
-        else if (!strcmp(a, "--policy"))
-            policy = v;
-        else if (!strcmp(a, "--tokens"))
-            tokens = (uint32_t)strtoul(v, NULL, 10);
-        else if (!strcmp(a, "--warm"))
-            warm = (uint32_t)strtoul(v, NULL, 10);
-        else if (!strcmp(a, "--threads"))
-            threads = (uint32_t)strtoul(v, NULL, 10);
-        else if (!strcmp(a, "--alpha"))
-            alpha = strtod(v, NULL);
-        else if (!strcmp(a, "--locality"))
-            locality = strtod(v, NULL);
-        else if (!strcmp(a, "--seed"))
-            seed = strtoull(v, NULL, 10);
+        bench_arg_set(args, sizeof args / sizeof *args, a, v);
     }
     int whole = !strcmp(mode, "whole"), direct = !strcmp(mode, "direct");
     if (!path || tokens == 0 || (!whole && !direct && strcmp(mode, "mmap")) || frac <= 0 ||

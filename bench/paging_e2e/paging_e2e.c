@@ -144,27 +144,18 @@ int main(int argc, char **argv)
     double alpha = 1.0, locality = 0.3;
     const char *only = NULL; /* --configs 0,1,2: a subset of the table's rows */
     uint64_t seed = 1;
+    const bench_arg args[] = {
+        {"--bank", BENCH_ARG_STR, &path},       {"--calls", BENCH_ARG_U32, &calls},
+        {"--reps", BENCH_ARG_U32, &reps},       {"--threads", BENCH_ARG_U32, &threads},
+        {"--alpha", BENCH_ARG_DBL, &alpha},     {"--locality", BENCH_ARG_DBL, &locality},
+        {"--configs", BENCH_ARG_STR, &only},    {"--drift", BENCH_ARG_DBL, &g_drift},
+        {"--seed", BENCH_ARG_U64, &seed},
+    };
     for (int i = 1; i + 1 < argc; i += 2) {
-        if (!strcmp(argv[i], "--bank"))
-            path = argv[i + 1];
-        else if (!strcmp(argv[i], "--calls"))
-            calls = (uint32_t)strtoul(argv[i + 1], NULL, 10);
-        else if (!strcmp(argv[i], "--reps"))
-            reps = (uint32_t)strtoul(argv[i + 1], NULL, 10);
-        else if (!strcmp(argv[i], "--threads"))
-            threads = (uint32_t)strtoul(argv[i + 1], NULL, 10);
-        else if (!strcmp(argv[i], "--alpha"))
-            alpha = strtod(argv[i + 1], NULL);
-        else if (!strcmp(argv[i], "--locality"))
-            locality = strtod(argv[i + 1], NULL);
-        else if (!strcmp(argv[i], "--configs"))
-            only = argv[i + 1];
-        else if (!strcmp(argv[i], "--routing"))
+        if (bench_arg_set(args, sizeof args / sizeof *args, argv[i], argv[i + 1]))
+            continue;
+        if (!strcmp(argv[i], "--routing"))
             g_router_routing = !strcmp(argv[i + 1], "router");
-        else if (!strcmp(argv[i], "--drift"))
-            g_drift = strtod(argv[i + 1], NULL);
-        else if (!strcmp(argv[i], "--seed"))
-            seed = strtoull(argv[i + 1], NULL, 10);
     }
     if (!path || reps == 0 || reps > 64 || calls < 20) {
         fprintf(stderr, "usage: paging_e2e --bank FILE [--calls N>=20] [--reps 1..64] [--alpha A] "
