@@ -7,6 +7,7 @@
 
 #include <stddef.h>
 #include <stdint.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
@@ -42,6 +43,15 @@ static inline int cmp_double(const void *a, const void *b)
 {
     double x = *(const double *)a, y = *(const double *)b;
     return x < y ? -1 : x > y;
+}
+
+/* Ends a JSON line whose "samples_ms":[ is already printed: the samples
+ * (%.4f, comma-separated) and "]}\n". */
+static inline void print_samples_end(const double *ms, unsigned n)
+{
+    for (unsigned i = 0; i < n; i++)
+        printf("%s%.4f", i ? "," : "", ms[i]);
+    printf("]}\n");
 }
 
 /* "--name value" options by table: bench_arg_set stores v into the entry
