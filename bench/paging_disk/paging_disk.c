@@ -27,7 +27,6 @@
 #include <time.h>
 #include <unistd.h>
 
-#include "../bench_bank.h"
 #include "../bench_util.h"
 #include "qm_moe.h"
 #include "qm_pager.h"
@@ -92,8 +91,10 @@ int main(int argc, char **argv)
     qm_status st = {0};
     qm_bank *bank = NULL;
     qm_backend *be = NULL;
-    if (bench_open_bank_cpu("paging_disk", path, threads, &bank, &be, &st))
+    if (qm_bank_open(path, &bank, &st) || qm_backend_cpu_new(threads, &be, &st)) {
+        fprintf(stderr, "paging_disk: %s\n", st.msg);
         return 1;
+    }
     const qm_bank_config *cfg = qm_bank_get_config(bank);
     sim_trace tr;
     if (sim_trace_generate(&tr, tokens + warm, cfg->layers, cfg->experts, cfg->k, alpha, locality,

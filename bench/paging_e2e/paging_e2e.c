@@ -20,7 +20,6 @@
 #include <string.h>
 #include <time.h>
 
-#include "../bench_bank.h"
 #include "../bench_util.h"
 #include "qm_moe.h"
 #include "qm_pager.h"
@@ -167,8 +166,10 @@ int main(int argc, char **argv)
     qm_status st = {0};
     qm_bank *bank = NULL;
     qm_backend *be = NULL;
-    if (bench_open_bank_cpu("paging_e2e", path, threads, &bank, &be, &st))
+    if (qm_bank_open(path, &bank, &st) || qm_backend_cpu_new(threads, &be, &st)) {
+        fprintf(stderr, "paging_e2e: %s\n", st.msg);
         return 1;
+    }
     const qm_bank_config *cfg = qm_bank_get_config(bank);
     sim_trace tr;
     uint32_t tokens = (calls + cfg->layers - 1) / cfg->layers;

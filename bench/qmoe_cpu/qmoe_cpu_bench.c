@@ -15,7 +15,6 @@
 #include <string.h>
 #include <time.h>
 
-#include "../bench_bank.h"
 #include "../bench_util.h"
 #include "qm_backend.h"
 #include "qm_bank.h"
@@ -268,8 +267,10 @@ int main(int argc, char **argv)
     qm_status st = {0};
     qm_bank *bank = NULL;
     qm_backend *be = NULL;
-    if (bench_open_bank_cpu("qmoe_cpu_bench", bank_path, threads, &bank, &be, &st))
+    if (qm_bank_open(bank_path, &bank, &st) < 0 || qm_backend_cpu_new(threads, &be, &st) < 0) {
+        fprintf(stderr, "qmoe_cpu_bench: %s\n", st.msg);
         return 1;
+    }
     const qm_bank_config *cfg = qm_bank_get_config(bank);
     /* Fault the whole mapping in first: a serving daemon keeps its banks
      * mapped, and the peer holds its weights in memory too. */
