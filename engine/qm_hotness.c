@@ -281,6 +281,24 @@ static void qm__warn(char *warning, size_t cap, const char *path, const char *wh
         snprintf(warning, cap, "hotness profile %s ignored: %s", path, why);
 }
 
+/* The file's first n bytes in a new buffer, or NULL: out of memory (*rc and st
+ * set) or a short read (warned; *rc left 0, the profile is ignored). */
+static uint8_t *qm__read_head(int fd, size_t n, const char *path, char *warning, size_t warning_cap,
+                              int *rc, qm_status *st)
+{
+    uint8_t *buf = qm_malloc(n);
+    if (!buf) {
+        *rc = qm_status_set(st, QM_ENOMEM, "out of memory loading the hotness profile");
+        return NULL;
+    }
+    if (pread(fd, buf, n, 0) != (ssize_t)n) {
+        qm__warn(warning, warning_cap, path, "short read");
+        qm_free(buf);
+        return NULL;
+    }
+    return buf;
+}
+
 int qm_hotness_load(const char *path, const qm_hotness_key *key, double decay, qm_hotness **out,
                     char *warning, size_t warning_cap, qm_status *st)
 {
@@ -312,15 +330,9 @@ int qm_hotness_load(const char *path, const qm_hotness_key *key, double decay, q
         qm__warn(warning, warning_cap, path, why);
         goto close_file;
     }
-    buf = qm_malloc(QM__HOT_HEADER);
-    if (!buf) {
-        rc = qm_status_set(st, QM_ENOMEM, "out of memory loading the hotness profile");
+    buf = qm__read_head(fd, QM__HOT_HEADER, path, warning, warning_cap, &rc, st);
+    if (!buf)
         goto close_file;
-    }
-    if (pread(fd, buf, QM__HOT_HEADER, 0) != (ssize_t)QM__HOT_HEADER) {
-        qm__warn(warning, warning_cap, path, "short read");
-        goto close_file;
-    }
     uint32_t u32[4];
     uint64_t fp;
     memcpy(u32, buf + 8, sizeof u32);
@@ -350,15 +362,9 @@ int qm_hotness_load(const char *path, const qm_hotness_key *key, double decay, q
         goto close_file;
     }
     qm_free(buf);
-    buf = qm_malloc(want);
-    if (!buf) {
-        rc = qm_status_set(st, QM_ENOMEM, "out of memory loading the hotness profile");
+    buf = qm__read_head(fd, want, path, warning, warning_cap, &rc, st);
+    if (!buf)
         goto close_file;
-    }
-    if (pread(fd, buf, want, 0) != (ssize_t)want) {
-        qm__warn(warning, warning_cap, path, "short read");
-        goto close_file;
-    }
     uint64_t sum;
     memcpy(&sum, buf + want - 8, 8);
     if (qm__fnv1a(QM__FNV_OFFSET, buf, want - 8) != sum) {

@@ -223,33 +223,27 @@ QM_AI void qm__gemv_4x1_impl(const qm__qmat *m, uint32_t n, const float *xp, flo
     y[n + 3] = qm__hsum8(y_3);
 }
 
-static void qm__gemv_4x1_q4(const qm__qmat *m, uint32_t n, const float *xp, float *y)
-{
-    int fast = m->scale_dtype == QM_DTYPE_F32 && !m->zp;
-    uint32_t cpb = m->nblk == 1 ? 0 : m->block / 16;
-    if (fast && cpb == 2)
-        qm__gemv_4x1_impl(m, n, xp, y, 4, 2, 1);
-    else if (fast && cpb == 4)
-        qm__gemv_4x1_impl(m, n, xp, y, 4, 4, 1);
-    else if (fast)
-        qm__gemv_4x1_impl(m, n, xp, y, 4, 0, 1);
-    else
-        qm__gemv_4x1_impl(m, n, xp, y, 4, 0, 0);
-}
+/* One dispatcher per weight width: the scale layout picks which compile-time
+ * specialisation of qm__gemv_4x1_impl runs (cpb: 16-wide chunks per block;
+ * CPB_A is tested first, as each width always did, which keeps the code
+ * generated for it as it was). */
+#define QM__GEMV_4X1_DISPATCH(NAME, BITS, CPB_A, CPB_B)                                            \
+    static void NAME(const qm__qmat *m, uint32_t n, const float *xp, float *y)                     \
+    {                                                                                              \
+        int fast = m->scale_dtype == QM_DTYPE_F32 && !m->zp;                                       \
+        uint32_t cpb = m->nblk == 1 ? 0 : m->block / 16;                                           \
+        if (fast && cpb == (CPB_A))                                                                \
+            qm__gemv_4x1_impl(m, n, xp, y, BITS, CPB_A, 1);                                        \
+        else if (fast && cpb == (CPB_B))                                                           \
+            qm__gemv_4x1_impl(m, n, xp, y, BITS, CPB_B, 1);                                        \
+        else if (fast)                                                                             \
+            qm__gemv_4x1_impl(m, n, xp, y, BITS, 0, 1);                                            \
+        else                                                                                       \
+            qm__gemv_4x1_impl(m, n, xp, y, BITS, 0, 0);                                            \
+    }
 
-static void qm__gemv_4x1_q8(const qm__qmat *m, uint32_t n, const float *xp, float *y)
-{
-    int fast = m->scale_dtype == QM_DTYPE_F32 && !m->zp;
-    uint32_t cpb = m->nblk == 1 ? 0 : m->block / 16;
-    if (fast && cpb == 4)
-        qm__gemv_4x1_impl(m, n, xp, y, 8, 4, 1);
-    else if (fast && cpb == 2)
-        qm__gemv_4x1_impl(m, n, xp, y, 8, 2, 1);
-    else if (fast)
-        qm__gemv_4x1_impl(m, n, xp, y, 8, 0, 1);
-    else
-        qm__gemv_4x1_impl(m, n, xp, y, 8, 0, 0);
-}
+QM__GEMV_4X1_DISPATCH(qm__gemv_4x1_q4, 4, 2, 4)
+QM__GEMV_4X1_DISPATCH(qm__gemv_4x1_q8, 8, 4, 2)
 
 #define qm__gemv_4x1(m, n, xp, y, BITS)                                                            \
     ((BITS) == 4 ? qm__gemv_4x1_q4(m, n, xp, y) : qm__gemv_4x1_q8(m, n, xp, y))

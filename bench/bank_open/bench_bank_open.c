@@ -13,6 +13,7 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "../bench_util.h"
 #include "qm_bank.h"
 #include "qm_residency.h"
 
@@ -21,12 +22,6 @@ static double now_ms(void)
     struct timespec ts;
     clock_gettime(CLOCK_MONOTONIC, &ts);
     return (double)ts.tv_sec * 1e3 + (double)ts.tv_nsec / 1e6;
-}
-
-static int cmp_double(const void *a, const void *b)
-{
-    double x = *(const double *)a, y = *(const double *)b;
-    return (x > y) - (x < y);
 }
 
 static int open_and_catalog(const char *path, double *ms, uint64_t *file_bytes, uint32_t *layers,

@@ -28,36 +28,11 @@
 #include <string.h>
 #include <time.h>
 
+#include "../bench_util.h"
 #include "pf_fake_device.h"
 #include "qm_moe.h"
 #include "qm_pager.h"
 #include "qm_residency.h"
-
-static double now_s(void)
-{
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
-}
-
-static uint64_t rnd(uint64_t *s)
-{
-    uint64_t z = (*s += 0x9e3779b97f4a7c15ull);
-    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
-    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
-    return z ^ (z >> 31);
-}
-
-static double unif(uint64_t *s)
-{
-    return (double)(rnd(s) >> 11) * (1.0 / 9007199254740992.0);
-}
-
-static int cmp_d(const void *a, const void *b)
-{
-    double x = *(const double *)a, y = *(const double *)b;
-    return x < y ? -1 : x > y;
-}
 
 typedef struct calls_t {
     uint32_t n, T, H, E;
@@ -79,7 +54,7 @@ static void make_calls(const qm_bank_config *cfg, uint32_t n, uint32_t T, double
     c->have_ref = 0;
     uint64_t s = seed;
     for (size_t i = 0; i < (size_t)n * T * c->H; i++)
-        c->x[i] = (float)(2 * unif(&s) - 1);
+        c->x[i] = (float)(2 * rng_unif01(&s) - 1);
     /* Zipf-like popularity per layer: expert e's logit bias -alpha*log(1+rank),
      * ranks permuted per layer; Gumbel noise per token picks the top-k. */
     for (uint32_t i = 0; i < n; i++) {
@@ -87,7 +62,7 @@ static void make_calls(const qm_bank_config *cfg, uint32_t n, uint32_t T, double
         for (uint32_t t = 0; t < T; t++)
             for (uint32_t e = 0; e < c->E; e++) {
                 uint32_t rank = (e * 7 + layer * 5) % c->E;
-                double g = -log(-log(unif(&s) * 0.999998 + 0.000001));
+                double g = -log(-log(rng_unif01(&s) * 0.999998 + 0.000001));
                 c->logits[((size_t)i * T + t) * c->E + e] =
                     (float)(-alpha * log(1.0 + rank) + g);
             }
@@ -183,29 +158,23 @@ int main(int argc, char **argv)
     uint32_t Ts[8] = {1, 16, 512}, budgets[8] = {25, 50};
     int nT = 3, nB = 2;
     uint64_t seed = 1;
+    const bench_arg args[] = {
+        {"--bank", BENCH_ARG_STR, &path},
+        {"--gbps", BENCH_ARG_DBL, &gbps},
+        {"--latency-us", BENCH_ARG_DBL, &lat},
+        {"--dev-threads", BENCH_ARG_U32, &dev_threads},
+        {"--host-threads", BENCH_ARG_U32, &host_threads},
+        {"--reps", BENCH_ARG_U32, &reps},
+        {"--calls-1", BENCH_ARG_U32, &calls1},
+        {"--host-slowdown", BENCH_ARG_DBL, &slowdown},
+        {"--alpha", BENCH_ARG_DBL, &alpha},
+        {"--seed", BENCH_ARG_U64, &seed},
+    };
     for (int i = 1; i + 1 < argc; i += 2) {
         const char *a = argv[i], *v = argv[i + 1];
-        if (!strcmp(a, "--bank"))
-            path = v;
-        else if (!strcmp(a, "--gbps"))
-            gbps = strtod(v, NULL);
-        else if (!strcmp(a, "--latency-us"))
-            lat = strtod(v, NULL);
-        else if (!strcmp(a, "--dev-threads"))
-            dev_threads = (uint32_t)strtoul(v, NULL, 10);
-        else if (!strcmp(a, "--host-threads"))
-            host_threads = (uint32_t)strtoul(v, NULL, 10);
-        else if (!strcmp(a, "--reps"))
-            reps = (uint32_t)strtoul(v, NULL, 10);
-        else if (!strcmp(a, "--calls-1"))
-            calls1 = (uint32_t)strtoul(v, NULL, 10);
-        else if (!strcmp(a, "--host-slowdown"))
-            slowdown = strtod(v, NULL);
-        else if (!strcmp(a, "--alpha"))
-            alpha = strtod(v, NULL);
-        else if (!strcmp(a, "--seed"))
-            seed = strtoull(v, NULL, 10);
-        else if (!strcmp(a, "--tokens"))
+        if (bench_arg_set(args, sizeof args / sizeof *args, a, v))
+            continue;
+        if (!strcmp(a, "--tokens"))
             nT = parse_list(v, Ts, 8);
         else if (!strcmp(a, "--budgets"))
             nB = parse_list(v, budgets, 8);
@@ -262,7 +231,7 @@ int main(int argc, char **argv)
                 }
             double med[3];
             for (int m = 0; m < 3; m++) {
-                qsort(secs[m], reps, sizeof(double), cmp_d);
+                qsort(secs[m], reps, sizeof(double), cmp_double);
                 med[m] = secs[m][reps / 2];
             }
             double best = med[0] < med[1] ? med[0] : med[1];

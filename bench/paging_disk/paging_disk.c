@@ -27,25 +27,11 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "../bench_util.h"
 #include "qm_moe.h"
 #include "qm_pager.h"
 #include "qm_residency.h"
 #include "sim.h"
-
-static double now_s(void)
-{
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return ts.tv_sec + ts.tv_nsec * 1e-9;
-}
-
-static uint64_t rnd(uint64_t *s)
-{
-    uint64_t z = (*s += 0x9e3779b97f4a7c15ull);
-    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
-    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
-    return z ^ (z >> 31);
-}
 
 static uint64_t proc_read_bytes(void)
 {
@@ -67,6 +53,13 @@ int main(int argc, char **argv)
     uint32_t tokens = 64, warm = 8, threads = 2;
     uint64_t seed = 1;
     int prefetch = 1;
+    const bench_arg args[] = {
+        {"--bank", BENCH_ARG_STR, &path},       {"--mode", BENCH_ARG_STR, &mode},
+        {"--budget", BENCH_ARG_DBL, &frac},     {"--policy", BENCH_ARG_STR, &policy},
+        {"--tokens", BENCH_ARG_U32, &tokens},   {"--warm", BENCH_ARG_U32, &warm},
+        {"--threads", BENCH_ARG_U32, &threads}, {"--alpha", BENCH_ARG_DBL, &alpha},
+        {"--locality", BENCH_ARG_DBL, &locality}, {"--seed", BENCH_ARG_U64, &seed},
+    };
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
         if (!strcmp(a, "--no-prefetch")) {
@@ -76,26 +69,7 @@ int main(int argc, char **argv)
         if (!v)
             break;
         i++;
-        if (!strcmp(a, "--bank"))
-            path = v;
-        else if (!strcmp(a, "--mode"))
-            mode = v;
-        else if (!strcmp(a, "--budget"))
-            frac = strtod(v, NULL);
-        else if (!strcmp(a, "--policy"))
-            policy = v;
-        else if (!strcmp(a, "--tokens"))
-            tokens = (uint32_t)strtoul(v, NULL, 10);
-        else if (!strcmp(a, "--warm"))
-            warm = (uint32_t)strtoul(v, NULL, 10);
-        else if (!strcmp(a, "--threads"))
-            threads = (uint32_t)strtoul(v, NULL, 10);
-        else if (!strcmp(a, "--alpha"))
-            alpha = strtod(v, NULL);
-        else if (!strcmp(a, "--locality"))
-            locality = strtod(v, NULL);
-        else if (!strcmp(a, "--seed"))
-            seed = strtoull(v, NULL, 10);
+        bench_arg_set(args, sizeof args / sizeof *args, a, v);
     }
     int whole = !strcmp(mode, "whole"), direct = !strcmp(mode, "direct");
     if (!path || tokens == 0 || (!whole && !direct && strcmp(mode, "mmap")) || frac <= 0 ||
@@ -175,7 +149,7 @@ int main(int argc, char **argv)
         }
         for (uint32_t l = 0; l < cfg->layers; l++) {
             for (uint32_t h = 0; h < cfg->hidden; h++)
-                x[h] = (float)((rnd(&s) >> 40) * (2.0 / 16777216.0) - 1.0);
+                x[h] = (float)((rng_next(&s) >> 40) * (2.0 / 16777216.0) - 1.0);
             for (uint32_t e = 0; e < cfg->experts; e++)
                 logits[e] = -30.0f;
             const int16_t *row = tr.ids + ((size_t)t * tr.layers + l) * tr.k;

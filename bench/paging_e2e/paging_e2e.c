@@ -20,6 +20,7 @@
 #include <string.h>
 #include <time.h>
 
+#include "../bench_util.h"
 #include "qm_moe.h"
 #include "qm_pager.h"
 #include "qm_residency.h"
@@ -30,27 +31,6 @@ typedef struct cfg_t {
     double frac;        /* budget as a share of all expert bytes; 0 = none */
     int prefetch;
 } cfg_t;
-
-static double now_s(void)
-{
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return ts.tv_sec + ts.tv_nsec * 1e-9;
-}
-
-static uint64_t rnd(uint64_t *s)
-{
-    uint64_t z = (*s += 0x9e3779b97f4a7c15ull);
-    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
-    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
-    return z ^ (z >> 31);
-}
-
-static int cmp_d(const void *a, const void *b)
-{
-    double x = *(const double *)a, y = *(const double *)b;
-    return x < y ? -1 : x > y;
-}
 
 typedef struct run_out {
     double secs;
@@ -108,7 +88,7 @@ static int run(qm_backend *be, const qm_bank *bank, const cfg_t *c, const sim_tr
         uint32_t t = i / tr->layers, l = i % tr->layers;
         double amp = g_router_routing && l > 0 ? g_drift : 1.0;
         for (uint32_t h = 0; h < cfg->hidden; h++) {
-            float noise = (float)((rnd(&s) >> 40) * (2.0 / 16777216.0) - 1.0);
+            float noise = (float)((rng_next(&s) >> 40) * (2.0 / 16777216.0) - 1.0);
             x[h] = g_router_routing && l > 0 ? x[h] + (float)amp * noise : noise;
         }
         for (uint32_t e = 0; e < cfg->experts; e++)
@@ -164,27 +144,18 @@ int main(int argc, char **argv)
     double alpha = 1.0, locality = 0.3;
     const char *only = NULL; /* --configs 0,1,2: a subset of the table's rows */
     uint64_t seed = 1;
+    const bench_arg args[] = {
+        {"--bank", BENCH_ARG_STR, &path},       {"--calls", BENCH_ARG_U32, &calls},
+        {"--reps", BENCH_ARG_U32, &reps},       {"--threads", BENCH_ARG_U32, &threads},
+        {"--alpha", BENCH_ARG_DBL, &alpha},     {"--locality", BENCH_ARG_DBL, &locality},
+        {"--configs", BENCH_ARG_STR, &only},    {"--drift", BENCH_ARG_DBL, &g_drift},
+        {"--seed", BENCH_ARG_U64, &seed},
+    };
     for (int i = 1; i + 1 < argc; i += 2) {
-        if (!strcmp(argv[i], "--bank"))
-            path = argv[i + 1];
-        else if (!strcmp(argv[i], "--calls"))
-            calls = (uint32_t)strtoul(argv[i + 1], NULL, 10);
-        else if (!strcmp(argv[i], "--reps"))
-            reps = (uint32_t)strtoul(argv[i + 1], NULL, 10);
-        else if (!strcmp(argv[i], "--threads"))
-            threads = (uint32_t)strtoul(argv[i + 1], NULL, 10);
-        else if (!strcmp(argv[i], "--alpha"))
-            alpha = strtod(argv[i + 1], NULL);
-        else if (!strcmp(argv[i], "--locality"))
-            locality = strtod(argv[i + 1], NULL);
-        else if (!strcmp(argv[i], "--configs"))
-            only = argv[i + 1];
-        else if (!strcmp(argv[i], "--routing"))
+        if (bench_arg_set(args, sizeof args / sizeof *args, argv[i], argv[i + 1]))
+            continue;
+        if (!strcmp(argv[i], "--routing"))
             g_router_routing = !strcmp(argv[i + 1], "router");
-        else if (!strcmp(argv[i], "--drift"))
-            g_drift = strtod(argv[i + 1], NULL);
-        else if (!strcmp(argv[i], "--seed"))
-            seed = strtoull(argv[i + 1], NULL, 10);
     }
     if (!path || reps == 0 || reps > 64 || calls < 20) {
         fprintf(stderr, "usage: paging_e2e --bank FILE [--calls N>=20] [--reps 1..64] [--alpha A] "
@@ -266,8 +237,8 @@ int main(int argc, char **argv)
             s[r] = secs[c][r];
             ratio[r] = secs[0][r] / secs[c][r];
         }
-        qsort(s, reps, sizeof *s, cmp_d);
-        qsort(ratio, reps, sizeof *ratio, cmp_d);
+        qsort(s, reps, sizeof *s, cmp_double);
+        qsort(ratio, reps, sizeof *ratio, cmp_double);
         const qm_pager_stats *p = &last[c].st;
         char budget[32];
         if (!cfgs[c].policy)

@@ -19,6 +19,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "../bench_util.h"
 #include "qm_residency.h"
 #include "sim.h"
 
@@ -28,19 +29,6 @@ void sim_trace_free(sim_trace *tr)
 {
     if (tr)
         free(tr->ids);
-}
-
-static uint64_t splitmix(uint64_t *s)
-{
-    uint64_t z = (*s += 0x9e3779b97f4a7c15ull);
-    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
-    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
-    return z ^ (z >> 31);
-}
-
-static double uniform01(uint64_t *s)
-{
-    return (double)(splitmix(s) >> 11) * (1.0 / 9007199254740992.0);
 }
 
 /* Same model as tools/qmoe_trace.py (another random stream). */
@@ -66,7 +54,7 @@ int sim_trace_generate(sim_trace *tr, uint32_t tokens, uint32_t layers, uint32_t
         for (uint32_t e = 0; e < experts; e++)
             p[e] = e;
         for (uint32_t e = experts; e > 1; e--) {
-            uint32_t j = (uint32_t)(splitmix(&s) % e);
+            uint32_t j = (uint32_t)(rng_next(&s) % e);
             uint32_t t = p[e - 1];
             p[e - 1] = p[j];
             p[j] = t;
@@ -80,14 +68,14 @@ int sim_trace_generate(sim_trace *tr, uint32_t tokens, uint32_t layers, uint32_t
     for (uint32_t t = 0; t < tokens; t++) {
         for (uint32_t l = 0; l < layers; l++) {
             int16_t *row = tr->ids + ((size_t)t * layers + l) * k;
-            if (t > 0 && uniform01(&s) < locality) {
+            if (t > 0 && rng_unif01(&s) < locality) {
                 memcpy(row, row - (size_t)layers * k, sizeof(int16_t) * k);
                 continue;
             }
             const double *c = cum + l * experts;
             for (uint32_t j = 0; j < k; j++) {
                 for (int tries = 0;; tries++) {
-                    double u = uniform01(&s) * c[experts - 1];
+                    double u = rng_unif01(&s) * c[experts - 1];
                     uint32_t lo = 0, hi = experts - 1;
                     while (lo < hi) {
                         uint32_t mid = (lo + hi) / 2;
@@ -382,9 +370,9 @@ int sim_run(const sim_trace *tr, uint32_t t0, uint32_t t1, uint32_t cap_slots,
                  * with probability router_acc, else a uniformly random one. */
                 size_t mn = step_experts(tr, nt, nl, nx);
                 for (size_t q = 0; q < mn; q++)
-                    pred[np++] = uniform01(&seed) < pf->router_acc
+                    pred[np++] = rng_unif01(&seed) < pf->router_acc
                                      ? nx[q]
-                                     : (uint32_t)(splitmix(&seed) % c.E);
+                                     : (uint32_t)(rng_next(&seed) % c.E);
             }
             if (pf->history && nt > t0)
                 np += step_experts(tr, nt - 1, nl, pred + np);

@@ -15,7 +15,7 @@
 #include <string.h>
 #include <time.h>
 
-#include "bench_util.h"
+#include "../bench_util.h"
 #include "qm_backend.h"
 #include "qm_bank.h"
 #include "qm_moe.h"
@@ -148,15 +148,17 @@ typedef struct fma_arg {
         __asm__ volatile("" ::: "memory");                                                         \
     }
 
+/* The twelve accumulators of FMA_BODY summed in one fixed tree. */
+#define FMA_SUM(ADD)                                                                               \
+    ADD(ADD(ADD(ADD(a0, a1), ADD(a2, a3)), ADD(ADD(a4, a5), ADD(a6, a7))),                         \
+        ADD(ADD(a8, a9), ADD(a10, a11)))
+
 __attribute__((target("avx2,fma"))) static float fma_loop256(long iters)
 {
 #define SET1 _mm256_set1_ps
     FMA_BODY(__m256, _mm256_fmadd_ps)
 #undef SET1
-    __m256 s = _mm256_add_ps(_mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3)),
-                             _mm256_add_ps(_mm256_add_ps(a4, a5), _mm256_add_ps(a6, a7)));
-    s = _mm256_add_ps(s, _mm256_add_ps(_mm256_add_ps(a8, a9), _mm256_add_ps(a10, a11)));
-    return _mm256_cvtss_f32(s);
+    return _mm256_cvtss_f32(FMA_SUM(_mm256_add_ps));
 }
 
 __attribute__((target("avx512f"))) static float fma_loop512(long iters)
@@ -164,10 +166,7 @@ __attribute__((target("avx512f"))) static float fma_loop512(long iters)
 #define SET1 _mm512_set1_ps
     FMA_BODY(__m512, _mm512_fmadd_ps)
 #undef SET1
-    __m512 s = _mm512_add_ps(_mm512_add_ps(_mm512_add_ps(a0, a1), _mm512_add_ps(a2, a3)),
-                             _mm512_add_ps(_mm512_add_ps(a4, a5), _mm512_add_ps(a6, a7)));
-    s = _mm512_add_ps(s, _mm512_add_ps(_mm512_add_ps(a8, a9), _mm512_add_ps(a10, a11)));
-    return _mm512_reduce_add_ps(s);
+    return _mm512_reduce_add_ps(FMA_SUM(_mm512_add_ps));
 }
 
 static void *fma_thread(void *v)
@@ -337,9 +336,7 @@ int main(int argc, char **argv)
            "\"gbps_median\":%.3f,\"samples_ms\":[",
            fast ? "fast" : "exact", info.name, tokens, threads, iters, med, sorted[0], sorted[iters - 1], mean_bytes,
            mean_bytes / (med * 1e-3) / 1e9);
-    for (unsigned i = 0; i < iters; i++)
-        printf("%s%.4f", i ? "," : "", ms[i]);
-    printf("]}\n");
+    print_samples_end(ms, iters);
     free(x);
     free(lg);
     free(out);

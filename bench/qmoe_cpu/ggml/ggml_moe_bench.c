@@ -23,7 +23,7 @@
 #include <string.h>
 #include <time.h>
 
-#include "../bench_util.h"
+#include "../../bench_util.h"
 #include "ggml-cpu.h"
 #include "ggml.h"
 
@@ -160,9 +160,7 @@ int main(int argc, char **argv)
            "\"median_ms\":%.4f,\"min_ms\":%.4f,\"max_ms\":%.4f,\"samples_ms\":[",
            type == GGML_TYPE_Q8_0 ? "q8_0" : "q4_0", T, threads, iters, sorted[iters / 2],
            sorted[0], sorted[iters - 1]);
-    for (int i = 0; i < iters; i++)
-        printf("%s%.4f", i ? "," : "", ms[i]);
-    printf("]}\n");
+    print_samples_end(ms, (unsigned)iters);
     ggml_threadpool_free(tp);
     ggml_free(ctx);
     free(wdata);
