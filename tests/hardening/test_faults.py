@@ -231,7 +231,8 @@ def run(bank, cls, n, body=script):
     dm.bank_path = bank
     tally = {"dropped": 0, "id_null": 0}
     for m in ("session.create", "session.infer", "session.plan", "session.resize",
-              "session.close", "model.load", "model.unload", "session.list", "daemon.status"):
+              "session.map", "session.unmap", "session.close", "model.load", "model.unload",
+              "session.list", "daemon.status"):
         tally[m] = 0
     try:
         outs = body(dm, cls, tally)
