@@ -17,7 +17,7 @@ typedef struct qm_arena qm_arena; /* one device allocation, carved by the caller
 
 typedef struct qm_device_info {
     char name[128];       /* "cpu (AVX2+FMA, 2 threads)", "NVIDIA H200" */
-    char kind[16];        /* "cpu" or "cuda" */
+    char kind[16];        /* "cpu", "cuda" or "emu" */
     uint64_t total_bytes; /* device memory (CPU: physical RAM) */
     uint64_t free_bytes;
 } qm_device_info;
@@ -73,10 +73,25 @@ typedef struct qm_expert_batch {
 
 /* Creates the CPU backend: `threads` workers (0 = number of cores). */
 int qm_backend_cpu_new(uint32_t threads, qm_backend **out, qm_status *st);
+/* The emulated device (qm_backend_emu.c): not host visible, so the pager
+ * copies everything it runs, but its arenas are host memory and its
+ * compute is the CPU kernels, so outputs are the CPU backend's bit for bit.
+ * Copies land when their fence is waited (in issue order); with gbps > 0
+ * each takes bytes / gbps + latency_us on one in-order stream, slept in the
+ * wait. For running several devices and paging where no GPU is (the
+ * daemon's --backend emu, the paging suites). */
+typedef struct qm_emu_options {
+    uint32_t index;       /* names it: "emu:<index>" */
+    uint32_t threads;     /* its CPU backend's workers (0 = cores) */
+    double gbps;          /* modelled copy bandwidth, GB/s (0: copies cost nothing) */
+    double latency_us;    /* added to each copy when gbps > 0 */
+    uint64_t total_bytes; /* the memory it reports (0: the host's physical RAM) */
+} qm_emu_options;
+int qm_backend_emu_new(const qm_emu_options *opt, qm_backend **out, qm_status *st);
 /* The CUDA backend's constructor is in cuda/qm_cuda.h. */
 void qm_backend_free(qm_backend *be); /* accepts NULL */
 
-const char *qm_backend_name(const qm_backend *be); /* "cpu" / "cuda" */
+const char *qm_backend_name(const qm_backend *be); /* "cpu" / "cuda" / "emu" */
 int qm_backend_info(qm_backend *be, qm_device_info *out);
 /* 1 when kernels can read host memory directly (CPU): whole-bank banks then
  * need no copy. */

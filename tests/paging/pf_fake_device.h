@@ -7,7 +7,8 @@
 
 #include "qm_backend.h"
 
-/* A "device" backend that is not host visible: arenas are host memory but
+/* A "device" backend that is not host visible: the engine's emulated
+ * device (qm_backend_emu_new; 4 GiB reported). Arenas are host memory but
  * the pager must treat them as opaque, copy whole banks and use fences.
  * Wraps a real CPU backend for compute. Copies are deferred until the
  * fence is waited, so a missing wait shows up as wrong output. */

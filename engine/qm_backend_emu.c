@@ -1,0 +1,187 @@
+/* qm_backend_emu.c - the emulated device (qm_backend_emu_new): a backend
+ * that is not host visible although its arenas are host memory, so the
+ * pager treats them as opaque device memory: whole banks are copied, every
+ * expert is copied in before use and every copy has a fence. Copies are
+ * deferred until their fence is waited (in order, like one stream), so a
+ * read before the wait sees the arena's fill pattern, not the weights; with
+ * a modelled bandwidth the wait also sleeps until the copy would have
+ * landed. Compute is the CPU backend's kernels. It lets the daemon run
+ * several devices (`--backend emu --device emu:0,emu:1`) where no GPU is. */
+#include "qm_backend_impl.h"
+
+#include <pthread.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "qm_alloc.h"
+#include "qm_pager_impl.h"
+
+/* Until the modelled landing time: sleeps to within 100 us of it, then
+ * spins (a copy of a few microseconds must not cost a scheduler tick). */
+static void emu_wait_until(double t_us)
+{
+    double now;
+    while ((now = (double)qm__pager_now_us()) < t_us)
+        if (t_us - now > 200)
+            usleep((useconds_t)(t_us - now - 100));
+}
+
+typedef struct emu_copy {
+    void *dst;
+    const void *src;
+    uint64_t bytes;
+    double land_us; /* modelled landing time */
+} emu_copy;
+
+typedef struct emu_dev {
+    qm_backend *cpu;
+    qm_emu_options opt;
+    double stream_us; /* when the last copy issued lands (modelled) */
+    pthread_mutex_t mu;
+    emu_copy *pending;
+    size_t n, cap;
+    uint64_t issued, landed; /* copy sequence numbers */
+} emu_dev;
+
+static int emu_info(void *vctx, qm_device_info *out)
+{
+    emu_dev *d = vctx;
+    memset(out, 0, sizeof *out);
+    if (d->opt.gbps > 0)
+        snprintf(out->name, sizeof out->name,
+                 "emu:%u (emulated device in host memory, copies at %.3g GB/s + %.3g us)",
+                 d->opt.index, d->opt.gbps, d->opt.latency_us);
+    else
+        snprintf(out->name, sizeof out->name,
+                 "emu:%u (emulated device in host memory, deferred copies)", d->opt.index);
+    snprintf(out->kind, sizeof out->kind, "emu");
+    long pages = sysconf(_SC_PHYS_PAGES), page = sysconf(_SC_PAGESIZE);
+    uint64_t ram = pages > 0 && page > 0 ? (uint64_t)pages * (uint64_t)page : 0;
+    out->total_bytes = out->free_bytes = d->opt.total_bytes ? d->opt.total_bytes : ram;
+    return 0;
+}
+
+static int emu_arena_alloc(void *vctx, qm_arena *arena, uint64_t bytes, qm_status *st)
+{
+    (void)vctx;
+    void *p = NULL;
+    if (bytes > SIZE_MAX - 256 || posix_memalign(&p, 256, bytes ? (size_t)bytes : 1))
+        return qm_status_set(st, QM_ENOMEM, "emulated device: no memory for %llu bytes",
+                             (unsigned long long)bytes);
+    memset(p, 0xA5, (size_t)bytes); /* garbage: a read before the copy lands shows */
+    arena->base = p;
+    arena->handle = p;
+    arena->size = bytes;
+    return 0;
+}
+
+static void emu_arena_release(void *vctx, qm_arena *arena)
+{
+    (void)vctx;
+    free(arena->handle);
+    arena->handle = arena->base = NULL;
+}
+
+static int emu_copy_h2d(void *vctx, void *dst, const void *src, uint64_t bytes, qm_fence *fence,
+                        qm_status *st)
+{
+    emu_dev *d = vctx;
+    pthread_mutex_lock(&d->mu);
+    if (d->n == d->cap) {
+        size_t cap = d->cap ? 2 * d->cap : 64;
+        emu_copy *p = qm_realloc(d->pending, cap * sizeof *p);
+        if (!p) {
+            pthread_mutex_unlock(&d->mu);
+            return qm_status_set(st, QM_ENOMEM, "emulated device: no memory for a copy");
+        }
+        d->pending = p;
+        d->cap = cap;
+    }
+    double land = 0;
+    if (d->opt.gbps > 0) {
+        double now = (double)qm__pager_now_us();
+        land = (d->stream_us > now ? d->stream_us : now) + (double)bytes / (d->opt.gbps * 1e3) +
+               d->opt.latency_us;
+        d->stream_us = land;
+    }
+    d->pending[d->n++] = (emu_copy){dst, src, bytes, land};
+    fence->seq = ++d->issued;
+    fence->handle = d;
+    pthread_mutex_unlock(&d->mu);
+    return 0;
+}
+
+/* In-order "stream": waiting a fence lands every copy issued before it. */
+static int emu_fence_wait(void *vctx, qm_fence *fence, qm_status *st)
+{
+    (void)st;
+    emu_dev *d = vctx;
+    if (!fence->seq)
+        return 0;
+    pthread_mutex_lock(&d->mu);
+    if (fence->seq > d->landed) {
+        size_t todo = (size_t)(fence->seq - d->landed);
+        for (size_t i = 0; i < todo; i++)
+            memcpy(d->pending[i].dst, d->pending[i].src, d->pending[i].bytes);
+        emu_wait_until(d->pending[todo - 1].land_us);
+        memmove(d->pending, d->pending + todo, (d->n - todo) * sizeof *d->pending);
+        d->n -= todo;
+        d->landed = fence->seq;
+    }
+    pthread_mutex_unlock(&d->mu);
+    fence->seq = 0;
+    return 0;
+}
+
+static int emu_run(void *vctx, const qm_expert_batch *batch, qm_status *st)
+{
+    emu_dev *d = vctx;
+    return qm_backend_run_experts(d->cpu, batch, st);
+}
+
+static void emu_destroy(void *vctx)
+{
+    emu_dev *d = vctx;
+    if (!d)
+        return;
+    qm_backend_free(d->cpu);
+    pthread_mutex_destroy(&d->mu);
+    qm_free(d->pending);
+    qm_free(d);
+}
+
+static const qm_backend_iface emu_iface = {
+    .version = QM_BACKEND_IFACE_VERSION,
+    .name = "emu",
+    .host_visible = 0,
+    .alignment = 256,
+    .info = emu_info,
+    .arena_alloc = emu_arena_alloc,
+    .arena_release = emu_arena_release,
+    .copy_h2d = emu_copy_h2d,
+    .fence_wait = emu_fence_wait,
+    .run_experts = emu_run,
+    .destroy = emu_destroy,
+};
+
+int qm_backend_emu_new(const qm_emu_options *opt, qm_backend **out, qm_status *st)
+{
+    *out = NULL;
+    if (!opt)
+        return qm_status_set(st, QM_EINVAL, "qm_backend_emu_new: NULL options");
+    if (!(opt->gbps >= 0) || !(opt->latency_us >= 0))
+        return qm_status_set(st, QM_EINVAL, "emulated device: negative copy model");
+    emu_dev *d = qm_calloc(1, sizeof *d);
+    if (!d)
+        return qm_status_set(st, QM_ENOMEM, "out of memory for the emulated device");
+    d->opt = *opt;
+    pthread_mutex_init(&d->mu, NULL);
+    int rc = qm_backend_cpu_new(opt->threads, &d->cpu, st);
+    if (rc) {
+        emu_destroy(d);
+        return rc;
+    }
+    return qm__backend_wrap(&emu_iface, d, out, st);
+}
