@@ -124,7 +124,119 @@ static int set_string(char **slot, const char *v, qm_status *st)
     return 0;
 }
 
-typedef enum { K_U32, K_U64, K_STR, K_LEVEL, K_BACKEND, K_BOOL, K_SOURCE } key_kind;
+/* "cuda:0,cuda:1": KIND:INDEX entries, one kind, distinct indexes. */
+static int parse_devices(qm_config *cfg, const char *text, qm_status *st)
+{
+    const char *usage = "expected KIND:INDEX[,KIND:INDEX...] with KIND cuda or emu "
+                        "(e.g. cuda:0,cuda:1)";
+    if (!*text)
+        return qm_status_set_field(st, QM_EINVAL, "device", "device list is empty; %s", usage);
+    uint32_t n = 0;
+    char kind[8] = "";
+    for (const char *p = text;; p++) {
+        size_t len = strcspn(p, ",");
+        char entry[32];
+        if (len == 0)
+            return qm_status_set_field(st, QM_EINVAL, "device",
+                                       "device list '%.64s': entry %u is empty; %s", text, n + 1,
+                                       usage);
+        snprintf(entry, sizeof entry, "%.*s", (int)(len < 31 ? len : 31), p);
+        if (n == QM_CONFIG_MAX_DEVICES)
+            return qm_status_set_field(st, QM_EINVAL, "device",
+                                       "device list '%.64s' names more than %d devices", text,
+                                       QM_CONFIG_MAX_DEVICES);
+        const char *colon = memchr(p, ':', len);
+        size_t klen = colon ? (size_t)(colon - p) : len;
+        if (!((klen == 4 && strncmp(p, "cuda", 4) == 0) || (klen == 3 && strncmp(p, "emu", 3) == 0)))
+            return qm_status_set_field(st, QM_EINVAL, "device",
+                                       "device '%s': unknown kind '%.*s'; %s", entry,
+                                       (int)(klen < 16 ? klen : 16), p, usage);
+        const char *digits = colon ? colon + 1 : p + len;
+        char *end = (char *)digits;
+        unsigned long idx = 0;
+        errno = 0;
+        if (digits < p + len && *digits >= '0' && *digits <= '9')
+            idx = strtoul(digits, &end, 10);
+        if (digits == p + len || end != p + len || errno || idx > 255)
+            return qm_status_set_field(st, QM_EINVAL, "device",
+                                       "device '%s': the index must be a number 0..255; %s",
+                                       entry, usage);
+        if (n == 0)
+            snprintf(kind, sizeof kind, "%.*s", (int)klen, p);
+        else if (strncmp(kind, p, klen) != 0 || kind[klen] != '\0')
+            return qm_status_set_field(st, QM_EINVAL, "device",
+                                       "device '%s': the list mixes kinds (%s and %.*s); one "
+                                       "kind per daemon",
+                                       entry, kind, (int)klen, p);
+        for (uint32_t i = 0; i < n; i++)
+            if (cfg->device_index[i] == idx)
+                return qm_status_set_field(st, QM_EINVAL, "device",
+                                           "device '%s' is listed twice", entry);
+        cfg->device_index[n++] = (uint32_t)idx;
+        p += len;
+        if (!*p)
+            break;
+    }
+    cfg->n_devices = n;
+    snprintf(cfg->device_kind, sizeof cfg->device_kind, "%s", kind);
+    return 0;
+}
+
+/* "8G" (every device) or "8G,4G" (one per device, in device order). */
+static int parse_budgets(qm_config *cfg, const char *text, qm_status *st)
+{
+    uint32_t n = 0;
+    for (const char *p = text;; p++) {
+        size_t len = strcspn(p, ",");
+        char one[32];
+        uint64_t v;
+        if (n == QM_CONFIG_MAX_DEVICES || len >= sizeof one)
+            return qm_status_set_field(st, QM_EINVAL, "device_budget",
+                                       "device_budget '%.64s': at most %d values of bytes",
+                                       text, QM_CONFIG_MAX_DEVICES);
+        memcpy(one, p, len);
+        one[len] = '\0';
+        if (parse_bytes(one, &v) < 0 || v == 0)
+            return qm_status_set_field(st, QM_EINVAL, "device_budget",
+                                       "device_budget '%.64s': value %u must be a positive "
+                                       "number of bytes (K/M/G suffixes), one for every device "
+                                       "or one per device separated by commas",
+                                       text, n + 1);
+        cfg->device_budgets[n++] = v;
+        p += len;
+        if (!*p)
+            break;
+    }
+    cfg->n_device_budgets = n;
+    cfg->has_device_budget = 1;
+    cfg->device_budget = cfg->device_budgets[0];
+    return 0;
+}
+
+int qm_config_check_devices(qm_config *cfg, qm_status *st)
+{
+    if (cfg->n_devices) {
+        if (!cfg->backend_set)
+            snprintf(cfg->backend, sizeof cfg->backend, "%s", cfg->device_kind);
+        else if (strcmp(cfg->backend, cfg->device_kind) &&
+                 !(strcmp(cfg->backend, "auto") == 0 && strcmp(cfg->device_kind, "cuda") == 0))
+            return qm_status_set_field(st, QM_EINVAL, "device",
+                                       "device %s:%u needs backend %s (or no backend given); "
+                                       "backend is %s",
+                                       cfg->device_kind, cfg->device_index[0], cfg->device_kind,
+                                       cfg->backend);
+    }
+    uint32_t n = cfg->n_devices ? cfg->n_devices : 1;
+    if (cfg->n_device_budgets > 1 && cfg->n_device_budgets != n)
+        return qm_status_set_field(st, QM_EINVAL, "device_budget",
+                                   "device_budget has %u values for %u device%s; give one value "
+                                   "for every device or one per device",
+                                   cfg->n_device_budgets, n, n == 1 ? "" : "s");
+    return 0;
+}
+
+typedef enum { K_U32, K_U64, K_STR, K_LEVEL, K_BACKEND, K_BOOL, K_SOURCE, K_DEVICES,
+               K_BUDGETS } key_kind;
 
 typedef struct key_def {
     const char *name;
@@ -139,7 +251,9 @@ static const key_def keys[] = {
     {"socket", K_STR, OFF(socket_path), 0, 0, 0},
     {"backend", K_BACKEND, 0, 0, 0, 0},
     {"paging_source", K_SOURCE, 0, 0, 0, 0},
-    {"device_budget", K_U64, OFF(device_budget), 0, 1, UINT64_MAX},
+    {"device", K_DEVICES, 0, 0, 0, 0},
+    {"device_budget", K_BUDGETS, 0, 0, 0, 0},
+    {"emu_copy_mbps", K_U32, OFF(emu_copy_mbps), 0, 0, 1u << 30},
     {"state_dir", K_STR, OFF(state_dir), 0, 0, 0},
     {"threads", K_U32, OFF(threads), 0, 0, 1024},
     {"workers", K_U32, OFF(workers), 0, 1, 256},
@@ -201,10 +315,28 @@ static int apply_key(qm_config *cfg, const key_def *k, const char *text, int has
                                        k->name);
         return 0;
     case K_BACKEND:
-        if (!text || (strcmp(text, "cpu") && strcmp(text, "cuda") && strcmp(text, "auto")))
-            return qm_status_set_field(st, QM_EINVAL, k->name, "%s must be cpu, cuda or auto",
-                                       k->name);
+        if (!text || (strcmp(text, "cpu") && strcmp(text, "cuda") && strcmp(text, "emu") &&
+                      strcmp(text, "auto")))
+            return qm_status_set_field(st, QM_EINVAL, k->name,
+                                       "%s must be cpu, cuda, emu or auto", k->name);
         snprintf(cfg->backend, sizeof cfg->backend, "%s", text);
+        cfg->backend_set = 1;
+        return 0;
+    case K_DEVICES:
+        if (!text)
+            return qm_status_set_field(st, QM_EINVAL, k->name,
+                                       "%s must be a string such as \"cuda:0,cuda:1\"", k->name);
+        return parse_devices(cfg, text, st);
+    case K_BUDGETS:
+        if (text)
+            return parse_budgets(cfg, text, st);
+        if (!has_num || !isfinite(num) || num < 1 || num != floor(num) || num >= 1.8e19)
+            return qm_status_set_field(st, QM_EINVAL, k->name,
+                                       "%s must be a positive integer or a string such as "
+                                       "\"8G,4G\"", k->name);
+        cfg->device_budgets[0] = cfg->device_budget = (uint64_t)num;
+        cfg->n_device_budgets = 1;
+        cfg->has_device_budget = 1;
         return 0;
     case K_SOURCE:
         if (!text || (strcmp(text, "auto") && strcmp(text, "mmap") && strcmp(text, "direct")))
@@ -232,8 +364,6 @@ static int apply_key(qm_config *cfg, const key_def *k, const char *text, int has
             *(uint32_t *)(base + k->offset) = (uint32_t)v;
         else
             *(uint64_t *)(base + k->offset) = v;
-        if (k->offset == OFF(device_budget) && k->kind == K_U64)
-            cfg->has_device_budget = 1;
         return 0;
     }
     return QM_EINVAL;
@@ -311,8 +441,12 @@ static void usage(FILE *out)
             "                        /run/qmoed/qmoed.sock as root, else $XDG_RUNTIME_DIR)\n"
             "  --config FILE         JSON config: the keys below plus every limit\n"
             "  --model NAME=PATH     load a bank at start (repeatable)\n"
-            "  --backend cpu|cuda|auto\n"
-            "  --device-budget BYTES daemon-wide budget for sessions (K/M/G suffixes)\n"
+            "  --backend cpu|cuda|emu|auto\n"
+            "  --device LIST         devices to serve: cuda:0,cuda:1 or emu:0,emu:1 (one kind;\n"
+            "                        emu: emulated devices in host memory, for tests)\n"
+            "  --device-budget BYTES[,BYTES...]\n"
+            "                        sessions' budget on each device (K/M/G suffixes): one value\n"
+            "                        for every device or one per device (default: its memory)\n"
             "  --state-dir DIR       persisted state (hotness profiles, traces)\n"
             "  --threads N           compute threads of the backend (0 = cores)\n"
             "  --workers N           sessions computed in parallel (default 2)\n"
@@ -322,8 +456,8 @@ static void usage(FILE *out)
             "  --log-level LEVEL     error, warning, notice, info, debug\n"
             "  --set KEY=VALUE       any config key (e.g. --set max_batch=16)\n"
             "  --version, --help\n"
-            "Config keys: socket backend paging_source (auto|mmap|direct) device_budget\n"
-            "  state_dir threads workers admin_group\n"
+            "Config keys: socket backend device device_budget emu_copy_mbps\n"
+            "  paging_source (auto|mmap|direct) state_dir threads workers admin_group\n"
             "  user allow_root model_dirs (a list; --set model_dirs=DIR:DIR)\n"
             "  log_level max_request_bytes max_nesting max_batch max_connections max_sessions\n"
             "  max_output_bytes queue_depth idle_timeout_s frame_timeout_s frames_per_wakeup\n"
@@ -335,10 +469,12 @@ static void usage(FILE *out)
 int qm_config_from_args(qm_config *cfg, int argc, char **argv, qm_status *st)
 {
     enum { O_SOCKET = 256, O_CONFIG, O_MODEL, O_BACKEND, O_BUDGET, O_STATE, O_THREADS,
-           O_WORKERS, O_ADMIN, O_LEVEL, O_SET, O_VERSION, O_HELP, O_USER, O_ALLOW_ROOT };
+           O_WORKERS, O_ADMIN, O_LEVEL, O_SET, O_VERSION, O_HELP, O_USER, O_ALLOW_ROOT,
+           O_DEVICE };
     static const struct option opts[] = {
         {"socket", required_argument, 0, O_SOCKET},   {"config", required_argument, 0, O_CONFIG},
         {"model", required_argument, 0, O_MODEL},     {"backend", required_argument, 0, O_BACKEND},
+        {"device", required_argument, 0, O_DEVICE},
         {"device-budget", required_argument, 0, O_BUDGET},
         {"state-dir", required_argument, 0, O_STATE}, {"threads", required_argument, 0, O_THREADS},
         {"workers", required_argument, 0, O_WORKERS},
@@ -373,6 +509,7 @@ int qm_config_from_args(qm_config *cfg, int argc, char **argv, qm_status *st)
         case O_SOCKET: key = "socket"; break;
         case O_CONFIG: continue;
         case O_BACKEND: key = "backend"; break;
+        case O_DEVICE: key = "device"; break;
         case O_BUDGET: key = "device_budget"; break;
         case O_STATE: key = "state_dir"; break;
         case O_THREADS: key = "threads"; break;
@@ -431,5 +568,5 @@ int qm_config_from_args(qm_config *cfg, int argc, char **argv, qm_status *st)
     }
     if (optind < argc)
         return qm_status_set(st, QM_EINVAL, "unexpected argument '%.64s'", argv[optind]);
-    return 0;
+    return qm_config_check_devices(cfg, st);
 }

@@ -8,6 +8,9 @@
 
 #include "qm_error.h"
 
+/* Devices one daemon serves at most (engine/qm_placement.h's limit). */
+#define QM_CONFIG_MAX_DEVICES 16
+
 typedef struct qm_model_spec {
     char *name, *path;
 } qm_model_spec;
@@ -17,15 +20,27 @@ typedef struct qm_config {
     char *config_path;
     qm_model_spec *models;
     size_t n_models;
-    char backend[8];    /* cpu, cuda, auto */
+    char backend[8];    /* cpu, cuda, emu, auto */
+    int backend_set;    /* given (flag or file): a device list must agree with it */
+    /* The devices (--device cuda:0,cuda:1; config key device): one kind,
+     * distinct indexes. n_devices 0: the backend's one device (index 0). */
+    uint32_t n_devices;
+    uint32_t device_index[QM_CONFIG_MAX_DEVICES];
+    char device_kind[8]; /* cuda or emu when n_devices > 0 */
+    uint32_t emu_copy_mbps; /* emu devices: modelled copy bandwidth (0: copies cost nothing) */
     /* Where a paged session's pager reads expert units: auto (direct on a
      * host-visible backend, i.e. CPU, for sessions with per-expert banks),
      * mmap (the bank's mapping and the page cache), direct (O_DIRECT reads
      * from the bank file into a locked arena; falls back with a logged
      * reason where the file or backend cannot). */
     char paging_source[8];
+    /* --device-budget: one value for every device, or one per device in
+     * device order (n_device_budgets = n_devices). device_budget is the
+     * first. */
     int has_device_budget;
     uint64_t device_budget;
+    uint64_t device_budgets[QM_CONFIG_MAX_DEVICES];
+    uint32_t n_device_budgets;
     char *state_dir;
     uint32_t threads;   /* backend compute threads (0 = cores) */
     uint32_t workers;   /* sessions computed in parallel */
@@ -58,6 +73,10 @@ void qm_config_free(qm_config *cfg);
 int qm_config_from_args(qm_config *cfg, int argc, char **argv, qm_status *st);
 /* Reads the JSON file; with reload = 1 only the reloadable keys are applied. */
 int qm_config_load_file(qm_config *cfg, const char *path, int reload, qm_status *st);
+/* The device list against the backend (a list of one kind sets the
+ * backend when none was given; another backend is refused) and the number
+ * of device_budget values (1 or one per device). Run by qm_config_from_args. */
+int qm_config_check_devices(qm_config *cfg, qm_status *st);
 int qm_config_add_model(qm_config *cfg, const char *name, const char *path, qm_status *st);
 
 #endif

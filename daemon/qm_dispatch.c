@@ -169,6 +169,19 @@ static void write_status(qm_daemon *d, qm_jw *w)
     qm_jw_member_u64(w, "budget_bytes", d->device_budget);
     qm_jw_member_u64(w, "used_bytes", d->admitted_bytes);
     qm_jw_obj_end(w);
+    qm_jw_key(w, "devices");
+    qm_jw_arr_begin(w);
+    for (uint32_t i = 0; i < d->n_devices; i++) {
+        qm_jw_obj_begin(w);
+        qm_jw_member_str(w, "name", d->device_names[i]);
+        qm_jw_member_str(w, "kind", d->devices[i].kind);
+        qm_jw_member_str(w, "description", d->devices[i].name);
+        qm_jw_member_u64(w, "total_bytes", d->devices[i].total_bytes);
+        qm_jw_member_u64(w, "budget_bytes", d->device_budgets[i]);
+        qm_jw_member_u64(w, "used_bytes", d->device_admitted[i]);
+        qm_jw_obj_end(w);
+    }
+    qm_jw_arr_end(w);
     qm_jw_member_u64(w, "models", d->n_models);
     qm_jw_member_u64(w, "sessions", d->n_sessions);
     qm_jw_member_u64(w, "connections", qm_server_connections(d));

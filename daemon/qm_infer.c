@@ -84,7 +84,7 @@ void qm_job_run(qm_job *job)
         goto free_buffers;
     }
     qm_pager_stats before;
-    qm_pager_stats_get(s->pager, &before);
+    qm_session_stats(s, &before);
     qm_moe_call call = {.layer = p->layer,
                         .dtype = dtype_of(p->hidden.dtype),
                         .hidden = p->hidden.data,
@@ -101,10 +101,10 @@ void qm_job_run(qm_job *job)
      * mapping, and after it when the truncation raced it (qm_sigbus.c). */
     job->rc = qm_model_check(s->model, &job->st);
     if (job->rc == 0)
-        job->rc = qm_pager_forward(s->pager, &call, &job->mstats, &job->st);
+        job->rc = qm_session_forward(s, &call, &job->mstats, &job->st);
     if (job->rc == 0)
         job->rc = qm_model_check(s->model, &job->st);
-    qm_pager_stats_get(s->pager, &job->pstats);
+    qm_session_stats(s, &job->pstats);
     job->tokens = T;
     if (job->rc == 0 && job->maps.output && !direct)
         memcpy(job->maps.output, output, out_bytes);
@@ -183,11 +183,21 @@ int qm_session_plan_json(qm_session *s, char **json, size_t *len, qm_status *st)
         goto free_lists;
     }
     qm_plan_json_state state = {.banks = banks, .n_banks = 0};
-    for (size_t i = 0; i < n && s->pager; i++) {
+    const qm_placement *pl = &s->placement;
+    for (size_t i = 0; i < n && (s->pager || s->mp); i++) {
         uint32_t layer = qm_plan_bank_at(s->plan, i)->bank_id; /* bank id = layer */
-        if (qm_pager_layer_is_paged(s->pager, layer) != 1)
-            continue;
-        int count = qm_pager_resident_experts(s->pager, layer, NULL, 0);
+        qm_pager *pager = qm_session_pager_of(s, layer);
+        qm_plan_json_bank_state *b = &banks[state.n_banks];
+        *b = (qm_plan_json_bank_state){.bank_id = layer};
+        if (pl->n_devices && layer < pl->n_layers) {
+            b->has_device = 1; /* every bank names its device, whole or paged */
+            b->device = pl->device_of[layer];
+        }
+        int count = pager && qm_pager_layer_is_paged(pager, layer) == 1
+                        ? qm_pager_resident_experts(pager, layer, NULL, 0)
+                        : -1;
+        if (b->has_device || count >= 0)
+            state.n_banks++;
         if (count < 0)
             continue;
         lists[i] = qm_malloc(((size_t)count + 1) * sizeof **lists);
@@ -196,14 +206,12 @@ int qm_session_plan_json(qm_session *s, char **json, size_t *len, qm_status *st)
             goto free_lists;
         }
         size_t cap = (size_t)count;
-        count = qm_pager_resident_experts(s->pager, layer, lists[i], cap);
-        qm_plan_json_bank_state *b = &banks[state.n_banks++];
-        b->bank_id = layer;
+        count = qm_pager_resident_experts(pager, layer, lists[i], cap);
         b->has_resident_now = 1;
         b->resident_now = lists[i];
         b->n_resident_now = count < 0 ? 0 : (size_t)count < cap ? (size_t)count : cap;
         /* Pins a resize released: after the resident list, in the same buffer. */
-        int nrel = qm_pager_pins_released(s->pager, layer, NULL, 0);
+        int nrel = qm_pager_pins_released(pager, layer, NULL, 0);
         if (nrel > 0) {
             uint32_t *grown = qm_realloc(lists[i], (b->n_resident_now + (size_t)nrel) *
                                                         sizeof **lists);
@@ -214,14 +222,23 @@ int qm_session_plan_json(qm_session *s, char **json, size_t *len, qm_status *st)
             lists[i] = grown;
             b->resident_now = grown;
             b->pins_released = grown + b->n_resident_now;
-            nrel = qm_pager_pins_released(s->pager, layer, grown + b->n_resident_now,
+            nrel = qm_pager_pins_released(pager, layer, grown + b->n_resident_now,
                                           (size_t)nrel);
             b->n_pins_released = nrel < 0 ? 0 : (size_t)nrel;
         }
     }
-    if (s->pager) {
+    const char *names[QM_CONFIG_MAX_DEVICES];
+    if (pl->n_devices) {
+        for (uint32_t i = 0; i < pl->n_devices && i < QM_CONFIG_MAX_DEVICES; i++)
+            names[i] = s->device_names[i];
+        state.placement_rule = QM_PLACEMENT_RULE;
+        state.device_names = names;
+        state.device_budgets = pl->budget;
+        state.n_devices = pl->n_devices;
+    }
+    if (s->pager || s->mp) {
         qm_pager_stats ps;
-        qm_pager_stats_get(s->pager, &ps);
+        qm_session_stats(s, &ps);
         state.has_resident_bytes = 1;
         state.resident_bytes = ps.resident_bytes;
         state.on_miss = qm_on_miss_name(s->pager_options.on_miss);

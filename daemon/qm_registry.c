@@ -305,6 +305,8 @@ static void session_free(qm_session *s)
 {
     qm_shm_session_release_all(s);
     qm_pager_free(s->pager);
+    qm_multipager_free(s->mp);
+    qm_placement_free(&s->placement);
     qm_free(s->trace_path);
     qm_plan_free(s->plan);
     qm_policy_destroy(&s->policy);
@@ -319,13 +321,21 @@ void qm_session_unref(qm_daemon *d, qm_session *s)
         session_free(s);
 }
 
+/* Gives the session's reservation back, on every device it holds. */
+static void session_release_admission(qm_daemon *d, qm_session *s)
+{
+    d->admitted_bytes -= s->admitted_bytes;
+    for (uint32_t i = 0; i < d->n_devices; i++)
+        d->device_admitted[i] -= s->device_admitted[i];
+}
+
 void qm_session_close(qm_daemon *d, qm_session *s)
 {
     for (qm_session **pp = &d->sessions; *pp; pp = &(*pp)->next) {
         if (*pp == s) {
             *pp = s->next;
             d->n_sessions--;
-            d->admitted_bytes -= s->admitted_bytes;
+            session_release_admission(d, s);
             atomic_store(&s->closed, 1);
             s->next = NULL;
             /* Its maps go now; jobs still queued hold the ones they use. */
@@ -363,6 +373,43 @@ static int random_id(char out[QM_SESSION_ID_LEN + 1], qm_status *st)
     }
     for (size_t i = 0; i < sizeof raw; i++)
         snprintf(out + 2 * i, 3, "%02x", raw[i]);
+    return 0;
+}
+
+/* Several devices: the session's layers placed by the devices' free
+ * budgets (engine/qm_placement.h), and each device that gets layers
+ * charged its share of the budget plus a workspace (its pager's scratch).
+ * QM_ERESOURCE_EXHAUSTED naming the device when one cannot take its share. */
+static int admit_on_devices(qm_daemon *d, const qm_model *m, uint64_t budget, uint64_t workspace,
+                            qm_placement *pl, uint64_t *dev_need, qm_status *st)
+{
+    uint64_t free_bytes[QM_CONFIG_MAX_DEVICES];
+    for (uint32_t i = 0; i < d->n_devices; i++)
+        free_bytes[i] = d->device_budgets[i] > d->device_admitted[i]
+                            ? d->device_budgets[i] - d->device_admitted[i]
+                            : 0;
+    int rc = qm_placement_make(m->bank, d->n_devices, free_bytes, budget, pl, st);
+    if (rc < 0)
+        return rc;
+    for (uint32_t i = 0; i < d->n_devices; i++) {
+        unsigned long long need;
+        if (!pl->bytes[i])
+            continue;
+        if (qm_add_u64(pl->budget[i], workspace, &need) < 0 || need > free_bytes[i]) {
+            rc = qm_status_set_field(st, QM_ERESOURCE_EXHAUSTED, "budget_bytes",
+                                     "session needs %llu bytes on device %s (its share %llu of "
+                                     "the budget %llu + workspace %llu) but only %llu bytes of "
+                                     "that device's budget %llu are free",
+                                     need, d->device_names[i],
+                                     (unsigned long long)pl->budget[i],
+                                     (unsigned long long)budget, (unsigned long long)workspace,
+                                     (unsigned long long)free_bytes[i],
+                                     (unsigned long long)d->device_budgets[i]);
+            qm_placement_free(pl);
+            return rc;
+        }
+        dev_need[i] = need;
+    }
     return 0;
 }
 
@@ -430,8 +477,21 @@ int qm_session_prepare(qm_daemon *d, const qm_params *p, uid_t owner, qm_session
     uint64_t budget = p->has_budget ? p->budget_bytes : m->bytes_total;
     uint64_t workspace = d->cfg.session_workspace_bytes;
     unsigned long long need;
-    if (qm_add_u64(budget, workspace, &need) < 0 || d->admitted_bytes > d->device_budget ||
-        need > d->device_budget - d->admitted_bytes) {
+    qm_placement pl = {0};
+    uint64_t dev_need[QM_CONFIG_MAX_DEVICES] = {0};
+    if (d->n_devices > 1) {
+        if (pw->record_trace)
+            return qm_status_set_field(st, QM_EINVAL, "policy_params.record_trace",
+                                       "policy_params.record_trace is not supported for a "
+                                       "session placed over several devices (this daemon has "
+                                       "%u)", d->n_devices);
+        if (admit_on_devices(d, m, budget, workspace, &pl, dev_need, st) < 0)
+            return QM_ERESOURCE_EXHAUSTED;
+        need = 0;
+        for (uint32_t i = 0; i < d->n_devices; i++)
+            need += dev_need[i];
+    } else if (qm_add_u64(budget, workspace, &need) < 0 || d->admitted_bytes > d->device_budget ||
+               need > d->device_budget - d->admitted_bytes) {
         uint64_t free_bytes =
             d->device_budget > d->admitted_bytes ? d->device_budget - d->admitted_bytes : 0;
         return qm_status_set_field(st, QM_ERESOURCE_EXHAUSTED, "budget_bytes",
@@ -440,11 +500,17 @@ int qm_session_prepare(qm_daemon *d, const qm_params *p, uid_t owner, qm_session
                                    need, (unsigned long long)budget,
                                    (unsigned long long)workspace, (unsigned long long)free_bytes,
                                    (unsigned long long)d->device_budget);
+    } else {
+        dev_need[0] = need;
     }
 
     qm_session *s = qm_calloc(1, sizeof *s);
-    if (!s)
+    if (!s) {
+        qm_placement_free(&pl);
         return qm_status_set(st, QM_ENOMEM, "out of memory");
+    }
+    s->placement = pl;
+    memcpy(s->device_names, d->device_names, sizeof s->device_names);
     int rc = random_id(s->id, st);
     if (rc < 0)
         goto fail;
@@ -534,6 +600,8 @@ int qm_session_prepare(qm_daemon *d, const qm_params *p, uid_t owner, qm_session
     s->refs = 1;
     d->n_sessions++;
     d->admitted_bytes += need;
+    for (uint32_t i = 0; i < d->n_devices; i++)
+        d->device_admitted[i] += s->device_admitted[i] = dev_need[i];
     *out = s;
     return 0;
 fail:
@@ -546,7 +614,10 @@ int qm_session_build(qm_daemon *d, qm_session *s, qm_status *st)
     /* The pager reads the mapping (whole banks, pins, preload): the bank
      * file must be whole before, and still after. */
     int rc = qm_model_check(s->model, st);
-    if (rc == 0)
+    if (rc == 0 && s->placement.n_devices)
+        rc = qm_multipager_new(d->backends, s->model->bank, s->plan, &s->policy,
+                               &s->pager_options, &s->placement, &s->mp, st);
+    else if (rc == 0)
         rc = qm_pager_new(d->backend, s->model->bank, s->plan, &s->policy, &s->pager_options,
                           &s->pager, st);
     if (rc == 0)
@@ -560,7 +631,16 @@ int qm_session_build(qm_daemon *d, qm_session *s, qm_status *st)
             qm_log(QM_LOG_INFO, "session %s records its routing to %s", s->id, s->trace_path);
         }
     }
-    if (rc == 0) {
+    if (rc == 0 && s->mp) {
+        qm_session_stats(s, &s->last_stats);
+        for (uint32_t i = 0; i < s->placement.n_devices; i++) {
+            const char *why = "";
+            qm_pager *pg = qm_multipager_pager(s->mp, i);
+            if (pg && qm_pager_source_info(pg, &why) >= 0 && *why)
+                qm_log(QM_LOG_WARNING, "session %s, device %s: %s", s->id, d->device_names[i],
+                       why);
+        }
+    } else if (rc == 0) {
         qm_pager_stats_get(s->pager, &s->last_stats);
         const char *why = "";
         int direct = qm_pager_source_info(s->pager, &why) == QM_PAGER_SOURCE_DIRECT;
@@ -595,6 +675,10 @@ void qm_session_commit(qm_daemon *d, qm_session *s)
 int qm_session_resize_reserve(qm_daemon *d, qm_session *s, uint64_t budget, qm_status *st)
 {
     unsigned long long need;
+    if (s->mp)
+        return qm_status_set_field(st, QM_EUNSUPPORTED, "session",
+                                   "session.resize is not supported for a session placed over "
+                                   "several devices (this daemon has %u)", d->n_devices);
     if (qm_add_u64(budget, s->workspace_bytes, &need) < 0)
         return qm_status_set_field(st, QM_ERESOURCE_EXHAUSTED, "budget_bytes",
                                    "budget_bytes %llu overflows", (unsigned long long)budget);
@@ -610,7 +694,8 @@ int qm_session_resize_reserve(qm_daemon *d, qm_session *s, uint64_t budget, qm_s
                 (unsigned long long)budget, (unsigned long long)more,
                 (unsigned long long)free_bytes, (unsigned long long)d->device_budget);
         d->admitted_bytes += more;
-        s->admitted_bytes = need;
+        d->device_admitted[0] += more;
+        s->admitted_bytes = s->device_admitted[0] = need;
     }
     s->resizes_pending++;
     return 0;
@@ -628,13 +713,38 @@ void qm_session_resize_finish(qm_daemon *d, qm_session *s, int ok, uint64_t budg
     uint64_t in_force = s->budget_bytes + s->workspace_bytes;
     if (s->admitted_bytes > in_force) {
         d->admitted_bytes -= s->admitted_bytes - in_force;
-        s->admitted_bytes = in_force;
+        d->device_admitted[0] -= s->admitted_bytes - in_force;
+        s->admitted_bytes = s->device_admitted[0] = in_force;
     }
 }
 
 void qm_session_abort(qm_daemon *d, qm_session *s)
 {
     d->n_sessions--;
-    d->admitted_bytes -= s->admitted_bytes;
+    session_release_admission(d, s);
     qm_session_unref(d, s);
+}
+
+int qm_session_forward(qm_session *s, const qm_moe_call *call, qm_moe_stats *mstats,
+                       qm_status *st)
+{
+    return s->mp ? qm_multipager_forward(s->mp, call, mstats, st)
+                 : qm_pager_forward(s->pager, call, mstats, st);
+}
+
+void qm_session_stats(const qm_session *s, qm_pager_stats *out)
+{
+    if (s->mp)
+        qm_multipager_stats(s->mp, out);
+    else
+        qm_pager_stats_get(s->pager, out);
+}
+
+qm_pager *qm_session_pager_of(const qm_session *s, uint32_t layer)
+{
+    if (!s->mp)
+        return s->pager;
+    return layer < s->placement.n_layers
+               ? qm_multipager_pager(s->mp, s->placement.device_of[layer])
+               : NULL;
 }

@@ -103,6 +103,57 @@ START_TEST(test_config_rejects_unknown_keys_and_bad_values)
 }
 END_TEST
 
+START_TEST(test_device_lists_and_budgets_per_device)
+{
+    qm_config cfg;
+    qm_status st;
+    char *path = write_temp("{\"device\": \"emu:0,emu:3\", \"device_budget\": \"1G,512M\", "
+                            "\"emu_copy_mbps\": 16000}");
+    char *a1[] = {"qmoed", "--config", path, NULL};
+    qm_config_defaults(&cfg);
+    optind = 1;
+    ck_assert_int_eq(qm_config_from_args(&cfg, 3, a1, &st), 0);
+    ck_assert_uint_eq(cfg.n_devices, 2);
+    ck_assert_str_eq(cfg.device_kind, "emu");
+    ck_assert_str_eq(cfg.backend, "emu"); /* the list's kind, no backend given */
+    ck_assert_uint_eq(cfg.device_index[1], 3);
+    ck_assert_uint_eq(cfg.n_device_budgets, 2);
+    ck_assert_uint_eq(cfg.device_budgets[0], 1ull << 30);
+    ck_assert_uint_eq(cfg.device_budgets[1], 512ull << 20);
+    ck_assert_uint_eq(cfg.emu_copy_mbps, 16000);
+    qm_config_free(&cfg);
+    unlink(path);
+    /* One budget for every device; a number in the file. */
+    path = write_temp("{\"device_budget\": 4096}");
+    qm_config_defaults(&cfg);
+    ck_assert_int_eq(qm_config_load_file(&cfg, path, 0, &st), 0);
+    ck_assert(cfg.has_device_budget && cfg.n_device_budgets == 1 && cfg.device_budget == 4096);
+    qm_config_free(&cfg);
+    unlink(path);
+    /* Refused: a backend of another kind, a budget count that fits neither rule. */
+    char *a2[] = {"qmoed", "--backend", "cpu", "--device", "emu:0,emu:1", NULL};
+    qm_config_defaults(&cfg);
+    optind = 1;
+    ck_assert_int_eq(qm_config_from_args(&cfg, 5, a2, &st), QM_EINVAL);
+    ck_assert_str_eq(st.field, "device");
+    ck_assert_ptr_nonnull(strstr(st.msg, "backend is cpu"));
+    qm_config_free(&cfg);
+    char *a3[] = {"qmoed", "--device", "emu:0,emu:1,emu:2", "--device-budget", "1G,2G", NULL};
+    qm_config_defaults(&cfg);
+    optind = 1;
+    ck_assert_int_eq(qm_config_from_args(&cfg, 5, a3, &st), QM_EINVAL);
+    ck_assert_str_eq(st.field, "device_budget");
+    ck_assert_ptr_nonnull(strstr(st.msg, "2 values for 3 devices"));
+    qm_config_free(&cfg);
+    char *a4[] = {"qmoed", "--device-budget", "1G,0", NULL};
+    qm_config_defaults(&cfg);
+    optind = 1;
+    ck_assert_int_eq(qm_config_from_args(&cfg, 3, a4, &st), QM_EINVAL);
+    ck_assert_ptr_nonnull(strstr(st.msg, "value 2 must be a positive"));
+    qm_config_free(&cfg);
+}
+END_TEST
+
 START_TEST(test_reload_changes_only_reloadable_keys)
 {
     qm_config cfg;
@@ -200,6 +251,7 @@ int main(void)
     tc = tcase_create("config");
     tcase_add_test(tc, test_flags_override_the_config_file);
     tcase_add_test(tc, test_config_rejects_unknown_keys_and_bad_values);
+    tcase_add_test(tc, test_device_lists_and_budgets_per_device);
     tcase_add_test(tc, test_reload_changes_only_reloadable_keys);
     suite_add_tcase(s, tc);
     tc = tcase_create("systemd");
