@@ -89,6 +89,42 @@ static int qm__call_plain(qm_client *c, const char *method, qm_cval *p, qm_clien
 
 /* ---------- daemon.status ---------- */
 
+static void qm__devices_free(qm_client_device *d, size_t n)
+{
+    for (size_t i = 0; d && i < n; i++) {
+        qm_free(d[i].name);
+        qm_free(d[i].kind);
+        qm_free(d[i].description);
+    }
+    qm_free(d);
+}
+
+/* A "devices" array (daemon.status, a plan's placement); absent: none. */
+static int qm__devices(const qm_cval *o, qm_client_device **out, size_t *n)
+{
+    const qm_cval *a = qm_cval_get(o, "devices");
+    *out = NULL;
+    *n = 0;
+    if (!a || a->type != QM_CVAL_ARRAY)
+        return 0;
+    *out = qm_calloc(a->count ? a->count : 1, sizeof(**out));
+    if (!*out)
+        return QM_CLIENT_ENOMEM;
+    *n = a->count;
+    for (size_t i = 0; i < a->count; i++) {
+        const qm_cval *e = a->items[i];
+        qm_client_device *d = &(*out)[i];
+        d->total_bytes = qm__u64(e, "total_bytes");
+        d->budget_bytes = qm__u64(e, "budget_bytes");
+        d->used_bytes = qm__u64(e, "used_bytes");
+        if (qm__client_dup_member(e, "name", &d->name) < 0 ||
+            qm__client_dup_member(e, "kind", &d->kind) < 0 ||
+            qm__client_dup_member(e, "description", &d->description) < 0)
+            return QM_CLIENT_ENOMEM;
+    }
+    return 0;
+}
+
 void qm_client_status_free(qm_client_status *s)
 {
     if (!s)
@@ -96,6 +132,7 @@ void qm_client_status_free(qm_client_status *s)
     qm_free(s->version);
     qm_free(s->backend);
     qm_free(s->device_name);
+    qm__devices_free(s->devices, s->n_devices);
     memset(s, 0, sizeof(*s));
 }
 
@@ -120,7 +157,8 @@ int qm_client_daemon_status(qm_client *c, qm_client_status *out, qm_client_error
     out->connections = qm__count(r, "connections");
     if (qm__client_dup_member(r, "version", &out->version) < 0 ||
         qm__client_dup_member(r, "backend", &out->backend) < 0 ||
-        qm__client_dup_member(dev, "name", &out->device_name) < 0) {
+        qm__client_dup_member(dev, "name", &out->device_name) < 0 ||
+        qm__devices(r, &out->devices, &out->n_devices) < 0) {
         qm_client_status_free(out);
         rc = QM__NOMEM(err);
     }
@@ -406,6 +444,8 @@ void qm_client_plan_free(qm_client_plan *p)
     qm_free(p->banks);
     qm_free(p->policy);
     qm_free(p->on_miss);
+    qm_free(p->placement_rule);
+    qm__devices_free(p->devices, p->n_devices);
     memset(p, 0, sizeof(*p));
 }
 
@@ -470,6 +510,11 @@ int qm_client_session_plan(qm_client *c, const char *session, qm_client_plan *ou
         out->expert_misses = qm__u64(ex, "expert_misses");
         out->expert_host_runs = qm__u64(ex, "expert_host_runs");
     }
+    const qm_cval *pl = qm_cval_get(r, "placement");
+    if (pl && pl->type == QM_CVAL_OBJECT &&
+        (qm__client_dup_member(pl, "rule", &out->placement_rule) < 0 ||
+         qm__devices(pl, &out->devices, &out->n_devices) < 0))
+        goto fail_nomem;
     out->banks = qm_calloc(banks->count ? banks->count : 1, sizeof(*out->banks));
     if (!out->banks || qm__client_dup_member(r, "policy", &out->policy) < 0)
         goto fail_nomem;
@@ -484,6 +529,7 @@ int qm_client_session_plan(qm_client *c, const char *session, qm_client_plan *ou
         if (b->resident_now < 0)
             b->resident_now = qm__opt_count(o, "resident_experts");
         b->bank_bytes = qm__opt_count(o, "bank_bytes");
+        b->device = qm__opt_count(o, "device");
         const qm_cval *ex = qm_cval_get(o, "experts");
         b->has_experts = ex && ex->type == QM_CVAL_ARRAY;
         const qm_cval *reason = qm_cval_get(o, "reason");

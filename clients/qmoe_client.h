@@ -68,13 +68,24 @@ int qm_client_call_json(qm_client *c, const char *method, const char *params_jso
 void qm_client_string_free(char *s);
 
 /* ---- daemon.status ---- */
+/* One of the daemon's devices: daemon.status "devices" (every member), or
+ * session.plan "placement" (name and budget_bytes, the session's share). */
+typedef struct qm_client_device {
+    char *name;        /* "cuda:1", "emu:0", "cpu" */
+    char *kind;        /* NULL when not reported */
+    char *description; /* NULL when not reported */
+    uint64_t total_bytes, budget_bytes, used_bytes;
+} qm_client_device;
+
 typedef struct qm_client_status {
     char *version;
     double uptime_s;
-    char *backend; /* "cpu" or "cuda" */
+    char *backend; /* "cpu", "cuda" or "emu" */
     char *device_name;
-    uint64_t device_total_bytes, device_budget_bytes, device_used_bytes;
+    uint64_t device_total_bytes, device_budget_bytes, device_used_bytes; /* all devices */
     uint64_t models, sessions, connections;
+    qm_client_device *devices; /* each device; none from a daemon that does not list them */
+    size_t n_devices;
 } qm_client_status;
 int qm_client_daemon_status(qm_client *c, qm_client_status *out, qm_client_error *err);
 void qm_client_status_free(qm_client_status *s); /* frees the members, not `s` */
@@ -148,6 +159,7 @@ typedef struct qm_client_plan_bank {
     uint64_t bytes_per_expert; /* 0 when absent */
     int64_t resident_now;      /* how many experts are resident now; -1 when not reported */
     int64_t bank_bytes;        /* the whole bank's bytes; -1 when not reported */
+    int64_t device;            /* index into the plan's devices; -1 when not reported */
 } qm_client_plan_bank;
 
 typedef struct qm_client_plan {
@@ -159,6 +171,11 @@ typedef struct qm_client_plan {
     uint64_t expert_hits, expert_misses, expert_host_runs;
     qm_client_plan_bank *banks;
     size_t n_banks;
+    /* "placement" (a daemon with several devices): the rule and each
+     * device's name and the session's budget there; NULL/0 when not reported. */
+    char *placement_rule;
+    qm_client_device *devices;
+    size_t n_devices;
 } qm_client_plan;
 int qm_client_session_plan(qm_client *c, const char *session, qm_client_plan *out,
                            qm_client_error *err);

@@ -28,6 +28,15 @@ static int cmd_status(qm_client *c, const qmoectl_args *a)
            qmoectl_percent((double)s.device_used_bytes, (double)s.device_budget_bytes, pct,
                            sizeof(pct)),
            B(s.device_total_bytes, tot));
+    /* Several devices: each one's budget and use (the line above sums them). */
+    for (size_t i = 0; s.n_devices > 1 && i < s.n_devices; i++) {
+        const qm_client_device *dv = &s.devices[i];
+        printf("device   %s: budget %s, used %s (%s of budget), total %s%s%s\n",
+               dv->name ? dv->name : "?", B(dv->budget_bytes, bud), B(dv->used_bytes, used),
+               qmoectl_percent((double)dv->used_bytes, (double)dv->budget_bytes, pct,
+                               sizeof(pct)),
+               B(dv->total_bytes, tot), dv->kind ? ", " : "", dv->kind ? dv->kind : "");
+    }
     printf("models   %llu   sessions %llu   connections %llu\n", (unsigned long long)s.models,
            (unsigned long long)s.sessions, (unsigned long long)s.connections);
     qm_client_status_free(&s);

@@ -53,10 +53,16 @@ int qmoectl_cmd_plan(qm_client *c, const qmoectl_args *a)
     int64_t session_resident = -1;
     plan_model_shape(c, a->pos[0], &model_experts, &model_bpe, &session_resident);
 
+    /* A DEVICE column after LAYER when the session is placed over several
+     * devices (the plan's placement). */
     static const char *const hdr[] = {"BANK",   "LAYER",     "DECISION", "REASON",
                                       "CAND",   "CAND-SIZE", "PINNED",   "PIN-SIZE",
                                       "RES-NOW", "RES-SIZE"};
-    qmoectl_table *t = qmoectl_table_new(10, hdr);
+    static const char *const hdr_dev[] = {"BANK",      "LAYER",  "DEVICE",   "DECISION",
+                                          "REASON",    "CAND",   "CAND-SIZE", "PINNED",
+                                          "PIN-SIZE",  "RES-NOW", "RES-SIZE"};
+    int placed = p.n_devices > 0;
+    qmoectl_table *t = placed ? qmoectl_table_new(11, hdr_dev) : qmoectl_table_new(10, hdr);
     uint64_t tc = 0, tcb = 0, tp = 0, tpb = 0, tr = 0, trb = 0, whole_bytes = 0;
     int res_known = 1;
     char b1[32], b2[32], b3[32];
@@ -71,6 +77,11 @@ int qmoectl_cmd_plan(qm_client *c, const qmoectl_args *a)
                      k->reason_detail ? (strlen(k->reason_detail) > 48 ? "...)" : ")") : "");
         qmoectl_table_cell(t, "%llu", (unsigned long long)k->bank);
         qmoectl_table_cell(t, "%llu", (unsigned long long)k->layer);
+        if (placed)
+            qmoectl_table_cell(t, "%s", k->device >= 0 && (size_t)k->device < p.n_devices &&
+                                                p.devices[k->device].name
+                                            ? p.devices[k->device].name
+                                            : "?");
         qmoectl_table_cell(t, "%s", whole ? "whole-bank" : "per-expert");
         qmoectl_table_cell(t, "%s", reason);
         if (whole) {
@@ -108,6 +119,8 @@ int qmoectl_cmd_plan(qm_client *c, const qmoectl_args *a)
     }
     qmoectl_table_cell(t, "total");
     qmoectl_table_cell(t, "%zu", p.n_banks);
+    if (placed)
+        qmoectl_table_cell(t, "%s", "");
     qmoectl_table_cell(t, "%s", "");
     qmoectl_table_cell(t, "%s", "");
     qmoectl_table_cell(t, "%llu", (unsigned long long)tc);
@@ -129,6 +142,13 @@ int qmoectl_cmd_plan(qm_client *c, const qmoectl_args *a)
            (unsigned long long)p.total, (unsigned long long)p.resident,
            (unsigned long long)(p.total - p.resident - p.degraded),
            (unsigned long long)p.degraded);
+    if (placed) {
+        printf("placement %s:", p.placement_rule ? p.placement_rule : "?");
+        for (size_t i = 0; i < p.n_devices; i++)
+            printf("%s %s budget %s", i ? "," : "", p.devices[i].name ? p.devices[i].name : "?",
+                   B(p.devices[i].budget_bytes, b1));
+        printf("\n\n");
+    }
     qmoectl_table_print(t, stdout);
     qmoectl_table_free(t);
     /* The daemon's own count of resident bytes wins over the per-bank sum. */
