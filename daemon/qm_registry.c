@@ -376,19 +376,23 @@ static int random_id(char out[QM_SESSION_ID_LEN + 1], qm_status *st)
     return 0;
 }
 
-/* Several devices: the session's layers placed by the devices' free
- * budgets (engine/qm_placement.h), and each device that gets layers
- * charged its share of the budget plus a workspace (its pager's scratch).
- * QM_ERESOURCE_EXHAUSTED naming the device when one cannot take its share. */
+/* Several devices: the session's layers placed by what each device has
+ * free beyond a workspace (engine/qm_placement.h; a device that cannot hold
+ * a workspace gets no layers unless none can), and each device that gets
+ * layers charged its share of the budget plus a workspace (its pager's
+ * scratch). QM_ERESOURCE_EXHAUSTED naming the device when one cannot take
+ * its share. */
 static int admit_on_devices(qm_daemon *d, const qm_model *m, uint64_t budget, uint64_t workspace,
                             qm_placement *pl, uint64_t *dev_need, qm_status *st)
 {
-    uint64_t free_bytes[QM_CONFIG_MAX_DEVICES];
-    for (uint32_t i = 0; i < d->n_devices; i++)
+    uint64_t free_bytes[QM_CONFIG_MAX_DEVICES], weight[QM_CONFIG_MAX_DEVICES];
+    for (uint32_t i = 0; i < d->n_devices; i++) {
         free_bytes[i] = d->device_budgets[i] > d->device_admitted[i]
                             ? d->device_budgets[i] - d->device_admitted[i]
                             : 0;
-    int rc = qm_placement_make(m->bank, d->n_devices, free_bytes, budget, pl, st);
+        weight[i] = free_bytes[i] > workspace ? free_bytes[i] - workspace : 0;
+    }
+    int rc = qm_placement_make(m->bank, d->n_devices, weight, budget, pl, st);
     if (rc < 0)
         return rc;
     for (uint32_t i = 0; i < d->n_devices; i++) {
