@@ -79,13 +79,16 @@ int qm_backend_cpu_new(uint32_t threads, qm_backend **out, qm_status *st);
  * Copies land when their fence is waited (in issue order); with gbps > 0
  * each takes bytes / gbps + latency_us on one in-order stream, slept in the
  * wait. For running several devices and paging where no GPU is (the
- * daemon's --backend emu, the paging suites). */
+ * daemon's --backend emu, the paging suites). host_visible = 1 and a
+ * compute_slowdown make it a modelled host instead (bench/hybrid). */
 typedef struct qm_emu_options {
-    uint32_t index;       /* names it: "emu:<index>" */
-    uint32_t threads;     /* its CPU backend's workers (0 = cores) */
-    double gbps;          /* modelled copy bandwidth, GB/s (0: copies cost nothing) */
-    double latency_us;    /* added to each copy when gbps > 0 */
-    uint64_t total_bytes; /* the memory it reports (0: the host's physical RAM) */
+    uint32_t index;          /* names it: "emu:<index>" */
+    uint32_t threads;        /* its CPU backend's workers (0 = cores) */
+    double gbps;             /* modelled copy bandwidth, GB/s (0: copies cost nothing) */
+    double latency_us;       /* added to each copy when gbps > 0 */
+    uint64_t total_bytes;    /* the memory it reports (0: the host's physical RAM) */
+    int host_visible;        /* 1: kernels may read host memory (no copies needed) */
+    double compute_slowdown; /* > 1: sleeps (x - 1) times each kernel call's time */
 } qm_emu_options;
 int qm_backend_emu_new(const qm_emu_options *opt, qm_backend **out, qm_status *st);
 /* The CUDA backend's constructor is in cuda/qm_cuda.h. */

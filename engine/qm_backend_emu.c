@@ -1,17 +1,17 @@
 /* qm_backend_emu.c - the emulated device (qm_backend_emu_new): a backend
- * that is not host visible although its arenas are host memory, so the
- * pager treats them as opaque device memory: whole banks are copied, every
- * expert is copied in before use and every copy has a fence. Copies are
- * deferred until their fence is waited (in order, like one stream), so a
- * read before the wait sees the arena's fill pattern, not the weights; with
- * a modelled bandwidth the wait also sleeps until the copy would have
- * landed. Compute is the CPU backend's kernels. It lets the daemon run
- * several devices (`--backend emu --device emu:0,emu:1`) where no GPU is. */
+ * that is not host visible although its arenas are host memory (its CPU
+ * backend's), so the pager treats them as opaque device memory: whole banks
+ * are copied, every expert is copied in before use and every copy has a
+ * fence. Copies are deferred until their fence is waited (in order, like
+ * one stream), so a read before the wait sees the arena's fill pattern, not
+ * the weights; with a modelled bandwidth the wait also sleeps until the
+ * copy would have landed. Compute is the CPU backend's kernels, optionally
+ * slowed. It lets the daemon run several devices (`--device emu:0,emu:1`)
+ * where no GPU is; host_visible = 1 makes it a modelled host instead. */
 #include "qm_backend_impl.h"
 
 #include <pthread.h>
 #include <stdio.h>
-#include <stdlib.h>
 #include <string.h>
 #include <unistd.h>
 
@@ -36,6 +36,7 @@ typedef struct emu_copy {
 } emu_copy;
 
 typedef struct emu_dev {
+    qm_backend_iface iface; /* emu_iface with the options' host_visible */
     qm_backend *cpu;
     qm_emu_options opt;
     double stream_us; /* when the last copy issued lands (modelled) */
@@ -48,69 +49,66 @@ typedef struct emu_dev {
 static int emu_info(void *vctx, qm_device_info *out)
 {
     emu_dev *d = vctx;
-    memset(out, 0, sizeof *out);
-    if (d->opt.gbps > 0)
-        snprintf(out->name, sizeof out->name,
-                 "emu:%u (emulated device in host memory, copies at %.3g GB/s + %.3g us)",
-                 d->opt.index, d->opt.gbps, d->opt.latency_us);
-    else
-        snprintf(out->name, sizeof out->name,
-                 "emu:%u (emulated device in host memory, deferred copies)", d->opt.index);
+    qm_backend_info(d->cpu, out); /* the host's memory */
+    const qm_emu_options *o = &d->opt;
+    int n = snprintf(out->name, sizeof out->name, "emu:%u (emulated %s in host memory",
+                     o->index, o->host_visible ? "host" : "device");
+    if (o->gbps > 0 && n > 0 && (size_t)n < sizeof out->name)
+        n += snprintf(out->name + n, sizeof out->name - (size_t)n,
+                      ", copies at %.3g GB/s + %.3g us", o->gbps, o->latency_us);
+    if (o->compute_slowdown > 1 && n > 0 && (size_t)n < sizeof out->name)
+        n += snprintf(out->name + n, sizeof out->name - (size_t)n, ", compute %.3gx slower",
+                      o->compute_slowdown);
+    if (n > 0 && (size_t)n < sizeof out->name)
+        snprintf(out->name + n, sizeof out->name - (size_t)n, ")");
     snprintf(out->kind, sizeof out->kind, "emu");
-    long pages = sysconf(_SC_PHYS_PAGES), page = sysconf(_SC_PAGESIZE);
-    uint64_t ram = pages > 0 && page > 0 ? (uint64_t)pages * (uint64_t)page : 0;
-    out->total_bytes = out->free_bytes = d->opt.total_bytes ? d->opt.total_bytes : ram;
+    if (o->total_bytes)
+        out->total_bytes = out->free_bytes = o->total_bytes;
     return 0;
 }
 
+/* Arenas are the CPU backend's, filled with garbage so that a read before
+ * the copy lands shows. */
 static int emu_arena_alloc(void *vctx, qm_arena *arena, uint64_t bytes, qm_status *st)
 {
-    (void)vctx;
-    void *p = NULL;
-    if (bytes > SIZE_MAX - 256 || posix_memalign(&p, 256, bytes ? (size_t)bytes : 1))
-        return qm_status_set(st, QM_ENOMEM, "emulated device: no memory for %llu bytes",
-                             (unsigned long long)bytes);
-    memset(p, 0xA5, (size_t)bytes); /* garbage: a read before the copy lands shows */
-    arena->base = p;
-    arena->handle = p;
-    arena->size = bytes;
-    return 0;
+    emu_dev *d = vctx;
+    int rc = d->cpu->iface->arena_alloc(d->cpu->ctx, arena, bytes, st);
+    if (rc == 0)
+        memset(arena->base, 0xA5, (size_t)bytes);
+    return rc;
 }
 
 static void emu_arena_release(void *vctx, qm_arena *arena)
 {
-    (void)vctx;
-    free(arena->handle);
-    arena->handle = arena->base = NULL;
+    emu_dev *d = vctx;
+    d->cpu->iface->arena_release(d->cpu->ctx, arena);
 }
 
+/* Queues the copy (the queue doubles when full; 64 first) with its modelled
+ * landing time; its fence is the copy's sequence number. */
 static int emu_copy_h2d(void *vctx, void *dst, const void *src, uint64_t bytes, qm_fence *fence,
                         qm_status *st)
 {
     emu_dev *d = vctx;
     pthread_mutex_lock(&d->mu);
-    if (d->n == d->cap) {
-        size_t cap = d->cap ? 2 * d->cap : 64;
-        emu_copy *p = qm_realloc(d->pending, cap * sizeof *p);
-        if (!p) {
-            pthread_mutex_unlock(&d->mu);
-            return qm_status_set(st, QM_ENOMEM, "emulated device: no memory for a copy");
-        }
-        d->pending = p;
+    size_t cap = d->n < d->cap ? d->cap : d->cap ? 2 * d->cap : 64;
+    emu_copy *q = cap == d->cap ? d->pending : qm_realloc(d->pending, cap * sizeof *q);
+    if (q) {
+        d->pending = q;
         d->cap = cap;
+        double land = 0;
+        if (d->opt.gbps > 0) {
+            double now = (double)qm__pager_now_us();
+            land = (d->stream_us > now ? d->stream_us : now) +
+                   (double)bytes / (d->opt.gbps * 1e3) + d->opt.latency_us;
+            d->stream_us = land;
+        }
+        q[d->n++] = (emu_copy){dst, src, bytes, land};
+        fence->seq = ++d->issued;
+        fence->handle = d;
     }
-    double land = 0;
-    if (d->opt.gbps > 0) {
-        double now = (double)qm__pager_now_us();
-        land = (d->stream_us > now ? d->stream_us : now) + (double)bytes / (d->opt.gbps * 1e3) +
-               d->opt.latency_us;
-        d->stream_us = land;
-    }
-    d->pending[d->n++] = (emu_copy){dst, src, bytes, land};
-    fence->seq = ++d->issued;
-    fence->handle = d;
     pthread_mutex_unlock(&d->mu);
-    return 0;
+    return q ? 0 : qm_status_set(st, QM_ENOMEM, "emulated device: no memory for a copy");
 }
 
 /* In-order "stream": waiting a fence lands every copy issued before it. */
@@ -135,10 +133,17 @@ static int emu_fence_wait(void *vctx, qm_fence *fence, qm_status *st)
     return 0;
 }
 
+/* The CPU kernels, then (compute_slowdown - 1) times their time asleep. */
 static int emu_run(void *vctx, const qm_expert_batch *batch, qm_status *st)
 {
     emu_dev *d = vctx;
-    return qm_backend_run_experts(d->cpu, batch, st);
+    double t0 = (double)qm__pager_now_us();
+    int rc = qm_backend_run_experts(d->cpu, batch, st);
+    if (d->opt.compute_slowdown > 1) {
+        double t1 = (double)qm__pager_now_us();
+        emu_wait_until(t1 + (d->opt.compute_slowdown - 1.0) * (t1 - t0));
+    }
+    return rc;
 }
 
 static void emu_destroy(void *vctx)
@@ -171,17 +176,20 @@ int qm_backend_emu_new(const qm_emu_options *opt, qm_backend **out, qm_status *s
     *out = NULL;
     if (!opt)
         return qm_status_set(st, QM_EINVAL, "qm_backend_emu_new: NULL options");
-    if (!(opt->gbps >= 0) || !(opt->latency_us >= 0))
-        return qm_status_set(st, QM_EINVAL, "emulated device: negative copy model");
+    if (!(opt->gbps >= 0) || !(opt->latency_us >= 0) || !(opt->compute_slowdown >= 0))
+        return qm_status_set(st, QM_EINVAL, "emulated device: a negative cost in its model");
     emu_dev *d = qm_calloc(1, sizeof *d);
     if (!d)
         return qm_status_set(st, QM_ENOMEM, "out of memory for the emulated device");
     d->opt = *opt;
+    d->iface = emu_iface;
+    d->iface.host_visible = !!opt->host_visible;
+    d->iface.alignment = opt->host_visible ? 64 : 256;
     pthread_mutex_init(&d->mu, NULL);
     int rc = qm_backend_cpu_new(opt->threads, &d->cpu, st);
     if (rc) {
         emu_destroy(d);
         return rc;
     }
-    return qm__backend_wrap(&emu_iface, d, out, st);
+    return qm__backend_wrap(&d->iface, d, out, st);
 }
