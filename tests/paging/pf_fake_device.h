@@ -25,7 +25,8 @@ typedef struct pf_dev_model {
 } pf_dev_model;
 int pf_fake_device_new_model(const pf_dev_model *model, qm_backend **out);
 
-/* A host-visible backend (arenas and copies are host memory and memcpy)
+/* A host-visible backend (the same emulated backend with host_visible and
+ * compute_slowdown: arenas are host memory, copies land at their fence)
  * whose compute is the CPU kernels on `threads` workers, then a sleep of
  * (slowdown - 1) times what they took: a host modelled `slowdown` times
  * slower than a device that runs the same kernels (bench/hybrid). */
