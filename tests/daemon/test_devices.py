@@ -212,11 +212,12 @@ def test_what_a_session_over_several_devices_refuses(two):
 
 
 def test_one_listed_device_behaves_as_one_device(bank):
-    dm = start(bank, "--device", "emu:0")
+    dm = start(bank, "--device", "emu:0", "--set", "emu_copy_mbps=2000")
     try:
         c = dm.client()
         st = c.call("daemon.status")
         assert st["backend"] == "emu" and [d["name"] for d in st["devices"]] == ["emu:0"]
+        assert "copies at 2 GB/s" in st["devices"][0]["description"], st  # the modelled copy
         sid = create(c, policy="lru", budget_bytes=4 * bytes_per_expert(c))
         assert "placement" not in c.call("session.plan", {"session": sid})
         # session.resize works as on any one-device daemon.
