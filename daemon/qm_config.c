@@ -147,7 +147,8 @@ static int parse_devices(qm_config *cfg, const char *text, qm_status *st)
                                        QM_CONFIG_MAX_DEVICES);
         const char *colon = memchr(p, ':', len);
         size_t klen = colon ? (size_t)(colon - p) : len;
-        if (!((klen == 4 && strncmp(p, "cuda", 4) == 0) || (klen == 3 && strncmp(p, "emu", 3) == 0)))
+        if (!((klen == 4 && strncmp(p, "cuda", 4) == 0) ||
+              (klen == 3 && strncmp(p, "emu", 3) == 0)))
             return qm_status_set_field(st, QM_EINVAL, "device",
                                        "device '%s': unknown kind '%.*s'; %s", entry,
                                        (int)(klen < 16 ? klen : 16), p, usage);
