@@ -94,6 +94,17 @@ static inline uint32_t qm__i8_spb(const qm__qmat *m)
     return m->nblk == 1 ? (uint32_t)((m->k + 31) / 32) : m->block / 32;
 }
 
+/* The 4-bit GEMV's canonical order, followed bit for bit by the scalar,
+ * AVX2 and AVX-512 kernels (qm_kernel_scalar.c specifies it) wherever
+ * blocks are whole 32-column chunks: row-wise or block % 32 == 0. The SIMD
+ * kernels' prepared input stores every 32 columns as [16 even, 16 odd]
+ * (qm__avx2_prep). 4-bit blocks of 16 run the AVX2 GEMV's own order on
+ * both ISAs (the scalar kernel: its column order). */
+static inline int qm__q4_canon(const qm__qmat *m, int gemm)
+{
+    return !gemm && m->bits == 4 && (m->nblk == 1 || m->block % 32 == 0);
+}
+
 /* Per-worker scratch floats a kernel may use for matrix m. */
 size_t qm__kernel_scratch_floats(const qm__qmat *m);
 
