@@ -123,10 +123,10 @@ const float *qm__avx2_gemm_panel(const qm__qmat *m, uint32_t n0, uint32_t n1, ui
                                  uint32_t len, float *scratch);
 #endif
 
-/* The kernel for this CPU, measured per shape class once per process where
- * the class's kernels give the same bits, else a fixed table
- * (qm_kernel_select.c); QMOE_KERNEL=scalar|avx2|avx512 forces one (an
- * unavailable one falls back to the default), =table|measure picks the mode. */
+/* The kernel for this CPU, measured per shape class once per process (the
+ * SIMD kernels of a class give the same bits; qm_kernel_select.c);
+ * QMOE_KERNEL=scalar|avx2|avx512 forces one (an unavailable one falls back
+ * to the default), =table|measure picks the mode. */
 const qm__kernel *qm__kernel_select(void);
 /* Calibration, for tests: the timer of one kernel on one class (best
  * microseconds, <= 0: could not run); NULL restores thread CPU timing. */
