@@ -431,9 +431,9 @@ QM_AI __m256 qm__deq8(__m256i q, __m256i zp, __m256 sc)
  * input rows; TAIL: the chunk may reach past the row (bytes read as zero). */
 QM_AI void qm__canon_chunk(const uint8_t *const row[4], size_t rb, uint32_t c, const int NR,
                            const float *xp, size_t ldx, const int R, const __m256 sc[4],
-                           const __m256i zp[4], __m256 a[4][4], __m256 b[4][4], const int TAIL)
+                           const __m256i zp[4], __m256i lo4, __m256 a[4][4], __m256 b[4][4],
+                           const int TAIL)
 {
-    const __m256i lo4 = _mm256_set1_epi32(15);
     const size_t off = 16 * (size_t)c;
 #pragma GCC unroll 4
     for (int i = 0; i < NR; i++) {
@@ -460,16 +460,54 @@ QM_AI void qm__canon_chunk(const uint8_t *const row[4], size_t rb, uint32_t c, c
     }
 }
 
-/* NR weight rows (n..n+NR-1) x R input rows, NR * R <= 4 (8 accumulators). */
+/* The scales and zero points of block blk of rows n..n+NR-1, as vectors. */
+QM_AI void qm__canon_block_params(const qm__qmat *m, uint32_t n, const int NR, uint32_t blk,
+                                  __m256 sc[4], __m256i zp[4], const int FAST)
+{
+#pragma GCC unroll 4
+    for (int i = 0; i < NR; i++) {
+        if (FAST) {
+            size_t srow = (size_t)(n + i) * m->nblk * 4;
+            sc[i] = _mm256_set1_ps(qm__scale_f32((const uint8_t *)m->scales + srow, blk));
+            zp[i] = _mm256_set1_epi32(8);
+        } else {
+            sc[i] = _mm256_set1_ps(qm__scale(m, n + i, blk));
+            zp[i] = _mm256_set1_epi32(m->zp ? qm__qmat_zp(m, n + i, blk) : 8);
+        }
+    }
+}
+
+/* Asks for the lines of the next NR rows that chunks [c, ce) start, one
+ * group of rows ahead. */
+QM_AI void qm__canon_prefetch(const uint8_t *const row[4], size_t rb, const int NR, uint32_t c,
+                              uint32_t ce)
+{
+    if (!QM__GEMV_PREFETCH)
+        return;
+    for (size_t off = (16 * (size_t)c + 63) & ~(size_t)63; off < 16 * (size_t)ce; off += 64)
+#pragma GCC unroll 4
+        for (int i = 0; i < NR; i++)
+            _mm_prefetch((const char *)(row[i] + off + NR * rb), _MM_HINT_T0);
+}
+
+/* NR weight rows (n..n+NR-1) x R input rows, NR * R <= 4 (8 accumulators).
+ * CPB > 0 fixes the chunks per block at compile time; FAST = f32 scales
+ * and no zero-point tensor. */
 QM_AI void qm__gemv_canon(const qm__qmat *m, uint32_t n, const int NR, const float *xp,
-                          size_t ldx, const int R, float *y, size_t ldy, const int FAST)
+                          size_t ldx, const int R, float *y, size_t ldy, const uint32_t CPB,
+                          const int FAST)
 {
     const uint32_t nch = (uint32_t)(qm__round32(m->k) / 32);
-    const uint32_t cpb = m->nblk == 1 ? nch : m->block / 32;
+    const uint32_t cpb = CPB ? CPB : m->nblk == 1 ? nch : m->block / 32;
     const size_t rb = m->row_bytes;
     const uint32_t nfull = (uint32_t)(rb / 16); /* chunks wholly inside a row */
+    /* Blocks of cpb chunks, all inside the row: no tail checks. */
+    uint32_t nbf = (nfull < nch ? nfull : nch) / cpb;
+    nbf = nbf < m->nblk ? nbf : m->nblk;
+    const __m256i lo4 = _mm256_set1_epi32(15);
     const uint8_t *row[4];
-    __m256 a[4][4], b[4][4];
+    __m256 a[4][4], b[4][4], sc[4];
+    __m256i zp[4];
 #pragma GCC unroll 4
     for (int i = 0; i < NR; i++) {
         row[i] = m->w + (size_t)(n + i) * rb;
@@ -477,33 +515,19 @@ QM_AI void qm__gemv_canon(const qm__qmat *m, uint32_t n, const int NR, const flo
         for (int r = 0; r < R; r++)
             a[i][r] = b[i][r] = _mm256_setzero_ps();
     }
-    uint32_t c = 0;
-    for (uint32_t blk = 0; blk < m->nblk; blk++) {
+    uint32_t c = 0, blk = 0;
+    for (; blk < nbf; blk++, c += cpb) {
+        qm__canon_block_params(m, n, NR, blk, sc, zp, FAST);
+        qm__canon_prefetch(row, rb, NR, c, c + cpb);
+#pragma GCC unroll 4
+        for (uint32_t j = 0; j < cpb; j++)
+            qm__canon_chunk(row, rb, c + j, NR, xp, ldx, R, sc, zp, lo4, a, b, 0);
+    }
+    for (; blk < m->nblk; blk++) {
         uint32_t ce = c + cpb < nch ? c + cpb : nch;
-        __m256 sc[4];
-        __m256i zp[4];
-#pragma GCC unroll 4
-        for (int i = 0; i < NR; i++) {
-            if (FAST) {
-                sc[i] = _mm256_set1_ps(qm__scale_f32((const uint8_t *)m->scales +
-                                                         (size_t)(n + i) * m->nblk * 4,
-                                                     blk));
-                zp[i] = _mm256_set1_epi32(8);
-            } else {
-                sc[i] = _mm256_set1_ps(qm__scale(m, n + i, blk));
-                zp[i] = _mm256_set1_epi32(m->zp ? qm__qmat_zp(m, n + i, blk) : 8);
-            }
-        }
-        for (; c < ce; c++) {
-            if (QM__GEMV_PREFETCH && (c & 3) == 0) /* the next NR rows, a line at a time */
-#pragma GCC unroll 4
-                for (int i = 0; i < NR; i++)
-                    _mm_prefetch((const char *)(row[i] + 16 * (size_t)c + NR * rb), _MM_HINT_T0);
-            if (c < nfull)
-                qm__canon_chunk(row, rb, c, NR, xp, ldx, R, sc, zp, a, b, 0);
-            else
-                qm__canon_chunk(row, rb, c, NR, xp, ldx, R, sc, zp, a, b, 1);
-        }
+        qm__canon_block_params(m, n, NR, blk, sc, zp, FAST);
+        for (; c < ce; c++)
+            qm__canon_chunk(row, rb, c, NR, xp, ldx, R, sc, zp, lo4, a, b, 1);
     }
 #pragma GCC unroll 4
     for (int i = 0; i < NR; i++)
@@ -513,43 +537,52 @@ QM_AI void qm__gemv_canon(const qm__qmat *m, uint32_t n, const int NR, const flo
 }
 
 /* Weight rows NR at a time (then single rows) times R input rows. */
-#define QM__CANON_ROWS(R, NR, FAST)                                                                \
+#define QM__CANON_ROWS(R, NR, CPB, FAST)                                                           \
     do {                                                                                           \
         uint32_t n = n0;                                                                           \
         for (; n + (NR) <= n1; n += (NR))                                                          \
-            qm__gemv_canon(m, n, NR, xq, ldx, R, yq, ldy, FAST);                                   \
+            qm__gemv_canon(m, n, NR, xq, ldx, R, yq, ldy, CPB, FAST);                              \
         for (; n < n1; n++)                                                                        \
-            qm__gemv_canon(m, n, 1, xq, ldx, R, yq, ldy, FAST);                                    \
+            qm__gemv_canon(m, n, 1, xq, ldx, R, yq, ldy, CPB, FAST);                               \
     } while (0)
 
 /* Input rows 4 at a time; weight rows 2 at a time for 1 or 2 inputs (4
  * rows x 1 input spilled accumulators to the stack: 16 ymm registers), 1
  * for 3 or 4. */
 QM_AI void qm__gemv_q4_canon_impl(const qm__qmat *m, uint32_t n0, uint32_t n1, const float *xp,
-                                  size_t ldx, uint32_t nx, float *y, size_t ldy, const int FAST)
+                                  size_t ldx, uint32_t nx, float *y, size_t ldy,
+                                  const uint32_t CPB, const int FAST)
 {
     for (uint32_t r0 = 0; r0 < nx; r0 += 4) {
         uint32_t R = nx - r0 < 4 ? nx - r0 : 4;
         const float *xq = xp + (size_t)r0 * ldx;
         float *yq = y + (size_t)r0 * ldy;
         if (R == 1)
-            QM__CANON_ROWS(1, 2, FAST);
+            QM__CANON_ROWS(1, 2, CPB, FAST);
         else if (R == 2)
-            QM__CANON_ROWS(2, 2, FAST);
+            QM__CANON_ROWS(2, 2, CPB, FAST);
         else if (R == 3)
-            QM__CANON_ROWS(3, 1, FAST);
+            QM__CANON_ROWS(3, 1, CPB, FAST);
         else
-            QM__CANON_ROWS(4, 1, FAST);
+            QM__CANON_ROWS(4, 1, CPB, FAST);
     }
 }
 
+/* Blocks of 32 and 64 columns with f32 scales and no zero points (the
+ * common banks) get a compile-time chunk count. */
 static void qm__gemv_q4_canon(const qm__qmat *m, uint32_t n0, uint32_t n1, const float *xp,
                               size_t ldx, uint32_t nx, float *y, size_t ldy)
 {
-    if (m->scale_dtype == QM_DTYPE_F32 && !m->zp)
-        qm__gemv_q4_canon_impl(m, n0, n1, xp, ldx, nx, y, ldy, 1);
+    int fast = m->scale_dtype == QM_DTYPE_F32 && !m->zp;
+    uint32_t cpb = m->nblk == 1 ? 0 : m->block / 32;
+    if (fast && cpb == 1)
+        qm__gemv_q4_canon_impl(m, n0, n1, xp, ldx, nx, y, ldy, 1, 1);
+    else if (fast && cpb == 2)
+        qm__gemv_q4_canon_impl(m, n0, n1, xp, ldx, nx, y, ldy, 2, 1);
+    else if (fast)
+        qm__gemv_q4_canon_impl(m, n0, n1, xp, ldx, nx, y, ldy, 0, 1);
     else
-        qm__gemv_q4_canon_impl(m, n0, n1, xp, ldx, nx, y, ldy, 0);
+        qm__gemv_q4_canon_impl(m, n0, n1, xp, ldx, nx, y, ldy, 0, 0);
 }
 
 void qm__avx2_gemv(const qm__qmat *m, uint32_t n0, uint32_t n1, const float *xp, size_t ldx,
