@@ -8,7 +8,11 @@
  * block: partial = sum q*x - zp * sum x, then y += scale * partial. The GEMM
  * path dequantises a 16 x 256 tile of W to f32 once (w = (q - zp) * scale),
  * transposes it into a column-major panel and reuses it for every input
- * row in a 6 x 16 outer-product kernel (no horizontal sums). */
+ * row in a 6 x 16 outer-product kernel (no horizontal sums).
+ *
+ * 4-bit GEMVs with blocks of whole 32-column chunks run the canonical order
+ * instead (qm__q4_canon, qm__gemv_canon below): the same bits as the
+ * AVX-512 table-lookup GEMV, so the faster of the two can be measured. */
 #include <immintrin.h>
 #include <string.h>
 
@@ -21,14 +25,30 @@ static size_t qm__round16(size_t v)
     return (v + 15) & ~(size_t)15;
 }
 
+static size_t qm__round32(size_t v)
+{
+    return (v + 31) & ~(size_t)31;
+}
+
 size_t qm__avx2_x_stride(const qm__qmat *m, int gemm)
 {
+    if (qm__q4_canon(m, gemm))
+        return qm__round32(m->k);
     size_t kp = qm__round16(m->k);
     return gemm ? kp : kp + (size_t)8 * m->nblk;
 }
 
 void qm__avx2_prep(const qm__qmat *m, int gemm, const float *x, float *xp)
 {
+    if (qm__q4_canon(m, gemm)) { /* every 32 columns: [16 even, 16 odd] */
+        size_t kp = qm__round32(m->k);
+        for (size_t g = 0; g < kp; g += 32)
+            for (size_t j = 0; j < 32; j++) {
+                size_t c = g + j;
+                xp[g + (j & 1) * 16 + j / 2] = c < m->k ? x[c] : 0.0f;
+            }
+        return;
+    }
     size_t kp = qm__round16(m->k);
     for (size_t g = 0; g < kp; g += 16) {
         for (size_t j = 0; j < 16; j++) {
@@ -381,10 +401,196 @@ static void qm__gemv_q8(const qm__qmat *m, uint32_t n0, uint32_t n1, const float
     QM__GEMV_BODY(8);
 }
 
+/* ---- 4-bit GEMV in the canonical order (qm__q4_canon) ----
+ * The AVX-512 kernel's 16 lanes as two 8-lane accumulators: a 32-column
+ * chunk is 16 bytes of a row; bytes 0-7 feed a (canonical lanes 0-7), bytes
+ * 8-15 feed b (lanes 8-15); each lane adds its even column (low nibble), then
+ * its odd one (high nibble), with w = scale * (q - zp) rounded once (the
+ * value of the AVX-512 kernel's table); at the end a + b is its 16 -> 8 step
+ * and qm__hsum8 the rest. q - zp is an exact int32 and exact as f32. */
+
+/* 8 codes' bytes at byte offset off of a row, as dwords; zero past the row
+ * (as the AVX-512 kernel reads them). */
+QM_AI __m256i qm__bytes8(const uint8_t *row, size_t rb, size_t off)
+{
+    if (__builtin_expect(off + 8 <= rb, 1))
+        return _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(row + off)));
+    uint8_t tmp[8] = {0};
+    if (off < rb)
+        memcpy(tmp, row + off, rb - off);
+    return _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)tmp));
+}
+
+/* scale * (code - zp) for 8 codes (dwords). */
+QM_AI __m256 qm__deq8(__m256i q, __m256i zp, __m256 sc)
+{
+    return _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(q, zp)), sc);
+}
+
+/* Chunk c (32 columns) of NR weight rows into their accumulators with R
+ * input rows; TAIL: the chunk may reach past the row (bytes read as zero). */
+QM_AI void qm__canon_chunk(const uint8_t *const row[4], size_t rb, uint32_t c, const int NR,
+                           const float *xp, size_t ldx, const int R, const __m256 sc[4],
+                           const __m256i zp[4], __m256i lo4, __m256 a[4][4], __m256 b[4][4],
+                           const int TAIL)
+{
+    const size_t off = 16 * (size_t)c;
+#pragma GCC unroll 4
+    for (int i = 0; i < NR; i++) {
+        __m256i v0, v1;
+        if (TAIL) {
+            v0 = qm__bytes8(row[i], rb, off);
+            v1 = qm__bytes8(row[i], rb, off + 8);
+        } else {
+            v0 = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(row[i] + off)));
+            v1 = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(row[i] + off + 8)));
+        }
+        __m256 w00 = qm__deq8(_mm256_and_si256(v0, lo4), zp[i], sc[i]);
+        __m256 w01 = qm__deq8(_mm256_srli_epi32(v0, 4), zp[i], sc[i]);
+        __m256 w10 = qm__deq8(_mm256_and_si256(v1, lo4), zp[i], sc[i]);
+        __m256 w11 = qm__deq8(_mm256_srli_epi32(v1, 4), zp[i], sc[i]);
+#pragma GCC unroll 4
+        for (int r = 0; r < R; r++) {
+            const float *xv = xp + (size_t)r * ldx + 32 * (size_t)c;
+            a[i][r] = _mm256_fmadd_ps(w00, _mm256_loadu_ps(xv), a[i][r]);
+            a[i][r] = _mm256_fmadd_ps(w01, _mm256_loadu_ps(xv + 16), a[i][r]);
+            b[i][r] = _mm256_fmadd_ps(w10, _mm256_loadu_ps(xv + 8), b[i][r]);
+            b[i][r] = _mm256_fmadd_ps(w11, _mm256_loadu_ps(xv + 24), b[i][r]);
+        }
+    }
+}
+
+/* The scales and zero points of block blk of rows n..n+NR-1, as vectors. */
+QM_AI void qm__canon_block_params(const qm__qmat *m, uint32_t n, const int NR, uint32_t blk,
+                                  __m256 sc[4], __m256i zp[4], const int FAST)
+{
+#pragma GCC unroll 4
+    for (int i = 0; i < NR; i++) {
+        if (FAST) {
+            size_t srow = (size_t)(n + i) * m->nblk * 4;
+            sc[i] = _mm256_set1_ps(qm__scale_f32((const uint8_t *)m->scales + srow, blk));
+            zp[i] = _mm256_set1_epi32(8);
+        } else {
+            sc[i] = _mm256_set1_ps(qm__scale(m, n + i, blk));
+            zp[i] = _mm256_set1_epi32(m->zp ? qm__qmat_zp(m, n + i, blk) : 8);
+        }
+    }
+}
+
+/* Asks for the lines of the next NR rows that chunks [c, ce) start, one
+ * group of rows ahead. */
+QM_AI void qm__canon_prefetch(const uint8_t *const row[4], size_t rb, const int NR, uint32_t c,
+                              uint32_t ce)
+{
+    if (!QM__GEMV_PREFETCH)
+        return;
+    for (size_t off = (16 * (size_t)c + 63) & ~(size_t)63; off < 16 * (size_t)ce; off += 64)
+#pragma GCC unroll 4
+        for (int i = 0; i < NR; i++)
+            _mm_prefetch((const char *)(row[i] + off + NR * rb), _MM_HINT_T0);
+}
+
+/* NR weight rows (n..n+NR-1) x R input rows, NR * R <= 4 (8 accumulators).
+ * CPB > 0 fixes the chunks per block at compile time; FAST = f32 scales
+ * and no zero-point tensor. */
+QM_AI void qm__gemv_canon(const qm__qmat *m, uint32_t n, const int NR, const float *xp,
+                          size_t ldx, const int R, float *y, size_t ldy, const uint32_t CPB,
+                          const int FAST)
+{
+    const uint32_t nch = (uint32_t)(qm__round32(m->k) / 32);
+    const uint32_t cpb = CPB ? CPB : m->nblk == 1 ? nch : m->block / 32;
+    const size_t rb = m->row_bytes;
+    const uint32_t nfull = (uint32_t)(rb / 16); /* chunks wholly inside a row */
+    /* Blocks of cpb chunks, all inside the row: no tail checks. */
+    uint32_t nbf = (nfull < nch ? nfull : nch) / cpb;
+    nbf = nbf < m->nblk ? nbf : m->nblk;
+    const __m256i lo4 = _mm256_set1_epi32(15);
+    const uint8_t *row[4];
+    __m256 a[4][4], b[4][4], sc[4];
+    __m256i zp[4];
+#pragma GCC unroll 4
+    for (int i = 0; i < NR; i++) {
+        row[i] = m->w + (size_t)(n + i) * rb;
+#pragma GCC unroll 4
+        for (int r = 0; r < R; r++)
+            a[i][r] = b[i][r] = _mm256_setzero_ps();
+    }
+    uint32_t c = 0, blk = 0;
+    for (; blk < nbf; blk++, c += cpb) {
+        qm__canon_block_params(m, n, NR, blk, sc, zp, FAST);
+        qm__canon_prefetch(row, rb, NR, c, c + cpb);
+#pragma GCC unroll 4
+        for (uint32_t j = 0; j < cpb; j++)
+            qm__canon_chunk(row, rb, c + j, NR, xp, ldx, R, sc, zp, lo4, a, b, 0);
+    }
+    for (; blk < m->nblk; blk++) {
+        uint32_t ce = c + cpb < nch ? c + cpb : nch;
+        qm__canon_block_params(m, n, NR, blk, sc, zp, FAST);
+        for (; c < ce; c++)
+            qm__canon_chunk(row, rb, c, NR, xp, ldx, R, sc, zp, lo4, a, b, 1);
+    }
+#pragma GCC unroll 4
+    for (int i = 0; i < NR; i++)
+#pragma GCC unroll 4
+        for (int r = 0; r < R; r++)
+            y[(size_t)r * ldy + n + i] = qm__hsum8(_mm256_add_ps(a[i][r], b[i][r]));
+}
+
+/* Weight rows NR at a time (then single rows) times R input rows. */
+#define QM__CANON_ROWS(R, NR, CPB, FAST)                                                           \
+    do {                                                                                           \
+        uint32_t n = n0;                                                                           \
+        for (; n + (NR) <= n1; n += (NR))                                                          \
+            qm__gemv_canon(m, n, NR, xq, ldx, R, yq, ldy, CPB, FAST);                              \
+        for (; n < n1; n++)                                                                        \
+            qm__gemv_canon(m, n, 1, xq, ldx, R, yq, ldy, CPB, FAST);                               \
+    } while (0)
+
+/* Input rows 4 at a time; weight rows 2 at a time for 1 or 2 inputs (4
+ * rows x 1 input spilled accumulators to the stack: 16 ymm registers), 1
+ * for 3 or 4. */
+QM_AI void qm__gemv_q4_canon_impl(const qm__qmat *m, uint32_t n0, uint32_t n1, const float *xp,
+                                  size_t ldx, uint32_t nx, float *y, size_t ldy,
+                                  const uint32_t CPB, const int FAST)
+{
+    for (uint32_t r0 = 0; r0 < nx; r0 += 4) {
+        uint32_t R = nx - r0 < 4 ? nx - r0 : 4;
+        const float *xq = xp + (size_t)r0 * ldx;
+        float *yq = y + (size_t)r0 * ldy;
+        if (R == 1)
+            QM__CANON_ROWS(1, 2, CPB, FAST);
+        else if (R == 2)
+            QM__CANON_ROWS(2, 2, CPB, FAST);
+        else if (R == 3)
+            QM__CANON_ROWS(3, 1, CPB, FAST);
+        else
+            QM__CANON_ROWS(4, 1, CPB, FAST);
+    }
+}
+
+/* Blocks of 32 and 64 columns with f32 scales and no zero points (the
+ * common banks) get a compile-time chunk count. */
+static void qm__gemv_q4_canon(const qm__qmat *m, uint32_t n0, uint32_t n1, const float *xp,
+                              size_t ldx, uint32_t nx, float *y, size_t ldy)
+{
+    int fast = m->scale_dtype == QM_DTYPE_F32 && !m->zp;
+    uint32_t cpb = m->nblk == 1 ? 0 : m->block / 32;
+    if (fast && cpb == 1)
+        qm__gemv_q4_canon_impl(m, n0, n1, xp, ldx, nx, y, ldy, 1, 1);
+    else if (fast && cpb == 2)
+        qm__gemv_q4_canon_impl(m, n0, n1, xp, ldx, nx, y, ldy, 2, 1);
+    else if (fast)
+        qm__gemv_q4_canon_impl(m, n0, n1, xp, ldx, nx, y, ldy, 0, 1);
+    else
+        qm__gemv_q4_canon_impl(m, n0, n1, xp, ldx, nx, y, ldy, 0, 0);
+}
+
 void qm__avx2_gemv(const qm__qmat *m, uint32_t n0, uint32_t n1, const float *xp, size_t ldx,
                    uint32_t nx, float *y, size_t ldy, float *scratch)
 {
-    if (m->bits == 4)
+    if (qm__q4_canon(m, 0))
+        qm__gemv_q4_canon(m, n0, n1, xp, ldx, nx, y, ldy);
+    else if (m->bits == 4)
         qm__gemv_q4(m, n0, n1, xp, ldx, nx, y, ldy, scratch);
     else
         qm__gemv_q8(m, n0, n1, xp, ldx, nx, y, ldy, scratch);

@@ -10,14 +10,12 @@
  * is 16 bytes: low nibbles are the even columns, high nibbles the odd ones,
  * so the prepared input stores every 32 columns as [16 even, 16 odd].
  * Accumulation is f32 FMA per lane in column order within a lane, then a
- * fixed 16 -> 1 reduction: the order depends only on the geometry. The
- * AVX2 GEMV sums in another order (raw codes, zero point and scale applied
- * per block), so this 4-bit GEMV gives different bits from it: AVX2
- * cannot run this order without extra work per weight, and the AVX2 order
- * run with 16 lanes was slower than both here (docs/BENCHMARKS.md "kernel
- * choice"); the 4-bit GEMV therefore stays on the fixed table. 4-bit blocks
- * of 16 columns use the AVX2 GEMV (its own input layout, chosen by the same
- * predicate in prep and gemv).
+ * fixed 16 -> 8 -> 4 -> 2 -> 1 reduction: the order depends only on the
+ * geometry. This is the 4-bit GEMV's canonical order (qm__q4_canon): the
+ * AVX2 GEMV runs it on two 8-lane halves and gives the same bits, so the
+ * choice between the two is measured (qm_kernel_select.c). 4-bit blocks
+ * of 16 columns use the AVX2 GEMV (the same predicate picks the input
+ * layout in qm__avx2_prep and the path here).
  *
  * 8-bit rows run the AVX2 GEMV's own order with 16 lanes (qm__gemv512_q8):
  * one 16-column chunk is one vector [a0 | a1] of the AVX2 kernel's two
@@ -39,37 +37,9 @@
 
 #define QM_AI static inline __attribute__((always_inline))
 
-static int qm__avx512_own(const qm__qmat *m, int gemm)
-{
-    return !gemm && m->bits == 4 && (m->nblk == 1 || m->block % 32 == 0);
-}
-
 static size_t qm__round32(size_t v)
 {
     return (v + 31) & ~(size_t)31;
-}
-
-static size_t qm__avx512_x_stride(const qm__qmat *m, int gemm)
-{
-    if (!qm__avx512_own(m, gemm))
-        return qm__avx2_x_stride(m, gemm);
-    return qm__round32(m->k);
-}
-
-static void qm__avx512_prep(const qm__qmat *m, int gemm, const float *x, float *xp)
-{
-    if (!qm__avx512_own(m, gemm)) {
-        qm__avx2_prep(m, gemm, x, xp);
-        return;
-    }
-    size_t kp = qm__round32(m->k);
-    for (size_t g = 0; g < kp; g += 32) {
-        for (size_t j = 0; j < 32; j++) {
-            size_t c = g + j;
-            float v = c < m->k ? x[c] : 0.0f;
-            xp[g + (j & 1) * 16 + j / 2] = v;
-        }
-    }
 }
 
 /* Scale of (row n, block b); FAST: f32 scales. */
@@ -287,7 +257,7 @@ static void qm__avx512_gemv(const qm__qmat *m, uint32_t n0, uint32_t n1, const f
     int fast = m->scale_dtype == QM_DTYPE_F32 && !m->zp;
     if (m->bits == 8)
         (fast ? qm__gemv512_q8f : qm__gemv512_q8g)(m, n0, n1, xp, ldx, nx, y, ldy);
-    else if (!qm__avx512_own(m, 0))
+    else if (!qm__q4_canon(m, 0))
         qm__avx2_gemv(m, n0, n1, xp, ldx, nx, y, ldy, scratch);
     else
         (fast ? qm__gemv512_q4f : qm__gemv512_q4g)(m, n0, n1, xp, ldx, nx, y, ldy);
@@ -372,8 +342,8 @@ static void qm__avx512_gemm(const qm__qmat *m, uint32_t n0, uint32_t n1, const f
 
 const qm__kernel qm__kernel_avx512 = {
     .name = "avx512",
-    .x_stride = qm__avx512_x_stride,
-    .prep = qm__avx512_prep,
+    .x_stride = qm__avx2_x_stride,
+    .prep = qm__avx2_prep,
     .gemv = qm__avx512_gemv,
     .gemm = qm__avx512_gemm,
     .gemm_row_pad = QM__GEMM512_MR,

@@ -3,7 +3,9 @@
  *
  * W[n, c] = scale[n, b] * (q[n, c] - zp[n, b]) with b = c / block; then
  * y[r, n] = sum over c = 0..k-1, in column order, of W[n, c] * x[r, c]:
- * dequantise then dot, as onnxruntime's exact path does. */
+ * dequantise then dot, as onnxruntime's exact path does. The 4-bit GEMV
+ * with blocks of whole 32-column chunks sums in the canonical order every
+ * GEMV kernel follows instead (qm__scalar_q4_canon_dot). */
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
@@ -40,6 +42,49 @@ static void qm__scalar_matmul(const qm__qmat *m, uint32_t n0, uint32_t n1, const
             y[(size_t)r * ldy + n] = acc;
         }
     }
+}
+
+/* The 4-bit GEMV's canonical order (qm__q4_canon), which the AVX2 and
+ * AVX-512 GEMVs run on vectors: 16 lanes; for each 32-column chunk, lane j
+ * adds w * x of column 32c + 2j, then of column 32c + 2j + 1 (one fused
+ * multiply-add each, w = scale * (q - zp) rounded once); columns from k up
+ * to a multiple of 32 count with x = 0 and their code read from the row
+ * (0 past its bytes); then lane j += lane j + 8, j += j + 4, j += j + 2,
+ * and lane 0 + lane 1 is the output. */
+static float qm__scalar_q4_canon_dot(const qm__qmat *m, uint32_t n, const float *x)
+{
+    const uint8_t *row = m->w + (size_t)n * m->row_bytes;
+    uint32_t kp = (m->k + 31) & ~31u;
+    uint32_t cols_per_block = m->nblk == 1 ? kp : m->block;
+    float acc[16] = {0};
+    for (uint32_t c0 = 0; c0 < kp; c0 += 32) {
+        uint32_t b = c0 / cols_per_block;
+        float scale = qm__qmat_scale(m, n, b);
+        int zp = qm__qmat_zp(m, n, b);
+        for (uint32_t j = 0; j < 16; j++)
+            for (uint32_t h = 0; h < 2; h++) {
+                uint32_t c = c0 + 2 * j + h;
+                int q = c / 2 < m->row_bytes ? (row[c / 2] >> (4 * h)) & 15 : 0;
+                float w = scale * (float)(q - zp);
+                acc[j] = fmaf(w, c < m->k ? x[c] : 0.0f, acc[j]);
+            }
+    }
+    for (uint32_t half = 8; half >= 1; half /= 2)
+        for (uint32_t j = 0; j < half; j++)
+            acc[j] += acc[j + half];
+    return acc[0];
+}
+
+static void qm__scalar_gemv(const qm__qmat *m, uint32_t n0, uint32_t n1, const float *xp,
+                            size_t ldx, uint32_t nx, float *y, size_t ldy, float *scratch)
+{
+    if (!qm__q4_canon(m, 0)) {
+        qm__scalar_matmul(m, n0, n1, xp, ldx, nx, y, ldy, scratch);
+        return;
+    }
+    for (uint32_t n = n0; n < n1; n++)
+        for (uint32_t r = 0; r < nx; r++)
+            y[(size_t)r * ldy + n] = qm__scalar_q4_canon_dot(m, n, xp + (size_t)r * ldx);
 }
 
 /* ---- fast mode: the specification (qm_kernels.h) ---- */
@@ -122,7 +167,7 @@ const qm__kernel qm__kernel_scalar = {
     .name = "scalar",
     .x_stride = qm__scalar_x_stride,
     .prep = qm__scalar_prep,
-    .gemv = qm__scalar_matmul,
+    .gemv = qm__scalar_gemv,
     .gemm = qm__scalar_matmul,
     .gemm_row_pad = 1,
 };

@@ -2,24 +2,22 @@
  *
  * Exact mode: a kernel per shape class the engine distinguishes (GEMV =
  * decode jobs of <= QM__GEMV_MAX_ROWS rows, GEMM = longer jobs; 4-bit and
- * 8-bit weights). Where the SIMD kernels of a class give the same bits
- * (8-bit GEMV: the AVX-512 one runs the AVX2 order; GEMM 4/8-bit: same
- * panels, same per-lane order) the default is measured once per process:
- * each available SIMD kernel on a 64 x 2880 matrix with blocks of 32
- * (L2-resident: the kernel's compute, not the memory), thread CPU time,
- * best of a few runs, a narrower kernel taking a class only when more than
- * 10% faster (no flapping between near-equal kernels). Two processes that
- * measure differently still give the same bits. The 4-bit GEMV's kernels
- * sum in different orders (qm_kernel_avx512.c says why), so that class
- * stays on a fixed table (AVX-512 table-lookup GEMV where the CPU has
- * AVX-512F/BW/VL, else AVX2): the daemon and `qmoe-bank run` agree.
+ * 8-bit weights). The SIMD kernels of each class give the same bits (4-bit
+ * GEMV: one canonical order, qm__q4_canon; 8-bit GEMV: the AVX-512 one runs
+ * the AVX2 order; GEMM 4/8-bit: same panels, same per-lane order), so every
+ * class's default is measured once per process: each available SIMD kernel
+ * on a 64 x 2880 matrix with blocks of 32 (L2-resident: the kernel's
+ * compute, not the memory), thread CPU time, best of a few runs, a
+ * narrower kernel taking a class only when more than 10% faster (no
+ * flapping between near-equal kernels). Two processes that measure
+ * differently (the daemon and `qmoe-bank run`) still give the same bits.
  * QMOE_KERNEL_CACHE=<file> keeps the measured choice across restarts,
  * keyed by the CPU's brand string, the candidate kernels and a version (a
  * stale, invalid or corrupt file is ignored with a line on stderr and
- * rewritten). QMOE_KERNEL=table uses the fixed table for every class,
- * =measure measures the 4-bit GEMV too (outputs then follow that
- * process's measurement), =scalar|avx2|avx512 forces one kernel for every
- * class (an unavailable one falls back to the default).
+ * rewritten). QMOE_KERNEL=measure measures every class without the cache,
+ * =table takes the fixed per-ISA table without measuring (the widest
+ * kernel, but AVX2 for the 8-bit GEMV), =scalar|avx2|avx512 forces one
+ * kernel for every class (an unavailable one falls back to the default).
  *
  * Fast mode: every SIMD fast kernel produces the same bits (qm_kernel_i8.h),
  * so its choice is always measured, once per process, among the available
@@ -46,8 +44,8 @@ typedef struct qm__auto_choice {
     char desc[160];
 } qm__auto_choice;
 
-/* [0]: the default (measured where the bits agree), [1]: everything
- * measured (QMOE_KERNEL=measure), [2]: the fixed table (QMOE_KERNEL=table). */
+/* [0]: the default (measured, or the cache), [1]: measured without the
+ * cache (QMOE_KERNEL=measure), [2]: the fixed table (QMOE_KERNEL=table). */
 static qm__auto_choice qm__choice[3];
 static pthread_once_t qm__choice_once[3] = {PTHREAD_ONCE_INIT, PTHREAD_ONCE_INIT,
                                             PTHREAD_ONCE_INIT};
@@ -297,7 +295,8 @@ int qm__kernel_pick(const double *us, int nc)
 
 /* ---- the measured choice's cache (QMOE_KERNEL_CACHE) ---- */
 
-#define QM__CACHE_VERSION 1
+/* 2: the 4-bit GEMV's entry is measured (1 held the fixed table's). */
+#define QM__CACHE_VERSION 2
 
 /* The CPU's brand string (CPUID 0x80000002..4), or "unknown". */
 static void qm__cpu_brand(char *out, size_t cap)
@@ -390,7 +389,7 @@ static void qm__kernel_cache_save(const char *path, const qm__kernel *const *can
         remove(tmp);
 }
 
-/* mode 0: default (measured where the bits agree), 1: measure everything,
+/* mode 0: default (measured, or the cache), 1: measured without the cache,
  * 2: the fixed table. */
 static void qm__auto_calibrate(int mode)
 {
@@ -407,13 +406,14 @@ static void qm__auto_calibrate(int mode)
         ch->gemv[b8] = ch->gemm[b8] = nc ? cands[0] : &qm__kernel_scalar;
         ch->gemv_us[b8] = ch->gemm_us[b8] = 0.0;
     }
-    /* The fixed table: the 4-bit GEMV of every mode but "measure". */
+    /* The fixed table: the widest kernel, AVX2 for the 8-bit GEMV. */
     ch->gemv[1] = nc ? cands[nc - 1] : &qm__kernel_scalar;
     const char *cache = mode == 0 ? getenv("QMOE_KERNEL_CACHE") : NULL;
     const qm__kernel *cached[4];
     int from_cache = 0;
     if (nc > 1 && mode != 2 && cache && *cache &&
         qm__kernel_cache_load(cache, cands, nc, cached) == 0) {
+        ch->gemv[0] = cached[0];
         ch->gemv[1] = cached[1];
         ch->gemm[0] = cached[2];
         ch->gemm[1] = cached[3];
@@ -428,8 +428,6 @@ static void qm__auto_calibrate(int mode)
                               .scales = sc, .scale_dtype = QM_DTYPE_F32, .n = QM__CAL_N,
                               .k = QM__CAL_K, .bits = b8 ? 8u : 4u, .nblk = nblk, .block = 32};
                 for (int gemm = 0; gemm < 2; gemm++) {
-                    if (!gemm && !b8 && mode != 1)
-                        continue; /* 4-bit GEMV: the table */
                     double us[4];
                     for (int c = 0; c < nc; c++)
                         us[c] = qm__timer(cands[c], &m, gemm, x);

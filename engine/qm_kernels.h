@@ -94,6 +94,17 @@ static inline uint32_t qm__i8_spb(const qm__qmat *m)
     return m->nblk == 1 ? (uint32_t)((m->k + 31) / 32) : m->block / 32;
 }
 
+/* The 4-bit GEMV's canonical order, followed bit for bit by the scalar,
+ * AVX2 and AVX-512 kernels (qm_kernel_scalar.c specifies it) wherever
+ * blocks are whole 32-column chunks: row-wise or block % 32 == 0. The SIMD
+ * kernels' prepared input stores every 32 columns as [16 even, 16 odd]
+ * (qm__avx2_prep). 4-bit blocks of 16 run the AVX2 GEMV's own order on
+ * both ISAs (the scalar kernel: its column order). */
+static inline int qm__q4_canon(const qm__qmat *m, int gemm)
+{
+    return !gemm && m->bits == 4 && (m->nblk == 1 || m->block % 32 == 0);
+}
+
 /* Per-worker scratch floats a kernel may use for matrix m. */
 size_t qm__kernel_scratch_floats(const qm__qmat *m);
 
@@ -112,10 +123,10 @@ const float *qm__avx2_gemm_panel(const qm__qmat *m, uint32_t n0, uint32_t n1, ui
                                  uint32_t len, float *scratch);
 #endif
 
-/* The kernel for this CPU, measured per shape class once per process where
- * the class's kernels give the same bits, else a fixed table
- * (qm_kernel_select.c); QMOE_KERNEL=scalar|avx2|avx512 forces one (an
- * unavailable one falls back to the default), =table|measure picks the mode. */
+/* The kernel for this CPU, measured per shape class once per process (the
+ * SIMD kernels of a class give the same bits; qm_kernel_select.c);
+ * QMOE_KERNEL=scalar|avx2|avx512 forces one (an unavailable one falls back
+ * to the default), =table|measure picks the mode. */
 const qm__kernel *qm__kernel_select(void);
 /* Calibration, for tests: the timer of one kernel on one class (best
  * microseconds, <= 0: could not run); NULL restores thread CPU timing. */

@@ -18,10 +18,9 @@ static const qm_activation ACTS[] = {QM_ACT_RELU, QM_ACT_GELU, QM_ACT_SILU, QM_A
 static const uint32_t FUSIONS[] = {1, 1, 1, 1, 1, 2, 0};
 static const qm_dtype DTS[] = {QM_DTYPE_F32, QM_DTYPE_F16, QM_DTYPE_BF16};
 
-/* Every kernel path: "auto" is the default (measured per class where the
- * kernels give the same bits, else the table), "measure" every class
- * measured in this process, "table" the fixed per-ISA table
- * (qm_kernel_select.c). */
+/* Every kernel path: "auto" is the default (measured per class, or the
+ * cache), "measure" every class measured in this process without the
+ * cache, "table" the fixed per-ISA table (qm_kernel_select.c). */
 static const char *const KERNELS[] = {"scalar", "avx2", "avx512", "auto", "measure", "table"};
 #define N_KERNELS 6
 
@@ -362,9 +361,10 @@ START_TEST(test_outputs_bitwise_identical_across_thread_counts)
 END_TEST
 
 /* The AVX-512 GEMM runs the AVX2 GEMM's panels with wider vectors and the
- * same per-lane order: prefill (jobs of > 4 rows) gives the same bits on
- * both, so the kernel choice for that class changes no output. */
-START_TEST(test_gemm_bits_same_on_avx2_and_avx512)
+ * same per-lane order, and both GEMVs run one order per weight width
+ * (qm__q4_canon for 4 bits): decode (jobs of <= 4 rows) and prefill give
+ * the same bits on both, so the measured kernel choice changes no output. */
+START_TEST(test_layer_bits_same_on_avx2_and_avx512)
 {
     if (!cpu_has("avx2") || !cpu_has("avx512"))
         return;
@@ -380,23 +380,26 @@ START_TEST(test_gemm_bits_same_on_avx2_and_avx512)
         s.act = QM_ACT_SWIGLU;
         tl_layer L;
         ck_assert_int_eq(tl_layer_build(&s, &L), 0);
-        uint32_t T = 29, H = s.H;
-        float *x = malloc(sizeof(float) * T * H), *lg = malloc(sizeof(float) * T * s.E);
-        float *o2 = malloc(sizeof(float) * T * H), *o5 = malloc(sizeof(float) * T * H);
-        tl_random_inputs(3, T, H, s.E, x, lg);
+        uint32_t H = s.H;
         qm_backend *b2 = new_backend("avx2", 2), *b5 = new_backend("avx512", 2);
-        ck_assert_int_eq(forward_f32(b2, &L, T, x, lg, o2, NULL, NULL), 0);
-        ck_assert_int_eq(forward_f32(b5, &L, T, x, lg, o5, NULL, NULL), 0);
-        /* Both experts get all 29 rows (k = E = 2): the GEMM path; the
-         * GEMV path differs by design, not checked here. */
-        ck_assert_msg(memcmp(o2, o5, sizeof(float) * T * H) == 0, "bits %d: GEMM outputs differ",
-                      bits);
+        /* Both experts get all T rows (k = E = 2): GEMV for 1 and 3, GEMM for 29. */
+        static const uint32_t TS[] = {1, 3, 29};
+        for (size_t ti = 0; ti < sizeof TS / sizeof TS[0]; ti++) {
+            uint32_t T = TS[ti];
+            float *x = malloc(sizeof(float) * T * H), *lg = malloc(sizeof(float) * T * s.E);
+            float *o2 = malloc(sizeof(float) * T * H), *o5 = malloc(sizeof(float) * T * H);
+            tl_random_inputs(3, T, H, s.E, x, lg);
+            ck_assert_int_eq(forward_f32(b2, &L, T, x, lg, o2, NULL, NULL), 0);
+            ck_assert_int_eq(forward_f32(b5, &L, T, x, lg, o5, NULL, NULL), 0);
+            ck_assert_msg(memcmp(o2, o5, sizeof(float) * T * H) == 0,
+                          "bits %d T %u: avx2 and avx512 outputs differ", bits, T);
+            free(x);
+            free(lg);
+            free(o2);
+            free(o5);
+        }
         qm_backend_free(b2);
         qm_backend_free(b5);
-        free(x);
-        free(lg);
-        free(o2);
-        free(o5);
         tl_layer_free(&L);
     }
 }
@@ -1105,7 +1108,7 @@ static Suite *engine_suite(void)
     tcase_add_test(tc, test_forward_refuses_an_expert_source_of_another_version);
     tcase_add_test(tc, test_f16_and_bf16_activations_round_once);
     tcase_add_test(tc, test_outputs_bitwise_identical_across_thread_counts);
-    tcase_add_test(tc, test_gemm_bits_same_on_avx2_and_avx512);
+    tcase_add_test(tc, test_layer_bits_same_on_avx2_and_avx512);
     tcase_add_test(tc, test_waves_give_bitwise_identical_outputs);
     tcase_add_test(tc, test_expert_order_does_not_change_bits);
     tcase_add_test(tc, test_zero_tokens_give_empty_result);

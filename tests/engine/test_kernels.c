@@ -1,11 +1,13 @@
 /* test_kernels.c - the exact-mode kernels' choice (qm_kernel_select.c).
  *
- *  - Every SIMD kernel pair of a class whose choice is measured gives the
- *    same bits (8-bit GEMV; GEMM 4/8-bit) on random shapes with tails: K not
- *    a multiple of the block or of 16/32, odd N, T = 1..4 (GEMV) and larger
- *    (GEMM), f32/f16 scales, with and without zero points.
- *  - The calibration takes the fastest kernel, a narrower one only by a
- *    margin, when fed fake timings (an injected timer).
+ *  - Every SIMD kernel pair of a class gives the same bits (4-bit and 8-bit
+ *    GEMV; GEMM 4/8-bit) on random shapes with tails: K not a multiple of
+ *    the block or of 16/32, odd N, T = 1..4 (GEMV) and larger (GEMM),
+ *    f32/f16 scales, with and without zero points.
+ *  - Every 4-bit GEMV kernel, the scalar one included wherever the
+ *    canonical order applies (qm__q4_canon), gives the same bits.
+ *  - The calibration takes the fastest kernel per class, a narrower one
+ *    only by a margin, when fed fake timings (an injected timer).
  *  - A corrupt or foreign cache file is ignored; a valid one is used.
  * Kernels this CPU cannot run are named on stderr and skipped. */
 #include <check.h>
@@ -58,6 +60,73 @@ static void run(const qm__kernel *k, const qm__qmat *m, int gemm, const float *x
     qm_free(xp);
 }
 
+/* A random quantised matrix and its buffers. */
+typedef struct rand_mat {
+    qm__qmat m;
+    uint8_t *w, *zp;
+    uint16_t *s16;
+    float *s32;
+} rand_mat;
+
+/* bits, block (0: row-wise), k, n; rows 0-2 bytes longer than their codes,
+ * f16 or f32 scales, zero points or not, all at random. */
+static void rand_mat_new(rand_mat *r, uint32_t bits, uint32_t block, uint32_t k, uint32_t n)
+{
+    uint32_t nblk = block ? (k + block - 1) / block : 1;
+    size_t rb = ((size_t)k * bits + 7) / 8 + next() % 3;
+    int f16 = next() % 2, asym = next() % 2;
+    size_t zprb = (nblk * bits + 7) / 8;
+    r->w = malloc((size_t)n * rb);
+    r->s16 = malloc(2 * (size_t)n * nblk);
+    r->s32 = malloc(4 * (size_t)n * nblk);
+    r->zp = malloc((size_t)n * zprb);
+    ck_assert(r->w && r->s16 && r->s32 && r->zp);
+    for (size_t i = 0; i < (size_t)n * rb; i++)
+        r->w[i] = (uint8_t)next();
+    for (size_t i = 0; i < (size_t)n * zprb; i++)
+        r->zp[i] = (uint8_t)next();
+    for (size_t i = 0; i < (size_t)n * nblk; i++) {
+        r->s32[i] = (float)(1 + next() % 1000) * 1e-4f;
+        r->s16[i] = (uint16_t)(0x1000 + next() % 0x2000); /* positive normal f16 */
+    }
+    r->m = (qm__qmat){.w = r->w,
+                      .row_bytes = rb,
+                      .scales = f16 ? (void *)r->s16 : (void *)r->s32,
+                      .scale_dtype = f16 ? QM_DTYPE_F16 : QM_DTYPE_F32,
+                      .zp = asym ? r->zp : NULL,
+                      .zp_blockwise = 1,
+                      .zp_row_bytes = zprb,
+                      .n = n,
+                      .k = k,
+                      .bits = bits,
+                      .nblk = nblk,
+                      .block = block ? block : k};
+}
+
+static void rand_mat_free(rand_mat *r)
+{
+    free(r->w), free(r->s16), free(r->s32), free(r->zp);
+}
+
+/* T random input rows of k columns. */
+static float *rand_inputs(uint32_t T, uint32_t k)
+{
+    float *x = malloc(4 * (size_t)T * k);
+    ck_assert_ptr_nonnull(x);
+    for (size_t i = 0; i < (size_t)T * k; i++)
+        x[i] = ((float)(next() % 20001) - 10000.0f) * 1e-3f;
+    return x;
+}
+
+/* A random k for blocks of `block` columns (0: row-wise): often not a
+ * multiple of the block, of 16 or of 32. */
+static uint32_t rand_k(uint32_t block)
+{
+    uint32_t k =
+        block ? block * (1 + next() % 6) - (next() % 2 ? 0 : next() % block) : 1 + next() % 700;
+    return k < 2 ? 2 : k;
+}
+
 START_TEST(test_measured_classes_same_bits)
 {
     const qm__kernel *a = kernel("avx2"), *b = kernel("avx512");
@@ -69,62 +138,79 @@ START_TEST(test_measured_classes_same_bits)
         uint32_t bits = it & 1 ? 8 : 4;
         uint32_t T = TS[(it / 2) % 9];
         int gemm = T > QM__GEMV_MAX_ROWS;
-        if (!gemm && bits == 4) continue; /* the 4-bit GEMV stays on the table: different orders */
         uint32_t block = BLOCKS[next() % 5];
-        uint32_t k =
-            block ? block * (1 + next() % 6) - (next() % 2 ? 0 : next() % block) : 1 + next() % 700;
-        if (k < 2) k = 2;
-        uint32_t n = 1 + next() % 41;
-        uint32_t nblk = block ? (k + block - 1) / block : 1;
-        size_t rb = ((size_t)k * bits + 7) / 8 + next() % 3;
-        int f16 = next() % 2, asym = next() % 2;
-        uint8_t *w = malloc((size_t)n * rb);
-        uint16_t *s16 = malloc(2 * (size_t)n * nblk);
-        float *s32 = malloc(4 * (size_t)n * nblk);
-        size_t zprb = (nblk * bits + 7) / 8;
-        uint8_t *zp = malloc((size_t)n * zprb);
-        float *x = malloc(4 * (size_t)T * k), *ya = malloc(4 * (size_t)T * n),
+        uint32_t k = rand_k(block), n = 1 + next() % 41;
+        rand_mat r;
+        rand_mat_new(&r, bits, block, k, n);
+        float *x = rand_inputs(T, k), *ya = malloc(4 * (size_t)T * n),
               *yb = malloc(4 * (size_t)T * n);
-        for (size_t i = 0; i < (size_t)n * rb; i++)
-            w[i] = (uint8_t)next();
-        for (size_t i = 0; i < (size_t)n * zprb; i++)
-            zp[i] = (uint8_t)next();
-        for (size_t i = 0; i < (size_t)n * nblk; i++) {
-            s32[i] = (float)(1 + next() % 1000) * 1e-4f;
-            s16[i] = (uint16_t)(0x1000 + next() % 0x2000); /* positive normal f16 */
-        }
-        for (size_t i = 0; i < (size_t)T * k; i++)
-            x[i] = ((float)(next() % 20001) - 10000.0f) * 1e-3f;
-        qm__qmat m = {.w = w,
-                      .row_bytes = rb,
-                      .scales = f16 ? (void *)s16 : (void *)s32,
-                      .scale_dtype = f16 ? QM_DTYPE_F16 : QM_DTYPE_F32,
-                      .zp = asym ? zp : NULL,
-                      .zp_blockwise = 1,
-                      .zp_row_bytes = zprb,
-                      .n = n,
-                      .k = k,
-                      .bits = bits,
-                      .nblk = nblk,
-                      .block = block ? block : k};
-        run(a, &m, gemm, x, T, ya);
-        run(b, &m, gemm, x, T, yb);
+        run(a, &r.m, gemm, x, T, ya);
+        run(b, &r.m, gemm, x, T, yb);
         ck_assert_msg(memcmp(ya, yb, 4 * (size_t)T * n) == 0,
                       "%s %u-bit n %u k %u block %u T %u f16 %d zp %d: avx2 and avx512 differ",
-                      gemm ? "gemm" : "gemv", bits, n, k, block, T, f16, asym);
+                      gemm ? "gemm" : "gemv", bits, n, k, block, T,
+                      r.m.scale_dtype == QM_DTYPE_F16, r.m.zp != NULL);
         checked++;
-        free(w), free(s16), free(s32), free(zp), free(x), free(ya), free(yb);
+        rand_mat_free(&r);
+        free(x), free(ya), free(yb);
     }
-    ck_assert_int_gt(checked, 100);
+    ck_assert_int_gt(checked, 150);
 }
 END_TEST
 
-/* Fake timings: avx512 takes FAKE_WIDE us, avx2 FAKE_NARROW. */
-static double fake_wide, fake_narrow;
+/* Every 4-bit GEMV kernel of this CPU against the first one that ran: the
+ * scalar kernel wherever the canonical order applies (blocks of 16: the
+ * SIMD kernels only), AVX2, AVX-512; blocks 16/32/64/128 and row-wise, odd
+ * and even N (one 16-row tile or several, a short last one), 1..4 inputs. */
+START_TEST(test_q4_gemv_same_bits_every_kernel)
+{
+    const qm__kernel *ks[3] = {&qm__kernel_scalar, kernel("avx2"), kernel("avx512")};
+    if (!ks[1] && !ks[2]) {
+        fprintf(stderr, "q4 gemv: no SIMD kernel on this CPU, nothing to compare\n");
+        return;
+    }
+    static const uint32_t BLOCKS[] = {0, 16, 32, 64, 128};
+    int compared = 0, with_scalar = 0;
+    for (int it = 0; it < 200; it++) {
+        uint32_t block = BLOCKS[it % 5], T = 1 + (it / 5) % 4;
+        uint32_t k = rand_k(block), n = 1 + next() % 53;
+        rand_mat r;
+        rand_mat_new(&r, 4, block, k, n);
+        float *x = rand_inputs(T, k), *ref = malloc(4 * (size_t)T * n),
+              *y = malloc(4 * (size_t)T * n);
+        const char *ref_name = NULL;
+        for (int i = 0; i < 3; i++) {
+            if (!ks[i] || (i == 0 && !qm__q4_canon(&r.m, 0)))
+                continue;
+            run(ks[i], &r.m, 0, x, T, ref_name ? y : ref);
+            if (!ref_name) {
+                ref_name = ks[i]->name;
+                continue;
+            }
+            ck_assert_msg(memcmp(ref, y, 4 * (size_t)T * n) == 0,
+                          "n %u k %u block %u T %u f16 %d zp %d: %s and %s differ", n, k, block,
+                          T, r.m.scale_dtype == QM_DTYPE_F16, r.m.zp != NULL, ref_name,
+                          ks[i]->name);
+            compared++;
+            with_scalar += ref_name == ks[0]->name;
+        }
+        rand_mat_free(&r);
+        free(x), free(ref), free(y);
+    }
+    ck_assert_int_gt(compared, 150);
+    ck_assert_int_gt(with_scalar, 100);
+}
+END_TEST
+
+/* Fake timings: avx512 takes fake_wide us, avx2 fake_narrow, or on the
+ * 4-bit GEMV fake_q4_gemv_narrow where that is set (> 0). */
+static double fake_wide, fake_narrow, fake_q4_gemv_narrow;
 static double fake_timer(const qm__kernel *k, const qm__qmat *m, int gemm, const float *x)
 {
-    (void)m, (void)gemm, (void)x;
-    return strcmp(k->name, "avx512") == 0 ? fake_wide : fake_narrow;
+    (void)x;
+    if (strcmp(k->name, "avx512") == 0)
+        return fake_wide;
+    return fake_q4_gemv_narrow > 0 && m->bits == 4 && !gemm ? fake_q4_gemv_narrow : fake_narrow;
 }
 
 START_TEST(test_pick_with_margin)
@@ -150,13 +236,17 @@ START_TEST(test_calibration_takes_fastest)
     fake_wide = 50.0, fake_narrow = 100.0;
     const char *d = qm__kernel_recalibrate();
     ck_assert_msg(strstr(d, "gemv avx512/avx512, gemm avx512/avx512"), "%s", d);
-    fake_wide = 100.0, fake_narrow = 50.0;
+    fake_wide = 100.0, fake_narrow = 50.0; /* every class measured, the 4-bit GEMV too */
     d = qm__kernel_recalibrate();
-    /* the 4-bit GEMV stays on the table (avx512 here) */
-    ck_assert_msg(strstr(d, "gemv avx512/avx2, gemm avx2/avx2"), "%s", d);
+    ck_assert_msg(strstr(d, "gemv avx2/avx2, gemm avx2/avx2"), "%s", d);
     fake_wide = 100.0, fake_narrow = 95.0; /* within the margin: the wider stays */
     d = qm__kernel_recalibrate();
     ck_assert_msg(strstr(d, "gemv avx512/avx512, gemm avx512/avx512"), "%s", d);
+    /* AVX2 faster on the 4-bit GEMV alone (the Zen 4): only that class moves */
+    fake_wide = 100.0, fake_narrow = 120.0, fake_q4_gemv_narrow = 40.0;
+    d = qm__kernel_recalibrate();
+    ck_assert_msg(strstr(d, "gemv avx2/avx512, gemm avx512/avx512"), "%s", d);
+    fake_q4_gemv_narrow = 0.0;
     qm__kernel_set_timer(NULL);
     qm__kernel_recalibrate();
 }
@@ -178,12 +268,14 @@ START_TEST(test_cache)
     qm__kernel_set_timer(fake_timer);
     fake_wide = 100.0, fake_narrow = 50.0;
     const char *d = qm__kernel_recalibrate(); /* corrupt: measured, then written */
-    ck_assert_msg(strstr(d, "measured:") && strstr(d, "gemm avx2/avx2"), "%s", d);
+    ck_assert_msg(strstr(d, "measured:") && strstr(d, "gemv avx2/avx2, gemm avx2/avx2"), "%s",
+                  d);
     ck_assert_int_eq(qm__kernel_cache_load(path, cands, 2, out), 0);
+    ck_assert_ptr_eq(out[0], a);
     ck_assert_ptr_eq(out[2], a);
     fake_wide = 50.0, fake_narrow = 100.0; /* the cache wins over a new measurement */
     d = qm__kernel_recalibrate();
-    ck_assert_msg(strstr(d, "(cached)") && strstr(d, "gemm avx2/avx2"), "%s", d);
+    ck_assert_msg(strstr(d, "(cached)") && strstr(d, "gemv avx2/avx2, gemm avx2/avx2"), "%s", d);
     /* another kernel set: ignored */
     const qm__kernel *other[1] = {a};
     ck_assert_int_eq(qm__kernel_cache_load(path, other, 1, out), -1);
@@ -210,6 +302,7 @@ static Suite *suite(void)
     Suite *s = suite_create("kernels");
     TCase *tc = tcase_create("core");
     tcase_add_test(tc, test_measured_classes_same_bits);
+    tcase_add_test(tc, test_q4_gemv_same_bits_every_kernel);
     tcase_add_test(tc, test_pick_with_margin);
     tcase_add_test(tc, test_calibration_takes_fastest);
     tcase_add_test(tc, test_cache);
