@@ -194,17 +194,12 @@ static const qm_policy_iface arc_iface = {
     .destroy = arc_destroy,
 };
 
-static int arc_new(const qm_policy_params *params, qm_policy *out, qm_status *st)
-{
-    (void)params;
-    return qm__policy_alloc(&arc_iface, sizeof(arc_ctx), out, st) ? 0 : QM_ENOMEM;
-}
-
 const qm__policy_desc qm__policy_arc_desc = {
     .version = QM_POLICY_DESC_VERSION,
     .name = "arc",
     .summary = "Adaptive Replacement Cache: balances recency and frequency online from the "
                "ghosts of recent evictions",
     .offered = 1,
-    .create = arc_new,
+    .iface = &arc_iface,
+    .ctx_size = sizeof(arc_ctx),
 };

@@ -73,10 +73,15 @@ typedef struct qm__policy_desc {
     int accepts_hot;       /* 1: takes policy_params.hot (hottest-first expert lists) */
     const qm_policy_param_spec *params;
     size_t n_params;
-    /* NULL for a policy that cannot be made from parameters alone (belady);
-     * then `refusal` says why. `params` is never NULL here and has passed
-     * the registry's checks. */
+    /* A policy that reads parameters: its constructor. `params` is never
+     * NULL here and has passed the registry's checks. */
     int (*create)(const qm_policy_params *params, qm_policy *out, qm_status *st);
+    /* A policy that reads none (create NULL): its iface and the size of its
+     * ctx, which the registry allocates zeroed (no ctx when 0). */
+    const qm_policy_iface *iface;
+    size_t ctx_size;
+    /* Neither create nor iface: the policy cannot be made from parameters
+     * alone (belady), and `refusal` says why. */
     const char *refusal;
 } qm__policy_desc;
 

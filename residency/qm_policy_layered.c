@@ -147,10 +147,8 @@ static int layered_choose_victim(void *ctx, const qm_expert_ref *candidates, siz
                                  size_t *victim)
 {
     layered_ctx *lc = ctx;
-    size_t best[2];
-    qm__victim_scan(&lc->base.split.history, candidates, n, qm__layered_bank_phase, layered_rank,
-                    lc, best);
-    *victim = best[0];
+    *victim = qm__victim_scan1(&lc->base.split.history, candidates, n, qm__layered_bank_phase,
+                               layered_rank, lc);
     return 0;
 }
 

@@ -72,9 +72,8 @@ static double lfu_rank(void *ctx, const qm__ref_entry *e, const qm__bank_phase *
 static int lfu_choose_victim(void *ctx, const qm_expert_ref *candidates, size_t n, size_t *victim)
 {
     lfu_scan scan = {.lfu = ctx};
-    size_t best[2];
-    qm__victim_scan(&scan.lfu->base.history, candidates, n, lfu_scan_bank, lfu_rank, &scan, best);
-    *victim = best[0];
+    *victim = qm__victim_scan1(&scan.lfu->base.history, candidates, n, lfu_scan_bank, lfu_rank,
+                               &scan);
     return 0;
 }
 

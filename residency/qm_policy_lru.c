@@ -45,9 +45,7 @@ static double lru_rank(void *ctx, const qm__ref_entry *e, const qm__bank_phase *
 static int lru_choose_victim(void *ctx, const qm_expert_ref *candidates, size_t n, size_t *victim)
 {
     lru_ctx *lru = ctx;
-    size_t best[2];
-    qm__victim_scan(&lru->base.history, candidates, n, NULL, lru_rank, NULL, best);
-    *victim = best[0];
+    *victim = qm__victim_scan1(&lru->base.history, candidates, n, NULL, lru_rank, NULL);
     return 0;
 }
 
@@ -61,18 +59,13 @@ static const qm_policy_iface lru_iface = {
     .destroy = qm__split_destroy,
 };
 
-static int lru_new(const qm_policy_params *params, qm_policy *out, qm_status *st)
-{
-    (void)params;
-    return qm__policy_alloc(&lru_iface, sizeof(lru_ctx), out, st) ? 0 : QM_ENOMEM;
-}
-
 const qm__policy_desc qm__policy_lru_desc = {
     .version = QM_POLICY_DESC_VERSION,
     .name = "lru",
     .summary = "pages every expert; evicts the least recently used",
     .offered = 1,
-    .create = lru_new,
+    .iface = &lru_iface,
+    .ctx_size = sizeof(lru_ctx),
 };
 
 /* ---- static_hot ---------------------------------------------------------- */

@@ -4,6 +4,7 @@
  * parameters (qm_policy_impl.h) and the checks here read those tables. */
 #include "qm_residency.h"
 #include "qm_policy_impl.h"
+#include "qm_residency_impl.h"
 
 #include <math.h>
 #include <stdio.h>
@@ -176,7 +177,7 @@ int qm_policy_new(const char *name, const qm_policy_params *params, qm_policy *o
         return qm_status_set_field(st, QM_EINVAL, "policy",
                                    "unknown policy '%.64s'; expected one of: %s", name, names);
     }
-    if (!d->create) {
+    if (!d->create && !d->iface) {
         qm_policy_names(names, sizeof names);
         return qm_status_set_field(st, QM_EINVAL, "policy", "policy '%s' %s; expected one of: %s",
                                    d->name, d->refusal ? d->refusal : "cannot be made here",
@@ -185,5 +186,11 @@ int qm_policy_new(const char *name, const qm_policy_params *params, qm_policy *o
     static const qm_policy_params defaults = {.version = QM_POLICY_PARAMS_VERSION};
     if (!params) params = &defaults;
     int rc = check_params(d, params, st);
-    return rc < 0 ? rc : d->create(params, out, st);
+    if (rc < 0) return rc;
+    if (d->create) return d->create(params, out, st);
+    if (d->ctx_size == 0) {
+        out->iface = d->iface;
+        return 0;
+    }
+    return qm__policy_alloc(d->iface, d->ctx_size, out, st) ? 0 : QM_ENOMEM;
 }

@@ -177,6 +177,16 @@ static inline void qm__victim_scan(const qm__ref_map *history, const qm_expert_r
     }
 }
 
+/* The scan of a policy that ranks one list: its pick (n > 0, so there is one). */
+static inline size_t qm__victim_scan1(const qm__ref_map *history, const qm_expert_ref *candidates,
+                                      size_t n, qm__victim_bank_fn bank, qm__victim_rank_fn rank,
+                                      void *ctx)
+{
+    size_t best[2];
+    qm__victim_scan(history, candidates, n, bank, rank, ctx, best);
+    return best[0];
+}
+
 /* What the layer-aware policies (layered_lru, next_use, arc) start their
  * ctx with: the splitting base and the layer clock. */
 typedef struct qm__layered_base {
