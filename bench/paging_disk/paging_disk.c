@@ -27,6 +27,7 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "../bench_pager.h"
 #include "../bench_util.h"
 #include "qm_moe.h"
 #include "qm_pager.h"
@@ -106,22 +107,9 @@ int main(int argc, char **argv)
     qm_pager *pg = NULL;
     double t_create = now_s();
     if (!whole) {
-        qm_region_catalog *cats[256];
-        if (qm_policy_new(policy, NULL, &pol, &st))
-            goto fail;
-        for (uint32_t l = 0; l < cfg->layers; l++)
-            if (qm_bank_build_catalog(bank, l, &cats[l], &st))
-                goto fail;
-        qm_plan_options po = {.has_budget = 1, .budget_bytes = (uint64_t)(frac * (double)total)};
-        int rc = qm_plan_residency((const qm_region_catalog *const *)cats, cfg->layers, &pol, &po,
-                                   &plan, &st);
-        for (uint32_t l = 0; l < cfg->layers; l++)
-            qm_catalog_free(cats[l]);
-        if (rc)
-            goto fail;
         qm_pager_options o = {.prefetch = prefetch,
                               .source = direct ? QM_PAGER_SOURCE_DIRECT : QM_PAGER_SOURCE_MMAP};
-        if (qm_pager_new(be, bank, plan, &pol, &o, &pg, &st))
+        if (bench_pager_new(be, bank, policy, frac, &o, &pol, &plan, &pg, &st))
             goto fail;
         const char *why = "";
         if (direct && qm_pager_source_info(pg, &why) != QM_PAGER_SOURCE_DIRECT) {
