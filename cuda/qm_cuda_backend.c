@@ -81,6 +81,13 @@ void qm__cuda_settle(qm__cuda_ctx *c)
     (void)cudaGetLastError();
 }
 
+int qm__cuda_unlock_run(qm__cuda_ctx *c, int rc)
+{
+    if (rc < 0) qm__cuda_settle(c);
+    pthread_mutex_unlock(&c->run_lock);
+    return rc;
+}
+
 /* ---- lifetime ---- */
 
 static void qm__cuda_destroy(void *ctx)
