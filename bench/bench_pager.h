@@ -1,18 +1,35 @@
-/* bench_pager.h - the paging authority the paging benchmarks (hybrid,
- * paging_e2e, paging_disk) run under: a policy, a residency plan for a share
- * of the bank's expert bytes, and a pager over them. Static inline like
- * bench_util.h; each program includes it by a path relative to its folder. */
+/* bench_pager.h - what the paging benchmarks (hybrid, paging_e2e,
+ * paging_disk) set up: the bank and a CPU backend, and the paging authority
+ * they run under (a policy, a residency plan for a share of the bank's
+ * expert bytes, a pager over them). Static inline like bench_util.h; each
+ * program includes it by a path relative to its folder. */
 #ifndef QMOE_BENCH_PAGER_H
 #define QMOE_BENCH_PAGER_H
 
 #include <stdint.h>
+#include <stdio.h>
 
+#include "qm_backend.h"
 #include "qm_bank.h"
 #include "qm_error.h"
 #include "qm_pager.h"
 #include "qm_residency.h"
 
 #define BENCH_PAGER_MAX_LAYERS 256u
+
+/* Opens the bank at `path` and a CPU backend of `threads` threads: the
+ * bank's config, or NULL with "<prog>: <why>" on stderr. */
+static inline const qm_bank_config *bench_open_cpu(const char *prog, const char *path,
+                                                   uint32_t threads, qm_bank **bank,
+                                                   qm_backend **be)
+{
+    qm_status st = {0};
+    if (qm_bank_open(path, bank, &st) || qm_backend_cpu_new(threads, be, &st)) {
+        fprintf(stderr, "%s: %s\n", prog, st.msg);
+        return NULL;
+    }
+    return qm_bank_get_config(*bank);
+}
 
 /* Makes policy `policy` (default parameters) in *pol, its plan for a budget
  * of `frac` of the bank's expert bytes (frac <= 0: no budget) in *plan and a

@@ -89,14 +89,12 @@ int main(int argc, char **argv)
         return 1;
     }
     close(fd);
-    qm_status st = {0};
     qm_bank *bank = NULL;
     qm_backend *be = NULL;
-    if (qm_bank_open(path, &bank, &st) || qm_backend_cpu_new(threads, &be, &st)) {
-        fprintf(stderr, "paging_disk: %s\n", st.msg);
+    const qm_bank_config *cfg = bench_open_cpu("paging_disk", path, threads, &bank, &be);
+    if (!cfg)
         return 1;
-    }
-    const qm_bank_config *cfg = qm_bank_get_config(bank);
+    qm_status st = {0};
     sim_trace tr;
     if (sim_trace_generate(&tr, tokens + warm, cfg->layers, cfg->experts, cfg->k, alpha, locality,
                            seed))

@@ -149,16 +149,13 @@ int main(int argc, char **argv)
                         "[--drift D]\n");
         return 2;
     }
-    qm_status st = {0};
     qm_bank *bank = NULL;
     qm_backend *be = NULL;
-    if (qm_bank_open(path, &bank, &st) || qm_backend_cpu_new(threads, &be, &st)) {
-        fprintf(stderr, "paging_e2e: %s\n", st.msg);
+    const qm_bank_config *cfg = bench_open_cpu("paging_e2e", path, threads, &bank, &be);
+    if (!cfg)
         return 1;
-    }
-    const qm_bank_config *cfg = qm_bank_get_config(bank);
-    sim_trace tr;
     uint32_t tokens = (calls + cfg->layers - 1) / cfg->layers;
+    sim_trace tr;
     if (sim_trace_generate(&tr, tokens, cfg->layers, cfg->experts, cfg->k, alpha, locality, seed))
         return 1;
     char route_desc[96];
