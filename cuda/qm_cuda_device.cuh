@@ -89,8 +89,8 @@ __device__ __forceinline__ uint32_t qm_block_of(const qm__cuda_mat &m, uint32_t 
  * which stand when the row is one block. */
 template <int BITS>
 __device__ __forceinline__ void qm_block_scale(const qm__cuda_mat &m, const void *scales,
-                                               const uint8_t *zp, uint32_t n, uint32_t c0,
-                                               float &s, int &z)
+                                               const uint8_t *zp, uint32_t n, uint32_t c0, float &s,
+                                               int &z)
 {
     if (m.nblk > 1) {
         uint32_t b = c0 >> m.block_shift;
@@ -123,8 +123,8 @@ __device__ __forceinline__ void qm_tile_loader_init(qm_tile_loader &ld, const qm
     for (int i = 0; i < 8; i++) {
         uint32_t t = t0 + ld.row_base + 8 * i;
         uint32_t brow = job->row0 + t;
-        ld.xrow[i] = t < job->n_rows ? in + (size_t)(in_rows ? in_rows[brow] : brow) * in_stride
-                                     : nullptr;
+        ld.xrow[i] =
+            t < job->n_rows ? in + (size_t)(in_rows ? in_rows[brow] : brow) * in_stride : nullptr;
     }
 }
 
