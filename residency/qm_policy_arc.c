@@ -184,14 +184,12 @@ static void arc_destroy(void *ctx)
 }
 
 static const qm_policy_iface arc_iface = {
-    .version = QM_POLICY_IFACE_VERSION,
-    .name = "arc",
-    .decide = qm__split_decide,
     .on_access = arc_on_access,
     .on_insert = arc_on_insert,
     .on_evict = arc_on_evict,
     .choose_victim = arc_choose_victim,
     .destroy = arc_destroy,
+    QM__SPLIT_POLICY("arc"), /* version, name, decide */
 };
 
 const qm__policy_desc qm__policy_arc_desc = {

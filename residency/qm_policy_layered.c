@@ -153,23 +153,19 @@ static int layered_choose_victim(void *ctx, const qm_expert_ref *candidates, siz
 }
 
 static const qm_policy_iface layered_lru_iface = {
-    .version = QM_POLICY_IFACE_VERSION,
-    .name = "layered_lru",
-    .decide = qm__split_decide,
     .on_access = layered_on_access,
     .on_insert = layered_on_insert,
     .choose_victim = layered_choose_victim,
     .destroy = qm__split_destroy,
+    QM__SPLIT_POLICY("layered_lru"), /* version, name, decide */
 };
 
 static const qm_policy_iface next_use_iface = {
-    .version = QM_POLICY_IFACE_VERSION,
-    .name = "next_use",
-    .decide = qm__split_decide,
     .on_access = layered_on_access,
     .on_insert = layered_on_insert,
     .choose_victim = layered_choose_victim,
     .destroy = qm__split_destroy,
+    QM__SPLIT_POLICY("next_use"), /* version, name, decide */
 };
 
 static int layered_make(const qm_policy_iface *iface, double decay, qm_policy *out,

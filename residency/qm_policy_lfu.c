@@ -78,12 +78,10 @@ static int lfu_choose_victim(void *ctx, const qm_expert_ref *candidates, size_t 
 }
 
 static const qm_policy_iface lfu_iface = {
-    .version = QM_POLICY_IFACE_VERSION,
-    .name = "lfu",
-    .decide = qm__split_decide,
     .on_access = lfu_on_access,
     .choose_victim = lfu_choose_victim,
     .destroy = qm__split_destroy,
+    QM__SPLIT_POLICY("lfu"), /* version, name, decide */
 };
 
 static const qm_policy_param_spec lfu_params[] = {

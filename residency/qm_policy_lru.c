@@ -50,13 +50,11 @@ static int lru_choose_victim(void *ctx, const qm_expert_ref *candidates, size_t 
 }
 
 static const qm_policy_iface lru_iface = {
-    .version = QM_POLICY_IFACE_VERSION,
-    .name = "lru",
-    .decide = qm__split_decide,
     .on_access = lru_on_access,
     .on_insert = lru_on_insert,
     .choose_victim = lru_choose_victim,
     .destroy = qm__split_destroy,
+    QM__SPLIT_POLICY("lru"), /* version, name, decide */
 };
 
 const qm__policy_desc qm__policy_lru_desc = {
