@@ -155,8 +155,8 @@ static int static_hot_new(const qm_policy_params *params, qm_policy *out, qm_sta
 {
     double fraction = qm__policy_param(params, &qm__policy_static_hot_desc, "pin_fraction");
     size_t n_banks = params->hot && params->hot_len ? params->n_hot_banks : 0;
-    static_hot_ctx *sh = qm_calloc(1, sizeof *sh);
-    if (!sh) goto fail_ctx;
+    static_hot_ctx *sh = qm__policy_alloc(&static_hot_iface, sizeof *sh, out, st);
+    if (!sh) return QM_ENOMEM;
     sh->pin_fraction = fraction;
     if (n_banks) {
         sh->hot = qm_calloc(n_banks, sizeof *sh->hot);
@@ -174,13 +174,10 @@ static int static_hot_new(const qm_policy_params *params, qm_policy *out, qm_sta
             sh->n_listed_banks++;
         }
     }
-    out->iface = &static_hot_iface;
-    out->ctx = sh;
     return 0;
 
 fail_copy:
-    static_hot_destroy(sh);
-fail_ctx:
+    qm_policy_destroy(out); /* static_hot_destroy frees what was copied; *out is reset */
     return qm_status_set(st, QM_ENOMEM, "out of memory creating policy 'static_hot'");
 }
 
