@@ -194,10 +194,9 @@ static const qm_policy_iface arc_iface = {
 
 const qm__policy_desc qm__policy_arc_desc = {
     .version = QM_POLICY_DESC_VERSION,
-    .name = "arc",
+    .iface = &arc_iface,
     .summary = "Adaptive Replacement Cache: balances recency and frequency online from the "
                "ghosts of recent evictions",
     .offered = 1,
-    .iface = &arc_iface,
     .ctx_size = sizeof(arc_ctx),
 };

@@ -106,7 +106,7 @@ fail:
 
 const qm__policy_desc qm__policy_belady_desc = {
     .version = QM_POLICY_DESC_VERSION,
-    .name = "belady",
+    .iface = &belady_iface,
     .summary = "offline optimum: evicts the expert used furthest in the future (tests, benchmarks)",
     .offered = 0,
     .refusal = "needs the future trace and is for tests and benchmarks only",

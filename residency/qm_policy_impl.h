@@ -67,7 +67,8 @@ struct qm_policy_param_spec {
 
 typedef struct qm__policy_desc {
     int version; /* QM_POLICY_DESC_VERSION */
-    const char *name;
+    /* The policy's interface; its name is the policy's name. */
+    const qm_policy_iface *iface;
     const char *summary;   /* one line, for help texts */
     int offered;           /* 1: offered over the socket (session.create) */
     int accepts_hot;       /* 1: takes policy_params.hot (hottest-first expert lists) */
@@ -76,12 +77,11 @@ typedef struct qm__policy_desc {
     /* A policy that reads parameters: its constructor. `params` is never
      * NULL here and has passed the registry's checks. */
     int (*create)(const qm_policy_params *params, qm_policy *out, qm_status *st);
-    /* A policy that reads none (create NULL): its iface and the size of its
-     * ctx, which the registry allocates zeroed (no ctx when 0). */
-    const qm_policy_iface *iface;
+    /* A policy that reads none (create NULL): the size of its ctx, which the
+     * registry allocates zeroed (no ctx when 0). */
     size_t ctx_size;
-    /* Neither create nor iface: the policy cannot be made from parameters
-     * alone (belady), and `refusal` says why. */
+    /* Set for a policy that cannot be made from parameters alone (belady):
+     * why. */
     const char *refusal;
 } qm__policy_desc;
 

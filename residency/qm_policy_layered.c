@@ -198,7 +198,7 @@ static int next_use_new(const qm_policy_params *params, qm_policy *out, qm_statu
 
 const qm__policy_desc qm__policy_layered_lru_desc = {
     .version = QM_POLICY_DESC_VERSION,
-    .name = "layered_lru",
+    .iface = &layered_lru_iface,
     .summary = "evicts the expert whose layer-aware LRU estimate of its next use is furthest "
                "(recency counted in visits of its own layer)",
     .offered = 1,
@@ -207,7 +207,7 @@ const qm__policy_desc qm__policy_layered_lru_desc = {
 
 const qm__policy_desc qm__policy_next_use_desc = {
     .version = QM_POLICY_DESC_VERSION,
-    .name = "next_use",
+    .iface = &next_use_iface,
     .summary = "evicts the expert whose estimated next use is furthest (its layer's next visit "
                "plus a per-visit decayed frequency); recommended for paged sessions",
     .offered = 1,

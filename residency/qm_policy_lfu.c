@@ -101,7 +101,7 @@ static int lfu_new(const qm_policy_params *params, qm_policy *out, qm_status *st
 
 const qm__policy_desc qm__policy_lfu_desc = {
     .version = QM_POLICY_DESC_VERSION,
-    .name = "lfu",
+    .iface = &lfu_iface,
     .summary = "pages every expert; evicts the least frequently used, counts aged by decay",
     .offered = 1,
     .params = lfu_params,

@@ -59,10 +59,9 @@ static const qm_policy_iface lru_iface = {
 
 const qm__policy_desc qm__policy_lru_desc = {
     .version = QM_POLICY_DESC_VERSION,
-    .name = "lru",
+    .iface = &lru_iface,
     .summary = "pages every expert; evicts the least recently used",
     .offered = 1,
-    .iface = &lru_iface,
     .ctx_size = sizeof(lru_ctx),
 };
 
@@ -183,7 +182,7 @@ fail_copy:
 
 const qm__policy_desc qm__policy_static_hot_desc = {
     .version = QM_POLICY_DESC_VERSION,
-    .name = "static_hot",
+    .iface = &static_hot_iface,
     .summary = "pins the hottest experts (policy_params.hot or the saved profile) up to "
                "pin_fraction of the budget; pages the rest under LRU",
     .offered = 1,
