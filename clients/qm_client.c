@@ -230,10 +230,10 @@ static void qm__drop(qm_client *c)
 }
 
 /* After a send or recv that moved nothing (`got` <= 0): 1 to try again (interrupted, or the
- * socket became ready before the deadline), 0 when the connection is gone (errno still
- * says why), or qm__wait's error. */
+ * socket became ready before the deadline), qm__wait's error, or QM_CLIENT_EIO when the
+ * connection is gone ("qmoed closed the connection<when>", then why when errno says). */
 static int qm__io_again(qm_client *c, ssize_t got, short events, int64_t deadline,
-                        qm_client_error *err)
+                        const char *when, qm_client_error *err)
 {
     if (got < 0 && errno == EINTR)
         return 1;
@@ -241,7 +241,8 @@ static int qm__io_again(qm_client *c, ssize_t got, short events, int64_t deadlin
         int rc = qm__wait(c->fd, events, deadline, err);
         return rc < 0 ? rc : 1;
     }
-    return 0;
+    return qm__client_fail(err, QM_CLIENT_EIO, "qmoed closed the connection%s%s%s", when,
+                           got < 0 ? ": " : "", got < 0 ? strerror(errno) : "");
 }
 
 /* Sends all n bytes. With fd >= 0 the first write carries it as SCM_RIGHTS
@@ -274,13 +275,9 @@ static int qm__send_all(qm_client *c, const char *p, size_t n, int fd, int64_t d
             n -= (size_t)w;
             continue;
         }
-        int again = qm__io_again(c, w, POLLOUT, deadline, err);
+        int again = qm__io_again(c, w, POLLOUT, deadline, "", err);
         if (again < 0)
             return again;
-        if (again)
-            continue;
-        return qm__client_fail(err, QM_CLIENT_EIO, "qmoed closed the connection (%s)",
-                               w < 0 ? strerror(errno) : "short write");
     }
     return 0;
 }
@@ -313,14 +310,9 @@ static int qm__read_line(qm_client *c, size_t *line_len, int64_t deadline, qm_cl
             c->len += (size_t)r;
             continue;
         }
-        int again = qm__io_again(c, r, POLLIN, deadline, err);
+        int again = qm__io_again(c, r, POLLIN, deadline, " before answering", err);
         if (again < 0)
             return again;
-        if (again)
-            continue;
-        return qm__client_fail(err, QM_CLIENT_EIO,
-                               "qmoed closed the connection before answering%s%s",
-                               r < 0 ? ": " : "", r < 0 ? strerror(errno) : "");
     }
 }
 

@@ -56,25 +56,43 @@ static int qm__bad_result(qm_client_error *err, const char *method, const char *
     return qm__client_fail(err, QM_CLIENT_EPROTO, "qmoed's answer to %s lacks %s", method, what);
 }
 
-/* Calls `method` and finds the result's array member `key`, allocating `size`-byte items for it
- * (zeroed, at least one). On success *r (the caller frees it), *list and *items are set; on
- * failure nothing is left to free. */
+/* Fills one zeroed item of a list from its object; QM_CLIENT_ENOMEM leaves
+ * what it filled to the list's free function. */
+typedef int (*qm__item_from_fn)(const qm_cval *o, void *item);
+typedef void (*qm__items_free_fn)(void *items, size_t count);
+
+/* Calls `method` (`p`: its params, consumed) and decodes the result's array
+ * member `key` (`what` names it in the error) into a new array of
+ * `size`-byte items: *items and *count, or NULL and 0 with nothing left to
+ * free. */
 static int qm__call_list(qm_client *c, const char *method, qm_cval *p, const char *key,
-                         const char *what, qm_cval **r, const qm_cval **list, void **items,
-                         size_t size, qm_client_error *err)
+                         const char *what, size_t size, qm__item_from_fn from,
+                         qm__items_free_fn free_items, void **items, size_t *count,
+                         qm_client_error *err)
 {
-    int rc = qm__client_call(c, method, p, r, err);
+    qm_cval *r = NULL;
+    char *out = NULL;
+    *items = NULL;
+    *count = 0;
+    int rc = qm__client_call(c, method, p, &r, err);
     if (rc < 0)
         return rc;
-    *list = qm_cval_get(*r, key);
-    if (!*list || (*list)->type != QM_CVAL_ARRAY)
+    const qm_cval *list = qm_cval_get(r, key);
+    if (!list || list->type != QM_CVAL_ARRAY)
         rc = qm__bad_result(err, method, what);
-    else if (!(*items = qm_calloc((*list)->count ? (*list)->count : 1, size)))
+    else if (!(out = qm_calloc(list->count ? list->count : 1, size)))
         rc = QM__NOMEM(err);
-    if (rc < 0) {
-        qm_cval_free(*r);
-        *r = NULL;
+    for (size_t i = 0; rc == 0 && i < list->count; i++) {
+        if (from(list->items[i], out + i * size) < 0) {
+            free_items(out, i + 1);
+            rc = QM__NOMEM(err);
+        }
     }
+    if (rc == 0) {
+        *items = out;
+        *count = list->count;
+    }
+    qm_cval_free(r);
     return rc;
 }
 
@@ -186,8 +204,11 @@ void qm_client_models_free(qm_client_model *models, size_t count)
     qm_free(models);
 }
 
-static int qm__model_from(const qm_cval *o, qm_client_model *m)
+static void qm__models_free(void *models, size_t count) { qm_client_models_free(models, count); }
+
+static int qm__model_from(const qm_cval *o, void *item)
 {
+    qm_client_model *m = item;
     memset(m, 0, sizeof(*m));
     m->layers = qm__u64(o, "layers");
     m->experts = qm__u64(o, "experts");
@@ -242,27 +263,8 @@ int qm_client_model_unload(qm_client *c, const char *name, int force, qm_client_
 int qm_client_model_list(qm_client *c, qm_client_model **models, size_t *count,
                          qm_client_error *err)
 {
-    qm_cval *r = NULL;
-    const qm_cval *list = NULL;
-    qm_client_model *m = NULL;
-    *models = NULL;
-    *count = 0;
-    int rc = qm__call_list(c, "model.list", NULL, "models", "a models array", &r, &list,
-                           (void **)&m, sizeof(*m), err);
-    if (rc < 0)
-        return rc;
-    for (size_t i = 0; i < list->count; i++) {
-        if (qm__model_from(list->items[i], &m[i]) < 0) {
-            qm_client_models_free(m, i);
-            rc = QM__NOMEM(err);
-            goto out;
-        }
-    }
-    *models = m;
-    *count = list->count;
-out:
-    qm_cval_free(r);
-    return rc;
+    return qm__call_list(c, "model.list", NULL, "models", "a models array", sizeof(**models),
+                         qm__model_from, qm__models_free, (void **)models, count, err);
 }
 
 /* ---------- sessions ---------- */
@@ -394,37 +396,28 @@ void qm_client_sessions_free(qm_client_session_info *s, size_t count)
     qm_free(s);
 }
 
+static void qm__sessions_free(void *s, size_t count) { qm_client_sessions_free(s, count); }
+
+static int qm__session_from(const qm_cval *o, void *item)
+{
+    qm_client_session_info *s = item;
+    s->owner_uid = qm__u64(o, "owner_uid");
+    s->budget_bytes = qm__u64(o, "budget_bytes");
+    s->resident_bytes = qm__u64(o, "resident_bytes");
+    s->created_at = qm__dbl(o, "created_at");
+    if (qm__client_dup_member(o, "session", &s->session) < 0 ||
+        qm__client_dup_member(o, "model", &s->model) < 0 ||
+        qm__client_dup_member(o, "policy", &s->policy) < 0)
+        return QM_CLIENT_ENOMEM;
+    return 0;
+}
+
 int qm_client_session_list(qm_client *c, qm_client_session_info **sessions, size_t *count,
                            qm_client_error *err)
 {
-    qm_cval *r = NULL;
-    const qm_cval *list = NULL;
-    qm_client_session_info *s = NULL;
-    *sessions = NULL;
-    *count = 0;
-    int rc = qm__call_list(c, "session.list", NULL, "sessions", "a sessions array", &r, &list,
-                           (void **)&s, sizeof(*s), err);
-    if (rc < 0)
-        return rc;
-    for (size_t i = 0; i < list->count; i++) {
-        const qm_cval *o = list->items[i];
-        s[i].owner_uid = qm__u64(o, "owner_uid");
-        s[i].budget_bytes = qm__u64(o, "budget_bytes");
-        s[i].resident_bytes = qm__u64(o, "resident_bytes");
-        s[i].created_at = qm__dbl(o, "created_at");
-        if (qm__client_dup_member(o, "session", &s[i].session) < 0 ||
-            qm__client_dup_member(o, "model", &s[i].model) < 0 ||
-            qm__client_dup_member(o, "policy", &s[i].policy) < 0) {
-            qm_client_sessions_free(s, i + 1);
-            rc = QM__NOMEM(err);
-            goto out;
-        }
-    }
-    *sessions = s;
-    *count = list->count;
-out:
-    qm_cval_free(r);
-    return rc;
+    return qm__call_list(c, "session.list", NULL, "sessions", "a sessions array",
+                         sizeof(**sessions), qm__session_from, qm__sessions_free,
+                         (void **)sessions, count, err);
 }
 
 /* ---------- session.plan ---------- */
@@ -780,10 +773,24 @@ void qm_client_spans_free(qm_client_span *spans, size_t count)
     qm_free(spans);
 }
 
+static void qm__spans_free(void *spans, size_t count) { qm_client_spans_free(spans, count); }
+
+static int qm__span_from(const qm_cval *o, void *item)
+{
+    qm_client_span *s = item;
+    s->start_us = qm__dbl(o, "start_us");
+    s->dur_us = qm__dbl(o, "dur_us");
+    s->args_json = qm_cval_print(qm_cval_get(o, "args"), 0, NULL);
+    if (!s->args_json || qm__client_dup_member(o, "name", &s->name) < 0 ||
+        qm__client_dup_member(o, "session", &s->session) < 0)
+        return QM_CLIENT_ENOMEM;
+    return 0;
+}
+
 int qm_client_telemetry_trace(qm_client *c, const char *session, uint64_t limit,
                               qm_client_span **spans, size_t *count, qm_client_error *err)
 {
-    qm_cval *r = NULL, *p = qm__params();
+    qm_cval *p = qm__params();
     *spans = NULL;
     *count = 0;
     if (p && session)
@@ -792,30 +799,8 @@ int qm_client_telemetry_trace(qm_client *c, const char *session, uint64_t limit,
         p = qm__with_num(p, "limit", (double)limit);
     if (!p)
         return QM__NOMEM(err);
-    const qm_cval *list = NULL;
-    qm_client_span *s = NULL;
-    int rc = qm__call_list(c, "telemetry.trace", p, "spans", "a spans array", &r, &list,
-                           (void **)&s, sizeof(*s), err);
-    if (rc < 0)
-        return rc;
-    for (size_t i = 0; i < list->count; i++) {
-        const qm_cval *o = list->items[i];
-        s[i].start_us = qm__dbl(o, "start_us");
-        s[i].dur_us = qm__dbl(o, "dur_us");
-        const qm_cval *args = qm_cval_get(o, "args");
-        s[i].args_json = qm_cval_print(args, 0, NULL);
-        if (!s[i].args_json || qm__client_dup_member(o, "name", &s[i].name) < 0 ||
-            qm__client_dup_member(o, "session", &s[i].session) < 0) {
-            qm_client_spans_free(s, i + 1);
-            rc = QM__NOMEM(err);
-            goto out;
-        }
-    }
-    *spans = s;
-    *count = list->count;
-out:
-    qm_cval_free(r);
-    return rc;
+    return qm__call_list(c, "telemetry.trace", p, "spans", "a spans array", sizeof(**spans),
+                         qm__span_from, qm__spans_free, (void **)spans, count, err);
 }
 
 int qm_client_telemetry_metrics(qm_client *c, char **text, qm_client_error *err)

@@ -6,6 +6,7 @@
  * overlaps the two (double buffering is the pager's order of calls; this file
  * makes it possible). Every CUDA call is checked; failures become QM_E*
  * codes with a sentence, never an abort. */
+#include <stddef.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -78,6 +79,13 @@ void qm__cuda_settle(qm__cuda_ctx *c)
 {
     if (!c->lost) (void)cudaStreamSynchronize(c->compute_stream);
     (void)cudaGetLastError();
+}
+
+int qm__cuda_unlock_run(qm__cuda_ctx *c, int rc)
+{
+    if (rc < 0) qm__cuda_settle(c);
+    pthread_mutex_unlock(&c->run_lock);
+    return rc;
 }
 
 /* ---- lifetime ---- */
@@ -486,24 +494,26 @@ int qm_backend_cuda_set_kernels(qm_backend *be, qm_cuda_kernels kernels, uint32_
     return 0;
 }
 
-int qm_backend_cuda_set_routing(qm_backend *be, int on_device)
+/* Sets the int switch at offset `member` of the context to 0 or 1, under
+ * run_lock: a run sees it before or after, never half-way. */
+static int qm__cuda_set_switch(qm_backend *be, size_t member, int on)
 {
     qm__cuda_ctx *c = qm__cuda_of(be);
     if (!c) return QM_EINVAL;
     pthread_mutex_lock(&c->run_lock);
-    c->route_on_device = on_device != 0;
+    *(int *)((char *)c + member) = on != 0;
     pthread_mutex_unlock(&c->run_lock);
     return 0;
 }
 
+int qm_backend_cuda_set_routing(qm_backend *be, int on_device)
+{
+    return qm__cuda_set_switch(be, offsetof(qm__cuda_ctx, route_on_device), on_device);
+}
+
 int qm_backend_cuda_set_tensor_cores(qm_backend *be, int on)
 {
-    qm__cuda_ctx *c = qm__cuda_of(be);
-    if (!c) return QM_EINVAL;
-    pthread_mutex_lock(&c->run_lock);
-    c->tensor_cores = on != 0;
-    pthread_mutex_unlock(&c->run_lock);
-    return 0;
+    return qm__cuda_set_switch(be, offsetof(qm__cuda_ctx, tensor_cores), on);
 }
 
 int qm_backend_cuda_stats(qm_backend *be, qm_cuda_stats *out)

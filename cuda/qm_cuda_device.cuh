@@ -85,6 +85,68 @@ __device__ __forceinline__ uint32_t qm_block_of(const qm__cuda_mat &m, uint32_t 
     return m.nblk > 1 ? (c >> m.block_shift) : 0u;
 }
 
+/* Scale and zero point of column c0 of row n: (s, z) hold the row's own,
+ * which stand when the row is one block. */
+template <int BITS>
+__device__ __forceinline__ void qm_block_scale(const qm__cuda_mat &m, const void *scales,
+                                               const uint8_t *zp, uint32_t n, uint32_t c0, float &s,
+                                               int &z)
+{
+    if (m.nblk > 1) {
+        uint32_t b = c0 >> m.block_shift;
+        s = qm_load_real(scales, m.scale_dtype, (size_t)n * m.nblk + b);
+        z = qm_zero_point<BITS>(zp, m, n, b);
+    }
+}
+
+/* A thread loading the tiles of a 64 x 64 GEMM block (256 threads): per
+ * step of 32 columns, column `col` of its 8 rows row_base + 8i of the
+ * weight tile (features from n0) and of the input tile (rows from t0). */
+struct qm_tile_loader {
+    const uint8_t *w;
+    const void *scales;
+    const uint8_t *zp;
+    const float *xrow[8]; /* its input rows; nullptr past the job's */
+    uint32_t col, row_base;
+};
+
+__device__ __forceinline__ void qm_tile_loader_init(qm_tile_loader &ld, const qm__cuda_job *job,
+                                                    int mat, uint32_t t0, const float *in,
+                                                    const uint32_t *in_rows, uint32_t in_stride)
+{
+    ld.col = threadIdx.x & 31u;
+    ld.row_base = threadIdx.x >> 5;
+    ld.w = job->w[mat];
+    ld.scales = job->scales[mat];
+    ld.zp = job->zp[mat];
+#pragma unroll
+    for (int i = 0; i < 8; i++) {
+        uint32_t t = t0 + ld.row_base + 8 * i;
+        uint32_t brow = job->row0 + t;
+        ld.xrow[i] =
+            t < job->n_rows ? in + (size_t)(in_rows ? in_rows[brow] : brow) * in_stride : nullptr;
+    }
+}
+
+/* Its row i at column k0 + col: the weight of feature n0 + row_base + 8i,
+ * dequantized, and the input; 0 outside the matrix or the job's rows. */
+template <int BITS>
+__device__ __forceinline__ void qm_tile_load(const qm_tile_loader &ld, const qm__cuda_mat &m,
+                                             uint32_t n0, uint32_t k0, int i, float &wv, float &xv)
+{
+    constexpr uint32_t PACK = 8 / BITS, MASK = (1u << BITS) - 1;
+    const uint32_t c = k0 + ld.col, nn = n0 + ld.row_base + 8 * i;
+    const bool cin = c < m.k;
+    wv = 0.0f;
+    if (cin && nn < m.n) {
+        const uint32_t b = qm_block_of(m, c);
+        int q = (int)((ld.w[(size_t)nn * m.row_bytes + c / PACK] >> ((c % PACK) * BITS)) & MASK);
+        float s = qm_load_real(ld.scales, m.scale_dtype, (size_t)nn * m.nblk + b);
+        wv = s * (float)(q - qm_zero_point<BITS>(ld.zp, m, nn, b));
+    }
+    xv = cin && ld.xrow[i] ? ld.xrow[i][c] : 0.0f;
+}
+
 } /* namespace */
 
 #endif

@@ -123,6 +123,9 @@ int qm__cuda_enter(qm__cuda_ctx *c, qm_status *st);
  * device is lost) so its scratch can be reused by the next call, and clears
  * non-sticky errors. */
 void qm__cuda_settle(qm__cuda_ctx *c);
+/* The one exit of a call holding run_lock: settles after a failure (rc < 0,
+ * in or before its launches), then releases the lock. Returns rc. */
+int qm__cuda_unlock_run(qm__cuda_ctx *c, int rc);
 
 int qm__cuda_run_experts(void *ctx, const qm_expert_batch *batch, qm_status *st);
 void qm__cuda_scratch_free(qm__cuda_scratch *s);

@@ -92,11 +92,7 @@ __device__ __forceinline__ void qm_dot_chunk(uint4 v, uint32_t chunk, uint32_t n
         uint32_t c0 = (chunk * 16 + wi * 4) * PACK;
         float s = s_row;
         int z = z_row;
-        if (m.nblk > 1) {
-            uint32_t b = c0 >> m.block_shift;
-            s = qm_load_real(scales, m.scale_dtype, (size_t)n * m.nblk + b);
-            z = qm_zero_point<BITS>(zp, m, n, b);
-        }
+        qm_block_scale<BITS>(m, scales, zp, n, c0, s, z);
         qm_dot_word<BITS, TT, true>(words[wi], s, z, c0, xr, acc);
     }
 }
@@ -152,11 +148,7 @@ __global__ void __launch_bounds__(256)
                 uint32_t c0 = byte * PACK;
                 float s = s_row;
                 int z = z_row;
-                if (m.nblk > 1) {
-                    uint32_t b = c0 >> m.block_shift;
-                    s = qm_load_real(scales, m.scale_dtype, (size_t)n * m.nblk + b);
-                    z = qm_zero_point<BITS>(zp, m, n, b);
-                }
+                qm_block_scale<BITS>(m, scales, zp, n, c0, s, z);
                 uint32_t bits = wrow[byte];
 #pragma unroll
                 for (uint32_t i = 0; i < PACK; i++) {
@@ -196,7 +188,6 @@ __global__ void __launch_bounds__(256)
     qm_k_gemm(const qm__cuda_job *jobs, int mat, qm__cuda_mat m, uint32_t rows_lo, const float *in,
               const uint32_t *in_rows, uint32_t in_stride, float *out, uint32_t out_stride)
 {
-    constexpr uint32_t PACK = 8 / BITS, MASK = (1u << BITS) - 1;
     /* +1 column of padding: the loaders write down a column (32 lanes, 32 rows). */
     __shared__ float ws[QM_GEMM_BK][QM_GEMM_BM + 1];
     __shared__ float xs[QM_GEMM_BK][QM_GEMM_BN + 1];
@@ -205,18 +196,8 @@ __global__ void __launch_bounds__(256)
     const uint32_t t0 = blockIdx.y * QM_GEMM_BN, n0 = blockIdx.x * QM_GEMM_BM;
     if (t0 >= n_rows || n_rows < rows_lo) return; /* the whole block: before any barrier */
     const uint32_t tid = threadIdx.x, tx = tid & 15u, ty = tid >> 4;
-    const uint32_t col = tid & 31u, row_base = tid >> 5; /* loader: rows row_base + 8i */
-    const uint8_t *w = job->w[mat];
-    const void *scales = job->scales[mat];
-    const uint8_t *zp = job->zp[mat];
-
-    const float *xrow[8];
-#pragma unroll
-    for (int i = 0; i < 8; i++) {
-        uint32_t t = t0 + row_base + 8 * i;
-        uint32_t brow = job->row0 + t;
-        xrow[i] = t < n_rows ? in + (size_t)(in_rows ? in_rows[brow] : brow) * in_stride : nullptr;
-    }
+    qm_tile_loader ld;
+    qm_tile_loader_init(ld, job, mat, t0, in, in_rows, in_stride);
     float acc[4][4];
 #pragma unroll
     for (int i = 0; i < 4; i++)
@@ -225,22 +206,10 @@ __global__ void __launch_bounds__(256)
             acc[i][j] = 0.0f;
 
     for (uint32_t k0 = 0; k0 < m.k; k0 += QM_GEMM_BK) {
-        const uint32_t c = k0 + col;
-        const bool cin = c < m.k;
-        const uint32_t b = cin ? qm_block_of(m, c) : 0u;
 #pragma unroll
         for (int i = 0; i < 8; i++) {
-            uint32_t r = row_base + 8 * i;
-            uint32_t nn = n0 + r;
-            float wv = 0.0f;
-            if (cin && nn < m.n) {
-                int q =
-                    (int)((w[(size_t)nn * m.row_bytes + c / PACK] >> ((c % PACK) * BITS)) & MASK);
-                float s = qm_load_real(scales, m.scale_dtype, (size_t)nn * m.nblk + b);
-                wv = s * (float)(q - qm_zero_point<BITS>(zp, m, nn, b));
-            }
-            ws[col][r] = wv;
-            xs[col][r] = (cin && xrow[i]) ? xrow[i][c] : 0.0f;
+            const uint32_t r = ld.row_base + 8 * i;
+            qm_tile_load<BITS>(ld, m, n0, k0, i, ws[ld.col][r], xs[ld.col][r]);
         }
         __syncthreads();
 #pragma unroll 8

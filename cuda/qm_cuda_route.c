@@ -149,7 +149,7 @@ int qm__cuda_route(void *ctx, const qm_route_request *rq, void **pass_out, qm_st
         (rc = qm__cuda_reserve(c, &p->host_io, &p->host_io_cap, x_bytes + aux_bytes, 1, 1, st)) <
             0 ||
         (rc = qm__cuda_reserve(c, &p->host_res, &p->host_res_cap, res_elems * 4, 1, 1, st)) < 0)
-        goto fail_locked;
+        goto fail;
     if (p->host_cap_e < (size_t)E + 1) {
         qm_free(p->offsets);
         qm_free(p->ran);
@@ -158,7 +158,7 @@ int qm__cuda_route(void *ctx, const qm_route_request *rq, void **pass_out, qm_st
         p->host_cap_e = 0;
         if (!p->offsets || !p->ran) {
             rc = qm_status_set(st, QM_ENOMEM, "route: cannot allocate the pass's tables");
-            goto fail_locked;
+            goto fail;
         }
         p->host_cap_e = (size_t)E + 1;
     }
@@ -227,21 +227,17 @@ int qm__cuda_route(void *ctx, const qm_route_request *rq, void **pass_out, qm_st
     p->offsets[E] = sum;
     if (sum > TK) {
         rc = qm_status_set(st, QM_EINTERNAL, "route: %u routes counted for %zu", sum, TK);
-        goto fail_locked;
+        goto fail;
     }
     p->n_active = sum;
     c->stats.routes++;
-    pthread_mutex_unlock(&c->run_lock);
     *pass_out = p;
-    return 0;
+    return qm__cuda_unlock_run(c, 0);
 
-fail:
-    qm__cuda_settle(c);
-fail_locked:
+fail: /* the pass goes back to the pool */
     p->next = c->pass_pool;
     c->pass_pool = p;
-    pthread_mutex_unlock(&c->run_lock);
-    return rc;
+    return qm__cuda_unlock_run(c, rc);
 }
 
 /* Jobs laid out as the pass's rows: a run is a sequence of jobs whose rows
@@ -296,7 +292,7 @@ int qm__cuda_run_routed(void *ctx, void *pass, const qm_expert_batch *batch, qm_
         (rc = qm__cuda_reserve(c, (void **)&p->a, &p->a_cap, (size_t)max_run * I, 4, 0, st)) < 0 ||
         (rc = qm__cuda_reserve(c, &p->host_jobs, &p->host_jobs_cap,
                                (size_t)n_active * sizeof(qm__cuda_job), 1, 1, st)) < 0)
-        goto fail_locked;
+        goto fail;
 
     /* The whole table first (vec16 depends on every job's pointers, as in
      * run_experts), each entry's row0 relative to the start of its run. */
@@ -352,14 +348,9 @@ int qm__cuda_run_routed(void *ctx, void *pass, const qm_expert_batch *batch, qm_
     for (size_t j = 0; j < batch->n_jobs; j++)
         p->ran[batch->jobs[j].expert] = 1;
     c->stats.batches++;
-    pthread_mutex_unlock(&c->run_lock);
-    return 0;
-
+    rc = 0;
 fail:
-    qm__cuda_settle(c);
-fail_locked:
-    pthread_mutex_unlock(&c->run_lock);
-    return rc;
+    return qm__cuda_unlock_run(c, rc);
 }
 
 int qm__cuda_combine(void *ctx, void *pass, float *out, qm_status *st)
@@ -383,8 +374,7 @@ int qm__cuda_combine(void *ctx, void *pass, float *out, qm_status *st)
     if (p->n_active == 0) {
         /* Every route dropped: nothing was run and y was never allocated. */
         memset(out, 0, (size_t)T * H * 4);
-        pthread_mutex_unlock(&c->run_lock);
-        return 0;
+        return qm__cuda_unlock_run(c, 0);
     }
     /* The output overwrites x, which no later call of this pass reads. */
     QM__CU(c,
@@ -394,11 +384,7 @@ int qm__cuda_combine(void *ctx, void *pass, float *out, qm_status *st)
            "cudaMemcpyAsync (output)");
     QM__CU(c, cudaStreamSynchronize(cs), "combine kernel");
     memcpy(out, p->host_io, (size_t)T * H * 4);
-    pthread_mutex_unlock(&c->run_lock);
-    return 0;
-
+    rc = 0;
 fail:
-    qm__cuda_settle(c);
-    pthread_mutex_unlock(&c->run_lock);
-    return rc;
+    return qm__cuda_unlock_run(c, rc);
 }

@@ -295,7 +295,7 @@ int qm__cuda_run_experts(void *ctx, const qm_expert_batch *batch, qm_status *st)
         (rc = qm__cuda_reserve(c, (void **)&s->host_y, &s->host_y_cap, (size_t)R * H, 4, 1, st)) <
             0 ||
         (rc = qm__cuda_reserve(c, &s->host_table, &s->host_table_cap, table_bytes, 1, 1, st)) < 0)
-        goto fail_locked;
+        goto fail;
 
     /* Job table and the token of every batch row, in one pinned block. */
     qm__cuda_job *hjobs = s->host_table;
@@ -342,12 +342,7 @@ int qm__cuda_run_experts(void *ctx, const qm_expert_batch *batch, qm_status *st)
         row0 += job->n_rows;
     }
     c->stats.batches++;
-    pthread_mutex_unlock(&c->run_lock);
-    return 0;
-
+    rc = 0;
 fail:
-    qm__cuda_settle(c);
-fail_locked:
-    pthread_mutex_unlock(&c->run_lock);
-    return rc;
+    return qm__cuda_unlock_run(c, rc);
 }

@@ -46,7 +46,6 @@ __global__ void __launch_bounds__(256)
                  uint32_t out_stride)
 {
 #if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 800
-    constexpr uint32_t PACK = 8 / BITS, MASK = (1u << BITS) - 1;
     /* WMMA pointers must be 32-byte aligned: the tiles' row strides (80 and
      * 272 bytes) and the 16-row/16-column offsets used below keep them so. */
     __shared__ __align__(32) T xs[QM_TC_BN][QM_TC_LD]; /* rows x columns */
@@ -57,17 +56,8 @@ __global__ void __launch_bounds__(256)
     const uint32_t t0 = blockIdx.y * QM_TC_BN, n0 = blockIdx.x * QM_TC_BM;
     if (t0 >= n_rows || n_rows < rows_lo) return; /* the whole block: before any barrier */
     const uint32_t tid = threadIdx.x, warp = tid >> 5;
-    const uint32_t col = tid & 31u, row_base = tid >> 5; /* loader: rows row_base + 8i */
-    const uint8_t *w = job->w[mat];
-    const void *scales = job->scales[mat];
-    const uint8_t *zp = job->zp[mat];
-    const float *xrow[8];
-#pragma unroll
-    for (int i = 0; i < 8; i++) {
-        uint32_t t = t0 + row_base + 8 * i;
-        uint32_t brow = job->row0 + t;
-        xrow[i] = t < n_rows ? in + (size_t)(in_rows ? in_rows[brow] : brow) * in_stride : nullptr;
-    }
+    qm_tile_loader ld;
+    qm_tile_loader_init(ld, job, mat, t0, in, in_rows, in_stride);
     /* Warp w: row tile w % 4, feature tiles 2 (w / 4) and 2 (w / 4) + 1. */
     const uint32_t wr = warp & 3u, wf = (warp >> 2) * 2u;
     wmma::fragment<wmma::accumulator, 16, 16, 16, float> acc[2];
@@ -75,21 +65,13 @@ __global__ void __launch_bounds__(256)
     wmma::fill_fragment(acc[1], 0.0f);
 
     for (uint32_t k0 = 0; k0 < m.k; k0 += QM_TC_BK) {
-        const uint32_t c = k0 + col;
-        const bool cin = c < m.k;
-        const uint32_t b = cin ? qm_block_of(m, c) : 0u;
 #pragma unroll
         for (int i = 0; i < 8; i++) {
-            const uint32_t r = row_base + 8 * i, nn = n0 + r;
-            float wv = 0.0f;
-            if (cin && nn < m.n) {
-                int q =
-                    (int)((w[(size_t)nn * m.row_bytes + c / PACK] >> ((c % PACK) * BITS)) & MASK);
-                float s = qm_load_real(scales, m.scale_dtype, (size_t)nn * m.nblk + b);
-                wv = s * (float)(q - qm_zero_point<BITS>(zp, m, nn, b));
-            }
-            ws[r][col] = qm_to16<T>(wv);
-            xs[r][col] = qm_to16<T>((cin && xrow[i]) ? xrow[i][c] : 0.0f);
+            const uint32_t r = ld.row_base + 8 * i;
+            float wv, xv;
+            qm_tile_load<BITS>(ld, m, n0, k0, i, wv, xv);
+            ws[r][ld.col] = qm_to16<T>(wv);
+            xs[r][ld.col] = qm_to16<T>(xv);
         }
         __syncthreads();
 #pragma unroll

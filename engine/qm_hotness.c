@@ -23,6 +23,7 @@
 #include <unistd.h>
 
 #include "qm_alloc.h"
+#include "qm_io.h"
 
 #define QM__HOT_MAGIC "QMHOTNES"
 #define QM__HOT_VERSION 1u
@@ -185,22 +186,6 @@ int qm_hotness_policy_params(qm_hotness *h, qm_policy_params *params, qm_status 
     return 0;
 }
 
-static int qm__write_all(int fd, const void *data, size_t n)
-{
-    const uint8_t *p = data;
-    while (n) {
-        ssize_t w = write(fd, p, n);
-        if (w < 0) {
-            if (errno == EINTR)
-                continue;
-            return -1;
-        }
-        p += w;
-        n -= (size_t)w;
-    }
-    return 0;
-}
-
 int qm_hotness_save(const qm_hotness *h, const char *path, qm_status *st)
 {
     if (!h || !path)
@@ -234,7 +219,7 @@ int qm_hotness_save(const qm_hotness *h, const char *path, qm_status *st)
         rc = qm_status_set(st, QM_EIO, "cannot create %s: %s", tmp, strerror(errno));
         goto free_buffers;
     }
-    if (qm__write_all(fd, buf, size) || fsync(fd)) {
+    if (qm_pwrite_all(fd, buf, size, 0) || fsync(fd)) {
         rc = qm_status_set(st, QM_EIO, "cannot write %s: %s", tmp, strerror(errno));
         goto close_tmp;
     }

@@ -10,27 +10,11 @@
 #include <unistd.h>
 
 #include "qm_alloc.h"
+#include "qm_io.h"
 #include "qm_pager_impl.h"
 
 #define QM__TRACE_MAX_BEHIND 65536u
 #define QM__TRACE_HEADER 40u
-
-static int qm__pwrite_all(int fd, const void *data, size_t n, uint64_t off)
-{
-    const uint8_t *b = data;
-    while (n) {
-        ssize_t w = pwrite(fd, b, n, (off_t)off);
-        if (w < 0) {
-            if (errno == EINTR)
-                continue;
-            return -1;
-        }
-        b += w;
-        n -= (size_t)w;
-        off += (uint64_t)w;
-    }
-    return 0;
-}
 
 static void qm__trace_free(qm__trace *t, uint32_t layers)
 {
@@ -116,7 +100,7 @@ int qm_pager_record_trace(qm_pager *p, const char *path, qm_status *st)
     memcpy(head + QM__TRACE_HEADER, meta, (size_t)meta_len);
     t->payload_off = QM__TRACE_HEADER + (uint64_t)meta_len;
     t->payload_off += (8 - t->payload_off % 8) % 8;
-    if (qm__pwrite_all(t->fd, head, (size_t)t->payload_off, 0)) {
+    if (qm_pwrite_all(t->fd, head, (size_t)t->payload_off, 0)) {
         int e = errno;
         qm__trace_free(t, p->n_layers);
         return qm_status_set(st, QM_EIO, "cannot write trace %s: %s", path, strerror(e));
@@ -184,8 +168,8 @@ void qm__pager_trace_record(qm_pager *p, uint32_t layer, const uint32_t *route, 
         uint64_t off = t->payload_off + p->stats.trace_tokens * L * k * sizeof(int16_t);
         uint32_t n_tokens = (uint32_t)(p->stats.trace_tokens + 1);
         if (p->stats.trace_tokens + 1 > UINT32_MAX ||
-            qm__pwrite_all(t->fd, t->token, (size_t)L * k * sizeof *t->token, off) ||
-            qm__pwrite_all(t->fd, &n_tokens, sizeof n_tokens, 12)) {
+            qm_pwrite_all(t->fd, t->token, (size_t)L * k * sizeof *t->token, off) ||
+            qm_pwrite_all(t->fd, &n_tokens, sizeof n_tokens, 12)) {
             qm__trace_fail(p);
             return;
         }

@@ -613,6 +613,15 @@ static int decode_output_to(const cJSON *v, qm_params *out, qm_status *st)
     return 0;
 }
 
+/* A method naming a model: only the members `allowed`, then the name in
+ * member `key` (required). */
+static int named_members(const cJSON *params, const char *const *allowed, const char *key,
+                         char **out, qm_status *st)
+{
+    int rc = check_members(params, allowed, "", st);
+    return rc == 0 ? get_string(params, key, "", 1, QM_NAME_MAX, out, st) : rc;
+}
+
 /* A session-addressed method: only the members `allowed`, then the session id. */
 static int session_members(const cJSON *params, const char *const *allowed, int required,
                            qm_params *out, qm_status *st)
@@ -656,25 +665,19 @@ int qm__params_decode(qm_method m, const cJSON *params, qm_params *out, qm_statu
     case QM_METHOD_TELEMETRY_METRICS:
         return check_members(params, none, "", st);
     case QM_METHOD_MODEL_LOAD:
-        rc = check_members(params, load, "", st);
-        if (rc == 0)
-            rc = get_string(params, "name", "", 1, QM_NAME_MAX, &out->name, st);
+        rc = named_members(params, load, "name", &out->name, st);
         if (rc == 0 && !model_name_ok(out->name))
             return bad(st, "name", "name may hold only letters, digits, '.', '_' and '-'");
         if (rc == 0)
             rc = get_string(params, "path", "", 1, 4095, &out->path, st);
         return rc;
     case QM_METHOD_MODEL_UNLOAD:
-        rc = check_members(params, unload, "", st);
-        if (rc == 0)
-            rc = get_string(params, "name", "", 1, QM_NAME_MAX, &out->name, st);
+        rc = named_members(params, unload, "name", &out->name, st);
         if (rc == 0)
             rc = get_bool(params, "force", "", NULL, &out->force, st);
         return rc;
     case QM_METHOD_SESSION_CREATE:
-        rc = check_members(params, create, "", st);
-        if (rc == 0)
-            rc = get_string(params, "model", "", 1, QM_NAME_MAX, &out->model, st);
+        rc = named_members(params, create, "model", &out->model, st);
         if (rc == 0)
             rc = get_string(params, "policy", "", 0, 32, &out->policy, st);
         if (rc == 0)

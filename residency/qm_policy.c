@@ -155,19 +155,9 @@ static const qm_policy_iface whole_bank_iface = {
     .decide = whole_bank_decide,
 };
 
-static int whole_bank_new(const qm_policy_params *params, qm_policy *out, qm_status *st)
-{
-    (void)params;
-    (void)st;
-    out->iface = &whole_bank_iface;
-    out->ctx = NULL;
-    return 0;
-}
-
 const qm__policy_desc qm__policy_whole_bank_desc = {
     .version = QM_POLICY_DESC_VERSION,
-    .name = "whole_bank",
+    .iface = &whole_bank_iface, /* no ctx */
     .summary = "every bank whole-bank resident; the same as no residency machinery (default)",
     .offered = 1,
-    .create = whole_bank_new,
 };

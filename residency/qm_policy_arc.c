@@ -184,27 +184,19 @@ static void arc_destroy(void *ctx)
 }
 
 static const qm_policy_iface arc_iface = {
-    .version = QM_POLICY_IFACE_VERSION,
-    .name = "arc",
-    .decide = qm__split_decide,
     .on_access = arc_on_access,
     .on_insert = arc_on_insert,
     .on_evict = arc_on_evict,
     .choose_victim = arc_choose_victim,
     .destroy = arc_destroy,
+    QM__SPLIT_POLICY("arc"), /* version, name, decide */
 };
-
-static int arc_new(const qm_policy_params *params, qm_policy *out, qm_status *st)
-{
-    (void)params;
-    return qm__policy_alloc(&arc_iface, sizeof(arc_ctx), out, st) ? 0 : QM_ENOMEM;
-}
 
 const qm__policy_desc qm__policy_arc_desc = {
     .version = QM_POLICY_DESC_VERSION,
-    .name = "arc",
+    .iface = &arc_iface,
     .summary = "Adaptive Replacement Cache: balances recency and frequency online from the "
                "ghosts of recent evictions",
     .offered = 1,
-    .create = arc_new,
+    .ctx_size = sizeof(arc_ctx),
 };

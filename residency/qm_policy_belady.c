@@ -65,12 +65,10 @@ static void belady_destroy(void *ctx)
 }
 
 static const qm_policy_iface belady_iface = {
-    .version = QM_POLICY_IFACE_VERSION,
-    .name = "belady",
-    .decide = qm__split_decide,
     .on_access = belady_on_access,
     .choose_victim = belady_choose_victim,
     .destroy = belady_destroy,
+    QM__SPLIT_POLICY("belady"), /* version, name, decide */
 };
 
 int qm_policy_belady_new(const qm_expert_ref *future, size_t n, qm_policy *out, qm_status *st)
@@ -108,7 +106,7 @@ fail:
 
 const qm__policy_desc qm__policy_belady_desc = {
     .version = QM_POLICY_DESC_VERSION,
-    .name = "belady",
+    .iface = &belady_iface,
     .summary = "offline optimum: evicts the expert used furthest in the future (tests, benchmarks)",
     .offered = 0,
     .refusal = "needs the future trace and is for tests and benchmarks only",

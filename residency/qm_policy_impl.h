@@ -67,16 +67,21 @@ struct qm_policy_param_spec {
 
 typedef struct qm__policy_desc {
     int version; /* QM_POLICY_DESC_VERSION */
-    const char *name;
+    /* The policy's interface; its name is the policy's name. */
+    const qm_policy_iface *iface;
     const char *summary;   /* one line, for help texts */
     int offered;           /* 1: offered over the socket (session.create) */
     int accepts_hot;       /* 1: takes policy_params.hot (hottest-first expert lists) */
     const qm_policy_param_spec *params;
     size_t n_params;
-    /* NULL for a policy that cannot be made from parameters alone (belady);
-     * then `refusal` says why. `params` is never NULL here and has passed
-     * the registry's checks. */
+    /* A policy that reads parameters: its constructor. `params` is never
+     * NULL here and has passed the registry's checks. */
     int (*create)(const qm_policy_params *params, qm_policy *out, qm_status *st);
+    /* A policy that reads none (create NULL): the size of its ctx, which the
+     * registry allocates zeroed (no ctx when 0). */
+    size_t ctx_size;
+    /* Set for a policy that cannot be made from parameters alone (belady):
+     * why. */
     const char *refusal;
 } qm__policy_desc;
 

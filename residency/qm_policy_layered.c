@@ -147,31 +147,25 @@ static int layered_choose_victim(void *ctx, const qm_expert_ref *candidates, siz
                                  size_t *victim)
 {
     layered_ctx *lc = ctx;
-    size_t best[2];
-    qm__victim_scan(&lc->base.split.history, candidates, n, qm__layered_bank_phase, layered_rank,
-                    lc, best);
-    *victim = best[0];
+    *victim = qm__victim_scan1(&lc->base.split.history, candidates, n, qm__layered_bank_phase,
+                               layered_rank, lc);
     return 0;
 }
 
 static const qm_policy_iface layered_lru_iface = {
-    .version = QM_POLICY_IFACE_VERSION,
-    .name = "layered_lru",
-    .decide = qm__split_decide,
     .on_access = layered_on_access,
     .on_insert = layered_on_insert,
     .choose_victim = layered_choose_victim,
     .destroy = qm__split_destroy,
+    QM__SPLIT_POLICY("layered_lru"), /* version, name, decide */
 };
 
 static const qm_policy_iface next_use_iface = {
-    .version = QM_POLICY_IFACE_VERSION,
-    .name = "next_use",
-    .decide = qm__split_decide,
     .on_access = layered_on_access,
     .on_insert = layered_on_insert,
     .choose_victim = layered_choose_victim,
     .destroy = qm__split_destroy,
+    QM__SPLIT_POLICY("next_use"), /* version, name, decide */
 };
 
 static int layered_make(const qm_policy_iface *iface, double decay, qm_policy *out,
@@ -204,7 +198,7 @@ static int next_use_new(const qm_policy_params *params, qm_policy *out, qm_statu
 
 const qm__policy_desc qm__policy_layered_lru_desc = {
     .version = QM_POLICY_DESC_VERSION,
-    .name = "layered_lru",
+    .iface = &layered_lru_iface,
     .summary = "evicts the expert whose layer-aware LRU estimate of its next use is furthest "
                "(recency counted in visits of its own layer)",
     .offered = 1,
@@ -213,7 +207,7 @@ const qm__policy_desc qm__policy_layered_lru_desc = {
 
 const qm__policy_desc qm__policy_next_use_desc = {
     .version = QM_POLICY_DESC_VERSION,
-    .name = "next_use",
+    .iface = &next_use_iface,
     .summary = "evicts the expert whose estimated next use is furthest (its layer's next visit "
                "plus a per-visit decayed frequency); recommended for paged sessions",
     .offered = 1,

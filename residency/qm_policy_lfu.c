@@ -72,19 +72,16 @@ static double lfu_rank(void *ctx, const qm__ref_entry *e, const qm__bank_phase *
 static int lfu_choose_victim(void *ctx, const qm_expert_ref *candidates, size_t n, size_t *victim)
 {
     lfu_scan scan = {.lfu = ctx};
-    size_t best[2];
-    qm__victim_scan(&scan.lfu->base.history, candidates, n, lfu_scan_bank, lfu_rank, &scan, best);
-    *victim = best[0];
+    *victim = qm__victim_scan1(&scan.lfu->base.history, candidates, n, lfu_scan_bank, lfu_rank,
+                               &scan);
     return 0;
 }
 
 static const qm_policy_iface lfu_iface = {
-    .version = QM_POLICY_IFACE_VERSION,
-    .name = "lfu",
-    .decide = qm__split_decide,
     .on_access = lfu_on_access,
     .choose_victim = lfu_choose_victim,
     .destroy = qm__split_destroy,
+    QM__SPLIT_POLICY("lfu"), /* version, name, decide */
 };
 
 static const qm_policy_param_spec lfu_params[] = {
@@ -104,7 +101,7 @@ static int lfu_new(const qm_policy_params *params, qm_policy *out, qm_status *st
 
 const qm__policy_desc qm__policy_lfu_desc = {
     .version = QM_POLICY_DESC_VERSION,
-    .name = "lfu",
+    .iface = &lfu_iface,
     .summary = "pages every expert; evicts the least frequently used, counts aged by decay",
     .offered = 1,
     .params = lfu_params,

@@ -45,34 +45,24 @@ static double lru_rank(void *ctx, const qm__ref_entry *e, const qm__bank_phase *
 static int lru_choose_victim(void *ctx, const qm_expert_ref *candidates, size_t n, size_t *victim)
 {
     lru_ctx *lru = ctx;
-    size_t best[2];
-    qm__victim_scan(&lru->base.history, candidates, n, NULL, lru_rank, NULL, best);
-    *victim = best[0];
+    *victim = qm__victim_scan1(&lru->base.history, candidates, n, NULL, lru_rank, NULL);
     return 0;
 }
 
 static const qm_policy_iface lru_iface = {
-    .version = QM_POLICY_IFACE_VERSION,
-    .name = "lru",
-    .decide = qm__split_decide,
     .on_access = lru_on_access,
     .on_insert = lru_on_insert,
     .choose_victim = lru_choose_victim,
     .destroy = qm__split_destroy,
+    QM__SPLIT_POLICY("lru"), /* version, name, decide */
 };
-
-static int lru_new(const qm_policy_params *params, qm_policy *out, qm_status *st)
-{
-    (void)params;
-    return qm__policy_alloc(&lru_iface, sizeof(lru_ctx), out, st) ? 0 : QM_ENOMEM;
-}
 
 const qm__policy_desc qm__policy_lru_desc = {
     .version = QM_POLICY_DESC_VERSION,
-    .name = "lru",
+    .iface = &lru_iface,
     .summary = "pages every expert; evicts the least recently used",
     .offered = 1,
-    .create = lru_new,
+    .ctx_size = sizeof(lru_ctx),
 };
 
 /* ---- static_hot ---------------------------------------------------------- */
@@ -164,8 +154,8 @@ static int static_hot_new(const qm_policy_params *params, qm_policy *out, qm_sta
 {
     double fraction = qm__policy_param(params, &qm__policy_static_hot_desc, "pin_fraction");
     size_t n_banks = params->hot && params->hot_len ? params->n_hot_banks : 0;
-    static_hot_ctx *sh = qm_calloc(1, sizeof *sh);
-    if (!sh) goto fail_ctx;
+    static_hot_ctx *sh = qm__policy_alloc(&static_hot_iface, sizeof *sh, out, st);
+    if (!sh) return QM_ENOMEM;
     sh->pin_fraction = fraction;
     if (n_banks) {
         sh->hot = qm_calloc(n_banks, sizeof *sh->hot);
@@ -183,19 +173,16 @@ static int static_hot_new(const qm_policy_params *params, qm_policy *out, qm_sta
             sh->n_listed_banks++;
         }
     }
-    out->iface = &static_hot_iface;
-    out->ctx = sh;
     return 0;
 
 fail_copy:
-    static_hot_destroy(sh);
-fail_ctx:
+    qm_policy_destroy(out); /* static_hot_destroy frees what was copied; *out is reset */
     return qm_status_set(st, QM_ENOMEM, "out of memory creating policy 'static_hot'");
 }
 
 const qm__policy_desc qm__policy_static_hot_desc = {
     .version = QM_POLICY_DESC_VERSION,
-    .name = "static_hot",
+    .iface = &static_hot_iface,
     .summary = "pins the hottest experts (policy_params.hot or the saved profile) up to "
                "pin_fraction of the budget; pages the rest under LRU",
     .offered = 1,

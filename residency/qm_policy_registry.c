@@ -4,6 +4,7 @@
  * parameters (qm_policy_impl.h) and the checks here read those tables. */
 #include "qm_residency.h"
 #include "qm_policy_impl.h"
+#include "qm_residency_impl.h"
 
 #include <math.h>
 #include <stdio.h>
@@ -20,7 +21,7 @@ static const qm__policy_desc *const registry[] = {
 static const qm__policy_desc *find(const char *name)
 {
     for (size_t i = 0; i < N_POLICIES; i++)
-        if (!strcmp(registry[i]->name, name)) return registry[i];
+        if (!strcmp(registry[i]->iface->name, name)) return registry[i];
     return NULL;
 }
 
@@ -31,14 +32,17 @@ size_t qm_policy_names(char *buf, size_t cap)
     for (size_t i = 0; i < N_POLICIES; i++) {
         if (!registry[i]->offered) continue;
         int n = snprintf(len < cap ? buf + len : NULL, len < cap ? cap - len : 0, "%s%s",
-                         len ? ", " : "", registry[i]->name);
+                         len ? ", " : "", registry[i]->iface->name);
         len += n > 0 ? (size_t)n : 0;
     }
     return len;
 }
 
 size_t qm_policy_count(void) { return N_POLICIES; }
-const char *qm_policy_name_at(size_t i) { return i < N_POLICIES ? registry[i]->name : NULL; }
+const char *qm_policy_name_at(size_t i)
+{
+    return i < N_POLICIES ? registry[i]->iface->name : NULL;
+}
 const char *qm_policy_summary_at(size_t i) { return i < N_POLICIES ? registry[i]->summary : NULL; }
 int qm_policy_offered_at(size_t i) { return i < N_POLICIES && registry[i]->offered; }
 size_t qm_policy_param_count(size_t i) { return i < N_POLICIES ? registry[i]->n_params : 0; }
@@ -97,7 +101,8 @@ static void accepted_by(const char *name, char *buf, size_t cap)
         int takes = !strcmp(name, "hot") ? registry[i]->accepts_hot
                                          : spec_of(registry[i], name) != NULL;
         if (!takes) continue;
-        int w = snprintf(list + len, sizeof list - len, "%s%s", n ? ", " : "", registry[i]->name);
+        int w = snprintf(list + len, sizeof list - len, "%s%s", n ? ", " : "",
+                         registry[i]->iface->name);
         if (w > 0 && (size_t)w < sizeof list - len) len += (size_t)w;
         n++;
     }
@@ -176,14 +181,19 @@ int qm_policy_new(const char *name, const qm_policy_params *params, qm_policy *o
         return qm_status_set_field(st, QM_EINVAL, "policy",
                                    "unknown policy '%.64s'; expected one of: %s", name, names);
     }
-    if (!d->create) {
+    if (d->refusal) {
         qm_policy_names(names, sizeof names);
         return qm_status_set_field(st, QM_EINVAL, "policy", "policy '%s' %s; expected one of: %s",
-                                   d->name, d->refusal ? d->refusal : "cannot be made here",
-                                   names);
+                                   d->iface->name, d->refusal, names);
     }
     static const qm_policy_params defaults = {.version = QM_POLICY_PARAMS_VERSION};
     if (!params) params = &defaults;
     int rc = check_params(d, params, st);
-    return rc < 0 ? rc : d->create(params, out, st);
+    if (rc < 0) return rc;
+    if (d->create) return d->create(params, out, st);
+    if (d->ctx_size == 0) {
+        out->iface = d->iface;
+        return 0;
+    }
+    return qm__policy_alloc(d->iface, d->ctx_size, out, st) ? 0 : QM_ENOMEM;
 }

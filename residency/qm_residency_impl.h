@@ -79,6 +79,12 @@ void qm__split_release(qm__split_base *base);
  * starts with, then the ctx (which owns nothing else, or has freed it).
  * Accepts NULL. */
 void qm__split_destroy(void *ctx);
+/* The members every splitting policy's iface has besides its hooks: the
+ * interface version, its name and qm__split_decide. Last in the iface, so
+ * clang-format keeps one member a line:
+ *   static const qm_policy_iface lru_iface = {.on_access = ..., QM__SPLIT_POLICY("lru")}; */
+#define QM__SPLIT_POLICY(policy_name)                                                              \
+    .version = QM_POLICY_IFACE_VERSION, .name = (policy_name), .decide = qm__split_decide
 /* A zeroed ctx of `size` bytes for `iface`, installed in *out; NULL (with
  * "out of memory creating policy '<name>'" in st) when it cannot be had. */
 void *qm__policy_alloc(const qm_policy_iface *iface, size_t size, qm_policy *out, qm_status *st);
@@ -175,6 +181,16 @@ static inline void qm__victim_scan(const qm__ref_map *history, const qm_expert_r
             best_tick[list] = t;
         }
     }
+}
+
+/* The scan of a policy that ranks one list: its pick (n > 0, so there is one). */
+static inline size_t qm__victim_scan1(const qm__ref_map *history, const qm_expert_ref *candidates,
+                                      size_t n, qm__victim_bank_fn bank, qm__victim_rank_fn rank,
+                                      void *ctx)
+{
+    size_t best[2];
+    qm__victim_scan(history, candidates, n, bank, rank, ctx, best);
+    return best[0];
 }
 
 /* What the layer-aware policies (layered_lru, next_use, arc) start their

@@ -207,26 +207,26 @@ if ((!built)); then
 fi
 
 # ---- 4. the CUDA suite (CPU vs CUDA over the variant matrix, copies, fences) ----
-if ((built)) && [ -x "$bin_test" ]; then
+# run_suite BIN WANT RESERVE WHAT: runs a Check suite (step_timeout WANT RESERVE)
+# into test_cuda.log and notes its verdict; its exit status is left in rc.
+run_suite() {
   CK_FORK=no LD_LIBRARY_PATH="$runlib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" \
-    timeout -k 5 "$(step_timeout 200 150)" "$bin_test" >"$OUT/test_cuda.log" 2>&1
+    timeout -k 5 "$(step_timeout "$2" "$3")" "$1" >>"$OUT/test_cuda.log" 2>&1
   rc=$?
-  note "test_cuda: exit $rc ($(verdict $rc))"
+  note "$4: exit $rc ($(verdict $rc))"
+}
+if ((built)) && [ -x "$bin_test" ]; then
+  : >"$OUT/test_cuda.log"
+  run_suite "$bin_test" 200 150 "test_cuda"
   case $rc in 0) ;; 77) no_device=1 ;; *) failed=1 ;; esac
   grep -E "^(device|variant matrix|gpt-oss|f16|bf16|FAIL|CPU-OFF|SKIP)|Checks:|:[EF]:" "$OUT/test_cuda.log" | head -60 | tee -a "$summary"
   if [ -x "$bin_paging" ]; then
-    CK_FORK=no LD_LIBRARY_PATH="$runlib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" \
-      timeout -k 5 "$(step_timeout 90 150)" "$bin_paging" >>"$OUT/test_cuda.log" 2>&1
-    rc=$?
-    note "test_cuda_paging (pager on CUDA): exit $rc ($(verdict $rc))"
+    run_suite "$bin_paging" 90 150 "test_cuda_paging (pager on CUDA)"
     case $rc in 0 | 77) ;; *) failed=1 ;; esac
     grep -E "^(paging|e2e)|Checks:|:[EF]:" "$OUT/test_cuda.log" | tail -14 | tee -a "$summary"
   fi
   if [ -x "$bin_emu" ]; then
-    CK_FORK=no LD_LIBRARY_PATH="$runlib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" \
-      timeout -k 5 "$(step_timeout 60 140)" "$bin_emu" >>"$OUT/test_cuda.log" 2>&1
-    rc=$?
-    note "test_cuda_emu (CPU emulation of the kernels): exit $rc ($(verdict $rc))"
+    run_suite "$bin_emu" 60 140 "test_cuda_emu (CPU emulation of the kernels)"
     case $rc in 0) ;; *) failed=1 ;; esac
   fi
 else

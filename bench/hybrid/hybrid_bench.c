@@ -28,6 +28,7 @@
 #include <string.h>
 #include <time.h>
 
+#include "../bench_pager.h"
 #include "../bench_util.h"
 #include "pf_fake_device.h"
 #include "qm_moe.h"
@@ -89,21 +90,8 @@ static int run_mode(qm_backend *dev, const qm_bank *bank, int on_miss, qm_backen
     qm_policy pol = {0};
     qm_residency_plan *plan = NULL;
     qm_pager *pg = NULL;
-    qm_region_catalog *cats[256];
-    int rc = qm_policy_new("lru", NULL, &pol, &st);
-    for (uint32_t l = 0; rc == 0 && l < cfg->layers; l++)
-        rc = qm_bank_build_catalog(bank, l, &cats[l], &st);
-    if (rc == 0) {
-        uint64_t total = qm_bank_expert_bytes_total(bank);
-        qm_plan_options po = {.has_budget = 1, .budget_bytes = (uint64_t)(frac * (double)total)};
-        rc = qm_plan_residency((const qm_region_catalog *const *)cats, cfg->layers, &pol, &po,
-                               &plan, &st);
-        for (uint32_t l = 0; l < cfg->layers; l++)
-            qm_catalog_free(cats[l]);
-    }
     qm_pager_options o = {.on_miss = on_miss, .host_backend = host, .no_preload = 1};
-    if (rc == 0)
-        rc = qm_pager_new(dev, bank, plan, &pol, &o, &pg, &st);
+    int rc = bench_pager_new(dev, bank, "lru", frac, &o, &pol, &plan, &pg, &st);
     float *y = malloc(sizeof(float) * c->T * c->H);
     double t0 = 0;
     const uint32_t warm = cfg->layers;

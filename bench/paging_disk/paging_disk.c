@@ -27,6 +27,7 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "../bench_pager.h"
 #include "../bench_util.h"
 #include "qm_moe.h"
 #include "qm_pager.h"
@@ -88,14 +89,12 @@ int main(int argc, char **argv)
         return 1;
     }
     close(fd);
-    qm_status st = {0};
     qm_bank *bank = NULL;
     qm_backend *be = NULL;
-    if (qm_bank_open(path, &bank, &st) || qm_backend_cpu_new(threads, &be, &st)) {
-        fprintf(stderr, "paging_disk: %s\n", st.msg);
+    const qm_bank_config *cfg = bench_open_cpu("paging_disk", path, threads, &bank, &be);
+    if (!cfg)
         return 1;
-    }
-    const qm_bank_config *cfg = qm_bank_get_config(bank);
+    qm_status st = {0};
     sim_trace tr;
     if (sim_trace_generate(&tr, tokens + warm, cfg->layers, cfg->experts, cfg->k, alpha, locality,
                            seed))
@@ -106,22 +105,9 @@ int main(int argc, char **argv)
     qm_pager *pg = NULL;
     double t_create = now_s();
     if (!whole) {
-        qm_region_catalog *cats[256];
-        if (qm_policy_new(policy, NULL, &pol, &st))
-            goto fail;
-        for (uint32_t l = 0; l < cfg->layers; l++)
-            if (qm_bank_build_catalog(bank, l, &cats[l], &st))
-                goto fail;
-        qm_plan_options po = {.has_budget = 1, .budget_bytes = (uint64_t)(frac * (double)total)};
-        int rc = qm_plan_residency((const qm_region_catalog *const *)cats, cfg->layers, &pol, &po,
-                                   &plan, &st);
-        for (uint32_t l = 0; l < cfg->layers; l++)
-            qm_catalog_free(cats[l]);
-        if (rc)
-            goto fail;
         qm_pager_options o = {.prefetch = prefetch,
                               .source = direct ? QM_PAGER_SOURCE_DIRECT : QM_PAGER_SOURCE_MMAP};
-        if (qm_pager_new(be, bank, plan, &pol, &o, &pg, &st))
+        if (bench_pager_new(be, bank, policy, frac, &o, &pol, &plan, &pg, &st))
             goto fail;
         const char *why = "";
         if (direct && qm_pager_source_info(pg, &why) != QM_PAGER_SOURCE_DIRECT) {

@@ -20,6 +20,7 @@
 #include <string.h>
 #include <time.h>
 
+#include "../bench_pager.h"
 #include "../bench_util.h"
 #include "qm_moe.h"
 #include "qm_pager.h"
@@ -49,26 +50,11 @@ static int run(qm_backend *be, const qm_bank *bank, const cfg_t *c, const sim_tr
     qm_policy pol = {0};
     qm_residency_plan *plan = NULL;
     qm_pager *pg = NULL;
-    qm_region_catalog *cats[256];
     int rc = -1;
     memset(ro, 0, sizeof *ro);
     if (c->policy) {
-        if (qm_policy_new(c->policy, NULL, &pol, &st))
-            goto out;
-        for (uint32_t l = 0; l < cfg->layers; l++)
-            if (qm_bank_build_catalog(bank, l, &cats[l], &st))
-                goto out;
-        uint64_t total = qm_bank_expert_bytes_total(bank);
-        qm_plan_options po = {.has_budget = c->frac > 0,
-                              .budget_bytes = (uint64_t)(c->frac * (double)total)};
-        rc = qm_plan_residency((const qm_region_catalog *const *)cats, cfg->layers, &pol, &po,
-                               &plan, &st);
-        for (uint32_t l = 0; l < cfg->layers; l++)
-            qm_catalog_free(cats[l]);
-        if (rc)
-            goto out;
         qm_pager_options o = {.prefetch = c->prefetch};
-        if ((rc = qm_pager_new(be, bank, plan, &pol, &o, &pg, &st)))
+        if ((rc = bench_pager_new(be, bank, c->policy, c->frac, &o, &pol, &plan, &pg, &st)))
             goto out;
     }
     qm_expert_source direct;
@@ -163,16 +149,13 @@ int main(int argc, char **argv)
                         "[--drift D]\n");
         return 2;
     }
-    qm_status st = {0};
     qm_bank *bank = NULL;
     qm_backend *be = NULL;
-    if (qm_bank_open(path, &bank, &st) || qm_backend_cpu_new(threads, &be, &st)) {
-        fprintf(stderr, "paging_e2e: %s\n", st.msg);
+    const qm_bank_config *cfg = bench_open_cpu("paging_e2e", path, threads, &bank, &be);
+    if (!cfg)
         return 1;
-    }
-    const qm_bank_config *cfg = qm_bank_get_config(bank);
-    sim_trace tr;
     uint32_t tokens = (calls + cfg->layers - 1) / cfg->layers;
+    sim_trace tr;
     if (sim_trace_generate(&tr, tokens, cfg->layers, cfg->experts, cfg->k, alpha, locality, seed))
         return 1;
     char route_desc[96];

@@ -5,6 +5,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "qm_hotness.h"
 #include "qm_residency.h"
 #include "sim.h"
 
@@ -66,57 +67,39 @@ out:
     return rc;
 }
 
-/* Hottest-first lists per layer from tokens [0, t1) (the "profile"). */
+/* Hottest-first lists per layer from tokens [0, t1) (the "profile"): the
+ * routing recorded into a hotness profile without decay, as the daemon
+ * records a session's, and its lists as static_hot gets them. */
 typedef struct hot_lists {
-    uint32_t *data;
-    const uint32_t **hot;
-    size_t *len;
+    qm_hotness *profile;
+    qm_policy_params lists; /* hot, hot_len, n_hot_banks */
 } hot_lists;
 
 static int make_hot(const sim_trace *tr, uint32_t t1, hot_lists *h)
 {
-    uint32_t L = tr->layers, E = tr->experts;
-    double *cnt = calloc((size_t)L * E, sizeof *cnt);
-    h->data = calloc((size_t)L * E, sizeof *h->data);
-    h->hot = calloc(L, sizeof *h->hot);
-    h->len = calloc(L, sizeof *h->len);
-    if (!cnt || !h->data || !h->hot || !h->len) {
-        free(cnt);
-        return -1;
-    }
-    for (uint32_t t = 0; t < t1; t++)
-        for (uint32_t l = 0; l < L; l++)
+    qm_hotness_key key = {.layers = tr->layers, .experts = tr->experts};
+    qm_status st;
+    uint32_t *route = calloc(tr->k ? tr->k : 1, sizeof *route);
+    int rc = route ? qm_hotness_new(&key, 1.0, &h->profile, &st) : -1;
+    for (uint32_t t = 0; rc == 0 && t < t1; t++)
+        for (uint32_t l = 0; l < tr->layers; l++) {
+            size_t n = 0;
             for (uint32_t j = 0; j < tr->k; j++) {
-                int16_t e = tr->ids[((size_t)t * L + l) * tr->k + j];
+                int16_t e = tr->ids[((size_t)t * tr->layers + l) * tr->k + j];
                 if (e >= 0)
-                    cnt[(size_t)l * E + (uint32_t)e] += 1;
+                    route[n++] = (uint32_t)e;
             }
-    for (uint32_t l = 0; l < L; l++) {
-        uint32_t *out = h->data + (size_t)l * E;
-        const double *c = cnt + (size_t)l * E;
-        size_t n = 0;
-        for (uint32_t e = 0; e < E; e++) {
-            if (c[e] <= 0)
-                continue;
-            size_t j = n++;
-            while (j > 0 && c[out[j - 1]] < c[e]) {
-                out[j] = out[j - 1];
-                j--;
-            }
-            out[j] = e;
+            qm_hotness_record(h->profile, l, route, n);
         }
-        h->hot[l] = out;
-        h->len[l] = n;
-    }
-    free(cnt);
-    return 0;
+    if (rc == 0)
+        rc = qm_hotness_policy_params(h->profile, &h->lists, &st);
+    free(route);
+    return rc;
 }
 
 static void free_hot(hot_lists *h)
 {
-    free(h->data);
-    free(h->hot);
-    free(h->len);
+    qm_hotness_free(h->profile);
 }
 
 static const sim_opts *g_opts;
@@ -143,9 +126,9 @@ static int new_policy(const char *name, const sim_trace *tr, uint32_t t0, uint32
     if (!strcmp(name, "static_hot")) {
         if (g_opts->pin_fraction >= 0)
             vals[pp.n_values++] = (qm_policy_value){"pin_fraction", g_opts->pin_fraction};
-        pp.hot = (const uint32_t *const *)hot->hot;
-        pp.hot_len = hot->len;
-        pp.n_hot_banks = tr->layers;
+        pp.hot = hot->lists.hot;
+        pp.hot_len = hot->lists.hot_len;
+        pp.n_hot_banks = hot->lists.n_hot_banks;
     }
     int rc = qm_policy_new(name, &pp, pol, &st);
     if (rc)

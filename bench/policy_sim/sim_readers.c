@@ -92,18 +92,34 @@ static int done(sim_trace *tr, int rc, long long *v, unsigned char *b)
     return rc;
 }
 
-int sim_trace_load_npy(const char *path, uint32_t experts, sim_trace *tr, char *err, size_t cap)
+/* A reader's parse of the file's bytes b[0, len) (NUL-terminated, writable):
+ * the trace's shape in *tr, the raw ids in *v (n of them; the caller frees
+ * them, even on failure), the expert count in *experts when the file holds
+ * it. 0, or -1 with err set. */
+typedef int (*sim_parse_fn)(unsigned char *b, size_t len, const char *path, sim_trace *tr,
+                            uint32_t *experts, long long **v, size_t *n, char *err, size_t cap);
+
+/* Reads `path` with `parse`, then checks and keeps its ids (finish). */
+static int load(const char *path, uint32_t experts, sim_parse_fn parse, sim_trace *tr, char *err,
+                size_t cap)
 {
-    size_t len;
+    size_t len, n = 0;
     unsigned char *b = slurp(path, tr, &len, err, cap);
     if (!b)
         return -1;
-    int rc = -1;
     long long *v = NULL;
-    if (len < 10 || memcmp(b, "\x93NUMPY", 6) != 0) {
-        fail(err, cap, path, "not a .npy file (bad magic)");
-        goto out;
-    }
+    int rc = parse(b, len, path, tr, &experts, &v, &n, err, cap);
+    if (rc == 0)
+        rc = finish(tr, v, n, experts, path, err, cap);
+    return done(tr, rc, v, b);
+}
+
+static int parse_npy(unsigned char *b, size_t len, const char *path, sim_trace *tr,
+                     uint32_t *experts, long long **vp, size_t *np, char *err, size_t cap)
+{
+    (void)experts; /* not in a .npy: given, or the largest id + 1 */
+    if (len < 10 || memcmp(b, "\x93NUMPY", 6) != 0)
+        return fail(err, cap, path, "not a .npy file (bad magic)");
     size_t hlen, hoff;
     if (b[6] == 1) {
         hlen = (size_t)b[8] | (size_t)b[9] << 8;
@@ -112,65 +128,50 @@ int sim_trace_load_npy(const char *path, uint32_t experts, sim_trace *tr, char *
         hlen = (size_t)b[8] | (size_t)b[9] << 8 | (size_t)b[10] << 16 | (size_t)b[11] << 24;
         hoff = 12;
     } else {
-        fail(err, cap, path, "unsupported .npy version");
-        goto out;
+        return fail(err, cap, path, "unsupported .npy version");
     }
-    if (hoff + hlen > len) {
-        fail(err, cap, path, "truncated .npy header");
-        goto out;
-    }
+    if (hoff + hlen > len)
+        return fail(err, cap, path, "truncated .npy header");
     char hdr[1024];
     snprintf(hdr, sizeof hdr, "%.*s", (int)(hlen < sizeof hdr - 1 ? hlen : sizeof hdr - 1),
              (const char *)b + hoff);
     const char *d = strstr(hdr, "'descr'"), *fo = strstr(hdr, "'fortran_order'"),
                *sh = strstr(hdr, "'shape'");
-    if (!d || !fo || !sh) {
-        fail(err, cap, path, ".npy header lacks descr, fortran_order or shape");
-        goto out;
-    }
+    if (!d || !fo || !sh)
+        return fail(err, cap, path, ".npy header lacks descr, fortran_order or shape");
     char descr[8] = "";
-    if (sscanf(d, "'descr' : '%7[^']'", descr) != 1 && sscanf(d, "'descr': '%7[^']'", descr) != 1) {
-        fail(err, cap, path, "cannot read the .npy descr");
-        goto out;
-    }
-    if (strstr(fo, "True")) {
-        fail(err, cap, path, "Fortran-order arrays are not supported (save C order)");
-        goto out;
-    }
+    if (sscanf(d, "'descr' : '%7[^']'", descr) != 1 && sscanf(d, "'descr': '%7[^']'", descr) != 1)
+        return fail(err, cap, path, "cannot read the .npy descr");
+    if (strstr(fo, "True"))
+        return fail(err, cap, path, "Fortran-order arrays are not supported (save C order)");
     unsigned long long s0, s1, s2;
     const char *paren = strchr(sh, '(');
-    if (!paren || sscanf(paren, "(%llu, %llu, %llu)", &s0, &s1, &s2) != 3) {
-        fail(err, cap, path, "shape must be 3-D: [tokens, layers, k]");
-        goto out;
-    }
+    if (!paren || sscanf(paren, "(%llu, %llu, %llu)", &s0, &s1, &s2) != 3)
+        return fail(err, cap, path, "shape must be 3-D: [tokens, layers, k]");
     int size = 0, is_signed = 1;
     char kind = descr[1];
     if ((descr[0] != '<' && descr[0] != '|' && descr[0] != '=') || (kind != 'i' && kind != 'u')) {
         snprintf(err, cap, "%s: dtype %s; expected little-endian integers (<i2, <i4, <i8, ...)",
                  path, descr);
-        goto out;
+        return -1;
     }
     size = atoi(descr + 2);
     is_signed = kind == 'i';
     if (size != 1 && size != 2 && size != 4 && size != 8) {
         snprintf(err, cap, "%s: dtype %s has an unsupported width", path, descr);
-        goto out;
+        return -1;
     }
-    if (!s0 || !s1 || !s2 || s1 > 65535 || s2 > 256 || s0 > 100000000ull) {
-        fail(err, cap, path, "shape out of range (tokens, layers <= 65535, 1 <= k <= 256)");
-        goto out;
-    }
+    if (!s0 || !s1 || !s2 || s1 > 65535 || s2 > 256 || s0 > 100000000ull)
+        return fail(err, cap, path, "shape out of range (tokens, layers <= 65535, 1 <= k <= 256)");
     size_t n = (size_t)(s0 * s1 * s2), off = hoff + hlen;
     if (len - off != n * (size_t)size) {
         snprintf(err, cap, "%s: %zu data bytes, the shape needs %zu", path, len - off,
                  n * (size_t)size);
-        goto out;
+        return -1;
     }
-    v = malloc(n * sizeof *v + 1);
-    if (!v) {
-        fail(err, cap, path, "out of memory");
-        goto out;
-    }
+    long long *v = *vp = malloc(n * sizeof *v + 1);
+    if (!v)
+        return fail(err, cap, path, "out of memory");
     const unsigned char *p = b + off;
     for (size_t i = 0; i < n; i++, p += size) {
         unsigned long long u = 0;
@@ -183,9 +184,13 @@ int sim_trace_load_npy(const char *path, uint32_t experts, sim_trace *tr, char *
     tr->tokens = (uint32_t)s0;
     tr->layers = (uint32_t)s1;
     tr->k = (uint32_t)s2;
-    rc = finish(tr, v, n, experts, path, err, cap);
-out:
-    return done(tr, rc, v, b);
+    *np = n;
+    return 0;
+}
+
+int sim_trace_load_npy(const char *path, uint32_t experts, sim_trace *tr, char *err, size_t cap)
+{
+    return load(path, experts, parse_npy, tr, err, cap);
 }
 
 static int json_uint(const cJSON *o, const char *key, uint32_t max, uint32_t *out)
@@ -198,16 +203,14 @@ static int json_uint(const cJSON *o, const char *key, uint32_t max, uint32_t *ou
     return 0;
 }
 
-int sim_trace_load_jsonl(const char *path, sim_trace *tr, char *err, size_t cap)
+static int parse_jsonl(unsigned char *b, size_t len, const char *path, sim_trace *tr,
+                       uint32_t *experts, long long **vp, size_t *np, char *err, size_t cap)
 {
-    size_t len;
-    unsigned char *b = slurp(path, tr, &len, err, cap);
-    if (!b)
-        return -1;
-    int rc = -1;
+    (void)len; /* NUL-terminated: read line by line */
     long long *v = NULL;
     size_t n = 0, vcap = 0;
-    uint32_t experts = 0, line_no = 0, tokens = 0;
+    uint32_t line_no = 0, tokens = 0;
+    *experts = 0;
     char *save = NULL;
     for (char *line = strtok_r((char *)b, "\n", &save); line; line = strtok_r(NULL, "\n", &save)) {
         line_no++;
@@ -217,19 +220,19 @@ int sim_trace_load_jsonl(const char *path, sim_trace *tr, char *err, size_t cap)
         if (!cJSON_IsObject(o)) {
             snprintf(err, cap, "%s: line %u is not a JSON object", path, line_no);
             cJSON_Delete(o);
-            goto out;
+            return -1;
         }
         if (!tr->layers) { /* the header */
             const cJSON *f = cJSON_GetObjectItemCaseSensitive(o, "format");
             int ok = cJSON_IsString(f) && !strcmp(f->valuestring, "qmoe-trace") &&
                      !json_uint(o, "layers", 65535, &tr->layers) &&
-                     !json_uint(o, "k", 256, &tr->k) && !json_uint(o, "experts", 32767, &experts);
+                     !json_uint(o, "k", 256, &tr->k) && !json_uint(o, "experts", 32767, experts);
             cJSON_Delete(o);
             if (!ok) {
                 snprintf(err, cap, "%s: line %u: expected the header {\"format\": \"qmoe-trace\", "
                          "\"layers\", \"k\", \"experts\"} (positive integers)", path, line_no);
                 tr->layers = 0;
-                goto out;
+                return -1;
             }
             continue;
         }
@@ -242,10 +245,9 @@ int sim_trace_load_jsonl(const char *path, sim_trace *tr, char *err, size_t cap)
             long long *g = realloc(v, nc * sizeof *v);
             if (!g) {
                 cJSON_Delete(o);
-                fail(err, cap, path, "out of memory");
-                goto out;
+                return fail(err, cap, path, "out of memory");
             }
-            v = g;
+            *vp = v = g;
             vcap = nc;
         }
         for (const cJSON *row = bad ? NULL : ex->child; row && !bad; row = row->next) {
@@ -260,19 +262,22 @@ int sim_trace_load_jsonl(const char *path, sim_trace *tr, char *err, size_t cap)
         if (bad) {
             snprintf(err, cap, "%s: line %u: expected {\"token\": %u, \"experts\": [%u rows of %u "
                      "integers]}", path, line_no, tokens, tr->layers, tr->k);
-            goto out;
+            return -1;
         }
         tokens++;
     }
-    if (!tr->layers || !tokens) {
-        fail(err, cap, path, "no header or no token records");
-        goto out;
-    }
+    if (!tr->layers || !tokens)
+        return fail(err, cap, path, "no header or no token records");
     tr->tokens = tokens;
-    rc = finish(tr, v, n, experts, path, err, cap);
-out:
-    return done(tr, rc, v, b);
+    *np = n;
+    return 0;
 }
+
+int sim_trace_load_jsonl(const char *path, sim_trace *tr, char *err, size_t cap)
+{
+    return load(path, 0, parse_jsonl, tr, err, cap);
+}
+
 
 int sim_trace_load_any(const char *path, uint32_t experts, sim_trace *tr, char *err, size_t cap)
 {

@@ -19,6 +19,7 @@
 
 #include "qm_alloc.h"
 #include "qm_bank.h"
+#include "qm_io.h"
 #include "import_common.h"
 #include "qm_st_header.h"
 #include "qmoe_bank_tool.h"
@@ -192,20 +193,11 @@ typedef struct writer {
 
 static int put(writer *wr, const void *buf, uint64_t n, uint64_t at)
 {
-    const uint8_t *p = buf;
-    while (n) {
-        ssize_t k = pwrite(wr->fd, p, n > (1u << 30) ? (1u << 30) : (size_t)n, (off_t)at);
-        if (k < 0) {
-            if (errno == EINTR)
-                continue;
-            fprintf(stderr, "qmoe-bank create: writing %s: %s\n", wr->path, strerror(errno));
-            return -1;
-        }
-        p += k;
-        at += (uint64_t)k;
-        n -= (uint64_t)k;
-        wr->written += (uint64_t)k;
+    if (qm_pwrite_all(wr->fd, buf, n, at)) {
+        fprintf(stderr, "qmoe-bank create: writing %s: %s\n", wr->path, strerror(errno));
+        return -1;
     }
+    wr->written += n;
     if (wr->progress) {
         time_t now = time(NULL);
         if (now != wr->last) {

@@ -89,6 +89,14 @@ static unsigned q6k_code(const uint8_t *blk, unsigned i, unsigned *scale_index)
     return lo | ((qh[l] >> (2 * quarter)) & 3u) << 4;
 }
 
+/* A Q6_K block's scales: the f16 super-scale d (returned) after its 16 int8
+ * sub-scales (*sc), which follow the 128 + 64 bytes of codes. */
+static float q6k_scales(const uint8_t *blk, const int8_t **sc)
+{
+    *sc = (const int8_t *)(blk + 192);
+    return qmg_f16_to_f32(rd16(blk + 208));
+}
+
 int qmg_can_dequant(uint32_t type)
 {
     switch (type) {
@@ -253,8 +261,8 @@ void qmg_dequant_row(uint32_t type, const uint8_t *src, uint64_t n, float *dst)
             dequant_k45(p, type == QMG_Q5_K, dst);
             break;
         case QMG_Q6_K: {
-            float d = qmg_f16_to_f32(rd16(p + 208));
-            const int8_t *sc = (const int8_t *)(p + 192);
+            const int8_t *sc;
+            float d = q6k_scales(p, &sc);
             for (unsigned i = 0; i < 256; i++) {
                 unsigned si, q = q6k_code(p, i, &si);
                 dst[i] = d * (float)sc[si] * (float)((int)q - 32);
@@ -346,12 +354,12 @@ void qmg_repack_row(uint32_t type, const uint8_t *src, uint64_t n, unsigned bits
             break;
         }
         case QMG_Q6_K: {
-            float d = qmg_f16_to_f32(rd16(src + 208));
-            const int8_t *sc = (const int8_t *)(src + 192);
             for (unsigned i = 0; i < 256; i++) {
                 unsigned si, q = q6k_code(src, i, &si);
                 put_code(codes, bits, c0 + i, q + 96u);
             }
+            const int8_t *sc; /* a scale per 16 codes, times the block's d */
+            float d = q6k_scales(src, &sc);
             for (unsigned k = 0; k < 16; k++)
                 put_scale(scales, sdt, c0 / 16 + k, d * (float)sc[k], 0);
             break;

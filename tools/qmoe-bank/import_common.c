@@ -14,6 +14,7 @@
 #include <unistd.h>
 
 #include "qm_alloc.h"
+#include "qm_io.h"
 #include "qm_st_header.h"
 
 /* ---- elements ------------------------------------------------------------ */
@@ -454,17 +455,8 @@ static int plan_file(qmi_writer *w, qm_status *st)
 static int pwrite_all(int fd, const void *buf, uint64_t n, uint64_t at, const char *path,
                       qm_status *st)
 {
-    const uint8_t *p = buf;
-    while (n) {
-        ssize_t k = pwrite(fd, p, n > (1u << 30) ? (1u << 30) : (size_t)n, (off_t)at);
-        if (k < 0) {
-            if (errno == EINTR) continue;
-            return qm_status_set(st, QM_EIO, "writing %.200s: %s", path, strerror(errno));
-        }
-        p += k;
-        at += (uint64_t)k;
-        n -= (uint64_t)k;
-    }
+    if (qm_pwrite_all(fd, buf, n, at))
+        return qm_status_set(st, QM_EIO, "writing %.200s: %s", path, strerror(errno));
     return 0;
 }
 

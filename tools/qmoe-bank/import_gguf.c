@@ -23,6 +23,7 @@
 #include "gguf_reader.h"
 #include "qm_alloc.h"
 #include "qm_bank.h"
+#include "qm_io.h"
 #include "qm_st_header.h"
 #include "qmoe_bank_tool.h"
 
@@ -440,17 +441,9 @@ static void place_tensors(job *j)
 
 static int write_at(job *j, const out_tensor *t, const void *buf, qm_status *st)
 {
-    uint64_t n = t->end - t->begin, done = 0;
-    while (done < n) {
-        ssize_t w = pwrite(j->fd, (const uint8_t *)buf + done, (size_t)(n - done),
-                           (off_t)(j->data_start + t->begin + done));
-        if (w < 0 && errno == EINTR)
-            continue;
-        if (w <= 0)
-            return qm_status_set(st, QM_EIO, "writing %s to %s: %s", t->name, j->partial,
-                                 w < 0 ? strerror(errno) : "short write");
-        done += (uint64_t)w;
-    }
+    if (qm_pwrite_all(j->fd, buf, t->end - t->begin, j->data_start + t->begin))
+        return qm_status_set(st, QM_EIO, "writing %s to %s: %s", t->name, j->partial,
+                             strerror(errno));
     return 0;
 }
 
