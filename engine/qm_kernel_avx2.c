@@ -13,9 +13,10 @@
  * 4-bit GEMVs with blocks of whole 32-column chunks run the canonical order
  * instead (qm__q4_canon, qm__gemv_canon below): the same bits as the
  * AVX-512 table-lookup GEMV, so the faster of the two can be measured.
- * qm__kernel_avx2_folded keeps the folded order for them too (about 1.3x
- * faster at 1 input, slower at 2-4: docs/BENCHMARKS.md): the 4-bit GEMV of
- * CPUs without AVX-512, where no other SIMD kernel is a candidate
+ * qm__kernel_avx2_folded keeps the folded order for them when the job has
+ * one input row (1.28x faster there; at 2-4 rows the canonical order is
+ * 1.15-1.45x faster and runs: docs/BENCHMARKS.md): the 4-bit GEMV of CPUs
+ * without AVX-512, where no other SIMD kernel is a candidate
  * (qm_kernel_select.c). */
 #include <immintrin.h>
 #include <string.h>
@@ -622,20 +623,32 @@ void qm__avx2_gemv(const qm__qmat *m, uint32_t n0, uint32_t n1, const float *xp,
     qm__gemv_order(m, n0, n1, xp, ldx, nx, y, ldy, scratch, qm__q4_canon(m, 0));
 }
 
+/* The folded kernel: where qm__q4_canon applies, a prepared row holds both
+ * inputs, the canonical one then the folded one (prep does not know how
+ * many rows the job has); a 1-row GEMV runs the folded order, 2-4 rows the
+ * canonical one (faster there: it dequantises once for every input row). */
 static size_t qm__avx2_folded_x_stride(const qm__qmat *m, int gemm)
 {
-    return qm__x_stride_order(m, gemm, 0);
+    size_t canon = qm__q4_canon(m, gemm) ? qm__round32(m->k) : 0;
+    return canon + qm__x_stride_order(m, gemm, 0);
 }
 
 static void qm__avx2_folded_prep(const qm__qmat *m, int gemm, const float *x, float *xp)
 {
+    if (qm__q4_canon(m, gemm)) {
+        qm__prep_order(m, gemm, x, xp, 1);
+        xp += qm__round32(m->k);
+    }
     qm__prep_order(m, gemm, x, xp, 0);
 }
 
 static void qm__avx2_folded_gemv(const qm__qmat *m, uint32_t n0, uint32_t n1, const float *xp,
                                  size_t ldx, uint32_t nx, float *y, size_t ldy, float *scratch)
 {
-    qm__gemv_order(m, n0, n1, xp, ldx, nx, y, ldy, scratch, 0);
+    int canon = qm__q4_canon(m, 0);
+    if (canon && nx == 1)
+        xp += qm__round32(m->k);
+    qm__gemv_order(m, n0, n1, xp, ldx, nx, y, ldy, scratch, canon && nx > 1);
 }
 
 /* Dequantises rows [n0, n1) x prepared columns [kt0, kt0 + len) into

@@ -5,7 +5,8 @@
  * and activation excluded. Each ISA provides a kernel table; the scalar one
  * is the readable specification. Every output element is computed by one
  * call in a fixed order that depends only on the matrix geometry and on
- * whether the GEMV or GEMM path runs (a function of the job's row count),
+ * whether the GEMV or GEMM path runs (a function of the job's row count;
+ * on the folded AVX2 kernel also whether a 4-bit GEMV job has one row),
  * never on the thread count or on which rows share a call: that is what
  * makes outputs bitwise identical across threads, orders and waves. */
 #ifndef QM_KERNELS_H
@@ -112,8 +113,9 @@ extern const qm__kernel qm__kernel_scalar;
 #if defined(QMOE_X86_KERNELS)
 extern const qm__kernel qm__kernel_avx2;
 extern const qm__kernel qm__kernel_avx512;
-/* The AVX2 kernel with the 4-bit GEMV in the AVX2 (folded) order wherever
- * qm__q4_canon applies too: the 4-bit GEMV of CPUs without AVX-512. */
+/* The AVX2 kernel with the 4-bit GEMV of one input row in the AVX2
+ * (folded) order wherever qm__q4_canon applies too (2-4 rows: canonical):
+ * the 4-bit GEMV of CPUs without AVX-512. */
 extern const qm__kernel qm__kernel_avx2_folded;
 /* Entry points the AVX-512 table borrows from the AVX2 file. */
 size_t qm__avx2_x_stride(const qm__qmat *m, int gemm);

@@ -238,7 +238,7 @@ END_TEST
  * a float64 reference, per output: |y - ref| <= 1e-5 * sum_c |W[n,c] x[c]|
  * (the exact mode's 1e-5 relative, docs/ARCHITECTURE.md); and against the
  * canonical AVX2 kernel: the same bits where it runs the same code (blocks
- * of 16). 200 q4_case shapes. */
+ * of 16; 2-4 input rows), other bits at 1 row. 200 q4_case shapes. */
 START_TEST(test_q4_gemv_folded_within_bound)
 {
     const qm__kernel *f = kernel_as("avx2-folded", "avx2-folded"), *can = kernel("avx2");
@@ -252,10 +252,12 @@ START_TEST(test_q4_gemv_folded_within_bound)
         run(f, m, 0, c.x, c.T, c.y0);
         run(can, m, 0, c.x, c.T, c.y1);
         size_t ny = (size_t)c.T * c.n;
-        if (!qm__q4_canon(m, 0))
+        if (!qm__q4_canon(m, 0) || c.T > 1)
             ck_assert_msg(memcmp(c.y0, c.y1, 4 * ny) == 0,
-                          "n %u k %u block %u T %u: blocks of 16 differ", c.n, c.k, c.block, c.T);
-        differ += memcmp(c.y0, c.y1, 4 * ny) != 0;
+                          "n %u k %u block %u T %u: folded and canonical differ", c.n, c.k,
+                          c.block, c.T);
+        else
+            differ += memcmp(c.y0, c.y1, 4 * ny) != 0;
         for (uint32_t t = 0; t < c.T; t++)
             for (uint32_t row = 0; row < c.n; row++) {
                 const uint8_t *wr = m->w + (size_t)row * m->row_bytes;
@@ -275,7 +277,7 @@ START_TEST(test_q4_gemv_folded_within_bound)
             }
         q4_case_free(&c);
     }
-    ck_assert_int_gt(differ, 50); /* the two orders really are two */
+    ck_assert_int_gt(differ, 30); /* of 40 1-row cases: the two orders really are two */
     fprintf(stderr, "q4 gemv folded: worst error %.3g of the bound\n", worst);
 }
 END_TEST
