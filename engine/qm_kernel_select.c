@@ -13,9 +13,10 @@
  * differently (the daemon and `qmoe-bank run`) still give the same bits.
  * Candidates: AVX-512 and AVX2 where the CPU has AVX-512F/BW/VL (the AVX2
  * 4-bit GEMV then in the canonical order, qm__kernel_avx2); else AVX2
- * alone, nothing to measure, and its 4-bit GEMV takes the AVX2 kernel's
- * own folded order (qm__kernel_avx2_folded: zero point and scale once per
- * block, about 1.3x faster at 1 input than the canonical order on AVX2,
+ * alone, nothing to measure, and its 4-bit GEMV of 1-row jobs (decode)
+ * takes the AVX2 kernel's own folded order (qm__kernel_avx2_folded: zero
+ * point and scale once per block, 1.28x faster than the canonical order
+ * there; 2-4 rows keep the canonical one, 1.15-1.45x faster than folded;
  * docs/BENCHMARKS.md): with one candidate no measurement can change bits.
  * QMOE_KERNEL_CACHE=<file> keeps the measured choice across restarts,
  * keyed by the CPU's brand string, the candidate kernels and a version (a
