@@ -12,7 +12,12 @@
  *
  * 4-bit GEMVs with blocks of whole 32-column chunks run the canonical order
  * instead (qm__q4_canon, qm__gemv_canon below): the same bits as the
- * AVX-512 table-lookup GEMV, so the faster of the two can be measured. */
+ * AVX-512 table-lookup GEMV, so the faster of the two can be measured.
+ * qm__kernel_avx2_folded keeps the folded order for them when the job has
+ * one input row (1.28x faster there; at 2-4 rows the canonical order is
+ * 1.15-1.45x faster and runs: docs/BENCHMARKS.md): the 4-bit GEMV of CPUs
+ * without AVX-512, where no other SIMD kernel is a candidate
+ * (qm_kernel_select.c). */
 #include <immintrin.h>
 #include <string.h>
 
@@ -30,17 +35,20 @@ static size_t qm__round32(size_t v)
     return (v + 31) & ~(size_t)31;
 }
 
-size_t qm__avx2_x_stride(const qm__qmat *m, int gemm)
+/* canon: the 4-bit GEMV's canonical order (its input: every 32 columns as
+ * [16 even, 16 odd]); else the AVX2 order (16-column groups, 4-bit ones as
+ * [8 even, 8 odd]; the GEMV then adds per block the lane-wise sums of x). */
+static size_t qm__x_stride_order(const qm__qmat *m, int gemm, int canon)
 {
-    if (qm__q4_canon(m, gemm))
+    if (canon)
         return qm__round32(m->k);
     size_t kp = qm__round16(m->k);
     return gemm ? kp : kp + (size_t)8 * m->nblk;
 }
 
-void qm__avx2_prep(const qm__qmat *m, int gemm, const float *x, float *xp)
+static void qm__prep_order(const qm__qmat *m, int gemm, const float *x, float *xp, int canon)
 {
-    if (qm__q4_canon(m, gemm)) { /* every 32 columns: [16 even, 16 odd] */
+    if (canon) { /* every 32 columns: [16 even, 16 odd] */
         size_t kp = qm__round32(m->k);
         for (size_t g = 0; g < kp; g += 32)
             for (size_t j = 0; j < 32; j++) {
@@ -585,15 +593,62 @@ static void qm__gemv_q4_canon(const qm__qmat *m, uint32_t n0, uint32_t n1, const
         qm__gemv_q4_canon_impl(m, n0, n1, xp, ldx, nx, y, ldy, 0, 0);
 }
 
-void qm__avx2_gemv(const qm__qmat *m, uint32_t n0, uint32_t n1, const float *xp, size_t ldx,
-                   uint32_t nx, float *y, size_t ldy, float *scratch)
+static void qm__gemv_order(const qm__qmat *m, uint32_t n0, uint32_t n1, const float *xp,
+                           size_t ldx, uint32_t nx, float *y, size_t ldy, float *scratch,
+                           int canon)
 {
-    if (qm__q4_canon(m, 0))
+    if (canon)
         qm__gemv_q4_canon(m, n0, n1, xp, ldx, nx, y, ldy);
     else if (m->bits == 4)
         qm__gemv_q4(m, n0, n1, xp, ldx, nx, y, ldy, scratch);
     else
         qm__gemv_q8(m, n0, n1, xp, ldx, nx, y, ldy, scratch);
+}
+
+/* The canonical kernel's entries (the AVX-512 table borrows them) and the
+ * folded kernel's: the same code, the order chosen per matrix. */
+size_t qm__avx2_x_stride(const qm__qmat *m, int gemm)
+{
+    return qm__x_stride_order(m, gemm, qm__q4_canon(m, gemm));
+}
+
+void qm__avx2_prep(const qm__qmat *m, int gemm, const float *x, float *xp)
+{
+    qm__prep_order(m, gemm, x, xp, qm__q4_canon(m, gemm));
+}
+
+void qm__avx2_gemv(const qm__qmat *m, uint32_t n0, uint32_t n1, const float *xp, size_t ldx,
+                   uint32_t nx, float *y, size_t ldy, float *scratch)
+{
+    qm__gemv_order(m, n0, n1, xp, ldx, nx, y, ldy, scratch, qm__q4_canon(m, 0));
+}
+
+/* The folded kernel: where qm__q4_canon applies, a prepared row holds both
+ * inputs, the canonical one then the folded one (prep does not know how
+ * many rows the job has); a 1-row GEMV runs the folded order, 2-4 rows the
+ * canonical one (faster there: it dequantises once for every input row). */
+static size_t qm__avx2_folded_x_stride(const qm__qmat *m, int gemm)
+{
+    size_t canon = qm__q4_canon(m, gemm) ? qm__round32(m->k) : 0;
+    return canon + qm__x_stride_order(m, gemm, 0);
+}
+
+static void qm__avx2_folded_prep(const qm__qmat *m, int gemm, const float *x, float *xp)
+{
+    if (qm__q4_canon(m, gemm)) {
+        qm__prep_order(m, gemm, x, xp, 1);
+        xp += qm__round32(m->k);
+    }
+    qm__prep_order(m, gemm, x, xp, 0);
+}
+
+static void qm__avx2_folded_gemv(const qm__qmat *m, uint32_t n0, uint32_t n1, const float *xp,
+                                 size_t ldx, uint32_t nx, float *y, size_t ldy, float *scratch)
+{
+    int canon = qm__q4_canon(m, 0);
+    if (canon && nx == 1)
+        xp += qm__round32(m->k);
+    qm__gemv_order(m, n0, n1, xp, ldx, nx, y, ldy, scratch, canon && nx > 1);
 }
 
 /* Dequantises rows [n0, n1) x prepared columns [kt0, kt0 + len) into
@@ -801,11 +856,11 @@ void qm__avx2_gemm(const qm__qmat *m, uint32_t n0, uint32_t n1, const float *xp,
     }
 }
 
-const qm__kernel qm__kernel_avx2 = {
-    .name = "avx2",
-    .x_stride = qm__avx2_x_stride,
-    .prep = qm__avx2_prep,
-    .gemv = qm__avx2_gemv,
-    .gemm = qm__avx2_gemm,
-    .gemm_row_pad = QM__GEMM_MR,
-};
+#define QM__AVX2_TABLE(NAME, PREFIX)                                                               \
+    {                                                                                              \
+        .name = NAME, .x_stride = PREFIX##_x_stride, .prep = PREFIX##_prep,                        \
+        .gemv = PREFIX##_gemv, .gemm = qm__avx2_gemm, .gemm_row_pad = QM__GEMM_MR,                 \
+    }
+
+const qm__kernel qm__kernel_avx2 = QM__AVX2_TABLE("avx2", qm__avx2);
+const qm__kernel qm__kernel_avx2_folded = QM__AVX2_TABLE("avx2-folded", qm__avx2_folded);

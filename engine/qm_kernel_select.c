@@ -2,27 +2,38 @@
  *
  * Exact mode: a kernel per shape class the engine distinguishes (GEMV =
  * decode jobs of <= QM__GEMV_MAX_ROWS rows, GEMM = longer jobs; 4-bit and
- * 8-bit weights). The SIMD kernels of each class give the same bits (4-bit
- * GEMV: one canonical order, qm__q4_canon; 8-bit GEMV: the AVX-512 one runs
- * the AVX2 order; GEMM 4/8-bit: same panels, same per-lane order), so every
- * class's default is measured once per process: each available SIMD kernel
- * on a 64 x 2880 matrix with blocks of 32 (L2-resident: the kernel's
- * compute, not the memory), thread CPU time, best of a few runs, a
- * narrower kernel taking a class only when more than 10% faster (no
+ * 8-bit weights). The candidate SIMD kernels of each class give the same
+ * bits (4-bit GEMV: one canonical order, qm__q4_canon; 8-bit GEMV: the
+ * AVX-512 one runs the AVX2 order; GEMM 4/8-bit: same panels, same
+ * per-lane order), so every class's default is measured once per process:
+ * each candidate on a 64 x 2880 matrix with blocks of 32 (L2-resident: the
+ * kernel's compute, not the memory), thread CPU time, best of a few runs,
+ * a narrower kernel taking a class only when more than 10% faster (no
  * flapping between near-equal kernels). Two processes that measure
  * differently (the daemon and `qmoe-bank run`) still give the same bits.
+ * Candidates: AVX-512 and AVX2 where the CPU has AVX-512F/BW/VL (the AVX2
+ * 4-bit GEMV then in the canonical order, qm__kernel_avx2); else AVX2
+ * alone, nothing to measure, and its 4-bit GEMV of 1-row jobs (decode)
+ * takes the AVX2 kernel's own folded order (qm__kernel_avx2_folded: zero
+ * point and scale once per block, 1.28x faster than the canonical order
+ * there; 2-4 rows keep the canonical one, 1.15-1.45x faster than folded;
+ * docs/BENCHMARKS.md): with one candidate no measurement can change bits.
  * QMOE_KERNEL_CACHE=<file> keeps the measured choice across restarts,
  * keyed by the CPU's brand string, the candidate kernels and a version (a
  * stale, invalid or corrupt file is ignored with a line on stderr and
  * rewritten). QMOE_KERNEL=measure measures every class without the cache,
  * =table takes the fixed per-ISA table without measuring (the widest
  * kernel, but AVX2 for the 8-bit GEMV), =scalar|avx2|avx512 forces one
- * kernel for every class (an unavailable one falls back to the default).
+ * kernel for every class (an unavailable one falls back to the default;
+ * avx2 is the AVX2 kernel the default uses on this CPU, so forcing it or
+ * avx512 never changes bits), =avx2-canonical|avx2-folded forces the AVX2
+ * kernel with that 4-bit GEMV order (benchmarks, tests).
  *
  * Fast mode: every SIMD fast kernel produces the same bits (qm_kernel_i8.h),
  * so its choice is always measured, once per process, among the available
  * ones (AVX-512 VNNI, AVX-VNNI, AVX2), per class (decode, prefill; 4/8-bit);
- * QMOE_KERNEL=scalar|avx2|avxvnni|avx512vnni (avx512 = avx512vnni) forces one.
+ * QMOE_KERNEL=scalar|avx2|avxvnni|avx512vnni (avx512 = avx512vnni,
+ * avx2-canonical|avx2-folded = avx2) forces one.
  *
  * qm__kernel_describe() / qm__i8kernel_describe() name the choice; the CPU
  * backend puts them in its device name (daemon.status device.name,
@@ -450,6 +461,10 @@ static void qm__auto_calibrate(int mode)
             }
         }
     }
+#if defined(QMOE_X86_KERNELS)
+    if (nc == 1 && cands[0] == &qm__kernel_avx2) /* no AVX-512: the only candidate */
+        ch->gemv[0] = &qm__kernel_avx2_folded;
+#endif
     uint32_t pad = 1;
     for (int b8 = 0; b8 < 2; b8++) {
         uint32_t p = ch->gemm[b8]->gemm_row_pad;
@@ -483,6 +498,13 @@ static void qm__auto_table(void)
     qm__auto_calibrate(2);
 }
 
+static int qm__avx512_hidden; /* tests: qm__kernel_hide_avx512 */
+
+void qm__kernel_hide_avx512(int hide)
+{
+    qm__avx512_hidden = hide;
+}
+
 #if defined(QMOE_X86_KERNELS)
 int qm__cpu_has_avx2(void)
 {
@@ -494,7 +516,7 @@ int qm__cpu_has_avx2(void)
 
 int qm__cpu_has_avx512(void)
 {
-    return qm__cpu_has_avx2() && __builtin_cpu_supports("avx512f") &&
+    return !qm__avx512_hidden && qm__cpu_has_avx2() && __builtin_cpu_supports("avx512f") &&
            __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl");
 }
 
@@ -527,8 +549,14 @@ const qm__kernel *qm__kernel_select(void)
     if (force && strcmp(force, "scalar") == 0)
         return &qm__kernel_scalar;
 #if defined(QMOE_X86_KERNELS)
-    if (force && strcmp(force, "avx2") == 0 && qm__cpu_has_avx2())
-        return &qm__kernel_avx2;
+    if (force && strncmp(force, "avx2", 4) == 0 && qm__cpu_has_avx2()) {
+        if (strcmp(force, "avx2") == 0) /* the one the default uses (qm__auto_calibrate) */
+            return qm__cpu_has_avx512() ? &qm__kernel_avx2 : &qm__kernel_avx2_folded;
+        if (strcmp(force, "avx2-canonical") == 0)
+            return &qm__kernel_avx2;
+        if (strcmp(force, "avx2-folded") == 0)
+            return &qm__kernel_avx2_folded;
+    }
     if (force && strcmp(force, "avx512") == 0 && qm__cpu_has_avx512())
         return &qm__kernel_avx512;
     if (!qm__cpu_has_avx2())
@@ -551,7 +579,7 @@ const qm__i8kernel *qm__i8kernel_select(void)
     if (force && strcmp(force, "scalar") == 0)
         return &qm__i8kernel_scalar;
 #if defined(QMOE_X86_KERNELS)
-    if (force && strcmp(force, "avx2") == 0 && qm__cpu_has_avx2())
+    if (force && strncmp(force, "avx2", 4) == 0 && qm__cpu_has_avx2()) /* avx2[-order] */
         return &qm__i8kernel_avx2;
     if (force && (strcmp(force, "avx512") == 0 || strcmp(force, "avx512vnni") == 0) &&
         qm__cpu_has_avx512vnni())

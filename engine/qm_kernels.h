@@ -5,7 +5,8 @@
  * and activation excluded. Each ISA provides a kernel table; the scalar one
  * is the readable specification. Every output element is computed by one
  * call in a fixed order that depends only on the matrix geometry and on
- * whether the GEMV or GEMM path runs (a function of the job's row count),
+ * whether the GEMV or GEMM path runs (a function of the job's row count;
+ * on the folded AVX2 kernel also whether a 4-bit GEMV job has one row),
  * never on the thread count or on which rows share a call: that is what
  * makes outputs bitwise identical across threads, orders and waves. */
 #ifndef QM_KERNELS_H
@@ -112,6 +113,10 @@ extern const qm__kernel qm__kernel_scalar;
 #if defined(QMOE_X86_KERNELS)
 extern const qm__kernel qm__kernel_avx2;
 extern const qm__kernel qm__kernel_avx512;
+/* The AVX2 kernel with the 4-bit GEMV of one input row in the AVX2
+ * (folded) order wherever qm__q4_canon applies too (2-4 rows: canonical):
+ * the 4-bit GEMV of CPUs without AVX-512. */
+extern const qm__kernel qm__kernel_avx2_folded;
 /* Entry points the AVX-512 table borrows from the AVX2 file. */
 size_t qm__avx2_x_stride(const qm__qmat *m, int gemm);
 void qm__avx2_prep(const qm__qmat *m, int gemm, const float *x, float *xp);
@@ -124,9 +129,11 @@ const float *qm__avx2_gemm_panel(const qm__qmat *m, uint32_t n0, uint32_t n1, ui
 #endif
 
 /* The kernel for this CPU, measured per shape class once per process (the
- * SIMD kernels of a class give the same bits; qm_kernel_select.c);
- * QMOE_KERNEL=scalar|avx2|avx512 forces one (an unavailable one falls back
- * to the default), =table|measure picks the mode. */
+ * candidate SIMD kernels of a class give the same bits; qm_kernel_select.c);
+ * QMOE_KERNEL=scalar|avx2|avx512 forces one (avx2: the AVX2 kernel this
+ * CPU's choice uses; =avx2-canonical|avx2-folded picks its 4-bit GEMV's
+ * order; an unavailable one falls back to the default), =table|measure
+ * picks the mode. */
 const qm__kernel *qm__kernel_select(void);
 /* Calibration, for tests: the timer of one kernel on one class (best
  * microseconds, <= 0: could not run); NULL restores thread CPU timing. */
@@ -138,6 +145,9 @@ void qm__kernel_set_timer(qm__kernel_timer fn);
 int qm__kernel_pick(const double *us, int nc);
 /* Measures the default choice again (not thread-safe: tests) and describes it. */
 const char *qm__kernel_recalibrate(void);
+/* Tests: 1 makes this CPU look without AVX-512 (F/BW/VL, so VNNI too) to
+ * the kernel choice from then on (recalibrate to apply it), 0 undoes it. */
+void qm__kernel_hide_avx512(int hide);
 /* The cached choice [gemv q4, gemv q8, gemm q4, gemm q8] for these
  * candidates (widest first): 0, or -1 (missing, or invalid: a stderr line). */
 int qm__kernel_cache_load(const char *path, const qm__kernel *const *cands, int nc,

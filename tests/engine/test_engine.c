@@ -18,11 +18,14 @@ static const qm_activation ACTS[] = {QM_ACT_RELU, QM_ACT_GELU, QM_ACT_SILU, QM_A
 static const uint32_t FUSIONS[] = {1, 1, 1, 1, 1, 2, 0};
 static const qm_dtype DTS[] = {QM_DTYPE_F32, QM_DTYPE_F16, QM_DTYPE_BF16};
 
-/* Every kernel path: "auto" is the default (measured per class, or the
+/* Every kernel path: "avx2" the AVX2 kernel this CPU's default uses,
+ * "avx2-folded" the AVX2 one with the folded 4-bit GEMV (the default's on
+ * CPUs without AVX-512), "auto" the default (measured per class, or the
  * cache), "measure" every class measured in this process without the
  * cache, "table" the fixed per-ISA table (qm_kernel_select.c). */
-static const char *const KERNELS[] = {"scalar", "avx2", "avx512", "auto", "measure", "table"};
-#define N_KERNELS 6
+static const char *const KERNELS[] = {"scalar", "avx2",    "avx2-folded", "avx512",
+                                      "auto",   "measure", "table"};
+#define N_KERNELS 7
 
 static int cpu_has(const char *kernel)
 {
@@ -32,7 +35,7 @@ static int cpu_has(const char *kernel)
     if (strcmp(kernel, "scalar") == 0 || strcmp(kernel, "auto") == 0 ||
         strcmp(kernel, "measure") == 0 || strcmp(kernel, "table") == 0)
         has = 1;
-    else if (strcmp(kernel, "avx2") == 0)
+    else if (strncmp(kernel, "avx2", 4) == 0)
         has = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
     else
         has = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&

@@ -5,12 +5,15 @@
  *    the block or of 16/32, odd N, T = 1..4 (GEMV) and larger (GEMM),
  *    f32/f16 scales, with and without zero points.
  *  - Every 4-bit GEMV kernel, the scalar one included wherever the
- *    canonical order applies (qm__q4_canon), gives the same bits.
+ *    canonical order applies (qm__q4_canon), gives the same bits; the
+ *    folded AVX2 4-bit GEMV (CPUs without AVX-512) is within the bound of
+ *    a float64 reference, and the choice takes it when AVX-512 is hidden.
  *  - The calibration takes the fastest kernel per class, a narrower one
  *    only by a margin, when fed fake timings (an injected timer).
  *  - A corrupt or foreign cache file is ignored; a valid one is used.
  * Kernels this CPU cannot run are named on stderr and skipped. */
 #include <check.h>
+#include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -18,19 +21,26 @@
 #include "qm_alloc.h"
 #include "qm_kernels.h"
 
-/* The kernel QMOE_KERNEL=name selects, or NULL (said once) when this CPU cannot run it. */
-static const qm__kernel *kernel(const char *name)
+/* The kernel QMOE_KERNEL=value selects, or NULL (said once) when it is not
+ * the one named `want` (this CPU cannot run it). */
+static const qm__kernel *kernel_as(const char *value, const char *want)
 {
     static int said_avx2, said_avx512;
-    setenv("QMOE_KERNEL", name, 1);
+    setenv("QMOE_KERNEL", value, 1);
     const qm__kernel *k = qm__kernel_select();
     unsetenv("QMOE_KERNEL");
-    if (strcmp(k->name, name) == 0) return k;
-    int *said = strcmp(name, "avx2") == 0 ? &said_avx2 : &said_avx512;
+    if (strcmp(k->name, want) == 0) return k;
+    int *said = strncmp(want, "avx2", 4) == 0 ? &said_avx2 : &said_avx512;
     if (!*said)
-        fprintf(stderr, "kernel %s: this CPU cannot run it; its tests are skipped here\n", name);
+        fprintf(stderr, "kernel %s: this CPU cannot run it; its tests are skipped here\n", value);
     *said = 1;
     return NULL;
+}
+
+/* The canonical-order AVX2 kernel (AVX-512's co-candidate) is "avx2". */
+static const qm__kernel *kernel(const char *name)
+{
+    return strcmp(name, "avx2") == 0 ? kernel_as("avx2-canonical", "avx2") : kernel_as(name, name);
 }
 
 static uint32_t rng = 2463534242u;
@@ -158,10 +168,38 @@ START_TEST(test_measured_classes_same_bits)
 }
 END_TEST
 
+/* Case `it` of the 4-bit GEMV tests: blocks 16/32/64/128 and row-wise in
+ * turn, odd and even N (one 16-row tile or several, a short last one),
+ * 1..4 inputs; two output buffers. */
+typedef struct q4_case {
+    rand_mat r;
+    uint32_t block, T, n, k;
+    float *x, *y0, *y1;
+} q4_case;
+
+static void q4_case_new(q4_case *c, int it)
+{
+    static const uint32_t BLOCKS[] = {0, 16, 32, 64, 128};
+    c->block = BLOCKS[it % 5];
+    c->T = 1 + (it / 5) % 4;
+    c->k = rand_k(c->block);
+    c->n = 1 + next() % 53;
+    rand_mat_new(&c->r, 4, c->block, c->k, c->n);
+    c->x = rand_inputs(c->T, c->k);
+    c->y0 = malloc(4 * (size_t)c->T * c->n);
+    c->y1 = malloc(4 * (size_t)c->T * c->n);
+    ck_assert(c->y0 && c->y1);
+}
+
+static void q4_case_free(q4_case *c)
+{
+    rand_mat_free(&c->r);
+    free(c->x), free(c->y0), free(c->y1);
+}
+
 /* Every 4-bit GEMV kernel of this CPU against the first one that ran: the
  * scalar kernel wherever the canonical order applies (blocks of 16: the
- * SIMD kernels only), AVX2, AVX-512; blocks 16/32/64/128 and row-wise, odd
- * and even N (one 16-row tile or several, a short last one), 1..4 inputs. */
+ * SIMD kernels only), AVX2, AVX-512; 200 q4_case shapes. */
 START_TEST(test_q4_gemv_same_bits_every_kernel)
 {
     const qm__kernel *ks[3] = {&qm__kernel_scalar, kernel("avx2"), kernel("avx512")};
@@ -169,36 +207,103 @@ START_TEST(test_q4_gemv_same_bits_every_kernel)
         fprintf(stderr, "q4 gemv: no SIMD kernel on this CPU, nothing to compare\n");
         return;
     }
-    static const uint32_t BLOCKS[] = {0, 16, 32, 64, 128};
     int compared = 0, with_scalar = 0;
     for (int it = 0; it < 200; it++) {
-        uint32_t block = BLOCKS[it % 5], T = 1 + (it / 5) % 4;
-        uint32_t k = rand_k(block), n = 1 + next() % 53;
-        rand_mat r;
-        rand_mat_new(&r, 4, block, k, n);
-        float *x = rand_inputs(T, k), *ref = malloc(4 * (size_t)T * n),
-              *y = malloc(4 * (size_t)T * n);
+        q4_case c;
+        q4_case_new(&c, it);
         const char *ref_name = NULL;
         for (int i = 0; i < 3; i++) {
-            if (!ks[i] || (i == 0 && !qm__q4_canon(&r.m, 0)))
+            if (!ks[i] || (i == 0 && !qm__q4_canon(&c.r.m, 0)))
                 continue;
-            run(ks[i], &r.m, 0, x, T, ref_name ? y : ref);
+            run(ks[i], &c.r.m, 0, c.x, c.T, ref_name ? c.y1 : c.y0);
             if (!ref_name) {
                 ref_name = ks[i]->name;
                 continue;
             }
-            ck_assert_msg(memcmp(ref, y, 4 * (size_t)T * n) == 0,
-                          "n %u k %u block %u T %u f16 %d zp %d: %s and %s differ", n, k, block,
-                          T, r.m.scale_dtype == QM_DTYPE_F16, r.m.zp != NULL, ref_name,
-                          ks[i]->name);
+            ck_assert_msg(memcmp(c.y0, c.y1, 4 * (size_t)c.T * c.n) == 0,
+                          "n %u k %u block %u T %u f16 %d zp %d: %s and %s differ", c.n, c.k,
+                          c.block, c.T, c.r.m.scale_dtype == QM_DTYPE_F16, c.r.m.zp != NULL,
+                          ref_name, ks[i]->name);
             compared++;
             with_scalar += ref_name == ks[0]->name;
         }
-        rand_mat_free(&r);
-        free(x), free(ref), free(y);
+        q4_case_free(&c);
     }
     ck_assert_int_gt(compared, 150);
     ck_assert_int_gt(with_scalar, 100);
+}
+END_TEST
+
+/* The folded AVX2 4-bit GEMV (the default of CPUs without AVX-512) against
+ * a float64 reference, per output: |y - ref| <= 1e-5 * sum_c |W[n,c] x[c]|
+ * (the exact mode's 1e-5 relative, docs/ARCHITECTURE.md); and against the
+ * canonical AVX2 kernel: the same bits where it runs the same code (blocks
+ * of 16; 2-4 input rows), other bits at 1 row. 200 q4_case shapes. */
+START_TEST(test_q4_gemv_folded_within_bound)
+{
+    const qm__kernel *f = kernel_as("avx2-folded", "avx2-folded"), *can = kernel("avx2");
+    if (!f || !can) return;
+    double worst = 0;
+    int differ = 0;
+    for (int it = 0; it < 200; it++) {
+        q4_case c;
+        q4_case_new(&c, it);
+        const qm__qmat *m = &c.r.m;
+        run(f, m, 0, c.x, c.T, c.y0);
+        run(can, m, 0, c.x, c.T, c.y1);
+        size_t ny = (size_t)c.T * c.n;
+        if (!qm__q4_canon(m, 0) || c.T > 1)
+            ck_assert_msg(memcmp(c.y0, c.y1, 4 * ny) == 0,
+                          "n %u k %u block %u T %u: folded and canonical differ", c.n, c.k,
+                          c.block, c.T);
+        else
+            differ += memcmp(c.y0, c.y1, 4 * ny) != 0;
+        for (uint32_t t = 0; t < c.T; t++)
+            for (uint32_t row = 0; row < c.n; row++) {
+                const uint8_t *wr = m->w + (size_t)row * m->row_bytes;
+                const float *xr = c.x + (size_t)t * c.k;
+                double ref = 0, ab = 0;
+                for (uint32_t col = 0; col < c.k; col++) {
+                    uint32_t b = col / m->block;
+                    int q = (wr[col / 2] >> (4 * (col & 1))) & 15;
+                    double w = (double)qm__qmat_scale(m, row, b) * (q - qm__qmat_zp(m, row, b));
+                    ref += w * xr[col];
+                    ab += fabs(w * xr[col]);
+                }
+                double err = fabs(c.y0[(size_t)t * c.n + row] - ref), bound = 1e-5 * ab + 1e-30;
+                ck_assert_msg(err <= bound, "n %u k %u block %u T %u row %u: err %.3g > %.3g", c.n,
+                              c.k, c.block, c.T, row, err, bound);
+                worst = err / bound > worst ? err / bound : worst;
+            }
+        q4_case_free(&c);
+    }
+    ck_assert_int_gt(differ, 30); /* of 40 1-row cases: the two orders really are two */
+    fprintf(stderr, "q4 gemv folded: worst error %.3g of the bound\n", worst);
+}
+END_TEST
+
+/* Without AVX-512 the AVX2 kernel is the only candidate: the default's
+ * 4-bit GEMV is the folded one, QMOE_KERNEL=avx2 names it, avx512 falls
+ * back to the default; with AVX-512 back, the canonical one again. */
+START_TEST(test_no_avx512_takes_folded)
+{
+    if (!kernel("avx2")) return;
+    unsetenv("QMOE_KERNEL_CACHE");
+    qm__kernel_hide_avx512(1);
+    const char *d = qm__kernel_recalibrate();
+    ck_assert_msg(strstr(d, "gemv avx2-folded/avx2, gemm avx2/avx2"), "%s", d);
+    const qm__kernel *a = kernel_as("avx2", "avx2-folded");
+    ck_assert_ptr_nonnull(a);
+    ck_assert_ptr_eq(a, kernel_as("avx2-folded", "avx2-folded"));
+    setenv("QMOE_KERNEL", "avx512", 1);
+    ck_assert_str_ne(qm__kernel_select()->name, "avx512");
+    unsetenv("QMOE_KERNEL");
+    qm__kernel_hide_avx512(0);
+    d = qm__kernel_recalibrate();
+    if (kernel("avx512")) {
+        ck_assert_msg(!strstr(d, "avx2-folded"), "%s", d);
+        ck_assert_ptr_nonnull(kernel_as("avx2", "avx2"));
+    }
 }
 END_TEST
 
@@ -303,6 +408,8 @@ static Suite *suite(void)
     TCase *tc = tcase_create("core");
     tcase_add_test(tc, test_measured_classes_same_bits);
     tcase_add_test(tc, test_q4_gemv_same_bits_every_kernel);
+    tcase_add_test(tc, test_q4_gemv_folded_within_bound);
+    tcase_add_test(tc, test_no_avx512_takes_folded);
     tcase_add_test(tc, test_pick_with_margin);
     tcase_add_test(tc, test_calibration_takes_fastest);
     tcase_add_test(tc, test_cache);
