@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import tempfile
+import time
 
 import numpy as np
 
@@ -28,6 +29,22 @@ def new_session(c, **params):
     p = {"model": "small"}
     p.update(params)
     return c.call("session.create", p)["session"]
+
+
+def telemetry_after_vanished(c, sid, timeout=60):
+    """The session's telemetry once a client that pipelined inferences on it
+    and went away is done with: first c's connection is the daemon's only one
+    (the other is closed, so none of its bytes is read any more), then
+    telemetry.get, which waits behind the session's queue (PROTOCOL.md), so
+    every inference the other client got queued has run or been skipped."""
+    deadline = time.time() + timeout
+    while True:
+        n = c.call("daemon.status")["connections"]
+        if n == 1:
+            break
+        assert time.time() < deadline, "%d connections after %d s" % (n, timeout)
+        time.sleep(0.05)
+    return c.call("telemetry.get", {"session": sid})
 
 
 def run_qmoe_bank(bank, layer, x, logits=None, precision=None):

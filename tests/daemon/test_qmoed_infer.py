@@ -11,13 +11,13 @@ import os
 import subprocess
 import tempfile
 import threading
-import time
 
 import numpy as np
 import pytest
 
 from qmoed_harness import Daemon, from_tensor, make_bank, qmoe_bank_path, tensor
-from qmoed_suite import H, E, K, hidden, err, new_session, run_qmoe_bank
+from qmoed_suite import (H, E, K, hidden, err, new_session, run_qmoe_bank,
+                         telemetry_after_vanished)
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float16])
@@ -195,19 +195,13 @@ def test_client_disconnecting_mid_inference_leaves_daemon_unharmed(daemon):
                     + "\n").encode())
     c.close()
     c2 = daemon.client()
-    # Requests read before the peer vanished run to completion (their answers
-    # are dropped); bytes never read are not requests. Wait for quiet.
-    deadline = time.time() + 10
-    last = -1
-    while time.time() < deadline:
-        t = c2.call("telemetry.get", {"session": sid})
-        st = c2.call("daemon.status")
-        if t["requests"] == last and st["connections"] == 1:
-            break
-        last = t["requests"]
-        time.sleep(0.2)
-    assert 1 <= t["requests"] <= 5 and t["errors"] == 0
-    assert st["connections"] == 1
+    # Requests read before the peer vanished run to completion or are
+    # skipped once its connection is gone (their answers would be dropped);
+    # bytes never read are not requests. The first one runs: the peer's EOF
+    # alone reads as a half-close, the connection goes when an answer
+    # cannot be written.
+    t = telemetry_after_vanished(c2, sid)
+    assert 1 <= t["requests"] <= 5 and t["errors"] == 0, t
     c2.call("session.infer", {"session": sid, "layer": 0, "hidden": tensor(hidden(1))})
 
 
@@ -215,9 +209,12 @@ def test_queued_inferences_of_a_vanished_client_are_skipped(banks):
     """A client pipelines many slow inferences and disconnects: the ones still
     queued are not run (nobody would read them), and the session serves the
     next client at once."""
-    # Small frames, heavy compute: reading and parsing all n requests (and the
-    # few answers before the mark) takes a fraction of one inference, so the
-    # count that ran does not depend on how fast this machine parses JSON.
+    # Small frames, heavy compute: reading and parsing a frame takes a few
+    # percent of its inference (one token through two 16384-wide experts), so
+    # only a few run while all n are read, however fast this machine parses
+    # JSON. One token, not more: the ratio stays the same, and an inference
+    # stays short (seconds) where compute is very slow (scalar kernels under
+    # ASan at -O0; 64 tokens took minutes there).
     hid, inter = 128, 16384
     path = make_bank(os.path.join(banks["dir"], "deep.bank"), layers=1, experts=8,
                      hidden=hid, inter=inter, seed=3)
@@ -225,7 +222,7 @@ def test_queued_inferences_of_a_vanished_client_are_skipped(banks):
     try:
         c = dm.client()
         sid = c.call("session.create", {"model": "deep"})["session"]
-        x = np.random.default_rng(5).standard_normal((64, hid)).astype(np.float32)
+        x = np.random.default_rng(5).standard_normal((1, hid)).astype(np.float32)
         line = (json.dumps({"jsonrpc": "2.0", "id": 1, "method": "session.infer",
                             "params": {"session": sid, "layer": 0, "hidden": tensor(x)}})
                 + "\n").encode()
@@ -237,13 +234,7 @@ def test_queued_inferences_of_a_vanished_client_are_skipped(banks):
             pass
         c.close()
         c2 = dm.client()
-        deadline, last = time.time() + 60, -1
-        while time.time() < deadline:
-            t = c2.call("telemetry.get", {"session": sid})
-            if t["requests"] == last and c2.call("daemon.status")["connections"] == 1:
-                break
-            last = t["requests"]
-            time.sleep(0.3)
+        t = telemetry_after_vanished(c2, sid)
         print(f"ran {t['requests']} of {n} queued inferences")
         assert 1 <= t["requests"] < n // 2 and t["errors"] == 0, t
         r = c2.call("session.infer", {"session": sid, "layer": 0, "hidden": tensor(x[:1])})

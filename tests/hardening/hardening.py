@@ -74,6 +74,11 @@ class Daemon(harness.Daemon):
         if wait:
             self.wait_ready(timeout=30 * SLOW)
 
+    def stop(self, timeout=15):
+        # Under valgrind or a sanitizer the drain and the exit's leak check
+        # are slower too.
+        return super().stop(timeout * SLOW)
+
     @property
     def pid(self):
         return self.proc.pid

@@ -99,37 +99,47 @@ def test_many_clients_every_request_answered_once(bank):
         assert dm.stop() == 0, dm.log_text()[-3000:]
 
 
-def test_overloaded_is_only_for_session_infer(bank):
+@pytest.fixture(scope="module")
+def deep_bank(tmp_path_factory):
+    """Small frames, heavy compute: an inference of a few tokens takes
+    milliseconds to run and microseconds to read and parse."""
+    return make_bank(str(tmp_path_factory.mktemp("h8deep") / "deep.bank"), layers=1,
+                     hidden=128, inter=16384, seed=3)
+
+
+def test_overloaded_is_only_for_session_infer(deep_bank):
     """BUGS.md B6 (fixed in cb54dcb): PROTOCOL.md documents -32004 for session.infer; plan,
     close and telemetry.get queue behind the session's work and create
     always goes through the worker queue, so they are refused too."""
-    dm = Daemon(models={"small": bank}, config={"queue_depth": 1, "workers": 1})
+    dm = Daemon(models={"deep": deep_bank}, config={"queue_depth": 1, "workers": 1})
     try:
         import numpy as np
         from hardening import tensor
         c = dm.client()
-        sid = c.call("session.create", {"model": "small"})["session"]
-        big = tensor(np.ones((2048, 64), np.float32))
-        other = dm.client()
+        sid = c.call("session.create", {"model": "deep"})["session"]
+        x = tensor(np.ones((4, 128), np.float32))
         got = {}
         for method, params in (("session.plan", {"session": sid}),
                                ("telemetry.get", {"session": sid}),
-                               ("session.create", {"model": "small"}),
+                               ("session.create", {"model": "deep"}),
                                ("session.close", {"session": sid})):
-            # One long inference fills the queue; the next one is overloaded
-            # (documented); then the method under test.
-            c.send_raw(req("session.infer", {"session": sid, "layer": 0, "hidden": big}, id=1) +
-                       req("session.infer", {"session": sid, "layer": 0, "hidden": big}, id=2) +
+            # One inference fills the queue; the next one is overloaded
+            # (documented); then the method under test. The three lines
+            # (~6 KB) go in one write, so the daemon reads them at once and
+            # dispatches all three before it can see the first inference
+            # done; and that inference runs for far longer than the other
+            # two lines take to parse, should they come in two reads.
+            c.send_raw(req("session.infer", {"session": sid, "layer": 0, "hidden": x}, id=1) +
+                       req("session.infer", {"session": sid, "layer": 0, "hidden": x}, id=2) +
                        req(method, params, id=3))
             answers = {}
             for _ in range(3):
                 r = c.read()
                 answers[r["id"]] = r
-            assert "result" in answers[1] and answers[2]["error"]["code"] == -32004
+            assert "result" in answers[1] and answers[2]["error"]["code"] == -32004, answers
             got[method] = answers[3]
         bad = {m: r["error"] for m, r in got.items() if "error" in r}
         assert not bad, "refused with overloaded: %s" % sorted(bad)
-        other.close()
         c.close()
     finally:
         assert dm.stop() == 0

@@ -513,7 +513,9 @@ static Suite *policies_suite(void)
     tcase_add_test(c, test_next_use_keeps_the_frequent_expert_of_a_layer);
     suite_add_tcase(s, c);
     c = tcase_create("seam");
-    tcase_set_timeout(c, 60);
+    /* The hook timing runs ~10 s in release, 22 s on a loaded 2-core
+     * machine, 54 s under ASan+UBSan: the timeout only guards a hang. */
+    tcase_set_timeout(c, 300);
     tcase_add_test(c, test_hooks_default_when_a_policy_has_none);
     tcase_add_test(c, test_run_time_hooks_are_constant_per_access_and_linear_in_candidates);
     suite_add_tcase(s, c);
