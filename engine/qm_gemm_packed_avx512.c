@@ -1,0 +1,242 @@
+/* qm_gemm_packed_avx512.c - the AVX-512 kernel's exact-mode GEMM (compiled
+ * with -mavx2 -mfma -mf16c -mavx512f -mavx512bw -mavx512vl).
+ *
+ * The order of every output is the GEMM class's, shared with the AVX2 GEMM
+ * (qm_kernel_avx2.c), so both give the same bits: K is cut into tiles of
+ * QM__GEMM_KT prepared columns (for 4-bit weights each 16 columns are
+ * [8 even, 8 odd], qm__avx2_prep); within a tile each output accumulates
+ * w * x with one f32 FMA per column in that order, starting from zero, with
+ * w = (q - zp) * scale rounded to f32 once; the tile's sum is added to the
+ * output, tiles in order. What this file changes is the work around it:
+ *
+ *  - The panel. One call owns 16 W rows (QM__TILE_ROWS); per tile their
+ *    weights are dequantised once into a column-major f32 panel (16 floats
+ *    per column, 16 KiB: L1) that every input row then reuses. It is built
+ *    straight from the codes: one 16-lane gather takes 4 code bytes of each
+ *    of the 16 rows (8 columns of 4-bit, 4 of 8-bit), and each panel column
+ *    is then a shift, a table lookup (vpermps of the 16 values q - zp when
+ *    the zero point is implicit) or a convert and subtract, and a multiply
+ *    by the 16 rows' scales of its block: no f32 tile, no transpose.
+ *  - The micro-kernel. Input rows run in balanced groups of 7..14, each
+ *    group one register block of that many zmm accumulators (16 outputs
+ *    each): per column one panel load and, per row, one FMA with the input
+ *    broadcast from memory. Groups are never padded with zero rows, and the
+ *    last group is never left with too few chains to hide the FMA latency.
+ *
+ * Which rows share a group or a call changes no bits: a row's accumulator
+ * sees the same operations whatever runs next to it. */
+#include <immintrin.h>
+#include <string.h>
+
+#include "qm_kernels.h"
+
+#define QM_AI static inline __attribute__((always_inline))
+
+/* Most input rows of one register block (accumulators; the panel column
+ * and the broadcast take two more of the 32 registers). */
+#define QM__PK_MAXR 14u
+/* Blocks one tile can touch: blocks are multiples of 16 columns. */
+#define QM__PK_MAXB (QM__GEMM_KT / 16u + 1u)
+
+/* Scales and zero points of the tile's blocks [b0, b0 + nb), per row:
+ * sv[j * 16 + i] for row n0 + i (0 for rows past nr: their lanes are never
+ * stored). */
+static void qm__pk_block_params(const qm__qmat *m, uint32_t n0, uint32_t nr, uint32_t b0,
+                                uint32_t nb, float *sv, float *zv)
+{
+    const float zsym = (float)(1 << (m->bits - 1));
+    for (uint32_t j = 0; j < nb; j++) {
+        for (uint32_t i = 0; i < 16; i++) {
+            float s = 0.0f, z = zsym;
+            if (i < nr) {
+                s = qm__qmat_scale_f16c(m, n0 + i, b0 + j);
+                if (m->zp)
+                    z = (float)qm__qmat_zp(m, n0 + i, b0 + j);
+            }
+            sv[j * 16 + i] = s;
+            zv[j * 16 + i] = z;
+        }
+    }
+}
+
+/* Bytes [off, off + 4) of each of the nr rows as one dword per row (lanes
+ * past nr: 0); bytes past row_bytes read as 0, never read. */
+QM_AI __m512i qm__pk_word(const qm__qmat *m, const uint8_t *base, size_t off, uint32_t nr,
+                          __m512i vidx, int gather)
+{
+    if (__builtin_expect(gather && off + 4 <= m->row_bytes, 1)) {
+        __mmask16 rows = (__mmask16)((1u << nr) - 1u);
+        return _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), rows, vidx, base + off, 1);
+    }
+    uint32_t v[16] = {0};
+    for (uint32_t i = 0; i < nr; i++) {
+        const uint8_t *row = base + (size_t)i * m->row_bytes;
+        size_t have = off < m->row_bytes ? m->row_bytes - off : 0;
+        memcpy(&v[i], row + off, have < 4 ? have : 4);
+    }
+    return _mm512_loadu_si512(v);
+}
+
+/* Panel column from 16 code indices (low bits of each dword): 4-bit. */
+QM_AI void qm__pk_col4(__m512i q, __m512 lut, int zp, __m512 zv, __m512 sv, float *dst)
+{
+    __m512 w = _mm512_permutexvar_ps(q, lut);
+    if (zp)
+        w = _mm512_sub_ps(w, zv);
+    _mm512_storeu_ps(dst, _mm512_mul_ps(w, sv));
+}
+
+/* 8-bit: the code is the dword's low byte. */
+QM_AI void qm__pk_col8(__m512i q, __m512 zv, __m512 sv, float *dst)
+{
+    __m512 w = _mm512_cvtepi32_ps(_mm512_and_si512(q, _mm512_set1_epi32(255)));
+    _mm512_storeu_ps(dst, _mm512_mul_ps(_mm512_sub_ps(w, zv), sv));
+}
+
+/* Rows [n0, n0 + nr) x prepared columns [kt0, kt0 + len) of W as the panel
+ * wt[len][16]; len is a multiple of 16. */
+static void qm__pk_panel(const qm__qmat *m, uint32_t n0, uint32_t nr, uint32_t kt0, uint32_t len,
+                         float *wt, float *sv, float *zv)
+{
+    const uint32_t cpb = m->nblk == 1 ? UINT32_MAX : m->block / 16; /* chunks per block */
+    const uint32_t b0 = m->nblk == 1 ? 0 : kt0 / 16 / cpb;
+    const uint32_t b1 = m->nblk == 1 ? 0 : (kt0 + len - 1) / 16 / cpb;
+    qm__pk_block_params(m, n0, nr, b0, b1 - b0 + 1, sv, zv);
+    const uint8_t *base = m->w + (size_t)n0 * m->row_bytes;
+    /* Dword offsets of the 16 rows for the gather (a 32-bit index). */
+    const int gather = m->row_bytes <= (size_t)INT32_MAX / 16;
+    const __m512i vidx = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11,
+                                                              12, 13, 14, 15),
+                                            _mm512_set1_epi32(gather ? (int)m->row_bytes : 0));
+    const int zp = m->zp != NULL;
+    /* 4-bit: lut[q] = q - zp for the implicit zero point, else q. */
+    const __m512 lut = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    const __m512 lut4 = zp ? lut : _mm512_sub_ps(lut, _mm512_set1_ps(8.0f));
+    for (uint32_t g = 0; g < len / 16; g++) { /* one 16-column chunk */
+        uint32_t j = m->nblk == 1 ? 0 : (kt0 / 16 + g) / cpb - b0;
+        const __m512 s = _mm512_loadu_ps(sv + 16 * j), z = _mm512_loadu_ps(zv + 16 * j);
+        float *d = wt + (size_t)g * 256;
+        if (m->bits == 4) {
+            /* 8 code bytes: byte e holds column 2e (low nibble, prepared
+             * position e) and 2e + 1 (high nibble, position 8 + e). */
+            size_t off = (size_t)(kt0 / 16 + g) * 8;
+            for (uint32_t h = 0; h < 2; h++) {
+                __m512i v = qm__pk_word(m, base, off + 4 * h, nr, vidx, gather);
+                float *dl = d + 64 * h, *dh = d + 128 + 64 * h;
+                qm__pk_col4(v, lut4, zp, z, s, dl);
+                qm__pk_col4(_mm512_srli_epi32(v, 4), lut4, zp, z, s, dh);
+                qm__pk_col4(_mm512_srli_epi32(v, 8), lut4, zp, z, s, dl + 16);
+                qm__pk_col4(_mm512_srli_epi32(v, 12), lut4, zp, z, s, dh + 16);
+                qm__pk_col4(_mm512_srli_epi32(v, 16), lut4, zp, z, s, dl + 32);
+                qm__pk_col4(_mm512_srli_epi32(v, 20), lut4, zp, z, s, dh + 32);
+                qm__pk_col4(_mm512_srli_epi32(v, 24), lut4, zp, z, s, dl + 48);
+                qm__pk_col4(_mm512_srli_epi32(v, 28), lut4, zp, z, s, dh + 48);
+            }
+        } else {
+            size_t off = (size_t)(kt0 / 16 + g) * 16;
+            for (uint32_t h = 0; h < 4; h++) {
+                __m512i v = qm__pk_word(m, base, off + 4 * h, nr, vidx, gather);
+                float *dd = d + 64 * h;
+                qm__pk_col8(v, z, s, dd);
+                qm__pk_col8(_mm512_srli_epi32(v, 8), z, s, dd + 16);
+                qm__pk_col8(_mm512_srli_epi32(v, 16), z, s, dd + 32);
+                qm__pk_col8(_mm512_srli_epi32(v, 24), z, s, dd + 48);
+            }
+        }
+    }
+}
+
+/* The next tile's codes and scales: 16 short runs at a row stride, a
+ * pattern the hardware prefetcher follows poorly. */
+static void qm__pk_prefetch(const qm__qmat *m, uint32_t n0, uint32_t nr, uint32_t kt0)
+{
+    size_t off = (size_t)kt0 * m->bits / 8, run = (size_t)QM__GEMM_KT * m->bits / 8;
+    size_t ssz = m->scale_dtype == QM_DTYPE_F32 ? 4 : 2;
+    size_t soff = m->nblk == 1 ? 0 : (size_t)kt0 / m->block * ssz;
+    for (uint32_t i = 0; i < nr; i++) {
+        const uint8_t *r = m->w + (size_t)(n0 + i) * m->row_bytes;
+        for (size_t o = off; o < off + run && o < m->row_bytes; o += 64)
+            _mm_prefetch((const char *)(r + o), _MM_HINT_T0);
+        _mm_prefetch((const char *)m->scales + (size_t)(n0 + i) * m->nblk * ssz + soff,
+                     _MM_HINT_T0);
+    }
+}
+
+/* R input rows x the panel's 16 outputs over one tile; the tile's sums are
+ * stored to (first tile) or added to y. R is a constant after inlining, so
+ * the accumulators stay in registers. */
+QM_AI void qm__pk_block(const float *wt, uint32_t len, const float *x, size_t ldx, float *y,
+                        size_t ldy, __mmask16 mask, int add, const uint32_t R)
+{
+    __m512 acc[QM__PK_MAXR];
+#pragma GCC unroll 14
+    for (uint32_t r = 0; r < R; r++)
+        acc[r] = _mm512_setzero_ps();
+    for (uint32_t c = 0; c < len; c++) {
+        __m512 w = _mm512_loadu_ps(wt + 16 * (size_t)c);
+#pragma GCC unroll 14
+        for (uint32_t r = 0; r < R; r++)
+            acc[r] = _mm512_fmadd_ps(w, _mm512_set1_ps(x[r * ldx + c]), acc[r]);
+    }
+#pragma GCC unroll 14
+    for (uint32_t r = 0; r < R; r++) {
+        float *out = y + r * ldy;
+        __m512 v = acc[r];
+        if (add)
+            v = _mm512_add_ps(_mm512_maskz_loadu_ps(mask, out), v);
+        _mm512_mask_storeu_ps(out, mask, v);
+    }
+}
+
+#define QM__PK_CASE(R)                                                                             \
+    case R:                                                                                        \
+        qm__pk_block(wt, len, x, ldx, y, ldy, mask, add, R);                                       \
+        break
+
+static void qm__pk_rows(uint32_t rows, const float *wt, uint32_t len, const float *x, size_t ldx,
+                        float *y, size_t ldy, __mmask16 mask, int add)
+{
+    switch (rows) {
+        QM__PK_CASE(1);
+        QM__PK_CASE(2);
+        QM__PK_CASE(3);
+        QM__PK_CASE(4);
+        QM__PK_CASE(5);
+        QM__PK_CASE(6);
+        QM__PK_CASE(7);
+        QM__PK_CASE(8);
+        QM__PK_CASE(9);
+        QM__PK_CASE(10);
+        QM__PK_CASE(11);
+        QM__PK_CASE(12);
+        QM__PK_CASE(13);
+        QM__PK_CASE(14);
+    default:
+        break;
+    }
+}
+
+void qm__avx512_gemm_packed(const qm__qmat *m, uint32_t n0, uint32_t n1, const float *xp,
+                            size_t ldx, uint32_t nx, float *y, size_t ldy, float *scratch)
+{
+    const uint32_t kp = (m->k + 15) & ~15u, nr = n1 - n0;
+    if (nx == 0)
+        return;
+    const __mmask16 mask = (__mmask16)((1u << nr) - 1u);
+    float *wt = scratch, *sv = wt + (size_t)16 * QM__GEMM_KT, *zv = sv + 16 * QM__PK_MAXB;
+    /* Balanced groups: ng of them, the first `big` one row longer. */
+    const uint32_t ng = (nx + QM__PK_MAXR - 1) / QM__PK_MAXR;
+    const uint32_t base = nx / ng, big = nx % ng;
+    for (uint32_t kt0 = 0; kt0 < kp; kt0 += QM__GEMM_KT) {
+        uint32_t len = kp - kt0 < QM__GEMM_KT ? kp - kt0 : QM__GEMM_KT;
+        qm__pk_panel(m, n0, nr, kt0, len, wt, sv, zv);
+        if (kt0 + QM__GEMM_KT < kp)
+            qm__pk_prefetch(m, n0, nr, kt0 + QM__GEMM_KT);
+        for (uint32_t g = 0, r0 = 0; g < ng; g++) {
+            uint32_t rows = base + (g < big);
+            qm__pk_rows(rows, wt, len, xp + (size_t)r0 * ldx + kt0, ldx,
+                        y + (size_t)r0 * ldy + n0, ldy, mask, kt0 != 0);
+            r0 += rows;
+        }
+    }
+}
