@@ -9,6 +9,7 @@
  *  - A corrupt or foreign cache file is ignored; a valid one is used.
  * Kernels this CPU cannot run are named on stderr and skipped. */
 #include <check.h>
+#include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -58,6 +59,63 @@ static void run(const qm__kernel *k, const qm__qmat *m, int gemm, const float *x
     qm_free(xp);
 }
 
+/* A random quantised matrix: codes (row padding too), f32 or f16 scales,
+ * optional blockwise zero points; block 0 means row-wise. */
+typedef struct rmat {
+    qm__qmat m;
+    uint8_t *w, *zp;
+    uint16_t *s16;
+    float *s32;
+} rmat;
+
+static void rmat_new(rmat *r, uint32_t bits, uint32_t n, uint32_t k, uint32_t block, int f16,
+                     int asym)
+{
+    uint32_t nblk = block ? (k + block - 1) / block : 1;
+    size_t rb = ((size_t)k * bits + 7) / 8 + next() % 3;
+    size_t zprb = (nblk * bits + 7) / 8;
+    r->w = malloc((size_t)n * rb);
+    r->s16 = malloc(2 * (size_t)n * nblk);
+    r->s32 = malloc(4 * (size_t)n * nblk);
+    r->zp = malloc((size_t)n * zprb);
+    ck_assert(r->w && r->s16 && r->s32 && r->zp);
+    for (size_t i = 0; i < (size_t)n * rb; i++)
+        r->w[i] = (uint8_t)next();
+    for (size_t i = 0; i < (size_t)n * zprb; i++)
+        r->zp[i] = (uint8_t)next();
+    for (size_t i = 0; i < (size_t)n * nblk; i++) {
+        r->s32[i] = (float)(1 + next() % 1000) * 1e-4f;
+        r->s16[i] = (uint16_t)(0x1000 + next() % 0x2000); /* positive normal f16 */
+    }
+    r->m = (qm__qmat){.w = r->w,
+                      .row_bytes = rb,
+                      .scales = f16 ? (void *)r->s16 : (void *)r->s32,
+                      .scale_dtype = f16 ? QM_DTYPE_F16 : QM_DTYPE_F32,
+                      .zp = asym ? r->zp : NULL,
+                      .zp_blockwise = 1,
+                      .zp_row_bytes = zprb,
+                      .n = n,
+                      .k = k,
+                      .bits = bits,
+                      .nblk = nblk,
+                      .block = block ? block : k};
+}
+
+static void rmat_free(rmat *r)
+{
+    free(r->w), free(r->s16), free(r->s32), free(r->zp);
+}
+
+/* T x k inputs in [-10, 10]. */
+static float *random_x(uint32_t T, uint32_t k)
+{
+    float *x = malloc(4 * (size_t)T * k);
+    ck_assert_ptr_nonnull(x);
+    for (size_t i = 0; i < (size_t)T * k; i++)
+        x[i] = ((float)(next() % 20001) - 10000.0f) * 1e-3f;
+    return x;
+}
+
 START_TEST(test_measured_classes_same_bits)
 {
     const qm__kernel *a = kernel("avx2"), *b = kernel("avx512");
@@ -75,47 +133,80 @@ START_TEST(test_measured_classes_same_bits)
             block ? block * (1 + next() % 6) - (next() % 2 ? 0 : next() % block) : 1 + next() % 700;
         if (k < 2) k = 2;
         uint32_t n = 1 + next() % 41;
-        uint32_t nblk = block ? (k + block - 1) / block : 1;
-        size_t rb = ((size_t)k * bits + 7) / 8 + next() % 3;
         int f16 = next() % 2, asym = next() % 2;
-        uint8_t *w = malloc((size_t)n * rb);
-        uint16_t *s16 = malloc(2 * (size_t)n * nblk);
-        float *s32 = malloc(4 * (size_t)n * nblk);
-        size_t zprb = (nblk * bits + 7) / 8;
-        uint8_t *zp = malloc((size_t)n * zprb);
-        float *x = malloc(4 * (size_t)T * k), *ya = malloc(4 * (size_t)T * n),
-              *yb = malloc(4 * (size_t)T * n);
-        for (size_t i = 0; i < (size_t)n * rb; i++)
-            w[i] = (uint8_t)next();
-        for (size_t i = 0; i < (size_t)n * zprb; i++)
-            zp[i] = (uint8_t)next();
-        for (size_t i = 0; i < (size_t)n * nblk; i++) {
-            s32[i] = (float)(1 + next() % 1000) * 1e-4f;
-            s16[i] = (uint16_t)(0x1000 + next() % 0x2000); /* positive normal f16 */
-        }
-        for (size_t i = 0; i < (size_t)T * k; i++)
-            x[i] = ((float)(next() % 20001) - 10000.0f) * 1e-3f;
-        qm__qmat m = {.w = w,
-                      .row_bytes = rb,
-                      .scales = f16 ? (void *)s16 : (void *)s32,
-                      .scale_dtype = f16 ? QM_DTYPE_F16 : QM_DTYPE_F32,
-                      .zp = asym ? zp : NULL,
-                      .zp_blockwise = 1,
-                      .zp_row_bytes = zprb,
-                      .n = n,
-                      .k = k,
-                      .bits = bits,
-                      .nblk = nblk,
-                      .block = block ? block : k};
-        run(a, &m, gemm, x, T, ya);
-        run(b, &m, gemm, x, T, yb);
+        rmat r;
+        rmat_new(&r, bits, n, k, block, f16, asym);
+        float *x = random_x(T, k), *ya = malloc(4 * (size_t)T * n), *yb = malloc(4 * (size_t)T * n);
+        run(a, &r.m, gemm, x, T, ya);
+        run(b, &r.m, gemm, x, T, yb);
         ck_assert_msg(memcmp(ya, yb, 4 * (size_t)T * n) == 0,
                       "%s %u-bit n %u k %u block %u T %u f16 %d zp %d: avx2 and avx512 differ",
                       gemm ? "gemm" : "gemv", bits, n, k, block, T, f16, asym);
         checked++;
-        free(w), free(s16), free(s32), free(zp), free(x), free(ya), free(yb);
+        rmat_free(&r);
+        free(x), free(ya), free(yb);
     }
     ck_assert_int_gt(checked, 100);
+}
+END_TEST
+
+/* The GEMM class (jobs of more than 4 rows): the AVX-512 packed GEMM
+ * (qm_gemm_packed_avx512.c) and the AVX2 GEMM give the same bits on
+ * shapes that leave every tail: N not a multiple of the 16-row panel, K
+ * not a multiple of the 256-column tile, of 16 or of the block; blocks
+ * 16..128 and row-wise; 4/8-bit; f32/f16 scales; zero points or not; row
+ * counts that make every register block size (1..14 rows per group). The
+ * shared result is within the derived bound of the float64 sum:
+ * |y - ref| <= (k + 4) * 2^-24 * sum |w x| (w rounded once, k FMAs and one
+ * add per tile). And a row's output does not depend on the other rows of
+ * the call: the last s rows alone give the same bits. */
+START_TEST(test_gemm_packed_same_bits_tails_and_reference)
+{
+    const qm__kernel *a = kernel("avx2"), *b = kernel("avx512");
+    if (!a || !b) return;
+    static const uint32_t BLOCKS[] = {0, 16, 32, 64, 128};
+    static const uint32_t TS[] = {5, 6, 7, 8, 13, 14, 15, 16, 27, 28, 29, 43, 64, 71};
+    for (int it = 0; it < 70; it++) {
+        uint32_t bits = it & 1 ? 8 : 4, T = TS[(it / 2) % 14];
+        uint32_t block = BLOCKS[(it / 2) % 5];
+        uint32_t k = 17 + next() % 800;
+        if (block && next() % 2)
+            k = block * (1 + next() % (900 / block)) - 1; /* a partial last block */
+        uint32_t n = 1 + next() % 50;
+        int f16 = next() % 2, asym = next() % 2;
+        rmat r;
+        rmat_new(&r, bits, n, k, block, f16, asym);
+        float *x = random_x(T, k), *ya = malloc(4 * (size_t)T * n), *yb = malloc(4 * (size_t)T * n);
+        float *ys = malloc(4 * (size_t)T * n);
+        run(a, &r.m, 1, x, T, ya);
+        run(b, &r.m, 1, x, T, yb);
+        ck_assert_msg(memcmp(ya, yb, 4 * (size_t)T * n) == 0,
+                      "%u-bit n %u k %u block %u T %u f16 %d zp %d: avx2 and avx512 GEMMs differ",
+                      bits, n, k, block, T, f16, asym);
+        for (uint32_t t = 0; t < T; t++) {
+            for (uint32_t o = 0; o < n; o++) {
+                const uint8_t *row = r.m.w + (size_t)o * r.m.row_bytes;
+                double ref = 0.0, mag = 0.0;
+                for (uint32_t c = 0; c < k; c++) {
+                    uint32_t bb = c / r.m.block;
+                    double w = (double)qm__qmat_scale(&r.m, o, bb) *
+                               (qm__qmat_code(&r.m, row, c) - qm__qmat_zp(&r.m, o, bb));
+                    ref += w * x[(size_t)t * k + c];
+                    mag += fabs(w * x[(size_t)t * k + c]);
+                }
+                double err = fabs(ya[(size_t)t * n + o] - ref);
+                ck_assert_msg(err <= (k + 4) * ldexp(mag, -24),
+                              "%u-bit n %u k %u block %u T %u: row %u out %u err %g of %g", bits,
+                              n, k, block, T, t, o, err, mag);
+            }
+        }
+        uint32_t s = 5 + next() % (T - 4); /* 5..T rows: still the GEMM path */
+        run(b, &r.m, 1, x + (size_t)(T - s) * k, s, ys);
+        ck_assert_msg(memcmp(ys, yb + (size_t)(T - s) * n, 4 * (size_t)s * n) == 0,
+                      "%u-bit n %u k %u T %u: the last %u rows alone differ", bits, n, k, T, s);
+        rmat_free(&r);
+        free(x), free(ya), free(yb), free(ys);
+    }
 }
 END_TEST
 
@@ -210,6 +301,7 @@ static Suite *suite(void)
     Suite *s = suite_create("kernels");
     TCase *tc = tcase_create("core");
     tcase_add_test(tc, test_measured_classes_same_bits);
+    tcase_add_test(tc, test_gemm_packed_same_bits_tails_and_reference);
     tcase_add_test(tc, test_pick_with_margin);
     tcase_add_test(tc, test_calibration_takes_fastest);
     tcase_add_test(tc, test_cache);
