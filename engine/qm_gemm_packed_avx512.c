@@ -26,6 +26,7 @@
  * Which rows share a group or a call changes no bits: a row's accumulator
  * sees the same operations whatever runs next to it. */
 #include <immintrin.h>
+#include <stdint.h>
 #include <string.h>
 
 #include "qm_kernels.h"
@@ -44,19 +45,25 @@
 static void qm__pk_block_params(const qm__qmat *m, uint32_t n0, uint32_t nr, uint32_t b0,
                                 uint32_t nb, float *sv, float *zv)
 {
-    const float zsym = (float)(1 << (m->bits - 1));
+    const __m512 zsym = _mm512_set1_ps((float)(1 << (m->bits - 1)));
     for (uint32_t j = 0; j < nb; j++) {
-        for (uint32_t i = 0; i < 16; i++) {
-            float s = 0.0f, z = zsym;
-            if (i < nr) {
-                s = qm__qmat_scale_f16c(m, n0 + i, b0 + j);
-                if (m->zp)
-                    z = (float)qm__qmat_zp(m, n0 + i, b0 + j);
-            }
-            sv[j * 16 + i] = s;
-            zv[j * 16 + i] = z;
-        }
+        _mm512_storeu_ps(sv + 16 * j, _mm512_setzero_ps());
+        _mm512_storeu_ps(zv + 16 * j, zsym);
     }
+    if (m->scale_dtype == QM_DTYPE_F32) { /* plain loads, the common case */
+        const float *s = (const float *)m->scales + (size_t)n0 * m->nblk + b0;
+        for (uint32_t i = 0; i < nr; i++, s += m->nblk)
+            for (uint32_t j = 0; j < nb; j++)
+                memcpy(&sv[j * 16 + i], s + j, 4);
+    } else {
+        for (uint32_t i = 0; i < nr; i++)
+            for (uint32_t j = 0; j < nb; j++)
+                sv[j * 16 + i] = qm__qmat_scale_f16c(m, n0 + i, b0 + j);
+    }
+    if (m->zp)
+        for (uint32_t i = 0; i < nr; i++)
+            for (uint32_t j = 0; j < nb; j++)
+                zv[j * 16 + i] = (float)qm__qmat_zp(m, n0 + i, b0 + j);
 }
 
 /* Bytes [off, off + 4) of each of the nr rows as one dword per row (lanes
@@ -146,19 +153,32 @@ static void qm__pk_panel(const qm__qmat *m, uint32_t n0, uint32_t nr, uint32_t k
     }
 }
 
-/* The next tile's codes and scales: 16 short runs at a row stride, a
- * pattern the hardware prefetcher follows poorly. */
-static void qm__pk_prefetch(const qm__qmat *m, uint32_t n0, uint32_t nr, uint32_t kt0)
+/* Every cache line of bytes [p, p + len) to L1. */
+QM_AI void qm__pk_prefetch_run(const uint8_t *p, size_t len)
 {
+    const uint8_t *e = p + len;
+    for (p = (const uint8_t *)((uintptr_t)p & ~(uintptr_t)63); p < e; p += 64)
+        _mm_prefetch((const char *)p, _MM_HINT_T0);
+}
+
+/* The codes and scales of tile kt0: 16 short runs at a row stride, which
+ * the hardware prefetchers follow poorly; without them near, the gathers
+ * and scale loads wait on memory. Inlined: a separate function of
+ * prefetches alone has no visible effect, and GCC drops the call. */
+QM_AI void qm__pk_prefetch(const qm__qmat *m, uint32_t n0, uint32_t nr, uint32_t kt0)
+{
+    const size_t ssz = m->scale_dtype == QM_DTYPE_F32 ? 4 : 2;
+    const uint8_t *sc = (const uint8_t *)m->scales + (size_t)n0 * m->nblk * ssz;
     size_t off = (size_t)kt0 * m->bits / 8, run = (size_t)QM__GEMM_KT * m->bits / 8;
-    size_t ssz = m->scale_dtype == QM_DTYPE_F32 ? 4 : 2;
-    size_t soff = m->nblk == 1 ? 0 : (size_t)kt0 / m->block * ssz;
+    if (off + run > m->row_bytes)
+        run = m->row_bytes - off;
+    size_t b0 = m->nblk == 1 ? 0 : (size_t)kt0 / m->block;
+    size_t b1 = m->nblk == 1 ? 1 : ((size_t)kt0 + QM__GEMM_KT + m->block - 1) / m->block;
+    if (b1 > m->nblk)
+        b1 = m->nblk;
     for (uint32_t i = 0; i < nr; i++) {
-        const uint8_t *r = m->w + (size_t)(n0 + i) * m->row_bytes;
-        for (size_t o = off; o < off + run && o < m->row_bytes; o += 64)
-            _mm_prefetch((const char *)(r + o), _MM_HINT_T0);
-        _mm_prefetch((const char *)m->scales + (size_t)(n0 + i) * m->nblk * ssz + soff,
-                     _MM_HINT_T0);
+        qm__pk_prefetch_run(m->w + (size_t)(n0 + i) * m->row_bytes + off, run);
+        qm__pk_prefetch_run(sc + ((size_t)i * m->nblk + b0) * ssz, (b1 - b0) * ssz);
     }
 }
 
@@ -227,6 +247,7 @@ void qm__avx512_gemm_packed(const qm__qmat *m, uint32_t n0, uint32_t n1, const f
     /* Balanced groups: ng of them, the first `big` one row longer. */
     const uint32_t ng = (nx + QM__PK_MAXR - 1) / QM__PK_MAXR;
     const uint32_t base = nx / ng, big = nx % ng;
+    qm__pk_prefetch(m, n0, nr, 0);
     for (uint32_t kt0 = 0; kt0 < kp; kt0 += QM__GEMM_KT) {
         uint32_t len = kp - kt0 < QM__GEMM_KT ? kp - kt0 : QM__GEMM_KT;
         qm__pk_panel(m, n0, nr, kt0, len, wt, sv, zv);
