@@ -155,7 +155,7 @@ END_TEST
  * shapes that leave every tail: N not a multiple of the 16-row panel, K
  * not a multiple of the 256-column tile, of 16 or of the block; blocks
  * 16..128 and row-wise; 4/8-bit; f32/f16 scales; zero points or not; row
- * counts that make every register block size (1..14 rows per group). The
+ * counts that make every register block size (1..12 rows per group). The
  * shared result is within the derived bound of the float64 sum:
  * |y - ref| <= (k + 4) * 2^-24 * sum |w x| (w rounded once, k FMAs and one
  * add per tile). And a row's output does not depend on the other rows of
