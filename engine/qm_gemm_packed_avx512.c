@@ -242,7 +242,10 @@ void qm__avx512_gemm_packed(const qm__qmat *m, uint32_t n0, uint32_t n1, const f
     if (nx == 0)
         return;
     const __mmask16 mask = (__mmask16)((1u << nr) - 1u);
-    float *wt = scratch, *sv = wt + (size_t)16 * QM__GEMM_KT, *zv = sv + 16 * QM__PK_MAXB;
+    /* The panel on a cache-line boundary (scratch has the slack): every
+     * panel load is one line, never a split load. */
+    float *wt = (float *)(((uintptr_t)scratch + 63) & ~(uintptr_t)63);
+    float *sv = wt + (size_t)16 * QM__GEMM_KT, *zv = sv + 16 * QM__PK_MAXB;
     /* Balanced groups: ng of them, the first `big` one row longer. */
     const uint32_t ng = (nx + QM__PK_MAXR - 1) / QM__PK_MAXR;
     const uint32_t base = nx / ng, big = nx % ng;
