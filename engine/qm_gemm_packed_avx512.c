@@ -35,7 +35,7 @@
 
 /* Most input rows of one register block: 12 accumulators. 14 would fit
  * the 32 vector registers, but GCC keeps one general register per row
- * pointer, more of them spill, and 14 measured 10-15% slower here. */
+ * pointer, more of them spill, and 14 measured 10-25% slower here. */
 #define QM__PK_MAXR 12u
 /* Blocks one tile can touch: blocks are multiples of 16 columns. */
 #define QM__PK_MAXB (QM__GEMM_KT / 16u + 1u)
