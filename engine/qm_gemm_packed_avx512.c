@@ -193,11 +193,29 @@ QM_AI void qm__pk_block(const float *wt, uint32_t len, const float *x, size_t ld
 #pragma GCC unroll 12
     for (uint32_t r = 0; r < R; r++)
         acc[r] = _mm512_setzero_ps();
-    for (uint32_t c = 0; c < len; c++) {
-        __m512 w = _mm512_loadu_ps(wt + 16 * (size_t)c);
+    /* One pointer per row, advanced every 4 columns and hidden from the
+     * optimiser (the empty asm): left alone, GCC turns x[r * ldx + c] into
+     * row pointers indexed by one shared counter, and an FMA with an
+     * indexed memory operand issues as two uops; base + constant stays
+     * one. Measured 1.2-1.5x faster per core here, the same operations in
+     * the same order. len is a multiple of 16. */
+    const float *xr[QM__PK_MAXR];
 #pragma GCC unroll 12
-        for (uint32_t r = 0; r < R; r++)
-            acc[r] = _mm512_fmadd_ps(w, _mm512_set1_ps(x[r * ldx + c]), acc[r]);
+    for (uint32_t r = 0; r < R; r++)
+        xr[r] = x + r * ldx;
+    for (uint32_t c = 0; c < len; c += 4) {
+#pragma GCC unroll 4
+        for (uint32_t u = 0; u < 4; u++) {
+            __m512 w = _mm512_loadu_ps(wt + 16 * (size_t)(c + u));
+#pragma GCC unroll 12
+            for (uint32_t r = 0; r < R; r++)
+                acc[r] = _mm512_fmadd_ps(w, _mm512_set1_ps(xr[r][u]), acc[r]);
+        }
+#pragma GCC unroll 12
+        for (uint32_t r = 0; r < R; r++) {
+            xr[r] += 4;
+            __asm__("" : "+r"(xr[r]));
+        }
     }
 #pragma GCC unroll 12
     for (uint32_t r = 0; r < R; r++) {
