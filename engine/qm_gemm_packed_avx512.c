@@ -198,15 +198,17 @@ QM_AI void qm__pk_block(const float *wt, uint32_t len, const float *x, size_t ld
      * row pointers indexed by one shared counter, and an FMA with an
      * indexed memory operand issues as two uops; base + constant stays
      * one. Measured 1.2-1.5x faster per core here, the same operations in
-     * the same order. len is a multiple of 16. */
+     * the same order; the loop runs on the panel pointer (no counter: one
+     * general register fewer to spill, 8-15% more). len is a multiple of
+     * 16. */
     const float *xr[QM__PK_MAXR];
 #pragma GCC unroll 12
     for (uint32_t r = 0; r < R; r++)
         xr[r] = x + r * ldx;
-    for (uint32_t c = 0; c < len; c += 4) {
+    for (const float *wc = wt, *we = wt + 16 * (size_t)len; wc < we; wc += 64) {
 #pragma GCC unroll 4
         for (uint32_t u = 0; u < 4; u++) {
-            __m512 w = _mm512_loadu_ps(wt + 16 * (size_t)(c + u));
+            __m512 w = _mm512_loadu_ps(wc + 16 * u);
 #pragma GCC unroll 12
             for (uint32_t r = 0; r < R; r++)
                 acc[r] = _mm512_fmadd_ps(w, _mm512_set1_ps(xr[r][u]), acc[r]);
