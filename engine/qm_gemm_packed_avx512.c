@@ -79,8 +79,8 @@ QM_AI __m512i qm__pk_word(const qm__qmat *m, const uint8_t *base, size_t off, ui
     uint32_t v[16] = {0};
     for (uint32_t i = 0; i < nr; i++) {
         const uint8_t *row = base + (size_t)i * m->row_bytes;
-        size_t have = off < m->row_bytes ? m->row_bytes - off : 0;
-        memcpy(&v[i], row + off, have < 4 ? have : 4);
+        if (off < m->row_bytes)
+            memcpy(&v[i], row + off, m->row_bytes - off < 4 ? m->row_bytes - off : 4);
     }
     return _mm512_loadu_si512(v);
 }
