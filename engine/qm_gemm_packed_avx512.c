@@ -14,10 +14,12 @@
  *    per column, 16 KiB: L1) that every input row then reuses. It is built
  *    straight from the codes: one 16-lane gather takes 4 code bytes of each
  *    of the 16 rows (8 columns of 4-bit, 4 of 8-bit), and each panel column
- *    is then a shift, a table lookup (vpermps of the 16 values q - zp when
- *    the zero point is implicit) or a convert and subtract, and a multiply
- *    by the 16 rows' scales of its block: no f32 tile, no transpose.
- *  - The micro-kernel. Input rows run in balanced groups of 6..12, each
+ *    is then a shift, a table lookup (4-bit: vpermps of q - 8 for the
+ *    implicit zero point, else of q and a subtract) or a convert and
+ *    subtract (8-bit), and a multiply by the 16 rows' scales of its block:
+ *    no f32 tile, no transpose.
+ *  - The micro-kernel. Input rows run in balanced groups of at most 12
+ *    (6..12 when there are more than 12), each
  *    group one register block of that many zmm accumulators (16 outputs
  *    each): per column one panel load and, per row, one FMA with the input
  *    broadcast from memory. Groups are never padded with zero rows, and the
