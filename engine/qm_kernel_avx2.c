@@ -796,9 +796,9 @@ QM_AI void qm__gemm_micro(const float *wt, uint32_t len, const float *x, size_t 
 
 /* Dequantises and transposes one 16-row x `len`-column tile of W into the
  * column-major panel returned (in scratch), and asks for the next tile's
- * codes and scales. Shared with the AVX-512 GEMM. */
-const float *qm__avx2_gemm_panel(const qm__qmat *m, uint32_t n0, uint32_t n1, uint32_t kt0,
-                                 uint32_t len, float *scratch)
+ * codes and scales. */
+static const float *qm__avx2_gemm_panel(const qm__qmat *m, uint32_t n0, uint32_t n1,
+                                        uint32_t kt0, uint32_t len, float *scratch)
 {
     const uint32_t kp = (uint32_t)qm__round16(m->k);
     float *tile = scratch, *wt = scratch + (size_t)QM__TILE_ROWS * QM__GEMM_KT;

@@ -23,13 +23,8 @@
  * on 8 lanes, so the 8-bit GEMVs of both ISAs give the same bits and the
  * faster one may be chosen per CPU by measurement.
  *
- * Prefill (GEMM) takes the AVX2 path's panels (a 16-row x 256-column tile
- * of W dequantised once, transposed so a column's 16 weights are one
- * vector) and runs a 12 x 16 outer-product micro-kernel on them: 12 input
- * rows, one 16-lane accumulator each, one FMA per row and column with the
- * input broadcast from memory. Every output lane sums its products in
- * column order within a tile and adds the tile to the output, exactly as
- * the AVX2 GEMM does, so both give the same bits. */
+ * Prefill (GEMM) is qm_gemm_packed_avx512.c: the AVX2 GEMM's order, so
+ * the same bits, from a panel built straight from the codes. */
 #include <immintrin.h>
 #include <string.h>
 
@@ -263,88 +258,11 @@ static void qm__avx512_gemv(const qm__qmat *m, uint32_t n0, uint32_t n1, const f
         (fast ? qm__gemv512_q4f : qm__gemv512_q4g)(m, n0, n1, xp, ldx, nx, y, ldy);
 }
 
-#define QM__GEMM512_MR 12u
-
-QM_AI void qm__gemm512_micro(const float *wt, uint32_t len, const float *x, size_t ldx,
-                             __m512 out[QM__GEMM512_MR])
-{
-    __m512 c0 = _mm512_setzero_ps(), c1 = c0, c2 = c0, c3 = c0, c4 = c0, c5 = c0, c6 = c0,
-           c7 = c0, c8 = c0, c9 = c0, c10 = c0, c11 = c0;
-    const float *x0 = x, *x1 = x0 + ldx, *x2 = x1 + ldx, *x3 = x2 + ldx, *x4 = x3 + ldx,
-                *x5 = x4 + ldx, *x6 = x5 + ldx, *x7 = x6 + ldx, *x8 = x7 + ldx, *x9 = x8 + ldx,
-                *x10 = x9 + ldx, *x11 = x10 + ldx;
-    for (uint32_t c = 0; c < len; c++) {
-        __m512 w = _mm512_loadu_ps(wt + 16 * (size_t)c);
-        c0 = _mm512_fmadd_ps(w, _mm512_set1_ps(x0[c]), c0);
-        c1 = _mm512_fmadd_ps(w, _mm512_set1_ps(x1[c]), c1);
-        c2 = _mm512_fmadd_ps(w, _mm512_set1_ps(x2[c]), c2);
-        c3 = _mm512_fmadd_ps(w, _mm512_set1_ps(x3[c]), c3);
-        c4 = _mm512_fmadd_ps(w, _mm512_set1_ps(x4[c]), c4);
-        c5 = _mm512_fmadd_ps(w, _mm512_set1_ps(x5[c]), c5);
-        c6 = _mm512_fmadd_ps(w, _mm512_set1_ps(x6[c]), c6);
-        c7 = _mm512_fmadd_ps(w, _mm512_set1_ps(x7[c]), c7);
-        c8 = _mm512_fmadd_ps(w, _mm512_set1_ps(x8[c]), c8);
-        c9 = _mm512_fmadd_ps(w, _mm512_set1_ps(x9[c]), c9);
-        c10 = _mm512_fmadd_ps(w, _mm512_set1_ps(x10[c]), c10);
-        c11 = _mm512_fmadd_ps(w, _mm512_set1_ps(x11[c]), c11);
-    }
-    out[0] = c0, out[1] = c1, out[2] = c2, out[3] = c3, out[4] = c4, out[5] = c5;
-    out[6] = c6, out[7] = c7, out[8] = c8, out[9] = c9, out[10] = c10, out[11] = c11;
-}
-
-/* The last group of fewer than 12 input rows, 4 at a time: the same
- * per-lane sequence as the 12-row kernel (so the same bits), without
- * computing the zero padding rows. */
-QM_AI void qm__gemm512_micro4(const float *wt, uint32_t len, const float *x, size_t ldx,
-                              __m512 out[4])
-{
-    __m512 c0 = _mm512_setzero_ps(), c1 = c0, c2 = c0, c3 = c0;
-    const float *x0 = x, *x1 = x0 + ldx, *x2 = x1 + ldx, *x3 = x2 + ldx;
-    for (uint32_t c = 0; c < len; c++) {
-        __m512 w = _mm512_loadu_ps(wt + 16 * (size_t)c);
-        c0 = _mm512_fmadd_ps(w, _mm512_set1_ps(x0[c]), c0);
-        c1 = _mm512_fmadd_ps(w, _mm512_set1_ps(x1[c]), c1);
-        c2 = _mm512_fmadd_ps(w, _mm512_set1_ps(x2[c]), c2);
-        c3 = _mm512_fmadd_ps(w, _mm512_set1_ps(x3[c]), c3);
-    }
-    out[0] = c0, out[1] = c1, out[2] = c2, out[3] = c3;
-}
-
-static void qm__avx512_gemm(const qm__qmat *m, uint32_t n0, uint32_t n1, const float *xp,
-                            size_t ldx, uint32_t nx, float *y, size_t ldy, float *scratch)
-{
-    const uint32_t kp = (uint32_t)((m->k + 15) & ~15u);
-    const __mmask16 mask = (__mmask16)((1u << (n1 - n0)) - 1u);
-    for (uint32_t kt0 = 0; kt0 < kp; kt0 += QM__GEMM_KT) {
-        uint32_t len = kp - kt0 < QM__GEMM_KT ? kp - kt0 : QM__GEMM_KT;
-        const float *wt = qm__avx2_gemm_panel(m, n0, n1, kt0, len, scratch);
-        /* xp has zero rows up to a multiple of QM__GEMM512_MR (gemm_row_pad);
-         * the last group runs 4 rows at a time, so at most 3 padding rows
-         * are computed. */
-        for (uint32_t r0 = 0; r0 < nx;) {
-            __m512 acc[QM__GEMM512_MR];
-            uint32_t mr = nx - r0 >= QM__GEMM512_MR ? QM__GEMM512_MR : 4;
-            if (mr == QM__GEMM512_MR)
-                qm__gemm512_micro(wt, len, xp + (size_t)r0 * ldx + kt0, ldx, acc);
-            else
-                qm__gemm512_micro4(wt, len, xp + (size_t)r0 * ldx + kt0, ldx, acc);
-            for (uint32_t r = 0; r < mr && r0 + r < nx; r++) {
-                float *out = y + (size_t)(r0 + r) * ldy + n0;
-                __m512 v = acc[r];
-                if (kt0)
-                    v = _mm512_add_ps(_mm512_maskz_loadu_ps(mask, out), v);
-                _mm512_mask_storeu_ps(out, mask, v);
-            }
-            r0 += mr;
-        }
-    }
-}
-
 const qm__kernel qm__kernel_avx512 = {
     .name = "avx512",
     .x_stride = qm__avx2_x_stride,
     .prep = qm__avx2_prep,
     .gemv = qm__avx512_gemv,
-    .gemm = qm__avx512_gemm,
-    .gemm_row_pad = QM__GEMM512_MR,
+    .gemm = qm__avx512_gemm_packed,
+    .gemm_row_pad = 1,
 };

@@ -124,8 +124,9 @@ void qm__avx2_gemv(const qm__qmat *m, uint32_t n0, uint32_t n1, const float *xp,
                    uint32_t nx, float *y, size_t ldy, float *scratch);
 void qm__avx2_gemm(const qm__qmat *m, uint32_t n0, uint32_t n1, const float *xp, size_t ldx,
                    uint32_t nx, float *y, size_t ldy, float *scratch);
-const float *qm__avx2_gemm_panel(const qm__qmat *m, uint32_t n0, uint32_t n1, uint32_t kt0,
-                                 uint32_t len, float *scratch);
+/* The AVX-512 table's GEMM (qm_gemm_packed_avx512.c): the AVX2 GEMM's bits. */
+void qm__avx512_gemm_packed(const qm__qmat *m, uint32_t n0, uint32_t n1, const float *xp,
+                            size_t ldx, uint32_t nx, float *y, size_t ldy, float *scratch);
 #endif
 
 /* The kernel for this CPU, measured per shape class once per process (the

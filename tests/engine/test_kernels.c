@@ -307,6 +307,66 @@ START_TEST(test_no_avx512_takes_folded)
 }
 END_TEST
 
+/* The GEMM class (jobs of more than 4 rows): the AVX-512 packed GEMM
+ * (qm_gemm_packed_avx512.c) and the AVX2 GEMM give the same bits on
+ * shapes that leave every tail: N not a multiple of the 16-row panel, K
+ * not a multiple of the 256-column tile, of 16 or of the block; blocks
+ * 16..128 and row-wise; 4/8-bit; f32/f16 scales; zero points or not; row
+ * counts that make every register block size (1..12 rows per group). The
+ * shared result is within the derived bound of the float64 sum:
+ * |y - ref| <= (k + 4) * 2^-24 * sum |w x| (w rounded once, k FMAs and one
+ * add per tile). And a row's output does not depend on the other rows of
+ * the call: the last s rows alone give the same bits. */
+START_TEST(test_gemm_packed_same_bits_tails_and_reference)
+{
+    const qm__kernel *a = kernel("avx2"), *b = kernel("avx512");
+    if (!a || !b) return;
+    static const uint32_t BLOCKS[] = {0, 16, 32, 64, 128};
+    static const uint32_t TS[] = {5, 6, 7, 8, 13, 14, 15, 16, 27, 28, 29, 43, 64, 71};
+    for (int it = 0; it < 70; it++) {
+        uint32_t bits = it & 1 ? 8 : 4, T = TS[(it / 2) % 14];
+        uint32_t block = BLOCKS[(it / 2) % 5];
+        uint32_t k = 17 + next() % 800;
+        if (block && next() % 2)
+            k = block * (1 + next() % (900 / block)) - 1; /* a partial last block */
+        uint32_t n = 1 + next() % 50;
+        rand_mat r;
+        rand_mat_new(&r, bits, block, k, n);
+        int f16 = r.m.scale_dtype == QM_DTYPE_F16, asym = r.m.zp != NULL;
+        float *x = rand_inputs(T, k), *ya = malloc(4 * (size_t)T * n),
+              *yb = malloc(4 * (size_t)T * n), *ys = malloc(4 * (size_t)T * n);
+        run(a, &r.m, 1, x, T, ya);
+        run(b, &r.m, 1, x, T, yb);
+        ck_assert_msg(memcmp(ya, yb, 4 * (size_t)T * n) == 0,
+                      "%u-bit n %u k %u block %u T %u f16 %d zp %d: avx2 and avx512 GEMMs differ",
+                      bits, n, k, block, T, f16, asym);
+        for (uint32_t t = 0; t < T; t++) {
+            for (uint32_t o = 0; o < n; o++) {
+                const uint8_t *row = r.m.w + (size_t)o * r.m.row_bytes;
+                double ref = 0.0, mag = 0.0;
+                for (uint32_t c = 0; c < k; c++) {
+                    uint32_t bb = c / r.m.block;
+                    double w = (double)qm__qmat_scale(&r.m, o, bb) *
+                               (qm__qmat_code(&r.m, row, c) - qm__qmat_zp(&r.m, o, bb));
+                    ref += w * x[(size_t)t * k + c];
+                    mag += fabs(w * x[(size_t)t * k + c]);
+                }
+                double err = fabs(ya[(size_t)t * n + o] - ref);
+                ck_assert_msg(err <= (k + 4) * ldexp(mag, -24),
+                              "%u-bit n %u k %u block %u T %u: row %u out %u err %g of %g", bits,
+                              n, k, block, T, t, o, err, mag);
+            }
+        }
+        uint32_t s = 5 + next() % (T - 4); /* 5..T rows: still the GEMM path */
+        run(b, &r.m, 1, x + (size_t)(T - s) * k, s, ys);
+        ck_assert_msg(memcmp(ys, yb + (size_t)(T - s) * n, 4 * (size_t)s * n) == 0,
+                      "%u-bit n %u k %u T %u: the last %u rows alone differ", bits, n, k, T, s);
+        rand_mat_free(&r);
+        free(x), free(ya), free(yb), free(ys);
+    }
+}
+END_TEST
+
 /* Fake timings: avx512 takes fake_wide us, avx2 fake_narrow, or on the
  * 4-bit GEMV fake_q4_gemv_narrow where that is set (> 0). */
 static double fake_wide, fake_narrow, fake_q4_gemv_narrow;
@@ -410,6 +470,7 @@ static Suite *suite(void)
     tcase_add_test(tc, test_q4_gemv_same_bits_every_kernel);
     tcase_add_test(tc, test_q4_gemv_folded_within_bound);
     tcase_add_test(tc, test_no_avx512_takes_folded);
+    tcase_add_test(tc, test_gemm_packed_same_bits_tails_and_reference);
     tcase_add_test(tc, test_pick_with_margin);
     tcase_add_test(tc, test_calibration_takes_fastest);
     tcase_add_test(tc, test_cache);
