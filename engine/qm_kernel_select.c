@@ -306,8 +306,10 @@ int qm__kernel_pick(const double *us, int nc)
 
 /* ---- the measured choice's cache (QMOE_KERNEL_CACHE) ---- */
 
-/* 2: the 4-bit GEMV's entry is measured (1 held the fixed table's). */
-#define QM__CACHE_VERSION 2
+/* 2: the 4-bit GEMV's entry is measured (1 held the fixed table's).
+ * 3: the AVX-512 GEMM is the packed one (qm_gemm_packed_avx512.c), so the
+ *    GEMM entries measured against the old one are taken again. */
+#define QM__CACHE_VERSION 3
 
 /* The CPU's brand string (CPUID 0x80000002..4), or "unknown". */
 static void qm__cpu_brand(char *out, size_t cap)
