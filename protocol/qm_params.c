@@ -37,13 +37,41 @@ static int wrong_type(qm_status *st, const char *path, const char *what, const c
     return bad(st, path, "%s must be %s, got %s", path, what, qm__json_type_name(v));
 }
 
+/* Appends at most `max` bytes of `s` at out[*o], leaving room for the NUL
+ * in `size`: snprintf's "%.Ns" by hand, since these paths are built for
+ * every member of every request and printed only when one is wrong. */
+static void put_clipped(char *out, size_t size, size_t *o, const char *s, size_t max)
+{
+    size_t n = strnlen(s, max);
+    if (n > size - 1 - *o)
+        n = size - 1 - *o;
+    memcpy(out + *o, s, n);
+    *o += n;
+    out[*o] = '\0';
+}
+
+/* "PREFIX.KEY" (each clipped to 47 bytes) or "KEY" (94), as "%.47s.%.47s" / "%.94s". */
 static void join(char *out, size_t size, const char *prefix, const char *key)
 {
     /* Paths are bounded: a member name is clipped before it gets here. */
-    if (prefix && prefix[0])
-        snprintf(out, size, "%.47s.%.47s", prefix, key);
-    else
-        snprintf(out, size, "%.94s", key);
+    size_t o = 0;
+    out[0] = '\0';
+    if (prefix && prefix[0]) {
+        put_clipped(out, size, &o, prefix, 47);
+        put_clipped(out, size, &o, ".", 1);
+        put_clipped(out, size, &o, key, 47);
+    } else {
+        put_clipped(out, size, &o, key, 94);
+    }
+}
+
+/* "PATH" followed by `suffix` (".dtype", ...), truncated to `size` as "%s%s" would be. */
+static void suffixed(char *out, size_t size, const char *path, const char *suffix)
+{
+    size_t o = 0;
+    out[0] = '\0';
+    put_clipped(out, size, &o, path, size);
+    put_clipped(out, size, &o, suffix, size);
 }
 
 /* Unknown or duplicate members of `obj`. `allowed` ends with NULL. */
@@ -57,9 +85,9 @@ static int check_members(const cJSON *obj, const char *const *allowed, const cha
             if (strcmp(*a, m->string) == 0)
                 known = 1;
         char clip[80];
-        qm_clip(m->string, strlen(m->string), clip, sizeof clip);
-        join(path, sizeof path, prefix, clip);
         if (!known) {
+            qm_clip(m->string, strlen(m->string), clip, sizeof clip);
+            join(path, sizeof path, prefix, clip);
             char list[256] = "";
             for (const char *const *a = allowed; *a; a++) {
                 size_t l = strlen(list);
@@ -69,8 +97,11 @@ static int check_members(const cJSON *obj, const char *const *allowed, const cha
                        list[0] ? list : "no members");
         }
         for (const cJSON *o = obj->child; o != m; o = o->next)
-            if (strcmp(o->string, m->string) == 0)
+            if (strcmp(o->string, m->string) == 0) {
+                qm_clip(m->string, strlen(m->string), clip, sizeof clip);
+                join(path, sizeof path, prefix, clip);
                 return bad(st, path, "duplicate member '%s'", clip);
+            }
     }
     return 0;
 }
@@ -171,7 +202,7 @@ static int parse_region(const cJSON *obj, const char *path, qm_tensor *out, qm_s
         rc = get_uint(obj, "offset", path, 1, UINT64_MAX, NULL, &out->offset, st);
     if (rc < 0)
         return rc;
-    snprintf(sub, sizeof sub, "%s.offset", path);
+    suffixed(sub, sizeof sub, path, ".offset");
     if (out->offset % QM_MAP_ALIGN != 0)
         return bad(st, sub, "%s is %llu; it must be a multiple of %d", sub,
                    (unsigned long long)out->offset, QM_MAP_ALIGN);
@@ -202,7 +233,7 @@ static int parse_tensor(const cJSON *t, const char *path, uint32_t expect_ndim, 
         return rc;
     const cJSON *dtype = member(t, "dtype"), *shape = member(t, "shape"),
                 *data = member(t, "data");
-    snprintf(sub, sizeof sub, "%s.dtype", path);
+    suffixed(sub, sizeof sub, path, ".dtype");
     const char *allowed_s = dtypes == QM__DT_I32     ? "i32"
                             : dtypes == QM__DT_FLOAT ? "f32, f16, bf16"
                                                      : "f32, f16, bf16, i32";
@@ -224,7 +255,7 @@ static int parse_tensor(const cJSON *t, const char *path, uint32_t expect_ndim, 
         qm_clip(dtype->valuestring, strlen(dtype->valuestring), clip, sizeof clip);
         return bad(st, sub, "%s '%s' is not one of %s", sub, clip, allowed_s);
     }
-    snprintf(sub, sizeof sub, "%s.shape", path);
+    suffixed(sub, sizeof sub, path, ".shape");
     if (!shape || !cJSON_IsArray(shape))
         return bad(st, sub, "%s must be an array of 1 to %d dimensions", sub, QM_TENSOR_MAX_DIMS);
     int ndim = cJSON_GetArraySize(shape);
@@ -234,11 +265,17 @@ static int parse_tensor(const cJSON *t, const char *path, uint32_t expect_ndim, 
     unsigned long long count = 1;
     int i = 0;
     for (const cJSON *d = shape->child; d; d = d->next, i++) {
-        char dim[136];
-        snprintf(dim, sizeof dim, "%s[%d]", sub, i);
-        rc = integer_value(d, dim, UINT64_MAX, &out->shape[i], st);
-        if (rc < 0)
-            return rc;
+        /* A valid dimension takes the short way; a bad one is named. */
+        double dv = cJSON_IsNumber(d) ? d->valuedouble : -1;
+        if (isfinite(dv) && dv >= 0 && dv == floor(dv) && dv <= MAX_SAFE_INT) {
+            out->shape[i] = (uint64_t)dv;
+        } else {
+            char dim[136];
+            snprintf(dim, sizeof dim, "%s[%d]", sub, i);
+            rc = integer_value(d, dim, UINT64_MAX, &out->shape[i], st);
+            if (rc < 0)
+                return rc;
+        }
         if (qm_mul_u64(count, out->shape[i], &count) < 0)
             return bad(st, sub, "%s: element count overflows 64 bits", sub);
     }
@@ -252,7 +289,7 @@ static int parse_tensor(const cJSON *t, const char *path, uint32_t expect_ndim, 
         out->nbytes = nbytes;
         return parse_region(t, path, out, st);
     }
-    snprintf(sub, sizeof sub, "%s.data", path);
+    suffixed(sub, sizeof sub, path, ".data");
     if (!data || !cJSON_IsString(data))
         return bad(st, sub, "%s must be a base64 string", sub);
     size_t enc_len = strlen(data->valuestring);
