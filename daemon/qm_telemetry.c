@@ -73,17 +73,25 @@ void qm_trace_free(qm_trace *t)
     memset(t, 0, sizeof *t);
 }
 
+/* snprintf(dst, size, "%s", src) without printf: spans are written per call. */
+static void copy_str(char *dst, size_t size, const char *src)
+{
+    size_t n = strnlen(src, size - 1);
+    memcpy(dst, src, n);
+    dst[n] = '\0';
+}
+
 void qm_trace_add(qm_trace *t, const char *name, uint64_t start_us, uint64_t dur_us,
                   const char *session, const char *args, qm_span *out)
 {
     qm_span *s = &t->ring[t->head];
     memset(s, 0, sizeof *s);
     s->seq = t->next_seq++;
-    snprintf(s->name, sizeof s->name, "%s", name);
+    copy_str(s->name, sizeof s->name, name);
     s->start_us = start_us;
     s->dur_us = dur_us;
-    snprintf(s->session, sizeof s->session, "%s", session ? session : "");
-    snprintf(s->args, sizeof s->args, "%s", args && args[0] ? args : "{}");
+    copy_str(s->session, sizeof s->session, session ? session : "");
+    copy_str(s->args, sizeof s->args, args && args[0] ? args : "{}");
     if (out)
         *out = *s;
     t->head = (t->head + 1) % t->cap;

@@ -98,6 +98,22 @@ char *qm_buf_take(qm_buf *b, size_t *len)
     return p;
 }
 
+size_t qm_fmt_u64(char *out, unsigned long long v, int negative)
+{
+    char tmp[QM_U64_DEC_MAX];
+    size_t i = sizeof tmp;
+    do {
+        tmp[--i] = (char)('0' + v % 10);
+        v /= 10;
+    } while (v);
+    if (negative)
+        tmp[--i] = '-';
+    size_t n = sizeof tmp - i;
+    memcpy(out, tmp + i, n);
+    out[n] = '\0';
+    return n;
+}
+
 void qm_json_escape(qm_buf *b, const char *s, size_t n)
 {
     static const char hex[] = "0123456789abcdef";

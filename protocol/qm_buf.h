@@ -24,6 +24,13 @@ int qm_buf_printf(qm_buf *b, const char *fmt, ...) __attribute__((format(printf,
 /* Hands the bytes to the caller (free with qm_free) and leaves b empty. */
 char *qm_buf_take(qm_buf *b, size_t *len);
 
+/* The decimal digits of v, '-' first when `negative`, NUL-terminated in
+ * out[QM_U64_DEC_MAX]; returns their length. By hand: the request, answer
+ * and trace writers format integers on every call, and printf costs more
+ * than the rest of such a line. */
+#define QM_U64_DEC_MAX 22
+size_t qm_fmt_u64(char *out, unsigned long long v, int negative);
+
 /* Appends s[0..n) as the body of a JSON string (no quotes): '"', '\\', \n,
  * \r and \t as two-character escapes, other bytes below 0x20 as \u00XX,
  * everything else (UTF-8 included) as it is. */

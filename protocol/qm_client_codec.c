@@ -272,7 +272,8 @@ static void qm__sb_number(qm_buf *b, double d)
     if (!isfinite(d))
         qm__sb_str(b, "null"); /* JSON has no NaN/Inf */
     else if (d == floor(d) && fabs(d) < 9007199254740992.0)
-        snprintf(tmp, sizeof(tmp), "%.0f", d), qm__sb_str(b, tmp);
+        /* What "%.0f" prints ("-0" for -0.0), without printf. */
+        qm_buf_append(b, tmp, qm_fmt_u64(tmp, (unsigned long long)fabs(d), signbit(d) != 0));
     else
         snprintf(tmp, sizeof(tmp), "%.17g", d), qm__sb_str(b, tmp);
 }
@@ -340,10 +341,10 @@ char *qm_client_codec_request(uint64_t id, const char *method, const qm_cval *pa
 {
     qm_buf b;
     qm_buf_init(&b);
-    char tmp[64];
-    snprintf(tmp, sizeof(tmp), "{\"jsonrpc\":\"2.0\",\"id\":%llu,\"method\":",
-             (unsigned long long)id);
-    qm__sb_str(&b, tmp);
+    char tmp[QM_U64_DEC_MAX];
+    qm__sb_str(&b, "{\"jsonrpc\":\"2.0\",\"id\":");
+    qm_buf_append(&b, tmp, qm_fmt_u64(tmp, (unsigned long long)id, 0));
+    qm__sb_str(&b, ",\"method\":");
     qm__sb_json_string(&b, method ? method : "", method ? strlen(method) : 0);
     if (params) {
         qm__sb_str(&b, ",\"params\":");

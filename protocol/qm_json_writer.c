@@ -142,15 +142,8 @@ void qm_jw_member_str(qm_jw *w, const char *key, const char *s)
 /* Integers by hand: printf is the writer's hottest path otherwise. */
 static void put_u64(qm_buf *b, uint64_t v, int negative)
 {
-    char tmp[24];
-    size_t i = sizeof tmp;
-    do {
-        tmp[--i] = (char)('0' + v % 10);
-        v /= 10;
-    } while (v);
-    if (negative)
-        tmp[--i] = '-';
-    put(b, tmp + i, sizeof tmp - i);
+    char tmp[QM_U64_DEC_MAX];
+    put(b, tmp, qm_fmt_u64(tmp, v, negative));
 }
 
 void qm_jw_u64(qm_jw *w, uint64_t v)
