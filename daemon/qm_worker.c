@@ -4,11 +4,20 @@
  * session, runs the head job of its FIFO, and puts the session back at the
  * tail if more jobs wait. So one session's jobs run in order, one at a time,
  * while different sessions run on different workers. Finished jobs go to a
- * done list the loop drains from a uv_async callback (sends coalesce). */
+ * done list the loop drains when an eventfd it polls becomes readable; the
+ * worker writes it only when the loop has not been told yet (sends
+ * coalesce). Not uv_async: libuv 1.44's loop spins, then sched_yield()s,
+ * until the sending thread is back from its write, which on a loaded
+ * machine costs the loop thread more than the whole T = 1 answer. */
 #include "qm_pool.h"
 
+#include <errno.h>
+#include <stdatomic.h>
+#include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/eventfd.h>
+#include <unistd.h>
 #include <uv.h>
 
 #include "qm_alloc.h"
@@ -25,7 +34,9 @@ struct qm_pool {
     qm_session *runq_head, *runq_tail;
     qm_job *done_head, *done_tail;
     int stop;
-    uv_async_t async;
+    int efd;              /* eventfd: done jobs wait */
+    atomic_int told;      /* 1 while efd is written and not yet drained */
+    uv_poll_t done_poll;  /* the loop's watch on efd */
     size_t queued;       /* jobs enqueued and not completed (loop thread) */
     size_t queued_infer; /* ... of which inferences (what queue_depth bounds) */
 };
@@ -51,7 +62,10 @@ static void job_list_append(qm_job **head, qm_job **tail, qm_job *job)
     *tail = job;
 }
 
-/* Puts a session with jobs at the tail of the run queue (pool lock). */
+/* Puts a session with jobs at the tail of the run queue (pool lock). The
+ * caller signals the condition after unlocking: a worker woken while the
+ * lock is still held would only block on it again (two more switches on
+ * every hand-off of a T = 1 inference). */
 static void runq_push(qm_pool *p, qm_session *s)
 {
     if (p->runq_tail)
@@ -59,7 +73,16 @@ static void runq_push(qm_pool *p, qm_session *s)
     else
         p->runq_head = s;
     p->runq_tail = s;
-    uv_cond_signal(&p->cv);
+}
+
+/* Wakes the loop for the done list, once until it drains it. */
+static void done_notify(qm_pool *p)
+{
+    if (atomic_exchange(&p->told, 1))
+        return;
+    uint64_t one = 1;
+    while (write(p->efd, &one, sizeof one) < 0 && errno == EINTR)
+        ;
 }
 
 static void worker_main(void *arg)
@@ -99,19 +122,33 @@ static void worker_main(void *arg)
 
         uv_mutex_lock(&p->mu);
         job_list_append(&p->done_head, &p->done_tail, job);
-        if (q->head)
+        int more = q->head != NULL;
+        if (more)
             runq_push(p, s);
         else
             q->scheduled = 0;
-        uv_async_send(&p->async);
+        /* Wake the loop with the lock released, so that its done_cb does
+         * not find it held and sleep on it. */
+        uv_mutex_unlock(&p->mu);
+        if (more)
+            uv_cond_signal(&p->cv);
+        done_notify(p);
+        uv_mutex_lock(&p->mu);
     }
     uv_mutex_unlock(&p->mu);
 }
 
-static void done_cb(uv_async_t *h)
+static void done_cb(uv_poll_t *h, int status, int events)
 {
     qm_daemon *d = h->data;
     qm_pool *p = d->pool;
+    (void)status;
+    (void)events;
+    uint64_t n;
+    while (read(p->efd, &n, sizeof n) < 0 && errno == EINTR)
+        ;
+    /* Cleared before the drain: a job finished after it writes again. */
+    atomic_store(&p->told, 0);
     uv_mutex_lock(&p->mu);
     qm_job *list = p->done_head;
     p->done_head = p->done_tail = NULL;
@@ -143,8 +180,13 @@ int qm_pool_start(qm_daemon *d, uint32_t n_threads)
     p->threads = qm_calloc(n_threads ? n_threads : 1, sizeof *p->threads);
     if (!p->threads)
         goto fail_threads;
-    uv_async_init(d->loop, &p->async, done_cb);
-    p->async.data = d;
+    p->efd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
+    if (p->efd < 0)
+        goto fail_efd;
+    if (uv_poll_init(d->loop, &p->done_poll, p->efd) != 0)
+        goto fail_poll;
+    p->done_poll.data = d;
+    uv_poll_start(&p->done_poll, UV_READABLE, done_cb);
     d->pool = p;
     for (uint32_t i = 0; i < n_threads; i++) {
         /* The workers started so far are joined by qm_pool_stop. */
@@ -155,6 +197,10 @@ int qm_pool_start(qm_daemon *d, uint32_t n_threads)
     qm_fault_tag_thread(QM_FAULT_LOOP);
     return 0;
 
+fail_poll:
+    close(p->efd);
+fail_efd:
+    qm_free(p->threads);
 fail_threads:
     uv_cond_destroy(&p->cv);
 fail_cond:
@@ -179,7 +225,8 @@ void qm_pool_stop(qm_daemon *d)
     qm_fault_report();
     uv_cond_destroy(&p->cv);
     uv_mutex_destroy(&p->mu);
-    /* The async handle was closed with the loop's other handles. */
+    /* The poll handle was closed with the loop's other handles. */
+    close(p->efd);
     qm_free(p);
     d->pool = NULL;
 }
@@ -206,10 +253,13 @@ int qm_pool_submit(qm_daemon *d, qm_job *job)
     q->pending++;
     uv_mutex_lock(&p->mu);
     job_list_append(&q->head, &q->tail, job);
-    if (!q->scheduled) {
+    int wake = !q->scheduled;
+    if (wake) {
         q->scheduled = 1;
         runq_push(p, s);
     }
     uv_mutex_unlock(&p->mu);
+    if (wake)
+        uv_cond_signal(&p->cv);
     return 0;
 }
