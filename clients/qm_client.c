@@ -322,8 +322,10 @@ static void qm__consume(qm_client *c, size_t n)
     c->len -= n;
 }
 
-static int qm__exchange(qm_client *c, const char *method, const qm_cval *params, int fd,
-                        qm_cval **result, qm_client_error *err)
+/* `text` (text_len bytes), when not NULL, is `params` already printed. */
+static int qm__exchange(qm_client *c, const char *method, const qm_cval *params,
+                        const char *text, size_t text_len, int fd, qm_cval **result,
+                        qm_client_error *err)
 {
     int64_t deadline = qm__now_ms() + c->timeout_ms;
     int rc;
@@ -331,7 +333,8 @@ static int qm__exchange(qm_client *c, const char *method, const qm_cval *params,
         return rc;
     uint64_t id = c->next_id++;
     size_t len = 0;
-    char *line = qm_client_codec_request(id, method, params, &len);
+    char *line = text ? qm_client_codec_request_text(id, method, text, text_len, &len)
+                      : qm_client_codec_request(id, method, params, &len);
     if (!line)
         return qm__client_fail(err, QM_CLIENT_ENOMEM, "out of memory encoding the request");
     rc = qm__send_all(c, line, len, fd, deadline, err);
@@ -397,9 +400,21 @@ int qm__client_call_fd(qm_client *c, const char *method, qm_cval *params, int fd
         return qm__client_fail(err, QM_CLIENT_EINVAL, "no client handle or method given");
     }
     pthread_mutex_lock(&c->lock);
-    int rc = qm__exchange(c, method, params, fd, result, err);
+    int rc = qm__exchange(c, method, params, NULL, 0, fd, result, err);
     pthread_mutex_unlock(&c->lock);
     qm_cval_free(params);
+    return rc;
+}
+
+int qm__client_call_text(qm_client *c, const char *method, const char *params, size_t n,
+                         qm_cval **result, qm_client_error *err)
+{
+    *result = NULL;
+    if (err)
+        memset(err, 0, sizeof(*err));
+    pthread_mutex_lock(&c->lock);
+    int rc = qm__exchange(c, method, NULL, params, n, -1, result, err);
+    pthread_mutex_unlock(&c->lock);
     return rc;
 }
 

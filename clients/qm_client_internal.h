@@ -18,6 +18,10 @@ int qm__client_call(qm_client *c, const char *method, qm_cval *params, qm_cval *
 int qm__client_call_fd(qm_client *c, const char *method, qm_cval *params, int fd,
                        qm_cval **result, qm_client_error *err);
 
+/* The same, with params already printed as compact JSON (n bytes). */
+int qm__client_call_text(qm_client *c, const char *method, const char *params, size_t n,
+                         qm_cval **result, qm_client_error *err);
+
 /* Copies a string member; NULL when absent. Returns QM_CLIENT_ENOMEM on failure. */
 int qm__client_dup_member(const qm_cval *obj, const char *key, char **out);
 

@@ -94,22 +94,31 @@ int qm_client_map_release(qm_client *c, qm_client_map *m, qm_client_error *err)
     return rc;
 }
 
-static qm_cval *qm__region(const qm_client_map *map, const qm_client_region *t)
+/* Appends a string literal. */
+#define QM__LIT(b, lit) qm_buf_append((b), (lit), sizeof(lit) - 1)
+
+/* `"KEY":{"dtype":..,"shape":[rows,cols],"map":ID,"offset":OFF}`, as
+ * qm_cval_print writes it; -1 for a dtype that does not exist. */
+static int qm__region(qm_buf *b, const char *key, const qm_client_map *map,
+                      const qm_client_region *t)
 {
     static const char *const names[] = {"f32", "f16", "bf16", "i32"};
     if ((unsigned)t->dtype >= sizeof(names) / sizeof(names[0]))
-        return NULL;
-    qm_cval *shape = qm_cval_new(QM_CVAL_ARRAY);
-    if (!shape || qm_cval_append(shape, NULL, qm_cval_new_number((double)t->rows)) < 0 ||
-        qm_cval_append(shape, NULL, qm_cval_new_number((double)t->cols)) < 0) {
-        qm_cval_free(shape);
-        return NULL;
-    }
-    qm_cval *o = qm_cval_new(QM_CVAL_OBJECT);
-    o = qm__obj_add(o, "dtype", qm_cval_new_string(names[t->dtype]));
-    o = qm__obj_add(o, "shape", shape);
-    o = qm__obj_add(o, "map", qm_cval_new_number((double)map->id));
-    return qm__obj_add(o, "offset", qm_cval_new_number((double)t->offset));
+        return -1;
+    QM__LIT(b, ",");
+    qm_client_codec_string(b, key);
+    QM__LIT(b, ":{\"dtype\":");
+    qm_client_codec_string(b, names[t->dtype]);
+    QM__LIT(b, ",\"shape\":[");
+    qm_client_codec_number(b, (double)t->rows);
+    QM__LIT(b, ",");
+    qm_client_codec_number(b, (double)t->cols);
+    QM__LIT(b, "],\"map\":");
+    qm_client_codec_number(b, (double)map->id);
+    QM__LIT(b, ",\"offset\":");
+    qm_client_codec_number(b, (double)t->offset);
+    QM__LIT(b, "}");
+    return 0;
 }
 
 int qm_client_session_infer_mapped(qm_client *c, const qm_client_mapped_infer *q,
@@ -125,32 +134,33 @@ int qm_client_session_infer_mapped(qm_client *c, const qm_client_mapped_infer *q
     const qm_client_region *parts[] = {&q->hidden, q->router_logits, q->topk_ids,
                                        q->topk_weights};
     const char *keys[] = {"hidden", "router_logits", "topk_ids", "topk_weights"};
-    qm_cval *p = qm_cval_new(QM_CVAL_OBJECT);
-    p = qm__obj_add(p, "session", qm_cval_new_string(q->session));
-    p = qm__obj_add(p, "layer", qm_cval_new_number((double)q->layer));
-    for (size_t i = 0; i < sizeof(parts) / sizeof(parts[0]) && p; i++) {
-        if (!parts[i])
-            continue;
-        qm_cval *t = qm__region(q->map, parts[i]);
-        if (!t) {
-            qm_cval_free(p);
+    /* The params are written straight into one buffer (an engine makes
+     * this call per layer per token): the same text a qm_cval tree of
+     * them would print, without building the tree. */
+    qm_buf p;
+    qm_buf_init(&p);
+    QM__LIT(&p, "{\"session\":");
+    qm_client_codec_string(&p, q->session);
+    QM__LIT(&p, ",\"layer\":");
+    qm_client_codec_number(&p, (double)q->layer);
+    for (size_t i = 0; i < sizeof(parts) / sizeof(parts[0]); i++) {
+        if (parts[i] && qm__region(&p, keys[i], q->map, parts[i]) < 0) {
+            qm_buf_free(&p);
             return qm__client_fail(err, QM_CLIENT_EINVAL, "%s: bad dtype or no memory", keys[i]);
         }
-        p = qm__obj_add(p, keys[i], t);
     }
-    qm_cval *to = qm_cval_new(QM_CVAL_OBJECT);
-    to = qm__obj_add(to, "map", qm_cval_new_number((double)q->map->id));
-    to = qm__obj_add(to, "offset", qm_cval_new_number((double)q->output_offset));
-    if (to)
-        p = qm__obj_add(p, "output_to", to);
-    else {
-        qm_cval_free(p);
-        p = NULL;
-    }
-    if (!p)
+    QM__LIT(&p, ",\"output_to\":{\"map\":");
+    qm_client_codec_number(&p, (double)q->map->id);
+    QM__LIT(&p, ",\"offset\":");
+    qm_client_codec_number(&p, (double)q->output_offset);
+    QM__LIT(&p, "}}");
+    if (p.oom) {
+        qm_buf_free(&p);
         return QM__NOMEM(err);
+    }
     qm_cval *r = NULL;
-    int rc = qm__client_call(c, "session.infer", p, &r, err);
+    int rc = qm__client_call_text(c, "session.infer", p.data, p.len, &r, err);
+    qm_buf_free(&p);
     if (rc < 0)
         return rc;
     const qm_cval *out = qm_cval_get(r, "output");

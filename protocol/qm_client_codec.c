@@ -266,7 +266,7 @@ static char *qm__sb_finish(qm_buf *b, size_t *len_out)
     return p;
 }
 
-static void qm__sb_number(qm_buf *b, double d)
+void qm_client_codec_number(qm_buf *b, double d)
 {
     char tmp[40];
     if (!isfinite(d))
@@ -296,7 +296,7 @@ static void qm__print_value(qm_buf *b, const qm_cval *v, int pretty, int depth)
     switch (v->type) {
     case QM_CVAL_NULL: qm__sb_str(b, "null"); break;
     case QM_CVAL_BOOL: qm__sb_str(b, v->boolean ? "true" : "false"); break;
-    case QM_CVAL_NUMBER: qm__sb_number(b, v->number); break;
+    case QM_CVAL_NUMBER: qm_client_codec_number(b, v->number); break;
     case QM_CVAL_STRING: qm__sb_json_string(b, v->string ? v->string : "", v->string_len); break;
     case QM_CVAL_ARRAY:
     case QM_CVAL_OBJECT: {
@@ -336,20 +336,40 @@ char *qm_cval_print(const qm_cval *v, int pretty, size_t *len_out)
     return qm__sb_finish(&b, len_out);
 }
 
+void qm_client_codec_string(qm_buf *b, const char *s) { qm__sb_json_string(b, s, strlen(s)); }
+
+/* {"jsonrpc":"2.0","id":ID,"method":M */
+static void qm__request_head(qm_buf *b, uint64_t id, const char *method)
+{
+    char tmp[QM_U64_DEC_MAX];
+    qm__sb_str(b, "{\"jsonrpc\":\"2.0\",\"id\":");
+    qm_buf_append(b, tmp, qm_fmt_u64(tmp, (unsigned long long)id, 0));
+    qm__sb_str(b, ",\"method\":");
+    qm__sb_json_string(b, method ? method : "", method ? strlen(method) : 0);
+}
+
 char *qm_client_codec_request(uint64_t id, const char *method, const qm_cval *params,
                               size_t *len_out)
 {
     qm_buf b;
     qm_buf_init(&b);
-    char tmp[QM_U64_DEC_MAX];
-    qm__sb_str(&b, "{\"jsonrpc\":\"2.0\",\"id\":");
-    qm_buf_append(&b, tmp, qm_fmt_u64(tmp, (unsigned long long)id, 0));
-    qm__sb_str(&b, ",\"method\":");
-    qm__sb_json_string(&b, method ? method : "", method ? strlen(method) : 0);
+    qm__request_head(&b, id, method);
     if (params) {
         qm__sb_str(&b, ",\"params\":");
         qm__print_value(&b, params, 0, 0);
     }
+    qm__sb_str(&b, "}\n");
+    return qm__sb_finish(&b, len_out);
+}
+
+char *qm_client_codec_request_text(uint64_t id, const char *method, const char *params,
+                                   size_t params_len, size_t *len_out)
+{
+    qm_buf b;
+    qm_buf_init(&b);
+    qm__request_head(&b, id, method);
+    qm__sb_str(&b, ",\"params\":");
+    qm_buf_append(&b, params, params_len);
     qm__sb_str(&b, "}\n");
     return qm__sb_finish(&b, len_out);
 }

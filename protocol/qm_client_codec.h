@@ -12,6 +12,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "qm_buf.h"
 #include "qm_error.h"
 
 typedef enum qm_cval_type {
@@ -78,6 +79,15 @@ char *qm_cval_print(const qm_cval *v, int pretty, size_t *len_out);
  * '\n', its length in *len_out; NULL when out of memory. */
 char *qm_client_codec_request(uint64_t id, const char *method, const qm_cval *params,
                               size_t *len_out);
+
+/* The same line with `params` already printed (params_len bytes of compact
+ * JSON, no newline), for a call that writes them straight into a qm_buf. */
+char *qm_client_codec_request_text(uint64_t id, const char *method, const char *params,
+                                   size_t params_len, size_t *len_out);
+
+/* A number and a string exactly as qm_cval_print writes them. */
+void qm_client_codec_number(qm_buf *b, double d);
+void qm_client_codec_string(qm_buf *b, const char *s);
 
 /* A JSON-RPC error as the client reports it. */
 typedef struct qm_client_codec_error {
