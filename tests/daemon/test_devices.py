@@ -201,10 +201,9 @@ def test_outputs_are_the_cpu_daemons_bits_for_every_on_miss(two, cpu):
 
 def test_what_a_session_over_several_devices_refuses(two):
     c = two.client()
+    # session.resize works (tests/daemon/test_qmoed_resize.py has it in full).
     sid = create(c, policy="lru", budget_bytes=8 * bytes_per_expert(c))
-    r = c.request("session.resize", {"session": sid, "budget_bytes": 4 * bytes_per_expert(c)})
-    assert r["error"]["data"]["field"] == "session", r
-    assert "several devices" in r["error"]["data"]["reason"]
+    c.call("session.resize", {"session": sid, "budget_bytes": 4 * bytes_per_expert(c)})
     c.call("session.close", {"session": sid})
     r = c.request("session.create", {"model": "m", "policy": "lru",
                                      "policy_params": {"record_trace": "t.qmtr"}})
