@@ -39,35 +39,42 @@ void qm_models_save_hotness(qm_daemon *d)
 }
 
 /* Where the backend can (CUDA: cudaHostRegister), the whole mapping is
- * registered once, so paging copies are one DMA each instead of going
- * through bounce buffers. A refusal only costs speed; backends with nothing
- * to register (CPU) answer 0. */
+ * registered once with every device of the daemon (any of them may hold
+ * layers of it: a session's placement), so paging copies are one DMA each
+ * instead of going through bounce buffers. A refusal only costs speed (on
+ * that device); backends with nothing to register (CPU) answer 0. */
 static void model_register_host(qm_daemon *d, qm_model *m)
 {
     uint64_t bytes;
     const void *base = qm_bank_mapping(m->bank, &bytes);
-    qm_status st;
-    qm_status_clear(&st);
-    int rc = qm_backend_register_host(d->backend, base, (size_t)bytes, &st);
-    if (rc > 0) {
-        m->host_registered = d->backend;
-        qm_log(QM_LOG_INFO, "model %s: %llu mapped bytes registered with %s", m->name,
-               (unsigned long long)bytes, qm_backend_name(d->backend));
-    } else if (rc < 0) {
-        qm_log(QM_LOG_WARNING, "model %s: cannot register the mapping with %s (%s); copies "
-               "go through bounce buffers", m->name, qm_backend_name(d->backend), st.msg);
+    for (uint32_t i = 0; i < d->n_devices; i++) {
+        qm_backend *be = d->backends[i];
+        const char *name = d->n_devices > 1 ? d->device_names[i] : qm_backend_name(be);
+        qm_status st;
+        qm_status_clear(&st);
+        int rc = qm_backend_register_host(be, base, (size_t)bytes, &st);
+        if (rc > 0) {
+            m->host_registered[m->n_host_registered++] = be;
+            qm_log(QM_LOG_INFO, "model %s: %llu mapped bytes registered with %s", m->name,
+                   (unsigned long long)bytes, name);
+        } else if (rc < 0) {
+            qm_log(QM_LOG_WARNING, "model %s: cannot register the mapping with %s (%s); copies "
+                   "go through bounce buffers", m->name, name, st.msg);
+        }
     }
 }
 
 static void model_unregister_host(qm_model *m)
 {
-    if (!m->host_registered)
-        return;
-    qm_status st;
-    qm_status_clear(&st);
-    if (qm_backend_unregister_host(m->host_registered, qm_bank_mapping(m->bank, NULL), &st) < 0)
-        qm_log(QM_LOG_WARNING, "model %s: cannot unregister the mapping: %s", m->name, st.msg);
-    m->host_registered = NULL;
+    while (m->n_host_registered > 0) {
+        qm_backend *be = m->host_registered[--m->n_host_registered];
+        qm_status st;
+        qm_status_clear(&st);
+        if (qm_backend_unregister_host(be, qm_bank_mapping(m->bank, NULL), &st) < 0)
+            qm_log(QM_LOG_WARNING, "model %s: cannot unregister the mapping: %s", m->name,
+                   st.msg);
+        m->host_registered[m->n_host_registered] = NULL;
+    }
 }
 
 static void model_free(qm_model *m)

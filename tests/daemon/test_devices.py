@@ -210,6 +210,24 @@ def test_what_a_session_over_several_devices_refuses(two):
     assert r["error"]["data"]["field"] == "policy_params.record_trace", r
 
 
+def test_the_mapping_is_registered_with_every_device(bank):
+    # Each device may hold layers of the model (a session's placement): the
+    # mapping is registered with each at load and unregistered at unload, so
+    # loading it again registers it again without an overlap refused.
+    dm = start(bank, "--device", "emu:0,emu:1")
+    try:
+        c = dm.client()
+        c.call("model.unload", {"name": "m"})
+        c.call("model.load", {"name": "m", "path": bank})
+        log = dm.log_text()
+        for dev in ("emu:0", "emu:1"):
+            assert len(re.findall(r"model m: \d+ mapped bytes registered with %s\b" % dev,
+                                  log)) == 2, log
+        assert "cannot register" not in log and "cannot unregister" not in log, log
+    finally:
+        assert dm.stop() == 0, dm.log_text()
+
+
 def test_one_listed_device_behaves_as_one_device(bank):
     dm = start(bank, "--device", "emu:0", "--set", "emu_copy_mbps=2000")
     try:

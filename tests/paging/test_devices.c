@@ -3,7 +3,8 @@
  * paging_fixture.c, one arena each): the placement rule and its budget
  * split, each device's budget held on every allocation, outputs bitwise
  * equal to the CPU backend's whole-bank reference with on_miss page, host
- * and auto, a layer served only by its own device. */
+ * and auto, a layer served only by its own device; the bank mapping
+ * registered with each emulated device (register_host). */
 #include <check.h>
 #include <stdlib.h>
 #include <string.h>
@@ -138,6 +139,34 @@ START_TEST(test_two_devices_bitwise_with_budgets_per_device_for_every_on_miss)
 }
 END_TEST
 
+
+START_TEST(test_the_mapping_registers_with_each_emulated_device)
+{
+    qm_backend *dev[2] = {NULL, NULL};
+    ck_assert_int_eq(pf_fake_device_new(&dev[0]), 0);
+    ck_assert_int_eq(pf_fake_device_new(&dev[1]), 0);
+    uint64_t bytes, held;
+    const uint8_t *base = qm_bank_mapping(fixture.bank.bank, &bytes);
+    for (uint32_t d = 0; d < 2; d++) {
+        ck_assert_uint_eq(qm_backend_emu_registered(dev[d], NULL), 0);
+        ck_assert_int_eq(qm_backend_register_host(dev[d], base, bytes, &fixture.st), 1);
+        ck_assert_uint_eq(qm_backend_emu_registered(dev[d], &held), 1);
+        ck_assert_uint_eq(held, bytes);
+    }
+    /* A range held already is refused; outputs do not depend on it. */
+    ck_assert_int_eq(qm_backend_register_host(dev[0], base + 1, 1, &fixture.st), QM_ECONFLICT);
+    ck_assert_int_eq(qm_backend_unregister_host(dev[1], base, &fixture.st), 0);
+    ck_assert_uint_eq(qm_backend_emu_registered(dev[1], NULL), 0);
+    ck_assert_uint_eq(qm_backend_emu_registered(dev[0], NULL), 1);
+    ck_assert_int_eq(qm_backend_unregister_host(dev[1], base, &fixture.st), QM_ENOT_FOUND);
+    ck_assert_int_eq(qm_backend_unregister_host(dev[0], base, &fixture.st), 0);
+    ck_assert_uint_eq(qm_backend_emu_registered(dev[0], NULL), 0);
+    ck_assert_uint_eq(qm_backend_emu_registered(fixture.cpu, NULL), 0); /* not emu */
+    qm_backend_free(dev[0]);
+    qm_backend_free(dev[1]);
+}
+END_TEST
+
 static Suite *devices_suite(void)
 {
     Suite *s = suite_create("paging_devices");
@@ -146,6 +175,7 @@ static Suite *devices_suite(void)
     tcase_set_timeout(tc, 120);
     tcase_add_test(tc, test_placement_cuts_contiguous_runs_by_weight_and_splits_the_budget);
     tcase_add_test(tc, test_two_devices_bitwise_with_budgets_per_device_for_every_on_miss);
+    tcase_add_test(tc, test_the_mapping_registers_with_each_emulated_device);
     suite_add_tcase(s, tc);
     return s;
 }
