@@ -499,11 +499,6 @@ int qm_session_prepare(qm_daemon *d, const qm_params *p, uid_t owner, qm_session
     qm_placement pl = {0};
     uint64_t dev_need[QM_CONFIG_MAX_DEVICES] = {0};
     if (d->n_devices > 1) {
-        if (pw->record_trace)
-            return qm_status_set_field(st, QM_EINVAL, "policy_params.record_trace",
-                                       "policy_params.record_trace is not supported for a "
-                                       "session placed over several devices (this daemon has "
-                                       "%u)", d->n_devices);
         if (admit_on_devices(d, m, budget, workspace, &pl, dev_need, st) < 0)
             return QM_ERESOURCE_EXHAUSTED;
         need = 0;
@@ -642,7 +637,8 @@ int qm_session_build(qm_daemon *d, qm_session *s, qm_status *st)
     if (rc == 0)
         rc = qm_model_check(s->model, st);
     if (rc == 0 && s->trace_path) {
-        rc = qm_pager_record_trace(s->pager, s->trace_path, st);
+        rc = s->mp ? qm_multipager_record_trace(s->mp, s->trace_path, st)
+                   : qm_pager_record_trace(s->pager, s->trace_path, st);
         if (rc < 0) {
             if (st)
                 snprintf(st->field, sizeof st->field, "policy_params.record_trace");

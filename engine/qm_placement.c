@@ -5,6 +5,7 @@
 #include <string.h>
 
 #include "qm_alloc.h"
+#include "qm_pager_impl.h"
 
 void qm_placement_free(qm_placement *pl)
 {
@@ -223,6 +224,26 @@ int qm_multipager_resize(qm_multipager *mp, uint64_t budget, qm_status *st)
             if (mp->pagers[b])
                 (void)qm_pager_resize(mp->pagers[b], was[b], NULL);
         return rc;
+    }
+    return 0;
+}
+
+int qm_multipager_record_trace(qm_multipager *mp, const char *path, qm_status *st)
+{
+    if (!mp)
+        return qm_status_set(st, QM_EINVAL, "qm_multipager_record_trace: NULL argument");
+    qm_pager *owner = NULL;
+    for (uint32_t d = 0; d < mp->pl->n_devices; d++) {
+        qm_pager *p = mp->pagers[d];
+        if (!p)
+            continue;
+        if (!owner) {
+            int rc = qm_pager_record_trace(p, path, st);
+            if (rc)
+                return rc;
+            owner = p;
+        }
+        p->trace_to = p == owner ? NULL : owner;
     }
     return 0;
 }
