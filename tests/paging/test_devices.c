@@ -119,13 +119,8 @@ static void run_two_devices(int on_miss, int prefetch, uint64_t budget, const ch
                      QM_EINVAL);
     ck_assert_int_eq(qm_pager_resident_experts(qm_multipager_pager(mp, wrong), 0, NULL, 0), 0);
     (void)sp;
-    qm_multipager_free(mp);
-    qm_placement_free(&pl);
-    qm_plan_free(plan);
-    qm_policy_destroy(&pol);
     free_calls(&set);
-    qm_backend_free(dev[0]);
-    qm_backend_free(dev[1]);
+    free_two_devices(mp, &pl, plan, &pol, dev);
 }
 
 START_TEST(test_two_devices_bitwise_with_budgets_per_device_for_every_on_miss)
@@ -245,13 +240,8 @@ START_TEST(test_two_devices_record_the_trace_one_device_records)
     unlink(p2);
     unlink(p1);
     qm_pager_free(one);
-    qm_multipager_free(mp);
-    qm_placement_free(&pl);
-    qm_plan_free(plan);
-    qm_policy_destroy(&pol);
     free_calls(&set);
-    qm_backend_free(dev[0]);
-    qm_backend_free(dev[1]);
+    free_two_devices(mp, &pl, plan, &pol, dev);
 }
 END_TEST
 

@@ -293,15 +293,12 @@ START_TEST(test_two_devices_resize_by_share_with_outputs_bitwise)
                 qm_multipager_stats(mp, &s);
                 ck_assert_uint_gt(s.resizes, 0);
                 ck_assert_uint_eq(s.budget_violations, 0);
-                qm_multipager_free(mp);
-                qm_placement_free(&pl);
-                qm_plan_free(plan);
-                qm_policy_destroy(&pol);
+                qm_backend *none[2] = {NULL, NULL};
+                free_two_devices(mp, &pl, plan, &pol, none);
             }
     free(out);
     free_calls(&set);
-    qm_backend_free(dev[0]);
-    qm_backend_free(dev[1]);
+    free_two_devices(NULL, NULL, NULL, NULL, dev);
 }
 END_TEST
 
