@@ -98,7 +98,7 @@ static void qm__cuda_destroy(void *ctx)
     if (c->copy_stream) (void)cudaStreamSynchronize(c->copy_stream);
     if (c->compute_stream) (void)cudaStreamSynchronize(c->compute_stream);
     for (size_t i = 0; i < c->n_regs; i++)
-        (void)cudaHostUnregister((void *)c->regs[i].start);
+        if (!c->regs[i].borrowed) (void)cudaHostUnregister((void *)c->regs[i].start);
     qm_free(c->regs);
     for (unsigned i = 0; i < QM__CUDA_BOUNCE_COUNT; i++) {
         if (c->bounce[i]) (void)cudaFreeHost(c->bounce[i]);
@@ -412,13 +412,22 @@ static int qm__cuda_register_host(void *ctx, const void *ptr, size_t bytes, qm_s
         c->regs = n;
         c->regs_cap = cap;
     }
-    /* Mapped banks are read-only: ask for a read-only registration first. */
+    /* Mapped banks are read-only: ask for a read-only registration first.
+     * Portable: the pinning serves every device's context, so the daemon's
+     * other devices find the range registered already and borrow it. */
     cudaError_t err = cudaErrorNotSupported;
+    int borrowed = 0;
     if (c->readonly_register)
-        err = cudaHostRegister((void *)start, end - start, cudaHostRegisterReadOnly);
-    if (err != cudaSuccess) {
+        err = cudaHostRegister((void *)start, end - start,
+                               cudaHostRegisterReadOnly | cudaHostRegisterPortable);
+    if (err != cudaSuccess && err != cudaErrorHostMemoryAlreadyRegistered) {
         (void)cudaGetLastError();
-        err = cudaHostRegister((void *)start, end - start, cudaHostRegisterDefault);
+        err = cudaHostRegister((void *)start, end - start, cudaHostRegisterPortable);
+    }
+    if (err == cudaErrorHostMemoryAlreadyRegistered) {
+        (void)cudaGetLastError();
+        err = cudaSuccess;
+        borrowed = 1;
     }
     if (err != cudaSuccess) {
         (void)cudaGetLastError();
@@ -429,8 +438,8 @@ static int qm__cuda_register_host(void *ctx, const void *ptr, size_t bytes, qm_s
                              "pinned bounce buffers",
                              (size_t)(end - start), cudaGetErrorString(err));
     }
-    c->regs[c->n_regs++] =
-        (qm__cuda_registration){.ptr = ptr, .start = start, .bytes = end - start};
+    c->regs[c->n_regs++] = (qm__cuda_registration){
+        .ptr = ptr, .start = start, .bytes = end - start, .borrowed = borrowed};
     pthread_mutex_unlock(&c->copy_lock);
     return 0;
 }
@@ -445,7 +454,7 @@ static int qm__cuda_unregister_host(void *ctx, const void *ptr, qm_status *st)
         /* Copies in flight may still read the range. */
         (void)cudaStreamSynchronize(c->copy_stream);
         c->done_seq = c->copy_seq;
-        (void)cudaHostUnregister((void *)c->regs[i].start);
+        if (!c->regs[i].borrowed) (void)cudaHostUnregister((void *)c->regs[i].start);
         (void)cudaGetLastError();
         c->regs[i] = c->regs[--c->n_regs];
         pthread_mutex_unlock(&c->copy_lock);

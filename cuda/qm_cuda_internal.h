@@ -27,6 +27,7 @@ typedef struct qm__cuda_registration {
     const void *ptr; /* as the caller passed it */
     uintptr_t start; /* page-aligned range actually registered */
     size_t bytes;
+    int borrowed; /* registered by another device's backend (portable): not ours to unregister */
 } qm__cuda_registration;
 
 /* Device and pinned scratch of run_experts, grown on demand and kept, so a

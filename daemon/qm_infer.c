@@ -285,8 +285,8 @@ void qm_job_run_resize(qm_job *job)
     /* Every earlier job of the session has finished (its FIFO): they ran
      * under the old budget, every later one runs under the new. */
     uint64_t budget = job->req.params.budget_bytes;
-    job->rc = qm_pager_resize(s->pager, budget, &job->st);
+    job->rc = qm_session_resize(s, budget, &job->st);
     if (job->rc == 0)
         qm_plan_set_budget(s->plan, budget);
-    qm_pager_stats_get(s->pager, &job->pstats);
+    qm_session_stats(s, &job->pstats);
 }

@@ -9,6 +9,7 @@
 
 #include "qm_backend.h"
 #include "qm_bank.h"
+#include "qm_config.h"
 #include "qm_hotness.h"
 #include "qm_protocol.h"
 #include "qm_residency.h"
@@ -25,7 +26,10 @@ typedef struct qm_model {
     qm_hotness *hotness;    /* decayed use counts; static_hot's default hot lists */
     char *hotness_path;     /* state_dir/<name>.hot, NULL without a state dir */
     uint64_t hotness_saved; /* qm_hotness_records at the last save */
-    qm_backend *host_registered; /* backend the mapping is registered with, or NULL */
+    /* Devices the mapping is registered with (fast copies), in registration
+     * order; unregistered in reverse order on unload. */
+    qm_backend *host_registered[QM_CONFIG_MAX_DEVICES];
+    uint32_t n_host_registered;
     int guard_slot;              /* qm_sigbus_register's slot, or -1 */
     int refs;        /* registry + sessions */
     int registered;  /* 0 once unloaded: freed when the last session lets go */

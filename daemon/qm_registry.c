@@ -39,35 +39,42 @@ void qm_models_save_hotness(qm_daemon *d)
 }
 
 /* Where the backend can (CUDA: cudaHostRegister), the whole mapping is
- * registered once, so paging copies are one DMA each instead of going
- * through bounce buffers. A refusal only costs speed; backends with nothing
- * to register (CPU) answer 0. */
+ * registered once with every device of the daemon (any of them may hold
+ * layers of it: a session's placement), so paging copies are one DMA each
+ * instead of going through bounce buffers. A refusal only costs speed (on
+ * that device); backends with nothing to register (CPU) answer 0. */
 static void model_register_host(qm_daemon *d, qm_model *m)
 {
     uint64_t bytes;
     const void *base = qm_bank_mapping(m->bank, &bytes);
-    qm_status st;
-    qm_status_clear(&st);
-    int rc = qm_backend_register_host(d->backend, base, (size_t)bytes, &st);
-    if (rc > 0) {
-        m->host_registered = d->backend;
-        qm_log(QM_LOG_INFO, "model %s: %llu mapped bytes registered with %s", m->name,
-               (unsigned long long)bytes, qm_backend_name(d->backend));
-    } else if (rc < 0) {
-        qm_log(QM_LOG_WARNING, "model %s: cannot register the mapping with %s (%s); copies "
-               "go through bounce buffers", m->name, qm_backend_name(d->backend), st.msg);
+    for (uint32_t i = 0; i < d->n_devices; i++) {
+        qm_backend *be = d->backends[i];
+        const char *name = d->n_devices > 1 ? d->device_names[i] : qm_backend_name(be);
+        qm_status st;
+        qm_status_clear(&st);
+        int rc = qm_backend_register_host(be, base, (size_t)bytes, &st);
+        if (rc > 0) {
+            m->host_registered[m->n_host_registered++] = be;
+            qm_log(QM_LOG_INFO, "model %s: %llu mapped bytes registered with %s", m->name,
+                   (unsigned long long)bytes, name);
+        } else if (rc < 0) {
+            qm_log(QM_LOG_WARNING, "model %s: cannot register the mapping with %s (%s); copies "
+                   "go through bounce buffers", m->name, name, st.msg);
+        }
     }
 }
 
 static void model_unregister_host(qm_model *m)
 {
-    if (!m->host_registered)
-        return;
-    qm_status st;
-    qm_status_clear(&st);
-    if (qm_backend_unregister_host(m->host_registered, qm_bank_mapping(m->bank, NULL), &st) < 0)
-        qm_log(QM_LOG_WARNING, "model %s: cannot unregister the mapping: %s", m->name, st.msg);
-    m->host_registered = NULL;
+    while (m->n_host_registered > 0) {
+        qm_backend *be = m->host_registered[--m->n_host_registered];
+        qm_status st;
+        qm_status_clear(&st);
+        if (qm_backend_unregister_host(be, qm_bank_mapping(m->bank, NULL), &st) < 0)
+            qm_log(QM_LOG_WARNING, "model %s: cannot unregister the mapping: %s", m->name,
+                   st.msg);
+        m->host_registered[m->n_host_registered] = NULL;
+    }
 }
 
 static void model_free(qm_model *m)
@@ -376,6 +383,22 @@ static int random_id(char out[QM_SESSION_ID_LEN + 1], qm_status *st)
     return 0;
 }
 
+/* A session (created or resized) that device i cannot take: `free_bytes` is
+ * what that device has free for it (a resize counts what the session holds
+ * there already). */
+static int device_refusal(const qm_daemon *d, uint32_t i, unsigned long long need, uint64_t share,
+                          uint64_t budget, uint64_t workspace, uint64_t free_bytes, qm_status *st)
+{
+    return qm_status_set_field(st, QM_ERESOURCE_EXHAUSTED, "budget_bytes",
+                               "session needs %llu bytes on device %s (its share %llu of the "
+                               "budget %llu + workspace %llu) but only %llu bytes of that "
+                               "device's budget %llu are free",
+                               need, d->device_names[i], (unsigned long long)share,
+                               (unsigned long long)budget, (unsigned long long)workspace,
+                               (unsigned long long)free_bytes,
+                               (unsigned long long)d->device_budgets[i]);
+}
+
 /* Several devices: the session's layers placed by what each device has
  * free beyond a workspace (engine/qm_placement.h; a device that cannot hold
  * a workspace gets no layers unless none can), and each device that gets
@@ -400,15 +423,7 @@ static int admit_on_devices(qm_daemon *d, const qm_model *m, uint64_t budget, ui
         if (!pl->bytes[i])
             continue;
         if (qm_add_u64(pl->budget[i], workspace, &need) < 0 || need > free_bytes[i]) {
-            rc = qm_status_set_field(st, QM_ERESOURCE_EXHAUSTED, "budget_bytes",
-                                     "session needs %llu bytes on device %s (its share %llu of "
-                                     "the budget %llu + workspace %llu) but only %llu bytes of "
-                                     "that device's budget %llu are free",
-                                     need, d->device_names[i],
-                                     (unsigned long long)pl->budget[i],
-                                     (unsigned long long)budget, (unsigned long long)workspace,
-                                     (unsigned long long)free_bytes[i],
-                                     (unsigned long long)d->device_budgets[i]);
+            rc = device_refusal(d, i, need, pl->budget[i], budget, workspace, free_bytes[i], st);
             qm_placement_free(pl);
             return rc;
         }
@@ -484,11 +499,6 @@ int qm_session_prepare(qm_daemon *d, const qm_params *p, uid_t owner, qm_session
     qm_placement pl = {0};
     uint64_t dev_need[QM_CONFIG_MAX_DEVICES] = {0};
     if (d->n_devices > 1) {
-        if (pw->record_trace)
-            return qm_status_set_field(st, QM_EINVAL, "policy_params.record_trace",
-                                       "policy_params.record_trace is not supported for a "
-                                       "session placed over several devices (this daemon has "
-                                       "%u)", d->n_devices);
         if (admit_on_devices(d, m, budget, workspace, &pl, dev_need, st) < 0)
             return QM_ERESOURCE_EXHAUSTED;
         need = 0;
@@ -627,7 +637,8 @@ int qm_session_build(qm_daemon *d, qm_session *s, qm_status *st)
     if (rc == 0)
         rc = qm_model_check(s->model, st);
     if (rc == 0 && s->trace_path) {
-        rc = qm_pager_record_trace(s->pager, s->trace_path, st);
+        rc = s->mp ? qm_multipager_record_trace(s->mp, s->trace_path, st)
+                   : qm_pager_record_trace(s->pager, s->trace_path, st);
         if (rc < 0) {
             if (st)
                 snprintf(st->field, sizeof st->field, "policy_params.record_trace");
@@ -676,13 +687,61 @@ void qm_session_commit(qm_daemon *d, qm_session *s)
            (unsigned)s->owner_uid);
 }
 
+/* What a session over several devices holds on each device at `budget`:
+ * its share (qm_placement_split) plus a workspace where it has layers. */
+static int session_device_need(const qm_session *s, uint64_t budget, uint64_t *share,
+                               uint64_t *need)
+{
+    qm_placement_split(&s->placement, budget, share);
+    for (uint32_t i = 0; i < s->placement.n_devices; i++) {
+        unsigned long long n = 0;
+        if (share[i] && qm_add_u64(share[i], s->workspace_bytes, &n) < 0)
+            return -1;
+        need[i] = n;
+    }
+    return 0;
+}
+
+/* Several devices: growth admitted per device against that device's free
+ * budget (the refusal of session.create's admission), all or nothing. */
+static int resize_reserve_devices(qm_daemon *d, qm_session *s, uint64_t budget, qm_status *st)
+{
+    uint64_t share[QM_PLACEMENT_MAX_DEVICES], need[QM_PLACEMENT_MAX_DEVICES];
+    const uint32_t n = s->placement.n_devices;
+    if (session_device_need(s, budget, share, need) < 0)
+        return qm_status_set_field(st, QM_ERESOURCE_EXHAUSTED, "budget_bytes",
+                                   "budget_bytes %llu overflows", (unsigned long long)budget);
+    for (uint32_t i = 0; i < n; i++) {
+        if (need[i] <= s->device_admitted[i])
+            continue;
+        uint64_t free_bytes = d->device_budgets[i] > d->device_admitted[i]
+                                  ? d->device_budgets[i] - d->device_admitted[i]
+                                  : 0;
+        if (need[i] - s->device_admitted[i] > free_bytes)
+            return device_refusal(d, i, need[i], share[i], budget, s->workspace_bytes,
+                                  free_bytes + s->device_admitted[i], st);
+    }
+    for (uint32_t i = 0; i < n; i++) {
+        if (need[i] <= s->device_admitted[i])
+            continue;
+        uint64_t more = need[i] - s->device_admitted[i];
+        d->device_admitted[i] += more;
+        d->admitted_bytes += more;
+        s->admitted_bytes += more;
+        s->device_admitted[i] = need[i];
+    }
+    return 0;
+}
+
 int qm_session_resize_reserve(qm_daemon *d, qm_session *s, uint64_t budget, qm_status *st)
 {
     unsigned long long need;
-    if (s->mp)
-        return qm_status_set_field(st, QM_EUNSUPPORTED, "session",
-                                   "session.resize is not supported for a session placed over "
-                                   "several devices (this daemon has %u)", d->n_devices);
+    if (s->mp) {
+        if (resize_reserve_devices(d, s, budget, st) < 0)
+            return QM_ERESOURCE_EXHAUSTED;
+        s->resizes_pending++;
+        return 0;
+    }
     if (qm_add_u64(budget, s->workspace_bytes, &need) < 0)
         return qm_status_set_field(st, QM_ERESOURCE_EXHAUSTED, "budget_bytes",
                                    "budget_bytes %llu overflows", (unsigned long long)budget);
@@ -714,6 +773,22 @@ void qm_session_resize_finish(qm_daemon *d, qm_session *s, int ok, uint64_t budg
     /* A closed session gave its whole reservation back when it closed. */
     if (s->resizes_pending || atomic_load(&s->closed))
         return;
+    if (s->mp) {
+        /* Each device keeps what the budget in force needs there. */
+        uint64_t share[QM_PLACEMENT_MAX_DEVICES], need[QM_PLACEMENT_MAX_DEVICES];
+        if (session_device_need(s, s->budget_bytes, share, need) < 0)
+            return;
+        for (uint32_t i = 0; i < s->placement.n_devices; i++) {
+            if (s->device_admitted[i] <= need[i])
+                continue;
+            uint64_t less = s->device_admitted[i] - need[i];
+            d->device_admitted[i] -= less;
+            d->admitted_bytes -= less;
+            s->admitted_bytes -= less;
+            s->device_admitted[i] = need[i];
+        }
+        return;
+    }
     uint64_t in_force = s->budget_bytes + s->workspace_bytes;
     if (s->admitted_bytes > in_force) {
         d->admitted_bytes -= s->admitted_bytes - in_force;
@@ -734,6 +809,16 @@ int qm_session_forward(qm_session *s, const qm_moe_call *call, qm_moe_stats *mst
 {
     return s->mp ? qm_multipager_forward(s->mp, call, mstats, st)
                  : qm_pager_forward(s->pager, call, mstats, st);
+}
+
+int qm_session_resize(qm_session *s, uint64_t budget, qm_status *st)
+{
+    if (!s->mp)
+        return qm_pager_resize(s->pager, budget, st);
+    int rc = qm_multipager_resize(s->mp, budget, st);
+    if (rc == 0) /* in the session's FIFO: no other job reads it now */
+        qm_placement_split(&s->placement, budget, s->placement.budget);
+    return rc;
 }
 
 void qm_session_stats(const qm_session *s, qm_pager_stats *out)

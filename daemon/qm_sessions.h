@@ -91,6 +91,9 @@ void qm_session_resize_finish(qm_daemon *d, qm_session *s, int ok, uint64_t budg
 int qm_session_forward(qm_session *s, const qm_moe_call *call, qm_moe_stats *mstats,
                        qm_status *st);
 void qm_session_stats(const qm_session *s, qm_pager_stats *out);
+/* qm_pager_resize, or qm_multipager_resize over several devices (the
+ * placement's budgets follow); on a worker, in the session's FIFO. */
+int qm_session_resize(qm_session *s, uint64_t budget, qm_status *st);
 qm_pager *qm_session_pager_of(const qm_session *s, uint32_t layer);
 /* Closes every session and unloads every model (at exit). */
 void qm_registry_free_all(qm_daemon *d);

@@ -91,6 +91,12 @@ typedef struct qm_emu_options {
     double compute_slowdown; /* > 1: sleeps (x - 1) times each kernel call's time */
 } qm_emu_options;
 int qm_backend_emu_new(const qm_emu_options *opt, qm_backend **out, qm_status *st);
+/* The emulated device's register_host keeps the ranges registered with it
+ * (up to QM_EMU_MAX_REGISTRATIONS; overlaps QM_ECONFLICT; copies are the
+ * same either way): how many it holds now, their bytes in *bytes (may be
+ * NULL). 0 for another backend. */
+#define QM_EMU_MAX_REGISTRATIONS 64
+size_t qm_backend_emu_registered(qm_backend *be, uint64_t *bytes);
 /* The CUDA backend's constructor is in cuda/qm_cuda.h. */
 void qm_backend_free(qm_backend *be); /* accepts NULL */
 

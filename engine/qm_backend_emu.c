@@ -44,6 +44,10 @@ typedef struct emu_dev {
     emu_copy *pending;
     size_t n, cap;
     uint64_t issued, landed; /* copy sequence numbers */
+    /* register_host: the ranges held (copies do not change; it lets a
+     * caller see what it registered with this device). */
+    struct { const void *ptr; size_t bytes; } regs[QM_EMU_MAX_REGISTRATIONS];
+    size_t n_regs;
 } emu_dev;
 
 static int emu_info(void *vctx, qm_device_info *out)
@@ -157,6 +161,61 @@ static void emu_destroy(void *vctx)
     qm_free(d);
 }
 
+static int emu_register_host(void *vctx, const void *ptr, size_t bytes, qm_status *st)
+{
+    emu_dev *d = vctx;
+    if (!ptr || bytes == 0)
+        return qm_status_set(st, QM_EINVAL, "register_host: empty range");
+    const char *p = ptr;
+    int rc = 0;
+    pthread_mutex_lock(&d->mu);
+    for (size_t i = 0; i < d->n_regs && !rc; i++) {
+        const char *q = d->regs[i].ptr;
+        if (p < q + d->regs[i].bytes && q < p + bytes)
+            rc = qm_status_set(st, QM_ECONFLICT,
+                               "register_host: range overlaps an earlier registration");
+    }
+    if (!rc && d->n_regs == QM_EMU_MAX_REGISTRATIONS)
+        rc = qm_status_set(st, QM_ENOMEM, "register_host: %d ranges held already",
+                           QM_EMU_MAX_REGISTRATIONS);
+    if (!rc) {
+        d->regs[d->n_regs].ptr = ptr;
+        d->regs[d->n_regs++].bytes = bytes;
+    }
+    pthread_mutex_unlock(&d->mu);
+    return rc;
+}
+
+static int emu_unregister_host(void *vctx, const void *ptr, qm_status *st)
+{
+    emu_dev *d = vctx;
+    pthread_mutex_lock(&d->mu);
+    for (size_t i = 0; i < d->n_regs; i++) {
+        if (d->regs[i].ptr != ptr)
+            continue;
+        d->regs[i] = d->regs[--d->n_regs];
+        pthread_mutex_unlock(&d->mu);
+        return 0;
+    }
+    pthread_mutex_unlock(&d->mu);
+    return qm_status_set(st, QM_ENOT_FOUND, "unregister_host: %p was not registered", ptr);
+}
+
+size_t qm_backend_emu_registered(qm_backend *be, uint64_t *bytes)
+{
+    if (bytes)
+        *bytes = 0;
+    if (!be || strcmp(qm_backend_name(be), "emu") != 0)
+        return 0;
+    emu_dev *d = be->ctx;
+    pthread_mutex_lock(&d->mu);
+    size_t n = d->n_regs;
+    for (size_t i = 0; bytes && i < n; i++)
+        *bytes += d->regs[i].bytes;
+    pthread_mutex_unlock(&d->mu);
+    return n;
+}
+
 static const qm_backend_iface emu_iface = {
     .version = QM_BACKEND_IFACE_VERSION,
     .name = "emu",
@@ -168,6 +227,8 @@ static const qm_backend_iface emu_iface = {
     .copy_h2d = emu_copy_h2d,
     .fence_wait = emu_fence_wait,
     .run_experts = emu_run,
+    .register_host = emu_register_host,
+    .unregister_host = emu_unregister_host,
     .destroy = emu_destroy,
 };
 

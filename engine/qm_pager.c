@@ -792,8 +792,9 @@ int qm_pager_forward(qm_pager *p, const qm_moe_call *call, qm_moe_stats *mstats,
     if (rc)
         return rc;
     qm__pager_history_record(p, call->layer, c.route_experts, need);
-    if (p->trace)
-        qm__pager_trace_record(p, call->layer, c.route_experts, call->n_tokens, route_k);
+    qm_pager *tp = p->trace_to ? p->trace_to : p;
+    if (tp->trace)
+        qm__pager_trace_record(tp, call->layer, c.route_experts, call->n_tokens, route_k);
     qm__pager_prefetch_next(p, call);
     return 0;
 }

@@ -159,6 +159,10 @@ struct qm_pager {
     uint8_t pf_off[QM__PF_SOURCES];
     uint64_t forward_calls;
     qm__trace *trace;
+    /* A session over several devices: the pager whose recording (and
+     * trace_* counters) this one's routing goes to, NULL for itself
+     * (qm_multipager_record_trace). */
+    qm_pager *trace_to;
     qm__hybrid hybrid;
 
     /* Copy thread (host-visible backends). */

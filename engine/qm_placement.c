@@ -1,9 +1,11 @@
 /* qm_placement.c - see qm_placement.h. */
 #include "qm_placement.h"
 
+#include <stdio.h>
 #include <string.h>
 
 #include "qm_alloc.h"
+#include "qm_pager_impl.h"
 
 void qm_placement_free(qm_placement *pl)
 {
@@ -62,20 +64,28 @@ int qm_placement_make(const qm_bank *bank, uint32_t n_devices, const uint64_t *w
         out->bytes[d] += b;
         before += b;
     }
-    uint64_t given = 0;
+    qm_placement_split(out, budget, out->budget);
+    return 0;
+}
+
+void qm_placement_split(const qm_placement *pl, uint64_t budget, uint64_t *out)
+{
+    uint64_t total = 0, given = 0;
+    for (uint32_t d = 0; d < pl->n_devices; d++)
+        total += pl->bytes[d];
     int32_t last = -1;
-    for (uint32_t d = 0; d < n_devices; d++) {
-        if (!out->bytes[d])
+    for (uint32_t d = 0; d < pl->n_devices; d++) {
+        out[d] = 0;
+        if (!pl->bytes[d])
             continue;
-        out->budget[d] = budget && total ? (uint64_t)((double)budget * (double)out->bytes[d] /
-                                                      (double)total)
-                                         : out->bytes[d];
-        given += out->budget[d];
+        out[d] = budget && total ? (uint64_t)((double)budget * (double)pl->bytes[d] /
+                                              (double)total)
+                                 : pl->bytes[d];
+        given += out[d];
         last = (int32_t)d;
     }
     if (budget && last >= 0 && given < budget)
-        out->budget[last] += budget - given;
-    return 0;
+        out[last] += budget - given;
 }
 
 struct qm_multipager {
@@ -172,6 +182,8 @@ void qm_multipager_stats(const qm_multipager *mp, qm_pager_stats *out)
         out->budget_bytes += s.budget_bytes;
         out->waves += s.waves;
         out->policy_fallbacks += s.policy_fallbacks;
+        out->pins_released += s.pins_released;
+        out->resize_moves += s.resize_moves;
         out->budget_violations += s.budget_violations;
         out->host_runs += s.host_runs;
         out->host_rows += s.host_rows;
@@ -182,4 +194,56 @@ void qm_multipager_stats(const qm_multipager *mp, qm_pager_stats *out)
         out->overhead_bytes += s.overhead_bytes;
         out->host_bytes += s.host_bytes;
     }
+}
+
+int qm_multipager_resize(qm_multipager *mp, uint64_t budget, qm_status *st)
+{
+    if (!mp)
+        return qm_status_set(st, QM_EINVAL, "qm_multipager_resize: NULL argument");
+    const uint32_t n = mp->pl->n_devices;
+    uint64_t share[QM_PLACEMENT_MAX_DEVICES], was[QM_PLACEMENT_MAX_DEVICES];
+    qm_placement_split(mp->pl, budget, share);
+    for (uint32_t d = 0; d < n; d++) {
+        if (!mp->pagers[d])
+            continue;
+        qm_pager_stats s;
+        qm_pager_stats_get(mp->pagers[d], &s);
+        was[d] = s.budget_bytes;
+        int rc = qm_pager_resize(mp->pagers[d], share[d], st);
+        if (rc == 0)
+            continue;
+        if (st) {
+            char why[sizeof st->msg];
+            snprintf(why, sizeof why, "%s", st->msg);
+            snprintf(st->msg, sizeof st->msg, "device %u (its share %llu of the budget %llu): %.150s",
+                     d, (unsigned long long)share[d], (unsigned long long)budget, why);
+        }
+        /* The devices already resized go back to their budgets (outputs
+         * never change; what a shrink evicted stays evicted). */
+        for (uint32_t b = 0; b < d; b++)
+            if (mp->pagers[b])
+                (void)qm_pager_resize(mp->pagers[b], was[b], NULL);
+        return rc;
+    }
+    return 0;
+}
+
+int qm_multipager_record_trace(qm_multipager *mp, const char *path, qm_status *st)
+{
+    if (!mp)
+        return qm_status_set(st, QM_EINVAL, "qm_multipager_record_trace: NULL argument");
+    qm_pager *owner = NULL;
+    for (uint32_t d = 0; d < mp->pl->n_devices; d++) {
+        qm_pager *p = mp->pagers[d];
+        if (!p)
+            continue;
+        if (!owner) {
+            int rc = qm_pager_record_trace(p, path, st);
+            if (rc)
+                return rc;
+            owner = p;
+        }
+        p->trace_to = p == owner ? NULL : owner;
+    }
+    return 0;
 }

@@ -37,6 +37,10 @@ typedef struct qm_placement {
 int qm_placement_make(const qm_bank *bank, uint32_t n_devices, const uint64_t *weights,
                       uint64_t budget, qm_placement *out, qm_status *st);
 void qm_placement_free(qm_placement *pl); /* members; accepts a zeroed one */
+/* The split of qm_placement_make: `budget` over the devices in proportion to
+ * pl->bytes (floor, the remainder to the last device with layers; 0 = each
+ * device's bytes) into out[n_devices] (0 for a device without layers). */
+void qm_placement_split(const qm_placement *pl, uint64_t budget, uint64_t *out);
 
 typedef struct qm_multipager qm_multipager;
 
@@ -54,6 +58,18 @@ void qm_multipager_free(qm_multipager *mp); /* accepts NULL */
 /* qm_pager_forward on the pager of call->layer's device. */
 int qm_multipager_forward(qm_multipager *mp, const qm_moe_call *call, qm_moe_stats *mstats,
                           qm_status *st);
+/* session.resize over several devices: `budget` split by
+ * qm_placement_split (the placement stays) and each device's pager resized
+ * to its share (qm_pager_resize: shrinking evicts by the policy on that
+ * device; outputs never change). On an error the message names the device
+ * and its share, and devices already resized go back to their budgets. */
+int qm_multipager_resize(qm_multipager *mp, uint64_t budget, qm_status *st);
+/* policy_params.record_trace over several devices: one trace for the
+ * session (qm_pager_record_trace on the first device with layers; every
+ * other device's routing goes to that recording), rows in token order
+ * across the devices: the same file a one-device session of the same calls
+ * writes. Its trace_* counters are the first device's (qm_multipager_stats). */
+int qm_multipager_record_trace(qm_multipager *mp, const char *path, qm_status *st);
 /* The pager of device d (NULL when it has no layers or d is out of range). */
 qm_pager *qm_multipager_pager(const qm_multipager *mp, uint32_t d);
 /* Counters summed over the devices (the model_* estimates: the first

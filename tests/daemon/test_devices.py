@@ -199,16 +199,63 @@ def test_outputs_are_the_cpu_daemons_bits_for_every_on_miss(two, cpu):
     c1.call("session.close", {"session": ref})
 
 
-def test_what_a_session_over_several_devices_refuses(two):
+def test_resize_works_over_several_devices(two):
+    # tests/daemon/test_qmoed_resize.py has it in full.
     c = two.client()
     sid = create(c, policy="lru", budget_bytes=8 * bytes_per_expert(c))
-    r = c.request("session.resize", {"session": sid, "budget_bytes": 4 * bytes_per_expert(c)})
-    assert r["error"]["data"]["field"] == "session", r
-    assert "several devices" in r["error"]["data"]["reason"]
+    c.call("session.resize", {"session": sid, "budget_bytes": 4 * bytes_per_expert(c)})
     c.call("session.close", {"session": sid})
-    r = c.request("session.create", {"model": "m", "policy": "lru",
-                                     "policy_params": {"record_trace": "t.qmtr"}})
-    assert r["error"]["data"]["field"] == "policy_params.record_trace", r
+
+
+def test_a_two_device_session_records_the_one_device_trace(bank):
+    # The same requests on a session over two devices and on a one-device
+    # session write the same .qmtr file, byte for byte.
+    d = tempfile.mkdtemp(prefix="qmoed-devtrace-")
+    states = [os.path.join(d, n) for n in ("two", "one")]
+    for s in states:
+        os.mkdir(s)
+    dms = [start(bank, "--device", "emu:0,emu:1", "--state-dir", states[0]),
+           start(bank, "--state-dir", states[1])]
+    try:
+        for dm in dms:
+            c = dm.client()
+            sid = create(c, policy="lru", budget_bytes=6 * bytes_per_expert(c),
+                         policy_params={"record_trace": "t.qmtr"})
+            if dm is dms[0]:
+                plan = c.call("session.plan", {"session": sid})
+                assert {b["device"] for b in plan["banks"]} == {0, 1}, plan
+            rng = np.random.default_rng(7)
+            for step in range(5):  # a decoder's order: every layer per step
+                x = rng.standard_normal((1 + step % 3, H)).astype(np.float32)
+                for layer in range(LAYERS):
+                    c.call("session.infer", {"session": sid, "layer": layer, "hidden": tensor(x)})
+            c.call("session.close", {"session": sid})
+        traces = []
+        for s in states:
+            with open(os.path.join(s, "t.qmtr"), "rb") as f:
+                traces.append(f.read())
+        assert len(traces[0]) > 40 and traces[0] == traces[1]
+    finally:
+        for dm in dms:
+            assert dm.stop() == 0, dm.log_text()
+
+
+def test_the_mapping_is_registered_with_every_device(bank):
+    # Each device may hold layers of the model (a session's placement): the
+    # mapping is registered with each at load and unregistered at unload, so
+    # loading it again registers it again without an overlap refused.
+    dm = start(bank, "--device", "emu:0,emu:1")
+    try:
+        c = dm.client()
+        c.call("model.unload", {"name": "m"})
+        c.call("model.load", {"name": "m", "path": bank})
+        log = dm.log_text()
+        for dev in ("emu:0", "emu:1"):
+            assert len(re.findall(r"model m: \d+ mapped bytes registered with %s\b" % dev,
+                                  log)) == 2, log
+        assert "cannot register" not in log and "cannot unregister" not in log, log
+    finally:
+        assert dm.stop() == 0, dm.log_text()
 
 
 def test_one_listed_device_behaves_as_one_device(bank):

@@ -227,3 +227,60 @@ def test_only_the_owner_or_an_admin_may_resize(banks):
         assert entry["budget_bytes"] == 4 * bpe
     finally:
         assert dm.stop() == 0, dm.log_text()
+
+
+def test_a_session_over_two_devices_resizes_by_share(banks, daemon):
+    """Two emulated devices: the budget split by the placement's rule, growth
+    admitted per device (refused naming the device, as session.create is),
+    outputs bitwise the CPU daemon's across the resizes."""
+    cpu = daemon.client()
+    bpe = bpe_of(cpu)
+    ref = new_session(cpu)
+    budgets = (WORKSPACE + 8 * bpe, WORKSPACE + 6 * bpe)
+    dm = Daemon(models={"small": banks["small"]},
+                args=["--device", "emu:0,emu:1", "--device-budget", "%d,%d" % budgets])
+    try:
+        c = dm.client()
+        sid = new_session(c, policy="lru", budget_bytes=4 * bpe)
+        plan = c.call("session.plan", {"session": sid})
+        assert [b["device"] for b in plan["banks"]] == [0, 1]
+
+        def used():
+            return [d["used_bytes"] for d in c.call("daemon.status")["devices"]]
+
+        def infer_all(seed):
+            for layer in (0, 1, 0, 1):
+                x = tensor(hidden(1 + seed % 3, seed=seed))
+                seed += 1
+                want = cpu.call("session.infer", {"session": ref, "layer": layer, "hidden": x})
+                got = c.call("session.infer", {"session": sid, "layer": layer, "hidden": x})
+                assert got["output"]["data"] == want["output"]["data"], (seed, layer)
+
+        assert used() == [WORKSPACE + 2 * bpe] * 2
+        infer_all(1)
+        for n, b in enumerate((8, 12, 2, 5)):
+            r = c.call("session.resize", {"session": sid, "budget_bytes": b * bpe})
+            assert r["budget_bytes"] == b * bpe and r["resident_bytes"] <= b * bpe
+            share = [b * bpe // 2, b * bpe - b * bpe // 2]
+            plan = c.call("session.plan", {"session": sid})
+            assert [d["budget_bytes"] for d in plan["placement"]["devices"]] == share
+            assert used() == [WORKSPACE + s for s in share]
+            infer_all(10 * (n + 2))
+        # Growth emu:1 cannot hold: refused with session.create's message,
+        # nothing changed.
+        e = err(c.request("session.resize", {"session": sid, "budget_bytes": 14 * bpe}))
+        assert e["code"] == -32003 and e["data"]["field"] == "budget_bytes"
+        assert e["data"]["reason"] == (
+            "session needs %d bytes on device emu:1 (its share %d of the budget %d + workspace "
+            "%d) but only %d bytes of that device's budget %d are free"
+            % (WORKSPACE + 7 * bpe, 7 * bpe, 14 * bpe, WORKSPACE, budgets[1], budgets[1]))
+        assert used() == [WORKSPACE + 5 * bpe // 2, WORKSPACE + 5 * bpe - 5 * bpe // 2]
+        # Below one device's minimum (one expert unit): refused naming it.
+        e = err(c.request("session.resize", {"session": sid, "budget_bytes": bpe}))
+        assert e["data"]["field"] == "budget_bytes" and "device 0" in e["data"]["reason"], e
+        infer_all(99)
+        c.call("session.close", {"session": sid})
+        assert used() == [0, 0]
+    finally:
+        assert dm.stop() == 0, dm.log_text()
+    cpu.call("session.close", {"session": ref})

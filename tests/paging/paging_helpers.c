@@ -212,3 +212,14 @@ qm_pager *pg_fixture_lru_pager(uint64_t budget, int prefetch)
                               &fixture.plan);
     return fixture.pager;
 }
+
+void free_two_devices(qm_multipager *mp, qm_placement *pl, qm_residency_plan *plan,
+                      qm_policy *pol, qm_backend *dev[2])
+{
+    qm_multipager_free(mp);
+    qm_placement_free(pl);
+    qm_plan_free(plan);
+    qm_policy_destroy(pol);
+    qm_backend_free(dev[0]);
+    qm_backend_free(dev[1]);
+}

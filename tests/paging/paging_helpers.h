@@ -8,6 +8,7 @@
 #include "paging_fixture.h"
 #include "qm_moe.h"
 #include "qm_pager.h"
+#include "qm_placement.h"
 #include "qm_residency.h"
 
 /* Budget the alloc hook checks against (and the count of allocations). */
@@ -48,6 +49,10 @@ qm_residency_plan *make_plan(const pf_bank *b, const qm_policy *pol, int has_bud
 /* A pager with `budget`, history 1, no gating, no preload (the model's rules). */
 qm_pager *lru_pager(const pf_bank *b, qm_backend *be, qm_policy *pol, uint64_t budget,
                     int prefetch, qm_residency_plan **plan);
+/* A session over several devices as the suites build it: frees the
+ * multipager, the placement, the plan and the policy, then the two devices. */
+void free_two_devices(qm_multipager *mp, qm_placement *pl, qm_residency_plan *plan,
+                      qm_policy *pol, qm_backend *dev[2]);
 /* One single-token call of `layer` routed to ex[0..n). */
 void call_experts(qm_pager *pg, const pf_bank *b, uint32_t layer, const uint32_t *ex, uint32_t n,
                   uint64_t *seed);

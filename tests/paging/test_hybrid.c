@@ -265,12 +265,7 @@ static int run_failing(const pg_set *set, unsigned long fail_at)
         ck_assert_msg(g_failed && rc == QM_ENOMEM, "fail at %lu: rc %d (%s)", fail_at, rc,
                       st.msg);
     int clean = !g_failed;
-    qm_multipager_free(mp);
-    qm_placement_free(&pl);
-    qm_plan_free(plan);
-    qm_policy_destroy(&pol);
-    qm_backend_free(dev[0]);
-    qm_backend_free(dev[1]);
+    free_two_devices(mp, &pl, plan, &pol, dev);
     return clean;
 }
 

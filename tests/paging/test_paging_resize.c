@@ -3,13 +3,16 @@
  * every policy and copy path, resident bytes never above the budget in force
  * (checked on every allocation and after every resize), pins released
  * coldest first, the minimum refused with create's message shape, and
- * memory added by growth given back when the budget shrinks again. */
+ * memory added by growth given back when the budget shrinks again; a
+ * session over two emulated devices (qm_multipager_resize) resized the same
+ * way, each device held to its share of every budget. */
 #include <check.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "paging_helpers.h"
+#include "qm_placement.h"
 
 enum { MODE_CPU_THREAD, MODE_CPU_DIRECT, MODE_FAKE_DEVICE, N_MODES };
 
@@ -210,6 +213,95 @@ START_TEST(test_growth_adds_an_arena_and_shrinking_gives_it_back)
 }
 END_TEST
 
+
+/* Two devices: each pager's allocations against its current share. */
+static void share_hook(void *ud, uint64_t resident, uint64_t budget)
+{
+    ck_assert_uint_le(resident, budget);
+    ck_assert_uint_le(resident, *(const uint64_t *)ud);
+}
+
+START_TEST(test_two_devices_resize_by_share_with_outputs_bitwise)
+{
+    const pf_spec *sp = &fixture.spec;
+    qm_backend *dev[2] = {NULL, NULL};
+    ck_assert_int_eq(pf_fake_device_new(&dev[0]), 0);
+    ck_assert_int_eq(pf_fake_device_new(&dev[1]), 0);
+    pg_set set;
+    make_calls(&fixture.bank, fixture.cpu, 30, 23, &set);
+    const qm_bank_config *cfg = qm_bank_get_config(fixture.bank.bank);
+    uint64_t U = unit_bytes(&fixture.bank), total = (uint64_t)sp->layers * sp->experts * U;
+    const uint64_t steps[] = {total / 4, 3 * U + 3, total, 5 * U + U / 2, total / 2, 4 * U, total};
+    const size_t n_steps = sizeof steps / sizeof steps[0];
+    const char *policies[] = {"lru", "lfu", "arc"};
+    float *out = malloc(sizeof(float) * 8 * cfg->hidden);
+    for (size_t pi = 0; pi < sizeof policies / sizeof *policies; pi++)
+        for (int pf = 0; pf < 2; pf++)
+            for (int om = QM_ON_MISS_PAGE; om <= QM_ON_MISS_HOST; om++) {
+                qm_policy pol = {0};
+                new_policy(policies[pi], &fixture.bank, &set, &pol);
+                qm_residency_plan *plan = make_plan(&fixture.bank, &pol, 1, total / 2);
+                qm_placement pl;
+                ck_assert_int_eq(
+                    qm_placement_make(fixture.bank.bank, 2, NULL, total / 2, &pl, &fixture.st), 0);
+                uint64_t share[2] = {pl.budget[0], pl.budget[1]};
+                qm_pager_options o = {.prefetch = pf, .on_miss = om, .host_threads = 1,
+                                      .no_preload = 1};
+                qm_multipager *mp = NULL;
+                ck_assert_int_eq(qm_multipager_new(dev, fixture.bank.bank, plan, &pol, &o, &pl,
+                                                   &mp, &fixture.st),
+                                 0);
+                for (uint32_t d = 0; d < 2; d++)
+                    qm_pager_set_alloc_hook(qm_multipager_pager(mp, d), share_hook, &share[d]);
+                for (size_t i = 0; i < set.n; i++) {
+                    if (i % 4 == 3) {
+                        uint64_t b = steps[(i / 4) % n_steps];
+                        qm_placement_split(&pl, b, share);
+                        ck_assert_uint_eq(share[0] + share[1], b);
+                        ck_assert_msg(qm_multipager_resize(mp, b, &fixture.st) == 0,
+                                      "resize to %llu: %s", (unsigned long long)b,
+                                      fixture.st.msg);
+                        for (uint32_t d = 0; d < 2; d++) {
+                            qm_pager_stats sd;
+                            qm_pager_stats_get(qm_multipager_pager(mp, d), &sd);
+                            ck_assert_uint_eq(sd.budget_bytes, share[d]);
+                            ck_assert_uint_le(sd.resident_bytes, share[d]);
+                        }
+                    }
+                    const pg_call *c = &set.calls[i];
+                    qm_moe_call mc = {.layer = c->layer, .dtype = QM_DTYPE_F32, .hidden = c->x,
+                                      .n_tokens = c->T, .logits = c->logits, .output = out};
+                    ck_assert_msg(qm_multipager_forward(mp, &mc, NULL, &fixture.st) == 0,
+                                  "call %zu: %s", i, fixture.st.msg);
+                    ck_assert_msg(memcmp(out, c->ref, sizeof(float) * c->T * cfg->hidden) == 0,
+                                  "%s prefetch %d on_miss %d: call %zu differs", policies[pi],
+                                  pf, om, i);
+                }
+                /* Below one device's minimum: refused naming the device, and
+                 * every device keeps its budget. */
+                uint64_t was[2] = {share[0], share[1]};
+                ck_assert_int_eq(qm_multipager_resize(mp, U + U / 2, &fixture.st),
+                                 QM_ERESOURCE_EXHAUSTED);
+                ck_assert_str_eq(fixture.st.field, "budget_bytes");
+                ck_assert_ptr_nonnull(strstr(fixture.st.msg, "device 0 (its share"));
+                for (uint32_t d = 0; d < 2; d++) {
+                    qm_pager_stats sd;
+                    qm_pager_stats_get(qm_multipager_pager(mp, d), &sd);
+                    ck_assert_uint_eq(sd.budget_bytes, was[d]);
+                }
+                qm_pager_stats s;
+                qm_multipager_stats(mp, &s);
+                ck_assert_uint_gt(s.resizes, 0);
+                ck_assert_uint_eq(s.budget_violations, 0);
+                qm_backend *none[2] = {NULL, NULL};
+                free_two_devices(mp, &pl, plan, &pol, none);
+            }
+    free(out);
+    free_calls(&set);
+    free_two_devices(NULL, NULL, NULL, NULL, dev);
+}
+END_TEST
+
 static Suite *resize_suite(void)
 {
     Suite *s = suite_create("paging_resize");
@@ -220,6 +312,7 @@ static Suite *resize_suite(void)
     tcase_add_test(tc, test_shrinking_releases_the_coldest_pins_first_and_reports_them);
     tcase_add_test(tc, test_resize_below_the_minimum_is_refused_like_create);
     tcase_add_test(tc, test_growth_adds_an_arena_and_shrinking_gives_it_back);
+    tcase_add_test(tc, test_two_devices_resize_by_share_with_outputs_bitwise);
     suite_add_tcase(s, tc);
     return s;
 }
