@@ -18,10 +18,8 @@ the threads' own time, the figure a loaded machine moves least; the read
 probe is timed by the wall clock, so the two do not divide), and the
 median of the per-round ratios onnxruntime default / ours. Not a test."""
 
-import argparse
 import os
 import sys
-import tempfile
 
 import numpy as np
 
@@ -30,14 +28,8 @@ import run  # noqa: E402
 
 
 def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--build", default=os.path.join(run.SRC, "build"))
-    ap.add_argument("--base-build", help="another build to time in the same rounds")
-    ap.add_argument("--case", default="mixtral", choices=sorted(run.CASES))
-    ap.add_argument("--rounds", type=int, default=8)
+    ap = run.ab_parser("mixtral", 8)
     ap.add_argument("--iters", type=int, default=10)
-    ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--seed", type=int, default=7)
     args = ap.parse_args()
     c = run.CASES[args.case]
     builds = {"new": args.build}
@@ -45,13 +37,11 @@ def main():
         builds["base"] = args.base_build
     benches = {f"{b} {p}": (os.path.join(d, "bench", "qmoe_cpu", "qmoe_cpu_bench"), p)
                for b, d in builds.items() for p in ("exact", "fast")}
-    tmp = tempfile.mkdtemp(prefix="qmoe-decode-ab-")
-    bank = os.path.join(tmp, "bank.safetensors")
     wall = {k: [] for k in list(benches) + ["ort"]}
     cpu = {k: [] for k in benches}
     ratios = {k: [] for k in benches}
     bw, nbytes = [], 0
-    try:
+    with run.temp_bank("qmoe-decode-ab-") as bank:
         cfg, tensors = run.make_bank(bank, c, args.seed)
         sessions = run.ort_sessions(cfg, tensors, False, args.threads)
         del tensors
@@ -65,19 +55,11 @@ def main():
                 cpu[name].append(o["cpu_ms_median"])
                 med[name] = o["median_ms"]
                 nbytes = o["bytes_per_call"]
-            d = run.time_ort(sessions, cfg, 1, args.iters, 2, rng)
+            d, load = run.ort_round(sessions, cfg, 1, args.iters, 2, rng, med, ratios)
             wall["ort"] += d
-            for name in benches:
-                ratios[name].append(run.med(d) / med[name])
-            with open("/proc/loadavg") as f:
-                load = f.read().split()[0]
             print(f"round {rnd}: " + ", ".join(f"{k} {v:.1f}" for k, v in med.items())
                   + f", ort default {run.med(d):.1f} ms; read {bw[-1]:.2f} GB/s; load {load}",
                   flush=True)
-    finally:
-        for f in os.listdir(tmp):
-            os.remove(os.path.join(tmp, f))
-        os.rmdir(tmp)
     b = run.med(bw)
     print(f"{args.case} T=1, {args.threads} threads, {args.rounds} rounds x {args.iters} calls; "
           f"{nbytes / 1e6:.1f} MB of weights per call; read bandwidth median {b:.2f} GB/s "
