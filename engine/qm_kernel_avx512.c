@@ -87,46 +87,119 @@ QM_AI float qm__hsum8_512(__m256 h)
     return _mm_cvtss_f32(q);
 }
 
-/* NR weight rows (n..n+NR-1) x R input rows, R <= 4, NR in {1, 4}. */
+/* One 32-column chunk of NR weight rows x R input rows: the 16 codes of a
+ * row's chunk zero-extended to dwords, vpermps on the low nibble (it reads
+ * only bits 3:0 of each index, so no mask) and on the high nibble, one FMA
+ * each per input row. row[i] points at the chunk's 16 bytes (BYTES: whole)
+ * or at the row (a tail chunk through qm__chunk_bytes). */
+QM_AI void qm__q4_chunk(const uint8_t *const row[4], const int NR, const __m512 lut[4],
+                        const float *xv, size_t ldx, const int R, __m512 acc[4][4],
+                        int whole, size_t rb, uint32_t c)
+{
+#pragma GCC unroll 4
+    for (int i = 0; i < NR; i++) {
+        __m128i b = whole ? _mm_loadu_si128((const __m128i *)row[i])
+                          : qm__chunk_bytes(row[i], rb, c, 4, 0);
+        __m512i v = _mm512_cvtepu8_epi32(b);
+        __m512 w0 = _mm512_permutexvar_ps(v, lut[i]);
+        __m512 w1 = _mm512_permutexvar_ps(_mm512_srli_epi32(v, 4), lut[i]);
+#pragma GCC unroll 4
+        for (int r = 0; r < R; r++) {
+            const float *x = xv + (size_t)r * ldx;
+            acc[i][r] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(x), acc[i][r]);
+            acc[i][r] = _mm512_fmadd_ps(w1, _mm512_loadu_ps(x + 16), acc[i][r]);
+        }
+    }
+}
+
+/* The tables of block b of NR rows: lut[q] = (q - zp) * scale, 16 lanes.
+ * FAST (f32 scales, no zero points): the scale through the row's scale
+ * pointer and the constant iota - 8, the same product. */
+QM_AI void qm__q4_luts(const qm__qmat *m, uint32_t n, const int NR, uint32_t b,
+                       const float *const srow[4], __m512 centred, __m512 lut[4], const int FAST)
+{
+    const __m512 iota = _mm512_set_ps(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+#pragma GCC unroll 4
+    for (int i = 0; i < NR; i++) {
+        if (FAST) {
+            float s;
+            memcpy(&s, srow[i] + b, 4);
+            lut[i] = _mm512_mul_ps(_mm512_set1_ps(s), centred);
+        } else {
+            lut[i] = _mm512_mul_ps(
+                _mm512_set1_ps(qm__s512(m, n + i, b, FAST)),
+                _mm512_sub_ps(iota, _mm512_set1_ps(qm__z512(m, n + i, b, 4, FAST))));
+        }
+    }
+}
+
+/* NR weight rows (n..n+NR-1) x R input rows, R <= 4, NR in {1, 4}. The
+ * chunks that lie whole inside the row run with pointers stepped 16 bytes
+ * (and 32 input floats) at a time and, for f32 scales, the scales read
+ * through a pointer per row; the last chunk of a row whose bytes end short
+ * of it goes through qm__chunk_bytes. Same operations per lane, in the same
+ * order, as before: only the address arithmetic differs. */
 QM_AI void qm__gemv512(const qm__qmat *m, uint32_t n, const int NR, const float *xp, size_t ldx,
                        const int R, float *y, size_t ldy, const int FAST)
 {
     const uint32_t kp = (uint32_t)qm__round32(m->k), nch = kp / 32;
     const uint32_t cpb = m->nblk == 1 ? nch : m->block / 32;
     const size_t rb = m->row_bytes;
-    const uint8_t *row[4];
+    /* Chunks whose 16 bytes all lie inside the row. */
+    const uint32_t nwhole = rb / 16 < nch ? (uint32_t)(rb / 16) : nch;
+    const uint8_t *row[4], *cur[4];
+    const float *srow[4];
     __m512 acc[4][4];
     const __m512 iota = _mm512_set_ps(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
-    const __m512i lo4 = _mm512_set1_epi32(15);
+    /* FAST: no zero points, so every table is scale * (iota - 8). */
+    const __m512 centred = _mm512_sub_ps(iota, _mm512_set1_ps(8.0f));
 #pragma GCC unroll 4
     for (int i = 0; i < NR; i++) {
         row[i] = m->w + (size_t)(n + i) * rb;
+        cur[i] = row[i];
+        srow[i] = FAST ? (const float *)m->scales + (size_t)(n + i) * m->nblk : NULL;
 #pragma GCC unroll 4
         for (int r = 0; r < R; r++)
             acc[i][r] = _mm512_setzero_ps();
     }
     uint32_t c = 0;
-    for (uint32_t b = 0; b < m->nblk; b++) {
-        uint32_t ce = c + cpb < nch ? c + cpb : nch;
-        __m512 lut[4];
+    const float *xv = xp;
+    __m512 lut[4];
+    if (cpb == 1) {
+        /* Blocks of 32 columns (the usual layout): one chunk per block, in
+         * one loop with no per-block bookkeeping. */
+        for (; c < nwhole; c++) {
+            qm__q4_luts(m, n, NR, c, srow, centred, lut, FAST);
+            if (NR == 4 && (c & 1) == 0)
+                qm__prefetch_next4(row, (size_t)c * 16 + 4 * rb);
+            qm__q4_chunk(cur, NR, lut, xv, ldx, R, acc, 1, rb, c);
 #pragma GCC unroll 4
-        for (int i = 0; i < NR; i++)
-            lut[i] = _mm512_mul_ps(_mm512_set1_ps(qm__s512(m, n + i, b, FAST)),
-                                   _mm512_sub_ps(iota, _mm512_set1_ps(qm__z512(m, n + i, b, 4, FAST))));
-        if (NR == 4 && (b & 1) == 0)
-            qm__prefetch_next4(row, (size_t)c * 16 + 4 * rb);
-        for (; c < ce; c++) {
+            for (int i = 0; i < NR; i++)
+                cur[i] += 16;
+            xv += 32;
+        }
+        for (; c < nch; c++) {
+            qm__q4_luts(m, n, NR, c, srow, centred, lut, FAST);
+            qm__q4_chunk(row, NR, lut, xv, ldx, R, acc, 0, rb, c);
+            xv += 32;
+        }
+    } else {
+        for (uint32_t b = 0; b < m->nblk; b++) {
+            uint32_t ce = c + cpb < nch ? c + cpb : nch;
+            qm__q4_luts(m, n, NR, b, srow, centred, lut, FAST);
+            if (NR == 4 && (b & 1) == 0)
+                qm__prefetch_next4(row, (size_t)c * 16 + 4 * rb);
+            uint32_t cw = ce < nwhole ? ce : nwhole;
+            for (; c < cw; c++) {
+                qm__q4_chunk(cur, NR, lut, xv, ldx, R, acc, 1, rb, c);
 #pragma GCC unroll 4
-            for (int i = 0; i < NR; i++) {
-                __m512i v = _mm512_cvtepu8_epi32(qm__chunk_bytes(row[i], rb, c, 4, 0));
-                __m512 w0 = _mm512_permutexvar_ps(_mm512_and_si512(v, lo4), lut[i]);
-                __m512 w1 = _mm512_permutexvar_ps(_mm512_srli_epi32(v, 4), lut[i]);
-#pragma GCC unroll 4
-                for (int r = 0; r < R; r++) {
-                    const float *xv = xp + (size_t)r * ldx + 32 * (size_t)c;
-                    acc[i][r] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(xv), acc[i][r]);
-                    acc[i][r] = _mm512_fmadd_ps(w1, _mm512_loadu_ps(xv + 16), acc[i][r]);
-                }
+                for (int i = 0; i < NR; i++)
+                    cur[i] += 16;
+                xv += 32;
+            }
+            for (; c < ce; c++) {
+                qm__q4_chunk(row, NR, lut, xv, ldx, R, acc, 0, rb, c);
+                xv += 32;
             }
         }
     }

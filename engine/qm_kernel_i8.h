@@ -92,7 +92,7 @@ QM_I8_AI const uint8_t *qm__i8_bytes(const uint8_t *row, size_t rb, size_t off, 
 }
 
 /* Pointers of a tile of NR weight rows x R inputs; the rows' scales (and
- * zero-point products) converted into scratch. */
+ * zero-point products) converted into scratch, or read in place. */
 typedef struct qm__i8_tile_ptrs {
     const uint8_t *row[4];
     const float *sc[4], *zsc[4];
@@ -104,9 +104,18 @@ QM_I8_AI void qm__i8_tile_setup(const qm__qmat *m, uint32_t n, const int NR, con
                                 size_t ldx, const int R, float *scratch, qm__i8_tile_ptrs *p)
 {
     const size_t nsb = qm__i8_nsb(m), nb8 = ((size_t)m->nblk + 7) / 8 * 8;
+    /* f32 scales in whole groups of 8 blocks, no zero points: the rows'
+     * scales are read where they lie (the same values the copy would hold,
+     * and no padding is needed), not copied per tile. */
+    const int direct = m->scale_dtype == QM_DTYPE_F32 && !m->zp && m->nblk % 8 == 0;
 #pragma GCC unroll 4
     for (int i = 0; i < NR; i++) {
         p->row[i] = m->w + (size_t)(n + i) * m->row_bytes;
+        if (direct) {
+            p->sc[i] = (const float *)m->scales + (size_t)(n + i) * m->nblk;
+            p->zsc[i] = NULL;
+            continue;
+        }
         float *s = scratch + (size_t)i * 2 * nb8;
         qm__i8_row_params(m, n + i, s, s + nb8);
         p->sc[i] = s;

@@ -14,10 +14,8 @@ round, then medians, GFLOP/s, % of the median FMA peak, and the median of
 the per-round ratios onnxruntime default / ours. One layer of the case
 (run.py's CASES and bank). Not a test."""
 
-import argparse
 import os
 import sys
-import tempfile
 
 import numpy as np
 
@@ -26,22 +24,14 @@ import run  # noqa: E402
 
 
 def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--build", default=os.path.join(run.SRC, "build"))
-    ap.add_argument("--base-build", help="another build to time in the same rounds")
-    ap.add_argument("--case", default="gptoss", choices=sorted(run.CASES))
+    ap = run.ab_parser("gptoss", 5)
     ap.add_argument("--tokens", type=int, default=512)
-    ap.add_argument("--rounds", type=int, default=5)
-    ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--seed", type=int, default=7)
     args = ap.parse_args()
     c = dict(run.CASES[args.case], layers=1)
     benches = {"new": os.path.join(args.build, "bench", "qmoe_cpu", "qmoe_cpu_bench")}
     if args.base_build:
         benches["base"] = os.path.join(args.base_build, "bench", "qmoe_cpu", "qmoe_cpu_bench")
-    tmp = tempfile.mkdtemp(prefix="qmoe-prefill-ab-")
-    bank = os.path.join(tmp, "bank.safetensors")
-    try:
+    with run.temp_bank("qmoe-prefill-ab-") as bank:
         cfg, tensors = run.make_bank(bank, c, args.seed)
         sessions = run.ort_sessions(cfg, tensors, False, args.threads)
         del tensors
@@ -57,19 +47,11 @@ def main():
                 o = run.time_ours(b, bank, args.tokens, 2, 1, args.threads, args.seed + rnd)
                 ms[name] += o["samples_ms"]
                 med[name] = o["median_ms"]
-            d = run.time_ort(sessions, cfg, args.tokens, 2, 1, rng)
+            d, load = run.ort_round(sessions, cfg, args.tokens, 2, 1, rng, med, ratios)
             ms["ort"] += d
-            for name in benches:
-                ratios[name].append(run.med(d) / med[name])
-            with open("/proc/loadavg") as f:
-                load = f.read().split()[0]
             print(f"round {rnd}: " + ", ".join(f"{k} {v:.1f} ms" for k, v in med.items())
                   + f", ort default {run.med(d):.1f} ms, FMA peak {peaks[-1]:.1f} GFLOP/s, "
                   f"load {load}", flush=True)
-    finally:
-        for f in os.listdir(tmp):
-            os.remove(os.path.join(tmp, f))
-        os.rmdir(tmp)
     flop = 2.0 * args.tokens * c["k"] * c["H"] * c["I"] * 3
     peak = run.med(peaks)
     print(f"{args.case} T={args.tokens}, {args.threads} threads, {args.rounds} rounds; "

@@ -20,6 +20,7 @@ min/max, ratios).
 """
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -154,6 +155,38 @@ def check_outputs(qmoe_bank, bank, cfg, sessions_by_mode, tmp, rng, precision="e
         theirs = sessions[0].run(None, {"input": x, "router_probs": lg})[0].astype(np.float64)
         out[mode] = float(np.linalg.norm(ours - theirs) / np.linalg.norm(theirs))
     return out
+
+
+def ab_parser(case, rounds):
+    """The options the side-by-side scripts (prefill_ab.py, decode_ab.py) share."""
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--build", default=os.path.join(SRC, "build"))
+    ap.add_argument("--base-build", help="another build to time in the same rounds")
+    ap.add_argument("--case", default=case, choices=sorted(CASES))
+    ap.add_argument("--rounds", type=int, default=rounds)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--seed", type=int, default=7)
+    return ap
+
+
+def ort_round(sessions, cfg, t, iters, warmup, rng, ours_ms, ratios):
+    """One round's onnxruntime calls after ours: appends onnxruntime's median /
+    ours_ms[name] to ratios[name]; returns its samples and the load average."""
+    d = time_ort(sessions, cfg, t, iters, warmup, rng)
+    for name, ms in ours_ms.items():
+        ratios[name].append(med(d) / ms)
+    with open("/proc/loadavg") as f:
+        return d, f.read().split()[0]
+
+
+@contextlib.contextmanager
+def temp_bank(prefix):
+    """A bank path in a fresh temporary directory, removed with its files on exit."""
+    tmp = tempfile.mkdtemp(prefix=prefix)
+    try:
+        yield os.path.join(tmp, "bank.safetensors")
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def med(v):
