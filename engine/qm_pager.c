@@ -820,6 +820,11 @@ int qm_pager_layer_is_paged(const qm_pager *p, uint32_t layer)
     return p->layers[layer].paged;
 }
 
+const qm_backend *qm_pager_host_backend(const qm_pager *p)
+{
+    return p ? p->hybrid.host_be : NULL;
+}
+
 int qm_pager_resident_experts(const qm_pager *p, uint32_t layer, uint32_t *out, size_t cap)
 {
     if (!p || layer >= p->n_layers)

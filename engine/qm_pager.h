@@ -209,6 +209,11 @@ void qm_pager_stats_get(const qm_pager *pager, qm_pager_stats *out);
  * experts; copies in flight count as resident). Writes up to `cap`, returns
  * the total count, or a negative code for an unknown layer. */
 int qm_pager_resident_experts(const qm_pager *pager, uint32_t layer, uint32_t *out, size_t cap);
+
+/* The backend this pager runs host experts on (on_miss host/auto), NULL
+ * with on_miss page. The pagers of a session over several devices share
+ * one (qm_multipager_new). */
+const qm_backend *qm_pager_host_backend(const qm_pager *pager);
 /* 1 when `layer` is paged per expert, 0 when whole-bank, negative when unknown. */
 int qm_pager_layer_is_paged(const qm_pager *pager, uint32_t layer);
 

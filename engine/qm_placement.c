@@ -92,6 +92,11 @@ struct qm_multipager {
     const qm_placement *pl;
     qm_pager *pagers[QM_PLACEMENT_MAX_DEVICES];
     uint8_t *masks; /* [n_devices][n_layers] */
+    /* The CPU backend every device's pager runs host experts on (on_miss
+     * host/auto with a device that is not host visible and no host backend
+     * given): one for the session, not one per device, so a session over N
+     * devices does not start N pools of one worker per core. */
+    qm_backend *host_owned;
 };
 
 void qm_multipager_free(qm_multipager *mp)
@@ -100,6 +105,7 @@ void qm_multipager_free(qm_multipager *mp)
         return;
     for (uint32_t d = 0; d < QM_PLACEMENT_MAX_DEVICES; d++)
         qm_pager_free(mp->pagers[d]);
+    qm_backend_free(mp->host_owned); /* after the pagers that borrowed it */
     qm_free(mp->masks);
     qm_free(mp);
 }
@@ -124,10 +130,22 @@ int qm_multipager_new(qm_backend *const *devices, const qm_bank *bank,
     }
     for (uint32_t l = 0; l < pl->n_layers; l++)
         mp->masks[(size_t)pl->device_of[l] * L + l] = 1;
+    qm_pager_options base = options ? *options : (qm_pager_options){0};
+    int wants_host = 0;
+    for (uint32_t d = 0; d < pl->n_devices; d++)
+        wants_host |= pl->bytes[d] && !qm_backend_host_visible(devices[d]);
+    if (base.on_miss != QM_ON_MISS_PAGE && !base.host_backend && wants_host) {
+        int rc = qm_backend_cpu_new(base.host_threads, &mp->host_owned, st);
+        if (rc) {
+            qm_multipager_free(mp);
+            return rc;
+        }
+        base.host_backend = mp->host_owned;
+    }
     for (uint32_t d = 0; d < pl->n_devices; d++) {
         if (!pl->bytes[d])
             continue;
-        qm_pager_options o = options ? *options : (qm_pager_options){0};
+        qm_pager_options o = base;
         o.layer_mask = mp->masks + (size_t)d * L;
         o.budget_bytes = pl->budget[d];
         int rc = qm_pager_new(devices[d], bank, plan, policy, &o, &mp->pagers[d], st);

@@ -78,6 +78,15 @@ static void run_two_devices(int on_miss, int prefetch, uint64_t budget, const ch
     ck_assert_msg(rc == 0, "multipager: %s", fixture.st.msg);
     for (uint32_t d = 0; d < 2; d++)
         qm_pager_set_alloc_hook(qm_multipager_pager(mp, d), device_hook, &pl.budget[d]);
+    /* Host experts of both devices run on one CPU backend of the session
+     * (not one pool of workers per device), which is neither device. */
+    const qm_backend *h0 = qm_pager_host_backend(qm_multipager_pager(mp, 0)),
+                     *h1 = qm_pager_host_backend(qm_multipager_pager(mp, 1));
+    ck_assert_ptr_eq(h0, h1);
+    if (on_miss == QM_ON_MISS_PAGE)
+        ck_assert_ptr_null(h0);
+    else
+        ck_assert(h0 && h0 != dev[0] && h0 != dev[1]);
     const qm_bank_config *cfg = qm_bank_get_config(b->bank);
     float out[8 * 64];
     uint64_t accesses = 0;
