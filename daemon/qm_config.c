@@ -191,13 +191,14 @@ static int parse_budgets(qm_config *cfg, const char *text, qm_status *st)
         size_t len = strcspn(p, ",");
         char one[32];
         uint64_t v;
-        if (n == QM_CONFIG_MAX_DEVICES || len >= sizeof one)
+        if (n == QM_CONFIG_MAX_DEVICES)
             return qm_status_set_field(st, QM_EINVAL, "device_budget",
                                        "device_budget '%.64s': at most %d values of bytes",
                                        text, QM_CONFIG_MAX_DEVICES);
-        memcpy(one, p, len);
-        one[len] = '\0';
-        if (parse_bytes(one, &v) < 0 || v == 0)
+        int too_long = len >= sizeof one;
+        memcpy(one, p, too_long ? 0 : len);
+        one[too_long ? 0 : len] = '\0';
+        if (too_long || parse_bytes(one, &v) < 0 || v == 0)
             return qm_status_set_field(st, QM_EINVAL, "device_budget",
                                        "device_budget '%.64s': value %u must be a positive "
                                        "number of bytes (K/M/G suffixes), one for every device "

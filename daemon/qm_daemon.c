@@ -205,12 +205,12 @@ static int open_backend(qm_daemon *d, qm_status *st)
     int rc = QM_EUNSUPPORTED;
     d->n_devices = 1;
     if (d->cfg.n_devices) {
-        /* A list: every device or none (auto falls back to the CPU when
-         * the first CUDA device cannot be opened). */
+        /* A list: every device or none (auto falls back to the CPU alone
+         * when any listed device cannot be opened; the notice names it). */
         for (uint32_t i = 0; i < d->cfg.n_devices; i++) {
             rc = open_listed_device(d, i, st);
             if (rc < 0) {
-                if (strcmp(want, "auto") && st && !strstr(st->msg, d->device_names[i])) {
+                if (st && !strstr(st->msg, d->device_names[i])) {
                     char msg[QM_STATUS_MSG_MAX];
                     snprintf(msg, sizeof msg, "device %s: %.200s", d->device_names[i], st->msg);
                     snprintf(st->msg, sizeof st->msg, "%s", msg);

@@ -135,12 +135,14 @@ START_TEST(test_device_lists_and_budgets_per_device)
     char *a2[] = {"qmoed", "--backend", "cpu", "--device", "emu:0,emu:1", NULL};
     char *a3[] = {"qmoed", "--device", "emu:0,emu:1,emu:2", "--device-budget", "1G,2G", NULL};
     char *a4[] = {"qmoed", "--device-budget", "1G,0", NULL};
+    char *a5[] = {"qmoed", "--device-budget", "1G,123456789012345678901234567890123", NULL};
     struct {
         char **argv;
         const char *field, *says;
     } bad[] = {{a2, "device", "backend is cpu"},
                {a3, "device_budget", "2 values for 3 devices"},
-               {a4, "device_budget", "value 2 must be a positive"}};
+               {a4, "device_budget", "value 2 must be a positive"},
+               {a5, "device_budget", "value 2 must be a positive"}};
     for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
         int argc = 0;
         while (bad[i].argv[argc])
