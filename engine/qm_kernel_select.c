@@ -140,6 +140,27 @@ static double qm__now_us(void)
 #define QM__CAL_K 2880u
 #define QM__CAL_GEMM_ROWS 24u
 
+/* A kernel's row-range entry (gemv, gemm or a fast-mode mm). */
+typedef void (*qm__rows_fn)(const qm__qmat *m, uint32_t n0, uint32_t n1, const float *xp,
+                            size_t ldx, uint32_t nx, float *y, size_t ldy, float *scratch);
+
+/* The best of `reps` sweeps of `fn` over every row tile of m, in thread
+ * CPU microseconds; one more sweep first warms the caches. */
+static double qm__best_sweep(qm__rows_fn fn, const qm__qmat *m, const float *xp, size_t ld,
+                             uint32_t nx, float *y, float *scratch, int reps)
+{
+    double best = 1e30;
+    for (int rep = 0; rep <= reps; rep++) {
+        double t0 = qm__now_us();
+        for (uint32_t n0 = 0; n0 < m->n; n0 += QM__TILE_ROWS)
+            fn(m, n0, n0 + QM__TILE_ROWS, xp, ld, nx, y, m->n, scratch);
+        double dt = qm__now_us() - t0;
+        if (rep > 0 && dt < best)
+            best = dt;
+    }
+    return best;
+}
+
 /* Best of a few runs of one kernel on one class; a negative value: no memory. */
 static double qm__time_kernel_real(const qm__kernel *k, const qm__qmat *m, int gemm,
                                    const float *x)
@@ -153,20 +174,8 @@ static double qm__time_kernel_real(const qm__kernel *k, const qm__qmat *m, int g
     float *scratch = xp + ld * nx, *y = scratch + sf;
     for (uint32_t r = 0; r < nx; r++)
         k->prep(m, gemm, x + (size_t)r * m->k, xp + r * ld);
-    double best = 1e30;
-    int reps = gemm ? 3 : 7;
-    for (int rep = 0; rep <= reps; rep++) { /* rep 0 warms the caches */
-        double t0 = qm__now_us();
-        for (uint32_t n0 = 0; n0 < m->n; n0 += QM__TILE_ROWS) {
-            if (gemm)
-                k->gemm(m, n0, n0 + QM__TILE_ROWS, xp, ld, nx, y, m->n, scratch);
-            else
-                k->gemv(m, n0, n0 + QM__TILE_ROWS, xp, ld, nx, y, m->n, scratch);
-        }
-        double dt = qm__now_us() - t0;
-        if (rep > 0 && dt < best)
-            best = dt;
-    }
+    double best = qm__best_sweep(gemm ? k->gemm : k->gemv, m, xp, ld, nx, y, scratch,
+                                 gemm ? 3 : 7);
     qm_free(xp);
     return best;
 }
@@ -182,16 +191,7 @@ static double qm__time_i8(const qm__i8kernel *k, const qm__qmat *m, uint32_t nx,
     float *y = xq + ld * nx, *scratch = y + (size_t)nx * m->n;
     for (uint32_t r = 0; r < nx; r++)
         qm__i8_prep(m, x + (size_t)r * m->k, xq + r * ld);
-    double best = 1e30;
-    int reps = nx > 4 ? 3 : 7;
-    for (int rep = 0; rep <= reps; rep++) {
-        double t0 = qm__now_us();
-        for (uint32_t n0 = 0; n0 < m->n; n0 += QM__TILE_ROWS)
-            k->mm(m, n0, n0 + QM__TILE_ROWS, xq, ld, nx, y, m->n, scratch);
-        double dt = qm__now_us() - t0;
-        if (rep > 0 && dt < best)
-            best = dt;
-    }
+    double best = qm__best_sweep(k->mm, m, xq, ld, nx, y, scratch, nx > 4 ? 3 : 7);
     qm_free(xq);
     return best;
 }
