@@ -9,8 +9,9 @@ import tempfile
 import time
 
 import numpy as np
+import pytest
 
-from qmoed_harness import qmoe_bank_path
+from qmoed_harness import Daemon, qmoe_bank_path
 
 H, E, K = 64, 8, 2  # the "small" bank of conftest.banks
 
@@ -95,3 +96,14 @@ def load_trace_tool():
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
+
+
+def daemon_open_to_all(banks):
+    """A daemon serving `small` whose socket any uid may reach, for tests that
+    drop a client to another uid (run_as); skipped unless running as root."""
+    if os.geteuid() != 0:
+        pytest.skip("needs root to fork a client that drops to another uid")
+    dm = Daemon(models={"small": banks["small"]})
+    os.chmod(dm.dir, 0o755)
+    os.chmod(dm.socket, 0o666)
+    return dm

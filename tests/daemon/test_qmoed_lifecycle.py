@@ -17,16 +17,12 @@ import time
 import pytest
 
 from qmoed_harness import Client, Daemon, qmoed_path, root_args, tensor
-from qmoed_suite import hidden, new_session, run_as
+from qmoed_suite import daemon_open_to_all, hidden, new_session, run_as
 
 
 def test_non_admin_roles_and_ownership(banks):
-    if os.geteuid() != 0:
-        pytest.skip("needs root to fork a client that drops to another uid")
-    dm = Daemon(models={"small": banks["small"]})
+    dm = daemon_open_to_all(banks)
     try:
-        os.chmod(dm.dir, 0o755)
-        os.chmod(dm.socket, 0o666)
         root = dm.client()
         root_sid = new_session(root)
         # Built before the fork: the child runs as a uid that may not read

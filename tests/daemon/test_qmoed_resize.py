@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from qmoed_harness import Client, Daemon, from_tensor, tensor
-from qmoed_suite import err, hidden, new_session, run_as
+from qmoed_suite import daemon_open_to_all, err, hidden, new_session, run_as
 
 WORKSPACE = 16 << 20  # the daemon's default session_workspace_bytes
 
@@ -195,12 +195,8 @@ def test_growth_is_admitted_against_the_daemon_wide_budget(banks):
 
 
 def test_only_the_owner_or_an_admin_may_resize(banks):
-    if os.geteuid() != 0:
-        pytest.skip("needs root to fork a client that drops to another uid")
-    dm = Daemon(models={"small": banks["small"]})
+    dm = daemon_open_to_all(banks)
     try:
-        os.chmod(dm.dir, 0o755)
-        os.chmod(dm.socket, 0o666)
         root = dm.client()
         bpe = bpe_of(root)
         root_sid = new_session(root, policy="lru", budget_bytes=4 * bpe)
