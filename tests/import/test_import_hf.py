@@ -415,6 +415,22 @@ def test_non_finite_weight_is_named_and_leaves_no_file(tmp_path):
     assert_refused(run_import(ck, out), out, name, "NaN or infinity")
 
 
+@pytest.mark.parametrize("shard", ["../../../etc/passwd", "/etc/passwd", "..", ".", "",
+                                   "sub/model.safetensors"])
+def test_index_shard_outside_the_checkpoint_is_refused(tmp_path, shard):
+    # A hostile weight_map: the importer once freed the list it then quoted
+    # in this error (a use-after-free; SIGSEGV in the release build).
+    ck = copy_fixture(tmp_path, "mixtral")
+    p = ck / "model.safetensors.index.json"
+    index = json.loads(p.read_text())
+    first = sorted(index["weight_map"])[0]
+    index["weight_map"][first] = shard
+    p.write_text(json.dumps(index))
+    out = tmp_path / "b.bank"
+    assert_refused(run_import(ck, out), out, "model.safetensors.index.json",
+                   f'shard "{shard}" is not a file name in the checkpoint directory')
+
+
 def test_truncated_shard_is_named(tmp_path):
     ck = copy_fixture(tmp_path, "olmoe")
     p = ck / "model.safetensors"

@@ -109,6 +109,14 @@ static int access_single(const char *dir)
     return ok;
 }
 
+/* A shard named by the index must be a file directly inside the checkpoint
+ * directory: no path separator, not empty, not "." or "..". */
+static int plain_file_name(const char *name)
+{
+    return name[0] != '\0' && !strchr(name, '/') && strcmp(name, ".") != 0 &&
+           strcmp(name, "..") != 0;
+}
+
 /* The shard file names: the index's distinct values, or *.safetensors in dir. */
 static int list_shards(qmi_hf_checkpoint *ck, char ***names, size_t *n, qm_status *st)
 {
@@ -122,17 +130,23 @@ static int list_shards(qmi_hf_checkpoint *ck, char ***names, size_t *n, qm_statu
         memcpy(sorted, ck->index_files, ck->n_index * sizeof *sorted);
         qsort(sorted, ck->n_index, sizeof *sorted, cmp_str);
         list = qm_calloc(ck->n_index ? ck->n_index : 1, sizeof *list);
-        for (size_t i = 0; list && i < ck->n_index; i++) {
+        if (!list) {
+            qm_free(sorted);
+            return qm_status_set(st, QM_ENOMEM, "out of memory");
+        }
+        for (size_t i = 0; i < ck->n_index; i++) {
             if (count && strcmp(list[count - 1], sorted[i]) == 0) continue;
-            if (strchr(sorted[i], '/') || strcmp(sorted[i], "..") == 0) {
+            if (!plain_file_name(sorted[i])) {
+                /* The message is written before the list it quotes is freed. */
+                int rc = qm_status_set(st, QM_EINVALID_MODEL,
+                                       "model.safetensors.index.json: shard \"%.100s\" is not a "
+                                       "file name in the checkpoint directory",
+                                       sorted[i]);
                 qm_free(sorted);
                 for (size_t j = 0; j < count; j++)
                     qm_free(list[j]);
                 qm_free(list);
-                return qm_status_set(st, QM_EINVALID_MODEL,
-                                     "model.safetensors.index.json: shard \"%.100s\" is not a file "
-                                     "name in the checkpoint directory",
-                                     sorted[i]);
+                return rc;
             }
             list[count++] = qm_strdup(sorted[i]);
         }
