@@ -1,12 +1,15 @@
 /* qm_cuda.h - the CUDA backend's public header: its constructor, and what it
  * offers beyond the backend interface (engine/qm_backend.h).
  *
- * Always available: in a build without CUDA (QMOE_HAVE_CUDA off) the library
- * qmoe_cuda is a stub whose constructor answers QM_EUNSUPPORTED, so callers
- * (the daemon) need no #ifdef. Host memory registration goes through the
- * common qm_backend_register_host. The extras are CUDA-only knobs (kernel
- * choice, routing, tensor cores: tests, bench); every one of them returns
- * QM_EINVAL when `be` is not a CUDA backend. */
+ * The registry (engine/qm_backend_registry.c) opens it as kind "cuda"
+ * through its row, qm__backend_cuda_kind; this header is for the users
+ * that want CUDA itself (tests, bench). Always available: in a build
+ * without CUDA (QMOE_HAVE_CUDA off) the library qmoe_cuda is a stub whose
+ * constructor and row answer QM_EUNSUPPORTED, so nobody needs an #ifdef.
+ * Host memory registration goes through the common
+ * qm_backend_register_host. The extras are CUDA-only knobs (kernel choice,
+ * routing, tensor cores); every one of them returns QM_EINVAL when `be` is
+ * not a CUDA backend. */
 #ifndef QM_CUDA_H
 #define QM_CUDA_H
 

@@ -127,6 +127,20 @@ static qm_cuda_kernels qm__cuda_kernels_from_env(void)
     return QM_CUDA_KERNELS_AUTO;
 }
 
+/* The devices the driver lists (> 0), or QM_EDEVICE saying why none. */
+static int qm__cuda_device_count(int *count, qm_status *st)
+{
+    *count = 0;
+    cudaError_t err = cudaGetDeviceCount(count);
+    if (err != cudaSuccess) {
+        (void)cudaGetLastError();
+        *count = 0;
+        return qm_status_set(st, QM_EDEVICE, "no CUDA device: %s", cudaGetErrorString(err));
+    }
+    if (*count <= 0) return qm_status_set(st, QM_EDEVICE, "no CUDA device: the driver lists none");
+    return 0;
+}
+
 int qm_backend_cuda_new(int device, qm_backend **out, qm_status *st)
 {
     int rc = 0, count = 0;
@@ -134,12 +148,7 @@ int qm_backend_cuda_new(int device, qm_backend **out, qm_status *st)
     if (!out) return qm_status_set(st, QM_EINVAL, "qm_backend_cuda_new: out is NULL");
     *out = NULL;
 
-    cudaError_t err = cudaGetDeviceCount(&count);
-    if (err != cudaSuccess) {
-        (void)cudaGetLastError();
-        return qm_status_set(st, QM_EDEVICE, "no CUDA device: %s", cudaGetErrorString(err));
-    }
-    if (count <= 0) return qm_status_set(st, QM_EDEVICE, "no CUDA device: the driver lists none");
+    if ((rc = qm__cuda_device_count(&count, st)) < 0) return rc;
     if (device < 0 || device >= count)
         return qm_status_set(st, QM_EDEVICE, "no CUDA device %d: the driver lists %d (0..%d)",
                              device, count, count - 1);
@@ -469,6 +478,7 @@ static const qm_backend_iface qm__cuda_iface = {
     .name = "cuda",
     .host_visible = 0,
     .alignment = 256, /* cudaMalloc's; also keeps slot starts 16-byte aligned for the GEMV */
+    .routes = QM_BACKEND_ROUTES_LEGACY, /* the device's routing knows the legacy rule only */
     .info = qm__cuda_info,
     .arena_alloc = qm__cuda_arena_alloc,
     .arena_release = qm__cuda_arena_release,
@@ -483,6 +493,32 @@ static const qm_backend_iface qm__cuda_iface = {
     .pass_release = qm__cuda_pass_release,
     .register_host = qm__cuda_register_host,
     .unregister_host = qm__cuda_unregister_host,
+};
+
+/* ---- The registry's row ---- */
+
+static int qm__cuda_open(const qm_backend_open_options *o, qm_backend **out, qm_status *st)
+{
+    if (o->index > INT32_MAX)
+        return qm_status_set(st, QM_EDEVICE, "no CUDA device %u", o->index);
+    return qm_backend_cuda_new((int)o->index, out, st);
+}
+
+static int qm__cuda_probe(uint32_t *n_devices, qm_status *st)
+{
+    int count = 0;
+    int rc = qm__cuda_device_count(&count, st);
+    *n_devices = rc < 0 ? 0 : (uint32_t)count;
+    return rc;
+}
+
+const qm__backend_kind qm__backend_cuda_kind = {
+    .version = QM_BACKEND_KIND_VERSION,
+    .name = "cuda",
+    .summary = "NVIDIA GPUs: device arenas, copy and compute streams, routing on the device",
+    .caps = QM_BACKEND_CAP_NUMBERED | QM_BACKEND_CAP_AUTO,
+    .open = qm__cuda_open,
+    .probe = qm__cuda_probe,
 };
 
 /* ---- CUDA-only extras (qm_cuda.h) ---- */

@@ -23,6 +23,9 @@ int qm__backend_wrap(const qm_backend_iface *iface, void *ctx, qm_backend **out,
         bad = "lacks a required method";
     else if (routing != 0 && routing != 4)
         bad = "has some of route, run_routed, combine and pass_release: all four or none";
+    else if ((routing == 4) != (iface->routes != 0))
+        bad = routing ? "has a routing group but routes no rule (routes is 0)"
+                      : "declares routes without a routing group";
     else if (!iface->register_host != !iface->unregister_host)
         bad = "has one of register_host and unregister_host: both or none";
     if (bad) {
@@ -157,14 +160,21 @@ int qm_backend_unregister_host(qm_backend *be, const void *ptr, qm_status *st)
 
 /* ---- The routed pass: the backend's routing, or the host's by default ---- */
 
+/* The QM_BACKEND_ROUTES_* bit a call's routing needs. */
+static unsigned qm__route_rule_of(const qm_route_request *rq)
+{
+    if (rq->topk_ids)
+        return QM_BACKEND_ROUTES_SUPPLIED;
+    return rq->config->routing.score == QM_ROUTE_SCORE_LEGACY ? QM_BACKEND_ROUTES_LEGACY
+                                                               : QM_BACKEND_ROUTES_KEYED;
+}
+
 int qm__backend_route(qm_backend *be, const qm_route_request *rq, qm_routed_pass *pass,
                       qm_status *st)
 {
     pass->backend_pass = NULL;
-    /* A backend's routing knows the legacy rule only: banks with routing
-     * keys and routing supplied by the engine are routed on the host. */
-    int host_rule = rq->topk_ids || rq->config->routing.score != QM_ROUTE_SCORE_LEGACY;
-    if (be->iface->route && !host_rule) {
+    /* What the backend declares it routes; any other call is routed on the host. */
+    if (be->iface->routes & qm__route_rule_of(rq)) {
         qm_status declined = {0};
         int rc = be->iface->route(be->ctx, rq, &pass->backend_pass, &declined);
         if (rc == 0 && pass->backend_pass)

@@ -2,7 +2,9 @@
  *
  * A backend is { iface, ctx }: CPU and CUDA are two instances of the same
  * interface (qm_backend_impl.h), neither special-cased. "Device memory" is
- * whatever the backend's arenas hold: a host arena for CPU, cudaMalloc for CUDA. */
+ * whatever the backend's arenas hold: a host arena for CPU, cudaMalloc for CUDA.
+ * The registry below lists every backend kind a build has; users that pick
+ * a backend by configuration (the daemon) open it there and name none. */
 #ifndef QM_BACKEND_H
 #define QM_BACKEND_H
 
@@ -17,7 +19,7 @@ typedef struct qm_arena qm_arena; /* one device allocation, carved by the caller
 
 typedef struct qm_device_info {
     char name[128];       /* "cpu (AVX2+FMA, 2 threads)", "NVIDIA H200" */
-    char kind[16];        /* "cpu", "cuda" or "emu" */
+    char kind[16];        /* the backend's kind (qm_backend_kind_name): "cpu", "cuda", ... */
     uint64_t total_bytes; /* device memory (CPU: physical RAM) */
     uint64_t free_bytes;
 } qm_device_info;
@@ -69,9 +71,60 @@ typedef struct qm_expert_batch {
     qm_precision precision; /* zero-initialised: exact */
 } qm_expert_batch;
 
+/* ---- The backend registry (qm_backend_registry.c, library qmoe_backends) ----
+ *
+ * One row per backend kind, in the order kinds are listed (help, errors):
+ * the kind's name, a summary, what it offers, and how to open one of its
+ * devices. Adding a backend: its own files and one row there. */
+
+/* What a kind offers its users (qm_backend_kind_caps). */
+enum {
+    /* The host itself: one device, named by the kind alone ("cpu"); what
+     * --backend auto falls back to. */
+    QM_BACKEND_CAP_HOST = 1u << 0,
+    /* Numbered devices, named KIND:N ("cuda:1"), that a device list names. */
+    QM_BACKEND_CAP_NUMBERED = 1u << 1,
+    /* --backend auto tries its device 0 before the host. */
+    QM_BACKEND_CAP_AUTO = 1u << 2,
+};
+
+/* How to open a device; a kind reads what applies to it. */
+typedef struct qm_backend_open_options {
+    uint32_t index;   /* the device of a numbered kind (0 otherwise) */
+    uint32_t threads; /* host compute threads, where the kind runs on the host (0 = cores) */
+    double copy_gbps; /* a modelled copy bandwidth in GB/s, where the kind models one (0: free) */
+} qm_backend_open_options;
+
+size_t qm_backend_kind_count(void);
+/* Kind i's name ("cpu"), one-line summary and QM_BACKEND_CAP_* bits: static
+ * strings; NULL (0) when i is out of range. */
+const char *qm_backend_kind_name(size_t i);
+const char *qm_backend_kind_summary(size_t i);
+unsigned qm_backend_kind_caps(size_t i);
+/* The index of the kind named by the n bytes at name, or -1. */
+int qm_backend_kind_find(const char *name, size_t n);
+/* Opens device o->index of kind i (o NULL: every default); the caller owns
+ * *out (qm_backend_free). QM_EINVAL for an i out of range, else the kind's
+ * answer (QM_EUNSUPPORTED when not built in, QM_EDEVICE when the device is
+ * absent), with a sentence. */
+int qm_backend_kind_open(size_t i, const qm_backend_open_options *o, qm_backend **out,
+                         qm_status *st);
+/* How many devices of kind i this process can open (*n_devices >= 1, 0 on
+ * error), or why it can open none (QM_EUNSUPPORTED, QM_EDEVICE), with a
+ * sentence. Opens nothing. */
+int qm_backend_kind_probe(size_t i, uint32_t *n_devices, qm_status *st);
+/* The names of the kinds that have every bit of `caps` (0: every kind), in
+ * registry order, joined by `sep`, the last two by `last_sep` ("cpu, cuda or
+ * emu"); writes what fits into buf (NUL-terminated when cap > 0) and returns
+ * the length it needed, like snprintf. */
+size_t qm_backend_kind_names(unsigned caps, const char *sep, const char *last_sep, char *buf,
+                             size_t cap);
+
 /* ---- Calls (the only call sites of the iface; optional methods defaulted here) ---- */
 
-/* Creates the CPU backend: `threads` workers (0 = number of cores). */
+/* Creates the CPU backend: `threads` workers (0 = number of cores). The
+ * engine's own host backend (hybrid execution's host runs); the registry
+ * opens it as kind "cpu". */
 int qm_backend_cpu_new(uint32_t threads, qm_backend **out, qm_status *st);
 /* The emulated device (qm_backend_emu.c): not host visible, so the pager
  * copies everything it runs, but its arenas are host memory and its
@@ -100,7 +153,7 @@ size_t qm_backend_emu_registered(qm_backend *be, uint64_t *bytes);
 /* The CUDA backend's constructor is in cuda/qm_cuda.h. */
 void qm_backend_free(qm_backend *be); /* accepts NULL */
 
-const char *qm_backend_name(const qm_backend *be); /* "cpu" / "cuda" / "emu" */
+const char *qm_backend_name(const qm_backend *be); /* its kind's name: "cpu", "cuda", ... */
 int qm_backend_info(qm_backend *be, qm_device_info *out);
 /* 1 when kernels can read host memory directly (CPU): whole-bank banks then
  * need no copy. */

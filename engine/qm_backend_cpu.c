@@ -559,3 +559,16 @@ int qm_backend_cpu_new(uint32_t threads, qm_backend **out, qm_status *st)
     }
     return qm__backend_wrap(&qm__cpu_iface, cx, out, st);
 }
+
+static int qm__cpu_open(const qm_backend_open_options *o, qm_backend **out, qm_status *st)
+{
+    return qm_backend_cpu_new(o->threads, out, st);
+}
+
+const qm__backend_kind qm__backend_cpu_kind = {
+    .version = QM_BACKEND_KIND_VERSION,
+    .name = "cpu",
+    .summary = "the host's CPU: SIMD kernels on a thread pool, weights read in place",
+    .caps = QM_BACKEND_CAP_HOST,
+    .open = qm__cpu_open,
+};

@@ -4,9 +4,21 @@
 
 #include "qm_backend.h"
 
-/* 2: register_host / unregister_host; the optional groups (routing, host
- * registration) are all-or-none, checked once by qm__backend_wrap. */
-#define QM_BACKEND_IFACE_VERSION 2
+/* 3: `routes`, what the routing group can route. The optional groups
+ * (routing, host registration) are all-or-none, checked once by
+ * qm__backend_wrap. */
+#define QM_BACKEND_IFACE_VERSION 3
+
+/* What a backend's route method routes (qm_backend_iface.routes); a call
+ * it cannot route is routed on the host. */
+enum {
+    /* Banks without routing keys: top-k of the logits, softmax over the k. */
+    QM_BACKEND_ROUTES_LEGACY = 1u << 0,
+    /* Banks with routing keys (qmoe.routing.*: scores, groups, bias, scaling). */
+    QM_BACKEND_ROUTES_KEYED = 1u << 1,
+    /* Routing supplied by the engine (topk_ids, topk_weights). */
+    QM_BACKEND_ROUTES_SUPPLIED = 1u << 2,
+};
 
 struct qm_arena {
     qm_backend *backend;
@@ -58,6 +70,9 @@ typedef struct qm_backend_iface {
     const char *name;
     int host_visible;
     size_t alignment;
+    /* QM_BACKEND_ROUTES_* the routing group below routes: nonzero exactly
+     * when the group is present. */
+    unsigned routes;
     int (*info)(void *ctx, qm_device_info *out);
     /* Allocates `bytes` and fills arena->base/handle. */
     int (*arena_alloc)(void *ctx, qm_arena *arena, uint64_t bytes, qm_status *st);
@@ -71,9 +86,10 @@ typedef struct qm_backend_iface {
     int (*synchronize)(void *ctx, qm_status *st);
     void (*destroy)(void *ctx);
 
-    /* ---- (optional, all four or none) routing on the backend. Default: the
-     * host routes, groups and combines, and runs the waves through
-     * run_experts (qm_backend.c). ---- */
+    /* ---- (optional, all four or none) routing on the backend, for the
+     * calls `routes` names. Default (and for every other call): the host
+     * routes, groups and combines, and runs the waves through run_experts
+     * (qm_backend.c). ---- */
     /* Routes rq->n_tokens tokens and keeps x, the routes and their
      * permutation in a pass (*pass, released with pass_release). May answer
      * QM_EUNSUPPORTED (e.g. switched off): the call is then routed on the host. */
@@ -102,16 +118,17 @@ struct qm_backend {
     void *ctx;
 };
 
-/* Wraps an implementation; checks the version, the required methods and
- * that each optional group is complete. Takes ownership of ctx (destroy on
- * failure). */
+/* Wraps an implementation; checks the version, the required methods, that
+ * each optional group is complete and that `routes` matches the routing
+ * group. Takes ownership of ctx (destroy on failure). */
 int qm__backend_wrap(const qm_backend_iface *iface, void *ctx, qm_backend **out, qm_status *st);
 
 /* ---- The routed pass: the only call sites of the routing methods, host
  * routing when the backend has none (qm_backend.c) ---- */
 
-/* Routes on the backend, or on the host (pass->host) when it has no route
- * method or declines with QM_EUNSUPPORTED. */
+/* Routes on the backend when its `routes` name the call's rule, else on the
+ * host (pass->host); also on the host when the backend declines with
+ * QM_EUNSUPPORTED. */
 int qm__backend_route(qm_backend *be, const qm_route_request *rq, qm_routed_pass *pass,
                       qm_status *st);
 int qm__backend_run_routed(qm_backend *be, qm_routed_pass *pass, const qm_expert_batch *batch,
@@ -125,5 +142,35 @@ int qm__host_route(qm__host_pass *hp, const qm_route_request *rq, qm_status *st)
 int qm__host_run_routed(qm_backend *be, qm__host_pass *hp, const qm_expert_batch *batch,
                         qm_status *st);
 int qm__host_combine(qm__host_pass *hp, float *out, qm_status *st);
+
+/* ---- A backend kind: one row of the registry (qm_backend_registry.c) ---- */
+
+#define QM_BACKEND_KIND_VERSION 1
+
+/* How a backend declares itself to the registry: checked (version, name,
+ * open) before each use. The row is static and lives as long as the
+ * program. */
+typedef struct qm__backend_kind {
+    int version;         /* QM_BACKEND_KIND_VERSION */
+    const char *name;    /* the kind: --backend, --device KIND:N, qm_device_info.kind */
+    const char *summary; /* one line for help texts */
+    unsigned caps;       /* QM_BACKEND_CAP_* (qm_backend.h) */
+    /* Opens device o->index (0 for a kind without QM_BACKEND_CAP_NUMBERED). */
+    int (*open)(const qm_backend_open_options *o, qm_backend **out, qm_status *st);
+    /* (optional) How many devices this process can open, or why none
+     * (QM_EUNSUPPORTED: not built in; QM_EDEVICE: none present). Default:
+     * one. */
+    int (*probe)(uint32_t *n_devices, qm_status *st);
+} qm__backend_kind;
+
+/* The rows: each backend's own file defines its kind. */
+extern const qm__backend_kind qm__backend_cpu_kind;  /* qm_backend_cpu.c */
+extern const qm__backend_kind qm__backend_emu_kind;  /* qm_backend_emu.c */
+extern const qm__backend_kind qm__backend_cuda_kind; /* cuda/: the backend, or its stub */
+
+/* The registry's check of a row before it is used: QM_EUNSUPPORTED for
+ * another version, QM_EINVAL without a name or open method, with a
+ * sentence naming the row. */
+int qm__backend_kind_check(const qm__backend_kind *kind, qm_status *st);
 
 #endif

@@ -854,6 +854,7 @@ static qm_backend *counting_backend_new(counting_backend *cb, qm_backend_iface *
     iface->run_experts = cb_run;
     iface->destroy = fake_destroy;
     if (with_routing) {
+        iface->routes = QM_BACKEND_ROUTES_LEGACY;
         iface->route = cb_route;
         iface->run_routed = cb_run_routed;
         iface->combine = cb_combine;
