@@ -14,13 +14,17 @@
 #include <string.h>
 
 #include "qm_alloc.h"
+#include "qm_backend.h"
 #include "qm_log.h"
 #include "qm_protocol.h"
 
 void qm_config_defaults(qm_config *cfg)
 {
     memset(cfg, 0, sizeof *cfg);
-    snprintf(cfg->backend, sizeof cfg->backend, "cpu");
+    /* The host's kind (the registry's first with QM_BACKEND_CAP_HOST). */
+    for (size_t i = qm_backend_kind_count(); i-- > 0;)
+        if (qm_backend_kind_caps(i) & QM_BACKEND_CAP_HOST)
+            snprintf(cfg->backend, sizeof cfg->backend, "%s", qm_backend_kind_name(i));
     snprintf(cfg->paging_source, sizeof cfg->paging_source, "auto");
     cfg->workers = 2;
     cfg->log_level = QM_LOG_INFO;
@@ -124,11 +128,19 @@ static int set_string(char **slot, const char *v, qm_status *st)
     return 0;
 }
 
-/* "cuda:0,cuda:1": KIND:INDEX entries, one kind, distinct indexes. */
+/* "cuda:0,cuda:1": KIND:INDEX entries of one numbered kind of the backend
+ * registry, distinct indexes. */
 static int parse_devices(qm_config *cfg, const char *text, qm_status *st)
 {
-    const char *usage = "expected KIND:INDEX[,KIND:INDEX...] with KIND cuda or emu "
-                        "(e.g. cuda:0,cuda:1)";
+    char kinds[96], usage[192];
+    const char *example = "KIND";
+    for (size_t i = qm_backend_kind_count(); i-- > 0;)
+        if (qm_backend_kind_caps(i) & QM_BACKEND_CAP_NUMBERED)
+            example = qm_backend_kind_name(i); /* the first numbered kind */
+    qm_backend_kind_names(QM_BACKEND_CAP_NUMBERED, ", ", " or ", kinds, sizeof kinds);
+    snprintf(usage, sizeof usage,
+             "expected KIND:INDEX[,KIND:INDEX...] with KIND %s (e.g. %.16s:0,%.16s:1)", kinds,
+             example, example);
     if (!*text)
         return qm_status_set_field(st, QM_EINVAL, "device", "device list is empty; %s", usage);
     uint32_t n = 0;
@@ -147,8 +159,8 @@ static int parse_devices(qm_config *cfg, const char *text, qm_status *st)
                                        QM_CONFIG_MAX_DEVICES);
         const char *colon = memchr(p, ':', len);
         size_t klen = colon ? (size_t)(colon - p) : len;
-        if (!((klen == 4 && strncmp(p, "cuda", 4) == 0) ||
-              (klen == 3 && strncmp(p, "emu", 3) == 0)))
+        int k = qm_backend_kind_find(p, klen);
+        if (k < 0 || !(qm_backend_kind_caps((size_t)k) & QM_BACKEND_CAP_NUMBERED))
             return qm_status_set_field(st, QM_EINVAL, "device",
                                        "device '%s': unknown kind '%.*s'; %s", entry,
                                        (int)(klen < 16 ? klen : 16), p, usage);
@@ -218,10 +230,13 @@ static int parse_budgets(qm_config *cfg, const char *text, qm_status *st)
 int qm_config_check_devices(qm_config *cfg, qm_status *st)
 {
     if (cfg->n_devices) {
+        /* auto takes a list of a kind it tries (and falls back to the host). */
+        int k = qm_backend_kind_find(cfg->device_kind, strlen(cfg->device_kind));
+        int auto_ok = strcmp(cfg->backend, QM_CONFIG_BACKEND_AUTO) == 0 && k >= 0 &&
+                      (qm_backend_kind_caps((size_t)k) & QM_BACKEND_CAP_AUTO);
         if (!cfg->backend_set)
             snprintf(cfg->backend, sizeof cfg->backend, "%s", cfg->device_kind);
-        else if (strcmp(cfg->backend, cfg->device_kind) &&
-                 !(strcmp(cfg->backend, "auto") == 0 && strcmp(cfg->device_kind, "cuda") == 0))
+        else if (strcmp(cfg->backend, cfg->device_kind) && !auto_ok)
             return qm_status_set_field(st, QM_EINVAL, "device",
                                        "device %s:%u needs backend %s (or no backend given); "
                                        "backend is %s",
@@ -317,10 +332,13 @@ static int apply_key(qm_config *cfg, const key_def *k, const char *text, int has
                                        k->name);
         return 0;
     case K_BACKEND:
-        if (!text || (strcmp(text, "cpu") && strcmp(text, "cuda") && strcmp(text, "emu") &&
-                      strcmp(text, "auto")))
-            return qm_status_set_field(st, QM_EINVAL, k->name,
-                                       "%s must be cpu, cuda, emu or auto", k->name);
+        if (!text || (qm_backend_kind_find(text, strlen(text)) < 0 &&
+                      strcmp(text, QM_CONFIG_BACKEND_AUTO))) {
+            char kinds[96];
+            qm_backend_kind_names(0, ", ", ", ", kinds, sizeof kinds);
+            return qm_status_set_field(st, QM_EINVAL, k->name, "%s must be %s or %s", k->name,
+                                       kinds, QM_CONFIG_BACKEND_AUTO);
+        }
         snprintf(cfg->backend, sizeof cfg->backend, "%s", text);
         cfg->backend_set = 1;
         return 0;
@@ -435,6 +453,25 @@ int qm_config_load_file(qm_config *cfg, const char *path, int reload, qm_status 
     return rc;
 }
 
+/* The backend registry's kinds, for --help. */
+static void usage_backends(FILE *out)
+{
+    char kinds[96], tried[96], numbered[96], host[32];
+    qm_backend_kind_names(0, "|", "|", kinds, sizeof kinds);
+    qm_backend_kind_names(QM_BACKEND_CAP_AUTO, ", ", " or ", tried, sizeof tried);
+    qm_backend_kind_names(QM_BACKEND_CAP_NUMBERED, ", ", " or ", numbered, sizeof numbered);
+    qm_backend_kind_names(QM_BACKEND_CAP_HOST, ", ", " or ", host, sizeof host);
+    fprintf(out,
+            "  --backend %s|%s\n"
+            "                        %s: device 0 of %s when one opens, else %s\n"
+            "  --device LIST         devices to serve, KIND:N[,KIND:N...] of one kind: %s\n"
+            "  backend kinds:\n",
+            kinds, QM_CONFIG_BACKEND_AUTO, QM_CONFIG_BACKEND_AUTO, tried[0] ? tried : "none",
+            host, numbered);
+    for (size_t i = 0; i < qm_backend_kind_count(); i++)
+        fprintf(out, "    %-6s %s\n", qm_backend_kind_name(i), qm_backend_kind_summary(i));
+}
+
 static void usage(FILE *out)
 {
     fprintf(out,
@@ -442,10 +479,9 @@ static void usage(FILE *out)
             "  --socket PATH         listen here (default $RUNTIME_DIRECTORY/qmoed.sock,\n"
             "                        /run/qmoed/qmoed.sock as root, else $XDG_RUNTIME_DIR)\n"
             "  --config FILE         JSON config: the keys below plus every limit\n"
-            "  --model NAME=PATH     load a bank at start (repeatable)\n"
-            "  --backend cpu|cuda|emu|auto\n"
-            "  --device LIST         devices to serve: cuda:0,cuda:1 or emu:0,emu:1 (one kind;\n"
-            "                        emu: emulated devices in host memory, for tests)\n"
+            "  --model NAME=PATH     load a bank at start (repeatable)\n");
+    usage_backends(out);
+    fprintf(out,
             "  --device-budget BYTES[,BYTES...]\n"
             "                        sessions' budget on each device (K/M/G suffixes): one value\n"
             "                        for every device or one per device (default: its memory)\n"

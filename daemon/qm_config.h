@@ -10,6 +10,8 @@
 
 /* Devices one daemon serves at most (engine/qm_placement.h's limit). */
 #define QM_CONFIG_MAX_DEVICES 16
+/* The backend value that picks a kind by what opens (qm_devices_open). */
+#define QM_CONFIG_BACKEND_AUTO "auto"
 
 typedef struct qm_model_spec {
     char *name, *path;
@@ -20,14 +22,16 @@ typedef struct qm_config {
     char *config_path;
     qm_model_spec *models;
     size_t n_models;
-    char backend[8];    /* cpu, cuda, emu, auto */
+    /* A kind of the backend registry (engine/qm_backend.h), or "auto": the
+     * first device 0 of a kind auto tries that opens, else the host. */
+    char backend[16];
     int backend_set;    /* given (flag or file): a device list must agree with it */
-    /* The devices (--device cuda:0,cuda:1; config key device): one kind,
-     * distinct indexes. n_devices 0: the backend's one device (index 0). */
+    /* The devices (--device cuda:0,cuda:1; config key device): one numbered
+     * kind, distinct indexes. n_devices 0: the backend's one device (index 0). */
     uint32_t n_devices;
     uint32_t device_index[QM_CONFIG_MAX_DEVICES];
-    char device_kind[8]; /* cuda or emu when n_devices > 0 */
-    uint32_t emu_copy_mbps; /* emu devices: modelled copy bandwidth (0: copies cost nothing) */
+    char device_kind[16]; /* when n_devices > 0 */
+    uint32_t emu_copy_mbps; /* modelled copy bandwidth of the kinds that model one (emu; 0: free) */
     /* Where a paged session's pager reads expert units: auto (direct on a
      * host-visible backend, i.e. CPU, for sessions with per-expert banks),
      * mmap (the bank's mapping and the page cache), direct (O_DIRECT reads
@@ -74,8 +78,9 @@ int qm_config_from_args(qm_config *cfg, int argc, char **argv, qm_status *st);
 /* Reads the JSON file; with reload = 1 only the reloadable keys are applied. */
 int qm_config_load_file(qm_config *cfg, const char *path, int reload, qm_status *st);
 /* The device list against the backend (a list of one kind sets the
- * backend when none was given; another backend is refused) and the number
- * of device_budget values (1 or one per device). Run by qm_config_from_args. */
+ * backend when none was given; another backend is refused, except auto
+ * with a list of a kind auto tries) and the number of device_budget values
+ * (1 or one per device). Run by qm_config_from_args. */
 int qm_config_check_devices(qm_config *cfg, qm_status *st);
 int qm_config_add_model(qm_config *cfg, const char *name, const char *path, qm_status *st);
 

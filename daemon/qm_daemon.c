@@ -1,6 +1,6 @@
 /* qm_daemon.c - qmoed's life: start-up, signals, drain, exit.
  *
- * Start: config -> backend -> worker pool -> preloaded models -> socket ->
+ * Start: config -> devices -> preloaded models -> socket -> worker pool ->
  * READY=1. SIGTERM/SIGINT/daemon.shutdown: stop accepting, answer
  * shutting_down to new requests, let accepted ones finish and flush, exit 0
  * (1 when drain_timeout_s ran out first). SIGHUP: reload reloadable keys. */
@@ -18,7 +18,6 @@
 #include <unistd.h>
 
 #include "qm_alloc.h"
-#include "qm_cuda.h"
 #include "qm_log.h"
 #include "qm_models.h"
 #include "qm_notify.h"
@@ -187,92 +186,6 @@ static void watchdog_cb(uv_timer_t *t)
     qm_notify("WATCHDOG=1");
 }
 
-/* Device i of the list: cuda:N or emu:N. */
-static int open_listed_device(qm_daemon *d, uint32_t i, qm_status *st)
-{
-    uint32_t idx = d->cfg.device_index[i];
-    snprintf(d->device_names[i], sizeof d->device_names[i], "%s:%u", d->cfg.device_kind, idx);
-    if (strcmp(d->cfg.device_kind, "cuda") == 0)
-        return qm_backend_cuda_new((int)idx, &d->backends[i], st);
-    qm_emu_options o = {.index = idx, .threads = d->cfg.threads,
-                        .gbps = d->cfg.emu_copy_mbps / 1000.0};
-    return qm_backend_emu_new(&o, &d->backends[i], st);
-}
-
-static int open_backend(qm_daemon *d, qm_status *st)
-{
-    const char *want = d->cfg.backend;
-    int rc = QM_EUNSUPPORTED;
-    d->n_devices = 1;
-    if (d->cfg.n_devices) {
-        /* A list: every device or none (auto falls back to the CPU alone
-         * when any listed device cannot be opened; the notice names it). */
-        for (uint32_t i = 0; i < d->cfg.n_devices; i++) {
-            rc = open_listed_device(d, i, st);
-            if (rc < 0) {
-                if (st && !strstr(st->msg, d->device_names[i])) {
-                    char msg[QM_STATUS_MSG_MAX];
-                    snprintf(msg, sizeof msg, "device %s: %.200s", d->device_names[i], st->msg);
-                    snprintf(st->msg, sizeof st->msg, "%s", msg);
-                }
-                break;
-            }
-            d->n_devices = i + 1;
-        }
-        if (rc < 0) {
-            for (uint32_t i = 0; i < d->n_devices; i++)
-                qm_backend_free(d->backends[i]);
-            memset(d->backends, 0, sizeof d->backends);
-            d->n_devices = 1;
-            if (strcmp(want, "auto"))
-                return rc;
-        }
-    } else if (strcmp(want, "cuda") == 0 || strcmp(want, "auto") == 0) {
-        snprintf(d->device_names[0], sizeof d->device_names[0], "cuda:0");
-        rc = qm_backend_cuda_new(0, &d->backends[0], st);
-        if (rc < 0 && strcmp(want, "cuda") == 0)
-            return rc;
-    } else if (strcmp(want, "emu") == 0) {
-        d->cfg.device_index[0] = 0;
-        snprintf(d->cfg.device_kind, sizeof d->cfg.device_kind, "emu");
-        rc = open_listed_device(d, 0, st);
-        if (rc < 0)
-            return rc;
-    }
-    if (strcmp(want, "auto") == 0) {
-        if (rc < 0)
-            qm_log(QM_LOG_NOTICE, "backend auto: CUDA unavailable (%s); using cpu",
-                   st ? st->msg : "");
-        else
-            qm_log(QM_LOG_NOTICE, "backend auto: using cuda");
-    }
-    if (rc < 0) {
-        qm_status_clear(st);
-        snprintf(d->device_names[0], sizeof d->device_names[0], "cpu");
-        rc = qm_backend_cpu_new(d->cfg.threads, &d->backends[0], st);
-        if (rc < 0)
-            return rc;
-    }
-    d->backend = d->backends[0];
-    d->device_budget = 0;
-    for (uint32_t i = 0; i < d->n_devices; i++) {
-        qm_device_info *info = &d->devices[i];
-        qm_backend_info(d->backends[i], info);
-        const qm_config *c = &d->cfg;
-        d->device_budgets[i] = c->n_device_budgets > 1   ? c->device_budgets[i]
-                               : c->n_device_budgets == 1 ? c->device_budgets[0]
-                                                          : info->total_bytes;
-        d->device_budget += d->device_budgets[i];
-        qm_log(QM_LOG_INFO, "backend %s, device %s: %s, %llu bytes, budget %llu",
-               qm_backend_name(d->backends[i]), d->device_names[i], info->name,
-               (unsigned long long)info->total_bytes, (unsigned long long)d->device_budgets[i]);
-    }
-    d->device = d->devices[0];
-    for (uint32_t i = 1; i < d->n_devices; i++)
-        d->device.total_bytes += d->devices[i].total_bytes;
-    return 0;
-}
-
 int qm_daemon_main(int argc, char **argv)
 {
     qm_daemon daemon_state, *d = &daemon_state;
@@ -292,7 +205,7 @@ int qm_daemon_main(int argc, char **argv)
         return 2;
     }
     if (geteuid() == 0 && !d->cfg.user && !d->cfg.allow_root) {
-        /* Issue 8: root only when asked for, before any bank is opened. */
+        /* Root only when asked for, before any bank is opened. */
         fprintf(stderr, "qmoed: refusing to run as root: pass --user USER to drop to it after "
                         "binding, or --allow-root (config keys user, allow_root)\n");
         qm_config_free(&d->cfg);
@@ -332,7 +245,7 @@ int qm_daemon_main(int argc, char **argv)
         if (n > 0 && (size_t)n < sizeof cache)
             setenv("QMOE_KERNEL_CACHE", cache, 0);
     }
-    if ((rc = open_backend(d, &st)) < 0) {
+    if ((rc = qm_devices_open(&d->devices, &d->cfg, &st)) < 0) {
         qm_log(QM_LOG_ERR, "cannot open backend %s: %s", d->cfg.backend, st.msg);
         goto out_trace;
     }
@@ -392,8 +305,7 @@ out_listen:
     qm_pool_stop(d);
 out_models:
     qm_registry_free_all(d);
-    for (uint32_t i = 0; i < d->n_devices; i++)
-        qm_backend_free(d->backends[i]);
+    qm_devices_close(&d->devices);
 out_trace:
     qm_trace_free(&d->trace);
 out_config:

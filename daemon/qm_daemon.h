@@ -14,8 +14,8 @@
 #include <sys/types.h>
 #include <uv.h>
 
-#include "qm_backend.h"
 #include "qm_config.h"
+#include "qm_devices.h"
 #include "qm_protocol.h"
 #include "qm_telemetry.h"
 
@@ -49,20 +49,7 @@ typedef struct qm_daemon {
     uv_timer_t tick, watchdog, drain_timer;
     uint64_t watchdog_usec;
     uint64_t ticks;
-    qm_backend *backend;     /* device 0's */
-    qm_device_info device;   /* device 0's; total_bytes summed over the devices */
-    uint64_t device_budget;  /* summed over the devices */
-    uint64_t admitted_bytes; /* sessions' budgets + workspaces, all devices */
-    /* The devices (--device; one when no list was given): each with its
-     * name ("cuda:1", "emu:0"; the backend's name for the one device of a
-     * daemon started without a list), its budget and what sessions placed
-     * there were admitted for. Device 0 is backend/device above. */
-    uint32_t n_devices;
-    qm_backend *backends[QM_CONFIG_MAX_DEVICES];
-    qm_device_info devices[QM_CONFIG_MAX_DEVICES];
-    char device_names[QM_CONFIG_MAX_DEVICES][16];
-    uint64_t device_budgets[QM_CONFIG_MAX_DEVICES];
-    uint64_t device_admitted[QM_CONFIG_MAX_DEVICES];
+    qm_devices devices;      /* qm_devices.h: one, or the --device list */
     uint64_t next_map_id;    /* session.map's ids, daemon-wide (qm_shm.h) */
     qm_model *models;        /* qm_models.h */
     size_t n_models;

@@ -161,24 +161,27 @@ static void write_status(qm_daemon *d, qm_jw *w)
     qm_jw_obj_begin(w);
     qm_jw_member_str(w, "version", QMOE_VERSION);
     qm_jw_member_u64(w, "uptime_s", (qm_now_us() - d->start_us) / 1000000);
-    qm_jw_member_str(w, "backend", qm_backend_name(d->backend));
+    const qm_devices *ds = &d->devices;
+    /* "backend" and "device" are device 0's, the bytes summed over the devices. */
+    qm_jw_member_str(w, "backend", qm_backend_name(ds->dev[0].backend));
     qm_jw_key(w, "device");
     qm_jw_obj_begin(w);
-    qm_jw_member_str(w, "name", d->device.name);
-    qm_jw_member_u64(w, "total_bytes", d->device.total_bytes);
-    qm_jw_member_u64(w, "budget_bytes", d->device_budget);
-    qm_jw_member_u64(w, "used_bytes", d->admitted_bytes);
+    qm_jw_member_str(w, "name", ds->dev[0].info.name);
+    qm_jw_member_u64(w, "total_bytes", qm_devices_total_bytes(ds));
+    qm_jw_member_u64(w, "budget_bytes", qm_devices_budget(ds));
+    qm_jw_member_u64(w, "used_bytes", qm_devices_admitted(ds));
     qm_jw_obj_end(w);
     qm_jw_key(w, "devices");
     qm_jw_arr_begin(w);
-    for (uint32_t i = 0; i < d->n_devices; i++) {
+    for (uint32_t i = 0; i < ds->n; i++) {
+        const qm_device *dv = &ds->dev[i];
         qm_jw_obj_begin(w);
-        qm_jw_member_str(w, "name", d->device_names[i]);
-        qm_jw_member_str(w, "kind", d->devices[i].kind);
-        qm_jw_member_str(w, "description", d->devices[i].name);
-        qm_jw_member_u64(w, "total_bytes", d->devices[i].total_bytes);
-        qm_jw_member_u64(w, "budget_bytes", d->device_budgets[i]);
-        qm_jw_member_u64(w, "used_bytes", d->device_admitted[i]);
+        qm_jw_member_str(w, "name", dv->name);
+        qm_jw_member_str(w, "kind", dv->info.kind);
+        qm_jw_member_str(w, "description", dv->info.name);
+        qm_jw_member_u64(w, "total_bytes", dv->info.total_bytes);
+        qm_jw_member_u64(w, "budget_bytes", dv->budget);
+        qm_jw_member_u64(w, "used_bytes", dv->admitted);
         qm_jw_obj_end(w);
     }
     qm_jw_arr_end(w);

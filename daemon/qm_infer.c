@@ -183,13 +183,15 @@ int qm_session_plan_json(qm_session *s, char **json, size_t *len, qm_status *st)
         goto free_lists;
     }
     qm_plan_json_state state = {.banks = banks, .n_banks = 0};
+    /* The placement is shown when the session spans several devices. */
     const qm_placement *pl = &s->placement;
-    for (size_t i = 0; i < n && (s->pager || s->mp); i++) {
+    const int placed = pl->n_devices > 1;
+    for (size_t i = 0; i < n && s->pagers; i++) {
         uint32_t layer = qm_plan_bank_at(s->plan, i)->bank_id; /* bank id = layer */
         qm_pager *pager = qm_session_pager_of(s, layer);
         qm_plan_json_bank_state *b = &banks[state.n_banks];
         *b = (qm_plan_json_bank_state){.bank_id = layer};
-        if (pl->n_devices && layer < pl->n_layers) {
+        if (placed && layer < pl->n_layers) {
             b->has_device = 1; /* every bank names its device, whole or paged */
             b->device = pl->device_of[layer];
         }
@@ -228,7 +230,7 @@ int qm_session_plan_json(qm_session *s, char **json, size_t *len, qm_status *st)
         }
     }
     const char *names[QM_CONFIG_MAX_DEVICES];
-    if (pl->n_devices) {
+    if (placed) {
         for (uint32_t i = 0; i < pl->n_devices && i < QM_CONFIG_MAX_DEVICES; i++)
             names[i] = s->device_names[i];
         state.placement_rule = QM_PLACEMENT_RULE;
@@ -236,7 +238,7 @@ int qm_session_plan_json(qm_session *s, char **json, size_t *len, qm_status *st)
         state.device_budgets = pl->budget;
         state.n_devices = pl->n_devices;
     }
-    if (s->pager || s->mp) {
+    if (s->pagers) {
         qm_pager_stats ps;
         qm_session_stats(s, &ps);
         state.has_resident_bytes = 1;

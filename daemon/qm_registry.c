@@ -47,9 +47,9 @@ static void model_register_host(qm_daemon *d, qm_model *m)
 {
     uint64_t bytes;
     const void *base = qm_bank_mapping(m->bank, &bytes);
-    for (uint32_t i = 0; i < d->n_devices; i++) {
-        qm_backend *be = d->backends[i];
-        const char *name = d->n_devices > 1 ? d->device_names[i] : qm_backend_name(be);
+    for (uint32_t i = 0; i < d->devices.n; i++) {
+        qm_backend *be = d->devices.dev[i].backend;
+        const char *name = d->devices.dev[i].name;
         qm_status st;
         qm_status_clear(&st);
         int rc = qm_backend_register_host(be, base, (size_t)bytes, &st);
@@ -311,8 +311,7 @@ qm_session *qm_session_find(qm_daemon *d, const char *id)
 static void session_free(qm_session *s)
 {
     qm_shm_session_release_all(s);
-    qm_pager_free(s->pager);
-    qm_multipager_free(s->mp);
+    qm_multipager_free(s->pagers);
     qm_placement_free(&s->placement);
     qm_free(s->trace_path);
     qm_plan_free(s->plan);
@@ -331,9 +330,8 @@ void qm_session_unref(qm_daemon *d, qm_session *s)
 /* Gives the session's reservation back, on every device it holds. */
 static void session_release_admission(qm_daemon *d, qm_session *s)
 {
-    d->admitted_bytes -= s->admitted_bytes;
-    for (uint32_t i = 0; i < d->n_devices; i++)
-        d->device_admitted[i] -= s->device_admitted[i];
+    for (uint32_t i = 0; i < d->devices.n; i++)
+        d->devices.dev[i].admitted -= s->device_admitted[i];
 }
 
 void qm_session_close(qm_daemon *d, qm_session *s)
@@ -383,43 +381,56 @@ static int random_id(char out[QM_SESSION_ID_LEN + 1], qm_status *st)
     return 0;
 }
 
-/* A session (created or resized) that device i cannot take: `free_bytes` is
- * what that device has free for it (a resize counts what the session holds
- * there already). */
+/* What device i has free for sessions. */
+static uint64_t device_free(const qm_device *dv)
+{
+    return dv->budget > dv->admitted ? dv->budget - dv->admitted : 0;
+}
+
+/* A session that device i cannot take at `budget`: `need` bytes there (its
+ * `share` of the budget + a workspace) against `free_bytes` (a resize counts
+ * what the session holds there already). With one device the device's
+ * budget is the daemon-wide budget, and the sentence says so. */
 static int device_refusal(const qm_daemon *d, uint32_t i, unsigned long long need, uint64_t share,
                           uint64_t budget, uint64_t workspace, uint64_t free_bytes, qm_status *st)
 {
+    const qm_device *dv = &d->devices.dev[i];
+    if (d->devices.n == 1)
+        return qm_status_set_field(st, QM_ERESOURCE_EXHAUSTED, "budget_bytes",
+                                   "session needs %llu bytes (budget %llu + workspace %llu) but "
+                                   "only %llu bytes of the daemon-wide budget %llu are free",
+                                   need, (unsigned long long)budget,
+                                   (unsigned long long)workspace, (unsigned long long)free_bytes,
+                                   (unsigned long long)dv->budget);
     return qm_status_set_field(st, QM_ERESOURCE_EXHAUSTED, "budget_bytes",
                                "session needs %llu bytes on device %s (its share %llu of the "
                                "budget %llu + workspace %llu) but only %llu bytes of that "
                                "device's budget %llu are free",
-                               need, d->device_names[i], (unsigned long long)share,
+                               need, dv->name, (unsigned long long)share,
                                (unsigned long long)budget, (unsigned long long)workspace,
-                               (unsigned long long)free_bytes,
-                               (unsigned long long)d->device_budgets[i]);
+                               (unsigned long long)free_bytes, (unsigned long long)dv->budget);
 }
 
-/* Several devices: the session's layers placed by what each device has
- * free beyond a workspace (engine/qm_placement.h; a device that cannot hold
- * a workspace gets no layers unless none can), and each device that gets
- * layers charged its share of the budget plus a workspace (its pager's
- * scratch). QM_ERESOURCE_EXHAUSTED naming the device when one cannot take
- * its share. */
+/* The session's layers placed by what each device has free beyond a
+ * workspace (engine/qm_placement.h; a device that cannot hold a workspace
+ * gets no layers unless none can; one device holds them all), and each
+ * device that gets layers charged its share of the budget plus a workspace
+ * (its pager's scratch). QM_ERESOURCE_EXHAUSTED naming the device when one
+ * cannot take its share. */
 static int admit_on_devices(qm_daemon *d, const qm_model *m, uint64_t budget, uint64_t workspace,
                             qm_placement *pl, uint64_t *dev_need, qm_status *st)
 {
+    const qm_devices *ds = &d->devices;
     uint64_t free_bytes[QM_CONFIG_MAX_DEVICES], weight[QM_CONFIG_MAX_DEVICES];
-    for (uint32_t i = 0; i < d->n_devices; i++) {
-        free_bytes[i] = d->device_budgets[i] > d->device_admitted[i]
-                            ? d->device_budgets[i] - d->device_admitted[i]
-                            : 0;
+    for (uint32_t i = 0; i < ds->n; i++) {
+        free_bytes[i] = device_free(&ds->dev[i]);
         weight[i] = free_bytes[i] > workspace ? free_bytes[i] - workspace : 0;
     }
-    int rc = qm_placement_make(m->bank, d->n_devices, weight, budget, pl, st);
+    int rc = qm_placement_make(m->bank, ds->n, weight, budget, pl, st);
     if (rc < 0)
         return rc;
-    for (uint32_t i = 0; i < d->n_devices; i++) {
-        unsigned long long need;
+    for (uint32_t i = 0; i < ds->n; i++) {
+        unsigned long long need = 0;
         if (!pl->bytes[i])
             continue;
         if (qm_add_u64(pl->budget[i], workspace, &need) < 0 || need > free_bytes[i]) {
@@ -495,28 +506,14 @@ int qm_session_prepare(qm_daemon *d, const qm_params *p, uid_t owner, qm_session
     }
     uint64_t budget = p->has_budget ? p->budget_bytes : m->bytes_total;
     uint64_t workspace = d->cfg.session_workspace_bytes;
-    unsigned long long need;
     qm_placement pl = {0};
     uint64_t dev_need[QM_CONFIG_MAX_DEVICES] = {0};
-    if (d->n_devices > 1) {
-        if (admit_on_devices(d, m, budget, workspace, &pl, dev_need, st) < 0)
-            return QM_ERESOURCE_EXHAUSTED;
-        need = 0;
-        for (uint32_t i = 0; i < d->n_devices; i++)
-            need += dev_need[i];
-    } else if (qm_add_u64(budget, workspace, &need) < 0 || d->admitted_bytes > d->device_budget ||
-               need > d->device_budget - d->admitted_bytes) {
-        uint64_t free_bytes =
-            d->device_budget > d->admitted_bytes ? d->device_budget - d->admitted_bytes : 0;
-        return qm_status_set_field(st, QM_ERESOURCE_EXHAUSTED, "budget_bytes",
-                                   "session needs %llu bytes (budget %llu + workspace %llu) but "
-                                   "only %llu bytes of the daemon-wide budget %llu are free",
-                                   need, (unsigned long long)budget,
-                                   (unsigned long long)workspace, (unsigned long long)free_bytes,
-                                   (unsigned long long)d->device_budget);
-    } else {
-        dev_need[0] = need;
-    }
+    int rc = admit_on_devices(d, m, budget, workspace, &pl, dev_need, st);
+    if (rc < 0)
+        return rc == QM_ENOMEM ? rc : QM_ERESOURCE_EXHAUSTED;
+    uint64_t need = 0;
+    for (uint32_t i = 0; i < d->devices.n; i++)
+        need += dev_need[i];
 
     qm_session *s = qm_calloc(1, sizeof *s);
     if (!s) {
@@ -524,8 +521,9 @@ int qm_session_prepare(qm_daemon *d, const qm_params *p, uid_t owner, qm_session
         return qm_status_set(st, QM_ENOMEM, "out of memory");
     }
     s->placement = pl;
-    memcpy(s->device_names, d->device_names, sizeof s->device_names);
-    int rc = random_id(s->id, st);
+    for (uint32_t i = 0; i < d->devices.n; i++)
+        snprintf(s->device_names[i], sizeof s->device_names[i], "%s", d->devices.dev[i].name);
+    rc = random_id(s->id, st);
     if (rc < 0)
         goto fail;
     s->owner_uid = owner;
@@ -606,16 +604,15 @@ int qm_session_prepare(qm_daemon *d, const qm_params *p, uid_t owner, qm_session
      * bank takes instead of the page cache holding the file. */
     const char *src = d->cfg.paging_source;
     if (strcmp(src, "direct") == 0 ||
-        (strcmp(src, "auto") == 0 && qm_backend_host_visible(d->backend) &&
+        (strcmp(src, "auto") == 0 && qm_devices_host_visible(&d->devices) &&
          qm_plan_per_expert_count(s->plan) > 0))
         s->pager_options.source = QM_PAGER_SOURCE_DIRECT;
     /* Reserved now, so creations in flight cannot overcommit the device
      * budget while their pagers are built off the loop thread. */
     s->refs = 1;
     d->n_sessions++;
-    d->admitted_bytes += need;
-    for (uint32_t i = 0; i < d->n_devices; i++)
-        d->device_admitted[i] += s->device_admitted[i] = dev_need[i];
+    for (uint32_t i = 0; i < d->devices.n; i++)
+        d->devices.dev[i].admitted += s->device_admitted[i] = dev_need[i];
     *out = s;
     return 0;
 fail:
@@ -623,22 +620,29 @@ fail:
     return rc;
 }
 
+/* "session ID", or "session ID, device NAME" when it spans several. */
+static void session_where(const qm_session *s, uint32_t i, char *out, size_t cap)
+{
+    if (s->placement.n_devices > 1)
+        snprintf(out, cap, "session %s, device %s", s->id, s->device_names[i]);
+    else
+        snprintf(out, cap, "session %s", s->id);
+}
+
 int qm_session_build(qm_daemon *d, qm_session *s, qm_status *st)
 {
-    /* The pager reads the mapping (whole banks, pins, preload): the bank
+    /* The pagers read the mapping (whole banks, pins, preload): the bank
      * file must be whole before, and still after. */
+    qm_backend *backends[QM_CONFIG_MAX_DEVICES];
+    qm_devices_backends(&d->devices, backends);
     int rc = qm_model_check(s->model, st);
-    if (rc == 0 && s->placement.n_devices)
-        rc = qm_multipager_new(d->backends, s->model->bank, s->plan, &s->policy,
-                               &s->pager_options, &s->placement, &s->mp, st);
-    else if (rc == 0)
-        rc = qm_pager_new(d->backend, s->model->bank, s->plan, &s->policy, &s->pager_options,
-                          &s->pager, st);
+    if (rc == 0)
+        rc = qm_multipager_new(backends, s->model->bank, s->plan, &s->policy, &s->pager_options,
+                               &s->placement, &s->pagers, st);
     if (rc == 0)
         rc = qm_model_check(s->model, st);
     if (rc == 0 && s->trace_path) {
-        rc = s->mp ? qm_multipager_record_trace(s->mp, s->trace_path, st)
-                   : qm_pager_record_trace(s->pager, s->trace_path, st);
+        rc = qm_multipager_record_trace(s->pagers, s->trace_path, st);
         if (rc < 0) {
             if (st)
                 snprintf(st->field, sizeof st->field, "policy_params.record_trace");
@@ -646,29 +650,27 @@ int qm_session_build(qm_daemon *d, qm_session *s, qm_status *st)
             qm_log(QM_LOG_INFO, "session %s records its routing to %s", s->id, s->trace_path);
         }
     }
-    if (rc == 0 && s->mp) {
-        qm_session_stats(s, &s->last_stats);
-        for (uint32_t i = 0; i < s->placement.n_devices; i++) {
-            const char *why = "";
-            qm_pager *pg = qm_multipager_pager(s->mp, i);
-            if (pg && qm_pager_source_info(pg, &why) >= 0 && *why)
-                qm_log(QM_LOG_WARNING, "session %s, device %s: %s", s->id, d->device_names[i],
-                       why);
-        }
-    } else if (rc == 0) {
-        qm_pager_stats_get(s->pager, &s->last_stats);
+    if (rc < 0)
+        return rc;
+    qm_session_stats(s, &s->last_stats);
+    unsigned long fail_read = qm_fault_read_at();
+    for (uint32_t i = 0; i < s->placement.n_devices; i++) {
+        qm_pager *pg = qm_multipager_pager(s->pagers, i);
         const char *why = "";
-        int direct = qm_pager_source_info(s->pager, &why) == QM_PAGER_SOURCE_DIRECT;
-        unsigned long fail_read = qm_fault_read_at();
+        if (!pg)
+            continue;
+        char where[96];
+        session_where(s, i, where, sizeof where);
+        int direct = qm_pager_source_info(pg, &why) == QM_PAGER_SOURCE_DIRECT;
         if (direct && fail_read)
-            qm_pager_set_read_hook(s->pager, qm_fault_read_hook, (void *)(uintptr_t)fail_read);
+            qm_pager_set_read_hook(pg, qm_fault_read_hook, (void *)(uintptr_t)fail_read);
         if (direct)
-            qm_log(QM_LOG_INFO, "session %s pages from disk: O_DIRECT reads of %s%s%s", s->id,
+            qm_log(QM_LOG_INFO, "%s pages from disk: O_DIRECT reads of %s%s%s", where,
                    qm_bank_path(s->model->bank), *why ? "; " : "", why);
         else if (*why)
-            qm_log(QM_LOG_WARNING, "session %s: %s", s->id, why);
+            qm_log(QM_LOG_WARNING, "%s: %s", where, why);
     }
-    return rc;
+    return 0;
 }
 
 void qm_session_commit(qm_daemon *d, qm_session *s)
@@ -687,8 +689,8 @@ void qm_session_commit(qm_daemon *d, qm_session *s)
            (unsigned)s->owner_uid);
 }
 
-/* What a session over several devices holds on each device at `budget`:
- * its share (qm_placement_split) plus a workspace where it has layers. */
+/* What the session holds on each device at `budget`: its share
+ * (qm_placement_split) plus a workspace where it has layers. */
 static int session_device_need(const qm_session *s, uint64_t budget, uint64_t *share,
                                uint64_t *need)
 {
@@ -702,10 +704,27 @@ static int session_device_need(const qm_session *s, uint64_t budget, uint64_t *s
     return 0;
 }
 
-/* Several devices: growth admitted per device against that device's free
- * budget (the refusal of session.create's admission), all or nothing. */
-static int resize_reserve_devices(qm_daemon *d, qm_session *s, uint64_t budget, qm_status *st)
+/* A growth that device i cannot take: `more` bytes beyond what the session
+ * holds there. */
+static int resize_refusal(const qm_daemon *d, const qm_session *s, uint32_t i, uint64_t need,
+                          uint64_t share, uint64_t budget, uint64_t more, uint64_t free_bytes,
+                          qm_status *st)
 {
+    if (d->devices.n == 1)
+        return qm_status_set_field(
+            st, QM_ERESOURCE_EXHAUSTED, "budget_bytes",
+            "growing the session to a budget of %llu needs %llu more bytes but only %llu "
+            "bytes of the daemon-wide budget %llu are free",
+            (unsigned long long)budget, (unsigned long long)more, (unsigned long long)free_bytes,
+            (unsigned long long)d->devices.dev[i].budget);
+    return device_refusal(d, i, need, share, budget, s->workspace_bytes,
+                          free_bytes + s->device_admitted[i], st);
+}
+
+int qm_session_resize_reserve(qm_daemon *d, qm_session *s, uint64_t budget, qm_status *st)
+{
+    /* Growth admitted per device against that device's free budget (the
+     * refusal of session.create's admission), all or nothing. */
     uint64_t share[QM_PLACEMENT_MAX_DEVICES], need[QM_PLACEMENT_MAX_DEVICES];
     const uint32_t n = s->placement.n_devices;
     if (session_device_need(s, budget, share, need) < 0)
@@ -714,51 +733,18 @@ static int resize_reserve_devices(qm_daemon *d, qm_session *s, uint64_t budget, 
     for (uint32_t i = 0; i < n; i++) {
         if (need[i] <= s->device_admitted[i])
             continue;
-        uint64_t free_bytes = d->device_budgets[i] > d->device_admitted[i]
-                                  ? d->device_budgets[i] - d->device_admitted[i]
-                                  : 0;
-        if (need[i] - s->device_admitted[i] > free_bytes)
-            return device_refusal(d, i, need[i], share[i], budget, s->workspace_bytes,
-                                  free_bytes + s->device_admitted[i], st);
+        uint64_t more = need[i] - s->device_admitted[i];
+        uint64_t free_bytes = device_free(&d->devices.dev[i]);
+        if (more > free_bytes)
+            return resize_refusal(d, s, i, need[i], share[i], budget, more, free_bytes, st);
     }
     for (uint32_t i = 0; i < n; i++) {
         if (need[i] <= s->device_admitted[i])
             continue;
         uint64_t more = need[i] - s->device_admitted[i];
-        d->device_admitted[i] += more;
-        d->admitted_bytes += more;
+        d->devices.dev[i].admitted += more;
         s->admitted_bytes += more;
         s->device_admitted[i] = need[i];
-    }
-    return 0;
-}
-
-int qm_session_resize_reserve(qm_daemon *d, qm_session *s, uint64_t budget, qm_status *st)
-{
-    unsigned long long need;
-    if (s->mp) {
-        if (resize_reserve_devices(d, s, budget, st) < 0)
-            return QM_ERESOURCE_EXHAUSTED;
-        s->resizes_pending++;
-        return 0;
-    }
-    if (qm_add_u64(budget, s->workspace_bytes, &need) < 0)
-        return qm_status_set_field(st, QM_ERESOURCE_EXHAUSTED, "budget_bytes",
-                                   "budget_bytes %llu overflows", (unsigned long long)budget);
-    if (need > s->admitted_bytes) {
-        uint64_t more = need - s->admitted_bytes;
-        uint64_t free_bytes =
-            d->device_budget > d->admitted_bytes ? d->device_budget - d->admitted_bytes : 0;
-        if (more > free_bytes)
-            return qm_status_set_field(
-                st, QM_ERESOURCE_EXHAUSTED, "budget_bytes",
-                "growing the session to a budget of %llu needs %llu more bytes but only %llu "
-                "bytes of the daemon-wide budget %llu are free",
-                (unsigned long long)budget, (unsigned long long)more,
-                (unsigned long long)free_bytes, (unsigned long long)d->device_budget);
-        d->admitted_bytes += more;
-        d->device_admitted[0] += more;
-        s->admitted_bytes = s->device_admitted[0] = need;
     }
     s->resizes_pending++;
     return 0;
@@ -773,27 +759,17 @@ void qm_session_resize_finish(qm_daemon *d, qm_session *s, int ok, uint64_t budg
     /* A closed session gave its whole reservation back when it closed. */
     if (s->resizes_pending || atomic_load(&s->closed))
         return;
-    if (s->mp) {
-        /* Each device keeps what the budget in force needs there. */
-        uint64_t share[QM_PLACEMENT_MAX_DEVICES], need[QM_PLACEMENT_MAX_DEVICES];
-        if (session_device_need(s, s->budget_bytes, share, need) < 0)
-            return;
-        for (uint32_t i = 0; i < s->placement.n_devices; i++) {
-            if (s->device_admitted[i] <= need[i])
-                continue;
-            uint64_t less = s->device_admitted[i] - need[i];
-            d->device_admitted[i] -= less;
-            d->admitted_bytes -= less;
-            s->admitted_bytes -= less;
-            s->device_admitted[i] = need[i];
-        }
+    /* Each device keeps what the budget in force needs there. */
+    uint64_t share[QM_PLACEMENT_MAX_DEVICES], need[QM_PLACEMENT_MAX_DEVICES];
+    if (session_device_need(s, s->budget_bytes, share, need) < 0)
         return;
-    }
-    uint64_t in_force = s->budget_bytes + s->workspace_bytes;
-    if (s->admitted_bytes > in_force) {
-        d->admitted_bytes -= s->admitted_bytes - in_force;
-        d->device_admitted[0] -= s->admitted_bytes - in_force;
-        s->admitted_bytes = s->device_admitted[0] = in_force;
+    for (uint32_t i = 0; i < s->placement.n_devices; i++) {
+        if (s->device_admitted[i] <= need[i])
+            continue;
+        uint64_t less = s->device_admitted[i] - need[i];
+        d->devices.dev[i].admitted -= less;
+        s->admitted_bytes -= less;
+        s->device_admitted[i] = need[i];
     }
 }
 
@@ -807,15 +783,12 @@ void qm_session_abort(qm_daemon *d, qm_session *s)
 int qm_session_forward(qm_session *s, const qm_moe_call *call, qm_moe_stats *mstats,
                        qm_status *st)
 {
-    return s->mp ? qm_multipager_forward(s->mp, call, mstats, st)
-                 : qm_pager_forward(s->pager, call, mstats, st);
+    return qm_multipager_forward(s->pagers, call, mstats, st);
 }
 
 int qm_session_resize(qm_session *s, uint64_t budget, qm_status *st)
 {
-    if (!s->mp)
-        return qm_pager_resize(s->pager, budget, st);
-    int rc = qm_multipager_resize(s->mp, budget, st);
+    int rc = qm_multipager_resize(s->pagers, budget, st);
     if (rc == 0) /* in the session's FIFO: no other job reads it now */
         qm_placement_split(&s->placement, budget, s->placement.budget);
     return rc;
@@ -823,17 +796,12 @@ int qm_session_resize(qm_session *s, uint64_t budget, qm_status *st)
 
 void qm_session_stats(const qm_session *s, qm_pager_stats *out)
 {
-    if (s->mp)
-        qm_multipager_stats(s->mp, out);
-    else
-        qm_pager_stats_get(s->pager, out);
+    qm_multipager_stats(s->pagers, out);
 }
 
 qm_pager *qm_session_pager_of(const qm_session *s, uint32_t layer)
 {
-    if (!s->mp)
-        return s->pager;
     return layer < s->placement.n_layers
-               ? qm_multipager_pager(s->mp, s->placement.device_of[layer])
+               ? qm_multipager_pager(s->pagers, s->placement.device_of[layer])
                : NULL;
 }

@@ -1,7 +1,7 @@
 /* qm_sessions.h - sessions and their admission against the devices'
- * budgets (qm_registry.c): with one device, the session's budget plus its
- * workspace against that device's; with several, each device that holds
- * some of its layers is charged its share of the budget plus a workspace.
+ * budgets (qm_registry.c): each device that holds some of the session's
+ * layers (one device holds them all) is charged its share of the budget
+ * plus a workspace.
  *
  * A session is owned by the loop thread (the registry and the jobs queued
  * for it each hold a reference); while one of its jobs runs, the worker
@@ -34,12 +34,11 @@ struct qm_session {
     int precision_fast;       /* session.create precision "fast" (fixed for the session) */
     qm_policy policy;
     qm_residency_plan *plan;
-    qm_pager *pager;          /* (worker) while a job of this session runs; NULL when the
-                               * session is placed over several devices (mp) */
-    /* A daemon with several devices: the session's layers over them
-     * (engine/qm_placement.h), one pager per device that holds layers. */
-    qm_placement placement;   /* n_devices 0 with one device */
-    qm_multipager *mp;
+    /* Its layers over the daemon's devices (engine/qm_placement.h; one
+     * device holds them all), and one pager per device that holds layers
+     * (worker, while a job of this session runs). */
+    qm_placement placement;
+    qm_multipager *pagers;
     uint64_t device_admitted[QM_CONFIG_MAX_DEVICES]; /* its part of each device's budget */
     char device_names[QM_CONFIG_MAX_DEVICES][16];    /* the daemon's, for its plan */
     qm_pager_options pager_options;
@@ -85,14 +84,14 @@ void qm_session_unref(qm_daemon *d, qm_session *s);
  * the budget in force. */
 int qm_session_resize_reserve(qm_daemon *d, qm_session *s, uint64_t budget, qm_status *st);
 void qm_session_resize_finish(qm_daemon *d, qm_session *s, int ok, uint64_t budget);
-/* The session's pager(s), whether it has one or one per device (worker,
- * while the session's job runs): the forward call, the counters summed over
- * its devices, and the pager that serves `layer` (NULL when none). */
+/* The session's pagers, one per device that holds layers (worker, while
+ * the session's job runs): the forward call, the counters summed over its
+ * devices, and the pager that serves `layer` (NULL when none). */
 int qm_session_forward(qm_session *s, const qm_moe_call *call, qm_moe_stats *mstats,
                        qm_status *st);
 void qm_session_stats(const qm_session *s, qm_pager_stats *out);
-/* qm_pager_resize, or qm_multipager_resize over several devices (the
- * placement's budgets follow); on a worker, in the session's FIFO. */
+/* qm_multipager_resize over its devices (the placement's budgets follow);
+ * on a worker, in the session's FIFO. */
 int qm_session_resize(qm_session *s, uint64_t budget, qm_status *st);
 qm_pager *qm_session_pager_of(const qm_session *s, uint32_t layer);
 /* Closes every session and unloads every model (at exit). */

@@ -344,7 +344,8 @@ int qm_telemetry_metrics(qm_daemon *d, const qm_peer *c, qm_buf *b)
                   "# TYPE qmoed_budget_used_bytes gauge\nqmoed_budget_used_bytes %llu\n"
                   "# HELP qmoed_uptime_seconds Seconds since start.\n"
                   "# TYPE qmoed_uptime_seconds gauge\nqmoed_uptime_seconds %llu\n",
-                  d->n_models, d->n_sessions, qm_server_connections(d), (unsigned long long)d->admitted_bytes,
+                  d->n_models, d->n_sessions, qm_server_connections(d),
+                  (unsigned long long)qm_devices_admitted(&d->devices),
                   (unsigned long long)((qm_now_us() - d->start_us) / 1000000));
     return b->oom ? QM_ENOMEM : 0;
 }

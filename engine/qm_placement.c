@@ -78,9 +78,11 @@ void qm_placement_split(const qm_placement *pl, uint64_t budget, uint64_t *out)
         out[d] = 0;
         if (!pl->bytes[d])
             continue;
-        out[d] = budget && total ? (uint64_t)((double)budget * (double)pl->bytes[d] /
-                                              (double)total)
-                                 : pl->bytes[d];
+        /* A device holding every byte (one device) takes the budget exactly. */
+        out[d] = !budget || !total    ? pl->bytes[d]
+                 : pl->bytes[d] == total ? budget
+                                         : (uint64_t)((double)budget * (double)pl->bytes[d] /
+                                                      (double)total);
         given += out[d];
         last = (int32_t)d;
     }
@@ -230,7 +232,7 @@ int qm_multipager_resize(qm_multipager *mp, uint64_t budget, qm_status *st)
         int rc = qm_pager_resize(mp->pagers[d], share[d], st);
         if (rc == 0)
             continue;
-        if (st) {
+        if (st && n > 1) {
             char why[sizeof st->msg];
             snprintf(why, sizeof why, "%s", st->msg);
             snprintf(st->msg, sizeof st->msg, "device %u (its share %llu of the budget %llu): %.150s",

@@ -1,6 +1,7 @@
-/* qm_placement.h - a session over several devices: which device serves each
- * bank (layer), each device's share of the session's budget, and one pager
- * per device behind a single forward call.
+/* qm_placement.h - a session over its devices (one device is the common
+ * case of several): which device serves each bank (layer), each device's
+ * share of the session's budget, and one pager per device behind a single
+ * forward call.
  *
  * The rule ("layers_contiguous"): the layers are cut into contiguous runs,
  * one per device in device order, so that each device's share of the
@@ -58,11 +59,12 @@ void qm_multipager_free(qm_multipager *mp); /* accepts NULL */
 /* qm_pager_forward on the pager of call->layer's device. */
 int qm_multipager_forward(qm_multipager *mp, const qm_moe_call *call, qm_moe_stats *mstats,
                           qm_status *st);
-/* session.resize over several devices: `budget` split by
- * qm_placement_split (the placement stays) and each device's pager resized
- * to its share (qm_pager_resize: shrinking evicts by the policy on that
- * device; outputs never change). On an error the message names the device
- * and its share, and devices already resized go back to their budgets. */
+/* session.resize over the devices: `budget` split by qm_placement_split
+ * (the placement stays) and each device's pager resized to its share
+ * (qm_pager_resize: shrinking evicts by the policy on that device; outputs
+ * never change). On an error over several devices the message names the
+ * device and its share (with one, it is the pager's own), and devices
+ * already resized go back to their budgets. */
 int qm_multipager_resize(qm_multipager *mp, uint64_t budget, qm_status *st);
 /* policy_params.record_trace over several devices: one trace for the
  * session (qm_pager_record_trace on the first device with layers; every

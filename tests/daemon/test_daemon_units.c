@@ -10,6 +10,7 @@
 #include <sys/un.h>
 #include <unistd.h>
 
+#include "qm_backend.h"
 #include "qm_config.h"
 #include "qm_log.h"
 #include "qm_notify.h"
@@ -100,6 +101,65 @@ START_TEST(test_config_rejects_unknown_keys_and_bad_values)
     char *a4[] = {"qmoed", "--backend", "tpu", NULL};
     ck_assert_int_eq(qm_config_from_args(&cfg, 3, a4, &st), QM_EINVAL);
     qm_config_free(&cfg);
+}
+END_TEST
+
+/* --backend and --device take the backend registry's kinds, and their
+ * errors name every kind that would do: nothing is typed in qm_config.c. */
+START_TEST(test_backend_and_device_kinds_come_from_the_registry)
+{
+    qm_config cfg;
+    qm_status st;
+    char bad_backend[QM_STATUS_MSG_MAX] = "", bad_device[QM_STATUS_MSG_MAX] = "";
+    char *a1[] = {"qmoed", "--backend", "tpu", NULL};
+    char *a2[] = {"qmoed", "--device", "tpu:0", NULL};
+    qm_config_defaults(&cfg);
+    optind = 1;
+    ck_assert_int_eq(qm_config_from_args(&cfg, 3, a1, &st), QM_EINVAL);
+    snprintf(bad_backend, sizeof bad_backend, "%s", st.msg);
+    qm_config_free(&cfg);
+    qm_config_defaults(&cfg);
+    optind = 1;
+    ck_assert_int_eq(qm_config_from_args(&cfg, 3, a2, &st), QM_EINVAL);
+    snprintf(bad_device, sizeof bad_device, "%s", st.msg);
+    qm_config_free(&cfg);
+    ck_assert_msg(strstr(bad_backend, " or auto"), "%s", bad_backend);
+    size_t numbered = 0;
+    for (size_t i = 0; i < qm_backend_kind_count(); i++) {
+        const char *kind = qm_backend_kind_name(i);
+        unsigned caps = qm_backend_kind_caps(i);
+        ck_assert_msg(strstr(bad_backend, kind), "%s: not in '%s'", kind, bad_backend);
+        char backend[32], list[48];
+        snprintf(backend, sizeof backend, "%s", kind);
+        snprintf(list, sizeof list, "%s:0,%s:2", kind, kind);
+        char *b[] = {"qmoed", "--backend", backend, NULL};
+        char *l[] = {"qmoed", "--device", list, NULL};
+        qm_config_defaults(&cfg);
+        optind = 1;
+        ck_assert_msg(qm_config_from_args(&cfg, 3, b, &st) == 0, "%s: %s", kind, st.msg);
+        ck_assert_str_eq(cfg.backend, kind);
+        qm_config_free(&cfg);
+        qm_config_defaults(&cfg);
+        optind = 1;
+        int rc = qm_config_from_args(&cfg, 3, l, &st);
+        if (caps & QM_BACKEND_CAP_NUMBERED) {
+            numbered++;
+            ck_assert_msg(rc == 0, "%s: %s", list, st.msg);
+            ck_assert_str_eq(cfg.device_kind, kind);
+            ck_assert_uint_eq(cfg.n_devices, 2);
+            ck_assert_msg(strstr(bad_device, kind), "%s: not in '%s'", kind, bad_device);
+        } else {
+            ck_assert_msg(rc == QM_EINVAL && strstr(st.msg, "unknown kind"), "%s: %d %s", list,
+                          rc, st.msg);
+        }
+        if (caps & QM_BACKEND_CAP_HOST) {
+            qm_config_free(&cfg);
+            qm_config_defaults(&cfg);
+            ck_assert_str_eq(cfg.backend, kind); /* the default */
+        }
+        qm_config_free(&cfg);
+    }
+    ck_assert_uint_gt(numbered, 0);
 }
 END_TEST
 
@@ -254,6 +314,7 @@ int main(void)
     tc = tcase_create("config");
     tcase_add_test(tc, test_flags_override_the_config_file);
     tcase_add_test(tc, test_config_rejects_unknown_keys_and_bad_values);
+    tcase_add_test(tc, test_backend_and_device_kinds_come_from_the_registry);
     tcase_add_test(tc, test_device_lists_and_budgets_per_device);
     tcase_add_test(tc, test_reload_changes_only_reloadable_keys);
     suite_add_tcase(s, tc);
