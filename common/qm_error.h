@@ -39,7 +39,7 @@ enum {
 const char *qm_strerror(int code);
 const char *qm_err_name(int code);
 
-#define QM_STATUS_MSG_MAX 256
+#define QM_STATUS_MSG_MAX 512 /* holds protocol/'s method list in one sentence */
 
 typedef struct qm_status {
     int code;                     /* 0 or QM_E* */

@@ -48,7 +48,7 @@ static void *qm__copy_thread_main(void *arg)
         int rc = qm__copy_regions(p, &job, &est);
         pthread_mutex_lock(&p->mu);
         if (rc)
-            snprintf(p->copy_msg, sizeof p->copy_msg, "%s", est.msg);
+            snprintf(p->copy_msg, sizeof p->copy_msg, "%.*s", (int)sizeof p->copy_msg - 1, est.msg);
         p->q_head = (p->q_head + 1) % p->q_cap;
         p->q_len--;
         p->slots[job.slot].copy_rc = rc;

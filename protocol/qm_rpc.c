@@ -18,6 +18,18 @@ static const char *const method_names[] = {
 #undef QM__METHOD_NAME
 };
 
+/* ", daemon.status, daemon.shutdown, ...": every method, for the error an
+ * unknown one gets (read from its third byte). */
+static const char method_list[] = {
+#define QM__METHOD_LIST_ITEM(name, text) ", " text
+    QM_METHOD_MAP(QM__METHOD_LIST_ITEM)
+#undef QM__METHOD_LIST_ITEM
+};
+#define QM__UNKNOWN_METHOD_FMT "unknown method '%s'; expected one of %s"
+/* The sentence holds the clipped name (qm_clip: < 80 bytes) and the whole list. */
+_Static_assert(sizeof QM__UNKNOWN_METHOD_FMT + 80 + sizeof method_list <= QM_STATUS_MSG_MAX,
+               "the method list no longer fits an error sentence: raise QM_STATUS_MSG_MAX");
+
 const char *qm_method_name(qm_method m)
 {
     return (unsigned)m < QM_METHOD_COUNT ? method_names[m] : "?";
@@ -235,13 +247,8 @@ static void decode_item(const cJSON *obj, qm_rpc_item *it)
     if (qm_method_parse(name, strlen(name), &it->req.method) < 0) {
         char clip[80];
         qm_clip(name, strlen(name), clip, sizeof clip);
-        item_error(it, QM_RPC_METHOD_NOT_FOUND, NULL,
-                   "unknown method '%s'; expected one of daemon.status, daemon.shutdown, "
-                   "model.load, model.unload, model.list, session.create, session.close, "
-                   "session.list, session.plan, session.infer, session.map, session.unmap, "
-                   "telemetry.get, telemetry.trace, "
-                   "telemetry.metrics",
-                   clip);
+        item_error(it, QM_RPC_METHOD_NOT_FOUND, NULL, QM__UNKNOWN_METHOD_FMT, clip,
+                   method_list + 2);
         return;
     }
     if (params && !cJSON_IsObject(params)) {

@@ -156,6 +156,9 @@ def test_batch_with_notifications_answers_only_requests(daemon):
     assert set(by_id) == {"a", "b", "c", None}
     assert "result" in by_id["a"] and "result" in by_id["b"]
     assert by_id["c"]["error"]["code"] == -32601 and by_id[None]["error"]["code"] == -32600
+    # The unknown method's answer lists every method, none clipped.
+    reason = by_id["c"]["error"]["data"]["reason"]
+    assert "session.resize" in reason and reason.endswith("telemetry.metrics"), reason
     # A batch of notifications only gets no response at all.
     c.send_raw(b'[{"jsonrpc":"2.0","method":"daemon.status"}]\n{"jsonrpc":"2.0","method":"x"}\n')
     assert c.request("daemon.status", id="after")["id"] == "after"

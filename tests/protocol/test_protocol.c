@@ -345,6 +345,36 @@ START_TEST(test_decode_unknown_method_is_method_not_found_and_clipped)
 }
 END_TEST
 
+/* The answer lists every method of QM_METHOD_MAP, in order and whole, even
+ * after the longest echo of the name. */
+START_TEST(test_decode_unknown_method_names_every_method)
+{
+    char long_name[201];
+    memset(long_name, 'm', 200);
+    long_name[200] = '\0';
+    const char *names[] = {"nope", long_name};
+    for (size_t n = 0; n < 2; n++) {
+        char buf[512];
+        snprintf(buf, sizeof buf, "{\"jsonrpc\":\"2.0\",\"id\":1,\"method\":\"%s\"}", names[n]);
+        qm_rpc_frame f = decode(buf);
+        const char *msg = f.items[0].status.msg;
+        ck_assert_int_eq(f.items[0].rpc_code, QM_RPC_METHOD_NOT_FOUND);
+        const char *at = strstr(msg, "expected one of ");
+        ck_assert_msg(at != NULL, "%s", msg);
+        for (int m = 0; m < QM_METHOD_COUNT; m++) {
+            const char *name = qm_method_name((qm_method)m);
+            const char *hit = strstr(at, name);
+            ck_assert_msg(hit != NULL, "%s missing from: %s", name, msg);
+            at = hit + strlen(name); /* in QM_METHOD_MAP's order */
+        }
+        ck_assert_str_eq(at, ""); /* nothing clipped after the last */
+        ck_assert_ptr_nonnull(strstr(msg, "session.resize, "));
+        ck_assert_ptr_nonnull(strstr(msg, ", telemetry.metrics"));
+        qm_rpc_frame_free(&f);
+    }
+}
+END_TEST
+
 START_TEST(test_batch_mixes_requests_notifications_and_errors)
 {
     qm_rpc_frame f = decode("[{\"jsonrpc\":\"2.0\",\"id\":1,\"method\":\"daemon.status\"},"
@@ -822,6 +852,7 @@ static Suite *protocol_suite(void)
     tcase_add_test(tc, test_decode_rejects_bad_json_as_parse_error);
     tcase_add_test(tc, test_decode_rejects_non_request_envelopes);
     tcase_add_test(tc, test_decode_unknown_method_is_method_not_found_and_clipped);
+    tcase_add_test(tc, test_decode_unknown_method_names_every_method);
     tcase_add_test(tc, test_batch_mixes_requests_notifications_and_errors);
     tcase_add_test(tc, test_batch_empty_and_oversized_are_single_invalid_request);
     suite_add_tcase(s, tc);
