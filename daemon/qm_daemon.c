@@ -6,9 +6,7 @@
  * (1 when drain_timeout_s ran out first). SIGHUP: reload reloadable keys. */
 #include "qm_daemon.h"
 
-#include <grp.h>
 #include <signal.h>
-#include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -17,71 +15,51 @@
 #include <time.h>
 #include <unistd.h>
 
+#include <uv.h>
+
 #include "qm_alloc.h"
+#include "qm_config.h"
+#include "qm_devices.h"
+#include "qm_dispatch.h"
 #include "qm_log.h"
+#include "qm_methods.h"
 #include "qm_models.h"
 #include "qm_notify.h"
 #include "qm_pool.h"
+#include "qm_registry.h"
 #include "qm_server.h"
-#include "qm_sessions.h"
 #include "qm_sigbus.h"
+#include "qm_telemetry.h"
 
-const char *const qm_limit_names[QM_LIMIT_COUNT] = {
-    "max_request_bytes", "max_nesting",  "max_batch",      "max_connections",  "max_sessions",
-    "max_output_bytes",  "queue_depth",  "idle_timeout_s", "frames_per_wakeup",
-    "frame_timeout_s",   "output_stall",
+typedef struct qm_daemon qm_daemon;
+
+struct qm_daemon {
+    uv_loop_t *loop;
+    qm_config cfg;
+    uv_signal_t sig_term, sig_int, sig_hup;
+    uv_timer_t tick, watchdog, drain_timer;
+    uint64_t watchdog_usec;
+    uint64_t ticks;
+    qm_devices devices;
+    qm_registry *registry;
+    qm_server *server;
+    qm_pool *pool;
+    qm_counters counters;
+    qm_limits limits;
+    qm_trace trace;
+    qm_method_ctx methods; /* what the methods reach of all this */
+    int draining;
+    int stopping; /* handles are being closed */
+    uint64_t start_us;
+    int exit_code;
 };
-
-uint64_t qm_now_us(void)
-{
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (uint64_t)ts.tv_sec * 1000000u + (uint64_t)ts.tv_nsec / 1000u;
-}
-
-/* Counted every time, logged the first time per limit (and per connection
- * for the output limit, logged by its caller). */
-void qm_limit_hit(qm_daemon *d, int limit, const char *fmt, ...)
-{
-    d->limit_hits[limit]++;
-    if (d->limit_logged[limit])
-        return;
-    d->limit_logged[limit] = 1;
-    char msg[512];
-    va_list ap;
-    va_start(ap, fmt);
-    vsnprintf(msg, sizeof msg, fmt, ap);
-    va_end(ap);
-    qm_log(QM_LOG_WARNING, "limit %s: %s (logged once; see qmoed_limit_hits_total)",
-           qm_limit_names[limit], msg);
-}
-
-static void apply_limits(qm_daemon *d)
-{
-    d->lim.max_request_bytes = d->cfg.max_request_bytes;
-    d->lim.max_nesting = (int)d->cfg.max_nesting;
-    d->lim.max_batch = d->cfg.max_batch;
-    qm_server_apply_limits(d);
-    qm_log_set_level(d->cfg.log_level);
-    d->has_admin_gid = 0;
-    if (d->cfg.admin_group) {
-        struct group *g = getgrnam(d->cfg.admin_group);
-        if (g) {
-            d->has_admin_gid = 1;
-            d->admin_gid = g->gr_gid;
-        } else {
-            qm_log(QM_LOG_WARNING, "admin_group '%s' does not exist; only uid 0 and uid %u are "
-                   "admins", d->cfg.admin_group, (unsigned)d->self_uid);
-        }
-    }
-}
 
 static void notify_status(qm_daemon *d, const char *prefix)
 {
     char msg[256];
     snprintf(msg, sizeof msg, "%sSTATUS=%s: %zu models, %zu sessions, %zu connections", prefix,
-             d->draining ? "draining" : "serving", d->n_models, d->n_sessions,
-             qm_server_connections(d));
+             d->draining ? "draining" : "serving", qm_registry_model_count(d->registry),
+             qm_registry_session_count(d->registry), qm_server_connections(d->server));
     qm_notify(msg);
 }
 
@@ -97,14 +75,18 @@ static void finish(qm_daemon *d)
     if (d->stopping)
         return;
     d->stopping = 1;
-    qm_server_stop_listening(d);
-    qm_server_close_all(d);
+    qm_server_stop_listening(d->server);
+    qm_server_close_all(d->server);
     uv_walk(d->loop, close_walk_cb, NULL);
 }
 
-void qm_daemon_maybe_finish(qm_daemon *d)
+/* Where a drain may end (the server's safe points, the pool's idle): once
+ * every accepted request is answered and written, the loop stops. */
+static void maybe_finish(void *arg)
 {
-    if (!d->draining || d->stopping || qm_pool_queued(d->pool) || qm_server_owes_answers(d))
+    qm_daemon *d = arg;
+    if (!d->draining || d->stopping || qm_pool_queued(d->pool) ||
+        qm_server_owes_answers(d->server))
         return;
     qm_log(QM_LOG_INFO, "drained: every accepted request answered");
     finish(d);
@@ -119,15 +101,16 @@ static void drain_timeout_cb(uv_timer_t *t)
     finish(d);
 }
 
-void qm_daemon_begin_drain(qm_daemon *d, const char *why)
+static void begin_drain(void *arg, const char *why)
 {
+    qm_daemon *d = arg;
     if (d->draining)
         return;
     d->draining = 1;
     qm_log(QM_LOG_NOTICE, "draining (%s): %zu requests in flight", why, qm_pool_queued(d->pool));
     qm_notify("STOPPING=1");
     notify_status(d, "");
-    qm_server_stop_listening(d);
+    qm_server_stop_listening(d->server);
     if (d->cfg.drain_timeout_s) {
         uv_timer_start(&d->drain_timer, drain_timeout_cb, (uint64_t)d->cfg.drain_timeout_s * 1000,
                        0);
@@ -135,6 +118,8 @@ void qm_daemon_begin_drain(qm_daemon *d, const char *why)
     }
     /* The end comes from the check handle, at a safe point of the loop. */
 }
+
+static int draining(void *arg) { return ((qm_daemon *)arg)->draining; }
 
 static void signal_cb(uv_signal_t *h, int signum)
 {
@@ -159,7 +144,8 @@ static void signal_cb(uv_signal_t *h, int signum)
             qm_log(QM_LOG_ERR, "SIGHUP: keeping the old config: %s", st.msg);
         } else {
             d->cfg = next;
-            apply_limits(d);
+            qm_log_set_level(d->cfg.log_level);
+            qm_server_apply_config(d->server);
             qm_log(QM_LOG_NOTICE, "SIGHUP: reloaded %s", d->cfg.config_path);
         }
         qm_notify("READY=1");
@@ -167,23 +153,35 @@ static void signal_cb(uv_signal_t *h, int signum)
         return;
     }
     qm_log(QM_LOG_NOTICE, "%s received", signum == SIGTERM ? "SIGTERM" : "SIGINT");
-    qm_daemon_begin_drain(d, signum == SIGTERM ? "SIGTERM" : "SIGINT");
+    begin_drain(d, signum == SIGTERM ? "SIGTERM" : "SIGINT");
 }
 
 static void tick_cb(uv_timer_t *t)
 {
     qm_daemon *d = t->data;
-    qm_server_sweep_idle(d);
+    qm_server_sweep_idle(d->server);
     /* Hotness profiles reach the state dir every 5 minutes (and at unload
      * and exit), so a crash loses little. */
     if (++d->ticks % 300 == 0)
-        qm_models_save_hotness(d);
+        qm_models_save_hotness(d->registry);
 }
 
 static void watchdog_cb(uv_timer_t *t)
 {
     (void)t;
     qm_notify("WATCHDOG=1");
+}
+
+/* The server's frames and the pool's finished jobs go to dispatch, with
+ * what the methods reach. */
+static void server_frame(void *arg, qm_conn *c, qm_rpc_frame *frame, uint64_t decode_us)
+{
+    qm_dispatch_frame(&((qm_daemon *)arg)->methods, c, frame, decode_us);
+}
+
+static void pool_done(void *arg, qm_job *job)
+{
+    qm_dispatch_job_done(&((qm_daemon *)arg)->methods, job);
 }
 
 int qm_daemon_main(int argc, char **argv)
@@ -224,15 +222,24 @@ int qm_daemon_main(int argc, char **argv)
     if (qm_sigbus_install() < 0)
         qm_log(QM_LOG_WARNING, "cannot install the SIGBUS handler: a bank file truncated "
                "while a request reads it would end the daemon");
-    d->self_uid = geteuid();
     d->start_us = qm_now_us();
-    d->start_wall = (int64_t)time(NULL);
     d->exit_code = 0;
-    apply_limits(d);
+    qm_log_set_level(d->cfg.log_level);
     d->loop = uv_default_loop();
 
     int status = 1;
-    if (qm_trace_init(&d->trace, d->cfg.trace_capacity) < 0) {
+    qm_server_host host = {.loop = d->loop,
+                           .cfg = &d->cfg,
+                           .counters = &d->counters,
+                           .limits = &d->limits,
+                           .frame = server_frame,
+                           .safe_point = maybe_finish,
+                           .arg = d};
+    if (qm_server_new(&host, &d->server) < 0) {
+        qm_log(QM_LOG_ERR, "out of memory for the server");
+        goto out_config;
+    }
+    if (qm_trace_init(&d->trace, d->cfg.trace_capacity, d->start_us) < 0) {
         qm_log(QM_LOG_ERR, "out of memory for the trace ring");
         goto out_config;
     }
@@ -249,9 +256,24 @@ int qm_daemon_main(int argc, char **argv)
         qm_log(QM_LOG_ERR, "cannot open backend %s: %s", d->cfg.backend, st.msg);
         goto out_trace;
     }
+    if (qm_registry_new(&d->cfg, &d->devices, &d->limits, &d->trace, &d->registry) < 0) {
+        qm_log(QM_LOG_ERR, "out of memory for the registry");
+        goto out_models;
+    }
+    d->methods = (qm_method_ctx){.cfg = &d->cfg,
+                                 .registry = d->registry,
+                                 .devices = &d->devices,
+                                 .server = d->server,
+                                 .counters = &d->counters,
+                                 .limits = &d->limits,
+                                 .trace = &d->trace,
+                                 .start_us = d->start_us,
+                                 .draining = draining,
+                                 .begin_drain = begin_drain,
+                                 .life = d};
     for (size_t i = 0; i < d->cfg.n_models; i++) {
         qm_status_clear(&st);
-        rc = qm_model_load(d, d->cfg.models[i].name, d->cfg.models[i].path, NULL, &st);
+        rc = qm_model_load(d->registry, d->cfg.models[i].name, d->cfg.models[i].path, NULL, &st);
         if (rc < 0) {
             qm_log(QM_LOG_ERR, "cannot load model %s from %s: %s", d->cfg.models[i].name,
                    d->cfg.models[i].path, st.msg);
@@ -275,36 +297,39 @@ int qm_daemon_main(int argc, char **argv)
     d->tick.data = d->watchdog.data = d->drain_timer.data = d;
     uv_timer_start(&d->tick, tick_cb, 1000, 1000);
     qm_status_clear(&st);
-    if ((rc = qm_server_listen(d, &st)) < 0) {
+    if ((rc = qm_server_listen(d->server, &st)) < 0) {
         qm_log(QM_LOG_ERR, "%s", st.msg);
         goto out_listen;
     }
-    if (qm_pool_start(d, d->cfg.workers) < 0) {
+    qm_pool_hooks hooks = {.done = pool_done, .idle = maybe_finish, .arg = d};
+    if (qm_pool_start(d->loop, d->cfg.workers, &hooks, &d->pool) < 0) {
         qm_log(QM_LOG_ERR, "cannot start %u workers", d->cfg.workers);
         goto out_listen;
     }
+    d->methods.pool = d->pool;
     d->watchdog_usec = qm_watchdog_usec();
     if (d->watchdog_usec) {
         uint64_t ms = d->watchdog_usec / 2000;
         uv_timer_start(&d->watchdog, watchdog_cb, ms ? ms : 1, ms ? ms : 1);
     }
     notify_status(d, "READY=1\n");
-    qm_log(QM_LOG_NOTICE, "qmoed %s ready (%zu models)", QMOE_VERSION, d->n_models);
+    qm_log(QM_LOG_NOTICE, "qmoed %s ready (%zu models)", QMOE_VERSION,
+           qm_registry_model_count(d->registry));
 
     uv_run(d->loop, UV_RUN_DEFAULT);
     /* Handles left by a stop (close callbacks still pending) finish here. */
     uv_walk(d->loop, close_walk_cb, NULL);
     uv_run(d->loop, UV_RUN_DEFAULT);
-    qm_pool_stop(d);
+    qm_pool_stop(d->pool);
     status = d->exit_code;
     goto out_models;
 
 out_listen:
     uv_walk(d->loop, close_walk_cb, NULL);
     uv_run(d->loop, UV_RUN_DEFAULT);
-    qm_pool_stop(d);
+    qm_pool_stop(d->pool);
 out_models:
-    qm_registry_free_all(d);
+    qm_registry_free(d->registry);
     qm_devices_close(&d->devices);
 out_trace:
     qm_trace_free(&d->trace);
@@ -312,7 +337,7 @@ out_config:
     if (uv_loop_close(d->loop) != 0)
         qm_log(QM_LOG_WARNING, "event loop closed with handles still open");
     qm_log(QM_LOG_INFO, "exiting with status %d", status);
-    qm_server_free(d);
+    qm_server_free(d->server);
     qm_config_free(&d->cfg);
     return status;
 }

@@ -1,17 +1,16 @@
-/* qm_infer.c - session.infer on a worker thread: the layer through the
- * session's pager, and the response encoded there too, so the loop thread
- * only queues bytes. The job owns everything it touches except the session,
- * which its FIFO gives it alone while it runs. */
-#include "qm_pool.h"
+/* qm_infer.c - session.infer: admitted on the loop thread (mapped tensors
+ * resolved, shapes against the model), run on a worker (the layer through
+ * the session's pagers, and the response encoded there too, so the loop
+ * thread only queues bytes), finished on the loop (counters, hotness,
+ * trace span, the answer). The job owns everything it touches except the
+ * session, which its FIFO gives it alone while it runs. */
+#include "qm_methods.h"
 
 #include <string.h>
 
 #include "qm_alloc.h"
-#include "qm_daemon.h"
-#include "qm_dispatch.h"
 #include "qm_models.h"
 #include "qm_sessions.h"
-#include "qm_plan_json.h"
 
 static qm_dtype dtype_of(qm_wire_dtype t)
 {
@@ -38,21 +37,64 @@ static float *logits_f32(const qm_tensor *t)
     return out;
 }
 
-/* A job whose session was closed while it queued fails with QM_ENOT_FOUND; returns 1 then. */
-static int job_session_closed(qm_job *job)
+/* The checks that need the model, before queueing. */
+static int check_infer(const qm_session *s, const qm_params *p, qm_status *st)
 {
-    if (!atomic_load(&job->session->closed))
-        return 0;
-    job->rc = qm_status_set_field(&job->st, QM_ENOT_FOUND, "session",
-                                  "the session was closed before this request ran");
-    return 1;
+    const qm_model *m = qm_session_model(s);
+    const qm_bank_config *cfg = qm_bank_get_config(m->bank);
+    if (p->layer >= cfg->layers)
+        return qm_status_set_field(st, QM_EINVAL, "layer",
+                                   "layer %u is out of range; the model has %u layers", p->layer,
+                                   cfg->layers);
+    if (p->hidden.shape[1] != cfg->hidden)
+        return qm_status_set_field(st, QM_EINVAL, "hidden.shape",
+                                   "hidden.shape is [%llu, %llu]; expected [T, %u]",
+                                   (unsigned long long)p->hidden.shape[0],
+                                   (unsigned long long)p->hidden.shape[1], cfg->hidden);
+    if (p->hidden.shape[0] > UINT32_MAX)
+        return qm_status_set_field(st, QM_EINVAL, "hidden.shape", "too many tokens");
+    if (p->has_topk) {
+        /* Routing supplied by the engine: checked here so a bad id is the
+         * request's -32602, not a worker's failure. */
+        if (p->topk_ids.shape[1] > cfg->experts)
+            return qm_status_set_field(st, QM_EINVAL, "topk_ids",
+                                       "topk_ids has %llu columns but the model has %u experts",
+                                       (unsigned long long)p->topk_ids.shape[1], cfg->experts);
+        return qm_moe_topk_check(p->topk_ids.data, (uint32_t)p->hidden.shape[0], cfg->experts,
+                                 (uint32_t)p->topk_ids.shape[1], st);
+    }
+    if (p->has_router_logits) {
+        if (p->router_logits.shape[1] != cfg->experts)
+            return qm_status_set_field(st, QM_EINVAL, "router_logits.shape",
+                                       "router_logits.shape is [%llu, %llu]; expected [%llu, %u]",
+                                       (unsigned long long)p->router_logits.shape[0],
+                                       (unsigned long long)p->router_logits.shape[1],
+                                       (unsigned long long)p->hidden.shape[0], cfg->experts);
+    } else {
+        const qm_layer_view *lv = qm_bank_layer(m->bank, p->layer);
+        if (!lv || !lv->t[QM_T_ROUTER_WEIGHT].present)
+            return qm_status_set_field(st, QM_EINVAL, "router_logits",
+                                       "router_logits is required: layer %u of the bank holds "
+                                       "no router weight",
+                                       p->layer);
+    }
+    return 0;
 }
 
-void qm_job_run(qm_job *job)
+/* Mapped tensors point into the session's maps, which the job holds until
+ * it is done (PROTOCOL.md "Shared-memory tensors"). */
+static int infer_admit(qm_job *job, qm_status *st)
+{
+    qm_params *p = &job->req.params;
+    int rc = qm_shm_resolve(qm_session_maps(job->session), p, p->hidden.nbytes, &job->maps, st);
+    return rc < 0 ? rc : check_infer(job->session, p, st);
+}
+
+static void infer_run(qm_job *job)
 {
     qm_session *s = job->session;
     qm_params *p = &job->req.params;
-    if (job_session_closed(job))
+    if (qm__job_session_closed(job))
         return;
     /* Nobody will read the answer: a client that pipelined many inferences
      * and went away must not keep the session's worker busy for them. */
@@ -62,7 +104,8 @@ void qm_job_run(qm_job *job)
                                 "the client disconnected before this request ran");
         return;
     }
-    const qm_bank_config *cfg = qm_bank_get_config(s->model->bank);
+    const qm_model *model = qm_session_model(s);
+    const qm_bank_config *cfg = qm_bank_get_config(model->bank);
     uint32_t T = (uint32_t)p->hidden.shape[0], H = cfg->hidden;
     uint32_t k = p->has_topk ? (uint32_t)p->topk_ids.shape[1] : cfg->k;
     size_t out_bytes = (size_t)T * H * qm_wire_dtype_size(p->hidden.dtype);
@@ -96,14 +139,14 @@ void qm_job_run(qm_job *job)
                         .topk_ids = p->has_topk ? p->topk_ids.data : NULL,
                         .topk_weights = topk_w,
                         .topk_k = k,
-                        .precision = s->precision_fast ? QM_PRECISION_FAST : QM_PRECISION_EXACT};
+                        .precision = qm_session_precision(s)};
     /* A bank file truncated on disk fails the request before it reads the
      * mapping, and after it when the truncation raced it (qm_sigbus.c). */
-    job->rc = qm_model_check(s->model, &job->st);
+    job->rc = qm_model_check(model, &job->st);
     if (job->rc == 0)
         job->rc = qm_session_forward(s, &call, &job->mstats, &job->st);
     if (job->rc == 0)
-        job->rc = qm_model_check(s->model, &job->st);
+        job->rc = qm_model_check(model, &job->st);
     qm_session_stats(s, &job->pstats);
     job->tokens = T;
     if (job->rc == 0 && job->maps.output && !direct)
@@ -169,126 +212,60 @@ free_buffers:
     qm_free(rw);
 }
 
-
-/* Whole-bank banks get no resident_now: they are resident for the session's
- * life, which the plan's decision already says (docs/PROTOCOL.md). */
-int qm_session_plan_json(qm_session *s, char **json, size_t *len, qm_status *st)
+/* The counters, the model's hotness profile and a trace span. */
+static void account_infer(qm_job *job)
 {
-    size_t n = qm_plan_total(s->plan);
-    qm_plan_json_bank_state *banks = qm_calloc(n ? n : 1, sizeof *banks);
-    uint32_t **lists = qm_calloc(n ? n : 1, sizeof *lists);
-    int rc = 0;
-    if (!banks || !lists) {
-        rc = qm_status_set(st, QM_ENOMEM, "out of memory reading the residency");
-        goto free_lists;
-    }
-    qm_plan_json_state state = {.banks = banks, .n_banks = 0};
-    /* The placement is shown when the session spans several devices. */
-    const qm_placement *pl = &s->placement;
-    const int placed = pl->n_devices > 1;
-    for (size_t i = 0; i < n && s->pagers; i++) {
-        uint32_t layer = qm_plan_bank_at(s->plan, i)->bank_id; /* bank id = layer */
-        qm_pager *pager = qm_session_pager_of(s, layer);
-        qm_plan_json_bank_state *b = &banks[state.n_banks];
-        *b = (qm_plan_json_bank_state){.bank_id = layer};
-        if (placed && layer < pl->n_layers) {
-            b->has_device = 1; /* every bank names its device, whole or paged */
-            b->device = pl->device_of[layer];
-        }
-        int count = pager && qm_pager_layer_is_paged(pager, layer) == 1
-                        ? qm_pager_resident_experts(pager, layer, NULL, 0)
-                        : -1;
-        if (b->has_device || count >= 0)
-            state.n_banks++;
-        if (count < 0)
-            continue;
-        lists[i] = qm_malloc(((size_t)count + 1) * sizeof **lists);
-        if (!lists[i]) {
-            rc = qm_status_set(st, QM_ENOMEM, "out of memory reading the residency");
-            goto free_lists;
-        }
-        size_t cap = (size_t)count;
-        count = qm_pager_resident_experts(pager, layer, lists[i], cap);
-        b->has_resident_now = 1;
-        b->resident_now = lists[i];
-        b->n_resident_now = count < 0 ? 0 : (size_t)count < cap ? (size_t)count : cap;
-        /* Pins a resize released: after the resident list, in the same buffer. */
-        int nrel = qm_pager_pins_released(pager, layer, NULL, 0);
-        if (nrel > 0) {
-            uint32_t *grown = qm_realloc(lists[i], (b->n_resident_now + (size_t)nrel) *
-                                                        sizeof **lists);
-            if (!grown) {
-                rc = qm_status_set(st, QM_ENOMEM, "out of memory reading the residency");
-                goto free_lists;
-            }
-            lists[i] = grown;
-            b->resident_now = grown;
-            b->pins_released = grown + b->n_resident_now;
-            nrel = qm_pager_pins_released(pager, layer, grown + b->n_resident_now,
-                                          (size_t)nrel);
-            b->n_pins_released = nrel < 0 ? 0 : (size_t)nrel;
-        }
-    }
-    const char *names[QM_CONFIG_MAX_DEVICES];
-    if (placed) {
-        for (uint32_t i = 0; i < pl->n_devices && i < QM_CONFIG_MAX_DEVICES; i++)
-            names[i] = s->device_names[i];
-        state.placement_rule = QM_PLACEMENT_RULE;
-        state.device_names = names;
-        state.device_budgets = pl->budget;
-        state.n_devices = pl->n_devices;
-    }
-    if (s->pagers) {
-        qm_pager_stats ps;
-        qm_session_stats(s, &ps);
-        state.has_resident_bytes = 1;
-        state.resident_bytes = ps.resident_bytes;
-        state.on_miss = qm_on_miss_name(s->pager_options.on_miss);
-        state.expert_hits = ps.hits + ps.whole_bank_accesses;
-        state.expert_misses = ps.misses;
-        state.expert_host_runs = ps.host_runs;
-    }
-    rc = qm_plan_to_json_ex(s->plan, &state, json, len, st);
-free_lists:
-    for (size_t i = 0; lists && i < n; i++)
-        qm_free(lists[i]);
-    qm_free(lists);
-    qm_free(banks);
-    return rc;
-}
-
-void qm_job_run_plan(qm_job *job)
-{
+    const qm_method_ctx *mx = job->mx;
     qm_session *s = job->session;
-    if (job_session_closed(job))
+    qm_counters *sc = qm_session_counters(s), *dc = mx->counters;
+    uint64_t latency = qm_now_us() - job->enqueue_us;
+    sc->requests++;
+    if (job->rc < 0) {
+        sc->errors++;
         return;
-    if (!job->req.id)
-        return; /* a notification: nothing to answer */
-    char *json;
-    size_t len;
-    job->rc = qm_session_plan_json(s, &json, &len, &job->st);
-    if (job->rc < 0)
-        return;
-    qm_jw w;
-    qm_jw_init(&w, &job->response);
-    qm_rpc_result_begin(&w, job->req.id);
-    qm_jw_raw(&w, json, len);
-    qm_rpc_result_end(&w);
-    qm_free(json);
-    if (job->response.oom)
-        job->rc = qm_status_set(&job->st, QM_ENOMEM, "out of memory encoding the plan");
+    }
+    qm_pager_stats was;
+    qm_session_note_stats(s, &job->pstats, &was);
+    sc->tokens += job->tokens;
+    dc->tokens += job->tokens;
+    qm_counters_add_paging(sc, dc, &was, &job->pstats);
+    qm_model *m = qm_session_model(s);
+    if (m->hotness && job->route_experts)
+        qm_hotness_record(m->hotness, job->req.params.layer, job->route_experts, job->n_routes);
+    qm_hist_add(&sc->latency, latency);
+    qm_hist_add(&dc->latency, latency);
+    /* The span's args, {"layer":..,"compute_us":..}, by hand: every inference
+     * writes one (six names + six 20-digit numbers fit the 192 bytes). */
+    const qm_pager_stats *now = &job->pstats;
+    uint64_t hits = (now->hits - was.hits) + (now->whole_bank_accesses - was.whole_bank_accesses);
+    static const char *const keys[] = {"{\"layer\":",   ",\"tokens\":",   ",\"hits\":",
+                                       ",\"misses\":", ",\"queue_us\":", ",\"compute_us\":"};
+    const uint64_t vals[] = {job->req.params.layer, job->tokens, hits, now->misses - was.misses,
+                             job->start_us - job->enqueue_us, job->mstats.compute_us};
+    char args[192];
+    size_t n = 0;
+    for (size_t i = 0; i < sizeof vals / sizeof vals[0]; i++) {
+        size_t kl = strlen(keys[i]);
+        memcpy(args + n, keys[i], kl);
+        n += kl;
+        n += qm_fmt_u64(args + n, vals[i], 0);
+    }
+    memcpy(args + n, "}", 2);
+    qm_trace_add(mx->trace, "session.infer", job->enqueue_us, latency, qm_session_id(s), args,
+                 NULL);
 }
 
-void qm_job_run_resize(qm_job *job)
+static void infer_finish(qm_job *job)
 {
-    qm_session *s = job->session;
-    if (job_session_closed(job))
-        return;
-    /* Every earlier job of the session has finished (its FIFO): they ran
-     * under the old budget, every later one runs under the new. */
-    uint64_t budget = job->req.params.budget_bytes;
-    job->rc = qm_session_resize(s, budget, &job->st);
-    if (job->rc == 0)
-        qm_plan_set_budget(s->plan, budget);
-    qm_session_stats(s, &job->pstats);
+    /* A skipped inference was neither served nor failed: not counted. */
+    if (!job->cancelled)
+        account_infer(job);
+    qm__job_answer(job);
 }
+
+/* Inferences are what queue_depth bounds: they hold the compute. */
+static const qm_job_ops infer_ops = {
+    .bounded = 1, .admit = infer_admit, .run = infer_run, .finish = infer_finish};
+
+QM__METHOD_ROW(SESSION_INFER, .role = QM_ROLE_USER, .session = QM_SESSION_REQUIRED,
+               .queued = QM_QUEUE_ALWAYS, .job = &infer_ops);

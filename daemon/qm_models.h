@@ -1,4 +1,4 @@
-/* qm_models.h - the daemon's loaded models (qm_registry.c): each bank is
+/* qm_models.h - the registry's loaded models (qm_models.c): each bank is
  * mapped once, shared by the sessions that use it, reference counted, and
  * freed when unloaded and its last session has let go. Loop thread only,
  * except qm_model_check, which a worker calls around each use of the bank. */
@@ -12,9 +12,8 @@
 #include "qm_config.h"
 #include "qm_hotness.h"
 #include "qm_protocol.h"
+#include "qm_registry.h"
 #include "qm_residency.h"
-
-typedef struct qm_daemon qm_daemon;
 
 typedef struct qm_model {
     char name[QM_NAME_MAX + 1];
@@ -38,21 +37,22 @@ typedef struct qm_model {
 
 /* Maps the bank at path under `name`; *out (may be NULL) is borrowed from
  * the registry. */
-int qm_model_load(qm_daemon *d, const char *name, const char *path, qm_model **out,
+int qm_model_load(qm_registry *r, const char *name, const char *path, qm_model **out,
                   qm_status *st);
 /* model.load's path check against model_dirs: the resolved path (qm_malloc'd)
  * in *resolved, or QM_EPERMISSION naming the key when it lies outside. */
-int qm_model_path_allowed(qm_daemon *d, const char *path, char **resolved, qm_status *st);
-qm_model *qm_model_find(qm_daemon *d, const char *name); /* borrowed; NULL when none */
+int qm_model_path_allowed(const qm_registry *r, const char *path, char **resolved,
+                          qm_status *st);
+qm_model *qm_model_find(const qm_registry *r, const char *name); /* borrowed; NULL when none */
 void qm_model_unref(qm_model *m);
 /* Unregisters; with force closes its sessions, else QM_EIN_USE while used. */
-int qm_model_unload(qm_daemon *d, const char *name, int force, qm_status *st);
+int qm_model_unload(qm_registry *r, const char *name, int force, qm_status *st);
 void qm_jw_model_summary(qm_jw *w, const qm_model *m);
 /* Saves every model's hotness profile that changed (state_dir set). */
-void qm_models_save_hotness(qm_daemon *d);
-/* Before and after each use of a model's bank (qm_sigbus.c):
+void qm_models_save_hotness(qm_registry *r);
+/* Before and after each use of a model's bank:
  * QM_EINVALID_MODEL when its file was truncated on disk (fstat) or a read
- * hit a missing page. Any thread. */
+ * hit a missing page (qm_sigbus.c). Any thread. */
 int qm_model_check(const qm_model *m, qm_status *st);
 
 #endif

@@ -1,16 +1,19 @@
-/* qm_pool.h - jobs and the worker pool (qm_worker.c; the work itself in
- * qm_infer.c).
+/* qm_pool.h - jobs and the worker pool (qm_worker.c).
  *
  * A job is one request that needs a worker, or that waits its turn behind
- * one: it is queued on its session's FIFO, so one session's jobs run in
- * order, one at a time, while different sessions run on different workers.
- * The loop thread builds a job and gets it back when done
- * (qm_dispatch_job_done); in between only the worker running it touches it. */
+ * one: it is queued on its session's FIFO (a qm_job_queue the session
+ * embeds), so one session's jobs run in order, one at a time, while
+ * different sessions run on different workers. What a job does is its
+ * operations, which its method's row names (qm_methods.h): the loop thread
+ * admits it, a worker runs it, the loop finishes it (answers), or undoes
+ * the admission of a job that was never queued. The pool knows no method:
+ * it runs `run` on a worker and hands the job back to the loop. */
 #ifndef QM_POOL_H
 #define QM_POOL_H
 
 #include <stddef.h>
 #include <stdint.h>
+#include <uv.h>
 
 #include "qm_moe.h"
 #include "qm_pager.h"
@@ -18,29 +21,48 @@
 #include "qm_server.h"
 #include "qm_shm.h"
 
-typedef struct qm_daemon qm_daemon;
 typedef struct qm_session qm_session;
 typedef struct qm_reply qm_reply;
 typedef struct qm_job qm_job;
 typedef struct qm_pool qm_pool;
+typedef struct qm_method_ctx qm_method_ctx; /* qm_methods.h */
 
-typedef enum qm_job_kind {
-    QM_JOB_INFER,  /* the worker runs the layer and encodes the response */
-    QM_JOB_CREATE, /* the worker builds a new session's pager */
-    QM_JOB_BARRIER, /* the worker passes it through; the loop answers it in order */
-    QM_JOB_PLAN,    /* session.plan: the worker reads the pager's residency now */
-    QM_JOB_RESIZE   /* session.resize: the worker changes the pager's budget */
-} qm_job_kind;
+/* A job's operations; only `finish` is required. */
+typedef struct qm_job_ops {
+    /* Counts against queue_depth (the compute worth refusing: inferences). */
+    int bounded;
+    /* Loop thread, before the job is queued: checks and reservations. < 0
+     * refuses the request (st says why) and nothing is queued. */
+    int (*admit)(qm_job *job, qm_status *st);
+    /* A worker: the work, its results into the job. None: the job only
+     * keeps its place in the session's order (a barrier). */
+    void (*run)(qm_job *job);
+    /* Loop thread, when the worker is done: bookkeeping and the answer. */
+    void (*finish)(qm_job *job);
+    /* Loop thread, for an admitted job that was never queued (out of
+     * memory, queue_depth): gives back what admit took. */
+    void (*undo)(qm_job *job);
+} qm_job_ops;
+
+/* A session's place in the pool, embedded in the session. */
+typedef struct qm_job_queue {
+    qm_job *head, *tail;          /* its FIFO (pool lock) */
+    int scheduled;                /* on the run queue or running (pool lock) */
+    struct qm_job_queue *runq_next; /* (pool lock) */
+    size_t pending;               /* jobs submitted and not yet handed back (loop thread) */
+} qm_job_queue;
 
 struct qm_job {
     qm_job *next;
-    qm_job_kind kind;
-    qm_daemon *d;
-    qm_session *session;
+    const qm_job_ops *ops;
+    const qm_method_ctx *mx;  /* what its operations reach of the daemon */
+    qm_session *session;      /* a reference; NULL until admit makes one (session.create) */
+    qm_job_queue *queue;      /* the session's FIFO */
     qm_reply *reply;
     size_t slot;
-    qm_request req; /* owned */
-    qm_fds fds;      /* session.map's descriptor, owned (closed by qm_job_free) */
+    uid_t peer_uid;           /* who sent it */
+    qm_request req;   /* owned */
+    qm_fds fds;       /* session.map's descriptor, owned (closed by qm_job_free) */
     qm_map_refs maps; /* the session's maps its tensors use (released by qm_job_free) */
     uint64_t enqueue_us, start_us, end_us;
     uint64_t decode_us; /* the frame's decoding on the loop thread (whole batch) */
@@ -48,40 +70,35 @@ struct qm_job {
     int rc;
     int cancelled; /* skipped: its client went away before it ran */
     qm_status st;
-    qm_buf response;
+    qm_buf response;       /* the answer the worker encoded, when it did */
     qm_moe_stats mstats;
-    qm_pager_stats pstats;
+    qm_pager_stats pstats; /* the session's pager statistics after the work */
     uint32_t tokens;
     uint32_t *route_experts; /* [tokens * k], for the hotness profile */
     size_t n_routes;
 };
 
-/* A session's place in the pool, embedded in the session. */
-typedef struct qm_job_queue {
-    qm_job *head, *tail; /* its FIFO (pool lock) */
-    int scheduled;       /* on the run queue or running (pool lock) */
-    qm_session *runq_next; /* (pool lock) */
-    size_t pending;      /* jobs enqueued and not yet completed (loop thread) */
-} qm_job_queue;
+/* The loop's side: done is called for each job a worker hands back (the
+ * session's queue already counts it gone), then idle once the batch of
+ * them is through. */
+typedef struct qm_pool_hooks {
+    void (*done)(void *arg, qm_job *job);
+    void (*idle)(void *arg);
+    void *arg;
+} qm_pool_hooks;
 
-/* Starts n_threads workers for d (d->pool); QM_EINVAL for a bad
- * QMOED_FAULT_ALLOC, QM_ENOMEM. */
-int qm_pool_start(qm_daemon *d, uint32_t n_threads);
-void qm_pool_stop(qm_daemon *d); /* joins the workers and frees d->pool; accepts none */
-/* Queues a job on its session's FIFO (takes ownership). QM_EOVERLOADED when
- * queue_depth inferences are already waiting. */
-int qm_pool_submit(qm_daemon *d, qm_job *job);
+/* Starts n_threads workers whose finished jobs come back on `loop`; *out
+ * is the caller's (qm_pool_stop). QM_EINVAL for a bad QMOED_FAULT_ALLOC,
+ * QM_ENOMEM. */
+int qm_pool_start(uv_loop_t *loop, uint32_t n_threads, const qm_pool_hooks *hooks,
+                  qm_pool **out);
+void qm_pool_stop(qm_pool *p); /* joins the workers and frees p; accepts NULL */
+/* Queues a job on its queue's FIFO (takes ownership). QM_EOVERLOADED,
+ * the job still the caller's, when it is bounded and queue_depth bounded
+ * jobs are already waiting. Loop thread. */
+int qm_pool_submit(qm_pool *p, qm_job *job, uint32_t queue_depth);
 /* Jobs submitted and not yet handed back to the loop (0 without a pool). */
 size_t qm_pool_queued(const qm_pool *p);
-void qm_job_free(qm_job *job); /* accepts NULL */
-
-/* The work of a job on a worker thread (qm_infer.c): session.infer runs the
- * layer and encodes the response; session.plan reads the pager's residency
- * and encodes the plan. Results land in the job. */
-void qm_job_run(qm_job *job);
-void qm_job_run_plan(qm_job *job);
-/* session.resize: changes the pager's budget (the loop answers, reserving
- * and releasing the daemon-wide budget: qm_session_resize_*). */
-void qm_job_run_resize(qm_job *job);
+void qm_job_free(qm_job *job); /* accepts NULL; the session reference is the caller's */
 
 #endif

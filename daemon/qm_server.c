@@ -24,8 +24,6 @@
 #include <uv.h>
 
 #include "qm_alloc.h"
-#include "qm_daemon.h"
-#include "qm_dispatch.h"
 #include "qm_log.h"
 #include "qm_notify.h"
 
@@ -46,7 +44,7 @@ typedef struct fd_batch {
 
 struct qm_conn {
     uv_pipe_t pipe;
-    qm_daemon *d;
+    qm_server *sv;
     uint64_t id;
     qm_peer peer;
     qm_framer framer;
@@ -75,6 +73,12 @@ struct qm_conn {
 };
 
 struct qm_server {
+    qm_server_host host;
+    qm_proto_limits lim;  /* the decoder's, from the configuration */
+    uid_t self_uid;       /* the daemon's (after a drop of root) */
+    int has_admin_gid;
+    gid_t admin_gid;
+    int stopping;         /* qm_server_close_all: no connection reads again */
     char *socket_path;
     int bound_path; /* we created the socket file (libuv unlinks it on close) */
     uv_pipe_t listener;
@@ -149,7 +153,7 @@ static int conn_accept_fd(qm_conn *c)
     uv_pipe_t *tmp = qm_malloc(sizeof *tmp);
     if (!tmp)
         return -2;
-    uv_pipe_init(c->d->loop, tmp, 0);
+    uv_pipe_init(c->sv->host.loop, tmp, 0);
     int fd = -1;
     uv_os_fd_t raw;
     if (uv_accept((uv_stream_t *)&c->pipe, (uv_stream_t *)tmp) == 0 &&
@@ -199,7 +203,7 @@ void qm_conn_drop(qm_conn *c)
     if (c->drop)
         return;
     c->drop = 1;
-    c->d->server->drops_marked++;
+    c->sv->drops_marked++;
 }
 
 void qm_conn_unref(qm_conn *c)
@@ -210,19 +214,25 @@ void qm_conn_unref(qm_conn *c)
     qm_free(c);
 }
 
+static void safe_point(qm_server *sv)
+{
+    if (sv->host.safe_point)
+        sv->host.safe_point(sv->host.arg);
+}
+
 static void conn_close_cb(uv_handle_t *h)
 {
     qm_conn *c = h->data;
-    qm_daemon *d = c->d;
+    qm_server *sv = c->sv;
     if (c->prev)
         c->prev->next = c->next;
     else
-        d->server->conns = c->next;
+        sv->conns = c->next;
     if (c->next)
         c->next->prev = c->prev;
-    d->server->n_conns--;
+    sv->n_conns--;
     qm_conn_unref(c);
-    qm_daemon_maybe_finish(d);
+    safe_point(sv);
 }
 
 static void conn_close_now(qm_conn *c)
@@ -249,17 +259,17 @@ static void write_cb(uv_write_t *req, int status)
     write_req *w = (write_req *)req;
     qm_conn *c = w->conn;
     c->out_bytes -= w->len;
-    c->last_progress_ms = uv_now(c->d->loop);
+    c->last_progress_ms = uv_now(c->sv->host.loop);
     qm_free(w->data);
     qm_free(w);
     if (status < 0 && !c->closing)
         qm_conn_drop(c);
-    if (c->paused_output && c->out_bytes <= c->d->cfg.max_output_bytes / 2) {
+    if (c->paused_output && c->out_bytes <= c->sv->host.cfg->max_output_bytes / 2) {
         c->paused_output = 0;
         conn_update_reading(c);
     }
     conn_maybe_close(c);
-    qm_daemon_maybe_finish(c->d);
+    safe_point(c->sv);
     qm_conn_unref(c);
 }
 
@@ -269,7 +279,7 @@ void qm_conn_write(qm_conn *c, char *data, size_t len)
         qm_free(data);
         return;
     }
-    c->last_active_ms = uv_now(c->d->loop);
+    c->last_active_ms = uv_now(c->sv->host.loop);
     size_t off = 0;
     if (c->out_bytes == 0) {
         uv_buf_t b = uv_buf_init(data, (unsigned)len);
@@ -304,19 +314,19 @@ void qm_conn_write(qm_conn *c, char *data, size_t len)
     }
     qm_conn_ref(c);
     c->out_bytes += w->len;
-    if (c->out_bytes > c->d->cfg.max_output_bytes && !c->paused_output) {
+    if (c->out_bytes > c->sv->host.cfg->max_output_bytes && !c->paused_output) {
         c->paused_output = 1;
-        c->last_progress_ms = uv_now(c->d->loop);
+        c->last_progress_ms = uv_now(c->sv->host.loop);
         if (!c->logged_output_limit) {
             c->logged_output_limit = 1;
-            qm_limit_hit(c->d, QM_LIMIT_MAX_OUTPUT_BYTES,
+            qm_limit_hit(c->sv->host.limits, QM_LIMIT_MAX_OUTPUT_BYTES,
                          "connection %llu (uid %u) has %llu bytes unread, over max_output_bytes "
                          "%llu: pausing its reads",
                          (unsigned long long)c->id, (unsigned)c->peer.uid,
                          (unsigned long long)c->out_bytes,
-                         (unsigned long long)c->d->cfg.max_output_bytes);
+                         (unsigned long long)c->sv->host.cfg->max_output_bytes);
         } else {
-            c->d->limit_hits[QM_LIMIT_MAX_OUTPUT_BYTES]++;
+            qm_limit_count(c->sv->host.limits, QM_LIMIT_MAX_OUTPUT_BYTES);
         }
         conn_update_reading(c);
     }
@@ -328,7 +338,7 @@ static void alloc_cb(uv_handle_t *h, size_t suggested, uv_buf_t *buf)
 {
     qm_conn *c = h->data;
     (void)suggested;
-    buf->base = c->d->server->read_buf;
+    buf->base = c->sv->read_buf;
     buf->len = READ_CHUNK;
 }
 
@@ -342,8 +352,8 @@ static void conn_fatal(qm_conn *c, int rpc_code, const char *reason)
     qm_jw_init(&w, &b);
     qm_rpc_error(&w, NULL, rpc_code, reason, NULL);
     qm_buf_append(&b, "\n", 1);
-    c->d->counters.requests++;
-    c->d->counters.errors++;
+    c->sv->host.counters->requests++;
+    c->sv->host.counters->errors++;
     if (!b.oom) {
         size_t len;
         char *data = qm_buf_take(&b, &len);
@@ -361,7 +371,7 @@ static void read_cb(uv_stream_t *s, ssize_t nread, const uv_buf_t *buf)
     if (nread > 0)
         conn_receive_fds(c, (size_t)nread);
     if (nread > 0 && !c->close_after_write) {
-        c->last_active_ms = uv_now(c->d->loop);
+        c->last_active_ms = uv_now(c->sv->host.loop);
         int rc = qm_framer_push(&c->framer, buf->base, (size_t)nread);
         c->bytes_in += (uint64_t)nread;
         if (rc == QM_EPAYLOAD_TOO_LARGE) {
@@ -373,12 +383,12 @@ static void read_cb(uv_stream_t *s, ssize_t nread, const uv_buf_t *buf)
             qm_conn_drop(c);
             return;
         }
-        size_t handled = conn_process(c, c->d->cfg.frames_per_wakeup);
+        size_t handled = conn_process(c, c->sv->host.cfg->frames_per_wakeup);
         /* The deadline runs from the first byte of a frame, not the last. */
         if (qm_framer_buffered(&c->framer) == 0)
             c->frame_started_ms = 0;
         else if (!c->frame_started_ms || handled)
-            c->frame_started_ms = uv_now(c->d->loop);
+            c->frame_started_ms = uv_now(c->sv->host.loop);
         return;
     }
     if (nread == UV_EOF) {
@@ -395,7 +405,7 @@ static void read_cb(uv_stream_t *s, ssize_t nread, const uv_buf_t *buf)
 static void conn_update_reading(qm_conn *c)
 {
     int want = !c->closing && !c->drop && !c->eof && !c->close_after_write && !c->paused_output &&
-               !c->paused_frames && !c->d->stopping;
+               !c->paused_frames && !c->sv->stopping;
     if (want && !c->reading) {
         if (uv_read_start((uv_stream_t *)&c->pipe, alloc_cb, read_cb) == 0)
             c->reading = 1;
@@ -411,7 +421,8 @@ static void conn_update_reading(qm_conn *c)
  * Returns how many were handled. */
 static size_t conn_process(qm_conn *c, size_t cap)
 {
-    qm_daemon *d = c->d;
+    qm_server *sv = c->sv;
+    const qm_config *cfg = sv->host.cfg;
     size_t done = 0;
     for (;;) {
         if (c->closing || c->drop || c->close_after_write)
@@ -419,13 +430,13 @@ static size_t conn_process(qm_conn *c, size_t cap)
         if (done == cap) {
             if (!c->paused_frames) {
                 c->paused_frames = 1;
-                d->limit_hits[QM_LIMIT_FRAMES_PER_WAKEUP]++;
+                qm_limit_count(sv->host.limits, QM_LIMIT_FRAMES_PER_WAKEUP);
                 if (!c->on_pending) {
                     c->on_pending = 1;
                     qm_conn_ref(c);
-                    c->pending_next = d->server->pending;
-                    d->server->pending = c;
-                    uv_idle_start(&d->server->idle, idle_cb);
+                    c->pending_next = sv->pending;
+                    sv->pending = c;
+                    uv_idle_start(&sv->idle, idle_cb);
                 }
                 conn_update_reading(c);
             }
@@ -435,14 +446,14 @@ static size_t conn_process(qm_conn *c, size_t cap)
         size_t len;
         int rc = qm_framer_next(&c->framer, &line, &len);
         if (rc == QM_EPAYLOAD_TOO_LARGE) {
-            qm_limit_hit(d, QM_LIMIT_MAX_REQUEST_BYTES,
+            qm_limit_hit(sv->host.limits, QM_LIMIT_MAX_REQUEST_BYTES,
                          "connection %llu (uid %u) sent a line over max_request_bytes %llu; "
                          "closing it",
                          (unsigned long long)c->id, (unsigned)c->peer.uid,
-                         (unsigned long long)d->cfg.max_request_bytes);
+                         (unsigned long long)cfg->max_request_bytes);
             char reason[128];
             snprintf(reason, sizeof reason, "request line exceeds max_request_bytes %llu",
-                     (unsigned long long)d->cfg.max_request_bytes);
+                     (unsigned long long)cfg->max_request_bytes);
             conn_fatal(c, QM_RPC_PAYLOAD_TOO_LARGE, reason);
             return done;
         }
@@ -453,19 +464,21 @@ static size_t conn_process(qm_conn *c, size_t cap)
         conn_drop_batches(c, c->frame_off, 0);
         qm_rpc_frame frame;
         uint64_t t0 = qm_now_us();
-        int drc = qm_rpc_decode(line, len, &d->lim, &frame);
+        int drc = qm_rpc_decode(line, len, &sv->lim, &frame);
         uint64_t decode_us = qm_now_us() - t0;
         if (drc < 0) {
             conn_fatal(c, QM_RPC_INTERNAL_ERROR, "out of memory decoding a request");
             return done;
         }
         if (frame.limit == QM_PROTO_LIMIT_NESTING)
-            qm_limit_hit(d, QM_LIMIT_MAX_NESTING, "connection %llu sent JSON deeper than "
-                         "max_nesting %d", (unsigned long long)c->id, d->lim.max_nesting);
+            qm_limit_hit(sv->host.limits, QM_LIMIT_MAX_NESTING,
+                         "connection %llu sent JSON deeper than max_nesting %d",
+                         (unsigned long long)c->id, sv->lim.max_nesting);
         else if (frame.limit == QM_PROTO_LIMIT_BATCH)
-            qm_limit_hit(d, QM_LIMIT_MAX_BATCH, "connection %llu sent a batch over "
-                         "max_batch %zu", (unsigned long long)c->id, d->lim.max_batch);
-        qm_dispatch_frame(c, &frame, decode_us);
+            qm_limit_hit(sv->host.limits, QM_LIMIT_MAX_BATCH,
+                         "connection %llu sent a batch over max_batch %zu",
+                         (unsigned long long)c->id, sv->lim.max_batch);
+        sv->host.frame(sv->host.arg, c, &frame, decode_us);
         qm_rpc_frame_free(&frame);
         done++;
     }
@@ -480,9 +493,9 @@ static size_t conn_process(qm_conn *c, size_t cap)
 
 static void idle_cb(uv_idle_t *h)
 {
-    qm_daemon *d = h->data;
-    qm_conn *list = d->server->pending;
-    d->server->pending = NULL;
+    qm_server *sv = h->data;
+    qm_conn *list = sv->pending;
+    sv->pending = NULL;
     uv_idle_stop(h);
     while (list) {
         qm_conn *c = list;
@@ -490,7 +503,7 @@ static void idle_cb(uv_idle_t *h)
         c->on_pending = 0;
         if (c->paused_frames) {
             c->paused_frames = 0;
-            conn_process(c, d->cfg.frames_per_wakeup);
+            conn_process(c, sv->host.cfg->frames_per_wakeup);
             conn_update_reading(c);
             if (c->eof)
                 conn_maybe_close(c);
@@ -503,23 +516,23 @@ static void idle_cb(uv_idle_t *h)
  * drain that has nothing left to answer ends here. */
 static void check_cb(uv_check_t *h)
 {
-    qm_daemon *d = h->data;
-    if (d->server->drops_marked) {
-        d->server->drops_marked = 0;
-        for (qm_conn *c = d->server->conns; c; c = c->next)
+    qm_server *sv = h->data;
+    if (sv->drops_marked) {
+        sv->drops_marked = 0;
+        for (qm_conn *c = sv->conns; c; c = c->next)
             if (c->drop && !c->closing)
                 conn_close_now(c);
     }
-    qm_daemon_maybe_finish(d);
+    safe_point(sv);
 }
 
-static int peer_is_admin(qm_daemon *d, uid_t uid, gid_t gid)
+static int peer_is_admin(const qm_server *sv, uid_t uid, gid_t gid)
 {
-    if (uid == 0 || uid == d->self_uid)
+    if (uid == 0 || uid == sv->self_uid)
         return 1;
-    if (!d->has_admin_gid)
+    if (!sv->has_admin_gid)
         return 0;
-    if (gid == d->admin_gid)
+    if (gid == sv->admin_gid)
         return 1;
     struct passwd pw, *res = NULL;
     char buf[4096];
@@ -530,14 +543,15 @@ static int peer_is_admin(qm_daemon *d, uid_t uid, gid_t gid)
     if (getgrouplist(pw.pw_name, pw.pw_gid, groups, &n) < 0)
         return 0;
     for (int i = 0; i < n; i++)
-        if (groups[i] == d->admin_gid)
+        if (groups[i] == sv->admin_gid)
             return 1;
     return 0;
 }
 
 static void on_connection(uv_stream_t *server, int status)
 {
-    qm_daemon *d = server->data;
+    qm_server *sv = server->data;
+    const qm_config *cfg = sv->host.cfg;
     if (status < 0) {
         qm_log(QM_LOG_WARNING, "accept failed: %s", uv_strerror(status));
         return;
@@ -548,22 +562,22 @@ static void on_connection(uv_stream_t *server, int status)
          * so, the daemon would never accept again (RELIABILITY.md B12).
          * The next tick tries again; new clients wait in the backlog. */
         qm_log(QM_LOG_ERR, "out of memory accepting a connection; retrying in a second");
-        d->server->accept_retry = 1;
+        sv->accept_retry = 1;
         return;
     }
-    c->d = d;
-    c->id = ++d->server->next_conn_id;
+    c->sv = sv;
+    c->id = ++sv->next_conn_id;
     c->refs = 1;
     /* ipc mode: libuv reads with recvmsg and keeps the descriptors sent
      * with the bytes (session.map), handed out by uv_accept. */
-    uv_pipe_init(d->loop, &c->pipe, 1);
+    uv_pipe_init(sv->host.loop, &c->pipe, 1);
     c->pipe.data = c;
-    qm_framer_init(&c->framer, d->lim.max_request_bytes);
-    c->next = d->server->conns;
-    if (d->server->conns)
-        d->server->conns->prev = c;
-    d->server->conns = c;
-    d->server->n_conns++;
+    qm_framer_init(&c->framer, sv->lim.max_request_bytes);
+    c->next = sv->conns;
+    if (sv->conns)
+        sv->conns->prev = c;
+    sv->conns = c;
+    sv->n_conns++;
     if (uv_accept(server, (uv_stream_t *)&c->pipe) < 0) {
         qm_conn_drop(c);
         return;
@@ -580,17 +594,17 @@ static void on_connection(uv_stream_t *server, int status)
     c->peer.uid = cred.uid;
     c->peer.gid = cred.gid;
     c->peer.pid = cred.pid;
-    c->peer.is_admin = peer_is_admin(d, cred.uid, cred.gid);
-    c->last_active_ms = uv_now(c->d->loop);
+    c->peer.is_admin = peer_is_admin(sv, cred.uid, cred.gid);
+    c->last_active_ms = uv_now(c->sv->host.loop);
     qm_log(QM_LOG_DEBUG, "connection %llu from pid %d uid %u (%s)", (unsigned long long)c->id,
            (int)c->peer.pid, (unsigned)c->peer.uid, c->peer.is_admin ? "admin" : "user");
-    if (d->server->n_conns > d->cfg.max_connections) {
-        qm_limit_hit(d, QM_LIMIT_MAX_CONNECTIONS,
-                     "max_connections %u reached: refusing uid %u", d->cfg.max_connections,
+    if (sv->n_conns > cfg->max_connections) {
+        qm_limit_hit(sv->host.limits, QM_LIMIT_MAX_CONNECTIONS,
+                     "max_connections %u reached: refusing uid %u", cfg->max_connections,
                      (unsigned)c->peer.uid);
         char reason[96];
         snprintf(reason, sizeof reason, "max_connections %u reached; try again later",
-                 d->cfg.max_connections);
+                 cfg->max_connections);
         conn_fatal(c, QM_RPC_RESOURCE_EXHAUSTED, reason);
         return;
     }
@@ -654,19 +668,20 @@ static int probe_existing(const char *path, qm_status *st)
     return 0;
 }
 
-/* Issue 8: a daemon holding weights for many users should not keep root.
- * With --user it drops to that user once the socket is bound and the banks
- * are open (the socket file is handed to the user); with --allow-root it
- * stays. Without either it refuses to start (qm_daemon_main already checked
- * before loading anything; this is the last line). */
+/* A daemon holding weights for many users should not keep root. With
+ * --user it drops to that user once the socket is bound and the banks are
+ * open (the socket file is handed to the user); with --allow-root it stays.
+ * Without either it refuses to start (qm_daemon_main already checked before
+ * loading anything; this is the last line). */
 #define QM_REFUSE_ROOT 1
 
-static int drop_privileges(qm_daemon *d, qm_status *st)
+static int drop_privileges(qm_server *sv, qm_status *st)
 {
+    const qm_config *cfg = sv->host.cfg;
     if (geteuid() != 0)
         return 0;
-    if (!d->cfg.user) {
-        if (d->cfg.allow_root)
+    if (!cfg->user) {
+        if (cfg->allow_root)
             return 0;
         if (QM_REFUSE_ROOT)
             return qm_status_set(st, QM_EPERMISSION,
@@ -675,11 +690,11 @@ static int drop_privileges(qm_daemon *d, qm_status *st)
         qm_log(QM_LOG_WARNING, "running as root; pass --user USER (or --allow-root to say so)");
         return 0;
     }
-    struct passwd *pw = getpwnam(d->cfg.user);
+    struct passwd *pw = getpwnam(cfg->user);
     if (!pw)
-        return qm_status_set(st, QM_EINVAL, "no user named '%.64s'", d->cfg.user);
-    if (d->server->socket_path && chown(d->server->socket_path, pw->pw_uid, pw->pw_gid) < 0)
-        return qm_status_set(st, QM_EIO, "chown %s: %s", d->server->socket_path, strerror(errno));
+        return qm_status_set(st, QM_EINVAL, "no user named '%.64s'", cfg->user);
+    if (sv->socket_path && chown(sv->socket_path, pw->pw_uid, pw->pw_gid) < 0)
+        return qm_status_set(st, QM_EIO, "chown %s: %s", sv->socket_path, strerror(errno));
     if (initgroups(pw->pw_name, pw->pw_gid) < 0 || setgid(pw->pw_gid) < 0 ||
         setuid(pw->pw_uid) < 0)
         return qm_status_set(st, QM_EPERMISSION, "cannot become user %s: %s", pw->pw_name,
@@ -687,36 +702,68 @@ static int drop_privileges(qm_daemon *d, qm_status *st)
     if (setuid(0) == 0)
         return qm_status_set(st, QM_EPERMISSION, "could regain root after dropping to %s",
                              pw->pw_name);
-    d->self_uid = geteuid();
+    sv->self_uid = geteuid();
     qm_log(QM_LOG_NOTICE, "dropped to user %s (uid %u)", pw->pw_name, (unsigned)pw->pw_uid);
     return 0;
 }
 
-int qm_server_listen(qm_daemon *d, qm_status *st)
+int qm_server_new(const qm_server_host *host, qm_server **out)
 {
-    d->server = qm_calloc(1, sizeof *d->server);
-    if (!d->server)
-        return qm_status_set(st, QM_ENOMEM, "out of memory for the server");
-    d->server->read_buf = qm_malloc(READ_CHUNK);
-    if (!d->server->read_buf)
+    qm_server *sv = qm_calloc(1, sizeof *sv);
+    *out = sv;
+    if (!sv)
+        return QM_ENOMEM;
+    sv->host = *host;
+    sv->self_uid = geteuid();
+    qm_server_apply_config(sv);
+    return 0;
+}
+
+void qm_server_apply_config(qm_server *sv)
+{
+    const qm_config *cfg = sv->host.cfg;
+    sv->lim.max_request_bytes = cfg->max_request_bytes;
+    sv->lim.max_nesting = (int)cfg->max_nesting;
+    sv->lim.max_batch = cfg->max_batch;
+    for (qm_conn *c = sv->conns; c; c = c->next)
+        c->framer.max_frame = sv->lim.max_request_bytes;
+    sv->has_admin_gid = 0;
+    if (cfg->admin_group) {
+        struct group *g = getgrnam(cfg->admin_group);
+        if (g) {
+            sv->has_admin_gid = 1;
+            sv->admin_gid = g->gr_gid;
+        } else {
+            qm_log(QM_LOG_WARNING, "admin_group '%s' does not exist; only uid 0 and uid %u are "
+                   "admins", cfg->admin_group, (unsigned)sv->self_uid);
+        }
+    }
+}
+
+int qm_server_listen(qm_server *sv, qm_status *st)
+{
+    const qm_config *cfg = sv->host.cfg;
+    uv_loop_t *loop = sv->host.loop;
+    sv->read_buf = qm_malloc(READ_CHUNK);
+    if (!sv->read_buf)
         return qm_status_set(st, QM_ENOMEM, "out of memory for the read buffer");
-    uv_pipe_init(d->loop, &d->server->listener, 0);
-    d->server->listener.data = d;
+    uv_pipe_init(loop, &sv->listener, 0);
+    sv->listener.data = sv;
     int fd = qm_listen_fd_from_env();
     int rc;
     if (fd >= 0) {
-        rc = uv_pipe_open(&d->server->listener, fd);
+        rc = uv_pipe_open(&sv->listener, fd);
         if (rc < 0)
             return qm_status_set(st, QM_EIO, "cannot adopt systemd's socket: %s",
                                  uv_strerror(rc));
         qm_log(QM_LOG_INFO, "listening on the socket passed by systemd");
     } else {
         char path[sizeof(((struct sockaddr_un *)0)->sun_path)];
-        if (d->cfg.socket_path) {
-            if (strlen(d->cfg.socket_path) >= sizeof path)
+        if (cfg->socket_path) {
+            if (strlen(cfg->socket_path) >= sizeof path)
                 return qm_status_set(st, QM_EINVAL, "socket path is over %zu bytes",
                                      sizeof path - 1);
-            snprintf(path, sizeof path, "%s", d->cfg.socket_path);
+            snprintf(path, sizeof path, "%s", cfg->socket_path);
         } else if ((rc = default_socket_path(path, sizeof path, st)) < 0) {
             return rc;
         }
@@ -725,68 +772,70 @@ int qm_server_listen(qm_daemon *d, qm_status *st)
         /* Bind under a tight umask so the file never exists with looser bits,
          * then open it to the group: uv_pipe_chmod cannot express 0660. */
         mode_t old = umask(0177);
-        rc = uv_pipe_bind(&d->server->listener, path);
+        rc = uv_pipe_bind(&sv->listener, path);
         umask(old);
         if (rc < 0)
             return qm_status_set(st, QM_EIO, "cannot bind %s: %s", path, uv_strerror(rc));
-        d->server->bound_path = 1;
+        sv->bound_path = 1;
         if (chmod(path, 0660) < 0)
             return qm_status_set(st, QM_EIO, "chmod %s: %s", path, strerror(errno));
-        d->server->socket_path = qm_strdup(path);
+        sv->socket_path = qm_strdup(path);
         qm_log(QM_LOG_INFO, "listening on %s", path);
     }
     /* Bound (as root if need be) but not yet answering: the right moment to
      * give root up, so no request is ever served with it. */
-    if ((rc = drop_privileges(d, st)) < 0)
+    if ((rc = drop_privileges(sv, st)) < 0)
         return rc;
-    rc = uv_listen((uv_stream_t *)&d->server->listener, 511, on_connection);
+    rc = uv_listen((uv_stream_t *)&sv->listener, 511, on_connection);
     if (rc < 0)
         return qm_status_set(st, QM_EIO, "listen: %s", uv_strerror(rc));
-    d->server->listening = 1;
-    uv_check_init(d->loop, &d->server->check);
-    d->server->check.data = d;
-    uv_check_start(&d->server->check, check_cb);
-    uv_idle_init(d->loop, &d->server->idle);
-    d->server->idle.data = d;
+    sv->listening = 1;
+    uv_check_init(loop, &sv->check);
+    sv->check.data = sv;
+    uv_check_start(&sv->check, check_cb);
+    uv_idle_init(loop, &sv->idle);
+    sv->idle.data = sv;
     return 0;
 }
 
-void qm_server_stop_listening(qm_daemon *d)
+void qm_server_stop_listening(qm_server *sv)
 {
-    if (!d->server || !d->server->listening)
+    if (!sv || !sv->listening)
         return;
-    d->server->listening = 0;
+    sv->listening = 0;
     /* Closing a bound pipe unlinks its path (libuv), so new clients get
      * ECONNREFUSED/ENOENT instead of hanging in the backlog. */
-    uv_close((uv_handle_t *)&d->server->listener, NULL);
+    uv_close((uv_handle_t *)&sv->listener, NULL);
 }
 
-void qm_server_close_all(qm_daemon *d)
+void qm_server_close_all(qm_server *sv)
 {
-    if (!d->server)
+    if (!sv)
         return;
-    for (qm_conn *c = d->server->conns; c; c = c->next)
+    sv->stopping = 1;
+    for (qm_conn *c = sv->conns; c; c = c->next)
         conn_close_now(c);
 }
 
-void qm_server_sweep_idle(qm_daemon *d)
+void qm_server_sweep_idle(qm_server *sv)
 {
-    if (!d->server)
+    if (!sv)
         return;
-    if (d->server->accept_retry && d->server->listening) {
-        d->server->accept_retry = 0;
-        on_connection((uv_stream_t *)&d->server->listener, 0);
+    const qm_config *cfg = sv->host.cfg;
+    if (sv->accept_retry && sv->listening) {
+        sv->accept_retry = 0;
+        on_connection((uv_stream_t *)&sv->listener, 0);
     }
-    uint64_t now = uv_now(d->loop), idle = (uint64_t)d->cfg.idle_timeout_s * 1000;
+    uint64_t now = uv_now(sv->host.loop), idle = (uint64_t)cfg->idle_timeout_s * 1000;
     /* A frame must complete, and paused output must move, within this. */
-    uint64_t deadline = d->cfg.frame_timeout_s ? (uint64_t)d->cfg.frame_timeout_s * 1000
+    uint64_t deadline = cfg->frame_timeout_s ? (uint64_t)cfg->frame_timeout_s * 1000
                         : idle                 ? 2 * idle
                                                : 60000;
-    for (qm_conn *c = d->server->conns; c; c = c->next) {
+    for (qm_conn *c = sv->conns; c; c = c->next) {
         if (c->closing || c->drop)
             continue;
         if (c->frame_started_ms && !c->paused_frames && now - c->frame_started_ms > deadline) {
-            qm_limit_hit(d, QM_LIMIT_FRAME_TIMEOUT,
+            qm_limit_hit(sv->host.limits, QM_LIMIT_FRAME_TIMEOUT,
                          "connection %llu (uid %u) left a frame incomplete for over %llu ms: "
                          "closing it",
                          (unsigned long long)c->id, (unsigned)c->peer.uid,
@@ -795,7 +844,7 @@ void qm_server_sweep_idle(qm_daemon *d)
             continue;
         }
         if (c->paused_output && now - c->last_progress_ms > deadline) {
-            qm_limit_hit(d, QM_LIMIT_OUTPUT_STALL,
+            qm_limit_hit(sv->host.limits, QM_LIMIT_OUTPUT_STALL,
                          "connection %llu (uid %u) read none of its %llu queued bytes for over "
                          "%llu ms: closing it",
                          (unsigned long long)c->id, (unsigned)c->peer.uid,
@@ -806,9 +855,9 @@ void qm_server_sweep_idle(qm_daemon *d)
         if (!idle || c->replies_pending || c->out_bytes)
             continue;
         if (now - c->last_active_ms > idle) {
-            qm_limit_hit(d, QM_LIMIT_IDLE_TIMEOUT,
+            qm_limit_hit(sv->host.limits, QM_LIMIT_IDLE_TIMEOUT,
                          "connection %llu (uid %u) idle for over idle_timeout_s %u: closing",
-                         (unsigned long long)c->id, (unsigned)c->peer.uid, d->cfg.idle_timeout_s);
+                         (unsigned long long)c->id, (unsigned)c->peer.uid, cfg->idle_timeout_s);
             qm_conn_drop(c);
         }
     }
@@ -827,38 +876,30 @@ void qm_conn_reply_done(qm_conn *c)
     qm_conn_unref(c);
 }
 
-void qm_server_free(qm_daemon *d)
+void qm_server_free(qm_server *sv)
 {
-    if (!d->server)
+    if (!sv)
         return;
-    qm_free(d->server->socket_path);
-    qm_free(d->server->read_buf);
-    qm_free(d->server);
-    d->server = NULL;
+    qm_free(sv->socket_path);
+    qm_free(sv->read_buf);
+    qm_free(sv);
 }
 
-void qm_server_apply_limits(qm_daemon *d)
-{
-    for (qm_conn *c = d->server ? d->server->conns : NULL; c; c = c->next)
-        c->framer.max_frame = d->lim.max_request_bytes;
-}
+size_t qm_server_connections(const qm_server *sv) { return sv ? sv->n_conns : 0; }
 
-size_t qm_server_connections(const qm_daemon *d) { return d->server ? d->server->n_conns : 0; }
-
-int qm_server_owes_answers(const qm_daemon *d)
+int qm_server_owes_answers(const qm_server *sv)
 {
-    if (!d->server)
+    if (!sv)
         return 0;
     /* Frames already read but waiting for their turn are owed answers too. */
-    if (d->server->pending)
+    if (sv->pending)
         return 1;
-    for (qm_conn *c = d->server->conns; c; c = c->next)
+    for (qm_conn *c = sv->conns; c; c = c->next)
         if (!c->closing && (c->out_bytes || c->replies_pending))
             return 1;
     return 0;
 }
 
-qm_daemon *qm_conn_daemon(const qm_conn *c) { return c->d; }
 const qm_peer *qm_conn_peer(const qm_conn *c) { return &c->peer; }
 uint64_t qm_conn_id(const qm_conn *c) { return c->id; }
 int qm_conn_gone(const qm_conn *c) { return atomic_load(&((qm_conn *)c)->gone); }

@@ -10,10 +10,13 @@
 #include <stddef.h>
 #include <stdint.h>
 #include <sys/types.h>
+#include <uv.h>
 
+#include "qm_config.h"
 #include "qm_error.h"
+#include "qm_protocol.h"
+#include "qm_telemetry.h"
 
-typedef struct qm_daemon qm_daemon;
 typedef struct qm_conn qm_conn;
 typedef struct qm_server qm_server;
 
@@ -36,25 +39,45 @@ typedef struct qm_fds {
 #define QM_FDS_NONE ((qm_fds){-1, 0})
 void qm_fds_close(qm_fds *f); /* closes and empties; accepts an empty one */
 
+/* What the server is given: all borrowed for its life, on its loop's
+ * thread. It answers some frames itself (oversized lines, max_connections)
+ * and counts those in `counters`; the rest go to `frame`. */
+typedef struct qm_server_host {
+    uv_loop_t *loop;
+    const qm_config *cfg;  /* limits, socket, user; reloaded in place (qm_server_apply_config) */
+    qm_counters *counters; /* the daemon's */
+    qm_limits *limits;
+    /* A decoded frame of connection c; the server frees the frame after. */
+    void (*frame)(void *arg, qm_conn *c, qm_rpc_frame *frame, uint64_t decode_us);
+    /* Called where the daemon may end a drain: the loop's check handle,
+     * a connection closed, output written. */
+    void (*safe_point)(void *arg);
+    void *arg;
+} qm_server_host;
+
+/* A server not yet listening (configuration applied); *out is the
+ * caller's (qm_server_free). QM_ENOMEM. */
+int qm_server_new(const qm_server_host *host, qm_server **out);
+/* Re-reads the configuration's decoder limits (for every open connection
+ * too) and admin_group (logged when it does not exist): at start and on
+ * SIGHUP. */
+void qm_server_apply_config(qm_server *sv);
 /* Binds (or adopts systemd's socket), drops privileges, starts accepting.
- * Creates d->server; on failure st says why and qm_server_free cleans up. */
-int qm_server_listen(qm_daemon *d, qm_status *st);
-void qm_server_stop_listening(qm_daemon *d);
-/* Closes every connection (after drain). */
-void qm_server_close_all(qm_daemon *d);
-/* Frees d->server once the loop has closed its handles; accepts none. */
-void qm_server_free(qm_daemon *d);
+ * On failure st says why and qm_server_free cleans up. */
+int qm_server_listen(qm_server *sv, qm_status *st);
+void qm_server_stop_listening(qm_server *sv); /* accepts NULL */
+/* Closes every connection (after drain); none reads again. */
+void qm_server_close_all(qm_server *sv);
+/* Frees the server once the loop has closed its handles; accepts NULL. */
+void qm_server_free(qm_server *sv);
 /* Marks connections idle past idle_timeout_s for dropping, retries a
  * refused accept (once a second, from the tick). */
-void qm_server_sweep_idle(qm_daemon *d);
-/* Applies a reloaded max_request_bytes to every open connection. */
-void qm_server_apply_limits(qm_daemon *d);
-size_t qm_server_connections(const qm_daemon *d);
+void qm_server_sweep_idle(qm_server *sv);
+size_t qm_server_connections(const qm_server *sv);
 /* 1 while a connection is owed an answer or bytes: frames waiting for
  * their turn, replies in flight or output not yet written. */
-int qm_server_owes_answers(const qm_daemon *d);
+int qm_server_owes_answers(const qm_server *sv);
 
-qm_daemon *qm_conn_daemon(const qm_conn *c);
 const qm_peer *qm_conn_peer(const qm_conn *c); /* lives as long as c */
 uint64_t qm_conn_id(const qm_conn *c);
 /* 1 once the connection is closing: nobody will read what it is sent.
@@ -63,7 +86,7 @@ int qm_conn_gone(const qm_conn *c);
 void qm_conn_ref(qm_conn *c);
 void qm_conn_unref(qm_conn *c);
 /* The descriptors that came with the frame being dispatched (loop thread,
- * during qm_dispatch_frame), moved to the caller; the first session.map of
+ * during the host's frame callback), moved to the caller; the first session.map of
  * the frame takes them, the rest of it gets none. */
 qm_fds qm_conn_take_fds(qm_conn *c);
 /* Marks the connection to be closed at the next safe point. */

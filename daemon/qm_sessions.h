@@ -1,103 +1,93 @@
-/* qm_sessions.h - sessions and their admission against the devices'
- * budgets (qm_registry.c): each device that holds some of the session's
- * layers (one device holds them all) is charged its share of the budget
- * plus a workspace.
+/* qm_sessions.h - the registry's sessions (qm_sessions.c) and their
+ * admission against the devices' budgets: each device that holds some of
+ * the session's layers (one device holds them all) is charged its share of
+ * the budget plus a workspace.
  *
- * A session is owned by the loop thread (the registry and the jobs queued
- * for it each hold a reference); while one of its jobs runs, the worker
- * running it alone uses its pager. Members marked (pool lock) belong to the
- * worker pool (qm_pool.h). */
+ * A session is opaque and owned by the loop thread: the registry and the
+ * jobs queued for it each hold a reference. While one of its jobs runs,
+ * the worker running it alone uses its pagers (the calls marked "worker"). */
 #ifndef QM_SESSIONS_H
 #define QM_SESSIONS_H
 
-#include <stdatomic.h>
+#include <stddef.h>
 #include <stdint.h>
 #include <sys/types.h>
 
-#include "qm_config.h"
+#include "qm_moe.h"
 #include "qm_pager.h"
-#include "qm_placement.h"
 #include "qm_pool.h"
 #include "qm_protocol.h"
+#include "qm_registry.h"
 #include "qm_residency.h"
 #include "qm_shm.h"
 #include "qm_telemetry.h"
 
-typedef struct qm_daemon qm_daemon;
-typedef struct qm_model qm_model; /* qm_models.h */
-
-struct qm_session {
-    char id[QM_SESSION_ID_LEN + 1];
-    uid_t owner_uid;
-    qm_model *model;
-    char policy_name[16];
-    int precision_fast;       /* session.create precision "fast" (fixed for the session) */
-    qm_policy policy;
-    qm_residency_plan *plan;
-    /* Its layers over the daemon's devices (engine/qm_placement.h; one
-     * device holds them all), and one pager per device that holds layers
-     * (worker, while a job of this session runs). */
-    qm_placement placement;
-    qm_multipager *pagers;
-    uint64_t device_admitted[QM_CONFIG_MAX_DEVICES]; /* its part of each device's budget */
-    char device_names[QM_CONFIG_MAX_DEVICES][16];    /* the daemon's, for its plan */
-    qm_pager_options pager_options;
-    char *trace_path;         /* policy_params.record_trace in the state dir, or NULL */
-    uint64_t plan_start_us, plan_us;
-    uint64_t budget_bytes;    /* expert-weight budget */
-    uint64_t workspace_bytes; /* fixed at creation */
-    uint64_t admitted_bytes;  /* budget + workspace, counted against the device budget; while
-                               * resizes are queued, the largest budget they may set instead */
-    uint32_t resizes_pending; /* session.resize jobs queued and not yet done (loop thread) */
-    int64_t created_at;       /* unix seconds */
-    int refs;                 /* registry + queued jobs (loop thread) */
-    atomic_int closed;        /* set by the loop; workers answer not_found after it */
-    qm_counters counters;
-    qm_pager_stats last_stats; /* the pager's cumulative stats after the last job */
-    qm_span plan_span;
-    qm_job_queue queue;        /* its FIFO of jobs (qm_pool.h) */
-    qm_shm_map *maps;          /* session.map's (qm_shm.h; loop thread) */
-    uint32_t n_maps;
-    uint64_t mapped_bytes;     /* counted against max_mapped_bytes */
-    qm_session *next;
-};
-
 /* session.create in three steps: prepare (loop: checks, policy, plan,
- * admission reserved), build (worker: the pager, which may copy whole banks
- * and pins), then commit (loop: registered) or abort (loop: reservation
- * released, session freed). */
-int qm_session_prepare(qm_daemon *d, const qm_params *p, uid_t owner, qm_session **out,
+ * admission reserved; *out has the registry's reference), build (worker:
+ * the pagers, which may copy whole banks and pins), then commit (loop:
+ * registered) or abort (loop: reservation released, that reference
+ * dropped). */
+int qm_session_prepare(qm_registry *r, const qm_params *p, uid_t owner, qm_session **out,
                        qm_status *st);
-int qm_session_build(qm_daemon *d, qm_session *s, qm_status *st);
-void qm_session_commit(qm_daemon *d, qm_session *s);
-void qm_session_abort(qm_daemon *d, qm_session *s);
-qm_session *qm_session_find(qm_daemon *d, const char *id); /* borrowed; NULL when none */
-/* Unregisters and releases the registry's reference (jobs may hold more). */
-void qm_session_close(qm_daemon *d, qm_session *s);
-void qm_session_unref(qm_daemon *d, qm_session *s);
+int qm_session_build(const qm_registry *r, qm_session *s, qm_status *st);
+void qm_session_commit(qm_registry *r, qm_session *s);
+void qm_session_abort(qm_registry *r, qm_session *s);
+qm_session *qm_session_find(const qm_registry *r, const char *id); /* borrowed; NULL: none */
+/* Unregisters, gives its budget back and drops the registry's reference
+ * (jobs may hold more; they answer not_found). */
+void qm_session_close(qm_registry *r, qm_session *s);
+void qm_session_ref(qm_session *s);
+void qm_session_unref(qm_session *s); /* accepts NULL */
+
 /* session.resize on the loop thread. reserve: before the job is queued,
- * admits a growth to `budget` against the daemon-wide budget (reserved now,
- * so a later creation cannot take it; QM_ERESOURCE_EXHAUSTED naming the
- * bytes free otherwise). finish: when the job is done (ok: the worker
+ * admits a growth to `budget` on each device that holds layers (reserved
+ * now, so a later creation cannot take it; QM_ERESOURCE_EXHAUSTED naming
+ * the bytes free otherwise). finish: when the job is done (ok: the worker
  * applied it) or was never queued (ok = 0): the budget in force becomes
- * `budget` when ok, and once no resize is pending the reservation shrinks to
- * the budget in force. */
-int qm_session_resize_reserve(qm_daemon *d, qm_session *s, uint64_t budget, qm_status *st);
-void qm_session_resize_finish(qm_daemon *d, qm_session *s, int ok, uint64_t budget);
+ * `budget` when ok, and once no resize is pending the reservation shrinks
+ * to the budget in force. */
+int qm_session_resize_reserve(qm_registry *r, qm_session *s, uint64_t budget, qm_status *st);
+void qm_session_resize_finish(qm_registry *r, qm_session *s, int ok, uint64_t budget);
+
 /* The session's pagers, one per device that holds layers (worker, while
  * the session's job runs): the forward call, the counters summed over its
- * devices, and the pager that serves `layer` (NULL when none). */
+ * devices, a budget change (the placement's shares and the plan's budget
+ * follow), the pager
+ * that serves `layer` (NULL when none), and the plan JSON with the
+ * residency now (*json is the caller's). */
 int qm_session_forward(qm_session *s, const qm_moe_call *call, qm_moe_stats *mstats,
                        qm_status *st);
 void qm_session_stats(const qm_session *s, qm_pager_stats *out);
-/* qm_multipager_resize over its devices (the placement's budgets follow);
- * on a worker, in the session's FIFO. */
 int qm_session_resize(qm_session *s, uint64_t budget, qm_status *st);
 qm_pager *qm_session_pager_of(const qm_session *s, uint32_t layer);
-/* Closes every session and unloads every model (at exit). */
-void qm_registry_free_all(qm_daemon *d);
-/* The session's plan JSON with its pager's residency now (worker thread, or
- * any thread while no job of the session runs); *json is the caller's. */
 int qm_session_plan_json(qm_session *s, char **json, size_t *len, qm_status *st);
+
+/* What the rest of the daemon reads of a session (loop thread; the
+ * strings live as long as the session). */
+qm_session *qm_session_next(const qm_session *s); /* the registry's next; NULL at the end */
+const char *qm_session_id(const qm_session *s);
+uid_t qm_session_owner(const qm_session *s);
+qm_model *qm_session_model(const qm_session *s); /* borrowed */
+const char *qm_session_policy(const qm_session *s);
+qm_precision qm_session_precision(const qm_session *s); /* any thread: fixed */
+uint64_t qm_session_budget(const qm_session *s);      /* the budget in force */
+uint64_t qm_session_workspace(const qm_session *s);
+int64_t qm_session_created_at(const qm_session *s); /* unix seconds */
+const qm_residency_plan *qm_session_plan(const qm_session *s);
+const qm_span *qm_session_plan_span(const qm_session *s);
+qm_counters *qm_session_counters(qm_session *s);
+uint64_t qm_session_resident_bytes(const qm_session *s); /* as of the last job */
+/* The pagers' statistics as of the last job handed back, and the next
+ * reading stored in their place (the previous copied to *was; may be NULL). */
+const qm_pager_stats *qm_session_last_stats(const qm_session *s);
+void qm_session_note_stats(qm_session *s, const qm_pager_stats *now, qm_pager_stats *was);
+qm_job_queue *qm_session_queue(qm_session *s); /* its FIFO in the pool */
+size_t qm_session_queued(const qm_session *s); /* jobs queued and not yet handed back */
+qm_shm_set *qm_session_maps(qm_session *s);    /* session.map's maps */
+int qm_session_closed(const qm_session *s);    /* any thread */
+/* Who touched it last: dispatch stamps every request that names the
+ * session (and its creation) with the connection's id and the time. */
+void qm_session_touch(qm_session *s, uint64_t conn_id, uint64_t now_us);
+uint64_t qm_session_last_touch(const qm_session *s, uint64_t *conn_id); /* qm_now_us time */
 
 #endif

@@ -19,7 +19,6 @@
 #include <unistd.h>
 
 #include "qm_alloc.h"
-#include "qm_sessions.h"
 
 static int fd_bad(qm_status *st, const char *fmt, const char *detail)
 {
@@ -120,43 +119,43 @@ void qm_shm_unref(qm_shm_map *m)
     qm_free(m);
 }
 
-int qm_shm_session_add(qm_session *s, qm_shm_map *m, uint64_t max_bytes, qm_status *st)
+int qm_shm_set_add(qm_shm_set *s, qm_shm_map *m, uint64_t max_bytes, qm_status *st)
 {
-    if (s->n_maps >= QM_SHM_MAX_MAPS)
+    if (s->count >= QM_SHM_MAX_MAPS)
         return qm_status_set_field(st, QM_ERESOURCE_EXHAUSTED, "bytes",
                                    "the session already holds %d maps, the most it may; "
                                    "session.unmap one first",
                                    QM_SHM_MAX_MAPS);
-    if (m->bytes > max_bytes || s->mapped_bytes > max_bytes - m->bytes)
+    if (m->bytes > max_bytes || s->bytes > max_bytes - m->bytes)
         return qm_status_set_field(st, QM_ERESOURCE_EXHAUSTED, "bytes",
                                    "mapping %llu more bytes would exceed max_mapped_bytes %llu "
                                    "(the session has %llu mapped)",
                                    (unsigned long long)m->bytes, (unsigned long long)max_bytes,
-                                   (unsigned long long)s->mapped_bytes);
-    m->next = s->maps;
-    s->maps = m;
-    s->n_maps++;
-    s->mapped_bytes += m->bytes;
+                                   (unsigned long long)s->bytes);
+    m->next = s->head;
+    s->head = m;
+    s->count++;
+    s->bytes += m->bytes;
     return 0;
 }
 
-qm_shm_map *qm_shm_session_find(qm_session *s, uint64_t id)
+qm_shm_map *qm_shm_set_find(const qm_shm_set *s, uint64_t id)
 {
-    for (qm_shm_map *m = s->maps; m; m = m->next)
+    for (qm_shm_map *m = s->head; m; m = m->next)
         if (m->id == id)
             return m;
     return NULL;
 }
 
-int qm_shm_session_remove(qm_session *s, uint64_t id, qm_status *st)
+int qm_shm_set_remove(qm_shm_set *s, uint64_t id, qm_status *st)
 {
-    for (qm_shm_map **pp = &s->maps; *pp; pp = &(*pp)->next) {
+    for (qm_shm_map **pp = &s->head; *pp; pp = &(*pp)->next) {
         qm_shm_map *m = *pp;
         if (m->id != id)
             continue;
         *pp = m->next;
-        s->n_maps--;
-        s->mapped_bytes -= m->bytes;
+        s->count--;
+        s->bytes -= m->bytes;
         m->next = NULL;
         qm_shm_unref(m);
         return 0;
@@ -165,16 +164,16 @@ int qm_shm_session_remove(qm_session *s, uint64_t id, qm_status *st)
                                (unsigned long long)id);
 }
 
-void qm_shm_session_release_all(qm_session *s)
+void qm_shm_set_release_all(qm_shm_set *s)
 {
-    while (s->maps) {
-        qm_shm_map *m = s->maps;
-        s->maps = m->next;
+    while (s->head) {
+        qm_shm_map *m = s->head;
+        s->head = m->next;
         m->next = NULL;
         qm_shm_unref(m);
     }
-    s->n_maps = 0;
-    s->mapped_bytes = 0;
+    s->count = 0;
+    s->bytes = 0;
 }
 
 void qm_map_refs_release(qm_map_refs *refs)
@@ -185,11 +184,11 @@ void qm_map_refs_release(qm_map_refs *refs)
 }
 
 /* The map `id` of s with [offset, offset + n) inside it, referenced. */
-static int region(qm_session *s, uint64_t id, uint64_t offset, uint64_t n, const char *name,
+static int region(const qm_shm_set *s, uint64_t id, uint64_t offset, uint64_t n, const char *name,
                   qm_map_refs *refs, uint8_t **out, qm_status *st)
 {
     char field[64];
-    qm_shm_map *m = qm_shm_session_find(s, id);
+    qm_shm_map *m = qm_shm_set_find(s, id);
     if (!m) {
         snprintf(field, sizeof field, "%s.map", name);
         return qm_status_set_field(st, QM_ENOT_FOUND, field,
@@ -212,7 +211,7 @@ static int region(qm_session *s, uint64_t id, uint64_t offset, uint64_t n, const
     return 0;
 }
 
-static int resolve_tensor(qm_session *s, qm_tensor *t, const char *name, qm_map_refs *refs,
+static int resolve_tensor(const qm_shm_set *s, qm_tensor *t, const char *name, qm_map_refs *refs,
                           qm_status *st)
 {
     if (!t->mapped)
@@ -244,7 +243,7 @@ static int overlaps(const uint8_t *a, uint64_t an, const qm_tensor *t)
     return a < b + t->nbytes && b < a + an;
 }
 
-int qm_shm_resolve(qm_session *s, qm_params *p, uint64_t out_bytes, qm_map_refs *refs,
+int qm_shm_resolve(const qm_shm_set *s, qm_params *p, uint64_t out_bytes, qm_map_refs *refs,
                    qm_status *st)
 {
     memset(refs, 0, sizeof *refs);

@@ -2,8 +2,8 @@
  * the daemon a sealed memfd, session.infer's tensors and output_to name
  * regions of it (PROTOCOL.md "Shared-memory tensors").
  *
- * A map belongs to its session's list and to every queued job that reads or
- * writes it (refs, loop thread only): session.unmap and session.close take
+ * A map belongs to its session's set (qm_shm_set) and to every queued job
+ * that reads or writes it (refs, loop thread only): session.unmap and session.close take
  * it off the list and stop counting its bytes at once, and the memory is
  * unmapped when the last job using it is done. Workers only use the
  * pointers a job was given. */
@@ -15,8 +15,6 @@
 
 #include "qm_error.h"
 #include "qm_protocol.h"
-
-typedef struct qm_session qm_session;
 
 /* At most this many maps per session (each is one mmap of the daemon's). */
 #define QM_SHM_MAX_MAPS 256
@@ -37,12 +35,20 @@ int qm_shm_map_fd(int fd, uint64_t bytes, qm_shm_map **out, qm_status *st);
 void qm_shm_ref(qm_shm_map *m);
 void qm_shm_unref(qm_shm_map *m); /* accepts NULL; unmaps at the last reference */
 
-/* The session's maps: add (counts bytes against max_mapped_bytes and
- * QM_SHM_MAX_MAPS, QM_ERESOURCE_EXHAUSTED beyond), find, remove. */
-int qm_shm_session_add(qm_session *s, qm_shm_map *m, uint64_t max_bytes, qm_status *st);
-qm_shm_map *qm_shm_session_find(qm_session *s, uint64_t id); /* borrowed */
-int qm_shm_session_remove(qm_session *s, uint64_t id, qm_status *st);
-void qm_shm_session_release_all(qm_session *s);
+/* A session's maps (embedded in the session; zeroed is empty): add (counts
+ * bytes against max_mapped_bytes and QM_SHM_MAX_MAPS,
+ * QM_ERESOURCE_EXHAUSTED beyond; takes the caller's reference), find,
+ * remove, release all (each map's memory goes with its last reference). */
+typedef struct qm_shm_set {
+    qm_shm_map *head;
+    uint32_t count;
+    uint64_t bytes; /* counted against max_mapped_bytes */
+} qm_shm_set;
+
+int qm_shm_set_add(qm_shm_set *s, qm_shm_map *m, uint64_t max_bytes, qm_status *st);
+qm_shm_map *qm_shm_set_find(const qm_shm_set *s, uint64_t id); /* borrowed */
+int qm_shm_set_remove(qm_shm_set *s, uint64_t id, qm_status *st);
+void qm_shm_set_release_all(qm_shm_set *s);
 
 /* What one session.infer holds of its session's maps while it is queued. */
 #define QM_SHM_JOB_MAPS 8
@@ -54,12 +60,13 @@ typedef struct qm_map_refs {
 } qm_map_refs;
 
 /* Points every mapped tensor of p (hidden, router_logits, ...) into its map
- * and resolves output_to for an output of out_bytes; i32 tensors are copied
+ * in the session's set s and resolves output_to for an output of
+ * out_bytes; i32 tensors are copied
  * (they are checked before the job runs, and the client can write the map).
  * QM_ENOT_FOUND naming "<tensor>.map" for a map the session does not hold,
  * QM_EINVAL naming "<tensor>.offset" for a region outside its map. On
  * failure every reference taken is released. Loop thread. */
-int qm_shm_resolve(qm_session *s, qm_params *p, uint64_t out_bytes, qm_map_refs *refs,
+int qm_shm_resolve(const qm_shm_set *s, qm_params *p, uint64_t out_bytes, qm_map_refs *refs,
                    qm_status *st);
 void qm_map_refs_release(qm_map_refs *refs);
 

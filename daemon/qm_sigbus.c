@@ -3,7 +3,7 @@
  *
  * Reading a page of a MAP_SHARED mapping that lies past the file's new end
  * raises SIGBUS. Two defences:
- * 1. qm_model_check (before and after every use of a bank: session.create,
+ * 1. qm_model_check (qm_models.c; before and after every use of a bank: session.create,
  *    session.infer) fstat()s the bank's file and fails the request with
  *    invalid_model when it shrank, so the usual case never touches a
  *    missing page.
@@ -19,13 +19,13 @@
  *    the signal, as it would have without the handler). */
 #include "qm_sigbus.h"
 
-#include "qm_models.h"
-
 #include <signal.h>
 #include <stdatomic.h>
 #include <string.h>
 #include <sys/mman.h>
 #include <unistd.h>
+
+#include "qm_error.h"
 
 #define QM_SIGBUS_SLOTS 256
 
@@ -105,20 +105,4 @@ int qm_sigbus_poisoned(int slot)
     if (slot < 0 || slot >= QM_SIGBUS_SLOTS)
         return 0;
     return atomic_load(&slots[slot].poisoned);
-}
-
-int qm_model_check(const qm_model *m, qm_status *st)
-{
-    if (qm_sigbus_poisoned(m->guard_slot))
-        return qm_status_set(st, QM_EINVALID_MODEL,
-                                   "bank file %.200s was truncated on disk while in use; "
-                                   "restore it, then unload and load model '%s' again",
-                                   m->path, m->name);
-    int rc = qm_bank_check_file(m->bank, st);
-    if (rc < 0) {
-        if (st)
-            st->code = QM_EINVALID_MODEL;
-        return QM_EINVALID_MODEL;
-    }
-    return 0;
 }

@@ -1,6 +1,8 @@
-/* qm_telemetry.h - counters, latency histograms, the trace ring, and the
- * telemetry.* methods (qm_telemetry.c). Loop thread only: workers hand their
- * numbers back with the finished job, so nothing here takes a lock. */
+/* qm_telemetry.h - what the daemon counts (qm_telemetry.c): the clock,
+ * counters and latency histograms, the pager's work folded into them, the
+ * limits hit, and the trace ring. Plain data, loop thread only: workers
+ * hand their numbers back with the finished job, so nothing here takes a
+ * lock. The telemetry.* methods that show it are qm_method_telemetry.c. */
 #ifndef QM_TELEMETRY_H
 #define QM_TELEMETRY_H
 
@@ -8,6 +10,10 @@
 #include <stdint.h>
 
 #include "qm_protocol.h"
+
+typedef struct qm_pager_stats qm_pager_stats; /* engine/qm_pager.h */
+
+uint64_t qm_now_us(void); /* monotonic: every span, latency and timeout reads it */
 
 #define QM_HIST_BUCKETS 256
 
@@ -19,12 +25,59 @@ typedef struct qm_hist {
 void qm_hist_add(qm_hist *h, uint64_t value_us);
 uint64_t qm_hist_quantile(const qm_hist *h, double q); /* bucket upper bound; 0 when empty */
 
+/* The counters of the daemon and of each session. Every one is a row of
+ * the table in qm_telemetry.c: its name and help (telemetry.get, the
+ * metrics) and, for the pager's, the pager statistics it sums. */
 typedef struct qm_counters {
     uint64_t requests, errors, tokens, expert_hits, expert_misses, bytes_paged_h2d, evictions,
         prefetch_issued, prefetch_useful, resident_bytes, bytes_read_disk, stall_us,
         expert_host_runs;
     qm_hist latency; /* session.infer end to end, microseconds */
 } qm_counters;
+
+/* What a session's pager did between two readings of its statistics (one
+ * job's work), added to the session's counters and the daemon's: every
+ * counter the table feeds from the pager, resident_bytes set to now's. */
+void qm_counters_add_paging(qm_counters *session, qm_counters *daemon, const qm_pager_stats *was,
+                            const qm_pager_stats *now);
+void qm_jw_counters(qm_jw *w, const qm_counters *c); /* the counter members, no braces */
+
+/* The counters in table order, for the metrics: name, help, whether it is
+ * a counter (else a gauge), and its value in c. i < qm_counter_count(). */
+size_t qm_counter_count(void);
+const char *qm_counter_name(size_t i);
+const char *qm_counter_help(size_t i);
+int qm_counter_is_total(size_t i);
+uint64_t qm_counter_value(const qm_counters *c, size_t i);
+
+/* Every configured bound: counted each time it triggers, logged once. */
+enum {
+    QM_LIMIT_MAX_REQUEST_BYTES,
+    QM_LIMIT_MAX_NESTING,
+    QM_LIMIT_MAX_BATCH,
+    QM_LIMIT_MAX_CONNECTIONS,
+    QM_LIMIT_MAX_SESSIONS,
+    QM_LIMIT_MAX_OUTPUT_BYTES,
+    QM_LIMIT_QUEUE_DEPTH,
+    QM_LIMIT_IDLE_TIMEOUT,
+    QM_LIMIT_FRAMES_PER_WAKEUP,
+    QM_LIMIT_FRAME_TIMEOUT,
+    QM_LIMIT_OUTPUT_STALL,
+    QM_LIMIT_COUNT
+};
+extern const char *const qm_limit_names[QM_LIMIT_COUNT]; /* the config keys */
+
+typedef struct qm_limits {
+    uint64_t hits[QM_LIMIT_COUNT];
+    int logged[QM_LIMIT_COUNT];
+} qm_limits;
+
+/* Counts a hit and logs the first one of each limit (the sentence says
+ * what happened). */
+void qm_limit_hit(qm_limits *l, int limit, const char *fmt, ...)
+    __attribute__((format(printf, 3, 4)));
+/* Counts without logging (a caller that logs per connection itself). */
+void qm_limit_count(qm_limits *l, int limit);
 
 typedef struct qm_span {
     uint64_t seq;
@@ -38,24 +91,16 @@ typedef struct qm_trace {
     qm_span *ring;
     size_t cap, head, count; /* head = next slot to write */
     uint64_t next_seq;
+    uint64_t start_us; /* the daemon's start: spans' times count from it */
 } qm_trace;
 
-int qm_trace_init(qm_trace *t, size_t cap);
+int qm_trace_init(qm_trace *t, size_t cap, uint64_t start_us);
 void qm_trace_free(qm_trace *t);
-/* Records a span; returns a copy through *out (may be NULL). */
+/* Records a span that began at monotonic time start_us (qm_now_us);
+ * returns a copy through *out (may be NULL). */
 void qm_trace_add(qm_trace *t, const char *name, uint64_t start_us, uint64_t dur_us,
                   const char *session, const char *args, qm_span *out);
-
-void qm_jw_counters(qm_jw *w, const qm_counters *c); /* the counter members, no braces */
-
-typedef struct qm_daemon qm_daemon;
-typedef struct qm_peer qm_peer;
-/* The telemetry.* methods: write the result value, or return an error in st.
- * `peer` decides which sessions are visible (its own, or all for an admin). */
-int qm_telemetry_get(qm_daemon *d, const qm_peer *peer, const qm_params *p, qm_jw *w,
-                     qm_status *st);
-int qm_telemetry_trace(qm_daemon *d, const qm_params *p, qm_jw *w, qm_status *st);
-/* Prometheus text (sessions the peer may see only). */
-int qm_telemetry_metrics(qm_daemon *d, const qm_peer *peer, qm_buf *b);
+/* The i-th span of the ring, oldest first (i < t->count). */
+const qm_span *qm_trace_at(const qm_trace *t, size_t i);
 
 #endif

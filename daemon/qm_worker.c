@@ -21,24 +21,23 @@
 #include <uv.h>
 
 #include "qm_alloc.h"
-#include "qm_daemon.h"
-#include "qm_dispatch.h"
 #include "qm_fault.h"
-#include "qm_sessions.h"
+#include "qm_telemetry.h"
 
 struct qm_pool {
     uv_thread_t *threads;
     uint32_t n_threads;
     uv_mutex_t mu;
     uv_cond_t cv;
-    qm_session *runq_head, *runq_tail;
+    qm_pool_hooks hooks;
+    qm_job_queue *runq_head, *runq_tail;
     qm_job *done_head, *done_tail;
     int stop;
     int efd;              /* eventfd: done jobs wait */
     atomic_int told;      /* 1 while efd is written and not yet drained */
     uv_poll_t done_poll;  /* the loop's watch on efd */
-    size_t queued;       /* jobs enqueued and not completed (loop thread) */
-    size_t queued_infer; /* ... of which inferences (what queue_depth bounds) */
+    size_t queued;         /* jobs enqueued and not completed (loop thread) */
+    size_t queued_bounded; /* ... of which bounded ones (what queue_depth bounds) */
 };
 
 void qm_job_free(qm_job *job)
@@ -62,17 +61,17 @@ static void job_list_append(qm_job **head, qm_job **tail, qm_job *job)
     *tail = job;
 }
 
-/* Puts a session with jobs at the tail of the run queue (pool lock). The
- * caller signals the condition after unlocking: a worker woken while the
- * lock is still held would only block on it again (two more switches on
- * every hand-off of a T = 1 inference). */
-static void runq_push(qm_pool *p, qm_session *s)
+/* Puts a session's queue with jobs at the tail of the run queue (pool
+ * lock). The caller signals the condition after unlocking: a worker woken
+ * while the lock is still held would only block on it again (two more
+ * switches on every hand-off of a T = 1 inference). */
+static void runq_push(qm_pool *p, qm_job_queue *q)
 {
     if (p->runq_tail)
-        p->runq_tail->queue.runq_next = s;
+        p->runq_tail->runq_next = q;
     else
-        p->runq_head = s;
-    p->runq_tail = s;
+        p->runq_head = q;
+    p->runq_tail = q;
 }
 
 /* Wakes the loop for the done list, once until it drains it. */
@@ -87,8 +86,7 @@ static void done_notify(qm_pool *p)
 
 static void worker_main(void *arg)
 {
-    qm_daemon *d = arg;
-    qm_pool *p = d->pool;
+    qm_pool *p = arg;
     qm_fault_tag_thread(QM_FAULT_WORKER);
     uv_mutex_lock(&p->mu);
     for (;;) {
@@ -96,8 +94,7 @@ static void worker_main(void *arg)
             uv_cond_wait(&p->cv, &p->mu);
         if (p->stop)
             break;
-        qm_session *s = p->runq_head;
-        qm_job_queue *q = &s->queue;
+        qm_job_queue *q = p->runq_head;
         p->runq_head = q->runq_next;
         if (!p->runq_head)
             p->runq_tail = NULL;
@@ -110,21 +107,15 @@ static void worker_main(void *arg)
         uv_mutex_unlock(&p->mu);
 
         job->start_us = qm_now_us();
-        if (job->kind == QM_JOB_INFER)
-            qm_job_run(job);
-        else if (job->kind == QM_JOB_CREATE)
-            job->rc = qm_session_build(d, s, &job->st);
-        else if (job->kind == QM_JOB_PLAN)
-            qm_job_run_plan(job);
-        else if (job->kind == QM_JOB_RESIZE)
-            qm_job_run_resize(job);
+        if (job->ops->run)
+            job->ops->run(job);
         job->end_us = qm_now_us();
 
         uv_mutex_lock(&p->mu);
         job_list_append(&p->done_head, &p->done_tail, job);
         int more = q->head != NULL;
         if (more)
-            runq_push(p, s);
+            runq_push(p, q);
         else
             q->scheduled = 0;
         /* Wake the loop with the lock released, so that its done_cb does
@@ -140,8 +131,7 @@ static void worker_main(void *arg)
 
 static void done_cb(uv_poll_t *h, int status, int events)
 {
-    qm_daemon *d = h->data;
-    qm_pool *p = d->pool;
+    qm_pool *p = h->data;
     (void)status;
     (void)events;
     uint64_t n;
@@ -158,21 +148,26 @@ static void done_cb(uv_poll_t *h, int status, int events)
         list = job->next;
         job->next = NULL;
         p->queued--;
-        if (job->kind == QM_JOB_INFER)
-            p->queued_infer--;
-        qm_dispatch_job_done(d, job);
+        if (job->ops->bounded)
+            p->queued_bounded--;
+        job->queue->pending--;
+        p->hooks.done(p->hooks.arg, job);
     }
-    qm_daemon_maybe_finish(d);
+    if (p->hooks.idle)
+        p->hooks.idle(p->hooks.arg);
 }
 
-int qm_pool_start(qm_daemon *d, uint32_t n_threads)
+int qm_pool_start(uv_loop_t *loop, uint32_t n_threads, const qm_pool_hooks *hooks,
+                  qm_pool **out)
 {
+    *out = NULL;
     int rc = qm_fault_start();
     if (rc < 0)
         return rc;
     qm_pool *p = qm_calloc(1, sizeof *p);
     if (!p)
         return QM_ENOMEM;
+    p->hooks = *hooks;
     if (uv_mutex_init(&p->mu) != 0)
         goto fail_mutex;
     if (uv_cond_init(&p->cv) != 0)
@@ -183,14 +178,14 @@ int qm_pool_start(qm_daemon *d, uint32_t n_threads)
     p->efd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
     if (p->efd < 0)
         goto fail_efd;
-    if (uv_poll_init(d->loop, &p->done_poll, p->efd) != 0)
+    if (uv_poll_init(loop, &p->done_poll, p->efd) != 0)
         goto fail_poll;
-    p->done_poll.data = d;
+    p->done_poll.data = p;
     uv_poll_start(&p->done_poll, UV_READABLE, done_cb);
-    d->pool = p;
+    *out = p;
     for (uint32_t i = 0; i < n_threads; i++) {
         /* The workers started so far are joined by qm_pool_stop. */
-        if (uv_thread_create(&p->threads[i], worker_main, d) != 0)
+        if (uv_thread_create(&p->threads[i], worker_main, p) != 0)
             return QM_ENOMEM;
         p->n_threads++;
     }
@@ -210,9 +205,8 @@ fail_mutex:
     return QM_ENOMEM;
 }
 
-void qm_pool_stop(qm_daemon *d)
+void qm_pool_stop(qm_pool *p)
 {
-    qm_pool *p = d->pool;
     if (!p)
         return;
     uv_mutex_lock(&p->mu);
@@ -228,35 +222,29 @@ void qm_pool_stop(qm_daemon *d)
     /* The poll handle was closed with the loop's other handles. */
     close(p->efd);
     qm_free(p);
-    d->pool = NULL;
 }
 
 size_t qm_pool_queued(const qm_pool *p) { return p ? p->queued : 0; }
 
-int qm_pool_submit(qm_daemon *d, qm_job *job)
+int qm_pool_submit(qm_pool *p, qm_job *job, uint32_t queue_depth)
 {
-    qm_pool *p = d->pool;
-    /* Only inferences hold compute worth refusing: barriers and session
+    /* Only bounded jobs hold compute worth refusing: barriers and session
      * creation are bounded by the sessions that exist. */
-    if (job->kind == QM_JOB_INFER && p->queued_infer >= d->cfg.queue_depth) {
-        qm_limit_hit(d, QM_LIMIT_QUEUE_DEPTH, "queue_depth %u reached: answering overloaded",
-                     d->cfg.queue_depth);
+    if (job->ops->bounded && p->queued_bounded >= queue_depth)
         return QM_EOVERLOADED;
-    }
-    qm_session *s = job->session;
     job->enqueue_us = qm_now_us();
     job->next = NULL;
     p->queued++;
-    if (job->kind == QM_JOB_INFER)
-        p->queued_infer++;
-    qm_job_queue *q = &s->queue;
+    if (job->ops->bounded)
+        p->queued_bounded++;
+    qm_job_queue *q = job->queue;
     q->pending++;
     uv_mutex_lock(&p->mu);
     job_list_append(&q->head, &q->tail, job);
     int wake = !q->scheduled;
     if (wake) {
         q->scheduled = 1;
-        runq_push(p, s);
+        runq_push(p, q);
     }
     uv_mutex_unlock(&p->mu);
     if (wake)

@@ -14,6 +14,7 @@
 #include "qm_config.h"
 #include "qm_log.h"
 #include "qm_notify.h"
+#include "qm_pager.h"
 #include "qm_sigbus.h"
 #include "qm_telemetry.h"
 
@@ -35,16 +36,68 @@ END_TEST
 START_TEST(test_trace_ring_keeps_the_newest_spans)
 {
     qm_trace t;
-    ck_assert_int_eq(qm_trace_init(&t, 4), 0);
+    ck_assert_int_eq(qm_trace_init(&t, 4, 1000), 0);
     qm_span out;
     for (int i = 0; i < 6; i++)
-        qm_trace_add(&t, "session.infer", (uint64_t)i, 1, "s", NULL, &out);
+        qm_trace_add(&t, "session.infer", 1000 + (uint64_t)i, 1, "s", NULL, &out);
     ck_assert_uint_eq(t.count, 4);
     ck_assert_uint_eq(out.seq, 6);
     ck_assert_str_eq(out.args, "{}");
-    size_t oldest = (t.head + t.cap - t.count) % t.cap;
-    ck_assert_uint_eq(t.ring[oldest].start_us, 2);
+    /* Oldest first, times from the daemon's start. */
+    for (size_t i = 0; i < t.count; i++)
+        ck_assert_uint_eq(qm_trace_at(&t, i)->start_us, 2 + i);
     qm_trace_free(&t);
+}
+END_TEST
+
+/* A job's paging lands in the session's counters and the daemon's, each
+ * counter from the statistics its row names; the others stay. */
+START_TEST(test_paging_counters_sum_the_growth_of_their_pager_statistics)
+{
+    qm_pager_stats was = {.hits = 5, .whole_bank_accesses = 2, .misses = 1, .evictions = 4,
+                          .bytes_paged_h2d = 100, .prefetch_issued = 3, .prefetch_useful = 1,
+                          .disk_bytes_read = 7, .stall_us = 9, .host_runs = 2,
+                          .resident_bytes = 500};
+    qm_pager_stats now = was;
+    now.hits += 10;
+    now.whole_bank_accesses += 3;
+    now.misses += 2;
+    now.evictions += 1;
+    now.bytes_paged_h2d += 4096;
+    now.prefetch_issued += 6;
+    now.prefetch_useful += 5;
+    now.disk_bytes_read += 8192;
+    now.stall_us += 11;
+    now.host_runs += 4;
+    now.resident_bytes = 300;
+    now.waves += 99; /* no counter reads it */
+    qm_counters session = {.requests = 1, .tokens = 2}, daemon = {.requests = 8, .errors = 3};
+    qm_counters_add_paging(&session, &daemon, &was, &now);
+    qm_counters_add_paging(&session, &daemon, &now, &now); /* nothing new */
+    const qm_counters *both[2] = {&session, &daemon};
+    for (int i = 0; i < 2; i++) {
+        const qm_counters *c = both[i];
+        ck_assert_uint_eq(c->expert_hits, 13);
+        ck_assert_uint_eq(c->expert_misses, 2);
+        ck_assert_uint_eq(c->evictions, 1);
+        ck_assert_uint_eq(c->bytes_paged_h2d, 4096);
+        ck_assert_uint_eq(c->prefetch_issued, 6);
+        ck_assert_uint_eq(c->prefetch_useful, 5);
+        ck_assert_uint_eq(c->bytes_read_disk, 8192);
+        ck_assert_uint_eq(c->stall_us, 11);
+        ck_assert_uint_eq(c->expert_host_runs, 4);
+    }
+    ck_assert_uint_eq(session.resident_bytes, 300);
+    ck_assert_uint_eq(daemon.resident_bytes, 0); /* the sum over sessions, made when read */
+    ck_assert_uint_eq(session.requests, 1);
+    ck_assert_uint_eq(session.tokens, 2);
+    ck_assert_uint_eq(daemon.requests, 8);
+    ck_assert_uint_eq(daemon.errors, 3);
+    /* Every counter has a name and help, in telemetry.get's order. */
+    ck_assert_str_eq(qm_counter_name(0), "requests");
+    for (size_t i = 0; i < qm_counter_count(); i++)
+        ck_assert(qm_counter_name(i) && qm_counter_help(i) && qm_counter_help(i)[0]);
+    ck_assert_ptr_null(qm_counter_name(qm_counter_count()));
 }
 END_TEST
 
@@ -310,6 +363,7 @@ int main(void)
     TCase *tc = tcase_create("telemetry");
     tcase_add_test(tc, test_hist_quantiles_are_bucket_upper_bounds_within_25_percent);
     tcase_add_test(tc, test_trace_ring_keeps_the_newest_spans);
+    tcase_add_test(tc, test_paging_counters_sum_the_growth_of_their_pager_statistics);
     suite_add_tcase(s, tc);
     tc = tcase_create("config");
     tcase_add_test(tc, test_flags_override_the_config_file);

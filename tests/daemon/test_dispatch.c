@@ -7,23 +7,22 @@
 #include <string.h>
 
 #include "qm_dispatch.h"
-#include "qm_sessions.h"
 
 static const qm_peer user = {.uid = 1000, .gid = 1000, .pid = 1, .is_admin = 0};
 static const qm_peer other_user = {.uid = 1001, .gid = 1001, .pid = 2, .is_admin = 0};
 static const qm_peer admin = {.uid = 0, .gid = 0, .pid = 3, .is_admin = 1};
 
-/* A session as the registry would hold it: only what routing reads. */
-static qm_session *session_of(uid_t owner, size_t pending)
+/* A session as routing reads it. */
+static qm_route_session *session_of(uid_t owner, size_t queued)
 {
-    qm_session *s = calloc(1, sizeof *s);
+    qm_route_session *s = calloc(1, sizeof *s);
     ck_assert_ptr_nonnull(s);
-    s->owner_uid = owner;
-    s->queue.pending = pending;
+    s->owner = owner;
+    s->queued = queued;
     return s;
 }
 
-static qm_route route(qm_method m, const qm_peer *peer, int draining, const qm_session *s)
+static qm_route route(qm_method m, const qm_peer *peer, int draining, const qm_route_session *s)
 {
     const qm_method_entry *e = qm_method_entry_get(m);
     ck_assert_ptr_nonnull(e);
@@ -44,7 +43,8 @@ START_TEST(test_table_has_one_row_per_method_in_order)
 END_TEST
 
 /* A method answered on the loop thread, now or behind its session's work,
- * needs a handler; one a worker answers has none and a real job kind. */
+ * needs a handler and no job; one a worker answers has no handler and job
+ * operations that at least finish (answer) it. */
 START_TEST(test_every_loop_answered_method_has_a_handler)
 {
     for (int m = 0; m < QM_METHOD_COUNT; m++) {
@@ -53,14 +53,34 @@ START_TEST(test_every_loop_answered_method_has_a_handler)
         if (e->queued == QM_QUEUE_ALWAYS) {
             ck_assert_msg(e->handler == NULL, "%s: a worker answers it, yet it has a handler",
                           name);
-            ck_assert_msg(e->job_kind != QM_JOB_BARRIER, "%s: queued as a barrier", name);
+            ck_assert_msg(e->job && e->job->finish, "%s: queued without operations", name);
+            for (int o = 0; o < m; o++) {
+                const qm_method_entry *other = qm_method_entry_get((qm_method)o);
+                ck_assert_msg(!other->job || other->job != e->job, "%s and %s share a job", name,
+                              qm_method_name((qm_method)o));
+            }
         } else {
             ck_assert_msg(e->handler != NULL, "%s: answered on the loop without a handler", name);
-            ck_assert_msg(e->job_kind == QM_JOB_BARRIER, "%s: job kind %d", name,
-                          (int)e->job_kind);
+            ck_assert_msg(e->job == NULL, "%s: a loop method with job operations", name);
         }
         if (e->queued == QM_QUEUE_BEHIND)
             ck_assert_msg(e->session != QM_SESSION_UNUSED, "%s: behind which session?", name);
+    }
+}
+END_TEST
+
+/* queue_depth bounds the inferences (the compute) alone, and only
+ * session.map takes the descriptors that come with a request. */
+START_TEST(test_only_inference_is_bounded_and_only_map_takes_descriptors)
+{
+    for (int m = 0; m < QM_METHOD_COUNT; m++) {
+        const qm_method_entry *e = qm_method_entry_get((qm_method)m);
+        const char *name = qm_method_name((qm_method)m);
+        int bounded = e->job && e->job->bounded;
+        ck_assert_msg(bounded == (m == QM_METHOD_SESSION_INFER), "%s: bounded %d", name,
+                      bounded);
+        ck_assert_msg(e->takes_fds == (m == QM_METHOD_SESSION_MAP), "%s: takes_fds %d", name,
+                      e->takes_fds);
     }
 }
 END_TEST
@@ -73,7 +93,7 @@ START_TEST(test_admin_methods_refuse_a_plain_user_and_only_them)
         int admin_only = m == QM_METHOD_MODEL_LOAD || m == QM_METHOD_MODEL_UNLOAD ||
                          m == QM_METHOD_TELEMETRY_TRACE || m == QM_METHOD_DAEMON_SHUTDOWN;
         const char *name = qm_method_name((qm_method)m);
-        qm_session *mine = session_of(user.uid, 0);
+        qm_route_session *mine = session_of(user.uid, 0);
         qm_route r = route((qm_method)m, &user, 0, mine);
         if (admin_only) {
             ck_assert_msg(r.kind == QM_ROUTE_REFUSE && r.refusal == QM_REFUSE_NOT_ADMIN,
@@ -91,7 +111,7 @@ END_TEST
 
 START_TEST(test_draining_refuses_every_method_even_an_admins)
 {
-    qm_session *mine = session_of(admin.uid, 0);
+    qm_route_session *mine = session_of(admin.uid, 0);
     for (int m = 0; m < QM_METHOD_COUNT; m++) {
         qm_route r = route((qm_method)m, &admin, 1, mine);
         ck_assert_msg(r.kind == QM_ROUTE_REFUSE && r.refusal == QM_REFUSE_DRAINING,
@@ -133,7 +153,7 @@ START_TEST(test_only_the_owner_or_an_admin_may_use_a_session)
     static const qm_method scoped[] = {QM_METHOD_SESSION_CLOSE, QM_METHOD_SESSION_PLAN,
                                        QM_METHOD_SESSION_INFER, QM_METHOD_TELEMETRY_GET,
                                        QM_METHOD_SESSION_RESIZE};
-    qm_session *theirs = session_of(other_user.uid, 0);
+    qm_route_session *theirs = session_of(other_user.uid, 0);
     for (size_t i = 0; i < sizeof scoped / sizeof *scoped; i++) {
         const char *name = qm_method_name(scoped[i]);
         qm_route r = route(scoped[i], &user, 0, theirs);
@@ -165,26 +185,30 @@ START_TEST(test_telemetry_get_without_a_session_is_answered_at_once)
 END_TEST
 
 /* Inference and session.plan always go through the session's queue (the
- * pager belongs to its worker); session.create always becomes a job. */
+ * pagers belong to its worker); session.create always becomes a job;
+ * session.resize is ordered with the session's inferences. Each is its
+ * row's job: admitted where it checks or reserves, undone where a
+ * reservation must be given back. */
 START_TEST(test_infer_plan_and_create_are_always_queued_as_their_job)
 {
-    qm_session *idle = session_of(user.uid, 0), *busy = session_of(user.uid, 3);
-    qm_route r = route(QM_METHOD_SESSION_INFER, &user, 0, idle);
-    ck_assert_int_eq(r.kind, QM_ROUTE_QUEUE);
-    ck_assert_int_eq(r.job_kind, QM_JOB_INFER);
-    r = route(QM_METHOD_SESSION_INFER, &user, 0, busy);
-    ck_assert_int_eq(r.kind, QM_ROUTE_QUEUE);
-    ck_assert_int_eq(r.job_kind, QM_JOB_INFER);
-    r = route(QM_METHOD_SESSION_PLAN, &user, 0, idle);
-    ck_assert_int_eq(r.kind, QM_ROUTE_QUEUE);
-    ck_assert_int_eq(r.job_kind, QM_JOB_PLAN);
-    r = route(QM_METHOD_SESSION_CREATE, &user, 0, NULL);
-    ck_assert_int_eq(r.kind, QM_ROUTE_QUEUE);
-    ck_assert_int_eq(r.job_kind, QM_JOB_CREATE);
-    /* session.resize is ordered with the session's inferences. */
-    r = route(QM_METHOD_SESSION_RESIZE, &user, 0, idle);
-    ck_assert_int_eq(r.kind, QM_ROUTE_QUEUE);
-    ck_assert_int_eq(r.job_kind, QM_JOB_RESIZE);
+    qm_route_session *idle = session_of(user.uid, 0), *busy = session_of(user.uid, 3);
+    static const qm_method always[] = {QM_METHOD_SESSION_INFER, QM_METHOD_SESSION_PLAN,
+                                       QM_METHOD_SESSION_CREATE, QM_METHOD_SESSION_RESIZE};
+    for (size_t i = 0; i < sizeof always / sizeof *always; i++) {
+        const qm_method m = always[i];
+        const qm_route_session *s = m == QM_METHOD_SESSION_CREATE ? NULL : idle;
+        ck_assert_int_eq(route(m, &user, 0, s).kind, QM_ROUTE_QUEUE);
+        if (s)
+            ck_assert_int_eq(route(m, &user, 0, busy).kind, QM_ROUTE_QUEUE);
+        const qm_job_ops *job = qm_method_entry_get(m)->job;
+        ck_assert_msg(job && job->run, "%s: no work for a worker", qm_method_name(m));
+    }
+    const qm_job_ops *create = qm_method_entry_get(QM_METHOD_SESSION_CREATE)->job,
+                     *resize = qm_method_entry_get(QM_METHOD_SESSION_RESIZE)->job,
+                     *infer = qm_method_entry_get(QM_METHOD_SESSION_INFER)->job;
+    ck_assert(create->admit && create->undo);  /* the session and its budget */
+    ck_assert(resize->admit && resize->undo);  /* the growth */
+    ck_assert(infer->admit && !infer->undo);   /* checks and map references only */
     free(idle);
     free(busy);
 }
@@ -195,7 +219,7 @@ END_TEST
  * about no session, it is answered at once. */
 START_TEST(test_session_requests_wait_behind_queued_work_only)
 {
-    qm_session *idle = session_of(user.uid, 0), *busy = session_of(user.uid, 1);
+    qm_route_session *idle = session_of(user.uid, 0), *busy = session_of(user.uid, 1);
     static const qm_method behind[] = {QM_METHOD_SESSION_CLOSE, QM_METHOD_TELEMETRY_GET};
     for (size_t i = 0; i < sizeof behind / sizeof *behind; i++) {
         const char *name = qm_method_name(behind[i]);
@@ -203,9 +227,8 @@ START_TEST(test_session_requests_wait_behind_queued_work_only)
         ck_assert_msg(r.kind == QM_ROUTE_ANSWER, "%s on an idle session: kind %d", name,
                       (int)r.kind);
         r = route(behind[i], &user, 0, busy);
-        ck_assert_msg(r.kind == QM_ROUTE_QUEUE && r.job_kind == QM_JOB_BARRIER,
-                      "%s behind queued work: kind %d job %d", name, (int)r.kind,
-                      (int)r.job_kind);
+        ck_assert_msg(r.kind == QM_ROUTE_QUEUE && qm_method_entry_get(behind[i])->job == NULL,
+                      "%s behind queued work: kind %d", name, (int)r.kind);
     }
     static const qm_method never[] = {QM_METHOD_DAEMON_STATUS, QM_METHOD_MODEL_LIST,
                                       QM_METHOD_SESSION_LIST, QM_METHOD_TELEMETRY_METRICS};
@@ -225,6 +248,7 @@ int main(void)
     TCase *tc = tcase_create("table");
     tcase_add_test(tc, test_table_has_one_row_per_method_in_order);
     tcase_add_test(tc, test_every_loop_answered_method_has_a_handler);
+    tcase_add_test(tc, test_only_inference_is_bounded_and_only_map_takes_descriptors);
     suite_add_tcase(s, tc);
     tc = tcase_create("roles");
     tcase_add_test(tc, test_admin_methods_refuse_a_plain_user_and_only_them);

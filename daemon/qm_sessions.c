@@ -1,308 +1,62 @@
-/* qm_registry.c - models (loaded once, shared, reference counted) and
- * sessions (unguessable ids, owner, policy, plan, pager), with admission
- * against the daemon-wide device budget. Loop thread only. */
-#include "qm_models.h"
-#include "qm_sessions.h"
+/* qm_sessions.c - the registry's sessions: unguessable ids, owner, policy,
+ * plan, a placement over the daemon's devices with one pager per device
+ * that holds layers, and admission of their budgets against the devices'.
+ * Loop thread only, except what qm_sessions.h gives a worker. */
+#include "qm_registry_impl.h"
 
 #include <errno.h>
+#include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/random.h>
-#include <sys/stat.h>
 #include <time.h>
 
 #include "qm_alloc.h"
 #include "qm_fault.h"
-#include "qm_daemon.h"
 #include "qm_log.h"
-#include "qm_sigbus.h"
+#include "qm_placement.h"
 #include "qm_plan_json.h"
 
-static void model_save_hotness(qm_model *m)
-{
-    if (!m->hotness || !m->hotness_path || qm_hotness_records(m->hotness) == m->hotness_saved)
-        return;
-    qm_status st;
-    qm_status_clear(&st);
-    if (qm_hotness_save(m->hotness, m->hotness_path, &st) < 0) {
-        qm_log(QM_LOG_WARNING, "cannot save the hotness profile of %s: %s", m->name, st.msg);
-        return;
-    }
-    m->hotness_saved = qm_hotness_records(m->hotness);
-}
+struct qm_session {
+    char id[QM_SESSION_ID_LEN + 1];
+    uid_t owner_uid;
+    qm_model *model;
+    char policy_name[16];
+    int precision_fast;       /* session.create precision "fast" (fixed for the session) */
+    qm_policy policy;
+    qm_residency_plan *plan;
+    /* Its layers over the daemon's devices (engine/qm_placement.h; one
+     * device holds them all), and one pager per device that holds layers
+     * (worker, while a job of this session runs). */
+    qm_placement placement;
+    qm_multipager *pagers;
+    uint64_t device_admitted[QM_CONFIG_MAX_DEVICES]; /* its part of each device's budget */
+    char device_names[QM_CONFIG_MAX_DEVICES][16];    /* the daemon's, for its plan */
+    qm_pager_options pager_options;
+    char *trace_path;         /* policy_params.record_trace in the state dir, or NULL */
+    uint64_t plan_start_us, plan_us;
+    uint64_t budget_bytes;    /* expert-weight budget */
+    uint64_t workspace_bytes; /* fixed at creation */
+    uint64_t admitted_bytes;  /* what the devices hold for it (budget shares + workspaces);
+                               * while resizes are queued, the largest they may set */
+    uint32_t resizes_pending; /* session.resize jobs queued and not yet done */
+    int64_t created_at;       /* unix seconds */
+    uint64_t touched_us;      /* the last request that named it (qm_now_us) */
+    uint64_t touched_by;      /* ... and the connection it came on */
+    int refs;                 /* registry + queued jobs */
+    atomic_int closed;        /* set by the loop; workers answer not_found after it */
+    qm_counters counters;
+    qm_pager_stats last_stats; /* the pagers' cumulative stats after the last job */
+    qm_span plan_span;
+    qm_job_queue queue;        /* its FIFO of jobs (qm_pool.h) */
+    qm_shm_set maps;           /* session.map's (qm_shm.h) */
+    qm_session *next;
+};
 
-void qm_models_save_hotness(qm_daemon *d)
+qm_session *qm_session_find(const qm_registry *r, const char *id)
 {
-    for (qm_model *m = d->models; m; m = m->next)
-        model_save_hotness(m);
-}
-
-/* Where the backend can (CUDA: cudaHostRegister), the whole mapping is
- * registered once with every device of the daemon (any of them may hold
- * layers of it: a session's placement), so paging copies are one DMA each
- * instead of going through bounce buffers. A refusal only costs speed (on
- * that device); backends with nothing to register (CPU) answer 0. */
-static void model_register_host(qm_daemon *d, qm_model *m)
-{
-    uint64_t bytes;
-    const void *base = qm_bank_mapping(m->bank, &bytes);
-    for (uint32_t i = 0; i < d->devices.n; i++) {
-        qm_backend *be = d->devices.dev[i].backend;
-        const char *name = d->devices.dev[i].name;
-        qm_status st;
-        qm_status_clear(&st);
-        int rc = qm_backend_register_host(be, base, (size_t)bytes, &st);
-        if (rc > 0) {
-            m->host_registered[m->n_host_registered++] = be;
-            qm_log(QM_LOG_INFO, "model %s: %llu mapped bytes registered with %s", m->name,
-                   (unsigned long long)bytes, name);
-        } else if (rc < 0) {
-            qm_log(QM_LOG_WARNING, "model %s: cannot register the mapping with %s (%s); copies "
-                   "go through bounce buffers", m->name, name, st.msg);
-        }
-    }
-}
-
-static void model_unregister_host(qm_model *m)
-{
-    while (m->n_host_registered > 0) {
-        qm_backend *be = m->host_registered[--m->n_host_registered];
-        qm_status st;
-        qm_status_clear(&st);
-        if (qm_backend_unregister_host(be, qm_bank_mapping(m->bank, NULL), &st) < 0)
-            qm_log(QM_LOG_WARNING, "model %s: cannot unregister the mapping: %s", m->name,
-                   st.msg);
-        m->host_registered[m->n_host_registered] = NULL;
-    }
-}
-
-static void model_free(qm_model *m)
-{
-    if (!m)
-        return;
-    model_unregister_host(m);
-    qm_sigbus_unregister(m->guard_slot);
-    model_save_hotness(m);
-    qm_hotness_free(m->hotness);
-    qm_free(m->hotness_path);
-    for (uint32_t i = 0; m->catalogs && i < m->n_layers; i++)
-        qm_catalog_free(m->catalogs[i]);
-    qm_free(m->catalogs);
-    qm_bank_close(m->bank);
-    qm_free(m->path);
-    qm_free(m);
-}
-
-void qm_model_unref(qm_model *m)
-{
-    if (m && --m->refs == 0)
-        model_free(m);
-}
-
-qm_model *qm_model_find(qm_daemon *d, const char *name)
-{
-    for (qm_model *m = d->models; m; m = m->next)
-        if (strcmp(m->name, name) == 0)
-            return m;
-    return NULL;
-}
-
-int qm_model_load(qm_daemon *d, const char *name, const char *path, qm_model **out,
-                  qm_status *st)
-{
-    if (qm_model_find(d, name))
-        return qm_status_set_field(st, QM_ECONFLICT, "name",
-                                   "a model named '%s' is already loaded; unload it first", name);
-    qm_model *m = qm_calloc(1, sizeof *m);
-    if (!m)
-        return qm_status_set(st, QM_ENOMEM, "out of memory");
-    m->guard_slot = -1;
-    snprintf(m->name, sizeof m->name, "%s", name);
-    m->path = qm_strdup(path);
-    int rc = m->path ? 0 : qm_status_set(st, QM_ENOMEM, "out of memory");
-    /* A FIFO or device would block open(2) on the loop thread: only regular
-     * files get that far (the loader checks again on the open fd). */
-    struct stat sb;
-    if (rc == 0 && stat(path, &sb) < 0)
-        rc = qm_status_set(st, QM_EINVALID_MODEL, "cannot open %.200s: %s", path,
-                           strerror(errno));
-    else if (rc == 0 && !S_ISREG(sb.st_mode))
-        rc = qm_status_set(st, QM_EINVALID_MODEL, "%.200s is not a regular file", path);
-    if (rc == 0)
-        rc = qm_bank_open(path, &m->bank, st);
-    if (rc < 0) {
-        /* Every way a bank file can be unusable is the client's invalid_model. */
-        if (rc != QM_ENOMEM)
-            rc = QM_EINVALID_MODEL;
-        if (st) {
-            st->code = rc;
-            snprintf(st->field, sizeof st->field, "path");
-        }
-        goto free_model;
-    }
-    uint64_t mapped_bytes;
-    const void *mapped = qm_bank_mapping(m->bank, &mapped_bytes);
-    m->guard_slot = qm_sigbus_register(mapped, mapped_bytes);
-    const qm_bank_config *cfg = qm_bank_get_config(m->bank);
-    m->n_layers = cfg->layers;
-    m->catalogs = qm_calloc(m->n_layers ? m->n_layers : 1, sizeof *m->catalogs);
-    if (!m->catalogs) {
-        rc = qm_status_set(st, QM_ENOMEM, "out of memory");
-        goto free_model;
-    }
-    for (uint32_t l = 0; l < m->n_layers; l++) {
-        rc = qm_bank_build_catalog(m->bank, l, &m->catalogs[l], st);
-        if (rc < 0)
-            goto free_model;
-    }
-    /* The profile persists across restarts in the state dir; a missing or
-     * mismatched file starts an empty one. */
-    qm_hotness_key key;
-    qm_hotness_key_of_bank(m->bank, &key);
-    char warning[256] = "";
-    if (d->cfg.state_dir) {
-        size_t n = strlen(d->cfg.state_dir) + strlen(name) + 8;
-        m->hotness_path = qm_malloc(n);
-        if (!m->hotness_path) {
-            rc = qm_status_set(st, QM_ENOMEM, "out of memory");
-            goto free_model;
-        }
-        snprintf(m->hotness_path, n, "%s/%s.hot", d->cfg.state_dir, name);
-        rc = qm_hotness_load(m->hotness_path, &key, QM_HOTNESS_DEFAULT_DECAY, &m->hotness,
-                             warning, sizeof warning, st);
-    } else {
-        rc = qm_hotness_new(&key, QM_HOTNESS_DEFAULT_DECAY, &m->hotness, st);
-    }
-    if (rc < 0)
-        goto free_model;
-    if (warning[0])
-        qm_log(QM_LOG_WARNING, "model %s: %s", name, warning);
-    m->hotness_saved = qm_hotness_records(m->hotness);
-    m->bytes_total = qm_bank_expert_bytes_total(m->bank);
-    const qm_layer_view *lv = qm_bank_layer(m->bank, 0);
-    m->bytes_per_expert = lv ? lv->bytes_per_expert : 0;
-    model_register_host(d, m);
-    m->refs = 1;
-    m->registered = 1;
-    m->next = d->models;
-    d->models = m;
-    d->n_models++;
-    if (out)
-        *out = m;
-    return 0;
-free_model:
-    model_free(m);
-    return rc;
-}
-
-/* Symlinks and ".." are resolved on both sides before comparing, so a path
- * cannot step out of a directory; the resolved path is what gets opened. */
-int qm_model_path_allowed(qm_daemon *d, const char *path, char **resolved, qm_status *st)
-{
-    *resolved = NULL;
-    if (!d->cfg.model_dirs)
-        return 0;
-    char *real = realpath(path, NULL);
-    if (!real)
-        return qm_status_set_field(st, QM_EINVALID_MODEL, "path", "cannot open %.200s: %s",
-                                   path, strerror(errno));
-    const char *dirs = d->cfg.model_dirs;
-    while (*dirs) {
-        size_t n = strcspn(dirs, ":");
-        char dir[4096];
-        if (n > 0 && n < sizeof dir) {
-            memcpy(dir, dirs, n);
-            dir[n] = '\0';
-            char *rdir = realpath(dir, NULL);
-            if (rdir) {
-                size_t rn = strlen(rdir);
-                int inside = strncmp(real, rdir, rn) == 0 &&
-                             (real[rn] == '/' || (rn == 1 && rdir[0] == '/'));
-                free(rdir);
-                if (inside) {
-                    *resolved = qm_strdup(real);
-                    free(real);
-                    return *resolved ? 0 : qm_status_set(st, QM_ENOMEM, "out of memory");
-                }
-            }
-        }
-        dirs += n;
-        if (*dirs == ':')
-            dirs++;
-    }
-    free(real);
-    return qm_status_set_field(st, QM_EPERMISSION, "path",
-                               "%.200s is outside the directories of config key model_dirs "
-                               "(%.200s)",
-                               path, d->cfg.model_dirs[0] ? d->cfg.model_dirs : "empty: none");
-}
-
-void qm_jw_model_summary(qm_jw *w, const qm_model *m)
-{
-    const qm_bank_config *c = qm_bank_get_config(m->bank);
-    qm_jw_obj_begin(w);
-    qm_jw_member_str(w, "name", m->name);
-    qm_jw_member_str(w, "path", m->path);
-    qm_jw_member_u64(w, "layers", c->layers);
-    qm_jw_member_u64(w, "experts", c->experts);
-    qm_jw_member_u64(w, "hidden_size", c->hidden);
-    qm_jw_member_u64(w, "inter_size", c->inter);
-    qm_jw_member_u64(w, "k", c->k);
-    qm_jw_member_str(w, "activation", qm_activation_name(c->activation));
-    qm_jw_member_u64(w, "bits", c->bits);
-    qm_jw_member_u64(w, "block_size", c->block_size);
-    qm_jw_member_u64(w, "bytes_total", m->bytes_total);
-    qm_jw_member_u64(w, "bytes_per_expert", m->bytes_per_expert);
-    /* An imported bank's qmoe.layer_map: engines tag their MoE layers with
-     * it (docs/ENGINES.md). Absent when the bank has none (identity). */
-    const uint32_t *map = qm_bank_layer_map(m->bank);
-    if (map) {
-        qm_jw_key(w, "layer_map");
-        qm_jw_arr_begin(w);
-        for (uint32_t l = 0; l < c->layers; l++)
-            qm_jw_u64(w, map[l]);
-        qm_jw_arr_end(w);
-    }
-    qm_jw_obj_end(w);
-}
-
-int qm_model_unload(qm_daemon *d, const char *name, int force, qm_status *st)
-{
-    qm_model *m = qm_model_find(d, name);
-    if (!m)
-        return qm_status_set_field(st, QM_ENOT_FOUND, "name", "no model named '%s' is loaded",
-                                   name);
-    size_t users = 0;
-    for (qm_session *s = d->sessions; s; s = s->next)
-        users += s->model == m;
-    if (users && !force)
-        return qm_status_set_field(st, QM_EIN_USE, "name",
-                                   "model '%s' has %zu open sessions; close them or pass force",
-                                   name, users);
-    for (qm_session *s = d->sessions, *next; s; s = next) {
-        next = s->next;
-        if (s->model == m)
-            qm_session_close(d, s);
-    }
-    for (qm_model **pp = &d->models; *pp; pp = &(*pp)->next) {
-        if (*pp == m) {
-            *pp = m->next;
-            break;
-        }
-    }
-    d->n_models--;
-    m->registered = 0;
-    qm_log(QM_LOG_INFO, "model %s unloaded%s", name, users ? " (sessions closed)" : "");
-    qm_model_unref(m);
-    return 0;
-}
-
-/* ---- sessions ---- */
-
-qm_session *qm_session_find(qm_daemon *d, const char *id)
-{
-    for (qm_session *s = d->sessions; s; s = s->next)
+    for (qm_session *s = r->sessions; s; s = s->next)
         if (strcmp(s->id, id) == 0)
             return s;
     return NULL;
@@ -310,7 +64,7 @@ qm_session *qm_session_find(qm_daemon *d, const char *id)
 
 static void session_free(qm_session *s)
 {
-    qm_shm_session_release_all(s);
+    qm_shm_set_release_all(&s->maps);
     qm_multipager_free(s->pagers);
     qm_placement_free(&s->placement);
     qm_free(s->trace_path);
@@ -320,47 +74,53 @@ static void session_free(qm_session *s)
     qm_free(s);
 }
 
-void qm_session_unref(qm_daemon *d, qm_session *s)
+void qm_session_ref(qm_session *s) { s->refs++; }
+
+void qm_session_unref(qm_session *s)
 {
-    (void)d;
     if (s && --s->refs == 0)
         session_free(s);
 }
 
 /* Gives the session's reservation back, on every device it holds. */
-static void session_release_admission(qm_daemon *d, qm_session *s)
+static void session_release_admission(qm_registry *r, qm_session *s)
 {
-    for (uint32_t i = 0; i < d->devices.n; i++)
-        d->devices.dev[i].admitted -= s->device_admitted[i];
+    for (uint32_t i = 0; i < r->devices->n; i++)
+        r->devices->dev[i].admitted -= s->device_admitted[i];
 }
 
-void qm_session_close(qm_daemon *d, qm_session *s)
+void qm_session_close(qm_registry *r, qm_session *s)
 {
-    for (qm_session **pp = &d->sessions; *pp; pp = &(*pp)->next) {
+    for (qm_session **pp = &r->sessions; *pp; pp = &(*pp)->next) {
         if (*pp == s) {
             *pp = s->next;
-            d->n_sessions--;
-            session_release_admission(d, s);
+            r->n_sessions--;
+            session_release_admission(r, s);
             atomic_store(&s->closed, 1);
             s->next = NULL;
             /* Its maps go now; jobs still queued hold the ones they use. */
-            qm_shm_session_release_all(s);
-            qm_session_unref(d, s);
+            qm_shm_set_release_all(&s->maps);
+            qm_session_unref(s);
             return;
         }
     }
 }
 
-void qm_registry_free_all(qm_daemon *d)
+void qm__sessions_close_model(qm_registry *r, const qm_model *m)
 {
-    while (d->sessions)
-        qm_session_close(d, d->sessions);
-    while (d->models) {
-        qm_model *m = d->models;
-        d->models = m->next;
-        d->n_models--;
-        qm_model_unref(m);
+    for (qm_session *s = r->sessions, *next; s; s = next) {
+        next = s->next;
+        if (!m || s->model == m)
+            qm_session_close(r, s);
     }
+}
+
+size_t qm__sessions_of_model(const qm_registry *r, const qm_model *m)
+{
+    size_t n = 0;
+    for (const qm_session *s = r->sessions; s; s = s->next)
+        n += s->model == m;
+    return n;
 }
 
 static int random_id(char out[QM_SESSION_ID_LEN + 1], qm_status *st)
@@ -391,11 +151,11 @@ static uint64_t device_free(const qm_device *dv)
  * `share` of the budget + a workspace) against `free_bytes` (a resize counts
  * what the session holds there already). With one device the device's
  * budget is the daemon-wide budget, and the sentence says so. */
-static int device_refusal(const qm_daemon *d, uint32_t i, unsigned long long need, uint64_t share,
+static int device_refusal(const qm_registry *r, uint32_t i, unsigned long long need, uint64_t share,
                           uint64_t budget, uint64_t workspace, uint64_t free_bytes, qm_status *st)
 {
-    const qm_device *dv = &d->devices.dev[i];
-    if (d->devices.n == 1)
+    const qm_device *dv = &r->devices->dev[i];
+    if (r->devices->n == 1)
         return qm_status_set_field(st, QM_ERESOURCE_EXHAUSTED, "budget_bytes",
                                    "session needs %llu bytes (budget %llu + workspace %llu) but "
                                    "only %llu bytes of the daemon-wide budget %llu are free",
@@ -417,10 +177,11 @@ static int device_refusal(const qm_daemon *d, uint32_t i, unsigned long long nee
  * device that gets layers charged its share of the budget plus a workspace
  * (its pager's scratch). QM_ERESOURCE_EXHAUSTED naming the device when one
  * cannot take its share. */
-static int admit_on_devices(qm_daemon *d, const qm_model *m, uint64_t budget, uint64_t workspace,
-                            qm_placement *pl, uint64_t *dev_need, qm_status *st)
+static int admit_on_devices(qm_registry *r, const qm_model *m, uint64_t budget,
+                            uint64_t workspace, qm_placement *pl, uint64_t *dev_need,
+                            qm_status *st)
 {
-    const qm_devices *ds = &d->devices;
+    const qm_devices *ds = r->devices;
     uint64_t free_bytes[QM_CONFIG_MAX_DEVICES], weight[QM_CONFIG_MAX_DEVICES];
     for (uint32_t i = 0; i < ds->n; i++) {
         free_bytes[i] = device_free(&ds->dev[i]);
@@ -434,7 +195,7 @@ static int admit_on_devices(qm_daemon *d, const qm_model *m, uint64_t budget, ui
         if (!pl->bytes[i])
             continue;
         if (qm_add_u64(pl->budget[i], workspace, &need) < 0 || need > free_bytes[i]) {
-            rc = device_refusal(d, i, need, pl->budget[i], budget, workspace, free_bytes[i], st);
+            rc = device_refusal(r, i, need, pl->budget[i], budget, workspace, free_bytes[i], st);
             qm_placement_free(pl);
             return rc;
         }
@@ -443,13 +204,13 @@ static int admit_on_devices(qm_daemon *d, const qm_model *m, uint64_t budget, ui
     return 0;
 }
 
-int qm_session_prepare(qm_daemon *d, const qm_params *p, uid_t owner, qm_session **out,
+int qm_session_prepare(qm_registry *r, const qm_params *p, uid_t owner, qm_session **out,
                        qm_status *st)
 {
     const char *policy = p->policy ? p->policy : "whole_bank";
     if (qm_policy_params_check(policy, NULL, st) < 0) /* the name: offered over the socket? */
         return QM_EINVAL;
-    qm_model *m = qm_model_find(d, p->model);
+    qm_model *m = qm_model_find(r, p->model);
     if (!m)
         return qm_status_set_field(st, QM_ENOT_FOUND, "model", "no model named '%.64s' is loaded",
                                    p->model);
@@ -461,7 +222,7 @@ int qm_session_prepare(qm_daemon *d, const qm_params *p, uid_t owner, qm_session
         /* The decoder refused '/', "." and ".."; a name ending in .hot would
          * overwrite a model's hotness profile in the same directory. */
         size_t n = strlen(pw->record_trace);
-        if (!d->cfg.state_dir)
+        if (!r->cfg->state_dir)
             return qm_status_set_field(st, QM_EINVAL, "policy_params.record_trace",
                                        "policy_params.record_trace needs a state dir; this "
                                        "daemon runs without one (state_dir)");
@@ -498,21 +259,22 @@ int qm_session_prepare(qm_daemon *d, const qm_params *p, uid_t owner, qm_session
             }
         }
     }
-    if (d->n_sessions >= d->cfg.max_sessions) {
-        qm_limit_hit(d, QM_LIMIT_MAX_SESSIONS, "max_sessions %u reached", d->cfg.max_sessions);
+    if (r->n_sessions >= r->cfg->max_sessions) {
+        qm_limit_hit(r->limits, QM_LIMIT_MAX_SESSIONS, "max_sessions %u reached",
+                     r->cfg->max_sessions);
         return qm_status_set(st, QM_ERESOURCE_EXHAUSTED,
                              "max_sessions %u reached; close a session first",
-                             d->cfg.max_sessions);
+                             r->cfg->max_sessions);
     }
     uint64_t budget = p->has_budget ? p->budget_bytes : m->bytes_total;
-    uint64_t workspace = d->cfg.session_workspace_bytes;
+    uint64_t workspace = r->cfg->session_workspace_bytes;
     qm_placement pl = {0};
     uint64_t dev_need[QM_CONFIG_MAX_DEVICES] = {0};
-    int rc = admit_on_devices(d, m, budget, workspace, &pl, dev_need, st);
+    int rc = admit_on_devices(r, m, budget, workspace, &pl, dev_need, st);
     if (rc < 0)
         return rc == QM_ENOMEM ? rc : QM_ERESOURCE_EXHAUSTED;
     uint64_t need = 0;
-    for (uint32_t i = 0; i < d->devices.n; i++)
+    for (uint32_t i = 0; i < r->devices->n; i++)
         need += dev_need[i];
 
     qm_session *s = qm_calloc(1, sizeof *s);
@@ -521,8 +283,8 @@ int qm_session_prepare(qm_daemon *d, const qm_params *p, uid_t owner, qm_session
         return qm_status_set(st, QM_ENOMEM, "out of memory");
     }
     s->placement = pl;
-    for (uint32_t i = 0; i < d->devices.n; i++)
-        snprintf(s->device_names[i], sizeof s->device_names[i], "%s", d->devices.dev[i].name);
+    for (uint32_t i = 0; i < r->devices->n; i++)
+        snprintf(s->device_names[i], sizeof s->device_names[i], "%s", r->devices->dev[i].name);
     rc = random_id(s->id, st);
     if (rc < 0)
         goto fail;
@@ -536,13 +298,13 @@ int qm_session_prepare(qm_daemon *d, const qm_params *p, uid_t owner, qm_session
     s->admitted_bytes = need;
     s->created_at = (int64_t)time(NULL);
     if (pw->record_trace) {
-        size_t n = strlen(d->cfg.state_dir) + strlen(pw->record_trace) + 2;
+        size_t n = strlen(r->cfg->state_dir) + strlen(pw->record_trace) + 2;
         s->trace_path = qm_malloc(n);
         if (!s->trace_path) {
             rc = qm_status_set(st, QM_ENOMEM, "out of memory");
             goto fail;
         }
-        snprintf(s->trace_path, n, "%s/%s", d->cfg.state_dir, pw->record_trace);
+        snprintf(s->trace_path, n, "%s/%s", r->cfg->state_dir, pw->record_trace);
     }
 
     /* static_hot's hot lists, indexed by layer. */
@@ -602,17 +364,17 @@ int qm_session_prepare(qm_daemon *d, const qm_params *p, uid_t owner, qm_session
     /* paging_source: auto reads a paged session's units from disk on a
      * host-visible backend (the CPU), so its budget bounds the memory the
      * bank takes instead of the page cache holding the file. */
-    const char *src = d->cfg.paging_source;
+    const char *src = r->cfg->paging_source;
     if (strcmp(src, "direct") == 0 ||
-        (strcmp(src, "auto") == 0 && qm_devices_host_visible(&d->devices) &&
+        (strcmp(src, "auto") == 0 && qm_devices_host_visible(r->devices) &&
          qm_plan_per_expert_count(s->plan) > 0))
         s->pager_options.source = QM_PAGER_SOURCE_DIRECT;
     /* Reserved now, so creations in flight cannot overcommit the device
      * budget while their pagers are built off the loop thread. */
     s->refs = 1;
-    d->n_sessions++;
-    for (uint32_t i = 0; i < d->devices.n; i++)
-        d->devices.dev[i].admitted += s->device_admitted[i] = dev_need[i];
+    r->n_sessions++;
+    for (uint32_t i = 0; i < r->devices->n; i++)
+        r->devices->dev[i].admitted += s->device_admitted[i] = dev_need[i];
     *out = s;
     return 0;
 fail:
@@ -629,12 +391,12 @@ static void session_where(const qm_session *s, uint32_t i, char *out, size_t cap
         snprintf(out, cap, "session %s", s->id);
 }
 
-int qm_session_build(qm_daemon *d, qm_session *s, qm_status *st)
+int qm_session_build(const qm_registry *r, qm_session *s, qm_status *st)
 {
     /* The pagers read the mapping (whole banks, pins, preload): the bank
      * file must be whole before, and still after. */
     qm_backend *backends[QM_CONFIG_MAX_DEVICES];
-    qm_devices_backends(&d->devices, backends);
+    qm_devices_backends(r->devices, backends);
     int rc = qm_model_check(s->model, st);
     if (rc == 0)
         rc = qm_multipager_new(backends, s->model->bank, s->plan, &s->policy, &s->pager_options,
@@ -673,17 +435,17 @@ int qm_session_build(qm_daemon *d, qm_session *s, qm_status *st)
     return 0;
 }
 
-void qm_session_commit(qm_daemon *d, qm_session *s)
+void qm_session_commit(qm_registry *r, qm_session *s)
 {
     s->counters.resident_bytes = s->last_stats.resident_bytes;
     char args[192];
     snprintf(args, sizeof args, "{\"policy\":\"%s\",\"resident\":%zu,\"degraded\":%zu,\"total\":%zu}",
              s->policy_name, qm_plan_resident_count(s->plan), qm_plan_degraded_count(s->plan),
              qm_plan_total(s->plan));
-    qm_trace_add(&d->trace, "session.residency_plan", s->plan_start_us - d->start_us, s->plan_us,
-                 s->id, args, &s->plan_span);
-    s->next = d->sessions;
-    d->sessions = s;
+    qm_trace_add(r->trace, "session.residency_plan", s->plan_start_us, s->plan_us, s->id, args,
+                 &s->plan_span);
+    s->next = r->sessions;
+    r->sessions = s;
     qm_log(QM_LOG_INFO, "session %s created: model %s, policy %s, budget %llu, uid %u", s->id,
            s->model->name, s->policy_name, (unsigned long long)s->budget_bytes,
            (unsigned)s->owner_uid);
@@ -706,22 +468,22 @@ static int session_device_need(const qm_session *s, uint64_t budget, uint64_t *s
 
 /* A growth that device i cannot take: `more` bytes beyond what the session
  * holds there. */
-static int resize_refusal(const qm_daemon *d, const qm_session *s, uint32_t i, uint64_t need,
+static int resize_refusal(const qm_registry *r, const qm_session *s, uint32_t i, uint64_t need,
                           uint64_t share, uint64_t budget, uint64_t more, uint64_t free_bytes,
                           qm_status *st)
 {
-    if (d->devices.n == 1)
+    if (r->devices->n == 1)
         return qm_status_set_field(
             st, QM_ERESOURCE_EXHAUSTED, "budget_bytes",
             "growing the session to a budget of %llu needs %llu more bytes but only %llu "
             "bytes of the daemon-wide budget %llu are free",
             (unsigned long long)budget, (unsigned long long)more, (unsigned long long)free_bytes,
-            (unsigned long long)d->devices.dev[i].budget);
-    return device_refusal(d, i, need, share, budget, s->workspace_bytes,
+            (unsigned long long)r->devices->dev[i].budget);
+    return device_refusal(r, i, need, share, budget, s->workspace_bytes,
                           free_bytes + s->device_admitted[i], st);
 }
 
-int qm_session_resize_reserve(qm_daemon *d, qm_session *s, uint64_t budget, qm_status *st)
+int qm_session_resize_reserve(qm_registry *r, qm_session *s, uint64_t budget, qm_status *st)
 {
     /* Growth admitted per device against that device's free budget (the
      * refusal of session.create's admission), all or nothing. */
@@ -734,15 +496,15 @@ int qm_session_resize_reserve(qm_daemon *d, qm_session *s, uint64_t budget, qm_s
         if (need[i] <= s->device_admitted[i])
             continue;
         uint64_t more = need[i] - s->device_admitted[i];
-        uint64_t free_bytes = device_free(&d->devices.dev[i]);
+        uint64_t free_bytes = device_free(&r->devices->dev[i]);
         if (more > free_bytes)
-            return resize_refusal(d, s, i, need[i], share[i], budget, more, free_bytes, st);
+            return resize_refusal(r, s, i, need[i], share[i], budget, more, free_bytes, st);
     }
     for (uint32_t i = 0; i < n; i++) {
         if (need[i] <= s->device_admitted[i])
             continue;
         uint64_t more = need[i] - s->device_admitted[i];
-        d->devices.dev[i].admitted += more;
+        r->devices->dev[i].admitted += more;
         s->admitted_bytes += more;
         s->device_admitted[i] = need[i];
     }
@@ -750,7 +512,7 @@ int qm_session_resize_reserve(qm_daemon *d, qm_session *s, uint64_t budget, qm_s
     return 0;
 }
 
-void qm_session_resize_finish(qm_daemon *d, qm_session *s, int ok, uint64_t budget)
+void qm_session_resize_finish(qm_registry *r, qm_session *s, int ok, uint64_t budget)
 {
     if (s->resizes_pending)
         s->resizes_pending--;
@@ -767,17 +529,17 @@ void qm_session_resize_finish(qm_daemon *d, qm_session *s, int ok, uint64_t budg
         if (s->device_admitted[i] <= need[i])
             continue;
         uint64_t less = s->device_admitted[i] - need[i];
-        d->devices.dev[i].admitted -= less;
+        r->devices->dev[i].admitted -= less;
         s->admitted_bytes -= less;
         s->device_admitted[i] = need[i];
     }
 }
 
-void qm_session_abort(qm_daemon *d, qm_session *s)
+void qm_session_abort(qm_registry *r, qm_session *s)
 {
-    d->n_sessions--;
-    session_release_admission(d, s);
-    qm_session_unref(d, s);
+    r->n_sessions--;
+    session_release_admission(r, s);
+    qm_session_unref(s);
 }
 
 int qm_session_forward(qm_session *s, const qm_moe_call *call, qm_moe_stats *mstats,
@@ -789,8 +551,10 @@ int qm_session_forward(qm_session *s, const qm_moe_call *call, qm_moe_stats *mst
 int qm_session_resize(qm_session *s, uint64_t budget, qm_status *st)
 {
     int rc = qm_multipager_resize(s->pagers, budget, st);
-    if (rc == 0) /* in the session's FIFO: no other job reads it now */
+    if (rc == 0) { /* in the session's FIFO: no other job reads them now */
         qm_placement_split(&s->placement, budget, s->placement.budget);
+        qm_plan_set_budget(s->plan, budget);
+    }
     return rc;
 }
 
@@ -804,4 +568,138 @@ qm_pager *qm_session_pager_of(const qm_session *s, uint32_t layer)
     return layer < s->placement.n_layers
                ? qm_multipager_pager(s->pagers, s->placement.device_of[layer])
                : NULL;
+}
+
+/* ---- what the rest of the daemon reads ---- */
+
+qm_session *qm_session_next(const qm_session *s) { return s->next; }
+const char *qm_session_id(const qm_session *s) { return s->id; }
+uid_t qm_session_owner(const qm_session *s) { return s->owner_uid; }
+qm_model *qm_session_model(const qm_session *s) { return s->model; }
+const char *qm_session_policy(const qm_session *s) { return s->policy_name; }
+
+qm_precision qm_session_precision(const qm_session *s)
+{
+    return s->precision_fast ? QM_PRECISION_FAST : QM_PRECISION_EXACT;
+}
+
+uint64_t qm_session_budget(const qm_session *s) { return s->budget_bytes; }
+uint64_t qm_session_workspace(const qm_session *s) { return s->workspace_bytes; }
+int64_t qm_session_created_at(const qm_session *s) { return s->created_at; }
+const qm_residency_plan *qm_session_plan(const qm_session *s) { return s->plan; }
+const qm_span *qm_session_plan_span(const qm_session *s) { return &s->plan_span; }
+qm_counters *qm_session_counters(qm_session *s) { return &s->counters; }
+uint64_t qm_session_resident_bytes(const qm_session *s) { return s->counters.resident_bytes; }
+const qm_pager_stats *qm_session_last_stats(const qm_session *s) { return &s->last_stats; }
+
+void qm_session_note_stats(qm_session *s, const qm_pager_stats *now, qm_pager_stats *was)
+{
+    if (was)
+        *was = s->last_stats;
+    s->last_stats = *now;
+}
+
+qm_job_queue *qm_session_queue(qm_session *s) { return &s->queue; }
+size_t qm_session_queued(const qm_session *s) { return s->queue.pending; }
+qm_shm_set *qm_session_maps(qm_session *s) { return &s->maps; }
+int qm_session_closed(const qm_session *s) { return atomic_load(&((qm_session *)s)->closed); }
+
+void qm_session_touch(qm_session *s, uint64_t conn_id, uint64_t now_us)
+{
+    s->touched_us = now_us;
+    s->touched_by = conn_id;
+}
+
+uint64_t qm_session_last_touch(const qm_session *s, uint64_t *conn_id)
+{
+    if (conn_id)
+        *conn_id = s->touched_by;
+    return s->touched_us;
+}
+
+/* Whole-bank banks get no resident_now: they are resident for the session's
+ * life, which the plan's decision already says (docs/PROTOCOL.md). */
+int qm_session_plan_json(qm_session *s, char **json, size_t *len, qm_status *st)
+{
+    size_t n = qm_plan_total(s->plan);
+    qm_plan_json_bank_state *banks = qm_calloc(n ? n : 1, sizeof *banks);
+    uint32_t **lists = qm_calloc(n ? n : 1, sizeof *lists);
+    int rc = 0;
+    if (!banks || !lists) {
+        rc = qm_status_set(st, QM_ENOMEM, "out of memory reading the residency");
+        goto free_lists;
+    }
+    qm_plan_json_state state = {.banks = banks, .n_banks = 0};
+    /* The placement is shown when the session spans several devices. */
+    const qm_placement *pl = &s->placement;
+    const int placed = pl->n_devices > 1;
+    for (size_t i = 0; i < n && s->pagers; i++) {
+        uint32_t layer = qm_plan_bank_at(s->plan, i)->bank_id; /* bank id = layer */
+        qm_pager *pager = qm_session_pager_of(s, layer);
+        qm_plan_json_bank_state *b = &banks[state.n_banks];
+        *b = (qm_plan_json_bank_state){.bank_id = layer};
+        if (placed && layer < pl->n_layers) {
+            b->has_device = 1; /* every bank names its device, whole or paged */
+            b->device = pl->device_of[layer];
+        }
+        int count = pager && qm_pager_layer_is_paged(pager, layer) == 1
+                        ? qm_pager_resident_experts(pager, layer, NULL, 0)
+                        : -1;
+        if (b->has_device || count >= 0)
+            state.n_banks++;
+        if (count < 0)
+            continue;
+        lists[i] = qm_malloc(((size_t)count + 1) * sizeof **lists);
+        if (!lists[i]) {
+            rc = qm_status_set(st, QM_ENOMEM, "out of memory reading the residency");
+            goto free_lists;
+        }
+        size_t cap = (size_t)count;
+        count = qm_pager_resident_experts(pager, layer, lists[i], cap);
+        b->has_resident_now = 1;
+        b->resident_now = lists[i];
+        b->n_resident_now = count < 0 ? 0 : (size_t)count < cap ? (size_t)count : cap;
+        /* Pins a resize released: after the resident list, in the same buffer. */
+        int nrel = qm_pager_pins_released(pager, layer, NULL, 0);
+        if (nrel > 0) {
+            uint32_t *grown = qm_realloc(lists[i], (b->n_resident_now + (size_t)nrel) *
+                                                        sizeof **lists);
+            if (!grown) {
+                rc = qm_status_set(st, QM_ENOMEM, "out of memory reading the residency");
+                goto free_lists;
+            }
+            lists[i] = grown;
+            b->resident_now = grown;
+            b->pins_released = grown + b->n_resident_now;
+            nrel = qm_pager_pins_released(pager, layer, grown + b->n_resident_now,
+                                          (size_t)nrel);
+            b->n_pins_released = nrel < 0 ? 0 : (size_t)nrel;
+        }
+    }
+    const char *names[QM_CONFIG_MAX_DEVICES];
+    if (placed) {
+        for (uint32_t i = 0; i < pl->n_devices && i < QM_CONFIG_MAX_DEVICES; i++)
+            names[i] = s->device_names[i];
+        state.placement_rule = QM_PLACEMENT_RULE;
+        state.device_names = names;
+        state.device_budgets = pl->budget;
+        state.n_devices = pl->n_devices;
+    }
+    if (s->pagers) {
+        qm_pager_stats ps;
+        qm_session_stats(s, &ps);
+        state.has_resident_bytes = 1;
+        state.resident_bytes = ps.resident_bytes;
+        state.on_miss = qm_on_miss_name(s->pager_options.on_miss);
+        state.expert_hits = ps.hits + ps.whole_bank_accesses;
+        state.expert_misses = ps.misses;
+        state.expert_host_runs = ps.host_runs;
+    }
+    rc = qm_plan_to_json_ex(s->plan, &state, json, len, st);
+free_lists:
+    for (size_t i = 0; lists && i < n; i++)
+        qm_free(lists[i]);
+    qm_free(lists);
+    qm_free(banks);
+    return rc;
 }

@@ -1,0 +1,61 @@
+/* qm_method_model.c - model.load, model.unload and model.list (PROTOCOL.md). */
+#include "qm_methods.h"
+
+#include <stdio.h>
+
+#include "qm_alloc.h"
+#include "qm_log.h"
+#include "qm_models.h"
+
+static int model_load(qm_call *k, qm_status *st)
+{
+    const qm_method_ctx *mx = k->mx;
+    const qm_params *p = &k->req->params;
+    qm_model *m;
+    uint64_t t0 = qm_now_us();
+    char *resolved = NULL;
+    int rc = qm_model_path_allowed(mx->registry, p->path, &resolved, st);
+    if (rc == 0)
+        rc = qm_model_load(mx->registry, p->name, resolved ? resolved : p->path, &m, st);
+    qm_free(resolved);
+    if (rc < 0)
+        return rc;
+    char args[160];
+    snprintf(args, sizeof args, "{\"model\":\"%s\",\"layers\":%u}", m->name, m->n_layers);
+    qm_trace_add(mx->trace, "model.load", t0, qm_now_us() - t0, NULL, args, NULL);
+    qm_log(QM_LOG_INFO, "model %s loaded from %s (%u layers, %llu expert bytes)", m->name,
+           m->path, m->n_layers, (unsigned long long)m->bytes_total);
+    qm_jw_model_summary(k->w, m);
+    return 0;
+}
+
+static int model_unload(qm_call *k, qm_status *st)
+{
+    int rc = qm_model_unload(k->mx->registry, k->req->params.name, k->req->params.force, st);
+    if (rc < 0)
+        return rc;
+    qm_jw_obj_begin(k->w);
+    qm_jw_obj_end(k->w);
+    return 0;
+}
+
+static int model_list(qm_call *k, qm_status *st)
+{
+    (void)st;
+    qm_jw *w = k->w;
+    qm_jw_obj_begin(w);
+    qm_jw_key(w, "models");
+    qm_jw_arr_begin(w);
+    for (qm_model *m = qm_registry_first_model(k->mx->registry); m; m = m->next)
+        qm_jw_model_summary(w, m);
+    qm_jw_arr_end(w);
+    qm_jw_obj_end(w);
+    return 0;
+}
+
+QM__METHOD_ROW(MODEL_LOAD, .handler = model_load, .role = QM_ROLE_ADMIN,
+               .session = QM_SESSION_UNUSED, .queued = QM_QUEUE_NEVER);
+QM__METHOD_ROW(MODEL_UNLOAD, .handler = model_unload, .role = QM_ROLE_ADMIN,
+               .session = QM_SESSION_UNUSED, .queued = QM_QUEUE_NEVER);
+QM__METHOD_ROW(MODEL_LIST, .handler = model_list, .role = QM_ROLE_USER,
+               .session = QM_SESSION_UNUSED, .queued = QM_QUEUE_NEVER);

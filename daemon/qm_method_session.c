@@ -1,0 +1,315 @@
+/* qm_method_session.c - the session.* methods but session.infer
+ * (qm_infer.c): create, plan and resize as jobs in the session's order;
+ * close, list, map and unmap answered on the loop thread (PROTOCOL.md). */
+#include "qm_methods.h"
+
+#include <stdio.h>
+
+#include "qm_alloc.h"
+#include "qm_log.h"
+#include "qm_models.h"
+#include "qm_sessions.h"
+#include "qm_shm.h"
+
+/* ---- what the session jobs share ---- */
+
+int qm__job_session_closed(qm_job *job)
+{
+    if (!qm_session_closed(job->session))
+        return 0;
+    job->rc = qm_status_set_field(&job->st, QM_ENOT_FOUND, "session",
+                                  "the session was closed before this request ran");
+    return 1;
+}
+
+void qm__job_answer(qm_job *job)
+{
+    if (job->rc < 0) {
+        qm_reply_status(job->reply, job->slot, &job->req, &job->st);
+    } else if (!job->req.id) {
+        qm_reply_fill(job->reply, job->slot, NULL, 0);
+    } else {
+        size_t len;
+        char *data = qm_buf_take(&job->response, &len);
+        qm_reply_fill(job->reply, job->slot, data, len);
+    }
+}
+
+/* ---- results ---- */
+
+static void write_plan_summary(qm_jw *w, const qm_session *s)
+{
+    const qm_residency_plan *plan = qm_session_plan(s);
+    size_t total = qm_plan_total(plan), resident = qm_plan_resident_count(plan),
+           degraded = qm_plan_degraded_count(plan);
+    qm_jw_obj_begin(w);
+    qm_jw_member_str(w, "policy", qm_session_policy(s));
+    qm_jw_member_u64(w, "budget_bytes", qm_session_budget(s));
+    qm_jw_member_u64(w, "total", total);
+    qm_jw_member_u64(w, "resident", resident);
+    qm_jw_member_u64(w, "degraded", degraded);
+    qm_jw_member_u64(w, "per_expert", total - resident - degraded);
+    uint64_t released = qm_session_last_stats(s)->pins_released;
+    if (released)
+        qm_jw_member_u64(w, "pins_released", released);
+    qm_jw_obj_end(w);
+}
+
+/* The members session.list and session.create share. */
+static void write_session_bytes(qm_jw *w, const qm_session *s)
+{
+    qm_jw_member_u64(w, "budget_bytes", qm_session_budget(s));
+    qm_jw_member_u64(w, "resident_bytes", qm_session_resident_bytes(s));
+    qm_jw_member_u64(w, "workspace_bytes", qm_session_workspace(s));
+}
+
+static void write_create_result(qm_jw *w, const void *arg)
+{
+    const qm_session *s = arg;
+    qm_jw_obj_begin(w);
+    qm_jw_member_str(w, "session", qm_session_id(s));
+    qm_jw_key(w, "plan_summary");
+    write_plan_summary(w, s);
+    write_session_bytes(w, s);
+    qm_jw_obj_end(w);
+}
+
+static void write_resize_result(qm_jw *w, const void *arg)
+{
+    const qm_session *s = arg;
+    qm_jw_obj_begin(w);
+    qm_jw_member_u64(w, "budget_bytes", qm_session_budget(s));
+    qm_jw_member_u64(w, "resident_bytes", qm_session_resident_bytes(s));
+    qm_jw_key(w, "plan_summary");
+    write_plan_summary(w, s);
+    qm_jw_obj_end(w);
+}
+
+/* ---- session.create: prepared on the loop, built on a worker ---- */
+
+static int create_admit(qm_job *job, qm_status *st)
+{
+    qm_session *s;
+    int rc = qm_session_prepare(job->mx->registry, &job->req.params, job->peer_uid, &s, st);
+    if (rc < 0)
+        return rc;
+    job->session = s;
+    qm_session_touch(s, qm_conn_id(qm_reply_conn(job->reply)), qm_now_us());
+    return 0;
+}
+
+/* The pagers may copy whole banks and pins: built on a worker. */
+static void create_run(qm_job *job)
+{
+    job->rc = qm_session_build(job->mx->registry, job->session, &job->st);
+}
+
+static void create_finish(qm_job *job)
+{
+    qm_session *s = job->session;
+    const qm_model *m = qm_session_model(s);
+    if (job->rc == 0 && !m->registered)
+        job->rc = qm_status_set_field(&job->st, QM_ENOT_FOUND, "model",
+                                      "model '%s' was unloaded while the session was built",
+                                      m->name);
+    if (job->rc < 0) {
+        qm_session_abort(job->mx->registry, s);
+        qm_reply_status(job->reply, job->slot, &job->req, &job->st);
+        return;
+    }
+    qm_session_commit(job->mx->registry, s);
+    qm_reply_result(job->reply, job->slot, &job->req, write_create_result, s);
+}
+
+static void create_undo(qm_job *job) { qm_session_abort(job->mx->registry, job->session); }
+
+static const qm_job_ops create_ops = {
+    .admit = create_admit, .run = create_run, .finish = create_finish, .undo = create_undo};
+
+/* ---- session.plan: the residency read by the worker that owns the pagers ---- */
+
+static void plan_run(qm_job *job)
+{
+    if (qm__job_session_closed(job))
+        return;
+    if (!job->req.id)
+        return; /* a notification: nothing to answer */
+    char *json;
+    size_t len;
+    job->rc = qm_session_plan_json(job->session, &json, &len, &job->st);
+    if (job->rc < 0)
+        return;
+    qm_jw w;
+    qm_jw_init(&w, &job->response);
+    qm_rpc_result_begin(&w, job->req.id);
+    qm_jw_raw(&w, json, len);
+    qm_rpc_result_end(&w);
+    qm_free(json);
+    if (job->response.oom)
+        job->rc = qm_status_set(&job->st, QM_ENOMEM, "out of memory encoding the plan");
+}
+
+static const qm_job_ops plan_ops = {.run = plan_run, .finish = qm__job_answer};
+
+/* ---- session.resize: growth admitted on the loop, applied in the FIFO ---- */
+
+static int resize_admit(qm_job *job, qm_status *st)
+{
+    return qm_session_resize_reserve(job->mx->registry, job->session,
+                                     job->req.params.budget_bytes, st);
+}
+
+/* Every earlier job of the session has finished (its FIFO): they ran under
+ * the old budget, every later one runs under the new. */
+static void resize_run(qm_job *job)
+{
+    if (qm__job_session_closed(job))
+        return;
+    job->rc = qm_session_resize(job->session, job->req.params.budget_bytes, &job->st);
+    qm_session_stats(job->session, &job->pstats);
+}
+
+static void resize_finish(qm_job *job)
+{
+    const qm_method_ctx *mx = job->mx;
+    qm_session *s = job->session;
+    qm_session_resize_finish(mx->registry, s, job->rc == 0, job->req.params.budget_bytes);
+    if (!qm_session_closed(s)) {
+        /* What the resize evicted and re-copied counts like paging. */
+        qm_pager_stats was;
+        qm_session_note_stats(s, &job->pstats, &was);
+        qm_counters_add_paging(qm_session_counters(s), mx->counters, &was, &job->pstats);
+    }
+    if (job->rc < 0) {
+        qm_reply_status(job->reply, job->slot, &job->req, &job->st);
+        return;
+    }
+    qm_log(QM_LOG_INFO, "session %s resized: budget %llu, resident %llu, pins released %llu",
+           qm_session_id(s), (unsigned long long)qm_session_budget(s),
+           (unsigned long long)qm_session_resident_bytes(s),
+           (unsigned long long)qm_session_last_stats(s)->pins_released);
+    qm_reply_result(job->reply, job->slot, &job->req, write_resize_result, s);
+}
+
+static void resize_undo(qm_job *job)
+{
+    qm_session_resize_finish(job->mx->registry, job->session, 0, 0);
+}
+
+static const qm_job_ops resize_ops = {
+    .admit = resize_admit, .run = resize_run, .finish = resize_finish, .undo = resize_undo};
+
+/* ---- answered on the loop thread ---- */
+
+static int empty_result(qm_jw *w)
+{
+    qm_jw_obj_begin(w);
+    qm_jw_obj_end(w);
+    return 0;
+}
+
+static int session_close(qm_call *k, qm_status *st)
+{
+    qm_session *s = qm_session_find(k->mx->registry, k->req->params.session);
+    if (!s)
+        return qm_status_set_field(st, QM_ENOT_FOUND, "session", "no session with that id");
+    qm_log(QM_LOG_INFO, "session %s closed by uid %u", qm_session_id(s), (unsigned)k->peer->uid);
+    qm_session_close(k->mx->registry, s);
+    return empty_result(k->w);
+}
+
+static int session_list(qm_call *k, qm_status *st)
+{
+    (void)st;
+    qm_jw *w = k->w;
+    qm_jw_obj_begin(w);
+    qm_jw_key(w, "sessions");
+    qm_jw_arr_begin(w);
+    for (qm_session *s = qm_registry_first_session(k->mx->registry); s; s = qm_session_next(s)) {
+        if (!k->peer->is_admin && qm_session_owner(s) != k->peer->uid)
+            continue;
+        qm_jw_obj_begin(w);
+        qm_jw_member_str(w, "session", qm_session_id(s));
+        qm_jw_member_str(w, "model", qm_session_model(s)->name);
+        qm_jw_member_str(w, "policy", qm_session_policy(s));
+        qm_jw_member_u64(w, "owner_uid", qm_session_owner(s));
+        write_session_bytes(w, s);
+        qm_jw_key(w, "created_at");
+        qm_jw_i64(w, qm_session_created_at(s));
+        qm_jw_obj_end(w);
+    }
+    qm_jw_arr_end(w);
+    qm_jw_obj_end(w);
+    return 0;
+}
+
+/* session.map: the descriptor that came with the request's first byte
+ * (qm_conn_take_fds), checked and mapped; the map id is daemon-wide unique. */
+static int session_map(qm_call *k, qm_status *st)
+{
+    const qm_method_ctx *mx = k->mx;
+    const qm_params *p = &k->req->params;
+    qm_session *s = qm_session_find(mx->registry, p->session);
+    if (!s)
+        return qm_status_set_field(st, QM_ENOT_FOUND, "session", "no session with that id");
+    qm_fds none = QM_FDS_NONE, *f = k->fds ? k->fds : &none;
+    if (f->count == 0)
+        return qm_status_set_field(st, QM_EINVAL, "fd",
+                                   "no descriptor came with session.map: send one sealed memfd "
+                                   "as SCM_RIGHTS on the sendmsg that carries the request "
+                                   "line's first byte");
+    if (f->count > 1)
+        return qm_status_set_field(st, QM_EINVAL, "fd",
+                                   "%u descriptors came with session.map; expected exactly one "
+                                   "(all were closed)",
+                                   f->count);
+    int fd = f->fd;
+    *f = QM_FDS_NONE;
+    qm_shm_map *m;
+    int rc = qm_shm_map_fd(fd, p->bytes, &m, st);
+    if (rc < 0)
+        return rc;
+    m->id = qm_registry_new_map_id(mx->registry);
+    rc = qm_shm_set_add(qm_session_maps(s), m, mx->cfg->max_mapped_bytes, st);
+    if (rc < 0) {
+        qm_shm_unref(m);
+        return rc;
+    }
+    qm_log(QM_LOG_DEBUG, "session %s mapped %llu bytes as map %llu", qm_session_id(s),
+           (unsigned long long)m->bytes, (unsigned long long)m->id);
+    qm_jw_obj_begin(k->w);
+    qm_jw_member_u64(k->w, "map", m->id);
+    qm_jw_member_u64(k->w, "bytes", m->bytes);
+    qm_jw_obj_end(k->w);
+    return 0;
+}
+
+static int session_unmap(qm_call *k, qm_status *st)
+{
+    qm_session *s = qm_session_find(k->mx->registry, k->req->params.session);
+    if (!s)
+        return qm_status_set_field(st, QM_ENOT_FOUND, "session", "no session with that id");
+    int rc = qm_shm_set_remove(qm_session_maps(s), k->req->params.map, st);
+    return rc < 0 ? rc : empty_result(k->w);
+}
+
+/* session.plan always takes the session's queue: its resident_now comes
+ * from the pagers, which belong to the worker running the session's jobs,
+ * and it is ordered with the session's inferences. session.resize is a job
+ * of that FIFO too: inferences queued before it finish under the old
+ * budget, later ones run under the new; its growth is admitted on the loop
+ * before it is queued. */
+QM__METHOD_ROW(SESSION_CREATE, .role = QM_ROLE_USER, .session = QM_SESSION_UNUSED,
+               .queued = QM_QUEUE_ALWAYS, .job = &create_ops);
+QM__METHOD_ROW(SESSION_CLOSE, .handler = session_close, .role = QM_ROLE_USER,
+               .session = QM_SESSION_REQUIRED, .queued = QM_QUEUE_BEHIND);
+QM__METHOD_ROW(SESSION_LIST, .handler = session_list, .role = QM_ROLE_USER,
+               .session = QM_SESSION_UNUSED, .queued = QM_QUEUE_NEVER);
+QM__METHOD_ROW(SESSION_PLAN, .role = QM_ROLE_USER, .session = QM_SESSION_REQUIRED,
+               .queued = QM_QUEUE_ALWAYS, .job = &plan_ops);
+QM__METHOD_ROW(SESSION_RESIZE, .role = QM_ROLE_USER, .session = QM_SESSION_REQUIRED,
+               .queued = QM_QUEUE_ALWAYS, .job = &resize_ops);
+QM__METHOD_ROW(SESSION_MAP, .handler = session_map, .role = QM_ROLE_USER,
+               .session = QM_SESSION_REQUIRED, .queued = QM_QUEUE_BEHIND, .takes_fds = 1);
+QM__METHOD_ROW(SESSION_UNMAP, .handler = session_unmap, .role = QM_ROLE_USER,
+               .session = QM_SESSION_REQUIRED, .queued = QM_QUEUE_BEHIND);

@@ -1,0 +1,342 @@
+/* qm_models.c - the registry's models: each bank loaded once, shared by
+ * its sessions, reference counted, registered with every device for fast
+ * copies, guarded against truncation (qm_sigbus.c); and the registry
+ * itself. Loop thread only, except qm_model_check. */
+#include "qm_registry_impl.h"
+
+#include <errno.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+
+#include "qm_alloc.h"
+#include "qm_log.h"
+#include "qm_sigbus.h"
+
+int qm_registry_new(const qm_config *cfg, qm_devices *devices, qm_limits *limits,
+                    qm_trace *trace, qm_registry **out)
+{
+    qm_registry *r = qm_calloc(1, sizeof *r);
+    *out = r;
+    if (!r)
+        return QM_ENOMEM;
+    r->cfg = cfg;
+    r->devices = devices;
+    r->limits = limits;
+    r->trace = trace;
+    return 0;
+}
+
+size_t qm_registry_model_count(const qm_registry *r) { return r->n_models; }
+size_t qm_registry_session_count(const qm_registry *r) { return r->n_sessions; }
+qm_model *qm_registry_first_model(const qm_registry *r) { return r->models; }
+qm_session *qm_registry_first_session(const qm_registry *r) { return r->sessions; }
+uint64_t qm_registry_new_map_id(qm_registry *r) { return ++r->next_map_id; }
+const qm_devices *qm_registry_devices(const qm_registry *r) { return r->devices; }
+
+static void model_save_hotness(qm_model *m)
+{
+    if (!m->hotness || !m->hotness_path || qm_hotness_records(m->hotness) == m->hotness_saved)
+        return;
+    qm_status st;
+    qm_status_clear(&st);
+    if (qm_hotness_save(m->hotness, m->hotness_path, &st) < 0) {
+        qm_log(QM_LOG_WARNING, "cannot save the hotness profile of %s: %s", m->name, st.msg);
+        return;
+    }
+    m->hotness_saved = qm_hotness_records(m->hotness);
+}
+
+void qm_models_save_hotness(qm_registry *r)
+{
+    for (qm_model *m = r->models; m; m = m->next)
+        model_save_hotness(m);
+}
+
+/* Where the backend can (CUDA: cudaHostRegister), the whole mapping is
+ * registered once with every device of the daemon (any of them may hold
+ * layers of it: a session's placement), so paging copies are one DMA each
+ * instead of going through bounce buffers. A refusal only costs speed (on
+ * that device); backends with nothing to register (CPU) answer 0. */
+static void model_register_host(qm_registry *r, qm_model *m)
+{
+    uint64_t bytes;
+    const void *base = qm_bank_mapping(m->bank, &bytes);
+    for (uint32_t i = 0; i < r->devices->n; i++) {
+        qm_backend *be = r->devices->dev[i].backend;
+        const char *name = r->devices->dev[i].name;
+        qm_status st;
+        qm_status_clear(&st);
+        int rc = qm_backend_register_host(be, base, (size_t)bytes, &st);
+        if (rc > 0) {
+            m->host_registered[m->n_host_registered++] = be;
+            qm_log(QM_LOG_INFO, "model %s: %llu mapped bytes registered with %s", m->name,
+                   (unsigned long long)bytes, name);
+        } else if (rc < 0) {
+            qm_log(QM_LOG_WARNING, "model %s: cannot register the mapping with %s (%s); copies "
+                   "go through bounce buffers", m->name, name, st.msg);
+        }
+    }
+}
+
+static void model_unregister_host(qm_model *m)
+{
+    while (m->n_host_registered > 0) {
+        qm_backend *be = m->host_registered[--m->n_host_registered];
+        qm_status st;
+        qm_status_clear(&st);
+        if (qm_backend_unregister_host(be, qm_bank_mapping(m->bank, NULL), &st) < 0)
+            qm_log(QM_LOG_WARNING, "model %s: cannot unregister the mapping: %s", m->name,
+                   st.msg);
+        m->host_registered[m->n_host_registered] = NULL;
+    }
+}
+
+static void model_free(qm_model *m)
+{
+    if (!m)
+        return;
+    model_unregister_host(m);
+    qm_sigbus_unregister(m->guard_slot);
+    model_save_hotness(m);
+    qm_hotness_free(m->hotness);
+    qm_free(m->hotness_path);
+    for (uint32_t i = 0; m->catalogs && i < m->n_layers; i++)
+        qm_catalog_free(m->catalogs[i]);
+    qm_free(m->catalogs);
+    qm_bank_close(m->bank);
+    qm_free(m->path);
+    qm_free(m);
+}
+
+void qm_model_unref(qm_model *m)
+{
+    if (m && --m->refs == 0)
+        model_free(m);
+}
+
+qm_model *qm_model_find(const qm_registry *r, const char *name)
+{
+    for (qm_model *m = r->models; m; m = m->next)
+        if (strcmp(m->name, name) == 0)
+            return m;
+    return NULL;
+}
+
+int qm_model_load(qm_registry *r, const char *name, const char *path, qm_model **out,
+                  qm_status *st)
+{
+    if (qm_model_find(r, name))
+        return qm_status_set_field(st, QM_ECONFLICT, "name",
+                                   "a model named '%s' is already loaded; unload it first", name);
+    qm_model *m = qm_calloc(1, sizeof *m);
+    if (!m)
+        return qm_status_set(st, QM_ENOMEM, "out of memory");
+    m->guard_slot = -1;
+    snprintf(m->name, sizeof m->name, "%s", name);
+    m->path = qm_strdup(path);
+    int rc = m->path ? 0 : qm_status_set(st, QM_ENOMEM, "out of memory");
+    /* A FIFO or device would block open(2) on the loop thread: only regular
+     * files get that far (the loader checks again on the open fd). */
+    struct stat sb;
+    if (rc == 0 && stat(path, &sb) < 0)
+        rc = qm_status_set(st, QM_EINVALID_MODEL, "cannot open %.200s: %s", path,
+                           strerror(errno));
+    else if (rc == 0 && !S_ISREG(sb.st_mode))
+        rc = qm_status_set(st, QM_EINVALID_MODEL, "%.200s is not a regular file", path);
+    if (rc == 0)
+        rc = qm_bank_open(path, &m->bank, st);
+    if (rc < 0) {
+        /* Every way a bank file can be unusable is the client's invalid_model. */
+        if (rc != QM_ENOMEM)
+            rc = QM_EINVALID_MODEL;
+        if (st) {
+            st->code = rc;
+            snprintf(st->field, sizeof st->field, "path");
+        }
+        goto free_model;
+    }
+    uint64_t mapped_bytes;
+    const void *mapped = qm_bank_mapping(m->bank, &mapped_bytes);
+    m->guard_slot = qm_sigbus_register(mapped, mapped_bytes);
+    const qm_bank_config *cfg = qm_bank_get_config(m->bank);
+    m->n_layers = cfg->layers;
+    m->catalogs = qm_calloc(m->n_layers ? m->n_layers : 1, sizeof *m->catalogs);
+    if (!m->catalogs) {
+        rc = qm_status_set(st, QM_ENOMEM, "out of memory");
+        goto free_model;
+    }
+    for (uint32_t l = 0; l < m->n_layers; l++) {
+        rc = qm_bank_build_catalog(m->bank, l, &m->catalogs[l], st);
+        if (rc < 0)
+            goto free_model;
+    }
+    /* The profile persists across restarts in the state dir; a missing or
+     * mismatched file starts an empty one. */
+    qm_hotness_key key;
+    qm_hotness_key_of_bank(m->bank, &key);
+    char warning[256] = "";
+    const char *state_dir = r->cfg->state_dir;
+    if (state_dir) {
+        size_t n = strlen(state_dir) + strlen(name) + 8;
+        m->hotness_path = qm_malloc(n);
+        if (!m->hotness_path) {
+            rc = qm_status_set(st, QM_ENOMEM, "out of memory");
+            goto free_model;
+        }
+        snprintf(m->hotness_path, n, "%s/%s.hot", state_dir, name);
+        rc = qm_hotness_load(m->hotness_path, &key, QM_HOTNESS_DEFAULT_DECAY, &m->hotness,
+                             warning, sizeof warning, st);
+    } else {
+        rc = qm_hotness_new(&key, QM_HOTNESS_DEFAULT_DECAY, &m->hotness, st);
+    }
+    if (rc < 0)
+        goto free_model;
+    if (warning[0])
+        qm_log(QM_LOG_WARNING, "model %s: %s", name, warning);
+    m->hotness_saved = qm_hotness_records(m->hotness);
+    m->bytes_total = qm_bank_expert_bytes_total(m->bank);
+    const qm_layer_view *lv = qm_bank_layer(m->bank, 0);
+    m->bytes_per_expert = lv ? lv->bytes_per_expert : 0;
+    model_register_host(r, m);
+    m->refs = 1;
+    m->registered = 1;
+    m->next = r->models;
+    r->models = m;
+    r->n_models++;
+    if (out)
+        *out = m;
+    return 0;
+free_model:
+    model_free(m);
+    return rc;
+}
+
+/* Symlinks and ".." are resolved on both sides before comparing, so a path
+ * cannot step out of a directory; the resolved path is what gets opened. */
+int qm_model_path_allowed(const qm_registry *r, const char *path, char **resolved,
+                          qm_status *st)
+{
+    *resolved = NULL;
+    const char *model_dirs = r->cfg->model_dirs;
+    if (!model_dirs)
+        return 0;
+    char *real = realpath(path, NULL);
+    if (!real)
+        return qm_status_set_field(st, QM_EINVALID_MODEL, "path", "cannot open %.200s: %s",
+                                   path, strerror(errno));
+    const char *dirs = model_dirs;
+    while (*dirs) {
+        size_t n = strcspn(dirs, ":");
+        char dir[4096];
+        if (n > 0 && n < sizeof dir) {
+            memcpy(dir, dirs, n);
+            dir[n] = '\0';
+            char *rdir = realpath(dir, NULL);
+            if (rdir) {
+                size_t rn = strlen(rdir);
+                int inside = strncmp(real, rdir, rn) == 0 &&
+                             (real[rn] == '/' || (rn == 1 && rdir[0] == '/'));
+                free(rdir);
+                if (inside) {
+                    *resolved = qm_strdup(real);
+                    free(real);
+                    return *resolved ? 0 : qm_status_set(st, QM_ENOMEM, "out of memory");
+                }
+            }
+        }
+        dirs += n;
+        if (*dirs == ':')
+            dirs++;
+    }
+    free(real);
+    return qm_status_set_field(st, QM_EPERMISSION, "path",
+                               "%.200s is outside the directories of config key model_dirs "
+                               "(%.200s)",
+                               path, model_dirs[0] ? model_dirs : "empty: none");
+}
+
+void qm_jw_model_summary(qm_jw *w, const qm_model *m)
+{
+    const qm_bank_config *c = qm_bank_get_config(m->bank);
+    qm_jw_obj_begin(w);
+    qm_jw_member_str(w, "name", m->name);
+    qm_jw_member_str(w, "path", m->path);
+    qm_jw_member_u64(w, "layers", c->layers);
+    qm_jw_member_u64(w, "experts", c->experts);
+    qm_jw_member_u64(w, "hidden_size", c->hidden);
+    qm_jw_member_u64(w, "inter_size", c->inter);
+    qm_jw_member_u64(w, "k", c->k);
+    qm_jw_member_str(w, "activation", qm_activation_name(c->activation));
+    qm_jw_member_u64(w, "bits", c->bits);
+    qm_jw_member_u64(w, "block_size", c->block_size);
+    qm_jw_member_u64(w, "bytes_total", m->bytes_total);
+    qm_jw_member_u64(w, "bytes_per_expert", m->bytes_per_expert);
+    /* An imported bank's qmoe.layer_map: engines tag their MoE layers with
+     * it (docs/ENGINES.md). Absent when the bank has none (identity). */
+    const uint32_t *map = qm_bank_layer_map(m->bank);
+    if (map) {
+        qm_jw_key(w, "layer_map");
+        qm_jw_arr_begin(w);
+        for (uint32_t l = 0; l < c->layers; l++)
+            qm_jw_u64(w, map[l]);
+        qm_jw_arr_end(w);
+    }
+    qm_jw_obj_end(w);
+}
+
+int qm_model_unload(qm_registry *r, const char *name, int force, qm_status *st)
+{
+    qm_model *m = qm_model_find(r, name);
+    if (!m)
+        return qm_status_set_field(st, QM_ENOT_FOUND, "name", "no model named '%s' is loaded",
+                                   name);
+    size_t users = qm__sessions_of_model(r, m);
+    if (users && !force)
+        return qm_status_set_field(st, QM_EIN_USE, "name",
+                                   "model '%s' has %zu open sessions; close them or pass force",
+                                   name, users);
+    qm__sessions_close_model(r, m);
+    for (qm_model **pp = &r->models; *pp; pp = &(*pp)->next) {
+        if (*pp == m) {
+            *pp = m->next;
+            break;
+        }
+    }
+    r->n_models--;
+    m->registered = 0;
+    qm_log(QM_LOG_INFO, "model %s unloaded%s", name, users ? " (sessions closed)" : "");
+    qm_model_unref(m);
+    return 0;
+}
+
+int qm_model_check(const qm_model *m, qm_status *st)
+{
+    if (qm_sigbus_poisoned(m->guard_slot))
+        return qm_status_set(st, QM_EINVALID_MODEL,
+                             "bank file %.200s was truncated on disk while in use; restore it, "
+                             "then unload and load model '%s' again",
+                             m->path, m->name);
+    int rc = qm_bank_check_file(m->bank, st);
+    if (rc < 0) {
+        if (st)
+            st->code = QM_EINVALID_MODEL;
+        return QM_EINVALID_MODEL;
+    }
+    return 0;
+}
+
+void qm_registry_free(qm_registry *r)
+{
+    if (!r)
+        return;
+    qm__sessions_close_model(r, NULL);
+    while (r->models) {
+        qm_model *m = r->models;
+        r->models = m->next;
+        r->n_models--;
+        qm_model_unref(m);
+    }
+    qm_free(r);
+}
