@@ -345,7 +345,8 @@ static int apply_key(qm_config *cfg, const key_def *k, const char *text, int has
     case K_DEVICES:
         if (!text)
             return qm_status_set_field(st, QM_EINVAL, k->name,
-                                       "%s must be a string such as \"cuda:0,cuda:1\"", k->name);
+                                       "%s must be a string of KIND:INDEX entries separated "
+                                       "by commas", k->name);
         return parse_devices(cfg, text, st);
     case K_BUDGETS:
         if (text)
