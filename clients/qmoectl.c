@@ -110,6 +110,8 @@ static void qmoectl_print_cmd_help(const qmoectl_cmd *c)
 {
     printf("Usage: qmoectl [global options] %s%s%s\n\n%s\n", c->name, c->synopsis[0] ? " " : "",
            c->synopsis, c->help);
+    if (c->more_help)
+        c->more_help(stdout);
     printf("\nGlobal options: --socket PATH, --json, --timeout SECONDS (see qmoectl --help).\n");
 }
 

@@ -34,6 +34,8 @@ typedef struct qmoectl_cmd {
     int (*run)(qm_client *c, const qmoectl_args *a);
     /* (optional) usage checks that need no daemon: 0 or QMOECTL_USAGE. */
     int (*check)(const qmoectl_args *a);
+    /* (optional) more of --help, written after `help` (lists from a registry). */
+    void (*more_help)(FILE *out);
 } qmoectl_cmd;
 
 extern const qmoectl_cmd qmoectl_cmds[];

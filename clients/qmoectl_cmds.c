@@ -5,6 +5,7 @@
 #include <time.h>
 
 #include "qmoectl.h"
+#include "qm_residency.h"
 
 #define B(n, buf) qmoectl_bytes((n), (buf), sizeof(buf))
 
@@ -300,7 +301,8 @@ static int cmd_create(qm_client *c, const qmoectl_args *a)
     printf("%s\n", id);
     printf("policy %s, budget %s, workspace %s; %llu banks: %llu whole-bank resident, %llu "
            "per-expert, %llu degraded\n",
-           sum.policy ? sum.policy : (policy ? policy : "whole_bank"), B(sum.budget_bytes, bud),
+           sum.policy ? sum.policy : (policy ? policy : qm_policy_default_name()),
+           B(sum.budget_bytes, bud),
            B(sum.workspace_bytes, ws), (unsigned long long)sum.total,
            (unsigned long long)sum.resident,
            (unsigned long long)(sum.total - sum.resident - sum.degraded),
@@ -542,6 +544,36 @@ out:
 
 /* ---------- usage checks, before any connection ---------- */
 
+/* create --help: the policies session.create offers, from the residency
+ * registry this qmoectl was built with (the daemon's), each with its
+ * summary wrapped under its name. */
+static void help_policies(FILE *out)
+{
+    fprintf(out, "\nPolicies:\n");
+    for (size_t i = 0; i < qm_policy_count(); i++) {
+        if (!qm_policy_offered_at(i))
+            continue;
+        const char *text = qm_policy_summary_at(i);
+        fprintf(out, "  %-13s", qm_policy_name_at(i));
+        size_t col = 15, indent = 15, width = 79;
+        while (*text) {
+            size_t word = strcspn(text, " ");
+            if (col > indent && col + 1 + word > width) {
+                fprintf(out, "\n%*s", (int)indent, "");
+                col = indent;
+            } else if (col > indent) {
+                fputc(' ', out);
+                col++;
+            }
+            fprintf(out, "%.*s", (int)word, text);
+            col += word;
+            text += word;
+            text += strspn(text, " ");
+        }
+        fputc('\n', out);
+    }
+}
+
 static int check_create(const qmoectl_args *a)
 {
     char pp[16384];
@@ -594,26 +626,22 @@ static int check_infer(const qmoectl_args *a)
 
 const qmoectl_cmd qmoectl_cmds[] = {
     {"status", "", "Show the daemon's version, uptime, backend, memory and counts.", "", 0, 0,
-     cmd_status, NULL},
+     cmd_status, NULL, NULL},
     {"models", "", "List loaded models: shape, quantisation, bytes per expert unit, size.", "",
-     0, 0, cmd_models, NULL},
+     0, 0, cmd_models, NULL, NULL},
     {"load", "NAME PATH",
      "Load the bank file PATH as model NAME (admin). A relative PATH is made absolute.", "", 2, 2,
-     cmd_load, NULL},
+     cmd_load, NULL, NULL},
     {"unload", "NAME [--force]",
      "Unload model NAME (admin).\n"
      "Refused while sessions use it, unless --force closes them.",
-     "--force", 1, 1, cmd_unload, NULL},
-    {"sessions", "", "List sessions (a non-admin sees only their own).", "", 0, 0, cmd_sessions, NULL},
+     "--force", 1, 1, cmd_unload, NULL, NULL},
+    {"sessions", "", "List sessions (a non-admin sees only their own).", "", 0, 0, cmd_sessions, NULL, NULL},
     {"create", "MODEL [--policy P] [--budget BYTES|SIZE|N%] [--param KEY=VALUE]... [--precision P]",
      "Create a session on MODEL and print its id on the first line.\n"
-     "  --policy P        whole_bank (default), static_hot, lru, lfu, arc, layered_lru\n"
-     "                    or next_use. Recommended for a paged session (budget below\n"
-     "                    the model): next_use. It keeps the experts with the most\n"
-     "                    expected hits per slot time (each layer's next visit and\n"
-     "                    per-visit reuse), does not fall into the layer cycle that\n"
-     "                    takes lru to 0% at small budgets, and came closest to\n"
-     "                    Belady's optimum on Mixtral-like routing (docs/BENCHMARKS.md)\n"
+     "  --policy P        the session's residency policy, one of those below (for a\n"
+     "                    paged session, the budget below the model, the one marked\n"
+     "                    recommended; measured in docs/BENCHMARKS.md)\n"
      "  --budget B        expert bytes the session may keep resident: bytes, a size\n"
      "                    (512MiB, 2G) or a percentage of the model's bytes (50%)\n"
      "  --param KEY=VALUE a policy parameter; VALUE is JSON when it reads as JSON\n"
@@ -621,22 +649,23 @@ const qmoectl_cmd qmoectl_cmds[] = {
      "                    else a string; repeatable\n"
      "  --precision P     exact (default: f32, within 1e-5 of onnxruntime) or fast\n"
      "                    (int8 activations, integer dot products)",
-     "--policy= --budget= --param= --precision=", 1, 1, cmd_create, check_create},
+     "--policy= --budget= --param= --precision=", 1, 1, cmd_create, check_create,
+     help_policies},
     {"close", "SESSION", "Close a session and release its memory (owner or admin).", "", 1, 1,
-     cmd_close, NULL},
+     cmd_close, NULL, NULL},
     {"resize", "SESSION BYTES|SIZE|N%",
      "Change a live session's expert budget (owner or admin).\n"
      "The budget is bytes, a size (512MiB, 2G) or a percentage of the model's bytes\n"
      "(40%). Shrinking evicts down to it before answering (pins that no longer fit\n"
      "are released, coldest first); growing is admitted against the daemon-wide\n"
      "budget. Requests queued before it finish under the old budget.",
-     "", 2, 2, cmd_resize, NULL},
+     "", 2, 2, cmd_resize, NULL, NULL},
     {"plan", "SESSION",
      "Show a session's residency plan, one row per bank.\n"
      "Each row: the bank's decision, the reason a bank stays whole, and counts and\n"
      "sizes of candidate, pinned and currently resident experts; then totals\n"
      "against the budget.",
-     "", 1, 1, qmoectl_cmd_plan, NULL},
+     "", 1, 1, qmoectl_cmd_plan, NULL, NULL},
     {"telemetry", "[SESSION] [--watch SECONDS [--count N]]",
      "Show counters: hit rate, bytes paged, p50/p99 latency, ...\n"
      "Requests, errors, tokens, expert hit rate and misses, bytes paged, evictions,\n"
@@ -644,13 +673,13 @@ const qmoectl_cmd qmoectl_cmds[] = {
      "daemon-wide and per session.\n"
      "  --watch S   refresh every S seconds until Ctrl-C\n"
      "  --count N   stop after N refreshes",
-     "--watch= --count=", 0, 1, qmoectl_cmd_telemetry, qmoectl_check_telemetry},
+     "--watch= --count=", 0, 1, qmoectl_cmd_telemetry, qmoectl_check_telemetry, NULL},
     {"trace", "[--limit N] [--session SESSION]",
      "Show recent trace spans, oldest first (admin).\n"
      "  --limit N         at most N spans\n"
      "  --session SESSION only that session's spans",
-     "--limit= --session=", 0, 0, cmd_trace, check_trace},
-    {"metrics", "", "Print Prometheus metrics (text exposition format).", "", 0, 0, cmd_metrics, NULL},
+     "--limit= --session=", 0, 0, cmd_trace, check_trace, NULL},
+    {"metrics", "", "Print Prometheus metrics (text exposition format).", "", 0, 0, cmd_metrics, NULL, NULL},
     {"infer",
      "SESSION --layer N --hidden X.npy [--logits R.npy | --topk-ids I.npy --topk-weights W.npy] "
      "--out Y.npy [--routing]",
@@ -662,8 +691,8 @@ const qmoectl_cmd qmoectl_cmds[] = {
      "              route) and their weights (f32/f16), used exactly as given\n"
      "  --routing   also print the experts and weights chosen per token",
      "--layer= --hidden= --logits= --topk-ids= --topk-weights= --out= --routing", 1, 1, cmd_infer,
-     check_infer},
+     check_infer, NULL},
     {"shutdown", "", "Drain and stop the daemon (admin), as SIGTERM does.", "", 0, 0,
-     cmd_shutdown, NULL},
-    {NULL, NULL, NULL, NULL, 0, 0, NULL, NULL},
+     cmd_shutdown, NULL, NULL},
+    {NULL, NULL, NULL, NULL, 0, 0, NULL, NULL, NULL},
 };

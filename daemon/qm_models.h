@@ -22,7 +22,7 @@ typedef struct qm_model {
     qm_region_catalog **catalogs; /* one per layer, bank id = layer */
     uint32_t n_layers;
     uint64_t bytes_total, bytes_per_expert;
-    qm_hotness *hotness;    /* decayed use counts; static_hot's default hot lists */
+    qm_hotness *hotness;    /* decayed use counts; the default hot lists of a policy taking them */
     char *hotness_path;     /* state_dir/<name>.hot, NULL without a state dir */
     uint64_t hotness_saved; /* qm_hotness_records at the last save */
     /* Devices the mapping is registered with (fast copies), in registration

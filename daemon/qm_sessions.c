@@ -207,7 +207,7 @@ static int admit_on_devices(qm_registry *r, const qm_model *m, uint64_t budget,
 int qm_session_prepare(qm_registry *r, const qm_params *p, uid_t owner, qm_session **out,
                        qm_status *st)
 {
-    const char *policy = p->policy ? p->policy : "whole_bank";
+    const char *policy = p->policy ? p->policy : qm_policy_default_name();
     if (qm_policy_params_check(policy, NULL, st) < 0) /* the name: offered over the socket? */
         return QM_EINVAL;
     qm_model *m = qm_model_find(r, p->model);
@@ -307,7 +307,7 @@ int qm_session_prepare(qm_registry *r, const qm_params *p, uid_t owner, qm_sessi
         snprintf(s->trace_path, n, "%s/%s", r->cfg->state_dir, pw->record_trace);
     }
 
-    /* static_hot's hot lists, indexed by layer. */
+    /* The hot lists of a policy that takes them, indexed by layer. */
     const uint32_t **hot = NULL;
     size_t *hot_len = NULL;
     /* Knobs given are passed as given (pin_fraction 0 included); the

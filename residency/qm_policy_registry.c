@@ -18,6 +18,9 @@ static const qm__policy_desc *const registry[] = {
 };
 #define N_POLICIES (sizeof registry / sizeof registry[0])
 
+/* The first row is the policy of a session that names none. */
+const char *qm_policy_default_name(void) { return registry[0]->iface->name; }
+
 static const qm__policy_desc *find(const char *name)
 {
     for (size_t i = 0; i < N_POLICIES; i++)
@@ -80,7 +83,7 @@ const qm_policy_param_spec *qm_policy_param_find(const char *name, size_t n)
 
 int qm_policy_accepts_hot(const char *name)
 {
-    const qm__policy_desc *d = find(name ? name : "whole_bank");
+    const qm__policy_desc *d = find(name ? name : qm_policy_default_name());
     return d && d->accepts_hot;
 }
 
@@ -150,7 +153,7 @@ static int check_params(const qm__policy_desc *d, const qm_policy_params *p, qm_
 
 int qm_policy_params_check(const char *name, const qm_policy_params *params, qm_status *st)
 {
-    const qm__policy_desc *d = find(name ? name : "whole_bank");
+    const qm__policy_desc *d = find(name ? name : qm_policy_default_name());
     if (!d || !d->offered) {
         char names[256];
         qm_policy_names(names, sizeof names);
@@ -174,7 +177,7 @@ int qm_policy_new(const char *name, const qm_policy_params *params, qm_policy *o
     if (!out) return qm_status_set(st, QM_EINVAL, "no policy to fill");
     out->iface = NULL;
     out->ctx = NULL;
-    const qm__policy_desc *d = find(name ? name : "whole_bank");
+    const qm__policy_desc *d = find(name ? name : qm_policy_default_name());
     char names[256];
     if (!d) {
         qm_policy_names(names, sizeof names);

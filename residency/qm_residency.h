@@ -190,6 +190,10 @@ int qm_policy_params_check(const char *name, const qm_policy_params *params, qm_
  * the length it needed (like snprintf). */
 size_t qm_policy_names(char *buf, size_t cap);
 
+/* The policy of a session that names none ("whole_bank"): what a NULL
+ * name means to the calls above. */
+const char *qm_policy_default_name(void);
+
 /* Introspection, for help texts and the wire decoder. */
 typedef struct qm_policy_param_spec qm_policy_param_spec; /* name, min, max, def, integer, doc */
 size_t qm_policy_count(void); /* registered policies, offered or not */

@@ -178,6 +178,16 @@ def test_create_with_an_unknown_policy_fails_naming_the_field(daemon):
     assert p.stderr.startswith("qmoectl: ") and "invalid_params" in p.stderr and "policy" in p.stderr
 
 
+def test_create_help_lists_the_policies_the_daemon_offers(daemon):
+    """The help's list comes from the residency registry, as does the
+    daemon's: the two name the same policies in the same order."""
+    helped = re.findall(r"^  ([a-z_]+)  ", ctl(None, "create", "--help").stdout.split(
+        "\nPolicies:\n")[1], re.M)
+    err = ctl(daemon, "create", "demo", "--policy", "mru", check_rc=1).stderr
+    offered = err.split("supported: ")[1].split(" [")[0].strip().split(", ")
+    assert helped == offered and "next_use" in helped, (helped, err)
+
+
 def test_create_with_precision(daemon):
     r = ctl(daemon, "create", "demo", "--precision", "fast", json_out=True)
     assert isinstance(r["session"], str)
