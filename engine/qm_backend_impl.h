@@ -163,11 +163,6 @@ typedef struct qm__backend_kind {
     int (*probe)(uint32_t *n_devices, qm_status *st);
 } qm__backend_kind;
 
-/* The rows: each backend's own file defines its kind. */
-extern const qm__backend_kind qm__backend_cpu_kind;  /* qm_backend_cpu.c */
-extern const qm__backend_kind qm__backend_emu_kind;  /* qm_backend_emu.c */
-extern const qm__backend_kind qm__backend_cuda_kind; /* cuda/: the backend, or its stub */
-
 /* The registry's check of a row before it is used: QM_EUNSUPPORTED for
  * another version, QM_EINVAL without a name or open method, with a
  * sentence naming the row. */

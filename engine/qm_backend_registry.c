@@ -9,6 +9,11 @@
 #include <stdio.h>
 #include <string.h>
 
+/* Each backend's row, defined in its own file. */
+extern const qm__backend_kind qm__backend_cpu_kind;  /* qm_backend_cpu.c */
+extern const qm__backend_kind qm__backend_cuda_kind; /* cuda/: the backend, or its stub */
+extern const qm__backend_kind qm__backend_emu_kind;  /* qm_backend_emu.c */
+
 /* Order is the order kinds are listed in (help, errors). */
 static const qm__backend_kind *const registry[] = {
     &qm__backend_cpu_kind,

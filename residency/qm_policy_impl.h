@@ -85,16 +85,6 @@ typedef struct qm__policy_desc {
     const char *refusal;
 } qm__policy_desc;
 
-/* The registered policies, in the order they are listed. */
-extern const qm__policy_desc qm__policy_whole_bank_desc;
-extern const qm__policy_desc qm__policy_static_hot_desc;
-extern const qm__policy_desc qm__policy_lru_desc;
-extern const qm__policy_desc qm__policy_lfu_desc;
-extern const qm__policy_desc qm__policy_arc_desc;
-extern const qm__policy_desc qm__policy_layered_lru_desc;
-extern const qm__policy_desc qm__policy_next_use_desc;
-extern const qm__policy_desc qm__policy_belady_desc;
-
 /* The value of parameter `name` of the policy being built: the given one,
  * else the declared default. `name` must be in the policy's table. */
 double qm__policy_param(const qm_policy_params *params, const qm__policy_desc *desc,

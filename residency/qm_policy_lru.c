@@ -150,6 +150,8 @@ static const qm_policy_param_spec static_hot_params[] = {
      .doc = "share of the budget for pins, split evenly between banks with a hot list"},
 };
 
+extern const qm__policy_desc qm__policy_static_hot_desc; /* below */
+
 static int static_hot_new(const qm_policy_params *params, qm_policy *out, qm_status *st)
 {
     double fraction = qm__policy_param(params, &qm__policy_static_hot_desc, "pin_fraction");

@@ -10,6 +10,16 @@
 #include <stdio.h>
 #include <string.h>
 
+/* Each policy's descriptor, defined in its own file. */
+extern const qm__policy_desc qm__policy_whole_bank_desc;
+extern const qm__policy_desc qm__policy_static_hot_desc;
+extern const qm__policy_desc qm__policy_lru_desc;
+extern const qm__policy_desc qm__policy_lfu_desc;
+extern const qm__policy_desc qm__policy_arc_desc;
+extern const qm__policy_desc qm__policy_layered_lru_desc;
+extern const qm__policy_desc qm__policy_next_use_desc;
+extern const qm__policy_desc qm__policy_belady_desc;
+
 /* Order is the order policies are listed in (help, error messages). */
 static const qm__policy_desc *const registry[] = {
     &qm__policy_whole_bank_desc, &qm__policy_static_hot_desc, &qm__policy_lru_desc,
