@@ -1,4 +1,4 @@
-/* qm_server.c - the listening socket and the connections.
+/* qm_server.c - the connections (the listening socket: qm_server_socket.c).
  *
  * Per-connection limits follow Redis's networking: the input buffer is
  * bounded by max_request_bytes (qm_framer), reads pause while the output
@@ -6,28 +6,23 @@
  * frames_per_wakeup frames are handled per wake-up (the rest wait for the
  * next loop iteration), and a connection to be dropped is only marked: the
  * check handle closes it at a safe point, never inside a callback chain. */
-#include "qm_server.h"
+#include "qm_server_impl.h"
 
 #include <errno.h>
 #include <fcntl.h>
 #include <grp.h>
-#include <pwd.h>
 #include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/socket.h>
-#include <sys/stat.h>
-#include <sys/un.h>
 #include <unistd.h>
 
 #include <uv.h>
 
 #include "qm_alloc.h"
 #include "qm_log.h"
-#include "qm_notify.h"
 
-#define READ_CHUNK 65536
 /* Descriptor batches a connection may hold before a frame claims them;
  * more are closed on arrival (a peer cannot fill the daemon's fd table). */
 #define MAX_FD_BATCHES 4
@@ -72,28 +67,6 @@ struct qm_conn {
     int n_batches;
 };
 
-struct qm_server {
-    qm_server_host host;
-    qm_proto_limits lim;  /* the decoder's, from the configuration */
-    uid_t self_uid;       /* the daemon's (after a drop of root) */
-    int has_admin_gid;
-    gid_t admin_gid;
-    int stopping;         /* qm_server_close_all: no connection reads again */
-    char *socket_path;
-    int bound_path; /* we created the socket file (libuv unlinks it on close) */
-    uv_pipe_t listener;
-    int listening;
-    int accept_retry; /* a connection waits for memory to accept it */
-    uv_check_t check;
-    uv_idle_t idle;
-    qm_conn *conns;
-    size_t n_conns;
-    uint64_t next_conn_id;
-    qm_conn *pending; /* connections with unprocessed frames */
-    char *read_buf;   /* shared by every connection's reads (loop thread) */
-    size_t drops_marked; /* connections marked since the last safe point */
-};
-
 typedef struct write_req {
     uv_write_t req;
     qm_conn *conn;
@@ -103,7 +76,6 @@ typedef struct write_req {
 
 static void conn_update_reading(qm_conn *c);
 static size_t conn_process(qm_conn *c, size_t cap);
-static void idle_cb(uv_idle_t *h);
 
 void qm_conn_ref(qm_conn *c) { c->refs++; }
 
@@ -436,7 +408,7 @@ static size_t conn_process(qm_conn *c, size_t cap)
                     qm_conn_ref(c);
                     c->pending_next = sv->pending;
                     sv->pending = c;
-                    uv_idle_start(&sv->idle, idle_cb);
+                    uv_idle_start(&sv->idle, qm__server_idle_cb);
                 }
                 conn_update_reading(c);
             }
@@ -491,7 +463,7 @@ static size_t conn_process(qm_conn *c, size_t cap)
     return done;
 }
 
-static void idle_cb(uv_idle_t *h)
+void qm__server_idle_cb(uv_idle_t *h)
 {
     qm_server *sv = h->data;
     qm_conn *list = sv->pending;
@@ -514,7 +486,7 @@ static void idle_cb(uv_idle_t *h)
 
 /* The safe point: connections marked for dropping are closed here, and a
  * drain that has nothing left to answer ends here. */
-static void check_cb(uv_check_t *h)
+void qm__server_check_cb(uv_check_t *h)
 {
     qm_server *sv = h->data;
     if (sv->drops_marked) {
@@ -526,29 +498,7 @@ static void check_cb(uv_check_t *h)
     safe_point(sv);
 }
 
-static int peer_is_admin(const qm_server *sv, uid_t uid, gid_t gid)
-{
-    if (uid == 0 || uid == sv->self_uid)
-        return 1;
-    if (!sv->has_admin_gid)
-        return 0;
-    if (gid == sv->admin_gid)
-        return 1;
-    struct passwd pw, *res = NULL;
-    char buf[4096];
-    if (getpwuid_r(uid, &pw, buf, sizeof buf, &res) != 0 || !res)
-        return 0;
-    gid_t groups[256];
-    int n = 256;
-    if (getgrouplist(pw.pw_name, pw.pw_gid, groups, &n) < 0)
-        return 0;
-    for (int i = 0; i < n; i++)
-        if (groups[i] == sv->admin_gid)
-            return 1;
-    return 0;
-}
-
-static void on_connection(uv_stream_t *server, int status)
+void qm__server_on_connection(uv_stream_t *server, int status)
 {
     qm_server *sv = server->data;
     const qm_config *cfg = sv->host.cfg;
@@ -594,7 +544,7 @@ static void on_connection(uv_stream_t *server, int status)
     c->peer.uid = cred.uid;
     c->peer.gid = cred.gid;
     c->peer.pid = cred.pid;
-    c->peer.is_admin = peer_is_admin(sv, cred.uid, cred.gid);
+    c->peer.is_admin = qm__server_peer_is_admin(sv, cred.uid, cred.gid);
     c->last_active_ms = uv_now(c->sv->host.loop);
     qm_log(QM_LOG_DEBUG, "connection %llu from pid %d uid %u (%s)", (unsigned long long)c->id,
            (int)c->peer.pid, (unsigned)c->peer.uid, c->peer.is_admin ? "admin" : "user");
@@ -609,102 +559,6 @@ static void on_connection(uv_stream_t *server, int status)
         return;
     }
     conn_update_reading(c);
-}
-
-/* PROTOCOL.md: $RUNTIME_DIRECTORY/qmoed.sock, else /run/qmoed/qmoed.sock as
- * root, else $XDG_RUNTIME_DIR/qmoed.sock. */
-static int default_socket_path(char *out, size_t size, qm_status *st)
-{
-    const char *rd = getenv("RUNTIME_DIRECTORY");
-    if (rd && rd[0]) {
-        size_t n = strcspn(rd, ":"); /* several directories: the first */
-        snprintf(out, size, "%.*s/qmoed.sock", (int)n, rd);
-        return 0;
-    }
-    if (geteuid() == 0) {
-        if (mkdir("/run/qmoed", 0750) < 0 && errno != EEXIST)
-            return qm_status_set(st, QM_EIO, "cannot create /run/qmoed: %s", strerror(errno));
-        snprintf(out, size, "/run/qmoed/qmoed.sock");
-        return 0;
-    }
-    const char *xdg = getenv("XDG_RUNTIME_DIR");
-    if (xdg && xdg[0]) {
-        snprintf(out, size, "%s/qmoed.sock", xdg);
-        return 0;
-    }
-    return qm_status_set(st, QM_EINVAL,
-                         "no socket path: pass --socket, or set RUNTIME_DIRECTORY or "
-                         "XDG_RUNTIME_DIR");
-}
-
-/* 1 when a live daemon answers at path, 0 when nothing does (a stale file
- * is removed), negative when the path is something else. */
-static int probe_existing(const char *path, qm_status *st)
-{
-    struct stat sb;
-    if (lstat(path, &sb) < 0)
-        return errno == ENOENT ? 0 : qm_status_set(st, QM_EIO, "cannot stat %s: %s", path,
-                                                   strerror(errno));
-    if (!S_ISSOCK(sb.st_mode))
-        return qm_status_set(st, QM_EINVAL, "%s exists and is not a socket; not touching it",
-                             path);
-    int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
-    if (fd < 0)
-        return qm_status_set(st, QM_EIO, "socket: %s", strerror(errno));
-    struct sockaddr_un sa = {.sun_family = AF_UNIX};
-    snprintf(sa.sun_path, sizeof sa.sun_path, "%s", path);
-    int rc = connect(fd, (struct sockaddr *)&sa, sizeof sa);
-    int err = errno;
-    close(fd);
-    if (rc == 0)
-        return qm_status_set(st, QM_ECONFLICT,
-                             "a daemon is already answering on %s; refusing to start", path);
-    if (err != ECONNREFUSED)
-        return qm_status_set(st, QM_EIO, "cannot probe %s: %s", path, strerror(err));
-    if (unlink(path) < 0 && errno != ENOENT)
-        return qm_status_set(st, QM_EIO, "cannot remove stale socket %s: %s", path,
-                             strerror(errno));
-    qm_log(QM_LOG_NOTICE, "removed stale socket %s", path);
-    return 0;
-}
-
-/* A daemon holding weights for many users should not keep root. With
- * --user it drops to that user once the socket is bound and the banks are
- * open (the socket file is handed to the user); with --allow-root it stays.
- * Without either it refuses to start (qm_daemon_main already checked before
- * loading anything; this is the last line). */
-#define QM_REFUSE_ROOT 1
-
-static int drop_privileges(qm_server *sv, qm_status *st)
-{
-    const qm_config *cfg = sv->host.cfg;
-    if (geteuid() != 0)
-        return 0;
-    if (!cfg->user) {
-        if (cfg->allow_root)
-            return 0;
-        if (QM_REFUSE_ROOT)
-            return qm_status_set(st, QM_EPERMISSION,
-                                 "refusing to run as root: pass --user USER to drop to it after "
-                                 "binding, or --allow-root");
-        qm_log(QM_LOG_WARNING, "running as root; pass --user USER (or --allow-root to say so)");
-        return 0;
-    }
-    struct passwd *pw = getpwnam(cfg->user);
-    if (!pw)
-        return qm_status_set(st, QM_EINVAL, "no user named '%.64s'", cfg->user);
-    if (sv->socket_path && chown(sv->socket_path, pw->pw_uid, pw->pw_gid) < 0)
-        return qm_status_set(st, QM_EIO, "chown %s: %s", sv->socket_path, strerror(errno));
-    if (initgroups(pw->pw_name, pw->pw_gid) < 0 || setgid(pw->pw_gid) < 0 ||
-        setuid(pw->pw_uid) < 0)
-        return qm_status_set(st, QM_EPERMISSION, "cannot become user %s: %s", pw->pw_name,
-                             strerror(errno));
-    if (setuid(0) == 0)
-        return qm_status_set(st, QM_EPERMISSION, "could regain root after dropping to %s",
-                             pw->pw_name);
-    sv->self_uid = geteuid();
-    qm_log(QM_LOG_NOTICE, "dropped to user %s (uid %u)", pw->pw_name, (unsigned)pw->pw_uid);
-    return 0;
 }
 
 int qm_server_new(const qm_server_host *host, qm_server **out)
@@ -740,74 +594,6 @@ void qm_server_apply_config(qm_server *sv)
     }
 }
 
-int qm_server_listen(qm_server *sv, qm_status *st)
-{
-    const qm_config *cfg = sv->host.cfg;
-    uv_loop_t *loop = sv->host.loop;
-    sv->read_buf = qm_malloc(READ_CHUNK);
-    if (!sv->read_buf)
-        return qm_status_set(st, QM_ENOMEM, "out of memory for the read buffer");
-    uv_pipe_init(loop, &sv->listener, 0);
-    sv->listener.data = sv;
-    int fd = qm_listen_fd_from_env();
-    int rc;
-    if (fd >= 0) {
-        rc = uv_pipe_open(&sv->listener, fd);
-        if (rc < 0)
-            return qm_status_set(st, QM_EIO, "cannot adopt systemd's socket: %s",
-                                 uv_strerror(rc));
-        qm_log(QM_LOG_INFO, "listening on the socket passed by systemd");
-    } else {
-        char path[sizeof(((struct sockaddr_un *)0)->sun_path)];
-        if (cfg->socket_path) {
-            if (strlen(cfg->socket_path) >= sizeof path)
-                return qm_status_set(st, QM_EINVAL, "socket path is over %zu bytes",
-                                     sizeof path - 1);
-            snprintf(path, sizeof path, "%s", cfg->socket_path);
-        } else if ((rc = default_socket_path(path, sizeof path, st)) < 0) {
-            return rc;
-        }
-        if ((rc = probe_existing(path, st)) < 0)
-            return rc;
-        /* Bind under a tight umask so the file never exists with looser bits,
-         * then open it to the group: uv_pipe_chmod cannot express 0660. */
-        mode_t old = umask(0177);
-        rc = uv_pipe_bind(&sv->listener, path);
-        umask(old);
-        if (rc < 0)
-            return qm_status_set(st, QM_EIO, "cannot bind %s: %s", path, uv_strerror(rc));
-        sv->bound_path = 1;
-        if (chmod(path, 0660) < 0)
-            return qm_status_set(st, QM_EIO, "chmod %s: %s", path, strerror(errno));
-        sv->socket_path = qm_strdup(path);
-        qm_log(QM_LOG_INFO, "listening on %s", path);
-    }
-    /* Bound (as root if need be) but not yet answering: the right moment to
-     * give root up, so no request is ever served with it. */
-    if ((rc = drop_privileges(sv, st)) < 0)
-        return rc;
-    rc = uv_listen((uv_stream_t *)&sv->listener, 511, on_connection);
-    if (rc < 0)
-        return qm_status_set(st, QM_EIO, "listen: %s", uv_strerror(rc));
-    sv->listening = 1;
-    uv_check_init(loop, &sv->check);
-    sv->check.data = sv;
-    uv_check_start(&sv->check, check_cb);
-    uv_idle_init(loop, &sv->idle);
-    sv->idle.data = sv;
-    return 0;
-}
-
-void qm_server_stop_listening(qm_server *sv)
-{
-    if (!sv || !sv->listening)
-        return;
-    sv->listening = 0;
-    /* Closing a bound pipe unlinks its path (libuv), so new clients get
-     * ECONNREFUSED/ENOENT instead of hanging in the backlog. */
-    uv_close((uv_handle_t *)&sv->listener, NULL);
-}
-
 void qm_server_close_all(qm_server *sv)
 {
     if (!sv)
@@ -824,7 +610,7 @@ void qm_server_sweep_idle(qm_server *sv)
     const qm_config *cfg = sv->host.cfg;
     if (sv->accept_retry && sv->listening) {
         sv->accept_retry = 0;
-        on_connection((uv_stream_t *)&sv->listener, 0);
+        qm__server_on_connection((uv_stream_t *)&sv->listener, 0);
     }
     uint64_t now = uv_now(sv->host.loop), idle = (uint64_t)cfg->idle_timeout_s * 1000;
     /* A frame must complete, and paused output must move, within this. */
@@ -874,15 +660,6 @@ void qm_conn_reply_done(qm_conn *c)
     c->replies_pending--;
     conn_maybe_close(c);
     qm_conn_unref(c);
-}
-
-void qm_server_free(qm_server *sv)
-{
-    if (!sv)
-        return;
-    qm_free(sv->socket_path);
-    qm_free(sv->read_buf);
-    qm_free(sv);
 }
 
 size_t qm_server_connections(const qm_server *sv) { return sv ? sv->n_conns : 0; }
