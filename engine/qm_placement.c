@@ -178,18 +178,19 @@ int qm_multipager_forward(qm_multipager *mp, const qm_moe_call *call, qm_moe_sta
 
 void qm_multipager_stats(const qm_multipager *mp, qm_pager_stats *out)
 {
-    memset(out, 0, sizeof *out);
     int first = 1;
     for (uint32_t d = 0; mp && d < mp->pl->n_devices; d++) {
         if (!mp->pagers[d])
             continue;
-        qm_pager_stats s;
-        qm_pager_stats_get(mp->pagers[d], &s);
         if (first) {
-            *out = s; /* fixed figures and the model from the first device */
+            /* Fixed figures and the model from the first device, read in
+             * place (every call of a one-device session comes here twice). */
+            qm_pager_stats_get(mp->pagers[d], out);
             first = 0;
             continue;
         }
+        qm_pager_stats s;
+        qm_pager_stats_get(mp->pagers[d], &s);
         out->hits += s.hits;
         out->misses += s.misses;
         out->whole_bank_accesses += s.whole_bank_accesses;
@@ -214,6 +215,8 @@ void qm_multipager_stats(const qm_multipager *mp, qm_pager_stats *out)
         out->overhead_bytes += s.overhead_bytes;
         out->host_bytes += s.host_bytes;
     }
+    if (first)
+        memset(out, 0, sizeof *out);
 }
 
 int qm_multipager_resize(qm_multipager *mp, uint64_t budget, qm_status *st)
