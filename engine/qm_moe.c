@@ -9,10 +9,10 @@
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
-#include <time.h>
 
 #include "qm_alloc.h"
 #include "qm_backend_impl.h"
+#include "qm_clock.h"
 #include "qm_kernels.h"
 #include "qm_moe_internal.h"
 
@@ -115,13 +115,6 @@ void qm__mapped_weights(const qm_layer_view *layer, uint32_t n_experts, uint32_t
                                         expert * qm__expert_slice(tv, n_experts)
                                   : NULL;
     }
-}
-
-static uint64_t qm__now_us(void)
-{
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (uint64_t)ts.tv_sec * 1000000u + (uint64_t)ts.tv_nsec / 1000u;
 }
 
 static void qm__load_hidden(qm_dtype dt, const void *src, size_t n, float *dst)

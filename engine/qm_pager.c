@@ -6,6 +6,7 @@
 #include <string.h>
 
 #include "qm_alloc.h"
+#include "qm_clock.h"
 #include "qm_pager_impl.h"
 
 static uint64_t qm__align_up(uint64_t v, uint64_t a)
@@ -710,11 +711,11 @@ static int qm__source_acquire(void *ctx, uint32_t layer, const uint32_t *experts
         if (p->slots[s].state != QM__SLOT_LOADING)
             continue;
         if (!t_stall)
-            t_stall = qm__pager_now_us();
+            t_stall = qm__now_us();
         rc = qm__pager_copy_wait(p, s, st);
     }
     if (t_stall)
-        p->stats.stall_us += qm__pager_now_us() - t_stall;
+        p->stats.stall_us += qm__now_us() - t_stall;
     if (rc) {
         /* Land whatever is still in flight, then drop what did not land; the
          * rest stays resident. */

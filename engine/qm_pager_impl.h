@@ -235,7 +235,6 @@ int32_t qm__pager_pick_victim(qm_pager *p, size_t n);
 void qm__pager_grow_free(qm_pager *p); /* the arenas added by growing */
 
 /* qm_pager_disk.c */
-uint64_t qm__pager_now_us(void);
 /* With opt.source DIRECT: opens the bank file for O_DIRECT reads (p->disk)
  * and forces whole banks into the arena, or records why not (source_why). */
 void qm__pager_disk_open(qm_pager *p);
