@@ -157,7 +157,7 @@ int qm_backend_unregister_host(qm_backend *be, const void *ptr, qm_status *st)
 
 /* ---- The routed pass: the backend's routing, or the host's by default ---- */
 
-int qm__backend_route(qm_backend *be, const qm_route_request *rq, qm_routed_pass *pass,
+int qm__backend_route(qm_backend *be, const qm_routing_request *rq, qm_routed_pass *pass,
                       qm_status *st)
 {
     pass->backend_pass = NULL;

@@ -16,70 +16,6 @@
 #include "qm_kernels.h"
 #include "qm_moe_internal.h"
 
-void qm_moe_route(const float *logits, uint32_t n_tokens, uint32_t n_experts, uint32_t k,
-                  uint32_t *experts, float *weights)
-{
-    for (uint32_t t = 0; t < n_tokens; t++) {
-        const float *l = logits + (size_t)t * n_experts;
-        uint32_t *ex = experts + (size_t)t * k;
-        float *w = weights + (size_t)t * k;
-        float val[k > 0 ? k : 1];
-        /* Selection by repeated maximum: strictly greater wins, equal values go
-         * to the larger index (onnxruntime's CPU kernel); NaN never beats a number. */
-        for (uint32_t j = 0; j < k; j++) {
-            uint32_t best = UINT32_MAX;
-            for (uint32_t e = 0; e < n_experts; e++) {
-                int taken = 0;
-                for (uint32_t i = 0; i < j; i++)
-                    taken |= ex[i] == e;
-                if (taken)
-                    continue;
-                if (best == UINT32_MAX || l[e] >= l[best] || (isnan(l[best]) && !isnan(l[e])))
-                    best = e;
-            }
-            ex[j] = best;
-            val[j] = l[best];
-        }
-        /* Softmax over the k selected logits; val[0] is the largest. */
-        float sum = 0.0f;
-        for (uint32_t j = 0; j < k; j++) {
-            w[j] = expf(val[j] - val[0]);
-            sum += w[j];
-        }
-        for (uint32_t j = 0; j < k; j++) {
-            w[j] /= sum;
-            if (!(w[j] > 1e-8f)) {
-                w[j] = 0.0f;
-                ex[j] = QM_ROUTE_DROPPED;
-            }
-        }
-    }
-}
-
-int qm_moe_router_logits(const qm_bank_config *cfg, const qm_layer_view *layer, const float *x,
-                         uint32_t n_tokens, float *logits, qm_status *st)
-{
-    const qm_tensor_view *tw = &layer->t[QM_T_ROUTER_WEIGHT];
-    const qm_tensor_view *tb = &layer->t[QM_T_ROUTER_BIAS];
-    if (!tw->present)
-        return qm_status_set(st, QM_EINVAL,
-                             "layer %u has no router weight: pass router_logits", layer->index);
-    const uint32_t E = cfg->experts, H = cfg->hidden;
-    for (uint32_t t = 0; t < n_tokens; t++) {
-        const float *xr = x + (size_t)t * H;
-        for (uint32_t e = 0; e < E; e++) {
-            /* Accumulated in double: routing must not hinge on f32 rounding. */
-            double acc = 0.0;
-            for (uint32_t c = 0; c < H; c++)
-                acc += (double)qm__load_float(tw->data, tw->dtype, (size_t)e * H + c) * xr[c];
-            if (tb->present)
-                acc += qm__load_float(tb->data, tb->dtype, e);
-            logits[(size_t)t * E + e] = (float)acc;
-        }
-    }
-    return 0;
-}
-
 uint32_t qm_moe_call_k(const qm_bank_config *cfg, const qm_moe_call *call)
 {
     return call && call->topk_ids ? call->topk_k : cfg->k;
@@ -276,7 +212,7 @@ static void qm__layout_host(qm__carver *c, const qm__dims *d, void *out)
     hp->jobs = qm__carve(c, d->E, sizeof(qm_expert_job));
 }
 
-int qm__host_route(qm__host_pass *hp, const qm_route_request *rq, qm_status *st)
+int qm__host_route(qm__host_pass *hp, const qm_routing_request *rq, qm_status *st)
 {
     if (!hp)
         return qm_status_set(st, QM_EUNSUPPORTED, "no host routing state for this call");
@@ -547,7 +483,7 @@ static int qm__forward(qm_backend *be, const qm_bank_config *cfg, const qm_layer
 
     /* 1. Route: on the backend, or on the host (the default). */
     qm__load_hidden(call->dtype, call->hidden, TH, b.x);
-    qm_route_request rq = {.config = cfg,
+    qm_routing_request rq = {.config = cfg,
                            .layer = layer,
                            .x = b.x,
                            .logits = call->logits,

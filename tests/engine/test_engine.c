@@ -732,7 +732,7 @@ static int stub_run(void *ctx, const qm_expert_batch *b, qm_status *st)
     (void)b;
     return qm_status_set(st, QM_EUNSUPPORTED, "no kernels here");
 }
-static int stub_route(void *ctx, const qm_route_request *rq, void **pass, qm_status *st)
+static int stub_route(void *ctx, const qm_routing_request *rq, void **pass, qm_status *st)
 {
     (void)ctx;
     (void)rq;
@@ -812,7 +812,7 @@ static int cb_run(void *ctx, const qm_expert_batch *b, qm_status *st)
     counting = was;
     return rc;
 }
-static int cb_route(void *ctx, const qm_route_request *rq, void **pass, qm_status *st)
+static int cb_route(void *ctx, const qm_routing_request *rq, void **pass, qm_status *st)
 {
     (void)rq;
     counting_backend *cb = ctx;
