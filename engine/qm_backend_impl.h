@@ -44,7 +44,7 @@ typedef struct qm_routing_request {
 
 /* The state of the host's routing (the default route/run_routed/combine):
  * the token permutation and one result row per route, in the engine's
- * per-session scratch (qm_moe.c). */
+ * per-session scratch (qm_host_route.h). */
 typedef struct qm__host_pass qm__host_pass;
 
 /* One layer call's pass, from qm__backend_route to qm__backend_pass_release. */
@@ -108,7 +108,7 @@ struct qm_backend {
 int qm__backend_wrap(const qm_backend_iface *iface, void *ctx, qm_backend **out, qm_status *st);
 
 /* ---- The routed pass: the only call sites of the routing methods, host
- * routing when the backend has none (qm_backend.c) ---- */
+ * routing (qm_host_route.h) when the backend has none (qm_backend.c) ---- */
 
 /* Routes on the backend, or on the host (pass->host) when it has no route
  * method or declines with QM_EUNSUPPORTED. */
@@ -118,12 +118,5 @@ int qm__backend_run_routed(qm_backend *be, qm_routed_pass *pass, const qm_expert
                            qm_status *st);
 int qm__backend_combine(qm_backend *be, qm_routed_pass *pass, float *out, qm_status *st);
 void qm__backend_pass_release(qm_backend *be, qm_routed_pass *pass); /* accepts an unrouted pass */
-
-/* The host routing behind those defaults (qm_moe.c). `hp` is NULL-safe:
- * QM_EUNSUPPORTED when the caller gave no host state. */
-int qm__host_route(qm__host_pass *hp, const qm_routing_request *rq, qm_status *st);
-int qm__host_run_routed(qm_backend *be, qm__host_pass *hp, const qm_expert_batch *batch,
-                        qm_status *st);
-int qm__host_combine(qm__host_pass *hp, float *out, qm_status *st);
 
 #endif
