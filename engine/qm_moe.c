@@ -354,24 +354,28 @@ int qm__moe_forward_layer(qm_backend *be, const qm_bank_config *cfg, const qm_la
     return rc;
 }
 
-int qm__moe_forward(qm_backend *be, const qm_bank *bank, const qm_moe_call *call,
-                    qm_expert_source *source, qm__moe_scratch *scratch, qm_moe_stats *stats,
-                    qm_status *st)
-{
-    if (!bank || !call)
-        return qm_status_set(st, QM_EINVAL, "forward: bank or call missing");
-    const qm_bank_config *cfg = qm_bank_get_config(bank);
-    const qm_layer_view *layer = qm_bank_layer(bank, call->layer);
-    if (!layer)
-        return qm_status_set_field(st, QM_EINVAL, "layer", "layer %u out of range (bank has %u)",
-                                   call->layer, cfg->layers);
-    return qm__moe_forward_layer(be, cfg, layer, call, source, scratch, stats, st);
-}
-
 int qm_moe_forward(qm_backend *be, const qm_bank *bank, const qm_moe_call *call,
                    qm_expert_source *source, qm_moe_stats *stats, qm_status *st)
 {
-    return qm__moe_forward(be, bank, call, source, NULL, stats, st);
+    const qm_layer_view *layer = NULL;
+    int rc = qm__moe_layer_of(bank, call, &layer, st);
+    if (rc < 0)
+        return rc;
+    return qm__moe_forward_layer(be, qm_bank_get_config(bank), layer, call, source, NULL, stats,
+                                 st);
+}
+
+int qm__moe_layer_of(const qm_bank *bank, const qm_moe_call *call, const qm_layer_view **out,
+                     qm_status *st)
+{
+    *out = NULL;
+    if (!bank || !call)
+        return qm_status_set(st, QM_EINVAL, "forward: bank or call missing");
+    *out = qm_bank_layer(bank, call->layer);
+    if (!*out)
+        return qm_status_set_field(st, QM_EINVAL, "layer", "layer %u out of range (bank has %u)",
+                                   call->layer, qm_bank_get_config(bank)->layers);
+    return 0;
 }
 
 /* ---- The direct expert source ---------------------------------------------- */

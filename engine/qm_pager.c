@@ -786,7 +786,11 @@ int qm_pager_forward(qm_pager *p, const qm_moe_call *call, qm_moe_stats *mstats,
     qm_moe_stats local;
     if (!mstats)
         mstats = &local;
-    int rc = qm__moe_forward(p->backend, p->bank, &c, &p->source, p->scratch, mstats, st);
+    const qm_layer_view *layer = NULL;
+    int rc = qm__moe_layer_of(p->bank, call, &layer, st);
+    if (rc == 0)
+        rc = qm__moe_forward_layer(p->backend, p->cfg, layer, &c, &p->source, p->scratch, mstats,
+                                   st);
     if (rc || call->n_tokens == 0 || call->layer >= p->n_layers)
         return rc;
     rc = qm__hybrid_observe(p, mstats, st);
