@@ -27,7 +27,7 @@
 #include <unistd.h>
 
 #include "qm_alloc.h"
-#include "qm_pager_impl.h"
+#include "qm_pager_disk.h"
 
 #ifndef TMPFS_MAGIC
 #define TMPFS_MAGIC 0x01021994
