@@ -34,6 +34,10 @@ int qm__moe_layer_of(const qm_bank *bank, const qm_moe_call *call, const qm_laye
 void qm__mapped_weights(const qm_layer_view *layer, uint32_t n_experts, uint32_t expert,
                         qm_expert_weights *out);
 
+/* Tests: 1 makes qm_moe_router_logits take its scalar specification
+ * instead of the AVX2 path (the same bits), 0 undoes it. */
+void qm__routing_force_scalar(int on);
+
 /* Bytes of one expert's slice of a per-expert tensor (nbytes / experts). */
 uint64_t qm__expert_slice(const qm_tensor_view *tv, uint32_t n_experts);
 
