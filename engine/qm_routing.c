@@ -93,6 +93,7 @@ void qm__routing_force_scalar(int on)
 }
 
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#include <cpuid.h>
 #include <immintrin.h>
 #define QM__ROUTER_SIMD 1
 
@@ -236,8 +237,10 @@ static int qm__router_simd_ok(void)
     static atomic_int ok = -1; /* every thread computes the same answer */
     int v = atomic_load_explicit(&ok, memory_order_relaxed);
     if (v < 0) {
+        unsigned a, b, c, d;
         __builtin_cpu_init();
-        v = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c");
+        /* F16C: CPUID.1:ECX bit 29 (not every compiler's __builtin_cpu_supports names it). */
+        v = __builtin_cpu_supports("avx2") && __get_cpuid(1, &a, &b, &c, &d) && (c >> 29 & 1);
         atomic_store_explicit(&ok, v, memory_order_relaxed);
     }
     return v;
