@@ -6,15 +6,15 @@ time per call, per token count and precision.
 
 Both daemons run all along with the same bank (one page cache), policy
 whole_bank; every call sends fresh random hidden states (seeded), so each
-call routes to fresh experts. Each round drives the OLD build's daemon,
-then the NEW one's, with the same hidden states (the Python client, one
-connection, base64). Printed per round and as medians over rounds: the
+call routes to fresh experts. Each round drives both builds' daemons in
+turn with the same hidden states (the Python client, one
+connection, base64; which build goes first alternates). Printed per round and as medians over rounds: the
 median compute_us of each build, the daemon's CPU time per call (/proc:
 every thread), and new/old of both.
 
 usage: infer_ab.py --old BUILD --new BUILD --src SOURCE_DIR --bank FILE --hidden H
                    [--tokens 1,16] [--precision exact] [--rounds 5]
-                   [--requests 60] [--threads 2]
+                   [--requests 60] [--threads 2] [--old-env K=V] [--new-env K=V]
 (BUILD: a build directory with daemon/qmoed)"""
 import argparse
 import os
@@ -35,6 +35,8 @@ ap.add_argument("--rounds", type=int, default=5)
 ap.add_argument("--requests", type=int, default=60)
 ap.add_argument("--threads", type=int, default=2)
 ap.add_argument("--hidden", type=int, required=True, help="the bank's hidden size")
+ap.add_argument("--old-env", action="append", default=[], help="KEY=VALUE for the old daemon")
+ap.add_argument("--new-env", action="append", default=[], help="KEY=VALUE for the new daemon")
 a = ap.parse_args()
 sys.path.insert(0, os.path.join(a.src, "tests", "daemon"))
 sys.path.insert(0, os.path.join(a.src, "clients", "python"))
@@ -44,12 +46,14 @@ wd = tempfile.mkdtemp(prefix="infer-ab-")
 
 
 def start(build, tag):
+    env = dict(kv.split("=", 1) for kv in (a.old_env if tag == "old" else a.new_env))
     os.environ["QMOE_BUILD_DIR"] = build
     import importlib
     import qmoed_harness
     importlib.reload(qmoed_harness)
     return qmoed_harness.Daemon(
         models={"m": os.path.abspath(a.bank)}, workdir=tempfile.mkdtemp(prefix=tag, dir=wd),
+        env=env,
         args=["--set", "idle_timeout_s=0", "--log-level", "notice", "--threads",
               str(a.threads)] + (["--allow-root"] if os.geteuid() == 0 else []))
 
@@ -91,7 +95,12 @@ try:
         for t in tokens:
             xs = [rng.standard_normal((t, a.hidden)).astype(np.float32)
                   for _ in range(a.requests)]
-            o, n = run("old", t, xs), run("new", t, xs)
+            # Alternate which build goes first: a drift in the load, or the
+            # second run finding the page cache warmer, favours neither.
+            if i % 2 == 0:
+                o, n = run("old", t, xs), run("new", t, xs)
+            else:
+                n, o = run("new", t, xs), run("old", t, xs)
             rows[t].append((o, n))
             print("round %d load %.1f T=%d | compute_us old %.0f new %.0f (new/old %.2f) | "
                   "daemon CPU us/call old %.0f new %.0f (new/old %.2f)"
