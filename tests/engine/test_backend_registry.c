@@ -207,7 +207,7 @@ static int fake_run(void *ctx, const qm_expert_batch *b, qm_status *st)
 }
 static void fake_destroy(void *ctx) { (void)ctx; }
 static int pass_token;
-static int fake_route(void *ctx, const qm_route_request *rq, void **pass, qm_status *st)
+static int fake_route(void *ctx, const qm_routing_request *rq, void **pass, qm_status *st)
 {
     (void)ctx, (void)rq, (void)st;
     routed++;
@@ -245,7 +245,7 @@ static void route_each_rule(qm_backend *be, int want[3])
     static const float w[2] = {0.5f, 0.5f};
     qm_bank_config legacy = {0}, keyed = {0};
     keyed.routing.score = QM_ROUTE_SCORE_SIGMOID;
-    qm_route_request rq[3] = {{.config = &legacy, .n_tokens = 1},
+    qm_routing_request rq[3] = {{.config = &legacy, .n_tokens = 1},
                               {.config = &keyed, .n_tokens = 1},
                               {.config = &legacy, .n_tokens = 1, .topk_ids = ids,
                                .topk_weights = w, .k = 2}};

@@ -353,6 +353,78 @@ END_TEST
 
 /* A layer with a routing rule and a correction bias routes by it in the
  * forward pass: same bits as supplying the rule's own routes. */
+/* Router logits on this CPU's SIMD path are the scalar specification's bits
+ * (per expert and token, the same exact products and rounded additions in
+ * column order): every weight dtype, with and without a bias, expert and
+ * column counts off the SIMD blocks (16 experts, 4 and 128 columns), token
+ * counts off its pairs and blocks of 32, and rows whose sums cancel (where
+ * the order of the additions shows), against qm__routing_force_scalar. */
+START_TEST(test_router_logits_simd_gives_the_scalar_bits)
+{
+    static const uint32_t Es[] = {1, 5, 16, 37, 128}, Hs[] = {1, 3, 4, 130, 257};
+    static const uint32_t Ts[] = {1, 2, 3, 35};
+    static const qm_dtype dts[] = {QM_DTYPE_F32, QM_DTYPE_F16, QM_DTYPE_BF16};
+    uint64_t seed = 71;
+    size_t compared = 0;
+    for (size_t ie = 0; ie < 5; ie++) {
+        for (size_t ih = 0; ih < 5; ih++) {
+            const uint32_t E = Es[ie], H = Hs[ih], T = Ts[(ie + ih) % 4];
+            const qm_dtype dt = dts[(ie * 5 + ih) % 3];
+            const int bias = (ie + ih) % 2;
+            const size_t es = dt == QM_DTYPE_F32 ? 4 : 2;
+            uint8_t *w = malloc((size_t)E * H * es), *b = malloc((size_t)E * es);
+            float *x = malloc(sizeof(float) * T * H);
+            float *want = malloc(sizeof(float) * T * E), *got = malloc(sizeof(float) * T * E);
+            /* Even experts' rows start with +big and end with -big, so their
+             * partial sums sit near big while small terms come and go: a sum
+             * in another order, or not in double, shows in the float logit. */
+            const float big = ldexpf(1.0f, dt == QM_DTYPE_F16 ? 15 : 40);
+            for (size_t i = 0; i < (size_t)E * H + E; i++) {
+                /* Magnitudes from 2^-30 (f16 subnormals) to 2^-2. */
+                float v = tl_uniform(&seed, -1, 1) * ldexpf(1.0f, (int)(tl_rand(&seed) % 29) - 30);
+                size_t e = i / H, c = i % H;
+                if (i < (size_t)E * H && e % 2 == 0 && H >= 2 && (c == 0 || c == H - 1))
+                    v = c == 0 ? big : -big;
+                uint8_t *dst = i < (size_t)E * H ? w + i * es : b + (i - (size_t)E * H) * es;
+                if (dt == QM_DTYPE_F32) {
+                    memcpy(dst, &v, 4);
+                } else {
+                    uint16_t h = dt == QM_DTYPE_F16 ? qm_f32_to_f16(v) : qm_f32_to_bf16(v);
+                    memcpy(dst, &h, 2);
+                }
+            }
+            for (size_t i = 0; i < (size_t)T * H; i++)
+                x[i] = i % H == H - 1 ? x[i - (H - 1)] : tl_uniform(&seed, -4, 4);
+            qm_bank_config cfg = {.experts = E, .hidden = H};
+            qm_layer_view lv = {.index = 0};
+            lv.t[QM_T_ROUTER_WEIGHT] = (qm_tensor_view){.present = 1, .dtype = dt, .ndim = 2,
+                                                        .shape = {E, H}, .data = w,
+                                                        .nbytes = (uint64_t)E * H * es};
+            if (bias)
+                lv.t[QM_T_ROUTER_BIAS] = (qm_tensor_view){.present = 1, .dtype = dt, .ndim = 1,
+                                                          .shape = {E}, .data = b,
+                                                          .nbytes = (uint64_t)E * es};
+            qm_status st = {0};
+            qm__routing_force_scalar(1);
+            ck_assert_int_eq(qm_moe_router_logits(&cfg, &lv, x, T, want, &st), 0);
+            qm__routing_force_scalar(0);
+            ck_assert_int_eq(qm_moe_router_logits(&cfg, &lv, x, T, got, &st), 0);
+            for (size_t i = 0; i < (size_t)T * E; i++)
+                ck_assert_msg(memcmp(&got[i], &want[i], 4) == 0,
+                              "E %u H %u T %u dtype %d bias %d: logit %zu is %a, scalar %a", E, H,
+                              T, (int)dt, bias, i, (double)got[i], (double)want[i]);
+            compared += (size_t)T * E;
+            free(w);
+            free(b);
+            free(x);
+            free(want);
+            free(got);
+        }
+    }
+    printf("router logits: %zu compared with the scalar specification\n", compared);
+}
+END_TEST
+
 START_TEST(test_forward_routes_by_the_bank_rule)
 {
     tl_layer L;
@@ -407,6 +479,7 @@ static Suite *route_suite(void)
     tcase_add_test(tc, test_supplied_routing_is_used_exactly_as_given);
     tcase_add_test(tc, test_supplied_routing_rejects_bad_ids_naming_topk_ids);
     tcase_add_test(tc, test_forward_routes_by_the_bank_rule);
+    tcase_add_test(tc, test_router_logits_simd_gives_the_scalar_bits);
     suite_add_tcase(s, tc);
     return s;
 }
