@@ -139,20 +139,27 @@ static inline qm__i8_scratch qm__i8_scratch_at(const qm__qmat *m, float *scratch
     return s;
 }
 
+/* Scales (and zero points, when zpt is not NULL) of the call's rows h..h+7
+ * (h a multiple of 8; rows from nr on hold 0) into lanes h..h+7. */
+static inline void qm__i8_params8_c(const qm__qmat *m, uint32_t n0, uint32_t nr, uint32_t h,
+                                    float *sct, int32_t *zpt)
+{
+    size_t nb8 = ((size_t)m->nblk + 7) / 8 * 8;
+    for (size_t b = 0; b < nb8; b++)
+        for (uint32_t i = h; i < h + 8; i++) {
+            int in = i < nr && b < m->nblk;
+            sct[16 * b + i] = in ? qm__qmat_scale(m, n0 + i, (uint32_t)b) : 0.0f;
+            if (zpt)
+                zpt[16 * b + i] = in ? qm__qmat_zp(m, n0 + i, (uint32_t)b) : 0;
+        }
+}
+
 /* Scales (and zero points, when zpt is not NULL) of rows [n0, n0 + nr). */
 static inline void qm__i8_params_c(const qm__qmat *m, uint32_t n0, uint32_t nr, float *sct,
                                    int32_t *zpt)
 {
-    size_t nb8 = ((size_t)m->nblk + 7) / 8 * 8;
-    memset(sct, 0, sizeof(float) * 16 * nb8);
-    if (zpt)
-        memset(zpt, 0, sizeof(int32_t) * 16 * nb8);
-    for (uint32_t i = 0; i < nr; i++)
-        for (uint32_t b = 0; b < m->nblk; b++) {
-            sct[16 * b + i] = qm__qmat_scale(m, n0 + i, b);
-            if (zpt)
-                zpt[16 * b + i] = qm__qmat_zp(m, n0 + i, b);
-        }
+    qm__i8_params8_c(m, n0, nr, 0, sct, zpt);
+    qm__i8_params8_c(m, n0, nr, 8, sct, zpt);
 }
 
 /* Byte o of a row, 0 past its end. */

@@ -135,3 +135,69 @@ void qm__i8_params_avx2(const qm__qmat *m, uint32_t n0, uint32_t nr, float *sct,
 {
     qm__x_params(m, n0, nr, sct, zpt);
 }
+
+/* qm__i8_prep_c on vectors, byte for byte: the same max, the same 127 / amax
+ * and product, vcvtps2dq rounding to nearest even as lrintf does, the same
+ * clamp; 4-bit rows then put each sub-block's even columns before its odd. */
+void qm__i8_prep_avx2(const qm__qmat *m, const float *x, float *xq)
+{
+    size_t nsb = qm__i8_nsb(m);
+    int8_t *q = (int8_t *)xq;
+    int16_t *q16 = m->bits == 8 ? (int16_t *)(xq + nsb * 8) : NULL;
+    float *dx = xq + qm__i8_dx_off(m);
+    int32_t *sumq = (int32_t *)(dx + nsb), *zsum = sumq + nsb;
+    const __m256 absm = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+    const __m256i lim = _mm256_set1_epi32(127), nlim = _mm256_set1_epi32(-127);
+    /* Within each 128-bit lane: even bytes, then odd bytes. */
+    const __m256i eo = _mm256_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15, 0, 2,
+                                        4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15);
+    for (size_t j = 0; j < nsb; j++) {
+        float tmp[32];
+        const float *p = x + 32 * j;
+        if (32 * j + 32 > m->k) {
+            memset(tmp, 0, sizeof tmp);
+            if (32 * j < m->k)
+                memcpy(tmp, p, sizeof(float) * (m->k - 32 * j));
+            p = tmp;
+        }
+        __m256 v[4], mx = _mm256_setzero_ps();
+        for (int i = 0; i < 4; i++) {
+            v[i] = _mm256_loadu_ps(p + 8 * i);
+            /* max_ps answers its second operand when either is NaN: a NaN
+             * input leaves the maximum alone, as the C comparison does. */
+            mx = _mm256_max_ps(_mm256_and_ps(v[i], absm), mx);
+        }
+        __m128 h = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
+        h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+        h = _mm_max_ss(h, _mm_shuffle_ps(h, h, 1));
+        float amax = _mm_cvtss_f32(h);
+        float id = amax > 0.0f ? 127.0f / amax : 0.0f;
+        __m256 idv = _mm256_set1_ps(id);
+        __m256i c[4], sum = _mm256_setzero_si256();
+        for (int i = 0; i < 4; i++) {
+            c[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], idv));
+            c[i] = _mm256_max_epi32(_mm256_min_epi32(c[i], lim), nlim);
+            sum = _mm256_add_epi32(sum, c[i]);
+        }
+        /* 32 int32 -> 32 int8 in column order (packs work per 128-bit lane). */
+        __m256i w01 = _mm256_packs_epi32(c[0], c[1]), w23 = _mm256_packs_epi32(c[2], c[3]);
+        __m256i b = _mm256_packs_epi16(w01, w23);
+        b = _mm256_permutevar8x32_epi32(b, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+        if (q16) {
+            _mm256_storeu_si256((__m256i *)(q16 + 32 * j),
+                                _mm256_cvtepi8_epi16(_mm256_castsi256_si128(b)));
+            _mm256_storeu_si256((__m256i *)(q16 + 32 * j + 16),
+                                _mm256_cvtepi8_epi16(_mm256_extracti128_si256(b, 1)));
+        } else {
+            b = _mm256_permute4x64_epi64(_mm256_shuffle_epi8(b, eo), 0xD8);
+        }
+        _mm256_storeu_si256((__m256i *)(q + 32 * j), b);
+        __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(sum), _mm256_extracti128_si256(sum, 1));
+        s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4E));
+        s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xB1));
+        int32_t total = _mm_cvtsi128_si32(s4);
+        dx[j] = amax / 127.0f;
+        sumq[j] = total;
+        zsum[j] = total * (1 << (m->bits - 1));
+    }
+}

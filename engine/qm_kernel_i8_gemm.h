@@ -124,6 +124,19 @@ static inline void qm__g_group_end(const qm__g_call *c, uint32_t tn, uint32_t n0
         memcpy(y + (size_t)t * ldy + n0, c->s.acc + 16 * (size_t)t, sizeof(float) * nr);
 }
 
+/* While a chunk [j0, j1) of this call runs, the same codes of the next
+ * tile's rows (n1 on): a call's weights are read once, by its packer, as
+ * 16 short streams the hardware prefetcher would reach only late. */
+static inline void qm__g_prefetch_next(const qm__qmat *m, uint32_t n1, size_t j0, size_t j1)
+{
+    size_t per = m->bits == 4 ? 16 : 32, o0 = per * j0, o1 = per * j1;
+    if (o1 > m->row_bytes)
+        o1 = m->row_bytes;
+    for (uint32_t n = n1; n < n1 + 16 && n < m->n; n++)
+        for (size_t o = o0 & ~(size_t)63; o < o1; o += 64)
+            __builtin_prefetch(m->w + (size_t)n * m->row_bytes + o, 0, 3);
+}
+
 static inline qm__g_call qm__g_call_make(const qm__qmat *m, const float *xq, size_t ldx,
                                          float *scratch)
 {
@@ -229,6 +242,8 @@ void QM__G_FN(const qm__qmat *m, uint32_t n0, uint32_t n1, const float *xq, size
         qm__g_group_begin(&c, tn);
         for (size_t j0 = 0; j0 < c.nse; j0 += QM__G_CH) {
             size_t j1 = j0 + QM__G_CH < c.nse ? j0 + QM__G_CH : c.nse;
+            if (tok0 == 0)
+                qm__g_prefetch_next(m, n1, j0, j1);
             if (spb1 && !zp)
                 QM__G_CAT(QM__G_MICRO, _all)(&c, j0, j1, tok0, tn, 0, 1);
             else if (spb1)

@@ -135,37 +135,56 @@ QM__I8_AI __m256i qm__x_scales8(const qm__qmat *m, uint32_t n, uint32_t b0)
     return _mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16); /* bf16 */
 }
 
-/* qm__i8_params_c on vectors (the scales; zero points in C). */
-static inline void qm__x_params(const qm__qmat *m, uint32_t n0, uint32_t nr, float *sct,
-                                int32_t *zpt)
+/* qm__i8_params8_c on vectors (the scales of 8 rows; zero points in C). */
+static inline void qm__x_params8(const qm__qmat *m, uint32_t n0, uint32_t nr, uint32_t h,
+                                 float *sct, int32_t *zpt)
 {
-    if (zpt || nr < 16) {
-        qm__i8_params_c(m, n0, nr, sct, zpt);
+    if (zpt || nr < h + 8) {
+        qm__i8_params8_c(m, n0, nr, h, sct, zpt);
         return;
     }
     uint32_t b0 = 0;
     if (m->scale_dtype == QM_DTYPE_F32) /* whole groups of 8 blocks: plain loads */
-        for (; b0 + 8 <= m->nblk; b0 += 8)
-            for (uint32_t h = 0; h < 16; h += 8) {
-                const float *p = (const float *)m->scales + (size_t)(n0 + h) * m->nblk + b0;
-                __m256i r[8];
-#pragma GCC unroll 8
-                for (uint32_t i = 0; i < 8; i++)
-                    r[i] = _mm256_castps_si256(_mm256_loadu_ps(p + (size_t)i * m->nblk));
-                qm__x_tr8(r);
-#pragma GCC unroll 8
-                for (int b = 0; b < 8; b++)
-                    _mm256_storeu_si256((__m256i *)(sct + 16 * (size_t)(b0 + b) + h), r[b]);
-            }
-    for (; b0 < m->nblk; b0 += 8)
-        for (uint32_t h = 0; h < 16; h += 8) {
+        for (; b0 + 8 <= m->nblk; b0 += 8) {
+            const float *p = (const float *)m->scales + (size_t)(n0 + h) * m->nblk + b0;
             __m256i r[8];
+#pragma GCC unroll 8
             for (uint32_t i = 0; i < 8; i++)
-                r[i] = qm__x_scales8(m, n0 + h + i, b0);
+                r[i] = _mm256_castps_si256(_mm256_loadu_ps(p + (size_t)i * m->nblk));
             qm__x_tr8(r);
+#pragma GCC unroll 8
             for (int b = 0; b < 8; b++)
                 _mm256_storeu_si256((__m256i *)(sct + 16 * (size_t)(b0 + b) + h), r[b]);
         }
+    for (; b0 < m->nblk; b0 += 8) {
+        __m256i r[8];
+        for (uint32_t i = 0; i < 8; i++)
+            r[i] = qm__x_scales8(m, n0 + h + i, b0);
+        qm__x_tr8(r);
+        for (int b = 0; b < 8; b++)
+            _mm256_storeu_si256((__m256i *)(sct + 16 * (size_t)(b0 + b) + h), r[b]);
+    }
+}
+
+/* qm__i8_params_c on vectors. */
+static inline void qm__x_params(const qm__qmat *m, uint32_t n0, uint32_t nr, float *sct,
+                                int32_t *zpt)
+{
+    qm__x_params8(m, n0, nr, 0, sct, zpt);
+    qm__x_params8(m, n0, nr, 8, sct, zpt);
+}
+
+/* Prefetches the scales of rows [n, n + 8) of m (those that exist). */
+QM__I8_AI void qm__x_prefetch_scales(const qm__qmat *m, uint32_t n)
+{
+    size_t es = m->scale_dtype == QM_DTYPE_F32 ? 4 : 2;
+    uint32_t end = n + 8 < m->n ? n + 8 : m->n;
+    if (n >= end)
+        return;
+    const char *p = (const char *)m->scales + (size_t)n * m->nblk * es;
+    size_t bytes = (size_t)(end - n) * m->nblk * es;
+    for (size_t o = 0; o < bytes; o += 64)
+        _mm_prefetch(p + o, _MM_HINT_T0);
 }
 
 #endif /* QM_KERNEL_I8_X86_H */
@@ -213,7 +232,7 @@ QM__I8_AI __m256i qm__v_load32(const qm__qmat *m, const uint8_t *row, size_t off
  * one vector per sub-block (row i in lane i). Sub-blocks from jt on may
  * reach past a row's bytes and are read through a copy. */
 QM__I8_AI __m256 qm__v_rows_q4(const qm__qmat *m, const uint8_t *const row[8],
-                               const qm__i8_xrow *x, const float *sct, const int32_t *zpt,
+                               const uint8_t *const *next, const qm__i8_xrow *x, const float *sct, const int32_t *zpt,
                                uint32_t h, const int ZP, const int SPB1)
 {
     const size_t nsb = qm__i8_nsb(m), nse = qm__i8_nse(m);
@@ -227,6 +246,10 @@ QM__I8_AI __m256 qm__v_rows_q4(const qm__qmat *m, const uint8_t *const row[8],
         __m256i xb = _mm256_loadu_si256((const __m256i *)(x->q + 32 * j + 32));
         __m256i xl = _mm256_permute2x128_si256(xa, xb, 0x20);
         __m256i xh = _mm256_permute2x128_si256(xa, xb, 0x31);
+        if (next && (j & 2) == 0) /* one line of each next row per 64 bytes */
+#pragma GCC unroll 8
+            for (int i = 0; i < 8; i++)
+                _mm_prefetch((const char *)next[i] + 16 * j, _MM_HINT_T0);
         __m256i p[8];
 #pragma GCC unroll 8
         for (int i = 0; i < 8; i++) {
@@ -249,7 +272,7 @@ QM__I8_AI __m256 qm__v_rows_q4(const qm__qmat *m, const uint8_t *const row[8],
 
 /* The same for 8-bit codes, one sub-block per step. */
 QM__I8_AI __m256 qm__v_rows_q8(const qm__qmat *m, const uint8_t *const row[8],
-                               const qm__i8_xrow *x, const float *sct, const int32_t *zpt,
+                               const uint8_t *const *next, const qm__i8_xrow *x, const float *sct, const int32_t *zpt,
                                uint32_t h, const int ZP, const int SPB1)
 {
     const size_t nse = qm__i8_nse(m), jt = m->row_bytes / 32;
@@ -257,6 +280,10 @@ QM__I8_AI __m256 qm__v_rows_q8(const qm__qmat *m, const uint8_t *const row[8],
     __m256 t = _mm256_setzero_ps(), acc = _mm256_setzero_ps();
     qm__v_pos pos = {0, 0};
     for (size_t j = 0; j < nse; j++) {
+        if (next && (j & 1) == 0)
+#pragma GCC unroll 8
+            for (int i = 0; i < 8; i++)
+                _mm_prefetch((const char *)next[i] + 32 * j, _MM_HINT_T0);
         __m256i p[8];
 #pragma GCC unroll 8
         for (int i = 0; i < 8; i++) {
@@ -275,40 +302,50 @@ QM__I8_AI __m256 qm__v_rows_q8(const qm__qmat *m, const uint8_t *const row[8],
 
 /* One group of 8 rows times one input, specialised on zero points and
  * blocks of one sub-block. */
-QM__I8_AI __m256 qm__v_rows(const qm__qmat *m, const uint8_t *const row[8], const qm__i8_xrow *x,
-                            const float *sct, const int32_t *zpt, uint32_t h)
+QM__I8_AI __m256 qm__v_rows(const qm__qmat *m, const uint8_t *const row[8],
+                            const uint8_t *const *next, const qm__i8_xrow *x, const float *sct,
+                            const int32_t *zpt, uint32_t h)
 {
     int spb1 = qm__i8_spb(m) == 1;
     if (m->bits == 4) {
         if (zpt)
-            return spb1 ? qm__v_rows_q4(m, row, x, sct, zpt, h, 1, 1)
-                        : qm__v_rows_q4(m, row, x, sct, zpt, h, 1, 0);
-        return spb1 ? qm__v_rows_q4(m, row, x, sct, zpt, h, 0, 1)
-                    : qm__v_rows_q4(m, row, x, sct, zpt, h, 0, 0);
+            return spb1 ? qm__v_rows_q4(m, row, next, x, sct, zpt, h, 1, 1)
+                        : qm__v_rows_q4(m, row, next, x, sct, zpt, h, 1, 0);
+        return spb1 ? qm__v_rows_q4(m, row, next, x, sct, zpt, h, 0, 1)
+                    : qm__v_rows_q4(m, row, next, x, sct, zpt, h, 0, 0);
     }
     if (zpt)
-        return spb1 ? qm__v_rows_q8(m, row, x, sct, zpt, h, 1, 1)
-                    : qm__v_rows_q8(m, row, x, sct, zpt, h, 1, 0);
-    return spb1 ? qm__v_rows_q8(m, row, x, sct, zpt, h, 0, 1)
-                : qm__v_rows_q8(m, row, x, sct, zpt, h, 0, 0);
+        return spb1 ? qm__v_rows_q8(m, row, next, x, sct, zpt, h, 1, 1)
+                    : qm__v_rows_q8(m, row, next, x, sct, zpt, h, 1, 0);
+    return spb1 ? qm__v_rows_q8(m, row, next, x, sct, zpt, h, 0, 1)
+                : qm__v_rows_q8(m, row, next, x, sct, zpt, h, 0, 0);
 }
 
-/* Rows [n0, n1) times nx inputs, 8 rows at a time, one input at a time. */
+/* Rows [n0, n1) times nx inputs, 8 rows at a time, one input at a time.
+ * Each group's scales are taken just before it, and while a group runs its
+ * first input the next 8 rows' codes (one line per 64 bytes read) and
+ * scales (of this call or the next tile) are prefetched: rows of an expert are short streams (1-4 KiB) that the
+ * hardware prefetcher would reach only late. */
 static void QM__V_FN(const qm__qmat *m, uint32_t n0, uint32_t n1, const float *xq, size_t ldx,
                      uint32_t nx, float *y, size_t ldy, float *scratch)
 {
     qm__i8_scratch s = qm__i8_scratch_at(m, scratch);
     uint32_t nr = n1 - n0;
     int32_t *zpt = m->zp ? s.zpt : NULL;
-    qm__x_params(m, n0, nr, s.sct, zpt);
     for (uint32_t h = 0; h < nr; h += 8) {
-        const uint8_t *row[8];
-        for (uint32_t i = 0; i < 8; i++)
+        qm__x_params8(m, n0, nr, h, s.sct, zpt);
+        qm__x_prefetch_scales(m, n0 + h + 8);
+        const uint8_t *row[8], *next[8];
+        for (uint32_t i = 0; i < 8; i++) {
             row[i] = m->w + (size_t)(n0 + (h + i < nr ? h + i : nr - 1)) * m->row_bytes;
+            uint32_t nn = n0 + h + 8 + i < m->n ? n0 + h + 8 + i : m->n - 1;
+            next[i] = m->w + (size_t)nn * m->row_bytes;
+        }
+
         uint32_t cnt = nr - h < 8 ? nr - h : 8;
         for (uint32_t r = 0; r < nx; r++) {
             qm__i8_xrow x = qm__i8_xrow_at(m, xq + (size_t)r * ldx);
-            __m256 acc = qm__v_rows(m, row, &x, s.sct, zpt, h);
+            __m256 acc = qm__v_rows(m, row, r ? NULL : next, &x, s.sct, zpt, h);
             float out[8];
             _mm256_storeu_ps(out, acc);
             memcpy(y + (size_t)r * ldy + n0 + h, out, sizeof(float) * cnt);

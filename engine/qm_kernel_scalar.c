@@ -97,6 +97,21 @@ size_t qm__i8_x_stride(const qm__qmat *m)
 
 void qm__i8_prep(const qm__qmat *m, const float *x, float *xq)
 {
+#if defined(QMOE_X86_KERNELS)
+    static int avx2 = -1; /* a benign race: every thread stores the same value */
+    if (avx2 < 0)
+        avx2 = qm__cpu_has_avx2();
+    if (avx2) {
+        qm__i8_prep_avx2(m, x, xq);
+        return;
+    }
+#endif
+    qm__i8_prep_c(m, x, xq);
+}
+
+/* The quantiser as the specification writes it; qm__i8_prep_avx2 gives its bytes. */
+void qm__i8_prep_c(const qm__qmat *m, const float *x, float *xq)
+{
     size_t nsb = qm__i8_nsb(m);
     int8_t *q = (int8_t *)xq;
     int16_t *q16 = m->bits == 8 ? (int16_t *)(xq + nsb * 8) : NULL;

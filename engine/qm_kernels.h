@@ -95,7 +95,10 @@ static inline int qm__i8_ok(const qm__qmat *m)
     return m->nblk == 1 || m->block % 32 == 0;
 }
 size_t qm__i8_x_stride(const qm__qmat *m);
+/* Quantises one row x[0..k) into xq[0..qm__i8_x_stride); the C version is
+ * the specification, the AVX2 one (used where the CPU has it) its bytes. */
 void qm__i8_prep(const qm__qmat *m, const float *x, float *xq);
+void qm__i8_prep_c(const qm__qmat *m, const float *x, float *xq);
 /* Sub-blocks of 32 per weight block. */
 static inline uint32_t qm__i8_spb(const qm__qmat *m)
 {
@@ -209,6 +212,7 @@ void qm__i8mm_avx2_path(int gemm, const qm__qmat *m, uint32_t n0, uint32_t n1, c
 void qm__i8_pack_avx2(const qm__qmat *m, uint32_t n0, uint32_t nr, size_t j0, size_t j1, int s16,
                       uint8_t *pan);
 void qm__i8_params_avx2(const qm__qmat *m, uint32_t n0, uint32_t nr, float *sct, int32_t *zpt);
+void qm__i8_prep_avx2(const qm__qmat *m, const float *x, float *xq);
 #endif
 
 /* ---- Shared helpers ---- */

@@ -726,6 +726,42 @@ START_TEST(test_fast_packers_match_c)
 }
 END_TEST
 
+/* The AVX2 quantiser gives the C specification's bytes: k with tails,
+ * 4- and 8-bit layouts, zero sub-blocks, ties at .5, large, tiny,
+ * subnormal, infinite and NaN inputs. */
+START_TEST(test_fast_prep_avx2_matches_c)
+{
+    if (!fast_kernel("avx2"))
+        return;
+    for (int it = 0; it < 200; it++) {
+        uint32_t bits = it & 1 ? 8 : 4, k = 1 + next() % 400;
+        qm__qmat m = {.n = 1, .k = k, .bits = bits, .nblk = 1, .block = k};
+        size_t st = qm__i8_x_stride(&m);
+        float *x = malloc(4 * (size_t)k), *a = malloc(4 * st), *c = malloc(4 * st);
+        for (uint32_t i = 0; i < k; i++) {
+            uint32_t r = next() % 100;
+            x[i] = r < 70   ? ((float)(next() % 20001) - 10000.0f) * 1e-3f
+                   : r < 80 ? (float)((int)(next() % 255) - 127) * 0.5f /* ties after scaling */
+                   : r < 85 ? 0.0f
+                   : r < 90 ? ((float)(next() % 3) - 1.0f) * 1e-40f /* subnormal */
+                   : r < 95 ? (float)(next() % 7) * 1e30f
+                            : (float)(next() % 5);
+            if (it % 50 == 7 && r == 99)
+                x[i] = next() % 2 ? INFINITY : NAN;
+            if ((i / 32) % 5 == 3)
+                x[i] = 0.0f;
+        }
+        memset(a, 0x5a, 4 * st);
+        memset(c, 0x5a, 4 * st);
+        qm__i8_prep_avx2(&m, x, a);
+        qm__i8_prep_c(&m, x, c);
+        ck_assert_msg(memcmp(a, c, 4 * st) == 0, "%u-bit k %u: the AVX2 quantiser differs", bits,
+                      k);
+        free(x), free(a), free(c);
+    }
+}
+END_TEST
+
 static int refuse_perm(void)
 {
     return 1; /* EPERM */
@@ -841,6 +877,7 @@ static Suite *suite(void)
     tcase_add_test(tc, test_fast_kernels_same_bits_as_the_specification);
 #if defined(QMOE_X86_KERNELS)
     tcase_add_test(tc, test_fast_packers_match_c);
+    tcase_add_test(tc, test_fast_prep_avx2_matches_c);
     tcase_add_test(tc, test_amx_permission_refused_falls_back);
     tcase_add_test(tc, test_fast_calibration_and_cache);
 #endif
