@@ -164,7 +164,7 @@ int qm__cuda_launch_ffn(qm__cuda_ctx *c, const qm__cuda_geom *g, const int vec16
                         cudaStream_t cs, qm_status *st);
 
 /* Device routing (qm_cuda_route.c): the optional methods of the interface. */
-int qm__cuda_route(void *ctx, const qm_route_request *rq, void **pass, qm_status *st);
+int qm__cuda_route(void *ctx, const qm_routing_request *rq, void **pass, qm_status *st);
 int qm__cuda_run_routed(void *ctx, void *pass, const qm_expert_batch *batch, qm_status *st);
 int qm__cuda_combine(void *ctx, void *pass, float *out, qm_status *st);
 void qm__cuda_pass_release(void *ctx, void *pass);

@@ -74,7 +74,7 @@ static int qm__real_dtype(qm_dtype d, uint32_t *out)
     }
 }
 
-int qm__cuda_route(void *ctx, const qm_route_request *rq, void **pass_out, qm_status *st)
+int qm__cuda_route(void *ctx, const qm_routing_request *rq, void **pass_out, qm_status *st)
 {
     qm__cuda_ctx *c = ctx;
     *pass_out = NULL;

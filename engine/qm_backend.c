@@ -3,6 +3,7 @@
 
 #include "qm_alloc.h"
 #include "qm_backend_impl.h"
+#include "qm_host_route.h"
 
 int qm__backend_wrap(const qm_backend_iface *iface, void *ctx, qm_backend **out, qm_status *st)
 {
@@ -157,7 +158,7 @@ int qm_backend_unregister_host(qm_backend *be, const void *ptr, qm_status *st)
 
 /* ---- The routed pass: the backend's routing, or the host's by default ---- */
 
-int qm__backend_route(qm_backend *be, const qm_route_request *rq, qm_routed_pass *pass,
+int qm__backend_route(qm_backend *be, const qm_routing_request *rq, qm_routed_pass *pass,
                       qm_status *st)
 {
     pass->backend_pass = NULL;
@@ -187,7 +188,9 @@ int qm__backend_run_routed(qm_backend *be, qm_routed_pass *pass, const qm_expert
         return 0;
     if (pass->backend_pass)
         return be->iface->run_routed(be->ctx, pass->backend_pass, batch, st);
-    return qm__host_run_routed(be, pass->host, batch, st);
+    qm_expert_batch routed;
+    int rc = qm__host_batch(pass->host, batch, &routed, st);
+    return rc < 0 ? rc : qm_backend_run_experts(be, &routed, st);
 }
 
 int qm__backend_combine(qm_backend *be, qm_routed_pass *pass, float *out, qm_status *st)

@@ -16,14 +16,14 @@
 #include <unistd.h>
 
 #include "qm_alloc.h"
-#include "qm_pager_impl.h"
+#include "qm_clock.h"
 
 /* Until the modelled landing time: sleeps to within 100 us of it, then
  * spins (a copy of a few microseconds must not cost a scheduler tick). */
 static void emu_wait_until(double t_us)
 {
     double now;
-    while ((now = (double)qm__pager_now_us()) < t_us)
+    while ((now = (double)qm__now_us()) < t_us)
         if (t_us - now > 200)
             usleep((useconds_t)(t_us - now - 100));
 }
@@ -102,7 +102,7 @@ static int emu_copy_h2d(void *vctx, void *dst, const void *src, uint64_t bytes, 
         d->cap = cap;
         double land = 0;
         if (d->opt.gbps > 0) {
-            double now = (double)qm__pager_now_us();
+            double now = (double)qm__now_us();
             land = (d->stream_us > now ? d->stream_us : now) +
                    (double)bytes / (d->opt.gbps * 1e3) + d->opt.latency_us;
             d->stream_us = land;
@@ -141,10 +141,10 @@ static int emu_fence_wait(void *vctx, qm_fence *fence, qm_status *st)
 static int emu_run(void *vctx, const qm_expert_batch *batch, qm_status *st)
 {
     emu_dev *d = vctx;
-    double t0 = (double)qm__pager_now_us();
+    double t0 = (double)qm__now_us();
     int rc = qm_backend_run_experts(d->cpu, batch, st);
     if (d->opt.compute_slowdown > 1) {
-        double t1 = (double)qm__pager_now_us();
+        double t1 = (double)qm__now_us();
         emu_wait_until(t1 + (d->opt.compute_slowdown - 1.0) * (t1 - t0));
     }
     return rc;

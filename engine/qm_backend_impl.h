@@ -24,7 +24,7 @@ struct qm_arena {
  * token's routes in route order j = 0..k-1 (fc2 bias inside the weighted
  * sum, f32 multiply then add, as the host combine). A backend without these
  * methods (CPU) gets the host's: the defaults in qm_backend.c. */
-typedef struct qm_route_request {
+typedef struct qm_routing_request {
     const qm_bank_config *config;
     const qm_layer_view *layer; /* its router weight/bias are used when logits is NULL */
     const float *x;             /* [T, H] f32, host */
@@ -40,11 +40,11 @@ typedef struct qm_route_request {
     const int32_t *topk_ids;
     const float *topk_weights;
     uint32_t k; /* routes per token: the supplied k'; 0 = config->k */
-} qm_route_request;
+} qm_routing_request;
 
 /* The state of the host's routing (the default route/run_routed/combine):
  * the token permutation and one result row per route, in the engine's
- * per-session scratch (qm_moe.c). */
+ * per-session scratch (qm_host_route.h). */
 typedef struct qm__host_pass qm__host_pass;
 
 /* One layer call's pass, from qm__backend_route to qm__backend_pass_release. */
@@ -77,7 +77,7 @@ typedef struct qm_backend_iface {
     /* Routes rq->n_tokens tokens and keeps x, the routes and their
      * permutation in a pass (*pass, released with pass_release). May answer
      * QM_EUNSUPPORTED (e.g. switched off): the call is then routed on the host. */
-    int (*route)(void *ctx, const qm_route_request *rq, void **pass, qm_status *st);
+    int (*route)(void *ctx, const qm_routing_request *rq, void **pass, qm_status *st);
     /* Runs a wave of the pass's experts: batch->jobs give expert, weights
      * and n_rows (= counts[expert]); batch->x, y and the jobs' rows and
      * out_index are not used (the rows are the pass's, the results stay in
@@ -108,22 +108,15 @@ struct qm_backend {
 int qm__backend_wrap(const qm_backend_iface *iface, void *ctx, qm_backend **out, qm_status *st);
 
 /* ---- The routed pass: the only call sites of the routing methods, host
- * routing when the backend has none (qm_backend.c) ---- */
+ * routing (qm_host_route.h) when the backend has none (qm_backend.c) ---- */
 
 /* Routes on the backend, or on the host (pass->host) when it has no route
  * method or declines with QM_EUNSUPPORTED. */
-int qm__backend_route(qm_backend *be, const qm_route_request *rq, qm_routed_pass *pass,
+int qm__backend_route(qm_backend *be, const qm_routing_request *rq, qm_routed_pass *pass,
                       qm_status *st);
 int qm__backend_run_routed(qm_backend *be, qm_routed_pass *pass, const qm_expert_batch *batch,
                            qm_status *st);
 int qm__backend_combine(qm_backend *be, qm_routed_pass *pass, float *out, qm_status *st);
 void qm__backend_pass_release(qm_backend *be, qm_routed_pass *pass); /* accepts an unrouted pass */
-
-/* The host routing behind those defaults (qm_moe.c). `hp` is NULL-safe:
- * QM_EUNSUPPORTED when the caller gave no host state. */
-int qm__host_route(qm__host_pass *hp, const qm_route_request *rq, qm_status *st);
-int qm__host_run_routed(qm_backend *be, qm__host_pass *hp, const qm_expert_batch *batch,
-                        qm_status *st);
-int qm__host_combine(qm__host_pass *hp, float *out, qm_status *st);
 
 #endif

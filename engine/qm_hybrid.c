@@ -27,7 +27,8 @@
 #include <time.h>
 
 #include "qm_alloc.h"
-#include "qm_pager_impl.h"
+#include "qm_hybrid.h"
+#include "qm_pager_copy.h"
 
 #define QM__CAL_ROWS 16u
 #define QM__SMOOTH 0.1 /* weight of one call's measure */

@@ -98,9 +98,13 @@ size_t qm__i8_x_stride(const qm__qmat *m)
 void qm__i8_prep(const qm__qmat *m, const float *x, float *xq)
 {
 #if defined(QMOE_X86_KERNELS)
-    static int avx2 = -1; /* a benign race: every thread stores the same value */
-    if (avx2 < 0)
-        avx2 = qm__cpu_has_avx2();
+    /* A benign race: every thread stores the same value. The CPU is asked
+     * here, not through qm_kernel_select.c, which calls this file. */
+    static int avx2 = -1;
+    if (avx2 < 0) {
+        __builtin_cpu_init();
+        avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+    }
     if (avx2) {
         qm__i8_prep_avx2(m, x, xq);
         return;

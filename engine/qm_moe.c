@@ -1,84 +1,22 @@
 /* qm_moe.c - the forward pass of one MoE layer: route -> group -> waves ->
- * combine, with its scratch kept per session; the host routing that backends
- * without routing methods get (qm_backend.c defaults to it); and the direct
- * expert source over an open bank.
+ * combine, with its scratch kept per session, and the direct expert source
+ * over an open bank. Routing goes through the backend's wrappers
+ * (qm__backend_route: the backend's own routing, or the host routing of
+ * qm_host_route.c), except under hybrid execution, which routes and
+ * combines on the host whatever the backend.
  *
  * A backend with the optional routing methods (qm_backend_impl.h: CUDA)
  * routes, permutes the token rows and combines itself, with the same
  * semantics; only the routes come back here, for the expert source (the pager). */
-#include <math.h>
 #include <stdint.h>
 #include <string.h>
-#include <time.h>
 
 #include "qm_alloc.h"
 #include "qm_backend_impl.h"
+#include "qm_clock.h"
+#include "qm_host_route.h"
 #include "qm_kernels.h"
 #include "qm_moe_internal.h"
-
-void qm_moe_route(const float *logits, uint32_t n_tokens, uint32_t n_experts, uint32_t k,
-                  uint32_t *experts, float *weights)
-{
-    for (uint32_t t = 0; t < n_tokens; t++) {
-        const float *l = logits + (size_t)t * n_experts;
-        uint32_t *ex = experts + (size_t)t * k;
-        float *w = weights + (size_t)t * k;
-        float val[k > 0 ? k : 1];
-        /* Selection by repeated maximum: strictly greater wins, equal values go
-         * to the larger index (onnxruntime's CPU kernel); NaN never beats a number. */
-        for (uint32_t j = 0; j < k; j++) {
-            uint32_t best = UINT32_MAX;
-            for (uint32_t e = 0; e < n_experts; e++) {
-                int taken = 0;
-                for (uint32_t i = 0; i < j; i++)
-                    taken |= ex[i] == e;
-                if (taken)
-                    continue;
-                if (best == UINT32_MAX || l[e] >= l[best] || (isnan(l[best]) && !isnan(l[e])))
-                    best = e;
-            }
-            ex[j] = best;
-            val[j] = l[best];
-        }
-        /* Softmax over the k selected logits; val[0] is the largest. */
-        float sum = 0.0f;
-        for (uint32_t j = 0; j < k; j++) {
-            w[j] = expf(val[j] - val[0]);
-            sum += w[j];
-        }
-        for (uint32_t j = 0; j < k; j++) {
-            w[j] /= sum;
-            if (!(w[j] > 1e-8f)) {
-                w[j] = 0.0f;
-                ex[j] = QM_ROUTE_DROPPED;
-            }
-        }
-    }
-}
-
-int qm_moe_router_logits(const qm_bank_config *cfg, const qm_layer_view *layer, const float *x,
-                         uint32_t n_tokens, float *logits, qm_status *st)
-{
-    const qm_tensor_view *tw = &layer->t[QM_T_ROUTER_WEIGHT];
-    const qm_tensor_view *tb = &layer->t[QM_T_ROUTER_BIAS];
-    if (!tw->present)
-        return qm_status_set(st, QM_EINVAL,
-                             "layer %u has no router weight: pass router_logits", layer->index);
-    const uint32_t E = cfg->experts, H = cfg->hidden;
-    for (uint32_t t = 0; t < n_tokens; t++) {
-        const float *xr = x + (size_t)t * H;
-        for (uint32_t e = 0; e < E; e++) {
-            /* Accumulated in double: routing must not hinge on f32 rounding. */
-            double acc = 0.0;
-            for (uint32_t c = 0; c < H; c++)
-                acc += (double)qm__load_float(tw->data, tw->dtype, (size_t)e * H + c) * xr[c];
-            if (tb->present)
-                acc += qm__load_float(tb->data, tb->dtype, e);
-            logits[(size_t)t * E + e] = (float)acc;
-        }
-    }
-    return 0;
-}
 
 uint32_t qm_moe_call_k(const qm_bank_config *cfg, const qm_moe_call *call)
 {
@@ -117,13 +55,6 @@ void qm__mapped_weights(const qm_layer_view *layer, uint32_t n_experts, uint32_t
     }
 }
 
-static uint64_t qm__now_us(void)
-{
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (uint64_t)ts.tv_sec * 1000000u + (uint64_t)ts.tv_nsec / 1000u;
-}
-
 static void qm__load_hidden(qm_dtype dt, const void *src, size_t n, float *dst)
 {
     if (dt == QM_DTYPE_F32) {
@@ -145,100 +76,6 @@ static void qm__store_output(qm_dtype dt, const float *src, size_t n, void *dst)
         d[i] = dt == QM_DTYPE_F16 ? qm_f32_to_f16(src[i]) : qm_f32_to_bf16(src[i]);
 }
 
-/* ---- Scratch: grow-only blocks, carved per call ---------------------------- */
-
-#define QM__CARVE_ALIGN 64u
-
-typedef struct qm__block {
-    void *base;
-    size_t cap;
-} qm__block;
-
-/* Lays arrays out in a block: a first pass with base NULL sizes it, a second
- * hands out the pointers. */
-typedef struct qm__carver {
-    uint8_t *base;
-    size_t off;
-    int overflow;
-} qm__carver;
-
-static void *qm__carve(qm__carver *c, uint64_t count, size_t elem)
-{
-    unsigned long long bytes, end;
-    if (c->overflow || qm_mul_u64(count, elem, &bytes) || qm_add_u64(c->off, bytes, &end) ||
-        qm_add_u64(end, QM__CARVE_ALIGN - 1, &end) || end > SIZE_MAX) {
-        c->overflow = 1;
-        return NULL;
-    }
-    void *p = c->base ? c->base + c->off : NULL;
-    c->off = (size_t)(end & ~(unsigned long long)(QM__CARVE_ALIGN - 1));
-    return p;
-}
-
-/* a * b, or UINT64_MAX when it overflows (qm__carve then reports it). */
-static uint64_t qm__mul_sat(uint64_t a, uint64_t b)
-{
-    unsigned long long r;
-    return qm_mul_u64(a, b, &r) ? UINT64_MAX : (uint64_t)r;
-}
-
-/* The shape of one layer call. */
-typedef struct qm__dims {
-    uint32_t T, E, k, H;
-    int need_logits; /* the call brought no router logits */
-} qm__dims;
-
-typedef void (*qm__layout_fn)(qm__carver *c, const qm__dims *d, void *out);
-
-/* Grows `blk` (never shrinks it) to what `layout` needs and carves it. */
-static int qm__block_carve(qm__block *blk, qm__layout_fn layout, const qm__dims *d, void *out,
-                           qm_status *st)
-{
-    qm__carver c = {0};
-    layout(&c, d, out);
-    if (c.overflow)
-        return qm_status_set(st, QM_ENOMEM, "a %u-token forward pass needs more scratch than "
-                                            "this machine can address", d->T);
-    if (c.off > blk->cap) {
-        /* Freed first: the contents are per call, and the peak stays lower. */
-        qm_free(blk->base);
-        blk->base = qm_malloc(c.off);
-        blk->cap = blk->base ? c.off : 0;
-        if (!blk->base)
-            return qm_status_set(st, QM_ENOMEM, "out of memory for a %u-token forward pass",
-                                 d->T);
-    }
-    c = (qm__carver){.base = blk->base};
-    layout(&c, d, out);
-    return 0;
-}
-
-static void qm__block_free(qm__block *blk)
-{
-    qm_free(blk->base);
-    blk->base = NULL;
-    blk->cap = 0;
-}
-
-/* The host routing's state: what the default route / run_routed / combine
- * keep between the calls of one pass. */
-struct qm__host_pass {
-    qm__block block;
-    /* The call routed last (qm__host_route); experts NULL until then. */
-    const float *x;
-    uint32_t n_tokens, n_experts, k, hidden;
-    const uint32_t *experts; /* [T, k] the routes */
-    const float *weights;    /* [T, k] */
-    const uint32_t *counts;  /* [E] */
-    /* Carved from block. */
-    uint32_t *offsets;   /* [E + 1] first grouped route of each expert */
-    uint32_t *rows;      /* [T * k] token of each grouped route */
-    uint32_t *out_index; /* [T * k] route index (t * k + j) of each grouped route */
-    float *y;            /* [T * k, H] one result row per route */
-    float *logits;       /* [T, E] when the call brought none */
-    qm_expert_job *jobs; /* [E] a wave's jobs with their rows */
-};
-
 struct qm__moe_scratch {
     qm__block block; /* the forward pass's own buffers (qm__call_buffers) */
     qm__host_pass host;
@@ -253,7 +90,7 @@ int qm__moe_scratch_new(qm__moe_scratch **out, qm_status *st)
 static void qm__scratch_clear(qm__moe_scratch *s)
 {
     qm__block_free(&s->block);
-    qm__block_free(&s->host.block);
+    qm__host_pass_clear(&s->host);
 }
 
 void qm__moe_scratch_free(qm__moe_scratch *s)
@@ -267,135 +104,6 @@ void qm__moe_scratch_free(qm__moe_scratch *s)
 size_t qm__moe_scratch_bytes(const qm__moe_scratch *s)
 {
     return s ? s->block.cap + s->host.block.cap : 0;
-}
-
-/* ---- Host routing: the default of the backend's routing methods ------------ */
-
-static void qm__layout_host(qm__carver *c, const qm__dims *d, void *out)
-{
-    qm__host_pass *hp = out;
-    const uint64_t TK = (uint64_t)d->T * d->k;
-    hp->offsets = qm__carve(c, (uint64_t)d->E + 1, sizeof(uint32_t));
-    hp->rows = qm__carve(c, TK, sizeof(uint32_t));
-    hp->out_index = qm__carve(c, TK, sizeof(uint32_t));
-    hp->y = qm__carve(c, qm__mul_sat(TK, d->H), sizeof(float));
-    hp->logits = d->need_logits ? qm__carve(c, (uint64_t)d->T * d->E, sizeof(float)) : NULL;
-    hp->jobs = qm__carve(c, d->E, sizeof(qm_expert_job));
-}
-
-int qm__host_route(qm__host_pass *hp, const qm_route_request *rq, qm_status *st)
-{
-    if (!hp)
-        return qm_status_set(st, QM_EUNSUPPORTED, "no host routing state for this call");
-    hp->experts = NULL;
-    const qm_bank_config *cfg = rq->config;
-    const uint32_t T = rq->n_tokens, E = cfg->experts, k = rq->k ? rq->k : cfg->k;
-    qm__dims d = {.T = T, .E = E, .k = k, .H = cfg->hidden,
-                  .need_logits = !rq->logits && !rq->topk_ids};
-    int rc = qm__block_carve(&hp->block, qm__layout_host, &d, hp, st);
-    if (rc < 0)
-        return rc;
-    if (rq->topk_ids) {
-        /* The engine's own routing, used exactly as given. */
-        rc = qm_moe_route_supplied(rq->topk_ids, rq->topk_weights, T, E, k, rq->experts,
-                                   rq->weights, st);
-        if (rc < 0)
-            return rc;
-    } else {
-        const float *logits = rq->logits;
-        if (!logits) {
-            rc = qm_moe_router_logits(cfg, rq->layer, rq->x, T, hp->logits, st);
-            if (rc < 0)
-                return rc;
-            logits = hp->logits;
-        }
-        if (cfg->routing.score == QM_ROUTE_SCORE_LEGACY)
-            qm_moe_route(logits, T, E, k, rq->experts, rq->weights);
-        else if ((rc = qm_moe_route_layer(cfg, rq->layer, logits, T, rq->experts, rq->weights,
-                                          st)) < 0)
-            return rc;
-    }
-
-    /* Group the routes by expert, tokens ascending within an expert. */
-    const size_t TK = (size_t)T * k;
-    memset(rq->counts, 0, (size_t)E * sizeof(uint32_t));
-    for (size_t i = 0; i < TK; i++)
-        if (rq->experts[i] != QM_ROUTE_DROPPED)
-            rq->counts[rq->experts[i]]++;
-    hp->offsets[0] = 0;
-    for (uint32_t e = 0; e < E; e++)
-        hp->offsets[e + 1] = hp->offsets[e] + rq->counts[e];
-    for (size_t i = 0; i < TK; i++) {
-        uint32_t e = rq->experts[i];
-        if (e == QM_ROUTE_DROPPED)
-            continue;
-        hp->rows[hp->offsets[e]] = (uint32_t)(i / k);
-        hp->out_index[hp->offsets[e]] = (uint32_t)i;
-        hp->offsets[e]++;
-    }
-    for (uint32_t e = 0; e < E; e++)
-        hp->offsets[e] -= rq->counts[e]; /* back to each expert's first route */
-
-    hp->x = rq->x;
-    hp->n_tokens = T;
-    hp->n_experts = E;
-    hp->k = k;
-    hp->hidden = cfg->hidden;
-    hp->weights = rq->weights;
-    hp->counts = rq->counts;
-    hp->experts = rq->experts;
-    return 0;
-}
-
-int qm__host_run_routed(qm_backend *be, qm__host_pass *hp, const qm_expert_batch *batch,
-                        qm_status *st)
-{
-    if (!hp || !hp->experts)
-        return qm_status_set(st, QM_EINVAL, "run_routed: the call was not routed on the host");
-    if (batch->n_jobs > hp->n_experts)
-        return qm_status_set(st, QM_EINVAL, "run_routed: %zu jobs for %u experts",
-                             batch->n_jobs, hp->n_experts);
-    for (size_t j = 0; j < batch->n_jobs; j++) {
-        qm_expert_job job = batch->jobs[j];
-        if (job.expert >= hp->n_experts || job.n_rows != hp->counts[job.expert])
-            return qm_status_set(st, QM_EINVAL,
-                                 "run_routed: job for expert %u has %u rows, the routing %u",
-                                 job.expert, job.n_rows,
-                                 job.expert < hp->n_experts ? hp->counts[job.expert] : 0);
-        job.rows = hp->rows + hp->offsets[job.expert];
-        job.out_index = hp->out_index + hp->offsets[job.expert];
-        hp->jobs[j] = job;
-    }
-    qm_expert_batch on_host = *batch;
-    on_host.x = hp->x;
-    on_host.n_tokens = hp->n_tokens;
-    on_host.y = hp->y;
-    on_host.jobs = hp->jobs;
-    return qm_backend_run_experts(be, &on_host, st);
-}
-
-int qm__host_combine(qm__host_pass *hp, float *out, qm_status *st)
-{
-    if (!hp || !hp->experts)
-        return qm_status_set(st, QM_EINVAL, "combine: the call was not routed on the host");
-    /* Route order j = 0..k-1: the same sums whatever order the experts ran
-     * in. The fc2 bias is inside y, so inside the weighted sum. */
-    const uint32_t T = hp->n_tokens, k = hp->k, H = hp->hidden;
-    for (uint32_t t = 0; t < T; t++) {
-        float *o = out + (size_t)t * H;
-        for (uint32_t c = 0; c < H; c++)
-            o[c] = 0.0f;
-        for (uint32_t j = 0; j < k; j++) {
-            size_t i = (size_t)t * k + j;
-            if (hp->experts[i] == QM_ROUTE_DROPPED)
-                continue;
-            const float *yr = hp->y + i * H;
-            float w = hp->weights[i];
-            for (uint32_t c = 0; c < H; c++)
-                o[c] += w * yr[c];
-        }
-    }
-    return 0;
 }
 
 /* ---- The forward pass ------------------------------------------------------ */
@@ -532,7 +240,10 @@ static int qm__run_on_host(qm_routed_pass *pass, qm_expert_batch *batch,
     batch->jobs = b->jobs;
     batch->n_jobs = n_host;
     uint64_t t0 = qm__now_us();
-    rc = qm__host_run_routed(source->host, pass->host, batch, st);
+    qm_expert_batch routed;
+    rc = qm__host_batch(pass->host, batch, &routed, st);
+    if (rc == 0)
+        rc = qm_backend_run_experts(source->host, &routed, st);
     stats->host_us = qm__now_us() - t0;
     return rc;
 }
@@ -554,7 +265,7 @@ static int qm__forward(qm_backend *be, const qm_bank_config *cfg, const qm_layer
 
     /* 1. Route: on the backend, or on the host (the default). */
     qm__load_hidden(call->dtype, call->hidden, TH, b.x);
-    qm_route_request rq = {.config = cfg,
+    qm_routing_request rq = {.config = cfg,
                            .layer = layer,
                            .x = b.x,
                            .logits = call->logits,
@@ -643,24 +354,28 @@ int qm__moe_forward_layer(qm_backend *be, const qm_bank_config *cfg, const qm_la
     return rc;
 }
 
-int qm__moe_forward(qm_backend *be, const qm_bank *bank, const qm_moe_call *call,
-                    qm_expert_source *source, qm__moe_scratch *scratch, qm_moe_stats *stats,
-                    qm_status *st)
-{
-    if (!bank || !call)
-        return qm_status_set(st, QM_EINVAL, "forward: bank or call missing");
-    const qm_bank_config *cfg = qm_bank_get_config(bank);
-    const qm_layer_view *layer = qm_bank_layer(bank, call->layer);
-    if (!layer)
-        return qm_status_set_field(st, QM_EINVAL, "layer", "layer %u out of range (bank has %u)",
-                                   call->layer, cfg->layers);
-    return qm__moe_forward_layer(be, cfg, layer, call, source, scratch, stats, st);
-}
-
 int qm_moe_forward(qm_backend *be, const qm_bank *bank, const qm_moe_call *call,
                    qm_expert_source *source, qm_moe_stats *stats, qm_status *st)
 {
-    return qm__moe_forward(be, bank, call, source, NULL, stats, st);
+    const qm_layer_view *layer = NULL;
+    int rc = qm__moe_layer_of(bank, call, &layer, st);
+    if (rc < 0)
+        return rc;
+    return qm__moe_forward_layer(be, qm_bank_get_config(bank), layer, call, source, NULL, stats,
+                                 st);
+}
+
+int qm__moe_layer_of(const qm_bank *bank, const qm_moe_call *call, const qm_layer_view **out,
+                     qm_status *st)
+{
+    *out = NULL;
+    if (!bank || !call)
+        return qm_status_set(st, QM_EINVAL, "forward: bank or call missing");
+    *out = qm_bank_layer(bank, call->layer);
+    if (!*out)
+        return qm_status_set_field(st, QM_EINVAL, "layer", "layer %u out of range (bank has %u)",
+                                   call->layer, qm_bank_get_config(bank)->layers);
+    return 0;
 }
 
 /* ---- The direct expert source ---------------------------------------------- */

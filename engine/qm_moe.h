@@ -1,4 +1,5 @@
-/* qm_moe.h - the MoE forward pass of one layer (../shared/BANK_FORMAT.md semantics).
+/* qm_moe.h - one MoE layer (../shared/BANK_FORMAT.md semantics): its routing
+ * math and its forward pass.
  *
  * Routing and combine run on the host in a fixed order (or on a backend with
  * its own routing, with the same semantics); expert FFNs run on the backend.
@@ -15,6 +16,8 @@
 #include "qm_bank.h"
 
 #define QM_ROUTE_DROPPED UINT32_MAX
+
+/* ---- Routing math (qm_routing.c): host code, no state, no backend. ---- */
 
 /* Top-k of each token's logits (ties: larger expert index wins), softmax over
  * the k, routes with weight <= 1e-8 dropped (expert QM_ROUTE_DROPPED,
@@ -38,18 +41,21 @@ int qm_moe_route_layer(const qm_bank_config *cfg, const qm_layer_view *layer,
  * and weights [T, k] used as given; -1 becomes QM_ROUTE_DROPPED with weight
  * 0. QM_EINVAL with field "topk_ids" for k outside 1..E, an id outside
  * [-1, E) or an id repeated in a row. */
+int qm_moe_route_supplied(const int32_t *ids, const float *w, uint32_t n_tokens,
+                          uint32_t n_experts, uint32_t k, uint32_t *experts, float *weights,
+                          qm_status *st);
+
 /* The checks of qm_moe_route_supplied alone (the daemon runs them before
  * queueing a request). */
 int qm_moe_topk_check(const int32_t *ids, uint32_t n_tokens, uint32_t n_experts, uint32_t k,
                       qm_status *st);
-int qm_moe_route_supplied(const int32_t *ids, const float *w, uint32_t n_tokens,
-                          uint32_t n_experts, uint32_t k, uint32_t *experts, float *weights,
-                          qm_status *st);
 
 /* logits = x . router_w^T + router_b for a layer that has a router weight.
  * QM_EINVAL with a message when the layer has none. x: [T, H] f32. */
 int qm_moe_router_logits(const qm_bank_config *cfg, const qm_layer_view *layer, const float *x,
                          uint32_t n_tokens, float *logits, qm_status *st);
+
+/* ---- The forward pass (qm_moe.c) ---- */
 
 /* Where expert weights come from. The pager implements this; the direct
  * source hands out pointers into the mapped bank (host-visible backends).

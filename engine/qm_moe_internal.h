@@ -1,8 +1,8 @@
 /* qm_moe_internal.h - the forward pass with a scratch kept by its caller, and
  * over an explicit config and layer view. Private to engine/ and its tests:
- * qm_moe_forward is qm__moe_forward with a one-shot scratch; the pager keeps
- * one scratch per session; tests drive qm__moe_forward_layer with views
- * built from arrays. */
+ * qm_moe_forward is qm__moe_forward_layer with a one-shot scratch; the pager
+ * keeps one scratch per session; tests drive it with views built from
+ * arrays. */
 #ifndef QM_MOE_INTERNAL_H
 #define QM_MOE_INTERNAL_H
 
@@ -18,15 +18,17 @@ void qm__moe_scratch_free(qm__moe_scratch *scratch); /* accepts NULL */
 /* Host bytes the scratch holds now (0 for NULL). */
 size_t qm__moe_scratch_bytes(const qm__moe_scratch *scratch);
 
-/* One layer call: route -> group -> waves -> combine. `scratch` NULL: the
- * call makes its own and frees it (one allocation, more for the backend). */
+/* The forward pass's one entry: every layer call (qm_moe_forward, the
+ * pager's qm_pager_forward, the tests' views built from arrays) runs
+ * route -> group -> waves -> combine here. `scratch` NULL: the call makes
+ * its own and frees it (one allocation, more for the backend). */
 int qm__moe_forward_layer(qm_backend *be, const qm_bank_config *cfg, const qm_layer_view *layer,
                           const qm_moe_call *call, qm_expert_source *source,
                           qm__moe_scratch *scratch, qm_moe_stats *stats, qm_status *st);
-/* The same with the bank's config and layer call->layer. */
-int qm__moe_forward(qm_backend *be, const qm_bank *bank, const qm_moe_call *call,
-                    qm_expert_source *source, qm__moe_scratch *scratch, qm_moe_stats *stats,
-                    qm_status *st);
+/* The view of call->layer in `bank` (borrowed from the bank), or QM_EINVAL
+ * with field "layer" when the bank has no such layer. */
+int qm__moe_layer_of(const qm_bank *bank, const qm_moe_call *call, const qm_layer_view **out,
+                     qm_status *st);
 
 /* Pointers of expert `expert` straight into the layer's mapped tensors. */
 void qm__mapped_weights(const qm_layer_view *layer, uint32_t n_experts, uint32_t expert,

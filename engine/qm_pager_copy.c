@@ -11,7 +11,18 @@
 #include <string.h>
 
 #include "qm_alloc.h"
-#include "qm_pager_impl.h"
+#include "qm_pager_copy.h"
+#include "qm_pager_disk.h"
+
+/* One unit's copy: up to one region per expert tensor. */
+typedef struct qm__copy_job {
+    uint64_t seq;
+    int32_t slot;
+    uint32_t n;
+    void *dst[QM_T_EXPERT_COUNT];
+    const void *src[QM_T_EXPERT_COUNT];
+    uint64_t len[QM_T_EXPERT_COUNT];
+} qm__copy_job;
 
 static int qm__copy_regions(qm_pager *p, const qm__copy_job *job, qm_status *st)
 {
@@ -75,6 +86,7 @@ int qm__pager_copy_start(qm_pager *p, qm_status *st)
     if (pthread_create(&p->thread, NULL, qm__copy_thread_main, p))
         goto fail_thread;
     p->use_thread = 1;
+    p->stats.host_bytes += p->q_cap * sizeof *p->queue;
     return 0;
 fail_thread:
     pthread_cond_destroy(&p->cv_done);
@@ -202,6 +214,55 @@ int qm__pager_copy_wait(qm_pager *p, int32_t s, qm_status *st)
     if (rc == 0 && sl->state == QM__SLOT_LOADING)
         sl->state = QM__SLOT_RESIDENT;
     return rc;
+}
+
+int qm__pager_copy_now(qm_pager *p, void *dst, const void *src, uint64_t n, qm_status *st)
+{
+    if (p->disk)
+        return qm__pager_disk_read(p, dst, src, n, st);
+    qm_fence f = {0};
+    int rc = qm_backend_copy_h2d(p->backend, dst, src, n, &f, st);
+    if (rc == 0)
+        rc = qm_backend_fence_wait(p->backend, &f, st);
+    return rc;
+}
+
+void qm__pager_evict(qm_pager *p, int32_t s)
+{
+    /* Never hand out a slot a copy may still be writing into. */
+    if (p->slots[s].state == QM__SLOT_LOADING)
+        (void)qm__pager_copy_wait(p, s, NULL);
+    qm__pager_drop(p, s);
+    p->stats.evictions++;
+}
+
+int qm__pager_slots_regrow(qm_pager *p, uint32_t n, qm_status *st)
+{
+    qm__copy_job *queue = NULL;
+    if (p->use_thread) {
+        queue = qm_calloc((size_t)n + 1, sizeof *queue);
+        if (!queue)
+            return qm_status_set(st, QM_ENOMEM, "out of memory for the copy queue");
+    }
+    /* The copy thread reads slots[] under its lock: swap it there. */
+    if (p->use_thread)
+        pthread_mutex_lock(&p->mu);
+    qm__slot *slots = qm_realloc(p->slots, (size_t)n * sizeof *slots);
+    if (slots) {
+        p->slots = slots;
+        if (p->use_thread) {
+            /* Nothing is queued (the caller synced): a fresh, larger ring. */
+            qm_free(p->queue);
+            p->queue = queue;
+            p->q_cap = (size_t)n + 1;
+            p->q_head = 0;
+            queue = NULL;
+        }
+    }
+    if (p->use_thread)
+        pthread_mutex_unlock(&p->mu);
+    qm_free(queue);
+    return slots ? 0 : qm_status_set(st, QM_ENOMEM, "out of memory growing to %u slots", n);
 }
 
 int qm_pager_sync(qm_pager *p, qm_status *st)

@@ -24,11 +24,10 @@
 #include <sys/resource.h>
 #include <sys/stat.h>
 #include <sys/vfs.h>
-#include <time.h>
 #include <unistd.h>
 
 #include "qm_alloc.h"
-#include "qm_pager_impl.h"
+#include "qm_pager_disk.h"
 
 #ifndef TMPFS_MAGIC
 #define TMPFS_MAGIC 0x01021994
@@ -50,13 +49,6 @@ struct qm__disk {
     void *hook_ud;
     char path[256];
 };
-
-uint64_t qm__pager_now_us(void)
-{
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (uint64_t)ts.tv_sec * 1000000u + (uint64_t)ts.tv_nsec / 1000u;
-}
 
 static void qm__why(qm_pager *p, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
 static void qm__why(qm_pager *p, const char *fmt, ...)

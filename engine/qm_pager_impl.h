@@ -1,18 +1,29 @@
-/* qm_pager_impl.h - the paging authority's private state, shared by
- * qm_pager.c (slots, accounting, victims, acquire/release, forward),
- * qm_pager_copy.c (the copy path and its thread) and
- * qm_pager_prefetch.c (history, prediction, prefetch). Private to engine/. */
+/* qm_pager_impl.h - the paging authority's state, and the bottom of the
+ * pager: its slots and the choice of victims (qm_pager_slots.c). Private to
+ * engine/.
+ *
+ * The pager's files form layers, top first; each calls only files below it
+ * (tests/engine/check_layers.py checks it on the built library):
+ *
+ *   qm_pager.c            creation, teardown, the forward call, introspection
+ *   qm_pager_source.c     the expert source: demand paging in waves (qm_pager_source.h)
+ *   qm_pager_prefetch.c   history, prediction, prefetch              (qm_pager_prefetch.h)
+ *   qm_pager_resize.c     session.resize                             (qm_pager.h)
+ *   qm_hybrid.c           hybrid execution                           (qm_hybrid.h)
+ *   qm_pager_trace.c      routing traces                             (qm_pager_trace.h)
+ *   qm_pager_copy.c       the copy path, eviction, sync              (qm_pager_copy.h)
+ *   qm_pager_slots.c      slots, accounting, victims                 (this header)
+ *   qm_pager_disk.c       the disk source: O_DIRECT reads, mlock     (qm_pager_disk.h)
+ *   qm_pager_layout.c     layout and sizing, pure                    (qm_pager_layout.h)
+ *
+ * Each group of fields below names the file that owns it. */
 #ifndef QM_PAGER_IMPL_H
 #define QM_PAGER_IMPL_H
 
 #include <pthread.h>
 
 #include "qm_moe_internal.h"
-#include "qm_pager.h"
-
-/* Slices inside a slot start on this boundary so that every tensor's slice is
- * aligned for vector loads (and for CUDA kernels reading f32 scales). */
-#define QM__UNIT_SLICE_ALIGN 64u
+#include "qm_pager_layout.h"
 
 typedef enum qm__slot_state {
     QM__SLOT_FREE = 0,
@@ -23,70 +34,21 @@ typedef enum qm__slot_state {
 /* Who predicted a prefetched expert: each source's precision gates it. */
 enum { QM__PF_NONE = 0, QM__PF_EXPLICIT, QM__PF_ROUTER, QM__PF_HISTORY, QM__PF_SOURCES };
 
-/* A source whose useful/issued ratio over its last window falls below the
- * threshold is switched off, and probed on one forward call in
- * QM__PF_PROBE_EVERY to see whether it has become useful again. */
-#define QM__PF_WINDOW 128u
-#define QM__PF_PROBE_EVERY 8u
-#define QM__PF_DEFAULT_MIN_PRECISION 0.25
-
 typedef struct qm__slot {
     uint8_t *base; /* device address of the slot in the arena */
     uint32_t layer, expert;
     uint8_t state;
     uint8_t pinned;
-    uint8_t prefetched; /* inserted by prefetch (a QM__PF_* source) and not accessed since; 0 = no */
+    uint8_t prefetched; /* prefetched by a QM__PF_* source and not accessed since; 0 = no */
     uint32_t refs;      /* acquired and not yet released */
     uint64_t last_use;  /* pager tick of the last access/insert (LRU fallback) */
     uint64_t unit_bytes;
-    /* Copy in flight: a copy-thread job (copy_seq > 0) or device fences. */
+    /* Copy in flight (qm_pager_copy.c): a copy-thread job (copy_seq > 0) or device fences. */
     uint64_t copy_seq;
-    int copy_rc; /* written by the copy thread under the queue lock */
+    int copy_rc; /* written by the copy thread under the copy lock */
     uint32_t n_fences;
     qm_fence fences[QM_T_EXPERT_COUNT];
 } qm__slot;
-
-typedef struct qm__layer {
-    const qm_layer_view *view;
-    int paged;
-    int absent; /* served by another device's pager (opt.layer_mask) */
-    uint32_t n_experts;
-    uint64_t slice[QM_T_EXPERT_COUNT];    /* one expert's bytes per tensor (0 if absent) */
-    uint64_t unit_off[QM_T_EXPERT_COUNT]; /* offset of each slice inside a slot */
-    uint64_t unit_bytes;                  /* the catalog's bytes_per_expert (accounted) */
-    uint64_t unit_span;                   /* bytes a unit spans in a slot (padding included) */
-    /* Whole bank */
-    uint64_t whole_bytes;                  /* accounted: every expert tensor's bytes */
-    uint8_t *whole_base;                   /* device copy, or NULL: served from the mapping */
-    uint64_t tensor_off[QM_T_EXPERT_COUNT]; /* offsets inside whole_base */
-    /* Paged */
-    int32_t *slot_of; /* [n_experts], -1 when not resident */
-    uint8_t *pinned;  /* [n_experts] */
-    uint8_t *mark;    /* [n_experts] scratch for prefetch */
-    /* Routing history: `history` bitsets of words64 words, a ring. */
-    uint64_t *hist;
-    uint32_t words64;
-    uint32_t hist_pos, hist_count;
-} qm__layer;
-
-typedef struct qm__copy_job {
-    uint64_t seq;
-    int32_t slot;
-    uint32_t n;
-    void *dst[QM_T_EXPERT_COUNT];
-    const void *src[QM_T_EXPERT_COUNT];
-    uint64_t len[QM_T_EXPERT_COUNT];
-} qm__copy_job;
-
-/* A routing-trace recording (qm_pager_trace.c). */
-typedef struct qm__trace {
-    int fd;
-    uint64_t payload_off;
-    int16_t **rows;    /* per layer: ring of pending rows, k ids each */
-    uint32_t *head, *len; /* per layer */
-    uint32_t cap;      /* rows per layer ring */
-    int16_t *token;    /* one token's row: [layers][k] */
-} qm__trace;
 
 /* Hybrid execution (qm_hybrid.c): a cost line is time(n rows) = fixed + n * row. */
 typedef struct qm__cost_line {
@@ -108,102 +70,79 @@ typedef struct qm__hybrid {
 } qm__hybrid;
 
 struct qm_pager {
+    /* Creation (qm_pager.c) */
     qm_backend *backend;
     const qm_bank *bank;
     const qm_bank_config *cfg;
     const qm_policy *policy;
     qm_pager_options opt;
     qm_expert_source source;
-
     uint32_t n_layers;
     qm__layer *layers;
+    qm__sizing sz; /* sz.pinned_bytes: the pins now (qm_pager_resize.c releases them) */
+    uint64_t tick;
+    qm_pager_stats stats;
 
+    /* Slots (qm_pager_slots.c; qm_pager_resize.c grows and shrinks them) */
     qm_arena *arena;
     uint32_t n_slots;  /* slots in use: [0, n_slots) */
     uint32_t slot_cap; /* slots with memory behind them (>= n_slots; slots[] has this many) */
     qm__slot *slots;
-    int32_t *cand_slots;     /* [n_slots] scratch */
+    int32_t *cand_slots;      /* [n_slots] victim candidates, scratch */
     qm_expert_ref *cand_refs; /* [n_slots] scratch */
-    int32_t *wave_slots;     /* [n_slots] slots assigned in the current acquire */
-
+    int32_t *wave_slots;      /* [n_slots] slots assigned in the current acquire */
     int has_budget;
     uint64_t budget;
-    /* Sizing kept for qm_pager_resize (qm_pager_resize.c). */
-    uint64_t whole_accounted, pinned_bytes, max_unit, slot_size, whole_arena;
-    uint32_t n_paged_experts; /* experts of paged layers, pinned ones included */
-    /* Disk source (qm_pager_disk.c): NULL when units come from the mapping. */
-    struct qm__disk *disk;
-    char source_why[384]; /* what was asked and not done ("" when nothing) */
-    char copy_msg[256];   /* the copy thread's last failure (p->mu) */
     /* Arenas added by growing, each holding slots [grow_first[i], next one). */
     qm_arena **grow_arenas;
     uint32_t *grow_first;
     size_t n_grow;
-    uint64_t tick;
-    qm_pager_stats stats;
     qm_pager_alloc_cb alloc_cb;
     void *alloc_ud;
 
-    /* Forward scratch */
+    /* Disk source (qm_pager_disk.c): NULL when units come from the mapping. */
+    struct qm__disk *disk;
+    char source_why[384]; /* what was asked and not done ("" when nothing) */
+
+    /* Copy thread (qm_pager_copy.c; host-visible backends). */
+    int use_thread;
+    pthread_t thread;
+    pthread_mutex_t mu;
+    pthread_cond_t cv_work, cv_done;
+    struct qm__copy_job *queue; /* ring of q_cap = n_slots + 1 */
+    size_t q_cap, q_head, q_len;
+    uint64_t next_seq, done_seq;
+    int stop;
+    char copy_msg[256]; /* the copy thread's last failure (mu) */
+
+    /* Forward call (qm_pager.c) */
     qm__moe_scratch *scratch; /* the layer calls' buffers, grow-only */
     uint32_t *route_buf;
     size_t route_cap;
+
+    /* Prediction and prefetch (qm_pager_prefetch.c) */
     float *pred_x, *pred_logits;
     uint32_t *pred_experts;
     float *pred_weights;
     size_t pred_cap_tokens;
     uint32_t *pred_list;
     uint8_t *pred_src;
-    /* Prefetch gating per source. */
     uint32_t pf_win_issued[QM__PF_SOURCES], pf_win_useful[QM__PF_SOURCES];
     uint8_t pf_off[QM__PF_SOURCES];
     uint64_t forward_calls;
-    qm__trace *trace;
+
+    /* Routing trace (qm_pager_trace.c) */
+    struct qm__trace *trace;
     /* A session over several devices: the pager whose recording (and
      * trace_* counters) this one's routing goes to, NULL for itself
      * (qm_multipager_record_trace). */
     qm_pager *trace_to;
-    qm__hybrid hybrid;
 
-    /* Copy thread (host-visible backends). */
-    int use_thread;
-    pthread_t thread;
-    pthread_mutex_t mu;
-    pthread_cond_t cv_work, cv_done;
-    qm__copy_job *queue; /* ring of n_slots + 1 */
-    size_t q_cap, q_head, q_len;
-    uint64_t next_seq, done_seq;
-    int stop;
+    /* Hybrid execution (qm_hybrid.c) */
+    qm__hybrid hybrid;
 };
 
-/* qm_pager_trace.c */
-void qm__pager_trace_record(qm_pager *p, uint32_t layer, const uint32_t *route, uint32_t tokens,
-                            uint32_t route_k); /* route: [tokens, route_k] */
-void qm__pager_trace_close(qm_pager *p);
-
-/* qm_pager_copy.c */
-int qm__pager_copy_start(qm_pager *p, qm_status *st);
-void qm__pager_copy_stop(qm_pager *p);
-/* Issues the copy of slot s's unit (layer/expert already set). */
-int qm__pager_copy_unit(qm_pager *p, int32_t s, qm_status *st);
-/* Waits for slot s's copy; marks it RESIDENT on success, leaves it LOADING
- * (with nothing in flight) on failure. */
-int qm__pager_copy_wait(qm_pager *p, int32_t s, qm_status *st);
-
-/* qm_hybrid.c */
-/* With on_miss host or auto: the host backend, auto's first measures, and
- * the source's split. */
-int qm__hybrid_start(qm_pager *p, qm_status *st);
-void qm__hybrid_stop(qm_pager *p);
-/* After a successful forward call: auto's admissions and model refresh. */
-int qm__hybrid_observe(qm_pager *p, const qm_moe_stats *ms, qm_status *st);
-
-/* qm_pager.c */
-int32_t qm__pager_free_slot(qm_pager *p);
-/* Weights of expert e of L: in the unit at `unit_base` (from_slot), else
- * the layer's whole-bank copy or mapping. */
-void qm__fill_weights(const qm__layer *L, const uint8_t *unit_base, uint32_t e, int from_slot,
-                      qm_expert_weights *w);
+/* ---- Slots and accounting (qm_pager_slots.c) ---- */
 
 /* Who claims a slot. A demand miss holds it (refs = 1) until the wave that
  * acquired it is released; a prefetched, preloaded or pinned unit is held by
@@ -217,41 +156,29 @@ typedef enum qm__claim {
     QM__CLAIM_PIN,
 } qm__claim;
 
+/* Adds `bytes` to the resident bytes, or refuses with QM_EINTERNAL (counted
+ * as a budget violation) when that would pass the budget. */
+int qm__pager_account_alloc(qm_pager *p, uint64_t bytes, qm_status *st);
+/* The lowest free slot, or -1. */
+int32_t qm__pager_free_slot(qm_pager *p);
 /* Claims free slot s for (layer, expert) as a unit whose copy is about to be
  * issued: accounts its bytes (QM_EINTERNAL past the budget, nothing
  * changed), marks it LOADING and maps the expert to it. `pf_source` (a
  * QM__PF_* source) only for QM__CLAIM_PREFETCH. */
 int qm__pager_claim(qm_pager *p, int32_t s, uint32_t layer, uint32_t expert, qm__claim how,
                     uint8_t pf_source, qm_status *st);
-int qm__pager_account_alloc(qm_pager *p, uint64_t bytes, qm_status *st);
-void qm__pager_evict(qm_pager *p, int32_t s);
-/* Frees slot s without counting an eviction (a copy that failed). */
+/* Frees slot s at once and tells the policy, without counting an eviction
+ * (qm__pager_evict, qm_pager_copy.h, is the eviction; this is also what a
+ * failed copy costs). The caller knows no copy is writing into it. */
 void qm__pager_drop(qm_pager *p, int32_t s);
-/* Chooses a victim among candidates[0..n) (slot indices): the policy's answer
- * when valid, else LRU (counted as a fallback). */
+/* 1 when slot s holds an unpinned unit nobody holds (a prefetch still in
+ * flight included: its copy is waited for before the slot is reused, so
+ * whether a prediction can be displaced never depends on copy timing). */
+int qm__pager_evictable(const qm_pager *p, int32_t s);
+/* Chooses a victim among cand_slots[0..n) (slot indices, evictable): the
+ * policy's answer when valid, else LRU (counted as a fallback). */
 int32_t qm__pager_pick_victim(qm_pager *p, size_t n);
-
-/* qm_pager_resize.c */
-void qm__pager_grow_free(qm_pager *p); /* the arenas added by growing */
-
-/* qm_pager_disk.c */
-uint64_t qm__pager_now_us(void);
-/* With opt.source DIRECT: opens the bank file for O_DIRECT reads (p->disk)
- * and forces whole banks into the arena, or records why not (source_why). */
-void qm__pager_disk_open(qm_pager *p);
-void qm__pager_disk_close(qm_pager *p);
-/* Reads the bytes the mapping holds at src..src+len into dst (QM_EIO). */
-int qm__pager_disk_read(qm_pager *p, void *dst, const void *src, uint64_t len, qm_status *st);
-void qm__pager_disk_lock(qm_pager *p, qm_arena *arena);   /* mlock, or why not */
-void qm__pager_disk_unlock(qm_pager *p, qm_arena *arena);
-void qm__pager_disk_stats(const qm_pager *p, qm_pager_stats *out);
-
-/* qm_pager_prefetch.c */
-/* A prefetched expert of `source` was used before being evicted. */
-void qm__pager_prefetch_useful(qm_pager *p, uint8_t source);
-void qm__pager_history_record(qm_pager *p, uint32_t layer, const uint32_t *route, size_t n);
-/* After a forward call: predicts the next layer's experts and prefetches
- * them (best effort, with prefetch on). */
-void qm__pager_prefetch_next(qm_pager *p, const qm_moe_call *call);
+/* Frees the arenas that growing added (teardown). */
+void qm__pager_grow_free(qm_pager *p);
 
 #endif

@@ -7,7 +7,15 @@
 #include <string.h>
 
 #include "qm_alloc.h"
-#include "qm_pager_impl.h"
+#include "qm_pager_copy.h"
+#include "qm_pager_prefetch.h"
+
+/* A source whose useful/issued ratio over its last window falls below the
+ * threshold is switched off, and probed on one forward call in
+ * QM__PF_PROBE_EVERY to see whether it has become useful again. */
+#define QM__PF_WINDOW 128u
+#define QM__PF_PROBE_EVERY 8u
+#define QM__PF_DEFAULT_MIN_PRECISION 0.25
 
 /* Router prediction runs the next layer's router on the current hidden
  * states: T*E*H multiply-adds. Above this many tokens (prefill) the history
@@ -88,7 +96,7 @@ static int qm__prefetch(qm_pager *p, uint32_t layer, const uint32_t *experts,
             size_t nc = 0;
             for (uint32_t k = 0; k < p->n_slots; k++) {
                 const qm__slot *sl = &p->slots[k];
-                if (sl->state == QM__SLOT_FREE || sl->pinned || sl->refs)
+                if (!qm__pager_evictable(p, (int32_t)k))
                     continue;
                 if (sl->layer == layer && L->mark[sl->expert])
                     continue;
@@ -242,4 +250,33 @@ void qm__pager_prefetch_next(qm_pager *p, const qm_moe_call *call)
         N->mark[p->pred_list[i]] = 0;
     qm_status tmp;
     (void)qm__prefetch(p, next, p->pred_list, p->pred_src, n, &tmp);
+}
+
+int qm__pager_prefetch_start(qm_pager *p, qm_status *st)
+{
+    for (uint32_t l = 0; l < p->n_layers; l++) {
+        qm__layer *L = &p->layers[l];
+        if (!L->paged)
+            continue;
+        L->words64 = (L->n_experts + 63) / 64;
+        L->hist = qm_calloc((size_t)L->words64 * p->opt.history, sizeof(uint64_t));
+        if (!L->hist)
+            return qm_status_set(st, QM_ENOMEM, "out of memory for routing history");
+        p->stats.host_bytes += (uint64_t)L->words64 * p->opt.history * 8 + L->n_experts * 6u;
+    }
+    return 0;
+}
+
+void qm__pager_prefetch_free(qm_pager *p)
+{
+    for (uint32_t l = 0; p->layers && l < p->n_layers; l++) {
+        qm_free(p->layers[l].hist);
+        p->layers[l].hist = NULL;
+    }
+    qm_free(p->pred_x);
+    qm_free(p->pred_logits);
+    qm_free(p->pred_experts);
+    qm_free(p->pred_weights);
+    qm_free(p->pred_list);
+    qm_free(p->pred_src);
 }

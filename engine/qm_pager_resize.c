@@ -7,34 +7,12 @@
 #include <string.h>
 
 #include "qm_alloc.h"
-#include "qm_pager_impl.h"
-
-void qm__pager_grow_free(qm_pager *p)
-{
-    for (size_t i = 0; i < p->n_grow; i++) {
-        qm__pager_disk_unlock(p, p->grow_arenas[i]);
-        qm_arena_free(p->backend, p->grow_arenas[i]);
-    }
-    qm_free(p->grow_arenas);
-    qm_free(p->grow_first);
-    p->grow_arenas = NULL;
-    p->grow_first = NULL;
-    p->n_grow = 0;
-}
+#include "qm_pager_copy.h"
+#include "qm_pager_disk.h"
 
 static int qm__any_paged(const qm_pager *p)
 {
-    return p->n_paged_experts > 0;
-}
-
-/* Slots the budget pays for: the pins, then as many expert units as fit. */
-static uint32_t qm__slots_for(const qm_pager *p, uint64_t budget, uint32_t n_pinned)
-{
-    if (!qm__any_paged(p) || p->max_unit == 0)
-        return 0;
-    uint64_t room = (budget - p->whole_accounted - p->pinned_bytes) / p->max_unit;
-    uint64_t unpinned = p->n_paged_experts - n_pinned;
-    return (uint32_t)(n_pinned + (room < unpinned ? room : unpinned));
+    return p->sz.pinned_count + p->sz.unpinned_count > 0;
 }
 
 /* The coldest pinned slot (least recently used; lowest index on ties), or -1. */
@@ -56,7 +34,7 @@ static void qm__release_pin(qm_pager *p, int32_t s)
     qm__slot *sl = &p->slots[s];
     sl->pinned = 0;
     p->layers[sl->layer].pinned[sl->expert] = 2; /* released (qm_pager_pins_released) */
-    p->pinned_bytes -= sl->unit_bytes;
+    p->sz.pinned_bytes -= sl->unit_bytes;
     p->stats.n_pinned--;
     p->stats.pins_released++;
     /* From now on the policy sees it like any expert it admitted. */
@@ -105,11 +83,9 @@ static int qm__shrink(qm_pager *p, uint64_t budget, uint32_t keep, qm_status *st
      * budget (each unit is at most max_unit, so `keep` slots fit). */
     while (qm__occupied(p) > keep || p->stats.resident_bytes > budget) {
         size_t nc = 0;
-        for (uint32_t s = 0; s < p->n_slots; s++) {
-            const qm__slot *sl = &p->slots[s];
-            if (sl->state != QM__SLOT_FREE && !sl->pinned && sl->refs == 0)
+        for (uint32_t s = 0; s < p->n_slots; s++)
+            if (qm__pager_evictable(p, (int32_t)s))
                 p->cand_slots[nc++] = (int32_t)s;
-        }
         if (nc == 0)
             return qm_status_set(st, QM_EINTERNAL,
                                  "resize: nothing evictable with %llu bytes resident over a "
@@ -161,7 +137,7 @@ static int qm__grow(qm_pager *p, uint32_t want, qm_status *st)
     }
     uint32_t add = want - p->slot_cap;
     unsigned long long bytes;
-    if (qm_mul_u64(add, p->slot_size, &bytes))
+    if (qm_mul_u64(add, p->sz.slot_size, &bytes))
         return qm_status_set(st, QM_ERESOURCE_EXHAUSTED, "arena size overflows");
     /* Every array first (a failure leaves the pager as it was: the arrays
      * are only larger), then the arena. */
@@ -171,29 +147,9 @@ static int qm__grow(qm_pager *p, uint32_t want, qm_status *st)
         qm__regrow((void **)&p->cand_refs, want, sizeof *p->cand_refs) ||
         qm__regrow((void **)&p->wave_slots, want, sizeof *p->wave_slots))
         return qm_status_set(st, QM_ENOMEM, "out of memory growing to %u slots", want);
-    qm__copy_job *queue = NULL;
-    if (p->use_thread) {
-        queue = qm_calloc((size_t)want + 1, sizeof *queue);
-        if (!queue)
-            return qm_status_set(st, QM_ENOMEM, "out of memory for the copy queue");
-    }
-    /* The copy thread reads slots[] under its lock: swap it there. */
-    if (p->use_thread)
-        pthread_mutex_lock(&p->mu);
-    int rc = qm__regrow((void **)&p->slots, want, sizeof *p->slots);
-    if (rc == 0 && p->use_thread) {
-        /* Nothing is queued (the caller synced): a fresh, larger ring. */
-        qm_free(p->queue);
-        p->queue = queue;
-        p->q_cap = (size_t)want + 1;
-        p->q_head = 0;
-        queue = NULL;
-    }
-    if (p->use_thread)
-        pthread_mutex_unlock(&p->mu);
-    qm_free(queue);
+    int rc = qm__pager_slots_regrow(p, want, st);
     if (rc)
-        return qm_status_set(st, QM_ENOMEM, "out of memory growing to %u slots", want);
+        return rc;
     qm_arena *a = NULL;
     rc = qm_arena_new(p->backend, bytes, &a, st);
     if (rc)
@@ -201,7 +157,7 @@ static int qm__grow(qm_pager *p, uint32_t want, qm_status *st)
     qm__pager_disk_lock(p, a);
     memset(&p->slots[p->slot_cap], 0, (size_t)add * sizeof *p->slots);
     for (uint32_t i = 0; i < add; i++)
-        p->slots[p->slot_cap + i].base = qm_arena_at(a, (uint64_t)i * p->slot_size);
+        p->slots[p->slot_cap + i].base = qm_arena_at(a, (uint64_t)i * p->sz.slot_size);
     p->grow_arenas[p->n_grow] = a;
     p->grow_first[p->n_grow] = p->slot_cap;
     p->n_grow++;
@@ -217,28 +173,23 @@ int qm_pager_resize(qm_pager *p, uint64_t budget, qm_status *st)
 {
     if (!p)
         return qm_status_set(st, QM_EINVAL, "qm_pager_resize: NULL pager");
-    uint64_t unit = qm__any_paged(p) ? p->max_unit : 0;
-    uint64_t min = p->whole_accounted + unit;
-    if (budget < min)
-        return qm_status_set_field(
-            st, QM_ERESOURCE_EXHAUSTED, "budget_bytes",
-            "budget_bytes %llu is below the minimum of %llu bytes for this plan (whole banks "
-            "%llu + pinned experts %llu + one expert unit %llu)",
-            (unsigned long long)budget, (unsigned long long)min,
-            (unsigned long long)p->whole_accounted, 0ull, (unsigned long long)unit);
+    uint64_t unit = qm__any_paged(p) ? p->sz.max_unit : 0;
+    if (budget < p->sz.whole_accounted + unit)
+        return qm__budget_refused(budget, p->sz.whole_accounted, 0, unit, st);
     int rc = qm_pager_sync(p, st);
     if (rc)
         return rc;
     if (budget < p->budget) {
         /* Pins that no longer leave room for one expert unit go, coldest first. */
-        while (p->stats.n_pinned > 0 && p->whole_accounted + p->pinned_bytes + unit > budget) {
+        while (p->stats.n_pinned > 0 &&
+               p->sz.whole_accounted + p->sz.pinned_bytes + unit > budget) {
             int32_t s = qm__coldest_pin(p);
             if (s < 0)
                 break;
             qm__release_pin(p, s);
         }
     }
-    uint32_t want = qm__slots_for(p, budget, p->stats.n_pinned);
+    uint32_t want = qm__slots_for(&p->sz, budget, p->stats.n_pinned);
     if (want < p->n_slots || p->stats.resident_bytes > budget)
         rc = qm__shrink(p, budget, want < p->n_slots ? want : p->n_slots, st);
     else if (want > p->n_slots)

@@ -11,7 +11,17 @@
 
 #include "qm_alloc.h"
 #include "qm_io.h"
-#include "qm_pager_impl.h"
+#include "qm_pager_trace.h"
+
+/* A recording: per layer a ring of the token rows not yet complete. */
+typedef struct qm__trace {
+    int fd;
+    uint64_t payload_off;
+    int16_t **rows;       /* per layer: ring of pending rows, k ids each */
+    uint32_t *head, *len; /* per layer */
+    uint32_t cap;         /* rows per layer ring */
+    int16_t *token;       /* one token's row: [layers][k] */
+} qm__trace;
 
 #define QM__TRACE_MAX_BEHIND 65536u
 #define QM__TRACE_HEADER 40u
@@ -128,10 +138,13 @@ static int qm__trace_grow(qm__trace *t, uint32_t layers, uint32_t k)
     return 0;
 }
 
-void qm__pager_trace_record(qm_pager *p, uint32_t layer, const uint32_t *route, uint32_t tokens,
-                            uint32_t route_k)
+void qm__pager_trace_record(qm_pager *from, uint32_t layer, const uint32_t *route,
+                            uint32_t tokens, uint32_t route_k)
 {
+    qm_pager *p = from->trace_to ? from->trace_to : from;
     qm__trace *t = p->trace;
+    if (!t)
+        return;
     uint32_t k = p->cfg->k, L = p->n_layers;
     for (uint32_t r = 0; r < tokens; r++) {
         if (t->len[layer] == t->cap) {
@@ -175,4 +188,9 @@ void qm__pager_trace_record(qm_pager *p, uint32_t layer, const uint32_t *route, 
         }
         p->stats.trace_tokens++;
     }
+}
+
+void qm__pager_trace_to(qm_pager *p, qm_pager *owner)
+{
+    p->trace_to = owner == p ? NULL : owner;
 }

@@ -5,7 +5,7 @@
 #include <string.h>
 
 #include "qm_alloc.h"
-#include "qm_pager_impl.h"
+#include "qm_pager_trace.h"
 
 void qm_placement_free(qm_placement *pl)
 {
@@ -261,7 +261,7 @@ int qm_multipager_record_trace(qm_multipager *mp, const char *path, qm_status *s
                 return rc;
             owner = p;
         }
-        p->trace_to = p == owner ? NULL : owner;
+        qm__pager_trace_to(p, owner);
     }
     return 0;
 }

@@ -82,7 +82,7 @@ static int check_route(qm_backend *cuda, const qm_bank_config *cfg, const qm_lay
     for (size_t i = 0; i < TK; i++)
         if (he[i] != QM_ROUTE_DROPPED) hc[he[i]]++;
     memset(de, 0xab, TK * 4);
-    qm_route_request rq = {.config = cfg,
+    qm_routing_request rq = {.config = cfg,
                            .layer = lv,
                            .x = x,
                            .logits = lg,
@@ -154,7 +154,7 @@ START_TEST(test_cuda_route_matches_host_routing_with_ties_drops_and_nan)
     float x[8] = {0}, lg[4] = {0};
     uint32_t e[2];
     float w[2];
-    qm_route_request rq = {
+    qm_routing_request rq = {
         .config = &cfg, .layer = &lv, .x = x, .logits = lg, .n_tokens = 0, .experts = e, .weights = w};
     qm_routed_pass pass = {0};
     qm_status st = {0};
@@ -442,7 +442,7 @@ START_TEST(test_cuda_routed_pass_refuses_misuse_and_the_backend_survives)
     tl_random_inputs(5, T, s.H, s.E, x, lg);
     uint32_t ex[T * 2], counts[4];
     float w[T * 2];
-    qm_route_request rq = {.config = &L.cfg,
+    qm_routing_request rq = {.config = &L.cfg,
                            .layer = &L.lv,
                            .x = x,
                            .logits = lg,

@@ -1,9 +1,13 @@
-/* qm_route.c - routing by a bank's rule (BANK_FORMAT.md "Banks imported from
- * real models"), and routing supplied by the engine (PROTOCOL.md).
+/* qm_routing.c - all of the engine's routing math, on the host: router
+ * logits (x . W^T + b, in double), the legacy top-k + softmax rule
+ * (qm_moe_route), routing by a bank's rule (BANK_FORMAT.md "Banks imported
+ * from real models"), and routing supplied by the engine (PROTOCOL.md). The
+ * host routing (qm_host_route.c) and the pager's prediction call it; a
+ * backend with its own routing (CUDA) implements the same semantics.
  *
- * The judge for the rule is the model family's implementation in Hugging
- * Face transformers, so the arithmetic follows it: scores in f32 (softmax
- * over all E logits or a sigmoid per logit), selection on score +
+ * The judge for a bank's rule is the model family's implementation in
+ * Hugging Face transformers, so the arithmetic follows it: scores in f32
+ * (softmax over all E logits or a sigmoid per logit), selection on score +
  * correction bias, group-limited selection that zeroes (masked_fill 0.0,
  * as transformers does, not -inf) the experts of the groups not kept, the
  * weights gathered from the unbiased scores, renormalised by their sum
@@ -14,7 +18,72 @@
 #include <string.h>
 
 #include "qm_alloc.h"
+#include "qm_kernels.h"
 #include "qm_moe.h"
+
+void qm_moe_route(const float *logits, uint32_t n_tokens, uint32_t n_experts, uint32_t k,
+                  uint32_t *experts, float *weights)
+{
+    for (uint32_t t = 0; t < n_tokens; t++) {
+        const float *l = logits + (size_t)t * n_experts;
+        uint32_t *ex = experts + (size_t)t * k;
+        float *w = weights + (size_t)t * k;
+        float val[k > 0 ? k : 1];
+        /* Selection by repeated maximum: strictly greater wins, equal values go
+         * to the larger index (onnxruntime's CPU kernel); NaN never beats a number. */
+        for (uint32_t j = 0; j < k; j++) {
+            uint32_t best = UINT32_MAX;
+            for (uint32_t e = 0; e < n_experts; e++) {
+                int taken = 0;
+                for (uint32_t i = 0; i < j; i++)
+                    taken |= ex[i] == e;
+                if (taken)
+                    continue;
+                if (best == UINT32_MAX || l[e] >= l[best] || (isnan(l[best]) && !isnan(l[e])))
+                    best = e;
+            }
+            ex[j] = best;
+            val[j] = l[best];
+        }
+        /* Softmax over the k selected logits; val[0] is the largest. */
+        float sum = 0.0f;
+        for (uint32_t j = 0; j < k; j++) {
+            w[j] = expf(val[j] - val[0]);
+            sum += w[j];
+        }
+        for (uint32_t j = 0; j < k; j++) {
+            w[j] /= sum;
+            if (!(w[j] > 1e-8f)) {
+                w[j] = 0.0f;
+                ex[j] = QM_ROUTE_DROPPED;
+            }
+        }
+    }
+}
+
+int qm_moe_router_logits(const qm_bank_config *cfg, const qm_layer_view *layer, const float *x,
+                         uint32_t n_tokens, float *logits, qm_status *st)
+{
+    const qm_tensor_view *tw = &layer->t[QM_T_ROUTER_WEIGHT];
+    const qm_tensor_view *tb = &layer->t[QM_T_ROUTER_BIAS];
+    if (!tw->present)
+        return qm_status_set(st, QM_EINVAL,
+                             "layer %u has no router weight: pass router_logits", layer->index);
+    const uint32_t E = cfg->experts, H = cfg->hidden;
+    for (uint32_t t = 0; t < n_tokens; t++) {
+        const float *xr = x + (size_t)t * H;
+        for (uint32_t e = 0; e < E; e++) {
+            /* Accumulated in double: routing must not hinge on f32 rounding. */
+            double acc = 0.0;
+            for (uint32_t c = 0; c < H; c++)
+                acc += (double)qm__load_float(tw->data, tw->dtype, (size_t)e * H + c) * xr[c];
+            if (tb->present)
+                acc += qm__load_float(tb->data, tb->dtype, e);
+            logits[(size_t)t * E + e] = (float)acc;
+        }
+    }
+    return 0;
+}
 
 /* Index of the largest v[i] over i with !taken[i]; ties: larger index;
  * NaN never beats a number. UINT32_MAX when none is left. */

@@ -1,0 +1,113 @@
+/* qm_pager_slots.c - the bottom of the pager: slot claims, exact accounting
+ * against the budget, and the choice of victims (the policy's answer,
+ * validated, else LRU). It copies nothing and waits for nothing: the copy
+ * path (qm_pager_copy.c) sits above it. */
+#include "qm_alloc.h"
+#include "qm_pager_disk.h"
+
+int qm__pager_account_alloc(qm_pager *p, uint64_t bytes, qm_status *st)
+{
+    uint64_t next;
+    if (qm_add_u64(p->stats.resident_bytes, bytes, (unsigned long long *)&next) ||
+        (p->has_budget && next > p->budget)) {
+        /* Cannot happen with the slot count fixed at creation; refusing keeps
+         * the invariant even if that arithmetic is ever wrong. */
+        p->stats.budget_violations++;
+        return qm_status_set(st, QM_EINTERNAL,
+                             "paging would exceed the budget: %llu resident + %llu > %llu",
+                             (unsigned long long)p->stats.resident_bytes,
+                             (unsigned long long)bytes, (unsigned long long)p->budget);
+    }
+    p->stats.resident_bytes = next;
+    if (p->alloc_cb)
+        p->alloc_cb(p->alloc_ud, p->stats.resident_bytes, p->budget);
+    return 0;
+}
+
+int32_t qm__pager_free_slot(qm_pager *p)
+{
+    for (uint32_t s = 0; s < p->n_slots; s++)
+        if (p->slots[s].state == QM__SLOT_FREE)
+            return (int32_t)s;
+    return -1;
+}
+
+int qm__pager_claim(qm_pager *p, int32_t s, uint32_t layer, uint32_t expert, qm__claim how,
+                    uint8_t pf_source, qm_status *st)
+{
+    qm__layer *L = &p->layers[layer];
+    int rc = qm__pager_account_alloc(p, L->unit_bytes, st);
+    if (rc)
+        return rc;
+    qm__slot *sl = &p->slots[s];
+    sl->layer = layer;
+    sl->expert = expert;
+    sl->pinned = how == QM__CLAIM_PIN;
+    sl->prefetched = how == QM__CLAIM_PREFETCH ? pf_source : QM__PF_NONE;
+    sl->refs = how == QM__CLAIM_DEMAND;
+    sl->last_use = p->tick;
+    sl->unit_bytes = L->unit_bytes;
+    sl->state = QM__SLOT_LOADING;
+    L->slot_of[expert] = s;
+    if (how != QM__CLAIM_PIN)
+        qm_policy_on_insert(p->policy, (qm_expert_ref){layer, expert}, p->tick);
+    return 0;
+}
+
+void qm__pager_drop(qm_pager *p, int32_t s)
+{
+    qm__slot *sl = &p->slots[s];
+    qm__layer *L = &p->layers[sl->layer];
+    L->slot_of[sl->expert] = -1;
+    p->stats.resident_bytes -= sl->unit_bytes;
+    sl->state = QM__SLOT_FREE;
+    sl->prefetched = 0;
+    sl->refs = 0;
+    qm_policy_on_evict(p->policy, (qm_expert_ref){sl->layer, sl->expert});
+}
+
+int qm__pager_evictable(const qm_pager *p, int32_t s)
+{
+    const qm__slot *sl = &p->slots[s];
+    return sl->state != QM__SLOT_FREE && !sl->pinned && sl->refs == 0;
+}
+
+int32_t qm__pager_pick_victim(qm_pager *p, size_t n)
+{
+    for (size_t i = 0; i < n; i++) {
+        const qm__slot *sl = &p->slots[p->cand_slots[i]];
+        p->cand_refs[i] = (qm_expert_ref){sl->layer, sl->expert};
+    }
+    size_t v = SIZE_MAX;
+    if (p->policy && p->policy->iface) {
+        int rc = qm_policy_choose_victim(p->policy, p->cand_refs, n, &v);
+        if (rc == 0 && v < n) {
+            int32_t s = p->cand_slots[v];
+            const qm__slot *sl = &p->slots[s];
+            /* The candidate array is const to the policy, but check what the
+             * slot really holds rather than trusting the array. */
+            if (qm__pager_evictable(p, s) && p->cand_refs[v].bank == sl->layer &&
+                p->cand_refs[v].expert == sl->expert)
+                return s;
+        }
+        p->stats.policy_fallbacks++;
+    }
+    size_t best = 0;
+    for (size_t i = 1; i < n; i++)
+        if (p->slots[p->cand_slots[i]].last_use < p->slots[p->cand_slots[best]].last_use)
+            best = i;
+    return p->cand_slots[best];
+}
+
+void qm__pager_grow_free(qm_pager *p)
+{
+    for (size_t i = 0; i < p->n_grow; i++) {
+        qm__pager_disk_unlock(p, p->grow_arenas[i]);
+        qm_arena_free(p->backend, p->grow_arenas[i]);
+    }
+    qm_free(p->grow_arenas);
+    qm_free(p->grow_first);
+    p->grow_arenas = NULL;
+    p->grow_first = NULL;
+    p->n_grow = 0;
+}
