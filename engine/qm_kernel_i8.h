@@ -1,266 +1,232 @@
-/* qm_kernel_i8.h - the fast-mode (int8 activation) kernels' shared code,
- * included by qm_kernel_i8_avx2.c, qm_kernel_i8_avxvnni.c (256-bit body
- * below) and qm_kernel_i8_avx512vnni.c (its own 512-bit body). Private to
- * engine/.
+/* qm_kernel_i8.h - what every fast-mode (int8 activation) kernel shares,
+ * in portable C: the prepared input row, the per-call row parameters, the
+ * packed weight panels of the GEMMs, the scratch layout, the AMX tile
+ * configuration. Included by qm_kernel_scalar.c (the specification), the
+ * SIMD kernels (qm_kernel_i8_*.c) and the software models of the
+ * instructions this CPU may lack (qm_kernel_i8_model*.c, tests only).
+ * Private to engine/.
  *
- * Canonical arithmetic of one output (row n, input r), which every SIMD
- * fast kernel follows to the bit:
- *   S_j   = exact int32 dot of sub-block j (32 columns) in 8 lanes, lane i =
- *           columns 4i..4i+3 of the prepared order (what vpdpbusd gives);
- *   A, B  = 8-lane f32 accumulators, A over even sub-blocks, B over odd:
- *           acc = fma(cvt(S_j), sc[b(j)] * dx_j, acc) in sub-block order;
- *   main  = hsum8(A + B) (fixed order 8 -> 4 -> 2 -> 1);
- *   corr  = dot8(zsc, xs) with zsc[b] = sc[b] * zp[b] when the matrix has
- *           zero points, else zp * dot8(sc, xs) (dot8: 8-lane FMA over the
- *           blocks, zero-padded to a multiple of 8, then hsum8);
- *   y     = main - corr.
- * A 256-bit body keeps A and B in two registers; the 512-bit body keeps them
- * as the two halves of one. Sub-blocks past k have zero codes and dx = 0,
- * so their terms are exact zeros whatever scale they meet.
+ * The canonical order (qm_kernels.h "Fast mode"), which every fast kernel
+ * follows to the bit: for output (row n, input r)
  *
- * The 256-bit includer defines QM__I8_FN, QM__I8_DOT4(w, x) and
- * QM__I8_DOT8(w, x) (8 dword lanes as above, 32 u8 codes x 32 s8 inputs). */
+ *   S_j = sum over the 32 columns c of sub-block j of (q[n,c] - zp[n,b]) * qx[r,c]
+ *         (an exact int32, however a kernel sums it);
+ *   acc = +0; for each weight block b in order:
+ *       t = +0; for each sub-block j of b below nse in order: t = fma(float(S_j), dx_j, t);
+ *       acc = fma(t, scale[n,b], acc);
+ *   y = acc.
+ *
+ * Every operation after the integer sums is elementwise per output, so a
+ * kernel may hold outputs in vector lanes any way it likes (rows, inputs)
+ * and give the same bits: the GEMV, the GEMMs and the AMX tiles do. */
 #ifndef QM_KERNEL_I8_H
 #define QM_KERNEL_I8_H
 
-#include <immintrin.h>
+#include <stdint.h>
 #include <string.h>
 
 #include "qm_kernels.h"
 
-#define QM_I8_AI static inline __attribute__((always_inline))
+#define QM__I8_AI static inline __attribute__((always_inline))
 
-QM_I8_AI float qm__i8_hsum(__m256 v)
+/* ---- the prepared input row (qm__i8_prep) ----
+ * bytes [0, 32 nsb): the s8 codes, each sub-block's 32 in prepared order
+ *   (4-bit weights: [16 even columns | 16 odd columns], so a byte's low
+ *   and high nibbles meet their inputs at p and p + 16; 8-bit: natural);
+ * 8-bit weights only: the same codes as s16, natural order (32 nsb int16);
+ * then dx[nsb] (f32), sumq[nsb] (int32: the sum of the sub-block's codes)
+ * and zsum[nsb] = sumq << (bits - 1) (the implicit zero point's share). */
+typedef struct qm__i8_xrow {
+    const int8_t *q;
+    const int16_t *q16; /* 8-bit weights only */
+    const float *dx;
+    const int32_t *sumq, *zsum;
+} qm__i8_xrow;
+
+/* Sub-blocks that belong to a weight block: min(nsb, nblk * spb); the
+ * rest of the prepared row (a padding sub-block of a row-wise matrix) is
+ * zeros that no block owns. */
+static inline size_t qm__i8_nse(const qm__qmat *m)
 {
-    __m128 lo = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    lo = _mm_add_ps(lo, _mm_movehl_ps(lo, lo));
-    lo = _mm_add_ss(lo, _mm_shuffle_ps(lo, lo, 1));
-    return _mm_cvtss_f32(lo);
+    size_t nsb = qm__i8_nsb(m), own = (size_t)m->nblk * qm__i8_spb(m);
+    return nsb < own ? nsb : own;
 }
 
-/* sum over blocks of a[b] * xs[b]; both padded with zeros to nb8 = 8k. */
-QM_I8_AI float qm__i8_dot8(const float *a, const float *xs, size_t nb8)
+/* Floats before dx in a prepared row. */
+static inline size_t qm__i8_dx_off(const qm__qmat *m)
 {
-    __m256 c = _mm256_setzero_ps();
-    for (size_t b = 0; b < nb8; b += 8)
-        c = _mm256_fmadd_ps(_mm256_loadu_ps(a + b), _mm256_loadu_ps(xs + b), c);
-    return qm__i8_hsum(c);
+    size_t nsb = qm__i8_nsb(m);
+    return nsb * 8 + (m->bits == 8 ? nsb * 16 : 0);
 }
 
-/* Row n's scales as f32 into sc[0..nb8) (zeros past nblk), and, with zero
- * points, zsc[b] = sc[b] * zp[b]. */
-static inline void qm__i8_row_params(const qm__qmat *m, uint32_t n, float *sc, float *zsc)
+static inline qm__i8_xrow qm__i8_xrow_at(const qm__qmat *m, const float *xq)
+{
+    size_t nsb = qm__i8_nsb(m);
+    const float *dx = xq + qm__i8_dx_off(m);
+    qm__i8_xrow x = {.q = (const int8_t *)xq,
+                     .q16 = m->bits == 8 ? (const int16_t *)(xq + nsb * 8) : NULL,
+                     .dx = dx,
+                     .sumq = (const int32_t *)(dx + nsb),
+                     .zsum = (const int32_t *)(dx + 2 * nsb)};
+    return x;
+}
+
+/* Column (within its sub-block) of prepared position p. */
+static inline uint32_t qm__i8_pos_col(const qm__qmat *m, uint32_t p)
+{
+    return m->bits == 4 ? (p < 16 ? 2 * p : 2 * (p - 16) + 1) : p;
+}
+
+/* Where sub-block j's block starts (first) and ends (last) in the order. */
+static inline int qm__i8_first(uint32_t spb, size_t j)
+{
+    return j % spb == 0;
+}
+static inline int qm__i8_last(uint32_t spb, size_t nse, size_t j)
+{
+    return (j + 1) % spb == 0 || j + 1 == nse;
+}
+
+/* ---- a call's rows: parameters, panels, scratch ----
+ * A call owns rows [n0, n1) of W, at most QM__TILE_ROWS (16). Its scale of
+ * block b for row n0 + i sits at sct[16 b + i]; with zero points zpt[16 b
+ * + i] likewise (int32); rows past n1 hold 0. The GEMMs' panel holds the
+ * rows' codes of each sub-block j as 8 groups g of 16 rows x 4 bytes:
+ *   u8:  pan[512 j + 64 g + 4 i + e] = code of prepared position 4g + e
+ *        (what vpdpbusd lanes and AMX B tiles read: an 8 x 64-byte tile);
+ *   s16: pan[1024 j + 64 g + 4 i + 2 e] = q - zp of column 2g + e, as
+ *        int16 (the 8-bit panel of the AVX2 GEMM, for vpmaddwd);
+ * rows past n1 hold 0, and bytes past a row's end count as code 0 (their
+ * inputs are 0). */
+#define QM__I8_TG 64u /* inputs per pass of a GEMM (its accumulators) */
+
+/* Each kernel's blocking, shared with its model: inputs per micro-kernel
+ * pass, and the input count from which a call runs the GEMM (below it the
+ * GEMV, or for AMX the AVX-512 VNNI kernel: a tile of fewer inputs is
+ * mostly empty). */
+#define QM__I8_AVXVNNI_NR 4
+#define QM__I8_AVX512VNNI_NR 8
+#define QM__I8_VNNI_GEMM_MIN 4u
+#define QM__I8_AMX_MIN 5u
+
+typedef struct qm__i8_scratch {
+    float *sct;
+    int32_t *zpt;
+    uint8_t *pan;
+    float *tacc, *acc; /* [QM__I8_TG][16] each */
+    int32_t *cbuf;     /* AMX: one C tile, 16 x 16 */
+} qm__i8_scratch;
+
+/* Floats of scratch a fast kernel may use for matrix m (any kernel). */
+static inline size_t qm__i8_scratch_floats(const qm__qmat *m)
 {
     size_t nb8 = ((size_t)m->nblk + 7) / 8 * 8;
-    if (m->scale_dtype == QM_DTYPE_F32)
-        memcpy(sc, (const uint8_t *)m->scales + (size_t)n * m->nblk * 4, (size_t)m->nblk * 4);
-    else
-        for (uint32_t b = 0; b < m->nblk; b++)
-            sc[b] = qm__qmat_scale(m, n, b);
-    for (size_t b = m->nblk; b < nb8; b++)
-        sc[b] = 0.0f;
-    if (m->zp)
-        for (size_t b = 0; b < nb8; b++)
-            zsc[b] = b < m->nblk ? sc[b] * (float)qm__qmat_zp(m, n, (uint32_t)b) : 0.0f;
+    size_t pan = qm__i8_nsb(m) * 1024 / 4; /* the larger (s16) panel */
+    return 2 * 16 * nb8 + pan + 2 * 16 * QM__I8_TG + 256 + 64;
 }
 
-QM_I8_AI float qm__i8_corr(const qm__qmat *m, const float *sc, const float *zsc, const float *xs)
+static inline qm__i8_scratch qm__i8_scratch_at(const qm__qmat *m, float *scratch)
 {
     size_t nb8 = ((size_t)m->nblk + 7) / 8 * 8;
-    if (m->zp)
-        return qm__i8_dot8(zsc, xs, nb8);
-    return (float)(1 << (m->bits - 1)) * qm__i8_dot8(sc, xs, nb8);
+    float *p = (float *)(((uintptr_t)scratch + 63) & ~(uintptr_t)63);
+    qm__i8_scratch s;
+    s.sct = p;
+    s.zpt = (int32_t *)(p + 16 * nb8);
+    s.tacc = p + 2 * 16 * nb8;
+    s.acc = s.tacc + 16 * QM__I8_TG;
+    s.cbuf = (int32_t *)(s.acc + 16 * QM__I8_TG);
+    s.pan = (uint8_t *)(s.cbuf + 256);
+    return s;
 }
 
-/* Scale of sub-block j (blocks past the last read the last: their terms are zeros). */
-QM_I8_AI float qm__i8_sc(const float *sc, size_t j, uint32_t spb, uint32_t nblk)
+/* Scales (and zero points, when zpt is not NULL) of the call's rows h..h+7
+ * (h a multiple of 8; rows from nr on hold 0) into lanes h..h+7. */
+static inline void qm__i8_params8_c(const qm__qmat *m, uint32_t n0, uint32_t nr, uint32_t h,
+                                    float *sct, int32_t *zpt)
 {
-    size_t b = j / spb;
-    return sc[b < nblk ? b : nblk - 1];
-}
-
-/* Bytes [off, off + len) of a row, zeros past its end. */
-QM_I8_AI const uint8_t *qm__i8_bytes(const uint8_t *row, size_t rb, size_t off, size_t len,
-                                      uint8_t *tmp)
-{
-    if (__builtin_expect(off + len <= rb, 1))
-        return row + off;
-    memset(tmp, 0, len);
-    if (off < rb)
-        memcpy(tmp, row + off, rb - off);
-    return tmp;
-}
-
-/* Pointers of a tile of NR weight rows x R inputs; the rows' scales (and
- * zero-point products) converted into scratch, or read in place. */
-typedef struct qm__i8_tile_ptrs {
-    const uint8_t *row[4];
-    const float *sc[4], *zsc[4];
-    const int8_t *xc[4];
-    const float *dx[4], *xs[4];
-} qm__i8_tile_ptrs;
-
-QM_I8_AI void qm__i8_tile_setup(const qm__qmat *m, uint32_t n, const int NR, const float *xq,
-                                size_t ldx, const int R, float *scratch, qm__i8_tile_ptrs *p)
-{
-    const size_t nsb = qm__i8_nsb(m), nb8 = ((size_t)m->nblk + 7) / 8 * 8;
-    /* f32 scales in whole groups of 8 blocks, no zero points: the rows'
-     * scales are read where they lie (the same values the copy would hold,
-     * and no padding is needed), not copied per tile. */
-    const int direct = m->scale_dtype == QM_DTYPE_F32 && !m->zp && m->nblk % 8 == 0;
-#pragma GCC unroll 4
-    for (int i = 0; i < NR; i++) {
-        p->row[i] = m->w + (size_t)(n + i) * m->row_bytes;
-        if (direct) {
-            p->sc[i] = (const float *)m->scales + (size_t)(n + i) * m->nblk;
-            p->zsc[i] = NULL;
-            continue;
+    size_t nb8 = ((size_t)m->nblk + 7) / 8 * 8;
+    for (size_t b = 0; b < nb8; b++)
+        for (uint32_t i = h; i < h + 8; i++) {
+            int in = i < nr && b < m->nblk;
+            sct[16 * b + i] = in ? qm__qmat_scale(m, n0 + i, (uint32_t)b) : 0.0f;
+            if (zpt)
+                zpt[16 * b + i] = in ? qm__qmat_zp(m, n0 + i, (uint32_t)b) : 0;
         }
-        float *s = scratch + (size_t)i * 2 * nb8;
-        qm__i8_row_params(m, n + i, s, s + nb8);
-        p->sc[i] = s;
-        p->zsc[i] = s + nb8;
-    }
-#pragma GCC unroll 4
-    for (int r = 0; r < R; r++) {
-        const float *xr = xq + (size_t)r * ldx;
-        p->xc[r] = (const int8_t *)xr;
-        p->dx[r] = xr + nsb * 8;
-        p->xs[r] = p->dx[r] + nsb * 8;
+}
+
+/* Scales (and zero points, when zpt is not NULL) of rows [n0, n0 + nr). */
+static inline void qm__i8_params_c(const qm__qmat *m, uint32_t n0, uint32_t nr, float *sct,
+                                   int32_t *zpt)
+{
+    qm__i8_params8_c(m, n0, nr, 0, sct, zpt);
+    qm__i8_params8_c(m, n0, nr, 8, sct, zpt);
+}
+
+/* Byte o of a row, 0 past its end. */
+static inline uint8_t qm__i8_row_byte(const qm__qmat *m, const uint8_t *row, size_t o)
+{
+    return o < m->row_bytes ? row[o] : 0;
+}
+
+/* The u8 panel of sub-blocks [j0, j1) of rows [n0, n0 + nr), from pan. */
+static inline void qm__i8_pack_u8_c(const qm__qmat *m, uint32_t n0, uint32_t nr, size_t j0,
+                                    size_t j1, uint8_t *pan)
+{
+    memset(pan, 0, 512 * (j1 - j0));
+    for (uint32_t i = 0; i < nr; i++) {
+        const uint8_t *row = m->w + (size_t)(n0 + i) * m->row_bytes;
+        for (size_t j = j0; j < j1; j++)
+            for (uint32_t p = 0; p < 32; p++) {
+                uint32_t c = qm__i8_pos_col(m, p);
+                uint8_t v;
+                if (m->bits == 4)
+                    v = (uint8_t)((qm__i8_row_byte(m, row, 16 * j + c / 2) >> (4 * (c & 1))) & 15);
+                else
+                    v = qm__i8_row_byte(m, row, 32 * j + c);
+                pan[512 * (j - j0) + 64 * (p / 4) + 4 * i + p % 4] = v;
+            }
     }
 }
 
-/* Once per 64 bytes of codes (4 sub-blocks of 4-bit codes, 2 of 8-bit;
- * called for even j), the same bytes of the next 4 rows (contiguous after
- * these). */
-QM_I8_AI void qm__i8_prefetch(const qm__i8_tile_ptrs *p, const int NR, size_t j, const int BITS,
-                              size_t rb)
+/* The s16 (q - zp) panel of 8-bit sub-blocks [j0, j1) of rows [n0, n0 + nr). */
+static inline void qm__i8_pack_s16_c(const qm__qmat *m, uint32_t n0, uint32_t nr, size_t j0,
+                                     size_t j1, uint8_t *pan)
 {
-    if (NR == 4 && (BITS == 8 || (j & 3) == 0)) {
-        size_t poff = j * 4 * BITS + 4 * rb;
-#pragma GCC unroll 4
-        for (int i = 0; i < 4; i++)
-            _mm_prefetch((const char *)(p->row[i] + poff), _MM_HINT_T0);
-    }
-}
-
-#ifdef QM__I8_FN
-/* Sub-blocks j and j + 1 of a row as two vectors of 32 u8 codes in the
- * prepared order. */
-QM_I8_AI void qm__i8_wpair(const uint8_t *row, size_t rb, size_t j, const int BITS, __m256i *w0,
-                           __m256i *w1)
-{
-    uint8_t tmp[64];
-    if (BITS == 4) {
-        __m256i v = _mm256_loadu_si256((const __m256i *)qm__i8_bytes(row, rb, 16 * j, 32, tmp));
-        const __m256i lo4 = _mm256_set1_epi8(15);
-        __m256i lo = _mm256_and_si256(v, lo4);
-        __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), lo4);
-        *w0 = _mm256_permute2x128_si256(lo, hi, 0x20);
-        *w1 = _mm256_permute2x128_si256(lo, hi, 0x31);
-    } else {
-        const uint8_t *p = qm__i8_bytes(row, rb, 32 * j, 64, tmp);
-        *w0 = _mm256_loadu_si256((const __m256i *)p);
-        *w1 = _mm256_loadu_si256((const __m256i *)(p + 32));
-    }
-}
-
-/* NR weight rows x R inputs (NR * R <= 4: 2 accumulators each in 16 registers). */
-QM_I8_AI void qm__i8_tile(const qm__qmat *m, uint32_t n, const int NR, const float *xq,
-                          size_t ldx, const int R, float *y, size_t ldy, float *scratch,
-                          const int BITS)
-{
-    const size_t nsb = qm__i8_nsb(m);
-    const uint32_t spb = qm__i8_spb(m), nblk = m->nblk;
-    const size_t rb = m->row_bytes;
-    qm__i8_tile_ptrs p;
-    qm__i8_tile_setup(m, n, NR, xq, ldx, R, scratch, &p);
-    __m256 A[4][4], B[4][4];
-#pragma GCC unroll 4
-    for (int i = 0; i < NR; i++)
-#pragma GCC unroll 4
-        for (int r = 0; r < R; r++)
-            A[i][r] = B[i][r] = _mm256_setzero_ps();
-    for (size_t j = 0; j < nsb; j += 2) {
-        qm__i8_prefetch(&p, NR, j, BITS, rb);
-        __m256i x0[4], x1[4];
-        __m256 d0[4], d1[4];
-#pragma GCC unroll 4
-        for (int r = 0; r < R; r++) {
-            x0[r] = _mm256_loadu_si256((const __m256i *)(p.xc[r] + 32 * j));
-            x1[r] = _mm256_loadu_si256((const __m256i *)(p.xc[r] + 32 * j + 32));
-            d0[r] = _mm256_loadu_ps(p.dx[r] + 8 * j);
-            d1[r] = _mm256_loadu_ps(p.dx[r] + 8 * j + 8);
-        }
-#pragma GCC unroll 4
-        for (int i = 0; i < NR; i++) {
-            __m256i w0, w1;
-            qm__i8_wpair(p.row[i], rb, j, BITS, &w0, &w1);
-            __m256 s0 = _mm256_set1_ps(qm__i8_sc(p.sc[i], j, spb, nblk));
-            __m256 s1 = _mm256_set1_ps(qm__i8_sc(p.sc[i], j + 1, spb, nblk));
-#pragma GCC unroll 4
-            for (int r = 0; r < R; r++) {
-                __m256i p0 = BITS == 4 ? QM__I8_DOT4(w0, x0[r]) : QM__I8_DOT8(w0, x0[r]);
-                __m256i p1 = BITS == 4 ? QM__I8_DOT4(w1, x1[r]) : QM__I8_DOT8(w1, x1[r]);
-                A[i][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p0), _mm256_mul_ps(s0, d0[r]),
-                                          A[i][r]);
-                B[i][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p1), _mm256_mul_ps(s1, d1[r]),
-                                          B[i][r]);
+    memset(pan, 0, 1024 * (j1 - j0));
+    uint32_t spb = qm__i8_spb(m);
+    for (uint32_t i = 0; i < nr; i++) {
+        const uint8_t *row = m->w + (size_t)(n0 + i) * m->row_bytes;
+        for (size_t j = j0; j < j1; j++) {
+            int zp = qm__qmat_zp(m, n0 + i, (uint32_t)(j / spb));
+            for (uint32_t c = 0; c < 32; c++) {
+                int16_t v = (int16_t)(qm__i8_row_byte(m, row, 32 * j + c) - zp);
+                memcpy(pan + 1024 * (j - j0) + 64 * (c / 2) + 4 * i + 2 * (c % 2), &v, 2);
             }
         }
     }
-#pragma GCC unroll 4
-    for (int i = 0; i < NR; i++)
-#pragma GCC unroll 4
-        for (int r = 0; r < R; r++)
-            y[(size_t)r * ldy + n + i] = qm__i8_hsum(_mm256_add_ps(A[i][r], B[i][r])) -
-                                         qm__i8_corr(m, p.sc[i], p.zsc[i], p.xs[r]);
 }
 
-/* Decode: 4 rows x 1 input; otherwise 2 rows x 2 inputs; then the leftovers. */
-#define QM__I8_BODY(BITS)                                                                          \
-    do {                                                                                           \
-        uint32_t r0 = 0;                                                                           \
-        for (; r0 + 2 <= nx; r0 += 2) {                                                            \
-            const float *xr = xq + (size_t)r0 * ldx;                                               \
-            float *yr = y + (size_t)r0 * ldy;                                                      \
-            uint32_t n = n0;                                                                       \
-            for (; n + 2 <= n1; n += 2)                                                            \
-                qm__i8_tile(m, n, 2, xr, ldx, 2, yr, ldy, scratch, BITS);                          \
-            for (; n < n1; n++)                                                                    \
-                qm__i8_tile(m, n, 1, xr, ldx, 2, yr, ldy, scratch, BITS);                          \
-        }                                                                                          \
-        for (; r0 < nx; r0++) {                                                                    \
-            const float *xr = xq + (size_t)r0 * ldx;                                               \
-            float *yr = y + (size_t)r0 * ldy;                                                      \
-            uint32_t n = n0;                                                                       \
-            for (; n + 4 <= n1; n += 4)                                                            \
-                qm__i8_tile(m, n, 4, xr, ldx, 1, yr, ldy, scratch, BITS);                          \
-            for (; n < n1; n++)                                                                    \
-                qm__i8_tile(m, n, 1, xr, ldx, 1, yr, ldy, scratch, BITS);                          \
-        }                                                                                          \
-    } while (0)
+/* ---- AMX ----
+ * The 64-byte tile configuration ldtilecfg reads (palette 1): C = tmm0
+ * (M rows of 16 int32), A = tmm1 (M inputs x 32 s8 codes of a sub-block),
+ * B = tmm2 (the u8 panel of that sub-block: 8 rows of 64 bytes). */
+typedef struct qm__amx_cfg {
+    uint8_t palette, start_row;
+    uint8_t reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} qm__amx_cfg;
 
-static void qm__i8mm_q4(const qm__qmat *m, uint32_t n0, uint32_t n1, const float *xq, size_t ldx,
-                        uint32_t nx, float *y, size_t ldy, float *scratch)
+static inline void qm__amx_cfg_make(qm__amx_cfg *c, uint32_t M)
 {
-    QM__I8_BODY(4);
+    memset(c, 0, sizeof *c);
+    c->palette = 1;
+    c->colsb[0] = 64;
+    c->rows[0] = (uint8_t)M;
+    c->colsb[1] = 32;
+    c->rows[1] = (uint8_t)M;
+    c->colsb[2] = 64;
+    c->rows[2] = 8;
 }
-
-static void qm__i8mm_q8(const qm__qmat *m, uint32_t n0, uint32_t n1, const float *xq, size_t ldx,
-                        uint32_t nx, float *y, size_t ldy, float *scratch)
-{
-    QM__I8_BODY(8);
-}
-
-void QM__I8_FN(const qm__qmat *m, uint32_t n0, uint32_t n1, const float *xq, size_t ldx,
-               uint32_t nx, float *y, size_t ldy, float *scratch)
-{
-    if (m->bits == 4)
-        qm__i8mm_q4(m, n0, n1, xq, ldx, nx, y, ldy, scratch);
-    else
-        qm__i8mm_q8(m, n0, n1, xq, ldx, nx, y, ldy, scratch);
-}
-#endif /* QM__I8_FN */
 
 #endif

@@ -1,30 +1,203 @@
-/* qm_kernel_i8_avx2.c - fast-mode kernel on AVX2 (compiled with -mavx2 -mfma):
- * vpmaddubsw (u8 x s8 -> s16 pairs) then vpmaddwd by ones (-> s32).
- * 4-bit codes (<= 15) times |x| <= 127: a pair is at most 3810, no
- * saturation. 8-bit codes would saturate vpmaddubsw (255 * 127 * 2), so they
- * are widened to 16 bits and multiplied with vpmaddwd. Both produce lane i =
- * the exact sum over columns 4i..4i+3, as vpdpbusd does: every fast kernel
- * gives the same integers in the same lanes, hence the same output bits. */
-#include <immintrin.h>
+/* qm_kernel_i8_avx2.c - fast-mode kernel on AVX2 (compiled with -mavx2
+ * -mfma -mf16c): vpmaddubsw (u8 x s8 -> s16 pairs) then vpmaddwd (-> s32).
+ *
+ * Decode (fewer than QM__I8_AVX2_GEMM_MIN inputs, 8-bit: _MIN8): the GEMV of
+ * qm_kernel_i8_x86.h, 8 rows at a time. 4-bit codes (<= 15) times |x| <=
+ * 127 make a vpmaddubsw pair of at most 3810, no saturation; 8-bit codes
+ * would saturate it (255 * 127 * 2), so they are widened to 16 bits and
+ * multiplied with vpmaddwd.
+ * Prefill: the GEMM of qm_kernel_i8_gemm.h on 8 rows per vector. 4-bit:
+ * the u8 panel, a sub-block's 8 vpmaddubsw steps summed in s16 (at most
+ * 8 * 3810 = 30480) and widened once by vpmaddwd. 8-bit: the s16 panel of
+ * q - zp against the s16 codes, vpmaddwd into s32.
+ * Both give qm_kernel_i8.h's exact sums, hence every fast kernel's bits. */
+#include "qm_kernel_i8_x86.h"
 
-static inline __m256i qm__dot4_avx2(__m256i w, __m256i x)
+/* Inputs from which a call runs the GEMM, 4-bit and 8-bit (measured with
+ * bench/qmoe_cpu/qmoe_kernel_micro --inputs N, kernels avx2-gemv and
+ * avx2-gemm: the 8-bit GEMM's s16 steps do half the work of the 4-bit
+ * ones per instruction, so it pays only from about 24 inputs). */
+#define QM__I8_AVX2_GEMM_MIN 5u
+#define QM__I8_AVX2_GEMM_MIN8 24u
+
+static inline __m256i qm__avx2_dot4(__m256i lo, __m256i hi, __m256i xl, __m256i xh)
 {
-    return _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), _mm256_set1_epi16(1));
+    __m256i s = _mm256_add_epi16(_mm256_maddubs_epi16(lo, xl), _mm256_maddubs_epi16(hi, xh));
+    return _mm256_madd_epi16(s, _mm256_set1_epi16(1));
 }
 
-static inline __m256i qm__dot8_avx2(__m256i w, __m256i x)
+static inline __m256i qm__avx2_dot8(const uint8_t *w, const int8_t *x, const int16_t *x16)
 {
-    /* pl lane i: columns 2i, 2i+1 (0..15); ph: the same for 16..31. */
-    __m256i pl = _mm256_madd_epi16(_mm256_cvtepu8_epi16(_mm256_castsi256_si128(w)),
-                                   _mm256_cvtepi8_epi16(_mm256_castsi256_si128(x)));
-    __m256i ph = _mm256_madd_epi16(_mm256_cvtepu8_epi16(_mm256_extracti128_si256(w, 1)),
-                                   _mm256_cvtepi8_epi16(_mm256_extracti128_si256(x, 1)));
-    /* hadd: [0-3, 4-7, 16-19, 20-23 | 8-11, 12-15, 24-27, 28-31]; then 64-bit
-     * pairs (0, 2, 1, 3) put the groups of 4 columns in order. */
-    return _mm256_permute4x64_epi64(_mm256_hadd_epi32(pl, ph), 0xD8);
+    (void)x;
+    __m256i wa = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)w));
+    __m256i wb = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(w + 16)));
+    return _mm256_add_epi32(_mm256_madd_epi16(wa, _mm256_loadu_si256((const __m256i *)x16)),
+                            _mm256_madd_epi16(wb, _mm256_loadu_si256((const __m256i *)(x16 + 16))));
 }
 
-#define QM__I8_FN qm__i8mm_avx2
-#define QM__I8_DOT4(w, x) qm__dot4_avx2(w, x)
-#define QM__I8_DOT8(w, x) qm__dot8_avx2(w, x)
-#include "qm_kernel_i8.h"
+#define QM__V_FN qm__i8avx2_gemv
+#define QM__V_DOT4(lo, hi, xl, xh) qm__avx2_dot4(lo, hi, xl, xh)
+#define QM__V_DOT8(w, x, x16) qm__avx2_dot8(w, x, x16)
+#include "qm_kernel_i8_x86.h"
+
+static inline __m256i qm__avx2_bcast4(const uint8_t *p)
+{
+    int32_t v;
+    memcpy(&v, p, 4);
+    return _mm256_set1_epi32(v);
+}
+
+#define QM__G_VL 8
+#define QM__G_VI __m256i
+#define QM__G_VF __m256
+#define QM__G_VLOADI(p) _mm256_loadu_si256((const __m256i *)(p))
+#define QM__G_SUBZ(s, z) _mm256_sub_epi32(s, _mm256_set1_epi32(z))
+#define QM__G_SUBZP(s, zp, q)                                                                      \
+    _mm256_sub_epi32(s, _mm256_mullo_epi32(_mm256_loadu_si256((const __m256i *)(zp)),               \
+                                           _mm256_set1_epi32(q)))
+#define QM__G_CVT(s) _mm256_cvtepi32_ps(s)
+#define QM__G_LOADF(p) _mm256_loadu_ps(p)
+#define QM__G_STOREF(p, v) _mm256_storeu_ps(p, v)
+#define QM__G_SETF(f) _mm256_set1_ps(f)
+#define QM__G_ZEROF() _mm256_setzero_ps()
+#define QM__G_FMA(a, b, c) _mm256_fmadd_ps(a, b, c)
+#define QM__G_VA __m256i
+#define QM__G_VW __m256i
+#define QM__G_ACC0() _mm256_setzero_si256()
+#define QM__G_LOADW(p) _mm256_loadu_si256((const __m256i *)(p))
+#define QM__G_NR 4
+#define QM__G_PARAMS(m, n0, nr, sct, zpt) qm__x_params(m, n0, nr, sct, zpt)
+
+/* 4-bit: u8 panel, s16 sums per sub-block. */
+#define QM__G_FN qm__i8avx2_gemm_q4
+#define QM__G_MICRO qm__i8avx2_micro_q4
+#define QM__G_G 8
+#define QM__G_S16 0
+#define QM__G_STEP(a, w, x4) _mm256_add_epi16(a, _mm256_maddubs_epi16(w, qm__avx2_bcast4(x4)))
+#define QM__G_FIN(a) _mm256_madd_epi16(a, _mm256_set1_epi16(1))
+#define QM__G_PACK(m, n0, nr, j0, j1, pan) qm__x_pack_u8(m, n0, nr, j0, j1, pan)
+static void qm__i8avx2_gemm_q4(const qm__qmat *m, uint32_t n0, uint32_t n1, const float *xq,
+                             size_t ldx, uint32_t nx, float *y, size_t ldy, float *scratch);
+#include "qm_kernel_i8_gemm.h"
+#undef QM__G_FN
+#undef QM__G_MICRO
+#undef QM__G_G
+#undef QM__G_S16
+#undef QM__G_STEP
+#undef QM__G_FIN
+#undef QM__G_PACK
+
+/* 8-bit: s16 panel of q - zp, vpmaddwd into s32. */
+#define QM__G_FN qm__i8avx2_gemm_q8
+#define QM__G_MICRO qm__i8avx2_micro_q8
+#define QM__G_G 16
+#define QM__G_S16 1
+#define QM__G_STEP(a, w, x4) _mm256_add_epi32(a, _mm256_madd_epi16(w, qm__avx2_bcast4(x4)))
+#define QM__G_FIN(a) (a)
+#define QM__G_PACK(m, n0, nr, j0, j1, pan) qm__x_pack_s16(m, n0, nr, j0, j1, pan)
+static void qm__i8avx2_gemm_q8(const qm__qmat *m, uint32_t n0, uint32_t n1, const float *xq,
+                             size_t ldx, uint32_t nx, float *y, size_t ldy, float *scratch);
+#include "qm_kernel_i8_gemm.h"
+
+void qm__i8mm_avx2(const qm__qmat *m, uint32_t n0, uint32_t n1, const float *xq, size_t ldx,
+                   uint32_t nx, float *y, size_t ldy, float *scratch)
+{
+    if (nx < (m->bits == 4 ? QM__I8_AVX2_GEMM_MIN : QM__I8_AVX2_GEMM_MIN8))
+        qm__i8avx2_gemv(m, n0, n1, xq, ldx, nx, y, ldy, scratch);
+    else if (m->bits == 4)
+        qm__i8avx2_gemm_q4(m, n0, n1, xq, ldx, nx, y, ldy, scratch);
+    else
+        qm__i8avx2_gemm_q8(m, n0, n1, xq, ldx, nx, y, ldy, scratch);
+}
+
+void qm__i8mm_avx2_path(int gemm, const qm__qmat *m, uint32_t n0, uint32_t n1, const float *xq,
+                        size_t ldx, uint32_t nx, float *y, size_t ldy, float *scratch)
+{
+    if (!gemm)
+        qm__i8avx2_gemv(m, n0, n1, xq, ldx, nx, y, ldy, scratch);
+    else if (m->bits == 4)
+        qm__i8avx2_gemm_q4(m, n0, n1, xq, ldx, nx, y, ldy, scratch);
+    else
+        qm__i8avx2_gemm_q8(m, n0, n1, xq, ldx, nx, y, ldy, scratch);
+}
+
+/* The vector packers, for tests/engine (byte for byte those of qm_kernel_i8.h). */
+void qm__i8_pack_avx2(const qm__qmat *m, uint32_t n0, uint32_t nr, size_t j0, size_t j1,
+                      int s16, uint8_t *pan)
+{
+    if (s16)
+        qm__x_pack_s16(m, n0, nr, j0, j1, pan);
+    else
+        qm__x_pack_u8(m, n0, nr, j0, j1, pan);
+}
+
+void qm__i8_params_avx2(const qm__qmat *m, uint32_t n0, uint32_t nr, float *sct, int32_t *zpt)
+{
+    qm__x_params(m, n0, nr, sct, zpt);
+}
+
+/* qm__i8_prep_c on vectors, byte for byte: the same max, the same 127 / amax
+ * and product, vcvtps2dq rounding to nearest even as lrintf does, the same
+ * clamp; 4-bit rows then put each sub-block's even columns before its odd. */
+void qm__i8_prep_avx2(const qm__qmat *m, const float *x, float *xq)
+{
+    size_t nsb = qm__i8_nsb(m);
+    int8_t *q = (int8_t *)xq;
+    int16_t *q16 = m->bits == 8 ? (int16_t *)(xq + nsb * 8) : NULL;
+    float *dx = xq + qm__i8_dx_off(m);
+    int32_t *sumq = (int32_t *)(dx + nsb), *zsum = sumq + nsb;
+    const __m256 absm = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+    const __m256i lim = _mm256_set1_epi32(127), nlim = _mm256_set1_epi32(-127);
+    /* Within each 128-bit lane: even bytes, then odd bytes. */
+    const __m256i eo = _mm256_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15, 0, 2,
+                                        4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15);
+    for (size_t j = 0; j < nsb; j++) {
+        float tmp[32];
+        const float *p = x + 32 * j;
+        if (32 * j + 32 > m->k) {
+            memset(tmp, 0, sizeof tmp);
+            if (32 * j < m->k)
+                memcpy(tmp, p, sizeof(float) * (m->k - 32 * j));
+            p = tmp;
+        }
+        __m256 v[4], mx = _mm256_setzero_ps();
+        for (int i = 0; i < 4; i++) {
+            v[i] = _mm256_loadu_ps(p + 8 * i);
+            /* max_ps answers its second operand when either is NaN: a NaN
+             * input leaves the maximum alone, as the C comparison does. */
+            mx = _mm256_max_ps(_mm256_and_ps(v[i], absm), mx);
+        }
+        __m128 h = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
+        h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+        h = _mm_max_ss(h, _mm_shuffle_ps(h, h, 1));
+        float amax = _mm_cvtss_f32(h);
+        float id = amax > 0.0f ? 127.0f / amax : 0.0f;
+        __m256 idv = _mm256_set1_ps(id);
+        __m256i c[4], sum = _mm256_setzero_si256();
+        for (int i = 0; i < 4; i++) {
+            c[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], idv));
+            c[i] = _mm256_max_epi32(_mm256_min_epi32(c[i], lim), nlim);
+            sum = _mm256_add_epi32(sum, c[i]);
+        }
+        /* 32 int32 -> 32 int8 in column order (packs work per 128-bit lane). */
+        __m256i w01 = _mm256_packs_epi32(c[0], c[1]), w23 = _mm256_packs_epi32(c[2], c[3]);
+        __m256i b = _mm256_packs_epi16(w01, w23);
+        b = _mm256_permutevar8x32_epi32(b, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+        if (q16) {
+            _mm256_storeu_si256((__m256i *)(q16 + 32 * j),
+                                _mm256_cvtepi8_epi16(_mm256_castsi256_si128(b)));
+            _mm256_storeu_si256((__m256i *)(q16 + 32 * j + 16),
+                                _mm256_cvtepi8_epi16(_mm256_extracti128_si256(b, 1)));
+        } else {
+            b = _mm256_permute4x64_epi64(_mm256_shuffle_epi8(b, eo), 0xD8);
+        }
+        _mm256_storeu_si256((__m256i *)(q + 32 * j), b);
+        __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(sum), _mm256_extracti128_si256(sum, 1));
+        s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4E));
+        s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xB1));
+        int32_t total = _mm_cvtsi128_si32(s4);
+        dx[j] = amax / 127.0f;
+        sumq[j] = total;
+        zsum[j] = total * (1 << (m->bits - 1));
+    }
+}

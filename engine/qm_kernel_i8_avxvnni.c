@@ -1,9 +1,67 @@
 /* qm_kernel_i8_avxvnni.c - fast-mode kernel on AVX-VNNI (VEX vpdpbusd,
- * compiled with -mavx2 -mfma -mavxvnni): u8 codes times s8 inputs summed
- * by 4 into s32 lanes, exact (no saturation). */
-#include <immintrin.h>
+ * compiled with -mavx2 -mfma -mf16c -mavxvnni): u8 codes times s8 inputs
+ * summed by 4 into s32 lanes, exact (no saturation), for 4-bit and 8-bit
+ * codes alike. Decode: qm_kernel_i8_x86.h's GEMV; prefill:
+ * qm_kernel_i8_gemm.h on 8 rows per vector and the u8 panel, the blocking
+ * its model (qm_kernel_i8_model.c, QM__I8_AVXVNNI_NR) runs in the tests. */
+#include "qm_kernel_i8_x86.h"
 
-#define QM__I8_FN qm__i8mm_avxvnni
-#define QM__I8_DOT4(w, x) _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), w, x)
-#define QM__I8_DOT8(w, x) _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), w, x)
-#include "qm_kernel_i8.h"
+static inline __m256i qm__avxvnni_dot4(__m256i lo, __m256i hi, __m256i xl, __m256i xh)
+{
+    return _mm256_dpbusd_avx_epi32(_mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), lo, xl), hi,
+                                   xh);
+}
+
+#define QM__V_FN qm__avxvnni_gemv
+#define QM__V_DOT4(lo, hi, xl, xh) qm__avxvnni_dot4(lo, hi, xl, xh)
+#define QM__V_DOT8(w, x, x16)                                                                      \
+    _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), _mm256_loadu_si256((const __m256i *)(w)),      \
+                            _mm256_loadu_si256((const __m256i *)(x)))
+#include "qm_kernel_i8_x86.h"
+
+static inline __m256i qm__avxvnni_bcast4(const uint8_t *p)
+{
+    int32_t v;
+    memcpy(&v, p, 4);
+    return _mm256_set1_epi32(v);
+}
+
+#define QM__G_VL 8
+#define QM__G_VI __m256i
+#define QM__G_VF __m256
+#define QM__G_VLOADI(p) _mm256_loadu_si256((const __m256i *)(p))
+#define QM__G_SUBZ(s, z) _mm256_sub_epi32(s, _mm256_set1_epi32(z))
+#define QM__G_SUBZP(s, zp, q)                                                                      \
+    _mm256_sub_epi32(s, _mm256_mullo_epi32(_mm256_loadu_si256((const __m256i *)(zp)),               \
+                                           _mm256_set1_epi32(q)))
+#define QM__G_CVT(s) _mm256_cvtepi32_ps(s)
+#define QM__G_LOADF(p) _mm256_loadu_ps(p)
+#define QM__G_STOREF(p, v) _mm256_storeu_ps(p, v)
+#define QM__G_SETF(f) _mm256_set1_ps(f)
+#define QM__G_ZEROF() _mm256_setzero_ps()
+#define QM__G_FMA(a, b, c) _mm256_fmadd_ps(a, b, c)
+#define QM__G_VA __m256i
+#define QM__G_VW __m256i
+#define QM__G_ACC0() _mm256_setzero_si256()
+#define QM__G_LOADW(p) _mm256_loadu_si256((const __m256i *)(p))
+#define QM__G_NR QM__I8_AVXVNNI_NR
+#define QM__G_PARAMS(m, n0, nr, sct, zpt) qm__x_params(m, n0, nr, sct, zpt)
+#define QM__G_FN qm__avxvnni_gemm
+#define QM__G_MICRO qm__avxvnni_micro
+#define QM__G_G 8
+#define QM__G_S16 0
+#define QM__G_STEP(a, w, x4) _mm256_dpbusd_avx_epi32(a, w, qm__avxvnni_bcast4(x4))
+#define QM__G_FIN(a) (a)
+#define QM__G_PACK(m, n0, nr, j0, j1, pan) qm__x_pack_u8(m, n0, nr, j0, j1, pan)
+static void qm__avxvnni_gemm(const qm__qmat *m, uint32_t n0, uint32_t n1, const float *xq,
+                             size_t ldx, uint32_t nx, float *y, size_t ldy, float *scratch);
+#include "qm_kernel_i8_gemm.h"
+
+void qm__i8mm_avxvnni(const qm__qmat *m, uint32_t n0, uint32_t n1, const float *xq, size_t ldx,
+                      uint32_t nx, float *y, size_t ldy, float *scratch)
+{
+    if (nx < QM__I8_VNNI_GEMM_MIN)
+        qm__avxvnni_gemv(m, n0, n1, xq, ldx, nx, y, ldy, scratch);
+    else
+        qm__avxvnni_gemm(m, n0, n1, xq, ldx, nx, y, ldy, scratch);
+}

@@ -10,6 +10,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "qm_kernel_i8.h"
 #include "qm_kernels.h"
 
 static size_t qm__scalar_x_stride(const qm__qmat *m, int gemm)
@@ -87,23 +88,39 @@ static void qm__scalar_gemv(const qm__qmat *m, uint32_t n0, uint32_t n1, const f
             y[(size_t)r * ldy + n] = qm__scalar_q4_canon_dot(m, n, xp + (size_t)r * ldx);
 }
 
-/* ---- fast mode: the specification (qm_kernels.h) ---- */
+/* ---- fast mode: the specification (qm_kernels.h, qm_kernel_i8.h) ---- */
 
 size_t qm__i8_x_stride(const qm__qmat *m)
 {
-    size_t nsb = qm__i8_nsb(m);
-    return nsb * 8 + nsb * 8 + ((size_t)m->nblk + 7) / 8 * 8;
+    return qm__i8_dx_off(m) + 3 * qm__i8_nsb(m);
 }
 
 void qm__i8_prep(const qm__qmat *m, const float *x, float *xq)
 {
+#if defined(QMOE_X86_KERNELS)
+    /* A benign race: every thread stores the same value. The CPU is asked
+     * here, not through qm_kernel_select.c, which calls this file. */
+    static int avx2 = -1;
+    if (avx2 < 0) {
+        __builtin_cpu_init();
+        avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+    }
+    if (avx2) {
+        qm__i8_prep_avx2(m, x, xq);
+        return;
+    }
+#endif
+    qm__i8_prep_c(m, x, xq);
+}
+
+/* The quantiser as the specification writes it; qm__i8_prep_avx2 gives its bytes. */
+void qm__i8_prep_c(const qm__qmat *m, const float *x, float *xq)
+{
     size_t nsb = qm__i8_nsb(m);
     int8_t *q = (int8_t *)xq;
-    float *dx = xq + nsb * 8, *xs = dx + nsb * 8;
-    uint32_t spb = qm__i8_spb(m);
-    size_t nxs = ((size_t)m->nblk + 7) / 8 * 8;
-    for (size_t b = 0; b < nxs; b++)
-        xs[b] = 0.0f;
+    int16_t *q16 = m->bits == 8 ? (int16_t *)(xq + nsb * 8) : NULL;
+    float *dx = xq + qm__i8_dx_off(m);
+    int32_t *sumq = (int32_t *)(dx + nsb), *zsum = sumq + nsb;
     for (size_t j = 0; j < nsb; j++) {
         float amax = 0.0f;
         for (size_t t = 0; t < 32; t++) {
@@ -112,51 +129,47 @@ void qm__i8_prep(const qm__qmat *m, const float *x, float *xq)
             amax = a > amax ? a : amax;
         }
         float id = amax > 0.0f ? 127.0f / amax : 0.0f;
-        int sum = 0;
-        for (size_t t = 0; t < 32; t++) {
-            size_t c = 32 * j + t;
+        int32_t sum = 0;
+        for (uint32_t p = 0; p < 32; p++) {
+            size_t c = 32 * j + qm__i8_pos_col(m, p);
             long v = c < m->k ? lrintf(x[c] * id) : 0;
             v = v > 127 ? 127 : v < -127 ? -127 : v;
-            size_t pos = m->bits == 4 ? (t & 1) * 16 + t / 2 : t;
-            q[32 * j + pos] = (int8_t)v;
-            sum += (int)v;
+            q[32 * j + p] = (int8_t)v;
+            if (q16)
+                q16[32 * j + p] = (int16_t)v;
+            sum += (int32_t)v;
         }
-        float d = amax / 127.0f;
-        for (size_t t = 0; t < 8; t++)
-            dx[8 * j + t] = d;
-        if (32 * j < m->k)
-            xs[j / spb] += d * (float)sum;
+        dx[j] = amax / 127.0f;
+        sumq[j] = sum;
+        zsum[j] = sum * (1 << (m->bits - 1));
     }
 }
 
+/* The canonical order of qm_kernel_i8.h, one output at a time. */
 static void qm__scalar_i8mm(const qm__qmat *m, uint32_t n0, uint32_t n1, const float *xq,
                             size_t ldx, uint32_t nx, float *y, size_t ldy, float *scratch)
 {
-    size_t nsb = qm__i8_nsb(m);
+    size_t nse = qm__i8_nse(m);
     uint32_t spb = qm__i8_spb(m);
     (void)scratch;
     for (uint32_t n = n0; n < n1; n++) {
         const uint8_t *row = m->w + (size_t)n * m->row_bytes;
         for (uint32_t r = 0; r < nx; r++) {
-            const float *xr = xq + (size_t)r * ldx;
-            const int8_t *q = (const int8_t *)xr;
-            const float *dx = xr + nsb * 8, *xs = dx + nsb * 8;
+            qm__i8_xrow x = qm__i8_xrow_at(m, xq + (size_t)r * ldx);
             float acc = 0.0f;
             for (uint32_t b = 0; b < m->nblk; b++) {
-                float blk = 0.0f;
-                for (size_t j = (size_t)b * spb; j < (size_t)(b + 1) * spb && j < nsb; j++) {
-                    int32_t sdot = 0;
-                    for (uint32_t t = 0; t < 32; t++) {
-                        uint32_t c = (uint32_t)(32 * j + t);
-                        if (c >= m->k)
-                            break;
-                        size_t pos = m->bits == 4 ? (t & 1) * 16 + t / 2 : t;
-                        sdot += qm__qmat_code(m, row, c) * q[32 * j + pos];
+                int zp = qm__qmat_zp(m, n, b);
+                float t = 0.0f;
+                for (size_t j = (size_t)b * spb; j < (size_t)(b + 1) * spb && j < nse; j++) {
+                    int32_t s = 0;
+                    for (uint32_t p = 0; p < 32; p++) {
+                        uint32_t c = (uint32_t)(32 * j) + qm__i8_pos_col(m, p);
+                        if (c < m->k)
+                            s += (qm__qmat_code(m, row, c) - zp) * x.q[32 * j + p];
                     }
-                    blk += dx[8 * j] * (float)sdot;
+                    t = fmaf((float)s, x.dx[j], t);
                 }
-                blk -= (float)qm__qmat_zp(m, n, b) * xs[b];
-                acc += qm__qmat_scale(m, n, b) * blk;
+                acc = fmaf(t, qm__qmat_scale(m, n, b), acc);
             }
             y[(size_t)r * ldy + n] = acc;
         }
@@ -176,10 +189,13 @@ const qm__i8kernel qm__i8kernel_scalar = {.name = "scalar", .mm = qm__scalar_i8m
 
 size_t qm__kernel_scratch_floats(const qm__qmat *m)
 {
-    /* GEMM: one dequantised tile and its transposed panel; GEMV and fast
-     * mode: per-row scales and zero-point products of up to 4 rows (blocks
-     * padded to 8); plus slack for alignment. */
+    /* Exact GEMM: one dequantised tile and its transposed panel; exact
+     * GEMV: per-row scales and zero-point products of up to 4 rows (blocks
+     * padded to 8); fast mode: qm_kernel_i8.h's row parameters, panel and
+     * accumulators; plus slack for alignment. */
     size_t tile = (size_t)2 * QM__TILE_ROWS * QM__GEMM_KT;
     size_t rows = (size_t)8 * (((size_t)m->nblk + 7) / 8 * 8);
-    return (tile > rows ? tile : rows) + 64;
+    size_t fast = qm__i8_scratch_floats(m);
+    size_t most = tile > rows ? tile : rows;
+    return (most > fast ? most : fast) + 64;
 }

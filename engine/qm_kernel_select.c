@@ -38,11 +38,13 @@
  * qm__kernel_describe() / qm__i8kernel_describe() name the choice; the CPU
  * backend puts them in its device name (daemon.status device.name,
  * qmoe-bank run --verbose). */
+#include <errno.h>
 #include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
+#include <sys/syscall.h>
 #include <unistd.h>
 
 #include "qm_alloc.h"
@@ -125,6 +127,7 @@ static const qm__i8kernel qm__i8kernel_avx512vnni = {.name = "avx512vnni",
 #if defined(QMOE_AVXVNNI_KERNEL)
 static const qm__i8kernel qm__i8kernel_avxvnni = {.name = "avxvnni", .mm = qm__i8mm_avxvnni};
 #endif
+static const qm__i8kernel qm__i8kernel_amx = {.name = "amx", .mm = qm__i8mm_amx};
 #endif
 
 /* This thread's CPU time: other processes on a shared machine cost wall
@@ -232,11 +235,13 @@ static int qm__cal_data(uint8_t **w, float **sc, float **x)
     return 0;
 }
 
-static void qm__i8_auto_calibrate(void)
+/* The fast kernels this CPU runs, widest first. */
+static int qm__i8_cands(const qm__i8kernel **cands)
 {
-    const qm__i8kernel *cands[4];
     int nc = 0;
 #if defined(QMOE_X86_KERNELS)
+    if (qm__cpu_has_amx())
+        cands[nc++] = &qm__i8kernel_amx;
     if (qm__cpu_has_avx512vnni())
         cands[nc++] = &qm__i8kernel_avx512vnni;
 #if defined(QMOE_AVXVNNI_KERNEL)
@@ -248,33 +253,54 @@ static void qm__i8_auto_calibrate(void)
 #endif
     if (nc == 0)
         cands[nc++] = &qm__i8kernel_scalar;
-    for (int b8 = 0; b8 < 2; b8++)
-        qm__i8auto.k[b8][0] = qm__i8auto.k[b8][1] = cands[0];
+    return nc;
+}
+
+static qm__i8kernel_timer qm__i8timer = qm__time_i8;
+
+void qm__i8kernel_set_timer(qm__i8kernel_timer fn)
+{
+    qm__i8timer = fn ? fn : qm__time_i8;
+}
+
+/* Every fast kernel gives the same bits, so each class (decode = jobs of
+ * at most QM__GEMV_MAX_ROWS rows, prefill; 4/8-bit) takes the fastest
+ * candidate on the calibration matrix (1 and QM__CAL_GEMM_ROWS inputs), a
+ * narrower one only when more than 10% faster; kept in QMOE_KERNEL_CACHE
+ * beside the exact choice. */
+static void qm__i8_auto_calibrate(void)
+{
+    const qm__i8kernel *cands[5];
+    const char *names[5];
+    int nc = qm__i8_cands(cands), idx[4] = {0, 0, 0, 0}, from_cache = 0;
+    for (int c = 0; c < nc; c++)
+        names[c] = cands[c]->name;
+    const char *cache = getenv("QMOE_KERNEL_CACHE");
     uint8_t *w;
     float *sc, *x;
-    if (nc > 1 && qm__cal_data(&w, &sc, &x) == 0) {
+    if (nc > 1 && cache && *cache && qm__cache_load(cache, "qmoe-fast-kernels", names, nc, idx) == 0) {
+        from_cache = 1;
+    } else if (nc > 1 && qm__cal_data(&w, &sc, &x) == 0) {
         for (int b8 = 0; b8 < 2; b8++) {
             qm__qmat m = {.w = w, .row_bytes = QM__CAL_K * (b8 ? 8u : 4u) / 8u, .scales = sc,
                           .scale_dtype = QM_DTYPE_F32, .n = QM__CAL_N, .k = QM__CAL_K,
                           .bits = b8 ? 8u : 4u, .nblk = QM__CAL_K / 32, .block = 32};
             for (int pf = 0; pf < 2; pf++) {
-                uint32_t nx = pf ? QM__CAL_GEMM_ROWS : 1;
-                const qm__i8kernel *best = cands[0];
-                double tbest = qm__time_i8(cands[0], &m, nx, x);
-                for (int c = 1; c < nc && tbest > 0; c++) {
-                    double t = qm__time_i8(cands[c], &m, nx, x);
-                    if (t > 0 && t < tbest * 0.90) {
-                        tbest = t;
-                        best = cands[c];
-                    }
-                }
-                qm__i8auto.k[b8][pf] = best;
+                double us[5];
+                for (int c = 0; c < nc; c++)
+                    us[c] = qm__i8timer(cands[c], &m, pf ? QM__CAL_GEMM_ROWS : 1, x);
+                idx[2 * pf + b8] = qm__kernel_pick(us, nc);
             }
         }
         qm_free(w);
         qm_free(sc);
         qm_free(x);
+        if (cache && *cache)
+            qm__cache_save(cache, "qmoe-fast-kernels", names, nc, idx);
     }
+    for (int b8 = 0; b8 < 2; b8++)
+        for (int pf = 0; pf < 2; pf++)
+            qm__i8auto.k[b8][pf] = cands[idx[2 * pf + b8]];
     /* "q4 A, q8 B", or "q4 A/C" when decode (A) and prefill (C) differ. */
     char part[2][64];
     for (int b8 = 0; b8 < 2; b8++) {
@@ -284,8 +310,14 @@ static void qm__i8_auto_calibrate(void)
             snprintf(part[b8], sizeof part[b8], "%s/%s", qm__i8auto.k[b8][0]->name,
                      qm__i8auto.k[b8][1]->name);
     }
-    snprintf(qm__i8auto.desc, sizeof qm__i8auto.desc, "measured: q4 %s, q8 %s", part[0],
-             part[1]);
+    snprintf(qm__i8auto.desc, sizeof qm__i8auto.desc, "measured%s: q4 %s, q8 %s",
+             from_cache ? " (cached)" : "", part[0], part[1]);
+}
+
+const char *qm__i8kernel_recalibrate(void)
+{
+    qm__i8_auto_calibrate();
+    return qm__i8auto.desc;
 }
 
 static qm__kernel_timer qm__timer = qm__time_kernel_real;
@@ -302,104 +334,6 @@ int qm__kernel_pick(const double *us, int nc)
         if (us[best] <= 0.0 || (us[c] > 0.0 && us[c] < us[best] * 0.90))
             best = c;
     return best;
-}
-
-/* ---- the measured choice's cache (QMOE_KERNEL_CACHE) ---- */
-
-/* 2: the 4-bit GEMV's entry is measured (1 held the fixed table's).
- * 3: the AVX-512 GEMM is the packed one (qm_gemm_packed_avx512.c), so the
- *    GEMM entries measured against the old one are taken again. */
-#define QM__CACHE_VERSION 3
-
-/* The CPU's brand string (CPUID 0x80000002..4), or "unknown". */
-static void qm__cpu_brand(char *out, size_t cap)
-{
-    snprintf(out, cap, "unknown");
-#if defined(QMOE_X86_KERNELS)
-    unsigned r[12], a = 0x80000000u, b, c, d;
-    __asm__ volatile("cpuid" : "+a"(a), "=b"(b), "=c"(c), "=d"(d) : "c"(0));
-    if (a < 0x80000004u)
-        return;
-    for (unsigned i = 0; i < 3; i++) {
-        a = 0x80000002u + i;
-        __asm__ volatile("cpuid" : "+a"(a), "=b"(b), "=c"(c), "=d"(d) : "c"(0));
-        r[4 * i] = a, r[4 * i + 1] = b, r[4 * i + 2] = c, r[4 * i + 3] = d;
-    }
-    char brand[49];
-    memcpy(brand, r, 48);
-    brand[48] = 0;
-    const char *p = brand;
-    while (*p == ' ')
-        p++;
-    snprintf(out, cap, "%s", p);
-    for (char *q = out; *q; q++)
-        if (*q == '|' || *q == '\n')
-            *q = ' ';
-#endif
-}
-
-/* Cache key: version, CPU brand, candidate kernels. */
-static void qm__cache_key(const qm__kernel *const *cands, int nc, char *key, size_t cap)
-{
-    char brand[64];
-    qm__cpu_brand(brand, sizeof brand);
-    int o = snprintf(key, cap, "qmoe-kernels %d|%s|", QM__CACHE_VERSION, brand);
-    for (int c = 0; c < nc && o > 0 && (size_t)o < cap; c++)
-        o += snprintf(key + o, cap - (size_t)o, "%s%s", c ? "," : "", cands[c]->name);
-}
-
-static const qm__kernel *qm__cand_named(const qm__kernel *const *cands, int nc, const char *n)
-{
-    for (int c = 0; c < nc; c++)
-        if (strcmp(cands[c]->name, n) == 0)
-            return cands[c];
-    return NULL;
-}
-
-/* The measured classes (order: gemv 4-bit, gemv 8-bit, gemm 4-bit, gemm 8-bit)
- * from the cache file; 0 when found and valid, else -1 with a line on stderr
- * (a missing file says nothing). */
-int qm__kernel_cache_load(const char *path, const qm__kernel *const *cands, int nc,
-                          const qm__kernel *out[4])
-{
-    FILE *f = fopen(path, "r");
-    if (!f)
-        return -1;
-    char line[512], key[256], names[4][32];
-    int ok = fgets(line, sizeof line, f) != NULL;
-    fclose(f);
-    qm__cache_key(cands, nc, key, sizeof key);
-    size_t kl = strlen(key);
-    const char *why = "corrupt";
-    if (ok && strncmp(line, key, kl) == 0 && line[kl] == '|' &&
-        sscanf(line + kl + 1, "%31s %31s %31s %31s", names[0], names[1], names[2], names[3]) == 4) {
-        for (int i = 0; i < 4; i++)
-            if (!(out[i] = qm__cand_named(cands, nc, names[i])))
-                ok = 0;
-        if (ok)
-            return 0;
-    } else if (ok && strncmp(line, "qmoe-kernels ", 13) == 0) {
-        why = "for another CPU, kernel set or version";
-    }
-    fprintf(stderr, "qmoe: kernel cache %s ignored (%s); measuring again\n", path, why);
-    return -1;
-}
-
-static void qm__kernel_cache_save(const char *path, const qm__kernel *const *cands, int nc,
-                                  const qm__kernel *const ch[4])
-{
-    char key[256], tmp[4096];
-    qm__cache_key(cands, nc, key, sizeof key);
-    if (snprintf(tmp, sizeof tmp, "%s.%ld.tmp", path, (long)getpid()) >= (int)sizeof tmp)
-        return;
-    FILE *f = fopen(tmp, "w");
-    if (!f)
-        return;
-    int bad = fprintf(f, "%s|%s %s %s %s\n", key, ch[0]->name, ch[1]->name, ch[2]->name,
-                      ch[3]->name) < 0;
-    bad |= fclose(f) != 0;
-    if (bad || rename(tmp, path) != 0)
-        remove(tmp);
 }
 
 /* mode 0: default (measured, or the cache), 1: measured without the cache,
@@ -459,7 +393,15 @@ static void qm__auto_calibrate(int mode)
             qm_free(x);
             if (cache && *cache) {
                 const qm__kernel *save[4] = {ch->gemv[0], ch->gemv[1], ch->gemm[0], ch->gemm[1]};
-                qm__kernel_cache_save(cache, cands, nc, save);
+                const char *names[4];
+                int idx[4];
+                for (int c = 0; c < nc; c++)
+                    names[c] = cands[c]->name;
+                for (int i = 0; i < 4; i++)
+                    for (int c = 0; c < nc; c++)
+                        if (save[i] == cands[c])
+                            idx[i] = c;
+                qm__cache_save(cache, "qmoe-kernels", names, nc, idx);
             }
         }
     }
@@ -543,6 +485,90 @@ int qm__cpu_has_avxvnni(void)
     return 0;
 #endif
 }
+
+/* ---- AMX: the CPU's flags, the OS's tile state, this process's permission ---- */
+
+#define QM__ARCH_GET_XCOMP_PERM 0x1022
+#define QM__ARCH_REQ_XCOMP_PERM 0x1023
+#define QM__XFEATURE_XTILEDATA 18
+
+static pthread_mutex_t qm__amx_lock = PTHREAD_MUTEX_INITIALIZER;
+static int qm__amx_state;         /* 0: not asked yet, 1: usable, -1: not */
+static const char *qm__amx_reason; /* why not */
+static char qm__amx_reason_buf[128];
+static int qm__amx_fake_cpu;
+static int (*qm__amx_perm_hook)(void);
+
+/* CPUID.(7,0):EDX bits 24 (AMX-TILE) and 25 (AMX-INT8), and XCR0 bits 17
+ * and 18 (the OS saves XTILECFG / XTILEDATA). */
+static int qm__cpu_amx_flags(void)
+{
+    unsigned a, b, c, d;
+    if (!qm__cpu_has_avx512vnni())
+        return 0;
+    __asm__ volatile("cpuid" : "=a"(a), "=b"(b), "=c"(c), "=d"(d) : "a"(0), "c"(0));
+    if (a < 7)
+        return 0;
+    __asm__ volatile("cpuid" : "=a"(a), "=b"(b), "=c"(c), "=d"(d) : "a"(7), "c"(0));
+    if (!((d >> 24) & 1) || !((d >> 25) & 1))
+        return 0;
+    unsigned lo, hi;
+    __asm__ volatile("xgetbv" : "=a"(lo), "=d"(hi) : "c"(0));
+    return ((lo >> 17) & 3) == 3;
+}
+
+/* Linux asks each process to request the tile state before its first tile
+ * instruction (a larger signal frame); a kernel without the call, or one
+ * that refuses, leaves AMX off. */
+static int qm__amx_request(void)
+{
+    if (qm__amx_perm_hook)
+        return qm__amx_perm_hook();
+    unsigned long features = 0;
+    if (syscall(SYS_arch_prctl, QM__ARCH_GET_XCOMP_PERM, &features) == 0 &&
+        ((features >> QM__XFEATURE_XTILEDATA) & 1))
+        return 0;
+    if (syscall(SYS_arch_prctl, QM__ARCH_REQ_XCOMP_PERM, QM__XFEATURE_XTILEDATA) != 0)
+        return errno ? errno : -1;
+    return 0;
+}
+
+int qm__cpu_has_amx(void)
+{
+    pthread_mutex_lock(&qm__amx_lock);
+    if (qm__amx_state == 0) {
+        int flags = qm__amx_fake_cpu || qm__cpu_amx_flags();
+        int refused = flags ? qm__amx_request() : 0;
+        if (!flags) {
+            qm__amx_reason = "no AMX-INT8 on this CPU (or the OS does not save the tile state)";
+        } else if (refused) {
+            snprintf(qm__amx_reason_buf, sizeof qm__amx_reason_buf,
+                     "tile permission refused (arch_prctl ARCH_REQ_XCOMP_PERM: %s)",
+                     refused > 0 ? strerror(refused) : "refused");
+            qm__amx_reason = qm__amx_reason_buf;
+        } else {
+            qm__amx_reason = NULL;
+        }
+        qm__amx_state = qm__amx_reason ? -1 : 1;
+    }
+    int ok = qm__amx_state == 1;
+    pthread_mutex_unlock(&qm__amx_lock);
+    return ok;
+}
+
+const char *qm__amx_why_not(void)
+{
+    return qm__cpu_has_amx() ? NULL : qm__amx_reason;
+}
+
+void qm__kernel_amx_hook(int fake_cpu, int (*perm)(void))
+{
+    pthread_mutex_lock(&qm__amx_lock);
+    qm__amx_fake_cpu = fake_cpu;
+    qm__amx_perm_hook = perm;
+    qm__amx_state = 0;
+    pthread_mutex_unlock(&qm__amx_lock);
+}
 #endif
 
 const qm__kernel *qm__kernel_select(void)
@@ -590,6 +616,8 @@ const qm__i8kernel *qm__i8kernel_select(void)
     if (force && strcmp(force, "avxvnni") == 0 && qm__cpu_has_avxvnni())
         return &qm__i8kernel_avxvnni;
 #endif
+    if (force && strcmp(force, "amx") == 0 && qm__cpu_has_amx())
+        return &qm__i8kernel_amx;
     if (!qm__cpu_has_avx2())
         return &qm__i8kernel_scalar;
     pthread_once(&qm__i8auto_once, qm__i8_auto_calibrate);

@@ -57,42 +57,57 @@ typedef struct qm__kernel {
 /* A fast-mode kernel (int8 activations, integer dot products). Input rows
  * are quantised by qm__i8_prep, shared by every kernel, so the int8
  * activations are the same bits whatever kernel runs; one entry serves
- * every row count: rows [n0, n1) of W times nx quantised rows. */
+ * every row count: rows [n0, n1) of W times nx quantised rows. Every fast
+ * kernel gives the same bits for every row count (qm_kernel_i8.h). */
 typedef struct qm__i8kernel {
-    const char *name; /* "scalar", "avx2" (vpmaddubsw), "avxvnni", "avx512vnni" */
+    const char *name; /* "scalar", "avx2", "avxvnni", "avx512vnni", "amx" */
     void (*mm)(const qm__qmat *m, uint32_t n0, uint32_t n1, const float *xq, size_t ldx,
                uint32_t nx, float *y, size_t ldy, float *scratch);
 } qm__i8kernel;
 
 extern const qm__i8kernel qm__i8kernel_scalar;
-/* The fast-mode kernel for this CPU: measured once per process like the
- * exact one; QMOE_KERNEL=scalar|avx2|avxvnni|avx512vnni forces one
- * (avx512 means avx512vnni; an unavailable one falls back to the choice). */
+/* The fast-mode kernel for this CPU: measured per class (decode, prefill;
+ * 4/8-bit) once per process like the exact one;
+ * QMOE_KERNEL=scalar|avx2|avxvnni|avx512vnni|amx forces one (avx512 means
+ * avx512vnni; an unavailable one falls back to the choice). */
 const qm__i8kernel *qm__i8kernel_select(void);
 const char *qm__i8kernel_describe(const qm__i8kernel *k);
+/* Calibration, for tests: the timer of one fast kernel on nx inputs (best
+ * microseconds, <= 0: could not run; NULL restores thread CPU timing), and
+ * the default choice measured again (not thread-safe) and described. */
+typedef double (*qm__i8kernel_timer)(const qm__i8kernel *k, const qm__qmat *m, uint32_t nx,
+                                     const float *x);
+void qm__i8kernel_set_timer(qm__i8kernel_timer fn);
+const char *qm__i8kernel_recalibrate(void);
 
 /* ---- Fast mode: int8 activations (../docs/ARCHITECTURE.md "fast mode") ----
  * Each input row is cut into sub-blocks of 32 columns (zeros past k); a
  * sub-block with amax = max |x| stores dx = amax / 127 and the codes
- * q = rint(x * 127 / amax) in [-127, 127] (all zero when amax is 0).
- * Prepared row, in floats: kp / 4 floats of int8 codes (kp = k rounded up to
- * 64, an even number of sub-blocks; for 4-bit weights each 32 columns are
- * stored [16 even, 16 odd]), then dx of every sub-block repeated 8 times,
- * then per weight block b xs[b] = sum over its sub-blocks of dx * sum(q)
- * (the zero-point term), zeros up to a multiple of 8 blocks. Output:
- *   y[n] = sum_b scale[n,b] * (sum_{j in b} dx_j * S_j - zp[n,b] * xs[b])
- * with S_j = sum_{c in j} q_w[n,c] * q_x[c] an exact integer. Weight blocks
- * must be whole sub-blocks: row-wise, or block % 32 == 0 (qm__i8_ok). */
+ * q = rint(x * 127 / amax) in [-127, 127] (all zero when amax is 0); nsb,
+ * the number of sub-blocks, is k rounded up to 64 columns (even). The
+ * prepared row's layout is qm_kernel_i8.h's. Output:
+ *   y[n] = sum_b scale[n,b] * sum_{j in b} dx_j * S_j,
+ *   S_j  = sum_{c in j} (q_w[n,c] - zp[n,b]) * q_x[c]   (an exact integer),
+ * in the one floating-point order qm_kernel_i8.h gives. Weight blocks must
+ * be whole sub-blocks: row-wise, or block % 32 == 0 (qm__i8_ok). */
 static inline int qm__i8_ok(const qm__qmat *m)
 {
     return m->nblk == 1 || m->block % 32 == 0;
 }
 size_t qm__i8_x_stride(const qm__qmat *m);
+/* Quantises one row x[0..k) into xq[0..qm__i8_x_stride); the C version is
+ * the specification, the AVX2 one (used where the CPU has it) its bytes. */
 void qm__i8_prep(const qm__qmat *m, const float *x, float *xq);
+void qm__i8_prep_c(const qm__qmat *m, const float *x, float *xq);
 /* Sub-blocks of 32 per weight block. */
 static inline uint32_t qm__i8_spb(const qm__qmat *m)
 {
     return m->nblk == 1 ? (uint32_t)((m->k + 31) / 32) : m->block / 32;
+}
+/* Sub-blocks in a prepared row (even). */
+static inline size_t qm__i8_nsb(const qm__qmat *m)
+{
+    return ((size_t)m->k + 63) / 64 * 2;
 }
 
 /* The 4-bit GEMV's canonical order, followed bit for bit by the scalar,
@@ -153,6 +168,15 @@ void qm__kernel_hide_avx512(int hide);
  * candidates (widest first): 0, or -1 (missing, or invalid: a stderr line). */
 int qm__kernel_cache_load(const char *path, const qm__kernel *const *cands, int nc,
                           const qm__kernel *out[4]);
+/* The cache file's line of one mode (tag "qmoe-kernels" or
+ * "qmoe-fast-kernels", qm_kernel_cache.c): the chosen candidate of each of
+ * its 4 classes as indices into cands (names, widest first); load answers
+ * 0, or -1 (missing or invalid: a stderr line unless the file holds only
+ * the other mode's line). Save keeps the other mode's line. */
+int qm__cache_load(const char *path, const char *tag, const char *const *cands, int nc,
+                   int out[4]);
+void qm__cache_save(const char *path, const char *tag, const char *const *cands, int nc,
+                    const int ch[4]);
 /* What runs: the kernel's name, or the measured choice of each class. */
 const char *qm__kernel_describe(const qm__kernel *k);
 #if defined(QMOE_X86_KERNELS)
@@ -167,11 +191,28 @@ void qm__i8mm_avxvnni(const qm__qmat *m, uint32_t n0, uint32_t n1, const float *
                       uint32_t nx, float *y, size_t ldy, float *scratch);
 void qm__i8mm_avx512vnni(const qm__qmat *m, uint32_t n0, uint32_t n1, const float *xq,
                          size_t ldx, uint32_t nx, float *y, size_t ldy, float *scratch);
-/* Sub-blocks (even), and floats before dx and before xs, in a prepared row. */
-static inline size_t qm__i8_nsb(const qm__qmat *m)
-{
-    return ((size_t)m->k + 63) / 64 * 2;
-}
+/* Only in a thread of a process granted the tile state (qm__cpu_has_amx). */
+void qm__i8mm_amx(const qm__qmat *m, uint32_t n0, uint32_t n1, const float *xq, size_t ldx,
+                  uint32_t nx, float *y, size_t ldy, float *scratch);
+/* AMX-INT8 usable: the CPU flags, the OS's tile state, and this process's
+ * permission for it, asked once (arch_prctl ARCH_REQ_XCOMP_PERM); where not,
+ * why (qm__amx_why_not: "no AMX-INT8 on this CPU", "tile permission
+ * refused: ..."; NULL when usable). */
+int qm__cpu_has_amx(void);
+const char *qm__amx_why_not(void);
+/* Tests: fake_cpu 1 makes the CPU look like it has AMX-INT8 and ask the
+ * permission through perm (0: granted, else refused) instead of the
+ * kernel; the answer is asked again at the next qm__cpu_has_amx. (0, NULL)
+ * undoes it. */
+void qm__kernel_amx_hook(int fake_cpu, int (*perm)(void));
+/* Tests: the AVX2 kernel's GEMV (gemm 0) or GEMM (1) at any input count,
+ * and its vector packers and row parameters (those of qm_kernel_i8.h). */
+void qm__i8mm_avx2_path(int gemm, const qm__qmat *m, uint32_t n0, uint32_t n1, const float *xq,
+                        size_t ldx, uint32_t nx, float *y, size_t ldy, float *scratch);
+void qm__i8_pack_avx2(const qm__qmat *m, uint32_t n0, uint32_t nr, size_t j0, size_t j1, int s16,
+                      uint8_t *pan);
+void qm__i8_params_avx2(const qm__qmat *m, uint32_t n0, uint32_t nr, float *sct, int32_t *zpt);
+void qm__i8_prep_avx2(const qm__qmat *m, const float *x, float *xq);
 #endif
 
 /* ---- Shared helpers ---- */

@@ -107,11 +107,15 @@ int main(int argc, char **argv)
         report("exact", k->name, N, K, bits, nx, best);
         free(xp);
     }
-    static const char *const fast[] = {"scalar", "avx2", "avxvnni", "avx512vnni"};
-    for (int e = 0; e < 4; e++) {
-        setenv("QMOE_KERNEL", fast[e], 1);
+    /* The fast kernels, and the AVX2 kernel's two paths at any input count
+     * (where its GEMV / GEMM split should lie). */
+    static const char *const fast[] = {"scalar", "avx2", "avxvnni", "avx512vnni", "amx",
+                                       "avx2-gemv", "avx2-gemm"};
+    for (int e = 0; e < 7; e++) {
+        int path = e >= 5 ? e - 5 : -1;
+        setenv("QMOE_KERNEL", path >= 0 ? "avx2" : fast[e], 1);
         const qm__i8kernel *k = qm__i8kernel_select();
-        if (strcmp(k->name, fast[e]) != 0) {
+        if (strcmp(k->name, path >= 0 ? "avx2" : fast[e]) != 0) {
             printf("{\"mode\":\"fast\",\"kernel\":\"%s\",\"skipped\":\"this CPU cannot run it\"}\n",
                    fast[e]);
             continue;
@@ -124,12 +128,17 @@ int main(int argc, char **argv)
         for (uint32_t rep = 0; rep <= (e ? reps : 1); rep++) {
             double t0 = cpu_us();
             for (uint32_t n0 = 0; n0 < N; n0 += QM__TILE_ROWS)
-                k->mm(&m, n0, n0 + QM__TILE_ROWS, xq, ld, nx, y, N, scratch);
+#if defined(QMOE_X86_KERNELS)
+                if (path >= 0)
+                    qm__i8mm_avx2_path(path, &m, n0, n0 + QM__TILE_ROWS, xq, ld, nx, y, N, scratch);
+                else
+#endif
+                    k->mm(&m, n0, n0 + QM__TILE_ROWS, xq, ld, nx, y, N, scratch);
             double dt = cpu_us() - t0;
             if (rep && dt < best)
                 best = dt;
         }
-        report("fast", k->name, N, K, bits, nx, best);
+        report("fast", fast[e], N, K, bits, nx, best);
         free(xq);
     }
     /* The default exact choice's calibration (qm_kernel_select.c), thread CPU time. */

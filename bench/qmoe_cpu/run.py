@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """bench/qmoe_cpu/run.py - the CPU engine against onnxruntime's CPU QMoE, side by side.
 
-    .venv/bin/python bench/qmoe_cpu/run.py --build BUILD_DIR [--quick] [--cases gptoss,mixtral,int8]
+    .venv/bin/python bench/qmoe_cpu/run.py --build BUILD_DIR [--quick]
+        [--cases gptoss,mixtral,qwen3,deepseek,gptoss_int8] [--tokens 1,16,128,512]
         [--ggml /tmp/qmoe-ggml/ggml_moe_bench]
 
 For each case it writes a random bank to /tmp (deleted at exit), then, in
@@ -12,11 +13,15 @@ each with intra_op_num_threads = 2 and fresh random inputs per call, calls
 cycling through the bank's layers. Our engine runs in both precisions
 (exact, fast). With --ggml (bench/qmoe_cpu/ggml/build.sh builds it),
 llama.cpp's ggml MUL_MAT_ID runs the same shapes with Q4_0 and Q8_0 weights
-in the same rounds. A STREAM-like read of a buffer far larger than the LLC
-measures the machine's read bandwidth, and an FMA loop its f32 FMA peak, in
-the same run. Every case's outputs are checked once against each other
-(qmoe-bank run, both precisions, vs ORT). Prints a Markdown table (medians,
-min/max, ratios).
+in the same rounds, with fresh expert ids before each compute. A
+STREAM-like read of a buffer far larger than the LLC measures the machine's
+read bandwidth, and register loops its f32 FMA and int8 dot peaks, in the
+same run. Every case's outputs are checked once against each other
+(qmoe-bank run, both precisions, vs ORT). Prints the CPU, a Markdown table
+of times (medians, min/max, ratios) and one of each engine's share of its
+bound: the larger of its weight bytes at the read bandwidth and its
+arithmetic at the peak that engine's arithmetic runs at (f32 FMA for
+qmoed exact, int8 dot for qmoed fast and ggml).
 """
 
 import argparse
@@ -38,9 +43,13 @@ sys.path.insert(0, os.path.join(SRC, "tools"))
 import qmoebank  # noqa: E402
 
 CASES = {
-    # name: (H, I, E, k, bits, block, layers, token counts)
-    "gptoss": dict(H=2880, I=2880, E=32, k=4, bits=4, bs=32, layers=2, tokens=(1, 16, 512)),
-    "mixtral": dict(H=4096, I=14336, E=8, k=2, bits=4, bs=32, layers=1, tokens=(1, 16, 512)),
+    # name: (H, I, E, k, bits, block, layers, token counts); every bank is
+    # far larger than a 32 MiB L3 (the smallest, qwen3's two layers: 754 MiB)
+    "gptoss": dict(H=2880, I=2880, E=32, k=4, bits=4, bs=32, layers=2, tokens=(1, 16, 128, 512)),
+    "mixtral": dict(H=4096, I=14336, E=8, k=2, bits=4, bs=32, layers=1, tokens=(1, 16, 128, 512)),
+    # Qwen3-30B-A3B-like and DeepSeek-V2-Lite-like: fine-grained experts
+    "qwen3": dict(H=2048, I=768, E=128, k=8, bits=4, bs=32, layers=2, tokens=(1, 16, 128, 512)),
+    "deepseek": dict(H=2048, I=1408, E=64, k=6, bits=4, bs=32, layers=2, tokens=(1, 16, 128, 512)),
     "gptoss_int8": dict(H=2880, I=2880, E=32, k=4, bits=8, bs=64, layers=1, tokens=(1, 16)),
 }
 
@@ -133,6 +142,30 @@ def fma_peak(bench, threads):
     return best
 
 
+def i8_peak(bench, threads):
+    r = subprocess.run([bench, "--i8-peak", "--threads", str(threads)], capture_output=True,
+                       text=True, check=True)
+    best = {}
+    for line in r.stdout.strip().splitlines():
+        o = json.loads(line)
+        best[o["isa"]] = o["median_gops"]
+    return best
+
+
+def cpu_text():
+    """The CPU's model name and the flags the kernels care about (/proc/cpuinfo)."""
+    model, flags = "unknown", set()
+    with open("/proc/cpuinfo") as f:
+        for line in f:
+            if line.startswith("model name") and model == "unknown":
+                model = line.split(":", 1)[1].strip()
+            elif line.startswith("flags") and not flags:
+                flags = set(line.split(":", 1)[1].split())
+    want = ["avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx_vnni",
+            "avx512_bf16", "amx_tile", "amx_int8", "amx_bf16"]
+    return model, [w for w in want if w in flags]
+
+
 def stream(bench, threads, mib):
     r = subprocess.run([bench, "--stream-mib", str(mib), "--threads", str(threads)],
                        capture_output=True, text=True, check=True)
@@ -193,10 +226,29 @@ def med(v):
     return float(np.median(v))
 
 
+def expert_bytes(c, fmt):
+    """One expert's weight bytes (fc1 [2I, H] + fc2 [H, I]): our bank (codes,
+    f32 scales per block, f32 biases) or ggml's Q4_0 / Q8_0 (f16 scale per 32)."""
+    n = 3 * c["H"] * c["I"]
+    if fmt == "q4_0":
+        return n * 18 / 32
+    if fmt == "q8_0":
+        return n * 34 / 32
+    return n * c["bits"] / 8 + n / c["bs"] * 4 + (2 * c["I"] + c["H"]) * 4
+
+
+def bound_ms(r, c, fmt, peak_gops, bw):
+    """An engine's bound for row r: its weight bytes at the read bandwidth or
+    its arithmetic at its peak, whichever takes longer; and which it is."""
+    mem = r["experts_per_call"] * expert_bytes(c, fmt) / (bw * 1e9) * 1e3
+    comp = r["gflop_per_call"] / peak_gops * 1e3
+    return (mem, "memory") if mem >= comp else (comp, "compute")
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--build", default=os.path.join(SRC, "build"))
-    ap.add_argument("--cases", default="gptoss,mixtral,gptoss_int8")
+    ap.add_argument("--cases", default="gptoss,mixtral,qwen3,deepseek")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--seed", type=int, default=int(time.time()) % 100000)
@@ -210,14 +262,19 @@ def main():
     qmoe_bank = os.path.join(args.build, "tools", "qmoe-bank", "qmoe-bank")
     import onnxruntime as ort
 
+    model, flags = cpu_text()
+    print(f"# CPU: {model}; flags: {' '.join(flags)}", flush=True)
     print(f"# seed {args.seed}, onnxruntime {ort.__version__}, threads {args.threads}", flush=True)
     rng = np.random.default_rng(args.seed)
     tmp = tempfile.mkdtemp(prefix="qmoe_cpu_bench_", dir="/tmp")
-    rows, raw = [], {"seed": args.seed, "cases": []}
+    rows, raw = [], {"seed": args.seed, "cases": [], "cpu": model, "flags": flags}
     bw_samples = []
     peaks = fma_peak(bench, args.threads)
     peak = max(peaks.values()) if peaks else float("nan")
-    print(f"# FMA peak ({args.threads} threads, GFLOP/s): {peaks}", flush=True)
+    ipeaks = i8_peak(bench, args.threads)
+    ipeak = max(ipeaks.values()) if ipeaks else float("nan")
+    print(f"# FMA peak ({args.threads} threads, GFLOP/s): {peaks}; int8 dot peak (GOP/s): "
+          f"{ipeaks}", flush=True)
     try:
         for name in args.cases.split(","):
             c = CASES[name]
@@ -242,12 +299,14 @@ def main():
                 if args.quick:
                     iters, warm = max(2, iters // 4), 1
                 ours_ms, ours_gbps, dflt_ms, exact_ms, ratios, bytes_call = [], [], [], [], [], 0
-                fast_ms, g4_ms, g8_ms = [], [], []
+                fast_ms, g4_ms, g8_ms, backend = [], [], [], ""
                 for rnd in range(args.rounds):
                     bw_samples.append(stream(bench, args.threads, args.stream_mib)["median_gbps"])
                     o = time_ours(bench, bank, t, iters, warm, args.threads, args.seed + rnd)
-                    fast_ms += time_ours(bench, bank, t, iters, warm, args.threads,
-                                         args.seed + rnd, "fast")["samples_ms"]
+                    fo = time_ours(bench, bank, t, iters, warm, args.threads, args.seed + rnd,
+                                   "fast")
+                    fast_ms += fo["samples_ms"]
+                    backend = fo["backend"]
                     if args.ggml:
                         g4_ms += time_ggml(args.ggml, c, "q4_0", t, iters, warm, args.threads,
                                            args.seed + rnd)["samples_ms"]
@@ -273,7 +332,8 @@ def main():
                            ggml_q4_ms=med(g4_ms) if g4_ms else None,
                            ggml_q8_ms=med(g8_ms) if g8_ms else None,
                            gflop_per_call=2.0 * t * c["k"] * c["H"] * c["I"] * 3 / 1e9,
-                           fma_peak_gflops=peak)
+                           fma_peak_gflops=peak, i8_peak_gops=ipeak, backend=backend,
+                           experts_per_call=bytes_call / expert_bytes(c, "ours"))
                 rows.append(row)
                 raw["cases"].append(row)
                 print(json.dumps(row), flush=True)
@@ -305,9 +365,35 @@ def main():
               f"| {r['ort_exact_ms']:.2f} | {100 * r['gbps'] / bw:.0f}% | {100 * fgbps / bw:.0f}% "
               f"| {100 * gf / peak:.0f}% | {r['ratio_default']:.2f}x | {fg} "
               f"| {r['ort_default_ms'] / r['fast_ms']:.2f}x |")
+    print()
+    print(f"Int8 dot peak ({args.threads} threads): {ipeaks} GOP/s; the best is the reference. "
+          "Each engine's bound: the larger of its weight bytes (distinct experts x bytes per "
+          "expert in its format) at the read bandwidth and its arithmetic at its peak "
+          "(f32 FMA: qmoed exact; int8 dot: qmoed fast, ggml); share = bound / median time.")
+    print()
+    print("| case | T | distinct experts | memory bound ms (ours) | f32 bound ms | int8 bound ms | "
+          "exact % of bound | fast % of bound | ggml Q4_0 % of bound | ggml Q8_0 % of bound | "
+          "kernels (qmoed) |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        c = CASES[r["case"]]
+        be, bwhy = bound_ms(r, c, "ours", peak, bw)
+        bf, fwhy = bound_ms(r, c, "ours", ipeak, bw)
+        mem = r["experts_per_call"] * expert_bytes(c, "ours") / (bw * 1e9) * 1e3
+        cells = [f"{100 * be / r['ours_ms']:.0f}% ({bwhy})", f"{100 * bf / r['fast_ms']:.0f}% ({fwhy})"]
+        for key, fmt in (("ggml_q4_ms", "q4_0"), ("ggml_q8_ms", "q8_0")):
+            if r[key]:
+                bg, gwhy = bound_ms(r, c, fmt, ipeak, bw)
+                cells.append(f"{100 * bg / r[key]:.0f}% ({gwhy})")
+            else:
+                cells.append(na)
+        print(f"| {r['case']} | {r['tokens']} | {r['experts_per_call']:.1f} | {mem:.2f} "
+              f"| {r['gflop_per_call'] / peak * 1e3:.2f} | {r['gflop_per_call'] / ipeak * 1e3:.2f} "
+              f"| {' | '.join(cells)} | {r['backend']} |")
     if args.json:
         raw["stream_gbps"] = bw
         raw["fma_peak_gflops"] = peaks
+        raw["i8_peak_gops"] = ipeaks
         with open(args.json, "w") as f:
             json.dump(raw, f, indent=1)
     return 0

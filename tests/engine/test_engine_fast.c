@@ -1,13 +1,16 @@
 /* test_engine_fast.c - fast mode (precision "fast": int8 activations,
- * integer dot products) on every fast kernel this CPU runs, against the
- * float64 reference with the bound derived in docs/ARCHITECTURE.md:
+ * integer dot products) on every fast kernel this CPU runs (and the models
+ * of those it cannot, engine/qm_kernel_i8_model*.c), all with the scalar
+ * specification's bits, against the float64 reference with the bound
+ * derived in docs/ARCHITECTURE.md:
  *
  *   |y_fast[n] - y[n]| <= sum_j (dx_j / 2) * sum_{c in j} |W[n,c]|
  *                         + 1e-5 * sum_c |W[n,c]| * |x[c]|
  *
  * (the first term: each activation moves by at most half its sub-block's
- * step dx_j = max|x_j| / 127; the integer dots are exact; the second term
- * covers f32 rounding of the scale products and of the K / 32 partial sums.)
+ * step dx_j = max|x_j| / 127; the integer sums are exact; the second term
+ * covers the f32 rounding of the two fma chains, sub-blocks within a block
+ * and blocks within the row.)
  * Plus: the layer forward in fast mode on each kernel, bitwise identical
  * across thread counts and expert orders, and the exact mode untouched. */
 #include <check.h>
@@ -21,24 +24,40 @@
 #include "qm_kernels.h"
 #include "qm_moe.h"
 #include "qm_moe_internal.h"
+#if defined(QMOE_I8_MODELS)
+#include "qm_kernel_i8_model.h"
+static const qm__i8kernel *const MODELS[] = {&qm__i8kernel_model_avxvnni,
+                                             &qm__i8kernel_model_avx512vnni,
+                                             &qm__i8kernel_model_amx_tiles};
+#define N_MODELS 3
+#else
+static const qm__i8kernel *const MODELS[1] = {NULL};
+#define N_MODELS 0
+#endif
 
-static const char *const I8[] = {"scalar", "avx2", "avxvnni", "avx512vnni", "auto"};
-#define N_I8 5
+static const char *const I8[] = {"scalar", "avx2", "avxvnni", "avx512vnni", "amx", "auto"};
+#define N_I8 6
 
-/* The fast kernel QMOE_KERNEL=name selects, or NULL (said once) when this CPU cannot run it. */
+/* The fast kernel QMOE_KERNEL=name selects, or NULL (said once, with the
+ * reason) when this CPU cannot run it. */
 static const qm__i8kernel *i8_kernel(const char *name)
 {
     static int reported[N_I8];
     setenv("QMOE_KERNEL", name, 1);
     const qm__i8kernel *k = qm__i8kernel_select();
     unsetenv("QMOE_KERNEL");
-    if (strcmp(k->name, name) == 0)
+    if (strcmp(k->name, name) == 0 || strcmp(name, "auto") == 0)
         return k;
     for (int i = 0; i < N_I8; i++)
         if (strcmp(I8[i], name) == 0 && !reported[i]) {
             reported[i] = 1;
-            fprintf(stderr, "fast kernel %s: this CPU cannot run it; its tests are skipped here\n",
-                    name);
+            const char *why = "no such CPU flag here";
+#if defined(QMOE_X86_KERNELS)
+            if (strcmp(name, "amx") == 0)
+                why = qm__amx_why_not();
+#endif
+            fprintf(stderr, "fast kernel %s: this CPU cannot run it (%s); skipped here\n", name,
+                    why);
         }
     return NULL;
 }
@@ -115,24 +134,25 @@ START_TEST(test_fast_kernels_within_derived_bound)
                     for (uint32_t r = 0; r < 37; r++)
                         qm__i8_prep(&m, x + (size_t)r * K, xq + r * ld);
                     const double *W = L.deq[0] + (size_t)1 * N * K;
-                    /* Every SIMD fast kernel gives the same bits (qm_kernel_i8.h). */
+                    /* Every fast kernel gives the scalar kernel's bits (qm_kernel_i8.h). */
                     float *simd_y[sizeof NX / sizeof NX[0]] = {0};
-                    for (int ki = 0; ki < N_I8; ki++) {
-                        const qm__i8kernel *k = i8_kernel(I8[ki]);
-                        if (!k)
+                    for (int ki = 0; ki < N_I8 + N_MODELS; ki++) {
+                        const qm__i8kernel *k = ki < N_I8 ? i8_kernel(I8[ki]) : MODELS[ki - N_I8];
+                        if (!k || (ki >= N_I8 && !i8_kernel("avx2"))) /* models' GEMV: AVX2 */
                             continue;
-                        ran[ki]++;
+                        if (ki < N_I8)
+                            ran[ki]++;
                         for (size_t ni = 0; ni < sizeof NX / sizeof NX[0]; ni++) {
                             uint32_t nx = NX[ni];
                             for (uint32_t n0 = 0; n0 < N; n0 += QM__TILE_ROWS)
                                 k->mm(&m, n0, n0 + QM__TILE_ROWS < N ? n0 + QM__TILE_ROWS : N, xq,
                                       ld, nx, y, N, scratch);
-                            if (ki > 0 && !simd_y[ni]) {
+                            if (!simd_y[ni]) {
                                 simd_y[ni] = malloc(sizeof(float) * nx * N);
                                 memcpy(simd_y[ni], y, sizeof(float) * nx * N);
-                            } else if (ki > 0) {
+                            } else {
                                 ck_assert_msg(memcmp(simd_y[ni], y, sizeof(float) * nx * N) == 0,
-                                              "%s: bits differ from the other SIMD fast kernels "
+                                              "%s: bits differ from the scalar kernel's "
                                               "(bits %d bs %u nx %u)",
                                               k->name, bits, s.block_size, nx);
                             }

@@ -1,5 +1,7 @@
-/* test_kernels.c - the exact-mode kernels' choice (qm_kernel_select.c).
+/* test_kernels.c - the kernels' choice (qm_kernel_select.c) and the
+ * fast-mode kernels' bits.
  *
+ * Exact mode:
  *  - Every SIMD kernel pair of a class gives the same bits (4-bit and 8-bit
  *    GEMV; GEMM 4/8-bit) on random shapes with tails: K not a multiple of
  *    the block or of 16/32, odd N, T = 1..4 (GEMV) and larger (GEMM),
@@ -11,15 +13,32 @@
  *  - The calibration takes the fastest kernel per class, a narrower one
  *    only by a margin, when fed fake timings (an injected timer).
  *  - A corrupt or foreign cache file is ignored; a valid one is used.
- * Kernels this CPU cannot run are named on stderr and skipped. */
+ * Fast mode (qm_kernel_i8.h's canonical order):
+ *  - Every fast kernel this CPU runs, each one's GEMV and GEMM path at every
+ *    input count, and the models of the ones it cannot run (their own
+ *    blocking and packing with vpdpbusd and the AMX tiles in C), give the
+ *    scalar specification's bits on random shapes: every block size,
+ *    row-wise, K and N tails, f32/f16/bf16 scales, zero points or not,
+ *    1..70 inputs; and an input's outputs in a GEMM call are its bits
+ *    alone (the GEMV's).
+ *  - The vector packers and row parameters are the C ones byte for byte.
+ *  - AMX with the tile permission refused (a hook) is not offered, and
+ *    QMOE_KERNEL=amx falls back.
+ * Kernels this CPU cannot run are named on stderr, with the reason, and
+ * skipped (their models still run). */
 #include <check.h>
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 #include "qm_alloc.h"
+#include "qm_kernel_i8.h"
 #include "qm_kernels.h"
+#if defined(QMOE_I8_MODELS)
+#include "qm_kernel_i8_model.h"
+#endif
 
 /* The kernel QMOE_KERNEL=value selects, or NULL (said once) when it is not
  * the one named `want` (this CPU cannot run it). */
@@ -462,10 +481,391 @@ START_TEST(test_cache)
 }
 END_TEST
 
+
+/* ---- fast mode ---- */
+
+/* A random matrix for the fast kernels: bits, block (0: row-wise), k, n;
+ * scales f32, f16 or bf16; zero points or not (blockwise, or packed along
+ * rows for row-wise); rows 0-2 bytes longer than their codes. */
+typedef struct fmat {
+    qm__qmat m;
+    uint8_t *w, *zp;
+    void *sc;
+} fmat;
+
+static void fmat_new(fmat *f, uint32_t bits, uint32_t block, uint32_t k, uint32_t n)
+{
+    uint32_t nblk = block ? (k + block - 1) / block : 1;
+    size_t rb = ((size_t)k * bits + 7) / 8 + next() % 3;
+    int dt = next() % 3, asym = next() % 2, along_rows = nblk == 1 && next() % 2;
+    size_t zprb = ((size_t)nblk * bits + 7) / 8, zpbytes = along_rows ? (n * bits + 7) / 8 : n * zprb;
+    f->w = malloc((size_t)n * rb);
+    f->zp = malloc(zpbytes + 1);
+    f->sc = malloc(4 * (size_t)n * nblk);
+    ck_assert(f->w && f->zp && f->sc);
+    for (size_t i = 0; i < (size_t)n * rb; i++)
+        f->w[i] = (uint8_t)next();
+    for (size_t i = 0; i < zpbytes; i++)
+        f->zp[i] = (uint8_t)next();
+    for (size_t i = 0; i < (size_t)n * nblk; i++) {
+        float v = (float)(1 + next() % 1000) * 1e-4f * (next() % 8 ? 1.0f : -1.0f);
+        if (dt == 0) {
+            ((float *)f->sc)[i] = v;
+        } else if (dt == 1) {
+            ((uint16_t *)f->sc)[i] = (uint16_t)(0x1000 + next() % 0x2000 + (next() % 8 ? 0 : 0x8000));
+        } else {
+            uint32_t u;
+            memcpy(&u, &v, 4);
+            ((uint16_t *)f->sc)[i] = (uint16_t)(u >> 16);
+        }
+    }
+    static const qm_dtype DT[] = {QM_DTYPE_F32, QM_DTYPE_F16, QM_DTYPE_BF16};
+    f->m = (qm__qmat){.w = f->w, .row_bytes = rb, .scales = f->sc, .scale_dtype = DT[dt],
+                      .zp = asym ? f->zp : NULL, .zp_blockwise = !along_rows,
+                      .zp_row_bytes = along_rows ? 0 : zprb, .n = n, .k = k, .bits = bits,
+                      .nblk = nblk, .block = block ? block : k};
+}
+
+static void fmat_free(fmat *f)
+{
+    free(f->w), free(f->zp), free(f->sc);
+}
+
+/* The fast kernel QMOE_KERNEL=name selects, or NULL with the reason said
+ * once when this CPU cannot run it. */
+static const qm__i8kernel *fast_kernel(const char *name)
+{
+    static char said[8][16];
+    setenv("QMOE_KERNEL", name, 1);
+    const qm__i8kernel *k = qm__i8kernel_select();
+    unsetenv("QMOE_KERNEL");
+    if (strcmp(k->name, name) == 0)
+        return k;
+    for (int i = 0; i < 8; i++) {
+        if (strcmp(said[i], name) == 0)
+            break;
+        if (!said[i][0]) {
+            snprintf(said[i], sizeof said[i], "%s", name);
+            const char *why = "no such CPU flag here";
+#if defined(QMOE_X86_KERNELS)
+            if (strcmp(name, "amx") == 0)
+                why = qm__amx_why_not();
+#endif
+            fprintf(stderr, "fast kernel %s: this CPU cannot run it (%s); skipped here%s\n", name,
+                    why, strcmp(name, "scalar") && strcmp(name, "avx2") ? ", its model runs" : "");
+            break;
+        }
+    }
+    return NULL;
+}
+
+/* y = W x for nx prepared rows, the calls split in 16-row tiles as the
+ * backend splits them. */
+static void fast_run(void (*mm)(const qm__qmat *, uint32_t, uint32_t, const float *, size_t,
+                                uint32_t, float *, size_t, float *),
+                     const qm__qmat *m, const float *xq, size_t ld, uint32_t nx, float *y,
+                     float *scratch)
+{
+    for (uint32_t n0 = 0; n0 < m->n; n0 += QM__TILE_ROWS)
+        mm(m, n0, n0 + QM__TILE_ROWS < m->n ? n0 + QM__TILE_ROWS : m->n, xq, ld, nx, y, m->n,
+           scratch);
+}
+
+#if defined(QMOE_X86_KERNELS)
+static void avx2_gemv(const qm__qmat *m, uint32_t n0, uint32_t n1, const float *xq, size_t ldx,
+                      uint32_t nx, float *y, size_t ldy, float *scratch)
+{
+    qm__i8mm_avx2_path(0, m, n0, n1, xq, ldx, nx, y, ldy, scratch);
+}
+static void avx2_gemm(const qm__qmat *m, uint32_t n0, uint32_t n1, const float *xq, size_t ldx,
+                      uint32_t nx, float *y, size_t ldy, float *scratch)
+{
+    qm__i8mm_avx2_path(1, m, n0, n1, xq, ldx, nx, y, ldy, scratch);
+}
+#endif
+
+typedef struct fast_cand {
+    const char *name;
+    void (*mm)(const qm__qmat *, uint32_t, uint32_t, const float *, size_t, uint32_t, float *,
+               size_t, float *);
+} fast_cand;
+
+/* Every fast kernel of this CPU, their paths, and the models. */
+static int fast_cands(fast_cand *c)
+{
+    int n = 0;
+    static const char *const REAL[] = {"avx2", "avxvnni", "avx512vnni", "amx"};
+    for (int i = 0; i < 4; i++) {
+        const qm__i8kernel *k = fast_kernel(REAL[i]);
+        if (k)
+            c[n++] = (fast_cand){k->name, k->mm};
+    }
+    c[n++] = (fast_cand){"auto", qm__i8kernel_select()->mm};
+#if defined(QMOE_X86_KERNELS)
+    if (fast_kernel("avx2")) {
+        c[n++] = (fast_cand){"avx2 (gemv path)", avx2_gemv};
+        c[n++] = (fast_cand){"avx2 (gemm path)", avx2_gemm};
+    }
+#endif
+#if defined(QMOE_I8_MODELS)
+    const qm__i8kernel *models[] = {&qm__i8kernel_model_avxvnni, &qm__i8kernel_model_avxvnni_gemm,
+                                    &qm__i8kernel_model_avx512vnni,
+                                    &qm__i8kernel_model_avx512vnni_gemm, &qm__i8kernel_model_amx,
+                                    &qm__i8kernel_model_amx_tiles};
+    if (fast_kernel("avx2")) /* the models' GEMV runs on AVX2 */
+        for (int i = 0; i < 6; i++)
+            c[n++] = (fast_cand){models[i]->name, models[i]->mm};
+#endif
+    return n;
+}
+
+/* Random shapes: every fast kernel and path, models included, gives the
+ * scalar specification's bits; an input's outputs in a call of many are
+ * its outputs alone. */
+START_TEST(test_fast_kernels_same_bits_as_the_specification)
+{
+    static const uint32_t BLOCKS[] = {0, 32, 64, 128, 256};
+    static const uint32_t NX[] = {1, 2, 3, 4, 5, 7, 8, 9, 13, 16, 17, 24, 33, 65, 70};
+    fast_cand c[20];
+    int nc = fast_cands(c), runs = 0;
+    for (int it = 0; it < 60; it++) {
+        uint32_t bits = it & 1 ? 8 : 4, block = BLOCKS[(it / 2) % 5];
+        uint32_t nx = NX[it % 15];
+        uint32_t k = block ? block * (1 + next() % 4) - (next() % 2 ? 0 : 32 * (next() % (block / 32)))
+                           : 1 + next() % 700;
+        if (block && it % 7 == 3)
+            k -= next() % 31; /* a partial last sub-block: not a multiple of 32 */
+        if (k < 2)
+            k = 2;
+        uint32_t n = 1 + next() % 41;
+        fmat f;
+        fmat_new(&f, bits, block, k, n);
+        const qm__qmat *m = &f.m;
+        ck_assert(qm__i8_ok(m));
+        size_t ld = (qm__i8_x_stride(m) + 15) & ~(size_t)15;
+        float *x = rand_inputs(nx, k), *xq = calloc(ld * nx, sizeof(float));
+        float *ys = malloc(4 * (size_t)nx * n), *y = malloc(4 * (size_t)nx * n);
+        float *scratch = malloc(sizeof(float) * qm__kernel_scratch_floats(m));
+        ck_assert(xq && ys && y && scratch);
+        if (it % 5 == 4) /* whole sub-blocks of zeros, and a zero input row */
+            for (uint32_t i = 0; i < nx * k; i++)
+                if ((i / 32) % 3 == 1 || i < k)
+                    x[i] = 0.0f;
+        for (uint32_t r = 0; r < nx; r++)
+            qm__i8_prep(m, x + (size_t)r * k, xq + r * ld);
+        fast_run(qm__i8kernel_scalar.mm, m, xq, ld, nx, ys, scratch);
+        for (int ci = 0; ci < nc; ci++) {
+            memset(y, 0xa5, 4 * (size_t)nx * n);
+            fast_run(c[ci].mm, m, xq, ld, nx, y, scratch);
+            for (size_t i = 0; i < (size_t)nx * n; i++)
+                ck_assert_msg(memcmp(&y[i], &ys[i], 4) == 0,
+                              "%s: %u-bit block %u k %u n %u nx %u dtype %d zp %d (along rows %d): "
+                              "output [%zu][%zu] %.9g, the specification %.9g",
+                              c[ci].name, bits, block, k, n, nx, (int)m->scale_dtype, m->zp != NULL,
+                              !m->zp_blockwise, i / n, i % n, y[i], ys[i]);
+            runs++;
+        }
+        /* The last input alone: the same bits (auto: the decode class). */
+        fast_run(qm__i8kernel_select()->mm, m, xq + (size_t)(nx - 1) * ld, ld, 1, y, scratch);
+        ck_assert_msg(memcmp(y, ys + (size_t)(nx - 1) * n, 4 * (size_t)n) == 0,
+                      "input %u alone differs from its outputs in a call of %u", nx - 1, nx);
+#if defined(QMOE_I8_MODELS)
+        const char *why = NULL;
+        ck_assert_msg(qm__amx_model_faults(&why) == 0, "AMX model: %s", why);
+#endif
+        free(x), free(xq), free(ys), free(y), free(scratch);
+        fmat_free(&f);
+    }
+    fprintf(stderr, "fast kernels: %d kernels and paths, %d runs, all the specification's bits\n",
+            nc, runs);
+}
+END_TEST
+
+#if defined(QMOE_X86_KERNELS)
+/* The vector packers and row parameters give the C ones' bytes: u8 panels
+ * (4- and 8-bit), s16 panels, scales (f32/f16/bf16, zero points), short
+ * row tiles and row tails. */
+START_TEST(test_fast_packers_match_c)
+{
+    if (!fast_kernel("avx2"))
+        return;
+    for (int it = 0; it < 40; it++) {
+        uint32_t bits = it & 1 ? 8 : 4, block = it % 3 ? 32u << (it % 3) : 0;
+        uint32_t k = block ? block * (1 + next() % 5) : 2 + next() % 500;
+        uint32_t n = 1 + next() % 40;
+        fmat f;
+        fmat_new(&f, bits, block, k, n);
+        const qm__qmat *m = &f.m;
+        size_t nsb = qm__i8_nsb(m), nb8 = ((size_t)m->nblk + 7) / 8 * 8;
+        uint8_t *pa = malloc(1024 * nsb), *pc = malloc(1024 * nsb);
+        float *sa = malloc(4 * 16 * nb8), *sc = malloc(4 * 16 * nb8);
+        int32_t *za = malloc(4 * 16 * nb8), *zc = malloc(4 * 16 * nb8);
+        for (uint32_t n0 = 0; n0 < n; n0 += 16) {
+            uint32_t nr = n - n0 < 16 ? n - n0 : 16;
+            qm__i8_pack_avx2(m, n0, nr, 0, nsb, 0, pa);
+            qm__i8_pack_u8_c(m, n0, nr, 0, nsb, pc);
+            ck_assert_msg(memcmp(pa, pc, 512 * nsb) == 0, "u8 panel %u-bit k %u rows %u+%u", bits,
+                          k, n0, nr);
+            if (bits == 8) {
+                qm__i8_pack_avx2(m, n0, nr, 1, nsb, 1, pa);
+                qm__i8_pack_s16_c(m, n0, nr, 1, nsb, pc);
+                ck_assert_msg(memcmp(pa, pc, 1024 * (nsb - 1)) == 0, "s16 panel k %u rows %u+%u",
+                              k, n0, nr);
+            }
+            int32_t *zpa = m->zp ? za : NULL, *zpc = m->zp ? zc : NULL;
+            qm__i8_params_avx2(m, n0, nr, sa, zpa);
+            qm__i8_params_c(m, n0, nr, sc, zpc);
+            ck_assert_msg(memcmp(sa, sc, 4 * 16 * nb8) == 0, "scales dtype %d rows %u+%u",
+                          (int)m->scale_dtype, n0, nr);
+            if (m->zp)
+                ck_assert(memcmp(za, zc, 4 * 16 * nb8) == 0);
+        }
+        free(pa), free(pc), free(sa), free(sc), free(za), free(zc);
+        fmat_free(&f);
+    }
+}
+END_TEST
+
+/* The AVX2 quantiser gives the C specification's bytes: k with tails,
+ * 4- and 8-bit layouts, zero sub-blocks, ties at .5, large, tiny,
+ * subnormal, infinite and NaN inputs. */
+START_TEST(test_fast_prep_avx2_matches_c)
+{
+    if (!fast_kernel("avx2"))
+        return;
+    for (int it = 0; it < 200; it++) {
+        uint32_t bits = it & 1 ? 8 : 4, k = 1 + next() % 400;
+        qm__qmat m = {.n = 1, .k = k, .bits = bits, .nblk = 1, .block = k};
+        size_t st = qm__i8_x_stride(&m);
+        float *x = malloc(4 * (size_t)k), *a = malloc(4 * st), *c = malloc(4 * st);
+        for (uint32_t i = 0; i < k; i++) {
+            uint32_t r = next() % 100;
+            x[i] = r < 70   ? ((float)(next() % 20001) - 10000.0f) * 1e-3f
+                   : r < 80 ? (float)((int)(next() % 255) - 127) * 0.5f /* ties after scaling */
+                   : r < 85 ? 0.0f
+                   : r < 90 ? ((float)(next() % 3) - 1.0f) * 1e-40f /* subnormal */
+                   : r < 95 ? (float)(next() % 7) * 1e30f
+                            : (float)(next() % 5);
+            if (it % 50 == 7 && r == 99)
+                x[i] = next() % 2 ? INFINITY : NAN;
+            if ((i / 32) % 5 == 3)
+                x[i] = 0.0f;
+        }
+        memset(a, 0x5a, 4 * st);
+        memset(c, 0x5a, 4 * st);
+        qm__i8_prep_avx2(&m, x, a);
+        qm__i8_prep_c(&m, x, c);
+        ck_assert_msg(memcmp(a, c, 4 * st) == 0, "%u-bit k %u: the AVX2 quantiser differs", bits,
+                      k);
+        free(x), free(a), free(c);
+    }
+}
+END_TEST
+
+static int refuse_perm(void)
+{
+    return 1; /* EPERM */
+}
+
+static int grant_perm(void)
+{
+    return 0;
+}
+
+/* The tile permission refused: AMX is not offered, QMOE_KERNEL=amx falls
+ * back to the measured choice and the reason names the refusal; granted
+ * (on a CPU made to look like it has AMX), it is. Nothing here runs a tile
+ * instruction. */
+START_TEST(test_amx_permission_refused_falls_back)
+{
+    const char *real = qm__amx_why_not();
+    fprintf(stderr, "amx on this CPU: %s\n", real ? real : "usable");
+    qm__kernel_amx_hook(1, refuse_perm);
+    ck_assert_int_eq(qm__cpu_has_amx(), 0);
+    const char *why = qm__amx_why_not();
+    ck_assert_msg(why && strstr(why, "permission refused"), "%s", why ? why : "(null)");
+    setenv("QMOE_KERNEL", "amx", 1);
+    const qm__i8kernel *k = qm__i8kernel_select();
+    unsetenv("QMOE_KERNEL");
+    ck_assert_str_ne(k->name, "amx");
+    ck_assert_ptr_eq(k, qm__i8kernel_select()); /* the measured choice */
+    qm__kernel_amx_hook(1, grant_perm);
+    ck_assert_int_eq(qm__cpu_has_amx(), 1);
+    ck_assert_ptr_null(qm__amx_why_not());
+    qm__kernel_amx_hook(0, NULL);
+    ck_assert_int_eq(qm__cpu_has_amx(), real == NULL);
+}
+END_TEST
+
+/* The fast choice per class on fake timings (AMX made to look present and
+ * granted, fastest at prefill only; no kernel runs), kept in the cache file
+ * beside the exact choice, each mode's line kept when the other is written. */
+static double fake_i8(const qm__i8kernel *k, const qm__qmat *m, uint32_t nx, const float *x)
+{
+    (void)m, (void)x;
+    if (strcmp(k->name, "amx") == 0)
+        return nx > 1 ? fake_wide : 100.0;
+    return 50.0;
+}
+
+START_TEST(test_fast_calibration_and_cache)
+{
+    if (!fast_kernel("avx2"))
+        return;
+    char path[] = "/tmp/qmoe-kcache-XXXXXX";
+    int fd = mkstemp(path);
+    ck_assert_int_ge(fd, 0);
+    close(fd);
+    remove(path);
+    setenv("QMOE_KERNEL_CACHE", path, 1);
+    qm__kernel_amx_hook(1, grant_perm);
+    qm__i8kernel_set_timer(fake_i8);
+    fake_wide = 10.0;
+    const char *d = qm__i8kernel_recalibrate();
+    ck_assert_msg(strstr(d, "measured: q4 ") && strstr(d, "/amx, q8 ") && !strstr(d, "q4 amx"),
+                  "%s", d);
+    char line[2][512] = {{0}};
+    FILE *f = fopen(path, "r");
+    ck_assert_ptr_nonnull(f);
+    ck_assert_ptr_nonnull(fgets(line[0], sizeof line[0], f));
+    fclose(f);
+    ck_assert_msg(strncmp(line[0], "qmoe-fast-kernels 4|", 20) == 0, "%s", line[0]);
+    fake_wide = 500.0; /* the cache wins over a new measurement */
+    d = qm__i8kernel_recalibrate();
+    ck_assert_msg(strstr(d, "(cached)") && strstr(d, "/amx"), "%s", d);
+    /* The exact mode's line joins it, first (written here directly: this
+     * CPU may have one exact candidate, nothing to measure or keep). */
+    const char *ex[2] = {"avx512", "avx2"};
+    const int exi[4] = {1, 0, 0, 0};
+    qm__cache_save(path, "qmoe-kernels", ex, 2, exi);
+    f = fopen(path, "r");
+    ck_assert_ptr_nonnull(fgets(line[0], sizeof line[0], f));
+    ck_assert_ptr_nonnull(fgets(line[1], sizeof line[1], f));
+    fclose(f);
+    ck_assert_msg(strncmp(line[0], "qmoe-kernels 4|", 15) == 0, "%s", line[0]);
+    ck_assert_msg(strncmp(line[1], "qmoe-fast-kernels 4|", 20) == 0, "%s", line[1]);
+    const qm__kernel *ek[2] = {&qm__kernel_avx512, &qm__kernel_avx2}, *eo[4];
+    ck_assert_int_eq(qm__kernel_cache_load(path, ek, 2, eo), 0);
+    ck_assert(eo[0] == &qm__kernel_avx2 && eo[1] == &qm__kernel_avx512);
+    d = qm__i8kernel_recalibrate();
+    ck_assert_msg(strstr(d, "(cached)"), "%s", d);
+    qm__kernel_amx_hook(0, NULL); /* another kernel set: measured again */
+    fake_wide = 10.0;
+    d = qm__i8kernel_recalibrate();
+    ck_assert_msg(!strstr(d, "(cached)") && !strstr(d, "amx"), "%s", d);
+    unsetenv("QMOE_KERNEL_CACHE");
+    qm__i8kernel_set_timer(NULL);
+    qm__i8kernel_recalibrate();
+    remove(path);
+}
+END_TEST
+#endif
+
 static Suite *suite(void)
 {
     Suite *s = suite_create("kernels");
     TCase *tc = tcase_create("core");
+    tcase_set_timeout(tc, 60); /* seconds of wall time: the shared machines of CI are slow */
     tcase_add_test(tc, test_measured_classes_same_bits);
     tcase_add_test(tc, test_q4_gemv_same_bits_every_kernel);
     tcase_add_test(tc, test_q4_gemv_folded_within_bound);
@@ -474,6 +874,13 @@ static Suite *suite(void)
     tcase_add_test(tc, test_pick_with_margin);
     tcase_add_test(tc, test_calibration_takes_fastest);
     tcase_add_test(tc, test_cache);
+    tcase_add_test(tc, test_fast_kernels_same_bits_as_the_specification);
+#if defined(QMOE_X86_KERNELS)
+    tcase_add_test(tc, test_fast_packers_match_c);
+    tcase_add_test(tc, test_fast_prep_avx2_matches_c);
+    tcase_add_test(tc, test_amx_permission_refused_falls_back);
+    tcase_add_test(tc, test_fast_calibration_and_cache);
+#endif
     suite_add_tcase(s, tc);
     return s;
 }

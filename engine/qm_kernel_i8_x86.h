@@ -1,0 +1,355 @@
+/* qm_kernel_i8_x86.h - AVX2 code every x86 fast kernel shares (each
+ * includer is compiled with at least -mavx2 -mfma -mf16c): the packers and
+ * row parameters of qm_kernel_i8.h on vectors (tested against the C ones
+ * byte for byte), and the decode GEMV, a 256-bit body whose dot product
+ * the includer names:
+ *   QM__V_FN                 the GEMV's name
+ *   QM__V_DOT4(lo, hi, xl, xh)  8 int32 lanes, lanes 0-3 summing sub-block j
+ *                            and 4-7 sub-block j + 1 (lo/hi: the low/high
+ *                            nibbles of the 32 code bytes of j, j + 1)
+ *   QM__V_DOT8(w, x, x16)    8 int32 lanes summing one 8-bit sub-block (w:
+ *                            its 32 code bytes, x / x16: its s8 / s16 inputs)
+ * Private to engine/. */
+#ifndef QM_KERNEL_I8_X86_H
+#define QM_KERNEL_I8_X86_H
+
+#include <immintrin.h>
+
+#include "qm_kernel_i8.h"
+
+/* 8 x 8 int32 transpose: r[i] lane g -> r[g] lane i. */
+QM__I8_AI void qm__x_tr8(__m256i r[8])
+{
+    __m256i t0 = _mm256_unpacklo_epi32(r[0], r[1]), t1 = _mm256_unpackhi_epi32(r[0], r[1]);
+    __m256i t2 = _mm256_unpacklo_epi32(r[2], r[3]), t3 = _mm256_unpackhi_epi32(r[2], r[3]);
+    __m256i t4 = _mm256_unpacklo_epi32(r[4], r[5]), t5 = _mm256_unpackhi_epi32(r[4], r[5]);
+    __m256i t6 = _mm256_unpacklo_epi32(r[6], r[7]), t7 = _mm256_unpackhi_epi32(r[6], r[7]);
+    __m256i u0 = _mm256_unpacklo_epi64(t0, t2), u1 = _mm256_unpackhi_epi64(t0, t2);
+    __m256i u2 = _mm256_unpacklo_epi64(t1, t3), u3 = _mm256_unpackhi_epi64(t1, t3);
+    __m256i u4 = _mm256_unpacklo_epi64(t4, t6), u5 = _mm256_unpackhi_epi64(t4, t6);
+    __m256i u6 = _mm256_unpacklo_epi64(t5, t7), u7 = _mm256_unpackhi_epi64(t5, t7);
+    r[0] = _mm256_permute2x128_si256(u0, u4, 0x20);
+    r[1] = _mm256_permute2x128_si256(u1, u5, 0x20);
+    r[2] = _mm256_permute2x128_si256(u2, u6, 0x20);
+    r[3] = _mm256_permute2x128_si256(u3, u7, 0x20);
+    r[4] = _mm256_permute2x128_si256(u0, u4, 0x31);
+    r[5] = _mm256_permute2x128_si256(u1, u5, 0x31);
+    r[6] = _mm256_permute2x128_si256(u2, u6, 0x31);
+    r[7] = _mm256_permute2x128_si256(u3, u7, 0x31);
+}
+
+/* Bytes [off, off + len) of a row (len <= 64), zeros past its end. */
+QM__I8_AI const uint8_t *qm__x_bytes(const qm__qmat *m, const uint8_t *row, size_t off,
+                                     size_t len, uint8_t *tmp)
+{
+    if (__builtin_expect(off + len <= m->row_bytes, 1))
+        return row + off;
+    memset(tmp, 0, len);
+    if (off < m->row_bytes)
+        memcpy(tmp, row + off, m->row_bytes - off);
+    return tmp;
+}
+
+/* Sub-block j of row i (i < nr; else zeros) as 8 dwords of u8 codes in
+ * prepared order. */
+QM__I8_AI __m256i qm__x_row_u8(const qm__qmat *m, uint32_t n0, uint32_t nr, uint32_t i, size_t j)
+{
+    uint8_t tmp[32];
+    if (i >= nr)
+        return _mm256_setzero_si256();
+    const uint8_t *row = m->w + (size_t)(n0 + i) * m->row_bytes;
+    if (m->bits == 8)
+        return _mm256_loadu_si256((const __m256i *)qm__x_bytes(m, row, 32 * j, 32, tmp));
+    __m128i v = _mm_loadu_si128((const __m128i *)qm__x_bytes(m, row, 16 * j, 16, tmp));
+    const __m128i lo4 = _mm_set1_epi8(15);
+    __m128i lo = _mm_and_si128(v, lo4), hi = _mm_and_si128(_mm_srli_epi16(v, 4), lo4);
+    return _mm256_inserti128_si256(_mm256_castsi128_si256(lo), hi, 1);
+}
+
+/* qm__i8_pack_u8_c on vectors. */
+static inline void qm__x_pack_u8(const qm__qmat *m, uint32_t n0, uint32_t nr, size_t j0,
+                                 size_t j1, uint8_t *pan)
+{
+    for (size_t j = j0; j < j1; j++)
+        for (uint32_t h = 0; h < 16; h += 8) {
+            __m256i r[8];
+            for (uint32_t i = 0; i < 8; i++)
+                r[i] = qm__x_row_u8(m, n0, nr, h + i, j);
+            qm__x_tr8(r);
+            uint8_t *p = pan + 512 * (j - j0) + 4 * h;
+            for (int g = 0; g < 8; g++)
+                _mm256_storeu_si256((__m256i *)(p + 64 * g), r[g]);
+        }
+}
+
+/* qm__i8_pack_s16_c on vectors. */
+static inline void qm__x_pack_s16(const qm__qmat *m, uint32_t n0, uint32_t nr, size_t j0,
+                                  size_t j1, uint8_t *pan)
+{
+    uint32_t spb = qm__i8_spb(m);
+    for (size_t j = j0; j < j1; j++)
+        for (uint32_t h = 0; h < 16; h += 8) {
+            __m256i lo[8], hi[8];
+            for (uint32_t i = 0; i < 8; i++) {
+                __m256i v = qm__x_row_u8(m, n0, nr, h + i, j);
+                __m256i zp = _mm256_set1_epi16(
+                    h + i < nr ? (short)qm__qmat_zp(m, n0 + h + i, (uint32_t)(j / spb)) : 0);
+                lo[i] = _mm256_sub_epi16(_mm256_cvtepu8_epi16(_mm256_castsi256_si128(v)), zp);
+                hi[i] = _mm256_sub_epi16(_mm256_cvtepu8_epi16(_mm256_extracti128_si256(v, 1)), zp);
+                if (h + i >= nr)
+                    lo[i] = hi[i] = _mm256_setzero_si256();
+            }
+            qm__x_tr8(lo);
+            qm__x_tr8(hi);
+            uint8_t *p = pan + 1024 * (j - j0) + 4 * h;
+            for (int g = 0; g < 8; g++) {
+                _mm256_storeu_si256((__m256i *)(p + 64 * g), lo[g]);
+                _mm256_storeu_si256((__m256i *)(p + 64 * (g + 8)), hi[g]);
+            }
+        }
+}
+
+/* 8 scales of row n from block b0 as f32 (zeros past nblk). */
+QM__I8_AI __m256i qm__x_scales8(const qm__qmat *m, uint32_t n, uint32_t b0)
+{
+    uint32_t cnt = m->nblk - b0 < 8 ? m->nblk - b0 : 8;
+    size_t i = (size_t)n * m->nblk + b0;
+    if (m->scale_dtype == QM_DTYPE_F32) {
+        float tmp[8] = {0};
+        const float *p = (const float *)m->scales + i;
+        if (cnt < 8) {
+            memcpy(tmp, p, 4 * cnt);
+            p = tmp;
+        }
+        return _mm256_castps_si256(_mm256_loadu_ps(p));
+    }
+    uint16_t tmp[8] = {0};
+    const uint16_t *p = (const uint16_t *)m->scales + i;
+    if (cnt < 8) {
+        memcpy(tmp, p, 2 * cnt);
+        p = tmp;
+    }
+    __m128i h = _mm_loadu_si128((const __m128i *)p);
+    if (m->scale_dtype == QM_DTYPE_F16)
+        return _mm256_castps_si256(_mm256_cvtph_ps(h));
+    return _mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16); /* bf16 */
+}
+
+/* qm__i8_params8_c on vectors (the scales of 8 rows; zero points in C). */
+static inline void qm__x_params8(const qm__qmat *m, uint32_t n0, uint32_t nr, uint32_t h,
+                                 float *sct, int32_t *zpt)
+{
+    if (zpt || nr < h + 8) {
+        qm__i8_params8_c(m, n0, nr, h, sct, zpt);
+        return;
+    }
+    uint32_t b0 = 0;
+    if (m->scale_dtype == QM_DTYPE_F32) /* whole groups of 8 blocks: plain loads */
+        for (; b0 + 8 <= m->nblk; b0 += 8) {
+            const float *p = (const float *)m->scales + (size_t)(n0 + h) * m->nblk + b0;
+            __m256i r[8];
+#pragma GCC unroll 8
+            for (uint32_t i = 0; i < 8; i++)
+                r[i] = _mm256_castps_si256(_mm256_loadu_ps(p + (size_t)i * m->nblk));
+            qm__x_tr8(r);
+#pragma GCC unroll 8
+            for (int b = 0; b < 8; b++)
+                _mm256_storeu_si256((__m256i *)(sct + 16 * (size_t)(b0 + b) + h), r[b]);
+        }
+    for (; b0 < m->nblk; b0 += 8) {
+        __m256i r[8];
+        for (uint32_t i = 0; i < 8; i++)
+            r[i] = qm__x_scales8(m, n0 + h + i, b0);
+        qm__x_tr8(r);
+        for (int b = 0; b < 8; b++)
+            _mm256_storeu_si256((__m256i *)(sct + 16 * (size_t)(b0 + b) + h), r[b]);
+    }
+}
+
+/* qm__i8_params_c on vectors. */
+static inline void qm__x_params(const qm__qmat *m, uint32_t n0, uint32_t nr, float *sct,
+                                int32_t *zpt)
+{
+    qm__x_params8(m, n0, nr, 0, sct, zpt);
+    qm__x_params8(m, n0, nr, 8, sct, zpt);
+}
+
+/* Prefetches the scales of rows [n, n + 8) of m (those that exist). */
+QM__I8_AI void qm__x_prefetch_scales(const qm__qmat *m, uint32_t n)
+{
+    size_t es = m->scale_dtype == QM_DTYPE_F32 ? 4 : 2;
+    uint32_t end = n + 8 < m->n ? n + 8 : m->n;
+    if (n >= end)
+        return;
+    const char *p = (const char *)m->scales + (size_t)n * m->nblk * es;
+    size_t bytes = (size_t)(end - n) * m->nblk * es;
+    for (size_t o = 0; o < bytes; o += 64)
+        _mm_prefetch(p + o, _MM_HINT_T0);
+}
+
+#endif /* QM_KERNEL_I8_X86_H */
+
+/* The GEMV, once per inclusion with QM__V_FN defined. */
+#ifdef QM__V_FN
+/* Where sub-block j stands: its block b and place w in it, stepped without
+ * a division. */
+typedef struct qm__v_pos {
+    uint32_t b, w;
+} qm__v_pos;
+
+/* The epilogue of one sub-block j at p for 8 rows (lanes) of group h; ZP
+ * and SPB1 (blocks of one sub-block) are constants at each call site. */
+QM__I8_AI void qm__v_epi(const qm__i8_xrow *x, const float *sct, const int32_t *zpt, uint32_t spb,
+                         size_t nse, size_t j, qm__v_pos *p, uint32_t h, __m256i s, __m256 *t,
+                         __m256 *acc, const int ZP, const int SPB1)
+{
+    if (ZP)
+        s = _mm256_sub_epi32(
+            s, _mm256_mullo_epi32(_mm256_loadu_si256((const __m256i *)(zpt + 16 * (size_t)p->b + h)),
+                                  _mm256_set1_epi32(x->sumq[j])));
+    else
+        s = _mm256_sub_epi32(s, _mm256_set1_epi32(x->zsum[j]));
+    __m256 t0 = SPB1 || p->w == 0 ? _mm256_setzero_ps() : *t;
+    *t = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_set1_ps(x->dx[j]), t0);
+    if (SPB1 || p->w + 1 == spb || j + 1 == nse) {
+        *acc = _mm256_fmadd_ps(*t, _mm256_loadu_ps(sct + 16 * (size_t)p->b + h), *acc);
+        p->b++;
+        p->w = 0;
+    } else {
+        p->w++;
+    }
+}
+
+/* 32 code bytes of a row from byte off (zeros past its end). */
+QM__I8_AI __m256i qm__v_load32(const qm__qmat *m, const uint8_t *row, size_t off)
+{
+    uint8_t tmp[32];
+    return _mm256_loadu_si256((const __m256i *)qm__x_bytes(m, row, off, 32, tmp));
+}
+
+/* Rows h..h+7 (pointers row[], clamped to the call's last row) times one
+ * input: 4-bit, two sub-blocks per step; the 8 rows' 8-lane sums reduce to
+ * one vector per sub-block (row i in lane i). Sub-blocks from jt on may
+ * reach past a row's bytes and are read through a copy. */
+QM__I8_AI __m256 qm__v_rows_q4(const qm__qmat *m, const uint8_t *const row[8],
+                               const uint8_t *const *next, const qm__i8_xrow *x, const float *sct, const int32_t *zpt,
+                               uint32_t h, const int ZP, const int SPB1)
+{
+    const size_t nsb = qm__i8_nsb(m), nse = qm__i8_nse(m);
+    const size_t jt = m->row_bytes / 32 * 2; /* pairs [j, j + 2) below jt lie within the row */
+    const uint32_t spb = qm__i8_spb(m);
+    const __m256i lo4 = _mm256_set1_epi8(15);
+    __m256 t = _mm256_setzero_ps(), acc = _mm256_setzero_ps();
+    qm__v_pos pos = {0, 0};
+    for (size_t j = 0; j < nsb; j += 2) {
+        __m256i xa = _mm256_loadu_si256((const __m256i *)(x->q + 32 * j));
+        __m256i xb = _mm256_loadu_si256((const __m256i *)(x->q + 32 * j + 32));
+        __m256i xl = _mm256_permute2x128_si256(xa, xb, 0x20);
+        __m256i xh = _mm256_permute2x128_si256(xa, xb, 0x31);
+        if (next && (j & 2) == 0) /* one line of each next row per 64 bytes */
+#pragma GCC unroll 8
+            for (int i = 0; i < 8; i++)
+                _mm_prefetch((const char *)next[i] + 16 * j, _MM_HINT_T0);
+        __m256i p[8];
+#pragma GCC unroll 8
+        for (int i = 0; i < 8; i++) {
+            __m256i v = j < jt ? _mm256_loadu_si256((const __m256i *)(row[i] + 16 * j))
+                               : qm__v_load32(m, row[i], 16 * j);
+            __m256i lo = _mm256_and_si256(v, lo4);
+            __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), lo4);
+            p[i] = QM__V_DOT4(lo, hi, xl, xh);
+        }
+        __m256i X = _mm256_hadd_epi32(_mm256_hadd_epi32(p[0], p[1]), _mm256_hadd_epi32(p[2], p[3]));
+        __m256i Y = _mm256_hadd_epi32(_mm256_hadd_epi32(p[4], p[5]), _mm256_hadd_epi32(p[6], p[7]));
+        qm__v_epi(x, sct, zpt, spb, nse, j, &pos, h, _mm256_permute2x128_si256(X, Y, 0x20), &t,
+                  &acc, ZP, SPB1);
+        if (j + 1 < nse)
+            qm__v_epi(x, sct, zpt, spb, nse, j + 1, &pos, h,
+                      _mm256_permute2x128_si256(X, Y, 0x31), &t, &acc, ZP, SPB1);
+    }
+    return acc;
+}
+
+/* The same for 8-bit codes, one sub-block per step. */
+QM__I8_AI __m256 qm__v_rows_q8(const qm__qmat *m, const uint8_t *const row[8],
+                               const uint8_t *const *next, const qm__i8_xrow *x, const float *sct, const int32_t *zpt,
+                               uint32_t h, const int ZP, const int SPB1)
+{
+    const size_t nse = qm__i8_nse(m), jt = m->row_bytes / 32;
+    const uint32_t spb = qm__i8_spb(m);
+    __m256 t = _mm256_setzero_ps(), acc = _mm256_setzero_ps();
+    qm__v_pos pos = {0, 0};
+    for (size_t j = 0; j < nse; j++) {
+        if (next && (j & 1) == 0)
+#pragma GCC unroll 8
+            for (int i = 0; i < 8; i++)
+                _mm_prefetch((const char *)next[i] + 32 * j, _MM_HINT_T0);
+        __m256i p[8];
+#pragma GCC unroll 8
+        for (int i = 0; i < 8; i++) {
+            uint8_t tmp[32];
+            const uint8_t *w = j < jt ? row[i] + 32 * j : qm__x_bytes(m, row[i], 32 * j, 32, tmp);
+            p[i] = QM__V_DOT8(w, x->q + 32 * j, x->q16 + 32 * j);
+        }
+        __m256i X = _mm256_hadd_epi32(_mm256_hadd_epi32(p[0], p[1]), _mm256_hadd_epi32(p[2], p[3]));
+        __m256i Y = _mm256_hadd_epi32(_mm256_hadd_epi32(p[4], p[5]), _mm256_hadd_epi32(p[6], p[7]));
+        __m256i s = _mm256_add_epi32(_mm256_permute2x128_si256(X, Y, 0x20),
+                                     _mm256_permute2x128_si256(X, Y, 0x31));
+        qm__v_epi(x, sct, zpt, spb, nse, j, &pos, h, s, &t, &acc, ZP, SPB1);
+    }
+    return acc;
+}
+
+/* One group of 8 rows times one input, specialised on zero points and
+ * blocks of one sub-block. */
+QM__I8_AI __m256 qm__v_rows(const qm__qmat *m, const uint8_t *const row[8],
+                            const uint8_t *const *next, const qm__i8_xrow *x, const float *sct,
+                            const int32_t *zpt, uint32_t h)
+{
+    int spb1 = qm__i8_spb(m) == 1;
+    if (m->bits == 4) {
+        if (zpt)
+            return spb1 ? qm__v_rows_q4(m, row, next, x, sct, zpt, h, 1, 1)
+                        : qm__v_rows_q4(m, row, next, x, sct, zpt, h, 1, 0);
+        return spb1 ? qm__v_rows_q4(m, row, next, x, sct, zpt, h, 0, 1)
+                    : qm__v_rows_q4(m, row, next, x, sct, zpt, h, 0, 0);
+    }
+    if (zpt)
+        return spb1 ? qm__v_rows_q8(m, row, next, x, sct, zpt, h, 1, 1)
+                    : qm__v_rows_q8(m, row, next, x, sct, zpt, h, 1, 0);
+    return spb1 ? qm__v_rows_q8(m, row, next, x, sct, zpt, h, 0, 1)
+                : qm__v_rows_q8(m, row, next, x, sct, zpt, h, 0, 0);
+}
+
+/* Rows [n0, n1) times nx inputs, 8 rows at a time, one input at a time.
+ * Each group's scales are taken just before it, and while a group runs its
+ * first input the next 8 rows' codes (one line per 64 bytes read) and
+ * scales (of this call or the next tile) are prefetched: rows of an expert are short streams (1-4 KiB) that the
+ * hardware prefetcher would reach only late. */
+static void QM__V_FN(const qm__qmat *m, uint32_t n0, uint32_t n1, const float *xq, size_t ldx,
+                     uint32_t nx, float *y, size_t ldy, float *scratch)
+{
+    qm__i8_scratch s = qm__i8_scratch_at(m, scratch);
+    uint32_t nr = n1 - n0;
+    int32_t *zpt = m->zp ? s.zpt : NULL;
+    for (uint32_t h = 0; h < nr; h += 8) {
+        qm__x_params8(m, n0, nr, h, s.sct, zpt);
+        qm__x_prefetch_scales(m, n0 + h + 8);
+        const uint8_t *row[8], *next[8];
+        for (uint32_t i = 0; i < 8; i++) {
+            row[i] = m->w + (size_t)(n0 + (h + i < nr ? h + i : nr - 1)) * m->row_bytes;
+            uint32_t nn = n0 + h + 8 + i < m->n ? n0 + h + 8 + i : m->n - 1;
+            next[i] = m->w + (size_t)nn * m->row_bytes;
+        }
+
+        uint32_t cnt = nr - h < 8 ? nr - h : 8;
+        for (uint32_t r = 0; r < nx; r++) {
+            qm__i8_xrow x = qm__i8_xrow_at(m, xq + (size_t)r * ldx);
+            __m256 acc = qm__v_rows(m, row, r ? NULL : next, &x, s.sct, zpt, h);
+            float out[8];
+            _mm256_storeu_ps(out, acc);
+            memcpy(y + (size_t)r * ldy + n0 + h, out, sizeof(float) * cnt);
+        }
+    }
+}
+#endif /* QM__V_FN */
