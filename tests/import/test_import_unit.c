@@ -8,6 +8,7 @@
 
 #include "import_common.h"
 #include "qm_alloc.h"
+#include "qm_half.h"
 #include "qm_hf_config.h"
 
 static qm_hf_json *parse(const char *text)
@@ -109,10 +110,10 @@ END_TEST
 
 START_TEST(test_element_conversions_match_their_formats)
 {
-    ck_assert(qmi_bf16_to_f32(0x3f80) == 1.0f);
-    ck_assert(qmi_f16_to_f32(0x3c00) == 1.0f);
-    ck_assert(qmi_f16_to_f32(0x0001) == ldexpf(1, -24)); /* smallest subnormal */
-    ck_assert(qmi_f16_to_f32(0xc000) == -2.0f);
+    ck_assert(qm_bf16_to_f32(0x3f80) == 1.0f);
+    ck_assert(qm_f16_to_f32(0x3c00) == 1.0f);
+    ck_assert(qm_f16_to_f32(0x0001) == ldexpf(1, -24)); /* smallest subnormal */
+    ck_assert(qm_f16_to_f32(0xc000) == -2.0f);
     /* e4m3fn: bias 7, 3 mantissa bits, no infinities, 0x7f NaN, max 448 */
     ck_assert(qmi_e4m3_to_f32(0x38) == 1.0f);
     ck_assert(qmi_e4m3_to_f32(0x7e) == 448.0f);
@@ -122,9 +123,9 @@ START_TEST(test_element_conversions_match_their_formats)
     ck_assert(qmi_e4m3_to_f32(0x78) == 256.0f);
     /* round trips and ties to even */
     for (uint32_t h = 0; h < 0x7c00; h++)
-        ck_assert_uint_eq(qmi_f32_to_f16(qmi_f16_to_f32((uint16_t)h)), h);
-    ck_assert_uint_eq(qmi_f32_to_bf16(1.0f + ldexpf(1, -8)), 0x3f80); /* tie -> even */
-    ck_assert_uint_eq(qmi_f32_to_bf16(1.0f + 3 * ldexpf(1, -8)), 0x3f82);
+        ck_assert_uint_eq(qm_f32_to_f16(qm_f16_to_f32((uint16_t)h)), h);
+    ck_assert_uint_eq(qm_f32_to_bf16(1.0f + ldexpf(1, -8)), 0x3f80); /* tie -> even */
+    ck_assert_uint_eq(qm_f32_to_bf16(1.0f + 3 * ldexpf(1, -8)), 0x3f82);
 }
 END_TEST
 
@@ -166,7 +167,7 @@ START_TEST(test_quantise_row_is_symmetric_rtn_with_stored_scales)
     uint8_t p8[40];
     qmi_error e4 = {0, 0, 1};
     qmi_quantise_row(w, 40, 8, 32, QM_DTYPE_F16, p8, s16, 0, &e4);
-    float stored = qmi_f16_to_f32(s16[0]);
+    float stored = qm_f16_to_f32(s16[0]);
     ck_assert(stored == qmi_round_to(QM_DTYPE_F16, 1.0f / 127.0f));
     ck_assert_int_eq(p8[0] - 128, (int)rintf(w[0] / stored));
 }

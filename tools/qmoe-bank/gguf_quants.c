@@ -17,38 +17,7 @@
 #include <string.h>
 
 #include "gguf_reader.h"
-
-float qmg_f16_to_f32(uint16_t h)
-{
-    uint32_t sign = (uint32_t)(h >> 15) << 31, exp = (h >> 10) & 31, man = h & 1023u, bits;
-    if (exp == 0) {
-        if (man == 0) {
-            bits = sign;
-        } else { /* subnormal: renormalise */
-            exp = 127 - 15 + 1;
-            while (!(man & 1024u)) {
-                man <<= 1;
-                exp--;
-            }
-            bits = sign | exp << 23 | (man & 1023u) << 13;
-        }
-    } else if (exp == 31) {
-        bits = sign | 0x7f800000u | man << 13;
-    } else {
-        bits = sign | (exp + 127 - 15) << 23 | man << 13;
-    }
-    float f;
-    memcpy(&f, &bits, 4);
-    return f;
-}
-
-static float bf16_to_f32(uint16_t b)
-{
-    uint32_t bits = (uint32_t)b << 16;
-    float f;
-    memcpy(&f, &bits, 4);
-    return f;
-}
+#include "qm_half.h"
 
 static uint16_t rd16(const uint8_t *p) { return (uint16_t)(p[0] | p[1] << 8); }
 
@@ -94,7 +63,7 @@ static unsigned q6k_code(const uint8_t *blk, unsigned i, unsigned *scale_index)
 static float q6k_scales(const uint8_t *blk, const int8_t **sc)
 {
     *sc = (const int8_t *)(blk + 192);
-    return qmg_f16_to_f32(rd16(blk + 208));
+    return qm_f16_to_f32(rd16(blk + 208));
 }
 
 int qmg_can_dequant(uint32_t type)
@@ -122,7 +91,7 @@ int qmg_can_dequant(uint32_t type)
 static void dequant_q3k(const uint8_t *blk, float *y)
 {
     const uint8_t *hm = blk, *q = blk + 32, *sc_raw = blk + 96;
-    float d_all = qmg_f16_to_f32(rd16(blk + 108));
+    float d_all = qm_f16_to_f32(rd16(blk + 108));
     /* The 16 6-bit scales: low 4 bits from bytes 0..7, high 2 bits from 8..11. */
     int8_t scales[16];
     for (int i = 0; i < 16; i++) {
@@ -150,7 +119,7 @@ static void dequant_q3k(const uint8_t *blk, float *y)
 
 static void dequant_k45(const uint8_t *blk, int five, float *y)
 {
-    float d = qmg_f16_to_f32(rd16(blk)), dmin = qmg_f16_to_f32(rd16(blk + 2));
+    float d = qm_f16_to_f32(rd16(blk)), dmin = qm_f16_to_f32(rd16(blk + 2));
     const uint8_t *scales = blk + 4, *qh = blk + 16, *ql = five ? blk + 48 : blk + 16;
     int is = 0;
     uint8_t u1 = 1, u2 = 2;
@@ -179,11 +148,11 @@ void qmg_dequant_row(uint32_t type, const uint8_t *src, uint64_t n, float *dst)
         return;
     case QMG_F16_T:
         for (uint64_t i = 0; i < n; i++)
-            dst[i] = qmg_f16_to_f32(rd16(src + 2 * i));
+            dst[i] = qm_f16_to_f32(rd16(src + 2 * i));
         return;
     case QMG_BF16_T:
         for (uint64_t i = 0; i < n; i++)
-            dst[i] = bf16_to_f32(rd16(src + 2 * i));
+            dst[i] = qm_bf16_to_f32(rd16(src + 2 * i));
         return;
     default:
         break;
@@ -194,13 +163,13 @@ void qmg_dequant_row(uint32_t type, const uint8_t *src, uint64_t n, float *dst)
         const uint8_t *p = src;
         switch (type) {
         case QMG_Q4_0: {
-            float d = qmg_f16_to_f32(rd16(p));
+            float d = qm_f16_to_f32(rd16(p));
             for (unsigned j = 0; j < 32; j++)
                 dst[j] = d * (float)((int)nib(p + 2, j) - 8);
             break;
         }
         case QMG_Q4_1: {
-            float d = qmg_f16_to_f32(rd16(p)), m = qmg_f16_to_f32(rd16(p + 2));
+            float d = qm_f16_to_f32(rd16(p)), m = qm_f16_to_f32(rd16(p + 2));
             for (unsigned j = 0; j < 32; j++)
                 dst[j] = d * (float)nib(p + 4, j) + m;
             break;
@@ -208,7 +177,7 @@ void qmg_dequant_row(uint32_t type, const uint8_t *src, uint64_t n, float *dst)
         case QMG_Q5_0:
         case QMG_Q5_1: {
             int one = type == QMG_Q5_1;
-            float d = qmg_f16_to_f32(rd16(p)), m = one ? qmg_f16_to_f32(rd16(p + 2)) : 0.0f;
+            float d = qm_f16_to_f32(rd16(p)), m = one ? qm_f16_to_f32(rd16(p + 2)) : 0.0f;
             const uint8_t *qhp = p + (one ? 4 : 2), *qs = qhp + 4;
             uint32_t qh = (uint32_t)qhp[0] | (uint32_t)qhp[1] << 8 | (uint32_t)qhp[2] << 16 |
                           (uint32_t)qhp[3] << 24;
@@ -219,7 +188,7 @@ void qmg_dequant_row(uint32_t type, const uint8_t *src, uint64_t n, float *dst)
             break;
         }
         case QMG_Q8_0: {
-            float d = qmg_f16_to_f32(rd16(p));
+            float d = qm_f16_to_f32(rd16(p));
             for (unsigned j = 0; j < 32; j++)
                 dst[j] = d * (float)(int8_t)p[2 + j];
             break;
@@ -232,7 +201,7 @@ void qmg_dequant_row(uint32_t type, const uint8_t *src, uint64_t n, float *dst)
         }
         case QMG_Q2_K: {
             const uint8_t *scales = p, *q = p + 16;
-            float d = qmg_f16_to_f32(rd16(p + 80)), dmin = qmg_f16_to_f32(rd16(p + 82));
+            float d = qm_f16_to_f32(rd16(p + 80)), dmin = qm_f16_to_f32(rd16(p + 82));
             float *y = dst;
             int is = 0;
             for (int nn = 0; nn < 256; nn += 128) {
@@ -324,7 +293,7 @@ void qmg_repack_row(uint32_t type, const uint8_t *src, uint64_t n, unsigned bits
         case QMG_Q4_0:
         case QMG_Q8_0: {
             uint16_t dh = rd16(src);
-            float d = qmg_f16_to_f32(dh);
+            float d = qm_f16_to_f32(dh);
             for (unsigned j = 0; j < 32; j++) {
                 unsigned code = type == QMG_Q8_0 ? (unsigned)((int)(int8_t)src[2 + j] + 128)
                                 : bits == 8      ? nib(src + 2, j) + 120u
@@ -342,7 +311,7 @@ void qmg_repack_row(uint32_t type, const uint8_t *src, uint64_t n, unsigned bits
             for (unsigned j = 0; j < 32; j++) /* q5 - 16 + 128 */
                 put_code(codes, bits, c0 + j, (nib(src + 6, j) | ((qh >> j) & 1u) << 4) + 112u);
             for (unsigned k = 0; k < 32 / bs; k++)
-                put_scale(scales, sdt, c0 / bs + k, qmg_f16_to_f32(dh), dh);
+                put_scale(scales, sdt, c0 / bs + k, qm_f16_to_f32(dh), dh);
             break;
         }
         case QMG_MXFP4: {

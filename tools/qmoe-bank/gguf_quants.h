@@ -42,6 +42,4 @@ void qmg_repack_row(uint32_t type, const uint8_t *src, uint64_t n, unsigned bits
 void qmg_quantise_row(const float *w, uint64_t n, unsigned bits, unsigned bs, uint8_t *codes,
                       float *scales, double *diff2, double *ref2);
 
-float qmg_f16_to_f32(uint16_t h);
-
 #endif

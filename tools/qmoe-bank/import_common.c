@@ -14,6 +14,7 @@
 #include <unistd.h>
 
 #include "qm_alloc.h"
+#include "qm_half.h"
 #include "qm_io.h"
 #include "qm_st_header.h"
 
@@ -56,28 +57,6 @@ const char *qmi_elem_name(qmi_elem e)
     return names[e <= QMI_ELEM_OTHER ? e : QMI_ELEM_OTHER];
 }
 
-float qmi_f16_to_f32(uint16_t h)
-{
-    uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1f, mant = h & 0x3ff;
-    float f;
-    if (exp == 0) {
-        f = ldexpf((float)mant, -24);
-        return sign ? -f : f;
-    }
-    uint32_t u = exp == 31 ? sign | 0x7f800000u | (mant << 13)
-                           : sign | ((exp - 15 + 127) << 23) | (mant << 13);
-    memcpy(&f, &u, 4);
-    return f;
-}
-
-float qmi_bf16_to_f32(uint16_t b)
-{
-    uint32_t u = (uint32_t)b << 16;
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
-}
-
 float qmi_e4m3_to_f32(uint8_t v)
 {
     int sign = v & 0x80, exp = (v >> 3) & 0xf, mant = v & 7;
@@ -89,34 +68,6 @@ float qmi_e4m3_to_f32(uint8_t v)
     else
         f = ldexpf((float)(8 + mant), exp - 7 - 3);
     return sign ? -f : f;
-}
-
-uint16_t qmi_f32_to_bf16(float f)
-{
-    uint32_t u;
-    memcpy(&u, &f, 4);
-    if ((u & 0x7fffffff) > 0x7f800000) return (uint16_t)((u >> 16) | 0x40);
-    u += 0x7fff + ((u >> 16) & 1);
-    return (uint16_t)(u >> 16);
-}
-
-uint16_t qmi_f32_to_f16(float f)
-{
-    uint32_t u;
-    memcpy(&u, &f, 4);
-    uint32_t sign = (u >> 16) & 0x8000, mag = u & 0x7fffffff;
-    if (mag > 0x7f800000) return (uint16_t)(sign | 0x7e00);
-    if (mag >= 0x477ff000) /* rounds to >= 65520 */
-        return (uint16_t)(sign | 0x7c00);
-    if (mag < 0x38800000) { /* f16 subnormal or zero */
-        float a;
-        memcpy(&a, &mag, 4);
-        return (uint16_t)(sign | (uint32_t)rintf(a * 16777216.0f));
-    }
-    uint32_t h = ((mag >> 23) - 127 + 15) << 10 | ((mag & 0x7fffff) >> 13);
-    uint32_t rest = mag & 0x1fff;
-    if (rest > 0x1000 || (rest == 0x1000 && (h & 1))) h++;
-    return (uint16_t)(sign | h);
 }
 
 float qmi_load(const void *src, qmi_elem e, size_t i)
@@ -132,7 +83,7 @@ float qmi_load(const void *src, qmi_elem e, size_t i)
     case QMI_ELEM_BF16: {
         uint16_t h;
         memcpy(&h, p + 2 * i, 2);
-        return e == QMI_ELEM_F16 ? qmi_f16_to_f32(h) : qmi_bf16_to_f32(h);
+        return e == QMI_ELEM_F16 ? qm_f16_to_f32(h) : qm_bf16_to_f32(h);
     }
     case QMI_ELEM_F8_E4M3:
         return qmi_e4m3_to_f32(p[i]);
@@ -165,14 +116,14 @@ void qmi_store(void *dst, qm_dtype dt, size_t i, float v)
         memcpy((uint8_t *)dst + 4 * i, &v, 4);
         return;
     }
-    uint16_t h = dt == QM_DTYPE_F16 ? qmi_f32_to_f16(v) : qmi_f32_to_bf16(v);
+    uint16_t h = dt == QM_DTYPE_F16 ? qm_f32_to_f16(v) : qm_f32_to_bf16(v);
     memcpy((uint8_t *)dst + 2 * i, &h, 2);
 }
 
 float qmi_round_to(qm_dtype dt, float v)
 {
-    if (dt == QM_DTYPE_F16) return qmi_f16_to_f32(qmi_f32_to_f16(v));
-    if (dt == QM_DTYPE_BF16) return qmi_bf16_to_f32(qmi_f32_to_bf16(v));
+    if (dt == QM_DTYPE_F16) return qm_f16_to_f32(qm_f32_to_f16(v));
+    if (dt == QM_DTYPE_BF16) return qm_bf16_to_f32(qm_f32_to_bf16(v));
     return v;
 }
 

@@ -35,11 +35,7 @@ qmi_elem qmi_elem_from_st(const char *st_dtype);
 size_t qmi_elem_size(qmi_elem e); /* 0 for QMI_ELEM_OTHER */
 const char *qmi_elem_name(qmi_elem e);
 
-float qmi_f16_to_f32(uint16_t h);
-float qmi_bf16_to_f32(uint16_t b);
 float qmi_e4m3_to_f32(uint8_t v);
-uint16_t qmi_f32_to_f16(float f);  /* round to nearest even */
-uint16_t qmi_f32_to_bf16(float f); /* round to nearest even */
 
 /* Element i of a float array of type e (F32/F16/BF16/F8_E4M3) as f32. */
 float qmi_load(const void *src, qmi_elem e, size_t i);

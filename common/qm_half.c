@@ -1,49 +1,42 @@
-/* qm_convert.c - f16/bf16 <-> f32 conversions (round to nearest even). */
-#include <stdint.h>
+/* qm_half.c - f16/bf16 <-> f32 (see qm_half.h). */
+#include "qm_half.h"
+
 #include <string.h>
 
-#include "qm_kernels.h"
-#include "qm_moe.h"
-
-static uint32_t qm__bits_of(float f)
+static uint32_t bits_of(float f)
 {
     uint32_t u;
     memcpy(&u, &f, 4);
     return u;
 }
 
-static float qm__float_of(uint32_t u)
+static float float_of(uint32_t u)
 {
     float f;
     memcpy(&f, &u, 4);
     return f;
 }
 
-float qm__f16_to_f32(uint16_t h)
+float qm_f16_to_f32(uint16_t h)
 {
     uint32_t sign = (uint32_t)(h & 0x8000u) << 16;
     uint32_t exp = (h >> 10) & 0x1fu;
     uint32_t man = h & 0x3ffu;
     if (exp == 0x1f) /* inf / NaN (payload kept, made quiet) */
-        return qm__float_of(sign | 0x7f800000u | (man << 13) | (man ? 0x400000u : 0));
+        return float_of(sign | 0x7f800000u | (man << 13) | (man ? 0x400000u : 0));
     if (exp == 0) {
         if (man == 0)
-            return qm__float_of(sign);
+            return float_of(sign);
         /* Subnormal: value = man * 2^-24, exact in f32. */
         float v = (float)man * 5.9604644775390625e-8f;
         return sign ? -v : v;
     }
-    return qm__float_of(sign | ((exp + 112u) << 23) | (man << 13));
-}
-
-float qm_f16_to_f32(uint16_t h)
-{
-    return qm__f16_to_f32(h);
+    return float_of(sign | ((exp + 112u) << 23) | (man << 13));
 }
 
 uint16_t qm_f32_to_f16(float f)
 {
-    uint32_t u = qm__bits_of(f);
+    uint32_t u = bits_of(f);
     uint16_t sign = (uint16_t)((u >> 16) & 0x8000u);
     uint32_t exp = (u >> 23) & 0xffu;
     uint32_t man = u & 0x7fffffu;
@@ -75,12 +68,12 @@ uint16_t qm_f32_to_f16(float f)
 
 float qm_bf16_to_f32(uint16_t h)
 {
-    return qm__float_of((uint32_t)h << 16);
+    return float_of((uint32_t)h << 16);
 }
 
 uint16_t qm_f32_to_bf16(float f)
 {
-    uint32_t u = qm__bits_of(f);
+    uint32_t u = bits_of(f);
     if ((u & 0x7fffffffu) > 0x7f800000u) /* NaN: keep it a NaN after truncation */
         return (uint16_t)((u >> 16) | 0x40u);
     uint32_t lsb = (u >> 16) & 1u;
