@@ -3,9 +3,8 @@
  * Weights come from a counter-based generator keyed by (seed, layer,
  * projection, expert), so any slice can be produced alone: the file is
  * written expert slice by expert slice with pwrite, and memory stays at one
- * slice whatever the bank's size. Quantisation follows onnxruntime's QMoE
- * tests: symmetric scale = absmax / qmax, asymmetric scale = (max - min) /
- * (2^bits - 1), both floored at 1e-8, codes rounded half to even. */
+ * slice whatever the bank's size. Quantisation is model/qm_quant.h's with
+ * onnxruntime's QMoE tests' recipe (codes against the f32 scale). */
 #include <errno.h>
 #include <fcntl.h>
 #include <getopt.h>
@@ -21,6 +20,7 @@
 #include "qm_bank.h"
 #include "qm_io.h"
 #include "import_common.h"
+#include "qm_quant.h"
 #include "qm_st_header.h"
 #include "qmoe_bank_tool.h"
 
@@ -133,54 +133,6 @@ static void plan_layer(const create_opts *o, planned *t)
     qmi_plan_sizes(t, QM_T_COUNT);
 }
 
-/* ---- quantisation ------------------------------------------------------------ */
-
-/* Quantises one row of k floats into codes (unpacked, one per column), the
- * row's scales[nblk] and zero points[nblk] (asymmetric only). */
-static void quantise_row(const float *w, uint64_t k, uint64_t bs, unsigned bits, int asym,
-                         uint8_t *codes, float *scales, uint8_t *zps)
-{
-    uint64_t step = bs ? bs : k;
-    int qmax_sym = (1 << (bits - 1)) - 1, qmin_sym = -(1 << (bits - 1));
-    int smax = (1 << bits) - 1, offset = 1 << (bits - 1);
-    for (uint64_t b = 0, lo = 0; lo < k; b++, lo += step) {
-        uint64_t hi = lo + step < k ? lo + step : k;
-        if (!asym) {
-            float amax = 0;
-            for (uint64_t c = lo; c < hi; c++)
-                amax = fmaxf(amax, fabsf(w[c]));
-            float scale = amax / (float)qmax_sym;
-            if (scale < 1e-8f)
-                scale = 1e-8f;
-            for (uint64_t c = lo; c < hi; c++) {
-                double q = rint((double)w[c] / (double)scale);
-                q = q < qmin_sym ? qmin_sym : q > qmax_sym ? qmax_sym : q;
-                codes[c] = (uint8_t)((int)q + offset);
-            }
-            scales[b] = scale;
-        } else {
-            float mn = w[lo], mx = w[lo];
-            for (uint64_t c = lo; c < hi; c++) {
-                mn = fminf(mn, w[c]);
-                mx = fmaxf(mx, w[c]);
-            }
-            float scale = (mx - mn) / (float)smax;
-            if (scale < 1e-8f)
-                scale = 1e-8f;
-            double zpf = 0.0 - (double)mn / (double)scale;
-            double zpi = rint(zpf);
-            zpi = zpi < 0 ? 0 : zpi > smax ? smax : zpi;
-            for (uint64_t c = lo; c < hi; c++) {
-                double q = rint((double)w[c] / (double)scale + zpf);
-                q = q < 0 ? 0 : q > smax ? smax : q;
-                codes[c] = (uint8_t)q;
-            }
-            scales[b] = scale;
-            zps[b] = (uint8_t)zpi;
-        }
-    }
-}
-
 /* ---- writing ------------------------------------------------------------------ */
 
 typedef struct writer {
@@ -223,18 +175,18 @@ static int write_projection(const create_opts *o, writer *wr, uint64_t data_star
     uint64_t z_slice = pw[2].present ? pw[2].nbytes / o->experts : 0;
     uint64_t b_slice = pw[3].present ? pw[3].nbytes / o->experts : 0;
     float *row = qm_malloc(k * sizeof *row);
-    float *row_scales = qm_malloc(nblk * sizeof *row_scales);
-    uint8_t *codes = qm_malloc(k);
     uint8_t *row_zps = qm_calloc(nblk, 1);
     uint8_t *wbuf = qm_malloc(w_slice);
     uint8_t *sbuf = qm_malloc(s_slice);
     uint8_t *zbuf = qm_calloc(z_slice ? z_slice : 1, 1);
     uint8_t *bbuf = qm_malloc(b_slice ? b_slice : 1);
     int rc = -1;
-    if (!row || !row_scales || !codes || !row_zps || !wbuf || !sbuf || !zbuf || !bbuf) {
+    if (!row || !row_zps || !wbuf || !sbuf || !zbuf || !bbuf) {
         fprintf(stderr, "qmoe-bank create: out of memory for one expert slice\n");
         goto done;
     }
+    const qm_quant_spec q = {.bits = o->bits, .block_size = bs, .scale_dtype = o->scale_dtype,
+                             .asymmetric = o->asymmetric, .rule = QM_QUANT_F32_SCALE};
     float wscale = 1.0f / sqrtf((float)k);
     for (uint32_t e = 0; e < o->experts; e++) {
         rng r = rng_for(o->seed, layer, (uint32_t)p, e);
@@ -242,13 +194,7 @@ static int write_projection(const create_opts *o, writer *wr, uint64_t data_star
         for (uint64_t row_i = 0; row_i < n; row_i++) {
             for (uint64_t c = 0; c < k; c++)
                 row[c] = rng_uniform(&r) * wscale;
-            quantise_row(row, k, bs, o->bits, o->asymmetric, codes, row_scales, row_zps);
-            uint8_t *dst = wbuf + row_i * (k / pack);
-            memset(dst, 0, k / pack);
-            for (uint64_t c = 0; c < k; c++)
-                dst[c / pack] |= (uint8_t)(codes[c] << ((c % pack) * o->bits));
-            for (uint64_t b = 0; b < nblk; b++)
-                qmi_store(sbuf, o->scale_dtype, row_i * nblk + b, row_scales[b]);
+            qm_quant_row(&q, row, k, wbuf + row_i * (k / pack), sbuf, row_i * nblk, row_zps, NULL);
             if (o->asymmetric) {
                 if (bs) { /* [N, ceil(nblk/pack)], packed along blocks */
                     uint64_t per_row = ceil_div(nblk, pack);
@@ -263,7 +209,7 @@ static int write_projection(const create_opts *o, writer *wr, uint64_t data_star
         if (o->bias) {
             rng rb = rng_for(o->seed, layer, (uint32_t)p + 16, e);
             for (uint64_t i = 0; i < n; i++)
-                qmi_store(bbuf, o->scale_dtype, i, 0.1f * rng_uniform(&rb));
+                qm_quant_store(bbuf, o->scale_dtype, i, 0.1f * rng_uniform(&rb));
         }
         if (put(wr, wbuf, w_slice, data_start + pw[0].begin + e * w_slice) ||
             put(wr, sbuf, s_slice, data_start + pw[1].begin + e * s_slice) ||
@@ -274,8 +220,6 @@ static int write_projection(const create_opts *o, writer *wr, uint64_t data_star
     rc = 0;
 done:
     qm_free(row);
-    qm_free(row_scales);
-    qm_free(codes);
     qm_free(row_zps);
     qm_free(wbuf);
     qm_free(sbuf);
@@ -298,9 +242,9 @@ static int write_router(const create_opts *o, writer *wr, uint64_t data_start, u
     rng r = rng_for(o->seed, layer, 32, 0);
     float s = 1.0f / sqrtf((float)o->hidden);
     for (uint64_t i = 0; i < (uint64_t)o->experts * o->hidden; i++)
-        qmi_store(buf, rw->dtype, i, s * rng_uniform(&r));
+        qm_quant_store(buf, rw->dtype, i, s * rng_uniform(&r));
     for (uint64_t i = 0; i < o->experts; i++)
-        qmi_store(bbuf, rb->dtype, i, 0.1f * rng_uniform(&r));
+        qm_quant_store(bbuf, rb->dtype, i, 0.1f * rng_uniform(&r));
     rc = put(wr, buf, rw->nbytes, data_start + rw->begin) ||
                  put(wr, bbuf, rb->nbytes, data_start + rb->begin)
              ? -1

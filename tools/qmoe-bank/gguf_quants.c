@@ -336,30 +336,3 @@ void qmg_repack_row(uint32_t type, const uint8_t *src, uint64_t n, unsigned bits
         }
     }
 }
-
-/* ---- requantisation ----------------------------------------------------------------- */
-
-void qmg_quantise_row(const float *w, uint64_t n, unsigned bits, unsigned bs, uint8_t *codes,
-                      float *scales, double *diff2, double *ref2)
-{
-    const int qmax = (1 << (bits - 1)) - 1, zp = 1 << (bits - 1);
-    for (uint64_t b0 = 0; b0 < n; b0 += bs) {
-        float amax = 0.0f;
-        for (uint64_t c = b0; c < b0 + bs; c++)
-            amax = fabsf(w[c]) > amax ? fabsf(w[c]) : amax;
-        float s = amax / (float)qmax;
-        scales[b0 / bs] = s;
-        for (uint64_t c = b0; c < b0 + bs; c++) {
-            int q = 0;
-            if (s > 0.0f) {
-                float r = rintf(w[c] / s);
-                q = r > (float)qmax ? qmax : r < (float)-qmax ? -qmax : (int)r;
-            }
-            put_code(codes, bits, c, (unsigned)(q + zp));
-            float deq = s * (float)q;
-            double e = (double)deq - (double)w[c];
-            *diff2 += e * e;
-            *ref2 += (double)w[c] * (double)w[c];
-        }
-    }
-}

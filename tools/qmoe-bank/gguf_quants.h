@@ -1,7 +1,7 @@
 /* gguf_quants.h - ggml block formats for `qmoe-bank import gguf`: our own
  * dequantisers (written from the block layouts of ggml-common.h, checked
  * against gguf-py's dequantize in the tests), the exact repacks into QMoE
- * storage, and round-to-nearest requantisation with its error.
+ * storage (requantisation is model/qm_quant.h's).
  *
  * Exact repacks (the QMoE value scale·(code − zp) is the ggml value bit for
  * bit, since ggml evaluates (d·sc)·q in f32 and every product is exact):
@@ -34,12 +34,5 @@ int qmg_exact_fits(uint32_t type, unsigned bits, unsigned bs, qm_dtype sdt);
  * scales. Only for a (type, bits, bs, sdt) that qmg_exact_fits accepts. */
 void qmg_repack_row(uint32_t type, const uint8_t *src, uint64_t n, unsigned bits, unsigned bs,
                     qm_dtype sdt, uint8_t *codes, void *scales);
-
-/* Symmetric round-to-nearest of one row of n f32 values (n a multiple of
- * bs and of 8/bits) into codes and f32 scales absmax/(2^(bits-1) - 1) per
- * block (implicit zero point 2^(bits-1)); adds sum((deq - w)^2) to *diff2
- * and sum(w^2) to *ref2. */
-void qmg_quantise_row(const float *w, uint64_t n, unsigned bits, unsigned bs, uint8_t *codes,
-                      float *scales, double *diff2, double *ref2);
 
 #endif

@@ -1,4 +1,4 @@
-/* import_common.c - conversions, RTN quantisation and the streaming bank
+/* import_common.c - element conversions and the streaming bank
  * writer shared by the `qmoe-bank import` paths (see import_common.h). */
 #include "import_common.h"
 
@@ -108,101 +108,6 @@ void qmi_load_row(const void *src, qmi_elem e, size_t n, float *dst)
     }
     for (size_t i = 0; i < n; i++)
         dst[i] = qmi_load(src, e, i);
-}
-
-void qmi_store(void *dst, qm_dtype dt, size_t i, float v)
-{
-    if (dt == QM_DTYPE_F32) {
-        memcpy((uint8_t *)dst + 4 * i, &v, 4);
-        return;
-    }
-    uint16_t h = dt == QM_DTYPE_F16 ? qm_f32_to_f16(v) : qm_f32_to_bf16(v);
-    memcpy((uint8_t *)dst + 2 * i, &h, 2);
-}
-
-float qmi_round_to(qm_dtype dt, float v)
-{
-    if (dt == QM_DTYPE_F16) return qm_f16_to_f32(qm_f32_to_f16(v));
-    if (dt == QM_DTYPE_BF16) return qm_bf16_to_f32(qm_f32_to_bf16(v));
-    return v;
-}
-
-/* ---- quantisation -------------------------------------------------------- */
-
-double qmi_error_rel(const qmi_error *e)
-{
-    if (e->exact || e->diff2 <= 0) return 0.0;
-    return e->ref2 > 0 ? sqrt(e->diff2 / e->ref2) : INFINITY;
-}
-
-/* Round half to even without libm: adding 1.5 * 2^23 leaves no fraction bits,
- * so the FPU's default rounding does the work (|x| < 2^22 here, since x is a
- * value over its block's scale). SSE2 has no round instruction and rintf is
- * a call per element: this is the import's inner loop. */
-static inline float round_even(float x)
-{
-    const float magic = 12582912.0f;
-    return (x + magic) - magic;
-}
-
-void qmi_quantise_row(const float *w, uint64_t k, unsigned bits, uint64_t bs, qm_dtype sdt,
-                      uint8_t *packed, void *scales, uint64_t scale_at, qmi_error *err)
-{
-    uint64_t step = bs ? bs : k;
-    const float qmax = (float)((1 << (bits - 1)) - 1), qmin = -(float)(1 << (bits - 1));
-    const int zp = 1 << (bits - 1);
-    float smallest = sdt == QM_DTYPE_F16 ? 5.9604645e-8f : 1e-8f;
-    double diff2 = 0, ref2 = 0;
-    int exact = 1;
-    uint8_t codes[32];
-    for (uint64_t b = 0, lo = 0; lo < k; b++, lo += step) {
-        uint64_t hi = lo + step < k ? lo + step : k;
-        float amax = 0;
-        for (uint64_t c = lo; c < hi; c++) {
-            float a = fabsf(w[c]);
-            amax = a > amax ? a : amax;
-        }
-        float scale = amax / qmax;
-        if (!(scale >= 1e-8f)) scale = 1e-8f;
-        scale = qmi_round_to(sdt, scale);
-        if (scale < smallest) scale = smallest;
-        float inv = 1.0f / scale;
-        /* Chunks of 32 columns: codes, then packing, and the error summed in
-         * f32 per chunk (exact enough to report) and in f64 across chunks.
-         * w*inv may differ from w/scale in the last bit; that only moves
-         * exact .5 ties, and the error is measured on what is stored. */
-        for (uint64_t c0 = lo; c0 < hi; c0 += 32) {
-            int n = (int)(hi - c0 < 32 ? hi - c0 : 32);
-            float d2 = 0, r2 = 0;
-            int ex = 1;
-            for (int j = 0; j < n; j++) {
-                float x = w[c0 + (uint64_t)j];
-                float q = round_even(x * inv);
-                q = q < qmin ? qmin : q;
-                q = q > qmax ? qmax : q;
-                codes[j] = (uint8_t)((int)q + zp);
-                float d = scale * q - x;
-                d2 += d * d;
-                r2 += x * x;
-                ex &= d == 0.0f;
-            }
-            if (bits == 8) {
-                memcpy(packed + c0, codes, (size_t)n);
-            } else {
-                uint8_t *dst = packed + c0 / 2;
-                for (int j = 0; j + 1 < n; j += 2)
-                    dst[j / 2] = (uint8_t)(codes[j] | codes[j + 1] << 4);
-                if (n & 1) dst[n / 2] = codes[n - 1];
-            }
-            diff2 += d2;
-            ref2 += r2;
-            exact &= ex;
-        }
-        qmi_store(scales, sdt, scale_at + b, scale);
-    }
-    err->diff2 += diff2;
-    err->ref2 += ref2;
-    err->exact &= exact;
 }
 
 /* ---- the bank writer ----------------------------------------------------- */

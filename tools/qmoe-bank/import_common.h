@@ -1,5 +1,5 @@
 /* import_common.h - what every `qmoe-bank import` path shares: element
- * conversions, round-to-nearest quantisation with its measured error, and the
+ * conversions (quantisation is model/qm_quant.h's) and the
  * streaming bank writer (header first, FILE.partial, resume, progress).
  *
  * The writer plans the whole file from a qmi_bank_spec before any weight is
@@ -41,33 +41,6 @@ float qmi_e4m3_to_f32(uint8_t v);
 float qmi_load(const void *src, qmi_elem e, size_t i);
 /* Converts n elements to f32 (unaligned sources are fine). */
 void qmi_load_row(const void *src, qmi_elem e, size_t n, float *dst);
-/* Stores v as element i of a bank float array of dtype dt (rounded). */
-void qmi_store(void *dst, qm_dtype dt, size_t i, float v);
-/* The value v becomes once stored as dt. */
-float qmi_round_to(qm_dtype dt, float v);
-
-/* ---- quantisation -------------------------------------------------------- */
-
-/* Accumulates ||dequantised - source||^2 and ||source||^2 of one matrix, and
- * whether every dequantised value equals its source bit for bit. */
-typedef struct qmi_error {
-    double diff2, ref2;
-    int exact; /* start at 1 */
-} qmi_error;
-
-/* Relative error of a finished matrix: sqrt(diff2/ref2) (0 when exact or ref2 is 0). */
-double qmi_error_rel(const qmi_error *e);
-
-/* Symmetric round-to-nearest of one row of k f32 values into QMoE storage:
- * codes packed along the row (low nibble = even column at 4 bits) into
- * packed[k / (8/bits)], scales (one per block of bs columns, bs 0 = one per
- * row) as element [scale_at, scale_at + nblk) of a dtype-sdt array, implicit
- * zero point 2^(bits-1). The scale is absmax / (2^(bits-1) - 1), rounded to
- * sdt first and floored at 1e-8, so codes and the error use the stored scale.
- * Ties round half to even. k must be a multiple of 8/bits. */
-void qmi_quantise_row(const float *w, uint64_t k, unsigned bits, uint64_t bs, qm_dtype sdt,
-                      uint8_t *packed, void *scales, uint64_t scale_at, qmi_error *err);
-
 /* ---- the bank writer ----------------------------------------------------- */
 
 #define QMI_META_MAX 24

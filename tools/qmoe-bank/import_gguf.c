@@ -24,6 +24,7 @@
 #include "qm_alloc.h"
 #include "qm_bank.h"
 #include "qm_io.h"
+#include "qm_quant.h"
 #include "qm_st_header.h"
 #include "qmoe_bank_tool.h"
 
@@ -475,11 +476,12 @@ static int write_experts(job *j, const plan *pl, const qmg_tensor *src, const ou
         rc = qm_status_set(st, QM_ENOMEM, "out of memory converting %s", src->name);
         goto done;
     }
+    const qm_quant_spec q = {.bits = pl->bits, .block_size = pl->bs, .scale_dtype = QM_DTYPE_F32};
     type_stats *ts = stats_for(j, src->type, exact, sdt);
     ts->count++;
     uint64_t code_row = (uint64_t)K * pl->bits / 8;
     for (uint32_t e = 0; e < E; e++) {
-        double diff2 = 0, ref2 = 0;
+        qm_quant_error err = QM_QUANT_ERROR_INIT;
         for (uint32_t n = 0; n < N; n++) {
             uint64_t r = (uint64_t)e * N + n;
             const uint8_t *in = src->data + r * row_bytes;
@@ -490,11 +492,14 @@ static int write_experts(job *j, const plan *pl, const qmg_tensor *src, const ou
                 continue;
             }
             qmg_dequant_row(src->type, in, K, row);
-            qmg_quantise_row(row, K, pl->bits, pl->bs, out, rs, &diff2, &ref2);
+            if (qm_quant_row(&q, row, K, out, rs, 0, NULL, &err) != 0) {
+                rc = BAD(st, "%s: holds a NaN or infinity", src->name);
+                goto done;
+            }
             memcpy(sc, rs, (size_t)nblk * sizeof(float));
         }
         if (!exact) {
-            double rel = ref2 > 0 ? sqrt(diff2 / ref2) : 0.0;
+            double rel = qm_quant_error_rel(&err);
             ts->max_rel = rel > ts->max_rel ? rel : ts->max_rel;
             j->max_rel = rel > j->max_rel ? rel : j->max_rel;
             j->exact = 0;

@@ -7,16 +7,9 @@
 
 #include "import_hf_impl.h"
 #include "qm_alloc.h"
+#include "qm_quant.h"
 
 /* ---- converting one layer ------------------------------------------------ */
-
-static int row_finite(const float *r, uint64_t n)
-{
-    float acc = 0;
-    for (uint64_t i = 0; i < n; i++)
-        acc += r[i] * 0.0f;
-    return acc == 0.0f;
-}
 
 static int not_finite(hf_import *im, const qmi_hf_tensor *t, qm_status *st)
 {
@@ -50,7 +43,7 @@ static void mxfp4_row(const uint8_t *blocks, const uint8_t *scales, uint64_t K, 
 
 /* The exact path: int8 code = 128 + 2·fp4, scale 2^(e-128) as f32. */
 static void mxfp4_row_exact(const uint8_t *blocks, const uint8_t *scales, uint64_t K,
-                            uint8_t *packed, float *scale_out, qmi_error *err)
+                            uint8_t *packed, float *scale_out, qm_quant_error *err)
 {
     for (uint64_t c = 0; c < K; c++) {
         uint8_t byte = blocks[c / 2];
@@ -74,7 +67,7 @@ int qmi__hf_convert_layer(hf_import *im, qmi_writer *w, uint32_t li, buffers *b,
     uint32_t E = im->E, H = im->H, I = im->I, bits = im->o.bits;
     uint64_t bs = im->o.block_size, pack = 8 / bits;
     uint64_t nblk_h = bs ? (H + bs - 1) / bs : 1, nblk_i = bs ? (I + bs - 1) / bs : 1;
-    qm_dtype sdt = im->o.scale_dtype;
+    const qm_quant_spec q = {.bits = bits, .block_size = bs, .scale_dtype = im->o.scale_dtype};
     uint64_t fc1_w = qmi_writer_slice_bytes(w, QM_T_FC1_WEIGHT);
     uint64_t fc1_s = qmi_writer_slice_bytes(w, QM_T_FC1_SCALES);
     uint64_t fc2_w = qmi_writer_slice_bytes(w, QM_T_FC2_WEIGHT);
@@ -89,7 +82,7 @@ int qmi__hf_convert_layer(hf_import *im, qmi_writer *w, uint32_t li, buffers *b,
         for (uint64_t off = 0; off < n; off += H) {
             uint64_t m = n - off < H ? n - off : H;
             qmi_load_row(rt[i]->data + off * qmi_elem_size(rt[i]->elem), rt[i]->elem, m, b->row);
-            if (!row_finite(b->row, m)) return not_finite(im, rt[i], st);
+            if (!qm_quant_finite(b->row, m)) return not_finite(im, rt[i], st);
             if ((rc = qmi_writer_put(w, li, rdst[i], off * 4, b->row, m * 4, st)) != 0) return rc;
         }
     }
@@ -99,7 +92,8 @@ int qmi__hf_convert_layer(hf_import *im, qmi_writer *w, uint32_t li, buffers *b,
             if (lsrc[g]) qmi_hf_prefetch(im->ck, lsrc[g]);
     }
     for (uint32_t e = 0; e < E; e++) {
-        qmi_error err_gate = {0, 0, 1}, err_up = {0, 0, 1}, err_down = {0, 0, 1};
+        qm_quant_error err_gate = QM_QUANT_ERROR_INIT, err_up = QM_QUANT_ERROR_INIT,
+                       err_down = QM_QUANT_ERROR_INIT;
         if (!lsrc) {
             const qmi_hf_tensor **src = &im->expert_src[((size_t)li * E + e) * S_PER_EXPERT];
             if (e + 1 < E)
@@ -110,15 +104,15 @@ int qmi__hf_convert_layer(hf_import *im, qmi_writer *w, uint32_t li, buffers *b,
                 int up = (int)(r & 1);
                 const qmi_hf_tensor *t = src[up ? S_UP : S_GATE];
                 load_row(im, t, src[up ? S_UP_SINV : S_GATE_SINV], r / 2, H, b->row);
-                if (!row_finite(b->row, H)) return not_finite(im, t, st);
-                qmi_quantise_row(b->row, H, bits, bs, sdt, b->packed[0] + r * (H / pack),
-                                 b->scales[0], r * nblk_h, up ? &err_up : &err_gate);
+                if (qm_quant_row(&q, b->row, H, b->packed[0] + r * (H / pack), b->scales[0],
+                                 r * nblk_h, NULL, up ? &err_up : &err_gate) != 0)
+                    return not_finite(im, t, st);
             }
             for (uint64_t r = 0; r < H; r++) {
                 load_row(im, src[S_DOWN], src[S_DOWN_SINV], r, I, b->row);
-                if (!row_finite(b->row, I)) return not_finite(im, src[S_DOWN], st);
-                qmi_quantise_row(b->row, I, bits, bs, sdt, b->packed[1] + r * (I / pack),
-                                 b->scales[1], r * nblk_i, &err_down);
+                if (qm_quant_row(&q, b->row, I, b->packed[1] + r * (I / pack), b->scales[1],
+                                 r * nblk_i, NULL, &err_down) != 0)
+                    return not_finite(im, src[S_DOWN], st);
             }
         } else if (im->mxfp4) {
             const qmi_hf_tensor *gb = lsrc[G_GATE_UP], *gs = lsrc[G_GATE_UP_SCALES];
@@ -136,8 +130,9 @@ int qmi__hf_convert_layer(hf_import *im, qmi_writer *w, uint32_t li, buffers *b,
                                         (float *)b->scales[p] + r * nb, p ? &err_down : &err_gate);
                     } else {
                         mxfp4_row(blk, sc, K, b->row);
-                        qmi_quantise_row(b->row, K, bits, bs, sdt, b->packed[p] + r * (K / pack),
-                                         b->scales[p], r * nb, p ? &err_down : &err_gate);
+                        if (qm_quant_row(&q, b->row, K, b->packed[p] + r * (K / pack),
+                                         b->scales[p], r * nb, NULL, p ? &err_down : &err_gate))
+                            return not_finite(im, bt, st);
                     }
                 }
             }
@@ -154,11 +149,10 @@ int qmi__hf_convert_layer(hf_import *im, qmi_writer *w, uint32_t li, buffers *b,
                     for (uint64_t n = 0; n < N; n++)
                         b->mat[n * K + kk] = b->row[n];
                 }
-                if (!row_finite(b->mat, N * K)) return not_finite(im, t, st);
                 for (uint64_t r = 0; r < N; r++)
-                    qmi_quantise_row(b->mat + r * K, K, bits, bs, sdt,
-                                     b->packed[p] + r * (K / pack), b->scales[p], r * nb,
-                                     p ? &err_down : &err_gate);
+                    if (qm_quant_row(&q, b->mat + r * K, K, b->packed[p] + r * (K / pack),
+                                     b->scales[p], r * nb, NULL, p ? &err_down : &err_gate))
+                        return not_finite(im, t, st);
             }
         }
         if ((rc = qmi_writer_put(w, li, QM_T_FC1_WEIGHT, e * fc1_w, b->packed[0], fc1_w, st)) ||
@@ -172,16 +166,16 @@ int qmi__hf_convert_layer(hf_import *im, qmi_writer *w, uint32_t li, buffers *b,
                 uint64_t N = p ? H : 2ull * I;
                 qmi_load_row(t->data + (uint64_t)e * N * qmi_elem_size(t->elem), t->elem, N,
                              b->bias);
-                if (!row_finite(b->bias, N)) return not_finite(im, t, st);
+                if (!qm_quant_finite(b->bias, N)) return not_finite(im, t, st);
                 if ((rc = qmi_writer_put(w, li, p ? QM_T_FC2_BIAS : QM_T_FC1_BIAS, e * N * 4,
                                          b->bias, N * 4, st)))
                     return rc;
             }
         }
-        const qmi_error *errs[3] = {&err_gate, &err_up, &err_down};
+        const qm_quant_error *errs[3] = {&err_gate, &err_up, &err_down};
         for (int i = 0; i < 3; i++)
             if (errs[i]->ref2 > 0 || errs[i]->diff2 > 0) {
-                double r = qmi_error_rel(errs[i]);
+                double r = qm_quant_error_rel(errs[i]);
                 if (r > *max_err) *max_err = r;
             }
     }
