@@ -6,22 +6,18 @@
  * slice whatever the bank's size. Quantisation is model/qm_quant.h's with
  * onnxruntime's QMoE tests' recipe (codes against the f32 scale). */
 #include <errno.h>
-#include <fcntl.h>
 #include <getopt.h>
 #include <math.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <time.h>
 #include <unistd.h>
 
 #include "qm_alloc.h"
 #include "qm_bank.h"
-#include "qm_io.h"
-#include "import_common.h"
+#include "qm_bank_writer.h"
 #include "qm_quant.h"
-#include "qm_st_header.h"
 #include "qmoe_bank_tool.h"
 
 void qmb_help_create(FILE *f)
@@ -85,9 +81,7 @@ static float rng_uniform(rng *r)
     return (float)((double)(z >> 40) / (double)(1ull << 23) - 1.0);
 }
 
-/* ---- the file layout ------------------------------------------------------- */
-
-typedef qmi_planned planned;
+/* ---- writing ------------------------------------------------------------------ */
 
 static uint64_t ceil_div(uint64_t a, uint64_t b) { return (a + b - 1) / b; }
 
@@ -107,88 +101,43 @@ static void proj_nk(const create_opts *o, int p, uint64_t *n, uint64_t *k)
     }
 }
 
-static void plan_layer(const create_opts *o, planned *t)
+static qm_bank_config config_of(const create_opts *o)
 {
-    uint64_t e = o->experts, pack = 8 / o->bits;
-    memset(t, 0, QM_T_COUNT * sizeof *t);
-    int nproj = o->act == QM_ACT_SWIGLU && o->fusion == 0 ? 3 : 2;
-    for (int p = 1; p <= nproj; p++) {
-        uint64_t n, k;
-        proj_nk(o, p, &n, &k);
-        uint64_t nblk = o->block_size ? ceil_div(k, o->block_size) : 1;
-        planned *w = &t[(p - 1) * 4];
-        w[0] = (planned){1, QM_DTYPE_U8, 3, {e, n, k / pack}, 0, 0};
-        w[1] = o->block_size ? (planned){1, o->scale_dtype, 3, {e, n, nblk}, 0, 0}
-                             : (planned){1, o->scale_dtype, 2, {e, n, 0}, 0, 0};
-        if (o->asymmetric)
-            w[2] = o->block_size ? (planned){1, QM_DTYPE_U8, 3, {e, n, ceil_div(nblk, pack)}, 0, 0}
-                                 : (planned){1, QM_DTYPE_U8, 2, {e, ceil_div(n, pack), 0}, 0, 0};
-        if (o->bias)
-            w[3] = (planned){1, o->scale_dtype, 2, {e, n, 0}, 0, 0};
-    }
-    if (o->router) {
-        t[QM_T_ROUTER_WEIGHT] = (planned){1, o->scale_dtype, 2, {e, o->hidden, 0}, 0, 0};
-        t[QM_T_ROUTER_BIAS] = (planned){1, o->scale_dtype, 1, {e, 0, 0}, 0, 0};
-    }
-    qmi_plan_sizes(t, QM_T_COUNT);
-}
-
-/* ---- writing ------------------------------------------------------------------ */
-
-typedef struct writer {
-    int fd;
-    const char *path;
-    uint64_t written, total;
-    int progress;
-    time_t last;
-} writer;
-
-static int put(writer *wr, const void *buf, uint64_t n, uint64_t at)
-{
-    if (qm_pwrite_all(wr->fd, buf, n, at)) {
-        fprintf(stderr, "qmoe-bank create: writing %s: %s\n", wr->path, strerror(errno));
-        return -1;
-    }
-    wr->written += n;
-    if (wr->progress) {
-        time_t now = time(NULL);
-        if (now != wr->last) {
-            wr->last = now;
-            fprintf(stderr, "\rcreate: %5.1f%% (%llu of %llu MiB)",
-                    100.0 * (double)wr->written / (double)wr->total,
-                    (unsigned long long)(wr->written >> 20), (unsigned long long)(wr->total >> 20));
-        }
-    }
-    return 0;
+    return (qm_bank_config){.layers = o->layers, .experts = o->experts, .hidden = o->hidden,
+                            .inter = o->inter, .k = o->k, .bits = o->bits,
+                            .block_size = o->block_size, .activation = o->act,
+                            .swiglu_fusion = o->fusion, .normalize_routing = 1, .alpha = o->alpha,
+                            .beta = o->beta, .limit = o->limit};
 }
 
 /* Writes projection p of one layer, expert by expert. */
-static int write_projection(const create_opts *o, writer *wr, uint64_t data_start, uint32_t layer,
-                            int p, const planned *t)
+static int write_projection(const create_opts *o, qm_bank_writer *w, uint32_t layer, int p,
+                            qm_status *st)
 {
     uint64_t n, k;
     proj_nk(o, p, &n, &k);
     uint64_t pack = 8 / o->bits, bs = o->block_size;
     uint64_t nblk = bs ? ceil_div(k, bs) : 1;
-    const planned *pw = &t[(p - 1) * 4];
-    uint64_t w_slice = pw[0].nbytes / o->experts, s_slice = pw[1].nbytes / o->experts;
-    uint64_t z_slice = pw[2].present ? pw[2].nbytes / o->experts : 0;
-    uint64_t b_slice = pw[3].present ? pw[3].nbytes / o->experts : 0;
+    const int tw = QM_T_FC1_WEIGHT + 4 * (p == 1 ? 0 : p == 2 ? 1 : 2);
+    uint64_t w_slice = qm_bank_writer_slice_bytes(w, layer, tw);
+    uint64_t s_slice = qm_bank_writer_slice_bytes(w, layer, tw + 1);
+    uint64_t z_slice = qm_bank_writer_slice_bytes(w, layer, tw + 2);
+    uint64_t b_slice = qm_bank_writer_slice_bytes(w, layer, tw + 3);
     float *row = qm_malloc(k * sizeof *row);
     uint8_t *row_zps = qm_calloc(nblk, 1);
     uint8_t *wbuf = qm_malloc(w_slice);
     uint8_t *sbuf = qm_malloc(s_slice);
     uint8_t *zbuf = qm_calloc(z_slice ? z_slice : 1, 1);
     uint8_t *bbuf = qm_malloc(b_slice ? b_slice : 1);
-    int rc = -1;
+    int rc = 0;
     if (!row || !row_zps || !wbuf || !sbuf || !zbuf || !bbuf) {
-        fprintf(stderr, "qmoe-bank create: out of memory for one expert slice\n");
+        rc = qm_status_set(st, QM_ENOMEM, "out of memory for one expert slice");
         goto done;
     }
     const qm_quant_spec q = {.bits = o->bits, .block_size = bs, .scale_dtype = o->scale_dtype,
                              .asymmetric = o->asymmetric, .rule = QM_QUANT_F32_SCALE};
     float wscale = 1.0f / sqrtf((float)k);
-    for (uint32_t e = 0; e < o->experts; e++) {
+    for (uint32_t e = 0; e < o->experts && rc == 0; e++) {
         rng r = rng_for(o->seed, layer, (uint32_t)p, e);
         memset(zbuf, 0, z_slice);
         for (uint64_t row_i = 0; row_i < n; row_i++) {
@@ -211,13 +160,13 @@ static int write_projection(const create_opts *o, writer *wr, uint64_t data_star
             for (uint64_t i = 0; i < n; i++)
                 qm_quant_store(bbuf, o->scale_dtype, i, 0.1f * rng_uniform(&rb));
         }
-        if (put(wr, wbuf, w_slice, data_start + pw[0].begin + e * w_slice) ||
-            put(wr, sbuf, s_slice, data_start + pw[1].begin + e * s_slice) ||
-            (z_slice && put(wr, zbuf, z_slice, data_start + pw[2].begin + e * z_slice)) ||
-            (b_slice && put(wr, bbuf, b_slice, data_start + pw[3].begin + e * b_slice)))
-            goto done;
+        if ((rc = qm_bank_writer_put(w, layer, tw, e * w_slice, wbuf, w_slice, st)) == 0 &&
+            (rc = qm_bank_writer_put(w, layer, tw + 1, e * s_slice, sbuf, s_slice, st)) == 0 &&
+            (!z_slice ||
+             (rc = qm_bank_writer_put(w, layer, tw + 2, e * z_slice, zbuf, z_slice, st)) == 0) &&
+            b_slice)
+            rc = qm_bank_writer_put(w, layer, tw + 3, e * b_slice, bbuf, b_slice, st);
     }
-    rc = 0;
 done:
     qm_free(row);
     qm_free(row_zps);
@@ -228,27 +177,25 @@ done:
     return rc;
 }
 
-static int write_router(const create_opts *o, writer *wr, uint64_t data_start, uint32_t layer,
-                        const planned *t)
+static int write_router(const create_opts *o, qm_bank_writer *w, uint32_t layer, qm_status *st)
 {
-    const planned *rw = &t[QM_T_ROUTER_WEIGHT], *rb = &t[QM_T_ROUTER_BIAS];
-    uint8_t *buf = qm_malloc(rw->nbytes);
-    uint8_t *bbuf = qm_malloc(rb->nbytes);
-    int rc = -1;
+    uint64_t wbytes = qm_bank_writer_tensor_bytes(w, layer, QM_T_ROUTER_WEIGHT);
+    uint64_t bbytes = qm_bank_writer_tensor_bytes(w, layer, QM_T_ROUTER_BIAS);
+    uint8_t *buf = qm_malloc(wbytes);
+    uint8_t *bbuf = qm_malloc(bbytes);
+    int rc;
     if (!buf || !bbuf) {
-        fprintf(stderr, "qmoe-bank create: out of memory for the router\n");
+        rc = qm_status_set(st, QM_ENOMEM, "out of memory for the router");
         goto done;
     }
     rng r = rng_for(o->seed, layer, 32, 0);
     float s = 1.0f / sqrtf((float)o->hidden);
     for (uint64_t i = 0; i < (uint64_t)o->experts * o->hidden; i++)
-        qm_quant_store(buf, rw->dtype, i, s * rng_uniform(&r));
+        qm_quant_store(buf, o->scale_dtype, i, s * rng_uniform(&r));
     for (uint64_t i = 0; i < o->experts; i++)
-        qm_quant_store(bbuf, rb->dtype, i, 0.1f * rng_uniform(&r));
-    rc = put(wr, buf, rw->nbytes, data_start + rw->begin) ||
-                 put(wr, bbuf, rb->nbytes, data_start + rb->begin)
-             ? -1
-             : 0;
+        qm_quant_store(bbuf, o->scale_dtype, i, 0.1f * rng_uniform(&r));
+    if ((rc = qm_bank_writer_put(w, layer, QM_T_ROUTER_WEIGHT, 0, buf, wbytes, st)) == 0)
+        rc = qm_bank_writer_put(w, layer, QM_T_ROUTER_BIAS, 0, bbuf, bbytes, st);
 done:
     qm_free(buf);
     qm_free(bbuf);
@@ -257,107 +204,59 @@ done:
 
 static int write_bank(const create_opts *o)
 {
-    planned *plan = NULL;
-    qm_st_tensor *tensors = NULL;
-    char *json = NULL, *partial = NULL;
-    size_t json_len = 0;
-    int fd = -1, rc = QMB_FAIL;
-    size_t n_tensors = 0;
     qm_status st;
-
-    plan = qm_calloc((size_t)o->layers * QM_T_COUNT, sizeof *plan);
-    tensors = qm_calloc((size_t)o->layers * QM_T_COUNT, sizeof *tensors);
-    if (!plan || !tensors) {
-        fprintf(stderr, "qmoe-bank create: out of memory planning %u layers\n", o->layers);
-        goto done;
+    qm_status_clear(&st);
+    qm_bank_writer *w = NULL;
+    const qm_bank_config cfg = config_of(o);
+    const qm_bank_layer_opts lo = {
+        .scale_dtype = o->scale_dtype, .bias_dtype = o->scale_dtype,
+        .router_dtype = o->scale_dtype, .zero_points = o->asymmetric, .fc1_bias = o->bias,
+        .fc2_bias = o->bias, .fc3_bias = o->bias, .router_weight = o->router,
+        .router_bias = o->router};
+    qm_bank_plan_tensor *plan = qm_calloc((size_t)o->layers * QM_T_COUNT, sizeof *plan);
+    int rc;
+    if (!plan) {
+        rc = qm_status_set(&st, QM_ENOMEM, "out of memory planning %u layers", o->layers);
+        goto fail;
     }
     for (uint32_t l = 0; l < o->layers; l++)
-        plan_layer(o, &plan[(size_t)l * QM_T_COUNT]);
-    uint64_t data_bytes = qmi_plan_place(plan, o->layers, QM_T_COUNT);
-    if (qmi_plan_header_tensors(plan, o->layers, QM_T_COUNT, tensors, &n_tensors, &st) != 0) {
-        fprintf(stderr, "qmoe-bank create: %s\n", st.msg);
-        goto done;
-    }
-    const qmi_bank_spec spec = {
-        .layers = o->layers, .experts = o->experts, .hidden = o->hidden, .inter = o->inter,
-        .k = o->k, .bits = o->bits, .block_size = o->block_size, .swiglu_fusion = o->fusion,
-        .activation = o->act, .alpha = o->alpha, .beta = o->beta, .limit = o->limit,
-        .normalize_routing = 1};
+        qm_bank_plan_layer(&cfg, &lo, &plan[(size_t)l * QM_T_COUNT]);
     char v[12][32];
-    qm_st_meta meta[QMI_STD_META];
-    qmi_std_meta(&spec, v, meta);
-    if (qm_st_header_format(tensors, n_tensors, meta, sizeof meta / sizeof meta[0], 8, &json,
-                            &json_len, &st) != 0) {
-        fprintf(stderr, "qmoe-bank create: %s\n", st.msg);
-        goto done;
-    }
-
-    size_t plen = strlen(o->out) + sizeof ".partial";
-    partial = qm_malloc(plen);
-    if (!partial)
-        goto done;
-    snprintf(partial, plen, "%s.partial", o->out);
-    fd = open(partial, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
-    if (fd < 0) {
-        fprintf(stderr, "qmoe-bank create: cannot create %s: %s\n", partial, strerror(errno));
-        goto done;
-    }
-    uint64_t data_start = 8 + json_len, total = data_start + data_bytes;
-    writer wr = {.fd = fd, .path = partial, .total = total,
-                 .progress = !o->quiet && isatty(2) && total > (64ull << 20)};
-    if (ftruncate(fd, (off_t)total) != 0) {
-        fprintf(stderr, "qmoe-bank create: cannot size %s to %llu bytes: %s\n", partial,
-                (unsigned long long)total, strerror(errno));
-        goto fail_file;
-    }
-    uint8_t len_le[8];
-    for (int i = 0; i < 8; i++)
-        len_le[i] = (uint8_t)((uint64_t)json_len >> (8 * i));
-    if (put(&wr, len_le, 8, 0) || put(&wr, json, json_len, 8))
-        goto fail_file;
+    qm_st_meta meta[QM_BANK_STD_META];
+    qm_bank_std_meta(&cfg, v, meta);
+    const qm_bank_writer_spec spec = {.layers = o->layers, .experts = o->experts,
+                                      .tensors = plan, .meta = meta,
+                                      .n_meta = QM_BANK_STD_META, .tool = "create"};
+    uint32_t first;
+    double unused;
+    if ((rc = qm_bank_writer_open(&spec, o->out, 0, &w, &first, &unused, &st)) != 0) goto fail;
+    uint64_t layer_bytes = 0;
+    for (int t = 0; t < QM_T_COUNT; t++)
+        layer_bytes += qm_bank_writer_tensor_bytes(w, 0, t);
+    qm_bank_writer_progress(w, !o->quiet && isatty(2) && layer_bytes * o->layers > (64ull << 20),
+                            0);
     int nproj = o->act == QM_ACT_SWIGLU && o->fusion == 0 ? 3 : 2;
     for (uint32_t l = 0; l < o->layers; l++) {
-        const planned *t = &plan[(size_t)l * QM_T_COUNT];
         for (int p = 1; p <= nproj; p++)
-            if (write_projection(o, &wr, data_start, l, p, t) != 0)
-                goto fail_file;
-        if (o->router && write_router(o, &wr, data_start, l, t) != 0)
-            goto fail_file;
+            if ((rc = write_projection(o, w, l, p, &st)) != 0) goto fail;
+        if (o->router && (rc = write_router(o, w, l, &st)) != 0) goto fail;
+        if ((rc = qm_bank_writer_layer_done(w, l, 0, (l + 1) * layer_bytes,
+                                            o->layers * layer_bytes, &st)) != 0)
+            goto fail;
     }
-    if (wr.progress)
-        fprintf(stderr, "\rcreate: 100.0%% (%llu MiB)          \n",
-                (unsigned long long)(total >> 20));
-    if (close(fd) != 0) {
-        fd = -1;
-        fprintf(stderr, "qmoe-bank create: closing %s: %s\n", partial, strerror(errno));
-        goto fail_file;
-    }
-    fd = -1;
-    if (rename(partial, o->out) != 0) {
-        fprintf(stderr, "qmoe-bank create: cannot rename %s to %s: %s\n", partial, o->out,
-                strerror(errno));
-        goto fail_file;
-    }
+    uint64_t total = 0;
+    if ((rc = qm_bank_writer_finish(w, NULL, &total, &st)) != 0) goto fail;
     if (!o->quiet)
         printf("wrote %s: %u layers, %u experts, %llu bytes\n", o->out, o->layers, o->experts,
                (unsigned long long)total);
-    rc = QMB_OK;
-    goto done;
-fail_file:
-    if (fd >= 0)
-        close(fd);
-    fd = -1;
-    unlink(partial);
-done:
-    if (fd >= 0)
-        close(fd);
-    for (size_t i = 0; i < n_tensors; i++)
-        qm_free(tensors[i].name);
-    qm_free(tensors);
+    qm_bank_writer_free(w, 0);
     qm_free(plan);
-    qm_free(json);
-    qm_free(partial);
-    return rc;
+    return QMB_OK;
+fail:
+    fprintf(stderr, "qmoe-bank create: %s\n", st.msg);
+    qm_bank_writer_free(w, 0);
+    qm_free(plan);
+    return rc == QM_EIO || rc == QM_ENOMEM || rc == QM_EINTERNAL ? QMB_FAIL : QMB_USAGE;
 }
 
 static int bad(const char *what)

@@ -6,9 +6,9 @@
  * exactly (gguf_quants.h); the others are dequantised and requantised to
  * --requant-bits with their error measured. The bank is fc1 = gate, fc3 =
  * up, fc2 = down (swiglu, fusion 0), the router (ffn_gate_inp) in f32, and
- * the routing keys from the GGUF metadata. The output is written to
- * BANK.partial, checked by opening it as the daemon does, then renamed; any
- * failure removes the partial file. */
+ * the routing keys from the GGUF metadata, written through the bank writer
+ * (model/qm_bank_writer.h: BANK.partial, resumable, checked by the loader,
+ * renamed). */
 #include <errno.h>
 #include <fcntl.h>
 #include <getopt.h>
@@ -23,9 +23,8 @@
 #include "gguf_reader.h"
 #include "qm_alloc.h"
 #include "qm_bank.h"
-#include "qm_io.h"
+#include "qm_bank_writer.h"
 #include "qm_quant.h"
-#include "qm_st_header.h"
 #include "qmoe_bank_tool.h"
 
 #define BAD(st, ...) qm_status_set((st), QM_EINVALID_MODEL, __VA_ARGS__)
@@ -33,7 +32,8 @@
 
 void qmb_help_import_gguf(FILE *f)
 {
-    fputs("usage: qmoe-bank import gguf FILE --out BANK [--requant-bits 4|8] [--quiet]\n"
+    fputs("usage: qmoe-bank import gguf FILE --out BANK [--requant-bits 4|8] [--resume]\n"
+          "                               [--quiet]\n"
           "\n"
           "Imports the routed experts of a llama.cpp GGUF file (architectures llama/Mixtral,\n"
           "qwen2moe, qwen3moe, olmoe, deepseek2, gpt-oss): blk.N.ffn_{gate,up,down}_exps,\n"
@@ -50,7 +50,9 @@ void qmb_help_import_gguf(FILE *f)
           "lists which path each tensor type took.\n"
           "A bad file (unknown quant type, truncated data, missing tensor, metadata that\n"
           "contradicts the tensors) prints one line naming the tensor or key and exits 2,\n"
-          "leaving no output file.\n",
+          "leaving no output file. BANK is written as BANK.partial and renamed when\n"
+          "complete; after a crash or Ctrl-C, --resume continues at the first layer not\n"
+          "yet written. A progress line is shown on a terminal unless --quiet.\n",
           f);
 }
 
@@ -353,20 +355,12 @@ static int read_plan(const qmg_file *f, plan *pl, unsigned requant_bits, qm_stat
 
 /* ---- the bank --------------------------------------------------------------------- */
 
-typedef struct out_tensor {
-    char name[64];
-    char dtype[8];
-    uint32_t ndim;
-    uint64_t shape[3];
-    uint64_t begin, end;
-} out_tensor;
-
 /* Scale dtype of projection p's bank tensor: f16 for exact Q4_0/Q8_0/Q5_0 (their d
  * is an f16), f32 otherwise. */
 static qm_dtype scale_dtype(const plan *pl, uint32_t type)
 {
-    if ((type == QMG_Q4_0 || type == QMG_Q8_0 || type == QMG_Q5_0) && qmg_exact_fits(type, pl->bits, pl->bs,
-                                                                  QM_DTYPE_F16))
+    if ((type == QMG_Q4_0 || type == QMG_Q8_0 || type == QMG_Q5_0) &&
+        qmg_exact_fits(type, pl->bits, pl->bs, QM_DTYPE_F16))
         return QM_DTYPE_F16;
     return QM_DTYPE_F32;
 }
@@ -386,67 +380,11 @@ typedef struct type_stats {
 
 typedef struct job {
     const char *in_path, *out_path;
-    char *partial;
-    int fd;
-    uint64_t data_start;
-    out_tensor *ot;
-    size_t n_ot;
+    qm_bank_writer *w;
     type_stats ts[32];
     size_t n_ts;
     double max_rel;
-    int exact;
 } job;
-
-static uint64_t elem_size(const out_tensor *t)
-{
-    return strcmp(t->dtype, "U8") == 0 ? 1 : strcmp(t->dtype, "F16") == 0 ? 2 : 4;
-}
-
-static out_tensor *add_tensor(job *j, uint32_t layer, const char *suffix, const char *dtype,
-                              uint32_t ndim, uint64_t d0, uint64_t d1, uint64_t d2,
-                              uint64_t *offset)
-{
-    out_tensor *t = &j->ot[j->n_ot++];
-    snprintf(t->name, sizeof t->name, "layers.%u.%s", layer, suffix);
-    snprintf(t->dtype, sizeof t->dtype, "%s", dtype);
-    t->ndim = ndim;
-    t->shape[0] = d0;
-    t->shape[1] = d1;
-    t->shape[2] = d2;
-    uint64_t n = elem_size(t);
-    for (uint32_t i = 0; i < ndim; i++)
-        n *= t->shape[i];
-    t->begin = 0;
-    t->end = n; /* offsets come in place_tensors */
-    *offset += n;
-    return t;
-}
-
-/* safetensors readers want the data section without gaps, and the loader
- * wants every element aligned: 4-byte tensors first, then 2-byte, then
- * bytes, each group in plan order. */
-static void place_tensors(job *j)
-{
-    uint64_t at = 0;
-    for (uint64_t es = 4; es >= 1; es /= 2)
-        for (size_t i = 0; i < j->n_ot; i++) {
-            out_tensor *t = &j->ot[i];
-            if (elem_size(t) != es)
-                continue;
-            uint64_t n = t->end - t->begin;
-            t->begin = at;
-            t->end = at + n;
-            at += n;
-        }
-}
-
-static int write_at(job *j, const out_tensor *t, const void *buf, qm_status *st)
-{
-    if (qm_pwrite_all(j->fd, buf, t->end - t->begin, j->data_start + t->begin))
-        return qm_status_set(st, QM_EIO, "writing %s to %s: %s", t->name, j->partial,
-                             strerror(errno));
-    return 0;
-}
 
 static type_stats *stats_for(job *j, uint32_t type, int exact, qm_dtype sdt)
 {
@@ -458,17 +396,20 @@ static type_stats *stats_for(job *j, uint32_t type, int exact, qm_dtype sdt)
     return s;
 }
 
-/* One stacked expert tensor [E, N, K] into codes [E, N, K/pack] and scales. */
-static int write_experts(job *j, const plan *pl, const qmg_tensor *src, const out_tensor *tw,
-                         const out_tensor *tsc, qm_status *st)
+/* One stacked expert tensor [E, N, K] of bank layer l into codes [E, N, K/pack]
+ * (tensor tw) and scales (tw + 1). */
+static int write_experts(job *j, const plan *pl, uint32_t l, const qmg_tensor *src, int tw,
+                         qm_status *st)
 {
     uint32_t E = pl->E, N = (uint32_t)src->ne[1], K = (uint32_t)src->ne[0];
     uint64_t row_bytes = src->nbytes / ((uint64_t)E * N), nblk = K / pl->bs;
     qm_dtype sdt = scale_dtype(pl, src->type);
     int exact = exact_path(pl, src->type);
     size_t ssz = qm_dtype_size(sdt);
-    uint8_t *codes = qm_calloc((size_t)(tw->end - tw->begin), 1);
-    uint8_t *scales = qm_malloc((size_t)(tsc->end - tsc->begin));
+    uint64_t code_bytes = qm_bank_writer_tensor_bytes(j->w, l, tw);
+    uint64_t scale_bytes = qm_bank_writer_tensor_bytes(j->w, l, tw + 1);
+    uint8_t *codes = qm_calloc((size_t)code_bytes, 1);
+    uint8_t *scales = qm_malloc((size_t)scale_bytes);
     float *row = exact ? NULL : qm_malloc((size_t)K * sizeof(float));
     float *rs = exact ? NULL : qm_malloc((size_t)nblk * sizeof(float));
     int rc = 0;
@@ -478,7 +419,6 @@ static int write_experts(job *j, const plan *pl, const qmg_tensor *src, const ou
     }
     const qm_quant_spec q = {.bits = pl->bits, .block_size = pl->bs, .scale_dtype = QM_DTYPE_F32};
     type_stats *ts = stats_for(j, src->type, exact, sdt);
-    ts->count++;
     uint64_t code_row = (uint64_t)K * pl->bits / 8;
     for (uint32_t e = 0; e < E; e++) {
         qm_quant_error err = QM_QUANT_ERROR_INIT;
@@ -502,11 +442,10 @@ static int write_experts(job *j, const plan *pl, const qmg_tensor *src, const ou
             double rel = qm_quant_error_rel(&err);
             ts->max_rel = rel > ts->max_rel ? rel : ts->max_rel;
             j->max_rel = rel > j->max_rel ? rel : j->max_rel;
-            j->exact = 0;
         }
     }
-    if ((rc = write_at(j, tw, codes, st)) == 0)
-        rc = write_at(j, tsc, scales, st);
+    if ((rc = qm_bank_writer_put(j->w, l, tw, 0, codes, code_bytes, st)) == 0)
+        rc = qm_bank_writer_put(j->w, l, tw + 1, 0, scales, scale_bytes, st);
 done:
     qm_free(codes);
     qm_free(scales);
@@ -517,16 +456,16 @@ done:
 
 /* A float tensor (router, biases) widened to f32 as is: exact for F32, F16
  * and BF16, the ggml value for a quantised router. */
-static int write_f32(job *j, const qmg_tensor *src, const out_tensor *t, qm_status *st)
+static int write_f32(job *j, uint32_t l, const qmg_tensor *src, int t, qm_status *st)
 {
-    uint64_t n = (t->end - t->begin) / 4, K = src->ne[0];
-    float *buf = qm_malloc((size_t)n * sizeof(float));
+    uint64_t bytes = qm_bank_writer_tensor_bytes(j->w, l, t), n = bytes / 4, K = src->ne[0];
+    float *buf = qm_malloc((size_t)bytes);
     if (!buf)
         return qm_status_set(st, QM_ENOMEM, "out of memory converting %s", src->name);
     uint64_t row_bytes = src->nbytes / (n / K);
     for (uint64_t r = 0; r < n / K; r++)
         qmg_dequant_row(src->type, src->data + r * row_bytes, K, buf + r * K);
-    int rc = write_at(j, t, buf, st);
+    int rc = qm_bank_writer_put(j->w, l, t, 0, buf, bytes, st);
     qm_free(buf);
     return rc;
 }
@@ -546,54 +485,57 @@ static void json_escape(const char *s, char *out, size_t size)
     out[o] = '\0';
 }
 
-static int build_and_write(job *j, const qmg_file *f, const plan *pl, qm_status *st)
+/* The bank's tensors per layer, in the order they are listed and placed:
+ * fc1 = gate, fc3 = up, fc2 = down, each weight, scales, bias; the router. */
+static const qm_bank_tensor GGUF_ORDER[] = {
+    QM_T_FC1_WEIGHT, QM_T_FC1_SCALES, QM_T_FC1_BIAS, QM_T_FC3_WEIGHT, QM_T_FC3_SCALES,
+    QM_T_FC3_BIAS,   QM_T_FC2_WEIGHT, QM_T_FC2_SCALES, QM_T_FC2_BIAS, QM_T_ROUTER_WEIGHT,
+    QM_T_ROUTER_BIAS, QM_T_ROUTER_CORRECTION_BIAS};
+
+static int source_json(const job *j, const plan *pl, int exact_all, const char *err, char *buf,
+                       size_t size)
+{
+    char base[512];
+    const char *slash = strrchr(j->in_path, '/');
+    json_escape(slash ? slash + 1 : j->in_path, base, sizeof base);
+    int n = snprintf(buf, size,
+                     "{\"format\":\"gguf\",\"family\":\"%s\",\"arch\":\"%s\",\"files\":[\"%s\"],"
+                     "\"exact\":%s%s%s}",
+                     pl->family, pl->arch, base, exact_all ? "true" : "false",
+                     exact_all ? "" : ",\"max_rel_err\":", exact_all ? "" : err);
+    return n > 0 && (size_t)n < size ? 0 : -1;
+}
+
+static int build_and_write(job *j, const plan *pl, int resume, int quiet, uint32_t *first,
+                           qm_status *st)
 {
     int rc = 0;
-    char *json = NULL;
-    size_t json_len = 0;
-    qm_st_tensor *sts = NULL;
-    const uint32_t E = pl->E, H = pl->H, I = pl->I, pack = 8 / pl->bits;
-    j->ot = qm_calloc((size_t)pl->n_layers * 16, sizeof *j->ot);
-    sts = qm_calloc((size_t)pl->n_layers * 16, sizeof *sts);
-    if (!j->ot || !sts) {
-        rc = qm_status_set(st, QM_ENOMEM, "out of memory planning the bank");
-        goto done;
-    }
-    /* 1. Plan every tensor (offsets in the data section). */
-    uint64_t off = 0;
+    const uint32_t E = pl->E, H = pl->H, I = pl->I;
+    const qm_bank_config cfg = {.layers = pl->n_layers, .experts = E, .hidden = H, .inter = I,
+                                .k = pl->k, .bits = pl->bits, .block_size = pl->bs,
+                                .activation = QM_ACT_SWIGLU, .swiglu_fusion = 0};
+    qm_bank_plan_tensor *tensors = qm_calloc((size_t)pl->n_layers * QM_T_COUNT, sizeof *tensors);
+    if (!tensors)
+        return qm_status_set(st, QM_ENOMEM, "out of memory planning the bank");
+    /* 1. Plan every tensor. */
     for (uint32_t l = 0; l < pl->n_layers; l++) {
         const moe_layer *L = &pl->layers[l];
-        for (int p = 0; p < P_COUNT; p++) {
-            uint64_t N = p == P_DOWN ? H : I, K = p == P_DOWN ? I : H;
-            qm_bank_tensor tw = PROJ_W[p];
-            add_tensor(j, l, qm_bank_tensor_suffix(tw), "U8", 3, E, N, K / pack, &off);
-            add_tensor(j, l, qm_bank_tensor_suffix((qm_bank_tensor)(tw + 1)),
-                       scale_dtype(pl, L->w[p]->type) == QM_DTYPE_F16 ? "F16" : "F32", 3, E, N,
-                       K / pl->bs, &off);
-            if (L->b[p])
-                add_tensor(j, l, qm_bank_tensor_suffix((qm_bank_tensor)(tw + 3)), "F32", 2, E,
-                           N, 0, &off);
-        }
-        add_tensor(j, l, "router.weight", "F32", 2, E, H, 0, &off);
-        if (L->router_bias)
-            add_tensor(j, l, "router.bias", "F32", 1, E, 0, 0, &off);
-        if (L->corr_bias)
-            add_tensor(j, l, "router.correction_bias", "F32", 1, E, 0, 0, &off);
-    }
-    place_tensors(j);
-    for (size_t i = 0; i < j->n_ot; i++) {
-        out_tensor *t = &j->ot[i];
-        sts[i].name = t->name;
-        snprintf(sts[i].dtype, sizeof sts[i].dtype, "%s", t->dtype);
-        sts[i].ndim = t->ndim;
-        memcpy(sts[i].shape, t->shape, sizeof t->shape);
-        sts[i].begin = t->begin;
-        sts[i].end = t->end;
+        const qm_bank_layer_opts lo = {.scale_dtype = QM_DTYPE_F32, .bias_dtype = QM_DTYPE_F32,
+                                       .router_dtype = QM_DTYPE_F32,
+                                       .fc1_bias = L->b[P_GATE] != NULL,
+                                       .fc2_bias = L->b[P_DOWN] != NULL,
+                                       .fc3_bias = L->b[P_UP] != NULL, .router_weight = 1,
+                                       .router_bias = L->router_bias != NULL,
+                                       .correction_bias = L->corr_bias != NULL};
+        qm_bank_plan_tensor *t = &tensors[(size_t)l * QM_T_COUNT];
+        qm_bank_plan_layer(&cfg, &lo, t);
+        for (int p = 0; p < P_COUNT; p++)
+            t[PROJ_W[p] + 1].dtype = scale_dtype(pl, L->w[p]->type);
     }
 
     /* 2. Metadata. */
     char v_layers[16], v_E[16], v_H[16], v_I[16], v_k[16], v_bits[8], v_bs[16];
-    char v_scale[32], v_groups[16], v_topk[16], layer_map[4096], source[1024], base[512];
+    char v_scale[32], v_groups[16], v_topk[16], layer_map[4096], source[1024];
     snprintf(v_layers, sizeof v_layers, "%u", pl->n_layers);
     snprintf(v_E, sizeof v_E, "%u", E);
     snprintf(v_H, sizeof v_H, "%u", H);
@@ -616,18 +558,14 @@ static int build_and_write(job *j, const qmg_file *f, const plan *pl, qm_status 
         goto done;
     }
     snprintf(layer_map + o, sizeof layer_map - o, "]");
-    const char *slash = strrchr(j->in_path, '/');
-    json_escape(slash ? slash + 1 : j->in_path, base, sizeof base);
     int exact_all = 1;
     for (uint32_t l = 0; l < pl->n_layers; l++)
         for (int p = 0; p < P_COUNT; p++)
             exact_all &= exact_path(pl, pl->layers[l].w[p]->type);
-    snprintf(source, sizeof source,
-             "{\"format\":\"gguf\",\"family\":\"%s\",\"arch\":\"%s\",\"files\":[\"%s\"],"
-             "\"exact\":%s%s}",
-             pl->family, pl->arch, base, exact_all ? "true" : "false",
-             exact_all ? "" : ",\"max_rel_err\":" QMG_PLACEHOLDER);
-    j->exact = 1;
+    if (source_json(j, pl, exact_all, QMG_PLACEHOLDER, source, sizeof source) != 0) {
+        rc = BAD(st, "the file name is too long for qmoe.source");
+        goto done;
+    }
     qm_st_meta meta[24];
     size_t nm = 0;
 #define META(k, v) (meta[nm].key = (char *)(k), meta[nm].value = (char *)(v), nm++)
@@ -662,64 +600,57 @@ static int build_and_write(job *j, const qmg_file *f, const plan *pl, qm_status 
         META("qmoe.layer_map", layer_map);
     META("qmoe.source", source);
 #undef META
-    if ((rc = qm_st_header_format(sts, j->n_ot, meta, nm, 8, &json, &json_len, st)) != 0)
-        goto done;
+    const qm_bank_writer_spec spec = {.layers = pl->n_layers, .experts = E, .tensors = tensors,
+                                      .order = GGUF_ORDER,
+                                      .n_order = sizeof GGUF_ORDER / sizeof GGUF_ORDER[0],
+                                      .meta = meta, .n_meta = nm,
+                                      .deferred_key = exact_all ? NULL : "qmoe.source",
+                                      .tool = "import gguf"};
 
-    /* 3. Header, then every tensor, then the measured error into the header. */
-    j->fd = open(j->partial, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
-    if (j->fd < 0) {
-        rc = qm_status_set(st, QM_EIO, "cannot create %s: %s", j->partial, strerror(errno));
+    /* 3. Header, then layer by layer, then the measured error into the header. */
+    if ((rc = qm_bank_writer_open(&spec, j->out_path, resume, &j->w, first, &j->max_rel, st)) !=
+        0)
         goto done;
-    }
-    uint8_t len8[8];
-    for (int i = 0; i < 8; i++)
-        len8[i] = (uint8_t)((uint64_t)json_len >> (8 * i));
-    j->data_start = 8 + json_len;
-    if (pwrite(j->fd, len8, 8, 0) != 8 ||
-        pwrite(j->fd, json, json_len, 8) != (ssize_t)json_len ||
-        ftruncate(j->fd, (off_t)(j->data_start + off)) != 0) {
-        rc = qm_status_set(st, QM_EIO, "writing %s: %s", j->partial, strerror(errno));
-        goto done;
-    }
-    size_t ti = 0;
-    for (uint32_t l = 0; l < pl->n_layers && rc == 0; l++) {
+    uint64_t layer_src = 0, total_src = 0;
+    for (uint32_t l = 0; l < pl->n_layers; l++)
+        for (int p = 0; p < P_COUNT; p++)
+            total_src += pl->layers[l].w[p]->nbytes;
+    layer_src = total_src / pl->n_layers;
+    qm_bank_writer_progress(j->w, !quiet && isatty(2), *first * layer_src);
+    for (uint32_t l = 0; l < pl->n_layers; l++) {
         const moe_layer *L = &pl->layers[l];
+        for (int p = 0; p < P_COUNT; p++)
+            stats_for(j, L->w[p]->type, exact_path(pl, L->w[p]->type),
+                      scale_dtype(pl, L->w[p]->type))->count++;
+        if (l < *first)
+            continue;
         for (int p = 0; p < P_COUNT && rc == 0; p++) {
-            const out_tensor *tw = &j->ot[ti++], *tsc = &j->ot[ti++];
-            rc = write_experts(j, pl, L->w[p], tw, tsc, st);
+            rc = write_experts(j, pl, l, L->w[p], PROJ_W[p], st);
             if (rc == 0 && L->b[p])
-                rc = write_f32(j, L->b[p], &j->ot[ti++], st);
+                rc = write_f32(j, l, L->b[p], PROJ_W[p] + 3, st);
         }
         if (rc == 0)
-            rc = write_f32(j, L->router, &j->ot[ti++], st);
+            rc = write_f32(j, l, L->router, QM_T_ROUTER_WEIGHT, st);
         if (rc == 0 && L->router_bias)
-            rc = write_f32(j, L->router_bias, &j->ot[ti++], st);
+            rc = write_f32(j, l, L->router_bias, QM_T_ROUTER_BIAS, st);
         if (rc == 0 && L->corr_bias)
-            rc = write_f32(j, L->corr_bias, &j->ot[ti++], st);
-    }
-    if (rc)
-        goto done;
-    if (!exact_all) {
-        char *at = strstr(json, QMG_PLACEHOLDER), val[32];
-        snprintf(val, sizeof val, "%.9e", j->max_rel);
-        if (!at || strlen(val) != strlen(QMG_PLACEHOLDER)) {
-            rc = qm_status_set(st, QM_EINTERNAL, "cannot record max_rel_err %s", val);
+            rc = write_f32(j, l, L->corr_bias, QM_T_ROUTER_CORRECTION_BIAS, st);
+        if (rc == 0)
+            rc = qm_bank_writer_layer_done(j->w, l, j->max_rel, (l + 1) * layer_src, total_src,
+                                           st);
+        if (rc)
             goto done;
-        }
-        memcpy(at, val, strlen(val));
-        if (pwrite(j->fd, json, json_len, 8) != (ssize_t)json_len) {
-            rc = qm_status_set(st, QM_EIO, "writing %s: %s", j->partial, strerror(errno));
-            goto done;
-        }
     }
-    if (fsync(j->fd) != 0) {
-        rc = qm_status_set(st, QM_EIO, "syncing %s: %s", j->partial, strerror(errno));
+    char val[32];
+    snprintf(val, sizeof val, "%.9e", j->max_rel);
+    if (!exact_all && (strlen(val) != strlen(QMG_PLACEHOLDER) ||
+                       source_json(j, pl, exact_all, val, source, sizeof source) != 0)) {
+        rc = qm_status_set(st, QM_EINTERNAL, "cannot record max_rel_err %s", val);
         goto done;
     }
-    (void)f;
+    rc = qm_bank_writer_finish(j->w, exact_all ? NULL : source, NULL, st);
 done:
-    qm_free(json);
-    qm_free(sts);
+    qm_free(tensors);
     return rc;
 }
 
@@ -729,12 +660,13 @@ int qmb_import_gguf(int argc, char **argv)
 {
     static const struct option longopts[] = {{"out", required_argument, 0, 'o'},
                                              {"requant-bits", required_argument, 0, 'b'},
+                                             {"resume", no_argument, 0, 'r'},
                                              {"quiet", no_argument, 0, 'q'},
                                              {"help", no_argument, 0, 'h'},
                                              {0, 0, 0, 0}};
     const char *out = NULL;
     unsigned requant_bits = 8;
-    int quiet = 0, c;
+    int quiet = 0, resume = 0, c;
     optind = 1;
     opterr = 0;
     while ((c = getopt_long(argc, argv, "", longopts, NULL)) != -1) {
@@ -747,6 +679,8 @@ int qmb_import_gguf(int argc, char **argv)
                                 "\"%.32s\"\n", optarg);
                 return QMB_USAGE;
             }
+        } else if (c == 'r') {
+            resume = 1;
         } else if (c == 'q') {
             quiet = 1;
         } else if (c == 'h') {
@@ -762,45 +696,26 @@ int qmb_import_gguf(int argc, char **argv)
         fprintf(stderr, "qmoe-bank import gguf: expected FILE and --out BANK (see --help)\n");
         return QMB_USAGE;
     }
-    job j = {.in_path = argv[optind], .out_path = out, .fd = -1, .exact = 1};
+    job j = {.in_path = argv[optind], .out_path = out};
     plan pl = {0};
     qmg_file *f = NULL;
     qm_status st;
     qm_status_clear(&st);
-    int rc = 0, ret = QMB_OK;
-    size_t plen = strlen(out) + sizeof ".partial";
-    j.partial = qm_malloc(plen);
-    if (!j.partial) {
-        fprintf(stderr, "qmoe-bank import gguf: out of memory\n");
-        return QMB_FAIL;
-    }
-    snprintf(j.partial, plen, "%s.partial", out);
+    int rc = 0, ret = QMB_OK, keep = 0;
+    uint32_t first = 0;
     if ((rc = qmg_open(j.in_path, &f, &st)) != 0 ||
         (rc = read_plan(f, &pl, requant_bits, &st)) != 0 ||
-        (rc = build_and_write(&j, f, &pl, &st)) != 0)
+        (rc = build_and_write(&j, &pl, resume, quiet, &first, &st)) != 0)
         goto fail;
-    /* The daemon's own checks on what was written, before it gets the name. */
-    qm_bank *bank = NULL;
-    if ((rc = qm_bank_open(j.partial, &bank, &st)) != 0) {
-        char why[QM_STATUS_MSG_MAX];
-        snprintf(why, sizeof why, "%s", st.msg);
-        rc = qm_status_set(&st, QM_EINTERNAL, "the written bank does not open: %s", why);
-        goto fail;
-    }
-    qm_bank_close(bank);
-    close(j.fd);
-    j.fd = -1;
-    if (rename(j.partial, out) != 0) {
-        rc = qm_status_set(&st, QM_EIO, "cannot rename %s to %s: %s", j.partial, out,
-                           strerror(errno));
-        goto fail;
-    }
     if (!quiet) {
         struct stat sb;
         printf("imported %s (%s, family %s): %u MoE layers of %u blocks, %u experts, k %u, "
                "hidden %u, expert width %u\n",
                j.in_path, pl.arch, pl.family, pl.n_layers, pl.layers[pl.n_layers - 1].block + 1,
                pl.E, pl.k, pl.H, pl.I);
+        if (first)
+            printf("resumed %s.partial at layer %u of %u (the errors below are of the layers "
+                   "this run converted)\n", out, first, pl.n_layers);
         for (size_t i = 0; i < j.n_ts; i++) {
             const type_stats *s = &j.ts[i];
             char tb[16];
@@ -815,8 +730,11 @@ int qmb_import_gguf(int argc, char **argv)
         printf("routing: %s\n", pl.legacy ? "legacy (top-k of the logits, softmax over the k)"
                                 : pl.score_sigmoid ? "sigmoid scores (qmoe.routing.*)"
                                                    : "softmax scores (qmoe.routing.*)");
-        printf("wrote %s: exact %s", out, j.exact ? "yes" : "no");
-        if (!j.exact)
+        int exact = 1;
+        for (size_t i = 0; i < j.n_ts; i++)
+            exact &= j.ts[i].exact;
+        printf("wrote %s: exact %s", out, exact ? "yes" : "no");
+        if (!exact)
             printf(", max_rel_err %.3e", j.max_rel);
         if (stat(out, &sb) == 0)
             printf(", %lld bytes", (long long)sb.st_size);
@@ -828,16 +746,15 @@ fail:
     for (char *p = st.msg; *p; p++)
         if ((unsigned char)*p < 0x20 || (unsigned char)*p >= 0x7f)
             *p = '?';
-    fprintf(stderr, "qmoe-bank import gguf: %s: %s\n", j.in_path,
-            st.msg[0] ? st.msg : qm_strerror(rc));
-    ret = rc == QM_EINVALID_MODEL || rc == QM_EINVAL ? QMB_USAGE : QMB_FAIL;
-    if (j.fd >= 0)
-        close(j.fd);
-    j.fd = -1;
-    unlink(j.partial);
+    ret = rc == QM_EIO || rc == QM_ENOMEM || rc == QM_EINTERNAL ? QMB_FAIL : QMB_USAGE;
+    /* A layer recorded done is worth a --resume (bad input would stop a
+     * resume at the same bytes); before that nothing is kept. */
+    keep = j.w && qm_bank_writer_layers_done(j.w) > 0 && ret == QMB_FAIL;
+    fprintf(stderr, "qmoe-bank import gguf: %s: %s%s\n", j.in_path,
+            st.msg[0] ? st.msg : qm_strerror(rc),
+            keep ? " (the partial file is kept: rerun with --resume)" : "");
 done:
-    qm_free(j.partial);
-    qm_free(j.ot);
+    qm_bank_writer_free(j.w, keep);
     qm_free(pl.layers);
     qmg_close(f);
     return ret;

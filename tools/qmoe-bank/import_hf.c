@@ -78,6 +78,16 @@ static int source_prefix(hf_import *im, char *buf, size_t n)
     return at < n ? 0 : -1;
 }
 
+/* qmoe.source: the prefix, then exact and max_rel_err at a fixed width, so
+ * that the final value (known at the end) has the placeholder's length. */
+static void source_value(const char *prefix, int exact, double err, char *buf, size_t n)
+{
+    if (!(err >= 1e-99)) err = 0;
+    if (err > 9.999999e99) err = 9.999999e99;
+    snprintf(buf, n, "%s,\"exact\":%s,\"max_rel_err\":%.6e}", prefix, exact ? "true " : "false",
+             err);
+}
+
 static void report_left_out(hf_import *im)
 {
     size_t n = 0;
@@ -135,11 +145,14 @@ static int run_import(hf_import *im)
 {
     qm_status st;
     qm_status_clear(&st);
-    qmi_writer *w = NULL;
+    qm_bank_writer *w = NULL;
+    qm_bank_plan_tensor *plan = NULL;
     buffers b = {0};
     int rc, keep_partial = 1;
-    char layer_map[8 * 65536 / 8], src[QMI_META_MAX * 8 + 4096], groups[16], topk_groups[16],
-        scale[32], norm[4];
+    /* src: qmoe.source's prefix; source_prefix lists shard names while they
+     * leave 200 bytes of this room, so the value stays under the loader's
+     * QM_ST_VALUE_MAX. */
+    char src[4288], groups[16], topk_groups[16], scale[32], norm[4];
     char *layer_map_s = NULL;
 
     if ((rc = qmi_hf_open(im->o.dir, &im->ck, &st)) != 0 ||
@@ -168,7 +181,6 @@ static int run_import(hf_import *im)
         at +=
             (size_t)snprintf(layer_map_s + at, lm_cap - at, "%s%u", i ? "," : "", im->layer_map[i]);
     snprintf(layer_map_s + at, lm_cap - at, "]");
-    (void)layer_map;
     if (source_prefix(im, src, sizeof src) != 0) {
         rc = qm_status_set(&st, QM_EINTERNAL, "qmoe.source does not fit");
         goto fail;
@@ -177,7 +189,7 @@ static int run_import(hf_import *im)
     snprintf(norm, sizeof norm, "%d", im->normalize);
     snprintf(groups, sizeof groups, "%u", im->groups);
     snprintf(topk_groups, sizeof topk_groups, "%u", im->topk_groups);
-    qmi_bank_spec spec = {
+    const qm_bank_config cfg = {
         .layers = im->n_moe,
         .experts = im->E,
         .hidden = im->H,
@@ -185,41 +197,56 @@ static int run_import(hf_import *im)
         .k = im->k,
         .bits = im->o.bits,
         .block_size = im->o.block_size,
-        .scale_dtype = im->mxfp4_exact ? QM_DTYPE_F32 : im->o.scale_dtype,
-        .swiglu_fusion = 1,
         .activation = QM_ACT_SWIGLU,
+        .swiglu_fusion = 1,
+        .normalize_routing = im->normalize,
         .alpha = im->alpha,
         .beta = im->beta,
         .limit = im->limit,
-        .normalize_routing = im->normalize,
-        .fc1_bias = im->fam->id == FAM_GPT_OSS,
-        .fc2_bias = im->fam->id == FAM_GPT_OSS,
-        .router_weight = 1,
-        .router_bias = im->fam->id == FAM_GPT_OSS,
-        .correction_bias = im->fam->id == FAM_DEEPSEEK_V3,
-        .source_prefix = src,
     };
+    const int gpt_oss = im->fam->id == FAM_GPT_OSS;
+    const qm_bank_layer_opts lo = {
+        .scale_dtype = im->mxfp4_exact ? QM_DTYPE_F32 : im->o.scale_dtype,
+        .bias_dtype = QM_DTYPE_F32,
+        .router_dtype = QM_DTYPE_F32,
+        .fc1_bias = gpt_oss,
+        .fc2_bias = gpt_oss,
+        .router_weight = 1,
+        .router_bias = gpt_oss,
+        .correction_bias = im->fam->id == FAM_DEEPSEEK_V3,
+    };
+    plan = qm_calloc((size_t)im->n_moe * QM_T_COUNT, sizeof *plan);
+    if (!plan) {
+        rc = qm_status_set(&st, QM_ENOMEM, "out of memory");
+        goto fail;
+    }
+    for (uint32_t l = 0; l < im->n_moe; l++)
+        qm_bank_plan_layer(&cfg, &lo, &plan[(size_t)l * QM_T_COUNT]);
+    char std_values[12][32], source[sizeof src + 64];
+    qm_st_meta meta[QM_BANK_STD_META + 8];
+    size_t n_meta = QM_BANK_STD_META;
+    qm_bank_std_meta(&cfg, std_values, meta);
+    source_value(src, 0, 0, source, sizeof source);
+    meta[n_meta++] = (qm_st_meta){"qmoe.source", source};
     const char *keys[] = {"qmoe.layer_map", "qmoe.routing.score", "qmoe.routing.normalize",
                           "qmoe.routing.scale"};
     const char *vals[] = {layer_map_s, im->score, norm, scale};
-    for (size_t i = 0; i < 4; i++) {
-        spec.meta_keys[spec.n_meta] = keys[i];
-        spec.meta_values[spec.n_meta++] = vals[i];
-    }
+    for (size_t i = 0; i < 4; i++)
+        meta[n_meta++] = (qm_st_meta){(char *)keys[i], (char *)vals[i]};
     if (im->groups) {
-        spec.meta_keys[spec.n_meta] = "qmoe.routing.groups";
-        spec.meta_values[spec.n_meta++] = groups;
-        spec.meta_keys[spec.n_meta] = "qmoe.routing.topk_groups";
-        spec.meta_values[spec.n_meta++] = topk_groups;
-        spec.meta_keys[spec.n_meta] = "qmoe.routing.group_score";
-        spec.meta_values[spec.n_meta++] = im->group_score;
+        meta[n_meta++] = (qm_st_meta){"qmoe.routing.groups", groups};
+        meta[n_meta++] = (qm_st_meta){"qmoe.routing.topk_groups", topk_groups};
+        meta[n_meta++] = (qm_st_meta){"qmoe.routing.group_score", (char *)im->group_score};
     }
+    const qm_bank_writer_spec spec = {.layers = im->n_moe, .experts = im->E, .tensors = plan,
+                                      .meta = meta, .n_meta = n_meta,
+                                      .deferred_key = "qmoe.source", .tool = "import hf"};
 
     uint32_t first = 0;
     double max_err = 0;
-    if ((rc = qmi_writer_open(&spec, im->o.out, im->o.resume, "import hf", &w, &first, &max_err,
-                              &st)) != 0) {
-        if (rc == QM_ECONFLICT) goto fail_input;
+    if ((rc = qm_bank_writer_open(&spec, im->o.out, im->o.resume, &w, &first, &max_err, &st)) !=
+        0) {
+        if (rc == QM_ECONFLICT || rc == QM_EINVALID_MODEL) goto fail_input;
         goto fail;
     }
     keep_partial = 0; /* until a layer is complete, nothing to resume */
@@ -241,17 +268,17 @@ static int run_import(hf_import *im)
         report_left_out(im);
         fflush(stdout);
     }
-    qmi_writer_progress(w, !im->o.quiet && isatty(2), done_src);
+    qm_bank_writer_progress(w, !im->o.quiet && isatty(2), done_src);
     keep_partial = first > 0;
     /* Per-expert buffers: the largest matrix of either projection. */
     uint64_t kmax = im->H > im->I ? im->H : im->I;
     uint64_t n1 = 2ull * im->I;
     b.row = qm_malloc((n1 > kmax ? n1 : kmax) * sizeof(float));
     b.bias = qm_malloc((n1 > im->H ? n1 : im->H) * sizeof(float));
-    b.packed[0] = qm_malloc(qmi_writer_slice_bytes(w, QM_T_FC1_WEIGHT));
-    b.packed[1] = qm_malloc(qmi_writer_slice_bytes(w, QM_T_FC2_WEIGHT));
-    b.scales[0] = qm_malloc(qmi_writer_slice_bytes(w, QM_T_FC1_SCALES));
-    b.scales[1] = qm_malloc(qmi_writer_slice_bytes(w, QM_T_FC2_SCALES));
+    b.packed[0] = qm_malloc(qm_bank_writer_slice_bytes(w, 0, QM_T_FC1_WEIGHT));
+    b.packed[1] = qm_malloc(qm_bank_writer_slice_bytes(w, 0, QM_T_FC2_WEIGHT));
+    b.scales[0] = qm_malloc(qm_bank_writer_slice_bytes(w, 0, QM_T_FC1_SCALES));
+    b.scales[1] = qm_malloc(qm_bank_writer_slice_bytes(w, 0, QM_T_FC2_SCALES));
     if (im->fam->id == FAM_GPT_OSS && !im->mxfp4) b.mat = qm_malloc(n1 * im->H * sizeof(float));
     if (!b.row || !b.bias || !b.packed[0] || !b.packed[1] || !b.scales[0] || !b.scales[1] ||
         (im->fam->id == FAM_GPT_OSS && !im->mxfp4 && !b.mat)) {
@@ -267,12 +294,13 @@ static int run_import(hf_import *im)
             goto fail;
         }
         done_src += im->layer_bytes[li];
-        if ((rc = qmi_writer_layer_done(w, li, max_err, done_src, total_src, &st)) != 0) goto fail;
+        if ((rc = qm_bank_writer_layer_done(w, li, max_err, done_src, total_src, &st)) != 0) goto fail;
         keep_partial = 1;
     }
     int exact = max_err == 0;
     uint64_t bytes = 0;
-    if ((rc = qmi_writer_finish(w, exact, max_err, &bytes, &st)) != 0) goto fail;
+    source_value(src, exact, exact ? 0 : max_err, source, sizeof source);
+    if ((rc = qm_bank_writer_finish(w, source, &bytes, &st)) != 0) goto fail;
     if (!im->o.quiet)
         printf("wrote %s: %u layers (model layers %s), %u experts, %llu bytes; %s (max "
                "relative error %.3g)\n",
@@ -289,7 +317,8 @@ fail:
             w && keep_partial ? " (the partial file is kept: rerun with --resume)" : "");
     rc = exit_for(rc);
 done:
-    qmi_writer_free(w, keep_partial);
+    qm_bank_writer_free(w, keep_partial);
+    qm_free(plan);
     qm_free(b.row);
     qm_free(b.bias);
     qm_free(b.mat);

@@ -7,6 +7,7 @@
 #include <stdint.h>
 
 #include "import_common.h"
+#include "qm_bank_writer.h"
 #include "import_hf_source.h"
 
 typedef enum family_id {
@@ -80,7 +81,7 @@ int qmi__hf_read_config(hf_import *im, qm_status *st);
 int qmi__hf_resolve(hf_import *im, qm_status *st);
 /* Converts bank layer li and hands its tensors to the writer; *max_err
  * grows to the largest matrix error seen. */
-int qmi__hf_convert_layer(hf_import *im, qmi_writer *w, uint32_t li, buffers *b, double *max_err,
+int qmi__hf_convert_layer(hf_import *im, qm_bank_writer *w, uint32_t li, buffers *b, double *max_err,
                           qm_status *st);
 
 #endif

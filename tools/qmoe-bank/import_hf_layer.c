@@ -61,21 +61,21 @@ static void mxfp4_row_exact(const uint8_t *blocks, const uint8_t *scales, uint64
         scale_out[b] = ldexpf(1.0f, (int)scales[b] - 128);
 }
 
-int qmi__hf_convert_layer(hf_import *im, qmi_writer *w, uint32_t li, buffers *b, double *max_err,
+int qmi__hf_convert_layer(hf_import *im, qm_bank_writer *w, uint32_t li, buffers *b, double *max_err,
                           qm_status *st)
 {
     uint32_t E = im->E, H = im->H, I = im->I, bits = im->o.bits;
     uint64_t bs = im->o.block_size, pack = 8 / bits;
     uint64_t nblk_h = bs ? (H + bs - 1) / bs : 1, nblk_i = bs ? (I + bs - 1) / bs : 1;
     const qm_quant_spec q = {.bits = bits, .block_size = bs, .scale_dtype = im->o.scale_dtype};
-    uint64_t fc1_w = qmi_writer_slice_bytes(w, QM_T_FC1_WEIGHT);
-    uint64_t fc1_s = qmi_writer_slice_bytes(w, QM_T_FC1_SCALES);
-    uint64_t fc2_w = qmi_writer_slice_bytes(w, QM_T_FC2_WEIGHT);
-    uint64_t fc2_s = qmi_writer_slice_bytes(w, QM_T_FC2_SCALES);
+    uint64_t fc1_w = qm_bank_writer_slice_bytes(w, li, QM_T_FC1_WEIGHT);
+    uint64_t fc1_s = qm_bank_writer_slice_bytes(w, li, QM_T_FC1_SCALES);
+    uint64_t fc2_w = qm_bank_writer_slice_bytes(w, li, QM_T_FC2_WEIGHT);
+    uint64_t fc2_s = qm_bank_writer_slice_bytes(w, li, QM_T_FC2_SCALES);
     int rc;
     /* Router (+ bias, correction bias) as f32. */
     const qmi_hf_tensor *rt[3] = {im->router_w[li], im->router_b[li], im->corr[li]};
-    const int rdst[3] = {QM_T_ROUTER_WEIGHT, QM_T_ROUTER_BIAS, QMI_T_CORRECTION_BIAS};
+    const int rdst[3] = {QM_T_ROUTER_WEIGHT, QM_T_ROUTER_BIAS, QM_T_ROUTER_CORRECTION_BIAS};
     for (int i = 0; i < 3; i++) {
         if (!rt[i]) continue;
         uint64_t n = rt[i]->nbytes / qmi_elem_size(rt[i]->elem);
@@ -83,7 +83,7 @@ int qmi__hf_convert_layer(hf_import *im, qmi_writer *w, uint32_t li, buffers *b,
             uint64_t m = n - off < H ? n - off : H;
             qmi_load_row(rt[i]->data + off * qmi_elem_size(rt[i]->elem), rt[i]->elem, m, b->row);
             if (!qm_quant_finite(b->row, m)) return not_finite(im, rt[i], st);
-            if ((rc = qmi_writer_put(w, li, rdst[i], off * 4, b->row, m * 4, st)) != 0) return rc;
+            if ((rc = qm_bank_writer_put(w, li, rdst[i], off * 4, b->row, m * 4, st)) != 0) return rc;
         }
     }
     const qmi_hf_tensor **lsrc = im->layer_src ? &im->layer_src[(size_t)li * G_COUNT] : NULL;
@@ -155,10 +155,10 @@ int qmi__hf_convert_layer(hf_import *im, qmi_writer *w, uint32_t li, buffers *b,
                         return not_finite(im, t, st);
             }
         }
-        if ((rc = qmi_writer_put(w, li, QM_T_FC1_WEIGHT, e * fc1_w, b->packed[0], fc1_w, st)) ||
-            (rc = qmi_writer_put(w, li, QM_T_FC1_SCALES, e * fc1_s, b->scales[0], fc1_s, st)) ||
-            (rc = qmi_writer_put(w, li, QM_T_FC2_WEIGHT, e * fc2_w, b->packed[1], fc2_w, st)) ||
-            (rc = qmi_writer_put(w, li, QM_T_FC2_SCALES, e * fc2_s, b->scales[1], fc2_s, st)))
+        if ((rc = qm_bank_writer_put(w, li, QM_T_FC1_WEIGHT, e * fc1_w, b->packed[0], fc1_w, st)) ||
+            (rc = qm_bank_writer_put(w, li, QM_T_FC1_SCALES, e * fc1_s, b->scales[0], fc1_s, st)) ||
+            (rc = qm_bank_writer_put(w, li, QM_T_FC2_WEIGHT, e * fc2_w, b->packed[1], fc2_w, st)) ||
+            (rc = qm_bank_writer_put(w, li, QM_T_FC2_SCALES, e * fc2_s, b->scales[1], fc2_s, st)))
             return rc;
         if (lsrc) {
             for (int p = 0; p < 2; p++) {
@@ -167,7 +167,7 @@ int qmi__hf_convert_layer(hf_import *im, qmi_writer *w, uint32_t li, buffers *b,
                 qmi_load_row(t->data + (uint64_t)e * N * qmi_elem_size(t->elem), t->elem, N,
                              b->bias);
                 if (!qm_quant_finite(b->bias, N)) return not_finite(im, t, st);
-                if ((rc = qmi_writer_put(w, li, p ? QM_T_FC2_BIAS : QM_T_FC1_BIAS, e * N * 4,
+                if ((rc = qm_bank_writer_put(w, li, p ? QM_T_FC2_BIAS : QM_T_FC1_BIAS, e * N * 4,
                                          b->bias, N * 4, st)))
                     return rc;
             }
