@@ -1,11 +1,12 @@
 /* qm_hf_config.c - typed lookups into a checkpoint's config.json and index.json. */
 #include "qm_hf_config.h"
 
+#include <cJSON.h>
 #include <stdio.h>
 #include <string.h>
 
 #include "qm_alloc.h"
-#include "qm_rpc_impl.h"
+#include "qm_bank_internal.h"
 
 /* config.json nests a few levels (rope_scaling, quantization_config,
  * text_config/...); deeper is not a checkpoint we understand. */
@@ -23,9 +24,13 @@ int qm_hf_json_parse(const char *text, size_t n, const char *what, qm_hf_json **
     if (n > QM_HF_MAX_BYTES)
         return qm_status_set(st, QM_EPARSE, "%.60s: %zu bytes, more than the %u allowed", what, n,
                              QM_HF_MAX_BYTES);
-    if (qm_json_depth(text, n, QM_HF_MAX_DEPTH) < 0)
-        return qm_status_set(st, QM_EPARSE, "%.60s: JSON nests deeper than %d levels", what,
-                             QM_HF_MAX_DEPTH);
+    size_t at = 0;
+    int scan = qm__json_prescan(text, n, QM_HF_MAX_DEPTH, &at);
+    if (scan == QM__JSON_TOO_DEEP)
+        return qm_status_set(st, QM_EPARSE, "%.60s: JSON nests deeper than %d levels (byte %zu)",
+                             what, QM_HF_MAX_DEPTH, at);
+    if (scan == QM__JSON_ESCAPED_NUL)
+        return qm_status_set(st, QM_EPARSE, "%.60s: escaped NUL in a string at byte %zu", what, at);
     const char *end = NULL;
     cJSON *root = cJSON_ParseWithLengthOpts(text, n, &end, 0);
     if (!root || !cJSON_IsObject(root)) {

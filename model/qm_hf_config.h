@@ -1,8 +1,9 @@
 /* qm_hf_config.h - the JSON files of a Hugging Face checkpoint, as typed lookups.
  *
  * `qmoe-bank import hf` reads config.json and model.safetensors.index.json;
- * only protocol/ may see cJSON, so both are parsed here and the importer asks
- * typed questions ("the number at key K"). Keys address nested objects with
+ * like the safetensors header codec beside it, this is a codec of untrusted
+ * file bytes, so model/ parses both and the importer asks typed questions
+ * ("the number at key K") without seeing cJSON. Keys address nested objects with
  * '/' ("quantization_config/quant_method"), because tensor names and config
  * keys contain dots. The text is untrusted: nesting is bounded before cJSON
  * sees it, and every lookup checks the value's type. */
