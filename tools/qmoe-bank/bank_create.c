@@ -20,7 +20,7 @@
 #include "qm_quant.h"
 #include "qmoe_bank_tool.h"
 
-void qmb_help_create(FILE *f)
+void qm__help_create(FILE *f)
 {
     fputs("usage: qmoe-bank create --out FILE --layers L --experts E --hidden H --inter I\n"
           "                        --k K --bits 4|8 --block-size BS --activation ACT\n"
@@ -251,17 +251,17 @@ static int write_bank(const create_opts *o)
                (unsigned long long)total);
     qm_bank_writer_free(w, 0);
     qm_free(plan);
-    return QMB_OK;
+    return QM__EXIT_OK;
 fail:
     fprintf(stderr, "qmoe-bank create: %s\n", st.msg);
     qm_bank_writer_free(w, 0);
     qm_free(plan);
-    return rc == QM_EIO || rc == QM_ENOMEM || rc == QM_EINTERNAL ? QMB_FAIL : QMB_USAGE;
+    return rc == QM_EIO || rc == QM_ENOMEM || rc == QM_EINTERNAL ? QM__EXIT_FAIL : QM__EXIT_USAGE;
 }
 
 static int bad(const char *what)
 {
-    return qmb_usage("create", what);
+    return qm__usage("create", what);
 }
 
 static int parse_float_opt(const char *s, float *out)
@@ -274,7 +274,7 @@ static int parse_float_opt(const char *s, float *out)
     return 0;
 }
 
-int qmb_create(int argc, char **argv)
+int qm__cmd_create(int argc, char **argv)
 {
     enum { O_OUT = 256, O_LAYERS, O_EXPERTS, O_HIDDEN, O_INTER, O_K, O_BITS, O_BS, O_ACT,
            O_FUSION, O_ASYM, O_ROUTER, O_SEED, O_SDT, O_NOBIAS, O_ALPHA, O_BETA, O_LIMIT,
@@ -314,7 +314,7 @@ int qmb_create(int argc, char **argv)
             return bad(msg);
         }
         if (c >= O_LAYERS && c <= O_FUSION && u32_target[c]) {
-            if (qmb_parse_u32(optarg, 1u << 24, u32_target[c]) != 0) {
+            if (qm__parse_u32(optarg, 1u << 24, u32_target[c]) != 0) {
                 snprintf(msg, sizeof msg, "--%s wants a non-negative integer, got \"%.32s\"",
                          longopts[c - O_OUT].name, optarg);
                 return bad(msg);
@@ -376,8 +376,8 @@ int qmb_create(int argc, char **argv)
                 return bad("--limit wants a number > 0 (or inf)");
             break;
         case O_HELP:
-            qmb_help_create(stdout);
-            return QMB_OK;
+            qm__help_create(stdout);
+            return QM__EXIT_OK;
         }
     }
     if (optind < argc)

@@ -10,7 +10,7 @@
 #include "qm_residency.h"
 #include "qmoe_bank_tool.h"
 
-void qmb_help_inspect(FILE *f)
+void qm__help_inspect(FILE *f)
 {
     fputs("usage: qmoe-bank inspect FILE [--json]\n"
           "\n"
@@ -179,9 +179,9 @@ static void print_json(const qm_bank *bank, qm_region_catalog **cats)
     const qm_bank_config *c = qm_bank_get_config(bank);
     char name[256];
     printf("{\"name\":");
-    qmb_json_string(stdout, model_name(qm_bank_path(bank), name, sizeof name));
+    qm__json_string(stdout, model_name(qm_bank_path(bank), name, sizeof name));
     printf(",\"path\":");
-    qmb_json_string(stdout, qm_bank_path(bank));
+    qm__json_string(stdout, qm_bank_path(bank));
     printf(",\"layers\":%u,\"experts\":%u,\"hidden_size\":%u,\"inter_size\":%u,\"k\":%u,"
            "\"activation\":\"%s\",\"bits\":%u,\"block_size\":%u,\"bytes_total\":%llu,"
            "\"bytes_per_expert\":%llu,\"file_bytes\":%llu,\"swiglu_fusion\":%u,"
@@ -221,7 +221,7 @@ static void print_json(const qm_bank *bank, qm_region_catalog **cats)
         }
         printf("],\"catalog\":{\"pageable\":%s,\"reason\":\"%s\",\"detail\":",
                r == QM_NONPAGEABLE_NONE ? "true" : "false", qm_nonpageable_reason_name(r));
-        qmb_json_string(stdout, qm_catalog_reason_detail(cats[l]));
+        qm__json_string(stdout, qm_catalog_reason_detail(cats[l]));
         printf(",\"experts\":%u,\"bytes_per_expert\":%llu,\"total_bytes\":%llu,\"regions\":[",
                qm_catalog_expert_count(cats[l]),
                (unsigned long long)qm_catalog_bytes_per_expert(cats[l]),
@@ -243,12 +243,12 @@ static void print_json(const qm_bank *bank, qm_region_catalog **cats)
     for (size_t i = 0; i < nw; i++) {
         if (i)
             printf(",");
-        qmb_json_string(stdout, w[i]);
+        qm__json_string(stdout, w[i]);
     }
     printf("]}\n");
 }
 
-int qmb_inspect(int argc, char **argv)
+int qm__cmd_inspect(int argc, char **argv)
 {
     static const struct option longopts[] = {
         {"json", no_argument, 0, 'j'}, {"help", no_argument, 0, 'h'}, {0, 0, 0, 0}};
@@ -259,17 +259,17 @@ int qmb_inspect(int argc, char **argv)
         if (c == 'j') {
             json = 1;
         } else if (c == 'h') {
-            qmb_help_inspect(stdout);
-            return QMB_OK;
+            qm__help_inspect(stdout);
+            return QM__EXIT_OK;
         } else {
             fprintf(stderr, "qmoe-bank inspect: unknown option \"%.64s\" (see --help)\n",
                     argv[optind - 1]);
-            return QMB_USAGE;
+            return QM__EXIT_USAGE;
         }
     }
     if (optind != argc - 1) {
         fprintf(stderr, "qmoe-bank inspect: expected exactly one FILE (see --help)\n");
-        return QMB_USAGE;
+        return QM__EXIT_USAGE;
     }
     const char *path = argv[optind];
     qm_bank *bank = NULL;
@@ -278,20 +278,20 @@ int qmb_inspect(int argc, char **argv)
     int rc = qm_bank_open(path, &bank, &st);
     if (rc != 0) {
         fprintf(stderr, "qmoe-bank inspect: %s: %s\n", path, st.msg[0] ? st.msg : qm_strerror(rc));
-        return rc == QM_ENOMEM ? QMB_FAIL : QMB_USAGE;
+        return rc == QM_ENOMEM ? QM__EXIT_FAIL : QM__EXIT_USAGE;
     }
     const qm_bank_config *cfg = qm_bank_get_config(bank);
     qm_region_catalog **cats = calloc(cfg->layers, sizeof *cats);
-    int ret = QMB_OK;
+    int ret = QM__EXIT_OK;
     if (!cats) {
         fprintf(stderr, "qmoe-bank inspect: out of memory\n");
-        ret = QMB_FAIL;
+        ret = QM__EXIT_FAIL;
         goto done;
     }
     for (uint32_t l = 0; l < cfg->layers; l++)
         if (qm_bank_build_catalog(bank, l, &cats[l], &st) != 0) {
             fprintf(stderr, "qmoe-bank inspect: %s: layer %u catalog: %s\n", path, l, st.msg);
-            ret = QMB_FAIL;
+            ret = QM__EXIT_FAIL;
             goto done;
         }
     if (json)

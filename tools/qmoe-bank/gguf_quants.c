@@ -66,23 +66,23 @@ static float q6k_scales(const uint8_t *blk, const int8_t **sc)
     return qm_f16_to_f32(rd16(blk + 208));
 }
 
-int qmg_can_dequant(uint32_t type)
+int qm__ggml_can_dequant(uint32_t type)
 {
     switch (type) {
-    case QMG_F32_T:
-    case QMG_F16_T:
-    case QMG_BF16_T:
-    case QMG_Q4_0:
-    case QMG_Q4_1:
-    case QMG_Q5_0:
-    case QMG_Q5_1:
-    case QMG_Q8_0:
-    case QMG_MXFP4:
-    case QMG_Q2_K:
-    case QMG_Q3_K:
-    case QMG_Q4_K:
-    case QMG_Q5_K:
-    case QMG_Q6_K:
+    case QM__GGML_F32:
+    case QM__GGML_F16:
+    case QM__GGML_BF16:
+    case QM__GGML_Q4_0:
+    case QM__GGML_Q4_1:
+    case QM__GGML_Q5_0:
+    case QM__GGML_Q5_1:
+    case QM__GGML_Q8_0:
+    case QM__GGML_MXFP4:
+    case QM__GGML_Q2_K:
+    case QM__GGML_Q3_K:
+    case QM__GGML_Q4_K:
+    case QM__GGML_Q5_K:
+    case QM__GGML_Q6_K:
         return 1;
     }
     return 0;
@@ -140,17 +140,17 @@ static void dequant_k45(const uint8_t *blk, int five, float *y)
     }
 }
 
-void qmg_dequant_row(uint32_t type, const uint8_t *src, uint64_t n, float *dst)
+void qm__ggml_dequant_row(uint32_t type, const uint8_t *src, uint64_t n, float *dst)
 {
     switch (type) {
-    case QMG_F32_T:
+    case QM__GGML_F32:
         memcpy(dst, src, n * sizeof(float));
         return;
-    case QMG_F16_T:
+    case QM__GGML_F16:
         for (uint64_t i = 0; i < n; i++)
             dst[i] = qm_f16_to_f32(rd16(src + 2 * i));
         return;
-    case QMG_BF16_T:
+    case QM__GGML_BF16:
         for (uint64_t i = 0; i < n; i++)
             dst[i] = qm_bf16_to_f32(rd16(src + 2 * i));
         return;
@@ -158,25 +158,25 @@ void qmg_dequant_row(uint32_t type, const uint8_t *src, uint64_t n, float *dst)
         break;
     }
     uint64_t block, bytes;
-    qmg_type_size(type, &block, &bytes);
+    qm__ggml_type_size(type, &block, &bytes);
     for (uint64_t b = 0; b < n / block; b++, src += bytes, dst += block) {
         const uint8_t *p = src;
         switch (type) {
-        case QMG_Q4_0: {
+        case QM__GGML_Q4_0: {
             float d = qm_f16_to_f32(rd16(p));
             for (unsigned j = 0; j < 32; j++)
                 dst[j] = d * (float)((int)nib(p + 2, j) - 8);
             break;
         }
-        case QMG_Q4_1: {
+        case QM__GGML_Q4_1: {
             float d = qm_f16_to_f32(rd16(p)), m = qm_f16_to_f32(rd16(p + 2));
             for (unsigned j = 0; j < 32; j++)
                 dst[j] = d * (float)nib(p + 4, j) + m;
             break;
         }
-        case QMG_Q5_0:
-        case QMG_Q5_1: {
-            int one = type == QMG_Q5_1;
+        case QM__GGML_Q5_0:
+        case QM__GGML_Q5_1: {
+            int one = type == QM__GGML_Q5_1;
             float d = qm_f16_to_f32(rd16(p)), m = one ? qm_f16_to_f32(rd16(p + 2)) : 0.0f;
             const uint8_t *qhp = p + (one ? 4 : 2), *qs = qhp + 4;
             uint32_t qh = (uint32_t)qhp[0] | (uint32_t)qhp[1] << 8 | (uint32_t)qhp[2] << 16 |
@@ -187,19 +187,19 @@ void qmg_dequant_row(uint32_t type, const uint8_t *src, uint64_t n, float *dst)
             }
             break;
         }
-        case QMG_Q8_0: {
+        case QM__GGML_Q8_0: {
             float d = qm_f16_to_f32(rd16(p));
             for (unsigned j = 0; j < 32; j++)
                 dst[j] = d * (float)(int8_t)p[2 + j];
             break;
         }
-        case QMG_MXFP4: {
+        case QM__GGML_MXFP4: {
             float d = e8m0_half(p[0]);
             for (unsigned j = 0; j < 32; j++)
                 dst[j] = d * (float)mxfp4_values[nib(p + 1, j)];
             break;
         }
-        case QMG_Q2_K: {
+        case QM__GGML_Q2_K: {
             const uint8_t *scales = p, *q = p + 16;
             float d = qm_f16_to_f32(rd16(p + 80)), dmin = qm_f16_to_f32(rd16(p + 82));
             float *y = dst;
@@ -222,14 +222,14 @@ void qmg_dequant_row(uint32_t type, const uint8_t *src, uint64_t n, float *dst)
             }
             break;
         }
-        case QMG_Q3_K:
+        case QM__GGML_Q3_K:
             dequant_q3k(p, dst);
             break;
-        case QMG_Q4_K:
-        case QMG_Q5_K:
-            dequant_k45(p, type == QMG_Q5_K, dst);
+        case QM__GGML_Q4_K:
+        case QM__GGML_Q5_K:
+            dequant_k45(p, type == QM__GGML_Q5_K, dst);
             break;
-        case QMG_Q6_K: {
+        case QM__GGML_Q6_K: {
             const int8_t *sc;
             float d = q6k_scales(p, &sc);
             for (unsigned i = 0; i < 256; i++) {
@@ -244,19 +244,19 @@ void qmg_dequant_row(uint32_t type, const uint8_t *src, uint64_t n, float *dst)
 
 /* ---- exact repacks --------------------------------------------------------------- */
 
-int qmg_exact_fits(uint32_t type, unsigned bits, unsigned bs, qm_dtype sdt)
+int qm__ggml_exact_fits(uint32_t type, unsigned bits, unsigned bs, qm_dtype sdt)
 {
     switch (type) {
-    case QMG_Q4_0:
+    case QM__GGML_Q4_0:
         return (bs == 32 || bs == 16) && (sdt == QM_DTYPE_F16 || sdt == QM_DTYPE_F32) &&
                (bits == 4 || bits == 8);
-    case QMG_Q8_0:
-    case QMG_Q5_0:
+    case QM__GGML_Q8_0:
+    case QM__GGML_Q5_0:
         return bits == 8 && (bs == 32 || bs == 16) &&
                (sdt == QM_DTYPE_F16 || sdt == QM_DTYPE_F32);
-    case QMG_MXFP4:
+    case QM__GGML_MXFP4:
         return bits == 8 && (bs == 32 || bs == 16) && sdt == QM_DTYPE_F32;
-    case QMG_Q6_K:
+    case QM__GGML_Q6_K:
         return bits == 8 && bs == 16 && sdt == QM_DTYPE_F32;
     }
     return 0;
@@ -282,20 +282,20 @@ static void put_scale(void *scales, qm_dtype sdt, uint64_t i, float s, uint16_t 
         ((float *)scales)[i] = s;
 }
 
-void qmg_repack_row(uint32_t type, const uint8_t *src, uint64_t n, unsigned bits, unsigned bs,
+void qm__ggml_repack_row(uint32_t type, const uint8_t *src, uint64_t n, unsigned bits, unsigned bs,
                     qm_dtype sdt, uint8_t *codes, void *scales)
 {
     uint64_t block, bytes;
-    qmg_type_size(type, &block, &bytes);
+    qm__ggml_type_size(type, &block, &bytes);
     for (uint64_t b = 0; b < n / block; b++, src += bytes) {
         uint64_t c0 = b * block;
         switch (type) {
-        case QMG_Q4_0:
-        case QMG_Q8_0: {
+        case QM__GGML_Q4_0:
+        case QM__GGML_Q8_0: {
             uint16_t dh = rd16(src);
             float d = qm_f16_to_f32(dh);
             for (unsigned j = 0; j < 32; j++) {
-                unsigned code = type == QMG_Q8_0 ? (unsigned)((int)(int8_t)src[2 + j] + 128)
+                unsigned code = type == QM__GGML_Q8_0 ? (unsigned)((int)(int8_t)src[2 + j] + 128)
                                 : bits == 8      ? nib(src + 2, j) + 120u
                                                  : nib(src + 2, j);
                 put_code(codes, bits, c0 + j, code);
@@ -304,7 +304,7 @@ void qmg_repack_row(uint32_t type, const uint8_t *src, uint64_t n, unsigned bits
                 put_scale(scales, sdt, c0 / bs + k, d, dh);
             break;
         }
-        case QMG_Q5_0: {
+        case QM__GGML_Q5_0: {
             uint16_t dh = rd16(src);
             uint32_t qh = (uint32_t)src[2] | (uint32_t)src[3] << 8 | (uint32_t)src[4] << 16 |
                           (uint32_t)src[5] << 24;
@@ -314,7 +314,7 @@ void qmg_repack_row(uint32_t type, const uint8_t *src, uint64_t n, unsigned bits
                 put_scale(scales, sdt, c0 / bs + k, qm_f16_to_f32(dh), dh);
             break;
         }
-        case QMG_MXFP4: {
+        case QM__GGML_MXFP4: {
             float d = e8m0_half(src[0]);
             for (unsigned j = 0; j < 32; j++)
                 put_code(codes, bits, c0 + j, (unsigned)(mxfp4_values[nib(src + 1, j)] + 128));
@@ -322,7 +322,7 @@ void qmg_repack_row(uint32_t type, const uint8_t *src, uint64_t n, unsigned bits
                 put_scale(scales, sdt, c0 / bs + k, d, 0);
             break;
         }
-        case QMG_Q6_K: {
+        case QM__GGML_Q6_K: {
             for (unsigned i = 0; i < 256; i++) {
                 unsigned si, q = q6k_code(src, i, &si);
                 put_code(codes, bits, c0 + i, q + 96u);

@@ -20,19 +20,19 @@
 
 #include "qm_bank.h"
 
-/* 1 when qmg_dequant_row knows the type. */
-int qmg_can_dequant(uint32_t type);
+/* 1 when qm__ggml_dequant_row knows the type. */
+int qm__ggml_can_dequant(uint32_t type);
 /* Dequantises one row of n elements (a multiple of the type's block) at src
- * into dst. The caller checked the type with qmg_can_dequant. */
-void qmg_dequant_row(uint32_t type, const uint8_t *src, uint64_t n, float *dst);
+ * into dst. The caller checked the type with qm__ggml_can_dequant. */
+void qm__ggml_dequant_row(uint32_t type, const uint8_t *src, uint64_t n, float *dst);
 
 /* 1 when `type` repacks exactly into codes of `bits` with blocks of `bs` and
  * scales of dtype `sdt`. */
-int qmg_exact_fits(uint32_t type, unsigned bits, unsigned bs, qm_dtype sdt);
+int qm__ggml_exact_fits(uint32_t type, unsigned bits, unsigned bs, qm_dtype sdt);
 /* The repack of one row of n elements: codes packed QMoE-style (column c in
  * byte c/(8/bits), low nibble = even column), n/bs scales of dtype sdt at
- * scales. Only for a (type, bits, bs, sdt) that qmg_exact_fits accepts. */
-void qmg_repack_row(uint32_t type, const uint8_t *src, uint64_t n, unsigned bits, unsigned bs,
+ * scales. Only for a (type, bits, bs, sdt) that qm__ggml_exact_fits accepts. */
+void qm__ggml_repack_row(uint32_t type, const uint8_t *src, uint64_t n, unsigned bits, unsigned bs,
                     qm_dtype sdt, uint8_t *codes, void *scales);
 
 #endif

@@ -15,13 +15,13 @@
 #include "qm_alloc.h"
 
 #define FAIL(st, ...) qm_status_set((st), QM_EINVALID_MODEL, __VA_ARGS__)
-#define QMG_MAX_KEY 65536u /* bytes of a key or tensor name */
+#define MAX_KEY_BYTES 65536u /* bytes of a key or tensor name */
 
 static const struct {
     uint32_t id;
     const char *name;
     uint32_t block, bytes;
-} qmg_types[] = {
+} ggml_types[] = {
     {0, "F32", 1, 4},         {1, "F16", 1, 2},         {2, "Q4_0", 32, 18},
     {3, "Q4_1", 32, 20},      {6, "Q5_0", 32, 22},      {7, "Q5_1", 32, 24},
     {8, "Q8_0", 32, 34},      {9, "Q8_1", 32, 40},      {10, "Q2_K", 256, 84},
@@ -35,23 +35,23 @@ static const struct {
     {35, "TQ2_0", 256, 66},   {39, "MXFP4", 32, 17},
 };
 
-int qmg_type_size(uint32_t type, uint64_t *block, uint64_t *bytes)
+int qm__ggml_type_size(uint32_t type, uint64_t *block, uint64_t *bytes)
 {
-    for (size_t i = 0; i < sizeof qmg_types / sizeof qmg_types[0]; i++)
-        if (qmg_types[i].id == type) {
-            *block = qmg_types[i].block;
-            *bytes = qmg_types[i].bytes;
+    for (size_t i = 0; i < sizeof ggml_types / sizeof ggml_types[0]; i++)
+        if (ggml_types[i].id == type) {
+            *block = ggml_types[i].block;
+            *bytes = ggml_types[i].bytes;
             return 1;
         }
     *block = *bytes = 0;
     return 0;
 }
 
-const char *qmg_type_name(uint32_t type, char *buf, size_t size)
+const char *qm__ggml_type_name(uint32_t type, char *buf, size_t size)
 {
-    for (size_t i = 0; i < sizeof qmg_types / sizeof qmg_types[0]; i++)
-        if (qmg_types[i].id == type)
-            return qmg_types[i].name;
+    for (size_t i = 0; i < sizeof ggml_types / sizeof ggml_types[0]; i++)
+        if (ggml_types[i].id == type)
+            return ggml_types[i].name;
     snprintf(buf, size, "type %u", type);
     return buf;
 }
@@ -120,11 +120,11 @@ static int rd_string(cursor *c, char **out, uint64_t max, const char *what, qm_s
 
 static uint64_t scalar_size(uint32_t type)
 {
-    static const uint8_t sizes[QMG_VALUE_TYPES] = {1, 1, 2, 2, 4, 4, 4, 1, 0, 0, 8, 8, 8};
-    return type < QMG_VALUE_TYPES ? sizes[type] : 0;
+    static const uint8_t sizes[QM__GGUF_VALUE_TYPES] = {1, 1, 2, 2, 4, 4, 4, 1, 0, 0, 8, 8, 8};
+    return type < QM__GGUF_VALUE_TYPES ? sizes[type] : 0;
 }
 
-static int rd_scalar(cursor *c, uint32_t type, qmg_kv *kv)
+static int rd_scalar(cursor *c, uint32_t type, qm__gguf_kv *kv)
 {
     const uint8_t *b;
     uint64_t n = scalar_size(type), u = 0;
@@ -133,26 +133,26 @@ static int rd_scalar(cursor *c, uint32_t type, qmg_kv *kv)
     for (int i = (int)n - 1; i >= 0; i--)
         u = u << 8 | b[i];
     switch (type) {
-    case QMG_I8:
+    case QM__GGUF_I8:
         kv->v.i = (int8_t)u;
         break;
-    case QMG_I16:
+    case QM__GGUF_I16:
         kv->v.i = (int16_t)u;
         break;
-    case QMG_I32:
+    case QM__GGUF_I32:
         kv->v.i = (int32_t)u;
         break;
-    case QMG_I64:
+    case QM__GGUF_I64:
         kv->v.i = (int64_t)u;
         break;
-    case QMG_F32: {
+    case QM__GGUF_F32: {
         uint32_t w = (uint32_t)u;
         float f;
         memcpy(&f, &w, 4);
         kv->v.f = f;
         break;
     }
-    case QMG_F64: {
+    case QM__GGUF_F64: {
         double d;
         memcpy(&d, &u, 8);
         kv->v.f = d;
@@ -164,18 +164,18 @@ static int rd_scalar(cursor *c, uint32_t type, qmg_kv *kv)
     return 0;
 }
 
-static int rd_value(cursor *c, qmg_kv *kv, qm_status *st)
+static int rd_value(cursor *c, qm__gguf_kv *kv, qm_status *st)
 {
     char what[96];
     snprintf(what, sizeof what, "the value of %.64s", kv->key);
-    if (kv->type == QMG_STRING)
+    if (kv->type == QM__GGUF_STRING)
         return rd_string(c, &kv->str, c->size, what, st);
-    if (kv->type == QMG_ARRAY) {
+    if (kv->type == QM__GGUF_ARRAY) {
         if (rd_u32(c, &kv->arr_type) || rd_u64(c, &kv->arr_count))
             return FAIL(st, "GGUF truncated in the array header of %.64s", kv->key);
-        if (kv->arr_type == QMG_ARRAY)
+        if (kv->arr_type == QM__GGUF_ARRAY)
             return FAIL(st, "GGUF key %.64s: nested arrays are not supported", kv->key);
-        if (kv->arr_type == QMG_STRING) {
+        if (kv->arr_type == QM__GGUF_STRING) {
             for (uint64_t i = 0; i < kv->arr_count; i++) {
                 uint64_t n;
                 const uint8_t *b;
@@ -204,7 +204,7 @@ static int rd_value(cursor *c, qmg_kv *kv, qm_status *st)
 
 /* ---- open ------------------------------------------------------------------------ */
 
-static int parse(qmg_file *f, qm_status *st)
+static int parse(qm__gguf_file *f, qm_status *st)
 {
     cursor c = {.p = f->base, .pos = 0, .size = f->size};
     uint32_t magic;
@@ -228,10 +228,10 @@ static int parse(qmg_file *f, qm_status *st)
         return qm_status_set(st, QM_ENOMEM, "out of memory for %llu keys and %llu tensors",
                              (unsigned long long)n_kv, (unsigned long long)n_tensors);
     for (uint64_t i = 0; i < n_kv; i++) {
-        qmg_kv *kv = &f->kv[i];
+        qm__gguf_kv *kv = &f->kv[i];
         char what[48];
         snprintf(what, sizeof what, "metadata key %llu", (unsigned long long)i);
-        if ((rc = rd_string(&c, &kv->key, QMG_MAX_KEY, what, st)))
+        if ((rc = rd_string(&c, &kv->key, MAX_KEY_BYTES, what, st)))
             return rc;
         f->n_kv = i + 1;
         if (rd_u32(&c, &kv->type))
@@ -240,17 +240,17 @@ static int parse(qmg_file *f, qm_status *st)
             return rc;
     }
     f->alignment = 32;
-    const qmg_kv *al = qmg_find_kv(f, "general.alignment");
+    const qm__gguf_kv *al = qm__gguf_find_kv(f, "general.alignment");
     if (al) {
-        if (al->type != QMG_U32 || al->v.u == 0 || (al->v.u & (al->v.u - 1)) != 0)
+        if (al->type != QM__GGUF_U32 || al->v.u == 0 || (al->v.u & (al->v.u - 1)) != 0)
             return FAIL(st, "GGUF key general.alignment must be a u32 power of two");
         f->alignment = al->v.u;
     }
     for (uint64_t i = 0; i < n_tensors; i++) {
-        qmg_tensor *t = &f->tensors[i];
+        qm__gguf_tensor *t = &f->tensors[i];
         char what[48];
         snprintf(what, sizeof what, "the name of tensor %llu", (unsigned long long)i);
-        if ((rc = rd_string(&c, &t->name, QMG_MAX_KEY, what, st)))
+        if ((rc = rd_string(&c, &t->name, MAX_KEY_BYTES, what, st)))
             return rc;
         f->n_tensors = i + 1;
         if (rd_u32(&c, &t->n_dims))
@@ -270,9 +270,9 @@ static int parse(qmg_file *f, qm_status *st)
     if (data_start > f->size)
         data_start = f->size;
     for (size_t i = 0; i < f->n_tensors; i++) {
-        qmg_tensor *t = &f->tensors[i];
+        qm__gguf_tensor *t = &f->tensors[i];
         uint64_t block, bytes;
-        if (!qmg_type_size(t->type, &block, &bytes))
+        if (!qm__ggml_type_size(t->type, &block, &bytes))
             continue; /* an unknown type is an error only where the importer needs it */
         unsigned long long n = 1, rows;
         for (uint32_t d = 1; d < 4; d++)
@@ -300,10 +300,10 @@ static int parse(qmg_file *f, qm_status *st)
     return 0;
 }
 
-int qmg_open(const char *path, qmg_file **out, qm_status *st)
+int qm__gguf_open(const char *path, qm__gguf_file **out, qm_status *st)
 {
     *out = NULL;
-    qmg_file *f = qm_calloc(1, sizeof *f);
+    qm__gguf_file *f = qm_calloc(1, sizeof *f);
     if (!f)
         return qm_status_set(st, QM_ENOMEM, "out of memory opening %.128s", path);
     int fd = open(path, O_RDONLY | O_CLOEXEC);
@@ -332,14 +332,14 @@ int qmg_open(const char *path, qmg_file **out, qm_status *st)
     if (rc == 0)
         rc = parse(f, st);
     if (rc != 0) {
-        qmg_close(f);
+        qm__gguf_close(f);
         return rc;
     }
     *out = f;
     return 0;
 }
 
-void qmg_close(qmg_file *f)
+void qm__gguf_close(qm__gguf_file *f)
 {
     if (!f)
         return;
@@ -356,7 +356,7 @@ void qmg_close(qmg_file *f)
     qm_free(f);
 }
 
-const qmg_kv *qmg_find_kv(const qmg_file *f, const char *key)
+const qm__gguf_kv *qm__gguf_find_kv(const qm__gguf_file *f, const char *key)
 {
     for (size_t i = 0; i < f->n_kv; i++)
         if (strcmp(f->kv[i].key, key) == 0)
@@ -364,7 +364,7 @@ const qmg_kv *qmg_find_kv(const qmg_file *f, const char *key)
     return NULL;
 }
 
-const qmg_tensor *qmg_find_tensor(const qmg_file *f, const char *name)
+const qm__gguf_tensor *qm__gguf_find_tensor(const qm__gguf_file *f, const char *name)
 {
     for (size_t i = 0; i < f->n_tensors; i++)
         if (strcmp(f->tensors[i].name, name) == 0)
@@ -372,23 +372,23 @@ const qmg_tensor *qmg_find_tensor(const qmg_file *f, const char *name)
     return NULL;
 }
 
-int qmg_get_uint(const qmg_file *f, const char *key, uint64_t *out, qm_status *st)
+int qm__gguf_get_uint(const qm__gguf_file *f, const char *key, uint64_t *out, qm_status *st)
 {
-    const qmg_kv *kv = qmg_find_kv(f, key);
+    const qm__gguf_kv *kv = qm__gguf_find_kv(f, key);
     if (!kv)
         return 1;
     switch (kv->type) {
-    case QMG_U8:
-    case QMG_U16:
-    case QMG_U32:
-    case QMG_U64:
-    case QMG_BOOL:
+    case QM__GGUF_U8:
+    case QM__GGUF_U16:
+    case QM__GGUF_U32:
+    case QM__GGUF_U64:
+    case QM__GGUF_BOOL:
         *out = kv->v.u;
         return 0;
-    case QMG_I8:
-    case QMG_I16:
-    case QMG_I32:
-    case QMG_I64:
+    case QM__GGUF_I8:
+    case QM__GGUF_I16:
+    case QM__GGUF_I32:
+    case QM__GGUF_I64:
         if (kv->v.i < 0)
             return FAIL(st, "GGUF key %s = %lld but it must not be negative", key,
                         (long long)kv->v.i);
@@ -399,26 +399,26 @@ int qmg_get_uint(const qmg_file *f, const char *key, uint64_t *out, qm_status *s
     }
 }
 
-int qmg_get_float(const qmg_file *f, const char *key, double *out, qm_status *st)
+int qm__gguf_get_float(const qm__gguf_file *f, const char *key, double *out, qm_status *st)
 {
-    const qmg_kv *kv = qmg_find_kv(f, key);
+    const qm__gguf_kv *kv = qm__gguf_find_kv(f, key);
     if (!kv)
         return 1;
-    if (kv->type == QMG_F32 || kv->type == QMG_F64) {
+    if (kv->type == QM__GGUF_F32 || kv->type == QM__GGUF_F64) {
         *out = kv->v.f;
         return 0;
     }
     uint64_t u;
-    int rc = qmg_get_uint(f, key, &u, st);
+    int rc = qm__gguf_get_uint(f, key, &u, st);
     if (rc == 0)
         *out = (double)u;
     return rc < 0 ? FAIL(st, "GGUF key %s must be a number", key) : rc;
 }
 
-int qmg_get_bool(const qmg_file *f, const char *key, int *out, qm_status *st)
+int qm__gguf_get_bool(const qm__gguf_file *f, const char *key, int *out, qm_status *st)
 {
     uint64_t u;
-    int rc = qmg_get_uint(f, key, &u, st);
+    int rc = qm__gguf_get_uint(f, key, &u, st);
     if (rc != 0)
         return rc < 0 ? FAIL(st, "GGUF key %s must be a bool", key) : rc;
     if (u > 1)

@@ -28,9 +28,9 @@
 #include "qmoe_bank_tool.h"
 
 #define BAD(st, ...) qm_status_set((st), QM_EINVALID_MODEL, __VA_ARGS__)
-#define QMG_PLACEHOLDER "9.999999999e+99" /* max_rel_err, rewritten at the end */
+#define MAX_REL_PLACEHOLDER "9.999999999e+99" /* max_rel_err, rewritten at the end */
 
-void qmb_help_import_gguf(FILE *f)
+void qm__help_import_gguf(FILE *f)
 {
     fputs("usage: qmoe-bank import gguf FILE --out BANK [--requant-bits 4|8] [--resume]\n"
           "                               [--quiet]\n"
@@ -77,8 +77,8 @@ static const qm_bank_tensor PROJ_W[P_COUNT] = {QM_T_FC1_WEIGHT, QM_T_FC3_WEIGHT,
 
 typedef struct moe_layer {
     uint32_t block;
-    const qmg_tensor *w[P_COUNT], *b[P_COUNT]; /* weights, biases (NULL when absent) */
-    const qmg_tensor *router, *router_bias, *corr_bias;
+    const qm__gguf_tensor *w[P_COUNT], *b[P_COUNT]; /* weights, biases (NULL when absent) */
+    const qm__gguf_tensor *router, *router_bias, *corr_bias;
 } moe_layer;
 
 typedef struct plan {
@@ -98,28 +98,28 @@ static int tensor_name(char *buf, size_t size, uint32_t block, const char *what)
     return snprintf(buf, size, "blk.%u.%s", block, what) < (int)size ? 0 : -1;
 }
 
-static const qmg_tensor *find_blk(const qmg_file *f, uint32_t block, const char *what)
+static const qm__gguf_tensor *find_blk(const qm__gguf_file *f, uint32_t block, const char *what)
 {
     char name[96];
     tensor_name(name, sizeof name, block, what);
-    return qmg_find_tensor(f, name);
+    return qm__gguf_find_tensor(f, name);
 }
 
-static int need_type(const qmg_tensor *t, qm_status *st)
+static int need_type(const qm__gguf_tensor *t, qm_status *st)
 {
     char tb[16];
     uint64_t bl, by;
-    if (!qmg_type_size(t->type, &bl, &by))
+    if (!qm__ggml_type_size(t->type, &bl, &by))
         return BAD(st, "%s: unknown quant type %u (not a ggml type this importer knows)",
                    t->name, t->type);
-    if (!qmg_can_dequant(t->type))
+    if (!qm__ggml_can_dequant(t->type))
         return BAD(st, "%s: quant type %s is not supported (supported: F32, F16, BF16, Q4_0, "
                        "Q4_1, Q5_0, Q5_1, Q8_0, MXFP4, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K)",
-                   t->name, qmg_type_name(t->type, tb, sizeof tb));
+                   t->name, qm__ggml_type_name(t->type, tb, sizeof tb));
     return 0;
 }
 
-static int need_shape(const qmg_tensor *t, uint32_t nd, uint64_t d0, uint64_t d1, uint64_t d2,
+static int need_shape(const qm__gguf_tensor *t, uint32_t nd, uint64_t d0, uint64_t d1, uint64_t d2,
                       const char *why, qm_status *st)
 {
     uint64_t want[3] = {d0, d1, d2};
@@ -141,10 +141,10 @@ static int need_shape(const qmg_tensor *t, uint32_t nd, uint64_t d0, uint64_t d1
 
 /* A required key in [1, max]: 0, or fails with "GGUF key KEY is missing"
  * (or "out of range") followed by `why`. */
-static int required_uint(const qmg_file *f, const char *key, uint64_t max, const char *why,
+static int required_uint(const qm__gguf_file *f, const char *key, uint64_t max, const char *why,
                          uint64_t *out, qm_status *st)
 {
-    int rc = qmg_get_uint(f, key, out, st);
+    int rc = qm__gguf_get_uint(f, key, out, st);
     if (rc < 0)
         return rc;
     if (rc == 1 || *out == 0 || *out > max)
@@ -152,12 +152,12 @@ static int required_uint(const qmg_file *f, const char *key, uint64_t max, const
     return 0;
 }
 
-static int read_plan(const qmg_file *f, plan *pl, unsigned requant_bits, qm_status *st)
+static int read_plan(const qm__gguf_file *f, plan *pl, unsigned requant_bits, qm_status *st)
 {
     char key[128];
     int rc;
-    const qmg_kv *ak = qmg_find_kv(f, "general.architecture");
-    if (!ak || ak->type != QMG_STRING)
+    const qm__gguf_kv *ak = qm__gguf_find_kv(f, "general.architecture");
+    if (!ak || ak->type != QM__GGUF_STRING)
         return BAD(st, "GGUF key general.architecture is missing (or not a string)");
     pl->arch = ak->str;
     for (size_t i = 0; i < sizeof ARCHS / sizeof ARCHS[0]; i++)
@@ -179,7 +179,7 @@ static int read_plan(const qmg_file *f, plan *pl, unsigned requant_bits, qm_stat
     if ((rc = required_uint(f, KEY("expert_used_count"), E, k_range, &k, st)) ||
         (rc = required_uint(f, KEY("block_count"), 65536, " (1..65536 blocks)", &blocks, st)))
         return rc;
-    if ((rc = qmg_get_uint(f, KEY("leading_dense_block_count"), &dense, st)) < 0)
+    if ((rc = qm__gguf_get_uint(f, KEY("leading_dense_block_count"), &dense, st)) < 0)
         return rc;
     if (dense > blocks)
         return BAD(st, "GGUF key %s = %llu exceeds %s.block_count = %llu", key,
@@ -198,7 +198,7 @@ static int read_plan(const qmg_file *f, plan *pl, unsigned requant_bits, qm_stat
     if (!pl->layers)
         return qm_status_set(st, QM_ENOMEM, "out of memory");
     for (uint32_t b = 0; b < blocks; b++) {
-        const qmg_tensor *gate = find_blk(f, b, "ffn_gate_exps.weight");
+        const qm__gguf_tensor *gate = find_blk(f, b, "ffn_gate_exps.weight");
         if (find_blk(f, b, "ffn_gate_up_exps.weight"))
             return BAD(st, "blk.%u.ffn_gate_up_exps.weight: fused gate+up experts are not "
                            "supported (expected ffn_gate_exps and ffn_up_exps)", b);
@@ -242,12 +242,12 @@ static int read_plan(const qmg_file *f, plan *pl, unsigned requant_bits, qm_stat
         return BAD(st, "GGUF key %s.expert_count = %llu contradicts %s, which holds %llu experts "
                        "(ne[2])", pl->arch, (unsigned long long)E, L0->w[P_GATE]->name,
                    (unsigned long long)L0->w[P_GATE]->ne[2]);
-    if ((rc = qmg_get_uint(f, KEY("embedding_length"), &v, st)) < 0)
+    if ((rc = qm__gguf_get_uint(f, KEY("embedding_length"), &v, st)) < 0)
         return rc;
     if (rc == 0 && v != pl->H)
         return BAD(st, "GGUF key %s = %llu contradicts %s (ne[0] = %u)", key,
                    (unsigned long long)v, L0->w[P_GATE]->name, pl->H);
-    if ((rc = qmg_get_uint(f, KEY("expert_feed_forward_length"), &v, st)) < 0)
+    if ((rc = qm__gguf_get_uint(f, KEY("expert_feed_forward_length"), &v, st)) < 0)
         return rc;
     if (rc == 0 && v != pl->I)
         return BAD(st, "GGUF key %s = %llu contradicts %s (ne[1] = %u)", key,
@@ -266,7 +266,7 @@ static int read_plan(const qmg_file *f, plan *pl, unsigned requant_bits, qm_stat
             (rc = need_shape(L->router, 2, pl->H, E, 0, "[hidden, experts]", st)) ||
             (rc = need_type(L->router, st)))
             return rc;
-        const qmg_tensor *vec[2] = {L->router_bias, L->corr_bias};
+        const qm__gguf_tensor *vec[2] = {L->router_bias, L->corr_bias};
         for (int i = 0; i < 2; i++)
             if (vec[i] && ((rc = need_shape(vec[i], 1, E, 0, 0, "[experts]", st)) ||
                            (rc = need_type(vec[i], st))))
@@ -287,11 +287,11 @@ static int read_plan(const qmg_file *f, plan *pl, unsigned requant_bits, qm_stat
     uint64_t gating = 1, gcount = 1, gused = 0;
     int norm = pl->ai->norm_default;
     double scale = 1.0;
-    if ((rc = qmg_get_uint(f, KEY("expert_gating_func"), &gating, st)) < 0 ||
-        (rc = qmg_get_bool(f, KEY("expert_weights_norm"), &norm, st)) < 0 ||
-        (rc = qmg_get_float(f, KEY("expert_weights_scale"), &scale, st)) < 0 ||
-        (rc = qmg_get_uint(f, KEY("expert_group_count"), &gcount, st)) < 0 ||
-        (rc = qmg_get_uint(f, KEY("expert_group_used_count"), &gused, st)) < 0)
+    if ((rc = qm__gguf_get_uint(f, KEY("expert_gating_func"), &gating, st)) < 0 ||
+        (rc = qm__gguf_get_bool(f, KEY("expert_weights_norm"), &norm, st)) < 0 ||
+        (rc = qm__gguf_get_float(f, KEY("expert_weights_scale"), &scale, st)) < 0 ||
+        (rc = qm__gguf_get_uint(f, KEY("expert_group_count"), &gcount, st)) < 0 ||
+        (rc = qm__gguf_get_uint(f, KEY("expert_group_used_count"), &gused, st)) < 0)
         return rc;
     if (gating == 0)
         gating = 1;
@@ -333,9 +333,9 @@ static int read_plan(const qmg_file *f, plan *pl, unsigned requant_bits, qm_stat
     for (uint32_t l = 0; l < pl->n_layers; l++)
         for (int p = 0; p < P_COUNT; p++) {
             uint32_t t = pl->layers[l].w[p]->type;
-            only_q40 &= t == QMG_Q4_0;
-            any_q6k |= t == QMG_Q6_K;
-            any_requant |= !qmg_exact_fits(t, 8, 16, QM_DTYPE_F32);
+            only_q40 &= t == QM__GGML_Q4_0;
+            any_q6k |= t == QM__GGML_Q6_K;
+            any_requant |= !qm__ggml_exact_fits(t, 8, 16, QM_DTYPE_F32);
         }
     if (only_q40) {
         pl->bits = 4;
@@ -359,15 +359,15 @@ static int read_plan(const qmg_file *f, plan *pl, unsigned requant_bits, qm_stat
  * is an f16), f32 otherwise. */
 static qm_dtype scale_dtype(const plan *pl, uint32_t type)
 {
-    if ((type == QMG_Q4_0 || type == QMG_Q8_0 || type == QMG_Q5_0) &&
-        qmg_exact_fits(type, pl->bits, pl->bs, QM_DTYPE_F16))
+    if ((type == QM__GGML_Q4_0 || type == QM__GGML_Q8_0 || type == QM__GGML_Q5_0) &&
+        qm__ggml_exact_fits(type, pl->bits, pl->bs, QM_DTYPE_F16))
         return QM_DTYPE_F16;
     return QM_DTYPE_F32;
 }
 
 static int exact_path(const plan *pl, uint32_t type)
 {
-    return qmg_exact_fits(type, pl->bits, pl->bs, scale_dtype(pl, type));
+    return qm__ggml_exact_fits(type, pl->bits, pl->bs, scale_dtype(pl, type));
 }
 
 typedef struct type_stats {
@@ -398,7 +398,7 @@ static type_stats *stats_for(job *j, uint32_t type, int exact, qm_dtype sdt)
 
 /* One stacked expert tensor [E, N, K] of bank layer l into codes [E, N, K/pack]
  * (tensor tw) and scales (tw + 1). */
-static int write_experts(job *j, const plan *pl, uint32_t l, const qmg_tensor *src, int tw,
+static int write_experts(job *j, const plan *pl, uint32_t l, const qm__gguf_tensor *src, int tw,
                          qm_status *st)
 {
     uint32_t E = pl->E, N = (uint32_t)src->ne[1], K = (uint32_t)src->ne[0];
@@ -428,10 +428,10 @@ static int write_experts(job *j, const plan *pl, uint32_t l, const qmg_tensor *s
             uint8_t *out = codes + r * code_row;
             void *sc = scales + r * nblk * ssz;
             if (exact) {
-                qmg_repack_row(src->type, in, K, pl->bits, pl->bs, sdt, out, sc);
+                qm__ggml_repack_row(src->type, in, K, pl->bits, pl->bs, sdt, out, sc);
                 continue;
             }
-            qmg_dequant_row(src->type, in, K, row);
+            qm__ggml_dequant_row(src->type, in, K, row);
             if (qm_quant_row(&q, row, K, out, rs, 0, NULL, &err) != 0) {
                 rc = BAD(st, "%s: holds a NaN or infinity", src->name);
                 goto done;
@@ -456,7 +456,7 @@ done:
 
 /* A float tensor (router, biases) widened to f32 as is: exact for F32, F16
  * and BF16, the ggml value for a quantised router. */
-static int write_f32(job *j, uint32_t l, const qmg_tensor *src, int t, qm_status *st)
+static int write_f32(job *j, uint32_t l, const qm__gguf_tensor *src, int t, qm_status *st)
 {
     uint64_t bytes = qm_bank_writer_tensor_bytes(j->w, l, t), n = bytes / 4, K = src->ne[0];
     float *buf = qm_malloc((size_t)bytes);
@@ -464,7 +464,7 @@ static int write_f32(job *j, uint32_t l, const qmg_tensor *src, int t, qm_status
         return qm_status_set(st, QM_ENOMEM, "out of memory converting %s", src->name);
     uint64_t row_bytes = src->nbytes / (n / K);
     for (uint64_t r = 0; r < n / K; r++)
-        qmg_dequant_row(src->type, src->data + r * row_bytes, K, buf + r * K);
+        qm__ggml_dequant_row(src->type, src->data + r * row_bytes, K, buf + r * K);
     int rc = qm_bank_writer_put(j->w, l, t, 0, buf, bytes, st);
     qm_free(buf);
     return rc;
@@ -562,7 +562,7 @@ static int build_and_write(job *j, const plan *pl, int resume, int quiet, uint32
     for (uint32_t l = 0; l < pl->n_layers; l++)
         for (int p = 0; p < P_COUNT; p++)
             exact_all &= exact_path(pl, pl->layers[l].w[p]->type);
-    if (source_json(j, pl, exact_all, QMG_PLACEHOLDER, source, sizeof source) != 0) {
+    if (source_json(j, pl, exact_all, MAX_REL_PLACEHOLDER, source, sizeof source) != 0) {
         rc = BAD(st, "the file name is too long for qmoe.source");
         goto done;
     }
@@ -643,7 +643,7 @@ static int build_and_write(job *j, const plan *pl, int resume, int quiet, uint32
     }
     char val[32];
     snprintf(val, sizeof val, "%.9e", j->max_rel);
-    if (!exact_all && (strlen(val) != strlen(QMG_PLACEHOLDER) ||
+    if (!exact_all && (strlen(val) != strlen(MAX_REL_PLACEHOLDER) ||
                        source_json(j, pl, exact_all, val, source, sizeof source) != 0)) {
         rc = qm_status_set(st, QM_EINTERNAL, "cannot record max_rel_err %s", val);
         goto done;
@@ -656,7 +656,7 @@ done:
 
 /* ---- the command -------------------------------------------------------------------- */
 
-int qmb_import_gguf(int argc, char **argv)
+int qm__cmd_import_gguf(int argc, char **argv)
 {
     static const struct option longopts[] = {{"out", required_argument, 0, 'o'},
                                              {"requant-bits", required_argument, 0, 'b'},
@@ -673,37 +673,37 @@ int qmb_import_gguf(int argc, char **argv)
         if (c == 'o') {
             out = optarg;
         } else if (c == 'b') {
-            if (qmb_parse_u32(optarg, 8, &requant_bits) != 0 ||
+            if (qm__parse_u32(optarg, 8, &requant_bits) != 0 ||
                 (requant_bits != 4 && requant_bits != 8)) {
                 fprintf(stderr, "qmoe-bank import gguf: --requant-bits takes 4 or 8, not "
                                 "\"%.32s\"\n", optarg);
-                return QMB_USAGE;
+                return QM__EXIT_USAGE;
             }
         } else if (c == 'r') {
             resume = 1;
         } else if (c == 'q') {
             quiet = 1;
         } else if (c == 'h') {
-            qmb_help_import_gguf(stdout);
-            return QMB_OK;
+            qm__help_import_gguf(stdout);
+            return QM__EXIT_OK;
         } else {
             fprintf(stderr, "qmoe-bank import gguf: unknown option \"%.64s\" (see --help)\n",
                     argv[optind - 1]);
-            return QMB_USAGE;
+            return QM__EXIT_USAGE;
         }
     }
     if (optind != argc - 1 || !out) {
         fprintf(stderr, "qmoe-bank import gguf: expected FILE and --out BANK (see --help)\n");
-        return QMB_USAGE;
+        return QM__EXIT_USAGE;
     }
     job j = {.in_path = argv[optind], .out_path = out};
     plan pl = {0};
-    qmg_file *f = NULL;
+    qm__gguf_file *f = NULL;
     qm_status st;
     qm_status_clear(&st);
-    int rc = 0, ret = QMB_OK, keep = 0;
+    int rc = 0, ret = QM__EXIT_OK, keep = 0;
     uint32_t first = 0;
-    if ((rc = qmg_open(j.in_path, &f, &st)) != 0 ||
+    if ((rc = qm__gguf_open(j.in_path, &f, &st)) != 0 ||
         (rc = read_plan(f, &pl, requant_bits, &st)) != 0 ||
         (rc = build_and_write(&j, &pl, resume, quiet, &first, &st)) != 0)
         goto fail;
@@ -720,7 +720,7 @@ int qmb_import_gguf(int argc, char **argv)
             const type_stats *s = &j.ts[i];
             char tb[16];
             printf("  %-6s %3u tensors: %s -> int%u block %u, %s scales",
-                   qmg_type_name(s->type, tb, sizeof tb), s->count,
+                   qm__ggml_type_name(s->type, tb, sizeof tb), s->count,
                    s->exact ? "exact repack" : "requantised", pl.bits, pl.bs,
                    qm_dtype_name(s->sdt));
             if (!s->exact)
@@ -746,16 +746,16 @@ fail:
     for (char *p = st.msg; *p; p++)
         if ((unsigned char)*p < 0x20 || (unsigned char)*p >= 0x7f)
             *p = '?';
-    ret = rc == QM_EIO || rc == QM_ENOMEM || rc == QM_EINTERNAL ? QMB_FAIL : QMB_USAGE;
+    ret = rc == QM_EIO || rc == QM_ENOMEM || rc == QM_EINTERNAL ? QM__EXIT_FAIL : QM__EXIT_USAGE;
     /* A layer recorded done is worth a --resume (bad input would stop a
      * resume at the same bytes); before that nothing is kept. */
-    keep = j.w && qm_bank_writer_layers_done(j.w) > 0 && ret == QMB_FAIL;
+    keep = j.w && qm_bank_writer_layers_done(j.w) > 0 && ret == QM__EXIT_FAIL;
     fprintf(stderr, "qmoe-bank import gguf: %s: %s%s\n", j.in_path,
             st.msg[0] ? st.msg : qm_strerror(rc),
             keep ? " (the partial file is kept: rerun with --resume)" : "");
 done:
     qm_bank_writer_free(j.w, keep);
     qm_free(pl.layers);
-    qmg_close(f);
+    qm__gguf_close(f);
     return ret;
 }

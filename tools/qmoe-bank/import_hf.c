@@ -4,7 +4,7 @@
  * Every shape is known from config.json, so the whole checkpoint is checked
  * (names, dtypes, shapes, layer and expert counts) before a byte is written;
  * then the bank header goes out first and the layers are streamed one at a
- * time from the mapped shards (import_common.h). Float sources are
+ * time from the mapped shards (import_elements.h). Float sources are
  * requantised by round to nearest; GPT-OSS's MXFP4 maps onto int8 block 32
  * bit for bit. Tensor names and layouts per family: docs/IMPORT.md. */
 #include <getopt.h>
@@ -18,7 +18,7 @@
 #include "qm_alloc.h"
 #include "qmoe_bank_tool.h"
 
-void qmb_help_import_hf(FILE *f)
+void qm__help_import_hf(FILE *f)
 {
     fputs("usage: qmoe-bank import hf DIR --out FILE [--bits 4|8] [--block-size N]\n"
           "                         [--scales f32|f16|bf16] [--resume] [--quiet]\n"
@@ -49,18 +49,18 @@ void qmb_help_import_hf(FILE *f)
 /* Bad input: exit 2. Anything else (I/O, memory): exit 1. */
 static int exit_for(int rc)
 {
-    return rc == QM_EIO || rc == QM_ENOMEM || rc == QM_EINTERNAL ? QMB_FAIL : QMB_USAGE;
+    return rc == QM_EIO || rc == QM_ENOMEM || rc == QM_EINTERNAL ? QM__EXIT_FAIL : QM__EXIT_USAGE;
 }
 
 /* ---- metadata and the report --------------------------------------------- */
 
-static int source_prefix(hf_import *im, char *buf, size_t n)
+static int source_prefix(qm__hf_import *im, char *buf, size_t n)
 {
     size_t at = (size_t)snprintf(buf, n, "{\"format\":\"hf\",\"family\":\"%s\",\"files\":[",
                                  im->fam->model_type);
-    uint32_t ns = qmi_hf_shard_count(im->ck);
+    uint32_t ns = qm__hf_shard_count(im->ck);
     for (uint32_t i = 0; i < ns; i++) {
-        const char *s = qmi_hf_shard_name(im->ck, i);
+        const char *s = qm__hf_shard_name(im->ck, i);
         if (at + strlen(s) * 6 + 64 > n - 200) {
             at += (size_t)snprintf(buf + at, n - at, "%s\"... %u more\"", i ? "," : "", ns - i);
             break;
@@ -88,10 +88,10 @@ static void source_value(const char *prefix, int exact, double err, char *buf, s
              err);
 }
 
-static void report_left_out(hf_import *im)
+static void report_left_out(qm__hf_import *im)
 {
     size_t n = 0;
-    const qmi_hf_tensor *all = qmi_hf_tensors(im->ck, &n);
+    const qm__hf_tensor *all = qm__hf_tensors(im->ck, &n);
     size_t shared = 0, dense = 0, mtp = 0, other = 0;
     uint64_t shared_b = 0, dense_b = 0, mtp_b = 0;
     for (size_t i = 0; i < n; i++) {
@@ -129,7 +129,7 @@ static void report_left_out(hf_import *im)
 
 /* ---- the command ----------------------------------------------------------- */
 
-static void import_free(hf_import *im)
+static void import_free(qm__hf_import *im)
 {
     qm_free(im->layer_map);
     qm_free(im->expert_src);
@@ -138,16 +138,16 @@ static void import_free(hf_import *im)
     qm_free(im->router_b);
     qm_free(im->corr);
     qm_free(im->layer_bytes);
-    qmi_hf_close(im->ck);
+    qm__hf_close(im->ck);
 }
 
-static int run_import(hf_import *im)
+static int run_import(qm__hf_import *im)
 {
     qm_status st;
     qm_status_clear(&st);
     qm_bank_writer *w = NULL;
     qm_bank_plan_tensor *plan = NULL;
-    buffers b = {0};
+    qm__hf_buffers b = {0};
     int rc, keep_partial = 1;
     /* src: qmoe.source's prefix; source_prefix lists shard names while they
      * leave 200 bytes of this room, so the value stays under the loader's
@@ -155,8 +155,8 @@ static int run_import(hf_import *im)
     char src[4288], groups[16], topk_groups[16], scale[32], norm[4];
     char *layer_map_s = NULL;
 
-    if ((rc = qmi_hf_open(im->o.dir, &im->ck, &st)) != 0 ||
-        (rc = qmi__hf_read_config(im, &st)) != 0)
+    if ((rc = qm__hf_open(im->o.dir, &im->ck, &st)) != 0 ||
+        (rc = qm__hf_read_config(im, &st)) != 0)
         goto fail_input;
     if (!im->o.bits_set) im->o.bits = im->mxfp4 ? 8 : 4;
     im->mxfp4_exact =
@@ -167,7 +167,7 @@ static int run_import(hf_import *im)
                            im->H, im->fam->inter_key, im->I);
         goto fail_input;
     }
-    if ((rc = qmi__hf_resolve(im, &st)) != 0) goto fail_input;
+    if ((rc = qm__hf_resolve(im, &st)) != 0) goto fail_input;
 
     /* Metadata. */
     size_t lm_cap = (size_t)im->n_moe * 8 + 4;
@@ -286,8 +286,8 @@ static int run_import(hf_import *im)
         goto fail;
     }
     for (uint32_t li = first; li < im->n_moe; li++) {
-        rc = qmi__hf_convert_layer(im, w, li, &b, &max_err, &st);
-        qmi_hf_release(im->ck);
+        rc = qm__hf_convert_layer(im, w, li, &b, &max_err, &st);
+        qm__hf_release(im->ck);
         if (rc) {
             if (rc == QM_EINVALID_MODEL)
                 keep_partial = 0; /* a resume would stop at the same bytes */
@@ -306,7 +306,7 @@ static int run_import(hf_import *im)
                "relative error %.3g)\n",
                im->o.out, im->n_moe, layer_map_s, im->E, (unsigned long long)bytes,
                exact ? "exact" : "requantised", max_err);
-    rc = QMB_OK;
+    rc = QM__EXIT_OK;
     goto done;
 fail_input:
     fprintf(stderr, "qmoe-bank import hf: %s: %s\n", im->o.dir, st.msg);
@@ -333,10 +333,10 @@ done:
 
 static int usage(const char *what)
 {
-    return qmb_usage("import", what);
+    return qm__usage("import", what);
 }
 
-int qmb_import_hf(int argc, char **argv)
+int qm__cmd_import_hf(int argc, char **argv)
 {
     enum { O_OUT = 256, O_BITS, O_BS, O_SCALES, O_RESUME, O_QUIET, O_HELP };
     static const struct option longopts[] = {
@@ -344,7 +344,7 @@ int qmb_import_hf(int argc, char **argv)
         {"block-size", required_argument, 0, O_BS}, {"scales", required_argument, 0, O_SCALES},
         {"resume", no_argument, 0, O_RESUME},       {"quiet", no_argument, 0, O_QUIET},
         {"help", no_argument, 0, O_HELP},           {0, 0, 0, 0}};
-    hf_import im = {.o = {.bits = 4, .block_size = 32, .scale_dtype = QM_DTYPE_F32}};
+    qm__hf_import im = {.o = {.bits = 4, .block_size = 32, .scale_dtype = QM_DTYPE_F32}};
     optind = 1;
     opterr = 0;
     int c;
@@ -355,12 +355,12 @@ int qmb_import_hf(int argc, char **argv)
             im.o.out = optarg;
             break;
         case O_BITS:
-            if (qmb_parse_u32(optarg, 8, &im.o.bits) != 0 || (im.o.bits != 4 && im.o.bits != 8))
+            if (qm__parse_u32(optarg, 8, &im.o.bits) != 0 || (im.o.bits != 4 && im.o.bits != 8))
                 return usage("--bits must be 4 or 8");
             im.o.bits_set = 1;
             break;
         case O_BS:
-            if (qmb_parse_u32(optarg, 1u << 20, &im.o.block_size) != 0 ||
+            if (qm__parse_u32(optarg, 1u << 20, &im.o.block_size) != 0 ||
                 (im.o.block_size &&
                  (im.o.block_size < 16 || (im.o.block_size & (im.o.block_size - 1)))))
                 return usage("--block-size must be 0 or a power of two >= 16");
@@ -382,8 +382,8 @@ int qmb_import_hf(int argc, char **argv)
             im.o.quiet = 1;
             break;
         case O_HELP:
-            qmb_help_import_hf(stdout);
-            return QMB_OK;
+            qm__help_import_hf(stdout);
+            return QM__EXIT_OK;
         default:
             snprintf(msg, sizeof msg, "unknown or incomplete option \"%.64s\"", argv[optind - 1]);
             return usage(msg);

@@ -11,21 +11,21 @@
 
 /* ---- converting one layer ------------------------------------------------ */
 
-static int not_finite(hf_import *im, const qmi_hf_tensor *t, qm_status *st)
+static int not_finite(qm__hf_import *im, const qm__hf_tensor *t, qm_status *st)
 {
     return qm_status_set(st, QM_EINVALID_MODEL, "%.80s: tensor %.120s holds a NaN or infinity",
-                         qmi_hf_shard_name(im->ck, t->shard), t->name);
+                         qm__hf_shard_name(im->ck, t->shard), t->name);
 }
 
 /* Row r of a per-expert source matrix [N, K] as f32 (FP8 times its block scale). */
-static void load_row(hf_import *im, const qmi_hf_tensor *w, const qmi_hf_tensor *sinv, uint64_t r,
+static void load_row(qm__hf_import *im, const qm__hf_tensor *w, const qm__hf_tensor *sinv, uint64_t r,
                      uint64_t K, float *dst)
 {
-    qmi_load_row(w->data + r * K * qmi_elem_size(w->elem), w->elem, K, dst);
+    qm__elem_load_row(w->data + r * K * qm__elem_size(w->elem), w->elem, K, dst);
     if (sinv) {
         uint64_t nbk = sinv->shape[1];
         for (uint64_t c = 0; c < K; c++)
-            dst[c] *= qmi_load(sinv->data, sinv->elem, (r / im->fp8_bn) * nbk + c / im->fp8_bk);
+            dst[c] *= qm__elem_load(sinv->data, sinv->elem, (r / im->fp8_bn) * nbk + c / im->fp8_bk);
     }
 }
 
@@ -61,7 +61,7 @@ static void mxfp4_row_exact(const uint8_t *blocks, const uint8_t *scales, uint64
         scale_out[b] = ldexpf(1.0f, (int)scales[b] - 128);
 }
 
-int qmi__hf_convert_layer(hf_import *im, qm_bank_writer *w, uint32_t li, buffers *b, double *max_err,
+int qm__hf_convert_layer(qm__hf_import *im, qm_bank_writer *w, uint32_t li, qm__hf_buffers *b, double *max_err,
                           qm_status *st)
 {
     uint32_t E = im->E, H = im->H, I = im->I, bits = im->o.bits;
@@ -74,51 +74,51 @@ int qmi__hf_convert_layer(hf_import *im, qm_bank_writer *w, uint32_t li, buffers
     uint64_t fc2_s = qm_bank_writer_slice_bytes(w, li, QM_T_FC2_SCALES);
     int rc;
     /* Router (+ bias, correction bias) as f32. */
-    const qmi_hf_tensor *rt[3] = {im->router_w[li], im->router_b[li], im->corr[li]};
+    const qm__hf_tensor *rt[3] = {im->router_w[li], im->router_b[li], im->corr[li]};
     const int rdst[3] = {QM_T_ROUTER_WEIGHT, QM_T_ROUTER_BIAS, QM_T_ROUTER_CORRECTION_BIAS};
     for (int i = 0; i < 3; i++) {
         if (!rt[i]) continue;
-        uint64_t n = rt[i]->nbytes / qmi_elem_size(rt[i]->elem);
+        uint64_t n = rt[i]->nbytes / qm__elem_size(rt[i]->elem);
         for (uint64_t off = 0; off < n; off += H) {
             uint64_t m = n - off < H ? n - off : H;
-            qmi_load_row(rt[i]->data + off * qmi_elem_size(rt[i]->elem), rt[i]->elem, m, b->row);
+            qm__elem_load_row(rt[i]->data + off * qm__elem_size(rt[i]->elem), rt[i]->elem, m, b->row);
             if (!qm_quant_finite(b->row, m)) return not_finite(im, rt[i], st);
             if ((rc = qm_bank_writer_put(w, li, rdst[i], off * 4, b->row, m * 4, st)) != 0) return rc;
         }
     }
-    const qmi_hf_tensor **lsrc = im->layer_src ? &im->layer_src[(size_t)li * G_COUNT] : NULL;
+    const qm__hf_tensor **lsrc = im->layer_src ? &im->layer_src[(size_t)li * QM__HF_FUSED_COUNT] : NULL;
     if (lsrc) {
-        for (int g = 0; g < G_COUNT; g++)
-            if (lsrc[g]) qmi_hf_prefetch(im->ck, lsrc[g]);
+        for (int g = 0; g < QM__HF_FUSED_COUNT; g++)
+            if (lsrc[g]) qm__hf_prefetch(im->ck, lsrc[g]);
     }
     for (uint32_t e = 0; e < E; e++) {
         qm_quant_error err_gate = QM_QUANT_ERROR_INIT, err_up = QM_QUANT_ERROR_INIT,
                        err_down = QM_QUANT_ERROR_INIT;
         if (!lsrc) {
-            const qmi_hf_tensor **src = &im->expert_src[((size_t)li * E + e) * S_PER_EXPERT];
+            const qm__hf_tensor **src = &im->expert_src[((size_t)li * E + e) * QM__HF_PER_EXPERT];
             if (e + 1 < E)
-                for (int p = 0; p < S_PER_EXPERT; p++)
-                    if (src[S_PER_EXPERT + p]) qmi_hf_prefetch(im->ck, src[S_PER_EXPERT + p]);
+                for (int p = 0; p < QM__HF_PER_EXPERT; p++)
+                    if (src[QM__HF_PER_EXPERT + p]) qm__hf_prefetch(im->ck, src[QM__HF_PER_EXPERT + p]);
             /* fc1 rows interleave gate and up (swiglu_fusion 1). */
             for (uint64_t r = 0; r < 2ull * I; r++) {
                 int up = (int)(r & 1);
-                const qmi_hf_tensor *t = src[up ? S_UP : S_GATE];
-                load_row(im, t, src[up ? S_UP_SINV : S_GATE_SINV], r / 2, H, b->row);
+                const qm__hf_tensor *t = src[up ? QM__HF_UP : QM__HF_GATE];
+                load_row(im, t, src[up ? QM__HF_UP_SINV : QM__HF_GATE_SINV], r / 2, H, b->row);
                 if (qm_quant_row(&q, b->row, H, b->packed[0] + r * (H / pack), b->scales[0],
                                  r * nblk_h, NULL, up ? &err_up : &err_gate) != 0)
                     return not_finite(im, t, st);
             }
             for (uint64_t r = 0; r < H; r++) {
-                load_row(im, src[S_DOWN], src[S_DOWN_SINV], r, I, b->row);
+                load_row(im, src[QM__HF_DOWN], src[QM__HF_DOWN_SINV], r, I, b->row);
                 if (qm_quant_row(&q, b->row, I, b->packed[1] + r * (I / pack), b->scales[1],
                                  r * nblk_i, NULL, &err_down) != 0)
-                    return not_finite(im, src[S_DOWN], st);
+                    return not_finite(im, src[QM__HF_DOWN], st);
             }
         } else if (im->mxfp4) {
-            const qmi_hf_tensor *gb = lsrc[G_GATE_UP], *gs = lsrc[G_GATE_UP_SCALES];
-            const qmi_hf_tensor *db = lsrc[G_DOWN], *ds = lsrc[G_DOWN_SCALES];
+            const qm__hf_tensor *gb = lsrc[QM__HF_FUSED_GATE_UP], *gs = lsrc[QM__HF_FUSED_GATE_UP_SCALES];
+            const qm__hf_tensor *db = lsrc[QM__HF_FUSED_DOWN], *ds = lsrc[QM__HF_FUSED_DOWN_SCALES];
             for (int p = 0; p < 2; p++) {
-                const qmi_hf_tensor *bt = p ? db : gb, *stt = p ? ds : gs;
+                const qm__hf_tensor *bt = p ? db : gb, *stt = p ? ds : gs;
                 uint64_t N = p ? H : 2ull * I, K = p ? I : H, nb = p ? nblk_i : nblk_h;
                 for (uint64_t r = 0; r < N; r++) {
                     const uint8_t *blk = bt->data + ((uint64_t)e * N + r) * (K / 2);
@@ -140,12 +140,12 @@ int qmi__hf_convert_layer(hf_import *im, qm_bank_writer *w, uint32_t li, buffers
             /* GPT-OSS bf16: gate_up_proj [E, H, 2I] and down_proj [E, I, H] are
              * input-major; transpose each expert's matrix once. */
             for (int p = 0; p < 2; p++) {
-                const qmi_hf_tensor *t = lsrc[p ? G_DOWN : G_GATE_UP];
+                const qm__hf_tensor *t = lsrc[p ? QM__HF_FUSED_DOWN : QM__HF_FUSED_GATE_UP];
                 uint64_t N = p ? H : 2ull * I, K = p ? I : H, nb = p ? nblk_i : nblk_h;
-                size_t es = qmi_elem_size(t->elem);
+                size_t es = qm__elem_size(t->elem);
                 const uint8_t *base = t->data + (uint64_t)e * N * K * es;
                 for (uint64_t kk = 0; kk < K; kk++) {
-                    qmi_load_row(base + kk * N * es, t->elem, N, b->row);
+                    qm__elem_load_row(base + kk * N * es, t->elem, N, b->row);
                     for (uint64_t n = 0; n < N; n++)
                         b->mat[n * K + kk] = b->row[n];
                 }
@@ -162,9 +162,9 @@ int qmi__hf_convert_layer(hf_import *im, qm_bank_writer *w, uint32_t li, buffers
             return rc;
         if (lsrc) {
             for (int p = 0; p < 2; p++) {
-                const qmi_hf_tensor *t = lsrc[p ? G_DOWN_BIAS : G_GATE_UP_BIAS];
+                const qm__hf_tensor *t = lsrc[p ? QM__HF_FUSED_DOWN_BIAS : QM__HF_FUSED_GATE_UP_BIAS];
                 uint64_t N = p ? H : 2ull * I;
-                qmi_load_row(t->data + (uint64_t)e * N * qmi_elem_size(t->elem), t->elem, N,
+                qm__elem_load_row(t->data + (uint64_t)e * N * qm__elem_size(t->elem), t->elem, N,
                              b->bias);
                 if (!qm_quant_finite(b->bias, N)) return not_finite(im, t, st);
                 if ((rc = qm_bank_writer_put(w, li, p ? QM_T_FC2_BIAS : QM_T_FC1_BIAS, e * N * 4,

@@ -28,11 +28,11 @@ static const family families[] = {
 
 /* ---- config.json --------------------------------------------------------- */
 
-static int cfg_u32(hf_import *im, const char *key, int required, uint32_t dflt, uint32_t *out,
+static int cfg_u32(qm__hf_import *im, const char *key, int required, uint32_t dflt, uint32_t *out,
                    qm_status *st)
 {
     double v;
-    int rc = qm_hf_json_number(qmi_hf_config(im->ck), key, &v, st);
+    int rc = qm_hf_json_number(qm__hf_config(im->ck), key, &v, st);
     if (rc == QM_ENOT_FOUND) {
         if (required)
             return qm_status_set(st, QM_EINVALID_MODEL,
@@ -50,9 +50,9 @@ static int cfg_u32(hf_import *im, const char *key, int required, uint32_t dflt, 
     return 0;
 }
 
-static int cfg_num(hf_import *im, const char *key, double dflt, double *out, qm_status *st)
+static int cfg_num(qm__hf_import *im, const char *key, double dflt, double *out, qm_status *st)
 {
-    int rc = qm_hf_json_number(qmi_hf_config(im->ck), key, out, st);
+    int rc = qm_hf_json_number(qm__hf_config(im->ck), key, out, st);
     if (rc == QM_ENOT_FOUND) {
         *out = dflt;
         return 0;
@@ -60,9 +60,9 @@ static int cfg_num(hf_import *im, const char *key, double dflt, double *out, qm_
     return rc ? QM_EINVALID_MODEL : 0;
 }
 
-static int cfg_bool(hf_import *im, const char *key, int dflt, int *out, qm_status *st)
+static int cfg_bool(qm__hf_import *im, const char *key, int dflt, int *out, qm_status *st)
 {
-    int rc = qm_hf_json_bool(qmi_hf_config(im->ck), key, out, st);
+    int rc = qm_hf_json_bool(qm__hf_config(im->ck), key, out, st);
     if (rc == QM_ENOT_FOUND) {
         *out = dflt;
         return 0;
@@ -70,9 +70,9 @@ static int cfg_bool(hf_import *im, const char *key, int dflt, int *out, qm_statu
     return rc ? QM_EINVALID_MODEL : 0;
 }
 
-static int find_family(hf_import *im, qm_status *st)
+static int find_family(qm__hf_import *im, qm_status *st)
 {
-    const qm_hf_json *c = qmi_hf_config(im->ck);
+    const qm_hf_json *c = qm__hf_config(im->ck);
     const char *mt = NULL, *arch = NULL;
     int rc = qm_hf_json_string(c, "model_type", &mt, st);
     if (rc && rc != QM_ENOT_FOUND) return QM_EINVALID_MODEL;
@@ -92,9 +92,9 @@ static int find_family(hf_import *im, qm_status *st)
 }
 
 /* Which model layers have routed experts, per the family's rule. */
-static int moe_layers(hf_import *im, qm_status *st)
+static int moe_layers(qm__hf_import *im, qm_status *st)
 {
-    const qm_hf_json *c = qmi_hf_config(im->ck);
+    const qm_hf_json *c = qm__hf_config(im->ck);
     uint32_t step = 1, first_dense = 0;
     int rc;
     if (im->fam->id == FAM_QWEN2_MOE || im->fam->id == FAM_QWEN3_MOE) {
@@ -133,7 +133,7 @@ static int moe_layers(hf_import *im, qm_status *st)
     return 0;
 }
 
-int qmi__hf_read_config(hf_import *im, qm_status *st)
+int qm__hf_read_config(qm__hf_import *im, qm_status *st)
 {
     int rc;
     if ((rc = find_family(im, st)) != 0) return rc;
@@ -171,7 +171,7 @@ int qmi__hf_read_config(hf_import *im, qm_status *st)
     im->score = "softmax";
     im->normalize = 1;
     im->scale = 1.0;
-    const qm_hf_json *c = qmi_hf_config(im->ck);
+    const qm_hf_json *c = qm__hf_config(im->ck);
     switch (im->fam->id) {
     case FAM_MIXTRAL:
         break;
@@ -263,7 +263,7 @@ int qmi__hf_read_config(hf_import *im, qm_status *st)
 
 /* ---- checking the tensors against the config ----------------------------- */
 
-#define ELEM_FLOAT ((1u << QMI_ELEM_F32) | (1u << QMI_ELEM_F16) | (1u << QMI_ELEM_BF16))
+#define ELEM_FLOAT ((1u << QM__ELEM_F32) | (1u << QM__ELEM_F16) | (1u << QM__ELEM_BF16))
 
 static void fmt_shape(char *buf, size_t n, const uint64_t *shape, uint32_t nd)
 {
@@ -276,12 +276,12 @@ static void fmt_shape(char *buf, size_t n, const uint64_t *shape, uint32_t nd)
 
 /* The tensor `name`, of one of the element types in `elems` and shape `want`
  * (why says where the shape comes from), or an error naming it. */
-static int expect(hf_import *im, const char *name, unsigned elems, uint32_t nd,
-                  const uint64_t *want, const char *why, const qmi_hf_tensor **out, qm_status *st)
+static int expect(qm__hf_import *im, const char *name, unsigned elems, uint32_t nd,
+                  const uint64_t *want, const char *why, const qm__hf_tensor **out, qm_status *st)
 {
-    const qmi_hf_tensor *t = qmi_hf_find(im->ck, name);
+    const qm__hf_tensor *t = qm__hf_find(im->ck, name);
     if (!t) {
-        const char *f = qmi_hf_index_file(im->ck, name);
+        const char *f = qm__hf_index_file(im->ck, name);
         if (f)
             return qm_status_set(st, QM_EINVALID_MODEL,
                                  "%.80s: has no tensor %.120s, though model.safetensors.index.json "
@@ -291,13 +291,13 @@ static int expect(hf_import *im, const char *name, unsigned elems, uint32_t nd,
                              "checkpoint has no tensor %.120s (a %s checkpoint needs it)", name,
                              im->fam->model_type);
     }
-    const char *file = qmi_hf_shard_name(im->ck, t->shard);
+    const char *file = qm__hf_shard_name(im->ck, t->shard);
     if (!(elems & (1u << t->elem))) {
         char allowed[64] = "";
-        for (int e = 0; e < QMI_ELEM_OTHER; e++)
+        for (int e = 0; e < QM__ELEM_OTHER; e++)
             if (elems & (1u << e))
                 snprintf(allowed + strlen(allowed), sizeof allowed - strlen(allowed), "%s%s",
-                         allowed[0] ? "/" : "", qmi_elem_name((qmi_elem)e));
+                         allowed[0] ? "/" : "", qm__elem_name((qm__elem)e));
         return qm_status_set(st, QM_EINVALID_MODEL,
                              "%.80s: tensor %.120s has dtype %s, expected %s", file, name, t->dtype,
                              allowed);
@@ -318,15 +318,15 @@ static int expect(hf_import *im, const char *name, unsigned elems, uint32_t nd,
     return 0;
 }
 
-static int check_absent(hf_import *im, const char *name, const char *why, qm_status *st)
+static int check_absent(qm__hf_import *im, const char *name, const char *why, qm_status *st)
 {
-    const qmi_hf_tensor *t = qmi_hf_find(im->ck, name);
+    const qm__hf_tensor *t = qm__hf_find(im->ck, name);
     if (!t) return 0;
     return qm_status_set(st, QM_EINVALID_MODEL, "%.80s: tensor %.120s contradicts config.json (%s)",
-                         qmi_hf_shard_name(im->ck, t->shard), name, why);
+                         qm__hf_shard_name(im->ck, t->shard), name, why);
 }
 
-int qmi__hf_resolve(hf_import *im, qm_status *st)
+int qm__hf_resolve(qm__hf_import *im, qm_status *st)
 {
     const family *f = im->fam;
     uint32_t E = im->E, H = im->H, I = im->I;
@@ -336,9 +336,9 @@ int qmi__hf_resolve(hf_import *im, qm_status *st)
     im->corr = qm_calloc(nl, sizeof *im->corr);
     im->layer_bytes = qm_calloc(nl, sizeof *im->layer_bytes);
     if (f->gate)
-        im->expert_src = qm_calloc(nl * E * S_PER_EXPERT, sizeof *im->expert_src);
+        im->expert_src = qm_calloc(nl * E * QM__HF_PER_EXPERT, sizeof *im->expert_src);
     else
-        im->layer_src = qm_calloc(nl * G_COUNT, sizeof *im->layer_src);
+        im->layer_src = qm_calloc(nl * QM__HF_FUSED_COUNT, sizeof *im->layer_src);
     if (!im->router_w || !im->router_b || !im->corr || !im->layer_bytes ||
         (!im->expert_src && !im->layer_src))
         return qm_status_set(st, QM_ENOMEM, "out of memory");
@@ -365,12 +365,12 @@ int qmi__hf_resolve(hf_import *im, qm_status *st)
         if (f->gate) {
             const char *proj[3] = {f->gate, f->up, f->down};
             for (uint32_t e = 0; e < E; e++) {
-                const qmi_hf_tensor **src = &im->expert_src[(li * E + e) * S_PER_EXPERT];
+                const qm__hf_tensor **src = &im->expert_src[(li * E + e) * QM__HF_PER_EXPERT];
                 for (int p = 0; p < 3; p++) {
                     uint64_t shape[2] = {p == 2 ? H : I, p == 2 ? I : H};
                     snprintf(name, sizeof name, "model.layers.%u.%s.experts.%u.%s.weight", l,
                              f->moe, e, proj[p]);
-                    unsigned elems = im->fp8 ? 1u << QMI_ELEM_F8_E4M3 : ELEM_FLOAT;
+                    unsigned elems = im->fp8 ? 1u << QM__ELEM_F8_E4M3 : ELEM_FLOAT;
                     if ((rc = expect(im, name, elems, 2, shape, why, &src[p], st)) != 0) return rc;
                     bytes += src[p]->nbytes;
                     if (im->fp8) {
@@ -393,7 +393,7 @@ int qmi__hf_resolve(hf_import *im, qm_status *st)
             snprintf(ewhy, sizeof ewhy, "it says %u experts", E);
             if ((rc = check_absent(im, name, ewhy, st)) != 0) return rc;
         } else {
-            const qmi_hf_tensor **src = &im->layer_src[li * G_COUNT];
+            const qm__hf_tensor **src = &im->layer_src[li * QM__HF_FUSED_COUNT];
             uint64_t b1[2] = {E, 2ull * I}, b2[2] = {E, H};
             if (im->mxfp4) {
                 if (H % 32 || I % 32)
@@ -404,32 +404,32 @@ int qmi__hf_resolve(hf_import *im, qm_status *st)
                 uint64_t gb[4] = {E, 2ull * I, H / 32, 16}, gs[3] = {E, 2ull * I, H / 32};
                 uint64_t db[4] = {E, H, I / 32, 16}, ds[3] = {E, H, I / 32};
                 snprintf(name, sizeof name, "model.layers.%u.mlp.experts.gate_up_proj_blocks", l);
-                if ((rc = expect(im, name, 1u << QMI_ELEM_U8, 4, gb, why, &src[G_GATE_UP], st)))
+                if ((rc = expect(im, name, 1u << QM__ELEM_U8, 4, gb, why, &src[QM__HF_FUSED_GATE_UP], st)))
                     return rc;
                 snprintf(name, sizeof name, "model.layers.%u.mlp.experts.gate_up_proj_scales", l);
-                if ((rc = expect(im, name, 1u << QMI_ELEM_U8, 3, gs, why, &src[G_GATE_UP_SCALES],
+                if ((rc = expect(im, name, 1u << QM__ELEM_U8, 3, gs, why, &src[QM__HF_FUSED_GATE_UP_SCALES],
                                  st)))
                     return rc;
                 snprintf(name, sizeof name, "model.layers.%u.mlp.experts.down_proj_blocks", l);
-                if ((rc = expect(im, name, 1u << QMI_ELEM_U8, 4, db, why, &src[G_DOWN], st)))
+                if ((rc = expect(im, name, 1u << QM__ELEM_U8, 4, db, why, &src[QM__HF_FUSED_DOWN], st)))
                     return rc;
                 snprintf(name, sizeof name, "model.layers.%u.mlp.experts.down_proj_scales", l);
-                if ((rc = expect(im, name, 1u << QMI_ELEM_U8, 3, ds, why, &src[G_DOWN_SCALES], st)))
+                if ((rc = expect(im, name, 1u << QM__ELEM_U8, 3, ds, why, &src[QM__HF_FUSED_DOWN_SCALES], st)))
                     return rc;
-                bytes += src[G_GATE_UP_SCALES]->nbytes + src[G_DOWN_SCALES]->nbytes;
+                bytes += src[QM__HF_FUSED_GATE_UP_SCALES]->nbytes + src[QM__HF_FUSED_DOWN_SCALES]->nbytes;
             } else {
                 uint64_t gu[3] = {E, H, 2ull * I}, dn[3] = {E, I, H};
                 snprintf(name, sizeof name, "model.layers.%u.mlp.experts.gate_up_proj", l);
-                if ((rc = expect(im, name, ELEM_FLOAT, 3, gu, why, &src[G_GATE_UP], st))) return rc;
+                if ((rc = expect(im, name, ELEM_FLOAT, 3, gu, why, &src[QM__HF_FUSED_GATE_UP], st))) return rc;
                 snprintf(name, sizeof name, "model.layers.%u.mlp.experts.down_proj", l);
-                if ((rc = expect(im, name, ELEM_FLOAT, 3, dn, why, &src[G_DOWN], st))) return rc;
+                if ((rc = expect(im, name, ELEM_FLOAT, 3, dn, why, &src[QM__HF_FUSED_DOWN], st))) return rc;
             }
-            bytes += src[G_GATE_UP]->nbytes + src[G_DOWN]->nbytes;
+            bytes += src[QM__HF_FUSED_GATE_UP]->nbytes + src[QM__HF_FUSED_DOWN]->nbytes;
             snprintf(name, sizeof name, "model.layers.%u.mlp.experts.gate_up_proj_bias", l);
-            if ((rc = expect(im, name, ELEM_FLOAT, 2, b1, why, &src[G_GATE_UP_BIAS], st)))
+            if ((rc = expect(im, name, ELEM_FLOAT, 2, b1, why, &src[QM__HF_FUSED_GATE_UP_BIAS], st)))
                 return rc;
             snprintf(name, sizeof name, "model.layers.%u.mlp.experts.down_proj_bias", l);
-            if ((rc = expect(im, name, ELEM_FLOAT, 2, b2, why, &src[G_DOWN_BIAS], st))) return rc;
+            if ((rc = expect(im, name, ELEM_FLOAT, 2, b2, why, &src[QM__HF_FUSED_DOWN_BIAS], st))) return rc;
         }
         im->layer_bytes[li] = bytes;
     }

@@ -21,14 +21,14 @@ typedef struct shard {
     qm_st_header *header;
 } shard;
 
-struct qmi_hf_checkpoint {
+struct qm__hf_checkpoint {
     char *dir;
     qm_hf_json *config, *index;
     const char **index_names, **index_files;
     size_t n_index;
     shard *shards;
     uint32_t n_shards;
-    qmi_hf_tensor *tensors; /* sorted by name */
+    qm__hf_tensor *tensors; /* sorted by name */
     size_t n_tensors;
 };
 
@@ -98,7 +98,7 @@ static int cmp_str(const void *a, const void *b)
 
 static int cmp_tensor(const void *a, const void *b)
 {
-    return strcmp(((const qmi_hf_tensor *)a)->name, ((const qmi_hf_tensor *)b)->name);
+    return strcmp(((const qm__hf_tensor *)a)->name, ((const qm__hf_tensor *)b)->name);
 }
 
 static int access_single(const char *dir)
@@ -118,7 +118,7 @@ static int plain_file_name(const char *name)
 }
 
 /* The shard file names: the index's distinct values, or *.safetensors in dir. */
-static int list_shards(qmi_hf_checkpoint *ck, char ***names, size_t *n, qm_status *st)
+static int list_shards(qm__hf_checkpoint *ck, char ***names, size_t *n, qm_status *st)
 {
     *names = NULL;
     *n = 0;
@@ -196,7 +196,7 @@ static int list_shards(qmi_hf_checkpoint *ck, char ***names, size_t *n, qm_statu
     return 0;
 }
 
-static int map_shard(qmi_hf_checkpoint *ck, shard *s, qm_status *st)
+static int map_shard(qm__hf_checkpoint *ck, shard *s, qm_status *st)
 {
     int fd = open(s->path, O_RDONLY | O_CLOEXEC);
     if (fd < 0) {
@@ -241,8 +241,8 @@ static int map_shard(qmi_hf_checkpoint *ck, shard *s, qm_status *st)
     uint64_t data = 8 + hlen, avail = s->size - data;
     for (size_t i = 0; i < s->header->n_tensors; i++) {
         const qm_st_tensor *t = &s->header->tensors[i];
-        qmi_elem e = qmi_elem_from_st(t->dtype);
-        size_t es = e == QMI_ELEM_OTHER ? qm_st_dtype_size(t->dtype) : qmi_elem_size(e);
+        qm__elem e = qm__elem_from_st(t->dtype);
+        size_t es = e == QM__ELEM_OTHER ? qm_st_dtype_size(t->dtype) : qm__elem_size(e);
         unsigned long long want = es;
         for (uint32_t d = 0; d < t->ndim && es; d++)
             if (qm_mul_u64(want, t->shape[d], &want) != 0) want = ~0ull;
@@ -257,10 +257,10 @@ static int map_shard(qmi_hf_checkpoint *ck, shard *s, qm_status *st)
     return 0;
 }
 
-int qmi_hf_open(const char *dir, qmi_hf_checkpoint **out, qm_status *st)
+int qm__hf_open(const char *dir, qm__hf_checkpoint **out, qm_status *st)
 {
     *out = NULL;
-    qmi_hf_checkpoint *ck = qm_calloc(1, sizeof *ck);
+    qm__hf_checkpoint *ck = qm_calloc(1, sizeof *ck);
     char **names = NULL;
     size_t n_names = 0;
     int rc;
@@ -316,10 +316,10 @@ int qmi_hf_open(const char *dir, qmi_hf_checkpoint **out, qm_status *st)
             data += (uint64_t)s->map[b] << (8 * b);
         for (size_t j = 0; j < s->header->n_tensors; j++) {
             const qm_st_tensor *t = &s->header->tensors[j];
-            qmi_hf_tensor *h = &ck->tensors[ck->n_tensors++];
+            qm__hf_tensor *h = &ck->tensors[ck->n_tensors++];
             h->name = t->name;
             h->shard = i;
-            h->elem = qmi_elem_from_st(t->dtype);
+            h->elem = qm__elem_from_st(t->dtype);
             h->dtype = t->dtype;
             h->ndim = t->ndim;
             memcpy(h->shape, t->shape, sizeof h->shape);
@@ -342,11 +342,11 @@ fail:
     for (size_t i = 0; names && i < n_names; i++)
         qm_free(names[i]);
     qm_free(names);
-    qmi_hf_close(ck);
+    qm__hf_close(ck);
     return rc;
 }
 
-void qmi_hf_close(qmi_hf_checkpoint *ck)
+void qm__hf_close(qm__hf_checkpoint *ck)
 {
     if (!ck) return;
     for (uint32_t i = 0; i < ck->n_shards; i++) {
@@ -366,41 +366,41 @@ void qmi_hf_close(qmi_hf_checkpoint *ck)
     qm_free(ck);
 }
 
-const qm_hf_json *qmi_hf_config(const qmi_hf_checkpoint *ck)
+const qm_hf_json *qm__hf_config(const qm__hf_checkpoint *ck)
 {
     return ck->config;
 }
 
-const qmi_hf_tensor *qmi_hf_find(const qmi_hf_checkpoint *ck, const char *name)
+const qm__hf_tensor *qm__hf_find(const qm__hf_checkpoint *ck, const char *name)
 {
-    qmi_hf_tensor key = {.name = name};
+    qm__hf_tensor key = {.name = name};
     return bsearch(&key, ck->tensors, ck->n_tensors, sizeof key, cmp_tensor);
 }
 
-const char *qmi_hf_index_file(const qmi_hf_checkpoint *ck, const char *name)
+const char *qm__hf_index_file(const qm__hf_checkpoint *ck, const char *name)
 {
     for (size_t i = 0; i < ck->n_index; i++)
         if (strcmp(ck->index_names[i], name) == 0) return ck->index_files[i];
     return NULL;
 }
 
-uint32_t qmi_hf_shard_count(const qmi_hf_checkpoint *ck)
+uint32_t qm__hf_shard_count(const qm__hf_checkpoint *ck)
 {
     return ck->n_shards;
 }
 
-const char *qmi_hf_shard_name(const qmi_hf_checkpoint *ck, uint32_t i)
+const char *qm__hf_shard_name(const qm__hf_checkpoint *ck, uint32_t i)
 {
     return i < ck->n_shards ? ck->shards[i].name : NULL;
 }
 
-const qmi_hf_tensor *qmi_hf_tensors(const qmi_hf_checkpoint *ck, size_t *count)
+const qm__hf_tensor *qm__hf_tensors(const qm__hf_checkpoint *ck, size_t *count)
 {
     *count = ck->n_tensors;
     return ck->tensors;
 }
 
-static void page_range(const qmi_hf_tensor *t, uintptr_t *lo, size_t *len)
+static void page_range(const qm__hf_tensor *t, uintptr_t *lo, size_t *len)
 {
     uintptr_t page = (uintptr_t)sysconf(_SC_PAGESIZE);
     uintptr_t a = (uintptr_t)t->data & ~(page - 1);
@@ -408,7 +408,7 @@ static void page_range(const qmi_hf_tensor *t, uintptr_t *lo, size_t *len)
     *len = (size_t)((uintptr_t)t->data + t->nbytes - a);
 }
 
-void qmi_hf_prefetch(const qmi_hf_checkpoint *ck, const qmi_hf_tensor *t)
+void qm__hf_prefetch(const qm__hf_checkpoint *ck, const qm__hf_tensor *t)
 {
     (void)ck;
     uintptr_t lo;
@@ -417,7 +417,7 @@ void qmi_hf_prefetch(const qmi_hf_checkpoint *ck, const qmi_hf_tensor *t)
     if (len) madvise((void *)lo, len, MADV_WILLNEED);
 }
 
-void qmi_hf_release(qmi_hf_checkpoint *ck)
+void qm__hf_release(qm__hf_checkpoint *ck)
 {
     for (uint32_t i = 0; i < ck->n_shards; i++)
         if (ck->shards[i].map) madvise(ck->shards[i].map, ck->shards[i].size, MADV_DONTNEED);

@@ -23,13 +23,13 @@ static void help_main(FILE *f)
           f);
 }
 
-int qmb_usage(const char *cmd, const char *what)
+int qm__usage(const char *cmd, const char *what)
 {
     fprintf(stderr, "qmoe-bank %s: %s (see qmoe-bank %s --help)\n", cmd, what, cmd);
-    return QMB_USAGE;
+    return QM__EXIT_USAGE;
 }
 
-int qmb_parse_u32(const char *s, unsigned long long max, unsigned *out)
+int qm__parse_u32(const char *s, unsigned long long max, unsigned *out)
 {
     if (!s || !*s)
         return -1;
@@ -45,7 +45,7 @@ int qmb_parse_u32(const char *s, unsigned long long max, unsigned *out)
     return 0;
 }
 
-void qmb_json_string(FILE *f, const char *s)
+void qm__json_string(FILE *f, const char *s)
 {
     fputc('"', f);
     for (const unsigned char *c = (const unsigned char *)s; *c; c++) {
@@ -67,47 +67,47 @@ static int import_main(int argc, char **argv)
         const char *format;
         int (*run)(int argc, char **argv);
     } formats[] = {
-        {"hf", qmb_import_hf},
-        {"gguf", qmb_import_gguf},
+        {"hf", qm__cmd_import_hf},
+        {"gguf", qm__cmd_import_gguf},
     };
     if (argc >= 2 && (strcmp(argv[1], "--help") == 0 || strcmp(argv[1], "-h") == 0)) {
-        qmb_help_import_hf(stdout);
+        qm__help_import_hf(stdout);
         fputc('\n', stdout);
-        qmb_help_import_gguf(stdout);
-        return QMB_OK;
+        qm__help_import_gguf(stdout);
+        return QM__EXIT_OK;
     }
     for (size_t i = 0; argc >= 2 && i < sizeof formats / sizeof formats[0]; i++)
         if (strcmp(argv[1], formats[i].format) == 0)
             return formats[i].run(argc - 1, argv + 1);
     fprintf(stderr, "qmoe-bank import: expected a source format (hf or gguf) and its arguments; see "
                     "qmoe-bank import --help\n");
-    return QMB_USAGE;
+    return QM__EXIT_USAGE;
 }
 
 int main(int argc, char **argv)
 {
     if (argc < 2) {
         help_main(stderr);
-        return QMB_USAGE;
+        return QM__EXIT_USAGE;
     }
     const char *cmd = argv[1];
     if (strcmp(cmd, "--help") == 0 || strcmp(cmd, "-h") == 0 || strcmp(cmd, "help") == 0) {
         help_main(stdout);
-        return QMB_OK;
+        return QM__EXIT_OK;
     }
     if (strcmp(cmd, "--version") == 0) {
         printf("qmoe-bank %s\n", QMOE_VERSION);
-        return QMB_OK;
+        return QM__EXIT_OK;
     }
     if (strcmp(cmd, "create") == 0)
-        return qmb_create(argc - 1, argv + 1);
+        return qm__cmd_create(argc - 1, argv + 1);
     if (strcmp(cmd, "inspect") == 0)
-        return qmb_inspect(argc - 1, argv + 1);
+        return qm__cmd_inspect(argc - 1, argv + 1);
     if (strcmp(cmd, "run") == 0)
-        return qmb_run(argc - 1, argv + 1);
+        return qm__cmd_run(argc - 1, argv + 1);
     if (strcmp(cmd, "import") == 0)
         return import_main(argc - 1, argv + 1);
     fprintf(stderr, "qmoe-bank: unknown command \"%.64s\" (create, inspect, run, import; see --help)\n",
             cmd);
-    return QMB_USAGE;
+    return QM__EXIT_USAGE;
 }

@@ -1,5 +1,5 @@
-/* import_common.c - source elements to f32 (see import_common.h). */
-#include "import_common.h"
+/* import_elements.c - source elements to f32 (see import_elements.h). */
+#include "import_elements.h"
 
 #include <math.h>
 #include <string.h>
@@ -8,44 +8,44 @@
 
 /* ---- elements ------------------------------------------------------------ */
 
-qmi_elem qmi_elem_from_st(const char *s)
+qm__elem qm__elem_from_st(const char *s)
 {
     static const struct {
         const char *name;
-        qmi_elem e;
-    } map[] = {{"F32", QMI_ELEM_F32},
-               {"F16", QMI_ELEM_F16},
-               {"BF16", QMI_ELEM_BF16},
-               {"F8_E4M3", QMI_ELEM_F8_E4M3},
-               {"U8", QMI_ELEM_U8}};
+        qm__elem e;
+    } map[] = {{"F32", QM__ELEM_F32},
+               {"F16", QM__ELEM_F16},
+               {"BF16", QM__ELEM_BF16},
+               {"F8_E4M3", QM__ELEM_F8_E4M3},
+               {"U8", QM__ELEM_U8}};
     for (size_t i = 0; i < sizeof map / sizeof map[0]; i++)
         if (strcmp(s, map[i].name) == 0) return map[i].e;
-    return QMI_ELEM_OTHER;
+    return QM__ELEM_OTHER;
 }
 
-size_t qmi_elem_size(qmi_elem e)
+size_t qm__elem_size(qm__elem e)
 {
     switch (e) {
-    case QMI_ELEM_F32:
+    case QM__ELEM_F32:
         return 4;
-    case QMI_ELEM_F16:
-    case QMI_ELEM_BF16:
+    case QM__ELEM_F16:
+    case QM__ELEM_BF16:
         return 2;
-    case QMI_ELEM_F8_E4M3:
-    case QMI_ELEM_U8:
+    case QM__ELEM_F8_E4M3:
+    case QM__ELEM_U8:
         return 1;
     default:
         return 0;
     }
 }
 
-const char *qmi_elem_name(qmi_elem e)
+const char *qm__elem_name(qm__elem e)
 {
     static const char *names[] = {"F32", "F16", "BF16", "F8_E4M3", "U8", "other"};
-    return names[e <= QMI_ELEM_OTHER ? e : QMI_ELEM_OTHER];
+    return names[e <= QM__ELEM_OTHER ? e : QM__ELEM_OTHER];
 }
 
-float qmi_e4m3_to_f32(uint8_t v)
+float qm__e4m3_to_f32(uint8_t v)
 {
     int sign = v & 0x80, exp = (v >> 3) & 0xf, mant = v & 7;
     float f;
@@ -58,35 +58,35 @@ float qmi_e4m3_to_f32(uint8_t v)
     return sign ? -f : f;
 }
 
-float qmi_load(const void *src, qmi_elem e, size_t i)
+float qm__elem_load(const void *src, qm__elem e, size_t i)
 {
     const uint8_t *p = src;
     switch (e) {
-    case QMI_ELEM_F32: {
+    case QM__ELEM_F32: {
         float f;
         memcpy(&f, p + 4 * i, 4);
         return f;
     }
-    case QMI_ELEM_F16:
-    case QMI_ELEM_BF16: {
+    case QM__ELEM_F16:
+    case QM__ELEM_BF16: {
         uint16_t h;
         memcpy(&h, p + 2 * i, 2);
-        return e == QMI_ELEM_F16 ? qm_f16_to_f32(h) : qm_bf16_to_f32(h);
+        return e == QM__ELEM_F16 ? qm_f16_to_f32(h) : qm_bf16_to_f32(h);
     }
-    case QMI_ELEM_F8_E4M3:
-        return qmi_e4m3_to_f32(p[i]);
+    case QM__ELEM_F8_E4M3:
+        return qm__e4m3_to_f32(p[i]);
     default:
         return NAN;
     }
 }
 
-void qmi_load_row(const void *src, qmi_elem e, size_t n, float *dst)
+void qm__elem_load_row(const void *src, qm__elem e, size_t n, float *dst)
 {
-    if (e == QMI_ELEM_F32) {
+    if (e == QM__ELEM_F32) {
         memcpy(dst, src, n * 4);
         return;
     }
-    if (e == QMI_ELEM_BF16) { /* the hot path of a bf16 import */
+    if (e == QM__ELEM_BF16) { /* the hot path of a bf16 import */
         const uint8_t *p = src;
         for (size_t i = 0; i < n; i++) {
             uint32_t u = (uint32_t)p[2 * i] << 16 | (uint32_t)p[2 * i + 1] << 24;
@@ -95,5 +95,5 @@ void qmi_load_row(const void *src, qmi_elem e, size_t n, float *dst)
         return;
     }
     for (size_t i = 0; i < n; i++)
-        dst[i] = qmi_load(src, e, i);
+        dst[i] = qm__elem_load(src, e, i);
 }
