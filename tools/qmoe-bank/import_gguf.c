@@ -21,6 +21,7 @@
 
 #include "gguf_quants.h"
 #include "gguf_reader.h"
+#include "import_families.h"
 #include "qm_alloc.h"
 #include "qm_bank.h"
 #include "qm_bank_writer.h"
@@ -35,14 +36,15 @@ void qm__help_import_gguf(FILE *f)
     fputs("usage: qmoe-bank import gguf FILE --out BANK [--requant-bits 4|8] [--resume]\n"
           "                               [--quiet]\n"
           "\n"
-          "Imports the routed experts of a llama.cpp GGUF file (architectures llama/Mixtral,\n"
-          "qwen2moe, qwen3moe, olmoe, deepseek2, gpt-oss): blk.N.ffn_{gate,up,down}_exps,\n"
-          "the router ffn_gate_inp (+ bias), exp_probs_b (DeepSeek-V3's correction bias),\n"
-          "expert biases (gpt-oss), and the routing keys (expert_gating_func,\n"
-          "expert_weights_norm, expert_weights_scale, expert_group_count, ...). Dense\n"
-          "blocks and shared experts stay with the engine; qmoe.layer_map records the\n"
-          "block of each bank layer.\n"
-          "\n"
+          "Imports the routed experts of a llama.cpp GGUF file: blk.N.ffn_{gate,up,down}_exps,\n"
+          "the router ffn_gate_inp (+ bias), exp_probs_b (a correction bias), expert biases,\n"
+          "and the routing keys (expert_gating_func, expert_weights_norm,\n"
+          "expert_weights_scale, expert_group_count, ...). Dense blocks and shared experts\n"
+          "stay with the engine; qmoe.layer_map records the block of each bank layer.\n"
+          "Architectures (general.architecture) and the family each imports as:\n",
+          f);
+    qm__family_help(f, 1);
+    fputs("\n"
           "Q4_0, Q8_0, Q5_0, MXFP4 and Q6_K repack bit-exactly (Q4_0 alone: int4 block\n"
           "32; with Q8_0/Q5_0/MXFP4: int8 block 32; with Q6_K: int8 block 16). Every other\n"
           "type (F32, F16, BF16, Q4_1, Q5_1, Q2_K, Q3_K, Q4_K, Q5_K) is requantised to\n"
@@ -58,18 +60,6 @@ void qm__help_import_gguf(FILE *f)
 
 /* ---- what the file holds ---------------------------------------------------------- */
 
-typedef struct arch_info {
-    const char *arch, *family;
-    int norm_default; /* llama.cpp's norm_w when expert_weights_norm is absent */
-    int gpt_oss;
-} arch_info;
-
-static const arch_info ARCHS[] = {
-    {"llama", "mixtral", 1, 0},      {"qwen2moe", "qwen2_moe", 0, 0},
-    {"qwen3moe", "qwen3_moe", 1, 0}, {"olmoe", "olmoe", 0, 0},
-    {"deepseek2", "deepseek_v2", 0, 0}, {"gpt-oss", "gpt_oss", 1, 1},
-};
-
 enum { P_GATE = 0, P_UP, P_DOWN, P_COUNT };
 static const char *const PROJ_NAME[P_COUNT] = {"ffn_gate_exps", "ffn_up_exps", "ffn_down_exps"};
 /* Bank tensors of each projection: fc1 = gate, fc3 = up, fc2 = down. */
@@ -82,7 +72,7 @@ typedef struct moe_layer {
 } moe_layer;
 
 typedef struct plan {
-    const arch_info *ai;
+    const qm__family *fam;
     const char *arch;
     uint32_t E, k, H, I, n_layers;
     moe_layer *layers;
@@ -90,7 +80,6 @@ typedef struct plan {
     /* routing */
     int legacy, score_sigmoid, normalize, groups, topk_groups;
     double scale;
-    char family[32];
 } plan;
 
 static int tensor_name(char *buf, size_t size, uint32_t block, const char *what)
@@ -160,14 +149,14 @@ static int read_plan(const qm__gguf_file *f, plan *pl, unsigned requant_bits, qm
     if (!ak || ak->type != QM__GGUF_STRING)
         return BAD(st, "GGUF key general.architecture is missing (or not a string)");
     pl->arch = ak->str;
-    for (size_t i = 0; i < sizeof ARCHS / sizeof ARCHS[0]; i++)
-        if (strcmp(ARCHS[i].arch, ak->str) == 0)
-            pl->ai = &ARCHS[i];
-    if (!pl->ai)
+    pl->fam = qm__family_for_gguf(ak->str, 0);
+    if (!pl->fam) {
+        char archs[160];
+        qm__family_names(1, archs, sizeof archs);
         return BAD(st, "GGUF key general.architecture = \"%.32s\" is not a supported MoE "
-                       "architecture (llama, qwen2moe, qwen3moe, olmoe, deepseek2, gpt-oss)",
-                   ak->str);
-    snprintf(pl->family, sizeof pl->family, "%s", pl->ai->family);
+                       "architecture (%s)",
+                   ak->str, archs);
+    }
     uint64_t E = 0, k = 0, blocks = 0, dense = 0, v;
 #define KEY(name) (snprintf(key, sizeof key, "%s." name, pl->arch), key)
     char k_range[96];
@@ -285,7 +274,7 @@ static int read_plan(const qm__gguf_file *f, plan *pl, unsigned requant_bits, qm
 
     /* Routing: the file's keys, else llama.cpp's default for the architecture. */
     uint64_t gating = 1, gcount = 1, gused = 0;
-    int norm = pl->ai->norm_default;
+    int norm = pl->fam->gguf_norm_default;
     double scale = 1.0;
     if ((rc = qm__gguf_get_uint(f, KEY("expert_gating_func"), &gating, st)) < 0 ||
         (rc = qm__gguf_get_bool(f, KEY("expert_weights_norm"), &norm, st)) < 0 ||
@@ -324,8 +313,7 @@ static int read_plan(const qm__gguf_file *f, plan *pl, unsigned requant_bits, qm
                  !L0->corr_bias;
     if (L0->corr_bias && !pl->score_sigmoid && gating != 1)
         return BAD(st, "%s: a correction bias needs softmax or sigmoid gating", L0->corr_bias->name);
-    if (strcmp(pl->arch, "deepseek2") == 0 && pl->score_sigmoid)
-        snprintf(pl->family, sizeof pl->family, "deepseek_v3");
+    pl->fam = qm__family_for_gguf(pl->arch, pl->score_sigmoid); /* deepseek2: V2 or V3 */
 #undef KEY
 
     /* The layout: exact for as many expert tensors as one (bits, block) allows. */
@@ -501,7 +489,7 @@ static int source_json(const job *j, const plan *pl, int exact_all, const char *
     int n = snprintf(buf, size,
                      "{\"format\":\"gguf\",\"family\":\"%s\",\"arch\":\"%s\",\"files\":[\"%s\"],"
                      "\"exact\":%s%s%s}",
-                     pl->family, pl->arch, base, exact_all ? "true" : "false",
+                     pl->fam->name, pl->arch, base, exact_all ? "true" : "false",
                      exact_all ? "" : ",\"max_rel_err\":", exact_all ? "" : err);
     return n > 0 && (size_t)n < size ? 0 : -1;
 }
@@ -580,7 +568,7 @@ static int build_and_write(job *j, const plan *pl, int resume, int quiet, uint32
     META("qmoe.block_size", v_bs);
     META("qmoe.swiglu_fusion", "0");
     META("qmoe.normalize_routing_weights", "1");
-    if (pl->ai->gpt_oss) {
+    if (pl->fam->flags & QM__FAM_OAI_SWIGLU) {
         /* llama.cpp's swiglu_oai: not in the GGUF, fixed by the architecture. */
         META("qmoe.activation_alpha", "1.702");
         META("qmoe.activation_beta", "1");
@@ -711,7 +699,7 @@ int qm__cmd_import_gguf(int argc, char **argv)
         struct stat sb;
         printf("imported %s (%s, family %s): %u MoE layers of %u blocks, %u experts, k %u, "
                "hidden %u, expert width %u\n",
-               j.in_path, pl.arch, pl.family, pl.n_layers, pl.layers[pl.n_layers - 1].block + 1,
+               j.in_path, pl.arch, pl.fam->name, pl.n_layers, pl.layers[pl.n_layers - 1].block + 1,
                pl.E, pl.k, pl.H, pl.I);
         if (first)
             printf("resumed %s.partial at layer %u of %u (the errors below are of the layers "

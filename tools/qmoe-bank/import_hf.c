@@ -25,22 +25,22 @@ void qm__help_import_hf(FILE *f)
           "\n"
           "Imports the routed experts of a Hugging Face checkpoint (config.json plus one\n"
           "*.safetensors, or shards listed in model.safetensors.index.json) into a bank.\n"
-          "Families: mixtral, qwen2_moe, qwen3_moe, olmoe, deepseek_v2, deepseek_v3 (FP8\n"
-          "block-scaled weights too), gpt_oss (bf16, or the Hub's MXFP4 blocks/scales).\n"
-          "bf16/f16/f32/FP8 weights are requantised by round to nearest, symmetric, to\n"
+          "Families (config.json model_type) and the source formats each takes:\n",
+          f);
+    qm__family_help(f, 0);
+    fputs("bf16/f16/f32/FP8 weights are requantised by round to nearest, symmetric, to\n"
           "--bits (default 4) with one scale per --block-size columns (default 32; 0 = one\n"
           "per row) stored as --scales (default f32); the error is measured and recorded\n"
-          "in qmoe.source. GPT-OSS MXFP4 defaults to int8 block 32 with f32 scales, which\n"
-          "holds it bit for bit (exact). Routers, router biases, DeepSeek-V3's\n"
-          "e_score_correction_bias and GPT-OSS's expert biases are copied as f32, and\n"
-          "the family's routing rule is written as qmoe.routing.* keys. Shared experts,\n"
-          "dense layers, attention and embeddings stay with the engine: the import says\n"
-          "what it left out. Memory stays at about one layer: shards are mapped and each\n"
-          "layer's pages are dropped after it is written. The bank is written as\n"
-          "FILE.partial and renamed when complete; after a crash or Ctrl-C, --resume\n"
-          "continues at the first layer not yet written (the partial file's header must\n"
-          "match these arguments and this checkpoint). A progress line is shown on a\n"
-          "terminal unless --quiet.\n"
+          "in qmoe.source. MXFP4 defaults to int8 block 32 with f32 scales, which holds\n"
+          "it bit for bit (exact). Routers, router biases, correction biases and expert\n"
+          "biases are copied as f32, and the family's routing rule is written as\n"
+          "qmoe.routing.* keys. Shared experts, dense layers, attention and embeddings\n"
+          "stay with the engine: the import says what it left out. Memory stays at about\n"
+          "one layer: shards are mapped and each layer's pages are dropped after it is\n"
+          "written. The bank is written as FILE.partial and renamed when complete; after\n"
+          "a crash or Ctrl-C, --resume continues at the first layer not yet written (the\n"
+          "partial file's header must match these arguments and this checkpoint). A\n"
+          "progress line is shown on a terminal unless --quiet.\n"
           "exit status: 0 ok, 1 I/O failure, 2 bad usage or a checkpoint that cannot be\n"
           "imported (the message names the file, tensor or key).\n",
           f);
@@ -57,7 +57,7 @@ static int exit_for(int rc)
 static int source_prefix(qm__hf_import *im, char *buf, size_t n)
 {
     size_t at = (size_t)snprintf(buf, n, "{\"format\":\"hf\",\"family\":\"%s\",\"files\":[",
-                                 im->fam->model_type);
+                                 im->fam->name);
     uint32_t ns = qm__hf_shard_count(im->ck);
     for (uint32_t i = 0; i < ns; i++) {
         const char *s = qm__hf_shard_name(im->ck, i);
@@ -204,16 +204,16 @@ static int run_import(qm__hf_import *im)
         .beta = im->beta,
         .limit = im->limit,
     };
-    const int gpt_oss = im->fam->id == FAM_GPT_OSS;
+    const unsigned fl = im->fam->flags;
     const qm_bank_layer_opts lo = {
         .scale_dtype = im->mxfp4_exact ? QM_DTYPE_F32 : im->o.scale_dtype,
         .bias_dtype = QM_DTYPE_F32,
         .router_dtype = QM_DTYPE_F32,
-        .fc1_bias = gpt_oss,
-        .fc2_bias = gpt_oss,
+        .fc1_bias = (fl & QM__FAM_EXPERT_BIASES) != 0,
+        .fc2_bias = (fl & QM__FAM_EXPERT_BIASES) != 0,
         .router_weight = 1,
-        .router_bias = gpt_oss,
-        .correction_bias = im->fam->id == FAM_DEEPSEEK_V3,
+        .router_bias = (fl & QM__FAM_ROUTER_BIAS) != 0,
+        .correction_bias = (fl & QM__FAM_CORRECTION_BIAS) != 0,
     };
     plan = qm_calloc((size_t)im->n_moe * QM_T_COUNT, sizeof *plan);
     if (!plan) {
@@ -258,7 +258,7 @@ static int run_import(qm__hf_import *im)
     if (!im->o.quiet) {
         printf("importing %s (%s): %u of %u layers have routed experts, %u experts, k %u, "
                "hidden %u, inter %u; %s -> int%u block %u%s\n",
-               im->o.dir, im->fam->model_type, im->n_moe, im->model_layers, im->E, im->k, im->H,
+               im->o.dir, im->fam->name, im->n_moe, im->model_layers, im->E, im->k, im->H,
                im->I,
                im->mxfp4 ? "MXFP4"
                : im->fp8 ? "FP8 e4m3"
@@ -279,9 +279,10 @@ static int run_import(qm__hf_import *im)
     b.packed[1] = qm_malloc(qm_bank_writer_slice_bytes(w, 0, QM_T_FC2_WEIGHT));
     b.scales[0] = qm_malloc(qm_bank_writer_slice_bytes(w, 0, QM_T_FC1_SCALES));
     b.scales[1] = qm_malloc(qm_bank_writer_slice_bytes(w, 0, QM_T_FC2_SCALES));
-    if (im->fam->id == FAM_GPT_OSS && !im->mxfp4) b.mat = qm_malloc(n1 * im->H * sizeof(float));
+    const int transpose = (im->fam->flags & QM__FAM_FUSED_EXPERTS) && !im->mxfp4;
+    if (transpose) b.mat = qm_malloc(n1 * im->H * sizeof(float));
     if (!b.row || !b.bias || !b.packed[0] || !b.packed[1] || !b.scales[0] || !b.scales[1] ||
-        (im->fam->id == FAM_GPT_OSS && !im->mxfp4 && !b.mat)) {
+        (transpose && !b.mat)) {
         rc = qm_status_set(&st, QM_ENOMEM, "out of memory for one expert's buffers");
         goto fail;
     }

@@ -7,27 +7,9 @@
 #include <stdint.h>
 
 #include "import_elements.h"
+#include "import_families.h"
 #include "qm_bank_writer.h"
 #include "import_hf_source.h"
-
-typedef enum family_id {
-    FAM_MIXTRAL,
-    FAM_QWEN2_MOE,
-    FAM_QWEN3_MOE,
-    FAM_OLMOE,
-    FAM_DEEPSEEK_V2,
-    FAM_DEEPSEEK_V3,
-    FAM_GPT_OSS,
-} family_id;
-
-typedef struct family {
-    const char *model_type, *architecture;
-    family_id id;
-    const char *moe;              /* module under model.layers.N */
-    const char *gate, *up, *down; /* per-expert projections (NULL: GPT-OSS's fused tensors) */
-    const char *router;
-    const char *inter_key;
-} family;
 
 /* Source tensors of one expert (per-expert families) or one layer (GPT-OSS). */
 enum { QM__HF_GATE, QM__HF_UP, QM__HF_DOWN, QM__HF_GATE_SINV, QM__HF_UP_SINV, QM__HF_DOWN_SINV, QM__HF_PER_EXPERT };
@@ -42,7 +24,7 @@ typedef struct qm__hf_opts {
 
 typedef struct qm__hf_import {
     qm__hf_opts o;
-    const family *fam;
+    const qm__family *fam;
     qm__hf_checkpoint *ck;
     uint32_t model_layers, n_moe, E, H, I, k;
     uint32_t mtp_layers; /* DeepSeek's num_nextn_predict_layers, after the model's layers */

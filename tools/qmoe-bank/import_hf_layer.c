@@ -160,7 +160,7 @@ int qm__hf_convert_layer(qm__hf_import *im, qm_bank_writer *w, uint32_t li, qm__
             (rc = qm_bank_writer_put(w, li, QM_T_FC2_WEIGHT, e * fc2_w, b->packed[1], fc2_w, st)) ||
             (rc = qm_bank_writer_put(w, li, QM_T_FC2_SCALES, e * fc2_s, b->scales[1], fc2_s, st)))
             return rc;
-        if (lsrc) {
+        if (lsrc && lsrc[QM__HF_FUSED_GATE_UP_BIAS]) {
             for (int p = 0; p < 2; p++) {
                 const qm__hf_tensor *t = lsrc[p ? QM__HF_FUSED_DOWN_BIAS : QM__HF_FUSED_GATE_UP_BIAS];
                 uint64_t N = p ? H : 2ull * I;

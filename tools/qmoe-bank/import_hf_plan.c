@@ -1,5 +1,6 @@
-/* import_hf_plan.c - `import hf`: the families, config.json, and the check of
- * every tensor the import will read against the config, before any output. */
+/* import_hf_plan.c - `import hf`: config.json read through the family's
+ * descriptor (import_families.h), and the check of every tensor the import
+ * will read against the config, before any output. */
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -7,24 +8,6 @@
 
 #include "import_hf_impl.h"
 #include "qm_alloc.h"
-
-static const family families[] = {
-    {"mixtral", "MixtralForCausalLM", FAM_MIXTRAL, "block_sparse_moe", "w1", "w3", "w2", "gate",
-     "intermediate_size"},
-    {"qwen2_moe", "Qwen2MoeForCausalLM", FAM_QWEN2_MOE, "mlp", "gate_proj", "up_proj", "down_proj",
-     "gate", "moe_intermediate_size"},
-    {"qwen3_moe", "Qwen3MoeForCausalLM", FAM_QWEN3_MOE, "mlp", "gate_proj", "up_proj", "down_proj",
-     "gate", "moe_intermediate_size"},
-    {"olmoe", "OlmoeForCausalLM", FAM_OLMOE, "mlp", "gate_proj", "up_proj", "down_proj", "gate",
-     "intermediate_size"},
-    {"deepseek_v2", "DeepseekV2ForCausalLM", FAM_DEEPSEEK_V2, "mlp", "gate_proj", "up_proj",
-     "down_proj", "gate", "moe_intermediate_size"},
-    {"deepseek_v3", "DeepseekV3ForCausalLM", FAM_DEEPSEEK_V3, "mlp", "gate_proj", "up_proj",
-     "down_proj", "gate", "moe_intermediate_size"},
-    {"gpt_oss", "GptOssForCausalLM", FAM_GPT_OSS, "mlp", NULL, NULL, NULL, "router",
-     "intermediate_size"},
-};
-#define N_FAMILIES (sizeof families / sizeof families[0])
 
 /* ---- config.json --------------------------------------------------------- */
 
@@ -37,7 +20,7 @@ static int cfg_u32(qm__hf_import *im, const char *key, int required, uint32_t df
         if (required)
             return qm_status_set(st, QM_EINVALID_MODEL,
                                  "config.json: key \"%s\" is missing (a %s config needs it)", key,
-                                 im->fam->model_type);
+                                 im->fam->name);
         *out = dflt;
         return 0;
     }
@@ -78,17 +61,13 @@ static int find_family(qm__hf_import *im, qm_status *st)
     if (rc && rc != QM_ENOT_FOUND) return QM_EINVALID_MODEL;
     rc = qm_hf_json_array_string(c, "architectures", 0, &arch, st);
     if (rc && rc != QM_ENOT_FOUND) return QM_EINVALID_MODEL;
-    for (size_t i = 0; i < N_FAMILIES; i++)
-        if ((mt && strcmp(mt, families[i].model_type) == 0) ||
-            (!mt && arch && strcmp(arch, families[i].architecture) == 0)) {
-            im->fam = &families[i];
-            return 0;
-        }
+    if ((im->fam = qm__family_for_hf(mt, arch)) != NULL) return 0;
+    char names[256];
+    qm__family_names(0, names, sizeof names);
     return qm_status_set(st, QM_EUNSUPPORTED,
                          "config.json: model_type \"%.60s\" (architectures[0] \"%.60s\") is not a "
-                         "supported MoE family; supported: mixtral, qwen2_moe, qwen3_moe, olmoe, "
-                         "deepseek_v2, deepseek_v3, gpt_oss",
-                         mt ? mt : "(none)", arch ? arch : "(none)");
+                         "supported MoE family; supported: %s",
+                         mt ? mt : "(none)", arch ? arch : "(none)", names);
 }
 
 /* Which model layers have routed experts, per the family's rule. */
@@ -97,20 +76,21 @@ static int moe_layers(qm__hf_import *im, qm_status *st)
     const qm_hf_json *c = qm__hf_config(im->ck);
     uint32_t step = 1, first_dense = 0;
     int rc;
-    if (im->fam->id == FAM_QWEN2_MOE || im->fam->id == FAM_QWEN3_MOE) {
+    const int sparse_step = (im->fam->flags & QM__FAM_SPARSE_STEP) != 0;
+    if (sparse_step) {
         if ((rc = cfg_u32(im, "decoder_sparse_step", 0, 1, &step, st)) != 0) return rc;
         if (step == 0)
             return qm_status_set(st, QM_EINVALID_MODEL,
                                  "config.json: decoder_sparse_step is 0, expected >= 1");
     }
-    if (im->fam->id == FAM_DEEPSEEK_V2 || im->fam->id == FAM_DEEPSEEK_V3)
+    if (im->fam->flags & QM__FAM_DENSE_PREFIX)
         if ((rc = cfg_u32(im, "first_k_dense_replace", 0, 0, &first_dense, st)) != 0 ||
             (rc = cfg_u32(im, "num_nextn_predict_layers", 0, 0, &im->mtp_layers, st)) != 0)
             return rc;
     size_t n_only = 0;
     rc = qm_hf_json_array_len(c, "mlp_only_layers", &n_only, st);
     if (rc && rc != QM_ENOT_FOUND) return QM_EINVALID_MODEL;
-    if (rc == QM_ENOT_FOUND || (im->fam->id != FAM_QWEN2_MOE && im->fam->id != FAM_QWEN3_MOE))
+    if (rc == QM_ENOT_FOUND || !sparse_step)
         n_only = 0;
     im->layer_map = qm_calloc(im->model_layers ? im->model_layers : 1, sizeof *im->layer_map);
     if (!im->layer_map) return qm_status_set(st, QM_ENOMEM, "out of memory");
@@ -130,6 +110,55 @@ static int moe_layers(qm__hf_import *im, qm_status *st)
                              "config.json: no layer of the %u has routed experts "
                              "(first_k_dense_replace / decoder_sparse_step / mlp_only_layers)",
                              im->model_layers);
+    return 0;
+}
+
+/* The family's routing rule, from the config keys its descriptor names. */
+static int read_routing(qm__hf_import *im, qm_status *st)
+{
+    const qm__family *f = im->fam;
+    const qm_hf_json *c = qm__hf_config(im->ck);
+    int rc;
+    im->alpha = 1.0f;
+    im->beta = 0.0f;
+    im->limit = INFINITY;
+    im->score = f->score;
+    im->normalize = f->normalize_default;
+    im->scale = f->scale_default;
+    if (f->normalize_key && (rc = cfg_bool(im, f->normalize_key, f->normalize_default,
+                                           &im->normalize, st)) != 0)
+        return rc;
+    if (f->scale_key && (rc = cfg_num(im, f->scale_key, f->scale_default, &im->scale, st)) != 0)
+        return rc;
+    int grouped = f->groups == QM__GROUPS_ALWAYS;
+    if (f->groups == QM__GROUPS_BY_TOPK_METHOD) {
+        const char *method = "greedy";
+        rc = qm_hf_json_string(c, "topk_method", &method, st);
+        if (rc && rc != QM_ENOT_FOUND) return QM_EINVALID_MODEL;
+        grouped = strcmp(method, "group_limited_greedy") == 0;
+        if (!grouped && strcmp(method, "greedy") != 0)
+            return qm_status_set(st, QM_EUNSUPPORTED,
+                                 "config.json: topk_method \"%.40s\" is not supported for %s "
+                                 "(greedy, group_limited_greedy)",
+                                 method, f->name);
+    }
+    if (grouped) {
+        int required = f->n_group_default == 0;
+        if ((rc = cfg_u32(im, "n_group", required, f->n_group_default, &im->groups, st)) != 0 ||
+            (rc = cfg_u32(im, "topk_group", required, f->topk_group_default, &im->topk_groups,
+                          st)) != 0)
+            return rc;
+        im->group_score = f->group_score;
+    }
+    if (f->flags & QM__FAM_OAI_SWIGLU) {
+        double a, lim;
+        if ((rc = cfg_num(im, "swiglu_alpha", 1.702, &a, st)) != 0 ||
+            (rc = cfg_num(im, "swiglu_limit", 7.0, &lim, st)) != 0)
+            return rc;
+        im->alpha = (float)a;
+        im->beta = 1.0f;
+        im->limit = (float)lim;
+    }
     return 0;
 }
 
@@ -165,60 +194,7 @@ int qm__hf_read_config(qm__hf_import *im, qm_status *st)
                              "hidden/intermediate <= 2^20)");
     if ((rc = moe_layers(im, st)) != 0) return rc;
 
-    im->alpha = 1.0f;
-    im->beta = 0.0f;
-    im->limit = INFINITY;
-    im->score = "softmax";
-    im->normalize = 1;
-    im->scale = 1.0;
-    const qm_hf_json *c = qm__hf_config(im->ck);
-    switch (im->fam->id) {
-    case FAM_MIXTRAL:
-        break;
-    case FAM_QWEN2_MOE:
-    case FAM_QWEN3_MOE:
-    case FAM_OLMOE:
-        if ((rc = cfg_bool(im, "norm_topk_prob", 0, &im->normalize, st)) != 0) return rc;
-        break;
-    case FAM_DEEPSEEK_V2: {
-        const char *method = "greedy";
-        rc = qm_hf_json_string(c, "topk_method", &method, st);
-        if (rc && rc != QM_ENOT_FOUND) return QM_EINVALID_MODEL;
-        im->normalize = 0; /* transformers' DeepseekV2TopkRouter never renormalises */
-        if ((rc = cfg_num(im, "routed_scaling_factor", 1.0, &im->scale, st)) != 0) return rc;
-        if (strcmp(method, "group_limited_greedy") == 0) {
-            if ((rc = cfg_u32(im, "n_group", 1, 0, &im->groups, st)) != 0 ||
-                (rc = cfg_u32(im, "topk_group", 1, 0, &im->topk_groups, st)) != 0)
-                return rc;
-            im->group_score = "max";
-        } else if (strcmp(method, "greedy") != 0) {
-            return qm_status_set(st, QM_EUNSUPPORTED,
-                                 "config.json: topk_method \"%.40s\" is not supported for "
-                                 "deepseek_v2 (greedy, group_limited_greedy)",
-                                 method);
-        }
-        break;
-    }
-    case FAM_DEEPSEEK_V3:
-        im->score = "sigmoid";
-        if ((rc = cfg_bool(im, "norm_topk_prob", 1, &im->normalize, st)) != 0 ||
-            (rc = cfg_num(im, "routed_scaling_factor", 2.5, &im->scale, st)) != 0 ||
-            (rc = cfg_u32(im, "n_group", 0, 8, &im->groups, st)) != 0 ||
-            (rc = cfg_u32(im, "topk_group", 0, 4, &im->topk_groups, st)) != 0)
-            return rc;
-        im->group_score = "top2_sum";
-        break;
-    case FAM_GPT_OSS: {
-        double a, lim;
-        if ((rc = cfg_num(im, "swiglu_alpha", 1.702, &a, st)) != 0 ||
-            (rc = cfg_num(im, "swiglu_limit", 7.0, &lim, st)) != 0)
-            return rc;
-        im->alpha = (float)a;
-        im->beta = 1.0f;
-        im->limit = (float)lim;
-        break;
-    }
-    }
+    if ((rc = read_routing(im, st)) != 0) return rc;
     if (im->groups) {
         if (im->groups > im->E || im->E % im->groups || !im->topk_groups ||
             im->topk_groups > im->groups)
@@ -231,13 +207,13 @@ int qm__hf_read_config(qm__hf_import *im, qm_status *st)
         return qm_status_set(st, QM_EINVALID_MODEL,
                              "config.json: routed_scaling_factor %g, expected > 0", im->scale);
     /* Quantised sources. */
+    const qm_hf_json *c = qm__hf_config(im->ck);
     const char *qm = NULL;
     rc = qm_hf_json_string(c, "quantization_config/quant_method", &qm, st);
     if (rc && rc != QM_ENOT_FOUND) return QM_EINVALID_MODEL;
-    if (qm && strcmp(qm, "mxfp4") == 0 && im->fam->id == FAM_GPT_OSS) {
+    if (qm && strcmp(qm, "mxfp4") == 0 && (im->fam->flags & QM__FAM_MXFP4)) {
         im->mxfp4 = 1;
-    } else if (qm && strcmp(qm, "fp8") == 0 &&
-               (im->fam->id == FAM_DEEPSEEK_V3 || im->fam->id == FAM_DEEPSEEK_V2)) {
+    } else if (qm && strcmp(qm, "fp8") == 0 && (im->fam->flags & QM__FAM_FP8)) {
         im->fp8 = 1;
         double bn = 128, bk = 128;
         size_t n = 0;
@@ -253,10 +229,19 @@ int qm__hf_read_config(qm__hf_import *im, qm_status *st)
         im->fp8_bn = (uint32_t)bn;
         im->fp8_bk = (uint32_t)bk;
     } else if (qm) {
+        char which[256] = "";
+        size_t at = 0;
+        for (size_t i = 0; i < qm__n_families && at < sizeof which; i++) {
+            unsigned fl = qm__families[i].flags;
+            if (fl & (QM__FAM_MXFP4 | QM__FAM_FP8))
+                at += (size_t)snprintf(which + at, sizeof which - at, "%s%s for %s",
+                                       at ? ", " : "", fl & QM__FAM_MXFP4 ? "mxfp4" : "fp8",
+                                       qm__families[i].name);
+        }
         return qm_status_set(st, QM_EUNSUPPORTED,
                              "config.json: quantization_config.quant_method \"%.40s\" is not "
-                             "supported for %s (supported: mxfp4 for gpt_oss, fp8 for deepseek)",
-                             qm, im->fam->model_type);
+                             "supported for %s (supported: %s)",
+                             qm, im->fam->name, which);
     }
     return 0;
 }
@@ -289,7 +274,7 @@ static int expect(qm__hf_import *im, const char *name, unsigned elems, uint32_t 
                                  f, name);
         return qm_status_set(st, QM_EINVALID_MODEL,
                              "checkpoint has no tensor %.120s (a %s checkpoint needs it)", name,
-                             im->fam->model_type);
+                             im->fam->name);
     }
     const char *file = qm__hf_shard_name(im->ck, t->shard);
     if (!(elems & (1u << t->elem))) {
@@ -328,14 +313,15 @@ static int check_absent(qm__hf_import *im, const char *name, const char *why, qm
 
 int qm__hf_resolve(qm__hf_import *im, qm_status *st)
 {
-    const family *f = im->fam;
+    const qm__family *f = im->fam;
     uint32_t E = im->E, H = im->H, I = im->I;
     size_t nl = im->n_moe;
     im->router_w = qm_calloc(nl, sizeof *im->router_w);
     im->router_b = qm_calloc(nl, sizeof *im->router_b);
     im->corr = qm_calloc(nl, sizeof *im->corr);
     im->layer_bytes = qm_calloc(nl, sizeof *im->layer_bytes);
-    if (f->gate)
+    const int fused = (f->flags & QM__FAM_FUSED_EXPERTS) != 0;
+    if (!fused)
         im->expert_src = qm_calloc(nl * E * QM__HF_PER_EXPERT, sizeof *im->expert_src);
     else
         im->layer_src = qm_calloc(nl * QM__HF_FUSED_COUNT, sizeof *im->layer_src);
@@ -352,17 +338,18 @@ int qm__hf_resolve(qm__hf_import *im, qm_status *st)
         snprintf(name, sizeof name, "model.layers.%u.%s.%s.weight", l, f->moe, f->router);
         if ((rc = expect(im, name, ELEM_FLOAT, 2, rshape, why, &im->router_w[li], st)) != 0)
             return rc;
-        if (f->id == FAM_GPT_OSS) {
-            snprintf(name, sizeof name, "model.layers.%u.mlp.router.bias", l);
+        if (f->flags & QM__FAM_ROUTER_BIAS) {
+            snprintf(name, sizeof name, "model.layers.%u.%s.%s.bias", l, f->moe, f->router);
             if ((rc = expect(im, name, ELEM_FLOAT, 1, rshape, why, &im->router_b[li], st)) != 0)
                 return rc;
         }
-        if (f->id == FAM_DEEPSEEK_V3) {
-            snprintf(name, sizeof name, "model.layers.%u.mlp.gate.e_score_correction_bias", l);
+        if (f->flags & QM__FAM_CORRECTION_BIAS) {
+            snprintf(name, sizeof name, "model.layers.%u.%s.%s.e_score_correction_bias", l, f->moe,
+                     f->router);
             if ((rc = expect(im, name, ELEM_FLOAT, 1, rshape, why, &im->corr[li], st)) != 0)
                 return rc;
         }
-        if (f->gate) {
+        if (!fused) {
             const char *proj[3] = {f->gate, f->up, f->down};
             for (uint32_t e = 0; e < E; e++) {
                 const qm__hf_tensor **src = &im->expert_src[(li * E + e) * QM__HF_PER_EXPERT];
@@ -403,33 +390,44 @@ int qm__hf_resolve(qm__hf_import *im, qm_status *st)
                                          H, I);
                 uint64_t gb[4] = {E, 2ull * I, H / 32, 16}, gs[3] = {E, 2ull * I, H / 32};
                 uint64_t db[4] = {E, H, I / 32, 16}, ds[3] = {E, H, I / 32};
-                snprintf(name, sizeof name, "model.layers.%u.mlp.experts.gate_up_proj_blocks", l);
+                snprintf(name, sizeof name, "model.layers.%u.%s.experts.gate_up_proj_blocks", l,
+                         f->moe);
                 if ((rc = expect(im, name, 1u << QM__ELEM_U8, 4, gb, why, &src[QM__HF_FUSED_GATE_UP], st)))
                     return rc;
-                snprintf(name, sizeof name, "model.layers.%u.mlp.experts.gate_up_proj_scales", l);
+                snprintf(name, sizeof name, "model.layers.%u.%s.experts.gate_up_proj_scales", l,
+                         f->moe);
                 if ((rc = expect(im, name, 1u << QM__ELEM_U8, 3, gs, why, &src[QM__HF_FUSED_GATE_UP_SCALES],
                                  st)))
                     return rc;
-                snprintf(name, sizeof name, "model.layers.%u.mlp.experts.down_proj_blocks", l);
+                snprintf(name, sizeof name, "model.layers.%u.%s.experts.down_proj_blocks", l,
+                         f->moe);
                 if ((rc = expect(im, name, 1u << QM__ELEM_U8, 4, db, why, &src[QM__HF_FUSED_DOWN], st)))
                     return rc;
-                snprintf(name, sizeof name, "model.layers.%u.mlp.experts.down_proj_scales", l);
+                snprintf(name, sizeof name, "model.layers.%u.%s.experts.down_proj_scales", l,
+                         f->moe);
                 if ((rc = expect(im, name, 1u << QM__ELEM_U8, 3, ds, why, &src[QM__HF_FUSED_DOWN_SCALES], st)))
                     return rc;
                 bytes += src[QM__HF_FUSED_GATE_UP_SCALES]->nbytes + src[QM__HF_FUSED_DOWN_SCALES]->nbytes;
             } else {
                 uint64_t gu[3] = {E, H, 2ull * I}, dn[3] = {E, I, H};
-                snprintf(name, sizeof name, "model.layers.%u.mlp.experts.gate_up_proj", l);
+                snprintf(name, sizeof name, "model.layers.%u.%s.experts.gate_up_proj", l, f->moe);
                 if ((rc = expect(im, name, ELEM_FLOAT, 3, gu, why, &src[QM__HF_FUSED_GATE_UP], st))) return rc;
-                snprintf(name, sizeof name, "model.layers.%u.mlp.experts.down_proj", l);
+                snprintf(name, sizeof name, "model.layers.%u.%s.experts.down_proj", l, f->moe);
                 if ((rc = expect(im, name, ELEM_FLOAT, 3, dn, why, &src[QM__HF_FUSED_DOWN], st))) return rc;
             }
             bytes += src[QM__HF_FUSED_GATE_UP]->nbytes + src[QM__HF_FUSED_DOWN]->nbytes;
-            snprintf(name, sizeof name, "model.layers.%u.mlp.experts.gate_up_proj_bias", l);
-            if ((rc = expect(im, name, ELEM_FLOAT, 2, b1, why, &src[QM__HF_FUSED_GATE_UP_BIAS], st)))
-                return rc;
-            snprintf(name, sizeof name, "model.layers.%u.mlp.experts.down_proj_bias", l);
-            if ((rc = expect(im, name, ELEM_FLOAT, 2, b2, why, &src[QM__HF_FUSED_DOWN_BIAS], st))) return rc;
+            if (f->flags & QM__FAM_EXPERT_BIASES) {
+                snprintf(name, sizeof name, "model.layers.%u.%s.experts.gate_up_proj_bias", l,
+                         f->moe);
+                if ((rc = expect(im, name, ELEM_FLOAT, 2, b1, why,
+                                 &src[QM__HF_FUSED_GATE_UP_BIAS], st)))
+                    return rc;
+                snprintf(name, sizeof name, "model.layers.%u.%s.experts.down_proj_bias", l,
+                         f->moe);
+                if ((rc = expect(im, name, ELEM_FLOAT, 2, b2, why, &src[QM__HF_FUSED_DOWN_BIAS],
+                                 st)))
+                    return rc;
+            }
         }
         im->layer_bytes[li] = bytes;
     }
@@ -442,11 +440,11 @@ int qm__hf_resolve(qm__hf_import *im, qm_status *st)
             li++;
             continue;
         }
-        if (f->gate)
+        if (!fused)
             snprintf(name, sizeof name, "model.layers.%u.%s.experts.0.%s.weight", l, f->moe,
                      f->gate);
         else
-            snprintf(name, sizeof name, "model.layers.%u.mlp.experts.%s", l,
+            snprintf(name, sizeof name, "model.layers.%u.%s.experts.%s", l, f->moe,
                      im->mxfp4 ? "gate_up_proj_blocks" : "gate_up_proj");
         char lwhy[128];
         if (l >= im->model_layers)

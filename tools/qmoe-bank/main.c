@@ -2,6 +2,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "import_families.h"
 #include "qmoe_bank_tool.h"
 
 static void help_main(FILE *f)
@@ -16,7 +17,8 @@ static void help_main(FILE *f)
           "  inspect  validate a bank and print its summary, tensors and region catalogs\n"
           "  run      run one MoE layer of a bank on the CPU engine (.npy in, .npy out)\n"
           "  import   import a model's experts: import hf DIR (a Hugging Face checkpoint),\n"
-          "           import gguf FILE (a llama.cpp GGUF file)\n"
+          "           import gguf FILE (a llama.cpp GGUF file); import --families lists\n"
+          "           the families both read, as JSON\n"
           "\n"
           "`qmoe-bank <command> --help` describes each command.\n"
           "exit status: 0 ok, 1 runtime failure, 2 bad usage or invalid file.\n",
@@ -70,6 +72,10 @@ static int import_main(int argc, char **argv)
         {"hf", qm__cmd_import_hf},
         {"gguf", qm__cmd_import_gguf},
     };
+    if (argc >= 2 && strcmp(argv[1], "--families") == 0) {
+        qm__families_json(stdout);
+        return QM__EXIT_OK;
+    }
     if (argc >= 2 && (strcmp(argv[1], "--help") == 0 || strcmp(argv[1], "-h") == 0)) {
         qm__help_import_hf(stdout);
         fputc('\n', stdout);
