@@ -25,8 +25,7 @@ float qm_f16_to_f32(uint16_t h)
     if (exp == 0x1f) /* inf / NaN (payload kept, made quiet) */
         return float_of(sign | 0x7f800000u | (man << 13) | (man ? 0x400000u : 0));
     if (exp == 0) {
-        if (man == 0)
-            return float_of(sign);
+        if (man == 0) return float_of(sign);
         /* Subnormal: value = man * 2^-24, exact in f32. */
         float v = (float)man * 5.9604644775390625e-8f;
         return sign ? -v : v;
@@ -43,26 +42,22 @@ uint16_t qm_f32_to_f16(float f)
     if (exp == 0xff) /* inf stays inf; NaN stays a quiet NaN */
         return (uint16_t)(sign | 0x7c00u | (man ? 0x200u | (man >> 13) : 0));
     int e = (int)exp - 127 + 15;
-    if (e >= 0x1f)
-        return (uint16_t)(sign | 0x7c00u); /* overflow to inf */
+    if (e >= 0x1f) return (uint16_t)(sign | 0x7c00u); /* overflow to inf */
     if (e <= 0) {
         /* Subnormal or zero in f16: shift the full significand, round to even. */
-        if (e < -10)
-            return sign;
+        if (e < -10) return sign;
         uint32_t full = man | 0x800000u;
         uint32_t shift = (uint32_t)(14 - e);
         uint32_t half = full >> shift;
         uint32_t rem = full & ((1u << shift) - 1);
         uint32_t mid = 1u << (shift - 1);
-        if (rem > mid || (rem == mid && (half & 1)))
-            half++;
+        if (rem > mid || (rem == mid && (half & 1))) half++;
         return (uint16_t)(sign | half);
     }
     uint32_t half = ((uint32_t)e << 10) | (man >> 13);
     uint32_t rem = man & 0x1fffu;
     /* A carry out of the mantissa correctly bumps the exponent (up to inf). */
-    if (rem > 0x1000u || (rem == 0x1000u && (half & 1)))
-        half++;
+    if (rem > 0x1000u || (rem == 0x1000u && (half & 1))) half++;
     return (uint16_t)(sign | half);
 }
 

@@ -18,7 +18,7 @@
 #include "qm_alloc.h"
 #include "qm_io.h"
 
-#define PARTIAL_MAGIC "QMOEPART"   /* bytes 0..7 of an unfinished file */
+#define PARTIAL_MAGIC "QMOEPART" /* bytes 0..7 of an unfinished file */
 #define TRAILER_MAGIC "QMIMPRT1"
 
 typedef struct trailer {
@@ -37,7 +37,7 @@ struct qm_bank_writer {
     uint64_t *begin;           /* [layers][QM_T_COUNT], from the start of the data */
     qm_st_tensor *tensors;     /* the header's, in listing order */
     size_t n_tensors;
-    qm_st_meta *meta; /* copies */
+    qm_st_meta *meta;        /* copies */
     size_t n_meta, deferred; /* deferred: index into meta, or n_meta for none */
     uint64_t data_start, total, header_len;
     uint32_t layers_done, layers_this_run;
@@ -64,8 +64,9 @@ void qm_bank_plan_layer(const qm_bank_config *cfg, const qm_bank_layer_opts *o,
     const int bias[3] = {o->fc1_bias, o->fc2_bias, o->fc3_bias};
     memset(t, 0, QM_T_COUNT * sizeof *t);
     for (int p = 0; p < nproj; p++) {
-        uint64_t n = p == 0 ? (fused ? 2ull * cfg->inter : cfg->inter) : p == 1 ? cfg->hidden
-                                                                               : cfg->inter;
+        uint64_t n = p == 0   ? (fused ? 2ull * cfg->inter : cfg->inter)
+                     : p == 1 ? cfg->hidden
+                              : cfg->inter;
         uint64_t k = p == 1 ? cfg->inter : cfg->hidden;
         uint64_t nblk = cfg->block_size ? ceil_div(k, cfg->block_size) : 1;
         qm_bank_plan_tensor *w = &t[QM_T_FC1_WEIGHT + 4 * p];
@@ -129,8 +130,10 @@ void qm_bank_std_meta(const qm_bank_config *c, char v[12][32], qm_st_meta *meta)
 
 static const char *st_dtype_name(qm_dtype d)
 {
-    return d == QM_DTYPE_F32 ? "F32" : d == QM_DTYPE_F16 ? "F16" : d == QM_DTYPE_BF16 ? "BF16"
-                                                                                       : "U8";
+    return d == QM_DTYPE_F32    ? "F32"
+           : d == QM_DTYPE_F16  ? "F16"
+           : d == QM_DTYPE_BF16 ? "BF16"
+                                : "U8";
 }
 
 static uint64_t plan_bytes(const qm_bank_plan_tensor *p)
@@ -146,8 +149,8 @@ static uint64_t plan_bytes(const qm_bank_plan_tensor *p)
  * layer, in the spec's order. */
 static int plan_file(qm_bank_writer *w, const qm_bank_writer_spec *s, qm_status *st)
 {
-    static const qm_bank_tensor natural[QM_T_COUNT] = {
-        0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14};
+    static const qm_bank_tensor natural[QM_T_COUNT] = {0, 1, 2,  3,  4,  5,  6, 7,
+                                                       8, 9, 10, 11, 12, 13, 14};
     const qm_bank_tensor *order = s->order ? s->order : natural;
     size_t n_order = s->order ? s->n_order : QM_T_COUNT;
     size_t cells = (size_t)w->layers * QM_T_COUNT;
@@ -283,10 +286,9 @@ static int take_partial(qm_bank_writer *w, int *existed, qm_status *st)
         *existed = 0;
         int fd = open(w->partial, O_RDWR | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0644);
         if (fd < 0 && errno != EEXIST)
-            return qm_status_set(st, errno == ENOENT || errno == ENOTDIR || errno == EACCES
-                                         ? QM_EINVAL
-                                         : QM_EIO,
-                                 "cannot create %.200s: %s", w->partial, strerror(errno));
+            return qm_status_set(
+                st, errno == ENOENT || errno == ENOTDIR || errno == EACCES ? QM_EINVAL : QM_EIO,
+                "cannot create %.200s: %s", w->partial, strerror(errno));
         if (fd < 0) {
             struct stat lsb;
             if (lstat(w->partial, &lsb) != 0) continue; /* gone again: retry */
@@ -332,7 +334,8 @@ static int take_partial(qm_bank_writer *w, int *existed, qm_status *st)
 
 static int write_trailer(qm_bank_writer *w, uint32_t layers_done, double value, qm_status *st)
 {
-    trailer tr = {.layers_done = layers_done, .value = value, .bank_bytes = w->data_start + w->total};
+    trailer tr = {
+        .layers_done = layers_done, .value = value, .bank_bytes = w->data_start + w->total};
     memcpy(tr.magic, TRAILER_MAGIC, 8);
     return pwrite_all(w, &tr, sizeof tr, w->data_start + w->total, st);
 }
@@ -400,7 +403,7 @@ static void kill_hook(qm_bank_writer *w)
     const char *n = getenv("QMOE_IMPORT_KILL_AFTER_LAYERS");
     const char *sig = getenv("QMOE_IMPORT_KILL_SIGNAL");
     w->kill_after = n && *n ? strtol(n, NULL, 10) : 0;
-    w->kill_signal = !sig || !*sig            ? SIGKILL
+    w->kill_signal = !sig || !*sig              ? SIGKILL
                      : strcmp(sig, "TERM") == 0 ? SIGTERM
                      : strcmp(sig, "INT") == 0  ? SIGINT
                                                 : SIGKILL;
@@ -477,8 +480,8 @@ int qm_bank_writer_put(qm_bank_writer *w, uint32_t layer, int t, uint64_t at, co
     uint64_t size = qm_bank_writer_tensor_bytes(w, layer, t);
     if (at > size || n > size - at)
         return qm_status_set(st, QM_EINTERNAL, "write past tensor %d of layer %u", t, layer);
-    return pwrite_all(w, buf, n, w->data_start + w->begin[(size_t)layer * QM_T_COUNT + (size_t)t] + at,
-                      st);
+    return pwrite_all(w, buf, n,
+                      w->data_start + w->begin[(size_t)layer * QM_T_COUNT + (size_t)t] + at, st);
 }
 
 static double seconds_since(const struct timespec *t0)
@@ -488,8 +491,8 @@ static double seconds_since(const struct timespec *t0)
     return (double)(now.tv_sec - t0->tv_sec) + 1e-9 * (double)(now.tv_nsec - t0->tv_nsec);
 }
 
-int qm_bank_writer_layer_done(qm_bank_writer *w, uint32_t layer, double value,
-                              uint64_t source_done, uint64_t source_total, qm_status *st)
+int qm_bank_writer_layer_done(qm_bank_writer *w, uint32_t layer, double value, uint64_t source_done,
+                              uint64_t source_total, qm_status *st)
 {
     /* Data first, then the record that says it is there. */
     if (fdatasync(w->fd) != 0)
@@ -538,8 +541,7 @@ static int reopen_check(qm_bank_writer *w, qm_status *st)
     int rc = qm_bank_open_memory(m, size, &bank, &bst);
     qm_bank_close(bank);
     munmap(m, size);
-    if (rc)
-        return qm_status_set(st, QM_EINTERNAL, "the written bank does not open: %s", bst.msg);
+    if (rc) return qm_status_set(st, QM_EINTERNAL, "the written bank does not open: %s", bst.msg);
     return 0;
 }
 

@@ -39,10 +39,10 @@ typedef struct qm_bank_plan_tensor {
 
 /* Which optional tensors a layer has, and their dtypes. */
 typedef struct qm_bank_layer_opts {
-    qm_dtype scale_dtype; /* fc*.scales */
-    qm_dtype bias_dtype;  /* fc*.bias */
+    qm_dtype scale_dtype;  /* fc*.scales */
+    qm_dtype bias_dtype;   /* fc*.bias */
     qm_dtype router_dtype; /* router.weight, router.bias */
-    int zero_points;      /* fc*.zero_points (asymmetric) */
+    int zero_points;       /* fc*.zero_points (asymmetric) */
     int fc1_bias, fc2_bias, fc3_bias;
     int router_weight, router_bias, correction_bias; /* correction bias: F32 [E] */
 } qm_bank_layer_opts;
@@ -103,8 +103,8 @@ int qm_bank_writer_put(qm_bank_writer *w, uint32_t layer, int t, uint64_t at, co
  * in the environment sends the process QMOE_IMPORT_KILL_SIGNAL (KILL, TERM
  * or INT; default KILL) right after the Nth layer of this run is recorded:
  * the tests' stand-in for a crash or a Ctrl-C. */
-int qm_bank_writer_layer_done(qm_bank_writer *w, uint32_t layer, double value,
-                              uint64_t source_done, uint64_t source_total, qm_status *st);
+int qm_bank_writer_layer_done(qm_bank_writer *w, uint32_t layer, double value, uint64_t source_done,
+                              uint64_t source_total, qm_status *st);
 /* Layers recorded done so far (resumed ones included). */
 uint32_t qm_bank_writer_layers_done(const qm_bank_writer *w);
 /* Turns the progress line on; its rate counts from now, source_done being

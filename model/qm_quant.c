@@ -65,7 +65,7 @@ static inline float rtn_quotient(float x, float s, float inv)
 /* The smallest positive value of a scale dtype. */
 static float smallest_positive(qm_dtype dt)
 {
-    if (dt == QM_DTYPE_F16) return 5.9604645e-8f; /* 2^-24 */
+    if (dt == QM_DTYPE_F16) return 5.9604645e-8f;    /* 2^-24 */
     if (dt == QM_DTYPE_BF16) return 9.18354962e-41f; /* 2^-133 */
     return 1.40129846e-45f;
 }
@@ -172,18 +172,18 @@ static float quant_block_asym(const qm_quant_spec *q, const float *w, uint64_t l
     return stored;
 }
 
-int qm_quant_row(const qm_quant_spec *q, const float *w, uint64_t k, uint8_t *packed,
-                 void *scales, uint64_t scale_at, uint8_t *zero_points, qm_quant_error *err)
+int qm_quant_row(const qm_quant_spec *q, const float *w, uint64_t k, uint8_t *packed, void *scales,
+                 uint64_t scale_at, uint8_t *zero_points, qm_quant_error *err)
 {
     if (!qm_quant_finite(w, k)) return QM_EINVAL;
     uint64_t step = q->block_size ? q->block_size : k;
     qm_quant_error local = QM_QUANT_ERROR_INIT, *e = err ? err : &local;
     for (uint64_t b = 0, lo = 0; lo < k; b++, lo += step) {
         uint64_t hi = lo + step < k ? lo + step : k;
-        float stored = q->asymmetric ? quant_block_asym(q, w, lo, hi, packed, &zero_points[b],
-                                                        &e->diff2, &e->ref2, &e->exact)
-                                     : quant_block_sym(q, w, lo, hi, packed, &e->diff2, &e->ref2,
-                                                       &e->exact);
+        float stored = q->asymmetric
+                           ? quant_block_asym(q, w, lo, hi, packed, &zero_points[b], &e->diff2,
+                                              &e->ref2, &e->exact)
+                           : quant_block_sym(q, w, lo, hi, packed, &e->diff2, &e->ref2, &e->exact);
         qm_quant_store(scales, q->scale_dtype, scale_at + b, stored);
     }
     return 0;

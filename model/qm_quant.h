@@ -62,8 +62,8 @@ double qm_quant_error_rel(const qm_quant_error *e);
  * depends on the tensor, BANK_FORMAT.md). err (may be NULL) accumulates the
  * error against the stored scale. Returns 0, or QM_EINVAL when w holds a
  * NaN or an infinity (the outputs are then unspecified). */
-int qm_quant_row(const qm_quant_spec *q, const float *w, uint64_t k, uint8_t *packed,
-                 void *scales, uint64_t scale_at, uint8_t *zero_points, qm_quant_error *err);
+int qm_quant_row(const qm_quant_spec *q, const float *w, uint64_t k, uint8_t *packed, void *scales,
+                 uint64_t scale_at, uint8_t *zero_points, qm_quant_error *err);
 
 /* 1 when every one of the n values is finite. */
 int qm_quant_finite(const float *w, uint64_t n);

@@ -31,20 +31,33 @@ static void setup(fixture *f, const char *source)
     ck_assert_ptr_nonnull(mkdtemp(f->dir));
     snprintf(f->out, sizeof f->out, "%s/b.bank", f->dir);
     snprintf(f->partial, sizeof f->partial, "%s.partial", f->out);
-    f->cfg = (qm_bank_config){.layers = 2, .experts = 3, .hidden = 32, .inter = 16, .k = 2,
-                              .bits = 4, .block_size = 16, .activation = QM_ACT_SWIGLU,
-                              .swiglu_fusion = 1, .normalize_routing = 1, .alpha = 1.0f,
+    f->cfg = (qm_bank_config){.layers = 2,
+                              .experts = 3,
+                              .hidden = 32,
+                              .inter = 16,
+                              .k = 2,
+                              .bits = 4,
+                              .block_size = 16,
+                              .activation = QM_ACT_SWIGLU,
+                              .swiglu_fusion = 1,
+                              .normalize_routing = 1,
+                              .alpha = 1.0f,
                               .limit = 1e30f};
-    const qm_bank_layer_opts lo = {.scale_dtype = QM_DTYPE_F16, .bias_dtype = QM_DTYPE_F32,
-                                   .router_dtype = QM_DTYPE_F32, .fc1_bias = 1,
+    const qm_bank_layer_opts lo = {.scale_dtype = QM_DTYPE_F16,
+                                   .bias_dtype = QM_DTYPE_F32,
+                                   .router_dtype = QM_DTYPE_F32,
+                                   .fc1_bias = 1,
                                    .router_weight = 1};
     for (uint32_t l = 0; l < 2; l++)
         qm_bank_plan_layer(&f->cfg, &lo, &f->plan[l * QM_T_COUNT]);
     qm_bank_std_meta(&f->cfg, f->values, f->meta);
     size_t n = QM_BANK_STD_META;
     if (source) f->meta[n++] = (qm_st_meta){"qmoe.source", (char *)source};
-    f->spec = (qm_bank_writer_spec){.layers = 2, .experts = 3, .tensors = f->plan,
-                                    .meta = f->meta, .n_meta = n,
+    f->spec = (qm_bank_writer_spec){.layers = 2,
+                                    .experts = 3,
+                                    .tensors = f->plan,
+                                    .meta = f->meta,
+                                    .n_meta = n,
                                     .deferred_key = source ? "qmoe.source" : NULL,
                                     .tool = "test"};
 }
@@ -95,8 +108,7 @@ START_TEST(test_writer_plans_the_loaders_layout_and_finishes_a_bank)
     ck_assert_uint_eq(qm_bank_writer_tensor_bytes(w, 0, QM_T_FC3_WEIGHT), 0);
     /* writing past a tensor is refused */
     uint8_t b = 0;
-    ck_assert_int_eq(qm_bank_writer_put(w, 0, QM_T_FC1_BIAS, 3 * 32 * 4, &b, 1, &st),
-                     QM_EINTERNAL);
+    ck_assert_int_eq(qm_bank_writer_put(w, 0, QM_T_FC1_BIAS, 3 * 32 * 4, &b, 1, &st), QM_EINTERNAL);
     ck_assert(!exists(f.out) && exists(f.partial));
     for (uint32_t l = 0; l < 2; l++) {
         put_layer(w, l, (uint8_t)(0x11 * (l + 1)));
@@ -106,10 +118,10 @@ START_TEST(test_writer_plans_the_loaders_layout_and_finishes_a_bank)
     uint64_t bytes = 0;
     /* the deferred value must keep its length */
     ck_assert_int_eq(qm_bank_writer_finish(w, "{\"format\":\"hf\"}", &bytes, &st), QM_EINTERNAL);
-    ck_assert_int_eq(qm_bank_writer_finish(
-                         w, "{\"format\":\"hf\",\"exact\":false,\"max_rel_err\":2.500000e-01}",
-                         &bytes, &st),
-                     0);
+    ck_assert_int_eq(
+        qm_bank_writer_finish(w, "{\"format\":\"hf\",\"exact\":false,\"max_rel_err\":2.500000e-01}",
+                              &bytes, &st),
+        0);
     qm_bank_writer_free(w, 0);
     ck_assert(exists(f.out) && !exists(f.partial));
     qm_bank *bank = NULL;
@@ -246,8 +258,7 @@ START_TEST(test_resume_continues_only_the_same_header)
     qm_bank_writer_free(w, 1); /* as if the process died */
     /* another header: refused, the file left alone */
     f.values[4][0] = '1'; /* qmoe.k "2" -> "1" */
-    ck_assert_int_eq(qm_bank_writer_open(&f.spec, f.out, 1, &w, &first, &value, &st),
-                     QM_ECONFLICT);
+    ck_assert_int_eq(qm_bank_writer_open(&f.spec, f.out, 1, &w, &first, &value, &st), QM_ECONFLICT);
     ck_assert(exists(f.partial));
     f.values[4][0] = '2';
     ck_assert_int_eq(qm_bank_writer_open(&f.spec, f.out, 1, &w, &first, &value, &st), 0);

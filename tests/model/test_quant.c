@@ -134,8 +134,11 @@ START_TEST(test_quant_asymmetric_min_max_with_zero_points)
     float w[32];
     for (int c = 0; c < 32; c++)
         w[c] = 0.1f + 0.02f * (float)c; /* all positive: zero point 0 */
-    const qm_quant_spec q = {.bits = 4, .block_size = 16, .scale_dtype = QM_DTYPE_F32,
-                             .asymmetric = 1, .rule = QM_QUANT_F32_SCALE};
+    const qm_quant_spec q = {.bits = 4,
+                             .block_size = 16,
+                             .scale_dtype = QM_DTYPE_F32,
+                             .asymmetric = 1,
+                             .rule = QM_QUANT_F32_SCALE};
     uint8_t packed[16], zp[2];
     float scales[2];
     ck_assert_int_eq(qm_quant_row(&q, w, 32, packed, scales, 0, zp, NULL), 0);
@@ -187,7 +190,8 @@ START_TEST(test_quant_error_accumulates_over_rows)
     double d2 = 0, r2 = 0;
     for (int r = 0; r < 2; r++)
         for (int c = 0; c < 32; c++) {
-            double e = (double)(scales[r] * (float)(code_at(packed[r], 4, c) - 8)) - (double)w[r][c];
+            double e =
+                (double)(scales[r] * (float)(code_at(packed[r], 4, c) - 8)) - (double)w[r][c];
             d2 += e * e;
             r2 += (double)w[r][c] * (double)w[r][c];
         }

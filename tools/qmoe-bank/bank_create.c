@@ -83,7 +83,10 @@ static float rng_uniform(rng *r)
 
 /* ---- writing ------------------------------------------------------------------ */
 
-static uint64_t ceil_div(uint64_t a, uint64_t b) { return (a + b - 1) / b; }
+static uint64_t ceil_div(uint64_t a, uint64_t b)
+{
+    return (a + b - 1) / b;
+}
 
 /* Rows and reduction length of projection p (1, 2, 3). */
 static void proj_nk(const create_opts *o, int p, uint64_t *n, uint64_t *k)
@@ -103,11 +106,19 @@ static void proj_nk(const create_opts *o, int p, uint64_t *n, uint64_t *k)
 
 static qm_bank_config config_of(const create_opts *o)
 {
-    return (qm_bank_config){.layers = o->layers, .experts = o->experts, .hidden = o->hidden,
-                            .inter = o->inter, .k = o->k, .bits = o->bits,
-                            .block_size = o->block_size, .activation = o->act,
-                            .swiglu_fusion = o->fusion, .normalize_routing = 1, .alpha = o->alpha,
-                            .beta = o->beta, .limit = o->limit};
+    return (qm_bank_config){.layers = o->layers,
+                            .experts = o->experts,
+                            .hidden = o->hidden,
+                            .inter = o->inter,
+                            .k = o->k,
+                            .bits = o->bits,
+                            .block_size = o->block_size,
+                            .activation = o->act,
+                            .swiglu_fusion = o->fusion,
+                            .normalize_routing = 1,
+                            .alpha = o->alpha,
+                            .beta = o->beta,
+                            .limit = o->limit};
 }
 
 /* Writes projection p of one layer, expert by expert. */
@@ -134,8 +145,11 @@ static int write_projection(const create_opts *o, qm_bank_writer *w, uint32_t la
         rc = qm_status_set(st, QM_ENOMEM, "out of memory for one expert slice");
         goto done;
     }
-    const qm_quant_spec q = {.bits = o->bits, .block_size = bs, .scale_dtype = o->scale_dtype,
-                             .asymmetric = o->asymmetric, .rule = QM_QUANT_F32_SCALE};
+    const qm_quant_spec q = {.bits = o->bits,
+                             .block_size = bs,
+                             .scale_dtype = o->scale_dtype,
+                             .asymmetric = o->asymmetric,
+                             .rule = QM_QUANT_F32_SCALE};
     float wscale = 1.0f / sqrtf((float)k);
     for (uint32_t e = 0; e < o->experts && rc == 0; e++) {
         rng r = rng_for(o->seed, layer, (uint32_t)p, e);
@@ -208,11 +222,15 @@ static int write_bank(const create_opts *o)
     qm_status_clear(&st);
     qm_bank_writer *w = NULL;
     const qm_bank_config cfg = config_of(o);
-    const qm_bank_layer_opts lo = {
-        .scale_dtype = o->scale_dtype, .bias_dtype = o->scale_dtype,
-        .router_dtype = o->scale_dtype, .zero_points = o->asymmetric, .fc1_bias = o->bias,
-        .fc2_bias = o->bias, .fc3_bias = o->bias, .router_weight = o->router,
-        .router_bias = o->router};
+    const qm_bank_layer_opts lo = {.scale_dtype = o->scale_dtype,
+                                   .bias_dtype = o->scale_dtype,
+                                   .router_dtype = o->scale_dtype,
+                                   .zero_points = o->asymmetric,
+                                   .fc1_bias = o->bias,
+                                   .fc2_bias = o->bias,
+                                   .fc3_bias = o->bias,
+                                   .router_weight = o->router,
+                                   .router_bias = o->router};
     qm_bank_plan_tensor *plan = qm_calloc((size_t)o->layers * QM_T_COUNT, sizeof *plan);
     int rc;
     if (!plan) {
@@ -224,9 +242,12 @@ static int write_bank(const create_opts *o)
     char v[12][32];
     qm_st_meta meta[QM_BANK_STD_META];
     qm_bank_std_meta(&cfg, v, meta);
-    const qm_bank_writer_spec spec = {.layers = o->layers, .experts = o->experts,
-                                      .tensors = plan, .meta = meta,
-                                      .n_meta = QM_BANK_STD_META, .tool = "create"};
+    const qm_bank_writer_spec spec = {.layers = o->layers,
+                                      .experts = o->experts,
+                                      .tensors = plan,
+                                      .meta = meta,
+                                      .n_meta = QM_BANK_STD_META,
+                                      .tool = "create"};
     uint32_t first;
     double unused;
     if ((rc = qm_bank_writer_open(&spec, o->out, 0, &w, &first, &unused, &st)) != 0) goto fail;
@@ -240,8 +261,8 @@ static int write_bank(const create_opts *o)
         for (int p = 1; p <= nproj; p++)
             if ((rc = write_projection(o, w, l, p, &st)) != 0) goto fail;
         if (o->router && (rc = write_router(o, w, l, &st)) != 0) goto fail;
-        if ((rc = qm_bank_writer_layer_done(w, l, 0, (l + 1) * layer_bytes,
-                                            o->layers * layer_bytes, &st)) != 0)
+        if ((rc = qm_bank_writer_layer_done(w, l, 0, (l + 1) * layer_bytes, o->layers * layer_bytes,
+                                            &st)) != 0)
             goto fail;
     }
     uint64_t total = 0;
@@ -268,32 +289,63 @@ static int parse_float_opt(const char *s, float *out)
 {
     char *end = NULL;
     float f = strtof(s, &end);
-    if (!*s || *end || isnan(f))
-        return -1;
+    if (!*s || *end || isnan(f)) return -1;
     *out = f;
     return 0;
 }
 
 int qm__cmd_create(int argc, char **argv)
 {
-    enum { O_OUT = 256, O_LAYERS, O_EXPERTS, O_HIDDEN, O_INTER, O_K, O_BITS, O_BS, O_ACT,
-           O_FUSION, O_ASYM, O_ROUTER, O_SEED, O_SDT, O_NOBIAS, O_ALPHA, O_BETA, O_LIMIT,
-           O_QUIET, O_HELP };
-    static const struct option longopts[] = {
-        {"out", required_argument, 0, O_OUT},        {"layers", required_argument, 0, O_LAYERS},
-        {"experts", required_argument, 0, O_EXPERTS}, {"hidden", required_argument, 0, O_HIDDEN},
-        {"inter", required_argument, 0, O_INTER},    {"k", required_argument, 0, O_K},
-        {"bits", required_argument, 0, O_BITS},      {"block-size", required_argument, 0, O_BS},
-        {"activation", required_argument, 0, O_ACT},
-        {"swiglu-fusion", required_argument, 0, O_FUSION},
-        {"asymmetric", no_argument, 0, O_ASYM},      {"router", no_argument, 0, O_ROUTER},
-        {"seed", required_argument, 0, O_SEED},      {"scale-dtype", required_argument, 0, O_SDT},
-        {"no-bias", no_argument, 0, O_NOBIAS},       {"alpha", required_argument, 0, O_ALPHA},
-        {"beta", required_argument, 0, O_BETA},      {"limit", required_argument, 0, O_LIMIT},
-        {"quiet", no_argument, 0, O_QUIET},          {"help", no_argument, 0, O_HELP},
-        {0, 0, 0, 0}};
-    create_opts o = {.bias = 1, .seed = 1, .scale_dtype = QM_DTYPE_F32, .alpha = 1.0f,
-                     .beta = 0.0f, .limit = INFINITY, .block_size = 0};
+    enum {
+        O_OUT = 256,
+        O_LAYERS,
+        O_EXPERTS,
+        O_HIDDEN,
+        O_INTER,
+        O_K,
+        O_BITS,
+        O_BS,
+        O_ACT,
+        O_FUSION,
+        O_ASYM,
+        O_ROUTER,
+        O_SEED,
+        O_SDT,
+        O_NOBIAS,
+        O_ALPHA,
+        O_BETA,
+        O_LIMIT,
+        O_QUIET,
+        O_HELP
+    };
+    static const struct option longopts[] = {{"out", required_argument, 0, O_OUT},
+                                             {"layers", required_argument, 0, O_LAYERS},
+                                             {"experts", required_argument, 0, O_EXPERTS},
+                                             {"hidden", required_argument, 0, O_HIDDEN},
+                                             {"inter", required_argument, 0, O_INTER},
+                                             {"k", required_argument, 0, O_K},
+                                             {"bits", required_argument, 0, O_BITS},
+                                             {"block-size", required_argument, 0, O_BS},
+                                             {"activation", required_argument, 0, O_ACT},
+                                             {"swiglu-fusion", required_argument, 0, O_FUSION},
+                                             {"asymmetric", no_argument, 0, O_ASYM},
+                                             {"router", no_argument, 0, O_ROUTER},
+                                             {"seed", required_argument, 0, O_SEED},
+                                             {"scale-dtype", required_argument, 0, O_SDT},
+                                             {"no-bias", no_argument, 0, O_NOBIAS},
+                                             {"alpha", required_argument, 0, O_ALPHA},
+                                             {"beta", required_argument, 0, O_BETA},
+                                             {"limit", required_argument, 0, O_LIMIT},
+                                             {"quiet", no_argument, 0, O_QUIET},
+                                             {"help", no_argument, 0, O_HELP},
+                                             {0, 0, 0, 0}};
+    create_opts o = {.bias = 1,
+                     .seed = 1,
+                     .scale_dtype = QM_DTYPE_F32,
+                     .alpha = 1.0f,
+                     .beta = 0.0f,
+                     .limit = INFINITY,
+                     .block_size = 0};
     int have_act = 0, have_bits = 0, have_bs = 0;
     unsigned *u32_target[O_HELP + 1] = {0};
     u32_target[O_LAYERS] = &o.layers;
@@ -349,8 +401,7 @@ int qm__cmd_create(int argc, char **argv)
             char *end = NULL;
             errno = 0;
             o.seed = strtoull(optarg, &end, 10);
-            if (!*optarg || *end || errno)
-                return bad("--seed wants a non-negative integer");
+            if (!*optarg || *end || errno) return bad("--seed wants a non-negative integer");
             break;
         }
         case O_SDT:
@@ -380,27 +431,22 @@ int qm__cmd_create(int argc, char **argv)
             return QM__EXIT_OK;
         }
     }
-    if (optind < argc)
-        return bad("unexpected positional argument");
-    if (!o.out)
-        return bad("--out FILE is required");
+    if (optind < argc) return bad("unexpected positional argument");
+    if (!o.out) return bad("--out FILE is required");
     if (!o.layers || !o.experts || !o.hidden || !o.inter || !o.k)
         return bad("--layers, --experts, --hidden, --inter and --k are required and must be >= 1");
     if (!have_bits || !have_bs || !have_act)
         return bad("--bits, --block-size and --activation are required");
     if (o.layers > 65536 || o.experts > 65536 || o.hidden > (1u << 20) || o.inter > (1u << 20))
         return bad("--layers/--experts at most 65536, --hidden/--inter at most 1048576");
-    if (o.k > o.experts)
-        return bad("--k must not exceed --experts");
-    if (o.bits != 4 && o.bits != 8)
-        return bad("--bits must be 4 or 8");
+    if (o.k > o.experts) return bad("--k must not exceed --experts");
+    if (o.bits != 4 && o.bits != 8) return bad("--bits must be 4 or 8");
     if (o.block_size && (o.block_size < 16 || (o.block_size & (o.block_size - 1))))
         return bad("--block-size must be 0 or a power of two >= 16");
     unsigned pack = 8 / o.bits;
     if (o.hidden % pack || o.inter % pack)
         return bad("--hidden and --inter must be multiples of 8/bits (codes are packed)");
-    if (o.fusion > 2)
-        return bad("--swiglu-fusion must be 0, 1 or 2");
+    if (o.fusion > 2) return bad("--swiglu-fusion must be 0, 1 or 2");
     if (o.act != QM_ACT_SWIGLU) {
         if (o.fusion_set && o.fusion != 0)
             return bad("--swiglu-fusion applies to --activation swiglu only");

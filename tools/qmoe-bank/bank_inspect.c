@@ -34,8 +34,7 @@ static void shape_str(char *buf, size_t n, const qm_tensor_view *tv)
     for (uint32_t d = 0; d < tv->ndim && off < n; d++)
         off += (size_t)snprintf(buf + off, n - off, "%s%llu", d ? "," : "",
                                 (unsigned long long)tv->shape[d]);
-    if (off < n)
-        snprintf(buf + off, n - off, "]");
+    if (off < n) snprintf(buf + off, n - off, "]");
 }
 
 static const char *model_name(const char *path, char *buf, size_t n)
@@ -44,8 +43,7 @@ static const char *model_name(const char *path, char *buf, size_t n)
     base = base ? base + 1 : path;
     snprintf(buf, n, "%s", base);
     char *dot = strrchr(buf, '.');
-    if (dot && dot != buf)
-        *dot = '\0';
+    if (dot && dot != buf) *dot = '\0';
     return buf;
 }
 
@@ -70,8 +68,7 @@ static void print_provenance_text(const qm_bank *bank)
     cJSON_Delete(j);
     const uint32_t *map = qm_bank_layer_map(bank);
     printf("layer_map:");
-    if (!map)
-        printf(" identity (bank layer l = model layer l)");
+    if (!map) printf(" identity (bank layer l = model layer l)");
     for (uint32_t l = 0; map && l < c->layers; l++)
         printf(" %u->%u", l, map[l]);
     printf("\n");
@@ -98,12 +95,10 @@ static void print_provenance_json(const qm_bank *bank)
     /* The loader parsed it as one JSON object: spliced as is. */
     printf("\"source\":%s,\"layer_map\":", src ? src : "null");
     const uint32_t *map = qm_bank_layer_map(bank);
-    if (!map)
-        printf("null");
+    if (!map) printf("null");
     for (uint32_t l = 0; map && l < c->layers; l++)
         printf("%s%u", l ? "," : "[", map[l]);
-    if (map)
-        printf("]");
+    if (map) printf("]");
     const qm_routing_rule *r = &c->routing;
     printf(",\"routing\":{\"score\":\"%s\"", qm_route_score_name(r->score));
     if (r->score != QM_ROUTE_SCORE_LEGACY) {
@@ -131,8 +126,8 @@ static void print_text(const qm_bank *bank, qm_region_catalog **cats)
            qm_bank_path(bank));
     printf("layers: %u\nexperts: %u\nhidden_size: %u\ninter_size: %u\nk: %u\n", c->layers,
            c->experts, c->hidden, c->inter, c->k);
-    printf("activation: %s\nbits: %u\nblock_size: %u\n", qm_activation_name(c->activation),
-           c->bits, c->block_size);
+    printf("activation: %s\nbits: %u\nblock_size: %u\n", qm_activation_name(c->activation), c->bits,
+           c->block_size);
     printf("bytes_total: %llu\nbytes_per_expert: %llu\n",
            (unsigned long long)qm_bank_expert_bytes_total(bank),
            (unsigned long long)l0->bytes_per_expert);
@@ -157,14 +152,14 @@ static void print_text(const qm_bank *bank, qm_region_catalog **cats)
         for (int t = 0; t < QM_T_COUNT; t++) {
             const qm_tensor_view *tv = &lv->t[t];
             char shape[96];
-            if (!tv->present)
-                continue;
+            if (!tv->present) continue;
             shape_str(shape, sizeof shape, tv);
             printf("  %-22s %-4s %-18s offset %-12llu bytes %-12llu",
                    qm_bank_tensor_suffix((qm_bank_tensor)t), qm_dtype_name(tv->dtype), shape,
                    (unsigned long long)tv->offset, (unsigned long long)tv->nbytes);
             if (t < QM_T_EXPERT_COUNT)
-                printf(" per_expert %llu", (unsigned long long)qm_expert_slice_bytes(tv, c->experts));
+                printf(" per_expert %llu",
+                       (unsigned long long)qm_expert_slice_bytes(tv, c->experts));
             printf("\n");
         }
     }
@@ -206,8 +201,7 @@ static void print_json(const qm_bank *bank, qm_region_catalog **cats)
         int first = 1;
         for (int t = 0; t < QM_T_COUNT; t++) {
             const qm_tensor_view *tv = &lv->t[t];
-            if (!tv->present)
-                continue;
+            if (!tv->present) continue;
             printf("%s{\"name\":\"%s\",\"dtype\":\"%s\",\"shape\":[", first ? "" : ",",
                    qm_bank_tensor_suffix((qm_bank_tensor)t), qm_dtype_name(tv->dtype));
             for (uint32_t d = 0; d < tv->ndim; d++)
@@ -241,8 +235,7 @@ static void print_json(const qm_bank *bank, qm_region_catalog **cats)
     size_t nw = 0;
     const char *const *w = qm_bank_warnings(bank, &nw);
     for (size_t i = 0; i < nw; i++) {
-        if (i)
-            printf(",");
+        if (i) printf(",");
         qm__json_string(stdout, w[i]);
     }
     printf("]}\n");

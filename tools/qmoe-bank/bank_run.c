@@ -54,12 +54,16 @@ static int usage(const char *what)
 
 int qm__cmd_run(int argc, char **argv)
 {
-    static const struct option longopts[] = {
-        {"layer", required_argument, 0, 'l'},   {"hidden", required_argument, 0, 'x'},
-        {"logits", required_argument, 0, 'r'},  {"out", required_argument, 0, 'o'},
-        {"threads", required_argument, 0, 't'}, {"bf16", no_argument, 0, 'b'},
-        {"precision", required_argument, 0, 'p'}, {"verbose", no_argument, 0, 'v'},
-        {"help", no_argument, 0, 'h'},          {0, 0, 0, 0}};
+    static const struct option longopts[] = {{"layer", required_argument, 0, 'l'},
+                                             {"hidden", required_argument, 0, 'x'},
+                                             {"logits", required_argument, 0, 'r'},
+                                             {"out", required_argument, 0, 'o'},
+                                             {"threads", required_argument, 0, 't'},
+                                             {"bf16", no_argument, 0, 'b'},
+                                             {"precision", required_argument, 0, 'p'},
+                                             {"verbose", no_argument, 0, 'v'},
+                                             {"help", no_argument, 0, 'h'},
+                                             {0, 0, 0, 0}};
     int fast = 0, verbose = 0;
     const char *hidden_path = NULL, *logits_path = NULL, *out_path = NULL;
     unsigned layer = 0, threads = 0;
@@ -104,8 +108,7 @@ int qm__cmd_run(int argc, char **argv)
             return usage("unknown or incomplete option");
         }
     }
-    if (optind != argc - 1)
-        return usage("expected exactly one bank FILE");
+    if (optind != argc - 1) return usage("expected exactly one bank FILE");
     if (!have_layer || !hidden_path || !out_path)
         return usage("--layer, --hidden and --out are required");
     const char *path = argv[optind];
@@ -144,8 +147,10 @@ int qm__cmd_run(int argc, char **argv)
     else if (x.dtype == QM_NPY_U16 && bf16)
         dtype = QM_DTYPE_BF16;
     else {
-        fprintf(stderr, "qmoe-bank run: %s: dtype must be float32 or float16 (or uint16 with "
-                        "--bf16)\n", hidden_path);
+        fprintf(stderr,
+                "qmoe-bank run: %s: dtype must be float32 or float16 (or uint16 with "
+                "--bf16)\n",
+                hidden_path);
         ret = QM__EXIT_USAGE;
         goto done;
     }
@@ -167,16 +172,15 @@ int qm__cmd_run(int argc, char **argv)
             ret = rc == QM_EINVAL ? QM__EXIT_USAGE : QM__EXIT_FAIL;
             goto done;
         }
-        if (r.dtype == QM_NPY_U16 || r.dtype == QM_NPY_I32 || r.count != tokens * cfg->experts || r.ndim < 1 ||
-            r.shape[r.ndim - 1] != cfg->experts) {
+        if (r.dtype == QM_NPY_U16 || r.dtype == QM_NPY_I32 || r.count != tokens * cfg->experts ||
+            r.ndim < 1 || r.shape[r.ndim - 1] != cfg->experts) {
             fprintf(stderr, "qmoe-bank run: %s: want float32/float16 logits of shape [%llu, %u]\n",
                     logits_path, (unsigned long long)tokens, cfg->experts);
             ret = QM__EXIT_USAGE;
             goto done;
         }
         logits = qm_malloc((size_t)(r.count ? r.count : 1) * sizeof *logits);
-        if (!logits)
-            goto oom;
+        if (!logits) goto oom;
         for (uint64_t i = 0; i < r.count; i++)
             logits[i] = r.dtype == QM_NPY_F32 ? ((const float *)r.data)[i]
                                               : qm_f16_to_f32(((const uint16_t *)r.data)[i]);
@@ -187,8 +191,7 @@ int qm__cmd_run(int argc, char **argv)
         goto done;
     }
     out = qm_malloc(x.nbytes ? (size_t)x.nbytes : 1);
-    if (!out)
-        goto oom;
+    if (!out) goto oom;
     if ((rc = qm_backend_cpu_new(threads, &be, &st)) != 0) {
         fprintf(stderr, "qmoe-bank run: CPU backend: %s\n", st.msg);
         goto done;
@@ -201,8 +204,12 @@ int qm__cmd_run(int argc, char **argv)
     }
     qm_expert_source src;
     qm_expert_source_direct(bank, &src);
-    qm_moe_call call = {.layer = layer, .dtype = dtype, .hidden = x.data,
-                        .n_tokens = (uint32_t)tokens, .logits = logits, .output = out,
+    qm_moe_call call = {.layer = layer,
+                        .dtype = dtype,
+                        .hidden = x.data,
+                        .n_tokens = (uint32_t)tokens,
+                        .logits = logits,
+                        .output = out,
                         .precision = fast ? QM_PRECISION_FAST : QM_PRECISION_EXACT};
     qm_moe_stats stats = {0};
     if ((rc = qm_moe_forward(be, bank, &call, &src, &stats, &st)) != 0) {

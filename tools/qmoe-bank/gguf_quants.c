@@ -1,16 +1,14 @@
 /* gguf_quants.c - ggml block formats: dequantisers, exact repacks into QMoE
  * storage, requantisation. Block layouts (ggml-common.h), per block:
- *   Q4_0  {f16 d; u8 qs[16]}                  x = d·(q − 8), q_j = qs[j] & 15, q_{j+16} = qs[j] >> 4
- *   Q4_1  {f16 d, m; u8 qs[16]}               x = d·q + m
- *   Q5_0  {f16 d; u8 qh[4]; u8 qs[16]}        x = d·(q − 16), bit 4 of q_j = bit j of qh
- *   Q5_1  {f16 d, m; u8 qh[4]; u8 qs[16]}     x = d·q + m
- *   Q8_0  {f16 d; i8 qs[32]}                  x = d·q
- *   MXFP4 {u8 e; u8 qs[16]}                   x = kv[q]·2^(e−128), nibbles as Q4_0
- *   Q2_K  {u8 scales[16]; u8 qs[64]; f16 d, dmin}                per 16: d·(sc&15)·q − dmin·(sc>>4)
- *   Q3_K  {u8 hmask[32]; u8 qs[64]; u8 scales[12]; f16 d}        per 16: d·(sc−32)·(q − 4·!h)
- *   Q4_K  {f16 d, dmin; u8 scales[12]; u8 qs[128]}               per 32: d·sc·q − dmin·m
- *   Q5_K  {f16 d, dmin; u8 scales[12]; u8 qh[32]; u8 qs[128]}    per 32: d·sc·q − dmin·m
- *   Q6_K  {u8 ql[128]; u8 qh[64]; i8 scales[16]; f16 d}          per 16: d·sc·(q − 32) */
+ *   Q4_0  {f16 d; u8 qs[16]}                  x = d·(q − 8), q_j = qs[j] & 15, q_{j+16} = qs[j] >>
+ * 4 Q4_1  {f16 d, m; u8 qs[16]}               x = d·q + m Q5_0  {f16 d; u8 qh[4]; u8 qs[16]} x =
+ * d·(q − 16), bit 4 of q_j = bit j of qh Q5_1  {f16 d, m; u8 qh[4]; u8 qs[16]}     x = d·q + m Q8_0
+ * {f16 d; i8 qs[32]}                  x = d·q MXFP4 {u8 e; u8 qs[16]}                   x =
+ * kv[q]·2^(e−128), nibbles as Q4_0 Q2_K  {u8 scales[16]; u8 qs[64]; f16 d, dmin}                per
+ * 16: d·(sc&15)·q − dmin·(sc>>4) Q3_K  {u8 hmask[32]; u8 qs[64]; u8 scales[12]; f16 d}        per
+ * 16: d·(sc−32)·(q − 4·!h) Q4_K  {f16 d, dmin; u8 scales[12]; u8 qs[128]}               per 32:
+ * d·sc·q − dmin·m Q5_K  {f16 d, dmin; u8 scales[12]; u8 qh[32]; u8 qs[128]}    per 32: d·sc·q −
+ * dmin·m Q6_K  {u8 ql[128]; u8 qh[64]; i8 scales[16]; f16 d}          per 16: d·sc·(q − 32) */
 #include "gguf_quants.h"
 
 #include <math.h>
@@ -19,9 +17,15 @@
 #include "gguf_reader.h"
 #include "qm_half.h"
 
-static uint16_t rd16(const uint8_t *p) { return (uint16_t)(p[0] | p[1] << 8); }
+static uint16_t rd16(const uint8_t *p)
+{
+    return (uint16_t)(p[0] | p[1] << 8);
+}
 
-static float e8m0_half(uint8_t e) { return ldexpf(1.0f, (int)e - 128); }
+static float e8m0_half(uint8_t e)
+{
+    return ldexpf(1.0f, (int)e - 128);
+}
 
 static const int8_t mxfp4_values[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
 
@@ -51,7 +55,7 @@ static unsigned q6k_code(const uint8_t *blk, unsigned i, unsigned *scale_index)
     ql += half * 64;
     qh += half * 32;
     *scale_index = half * 8 + r / 16;
-    unsigned lo = quarter == 0 ? ql[l] & 15u
+    unsigned lo = quarter == 0   ? ql[l] & 15u
                   : quarter == 1 ? ql[l + 32] & 15u
                   : quarter == 2 ? ql[l] >> 4
                                  : ql[l + 32] >> 4;
@@ -252,8 +256,7 @@ int qm__ggml_exact_fits(uint32_t type, unsigned bits, unsigned bs, qm_dtype sdt)
                (bits == 4 || bits == 8);
     case QM__GGML_Q8_0:
     case QM__GGML_Q5_0:
-        return bits == 8 && (bs == 32 || bs == 16) &&
-               (sdt == QM_DTYPE_F16 || sdt == QM_DTYPE_F32);
+        return bits == 8 && (bs == 32 || bs == 16) && (sdt == QM_DTYPE_F16 || sdt == QM_DTYPE_F32);
     case QM__GGML_MXFP4:
         return bits == 8 && (bs == 32 || bs == 16) && sdt == QM_DTYPE_F32;
     case QM__GGML_Q6_K:
@@ -283,7 +286,7 @@ static void put_scale(void *scales, qm_dtype sdt, uint64_t i, float s, uint16_t 
 }
 
 void qm__ggml_repack_row(uint32_t type, const uint8_t *src, uint64_t n, unsigned bits, unsigned bs,
-                    qm_dtype sdt, uint8_t *codes, void *scales)
+                         qm_dtype sdt, uint8_t *codes, void *scales)
 {
     uint64_t block, bytes;
     qm__ggml_type_size(type, &block, &bytes);
@@ -296,8 +299,8 @@ void qm__ggml_repack_row(uint32_t type, const uint8_t *src, uint64_t n, unsigned
             float d = qm_f16_to_f32(dh);
             for (unsigned j = 0; j < 32; j++) {
                 unsigned code = type == QM__GGML_Q8_0 ? (unsigned)((int)(int8_t)src[2 + j] + 128)
-                                : bits == 8      ? nib(src + 2, j) + 120u
-                                                 : nib(src + 2, j);
+                                : bits == 8           ? nib(src + 2, j) + 120u
+                                                      : nib(src + 2, j);
                 put_code(codes, bits, c0 + j, code);
             }
             for (unsigned k = 0; k < 32 / bs; k++)

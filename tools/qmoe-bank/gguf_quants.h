@@ -33,6 +33,6 @@ int qm__ggml_exact_fits(uint32_t type, unsigned bits, unsigned bs, qm_dtype sdt)
  * byte c/(8/bits), low nibble = even column), n/bs scales of dtype sdt at
  * scales. Only for a (type, bits, bs, sdt) that qm__ggml_exact_fits accepts. */
 void qm__ggml_repack_row(uint32_t type, const uint8_t *src, uint64_t n, unsigned bits, unsigned bs,
-                    qm_dtype sdt, uint8_t *codes, void *scales);
+                         qm_dtype sdt, uint8_t *codes, void *scales);
 
 #endif

@@ -50,8 +50,7 @@ int qm__ggml_type_size(uint32_t type, uint64_t *block, uint64_t *bytes)
 const char *qm__ggml_type_name(uint32_t type, char *buf, size_t size)
 {
     for (size_t i = 0; i < sizeof ggml_types / sizeof ggml_types[0]; i++)
-        if (ggml_types[i].id == type)
-            return ggml_types[i].name;
+        if (ggml_types[i].id == type) return ggml_types[i].name;
     snprintf(buf, size, "type %u", type);
     return buf;
 }
@@ -65,8 +64,7 @@ typedef struct cursor {
 
 static int take(cursor *c, uint64_t n, const uint8_t **out)
 {
-    if (n > c->size - c->pos)
-        return -1;
+    if (n > c->size - c->pos) return -1;
     *out = c->p + c->pos;
     c->pos += n;
     return 0;
@@ -75,8 +73,7 @@ static int take(cursor *c, uint64_t n, const uint8_t **out)
 static int rd_u32(cursor *c, uint32_t *v)
 {
     const uint8_t *b;
-    if (take(c, 4, &b))
-        return -1;
+    if (take(c, 4, &b)) return -1;
     *v = (uint32_t)b[0] | (uint32_t)b[1] << 8 | (uint32_t)b[2] << 16 | (uint32_t)b[3] << 24;
     return 0;
 }
@@ -84,8 +81,7 @@ static int rd_u32(cursor *c, uint32_t *v)
 static int rd_u64(cursor *c, uint64_t *v)
 {
     const uint8_t *b;
-    if (take(c, 8, &b))
-        return -1;
+    if (take(c, 8, &b)) return -1;
     *v = 0;
     for (int i = 7; i >= 0; i--)
         *v = *v << 8 | b[i];
@@ -97,8 +93,7 @@ static int rd_string(cursor *c, char **out, uint64_t max, const char *what, qm_s
 {
     uint64_t n;
     const uint8_t *b;
-    if (rd_u64(c, &n))
-        return FAIL(st, "GGUF truncated while reading the length of %s", what);
+    if (rd_u64(c, &n)) return FAIL(st, "GGUF truncated while reading the length of %s", what);
     if (n > max)
         return FAIL(st, "GGUF %s is %llu bytes long (limit %llu)", what, (unsigned long long)n,
                     (unsigned long long)max);
@@ -106,8 +101,7 @@ static int rd_string(cursor *c, char **out, uint64_t max, const char *what, qm_s
         return FAIL(st, "GGUF truncated inside %s (%llu bytes announced)", what,
                     (unsigned long long)n);
     char *s = qm_malloc((size_t)n + 1);
-    if (!s)
-        return qm_status_set(st, QM_ENOMEM, "out of memory reading %s", what);
+    if (!s) return qm_status_set(st, QM_ENOMEM, "out of memory reading %s", what);
     memcpy(s, b, (size_t)n);
     s[n] = '\0';
     if (strlen(s) != n) {
@@ -128,8 +122,7 @@ static int rd_scalar(cursor *c, uint32_t type, qm__gguf_kv *kv)
 {
     const uint8_t *b;
     uint64_t n = scalar_size(type), u = 0;
-    if (take(c, n, &b))
-        return -1;
+    if (take(c, n, &b)) return -1;
     for (int i = (int)n - 1; i >= 0; i--)
         u = u << 8 | b[i];
     switch (type) {
@@ -168,8 +161,7 @@ static int rd_value(cursor *c, qm__gguf_kv *kv, qm_status *st)
 {
     char what[96];
     snprintf(what, sizeof what, "the value of %.64s", kv->key);
-    if (kv->type == QM__GGUF_STRING)
-        return rd_string(c, &kv->str, c->size, what, st);
+    if (kv->type == QM__GGUF_STRING) return rd_string(c, &kv->str, c->size, what, st);
     if (kv->type == QM__GGUF_ARRAY) {
         if (rd_u32(c, &kv->arr_type) || rd_u64(c, &kv->arr_count))
             return FAIL(st, "GGUF truncated in the array header of %.64s", kv->key);
@@ -219,9 +211,11 @@ static int parse(qm__gguf_file *f, qm_status *st)
     /* Each entry takes at least 8 (key length) + 4 (type) bytes, each tensor
      * info at least 8 + 4 + 4 + 8: counts beyond the file are lies. */
     if (n_kv > f->size / 12 || n_tensors > f->size / 24)
-        return FAIL(st, "GGUF header announces %llu keys and %llu tensors, more than a "
-                        "%llu-byte file can hold", (unsigned long long)n_kv,
-                    (unsigned long long)n_tensors, (unsigned long long)f->size);
+        return FAIL(st,
+                    "GGUF header announces %llu keys and %llu tensors, more than a "
+                    "%llu-byte file can hold",
+                    (unsigned long long)n_kv, (unsigned long long)n_tensors,
+                    (unsigned long long)f->size);
     f->kv = qm_calloc(n_kv ? n_kv : 1, sizeof *f->kv);
     f->tensors = qm_calloc(n_tensors ? n_tensors : 1, sizeof *f->tensors);
     if (!f->kv || !f->tensors)
@@ -231,13 +225,10 @@ static int parse(qm__gguf_file *f, qm_status *st)
         qm__gguf_kv *kv = &f->kv[i];
         char what[48];
         snprintf(what, sizeof what, "metadata key %llu", (unsigned long long)i);
-        if ((rc = rd_string(&c, &kv->key, MAX_KEY_BYTES, what, st)))
-            return rc;
+        if ((rc = rd_string(&c, &kv->key, MAX_KEY_BYTES, what, st))) return rc;
         f->n_kv = i + 1;
-        if (rd_u32(&c, &kv->type))
-            return FAIL(st, "GGUF truncated in the type of %.64s", kv->key);
-        if ((rc = rd_value(&c, kv, st)))
-            return rc;
+        if (rd_u32(&c, &kv->type)) return FAIL(st, "GGUF truncated in the type of %.64s", kv->key);
+        if ((rc = rd_value(&c, kv, st))) return rc;
     }
     f->alignment = 32;
     const qm__gguf_kv *al = qm__gguf_find_kv(f, "general.alignment");
@@ -250,14 +241,12 @@ static int parse(qm__gguf_file *f, qm_status *st)
         qm__gguf_tensor *t = &f->tensors[i];
         char what[48];
         snprintf(what, sizeof what, "the name of tensor %llu", (unsigned long long)i);
-        if ((rc = rd_string(&c, &t->name, MAX_KEY_BYTES, what, st)))
-            return rc;
+        if ((rc = rd_string(&c, &t->name, MAX_KEY_BYTES, what, st))) return rc;
         f->n_tensors = i + 1;
         if (rd_u32(&c, &t->n_dims))
             return FAIL(st, "GGUF truncated in the info of tensor %.64s", t->name);
         if (t->n_dims < 1 || t->n_dims > 4)
-            return FAIL(st, "tensor %.64s: %u dimensions (GGUF allows 1 to 4)", t->name,
-                        t->n_dims);
+            return FAIL(st, "tensor %.64s: %u dimensions (GGUF allows 1 to 4)", t->name, t->n_dims);
         for (uint32_t d = 0; d < 4; d++)
             t->ne[d] = 1;
         for (uint32_t d = 0; d < t->n_dims; d++)
@@ -267,8 +256,7 @@ static int parse(qm__gguf_file *f, qm_status *st)
             return FAIL(st, "GGUF truncated in the info of tensor %.64s", t->name);
     }
     uint64_t data_start = (c.pos + f->alignment - 1) / f->alignment * f->alignment;
-    if (data_start > f->size)
-        data_start = f->size;
+    if (data_start > f->size) data_start = f->size;
     for (size_t i = 0; i < f->n_tensors; i++) {
         qm__gguf_tensor *t = &f->tensors[i];
         uint64_t block, bytes;
@@ -279,20 +267,23 @@ static int parse(qm__gguf_file *f, qm_status *st)
             if (qm_mul_u64(n, t->ne[d], &n))
                 return FAIL(st, "tensor %.64s: shape overflows 64 bits", t->name);
         if (t->ne[0] % block != 0)
-            return FAIL(st, "tensor %.64s: row length %llu is not a multiple of its %llu-element "
-                            "blocks", t->name, (unsigned long long)t->ne[0],
-                        (unsigned long long)block);
+            return FAIL(st,
+                        "tensor %.64s: row length %llu is not a multiple of its %llu-element "
+                        "blocks",
+                        t->name, (unsigned long long)t->ne[0], (unsigned long long)block);
         rows = n;
         if (qm_mul_u64(t->ne[0] / block * bytes, rows, &n))
             return FAIL(st, "tensor %.64s: byte size overflows 64 bits", t->name);
         if (t->offset % f->alignment != 0)
-            return FAIL(st, "tensor %.64s: data offset %llu is not a multiple of the alignment "
-                            "%llu", t->name, (unsigned long long)t->offset,
-                        (unsigned long long)f->alignment);
+            return FAIL(st,
+                        "tensor %.64s: data offset %llu is not a multiple of the alignment "
+                        "%llu",
+                        t->name, (unsigned long long)t->offset, (unsigned long long)f->alignment);
         if (t->offset > f->size - data_start || n > f->size - data_start - t->offset)
-            return FAIL(st, "tensor %.64s: data [%llu, %llu) runs past the end of the file "
-                            "(%llu bytes of data; truncated?)", t->name,
-                        (unsigned long long)t->offset, (unsigned long long)(t->offset + n),
+            return FAIL(st,
+                        "tensor %.64s: data [%llu, %llu) runs past the end of the file "
+                        "(%llu bytes of data; truncated?)",
+                        t->name, (unsigned long long)t->offset, (unsigned long long)(t->offset + n),
                         (unsigned long long)(f->size - data_start));
         t->nbytes = n;
         t->data = f->base + data_start + t->offset;
@@ -304,8 +295,7 @@ int qm__gguf_open(const char *path, qm__gguf_file **out, qm_status *st)
 {
     *out = NULL;
     qm__gguf_file *f = qm_calloc(1, sizeof *f);
-    if (!f)
-        return qm_status_set(st, QM_ENOMEM, "out of memory opening %.128s", path);
+    if (!f) return qm_status_set(st, QM_ENOMEM, "out of memory opening %.128s", path);
     int fd = open(path, O_RDONLY | O_CLOEXEC);
     if (fd < 0) {
         qm_free(f);
@@ -329,8 +319,7 @@ int qm__gguf_open(const char *path, qm__gguf_file **out, qm_status *st)
         }
     }
     close(fd);
-    if (rc == 0)
-        rc = parse(f, st);
+    if (rc == 0) rc = parse(f, st);
     if (rc != 0) {
         qm__gguf_close(f);
         return rc;
@@ -341,8 +330,7 @@ int qm__gguf_open(const char *path, qm__gguf_file **out, qm_status *st)
 
 void qm__gguf_close(qm__gguf_file *f)
 {
-    if (!f)
-        return;
+    if (!f) return;
     for (size_t i = 0; i < f->n_kv; i++) {
         qm_free(f->kv[i].key);
         qm_free(f->kv[i].str);
@@ -351,32 +339,28 @@ void qm__gguf_close(qm__gguf_file *f)
         qm_free(f->tensors[i].name);
     qm_free(f->kv);
     qm_free(f->tensors);
-    if (f->base)
-        munmap((void *)f->base, (size_t)f->size);
+    if (f->base) munmap((void *)f->base, (size_t)f->size);
     qm_free(f);
 }
 
 const qm__gguf_kv *qm__gguf_find_kv(const qm__gguf_file *f, const char *key)
 {
     for (size_t i = 0; i < f->n_kv; i++)
-        if (strcmp(f->kv[i].key, key) == 0)
-            return &f->kv[i];
+        if (strcmp(f->kv[i].key, key) == 0) return &f->kv[i];
     return NULL;
 }
 
 const qm__gguf_tensor *qm__gguf_find_tensor(const qm__gguf_file *f, const char *name)
 {
     for (size_t i = 0; i < f->n_tensors; i++)
-        if (strcmp(f->tensors[i].name, name) == 0)
-            return &f->tensors[i];
+        if (strcmp(f->tensors[i].name, name) == 0) return &f->tensors[i];
     return NULL;
 }
 
 int qm__gguf_get_uint(const qm__gguf_file *f, const char *key, uint64_t *out, qm_status *st)
 {
     const qm__gguf_kv *kv = qm__gguf_find_kv(f, key);
-    if (!kv)
-        return 1;
+    if (!kv) return 1;
     switch (kv->type) {
     case QM__GGUF_U8:
     case QM__GGUF_U16:
@@ -402,16 +386,14 @@ int qm__gguf_get_uint(const qm__gguf_file *f, const char *key, uint64_t *out, qm
 int qm__gguf_get_float(const qm__gguf_file *f, const char *key, double *out, qm_status *st)
 {
     const qm__gguf_kv *kv = qm__gguf_find_kv(f, key);
-    if (!kv)
-        return 1;
+    if (!kv) return 1;
     if (kv->type == QM__GGUF_F32 || kv->type == QM__GGUF_F64) {
         *out = kv->v.f;
         return 0;
     }
     uint64_t u;
     int rc = qm__gguf_get_uint(f, key, &u, st);
-    if (rc == 0)
-        *out = (double)u;
+    if (rc == 0) *out = (double)u;
     return rc < 0 ? FAIL(st, "GGUF key %s must be a number", key) : rc;
 }
 
@@ -419,8 +401,7 @@ int qm__gguf_get_bool(const qm__gguf_file *f, const char *key, int *out, qm_stat
 {
     uint64_t u;
     int rc = qm__gguf_get_uint(f, key, &u, st);
-    if (rc != 0)
-        return rc < 0 ? FAIL(st, "GGUF key %s must be a bool", key) : rc;
+    if (rc != 0) return rc < 0 ? FAIL(st, "GGUF key %s must be a bool", key) : rc;
     if (u > 1)
         return FAIL(st, "GGUF key %s = %llu but it must be a bool (0 or 1)", key,
                     (unsigned long long)u);

@@ -16,15 +16,40 @@
 
 /* GGUF metadata value types (gguf.GGUFValueType). */
 enum {
-    QM__GGUF_U8 = 0, QM__GGUF_I8, QM__GGUF_U16, QM__GGUF_I16, QM__GGUF_U32, QM__GGUF_I32, QM__GGUF_F32, QM__GGUF_BOOL,
-    QM__GGUF_STRING, QM__GGUF_ARRAY, QM__GGUF_U64, QM__GGUF_I64, QM__GGUF_F64, QM__GGUF_VALUE_TYPES
+    QM__GGUF_U8 = 0,
+    QM__GGUF_I8,
+    QM__GGUF_U16,
+    QM__GGUF_I16,
+    QM__GGUF_U32,
+    QM__GGUF_I32,
+    QM__GGUF_F32,
+    QM__GGUF_BOOL,
+    QM__GGUF_STRING,
+    QM__GGUF_ARRAY,
+    QM__GGUF_U64,
+    QM__GGUF_I64,
+    QM__GGUF_F64,
+    QM__GGUF_VALUE_TYPES
 };
 
 /* ggml tensor types this importer names (ggml.h / gguf.GGMLQuantizationType). */
 enum {
-    QM__GGML_F32 = 0, QM__GGML_F16 = 1, QM__GGML_Q4_0 = 2, QM__GGML_Q4_1 = 3, QM__GGML_Q5_0 = 6, QM__GGML_Q5_1 = 7,
-    QM__GGML_Q8_0 = 8, QM__GGML_Q8_1 = 9, QM__GGML_Q2_K = 10, QM__GGML_Q3_K = 11, QM__GGML_Q4_K = 12, QM__GGML_Q5_K = 13,
-    QM__GGML_Q6_K = 14, QM__GGML_Q8_K = 15, QM__GGML_BF16 = 30, QM__GGML_MXFP4 = 39
+    QM__GGML_F32 = 0,
+    QM__GGML_F16 = 1,
+    QM__GGML_Q4_0 = 2,
+    QM__GGML_Q4_1 = 3,
+    QM__GGML_Q5_0 = 6,
+    QM__GGML_Q5_1 = 7,
+    QM__GGML_Q8_0 = 8,
+    QM__GGML_Q8_1 = 9,
+    QM__GGML_Q2_K = 10,
+    QM__GGML_Q3_K = 11,
+    QM__GGML_Q4_K = 12,
+    QM__GGML_Q5_K = 13,
+    QM__GGML_Q6_K = 14,
+    QM__GGML_Q8_K = 15,
+    QM__GGML_BF16 = 30,
+    QM__GGML_MXFP4 = 39
 };
 
 typedef struct qm__gguf_kv {
@@ -34,20 +59,20 @@ typedef struct qm__gguf_kv {
         uint64_t u;
         int64_t i;
         double f;
-    } v;                 /* scalars (bool as u) */
-    char *str;           /* QM__GGUF_STRING, NUL-terminated copy */
-    uint32_t arr_type;   /* QM__GGUF_ARRAY: element type and count */
+    } v;               /* scalars (bool as u) */
+    char *str;         /* QM__GGUF_STRING, NUL-terminated copy */
+    uint32_t arr_type; /* QM__GGUF_ARRAY: element type and count */
     uint64_t arr_count;
 } qm__gguf_kv;
 
 typedef struct qm__gguf_tensor {
     char *name;
     uint32_t n_dims;
-    uint64_t ne[4];       /* ggml order: ne[0] varies fastest */
-    uint32_t type;        /* ggml type id */
-    uint64_t offset;      /* from the data section */
-    uint64_t nbytes;      /* 0 when the type is unknown (size not computable) */
-    const uint8_t *data;  /* NULL when the type is unknown */
+    uint64_t ne[4];      /* ggml order: ne[0] varies fastest */
+    uint32_t type;       /* ggml type id */
+    uint64_t offset;     /* from the data section */
+    uint64_t nbytes;     /* 0 when the type is unknown (size not computable) */
+    const uint8_t *data; /* NULL when the type is unknown */
 } qm__gguf_tensor;
 
 typedef struct qm__gguf_file {

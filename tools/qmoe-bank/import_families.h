@@ -40,21 +40,21 @@ typedef enum qm__family_groups {
 typedef struct qm__family {
     const char *name; /* HF model_type, and the bank's qmoe.source family */
     /* ---- Hugging Face: names under model.layers.{l}. */
-    const char *architecture; /* architectures[0], when config.json has no model_type */
-    const char *moe;          /* the MoE module: "mlp", "block_sparse_moe" */
+    const char *architecture;     /* architectures[0], when config.json has no model_type */
+    const char *moe;              /* the MoE module: "mlp", "block_sparse_moe" */
     const char *gate, *up, *down; /* per-expert projections (not with FUSED_EXPERTS) */
-    const char *router;       /* the router under moe: "gate", "router" */
-    const char *inter_key;    /* the experts' intermediate size key */
+    const char *router;           /* the router under moe: "gate", "router" */
+    const char *inter_key;        /* the experts' intermediate size key */
     unsigned flags;
     /* ---- routing from config.json: the key, or NULL for the default as fixed */
-    const char *score;                /* qmoe.routing.score: "softmax", "sigmoid" */
-    const char *normalize_key;        /* renormalise the k weights */
+    const char *score;         /* qmoe.routing.score: "softmax", "sigmoid" */
+    const char *normalize_key; /* renormalise the k weights */
     int normalize_default;
-    const char *scale_key;            /* scale the final weights */
+    const char *scale_key; /* scale the final weights */
     double scale_default;
     qm__family_groups groups;
     uint32_t n_group_default, topk_group_default;
-    const char *group_score;          /* "max", "top2_sum" */
+    const char *group_score; /* "max", "top2_sum" */
     /* ---- GGUF */
     const char *gguf_arch; /* general.architecture; NULL: no GGUF form */
     int gguf_sigmoid;      /* the family of gguf_arch when its gating is sigmoid (2) */

@@ -99,11 +99,12 @@ static int need_type(const qm__gguf_tensor *t, qm_status *st)
     char tb[16];
     uint64_t bl, by;
     if (!qm__ggml_type_size(t->type, &bl, &by))
-        return BAD(st, "%s: unknown quant type %u (not a ggml type this importer knows)",
-                   t->name, t->type);
+        return BAD(st, "%s: unknown quant type %u (not a ggml type this importer knows)", t->name,
+                   t->type);
     if (!qm__ggml_can_dequant(t->type))
-        return BAD(st, "%s: quant type %s is not supported (supported: F32, F16, BF16, Q4_0, "
-                       "Q4_1, Q5_0, Q5_1, Q8_0, MXFP4, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K)",
+        return BAD(st,
+                   "%s: quant type %s is not supported (supported: F32, F16, BF16, Q4_0, "
+                   "Q4_1, Q5_0, Q5_1, Q8_0, MXFP4, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K)",
                    t->name, qm__ggml_type_name(t->type, tb, sizeof tb));
     return 0;
 }
@@ -115,8 +116,7 @@ static int need_shape(const qm__gguf_tensor *t, uint32_t nd, uint64_t d0, uint64
     int ok = t->n_dims == nd;
     for (uint32_t i = 0; ok && i < nd; i++)
         ok = t->ne[i] == want[i];
-    if (ok)
-        return 0;
+    if (ok) return 0;
     char have[96] = "", need[96] = "";
     size_t o = 0, p = 0;
     for (uint32_t i = 0; i < t->n_dims && o < sizeof have; i++)
@@ -134,8 +134,7 @@ static int required_uint(const qm__gguf_file *f, const char *key, uint64_t max, 
                          uint64_t *out, qm_status *st)
 {
     int rc = qm__gguf_get_uint(f, key, out, st);
-    if (rc < 0)
-        return rc;
+    if (rc < 0) return rc;
     if (rc == 1 || *out == 0 || *out > max)
         return BAD(st, "GGUF key %s is %s%s", key, rc == 1 ? "missing" : "out of range", why);
     return 0;
@@ -153,8 +152,9 @@ static int read_plan(const qm__gguf_file *f, plan *pl, unsigned requant_bits, qm
     if (!pl->fam) {
         char archs[160];
         qm__family_names(1, archs, sizeof archs);
-        return BAD(st, "GGUF key general.architecture = \"%.32s\" is not a supported MoE "
-                       "architecture (%s)",
+        return BAD(st,
+                   "GGUF key general.architecture = \"%.32s\" is not a supported MoE "
+                   "architecture (%s)",
                    ak->str, archs);
     }
     uint64_t E = 0, k = 0, blocks = 0, dense = 0, v;
@@ -168,8 +168,7 @@ static int read_plan(const qm__gguf_file *f, plan *pl, unsigned requant_bits, qm
     if ((rc = required_uint(f, KEY("expert_used_count"), E, k_range, &k, st)) ||
         (rc = required_uint(f, KEY("block_count"), 65536, " (1..65536 blocks)", &blocks, st)))
         return rc;
-    if ((rc = qm__gguf_get_uint(f, KEY("leading_dense_block_count"), &dense, st)) < 0)
-        return rc;
+    if ((rc = qm__gguf_get_uint(f, KEY("leading_dense_block_count"), &dense, st)) < 0) return rc;
     if (dense > blocks)
         return BAD(st, "GGUF key %s = %llu exceeds %s.block_count = %llu", key,
                    (unsigned long long)dense, pl->arch, (unsigned long long)blocks);
@@ -184,17 +183,19 @@ static int read_plan(const qm__gguf_file *f, plan *pl, unsigned requant_bits, qm
                        pl->arch, (unsigned long long)blocks);
     }
     pl->layers = qm_calloc((size_t)blocks, sizeof *pl->layers);
-    if (!pl->layers)
-        return qm_status_set(st, QM_ENOMEM, "out of memory");
+    if (!pl->layers) return qm_status_set(st, QM_ENOMEM, "out of memory");
     for (uint32_t b = 0; b < blocks; b++) {
         const qm__gguf_tensor *gate = find_blk(f, b, "ffn_gate_exps.weight");
         if (find_blk(f, b, "ffn_gate_up_exps.weight"))
-            return BAD(st, "blk.%u.ffn_gate_up_exps.weight: fused gate+up experts are not "
-                           "supported (expected ffn_gate_exps and ffn_up_exps)", b);
+            return BAD(st,
+                       "blk.%u.ffn_gate_up_exps.weight: fused gate+up experts are not "
+                       "supported (expected ffn_gate_exps and ffn_up_exps)",
+                       b);
         if (!gate) {
             if (b >= dense)
-                return BAD(st, "missing tensor blk.%u.ffn_gate_exps.weight (block %u is past "
-                               "%s.leading_dense_block_count = %llu, so it must be MoE)",
+                return BAD(st,
+                           "missing tensor blk.%u.ffn_gate_exps.weight (block %u is past "
+                           "%s.leading_dense_block_count = %llu, so it must be MoE)",
                            b, b, pl->arch, (unsigned long long)dense);
             continue;
         }
@@ -206,19 +207,15 @@ static int read_plan(const qm__gguf_file *f, plan *pl, unsigned requant_bits, qm
             char nm[64];
             snprintf(nm, sizeof nm, "%s.weight", PROJ_NAME[p]);
             L->w[p] = find_blk(f, b, nm);
-            if (!L->w[p])
-                return BAD(st, "missing tensor blk.%u.%s", b, nm);
-            if ((rc = need_type(L->w[p], st)))
-                return rc;
+            if (!L->w[p]) return BAD(st, "missing tensor blk.%u.%s", b, nm);
+            if ((rc = need_type(L->w[p], st))) return rc;
             L->b[p] = find_blk(f, b, bias_names[p]);
         }
         L->router = find_blk(f, b, "ffn_gate_inp.weight");
-        if (!L->router)
-            return BAD(st, "missing tensor blk.%u.ffn_gate_inp.weight (the router)", b);
+        if (!L->router) return BAD(st, "missing tensor blk.%u.ffn_gate_inp.weight (the router)", b);
         L->router_bias = find_blk(f, b, "ffn_gate_inp.bias");
         L->corr_bias = find_blk(f, b, "exp_probs_b.bias");
-        if (!L->corr_bias)
-            L->corr_bias = find_blk(f, b, "exp_probs_b");
+        if (!L->corr_bias) L->corr_bias = find_blk(f, b, "exp_probs_b");
     }
     if (pl->n_layers == 0)
         return BAD(st, "no MoE expert tensors (blk.N.ffn_gate_exps.weight) in the file");
@@ -228,19 +225,19 @@ static int read_plan(const qm__gguf_file *f, plan *pl, unsigned requant_bits, qm
     pl->H = (uint32_t)L0->w[P_GATE]->ne[0];
     pl->I = (uint32_t)L0->w[P_GATE]->ne[1];
     if (L0->w[P_GATE]->n_dims == 3 && L0->w[P_GATE]->ne[2] != E)
-        return BAD(st, "GGUF key %s.expert_count = %llu contradicts %s, which holds %llu experts "
-                       "(ne[2])", pl->arch, (unsigned long long)E, L0->w[P_GATE]->name,
+        return BAD(st,
+                   "GGUF key %s.expert_count = %llu contradicts %s, which holds %llu experts "
+                   "(ne[2])",
+                   pl->arch, (unsigned long long)E, L0->w[P_GATE]->name,
                    (unsigned long long)L0->w[P_GATE]->ne[2]);
-    if ((rc = qm__gguf_get_uint(f, KEY("embedding_length"), &v, st)) < 0)
-        return rc;
+    if ((rc = qm__gguf_get_uint(f, KEY("embedding_length"), &v, st)) < 0) return rc;
     if (rc == 0 && v != pl->H)
-        return BAD(st, "GGUF key %s = %llu contradicts %s (ne[0] = %u)", key,
-                   (unsigned long long)v, L0->w[P_GATE]->name, pl->H);
-    if ((rc = qm__gguf_get_uint(f, KEY("expert_feed_forward_length"), &v, st)) < 0)
-        return rc;
+        return BAD(st, "GGUF key %s = %llu contradicts %s (ne[0] = %u)", key, (unsigned long long)v,
+                   L0->w[P_GATE]->name, pl->H);
+    if ((rc = qm__gguf_get_uint(f, KEY("expert_feed_forward_length"), &v, st)) < 0) return rc;
     if (rc == 0 && v != pl->I)
-        return BAD(st, "GGUF key %s = %llu contradicts %s (ne[1] = %u)", key,
-                   (unsigned long long)v, L0->w[P_GATE]->name, pl->I);
+        return BAD(st, "GGUF key %s = %llu contradicts %s (ne[1] = %u)", key, (unsigned long long)v,
+                   L0->w[P_GATE]->name, pl->I);
     if (pl->H == 0 || pl->I == 0 || pl->H > (1u << 20) || pl->I > (1u << 20) || pl->H % 2 ||
         pl->I % 2)
         return BAD(st, "%s: hidden %u and expert width %u must be even and in [2, 2^20]",
@@ -268,8 +265,10 @@ static int read_plan(const qm__gguf_file *f, plan *pl, unsigned requant_bits, qm
         if (!L->b[P_GATE] != !L0->b[P_GATE] || !L->b[P_UP] != !L0->b[P_UP] ||
             !L->b[P_DOWN] != !L0->b[P_DOWN] || !L->corr_bias != !L0->corr_bias ||
             !L->router_bias != !L0->router_bias)
-            return BAD(st, "blk.%u: its biases differ from blk.%u's (every MoE block must have "
-                           "the same optional tensors)", L->block, L0->block);
+            return BAD(st,
+                       "blk.%u: its biases differ from blk.%u's (every MoE block must have "
+                       "the same optional tensors)",
+                       L->block, L0->block);
     }
 
     /* Routing: the file's keys, else llama.cpp's default for the architecture. */
@@ -282,37 +281,40 @@ static int read_plan(const qm__gguf_file *f, plan *pl, unsigned requant_bits, qm
         (rc = qm__gguf_get_uint(f, KEY("expert_group_count"), &gcount, st)) < 0 ||
         (rc = qm__gguf_get_uint(f, KEY("expert_group_used_count"), &gused, st)) < 0)
         return rc;
-    if (gating == 0)
-        gating = 1;
+    if (gating == 0) gating = 1;
     if (gating > 3)
-        return BAD(st, "GGUF key %s.expert_gating_func = %llu is unknown (1 softmax, 2 sigmoid, "
-                       "3 softmax over the selected)", pl->arch, (unsigned long long)gating);
+        return BAD(st,
+                   "GGUF key %s.expert_gating_func = %llu is unknown (1 softmax, 2 sigmoid, "
+                   "3 softmax over the selected)",
+                   pl->arch, (unsigned long long)gating);
     if (scale < 0.0 || !isfinite(scale))
         return BAD(st, "GGUF key %s.expert_weights_scale = %g must be a finite number >= 0",
                    pl->arch, scale);
-    if (scale == 0.0)
-        scale = 1.0; /* llama.cpp: 0 = not set */
-    if (gcount == 0)
-        gcount = 1;
-    if (gused == 0)
-        gused = gcount;
+    if (scale == 0.0) scale = 1.0; /* llama.cpp: 0 = not set */
+    if (gcount == 0) gcount = 1;
+    if (gused == 0) gused = gcount;
     if (E % gcount != 0 || gused > gcount)
-        return BAD(st, "GGUF keys %s.expert_group_count = %llu / expert_group_used_count = %llu "
-                       "do not fit %llu experts", pl->arch, (unsigned long long)gcount,
-                   (unsigned long long)gused, (unsigned long long)E);
+        return BAD(st,
+                   "GGUF keys %s.expert_group_count = %llu / expert_group_used_count = %llu "
+                   "do not fit %llu experts",
+                   pl->arch, (unsigned long long)gcount, (unsigned long long)gused,
+                   (unsigned long long)E);
     if (gused * (E / gcount) < k)
-        return BAD(st, "GGUF key %s.expert_group_used_count = %llu keeps %llu experts, fewer than "
-                       "expert_used_count %llu", pl->arch, (unsigned long long)gused,
-                   (unsigned long long)(gused * (E / gcount)), (unsigned long long)k);
+        return BAD(st,
+                   "GGUF key %s.expert_group_used_count = %llu keeps %llu experts, fewer than "
+                   "expert_used_count %llu",
+                   pl->arch, (unsigned long long)gused, (unsigned long long)(gused * (E / gcount)),
+                   (unsigned long long)k);
     pl->score_sigmoid = gating == 2;
     pl->normalize = gating == 3 ? 1 : norm;
     pl->scale = scale;
     pl->groups = (int)gcount;
     pl->topk_groups = (int)gused;
-    pl->legacy = !pl->score_sigmoid && pl->normalize && scale == 1.0 && gcount == 1 &&
-                 !L0->corr_bias;
+    pl->legacy =
+        !pl->score_sigmoid && pl->normalize && scale == 1.0 && gcount == 1 && !L0->corr_bias;
     if (L0->corr_bias && !pl->score_sigmoid && gating != 1)
-        return BAD(st, "%s: a correction bias needs softmax or sigmoid gating", L0->corr_bias->name);
+        return BAD(st, "%s: a correction bias needs softmax or sigmoid gating",
+                   L0->corr_bias->name);
     pl->fam = qm__family_for_gguf(pl->arch, pl->score_sigmoid); /* deepseek2: V2 or V3 */
 #undef KEY
 
@@ -336,8 +338,10 @@ static int read_plan(const qm__gguf_file *f, plan *pl, unsigned requant_bits, qm
         pl->bs = requant_bits == 8 && any_q6k ? 16 : 32;
     }
     if (pl->H % pl->bs || pl->I % pl->bs)
-        return BAD(st, "%s: hidden %u and expert width %u must be multiples of the bank's "
-                       "block size %u", L0->w[P_GATE]->name, pl->H, pl->I, pl->bs);
+        return BAD(st,
+                   "%s: hidden %u and expert width %u must be multiples of the bank's "
+                   "block size %u",
+                   L0->w[P_GATE]->name, pl->H, pl->I, pl->bs);
     return 0;
 }
 
@@ -377,8 +381,7 @@ typedef struct job {
 static type_stats *stats_for(job *j, uint32_t type, int exact, qm_dtype sdt)
 {
     for (size_t i = 0; i < j->n_ts; i++)
-        if (j->ts[i].type == type)
-            return &j->ts[i];
+        if (j->ts[i].type == type) return &j->ts[i];
     type_stats *s = &j->ts[j->n_ts++];
     *s = (type_stats){.type = type, .exact = exact, .sdt = sdt};
     return s;
@@ -448,8 +451,7 @@ static int write_f32(job *j, uint32_t l, const qm__gguf_tensor *src, int t, qm_s
 {
     uint64_t bytes = qm_bank_writer_tensor_bytes(j->w, l, t), n = bytes / 4, K = src->ne[0];
     float *buf = qm_malloc((size_t)bytes);
-    if (!buf)
-        return qm_status_set(st, QM_ENOMEM, "out of memory converting %s", src->name);
+    if (!buf) return qm_status_set(st, QM_ENOMEM, "out of memory converting %s", src->name);
     uint64_t row_bytes = src->nbytes / (n / K);
     for (uint64_t r = 0; r < n / K; r++)
         qm__ggml_dequant_row(src->type, src->data + r * row_bytes, K, buf + r * K);
@@ -476,9 +478,9 @@ static void json_escape(const char *s, char *out, size_t size)
 /* The bank's tensors per layer, in the order they are listed and placed:
  * fc1 = gate, fc3 = up, fc2 = down, each weight, scales, bias; the router. */
 static const qm_bank_tensor GGUF_ORDER[] = {
-    QM_T_FC1_WEIGHT, QM_T_FC1_SCALES, QM_T_FC1_BIAS, QM_T_FC3_WEIGHT, QM_T_FC3_SCALES,
-    QM_T_FC3_BIAS,   QM_T_FC2_WEIGHT, QM_T_FC2_SCALES, QM_T_FC2_BIAS, QM_T_ROUTER_WEIGHT,
-    QM_T_ROUTER_BIAS, QM_T_ROUTER_CORRECTION_BIAS};
+    QM_T_FC1_WEIGHT, QM_T_FC1_SCALES,    QM_T_FC1_BIAS,    QM_T_FC3_WEIGHT,
+    QM_T_FC3_SCALES, QM_T_FC3_BIAS,      QM_T_FC2_WEIGHT,  QM_T_FC2_SCALES,
+    QM_T_FC2_BIAS,   QM_T_ROUTER_WEIGHT, QM_T_ROUTER_BIAS, QM_T_ROUTER_CORRECTION_BIAS};
 
 static int source_json(const job *j, const plan *pl, int exact_all, const char *err, char *buf,
                        size_t size)
@@ -499,20 +501,27 @@ static int build_and_write(job *j, const plan *pl, int resume, int quiet, uint32
 {
     int rc = 0;
     const uint32_t E = pl->E, H = pl->H, I = pl->I;
-    const qm_bank_config cfg = {.layers = pl->n_layers, .experts = E, .hidden = H, .inter = I,
-                                .k = pl->k, .bits = pl->bits, .block_size = pl->bs,
-                                .activation = QM_ACT_SWIGLU, .swiglu_fusion = 0};
+    const qm_bank_config cfg = {.layers = pl->n_layers,
+                                .experts = E,
+                                .hidden = H,
+                                .inter = I,
+                                .k = pl->k,
+                                .bits = pl->bits,
+                                .block_size = pl->bs,
+                                .activation = QM_ACT_SWIGLU,
+                                .swiglu_fusion = 0};
     qm_bank_plan_tensor *tensors = qm_calloc((size_t)pl->n_layers * QM_T_COUNT, sizeof *tensors);
-    if (!tensors)
-        return qm_status_set(st, QM_ENOMEM, "out of memory planning the bank");
+    if (!tensors) return qm_status_set(st, QM_ENOMEM, "out of memory planning the bank");
     /* 1. Plan every tensor. */
     for (uint32_t l = 0; l < pl->n_layers; l++) {
         const moe_layer *L = &pl->layers[l];
-        const qm_bank_layer_opts lo = {.scale_dtype = QM_DTYPE_F32, .bias_dtype = QM_DTYPE_F32,
+        const qm_bank_layer_opts lo = {.scale_dtype = QM_DTYPE_F32,
+                                       .bias_dtype = QM_DTYPE_F32,
                                        .router_dtype = QM_DTYPE_F32,
                                        .fc1_bias = L->b[P_GATE] != NULL,
                                        .fc2_bias = L->b[P_DOWN] != NULL,
-                                       .fc3_bias = L->b[P_UP] != NULL, .router_weight = 1,
+                                       .fc3_bias = L->b[P_UP] != NULL,
+                                       .router_weight = 1,
                                        .router_bias = L->router_bias != NULL,
                                        .correction_bias = L->corr_bias != NULL};
         qm_bank_plan_tensor *t = &tensors[(size_t)l * QM_T_COUNT];
@@ -584,20 +593,21 @@ static int build_and_write(job *j, const plan *pl, int resume, int quiet, uint32
             META("qmoe.routing.group_score", pl->score_sigmoid ? "top2_sum" : "max");
         }
     }
-    if (!identity)
-        META("qmoe.layer_map", layer_map);
+    if (!identity) META("qmoe.layer_map", layer_map);
     META("qmoe.source", source);
 #undef META
-    const qm_bank_writer_spec spec = {.layers = pl->n_layers, .experts = E, .tensors = tensors,
+    const qm_bank_writer_spec spec = {.layers = pl->n_layers,
+                                      .experts = E,
+                                      .tensors = tensors,
                                       .order = GGUF_ORDER,
                                       .n_order = sizeof GGUF_ORDER / sizeof GGUF_ORDER[0],
-                                      .meta = meta, .n_meta = nm,
+                                      .meta = meta,
+                                      .n_meta = nm,
                                       .deferred_key = exact_all ? NULL : "qmoe.source",
                                       .tool = "import gguf"};
 
     /* 3. Header, then layer by layer, then the measured error into the header. */
-    if ((rc = qm_bank_writer_open(&spec, j->out_path, resume, &j->w, first, &j->max_rel, st)) !=
-        0)
+    if ((rc = qm_bank_writer_open(&spec, j->out_path, resume, &j->w, first, &j->max_rel, st)) != 0)
         goto done;
     uint64_t layer_src = 0, total_src = 0;
     for (uint32_t l = 0; l < pl->n_layers; l++)
@@ -609,25 +619,20 @@ static int build_and_write(job *j, const plan *pl, int resume, int quiet, uint32
         const moe_layer *L = &pl->layers[l];
         for (int p = 0; p < P_COUNT; p++)
             stats_for(j, L->w[p]->type, exact_path(pl, L->w[p]->type),
-                      scale_dtype(pl, L->w[p]->type))->count++;
-        if (l < *first)
-            continue;
+                      scale_dtype(pl, L->w[p]->type))
+                ->count++;
+        if (l < *first) continue;
         for (int p = 0; p < P_COUNT && rc == 0; p++) {
             rc = write_experts(j, pl, l, L->w[p], PROJ_W[p], st);
-            if (rc == 0 && L->b[p])
-                rc = write_f32(j, l, L->b[p], PROJ_W[p] + 3, st);
+            if (rc == 0 && L->b[p]) rc = write_f32(j, l, L->b[p], PROJ_W[p] + 3, st);
         }
-        if (rc == 0)
-            rc = write_f32(j, l, L->router, QM_T_ROUTER_WEIGHT, st);
-        if (rc == 0 && L->router_bias)
-            rc = write_f32(j, l, L->router_bias, QM_T_ROUTER_BIAS, st);
+        if (rc == 0) rc = write_f32(j, l, L->router, QM_T_ROUTER_WEIGHT, st);
+        if (rc == 0 && L->router_bias) rc = write_f32(j, l, L->router_bias, QM_T_ROUTER_BIAS, st);
         if (rc == 0 && L->corr_bias)
             rc = write_f32(j, l, L->corr_bias, QM_T_ROUTER_CORRECTION_BIAS, st);
         if (rc == 0)
-            rc = qm_bank_writer_layer_done(j->w, l, j->max_rel, (l + 1) * layer_src, total_src,
-                                           st);
-        if (rc)
-            goto done;
+            rc = qm_bank_writer_layer_done(j->w, l, j->max_rel, (l + 1) * layer_src, total_src, st);
+        if (rc) goto done;
     }
     char val[32];
     snprintf(val, sizeof val, "%.9e", j->max_rel);
@@ -646,12 +651,10 @@ done:
 
 int qm__cmd_import_gguf(int argc, char **argv)
 {
-    static const struct option longopts[] = {{"out", required_argument, 0, 'o'},
-                                             {"requant-bits", required_argument, 0, 'b'},
-                                             {"resume", no_argument, 0, 'r'},
-                                             {"quiet", no_argument, 0, 'q'},
-                                             {"help", no_argument, 0, 'h'},
-                                             {0, 0, 0, 0}};
+    static const struct option longopts[] = {
+        {"out", required_argument, 0, 'o'}, {"requant-bits", required_argument, 0, 'b'},
+        {"resume", no_argument, 0, 'r'},    {"quiet", no_argument, 0, 'q'},
+        {"help", no_argument, 0, 'h'},      {0, 0, 0, 0}};
     const char *out = NULL;
     unsigned requant_bits = 8;
     int quiet = 0, resume = 0, c;
@@ -663,8 +666,10 @@ int qm__cmd_import_gguf(int argc, char **argv)
         } else if (c == 'b') {
             if (qm__parse_u32(optarg, 8, &requant_bits) != 0 ||
                 (requant_bits != 4 && requant_bits != 8)) {
-                fprintf(stderr, "qmoe-bank import gguf: --requant-bits takes 4 or 8, not "
-                                "\"%.32s\"\n", optarg);
+                fprintf(stderr,
+                        "qmoe-bank import gguf: --requant-bits takes 4 or 8, not "
+                        "\"%.32s\"\n",
+                        optarg);
                 return QM__EXIT_USAGE;
             }
         } else if (c == 'r') {
@@ -703,7 +708,8 @@ int qm__cmd_import_gguf(int argc, char **argv)
                pl.E, pl.k, pl.H, pl.I);
         if (first)
             printf("resumed %s.partial at layer %u of %u (the errors below are of the layers "
-                   "this run converted)\n", out, first, pl.n_layers);
+                   "this run converted)\n",
+                   out, first, pl.n_layers);
         for (size_t i = 0; i < j.n_ts; i++) {
             const type_stats *s = &j.ts[i];
             char tb[16];
@@ -711,8 +717,7 @@ int qm__cmd_import_gguf(int argc, char **argv)
                    qm__ggml_type_name(s->type, tb, sizeof tb), s->count,
                    s->exact ? "exact repack" : "requantised", pl.bits, pl.bs,
                    qm_dtype_name(s->sdt));
-            if (!s->exact)
-                printf(", max rel err %.3e", s->max_rel);
+            if (!s->exact) printf(", max rel err %.3e", s->max_rel);
             printf("\n");
         }
         printf("routing: %s\n", pl.legacy ? "legacy (top-k of the logits, softmax over the k)"
@@ -722,18 +727,15 @@ int qm__cmd_import_gguf(int argc, char **argv)
         for (size_t i = 0; i < j.n_ts; i++)
             exact &= j.ts[i].exact;
         printf("wrote %s: exact %s", out, exact ? "yes" : "no");
-        if (!exact)
-            printf(", max_rel_err %.3e", j.max_rel);
-        if (stat(out, &sb) == 0)
-            printf(", %lld bytes", (long long)sb.st_size);
+        if (!exact) printf(", max_rel_err %.3e", j.max_rel);
+        if (stat(out, &sb) == 0) printf(", %lld bytes", (long long)sb.st_size);
         printf("\n");
     }
     goto done;
 fail:
     /* Names come from the file: keep the one line printable. */
     for (char *p = st.msg; *p; p++)
-        if ((unsigned char)*p < 0x20 || (unsigned char)*p >= 0x7f)
-            *p = '?';
+        if ((unsigned char)*p < 0x20 || (unsigned char)*p >= 0x7f) *p = '?';
     ret = rc == QM_EIO || rc == QM_ENOMEM || rc == QM_EINTERNAL ? QM__EXIT_FAIL : QM__EXIT_USAGE;
     /* A layer recorded done is worth a --resume (bad input would stop a
      * resume at the same bytes); before that nothing is kept. */

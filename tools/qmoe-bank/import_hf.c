@@ -56,8 +56,8 @@ static int exit_for(int rc)
 
 static int source_prefix(qm__hf_import *im, char *buf, size_t n)
 {
-    size_t at = (size_t)snprintf(buf, n, "{\"format\":\"hf\",\"family\":\"%s\",\"files\":[",
-                                 im->fam->name);
+    size_t at =
+        (size_t)snprintf(buf, n, "{\"format\":\"hf\",\"family\":\"%s\",\"files\":[", im->fam->name);
     uint32_t ns = qm__hf_shard_count(im->ck);
     for (uint32_t i = 0; i < ns; i++) {
         const char *s = qm__hf_shard_name(im->ck, i);
@@ -155,8 +155,7 @@ static int run_import(qm__hf_import *im)
     char src[4288], groups[16], topk_groups[16], scale[32], norm[4];
     char *layer_map_s = NULL;
 
-    if ((rc = qm__hf_open(im->o.dir, &im->ck, &st)) != 0 ||
-        (rc = qm__hf_read_config(im, &st)) != 0)
+    if ((rc = qm__hf_open(im->o.dir, &im->ck, &st)) != 0 || (rc = qm__hf_read_config(im, &st)) != 0)
         goto fail_input;
     if (!im->o.bits_set) im->o.bits = im->mxfp4 ? 8 : 4;
     im->mxfp4_exact =
@@ -238,9 +237,13 @@ static int run_import(qm__hf_import *im)
         meta[n_meta++] = (qm_st_meta){"qmoe.routing.topk_groups", topk_groups};
         meta[n_meta++] = (qm_st_meta){"qmoe.routing.group_score", (char *)im->group_score};
     }
-    const qm_bank_writer_spec spec = {.layers = im->n_moe, .experts = im->E, .tensors = plan,
-                                      .meta = meta, .n_meta = n_meta,
-                                      .deferred_key = "qmoe.source", .tool = "import hf"};
+    const qm_bank_writer_spec spec = {.layers = im->n_moe,
+                                      .experts = im->E,
+                                      .tensors = plan,
+                                      .meta = meta,
+                                      .n_meta = n_meta,
+                                      .deferred_key = "qmoe.source",
+                                      .tool = "import hf"};
 
     uint32_t first = 0;
     double max_err = 0;
@@ -258,8 +261,7 @@ static int run_import(qm__hf_import *im)
     if (!im->o.quiet) {
         printf("importing %s (%s): %u of %u layers have routed experts, %u experts, k %u, "
                "hidden %u, inter %u; %s -> int%u block %u%s\n",
-               im->o.dir, im->fam->name, im->n_moe, im->model_layers, im->E, im->k, im->H,
-               im->I,
+               im->o.dir, im->fam->name, im->n_moe, im->model_layers, im->E, im->k, im->H, im->I,
                im->mxfp4 ? "MXFP4"
                : im->fp8 ? "FP8 e4m3"
                          : "float",
@@ -295,7 +297,8 @@ static int run_import(qm__hf_import *im)
             goto fail;
         }
         done_src += im->layer_bytes[li];
-        if ((rc = qm_bank_writer_layer_done(w, li, max_err, done_src, total_src, &st)) != 0) goto fail;
+        if ((rc = qm_bank_writer_layer_done(w, li, max_err, done_src, total_src, &st)) != 0)
+            goto fail;
         keep_partial = 1;
     }
     int exact = max_err == 0;

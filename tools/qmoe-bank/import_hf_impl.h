@@ -12,8 +12,24 @@
 #include "import_hf_source.h"
 
 /* Source tensors of one expert (per-expert families) or one layer (GPT-OSS). */
-enum { QM__HF_GATE, QM__HF_UP, QM__HF_DOWN, QM__HF_GATE_SINV, QM__HF_UP_SINV, QM__HF_DOWN_SINV, QM__HF_PER_EXPERT };
-enum { QM__HF_FUSED_GATE_UP, QM__HF_FUSED_GATE_UP_SCALES, QM__HF_FUSED_GATE_UP_BIAS, QM__HF_FUSED_DOWN, QM__HF_FUSED_DOWN_SCALES, QM__HF_FUSED_DOWN_BIAS, QM__HF_FUSED_COUNT };
+enum {
+    QM__HF_GATE,
+    QM__HF_UP,
+    QM__HF_DOWN,
+    QM__HF_GATE_SINV,
+    QM__HF_UP_SINV,
+    QM__HF_DOWN_SINV,
+    QM__HF_PER_EXPERT
+};
+enum {
+    QM__HF_FUSED_GATE_UP,
+    QM__HF_FUSED_GATE_UP_SCALES,
+    QM__HF_FUSED_GATE_UP_BIAS,
+    QM__HF_FUSED_DOWN,
+    QM__HF_FUSED_DOWN_SCALES,
+    QM__HF_FUSED_DOWN_BIAS,
+    QM__HF_FUSED_COUNT
+};
 
 typedef struct qm__hf_opts {
     const char *dir, *out;
@@ -63,7 +79,7 @@ int qm__hf_read_config(qm__hf_import *im, qm_status *st);
 int qm__hf_resolve(qm__hf_import *im, qm_status *st);
 /* Converts bank layer li and hands its tensors to the writer; *max_err
  * grows to the largest matrix error seen. */
-int qm__hf_convert_layer(qm__hf_import *im, qm_bank_writer *w, uint32_t li, qm__hf_buffers *b, double *max_err,
-                          qm_status *st);
+int qm__hf_convert_layer(qm__hf_import *im, qm_bank_writer *w, uint32_t li, qm__hf_buffers *b,
+                         double *max_err, qm_status *st);
 
 #endif

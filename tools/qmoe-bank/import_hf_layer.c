@@ -18,14 +18,15 @@ static int not_finite(qm__hf_import *im, const qm__hf_tensor *t, qm_status *st)
 }
 
 /* Row r of a per-expert source matrix [N, K] as f32 (FP8 times its block scale). */
-static void load_row(qm__hf_import *im, const qm__hf_tensor *w, const qm__hf_tensor *sinv, uint64_t r,
-                     uint64_t K, float *dst)
+static void load_row(qm__hf_import *im, const qm__hf_tensor *w, const qm__hf_tensor *sinv,
+                     uint64_t r, uint64_t K, float *dst)
 {
     qm__elem_load_row(w->data + r * K * qm__elem_size(w->elem), w->elem, K, dst);
     if (sinv) {
         uint64_t nbk = sinv->shape[1];
         for (uint64_t c = 0; c < K; c++)
-            dst[c] *= qm__elem_load(sinv->data, sinv->elem, (r / im->fp8_bn) * nbk + c / im->fp8_bk);
+            dst[c] *=
+                qm__elem_load(sinv->data, sinv->elem, (r / im->fp8_bn) * nbk + c / im->fp8_bk);
     }
 }
 
@@ -61,8 +62,8 @@ static void mxfp4_row_exact(const uint8_t *blocks, const uint8_t *scales, uint64
         scale_out[b] = ldexpf(1.0f, (int)scales[b] - 128);
 }
 
-int qm__hf_convert_layer(qm__hf_import *im, qm_bank_writer *w, uint32_t li, qm__hf_buffers *b, double *max_err,
-                          qm_status *st)
+int qm__hf_convert_layer(qm__hf_import *im, qm_bank_writer *w, uint32_t li, qm__hf_buffers *b,
+                         double *max_err, qm_status *st)
 {
     uint32_t E = im->E, H = im->H, I = im->I, bits = im->o.bits;
     uint64_t bs = im->o.block_size, pack = 8 / bits;
@@ -81,12 +82,15 @@ int qm__hf_convert_layer(qm__hf_import *im, qm_bank_writer *w, uint32_t li, qm__
         uint64_t n = rt[i]->nbytes / qm__elem_size(rt[i]->elem);
         for (uint64_t off = 0; off < n; off += H) {
             uint64_t m = n - off < H ? n - off : H;
-            qm__elem_load_row(rt[i]->data + off * qm__elem_size(rt[i]->elem), rt[i]->elem, m, b->row);
+            qm__elem_load_row(rt[i]->data + off * qm__elem_size(rt[i]->elem), rt[i]->elem, m,
+                              b->row);
             if (!qm_quant_finite(b->row, m)) return not_finite(im, rt[i], st);
-            if ((rc = qm_bank_writer_put(w, li, rdst[i], off * 4, b->row, m * 4, st)) != 0) return rc;
+            if ((rc = qm_bank_writer_put(w, li, rdst[i], off * 4, b->row, m * 4, st)) != 0)
+                return rc;
         }
     }
-    const qm__hf_tensor **lsrc = im->layer_src ? &im->layer_src[(size_t)li * QM__HF_FUSED_COUNT] : NULL;
+    const qm__hf_tensor **lsrc =
+        im->layer_src ? &im->layer_src[(size_t)li * QM__HF_FUSED_COUNT] : NULL;
     if (lsrc) {
         for (int g = 0; g < QM__HF_FUSED_COUNT; g++)
             if (lsrc[g]) qm__hf_prefetch(im->ck, lsrc[g]);
@@ -98,7 +102,8 @@ int qm__hf_convert_layer(qm__hf_import *im, qm_bank_writer *w, uint32_t li, qm__
             const qm__hf_tensor **src = &im->expert_src[((size_t)li * E + e) * QM__HF_PER_EXPERT];
             if (e + 1 < E)
                 for (int p = 0; p < QM__HF_PER_EXPERT; p++)
-                    if (src[QM__HF_PER_EXPERT + p]) qm__hf_prefetch(im->ck, src[QM__HF_PER_EXPERT + p]);
+                    if (src[QM__HF_PER_EXPERT + p])
+                        qm__hf_prefetch(im->ck, src[QM__HF_PER_EXPERT + p]);
             /* fc1 rows interleave gate and up (swiglu_fusion 1). */
             for (uint64_t r = 0; r < 2ull * I; r++) {
                 int up = (int)(r & 1);
@@ -115,7 +120,8 @@ int qm__hf_convert_layer(qm__hf_import *im, qm_bank_writer *w, uint32_t li, qm__
                     return not_finite(im, src[QM__HF_DOWN], st);
             }
         } else if (im->mxfp4) {
-            const qm__hf_tensor *gb = lsrc[QM__HF_FUSED_GATE_UP], *gs = lsrc[QM__HF_FUSED_GATE_UP_SCALES];
+            const qm__hf_tensor *gb = lsrc[QM__HF_FUSED_GATE_UP],
+                                *gs = lsrc[QM__HF_FUSED_GATE_UP_SCALES];
             const qm__hf_tensor *db = lsrc[QM__HF_FUSED_DOWN], *ds = lsrc[QM__HF_FUSED_DOWN_SCALES];
             for (int p = 0; p < 2; p++) {
                 const qm__hf_tensor *bt = p ? db : gb, *stt = p ? ds : gs;
@@ -130,8 +136,8 @@ int qm__hf_convert_layer(qm__hf_import *im, qm_bank_writer *w, uint32_t li, qm__
                                         (float *)b->scales[p] + r * nb, p ? &err_down : &err_gate);
                     } else {
                         mxfp4_row(blk, sc, K, b->row);
-                        if (qm_quant_row(&q, b->row, K, b->packed[p] + r * (K / pack),
-                                         b->scales[p], r * nb, NULL, p ? &err_down : &err_gate))
+                        if (qm_quant_row(&q, b->row, K, b->packed[p] + r * (K / pack), b->scales[p],
+                                         r * nb, NULL, p ? &err_down : &err_gate))
                             return not_finite(im, bt, st);
                     }
                 }
@@ -162,13 +168,14 @@ int qm__hf_convert_layer(qm__hf_import *im, qm_bank_writer *w, uint32_t li, qm__
             return rc;
         if (lsrc && lsrc[QM__HF_FUSED_GATE_UP_BIAS]) {
             for (int p = 0; p < 2; p++) {
-                const qm__hf_tensor *t = lsrc[p ? QM__HF_FUSED_DOWN_BIAS : QM__HF_FUSED_GATE_UP_BIAS];
+                const qm__hf_tensor *t =
+                    lsrc[p ? QM__HF_FUSED_DOWN_BIAS : QM__HF_FUSED_GATE_UP_BIAS];
                 uint64_t N = p ? H : 2ull * I;
                 qm__elem_load_row(t->data + (uint64_t)e * N * qm__elem_size(t->elem), t->elem, N,
-                             b->bias);
+                                  b->bias);
                 if (!qm_quant_finite(b->bias, N)) return not_finite(im, t, st);
                 if ((rc = qm_bank_writer_put(w, li, p ? QM_T_FC2_BIAS : QM_T_FC1_BIAS, e * N * 4,
-                                         b->bias, N * 4, st)))
+                                             b->bias, N * 4, st)))
                     return rc;
             }
         }

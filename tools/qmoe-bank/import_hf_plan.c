@@ -90,8 +90,7 @@ static int moe_layers(qm__hf_import *im, qm_status *st)
     size_t n_only = 0;
     rc = qm_hf_json_array_len(c, "mlp_only_layers", &n_only, st);
     if (rc && rc != QM_ENOT_FOUND) return QM_EINVALID_MODEL;
-    if (rc == QM_ENOT_FOUND || !sparse_step)
-        n_only = 0;
+    if (rc == QM_ENOT_FOUND || !sparse_step) n_only = 0;
     im->layer_map = qm_calloc(im->model_layers ? im->model_layers : 1, sizeof *im->layer_map);
     if (!im->layer_map) return qm_status_set(st, QM_ENOMEM, "out of memory");
     for (uint32_t l = 0; l < im->model_layers; l++) {
@@ -125,8 +124,8 @@ static int read_routing(qm__hf_import *im, qm_status *st)
     im->score = f->score;
     im->normalize = f->normalize_default;
     im->scale = f->scale_default;
-    if (f->normalize_key && (rc = cfg_bool(im, f->normalize_key, f->normalize_default,
-                                           &im->normalize, st)) != 0)
+    if (f->normalize_key &&
+        (rc = cfg_bool(im, f->normalize_key, f->normalize_default, &im->normalize, st)) != 0)
         return rc;
     if (f->scale_key && (rc = cfg_num(im, f->scale_key, f->scale_default, &im->scale, st)) != 0)
         return rc;
@@ -234,9 +233,8 @@ int qm__hf_read_config(qm__hf_import *im, qm_status *st)
         for (size_t i = 0; i < qm__n_families && at < sizeof which; i++) {
             unsigned fl = qm__families[i].flags;
             if (fl & (QM__FAM_MXFP4 | QM__FAM_FP8))
-                at += (size_t)snprintf(which + at, sizeof which - at, "%s%s for %s",
-                                       at ? ", " : "", fl & QM__FAM_MXFP4 ? "mxfp4" : "fp8",
-                                       qm__families[i].name);
+                at += (size_t)snprintf(which + at, sizeof which - at, "%s%s for %s", at ? ", " : "",
+                                       fl & QM__FAM_MXFP4 ? "mxfp4" : "fp8", qm__families[i].name);
         }
         return qm_status_set(st, QM_EUNSUPPORTED,
                              "config.json: quantization_config.quant_method \"%.40s\" is not "
@@ -392,38 +390,43 @@ int qm__hf_resolve(qm__hf_import *im, qm_status *st)
                 uint64_t db[4] = {E, H, I / 32, 16}, ds[3] = {E, H, I / 32};
                 snprintf(name, sizeof name, "model.layers.%u.%s.experts.gate_up_proj_blocks", l,
                          f->moe);
-                if ((rc = expect(im, name, 1u << QM__ELEM_U8, 4, gb, why, &src[QM__HF_FUSED_GATE_UP], st)))
+                if ((rc = expect(im, name, 1u << QM__ELEM_U8, 4, gb, why,
+                                 &src[QM__HF_FUSED_GATE_UP], st)))
                     return rc;
                 snprintf(name, sizeof name, "model.layers.%u.%s.experts.gate_up_proj_scales", l,
                          f->moe);
-                if ((rc = expect(im, name, 1u << QM__ELEM_U8, 3, gs, why, &src[QM__HF_FUSED_GATE_UP_SCALES],
-                                 st)))
+                if ((rc = expect(im, name, 1u << QM__ELEM_U8, 3, gs, why,
+                                 &src[QM__HF_FUSED_GATE_UP_SCALES], st)))
                     return rc;
                 snprintf(name, sizeof name, "model.layers.%u.%s.experts.down_proj_blocks", l,
                          f->moe);
-                if ((rc = expect(im, name, 1u << QM__ELEM_U8, 4, db, why, &src[QM__HF_FUSED_DOWN], st)))
+                if ((rc = expect(im, name, 1u << QM__ELEM_U8, 4, db, why, &src[QM__HF_FUSED_DOWN],
+                                 st)))
                     return rc;
                 snprintf(name, sizeof name, "model.layers.%u.%s.experts.down_proj_scales", l,
                          f->moe);
-                if ((rc = expect(im, name, 1u << QM__ELEM_U8, 3, ds, why, &src[QM__HF_FUSED_DOWN_SCALES], st)))
+                if ((rc = expect(im, name, 1u << QM__ELEM_U8, 3, ds, why,
+                                 &src[QM__HF_FUSED_DOWN_SCALES], st)))
                     return rc;
-                bytes += src[QM__HF_FUSED_GATE_UP_SCALES]->nbytes + src[QM__HF_FUSED_DOWN_SCALES]->nbytes;
+                bytes += src[QM__HF_FUSED_GATE_UP_SCALES]->nbytes +
+                         src[QM__HF_FUSED_DOWN_SCALES]->nbytes;
             } else {
                 uint64_t gu[3] = {E, H, 2ull * I}, dn[3] = {E, I, H};
                 snprintf(name, sizeof name, "model.layers.%u.%s.experts.gate_up_proj", l, f->moe);
-                if ((rc = expect(im, name, ELEM_FLOAT, 3, gu, why, &src[QM__HF_FUSED_GATE_UP], st))) return rc;
+                if ((rc = expect(im, name, ELEM_FLOAT, 3, gu, why, &src[QM__HF_FUSED_GATE_UP], st)))
+                    return rc;
                 snprintf(name, sizeof name, "model.layers.%u.%s.experts.down_proj", l, f->moe);
-                if ((rc = expect(im, name, ELEM_FLOAT, 3, dn, why, &src[QM__HF_FUSED_DOWN], st))) return rc;
+                if ((rc = expect(im, name, ELEM_FLOAT, 3, dn, why, &src[QM__HF_FUSED_DOWN], st)))
+                    return rc;
             }
             bytes += src[QM__HF_FUSED_GATE_UP]->nbytes + src[QM__HF_FUSED_DOWN]->nbytes;
             if (f->flags & QM__FAM_EXPERT_BIASES) {
                 snprintf(name, sizeof name, "model.layers.%u.%s.experts.gate_up_proj_bias", l,
                          f->moe);
-                if ((rc = expect(im, name, ELEM_FLOAT, 2, b1, why,
-                                 &src[QM__HF_FUSED_GATE_UP_BIAS], st)))
+                if ((rc = expect(im, name, ELEM_FLOAT, 2, b1, why, &src[QM__HF_FUSED_GATE_UP_BIAS],
+                                 st)))
                     return rc;
-                snprintf(name, sizeof name, "model.layers.%u.%s.experts.down_proj_bias", l,
-                         f->moe);
+                snprintf(name, sizeof name, "model.layers.%u.%s.experts.down_proj_bias", l, f->moe);
                 if ((rc = expect(im, name, ELEM_FLOAT, 2, b2, why, &src[QM__HF_FUSED_DOWN_BIAS],
                                  st)))
                     return rc;

@@ -33,15 +33,12 @@ int qm__usage(const char *cmd, const char *what)
 
 int qm__parse_u32(const char *s, unsigned long long max, unsigned *out)
 {
-    if (!s || !*s)
-        return -1;
+    if (!s || !*s) return -1;
     unsigned long long v = 0;
     for (const char *p = s; *p; p++) {
-        if (*p < '0' || *p > '9')
-            return -1;
+        if (*p < '0' || *p > '9') return -1;
         v = v * 10 + (unsigned long long)(*p - '0');
-        if (v > max || v > 0xffffffffull)
-            return -1;
+        if (v > max || v > 0xffffffffull) return -1;
     }
     *out = (unsigned)v;
     return 0;
@@ -83,10 +80,10 @@ static int import_main(int argc, char **argv)
         return QM__EXIT_OK;
     }
     for (size_t i = 0; argc >= 2 && i < sizeof formats / sizeof formats[0]; i++)
-        if (strcmp(argv[1], formats[i].format) == 0)
-            return formats[i].run(argc - 1, argv + 1);
-    fprintf(stderr, "qmoe-bank import: expected a source format (hf or gguf) and its arguments; see "
-                    "qmoe-bank import --help\n");
+        if (strcmp(argv[1], formats[i].format) == 0) return formats[i].run(argc - 1, argv + 1);
+    fprintf(stderr,
+            "qmoe-bank import: expected a source format (hf or gguf) and its arguments; see "
+            "qmoe-bank import --help\n");
     return QM__EXIT_USAGE;
 }
 
@@ -105,15 +102,12 @@ int main(int argc, char **argv)
         printf("qmoe-bank %s\n", QMOE_VERSION);
         return QM__EXIT_OK;
     }
-    if (strcmp(cmd, "create") == 0)
-        return qm__cmd_create(argc - 1, argv + 1);
-    if (strcmp(cmd, "inspect") == 0)
-        return qm__cmd_inspect(argc - 1, argv + 1);
-    if (strcmp(cmd, "run") == 0)
-        return qm__cmd_run(argc - 1, argv + 1);
-    if (strcmp(cmd, "import") == 0)
-        return import_main(argc - 1, argv + 1);
-    fprintf(stderr, "qmoe-bank: unknown command \"%.64s\" (create, inspect, run, import; see --help)\n",
+    if (strcmp(cmd, "create") == 0) return qm__cmd_create(argc - 1, argv + 1);
+    if (strcmp(cmd, "inspect") == 0) return qm__cmd_inspect(argc - 1, argv + 1);
+    if (strcmp(cmd, "run") == 0) return qm__cmd_run(argc - 1, argv + 1);
+    if (strcmp(cmd, "import") == 0) return import_main(argc - 1, argv + 1);
+    fprintf(stderr,
+            "qmoe-bank: unknown command \"%.64s\" (create, inspect, run, import; see --help)\n",
             cmd);
     return QM__EXIT_USAGE;
 }

@@ -11,7 +11,7 @@ enum { QM__EXIT_OK = 0, QM__EXIT_FAIL = 1, QM__EXIT_USAGE = 2 };
 int qm__cmd_create(int argc, char **argv);
 int qm__cmd_inspect(int argc, char **argv);
 int qm__cmd_run(int argc, char **argv);
-int qm__cmd_import_hf(int argc, char **argv); /* import_hf.c: argv[0] = "hf" */
+int qm__cmd_import_hf(int argc, char **argv);   /* import_hf.c: argv[0] = "hf" */
 int qm__cmd_import_gguf(int argc, char **argv); /* import_gguf.c: argv[0] = "gguf" */
 
 void qm__help_create(FILE *f);
