@@ -1,6 +1,7 @@
 /* qm_quant.c - the round-to-nearest quantiser (see qm_quant.h). */
 #include "qm_quant.h"
 
+#include <float.h>
 #include <math.h>
 #include <string.h>
 
@@ -93,15 +94,18 @@ static void pack_codes(const uint8_t *codes, uint64_t n, unsigned bits, uint8_t 
 
 /* One symmetric block [lo, hi) at column offset lo of packed. */
 static float quant_block_sym(const qm_quant_spec *q, const float *w, uint64_t lo, uint64_t hi,
-                             uint8_t *packed, double *diff2, double *ref2, int *exact)
+                             uint8_t *packed, double *diff2, double *ref2, int *exact, int *finite)
 {
     const float qmax = (float)((1 << (q->bits - 1)) - 1), qmin = -(float)(1 << (q->bits - 1));
     const int zp = 1 << (q->bits - 1);
     float amax = 0;
+    int bad = 0; /* NaN and infinity fail a <= FLT_MAX */
     for (uint64_t c = lo; c < hi; c++) {
         float a = fabsf(w[c]);
         amax = a > amax ? a : amax;
+        bad |= !(a <= FLT_MAX);
     }
+    *finite &= !bad;
     float scale = amax / qmax;
     if (!(scale >= 1e-8f)) scale = 1e-8f;
     float stored = stored_scale(q, scale);
@@ -109,20 +113,29 @@ static float quant_block_sym(const qm_quant_spec *q, const float *w, uint64_t lo
     uint8_t codes[32];
     double d2 = *diff2, r2 = *ref2;
     int ex = 1;
+    /* Chunks of 32 columns: codes, then packing; the error summed in f32 per
+     * chunk (exact enough to report) and in f64 across chunks. */
     for (uint64_t c0 = lo; c0 < hi; c0 += 32) {
         int n = (int)(hi - c0 < 32 ? hi - c0 : 32);
+        float cd2 = 0, cr2 = 0;
+        uint32_t differ = 0; /* the bits of every nonzero error, ORed */
         for (int j = 0; j < n; j++) {
             float x = w[c0 + (uint64_t)j];
             float v = rtn_quotient(x, s, inv);
             v = v < qmin ? qmin : v;
             v = v > qmax ? qmax : v;
             codes[j] = (uint8_t)((int)v + zp);
-            double e = (double)(stored * v) - (double)x;
-            d2 += e * e;
-            r2 += (double)x * (double)x;
-            ex &= e == 0.0;
+            float e = stored * v - x;
+            uint32_t eb;
+            memcpy(&eb, &e, 4);
+            differ |= eb & 0x7fffffffu;
+            cd2 += e * e;
+            cr2 += x * x;
         }
         pack_codes(codes, (uint64_t)n, q->bits, packed + c0 * q->bits / 8);
+        d2 += cd2;
+        r2 += cr2;
+        ex &= differ == 0;
     }
     *diff2 = d2;
     *ref2 = r2;
@@ -134,8 +147,9 @@ static float quant_block_sym(const qm_quant_spec *q, const float *w, uint64_t lo
  * unrounded zero point, the stored one is rounded). */
 static float quant_block_asym(const qm_quant_spec *q, const float *w, uint64_t lo, uint64_t hi,
                               uint8_t *packed, uint8_t *zero_point, double *diff2, double *ref2,
-                              int *exact)
+                              int *exact, int *finite)
 {
+    *finite &= qm_quant_finite(w + lo, hi - lo);
     const int smax = (1 << q->bits) - 1;
     float mn = w[lo], mx = w[lo];
     for (uint64_t c = lo; c < hi; c++) {
@@ -175,16 +189,16 @@ static float quant_block_asym(const qm_quant_spec *q, const float *w, uint64_t l
 int qm_quant_row(const qm_quant_spec *q, const float *w, uint64_t k, uint8_t *packed, void *scales,
                  uint64_t scale_at, uint8_t *zero_points, qm_quant_error *err)
 {
-    if (!qm_quant_finite(w, k)) return QM_EINVAL;
     uint64_t step = q->block_size ? q->block_size : k;
     qm_quant_error local = QM_QUANT_ERROR_INIT, *e = err ? err : &local;
+    int finite = 1;
     for (uint64_t b = 0, lo = 0; lo < k; b++, lo += step) {
         uint64_t hi = lo + step < k ? lo + step : k;
-        float stored = q->asymmetric
-                           ? quant_block_asym(q, w, lo, hi, packed, &zero_points[b], &e->diff2,
-                                              &e->ref2, &e->exact)
-                           : quant_block_sym(q, w, lo, hi, packed, &e->diff2, &e->ref2, &e->exact);
+        float stored = q->asymmetric ? quant_block_asym(q, w, lo, hi, packed, &zero_points[b],
+                                                        &e->diff2, &e->ref2, &e->exact, &finite)
+                                     : quant_block_sym(q, w, lo, hi, packed, &e->diff2, &e->ref2,
+                                                       &e->exact, &finite);
         qm_quant_store(scales, q->scale_dtype, scale_at + b, stored);
     }
-    return 0;
+    return finite ? 0 : QM_EINVAL;
 }

@@ -42,9 +42,9 @@ typedef struct qm_quant_spec {
 } qm_quant_spec;
 
 /* The quantisation error of one matrix, accumulated over its rows:
- * sum (dequantised - source)^2 and sum source^2, each term formed in f64
- * from the f32 values, and whether every dequantised value equals its source
- * bit for bit. Start from QM_QUANT_ERROR_INIT. */
+ * sum (dequantised - source)^2 and sum source^2 (summed in f32 over each
+ * 32-column chunk, in f64 across chunks), and whether every dequantised
+ * value equals its source bit for bit. Start from QM_QUANT_ERROR_INIT. */
 typedef struct qm_quant_error {
     double diff2, ref2;
     int exact;

@@ -195,7 +195,8 @@ START_TEST(test_quant_error_accumulates_over_rows)
             d2 += e * e;
             r2 += (double)w[r][c] * (double)w[r][c];
         }
-    ck_assert_double_eq_tol(qm_quant_error_rel(&err), sqrt(d2 / r2), 1e-15);
+    /* f32 sums over 32-column chunks: within a few f32 roundings of the f64 sum */
+    ck_assert_double_eq_tol(qm_quant_error_rel(&err), sqrt(d2 / r2), 1e-6 * sqrt(d2 / r2));
 }
 END_TEST
 
