@@ -15,6 +15,7 @@
 #include <string.h>
 
 #include "gguf_reader.h"
+#include "import_elements.h"
 #include "qm_half.h"
 
 static uint16_t rd16(const uint8_t *p)
@@ -22,12 +23,7 @@ static uint16_t rd16(const uint8_t *p)
     return (uint16_t)(p[0] | p[1] << 8);
 }
 
-static float e8m0_half(uint8_t e)
-{
-    return ldexpf(1.0f, (int)e - 128);
-}
 
-static const int8_t mxfp4_values[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
 
 /* Q4_K/Q5_K 6-bit scale and min of sub-block j (ggml's get_scale_min_k4). */
 static void scale_min_k4(int j, const uint8_t *q, uint8_t *d, uint8_t *m)
@@ -198,9 +194,9 @@ void qm__ggml_dequant_row(uint32_t type, const uint8_t *src, uint64_t n, float *
             break;
         }
         case QM__GGML_MXFP4: {
-            float d = e8m0_half(p[0]);
+            float d = qm__e8m0_half_scale(p[0]);
             for (unsigned j = 0; j < 32; j++)
-                dst[j] = d * (float)mxfp4_values[nib(p + 1, j)];
+                dst[j] = d * (float)qm__fp4_half[nib(p + 1, j)];
             break;
         }
         case QM__GGML_Q2_K: {
@@ -318,9 +314,9 @@ void qm__ggml_repack_row(uint32_t type, const uint8_t *src, uint64_t n, unsigned
             break;
         }
         case QM__GGML_MXFP4: {
-            float d = e8m0_half(src[0]);
+            float d = qm__e8m0_half_scale(src[0]);
             for (unsigned j = 0; j < 32; j++)
-                put_code(codes, bits, c0 + j, (unsigned)(mxfp4_values[nib(src + 1, j)] + 128));
+                put_code(codes, bits, c0 + j, (unsigned)(qm__fp4_half[nib(src + 1, j)] + 128));
             for (unsigned k = 0; k < 32 / bs; k++)
                 put_scale(scales, sdt, c0 / bs + k, d, 0);
             break;

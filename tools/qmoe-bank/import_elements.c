@@ -97,3 +97,10 @@ void qm__elem_load_row(const void *src, qm__elem e, size_t n, float *dst)
     for (size_t i = 0; i < n; i++)
         dst[i] = qm__elem_load(src, e, i);
 }
+
+const int8_t qm__fp4_half[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
+
+float qm__e8m0_half_scale(uint8_t e)
+{
+    return ldexpf(1.0f, (int)e - 128);
+}

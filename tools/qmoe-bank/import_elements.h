@@ -32,4 +32,11 @@ float qm__elem_load(const void *src, qm__elem e, size_t i);
 /* Converts n elements to f32 (unaligned sources are fine). */
 void qm__elem_load_row(const void *src, qm__elem e, size_t n, float *dst);
 
+/* MXFP4: the 16 E2M1 values in half units (value = half[code] / 2), and an
+ * E8M0 block exponent e as the scale of half units, 2^(e - 128). The OCP
+ * layout of codes differs between the Hub (low nibble = even column) and
+ * ggml (nibbles as Q4_0), so each reader unpacks its own. */
+extern const int8_t qm__fp4_half[16];
+float qm__e8m0_half_scale(uint8_t e);
+
 #endif

@@ -30,15 +30,13 @@ static void load_row(qm__hf_import *im, const qm__hf_tensor *w, const qm__hf_ten
     }
 }
 
-/* MXFP4 E2M1 values in half units. */
-static const int8_t fp4_half[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
 
 static void mxfp4_row(const uint8_t *blocks, const uint8_t *scales, uint64_t K, float *dst)
 {
     for (uint64_t c = 0; c < K; c++) {
         uint8_t byte = blocks[c / 2];
         int q = c % 2 ? byte >> 4 : byte & 15;
-        dst[c] = ldexpf((float)fp4_half[q], (int)scales[c / 32] - 128);
+        dst[c] = ldexpf((float)qm__fp4_half[q], (int)scales[c / 32] - 128);
     }
 }
 
@@ -49,17 +47,17 @@ static void mxfp4_row_exact(const uint8_t *blocks, const uint8_t *scales, uint64
     for (uint64_t c = 0; c < K; c++) {
         uint8_t byte = blocks[c / 2];
         int q = c % 2 ? byte >> 4 : byte & 15;
-        packed[c] = (uint8_t)(128 + fp4_half[q]);
-        float src = ldexpf((float)fp4_half[q], (int)scales[c / 32] - 128);
-        float scale = ldexpf(1.0f, (int)scales[c / 32] - 128);
-        float deq = scale * (float)fp4_half[q];
+        packed[c] = (uint8_t)(128 + qm__fp4_half[q]);
+        float src = ldexpf((float)qm__fp4_half[q], (int)scales[c / 32] - 128);
+        float scale = qm__e8m0_half_scale(scales[c / 32]);
+        float deq = scale * (float)qm__fp4_half[q];
         double d = (double)deq - (double)src;
         err->diff2 += d * d;
         err->ref2 += (double)src * (double)src;
         err->exact &= deq == src;
     }
     for (uint64_t b = 0; b < K / 32; b++)
-        scale_out[b] = ldexpf(1.0f, (int)scales[b] - 128);
+        scale_out[b] = qm__e8m0_half_scale(scales[b]);
 }
 
 int qm__hf_convert_layer(qm__hf_import *im, qm_bank_writer *w, uint32_t li, qm__hf_buffers *b,
