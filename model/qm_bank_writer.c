@@ -402,10 +402,11 @@ static void kill_hook(qm_bank_writer *w)
 {
     const char *n = getenv("QMOE_IMPORT_KILL_AFTER_LAYERS");
     const char *sig = getenv("QMOE_IMPORT_KILL_SIGNAL");
-    w->kill_after = n && *n ? strtol(n, NULL, 10) : 0;
+    w->kill_after = n && *n ? strtol(n, NULL, 10) : -1;
     w->kill_signal = !sig || !*sig              ? SIGKILL
                      : strcmp(sig, "TERM") == 0 ? SIGTERM
                      : strcmp(sig, "INT") == 0  ? SIGINT
+                     : strcmp(sig, "STOP") == 0 ? SIGSTOP
                                                 : SIGKILL;
 }
 
@@ -450,6 +451,7 @@ int qm_bank_writer_open(const qm_bank_writer_spec *spec, const char *out, int re
     }
     qm_free(json);
     *out_writer = w;
+    if (w->kill_after == 0) raise(w->kill_signal);
     return 0;
 fail_remove:
     qm_free(json);
@@ -501,7 +503,7 @@ int qm_bank_writer_layer_done(qm_bank_writer *w, uint32_t layer, double value, u
     if (rc) return rc;
     w->layers_done = layer + 1;
     w->layers_this_run++;
-    if (w->kill_after > 0 && (long)w->layers_this_run >= w->kill_after) raise(w->kill_signal);
+    if (w->kill_after > 0 && (long)w->layers_this_run == w->kill_after) raise(w->kill_signal);
     if (w->progress) {
         double secs = seconds_since(&w->started);
         double rate = secs > 0 ? (double)(source_done - w->source_at_start) / secs : 0;

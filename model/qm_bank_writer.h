@@ -100,9 +100,10 @@ int qm_bank_writer_put(qm_bank_writer *w, uint32_t layer, int t, uint64_t at, co
 /* Records layer l done (its data flushed first) with `value` (the caller's
  * running figure, e.g. the largest error so far), then updates the progress
  * line (source_done of source_total bytes). QMOE_IMPORT_KILL_AFTER_LAYERS=N
- * in the environment sends the process QMOE_IMPORT_KILL_SIGNAL (KILL, TERM
- * or INT; default KILL) right after the Nth layer of this run is recorded:
- * the tests' stand-in for a crash or a Ctrl-C. */
+ * in the environment sends the process QMOE_IMPORT_KILL_SIGNAL (KILL, TERM,
+ * INT or STOP; default KILL) right after the Nth layer of this run is
+ * recorded, or, for N = 0, as qm_bank_writer_open returns: the tests'
+ * stand-in for a crash, a Ctrl-C or a second import racing this one. */
 int qm_bank_writer_layer_done(qm_bank_writer *w, uint32_t layer, double value, uint64_t source_done,
                               uint64_t source_total, qm_status *st);
 /* Layers recorded done so far (resumed ones included). */

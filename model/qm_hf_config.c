@@ -160,6 +160,32 @@ int qm_hf_json_array_string(const qm_hf_json *j, const char *key, size_t i, cons
     return 0;
 }
 
+int qm_hf_json_numbers(const qm_hf_json *j, const char *key, double **out, size_t *n, qm_status *st)
+{
+    *out = NULL;
+    *n = 0;
+    int rc;
+    const cJSON *arr = typed(j, key, cJSON_IsArray, "an array", &rc, st);
+    if (!arr) return rc;
+    size_t count = 0;
+    for (const cJSON *m = arr->child; m; m = m->next)
+        count++;
+    if (!count) return 0;
+    double *v = qm_calloc(count, sizeof *v);
+    if (!v) return qm_status_set(st, QM_ENOMEM, "out of memory reading %.60s", j->what);
+    size_t i = 0;
+    for (const cJSON *m = arr->child; m; m = m->next, i++) {
+        if (!cJSON_IsNumber(m)) {
+            qm_free(v);
+            return wrong_type(j, key, "an array of numbers", st);
+        }
+        v[i] = m->valuedouble;
+    }
+    *out = v;
+    *n = count;
+    return 0;
+}
+
 int qm_hf_json_string_map(const qm_hf_json *j, const char *key, const char ***names,
                           const char ***values, size_t *n, qm_status *st)
 {

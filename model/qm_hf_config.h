@@ -37,6 +37,13 @@ int qm_hf_json_array_number(const qm_hf_json *j, const char *key, size_t i, doub
 int qm_hf_json_array_string(const qm_hf_json *j, const char *key, size_t i, const char **out,
                             qm_status *st);
 
+/* Every item of the array at key as a number, in one walk (an index lookup
+ * per item would cost the array's length each): *out is an array of *n
+ * doubles the caller frees with qm_free (NULL when empty). QM_EINVAL naming
+ * the key when an item is not a number. */
+int qm_hf_json_numbers(const qm_hf_json *j, const char *key, double **out, size_t *n,
+                       qm_status *st);
+
 /* The members of the object at key (e.g. "weight_map" of an index file),
  * each a (name, string value) pair. *names and *values are arrays of n
  * borrowed pointers, owned by the caller (free both arrays with qm_free, not

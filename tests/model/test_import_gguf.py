@@ -81,9 +81,12 @@ def make_matrix(rng, qtype, rows, cols):
 
 
 def write_gguf(path, arch="qwen3moe", types=(Q.Q4_0, Q.Q4_0, Q.Q4_0), blocks=2, dense=0,
-               seed=0, keys=None, corr_bias=False, biases=False, omit=(), expert_count=None):
+               seed=0, keys=None, corr_bias=False, biases=False, omit=(), expert_count=None,
+               typed_keys=()):
     """A MoE GGUF: per block gate/up/down stacked experts of the given types,
-    the router in f32; returns {block: {"gate"|"up"|"down": f32 source, ...}}."""
+    the router in f32; returns {block: {"gate"|"up"|"down": f32 source, ...}}.
+    keys: {name: value} through GGUFWriter.add_<name>; typed_keys: (writer
+    method, key, value) for a key of a type of the test's choosing."""
     rng = np.random.default_rng(seed)
     w = gguf.GGUFWriter(str(path), arch)
     w.add_block_count(blocks)
@@ -95,6 +98,8 @@ def write_gguf(path, arch="qwen3moe", types=(Q.Q4_0, Q.Q4_0, Q.Q4_0), blocks=2, 
         w.add_leading_dense_block_count(dense)
     for k, v in (keys or {}).items():
         getattr(w, "add_" + k)(v)
+    for method, k, v in typed_keys:
+        getattr(w, method)(k, v)
     src = {}
     for b in range(dense, blocks):
         s = {}
@@ -410,7 +415,8 @@ def families():
     the tool is not built (the module is then skipped)."""
     if not os.path.exists(QMOE_BANK):
         return []
-    return json.loads(run_tool("import", "--families").stdout)
+    r = run_tool("import", "--families", check=False)
+    return json.loads(r.stdout) if r.returncode == 0 else []
 
 
 # llama.cpp's default for {arch}.expert_weights_norm when a file omits it

@@ -23,8 +23,6 @@ static uint16_t rd16(const uint8_t *p)
     return (uint16_t)(p[0] | p[1] << 8);
 }
 
-
-
 /* Q4_K/Q5_K 6-bit scale and min of sub-block j (ggml's get_scale_min_k4). */
 static void scale_min_k4(int j, const uint8_t *q, uint8_t *d, uint8_t *m)
 {

@@ -13,6 +13,7 @@
 #include <unistd.h>
 
 #include "qm_alloc.h"
+#include "tool_input.h"
 
 #define FAIL(st, ...) qm_status_set((st), QM_EINVALID_MODEL, __VA_ARGS__)
 #define MAX_KEY_BYTES 65536u /* bytes of a key or tensor name */
@@ -196,6 +197,58 @@ static int rd_value(cursor *c, qm__gguf_kv *kv, qm_status *st)
 
 /* ---- open ------------------------------------------------------------------------ */
 
+static int by_name(const void *a, const void *b)
+{
+    return strcmp((*(const qm__gguf_tensor *const *)a)->name,
+                  (*(const qm__gguf_tensor *const *)b)->name);
+}
+
+/* The name index the importer's lookups use (a file may name 65536 blocks:
+ * each lookup must not scan every tensor), and no name twice. */
+static int index_names(qm__gguf_file *f, qm_status *st)
+{
+    f->by_name = qm_calloc(f->n_tensors ? f->n_tensors : 1, sizeof *f->by_name);
+    if (!f->by_name) return qm_status_set(st, QM_ENOMEM, "out of memory indexing tensor names");
+    for (size_t i = 0; i < f->n_tensors; i++)
+        f->by_name[i] = &f->tensors[i];
+    qsort(f->by_name, f->n_tensors, sizeof *f->by_name, by_name);
+    for (size_t i = 1; i < f->n_tensors; i++)
+        if (strcmp(f->by_name[i]->name, f->by_name[i - 1]->name) == 0)
+            return FAIL(st, "tensor %.64s appears twice in the tensor infos", f->by_name[i]->name);
+    return 0;
+}
+
+static int by_offset(const void *a, const void *b)
+{
+    const qm__gguf_tensor *x = *(const qm__gguf_tensor *const *)a;
+    const qm__gguf_tensor *y = *(const qm__gguf_tensor *const *)b;
+    return x->offset < y->offset ? -1 : x->offset > y->offset;
+}
+
+/* Two tensors sharing bytes would let a small file claim a large model (the
+ * importer converts each one): every tensor's data is its own. */
+static int check_overlaps(const qm__gguf_file *f, qm_status *st)
+{
+    const qm__gguf_tensor **order = qm_calloc(f->n_tensors ? f->n_tensors : 1, sizeof *order);
+    if (!order) return qm_status_set(st, QM_ENOMEM, "out of memory checking tensor offsets");
+    size_t n = 0;
+    for (size_t i = 0; i < f->n_tensors; i++)
+        if (f->tensors[i].data && f->tensors[i].nbytes) order[n++] = &f->tensors[i];
+    qsort(order, n, sizeof *order, by_offset);
+    int rc = 0;
+    for (size_t i = 1; i < n && rc == 0; i++)
+        if (order[i]->offset < order[i - 1]->offset + order[i - 1]->nbytes)
+            rc = FAIL(st,
+                      "tensor %.64s: data [%llu, %llu) overlaps tensor %.64s's [%llu, %llu) "
+                      "(every tensor needs bytes of its own)",
+                      order[i]->name, (unsigned long long)order[i]->offset,
+                      (unsigned long long)(order[i]->offset + order[i]->nbytes), order[i - 1]->name,
+                      (unsigned long long)order[i - 1]->offset,
+                      (unsigned long long)(order[i - 1]->offset + order[i - 1]->nbytes));
+    qm_free(order);
+    return rc;
+}
+
 static int parse(qm__gguf_file *f, qm_status *st)
 {
     cursor c = {.p = f->base, .pos = 0, .size = f->size};
@@ -288,7 +341,8 @@ static int parse(qm__gguf_file *f, qm_status *st)
         t->nbytes = n;
         t->data = f->base + data_start + t->offset;
     }
-    return 0;
+    int rc2 = check_overlaps(f, st);
+    return rc2 ? rc2 : index_names(f, st);
 }
 
 int qm__gguf_open(const char *path, qm__gguf_file **out, qm_status *st)
@@ -296,30 +350,44 @@ int qm__gguf_open(const char *path, qm__gguf_file **out, qm_status *st)
     *out = NULL;
     qm__gguf_file *f = qm_calloc(1, sizeof *f);
     if (!f) return qm_status_set(st, QM_ENOMEM, "out of memory opening %.128s", path);
-    int fd = open(path, O_RDONLY | O_CLOEXEC);
-    if (fd < 0) {
+    int fd = -1;
+    uint64_t size = 0;
+    int rc = qm__open_input(path, path, &fd, &size, st);
+    if (rc) {
         qm_free(f);
-        return qm_status_set(st, errno == ENOENT ? QM_EINVALID_MODEL : QM_EIO,
-                             "cannot open %.128s: %s", path, strerror(errno));
+        return rc;
     }
-    struct stat sb;
-    int rc = 0;
-    if (fstat(fd, &sb) != 0 || !S_ISREG(sb.st_mode)) {
-        rc = FAIL(st, "%.128s is not a regular file", path);
-    } else if (sb.st_size < 24) {
-        rc = FAIL(st, "%.128s: %lld bytes is too short for a GGUF header (truncated?)", path,
-                  (long long)sb.st_size);
+    if (size < 24) {
+        rc = FAIL(st, "%.128s: %llu bytes is too short for a GGUF header (truncated?)", path,
+                  (unsigned long long)size);
     } else {
-        void *m = mmap(NULL, (size_t)sb.st_size, PROT_READ, MAP_PRIVATE, fd, 0);
+        void *m = mmap(NULL, (size_t)size, PROT_READ, MAP_PRIVATE, fd, 0);
         if (m == MAP_FAILED) {
             rc = qm_status_set(st, QM_EIO, "cannot map %.128s: %s", path, strerror(errno));
         } else {
             f->base = m;
-            f->size = (uint64_t)sb.st_size;
+            f->size = size;
+            f->mapped = 1;
         }
     }
     close(fd);
     if (rc == 0) rc = parse(f, st);
+    if (rc != 0) {
+        qm__gguf_close(f);
+        return rc;
+    }
+    *out = f;
+    return 0;
+}
+
+int qm__gguf_open_memory(const void *data, size_t size, qm__gguf_file **out, qm_status *st)
+{
+    *out = NULL;
+    qm__gguf_file *f = qm_calloc(1, sizeof *f);
+    if (!f) return qm_status_set(st, QM_ENOMEM, "out of memory");
+    f->base = data;
+    f->size = size;
+    int rc = size < 24 ? FAIL(st, "%zu bytes is too short for a GGUF header", size) : parse(f, st);
     if (rc != 0) {
         qm__gguf_close(f);
         return rc;
@@ -339,7 +407,8 @@ void qm__gguf_close(qm__gguf_file *f)
         qm_free(f->tensors[i].name);
     qm_free(f->kv);
     qm_free(f->tensors);
-    if (f->base) munmap((void *)f->base, (size_t)f->size);
+    qm_free(f->by_name);
+    if (f->mapped) munmap((void *)f->base, (size_t)f->size);
     qm_free(f);
 }
 
@@ -352,9 +421,11 @@ const qm__gguf_kv *qm__gguf_find_kv(const qm__gguf_file *f, const char *key)
 
 const qm__gguf_tensor *qm__gguf_find_tensor(const qm__gguf_file *f, const char *name)
 {
-    for (size_t i = 0; i < f->n_tensors; i++)
-        if (strcmp(f->tensors[i].name, name) == 0) return &f->tensors[i];
-    return NULL;
+    qm__gguf_tensor key = {.name = (char *)name};
+    const qm__gguf_tensor *k = &key;
+    const qm__gguf_tensor **hit =
+        f->by_name ? bsearch(&k, f->by_name, f->n_tensors, sizeof *f->by_name, by_name) : NULL;
+    return hit ? *hit : NULL;
 }
 
 int qm__gguf_get_uint(const qm__gguf_file *f, const char *key, uint64_t *out, qm_status *st)

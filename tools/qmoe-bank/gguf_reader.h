@@ -82,7 +82,9 @@ typedef struct qm__gguf_file {
     size_t n_kv;
     qm__gguf_tensor *tensors;
     size_t n_tensors;
-    const uint8_t *base; /* the mapping */
+    const qm__gguf_tensor **by_name; /* the tensors sorted by name */
+    const uint8_t *base;             /* the mapping */
+    int mapped;                      /* 1: base is ours to unmap */
     uint64_t size;
 } qm__gguf_file;
 
@@ -91,8 +93,11 @@ int qm__ggml_type_size(uint32_t type, uint64_t *block, uint64_t *bytes);
 /* "Q4_0", "F32", ...; "type N" for unknown ids (buf of at least 16 bytes). */
 const char *qm__ggml_type_name(uint32_t type, char *buf, size_t size);
 
-/* Maps and parses `path`. The caller owns *out (qm__gguf_close accepts NULL). */
+/* Maps and parses `path` (a regular file, tool_input.h). The caller owns *out
+ * (qm__gguf_close accepts NULL). */
 int qm__gguf_open(const char *path, qm__gguf_file **out, qm_status *st);
+/* Parses size bytes at data (fuzzing, tests); data must outlive *out. */
+int qm__gguf_open_memory(const void *data, size_t size, qm__gguf_file **out, qm_status *st);
 void qm__gguf_close(qm__gguf_file *f);
 
 const qm__gguf_kv *qm__gguf_find_kv(const qm__gguf_file *f, const char *key);

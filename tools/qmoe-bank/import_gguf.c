@@ -27,6 +27,7 @@
 #include "qm_bank_writer.h"
 #include "qm_quant.h"
 #include "qmoe_bank_tool.h"
+#include "tool_input.h"
 
 #define BAD(st, ...) qm_status_set((st), QM_EINVALID_MODEL, __VA_ARGS__)
 #define MAX_REL_PLACEHOLDER "9.999999999e+99" /* max_rel_err, rewritten at the end */
@@ -287,10 +288,13 @@ static int read_plan(const qm__gguf_file *f, plan *pl, unsigned requant_bits, qm
                    "GGUF key %s.expert_gating_func = %llu is unknown (1 softmax, 2 sigmoid, "
                    "3 softmax over the selected)",
                    pl->arch, (unsigned long long)gating);
-    if (scale < 0.0 || !isfinite(scale))
-        return BAD(st, "GGUF key %s.expert_weights_scale = %g must be a finite number >= 0",
-                   pl->arch, scale);
     if (scale == 0.0) scale = 1.0; /* llama.cpp: 0 = not set */
+    /* The bank loader's rule for qmoe.routing.scale: a finite f32 > 0. */
+    if (!(scale > 0.0) || !isfinite((float)scale) || !((float)scale > 0.0f))
+        return BAD(st,
+                   "GGUF key %s.expert_weights_scale = %g must be 0 (unset) or a finite "
+                   "number > 0 that an f32 holds",
+                   pl->arch, scale);
     if (gcount == 0) gcount = 1;
     if (gused == 0) gused = gcount;
     if (E % gcount != 0 || gused > gcount)
@@ -387,6 +391,12 @@ static type_stats *stats_for(job *j, uint32_t type, int exact, qm_dtype sdt)
     return s;
 }
 
+static int not_finite(const qm__gguf_tensor *src, uint64_t expert, uint64_t row, qm_status *st)
+{
+    return BAD(st, "%s: holds a NaN or infinity (expert %llu, row %llu)", src->name,
+               (unsigned long long)expert, (unsigned long long)row);
+}
+
 /* One stacked expert tensor [E, N, K] of bank layer l into codes [E, N, K/pack]
  * (tensor tw) and scales (tw + 1). */
 static int write_experts(job *j, const plan *pl, uint32_t l, const qm__gguf_tensor *src, int tw,
@@ -401,10 +411,10 @@ static int write_experts(job *j, const plan *pl, uint32_t l, const qm__gguf_tens
     uint64_t scale_bytes = qm_bank_writer_tensor_bytes(j->w, l, tw + 1);
     uint8_t *codes = qm_calloc((size_t)code_bytes, 1);
     uint8_t *scales = qm_malloc((size_t)scale_bytes);
-    float *row = exact ? NULL : qm_malloc((size_t)K * sizeof(float));
+    float *row = qm_malloc((size_t)K * sizeof(float));
     float *rs = exact ? NULL : qm_malloc((size_t)nblk * sizeof(float));
     int rc = 0;
-    if (!codes || !scales || (!exact && (!row || !rs))) {
+    if (!codes || !scales || !row || (!exact && !rs)) {
         rc = qm_status_set(st, QM_ENOMEM, "out of memory converting %s", src->name);
         goto done;
     }
@@ -418,13 +428,19 @@ static int write_experts(job *j, const plan *pl, uint32_t l, const qm__gguf_tens
             const uint8_t *in = src->data + r * row_bytes;
             uint8_t *out = codes + r * code_row;
             void *sc = scales + r * nblk * ssz;
+            /* The values the file means, checked on every path: a NaN or
+             * infinite scale would repack "exactly" into a bank of garbage. */
+            qm__ggml_dequant_row(src->type, in, K, row);
             if (exact) {
+                if (!qm_quant_finite(row, K)) {
+                    rc = not_finite(src, r / N, r % N, st);
+                    goto done;
+                }
                 qm__ggml_repack_row(src->type, in, K, pl->bits, pl->bs, sdt, out, sc);
                 continue;
             }
-            qm__ggml_dequant_row(src->type, in, K, row);
             if (qm_quant_row(&q, row, K, out, rs, 0, NULL, &err) != 0) {
-                rc = BAD(st, "%s: holds a NaN or infinity", src->name);
+                rc = not_finite(src, r / N, r % N, st);
                 goto done;
             }
             memcpy(sc, rs, (size_t)nblk * sizeof(float));
@@ -455,7 +471,8 @@ static int write_f32(job *j, uint32_t l, const qm__gguf_tensor *src, int t, qm_s
     uint64_t row_bytes = src->nbytes / (n / K);
     for (uint64_t r = 0; r < n / K; r++)
         qm__ggml_dequant_row(src->type, src->data + r * row_bytes, K, buf + r * K);
-    int rc = qm_bank_writer_put(j->w, l, t, 0, buf, bytes, st);
+    int rc = qm_quant_finite(buf, n) ? qm_bank_writer_put(j->w, l, t, 0, buf, bytes, st)
+                                     : BAD(st, "%s: holds a NaN or infinity", src->name);
     qm_free(buf);
     return rc;
 }
@@ -623,6 +640,10 @@ static int build_and_write(job *j, const plan *pl, int resume, int quiet, uint32
                 ->count++;
         if (l < *first) continue;
         for (int p = 0; p < P_COUNT && rc == 0; p++) {
+            if (qm__interrupted()) {
+                rc = qm_status_set(st, QM_ESHUTTING_DOWN, "interrupted");
+                goto done;
+            }
             rc = write_experts(j, pl, l, L->w[p], PROJ_W[p], st);
             if (rc == 0 && L->b[p]) rc = write_f32(j, l, L->b[p], PROJ_W[p] + 3, st);
         }
@@ -633,6 +654,10 @@ static int build_and_write(job *j, const plan *pl, int resume, int quiet, uint32
         if (rc == 0)
             rc = qm_bank_writer_layer_done(j->w, l, j->max_rel, (l + 1) * layer_src, total_src, st);
         if (rc) goto done;
+    }
+    if (qm__interrupted()) {
+        rc = qm_status_set(st, QM_ESHUTTING_DOWN, "interrupted");
+        goto done;
     }
     char val[32];
     snprintf(val, sizeof val, "%.9e", j->max_rel);
@@ -689,6 +714,7 @@ int qm__cmd_import_gguf(int argc, char **argv)
         fprintf(stderr, "qmoe-bank import gguf: expected FILE and --out BANK (see --help)\n");
         return QM__EXIT_USAGE;
     }
+    qm__catch_interrupts();
     job j = {.in_path = argv[optind], .out_path = out};
     plan pl = {0};
     qm__gguf_file *f = NULL;
@@ -733,19 +759,26 @@ int qm__cmd_import_gguf(int argc, char **argv)
     }
     goto done;
 fail:
-    /* Names come from the file: keep the one line printable. */
-    for (char *p = st.msg; *p; p++)
-        if ((unsigned char)*p < 0x20 || (unsigned char)*p >= 0x7f) *p = '?';
     ret = rc == QM_EIO || rc == QM_ENOMEM || rc == QM_EINTERNAL ? QM__EXIT_FAIL : QM__EXIT_USAGE;
-    /* A layer recorded done is worth a --resume (bad input would stop a
-     * resume at the same bytes); before that nothing is kept. */
-    keep = j.w && qm_bank_writer_layers_done(j.w) > 0 && ret == QM__EXIT_FAIL;
-    fprintf(stderr, "qmoe-bank import gguf: %s: %s%s\n", j.in_path,
-            st.msg[0] ? st.msg : qm_strerror(rc),
-            keep ? " (the partial file is kept: rerun with --resume)" : "");
+    if (rc == QM_ESHUTTING_DOWN) {
+        char what[160];
+        keep = j.w && qm_bank_writer_layers_done(j.w) > 0;
+        snprintf(what, sizeof what, "interrupted after %u of %u layers; ",
+                 j.w ? qm_bank_writer_layers_done(j.w) : 0, pl.n_layers);
+        qm__print_line(stderr, "import gguf", j.in_path, ": ", what,
+                       keep ? "the partial file is kept: rerun with --resume" : "nothing was kept",
+                       NULL);
+    } else {
+        /* A layer recorded done is worth a --resume (bad input would stop a
+         * resume at the same bytes); before that nothing is kept. */
+        keep = j.w && qm_bank_writer_layers_done(j.w) > 0 && ret == QM__EXIT_FAIL;
+        qm__print_line(stderr, "import gguf", j.in_path, ": ", st.msg[0] ? st.msg : qm_strerror(rc),
+                       keep ? " (the partial file is kept: rerun with --resume)" : "", NULL);
+    }
 done:
     qm_bank_writer_free(j.w, keep);
     qm_free(pl.layers);
     qm__gguf_close(f);
+    qm__reraise(); /* an interrupted import ends as the signal would have ended it */
     return ret;
 }

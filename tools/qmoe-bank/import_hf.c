@@ -17,6 +17,7 @@
 #include "import_hf_impl.h"
 #include "qm_alloc.h"
 #include "qmoe_bank_tool.h"
+#include "tool_input.h"
 
 void qm__help_import_hf(FILE *f)
 {
@@ -289,6 +290,10 @@ static int run_import(qm__hf_import *im)
         goto fail;
     }
     for (uint32_t li = first; li < im->n_moe; li++) {
+        if (qm__interrupted()) {
+            rc = QM_ESHUTTING_DOWN;
+            goto fail;
+        }
         rc = qm__hf_convert_layer(im, w, li, &b, &max_err, &st);
         qm__hf_release(im->ck);
         if (rc) {
@@ -300,6 +305,10 @@ static int run_import(qm__hf_import *im)
         if ((rc = qm_bank_writer_layer_done(w, li, max_err, done_src, total_src, &st)) != 0)
             goto fail;
         keep_partial = 1;
+    }
+    if (qm__interrupted()) {
+        rc = QM_ESHUTTING_DOWN;
+        goto fail;
     }
     int exact = max_err == 0;
     uint64_t bytes = 0;
@@ -313,12 +322,24 @@ static int run_import(qm__hf_import *im)
     rc = QM__EXIT_OK;
     goto done;
 fail_input:
-    fprintf(stderr, "qmoe-bank import hf: %s: %s\n", im->o.dir, st.msg);
+    qm__print_line(stderr, "import hf", im->o.dir, ": ", st.msg, NULL);
     rc = exit_for(rc);
     goto done;
 fail:
-    fprintf(stderr, "qmoe-bank import hf: %s%s\n", st.msg,
-            w && keep_partial ? " (the partial file is kept: rerun with --resume)" : "");
+    if (rc == QM_ESHUTTING_DOWN) {
+        char what[160];
+        keep_partial = w && qm_bank_writer_layers_done(w) > 0;
+        snprintf(what, sizeof what, "interrupted after %u of %u layers; ",
+                 w ? qm_bank_writer_layers_done(w) : 0, im->n_moe);
+        qm__print_line(stderr, "import hf", what,
+                       keep_partial ? "the partial file is kept: rerun with --resume"
+                                    : "nothing was kept",
+                       NULL);
+    } else {
+        qm__print_line(stderr, "import hf", st.msg,
+                       w && keep_partial ? " (the partial file is kept: rerun with --resume)" : "",
+                       NULL);
+    }
     rc = exit_for(rc);
 done:
     qm_bank_writer_free(w, keep_partial);
@@ -332,6 +353,7 @@ done:
     qm_free(b.scales[1]);
     qm_free(layer_map_s);
     import_free(im);
+    qm__reraise(); /* an interrupted import ends as the signal would have ended it */
     return rc;
 }
 
@@ -396,5 +418,6 @@ int qm__cmd_import_hf(int argc, char **argv)
     if (optind + 1 != argc) return usage("expected: import hf DIR --out FILE");
     im.o.dir = argv[optind];
     if (!im.o.out) return usage("--out FILE is required");
+    qm__catch_interrupts();
     return run_import(&im);
 }

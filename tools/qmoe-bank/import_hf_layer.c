@@ -1,5 +1,6 @@
 /* import_hf_layer.c - `import hf`: one layer's experts from the mapped source
  * (float, FP8 block-scaled, GPT-OSS input-major or MXFP4) into bank tensors. */
+#include <float.h>
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -8,6 +9,7 @@
 #include "import_hf_impl.h"
 #include "qm_alloc.h"
 #include "qm_quant.h"
+#include "tool_input.h"
 
 /* ---- converting one layer ------------------------------------------------ */
 
@@ -30,7 +32,6 @@ static void load_row(qm__hf_import *im, const qm__hf_tensor *w, const qm__hf_ten
     }
 }
 
-
 static void mxfp4_row(const uint8_t *blocks, const uint8_t *scales, uint64_t K, float *dst)
 {
     for (uint64_t c = 0; c < K; c++) {
@@ -41,9 +42,11 @@ static void mxfp4_row(const uint8_t *blocks, const uint8_t *scales, uint64_t K, 
 }
 
 /* The exact path: int8 code = 128 + 2·fp4, scale 2^(e-128) as f32. */
-static void mxfp4_row_exact(const uint8_t *blocks, const uint8_t *scales, uint64_t K,
-                            uint8_t *packed, float *scale_out, qm_quant_error *err)
+/* 0, or -1 when a value is infinite (a block exponent near 255). */
+static int mxfp4_row_exact(const uint8_t *blocks, const uint8_t *scales, uint64_t K,
+                           uint8_t *packed, float *scale_out, qm_quant_error *err)
 {
+    int finite = 1;
     for (uint64_t c = 0; c < K; c++) {
         uint8_t byte = blocks[c / 2];
         int q = c % 2 ? byte >> 4 : byte & 15;
@@ -55,9 +58,11 @@ static void mxfp4_row_exact(const uint8_t *blocks, const uint8_t *scales, uint64
         err->diff2 += d * d;
         err->ref2 += (double)src * (double)src;
         err->exact &= deq == src;
+        finite &= src <= FLT_MAX && src >= -FLT_MAX;
     }
     for (uint64_t b = 0; b < K / 32; b++)
         scale_out[b] = qm__e8m0_half_scale(scales[b]);
+    return finite ? 0 : -1;
 }
 
 int qm__hf_convert_layer(qm__hf_import *im, qm_bank_writer *w, uint32_t li, qm__hf_buffers *b,
@@ -94,6 +99,9 @@ int qm__hf_convert_layer(qm__hf_import *im, qm_bank_writer *w, uint32_t li, qm__
             if (lsrc[g]) qm__hf_prefetch(im->ck, lsrc[g]);
     }
     for (uint32_t e = 0; e < E; e++) {
+        if (qm__interrupted())
+            return qm_status_set(st, QM_ESHUTTING_DOWN, "interrupted by signal %d",
+                                 qm__interrupted());
         qm_quant_error err_gate = QM_QUANT_ERROR_INIT, err_up = QM_QUANT_ERROR_INIT,
                        err_down = QM_QUANT_ERROR_INIT;
         if (!lsrc) {
@@ -130,8 +138,10 @@ int qm__hf_convert_layer(qm__hf_import *im, qm_bank_writer *w, uint32_t li, qm__
                     for (uint64_t s = 0; s < K / 32; s++)
                         if (sc[s] == 255) return not_finite(im, stt, st);
                     if (im->mxfp4_exact) {
-                        mxfp4_row_exact(blk, sc, K, b->packed[p] + r * K,
-                                        (float *)b->scales[p] + r * nb, p ? &err_down : &err_gate);
+                        if (mxfp4_row_exact(blk, sc, K, b->packed[p] + r * K,
+                                            (float *)b->scales[p] + r * nb,
+                                            p ? &err_down : &err_gate) != 0)
+                            return not_finite(im, stt, st);
                     } else {
                         mxfp4_row(blk, sc, K, b->row);
                         if (qm_quant_row(&q, b->row, K, b->packed[p] + r * (K / pack), b->scales[p],

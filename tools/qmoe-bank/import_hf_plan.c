@@ -87,23 +87,36 @@ static int moe_layers(qm__hf_import *im, qm_status *st)
         if ((rc = cfg_u32(im, "first_k_dense_replace", 0, 0, &first_dense, st)) != 0 ||
             (rc = cfg_u32(im, "num_nextn_predict_layers", 0, 0, &im->mtp_layers, st)) != 0)
             return rc;
+    double *only = NULL;
     size_t n_only = 0;
-    rc = qm_hf_json_array_len(c, "mlp_only_layers", &n_only, st);
-    if (rc && rc != QM_ENOT_FOUND) return QM_EINVALID_MODEL;
-    if (rc == QM_ENOT_FOUND || !sparse_step) n_only = 0;
-    im->layer_map = qm_calloc(im->model_layers ? im->model_layers : 1, sizeof *im->layer_map);
-    if (!im->layer_map) return qm_status_set(st, QM_ENOMEM, "out of memory");
-    for (uint32_t l = 0; l < im->model_layers; l++) {
-        int moe = l >= first_dense && (l + 1) % step == 0;
-        for (size_t i = 0; i < n_only && moe; i++) {
-            double v;
-            if (qm_hf_json_array_number(c, "mlp_only_layers", i, &v, st) != 0)
-                return qm_status_set(st, QM_EINVALID_MODEL,
-                                     "config.json: mlp_only_layers must be a list of integers");
-            if (v == (double)l) moe = 0;
-        }
-        if (moe) im->layer_map[im->n_moe++] = l;
+    if (sparse_step) {
+        rc = qm_hf_json_numbers(c, "mlp_only_layers", &only, &n_only, st);
+        if (rc && rc != QM_ENOT_FOUND) return QM_EINVALID_MODEL;
     }
+    im->layer_map = qm_calloc(im->model_layers ? im->model_layers : 1, sizeof *im->layer_map);
+    uint8_t *dense = qm_calloc(im->model_layers ? im->model_layers : 1, 1);
+    if (!im->layer_map || !dense) {
+        qm_free(only);
+        qm_free(dense);
+        return qm_status_set(st, QM_ENOMEM, "out of memory");
+    }
+    /* One pass over the list: layers past num_hidden_layers mean nothing
+     * (transformers ignores them too); anything but a whole index is wrong. */
+    for (size_t i = 0; i < n_only; i++) {
+        if (!(only[i] >= 0) || only[i] != floor(only[i])) {
+            rc = qm_status_set(st, QM_EINVALID_MODEL,
+                               "config.json: mlp_only_layers[%zu] is %g, expected a layer index", i,
+                               only[i]);
+            qm_free(only);
+            qm_free(dense);
+            return rc;
+        }
+        if (only[i] < (double)im->model_layers) dense[(size_t)only[i]] = 1;
+    }
+    qm_free(only);
+    for (uint32_t l = 0; l < im->model_layers; l++)
+        if (l >= first_dense && (l + 1) % step == 0 && !dense[l]) im->layer_map[im->n_moe++] = l;
+    qm_free(dense);
     if (!im->n_moe)
         return qm_status_set(st, QM_EINVALID_MODEL,
                              "config.json: no layer of the %u has routed experts "
@@ -202,9 +215,12 @@ int qm__hf_read_config(qm__hf_import *im, qm_status *st)
                                  im->groups, im->topk_groups, im->E);
         if (im->groups == 1) im->groups = im->topk_groups = 0, im->group_score = NULL;
     }
-    if (!(im->scale > 0) || !isfinite(im->scale))
+    /* The bank loader's rule for qmoe.routing.scale: a finite f32 > 0. */
+    if (!(im->scale > 0) || !isfinite((float)im->scale) || !((float)im->scale > 0.0f))
         return qm_status_set(st, QM_EINVALID_MODEL,
-                             "config.json: routed_scaling_factor %g, expected > 0", im->scale);
+                             "config.json: routed_scaling_factor %g, expected a finite number > 0 "
+                             "that an f32 holds",
+                             im->scale);
     /* Quantised sources. */
     const qm_hf_json *c = qm__hf_config(im->ck);
     const char *qm = NULL;
@@ -319,6 +335,34 @@ int qm__hf_resolve(qm__hf_import *im, qm_status *st)
     im->corr = qm_calloc(nl, sizeof *im->corr);
     im->layer_bytes = qm_calloc(nl, sizeof *im->layer_bytes);
     const int fused = (f->flags & QM__FAM_FUSED_EXPERTS) != 0;
+    /* config.json's counts are claims: every expert tensor they imply must
+     * exist before a table of them is allocated (65536 layers x 65536
+     * experts would be 200 GB of pointers for a 1 KB file). */
+    size_t have = 0;
+    qm__hf_tensors(im->ck, &have);
+    uint64_t need = fused ? (uint64_t)nl * 2 : (uint64_t)nl * E * 3;
+    if (need > have) {
+        char name[256];
+        for (size_t li = 0; li < nl; li++)
+            for (uint32_t e = 0; e < (fused ? 1 : E); e++)
+                for (int p = 0; p < (fused ? 1 : 3); p++) {
+                    const char *proj[3] = {f->gate, f->up, f->down};
+                    if (fused)
+                        snprintf(name, sizeof name, "model.layers.%u.%s.experts.%s",
+                                 im->layer_map[li], f->moe,
+                                 im->mxfp4 ? "gate_up_proj_blocks" : "gate_up_proj");
+                    else
+                        snprintf(name, sizeof name, "model.layers.%u.%s.experts.%u.%s.weight",
+                                 im->layer_map[li], f->moe, e, proj[p]);
+                    if (!qm__hf_find(im->ck, name))
+                        return qm_status_set(st, QM_EINVALID_MODEL,
+                                             "checkpoint has no tensor %.120s (config.json's "
+                                             "%u layers x %u experts need %llu expert tensors; "
+                                             "the checkpoint has %zu tensors)",
+                                             name, im->model_layers, E, (unsigned long long)need,
+                                             have);
+                }
+    }
     if (!fused)
         im->expert_src = qm_calloc(nl * E * QM__HF_PER_EXPERT, sizeof *im->expert_src);
     else

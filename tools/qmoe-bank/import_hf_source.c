@@ -13,6 +13,7 @@
 
 #include "qm_alloc.h"
 #include "qm_st_header.h"
+#include "tool_input.h"
 
 typedef struct shard {
     char *name, *path;
@@ -40,35 +41,36 @@ static char *join(const char *dir, const char *name)
     return p;
 }
 
-/* Reads a whole small file (config, index) into a NUL-terminated buffer. */
+/* Reads a whole small file (config, index) into a NUL-terminated buffer:
+ * at most 64 MiB, and no more than the file's size says it holds. */
 static int slurp(const char *path, const char *what, char **text, size_t *len, qm_status *st)
 {
     *text = NULL;
-    FILE *f = fopen(path, "rb");
-    if (!f)
-        return qm_status_set(st, errno == ENOENT ? QM_ENOT_FOUND : QM_EIO, "%.200s: %s", what,
-                             strerror(errno));
-    size_t cap = 1 << 16, n = 0;
-    char *buf = qm_malloc(cap + 1);
-    int rc = 0;
-    while (buf) {
-        size_t k = fread(buf + n, 1, cap - n, f);
-        n += k;
-        if (n < cap) break;
-        if (cap >= (64u << 20)) {
-            rc = qm_status_set(st, QM_EPARSE, "%.200s: larger than 64 MiB", what);
+    int fd = -1;
+    uint64_t size = 0;
+    int rc = qm__open_input(path, what, &fd, &size, st);
+    if (rc) return rc;
+    if (size > (64u << 20)) {
+        close(fd);
+        return qm_status_set(st, QM_EPARSE, "%.200s: larger than 64 MiB", what);
+    }
+    char *buf = qm_malloc((size_t)size + 1);
+    if (!buf) {
+        close(fd);
+        return qm_status_set(st, QM_ENOMEM, "out of memory reading %.200s", what);
+    }
+    size_t n = 0;
+    while (n < size) {
+        ssize_t k = read(fd, buf + n, (size_t)size - n);
+        if (k < 0 && errno == EINTR) continue;
+        if (k < 0) {
+            rc = qm_status_set(st, QM_EIO, "%.200s: read error: %s", what, strerror(errno));
             break;
         }
-        cap *= 2;
-        char *nb = qm_realloc(buf, cap + 1);
-        if (!nb) qm_free(buf);
-        buf = nb;
+        if (k == 0) break; /* shrank while read: what is there is the file */
+        n += (size_t)k;
     }
-    if (!buf)
-        rc = qm_status_set(st, QM_ENOMEM, "out of memory reading %.200s", what);
-    else if (!rc && ferror(f))
-        rc = qm_status_set(st, QM_EIO, "%.200s: read error", what);
-    fclose(f);
+    close(fd);
     if (rc) {
         qm_free(buf);
         return rc;
@@ -196,32 +198,62 @@ static int list_shards(qm__hf_checkpoint *ck, char ***names, size_t *n, qm_statu
     return 0;
 }
 
+static int by_begin(const void *a, const void *b)
+{
+    const qm_st_tensor *x = *(const qm_st_tensor *const *)a, *y = *(const qm_st_tensor *const *)b;
+    return x->begin < y->begin ? -1 : x->begin > y->begin;
+}
+
+/* Every tensor's bytes are its own: tensors sharing data would let a small
+ * shard claim a large model. */
+static int check_overlaps(const shard *s, qm_status *st)
+{
+    size_t n = s->header->n_tensors;
+    const qm_st_tensor **order = qm_calloc(n ? n : 1, sizeof *order);
+    if (!order) return qm_status_set(st, QM_ENOMEM, "out of memory checking %.100s", s->name);
+    size_t m = 0;
+    for (size_t i = 0; i < n; i++)
+        if (s->header->tensors[i].end > s->header->tensors[i].begin)
+            order[m++] = &s->header->tensors[i];
+    qsort(order, m, sizeof *order, by_begin);
+    int rc = 0;
+    for (size_t i = 1; i < m && rc == 0; i++)
+        if (order[i]->begin < order[i - 1]->end)
+            rc = qm_status_set(st, QM_EINVALID_MODEL,
+                               "%.100s: tensor %.100s: data_offsets [%llu, %llu] overlap tensor "
+                               "%.100s's [%llu, %llu]",
+                               s->name, order[i]->name, (unsigned long long)order[i]->begin,
+                               (unsigned long long)order[i]->end, order[i - 1]->name,
+                               (unsigned long long)order[i - 1]->begin,
+                               (unsigned long long)order[i - 1]->end);
+    qm_free(order);
+    return rc;
+}
+
 static int map_shard(qm__hf_checkpoint *ck, shard *s, qm_status *st)
 {
-    int fd = open(s->path, O_RDONLY | O_CLOEXEC);
-    if (fd < 0) {
-        if (errno == ENOENT && ck->index) {
-            const char *example = "";
-            for (size_t i = 0; i < ck->n_index; i++)
-                if (strcmp(ck->index_files[i], s->name) == 0) {
-                    example = ck->index_names[i];
-                    break;
-                }
-            return qm_status_set(st, QM_ENOT_FOUND,
-                                 "missing shard %.120s: model.safetensors.index.json puts tensors "
-                                 "there (e.g. %.100s)",
-                                 s->path, example);
-        }
-        return qm_status_set(st, errno == ENOENT ? QM_ENOT_FOUND : QM_EIO, "cannot open %.200s: %s",
-                             s->path, strerror(errno));
+    int fd = -1;
+    uint64_t size = 0;
+    int rc = qm__open_input(s->path, s->path, &fd, &size, st);
+    if (rc == QM_ENOT_FOUND && ck->index) {
+        const char *example = "";
+        for (size_t i = 0; i < ck->n_index; i++)
+            if (strcmp(ck->index_files[i], s->name) == 0) {
+                example = ck->index_names[i];
+                break;
+            }
+        return qm_status_set(st, QM_ENOT_FOUND,
+                             "missing shard %.120s: model.safetensors.index.json puts tensors "
+                             "there (e.g. %.100s)",
+                             s->path, example);
     }
-    struct stat sb;
-    if (fstat(fd, &sb) != 0 || sb.st_size < 8) {
+    if (rc) return rc;
+    if (size < 8) {
         close(fd);
         return qm_status_set(st, QM_EINVALID_MODEL,
                              "%.200s: not a safetensors file (shorter than 8 bytes)", s->path);
     }
-    s->size = (size_t)sb.st_size;
+    s->size = (size_t)size;
     void *m = mmap(NULL, s->size, PROT_READ, MAP_SHARED, fd, 0);
     close(fd);
     if (m == MAP_FAILED)
@@ -254,7 +286,7 @@ static int map_shard(qm__hf_checkpoint *ck, shard *s, qm_status *st)
                 s->name, t->name, (unsigned long long)t->begin, (unsigned long long)t->end,
                 t->dtype, (unsigned long long)avail);
     }
-    return 0;
+    return check_overlaps(s, st);
 }
 
 int qm__hf_open(const char *dir, qm__hf_checkpoint **out, qm_status *st)
