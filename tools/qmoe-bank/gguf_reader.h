@@ -111,4 +111,9 @@ int qm__gguf_get_float(const qm__gguf_file *f, const char *key, double *out, qm_
 /* A bool key (or an integer 0/1). */
 int qm__gguf_get_bool(const qm__gguf_file *f, const char *key, int *out, qm_status *st);
 
+/* import_gguf.c: `import gguf` with argv as the command's (argv[0] = "gguf"),
+ * over f when it is not NULL (FILE is then only a name); f is closed
+ * whatever the outcome. Returns the exit status. */
+int qm__gguf_run(qm__gguf_file *f, int argc, char **argv);
+
 #endif

@@ -309,6 +309,11 @@ static int read_plan(const qm__gguf_file *f, plan *pl, unsigned requant_bits, qm
                    "expert_used_count %llu",
                    pl->arch, (unsigned long long)gused, (unsigned long long)(gused * (E / gcount)),
                    (unsigned long long)k);
+    if (gating == 2 && gcount > 1 && E / gcount < 2)
+        return BAD(st,
+                   "GGUF key %s.expert_group_count = %llu leaves %llu expert per group, but "
+                   "sigmoid gating scores a group by its two best (top2_sum)",
+                   pl->arch, (unsigned long long)gcount, (unsigned long long)(E / gcount));
     pl->score_sigmoid = gating == 2;
     pl->normalize = gating == 3 ? 1 : norm;
     pl->scale = scale;
@@ -676,6 +681,11 @@ done:
 
 int qm__cmd_import_gguf(int argc, char **argv)
 {
+    return qm__gguf_run(NULL, argc, argv);
+}
+
+int qm__gguf_run(qm__gguf_file *given, int argc, char **argv)
+{
     static const struct option longopts[] = {
         {"out", required_argument, 0, 'o'}, {"requant-bits", required_argument, 0, 'b'},
         {"resume", no_argument, 0, 'r'},    {"quiet", no_argument, 0, 'q'},
@@ -695,6 +705,7 @@ int qm__cmd_import_gguf(int argc, char **argv)
                         "qmoe-bank import gguf: --requant-bits takes 4 or 8, not "
                         "\"%.32s\"\n",
                         optarg);
+                qm__gguf_close(given);
                 return QM__EXIT_USAGE;
             }
         } else if (c == 'r') {
@@ -703,26 +714,29 @@ int qm__cmd_import_gguf(int argc, char **argv)
             quiet = 1;
         } else if (c == 'h') {
             qm__help_import_gguf(stdout);
+            qm__gguf_close(given);
             return QM__EXIT_OK;
         } else {
             fprintf(stderr, "qmoe-bank import gguf: unknown option \"%.64s\" (see --help)\n",
                     argv[optind - 1]);
+            qm__gguf_close(given);
             return QM__EXIT_USAGE;
         }
     }
     if (optind != argc - 1 || !out) {
         fprintf(stderr, "qmoe-bank import gguf: expected FILE and --out BANK (see --help)\n");
+        qm__gguf_close(given);
         return QM__EXIT_USAGE;
     }
     qm__catch_interrupts();
     job j = {.in_path = argv[optind], .out_path = out};
     plan pl = {0};
-    qm__gguf_file *f = NULL;
+    qm__gguf_file *f = given;
     qm_status st;
     qm_status_clear(&st);
     int rc = 0, ret = QM__EXIT_OK, keep = 0;
     uint32_t first = 0;
-    if ((rc = qm__gguf_open(j.in_path, &f, &st)) != 0 ||
+    if ((!f && (rc = qm__gguf_open(j.in_path, &f, &st)) != 0) ||
         (rc = read_plan(f, &pl, requant_bits, &st)) != 0 ||
         (rc = build_and_write(&j, &pl, resume, quiet, &first, &st)) != 0)
         goto fail;

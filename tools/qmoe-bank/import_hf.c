@@ -156,7 +156,8 @@ static int run_import(qm__hf_import *im)
     char src[4288], groups[16], topk_groups[16], scale[32], norm[4];
     char *layer_map_s = NULL;
 
-    if ((rc = qm__hf_open(im->o.dir, &im->ck, &st)) != 0 || (rc = qm__hf_read_config(im, &st)) != 0)
+    if ((!im->ck && (rc = qm__hf_open(im->o.dir, &im->ck, &st)) != 0) ||
+        (rc = qm__hf_read_config(im, &st)) != 0)
         goto fail_input;
     if (!im->o.bits_set) im->o.bits = im->mxfp4 ? 8 : 4;
     im->mxfp4_exact =
@@ -362,7 +363,8 @@ static int usage(const char *what)
     return qm__usage("import", what);
 }
 
-int qm__cmd_import_hf(int argc, char **argv)
+/* The options into im; -1 to go on, else the exit status. */
+static int hf_options(int argc, char **argv, qm__hf_import *im)
 {
     enum { O_OUT = 256, O_BITS, O_BS, O_SCALES, O_RESUME, O_QUIET, O_HELP };
     static const struct option longopts[] = {
@@ -370,7 +372,6 @@ int qm__cmd_import_hf(int argc, char **argv)
         {"block-size", required_argument, 0, O_BS}, {"scales", required_argument, 0, O_SCALES},
         {"resume", no_argument, 0, O_RESUME},       {"quiet", no_argument, 0, O_QUIET},
         {"help", no_argument, 0, O_HELP},           {0, 0, 0, 0}};
-    qm__hf_import im = {.o = {.bits = 4, .block_size = 32, .scale_dtype = QM_DTYPE_F32}};
     optind = 1;
     opterr = 0;
     int c;
@@ -378,34 +379,34 @@ int qm__cmd_import_hf(int argc, char **argv)
         char msg[160];
         switch (c) {
         case O_OUT:
-            im.o.out = optarg;
+            im->o.out = optarg;
             break;
         case O_BITS:
-            if (qm__parse_u32(optarg, 8, &im.o.bits) != 0 || (im.o.bits != 4 && im.o.bits != 8))
+            if (qm__parse_u32(optarg, 8, &im->o.bits) != 0 || (im->o.bits != 4 && im->o.bits != 8))
                 return usage("--bits must be 4 or 8");
-            im.o.bits_set = 1;
+            im->o.bits_set = 1;
             break;
         case O_BS:
-            if (qm__parse_u32(optarg, 1u << 20, &im.o.block_size) != 0 ||
-                (im.o.block_size &&
-                 (im.o.block_size < 16 || (im.o.block_size & (im.o.block_size - 1)))))
+            if (qm__parse_u32(optarg, 1u << 20, &im->o.block_size) != 0 ||
+                (im->o.block_size &&
+                 (im->o.block_size < 16 || (im->o.block_size & (im->o.block_size - 1)))))
                 return usage("--block-size must be 0 or a power of two >= 16");
             break;
         case O_SCALES:
             if (strcmp(optarg, "f32") == 0)
-                im.o.scale_dtype = QM_DTYPE_F32;
+                im->o.scale_dtype = QM_DTYPE_F32;
             else if (strcmp(optarg, "f16") == 0)
-                im.o.scale_dtype = QM_DTYPE_F16;
+                im->o.scale_dtype = QM_DTYPE_F16;
             else if (strcmp(optarg, "bf16") == 0)
-                im.o.scale_dtype = QM_DTYPE_BF16;
+                im->o.scale_dtype = QM_DTYPE_BF16;
             else
                 return usage("--scales must be f32, f16 or bf16");
             break;
         case O_RESUME:
-            im.o.resume = 1;
+            im->o.resume = 1;
             break;
         case O_QUIET:
-            im.o.quiet = 1;
+            im->o.quiet = 1;
             break;
         case O_HELP:
             qm__help_import_hf(stdout);
@@ -416,8 +417,24 @@ int qm__cmd_import_hf(int argc, char **argv)
         }
     }
     if (optind + 1 != argc) return usage("expected: import hf DIR --out FILE");
-    im.o.dir = argv[optind];
-    if (!im.o.out) return usage("--out FILE is required");
+    im->o.dir = argv[optind];
+    if (!im->o.out) return usage("--out FILE is required");
+    return -1;
+}
+
+int qm__cmd_import_hf(int argc, char **argv)
+{
+    return qm__hf_run(NULL, argc, argv);
+}
+
+int qm__hf_run(qm__hf_checkpoint *ck, int argc, char **argv)
+{
+    qm__hf_import im = {.o = {.bits = 4, .block_size = 32, .scale_dtype = QM_DTYPE_F32}, .ck = ck};
+    int rc = hf_options(argc, argv, &im);
+    if (rc >= 0) {
+        qm__hf_close(ck);
+        return rc;
+    }
     qm__catch_interrupts();
     return run_import(&im);
 }

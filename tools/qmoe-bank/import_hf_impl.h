@@ -82,4 +82,9 @@ int qm__hf_resolve(qm__hf_import *im, qm_status *st);
 int qm__hf_convert_layer(qm__hf_import *im, qm_bank_writer *w, uint32_t li, qm__hf_buffers *b,
                          double *max_err, qm_status *st);
 
+/* `import hf` with argv as the command's (argv[0] = "hf"), over ck when it is
+ * not NULL (an in-memory checkpoint: DIR is then only a name for messages);
+ * ck is closed whatever the outcome. Returns the exit status. */
+int qm__hf_run(qm__hf_checkpoint *ck, int argc, char **argv);
+
 #endif

@@ -19,11 +19,14 @@ typedef struct shard {
     char *name, *path;
     uint8_t *map;
     size_t size;
+    int mapped; /* 1: map is ours to unmap */
     qm_st_header *header;
 } shard;
 
 struct qm__hf_checkpoint {
     char *dir;
+    const qm__hf_file *mem; /* an in-memory checkpoint (qm__hf_open_memory), else NULL */
+    size_t n_mem;
     qm_hf_json *config, *index;
     const char **index_names, **index_files;
     size_t n_index;
@@ -81,9 +84,33 @@ static int slurp(const char *path, const char *what, char **text, size_t *len, q
     return 0;
 }
 
-static int load_json(const char *dir, const char *name, qm_hf_json **out, qm_status *st)
+static const qm__hf_file *mem_file(const qm__hf_checkpoint *ck, const char *name)
 {
-    char *path = join(dir, name), *text = NULL;
+    for (size_t i = 0; i < ck->n_mem; i++)
+        if (strcmp(ck->mem[i].name, name) == 0) return &ck->mem[i];
+    return NULL;
+}
+
+/* Whether the checkpoint has a file called name (a directory entry of any
+ * kind: opening it decides whether it is usable). */
+static int has_file(const qm__hf_checkpoint *ck, const char *name)
+{
+    if (ck->mem) return mem_file(ck, name) != NULL;
+    char *p = join(ck->dir, name);
+    struct stat sb;
+    int ok = p && lstat(p, &sb) == 0;
+    qm_free(p);
+    return ok;
+}
+
+static int load_json(qm__hf_checkpoint *ck, const char *name, qm_hf_json **out, qm_status *st)
+{
+    if (ck->mem) {
+        const qm__hf_file *f = mem_file(ck, name);
+        if (!f) return qm_status_set(st, QM_ENOT_FOUND, "%.200s: no such file", name);
+        return qm_hf_json_parse((const char *)f->data, f->size, name, out, st);
+    }
+    char *path = join(ck->dir, name), *text = NULL;
     size_t len = 0;
     if (!path) return qm_status_set(st, QM_ENOMEM, "out of memory");
     int rc = slurp(path, path, &text, &len, st);
@@ -101,14 +128,6 @@ static int cmp_str(const void *a, const void *b)
 static int cmp_tensor(const void *a, const void *b)
 {
     return strcmp(((const qm__hf_tensor *)a)->name, ((const qm__hf_tensor *)b)->name);
-}
-
-static int access_single(const char *dir)
-{
-    char *p = join(dir, "model.safetensors");
-    int ok = p && access(p, F_OK) == 0;
-    qm_free(p);
-    return ok;
 }
 
 /* A shard named by the index must be a file directly inside the checkpoint
@@ -153,30 +172,38 @@ static int list_shards(qm__hf_checkpoint *ck, char ***names, size_t *n, qm_statu
             list[count++] = qm_strdup(sorted[i]);
         }
         qm_free(sorted);
-    } else if (access_single(ck->dir)) {
+    } else if (has_file(ck, "model.safetensors")) {
         /* save_pretrained's single file: other *.safetensors beside it
          * (a consolidated copy, someone's outputs) are not the checkpoint. */
         list = qm_calloc(1, sizeof *list);
         if (!list) return qm_status_set(st, QM_ENOMEM, "out of memory");
         list[count++] = qm_strdup("model.safetensors");
     } else {
-        DIR *d = opendir(ck->dir);
-        if (!d)
+        DIR *d = ck->mem ? NULL : opendir(ck->dir);
+        if (!ck->mem && !d)
             return qm_status_set(st, QM_ENOT_FOUND, "cannot open directory %.200s: %s", ck->dir,
                                  strerror(errno));
         struct dirent *de;
-        while ((de = readdir(d)) != NULL) {
-            size_t len = strlen(de->d_name);
-            if (len <= 12 || strcmp(de->d_name + len - 12, ".safetensors") != 0) continue;
+        for (size_t i = 0;; i++) {
+            const char *fn = NULL;
+            if (ck->mem) {
+                if (i == ck->n_mem) break;
+                fn = ck->mem[i].name;
+            } else {
+                if ((de = readdir(d)) == NULL) break;
+                fn = de->d_name;
+            }
+            size_t len = strlen(fn);
+            if (len <= 12 || strcmp(fn + len - 12, ".safetensors") != 0) continue;
             if (count == cap) {
                 cap = cap ? 2 * cap : 8;
                 char **nl = qm_realloc(list, cap * sizeof *nl);
                 if (!nl) break;
                 list = nl;
             }
-            list[count++] = qm_strdup(de->d_name);
+            list[count++] = qm_strdup(fn);
         }
-        closedir(d);
+        if (d) closedir(d);
         if (count) qsort(list, count, sizeof *list, cmp_str);
     }
     for (size_t i = 0; i < count; i++)
@@ -234,7 +261,10 @@ static int map_shard(qm__hf_checkpoint *ck, shard *s, qm_status *st)
 {
     int fd = -1;
     uint64_t size = 0;
-    int rc = qm__open_input(s->path, s->path, &fd, &size, st);
+    const qm__hf_file *mf = ck->mem ? mem_file(ck, s->name) : NULL;
+    int rc = ck->mem ? (mf ? 0 : qm_status_set(st, QM_ENOT_FOUND, "%.200s: no such file", s->name))
+                     : qm__open_input(s->path, s->path, &fd, &size, st);
+    if (mf) size = mf->size;
     if (rc == QM_ENOT_FOUND && ck->index) {
         const char *example = "";
         for (size_t i = 0; i < ck->n_index; i++)
@@ -249,16 +279,21 @@ static int map_shard(qm__hf_checkpoint *ck, shard *s, qm_status *st)
     }
     if (rc) return rc;
     if (size < 8) {
-        close(fd);
+        if (fd >= 0) close(fd);
         return qm_status_set(st, QM_EINVALID_MODEL,
                              "%.200s: not a safetensors file (shorter than 8 bytes)", s->path);
     }
     s->size = (size_t)size;
-    void *m = mmap(NULL, s->size, PROT_READ, MAP_SHARED, fd, 0);
-    close(fd);
-    if (m == MAP_FAILED)
-        return qm_status_set(st, QM_EIO, "cannot map %.200s: %s", s->path, strerror(errno));
-    s->map = m;
+    if (mf) {
+        s->map = (uint8_t *)mf->data;
+    } else {
+        void *m = mmap(NULL, s->size, PROT_READ, MAP_SHARED, fd, 0);
+        close(fd);
+        if (m == MAP_FAILED)
+            return qm_status_set(st, QM_EIO, "cannot map %.200s: %s", s->path, strerror(errno));
+        s->map = m;
+        s->mapped = 1;
+    }
     uint64_t hlen = 0;
     for (int i = 0; i < 8; i++)
         hlen |= (uint64_t)s->map[i] << (8 * i);
@@ -289,27 +324,16 @@ static int map_shard(qm__hf_checkpoint *ck, shard *s, qm_status *st)
     return check_overlaps(s, st);
 }
 
-int qm__hf_open(const char *dir, qm__hf_checkpoint **out, qm_status *st)
+/* The rest of an open, for a directory and an in-memory set alike. */
+static int open_common(qm__hf_checkpoint *ck, qm_status *st)
 {
-    *out = NULL;
-    qm__hf_checkpoint *ck = qm_calloc(1, sizeof *ck);
+    const char *dir = ck->dir;
     char **names = NULL;
     size_t n_names = 0;
     int rc;
-    if (!ck || !(ck->dir = qm_strdup(dir))) {
-        qm_free(ck);
-        return qm_status_set(st, QM_ENOMEM, "out of memory");
-    }
-    if ((rc = load_json(dir, "config.json", &ck->config, st)) != 0) goto fail;
-    char *ipath = join(dir, "model.safetensors.index.json");
-    if (!ipath) {
-        rc = qm_status_set(st, QM_ENOMEM, "out of memory");
-        goto fail;
-    }
-    int have_index = access(ipath, F_OK) == 0;
-    qm_free(ipath);
-    if (have_index) {
-        if ((rc = load_json(dir, "model.safetensors.index.json", &ck->index, st)) != 0) goto fail;
+    if ((rc = load_json(ck, "config.json", &ck->config, st)) != 0) goto fail;
+    if (has_file(ck, "model.safetensors.index.json")) {
+        if ((rc = load_json(ck, "model.safetensors.index.json", &ck->index, st)) != 0) goto fail;
         rc = qm_hf_json_string_map(ck->index, "weight_map", &ck->index_names, &ck->index_files,
                                    &ck->n_index, st);
         if (rc == QM_ENOT_FOUND)
@@ -368,14 +392,48 @@ int qm__hf_open(const char *dir, qm__hf_checkpoint **out, qm_status *st)
             goto fail;
         }
     qm_free(names);
-    *out = ck;
     return 0;
 fail:
     for (size_t i = 0; names && i < n_names; i++)
         qm_free(names[i]);
     qm_free(names);
-    qm__hf_close(ck);
     return rc;
+}
+
+int qm__hf_open(const char *dir, qm__hf_checkpoint **out, qm_status *st)
+{
+    *out = NULL;
+    qm__hf_checkpoint *ck = qm_calloc(1, sizeof *ck);
+    if (!ck || !(ck->dir = qm_strdup(dir))) {
+        qm_free(ck);
+        return qm_status_set(st, QM_ENOMEM, "out of memory");
+    }
+    int rc = open_common(ck, st);
+    if (rc) {
+        qm__hf_close(ck);
+        return rc;
+    }
+    *out = ck;
+    return 0;
+}
+
+int qm__hf_open_memory(const qm__hf_file *files, size_t n, qm__hf_checkpoint **out, qm_status *st)
+{
+    *out = NULL;
+    qm__hf_checkpoint *ck = qm_calloc(1, sizeof *ck);
+    if (!ck || !(ck->dir = qm_strdup("(memory)"))) {
+        qm_free(ck);
+        return qm_status_set(st, QM_ENOMEM, "out of memory");
+    }
+    ck->mem = files;
+    ck->n_mem = n;
+    int rc = open_common(ck, st);
+    if (rc) {
+        qm__hf_close(ck);
+        return rc;
+    }
+    *out = ck;
+    return 0;
 }
 
 void qm__hf_close(qm__hf_checkpoint *ck)
@@ -383,7 +441,7 @@ void qm__hf_close(qm__hf_checkpoint *ck)
     if (!ck) return;
     for (uint32_t i = 0; i < ck->n_shards; i++) {
         shard *s = &ck->shards[i];
-        if (s->map) munmap(s->map, s->size);
+        if (s->mapped) munmap(s->map, s->size);
         qm_st_header_free(s->header);
         qm_free(s->name);
         qm_free(s->path);
@@ -442,7 +500,7 @@ static void page_range(const qm__hf_tensor *t, uintptr_t *lo, size_t *len)
 
 void qm__hf_prefetch(const qm__hf_checkpoint *ck, const qm__hf_tensor *t)
 {
-    (void)ck;
+    if (ck->mem) return;
     uintptr_t lo;
     size_t len;
     page_range(t, &lo, &len);
@@ -452,5 +510,5 @@ void qm__hf_prefetch(const qm__hf_checkpoint *ck, const qm__hf_tensor *t)
 void qm__hf_release(qm__hf_checkpoint *ck)
 {
     for (uint32_t i = 0; i < ck->n_shards; i++)
-        if (ck->shards[i].map) madvise(ck->shards[i].map, ck->shards[i].size, MADV_DONTNEED);
+        if (ck->shards[i].mapped) madvise(ck->shards[i].map, ck->shards[i].size, MADV_DONTNEED);
 }

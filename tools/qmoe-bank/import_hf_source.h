@@ -24,6 +24,13 @@ typedef struct qm__hf_tensor {
 
 typedef struct qm__hf_checkpoint qm__hf_checkpoint;
 
+/* One file of an in-memory checkpoint (fuzzing, tests): a base name and its bytes. */
+typedef struct qm__hf_file {
+    const char *name;
+    const uint8_t *data;
+    size_t size;
+} qm__hf_file;
+
 /* Opens DIR: reads config.json (required) and the index (when present; every
  * shard it names must exist), maps each shard and checks its header (offsets
  * inside the file, sizes = shape x dtype). Without an index the shards are
@@ -32,6 +39,9 @@ typedef struct qm__hf_checkpoint qm__hf_checkpoint;
  * QM_EPARSE for bad input, QM_EIO, QM_ENOMEM. The caller frees *out with qm__hf_close (accepts
  * NULL). */
 int qm__hf_open(const char *dir, qm__hf_checkpoint **out, qm_status *st);
+/* The same over files[n] instead of a directory; files and their bytes are
+ * borrowed and must outlive *out. */
+int qm__hf_open_memory(const qm__hf_file *files, size_t n, qm__hf_checkpoint **out, qm_status *st);
 void qm__hf_close(qm__hf_checkpoint *ck);
 
 const qm_hf_json *qm__hf_config(const qm__hf_checkpoint *ck);

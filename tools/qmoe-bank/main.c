@@ -25,39 +25,6 @@ static void help_main(FILE *f)
           f);
 }
 
-int qm__usage(const char *cmd, const char *what)
-{
-    fprintf(stderr, "qmoe-bank %s: %s (see qmoe-bank %s --help)\n", cmd, what, cmd);
-    return QM__EXIT_USAGE;
-}
-
-int qm__parse_u32(const char *s, unsigned long long max, unsigned *out)
-{
-    if (!s || !*s) return -1;
-    unsigned long long v = 0;
-    for (const char *p = s; *p; p++) {
-        if (*p < '0' || *p > '9') return -1;
-        v = v * 10 + (unsigned long long)(*p - '0');
-        if (v > max || v > 0xffffffffull) return -1;
-    }
-    *out = (unsigned)v;
-    return 0;
-}
-
-void qm__json_string(FILE *f, const char *s)
-{
-    fputc('"', f);
-    for (const unsigned char *c = (const unsigned char *)s; *c; c++) {
-        if (*c == '"' || *c == '\\')
-            fprintf(f, "\\%c", *c);
-        else if (*c < 0x20)
-            fprintf(f, "\\u%04x", *c);
-        else
-            fputc(*c, f);
-    }
-    fputc('"', f);
-}
-
 /* `qmoe-bank import FORMAT ...`: one entry per source format; each gets
  * argv[0] = the format. */
 static int import_main(int argc, char **argv)

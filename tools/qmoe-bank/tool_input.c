@@ -1,4 +1,5 @@
-/* tool_input.c - input files, failure lines and interrupts (see tool_input.h). */
+/* tool_input.c - input files, failure lines and interrupts (see tool_input.h),
+ * and the small helpers every command shares (qmoe_bank_tool.h). */
 #include "tool_input.h"
 
 #include <errno.h>
@@ -8,6 +9,8 @@
 #include <string.h>
 #include <sys/stat.h>
 #include <unistd.h>
+
+#include "qmoe_bank_tool.h"
 
 int qm__open_input(const char *path, const char *what, int *fd, uint64_t *size, qm_status *st)
 {
@@ -102,4 +105,39 @@ void qm__reraise(void)
     if (!sig) return;
     signal(sig, SIG_DFL);
     raise(sig);
+}
+
+/* ---- helpers of every command (qmoe_bank_tool.h) ---- */
+
+int qm__usage(const char *cmd, const char *what)
+{
+    fprintf(stderr, "qmoe-bank %s: %s (see qmoe-bank %s --help)\n", cmd, what, cmd);
+    return QM__EXIT_USAGE;
+}
+
+int qm__parse_u32(const char *s, unsigned long long max, unsigned *out)
+{
+    if (!s || !*s) return -1;
+    unsigned long long v = 0;
+    for (const char *p = s; *p; p++) {
+        if (*p < '0' || *p > '9') return -1;
+        v = v * 10 + (unsigned long long)(*p - '0');
+        if (v > max || v > 0xffffffffull) return -1;
+    }
+    *out = (unsigned)v;
+    return 0;
+}
+
+void qm__json_string(FILE *f, const char *s)
+{
+    fputc('"', f);
+    for (const unsigned char *c = (const unsigned char *)s; *c; c++) {
+        if (*c == '"' || *c == '\\')
+            fprintf(f, "\\%c", *c);
+        else if (*c < 0x20)
+            fprintf(f, "\\u%04x", *c);
+        else
+            fputc(*c, f);
+    }
+    fputc('"', f);
 }
