@@ -191,14 +191,15 @@ int qm_quant_row(const qm_quant_spec *q, const float *w, uint64_t k, uint8_t *pa
 {
     uint64_t step = q->block_size ? q->block_size : k;
     qm_quant_error local = QM_QUANT_ERROR_INIT, *e = err ? err : &local;
-    int finite = 1;
+    int finite = 1, fits = 1;
     for (uint64_t b = 0, lo = 0; lo < k; b++, lo += step) {
         uint64_t hi = lo + step < k ? lo + step : k;
         float stored = q->asymmetric ? quant_block_asym(q, w, lo, hi, packed, &zero_points[b],
                                                         &e->diff2, &e->ref2, &e->exact, &finite)
                                      : quant_block_sym(q, w, lo, hi, packed, &e->diff2, &e->ref2,
                                                        &e->exact, &finite);
+        fits &= stored <= FLT_MAX; /* f16 ends at 65504 */
         qm_quant_store(scales, q->scale_dtype, scale_at + b, stored);
     }
-    return finite ? 0 : QM_EINVAL;
+    return !finite ? QM_EINVAL : !fits ? QM_EUNSUPPORTED : 0;
 }

@@ -60,8 +60,10 @@ double qm_quant_error_rel(const qm_quant_error *e);
  * of the scale_dtype array `scales`, and, asymmetric, each block's zero
  * point as one byte in zero_points[nblk] (unpacked: how zero points pack
  * depends on the tensor, BANK_FORMAT.md). err (may be NULL) accumulates the
- * error against the stored scale. Returns 0, or QM_EINVAL when w holds a
- * NaN or an infinity (the outputs are then unspecified). */
+ * error against the stored scale. Returns 0; QM_EINVAL when w holds a NaN or
+ * an infinity; QM_EUNSUPPORTED when a block's scale is beyond scale_dtype's
+ * range (f16 ends at 65504: an int4 block whose largest value passes
+ * 458,528). The outputs are then unspecified. */
 int qm_quant_row(const qm_quant_spec *q, const float *w, uint64_t k, uint8_t *packed, void *scales,
                  uint64_t scale_at, uint8_t *zero_points, qm_quant_error *err);
 

@@ -38,7 +38,11 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
     float *scales = malloc(n / 16 * sizeof(float) + 4);
     if (!values || !codes || !scales) abort();
     qm__ggml_dequant_row(type, src, n, values);
-    if (qm__ggml_exact_fits(type, bits, bs, sdt) && n % bs == 0) {
+    int mxfp4_f16_ok = 1; /* the importer takes f16 for MXFP4 only when every exponent fits */
+    for (uint64_t b = 0; type == QM__GGML_MXFP4 && b < nblocks; b++)
+        mxfp4_f16_ok &= src[b * bytes] >= 104 && src[b * bytes] <= 143;
+    if (qm__ggml_exact_fits(type, bits, bs, sdt) && n % bs == 0 &&
+        (type != QM__GGML_MXFP4 || sdt != QM_DTYPE_F16 || mxfp4_f16_ok)) {
         qm__ggml_repack_row(type, src, n, bits, bs, sdt, codes, scales);
         const int zp = 1 << (bits - 1);
         for (uint64_t c = 0; c < n; c++) {

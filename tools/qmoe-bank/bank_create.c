@@ -33,13 +33,13 @@ void qm__help_create(FILE *f)
           "two >= 16) the way onnxruntime's QMoE tests do: symmetric (implicit zero point\n"
           "2^(bits-1)) or, with --asymmetric, min/max with packed zero points; scales floored\n"
           "at 1e-8, rounding half to even. Biases (unless --no-bias) and, with --router, a\n"
-          "router weight [E,H] and bias [E] are included. Scales, biases and the router use\n"
-          "--scale-dtype (default f32). ACT is relu, gelu, silu, swiglu or identity; swiglu\n"
-          "uses --swiglu-fusion (default 1: fc1 rows interleaved gate/linear; 2: gate rows\n"
-          "then linear rows; 0: separate fc3) and --alpha/--beta/--limit (defaults 1, 0,\n"
-          "inf). The same arguments always give the same bytes. The file is written\n"
-          "layer by layer through FILE.partial and renamed when complete; progress is shown\n"
-          "on a terminal for banks over 64 MiB.\n",
+          "router weight [E,H] and bias [E] are included. Scales are f16 and biases and\n"
+          "the router f32 by default; --scale-dtype gives all three one dtype. ACT is\n"
+          "relu, gelu, silu, swiglu or identity; swiglu uses --swiglu-fusion (default 1:\n"
+          "fc1 rows interleaved gate/linear; 2: gate rows then linear rows; 0: separate\n"
+          "fc3) and --alpha/--beta/--limit (defaults 1, 0, inf). The same arguments always\n"
+          "give the same bytes. The file is written layer by layer through FILE.partial and\n"
+          "renamed when complete; progress is shown on a terminal for banks over 64 MiB.\n",
           f);
 }
 
@@ -48,7 +48,7 @@ typedef struct create_opts {
     unsigned layers, experts, hidden, inter, k, bits, block_size, fusion;
     int fusion_set, asymmetric, router, bias, quiet;
     unsigned long long seed;
-    qm_dtype scale_dtype;
+    qm_dtype scale_dtype, bias_dtype; /* bias_dtype: biases and the router */
     float alpha, beta, limit;
     qm_activation act;
 } create_opts;
@@ -172,7 +172,7 @@ static int write_projection(const create_opts *o, qm_bank_writer *w, uint32_t la
         if (o->bias) {
             rng rb = rng_for(o->seed, layer, (uint32_t)p + 16, e);
             for (uint64_t i = 0; i < n; i++)
-                qm_quant_store(bbuf, o->scale_dtype, i, 0.1f * rng_uniform(&rb));
+                qm_quant_store(bbuf, o->bias_dtype, i, 0.1f * rng_uniform(&rb));
         }
         if ((rc = qm_bank_writer_put(w, layer, tw, e * w_slice, wbuf, w_slice, st)) == 0 &&
             (rc = qm_bank_writer_put(w, layer, tw + 1, e * s_slice, sbuf, s_slice, st)) == 0 &&
@@ -205,9 +205,9 @@ static int write_router(const create_opts *o, qm_bank_writer *w, uint32_t layer,
     rng r = rng_for(o->seed, layer, 32, 0);
     float s = 1.0f / sqrtf((float)o->hidden);
     for (uint64_t i = 0; i < (uint64_t)o->experts * o->hidden; i++)
-        qm_quant_store(buf, o->scale_dtype, i, s * rng_uniform(&r));
+        qm_quant_store(buf, o->bias_dtype, i, s * rng_uniform(&r));
     for (uint64_t i = 0; i < o->experts; i++)
-        qm_quant_store(bbuf, o->scale_dtype, i, 0.1f * rng_uniform(&r));
+        qm_quant_store(bbuf, o->bias_dtype, i, 0.1f * rng_uniform(&r));
     if ((rc = qm_bank_writer_put(w, layer, QM_T_ROUTER_WEIGHT, 0, buf, wbytes, st)) == 0)
         rc = qm_bank_writer_put(w, layer, QM_T_ROUTER_BIAS, 0, bbuf, bbytes, st);
 done:
@@ -223,8 +223,8 @@ static int write_bank(const create_opts *o)
     qm_bank_writer *w = NULL;
     const qm_bank_config cfg = config_of(o);
     const qm_bank_layer_opts lo = {.scale_dtype = o->scale_dtype,
-                                   .bias_dtype = o->scale_dtype,
-                                   .router_dtype = o->scale_dtype,
+                                   .bias_dtype = o->bias_dtype,
+                                   .router_dtype = o->bias_dtype,
                                    .zero_points = o->asymmetric,
                                    .fc1_bias = o->bias,
                                    .fc2_bias = o->bias,
@@ -341,7 +341,8 @@ int qm__cmd_create(int argc, char **argv)
                                              {0, 0, 0, 0}};
     create_opts o = {.bias = 1,
                      .seed = 1,
-                     .scale_dtype = QM_DTYPE_F32,
+                     .scale_dtype = QM_DTYPE_F16,
+                     .bias_dtype = QM_DTYPE_F32,
                      .alpha = 1.0f,
                      .beta = 0.0f,
                      .limit = INFINITY,
@@ -413,6 +414,7 @@ int qm__cmd_create(int argc, char **argv)
                 o.scale_dtype = QM_DTYPE_BF16;
             else
                 return bad("--scale-dtype must be f32, f16 or bf16");
+            o.bias_dtype = o.scale_dtype; /* as given: scales, biases and the router */
             break;
         case O_ALPHA:
             if (parse_float_opt(optarg, &o.alpha) || isinf(o.alpha))

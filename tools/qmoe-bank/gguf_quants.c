@@ -17,6 +17,7 @@
 #include "gguf_reader.h"
 #include "import_elements.h"
 #include "qm_half.h"
+#include "qm_quant.h"
 
 static uint16_t rd16(const uint8_t *p)
 {
@@ -251,8 +252,8 @@ int qm__ggml_exact_fits(uint32_t type, unsigned bits, unsigned bs, qm_dtype sdt)
     case QM__GGML_Q8_0:
     case QM__GGML_Q5_0:
         return bits == 8 && (bs == 32 || bs == 16) && (sdt == QM_DTYPE_F16 || sdt == QM_DTYPE_F32);
-    case QM__GGML_MXFP4:
-        return bits == 8 && (bs == 32 || bs == 16) && sdt == QM_DTYPE_F32;
+    case QM__GGML_MXFP4: /* f16 only when every exponent fits (the caller checks) */
+        return bits == 8 && (bs == 32 || bs == 16);
     case QM__GGML_Q6_K:
         return bits == 8 && bs == 16 && sdt == QM_DTYPE_F32;
     }
@@ -270,13 +271,15 @@ static void put_code(uint8_t *codes, unsigned bits, uint64_t c, unsigned code)
     }
 }
 
-/* Stores scale s (its f16 bits too, when it came from an f16) as element i. */
-static void put_scale(void *scales, qm_dtype sdt, uint64_t i, float s, uint16_t f16_bits)
+/* Stores scale s as element i: an f16 source scale as its own bits,
+ * anything else converted (exactly, as qm__ggml_exact_fits promised). */
+static void put_scale(void *scales, qm_dtype sdt, uint64_t i, float s, int from_f16,
+                      uint16_t f16_bits)
 {
-    if (sdt == QM_DTYPE_F16)
+    if (sdt == QM_DTYPE_F16 && from_f16)
         ((uint16_t *)scales)[i] = f16_bits;
     else
-        ((float *)scales)[i] = s;
+        qm_quant_store(scales, sdt, i, s);
 }
 
 void qm__ggml_repack_row(uint32_t type, const uint8_t *src, uint64_t n, unsigned bits, unsigned bs,
@@ -298,7 +301,7 @@ void qm__ggml_repack_row(uint32_t type, const uint8_t *src, uint64_t n, unsigned
                 put_code(codes, bits, c0 + j, code);
             }
             for (unsigned k = 0; k < 32 / bs; k++)
-                put_scale(scales, sdt, c0 / bs + k, d, dh);
+                put_scale(scales, sdt, c0 / bs + k, d, 1, dh);
             break;
         }
         case QM__GGML_Q5_0: {
@@ -308,7 +311,7 @@ void qm__ggml_repack_row(uint32_t type, const uint8_t *src, uint64_t n, unsigned
             for (unsigned j = 0; j < 32; j++) /* q5 - 16 + 128 */
                 put_code(codes, bits, c0 + j, (nib(src + 6, j) | ((qh >> j) & 1u) << 4) + 112u);
             for (unsigned k = 0; k < 32 / bs; k++)
-                put_scale(scales, sdt, c0 / bs + k, qm_f16_to_f32(dh), dh);
+                put_scale(scales, sdt, c0 / bs + k, qm_f16_to_f32(dh), 1, dh);
             break;
         }
         case QM__GGML_MXFP4: {
@@ -316,7 +319,7 @@ void qm__ggml_repack_row(uint32_t type, const uint8_t *src, uint64_t n, unsigned
             for (unsigned j = 0; j < 32; j++)
                 put_code(codes, bits, c0 + j, (unsigned)(qm__fp4_half[nib(src + 1, j)] + 128));
             for (unsigned k = 0; k < 32 / bs; k++)
-                put_scale(scales, sdt, c0 / bs + k, d, 0);
+                put_scale(scales, sdt, c0 / bs + k, d, 0, 0);
             break;
         }
         case QM__GGML_Q6_K: {
@@ -327,7 +330,7 @@ void qm__ggml_repack_row(uint32_t type, const uint8_t *src, uint64_t n, unsigned
             const int8_t *sc; /* a scale per 16 codes, times the block's d */
             float d = q6k_scales(src, &sc);
             for (unsigned k = 0; k < 16; k++)
-                put_scale(scales, sdt, c0 / 16 + k, d * (float)sc[k], 0);
+                put_scale(scales, sdt, c0 / 16 + k, d * (float)sc[k], 0, 0);
             break;
         }
         }

@@ -8,7 +8,8 @@
  *   Q4_0  -> int4 (code q) or int8 (code q + 120), block 32 or 16, f16/f32 scales d
  *   Q8_0  -> int8, code q + 128, block 32 or 16, f16/f32 scales d
  *   Q5_0  -> int8, code q5 + 112 (value q5 - 16), block 32 or 16, f16/f32 scales d
- *   MXFP4 -> int8, code kv[q] + 128 (kv = 2 x E2M1), block 32 or 16, f32 scales 2^(e-128)
+ *   MXFP4 -> int8, code kv[q] + 128 (kv = 2 x E2M1), block 32 or 16, scales 2^(e-128):
+ *            f32, bf16, or f16 when every exponent e is in [104, 143] (the caller checks)
  *   Q6_K  -> int8, code q6 + 96, block 16, f32 scales d·sc
  * Every other supported type (F32, F16, BF16, Q4_1, Q5_1, Q2_K, Q3_K, Q4_K,
  * Q5_K) is dequantised and requantised. */

@@ -34,8 +34,8 @@
 
 void qm__help_import_gguf(FILE *f)
 {
-    fputs("usage: qmoe-bank import gguf FILE --out BANK [--requant-bits 4|8] [--resume]\n"
-          "                               [--quiet]\n"
+    fputs("usage: qmoe-bank import gguf FILE --out BANK [--requant-bits 4|8]\n"
+          "                               [--scales f16|f32|bf16] [--resume] [--quiet]\n"
           "\n"
           "Imports the routed experts of a llama.cpp GGUF file: blk.N.ffn_{gate,up,down}_exps,\n"
           "the router ffn_gate_inp (+ bias), exp_probs_b (a correction bias), expert biases,\n"
@@ -49,8 +49,10 @@ void qm__help_import_gguf(FILE *f)
           "Q4_0, Q8_0, Q5_0, MXFP4 and Q6_K repack bit-exactly (Q4_0 alone: int4 block\n"
           "32; with Q8_0/Q5_0/MXFP4: int8 block 32; with Q6_K: int8 block 16). Every other\n"
           "type (F32, F16, BF16, Q4_1, Q5_1, Q2_K, Q3_K, Q4_K, Q5_K) is requantised to\n"
-          "--requant-bits (default 8) with the error recorded in qmoe.source; the output\n"
-          "lists which path each tensor type took.\n"
+          "--requant-bits (default 8) with scales stored as --scales (default f16) and\n"
+          "the error recorded in qmoe.source; exact repacks keep scales that hold the\n"
+          "source's values (Q4_0/Q8_0/Q5_0: their f16 d; MXFP4: f16 when every exponent\n"
+          "fits, else f32; Q6_K: f32). The output lists which path each tensor type took.\n"
           "A bad file (unknown quant type, truncated data, missing tensor, metadata that\n"
           "contradicts the tensors) prints one line naming the tensor or key and exits 2,\n"
           "leaving no output file. BANK is written as BANK.partial and renamed when\n"
@@ -69,6 +71,8 @@ static const qm_bank_tensor PROJ_W[P_COUNT] = {QM_T_FC1_WEIGHT, QM_T_FC3_WEIGHT,
 typedef struct moe_layer {
     uint32_t block;
     const qm__gguf_tensor *w[P_COUNT], *b[P_COUNT]; /* weights, biases (NULL when absent) */
+    qm_dtype sdt[P_COUNT];                          /* each projection's scale dtype */
+    int exact[P_COUNT];                             /* repacked bit for bit */
     const qm__gguf_tensor *router, *router_bias, *corr_bias;
 } moe_layer;
 
@@ -356,19 +360,36 @@ static int read_plan(const qm__gguf_file *f, plan *pl, unsigned requant_bits, qm
 
 /* ---- the bank --------------------------------------------------------------------- */
 
-/* Scale dtype of projection p's bank tensor: f16 for exact Q4_0/Q8_0/Q5_0 (their d
- * is an f16), f32 otherwise. */
-static qm_dtype scale_dtype(const plan *pl, uint32_t type)
+/* Every E8M0 exponent e of an MXFP4 tensor has 2^(e-128) exact in f16:
+ * e in [104, 143]. */
+static int mxfp4_fits_f16(const qm__gguf_tensor *t)
 {
-    if ((type == QM__GGML_Q4_0 || type == QM__GGML_Q8_0 || type == QM__GGML_Q5_0) &&
-        qm__ggml_exact_fits(type, pl->bits, pl->bs, QM_DTYPE_F16))
-        return QM_DTYPE_F16;
-    return QM_DTYPE_F32;
+    for (uint64_t at = 0; at + 17 <= t->nbytes; at += 17)
+        if (t->data[at] < 104 || t->data[at] > 143) return 0;
+    return 1;
 }
 
-static int exact_path(const plan *pl, uint32_t type)
+/* Each projection's scale dtype and path. Exact repacks keep a scale dtype
+ * that holds the source's scales unchanged: Q4_0/Q8_0/Q5_0's own f16 d;
+ * MXFP4's 2^(e-128) in f16 when every exponent fits (or bf16, as asked),
+ * else f32; Q6_K's d*sc products in f32. Requantised tensors take --scales
+ * (sdt, default f16). */
+static void choose_scales(plan *pl, qm_dtype sdt)
 {
-    return qm__ggml_exact_fits(type, pl->bits, pl->bs, scale_dtype(pl, type));
+    for (uint32_t l = 0; l < pl->n_layers; l++)
+        for (int p = 0; p < P_COUNT; p++) {
+            moe_layer *L = &pl->layers[l];
+            uint32_t type = L->w[p]->type;
+            qm_dtype d = QM_DTYPE_F32;
+            if (type == QM__GGML_Q4_0 || type == QM__GGML_Q8_0 || type == QM__GGML_Q5_0)
+                d = QM_DTYPE_F16;
+            else if (type == QM__GGML_MXFP4)
+                d = sdt == QM_DTYPE_BF16                             ? QM_DTYPE_BF16
+                    : sdt == QM_DTYPE_F16 && mxfp4_fits_f16(L->w[p]) ? QM_DTYPE_F16
+                                                                     : QM_DTYPE_F32;
+            L->exact[p] = qm__ggml_exact_fits(type, pl->bits, pl->bs, d);
+            L->sdt[p] = L->exact[p] ? d : sdt;
+        }
 }
 
 typedef struct type_stats {
@@ -404,26 +425,26 @@ static int not_finite(const qm__gguf_tensor *src, uint64_t expert, uint64_t row,
 
 /* One stacked expert tensor [E, N, K] of bank layer l into codes [E, N, K/pack]
  * (tensor tw) and scales (tw + 1). */
-static int write_experts(job *j, const plan *pl, uint32_t l, const qm__gguf_tensor *src, int tw,
-                         qm_status *st)
+static int write_experts(job *j, const plan *pl, uint32_t l, int p, qm_status *st)
 {
+    const qm__gguf_tensor *src = pl->layers[l].w[p];
+    const int tw = PROJ_W[p];
     uint32_t E = pl->E, N = (uint32_t)src->ne[1], K = (uint32_t)src->ne[0];
     uint64_t row_bytes = src->nbytes / ((uint64_t)E * N), nblk = K / pl->bs;
-    qm_dtype sdt = scale_dtype(pl, src->type);
-    int exact = exact_path(pl, src->type);
+    qm_dtype sdt = pl->layers[l].sdt[p];
+    int exact = pl->layers[l].exact[p];
     size_t ssz = qm_dtype_size(sdt);
     uint64_t code_bytes = qm_bank_writer_tensor_bytes(j->w, l, tw);
     uint64_t scale_bytes = qm_bank_writer_tensor_bytes(j->w, l, tw + 1);
     uint8_t *codes = qm_calloc((size_t)code_bytes, 1);
     uint8_t *scales = qm_malloc((size_t)scale_bytes);
     float *row = qm_malloc((size_t)K * sizeof(float));
-    float *rs = exact ? NULL : qm_malloc((size_t)nblk * sizeof(float));
     int rc = 0;
-    if (!codes || !scales || !row || (!exact && !rs)) {
+    if (!codes || !scales || !row) {
         rc = qm_status_set(st, QM_ENOMEM, "out of memory converting %s", src->name);
         goto done;
     }
-    const qm_quant_spec q = {.bits = pl->bits, .block_size = pl->bs, .scale_dtype = QM_DTYPE_F32};
+    const qm_quant_spec q = {.bits = pl->bits, .block_size = pl->bs, .scale_dtype = sdt};
     type_stats *ts = stats_for(j, src->type, exact, sdt);
     uint64_t code_row = (uint64_t)K * pl->bits / 8;
     for (uint32_t e = 0; e < E; e++) {
@@ -444,11 +465,19 @@ static int write_experts(job *j, const plan *pl, uint32_t l, const qm__gguf_tens
                 qm__ggml_repack_row(src->type, in, K, pl->bits, pl->bs, sdt, out, sc);
                 continue;
             }
-            if (qm_quant_row(&q, row, K, out, rs, 0, NULL, &err) != 0) {
+            int qrc = qm_quant_row(&q, row, K, out, sc, 0, NULL, &err);
+            if (qrc == QM_EUNSUPPORTED) {
+                rc = BAD(st,
+                         "%s: a block scale is beyond %s's range (expert %llu, row %llu; "
+                         "rerun with --scales f32)",
+                         src->name, qm_dtype_name(sdt), (unsigned long long)(r / N),
+                         (unsigned long long)(r % N));
+                goto done;
+            }
+            if (qrc != 0) {
                 rc = not_finite(src, r / N, r % N, st);
                 goto done;
             }
-            memcpy(sc, rs, (size_t)nblk * sizeof(float));
         }
         if (!exact) {
             double rel = qm_quant_error_rel(&err);
@@ -462,7 +491,6 @@ done:
     qm_free(codes);
     qm_free(scales);
     qm_free(row);
-    qm_free(rs);
     return rc;
 }
 
@@ -549,7 +577,7 @@ static int build_and_write(job *j, const plan *pl, int resume, int quiet, uint32
         qm_bank_plan_tensor *t = &tensors[(size_t)l * QM_T_COUNT];
         qm_bank_plan_layer(&cfg, &lo, t);
         for (int p = 0; p < P_COUNT; p++)
-            t[PROJ_W[p] + 1].dtype = scale_dtype(pl, L->w[p]->type);
+            t[PROJ_W[p] + 1].dtype = L->sdt[p];
     }
 
     /* 2. Metadata. */
@@ -580,7 +608,7 @@ static int build_and_write(job *j, const plan *pl, int resume, int quiet, uint32
     int exact_all = 1;
     for (uint32_t l = 0; l < pl->n_layers; l++)
         for (int p = 0; p < P_COUNT; p++)
-            exact_all &= exact_path(pl, pl->layers[l].w[p]->type);
+            exact_all &= pl->layers[l].exact[p];
     if (source_json(j, pl, exact_all, MAX_REL_PLACEHOLDER, source, sizeof source) != 0) {
         rc = BAD(st, "the file name is too long for qmoe.source");
         goto done;
@@ -640,16 +668,14 @@ static int build_and_write(job *j, const plan *pl, int resume, int quiet, uint32
     for (uint32_t l = 0; l < pl->n_layers; l++) {
         const moe_layer *L = &pl->layers[l];
         for (int p = 0; p < P_COUNT; p++)
-            stats_for(j, L->w[p]->type, exact_path(pl, L->w[p]->type),
-                      scale_dtype(pl, L->w[p]->type))
-                ->count++;
+            stats_for(j, L->w[p]->type, L->exact[p], L->sdt[p])->count++;
         if (l < *first) continue;
         for (int p = 0; p < P_COUNT && rc == 0; p++) {
             if (qm__interrupted()) {
                 rc = qm_status_set(st, QM_ESHUTTING_DOWN, "interrupted");
                 goto done;
             }
-            rc = write_experts(j, pl, l, L->w[p], PROJ_W[p], st);
+            rc = write_experts(j, pl, l, p, st);
             if (rc == 0 && L->b[p]) rc = write_f32(j, l, L->b[p], PROJ_W[p] + 3, st);
         }
         if (rc == 0) rc = write_f32(j, l, L->router, QM_T_ROUTER_WEIGHT, st);
@@ -686,12 +712,16 @@ int qm__cmd_import_gguf(int argc, char **argv)
 
 int qm__gguf_run(qm__gguf_file *given, int argc, char **argv)
 {
-    static const struct option longopts[] = {
-        {"out", required_argument, 0, 'o'}, {"requant-bits", required_argument, 0, 'b'},
-        {"resume", no_argument, 0, 'r'},    {"quiet", no_argument, 0, 'q'},
-        {"help", no_argument, 0, 'h'},      {0, 0, 0, 0}};
+    static const struct option longopts[] = {{"out", required_argument, 0, 'o'},
+                                             {"requant-bits", required_argument, 0, 'b'},
+                                             {"scales", required_argument, 0, 's'},
+                                             {"resume", no_argument, 0, 'r'},
+                                             {"quiet", no_argument, 0, 'q'},
+                                             {"help", no_argument, 0, 'h'},
+                                             {0, 0, 0, 0}};
     const char *out = NULL;
     unsigned requant_bits = 8;
+    qm_dtype sdt = QM_DTYPE_F16;
     int quiet = 0, resume = 0, c;
     optind = 1;
     opterr = 0;
@@ -703,6 +733,21 @@ int qm__gguf_run(qm__gguf_file *given, int argc, char **argv)
                 (requant_bits != 4 && requant_bits != 8)) {
                 fprintf(stderr,
                         "qmoe-bank import gguf: --requant-bits takes 4 or 8, not "
+                        "\"%.32s\"\n",
+                        optarg);
+                qm__gguf_close(given);
+                return QM__EXIT_USAGE;
+            }
+        } else if (c == 's') {
+            if (strcmp(optarg, "f16") == 0) {
+                sdt = QM_DTYPE_F16;
+            } else if (strcmp(optarg, "f32") == 0) {
+                sdt = QM_DTYPE_F32;
+            } else if (strcmp(optarg, "bf16") == 0) {
+                sdt = QM_DTYPE_BF16;
+            } else {
+                fprintf(stderr,
+                        "qmoe-bank import gguf: --scales takes f16, f32 or bf16, not "
                         "\"%.32s\"\n",
                         optarg);
                 qm__gguf_close(given);
@@ -738,7 +783,7 @@ int qm__gguf_run(qm__gguf_file *given, int argc, char **argv)
     uint32_t first = 0;
     if ((!f && (rc = qm__gguf_open(j.in_path, &f, &st)) != 0) ||
         (rc = read_plan(f, &pl, requant_bits, &st)) != 0 ||
-        (rc = build_and_write(&j, &pl, resume, quiet, &first, &st)) != 0)
+        (choose_scales(&pl, sdt), rc = build_and_write(&j, &pl, resume, quiet, &first, &st)) != 0)
         goto fail;
     if (!quiet) {
         struct stat sb;

@@ -31,9 +31,10 @@ void qm__help_import_hf(FILE *f)
     qm__family_help(f, 0);
     fputs("bf16/f16/f32/FP8 weights are requantised by round to nearest, symmetric, to\n"
           "--bits (default 4) with one scale per --block-size columns (default 32; 0 = one\n"
-          "per row) stored as --scales (default f32); the error is measured and recorded\n"
-          "in qmoe.source. MXFP4 defaults to int8 block 32 with f32 scales, which holds\n"
-          "it bit for bit (exact). Routers, router biases, correction biases and expert\n"
+          "per row) stored as --scales (default f16: 4.5 bits per weight at int4); the\n"
+          "error is measured and recorded in qmoe.source. MXFP4 defaults to int8 block 32,\n"
+          "which holds it bit for bit (exact), with f16 scales when every block exponent\n"
+          "fits one (else f32). Routers, router biases, correction biases and expert\n"
           "biases are copied as f32, and the family's routing rule is written as\n"
           "qmoe.routing.* keys. Shared experts, dense layers, attention and embeddings\n"
           "stay with the engine: the import says what it left out. Memory stays at about\n"
@@ -130,6 +131,29 @@ static void report_left_out(qm__hf_import *im)
 
 /* ---- the command ----------------------------------------------------------- */
 
+/* The scale dtype: f16 unless --scales says otherwise, so a 4-bit bank is
+ * 4.5 bits per weight. MXFP4 at int8 block 32 maps onto the bank exactly
+ * when its scales 2^(e-128) keep their value in the dtype: always in f32
+ * and bf16, in f16 when every exponent is in [104, 143]; the default takes
+ * f32 for a checkpoint outside that range rather than requantise it. */
+static void choose_scales(qm__hf_import *im)
+{
+    if (!im->o.scales_set) im->o.scale_dtype = QM_DTYPE_F16;
+    if (!im->mxfp4 || im->o.bits != 8 || im->o.block_size != 32) return;
+    int fits_f16 = 1;
+    for (uint32_t l = 0; l < im->n_moe && fits_f16; l++)
+        for (int g = 0; g < 2; g++) {
+            const qm__hf_tensor *t =
+                im->layer_src[(size_t)l * QM__HF_FUSED_COUNT +
+                              (g ? QM__HF_FUSED_DOWN_SCALES : QM__HF_FUSED_GATE_UP_SCALES)];
+            for (uint64_t i = 0; i < t->nbytes && fits_f16; i++)
+                fits_f16 = t->data[i] >= 104 && t->data[i] <= 143;
+        }
+    im->mxfp4_exact = im->o.scale_dtype != QM_DTYPE_F16 || fits_f16 || !im->o.scales_set;
+    if (im->o.scale_dtype == QM_DTYPE_F16 && !fits_f16 && !im->o.scales_set)
+        im->o.scale_dtype = QM_DTYPE_F32;
+}
+
 static void import_free(qm__hf_import *im)
 {
     qm_free(im->layer_map);
@@ -160,8 +184,6 @@ static int run_import(qm__hf_import *im)
         (rc = qm__hf_read_config(im, &st)) != 0)
         goto fail_input;
     if (!im->o.bits_set) im->o.bits = im->mxfp4 ? 8 : 4;
-    im->mxfp4_exact =
-        im->mxfp4 && im->o.bits == 8 && im->o.block_size == 32 && im->o.scale_dtype == QM_DTYPE_F32;
     if (im->H % (8 / im->o.bits) || im->I % (8 / im->o.bits)) {
         rc = qm_status_set(&st, QM_EINVALID_MODEL,
                            "config.json: hidden_size %u and %s %u must be even for 4-bit codes",
@@ -169,6 +191,7 @@ static int run_import(qm__hf_import *im)
         goto fail_input;
     }
     if ((rc = qm__hf_resolve(im, &st)) != 0) goto fail_input;
+    choose_scales(im);
 
     /* Metadata. */
     size_t lm_cap = (size_t)im->n_moe * 8 + 4;
@@ -207,7 +230,7 @@ static int run_import(qm__hf_import *im)
     };
     const unsigned fl = im->fam->flags;
     const qm_bank_layer_opts lo = {
-        .scale_dtype = im->mxfp4_exact ? QM_DTYPE_F32 : im->o.scale_dtype,
+        .scale_dtype = im->o.scale_dtype,
         .bias_dtype = QM_DTYPE_F32,
         .router_dtype = QM_DTYPE_F32,
         .fc1_bias = (fl & QM__FAM_EXPERT_BIASES) != 0,
@@ -262,12 +285,13 @@ static int run_import(qm__hf_import *im)
     }
     if (!im->o.quiet) {
         printf("importing %s (%s): %u of %u layers have routed experts, %u experts, k %u, "
-               "hidden %u, inter %u; %s -> int%u block %u%s\n",
+               "hidden %u, inter %u; %s -> int%u block %u, %s scales%s\n",
                im->o.dir, im->fam->name, im->n_moe, im->model_layers, im->E, im->k, im->H, im->I,
                im->mxfp4 ? "MXFP4"
                : im->fp8 ? "FP8 e4m3"
                          : "float",
-               im->o.bits, im->o.block_size, im->mxfp4_exact ? " (exact)" : " (requantised)");
+               im->o.bits, im->o.block_size, qm_dtype_name(im->o.scale_dtype),
+               im->mxfp4_exact ? " (exact)" : " (requantised)");
         if (first) printf("resuming %s.partial at layer %u of %u\n", im->o.out, first, im->n_moe);
         report_left_out(im);
         fflush(stdout);
@@ -393,6 +417,7 @@ static int hf_options(int argc, char **argv, qm__hf_import *im)
                 return usage("--block-size must be 0 or a power of two >= 16");
             break;
         case O_SCALES:
+            im->o.scales_set = 1;
             if (strcmp(optarg, "f32") == 0)
                 im->o.scale_dtype = QM_DTYPE_F32;
             else if (strcmp(optarg, "f16") == 0)
@@ -429,7 +454,7 @@ int qm__cmd_import_hf(int argc, char **argv)
 
 int qm__hf_run(qm__hf_checkpoint *ck, int argc, char **argv)
 {
-    qm__hf_import im = {.o = {.bits = 4, .block_size = 32, .scale_dtype = QM_DTYPE_F32}, .ck = ck};
+    qm__hf_import im = {.o = {.bits = 4, .block_size = 32, .scale_dtype = QM_DTYPE_F16}, .ck = ck};
     int rc = hf_options(argc, argv, &im);
     if (rc >= 0) {
         qm__hf_close(ck);

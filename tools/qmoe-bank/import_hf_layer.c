@@ -13,6 +13,20 @@
 
 /* ---- converting one layer ------------------------------------------------ */
 
+static int not_finite(qm__hf_import *im, const qm__hf_tensor *t, qm_status *st);
+
+/* The quantiser's refusal of a row of t, as a sentence. */
+static int refused_row(qm__hf_import *im, const qm__hf_tensor *t, int rc, qm_status *st)
+{
+    if (rc == QM_EUNSUPPORTED)
+        return qm_status_set(st, QM_EINVALID_MODEL,
+                             "%.80s: tensor %.120s has a block whose scale is beyond %s's range "
+                             "(rerun with --scales f32)",
+                             qm__hf_shard_name(im->ck, t->shard), t->name,
+                             qm_dtype_name(im->o.scale_dtype));
+    return not_finite(im, t, st);
+}
+
 static int not_finite(qm__hf_import *im, const qm__hf_tensor *t, qm_status *st)
 {
     return qm_status_set(st, QM_EINVALID_MODEL, "%.80s: tensor %.120s holds a NaN or infinity",
@@ -44,7 +58,8 @@ static void mxfp4_row(const uint8_t *blocks, const uint8_t *scales, uint64_t K, 
 /* The exact path: int8 code = 128 + 2·fp4, scale 2^(e-128) as f32. */
 /* 0, or -1 when a value is infinite (a block exponent near 255). */
 static int mxfp4_row_exact(const uint8_t *blocks, const uint8_t *scales, uint64_t K,
-                           uint8_t *packed, float *scale_out, qm_quant_error *err)
+                           uint8_t *packed, void *scale_out, uint64_t scale_at, qm_dtype sdt,
+                           qm_quant_error *err)
 {
     int finite = 1;
     for (uint64_t c = 0; c < K; c++) {
@@ -60,8 +75,8 @@ static int mxfp4_row_exact(const uint8_t *blocks, const uint8_t *scales, uint64_
         err->exact &= deq == src;
         finite &= src <= FLT_MAX && src >= -FLT_MAX;
     }
-    for (uint64_t b = 0; b < K / 32; b++)
-        scale_out[b] = qm__e8m0_half_scale(scales[b]);
+    for (uint64_t b = 0; b < K / 32; b++) /* exact in sdt: choose_scales checked */
+        qm_quant_store(scale_out, sdt, scale_at + b, qm__e8m0_half_scale(scales[b]));
     return finite ? 0 : -1;
 }
 
@@ -72,6 +87,7 @@ int qm__hf_convert_layer(qm__hf_import *im, qm_bank_writer *w, uint32_t li, qm__
     uint64_t bs = im->o.block_size, pack = 8 / bits;
     uint64_t nblk_h = bs ? (H + bs - 1) / bs : 1, nblk_i = bs ? (I + bs - 1) / bs : 1;
     const qm_quant_spec q = {.bits = bits, .block_size = bs, .scale_dtype = im->o.scale_dtype};
+    int qrc;
     uint64_t fc1_w = qm_bank_writer_slice_bytes(w, li, QM_T_FC1_WEIGHT);
     uint64_t fc1_s = qm_bank_writer_slice_bytes(w, li, QM_T_FC1_SCALES);
     uint64_t fc2_w = qm_bank_writer_slice_bytes(w, li, QM_T_FC2_WEIGHT);
@@ -115,15 +131,15 @@ int qm__hf_convert_layer(qm__hf_import *im, qm_bank_writer *w, uint32_t li, qm__
                 int up = (int)(r & 1);
                 const qm__hf_tensor *t = src[up ? QM__HF_UP : QM__HF_GATE];
                 load_row(im, t, src[up ? QM__HF_UP_SINV : QM__HF_GATE_SINV], r / 2, H, b->row);
-                if (qm_quant_row(&q, b->row, H, b->packed[0] + r * (H / pack), b->scales[0],
-                                 r * nblk_h, NULL, up ? &err_up : &err_gate) != 0)
-                    return not_finite(im, t, st);
+                if ((qrc = qm_quant_row(&q, b->row, H, b->packed[0] + r * (H / pack), b->scales[0],
+                                        r * nblk_h, NULL, up ? &err_up : &err_gate)) != 0)
+                    return refused_row(im, t, qrc, st);
             }
             for (uint64_t r = 0; r < H; r++) {
                 load_row(im, src[QM__HF_DOWN], src[QM__HF_DOWN_SINV], r, I, b->row);
-                if (qm_quant_row(&q, b->row, I, b->packed[1] + r * (I / pack), b->scales[1],
-                                 r * nblk_i, NULL, &err_down) != 0)
-                    return not_finite(im, src[QM__HF_DOWN], st);
+                if ((qrc = qm_quant_row(&q, b->row, I, b->packed[1] + r * (I / pack), b->scales[1],
+                                        r * nblk_i, NULL, &err_down)) != 0)
+                    return refused_row(im, src[QM__HF_DOWN], qrc, st);
             }
         } else if (im->mxfp4) {
             const qm__hf_tensor *gb = lsrc[QM__HF_FUSED_GATE_UP],
@@ -138,15 +154,15 @@ int qm__hf_convert_layer(qm__hf_import *im, qm_bank_writer *w, uint32_t li, qm__
                     for (uint64_t s = 0; s < K / 32; s++)
                         if (sc[s] == 255) return not_finite(im, stt, st);
                     if (im->mxfp4_exact) {
-                        if (mxfp4_row_exact(blk, sc, K, b->packed[p] + r * K,
-                                            (float *)b->scales[p] + r * nb,
-                                            p ? &err_down : &err_gate) != 0)
+                        if (mxfp4_row_exact(blk, sc, K, b->packed[p] + r * K, b->scales[p], r * nb,
+                                            q.scale_dtype, p ? &err_down : &err_gate) != 0)
                             return not_finite(im, stt, st);
                     } else {
                         mxfp4_row(blk, sc, K, b->row);
-                        if (qm_quant_row(&q, b->row, K, b->packed[p] + r * (K / pack), b->scales[p],
-                                         r * nb, NULL, p ? &err_down : &err_gate))
-                            return not_finite(im, bt, st);
+                        if ((qrc = qm_quant_row(&q, b->row, K, b->packed[p] + r * (K / pack),
+                                                b->scales[p], r * nb, NULL,
+                                                p ? &err_down : &err_gate)))
+                            return refused_row(im, bt, qrc, st);
                     }
                 }
             }
@@ -164,9 +180,9 @@ int qm__hf_convert_layer(qm__hf_import *im, qm_bank_writer *w, uint32_t li, qm__
                         b->mat[n * K + kk] = b->row[n];
                 }
                 for (uint64_t r = 0; r < N; r++)
-                    if (qm_quant_row(&q, b->mat + r * K, K, b->packed[p] + r * (K / pack),
-                                     b->scales[p], r * nb, NULL, p ? &err_down : &err_gate))
-                        return not_finite(im, t, st);
+                    if ((qrc = qm_quant_row(&q, b->mat + r * K, K, b->packed[p] + r * (K / pack),
+                                            b->scales[p], r * nb, NULL, p ? &err_down : &err_gate)))
+                        return refused_row(im, t, qrc, st);
             }
         }
         if ((rc = qm_bank_writer_put(w, li, QM_T_FC1_WEIGHT, e * fc1_w, b->packed[0], fc1_w, st)) ||
