@@ -92,6 +92,19 @@ static void pack_codes(const uint8_t *codes, uint64_t n, unsigned bits, uint8_t 
     if (n & 1) dst[n / 2] = codes[n - 1];
 }
 
+/* A block holding a NaN or infinity, which qm_quant_row refuses: codes 0
+ * and scale 0, with no arithmetic on the values (a NaN converted to an
+ * integer is undefined behaviour). */
+static float refused_block(const qm_quant_spec *q, uint64_t lo, uint64_t hi, uint8_t *packed,
+                           int *exact)
+{
+    uint8_t codes[32] = {0};
+    for (uint64_t c0 = lo; c0 < hi; c0 += 32)
+        pack_codes(codes, hi - c0 < 32 ? hi - c0 : 32, q->bits, packed + c0 * q->bits / 8);
+    *exact = 0;
+    return 0.0f;
+}
+
 /* One symmetric block [lo, hi) at column offset lo of packed. */
 static float quant_block_sym(const qm_quant_spec *q, const float *w, uint64_t lo, uint64_t hi,
                              uint8_t *packed, double *diff2, double *ref2, int *exact, int *finite)
@@ -106,6 +119,7 @@ static float quant_block_sym(const qm_quant_spec *q, const float *w, uint64_t lo
         bad |= !(a <= FLT_MAX);
     }
     *finite &= !bad;
+    if (bad) return refused_block(q, lo, hi, packed, exact);
     float scale = amax / qmax;
     if (!(scale >= 1e-8f)) scale = 1e-8f;
     float stored = stored_scale(q, scale);
@@ -149,7 +163,11 @@ static float quant_block_asym(const qm_quant_spec *q, const float *w, uint64_t l
                               uint8_t *packed, uint8_t *zero_point, double *diff2, double *ref2,
                               int *exact, int *finite)
 {
-    *finite &= qm_quant_finite(w + lo, hi - lo);
+    if (!qm_quant_finite(w + lo, hi - lo)) {
+        *finite = 0;
+        *zero_point = 0;
+        return refused_block(q, lo, hi, packed, exact);
+    }
     const int smax = (1 << q->bits) - 1;
     float mn = w[lo], mx = w[lo];
     for (uint64_t c = lo; c < hi; c++) {

@@ -164,10 +164,17 @@ START_TEST(test_quant_refuses_nan_and_infinity)
             for (int c = 0; c < 32; c++)
                 w[c] = 0.01f * (float)c;
             w[at] = bad[i];
-            uint8_t packed[16];
-            float scale;
-            const qm_quant_spec q = {.bits = 4, .block_size = 32, .scale_dtype = QM_DTYPE_F32};
-            ck_assert_int_eq(qm_quant_row(&q, w, 32, packed, &scale, 0, NULL, NULL), QM_EINVAL);
+            /* Both layouts and widths: no code is computed from a NaN (an
+             * integer conversion of one is undefined; clang's UBSan stops). */
+            for (int v = 0; v < 4; v++) {
+                uint8_t packed[32], zp[1];
+                float scale;
+                const qm_quant_spec q = {.bits = v & 1 ? 8 : 4,
+                                         .block_size = 32,
+                                         .scale_dtype = QM_DTYPE_F32,
+                                         .asymmetric = v >= 2};
+                ck_assert_int_eq(qm_quant_row(&q, w, 32, packed, &scale, 0, zp, NULL), QM_EINVAL);
+            }
             ck_assert_int_eq(qm_quant_finite(w, 32), 0);
         }
     float ok[3] = {0, -1e30f, 3.4e38f};
