@@ -17,6 +17,7 @@
 #include <string.h>
 
 #include "qm_bank.h"
+#include "qm_half.h"
 
 /* One expert's quantised matrix [N, K] as stored in a bank. */
 typedef struct qm__qmat {
@@ -217,7 +218,6 @@ void qm__i8_prep_avx2(const qm__qmat *m, const float *x, float *xq);
 
 /* ---- Shared helpers ---- */
 
-float qm__f16_to_f32(uint16_t h);
 static inline float qm__load_float(const void *base, qm_dtype dt, size_t i)
 {
     if (dt == QM_DTYPE_F32) {
@@ -233,7 +233,7 @@ static inline float qm__load_float(const void *base, qm_dtype dt, size_t i)
         memcpy(&f, &u, 4);
         return f;
     }
-    return qm__f16_to_f32(h);
+    return qm_f16_to_f32(h);
 }
 
 static inline float qm__qmat_scale(const qm__qmat *m, uint32_t n, uint32_t b)

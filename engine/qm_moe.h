@@ -14,6 +14,7 @@
 
 #include "qm_backend.h"
 #include "qm_bank.h"
+#include "qm_half.h" /* f16/bf16 <-> f32, for callers that convert tensors */
 
 #define QM_ROUTE_DROPPED UINT32_MAX
 
@@ -133,11 +134,5 @@ uint32_t qm_moe_call_k(const qm_bank_config *cfg, const qm_moe_call *call);
  * keeps one instead (qm_pager_forward). */
 int qm_moe_forward(qm_backend *be, const qm_bank *bank, const qm_moe_call *call,
                    qm_expert_source *source, qm_moe_stats *stats, qm_status *st);
-
-/* f16/bf16 <-> f32, round to nearest even. */
-float qm_f16_to_f32(uint16_t h);
-uint16_t qm_f32_to_f16(float f);
-float qm_bf16_to_f32(uint16_t h);
-uint16_t qm_f32_to_bf16(float f);
 
 #endif

@@ -31,4 +31,11 @@ int qm__layer_map_from_metadata(const qm_st_header *h, uint32_t layers, uint32_t
 int qm__source_check(const qm_st_header *h, qm_status *st);
 void qm__format_shape(char *buf, size_t size, const uint64_t *shape, uint32_t ndim);
 
+/* qm_st_header.c: the scan every JSON text of an untrusted file gets before
+ * cJSON sees it (a header of a million '[' must cost a scan, not a stack;
+ * cJSON would silently cut a string at an escaped NUL). 0, or one of these
+ * with *at the byte where it was found. */
+enum { QM__JSON_TOO_DEEP = 1, QM__JSON_ESCAPED_NUL = 2 };
+int qm__json_prescan(const char *s, size_t len, int max_depth, size_t *at);
+
 #endif

@@ -8,6 +8,7 @@
 #include <string.h>
 
 #include "qm_alloc.h"
+#include "qm_bank_internal.h"
 
 #define ST_FAIL(st, ...) qm_status_set((st), QM_EINVALID_MODEL, __VA_ARGS__)
 
@@ -29,19 +30,17 @@ size_t qm_st_dtype_size(const char *dtype)
     return 0;
 }
 
-/* Rejects nesting deeper than QM_ST_MAX_DEPTH before cJSON recurses into it
- * (a header of a million '[' must cost a scan, not a stack), and escaped NULs,
- * which cJSON would silently cut names and values at. */
-static int check_depth(const char *s, size_t len, qm_status *st)
+int qm__json_prescan(const char *s, size_t len, int max_depth, size_t *at)
 {
     int depth = 0, in_string = 0;
     for (size_t i = 0; i < len; i++) {
         char c = s[i];
         if (in_string) {
             if (c == '\\') {
-                if (len - i >= 6 && s[i + 1] == 'u' && memcmp(s + i + 2, "0000", 4) == 0)
-                    return ST_FAIL(st, "safetensors header: escaped NUL in a string at byte %zu",
-                                   i);
+                if (len - i >= 6 && s[i + 1] == 'u' && memcmp(s + i + 2, "0000", 4) == 0) {
+                    *at = i;
+                    return QM__JSON_ESCAPED_NUL;
+                }
                 i++;
             } else if (c == '"') {
                 in_string = 0;
@@ -51,13 +50,26 @@ static int check_depth(const char *s, size_t len, qm_status *st)
         if (c == '"') {
             in_string = 1;
         } else if (c == '{' || c == '[') {
-            if (++depth > QM_ST_MAX_DEPTH)
-                return ST_FAIL(st, "safetensors header: JSON nested deeper than %d levels at byte %zu",
-                               QM_ST_MAX_DEPTH, i);
+            if (++depth > max_depth) {
+                *at = i;
+                return QM__JSON_TOO_DEEP;
+            }
         } else if (c == '}' || c == ']') {
             depth--;
         }
     }
+    return 0;
+}
+
+static int check_depth(const char *s, size_t len, qm_status *st)
+{
+    size_t at = 0;
+    int rc = qm__json_prescan(s, len, QM_ST_MAX_DEPTH, &at);
+    if (rc == QM__JSON_ESCAPED_NUL)
+        return ST_FAIL(st, "safetensors header: escaped NUL in a string at byte %zu", at);
+    if (rc == QM__JSON_TOO_DEEP)
+        return ST_FAIL(st, "safetensors header: JSON nested deeper than %d levels at byte %zu",
+                       QM_ST_MAX_DEPTH, at);
     return 0;
 }
 

@@ -14,8 +14,10 @@ layer has its own `router_probs_l` input), which onnx2bank.py turns back into
 the whole bank.
 
 Scales and biases must have the activation dtype for onnxruntime's CPU kernel.
---dtype auto (default) keeps the bank's dtype (so bank -> onnx -> bank is
-byte-identical); f32 or f16 casts scales, biases and the router to that dtype
+--dtype auto (default) keeps the dtype of the bank's scales (so bank -> onnx ->
+bank is byte-identical when biases and the router share it; `qmoe-bank create`'s
+default of f16 scales and f32 biases does not); f32 or f16 casts scales, biases
+and the router to that dtype
 and sets the graph's activation dtype (what the oracle needs). A router weight
 and bias in the bank are stored as initializers `layers.N.router.weight` /
 `.bias` that no node reads: onnxruntime ignores them, onnx2bank.py keeps them.

@@ -70,10 +70,6 @@ def configs():
     return c
 
 
-def family_of(name):
-    return name.replace("_fp8", "").replace("_mxfp4", "")
-
-
 # ---- source rewrites ---------------------------------------------------------
 
 def write_safetensors(path, tensors, metadata=None):
@@ -197,31 +193,34 @@ def randomise(model, torch):
 
 
 def write_back(fam, mlp, lt, cfg, torch):
+    """The bank's dequantised weights into transformers' MoE block. fam is the
+    checkpoint's entry of the importer's family table (hf_import_ref.families)."""
     w1 = qb.dequantize(cfg, "fc1", lt).astype(np.float32)  # [E, 2I, H] interleaved
     w2 = qb.dequantize(cfg, "fc2", lt).astype(np.float32)  # [E, H, I]
     tt = lambda a: torch.from_numpy(np.ascontiguousarray(a))  # noqa: E731
+    router = getattr(mlp, fam["hf"]["router"])
     with torch.no_grad():
         ex = mlp.experts
-        if fam == "gpt_oss":
+        if fam["hf"]["flags"]["fused_experts"]:  # input-major, gate/up interleaved
             ex.gate_up_proj.copy_(tt(np.transpose(w1, (0, 2, 1))))
             ex.down_proj.copy_(tt(np.transpose(w2, (0, 2, 1))))
-            ex.gate_up_proj_bias.copy_(tt(lt["fc1.bias"]))
-            ex.down_proj_bias.copy_(tt(lt["fc2.bias"]))
-            mlp.router.weight.copy_(tt(lt["router.weight"]))
-            mlp.router.bias.copy_(tt(lt["router.bias"]))
-        else:
+        else:  # transformers packs gate rows then up rows
             ex.gate_up_proj.copy_(tt(np.concatenate([w1[:, 0::2], w1[:, 1::2]], axis=1)))
             ex.down_proj.copy_(tt(w2))
-            mlp.gate.weight.copy_(tt(lt["router.weight"]))
-            if "router.correction_bias" in lt:
-                mlp.gate.e_score_correction_bias.copy_(tt(lt["router.correction_bias"]))
+        if "fc1.bias" in lt:
+            ex.gate_up_proj_bias.copy_(tt(lt["fc1.bias"]))
+            ex.down_proj_bias.copy_(tt(lt["fc2.bias"]))
+        router.weight.copy_(tt(lt["router.weight"]))
+        if "router.bias" in lt:
+            router.bias.copy_(tt(lt["router.bias"]))
+        if "router.correction_bias" in lt:
+            router.e_score_correction_bias.copy_(tt(lt["router.correction_bias"]))
         for shared in ("shared_expert", "shared_experts"):
             if hasattr(mlp, shared):
                 getattr(mlp, shared).down_proj.weight.zero_()
 
 
-def golden(name, ckdir, bank, model, torch, transformers, args):
-    fam = family_of(name)
+def golden(name, fam, ckdir, bank, model, torch, transformers, args):
     cfg, tensors = qb.load_bank(bank)
     with open(bank, "rb") as f:
         sha = hashlib.sha256(f.read()).hexdigest()
@@ -273,6 +272,7 @@ def main(argv=None):
     import torch
     import transformers
 
+    table = ref.families(a.qmoe_bank)
     torch.manual_seed(0)
     for name, (cfg, opts) in configs().items():
         if a.only and name not in a.only:
@@ -300,7 +300,8 @@ def main(argv=None):
                                capture_output=True, text=True)
             if r.returncode:
                 sys.exit(f"{name}: import failed: {r.stderr}")
-            worst = golden(name, ckdir, bank, model, torch, transformers, args)
+            worst = golden(name, ref.family_of(ckdir, table), ckdir, bank, model, torch,
+                           transformers, args)
         sizes = {f: os.path.getsize(os.path.join(ckdir, f)) for f in os.listdir(ckdir)}
         print(f"{name}: reference vs transformers {worst:.2e}; files {sizes}")
     return 0

@@ -30,7 +30,7 @@ def qmoe_bank_path():
 
 
 def make_bank(path, layers=2, experts=8, hidden=64, inter=32, k=2, bits=4, block=32,
-              activation="swiglu", fusion=1, router=True, seed=1):
+              activation="swiglu", fusion=1, router=True, seed=1, scale_dtype=None):
     if os.path.exists(path):
         return path
     cmd = [qmoe_bank_path(), "create", "--out", path, "--layers", str(layers),
@@ -40,6 +40,8 @@ def make_bank(path, layers=2, experts=8, hidden=64, inter=32, k=2, bits=4, block
            "--quiet"]
     if router:
         cmd.append("--router")
+    if scale_dtype:  # else create's default: f16 scales, f32 biases and router
+        cmd += ["--scale-dtype", scale_dtype]
     subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
     return path
 

@@ -175,6 +175,30 @@ def test_f16_matches_onnxruntime(tmp_path, act, bits, bs):
     assert rel(ours, theirs) <= 3e-3, f"seed {SEED}: ours vs ort {rel(ours, theirs):.3g}"
 
 
+@pytest.mark.parametrize("bits,bs,act", [(4, 32, "swiglu"), (8, 64, "silu"), (4, 0, "gelu"),
+                                         (8, 16, "swiglu")])
+def test_f16_scales_with_f32_activations_match_onnxruntime(tmp_path, bits, bs, act):
+    """`qmoe-bank import` and `create` write f16 scales by default, next to
+    f32 activations and biases. onnxruntime's QMoE takes its scales in the
+    activation type, so it runs on the same scales widened to f32 (exactly:
+    every f16 is an f32), and must agree with our f16-scale bank within 1e-5."""
+    rng = np.random.default_rng([SEED, bits, bs, len(act), 16])
+    v = dict(bits=bits, bs=bs, asym=0, act=act, bias=True, shape=(16, 8, 2))
+    bank = tmp_path / "bank.safetensors"
+    cfg, tensors = make_bank(bank, v, rng)
+    f16 = {k: (a.astype(np.float16) if k.endswith(".scales") else a) for k, a in tensors.items()}
+    qmoebank.save_bank(str(bank), cfg, f16)
+    widened = {k: (a.astype(np.float32) if k.endswith(".scales") else a) for k, a in f16.items()}
+    x, logits = inputs(rng, 16, cfg.hidden_size, cfg.experts)
+    ours = run_ours(tmp_path, bank, x, logits)
+    assert ours.dtype == np.float32
+    theirs = run_ort(cfg, widened, x, logits)
+    err = rel(ours, theirs)
+    assert err <= 1e-5, f"seed {SEED}: |ours - ort| / |ort| = {err:.3g} with f16 scales"
+    ref = qmoebank.reference_forward(cfg, qmoebank.layer_tensors(widened, 0), x, logits)
+    assert rel(ours, ref) <= 1e-5, f"seed {SEED}: vs float64 reference {rel(ours, ref):.3g}"
+
+
 def test_thread_count_does_not_change_bits(tmp_path):
     rng = np.random.default_rng([SEED, 7])
     v = dict(bits=4, bs=32, asym=1, act="swiglu", bias=True, shape=(64, 8, 2))

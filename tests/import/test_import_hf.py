@@ -29,28 +29,35 @@ import qmoebank as qb  # noqa: E402
 QMOE_BANK = os.path.join(BUILD, "tools", "qmoe-bank", "qmoe-bank")
 FIXTURES = os.path.join(HERE, "fixtures")
 NAMES = sorted(d for d in os.listdir(FIXTURES) if os.path.isdir(os.path.join(FIXTURES, d)))
-# Routing that today's rule (top-k of the logits, softmax over the k) already
-# expresses; the others need the bank's qmoe.routing.* keys in the engine.
-LOGIT_ROUTED = {"mixtral", "qwen3_moe", "gpt_oss", "gpt_oss_mxfp4"}
-LAYER_MAP = {"qwen2_moe": [0, 2], "deepseek_v2": [1, 2], "deepseek_v3": [1, 2],
-             "deepseek_v3_fp8": [1, 2]}
-ROUTING = {  # score, normalize, scale, groups, topk_groups, group_score
-    "mixtral": ("softmax", "1", "1", None, None, None),
-    "qwen3_moe": ("softmax", "1", "1", None, None, None),
-    "qwen2_moe": ("softmax", "0", "1", None, None, None),
-    "olmoe": ("softmax", "0", "1", None, None, None),
-    "deepseek_v2": ("softmax", "0", "1.5", "4", "2", "max"),
-    "deepseek_v3": ("sigmoid", "1", "2.5", "4", "2", "top2_sum"),
-    "deepseek_v3_fp8": ("sigmoid", "1", "2.5", "4", "2", "top2_sum"),
-    "gpt_oss": ("softmax", "1", "1", None, None, None),
-    "gpt_oss_mxfp4": ("softmax", "1", "1", None, None, None),
-}
 
 pytestmark = pytest.mark.skipif(not os.path.exists(QMOE_BANK), reason=f"no {QMOE_BANK}")
 
 
-def family(name):
-    return name.replace("_fp8", "").replace("_mxfp4", "")
+@pytest.fixture(scope="module")
+def table():
+    """The importer's family table: what every check below reads instead of
+    a list of its own."""
+    return ref.families(QMOE_BANK)
+
+
+def config(name):
+    return json.load(open(os.path.join(FIXTURES, name, "config.json")))
+
+
+def quant_method(name):
+    return (config(name).get("quantization_config") or {}).get("quant_method")
+
+
+def moe_layers(ckdir):
+    """The model layers whose tensors include routed experts, past which
+    num_hidden_layers does not reach: what the bank's layer map must list."""
+    n = json.load(open(os.path.join(ckdir, "config.json")))["num_hidden_layers"]
+    layers = set()
+    for k in ref.checkpoint_tensors(ckdir):
+        parts = k.split(".")
+        if k.startswith("model.layers.") and ".experts." in k and int(parts[2]) < n:
+            layers.add(int(parts[2]))
+    return sorted(layers)
 
 
 def run_import(ckdir, out, *args, env=None):
@@ -85,6 +92,11 @@ def rel(a, b):
 
 # ---- what the bank holds ---------------------------------------------------------
 
+def test_every_family_has_a_fixture_and_every_fixture_a_family(table):
+    have = {config(n)["model_type"] for n in NAMES}
+    assert have == {f["name"] for f in table}, (have, [f["name"] for f in table])
+
+
 @pytest.mark.parametrize("name", NAMES)
 def test_import_is_the_bank_the_golden_was_computed_from(banks, name):
     _, meta = golden(name)
@@ -96,42 +108,56 @@ def test_import_is_the_bank_the_golden_was_computed_from(banks, name):
 
 
 @pytest.mark.parametrize("name", NAMES)
-def test_metadata_records_source_layer_map_and_routing(banks, name):
+def test_metadata_records_source_layer_map_and_swiglu(banks, table, name):
+    ck = os.path.join(FIXTURES, name)
+    fam = ref.family_of(ck, table)
     _, meta, _ = qb.read_header(banks[name])
     source = json.loads(meta["qmoe.source"])
-    assert source["format"] == "hf" and source["family"] == family(name)
-    files = sorted(f for f in os.listdir(os.path.join(FIXTURES, name))
+    assert source["format"] == "hf" and source["family"] == fam["name"]
+    files = sorted(f for f in os.listdir(ck)
                    if f.endswith(".safetensors") and f != "golden.safetensors")
     assert source["files"] == files
-    assert source["exact"] is (name == "gpt_oss_mxfp4"), source
+    exact = quant_method(name) == "mxfp4"  # MXFP4 maps onto int8 block 32 bit for bit
+    assert source["exact"] is exact, source
     assert (source["max_rel_err"] == 0) == source["exact"]
-    assert json.loads(meta["qmoe.layer_map"]) == LAYER_MAP.get(name, [0, 1])
-    score, norm, scale, groups, topk_groups, group_score = ROUTING[name]
-    assert meta["qmoe.routing.score"] == score
-    assert meta["qmoe.routing.normalize"] == norm
-    assert float(meta["qmoe.routing.scale"]) == float(scale)
-    assert meta.get("qmoe.routing.groups") == groups
-    assert meta.get("qmoe.routing.topk_groups") == topk_groups
-    assert meta.get("qmoe.routing.group_score") == group_score
+    assert json.loads(meta["qmoe.layer_map"]) == moe_layers(ck)
     assert meta["qmoe.activation"] == "swiglu" and meta["qmoe.swiglu_fusion"] == "1"
-    if family(name) == "gpt_oss":
+    if fam["hf"]["flags"]["oai_swiglu"]:
         assert (meta["qmoe.activation_alpha"], meta["qmoe.activation_beta"],
                 meta["qmoe.swiglu_limit"]) == ("1.70200002", "1", "7")
-    expect_bits = "8" if name == "gpt_oss_mxfp4" else "4"
-    assert (meta["qmoe.bits"], meta["qmoe.block_size"]) == (expect_bits, "32")
+    assert (meta["qmoe.bits"], meta["qmoe.block_size"]) == ("8" if exact else "4", "32")
 
 
 @pytest.mark.parametrize("name", NAMES)
-def test_every_matrix_dequantises_to_the_source_within_the_recorded_bound(banks, name):
+def test_the_banks_routing_keys_choose_transformers_experts_and_weights(banks, name):
+    """Each bank's qmoe.routing.* keys (or their absence), evaluated by a
+    float64 reference of BANK_FORMAT.md's rule, pick the experts transformers
+    picked, with its weights."""
+    g, _ = golden(name)
+    cfg, tensors = qb.load_bank(banks[name])
+    _, meta, _ = qb.read_header(banks[name])
+    for i in range(cfg.layers):
+        got = ref.route_by_bank(meta, qb.layer_tensors(tensors, i), g["x"], cfg.k)
+        for t, (ids, ws) in enumerate(zip(g[f"topk_ids.{i}"], g[f"topk_weights.{i}"])):
+            want = {int(e): float(w) for e, w in zip(ids, ws)}
+            assert set(got[t]) == set(want), (name, i, t, got[t], want)
+            for e in want:
+                assert abs(got[t][e] - want[e]) <= 1e-6 * max(1.0, abs(want[e])), (name, i, t)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_every_matrix_dequantises_to_the_source_within_the_recorded_bound(banks, table, name):
     cfg, tensors = qb.load_bank(banks[name])
     _, meta, _ = qb.read_header(banks[name])
     source = json.loads(meta["qmoe.source"])
     ck = os.path.join(FIXTURES, name)
+    fam = ref.family_of(ck, table)
+    hf = fam["hf"]
     raw = ref.checkpoint_tensors(ck)
     measured = 0.0
     for i, l in enumerate(json.loads(meta["qmoe.layer_map"])):
         lt = qb.layer_tensors(tensors, i)
-        src = ref.source_matrices(ck, l, family(name))
+        src = ref.source_matrices(ck, l, fam)
         for proj in ("fc1", "fc2"):
             deq = qb.dequantize(cfg, proj, lt)
             if source["exact"]:
@@ -145,16 +171,16 @@ def test_every_matrix_dequantises_to_the_source_within_the_recorded_bound(banks,
                 for e in range(cfg.experts):
                     measured = max(measured, rel(d[e], s[e].astype(np.float64)))
         # routers and biases are copied as f32, bit for bit
-        moe = "block_sparse_moe" if family(name) == "mixtral" else "mlp"
-        rname = "router" if family(name) == "gpt_oss" else "gate"
-        assert np.array_equal(lt["router.weight"], raw[f"model.layers.{l}.{moe}.{rname}.weight"])
-        if family(name) == "gpt_oss":
-            assert np.array_equal(lt["router.bias"], raw[f"model.layers.{l}.mlp.router.bias"])
-            assert np.array_equal(lt["fc1.bias"], raw[f"model.layers.{l}.mlp.experts.gate_up_proj_bias"])
-            assert np.array_equal(lt["fc2.bias"], raw[f"model.layers.{l}.mlp.experts.down_proj_bias"])
-        if family(name) == "deepseek_v3":
+        p = f"model.layers.{l}.{hf['moe']}."
+        assert np.array_equal(lt["router.weight"], raw[p + hf["router"] + ".weight"])
+        if hf["flags"]["router_bias"]:
+            assert np.array_equal(lt["router.bias"], raw[p + hf["router"] + ".bias"])
+        if hf["flags"]["expert_biases"]:
+            assert np.array_equal(lt["fc1.bias"], raw[p + "experts.gate_up_proj_bias"])
+            assert np.array_equal(lt["fc2.bias"], raw[p + "experts.down_proj_bias"])
+        if hf["flags"]["correction_bias"]:
             assert np.array_equal(lt["router.correction_bias"],
-                                  raw[f"model.layers.{l}.mlp.gate.e_score_correction_bias"])
+                                  raw[p + hf["router"] + ".e_score_correction_bias"])
     if not source["exact"]:
         assert measured <= source["max_rel_err"] * (1 + 1e-5), (measured, source)
         assert measured >= source["max_rel_err"] * (1 - 1e-5), (measured, source)
@@ -163,7 +189,7 @@ def test_every_matrix_dequantises_to_the_source_within_the_recorded_bound(banks,
 
 @pytest.mark.parametrize("name,dtype", [("gpt_oss", "BF16"), ("mixtral", "BF16"),
                                         ("olmoe", "F16"), ("deepseek_v2", "BF16")])
-def test_bf16_and_f16_checkpoints_import_within_the_recorded_bound(tmp_path, name, dtype):
+def test_bf16_and_f16_checkpoints_import_within_the_recorded_bound(tmp_path, table, name, dtype):
     """The fixtures are f32 (no ties); real checkpoints are bf16. Rewritten
     as bf16/f16, every matrix still dequantises within the recorded bound and
     routers/biases come across exactly."""
@@ -193,10 +219,12 @@ def test_bf16_and_f16_checkpoints_import_within_the_recorded_bound(tmp_path, nam
     _, meta, _ = qb.read_header(str(bank))
     recorded = json.loads(meta["qmoe.source"])["max_rel_err"]
     raw = ref.checkpoint_tensors(str(ck))
+    fam = ref.family_of(str(ck), table)
+    hf = fam["hf"]
     measured = 0.0
     for i, l in enumerate(json.loads(meta["qmoe.layer_map"])):
         lt = qb.layer_tensors(tensors, i)
-        src = ref.source_matrices(str(ck), l, family(name))
+        src = ref.source_matrices(str(ck), l, fam)
         for proj in ("fc1", "fc2"):
             deq = qb.dequantize(cfg, proj, lt)
             parts = [(deq[:, 0::2], src[proj][:, 0::2]), (deq[:, 1::2], src[proj][:, 1::2])] \
@@ -204,11 +232,10 @@ def test_bf16_and_f16_checkpoints_import_within_the_recorded_bound(tmp_path, nam
             for d, s_ in parts:
                 for e in range(cfg.experts):
                     measured = max(measured, rel(d[e], s_[e].astype(np.float64)))
-        moe = "block_sparse_moe" if name == "mixtral" else "mlp"
-        rname = "router" if name == "gpt_oss" else "gate"
-        assert np.array_equal(lt["router.weight"], raw[f"model.layers.{l}.{moe}.{rname}.weight"])
-        if name == "gpt_oss":
-            assert np.array_equal(lt["fc1.bias"], raw[f"model.layers.{l}.mlp.experts.gate_up_proj_bias"])
+        p = f"model.layers.{l}.{hf['moe']}."
+        assert np.array_equal(lt["router.weight"], raw[p + hf["router"] + ".weight"])
+        if hf["flags"]["expert_biases"]:
+            assert np.array_equal(lt["fc1.bias"], raw[p + "experts.gate_up_proj_bias"])
     assert abs(measured - recorded) <= 1e-5 * recorded and 0.05 < recorded < 0.2
 
 
@@ -265,7 +292,7 @@ def test_session_with_the_engines_routing_matches_transformers(daemon, engine_ro
     g, _ = golden(name)
     c = d.client()
     sid = c.call("session.create", {"model": name, "policy": "whole_bank"})["session"]
-    for i in range(len(LAYER_MAP.get(name, [0, 1]))):
+    for i in range(len(moe_layers(os.path.join(FIXTURES, name)))):
         r = c.call("session.infer", {"session": sid, "layer": i, "hidden": h.tensor(g["x"]),
                                      "topk_ids": i32_tensor(g[f"topk_ids.{i}"]),
                                      "topk_weights": h.tensor(g[f"topk_weights.{i}"])})
@@ -274,14 +301,15 @@ def test_session_with_the_engines_routing_matches_transformers(daemon, engine_ro
 
 
 @pytest.mark.parametrize("name", NAMES)
-def test_session_routing_by_itself_chooses_transformers_experts(daemon, engine_routing, name):
-    if name not in LOGIT_ROUTED and not engine_routing:
+def test_session_routing_by_itself_chooses_transformers_experts(daemon, banks, engine_routing,
+                                                                 name):
+    if "qmoe.routing.score" in qb.read_header(banks[name])[1] and not engine_routing:
         pytest.skip("this qmoed predates routing by the bank's qmoe.routing.* keys")
     d, h = daemon
     g, _ = golden(name)
     c = d.client()
     sid = c.call("session.create", {"model": name, "policy": "whole_bank"})["session"]
-    for i in range(len(LAYER_MAP.get(name, [0, 1]))):
+    for i in range(len(moe_layers(os.path.join(FIXTURES, name)))):
         r = c.call("session.infer", {"session": sid, "layer": i, "hidden": h.tensor(g["x"]),
                                      "return_routing": True})
         chosen = [sorted(e for e, w in tok if w > 0) for tok in r["routing"]]

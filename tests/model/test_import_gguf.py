@@ -81,9 +81,12 @@ def make_matrix(rng, qtype, rows, cols):
 
 
 def write_gguf(path, arch="qwen3moe", types=(Q.Q4_0, Q.Q4_0, Q.Q4_0), blocks=2, dense=0,
-               seed=0, keys=None, corr_bias=False, biases=False, omit=(), expert_count=None):
+               seed=0, keys=None, corr_bias=False, biases=False, omit=(), expert_count=None,
+               typed_keys=()):
     """A MoE GGUF: per block gate/up/down stacked experts of the given types,
-    the router in f32; returns {block: {"gate"|"up"|"down": f32 source, ...}}."""
+    the router in f32; returns {block: {"gate"|"up"|"down": f32 source, ...}}.
+    keys: {name: value} through GGUFWriter.add_<name>; typed_keys: (writer
+    method, key, value) for a key of a type of the test's choosing."""
     rng = np.random.default_rng(seed)
     w = gguf.GGUFWriter(str(path), arch)
     w.add_block_count(blocks)
@@ -95,6 +98,8 @@ def write_gguf(path, arch="qwen3moe", types=(Q.Q4_0, Q.Q4_0, Q.Q4_0), blocks=2, 
         w.add_leading_dense_block_count(dense)
     for k, v in (keys or {}).items():
         getattr(w, "add_" + k)(v)
+    for method, k, v in typed_keys:
+        getattr(w, method)(k, v)
     src = {}
     for b in range(dense, blocks):
         s = {}
@@ -405,14 +410,50 @@ def test_usage_errors(tmp_path):
     assert "import gguf" in run_tool("import", "gguf", "--help").stdout
 
 
-@pytest.mark.parametrize("arch,family,keys,want", [
-    ("llama", "mixtral", {}, None),
-    ("qwen3moe", "qwen3_moe", {}, None),
-    ("qwen3moe", "qwen3_moe", {"expert_weights_norm": False}, ("softmax", "0")),
-    ("qwen2moe", "qwen2_moe", {}, ("softmax", "0")),
-    ("olmoe", "olmoe", {}, ("softmax", "0")),
-    ("deepseek2", "deepseek_v2", {"expert_weights_scale": 16.0}, ("softmax", "0")),
-])
+def families():
+    """The importer's family table (`qmoe-bank import --families`), or [] when
+    the tool is not built (the module is then skipped)."""
+    if not os.path.exists(QMOE_BANK):
+        return []
+    r = run_tool("import", "--families", check=False)
+    return json.loads(r.stdout) if r.returncode == 0 else []
+
+
+# llama.cpp's default for {arch}.expert_weights_norm when a file omits it
+# (llama-model.cpp): the oracle the importer's table is checked against.
+LLAMA_CPP_NORM_DEFAULT = {"llama": True, "qwen2moe": False, "qwen3moe": True, "olmoe": False,
+                          "deepseek2": False, "gpt-oss": True}
+
+
+def test_every_gguf_architecture_of_the_table_has_llama_cpps_default():
+    table = [f for f in families() if f["gguf"]]
+    assert {f["gguf"]["arch"] for f in table} == set(LLAMA_CPP_NORM_DEFAULT)
+    for f in table:
+        assert f["gguf"]["norm_default"] is LLAMA_CPP_NORM_DEFAULT[f["gguf"]["arch"]], f["name"]
+
+
+def routing_cases():
+    """Every family of the table with a GGUF form, with the file's defaults,
+    plus keys that override them."""
+    cases = []
+    for f in families():
+        if not f["gguf"]:
+            continue
+        arch = f["gguf"]["arch"]
+        keys = {"expert_gating_func": gguf.ExpertGatingFuncType.SIGMOID} if f["gguf"]["sigmoid"] \
+            else {}
+        score = "sigmoid" if f["gguf"]["sigmoid"] else "softmax"
+        norm = LLAMA_CPP_NORM_DEFAULT[arch]
+        want = None if score == "softmax" and norm else (score, "1" if norm else "0")
+        cases.append(pytest.param(arch, f["name"], keys, want, id=f["name"]))
+    cases.append(pytest.param("qwen3moe", "qwen3_moe", {"expert_weights_norm": False},
+                              ("softmax", "0"), id="qwen3_moe-no-norm"))
+    cases.append(pytest.param("deepseek2", "deepseek_v2", {"expert_weights_scale": 16.0},
+                              ("softmax", "0"), id="deepseek_v2-scale"))
+    return cases
+
+
+@pytest.mark.parametrize("arch,family,keys,want", routing_cases())
 def test_routing_keys_per_architecture(tmp_path, arch, family, keys, want):
     gpath = tmp_path / "m.gguf"
     src = write_gguf(gpath, arch=arch, types=(Q.Q8_0,) * 3, blocks=1, seed=21, keys=keys)
@@ -420,22 +461,27 @@ def test_routing_keys_per_architecture(tmp_path, arch, family, keys, want):
     t, meta = load_bank(out)
     assert json.loads(meta["qmoe.source"])["family"] == family
     routing = {k: v for k, v in meta.items() if k.startswith("qmoe.routing.")}
-    if want is None:
-        assert routing == {} and "routing: legacy" in stdout
-        return
-    assert (routing["qmoe.routing.score"], routing["qmoe.routing.normalize"]) == want
-    scale = float(routing["qmoe.routing.scale"])
-    assert scale == keys.get("expert_weights_scale", 1.0)
-    # Un-normalised softmax top-k, scaled: the bank routes as the family does.
+    act = dict(alpha=float(meta.get("qmoe.activation_alpha", 1)),
+               beta=float(meta.get("qmoe.activation_beta", 0)),
+               limit=float(meta.get("qmoe.swiglu_limit", "inf")))
     x = np.random.default_rng(8).standard_normal((4, H)).astype(np.float32)
     logits = x.astype(np.float64) @ src[0]["router"].T.astype(np.float64)
+    if want is None:
+        assert routing == {} and "routing: legacy" in stdout
+        route = softmax_topk_norm(logits)
+    else:
+        assert (routing["qmoe.routing.score"], routing["qmoe.routing.normalize"]) == want
+        if want[0] == "sigmoid":
+            return  # the sigmoid rule's output: test_deepseek_v3_routing_keys_bias_and_layer_map
+        scale = float(routing["qmoe.routing.scale"])
+        assert scale == keys.get("expert_weights_scale", 1.0)
 
-    def route(tok):
-        p = np.exp(logits[tok] - logits[tok].max())
-        p /= p.sum()
-        sel = np.argsort(-p, kind="stable")[:K]
-        return list(zip(sel, p[sel] * scale))
-    want_y = moe_reference(x.astype(np.float64), src[0], route)
+        def route(tok):  # un-normalised softmax top-k, scaled: as the family routes
+            p = np.exp(logits[tok] - logits[tok].max())
+            p /= p.sum()
+            sel = np.argsort(-p, kind="stable")[:K]
+            return list(zip(sel, p[sel] * scale))
+    want_y = moe_reference(x.astype(np.float64), src[0], route, **act)
     got = run_bank(tmp_path, out, 0, x)
     assert np.linalg.norm(got - want_y) / np.linalg.norm(want_y) < 1e-5
 

@@ -3,28 +3,24 @@
  * Weights come from a counter-based generator keyed by (seed, layer,
  * projection, expert), so any slice can be produced alone: the file is
  * written expert slice by expert slice with pwrite, and memory stays at one
- * slice whatever the bank's size. Quantisation follows onnxruntime's QMoE
- * tests: symmetric scale = absmax / qmax, asymmetric scale = (max - min) /
- * (2^bits - 1), both floored at 1e-8, codes rounded half to even. */
+ * slice whatever the bank's size. Quantisation is model/qm_quant.h's with
+ * onnxruntime's QMoE tests' recipe (codes against the f32 scale). */
 #include <errno.h>
-#include <fcntl.h>
 #include <getopt.h>
 #include <math.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <time.h>
 #include <unistd.h>
 
 #include "qm_alloc.h"
 #include "qm_bank.h"
-#include "qm_io.h"
-#include "import_common.h"
-#include "qm_st_header.h"
+#include "qm_bank_writer.h"
+#include "qm_quant.h"
 #include "qmoe_bank_tool.h"
 
-void qmb_help_create(FILE *f)
+void qm__help_create(FILE *f)
 {
     fputs("usage: qmoe-bank create --out FILE --layers L --experts E --hidden H --inter I\n"
           "                        --k K --bits 4|8 --block-size BS --activation ACT\n"
@@ -37,13 +33,13 @@ void qmb_help_create(FILE *f)
           "two >= 16) the way onnxruntime's QMoE tests do: symmetric (implicit zero point\n"
           "2^(bits-1)) or, with --asymmetric, min/max with packed zero points; scales floored\n"
           "at 1e-8, rounding half to even. Biases (unless --no-bias) and, with --router, a\n"
-          "router weight [E,H] and bias [E] are included. Scales, biases and the router use\n"
-          "--scale-dtype (default f32). ACT is relu, gelu, silu, swiglu or identity; swiglu\n"
-          "uses --swiglu-fusion (default 1: fc1 rows interleaved gate/linear; 2: gate rows\n"
-          "then linear rows; 0: separate fc3) and --alpha/--beta/--limit (defaults 1, 0,\n"
-          "inf). The same arguments always give the same bytes. The file is written\n"
-          "layer by layer through FILE.partial and renamed when complete; progress is shown\n"
-          "on a terminal for banks over 64 MiB.\n",
+          "router weight [E,H] and bias [E] are included. Scales are f16 and biases and\n"
+          "the router f32 by default; --scale-dtype gives all three one dtype. ACT is\n"
+          "relu, gelu, silu, swiglu or identity; swiglu uses --swiglu-fusion (default 1:\n"
+          "fc1 rows interleaved gate/linear; 2: gate rows then linear rows; 0: separate\n"
+          "fc3) and --alpha/--beta/--limit (defaults 1, 0, inf). The same arguments always\n"
+          "give the same bytes. The file is written layer by layer through FILE.partial and\n"
+          "renamed when complete; progress is shown on a terminal for banks over 64 MiB.\n",
           f);
 }
 
@@ -52,7 +48,7 @@ typedef struct create_opts {
     unsigned layers, experts, hidden, inter, k, bits, block_size, fusion;
     int fusion_set, asymmetric, router, bias, quiet;
     unsigned long long seed;
-    qm_dtype scale_dtype;
+    qm_dtype scale_dtype, bias_dtype; /* bias_dtype: biases and the router */
     float alpha, beta, limit;
     qm_activation act;
 } create_opts;
@@ -85,11 +81,12 @@ static float rng_uniform(rng *r)
     return (float)((double)(z >> 40) / (double)(1ull << 23) - 1.0);
 }
 
-/* ---- the file layout ------------------------------------------------------- */
+/* ---- writing ------------------------------------------------------------------ */
 
-typedef qmi_planned planned;
-
-static uint64_t ceil_div(uint64_t a, uint64_t b) { return (a + b - 1) / b; }
+static uint64_t ceil_div(uint64_t a, uint64_t b)
+{
+    return (a + b - 1) / b;
+}
 
 /* Rows and reduction length of projection p (1, 2, 3). */
 static void proj_nk(const create_opts *o, int p, uint64_t *n, uint64_t *k)
@@ -107,148 +104,60 @@ static void proj_nk(const create_opts *o, int p, uint64_t *n, uint64_t *k)
     }
 }
 
-static void plan_layer(const create_opts *o, planned *t)
+static qm_bank_config config_of(const create_opts *o)
 {
-    uint64_t e = o->experts, pack = 8 / o->bits;
-    memset(t, 0, QM_T_COUNT * sizeof *t);
-    int nproj = o->act == QM_ACT_SWIGLU && o->fusion == 0 ? 3 : 2;
-    for (int p = 1; p <= nproj; p++) {
-        uint64_t n, k;
-        proj_nk(o, p, &n, &k);
-        uint64_t nblk = o->block_size ? ceil_div(k, o->block_size) : 1;
-        planned *w = &t[(p - 1) * 4];
-        w[0] = (planned){1, QM_DTYPE_U8, 3, {e, n, k / pack}, 0, 0};
-        w[1] = o->block_size ? (planned){1, o->scale_dtype, 3, {e, n, nblk}, 0, 0}
-                             : (planned){1, o->scale_dtype, 2, {e, n, 0}, 0, 0};
-        if (o->asymmetric)
-            w[2] = o->block_size ? (planned){1, QM_DTYPE_U8, 3, {e, n, ceil_div(nblk, pack)}, 0, 0}
-                                 : (planned){1, QM_DTYPE_U8, 2, {e, ceil_div(n, pack), 0}, 0, 0};
-        if (o->bias)
-            w[3] = (planned){1, o->scale_dtype, 2, {e, n, 0}, 0, 0};
-    }
-    if (o->router) {
-        t[QM_T_ROUTER_WEIGHT] = (planned){1, o->scale_dtype, 2, {e, o->hidden, 0}, 0, 0};
-        t[QM_T_ROUTER_BIAS] = (planned){1, o->scale_dtype, 1, {e, 0, 0}, 0, 0};
-    }
-    qmi_plan_sizes(t, QM_T_COUNT);
-}
-
-/* ---- quantisation ------------------------------------------------------------ */
-
-/* Quantises one row of k floats into codes (unpacked, one per column), the
- * row's scales[nblk] and zero points[nblk] (asymmetric only). */
-static void quantise_row(const float *w, uint64_t k, uint64_t bs, unsigned bits, int asym,
-                         uint8_t *codes, float *scales, uint8_t *zps)
-{
-    uint64_t step = bs ? bs : k;
-    int qmax_sym = (1 << (bits - 1)) - 1, qmin_sym = -(1 << (bits - 1));
-    int smax = (1 << bits) - 1, offset = 1 << (bits - 1);
-    for (uint64_t b = 0, lo = 0; lo < k; b++, lo += step) {
-        uint64_t hi = lo + step < k ? lo + step : k;
-        if (!asym) {
-            float amax = 0;
-            for (uint64_t c = lo; c < hi; c++)
-                amax = fmaxf(amax, fabsf(w[c]));
-            float scale = amax / (float)qmax_sym;
-            if (scale < 1e-8f)
-                scale = 1e-8f;
-            for (uint64_t c = lo; c < hi; c++) {
-                double q = rint((double)w[c] / (double)scale);
-                q = q < qmin_sym ? qmin_sym : q > qmax_sym ? qmax_sym : q;
-                codes[c] = (uint8_t)((int)q + offset);
-            }
-            scales[b] = scale;
-        } else {
-            float mn = w[lo], mx = w[lo];
-            for (uint64_t c = lo; c < hi; c++) {
-                mn = fminf(mn, w[c]);
-                mx = fmaxf(mx, w[c]);
-            }
-            float scale = (mx - mn) / (float)smax;
-            if (scale < 1e-8f)
-                scale = 1e-8f;
-            double zpf = 0.0 - (double)mn / (double)scale;
-            double zpi = rint(zpf);
-            zpi = zpi < 0 ? 0 : zpi > smax ? smax : zpi;
-            for (uint64_t c = lo; c < hi; c++) {
-                double q = rint((double)w[c] / (double)scale + zpf);
-                q = q < 0 ? 0 : q > smax ? smax : q;
-                codes[c] = (uint8_t)q;
-            }
-            scales[b] = scale;
-            zps[b] = (uint8_t)zpi;
-        }
-    }
-}
-
-/* ---- writing ------------------------------------------------------------------ */
-
-typedef struct writer {
-    int fd;
-    const char *path;
-    uint64_t written, total;
-    int progress;
-    time_t last;
-} writer;
-
-static int put(writer *wr, const void *buf, uint64_t n, uint64_t at)
-{
-    if (qm_pwrite_all(wr->fd, buf, n, at)) {
-        fprintf(stderr, "qmoe-bank create: writing %s: %s\n", wr->path, strerror(errno));
-        return -1;
-    }
-    wr->written += n;
-    if (wr->progress) {
-        time_t now = time(NULL);
-        if (now != wr->last) {
-            wr->last = now;
-            fprintf(stderr, "\rcreate: %5.1f%% (%llu of %llu MiB)",
-                    100.0 * (double)wr->written / (double)wr->total,
-                    (unsigned long long)(wr->written >> 20), (unsigned long long)(wr->total >> 20));
-        }
-    }
-    return 0;
+    return (qm_bank_config){.layers = o->layers,
+                            .experts = o->experts,
+                            .hidden = o->hidden,
+                            .inter = o->inter,
+                            .k = o->k,
+                            .bits = o->bits,
+                            .block_size = o->block_size,
+                            .activation = o->act,
+                            .swiglu_fusion = o->fusion,
+                            .normalize_routing = 1,
+                            .alpha = o->alpha,
+                            .beta = o->beta,
+                            .limit = o->limit};
 }
 
 /* Writes projection p of one layer, expert by expert. */
-static int write_projection(const create_opts *o, writer *wr, uint64_t data_start, uint32_t layer,
-                            int p, const planned *t)
+static int write_projection(const create_opts *o, qm_bank_writer *w, uint32_t layer, int p,
+                            qm_status *st)
 {
     uint64_t n, k;
     proj_nk(o, p, &n, &k);
     uint64_t pack = 8 / o->bits, bs = o->block_size;
     uint64_t nblk = bs ? ceil_div(k, bs) : 1;
-    const planned *pw = &t[(p - 1) * 4];
-    uint64_t w_slice = pw[0].nbytes / o->experts, s_slice = pw[1].nbytes / o->experts;
-    uint64_t z_slice = pw[2].present ? pw[2].nbytes / o->experts : 0;
-    uint64_t b_slice = pw[3].present ? pw[3].nbytes / o->experts : 0;
+    const int tw = QM_T_FC1_WEIGHT + 4 * (p == 1 ? 0 : p == 2 ? 1 : 2);
+    uint64_t w_slice = qm_bank_writer_slice_bytes(w, layer, tw);
+    uint64_t s_slice = qm_bank_writer_slice_bytes(w, layer, tw + 1);
+    uint64_t z_slice = qm_bank_writer_slice_bytes(w, layer, tw + 2);
+    uint64_t b_slice = qm_bank_writer_slice_bytes(w, layer, tw + 3);
     float *row = qm_malloc(k * sizeof *row);
-    float *row_scales = qm_malloc(nblk * sizeof *row_scales);
-    uint8_t *codes = qm_malloc(k);
     uint8_t *row_zps = qm_calloc(nblk, 1);
     uint8_t *wbuf = qm_malloc(w_slice);
     uint8_t *sbuf = qm_malloc(s_slice);
     uint8_t *zbuf = qm_calloc(z_slice ? z_slice : 1, 1);
     uint8_t *bbuf = qm_malloc(b_slice ? b_slice : 1);
-    int rc = -1;
-    if (!row || !row_scales || !codes || !row_zps || !wbuf || !sbuf || !zbuf || !bbuf) {
-        fprintf(stderr, "qmoe-bank create: out of memory for one expert slice\n");
+    int rc = 0;
+    if (!row || !row_zps || !wbuf || !sbuf || !zbuf || !bbuf) {
+        rc = qm_status_set(st, QM_ENOMEM, "out of memory for one expert slice");
         goto done;
     }
+    const qm_quant_spec q = {.bits = o->bits,
+                             .block_size = bs,
+                             .scale_dtype = o->scale_dtype,
+                             .asymmetric = o->asymmetric,
+                             .rule = QM_QUANT_F32_SCALE};
     float wscale = 1.0f / sqrtf((float)k);
-    for (uint32_t e = 0; e < o->experts; e++) {
+    for (uint32_t e = 0; e < o->experts && rc == 0; e++) {
         rng r = rng_for(o->seed, layer, (uint32_t)p, e);
         memset(zbuf, 0, z_slice);
         for (uint64_t row_i = 0; row_i < n; row_i++) {
             for (uint64_t c = 0; c < k; c++)
                 row[c] = rng_uniform(&r) * wscale;
-            quantise_row(row, k, bs, o->bits, o->asymmetric, codes, row_scales, row_zps);
-            uint8_t *dst = wbuf + row_i * (k / pack);
-            memset(dst, 0, k / pack);
-            for (uint64_t c = 0; c < k; c++)
-                dst[c / pack] |= (uint8_t)(codes[c] << ((c % pack) * o->bits));
-            for (uint64_t b = 0; b < nblk; b++)
-                qmi_store(sbuf, o->scale_dtype, row_i * nblk + b, row_scales[b]);
+            qm_quant_row(&q, row, k, wbuf + row_i * (k / pack), sbuf, row_i * nblk, row_zps, NULL);
             if (o->asymmetric) {
                 if (bs) { /* [N, ceil(nblk/pack)], packed along blocks */
                     uint64_t per_row = ceil_div(nblk, pack);
@@ -263,19 +172,17 @@ static int write_projection(const create_opts *o, writer *wr, uint64_t data_star
         if (o->bias) {
             rng rb = rng_for(o->seed, layer, (uint32_t)p + 16, e);
             for (uint64_t i = 0; i < n; i++)
-                qmi_store(bbuf, o->scale_dtype, i, 0.1f * rng_uniform(&rb));
+                qm_quant_store(bbuf, o->bias_dtype, i, 0.1f * rng_uniform(&rb));
         }
-        if (put(wr, wbuf, w_slice, data_start + pw[0].begin + e * w_slice) ||
-            put(wr, sbuf, s_slice, data_start + pw[1].begin + e * s_slice) ||
-            (z_slice && put(wr, zbuf, z_slice, data_start + pw[2].begin + e * z_slice)) ||
-            (b_slice && put(wr, bbuf, b_slice, data_start + pw[3].begin + e * b_slice)))
-            goto done;
+        if ((rc = qm_bank_writer_put(w, layer, tw, e * w_slice, wbuf, w_slice, st)) == 0 &&
+            (rc = qm_bank_writer_put(w, layer, tw + 1, e * s_slice, sbuf, s_slice, st)) == 0 &&
+            (!z_slice ||
+             (rc = qm_bank_writer_put(w, layer, tw + 2, e * z_slice, zbuf, z_slice, st)) == 0) &&
+            b_slice)
+            rc = qm_bank_writer_put(w, layer, tw + 3, e * b_slice, bbuf, b_slice, st);
     }
-    rc = 0;
 done:
     qm_free(row);
-    qm_free(row_scales);
-    qm_free(codes);
     qm_free(row_zps);
     qm_free(wbuf);
     qm_free(sbuf);
@@ -284,27 +191,25 @@ done:
     return rc;
 }
 
-static int write_router(const create_opts *o, writer *wr, uint64_t data_start, uint32_t layer,
-                        const planned *t)
+static int write_router(const create_opts *o, qm_bank_writer *w, uint32_t layer, qm_status *st)
 {
-    const planned *rw = &t[QM_T_ROUTER_WEIGHT], *rb = &t[QM_T_ROUTER_BIAS];
-    uint8_t *buf = qm_malloc(rw->nbytes);
-    uint8_t *bbuf = qm_malloc(rb->nbytes);
-    int rc = -1;
+    uint64_t wbytes = qm_bank_writer_tensor_bytes(w, layer, QM_T_ROUTER_WEIGHT);
+    uint64_t bbytes = qm_bank_writer_tensor_bytes(w, layer, QM_T_ROUTER_BIAS);
+    uint8_t *buf = qm_malloc(wbytes);
+    uint8_t *bbuf = qm_malloc(bbytes);
+    int rc;
     if (!buf || !bbuf) {
-        fprintf(stderr, "qmoe-bank create: out of memory for the router\n");
+        rc = qm_status_set(st, QM_ENOMEM, "out of memory for the router");
         goto done;
     }
     rng r = rng_for(o->seed, layer, 32, 0);
     float s = 1.0f / sqrtf((float)o->hidden);
     for (uint64_t i = 0; i < (uint64_t)o->experts * o->hidden; i++)
-        qmi_store(buf, rw->dtype, i, s * rng_uniform(&r));
+        qm_quant_store(buf, o->bias_dtype, i, s * rng_uniform(&r));
     for (uint64_t i = 0; i < o->experts; i++)
-        qmi_store(bbuf, rb->dtype, i, 0.1f * rng_uniform(&r));
-    rc = put(wr, buf, rw->nbytes, data_start + rw->begin) ||
-                 put(wr, bbuf, rb->nbytes, data_start + rb->begin)
-             ? -1
-             : 0;
+        qm_quant_store(bbuf, o->bias_dtype, i, 0.1f * rng_uniform(&r));
+    if ((rc = qm_bank_writer_put(w, layer, QM_T_ROUTER_WEIGHT, 0, buf, wbytes, st)) == 0)
+        rc = qm_bank_writer_put(w, layer, QM_T_ROUTER_BIAS, 0, bbuf, bbytes, st);
 done:
     qm_free(buf);
     qm_free(bbuf);
@@ -313,144 +218,135 @@ done:
 
 static int write_bank(const create_opts *o)
 {
-    planned *plan = NULL;
-    qm_st_tensor *tensors = NULL;
-    char *json = NULL, *partial = NULL;
-    size_t json_len = 0;
-    int fd = -1, rc = QMB_FAIL;
-    size_t n_tensors = 0;
     qm_status st;
-
-    plan = qm_calloc((size_t)o->layers * QM_T_COUNT, sizeof *plan);
-    tensors = qm_calloc((size_t)o->layers * QM_T_COUNT, sizeof *tensors);
-    if (!plan || !tensors) {
-        fprintf(stderr, "qmoe-bank create: out of memory planning %u layers\n", o->layers);
-        goto done;
+    qm_status_clear(&st);
+    qm_bank_writer *w = NULL;
+    const qm_bank_config cfg = config_of(o);
+    const qm_bank_layer_opts lo = {.scale_dtype = o->scale_dtype,
+                                   .bias_dtype = o->bias_dtype,
+                                   .router_dtype = o->bias_dtype,
+                                   .zero_points = o->asymmetric,
+                                   .fc1_bias = o->bias,
+                                   .fc2_bias = o->bias,
+                                   .fc3_bias = o->bias,
+                                   .router_weight = o->router,
+                                   .router_bias = o->router};
+    qm_bank_plan_tensor *plan = qm_calloc((size_t)o->layers * QM_T_COUNT, sizeof *plan);
+    int rc;
+    if (!plan) {
+        rc = qm_status_set(&st, QM_ENOMEM, "out of memory planning %u layers", o->layers);
+        goto fail;
     }
     for (uint32_t l = 0; l < o->layers; l++)
-        plan_layer(o, &plan[(size_t)l * QM_T_COUNT]);
-    uint64_t data_bytes = qmi_plan_place(plan, o->layers, QM_T_COUNT);
-    if (qmi_plan_header_tensors(plan, o->layers, QM_T_COUNT, tensors, &n_tensors, &st) != 0) {
-        fprintf(stderr, "qmoe-bank create: %s\n", st.msg);
-        goto done;
-    }
-    const qmi_bank_spec spec = {
-        .layers = o->layers, .experts = o->experts, .hidden = o->hidden, .inter = o->inter,
-        .k = o->k, .bits = o->bits, .block_size = o->block_size, .swiglu_fusion = o->fusion,
-        .activation = o->act, .alpha = o->alpha, .beta = o->beta, .limit = o->limit,
-        .normalize_routing = 1};
+        qm_bank_plan_layer(&cfg, &lo, &plan[(size_t)l * QM_T_COUNT]);
     char v[12][32];
-    qm_st_meta meta[QMI_STD_META];
-    qmi_std_meta(&spec, v, meta);
-    if (qm_st_header_format(tensors, n_tensors, meta, sizeof meta / sizeof meta[0], 8, &json,
-                            &json_len, &st) != 0) {
-        fprintf(stderr, "qmoe-bank create: %s\n", st.msg);
-        goto done;
-    }
-
-    size_t plen = strlen(o->out) + sizeof ".partial";
-    partial = qm_malloc(plen);
-    if (!partial)
-        goto done;
-    snprintf(partial, plen, "%s.partial", o->out);
-    fd = open(partial, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
-    if (fd < 0) {
-        fprintf(stderr, "qmoe-bank create: cannot create %s: %s\n", partial, strerror(errno));
-        goto done;
-    }
-    uint64_t data_start = 8 + json_len, total = data_start + data_bytes;
-    writer wr = {.fd = fd, .path = partial, .total = total,
-                 .progress = !o->quiet && isatty(2) && total > (64ull << 20)};
-    if (ftruncate(fd, (off_t)total) != 0) {
-        fprintf(stderr, "qmoe-bank create: cannot size %s to %llu bytes: %s\n", partial,
-                (unsigned long long)total, strerror(errno));
-        goto fail_file;
-    }
-    uint8_t len_le[8];
-    for (int i = 0; i < 8; i++)
-        len_le[i] = (uint8_t)((uint64_t)json_len >> (8 * i));
-    if (put(&wr, len_le, 8, 0) || put(&wr, json, json_len, 8))
-        goto fail_file;
+    qm_st_meta meta[QM_BANK_STD_META];
+    qm_bank_std_meta(&cfg, v, meta);
+    const qm_bank_writer_spec spec = {.layers = o->layers,
+                                      .experts = o->experts,
+                                      .tensors = plan,
+                                      .meta = meta,
+                                      .n_meta = QM_BANK_STD_META,
+                                      .tool = "create"};
+    uint32_t first;
+    double unused;
+    if ((rc = qm_bank_writer_open(&spec, o->out, 0, &w, &first, &unused, &st)) != 0) goto fail;
+    uint64_t layer_bytes = 0;
+    for (int t = 0; t < QM_T_COUNT; t++)
+        layer_bytes += qm_bank_writer_tensor_bytes(w, 0, t);
+    qm_bank_writer_progress(w, !o->quiet && isatty(2) && layer_bytes * o->layers > (64ull << 20),
+                            0);
     int nproj = o->act == QM_ACT_SWIGLU && o->fusion == 0 ? 3 : 2;
     for (uint32_t l = 0; l < o->layers; l++) {
-        const planned *t = &plan[(size_t)l * QM_T_COUNT];
         for (int p = 1; p <= nproj; p++)
-            if (write_projection(o, &wr, data_start, l, p, t) != 0)
-                goto fail_file;
-        if (o->router && write_router(o, &wr, data_start, l, t) != 0)
-            goto fail_file;
+            if ((rc = write_projection(o, w, l, p, &st)) != 0) goto fail;
+        if (o->router && (rc = write_router(o, w, l, &st)) != 0) goto fail;
+        if ((rc = qm_bank_writer_layer_done(w, l, 0, (l + 1) * layer_bytes, o->layers * layer_bytes,
+                                            &st)) != 0)
+            goto fail;
     }
-    if (wr.progress)
-        fprintf(stderr, "\rcreate: 100.0%% (%llu MiB)          \n",
-                (unsigned long long)(total >> 20));
-    if (close(fd) != 0) {
-        fd = -1;
-        fprintf(stderr, "qmoe-bank create: closing %s: %s\n", partial, strerror(errno));
-        goto fail_file;
-    }
-    fd = -1;
-    if (rename(partial, o->out) != 0) {
-        fprintf(stderr, "qmoe-bank create: cannot rename %s to %s: %s\n", partial, o->out,
-                strerror(errno));
-        goto fail_file;
-    }
+    uint64_t total = 0;
+    if ((rc = qm_bank_writer_finish(w, NULL, &total, &st)) != 0) goto fail;
     if (!o->quiet)
         printf("wrote %s: %u layers, %u experts, %llu bytes\n", o->out, o->layers, o->experts,
                (unsigned long long)total);
-    rc = QMB_OK;
-    goto done;
-fail_file:
-    if (fd >= 0)
-        close(fd);
-    fd = -1;
-    unlink(partial);
-done:
-    if (fd >= 0)
-        close(fd);
-    for (size_t i = 0; i < n_tensors; i++)
-        qm_free(tensors[i].name);
-    qm_free(tensors);
+    qm_bank_writer_free(w, 0);
     qm_free(plan);
-    qm_free(json);
-    qm_free(partial);
-    return rc;
+    return QM__EXIT_OK;
+fail:
+    fprintf(stderr, "qmoe-bank create: %s\n", st.msg);
+    qm_bank_writer_free(w, 0);
+    qm_free(plan);
+    return rc == QM_EIO || rc == QM_ENOMEM || rc == QM_EINTERNAL ? QM__EXIT_FAIL : QM__EXIT_USAGE;
 }
 
 static int bad(const char *what)
 {
-    return qmb_usage("create", what);
+    return qm__usage("create", what);
 }
 
 static int parse_float_opt(const char *s, float *out)
 {
     char *end = NULL;
     float f = strtof(s, &end);
-    if (!*s || *end || isnan(f))
-        return -1;
+    if (!*s || *end || isnan(f)) return -1;
     *out = f;
     return 0;
 }
 
-int qmb_create(int argc, char **argv)
+int qm__cmd_create(int argc, char **argv)
 {
-    enum { O_OUT = 256, O_LAYERS, O_EXPERTS, O_HIDDEN, O_INTER, O_K, O_BITS, O_BS, O_ACT,
-           O_FUSION, O_ASYM, O_ROUTER, O_SEED, O_SDT, O_NOBIAS, O_ALPHA, O_BETA, O_LIMIT,
-           O_QUIET, O_HELP };
-    static const struct option longopts[] = {
-        {"out", required_argument, 0, O_OUT},        {"layers", required_argument, 0, O_LAYERS},
-        {"experts", required_argument, 0, O_EXPERTS}, {"hidden", required_argument, 0, O_HIDDEN},
-        {"inter", required_argument, 0, O_INTER},    {"k", required_argument, 0, O_K},
-        {"bits", required_argument, 0, O_BITS},      {"block-size", required_argument, 0, O_BS},
-        {"activation", required_argument, 0, O_ACT},
-        {"swiglu-fusion", required_argument, 0, O_FUSION},
-        {"asymmetric", no_argument, 0, O_ASYM},      {"router", no_argument, 0, O_ROUTER},
-        {"seed", required_argument, 0, O_SEED},      {"scale-dtype", required_argument, 0, O_SDT},
-        {"no-bias", no_argument, 0, O_NOBIAS},       {"alpha", required_argument, 0, O_ALPHA},
-        {"beta", required_argument, 0, O_BETA},      {"limit", required_argument, 0, O_LIMIT},
-        {"quiet", no_argument, 0, O_QUIET},          {"help", no_argument, 0, O_HELP},
-        {0, 0, 0, 0}};
-    create_opts o = {.bias = 1, .seed = 1, .scale_dtype = QM_DTYPE_F32, .alpha = 1.0f,
-                     .beta = 0.0f, .limit = INFINITY, .block_size = 0};
+    enum {
+        O_OUT = 256,
+        O_LAYERS,
+        O_EXPERTS,
+        O_HIDDEN,
+        O_INTER,
+        O_K,
+        O_BITS,
+        O_BS,
+        O_ACT,
+        O_FUSION,
+        O_ASYM,
+        O_ROUTER,
+        O_SEED,
+        O_SDT,
+        O_NOBIAS,
+        O_ALPHA,
+        O_BETA,
+        O_LIMIT,
+        O_QUIET,
+        O_HELP
+    };
+    static const struct option longopts[] = {{"out", required_argument, 0, O_OUT},
+                                             {"layers", required_argument, 0, O_LAYERS},
+                                             {"experts", required_argument, 0, O_EXPERTS},
+                                             {"hidden", required_argument, 0, O_HIDDEN},
+                                             {"inter", required_argument, 0, O_INTER},
+                                             {"k", required_argument, 0, O_K},
+                                             {"bits", required_argument, 0, O_BITS},
+                                             {"block-size", required_argument, 0, O_BS},
+                                             {"activation", required_argument, 0, O_ACT},
+                                             {"swiglu-fusion", required_argument, 0, O_FUSION},
+                                             {"asymmetric", no_argument, 0, O_ASYM},
+                                             {"router", no_argument, 0, O_ROUTER},
+                                             {"seed", required_argument, 0, O_SEED},
+                                             {"scale-dtype", required_argument, 0, O_SDT},
+                                             {"no-bias", no_argument, 0, O_NOBIAS},
+                                             {"alpha", required_argument, 0, O_ALPHA},
+                                             {"beta", required_argument, 0, O_BETA},
+                                             {"limit", required_argument, 0, O_LIMIT},
+                                             {"quiet", no_argument, 0, O_QUIET},
+                                             {"help", no_argument, 0, O_HELP},
+                                             {0, 0, 0, 0}};
+    create_opts o = {.bias = 1,
+                     .seed = 1,
+                     .scale_dtype = QM_DTYPE_F16,
+                     .bias_dtype = QM_DTYPE_F32,
+                     .alpha = 1.0f,
+                     .beta = 0.0f,
+                     .limit = INFINITY,
+                     .block_size = 0};
     int have_act = 0, have_bits = 0, have_bs = 0;
     unsigned *u32_target[O_HELP + 1] = {0};
     u32_target[O_LAYERS] = &o.layers;
@@ -471,7 +367,7 @@ int qmb_create(int argc, char **argv)
             return bad(msg);
         }
         if (c >= O_LAYERS && c <= O_FUSION && u32_target[c]) {
-            if (qmb_parse_u32(optarg, 1u << 24, u32_target[c]) != 0) {
+            if (qm__parse_u32(optarg, 1u << 24, u32_target[c]) != 0) {
                 snprintf(msg, sizeof msg, "--%s wants a non-negative integer, got \"%.32s\"",
                          longopts[c - O_OUT].name, optarg);
                 return bad(msg);
@@ -506,8 +402,7 @@ int qmb_create(int argc, char **argv)
             char *end = NULL;
             errno = 0;
             o.seed = strtoull(optarg, &end, 10);
-            if (!*optarg || *end || errno)
-                return bad("--seed wants a non-negative integer");
+            if (!*optarg || *end || errno) return bad("--seed wants a non-negative integer");
             break;
         }
         case O_SDT:
@@ -519,6 +414,7 @@ int qmb_create(int argc, char **argv)
                 o.scale_dtype = QM_DTYPE_BF16;
             else
                 return bad("--scale-dtype must be f32, f16 or bf16");
+            o.bias_dtype = o.scale_dtype; /* as given: scales, biases and the router */
             break;
         case O_ALPHA:
             if (parse_float_opt(optarg, &o.alpha) || isinf(o.alpha))
@@ -533,31 +429,26 @@ int qmb_create(int argc, char **argv)
                 return bad("--limit wants a number > 0 (or inf)");
             break;
         case O_HELP:
-            qmb_help_create(stdout);
-            return QMB_OK;
+            qm__help_create(stdout);
+            return QM__EXIT_OK;
         }
     }
-    if (optind < argc)
-        return bad("unexpected positional argument");
-    if (!o.out)
-        return bad("--out FILE is required");
+    if (optind < argc) return bad("unexpected positional argument");
+    if (!o.out) return bad("--out FILE is required");
     if (!o.layers || !o.experts || !o.hidden || !o.inter || !o.k)
         return bad("--layers, --experts, --hidden, --inter and --k are required and must be >= 1");
     if (!have_bits || !have_bs || !have_act)
         return bad("--bits, --block-size and --activation are required");
     if (o.layers > 65536 || o.experts > 65536 || o.hidden > (1u << 20) || o.inter > (1u << 20))
         return bad("--layers/--experts at most 65536, --hidden/--inter at most 1048576");
-    if (o.k > o.experts)
-        return bad("--k must not exceed --experts");
-    if (o.bits != 4 && o.bits != 8)
-        return bad("--bits must be 4 or 8");
+    if (o.k > o.experts) return bad("--k must not exceed --experts");
+    if (o.bits != 4 && o.bits != 8) return bad("--bits must be 4 or 8");
     if (o.block_size && (o.block_size < 16 || (o.block_size & (o.block_size - 1))))
         return bad("--block-size must be 0 or a power of two >= 16");
     unsigned pack = 8 / o.bits;
     if (o.hidden % pack || o.inter % pack)
         return bad("--hidden and --inter must be multiples of 8/bits (codes are packed)");
-    if (o.fusion > 2)
-        return bad("--swiglu-fusion must be 0, 1 or 2");
+    if (o.fusion > 2) return bad("--swiglu-fusion must be 0, 1 or 2");
     if (o.act != QM_ACT_SWIGLU) {
         if (o.fusion_set && o.fusion != 0)
             return bad("--swiglu-fusion applies to --activation swiglu only");

@@ -10,7 +10,7 @@
 #include "qm_residency.h"
 #include "qmoe_bank_tool.h"
 
-void qmb_help_inspect(FILE *f)
+void qm__help_inspect(FILE *f)
 {
     fputs("usage: qmoe-bank inspect FILE [--json]\n"
           "\n"
@@ -34,8 +34,7 @@ static void shape_str(char *buf, size_t n, const qm_tensor_view *tv)
     for (uint32_t d = 0; d < tv->ndim && off < n; d++)
         off += (size_t)snprintf(buf + off, n - off, "%s%llu", d ? "," : "",
                                 (unsigned long long)tv->shape[d]);
-    if (off < n)
-        snprintf(buf + off, n - off, "]");
+    if (off < n) snprintf(buf + off, n - off, "]");
 }
 
 static const char *model_name(const char *path, char *buf, size_t n)
@@ -44,8 +43,7 @@ static const char *model_name(const char *path, char *buf, size_t n)
     base = base ? base + 1 : path;
     snprintf(buf, n, "%s", base);
     char *dot = strrchr(buf, '.');
-    if (dot && dot != buf)
-        *dot = '\0';
+    if (dot && dot != buf) *dot = '\0';
     return buf;
 }
 
@@ -70,8 +68,7 @@ static void print_provenance_text(const qm_bank *bank)
     cJSON_Delete(j);
     const uint32_t *map = qm_bank_layer_map(bank);
     printf("layer_map:");
-    if (!map)
-        printf(" identity (bank layer l = model layer l)");
+    if (!map) printf(" identity (bank layer l = model layer l)");
     for (uint32_t l = 0; map && l < c->layers; l++)
         printf(" %u->%u", l, map[l]);
     printf("\n");
@@ -98,12 +95,10 @@ static void print_provenance_json(const qm_bank *bank)
     /* The loader parsed it as one JSON object: spliced as is. */
     printf("\"source\":%s,\"layer_map\":", src ? src : "null");
     const uint32_t *map = qm_bank_layer_map(bank);
-    if (!map)
-        printf("null");
+    if (!map) printf("null");
     for (uint32_t l = 0; map && l < c->layers; l++)
         printf("%s%u", l ? "," : "[", map[l]);
-    if (map)
-        printf("]");
+    if (map) printf("]");
     const qm_routing_rule *r = &c->routing;
     printf(",\"routing\":{\"score\":\"%s\"", qm_route_score_name(r->score));
     if (r->score != QM_ROUTE_SCORE_LEGACY) {
@@ -131,8 +126,8 @@ static void print_text(const qm_bank *bank, qm_region_catalog **cats)
            qm_bank_path(bank));
     printf("layers: %u\nexperts: %u\nhidden_size: %u\ninter_size: %u\nk: %u\n", c->layers,
            c->experts, c->hidden, c->inter, c->k);
-    printf("activation: %s\nbits: %u\nblock_size: %u\n", qm_activation_name(c->activation),
-           c->bits, c->block_size);
+    printf("activation: %s\nbits: %u\nblock_size: %u\n", qm_activation_name(c->activation), c->bits,
+           c->block_size);
     printf("bytes_total: %llu\nbytes_per_expert: %llu\n",
            (unsigned long long)qm_bank_expert_bytes_total(bank),
            (unsigned long long)l0->bytes_per_expert);
@@ -157,14 +152,14 @@ static void print_text(const qm_bank *bank, qm_region_catalog **cats)
         for (int t = 0; t < QM_T_COUNT; t++) {
             const qm_tensor_view *tv = &lv->t[t];
             char shape[96];
-            if (!tv->present)
-                continue;
+            if (!tv->present) continue;
             shape_str(shape, sizeof shape, tv);
             printf("  %-22s %-4s %-18s offset %-12llu bytes %-12llu",
                    qm_bank_tensor_suffix((qm_bank_tensor)t), qm_dtype_name(tv->dtype), shape,
                    (unsigned long long)tv->offset, (unsigned long long)tv->nbytes);
             if (t < QM_T_EXPERT_COUNT)
-                printf(" per_expert %llu", (unsigned long long)qm_expert_slice_bytes(tv, c->experts));
+                printf(" per_expert %llu",
+                       (unsigned long long)qm_expert_slice_bytes(tv, c->experts));
             printf("\n");
         }
     }
@@ -179,9 +174,9 @@ static void print_json(const qm_bank *bank, qm_region_catalog **cats)
     const qm_bank_config *c = qm_bank_get_config(bank);
     char name[256];
     printf("{\"name\":");
-    qmb_json_string(stdout, model_name(qm_bank_path(bank), name, sizeof name));
+    qm__json_string(stdout, model_name(qm_bank_path(bank), name, sizeof name));
     printf(",\"path\":");
-    qmb_json_string(stdout, qm_bank_path(bank));
+    qm__json_string(stdout, qm_bank_path(bank));
     printf(",\"layers\":%u,\"experts\":%u,\"hidden_size\":%u,\"inter_size\":%u,\"k\":%u,"
            "\"activation\":\"%s\",\"bits\":%u,\"block_size\":%u,\"bytes_total\":%llu,"
            "\"bytes_per_expert\":%llu,\"file_bytes\":%llu,\"swiglu_fusion\":%u,"
@@ -206,8 +201,7 @@ static void print_json(const qm_bank *bank, qm_region_catalog **cats)
         int first = 1;
         for (int t = 0; t < QM_T_COUNT; t++) {
             const qm_tensor_view *tv = &lv->t[t];
-            if (!tv->present)
-                continue;
+            if (!tv->present) continue;
             printf("%s{\"name\":\"%s\",\"dtype\":\"%s\",\"shape\":[", first ? "" : ",",
                    qm_bank_tensor_suffix((qm_bank_tensor)t), qm_dtype_name(tv->dtype));
             for (uint32_t d = 0; d < tv->ndim; d++)
@@ -221,7 +215,7 @@ static void print_json(const qm_bank *bank, qm_region_catalog **cats)
         }
         printf("],\"catalog\":{\"pageable\":%s,\"reason\":\"%s\",\"detail\":",
                r == QM_NONPAGEABLE_NONE ? "true" : "false", qm_nonpageable_reason_name(r));
-        qmb_json_string(stdout, qm_catalog_reason_detail(cats[l]));
+        qm__json_string(stdout, qm_catalog_reason_detail(cats[l]));
         printf(",\"experts\":%u,\"bytes_per_expert\":%llu,\"total_bytes\":%llu,\"regions\":[",
                qm_catalog_expert_count(cats[l]),
                (unsigned long long)qm_catalog_bytes_per_expert(cats[l]),
@@ -241,14 +235,13 @@ static void print_json(const qm_bank *bank, qm_region_catalog **cats)
     size_t nw = 0;
     const char *const *w = qm_bank_warnings(bank, &nw);
     for (size_t i = 0; i < nw; i++) {
-        if (i)
-            printf(",");
-        qmb_json_string(stdout, w[i]);
+        if (i) printf(",");
+        qm__json_string(stdout, w[i]);
     }
     printf("]}\n");
 }
 
-int qmb_inspect(int argc, char **argv)
+int qm__cmd_inspect(int argc, char **argv)
 {
     static const struct option longopts[] = {
         {"json", no_argument, 0, 'j'}, {"help", no_argument, 0, 'h'}, {0, 0, 0, 0}};
@@ -259,17 +252,17 @@ int qmb_inspect(int argc, char **argv)
         if (c == 'j') {
             json = 1;
         } else if (c == 'h') {
-            qmb_help_inspect(stdout);
-            return QMB_OK;
+            qm__help_inspect(stdout);
+            return QM__EXIT_OK;
         } else {
             fprintf(stderr, "qmoe-bank inspect: unknown option \"%.64s\" (see --help)\n",
                     argv[optind - 1]);
-            return QMB_USAGE;
+            return QM__EXIT_USAGE;
         }
     }
     if (optind != argc - 1) {
         fprintf(stderr, "qmoe-bank inspect: expected exactly one FILE (see --help)\n");
-        return QMB_USAGE;
+        return QM__EXIT_USAGE;
     }
     const char *path = argv[optind];
     qm_bank *bank = NULL;
@@ -278,20 +271,20 @@ int qmb_inspect(int argc, char **argv)
     int rc = qm_bank_open(path, &bank, &st);
     if (rc != 0) {
         fprintf(stderr, "qmoe-bank inspect: %s: %s\n", path, st.msg[0] ? st.msg : qm_strerror(rc));
-        return rc == QM_ENOMEM ? QMB_FAIL : QMB_USAGE;
+        return rc == QM_ENOMEM ? QM__EXIT_FAIL : QM__EXIT_USAGE;
     }
     const qm_bank_config *cfg = qm_bank_get_config(bank);
     qm_region_catalog **cats = calloc(cfg->layers, sizeof *cats);
-    int ret = QMB_OK;
+    int ret = QM__EXIT_OK;
     if (!cats) {
         fprintf(stderr, "qmoe-bank inspect: out of memory\n");
-        ret = QMB_FAIL;
+        ret = QM__EXIT_FAIL;
         goto done;
     }
     for (uint32_t l = 0; l < cfg->layers; l++)
         if (qm_bank_build_catalog(bank, l, &cats[l], &st) != 0) {
             fprintf(stderr, "qmoe-bank inspect: %s: layer %u catalog: %s\n", path, l, st.msg);
-            ret = QMB_FAIL;
+            ret = QM__EXIT_FAIL;
             goto done;
         }
     if (json)

@@ -6,7 +6,7 @@
 
 #include "qmoe_bank_tool.h"
 
-void qmb_help_run(FILE *f)
+void qm__help_run(FILE *f)
 {
     fputs("usage: qmoe-bank run FILE --layer N --hidden X.npy [--logits R.npy] --out Y.npy\n"
           "                     [--threads T] [--bf16] [--precision exact|fast] [--verbose]\n"
@@ -28,15 +28,15 @@ void qmb_help_run(FILE *f)
 
 #ifndef QMOE_HAVE_ENGINE
 
-int qmb_run(int argc, char **argv)
+int qm__cmd_run(int argc, char **argv)
 {
     for (int i = 1; i < argc; i++)
         if (strcmp(argv[i], "--help") == 0) {
-            qmb_help_run(stdout);
-            return QMB_OK;
+            qm__help_run(stdout);
+            return QM__EXIT_OK;
         }
     fprintf(stderr, "qmoe-bank run: engine not built\n");
-    return QMB_FAIL;
+    return QM__EXIT_FAIL;
 }
 
 #else
@@ -49,17 +49,21 @@ int qmb_run(int argc, char **argv)
 
 static int usage(const char *what)
 {
-    return qmb_usage("run", what);
+    return qm__usage("run", what);
 }
 
-int qmb_run(int argc, char **argv)
+int qm__cmd_run(int argc, char **argv)
 {
-    static const struct option longopts[] = {
-        {"layer", required_argument, 0, 'l'},   {"hidden", required_argument, 0, 'x'},
-        {"logits", required_argument, 0, 'r'},  {"out", required_argument, 0, 'o'},
-        {"threads", required_argument, 0, 't'}, {"bf16", no_argument, 0, 'b'},
-        {"precision", required_argument, 0, 'p'}, {"verbose", no_argument, 0, 'v'},
-        {"help", no_argument, 0, 'h'},          {0, 0, 0, 0}};
+    static const struct option longopts[] = {{"layer", required_argument, 0, 'l'},
+                                             {"hidden", required_argument, 0, 'x'},
+                                             {"logits", required_argument, 0, 'r'},
+                                             {"out", required_argument, 0, 'o'},
+                                             {"threads", required_argument, 0, 't'},
+                                             {"bf16", no_argument, 0, 'b'},
+                                             {"precision", required_argument, 0, 'p'},
+                                             {"verbose", no_argument, 0, 'v'},
+                                             {"help", no_argument, 0, 'h'},
+                                             {0, 0, 0, 0}};
     int fast = 0, verbose = 0;
     const char *hidden_path = NULL, *logits_path = NULL, *out_path = NULL;
     unsigned layer = 0, threads = 0;
@@ -69,7 +73,7 @@ int qmb_run(int argc, char **argv)
     while ((c = getopt_long(argc, argv, "", longopts, NULL)) != -1) {
         switch (c) {
         case 'l':
-            if (qmb_parse_u32(optarg, 0xffffffffu, &layer) != 0)
+            if (qm__parse_u32(optarg, 0xffffffffu, &layer) != 0)
                 return usage("--layer wants a non-negative integer");
             have_layer = 1;
             break;
@@ -83,7 +87,7 @@ int qmb_run(int argc, char **argv)
             out_path = optarg;
             break;
         case 't':
-            if (qmb_parse_u32(optarg, 4096, &threads) != 0)
+            if (qm__parse_u32(optarg, 4096, &threads) != 0)
                 return usage("--threads wants an integer in [0, 4096]");
             break;
         case 'b':
@@ -98,14 +102,13 @@ int qmb_run(int argc, char **argv)
             verbose = 1;
             break;
         case 'h':
-            qmb_help_run(stdout);
-            return QMB_OK;
+            qm__help_run(stdout);
+            return QM__EXIT_OK;
         default:
             return usage("unknown or incomplete option");
         }
     }
-    if (optind != argc - 1)
-        return usage("expected exactly one bank FILE");
+    if (optind != argc - 1) return usage("expected exactly one bank FILE");
     if (!have_layer || !hidden_path || !out_path)
         return usage("--layer, --hidden and --out are required");
     const char *path = argv[optind];
@@ -116,24 +119,24 @@ int qmb_run(int argc, char **argv)
     float *logits = NULL;
     void *out = NULL;
     qm_status st;
-    int ret = QMB_FAIL, rc;
+    int ret = QM__EXIT_FAIL, rc;
     qm_status_clear(&st);
 
     if ((rc = qm_bank_open(path, &bank, &st)) != 0) {
         fprintf(stderr, "qmoe-bank run: %s: %s\n", path, st.msg);
-        return rc == QM_ENOMEM ? QMB_FAIL : QMB_USAGE;
+        return rc == QM_ENOMEM ? QM__EXIT_FAIL : QM__EXIT_USAGE;
     }
     const qm_bank_config *cfg = qm_bank_get_config(bank);
     const qm_layer_view *lv = qm_bank_layer(bank, layer);
     if (!lv) {
         fprintf(stderr, "qmoe-bank run: --layer %u out of range (the bank has %u layers)\n", layer,
                 cfg->layers);
-        ret = QMB_USAGE;
+        ret = QM__EXIT_USAGE;
         goto done;
     }
     if ((rc = qm_npy_read(hidden_path, 0, &x, &st)) != 0) {
         fprintf(stderr, "qmoe-bank run: %s\n", st.msg);
-        ret = rc == QM_EINVAL ? QMB_USAGE : QMB_FAIL;
+        ret = rc == QM_EINVAL ? QM__EXIT_USAGE : QM__EXIT_FAIL;
         goto done;
     }
     qm_dtype dtype;
@@ -144,51 +147,51 @@ int qmb_run(int argc, char **argv)
     else if (x.dtype == QM_NPY_U16 && bf16)
         dtype = QM_DTYPE_BF16;
     else {
-        fprintf(stderr, "qmoe-bank run: %s: dtype must be float32 or float16 (or uint16 with "
-                        "--bf16)\n", hidden_path);
-        ret = QMB_USAGE;
+        fprintf(stderr,
+                "qmoe-bank run: %s: dtype must be float32 or float16 (or uint16 with "
+                "--bf16)\n",
+                hidden_path);
+        ret = QM__EXIT_USAGE;
         goto done;
     }
     if (x.ndim < 1 || x.shape[x.ndim - 1] != cfg->hidden) {
         fprintf(stderr, "qmoe-bank run: %s: last dimension must be hidden_size %u\n", hidden_path,
                 cfg->hidden);
-        ret = QMB_USAGE;
+        ret = QM__EXIT_USAGE;
         goto done;
     }
     uint64_t tokens = x.count / cfg->hidden;
     if (tokens > 0xffffffffu) {
         fprintf(stderr, "qmoe-bank run: too many tokens\n");
-        ret = QMB_USAGE;
+        ret = QM__EXIT_USAGE;
         goto done;
     }
     if (logits_path) {
         if ((rc = qm_npy_read(logits_path, 0, &r, &st)) != 0) {
             fprintf(stderr, "qmoe-bank run: %s\n", st.msg);
-            ret = rc == QM_EINVAL ? QMB_USAGE : QMB_FAIL;
+            ret = rc == QM_EINVAL ? QM__EXIT_USAGE : QM__EXIT_FAIL;
             goto done;
         }
-        if (r.dtype == QM_NPY_U16 || r.dtype == QM_NPY_I32 || r.count != tokens * cfg->experts || r.ndim < 1 ||
-            r.shape[r.ndim - 1] != cfg->experts) {
+        if (r.dtype == QM_NPY_U16 || r.dtype == QM_NPY_I32 || r.count != tokens * cfg->experts ||
+            r.ndim < 1 || r.shape[r.ndim - 1] != cfg->experts) {
             fprintf(stderr, "qmoe-bank run: %s: want float32/float16 logits of shape [%llu, %u]\n",
                     logits_path, (unsigned long long)tokens, cfg->experts);
-            ret = QMB_USAGE;
+            ret = QM__EXIT_USAGE;
             goto done;
         }
         logits = qm_malloc((size_t)(r.count ? r.count : 1) * sizeof *logits);
-        if (!logits)
-            goto oom;
+        if (!logits) goto oom;
         for (uint64_t i = 0; i < r.count; i++)
             logits[i] = r.dtype == QM_NPY_F32 ? ((const float *)r.data)[i]
                                               : qm_f16_to_f32(((const uint16_t *)r.data)[i]);
     } else if (!lv->t[QM_T_ROUTER_WEIGHT].present) {
         fprintf(stderr, "qmoe-bank run: layer %u has no router weight; pass --logits R.npy\n",
                 layer);
-        ret = QMB_USAGE;
+        ret = QM__EXIT_USAGE;
         goto done;
     }
     out = qm_malloc(x.nbytes ? (size_t)x.nbytes : 1);
-    if (!out)
-        goto oom;
+    if (!out) goto oom;
     if ((rc = qm_backend_cpu_new(threads, &be, &st)) != 0) {
         fprintf(stderr, "qmoe-bank run: CPU backend: %s\n", st.msg);
         goto done;
@@ -201,8 +204,12 @@ int qmb_run(int argc, char **argv)
     }
     qm_expert_source src;
     qm_expert_source_direct(bank, &src);
-    qm_moe_call call = {.layer = layer, .dtype = dtype, .hidden = x.data,
-                        .n_tokens = (uint32_t)tokens, .logits = logits, .output = out,
+    qm_moe_call call = {.layer = layer,
+                        .dtype = dtype,
+                        .hidden = x.data,
+                        .n_tokens = (uint32_t)tokens,
+                        .logits = logits,
+                        .output = out,
                         .precision = fast ? QM_PRECISION_FAST : QM_PRECISION_EXACT};
     qm_moe_stats stats = {0};
     if ((rc = qm_moe_forward(be, bank, &call, &src, &stats, &st)) != 0) {
@@ -213,7 +220,7 @@ int qmb_run(int argc, char **argv)
         fprintf(stderr, "qmoe-bank run: %s\n", st.msg);
         goto done;
     }
-    ret = QMB_OK;
+    ret = QM__EXIT_OK;
     goto done;
 oom:
     fprintf(stderr, "qmoe-bank run: out of memory\n");

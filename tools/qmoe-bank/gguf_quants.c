@@ -1,60 +1,28 @@
 /* gguf_quants.c - ggml block formats: dequantisers, exact repacks into QMoE
  * storage, requantisation. Block layouts (ggml-common.h), per block:
- *   Q4_0  {f16 d; u8 qs[16]}                  x = d·(q − 8), q_j = qs[j] & 15, q_{j+16} = qs[j] >> 4
- *   Q4_1  {f16 d, m; u8 qs[16]}               x = d·q + m
- *   Q5_0  {f16 d; u8 qh[4]; u8 qs[16]}        x = d·(q − 16), bit 4 of q_j = bit j of qh
- *   Q5_1  {f16 d, m; u8 qh[4]; u8 qs[16]}     x = d·q + m
- *   Q8_0  {f16 d; i8 qs[32]}                  x = d·q
- *   MXFP4 {u8 e; u8 qs[16]}                   x = kv[q]·2^(e−128), nibbles as Q4_0
- *   Q2_K  {u8 scales[16]; u8 qs[64]; f16 d, dmin}                per 16: d·(sc&15)·q − dmin·(sc>>4)
- *   Q3_K  {u8 hmask[32]; u8 qs[64]; u8 scales[12]; f16 d}        per 16: d·(sc−32)·(q − 4·!h)
- *   Q4_K  {f16 d, dmin; u8 scales[12]; u8 qs[128]}               per 32: d·sc·q − dmin·m
- *   Q5_K  {f16 d, dmin; u8 scales[12]; u8 qh[32]; u8 qs[128]}    per 32: d·sc·q − dmin·m
- *   Q6_K  {u8 ql[128]; u8 qh[64]; i8 scales[16]; f16 d}          per 16: d·sc·(q − 32) */
+ *   Q4_0  {f16 d; u8 qs[16]}                  x = d·(q − 8), q_j = qs[j] & 15, q_{j+16} = qs[j] >>
+ * 4 Q4_1  {f16 d, m; u8 qs[16]}               x = d·q + m Q5_0  {f16 d; u8 qh[4]; u8 qs[16]} x =
+ * d·(q − 16), bit 4 of q_j = bit j of qh Q5_1  {f16 d, m; u8 qh[4]; u8 qs[16]}     x = d·q + m Q8_0
+ * {f16 d; i8 qs[32]}                  x = d·q MXFP4 {u8 e; u8 qs[16]}                   x =
+ * kv[q]·2^(e−128), nibbles as Q4_0 Q2_K  {u8 scales[16]; u8 qs[64]; f16 d, dmin}                per
+ * 16: d·(sc&15)·q − dmin·(sc>>4) Q3_K  {u8 hmask[32]; u8 qs[64]; u8 scales[12]; f16 d}        per
+ * 16: d·(sc−32)·(q − 4·!h) Q4_K  {f16 d, dmin; u8 scales[12]; u8 qs[128]}               per 32:
+ * d·sc·q − dmin·m Q5_K  {f16 d, dmin; u8 scales[12]; u8 qh[32]; u8 qs[128]}    per 32: d·sc·q −
+ * dmin·m Q6_K  {u8 ql[128]; u8 qh[64]; i8 scales[16]; f16 d}          per 16: d·sc·(q − 32) */
 #include "gguf_quants.h"
 
 #include <math.h>
 #include <string.h>
 
 #include "gguf_reader.h"
+#include "import_elements.h"
+#include "qm_half.h"
+#include "qm_quant.h"
 
-float qmg_f16_to_f32(uint16_t h)
+static uint16_t rd16(const uint8_t *p)
 {
-    uint32_t sign = (uint32_t)(h >> 15) << 31, exp = (h >> 10) & 31, man = h & 1023u, bits;
-    if (exp == 0) {
-        if (man == 0) {
-            bits = sign;
-        } else { /* subnormal: renormalise */
-            exp = 127 - 15 + 1;
-            while (!(man & 1024u)) {
-                man <<= 1;
-                exp--;
-            }
-            bits = sign | exp << 23 | (man & 1023u) << 13;
-        }
-    } else if (exp == 31) {
-        bits = sign | 0x7f800000u | man << 13;
-    } else {
-        bits = sign | (exp + 127 - 15) << 23 | man << 13;
-    }
-    float f;
-    memcpy(&f, &bits, 4);
-    return f;
+    return (uint16_t)(p[0] | p[1] << 8);
 }
-
-static float bf16_to_f32(uint16_t b)
-{
-    uint32_t bits = (uint32_t)b << 16;
-    float f;
-    memcpy(&f, &bits, 4);
-    return f;
-}
-
-static uint16_t rd16(const uint8_t *p) { return (uint16_t)(p[0] | p[1] << 8); }
-
-static float e8m0_half(uint8_t e) { return ldexpf(1.0f, (int)e - 128); }
-
-static const int8_t mxfp4_values[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
 
 /* Q4_K/Q5_K 6-bit scale and min of sub-block j (ggml's get_scale_min_k4). */
 static void scale_min_k4(int j, const uint8_t *q, uint8_t *d, uint8_t *m)
@@ -82,7 +50,7 @@ static unsigned q6k_code(const uint8_t *blk, unsigned i, unsigned *scale_index)
     ql += half * 64;
     qh += half * 32;
     *scale_index = half * 8 + r / 16;
-    unsigned lo = quarter == 0 ? ql[l] & 15u
+    unsigned lo = quarter == 0   ? ql[l] & 15u
                   : quarter == 1 ? ql[l + 32] & 15u
                   : quarter == 2 ? ql[l] >> 4
                                  : ql[l + 32] >> 4;
@@ -94,26 +62,26 @@ static unsigned q6k_code(const uint8_t *blk, unsigned i, unsigned *scale_index)
 static float q6k_scales(const uint8_t *blk, const int8_t **sc)
 {
     *sc = (const int8_t *)(blk + 192);
-    return qmg_f16_to_f32(rd16(blk + 208));
+    return qm_f16_to_f32(rd16(blk + 208));
 }
 
-int qmg_can_dequant(uint32_t type)
+int qm__ggml_can_dequant(uint32_t type)
 {
     switch (type) {
-    case QMG_F32_T:
-    case QMG_F16_T:
-    case QMG_BF16_T:
-    case QMG_Q4_0:
-    case QMG_Q4_1:
-    case QMG_Q5_0:
-    case QMG_Q5_1:
-    case QMG_Q8_0:
-    case QMG_MXFP4:
-    case QMG_Q2_K:
-    case QMG_Q3_K:
-    case QMG_Q4_K:
-    case QMG_Q5_K:
-    case QMG_Q6_K:
+    case QM__GGML_F32:
+    case QM__GGML_F16:
+    case QM__GGML_BF16:
+    case QM__GGML_Q4_0:
+    case QM__GGML_Q4_1:
+    case QM__GGML_Q5_0:
+    case QM__GGML_Q5_1:
+    case QM__GGML_Q8_0:
+    case QM__GGML_MXFP4:
+    case QM__GGML_Q2_K:
+    case QM__GGML_Q3_K:
+    case QM__GGML_Q4_K:
+    case QM__GGML_Q5_K:
+    case QM__GGML_Q6_K:
         return 1;
     }
     return 0;
@@ -122,7 +90,7 @@ int qmg_can_dequant(uint32_t type)
 static void dequant_q3k(const uint8_t *blk, float *y)
 {
     const uint8_t *hm = blk, *q = blk + 32, *sc_raw = blk + 96;
-    float d_all = qmg_f16_to_f32(rd16(blk + 108));
+    float d_all = qm_f16_to_f32(rd16(blk + 108));
     /* The 16 6-bit scales: low 4 bits from bytes 0..7, high 2 bits from 8..11. */
     int8_t scales[16];
     for (int i = 0; i < 16; i++) {
@@ -150,7 +118,7 @@ static void dequant_q3k(const uint8_t *blk, float *y)
 
 static void dequant_k45(const uint8_t *blk, int five, float *y)
 {
-    float d = qmg_f16_to_f32(rd16(blk)), dmin = qmg_f16_to_f32(rd16(blk + 2));
+    float d = qm_f16_to_f32(rd16(blk)), dmin = qm_f16_to_f32(rd16(blk + 2));
     const uint8_t *scales = blk + 4, *qh = blk + 16, *ql = five ? blk + 48 : blk + 16;
     int is = 0;
     uint8_t u1 = 1, u2 = 2;
@@ -171,44 +139,44 @@ static void dequant_k45(const uint8_t *blk, int five, float *y)
     }
 }
 
-void qmg_dequant_row(uint32_t type, const uint8_t *src, uint64_t n, float *dst)
+void qm__ggml_dequant_row(uint32_t type, const uint8_t *src, uint64_t n, float *dst)
 {
     switch (type) {
-    case QMG_F32_T:
+    case QM__GGML_F32:
         memcpy(dst, src, n * sizeof(float));
         return;
-    case QMG_F16_T:
+    case QM__GGML_F16:
         for (uint64_t i = 0; i < n; i++)
-            dst[i] = qmg_f16_to_f32(rd16(src + 2 * i));
+            dst[i] = qm_f16_to_f32(rd16(src + 2 * i));
         return;
-    case QMG_BF16_T:
+    case QM__GGML_BF16:
         for (uint64_t i = 0; i < n; i++)
-            dst[i] = bf16_to_f32(rd16(src + 2 * i));
+            dst[i] = qm_bf16_to_f32(rd16(src + 2 * i));
         return;
     default:
         break;
     }
     uint64_t block, bytes;
-    qmg_type_size(type, &block, &bytes);
+    qm__ggml_type_size(type, &block, &bytes);
     for (uint64_t b = 0; b < n / block; b++, src += bytes, dst += block) {
         const uint8_t *p = src;
         switch (type) {
-        case QMG_Q4_0: {
-            float d = qmg_f16_to_f32(rd16(p));
+        case QM__GGML_Q4_0: {
+            float d = qm_f16_to_f32(rd16(p));
             for (unsigned j = 0; j < 32; j++)
                 dst[j] = d * (float)((int)nib(p + 2, j) - 8);
             break;
         }
-        case QMG_Q4_1: {
-            float d = qmg_f16_to_f32(rd16(p)), m = qmg_f16_to_f32(rd16(p + 2));
+        case QM__GGML_Q4_1: {
+            float d = qm_f16_to_f32(rd16(p)), m = qm_f16_to_f32(rd16(p + 2));
             for (unsigned j = 0; j < 32; j++)
                 dst[j] = d * (float)nib(p + 4, j) + m;
             break;
         }
-        case QMG_Q5_0:
-        case QMG_Q5_1: {
-            int one = type == QMG_Q5_1;
-            float d = qmg_f16_to_f32(rd16(p)), m = one ? qmg_f16_to_f32(rd16(p + 2)) : 0.0f;
+        case QM__GGML_Q5_0:
+        case QM__GGML_Q5_1: {
+            int one = type == QM__GGML_Q5_1;
+            float d = qm_f16_to_f32(rd16(p)), m = one ? qm_f16_to_f32(rd16(p + 2)) : 0.0f;
             const uint8_t *qhp = p + (one ? 4 : 2), *qs = qhp + 4;
             uint32_t qh = (uint32_t)qhp[0] | (uint32_t)qhp[1] << 8 | (uint32_t)qhp[2] << 16 |
                           (uint32_t)qhp[3] << 24;
@@ -218,21 +186,21 @@ void qmg_dequant_row(uint32_t type, const uint8_t *src, uint64_t n, float *dst)
             }
             break;
         }
-        case QMG_Q8_0: {
-            float d = qmg_f16_to_f32(rd16(p));
+        case QM__GGML_Q8_0: {
+            float d = qm_f16_to_f32(rd16(p));
             for (unsigned j = 0; j < 32; j++)
                 dst[j] = d * (float)(int8_t)p[2 + j];
             break;
         }
-        case QMG_MXFP4: {
-            float d = e8m0_half(p[0]);
+        case QM__GGML_MXFP4: {
+            float d = qm__e8m0_half_scale(p[0]);
             for (unsigned j = 0; j < 32; j++)
-                dst[j] = d * (float)mxfp4_values[nib(p + 1, j)];
+                dst[j] = d * (float)qm__fp4_half[nib(p + 1, j)];
             break;
         }
-        case QMG_Q2_K: {
+        case QM__GGML_Q2_K: {
             const uint8_t *scales = p, *q = p + 16;
-            float d = qmg_f16_to_f32(rd16(p + 80)), dmin = qmg_f16_to_f32(rd16(p + 82));
+            float d = qm_f16_to_f32(rd16(p + 80)), dmin = qm_f16_to_f32(rd16(p + 82));
             float *y = dst;
             int is = 0;
             for (int nn = 0; nn < 256; nn += 128) {
@@ -253,14 +221,14 @@ void qmg_dequant_row(uint32_t type, const uint8_t *src, uint64_t n, float *dst)
             }
             break;
         }
-        case QMG_Q3_K:
+        case QM__GGML_Q3_K:
             dequant_q3k(p, dst);
             break;
-        case QMG_Q4_K:
-        case QMG_Q5_K:
-            dequant_k45(p, type == QMG_Q5_K, dst);
+        case QM__GGML_Q4_K:
+        case QM__GGML_Q5_K:
+            dequant_k45(p, type == QM__GGML_Q5_K, dst);
             break;
-        case QMG_Q6_K: {
+        case QM__GGML_Q6_K: {
             const int8_t *sc;
             float d = q6k_scales(p, &sc);
             for (unsigned i = 0; i < 256; i++) {
@@ -275,19 +243,18 @@ void qmg_dequant_row(uint32_t type, const uint8_t *src, uint64_t n, float *dst)
 
 /* ---- exact repacks --------------------------------------------------------------- */
 
-int qmg_exact_fits(uint32_t type, unsigned bits, unsigned bs, qm_dtype sdt)
+int qm__ggml_exact_fits(uint32_t type, unsigned bits, unsigned bs, qm_dtype sdt)
 {
     switch (type) {
-    case QMG_Q4_0:
+    case QM__GGML_Q4_0:
         return (bs == 32 || bs == 16) && (sdt == QM_DTYPE_F16 || sdt == QM_DTYPE_F32) &&
                (bits == 4 || bits == 8);
-    case QMG_Q8_0:
-    case QMG_Q5_0:
-        return bits == 8 && (bs == 32 || bs == 16) &&
-               (sdt == QM_DTYPE_F16 || sdt == QM_DTYPE_F32);
-    case QMG_MXFP4:
-        return bits == 8 && (bs == 32 || bs == 16) && sdt == QM_DTYPE_F32;
-    case QMG_Q6_K:
+    case QM__GGML_Q8_0:
+    case QM__GGML_Q5_0:
+        return bits == 8 && (bs == 32 || bs == 16) && (sdt == QM_DTYPE_F16 || sdt == QM_DTYPE_F32);
+    case QM__GGML_MXFP4: /* f16 only when every exponent fits (the caller checks) */
+        return bits == 8 && (bs == 32 || bs == 16);
+    case QM__GGML_Q6_K:
         return bits == 8 && bs == 16 && sdt == QM_DTYPE_F32;
     }
     return 0;
@@ -304,56 +271,58 @@ static void put_code(uint8_t *codes, unsigned bits, uint64_t c, unsigned code)
     }
 }
 
-/* Stores scale s (its f16 bits too, when it came from an f16) as element i. */
-static void put_scale(void *scales, qm_dtype sdt, uint64_t i, float s, uint16_t f16_bits)
+/* Stores scale s as element i: an f16 source scale as its own bits,
+ * anything else converted (exactly, as qm__ggml_exact_fits promised). */
+static void put_scale(void *scales, qm_dtype sdt, uint64_t i, float s, int from_f16,
+                      uint16_t f16_bits)
 {
-    if (sdt == QM_DTYPE_F16)
+    if (sdt == QM_DTYPE_F16 && from_f16)
         ((uint16_t *)scales)[i] = f16_bits;
     else
-        ((float *)scales)[i] = s;
+        qm_quant_store(scales, sdt, i, s);
 }
 
-void qmg_repack_row(uint32_t type, const uint8_t *src, uint64_t n, unsigned bits, unsigned bs,
-                    qm_dtype sdt, uint8_t *codes, void *scales)
+void qm__ggml_repack_row(uint32_t type, const uint8_t *src, uint64_t n, unsigned bits, unsigned bs,
+                         qm_dtype sdt, uint8_t *codes, void *scales)
 {
     uint64_t block, bytes;
-    qmg_type_size(type, &block, &bytes);
+    qm__ggml_type_size(type, &block, &bytes);
     for (uint64_t b = 0; b < n / block; b++, src += bytes) {
         uint64_t c0 = b * block;
         switch (type) {
-        case QMG_Q4_0:
-        case QMG_Q8_0: {
+        case QM__GGML_Q4_0:
+        case QM__GGML_Q8_0: {
             uint16_t dh = rd16(src);
-            float d = qmg_f16_to_f32(dh);
+            float d = qm_f16_to_f32(dh);
             for (unsigned j = 0; j < 32; j++) {
-                unsigned code = type == QMG_Q8_0 ? (unsigned)((int)(int8_t)src[2 + j] + 128)
-                                : bits == 8      ? nib(src + 2, j) + 120u
-                                                 : nib(src + 2, j);
+                unsigned code = type == QM__GGML_Q8_0 ? (unsigned)((int)(int8_t)src[2 + j] + 128)
+                                : bits == 8           ? nib(src + 2, j) + 120u
+                                                      : nib(src + 2, j);
                 put_code(codes, bits, c0 + j, code);
             }
             for (unsigned k = 0; k < 32 / bs; k++)
-                put_scale(scales, sdt, c0 / bs + k, d, dh);
+                put_scale(scales, sdt, c0 / bs + k, d, 1, dh);
             break;
         }
-        case QMG_Q5_0: {
+        case QM__GGML_Q5_0: {
             uint16_t dh = rd16(src);
             uint32_t qh = (uint32_t)src[2] | (uint32_t)src[3] << 8 | (uint32_t)src[4] << 16 |
                           (uint32_t)src[5] << 24;
             for (unsigned j = 0; j < 32; j++) /* q5 - 16 + 128 */
                 put_code(codes, bits, c0 + j, (nib(src + 6, j) | ((qh >> j) & 1u) << 4) + 112u);
             for (unsigned k = 0; k < 32 / bs; k++)
-                put_scale(scales, sdt, c0 / bs + k, qmg_f16_to_f32(dh), dh);
+                put_scale(scales, sdt, c0 / bs + k, qm_f16_to_f32(dh), 1, dh);
             break;
         }
-        case QMG_MXFP4: {
-            float d = e8m0_half(src[0]);
+        case QM__GGML_MXFP4: {
+            float d = qm__e8m0_half_scale(src[0]);
             for (unsigned j = 0; j < 32; j++)
-                put_code(codes, bits, c0 + j, (unsigned)(mxfp4_values[nib(src + 1, j)] + 128));
+                put_code(codes, bits, c0 + j, (unsigned)(qm__fp4_half[nib(src + 1, j)] + 128));
             for (unsigned k = 0; k < 32 / bs; k++)
-                put_scale(scales, sdt, c0 / bs + k, d, 0);
+                put_scale(scales, sdt, c0 / bs + k, d, 0, 0);
             break;
         }
-        case QMG_Q6_K: {
+        case QM__GGML_Q6_K: {
             for (unsigned i = 0; i < 256; i++) {
                 unsigned si, q = q6k_code(src, i, &si);
                 put_code(codes, bits, c0 + i, q + 96u);
@@ -361,36 +330,9 @@ void qmg_repack_row(uint32_t type, const uint8_t *src, uint64_t n, unsigned bits
             const int8_t *sc; /* a scale per 16 codes, times the block's d */
             float d = q6k_scales(src, &sc);
             for (unsigned k = 0; k < 16; k++)
-                put_scale(scales, sdt, c0 / 16 + k, d * (float)sc[k], 0);
+                put_scale(scales, sdt, c0 / 16 + k, d * (float)sc[k], 0, 0);
             break;
         }
-        }
-    }
-}
-
-/* ---- requantisation ----------------------------------------------------------------- */
-
-void qmg_quantise_row(const float *w, uint64_t n, unsigned bits, unsigned bs, uint8_t *codes,
-                      float *scales, double *diff2, double *ref2)
-{
-    const int qmax = (1 << (bits - 1)) - 1, zp = 1 << (bits - 1);
-    for (uint64_t b0 = 0; b0 < n; b0 += bs) {
-        float amax = 0.0f;
-        for (uint64_t c = b0; c < b0 + bs; c++)
-            amax = fabsf(w[c]) > amax ? fabsf(w[c]) : amax;
-        float s = amax / (float)qmax;
-        scales[b0 / bs] = s;
-        for (uint64_t c = b0; c < b0 + bs; c++) {
-            int q = 0;
-            if (s > 0.0f) {
-                float r = rintf(w[c] / s);
-                q = r > (float)qmax ? qmax : r < (float)-qmax ? -qmax : (int)r;
-            }
-            put_code(codes, bits, c, (unsigned)(q + zp));
-            float deq = s * (float)q;
-            double e = (double)deq - (double)w[c];
-            *diff2 += e * e;
-            *ref2 += (double)w[c] * (double)w[c];
         }
     }
 }

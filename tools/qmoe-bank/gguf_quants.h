@@ -1,14 +1,15 @@
 /* gguf_quants.h - ggml block formats for `qmoe-bank import gguf`: our own
  * dequantisers (written from the block layouts of ggml-common.h, checked
  * against gguf-py's dequantize in the tests), the exact repacks into QMoE
- * storage, and round-to-nearest requantisation with its error.
+ * storage (requantisation is model/qm_quant.h's).
  *
  * Exact repacks (the QMoE value scale·(code − zp) is the ggml value bit for
  * bit, since ggml evaluates (d·sc)·q in f32 and every product is exact):
  *   Q4_0  -> int4 (code q) or int8 (code q + 120), block 32 or 16, f16/f32 scales d
  *   Q8_0  -> int8, code q + 128, block 32 or 16, f16/f32 scales d
  *   Q5_0  -> int8, code q5 + 112 (value q5 - 16), block 32 or 16, f16/f32 scales d
- *   MXFP4 -> int8, code kv[q] + 128 (kv = 2 x E2M1), block 32 or 16, f32 scales 2^(e-128)
+ *   MXFP4 -> int8, code kv[q] + 128 (kv = 2 x E2M1), block 32 or 16, scales 2^(e-128):
+ *            f32, bf16, or f16 when every exponent e is in [104, 143] (the caller checks)
  *   Q6_K  -> int8, code q6 + 96, block 16, f32 scales d·sc
  * Every other supported type (F32, F16, BF16, Q4_1, Q5_1, Q2_K, Q3_K, Q4_K,
  * Q5_K) is dequantised and requantised. */
@@ -20,28 +21,19 @@
 
 #include "qm_bank.h"
 
-/* 1 when qmg_dequant_row knows the type. */
-int qmg_can_dequant(uint32_t type);
+/* 1 when qm__ggml_dequant_row knows the type. */
+int qm__ggml_can_dequant(uint32_t type);
 /* Dequantises one row of n elements (a multiple of the type's block) at src
- * into dst. The caller checked the type with qmg_can_dequant. */
-void qmg_dequant_row(uint32_t type, const uint8_t *src, uint64_t n, float *dst);
+ * into dst. The caller checked the type with qm__ggml_can_dequant. */
+void qm__ggml_dequant_row(uint32_t type, const uint8_t *src, uint64_t n, float *dst);
 
 /* 1 when `type` repacks exactly into codes of `bits` with blocks of `bs` and
  * scales of dtype `sdt`. */
-int qmg_exact_fits(uint32_t type, unsigned bits, unsigned bs, qm_dtype sdt);
+int qm__ggml_exact_fits(uint32_t type, unsigned bits, unsigned bs, qm_dtype sdt);
 /* The repack of one row of n elements: codes packed QMoE-style (column c in
  * byte c/(8/bits), low nibble = even column), n/bs scales of dtype sdt at
- * scales. Only for a (type, bits, bs, sdt) that qmg_exact_fits accepts. */
-void qmg_repack_row(uint32_t type, const uint8_t *src, uint64_t n, unsigned bits, unsigned bs,
-                    qm_dtype sdt, uint8_t *codes, void *scales);
-
-/* Symmetric round-to-nearest of one row of n f32 values (n a multiple of
- * bs and of 8/bits) into codes and f32 scales absmax/(2^(bits-1) - 1) per
- * block (implicit zero point 2^(bits-1)); adds sum((deq - w)^2) to *diff2
- * and sum(w^2) to *ref2. */
-void qmg_quantise_row(const float *w, uint64_t n, unsigned bits, unsigned bs, uint8_t *codes,
-                      float *scales, double *diff2, double *ref2);
-
-float qmg_f16_to_f32(uint16_t h);
+ * scales. Only for a (type, bits, bs, sdt) that qm__ggml_exact_fits accepts. */
+void qm__ggml_repack_row(uint32_t type, const uint8_t *src, uint64_t n, unsigned bits, unsigned bs,
+                         qm_dtype sdt, uint8_t *codes, void *scales);
 
 #endif

@@ -6,9 +6,9 @@
  * exactly (gguf_quants.h); the others are dequantised and requantised to
  * --requant-bits with their error measured. The bank is fc1 = gate, fc3 =
  * up, fc2 = down (swiglu, fusion 0), the router (ffn_gate_inp) in f32, and
- * the routing keys from the GGUF metadata. The output is written to
- * BANK.partial, checked by opening it as the daemon does, then renamed; any
- * failure removes the partial file. */
+ * the routing keys from the GGUF metadata, written through the bank writer
+ * (model/qm_bank_writer.h: BANK.partial, resumable, checked by the loader,
+ * renamed). */
 #include <errno.h>
 #include <fcntl.h>
 #include <getopt.h>
@@ -21,51 +21,47 @@
 
 #include "gguf_quants.h"
 #include "gguf_reader.h"
+#include "import_families.h"
 #include "qm_alloc.h"
 #include "qm_bank.h"
-#include "qm_io.h"
-#include "qm_st_header.h"
+#include "qm_bank_writer.h"
+#include "qm_quant.h"
 #include "qmoe_bank_tool.h"
+#include "tool_input.h"
 
 #define BAD(st, ...) qm_status_set((st), QM_EINVALID_MODEL, __VA_ARGS__)
-#define QMG_PLACEHOLDER "9.999999999e+99" /* max_rel_err, rewritten at the end */
+#define MAX_REL_PLACEHOLDER "9.999999999e+99" /* max_rel_err, rewritten at the end */
 
-void qmb_help_import_gguf(FILE *f)
+void qm__help_import_gguf(FILE *f)
 {
-    fputs("usage: qmoe-bank import gguf FILE --out BANK [--requant-bits 4|8] [--quiet]\n"
+    fputs("usage: qmoe-bank import gguf FILE --out BANK [--requant-bits 4|8]\n"
+          "                               [--scales f16|f32|bf16] [--resume] [--quiet]\n"
           "\n"
-          "Imports the routed experts of a llama.cpp GGUF file (architectures llama/Mixtral,\n"
-          "qwen2moe, qwen3moe, olmoe, deepseek2, gpt-oss): blk.N.ffn_{gate,up,down}_exps,\n"
-          "the router ffn_gate_inp (+ bias), exp_probs_b (DeepSeek-V3's correction bias),\n"
-          "expert biases (gpt-oss), and the routing keys (expert_gating_func,\n"
-          "expert_weights_norm, expert_weights_scale, expert_group_count, ...). Dense\n"
-          "blocks and shared experts stay with the engine; qmoe.layer_map records the\n"
-          "block of each bank layer.\n"
-          "\n"
+          "Imports the routed experts of a llama.cpp GGUF file: blk.N.ffn_{gate,up,down}_exps,\n"
+          "the router ffn_gate_inp (+ bias), exp_probs_b (a correction bias), expert biases,\n"
+          "and the routing keys (expert_gating_func, expert_weights_norm,\n"
+          "expert_weights_scale, expert_group_count, ...). Dense blocks and shared experts\n"
+          "stay with the engine; qmoe.layer_map records the block of each bank layer.\n"
+          "Architectures (general.architecture) and the family each imports as:\n",
+          f);
+    qm__family_help(f, 1);
+    fputs("\n"
           "Q4_0, Q8_0, Q5_0, MXFP4 and Q6_K repack bit-exactly (Q4_0 alone: int4 block\n"
           "32; with Q8_0/Q5_0/MXFP4: int8 block 32; with Q6_K: int8 block 16). Every other\n"
           "type (F32, F16, BF16, Q4_1, Q5_1, Q2_K, Q3_K, Q4_K, Q5_K) is requantised to\n"
-          "--requant-bits (default 8) with the error recorded in qmoe.source; the output\n"
-          "lists which path each tensor type took.\n"
+          "--requant-bits (default 8) with scales stored as --scales (default f16) and\n"
+          "the error recorded in qmoe.source; exact repacks keep scales that hold the\n"
+          "source's values (Q4_0/Q8_0/Q5_0: their f16 d; MXFP4: f16 when every exponent\n"
+          "fits, else f32; Q6_K: f32). The output lists which path each tensor type took.\n"
           "A bad file (unknown quant type, truncated data, missing tensor, metadata that\n"
           "contradicts the tensors) prints one line naming the tensor or key and exits 2,\n"
-          "leaving no output file.\n",
+          "leaving no output file. BANK is written as BANK.partial and renamed when\n"
+          "complete; after a crash or Ctrl-C, --resume continues at the first layer not\n"
+          "yet written. A progress line is shown on a terminal unless --quiet.\n",
           f);
 }
 
 /* ---- what the file holds ---------------------------------------------------------- */
-
-typedef struct arch_info {
-    const char *arch, *family;
-    int norm_default; /* llama.cpp's norm_w when expert_weights_norm is absent */
-    int gpt_oss;
-} arch_info;
-
-static const arch_info ARCHS[] = {
-    {"llama", "mixtral", 1, 0},      {"qwen2moe", "qwen2_moe", 0, 0},
-    {"qwen3moe", "qwen3_moe", 1, 0}, {"olmoe", "olmoe", 0, 0},
-    {"deepseek2", "deepseek_v2", 0, 0}, {"gpt-oss", "gpt_oss", 1, 1},
-};
 
 enum { P_GATE = 0, P_UP, P_DOWN, P_COUNT };
 static const char *const PROJ_NAME[P_COUNT] = {"ffn_gate_exps", "ffn_up_exps", "ffn_down_exps"};
@@ -74,12 +70,14 @@ static const qm_bank_tensor PROJ_W[P_COUNT] = {QM_T_FC1_WEIGHT, QM_T_FC3_WEIGHT,
 
 typedef struct moe_layer {
     uint32_t block;
-    const qmg_tensor *w[P_COUNT], *b[P_COUNT]; /* weights, biases (NULL when absent) */
-    const qmg_tensor *router, *router_bias, *corr_bias;
+    const qm__gguf_tensor *w[P_COUNT], *b[P_COUNT]; /* weights, biases (NULL when absent) */
+    qm_dtype sdt[P_COUNT];                          /* each projection's scale dtype */
+    int exact[P_COUNT];                             /* repacked bit for bit */
+    const qm__gguf_tensor *router, *router_bias, *corr_bias;
 } moe_layer;
 
 typedef struct plan {
-    const arch_info *ai;
+    const qm__family *fam;
     const char *arch;
     uint32_t E, k, H, I, n_layers;
     moe_layer *layers;
@@ -87,7 +85,6 @@ typedef struct plan {
     /* routing */
     int legacy, score_sigmoid, normalize, groups, topk_groups;
     double scale;
-    char family[32];
 } plan;
 
 static int tensor_name(char *buf, size_t size, uint32_t block, const char *what)
@@ -95,36 +92,36 @@ static int tensor_name(char *buf, size_t size, uint32_t block, const char *what)
     return snprintf(buf, size, "blk.%u.%s", block, what) < (int)size ? 0 : -1;
 }
 
-static const qmg_tensor *find_blk(const qmg_file *f, uint32_t block, const char *what)
+static const qm__gguf_tensor *find_blk(const qm__gguf_file *f, uint32_t block, const char *what)
 {
     char name[96];
     tensor_name(name, sizeof name, block, what);
-    return qmg_find_tensor(f, name);
+    return qm__gguf_find_tensor(f, name);
 }
 
-static int need_type(const qmg_tensor *t, qm_status *st)
+static int need_type(const qm__gguf_tensor *t, qm_status *st)
 {
     char tb[16];
     uint64_t bl, by;
-    if (!qmg_type_size(t->type, &bl, &by))
-        return BAD(st, "%s: unknown quant type %u (not a ggml type this importer knows)",
-                   t->name, t->type);
-    if (!qmg_can_dequant(t->type))
-        return BAD(st, "%s: quant type %s is not supported (supported: F32, F16, BF16, Q4_0, "
-                       "Q4_1, Q5_0, Q5_1, Q8_0, MXFP4, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K)",
-                   t->name, qmg_type_name(t->type, tb, sizeof tb));
+    if (!qm__ggml_type_size(t->type, &bl, &by))
+        return BAD(st, "%s: unknown quant type %u (not a ggml type this importer knows)", t->name,
+                   t->type);
+    if (!qm__ggml_can_dequant(t->type))
+        return BAD(st,
+                   "%s: quant type %s is not supported (supported: F32, F16, BF16, Q4_0, "
+                   "Q4_1, Q5_0, Q5_1, Q8_0, MXFP4, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K)",
+                   t->name, qm__ggml_type_name(t->type, tb, sizeof tb));
     return 0;
 }
 
-static int need_shape(const qmg_tensor *t, uint32_t nd, uint64_t d0, uint64_t d1, uint64_t d2,
+static int need_shape(const qm__gguf_tensor *t, uint32_t nd, uint64_t d0, uint64_t d1, uint64_t d2,
                       const char *why, qm_status *st)
 {
     uint64_t want[3] = {d0, d1, d2};
     int ok = t->n_dims == nd;
     for (uint32_t i = 0; ok && i < nd; i++)
         ok = t->ne[i] == want[i];
-    if (ok)
-        return 0;
+    if (ok) return 0;
     char have[96] = "", need[96] = "";
     size_t o = 0, p = 0;
     for (uint32_t i = 0; i < t->n_dims && o < sizeof have; i++)
@@ -138,33 +135,33 @@ static int need_shape(const qmg_tensor *t, uint32_t nd, uint64_t d0, uint64_t d1
 
 /* A required key in [1, max]: 0, or fails with "GGUF key KEY is missing"
  * (or "out of range") followed by `why`. */
-static int required_uint(const qmg_file *f, const char *key, uint64_t max, const char *why,
+static int required_uint(const qm__gguf_file *f, const char *key, uint64_t max, const char *why,
                          uint64_t *out, qm_status *st)
 {
-    int rc = qmg_get_uint(f, key, out, st);
-    if (rc < 0)
-        return rc;
+    int rc = qm__gguf_get_uint(f, key, out, st);
+    if (rc < 0) return rc;
     if (rc == 1 || *out == 0 || *out > max)
         return BAD(st, "GGUF key %s is %s%s", key, rc == 1 ? "missing" : "out of range", why);
     return 0;
 }
 
-static int read_plan(const qmg_file *f, plan *pl, unsigned requant_bits, qm_status *st)
+static int read_plan(const qm__gguf_file *f, plan *pl, unsigned requant_bits, qm_status *st)
 {
     char key[128];
     int rc;
-    const qmg_kv *ak = qmg_find_kv(f, "general.architecture");
-    if (!ak || ak->type != QMG_STRING)
+    const qm__gguf_kv *ak = qm__gguf_find_kv(f, "general.architecture");
+    if (!ak || ak->type != QM__GGUF_STRING)
         return BAD(st, "GGUF key general.architecture is missing (or not a string)");
     pl->arch = ak->str;
-    for (size_t i = 0; i < sizeof ARCHS / sizeof ARCHS[0]; i++)
-        if (strcmp(ARCHS[i].arch, ak->str) == 0)
-            pl->ai = &ARCHS[i];
-    if (!pl->ai)
-        return BAD(st, "GGUF key general.architecture = \"%.32s\" is not a supported MoE "
-                       "architecture (llama, qwen2moe, qwen3moe, olmoe, deepseek2, gpt-oss)",
-                   ak->str);
-    snprintf(pl->family, sizeof pl->family, "%s", pl->ai->family);
+    pl->fam = qm__family_for_gguf(ak->str, 0);
+    if (!pl->fam) {
+        char archs[160];
+        qm__family_names(1, archs, sizeof archs);
+        return BAD(st,
+                   "GGUF key general.architecture = \"%.32s\" is not a supported MoE "
+                   "architecture (%s)",
+                   ak->str, archs);
+    }
     uint64_t E = 0, k = 0, blocks = 0, dense = 0, v;
 #define KEY(name) (snprintf(key, sizeof key, "%s." name, pl->arch), key)
     char k_range[96];
@@ -176,8 +173,7 @@ static int read_plan(const qmg_file *f, plan *pl, unsigned requant_bits, qm_stat
     if ((rc = required_uint(f, KEY("expert_used_count"), E, k_range, &k, st)) ||
         (rc = required_uint(f, KEY("block_count"), 65536, " (1..65536 blocks)", &blocks, st)))
         return rc;
-    if ((rc = qmg_get_uint(f, KEY("leading_dense_block_count"), &dense, st)) < 0)
-        return rc;
+    if ((rc = qm__gguf_get_uint(f, KEY("leading_dense_block_count"), &dense, st)) < 0) return rc;
     if (dense > blocks)
         return BAD(st, "GGUF key %s = %llu exceeds %s.block_count = %llu", key,
                    (unsigned long long)dense, pl->arch, (unsigned long long)blocks);
@@ -192,17 +188,19 @@ static int read_plan(const qmg_file *f, plan *pl, unsigned requant_bits, qm_stat
                        pl->arch, (unsigned long long)blocks);
     }
     pl->layers = qm_calloc((size_t)blocks, sizeof *pl->layers);
-    if (!pl->layers)
-        return qm_status_set(st, QM_ENOMEM, "out of memory");
+    if (!pl->layers) return qm_status_set(st, QM_ENOMEM, "out of memory");
     for (uint32_t b = 0; b < blocks; b++) {
-        const qmg_tensor *gate = find_blk(f, b, "ffn_gate_exps.weight");
+        const qm__gguf_tensor *gate = find_blk(f, b, "ffn_gate_exps.weight");
         if (find_blk(f, b, "ffn_gate_up_exps.weight"))
-            return BAD(st, "blk.%u.ffn_gate_up_exps.weight: fused gate+up experts are not "
-                           "supported (expected ffn_gate_exps and ffn_up_exps)", b);
+            return BAD(st,
+                       "blk.%u.ffn_gate_up_exps.weight: fused gate+up experts are not "
+                       "supported (expected ffn_gate_exps and ffn_up_exps)",
+                       b);
         if (!gate) {
             if (b >= dense)
-                return BAD(st, "missing tensor blk.%u.ffn_gate_exps.weight (block %u is past "
-                               "%s.leading_dense_block_count = %llu, so it must be MoE)",
+                return BAD(st,
+                           "missing tensor blk.%u.ffn_gate_exps.weight (block %u is past "
+                           "%s.leading_dense_block_count = %llu, so it must be MoE)",
                            b, b, pl->arch, (unsigned long long)dense);
             continue;
         }
@@ -214,19 +212,15 @@ static int read_plan(const qmg_file *f, plan *pl, unsigned requant_bits, qm_stat
             char nm[64];
             snprintf(nm, sizeof nm, "%s.weight", PROJ_NAME[p]);
             L->w[p] = find_blk(f, b, nm);
-            if (!L->w[p])
-                return BAD(st, "missing tensor blk.%u.%s", b, nm);
-            if ((rc = need_type(L->w[p], st)))
-                return rc;
+            if (!L->w[p]) return BAD(st, "missing tensor blk.%u.%s", b, nm);
+            if ((rc = need_type(L->w[p], st))) return rc;
             L->b[p] = find_blk(f, b, bias_names[p]);
         }
         L->router = find_blk(f, b, "ffn_gate_inp.weight");
-        if (!L->router)
-            return BAD(st, "missing tensor blk.%u.ffn_gate_inp.weight (the router)", b);
+        if (!L->router) return BAD(st, "missing tensor blk.%u.ffn_gate_inp.weight (the router)", b);
         L->router_bias = find_blk(f, b, "ffn_gate_inp.bias");
         L->corr_bias = find_blk(f, b, "exp_probs_b.bias");
-        if (!L->corr_bias)
-            L->corr_bias = find_blk(f, b, "exp_probs_b");
+        if (!L->corr_bias) L->corr_bias = find_blk(f, b, "exp_probs_b");
     }
     if (pl->n_layers == 0)
         return BAD(st, "no MoE expert tensors (blk.N.ffn_gate_exps.weight) in the file");
@@ -236,19 +230,19 @@ static int read_plan(const qmg_file *f, plan *pl, unsigned requant_bits, qm_stat
     pl->H = (uint32_t)L0->w[P_GATE]->ne[0];
     pl->I = (uint32_t)L0->w[P_GATE]->ne[1];
     if (L0->w[P_GATE]->n_dims == 3 && L0->w[P_GATE]->ne[2] != E)
-        return BAD(st, "GGUF key %s.expert_count = %llu contradicts %s, which holds %llu experts "
-                       "(ne[2])", pl->arch, (unsigned long long)E, L0->w[P_GATE]->name,
+        return BAD(st,
+                   "GGUF key %s.expert_count = %llu contradicts %s, which holds %llu experts "
+                   "(ne[2])",
+                   pl->arch, (unsigned long long)E, L0->w[P_GATE]->name,
                    (unsigned long long)L0->w[P_GATE]->ne[2]);
-    if ((rc = qmg_get_uint(f, KEY("embedding_length"), &v, st)) < 0)
-        return rc;
+    if ((rc = qm__gguf_get_uint(f, KEY("embedding_length"), &v, st)) < 0) return rc;
     if (rc == 0 && v != pl->H)
-        return BAD(st, "GGUF key %s = %llu contradicts %s (ne[0] = %u)", key,
-                   (unsigned long long)v, L0->w[P_GATE]->name, pl->H);
-    if ((rc = qmg_get_uint(f, KEY("expert_feed_forward_length"), &v, st)) < 0)
-        return rc;
+        return BAD(st, "GGUF key %s = %llu contradicts %s (ne[0] = %u)", key, (unsigned long long)v,
+                   L0->w[P_GATE]->name, pl->H);
+    if ((rc = qm__gguf_get_uint(f, KEY("expert_feed_forward_length"), &v, st)) < 0) return rc;
     if (rc == 0 && v != pl->I)
-        return BAD(st, "GGUF key %s = %llu contradicts %s (ne[1] = %u)", key,
-                   (unsigned long long)v, L0->w[P_GATE]->name, pl->I);
+        return BAD(st, "GGUF key %s = %llu contradicts %s (ne[1] = %u)", key, (unsigned long long)v,
+                   L0->w[P_GATE]->name, pl->I);
     if (pl->H == 0 || pl->I == 0 || pl->H > (1u << 20) || pl->I > (1u << 20) || pl->H % 2 ||
         pl->I % 2)
         return BAD(st, "%s: hidden %u and expert width %u must be even and in [2, 2^20]",
@@ -263,7 +257,7 @@ static int read_plan(const qmg_file *f, plan *pl, unsigned requant_bits, qm_stat
             (rc = need_shape(L->router, 2, pl->H, E, 0, "[hidden, experts]", st)) ||
             (rc = need_type(L->router, st)))
             return rc;
-        const qmg_tensor *vec[2] = {L->router_bias, L->corr_bias};
+        const qm__gguf_tensor *vec[2] = {L->router_bias, L->corr_bias};
         for (int i = 0; i < 2; i++)
             if (vec[i] && ((rc = need_shape(vec[i], 1, E, 0, 0, "[experts]", st)) ||
                            (rc = need_type(vec[i], st))))
@@ -276,53 +270,65 @@ static int read_plan(const qmg_file *f, plan *pl, unsigned requant_bits, qm_stat
         if (!L->b[P_GATE] != !L0->b[P_GATE] || !L->b[P_UP] != !L0->b[P_UP] ||
             !L->b[P_DOWN] != !L0->b[P_DOWN] || !L->corr_bias != !L0->corr_bias ||
             !L->router_bias != !L0->router_bias)
-            return BAD(st, "blk.%u: its biases differ from blk.%u's (every MoE block must have "
-                           "the same optional tensors)", L->block, L0->block);
+            return BAD(st,
+                       "blk.%u: its biases differ from blk.%u's (every MoE block must have "
+                       "the same optional tensors)",
+                       L->block, L0->block);
     }
 
     /* Routing: the file's keys, else llama.cpp's default for the architecture. */
     uint64_t gating = 1, gcount = 1, gused = 0;
-    int norm = pl->ai->norm_default;
+    int norm = pl->fam->gguf_norm_default;
     double scale = 1.0;
-    if ((rc = qmg_get_uint(f, KEY("expert_gating_func"), &gating, st)) < 0 ||
-        (rc = qmg_get_bool(f, KEY("expert_weights_norm"), &norm, st)) < 0 ||
-        (rc = qmg_get_float(f, KEY("expert_weights_scale"), &scale, st)) < 0 ||
-        (rc = qmg_get_uint(f, KEY("expert_group_count"), &gcount, st)) < 0 ||
-        (rc = qmg_get_uint(f, KEY("expert_group_used_count"), &gused, st)) < 0)
+    if ((rc = qm__gguf_get_uint(f, KEY("expert_gating_func"), &gating, st)) < 0 ||
+        (rc = qm__gguf_get_bool(f, KEY("expert_weights_norm"), &norm, st)) < 0 ||
+        (rc = qm__gguf_get_float(f, KEY("expert_weights_scale"), &scale, st)) < 0 ||
+        (rc = qm__gguf_get_uint(f, KEY("expert_group_count"), &gcount, st)) < 0 ||
+        (rc = qm__gguf_get_uint(f, KEY("expert_group_used_count"), &gused, st)) < 0)
         return rc;
-    if (gating == 0)
-        gating = 1;
+    if (gating == 0) gating = 1;
     if (gating > 3)
-        return BAD(st, "GGUF key %s.expert_gating_func = %llu is unknown (1 softmax, 2 sigmoid, "
-                       "3 softmax over the selected)", pl->arch, (unsigned long long)gating);
-    if (scale < 0.0 || !isfinite(scale))
-        return BAD(st, "GGUF key %s.expert_weights_scale = %g must be a finite number >= 0",
+        return BAD(st,
+                   "GGUF key %s.expert_gating_func = %llu is unknown (1 softmax, 2 sigmoid, "
+                   "3 softmax over the selected)",
+                   pl->arch, (unsigned long long)gating);
+    if (scale == 0.0) scale = 1.0; /* llama.cpp: 0 = not set */
+    /* The bank loader's rule for qmoe.routing.scale: a finite f32 > 0. */
+    if (!(scale > 0.0) || !isfinite((float)scale) || !((float)scale > 0.0f))
+        return BAD(st,
+                   "GGUF key %s.expert_weights_scale = %g must be 0 (unset) or a finite "
+                   "number > 0 that an f32 holds",
                    pl->arch, scale);
-    if (scale == 0.0)
-        scale = 1.0; /* llama.cpp: 0 = not set */
-    if (gcount == 0)
-        gcount = 1;
-    if (gused == 0)
-        gused = gcount;
+    if (gcount == 0) gcount = 1;
+    if (gused == 0) gused = gcount;
     if (E % gcount != 0 || gused > gcount)
-        return BAD(st, "GGUF keys %s.expert_group_count = %llu / expert_group_used_count = %llu "
-                       "do not fit %llu experts", pl->arch, (unsigned long long)gcount,
-                   (unsigned long long)gused, (unsigned long long)E);
+        return BAD(st,
+                   "GGUF keys %s.expert_group_count = %llu / expert_group_used_count = %llu "
+                   "do not fit %llu experts",
+                   pl->arch, (unsigned long long)gcount, (unsigned long long)gused,
+                   (unsigned long long)E);
     if (gused * (E / gcount) < k)
-        return BAD(st, "GGUF key %s.expert_group_used_count = %llu keeps %llu experts, fewer than "
-                       "expert_used_count %llu", pl->arch, (unsigned long long)gused,
-                   (unsigned long long)(gused * (E / gcount)), (unsigned long long)k);
+        return BAD(st,
+                   "GGUF key %s.expert_group_used_count = %llu keeps %llu experts, fewer than "
+                   "expert_used_count %llu",
+                   pl->arch, (unsigned long long)gused, (unsigned long long)(gused * (E / gcount)),
+                   (unsigned long long)k);
+    if (gating == 2 && gcount > 1 && E / gcount < 2)
+        return BAD(st,
+                   "GGUF key %s.expert_group_count = %llu leaves %llu expert per group, but "
+                   "sigmoid gating scores a group by its two best (top2_sum)",
+                   pl->arch, (unsigned long long)gcount, (unsigned long long)(E / gcount));
     pl->score_sigmoid = gating == 2;
     pl->normalize = gating == 3 ? 1 : norm;
     pl->scale = scale;
     pl->groups = (int)gcount;
     pl->topk_groups = (int)gused;
-    pl->legacy = !pl->score_sigmoid && pl->normalize && scale == 1.0 && gcount == 1 &&
-                 !L0->corr_bias;
+    pl->legacy =
+        !pl->score_sigmoid && pl->normalize && scale == 1.0 && gcount == 1 && !L0->corr_bias;
     if (L0->corr_bias && !pl->score_sigmoid && gating != 1)
-        return BAD(st, "%s: a correction bias needs softmax or sigmoid gating", L0->corr_bias->name);
-    if (strcmp(pl->arch, "deepseek2") == 0 && pl->score_sigmoid)
-        snprintf(pl->family, sizeof pl->family, "deepseek_v3");
+        return BAD(st, "%s: a correction bias needs softmax or sigmoid gating",
+                   L0->corr_bias->name);
+    pl->fam = qm__family_for_gguf(pl->arch, pl->score_sigmoid); /* deepseek2: V2 or V3 */
 #undef KEY
 
     /* The layout: exact for as many expert tensors as one (bits, block) allows. */
@@ -330,9 +336,9 @@ static int read_plan(const qmg_file *f, plan *pl, unsigned requant_bits, qm_stat
     for (uint32_t l = 0; l < pl->n_layers; l++)
         for (int p = 0; p < P_COUNT; p++) {
             uint32_t t = pl->layers[l].w[p]->type;
-            only_q40 &= t == QMG_Q4_0;
-            any_q6k |= t == QMG_Q6_K;
-            any_requant |= !qmg_exact_fits(t, 8, 16, QM_DTYPE_F32);
+            only_q40 &= t == QM__GGML_Q4_0;
+            any_q6k |= t == QM__GGML_Q6_K;
+            any_requant |= !qm__ggml_exact_fits(t, 8, 16, QM_DTYPE_F32);
         }
     if (only_q40) {
         pl->bits = 4;
@@ -345,34 +351,45 @@ static int read_plan(const qmg_file *f, plan *pl, unsigned requant_bits, qm_stat
         pl->bs = requant_bits == 8 && any_q6k ? 16 : 32;
     }
     if (pl->H % pl->bs || pl->I % pl->bs)
-        return BAD(st, "%s: hidden %u and expert width %u must be multiples of the bank's "
-                       "block size %u", L0->w[P_GATE]->name, pl->H, pl->I, pl->bs);
+        return BAD(st,
+                   "%s: hidden %u and expert width %u must be multiples of the bank's "
+                   "block size %u",
+                   L0->w[P_GATE]->name, pl->H, pl->I, pl->bs);
     return 0;
 }
 
 /* ---- the bank --------------------------------------------------------------------- */
 
-typedef struct out_tensor {
-    char name[64];
-    char dtype[8];
-    uint32_t ndim;
-    uint64_t shape[3];
-    uint64_t begin, end;
-} out_tensor;
-
-/* Scale dtype of projection p's bank tensor: f16 for exact Q4_0/Q8_0/Q5_0 (their d
- * is an f16), f32 otherwise. */
-static qm_dtype scale_dtype(const plan *pl, uint32_t type)
+/* Every E8M0 exponent e of an MXFP4 tensor has 2^(e-128) exact in f16:
+ * e in [104, 143]. */
+static int mxfp4_fits_f16(const qm__gguf_tensor *t)
 {
-    if ((type == QMG_Q4_0 || type == QMG_Q8_0 || type == QMG_Q5_0) && qmg_exact_fits(type, pl->bits, pl->bs,
-                                                                  QM_DTYPE_F16))
-        return QM_DTYPE_F16;
-    return QM_DTYPE_F32;
+    for (uint64_t at = 0; at + 17 <= t->nbytes; at += 17)
+        if (t->data[at] < 104 || t->data[at] > 143) return 0;
+    return 1;
 }
 
-static int exact_path(const plan *pl, uint32_t type)
+/* Each projection's scale dtype and path. Exact repacks keep a scale dtype
+ * that holds the source's scales unchanged: Q4_0/Q8_0/Q5_0's own f16 d;
+ * MXFP4's 2^(e-128) in f16 when every exponent fits (or bf16, as asked),
+ * else f32; Q6_K's d*sc products in f32. Requantised tensors take --scales
+ * (sdt, default f16). */
+static void choose_scales(plan *pl, qm_dtype sdt)
 {
-    return qmg_exact_fits(type, pl->bits, pl->bs, scale_dtype(pl, type));
+    for (uint32_t l = 0; l < pl->n_layers; l++)
+        for (int p = 0; p < P_COUNT; p++) {
+            moe_layer *L = &pl->layers[l];
+            uint32_t type = L->w[p]->type;
+            qm_dtype d = QM_DTYPE_F32;
+            if (type == QM__GGML_Q4_0 || type == QM__GGML_Q8_0 || type == QM__GGML_Q5_0)
+                d = QM_DTYPE_F16;
+            else if (type == QM__GGML_MXFP4)
+                d = sdt == QM_DTYPE_BF16                             ? QM_DTYPE_BF16
+                    : sdt == QM_DTYPE_F16 && mxfp4_fits_f16(L->w[p]) ? QM_DTYPE_F16
+                                                                     : QM_DTYPE_F32;
+            L->exact[p] = qm__ggml_exact_fits(type, pl->bits, pl->bs, d);
+            L->sdt[p] = L->exact[p] ? d : sdt;
+        }
 }
 
 typedef struct type_stats {
@@ -385,143 +402,110 @@ typedef struct type_stats {
 
 typedef struct job {
     const char *in_path, *out_path;
-    char *partial;
-    int fd;
-    uint64_t data_start;
-    out_tensor *ot;
-    size_t n_ot;
+    qm_bank_writer *w;
     type_stats ts[32];
     size_t n_ts;
     double max_rel;
-    int exact;
 } job;
-
-static uint64_t elem_size(const out_tensor *t)
-{
-    return strcmp(t->dtype, "U8") == 0 ? 1 : strcmp(t->dtype, "F16") == 0 ? 2 : 4;
-}
-
-static out_tensor *add_tensor(job *j, uint32_t layer, const char *suffix, const char *dtype,
-                              uint32_t ndim, uint64_t d0, uint64_t d1, uint64_t d2,
-                              uint64_t *offset)
-{
-    out_tensor *t = &j->ot[j->n_ot++];
-    snprintf(t->name, sizeof t->name, "layers.%u.%s", layer, suffix);
-    snprintf(t->dtype, sizeof t->dtype, "%s", dtype);
-    t->ndim = ndim;
-    t->shape[0] = d0;
-    t->shape[1] = d1;
-    t->shape[2] = d2;
-    uint64_t n = elem_size(t);
-    for (uint32_t i = 0; i < ndim; i++)
-        n *= t->shape[i];
-    t->begin = 0;
-    t->end = n; /* offsets come in place_tensors */
-    *offset += n;
-    return t;
-}
-
-/* safetensors readers want the data section without gaps, and the loader
- * wants every element aligned: 4-byte tensors first, then 2-byte, then
- * bytes, each group in plan order. */
-static void place_tensors(job *j)
-{
-    uint64_t at = 0;
-    for (uint64_t es = 4; es >= 1; es /= 2)
-        for (size_t i = 0; i < j->n_ot; i++) {
-            out_tensor *t = &j->ot[i];
-            if (elem_size(t) != es)
-                continue;
-            uint64_t n = t->end - t->begin;
-            t->begin = at;
-            t->end = at + n;
-            at += n;
-        }
-}
-
-static int write_at(job *j, const out_tensor *t, const void *buf, qm_status *st)
-{
-    if (qm_pwrite_all(j->fd, buf, t->end - t->begin, j->data_start + t->begin))
-        return qm_status_set(st, QM_EIO, "writing %s to %s: %s", t->name, j->partial,
-                             strerror(errno));
-    return 0;
-}
 
 static type_stats *stats_for(job *j, uint32_t type, int exact, qm_dtype sdt)
 {
     for (size_t i = 0; i < j->n_ts; i++)
-        if (j->ts[i].type == type)
-            return &j->ts[i];
+        if (j->ts[i].type == type) return &j->ts[i];
     type_stats *s = &j->ts[j->n_ts++];
     *s = (type_stats){.type = type, .exact = exact, .sdt = sdt};
     return s;
 }
 
-/* One stacked expert tensor [E, N, K] into codes [E, N, K/pack] and scales. */
-static int write_experts(job *j, const plan *pl, const qmg_tensor *src, const out_tensor *tw,
-                         const out_tensor *tsc, qm_status *st)
+static int not_finite(const qm__gguf_tensor *src, uint64_t expert, uint64_t row, qm_status *st)
 {
+    return BAD(st, "%s: holds a NaN or infinity (expert %llu, row %llu)", src->name,
+               (unsigned long long)expert, (unsigned long long)row);
+}
+
+/* One stacked expert tensor [E, N, K] of bank layer l into codes [E, N, K/pack]
+ * (tensor tw) and scales (tw + 1). */
+static int write_experts(job *j, const plan *pl, uint32_t l, int p, qm_status *st)
+{
+    const qm__gguf_tensor *src = pl->layers[l].w[p];
+    const int tw = PROJ_W[p];
     uint32_t E = pl->E, N = (uint32_t)src->ne[1], K = (uint32_t)src->ne[0];
     uint64_t row_bytes = src->nbytes / ((uint64_t)E * N), nblk = K / pl->bs;
-    qm_dtype sdt = scale_dtype(pl, src->type);
-    int exact = exact_path(pl, src->type);
+    qm_dtype sdt = pl->layers[l].sdt[p];
+    int exact = pl->layers[l].exact[p];
     size_t ssz = qm_dtype_size(sdt);
-    uint8_t *codes = qm_calloc((size_t)(tw->end - tw->begin), 1);
-    uint8_t *scales = qm_malloc((size_t)(tsc->end - tsc->begin));
-    float *row = exact ? NULL : qm_malloc((size_t)K * sizeof(float));
-    float *rs = exact ? NULL : qm_malloc((size_t)nblk * sizeof(float));
+    uint64_t code_bytes = qm_bank_writer_tensor_bytes(j->w, l, tw);
+    uint64_t scale_bytes = qm_bank_writer_tensor_bytes(j->w, l, tw + 1);
+    uint8_t *codes = qm_calloc((size_t)code_bytes, 1);
+    uint8_t *scales = qm_malloc((size_t)scale_bytes);
+    float *row = qm_malloc((size_t)K * sizeof(float));
     int rc = 0;
-    if (!codes || !scales || (!exact && (!row || !rs))) {
+    if (!codes || !scales || !row) {
         rc = qm_status_set(st, QM_ENOMEM, "out of memory converting %s", src->name);
         goto done;
     }
+    const qm_quant_spec q = {.bits = pl->bits, .block_size = pl->bs, .scale_dtype = sdt};
     type_stats *ts = stats_for(j, src->type, exact, sdt);
-    ts->count++;
     uint64_t code_row = (uint64_t)K * pl->bits / 8;
     for (uint32_t e = 0; e < E; e++) {
-        double diff2 = 0, ref2 = 0;
+        qm_quant_error err = QM_QUANT_ERROR_INIT;
         for (uint32_t n = 0; n < N; n++) {
             uint64_t r = (uint64_t)e * N + n;
             const uint8_t *in = src->data + r * row_bytes;
             uint8_t *out = codes + r * code_row;
             void *sc = scales + r * nblk * ssz;
+            /* The values the file means, checked on every path: a NaN or
+             * infinite scale would repack "exactly" into a bank of garbage. */
+            qm__ggml_dequant_row(src->type, in, K, row);
             if (exact) {
-                qmg_repack_row(src->type, in, K, pl->bits, pl->bs, sdt, out, sc);
+                if (!qm_quant_finite(row, K)) {
+                    rc = not_finite(src, r / N, r % N, st);
+                    goto done;
+                }
+                qm__ggml_repack_row(src->type, in, K, pl->bits, pl->bs, sdt, out, sc);
                 continue;
             }
-            qmg_dequant_row(src->type, in, K, row);
-            qmg_quantise_row(row, K, pl->bits, pl->bs, out, rs, &diff2, &ref2);
-            memcpy(sc, rs, (size_t)nblk * sizeof(float));
+            int qrc = qm_quant_row(&q, row, K, out, sc, 0, NULL, &err);
+            if (qrc == QM_EUNSUPPORTED) {
+                rc = BAD(st,
+                         "%s: a block scale is beyond %s's range (expert %llu, row %llu; "
+                         "rerun with --scales f32)",
+                         src->name, qm_dtype_name(sdt), (unsigned long long)(r / N),
+                         (unsigned long long)(r % N));
+                goto done;
+            }
+            if (qrc != 0) {
+                rc = not_finite(src, r / N, r % N, st);
+                goto done;
+            }
         }
         if (!exact) {
-            double rel = ref2 > 0 ? sqrt(diff2 / ref2) : 0.0;
+            double rel = qm_quant_error_rel(&err);
             ts->max_rel = rel > ts->max_rel ? rel : ts->max_rel;
             j->max_rel = rel > j->max_rel ? rel : j->max_rel;
-            j->exact = 0;
         }
     }
-    if ((rc = write_at(j, tw, codes, st)) == 0)
-        rc = write_at(j, tsc, scales, st);
+    if ((rc = qm_bank_writer_put(j->w, l, tw, 0, codes, code_bytes, st)) == 0)
+        rc = qm_bank_writer_put(j->w, l, tw + 1, 0, scales, scale_bytes, st);
 done:
     qm_free(codes);
     qm_free(scales);
     qm_free(row);
-    qm_free(rs);
     return rc;
 }
 
 /* A float tensor (router, biases) widened to f32 as is: exact for F32, F16
  * and BF16, the ggml value for a quantised router. */
-static int write_f32(job *j, const qmg_tensor *src, const out_tensor *t, qm_status *st)
+static int write_f32(job *j, uint32_t l, const qm__gguf_tensor *src, int t, qm_status *st)
 {
-    uint64_t n = (t->end - t->begin) / 4, K = src->ne[0];
-    float *buf = qm_malloc((size_t)n * sizeof(float));
-    if (!buf)
-        return qm_status_set(st, QM_ENOMEM, "out of memory converting %s", src->name);
+    uint64_t bytes = qm_bank_writer_tensor_bytes(j->w, l, t), n = bytes / 4, K = src->ne[0];
+    float *buf = qm_malloc((size_t)bytes);
+    if (!buf) return qm_status_set(st, QM_ENOMEM, "out of memory converting %s", src->name);
     uint64_t row_bytes = src->nbytes / (n / K);
     for (uint64_t r = 0; r < n / K; r++)
-        qmg_dequant_row(src->type, src->data + r * row_bytes, K, buf + r * K);
-    int rc = write_at(j, t, buf, st);
+        qm__ggml_dequant_row(src->type, src->data + r * row_bytes, K, buf + r * K);
+    int rc = qm_quant_finite(buf, n) ? qm_bank_writer_put(j->w, l, t, 0, buf, bytes, st)
+                                     : BAD(st, "%s: holds a NaN or infinity", src->name);
     qm_free(buf);
     return rc;
 }
@@ -541,54 +525,64 @@ static void json_escape(const char *s, char *out, size_t size)
     out[o] = '\0';
 }
 
-static int build_and_write(job *j, const qmg_file *f, const plan *pl, qm_status *st)
+/* The bank's tensors per layer, in the order they are listed and placed:
+ * fc1 = gate, fc3 = up, fc2 = down, each weight, scales, bias; the router. */
+static const qm_bank_tensor GGUF_ORDER[] = {
+    QM_T_FC1_WEIGHT, QM_T_FC1_SCALES,    QM_T_FC1_BIAS,    QM_T_FC3_WEIGHT,
+    QM_T_FC3_SCALES, QM_T_FC3_BIAS,      QM_T_FC2_WEIGHT,  QM_T_FC2_SCALES,
+    QM_T_FC2_BIAS,   QM_T_ROUTER_WEIGHT, QM_T_ROUTER_BIAS, QM_T_ROUTER_CORRECTION_BIAS};
+
+static int source_json(const job *j, const plan *pl, int exact_all, const char *err, char *buf,
+                       size_t size)
+{
+    char base[512];
+    const char *slash = strrchr(j->in_path, '/');
+    json_escape(slash ? slash + 1 : j->in_path, base, sizeof base);
+    int n = snprintf(buf, size,
+                     "{\"format\":\"gguf\",\"family\":\"%s\",\"arch\":\"%s\",\"files\":[\"%s\"],"
+                     "\"exact\":%s%s%s}",
+                     pl->fam->name, pl->arch, base, exact_all ? "true" : "false",
+                     exact_all ? "" : ",\"max_rel_err\":", exact_all ? "" : err);
+    return n > 0 && (size_t)n < size ? 0 : -1;
+}
+
+static int build_and_write(job *j, const plan *pl, int resume, int quiet, uint32_t *first,
+                           qm_status *st)
 {
     int rc = 0;
-    char *json = NULL;
-    size_t json_len = 0;
-    qm_st_tensor *sts = NULL;
-    const uint32_t E = pl->E, H = pl->H, I = pl->I, pack = 8 / pl->bits;
-    j->ot = qm_calloc((size_t)pl->n_layers * 16, sizeof *j->ot);
-    sts = qm_calloc((size_t)pl->n_layers * 16, sizeof *sts);
-    if (!j->ot || !sts) {
-        rc = qm_status_set(st, QM_ENOMEM, "out of memory planning the bank");
-        goto done;
-    }
-    /* 1. Plan every tensor (offsets in the data section). */
-    uint64_t off = 0;
+    const uint32_t E = pl->E, H = pl->H, I = pl->I;
+    const qm_bank_config cfg = {.layers = pl->n_layers,
+                                .experts = E,
+                                .hidden = H,
+                                .inter = I,
+                                .k = pl->k,
+                                .bits = pl->bits,
+                                .block_size = pl->bs,
+                                .activation = QM_ACT_SWIGLU,
+                                .swiglu_fusion = 0};
+    qm_bank_plan_tensor *tensors = qm_calloc((size_t)pl->n_layers * QM_T_COUNT, sizeof *tensors);
+    if (!tensors) return qm_status_set(st, QM_ENOMEM, "out of memory planning the bank");
+    /* 1. Plan every tensor. */
     for (uint32_t l = 0; l < pl->n_layers; l++) {
         const moe_layer *L = &pl->layers[l];
-        for (int p = 0; p < P_COUNT; p++) {
-            uint64_t N = p == P_DOWN ? H : I, K = p == P_DOWN ? I : H;
-            qm_bank_tensor tw = PROJ_W[p];
-            add_tensor(j, l, qm_bank_tensor_suffix(tw), "U8", 3, E, N, K / pack, &off);
-            add_tensor(j, l, qm_bank_tensor_suffix((qm_bank_tensor)(tw + 1)),
-                       scale_dtype(pl, L->w[p]->type) == QM_DTYPE_F16 ? "F16" : "F32", 3, E, N,
-                       K / pl->bs, &off);
-            if (L->b[p])
-                add_tensor(j, l, qm_bank_tensor_suffix((qm_bank_tensor)(tw + 3)), "F32", 2, E,
-                           N, 0, &off);
-        }
-        add_tensor(j, l, "router.weight", "F32", 2, E, H, 0, &off);
-        if (L->router_bias)
-            add_tensor(j, l, "router.bias", "F32", 1, E, 0, 0, &off);
-        if (L->corr_bias)
-            add_tensor(j, l, "router.correction_bias", "F32", 1, E, 0, 0, &off);
-    }
-    place_tensors(j);
-    for (size_t i = 0; i < j->n_ot; i++) {
-        out_tensor *t = &j->ot[i];
-        sts[i].name = t->name;
-        snprintf(sts[i].dtype, sizeof sts[i].dtype, "%s", t->dtype);
-        sts[i].ndim = t->ndim;
-        memcpy(sts[i].shape, t->shape, sizeof t->shape);
-        sts[i].begin = t->begin;
-        sts[i].end = t->end;
+        const qm_bank_layer_opts lo = {.scale_dtype = QM_DTYPE_F32,
+                                       .bias_dtype = QM_DTYPE_F32,
+                                       .router_dtype = QM_DTYPE_F32,
+                                       .fc1_bias = L->b[P_GATE] != NULL,
+                                       .fc2_bias = L->b[P_DOWN] != NULL,
+                                       .fc3_bias = L->b[P_UP] != NULL,
+                                       .router_weight = 1,
+                                       .router_bias = L->router_bias != NULL,
+                                       .correction_bias = L->corr_bias != NULL};
+        qm_bank_plan_tensor *t = &tensors[(size_t)l * QM_T_COUNT];
+        qm_bank_plan_layer(&cfg, &lo, t);
+        for (int p = 0; p < P_COUNT; p++)
+            t[PROJ_W[p] + 1].dtype = L->sdt[p];
     }
 
     /* 2. Metadata. */
     char v_layers[16], v_E[16], v_H[16], v_I[16], v_k[16], v_bits[8], v_bs[16];
-    char v_scale[32], v_groups[16], v_topk[16], layer_map[4096], source[1024], base[512];
+    char v_scale[32], v_groups[16], v_topk[16], layer_map[4096], source[1024];
     snprintf(v_layers, sizeof v_layers, "%u", pl->n_layers);
     snprintf(v_E, sizeof v_E, "%u", E);
     snprintf(v_H, sizeof v_H, "%u", H);
@@ -611,18 +605,14 @@ static int build_and_write(job *j, const qmg_file *f, const plan *pl, qm_status 
         goto done;
     }
     snprintf(layer_map + o, sizeof layer_map - o, "]");
-    const char *slash = strrchr(j->in_path, '/');
-    json_escape(slash ? slash + 1 : j->in_path, base, sizeof base);
     int exact_all = 1;
     for (uint32_t l = 0; l < pl->n_layers; l++)
         for (int p = 0; p < P_COUNT; p++)
-            exact_all &= exact_path(pl, pl->layers[l].w[p]->type);
-    snprintf(source, sizeof source,
-             "{\"format\":\"gguf\",\"family\":\"%s\",\"arch\":\"%s\",\"files\":[\"%s\"],"
-             "\"exact\":%s%s}",
-             pl->family, pl->arch, base, exact_all ? "true" : "false",
-             exact_all ? "" : ",\"max_rel_err\":" QMG_PLACEHOLDER);
-    j->exact = 1;
+            exact_all &= pl->layers[l].exact[p];
+    if (source_json(j, pl, exact_all, MAX_REL_PLACEHOLDER, source, sizeof source) != 0) {
+        rc = BAD(st, "the file name is too long for qmoe.source");
+        goto done;
+    }
     qm_st_meta meta[24];
     size_t nm = 0;
 #define META(k, v) (meta[nm].key = (char *)(k), meta[nm].value = (char *)(v), nm++)
@@ -637,7 +627,7 @@ static int build_and_write(job *j, const qmg_file *f, const plan *pl, qm_status 
     META("qmoe.block_size", v_bs);
     META("qmoe.swiglu_fusion", "0");
     META("qmoe.normalize_routing_weights", "1");
-    if (pl->ai->gpt_oss) {
+    if (pl->fam->flags & QM__FAM_OAI_SWIGLU) {
         /* llama.cpp's swiglu_oai: not in the GGUF, fixed by the architecture. */
         META("qmoe.activation_alpha", "1.702");
         META("qmoe.activation_beta", "1");
@@ -653,187 +643,201 @@ static int build_and_write(job *j, const qmg_file *f, const plan *pl, qm_status 
             META("qmoe.routing.group_score", pl->score_sigmoid ? "top2_sum" : "max");
         }
     }
-    if (!identity)
-        META("qmoe.layer_map", layer_map);
+    if (!identity) META("qmoe.layer_map", layer_map);
     META("qmoe.source", source);
 #undef META
-    if ((rc = qm_st_header_format(sts, j->n_ot, meta, nm, 8, &json, &json_len, st)) != 0)
-        goto done;
+    const qm_bank_writer_spec spec = {.layers = pl->n_layers,
+                                      .experts = E,
+                                      .tensors = tensors,
+                                      .order = GGUF_ORDER,
+                                      .n_order = sizeof GGUF_ORDER / sizeof GGUF_ORDER[0],
+                                      .meta = meta,
+                                      .n_meta = nm,
+                                      .deferred_key = exact_all ? NULL : "qmoe.source",
+                                      .tool = "import gguf"};
 
-    /* 3. Header, then every tensor, then the measured error into the header. */
-    j->fd = open(j->partial, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
-    if (j->fd < 0) {
-        rc = qm_status_set(st, QM_EIO, "cannot create %s: %s", j->partial, strerror(errno));
+    /* 3. Header, then layer by layer, then the measured error into the header. */
+    if ((rc = qm_bank_writer_open(&spec, j->out_path, resume, &j->w, first, &j->max_rel, st)) != 0)
         goto done;
-    }
-    uint8_t len8[8];
-    for (int i = 0; i < 8; i++)
-        len8[i] = (uint8_t)((uint64_t)json_len >> (8 * i));
-    j->data_start = 8 + json_len;
-    if (pwrite(j->fd, len8, 8, 0) != 8 ||
-        pwrite(j->fd, json, json_len, 8) != (ssize_t)json_len ||
-        ftruncate(j->fd, (off_t)(j->data_start + off)) != 0) {
-        rc = qm_status_set(st, QM_EIO, "writing %s: %s", j->partial, strerror(errno));
-        goto done;
-    }
-    size_t ti = 0;
-    for (uint32_t l = 0; l < pl->n_layers && rc == 0; l++) {
+    uint64_t layer_src = 0, total_src = 0;
+    for (uint32_t l = 0; l < pl->n_layers; l++)
+        for (int p = 0; p < P_COUNT; p++)
+            total_src += pl->layers[l].w[p]->nbytes;
+    layer_src = total_src / pl->n_layers;
+    qm_bank_writer_progress(j->w, !quiet && isatty(2), *first * layer_src);
+    for (uint32_t l = 0; l < pl->n_layers; l++) {
         const moe_layer *L = &pl->layers[l];
+        for (int p = 0; p < P_COUNT; p++)
+            stats_for(j, L->w[p]->type, L->exact[p], L->sdt[p])->count++;
+        if (l < *first) continue;
         for (int p = 0; p < P_COUNT && rc == 0; p++) {
-            const out_tensor *tw = &j->ot[ti++], *tsc = &j->ot[ti++];
-            rc = write_experts(j, pl, L->w[p], tw, tsc, st);
-            if (rc == 0 && L->b[p])
-                rc = write_f32(j, L->b[p], &j->ot[ti++], st);
+            if (qm__interrupted()) {
+                rc = qm_status_set(st, QM_ESHUTTING_DOWN, "interrupted");
+                goto done;
+            }
+            rc = write_experts(j, pl, l, p, st);
+            if (rc == 0 && L->b[p]) rc = write_f32(j, l, L->b[p], PROJ_W[p] + 3, st);
         }
-        if (rc == 0)
-            rc = write_f32(j, L->router, &j->ot[ti++], st);
-        if (rc == 0 && L->router_bias)
-            rc = write_f32(j, L->router_bias, &j->ot[ti++], st);
+        if (rc == 0) rc = write_f32(j, l, L->router, QM_T_ROUTER_WEIGHT, st);
+        if (rc == 0 && L->router_bias) rc = write_f32(j, l, L->router_bias, QM_T_ROUTER_BIAS, st);
         if (rc == 0 && L->corr_bias)
-            rc = write_f32(j, L->corr_bias, &j->ot[ti++], st);
+            rc = write_f32(j, l, L->corr_bias, QM_T_ROUTER_CORRECTION_BIAS, st);
+        if (rc == 0)
+            rc = qm_bank_writer_layer_done(j->w, l, j->max_rel, (l + 1) * layer_src, total_src, st);
+        if (rc) goto done;
     }
-    if (rc)
-        goto done;
-    if (!exact_all) {
-        char *at = strstr(json, QMG_PLACEHOLDER), val[32];
-        snprintf(val, sizeof val, "%.9e", j->max_rel);
-        if (!at || strlen(val) != strlen(QMG_PLACEHOLDER)) {
-            rc = qm_status_set(st, QM_EINTERNAL, "cannot record max_rel_err %s", val);
-            goto done;
-        }
-        memcpy(at, val, strlen(val));
-        if (pwrite(j->fd, json, json_len, 8) != (ssize_t)json_len) {
-            rc = qm_status_set(st, QM_EIO, "writing %s: %s", j->partial, strerror(errno));
-            goto done;
-        }
-    }
-    if (fsync(j->fd) != 0) {
-        rc = qm_status_set(st, QM_EIO, "syncing %s: %s", j->partial, strerror(errno));
+    if (qm__interrupted()) {
+        rc = qm_status_set(st, QM_ESHUTTING_DOWN, "interrupted");
         goto done;
     }
-    (void)f;
+    char val[32];
+    snprintf(val, sizeof val, "%.9e", j->max_rel);
+    if (!exact_all && (strlen(val) != strlen(MAX_REL_PLACEHOLDER) ||
+                       source_json(j, pl, exact_all, val, source, sizeof source) != 0)) {
+        rc = qm_status_set(st, QM_EINTERNAL, "cannot record max_rel_err %s", val);
+        goto done;
+    }
+    rc = qm_bank_writer_finish(j->w, exact_all ? NULL : source, NULL, st);
 done:
-    qm_free(json);
-    qm_free(sts);
+    qm_free(tensors);
     return rc;
 }
 
 /* ---- the command -------------------------------------------------------------------- */
 
-int qmb_import_gguf(int argc, char **argv)
+int qm__cmd_import_gguf(int argc, char **argv)
+{
+    return qm__gguf_run(NULL, argc, argv);
+}
+
+int qm__gguf_run(qm__gguf_file *given, int argc, char **argv)
 {
     static const struct option longopts[] = {{"out", required_argument, 0, 'o'},
                                              {"requant-bits", required_argument, 0, 'b'},
+                                             {"scales", required_argument, 0, 's'},
+                                             {"resume", no_argument, 0, 'r'},
                                              {"quiet", no_argument, 0, 'q'},
                                              {"help", no_argument, 0, 'h'},
                                              {0, 0, 0, 0}};
     const char *out = NULL;
     unsigned requant_bits = 8;
-    int quiet = 0, c;
+    qm_dtype sdt = QM_DTYPE_F16;
+    int quiet = 0, resume = 0, c;
     optind = 1;
     opterr = 0;
     while ((c = getopt_long(argc, argv, "", longopts, NULL)) != -1) {
         if (c == 'o') {
             out = optarg;
         } else if (c == 'b') {
-            if (qmb_parse_u32(optarg, 8, &requant_bits) != 0 ||
+            if (qm__parse_u32(optarg, 8, &requant_bits) != 0 ||
                 (requant_bits != 4 && requant_bits != 8)) {
-                fprintf(stderr, "qmoe-bank import gguf: --requant-bits takes 4 or 8, not "
-                                "\"%.32s\"\n", optarg);
-                return QMB_USAGE;
+                fprintf(stderr,
+                        "qmoe-bank import gguf: --requant-bits takes 4 or 8, not "
+                        "\"%.32s\"\n",
+                        optarg);
+                qm__gguf_close(given);
+                return QM__EXIT_USAGE;
             }
+        } else if (c == 's') {
+            if (strcmp(optarg, "f16") == 0) {
+                sdt = QM_DTYPE_F16;
+            } else if (strcmp(optarg, "f32") == 0) {
+                sdt = QM_DTYPE_F32;
+            } else if (strcmp(optarg, "bf16") == 0) {
+                sdt = QM_DTYPE_BF16;
+            } else {
+                fprintf(stderr,
+                        "qmoe-bank import gguf: --scales takes f16, f32 or bf16, not "
+                        "\"%.32s\"\n",
+                        optarg);
+                qm__gguf_close(given);
+                return QM__EXIT_USAGE;
+            }
+        } else if (c == 'r') {
+            resume = 1;
         } else if (c == 'q') {
             quiet = 1;
         } else if (c == 'h') {
-            qmb_help_import_gguf(stdout);
-            return QMB_OK;
+            qm__help_import_gguf(stdout);
+            qm__gguf_close(given);
+            return QM__EXIT_OK;
         } else {
             fprintf(stderr, "qmoe-bank import gguf: unknown option \"%.64s\" (see --help)\n",
                     argv[optind - 1]);
-            return QMB_USAGE;
+            qm__gguf_close(given);
+            return QM__EXIT_USAGE;
         }
     }
     if (optind != argc - 1 || !out) {
         fprintf(stderr, "qmoe-bank import gguf: expected FILE and --out BANK (see --help)\n");
-        return QMB_USAGE;
+        qm__gguf_close(given);
+        return QM__EXIT_USAGE;
     }
-    job j = {.in_path = argv[optind], .out_path = out, .fd = -1, .exact = 1};
+    qm__catch_interrupts();
+    job j = {.in_path = argv[optind], .out_path = out};
     plan pl = {0};
-    qmg_file *f = NULL;
+    qm__gguf_file *f = given;
     qm_status st;
     qm_status_clear(&st);
-    int rc = 0, ret = QMB_OK;
-    size_t plen = strlen(out) + sizeof ".partial";
-    j.partial = qm_malloc(plen);
-    if (!j.partial) {
-        fprintf(stderr, "qmoe-bank import gguf: out of memory\n");
-        return QMB_FAIL;
-    }
-    snprintf(j.partial, plen, "%s.partial", out);
-    if ((rc = qmg_open(j.in_path, &f, &st)) != 0 ||
+    int rc = 0, ret = QM__EXIT_OK, keep = 0;
+    uint32_t first = 0;
+    if ((!f && (rc = qm__gguf_open(j.in_path, &f, &st)) != 0) ||
         (rc = read_plan(f, &pl, requant_bits, &st)) != 0 ||
-        (rc = build_and_write(&j, f, &pl, &st)) != 0)
+        (choose_scales(&pl, sdt), rc = build_and_write(&j, &pl, resume, quiet, &first, &st)) != 0)
         goto fail;
-    /* The daemon's own checks on what was written, before it gets the name. */
-    qm_bank *bank = NULL;
-    if ((rc = qm_bank_open(j.partial, &bank, &st)) != 0) {
-        char why[QM_STATUS_MSG_MAX];
-        snprintf(why, sizeof why, "%s", st.msg);
-        rc = qm_status_set(&st, QM_EINTERNAL, "the written bank does not open: %s", why);
-        goto fail;
-    }
-    qm_bank_close(bank);
-    close(j.fd);
-    j.fd = -1;
-    if (rename(j.partial, out) != 0) {
-        rc = qm_status_set(&st, QM_EIO, "cannot rename %s to %s: %s", j.partial, out,
-                           strerror(errno));
-        goto fail;
-    }
     if (!quiet) {
         struct stat sb;
         printf("imported %s (%s, family %s): %u MoE layers of %u blocks, %u experts, k %u, "
                "hidden %u, expert width %u\n",
-               j.in_path, pl.arch, pl.family, pl.n_layers, pl.layers[pl.n_layers - 1].block + 1,
+               j.in_path, pl.arch, pl.fam->name, pl.n_layers, pl.layers[pl.n_layers - 1].block + 1,
                pl.E, pl.k, pl.H, pl.I);
+        if (first)
+            printf("resumed %s.partial at layer %u of %u (the errors below are of the layers "
+                   "this run converted)\n",
+                   out, first, pl.n_layers);
         for (size_t i = 0; i < j.n_ts; i++) {
             const type_stats *s = &j.ts[i];
             char tb[16];
             printf("  %-6s %3u tensors: %s -> int%u block %u, %s scales",
-                   qmg_type_name(s->type, tb, sizeof tb), s->count,
+                   qm__ggml_type_name(s->type, tb, sizeof tb), s->count,
                    s->exact ? "exact repack" : "requantised", pl.bits, pl.bs,
                    qm_dtype_name(s->sdt));
-            if (!s->exact)
-                printf(", max rel err %.3e", s->max_rel);
+            if (!s->exact) printf(", max rel err %.3e", s->max_rel);
             printf("\n");
         }
         printf("routing: %s\n", pl.legacy ? "legacy (top-k of the logits, softmax over the k)"
                                 : pl.score_sigmoid ? "sigmoid scores (qmoe.routing.*)"
                                                    : "softmax scores (qmoe.routing.*)");
-        printf("wrote %s: exact %s", out, j.exact ? "yes" : "no");
-        if (!j.exact)
-            printf(", max_rel_err %.3e", j.max_rel);
-        if (stat(out, &sb) == 0)
-            printf(", %lld bytes", (long long)sb.st_size);
+        int exact = 1;
+        for (size_t i = 0; i < j.n_ts; i++)
+            exact &= j.ts[i].exact;
+        printf("wrote %s: exact %s", out, exact ? "yes" : "no");
+        if (!exact) printf(", max_rel_err %.3e", j.max_rel);
+        if (stat(out, &sb) == 0) printf(", %lld bytes", (long long)sb.st_size);
         printf("\n");
     }
     goto done;
 fail:
-    /* Names come from the file: keep the one line printable. */
-    for (char *p = st.msg; *p; p++)
-        if ((unsigned char)*p < 0x20 || (unsigned char)*p >= 0x7f)
-            *p = '?';
-    fprintf(stderr, "qmoe-bank import gguf: %s: %s\n", j.in_path,
-            st.msg[0] ? st.msg : qm_strerror(rc));
-    ret = rc == QM_EINVALID_MODEL || rc == QM_EINVAL ? QMB_USAGE : QMB_FAIL;
-    if (j.fd >= 0)
-        close(j.fd);
-    j.fd = -1;
-    unlink(j.partial);
+    ret = rc == QM_EIO || rc == QM_ENOMEM || rc == QM_EINTERNAL ? QM__EXIT_FAIL : QM__EXIT_USAGE;
+    if (rc == QM_ESHUTTING_DOWN) {
+        char what[160];
+        keep = j.w && qm_bank_writer_layers_done(j.w) > 0;
+        snprintf(what, sizeof what, "interrupted after %u of %u layers; ",
+                 j.w ? qm_bank_writer_layers_done(j.w) : 0, pl.n_layers);
+        qm__print_line(stderr, "import gguf", j.in_path, ": ", what,
+                       keep ? "the partial file is kept: rerun with --resume" : "nothing was kept",
+                       NULL);
+    } else {
+        /* A layer recorded done is worth a --resume (bad input would stop a
+         * resume at the same bytes); before that nothing is kept. */
+        keep = j.w && qm_bank_writer_layers_done(j.w) > 0 && ret == QM__EXIT_FAIL;
+        qm__print_line(stderr, "import gguf", j.in_path, ": ", st.msg[0] ? st.msg : qm_strerror(rc),
+                       keep ? " (the partial file is kept: rerun with --resume)" : "", NULL);
+    }
 done:
-    qm_free(j.partial);
-    qm_free(j.ot);
+    qm_bank_writer_free(j.w, keep);
     qm_free(pl.layers);
-    qmg_close(f);
+    qm__gguf_close(f);
+    qm__reraise(); /* an interrupted import ends as the signal would have ended it */
     return ret;
 }

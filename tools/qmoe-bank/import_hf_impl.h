@@ -6,43 +6,42 @@
 
 #include <stdint.h>
 
-#include "import_common.h"
+#include "import_elements.h"
+#include "import_families.h"
+#include "qm_bank_writer.h"
 #include "import_hf_source.h"
 
-typedef enum family_id {
-    FAM_MIXTRAL,
-    FAM_QWEN2_MOE,
-    FAM_QWEN3_MOE,
-    FAM_OLMOE,
-    FAM_DEEPSEEK_V2,
-    FAM_DEEPSEEK_V3,
-    FAM_GPT_OSS,
-} family_id;
-
-typedef struct family {
-    const char *model_type, *architecture;
-    family_id id;
-    const char *moe;              /* module under model.layers.N */
-    const char *gate, *up, *down; /* per-expert projections (NULL: GPT-OSS's fused tensors) */
-    const char *router;
-    const char *inter_key;
-} family;
-
 /* Source tensors of one expert (per-expert families) or one layer (GPT-OSS). */
-enum { S_GATE, S_UP, S_DOWN, S_GATE_SINV, S_UP_SINV, S_DOWN_SINV, S_PER_EXPERT };
-enum { G_GATE_UP, G_GATE_UP_SCALES, G_GATE_UP_BIAS, G_DOWN, G_DOWN_SCALES, G_DOWN_BIAS, G_COUNT };
+enum {
+    QM__HF_GATE,
+    QM__HF_UP,
+    QM__HF_DOWN,
+    QM__HF_GATE_SINV,
+    QM__HF_UP_SINV,
+    QM__HF_DOWN_SINV,
+    QM__HF_PER_EXPERT
+};
+enum {
+    QM__HF_FUSED_GATE_UP,
+    QM__HF_FUSED_GATE_UP_SCALES,
+    QM__HF_FUSED_GATE_UP_BIAS,
+    QM__HF_FUSED_DOWN,
+    QM__HF_FUSED_DOWN_SCALES,
+    QM__HF_FUSED_DOWN_BIAS,
+    QM__HF_FUSED_COUNT
+};
 
-typedef struct hf_opts {
+typedef struct qm__hf_opts {
     const char *dir, *out;
     unsigned bits, block_size;
     int bits_set, block_set, scales_set, resume, quiet;
     qm_dtype scale_dtype;
-} hf_opts;
+} qm__hf_opts;
 
-typedef struct hf_import {
-    hf_opts o;
-    const family *fam;
-    qmi_hf_checkpoint *ck;
+typedef struct qm__hf_import {
+    qm__hf_opts o;
+    const qm__family *fam;
+    qm__hf_checkpoint *ck;
     uint32_t model_layers, n_moe, E, H, I, k;
     uint32_t mtp_layers; /* DeepSeek's num_nextn_predict_layers, after the model's layers */
     uint32_t *layer_map; /* [n_moe] */
@@ -56,31 +55,36 @@ typedef struct hf_import {
     uint32_t groups, topk_groups;
     const char *group_score;
     /* resolved sources */
-    const qmi_hf_tensor **expert_src;                   /* [n_moe][E][S_PER_EXPERT] */
-    const qmi_hf_tensor **layer_src;                    /* [n_moe][G_COUNT] (GPT-OSS) */
-    const qmi_hf_tensor **router_w, **router_b, **corr; /* [n_moe] */
+    const qm__hf_tensor **expert_src;                   /* [n_moe][E][QM__HF_PER_EXPERT] */
+    const qm__hf_tensor **layer_src;                    /* [n_moe][QM__HF_FUSED_COUNT] (GPT-OSS) */
+    const qm__hf_tensor **router_w, **router_b, **corr; /* [n_moe] */
     uint64_t *layer_bytes;                              /* source bytes per bank layer */
     size_t consumed;
-} hf_import;
+} qm__hf_import;
 
-typedef struct buffers {
+typedef struct qm__hf_buffers {
     float *row, *mat; /* one row; one transposed matrix (GPT-OSS bf16) */
     uint8_t *packed[2];
     void *scales[2];
     float *bias;
-} buffers;
+} qm__hf_buffers;
 
 /* Reads config.json: family, sizes, which layers have experts, routing,
  * quantised source formats. Errors name the key (QM_EINVALID_MODEL,
  * QM_EUNSUPPORTED). */
-int qmi__hf_read_config(hf_import *im, qm_status *st);
+int qm__hf_read_config(qm__hf_import *im, qm_status *st);
 /* Finds and checks every tensor the import reads (names, dtypes, shapes)
  * and that the config's dense layers, expert and layer counts agree with
  * the tensors present; fills the source tables and layer_bytes. */
-int qmi__hf_resolve(hf_import *im, qm_status *st);
+int qm__hf_resolve(qm__hf_import *im, qm_status *st);
 /* Converts bank layer li and hands its tensors to the writer; *max_err
  * grows to the largest matrix error seen. */
-int qmi__hf_convert_layer(hf_import *im, qmi_writer *w, uint32_t li, buffers *b, double *max_err,
-                          qm_status *st);
+int qm__hf_convert_layer(qm__hf_import *im, qm_bank_writer *w, uint32_t li, qm__hf_buffers *b,
+                         double *max_err, qm_status *st);
+
+/* `import hf` with argv as the command's (argv[0] = "hf"), over ck when it is
+ * not NULL (an in-memory checkpoint: DIR is then only a name for messages);
+ * ck is closed whatever the outcome. Returns the exit status. */
+int qm__hf_run(qm__hf_checkpoint *ck, int argc, char **argv);
 
 #endif

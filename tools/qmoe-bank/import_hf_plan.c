@@ -1,5 +1,6 @@
-/* import_hf_plan.c - `import hf`: the families, config.json, and the check of
- * every tensor the import will read against the config, before any output. */
+/* import_hf_plan.c - `import hf`: config.json read through the family's
+ * descriptor (import_families.h), and the check of every tensor the import
+ * will read against the config, before any output. */
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -8,36 +9,18 @@
 #include "import_hf_impl.h"
 #include "qm_alloc.h"
 
-static const family families[] = {
-    {"mixtral", "MixtralForCausalLM", FAM_MIXTRAL, "block_sparse_moe", "w1", "w3", "w2", "gate",
-     "intermediate_size"},
-    {"qwen2_moe", "Qwen2MoeForCausalLM", FAM_QWEN2_MOE, "mlp", "gate_proj", "up_proj", "down_proj",
-     "gate", "moe_intermediate_size"},
-    {"qwen3_moe", "Qwen3MoeForCausalLM", FAM_QWEN3_MOE, "mlp", "gate_proj", "up_proj", "down_proj",
-     "gate", "moe_intermediate_size"},
-    {"olmoe", "OlmoeForCausalLM", FAM_OLMOE, "mlp", "gate_proj", "up_proj", "down_proj", "gate",
-     "intermediate_size"},
-    {"deepseek_v2", "DeepseekV2ForCausalLM", FAM_DEEPSEEK_V2, "mlp", "gate_proj", "up_proj",
-     "down_proj", "gate", "moe_intermediate_size"},
-    {"deepseek_v3", "DeepseekV3ForCausalLM", FAM_DEEPSEEK_V3, "mlp", "gate_proj", "up_proj",
-     "down_proj", "gate", "moe_intermediate_size"},
-    {"gpt_oss", "GptOssForCausalLM", FAM_GPT_OSS, "mlp", NULL, NULL, NULL, "router",
-     "intermediate_size"},
-};
-#define N_FAMILIES (sizeof families / sizeof families[0])
-
 /* ---- config.json --------------------------------------------------------- */
 
-static int cfg_u32(hf_import *im, const char *key, int required, uint32_t dflt, uint32_t *out,
+static int cfg_u32(qm__hf_import *im, const char *key, int required, uint32_t dflt, uint32_t *out,
                    qm_status *st)
 {
     double v;
-    int rc = qm_hf_json_number(qmi_hf_config(im->ck), key, &v, st);
+    int rc = qm_hf_json_number(qm__hf_config(im->ck), key, &v, st);
     if (rc == QM_ENOT_FOUND) {
         if (required)
             return qm_status_set(st, QM_EINVALID_MODEL,
                                  "config.json: key \"%s\" is missing (a %s config needs it)", key,
-                                 im->fam->model_type);
+                                 im->fam->name);
         *out = dflt;
         return 0;
     }
@@ -50,9 +33,9 @@ static int cfg_u32(hf_import *im, const char *key, int required, uint32_t dflt, 
     return 0;
 }
 
-static int cfg_num(hf_import *im, const char *key, double dflt, double *out, qm_status *st)
+static int cfg_num(qm__hf_import *im, const char *key, double dflt, double *out, qm_status *st)
 {
-    int rc = qm_hf_json_number(qmi_hf_config(im->ck), key, out, st);
+    int rc = qm_hf_json_number(qm__hf_config(im->ck), key, out, st);
     if (rc == QM_ENOT_FOUND) {
         *out = dflt;
         return 0;
@@ -60,9 +43,9 @@ static int cfg_num(hf_import *im, const char *key, double dflt, double *out, qm_
     return rc ? QM_EINVALID_MODEL : 0;
 }
 
-static int cfg_bool(hf_import *im, const char *key, int dflt, int *out, qm_status *st)
+static int cfg_bool(qm__hf_import *im, const char *key, int dflt, int *out, qm_status *st)
 {
-    int rc = qm_hf_json_bool(qmi_hf_config(im->ck), key, out, st);
+    int rc = qm_hf_json_bool(qm__hf_config(im->ck), key, out, st);
     if (rc == QM_ENOT_FOUND) {
         *out = dflt;
         return 0;
@@ -70,61 +53,70 @@ static int cfg_bool(hf_import *im, const char *key, int dflt, int *out, qm_statu
     return rc ? QM_EINVALID_MODEL : 0;
 }
 
-static int find_family(hf_import *im, qm_status *st)
+static int find_family(qm__hf_import *im, qm_status *st)
 {
-    const qm_hf_json *c = qmi_hf_config(im->ck);
+    const qm_hf_json *c = qm__hf_config(im->ck);
     const char *mt = NULL, *arch = NULL;
     int rc = qm_hf_json_string(c, "model_type", &mt, st);
     if (rc && rc != QM_ENOT_FOUND) return QM_EINVALID_MODEL;
     rc = qm_hf_json_array_string(c, "architectures", 0, &arch, st);
     if (rc && rc != QM_ENOT_FOUND) return QM_EINVALID_MODEL;
-    for (size_t i = 0; i < N_FAMILIES; i++)
-        if ((mt && strcmp(mt, families[i].model_type) == 0) ||
-            (!mt && arch && strcmp(arch, families[i].architecture) == 0)) {
-            im->fam = &families[i];
-            return 0;
-        }
+    if ((im->fam = qm__family_for_hf(mt, arch)) != NULL) return 0;
+    char names[256];
+    qm__family_names(0, names, sizeof names);
     return qm_status_set(st, QM_EUNSUPPORTED,
                          "config.json: model_type \"%.60s\" (architectures[0] \"%.60s\") is not a "
-                         "supported MoE family; supported: mixtral, qwen2_moe, qwen3_moe, olmoe, "
-                         "deepseek_v2, deepseek_v3, gpt_oss",
-                         mt ? mt : "(none)", arch ? arch : "(none)");
+                         "supported MoE family; supported: %s",
+                         mt ? mt : "(none)", arch ? arch : "(none)", names);
 }
 
 /* Which model layers have routed experts, per the family's rule. */
-static int moe_layers(hf_import *im, qm_status *st)
+static int moe_layers(qm__hf_import *im, qm_status *st)
 {
-    const qm_hf_json *c = qmi_hf_config(im->ck);
+    const qm_hf_json *c = qm__hf_config(im->ck);
     uint32_t step = 1, first_dense = 0;
     int rc;
-    if (im->fam->id == FAM_QWEN2_MOE || im->fam->id == FAM_QWEN3_MOE) {
+    const int sparse_step = (im->fam->flags & QM__FAM_SPARSE_STEP) != 0;
+    if (sparse_step) {
         if ((rc = cfg_u32(im, "decoder_sparse_step", 0, 1, &step, st)) != 0) return rc;
         if (step == 0)
             return qm_status_set(st, QM_EINVALID_MODEL,
                                  "config.json: decoder_sparse_step is 0, expected >= 1");
     }
-    if (im->fam->id == FAM_DEEPSEEK_V2 || im->fam->id == FAM_DEEPSEEK_V3)
+    if (im->fam->flags & QM__FAM_DENSE_PREFIX)
         if ((rc = cfg_u32(im, "first_k_dense_replace", 0, 0, &first_dense, st)) != 0 ||
             (rc = cfg_u32(im, "num_nextn_predict_layers", 0, 0, &im->mtp_layers, st)) != 0)
             return rc;
+    double *only = NULL;
     size_t n_only = 0;
-    rc = qm_hf_json_array_len(c, "mlp_only_layers", &n_only, st);
-    if (rc && rc != QM_ENOT_FOUND) return QM_EINVALID_MODEL;
-    if (rc == QM_ENOT_FOUND || (im->fam->id != FAM_QWEN2_MOE && im->fam->id != FAM_QWEN3_MOE))
-        n_only = 0;
-    im->layer_map = qm_calloc(im->model_layers ? im->model_layers : 1, sizeof *im->layer_map);
-    if (!im->layer_map) return qm_status_set(st, QM_ENOMEM, "out of memory");
-    for (uint32_t l = 0; l < im->model_layers; l++) {
-        int moe = l >= first_dense && (l + 1) % step == 0;
-        for (size_t i = 0; i < n_only && moe; i++) {
-            double v;
-            if (qm_hf_json_array_number(c, "mlp_only_layers", i, &v, st) != 0)
-                return qm_status_set(st, QM_EINVALID_MODEL,
-                                     "config.json: mlp_only_layers must be a list of integers");
-            if (v == (double)l) moe = 0;
-        }
-        if (moe) im->layer_map[im->n_moe++] = l;
+    if (sparse_step) {
+        rc = qm_hf_json_numbers(c, "mlp_only_layers", &only, &n_only, st);
+        if (rc && rc != QM_ENOT_FOUND) return QM_EINVALID_MODEL;
     }
+    im->layer_map = qm_calloc(im->model_layers ? im->model_layers : 1, sizeof *im->layer_map);
+    uint8_t *dense = qm_calloc(im->model_layers ? im->model_layers : 1, 1);
+    if (!im->layer_map || !dense) {
+        qm_free(only);
+        qm_free(dense);
+        return qm_status_set(st, QM_ENOMEM, "out of memory");
+    }
+    /* One pass over the list: layers past num_hidden_layers mean nothing
+     * (transformers ignores them too); anything but a whole index is wrong. */
+    for (size_t i = 0; i < n_only; i++) {
+        if (!(only[i] >= 0) || only[i] != floor(only[i])) {
+            rc = qm_status_set(st, QM_EINVALID_MODEL,
+                               "config.json: mlp_only_layers[%zu] is %g, expected a layer index", i,
+                               only[i]);
+            qm_free(only);
+            qm_free(dense);
+            return rc;
+        }
+        if (only[i] < (double)im->model_layers) dense[(size_t)only[i]] = 1;
+    }
+    qm_free(only);
+    for (uint32_t l = 0; l < im->model_layers; l++)
+        if (l >= first_dense && (l + 1) % step == 0 && !dense[l]) im->layer_map[im->n_moe++] = l;
+    qm_free(dense);
     if (!im->n_moe)
         return qm_status_set(st, QM_EINVALID_MODEL,
                              "config.json: no layer of the %u has routed experts "
@@ -133,7 +125,56 @@ static int moe_layers(hf_import *im, qm_status *st)
     return 0;
 }
 
-int qmi__hf_read_config(hf_import *im, qm_status *st)
+/* The family's routing rule, from the config keys its descriptor names. */
+static int read_routing(qm__hf_import *im, qm_status *st)
+{
+    const qm__family *f = im->fam;
+    const qm_hf_json *c = qm__hf_config(im->ck);
+    int rc;
+    im->alpha = 1.0f;
+    im->beta = 0.0f;
+    im->limit = INFINITY;
+    im->score = f->score;
+    im->normalize = f->normalize_default;
+    im->scale = f->scale_default;
+    if (f->normalize_key &&
+        (rc = cfg_bool(im, f->normalize_key, f->normalize_default, &im->normalize, st)) != 0)
+        return rc;
+    if (f->scale_key && (rc = cfg_num(im, f->scale_key, f->scale_default, &im->scale, st)) != 0)
+        return rc;
+    int grouped = f->groups == QM__GROUPS_ALWAYS;
+    if (f->groups == QM__GROUPS_BY_TOPK_METHOD) {
+        const char *method = "greedy";
+        rc = qm_hf_json_string(c, "topk_method", &method, st);
+        if (rc && rc != QM_ENOT_FOUND) return QM_EINVALID_MODEL;
+        grouped = strcmp(method, "group_limited_greedy") == 0;
+        if (!grouped && strcmp(method, "greedy") != 0)
+            return qm_status_set(st, QM_EUNSUPPORTED,
+                                 "config.json: topk_method \"%.40s\" is not supported for %s "
+                                 "(greedy, group_limited_greedy)",
+                                 method, f->name);
+    }
+    if (grouped) {
+        int required = f->n_group_default == 0;
+        if ((rc = cfg_u32(im, "n_group", required, f->n_group_default, &im->groups, st)) != 0 ||
+            (rc = cfg_u32(im, "topk_group", required, f->topk_group_default, &im->topk_groups,
+                          st)) != 0)
+            return rc;
+        im->group_score = f->group_score;
+    }
+    if (f->flags & QM__FAM_OAI_SWIGLU) {
+        double a, lim;
+        if ((rc = cfg_num(im, "swiglu_alpha", 1.702, &a, st)) != 0 ||
+            (rc = cfg_num(im, "swiglu_limit", 7.0, &lim, st)) != 0)
+            return rc;
+        im->alpha = (float)a;
+        im->beta = 1.0f;
+        im->limit = (float)lim;
+    }
+    return 0;
+}
+
+int qm__hf_read_config(qm__hf_import *im, qm_status *st)
 {
     int rc;
     if ((rc = find_family(im, st)) != 0) return rc;
@@ -165,60 +206,7 @@ int qmi__hf_read_config(hf_import *im, qm_status *st)
                              "hidden/intermediate <= 2^20)");
     if ((rc = moe_layers(im, st)) != 0) return rc;
 
-    im->alpha = 1.0f;
-    im->beta = 0.0f;
-    im->limit = INFINITY;
-    im->score = "softmax";
-    im->normalize = 1;
-    im->scale = 1.0;
-    const qm_hf_json *c = qmi_hf_config(im->ck);
-    switch (im->fam->id) {
-    case FAM_MIXTRAL:
-        break;
-    case FAM_QWEN2_MOE:
-    case FAM_QWEN3_MOE:
-    case FAM_OLMOE:
-        if ((rc = cfg_bool(im, "norm_topk_prob", 0, &im->normalize, st)) != 0) return rc;
-        break;
-    case FAM_DEEPSEEK_V2: {
-        const char *method = "greedy";
-        rc = qm_hf_json_string(c, "topk_method", &method, st);
-        if (rc && rc != QM_ENOT_FOUND) return QM_EINVALID_MODEL;
-        im->normalize = 0; /* transformers' DeepseekV2TopkRouter never renormalises */
-        if ((rc = cfg_num(im, "routed_scaling_factor", 1.0, &im->scale, st)) != 0) return rc;
-        if (strcmp(method, "group_limited_greedy") == 0) {
-            if ((rc = cfg_u32(im, "n_group", 1, 0, &im->groups, st)) != 0 ||
-                (rc = cfg_u32(im, "topk_group", 1, 0, &im->topk_groups, st)) != 0)
-                return rc;
-            im->group_score = "max";
-        } else if (strcmp(method, "greedy") != 0) {
-            return qm_status_set(st, QM_EUNSUPPORTED,
-                                 "config.json: topk_method \"%.40s\" is not supported for "
-                                 "deepseek_v2 (greedy, group_limited_greedy)",
-                                 method);
-        }
-        break;
-    }
-    case FAM_DEEPSEEK_V3:
-        im->score = "sigmoid";
-        if ((rc = cfg_bool(im, "norm_topk_prob", 1, &im->normalize, st)) != 0 ||
-            (rc = cfg_num(im, "routed_scaling_factor", 2.5, &im->scale, st)) != 0 ||
-            (rc = cfg_u32(im, "n_group", 0, 8, &im->groups, st)) != 0 ||
-            (rc = cfg_u32(im, "topk_group", 0, 4, &im->topk_groups, st)) != 0)
-            return rc;
-        im->group_score = "top2_sum";
-        break;
-    case FAM_GPT_OSS: {
-        double a, lim;
-        if ((rc = cfg_num(im, "swiglu_alpha", 1.702, &a, st)) != 0 ||
-            (rc = cfg_num(im, "swiglu_limit", 7.0, &lim, st)) != 0)
-            return rc;
-        im->alpha = (float)a;
-        im->beta = 1.0f;
-        im->limit = (float)lim;
-        break;
-    }
-    }
+    if ((rc = read_routing(im, st)) != 0) return rc;
     if (im->groups) {
         if (im->groups > im->E || im->E % im->groups || !im->topk_groups ||
             im->topk_groups > im->groups)
@@ -227,17 +215,20 @@ int qmi__hf_read_config(hf_import *im, qm_status *st)
                                  im->groups, im->topk_groups, im->E);
         if (im->groups == 1) im->groups = im->topk_groups = 0, im->group_score = NULL;
     }
-    if (!(im->scale > 0) || !isfinite(im->scale))
+    /* The bank loader's rule for qmoe.routing.scale: a finite f32 > 0. */
+    if (!(im->scale > 0) || !isfinite((float)im->scale) || !((float)im->scale > 0.0f))
         return qm_status_set(st, QM_EINVALID_MODEL,
-                             "config.json: routed_scaling_factor %g, expected > 0", im->scale);
+                             "config.json: routed_scaling_factor %g, expected a finite number > 0 "
+                             "that an f32 holds",
+                             im->scale);
     /* Quantised sources. */
+    const qm_hf_json *c = qm__hf_config(im->ck);
     const char *qm = NULL;
     rc = qm_hf_json_string(c, "quantization_config/quant_method", &qm, st);
     if (rc && rc != QM_ENOT_FOUND) return QM_EINVALID_MODEL;
-    if (qm && strcmp(qm, "mxfp4") == 0 && im->fam->id == FAM_GPT_OSS) {
+    if (qm && strcmp(qm, "mxfp4") == 0 && (im->fam->flags & QM__FAM_MXFP4)) {
         im->mxfp4 = 1;
-    } else if (qm && strcmp(qm, "fp8") == 0 &&
-               (im->fam->id == FAM_DEEPSEEK_V3 || im->fam->id == FAM_DEEPSEEK_V2)) {
+    } else if (qm && strcmp(qm, "fp8") == 0 && (im->fam->flags & QM__FAM_FP8)) {
         im->fp8 = 1;
         double bn = 128, bk = 128;
         size_t n = 0;
@@ -253,17 +244,25 @@ int qmi__hf_read_config(hf_import *im, qm_status *st)
         im->fp8_bn = (uint32_t)bn;
         im->fp8_bk = (uint32_t)bk;
     } else if (qm) {
+        char which[256] = "";
+        size_t at = 0;
+        for (size_t i = 0; i < qm__n_families && at < sizeof which; i++) {
+            unsigned fl = qm__families[i].flags;
+            if (fl & (QM__FAM_MXFP4 | QM__FAM_FP8))
+                at += (size_t)snprintf(which + at, sizeof which - at, "%s%s for %s", at ? ", " : "",
+                                       fl & QM__FAM_MXFP4 ? "mxfp4" : "fp8", qm__families[i].name);
+        }
         return qm_status_set(st, QM_EUNSUPPORTED,
                              "config.json: quantization_config.quant_method \"%.40s\" is not "
-                             "supported for %s (supported: mxfp4 for gpt_oss, fp8 for deepseek)",
-                             qm, im->fam->model_type);
+                             "supported for %s (supported: %s)",
+                             qm, im->fam->name, which);
     }
     return 0;
 }
 
 /* ---- checking the tensors against the config ----------------------------- */
 
-#define ELEM_FLOAT ((1u << QMI_ELEM_F32) | (1u << QMI_ELEM_F16) | (1u << QMI_ELEM_BF16))
+#define ELEM_FLOAT ((1u << QM__ELEM_F32) | (1u << QM__ELEM_F16) | (1u << QM__ELEM_BF16))
 
 static void fmt_shape(char *buf, size_t n, const uint64_t *shape, uint32_t nd)
 {
@@ -276,12 +275,12 @@ static void fmt_shape(char *buf, size_t n, const uint64_t *shape, uint32_t nd)
 
 /* The tensor `name`, of one of the element types in `elems` and shape `want`
  * (why says where the shape comes from), or an error naming it. */
-static int expect(hf_import *im, const char *name, unsigned elems, uint32_t nd,
-                  const uint64_t *want, const char *why, const qmi_hf_tensor **out, qm_status *st)
+static int expect(qm__hf_import *im, const char *name, unsigned elems, uint32_t nd,
+                  const uint64_t *want, const char *why, const qm__hf_tensor **out, qm_status *st)
 {
-    const qmi_hf_tensor *t = qmi_hf_find(im->ck, name);
+    const qm__hf_tensor *t = qm__hf_find(im->ck, name);
     if (!t) {
-        const char *f = qmi_hf_index_file(im->ck, name);
+        const char *f = qm__hf_index_file(im->ck, name);
         if (f)
             return qm_status_set(st, QM_EINVALID_MODEL,
                                  "%.80s: has no tensor %.120s, though model.safetensors.index.json "
@@ -289,15 +288,15 @@ static int expect(hf_import *im, const char *name, unsigned elems, uint32_t nd,
                                  f, name);
         return qm_status_set(st, QM_EINVALID_MODEL,
                              "checkpoint has no tensor %.120s (a %s checkpoint needs it)", name,
-                             im->fam->model_type);
+                             im->fam->name);
     }
-    const char *file = qmi_hf_shard_name(im->ck, t->shard);
+    const char *file = qm__hf_shard_name(im->ck, t->shard);
     if (!(elems & (1u << t->elem))) {
         char allowed[64] = "";
-        for (int e = 0; e < QMI_ELEM_OTHER; e++)
+        for (int e = 0; e < QM__ELEM_OTHER; e++)
             if (elems & (1u << e))
                 snprintf(allowed + strlen(allowed), sizeof allowed - strlen(allowed), "%s%s",
-                         allowed[0] ? "/" : "", qmi_elem_name((qmi_elem)e));
+                         allowed[0] ? "/" : "", qm__elem_name((qm__elem)e));
         return qm_status_set(st, QM_EINVALID_MODEL,
                              "%.80s: tensor %.120s has dtype %s, expected %s", file, name, t->dtype,
                              allowed);
@@ -318,27 +317,56 @@ static int expect(hf_import *im, const char *name, unsigned elems, uint32_t nd,
     return 0;
 }
 
-static int check_absent(hf_import *im, const char *name, const char *why, qm_status *st)
+static int check_absent(qm__hf_import *im, const char *name, const char *why, qm_status *st)
 {
-    const qmi_hf_tensor *t = qmi_hf_find(im->ck, name);
+    const qm__hf_tensor *t = qm__hf_find(im->ck, name);
     if (!t) return 0;
     return qm_status_set(st, QM_EINVALID_MODEL, "%.80s: tensor %.120s contradicts config.json (%s)",
-                         qmi_hf_shard_name(im->ck, t->shard), name, why);
+                         qm__hf_shard_name(im->ck, t->shard), name, why);
 }
 
-int qmi__hf_resolve(hf_import *im, qm_status *st)
+int qm__hf_resolve(qm__hf_import *im, qm_status *st)
 {
-    const family *f = im->fam;
+    const qm__family *f = im->fam;
     uint32_t E = im->E, H = im->H, I = im->I;
     size_t nl = im->n_moe;
     im->router_w = qm_calloc(nl, sizeof *im->router_w);
     im->router_b = qm_calloc(nl, sizeof *im->router_b);
     im->corr = qm_calloc(nl, sizeof *im->corr);
     im->layer_bytes = qm_calloc(nl, sizeof *im->layer_bytes);
-    if (f->gate)
-        im->expert_src = qm_calloc(nl * E * S_PER_EXPERT, sizeof *im->expert_src);
+    const int fused = (f->flags & QM__FAM_FUSED_EXPERTS) != 0;
+    /* config.json's counts are claims: every expert tensor they imply must
+     * exist before a table of them is allocated (65536 layers x 65536
+     * experts would be 200 GB of pointers for a 1 KB file). */
+    size_t have = 0;
+    qm__hf_tensors(im->ck, &have);
+    uint64_t need = fused ? (uint64_t)nl * 2 : (uint64_t)nl * E * 3;
+    if (need > have) {
+        char name[256];
+        for (size_t li = 0; li < nl; li++)
+            for (uint32_t e = 0; e < (fused ? 1 : E); e++)
+                for (int p = 0; p < (fused ? 1 : 3); p++) {
+                    const char *proj[3] = {f->gate, f->up, f->down};
+                    if (fused)
+                        snprintf(name, sizeof name, "model.layers.%u.%s.experts.%s",
+                                 im->layer_map[li], f->moe,
+                                 im->mxfp4 ? "gate_up_proj_blocks" : "gate_up_proj");
+                    else
+                        snprintf(name, sizeof name, "model.layers.%u.%s.experts.%u.%s.weight",
+                                 im->layer_map[li], f->moe, e, proj[p]);
+                    if (!qm__hf_find(im->ck, name))
+                        return qm_status_set(st, QM_EINVALID_MODEL,
+                                             "checkpoint has no tensor %.120s (config.json's "
+                                             "%u layers x %u experts need %llu expert tensors; "
+                                             "the checkpoint has %zu tensors)",
+                                             name, im->model_layers, E, (unsigned long long)need,
+                                             have);
+                }
+    }
+    if (!fused)
+        im->expert_src = qm_calloc(nl * E * QM__HF_PER_EXPERT, sizeof *im->expert_src);
     else
-        im->layer_src = qm_calloc(nl * G_COUNT, sizeof *im->layer_src);
+        im->layer_src = qm_calloc(nl * QM__HF_FUSED_COUNT, sizeof *im->layer_src);
     if (!im->router_w || !im->router_b || !im->corr || !im->layer_bytes ||
         (!im->expert_src && !im->layer_src))
         return qm_status_set(st, QM_ENOMEM, "out of memory");
@@ -352,25 +380,26 @@ int qmi__hf_resolve(hf_import *im, qm_status *st)
         snprintf(name, sizeof name, "model.layers.%u.%s.%s.weight", l, f->moe, f->router);
         if ((rc = expect(im, name, ELEM_FLOAT, 2, rshape, why, &im->router_w[li], st)) != 0)
             return rc;
-        if (f->id == FAM_GPT_OSS) {
-            snprintf(name, sizeof name, "model.layers.%u.mlp.router.bias", l);
+        if (f->flags & QM__FAM_ROUTER_BIAS) {
+            snprintf(name, sizeof name, "model.layers.%u.%s.%s.bias", l, f->moe, f->router);
             if ((rc = expect(im, name, ELEM_FLOAT, 1, rshape, why, &im->router_b[li], st)) != 0)
                 return rc;
         }
-        if (f->id == FAM_DEEPSEEK_V3) {
-            snprintf(name, sizeof name, "model.layers.%u.mlp.gate.e_score_correction_bias", l);
+        if (f->flags & QM__FAM_CORRECTION_BIAS) {
+            snprintf(name, sizeof name, "model.layers.%u.%s.%s.e_score_correction_bias", l, f->moe,
+                     f->router);
             if ((rc = expect(im, name, ELEM_FLOAT, 1, rshape, why, &im->corr[li], st)) != 0)
                 return rc;
         }
-        if (f->gate) {
+        if (!fused) {
             const char *proj[3] = {f->gate, f->up, f->down};
             for (uint32_t e = 0; e < E; e++) {
-                const qmi_hf_tensor **src = &im->expert_src[(li * E + e) * S_PER_EXPERT];
+                const qm__hf_tensor **src = &im->expert_src[(li * E + e) * QM__HF_PER_EXPERT];
                 for (int p = 0; p < 3; p++) {
                     uint64_t shape[2] = {p == 2 ? H : I, p == 2 ? I : H};
                     snprintf(name, sizeof name, "model.layers.%u.%s.experts.%u.%s.weight", l,
                              f->moe, e, proj[p]);
-                    unsigned elems = im->fp8 ? 1u << QMI_ELEM_F8_E4M3 : ELEM_FLOAT;
+                    unsigned elems = im->fp8 ? 1u << QM__ELEM_F8_E4M3 : ELEM_FLOAT;
                     if ((rc = expect(im, name, elems, 2, shape, why, &src[p], st)) != 0) return rc;
                     bytes += src[p]->nbytes;
                     if (im->fp8) {
@@ -393,7 +422,7 @@ int qmi__hf_resolve(hf_import *im, qm_status *st)
             snprintf(ewhy, sizeof ewhy, "it says %u experts", E);
             if ((rc = check_absent(im, name, ewhy, st)) != 0) return rc;
         } else {
-            const qmi_hf_tensor **src = &im->layer_src[li * G_COUNT];
+            const qm__hf_tensor **src = &im->layer_src[li * QM__HF_FUSED_COUNT];
             uint64_t b1[2] = {E, 2ull * I}, b2[2] = {E, H};
             if (im->mxfp4) {
                 if (H % 32 || I % 32)
@@ -403,33 +432,49 @@ int qmi__hf_resolve(hf_import *im, qm_status *st)
                                          H, I);
                 uint64_t gb[4] = {E, 2ull * I, H / 32, 16}, gs[3] = {E, 2ull * I, H / 32};
                 uint64_t db[4] = {E, H, I / 32, 16}, ds[3] = {E, H, I / 32};
-                snprintf(name, sizeof name, "model.layers.%u.mlp.experts.gate_up_proj_blocks", l);
-                if ((rc = expect(im, name, 1u << QMI_ELEM_U8, 4, gb, why, &src[G_GATE_UP], st)))
+                snprintf(name, sizeof name, "model.layers.%u.%s.experts.gate_up_proj_blocks", l,
+                         f->moe);
+                if ((rc = expect(im, name, 1u << QM__ELEM_U8, 4, gb, why,
+                                 &src[QM__HF_FUSED_GATE_UP], st)))
                     return rc;
-                snprintf(name, sizeof name, "model.layers.%u.mlp.experts.gate_up_proj_scales", l);
-                if ((rc = expect(im, name, 1u << QMI_ELEM_U8, 3, gs, why, &src[G_GATE_UP_SCALES],
+                snprintf(name, sizeof name, "model.layers.%u.%s.experts.gate_up_proj_scales", l,
+                         f->moe);
+                if ((rc = expect(im, name, 1u << QM__ELEM_U8, 3, gs, why,
+                                 &src[QM__HF_FUSED_GATE_UP_SCALES], st)))
+                    return rc;
+                snprintf(name, sizeof name, "model.layers.%u.%s.experts.down_proj_blocks", l,
+                         f->moe);
+                if ((rc = expect(im, name, 1u << QM__ELEM_U8, 4, db, why, &src[QM__HF_FUSED_DOWN],
                                  st)))
                     return rc;
-                snprintf(name, sizeof name, "model.layers.%u.mlp.experts.down_proj_blocks", l);
-                if ((rc = expect(im, name, 1u << QMI_ELEM_U8, 4, db, why, &src[G_DOWN], st)))
+                snprintf(name, sizeof name, "model.layers.%u.%s.experts.down_proj_scales", l,
+                         f->moe);
+                if ((rc = expect(im, name, 1u << QM__ELEM_U8, 3, ds, why,
+                                 &src[QM__HF_FUSED_DOWN_SCALES], st)))
                     return rc;
-                snprintf(name, sizeof name, "model.layers.%u.mlp.experts.down_proj_scales", l);
-                if ((rc = expect(im, name, 1u << QMI_ELEM_U8, 3, ds, why, &src[G_DOWN_SCALES], st)))
-                    return rc;
-                bytes += src[G_GATE_UP_SCALES]->nbytes + src[G_DOWN_SCALES]->nbytes;
+                bytes += src[QM__HF_FUSED_GATE_UP_SCALES]->nbytes +
+                         src[QM__HF_FUSED_DOWN_SCALES]->nbytes;
             } else {
                 uint64_t gu[3] = {E, H, 2ull * I}, dn[3] = {E, I, H};
-                snprintf(name, sizeof name, "model.layers.%u.mlp.experts.gate_up_proj", l);
-                if ((rc = expect(im, name, ELEM_FLOAT, 3, gu, why, &src[G_GATE_UP], st))) return rc;
-                snprintf(name, sizeof name, "model.layers.%u.mlp.experts.down_proj", l);
-                if ((rc = expect(im, name, ELEM_FLOAT, 3, dn, why, &src[G_DOWN], st))) return rc;
+                snprintf(name, sizeof name, "model.layers.%u.%s.experts.gate_up_proj", l, f->moe);
+                if ((rc = expect(im, name, ELEM_FLOAT, 3, gu, why, &src[QM__HF_FUSED_GATE_UP], st)))
+                    return rc;
+                snprintf(name, sizeof name, "model.layers.%u.%s.experts.down_proj", l, f->moe);
+                if ((rc = expect(im, name, ELEM_FLOAT, 3, dn, why, &src[QM__HF_FUSED_DOWN], st)))
+                    return rc;
             }
-            bytes += src[G_GATE_UP]->nbytes + src[G_DOWN]->nbytes;
-            snprintf(name, sizeof name, "model.layers.%u.mlp.experts.gate_up_proj_bias", l);
-            if ((rc = expect(im, name, ELEM_FLOAT, 2, b1, why, &src[G_GATE_UP_BIAS], st)))
-                return rc;
-            snprintf(name, sizeof name, "model.layers.%u.mlp.experts.down_proj_bias", l);
-            if ((rc = expect(im, name, ELEM_FLOAT, 2, b2, why, &src[G_DOWN_BIAS], st))) return rc;
+            bytes += src[QM__HF_FUSED_GATE_UP]->nbytes + src[QM__HF_FUSED_DOWN]->nbytes;
+            if (f->flags & QM__FAM_EXPERT_BIASES) {
+                snprintf(name, sizeof name, "model.layers.%u.%s.experts.gate_up_proj_bias", l,
+                         f->moe);
+                if ((rc = expect(im, name, ELEM_FLOAT, 2, b1, why, &src[QM__HF_FUSED_GATE_UP_BIAS],
+                                 st)))
+                    return rc;
+                snprintf(name, sizeof name, "model.layers.%u.%s.experts.down_proj_bias", l, f->moe);
+                if ((rc = expect(im, name, ELEM_FLOAT, 2, b2, why, &src[QM__HF_FUSED_DOWN_BIAS],
+                                 st)))
+                    return rc;
+            }
         }
         im->layer_bytes[li] = bytes;
     }
@@ -442,11 +487,11 @@ int qmi__hf_resolve(hf_import *im, qm_status *st)
             li++;
             continue;
         }
-        if (f->gate)
+        if (!fused)
             snprintf(name, sizeof name, "model.layers.%u.%s.experts.0.%s.weight", l, f->moe,
                      f->gate);
         else
-            snprintf(name, sizeof name, "model.layers.%u.mlp.experts.%s", l,
+            snprintf(name, sizeof name, "model.layers.%u.%s.experts.%s", l, f->moe,
                      im->mxfp4 ? "gate_up_proj_blocks" : "gate_up_proj");
         char lwhy[128];
         if (l >= im->model_layers)

@@ -13,22 +13,26 @@
 
 #include "qm_alloc.h"
 #include "qm_st_header.h"
+#include "tool_input.h"
 
 typedef struct shard {
     char *name, *path;
     uint8_t *map;
     size_t size;
+    int mapped; /* 1: map is ours to unmap */
     qm_st_header *header;
 } shard;
 
-struct qmi_hf_checkpoint {
+struct qm__hf_checkpoint {
     char *dir;
+    const qm__hf_file *mem; /* an in-memory checkpoint (qm__hf_open_memory), else NULL */
+    size_t n_mem;
     qm_hf_json *config, *index;
     const char **index_names, **index_files;
     size_t n_index;
     shard *shards;
     uint32_t n_shards;
-    qmi_hf_tensor *tensors; /* sorted by name */
+    qm__hf_tensor *tensors; /* sorted by name */
     size_t n_tensors;
 };
 
@@ -40,35 +44,36 @@ static char *join(const char *dir, const char *name)
     return p;
 }
 
-/* Reads a whole small file (config, index) into a NUL-terminated buffer. */
+/* Reads a whole small file (config, index) into a NUL-terminated buffer:
+ * at most 64 MiB, and no more than the file's size says it holds. */
 static int slurp(const char *path, const char *what, char **text, size_t *len, qm_status *st)
 {
     *text = NULL;
-    FILE *f = fopen(path, "rb");
-    if (!f)
-        return qm_status_set(st, errno == ENOENT ? QM_ENOT_FOUND : QM_EIO, "%.200s: %s", what,
-                             strerror(errno));
-    size_t cap = 1 << 16, n = 0;
-    char *buf = qm_malloc(cap + 1);
-    int rc = 0;
-    while (buf) {
-        size_t k = fread(buf + n, 1, cap - n, f);
-        n += k;
-        if (n < cap) break;
-        if (cap >= (64u << 20)) {
-            rc = qm_status_set(st, QM_EPARSE, "%.200s: larger than 64 MiB", what);
+    int fd = -1;
+    uint64_t size = 0;
+    int rc = qm__open_input(path, what, &fd, &size, st);
+    if (rc) return rc;
+    if (size > (64u << 20)) {
+        close(fd);
+        return qm_status_set(st, QM_EPARSE, "%.200s: larger than 64 MiB", what);
+    }
+    char *buf = qm_malloc((size_t)size + 1);
+    if (!buf) {
+        close(fd);
+        return qm_status_set(st, QM_ENOMEM, "out of memory reading %.200s", what);
+    }
+    size_t n = 0;
+    while (n < size) {
+        ssize_t k = read(fd, buf + n, (size_t)size - n);
+        if (k < 0 && errno == EINTR) continue;
+        if (k < 0) {
+            rc = qm_status_set(st, QM_EIO, "%.200s: read error: %s", what, strerror(errno));
             break;
         }
-        cap *= 2;
-        char *nb = qm_realloc(buf, cap + 1);
-        if (!nb) qm_free(buf);
-        buf = nb;
+        if (k == 0) break; /* shrank while read: what is there is the file */
+        n += (size_t)k;
     }
-    if (!buf)
-        rc = qm_status_set(st, QM_ENOMEM, "out of memory reading %.200s", what);
-    else if (!rc && ferror(f))
-        rc = qm_status_set(st, QM_EIO, "%.200s: read error", what);
-    fclose(f);
+    close(fd);
     if (rc) {
         qm_free(buf);
         return rc;
@@ -79,9 +84,33 @@ static int slurp(const char *path, const char *what, char **text, size_t *len, q
     return 0;
 }
 
-static int load_json(const char *dir, const char *name, qm_hf_json **out, qm_status *st)
+static const qm__hf_file *mem_file(const qm__hf_checkpoint *ck, const char *name)
 {
-    char *path = join(dir, name), *text = NULL;
+    for (size_t i = 0; i < ck->n_mem; i++)
+        if (strcmp(ck->mem[i].name, name) == 0) return &ck->mem[i];
+    return NULL;
+}
+
+/* Whether the checkpoint has a file called name (a directory entry of any
+ * kind: opening it decides whether it is usable). */
+static int has_file(const qm__hf_checkpoint *ck, const char *name)
+{
+    if (ck->mem) return mem_file(ck, name) != NULL;
+    char *p = join(ck->dir, name);
+    struct stat sb;
+    int ok = p && lstat(p, &sb) == 0;
+    qm_free(p);
+    return ok;
+}
+
+static int load_json(qm__hf_checkpoint *ck, const char *name, qm_hf_json **out, qm_status *st)
+{
+    if (ck->mem) {
+        const qm__hf_file *f = mem_file(ck, name);
+        if (!f) return qm_status_set(st, QM_ENOT_FOUND, "%.200s: no such file", name);
+        return qm_hf_json_parse((const char *)f->data, f->size, name, out, st);
+    }
+    char *path = join(ck->dir, name), *text = NULL;
     size_t len = 0;
     if (!path) return qm_status_set(st, QM_ENOMEM, "out of memory");
     int rc = slurp(path, path, &text, &len, st);
@@ -98,15 +127,7 @@ static int cmp_str(const void *a, const void *b)
 
 static int cmp_tensor(const void *a, const void *b)
 {
-    return strcmp(((const qmi_hf_tensor *)a)->name, ((const qmi_hf_tensor *)b)->name);
-}
-
-static int access_single(const char *dir)
-{
-    char *p = join(dir, "model.safetensors");
-    int ok = p && access(p, F_OK) == 0;
-    qm_free(p);
-    return ok;
+    return strcmp(((const qm__hf_tensor *)a)->name, ((const qm__hf_tensor *)b)->name);
 }
 
 /* A shard named by the index must be a file directly inside the checkpoint
@@ -118,7 +139,7 @@ static int plain_file_name(const char *name)
 }
 
 /* The shard file names: the index's distinct values, or *.safetensors in dir. */
-static int list_shards(qmi_hf_checkpoint *ck, char ***names, size_t *n, qm_status *st)
+static int list_shards(qm__hf_checkpoint *ck, char ***names, size_t *n, qm_status *st)
 {
     *names = NULL;
     *n = 0;
@@ -151,30 +172,38 @@ static int list_shards(qmi_hf_checkpoint *ck, char ***names, size_t *n, qm_statu
             list[count++] = qm_strdup(sorted[i]);
         }
         qm_free(sorted);
-    } else if (access_single(ck->dir)) {
+    } else if (has_file(ck, "model.safetensors")) {
         /* save_pretrained's single file: other *.safetensors beside it
          * (a consolidated copy, someone's outputs) are not the checkpoint. */
         list = qm_calloc(1, sizeof *list);
         if (!list) return qm_status_set(st, QM_ENOMEM, "out of memory");
         list[count++] = qm_strdup("model.safetensors");
     } else {
-        DIR *d = opendir(ck->dir);
-        if (!d)
+        DIR *d = ck->mem ? NULL : opendir(ck->dir);
+        if (!ck->mem && !d)
             return qm_status_set(st, QM_ENOT_FOUND, "cannot open directory %.200s: %s", ck->dir,
                                  strerror(errno));
         struct dirent *de;
-        while ((de = readdir(d)) != NULL) {
-            size_t len = strlen(de->d_name);
-            if (len <= 12 || strcmp(de->d_name + len - 12, ".safetensors") != 0) continue;
+        for (size_t i = 0;; i++) {
+            const char *fn = NULL;
+            if (ck->mem) {
+                if (i == ck->n_mem) break;
+                fn = ck->mem[i].name;
+            } else {
+                if ((de = readdir(d)) == NULL) break;
+                fn = de->d_name;
+            }
+            size_t len = strlen(fn);
+            if (len <= 12 || strcmp(fn + len - 12, ".safetensors") != 0) continue;
             if (count == cap) {
                 cap = cap ? 2 * cap : 8;
                 char **nl = qm_realloc(list, cap * sizeof *nl);
                 if (!nl) break;
                 list = nl;
             }
-            list[count++] = qm_strdup(de->d_name);
+            list[count++] = qm_strdup(fn);
         }
-        closedir(d);
+        if (d) closedir(d);
         if (count) qsort(list, count, sizeof *list, cmp_str);
     }
     for (size_t i = 0; i < count; i++)
@@ -196,37 +225,75 @@ static int list_shards(qmi_hf_checkpoint *ck, char ***names, size_t *n, qm_statu
     return 0;
 }
 
-static int map_shard(qmi_hf_checkpoint *ck, shard *s, qm_status *st)
+static int by_begin(const void *a, const void *b)
 {
-    int fd = open(s->path, O_RDONLY | O_CLOEXEC);
-    if (fd < 0) {
-        if (errno == ENOENT && ck->index) {
-            const char *example = "";
-            for (size_t i = 0; i < ck->n_index; i++)
-                if (strcmp(ck->index_files[i], s->name) == 0) {
-                    example = ck->index_names[i];
-                    break;
-                }
-            return qm_status_set(st, QM_ENOT_FOUND,
-                                 "missing shard %.120s: model.safetensors.index.json puts tensors "
-                                 "there (e.g. %.100s)",
-                                 s->path, example);
-        }
-        return qm_status_set(st, errno == ENOENT ? QM_ENOT_FOUND : QM_EIO, "cannot open %.200s: %s",
-                             s->path, strerror(errno));
+    const qm_st_tensor *x = *(const qm_st_tensor *const *)a, *y = *(const qm_st_tensor *const *)b;
+    return x->begin < y->begin ? -1 : x->begin > y->begin;
+}
+
+/* Every tensor's bytes are its own: tensors sharing data would let a small
+ * shard claim a large model. */
+static int check_overlaps(const shard *s, qm_status *st)
+{
+    size_t n = s->header->n_tensors;
+    const qm_st_tensor **order = qm_calloc(n ? n : 1, sizeof *order);
+    if (!order) return qm_status_set(st, QM_ENOMEM, "out of memory checking %.100s", s->name);
+    size_t m = 0;
+    for (size_t i = 0; i < n; i++)
+        if (s->header->tensors[i].end > s->header->tensors[i].begin)
+            order[m++] = &s->header->tensors[i];
+    qsort(order, m, sizeof *order, by_begin);
+    int rc = 0;
+    for (size_t i = 1; i < m && rc == 0; i++)
+        if (order[i]->begin < order[i - 1]->end)
+            rc = qm_status_set(st, QM_EINVALID_MODEL,
+                               "%.100s: tensor %.100s: data_offsets [%llu, %llu] overlap tensor "
+                               "%.100s's [%llu, %llu]",
+                               s->name, order[i]->name, (unsigned long long)order[i]->begin,
+                               (unsigned long long)order[i]->end, order[i - 1]->name,
+                               (unsigned long long)order[i - 1]->begin,
+                               (unsigned long long)order[i - 1]->end);
+    qm_free(order);
+    return rc;
+}
+
+static int map_shard(qm__hf_checkpoint *ck, shard *s, qm_status *st)
+{
+    int fd = -1;
+    uint64_t size = 0;
+    const qm__hf_file *mf = ck->mem ? mem_file(ck, s->name) : NULL;
+    int rc = ck->mem ? (mf ? 0 : qm_status_set(st, QM_ENOT_FOUND, "%.200s: no such file", s->name))
+                     : qm__open_input(s->path, s->path, &fd, &size, st);
+    if (mf) size = mf->size;
+    if (rc == QM_ENOT_FOUND && ck->index) {
+        const char *example = "";
+        for (size_t i = 0; i < ck->n_index; i++)
+            if (strcmp(ck->index_files[i], s->name) == 0) {
+                example = ck->index_names[i];
+                break;
+            }
+        return qm_status_set(st, QM_ENOT_FOUND,
+                             "missing shard %.120s: model.safetensors.index.json puts tensors "
+                             "there (e.g. %.100s)",
+                             s->path, example);
     }
-    struct stat sb;
-    if (fstat(fd, &sb) != 0 || sb.st_size < 8) {
-        close(fd);
+    if (rc) return rc;
+    if (size < 8) {
+        if (fd >= 0) close(fd);
         return qm_status_set(st, QM_EINVALID_MODEL,
                              "%.200s: not a safetensors file (shorter than 8 bytes)", s->path);
     }
-    s->size = (size_t)sb.st_size;
-    void *m = mmap(NULL, s->size, PROT_READ, MAP_SHARED, fd, 0);
-    close(fd);
-    if (m == MAP_FAILED)
-        return qm_status_set(st, QM_EIO, "cannot map %.200s: %s", s->path, strerror(errno));
-    s->map = m;
+    s->size = (size_t)size;
+    if (mf) {
+        s->map = (uint8_t *)mf->data;
+    } else {
+        void *m = mmap(NULL, s->size, PROT_READ, MAP_SHARED, fd, 0);
+        close(fd);
+        if (m == MAP_FAILED)
+            return qm_status_set(st, QM_EIO, "cannot map %.200s: %s", s->path, strerror(errno));
+        s->map = m;
+        s->mapped = 1;
+    }
     uint64_t hlen = 0;
     for (int i = 0; i < 8; i++)
         hlen |= (uint64_t)s->map[i] << (8 * i);
@@ -241,8 +308,8 @@ static int map_shard(qmi_hf_checkpoint *ck, shard *s, qm_status *st)
     uint64_t data = 8 + hlen, avail = s->size - data;
     for (size_t i = 0; i < s->header->n_tensors; i++) {
         const qm_st_tensor *t = &s->header->tensors[i];
-        qmi_elem e = qmi_elem_from_st(t->dtype);
-        size_t es = e == QMI_ELEM_OTHER ? qm_st_dtype_size(t->dtype) : qmi_elem_size(e);
+        qm__elem e = qm__elem_from_st(t->dtype);
+        size_t es = e == QM__ELEM_OTHER ? qm_st_dtype_size(t->dtype) : qm__elem_size(e);
         unsigned long long want = es;
         for (uint32_t d = 0; d < t->ndim && es; d++)
             if (qm_mul_u64(want, t->shape[d], &want) != 0) want = ~0ull;
@@ -254,30 +321,19 @@ static int map_shard(qmi_hf_checkpoint *ck, shard *s, qm_status *st)
                 s->name, t->name, (unsigned long long)t->begin, (unsigned long long)t->end,
                 t->dtype, (unsigned long long)avail);
     }
-    return 0;
+    return check_overlaps(s, st);
 }
 
-int qmi_hf_open(const char *dir, qmi_hf_checkpoint **out, qm_status *st)
+/* The rest of an open, for a directory and an in-memory set alike. */
+static int open_common(qm__hf_checkpoint *ck, qm_status *st)
 {
-    *out = NULL;
-    qmi_hf_checkpoint *ck = qm_calloc(1, sizeof *ck);
+    const char *dir = ck->dir;
     char **names = NULL;
     size_t n_names = 0;
     int rc;
-    if (!ck || !(ck->dir = qm_strdup(dir))) {
-        qm_free(ck);
-        return qm_status_set(st, QM_ENOMEM, "out of memory");
-    }
-    if ((rc = load_json(dir, "config.json", &ck->config, st)) != 0) goto fail;
-    char *ipath = join(dir, "model.safetensors.index.json");
-    if (!ipath) {
-        rc = qm_status_set(st, QM_ENOMEM, "out of memory");
-        goto fail;
-    }
-    int have_index = access(ipath, F_OK) == 0;
-    qm_free(ipath);
-    if (have_index) {
-        if ((rc = load_json(dir, "model.safetensors.index.json", &ck->index, st)) != 0) goto fail;
+    if ((rc = load_json(ck, "config.json", &ck->config, st)) != 0) goto fail;
+    if (has_file(ck, "model.safetensors.index.json")) {
+        if ((rc = load_json(ck, "model.safetensors.index.json", &ck->index, st)) != 0) goto fail;
         rc = qm_hf_json_string_map(ck->index, "weight_map", &ck->index_names, &ck->index_files,
                                    &ck->n_index, st);
         if (rc == QM_ENOT_FOUND)
@@ -316,10 +372,10 @@ int qmi_hf_open(const char *dir, qmi_hf_checkpoint **out, qm_status *st)
             data += (uint64_t)s->map[b] << (8 * b);
         for (size_t j = 0; j < s->header->n_tensors; j++) {
             const qm_st_tensor *t = &s->header->tensors[j];
-            qmi_hf_tensor *h = &ck->tensors[ck->n_tensors++];
+            qm__hf_tensor *h = &ck->tensors[ck->n_tensors++];
             h->name = t->name;
             h->shard = i;
-            h->elem = qmi_elem_from_st(t->dtype);
+            h->elem = qm__elem_from_st(t->dtype);
             h->dtype = t->dtype;
             h->ndim = t->ndim;
             memcpy(h->shape, t->shape, sizeof h->shape);
@@ -336,22 +392,56 @@ int qmi_hf_open(const char *dir, qmi_hf_checkpoint **out, qm_status *st)
             goto fail;
         }
     qm_free(names);
-    *out = ck;
     return 0;
 fail:
     for (size_t i = 0; names && i < n_names; i++)
         qm_free(names[i]);
     qm_free(names);
-    qmi_hf_close(ck);
     return rc;
 }
 
-void qmi_hf_close(qmi_hf_checkpoint *ck)
+int qm__hf_open(const char *dir, qm__hf_checkpoint **out, qm_status *st)
+{
+    *out = NULL;
+    qm__hf_checkpoint *ck = qm_calloc(1, sizeof *ck);
+    if (!ck || !(ck->dir = qm_strdup(dir))) {
+        qm_free(ck);
+        return qm_status_set(st, QM_ENOMEM, "out of memory");
+    }
+    int rc = open_common(ck, st);
+    if (rc) {
+        qm__hf_close(ck);
+        return rc;
+    }
+    *out = ck;
+    return 0;
+}
+
+int qm__hf_open_memory(const qm__hf_file *files, size_t n, qm__hf_checkpoint **out, qm_status *st)
+{
+    *out = NULL;
+    qm__hf_checkpoint *ck = qm_calloc(1, sizeof *ck);
+    if (!ck || !(ck->dir = qm_strdup("(memory)"))) {
+        qm_free(ck);
+        return qm_status_set(st, QM_ENOMEM, "out of memory");
+    }
+    ck->mem = files;
+    ck->n_mem = n;
+    int rc = open_common(ck, st);
+    if (rc) {
+        qm__hf_close(ck);
+        return rc;
+    }
+    *out = ck;
+    return 0;
+}
+
+void qm__hf_close(qm__hf_checkpoint *ck)
 {
     if (!ck) return;
     for (uint32_t i = 0; i < ck->n_shards; i++) {
         shard *s = &ck->shards[i];
-        if (s->map) munmap(s->map, s->size);
+        if (s->mapped) munmap(s->map, s->size);
         qm_st_header_free(s->header);
         qm_free(s->name);
         qm_free(s->path);
@@ -366,41 +456,41 @@ void qmi_hf_close(qmi_hf_checkpoint *ck)
     qm_free(ck);
 }
 
-const qm_hf_json *qmi_hf_config(const qmi_hf_checkpoint *ck)
+const qm_hf_json *qm__hf_config(const qm__hf_checkpoint *ck)
 {
     return ck->config;
 }
 
-const qmi_hf_tensor *qmi_hf_find(const qmi_hf_checkpoint *ck, const char *name)
+const qm__hf_tensor *qm__hf_find(const qm__hf_checkpoint *ck, const char *name)
 {
-    qmi_hf_tensor key = {.name = name};
+    qm__hf_tensor key = {.name = name};
     return bsearch(&key, ck->tensors, ck->n_tensors, sizeof key, cmp_tensor);
 }
 
-const char *qmi_hf_index_file(const qmi_hf_checkpoint *ck, const char *name)
+const char *qm__hf_index_file(const qm__hf_checkpoint *ck, const char *name)
 {
     for (size_t i = 0; i < ck->n_index; i++)
         if (strcmp(ck->index_names[i], name) == 0) return ck->index_files[i];
     return NULL;
 }
 
-uint32_t qmi_hf_shard_count(const qmi_hf_checkpoint *ck)
+uint32_t qm__hf_shard_count(const qm__hf_checkpoint *ck)
 {
     return ck->n_shards;
 }
 
-const char *qmi_hf_shard_name(const qmi_hf_checkpoint *ck, uint32_t i)
+const char *qm__hf_shard_name(const qm__hf_checkpoint *ck, uint32_t i)
 {
     return i < ck->n_shards ? ck->shards[i].name : NULL;
 }
 
-const qmi_hf_tensor *qmi_hf_tensors(const qmi_hf_checkpoint *ck, size_t *count)
+const qm__hf_tensor *qm__hf_tensors(const qm__hf_checkpoint *ck, size_t *count)
 {
     *count = ck->n_tensors;
     return ck->tensors;
 }
 
-static void page_range(const qmi_hf_tensor *t, uintptr_t *lo, size_t *len)
+static void page_range(const qm__hf_tensor *t, uintptr_t *lo, size_t *len)
 {
     uintptr_t page = (uintptr_t)sysconf(_SC_PAGESIZE);
     uintptr_t a = (uintptr_t)t->data & ~(page - 1);
@@ -408,17 +498,17 @@ static void page_range(const qmi_hf_tensor *t, uintptr_t *lo, size_t *len)
     *len = (size_t)((uintptr_t)t->data + t->nbytes - a);
 }
 
-void qmi_hf_prefetch(const qmi_hf_checkpoint *ck, const qmi_hf_tensor *t)
+void qm__hf_prefetch(const qm__hf_checkpoint *ck, const qm__hf_tensor *t)
 {
-    (void)ck;
+    if (ck->mem) return;
     uintptr_t lo;
     size_t len;
     page_range(t, &lo, &len);
     if (len) madvise((void *)lo, len, MADV_WILLNEED);
 }
 
-void qmi_hf_release(qmi_hf_checkpoint *ck)
+void qm__hf_release(qm__hf_checkpoint *ck)
 {
     for (uint32_t i = 0; i < ck->n_shards; i++)
-        if (ck->shards[i].map) madvise(ck->shards[i].map, ck->shards[i].size, MADV_DONTNEED);
+        if (ck->shards[i].mapped) madvise(ck->shards[i].map, ck->shards[i].size, MADV_DONTNEED);
 }

@@ -2,6 +2,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "import_families.h"
 #include "qmoe_bank_tool.h"
 
 static void help_main(FILE *f)
@@ -16,47 +17,12 @@ static void help_main(FILE *f)
           "  inspect  validate a bank and print its summary, tensors and region catalogs\n"
           "  run      run one MoE layer of a bank on the CPU engine (.npy in, .npy out)\n"
           "  import   import a model's experts: import hf DIR (a Hugging Face checkpoint),\n"
-          "           import gguf FILE (a llama.cpp GGUF file)\n"
+          "           import gguf FILE (a llama.cpp GGUF file); import --families lists\n"
+          "           the families both read, as JSON\n"
           "\n"
           "`qmoe-bank <command> --help` describes each command.\n"
           "exit status: 0 ok, 1 runtime failure, 2 bad usage or invalid file.\n",
           f);
-}
-
-int qmb_usage(const char *cmd, const char *what)
-{
-    fprintf(stderr, "qmoe-bank %s: %s (see qmoe-bank %s --help)\n", cmd, what, cmd);
-    return QMB_USAGE;
-}
-
-int qmb_parse_u32(const char *s, unsigned long long max, unsigned *out)
-{
-    if (!s || !*s)
-        return -1;
-    unsigned long long v = 0;
-    for (const char *p = s; *p; p++) {
-        if (*p < '0' || *p > '9')
-            return -1;
-        v = v * 10 + (unsigned long long)(*p - '0');
-        if (v > max || v > 0xffffffffull)
-            return -1;
-    }
-    *out = (unsigned)v;
-    return 0;
-}
-
-void qmb_json_string(FILE *f, const char *s)
-{
-    fputc('"', f);
-    for (const unsigned char *c = (const unsigned char *)s; *c; c++) {
-        if (*c == '"' || *c == '\\')
-            fprintf(f, "\\%c", *c);
-        else if (*c < 0x20)
-            fprintf(f, "\\u%04x", *c);
-        else
-            fputc(*c, f);
-    }
-    fputc('"', f);
 }
 
 /* `qmoe-bank import FORMAT ...`: one entry per source format; each gets
@@ -67,47 +33,48 @@ static int import_main(int argc, char **argv)
         const char *format;
         int (*run)(int argc, char **argv);
     } formats[] = {
-        {"hf", qmb_import_hf},
-        {"gguf", qmb_import_gguf},
+        {"hf", qm__cmd_import_hf},
+        {"gguf", qm__cmd_import_gguf},
     };
+    if (argc >= 2 && strcmp(argv[1], "--families") == 0) {
+        qm__families_json(stdout);
+        return QM__EXIT_OK;
+    }
     if (argc >= 2 && (strcmp(argv[1], "--help") == 0 || strcmp(argv[1], "-h") == 0)) {
-        qmb_help_import_hf(stdout);
+        qm__help_import_hf(stdout);
         fputc('\n', stdout);
-        qmb_help_import_gguf(stdout);
-        return QMB_OK;
+        qm__help_import_gguf(stdout);
+        return QM__EXIT_OK;
     }
     for (size_t i = 0; argc >= 2 && i < sizeof formats / sizeof formats[0]; i++)
-        if (strcmp(argv[1], formats[i].format) == 0)
-            return formats[i].run(argc - 1, argv + 1);
-    fprintf(stderr, "qmoe-bank import: expected a source format (hf or gguf) and its arguments; see "
-                    "qmoe-bank import --help\n");
-    return QMB_USAGE;
+        if (strcmp(argv[1], formats[i].format) == 0) return formats[i].run(argc - 1, argv + 1);
+    fprintf(stderr,
+            "qmoe-bank import: expected a source format (hf or gguf) and its arguments; see "
+            "qmoe-bank import --help\n");
+    return QM__EXIT_USAGE;
 }
 
 int main(int argc, char **argv)
 {
     if (argc < 2) {
         help_main(stderr);
-        return QMB_USAGE;
+        return QM__EXIT_USAGE;
     }
     const char *cmd = argv[1];
     if (strcmp(cmd, "--help") == 0 || strcmp(cmd, "-h") == 0 || strcmp(cmd, "help") == 0) {
         help_main(stdout);
-        return QMB_OK;
+        return QM__EXIT_OK;
     }
     if (strcmp(cmd, "--version") == 0) {
         printf("qmoe-bank %s\n", QMOE_VERSION);
-        return QMB_OK;
+        return QM__EXIT_OK;
     }
-    if (strcmp(cmd, "create") == 0)
-        return qmb_create(argc - 1, argv + 1);
-    if (strcmp(cmd, "inspect") == 0)
-        return qmb_inspect(argc - 1, argv + 1);
-    if (strcmp(cmd, "run") == 0)
-        return qmb_run(argc - 1, argv + 1);
-    if (strcmp(cmd, "import") == 0)
-        return import_main(argc - 1, argv + 1);
-    fprintf(stderr, "qmoe-bank: unknown command \"%.64s\" (create, inspect, run, import; see --help)\n",
+    if (strcmp(cmd, "create") == 0) return qm__cmd_create(argc - 1, argv + 1);
+    if (strcmp(cmd, "inspect") == 0) return qm__cmd_inspect(argc - 1, argv + 1);
+    if (strcmp(cmd, "run") == 0) return qm__cmd_run(argc - 1, argv + 1);
+    if (strcmp(cmd, "import") == 0) return import_main(argc - 1, argv + 1);
+    fprintf(stderr,
+            "qmoe-bank: unknown command \"%.64s\" (create, inspect, run, import; see --help)\n",
             cmd);
-    return QMB_USAGE;
+    return QM__EXIT_USAGE;
 }

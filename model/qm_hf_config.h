@@ -1,8 +1,9 @@
 /* qm_hf_config.h - the JSON files of a Hugging Face checkpoint, as typed lookups.
  *
  * `qmoe-bank import hf` reads config.json and model.safetensors.index.json;
- * only protocol/ may see cJSON, so both are parsed here and the importer asks
- * typed questions ("the number at key K"). Keys address nested objects with
+ * like the safetensors header codec beside it, this is a codec of untrusted
+ * file bytes, so model/ parses both and the importer asks typed questions
+ * ("the number at key K") without seeing cJSON. Keys address nested objects with
  * '/' ("quantization_config/quant_method"), because tensor names and config
  * keys contain dots. The text is untrusted: nesting is bounded before cJSON
  * sees it, and every lookup checks the value's type. */
@@ -35,6 +36,13 @@ int qm_hf_json_array_number(const qm_hf_json *j, const char *key, size_t i, doub
                             qm_status *st);
 int qm_hf_json_array_string(const qm_hf_json *j, const char *key, size_t i, const char **out,
                             qm_status *st);
+
+/* Every item of the array at key as a number, in one walk (an index lookup
+ * per item would cost the array's length each): *out is an array of *n
+ * doubles the caller frees with qm_free (NULL when empty). QM_EINVAL naming
+ * the key when an item is not a number. */
+int qm_hf_json_numbers(const qm_hf_json *j, const char *key, double **out, size_t *n,
+                       qm_status *st);
 
 /* The members of the object at key (e.g. "weight_map" of an index file),
  * each a (name, string value) pair. *names and *values are arrays of n

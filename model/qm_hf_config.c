@@ -1,11 +1,12 @@
 /* qm_hf_config.c - typed lookups into a checkpoint's config.json and index.json. */
 #include "qm_hf_config.h"
 
+#include <cJSON.h>
 #include <stdio.h>
 #include <string.h>
 
 #include "qm_alloc.h"
-#include "qm_rpc_impl.h"
+#include "qm_bank_internal.h"
 
 /* config.json nests a few levels (rope_scaling, quantization_config,
  * text_config/...); deeper is not a checkpoint we understand. */
@@ -23,9 +24,13 @@ int qm_hf_json_parse(const char *text, size_t n, const char *what, qm_hf_json **
     if (n > QM_HF_MAX_BYTES)
         return qm_status_set(st, QM_EPARSE, "%.60s: %zu bytes, more than the %u allowed", what, n,
                              QM_HF_MAX_BYTES);
-    if (qm_json_depth(text, n, QM_HF_MAX_DEPTH) < 0)
-        return qm_status_set(st, QM_EPARSE, "%.60s: JSON nests deeper than %d levels", what,
-                             QM_HF_MAX_DEPTH);
+    size_t at = 0;
+    int scan = qm__json_prescan(text, n, QM_HF_MAX_DEPTH, &at);
+    if (scan == QM__JSON_TOO_DEEP)
+        return qm_status_set(st, QM_EPARSE, "%.60s: JSON nests deeper than %d levels (byte %zu)",
+                             what, QM_HF_MAX_DEPTH, at);
+    if (scan == QM__JSON_ESCAPED_NUL)
+        return qm_status_set(st, QM_EPARSE, "%.60s: escaped NUL in a string at byte %zu", what, at);
     const char *end = NULL;
     cJSON *root = cJSON_ParseWithLengthOpts(text, n, &end, 0);
     if (!root || !cJSON_IsObject(root)) {
@@ -152,6 +157,32 @@ int qm_hf_json_array_string(const qm_hf_json *j, const char *key, size_t i, cons
     if (!v) return rc;
     if (!cJSON_IsString(v)) return wrong_type(j, key, "an array of strings", st);
     *out = v->valuestring;
+    return 0;
+}
+
+int qm_hf_json_numbers(const qm_hf_json *j, const char *key, double **out, size_t *n, qm_status *st)
+{
+    *out = NULL;
+    *n = 0;
+    int rc;
+    const cJSON *arr = typed(j, key, cJSON_IsArray, "an array", &rc, st);
+    if (!arr) return rc;
+    size_t count = 0;
+    for (const cJSON *m = arr->child; m; m = m->next)
+        count++;
+    if (!count) return 0;
+    double *v = qm_calloc(count, sizeof *v);
+    if (!v) return qm_status_set(st, QM_ENOMEM, "out of memory reading %.60s", j->what);
+    size_t i = 0;
+    for (const cJSON *m = arr->child; m; m = m->next, i++) {
+        if (!cJSON_IsNumber(m)) {
+            qm_free(v);
+            return wrong_type(j, key, "an array of numbers", st);
+        }
+        v[i] = m->valuedouble;
+    }
+    *out = v;
+    *n = count;
     return 0;
 }
 
