@@ -15,7 +15,7 @@ BUILD = os.environ.get("QMOE_BUILD_DIR", "build")
 LIB = os.path.join(BUILD, "engine", "libqmoe_engine.a")
 
 # docs/ARCHITECTURE.md's table of the engine's layers, top first: each file
-# may call only files after it (the kernels, conversions, scratch and clock
+# may call only files after it (the kernels, scratch and clock
 # below them all are leaves, checked by the circle test).
 LAYERS = ["qm_placement",
           "qm_pager", "qm_pager_source", "qm_pager_prefetch", "qm_pager_resize", "qm_hybrid",
@@ -24,7 +24,7 @@ LAYERS = ["qm_placement",
           "qm_backend_emu", "qm_backend_cpu", "qm_cpu_ffn",
           "qm_moe", "qm_backend", "qm_host_route", "qm_routing"]
 # Files that call no other engine file but these (leaves of the graph).
-LEAVES = {"qm_pager_layout": {"qm_backend"}, "qm_routing": {"qm_convert"},
+LEAVES = {"qm_pager_layout": {"qm_backend"}, "qm_routing": set(),
           "qm_scratch": set(), "qm_clock": set()}
 
 
