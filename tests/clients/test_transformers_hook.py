@@ -16,7 +16,7 @@ tokens, and detaching restores the model.
 torch and transformers live in their own environment, outside the repo
 (scripts/setup.sh installs it at $QMOE_TORCH_VENV, default
 /var/cache/qmoed/venv-torch); hf_generate_check.py runs there. Without that
-environment the test skips and says why.
+environment the test skips and says why (conftest.py's torchpy).
 """
 import json
 import os
@@ -39,30 +39,6 @@ FAMILIES = ["mixtral", "qwen3_moe", "gpt_oss", "gpt_oss_mxfp4", "olmoe", "deepse
 TOKENS = 32
 # Bank layer -> model layer of the fixtures with dense layers.
 LAYER_MAPS = {"qwen2_moe": [0, 2], "deepseek_v2": [1, 2], "deepseek_v3": [1, 2]}
-
-
-def torch_python():
-    for d in (os.environ.get("QMOE_TORCH_VENV"), "/var/cache/qmoed/venv-torch",
-              os.path.expanduser("~/.cache/qmoed/venv-torch")):
-        if d and os.path.exists(os.path.join(d, "bin", "python")):
-            return os.path.join(d, "bin", "python")
-    return None
-
-
-@pytest.fixture(scope="module")
-def torchpy():
-    py = torch_python()
-    if py is None:
-        pytest.skip("no torch environment (QMOE_TORCH_VENV, /var/cache/qmoed/venv-torch): "
-                    "run scripts/setup.sh to install torch and transformers")
-    r = subprocess.run([py, "-c", "import torch, transformers; print(transformers.__version__)"],
-                       capture_output=True, text=True)
-    if r.returncode != 0:
-        pytest.skip("the torch environment at %s cannot import torch/transformers: %s"
-                    % (py, r.stderr.strip()[-300:]))
-    major = int(r.stdout.strip().split(".")[0])
-    assert major >= 5, "transformers %s: the hook needs >= 5" % r.stdout.strip()
-    return py
 
 
 @pytest.fixture(scope="module")
