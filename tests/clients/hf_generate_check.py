@@ -52,8 +52,8 @@ def write_dequantised_experts(model, bank, torch):
                 ex.down_proj.copy_(tt(w2))
 
 
-def reference_model(fixture, torch, transformers):
-    """The fixture loaded in full, in f32. An MXFP4 checkpoint is loaded
+def reference_model(fixture, torch, transformers, dtype=None):
+    """The fixture loaded in full, in f32 (or `dtype`). An MXFP4 checkpoint is loaded
     without its quantization_config (transformers' MXFP4 loader needs
     accelerate): its experts come up uninitialised, which
     write_dequantised_experts overwrites."""
@@ -62,7 +62,8 @@ def reference_model(fixture, torch, transformers):
     if getattr(cfg, "quantization_config", None) is not None:
         del cfg.quantization_config
         kw["config"] = cfg
-    return transformers.AutoModelForCausalLM.from_pretrained(fixture, dtype=torch.float32, **kw)
+    return transformers.AutoModelForCausalLM.from_pretrained(fixture, dtype=dtype or torch.float32,
+                                                             **kw)
 
 
 class _LoggedSlice:

@@ -155,8 +155,9 @@ def test_no_session_or_map_left_behind(report, served):
 
 def test_examples_generate_py(torchpy, served, tmp_path):
     """examples/generate.py end to end on a fixture without a tokenizer:
-    token ids in, the same tokens as transformers' own experts (--compare),
-    the figures, and a routing trace policy_sim can read."""
+    token ids in, the same tokens as transformers with the whole checkpoint
+    (--compare), the figures (memory included), and a routing trace
+    policy_sim can read."""
     dm, banks = served
     trace = str(tmp_path / "olmoe.qmtr")
     r = subprocess.run([torchpy, os.path.join(SRC, "examples", "generate.py"), "--model",
@@ -170,6 +171,9 @@ def test_examples_generate_py(torchpy, served, tmp_path):
     assert fig["same_tokens_as_transformers"] is True
     assert len(fig["token_ids"]) == 16 and fig["tokens_per_s"] > 0
     assert 0 <= fig["hit_rate"] <= 1 and fig["bytes_paged_per_token"] > 0
+    # both processes' memory, beside tokens/s
+    for key in ("engine_rss", "engine_peak_rss", "qmoed_rss", "qmoed_peak_rss"):
+        assert fig[key] > 0, (key, fig)
     sys.path.insert(0, os.path.join(SRC, "tools"))
     import qmoe_trace
     tr = qmoe_trace.read_trace(trace)
