@@ -260,3 +260,32 @@ def test_sessions_a_process_left_open_are_closed_at_exit(daemon, client, how):
     assert a not in live and b not in live, live
     assert k in live
     client.close_session(k)
+
+
+def test_a_daemon_that_never_answers_times_out(tmp_path):
+    """The kernel's read timeout (SO_RCVTIMEO) bounds a call: a listener that
+    accepts and never answers gives a timeout error after about `timeout`
+    seconds, and the next call reconnects."""
+    import socket
+    import time
+
+    path = str(tmp_path / "mute.sock")
+    srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    srv.bind(path)
+    srv.listen(4)
+    held = []
+    t = threading.Thread(target=lambda: [held.append(srv.accept()) for _ in range(2)], daemon=True)
+    t.start()
+    c = Client(path, timeout=0.3)
+    t0 = time.monotonic()
+    with pytest.raises(QmoeError) as e:
+        c.status()
+    dt = time.monotonic() - t0
+    assert e.value.name == "timeout" and 0.25 <= dt < 2.0, (e.value.name, dt)
+    with pytest.raises(QmoeError) as e:  # a new connection, timed out again
+        c.status()
+    assert e.value.name == "timeout"
+    t.join(5)
+    assert len(held) == 2
+    c.close()
+    srv.close()
