@@ -242,11 +242,32 @@ class Hook:
         torch = _torch()
         self._bytes = torch.frombuffer(self._map.mmap, dtype=torch.uint8)
 
-    def _slot(self, T, H, k, xdt, wdt):
-        """The map regions and the request text of one call layout: views of
-        x [T, H], ids [T, k] (i32), weights [T, k] and the output [T, H],
-        and session.infer's params as JSON with %d for the layer."""
+    def _slot(self, key):
+        """The map regions and the request text of one call layout (`key`:
+        the shapes and dtypes of hidden_states, top_k_index and
+        top_k_weights): views of the map shaped like the inputs (x, ids as
+        i32, weights; the output like x) and session.infer's params as JSON
+        with %d for the layer. Weights given for every expert ([T, E]) are
+        gathered to the chosen ones (`gather`)."""
         torch = _torch()
+        xshape, xdt, ishape, wshape, wdt = key
+        if xdt not in _DTYPES:
+            raise TypeError("qmoed takes float32, float16 or bfloat16 hidden states, not %s"
+                            % xdt)
+        H = xshape[-1]
+        T = 1
+        for d in xshape[:-1]:
+            T *= d
+        k = 1
+        for d in ishape:
+            k *= d
+        k //= max(T, 1)
+        wn = 1
+        for d in wshape:
+            wn *= d
+        gather = wn != T * k
+        if gather or wdt not in _DTYPES:
+            wdt = torch.float32
         xw, xsz = _DTYPES[xdt]
         ww, wsz = _DTYPES[wdt]
 
@@ -261,8 +282,8 @@ class Hook:
             self._slots = {}
         b = self._bytes
 
-        def region(off, n, dt, cols):
-            return b[off:off + n].view(dt).view(T, cols)
+        def region(off, n, dt, shape):
+            return b[off:off + n].view(dt).view(shape)
 
         m = self._map.id
         params = ('{"session":"%s","layer":%%d,'
@@ -271,42 +292,36 @@ class Hook:
                   '"topk_weights":{"dtype":"%s","shape":[%d,%d],"map":%d,"offset":%d},'
                   '"output_to":{"map":%d,"offset":%d}}'
                   % (self.session, xw, T, H, m, T, k, m, o_ids, ww, T, k, m, o_w, m, o_out))
-        slot = (region(0, T * H * xsz, xdt, H), region(o_ids, T * k * 4, torch.int32, k),
-                region(o_w, T * k * wsz, wdt, k), region(o_out, T * H * xsz, xdt, H),
-                params.encode("ascii"))
-        self._slots[(T, H, k, xdt, wdt)] = slot
+        slot = (region(0, T * H * xsz, xdt, xshape),
+                region(o_ids, T * k * 4, torch.int32, (T, k) if gather else ishape),
+                region(o_w, T * k * wsz, wdt, (T, k) if gather else wshape),
+                region(o_out, T * H * xsz, xdt, xshape), params.encode("ascii"),
+                (T, k) if gather else None, T)
+        self._slots[key] = slot
         return slot
 
     def _forward(self, bank_layer, hidden_states, top_k_index, top_k_weights):
         t0 = time.perf_counter()
-        torch = _torch()
-        shape = hidden_states.shape
-        H = shape[-1]
-        x = hidden_states.reshape(-1, H)
-        T = x.shape[0]
-        ids = top_k_index.reshape(T, -1)
-        w = top_k_weights.reshape(T, -1)
-        k = ids.shape[1]
-        if w.shape[1] != k:  # full [T, E] scores: the chosen ones
-            w = torch.gather(w, 1, ids.long())
-        if x.dtype not in _DTYPES:
-            raise TypeError("qmoed takes float32, float16 or bfloat16 hidden states, not %s"
-                            % x.dtype)
-        if w.dtype not in _DTYPES:
-            w = w.float()
-        slot = self._slots.get((T, H, k, x.dtype, w.dtype))
+        key = (hidden_states.shape, hidden_states.dtype, top_k_index.shape,
+               top_k_weights.shape, top_k_weights.dtype)
+        slot = self._slots.get(key)
         if slot is None:
-            slot = self._slot(T, H, k, x.dtype, w.dtype)
-        xv, iv, wv, ov, params = slot
+            slot = self._slot(key)
+        xv, iv, wv, ov, params, gather, T = slot
+        torch = _torch()
+        x, ids, w = hidden_states, top_k_index, top_k_weights
         if torch.is_grad_enabled():
             x, ids, w = x.detach(), ids.detach(), w.detach()
+        if gather is not None:  # full [T, E] scores: the chosen ones
+            ids = ids.reshape(gather)
+            w = torch.gather(w.reshape(T, -1), 1, ids.long())
         xv.copy_(x)
         iv.copy_(ids)
         wv.copy_(w)
         t1 = time.perf_counter()
         st = self.client.call_json("session.infer", params % bank_layer).get("stats", {})
         t2 = time.perf_counter()
-        out = ov.clone() if hidden_states.device.type == "cpu" else ov.to(hidden_states.device)
+        out = ov.clone() if x.device.type == "cpu" else ov.to(x.device)
         s = self._stats
         s["calls"] += 1
         s["tokens"] += T
@@ -316,10 +331,11 @@ class Hook:
         s["compute_us"] += st.get("compute_us", 0)
         s["queue_us"] += st.get("queue_us", 0)
         if self.trace is not None:
-            self.trace.append((bank_layer, ids.to(torch.int32).cpu().numpy().copy()))
+            self.trace.append((bank_layer, ids.reshape(T, -1).to(torch.int32).cpu().numpy()
+                               .copy()))
         s["wait_s"] += t2 - t1
         s["wall_s"] += time.perf_counter() - t0
-        return out.view(shape)
+        return out
 
     def stats(self):
         """Sums over this hook's calls: calls, tokens (token-layers), hits,
@@ -332,10 +348,16 @@ class Hook:
         return s
 
     def _release(self):
-        """Untags the experts modules, unmaps and closes the session."""
+        """Untags the experts modules, unmaps and closes the session. An
+        experts module without weights gets a forward pre-hook that refuses
+        to run (installed now, so that a layer call of an open session does
+        not pay for it)."""
         for mod in self._tagged:
             if getattr(mod, "_qmoe_layer", None) is not None:
                 mod._qmoe_layer = None
+            if getattr(mod, "_qmoe_name", None) is not None and \
+                    getattr(mod, "_qmoe_refusal", None) is None:
+                mod._qmoe_refusal = mod.register_forward_pre_hook(_refuse_unloaded)
         self._tagged = []
         self._slots = {}
         _LIVE.discard(self)
@@ -573,7 +595,6 @@ def from_pretrained(path, client, model, *, policy=None, budget=None, precision=
                 name, "still on the meta device" if on_meta else "materialised", path))
     for name, mod in experts:
         mod._qmoe_name = name
-        mod.register_forward_pre_hook(_refuse_unloaded)
     hook = _attach(m, client, model, summary, found["layers"], experts,
                    (policy, budget, precision, policy_params), False)
     m.qmoe_hook = hook
