@@ -6,7 +6,8 @@ read logged) and attach (a full model attached); what came out, as JSON.
 
 Runs under the torch environment (test_transformers_hook.py starts it):
     python hf_generate_check.py --socket S --case FIXTURE_DIR BANK MODEL ... \
-        [--run POLICY BUDGET]... [--attach-run POLICY BUDGET]... --tokens 32
+        [--run POLICY BUDGET]... [--attach-run POLICY BUDGET]... \
+        [--attach-models M,M] --tokens 32
 """
 import argparse
 import contextlib
@@ -194,6 +195,8 @@ def main():
                     help="a from_pretrained generation")
     ap.add_argument("--attach-run", nargs=2, action="append", default=None,
                     metavar=("POLICY", "BUDGET"), help="an attach generation")
+    ap.add_argument("--attach-models", help="the models (comma-separated) of the attach runs "
+                                            "(default: every case)")
     ap.add_argument("--tokens", type=int, default=32)
     ap.add_argument("--prompt", default="1,5,9,2,7")
     a = ap.parse_args()
@@ -217,7 +220,10 @@ def main():
             res["runs"].append(from_pretrained_run(fixture, bank, name, client, ids, a.tokens,
                                                    policy, budget, (model, ref_ids, ref_logits),
                                                    torch))
-        for policy, budget in a.attach_run or []:
+        attach_runs = a.attach_run or []
+        if a.attach_models is not None and name not in a.attach_models.split(","):
+            attach_runs = []
+        for policy, budget in attach_runs:
             hook = qhook.attach(model, client, name, policy=policy,
                                 budget=None if budget == "100%" else budget)
             got_ids, got_logits, got_s = generate(model, ids, a.tokens, torch)
@@ -227,7 +233,7 @@ def main():
                                 "ids": got_ids, "max_rel_logit_err": rel_err(got_logits, ref_logits),
                                 "s": got_s, "stats": st,
                                 "layers": sorted(set(hook.layers.values()))})
-        if a.attach_run:
+        if attach_runs:
             # Detached: the model is itself again (same implementation, same
             # weights, the same tokens).
             again_ids, _, _ = generate(model, ids, a.tokens, torch)
