@@ -41,9 +41,11 @@ does not apply):
   prefill_tokens, prefill_tok_s, decode_tokens, decode_tok_s
   engine_rss_after_load, engine_peak_rss           bytes
   qmoed_rss, qmoed_peak_rss                        bytes, qmoed rows only: the
-               last RSS sampled (every 0.2 s) while the engine ran, and VmHWM
+               largest RSS sampled (every 0.2 s) while the engine ran, and VmHWM
   total_peak_rss  engine_peak_rss + qmoed_peak_rss (bytes)
   hit_rate     the session's expert hit rate (qmoed rows)
+  hook_stats   qmoed rows: the hook's stats() (calls, hits, misses, bytes_paged,
+               compute_us, queue_us, wall_s, wait_s, hit_rate)
   status       "ok" | "does not fit" | "failed"
   note         one sentence: why a row did not run, or what it measured
 """
@@ -69,7 +71,7 @@ import checkpoints  # noqa: E402
 KEYS = ("shape", "row", "engine", "weights", "policy", "budget", "threads", "prefill_tokens",
         "prefill_tok_s", "decode_tokens", "decode_tok_s", "engine_rss_after_load",
         "engine_peak_rss", "qmoed_rss", "qmoed_peak_rss", "total_peak_rss", "hit_rate",
-        "status", "note")
+        "hook_stats", "status", "note")
 T0 = time.monotonic()
 GIB = 1 << 30
 
@@ -109,15 +111,18 @@ def proc_status(pid):
 def run_watched(cmd, floor=GIB, sample_pid=None):
     """Runs cmd (its stdout captured), killing it when MemAvailable falls
     under `floor`; every 0.2 s while it runs, samples sample_pid's
-    proc_status. Returns (returncode, stdout, stderr tail, killed_at, last
-    sample) with killed_at the child's RSS when it was killed, else None."""
+    proc_status. Returns (returncode, stdout, stderr tail, killed_at, the
+    sample of the largest VmRSS) with killed_at the child's RSS when it was
+    killed, else None."""
     p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     killed, sample = [], [{}]
 
     def watch():
         while p.poll() is None:
             if sample_pid is not None:
-                sample[0] = proc_status(sample_pid) or sample[0]
+                q = proc_status(sample_pid)
+                if q.get("VmRSS", 0) > sample[0].get("VmRSS", 0):
+                    sample[0] = q
             if mem_available() < floor:
                 killed.append(proc_status(p.pid).get("VmRSS", 0))
                 p.send_signal(signal.SIGKILL)
@@ -231,9 +236,9 @@ def with_qmoed(a, shape, ckpt, bank, budget):
         engine_figures(r, res)
         r.update(qmoed_rss=q.get("VmRSS"), qmoed_peak_rss=q.get("VmHWM"),
                  total_peak_rss=res["peak_rss"] + q.get("VmHWM", 0),
-                 hit_rate=res["hook"]["hit_rate"], status="ok",
-                 note="qmoed's last RSS sample while the engine ran: %.2f GB anonymous, "
-                      "%.2f GB file, %.2f GB shared"
+                 hit_rate=res["hook"]["hit_rate"], hook_stats=res["hook"], status="ok",
+                 note="qmoed's largest RSS sample while the engine ran: %.2f GB anonymous, "
+                      "%.2f GB file (bank pages), %.2f GB shared"
                       % (q.get("RssAnon", 0) / 1e9, q.get("RssFile", 0) / 1e9,
                          q.get("RssShmem", 0) / 1e9))
     return r
