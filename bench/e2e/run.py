@@ -12,8 +12,10 @@ engine's RSS after load and peak, and qmoed's RSS and peak, for
       budget under next_use,
   (c), (d) llama.cpp alone and llama.cpp + qmoed: bench/e2e/llama_cpp.py's
       rows(checkpoint_dir, shape_name, args) -> [row], when that file
-      exists (args: this script's parsed arguments; work_dir, threads,
-      prompt, decode, keep are the ones meant for it).
+      exists and --llama PREFIX is given (args: this script's parsed
+      arguments: work, work_dir, threads, prompt, decode, keep, llama,
+      rounds, precision, cgroup, and whatever llama_cpp.add_arguments(parser)
+      adds when it defines one).
 
     $QMOE_TORCH_VENV/bin/python bench/e2e/run.py [--shapes A,B] [--keep]
         [--work DIR] [--build build] [--json OUT.json]
@@ -257,15 +259,42 @@ def import_bank(a, ckpt, bank):
     return time.monotonic() - t0, usage.ru_maxrss << 10
 
 
-def llama_rows(a, ckpt, shape):
+def llama_module():
     path = os.path.join(HERE, "llama_cpp.py")
     if not os.path.exists(path):
-        return []
+        return None
     spec = importlib.util.spec_from_file_location("e2e_llama_cpp", path)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
+    return mod
+
+
+def llama_rows(a, ckpt, shape):
+    """llama_cpp.rows(), each row given every key of KEYS: a missing one is
+    None; the figures it names otherwise (engine_rss_gb, qmoed_rss_gb, quant)
+    fill the table's columns."""
+    mod = a.llama_module
+    if mod is None:
+        return []
+    if not a.llama:
+        progress("%s: llama.cpp rows skipped: no --llama PREFIX (clients/llama.cpp/build.sh)"
+                 % shape)
+        return []
     progress("%s: llama.cpp rows (bench/e2e/llama_cpp.py)" % shape)
-    return mod.rows(ckpt, shape, a)
+    out = []
+    for r in mod.rows(ckpt, shape, a):
+        r = dict(r)
+        eng = r.get("engine") or ""
+        r.setdefault("row", "d" if "qmoed" in eng else "c")
+        r.setdefault("weights", r.get("quant"))
+        for mine, theirs in (("engine_peak_rss", "engine_rss_gb"), ("qmoed_rss", "qmoed_rss_gb")):
+            if r.get(mine) is None and r.get(theirs) is not None:
+                r[mine] = r[theirs] * 1e9
+        r.setdefault("status", "ok")
+        full = row(shape=shape)
+        full.update(r)
+        out.append(full)
+    return out
 
 
 def run_shape(a, shape):
@@ -348,7 +377,15 @@ def main(argv=None):
                     help="fractions of the bank's expert bytes (1 = whole_bank)")
     ap.add_argument("--skip-alone", action="store_true", help="no transformers-alone row")
     ap.add_argument("--json", help="write the rows here too")
+    ap.add_argument("--llama", help="llama.cpp PREFIX (clients/llama.cpp/build.sh) for rows c, d")
+    ap.add_argument("--rounds", type=int, default=1, help="rounds of the llama.cpp rows")
+    ap.add_argument("--precision", choices=("exact", "fast"), help="of the llama.cpp + qmoed rows")
+    ap.add_argument("--cgroup", action="store_true", help="llama.cpp's memory-capped comparison")
+    mod = llama_module()
+    if mod is not None and hasattr(mod, "add_arguments"):
+        mod.add_arguments(ap)
     a = ap.parse_args(argv)
+    a.llama_module = mod
     a.budgets = [float(b) for b in a.budgets.split(",")]
     shapes = a.shapes.split(",")
     for s in shapes:
