@@ -22,7 +22,11 @@ engine's RSS after load and peak, and qmoed's RSS and peak, for
 
 A progress line per stage goes to stderr; the table (markdown) to stdout.
 Each engine runs in a process of its own (engine_row.py), each qmoed row on a
-fresh daemon, one at a time. Before a run that holds a whole checkpoint,
+fresh daemon, one at a time, each after the checkpoint (and the bank) were
+read through once: every row starts with them in the page cache, so that
+the rows compare compute rather than disk reads (transformers keeps tensors
+it needs not convert, GPT-OSS's experts among them, as views of the
+checkpoint's mmap: cold, every first touch is a read from disk). Before a run that holds a whole checkpoint,
 /proc/meminfo's MemAvailable is checked against what the run needs (the
 checkpoint's bytes for transformers alone); while an engine runs, a watchdog
 kills it if MemAvailable falls under 1 GiB. Either way the row says "does
@@ -133,9 +137,34 @@ def run_watched(cmd, floor=GIB, sample_pid=None):
 
     w = threading.Thread(target=watch, daemon=True)
     w.start()
-    out, err = p.communicate()
+    try:
+        out, err = p.communicate()
+    except BaseException:  # interrupted or terminated: the engine goes too
+        p.kill()
+        p.wait()
+        raise
     w.join()
     return p.returncode, out, err[-3000:], (killed[0] if killed else None), sample[0]
+
+
+def warm(paths):
+    """Reads the files through once, so that every row starts with them in
+    the page cache (as the bank is, fresh from its import): the rows then
+    compare compute, not disk reads. Returns the bytes read."""
+    n = 0
+    buf = bytearray(16 << 20)
+    for path in paths:
+        with open(path, "rb", buffering=0) as f:
+            while True:
+                got = f.readinto(buf)
+                if not got:
+                    break
+                n += got
+    return n
+
+
+def checkpoint_files(d):
+    return [os.path.join(d, f) for f in sorted(os.listdir(d))]
 
 
 def dir_bytes(d):
@@ -201,6 +230,7 @@ def transformers_alone(a, shape, ckpt, ckpt_bytes):
                  note="needs at least the checkpoint's %.1f GB + 1 GiB; %.1f GB available"
                       % (ckpt_bytes / 1e9, avail / 1e9))
         return r
+    warm(checkpoint_files(ckpt))
     rc, out, err, killed, _ = run_watched(engine_cmd(a, ckpt, "full"))
     if killed is not None:
         r.update(status="does not fit",
@@ -218,6 +248,7 @@ def with_qmoed(a, shape, ckpt, bank, budget):
     r = row(shape=shape, row="b", engine="transformers + qmoed", weights="bf16 + int%d bank"
             % a.bits, policy="whole_bank" if budget >= 1 else a.policy,
             budget=budget, threads=a.threads)
+    warm(checkpoint_files(ckpt) + [bank])
     d = Qmoed(a.build, bank, "e2e", a.threads, a.work)
     try:
         kw = {"socket": d.socket, "model": "e2e"}
@@ -395,6 +426,10 @@ def main(argv=None):
         a.work = tempfile.mkdtemp(prefix="qmoe-e2e-", dir="/var/tmp")
     os.makedirs(a.work, exist_ok=True)
     a.work_dir = a.work
+    # SIGTERM (and SIGINT, which a background job ignores) end the run
+    # through its finally blocks: the engine and qmoed stopped, files removed.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     rows = []
     for s in shapes:
         rows += run_shape(a, s)
