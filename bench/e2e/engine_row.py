@@ -6,7 +6,8 @@ qmoe_client.transformers.from_pretrained (--road qmoed), prefill a prompt
 and decode greedily, and print one JSON object:
 
   load_s, rss_before_load, rss_after_load, peak_rss (VmHWM: the process's
-  peak, load included), prefill_tokens, prefill_s, decode_tokens, decode_s,
+  peak, load included; the weights are copied out of the checkpoint's mmap
+  into the process's memory after the load unless --mmap: resident()), prefill_tokens, prefill_s, decode_tokens, decode_s,
   and for --road qmoed the hook's stats (calls, hits, misses, bytes_paged,
   compute_us, hit_rate, wall_s, wait_s) and the session's budget.
 
@@ -51,6 +52,19 @@ def prompt_ids(ckpt, n, torch):
     return torch.tensor([ids[:n]])
 
 
+def resident(model, torch):
+    """Copies every loaded parameter and buffer into the process's own
+    memory, one at a time. transformers leaves the tensors it needs not
+    convert as views of the checkpoint's mmap (GPT-OSS's fused experts
+    among them): on a machine whose page cache other processes take, their
+    pages are evicted and read from disk again, and the run measures the
+    disk. Meta tensors (the experts of from_pretrained) stay as they are."""
+    with torch.no_grad():
+        for t in list(model.parameters()) + list(model.buffers()):
+            if t.device.type != "meta":
+                t.data = t.data.clone()
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("checkpoint")
@@ -62,6 +76,8 @@ def main():
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--prompt", type=int, default=128)
     ap.add_argument("--decode", type=int, default=32)
+    ap.add_argument("--mmap", action="store_true",
+                    help="leave the weights transformers maps from the checkpoint mapped")
     a = ap.parse_args()
     import torch
     import transformers
@@ -81,6 +97,8 @@ def main():
         model = qt.from_pretrained(a.checkpoint, client, a.model, policy=a.policy,
                                    budget=a.budget)
         hook = model.qmoe_hook
+    if not a.mmap:
+        resident(model, torch)
     out["load_s"] = time.perf_counter() - t0
     out["rss_after_load"] = status_bytes("VmRSS")
     out["dtype"] = str(model.dtype).replace("torch.", "")

@@ -23,10 +23,12 @@ engine's RSS after load and peak, and qmoed's RSS and peak, for
 A progress line per stage goes to stderr; the table (markdown) to stdout.
 Each engine runs in a process of its own (engine_row.py), each qmoed row on a
 fresh daemon, one at a time, each after the checkpoint (and the bank) were
-read through once: every row starts with them in the page cache, so that
-the rows compare compute rather than disk reads (transformers keeps tensors
-it needs not convert, GPT-OSS's experts among them, as views of the
-checkpoint's mmap: cold, every first touch is a read from disk). Before a run that holds a whole checkpoint,
+read through once: every row starts with them in the page cache, and the
+engine copies its weights out of the checkpoint's mmap after the load
+(engine_row.py's resident(): transformers keeps the tensors it needs not
+convert, GPT-OSS's fused experts among them, as views of the mmap, whose
+pages other processes' page cache evicts): the rows compare compute rather
+than disk reads. Before a run that holds a whole checkpoint,
 /proc/meminfo's MemAvailable is checked against what the run needs (the
 checkpoint's bytes for transformers alone); while an engine runs, a watchdog
 kills it if MemAvailable falls under 1 GiB. Either way the row says "does
@@ -431,13 +433,15 @@ def main(argv=None):
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     signal.signal(signal.SIGINT, signal.default_int_handler)
     rows = []
-    for s in shapes:
-        rows += run_shape(a, s)
-        if a.json:
-            with open(a.json, "w") as f:
-                json.dump(rows, f, indent=1)
-    if not a.keep:
-        shutil.rmtree(a.work, ignore_errors=True)
+    try:
+        for s in shapes:
+            rows += run_shape(a, s)
+            if a.json:
+                with open(a.json, "w") as f:
+                    json.dump(rows, f, indent=1)
+    finally:
+        if not a.keep:
+            shutil.rmtree(a.work, ignore_errors=True)
     print(table(rows))
     return 0
 
