@@ -5,9 +5,11 @@ its own, so that its RSS is its own): load the checkpoint, in full
 qmoe_client.transformers.from_pretrained (--road qmoed), prefill a prompt
 and decode greedily, and print one JSON object:
 
-  load_s, rss_before_load, rss_after_load, peak_rss (VmHWM: the process's
-  peak, load included; the weights are copied out of the checkpoint's mmap
-  into the process's memory after the load unless --mmap: resident()), prefill_tokens, prefill_s, decode_tokens, decode_s,
+  load_s, rss_before_load, rss_after_load (and its RssAnon and RssFile
+  parts: rss_after_load_anon, rss_after_load_file), peak_rss (VmHWM: the
+  process's peak, load included; the weights are copied out of the
+  checkpoint's mmap into the process's memory after the load unless --mmap:
+  resident()), prefill_tokens, prefill_s, decode_tokens, decode_s,
   and for --road qmoed the hook's stats (calls, hits, misses, bytes_paged,
   compute_us, hit_rate, wall_s, wait_s) and the session's budget.
 
@@ -101,6 +103,8 @@ def main():
         resident(model, torch)
     out["load_s"] = time.perf_counter() - t0
     out["rss_after_load"] = status_bytes("VmRSS")
+    out["rss_after_load_anon"] = status_bytes("RssAnon")
+    out["rss_after_load_file"] = status_bytes("RssFile")
     out["dtype"] = str(model.dtype).replace("torch.", "")
     stamps = []
     model.register_forward_hook(lambda *args: stamps.append(time.perf_counter()))

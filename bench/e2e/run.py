@@ -216,6 +216,16 @@ def engine_cmd(a, ckpt, road, **kw):
     return cmd
 
 
+def load_split(res):
+    """What the engine's RSS after load is made of (engine_row.py's
+    RssAnon and RssFile: the copies resident() made, and checkpoint pages
+    still mapped), as a sentence, or "" from an engine_row.py without them."""
+    if res.get("rss_after_load_anon") is None:
+        return ""
+    return "engine after load: %.2f GB anonymous, %.2f GB file" % (
+        res["rss_after_load_anon"] / 1e9, res["rss_after_load_file"] / 1e9)
+
+
 def engine_figures(r, res):
     r.update(prefill_tokens=res["prefill_tokens"],
              prefill_tok_s=res["prefill_tokens"] / res["prefill_s"],
@@ -241,8 +251,9 @@ def transformers_alone(a, shape, ckpt, ckpt_bytes):
     elif rc != 0:
         r.update(status="failed", note=err.strip().splitlines()[-1] if err.strip() else str(rc))
     else:
-        engine_figures(r, json.loads(out))
-        r.update(status="ok")
+        res = json.loads(out)
+        engine_figures(r, res)
+        r.update(status="ok", note=load_split(res) or None)
     return r
 
 
@@ -273,9 +284,10 @@ def with_qmoed(a, shape, ckpt, bank, budget):
                  total_peak_rss=res["peak_rss"] + q.get("VmHWM", 0),
                  hit_rate=res["hook"]["hit_rate"], hook_stats=res["hook"], status="ok",
                  note="qmoed's largest RSS sample while the engine ran: %.2f GB anonymous, "
-                      "%.2f GB file (bank pages), %.2f GB shared"
+                      "%.2f GB file (bank pages), %.2f GB shared%s"
                       % (q.get("RssAnon", 0) / 1e9, q.get("RssFile", 0) / 1e9,
-                         q.get("RssShmem", 0) / 1e9))
+                         q.get("RssShmem", 0) / 1e9,
+                         "; " + load_split(res) if load_split(res) else ""))
     return r
 
 
