@@ -1,19 +1,22 @@
 #!/usr/bin/env python3
 """Greedy generation with a Hugging Face MoE model whose routed experts run
-in qmoed (transformers >= 5, qmoe_client.transformers).
+in qmoed (transformers >= 5, qmoe_client.transformers.from_pretrained).
 
     python examples/generate.py --model DIR [--bank FILE] --budget 50% \\
-        --policy lfu --prompt "Once upon a time" --max-new-tokens 32
+        --policy next_use --prompt "Once upon a time" --max-new-tokens 32
 
 Imports the checkpoint's experts into a bank when there is none yet
 (`qmoe-bank import hf`, int8 by default), loads it into qmoed (model.load;
-an admin or the daemon's own user), creates a session with the policy and
-budget, generates greedily and prints tokens/s, the expert hit rate and the
-bytes paged per token. --record-trace FILE writes the routing the model
+an admin or the daemon's own user), loads the checkpoint without its experts
+(they are never read: the engine holds attention, embeddings, norms, routers,
+dense layers and shared experts), creates a session with the policy and
+budget, generates greedily and prints tokens/s, the expert hit rate, the
+bytes paged per token and both processes' memory (the engine's RSS and peak,
+qmoed's RSS and peak). --record-trace FILE writes the routing the model
 chose (docs/TRACES.md, .qmtr) for bench/policy_sim. --compare also runs
-transformers' own experts (the bank's dequantised weights) and checks the
-tokens are the same. A model without a tokenizer (the tiny test fixtures)
-takes token ids: --prompt-ids 1,2,3.
+transformers with the whole checkpoint and the bank's dequantised weights in
+its own experts, and checks the tokens are the same. A model without a
+tokenizer (the tiny test fixtures) takes token ids: --prompt-ids 1,2,3.
 
 Without a running qmoed (--socket, $QMOED_SOCKET or the default path) it
 starts a private one on a temporary socket (--qmoed PATH, else ./build or
@@ -86,6 +89,34 @@ def connect_or_spawn(a, bank, name):
     sys.exit("generate.py: the private qmoed did not come up")
 
 
+def proc_memory(pid):
+    """(VmRSS, VmHWM) of a process in bytes, or None when /proc does not
+    let us read it."""
+    try:
+        with open("/proc/%s/status" % pid) as f:
+            kv = dict(line.split(":", 1) for line in f if ":" in line)
+        return tuple(int(kv[k].split()[0]) << 10 for k in ("VmRSS", "VmHWM"))
+    except (OSError, KeyError, ValueError):
+        return None
+
+
+def daemon_pid(client, private):
+    """The daemon's pid: ours when we started it, else the socket peer's
+    (SO_PEERCRED)."""
+    if private:
+        return private[0].pid
+    import socket
+    import struct
+
+    try:
+        client.status()  # connected
+        raw = client._sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED,
+                                      struct.calcsize("3i"))
+        return struct.unpack("3i", raw)[0]
+    except (OSError, AttributeError, qmoe_client.QmoeError):
+        return None
+
+
 def ensure_loaded(client, name, bank):
     for m in client.models():
         if m["name"] == name:
@@ -144,8 +175,11 @@ def main(argv=None):
     ap.add_argument("--prompt-ids", help="token ids (models without a tokenizer)")
     ap.add_argument("--max-new-tokens", type=int, default=32)
     ap.add_argument("--record-trace", metavar="FILE", help="write the routing as a .qmtr trace")
+    ap.add_argument("--dtype", default="auto",
+                    help="the engine's dtype (float32, bfloat16, ...; auto: the checkpoint's)")
     ap.add_argument("--compare", action="store_true",
-                    help="also generate with transformers' own experts and compare")
+                    help="also generate with the whole checkpoint in transformers (the bank's "
+                         "dequantised experts) and compare")
     ap.add_argument("--json", action="store_true", help="print the figures as one JSON object")
     ap.add_argument("--socket")
     ap.add_argument("--qmoed", help="qmoed binary for a private daemon")
@@ -161,19 +195,21 @@ def main(argv=None):
     client, private = connect_or_spawn(a, bank, name)
     try:
         summary = ensure_loaded(client, name, bank)
-        model = transformers.AutoModelForCausalLM.from_pretrained(a.model)
-        model.eval()
         ids, tok = prompt_ids(a, a.model, torch)
         figures = {"model": a.model, "bank": bank, "policy": a.policy, "budget": a.budget,
                    "prompt_tokens": int(ids.shape[1]), "new_tokens": a.max_new_tokens}
         if a.compare:
             sys.path.insert(0, os.path.join(ROOT, "tests", "clients"))
-            from hf_generate_check import write_dequantised_experts
-            write_dequantised_experts(model, bank, torch)
-            ref, ref_s = generate(model, ids, a.max_new_tokens, torch)
+            from hf_generate_check import reference_model, write_dequantised_experts
+            full = reference_model(a.model, torch, transformers, dtype=a.dtype)
+            write_dequantised_experts(full, bank, torch)
+            ref, ref_s = generate(full, ids, a.max_new_tokens, torch)
             figures["transformers_tokens_per_s"] = a.max_new_tokens / ref_s
-        hook = qhook.attach(model, client, name, policy=a.policy, budget=a.budget,
-                            precision=a.precision)
+            del full
+        model = qhook.from_pretrained(a.model, client, name, policy=a.policy, budget=a.budget,
+                                      precision=a.precision, dtype=a.dtype)
+        engine_after_load = proc_memory("self")
+        hook = model.qmoe_hook
         if a.record_trace:
             hook.trace = []
         try:
@@ -186,8 +222,11 @@ def main(argv=None):
                                 {"generator": "examples/generate.py", "model": a.model,
                                  "policy": a.policy, "budget": a.budget})
                 figures["trace_tokens"] = n
+            engine = proc_memory("self")
+            pid = daemon_pid(client, private)
+            daemon = proc_memory(pid) if pid else None
         finally:
-            hook.detach()
+            hook.close()
         total_tokens = figures["prompt_tokens"] + a.max_new_tokens
         figures.update({
             "tokens_per_s": a.max_new_tokens / dt,
@@ -197,6 +236,9 @@ def main(argv=None):
             "qmoed_compute_us": st["compute_us"],
             "hook_wall_s": st["wall_s"],
             "token_ids": out,
+            "engine_rss_after_load": engine_after_load and engine_after_load[0],
+            "engine_rss": engine and engine[0], "engine_peak_rss": engine and engine[1],
+            "qmoed_rss": daemon and daemon[0], "qmoed_peak_rss": daemon and daemon[1],
         })
         if a.compare:
             figures["same_tokens_as_transformers"] = out == ref
@@ -208,8 +250,12 @@ def main(argv=None):
             print("%d tokens in %.3f s: %.1f tokens/s; hit rate %.3f; %.0f bytes paged per token"
                   % (a.max_new_tokens, dt, figures["tokens_per_s"], st["hit_rate"],
                      figures["bytes_paged_per_token"]))
+            mib = lambda b: "%.0f MiB" % (b / 2**20) if b is not None else "n/a"  # noqa: E731
+            print("memory: engine RSS %s (peak %s), qmoed RSS %s (peak %s)"
+                  % (mib(figures["engine_rss"]), mib(figures["engine_peak_rss"]),
+                     mib(figures["qmoed_rss"]), mib(figures["qmoed_peak_rss"])))
             if a.compare:
-                print("transformers' own experts: %.1f tokens/s; same tokens: %s"
+                print("transformers with the whole checkpoint: %.1f tokens/s; same tokens: %s"
                       % (figures["transformers_tokens_per_s"],
                          figures["same_tokens_as_transformers"]))
             if a.record_trace:

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The main job: build qmoed, start it on the CPU backend with a generated demo
 # bank, and walk through a client session: status, models, a budgeted session's
-# residency plan, inference, the plan again (what is resident now), telemetry.
+# residency plan, inference, the plan again (what is resident now), telemetry;
+# then a tiny transformers model generating with its experts in qmoed.
 set -euo pipefail
 here=$(cd "$(dirname "$0")/.." && pwd)
 cd "$here"
@@ -53,6 +54,31 @@ done
 q infer "$session" --layer 0 --hidden "$demo/x0.npy" --out "$demo/y0.npy" --routing
 q plan "$session"
 q telemetry "$session"
+q sessions
+
+# A transformers model generating through qmoed: the tiny Qwen3-MoE fixture,
+# loaded without its routed experts (qmoe_client.transformers.from_pretrained),
+# its experts imported as a bank and served by this qmoed under next_use at half
+# their bytes; it prints the tokens, the hit rate and both processes' memory.
+torch_py=""
+for d in "${QMOE_TORCH_VENV:-}" /var/cache/qmoed/venv-torch "$HOME/.cache/qmoed/venv-torch"; do
+  if [ -n "$d" ] && [ -x "$d/bin/python" ]; then torch_py="$d/bin/python"; break; fi
+done
+if [ -n "$torch_py" ]; then
+  fixture="$here/tests/import/fixtures/qwen3_moe"
+  echo; echo "\$ python examples/generate.py --model tests/import/fixtures/qwen3_moe --policy next_use --budget 50% --prompt-ids 1,5,9,2,7 --max-new-tokens 16"
+  if ! TRANSFORMERS_VERBOSITY=error HF_HUB_DISABLE_PROGRESS_BARS=1 \
+      "$torch_py" examples/generate.py --model "$fixture" --bank "$demo/qwen3_moe.bank" \
+      --name qwen3_moe --socket "$sock" --qmoe-bank "$bin/tools/qmoe-bank/qmoe-bank" \
+      --policy next_use --budget 50% --prompt-ids 1,5,9,2,7 --max-new-tokens 16 \
+      2>"$demo/generate.log"; then
+    cat "$demo/generate.log" >&2
+    exit 1
+  fi
+else
+  echo; echo "(no torch environment: scripts/setup.sh installs one unless QMOE_SKIP_TORCH=1;"
+  echo " skipping the transformers generation)"
+fi
 q sessions
 q shutdown
 wait $daemon

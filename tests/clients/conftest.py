@@ -112,3 +112,29 @@ def run_as_nobody_preexec():
     os.setgroups([])
     os.setgid(65534)
     os.setuid(65534)
+
+
+def torch_python():
+    for d in (os.environ.get("QMOE_TORCH_VENV"), "/var/cache/qmoed/venv-torch",
+              os.path.expanduser("~/.cache/qmoed/venv-torch")):
+        if d and os.path.exists(os.path.join(d, "bin", "python")):
+            return os.path.join(d, "bin", "python")
+    return None
+
+
+@pytest.fixture(scope="session")
+def torchpy():
+    """The torch environment's python (transformers >= 5), or a skip saying
+    why there is none."""
+    py = torch_python()
+    if py is None:
+        pytest.skip("no torch environment (QMOE_TORCH_VENV, /var/cache/qmoed/venv-torch): "
+                    "run scripts/setup.sh to install torch and transformers")
+    r = subprocess.run([py, "-c", "import torch, transformers; print(transformers.__version__)"],
+                       capture_output=True, text=True)
+    if r.returncode != 0:
+        pytest.skip("the torch environment at %s cannot import torch/transformers: %s"
+                    % (py, r.stderr.strip()[-300:]))
+    major = int(r.stdout.strip().split(".")[0])
+    assert major >= 5, "transformers %s: the hook needs >= 5" % r.stdout.strip()
+    return py

@@ -223,3 +223,69 @@ def test_infer_with_engine_routing_is_used_as_given(client, sid):
         client.infer(sid, 0, x, topk_ids=np.array([[0, 0], [1, 2]], np.int32), topk_weights=w)
     assert e.value.code == -32602 and e.value.field == "topk_ids"
     assert "names expert 0 twice" in e.value.reason
+
+
+CHILD = r"""
+import os, sys
+sys.path.insert(0, os.path.join(sys.argv[1], "clients", "python"))
+import qmoe_client
+c = qmoe_client.Client(sys.argv[2])
+kept = qmoe_client.Client(sys.argv[2], close_sessions_at_exit=False)
+a = c.create_session("demo")["session"]
+b = c.create_session("demo", policy="lru", budget_bytes=4096)["session"]
+c.close_session(b)
+k = kept.create_session("demo")["session"]
+shm = c.map(a, 1 << 16)
+if os.fork() == 0:  # a child that inherits the client closes nothing of its parent's
+    os._exit(0) if sys.argv[3] == "exit" else sys.exit(0)
+os.wait()
+assert a in {s["session"] for s in c.sessions()}, "the forked child closed its parent's session"
+print(a, b, k, flush=True)
+if sys.argv[3] == "raise":
+    raise RuntimeError("the engine crashed")
+"""
+
+
+@pytest.mark.parametrize("how", ["exit", "raise"])
+def test_sessions_a_process_left_open_are_closed_at_exit(daemon, client, how):
+    """A process that creates sessions and exits (normally, or on an
+    uncaught exception) without closing them leaves none behind: atexit
+    closes them (and their maps); a session of a client made with
+    close_sessions_at_exit=False stays, and a forked child closes nothing."""
+    r = subprocess.run([sys.executable, "-c", CHILD, SOURCE, daemon.socket, how],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == (0 if how == "exit" else 1), r.stderr
+    a, b, k = r.stdout.split()
+    live = {s["session"] for s in client.sessions()}
+    assert a not in live and b not in live, live
+    assert k in live
+    client.close_session(k)
+
+
+def test_a_daemon_that_never_answers_times_out(tmp_path):
+    """The kernel's read timeout (SO_RCVTIMEO) bounds a call: a listener that
+    accepts and never answers gives a timeout error after about `timeout`
+    seconds, and the next call reconnects."""
+    import socket
+    import time
+
+    path = str(tmp_path / "mute.sock")
+    srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    srv.bind(path)
+    srv.listen(4)
+    held = []
+    t = threading.Thread(target=lambda: [held.append(srv.accept()) for _ in range(2)], daemon=True)
+    t.start()
+    c = Client(path, timeout=0.3)
+    t0 = time.monotonic()
+    with pytest.raises(QmoeError) as e:
+        c.status()
+    dt = time.monotonic() - t0
+    assert e.value.name == "timeout" and 0.25 <= dt < 2.0, (e.value.name, dt)
+    with pytest.raises(QmoeError) as e:  # a new connection, timed out again
+        c.status()
+    assert e.value.name == "timeout"
+    t.join(5)
+    assert len(held) == 2
+    c.close()
+    srv.close()

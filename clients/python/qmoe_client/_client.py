@@ -1,5 +1,6 @@
 """The connection, the typed methods and the tensor codec."""
 
+import atexit
 import base64
 import errno
 import fcntl
@@ -7,6 +8,7 @@ import json
 import mmap as _mmap
 import os
 import socket
+import struct
 import threading
 import time
 
@@ -44,6 +46,53 @@ _DTYPE_SIZE = {"f32": 4, "f16": 2, "bf16": 2, "i32": 4}
 _NP_DTYPE = {"f32": "<f4", "f16": "<f2", "bf16": "<u2", "i32": "<i4"}
 MAP_ALIGN = 64
 _MAX_RESPONSE = 1 << 31
+_RECV = 1 << 16
+
+# Sessions this process created and has not closed: {socket path: {session: pid}}.
+# Closed at interpreter exit (atexit) by the process that created them.
+_OWNED = {}
+_OWNED_LOCK = threading.Lock()
+
+
+def _own(path, session):
+    with _OWNED_LOCK:
+        _OWNED.setdefault(path, {})[session] = os.getpid()
+
+
+def _disown(path, session):
+    with _OWNED_LOCK:
+        owned = _OWNED.get(path)
+        if owned is not None:
+            owned.pop(session, None)
+
+
+def _close_owned_sessions(timeout=2.0):
+    """session.close for every session this process created and left open,
+    over a connection of its own per daemon; a daemon that is gone is
+    skipped. Runs at interpreter exit."""
+    pid = os.getpid()
+    with _OWNED_LOCK:
+        todo = {path: [s for s, p in owned.items() if p == pid] for path, owned in _OWNED.items()}
+        _OWNED.clear()
+    for path, sessions in todo.items():
+        if not sessions:
+            continue
+        try:
+            c = Client(path, timeout=timeout, close_sessions_at_exit=False)
+        except QmoeError:
+            continue
+        try:
+            for s in sessions:
+                try:
+                    c.call("session.close", {"session": s})
+                except QmoeError as e:
+                    if e.code in (E_IO, E_TIMEOUT, E_NOT_RUNNING):
+                        break
+        finally:
+            c.close()
+
+
+atexit.register(_close_owned_sessions)
 
 
 class QmoeError(Exception):
@@ -277,15 +326,20 @@ class Client:
     """One connection to qmoed. Calls are synchronous and bounded by
     `timeout` seconds; a Client may be shared between threads (calls are
     serialised by a lock). After a timeout or broken connection the next call
-    reconnects."""
+    reconnects. Sessions created through it are closed when the interpreter
+    exits if they are still open (unless close_sessions_at_exit=False);
+    close() only drops the connection."""
 
-    def __init__(self, socket_path=None, timeout=30.0, as_numpy=True):
+    def __init__(self, socket_path=None, timeout=30.0, as_numpy=True,
+                 close_sessions_at_exit=True):
         self.path = default_socket_path(socket_path)
         self.timeout = float(timeout)
         self.as_numpy = as_numpy
+        self.close_sessions_at_exit = close_sessions_at_exit
         self._lock = threading.Lock()
         self._sock = None
         self._buf = bytearray()
+        self._rbuf = bytearray(_RECV)
         self._next_id = 1
         self._connect(time.monotonic() + self.timeout)
 
@@ -316,6 +370,15 @@ class Client:
         except OSError as e:
             s.close()
             raise QmoeError(E_IO, "connection_lost", "cannot connect to %s: %s" % (self.path, e))
+        # Connected: a blocking socket whose reads and writes the kernel times
+        # out (SO_RCVTIMEO/SO_SNDTIMEO, `timeout`), one syscall each way per
+        # call instead of poll + call + two mode changes; _read_line keeps the
+        # call's deadline.
+        s.settimeout(None)
+        t = max(0.001, self.timeout)
+        tv = struct.pack("ll", int(t), int((t - int(t)) * 1e6))
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, tv)
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, tv)
         self._sock = s
         self._buf = bytearray()
 
@@ -339,39 +402,68 @@ class Client:
         self.close()
 
     def _read_line(self, deadline):
+        """The next line. A read waits at most `timeout` (the kernel's
+        SO_RCVTIMEO), and none starts after `deadline`: a call is bounded by
+        about twice its timeout when an answer trickles in."""
+        buf, rbuf = self._buf, self._rbuf
         while True:
-            i = self._buf.find(b"\n")
+            i = buf.find(b"\n")
             if i >= 0:
-                line = bytes(self._buf[:i])
-                del self._buf[: i + 1]
+                line = bytes(buf[:i])
+                del buf[: i + 1]
                 return line
-            if len(self._buf) > _MAX_RESPONSE:
+            if len(buf) > _MAX_RESPONSE:
                 raise QmoeError(E_PROTO, "bad_response", "a response exceeds %d bytes" % _MAX_RESPONSE)
-            left = deadline - time.monotonic()
-            if left <= 0:
+            if time.monotonic() >= deadline:
                 raise socket.timeout()
-            self._sock.settimeout(left)
-            chunk = self._sock.recv(1 << 20)
-            if not chunk:
+            try:
+                n = self._sock.recv_into(rbuf)
+            except BlockingIOError:  # SO_RCVTIMEO ran out
+                raise socket.timeout()
+            if not n:
                 raise QmoeError(E_IO, "connection_lost", "qmoed closed the connection before answering")
-            self._buf += chunk
+            if not buf and rbuf[n - 1] == 10 and rbuf.find(b"\n", 0, n - 1) < 0:
+                return bytes(rbuf[:n - 1])  # exactly one whole line: the usual answer
+            buf += memoryview(rbuf)[:n]
 
     def call(self, method, params=None, fd=None):
         """Any method: `params` a dict (or None). Returns the result, raises
         QmoeError. `fd`: one descriptor sent as SCM_RIGHTS with the line's
         first byte (session.map)."""
+        body = b""
+        if params is not None:
+            body = b',"params":' + json.dumps(params, separators=(",", ":"),
+                                              ensure_ascii=False).encode("utf-8")
+        try:
+            r = self._call(method, body, fd)
+        except QmoeError as e:
+            if method == "session.close" and e.name == "not_found":
+                _disown(self.path, (params or {}).get("session"))
+            raise
+        if method == "session.create" and isinstance(r, dict) and "session" in r:
+            if self.close_sessions_at_exit:
+                _own(self.path, r["session"])
+        elif method == "session.close":
+            _disown(self.path, (params or {}).get("session"))
+        return r
+
+    def call_json(self, method, params_json):
+        """call() with `params` already JSON text (bytes): an engine's layer
+        calls, whose text differs only by a number, are formatted, not
+        encoded. Not for session.create/session.close (whose sessions
+        call() keeps track of)."""
+        return self._call(method, b',"params":' + params_json, None)
+
+    def _call(self, method, body, fd):
         with self._lock:
             deadline = time.monotonic() + self.timeout
             if self._sock is None:
                 self._connect(deadline)
             rid = self._next_id
             self._next_id += 1
-            req = {"jsonrpc": "2.0", "id": rid, "method": method}
-            if params is not None:
-                req["params"] = params
-            line = json.dumps(req, separators=(",", ":"), ensure_ascii=False).encode("utf-8") + b"\n"
+            line = b'{"jsonrpc":"2.0","id":%d,"method":%s%s}\n' % (
+                rid, json.dumps(method, ensure_ascii=False).encode("utf-8"), body)
             try:
-                self._sock.settimeout(max(0.001, deadline - time.monotonic()))
                 if fd is not None:
                     sent = socket.send_fds(self._sock, [line], [fd])
                     line = line[sent:]
@@ -401,7 +493,7 @@ class Client:
                     if "result" not in msg:
                         raise QmoeError(E_PROTO, "bad_response", "response has neither result nor error")
                     return msg["result"]
-            except socket.timeout:
+            except (socket.timeout, BlockingIOError):  # BlockingIOError: SO_SNDTIMEO ran out
                 self._drop()
                 raise QmoeError(E_TIMEOUT, "timeout", "qmoed did not answer %s in time" % method)
             except QmoeError as e:

@@ -1,0 +1,202 @@
+#!/usr/bin/env python3
+"""What the transformers hook costs per MoE layer call at T = 1 beyond
+qmoed's own answer: greedy decoding on a tiny fixture model (experts that
+cost next to nothing), each layer call timed in the engine and matched with
+the daemon's session.infer trace span of the same call (dur_us: from the
+request read to the answer queued). Reports per call, medians over every
+call of every round:
+
+  engine CPU  the engine thread's CPU time (user + system) in the layer
+              call: what the engine spends, whoever else wants the cores
+  hook        the whole layer call in the engine (qmoe_client.transformers)
+  daemon      the session.infer span
+  beyond      hook - daemon: tensor copies, map writes, request text,
+              socket transit and wake-ups, the response's parse, Python
+  before call / in client call / after  where the hook's time goes (the
+              client call: the request's text, the socket both ways, the
+              daemon, the response's parse)
+
+--loop calls the hook's layer call directly, back to back, with one
+token's hidden state and routing (what a decode step sends, without the
+model's own compute between calls: on a loaded machine that compute lets
+other processes take the cores, and each of the call's thread wake-ups then
+waits for one), instead of generating.
+
+--baseline REV runs the client package of git revision REV side by side
+(alternating rounds, same model, same daemon) for a before/after figure.
+
+Run with the torch environment's python:
+  $QMOE_TORCH_VENV/bin/python bench/hook/hook_cost.py --build build \\
+      [--fixture qwen3_moe] [--tokens 64] [--rounds 5] [--baseline 6918353]
+"""
+import argparse
+import importlib
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.abspath(os.path.join(HERE, "..", ".."))
+sys.path.insert(0, os.path.join(ROOT, "tests", "daemon"))
+sys.path.insert(0, os.path.join(ROOT, "clients", "python"))
+
+
+def baseline_package(rev, d):
+    """The client package of revision `rev` as the package qmoe_client_base."""
+    pkg = os.path.join(d, "qmoe_client_base")
+    os.makedirs(pkg)
+    for f in ("__init__.py", "_client.py", "transformers.py"):
+        src = subprocess.run(["git", "-C", ROOT, "show", "%s:clients/python/qmoe_client/%s"
+                              % (rev, f)], capture_output=True, text=True, check=True).stdout
+        with open(os.path.join(pkg, f), "w") as out:
+            out.write(src)
+    sys.path.insert(0, d)
+    return importlib.import_module("qmoe_client_base")
+
+
+class Timed:
+    """Wraps a Hook class's _forward and its client's call path: per call,
+    (start, sent, answered, end) perf_counter stamps."""
+
+    def __init__(self, hook_cls):
+        self.samples = []
+        self._stamps = []
+        self._cpu = []
+        inner = hook_cls._forward
+        timed = self
+
+        def forward(self, *args):
+            timed._cpu = [time.thread_time()]
+            timed._stamps = [time.perf_counter()]
+            out = inner(self, *args)
+            timed._stamps.append(time.perf_counter())
+            timed._cpu.append(time.thread_time())
+            if len(timed._stamps) == 4:
+                timed.samples.append(tuple(timed._stamps) + tuple(timed._cpu))
+            return out
+
+        hook_cls._forward = forward
+
+    def wrap_client(self, client, method):
+        inner = getattr(client, method)
+        timed = self
+
+        def call(*args, **kwargs):
+            timed._cpu.append(time.thread_time())
+            timed._stamps.append(time.perf_counter())
+            r = inner(*args, **kwargs)
+            timed._stamps.append(time.perf_counter())
+            timed._cpu.append(time.thread_time())
+            return r
+
+        setattr(client, method, call)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--build", default=os.path.join(ROOT, "build"))
+    ap.add_argument("--fixture", default="qwen3_moe")
+    ap.add_argument("--tokens", type=int, default=64)
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--baseline", metavar="REV", help="also run this revision's client package")
+    ap.add_argument("--engine-threads", type=int, default=1)
+    ap.add_argument("--loop", action="store_true", help="back-to-back layer calls, no model")
+    ap.add_argument("--calls", type=int, default=2000, help="layer calls per round (--loop)")
+    a = ap.parse_args()
+    os.environ["QMOE_BUILD_DIR"] = a.build
+    import torch
+    import transformers
+    import qmoe_client
+    from qmoe_client import transformers as qhook
+    from qmoed_harness import Daemon, qmoe_bank_path
+
+    torch.set_num_threads(a.engine_threads)
+    d = tempfile.mkdtemp(prefix="bench-hook-cost-")
+    roads = {"this tree": (qmoe_client, qhook)}
+    if a.baseline:
+        base = baseline_package(a.baseline, d)
+        roads["baseline %s" % a.baseline] = (base, importlib.import_module(
+            "qmoe_client_base.transformers"))
+    fixture = os.path.join(ROOT, "tests", "import", "fixtures", a.fixture)
+    bank = os.path.join(d, a.fixture + ".bank")
+    subprocess.run([qmoe_bank_path(), "import", "hf", fixture, "--out", bank, "--bits", "8",
+                    "--quiet"], check=True)
+    dm = Daemon(models={a.fixture: bank}, workdir=d,
+                args=["--log-level", "warning", "--set", "trace_capacity=1000000"])
+    results = {name: [] for name in roads}
+    try:
+        model = transformers.AutoModelForCausalLM.from_pretrained(fixture, dtype=torch.float32)
+        model.eval()
+        ids = torch.tensor([[1, 5, 9, 2, 7]])
+        timers = {}
+        clients = {}
+        for name, (pkg, hk) in roads.items():
+            timers[name] = Timed(hk.Hook)
+            clients[name] = pkg.Client(dm.socket)
+            timers[name].wrap_client(clients[name], "call_json" if hasattr(
+                clients[name], "call_json") else "call")
+        admin = qmoe_client.Client(dm.socket)
+        for r in range(a.rounds + 1):  # round 0 warms up
+            for name, (pkg, hk) in roads.items():
+                timer = timers[name]
+                hook = hk.attach(model, clients[name], a.fixture)
+                hook._ensure_map(1 << 20)
+                timer.samples = []
+                with torch.no_grad():
+                    if a.loop:
+                        H = model.config.hidden_size
+                        k = model.config.num_experts_per_tok
+                        x = torch.randn(1, H)
+                        top = torch.arange(k).reshape(1, k)
+                        w = torch.full((1, k), 1.0 / k)
+                        nl = len(set(hook.layers.values()))
+                        for i in range(a.calls):
+                            hook._forward(i % nl, x, top, w)
+                    else:
+                        model.generate(ids, max_new_tokens=a.tokens, min_new_tokens=a.tokens,
+                                       do_sample=False, pad_token_id=0)
+                spans = [s for s in admin.trace(session=hook.session)
+                         if s["name"] == "session.infer"]
+                hook.detach()
+                calls = timer.samples
+                if len(spans) != len(calls):
+                    raise SystemExit("%d layer calls but %d trace spans" % (len(calls), len(spans)))
+                per_call = [(c, s["dur_us"]) for c, s in zip(calls, spans)
+                            if s["args"]["tokens"] == 1]  # decode steps (T = 1)
+                if r:
+                    results[name] += per_call
+    finally:
+        dm.stop()
+    med = statistics.median
+    what = ("%d back-to-back layer calls" % a.calls) if a.loop else ("%d decode tokens" % a.tokens)
+    print("fixture %s, %s x %d rounds, engine threads %d; per layer call at "
+          "T = 1, median (p10-p90) in us:" % (a.fixture, what, a.rounds, a.engine_threads))
+    for name, rows in results.items():
+        hook = [1e6 * (c[3] - c[0]) for c, _ in rows]
+        daemon = [float(s) for _, s in rows]
+        beyond = [h - s for h, s in zip(hook, daemon)]
+        before = [1e6 * (c[1] - c[0]) for c, _ in rows]
+        wait = [1e6 * (c[2] - c[1]) for c, _ in rows]
+        after = [1e6 * (c[3] - c[2]) for c, _ in rows]
+        cpu = [1e6 * (c[7] - c[4]) for c, _ in rows]
+        cpu_parts = [[1e6 * (c[5] - c[4]) for c, _ in rows], [1e6 * (c[6] - c[5]) for c, _ in rows],
+                     [1e6 * (c[7] - c[6]) for c, _ in rows]]
+
+        def q(v):
+            v = sorted(v)
+            return "%6.1f (%.1f-%.1f)" % (med(v), v[len(v) // 10], v[len(v) * 9 // 10])
+        print("  %s, %d calls:" % (name, len(rows)))
+        print("    engine CPU    %s   (the engine thread's CPU time in the call)" % q(cpu))
+        print("    hook          %s" % q(hook))
+        print("    daemon span   %s" % q(daemon))
+        print("    beyond daemon %s" % q(beyond))
+        print("    before call   %s   CPU %s" % (q(before), q(cpu_parts[0])))
+        print("    client call   %s   CPU %s" % (q(wait), q(cpu_parts[1])))
+        print("    after call    %s   CPU %s" % (q(after), q(cpu_parts[2])))
+
+
+if __name__ == "__main__":
+    main()
