@@ -42,8 +42,7 @@ struct qm_session {
                                * while resizes are queued, the largest they may set */
     uint32_t resizes_pending; /* session.resize jobs queued and not yet done */
     int64_t created_at;       /* unix seconds */
-    uint64_t touched_us;      /* the last request that named it (qm_now_us) */
-    uint64_t touched_by;      /* ... and the connection it came on */
+    qm_touches touches;       /* the open connections that used it, its orphan mark */
     int refs;                 /* registry + queued jobs */
     atomic_int closed;        /* set by the loop; workers answer not_found after it */
     qm_counters counters;
@@ -65,6 +64,7 @@ qm_session *qm_session_find(const qm_registry *r, const char *id)
 static void session_free(qm_session *s)
 {
     qm_shm_set_release_all(&s->maps);
+    qm_touches_free(&s->touches);
     qm_multipager_free(s->pagers);
     qm_placement_free(&s->placement);
     qm_free(s->trace_path);
@@ -537,6 +537,7 @@ void qm_session_resize_finish(qm_registry *r, qm_session *s, int ok, uint64_t bu
 
 void qm_session_abort(qm_registry *r, qm_session *s)
 {
+    atomic_store(&s->closed, 1); /* never served: nothing may mark or use it */
     r->n_sessions--;
     session_release_admission(r, s);
     qm_session_unref(s);
@@ -604,18 +605,7 @@ size_t qm_session_queued(const qm_session *s) { return s->queue.pending; }
 qm_shm_set *qm_session_maps(qm_session *s) { return &s->maps; }
 int qm_session_closed(const qm_session *s) { return atomic_load(&((qm_session *)s)->closed); }
 
-void qm_session_touch(qm_session *s, uint64_t conn_id, uint64_t now_us)
-{
-    s->touched_us = now_us;
-    s->touched_by = conn_id;
-}
-
-uint64_t qm_session_last_touch(const qm_session *s, uint64_t *conn_id)
-{
-    if (conn_id)
-        *conn_id = s->touched_by;
-    return s->touched_us;
-}
+qm_touches *qm_session_touches(qm_session *s) { return &s->touches; }
 
 /* Whole-bank banks get no resident_now: they are resident for the session's
  * life, which the plan's decision already says (docs/PROTOCOL.md). */
