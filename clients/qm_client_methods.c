@@ -386,6 +386,19 @@ int qm_client_session_close(qm_client *c, const char *session, qm_client_error *
     return qm__call_plain(c, "session.close", p, err);
 }
 
+/* A count or time that may be absent or null: -1 then. */
+static int64_t qm__opt_count(const qm_cval *o, const char *key)
+{
+    const qm_cval *v = qm_cval_get(o, key);
+    if (!v)
+        return -1;
+    if (v->type == QM_CVAL_ARRAY)
+        return (int64_t)v->count;
+    if (v->type == QM_CVAL_NUMBER && v->number >= 0)
+        return (int64_t)v->number;
+    return -1;
+}
+
 void qm_client_sessions_free(qm_client_session_info *s, size_t count)
 {
     for (size_t i = 0; s && i < count; i++) {
@@ -405,6 +418,8 @@ static int qm__session_from(const qm_cval *o, void *item)
     s->budget_bytes = qm__u64(o, "budget_bytes");
     s->resident_bytes = qm__u64(o, "resident_bytes");
     s->created_at = qm__dbl(o, "created_at");
+    s->orphaned_since = qm__opt_count(o, "orphaned_since");
+    s->reclaim_in_s = qm__opt_count(o, "reclaim_in_s");
     if (qm__client_dup_member(o, "session", &s->session) < 0 ||
         qm__client_dup_member(o, "model", &s->model) < 0 ||
         qm__client_dup_member(o, "policy", &s->policy) < 0)
@@ -460,18 +475,6 @@ static int qm__indices(const qm_cval *o, const char *key, uint32_t **out, size_t
 }
 
 /* "resident now" is a count, or the list of resident experts; -1 when absent. */
-static int64_t qm__opt_count(const qm_cval *o, const char *key)
-{
-    const qm_cval *v = qm_cval_get(o, key);
-    if (!v)
-        return -1;
-    if (v->type == QM_CVAL_ARRAY)
-        return (int64_t)v->count;
-    if (v->type == QM_CVAL_NUMBER && v->number >= 0)
-        return (int64_t)v->number;
-    return -1;
-}
-
 int qm_client_session_plan(qm_client *c, const char *session, qm_client_plan *out,
                            qm_client_error *err)
 {

@@ -140,6 +140,12 @@ typedef struct qm_client_session_info {
     char *session, *model, *policy;
     uint64_t owner_uid, budget_bytes, resident_bytes;
     double created_at; /* seconds since the epoch */
+    /* Orphaned (no open connection has touched it, nothing of it queued;
+     * docs/OPERATIONS.md "Orphaned sessions"): since when, in seconds since
+     * the epoch, and the seconds until the daemon reclaims it; -1 when it is
+     * not orphaned, when it is never reclaimed (reclaim_in_s, timeout 0), or
+     * from a daemon that does not report them. */
+    int64_t orphaned_since, reclaim_in_s;
 } qm_client_session_info;
 int qm_client_session_list(qm_client *c, qm_client_session_info **sessions, size_t *count,
                            qm_client_error *err);
