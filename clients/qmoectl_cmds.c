@@ -306,6 +306,9 @@ static int cmd_create(qm_client *c, const qmoectl_args *a)
     qm_client_error err;
     if (qm_client_session_create(c, &sp, &id, &sum, &err) < 0)
         return qmoectl_fail(&err);
+    /* The session is the user's, not this process's: it stays when qmoectl
+     * exits (then orphaned; docs/OPERATIONS.md "Orphaned sessions"). */
+    qm_client_session_detach(c, id, NULL);
     char bud[32], ws[32];
     printf("%s\n", id);
     printf("policy %s, budget %s, workspace %s; %llu banks: %llu whole-bank resident, %llu "
