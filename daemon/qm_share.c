@@ -99,12 +99,31 @@ static void own_gauges(const qm_share *p, const qm_pager_stats *now, uint64_t bu
     own->arena_bytes = now->arena_bytes;
 }
 
+/* Under the lock: every member's budget is at least what a pager of its
+ * own would need (whole banks + pins + one unit), so that the pool still
+ * fits its budget whoever leaves. */
+static int check_min(qm_share *p, uint64_t budget, qm_status *st)
+{
+    uint64_t min = 0;
+    int rc = qm_pager_min_budget(p->backend, p->bank, p->plan, &p->options, &min, st);
+    if (rc < 0)
+        return rc;
+    if (budget < min)
+        return qm_status_set_field(st, QM_ERESOURCE_EXHAUSTED, "budget_bytes",
+                                   "budget_bytes %llu is below the minimum %llu of a session "
+                                   "sharing residency (whole banks, pins and one expert unit, "
+                                   "as a session of its own needs)",
+                                   (unsigned long long)budget, (unsigned long long)min);
+    return 0;
+}
+
 int qm_share_join(qm_share *p, qm_backend *const *devices, uint64_t budget, qm_pager_stats *own,
                   qm_status *st)
 {
     int rc = 0;
     memset(own, 0, sizeof *own);
     pthread_mutex_lock(&p->lock);
+    p->backend = devices[0];
     if (!p->pagers) {
         qm_plan_set_budget(p->plan, budget);
         rc = qm_multipager_new(devices, p->bank, p->plan, &p->policy, &p->options, &p->placement,
@@ -113,7 +132,7 @@ int qm_share_join(qm_share *p, qm_backend *const *devices, uint64_t budget, qm_p
             p->budget = budget;
             qm_multipager_stats(p->pagers, own);
         }
-    } else {
+    } else if ((rc = check_min(p, budget, st)) == 0) {
         unsigned long long total = 0;
         if (qm_add_u64(p->budget, budget, &total) < 0)
             rc = qm_status_set_field(st, QM_ERESOURCE_EXHAUSTED, "budget_bytes",
@@ -180,8 +199,8 @@ int qm_share_resize(qm_share *p, uint64_t old_budget, uint64_t new_budget, qm_pa
     qm_pager_stats was, now;
     pthread_mutex_lock(&p->lock);
     uint64_t total = p->budget - (old_budget < p->budget ? old_budget : p->budget);
-    int rc = 0;
-    if (total + new_budget < total)
+    int rc = check_min(p, new_budget, st);
+    if (rc == 0 && total + new_budget < total)
         rc = qm_status_set_field(st, QM_ERESOURCE_EXHAUSTED, "budget_bytes",
                                  "the shared pool's budget would overflow");
     total += new_budget;

@@ -30,6 +30,7 @@ typedef struct qm_share {
     qm_placement placement;
     qm_pager_options options;
     qm_multipager *pagers;
+    qm_backend *backend; /* the one device's, borrowed, set by the first join */
     uint64_t budget; /* the sum of the members' shares, under `lock` */
     uint32_t members; /* sessions joined, under `lock` */
     pthread_mutex_t lock;

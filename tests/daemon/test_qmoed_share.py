@@ -93,14 +93,22 @@ def test_a_member_that_leaves_takes_its_share_and_resize_moves_the_pool(daemon):
     for l, x in enumerate(inputs() * 2):
         infer(c, a, l % 2, x)
     assert resident_experts(c, a) > 4  # the pool took more than one budget
-    c.call("session.close", {"session": b})
-    c.call("session.plan", {"session": a})  # behind b's close in no queue: poll the pool
+    c.call("session.close", {"session": b})  # nothing of b queued: its share goes now
     assert resident_experts(c, a) <= 4
     r = c.call("session.resize", {"session": a, "budget_bytes": 2 * bpe})
     assert r["budget_bytes"] == 2 * bpe
     assert resident_experts(c, a) <= 2
     t = c.call("telemetry.get", {"session": a})
     assert t["evictions"] > 0, t  # the shrink's evictions are the resizer's
+    # Below what a session of its own needs: refused for a member too, even
+    # while another member's budget would cover the pool's minimum.
+    b = create(c, 4 * bpe)
+    e = c.request("session.resize", {"session": a, "budget_bytes": 1})["error"]
+    assert e["code"] == -32003 and e["data"]["field"] == "budget_bytes", e
+    e = c.request("session.create", {"model": "small", "policy": "lru", "budget_bytes": 1,
+                                      "policy_params": SHARE})["error"]
+    assert e["code"] == -32003 and "below the minimum" in e["data"]["reason"], e
+    c.call("session.close", {"session": b})
     c.call("session.close", {"session": a})
     c.close()
 
