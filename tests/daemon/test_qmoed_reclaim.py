@@ -18,7 +18,7 @@ import time
 
 import pytest
 
-from qmoed_harness import Daemon, make_bank
+from qmoed_harness import BUILD, Daemon, make_bank
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 PYCLIENT = os.path.join(HERE, "..", "..", "clients", "python")
@@ -224,6 +224,12 @@ def test_timeout_zero_keeps_an_orphaned_session(bank):
         assert s is not None and s["orphaned_since"] is not None, s
         assert s["reclaim_in_s"] is None, s  # never
         assert reclaimed_count(watcher) == 0
+        # qmoectl sessions: STATE orphaned, RECLAIM-IN never.
+        qmoectl = os.path.join(BUILD, "clients", "qmoectl")
+        out = subprocess.run([qmoectl, "--socket", dm.socket, "sessions"], check=True,
+                             capture_output=True, text=True).stdout
+        row = [l for l in out.splitlines() if l.startswith(sid)]
+        assert row and re.split(r"\s{2,}", row[0].strip())[-2:] == ["orphaned", "never"], out
         assert "kept until closed (session_orphan_timeout_s 0)" in dm.log_text()
         watcher.call("session.close", {"session": sid})
         watcher.close()
