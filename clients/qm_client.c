@@ -10,7 +10,6 @@
 #include <string.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
-#include <sys/un.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -20,16 +19,6 @@
 /* Results larger than this are refused: a sane daemon never sends one, and a
  * broken stream must not eat the client's memory. */
 #define QM__CLIENT_MAX_RESPONSE ((size_t)1 << 31)
-
-struct qm_client {
-    pthread_mutex_t lock;
-    int fd; /* -1 after a broken exchange; the next call reconnects */
-    int timeout_ms;
-    uint64_t next_id;
-    char path[sizeof(((struct sockaddr_un *)0)->sun_path)];
-    char *buf; /* bytes read past the last newline */
-    size_t len, cap;
-};
 
 int qm__client_fail(qm_client_error *err, int code, const char *fmt, ...)
 {
@@ -190,11 +179,13 @@ int qm_client_open(qm_client **out, const char *socket_path, int timeout_ms,
         qm_free(c);
         return qm__client_fail(err, QM_CLIENT_ENOMEM, "cannot create the handle's mutex");
     }
+    c->pid = getpid();
     int rc = qm__connect(c, qm__now_ms() + c->timeout_ms, err);
     if (rc < 0) {
         qm_client_close(c);
         return rc;
     }
+    qm__client_add_open(c);
     *out = c;
     return 0;
 }
@@ -203,6 +194,9 @@ void qm_client_close(qm_client *c)
 {
     if (!c)
         return;
+    qm__client_forget_open(c);
+    qm__client_close_owned(c);
+    qm__client_owned_free(c);
     if (c->fd >= 0)
         close(c->fd);
     pthread_mutex_destroy(&c->lock);

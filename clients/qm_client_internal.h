@@ -2,8 +2,50 @@
 #ifndef QM_CLIENT_INTERNAL_H
 #define QM_CLIENT_INTERNAL_H
 
+#include <pthread.h>
+#include <sys/types.h>
+#include <sys/un.h>
+
 #include "qm_client_codec.h"
 #include "qmoe_client.h"
+
+/* The sessions a handle closes for its caller (qm_client_owned.c): ids it
+ * owns, malloc'd. */
+typedef struct qm__owned {
+    char **ids;
+    size_t n, cap;
+} qm__owned;
+
+struct qm_client {
+    pthread_mutex_t lock; /* one exchange at a time; also guards `owned` */
+    int fd;               /* -1 after a broken exchange; the next call reconnects */
+    int timeout_ms;
+    uint64_t next_id;
+    char path[sizeof(((struct sockaddr_un *)0)->sun_path)];
+    char *buf; /* bytes read past the last newline */
+    size_t len, cap;
+    qm__owned owned;
+    pid_t pid; /* the process that opened it: only it closes `owned` */
+    struct qm_client *open_prev, *open_next; /* the process's open handles */
+};
+
+/* ---- qm_client_owned.c ---- */
+/* Room for one more owned id, taken before session.create is sent so that
+ * recording its answer cannot fail: 0 or QM_CLIENT_ENOMEM. */
+int qm__client_own_reserve(qm_client *c, qm_client_error *err);
+/* Records `id` (copied) as owned; call after a qm__client_own_reserve. */
+void qm__client_own(qm_client *c, const char *id);
+/* Forgets `id`: 1 when it was owned. */
+int qm__client_disown(qm_client *c, const char *id);
+/* A new handle joins the process's open handles (the atexit handler is
+ * installed with the first); qm__client_forget_open takes it out. */
+void qm__client_add_open(qm_client *c);
+void qm__client_forget_open(qm_client *c);
+/* Sends session.close for every owned id (2 s each at most, stopping at
+ * the first broken connection) when c was opened by this process, and
+ * empties the list. Takes c->lock per call. */
+void qm__client_close_owned(qm_client *c);
+void qm__client_owned_free(qm_client *c);
 
 /* Sets *err (may be NULL) and returns `code`. */
 int qm__client_fail(qm_client_error *err, int code, const char *fmt, ...)

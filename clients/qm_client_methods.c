@@ -330,7 +330,12 @@ int qm_client_session_create(qm_client *c, const qm_client_session_params *sp,
     qm_cval_free(pp);
     if (!p)
         return QM__NOMEM(err);
-    int rc = qm__client_call(c, "session.create", p, &r, err);
+    int rc = qm__client_own_reserve(c, err);
+    if (rc < 0) {
+        qm_cval_free(p);
+        return rc;
+    }
+    rc = qm__client_call(c, "session.create", p, &r, err);
     if (rc < 0)
         return rc;
     if (!qm_cval_get_string(r, "session")) {
@@ -346,6 +351,9 @@ int qm_client_session_create(qm_client *c, const qm_client_session_params *sp,
         *session_id = NULL;
         rc = QM__NOMEM(err);
     }
+    /* Owned from here (even when the caller got ENOMEM and no id): the
+     * handle closes it at qm_client_close or exit. */
+    qm__client_own(c, qm_cval_get_string(r, "session"));
 out:
     qm_cval_free(r);
     return rc;
@@ -383,7 +391,56 @@ int qm_client_session_close(qm_client *c, const char *session, qm_client_error *
     qm_cval *p = qm__with_str(qm__params(), "session", session);
     if (!p)
         return QM__NOMEM(err);
-    return qm__call_plain(c, "session.close", p, err);
+    int rc = qm__call_plain(c, "session.close", p, err);
+    if (rc == 0 || rc == -32001) /* closed, or gone already */
+        qm__client_disown(c, session);
+    return rc;
+}
+
+int qm_client_session_detach(qm_client *c, const char *session, qm_client_error *err)
+{
+    if (err)
+        memset(err, 0, sizeof(*err));
+    if (!c || !session)
+        return qm__client_fail(err, QM_CLIENT_EINVAL, "no client handle or session id given");
+    if (!qm__client_disown(c, session))
+        return qm__client_fail(err, QM_CLIENT_EINVAL,
+                               "session %.64s is not one this handle owns (created or adopted)",
+                               session);
+    return 0;
+}
+
+int qm_client_session_adopt(qm_client *c, const char *session, qm_client_error *err)
+{
+    if (!c || !session)
+        return qm__client_fail(err, QM_CLIENT_EINVAL, "no client handle or session id given");
+    int rc = qm__client_own_reserve(c, err);
+    if (rc < 0)
+        return rc;
+    /* A request naming it: it must exist and be the caller's, and the
+     * daemon counts this connection as using it from now on. */
+    qm_cval *p = qm__with_str(qm__params(), "session", session);
+    if (!p)
+        return QM__NOMEM(err);
+    rc = qm__call_plain(c, "telemetry.get", p, err);
+    if (rc < 0)
+        return rc;
+    qm__client_disown(c, session); /* adopted twice: recorded once */
+    qm__client_own(c, session);
+    return 0;
+}
+
+/* A count or time that may be absent or null: -1 then. */
+static int64_t qm__opt_count(const qm_cval *o, const char *key)
+{
+    const qm_cval *v = qm_cval_get(o, key);
+    if (!v)
+        return -1;
+    if (v->type == QM_CVAL_ARRAY)
+        return (int64_t)v->count;
+    if (v->type == QM_CVAL_NUMBER && v->number >= 0)
+        return (int64_t)v->number;
+    return -1;
 }
 
 void qm_client_sessions_free(qm_client_session_info *s, size_t count)
@@ -405,6 +462,8 @@ static int qm__session_from(const qm_cval *o, void *item)
     s->budget_bytes = qm__u64(o, "budget_bytes");
     s->resident_bytes = qm__u64(o, "resident_bytes");
     s->created_at = qm__dbl(o, "created_at");
+    s->orphaned_since = qm__opt_count(o, "orphaned_since");
+    s->reclaim_in_s = qm__opt_count(o, "reclaim_in_s");
     if (qm__client_dup_member(o, "session", &s->session) < 0 ||
         qm__client_dup_member(o, "model", &s->model) < 0 ||
         qm__client_dup_member(o, "policy", &s->policy) < 0)
@@ -460,18 +519,6 @@ static int qm__indices(const qm_cval *o, const char *key, uint32_t **out, size_t
 }
 
 /* "resident now" is a count, or the list of resident experts; -1 when absent. */
-static int64_t qm__opt_count(const qm_cval *o, const char *key)
-{
-    const qm_cval *v = qm_cval_get(o, key);
-    if (!v)
-        return -1;
-    if (v->type == QM_CVAL_ARRAY)
-        return (int64_t)v->count;
-    if (v->type == QM_CVAL_NUMBER && v->number >= 0)
-        return (int64_t)v->number;
-    return -1;
-}
-
 int qm_client_session_plan(qm_client *c, const char *session, qm_client_plan *out,
                            qm_client_error *err)
 {

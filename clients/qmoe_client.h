@@ -53,7 +53,9 @@ typedef struct qm_client qm_client;
 int qm_client_socket_path(const char *explicit_path, char *buf, size_t cap);
 
 /* Connects. `socket_path` NULL resolves as above; `timeout_ms` <= 0 means
- * QM_CLIENT_DEFAULT_TIMEOUT_MS. On 0, *out is a handle to qm_client_close. */
+ * QM_CLIENT_DEFAULT_TIMEOUT_MS. On 0, *out is a handle to qm_client_close,
+ * which also closes the sessions the handle owns (below, "Sessions a
+ * handle owns"). */
 int qm_client_open(qm_client **out, const char *socket_path, int timeout_ms,
                    qm_client_error *err);
 void qm_client_close(qm_client *c); /* accepts NULL */
@@ -128,6 +130,40 @@ int qm_client_session_create(qm_client *c, const qm_client_session_params *p,
                              qm_client_error *err);
 void qm_client_plan_summary_free(qm_client_plan_summary *s);
 int qm_client_session_close(qm_client *c, const char *session, qm_client_error *err);
+
+/* Sessions a handle owns. A session made by qm_client_session_create is
+ * owned by the handle that made it: qm_client_close sends session.close for
+ * each session the handle still owns, and so does an atexit handler for
+ * every handle still open when the process calls exit() (or returns from
+ * main), so that a program that forgets, or leaves by an error path, leaves
+ * nothing in the daemon. qm_client_session_close (closed, or not_found)
+ * ends the ownership. Each of these closes waits at most 2 s, and the first
+ * that finds the daemon gone or silent ends them all. What they cannot
+ * cover (SIGKILL, _exit, a crash, a handle busy on another thread at exit)
+ * the daemon reclaims once session_orphan_timeout_s has passed
+ * (docs/OPERATIONS.md "Orphaned sessions"). A handle copied into a child by
+ * fork() never closes the parent's sessions, in the child's qm_client_close
+ * or at its exit. qm_client_call_json's "session.create" is raw: nothing it
+ * creates is owned.
+ *
+ * qm_client_session_detach: the handle stops owning `session`, which then
+ * outlives qm_client_close and the process (a tool such as `qmoectl create`,
+ * or an engine that restarts and carries on with it). QM_CLIENT_EINVAL when
+ * the handle does not own it. Nothing is sent.
+ *
+ * qm_client_session_adopt: the handle owns `session` (one made by another
+ * handle or process, e.g. the engine's previous run, within the daemon's
+ * session_orphan_timeout_s): it sends a request naming it, so the session
+ * must exist and be the caller's (the daemon's error otherwise), and the
+ * daemon counts this connection as using it; from then on it is closed
+ * with this handle, as if created here.
+ *
+ * To keep a session across a reconnect: within one process nothing is
+ * needed (the handle reconnects after a broken exchange and still owns it;
+ * its next call tells the daemon it is in use again). Across processes:
+ * detach it before exiting and adopt it in the next. */
+int qm_client_session_detach(qm_client *c, const char *session, qm_client_error *err);
+int qm_client_session_adopt(qm_client *c, const char *session, qm_client_error *err);
 /* session.resize: the session's new expert budget. On 0, *resident_bytes
  * (may be NULL) holds the resident bytes after the resize and `summary` (may
  * be NULL) the plan summary (qm_client_plan_summary_free); budget_bytes is in
@@ -140,6 +176,12 @@ typedef struct qm_client_session_info {
     char *session, *model, *policy;
     uint64_t owner_uid, budget_bytes, resident_bytes;
     double created_at; /* seconds since the epoch */
+    /* Orphaned (no open connection has touched it, nothing of it queued;
+     * docs/OPERATIONS.md "Orphaned sessions"): since when, in seconds since
+     * the epoch, and the seconds until the daemon reclaims it; -1 when it is
+     * not orphaned, when it is never reclaimed (reclaim_in_s, timeout 0), or
+     * from a daemon that does not report them. */
+    int64_t orphaned_since, reclaim_in_s;
 } qm_client_session_info;
 int qm_client_session_list(qm_client *c, qm_client_session_info **sessions, size_t *count,
                            qm_client_error *err);

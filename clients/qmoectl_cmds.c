@@ -149,12 +149,12 @@ static int cmd_sessions(qm_client *c, const qmoectl_args *a)
         qm_client_sessions_free(s, n);
         return QMOECTL_OK;
     }
-    static const char *const hdr[] = {"SESSION", "MODEL", "POLICY", "OWNER",
-                                      "BUDGET",  "RESIDENT", "USE", "AGE"};
-    qmoectl_table *t = qmoectl_table_new(8, hdr);
+    static const char *const hdr[] = {"SESSION", "MODEL", "POLICY", "OWNER", "BUDGET",
+                                      "RESIDENT", "USE", "AGE", "STATE", "RECLAIM-IN"};
+    qmoectl_table *t = qmoectl_table_new(10, hdr);
     time_t now = time(NULL);
     for (size_t i = 0; i < n; i++) {
-        char bud[32], res[32], pct[16], age[32];
+        char bud[32], res[32], pct[16], age[32], left[32];
         qmoectl_table_cell(t, "%s", s[i].session ? s[i].session : "?");
         qmoectl_table_cell(t, "%s", s[i].model ? s[i].model : "?");
         qmoectl_table_cell(t, "%s", s[i].policy ? s[i].policy : "?");
@@ -167,6 +167,15 @@ static int cmd_sessions(qm_client *c, const qmoectl_args *a)
                                         ? qmoectl_duration((double)now - s[i].created_at, age,
                                                            sizeof(age))
                                         : "-");
+        /* Orphaned: no open connection holds it; reclaimed when the time is
+         * up ("never" when the daemon's timeout is 0). */
+        int orphaned = s[i].orphaned_since >= 0;
+        qmoectl_table_cell(t, "%s", orphaned ? "orphaned" : "in use");
+        qmoectl_table_cell(t, "%s", !orphaned ? "-"
+                                    : s[i].reclaim_in_s < 0
+                                        ? "never"
+                                        : qmoectl_duration((double)s[i].reclaim_in_s, left,
+                                                           sizeof(left)));
     }
     qmoectl_table_print(t, stdout);
     qmoectl_table_free(t);
@@ -297,6 +306,9 @@ static int cmd_create(qm_client *c, const qmoectl_args *a)
     qm_client_error err;
     if (qm_client_session_create(c, &sp, &id, &sum, &err) < 0)
         return qmoectl_fail(&err);
+    /* The session is the user's, not this process's: it stays when qmoectl
+     * exits (then orphaned; docs/OPERATIONS.md "Orphaned sessions"). */
+    qm_client_session_detach(c, id, NULL);
     char bud[32], ws[32];
     printf("%s\n", id);
     printf("policy %s, budget %s, workspace %s; %llu banks: %llu whole-bank resident, %llu "

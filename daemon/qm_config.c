@@ -41,6 +41,7 @@ void qm_config_defaults(qm_config *cfg)
     cfg->trace_capacity = 4096;
     cfg->session_workspace_bytes = 16ull << 20;
     cfg->max_mapped_bytes = 1ull << 30;
+    cfg->session_orphan_timeout_s = 300;
 }
 
 void qm_config_free(qm_config *cfg)
@@ -293,6 +294,7 @@ static const key_def keys[] = {
     {"trace_capacity", K_U32, OFF(trace_capacity), 0, 16, 1u << 24},
     {"session_workspace_bytes", K_U64, OFF(session_workspace_bytes), 0, 0, UINT64_MAX},
     {"max_mapped_bytes", K_U64, OFF(max_mapped_bytes), 1, 0, UINT64_MAX},
+    {"session_orphan_timeout_s", K_U32, OFF(session_orphan_timeout_s), 1, 0, 1u << 30},
 };
 
 static const key_def *find_key(const char *name)
@@ -493,6 +495,9 @@ static void usage(FILE *out)
             "  --user USER           as root: drop to USER after binding and loading\n"
             "  --allow-root          keep running as root (otherwise a warning)\n"
             "  --log-level LEVEL     error, warning, notice, info, debug\n"
+            "  --session-orphan-timeout SECONDS\n"
+            "                        close a session no open connection has used for this\n"
+            "                        long, nothing of it queued (default 300; 0 = never)\n"
             "  --set KEY=VALUE       any config key (e.g. --set max_batch=16)\n"
             "  --version, --help\n"
             "Config keys: socket backend device device_budget emu_copy_mbps\n"
@@ -501,7 +506,8 @@ static void usage(FILE *out)
             "  log_level max_request_bytes max_nesting max_batch max_connections max_sessions\n"
             "  max_output_bytes queue_depth idle_timeout_s frame_timeout_s frames_per_wakeup\n"
             "  drain_timeout_s"
-            " trace_capacity session_workspace_bytes max_mapped_bytes, and \"models\": {NAME: PATH}.\n"
+            " trace_capacity session_workspace_bytes max_mapped_bytes\n"
+            "  session_orphan_timeout_s, and \"models\": {NAME: PATH}.\n"
             "SIGHUP re-reads the reloadable keys (limits, log_level, admin_group).\n");
 }
 
@@ -509,7 +515,7 @@ int qm_config_from_args(qm_config *cfg, int argc, char **argv, qm_status *st)
 {
     enum { O_SOCKET = 256, O_CONFIG, O_MODEL, O_BACKEND, O_BUDGET, O_STATE, O_THREADS,
            O_WORKERS, O_ADMIN, O_LEVEL, O_SET, O_VERSION, O_HELP, O_USER, O_ALLOW_ROOT,
-           O_DEVICE };
+           O_DEVICE, O_ORPHAN };
     static const struct option opts[] = {
         {"socket", required_argument, 0, O_SOCKET},   {"config", required_argument, 0, O_CONFIG},
         {"model", required_argument, 0, O_MODEL},     {"backend", required_argument, 0, O_BACKEND},
@@ -521,6 +527,7 @@ int qm_config_from_args(qm_config *cfg, int argc, char **argv, qm_status *st)
         {"user", required_argument, 0, O_USER},
         {"allow-root", no_argument, 0, O_ALLOW_ROOT},
         {"log-level", required_argument, 0, O_LEVEL}, {"set", required_argument, 0, O_SET},
+        {"session-orphan-timeout", required_argument, 0, O_ORPHAN},
         {"version", no_argument, 0, O_VERSION},       {"help", no_argument, 0, O_HELP},
         {0, 0, 0, 0}};
     /* First pass: the config file, so flags override it. */
@@ -559,6 +566,7 @@ int qm_config_from_args(qm_config *cfg, int argc, char **argv, qm_status *st)
             cfg->allow_root = 1;
             continue;
         case O_LEVEL: key = "log_level"; break;
+        case O_ORPHAN: key = "session_orphan_timeout_s"; break;
         case O_MODEL: {
             const char *eq = strchr(optarg, '=');
             if (!eq || eq == optarg || !eq[1])

@@ -26,6 +26,7 @@
 #include "qm_models.h"
 #include "qm_notify.h"
 #include "qm_pool.h"
+#include "qm_reclaim.h"
 #include "qm_registry.h"
 #include "qm_server.h"
 #include "qm_sigbus.h"
@@ -47,6 +48,8 @@ struct qm_daemon {
     qm_counters counters;
     qm_limits limits;
     qm_trace trace;
+    qm_reclaim reclaim;    /* orphaned sessions closed after session_orphan_timeout_s */
+    int reclaim_started;
     qm_method_ctx methods; /* what the methods reach of all this */
     int draining;
     int stopping; /* handles are being closed */
@@ -146,6 +149,7 @@ static void signal_cb(uv_signal_t *h, int signum)
             d->cfg = next;
             qm_log_set_level(d->cfg.log_level);
             qm_server_apply_config(d->server);
+            qm_reclaim_arm(&d->reclaim); /* session_orphan_timeout_s may have changed */
             qm_log(QM_LOG_NOTICE, "SIGHUP: reloaded %s", d->cfg.config_path);
         }
         qm_notify("READY=1");
@@ -177,6 +181,13 @@ static void watchdog_cb(uv_timer_t *t)
 static void server_frame(void *arg, qm_conn *c, qm_rpc_frame *frame, uint64_t decode_us)
 {
     qm_dispatch_frame(&((qm_daemon *)arg)->methods, c, frame, decode_us);
+}
+
+static void server_conn_closed(void *arg, uint64_t conn_id)
+{
+    qm_daemon *d = arg;
+    if (d->reclaim_started && !d->stopping)
+        qm_reclaim_conn_closed(&d->reclaim, conn_id);
 }
 
 static void pool_done(void *arg, qm_job *job)
@@ -234,6 +245,7 @@ int qm_daemon_main(int argc, char **argv)
                            .limits = &d->limits,
                            .frame = server_frame,
                            .safe_point = maybe_finish,
+                           .conn_closed = server_conn_closed,
                            .arg = d};
     if (qm_server_new(&host, &d->server) < 0) {
         qm_log(QM_LOG_ERR, "out of memory for the server");
@@ -267,6 +279,7 @@ int qm_daemon_main(int argc, char **argv)
                                  .counters = &d->counters,
                                  .limits = &d->limits,
                                  .trace = &d->trace,
+                                 .reclaim = &d->reclaim,
                                  .start_us = d->start_us,
                                  .draining = draining,
                                  .begin_drain = begin_drain,
@@ -292,6 +305,8 @@ int qm_daemon_main(int argc, char **argv)
     uv_signal_start(&d->sig_int, signal_cb, SIGINT);
     uv_signal_start(&d->sig_hup, signal_cb, SIGHUP);
     uv_timer_init(d->loop, &d->tick);
+    qm_reclaim_init(&d->reclaim, d->loop, d->registry, &d->cfg, &d->counters);
+    d->reclaim_started = 1;
     uv_timer_init(d->loop, &d->watchdog);
     uv_timer_init(d->loop, &d->drain_timer);
     d->tick.data = d->watchdog.data = d->drain_timer.data = d;

@@ -12,6 +12,7 @@
 
 #include "qm_alloc.h"
 #include "qm_log.h"
+#include "qm_reclaim.h"
 #include "qm_sessions.h"
 
 /* ---- the method table ---- */
@@ -212,7 +213,7 @@ static void handle_request(const qm_method_ctx *mx, qm_conn *c, qm_reply *r, siz
         return;
     }
     if (s)
-        qm_session_touch(s, qm_conn_id(c), qm_now_us());
+        qm_touches_add(qm_session_touches(s), qm_conn_id(c));
     if (route.kind == QM_ROUTE_ANSWER) {
         answer_with_handler(mx, peer, r, slot, req, &fds);
         qm_fds_close(&fds);
@@ -248,8 +249,11 @@ void qm_dispatch_frame(const qm_method_ctx *mx, qm_conn *c, qm_rpc_frame *frame,
 
 void qm_dispatch_job_done(const qm_method_ctx *mx, qm_job *job)
 {
-    (void)mx; /* the job carries it */
     job->ops->finish(job);
+    /* Its last job handed back may leave the session orphaned (its
+     * connections closed while it ran). */
+    if (job->session && mx->reclaim)
+        qm_reclaim_check(mx->reclaim, job->session);
     qm_session_unref(job->session);
     qm_job_free(job);
 }

@@ -94,7 +94,6 @@ static int create_admit(qm_job *job, qm_status *st)
     if (rc < 0)
         return rc;
     job->session = s;
-    qm_session_touch(s, qm_conn_id(qm_reply_conn(job->reply)), qm_now_us());
     return 0;
 }
 
@@ -118,6 +117,12 @@ static void create_finish(qm_job *job)
         return;
     }
     qm_session_commit(job->mx->registry, s);
+    /* Its creator has touched it, unless its connection closed while the
+     * session was built: then it is orphaned from the start (marked when
+     * the job is handed back). */
+    qm_conn *creator = qm_reply_conn(job->reply);
+    if (!qm_conn_gone(creator))
+        qm_touches_add(qm_session_touches(s), qm_conn_id(creator));
     qm_reply_result(job->reply, job->slot, &job->req, write_create_result, s);
 }
 
@@ -218,10 +223,30 @@ static int session_close(qm_call *k, qm_status *st)
     return empty_result(k->w);
 }
 
+/* orphaned_since: when no open connection had used it any more, nothing
+ * queued (unix seconds), null while one has; reclaim_in_s: seconds until
+ * the reclaim closes it, null when it is not orphaned or never will be. */
+static void write_orphan_state(qm_jw *w, qm_session *s, uint32_t timeout_s, uint64_t now_us)
+{
+    const qm_touches *t = qm_session_touches(s);
+    qm_jw_key(w, "orphaned_since");
+    if (t->orphaned_us)
+        qm_jw_i64(w, t->orphaned_at);
+    else
+        qm_jw_null(w);
+    int64_t left = qm_touches_reclaim_in_s(t, timeout_s, now_us);
+    qm_jw_key(w, "reclaim_in_s");
+    if (left >= 0)
+        qm_jw_i64(w, left);
+    else
+        qm_jw_null(w);
+}
+
 static int session_list(qm_call *k, qm_status *st)
 {
     (void)st;
     qm_jw *w = k->w;
+    uint64_t now = qm_now_us();
     qm_jw_obj_begin(w);
     qm_jw_key(w, "sessions");
     qm_jw_arr_begin(w);
@@ -236,6 +261,7 @@ static int session_list(qm_call *k, qm_status *st)
         write_session_bytes(w, s);
         qm_jw_key(w, "created_at");
         qm_jw_i64(w, qm_session_created_at(s));
+        write_orphan_state(w, s, k->mx->cfg->session_orphan_timeout_s, now);
         qm_jw_obj_end(w);
     }
     qm_jw_arr_end(w);

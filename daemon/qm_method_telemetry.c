@@ -58,6 +58,7 @@ static int telemetry_get(qm_call *k, qm_status *st)
     qm_jw_key(w, "daemon");
     qm_jw_obj_begin(w);
     qm_jw_counters(w, mx->counters);
+    qm_jw_member_u64(w, "sessions_reclaimed", mx->counters->sessions_reclaimed);
     qm_jw_obj_end(w);
     qm_jw_key(w, "sessions");
     qm_jw_arr_begin(w);
@@ -207,6 +208,10 @@ static int metrics_text(const qm_method_ctx *mx, const qm_peer *c, qm_buf *b)
         session_labels(b, s, "");
         qm_buf_printf(b, " %llu\n", (unsigned long long)latency->count);
     }
+    qm_buf_printf(b, "# HELP qmoed_sessions_reclaimed_total Orphaned sessions closed after "
+                     "session_orphan_timeout_s.\n# TYPE qmoed_sessions_reclaimed_total counter\n"
+                     "qmoed_sessions_reclaimed_total %llu\n",
+                  (unsigned long long)mx->counters->sessions_reclaimed);
     qm_buf_printf(b, "# HELP qmoed_limit_hits_total Times a configured limit was hit.\n"
                      "# TYPE qmoed_limit_hits_total counter\n");
     for (int i = 0; i < QM_LIMIT_COUNT; i++)

@@ -18,6 +18,7 @@
 #include "qm_devices.h"
 #include "qm_pool.h"
 #include "qm_protocol.h"
+#include "qm_reclaim.h"
 #include "qm_registry.h"
 #include "qm_reply.h"
 #include "qm_server.h"
@@ -36,6 +37,7 @@ struct qm_method_ctx {
     qm_counters *counters; /* daemon-wide */
     qm_limits *limits;
     qm_trace *trace;
+    qm_reclaim *reclaim; /* orphan reclaim (qm_reclaim.h) */
     uint64_t start_us; /* qm_now_us at start */
     int (*draining)(void *life);
     void (*begin_drain)(void *life, const char *why);

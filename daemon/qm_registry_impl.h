@@ -17,6 +17,7 @@ struct qm_registry {
     qm_session *sessions; /* newest first */
     size_t n_sessions;
     uint64_t next_map_id;
+    struct qm_share *shares; /* shared-residency pools (qm_share.h) */
 };
 
 /* Closes every session of model m (qm_model_unload with force). */

@@ -203,6 +203,8 @@ static void conn_close_cb(uv_handle_t *h)
     if (c->next)
         c->next->prev = c->prev;
     sv->n_conns--;
+    if (sv->host.conn_closed)
+        sv->host.conn_closed(sv->host.arg, c->id);
     qm_conn_unref(c);
     safe_point(sv);
 }

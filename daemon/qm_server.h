@@ -52,6 +52,8 @@ typedef struct qm_server_host {
     /* Called where the daemon may end a drain: the loop's check handle,
      * a connection closed, output written. */
     void (*safe_point)(void *arg);
+    /* Connection conn_id has closed (its close callback; may be NULL). */
+    void (*conn_closed)(void *arg, uint64_t conn_id);
     void *arg;
 } qm_server_host;
 

@@ -5,6 +5,7 @@
 #include "qm_registry_impl.h"
 
 #include <errno.h>
+#include <pthread.h>
 #include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -17,6 +18,7 @@
 #include "qm_log.h"
 #include "qm_placement.h"
 #include "qm_plan_json.h"
+#include "qm_share.h"
 
 struct qm_session {
     char id[QM_SESSION_ID_LEN + 1];
@@ -42,8 +44,14 @@ struct qm_session {
                                * while resizes are queued, the largest they may set */
     uint32_t resizes_pending; /* session.resize jobs queued and not yet done */
     int64_t created_at;       /* unix seconds */
-    uint64_t touched_us;      /* the last request that named it (qm_now_us) */
-    uint64_t touched_by;      /* ... and the connection it came on */
+    qm_touches touches;       /* the open connections that used it, its orphan mark */
+    /* Shared residency (qm_share.h): the pool it draws from instead of
+     * pagers of its own, whether it joined, the budget it gave the pool and
+     * its own counters (worker, in its FIFO). NULL: pagers of its own. */
+    qm_share *share;
+    int share_joined;
+    uint64_t share_budget;
+    qm_pager_stats share_stats;
     int refs;                 /* registry + queued jobs */
     atomic_int closed;        /* set by the loop; workers answer not_found after it */
     qm_counters counters;
@@ -65,6 +73,10 @@ qm_session *qm_session_find(const qm_registry *r, const char *id)
 static void session_free(qm_session *s)
 {
     qm_shm_set_release_all(&s->maps);
+    qm_touches_free(&s->touches);
+    if (s->share_joined)
+        qm_share_leave(s->share, s->share_budget);
+    qm_share_unref(s->share);
     qm_multipager_free(s->pagers);
     qm_placement_free(&s->placement);
     qm_free(s->trace_path);
@@ -204,6 +216,81 @@ static int admit_on_devices(qm_registry *r, const qm_model *m, uint64_t budget,
     return 0;
 }
 
+/* policy_params.share_residency: what may share (docs/PAGING.md "Shared
+ * residency"), refused naming the member and the rule. */
+static int share_check(const qm_registry *r, const qm_policy_params_wire *pw, qm_status *st)
+{
+    const char *f = "policy_params.share_residency";
+    const qm_device *d = &r->devices->dev[0];
+    if (r->devices->n != 1 || (strcmp(d->name, "cpu") != 0 && strncmp(d->name, "emu:", 4) != 0))
+        return qm_status_set_field(st, QM_EINVAL, f,
+                                   "policy_params.share_residency needs a daemon with one device "
+                                   "of the cpu or emu backend; this one serves %u device%s (%s%s)",
+                                   r->devices->n, r->devices->n == 1 ? "" : "s", d->name,
+                                   r->devices->n > 1 ? ", ..." : "");
+    const char *other = pw->hot ? "hot" : pw->record_trace ? "record_trace"
+                        : pw->has_min_split_bytes ? "min_split_bytes" : NULL;
+    if (other)
+        return qm_status_set_field(st, QM_EINVAL, f,
+                                   "policy_params.share_residency cannot be combined with "
+                                   "policy_params.%s (the pool has one plan and one recording)",
+                                   other);
+    return 0;
+}
+
+/* The pool s joins: the one of its model, policy and knobs, or a new one
+ * with a policy, plan and placement of its own made from the same
+ * parameters (the first member's budget until members join it). */
+static int share_find_or_make(qm_registry *r, qm_session *s, const qm_policy_params_wire *pw,
+                              const qm_policy_params *pp, uint64_t budget, qm_status *st)
+{
+    int rc = share_check(r, pw, st);
+    if (rc < 0)
+        return rc;
+    const char *names[QM_POLICY_VALUES_MAX];
+    double values[QM_POLICY_VALUES_MAX];
+    for (size_t i = 0; i < pp->n_values && i < QM_POLICY_VALUES_MAX; i++) {
+        names[i] = pp->values[i].name;
+        values[i] = pp->values[i].value;
+    }
+    int prefetch = pw->has_prefetch ? pw->prefetch : 1;
+    int on_miss = qm_on_miss_parse(pw->on_miss);
+    char key[256];
+    qm_share_key(key, sizeof key, s->model->name, s->policy_name, prefetch, on_miss, names, values,
+                 pp->n_values);
+    qm_share *p = qm_share_find(r->shares, s->model->bank, key);
+    if (p) {
+        qm_share_ref(p);
+        s->share = p;
+        return 0;
+    }
+    qm_policy policy = {0};
+    qm_residency_plan *plan = NULL;
+    qm_placement pl = {0};
+    qm_plan_options opts = {.has_budget = 1, .budget_bytes = budget};
+    rc = qm_policy_new(s->policy_name, pp, &policy, st);
+    if (rc == 0)
+        rc = qm_plan_residency((const qm_region_catalog *const *)s->model->catalogs,
+                               s->model->n_layers, &policy, &opts, &plan, st);
+    if (rc == 0)
+        rc = qm_placement_make(s->model->bank, 1, NULL, budget, &pl, st);
+    qm_pager_options o = {.prefetch = prefetch, .on_miss = on_miss < 0 ? QM_ON_MISS_PAGE : on_miss};
+    const char *src = r->cfg->paging_source;
+    if (rc == 0 && (strcmp(src, "direct") == 0 ||
+                    (strcmp(src, "auto") == 0 && qm_devices_host_visible(r->devices) &&
+                     qm_plan_per_expert_count(plan) > 0)))
+        o.source = QM_PAGER_SOURCE_DIRECT;
+    if (rc == 0) {
+        s->share = qm_share_new(&r->shares, s->model->bank, key, &policy, &plan, &pl, &o);
+        if (!s->share)
+            rc = qm_status_set(st, QM_ENOMEM, "out of memory");
+    }
+    qm_placement_free(&pl);
+    qm_plan_free(plan);
+    qm_policy_destroy(&policy);
+    return rc;
+}
+
 int qm_session_prepare(qm_registry *r, const qm_params *p, uid_t owner, qm_session **out,
                        qm_status *st)
 {
@@ -340,6 +427,8 @@ int qm_session_prepare(qm_registry *r, const qm_params *p, uid_t owner, qm_sessi
             goto fail;
     }
     rc = qm_policy_new(policy, &pp, &s->policy, st);
+    if (rc == 0 && pw->share_residency)
+        rc = share_find_or_make(r, s, pw, &pp, budget, st);
     qm_free(hot);
     qm_free(hot_len);
     if (rc < 0)
@@ -398,6 +487,21 @@ int qm_session_build(const qm_registry *r, qm_session *s, qm_status *st)
     qm_backend *backends[QM_CONFIG_MAX_DEVICES];
     qm_devices_backends(r->devices, backends);
     int rc = qm_model_check(s->model, st);
+    if (s->share) {
+        if (rc == 0)
+            rc = qm_share_join(s->share, backends, s->budget_bytes, &s->share_stats, st);
+        if (rc == 0) {
+            s->share_joined = 1; /* from here a failure leaves through session_free */
+            s->share_budget = s->budget_bytes;
+            rc = qm_model_check(s->model, st);
+        }
+        if (rc < 0)
+            return rc;
+        s->last_stats = s->share_stats;
+        qm_log(QM_LOG_INFO, "session %s shares the residency of model %s (policy %s)", s->id,
+               s->model->name, s->policy_name);
+        return 0;
+    }
     if (rc == 0)
         rc = qm_multipager_new(backends, s->model->bank, s->plan, &s->policy, &s->pager_options,
                                &s->placement, &s->pagers, st);
@@ -537,6 +641,7 @@ void qm_session_resize_finish(qm_registry *r, qm_session *s, int ok, uint64_t bu
 
 void qm_session_abort(qm_registry *r, qm_session *s)
 {
+    atomic_store(&s->closed, 1); /* never served: nothing may mark or use it */
     r->n_sessions--;
     session_release_admission(r, s);
     qm_session_unref(s);
@@ -545,12 +650,21 @@ void qm_session_abort(qm_registry *r, qm_session *s)
 int qm_session_forward(qm_session *s, const qm_moe_call *call, qm_moe_stats *mstats,
                        qm_status *st)
 {
+    if (s->share)
+        return qm_share_forward(s->share, call, mstats, s->share_budget, &s->share_stats, st);
     return qm_multipager_forward(s->pagers, call, mstats, st);
 }
 
 int qm_session_resize(qm_session *s, uint64_t budget, qm_status *st)
 {
-    int rc = qm_multipager_resize(s->pagers, budget, st);
+    int rc;
+    if (s->share) {
+        rc = qm_share_resize(s->share, s->share_budget, budget, &s->share_stats, st);
+        if (rc == 0)
+            s->share_budget = budget;
+    } else {
+        rc = qm_multipager_resize(s->pagers, budget, st);
+    }
     if (rc == 0) { /* in the session's FIFO: no other job reads them now */
         qm_placement_split(&s->placement, budget, s->placement.budget);
         qm_plan_set_budget(s->plan, budget);
@@ -560,11 +674,16 @@ int qm_session_resize(qm_session *s, uint64_t budget, qm_status *st)
 
 void qm_session_stats(const qm_session *s, qm_pager_stats *out)
 {
-    qm_multipager_stats(s->pagers, out);
+    if (s->share)
+        *out = s->share_stats;
+    else
+        qm_multipager_stats(s->pagers, out);
 }
 
 qm_pager *qm_session_pager_of(const qm_session *s, uint32_t layer)
 {
+    if (s->share) /* one device */
+        return s->share_joined ? qm_multipager_pager(s->share->pagers, 0) : NULL;
     return layer < s->placement.n_layers
                ? qm_multipager_pager(s->pagers, s->placement.device_of[layer])
                : NULL;
@@ -604,23 +723,17 @@ size_t qm_session_queued(const qm_session *s) { return s->queue.pending; }
 qm_shm_set *qm_session_maps(qm_session *s) { return &s->maps; }
 int qm_session_closed(const qm_session *s) { return atomic_load(&((qm_session *)s)->closed); }
 
-void qm_session_touch(qm_session *s, uint64_t conn_id, uint64_t now_us)
-{
-    s->touched_us = now_us;
-    s->touched_by = conn_id;
-}
-
-uint64_t qm_session_last_touch(const qm_session *s, uint64_t *conn_id)
-{
-    if (conn_id)
-        *conn_id = s->touched_by;
-    return s->touched_us;
-}
+qm_touches *qm_session_touches(qm_session *s) { return &s->touches; }
 
 /* Whole-bank banks get no resident_now: they are resident for the session's
  * life, which the plan's decision already says (docs/PROTOCOL.md). */
 int qm_session_plan_json(qm_session *s, char **json, size_t *len, qm_status *st)
 {
+    /* A sharing session reads the pool's residency (its own plan and
+     * counters otherwise), with the pool held still. */
+    const int has_pagers = s->pagers || s->share_joined;
+    if (s->share)
+        pthread_mutex_lock(&s->share->lock);
     size_t n = qm_plan_total(s->plan);
     qm_plan_json_bank_state *banks = qm_calloc(n ? n : 1, sizeof *banks);
     uint32_t **lists = qm_calloc(n ? n : 1, sizeof *lists);
@@ -633,7 +746,7 @@ int qm_session_plan_json(qm_session *s, char **json, size_t *len, qm_status *st)
     /* The placement is shown when the session spans several devices. */
     const qm_placement *pl = &s->placement;
     const int placed = pl->n_devices > 1;
-    for (size_t i = 0; i < n && s->pagers; i++) {
+    for (size_t i = 0; i < n && has_pagers; i++) {
         uint32_t layer = qm_plan_bank_at(s->plan, i)->bank_id; /* bank id = layer */
         qm_pager *pager = qm_session_pager_of(s, layer);
         qm_plan_json_bank_state *b = &banks[state.n_banks];
@@ -685,7 +798,7 @@ int qm_session_plan_json(qm_session *s, char **json, size_t *len, qm_status *st)
         state.device_budgets = pl->budget;
         state.n_devices = pl->n_devices;
     }
-    if (s->pagers) {
+    if (has_pagers) {
         qm_pager_stats ps;
         qm_session_stats(s, &ps);
         state.has_resident_bytes = 1;
@@ -697,6 +810,8 @@ int qm_session_plan_json(qm_session *s, char **json, size_t *len, qm_status *st)
     }
     rc = qm_plan_to_json_ex(s->plan, &state, json, len, st);
 free_lists:
+    if (s->share)
+        pthread_mutex_unlock(&s->share->lock);
     for (size_t i = 0; lists && i < n; i++)
         qm_free(lists[i]);
     qm_free(lists);

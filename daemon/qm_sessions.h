@@ -17,6 +17,7 @@
 #include "qm_pager.h"
 #include "qm_pool.h"
 #include "qm_protocol.h"
+#include "qm_reclaim.h"
 #include "qm_registry.h"
 #include "qm_residency.h"
 #include "qm_shm.h"
@@ -85,9 +86,9 @@ qm_job_queue *qm_session_queue(qm_session *s); /* its FIFO in the pool */
 size_t qm_session_queued(const qm_session *s); /* jobs queued and not yet handed back */
 qm_shm_set *qm_session_maps(qm_session *s);    /* session.map's maps */
 int qm_session_closed(const qm_session *s);    /* any thread */
-/* Who touched it last: dispatch stamps every request that names the
- * session (and its creation) with the connection's id and the time. */
-void qm_session_touch(qm_session *s, uint64_t conn_id, uint64_t now_us);
-uint64_t qm_session_last_touch(const qm_session *s, uint64_t *conn_id); /* qm_now_us time */
+/* The open connections that used it and its orphan mark (qm_reclaim.h):
+ * dispatch records every request that names it, session.create its
+ * creator. */
+qm_touches *qm_session_touches(qm_session *s);
 
 #endif

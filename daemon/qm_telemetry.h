@@ -33,6 +33,9 @@ typedef struct qm_counters {
         prefetch_issued, prefetch_useful, resident_bytes, bytes_read_disk, stall_us,
         expert_host_runs;
     qm_hist latency; /* session.infer end to end, microseconds */
+    /* Daemon-wide only, outside the table: sessions the orphan reclaim
+     * closed (qm_reclaim.h). */
+    uint64_t sessions_reclaimed;
 } qm_counters;
 
 /* What a session's pager did between two readings of its statistics (one

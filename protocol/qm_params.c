@@ -548,7 +548,7 @@ static int get_on_miss(const cJSON *obj, qm_policy_params_wire *pp, qm_status *s
 static int decode_policy_params(const cJSON *obj, qm_policy_params_wire *pp, qm_status *st)
 {
     static const char *const allowed[] = {"prefetch", "min_split_bytes", "hot", "record_trace",
-                                          "on_miss", NULL};
+                                          "on_miss", "share_residency", NULL};
     const char *prefix = "policy_params";
     if (!cJSON_IsObject(obj))
         return wrong_type(st, prefix, "an object", obj);
@@ -577,6 +577,9 @@ static int decode_policy_params(const cJSON *obj, qm_policy_params_wire *pp, qm_
     }
     if (rc == 0)
         rc = get_bool(obj, "prefetch", prefix, &pp->has_prefetch, &pp->prefetch, st);
+    if (rc == 0)
+        rc = get_bool(obj, "share_residency", prefix, &pp->has_share_residency,
+                      &pp->share_residency, st);
     if (rc == 0)
         rc = get_uint(obj, "min_split_bytes", prefix, 0, UINT64_MAX, &pp->has_min_split_bytes,
                       &pp->min_split_bytes, st);

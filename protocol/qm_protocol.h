@@ -248,6 +248,9 @@ typedef struct qm_policy_params_wire {
     /* "page", "host" or "auto" (a static string), NULL when absent: what a
      * non-resident expert does (hybrid execution, docs/PAGING.md). */
     const char *on_miss;
+    /* share_residency: draw experts from the pool of the model's sessions
+     * that share (docs/PAGING.md "Shared residency"). */
+    int has_share_residency, share_residency;
 } qm_policy_params_wire;
 
 /* Strings are owned by the request (qm_request_free). */

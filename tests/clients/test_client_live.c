@@ -439,6 +439,130 @@ START_TEST(test_one_handle_shared_by_threads_gets_every_answer_right)
 }
 END_TEST
 
+/* -1 when `id` is not in session.list, else whether the daemon marks it
+ * orphaned. */
+static int listed(const char *id)
+{
+    qm_client *c = connect_or_fail();
+    qm_client_session_info *s = NULL;
+    size_t n = 0;
+    qm_client_error err;
+    ck_assert_msg(qm_client_session_list(c, &s, &n, &err) == 0, "list: %s", err.reason);
+    int state = -1;
+    for (size_t i = 0; i < n; i++)
+        if (strcmp(s[i].session, id) == 0)
+            state = s[i].orphaned_since >= 0;
+    qm_client_sessions_free(s, n);
+    qm_client_close(c);
+    return state;
+}
+
+/* Runs `child` in a forked process and returns its exit status. The id it
+ * made comes back through a pipe. */
+static int in_child(void (*child)(int out_fd), char *id, size_t cap)
+{
+    int fds[2];
+    ck_assert_int_eq(pipe(fds), 0);
+    pid_t p = fork();
+    if (p == 0) {
+        close(fds[0]);
+        child(fds[1]);
+        _exit(99); /* the child leaves by exit() itself */
+    }
+    close(fds[1]);
+    ssize_t got = read(fds[0], id, cap - 1);
+    close(fds[0]);
+    id[got > 0 ? got : 0] = '\0';
+    int st = 0;
+    waitpid(p, &st, 0);
+    return WIFEXITED(st) ? WEXITSTATUS(st) : -1;
+}
+
+/* Creates a session, maps memory into it, and leaves by exit(0) without
+ * closing the session or the handle. */
+static void exits_without_closing(int out_fd)
+{
+    qm_client *c = connect_or_fail();
+    char *id = create_session(c, "lru", 64 * 1024);
+    qm_client_map m;
+    qm_client_error err;
+    if (qm_client_map_create(c, id, 1 << 16, &m, &err) != 0)
+        exit(3);
+    (void)!write(out_fd, id, strlen(id));
+    exit(0);
+}
+
+START_TEST(test_a_program_that_exits_without_closing_leaves_no_session)
+{
+    char id[128];
+    ck_assert_int_eq(in_child(exits_without_closing, id, sizeof id), 0);
+    ck_assert_uint_gt(strlen(id), 0);
+    ck_assert_int_eq(listed(id), -1); /* closed at exit, not left to the reclaim */
+}
+END_TEST
+
+START_TEST(test_close_closes_what_the_handle_owns_and_nothing_else)
+{
+    qm_client *c = connect_or_fail(), *other = connect_or_fail();
+    qm_client_error err;
+    char *mine = create_session(c, "lru", 64 * 1024);
+    char *closed = create_session(c, "lru", 64 * 1024);
+    char *kept = create_session(c, "lru", 64 * 1024);
+    char *theirs = create_session(other, "lru", 64 * 1024);
+    ck_assert_int_eq(qm_client_session_close(c, closed, &err), 0);
+    ck_assert_int_eq(qm_client_session_detach(c, kept, &err), 0);
+    ck_assert_int_eq(qm_client_session_detach(c, kept, &err), QM_CLIENT_EINVAL);
+    ck_assert_int_eq(qm_client_session_detach(c, theirs, &err), QM_CLIENT_EINVAL);
+    qm_client_close(c);
+    ck_assert_int_eq(listed(mine), -1);
+    ck_assert_int_eq(listed(closed), -1);
+    ck_assert_int_eq(listed(theirs), 0); /* another handle's, still in use */
+    ck_assert_int_eq(listed(kept), 1);   /* detached: outlives the handle, orphaned */
+    /* The next run of the engine takes it back; its handle closes it. */
+    qm_client *next = connect_or_fail();
+    ck_assert_int_eq(qm_client_session_adopt(next, kept, &err), 0);
+    ck_assert_int_eq(listed(kept), 0); /* in use again */
+    ck_assert_int_eq(qm_client_session_adopt(next, "0123456789abcdef0123456789abcdef", &err),
+                     -32001);
+    ck_assert_str_eq(err.name, "not_found");
+    qm_client_close(next);
+    ck_assert_int_eq(listed(kept), -1);
+    qm_client_close(other);
+    ck_assert_int_eq(listed(theirs), -1);
+    qm_client_string_free(mine);
+    qm_client_string_free(closed);
+    qm_client_string_free(kept);
+    qm_client_string_free(theirs);
+}
+END_TEST
+
+static qm_client *forked_handle;
+
+static void closes_a_copy_of_its_parents_handle(int out_fd)
+{
+    (void)out_fd;
+    qm_client_close(forked_handle);
+    exit(0);
+}
+
+START_TEST(test_a_forked_child_never_closes_its_parents_sessions)
+{
+    qm_client *c = connect_or_fail();
+    qm_client_error err;
+    char *id = create_session(c, "lru", 64 * 1024);
+    forked_handle = c;
+    char none[8];
+    ck_assert_int_eq(in_child(closes_a_copy_of_its_parents_handle, none, sizeof none), 0);
+    ck_assert_int_eq(listed(id), 0);
+    qm_client_plan p;
+    ck_assert_int_eq(qm_client_session_plan(c, id, &p, &err), 0); /* the parent's connection */
+    qm_client_plan_free(&p);
+    qm_client_close(c);
+    ck_assert_int_eq(listed(id), -1);
+    qm_client_string_free(id);
+}
+END_TEST
+
 int main(void)
 {
     Suite *s = suite_create("client_live");
@@ -454,6 +578,9 @@ int main(void)
     tcase_add_test(tc, test_trace_metrics_and_daemon_telemetry);
     tcase_add_test(tc, test_mapped_infer_equals_base64_without_a_copy);
     tcase_add_test(tc, test_one_handle_shared_by_threads_gets_every_answer_right);
+    tcase_add_test(tc, test_a_program_that_exits_without_closing_leaves_no_session);
+    tcase_add_test(tc, test_close_closes_what_the_handle_owns_and_nothing_else);
+    tcase_add_test(tc, test_a_forked_child_never_closes_its_parents_sessions);
     suite_add_tcase(s, tc);
     SRunner *sr = srunner_create(s);
     srunner_run_all(sr, CK_NORMAL);

@@ -133,13 +133,19 @@ def test_load_of_a_missing_file_is_invalid_model(daemon):
 
 def test_create_prints_the_id_then_a_summary(daemon, session):
     head, rows = table(ctl(daemon, "sessions").stdout, "SESSION")
-    assert head == ["SESSION", "MODEL", "POLICY", "OWNER", "BUDGET", "RESIDENT", "USE", "AGE"]
+    assert head == ["SESSION", "MODEL", "POLICY", "OWNER", "BUDGET", "RESIDENT", "USE", "AGE",
+                    "STATE", "RECLAIM-IN"]
     mine = [r for r in rows if r[0] == session]
     assert mine and mine[0][1] == "demo" and mine[0][2] == "lru"
+    # `qmoectl create` has exited: no open connection holds the session, so
+    # it is orphaned and counts down from the default 300 s.
+    assert mine[0][8] == "orphaned" and re.fullmatch(r"[45]m \d+s|\d+s", mine[0][9]), mine
     r = ctl(daemon, "sessions", json_out=True)
     s = [x for x in r["sessions"] if x["session"] == session][0]
-    for k in ("session", "model", "policy", "owner_uid", "budget_bytes", "resident_bytes", "created_at"):
+    for k in ("session", "model", "policy", "owner_uid", "budget_bytes", "resident_bytes", "created_at",
+              "orphaned_since", "reclaim_in_s"):
         assert k in s, k
+    assert s["orphaned_since"] >= s["created_at"] and 0 <= s["reclaim_in_s"] <= 300, s
     total = [m for m in ctl(daemon, "models", json_out=True)["models"] if m["name"] == "demo"][0]["bytes_total"]
     assert s["budget_bytes"] == total // 2
 

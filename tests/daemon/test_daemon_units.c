@@ -10,11 +10,13 @@
 #include <sys/un.h>
 #include <unistd.h>
 
+#include "qm_alloc.h"
 #include "qm_backend.h"
 #include "qm_config.h"
 #include "qm_log.h"
 #include "qm_notify.h"
 #include "qm_pager.h"
+#include "qm_reclaim.h"
 #include "qm_sigbus.h"
 #include "qm_telemetry.h"
 
@@ -288,6 +290,90 @@ START_TEST(test_reload_changes_only_reloadable_keys)
 }
 END_TEST
 
+/* A session is orphaned once every connection that touched it has closed
+ * and nothing of it is queued; a touch clears the mark. */
+START_TEST(test_orphan_mark_needs_every_toucher_gone_and_nothing_queued)
+{
+    qm_touches t;
+    memset(&t, 0, sizeof t);
+    qm_touches_add(&t, 7);
+    qm_touches_add(&t, 9);
+    qm_touches_add(&t, 7); /* recorded once */
+    ck_assert_uint_eq(t.n, 2);
+    ck_assert_int_eq(qm_touches_forget(&t, 7), 1);
+    ck_assert_int_eq(qm_touches_forget(&t, 7), 0);
+    ck_assert_int_eq(qm_touches_mark(&t, 0, 1000), 0); /* 9 is still open */
+    ck_assert_int_eq(qm_touches_forget(&t, 9), 1);
+    ck_assert_int_eq(qm_touches_mark(&t, 1, 1000), 0); /* a job still queued or running */
+    ck_assert_int_eq(qm_touches_mark(&t, 0, 1000), 1);
+    ck_assert_int_eq(qm_touches_mark(&t, 0, 2000), 0); /* already marked: the clock holds */
+    ck_assert_uint_eq(t.orphaned_us, 1000);
+    ck_assert_int_gt(t.orphaned_at, 0);
+    /* 2 s timeout: 1.5 s left rounds up to 2, past due is 0, timeout 0 never. */
+    ck_assert_int_eq(qm_touches_reclaim_in_s(&t, 2, 500000), 2);
+    ck_assert_int_eq(qm_touches_reclaim_in_s(&t, 2, 1000 + 2000000), 0);
+    ck_assert_int_eq(qm_touches_reclaim_in_s(&t, 0, 500000), -1);
+    qm_touches_add(&t, 11); /* a client came back */
+    ck_assert_uint_eq(t.orphaned_us, 0);
+    ck_assert_int_eq(qm_touches_reclaim_in_s(&t, 2, 500000), -1);
+    for (uint64_t i = 100; i < 140; i++) /* grows past its first capacity */
+        qm_touches_add(&t, i);
+    ck_assert_uint_eq(t.n, 41);
+    qm_touches_free(&t);
+    ck_assert_uint_eq(t.n, 0);
+}
+END_TEST
+
+static void *fail_realloc(void *ptr, size_t size, void *ud)
+{
+    (void)ptr, (void)size, (void)ud;
+    return NULL;
+}
+static void *plain_malloc(size_t size, void *ud)
+{
+    (void)ud;
+    return malloc(size);
+}
+static void plain_free(void *ptr, void *ud)
+{
+    (void)ud;
+    free(ptr);
+}
+
+/* A touch that cannot be recorded keeps the session for good: forgetting
+ * it could reclaim a session in use. */
+START_TEST(test_a_touch_lost_to_out_of_memory_never_orphans)
+{
+    qm_touches t;
+    memset(&t, 0, sizeof t);
+    qm_alloc_hooks h = {plain_malloc, fail_realloc, plain_free, NULL};
+    qm_alloc_set_hooks(&h);
+    qm_touches_add(&t, 3);
+    qm_alloc_set_hooks(NULL);
+    ck_assert_int_eq(t.lost, 1);
+    ck_assert_int_eq(qm_touches_forget(&t, 3), 0);
+    ck_assert_int_eq(qm_touches_mark(&t, 0, 1000), 0);
+    qm_touches_free(&t);
+}
+END_TEST
+
+START_TEST(test_orphan_timeout_is_a_reloadable_key_with_a_flag)
+{
+    qm_config cfg;
+    qm_config_defaults(&cfg);
+    ck_assert_uint_eq(cfg.session_orphan_timeout_s, 300);
+    qm_status st;
+    char *argv[] = {"qmoed", "--session-orphan-timeout", "0", NULL};
+    ck_assert_int_eq(qm_config_from_args(&cfg, 3, argv, &st), 0);
+    ck_assert_uint_eq(cfg.session_orphan_timeout_s, 0);
+    char *path = write_temp("{\"session_orphan_timeout_s\": 2}");
+    ck_assert_int_eq(qm_config_load_file(&cfg, path, 1, &st), 0);
+    ck_assert_uint_eq(cfg.session_orphan_timeout_s, 2);
+    qm_config_free(&cfg);
+    unlink(path);
+}
+END_TEST
+
 START_TEST(test_notify_sends_one_datagram_and_is_silent_without_socket)
 {
     unsetenv("NOTIFY_SOCKET");
@@ -371,7 +457,13 @@ int main(void)
     tcase_add_test(tc, test_backend_and_device_kinds_come_from_the_registry);
     tcase_add_test(tc, test_device_lists_and_budgets_per_device);
     tcase_add_test(tc, test_reload_changes_only_reloadable_keys);
+    tcase_add_test(tc, test_orphan_timeout_is_a_reloadable_key_with_a_flag);
     suite_add_tcase(s, tc);
+    tc = tcase_create("reclaim");
+    tcase_add_test(tc, test_orphan_mark_needs_every_toucher_gone_and_nothing_queued);
+    tcase_add_test(tc, test_a_touch_lost_to_out_of_memory_never_orphans);
+    suite_add_tcase(s, tc);
+
     tc = tcase_create("systemd");
     tcase_add_test(tc, test_notify_sends_one_datagram_and_is_silent_without_socket);
     tcase_add_test(tc, test_socket_activation_and_watchdog_need_our_pid);
