@@ -45,7 +45,7 @@ const char *qm_client_error_name(int code)
     case QM_CLIENT_ETIMEDOUT: return "timeout";
     case QM_CLIENT_EIO: return "connection_lost";
     case QM_CLIENT_EPROTO: return "bad_response";
-    default: return qm_client_codec_error_name(code);
+    default: return qm__client_codec_error_name(code);
     }
 }
 
@@ -327,8 +327,8 @@ static int qm__exchange(qm_client *c, const char *method, const qm_cval *params,
         return rc;
     uint64_t id = c->next_id++;
     size_t len = 0;
-    char *line = text ? qm_client_codec_request_text(id, method, text, text_len, &len)
-                      : qm_client_codec_request(id, method, params, &len);
+    char *line = text ? qm__client_codec_request_text(id, method, text, text_len, &len)
+                      : qm__client_codec_request(id, method, params, &len);
     if (!line)
         return qm__client_fail(err, QM_CLIENT_ENOMEM, "out of memory encoding the request");
     rc = qm__send_all(c, line, len, fd, deadline, err);
@@ -345,9 +345,9 @@ static int qm__exchange(qm_client *c, const char *method, const qm_cval *params,
         }
         uint64_t got = 0;
         int is_error = 0;
-        qm_client_codec_error e;
+        qm__client_codec_error e;
         qm_status st = {0};
-        rc = qm_client_codec_response(c->buf, n, &got, result, &is_error, &e, &st);
+        rc = qm__client_codec_response(c->buf, n, &got, result, &is_error, &e, &st);
         qm__consume(c, n + 1);
         if (rc < 0) {
             rc = qm__client_fail(err, rc == QM_ENOMEM ? QM_CLIENT_ENOMEM : QM_CLIENT_EPROTO,

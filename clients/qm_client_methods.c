@@ -610,7 +610,7 @@ static int qm__tensor_param(qm_cval *p, const char *key, const qm_client_tensor 
     if (t->ndim < 1 || t->ndim > QM_CLIENT_MAX_DIMS || (!t->data && t->nbytes))
         return qm__client_fail(err, QM_CLIENT_EINVAL, "%s: a tensor needs 1 to %d dimensions",
                                key, QM_CLIENT_MAX_DIMS);
-    int rc = qm_client_codec_tensor_encode((qm_cdtype)t->dtype, t->shape, t->ndim,
+    int rc = qm__client_codec_tensor_encode((qm_cdtype)t->dtype, t->shape, t->ndim,
                                            t->data ? t->data : "", t->nbytes, &tv, &st);
     if (rc < 0)
         return qm__client_fail(err, rc == QM_ENOMEM ? QM_CLIENT_ENOMEM : QM_CLIENT_EINVAL,
@@ -680,7 +680,7 @@ static int qm__infer(qm_client *c, const char *session, uint64_t layer,
         return rc;
     qm_status st = {0};
     qm_cdtype dt;
-    int trc = qm_client_codec_tensor_decode(qm_cval_get(r, "output"), &dt, out->output.shape,
+    int trc = qm__client_codec_tensor_decode(qm_cval_get(r, "output"), &dt, out->output.shape,
                                             &out->output.ndim, &out->output.data,
                                             &out->output.nbytes, &st);
     if (trc < 0) {

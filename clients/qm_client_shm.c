@@ -106,17 +106,17 @@ static int qm__region(qm_buf *b, const char *key, const qm_client_map *map,
     if ((unsigned)t->dtype >= sizeof(names) / sizeof(names[0]))
         return -1;
     QM__LIT(b, ",");
-    qm_client_codec_string(b, key);
+    qm__client_codec_string(b, key);
     QM__LIT(b, ":{\"dtype\":");
-    qm_client_codec_string(b, names[t->dtype]);
+    qm__client_codec_string(b, names[t->dtype]);
     QM__LIT(b, ",\"shape\":[");
-    qm_client_codec_number(b, (double)t->rows);
+    qm__client_codec_number(b, (double)t->rows);
     QM__LIT(b, ",");
-    qm_client_codec_number(b, (double)t->cols);
+    qm__client_codec_number(b, (double)t->cols);
     QM__LIT(b, "],\"map\":");
-    qm_client_codec_number(b, (double)map->id);
+    qm__client_codec_number(b, (double)map->id);
     QM__LIT(b, ",\"offset\":");
-    qm_client_codec_number(b, (double)t->offset);
+    qm__client_codec_number(b, (double)t->offset);
     QM__LIT(b, "}");
     return 0;
 }
@@ -140,9 +140,9 @@ int qm_client_session_infer_mapped(qm_client *c, const qm_client_mapped_infer *q
     qm_buf p;
     qm_buf_init(&p);
     QM__LIT(&p, "{\"session\":");
-    qm_client_codec_string(&p, q->session);
+    qm__client_codec_string(&p, q->session);
     QM__LIT(&p, ",\"layer\":");
-    qm_client_codec_number(&p, (double)q->layer);
+    qm__client_codec_number(&p, (double)q->layer);
     for (size_t i = 0; i < sizeof(parts) / sizeof(parts[0]); i++) {
         if (parts[i] && qm__region(&p, keys[i], q->map, parts[i]) < 0) {
             qm_buf_free(&p);
@@ -150,9 +150,9 @@ int qm_client_session_infer_mapped(qm_client *c, const qm_client_mapped_infer *q
         }
     }
     QM__LIT(&p, ",\"output_to\":{\"map\":");
-    qm_client_codec_number(&p, (double)q->map->id);
+    qm__client_codec_number(&p, (double)q->map->id);
     QM__LIT(&p, ",\"offset\":");
-    qm_client_codec_number(&p, (double)q->output_offset);
+    qm__client_codec_number(&p, (double)q->output_offset);
     QM__LIT(&p, "}}");
     if (p.oom) {
         qm_buf_free(&p);

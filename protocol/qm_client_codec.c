@@ -266,7 +266,7 @@ static char *qm__sb_finish(qm_buf *b, size_t *len_out)
     return p;
 }
 
-void qm_client_codec_number(qm_buf *b, double d)
+void qm__client_codec_number(qm_buf *b, double d)
 {
     char tmp[40];
     if (!isfinite(d))
@@ -296,7 +296,7 @@ static void qm__print_value(qm_buf *b, const qm_cval *v, int pretty, int depth)
     switch (v->type) {
     case QM_CVAL_NULL: qm__sb_str(b, "null"); break;
     case QM_CVAL_BOOL: qm__sb_str(b, v->boolean ? "true" : "false"); break;
-    case QM_CVAL_NUMBER: qm_client_codec_number(b, v->number); break;
+    case QM_CVAL_NUMBER: qm__client_codec_number(b, v->number); break;
     case QM_CVAL_STRING: qm__sb_json_string(b, v->string ? v->string : "", v->string_len); break;
     case QM_CVAL_ARRAY:
     case QM_CVAL_OBJECT: {
@@ -336,7 +336,7 @@ char *qm_cval_print(const qm_cval *v, int pretty, size_t *len_out)
     return qm__sb_finish(&b, len_out);
 }
 
-void qm_client_codec_string(qm_buf *b, const char *s) { qm__sb_json_string(b, s, strlen(s)); }
+void qm__client_codec_string(qm_buf *b, const char *s) { qm__sb_json_string(b, s, strlen(s)); }
 
 /* {"jsonrpc":"2.0","id":ID,"method":M */
 static void qm__request_head(qm_buf *b, uint64_t id, const char *method)
@@ -348,7 +348,7 @@ static void qm__request_head(qm_buf *b, uint64_t id, const char *method)
     qm__sb_json_string(b, method ? method : "", method ? strlen(method) : 0);
 }
 
-char *qm_client_codec_request(uint64_t id, const char *method, const qm_cval *params,
+char *qm__client_codec_request(uint64_t id, const char *method, const qm_cval *params,
                               size_t *len_out)
 {
     qm_buf b;
@@ -362,7 +362,7 @@ char *qm_client_codec_request(uint64_t id, const char *method, const qm_cval *pa
     return qm__sb_finish(&b, len_out);
 }
 
-char *qm_client_codec_request_text(uint64_t id, const char *method, const char *params,
+char *qm__client_codec_request_text(uint64_t id, const char *method, const char *params,
                                    size_t params_len, size_t *len_out)
 {
     qm_buf b;
@@ -376,7 +376,7 @@ char *qm_client_codec_request_text(uint64_t id, const char *method, const char *
 
 /* ---------- response envelopes ---------- */
 
-const char *qm_client_codec_error_name(int code)
+const char *qm__client_codec_error_name(int code)
 {
     switch (code) {
     case -32700: return "parse_error";
@@ -402,9 +402,9 @@ static void qm__copy(char *dst, size_t cap, const char *src)
     snprintf(dst, cap, "%s", src ? src : "");
 }
 
-int qm_client_codec_response(const char *buf, size_t len, uint64_t *id_out,
+int qm__client_codec_response(const char *buf, size_t len, uint64_t *id_out,
                              qm_cval **result_out, int *is_error,
-                             qm_client_codec_error *error, qm_status *st)
+                             qm__client_codec_error *error, qm_status *st)
 {
     qm_cval *root = NULL;
     *result_out = NULL;
@@ -466,7 +466,7 @@ out:
 
 /* ---------- base64 (the shared codec in qm_base64.c) ---------- */
 
-char *qm_client_b64_encode(const void *data, size_t len, size_t *out_len)
+char *qm__client_b64_encode(const void *data, size_t len, size_t *out_len)
 {
     if (len / 3 + 1 > (SIZE_MAX - 1) / 4)
         return NULL;
@@ -481,7 +481,7 @@ char *qm_client_b64_encode(const void *data, size_t len, size_t *out_len)
     return out;
 }
 
-int qm_client_b64_decode(const char *s, size_t len, void **out, size_t *out_len)
+int qm__client_b64_decode(const char *s, size_t len, void **out, size_t *out_len)
 {
     *out = NULL;
     if (len % 4 != 0)
@@ -543,7 +543,7 @@ static int qm__tensor_bytes(qm_cdtype dt, const uint64_t *shape, int ndim, uint6
     return 0;
 }
 
-int qm_client_codec_tensor_encode(qm_cdtype dt, const uint64_t *shape, int ndim,
+int qm__client_codec_tensor_encode(qm_cdtype dt, const uint64_t *shape, int ndim,
                                   const void *data, size_t nbytes, qm_cval **out,
                                   qm_status *st)
 {
@@ -557,7 +557,7 @@ int qm_client_codec_tensor_encode(qm_cdtype dt, const uint64_t *shape, int ndim,
                              "tensor shape and byte length disagree (%zu bytes given)", nbytes);
     qm_cval *t = qm_cval_new(QM_CVAL_OBJECT), *sh = qm_cval_new(QM_CVAL_ARRAY);
     size_t b64_len = 0;
-    char *b64 = qm_client_b64_encode(data, nbytes, &b64_len);
+    char *b64 = qm__client_b64_encode(data, nbytes, &b64_len);
     int rc = QM_ENOMEM;
     if (!t || !sh || !b64) {
         qm_cval_free(sh);
@@ -584,7 +584,7 @@ fail:
     return qm_status_set(st, rc, "out of memory encoding a tensor");
 }
 
-int qm_client_codec_tensor_decode(const qm_cval *t, qm_cdtype *dt_out,
+int qm__client_codec_tensor_decode(const qm_cval *t, qm_cdtype *dt_out,
                                   uint64_t shape_out[QM_CTENSOR_MAX_DIMS], int *ndim_out,
                                   void **data_out, size_t *nbytes_out, qm_status *st)
 {
@@ -614,7 +614,7 @@ int qm_client_codec_tensor_decode(const qm_cval *t, qm_cdtype *dt_out,
         return qm_status_set_field(st, QM_EPARSE, "shape", "tensor shape overflows 64 bits");
     void *buf = NULL;
     size_t n = 0;
-    int rc = qm_client_b64_decode(data->string, data->string_len, &buf, &n);
+    int rc = qm__client_b64_decode(data->string, data->string_len, &buf, &n);
     if (rc == QM_ENOMEM)
         return qm_status_set(st, rc, "out of memory decoding a tensor");
     if (rc < 0)

@@ -77,37 +77,37 @@ char *qm_cval_print(const qm_cval *v, int pretty, size_t *len_out);
 /* One request line: {"jsonrpc":"2.0","id":ID,"method":M,"params":P}\n.
  * `params` is borrowed (NULL for none). Returns a qm_malloc'd line ending in
  * '\n', its length in *len_out; NULL when out of memory. */
-char *qm_client_codec_request(uint64_t id, const char *method, const qm_cval *params,
+char *qm__client_codec_request(uint64_t id, const char *method, const qm_cval *params,
                               size_t *len_out);
 
 /* The same line with `params` already printed (params_len bytes of compact
  * JSON, no newline), for a call that writes them straight into a qm_buf. */
-char *qm_client_codec_request_text(uint64_t id, const char *method, const char *params,
+char *qm__client_codec_request_text(uint64_t id, const char *method, const char *params,
                                    size_t params_len, size_t *len_out);
 
 /* A number and a string exactly as qm_cval_print writes them. */
-void qm_client_codec_number(qm_buf *b, double d);
-void qm_client_codec_string(qm_buf *b, const char *s);
+void qm__client_codec_number(qm_buf *b, double d);
+void qm__client_codec_string(qm_buf *b, const char *s);
 
 /* A JSON-RPC error as the client reports it. */
-typedef struct qm_client_codec_error {
+typedef struct qm__client_codec_error {
     int code;          /* JSON-RPC code, e.g. -32602 */
     char message[256]; /* error.message */
     char reason[512];  /* error.data.reason, else the message */
     char field[128];   /* error.data.field, "" if none */
-} qm_client_codec_error;
+} qm__client_codec_error;
 
 /* Splits a response envelope. On 0, *id_out holds the id (a string id, which
  * this client never sends, gives QM_EPARSE), and exactly one of *result_out
  * (a tree the caller owns) or *is_error (1, with *error filled) is set.
  * QM_EPARSE when the text is not a JSON-RPC 2.0 response. */
-int qm_client_codec_response(const char *buf, size_t len, uint64_t *id_out,
+int qm__client_codec_response(const char *buf, size_t len, uint64_t *id_out,
                              qm_cval **result_out, int *is_error,
-                             qm_client_codec_error *error, qm_status *st);
+                             qm__client_codec_error *error, qm_status *st);
 
 /* The protocol's error name for a code ("invalid_params", "not_found", ...);
  * "error" for codes it does not name. Static string. */
-const char *qm_client_codec_error_name(int code);
+const char *qm__client_codec_error_name(int code);
 
 /* Tensors: dtype names and element sizes. */
 typedef enum qm_cdtype {
@@ -123,18 +123,18 @@ int qm_cdtype_parse(const char *name, qm_cdtype *out);
 
 /* Builds {"dtype","shape","data":base64} from raw little-endian bytes.
  * `nbytes` must equal the shape's product times the element size. */
-int qm_client_codec_tensor_encode(qm_cdtype dt, const uint64_t *shape, int ndim,
+int qm__client_codec_tensor_encode(qm_cdtype dt, const uint64_t *shape, int ndim,
                                   const void *data, size_t nbytes, qm_cval **out,
                                   qm_status *st);
 /* Reads a tensor object. On 0 *data_out is a qm_malloc'd buffer of
  * *nbytes_out bytes the caller owns. Shape and byte length must agree. */
-int qm_client_codec_tensor_decode(const qm_cval *tensor, qm_cdtype *dt_out,
+int qm__client_codec_tensor_decode(const qm_cval *tensor, qm_cdtype *dt_out,
                                   uint64_t shape_out[QM_CTENSOR_MAX_DIMS], int *ndim_out,
                                   void **data_out, size_t *nbytes_out, qm_status *st);
 
 /* Standard base64 with padding. encode returns a qm_malloc'd string (NULL on
  * overflow or no memory); decode rejects bad characters and bad padding. */
-char *qm_client_b64_encode(const void *data, size_t len, size_t *out_len);
-int qm_client_b64_decode(const char *s, size_t len, void **out, size_t *out_len);
+char *qm__client_b64_encode(const void *data, size_t len, size_t *out_len);
+int qm__client_b64_decode(const char *s, size_t len, void **out, size_t *out_len);
 
 #endif

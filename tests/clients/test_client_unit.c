@@ -25,11 +25,11 @@ START_TEST(test_b64_matches_rfc4648_vectors)
     static const char *out[] = {"", "Zg==", "Zm8=", "Zm9v", "Zm9vYg==", "Zm9vYmE=", "Zm9vYmFy"};
     for (int i = 0; i < 7; i++) {
         size_t n = 0;
-        char *e = qm_client_b64_encode(in[i], strlen(in[i]), &n);
+        char *e = qm__client_b64_encode(in[i], strlen(in[i]), &n);
         ck_assert_str_eq(e, out[i]);
         void *d = NULL;
         size_t dn = 0;
-        ck_assert_int_eq(qm_client_b64_decode(e, n, &d, &dn), 0);
+        ck_assert_int_eq(qm__client_b64_decode(e, n, &d, &dn), 0);
         ck_assert_uint_eq(dn, strlen(in[i]));
         ck_assert(memcmp(d, in[i], dn) == 0);
         qm_free(d);
@@ -44,7 +44,7 @@ START_TEST(test_b64_decode_rejects_malformed_input)
     for (int i = 0; i < 7; i++) {
         void *d = (void *)1;
         size_t n = 0;
-        ck_assert_msg(qm_client_b64_decode(bad[i], strlen(bad[i]), &d, &n) == QM_EINVAL,
+        ck_assert_msg(qm__client_b64_decode(bad[i], strlen(bad[i]), &d, &n) == QM_EINVAL,
                       "accepted '%s'", bad[i]);
         ck_assert_ptr_null(d);
     }
@@ -57,7 +57,7 @@ START_TEST(test_tensor_encode_rejects_shape_and_length_mismatch)
     uint64_t shape[2] = {2, 3};
     qm_cval *t = NULL;
     qm_status st = {0};
-    ck_assert_int_eq(qm_client_codec_tensor_encode(QM_CDTYPE_F32, shape, 2, x, 20, &t, &st),
+    ck_assert_int_eq(qm__client_codec_tensor_encode(QM_CDTYPE_F32, shape, 2, x, 20, &t, &st),
                      QM_EINVAL);
     ck_assert_ptr_null(t);
     ck_assert_ptr_nonnull(strstr(st.msg, "disagree"));
@@ -70,7 +70,7 @@ START_TEST(test_tensor_round_trips_through_json_text)
     uint64_t shape[2] = {3, 2}, got_shape[QM_CTENSOR_MAX_DIMS];
     qm_cval *t = NULL, *back = NULL;
     qm_status st = {0};
-    ck_assert_int_eq(qm_client_codec_tensor_encode(QM_CDTYPE_BF16, shape, 2, x, sizeof x, &t, &st), 0);
+    ck_assert_int_eq(qm__client_codec_tensor_encode(QM_CDTYPE_BF16, shape, 2, x, sizeof x, &t, &st), 0);
     size_t len = 0;
     char *text = qm_cval_print(t, 0, &len);
     ck_assert_str_eq(text, "{\"dtype\":\"bf16\",\"shape\":[3,2],\"data\":\"AQACAAMAAHz//wAA\"}");
@@ -79,7 +79,7 @@ START_TEST(test_tensor_round_trips_through_json_text)
     int nd = 0;
     void *data = NULL;
     size_t nb = 0;
-    ck_assert_int_eq(qm_client_codec_tensor_decode(back, &dt, got_shape, &nd, &data, &nb, &st), 0);
+    ck_assert_int_eq(qm__client_codec_tensor_decode(back, &dt, got_shape, &nd, &data, &nb, &st), 0);
     ck_assert_int_eq(dt, QM_CDTYPE_BF16);
     ck_assert_int_eq(nd, 2);
     ck_assert_uint_eq(got_shape[0], 3);
@@ -111,7 +111,7 @@ START_TEST(test_tensor_decode_names_the_field_that_is_wrong)
         int nd;
         void *data = NULL;
         size_t nb;
-        ck_assert_int_lt(qm_client_codec_tensor_decode(v, &dt, shape, &nd, &data, &nb, &st), 0);
+        ck_assert_int_lt(qm__client_codec_tensor_decode(v, &dt, shape, &nd, &data, &nb, &st), 0);
         ck_assert_msg(strcmp(st.field, cases[i][1]) == 0, "case %zu: field '%s', want '%s'", i,
                       st.field, cases[i][1]);
         ck_assert_ptr_null(data);
@@ -157,12 +157,12 @@ START_TEST(test_request_line_is_one_json_text_and_a_newline)
     qm_cval *p = qm_cval_new(QM_CVAL_OBJECT);
     qm_cval_append(p, "session", qm_cval_new_string("ab"));
     size_t n = 0;
-    char *line = qm_client_codec_request(7, "session.plan", p, &n);
+    char *line = qm__client_codec_request(7, "session.plan", p, &n);
     ck_assert_str_eq(line, "{\"jsonrpc\":\"2.0\",\"id\":7,\"method\":\"session.plan\","
                            "\"params\":{\"session\":\"ab\"}}\n");
     ck_assert_uint_eq(n, strlen(line));
     qm_free(line);
-    line = qm_client_codec_request(8, "daemon.status", NULL, &n);
+    line = qm__client_codec_request(8, "daemon.status", NULL, &n);
     ck_assert_str_eq(line, "{\"jsonrpc\":\"2.0\",\"id\":8,\"method\":\"daemon.status\"}\n");
     qm_free(line);
     qm_cval_free(p);
@@ -178,23 +178,23 @@ START_TEST(test_response_splits_result_and_error_with_data)
     uint64_t id = 0;
     qm_cval *r = NULL;
     int is_err = 0;
-    qm_client_codec_error e;
+    qm__client_codec_error e;
     qm_status st = {0};
-    ck_assert_int_eq(qm_client_codec_response(ok, strlen(ok), &id, &r, &is_err, &e, &st), 0);
+    ck_assert_int_eq(qm__client_codec_response(ok, strlen(ok), &id, &r, &is_err, &e, &st), 0);
     ck_assert_uint_eq(id, 3);
     ck_assert_int_eq(is_err, 0);
     ck_assert_uint_eq(qm_cval_get(r, "a")->count, 2);
     ck_assert_ptr_null(r->key);
     qm_cval_free(r);
-    ck_assert_int_eq(qm_client_codec_response(bad, strlen(bad), &id, &r, &is_err, &e, &st), 0);
+    ck_assert_int_eq(qm__client_codec_response(bad, strlen(bad), &id, &r, &is_err, &e, &st), 0);
     ck_assert_int_eq(is_err, 1);
     ck_assert_ptr_null(r);
     ck_assert_int_eq(e.code, -32602);
     ck_assert_str_eq(e.reason, "layer must be < 2");
     ck_assert_str_eq(e.field, "layer");
-    ck_assert_str_eq(qm_client_codec_error_name(e.code), "invalid_params");
+    ck_assert_str_eq(qm__client_codec_error_name(e.code), "invalid_params");
     const char *notrpc = "{\"id\":1,\"result\":{}}";
-    ck_assert_int_eq(qm_client_codec_response(notrpc, strlen(notrpc), &id, &r, &is_err, &e, &st),
+    ck_assert_int_eq(qm__client_codec_response(notrpc, strlen(notrpc), &id, &r, &is_err, &e, &st),
                      QM_EPARSE);
 }
 END_TEST
