@@ -13,6 +13,7 @@
 
 #include "paging_helpers.h"
 #include "qm_placement.h"
+#include "qm_test_policies.h"
 
 enum { MODE_CPU_THREAD, MODE_CPU_DIRECT, MODE_FAKE_DEVICE, N_MODES };
 
@@ -44,9 +45,12 @@ START_TEST(test_outputs_bitwise_equal_while_the_budget_shrinks_and_grows)
      * back, so slots are given back, re-used and added by a new arena. */
     const uint64_t steps[] = {total / 4, U, total, 2 * U + U / 2, total / 2, 3 * U, total};
     const size_t n_steps = sizeof steps / sizeof steps[0];
-    const char *policies[] = {"lru", "lfu", "static_hot", "arc", "layered_lru", "next_use"};
+    /* Every offered policy that pages (whole_bank cannot shrink below the model). */
+    const char *policies[QM_TEST_MAX_POLICIES];
+    const size_t n_policies = qm_test_policies(policies, 0, "whole_bank");
+    ck_assert_uint_ge(n_policies, 6);
     float *out = malloc(sizeof(float) * 8 * cfg->hidden);
-    for (size_t pi = 0; pi < sizeof policies / sizeof *policies; pi++)
+    for (size_t pi = 0; pi < n_policies; pi++)
         for (int pf = 0; pf < 2; pf++)
             for (int mode = 0; mode < N_MODES; mode++) {
                 qm_policy pol = {0};

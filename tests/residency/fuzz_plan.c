@@ -10,6 +10,7 @@
 #include "qm_alloc.h"
 #include "qm_plan_json.h"
 #include "qm_residency.h"
+#include "qm_test_policies.h"
 #include "rt_util.h"
 
 #define MAX_BANKS 8
@@ -160,9 +161,10 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
         qm_plan_free(plan);
     }
 
-    const char *names[] = {"whole_bank", "lru", "lfu", "static_hot", "arc", "layered_lru", "next_use"};
+    const char *names[QM_TEST_MAX_POLICIES];
+    const size_t n_names = qm_test_policies(names, 0, NULL);
     qm_policy_value pin = {"pin_fraction", (flags >> 4) / 15.0};
-    for (size_t k = 0; k < sizeof names / sizeof names[0]; k++) {
+    for (size_t k = 0; k < n_names; k++) {
         qm_policy shipped;
         int hot_ok = qm_policy_accepts_hot(names[k]);
         qm_policy_params params = {.version = QM_POLICY_PARAMS_VERSION,

@@ -9,6 +9,7 @@
 #include "qm_alloc.h"
 #include "qm_plan_json.h"
 #include "qm_residency.h"
+#include "qm_test_policies.h"
 #include "rt_util.h"
 
 #define MAX_BANKS 8
@@ -122,12 +123,13 @@ END_TEST
 
 START_TEST(test_shipped_policies_are_never_rejected_on_random_catalogs)
 {
-    const char *names[] = {"whole_bank", "lru",         "lfu",     "static_hot",
-                           "arc",        "layered_lru", "next_use"};
+    const char *names[QM_TEST_MAX_POLICIES];
+    const size_t n_names = qm_test_policies(names, 0, NULL);
+    ck_assert_uint_ge(n_names, 7);
     for (size_t round = 0; round < RANDOM_ROUNDS / 3; round++) {
         world w;
         world_random(&w, round + 100000);
-        for (size_t p = 0; p < sizeof names / sizeof names[0]; p++) {
+        for (size_t p = 0; p < n_names; p++) {
             qm_policy_value pin = {"pin_fraction", 0.7};
             int hot_ok = qm_policy_accepts_hot(names[p]);
             qm_policy_params params = {.version = QM_POLICY_PARAMS_VERSION,
