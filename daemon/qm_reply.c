@@ -122,18 +122,27 @@ void qm_reply_take_buf(qm_reply *r, size_t slot, qm_buf *b, const char *id)
     qm_reply_fill(r, slot, data, len);
 }
 
+/* A notification's slot is answered empty (0); otherwise b and w are ready
+ * for the answer (1), which qm_reply_take_buf sends. */
+static int reply_open(qm_reply *r, size_t slot, int notification, qm_buf *b, qm_jw *w)
+{
+    if (notification) {
+        qm_reply_fill(r, slot, NULL, 0);
+        return 0;
+    }
+    qm_buf_init(b);
+    qm_jw_init(w, b);
+    return 1;
+}
+
 void qm_reply_error(qm_reply *r, size_t slot, const char *id, int notification, int rpc_code,
                     const char *reason, const char *field)
 {
     r->counters->errors++;
-    if (notification) {
-        qm_reply_fill(r, slot, NULL, 0);
-        return;
-    }
     qm_buf b;
-    qm_buf_init(&b);
     qm_jw w;
-    qm_jw_init(&w, &b);
+    if (!reply_open(r, slot, notification, &b, &w))
+        return;
     qm_rpc_error(&w, id, rpc_code, reason, field);
     qm_reply_take_buf(r, slot, &b, id);
 }
@@ -147,14 +156,10 @@ void qm_reply_status(qm_reply *r, size_t slot, const qm_request *req, const qm_s
 void qm_reply_result(qm_reply *r, size_t slot, const qm_request *req,
                      void (*write)(qm_jw *w, const void *arg), const void *arg)
 {
-    if (!req->id) {
-        qm_reply_fill(r, slot, NULL, 0);
-        return;
-    }
     qm_buf b;
-    qm_buf_init(&b);
     qm_jw w;
-    qm_jw_init(&w, &b);
+    if (!reply_open(r, slot, req->id == NULL, &b, &w))
+        return;
     qm_rpc_result_begin(&w, req->id);
     write(&w, arg);
     qm_rpc_result_end(&w);

@@ -56,14 +56,20 @@ int qm_backend_kind_find(const char *name, size_t n)
     return -1;
 }
 
+/* Row i exists and passes the registry's check. */
+static int qm__kind_usable(size_t i, qm_status *st)
+{
+    if (i >= N_KINDS)
+        return qm_status_set(st, QM_EINVAL, "backend kind %zu: the registry has %zu", i,
+                             (size_t)N_KINDS);
+    return qm__backend_kind_check(registry[i], st);
+}
+
 int qm_backend_kind_open(size_t i, const qm_backend_open_options *o, qm_backend **out,
                          qm_status *st)
 {
     *out = NULL;
-    if (i >= N_KINDS)
-        return qm_status_set(st, QM_EINVAL, "backend kind %zu: the registry has %zu", i,
-                             (size_t)N_KINDS);
-    int rc = qm__backend_kind_check(registry[i], st);
+    int rc = qm__kind_usable(i, st);
     if (rc < 0)
         return rc;
     static const qm_backend_open_options defaults = {0};
@@ -73,10 +79,7 @@ int qm_backend_kind_open(size_t i, const qm_backend_open_options *o, qm_backend 
 int qm_backend_kind_probe(size_t i, uint32_t *n_devices, qm_status *st)
 {
     *n_devices = 0;
-    if (i >= N_KINDS)
-        return qm_status_set(st, QM_EINVAL, "backend kind %zu: the registry has %zu", i,
-                             (size_t)N_KINDS);
-    int rc = qm__backend_kind_check(registry[i], st);
+    int rc = qm__kind_usable(i, st);
     if (rc < 0)
         return rc;
     if (!registry[i]->probe) {
