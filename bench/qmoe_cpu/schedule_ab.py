@@ -9,11 +9,17 @@ variants of a row share the round's moments of load. Printed per row: the
 medians over rounds of wall ms, CPU ms per call (every thread), the share
 of read bandwidth (bytes of the distinct experts the call touched / wall /
 the round's read bandwidth) and each variant's wall and CPU time over the
-first variant's.
+first variant's. With --i8-peak BENCH (a qmoe_cpu_bench whose --fma-peak
+and --i8-peak time each thread by its own CPU time, as branch kernels'
+does), each round also measures the f32 FMA and the int8 dot peaks with
+it, and each row gets its bound: the distinct experts' bytes at the
+round's read bandwidth or its arithmetic (6 T k H I operations) at the
+precision's peak, whichever takes longer, and the share of it (bound /
+wall).
 
 usage: schedule_ab.py --variant NAME=BUILD[:SCHEDULE] ... [--cases qwen3,deepseek]
                       [--tokens 1,16,128] [--precision exact,fast] [--rounds 5]
-                      [--iters 20] [--threads 2] [--workdir DIR]
+                      [--iters 20] [--threads 2] [--workdir DIR] [--i8-peak BENCH]
 
 Banks are made with BUILD/tools/qmoe-bank/qmoe-bank create in --workdir
 (2 layers each: 0.7-1.0 GB, several times the L3), once. Not a test."""
@@ -57,6 +63,21 @@ def bench(build, schedule, args):
     return [json.loads(line) for line in r.stdout.strip().splitlines()]
 
 
+def peak(bench_path, flag, key, threads):
+    r = subprocess.run([bench_path, flag, "--threads", str(threads)], capture_output=True,
+                       text=True, check=True)
+    return max(json.loads(line)[key] for line in r.stdout.strip().splitlines())
+
+
+def bound_ms(case, t, precision, nbytes, bw, fma, i8):
+    """The larger of the bytes at the read bandwidth and the arithmetic at
+    the precision's peak, in ms, and which one it is."""
+    e, k, h, i = CASES[case]
+    mem = nbytes / (bw * 1e9) * 1e3
+    comp = 6.0 * t * k * h * i / ((i8 if precision == "fast" else fma) * 1e9) * 1e3
+    return (mem, "memory") if mem >= comp else (comp, "compute")
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--variant", action="append", required=True)
@@ -66,6 +87,8 @@ def main():
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--i8-peak", default="",
+                    help="a qmoe_cpu_bench with --i8-peak (and CPU-timed --fma-peak)")
     ap.add_argument("--workdir", default=os.path.join(tempfile.gettempdir(), "qmoe-schedule-ab"))
     a = ap.parse_args()
     variants = []
@@ -81,6 +104,7 @@ def main():
     precisions = a.precision.split(",")
     rows = {}
     bws = []
+    peaks = []
     for rnd in range(a.rounds):
         stream = lambda: bench(variants[0][1], "", ["--stream-mib", "1024",
                                                     "--threads", str(a.threads)])[0]
@@ -97,17 +121,28 @@ def main():
                         out[(c, t, p, name)] = o
         bw = (bw0 + stream()["median_gbps"]) / 2
         bws.append(bw)
-        print(f"round {rnd}: read bandwidth {bw:.2f} GB/s, load {os.getloadavg()[0]:.1f}",
+        pk = None
+        if a.i8_peak:
+            pk = (peak(a.i8_peak, "--fma-peak", "median_gflops", a.threads),
+                  peak(a.i8_peak, "--i8-peak", "median_gops", a.threads))
+            peaks.append(pk)
+        print(f"round {rnd}: read bandwidth {bw:.2f} GB/s, load {os.getloadavg()[0]:.1f}"
+              + (f", FMA peak {pk[0]:.1f} GFLOP/s, int8 peak {pk[1]:.1f} GOP/s" if pk else ""),
               flush=True)
         for key, o in out.items():
             rows.setdefault(key, []).append((o["median_ms"], o["cpu_ms_median"],
-                                             o["bytes_per_call"], bw))
+                                             o["bytes_per_call"], bw, pk))
     print(f"\nread bandwidth (2 threads) median {statistics.median(bws):.2f} GB/s over "
           f"{len(bws)} rounds, min {min(bws):.2f}, max {max(bws):.2f}")
+    if peaks:
+        print(f"FMA peak median {statistics.median(p[0] for p in peaks):.1f} GFLOP/s, int8 peak "
+              f"median {statistics.median(p[1] for p in peaks):.1f} GOP/s ({a.threads} threads, "
+              "thread CPU time)")
     base = variants[0][0]
+    extra = " bound ms | % of bound |" if peaks else ""
     print("| case | T | precision | variant | wall ms | CPU ms | MB/call | % read BW | "
-          f"wall / {base} | CPU / {base} |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+          f"wall / {base} | CPU / {base} |" + extra)
+    print("|---|---|---|---|---|---|---|---|---|---|" + ("---|---|" if peaks else ""))
     for c in cases:
         for t in tokens:
             for p in precisions:
@@ -119,8 +154,15 @@ def main():
                     share = statistics.median(r[2] / (r[0] * 1e-3) / (r[3] * 1e9) for r in rs)
                     rw = statistics.median(r[0] / q[0] for r, q in zip(rs, ref))
                     rc = statistics.median(r[1] / q[1] for r, q in zip(rs, ref))
-                    print(f"| {c} | {t} | {p} | {name} | {wall:.2f} | {cpu:.2f} | "
-                          f"{rs[0][2] / 1e6:.1f} | {100 * share:.0f}% | {rw:.2f} | {rc:.2f} |")
+                    line = (f"| {c} | {t} | {p} | {name} | {wall:.2f} | {cpu:.2f} | "
+                            f"{rs[0][2] / 1e6:.1f} | {100 * share:.0f}% | {rw:.2f} | {rc:.2f} |")
+                    if peaks:
+                        bs = [bound_ms(c, t, p, r[2], r[3], r[4][0], r[4][1]) for r in rs]
+                        bmed = statistics.median(b[0] for b in bs)
+                        what = max(("memory", "compute"), key=[b[1] for b in bs].count)
+                        bshare = statistics.median(b[0] / r[0] for b, r in zip(bs, rs))
+                        line += f" {bmed:.1f} ({what}) | {100 * bshare:.0f}% |"
+                    print(line)
 
 
 if __name__ == "__main__":
