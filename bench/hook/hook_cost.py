@@ -30,8 +30,10 @@ Run with the torch environment's python:
       [--fixture qwen3_moe] [--tokens 64] [--rounds 5] [--baseline 6918353]
 """
 import argparse
+import atexit
 import importlib
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -115,6 +117,7 @@ def main():
 
     torch.set_num_threads(a.engine_threads)
     d = tempfile.mkdtemp(prefix="bench-hook-cost-")
+    atexit.register(shutil.rmtree, d, True)  # the bank, the daemon's files, the baseline package
     roads = {"this tree": (qmoe_client, qhook)}
     if a.baseline:
         base = baseline_package(a.baseline, d)
