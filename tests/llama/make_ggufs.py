@@ -22,9 +22,7 @@ not one convert_hf_to_gguf.py knows, so the conversion is told its name
 tokenizer.model, the sentencepiece path is skipped.
 
     python make_ggufs.py --share PREFIX/share/qmoed-llama.cpp \
-        --quantize PREFIX/bin/llama-quantize --out DIR [--head-scale S] FAM...
-
---head-scale multiplies the output head (lm_head) by S before converting.
+        --quantize PREFIX/bin/llama-quantize --out DIR FAM...
 
     python make_ggufs.py --share PREFIX/share/qmoed-llama.cpp --convert HF_DIR OUT TYPE
 
@@ -63,21 +61,6 @@ def write_tokenizer(dst):
     with open(os.path.join(dst, "tokenizer_config.json"), "w") as f:
         json.dump({"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": EOS, "eos_token": EOS,
                    "add_bos_token": False, "model_max_length": 64}, f)
-
-
-def scale_head(dst, scale):
-    """lm_head.weight *= scale in whichever shard holds it."""
-    from safetensors.numpy import load_file, save_file
-    for name in os.listdir(dst):
-        if not name.endswith(".safetensors"):
-            continue
-        path = os.path.join(dst, name)
-        tensors = load_file(path)
-        if "lm_head.weight" in tensors:
-            tensors["lm_head.weight"] = tensors["lm_head.weight"] * scale
-            save_file(tensors, path, metadata={"format": "pt"})
-            return
-    raise SystemExit("%s: no lm_head.weight to scale" % dst)
 
 
 def patch_converter(share):
@@ -161,7 +144,6 @@ def main():
     ap.add_argument("--convert", nargs=3, metavar=("HF_DIR", "OUT", "TYPE"))
     ap.add_argument("--quantize")
     ap.add_argument("--out")
-    ap.add_argument("--head-scale", type=float, default=1.0)
     ap.add_argument("families", nargs="*")
     a = ap.parse_args()
     patch_converter(a.share)
@@ -178,8 +160,6 @@ def main():
             if os.path.exists(os.path.join(hf, junk)):
                 os.remove(os.path.join(hf, junk))
         write_tokenizer(hf)
-        if a.head_scale != 1.0:
-            scale_head(hf, a.head_scale)
         f32 = os.path.join(a.out, fam + ".f32.gguf")
         convert(a.share, hf, f32)
         for q in TYPES:

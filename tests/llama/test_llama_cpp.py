@@ -24,9 +24,10 @@ B = that reference and C = llama.cpp + qmoed:
   |C - B| <= 1e-4 * max|B|            (the same f32 math; measured ~1e-7)
   |C - A| <= |B - A| + 1e-4 * max|B|  (only llama.cpp's activation
                                        quantisation separates them)
-and C generates B's 16 greedy tokens on every fixture. On fixtures whose
-output head is scaled so that every step's best logit leads the runner-up
-by more than llama.cpp's own activation error, C also generates A's tokens.
+and C generates B's 16 greedy tokens on every fixture. Where C's tokens
+part from A's, the logits at that step are within the same bound. (Scaling
+the output head would not keep A off near-ties: it scales the margins and
+A's error alike, and greedy picks are invariant under it.)
 
 Skips, saying which prerequisite is missing, only when the tools cannot be
 built here (no torch environment, no pkg-config/patch/C++ compiler/CMake, or
@@ -53,7 +54,6 @@ FAMILIES = ["qwen3_moe", "mixtral", "gpt_oss", "deepseek_v2"]
 TYPES = ["q8_0", "q4_0"]
 PROMPT = "the quick brown fox"
 TOKENS = 16
-HEAD_SCALE = 8.0
 EPS = 1e-4  # f32 against f32: relative to the largest logit
 BUILD_TIMEOUT = 3600  # the first build on a 2-core machine; later runs take seconds
 
@@ -111,11 +111,10 @@ def tool(tools, name):
     return os.path.join(str(tools), "bin", name)
 
 
-def make_ggufs(tools, out, head_scale=1.0):
+def make_ggufs(tools, out):
     share = os.path.join(str(tools), "share", "qmoed-llama.cpp")
     r = subprocess.run([torch_python(), os.path.join(HERE, "make_ggufs.py"), "--share", share,
-                        "--quantize", tool(tools, "llama-quantize"), "--out", str(out),
-                        "--head-scale", str(head_scale)] + FAMILIES,
+                        "--quantize", tool(tools, "llama-quantize"), "--out", str(out)] + FAMILIES,
                        capture_output=True, text=True, timeout=900)
     assert r.returncode == 0, (r.stdout + r.stderr)[-6000:]
     return out
