@@ -188,6 +188,11 @@ def test_exact_types_repack_bit_for_bit(tmp_path, qtype, bits, bs):
             assert np.array_equal(got.view(np.uint32), want.astype(np.float32).view(np.uint32)), \
                 (qtype.name, layer, name)
         assert np.array_equal(t[f"layers.{layer}.router.weight"], src[blk]["router"])
+        # The scales keep the source's values: Q4_0/Q8_0/Q5_0's own f16 d,
+        # MXFP4's powers of two in f16 (these exponents fit), Q6_K's products in f32.
+        want_dt = np.float32 if qtype == Q.Q6_K else np.float16
+        for fc in FC.values():
+            assert t[f"layers.{layer}.{fc}.scales"].dtype == want_dt, (qtype.name, fc)
     assert f"{qtype.name}" in stdout and "exact repack" in stdout, stdout
     # qwen3moe renormalises the top-k: the legacy rule, no routing keys.
     assert not any(k.startswith("qmoe.routing.") for k in meta)
@@ -231,6 +236,14 @@ def test_mixed_q4k_q6k_keeps_q6k_exact(tmp_path):
     assert np.array_equal(down.view(np.uint32), src[0]["down"].view(np.uint32))
     lines = {l.split()[0]: l for l in stdout.splitlines() if l.startswith("  ")}
     assert "exact repack" in lines["Q6_K"] and "requantised" in lines["Q4_K"], stdout
+    # Scale dtypes per tensor: requantised ones take --scales (default f16),
+    # the exact Q6_K repack keeps f32 whatever --scales says.
+    assert t["layers.0.fc1.scales"].dtype == np.float16 and t["layers.0.fc3.scales"].dtype == np.float16
+    assert t["layers.0.fc2.scales"].dtype == np.float32
+    out32, _ = import_ok(tmp_path, gpath, "--scales", "f32")
+    t32, _ = load_bank(out32)
+    assert all(t32[f"layers.0.{fc}.scales"].dtype == np.float32 for fc in ("fc1", "fc2", "fc3"))
+    assert np.array_equal(bank_matrix(t32, meta, 0, "fc2").view(np.uint32), down.view(np.uint32))
 
 
 def silu(z):
