@@ -175,8 +175,32 @@ QM_AI float qm__scale_f32(const uint8_t *row_scales, uint32_t b)
     return f;
 }
 
+/* The symmetric layouts the hot loops specialise on (their FAST argument):
+ * 0 anything else (zero points, bf16 scales), 1 f32 scales, 2 f16 scales;
+ * neither has a zero-point tensor. */
+static inline int qm__sym_scales(const qm__qmat *m)
+{
+    if (m->zp)
+        return 0;
+    return m->scale_dtype == QM_DTYPE_F32 ? 1 : m->scale_dtype == QM_DTYPE_F16 ? 2 : 0;
+}
+
+/* Bytes of one scale in a symmetric layout. */
+#define QM__SYM_SCALE_BYTES(FAST) ((FAST) == 2 ? 2 : 4)
+
+/* Scale b of a row in symmetric layout FAST (1 or 2). */
+QM_AI float qm__scale_sym(const uint8_t *row_scales, uint32_t b, const int FAST)
+{
+    if (FAST == 2) {
+        uint16_t h;
+        memcpy(&h, row_scales + 2 * (size_t)b, 2);
+        return _cvtsh_ss(h);
+    }
+    return qm__scale_f32(row_scales, b);
+}
+
 /* 4 weight rows x 1 input row: the decode hot loop. CPB > 0 fixes the chunks
- * per block at compile time; FAST = f32 scales and no zero-point tensor. */
+ * per block at compile time; FAST: the symmetric layout (qm__sym_scales). */
 QM_AI void qm__gemv_4x1_impl(const qm__qmat *m, uint32_t n, const float *xp, float *y,
                              const int BITS, const uint32_t CPB, const int FAST)
 {
@@ -185,7 +209,7 @@ QM_AI void qm__gemv_4x1_impl(const qm__qmat *m, uint32_t n, const float *xp, flo
     const size_t rb = m->row_bytes;
     const uint32_t nfull = (uint32_t)(rb / (2 * BITS)); /* chunks wholly inside a row */
     const uint8_t *r0 = m->w + (size_t)n * rb, *r1 = r0 + rb, *r2 = r1 + rb, *r3 = r2 + rb;
-    const size_t srow = (size_t)m->nblk * 4;
+    const size_t srow = (size_t)m->nblk * QM__SYM_SCALE_BYTES(FAST);
     const uint8_t *s0 = (const uint8_t *)m->scales + (size_t)n * srow, *s1 = s0 + srow,
                   *s2 = s1 + srow, *s3 = s2 + srow;
     const __m256 zsym = _mm256_set1_ps((float)(1 << (BITS - 1)));
@@ -234,10 +258,10 @@ QM_AI void qm__gemv_4x1_impl(const qm__qmat *m, uint32_t n, const float *xp, flo
         }
         const float *xs = xp + kp + 8 * (size_t)b;
         if (FAST) {
-            QM__ACC_BLOCK(0, zsym, _mm256_set1_ps(qm__scale_f32(s0, b)), xs);
-            QM__ACC_BLOCK(1, zsym, _mm256_set1_ps(qm__scale_f32(s1, b)), xs);
-            QM__ACC_BLOCK(2, zsym, _mm256_set1_ps(qm__scale_f32(s2, b)), xs);
-            QM__ACC_BLOCK(3, zsym, _mm256_set1_ps(qm__scale_f32(s3, b)), xs);
+            QM__ACC_BLOCK(0, zsym, _mm256_set1_ps(qm__scale_sym(s0, b, FAST)), xs);
+            QM__ACC_BLOCK(1, zsym, _mm256_set1_ps(qm__scale_sym(s1, b, FAST)), xs);
+            QM__ACC_BLOCK(2, zsym, _mm256_set1_ps(qm__scale_sym(s2, b, FAST)), xs);
+            QM__ACC_BLOCK(3, zsym, _mm256_set1_ps(qm__scale_sym(s3, b, FAST)), xs);
         } else {
             QM__ACC_BLOCK(0, _mm256_set1_ps(qm__zp(m, n, b)), _mm256_set1_ps(qm__scale(m, n, b)), xs);
             QM__ACC_BLOCK(1, _mm256_set1_ps(qm__zp(m, n + 1, b)), _mm256_set1_ps(qm__scale(m, n + 1, b)), xs);
@@ -258,14 +282,20 @@ QM_AI void qm__gemv_4x1_impl(const qm__qmat *m, uint32_t n, const float *xp, flo
 #define QM__GEMV_4X1_DISPATCH(NAME, BITS, CPB_A, CPB_B)                                            \
     static void NAME(const qm__qmat *m, uint32_t n, const float *xp, float *y)                     \
     {                                                                                              \
-        int fast = m->scale_dtype == QM_DTYPE_F32 && !m->zp;                                       \
+        int fast = qm__sym_scales(m);                                                              \
         uint32_t cpb = m->nblk == 1 ? 0 : m->block / 16;                                           \
-        if (fast && cpb == (CPB_A))                                                                \
+        if (fast == 1 && cpb == (CPB_A))                                                           \
             qm__gemv_4x1_impl(m, n, xp, y, BITS, CPB_A, 1);                                        \
-        else if (fast && cpb == (CPB_B))                                                           \
+        else if (fast == 1 && cpb == (CPB_B))                                                      \
             qm__gemv_4x1_impl(m, n, xp, y, BITS, CPB_B, 1);                                        \
-        else if (fast)                                                                             \
+        else if (fast == 1)                                                                        \
             qm__gemv_4x1_impl(m, n, xp, y, BITS, 0, 1);                                            \
+        else if (fast == 2 && cpb == (CPB_A))                                                      \
+            qm__gemv_4x1_impl(m, n, xp, y, BITS, CPB_A, 2);                                        \
+        else if (fast == 2 && cpb == (CPB_B))                                                      \
+            qm__gemv_4x1_impl(m, n, xp, y, BITS, CPB_B, 2);                                        \
+        else if (fast == 2)                                                                        \
+            qm__gemv_4x1_impl(m, n, xp, y, BITS, 0, 2);                                            \
         else                                                                                       \
             qm__gemv_4x1_impl(m, n, xp, y, BITS, 0, 0);                                            \
     }
@@ -306,8 +336,8 @@ QM_AI void qm__gemv_2x2_impl(const qm__qmat *m, uint32_t n, const float *xp, siz
     const size_t rb = m->row_bytes;
     const uint32_t nfull = (uint32_t)(rb / (2 * BITS));
     const uint8_t *r0 = m->w + (size_t)n * rb, *r1 = r0 + rb;
-    const uint8_t *sr0 = (const uint8_t *)m->scales + (size_t)n * m->nblk * 4,
-                  *sr1 = sr0 + (size_t)m->nblk * 4;
+    const size_t srow = (size_t)m->nblk * QM__SYM_SCALE_BYTES(FAST);
+    const uint8_t *sr0 = (const uint8_t *)m->scales + (size_t)n * srow, *sr1 = sr0 + srow;
     const __m256 zsym = _mm256_set1_ps((float)(1 << (BITS - 1)));
     const float *xq = xp + ldx;
     QM__ACC_DECL(0); /* row n, input 0 */
@@ -335,8 +365,8 @@ QM_AI void qm__gemv_2x2_impl(const qm__qmat *m, uint32_t n, const float *xp, siz
         __m256 z0, s0, z1, s1;
         if (FAST) {
             z0 = z1 = zsym;
-            s0 = _mm256_set1_ps(qm__scale_f32(sr0, b));
-            s1 = _mm256_set1_ps(qm__scale_f32(sr1, b));
+            s0 = _mm256_set1_ps(qm__scale_sym(sr0, b, FAST));
+            s1 = _mm256_set1_ps(qm__scale_sym(sr1, b, FAST));
         } else {
             z0 = _mm256_set1_ps(qm__zp(m, n, b));
             s0 = _mm256_set1_ps(qm__scale(m, n, b));
@@ -357,8 +387,11 @@ QM_AI void qm__gemv_2x2_impl(const qm__qmat *m, uint32_t n, const float *xp, siz
 static void qm__gemv_2x2_q4(const qm__qmat *m, uint32_t n, const float *xp, size_t ldx, float *y,
                             size_t ldy)
 {
-    if (m->scale_dtype == QM_DTYPE_F32 && !m->zp)
+    int fast = qm__sym_scales(m);
+    if (fast == 1)
         qm__gemv_2x2_impl(m, n, xp, ldx, y, ldy, 4, 1);
+    else if (fast == 2)
+        qm__gemv_2x2_impl(m, n, xp, ldx, y, ldy, 4, 2);
     else
         qm__gemv_2x2_impl(m, n, xp, ldx, y, ldy, 4, 0);
 }
@@ -366,8 +399,11 @@ static void qm__gemv_2x2_q4(const qm__qmat *m, uint32_t n, const float *xp, size
 static void qm__gemv_2x2_q8(const qm__qmat *m, uint32_t n, const float *xp, size_t ldx, float *y,
                             size_t ldy)
 {
-    if (m->scale_dtype == QM_DTYPE_F32 && !m->zp)
+    int fast = qm__sym_scales(m);
+    if (fast == 1)
         qm__gemv_2x2_impl(m, n, xp, ldx, y, ldy, 8, 1);
+    else if (fast == 2)
+        qm__gemv_2x2_impl(m, n, xp, ldx, y, ldy, 8, 2);
     else
         qm__gemv_2x2_impl(m, n, xp, ldx, y, ldy, 8, 0);
 }
@@ -475,8 +511,8 @@ QM_AI void qm__canon_block_params(const qm__qmat *m, uint32_t n, const int NR, u
 #pragma GCC unroll 4
     for (int i = 0; i < NR; i++) {
         if (FAST) {
-            size_t srow = (size_t)(n + i) * m->nblk * 4;
-            sc[i] = _mm256_set1_ps(qm__scale_f32((const uint8_t *)m->scales + srow, blk));
+            size_t srow = (size_t)(n + i) * m->nblk * QM__SYM_SCALE_BYTES(FAST);
+            sc[i] = _mm256_set1_ps(qm__scale_sym((const uint8_t *)m->scales + srow, blk, FAST));
             zp[i] = _mm256_set1_epi32(8);
         } else {
             sc[i] = _mm256_set1_ps(qm__scale(m, n + i, blk));
@@ -499,8 +535,8 @@ QM_AI void qm__canon_prefetch(const uint8_t *const row[4], size_t rb, const int 
 }
 
 /* NR weight rows (n..n+NR-1) x R input rows, NR * R <= 4 (8 accumulators).
- * CPB > 0 fixes the chunks per block at compile time; FAST = f32 scales
- * and no zero-point tensor. */
+ * CPB > 0 fixes the chunks per block at compile time; FAST: the symmetric
+ * layout (qm__sym_scales). */
 QM_AI void qm__gemv_canon(const qm__qmat *m, uint32_t n, const int NR, const float *xp,
                           size_t ldx, const int R, float *y, size_t ldy, const uint32_t CPB,
                           const int FAST)
@@ -581,14 +617,20 @@ QM_AI void qm__gemv_q4_canon_impl(const qm__qmat *m, uint32_t n0, uint32_t n1, c
 static void qm__gemv_q4_canon(const qm__qmat *m, uint32_t n0, uint32_t n1, const float *xp,
                               size_t ldx, uint32_t nx, float *y, size_t ldy)
 {
-    int fast = m->scale_dtype == QM_DTYPE_F32 && !m->zp;
+    int fast = qm__sym_scales(m);
     uint32_t cpb = m->nblk == 1 ? 0 : m->block / 32;
-    if (fast && cpb == 1)
+    if (fast == 1 && cpb == 1)
         qm__gemv_q4_canon_impl(m, n0, n1, xp, ldx, nx, y, ldy, 1, 1);
-    else if (fast && cpb == 2)
+    else if (fast == 1 && cpb == 2)
         qm__gemv_q4_canon_impl(m, n0, n1, xp, ldx, nx, y, ldy, 2, 1);
-    else if (fast)
+    else if (fast == 1)
         qm__gemv_q4_canon_impl(m, n0, n1, xp, ldx, nx, y, ldy, 0, 1);
+    else if (fast == 2 && cpb == 1)
+        qm__gemv_q4_canon_impl(m, n0, n1, xp, ldx, nx, y, ldy, 1, 2);
+    else if (fast == 2 && cpb == 2)
+        qm__gemv_q4_canon_impl(m, n0, n1, xp, ldx, nx, y, ldy, 2, 2);
+    else if (fast == 2)
+        qm__gemv_q4_canon_impl(m, n0, n1, xp, ldx, nx, y, ldy, 0, 2);
     else
         qm__gemv_q4_canon_impl(m, n0, n1, xp, ldx, nx, y, ldy, 0, 0);
 }
@@ -657,7 +699,7 @@ static void qm__dequant_tile(const qm__qmat *m, uint32_t n0, uint32_t n1, uint32
                              uint32_t len, float *tile)
 {
     const int bits = (int)m->bits;
-    const int fast = m->scale_dtype == QM_DTYPE_F32 && !m->zp;
+    const int fast = qm__sym_scales(m);
     const uint32_t nfull = (uint32_t)(m->row_bytes / (2 * (size_t)bits));
     const uint32_t cpb = m->nblk == 1 ? UINT32_MAX : m->block / 16;
     for (uint32_t i = 0; i < QM__TILE_ROWS; i++) {
@@ -668,7 +710,8 @@ static void qm__dequant_tile(const qm__qmat *m, uint32_t n0, uint32_t n1, uint32
             continue;
         }
         const uint8_t *row = m->w + (size_t)n * m->row_bytes;
-        const uint8_t *srow = (const uint8_t *)m->scales + (size_t)n * m->nblk * 4;
+        const uint8_t *srow =
+            (const uint8_t *)m->scales + (size_t)n * m->nblk * QM__SYM_SCALE_BYTES(fast);
         const __m256 zsym = _mm256_set1_ps((float)(1 << (bits - 1)));
         uint32_t c = kt0 / 16, cend = (kt0 + len) / 16;
         /* One division per row and tile; blocks then advance by addition. */
@@ -679,7 +722,7 @@ static void qm__dequant_tile(const qm__qmat *m, uint32_t n0, uint32_t n1, uint32
                 bend = cend;
             __m256 sc, zp;
             if (fast) {
-                sc = _mm256_set1_ps(qm__scale_f32(srow, b));
+                sc = _mm256_set1_ps(fast == 2 ? qm__scale_sym(srow, b, 2) : qm__scale_f32(srow, b));
                 zp = zsym;
             } else {
                 sc = _mm256_set1_ps(qm__qmat_scale(m, n, b));
