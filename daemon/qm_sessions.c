@@ -222,12 +222,20 @@ static int share_check(const qm_registry *r, const qm_policy_params_wire *pw, qm
 {
     const char *f = "policy_params.share_residency";
     const qm_device *d = &r->devices->dev[0];
-    if (r->devices->n != 1 || (strcmp(d->name, "cpu") != 0 && strncmp(d->name, "emu:", 4) != 0))
+    int kind = qm_backend_kind_find(d->info.kind, strlen(d->info.kind));
+    unsigned caps = kind < 0 ? 0 : qm_backend_kind_caps((size_t)kind);
+    if (r->devices->n != 1 || !(caps & QM_BACKEND_CAP_SHARED_POOL)) {
+        char kinds[96] = ""; /* the registry's kinds that share pools */
+        for (size_t i = 0; i < qm_backend_kind_count(); i++)
+            if (qm_backend_kind_caps(i) & QM_BACKEND_CAP_SHARED_POOL)
+                snprintf(kinds + strlen(kinds), sizeof kinds - strlen(kinds), "%s%s",
+                         kinds[0] ? " or " : "", qm_backend_kind_name(i));
         return qm_status_set_field(st, QM_EINVAL, f,
                                    "policy_params.share_residency needs a daemon with one device "
-                                   "of the cpu or emu backend; this one serves %u device%s (%s%s)",
-                                   r->devices->n, r->devices->n == 1 ? "" : "s", d->name,
+                                   "of the %s backend; this one serves %u device%s (%s%s)",
+                                   kinds, r->devices->n, r->devices->n == 1 ? "" : "s", d->name,
                                    r->devices->n > 1 ? ", ..." : "");
+    }
     const char *other = pw->hot ? "hot" : pw->record_trace ? "record_trace"
                         : pw->has_min_split_bytes ? "min_split_bytes" : NULL;
     if (other)

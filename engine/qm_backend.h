@@ -86,6 +86,9 @@ enum {
     QM_BACKEND_CAP_NUMBERED = 1u << 1,
     /* --backend auto tries its device 0 before the host. */
     QM_BACKEND_CAP_AUTO = 1u << 2,
+    /* One pager on it may serve several sessions' calls (shared residency,
+     * docs/PAGING.md), as its tests show. */
+    QM_BACKEND_CAP_SHARED_POOL = 1u << 3,
 };
 
 /* How to open a device; a kind reads what applies to it. */
