@@ -496,6 +496,20 @@ static size_t qm__max3(size_t a, size_t b, size_t c)
     return m > c ? m : c;
 }
 
+/* Grows *items (*cap items of `elem` bytes) to hold n, contents kept;
+ * QM_ENOMEM leaves it as it was. */
+static int qm__grow_array(void **items, size_t *cap, size_t n, size_t elem)
+{
+    if (n <= *cap)
+        return 0;
+    void *t = qm_realloc(*items, n * elem);
+    if (!t)
+        return QM_ENOMEM;
+    *items = t;
+    *cap = n;
+    return 0;
+}
+
 /* Grows the shared scratch; contents are not kept. */
 static int qm__ffn_reserve(qm__cpu_ffn *f, size_t floats, size_t tasks, size_t jobs)
 {
@@ -514,20 +528,9 @@ static int qm__ffn_reserve(qm__cpu_ffn *f, size_t floats, size_t tasks, size_t j
                                ~(uintptr_t)(QM__CPU_ALIGN - 1));
         f->scratch_floats = floats;
     }
-    if (tasks > f->tasks_cap) {
-        void *t = qm_realloc(f->tasks, tasks * sizeof(qm__task));
-        if (!t)
-            return QM_ENOMEM;
-        f->tasks = t;
-        f->tasks_cap = tasks;
-    }
-    if (jobs > f->sync_cap) {
-        void *s = qm_realloc(f->sync, jobs * sizeof(qm__job_sync));
-        if (!s)
-            return QM_ENOMEM;
-        f->sync = s;
-        f->sync_cap = jobs;
-    }
+    if (qm__grow_array((void **)&f->tasks, &f->tasks_cap, tasks, sizeof(qm__task)) < 0 ||
+        qm__grow_array((void **)&f->sync, &f->sync_cap, jobs, sizeof(qm__job_sync)) < 0)
+        return QM_ENOMEM;
     return 0;
 }
 
