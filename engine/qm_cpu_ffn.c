@@ -313,6 +313,17 @@ static size_t qm__tiles(uint32_t rows)
     return (rows + QM__TILE_ROWS - 1) / QM__TILE_ROWS;
 }
 
+/* Appends the tasks of `tiles` tiles of kind `kind` of job j, `per` tiles a task. */
+static size_t qm__add_tiles(qm__task *tasks, size_t nt, uint32_t j, size_t tiles, uint32_t per,
+                            uint8_t kind)
+{
+    for (uint32_t t = 0; t < tiles; t += per) {
+        uint32_t n = tiles - t < per ? (uint32_t)(tiles - t) : per;
+        tasks[nt++] = (qm__task){.job = j, .first = t, .count = n, .kind = kind};
+    }
+    return nt;
+}
+
 static void qm__run_phased(qm__cpu_ffn *f, qm__run *R)
 {
     const qm_expert_batch *b = R->b;
@@ -321,12 +332,9 @@ static void qm__run_phased(qm__cpu_ffn *f, qm__run *R)
     for (size_t j = 0; j < b->n_jobs; j++) {
         if (!b->jobs[j].n_rows)
             continue;
-        for (uint32_t t = 0; t < qm__tiles(R->N1); t++)
-            R->tasks[nt++] = (qm__task){.job = (uint32_t)j, .first = t, .count = 1,
-                                        .kind = QM__TASK_FC1};
-        for (uint32_t t = 0; R->has_fc3 && t < qm__tiles(R->I); t++)
-            R->tasks[nt++] = (qm__task){.job = (uint32_t)j, .first = t, .count = 1,
-                                        .kind = QM__TASK_FC3};
+        nt = qm__add_tiles(R->tasks, nt, (uint32_t)j, qm__tiles(R->N1), 1, QM__TASK_FC1);
+        if (R->has_fc3)
+            nt = qm__add_tiles(R->tasks, nt, (uint32_t)j, qm__tiles(R->I), 1, QM__TASK_FC3);
     }
     qm__pool_run(f->pool, nt, qm__phased_tile, R);
     qm__pool_run(f->pool, b->n_jobs, qm__phased_act, R);
@@ -334,9 +342,7 @@ static void qm__run_phased(qm__cpu_ffn *f, qm__run *R)
     for (size_t j = 0; j < b->n_jobs; j++) {
         if (!b->jobs[j].n_rows)
             continue;
-        for (uint32_t t = 0; t < qm__tiles(R->H); t++)
-            R->tasks[nt++] = (qm__task){.job = (uint32_t)j, .first = t, .count = 1,
-                                        .kind = QM__TASK_FC2};
+        nt = qm__add_tiles(R->tasks, nt, (uint32_t)j, qm__tiles(R->H), 1, QM__TASK_FC2);
     }
     qm__pool_run(f->pool, nt, qm__phased_tile, R);
 }
@@ -425,17 +431,6 @@ static void qm__fused_task(void *arg, size_t t, unsigned worker)
     default:
         return;
     }
-}
-
-/* Appends the tasks of `tiles` tiles of kind `kind` of job j, `per` tiles a task. */
-static size_t qm__add_tiles(qm__task *tasks, size_t nt, uint32_t j, size_t tiles, uint32_t per,
-                            uint8_t kind)
-{
-    for (uint32_t t = 0; t < tiles; t += per) {
-        uint32_t n = tiles - t < per ? (uint32_t)(tiles - t) : per;
-        tasks[nt++] = (qm__task){.job = j, .first = t, .count = n, .kind = kind};
-    }
-    return nt;
 }
 
 static void qm__run_fused(qm__cpu_ffn *f, qm__run *R, size_t total_tiles)
