@@ -313,6 +313,17 @@ static size_t qm__tiles(uint32_t rows)
     return (rows + QM__TILE_ROWS - 1) / QM__TILE_ROWS;
 }
 
+/* Appends the tasks of `tiles` tiles of kind `kind` of job j, `per` tiles a task. */
+static size_t qm__add_tiles(qm__task *tasks, size_t nt, uint32_t j, size_t tiles, uint32_t per,
+                            uint8_t kind)
+{
+    for (uint32_t t = 0; t < tiles; t += per) {
+        uint32_t n = tiles - t < per ? (uint32_t)(tiles - t) : per;
+        tasks[nt++] = (qm__task){.job = j, .first = t, .count = n, .kind = kind};
+    }
+    return nt;
+}
+
 static void qm__run_phased(qm__cpu_ffn *f, qm__run *R)
 {
     const qm_expert_batch *b = R->b;
@@ -321,12 +332,9 @@ static void qm__run_phased(qm__cpu_ffn *f, qm__run *R)
     for (size_t j = 0; j < b->n_jobs; j++) {
         if (!b->jobs[j].n_rows)
             continue;
-        for (uint32_t t = 0; t < qm__tiles(R->N1); t++)
-            R->tasks[nt++] = (qm__task){.job = (uint32_t)j, .first = t, .count = 1,
-                                        .kind = QM__TASK_FC1};
-        for (uint32_t t = 0; R->has_fc3 && t < qm__tiles(R->I); t++)
-            R->tasks[nt++] = (qm__task){.job = (uint32_t)j, .first = t, .count = 1,
-                                        .kind = QM__TASK_FC3};
+        nt = qm__add_tiles(R->tasks, nt, (uint32_t)j, qm__tiles(R->N1), 1, QM__TASK_FC1);
+        if (R->has_fc3)
+            nt = qm__add_tiles(R->tasks, nt, (uint32_t)j, qm__tiles(R->I), 1, QM__TASK_FC3);
     }
     qm__pool_run(f->pool, nt, qm__phased_tile, R);
     qm__pool_run(f->pool, b->n_jobs, qm__phased_act, R);
@@ -334,9 +342,7 @@ static void qm__run_phased(qm__cpu_ffn *f, qm__run *R)
     for (size_t j = 0; j < b->n_jobs; j++) {
         if (!b->jobs[j].n_rows)
             continue;
-        for (uint32_t t = 0; t < qm__tiles(R->H); t++)
-            R->tasks[nt++] = (qm__task){.job = (uint32_t)j, .first = t, .count = 1,
-                                        .kind = QM__TASK_FC2};
+        nt = qm__add_tiles(R->tasks, nt, (uint32_t)j, qm__tiles(R->H), 1, QM__TASK_FC2);
     }
     qm__pool_run(f->pool, nt, qm__phased_tile, R);
 }
@@ -427,17 +433,6 @@ static void qm__fused_task(void *arg, size_t t, unsigned worker)
     }
 }
 
-/* Appends the tasks of `tiles` tiles of kind `kind` of job j, `per` tiles a task. */
-static size_t qm__add_tiles(qm__task *tasks, size_t nt, uint32_t j, size_t tiles, uint32_t per,
-                            uint8_t kind)
-{
-    for (uint32_t t = 0; t < tiles; t += per) {
-        uint32_t n = tiles - t < per ? (uint32_t)(tiles - t) : per;
-        tasks[nt++] = (qm__task){.job = j, .first = t, .count = n, .kind = kind};
-    }
-    return nt;
-}
-
 static void qm__run_fused(qm__cpu_ffn *f, qm__run *R, size_t total_tiles)
 {
     const qm_expert_batch *b = R->b;
@@ -496,6 +491,20 @@ static size_t qm__max3(size_t a, size_t b, size_t c)
     return m > c ? m : c;
 }
 
+/* Grows *items (*cap items of `elem` bytes) to hold n, contents kept;
+ * QM_ENOMEM leaves it as it was. */
+static int qm__grow_array(void **items, size_t *cap, size_t n, size_t elem)
+{
+    if (n <= *cap)
+        return 0;
+    void *t = qm_realloc(*items, n * elem);
+    if (!t)
+        return QM_ENOMEM;
+    *items = t;
+    *cap = n;
+    return 0;
+}
+
 /* Grows the shared scratch; contents are not kept. */
 static int qm__ffn_reserve(qm__cpu_ffn *f, size_t floats, size_t tasks, size_t jobs)
 {
@@ -514,20 +523,9 @@ static int qm__ffn_reserve(qm__cpu_ffn *f, size_t floats, size_t tasks, size_t j
                                ~(uintptr_t)(QM__CPU_ALIGN - 1));
         f->scratch_floats = floats;
     }
-    if (tasks > f->tasks_cap) {
-        void *t = qm_realloc(f->tasks, tasks * sizeof(qm__task));
-        if (!t)
-            return QM_ENOMEM;
-        f->tasks = t;
-        f->tasks_cap = tasks;
-    }
-    if (jobs > f->sync_cap) {
-        void *s = qm_realloc(f->sync, jobs * sizeof(qm__job_sync));
-        if (!s)
-            return QM_ENOMEM;
-        f->sync = s;
-        f->sync_cap = jobs;
-    }
+    if (qm__grow_array((void **)&f->tasks, &f->tasks_cap, tasks, sizeof(qm__task)) < 0 ||
+        qm__grow_array((void **)&f->sync, &f->sync_cap, jobs, sizeof(qm__job_sync)) < 0)
+        return QM_ENOMEM;
     return 0;
 }
 

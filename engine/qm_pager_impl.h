@@ -180,5 +180,8 @@ int qm__pager_evictable(const qm_pager *p, int32_t s);
 int32_t qm__pager_pick_victim(qm_pager *p, size_t n);
 /* Frees the arenas that growing added (teardown). */
 void qm__pager_grow_free(qm_pager *p);
+/* Resizes *buf to n elements of `elem` bytes; on failure keeps it and
+ * answers QM_ENOMEM (the buffers of prefetch and resize). */
+int qm__pager_regrow(void **buf, size_t n, size_t elem);
 
 #endif

@@ -133,17 +133,6 @@ int qm_pager_prefetch(qm_pager *p, uint32_t layer, const uint32_t *experts, size
     return qm__prefetch(p, layer, experts, NULL, n, st);
 }
 
-/* Resizes *buf to n elements of `elem` bytes; on failure keeps it and
- * answers QM_ENOMEM. */
-static int qm__regrow(void **buf, size_t n, size_t elem)
-{
-    void *b = qm_realloc(*buf, n * elem);
-    if (!b)
-        return QM_ENOMEM;
-    *buf = b;
-    return 0;
-}
-
 /* Appends the next layer's router top-k for the call's tokens to list. */
 static size_t qm__predict_router(qm_pager *p, const qm_moe_call *call, uint32_t next,
                                  uint32_t *list, size_t n_list, size_t cap)
@@ -156,10 +145,10 @@ static size_t qm__predict_router(qm_pager *p, const qm_moe_call *call, uint32_t 
         return n_list;
     size_t H = cfg->hidden, E = cfg->experts, K = cfg->k;
     if (p->pred_cap_tokens < T) {
-        if (qm__regrow((void **)&p->pred_x, (size_t)T * H, sizeof(float)) ||
-            qm__regrow((void **)&p->pred_logits, (size_t)T * E, sizeof(float)) ||
-            qm__regrow((void **)&p->pred_experts, (size_t)T * K, sizeof(uint32_t)) ||
-            qm__regrow((void **)&p->pred_weights, (size_t)T * K, sizeof(float)))
+        if (qm__pager_regrow((void **)&p->pred_x, (size_t)T * H, sizeof(float)) ||
+            qm__pager_regrow((void **)&p->pred_logits, (size_t)T * E, sizeof(float)) ||
+            qm__pager_regrow((void **)&p->pred_experts, (size_t)T * K, sizeof(uint32_t)) ||
+            qm__pager_regrow((void **)&p->pred_weights, (size_t)T * K, sizeof(float)))
             return n_list; /* prediction is optional: skip it */
         p->pred_cap_tokens = T;
     }

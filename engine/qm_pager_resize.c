@@ -118,15 +118,6 @@ static int qm__shrink(qm_pager *p, uint64_t budget, uint32_t keep, qm_status *st
     return 0;
 }
 
-static int qm__regrow(void **buf, size_t n, size_t elem)
-{
-    void *b = qm_realloc(*buf, n * elem);
-    if (!b)
-        return QM_ENOMEM;
-    *buf = b;
-    return 0;
-}
-
 static int qm__grow(qm_pager *p, uint32_t want, qm_status *st)
 {
     if (want <= p->slot_cap) {
@@ -141,11 +132,11 @@ static int qm__grow(qm_pager *p, uint32_t want, qm_status *st)
         return qm_status_set(st, QM_ERESOURCE_EXHAUSTED, "arena size overflows");
     /* Every array first (a failure leaves the pager as it was: the arrays
      * are only larger), then the arena. */
-    if (qm__regrow((void **)&p->grow_arenas, p->n_grow + 1, sizeof *p->grow_arenas) ||
-        qm__regrow((void **)&p->grow_first, p->n_grow + 1, sizeof *p->grow_first) ||
-        qm__regrow((void **)&p->cand_slots, want, sizeof *p->cand_slots) ||
-        qm__regrow((void **)&p->cand_refs, want, sizeof *p->cand_refs) ||
-        qm__regrow((void **)&p->wave_slots, want, sizeof *p->wave_slots))
+    if (qm__pager_regrow((void **)&p->grow_arenas, p->n_grow + 1, sizeof *p->grow_arenas) ||
+        qm__pager_regrow((void **)&p->grow_first, p->n_grow + 1, sizeof *p->grow_first) ||
+        qm__pager_regrow((void **)&p->cand_slots, want, sizeof *p->cand_slots) ||
+        qm__pager_regrow((void **)&p->cand_refs, want, sizeof *p->cand_refs) ||
+        qm__pager_regrow((void **)&p->wave_slots, want, sizeof *p->wave_slots))
         return qm_status_set(st, QM_ENOMEM, "out of memory growing to %u slots", want);
     int rc = qm__pager_slots_regrow(p, want, st);
     if (rc)

@@ -111,3 +111,12 @@ void qm__pager_grow_free(qm_pager *p)
     p->grow_first = NULL;
     p->n_grow = 0;
 }
+
+int qm__pager_regrow(void **buf, size_t n, size_t elem)
+{
+    void *b = qm_realloc(*buf, n * elem);
+    if (!b)
+        return QM_ENOMEM;
+    *buf = b;
+    return 0;
+}

@@ -13,40 +13,30 @@ Run with the torch environment's python:
 import argparse
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.abspath(os.path.join(HERE, "..", ".."))
-sys.path.insert(0, os.path.join(ROOT, "tests", "clients"))
-sys.path.insert(0, os.path.join(ROOT, "tests", "daemon"))
-sys.path.insert(0, os.path.join(ROOT, "clients", "python"))
+import hook_bench
+
+sys.path.insert(0, os.path.join(hook_bench.ROOT, "tests", "clients"))
 
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--build", default=os.path.join(ROOT, "build"))
-    ap.add_argument("--fixture", default="mixtral")
-    ap.add_argument("--tokens", type=int, default=48)
-    ap.add_argument("--rounds", type=int, default=5)
+    hook_bench.add_common_args(ap, fixture="mixtral", tokens=48)
     ap.add_argument("--policy", default="whole_bank")
     ap.add_argument("--budget")
-    a = ap.parse_args()
-    os.environ["QMOE_BUILD_DIR"] = a.build
+    a = hook_bench.parse(ap)
     import torch
     import transformers
     import qmoe_client
     from qmoe_client import transformers as qhook
     from hf_generate_check import write_dequantised_experts
-    from qmoed_harness import Daemon, qmoe_bank_path
+    from qmoed_harness import Daemon
 
-    fixture = os.path.join(ROOT, "tests", "import", "fixtures", a.fixture)
     d = tempfile.mkdtemp(prefix="bench-generate-")
-    bank = os.path.join(d, a.fixture + ".bank")
-    subprocess.run([qmoe_bank_path(), "import", "hf", fixture, "--out", bank, "--bits", "8",
-                    "--quiet"], check=True)
+    fixture, bank = hook_bench.fixture_bank(a.fixture, d)
     dm = Daemon(models={a.fixture: bank}, workdir=d, args=["--log-level", "warning"])
     try:
         client = qmoe_client.Client(dm.socket)

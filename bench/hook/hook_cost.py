@@ -40,10 +40,8 @@ import sys
 import tempfile
 import time
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.abspath(os.path.join(HERE, "..", ".."))
-sys.path.insert(0, os.path.join(ROOT, "tests", "daemon"))
-sys.path.insert(0, os.path.join(ROOT, "clients", "python"))
+import hook_bench
+from hook_bench import ROOT
 
 
 def baseline_package(rev, d):
@@ -99,21 +97,17 @@ class Timed:
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--build", default=os.path.join(ROOT, "build"))
-    ap.add_argument("--fixture", default="qwen3_moe")
-    ap.add_argument("--tokens", type=int, default=64)
-    ap.add_argument("--rounds", type=int, default=5)
+    hook_bench.add_common_args(ap, fixture="qwen3_moe", tokens=64)
     ap.add_argument("--baseline", metavar="REV", help="also run this revision's client package")
     ap.add_argument("--engine-threads", type=int, default=1)
     ap.add_argument("--loop", action="store_true", help="back-to-back layer calls, no model")
     ap.add_argument("--calls", type=int, default=2000, help="layer calls per round (--loop)")
-    a = ap.parse_args()
-    os.environ["QMOE_BUILD_DIR"] = a.build
+    a = hook_bench.parse(ap)
     import torch
     import transformers
     import qmoe_client
     from qmoe_client import transformers as qhook
-    from qmoed_harness import Daemon, qmoe_bank_path
+    from qmoed_harness import Daemon
 
     torch.set_num_threads(a.engine_threads)
     d = tempfile.mkdtemp(prefix="bench-hook-cost-")
@@ -123,10 +117,7 @@ def main():
         base = baseline_package(a.baseline, d)
         roads["baseline %s" % a.baseline] = (base, importlib.import_module(
             "qmoe_client_base.transformers"))
-    fixture = os.path.join(ROOT, "tests", "import", "fixtures", a.fixture)
-    bank = os.path.join(d, a.fixture + ".bank")
-    subprocess.run([qmoe_bank_path(), "import", "hf", fixture, "--out", bank, "--bits", "8",
-                    "--quiet"], check=True)
+    fixture, bank = hook_bench.fixture_bank(a.fixture, d)
     dm = Daemon(models={a.fixture: bank}, workdir=d,
                 args=["--log-level", "warning", "--set", "trace_capacity=1000000"])
     results = {name: [] for name in roads}
