@@ -6,6 +6,10 @@
 #include "qmoe_bank_tool.h"
 
 #define FLOAT_FORMATS "bf16, f16, f32"
+/* The experts' tensor names of the families built on transformers'
+ * Qwen2-MoE-style MLP (mlp.experts.N.{gate,up,down}_proj, router mlp.gate). */
+#define QM__MLP_PROJ_NAMES                                                                        \
+    .moe = "mlp", .gate = "gate_proj", .up = "up_proj", .down = "down_proj", .router = "gate"
 
 const qm__family qm__families[] = {
     {.name = "mixtral",
@@ -24,11 +28,7 @@ const qm__family qm__families[] = {
      .formats = FLOAT_FORMATS},
     {.name = "qwen2_moe",
      .architecture = "Qwen2MoeForCausalLM",
-     .moe = "mlp",
-     .gate = "gate_proj",
-     .up = "up_proj",
-     .down = "down_proj",
-     .router = "gate",
+     QM__MLP_PROJ_NAMES,
      .inter_key = "moe_intermediate_size",
      .flags = QM__FAM_SPARSE_STEP,
      .score = "softmax",
@@ -40,11 +40,7 @@ const qm__family qm__families[] = {
      .formats = FLOAT_FORMATS},
     {.name = "qwen3_moe",
      .architecture = "Qwen3MoeForCausalLM",
-     .moe = "mlp",
-     .gate = "gate_proj",
-     .up = "up_proj",
-     .down = "down_proj",
-     .router = "gate",
+     QM__MLP_PROJ_NAMES,
      .inter_key = "moe_intermediate_size",
      .flags = QM__FAM_SPARSE_STEP,
      .score = "softmax",
@@ -56,11 +52,7 @@ const qm__family qm__families[] = {
      .formats = FLOAT_FORMATS},
     {.name = "olmoe",
      .architecture = "OlmoeForCausalLM",
-     .moe = "mlp",
-     .gate = "gate_proj",
-     .up = "up_proj",
-     .down = "down_proj",
-     .router = "gate",
+     QM__MLP_PROJ_NAMES,
      .inter_key = "intermediate_size",
      .score = "softmax",
      .normalize_key = "norm_topk_prob",
@@ -72,11 +64,7 @@ const qm__family qm__families[] = {
     /* transformers' DeepseekV2 router never renormalises the k weights */
     {.name = "deepseek_v2",
      .architecture = "DeepseekV2ForCausalLM",
-     .moe = "mlp",
-     .gate = "gate_proj",
-     .up = "up_proj",
-     .down = "down_proj",
-     .router = "gate",
+     QM__MLP_PROJ_NAMES,
      .inter_key = "moe_intermediate_size",
      .flags = QM__FAM_DENSE_PREFIX | QM__FAM_FP8,
      .score = "softmax",
@@ -90,11 +78,7 @@ const qm__family qm__families[] = {
      .formats = FLOAT_FORMATS ", FP8 e4m3 with block scales"},
     {.name = "deepseek_v3",
      .architecture = "DeepseekV3ForCausalLM",
-     .moe = "mlp",
-     .gate = "gate_proj",
-     .up = "up_proj",
-     .down = "down_proj",
-     .router = "gate",
+     QM__MLP_PROJ_NAMES,
      .inter_key = "moe_intermediate_size",
      .flags = QM__FAM_DENSE_PREFIX | QM__FAM_FP8 | QM__FAM_CORRECTION_BIAS,
      .score = "sigmoid",
