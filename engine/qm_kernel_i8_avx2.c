@@ -40,40 +40,15 @@ static inline __m256i qm__avx2_dot8(const uint8_t *w, const int8_t *x, const int
 #define QM__V_DOT8(w, x, x16) qm__avx2_dot8(w, x, x16)
 #include "qm_kernel_i8_x86.h"
 
-static inline __m256i qm__avx2_bcast4(const uint8_t *p)
-{
-    int32_t v;
-    memcpy(&v, p, 4);
-    return _mm256_set1_epi32(v);
-}
-
-#define QM__G_VL 8
-#define QM__G_VI __m256i
-#define QM__G_VF __m256
-#define QM__G_VLOADI(p) _mm256_loadu_si256((const __m256i *)(p))
-#define QM__G_SUBZ(s, z) _mm256_sub_epi32(s, _mm256_set1_epi32(z))
-#define QM__G_SUBZP(s, zp, q)                                                                      \
-    _mm256_sub_epi32(s, _mm256_mullo_epi32(_mm256_loadu_si256((const __m256i *)(zp)),               \
-                                           _mm256_set1_epi32(q)))
-#define QM__G_CVT(s) _mm256_cvtepi32_ps(s)
-#define QM__G_LOADF(p) _mm256_loadu_ps(p)
-#define QM__G_STOREF(p, v) _mm256_storeu_ps(p, v)
-#define QM__G_SETF(f) _mm256_set1_ps(f)
-#define QM__G_ZEROF() _mm256_setzero_ps()
-#define QM__G_FMA(a, b, c) _mm256_fmadd_ps(a, b, c)
-#define QM__G_VA __m256i
-#define QM__G_VW __m256i
-#define QM__G_ACC0() _mm256_setzero_si256()
-#define QM__G_LOADW(p) _mm256_loadu_si256((const __m256i *)(p))
+#include "qm_kernel_i8_g256.h"
 #define QM__G_NR 4
-#define QM__G_PARAMS(m, n0, nr, sct, zpt) qm__x_params(m, n0, nr, sct, zpt)
 
 /* 4-bit: u8 panel, s16 sums per sub-block. */
 #define QM__G_FN qm__i8avx2_gemm_q4
 #define QM__G_MICRO qm__i8avx2_micro_q4
 #define QM__G_G 8
 #define QM__G_S16 0
-#define QM__G_STEP(a, w, x4) _mm256_add_epi16(a, _mm256_maddubs_epi16(w, qm__avx2_bcast4(x4)))
+#define QM__G_STEP(a, w, x4) _mm256_add_epi16(a, _mm256_maddubs_epi16(w, qm__g256_bcast4(x4)))
 #define QM__G_FIN(a) _mm256_madd_epi16(a, _mm256_set1_epi16(1))
 #define QM__G_PACK(m, n0, nr, j0, j1, pan) qm__x_pack_u8(m, n0, nr, j0, j1, pan)
 static void qm__i8avx2_gemm_q4(const qm__qmat *m, uint32_t n0, uint32_t n1, const float *xq,
@@ -92,7 +67,7 @@ static void qm__i8avx2_gemm_q4(const qm__qmat *m, uint32_t n0, uint32_t n1, cons
 #define QM__G_MICRO qm__i8avx2_micro_q8
 #define QM__G_G 16
 #define QM__G_S16 1
-#define QM__G_STEP(a, w, x4) _mm256_add_epi32(a, _mm256_madd_epi16(w, qm__avx2_bcast4(x4)))
+#define QM__G_STEP(a, w, x4) _mm256_add_epi32(a, _mm256_madd_epi16(w, qm__g256_bcast4(x4)))
 #define QM__G_FIN(a) (a)
 #define QM__G_PACK(m, n0, nr, j0, j1, pan) qm__x_pack_s16(m, n0, nr, j0, j1, pan)
 static void qm__i8avx2_gemm_q8(const qm__qmat *m, uint32_t n0, uint32_t n1, const float *xq,

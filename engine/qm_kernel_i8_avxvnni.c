@@ -19,38 +19,13 @@ static inline __m256i qm__avxvnni_dot4(__m256i lo, __m256i hi, __m256i xl, __m25
                             _mm256_loadu_si256((const __m256i *)(x)))
 #include "qm_kernel_i8_x86.h"
 
-static inline __m256i qm__avxvnni_bcast4(const uint8_t *p)
-{
-    int32_t v;
-    memcpy(&v, p, 4);
-    return _mm256_set1_epi32(v);
-}
-
-#define QM__G_VL 8
-#define QM__G_VI __m256i
-#define QM__G_VF __m256
-#define QM__G_VLOADI(p) _mm256_loadu_si256((const __m256i *)(p))
-#define QM__G_SUBZ(s, z) _mm256_sub_epi32(s, _mm256_set1_epi32(z))
-#define QM__G_SUBZP(s, zp, q)                                                                      \
-    _mm256_sub_epi32(s, _mm256_mullo_epi32(_mm256_loadu_si256((const __m256i *)(zp)),               \
-                                           _mm256_set1_epi32(q)))
-#define QM__G_CVT(s) _mm256_cvtepi32_ps(s)
-#define QM__G_LOADF(p) _mm256_loadu_ps(p)
-#define QM__G_STOREF(p, v) _mm256_storeu_ps(p, v)
-#define QM__G_SETF(f) _mm256_set1_ps(f)
-#define QM__G_ZEROF() _mm256_setzero_ps()
-#define QM__G_FMA(a, b, c) _mm256_fmadd_ps(a, b, c)
-#define QM__G_VA __m256i
-#define QM__G_VW __m256i
-#define QM__G_ACC0() _mm256_setzero_si256()
-#define QM__G_LOADW(p) _mm256_loadu_si256((const __m256i *)(p))
+#include "qm_kernel_i8_g256.h"
 #define QM__G_NR QM__I8_AVXVNNI_NR
-#define QM__G_PARAMS(m, n0, nr, sct, zpt) qm__x_params(m, n0, nr, sct, zpt)
 #define QM__G_FN qm__avxvnni_gemm
 #define QM__G_MICRO qm__avxvnni_micro
 #define QM__G_G 8
 #define QM__G_S16 0
-#define QM__G_STEP(a, w, x4) _mm256_dpbusd_avx_epi32(a, w, qm__avxvnni_bcast4(x4))
+#define QM__G_STEP(a, w, x4) _mm256_dpbusd_avx_epi32(a, w, qm__g256_bcast4(x4))
 #define QM__G_FIN(a) (a)
 #define QM__G_PACK(m, n0, nr, j0, j1, pan) qm__x_pack_u8(m, n0, nr, j0, j1, pan)
 static void qm__avxvnni_gemm(const qm__qmat *m, uint32_t n0, uint32_t n1, const float *xq,
