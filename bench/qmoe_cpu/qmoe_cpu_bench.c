@@ -197,6 +197,29 @@ static void *fma_thread(void *v)
     return NULL;
 }
 
+/* Five runs of `thread` on `threads` threads, sorted: each the sum over the
+ * threads of ops_per_iter * iterations / the thread's own CPU time, in G/s. */
+static void peak_runs(void *(*thread)(void *), int wide, unsigned threads, double ops_per_iter,
+                      double g[5])
+{
+    for (int rep = 0; rep < 5; rep++) {
+        pthread_t th[64];
+        fma_arg args[64];
+        unsigned n = threads > 64 ? 64 : threads;
+        for (unsigned t = 0; t < n; t++) {
+            args[t] = (fma_arg){.iters = 20000000, .wide = wide};
+            pthread_create(&th[t], NULL, thread, &args[t]);
+        }
+        double sum = 0;
+        for (unsigned t = 0; t < n; t++) {
+            pthread_join(th[t], NULL);
+            sum += ops_per_iter * (double)args[t].iters / args[t].secs / 1e9;
+        }
+        g[rep] = sum;
+    }
+    qsort(g, 5, sizeof(double), cmp_double);
+}
+
 /* Median over 5 runs of the summed per-thread GFLOP/s (2 flops per lane per
  * FMA), each thread timed by its own CPU time. */
 static void measure_fma(unsigned threads)
@@ -208,22 +231,7 @@ static void measure_fma(unsigned threads)
         if (!__builtin_cpu_supports("fma"))
             continue;
         double g[5];
-        for (int rep = 0; rep < 5; rep++) {
-            pthread_t th[64];
-            fma_arg args[64];
-            unsigned n = threads > 64 ? 64 : threads;
-            for (unsigned t = 0; t < n; t++) {
-                args[t] = (fma_arg){.iters = 20000000, .wide = wide};
-                pthread_create(&th[t], NULL, fma_thread, &args[t]);
-            }
-            double sum = 0;
-            for (unsigned t = 0; t < n; t++) {
-                pthread_join(th[t], NULL);
-                sum += 2.0 * (wide ? 16 : 8) * 12 * (double)args[t].iters / args[t].secs / 1e9;
-            }
-            g[rep] = sum;
-        }
-        qsort(g, 5, sizeof(double), cmp_double);
+        peak_runs(fma_thread, wide, threads, 2.0 * (wide ? 16 : 8) * 12, g);
         printf("{\"what\":\"fma_peak\",\"isa\":\"%s\",\"threads\":%u,\"median_gflops\":%.1f,"
                "\"min_gflops\":%.1f,\"max_gflops\":%.1f}\n",
                wide ? "avx512" : "avx2", threads, g[2], g[0], g[4]);
@@ -284,22 +292,7 @@ static void measure_i8(unsigned threads)
         if (wide ? !__builtin_cpu_supports("avx512vnni") : !__builtin_cpu_supports("avx2"))
             continue;
         double g[5];
-        for (int rep = 0; rep < 5; rep++) {
-            pthread_t th[64];
-            fma_arg args[64];
-            unsigned n = threads > 64 ? 64 : threads;
-            for (unsigned t = 0; t < n; t++) {
-                args[t] = (fma_arg){.iters = 20000000, .wide = wide};
-                pthread_create(&th[t], NULL, i8_thread, &args[t]);
-            }
-            double sum = 0;
-            for (unsigned t = 0; t < n; t++) {
-                pthread_join(th[t], NULL);
-                sum += 2.0 * (wide ? 64 : 32) * 12 * (double)args[t].iters / args[t].secs / 1e9;
-            }
-            g[rep] = sum;
-        }
-        qsort(g, 5, sizeof(double), cmp_double);
+        peak_runs(i8_thread, wide, threads, 2.0 * (wide ? 64 : 32) * 12, g);
         printf("{\"what\":\"i8_peak\",\"isa\":\"%s\",\"threads\":%u,\"median_gops\":%.1f,"
                "\"min_gops\":%.1f,\"max_gops\":%.1f}\n",
                wide ? "avx512vnni" : "avx2", threads, g[2], g[0], g[4]);
