@@ -140,7 +140,7 @@ static void measure_stream(size_t mib, unsigned threads, int reps)
 #include <immintrin.h>
 typedef struct fma_arg {
     long iters;
-    int wide;
+    float (*loop)(long iters); /* the peak loop this thread runs */
     double secs;
     float sink;
 } fma_arg;
@@ -188,27 +188,26 @@ static double thread_cpu_s(void)
     return (double)t.tv_sec + (double)t.tv_nsec * 1e-9;
 }
 
-static void *fma_thread(void *v)
+static void *peak_thread(void *v)
 {
     fma_arg *a = v;
     double t0 = thread_cpu_s();
-    a->sink = a->wide ? fma_loop512(a->iters) : fma_loop256(a->iters);
+    a->sink = a->loop(a->iters);
     a->secs = thread_cpu_s() - t0;
     return NULL;
 }
 
-/* Five runs of `thread` on `threads` threads, sorted: each the sum over the
+/* Five runs of `loop` on `threads` threads, sorted: each the sum over the
  * threads of ops_per_iter * iterations / the thread's own CPU time, in G/s. */
-static void peak_runs(void *(*thread)(void *), int wide, unsigned threads, double ops_per_iter,
-                      double g[5])
+static void peak_runs(float (*loop)(long), unsigned threads, double ops_per_iter, double g[5])
 {
     for (int rep = 0; rep < 5; rep++) {
         pthread_t th[64];
         fma_arg args[64];
         unsigned n = threads > 64 ? 64 : threads;
         for (unsigned t = 0; t < n; t++) {
-            args[t] = (fma_arg){.iters = 20000000, .wide = wide};
-            pthread_create(&th[t], NULL, thread, &args[t]);
+            args[t] = (fma_arg){.iters = 20000000, .loop = loop};
+            pthread_create(&th[t], NULL, peak_thread, &args[t]);
         }
         double sum = 0;
         for (unsigned t = 0; t < n; t++) {
@@ -231,7 +230,7 @@ static void measure_fma(unsigned threads)
         if (!__builtin_cpu_supports("fma"))
             continue;
         double g[5];
-        peak_runs(fma_thread, wide, threads, 2.0 * (wide ? 16 : 8) * 12, g);
+        peak_runs(wide ? fma_loop512 : fma_loop256, threads, 2.0 * (wide ? 16 : 8) * 12, g);
         printf("{\"what\":\"fma_peak\",\"isa\":\"%s\",\"threads\":%u,\"median_gflops\":%.1f,"
                "\"min_gflops\":%.1f,\"max_gflops\":%.1f}\n",
                wide ? "avx512" : "avx2", threads, g[2], g[0], g[4]);
@@ -274,15 +273,6 @@ __attribute__((target("avx512f,avx512vnni"))) static float i8_loop512(long iters
     return (float)_mm512_reduce_add_epi32(I8_SUM(_mm512_add_epi32));
 }
 
-static void *i8_thread(void *v)
-{
-    fma_arg *a = v;
-    double t0 = thread_cpu_s();
-    a->sink = a->wide ? i8_loop512(a->iters) : i8_loop256(a->iters);
-    a->secs = thread_cpu_s() - t0;
-    return NULL;
-}
-
 /* Median over 5 runs of the summed per-thread GOP/s. AMX (tdpbssd) is not
  * measured: it needs the tile permission, and the kernels say where it ran. */
 static void measure_i8(unsigned threads)
@@ -292,7 +282,7 @@ static void measure_i8(unsigned threads)
         if (wide ? !__builtin_cpu_supports("avx512vnni") : !__builtin_cpu_supports("avx2"))
             continue;
         double g[5];
-        peak_runs(i8_thread, wide, threads, 2.0 * (wide ? 64 : 32) * 12, g);
+        peak_runs(wide ? i8_loop512 : i8_loop256, threads, 2.0 * (wide ? 64 : 32) * 12, g);
         printf("{\"what\":\"i8_peak\",\"isa\":\"%s\",\"threads\":%u,\"median_gops\":%.1f,"
                "\"min_gops\":%.1f,\"max_gops\":%.1f}\n",
                wide ? "avx512vnni" : "avx2", threads, g[2], g[0], g[4]);
