@@ -326,6 +326,60 @@ def test_python_client_zero_copy(daemon):
         cl.close_session(sid)
 
 
+def test_python_client_infer_counts_equal_the_parsed_answer(daemon):
+    """Client.infer_counts (a layer hook's call: params as JSON text, the
+    answer's counters read by pattern) gives the counters the JSON parse
+    gives, falls back to the parse for another layout, and raises errors."""
+    sys.path.insert(0, PYCLIENT)
+    import qmoe_client
+
+    with qmoe_client.Client(daemon.socket) as cl:
+        sid = cl.create_session("small", policy="lru", budget_bytes=3968)["session"]
+        shm = cl.map(sid, 1 << 16)
+        x = shm.alloc((2, H), "f32")
+        y = shm.alloc((2, H), "f32")
+        x.array[:] = hidden(2, seed=9)
+        names = ("hits", "misses", "bytes_paged", "queue_us", "compute_us")
+        text = ('{"session":"%s","layer":%%d,"hidden":{"dtype":"f32","shape":[2,%d],"map":%d,'
+                '"offset":%d},"output_to":{"map":%d,"offset":%d}%%s}'
+                % (sid, H, shm.id, x.offset, shm.id, y.offset))
+        want = cl.infer(sid, 0, x, output_to=y)
+        ref = y.array.copy()
+        real = qmoe_client._client._INFER_COUNTS
+
+        class Spy:  # counts the answers the pattern reads whole
+            matched = 0
+
+            def fullmatch(self, raw):
+                m = real.fullmatch(raw)
+                Spy.matched += m is not None
+                return m
+        qmoe_client._client._INFER_COUNTS = Spy()
+        try:
+            got = cl.infer_counts((text % (0, "")).encode())
+        finally:
+            qmoe_client._client._INFER_COUNTS = real
+        assert Spy.matched == 1, "qmoed's answer no longer has the layout the pattern reads"
+        assert y.array.tobytes() == ref.tobytes()
+        assert len(got) == 5 and all(isinstance(v, int) for v in got)
+        # a budget of one expert: misses paged in, as the parse says
+        assert got[1] == want.stats["misses"] > 0 and got[0] == want.stats["hits"]
+        assert got[2] == want.stats["bytes_paged"] > 0
+        # with routing in the answer the pattern does not match: parsed instead
+        routed = cl.infer_counts((text % (0, ',"return_routing":true')).encode())
+        assert routed[:3] == got[:3]
+        try:  # a pattern that never matches: every answer parsed as JSON
+            qmoe_client._client._INFER_COUNTS = __import__("re").compile(rb"(\d+)never")
+            assert cl.infer_counts((text % (0, "")).encode())[:3] == got[:3]
+        finally:
+            qmoe_client._client._INFER_COUNTS = real
+        with pytest.raises(qmoe_client.QmoeError) as ei:
+            cl.infer_counts((text % (99, "")).encode())
+        assert ei.value.name == "invalid_params" and ei.value.field == "layer"
+        assert dict(zip(names, cl.infer_counts((text % (1, "")).encode())))["misses"] > 0
+        cl.close_session(sid)
+
+
 KILLED_CLIENT = textwrap.dedent("""
     import json, os, signal, socket, sys
     sys.path.insert(0, sys.argv[2])

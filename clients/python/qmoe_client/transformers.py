@@ -319,17 +319,17 @@ class Hook:
         iv.copy_(ids)
         wv.copy_(w)
         t1 = time.perf_counter()
-        st = self.client.call_json("session.infer", params % bank_layer).get("stats", {})
+        hits, misses, paged, queue_us, compute_us = self.client.infer_counts(params % bank_layer)
         t2 = time.perf_counter()
         out = ov.clone() if x.device.type == "cpu" else ov.to(x.device)
         s = self._stats
         s["calls"] += 1
         s["tokens"] += T
-        s["hits"] += st.get("hits", 0)
-        s["misses"] += st.get("misses", 0)
-        s["bytes_paged"] += st.get("bytes_paged", 0)
-        s["compute_us"] += st.get("compute_us", 0)
-        s["queue_us"] += st.get("queue_us", 0)
+        s["hits"] += hits
+        s["misses"] += misses
+        s["bytes_paged"] += paged
+        s["compute_us"] += compute_us
+        s["queue_us"] += queue_us
         if self.trace is not None:
             self.trace.append((bank_layer, ids.reshape(T, -1).to(torch.int32).cpu().numpy()
                                .copy()))
