@@ -178,9 +178,9 @@ static void watchdog_cb(uv_timer_t *t)
 
 /* The server's frames and the pool's finished jobs go to dispatch, with
  * what the methods reach. */
-static void server_frame(void *arg, qm_conn *c, qm_rpc_frame *frame, uint64_t decode_us)
+static void server_frame(void *arg, qm_conn *c, qm_rpc_frame *frame, qm_frame_times times)
 {
-    qm_dispatch_frame(&((qm_daemon *)arg)->methods, c, frame, decode_us);
+    qm_dispatch_frame(&((qm_daemon *)arg)->methods, c, frame, times);
 }
 
 static void server_conn_closed(void *arg, uint64_t conn_id)

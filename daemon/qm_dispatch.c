@@ -143,7 +143,7 @@ static void answer_refusal(const qm_method_ctx *mx, qm_reply *r, size_t slot,
  * FIFO; the job owns the request from here on. */
 static void queue_request(const qm_method_ctx *mx, const qm_method_entry *e, qm_conn *c,
                           qm_reply *r, size_t slot, qm_request *req, qm_session *s,
-                          qm_fds fds, uint64_t decode_us)
+                          qm_fds fds, qm_frame_times times)
 {
     qm_job *job = qm_calloc(1, sizeof *job);
     if (!job) {
@@ -158,7 +158,8 @@ static void queue_request(const qm_method_ctx *mx, const qm_method_entry *e, qm_
     job->reply = r;
     job->slot = slot;
     job->peer_uid = qm_conn_peer(c)->uid;
-    job->decode_us = decode_us;
+    job->read_us = times.read_us;
+    job->decode_us = times.decode_us;
     job->req = *req; /* moved: the frame no longer owns it */
     memset(req, 0, sizeof *req);
     job->fds = fds;
@@ -190,7 +191,7 @@ static void queue_request(const qm_method_ctx *mx, const qm_method_entry *e, qm_
 }
 
 static void handle_request(const qm_method_ctx *mx, qm_conn *c, qm_reply *r, size_t slot,
-                           qm_request *req, uint64_t decode_us)
+                           qm_request *req, qm_frame_times times)
 {
     mx->counters->requests++;
     const qm_method_entry *e = qm_method_entry_get(req->method);
@@ -219,11 +220,11 @@ static void handle_request(const qm_method_ctx *mx, qm_conn *c, qm_reply *r, siz
         qm_fds_close(&fds);
         return;
     }
-    queue_request(mx, e, c, r, slot, req, s, fds, decode_us);
+    queue_request(mx, e, c, r, slot, req, s, fds, times);
 }
 
 void qm_dispatch_frame(const qm_method_ctx *mx, qm_conn *c, qm_rpc_frame *frame,
-                       uint64_t decode_us)
+                       qm_frame_times times)
 {
     qm_reply *r = qm_reply_new(c, frame->n, frame->is_batch, mx->counters);
     if (!r) {
@@ -242,7 +243,7 @@ void qm_dispatch_frame(const qm_method_ctx *mx, qm_conn *c, qm_rpc_frame *frame,
                            it->status.field);
             continue;
         }
-        handle_request(mx, c, r, i, &it->req, decode_us);
+        handle_request(mx, c, r, i, &it->req, times);
     }
     qm_reply_release(r);
 }

@@ -54,7 +54,7 @@ qm_route qm_dispatch_route(const qm_method_entry *e, const qm_peer *peer, int dr
 /* A decoded frame of connection c (the server's frame callback): answers
  * or queues every item of it, with what the methods reach (mx). */
 void qm_dispatch_frame(const qm_method_ctx *mx, qm_conn *c, qm_rpc_frame *frame,
-                       uint64_t decode_us);
+                       qm_frame_times times);
 /* A job a worker handed back (the pool's done hook): finished by its
  * operations, its session reference dropped, freed. */
 void qm_dispatch_job_done(const qm_method_ctx *mx, qm_job *job);

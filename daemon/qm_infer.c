@@ -212,13 +212,16 @@ free_buffers:
     qm_free(rw);
 }
 
-/* The counters, the model's hotness profile and a trace span. */
-static void account_infer(qm_job *job)
+/* The counters, the model's hotness profile and a trace span; answered_us:
+ * when the answer was handed to the connection. */
+static void account_infer(qm_job *job, uint64_t answered_us)
 {
     const qm_method_ctx *mx = job->mx;
     qm_session *s = job->session;
     qm_counters *sc = qm_session_counters(s), *dc = mx->counters;
-    uint64_t latency = qm_now_us() - job->enqueue_us;
+    /* From its line read whole (its decoding, admission and queueing
+     * included) to the answer handed over: the daemon's whole part. */
+    uint64_t latency = answered_us - job->read_us;
     sc->requests++;
     if (job->rc < 0) {
         sc->errors++;
@@ -251,16 +254,19 @@ static void account_infer(qm_job *job)
         n += qm_fmt_u64(args + n, vals[i], 0);
     }
     memcpy(args + n, "}", 2);
-    qm_trace_add(mx->trace, "session.infer", job->enqueue_us, latency, qm_session_id(s), args,
+    qm_trace_add(mx->trace, "session.infer", job->read_us, latency, qm_session_id(s), args,
                  NULL);
 }
 
 static void infer_finish(qm_job *job)
 {
-    /* A skipped inference was neither served nor failed: not counted. */
-    if (!job->cancelled)
-        account_infer(job);
+    /* The answer leaves first: the bookkeeping after it is not the
+     * engine's wait (the loop thread reads nothing in between, so a
+     * telemetry request sent after the answer still sees it counted). A
+     * skipped inference was neither served nor failed: not counted. */
     qm__job_answer(job);
+    if (!job->cancelled)
+        account_infer(job, qm_now_us());
 }
 
 /* Inferences are what queue_depth bounds: they hold the compute. */

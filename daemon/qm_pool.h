@@ -64,6 +64,7 @@ struct qm_job {
     qm_request req;   /* owned */
     qm_fds fds;       /* session.map's descriptor, owned (closed by qm_job_free) */
     qm_map_refs maps; /* the session's maps its tensors use (released by qm_job_free) */
+    uint64_t read_us; /* its line read whole (qm_frame_times) */
     uint64_t enqueue_us, start_us, end_us;
     uint64_t decode_us; /* the frame's decoding on the loop thread (whole batch) */
     /* results (worker) */

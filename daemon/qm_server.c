@@ -439,7 +439,7 @@ static size_t conn_process(qm_conn *c, size_t cap)
         qm_rpc_frame frame;
         uint64_t t0 = qm_now_us();
         int drc = qm_rpc_decode(line, len, &sv->lim, &frame);
-        uint64_t decode_us = qm_now_us() - t0;
+        qm_frame_times times = {t0, qm_now_us() - t0};
         if (drc < 0) {
             conn_fatal(c, QM_RPC_INTERNAL_ERROR, "out of memory decoding a request");
             return done;
@@ -452,7 +452,7 @@ static size_t conn_process(qm_conn *c, size_t cap)
             qm_limit_hit(sv->host.limits, QM_LIMIT_MAX_BATCH,
                          "connection %llu sent a batch over max_batch %zu",
                          (unsigned long long)c->id, sv->lim.max_batch);
-        sv->host.frame(sv->host.arg, c, &frame, decode_us);
+        sv->host.frame(sv->host.arg, c, &frame, times);
         qm_rpc_frame_free(&frame);
         done++;
     }

@@ -39,6 +39,12 @@ typedef struct qm_fds {
 #define QM_FDS_NONE ((qm_fds){-1, 0})
 void qm_fds_close(qm_fds *f); /* closes and empties; accepts an empty one */
 
+/* When a frame's line was read (qm_now_us, the line whole in the buffer)
+ * and how long decoding it took (the whole batch). */
+typedef struct qm_frame_times {
+    uint64_t read_us, decode_us;
+} qm_frame_times;
+
 /* What the server is given: all borrowed for its life, on its loop's
  * thread. It answers some frames itself (oversized lines, max_connections)
  * and counts those in `counters`; the rest go to `frame`. */
@@ -48,7 +54,7 @@ typedef struct qm_server_host {
     qm_counters *counters; /* the daemon's */
     qm_limits *limits;
     /* A decoded frame of connection c; the server frees the frame after. */
-    void (*frame)(void *arg, qm_conn *c, qm_rpc_frame *frame, uint64_t decode_us);
+    void (*frame)(void *arg, qm_conn *c, qm_rpc_frame *frame, qm_frame_times times);
     /* Called where the daemon may end a drain: the loop's check handle,
      * a connection closed, output written. */
     void (*safe_point)(void *arg);

@@ -12,8 +12,8 @@ from qmoed_suite import hidden, new_session
 def test_telemetry_counts_and_metrics(daemon):
     c = daemon.client()
     sid = new_session(c)
-    for _ in range(3):
-        c.call("session.infer", {"session": sid, "layer": 0, "hidden": tensor(hidden(2))})
+    answers = [c.call("session.infer", {"session": sid, "layer": 0, "hidden": tensor(hidden(2))})
+               for _ in range(3)]
     t = c.call("telemetry.get", {"session": sid})
     assert t["session"] == sid and t["model"] == "small"
     assert t["requests"] == 3 and t["tokens"] == 6 and t["errors"] == 0
@@ -30,6 +30,11 @@ def test_telemetry_counts_and_metrics(daemon):
     names = [s["name"] for s in spans]
     assert names[0] == "session.residency_plan" and names.count("session.infer") == 3
     assert set(spans[0]["args"]) == {"policy", "resident", "degraded", "total"}
+    # an inference's span covers the daemon's whole part: its request's
+    # decoding, its time queued and its work (each stat rounds down 1 us)
+    for span, a in zip([s for s in spans if s["name"] == "session.infer"], answers):
+        st = a["stats"]
+        assert span["dur_us"] + 3 >= st["decode_us"] + st["queue_us"] + st["wall_us"], (span, st)
     assert len(c.call("telemetry.trace", {"limit": 2})["spans"]) == 2
 
 
