@@ -319,6 +319,15 @@ def test_python_client_zero_copy(daemon):
         assert got.output.tobytes() == want.tobytes()
         # the result is a view on the map: no copy
         assert np.shares_memory(got.output, y.array)
+        # the engine's routing from the map too: the same bits as given inline
+        ids = shm.alloc((4, 2), "i32")
+        w = shm.alloc((4, 2), "f32")
+        ids.array[:] = [[0, 1], [2, 3], [1, -1], [3, 0]]
+        w.array[:] = 0.5
+        inline = cl.infer(sid, 0, hidden(4, seed=8), topk_ids=ids.array.copy(),
+                          topk_weights=w.array.copy()).output
+        mapped = cl.infer(sid, 0, x, topk_ids=ids, topk_weights=w, output_to=y).output
+        assert mapped.tobytes() == inline.tobytes()
         cl.unmap(shm)
         with pytest.raises(qmoe_client.QmoeError) as ei:
             cl.call("session.unmap", {"session": sid, "map": 1 << 40})

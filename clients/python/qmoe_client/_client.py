@@ -623,7 +623,7 @@ class Client:
         if router_logits is not None:
             p["router_logits"] = encode_tensor(router_logits)
         if topk_ids is not None:
-            if _np is not None and not isinstance(topk_ids, (Tensor, _np.ndarray)):
+            if _np is not None and not isinstance(topk_ids, (Tensor, MappedTensor, _np.ndarray)):
                 topk_ids = _np.asarray(topk_ids, dtype=_np.int32)
             p["topk_ids"] = encode_tensor(topk_ids, "i32")
             p["topk_weights"] = encode_tensor(topk_weights)
