@@ -293,6 +293,9 @@ def rows(checkpoint_dir, shape_name, args):
     a.llama = os.path.abspath(a.llama)
     a.quants = a.quants.split(",") if isinstance(a.quants, str) else a.quants
     out = []
+    base = os.path.join(a.work, shape_name)
+    had = {p for q in a.quants for p in ("%s.%s.gguf" % (base, q), "%s.%s.bank" % (base, q))
+           if os.path.exists(p)}  # GGUFs and banks the caller brought stay
     ggufs = make_ggufs(a, checkpoint_dir, shape_name)
     try:
         for quant, gguf in ggufs.items():
@@ -324,7 +327,7 @@ def rows(checkpoint_dir, shape_name, args):
         if not a.keep:
             for gguf in ggufs.values():
                 for f in (gguf, gguf[:-len(".gguf")] + ".bank"):
-                    if os.path.exists(f):
+                    if os.path.exists(f) and f not in had:
                         os.remove(f)
     return out
 

@@ -409,7 +409,8 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--shapes", default=",".join(checkpoints.SHAPES),
                     help="comma-separated, of %s" % ", ".join(checkpoints.SHAPES))
-    ap.add_argument("--work", default=None, help="where checkpoints and banks go (a temp dir)")
+    ap.add_argument("--work", default=None, help="where checkpoints and banks go (a temp dir); "
+                    "what it held before the run is left there")
     ap.add_argument("--keep", action="store_true", help="keep checkpoints and banks")
     ap.add_argument("--build", default=os.path.join(ROOT, "build"))
     ap.add_argument("--layers", type=int, default=checkpoints.LAYERS)
@@ -436,8 +437,12 @@ def main(argv=None):
     for s in shapes:
         if s not in checkpoints.SHAPES:
             ap.error("unknown shape %r (%s)" % (s, ", ".join(checkpoints.SHAPES)))
+    # What was in --work before the run stays: only what the run made goes.
+    before = None
     if a.work is None:
         a.work = tempfile.mkdtemp(prefix="qmoe-e2e-", dir="/var/tmp")
+    elif os.path.isdir(a.work):
+        before = set(os.listdir(a.work))
     os.makedirs(a.work, exist_ok=True)
     a.work_dir = a.work
     # SIGTERM (and SIGINT, which a background job ignores) end the run
@@ -452,8 +457,18 @@ def main(argv=None):
                 with open(a.json, "w") as f:
                     json.dump(rows, f, indent=1)
     finally:
-        if not a.keep:
+        if not a.keep and before is None:
             shutil.rmtree(a.work, ignore_errors=True)
+        elif not a.keep:
+            keep = os.path.abspath(a.json) if a.json else None
+            for name in set(os.listdir(a.work)) - before:
+                path = os.path.join(a.work, name)
+                if os.path.abspath(path) == keep:
+                    continue
+                if os.path.isdir(path) and not os.path.islink(path):
+                    shutil.rmtree(path, ignore_errors=True)
+                else:
+                    os.remove(path)
     print(table(rows))
     return 0
 
