@@ -11,10 +11,7 @@
 #define QM__G_NR QM__I8_AVXVNNI_NR
 #define QM__G_FN qm__model8_gemm
 #define QM__G_MICRO qm__model8_micro
-#define QM__G_G 8
-#define QM__G_S16 0
-#define QM__G_STEP(a, w, x4) qm__mv_dpbusd(a, w, x4)
-#define QM__G_FIN(a) (a)
+#define QM__G_DPBUSD(a, w, x4) qm__mv_dpbusd(a, w, x4)
 static void qm__model8_gemm(const qm__qmat *m, uint32_t n0, uint32_t n1, const float *xq,
                             size_t ldx, uint32_t nx, float *y, size_t ldy, float *scratch);
 #include "qm_kernel_i8_gemm.h"
