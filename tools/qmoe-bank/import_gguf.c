@@ -739,13 +739,7 @@ int qm__gguf_run(qm__gguf_file *given, int argc, char **argv)
                 return QM__EXIT_USAGE;
             }
         } else if (c == 's') {
-            if (strcmp(optarg, "f16") == 0) {
-                sdt = QM_DTYPE_F16;
-            } else if (strcmp(optarg, "f32") == 0) {
-                sdt = QM_DTYPE_F32;
-            } else if (strcmp(optarg, "bf16") == 0) {
-                sdt = QM_DTYPE_BF16;
-            } else {
+            if (qm__parse_scale_dtype(optarg, &sdt)) {
                 fprintf(stderr,
                         "qmoe-bank import gguf: --scales takes f16, f32 or bf16, not "
                         "\"%.32s\"\n",
