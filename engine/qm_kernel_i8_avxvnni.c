@@ -16,8 +16,7 @@
 #define QM__G_MICRO qm__avxvnni_micro
 #define QM__G_DPBUSD(a, w, x4) _mm256_dpbusd_avx_epi32(a, w, qm__g256_bcast4(x4))
 #define QM__G_PACK(m, n0, nr, j0, j1, pan) qm__x_pack_u8(m, n0, nr, j0, j1, pan)
-static void qm__avxvnni_gemm(const qm__qmat *m, uint32_t n0, uint32_t n1, const float *xq,
-                             size_t ldx, uint32_t nx, float *y, size_t ldy, float *scratch);
+static qm__mm_fn qm__avxvnni_gemm;
 #include "qm_kernel_i8_gemm.h"
 
 void qm__i8mm_avxvnni(const qm__qmat *m, uint32_t n0, uint32_t n1, const float *xq, size_t ldx,

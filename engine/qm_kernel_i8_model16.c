@@ -14,8 +14,7 @@
 #define QM__G_FN qm__model16_gemm
 #define QM__G_MICRO qm__model16_micro
 #define QM__G_DPBUSD(a, w, x4) qm__mv_dpbusd(a, w, x4)
-static void qm__model16_gemm(const qm__qmat *m, uint32_t n0, uint32_t n1, const float *xq,
-                             size_t ldx, uint32_t nx, float *y, size_t ldy, float *scratch);
+static qm__mm_fn qm__model16_gemm;
 #include "qm_kernel_i8_gemm.h"
 
 /* ---- the AMX model: tiles tmm0..tmm7 of 16 rows x 64 bytes ---- */
@@ -148,8 +147,7 @@ static void qm__amx_m_dpbsud(int c, int a, int b)
 #define QM__T_DP() qm__amx_m_dpbsud(0, 1, 2)
 #define QM__T_STORE_C(p) qm__amx_m_store(0, (uint8_t *)(p), 64)
 #define QM__T_RELEASE() (void)(qm__amx_st.configured = 0)
-static void qm__model_amx_gemm(const qm__qmat *m, uint32_t n0, uint32_t n1, const float *xq,
-                               size_t ldx, uint32_t nx, float *y, size_t ldy, float *scratch);
+static qm__mm_fn qm__model_amx_gemm;
 #include "qm_kernel_i8_gemm.h"
 
 static void qm__model16_mm(const qm__qmat *m, uint32_t n0, uint32_t n1, const float *xq,

@@ -12,8 +12,7 @@
 #define QM__G_FN qm__model8_gemm
 #define QM__G_MICRO qm__model8_micro
 #define QM__G_DPBUSD(a, w, x4) qm__mv_dpbusd(a, w, x4)
-static void qm__model8_gemm(const qm__qmat *m, uint32_t n0, uint32_t n1, const float *xq,
-                            size_t ldx, uint32_t nx, float *y, size_t ldy, float *scratch);
+static qm__mm_fn qm__model8_gemm;
 #include "qm_kernel_i8_gemm.h"
 
 static void qm__model8_mm(const qm__qmat *m, uint32_t n0, uint32_t n1, const float *xq,
