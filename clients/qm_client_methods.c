@@ -641,9 +641,7 @@ void qm_client_infer_result_free(qm_client_infer_result *r)
     if (!r)
         return;
     qm_free(r->output.data);
-    qm_free(r->routing_offsets);
-    qm_free(r->routing_experts);
-    qm_free(r->routing_weights);
+    qm_free(r->routing_offsets); /* with routing_experts and routing_weights */
     memset(r, 0, sizeof(*r));
 }
 
@@ -670,11 +668,18 @@ static int qm__routing(const qm_cval *routing, qm_client_infer_result *out)
     size_t pairs = 0;
     for (size_t t = 0; t < routing->count; t++)
         pairs += routing->items[t]->type == QM_CVAL_ARRAY ? routing->items[t]->count : 0;
-    out->routing_offsets = qm_calloc(routing->count + 1, sizeof(size_t));
-    out->routing_experts = qm_calloc(pairs ? pairs : 1, sizeof(uint32_t));
-    out->routing_weights = qm_calloc(pairs ? pairs : 1, sizeof(double));
-    if (!out->routing_offsets || !out->routing_experts || !out->routing_weights)
+    /* The three arrays have one lifetime: one block, offsets, weights, experts. */
+    size_t n_off = routing->count + 1, n = pairs ? pairs : 1;
+    unsigned long long head, bytes;
+    if (qm_mul_u64(n_off, sizeof(size_t), &head) ||
+        qm_mul_u64(n, sizeof(double) + sizeof(uint32_t), &bytes) ||
+        qm_add_u64(bytes, head, &bytes) || bytes > SIZE_MAX)
         return QM_CLIENT_ENOMEM;
+    out->routing_offsets = qm_calloc(1, (size_t)bytes);
+    if (!out->routing_offsets)
+        return QM_CLIENT_ENOMEM;
+    out->routing_weights = (double *)(out->routing_offsets + n_off);
+    out->routing_experts = (uint32_t *)(out->routing_weights + n);
     size_t k = 0;
     for (size_t t = 0; t < routing->count; t++) {
         const qm_cval *tok = routing->items[t];
