@@ -22,8 +22,5 @@ static qm__mm_fn qm__avxvnni_gemm;
 void qm__i8mm_avxvnni(const qm__qmat *m, uint32_t n0, uint32_t n1, const float *xq, size_t ldx,
                       uint32_t nx, float *y, size_t ldy, float *scratch)
 {
-    if (nx < QM__I8_VNNI_GEMM_MIN)
-        qm__avxvnni_gemv(m, n0, n1, xq, ldx, nx, y, ldy, scratch);
-    else
-        qm__avxvnni_gemm(m, n0, n1, xq, ldx, nx, y, ldy, scratch);
+    qm__i8_split(QM__I8_VNNI_GEMM_MIN, qm__avxvnni_gemv, qm__avxvnni_gemm, m, n0, n1, xq, ldx, nx, y, ldy, scratch);
 }
