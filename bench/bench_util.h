@@ -55,9 +55,15 @@ static inline void print_samples_end(const double *ms, unsigned n)
 }
 
 /* "--name value" options by table: bench_arg_set stores v into the entry
- * named a (strtoul / strtoull / strtod, base 10, as the programs did by hand)
- * and returns 1, or returns 0 where no entry has that name. */
-typedef enum { BENCH_ARG_STR, BENCH_ARG_U32, BENCH_ARG_U64, BENCH_ARG_DBL } bench_arg_kind;
+ * named a (atoi / strtoul / strtoull / strtod, base 10, as the programs did
+ * by hand) and returns 1, or returns 0 where no entry has that name. */
+typedef enum {
+    BENCH_ARG_STR,
+    BENCH_ARG_INT,
+    BENCH_ARG_U32,
+    BENCH_ARG_U64,
+    BENCH_ARG_DBL
+} bench_arg_kind;
 
 typedef struct bench_arg {
     const char *name;
@@ -73,6 +79,9 @@ static inline int bench_arg_set(const bench_arg *t, size_t n, const char *a, con
         switch (t[i].kind) {
         case BENCH_ARG_STR:
             *(const char **)t[i].dst = v;
+            break;
+        case BENCH_ARG_INT:
+            *(int *)t[i].dst = atoi(v);
             break;
         case BENCH_ARG_U32:
             *(uint32_t *)t[i].dst = (uint32_t)strtoul(v, NULL, 10);

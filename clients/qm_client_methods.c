@@ -1,6 +1,7 @@
 /* qm_client_methods.c - one typed helper per PROTOCOL.md method: build the
  * params tree, make the call, copy the result into cJSON-free C structs. */
 #include <math.h>
+#include <stddef.h>
 #include <stdio.h>
 #include <string.h>
 
@@ -19,6 +20,37 @@ static double qm__dbl(const qm_cval *o, const char *key)
 {
     double v = 0;
     return qm_cval_get_double(o, key, &v) == 0 ? v : 0;
+}
+
+/* A member of a result struct read from the JSON member of its own name;
+ * the tables below list a struct's u64 members and its owned strings once,
+ * for the decoder and, for the strings, the destructor. */
+typedef struct qm__field {
+    const char *key;
+    size_t off;
+} qm__field;
+#define QM__FIELD(type, member) {#member, offsetof(type, member)}
+#define QM__N_FIELDS(table) (sizeof(table) / sizeof((table)[0]))
+
+static void qm__read_u64s(const qm_cval *o, void *item, const qm__field *f, size_t n)
+{
+    for (size_t i = 0; i < n; i++)
+        *(uint64_t *)((char *)item + f[i].off) = qm__u64(o, f[i].key);
+}
+
+/* -1 when out of memory (the strings copied so far stay with item). */
+static int qm__dup_strs(const qm_cval *o, void *item, const qm__field *f, size_t n)
+{
+    for (size_t i = 0; i < n; i++)
+        if (qm__client_dup_member(o, f[i].key, (char **)((char *)item + f[i].off)) < 0)
+            return -1;
+    return 0;
+}
+
+static void qm__free_strs(void *item, const qm__field *f, size_t n)
+{
+    for (size_t i = 0; i < n; i++)
+        qm_free(*(char **)((char *)item + f[i].off));
 }
 
 /* A count the daemon may send as a number or as the list itself. */
@@ -107,13 +139,21 @@ static int qm__call_plain(qm_client *c, const char *method, qm_cval *p, qm_clien
 
 /* ---------- daemon.status ---------- */
 
+static const qm__field qm__device_u64s[] = {
+    QM__FIELD(qm_client_device, total_bytes),
+    QM__FIELD(qm_client_device, budget_bytes),
+    QM__FIELD(qm_client_device, used_bytes),
+};
+static const qm__field qm__device_strs[] = {
+    QM__FIELD(qm_client_device, name),
+    QM__FIELD(qm_client_device, kind),
+    QM__FIELD(qm_client_device, description),
+};
+
 static void qm__devices_free(qm_client_device *d, size_t n)
 {
-    for (size_t i = 0; d && i < n; i++) {
-        qm_free(d[i].name);
-        qm_free(d[i].kind);
-        qm_free(d[i].description);
-    }
+    for (size_t i = 0; d && i < n; i++)
+        qm__free_strs(&d[i], qm__device_strs, QM__N_FIELDS(qm__device_strs));
     qm_free(d);
 }
 
@@ -132,12 +172,8 @@ static int qm__devices(const qm_cval *o, qm_client_device **out, size_t *n)
     for (size_t i = 0; i < a->count; i++) {
         const qm_cval *e = a->items[i];
         qm_client_device *d = &(*out)[i];
-        d->total_bytes = qm__u64(e, "total_bytes");
-        d->budget_bytes = qm__u64(e, "budget_bytes");
-        d->used_bytes = qm__u64(e, "used_bytes");
-        if (qm__client_dup_member(e, "name", &d->name) < 0 ||
-            qm__client_dup_member(e, "kind", &d->kind) < 0 ||
-            qm__client_dup_member(e, "description", &d->description) < 0)
+        qm__read_u64s(e, d, qm__device_u64s, QM__N_FIELDS(qm__device_u64s));
+        if (qm__dup_strs(e, d, qm__device_strs, QM__N_FIELDS(qm__device_strs)) < 0)
             return QM_CLIENT_ENOMEM;
     }
     return 0;
@@ -187,13 +223,28 @@ out:
 
 /* ---------- models ---------- */
 
+static const qm__field qm__model_u64s[] = {
+    QM__FIELD(qm_client_model, layers),
+    QM__FIELD(qm_client_model, experts),
+    QM__FIELD(qm_client_model, hidden_size),
+    QM__FIELD(qm_client_model, inter_size),
+    QM__FIELD(qm_client_model, k),
+    QM__FIELD(qm_client_model, bits),
+    QM__FIELD(qm_client_model, block_size),
+    QM__FIELD(qm_client_model, bytes_total),
+    QM__FIELD(qm_client_model, bytes_per_expert),
+};
+static const qm__field qm__model_strs[] = {
+    QM__FIELD(qm_client_model, name),
+    QM__FIELD(qm_client_model, path),
+    QM__FIELD(qm_client_model, activation),
+};
+
 void qm_client_model_free(qm_client_model *m)
 {
     if (!m)
         return;
-    qm_free(m->name);
-    qm_free(m->path);
-    qm_free(m->activation);
+    qm__free_strs(m, qm__model_strs, QM__N_FIELDS(qm__model_strs));
     memset(m, 0, sizeof(*m));
 }
 
@@ -210,18 +261,8 @@ static int qm__model_from(const qm_cval *o, void *item)
 {
     qm_client_model *m = item;
     memset(m, 0, sizeof(*m));
-    m->layers = qm__u64(o, "layers");
-    m->experts = qm__u64(o, "experts");
-    m->hidden_size = qm__u64(o, "hidden_size");
-    m->inter_size = qm__u64(o, "inter_size");
-    m->k = qm__u64(o, "k");
-    m->bits = qm__u64(o, "bits");
-    m->block_size = qm__u64(o, "block_size");
-    m->bytes_total = qm__u64(o, "bytes_total");
-    m->bytes_per_expert = qm__u64(o, "bytes_per_expert");
-    if (qm__client_dup_member(o, "name", &m->name) < 0 ||
-        qm__client_dup_member(o, "path", &m->path) < 0 ||
-        qm__client_dup_member(o, "activation", &m->activation) < 0) {
+    qm__read_u64s(o, m, qm__model_u64s, QM__N_FIELDS(qm__model_u64s));
+    if (qm__dup_strs(o, m, qm__model_strs, QM__N_FIELDS(qm__model_strs)) < 0) {
         qm_client_model_free(m);
         return QM_CLIENT_ENOMEM;
     }
@@ -443,13 +484,21 @@ static int64_t qm__opt_count(const qm_cval *o, const char *key)
     return -1;
 }
 
+static const qm__field qm__session_u64s[] = {
+    QM__FIELD(qm_client_session_info, owner_uid),
+    QM__FIELD(qm_client_session_info, budget_bytes),
+    QM__FIELD(qm_client_session_info, resident_bytes),
+};
+static const qm__field qm__session_strs[] = {
+    QM__FIELD(qm_client_session_info, session),
+    QM__FIELD(qm_client_session_info, model),
+    QM__FIELD(qm_client_session_info, policy),
+};
+
 void qm_client_sessions_free(qm_client_session_info *s, size_t count)
 {
-    for (size_t i = 0; s && i < count; i++) {
-        qm_free(s[i].session);
-        qm_free(s[i].model);
-        qm_free(s[i].policy);
-    }
+    for (size_t i = 0; s && i < count; i++)
+        qm__free_strs(&s[i], qm__session_strs, QM__N_FIELDS(qm__session_strs));
     qm_free(s);
 }
 
@@ -458,15 +507,11 @@ static void qm__sessions_free(void *s, size_t count) { qm_client_sessions_free(s
 static int qm__session_from(const qm_cval *o, void *item)
 {
     qm_client_session_info *s = item;
-    s->owner_uid = qm__u64(o, "owner_uid");
-    s->budget_bytes = qm__u64(o, "budget_bytes");
-    s->resident_bytes = qm__u64(o, "resident_bytes");
+    qm__read_u64s(o, s, qm__session_u64s, QM__N_FIELDS(qm__session_u64s));
     s->created_at = qm__dbl(o, "created_at");
     s->orphaned_since = qm__opt_count(o, "orphaned_since");
     s->reclaim_in_s = qm__opt_count(o, "reclaim_in_s");
-    if (qm__client_dup_member(o, "session", &s->session) < 0 ||
-        qm__client_dup_member(o, "model", &s->model) < 0 ||
-        qm__client_dup_member(o, "policy", &s->policy) < 0)
+    if (qm__dup_strs(o, s, qm__session_strs, QM__N_FIELDS(qm__session_strs)) < 0)
         return QM_CLIENT_ENOMEM;
     return 0;
 }
@@ -596,9 +641,7 @@ void qm_client_infer_result_free(qm_client_infer_result *r)
     if (!r)
         return;
     qm_free(r->output.data);
-    qm_free(r->routing_offsets);
-    qm_free(r->routing_experts);
-    qm_free(r->routing_weights);
+    qm_free(r->routing_offsets); /* with routing_experts and routing_weights */
     memset(r, 0, sizeof(*r));
 }
 
@@ -625,11 +668,18 @@ static int qm__routing(const qm_cval *routing, qm_client_infer_result *out)
     size_t pairs = 0;
     for (size_t t = 0; t < routing->count; t++)
         pairs += routing->items[t]->type == QM_CVAL_ARRAY ? routing->items[t]->count : 0;
-    out->routing_offsets = qm_calloc(routing->count + 1, sizeof(size_t));
-    out->routing_experts = qm_calloc(pairs ? pairs : 1, sizeof(uint32_t));
-    out->routing_weights = qm_calloc(pairs ? pairs : 1, sizeof(double));
-    if (!out->routing_offsets || !out->routing_experts || !out->routing_weights)
+    /* The three arrays have one lifetime: one block, offsets, weights, experts. */
+    size_t n_off = routing->count + 1, n = pairs ? pairs : 1;
+    unsigned long long head, bytes;
+    if (qm_mul_u64(n_off, sizeof(size_t), &head) ||
+        qm_mul_u64(n, sizeof(double) + sizeof(uint32_t), &bytes) ||
+        qm_add_u64(bytes, head, &bytes) || bytes > SIZE_MAX)
         return QM_CLIENT_ENOMEM;
+    out->routing_offsets = qm_calloc(1, (size_t)bytes);
+    if (!out->routing_offsets)
+        return QM_CLIENT_ENOMEM;
+    out->routing_weights = (double *)(out->routing_offsets + n_off);
+    out->routing_experts = (uint32_t *)(out->routing_weights + n);
     size_t k = 0;
     for (size_t t = 0; t < routing->count; t++) {
         const qm_cval *tok = routing->items[t];
@@ -729,31 +779,38 @@ int qm_client_session_infer_routed(qm_client *c, const char *session, uint64_t l
 
 /* ---------- telemetry ---------- */
 
+static const qm__field qm__counter_u64s[] = {
+    QM__FIELD(qm_client_counters, requests),
+    QM__FIELD(qm_client_counters, errors),
+    QM__FIELD(qm_client_counters, tokens),
+    QM__FIELD(qm_client_counters, expert_hits),
+    QM__FIELD(qm_client_counters, expert_misses),
+    QM__FIELD(qm_client_counters, bytes_paged_h2d),
+    QM__FIELD(qm_client_counters, evictions),
+    QM__FIELD(qm_client_counters, prefetch_issued),
+    QM__FIELD(qm_client_counters, prefetch_useful),
+    QM__FIELD(qm_client_counters, resident_bytes),
+    QM__FIELD(qm_client_counters, expert_host_runs),
+};
+
 static void qm__counters_from(const qm_cval *o, qm_client_counters *k)
 {
-    k->requests = qm__u64(o, "requests");
-    k->errors = qm__u64(o, "errors");
-    k->tokens = qm__u64(o, "tokens");
-    k->expert_hits = qm__u64(o, "expert_hits");
-    k->expert_misses = qm__u64(o, "expert_misses");
-    k->bytes_paged_h2d = qm__u64(o, "bytes_paged_h2d");
-    k->evictions = qm__u64(o, "evictions");
-    k->prefetch_issued = qm__u64(o, "prefetch_issued");
-    k->prefetch_useful = qm__u64(o, "prefetch_useful");
-    k->resident_bytes = qm__u64(o, "resident_bytes");
-    k->expert_host_runs = qm__u64(o, "expert_host_runs");
+    qm__read_u64s(o, k, qm__counter_u64s, QM__N_FIELDS(qm__counter_u64s));
     k->p50_us = qm__dbl(o, "p50_us");
     k->p99_us = qm__dbl(o, "p99_us");
 }
+
+static const qm__field qm__counted_strs[] = {
+    QM__FIELD(qm_client_session_counters, session),
+    QM__FIELD(qm_client_session_counters, model),
+};
 
 void qm_client_telemetry_free(qm_client_telemetry *t)
 {
     if (!t)
         return;
-    for (size_t i = 0; t->sessions && i < t->n_sessions; i++) {
-        qm_free(t->sessions[i].session);
-        qm_free(t->sessions[i].model);
-    }
+    for (size_t i = 0; t->sessions && i < t->n_sessions; i++)
+        qm__free_strs(&t->sessions[i], qm__counted_strs, QM__N_FIELDS(qm__counted_strs));
     qm_free(t->sessions);
     memset(t, 0, sizeof(*t));
 }
@@ -761,8 +818,7 @@ void qm_client_telemetry_free(qm_client_telemetry *t)
 static int qm__session_counters(const qm_cval *o, qm_client_session_counters *s)
 {
     qm__counters_from(o, &s->counters);
-    if (qm__client_dup_member(o, "session", &s->session) < 0 ||
-        qm__client_dup_member(o, "model", &s->model) < 0)
+    if (qm__dup_strs(o, s, qm__counted_strs, QM__N_FIELDS(qm__counted_strs)) < 0)
         return QM_CLIENT_ENOMEM;
     return 0;
 }

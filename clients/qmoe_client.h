@@ -248,7 +248,7 @@ typedef struct qm_client_infer_result {
     qm_client_tensor output; /* output.data is malloc'd and owned by the result */
     size_t routing_tokens;   /* 0 unless routing was asked for */
     size_t *routing_offsets; /* token t's pairs are [offsets[t], offsets[t+1]) */
-    uint32_t *routing_experts;
+    uint32_t *routing_experts; /* these two share routing_offsets' allocation */
     double *routing_weights;
     qm_client_infer_stats stats;
 } qm_client_infer_result;

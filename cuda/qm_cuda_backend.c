@@ -14,6 +14,7 @@
 
 #include "qm_alloc.h"
 #include "qm_cuda_internal.h"
+#include "qm_cuda_kind.h"
 
 static const qm_backend_iface qm__cuda_iface;
 static int qm__cuda_fence_wait(void *ctx, qm_fence *fence, qm_status *st);
@@ -495,31 +496,22 @@ static const qm_backend_iface qm__cuda_iface = {
     .unregister_host = qm__cuda_unregister_host,
 };
 
-/* ---- The registry's row ---- */
+/* ---- What the registry's row calls (qm_cuda_kind.c) ---- */
 
-static int qm__cuda_open(const qm_backend_open_options *o, qm_backend **out, qm_status *st)
+int qm__cuda_open(const qm_backend_open_options *o, qm_backend **out, qm_status *st)
 {
     if (o->index > INT32_MAX)
         return qm_status_set(st, QM_EDEVICE, "no CUDA device %u", o->index);
     return qm_backend_cuda_new((int)o->index, out, st);
 }
 
-static int qm__cuda_probe(uint32_t *n_devices, qm_status *st)
+int qm__cuda_probe(uint32_t *n_devices, qm_status *st)
 {
     int count = 0;
     int rc = qm__cuda_device_count(&count, st);
     *n_devices = rc < 0 ? 0 : (uint32_t)count;
     return rc;
 }
-
-const qm__backend_kind qm__backend_cuda_kind = {
-    .version = QM_BACKEND_KIND_VERSION,
-    .name = "cuda",
-    .summary = "NVIDIA GPUs: device arenas, copy and compute streams, routing on the device",
-    .caps = QM_BACKEND_CAP_NUMBERED | QM_BACKEND_CAP_AUTO,
-    .open = qm__cuda_open,
-    .probe = qm__cuda_probe,
-};
 
 /* ---- CUDA-only extras (qm_cuda.h) ---- */
 

@@ -1,10 +1,10 @@
 /* qm_cuda_stub.c - qmoe_cuda in a build without CUDA: the constructor and
- * the registry's row say so, and no backend is a CUDA backend for the
- * extras. Lets callers (the registry, tests) reach "the CUDA backend" with
- * no #ifdef. */
+ * what the registry's row calls (qm_cuda_kind.c) say so, and no backend is
+ * a CUDA backend for the extras. Lets callers (the registry, tests) reach
+ * "the CUDA backend" with no #ifdef. */
 #include "qm_cuda.h"
 
-#include "qm_backend_impl.h"
+#include "qm_cuda_kind.h"
 
 int qm_backend_cuda_new(int device, qm_backend **out, qm_status *st)
 {
@@ -14,25 +14,17 @@ int qm_backend_cuda_new(int device, qm_backend **out, qm_status *st)
     return qm_status_set(st, QM_EUNSUPPORTED, "built without CUDA");
 }
 
-static int qm__cuda_open(const qm_backend_open_options *o, qm_backend **out, qm_status *st)
+int qm__cuda_open(const qm_backend_open_options *o, qm_backend **out, qm_status *st)
 {
     return qm_backend_cuda_new((int)o->index, out, st);
 }
 
-static int qm__cuda_probe(uint32_t *n_devices, qm_status *st)
+int qm__cuda_probe(uint32_t *n_devices, qm_status *st)
 {
     *n_devices = 0;
     return qm_status_set(st, QM_EUNSUPPORTED, "built without CUDA");
 }
 
-const qm__backend_kind qm__backend_cuda_kind = {
-    .version = QM_BACKEND_KIND_VERSION,
-    .name = "cuda",
-    .summary = "NVIDIA GPUs (not in this build: built without CUDA)",
-    .caps = QM_BACKEND_CAP_NUMBERED | QM_BACKEND_CAP_AUTO,
-    .open = qm__cuda_open,
-    .probe = qm__cuda_probe,
-};
 
 int qm_backend_cuda_set_kernels(qm_backend *be, qm_cuda_kernels kernels, uint32_t gemm_min_rows)
 {

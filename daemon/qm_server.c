@@ -434,7 +434,8 @@ static size_t conn_process(qm_conn *c, size_t cap)
         if (rc == 0)
             break;
         /* Where this line began in the stream: its descriptors, if any. */
-        c->frame_off = c->bytes_in - (uint64_t)(c->framer.len - (size_t)(line - c->framer.buf));
+        c->frame_off =
+            c->bytes_in - (uint64_t)(c->framer.in.len - (size_t)(line - c->framer.in.data));
         conn_drop_batches(c, c->frame_off, 0);
         qm_rpc_frame frame;
         uint64_t t0 = qm_now_us();

@@ -24,6 +24,7 @@
 
 #include "qm_alloc.h"
 #include "qm_io.h"
+#include "qm_scratch.h"
 
 #define QM__HOT_MAGIC "QMHOTNES"
 #define QM__HOT_VERSION 1u
@@ -35,6 +36,7 @@ struct qm_hotness {
     qm_hotness_key key;
     double decay;
     uint64_t records;
+    void *arrays;   /* owns the five arrays below, carved from one block */
     double *counts; /* [layers * experts] */
     uint8_t *seen;  /* [experts] scratch for record() */
     /* policy params view */
@@ -68,6 +70,17 @@ void qm_hotness_key_of_bank(const qm_bank *bank, qm_hotness_key *out)
     out->fingerprint = h ? h : 1;
 }
 
+/* The profile's arrays, all of one lifetime, laid out in one block. */
+static void qm__hot_layout(qm__carver *c, const qm_hotness_key *key, qm_hotness *h)
+{
+    size_t cells = (size_t)key->layers * key->experts;
+    h->counts = qm__carve(c, cells, sizeof *h->counts);
+    h->seen = qm__carve(c, key->experts, 1);
+    h->lists = qm__carve(c, cells, sizeof *h->lists);
+    h->hot = qm__carve(c, key->layers, sizeof *h->hot);
+    h->hot_len = qm__carve(c, key->layers, sizeof *h->hot_len);
+}
+
 int qm_hotness_new(const qm_hotness_key *key, double decay, qm_hotness **out, qm_status *st)
 {
     if (!key || !out)
@@ -79,19 +92,18 @@ int qm_hotness_new(const qm_hotness_key *key, double decay, qm_hotness **out, qm
         (uint64_t)key->layers * key->experts > QM__HOT_MAX_CELLS)
         return qm_status_set(st, QM_EINVAL, "hotness profile of %u x %u experts not supported",
                              key->layers, key->experts);
-    size_t cells = (size_t)key->layers * key->experts;
     qm_hotness *h = qm_calloc(1, sizeof *h);
     if (!h)
         goto oom;
     h->key = *key;
     h->decay = decay;
-    h->counts = qm_calloc(cells, sizeof *h->counts);
-    h->seen = qm_calloc(key->experts, 1);
-    h->lists = qm_calloc(cells, sizeof *h->lists);
-    h->hot = qm_calloc(key->layers, sizeof *h->hot);
-    h->hot_len = qm_calloc(key->layers, sizeof *h->hot_len);
-    if (!h->counts || !h->seen || !h->lists || !h->hot || !h->hot_len)
+    qm__carver c = {0};
+    qm__hot_layout(&c, key, h);
+    h->arrays = qm_calloc(1, c.off);
+    if (!h->arrays)
         goto oom;
+    c = (qm__carver){.base = h->arrays};
+    qm__hot_layout(&c, key, h);
     *out = h;
     return 0;
 oom:
@@ -103,11 +115,7 @@ void qm_hotness_free(qm_hotness *h)
 {
     if (!h)
         return;
-    qm_free(h->counts);
-    qm_free(h->seen);
-    qm_free(h->lists);
-    qm_free(h->hot);
-    qm_free(h->hot_len);
+    qm_free(h->arrays);
     qm_free(h);
 }
 

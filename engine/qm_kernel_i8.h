@@ -109,6 +109,18 @@ static inline int qm__i8_last(uint32_t spb, size_t nse, size_t j)
 #define QM__I8_VNNI_GEMM_MIN 4u
 #define QM__I8_AMX_MIN 5u
 
+/* A fast entry's split by input count: calls of fewer than `min` inputs run
+ * `small`, the others `gemm` (both constant where it is inlined). */
+QM__I8_AI void qm__i8_split(uint32_t min, qm__mm_fn *small, qm__mm_fn *gemm, const qm__qmat *m,
+                            uint32_t n0, uint32_t n1, const float *xq, size_t ldx, uint32_t nx,
+                            float *y, size_t ldy, float *scratch)
+{
+    if (nx < min)
+        small(m, n0, n1, xq, ldx, nx, y, ldy, scratch);
+    else
+        gemm(m, n0, n1, xq, ldx, nx, y, ldy, scratch);
+}
+
 typedef struct qm__i8_scratch {
     float *sct;
     int32_t *zpt;

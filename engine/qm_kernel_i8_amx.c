@@ -29,15 +29,11 @@
 #define QM__T_STORE_C(p)                                                                           \
     __asm__ volatile("tilestored %%tmm0, (%0,%1,1)" ::"r"((void *)(p)), "r"(64L) : "memory")
 #define QM__T_RELEASE() __asm__ volatile("tilerelease" ::)
-static void qm__amx_gemm(const qm__qmat *m, uint32_t n0, uint32_t n1, const float *xq, size_t ldx,
-                         uint32_t nx, float *y, size_t ldy, float *scratch);
+static qm__mm_fn qm__amx_gemm;
 #include "qm_kernel_i8_gemm.h"
 
 void qm__i8mm_amx(const qm__qmat *m, uint32_t n0, uint32_t n1, const float *xq, size_t ldx,
                   uint32_t nx, float *y, size_t ldy, float *scratch)
 {
-    if (nx < QM__I8_AMX_MIN)
-        qm__i8mm_avx512vnni(m, n0, n1, xq, ldx, nx, y, ldy, scratch);
-    else
-        qm__amx_gemm(m, n0, n1, xq, ldx, nx, y, ldy, scratch);
+    qm__i8_split(QM__I8_AMX_MIN, qm__i8mm_avx512vnni, qm__amx_gemm, m, n0, n1, xq, ldx, nx, y, ldy, scratch);
 }

@@ -51,8 +51,7 @@ static inline __m256i qm__avx2_dot8(const uint8_t *w, const int8_t *x, const int
 #define QM__G_STEP(a, w, x4) _mm256_add_epi16(a, _mm256_maddubs_epi16(w, qm__g256_bcast4(x4)))
 #define QM__G_FIN(a) _mm256_madd_epi16(a, _mm256_set1_epi16(1))
 #define QM__G_PACK(m, n0, nr, j0, j1, pan) qm__x_pack_u8(m, n0, nr, j0, j1, pan)
-static void qm__i8avx2_gemm_q4(const qm__qmat *m, uint32_t n0, uint32_t n1, const float *xq,
-                             size_t ldx, uint32_t nx, float *y, size_t ldy, float *scratch);
+static qm__mm_fn qm__i8avx2_gemm_q4;
 #include "qm_kernel_i8_gemm.h"
 #undef QM__G_FN
 #undef QM__G_MICRO
@@ -70,8 +69,7 @@ static void qm__i8avx2_gemm_q4(const qm__qmat *m, uint32_t n0, uint32_t n1, cons
 #define QM__G_STEP(a, w, x4) _mm256_add_epi32(a, _mm256_madd_epi16(w, qm__g256_bcast4(x4)))
 #define QM__G_FIN(a) (a)
 #define QM__G_PACK(m, n0, nr, j0, j1, pan) qm__x_pack_s16(m, n0, nr, j0, j1, pan)
-static void qm__i8avx2_gemm_q8(const qm__qmat *m, uint32_t n0, uint32_t n1, const float *xq,
-                             size_t ldx, uint32_t nx, float *y, size_t ldy, float *scratch);
+static qm__mm_fn qm__i8avx2_gemm_q8;
 #include "qm_kernel_i8_gemm.h"
 
 void qm__i8mm_avx2(const qm__qmat *m, uint32_t n0, uint32_t n1, const float *xq, size_t ldx,

@@ -6,37 +6,21 @@
  * its model (qm_kernel_i8_model.c, QM__I8_AVXVNNI_NR) runs in the tests. */
 #include "qm_kernel_i8_x86.h"
 
-static inline __m256i qm__avxvnni_dot4(__m256i lo, __m256i hi, __m256i xl, __m256i xh)
-{
-    return _mm256_dpbusd_avx_epi32(_mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), lo, xl), hi,
-                                   xh);
-}
-
 #define QM__V_FN qm__avxvnni_gemv
-#define QM__V_DOT4(lo, hi, xl, xh) qm__avxvnni_dot4(lo, hi, xl, xh)
-#define QM__V_DOT8(w, x, x16)                                                                      \
-    _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), _mm256_loadu_si256((const __m256i *)(w)),      \
-                            _mm256_loadu_si256((const __m256i *)(x)))
+#define QM__V_DPBUSD(acc, w, x) _mm256_dpbusd_avx_epi32(acc, w, x)
 #include "qm_kernel_i8_x86.h"
 
 #include "qm_kernel_i8_g256.h"
 #define QM__G_NR QM__I8_AVXVNNI_NR
 #define QM__G_FN qm__avxvnni_gemm
 #define QM__G_MICRO qm__avxvnni_micro
-#define QM__G_G 8
-#define QM__G_S16 0
-#define QM__G_STEP(a, w, x4) _mm256_dpbusd_avx_epi32(a, w, qm__g256_bcast4(x4))
-#define QM__G_FIN(a) (a)
+#define QM__G_DPBUSD(a, w, x4) _mm256_dpbusd_avx_epi32(a, w, qm__g256_bcast4(x4))
 #define QM__G_PACK(m, n0, nr, j0, j1, pan) qm__x_pack_u8(m, n0, nr, j0, j1, pan)
-static void qm__avxvnni_gemm(const qm__qmat *m, uint32_t n0, uint32_t n1, const float *xq,
-                             size_t ldx, uint32_t nx, float *y, size_t ldy, float *scratch);
+static qm__mm_fn qm__avxvnni_gemm;
 #include "qm_kernel_i8_gemm.h"
 
 void qm__i8mm_avxvnni(const qm__qmat *m, uint32_t n0, uint32_t n1, const float *xq, size_t ldx,
                       uint32_t nx, float *y, size_t ldy, float *scratch)
 {
-    if (nx < QM__I8_VNNI_GEMM_MIN)
-        qm__avxvnni_gemv(m, n0, n1, xq, ldx, nx, y, ldy, scratch);
-    else
-        qm__avxvnni_gemm(m, n0, n1, xq, ldx, nx, y, ldy, scratch);
+    qm__i8_split(QM__I8_VNNI_GEMM_MIN, qm__avxvnni_gemv, qm__avxvnni_gemm, m, n0, n1, xq, ldx, nx, y, ldy, scratch);
 }

@@ -34,6 +34,9 @@
  *   QM__G_STEP(a, w, x4)     a plus, per lane, the dot of its 4 weight bytes
  *                            with the 4 bytes at x4 (u8 x s8, or 2 s16 x 2 s16)
  *   QM__G_FIN(a)             the accumulator as int32 sums (QM__G_VI)
+ * (a vpdpbusd ISA, u8 x s8 summed by 4 with no widening, names only
+ *   QM__G_DPBUSD(a, w, x4)   QM__G_STEP on the u8 panel
+ * instead of QM__G_G, QM__G_S16, QM__G_STEP and QM__G_FIN, which follow)
  *   QM__G_PACK(m, n0, nr, j0, j1, pan)   the panel of sub-blocks [j0, j1)
  *   QM__G_PARAMS(m, n0, nr, sct, zpt)    the call's scales / zero points
  * or, for the AMX GEMM (qm__t_mm, named QM__T_FN), the tile operations
@@ -146,6 +149,13 @@ static inline qm__g_call qm__g_call_make(const qm__qmat *m, const float *xq, siz
 }
 
 #endif /* QM_KERNEL_I8_GEMM_H */
+
+#if defined(QM__G_DPBUSD) && !defined(QM__G_STEP)
+#define QM__G_G 8
+#define QM__G_S16 0
+#define QM__G_STEP(a, w, x4) QM__G_DPBUSD(a, w, x4)
+#define QM__G_FIN(a) (a)
+#endif
 
 /* The dot-product GEMM, once per inclusion with QM__G_STEP defined (the
  * includer names it QM__G_FN and its micro-kernel QM__G_MICRO). */

@@ -30,7 +30,6 @@ extern const qm__i8kernel qm__i8kernel_model_amx, qm__i8kernel_model_amx_tiles;
  * first one's description in why (may be NULL). Resets the count. */
 int qm__amx_model_faults(const char **why);
 /* The GEMV with vpdpbusd modelled (qm_kernel_i8_model_gemv.c, AVX2). */
-void qm__model_vnni_gemv(const qm__qmat *m, uint32_t n0, uint32_t n1, const float *xq,
-                         size_t ldx, uint32_t nx, float *y, size_t ldy, float *scratch);
+qm__mm_fn qm__model_vnni_gemv;
 
 #endif

@@ -13,12 +13,8 @@
 #define QM__G_NR QM__I8_AVX512VNNI_NR
 #define QM__G_FN qm__model16_gemm
 #define QM__G_MICRO qm__model16_micro
-#define QM__G_G 8
-#define QM__G_S16 0
-#define QM__G_STEP(a, w, x4) qm__mv_dpbusd(a, w, x4)
-#define QM__G_FIN(a) (a)
-static void qm__model16_gemm(const qm__qmat *m, uint32_t n0, uint32_t n1, const float *xq,
-                             size_t ldx, uint32_t nx, float *y, size_t ldy, float *scratch);
+#define QM__G_DPBUSD(a, w, x4) qm__mv_dpbusd(a, w, x4)
+static qm__mm_fn qm__model16_gemm;
 #include "qm_kernel_i8_gemm.h"
 
 /* ---- the AMX model: tiles tmm0..tmm7 of 16 rows x 64 bytes ---- */
@@ -141,6 +137,7 @@ static void qm__amx_m_dpbsud(int c, int a, int b)
         }
 }
 
+#undef QM__G_DPBUSD
 #undef QM__G_STEP
 #define QM__T_FN qm__model_amx_gemm
 #define QM__T_CFG(cfg) qm__amx_m_cfg(cfg)
@@ -150,26 +147,19 @@ static void qm__amx_m_dpbsud(int c, int a, int b)
 #define QM__T_DP() qm__amx_m_dpbsud(0, 1, 2)
 #define QM__T_STORE_C(p) qm__amx_m_store(0, (uint8_t *)(p), 64)
 #define QM__T_RELEASE() (void)(qm__amx_st.configured = 0)
-static void qm__model_amx_gemm(const qm__qmat *m, uint32_t n0, uint32_t n1, const float *xq,
-                               size_t ldx, uint32_t nx, float *y, size_t ldy, float *scratch);
+static qm__mm_fn qm__model_amx_gemm;
 #include "qm_kernel_i8_gemm.h"
 
 static void qm__model16_mm(const qm__qmat *m, uint32_t n0, uint32_t n1, const float *xq,
                            size_t ldx, uint32_t nx, float *y, size_t ldy, float *scratch)
 {
-    if (nx < QM__I8_VNNI_GEMM_MIN)
-        qm__model_vnni_gemv(m, n0, n1, xq, ldx, nx, y, ldy, scratch);
-    else
-        qm__model16_gemm(m, n0, n1, xq, ldx, nx, y, ldy, scratch);
+    qm__i8_split(QM__I8_VNNI_GEMM_MIN, qm__model_vnni_gemv, qm__model16_gemm, m, n0, n1, xq, ldx, nx, y, ldy, scratch);
 }
 
 static void qm__model_amx_mm(const qm__qmat *m, uint32_t n0, uint32_t n1, const float *xq,
                              size_t ldx, uint32_t nx, float *y, size_t ldy, float *scratch)
 {
-    if (nx < QM__I8_AMX_MIN)
-        qm__model16_mm(m, n0, n1, xq, ldx, nx, y, ldy, scratch);
-    else
-        qm__model_amx_gemm(m, n0, n1, xq, ldx, nx, y, ldy, scratch);
+    qm__i8_split(QM__I8_AMX_MIN, qm__model16_mm, qm__model_amx_gemm, m, n0, n1, xq, ldx, nx, y, ldy, scratch);
 }
 
 const qm__i8kernel qm__i8kernel_model_avx512vnni = {.name = "model-avx512vnni",

@@ -11,21 +11,14 @@
 #define QM__G_NR QM__I8_AVXVNNI_NR
 #define QM__G_FN qm__model8_gemm
 #define QM__G_MICRO qm__model8_micro
-#define QM__G_G 8
-#define QM__G_S16 0
-#define QM__G_STEP(a, w, x4) qm__mv_dpbusd(a, w, x4)
-#define QM__G_FIN(a) (a)
-static void qm__model8_gemm(const qm__qmat *m, uint32_t n0, uint32_t n1, const float *xq,
-                            size_t ldx, uint32_t nx, float *y, size_t ldy, float *scratch);
+#define QM__G_DPBUSD(a, w, x4) qm__mv_dpbusd(a, w, x4)
+static qm__mm_fn qm__model8_gemm;
 #include "qm_kernel_i8_gemm.h"
 
 static void qm__model8_mm(const qm__qmat *m, uint32_t n0, uint32_t n1, const float *xq,
                           size_t ldx, uint32_t nx, float *y, size_t ldy, float *scratch)
 {
-    if (nx < QM__I8_VNNI_GEMM_MIN)
-        qm__model_vnni_gemv(m, n0, n1, xq, ldx, nx, y, ldy, scratch);
-    else
-        qm__model8_gemm(m, n0, n1, xq, ldx, nx, y, ldy, scratch);
+    qm__i8_split(QM__I8_VNNI_GEMM_MIN, qm__model_vnni_gemv, qm__model8_gemm, m, n0, n1, xq, ldx, nx, y, ldy, scratch);
 }
 
 const qm__i8kernel qm__i8kernel_model_avxvnni = {.name = "model-avxvnni", .mm = qm__model8_mm};

@@ -1,5 +1,5 @@
 /* qm_kernel_i8_model_gemv.c - the VNNI kernels' decode GEMV
- * (qm_kernel_i8_x86.h with vpdpbusd as their QM__V_DOT4 / QM__V_DOT8)
+ * (qm_kernel_i8_x86.h with vpdpbusd as their QM__V_DPBUSD)
  * with vpdpbusd modelled in C on the same 256-bit registers' worth of
  * data; compiled with -mavx2 -mfma -mf16c. Tests only. */
 #include "qm_kernel_i8_model.h"
@@ -18,16 +18,8 @@ static inline __m256i qm__model_dpbusd256(__m256i acc, __m256i w, __m256i x)
     return _mm256_loadu_si256((const __m256i *)a);
 }
 
-static inline __m256i qm__model_dot4(__m256i lo, __m256i hi, __m256i xl, __m256i xh)
-{
-    return qm__model_dpbusd256(qm__model_dpbusd256(_mm256_setzero_si256(), lo, xl), hi, xh);
-}
-
 #define QM__V_FN qm__model_gemv_body
-#define QM__V_DOT4(lo, hi, xl, xh) qm__model_dot4(lo, hi, xl, xh)
-#define QM__V_DOT8(w, x, x16)                                                                      \
-    qm__model_dpbusd256(_mm256_setzero_si256(), _mm256_loadu_si256((const __m256i *)(w)),          \
-                        _mm256_loadu_si256((const __m256i *)(x)))
+#define QM__V_DPBUSD(acc, w, x) qm__model_dpbusd256(acc, w, x)
 #include "qm_kernel_i8_x86.h"
 
 void qm__model_vnni_gemv(const qm__qmat *m, uint32_t n0, uint32_t n1, const float *xq,

@@ -9,6 +9,11 @@
  *                            nibbles of the 32 code bytes of j, j + 1)
  *   QM__V_DOT8(w, x, x16)    8 int32 lanes summing one 8-bit sub-block (w:
  *                            its 32 code bytes, x / x16: its s8 / s16 inputs)
+ * or, for a vpdpbusd ISA (u8 x s8 summed by 4, exact for 4-bit and 8-bit
+ * codes alike), only
+ *   QM__V_DPBUSD(acc, w, x)  acc plus, per int32 lane, the dot of its 4 u8
+ *                            bytes of w with its 4 s8 bytes of x
+ * from which both dot products follow.
  * Private to engine/. */
 #ifndef QM_KERNEL_I8_X86_H
 #define QM_KERNEL_I8_X86_H
@@ -191,6 +196,16 @@ QM__I8_AI void qm__x_prefetch_scales(const qm__qmat *m, uint32_t n)
 
 /* The GEMV, once per inclusion with QM__V_FN defined. */
 #ifdef QM__V_FN
+#ifdef QM__V_DPBUSD
+static inline __m256i qm__v_dpbusd_dot4(__m256i lo, __m256i hi, __m256i xl, __m256i xh)
+{
+    return QM__V_DPBUSD(QM__V_DPBUSD(_mm256_setzero_si256(), lo, xl), hi, xh);
+}
+#define QM__V_DOT4(lo, hi, xl, xh) qm__v_dpbusd_dot4(lo, hi, xl, xh)
+#define QM__V_DOT8(w, x, x16)                                                                      \
+    QM__V_DPBUSD(_mm256_setzero_si256(), _mm256_loadu_si256((const __m256i *)(w)),                 \
+                 _mm256_loadu_si256((const __m256i *)(x)))
+#endif
 /* Where sub-block j stands: its block b and place w in it, stepped without
  * a division. */
 typedef struct qm__v_pos {

@@ -143,13 +143,10 @@ static double qm__now_us(void)
 #define QM__CAL_K 2880u
 #define QM__CAL_GEMM_ROWS 24u
 
-/* A kernel's row-range entry (gemv, gemm or a fast-mode mm). */
-typedef void (*qm__rows_fn)(const qm__qmat *m, uint32_t n0, uint32_t n1, const float *xp,
-                            size_t ldx, uint32_t nx, float *y, size_t ldy, float *scratch);
-
-/* The best of `reps` sweeps of `fn` over every row tile of m, in thread
- * CPU microseconds; one more sweep first warms the caches. */
-static double qm__best_sweep(qm__rows_fn fn, const qm__qmat *m, const float *xp, size_t ld,
+/* The best of `reps` sweeps of `fn` (a kernel's gemv, gemm or fast-mode
+ * mm) over every row tile of m, in thread CPU microseconds; one more sweep
+ * first warms the caches. */
+static double qm__best_sweep(qm__mm_fn *fn, const qm__qmat *m, const float *xp, size_t ld,
                              uint32_t nx, float *y, float *scratch, int reps)
 {
     double best = 1e30;

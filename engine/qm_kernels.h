@@ -40,6 +40,13 @@ typedef struct qm__qmat {
 /* Jobs with more rows than this use the GEMM path. */
 #define QM__GEMV_MAX_ROWS 4u
 
+/* The one signature of every matrix entry, exact or fast: rows [n0, n1) of
+ * W times nx prepared input rows (xp, ldx floats apart) into
+ * y[r * ldy + n], with the kernel's scratch. Entries are declared with it
+ * (`qm__mm_fn name;`) and defined with the parameters written out. */
+typedef void qm__mm_fn(const qm__qmat *m, uint32_t n0, uint32_t n1, const float *xp, size_t ldx,
+                       uint32_t nx, float *y, size_t ldy, float *scratch);
+
 typedef struct qm__kernel {
     const char *name; /* "scalar", "avx2", "avx512" */
     /* Floats per prepared input row for matrix m (GEMV or GEMM path). */
@@ -47,11 +54,9 @@ typedef struct qm__kernel {
     /* Prepares one natural-order input row x[0..k) into xp[0..x_stride). */
     void (*prep)(const qm__qmat *m, int gemm, const float *x, float *xp);
     /* Rows [n0, n1) of W times nx prepared rows; y[r * ldy + n]. */
-    void (*gemv)(const qm__qmat *m, uint32_t n0, uint32_t n1, const float *xp, size_t ldx,
-                 uint32_t nx, float *y, size_t ldy, float *scratch);
+    qm__mm_fn *gemv;
     /* Same for many rows; xp has room for nx rounded up to gemm_row_pad (zero rows). */
-    void (*gemm)(const qm__qmat *m, uint32_t n0, uint32_t n1, const float *xp, size_t ldx,
-                 uint32_t nx, float *y, size_t ldy, float *scratch);
+    qm__mm_fn *gemm;
     uint32_t gemm_row_pad;
 } qm__kernel;
 
@@ -62,8 +67,7 @@ typedef struct qm__kernel {
  * kernel gives the same bits for every row count (qm_kernel_i8.h). */
 typedef struct qm__i8kernel {
     const char *name; /* "scalar", "avx2", "avxvnni", "avx512vnni", "amx" */
-    void (*mm)(const qm__qmat *m, uint32_t n0, uint32_t n1, const float *xq, size_t ldx,
-               uint32_t nx, float *y, size_t ldy, float *scratch);
+    qm__mm_fn *mm;
 } qm__i8kernel;
 
 extern const qm__i8kernel qm__i8kernel_scalar;
@@ -136,13 +140,9 @@ extern const qm__kernel qm__kernel_avx2_folded;
 /* Entry points the AVX-512 table borrows from the AVX2 file. */
 size_t qm__avx2_x_stride(const qm__qmat *m, int gemm);
 void qm__avx2_prep(const qm__qmat *m, int gemm, const float *x, float *xp);
-void qm__avx2_gemv(const qm__qmat *m, uint32_t n0, uint32_t n1, const float *xp, size_t ldx,
-                   uint32_t nx, float *y, size_t ldy, float *scratch);
-void qm__avx2_gemm(const qm__qmat *m, uint32_t n0, uint32_t n1, const float *xp, size_t ldx,
-                   uint32_t nx, float *y, size_t ldy, float *scratch);
+qm__mm_fn qm__avx2_gemv, qm__avx2_gemm;
 /* The AVX-512 table's GEMM (qm_gemm_packed_avx512.c): the AVX2 GEMM's bits. */
-void qm__avx512_gemm_packed(const qm__qmat *m, uint32_t n0, uint32_t n1, const float *xp,
-                            size_t ldx, uint32_t nx, float *y, size_t ldy, float *scratch);
+qm__mm_fn qm__avx512_gemm_packed;
 #endif
 
 /* The kernel for this CPU, measured per shape class once per process (the
@@ -186,15 +186,9 @@ int qm__cpu_has_avx512(void);
 int qm__cpu_has_avx512vnni(void);
 int qm__cpu_has_avxvnni(void);
 /* Fast-mode entries, one per instruction set (qm_kernel_i8*.c). */
-void qm__i8mm_avx2(const qm__qmat *m, uint32_t n0, uint32_t n1, const float *xq, size_t ldx,
-                   uint32_t nx, float *y, size_t ldy, float *scratch);
-void qm__i8mm_avxvnni(const qm__qmat *m, uint32_t n0, uint32_t n1, const float *xq, size_t ldx,
-                      uint32_t nx, float *y, size_t ldy, float *scratch);
-void qm__i8mm_avx512vnni(const qm__qmat *m, uint32_t n0, uint32_t n1, const float *xq,
-                         size_t ldx, uint32_t nx, float *y, size_t ldy, float *scratch);
+qm__mm_fn qm__i8mm_avx2, qm__i8mm_avxvnni, qm__i8mm_avx512vnni;
 /* Only in a thread of a process granted the tile state (qm__cpu_has_amx). */
-void qm__i8mm_amx(const qm__qmat *m, uint32_t n0, uint32_t n1, const float *xq, size_t ldx,
-                  uint32_t nx, float *y, size_t ldy, float *scratch);
+qm__mm_fn qm__i8mm_amx;
 /* AMX-INT8 usable: the CPU flags, the OS's tile state, and this process's
  * permission for it, asked once (arch_prctl ARCH_REQ_XCOMP_PERM); where not,
  * why (qm__amx_why_not: "no AMX-INT8 on this CPU", "tile permission

@@ -149,10 +149,7 @@ static int qm__arena_carve(qm_pager *p, uint64_t *arena_bytes, qm_status *st)
     if (p->n_slots == 0)
         return 0;
     p->slots = qm_calloc(p->n_slots, sizeof *p->slots);
-    p->cand_slots = qm_calloc(p->n_slots, sizeof *p->cand_slots);
-    p->cand_refs = qm_calloc(p->n_slots, sizeof *p->cand_refs);
-    p->wave_slots = qm_calloc(p->n_slots, sizeof *p->wave_slots);
-    if (!p->slots || !p->cand_slots || !p->cand_refs || !p->wave_slots)
+    if (!p->slots || qm__pager_scratch_regrow(p, 0, p->n_slots))
         return qm_status_set(st, QM_ENOMEM, "out of memory for %u slots", p->n_slots);
     for (uint32_t s = 0; s < p->n_slots; s++)
         p->slots[s].base = qm_arena_at(p->arena, sz->whole_arena + (uint64_t)s * sz->slot_size);
@@ -273,9 +270,7 @@ void qm_pager_free(qm_pager *p)
     qm__pager_prefetch_free(p);
     qm__layers_free(p->layers, p->n_layers);
     qm_free(p->slots);
-    qm_free(p->cand_slots);
-    qm_free(p->cand_refs);
-    qm_free(p->wave_slots);
+    qm_free(p->cand_refs); /* and cand_slots, wave_slots */
     qm_free(p->route_buf);
     qm__moe_scratch_free(p->scratch);
     qm_free(p);

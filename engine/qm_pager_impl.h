@@ -88,9 +88,11 @@ struct qm_pager {
     uint32_t n_slots;  /* slots in use: [0, n_slots) */
     uint32_t slot_cap; /* slots with memory behind them (>= n_slots; slots[] has this many) */
     qm__slot *slots;
-    int32_t *cand_slots;      /* [n_slots] victim candidates, scratch */
-    qm_expert_ref *cand_refs; /* [n_slots] scratch */
-    int32_t *wave_slots;      /* [n_slots] slots assigned in the current acquire */
+    /* Scratch of the victim choice and of an acquire, [n_slots] at least,
+     * one block owned through cand_refs (qm__pager_scratch_regrow). */
+    qm_expert_ref *cand_refs;
+    int32_t *cand_slots; /* victim candidates */
+    int32_t *wave_slots; /* slots assigned in the current acquire */
     int has_budget;
     uint64_t budget;
     /* Arenas added by growing, each holding slots [grow_first[i], next one). */
@@ -183,5 +185,8 @@ void qm__pager_grow_free(qm_pager *p);
 /* Resizes *buf to n elements of `elem` bytes; on failure keeps it and
  * answers QM_ENOMEM (the buffers of prefetch and resize). */
 int qm__pager_regrow(void **buf, size_t n, size_t elem);
+/* cand_refs, cand_slots and wave_slots for n slots, in one new block that
+ * keeps their first n_old entries; QM_ENOMEM leaves them as they were. */
+int qm__pager_scratch_regrow(qm_pager *p, uint32_t n_old, uint32_t n);
 
 #endif

@@ -134,9 +134,7 @@ static int qm__grow(qm_pager *p, uint32_t want, qm_status *st)
      * are only larger), then the arena. */
     if (qm__pager_regrow((void **)&p->grow_arenas, p->n_grow + 1, sizeof *p->grow_arenas) ||
         qm__pager_regrow((void **)&p->grow_first, p->n_grow + 1, sizeof *p->grow_first) ||
-        qm__pager_regrow((void **)&p->cand_slots, want, sizeof *p->cand_slots) ||
-        qm__pager_regrow((void **)&p->cand_refs, want, sizeof *p->cand_refs) ||
-        qm__pager_regrow((void **)&p->wave_slots, want, sizeof *p->wave_slots))
+        qm__pager_scratch_regrow(p, p->slot_cap, want))
         return qm_status_set(st, QM_ENOMEM, "out of memory growing to %u slots", want);
     int rc = qm__pager_slots_regrow(p, want, st);
     if (rc)

@@ -2,6 +2,8 @@
  * against the budget, and the choice of victims (the policy's answer,
  * validated, else LRU). It copies nothing and waits for nothing: the copy
  * path (qm_pager_copy.c) sits above it. */
+#include <string.h>
+
 #include "qm_alloc.h"
 #include "qm_pager_disk.h"
 
@@ -118,5 +120,23 @@ int qm__pager_regrow(void **buf, size_t n, size_t elem)
     if (!b)
         return QM_ENOMEM;
     *buf = b;
+    return 0;
+}
+
+int qm__pager_scratch_regrow(qm_pager *p, uint32_t n_old, uint32_t n)
+{
+    qm_expert_ref *refs = qm_calloc(n, sizeof *refs + 2 * sizeof(int32_t));
+    if (!refs)
+        return QM_ENOMEM;
+    int32_t *cand = (int32_t *)(refs + n), *wave = cand + n;
+    if (n_old) {
+        memcpy(refs, p->cand_refs, (size_t)n_old * sizeof *refs);
+        memcpy(cand, p->cand_slots, (size_t)n_old * sizeof *cand);
+        memcpy(wave, p->wave_slots, (size_t)n_old * sizeof *wave);
+    }
+    qm_free(p->cand_refs);
+    p->cand_refs = refs;
+    p->cand_slots = cand;
+    p->wave_slots = wave;
     return 0;
 }

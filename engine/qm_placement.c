@@ -11,9 +11,7 @@ void qm_placement_free(qm_placement *pl)
 {
     if (!pl)
         return;
-    qm_free(pl->device_of);
     qm_free(pl->budget);
-    qm_free(pl->bytes);
     memset(pl, 0, sizeof *pl);
 }
 
@@ -31,13 +29,12 @@ int qm_placement_make(const qm_bank *bank, uint32_t n_devices, const uint64_t *w
     const uint32_t L = cfg->layers;
     out->n_devices = n_devices;
     out->n_layers = L;
-    out->device_of = qm_calloc(L ? L : 1, sizeof *out->device_of);
-    out->budget = qm_calloc(n_devices, sizeof *out->budget);
-    out->bytes = qm_calloc(n_devices, sizeof *out->bytes);
-    if (!out->device_of || !out->budget || !out->bytes) {
-        qm_placement_free(out);
+    /* The three arrays share one lifetime: one block, the u64 ones first. */
+    out->budget = qm_calloc(2 * (size_t)n_devices + (size_t)L / 2 + 1, sizeof *out->budget);
+    if (!out->budget)
         return qm_status_set(st, QM_ENOMEM, "out of memory for the placement");
-    }
+    out->bytes = out->budget + n_devices;
+    out->device_of = (uint32_t *)(out->bytes + n_devices);
     /* Cumulative weights as fractions (doubles: exact enough for a cut). */
     double w[QM_PLACEMENT_MAX_DEVICES], wsum = 0;
     for (uint32_t d = 0; d < n_devices; d++)

@@ -26,9 +26,10 @@
 
 typedef struct qm_placement {
     uint32_t n_devices, n_layers;
-    uint32_t *device_of; /* [n_layers] */
+    /* One block, owned through `budget` (qm_placement_free releases it). */
     uint64_t *budget;    /* [n_devices] the session's budget on each device (0: no layers) */
     uint64_t *bytes;     /* [n_devices] expert bytes of the layers placed there */
+    uint32_t *device_of; /* [n_layers] */
 } qm_placement;
 
 /* Places `bank`'s layers on n_devices (1..QM_PLACEMENT_MAX_DEVICES).

@@ -11,6 +11,12 @@
 #define QM_BANK_MAX_EXPERTS 65536u
 #define QM_BANK_MAX_DIM (1u << 20)
 
+/* Frees a header's lists as qm_st_header_free does (each tensor's name,
+ * each metadata key and value, both arrays), for holders of such lists
+ * outside a qm_st_header (the bank writer). */
+void qm__st_lists_free(qm_st_tensor *tensors, size_t n_tensors, qm_st_meta *meta,
+                       size_t n_meta);
+
 int qm__dtype_from_st(const char *st_name, qm_dtype *out);
 const char *qm__dtype_st_name(qm_dtype dtype);
 int qm__parse_tensor_name(const char *name, uint32_t n_layers, uint32_t *layer,

@@ -16,6 +16,7 @@
 #include <unistd.h>
 
 #include "qm_alloc.h"
+#include "qm_bank_internal.h"
 #include "qm_io.h"
 
 #define PARTIAL_MAGIC "QMOEPART" /* bytes 0..7 of an unfinished file */
@@ -214,6 +215,18 @@ static int format_header(const qm_bank_writer *w, char **json, size_t *len, qm_s
     return qm_st_header_format(w->tensors, w->n_tensors, w->meta, w->n_meta, 8, json, len, st);
 }
 
+/* The bank loader's verdict on the mapping [m, m + size), which it unmaps:
+ * 0 or its code, with its sentence in *bst. */
+static int open_unmap(void *m, size_t size, qm_status *bst)
+{
+    qm_bank *bank = NULL;
+    qm_status_clear(bst);
+    int rc = qm_bank_open_memory(m, size, &bank, bst);
+    qm_bank_close(bank);
+    munmap(m, size);
+    return rc;
+}
+
 /* The bank loader's verdict on this header over a data section of zeros:
  * an anonymous mapping of the file's size (untouched pages cost nothing). */
 static int check_header(const qm_bank_writer *w, const char *json, size_t len, qm_status *st)
@@ -227,12 +240,8 @@ static int check_header(const qm_bank_writer *w, const char *json, size_t len, q
     for (int i = 0; i < 8; i++)
         ((uint8_t *)m)[i] = (uint8_t)((uint64_t)len >> (8 * i));
     memcpy((uint8_t *)m + 8, json, len);
-    qm_bank *bank = NULL;
     qm_status bst;
-    qm_status_clear(&bst);
-    int rc = qm_bank_open_memory(m, size, &bank, &bst);
-    qm_bank_close(bank);
-    munmap(m, size);
+    int rc = open_unmap(m, size, &bst);
     if (rc == QM_ENOMEM) return qm_status_set(st, rc, "%s", bst.msg);
     if (rc) return qm_status_set(st, QM_EINVALID_MODEL, "%s", bst.msg);
     return 0;
@@ -537,12 +546,8 @@ static int reopen_check(qm_bank_writer *w, qm_status *st)
     void *m = mmap(NULL, size, PROT_READ, MAP_SHARED, w->fd, 0);
     if (m == MAP_FAILED)
         return qm_status_set(st, QM_EIO, "cannot map %.200s: %s", w->partial, strerror(errno));
-    qm_bank *bank = NULL;
     qm_status bst;
-    qm_status_clear(&bst);
-    int rc = qm_bank_open_memory(m, size, &bank, &bst);
-    qm_bank_close(bank);
-    munmap(m, size);
+    int rc = open_unmap(m, size, &bst);
     if (rc) return qm_status_set(st, QM_EINTERNAL, "the written bank does not open: %s", bst.msg);
     return 0;
 }
@@ -616,14 +621,7 @@ void qm_bank_writer_free(qm_bank_writer *w, int keep_partial)
             unlink(w->partial);
         close(w->fd);
     }
-    for (size_t i = 0; i < w->n_tensors; i++)
-        qm_free(w->tensors[i].name);
-    for (size_t i = 0; i < w->n_meta; i++) {
-        qm_free(w->meta[i].key);
-        qm_free(w->meta[i].value);
-    }
-    qm_free(w->meta);
-    qm_free(w->tensors);
+    qm__st_lists_free(w->tensors, w->n_tensors, w->meta, w->n_meta);
     qm_free(w->plan);
     qm_free(w->begin);
     qm_free(w->out);

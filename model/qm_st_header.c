@@ -303,18 +303,23 @@ fail_root:
     return rc;
 }
 
+void qm__st_lists_free(qm_st_tensor *tensors, size_t n_tensors, qm_st_meta *meta, size_t n_meta)
+{
+    for (size_t i = 0; tensors && i < n_tensors; i++)
+        qm_free(tensors[i].name);
+    for (size_t i = 0; meta && i < n_meta; i++) {
+        qm_free(meta[i].key);
+        qm_free(meta[i].value);
+    }
+    qm_free(tensors);
+    qm_free(meta);
+}
+
 void qm_st_header_free(qm_st_header *h)
 {
     if (!h)
         return;
-    for (size_t i = 0; i < h->n_tensors; i++)
-        qm_free(h->tensors[i].name);
-    for (size_t i = 0; i < h->n_meta; i++) {
-        qm_free(h->meta[i].key);
-        qm_free(h->meta[i].value);
-    }
-    qm_free(h->tensors);
-    qm_free(h->meta);
+    qm__st_lists_free(h->tensors, h->n_tensors, h->meta, h->n_meta);
     qm_free(h);
 }
 

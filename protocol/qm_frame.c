@@ -9,8 +9,6 @@
 
 #include <string.h>
 
-#include "qm_alloc.h"
-
 void qm_framer_init(qm_framer *f, size_t max_frame)
 {
     memset(f, 0, sizeof *f);
@@ -21,23 +19,22 @@ void qm_framer_free(qm_framer *f)
 {
     if (!f)
         return;
-    qm_free(f->buf);
-    f->buf = NULL;
-    f->start = f->len = f->cap = f->scanned = f->partial = 0;
+    qm_buf_free(&f->in);
+    f->start = f->scanned = f->partial = 0;
 }
 
-size_t qm_framer_buffered(const qm_framer *f) { return f->len - f->start; }
+size_t qm_framer_buffered(const qm_framer *f) { return f->in.len - f->start; }
 
 /* Scans the unscanned tail for '\n'; returns its offset or SIZE_MAX. */
 static size_t find_newline(qm_framer *f)
 {
     size_t from = f->start + f->scanned;
-    if (from < f->len) {
-        const char *nl = memchr(f->buf + from, '\n', f->len - from);
+    if (from < f->in.len) {
+        const char *nl = memchr(f->in.data + from, '\n', f->in.len - from);
         if (nl)
-            return (size_t)(nl - f->buf);
+            return (size_t)(nl - f->in.data);
     }
-    f->scanned = f->len - f->start;
+    f->scanned = f->in.len - f->start;
     return SIZE_MAX;
 }
 
@@ -48,30 +45,20 @@ int qm_framer_push(qm_framer *f, const char *data, size_t n)
     if (n == 0)
         return 0;
     /* Drop consumed bytes before growing. */
-    if (f->start > 0 && f->len + n > f->cap) {
-        memmove(f->buf, f->buf + f->start, f->len - f->start);
-        f->len -= f->start;
+    if (f->start > 0 && n > f->in.cap - f->in.len) {
+        memmove(f->in.data, f->in.data + f->start, f->in.len - f->start);
+        f->in.len -= f->start;
         f->start = 0;
     }
-    if (f->len + n > f->cap) {
-        size_t cap = f->cap ? f->cap : 4096;
-        while (cap < f->len + n)
-            cap *= 2;
-        char *p = qm_realloc(f->buf, cap);
-        if (!p)
-            return QM_ENOMEM;
-        f->buf = p;
-        f->cap = cap;
-    }
-    memcpy(f->buf + f->len, data, n);
-    f->len += n;
+    if (qm_buf_append(&f->in, data, n) < 0)
+        return QM_ENOMEM;
     /* A partial line already over the cap can never become valid: give up
      * now rather than buffer the rest of it. */
     const char *nl = memrchr(data, '\n', n);
     f->partial = nl ? n - (size_t)(nl - data) - 1 : f->partial + n;
     if (f->partial > f->max_frame) {
         /* Keep the complete lines before it: they are still answered. */
-        f->len -= f->partial;
+        f->in.len -= f->partial;
         f->partial = 0;
         f->scanned = 0;
         f->overflow = 1;
@@ -97,13 +84,13 @@ int qm_framer_next(qm_framer *f, const char **line, size_t *len)
                 return QM_EPAYLOAD_TOO_LARGE;
             return 0;
         }
-        const char *s = f->buf + f->start;
+        const char *s = f->in.data + f->start;
         size_t n = nl - f->start;
         f->start = nl + 1;
         f->scanned = 0;
         if (n > f->max_frame) {
             f->overflow = 1;
-            f->start = f->len;
+            f->start = f->in.len;
             return QM_EPAYLOAD_TOO_LARGE;
         }
         if (is_blank(s, n))

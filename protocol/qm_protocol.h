@@ -155,8 +155,8 @@ void qm_jw_mapped_tensor(qm_jw *w, qm_wire_dtype dtype, uint32_t ndim, const uin
  * sticky overflow state and its bytes are not kept (complete lines before it
  * are still returned by next, then the error). */
 typedef struct qm_framer {
-    char *buf;
-    size_t start, len, cap; /* unconsumed bytes are buf[start, len) */
+    qm_buf in;              /* unconsumed bytes are in.data[start, in.len) */
+    size_t start;
     size_t scanned;         /* bytes after start known to hold no '\n' */
     size_t partial;         /* length of the unterminated last line */
     size_t max_frame;

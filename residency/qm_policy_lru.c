@@ -69,12 +69,12 @@ const qm__policy_desc qm__policy_lru_desc = {
 
 typedef struct static_hot_ctx {
     lru_ctx lru; /* first member: the LRU hooks take this ctx as their own */
-    uint32_t **hot;
+    uint32_t **hot;   /* owns one block: hot[], hot_len[] and the lists' entries */
     size_t *hot_len;
     size_t n_hot_banks;
     size_t n_listed_banks; /* banks with a non-empty hot list share the pin budget */
     double pin_fraction;
-    uint32_t *pinned; /* decide()'s answer */
+    uint32_t *pinned; /* decide()'s answer; owns one block with seen */
     uint8_t *seen;    /* per expert of the bank being decided: already pinned */
     size_t scratch_cap;
 } static_hot_ctx;
@@ -100,13 +100,12 @@ static int static_hot_decide(void *ctx, const qm_policy_input *in, qm_residency_
         max_pins = slot ? (size_t)(share_bytes / slot) : 0;
     }
     if (max_pins == 0) return 0;
-    if (sh->scratch_cap < n) {
-        uint32_t *pinned = qm_realloc(sh->pinned, (size_t)n * sizeof *pinned);
+    if (sh->scratch_cap < n) { /* both are rewritten by every decide: nothing to keep */
+        uint32_t *pinned = qm_malloc((size_t)n * (sizeof *pinned + 1));
         if (!pinned) return QM_ENOMEM;
+        qm_free(sh->pinned);
         sh->pinned = pinned;
-        uint8_t *seen = qm_realloc(sh->seen, n);
-        if (!seen) return QM_ENOMEM;
-        sh->seen = seen;
+        sh->seen = (uint8_t *)(pinned + n);
         sh->scratch_cap = n;
     }
     memset(sh->seen, 0, n);
@@ -126,12 +125,8 @@ static void static_hot_destroy(void *ctx)
 {
     static_hot_ctx *sh = ctx;
     if (!sh) return;
-    for (size_t b = 0; b < sh->n_hot_banks; b++)
-        qm_free(sh->hot[b]);
-    qm_free(sh->hot);
-    qm_free(sh->hot_len);
-    qm_free(sh->pinned);
-    qm_free(sh->seen);
+    qm_free(sh->hot);    /* with hot_len and the lists */
+    qm_free(sh->pinned); /* with seen */
     qm__split_destroy(sh); /* sh starts with its lru_ctx, which starts with the base */
 }
 
@@ -160,17 +155,27 @@ static int static_hot_new(const qm_policy_params *params, qm_policy *out, qm_sta
     if (!sh) return QM_ENOMEM;
     sh->pin_fraction = fraction;
     if (n_banks) {
-        sh->hot = qm_calloc(n_banks, sizeof *sh->hot);
+        /* The copied lists have one lifetime: one block of the list
+         * pointers, the lengths, then every list's entries. */
+        unsigned long long entries = 0, bytes, head;
+        for (size_t b = 0; b < n_banks; b++)
+            if (params->hot[b] && qm_add_u64(entries, params->hot_len[b], &entries))
+                goto fail_copy;
+        if (qm_mul_u64(n_banks, sizeof *sh->hot + sizeof *sh->hot_len, &head) ||
+            qm_mul_u64(entries, sizeof **sh->hot, &bytes) || qm_add_u64(bytes, head, &bytes) ||
+            bytes > SIZE_MAX)
+            goto fail_copy;
+        sh->hot = qm_calloc(1, (size_t)bytes);
         if (!sh->hot) goto fail_copy;
-        sh->n_hot_banks = n_banks; /* from here on destroy frees what was copied */
-        sh->hot_len = qm_calloc(n_banks, sizeof *sh->hot_len);
-        if (!sh->hot_len) goto fail_copy;
+        sh->n_hot_banks = n_banks;
+        sh->hot_len = (size_t *)(sh->hot + n_banks);
+        uint32_t *at = (uint32_t *)(sh->hot_len + n_banks);
         for (size_t b = 0; b < n_banks; b++) {
             size_t len = params->hot[b] ? params->hot_len[b] : 0;
             if (!len) continue;
-            sh->hot[b] = qm_calloc(len, sizeof *sh->hot[b]);
-            if (!sh->hot[b]) goto fail_copy;
-            memcpy(sh->hot[b], params->hot[b], len * sizeof *sh->hot[b]);
+            sh->hot[b] = at;
+            memcpy(at, params->hot[b], len * sizeof *at);
+            at += len;
             sh->hot_len[b] = len;
             sh->n_listed_banks++;
         }

@@ -28,9 +28,7 @@ import run  # noqa: E402
 
 
 def main():
-    ap = run.ab_parser("mixtral", 8)
-    ap.add_argument("--iters", type=int, default=10)
-    args = ap.parse_args()
+    args = run.ab_parser("mixtral", 8, iters=10).parse_args()
     c = run.CASES[args.case]
     builds = {"new": args.build}
     if args.base_build:
@@ -51,10 +49,7 @@ def main():
             med = {}
             for name, (b, prec) in benches.items():
                 o = run.time_ours(b, bank, 1, args.iters, 3, args.threads, args.seed + rnd, prec)
-                wall[name] += o["samples_ms"]
-                cpu[name].append(o["cpu_ms_median"])
-                med[name] = o["median_ms"]
-                nbytes = o["bytes_per_call"]
+                nbytes = run.tally(o, name, wall, cpu, med)
             d, load = run.ort_round(sessions, cfg, 1, args.iters, 2, rng, med, ratios)
             wall["ort"] += d
             print(f"round {rnd}: " + ", ".join(f"{k} {v:.1f}" for k, v in med.items())

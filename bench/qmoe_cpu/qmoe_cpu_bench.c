@@ -219,6 +219,18 @@ static void peak_runs(float (*loop)(long), unsigned threads, double ops_per_iter
     qsort(g, 5, sizeof(double), cmp_double);
 }
 
+/* peak_runs, printed as one JSON line: the median, min and max "G<unit>/s"
+ * (unit "gflops", "gops") of probe `what` for `isa`. */
+static void peak_line(const char *what, const char *isa, const char *unit, float (*loop)(long),
+                      unsigned threads, double ops_per_iter)
+{
+    double g[5];
+    peak_runs(loop, threads, ops_per_iter, g);
+    printf("{\"what\":\"%s\",\"isa\":\"%s\",\"threads\":%u,\"median_%s\":%.1f,"
+           "\"min_%s\":%.1f,\"max_%s\":%.1f}\n",
+           what, isa, threads, unit, g[2], unit, g[0], unit, g[4]);
+}
+
 /* Median over 5 runs of the summed per-thread GFLOP/s (2 flops per lane per
  * FMA), each thread timed by its own CPU time. */
 static void measure_fma(unsigned threads)
@@ -229,11 +241,8 @@ static void measure_fma(unsigned threads)
             continue;
         if (!__builtin_cpu_supports("fma"))
             continue;
-        double g[5];
-        peak_runs(wide ? fma_loop512 : fma_loop256, threads, 2.0 * (wide ? 16 : 8) * 12, g);
-        printf("{\"what\":\"fma_peak\",\"isa\":\"%s\",\"threads\":%u,\"median_gflops\":%.1f,"
-               "\"min_gflops\":%.1f,\"max_gflops\":%.1f}\n",
-               wide ? "avx512" : "avx2", threads, g[2], g[0], g[4]);
+        peak_line("fma_peak", wide ? "avx512" : "avx2", "gflops", wide ? fma_loop512 : fma_loop256,
+                  threads, 2.0 * (wide ? 16 : 8) * 12);
     }
 }
 
@@ -281,11 +290,8 @@ static void measure_i8(unsigned threads)
     for (int wide = 0; wide < 2; wide++) {
         if (wide ? !__builtin_cpu_supports("avx512vnni") : !__builtin_cpu_supports("avx2"))
             continue;
-        double g[5];
-        peak_runs(wide ? i8_loop512 : i8_loop256, threads, 2.0 * (wide ? 64 : 32) * 12, g);
-        printf("{\"what\":\"i8_peak\",\"isa\":\"%s\",\"threads\":%u,\"median_gops\":%.1f,"
-               "\"min_gops\":%.1f,\"max_gops\":%.1f}\n",
-               wide ? "avx512vnni" : "avx2", threads, g[2], g[0], g[4]);
+        peak_line("i8_peak", wide ? "avx512vnni" : "avx2", "gops", wide ? i8_loop512 : i8_loop256,
+                  threads, 2.0 * (wide ? 64 : 32) * 12);
     }
 }
 #else

@@ -132,24 +132,19 @@ def time_ggml(ggml, c, typ, t, iters, warmup, threads, seed):
     return json.loads(r.stdout.strip().splitlines()[-1])
 
 
-def fma_peak(bench, threads):
-    r = subprocess.run([bench, "--fma-peak", "--threads", str(threads)], capture_output=True,
+def peaks(bench, flag, key, threads):
+    """qmoe_cpu_bench's peak probe `flag`: {isa: its line's `key`}."""
+    r = subprocess.run([bench, flag, "--threads", str(threads)], capture_output=True,
                        text=True, check=True)
-    best = {}
-    for line in r.stdout.strip().splitlines():
-        o = json.loads(line)
-        best[o["isa"]] = o["median_gflops"]
-    return best
+    return {o["isa"]: o[key] for o in map(json.loads, r.stdout.strip().splitlines())}
+
+
+def fma_peak(bench, threads):
+    return peaks(bench, "--fma-peak", "median_gflops", threads)
 
 
 def i8_peak(bench, threads):
-    r = subprocess.run([bench, "--i8-peak", "--threads", str(threads)], capture_output=True,
-                       text=True, check=True)
-    best = {}
-    for line in r.stdout.strip().splitlines():
-        o = json.loads(line)
-        best[o["isa"]] = o["median_gops"]
-    return best
+    return peaks(bench, "--i8-peak", "median_gops", threads)
 
 
 def cpu_text():
@@ -190,8 +185,9 @@ def check_outputs(qmoe_bank, bank, cfg, sessions_by_mode, tmp, rng, precision="e
     return out
 
 
-def ab_parser(case, rounds):
-    """The options the side-by-side scripts (prefill_ab.py, decode_ab.py) share."""
+def ab_parser(case, rounds, iters=None):
+    """The options the side-by-side scripts (prefill_ab.py, decode_ab.py,
+    scales_ab.py) share; --iters when given its default."""
     ap = argparse.ArgumentParser()
     ap.add_argument("--build", default=os.path.join(SRC, "build"))
     ap.add_argument("--base-build", help="another build to time in the same rounds")
@@ -199,7 +195,19 @@ def ab_parser(case, rounds):
     ap.add_argument("--rounds", type=int, default=rounds)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--seed", type=int, default=7)
+    if iters:
+        ap.add_argument("--iters", type=int, default=iters)
     return ap
+
+
+def tally(o, key, wall, cpu, med):
+    """One time_ours result into a side-by-side's tallies under `key`: its
+    samples onto wall, its median CPU ms onto cpu, its median wall ms into
+    med; returns its bytes per call."""
+    wall[key] += o["samples_ms"]
+    cpu[key].append(o["cpu_ms_median"])
+    med[key] = o["median_ms"]
+    return o["bytes_per_call"]
 
 
 def ort_round(sessions, cfg, t, iters, warmup, rng, ours_ms, ratios):

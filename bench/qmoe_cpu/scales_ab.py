@@ -24,9 +24,7 @@ import qmoebank  # noqa: E402
 
 
 def main():
-    ap = run.ab_parser("gptoss", 8)
-    ap.add_argument("--iters", type=int, default=10)
-    args = ap.parse_args()
+    args = run.ab_parser("gptoss", 8, iters=10).parse_args()
     c = run.CASES[args.case]
     bench = os.path.join(args.build, "bench", "qmoe_cpu", "qmoe_cpu_bench")
     with run.temp_bank("qmoe-scales-ab-32-") as b32, run.temp_bank("qmoe-scales-ab-16-") as b16:
@@ -46,10 +44,7 @@ def main():
             for s, p in order:
                 o = run.time_ours(bench, b16 if s == "f16" else b32, 1, args.iters, 3,
                                   args.threads, args.seed + rnd, p)
-                wall[(s, p)] += o["samples_ms"]
-                cpu[(s, p)].append(o["cpu_ms_median"])
-                med[(s, p)] = o["median_ms"]
-                nbytes[s] = o["bytes_per_call"]
+                nbytes[s] = run.tally(o, (s, p), wall, cpu, med)
             for p in ratio:
                 ratio[p].append(med[("f32", p)] / med[("f16", p)])
             print(f"round {rnd}: " + ", ".join(f"{s} {p} {med[(s, p)]:.2f} ms" for s, p in keys)

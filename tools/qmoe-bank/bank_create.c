@@ -406,13 +406,7 @@ int qm__cmd_create(int argc, char **argv)
             break;
         }
         case O_SDT:
-            if (strcmp(optarg, "f32") == 0)
-                o.scale_dtype = QM_DTYPE_F32;
-            else if (strcmp(optarg, "f16") == 0)
-                o.scale_dtype = QM_DTYPE_F16;
-            else if (strcmp(optarg, "bf16") == 0)
-                o.scale_dtype = QM_DTYPE_BF16;
-            else
+            if (qm__parse_scale_dtype(optarg, &o.scale_dtype))
                 return bad("--scale-dtype must be f32, f16 or bf16");
             o.bias_dtype = o.scale_dtype; /* as given: scales, biases and the router */
             break;

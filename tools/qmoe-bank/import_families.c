@@ -8,8 +8,15 @@
 #define FLOAT_FORMATS "bf16, f16, f32"
 /* The experts' tensor names of the families built on transformers'
  * Qwen2-MoE-style MLP (mlp.experts.N.{gate,up,down}_proj, router mlp.gate). */
-#define QM__MLP_PROJ_NAMES                                                                        \
+#define QM__MLP_PROJ_NAMES                                                                         \
     .moe = "mlp", .gate = "gate_proj", .up = "up_proj", .down = "down_proj", .router = "gate"
+
+/* Softmax routing whose k weights are not scaled; norm: whether they are
+ * renormalised when the family reads no key for it. */
+#define QM__SOFTMAX_ROUTING(norm)                                                                  \
+    .score = "softmax", .normalize_default = (norm), .scale_default = 1.0
+/* ... renormalised as config.json's norm_topk_prob says (default: not). */
+#define QM__SOFTMAX_NORM_TOPK_PROB QM__SOFTMAX_ROUTING(0), .normalize_key = "norm_topk_prob"
 
 const qm__family qm__families[] = {
     {.name = "mixtral",
@@ -20,9 +27,7 @@ const qm__family qm__families[] = {
      .down = "w2",
      .router = "gate",
      .inter_key = "intermediate_size",
-     .score = "softmax",
-     .normalize_default = 1,
-     .scale_default = 1.0,
+     QM__SOFTMAX_ROUTING(1),
      .gguf_arch = "llama",
      .gguf_norm_default = 1,
      .formats = FLOAT_FORMATS},
@@ -31,10 +36,7 @@ const qm__family qm__families[] = {
      QM__MLP_PROJ_NAMES,
      .inter_key = "moe_intermediate_size",
      .flags = QM__FAM_SPARSE_STEP,
-     .score = "softmax",
-     .normalize_key = "norm_topk_prob",
-     .normalize_default = 0,
-     .scale_default = 1.0,
+     QM__SOFTMAX_NORM_TOPK_PROB,
      .gguf_arch = "qwen2moe",
      .gguf_norm_default = 0,
      .formats = FLOAT_FORMATS},
@@ -43,10 +45,7 @@ const qm__family qm__families[] = {
      QM__MLP_PROJ_NAMES,
      .inter_key = "moe_intermediate_size",
      .flags = QM__FAM_SPARSE_STEP,
-     .score = "softmax",
-     .normalize_key = "norm_topk_prob",
-     .normalize_default = 0,
-     .scale_default = 1.0,
+     QM__SOFTMAX_NORM_TOPK_PROB,
      .gguf_arch = "qwen3moe",
      .gguf_norm_default = 1,
      .formats = FLOAT_FORMATS},
@@ -54,10 +53,7 @@ const qm__family qm__families[] = {
      .architecture = "OlmoeForCausalLM",
      QM__MLP_PROJ_NAMES,
      .inter_key = "intermediate_size",
-     .score = "softmax",
-     .normalize_key = "norm_topk_prob",
-     .normalize_default = 0,
-     .scale_default = 1.0,
+     QM__SOFTMAX_NORM_TOPK_PROB,
      .gguf_arch = "olmoe",
      .gguf_norm_default = 0,
      .formats = FLOAT_FORMATS},
@@ -67,10 +63,8 @@ const qm__family qm__families[] = {
      QM__MLP_PROJ_NAMES,
      .inter_key = "moe_intermediate_size",
      .flags = QM__FAM_DENSE_PREFIX | QM__FAM_FP8,
-     .score = "softmax",
-     .normalize_default = 0,
+     QM__SOFTMAX_ROUTING(0),
      .scale_key = "routed_scaling_factor",
-     .scale_default = 1.0,
      .groups = QM__GROUPS_BY_TOPK_METHOD,
      .group_score = "max",
      .gguf_arch = "deepseek2",
@@ -101,9 +95,7 @@ const qm__family qm__families[] = {
      .inter_key = "intermediate_size",
      .flags = QM__FAM_FUSED_EXPERTS | QM__FAM_EXPERT_BIASES | QM__FAM_ROUTER_BIAS | QM__FAM_MXFP4 |
               QM__FAM_OAI_SWIGLU,
-     .score = "softmax",
-     .normalize_default = 1,
-     .scale_default = 1.0,
+     QM__SOFTMAX_ROUTING(1),
      .gguf_arch = "gpt-oss",
      .gguf_norm_default = 1,
      .formats = "bf16, f32, MXFP4 (the Hub's blocks/scales)"},
@@ -157,12 +149,27 @@ void qm__family_help(FILE *f, int gguf)
     }
 }
 
-static void json_flag(FILE *f, const char *name, int on, int *first)
+/* The flags' names in --families, in the order of the enum. */
+static const struct {
+    const char *name;
+    unsigned flag;
+} flag_names[] = {
+    {"fused_experts", QM__FAM_FUSED_EXPERTS},
+    {"expert_biases", QM__FAM_EXPERT_BIASES},
+    {"router_bias", QM__FAM_ROUTER_BIAS},
+    {"correction_bias", QM__FAM_CORRECTION_BIAS},
+    {"sparse_step", QM__FAM_SPARSE_STEP},
+    {"dense_prefix", QM__FAM_DENSE_PREFIX},
+    {"mxfp4", QM__FAM_MXFP4},
+    {"fp8", QM__FAM_FP8},
+    {"oai_swiglu", QM__FAM_OAI_SWIGLU},
+};
+
+static void json_flag(FILE *f, const char *name, unsigned on, int first)
 {
-    fprintf(f, "%s", *first ? "" : ", ");
+    fprintf(f, "%s", first ? "" : ", ");
     qm__json_string(f, name);
     fprintf(f, ": %s", on ? "true" : "false");
-    *first = 0;
 }
 
 static void json_str(FILE *f, const char *key, const char *v)
@@ -193,16 +200,8 @@ void qm__families_json(FILE *f)
         json_str(f, "router", m->router);
         json_str(f, "inter_key", m->inter_key);
         fprintf(f, ", \"flags\": {");
-        int first = 1;
-        json_flag(f, "fused_experts", m->flags & QM__FAM_FUSED_EXPERTS, &first);
-        json_flag(f, "expert_biases", m->flags & QM__FAM_EXPERT_BIASES, &first);
-        json_flag(f, "router_bias", m->flags & QM__FAM_ROUTER_BIAS, &first);
-        json_flag(f, "correction_bias", m->flags & QM__FAM_CORRECTION_BIAS, &first);
-        json_flag(f, "sparse_step", m->flags & QM__FAM_SPARSE_STEP, &first);
-        json_flag(f, "dense_prefix", m->flags & QM__FAM_DENSE_PREFIX, &first);
-        json_flag(f, "mxfp4", m->flags & QM__FAM_MXFP4, &first);
-        json_flag(f, "fp8", m->flags & QM__FAM_FP8, &first);
-        json_flag(f, "oai_swiglu", m->flags & QM__FAM_OAI_SWIGLU, &first);
+        for (size_t b = 0; b < sizeof flag_names / sizeof flag_names[0]; b++)
+            json_flag(f, flag_names[b].name, m->flags & flag_names[b].flag, b == 0);
         fprintf(f, "}}, \"routing\": {\"score\": ");
         qm__json_string(f, m->score);
         json_str(f, "normalize_key", m->normalize_key);

@@ -13,6 +13,7 @@
 #include <fcntl.h>
 #include <getopt.h>
 #include <math.h>
+#include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -710,6 +711,22 @@ int qm__cmd_import_gguf(int argc, char **argv)
     return qm__gguf_run(NULL, argc, argv);
 }
 
+/* A usage error of `import gguf`: the line on stderr, then the file a
+ * caller handed over is closed; QM__EXIT_USAGE. */
+static int gguf_usage(qm__gguf_file *given, const char *fmt, ...)
+    __attribute__((format(printf, 2, 3)));
+static int gguf_usage(qm__gguf_file *given, const char *fmt, ...)
+{
+    va_list ap;
+    va_start(ap, fmt);
+    fprintf(stderr, "qmoe-bank import gguf: ");
+    vfprintf(stderr, fmt, ap);
+    fputc('\n', stderr);
+    va_end(ap);
+    qm__gguf_close(given);
+    return QM__EXIT_USAGE;
+}
+
 int qm__gguf_run(qm__gguf_file *given, int argc, char **argv)
 {
     static const struct option longopts[] = {{"out", required_argument, 0, 'o'},
@@ -730,29 +747,12 @@ int qm__gguf_run(qm__gguf_file *given, int argc, char **argv)
             out = optarg;
         } else if (c == 'b') {
             if (qm__parse_u32(optarg, 8, &requant_bits) != 0 ||
-                (requant_bits != 4 && requant_bits != 8)) {
-                fprintf(stderr,
-                        "qmoe-bank import gguf: --requant-bits takes 4 or 8, not "
-                        "\"%.32s\"\n",
-                        optarg);
-                qm__gguf_close(given);
-                return QM__EXIT_USAGE;
-            }
+                (requant_bits != 4 && requant_bits != 8))
+                return gguf_usage(given, "--requant-bits takes 4 or 8, not \"%.32s\"", optarg);
         } else if (c == 's') {
-            if (strcmp(optarg, "f16") == 0) {
-                sdt = QM_DTYPE_F16;
-            } else if (strcmp(optarg, "f32") == 0) {
-                sdt = QM_DTYPE_F32;
-            } else if (strcmp(optarg, "bf16") == 0) {
-                sdt = QM_DTYPE_BF16;
-            } else {
-                fprintf(stderr,
-                        "qmoe-bank import gguf: --scales takes f16, f32 or bf16, not "
-                        "\"%.32s\"\n",
-                        optarg);
-                qm__gguf_close(given);
-                return QM__EXIT_USAGE;
-            }
+            if (qm__parse_scale_dtype(optarg, &sdt))
+                return gguf_usage(given, "--scales takes f16, f32 or bf16, not \"%.32s\"",
+                                  optarg);
         } else if (c == 'r') {
             resume = 1;
         } else if (c == 'q') {
@@ -762,17 +762,11 @@ int qm__gguf_run(qm__gguf_file *given, int argc, char **argv)
             qm__gguf_close(given);
             return QM__EXIT_OK;
         } else {
-            fprintf(stderr, "qmoe-bank import gguf: unknown option \"%.64s\" (see --help)\n",
-                    argv[optind - 1]);
-            qm__gguf_close(given);
-            return QM__EXIT_USAGE;
+            return gguf_usage(given, "unknown option \"%.64s\" (see --help)", argv[optind - 1]);
         }
     }
-    if (optind != argc - 1 || !out) {
-        fprintf(stderr, "qmoe-bank import gguf: expected FILE and --out BANK (see --help)\n");
-        qm__gguf_close(given);
-        return QM__EXIT_USAGE;
-    }
+    if (optind != argc - 1 || !out)
+        return gguf_usage(given, "expected FILE and --out BANK (see --help)");
     qm__catch_interrupts();
     job j = {.in_path = argv[optind], .out_path = out};
     plan pl = {0};

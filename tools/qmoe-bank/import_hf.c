@@ -418,13 +418,7 @@ static int hf_options(int argc, char **argv, qm__hf_import *im)
             break;
         case O_SCALES:
             im->o.scales_set = 1;
-            if (strcmp(optarg, "f32") == 0)
-                im->o.scale_dtype = QM_DTYPE_F32;
-            else if (strcmp(optarg, "f16") == 0)
-                im->o.scale_dtype = QM_DTYPE_F16;
-            else if (strcmp(optarg, "bf16") == 0)
-                im->o.scale_dtype = QM_DTYPE_BF16;
-            else
+            if (qm__parse_scale_dtype(optarg, &im->o.scale_dtype))
                 return usage("--scales must be f32, f16 or bf16");
             break;
         case O_RESUME:

@@ -317,6 +317,27 @@ static int expect(qm__hf_import *im, const char *name, unsigned elems, uint32_t 
     return 0;
 }
 
+/* One tensor of a layer's fused experts: model.layers.{l}.{moe}.experts.{what}. */
+typedef struct fused_tensor {
+    const char *what;
+    unsigned elems;
+    uint32_t nd;
+    const uint64_t *want;
+    int slot; /* QM__HF_FUSED_* */
+} fused_tensor;
+
+static int expect_fused(qm__hf_import *im, uint32_t l, const char *moe, const fused_tensor *t,
+                        size_t n, const char *why, const qm__hf_tensor **src, qm_status *st)
+{
+    char name[256];
+    for (size_t i = 0; i < n; i++) {
+        snprintf(name, sizeof name, "model.layers.%u.%s.experts.%s", l, moe, t[i].what);
+        int rc = expect(im, name, t[i].elems, t[i].nd, t[i].want, why, &src[t[i].slot], st);
+        if (rc) return rc;
+    }
+    return 0;
+}
+
 static int check_absent(qm__hf_import *im, const char *name, const char *why, qm_status *st)
 {
     const qm__hf_tensor *t = qm__hf_find(im->ck, name);
@@ -432,49 +453,32 @@ int qm__hf_resolve(qm__hf_import *im, qm_status *st)
                                          H, I);
                 uint64_t gb[4] = {E, 2ull * I, H / 32, 16}, gs[3] = {E, 2ull * I, H / 32};
                 uint64_t db[4] = {E, H, I / 32, 16}, ds[3] = {E, H, I / 32};
-                snprintf(name, sizeof name, "model.layers.%u.%s.experts.gate_up_proj_blocks", l,
-                         f->moe);
-                if ((rc = expect(im, name, 1u << QM__ELEM_U8, 4, gb, why,
-                                 &src[QM__HF_FUSED_GATE_UP], st)))
-                    return rc;
-                snprintf(name, sizeof name, "model.layers.%u.%s.experts.gate_up_proj_scales", l,
-                         f->moe);
-                if ((rc = expect(im, name, 1u << QM__ELEM_U8, 3, gs, why,
-                                 &src[QM__HF_FUSED_GATE_UP_SCALES], st)))
-                    return rc;
-                snprintf(name, sizeof name, "model.layers.%u.%s.experts.down_proj_blocks", l,
-                         f->moe);
-                if ((rc = expect(im, name, 1u << QM__ELEM_U8, 4, db, why, &src[QM__HF_FUSED_DOWN],
-                                 st)))
-                    return rc;
-                snprintf(name, sizeof name, "model.layers.%u.%s.experts.down_proj_scales", l,
-                         f->moe);
-                if ((rc = expect(im, name, 1u << QM__ELEM_U8, 3, ds, why,
-                                 &src[QM__HF_FUSED_DOWN_SCALES], st)))
-                    return rc;
+                const unsigned u8 = 1u << QM__ELEM_U8;
+                const fused_tensor mx[] = {
+                    {"gate_up_proj_blocks", u8, 4, gb, QM__HF_FUSED_GATE_UP},
+                    {"gate_up_proj_scales", u8, 3, gs, QM__HF_FUSED_GATE_UP_SCALES},
+                    {"down_proj_blocks", u8, 4, db, QM__HF_FUSED_DOWN},
+                    {"down_proj_scales", u8, 3, ds, QM__HF_FUSED_DOWN_SCALES},
+                };
+                if ((rc = expect_fused(im, l, f->moe, mx, 4, why, src, st))) return rc;
                 bytes += src[QM__HF_FUSED_GATE_UP_SCALES]->nbytes +
                          src[QM__HF_FUSED_DOWN_SCALES]->nbytes;
             } else {
                 uint64_t gu[3] = {E, H, 2ull * I}, dn[3] = {E, I, H};
-                snprintf(name, sizeof name, "model.layers.%u.%s.experts.gate_up_proj", l, f->moe);
-                if ((rc = expect(im, name, ELEM_FLOAT, 3, gu, why, &src[QM__HF_FUSED_GATE_UP], st)))
-                    return rc;
-                snprintf(name, sizeof name, "model.layers.%u.%s.experts.down_proj", l, f->moe);
-                if ((rc = expect(im, name, ELEM_FLOAT, 3, dn, why, &src[QM__HF_FUSED_DOWN], st)))
-                    return rc;
+                const fused_tensor fl[] = {
+                    {"gate_up_proj", ELEM_FLOAT, 3, gu, QM__HF_FUSED_GATE_UP},
+                    {"down_proj", ELEM_FLOAT, 3, dn, QM__HF_FUSED_DOWN},
+                };
+                if ((rc = expect_fused(im, l, f->moe, fl, 2, why, src, st))) return rc;
             }
             bytes += src[QM__HF_FUSED_GATE_UP]->nbytes + src[QM__HF_FUSED_DOWN]->nbytes;
-            if (f->flags & QM__FAM_EXPERT_BIASES) {
-                snprintf(name, sizeof name, "model.layers.%u.%s.experts.gate_up_proj_bias", l,
-                         f->moe);
-                if ((rc = expect(im, name, ELEM_FLOAT, 2, b1, why, &src[QM__HF_FUSED_GATE_UP_BIAS],
-                                 st)))
-                    return rc;
-                snprintf(name, sizeof name, "model.layers.%u.%s.experts.down_proj_bias", l, f->moe);
-                if ((rc = expect(im, name, ELEM_FLOAT, 2, b2, why, &src[QM__HF_FUSED_DOWN_BIAS],
-                                 st)))
-                    return rc;
-            }
+            const fused_tensor bias[] = {
+                {"gate_up_proj_bias", ELEM_FLOAT, 2, b1, QM__HF_FUSED_GATE_UP_BIAS},
+                {"down_proj_bias", ELEM_FLOAT, 2, b2, QM__HF_FUSED_DOWN_BIAS},
+            };
+            if ((f->flags & QM__FAM_EXPERT_BIASES) &&
+                (rc = expect_fused(im, l, f->moe, bias, 2, why, src, st)))
+                return rc;
         }
         im->layer_bytes[li] = bytes;
     }

@@ -128,6 +128,19 @@ int qm__parse_u32(const char *s, unsigned long long max, unsigned *out)
     return 0;
 }
 
+int qm__parse_scale_dtype(const char *s, qm_dtype *out)
+{
+    if (strcmp(s, "f32") == 0)
+        *out = QM_DTYPE_F32;
+    else if (strcmp(s, "f16") == 0)
+        *out = QM_DTYPE_F16;
+    else if (strcmp(s, "bf16") == 0)
+        *out = QM_DTYPE_BF16;
+    else
+        return -1;
+    return 0;
+}
+
 void qm__json_string(FILE *f, const char *s)
 {
     fputc('"', f);

@@ -49,32 +49,17 @@ int main(int argc, char **argv)
     const char *type_s = "q4_0";
     int H = 2880, I = 2880, E = 32, K = 4, L = 2, T = 1, threads = 2, iters = 20, warmup = 3;
     uint64_t seed = 1;
+    const bench_arg args[] = {
+        {"--type", BENCH_ARG_STR, &type_s},    {"--hidden", BENCH_ARG_INT, &H},
+        {"--inter", BENCH_ARG_INT, &I},        {"--experts", BENCH_ARG_INT, &E},
+        {"--k", BENCH_ARG_INT, &K},            {"--layers", BENCH_ARG_INT, &L},
+        {"--tokens", BENCH_ARG_INT, &T},       {"--threads", BENCH_ARG_INT, &threads},
+        {"--iters", BENCH_ARG_INT, &iters},    {"--warmup", BENCH_ARG_INT, &warmup},
+        {"--seed", BENCH_ARG_U64, &seed},
+    };
     for (int i = 1; i + 1 < argc; i += 2) {
-        const char *a = argv[i], *v = argv[i + 1];
-        if (!strcmp(a, "--type"))
-            type_s = v;
-        else if (!strcmp(a, "--hidden"))
-            H = atoi(v);
-        else if (!strcmp(a, "--inter"))
-            I = atoi(v);
-        else if (!strcmp(a, "--experts"))
-            E = atoi(v);
-        else if (!strcmp(a, "--k"))
-            K = atoi(v);
-        else if (!strcmp(a, "--layers"))
-            L = atoi(v);
-        else if (!strcmp(a, "--tokens"))
-            T = atoi(v);
-        else if (!strcmp(a, "--threads"))
-            threads = atoi(v);
-        else if (!strcmp(a, "--iters"))
-            iters = atoi(v);
-        else if (!strcmp(a, "--warmup"))
-            warmup = atoi(v);
-        else if (!strcmp(a, "--seed"))
-            seed = strtoull(v, NULL, 10);
-        else {
-            fprintf(stderr, "unknown option %s\n", a);
+        if (!bench_arg_set(args, sizeof args / sizeof *args, argv[i], argv[i + 1])) {
+            fprintf(stderr, "unknown option %s\n", argv[i]);
             return 2;
         }
     }
