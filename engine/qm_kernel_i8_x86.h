@@ -149,18 +149,29 @@ static inline void qm__x_params8(const qm__qmat *m, uint32_t n0, uint32_t nr, ui
         return;
     }
     uint32_t b0 = 0;
-    if (m->scale_dtype == QM_DTYPE_F32) /* whole groups of 8 blocks: plain loads */
-        for (; b0 + 8 <= m->nblk; b0 += 8) {
-            const float *p = (const float *)m->scales + (size_t)(n0 + h) * m->nblk + b0;
-            __m256i r[8];
+    for (; b0 + 8 <= m->nblk; b0 += 8) { /* whole groups of 8 blocks: plain loads */
+        size_t at = (size_t)(n0 + h) * m->nblk + b0;
+        __m256i r[8];
+        if (m->scale_dtype == QM_DTYPE_F32) {
+            const float *p = (const float *)m->scales + at;
 #pragma GCC unroll 8
             for (uint32_t i = 0; i < 8; i++)
                 r[i] = _mm256_castps_si256(_mm256_loadu_ps(p + (size_t)i * m->nblk));
-            qm__x_tr8(r);
+        } else {
+            const uint16_t *p = (const uint16_t *)m->scales + at;
+            int f16 = m->scale_dtype == QM_DTYPE_F16;
 #pragma GCC unroll 8
-            for (int b = 0; b < 8; b++)
-                _mm256_storeu_si256((__m256i *)(sct + 16 * (size_t)(b0 + b) + h), r[b]);
+            for (uint32_t i = 0; i < 8; i++) {
+                __m128i v = _mm_loadu_si128((const __m128i *)(p + (size_t)i * m->nblk));
+                r[i] = f16 ? _mm256_castps_si256(_mm256_cvtph_ps(v))
+                           : _mm256_slli_epi32(_mm256_cvtepu16_epi32(v), 16); /* bf16 */
+            }
         }
+        qm__x_tr8(r);
+#pragma GCC unroll 8
+        for (int b = 0; b < 8; b++)
+            _mm256_storeu_si256((__m256i *)(sct + 16 * (size_t)(b0 + b) + h), r[b]);
+    }
     for (; b0 < m->nblk; b0 += 8) {
         __m256i r[8];
         for (uint32_t i = 0; i < 8; i++)
@@ -315,6 +326,107 @@ QM__I8_AI __m256 qm__v_rows_q8(const qm__qmat *m, const uint8_t *const row[8],
     return acc;
 }
 
+/* One 4-bit row's two sub-blocks at p, as QM__V_DOT4's 8 lanes. */
+QM__I8_AI __m256i qm__v_dot_at(const uint8_t *p, __m256i lo4, __m256i xl, __m256i xh)
+{
+    __m256i v = _mm256_loadu_si256((const __m256i *)p);
+    return QM__V_DOT4(_mm256_and_si256(v, lo4), _mm256_and_si256(_mm256_srli_epi16(v, 4), lo4), xl,
+                      xh);
+}
+
+/* Whether m is the common 4-bit case qm__v_group_b32 runs: implicit zero
+ * point, blocks of 32 columns (one sub-block each), whole pairs of
+ * sub-blocks and rows of exactly those bytes (Q4_0 and the symmetric int4
+ * banks every family imports to). */
+QM__I8_AI int qm__v_is_b32(const qm__qmat *m)
+{
+    return m->bits == 4 && !m->zp && qm__i8_spb(m) == 1 && m->k % 64 == 0 &&
+           m->row_bytes == m->k / 2;
+}
+
+/* One input's codes for qm__v_group_b32: per pair of sub-blocks q, the
+ * (xl, xh) vectors qm__v_rows_q4 builds in its loop, built once a call. */
+QM__I8_AI void qm__v_xpairs(const qm__i8_xrow *x, size_t np, __m256i *xp)
+{
+    for (size_t q = 0; q < np; q++) {
+        __m256i xa = _mm256_loadu_si256((const __m256i *)(x->q + 64 * q));
+        __m256i xb = _mm256_loadu_si256((const __m256i *)(x->q + 64 * q + 32));
+        xp[2 * q] = _mm256_permute2x128_si256(xa, xb, 0x20);
+        xp[2 * q + 1] = _mm256_permute2x128_si256(xa, xb, 0x31);
+    }
+}
+
+/* qm__v_rows_q4 for that case and a whole group of 8 rows from r0 (rb
+ * bytes apart), in two passes: first each row's bytes in order, so the
+ * group is read as one linear stream (8 rows read side by side, as
+ * qm__v_rows_q4 does, reach about two thirds of the read bandwidth a linear
+ * read does on Zen 3: docs/BENCHMARKS.md), each pair of sub-block sums kept
+ * as QM__V_DOT4's 8 lanes in part (8 x np vectors); then per pair, the 8
+ * rows' lanes reduced to one per row and the epilogue in the canonical
+ * order. The same exact sums, the same float operations. pf: the next
+ * group's bytes, prefetched one line per 64 bytes read (NULL: none). */
+QM__I8_AI __m256 qm__v_group_b32(const uint8_t *r0, size_t rb, const char *pf, const __m256i *xp,
+                                 const qm__i8_xrow *x, const float *sct, uint32_t h, size_t np,
+                                 __m256i *part)
+{
+    const __m256i lo4 = _mm256_set1_epi8(15);
+    for (uint32_t i = 0; i < 8; i++) {
+        const uint8_t *r = r0 + i * rb;
+        __m256i *pi = part + i * np;
+        const char *pfi = pf ? pf + i * rb : NULL;
+        for (size_t q = 0; q < np; q++) {
+            if (pfi && (q & 1) == 0)
+                _mm_prefetch(pfi + 32 * q, _MM_HINT_T0);
+            pi[q] = qm__v_dot_at(r + 32 * q, lo4, xp[2 * q], xp[2 * q + 1]);
+        }
+    }
+    __m256 acc = _mm256_setzero_ps();
+    for (size_t q = 0; q < np; q++) {
+        const size_t j = 2 * q;
+        __m256i X = _mm256_hadd_epi32(_mm256_hadd_epi32(part[q], part[np + q]),
+                                      _mm256_hadd_epi32(part[2 * np + q], part[3 * np + q]));
+        __m256i Y = _mm256_hadd_epi32(_mm256_hadd_epi32(part[4 * np + q], part[5 * np + q]),
+                                      _mm256_hadd_epi32(part[6 * np + q], part[7 * np + q]));
+        /* Sub-blocks j and j + 1, a block each: t = fma(S, dx, +0), then acc. */
+        __m256i s0 = _mm256_sub_epi32(_mm256_permute2x128_si256(X, Y, 0x20),
+                                      _mm256_set1_epi32(x->zsum[j]));
+        __m256i s1 = _mm256_sub_epi32(_mm256_permute2x128_si256(X, Y, 0x31),
+                                      _mm256_set1_epi32(x->zsum[j + 1]));
+        __m256 t0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s0), _mm256_set1_ps(x->dx[j]),
+                                    _mm256_setzero_ps());
+        __m256 t1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s1), _mm256_set1_ps(x->dx[j + 1]),
+                                    _mm256_setzero_ps());
+        acc = _mm256_fmadd_ps(t0, _mm256_loadu_ps(sct + 16 * j + h), acc);
+        acc = _mm256_fmadd_ps(t1, _mm256_loadu_ps(sct + 16 * (j + 1) + h), acc);
+    }
+    return acc;
+}
+
+/* The whole groups of a call in that case: every group's scales first,
+ * then per input its pairs and each group in turn. Returns the rows done. */
+static uint32_t qm__v_b32(const qm__qmat *m, uint32_t n0, uint32_t nr, const float *xq, size_t ldx,
+                          uint32_t nx, float *y, size_t ldy, const qm__i8_scratch *s)
+{
+    const uint32_t full = nr / 8 * 8;
+    const size_t np = qm__i8_nsb(m) / 2;
+    __m256i *part = (__m256i *)s->pan, *xp = part + 8 * np;
+    for (uint32_t h = 0; h < full; h += 8)
+        qm__x_params8(m, n0, nr, h, s->sct, NULL);
+    qm__x_prefetch_scales(m, n0 + nr);
+    qm__x_prefetch_scales(m, n0 + nr + 8);
+    for (uint32_t r = 0; r < nx; r++) {
+        qm__i8_xrow x = qm__i8_xrow_at(m, xq + (size_t)r * ldx);
+        qm__v_xpairs(&x, np, xp);
+        for (uint32_t h = 0; h < full; h += 8) {
+            const uint8_t *r0 = m->w + (size_t)(n0 + h) * m->row_bytes;
+            const char *pf = !r && n0 + h + 16 <= m->n ? (const char *)r0 + 8 * m->row_bytes : NULL;
+            _mm256_storeu_ps(y + (size_t)r * ldy + n0 + h,
+                             qm__v_group_b32(r0, m->row_bytes, pf, xp, &x, s->sct, h, np, part));
+        }
+    }
+    return full;
+}
+
 /* One group of 8 rows times one input, specialised on zero points and
  * blocks of one sub-block. */
 QM__I8_AI __m256 qm__v_rows(const qm__qmat *m, const uint8_t *const row[8],
@@ -347,7 +459,8 @@ static void QM__V_FN(const qm__qmat *m, uint32_t n0, uint32_t n1, const float *x
     qm__i8_scratch s = qm__i8_scratch_at(m, scratch);
     uint32_t nr = n1 - n0;
     int32_t *zpt = m->zp ? s.zpt : NULL;
-    for (uint32_t h = 0; h < nr; h += 8) {
+    uint32_t h0 = qm__v_is_b32(m) ? qm__v_b32(m, n0, nr, xq, ldx, nx, y, ldy, &s) : 0;
+    for (uint32_t h = h0; h < nr; h += 8) {
         qm__x_params8(m, n0, nr, h, s.sct, zpt);
         qm__x_prefetch_scales(m, n0 + h + 8);
         const uint8_t *row[8], *next[8];

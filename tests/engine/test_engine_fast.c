@@ -92,7 +92,8 @@ static void fc1_qmat(const tl_layer *L, uint32_t e, qm__qmat *m)
 }
 
 /* Every weight variant fast mode takes (bits, blocks of 32..128 and row-wise,
- * zero points, scale dtypes, K not a multiple of 32), row counts 1..7 and 37,
+ * zero points, scale dtypes, K not a multiple of 32, tiles ending in a partial
+ * group of 8 rows), row counts 1..7 and 37,
  * each output within the derived bound. */
 START_TEST(test_fast_kernels_within_derived_bound)
 {
@@ -104,10 +105,10 @@ START_TEST(test_fast_kernels_within_derived_bound)
     for (int bits = 4; bits <= 8; bits += 4)
         for (int bi = 0; bi < 4; bi++)
             for (int asym = 0; asym <= 1; asym++)
-                for (int kk = 0; kk < 2; kk++) {
+                for (int kk = 0; kk < 3; kk++) {
                     tl_spec s = tl_default_spec(9000 + (uint64_t)cases);
-                    s.H = kk ? 200 : 256; /* 200: a partial last sub-block */
-                    s.I = 40;
+                    s.H = kk == 1 ? 200 : 256; /* 200: a partial last sub-block */
+                    s.I = kk == 2 ? 44 : 40;   /* 44: a tile ending in a partial group of rows */
                     s.E = 2;
                     s.k = 1;
                     s.bits = (uint32_t)bits;
