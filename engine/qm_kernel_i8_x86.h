@@ -334,14 +334,14 @@ QM__I8_AI __m256i qm__v_dot_at(const uint8_t *p, __m256i lo4, __m256i xl, __m256
                       xh);
 }
 
-/* Whether m is the common 4-bit case qm__v_group_b32 runs: implicit zero
- * point, blocks of 32 columns (one sub-block each), whole pairs of
- * sub-blocks and rows of exactly those bytes (Q4_0 and the symmetric int4
- * banks every family imports to). */
+/* Whether m is the common case qm__v_b32 runs: implicit zero point,
+ * blocks of 32 columns (one sub-block each), whole pairs of sub-blocks and
+ * rows of exactly those bytes (Q4_0 and Q8_0, and the symmetric banks every
+ * family imports to). */
 QM__I8_AI int qm__v_is_b32(const qm__qmat *m)
 {
-    return m->bits == 4 && !m->zp && qm__i8_spb(m) == 1 && m->k % 64 == 0 &&
-           m->row_bytes == m->k / 2;
+    return (m->bits == 4 || m->bits == 8) && !m->zp && qm__i8_spb(m) == 1 && m->k % 64 == 0 &&
+           m->row_bytes == (size_t)m->k * m->bits / 8;
 }
 
 /* One input's codes for qm__v_group_b32: per pair of sub-blocks q, the
@@ -402,6 +402,38 @@ QM__I8_AI __m256 qm__v_group_b32(const uint8_t *r0, size_t rb, const char *pf, c
     return acc;
 }
 
+/* qm__v_group_b32 for 8-bit codes: QM__V_DOT8's 8 lanes per sub-block j
+ * kept in part (8 x nsb vectors), reduced as qm__v_rows_q8 reduces them. */
+QM__I8_AI __m256 qm__v_group8_b32(const uint8_t *r0, size_t rb, const char *pf,
+                                  const qm__i8_xrow *x, const float *sct, uint32_t h, size_t nsb,
+                                  __m256i *part)
+{
+    for (uint32_t i = 0; i < 8; i++) {
+        const uint8_t *r = r0 + i * rb;
+        __m256i *pi = part + i * nsb;
+        const char *pfi = pf ? pf + i * rb : NULL;
+        for (size_t j = 0; j < nsb; j++) {
+            if (pfi && (j & 1) == 0)
+                _mm_prefetch(pfi + 32 * j, _MM_HINT_T0);
+            pi[j] = QM__V_DOT8(r + 32 * j, x->q + 32 * j, x->q16 + 32 * j);
+        }
+    }
+    __m256 acc = _mm256_setzero_ps();
+    for (size_t j = 0; j < nsb; j++) {
+        __m256i X = _mm256_hadd_epi32(_mm256_hadd_epi32(part[j], part[nsb + j]),
+                                      _mm256_hadd_epi32(part[2 * nsb + j], part[3 * nsb + j]));
+        __m256i Y = _mm256_hadd_epi32(_mm256_hadd_epi32(part[4 * nsb + j], part[5 * nsb + j]),
+                                      _mm256_hadd_epi32(part[6 * nsb + j], part[7 * nsb + j]));
+        __m256i sj = _mm256_add_epi32(_mm256_permute2x128_si256(X, Y, 0x20),
+                                      _mm256_permute2x128_si256(X, Y, 0x31));
+        sj = _mm256_sub_epi32(sj, _mm256_set1_epi32(x->zsum[j]));
+        __m256 t = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sj), _mm256_set1_ps(x->dx[j]),
+                                   _mm256_setzero_ps());
+        acc = _mm256_fmadd_ps(t, _mm256_loadu_ps(sct + 16 * j + h), acc);
+    }
+    return acc;
+}
+
 /* The whole groups of a call in that case: every group's scales first,
  * then per input its pairs and each group in turn. Returns the rows done. */
 static uint32_t qm__v_b32(const qm__qmat *m, uint32_t n0, uint32_t nr, const float *xq, size_t ldx,
@@ -409,19 +441,23 @@ static uint32_t qm__v_b32(const qm__qmat *m, uint32_t n0, uint32_t nr, const flo
 {
     const uint32_t full = nr / 8 * 8;
     const size_t np = qm__i8_nsb(m) / 2;
-    __m256i *part = (__m256i *)s->pan, *xp = part + 8 * np;
+    __m256i *part = (__m256i *)s->pan, *xp = part + 16 * np; /* 8-bit: 8 x nsb parts */
     for (uint32_t h = 0; h < full; h += 8)
         qm__x_params8(m, n0, nr, h, s->sct, NULL);
     qm__x_prefetch_scales(m, n0 + nr);
     qm__x_prefetch_scales(m, n0 + nr + 8);
     for (uint32_t r = 0; r < nx; r++) {
         qm__i8_xrow x = qm__i8_xrow_at(m, xq + (size_t)r * ldx);
-        qm__v_xpairs(&x, np, xp);
+        if (m->bits == 4)
+            qm__v_xpairs(&x, np, xp);
         for (uint32_t h = 0; h < full; h += 8) {
             const uint8_t *r0 = m->w + (size_t)(n0 + h) * m->row_bytes;
             const char *pf = !r && n0 + h + 16 <= m->n ? (const char *)r0 + 8 * m->row_bytes : NULL;
             _mm256_storeu_ps(y + (size_t)r * ldy + n0 + h,
-                             qm__v_group_b32(r0, m->row_bytes, pf, xp, &x, s->sct, h, np, part));
+                             m->bits == 4 ? qm__v_group_b32(r0, m->row_bytes, pf, xp, &x, s->sct,
+                                                            h, np, part)
+                                          : qm__v_group8_b32(r0, m->row_bytes, pf, &x, s->sct, h,
+                                                             2 * np, part));
         }
     }
     return full;
