@@ -344,6 +344,14 @@ QM__I8_AI int qm__v_is_b32(const qm__qmat *m)
            m->row_bytes == (size_t)m->k * m->bits / 8;
 }
 
+/* Where qm__v_group_b32 finds its scales: sct, filled for the group first
+ * (by qm__x_params8 of m's rows from n0, nr of them) unless m is NULL. */
+typedef struct qm__v_sc {
+    const qm__qmat *m;
+    uint32_t n0, nr;
+    float *sct;
+} qm__v_sc;
+
 /* One input's codes for qm__v_group_b32: per pair of sub-blocks q, the
  * (xl, xh) vectors qm__v_rows_q4 builds in its loop, built once a call. */
 QM__I8_AI void qm__v_xpairs(const qm__i8_xrow *x, size_t np, __m256i *xp)
@@ -366,9 +374,10 @@ QM__I8_AI void qm__v_xpairs(const qm__i8_xrow *x, size_t np, __m256i *xp)
  * order. The same exact sums, the same float operations. pf: the next
  * group's bytes, prefetched one line per 64 bytes read (NULL: none). */
 QM__I8_AI __m256 qm__v_group_b32(const uint8_t *r0, size_t rb, const char *pf, const __m256i *xp,
-                                 const qm__i8_xrow *x, const float *sct, uint32_t h, size_t np,
+                                 const qm__i8_xrow *x, const qm__v_sc *sc, uint32_t h, size_t np,
                                  __m256i *part)
 {
+    const float *sct = sc->sct;
     const __m256i lo4 = _mm256_set1_epi8(15);
     for (uint32_t i = 0; i < 8; i++) {
         const uint8_t *r = r0 + i * rb;
@@ -380,6 +389,8 @@ QM__I8_AI __m256 qm__v_group_b32(const uint8_t *r0, size_t rb, const char *pf, c
             pi[q] = qm__v_dot_at(r + 32 * q, lo4, xp[2 * q], xp[2 * q + 1]);
         }
     }
+    if (sc->m) /* the group's scales, while its codes were read they arrived */
+        qm__x_params8(sc->m, sc->n0, sc->nr, h, sc->sct, NULL);
     __m256 acc = _mm256_setzero_ps();
     for (size_t q = 0; q < np; q++) {
         const size_t j = 2 * q;
@@ -405,9 +416,10 @@ QM__I8_AI __m256 qm__v_group_b32(const uint8_t *r0, size_t rb, const char *pf, c
 /* qm__v_group_b32 for 8-bit codes: QM__V_DOT8's 8 lanes per sub-block j
  * kept in part (8 x nsb vectors), reduced as qm__v_rows_q8 reduces them. */
 QM__I8_AI __m256 qm__v_group8_b32(const uint8_t *r0, size_t rb, const char *pf,
-                                  const qm__i8_xrow *x, const float *sct, uint32_t h, size_t nsb,
+                                  const qm__i8_xrow *x, const qm__v_sc *sc, uint32_t h, size_t nsb,
                                   __m256i *part)
 {
+    const float *sct = sc->sct;
     for (uint32_t i = 0; i < 8; i++) {
         const uint8_t *r = r0 + i * rb;
         __m256i *pi = part + i * nsb;
@@ -418,6 +430,8 @@ QM__I8_AI __m256 qm__v_group8_b32(const uint8_t *r0, size_t rb, const char *pf,
             pi[j] = QM__V_DOT8(r + 32 * j, x->q + 32 * j, x->q16 + 32 * j);
         }
     }
+    if (sc->m) /* the group's scales, while its codes were read they arrived */
+        qm__x_params8(sc->m, sc->n0, sc->nr, h, sc->sct, NULL);
     __m256 acc = _mm256_setzero_ps();
     for (size_t j = 0; j < nsb; j++) {
         __m256i X = _mm256_hadd_epi32(_mm256_hadd_epi32(part[j], part[nsb + j]),
@@ -442,21 +456,22 @@ static uint32_t qm__v_b32(const qm__qmat *m, uint32_t n0, uint32_t nr, const flo
     const uint32_t full = nr / 8 * 8;
     const size_t np = qm__i8_nsb(m) / 2;
     __m256i *part = (__m256i *)s->pan, *xp = part + 16 * np; /* 8-bit: 8 x nsb parts */
-    for (uint32_t h = 0; h < full; h += 8)
-        qm__x_params8(m, n0, nr, h, s->sct, NULL);
-    qm__x_prefetch_scales(m, n0 + nr);
-    qm__x_prefetch_scales(m, n0 + nr + 8);
+    /* This call's scales and the next call's: each group takes its own
+     * between its two passes, so its code reads hide their latency. */
+    for (uint32_t h = 0; h < nr + 16; h += 8)
+        qm__x_prefetch_scales(m, n0 + h);
     for (uint32_t r = 0; r < nx; r++) {
         qm__i8_xrow x = qm__i8_xrow_at(m, xq + (size_t)r * ldx);
         if (m->bits == 4)
             qm__v_xpairs(&x, np, xp);
+        qm__v_sc sc = {r ? NULL : m, n0, nr, s->sct};
         for (uint32_t h = 0; h < full; h += 8) {
             const uint8_t *r0 = m->w + (size_t)(n0 + h) * m->row_bytes;
             const char *pf = !r && n0 + h + 16 <= m->n ? (const char *)r0 + 8 * m->row_bytes : NULL;
             _mm256_storeu_ps(y + (size_t)r * ldy + n0 + h,
-                             m->bits == 4 ? qm__v_group_b32(r0, m->row_bytes, pf, xp, &x, s->sct,
-                                                            h, np, part)
-                                          : qm__v_group8_b32(r0, m->row_bytes, pf, &x, s->sct, h,
+                             m->bits == 4 ? qm__v_group_b32(r0, m->row_bytes, pf, xp, &x, &sc, h,
+                                                            np, part)
+                                          : qm__v_group8_b32(r0, m->row_bytes, pf, &x, &sc, h,
                                                              2 * np, part));
         }
     }
