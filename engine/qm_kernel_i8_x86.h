@@ -344,16 +344,9 @@ QM__I8_AI int qm__v_is_b32(const qm__qmat *m)
            m->row_bytes == (size_t)m->k * m->bits / 8;
 }
 
-/* Where qm__v_group_b32 finds its scales: sct, filled for the group first
- * (by qm__x_params8 of m's rows from n0, nr of them) unless m is NULL. */
-typedef struct qm__v_sc {
-    const qm__qmat *m;
-    uint32_t n0, nr;
-    float *sct;
-} qm__v_sc;
-
-/* One input's codes for qm__v_group_b32: per pair of sub-blocks q, the
- * (xl, xh) vectors qm__v_rows_q4 builds in its loop, built once a call. */
+/* One input's codes for qm__v_pass1's 4-bit dot products: per pair of
+ * sub-blocks q, the (xl, xh) vectors qm__v_rows_q4 builds in its loop,
+ * built once a call. */
 QM__I8_AI void qm__v_xpairs(const qm__i8_xrow *x, size_t np, __m256i *xp)
 {
     for (size_t q = 0; q < np; q++) {
@@ -364,115 +357,97 @@ QM__I8_AI void qm__v_xpairs(const qm__i8_xrow *x, size_t np, __m256i *xp)
     }
 }
 
-/* qm__v_rows_q4 for that case and a whole group of 8 rows from r0 (rb
- * bytes apart), in two passes: first each row's bytes in order, so the
- * group is read as one linear stream (8 rows read side by side, as
- * qm__v_rows_q4 does, reach about two thirds of the read bandwidth a linear
- * read does on Zen 3: docs/BENCHMARKS.md), each pair of sub-block sums kept
- * as QM__V_DOT4's 8 lanes in part (8 x np vectors); then per pair, the 8
- * rows' lanes reduced to one per row and the epilogue in the canonical
- * order. The same exact sums, the same float operations. pf: the next
- * group's bytes, prefetched one line per 64 bytes read (NULL: none). */
-QM__I8_AI __m256 qm__v_group_b32(const uint8_t *r0, size_t rb, const char *pf, const __m256i *xp,
-                                 const qm__i8_xrow *x, const qm__v_sc *sc, uint32_t h, size_t np,
-                                 __m256i *part)
+/* The first of qm__v_b32's two passes over a group of 8 rows from r0 (rb
+ * bytes apart): each row's nc 32-byte chunks in order, so the group is
+ * read as one linear stream (8 rows read side by side, as qm__v_rows_q4
+ * does, reach about two thirds of the read bandwidth of a linear read on
+ * Zen 3: docs/BENCHMARKS.md), chunk c of row i giving part[i nc + c]:
+ * 4-bit, QM__V_DOT4's lanes of sub-blocks 2c and 2c + 1 (xp: the input's
+ * pairs); 8-bit, QM__V_DOT8's of sub-block c. pf: the next group's bytes,
+ * prefetched one line per 64 bytes read (NULL: none). */
+QM__I8_AI void qm__v_pass1(const uint8_t *r0, size_t rb, size_t nc, const char *pf,
+                           const __m256i *xp, const qm__i8_xrow *x, __m256i *part, const int BITS)
 {
-    const float *sct = sc->sct;
     const __m256i lo4 = _mm256_set1_epi8(15);
     for (uint32_t i = 0; i < 8; i++) {
         const uint8_t *r = r0 + i * rb;
-        __m256i *pi = part + i * np;
+        __m256i *pi = part + i * nc;
         const char *pfi = pf ? pf + i * rb : NULL;
-        for (size_t q = 0; q < np; q++) {
-            if (pfi && (q & 1) == 0)
-                _mm_prefetch(pfi + 32 * q, _MM_HINT_T0);
-            pi[q] = qm__v_dot_at(r + 32 * q, lo4, xp[2 * q], xp[2 * q + 1]);
+        for (size_t c = 0; c < nc; c++) {
+            if (pfi && (c & 1) == 0)
+                _mm_prefetch(pfi + 32 * c, _MM_HINT_T0);
+            pi[c] = BITS == 4 ? qm__v_dot_at(r + 32 * c, lo4, xp[2 * c], xp[2 * c + 1])
+                              : QM__V_DOT8(r + 32 * c, x->q + 32 * c, x->q16 + 32 * c);
         }
     }
-    if (sc->m) /* the group's scales, while its codes were read they arrived */
-        qm__x_params8(sc->m, sc->n0, sc->nr, h, sc->sct, NULL);
-    __m256 acc = _mm256_setzero_ps();
-    for (size_t q = 0; q < np; q++) {
-        const size_t j = 2 * q;
-        __m256i X = _mm256_hadd_epi32(_mm256_hadd_epi32(part[q], part[np + q]),
-                                      _mm256_hadd_epi32(part[2 * np + q], part[3 * np + q]));
-        __m256i Y = _mm256_hadd_epi32(_mm256_hadd_epi32(part[4 * np + q], part[5 * np + q]),
-                                      _mm256_hadd_epi32(part[6 * np + q], part[7 * np + q]));
-        /* Sub-blocks j and j + 1, a block each: t = fma(S, dx, +0), then acc. */
-        __m256i s0 = _mm256_sub_epi32(_mm256_permute2x128_si256(X, Y, 0x20),
-                                      _mm256_set1_epi32(x->zsum[j]));
-        __m256i s1 = _mm256_sub_epi32(_mm256_permute2x128_si256(X, Y, 0x31),
-                                      _mm256_set1_epi32(x->zsum[j + 1]));
-        __m256 t0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s0), _mm256_set1_ps(x->dx[j]),
-                                    _mm256_setzero_ps());
-        __m256 t1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s1), _mm256_set1_ps(x->dx[j + 1]),
-                                    _mm256_setzero_ps());
-        acc = _mm256_fmadd_ps(t0, _mm256_loadu_ps(sct + 16 * j + h), acc);
-        acc = _mm256_fmadd_ps(t1, _mm256_loadu_ps(sct + 16 * (j + 1) + h), acc);
-    }
-    return acc;
 }
 
-/* qm__v_group_b32 for 8-bit codes: QM__V_DOT8's 8 lanes per sub-block j
- * kept in part (8 x nsb vectors), reduced as qm__v_rows_q8 reduces them. */
-QM__I8_AI __m256 qm__v_group8_b32(const uint8_t *r0, size_t rb, const char *pf,
-                                  const qm__i8_xrow *x, const qm__v_sc *sc, uint32_t h, size_t nsb,
-                                  __m256i *part)
+/* One sub-block's epilogue on 8 rows at once, blocks of one sub-block:
+ * t = fma(S - zsum, dx, +0), acc = fma(t, scale, acc) (the canonical order). */
+QM__I8_AI __m256 qm__v_epi_b32(const qm__i8_xrow *x, const float *sct, uint32_t h, size_t j,
+                               __m256i s, __m256 acc)
 {
-    const float *sct = sc->sct;
-    for (uint32_t i = 0; i < 8; i++) {
-        const uint8_t *r = r0 + i * rb;
-        __m256i *pi = part + i * nsb;
-        const char *pfi = pf ? pf + i * rb : NULL;
-        for (size_t j = 0; j < nsb; j++) {
-            if (pfi && (j & 1) == 0)
-                _mm_prefetch(pfi + 32 * j, _MM_HINT_T0);
-            pi[j] = QM__V_DOT8(r + 32 * j, x->q + 32 * j, x->q16 + 32 * j);
-        }
-    }
-    if (sc->m) /* the group's scales, while its codes were read they arrived */
-        qm__x_params8(sc->m, sc->n0, sc->nr, h, sc->sct, NULL);
+    s = _mm256_sub_epi32(s, _mm256_set1_epi32(x->zsum[j]));
+    __m256 t = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_set1_ps(x->dx[j]),
+                               _mm256_setzero_ps());
+    return _mm256_fmadd_ps(t, _mm256_loadu_ps(sct + 16 * j + h), acc);
+}
+
+/* The second pass: per chunk c, the 8 rows' lanes reduced to one per row
+ * (the hadd tree of qm__v_rows_q4 / _q8) and finished: 4-bit, sub-blocks
+ * 2c and 2c + 1 (one per 128-bit half); 8-bit, sub-block c (both halves
+ * added). */
+QM__I8_AI __m256 qm__v_pass2(const __m256i *part, size_t nc, const qm__i8_xrow *x,
+                             const float *sct, uint32_t h, const int BITS)
+{
     __m256 acc = _mm256_setzero_ps();
-    for (size_t j = 0; j < nsb; j++) {
-        __m256i X = _mm256_hadd_epi32(_mm256_hadd_epi32(part[j], part[nsb + j]),
-                                      _mm256_hadd_epi32(part[2 * nsb + j], part[3 * nsb + j]));
-        __m256i Y = _mm256_hadd_epi32(_mm256_hadd_epi32(part[4 * nsb + j], part[5 * nsb + j]),
-                                      _mm256_hadd_epi32(part[6 * nsb + j], part[7 * nsb + j]));
-        __m256i sj = _mm256_add_epi32(_mm256_permute2x128_si256(X, Y, 0x20),
-                                      _mm256_permute2x128_si256(X, Y, 0x31));
-        sj = _mm256_sub_epi32(sj, _mm256_set1_epi32(x->zsum[j]));
-        __m256 t = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sj), _mm256_set1_ps(x->dx[j]),
-                                   _mm256_setzero_ps());
-        acc = _mm256_fmadd_ps(t, _mm256_loadu_ps(sct + 16 * j + h), acc);
+    for (size_t c = 0; c < nc; c++) {
+        __m256i X = _mm256_hadd_epi32(_mm256_hadd_epi32(part[c], part[nc + c]),
+                                      _mm256_hadd_epi32(part[2 * nc + c], part[3 * nc + c]));
+        __m256i Y = _mm256_hadd_epi32(_mm256_hadd_epi32(part[4 * nc + c], part[5 * nc + c]),
+                                      _mm256_hadd_epi32(part[6 * nc + c], part[7 * nc + c]));
+        __m256i lo = _mm256_permute2x128_si256(X, Y, 0x20);
+        __m256i hi = _mm256_permute2x128_si256(X, Y, 0x31);
+        if (BITS == 4) {
+            acc = qm__v_epi_b32(x, sct, h, 2 * c, lo, acc);
+            acc = qm__v_epi_b32(x, sct, h, 2 * c + 1, hi, acc);
+        } else {
+            acc = qm__v_epi_b32(x, sct, h, c, _mm256_add_epi32(lo, hi), acc);
+        }
     }
     return acc;
 }
 
-/* The whole groups of a call in that case: every group's scales first,
- * then per input its pairs and each group in turn. Returns the rows done. */
+/* The whole groups of a call in the common case, in two passes each: the
+ * codes (qm__v_pass1), then the group's scales (taken now, so their
+ * latency hid behind the code reads; this call's and the next call's are
+ * prefetched at its start), the reduction and the epilogue. The same exact
+ * sums and float operations as qm__v_rows, so the same bits. Returns the
+ * rows done. */
 static uint32_t qm__v_b32(const qm__qmat *m, uint32_t n0, uint32_t nr, const float *xq, size_t ldx,
                           uint32_t nx, float *y, size_t ldy, const qm__i8_scratch *s)
 {
     const uint32_t full = nr / 8 * 8;
-    const size_t np = qm__i8_nsb(m) / 2;
-    __m256i *part = (__m256i *)s->pan, *xp = part + 16 * np; /* 8-bit: 8 x nsb parts */
-    /* This call's scales and the next call's: each group takes its own
-     * between its two passes, so its code reads hide their latency. */
+    const size_t nc = m->row_bytes / 32;
+    __m256i *part = (__m256i *)s->pan, *xp = part + 8 * nc; /* 8 x nc parts, then nsb pairs */
     for (uint32_t h = 0; h < nr + 16; h += 8)
         qm__x_prefetch_scales(m, n0 + h);
     for (uint32_t r = 0; r < nx; r++) {
         qm__i8_xrow x = qm__i8_xrow_at(m, xq + (size_t)r * ldx);
         if (m->bits == 4)
-            qm__v_xpairs(&x, np, xp);
-        qm__v_sc sc = {r ? NULL : m, n0, nr, s->sct};
+            qm__v_xpairs(&x, nc, xp);
         for (uint32_t h = 0; h < full; h += 8) {
             const uint8_t *r0 = m->w + (size_t)(n0 + h) * m->row_bytes;
             const char *pf = !r && n0 + h + 16 <= m->n ? (const char *)r0 + 8 * m->row_bytes : NULL;
+            if (m->bits == 4)
+                qm__v_pass1(r0, m->row_bytes, nc, pf, xp, &x, part, 4);
+            else
+                qm__v_pass1(r0, m->row_bytes, nc, pf, xp, &x, part, 8);
+            if (!r)
+                qm__x_params8(m, n0, nr, h, s->sct, NULL);
             _mm256_storeu_ps(y + (size_t)r * ldy + n0 + h,
-                             m->bits == 4 ? qm__v_group_b32(r0, m->row_bytes, pf, xp, &x, &sc, h,
-                                                            np, part)
-                                          : qm__v_group8_b32(r0, m->row_bytes, pf, &x, &sc, h,
-                                                             2 * np, part));
+                             m->bits == 4 ? qm__v_pass2(part, nc, &x, s->sct, h, 4)
+                                          : qm__v_pass2(part, nc, &x, s->sct, h, 8));
         }
     }
     return full;
