@@ -13,7 +13,9 @@ each with intra_op_num_threads = 2 and fresh random inputs per call, calls
 cycling through the bank's layers. Our engine runs in both precisions
 (exact, fast). With --ggml (bench/qmoe_cpu/ggml/build.sh builds it),
 llama.cpp's ggml MUL_MAT_ID runs the same shapes with Q4_0 and Q8_0 weights
-in the same rounds, with fresh expert ids before each compute. A
+in the same rounds, with fresh expert ids before each compute, and Q4_0
+again from ggml's CPU_REPACK buffer (what llama.cpp runs by default on
+x86: rows interleaved eight at a time). A
 STREAM-like read of a buffer far larger than the LLC measures the machine's
 read bandwidth, and register loops its f32 FMA and int8 dot peaks, in the
 same run. Every case's outputs are checked once against each other
@@ -123,8 +125,8 @@ def time_ours(bench, bank, t, iters, warmup, threads, seed, precision="exact"):
     return json.loads(r.stdout.strip().splitlines()[-1])
 
 
-def time_ggml(ggml, c, typ, t, iters, warmup, threads, seed):
-    r = subprocess.run([ggml, "--type", typ, "--hidden", str(c["H"]), "--inter", str(c["I"]),
+def time_ggml(ggml, c, typ, t, iters, warmup, threads, seed, repack=False):
+    r = subprocess.run([ggml, "--repack", "1" if repack else "0", "--type", typ, "--hidden", str(c["H"]), "--inter", str(c["I"]),
                         "--experts", str(c["E"]), "--k", str(c["k"]), "--layers", str(c["layers"]),
                         "--tokens", str(t), "--threads", str(threads), "--iters", str(iters),
                         "--warmup", str(warmup), "--seed", str(seed)],
@@ -307,7 +309,7 @@ def main():
                 if args.quick:
                     iters, warm = max(2, iters // 4), 1
                 ours_ms, ours_gbps, dflt_ms, exact_ms, ratios, bytes_call = [], [], [], [], [], 0
-                fast_ms, g4_ms, g8_ms, backend = [], [], [], ""
+                fast_ms, g4_ms, g8_ms, g4r_ms, backend = [], [], [], [], ""
                 for rnd in range(args.rounds):
                     bw_samples.append(stream(bench, args.threads, args.stream_mib)["median_gbps"])
                     o = time_ours(bench, bank, t, iters, warm, args.threads, args.seed + rnd)
@@ -320,6 +322,8 @@ def main():
                                            args.seed + rnd)["samples_ms"]
                         g8_ms += time_ggml(args.ggml, c, "q8_0", t, iters, warm, args.threads,
                                            args.seed + rnd)["samples_ms"]
+                        g4r_ms += time_ggml(args.ggml, c, "q4_0", t, iters, warm, args.threads,
+                                            args.seed + rnd, repack=True)["samples_ms"]
                     d = time_ort(sessions["default"], cfg, t, iters, warm, rng)
                     e = time_ort(sessions["exact"], cfg, t, iters if t == 1 else max(2, iters // 2),
                                  warm, rng)
@@ -339,6 +343,7 @@ def main():
                            fast_ms=med(fast_ms), fast_min=min(fast_ms), fast_max=max(fast_ms),
                            ggml_q4_ms=med(g4_ms) if g4_ms else None,
                            ggml_q8_ms=med(g8_ms) if g8_ms else None,
+                           ggml_q4r_ms=med(g4r_ms) if g4r_ms else None,
                            gflop_per_call=2.0 * t * c["k"] * c["H"] * c["I"] * 3 / 1e9,
                            fma_peak_gflops=peak, i8_peak_gops=ipeak, backend=backend,
                            experts_per_call=bytes_call / expert_bytes(c, "ours"))
@@ -356,10 +361,10 @@ def main():
     print(f"FMA peak (f32, {args.threads} threads): {peaks} GFLOP/s; the best is the reference")
     print()
     print("| case | T | qmoed exact ms (min-max) | qmoed fast ms (min-max) | ggml Q4_0 ms | "
-          "ggml Q8_0 ms | ORT default ms (min-max) | ORT exact ms | exact % read BW | "
-          "fast % read BW | exact % FMA peak | exact vs ORT default | fast vs ggml Q4_0 | "
-          "fast vs ORT default |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+          "ggml Q4_0 repacked ms | ggml Q8_0 ms | ORT default ms (min-max) | ORT exact ms | "
+          "exact % read BW | fast % read BW | exact % FMA peak | exact vs ORT default | "
+          "fast vs ggml Q4_0 | fast vs ggml Q4_0 repacked | fast vs ORT default |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     na = "n/a"
     for r in rows:
         fgbps = r["bytes_per_call"] / (r["fast_ms"] * 1e-3) / 1e9
@@ -367,11 +372,13 @@ def main():
         g4 = f"{r['ggml_q4_ms']:.2f}" if r["ggml_q4_ms"] else na
         g8 = f"{r['ggml_q8_ms']:.2f}" if r["ggml_q8_ms"] else na
         fg = f"{r['ggml_q4_ms'] / r['fast_ms']:.2f}x" if r["ggml_q4_ms"] else na
+        g4r = f"{r['ggml_q4r_ms']:.2f}" if r["ggml_q4r_ms"] else na
+        fgr = f"{r['ggml_q4r_ms'] / r['fast_ms']:.2f}x" if r["ggml_q4r_ms"] else na
         print(f"| {r['case']} | {r['tokens']} | {r['ours_ms']:.2f} ({r['ours_min']:.2f}-{r['ours_max']:.2f}) "
-              f"| {r['fast_ms']:.2f} ({r['fast_min']:.2f}-{r['fast_max']:.2f}) | {g4} | {g8} "
+              f"| {r['fast_ms']:.2f} ({r['fast_min']:.2f}-{r['fast_max']:.2f}) | {g4} | {g4r} | {g8} "
               f"| {r['ort_default_ms']:.2f} ({r['ort_default_min']:.2f}-{r['ort_default_max']:.2f}) "
               f"| {r['ort_exact_ms']:.2f} | {100 * r['gbps'] / bw:.0f}% | {100 * fgbps / bw:.0f}% "
-              f"| {100 * gf / peak:.0f}% | {r['ratio_default']:.2f}x | {fg} "
+              f"| {100 * gf / peak:.0f}% | {r['ratio_default']:.2f}x | {fg} | {fgr} "
               f"| {r['ort_default_ms'] / r['fast_ms']:.2f}x |")
     print()
     print(f"Int8 dot peak ({args.threads} threads): {ipeaks} GOP/s; the best is the reference. "
