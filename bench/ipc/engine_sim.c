@@ -27,7 +27,7 @@
 #include <string.h>
 
 #include "../bench_util.h"
-#include "qmoe_client.h"
+#include "bench_client.h"
 
 typedef struct sim {
     pthread_mutex_t mu;
@@ -109,26 +109,15 @@ int main(int argc, char **argv)
     int calls = 400, warmup = 40, nth = 2;
     double gap_us = 1000, gap_mib = 64;
     uint64_t seed = 1;
+    const bench_arg args[] = {
+        {"--socket", BENCH_ARG_STR, &sock},       {"--model", BENCH_ARG_STR, &model},
+        {"--calls", BENCH_ARG_INT, &calls},       {"--warmup", BENCH_ARG_INT, &warmup},
+        {"--gap-us", BENCH_ARG_DBL, &gap_us},     {"--gap-mib", BENCH_ARG_DBL, &gap_mib},
+        {"--engine-threads", BENCH_ARG_INT, &nth}, {"--precision", BENCH_ARG_STR, &precision},
+        {"--seed", BENCH_ARG_U64, &seed},
+    };
     for (int i = 1; i + 1 < argc; i += 2) {
-        if (!strcmp(argv[i], "--socket"))
-            sock = argv[i + 1];
-        else if (!strcmp(argv[i], "--model"))
-            model = argv[i + 1];
-        else if (!strcmp(argv[i], "--calls"))
-            calls = atoi(argv[i + 1]);
-        else if (!strcmp(argv[i], "--warmup"))
-            warmup = atoi(argv[i + 1]);
-        else if (!strcmp(argv[i], "--gap-us"))
-            gap_us = atof(argv[i + 1]);
-        else if (!strcmp(argv[i], "--gap-mib"))
-            gap_mib = atof(argv[i + 1]);
-        else if (!strcmp(argv[i], "--engine-threads"))
-            nth = atoi(argv[i + 1]);
-        else if (!strcmp(argv[i], "--precision"))
-            precision = argv[i + 1];
-        else if (!strcmp(argv[i], "--seed"))
-            seed = (uint64_t)atoll(argv[i + 1]);
-        else {
+        if (!bench_arg_set(args, sizeof args / sizeof *args, argv[i], argv[i + 1])) {
             fprintf(stderr, "unknown option %s\n", argv[i]);
             return 2;
         }
@@ -139,29 +128,17 @@ int main(int argc, char **argv)
                         "[--precision exact|fast] [--seed S]\n");
         return 2;
     }
-    qm_client *c;
+    qm_client_model shape;
+    qm_client *c = bench_connect(sock, model, &shape);
+    if (!c)
+        return 1;
+    uint64_t H = shape.hidden_size, E = shape.experts, K = shape.k, L = shape.layers;
+    if (!K || K > E || !L) {
+        fprintf(stderr, "model %s: no routing shape (k %llu of %llu experts)\n", model,
+                (unsigned long long)K, (unsigned long long)E);
+        return 1;
+    }
     qm_client_error err;
-    if (qm_client_open(&c, sock, 600000, &err) < 0) {
-        fprintf(stderr, "open: %s\n", err.reason);
-        return 1;
-    }
-    qm_client_model *models;
-    size_t n_models;
-    uint64_t H = 0, E = 0, K = 0, L = 0;
-    if (qm_client_model_list(c, &models, &n_models, &err) == 0) {
-        for (size_t i = 0; i < n_models; i++)
-            if (!strcmp(models[i].name, model)) {
-                H = models[i].hidden_size;
-                E = models[i].experts;
-                K = models[i].k;
-                L = models[i].layers;
-            }
-        qm_client_models_free(models, n_models);
-    }
-    if (!H || !K || K > E) {
-        fprintf(stderr, "no model %s in the daemon\n", model);
-        return 1;
-    }
     char *sid;
     qm_client_session_params sp = {.model = model, .precision = precision};
     if (qm_client_session_create(c, &sp, &sid, NULL, &err) < 0) {

@@ -17,7 +17,7 @@
 #include <time.h>
 
 #include "../bench_util.h"
-#include "qmoe_client.h"
+#include "bench_client.h"
 
 static double now_us(void)
 {
@@ -68,25 +68,12 @@ int main(int argc, char **argv)
         else if (!strcmp(argv[i], "--layer"))
             layer = (uint64_t)atoll(argv[i + 1]);
     }
-    qm_client *c;
+    qm_client_model shape;
+    qm_client *c = bench_connect(sock, model, &shape);
+    if (!c)
+        return 1;
+    uint64_t H = shape.hidden_size;
     qm_client_error err;
-    if (qm_client_open(&c, sock, 600000, &err) < 0) {
-        fprintf(stderr, "open: %s\n", err.reason);
-        return 1;
-    }
-    qm_client_model *models;
-    size_t n_models;
-    uint64_t H = 0;
-    if (qm_client_model_list(c, &models, &n_models, &err) == 0) {
-        for (size_t i = 0; i < n_models; i++)
-            if (!strcmp(models[i].name, model))
-                H = models[i].hidden_size;
-        qm_client_models_free(models, n_models);
-    }
-    if (!H) {
-        fprintf(stderr, "no model %s\n", model);
-        return 1;
-    }
     char *sid;
     qm_client_session_params sp = {.model = model};
     if (qm_client_session_create(c, &sp, &sid, NULL, &err) < 0) {
