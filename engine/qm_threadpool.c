@@ -5,7 +5,14 @@
 #include <stdatomic.h>
 
 #include "qm_alloc.h"
+#include "qm_clock.h"
 #include "qm_error.h"
+
+/* How long the caller of a run spins for the workers' last tasks before it
+ * sleeps: a task is a few tiles (microseconds), and a sleep costs a wake-up
+ * (tens of microseconds when the core went idle, as between an engine's
+ * layer calls), while the caller's core has nothing else to run. */
+#define QM__END_SPIN_US 50u
 
 struct qm__pool {
     unsigned threads; /* computing threads including the caller */
@@ -15,7 +22,8 @@ struct qm__pool {
     pthread_mutex_t mu;
     pthread_cond_t wake, done;
     unsigned long generation;
-    unsigned active; /* workers still inside the current run */
+    atomic_uint active; /* workers still inside the current run */
+    int waiting;        /* the caller sleeps on `done` (under mu) */
     int stopping;
     /* Current run. */
     qm__task_fn fn;
@@ -56,7 +64,7 @@ static void *qm__pool_main(void *varg)
         pthread_mutex_unlock(&p->mu);
         qm__pool_drain(p, id);
         pthread_mutex_lock(&p->mu);
-        if (--p->active == 0)
+        if (atomic_fetch_sub(&p->active, 1) == 1 && p->waiting)
             pthread_cond_signal(&p->done);
     }
     pthread_mutex_unlock(&p->mu);
@@ -77,6 +85,7 @@ int qm__pool_new(unsigned threads, qm__pool **out)
     pthread_cond_init(&p->wake, NULL);
     pthread_cond_init(&p->done, NULL);
     atomic_init(&p->next, 0);
+    atomic_init(&p->active, 0);
     if (threads > 1) {
         p->workers = qm_calloc(threads - 1, sizeof(pthread_t));
         if (!p->workers)
@@ -140,14 +149,32 @@ void qm__pool_run(qm__pool *p, size_t n, qm__task_fn fn, void *arg)
     p->arg = arg;
     p->n = n;
     atomic_store_explicit(&p->next, 0, memory_order_relaxed);
-    p->active = p->started;
+    atomic_store(&p->active, p->started);
     p->generation++;
     pthread_cond_broadcast(&p->wake);
     pthread_mutex_unlock(&p->mu);
     qm__pool_drain(p, 0);
-    pthread_mutex_lock(&p->mu);
-    while (p->active > 0)
-        pthread_cond_wait(&p->done, &p->mu);
-    pthread_mutex_unlock(&p->mu);
+    /* The workers' last tasks are short: spin for them a while first. */
+    uint64_t t0 = 0;
+    for (unsigned i = 0; atomic_load(&p->active) > 0; i++) {
+        if ((i & 63) == 0) {
+            uint64_t t = qm__now_us();
+            if (!t0)
+                t0 = t;
+            else if (t - t0 >= QM__END_SPIN_US)
+                break;
+        }
+#if defined(__x86_64__) || defined(__i386__)
+        __builtin_ia32_pause();
+#endif
+    }
+    if (atomic_load(&p->active) > 0) {
+        pthread_mutex_lock(&p->mu);
+        p->waiting = 1;
+        while (atomic_load(&p->active) > 0)
+            pthread_cond_wait(&p->done, &p->mu);
+        p->waiting = 0;
+        pthread_mutex_unlock(&p->mu);
+    }
     pthread_mutex_unlock(&p->run_lock);
 }
