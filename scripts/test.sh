@@ -10,6 +10,9 @@ cd "$here"
 bash scripts/setup.sh
 export PATH="$here/.venv/bin:$PATH"
 jobs=$(nproc)
+# What the run leaves in the temp dirs is checked at its end (below).
+tmp_root=${TMPDIR:-/tmp}
+tmp_stamp=$(mktemp)
 
 echo "== release build + all tests"
 cmake -S . -B build -DCMAKE_BUILD_TYPE=Release -DQMOE_WERROR=ON >/dev/null
@@ -35,7 +38,8 @@ if command -v valgrind >/dev/null; then
   vg_logs=$(mktemp -d)
   QMOE_BUILD_DIR="$here/build" QMOE_HARDENING_SLOW=10 QMOE_HARDENING_RSS_SLACK_MB=200 \
     QMOED_WRAP="valgrind --error-exitcode=99 --leak-check=full --errors-for-leak-kinds=definite --log-file=$vg_logs/vg.%p" \
-    python -m pytest -q -p no:cacheprovider tests/hardening/test_abuse.py \
+    PYTHONPATH="$here/tests${PYTHONPATH:+:$PYTHONPATH}" \
+    python -m pytest -q -p no:cacheprovider -p qmoe_tmp tests/hardening/test_abuse.py \
       -k "nesting or utf8 or numbers or shape_products or base64 or duplicate_keys or batches or half_close or reset_in or maps or map_is_in_use"
   ls "$vg_logs"/vg.* >/dev/null
   if grep -L "ERROR SUMMARY: 0 errors" "$vg_logs"/vg.* | grep -q .; then
@@ -88,3 +92,15 @@ if command -v clang >/dev/null; then
   cmake --build build-fuzz -j"$jobs" --target fuzz_all
   ctest --test-dir build-fuzz --output-on-failure -L fuzz
 fi
+
+# Nothing left behind: every suite removes its temp files when it passes
+# (the pytest files through tests/qmoe_tmp.py, the C tests and the fuzz
+# targets themselves); a directory or file of ours newer than the start of
+# this run in the temp dirs is a leak.
+left=$(find "$tmp_root" /dev/shm -maxdepth 1 -newer "$tmp_stamp" \
+         \( -name 'qmoe*' -o -name 'qm_*' \) 2>/dev/null || true)
+rm -f "$tmp_stamp"
+if [ -n "$left" ]; then
+  echo "the run left these in the temp dirs:" >&2; echo "$left" >&2; exit 1
+fi
+echo "== done: nothing left in $tmp_root or /dev/shm"
