@@ -70,11 +70,16 @@ def resident(model, torch):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("checkpoint")
-    ap.add_argument("--road", choices=("full", "qmoed"), required=True)
+    ap.add_argument("--road", choices=("full", "qmoed", "zero"), required=True,
+                    help="full: transformers alone; qmoed: from_pretrained; zero: "
+                    "from_pretrained with every MoE layer answered by zeros without a call "
+                    "(the engine's own share of a token: the ceiling of any MoE backend)")
     ap.add_argument("--socket")
     ap.add_argument("--model", help="the bank's name in qmoed")
     ap.add_argument("--policy")
     ap.add_argument("--budget")
+    ap.add_argument("--precision", choices=("exact", "fast"),
+                    help="the session's precision (default: the daemon's)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--prompt", type=int, default=128)
     ap.add_argument("--decode", type=int, default=32)
@@ -97,8 +102,10 @@ def main():
 
         client = qmoe_client.Client(a.socket, timeout=600)
         model = qt.from_pretrained(a.checkpoint, client, a.model, policy=a.policy,
-                                   budget=a.budget)
+                                   budget=a.budget, precision=a.precision)
         hook = model.qmoe_hook
+        if a.road == "zero":
+            hook._forward = lambda layer, hidden, ids, weights: torch.zeros_like(hidden)
     if not a.mmap:
         resident(model, torch)
     out["load_s"] = time.perf_counter() - t0
@@ -117,7 +124,9 @@ def main():
     out.update({"prefill_tokens": a.prompt, "prefill_s": stamps[0] - t0,
                 "decode_tokens": a.decode, "decode_s": stamps[-1] - stamps[0],
                 "peak_rss": status_bytes("VmHWM"), "rss_end": status_bytes("VmRSS")})
-    if hook is not None:
+    if hook is not None and a.road == "zero":
+        hook.close()
+    elif hook is not None:
         out["hook"] = hook.stats()
         out["hook"]["layers"] = len(set(hook.layers.values()))
         hook.close()

@@ -10,6 +10,10 @@ engine's RSS after load and peak, and qmoed's RSS and peak, for
   (b) transformers + qmoed through qmoe_client.transformers.from_pretrained
       (the experts never in the engine) at whole_bank and at a 50% and a 25%
       budget under next_use,
+  (b0) the engine's own share: from_pretrained with every MoE layer answered
+      by zeros at no cost (no call is made): what transformers spends on
+      everything but the routed experts, so the ceiling of (b) and of any
+      MoE backend behind this engine (--no-engine-share: not run),
   (c), (d) llama.cpp alone and llama.cpp + qmoed: bench/e2e/llama_cpp.py's
       rows(checkpoint_dir, shape_name, args) -> [row], when that file
       exists and --llama PREFIX is given (args: this script's parsed
@@ -38,7 +42,7 @@ not fit" with the figures: a finding, not a failure. Checkpoints and banks
 A row is a dict with these keys (llama_cpp.py's rows too; None where a key
 does not apply):
   shape        checkpoints.SHAPES name
-  row          "a" | "b" | "c" | "d"
+  row          "a" | "b" | "b0" | "c" | "d"
   engine       "transformers" | "transformers + qmoed" | "llama.cpp" |
                "llama.cpp + qmoed"
   weights      what the engine and daemon compute with: "bf16",
@@ -258,13 +262,13 @@ def transformers_alone(a, shape, ckpt, ckpt_bytes):
 
 
 def with_qmoed(a, shape, ckpt, bank, budget):
-    r = row(shape=shape, row="b", engine="transformers + qmoed", weights="bf16 + int%d bank"
-            % a.bits, policy="whole_bank" if budget >= 1 else a.policy,
+    r = row(shape=shape, row="b", engine="transformers + qmoed", weights="bf16 + int%d bank%s"
+            % (a.bits, ", " + a.precision if a.precision else ""), policy="whole_bank" if budget >= 1 else a.policy,
             budget=budget, threads=a.threads)
     warm(checkpoint_files(ckpt) + [bank])
     d = Qmoed(a.build, bank, "e2e", a.threads, a.work)
     try:
-        kw = {"socket": d.socket, "model": "e2e"}
+        kw = {"socket": d.socket, "model": "e2e", "precision": a.precision}
         if budget < 1:
             kw.update(policy=a.policy, budget="%g%%" % (100 * budget))
         rc, out, err, killed, q = run_watched(engine_cmd(a, ckpt, "qmoed", **kw),
@@ -288,6 +292,28 @@ def with_qmoed(a, shape, ckpt, bank, budget):
                       % (q.get("RssAnon", 0) / 1e9, q.get("RssFile", 0) / 1e9,
                          q.get("RssShmem", 0) / 1e9,
                          "; " + load_split(res) if load_split(res) else ""))
+    return r
+
+
+def engine_share(a, shape, ckpt, bank):
+    """Row b0: the engine through from_pretrained, its MoE layers answered
+    by zeros without a call (engine_row.py --road zero)."""
+    r = row(shape=shape, row="b0", engine="transformers, MoE answered by zeros",
+            weights="bf16, no experts", threads=a.threads)
+    warm(checkpoint_files(ckpt))
+    d = Qmoed(a.build, bank, "e2e", a.threads, a.work)
+    try:
+        rc, out, err, killed, _ = run_watched(engine_cmd(a, ckpt, "zero", socket=d.socket,
+                                                         model="e2e"))
+    finally:
+        d.stop()
+    if rc != 0 or killed is not None:
+        r.update(status="failed", note=err.strip().splitlines()[-1] if err.strip() else str(rc))
+    else:
+        res = json.loads(out)
+        engine_figures(r, res)
+        r.update(status="ok", note="the ceiling of row b: the engine's time without the "
+                                   "routed experts")
     return r
 
 
@@ -368,6 +394,10 @@ def run_shape(a, shape):
                 shape, "whole_bank" if budget >= 1 else "%g%% (%s)" % (100 * budget, a.policy)))
             rows.append(with_qmoed(a, shape, ckpt, bank, budget))
             progress("%s: (b) %s" % (shape, rows[-1]["status"]))
+        if a.engine_share:
+            progress("%s: (b0) the engine's own share (MoE layers answered by zeros)" % shape)
+            rows.append(engine_share(a, shape, ckpt, bank))
+            progress("%s: (b0) %s" % (shape, rows[-1]["status"]))
         rows += llama_rows(a, ckpt, shape)
     finally:
         if not a.keep:
@@ -425,7 +455,10 @@ def main(argv=None):
     ap.add_argument("--json", help="write the rows here too")
     ap.add_argument("--llama", help="llama.cpp PREFIX (clients/llama.cpp/build.sh) for rows c, d")
     ap.add_argument("--rounds", type=int, default=1, help="rounds of the llama.cpp rows")
-    ap.add_argument("--precision", choices=("exact", "fast"), help="of the llama.cpp + qmoed rows")
+    ap.add_argument("--precision", choices=("exact", "fast"),
+                    help="of the qmoed rows, b and d (default: the daemon's, exact)")
+    ap.add_argument("--no-engine-share", dest="engine_share", action="store_false",
+                    help="no b0 row (the engine with its MoE layers answered by zeros)")
     ap.add_argument("--cgroup", action="store_true", help="llama.cpp's memory-capped comparison")
     mod = llama_module()
     if mod is not None and hasattr(mod, "add_arguments"):
