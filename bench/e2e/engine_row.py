@@ -2,7 +2,8 @@
 """One transformers engine run of bench/e2e (run.py starts it in a process of
 its own, so that its RSS is its own): load the checkpoint, in full
 (--road full) or without its experts through
-qmoe_client.transformers.from_pretrained (--road qmoed), prefill a prompt
+qmoe_client.transformers.from_pretrained (--road qmoed; --road zero: the
+same, every MoE layer answered by zeros without a call), prefill a prompt
 and decode greedily, and print one JSON object:
 
   load_s, rss_before_load, rss_after_load (and its RssAnon and RssFile
@@ -11,7 +12,10 @@ and decode greedily, and print one JSON object:
   checkpoint's mmap into the process's memory after the load unless --mmap:
   resident()), prefill_tokens, prefill_s, decode_tokens, decode_s,
   and for --road qmoed the hook's stats (calls, hits, misses, bytes_paged,
-  compute_us, hit_rate, wall_s, wait_s) and the session's budget.
+  compute_us, hit_rate, wall_s, wait_s) and the session's budget, and
+  decode_call: the medians over the decode's layer calls (one token each)
+  of the hook's wall time, its wait for the answer and the daemon's
+  compute_us, in µs (what a layer call costs in this engine's regime).
 
 The prompt is --prompt token ids of the checkpoint's tokenizer over a fixed
 text; the prefill is the first forward pass of generate(), the decode the
@@ -20,6 +24,7 @@ text; the prefill is the first forward pass of generate(), the decode the
 import argparse
 import json
 import os
+import statistics
 import sys
 import time
 
@@ -67,6 +72,22 @@ def resident(model, torch):
                 t.data = t.data.clone()
 
 
+def timed_calls(hook):
+    """Wraps the hook's call: a list that gets (tokens, wall s, wait s,
+    compute µs) per layer call."""
+    forward, st, calls = hook._forward, hook._stats, []
+
+    def timed(layer, hidden, ids, weights):
+        w0, c0, t0 = st["wait_s"], st["compute_us"], time.perf_counter()
+        out = forward(layer, hidden, ids, weights)
+        calls.append((hidden.numel() // hidden.shape[-1], time.perf_counter() - t0,
+                      st["wait_s"] - w0, st["compute_us"] - c0))
+        return out
+
+    hook._forward = timed
+    return calls
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("checkpoint")
@@ -106,6 +127,8 @@ def main():
         hook = model.qmoe_hook
         if a.road == "zero":
             hook._forward = lambda layer, hidden, ids, weights: torch.zeros_like(hidden)
+        else:
+            calls = timed_calls(hook)
     if not a.mmap:
         resident(model, torch)
     out["load_s"] = time.perf_counter() - t0
@@ -127,6 +150,12 @@ def main():
     if hook is not None and a.road == "zero":
         hook.close()
     elif hook is not None:
+        one = [c for c in calls if c[0] == 1]
+        if one:
+            out["decode_call"] = {"calls": len(one),
+                                  "hook_wall_us": statistics.median(c[1] for c in one) * 1e6,
+                                  "wait_us": statistics.median(c[2] for c in one) * 1e6,
+                                  "compute_us": statistics.median(c[3] for c in one)}
         out["hook"] = hook.stats()
         out["hook"]["layers"] = len(set(hook.layers.values()))
         hook.close()

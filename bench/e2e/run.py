@@ -58,6 +58,8 @@ does not apply):
   hit_rate     the session's expert hit rate (qmoed rows)
   hook_stats   qmoed rows: the hook's stats() (calls, hits, misses, bytes_paged,
                compute_us, queue_us, wall_s, wait_s, hit_rate)
+  decode_call  row b: medians over the decode's layer calls (calls, hook_wall_us,
+               wait_us, compute_us: engine_row.py's decode_call)
   status       "ok" | "does not fit" | "failed"
   note         one sentence: why a row did not run, or what it measured
 """
@@ -83,7 +85,7 @@ import checkpoints  # noqa: E402
 KEYS = ("shape", "row", "engine", "weights", "policy", "budget", "threads", "prefill_tokens",
         "prefill_tok_s", "decode_tokens", "decode_tok_s", "engine_rss_after_load",
         "engine_peak_rss", "qmoed_rss", "qmoed_peak_rss", "total_peak_rss", "hit_rate",
-        "hook_stats", "status", "note")
+        "hook_stats", "decode_call", "status", "note")
 T0 = time.monotonic()
 GIB = 1 << 30
 
@@ -286,12 +288,18 @@ def with_qmoed(a, shape, ckpt, bank, budget):
         engine_figures(r, res)
         r.update(qmoed_rss=q.get("VmRSS"), qmoed_peak_rss=q.get("VmHWM"),
                  total_peak_rss=res["peak_rss"] + q.get("VmHWM", 0),
-                 hit_rate=res["hook"]["hit_rate"], hook_stats=res["hook"], status="ok",
+                 hit_rate=res["hook"]["hit_rate"], hook_stats=res["hook"],
+                 decode_call=res.get("decode_call"), status="ok",
                  note="qmoed's largest RSS sample while the engine ran: %.2f GB anonymous, "
-                      "%.2f GB file (bank pages), %.2f GB shared%s"
+                      "%.2f GB file (bank pages), %.2f GB shared%s%s"
                       % (q.get("RssAnon", 0) / 1e9, q.get("RssFile", 0) / 1e9,
                          q.get("RssShmem", 0) / 1e9,
-                         "; " + load_split(res) if load_split(res) else ""))
+                         "; " + load_split(res) if load_split(res) else "",
+                         "; a decode layer call, median: %.0f µs in the hook, %.0f µs waiting, "
+                         "%.0f µs of daemon compute" % (res["decode_call"]["hook_wall_us"],
+                                                         res["decode_call"]["wait_us"],
+                                                         res["decode_call"]["compute_us"])
+                         if res.get("decode_call") else ""))
     return r
 
 
