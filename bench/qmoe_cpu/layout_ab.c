@@ -2,7 +2,7 @@
  * bytes, one thread, thread CPU time (issues 22 and 23: is llama.cpp's
  * repacked Q4_0, rows interleaved eight at a time, worth a layout of ours?).
  *
- *   layout_ab [--rows N] [--cols K] [--reps R] [--prefetch 0|1]
+ *   layout_ab [--rows N] [--cols K] [--reps R] [--prefetch 0|1] [--threads T]
  *
  * row: the bank's layout and the two passes of qm_kernel_i8_x86.h's
  *   qm__v_b32 (per group of 8 rows, each row's 32-byte chunks dotted with
@@ -17,10 +17,14 @@
  *
  * The engine's own kernel is not called (its scratch, scales conversion
  * and tiling are left out of both sides alike): this measures what the
- * layout alone changes. Rows x cols / 2 bytes of codes: 256 x 2048 stays in
+ * layout alone changes. --threads T > 1: T threads split the groups, and
+ * the times are wall clock between barriers (the engine's regime at T = 2
+ * and rows from memory: a core's share of the read bandwidth against its
+ * compute). Rows x cols / 2 bytes of codes: 256 x 2048 stays in
  * L2, 65536 x 2048 (64 MiB) comes from memory. Prints one JSON line. Not a
  * test. */
 #include <immintrin.h>
+#include <pthread.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -29,10 +33,10 @@
 
 #include "../bench_util.h"
 
-static double cpu_us(void)
+static double clock_us(clockid_t c)
 {
     struct timespec t;
-    clock_gettime(CLOCK_THREAD_CPUTIME_ID, &t);
+    clock_gettime(c, &t);
     return (double)t.tv_sec * 1e6 + (double)t.tv_nsec * 1e-3;
 }
 
@@ -163,29 +167,83 @@ __attribute__((noinline)) static __m256 interleaved(const shape *g, const uint8_
     return acc;
 }
 
+/* One thread's share: groups [g0, g1) of every variant, reps + 1 times
+ * (the first not counted), between barriers; thread 0 keeps the times. */
+typedef struct job {
+    const shape *g;
+    const uint8_t *w, *wi;
+    const __m256i *xp;
+    const int32_t *xb, *zsum;
+    const float *dx, *sct;
+    float *y_row, *y_il, *y_r16;
+    size_t g0, g1, groups;
+    uint32_t reps, prefetch, nthreads, tid;
+    pthread_barrier_t *bar;
+    double best[3];
+} job;
+
+static void *run_job(void *arg)
+{
+    job *j = arg;
+    const shape *g = j->g;
+    __m256i *part = aligned_alloc(64, 256 * g->nc);
+    clockid_t clk = j->nthreads > 1 ? CLOCK_MONOTONIC : CLOCK_THREAD_CPUTIME_ID;
+    for (int v = 0; v < 3; v++)
+        j->best[v] = 1e300;
+    for (uint32_t rep = 0; rep <= j->reps; rep++)
+        for (int v = 0; v < 3; v++) {
+            pthread_barrier_wait(j->bar);
+            double t0 = clock_us(clk);
+            for (size_t gr = j->g0; gr < j->g1; gr++) {
+                const uint8_t *r0 = j->w + gr * 8 * g->rb;
+                const uint8_t *pf = j->prefetch && gr + 1 < j->groups ? r0 + 8 * g->rb : NULL;
+                const float *sc = j->sct + gr * 8 * g->nsb;
+                if (v == 0) {
+                    row_pass1(g, r0, pf, j->xp, part);
+                    _mm256_storeu_ps(j->y_row + 8 * gr, row_pass2(g, part, j->zsum, j->dx, sc));
+                } else if (v == 1) {
+                    _mm256_storeu_ps(j->y_il + 8 * gr, interleaved(g, j->wi + gr * 8 * g->rb,
+                                                                   j->xb, j->zsum, j->dx, sc));
+                } else {
+                    row16_pass1(g, r0, pf, j->xp, part);
+                    _mm256_storeu_ps(j->y_r16 + 8 * gr,
+                                     row16_pass2(g, part, j->zsum, j->dx, sc));
+                }
+            }
+            pthread_barrier_wait(j->bar);
+            double dt = clock_us(clk) - t0;
+            if (rep && dt < j->best[v])
+                j->best[v] = dt;
+        }
+    free(part);
+    return NULL;
+}
+
 int main(int argc, char **argv)
 {
-    uint32_t rows = 256, cols = 2048, reps = 200, prefetch = 1;
+    uint32_t rows = 256, cols = 2048, reps = 200, prefetch = 1, threads = 1;
     const bench_arg args[] = {
         {"--rows", BENCH_ARG_U32, &rows},
         {"--cols", BENCH_ARG_U32, &cols},
         {"--reps", BENCH_ARG_U32, &reps},
         {"--prefetch", BENCH_ARG_U32, &prefetch},
+        {"--threads", BENCH_ARG_U32, &threads},
     };
     for (int i = 1; i + 1 < argc; i += 2)
         if (!bench_arg_set(args, sizeof args / sizeof *args, argv[i], argv[i + 1])) {
             fprintf(stderr, "unknown option %s\n", argv[i]);
             return 2;
         }
-    if (!rows || rows % 8 || !cols || cols % 64 || !reps) {
-        fprintf(stderr, "want --rows a multiple of 8, --cols of 64\n");
+    if (!rows || rows % 8 || !cols || cols % 64 || !reps || !threads || threads > 64 ||
+        rows / 8 < threads) {
+        fprintf(stderr, "want --rows a multiple of 8, --cols of 64, 1-64 --threads\n");
         return 2;
     }
     shape g = {.rb = cols / 2, .nc = cols / 64, .nsb = cols / 32};
     size_t bytes = (size_t)rows * g.rb, groups = rows / 8;
     uint8_t *w = aligned_alloc(64, bytes), *wi = aligned_alloc(64, bytes);
     int8_t *x = aligned_alloc(64, cols);
-    __m256i *xp = aligned_alloc(64, 64 * g.nc), *part = aligned_alloc(64, 256 * g.nc);
+    __m256i *xp = aligned_alloc(64, 64 * g.nc);
     int32_t *xb = aligned_alloc(64, 32 * g.nsb), *zsum = malloc(4 * g.nsb);
     float *dx = malloc(4 * g.nsb), *sct = aligned_alloc(64, 32 * g.nsb * groups);
     float *y_row = malloc(4 * (size_t)rows), *y_il = malloc(4 * (size_t)rows);
@@ -230,46 +288,38 @@ int main(int argc, char **argv)
                 for (size_t r = 0; r < 8; r++)
                     memcpy(wi + gr * 8 * g.rb + 128 * j + 32 * q + 4 * r,
                            w + (gr * 8 + r) * g.rb + 32 * (j / 2) + 16 * (j % 2) + 4 * q, 4);
-    double best_row = 1e300, best_il = 1e300, best_r16 = 1e300;
-    for (uint32_t rep = 0; rep <= reps; rep++) {
-        double t0 = cpu_us();
-        for (size_t gr = 0; gr < groups; gr++) {
-            const uint8_t *r0 = w + gr * 8 * g.rb;
-            row_pass1(&g, r0, prefetch && gr + 1 < groups ? r0 + 8 * g.rb : NULL, xp, part);
-            _mm256_storeu_ps(y_row + 8 * gr, row_pass2(&g, part, zsum, dx, sct + gr * 8 * g.nsb));
-        }
-        double t1 = cpu_us();
-        for (size_t gr = 0; gr < groups; gr++)
-            _mm256_storeu_ps(y_il + 8 * gr, interleaved(&g, wi + gr * 8 * g.rb, xb, zsum, dx,
-                                                        sct + gr * 8 * g.nsb));
-        double t2 = cpu_us();
-        for (size_t gr = 0; gr < groups; gr++) {
-            const uint8_t *r0 = w + gr * 8 * g.rb;
-            row16_pass1(&g, r0, prefetch && gr + 1 < groups ? r0 + 8 * g.rb : NULL, xp, part);
-            _mm256_storeu_ps(y_r16 + 8 * gr, row16_pass2(&g, part, zsum, dx, sct + gr * 8 * g.nsb));
-        }
-        double t3 = cpu_us();
-        if (rep && t3 - t2 < best_r16)
-            best_r16 = t3 - t2;
-        if (rep && t1 - t0 < best_row)
-            best_row = t1 - t0;
-        if (rep && t2 - t1 < best_il)
-            best_il = t2 - t1;
+    pthread_barrier_t bar;
+    pthread_barrier_init(&bar, NULL, threads);
+    job jobs[64];
+    pthread_t tids[64];
+    for (uint32_t t = 0; t < threads; t++) {
+        jobs[t] = (job){.g = &g, .w = w, .wi = wi, .xp = xp, .xb = xb, .zsum = zsum, .dx = dx,
+                        .sct = sct, .y_row = y_row, .y_il = y_il, .y_r16 = y_r16,
+                        .g0 = groups * t / threads, .g1 = groups * (t + 1) / threads,
+                        .groups = groups, .reps = reps, .prefetch = prefetch,
+                        .nthreads = threads, .tid = t, .bar = &bar};
+        if (t)
+            pthread_create(&tids[t], NULL, run_job, &jobs[t]);
     }
+    run_job(&jobs[0]);
+    for (uint32_t t = 1; t < threads; t++)
+        pthread_join(tids[t], NULL);
+    pthread_barrier_destroy(&bar);
+    double best_row = jobs[0].best[0], best_il = jobs[0].best[1], best_r16 = jobs[0].best[2];
     int same = memcmp(y_row, y_il, 4 * (size_t)rows) == 0 &&
                memcmp(y_row, y_r16, 4 * (size_t)rows) == 0;
-    printf("{\"rows\":%u,\"cols\":%u,\"code_bytes\":%zu,\"prefetch\":%u,\"row_us\":%.1f,"
+    printf("{\"rows\":%u,\"cols\":%u,\"threads\":%u,\"code_bytes\":%zu,\"prefetch\":%u,"
+           "\"row_us\":%.1f,"
            "\"row_gbps\":%.2f,\"interleaved_us\":%.1f,\"interleaved_gbps\":%.2f,"
            "\"interleaved_speedup\":%.3f,\"row16_us\":%.1f,\"row16_speedup\":%.3f,"
            "\"same_bits\":%s}\n",
-           rows, cols, bytes, prefetch, best_row, bytes / best_row / 1e3, best_il,
+           rows, cols, threads, bytes, prefetch, best_row, bytes / best_row / 1e3, best_il,
            bytes / best_il / 1e3, best_row / best_il, best_r16, best_row / best_r16,
            same ? "true" : "false");
     free(w);
     free(wi);
     free(x);
     free(xp);
-    free(part);
     free(xb);
     free(zsum);
     free(dx);
