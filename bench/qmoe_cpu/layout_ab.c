@@ -47,10 +47,12 @@ typedef struct shape {
 } shape;
 
 /* Pass 1 of the row layout: part[i nc + c] = row i's chunk c against the
- * input's pairs xp. pf: the next group (NULL: no prefetch). */
-__attribute__((noinline)) static void row_pass1(const shape *g, const uint8_t *r0,
-                                                const uint8_t *pf, const __m256i *xp,
-                                                __m256i *part)
+ * input's pairs xp, as 8 int32 lane sums (widen) or, for row16, the 16
+ * int16 sums before vpmaddwd (4 columns each, |s| <= 7620). pf: the next
+ * group (NULL: no prefetch). */
+static inline __attribute__((always_inline)) void pass1(const shape *g, const uint8_t *r0,
+                                                        const uint8_t *pf, const __m256i *xp,
+                                                        __m256i *part, const int widen)
 {
     /* In locals: a store through __m256i * may alias *g. */
     const size_t rb = g->rb, nc = g->nc;
@@ -65,9 +67,16 @@ __attribute__((noinline)) static void row_pass1(const shape *g, const uint8_t *r
             __m256i s = _mm256_add_epi16(
                 _mm256_maddubs_epi16(_mm256_and_si256(v, lo4), xp[2 * c]),
                 _mm256_maddubs_epi16(_mm256_and_si256(_mm256_srli_epi16(v, 4), lo4), xp[2 * c + 1]));
-            pi[c] = _mm256_madd_epi16(s, one);
+            pi[c] = widen ? _mm256_madd_epi16(s, one) : s;
         }
     }
+}
+
+__attribute__((noinline)) static void row_pass1(const shape *g, const uint8_t *r0,
+                                                const uint8_t *pf, const __m256i *xp,
+                                                __m256i *part)
+{
+    pass1(g, r0, pf, xp, part, 1);
 }
 
 static inline __m256 epilogue(__m256i S, int32_t zsum, float dx, const float *sc, __m256 acc)
@@ -98,26 +107,13 @@ __attribute__((noinline)) static __m256 row_pass2(const shape *g, const __m256i 
 }
 
 /* The row layout with the madd deferred: pass 1 keeps each chunk's int16
- * lane sums (4 columns each, |s| <= 7620), pass 2 reduces 8 rows by two
- * hadd16 levels (16 columns, <= 30480: no saturation) and one madd. */
+ * lane sums, pass 2 reduces 8 rows by two hadd16 levels (16 columns,
+ * <= 30480: no saturation) and one madd. */
 __attribute__((noinline)) static void row16_pass1(const shape *g, const uint8_t *r0,
                                                   const uint8_t *pf, const __m256i *xp,
                                                   __m256i *part)
 {
-    const size_t rb = g->rb, nc = g->nc;
-    const __m256i lo4 = _mm256_set1_epi8(15);
-    for (size_t i = 0; i < 8; i++) {
-        const uint8_t *r = r0 + i * rb;
-        __m256i *pi = part + i * nc;
-        for (size_t c = 0; c < nc; c++) {
-            if (pf && (c & 1) == 0)
-                _mm_prefetch((const char *)pf + i * rb + 32 * c, _MM_HINT_T0);
-            __m256i v = _mm256_loadu_si256((const __m256i *)(r + 32 * c));
-            pi[c] = _mm256_add_epi16(
-                _mm256_maddubs_epi16(_mm256_and_si256(v, lo4), xp[2 * c]),
-                _mm256_maddubs_epi16(_mm256_and_si256(_mm256_srli_epi16(v, 4), lo4), xp[2 * c + 1]));
-        }
-    }
+    pass1(g, r0, pf, xp, part, 0);
 }
 
 __attribute__((noinline)) static __m256 row16_pass2(const shape *g, const __m256i *part,
