@@ -13,6 +13,7 @@ jobs=$(nproc)
 # What the run leaves in the temp dirs is checked at its end (below).
 tmp_root=${TMPDIR:-/tmp}
 tmp_stamp=$(mktemp)
+trap 'rm -f "$tmp_stamp"' EXIT
 
 echo "== release build + all tests"
 cmake -S . -B build -DCMAKE_BUILD_TYPE=Release -DQMOE_WERROR=ON >/dev/null

@@ -264,9 +264,9 @@ def transformers_alone(a, shape, ckpt, ckpt_bytes):
 
 
 def with_qmoed(a, shape, ckpt, bank, budget):
-    r = row(shape=shape, row="b", engine="transformers + qmoed", weights="bf16 + int%d bank%s"
-            % (a.bits, ", " + a.precision if a.precision else ""), policy="whole_bank" if budget >= 1 else a.policy,
-            budget=budget, threads=a.threads)
+    weights = "bf16 + int%d bank%s" % (a.bits, ", " + a.precision if a.precision else "")
+    r = row(shape=shape, row="b", engine="transformers + qmoed", weights=weights,
+            policy="whole_bank" if budget >= 1 else a.policy, budget=budget, threads=a.threads)
     warm(checkpoint_files(ckpt) + [bank])
     d = Qmoed(a.build, bank, "e2e", a.threads, a.work)
     try:
