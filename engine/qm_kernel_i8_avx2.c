@@ -13,12 +13,15 @@
  * Both give qm_kernel_i8.h's exact sums, hence every fast kernel's bits. */
 #include "qm_kernel_i8_x86.h"
 
-/* Inputs from which a call runs the GEMM, 4-bit and 8-bit (measured with
- * bench/qmoe_cpu/qmoe_kernel_micro --inputs N, kernels avx2-gemv and
- * avx2-gemm: the 8-bit GEMM's s16 steps do half the work of the 4-bit
- * ones per instruction, so it pays only from about 24 inputs). */
-#define QM__I8_AVX2_GEMM_MIN 5u
-#define QM__I8_AVX2_GEMM_MIN8 24u
+/* Inputs from which a call runs the GEMM, 4-bit and 8-bit: where
+ * bench/qmoe_cpu/qmoe_kernel_micro --inputs N (kernels avx2-gemv and
+ * avx2-gemm, 256 x 2048, one thread) puts them level on a Zen 3 core since
+ * the 4-bit GEMV takes its inputs two at a time (2026-12-02: 4-bit GEMV
+ * 56/70/81/93 us at 4/5/6/7 inputs against the GEMM's 75/82/89/94; 8-bit
+ * 139/170-203/222 at 4/6/8 against 172/133/222, the GEMM 1.7-2.0x faster
+ * from 12). */
+#define QM__I8_AVX2_GEMM_MIN 7u
+#define QM__I8_AVX2_GEMM_MIN8 6u
 
 static inline __m256i qm__avx2_dot4(__m256i lo, __m256i hi, __m256i xl, __m256i xh)
 {

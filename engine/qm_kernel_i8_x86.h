@@ -382,6 +382,30 @@ QM__I8_AI void qm__v_pass1(const uint8_t *r0, size_t rb, size_t nc, const char *
     }
 }
 
+/* qm__v_pass1 of 4-bit codes for two inputs at once (their pairs xp0 /
+ * xp1, lanes into part0 / part1): each chunk is loaded and split into its
+ * nibbles once for both; every lane's sum is the one qm__v_pass1 makes. */
+QM__I8_AI void qm__v_pass1_2(const uint8_t *r0, size_t rb, size_t nc, const char *pf,
+                             const __m256i *xp0, const __m256i *xp1, __m256i *part0,
+                             __m256i *part1)
+{
+    const __m256i lo4 = _mm256_set1_epi8(15);
+    for (uint32_t i = 0; i < 8; i++) {
+        const uint8_t *r = r0 + i * rb;
+        __m256i *p0 = part0 + i * nc, *p1 = part1 + i * nc;
+        const char *pfi = pf ? pf + i * rb : NULL;
+        for (size_t c = 0; c < nc; c++) {
+            if (pfi && (c & 1) == 0)
+                _mm_prefetch(pfi + 32 * c, _MM_HINT_T0);
+            __m256i v = _mm256_loadu_si256((const __m256i *)(r + 32 * c));
+            __m256i lo = _mm256_and_si256(v, lo4);
+            __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), lo4);
+            p0[c] = QM__V_DOT4(lo, hi, xp0[2 * c], xp0[2 * c + 1]);
+            p1[c] = QM__V_DOT4(lo, hi, xp1[2 * c], xp1[2 * c + 1]);
+        }
+    }
+}
+
 /* One sub-block's epilogue on 8 rows at once, blocks of one sub-block:
  * t = fma(S - zsum, dx, +0), acc = fma(t, scale, acc) (the canonical order). */
 QM__I8_AI __m256 qm__v_epi_b32(const qm__i8_xrow *x, const float *sct, uint32_t h, size_t j,
@@ -453,6 +477,45 @@ static uint32_t qm__v_b32(const qm__qmat *m, uint32_t n0, uint32_t nr, const flo
     return full;
 }
 
+/* qm__v_b32 for 4-bit codes and two or more inputs: inputs two at a time
+ * (a group's codes loaded and split into nibbles once for both), an odd
+ * last one alone. The same sums and epilogue, so the same bits. */
+static uint32_t qm__v_b32_pairs(const qm__qmat *m, uint32_t n0, uint32_t nr, const float *xq,
+                                size_t ldx, uint32_t nx, float *y, size_t ldy,
+                                const qm__i8_scratch *s)
+{
+    const uint32_t full = nr / 8 * 8;
+    const size_t nc = m->row_bytes / 32;
+    /* Two inputs' 8 x nc parts, then their nsb pairs each. */
+    __m256i *part0 = (__m256i *)s->pan, *part1 = part0 + 8 * nc;
+    __m256i *xp0 = part1 + 8 * nc, *xp1 = xp0 + 2 * nc;
+    for (uint32_t h = 0; h < nr + 16; h += 8)
+        qm__x_prefetch_scales(m, n0 + h);
+    for (uint32_t r = 0; r < nx; r += 2) {
+        const int two = r + 1 < nx;
+        qm__i8_xrow x0 = qm__i8_xrow_at(m, xq + (size_t)r * ldx);
+        qm__i8_xrow x1 = two ? qm__i8_xrow_at(m, xq + (size_t)(r + 1) * ldx) : x0;
+        qm__v_xpairs(&x0, nc, xp0);
+        if (two)
+            qm__v_xpairs(&x1, nc, xp1);
+        for (uint32_t h = 0; h < full; h += 8) {
+            const uint8_t *r0 = m->w + (size_t)(n0 + h) * m->row_bytes;
+            const char *pf = !r && n0 + h + 16 <= m->n ? (const char *)r0 + 8 * m->row_bytes : NULL;
+            if (two)
+                qm__v_pass1_2(r0, m->row_bytes, nc, pf, xp0, xp1, part0, part1);
+            else
+                qm__v_pass1(r0, m->row_bytes, nc, pf, xp0, &x0, part0, 4);
+            if (!r)
+                qm__x_params8(m, n0, nr, h, s->sct, NULL);
+            float *y0 = y + (size_t)r * ldy + n0 + h;
+            _mm256_storeu_ps(y0, qm__v_pass2(part0, nc, &x0, s->sct, h, 4));
+            if (two)
+                _mm256_storeu_ps(y0 + ldy, qm__v_pass2(part1, nc, &x1, s->sct, h, 4));
+        }
+    }
+    return full;
+}
+
 /* One group of 8 rows times one input, specialised on zero points and
  * blocks of one sub-block. */
 QM__I8_AI __m256 qm__v_rows(const qm__qmat *m, const uint8_t *const row[8],
@@ -485,7 +548,9 @@ static void QM__V_FN(const qm__qmat *m, uint32_t n0, uint32_t n1, const float *x
     qm__i8_scratch s = qm__i8_scratch_at(m, scratch);
     uint32_t nr = n1 - n0;
     int32_t *zpt = m->zp ? s.zpt : NULL;
-    uint32_t h0 = qm__v_is_b32(m) ? qm__v_b32(m, n0, nr, xq, ldx, nx, y, ldy, &s) : 0;
+    uint32_t h0 = !qm__v_is_b32(m)            ? 0
+                  : m->bits == 4 && nx > 1 ? qm__v_b32_pairs(m, n0, nr, xq, ldx, nx, y, ldy, &s)
+                                           : qm__v_b32(m, n0, nr, xq, ldx, nx, y, ldy, &s);
     for (uint32_t h = h0; h < nr; h += 8) {
         qm__x_params8(m, n0, nr, h, s.sct, zpt);
         qm__x_prefetch_scales(m, n0 + h + 8);
