@@ -12,8 +12,13 @@
 #define QM__CPU_ALIGN 64u
 /* Fused schedule: at most this many 16-row tiles per task, and about this
  * many tasks per thread (fewer claims of the shared counter, still enough
- * to balance the threads). */
-#define QM__MAX_TILES_PER_TASK 4u
+ * to balance the threads). A task's rows are one stream of a matrix; the
+ * threads claim tasks in turn, so a task is also how long each thread's
+ * stream runs before it jumps: 16 tiles (96-256 KiB of 4-bit codes on the
+ * fine-grained shapes) took 4-12% off every call of a Zen 4 core pair
+ * against 4 tiles (docs/BENCHMARKS.md, "Zen 4"); on Zen 3 4-32 measured
+ * the same. */
+#define QM__MAX_TILES_PER_TASK 16u
 #define QM__TASKS_PER_THREAD 32u
 /* Pauses a waiting task spins before it sleeps (some tens of microseconds). */
 #define QM__SPINS 1024u
