@@ -106,7 +106,13 @@ static inline int qm__i8_last(uint32_t spb, size_t nse, size_t j)
  * mostly empty). */
 #define QM__I8_AVXVNNI_NR 4
 #define QM__I8_AVX512VNNI_NR 8
-#define QM__I8_VNNI_GEMM_MIN 4u
+#define QM__I8_VNNI_GEMM_MIN 4u /* AVX-VNNI: not measured (no such CPU here yet) */
+/* AVX-512 VNNI, by code width: measured on a Zen 4 core
+ * (qmoe_kernel_micro --inputs N, its avx512vnni-gemv / -gemm lines,
+ * docs/BENCHMARKS.md): the 4-bit GEMV, which pairs its inputs, is as fast
+ * as the GEMM up to 7 inputs; the 8-bit GEMV, one input at a time, loses
+ * to the GEMM from 3. */
+#define QM__I8_AVX512VNNI_GEMM_MIN(m) ((m)->bits == 4 ? 8u : 3u)
 #define QM__I8_AMX_MIN 5u
 
 /* A fast entry's split by input count: calls of fewer than `min` inputs run

@@ -36,5 +36,12 @@ static qm__mm_fn qm__vnni512_gemm;
 void qm__i8mm_avx512vnni(const qm__qmat *m, uint32_t n0, uint32_t n1, const float *xq,
                          size_t ldx, uint32_t nx, float *y, size_t ldy, float *scratch)
 {
-    qm__i8_split(QM__I8_VNNI_GEMM_MIN, qm__vnni512_gemv, qm__vnni512_gemm, m, n0, n1, xq, ldx, nx, y, ldy, scratch);
+    qm__i8_split(QM__I8_AVX512VNNI_GEMM_MIN(m), qm__vnni512_gemv, qm__vnni512_gemm, m, n0, n1, xq, ldx, nx, y, ldy, scratch);
+}
+
+void qm__i8mm_avx512vnni_path(int gemm, const qm__qmat *m, uint32_t n0, uint32_t n1,
+                              const float *xq, size_t ldx, uint32_t nx, float *y, size_t ldy,
+                              float *scratch)
+{
+    (gemm ? qm__vnni512_gemm : qm__vnni512_gemv)(m, n0, n1, xq, ldx, nx, y, ldy, scratch);
 }

@@ -153,7 +153,7 @@ static qm__mm_fn qm__model_amx_gemm;
 static void qm__model16_mm(const qm__qmat *m, uint32_t n0, uint32_t n1, const float *xq,
                            size_t ldx, uint32_t nx, float *y, size_t ldy, float *scratch)
 {
-    qm__i8_split(QM__I8_VNNI_GEMM_MIN, qm__model_vnni_gemv, qm__model16_gemm, m, n0, n1, xq, ldx, nx, y, ldy, scratch);
+    qm__i8_split(QM__I8_AVX512VNNI_GEMM_MIN(m), qm__model_vnni_gemv, qm__model16_gemm, m, n0, n1, xq, ldx, nx, y, ldy, scratch);
 }
 
 static void qm__model_amx_mm(const qm__qmat *m, uint32_t n0, uint32_t n1, const float *xq,

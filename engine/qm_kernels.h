@@ -204,6 +204,11 @@ void qm__kernel_amx_hook(int fake_cpu, int (*perm)(void));
  * and its vector packers and row parameters (those of qm_kernel_i8.h). */
 void qm__i8mm_avx2_path(int gemm, const qm__qmat *m, uint32_t n0, uint32_t n1, const float *xq,
                         size_t ldx, uint32_t nx, float *y, size_t ldy, float *scratch);
+/* The same for the AVX-512 VNNI kernel (a CPU without AVX-512 VNNI must
+ * not call it). */
+void qm__i8mm_avx512vnni_path(int gemm, const qm__qmat *m, uint32_t n0, uint32_t n1,
+                              const float *xq, size_t ldx, uint32_t nx, float *y, size_t ldy,
+                              float *scratch);
 void qm__i8_pack_avx2(const qm__qmat *m, uint32_t n0, uint32_t nr, size_t j0, size_t j1, int s16,
                       uint8_t *pan);
 void qm__i8_params_avx2(const qm__qmat *m, uint32_t n0, uint32_t nr, float *sct, int32_t *zpt);

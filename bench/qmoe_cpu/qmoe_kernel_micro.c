@@ -109,13 +109,15 @@ int main(int argc, char **argv)
     }
     /* The fast kernels, and the AVX2 kernel's two paths at any input count
      * (where its GEMV / GEMM split should lie). */
-    static const char *const fast[] = {"scalar", "avx2", "avxvnni", "avx512vnni", "amx",
-                                       "avx2-gemv", "avx2-gemm"};
-    for (int e = 0; e < 7; e++) {
-        int path = e >= 5 ? e - 5 : -1;
-        setenv("QMOE_KERNEL", path >= 0 ? "avx2" : fast[e], 1);
+    static const char *const fast[] = {"scalar",    "avx2",      "avxvnni",         "avx512vnni",
+                                       "amx",       "avx2-gemv", "avx2-gemm",       "avx512vnni-gemv",
+                                       "avx512vnni-gemm"};
+    for (int e = 0; e < 9; e++) {
+        int path = e >= 5 ? (e - 5) % 2 : -1;
+        const char *base = e >= 7 ? "avx512vnni" : e >= 5 ? "avx2" : fast[e];
+        setenv("QMOE_KERNEL", base, 1);
         const qm__i8kernel *k = qm__i8kernel_select();
-        if (strcmp(k->name, path >= 0 ? "avx2" : fast[e]) != 0) {
+        if (strcmp(k->name, base) != 0) {
             printf("{\"mode\":\"fast\",\"kernel\":\"%s\",\"skipped\":\"this CPU cannot run it\"}\n",
                    fast[e]);
             continue;
@@ -129,7 +131,10 @@ int main(int argc, char **argv)
             double t0 = cpu_us();
             for (uint32_t n0 = 0; n0 < N; n0 += QM__TILE_ROWS)
 #if defined(QMOE_X86_KERNELS)
-                if (path >= 0)
+                if (path >= 0 && e >= 7)
+                    qm__i8mm_avx512vnni_path(path, &m, n0, n0 + QM__TILE_ROWS, xq, ld, nx, y, N,
+                                             scratch);
+                else if (path >= 0)
                     qm__i8mm_avx2_path(path, &m, n0, n0 + QM__TILE_ROWS, xq, ld, nx, y, N, scratch);
                 else
 #endif
