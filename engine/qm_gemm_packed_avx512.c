@@ -161,7 +161,7 @@ QM_AI void qm__pk_prefetch_run(const uint8_t *p, size_t len)
 {
     const uint8_t *e = p + len;
     for (p = (const uint8_t *)((uintptr_t)p & ~(uintptr_t)63); p < e; p += 64)
-        _mm_prefetch((const char *)p, _MM_HINT_T0);
+        _mm_prefetch((const char *)p, QM__PF_HINT);
 }
 
 /* The codes and scales of tile kt0: 16 short runs at a row stride, which

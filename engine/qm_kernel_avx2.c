@@ -224,10 +224,10 @@ QM_AI void qm__gemv_4x1_impl(const qm__qmat *m, uint32_t n, const float *xp, flo
         if (QM__GEMV_PREFETCH && (b & 3) == 0) {
             /* The next 4 rows (contiguous after these), same offset. */
             size_t off = (size_t)c * 2 * BITS + 4 * rb;
-            _mm_prefetch((const char *)(r0 + off), _MM_HINT_T0);
-            _mm_prefetch((const char *)(r1 + off), _MM_HINT_T0);
-            _mm_prefetch((const char *)(r2 + off), _MM_HINT_T0);
-            _mm_prefetch((const char *)(r3 + off), _MM_HINT_T0);
+            _mm_prefetch((const char *)(r0 + off), QM__PF_HINT);
+            _mm_prefetch((const char *)(r1 + off), QM__PF_HINT);
+            _mm_prefetch((const char *)(r2 + off), QM__PF_HINT);
+            _mm_prefetch((const char *)(r3 + off), QM__PF_HINT);
         }
         if (ce - c == cpb && ce <= nfull) { /* whole block, no row tail */
 #pragma GCC unroll 8
@@ -531,7 +531,7 @@ QM_AI void qm__canon_prefetch(const uint8_t *const row[4], size_t rb, const int 
     for (size_t off = (16 * (size_t)c + 63) & ~(size_t)63; off < 16 * (size_t)ce; off += 64)
 #pragma GCC unroll 4
         for (int i = 0; i < NR; i++)
-            _mm_prefetch((const char *)(row[i] + off + NR * rb), _MM_HINT_T0);
+            _mm_prefetch((const char *)(row[i] + off + NR * rb), QM__PF_HINT);
 }
 
 /* NR weight rows (n..n+NR-1) x R input rows, NR * R <= 4 (8 accumulators).
@@ -858,9 +858,9 @@ static const float *qm__avx2_gemm_panel(const qm__qmat *m, uint32_t n0, uint32_t
         for (uint32_t n = n0; n < n1; n++) {
             const uint8_t *r = m->w + (size_t)n * m->row_bytes;
             for (size_t o = off; o < off + run && o < m->row_bytes; o += 64)
-                _mm_prefetch((const char *)(r + o), _MM_HINT_T0);
+                _mm_prefetch((const char *)(r + o), QM__PF_HINT);
             _mm_prefetch((const char *)m->scales + ((size_t)n * m->nblk) * ssz + soff,
-                         _MM_HINT_T0);
+                         QM__PF_HINT);
         }
     }
     return wt;

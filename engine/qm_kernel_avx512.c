@@ -75,7 +75,7 @@ QM_AI void qm__prefetch_next4(const uint8_t *const row[4], size_t off)
 {
 #pragma GCC unroll 4
     for (int i = 0; i < 4; i++)
-        _mm_prefetch((const char *)(row[i] + off), _MM_HINT_T0);
+        _mm_prefetch((const char *)(row[i] + off), QM__PF_HINT);
 }
 
 /* The AVX2 GEMV's reduction (qm__hsum8): 8 -> 4 -> 2 -> 1. */

@@ -137,7 +137,7 @@ static inline void qm__g_prefetch_next(const qm__qmat *m, uint32_t n1, size_t j0
         o1 = m->row_bytes;
     for (uint32_t n = n1; n < n1 + 16 && n < m->n; n++)
         for (size_t o = o0 & ~(size_t)63; o < o1; o += 64)
-            __builtin_prefetch(m->w + (size_t)n * m->row_bytes + o, 0, 3);
+            __builtin_prefetch(m->w + (size_t)n * m->row_bytes + o, 0, QM__PF_LOCALITY);
 }
 
 static inline qm__g_call qm__g_call_make(const qm__qmat *m, const float *xq, size_t ldx,

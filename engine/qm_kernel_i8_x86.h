@@ -200,7 +200,7 @@ QM__I8_AI void qm__x_prefetch_scales(const qm__qmat *m, uint32_t n)
     const char *p = (const char *)m->scales + (size_t)n * m->nblk * es;
     size_t bytes = (size_t)(end - n) * m->nblk * es;
     for (size_t o = 0; o < bytes; o += 64)
-        _mm_prefetch(p + o, _MM_HINT_T0);
+        _mm_prefetch(p + o, QM__PF_HINT);
 }
 
 #endif /* QM_KERNEL_I8_X86_H */
@@ -275,7 +275,7 @@ QM__I8_AI __m256 qm__v_rows_q4(const qm__qmat *m, const uint8_t *const row[8],
         if (next && (j & 2) == 0) /* one line of each next row per 64 bytes */
 #pragma GCC unroll 8
             for (int i = 0; i < 8; i++)
-                _mm_prefetch((const char *)next[i] + 16 * j, _MM_HINT_T0);
+                _mm_prefetch((const char *)next[i] + 16 * j, QM__PF_HINT);
         __m256i p[8];
 #pragma GCC unroll 8
         for (int i = 0; i < 8; i++) {
@@ -309,7 +309,7 @@ QM__I8_AI __m256 qm__v_rows_q8(const qm__qmat *m, const uint8_t *const row[8],
         if (next && (j & 1) == 0)
 #pragma GCC unroll 8
             for (int i = 0; i < 8; i++)
-                _mm_prefetch((const char *)next[i] + 32 * j, _MM_HINT_T0);
+                _mm_prefetch((const char *)next[i] + 32 * j, QM__PF_HINT);
         __m256i p[8];
 #pragma GCC unroll 8
         for (int i = 0; i < 8; i++) {
@@ -375,7 +375,7 @@ QM__I8_AI void qm__v_pass1(const uint8_t *r0, size_t rb, size_t nc, const char *
         const char *pfi = pf ? pf + i * rb : NULL;
         for (size_t c = 0; c < nc; c++) {
             if (pfi && (c & 1) == 0)
-                _mm_prefetch(pfi + 32 * c, _MM_HINT_T0);
+                _mm_prefetch(pfi + 32 * c, QM__PF_HINT);
             pi[c] = BITS == 4 ? qm__v_dot_at(r + 32 * c, lo4, xp[2 * c], xp[2 * c + 1])
                               : QM__V_DOT8(r + 32 * c, x->q + 32 * c, x->q16 + 32 * c);
         }
@@ -396,7 +396,7 @@ QM__I8_AI void qm__v_pass1_2(const uint8_t *r0, size_t rb, size_t nc, const char
         const char *pfi = pf ? pf + i * rb : NULL;
         for (size_t c = 0; c < nc; c++) {
             if (pfi && (c & 1) == 0)
-                _mm_prefetch(pfi + 32 * c, _MM_HINT_T0);
+                _mm_prefetch(pfi + 32 * c, QM__PF_HINT);
             __m256i v = _mm256_loadu_si256((const __m256i *)(r + 32 * c));
             __m256i lo = _mm256_and_si256(v, lo4);
             __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), lo4);

@@ -39,6 +39,17 @@ typedef struct qm__qmat {
 #define QM__GEMM_KT 256u
 /* Jobs with more rows than this use the GEMM path. */
 #define QM__GEMV_MAX_ROWS 4u
+/* Where the x86 kernels' software prefetches of weight codes and scales
+ * put a line: L2 (prefetcht2, _MM_HINT_T2 of <xmmintrin.h>; the
+ * __builtin_prefetch locality 1), not L1. A decode kernel asks for the
+ * next group's codes while it reads this one's; asked into L1 those
+ * requests compete with the demand loads for the core's L1 miss buffers,
+ * and on a Zen 4 core one thread's 4-bit GEMV from memory read 5.3-6.3
+ * GB/s with T0 against 10-11 GB/s with T2 (T1 8.5-11, NTA 6.8-7.9;
+ * docs/BENCHMARKS.md, "Zen 4"). The line reaches L1 on its demand load,
+ * from L2. */
+#define QM__PF_HINT _MM_HINT_T2
+#define QM__PF_LOCALITY 1
 
 /* The one signature of every matrix entry, exact or fast: rows [n0, n1) of
  * W times nx prepared input rows (xp, ldx floats apart) into
