@@ -334,6 +334,22 @@ QM__I8_AI __m256i qm__v_dot_at(const uint8_t *p, __m256i lo4, __m256i xl, __m256
                       xh);
 }
 
+#ifdef QM__V_DPBUSD512
+/* Two chunks of one 4-bit row at p (64 bytes) in one 512-bit vector, xp
+ * as qm__v_xpairs orders it: each 256-bit half is qm__v_dot_at's lanes of
+ * its chunk. The nibbles are split with 32-bit shifts (AVX-512F): the byte
+ * mask drops what crosses a byte either way. */
+QM__I8_AI __m512i qm__v_dot2_at(const uint8_t *p, const __m256i *xp)
+{
+    const __m512i lo4 = _mm512_set1_epi8(15);
+    __m512i v = _mm512_loadu_si512((const void *)p);
+    __m512i lo = _mm512_and_si512(v, lo4), hi = _mm512_and_si512(_mm512_srli_epi32(v, 4), lo4);
+    return QM__V_DPBUSD512(QM__V_DPBUSD512(_mm512_setzero_si512(), lo,
+                                           _mm512_loadu_si512((const void *)xp)),
+                           hi, _mm512_loadu_si512((const void *)(xp + 2)));
+}
+#endif
+
 /* Whether m is the common case qm__v_b32 runs: implicit zero point,
  * blocks of 32 columns (one sub-block each), whole pairs of sub-blocks and
  * rows of exactly those bytes (Q4_0 and Q8_0, and the symmetric banks every
@@ -355,6 +371,15 @@ QM__I8_AI void qm__v_xpairs(const qm__i8_xrow *x, size_t np, __m256i *xp)
         xp[2 * q] = _mm256_permute2x128_si256(xa, xb, 0x20);
         xp[2 * q + 1] = _mm256_permute2x128_si256(xa, xb, 0x31);
     }
+#ifdef QM__V_DPBUSD512
+    /* For qm__v_dot2_at: each whole pair of chunks (c, c + 1) as the
+     * 512-bit [xl c | xl c+1], [xh c | xh c+1]; an odd last chunk stays. */
+    for (size_t q = 0; q + 2 <= np; q += 2) {
+        __m256i xh0 = xp[2 * q + 1];
+        xp[2 * q + 1] = xp[2 * q + 2];
+        xp[2 * q + 2] = xh0;
+    }
+#endif
 }
 
 /* The first of qm__v_b32's two passes over a group of 8 rows from r0 (rb
@@ -373,7 +398,16 @@ QM__I8_AI void qm__v_pass1(const uint8_t *r0, size_t rb, size_t nc, const char *
         const uint8_t *r = r0 + i * rb;
         __m256i *pi = part + i * nc;
         const char *pfi = pf ? pf + i * rb : NULL;
-        for (size_t c = 0; c < nc; c++) {
+        size_t c = 0;
+#ifdef QM__V_DPBUSD512
+        if (BITS == 4)
+            for (; c + 2 <= nc; c += 2) {
+                if (pfi)
+                    _mm_prefetch(pfi + 32 * c, QM__PF_HINT);
+                _mm512_storeu_si512((void *)(pi + c), qm__v_dot2_at(r + 32 * c, xp + 2 * c));
+            }
+#endif
+        for (; c < nc; c++) {
             if (pfi && (c & 1) == 0)
                 _mm_prefetch(pfi + 32 * c, QM__PF_HINT);
             pi[c] = BITS == 4 ? qm__v_dot_at(r + 32 * c, lo4, xp[2 * c], xp[2 * c + 1])
@@ -394,7 +428,29 @@ QM__I8_AI void qm__v_pass1_2(const uint8_t *r0, size_t rb, size_t nc, const char
         const uint8_t *r = r0 + i * rb;
         __m256i *p0 = part0 + i * nc, *p1 = part1 + i * nc;
         const char *pfi = pf ? pf + i * rb : NULL;
-        for (size_t c = 0; c < nc; c++) {
+        size_t c = 0;
+#ifdef QM__V_DPBUSD512
+        const __m512i lo4z = _mm512_set1_epi8(15);
+        for (; c + 2 <= nc; c += 2) {
+            if (pfi)
+                _mm_prefetch(pfi + 32 * c, QM__PF_HINT);
+            __m512i v = _mm512_loadu_si512((const void *)(r + 32 * c));
+            __m512i lo = _mm512_and_si512(v, lo4z);
+            __m512i hi = _mm512_and_si512(_mm512_srli_epi32(v, 4), lo4z);
+            const __m256i *a = xp0 + 2 * c, *b = xp1 + 2 * c;
+            _mm512_storeu_si512(
+                (void *)(p0 + c),
+                QM__V_DPBUSD512(QM__V_DPBUSD512(_mm512_setzero_si512(), lo,
+                                                _mm512_loadu_si512((const void *)a)),
+                                hi, _mm512_loadu_si512((const void *)(a + 2))));
+            _mm512_storeu_si512(
+                (void *)(p1 + c),
+                QM__V_DPBUSD512(QM__V_DPBUSD512(_mm512_setzero_si512(), lo,
+                                                _mm512_loadu_si512((const void *)b)),
+                                hi, _mm512_loadu_si512((const void *)(b + 2))));
+        }
+#endif
+        for (; c < nc; c++) {
             if (pfi && (c & 1) == 0)
                 _mm_prefetch(pfi + 32 * c, QM__PF_HINT);
             __m256i v = _mm256_loadu_si256((const __m256i *)(r + 32 * c));

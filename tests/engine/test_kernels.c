@@ -681,6 +681,53 @@ START_TEST(test_fast_kernels_same_bits_as_the_specification)
 }
 END_TEST
 
+/* The decode GEMV's common case (Q4_0 / Q8_0 rows: blocks of 32, no zero
+ * point, rows of exactly their codes), which the random shapes above reach
+ * only now and then: every count of 32-byte chunks a row can have, odd and
+ * even (the AVX-512 VNNI kernel reads chunk pairs 64 bytes at a time and an
+ * odd last chunk alone), a partial last group of 8 rows, 1-5 inputs
+ * (paired and alone), every scale dtype: the specification's bits. */
+START_TEST(test_fast_decode_every_chunk_count)
+{
+    static const uint32_t CHUNKS[] = {1, 2, 3, 4, 5, 7, 12, 45};
+    static const uint32_t NX[] = {1, 2, 3, 5};
+    fast_cand c[20];
+    int nc = fast_cands(c), runs = 0;
+    for (int it = 0; it < 64; it++) {
+        uint32_t bits = it & 1 ? 8 : 4, k = 64 * CHUNKS[(it / 2) % 8], nx = NX[(it / 16) % 4];
+        uint32_t n = it % 3 ? 21 : 40;
+        fmat f;
+        fmat_new(&f, bits, 32, k, n);
+        f.m.zp = NULL;
+        f.m.row_bytes = (size_t)k * bits / 8;
+        const qm__qmat *m = &f.m;
+        size_t ld = (qm__i8_x_stride(m) + 15) & ~(size_t)15;
+        float *x = rand_inputs(nx, k), *xq = calloc(ld * nx, sizeof(float));
+        float *ys = malloc(4 * (size_t)nx * n), *y = malloc(4 * (size_t)nx * n);
+        float *scratch = malloc(sizeof(float) * qm__kernel_scratch_floats(m));
+        ck_assert(xq && ys && y && scratch);
+        for (uint32_t r = 0; r < nx; r++)
+            qm__i8_prep(m, x + (size_t)r * k, xq + r * ld);
+        fast_run(qm__i8kernel_scalar.mm, m, xq, ld, nx, ys, scratch);
+        for (int ci = 0; ci < nc; ci++) {
+            memset(y, 0xa5, 4 * (size_t)nx * n);
+            fast_run(c[ci].mm, m, xq, ld, nx, y, scratch);
+            for (size_t i = 0; i < (size_t)nx * n; i++)
+                ck_assert_msg(memcmp(&y[i], &ys[i], 4) == 0,
+                              "%s: %u-bit k %u (%u chunks) n %u nx %u dtype %d: output [%zu][%zu] "
+                              "%.9g, the specification %.9g",
+                              c[ci].name, bits, k, k * bits / 256, n, nx, (int)m->scale_dtype,
+                              i / n, i % n, y[i], ys[i]);
+            runs++;
+        }
+        free(x), free(xq), free(ys), free(y), free(scratch);
+        fmat_free(&f);
+    }
+    fprintf(stderr, "fast decode rows of 1-45 chunks: %d kernels and paths, %d runs, all the "
+                    "specification's bits\n", nc, runs);
+}
+END_TEST
+
 #if defined(QMOE_X86_KERNELS)
 /* The vector packers and row parameters give the C ones' bytes: u8 panels
  * (4- and 8-bit), s16 panels, scales (f32/f16/bf16, zero points), short
@@ -875,6 +922,7 @@ static Suite *suite(void)
     tcase_add_test(tc, test_calibration_takes_fastest);
     tcase_add_test(tc, test_cache);
     tcase_add_test(tc, test_fast_kernels_same_bits_as_the_specification);
+    tcase_add_test(tc, test_fast_decode_every_chunk_count);
 #if defined(QMOE_X86_KERNELS)
     tcase_add_test(tc, test_fast_packers_match_c);
     tcase_add_test(tc, test_fast_prep_avx2_matches_c);
