@@ -619,6 +619,28 @@ static int fast_cands(fast_cand *c)
     return n;
 }
 
+/* Prepares nx inputs x of m into xq (ld floats apart), runs the scalar
+ * specification into ys and every candidate into y, and asserts each
+ * output's bits equal (what: the case, for the message). Returns nc. */
+static int fast_same_bits(const fast_cand *c, int nc, const qm__qmat *m, const float *x,
+                          uint32_t nx, float *xq, size_t ld, float *ys, float *y, float *scratch,
+                          const char *what)
+{
+    const uint32_t k = m->k, n = m->n;
+    for (uint32_t r = 0; r < nx; r++)
+        qm__i8_prep(m, x + (size_t)r * k, xq + r * ld);
+    fast_run(qm__i8kernel_scalar.mm, m, xq, ld, nx, ys, scratch);
+    for (int ci = 0; ci < nc; ci++) {
+        memset(y, 0xa5, 4 * (size_t)nx * n);
+        fast_run(c[ci].mm, m, xq, ld, nx, y, scratch);
+        for (size_t i = 0; i < (size_t)nx * n; i++)
+            ck_assert_msg(memcmp(&y[i], &ys[i], 4) == 0,
+                          "%s: %s: output [%zu][%zu] %.9g, the specification %.9g", c[ci].name,
+                          what, i / n, i % n, y[i], ys[i]);
+    }
+    return nc;
+}
+
 /* Random shapes: every fast kernel and path, models included, gives the
  * scalar specification's bits; an input's outputs in a call of many are
  * its outputs alone. */
@@ -651,20 +673,10 @@ START_TEST(test_fast_kernels_same_bits_as_the_specification)
             for (uint32_t i = 0; i < nx * k; i++)
                 if ((i / 32) % 3 == 1 || i < k)
                     x[i] = 0.0f;
-        for (uint32_t r = 0; r < nx; r++)
-            qm__i8_prep(m, x + (size_t)r * k, xq + r * ld);
-        fast_run(qm__i8kernel_scalar.mm, m, xq, ld, nx, ys, scratch);
-        for (int ci = 0; ci < nc; ci++) {
-            memset(y, 0xa5, 4 * (size_t)nx * n);
-            fast_run(c[ci].mm, m, xq, ld, nx, y, scratch);
-            for (size_t i = 0; i < (size_t)nx * n; i++)
-                ck_assert_msg(memcmp(&y[i], &ys[i], 4) == 0,
-                              "%s: %u-bit block %u k %u n %u nx %u dtype %d zp %d (along rows %d): "
-                              "output [%zu][%zu] %.9g, the specification %.9g",
-                              c[ci].name, bits, block, k, n, nx, (int)m->scale_dtype, m->zp != NULL,
-                              !m->zp_blockwise, i / n, i % n, y[i], ys[i]);
-            runs++;
-        }
+        char what[128];
+        snprintf(what, sizeof what, "%u-bit block %u k %u n %u nx %u dtype %d zp %d (along rows %d)",
+                 bits, block, k, n, nx, (int)m->scale_dtype, m->zp != NULL, !m->zp_blockwise);
+        runs += fast_same_bits(c, nc, m, x, nx, xq, ld, ys, y, scratch, what);
         /* The last input alone: the same bits (auto: the decode class). */
         fast_run(qm__i8kernel_select()->mm, m, xq + (size_t)(nx - 1) * ld, ld, 1, y, scratch);
         ck_assert_msg(memcmp(y, ys + (size_t)(nx - 1) * n, 4 * (size_t)n) == 0,
@@ -706,20 +718,10 @@ START_TEST(test_fast_decode_every_chunk_count)
         float *ys = malloc(4 * (size_t)nx * n), *y = malloc(4 * (size_t)nx * n);
         float *scratch = malloc(sizeof(float) * qm__kernel_scratch_floats(m));
         ck_assert(xq && ys && y && scratch);
-        for (uint32_t r = 0; r < nx; r++)
-            qm__i8_prep(m, x + (size_t)r * k, xq + r * ld);
-        fast_run(qm__i8kernel_scalar.mm, m, xq, ld, nx, ys, scratch);
-        for (int ci = 0; ci < nc; ci++) {
-            memset(y, 0xa5, 4 * (size_t)nx * n);
-            fast_run(c[ci].mm, m, xq, ld, nx, y, scratch);
-            for (size_t i = 0; i < (size_t)nx * n; i++)
-                ck_assert_msg(memcmp(&y[i], &ys[i], 4) == 0,
-                              "%s: %u-bit k %u (%u chunks) n %u nx %u dtype %d: output [%zu][%zu] "
-                              "%.9g, the specification %.9g",
-                              c[ci].name, bits, k, k * bits / 256, n, nx, (int)m->scale_dtype,
-                              i / n, i % n, y[i], ys[i]);
-            runs++;
-        }
+        char what[96];
+        snprintf(what, sizeof what, "%u-bit k %u (%u chunks) n %u nx %u dtype %d", bits, k,
+                 k * bits / 256, n, nx, (int)m->scale_dtype);
+        runs += fast_same_bits(c, nc, m, x, nx, xq, ld, ys, y, scratch, what);
         free(x), free(xq), free(ys), free(y), free(scratch);
         fmat_free(&f);
     }
