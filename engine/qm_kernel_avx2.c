@@ -6,9 +6,10 @@
  * shuffle; 8-bit weights keep the natural order. The GEMV path also stores,
  * per block, the lane-wise sum of x, so the zero point is applied once per
  * block: partial = sum q*x - zp * sum x, then y += scale * partial. The GEMM
- * path dequantises a 16 x 256 tile of W to f32 once (w = (q - zp) * scale),
- * transposes it into a column-major panel and reuses it for every input
- * row in a 6 x 16 outer-product kernel (no horizontal sums).
+ * path builds a column-major f32 panel of 16 W rows x 256 columns straight
+ * from the codes (w = (q - zp) * scale, a byte transpose, no f32 tile) and
+ * reuses it for every input row in an up-to-6 x 16 outer-product kernel
+ * (no horizontal sums): the AVX-512 packed GEMM's order and bits.
  *
  * 4-bit GEMVs with blocks of whole 32-column chunks run the canonical order
  * instead (qm__q4_canon, qm__gemv_canon below): the same bits as the
@@ -693,208 +694,309 @@ static void qm__avx2_folded_gemv(const qm__qmat *m, uint32_t n0, uint32_t n1, co
     qm__gemv_order(m, n0, n1, xp, ldx, nx, y, ldy, scratch, canon && nx > 1);
 }
 
-/* Dequantises rows [n0, n1) x prepared columns [kt0, kt0 + len) into
- * tile[QM__TILE_ROWS][QM__GEMM_KT]; rows past n1 become zeros. */
-static void qm__dequant_tile(const qm__qmat *m, uint32_t n0, uint32_t n1, uint32_t kt0,
-                             uint32_t len, float *tile)
+/* ---- The GEMM (jobs of more than QM__GEMV_MAX_ROWS input rows) ----
+ *
+ * The GEMM class's order, shared with the AVX-512 packed GEMM
+ * (qm_gemm_packed_avx512.c), so the two give the same bits: K is cut into
+ * tiles of QM__GEMM_KT prepared columns; within a tile each output
+ * accumulates w * x with one f32 FMA per column in prepared order,
+ * starting from zero, with w = (q - zp) * scale rounded to f32 once; the
+ * tile's sum is stored to the output (first tile) or added to it.
+ *
+ * One call owns 16 W rows (QM__TILE_ROWS). Per tile their weights become a
+ * column-major f32 panel wt[len][16] (16 KiB: L1) that every input row then
+ * reuses, built straight from the codes eight rows at a time: the rows'
+ * code bytes of one 16-column chunk are transposed as bytes (unpack stages
+ * on 128-bit registers), so that each panel half-column is one widening,
+ * one convert and one multiply by the eight rows' scales of its block
+ * (the implicit zero point subtracted on the bytes first, exactly, or an
+ * explicit one subtracted in f32). No f32 tile and no f32 transpose: that
+ * pair cost as much as the FMAs at 8-12 input rows.
+ *
+ * Input rows run in balanced groups of at most QM__PK2_MAXR (two ymm
+ * accumulators each: 12 of the 16 registers), never padded with zero rows,
+ * so a job of 8 rows runs 4 + 4, not 6 + 6. Which rows share a group
+ * changes no bits: a row's accumulators see the same operations whatever
+ * runs beside them. */
+
+/* Most input rows of one register block. */
+#define QM__PK2_MAXR 6u
+/* Blocks one tile can touch: blocks are multiples of 16 columns. */
+#define QM__PK2_MAXB (QM__GEMM_KT / 16u + 1u)
+
+/* Scales and zero points of blocks [b0, b0 + nb) of rows [n0, n0 + nr):
+ * sv[j * 16 + i] for row n0 + i (scale 0 for rows past nr: their lanes
+ * are never stored). zv is filled only for explicit zero points. */
+static void qm__pk2_params(const qm__qmat *m, uint32_t n0, uint32_t nr, uint32_t b0, uint32_t nb,
+                           float *sv, float *zv)
 {
-    const int bits = (int)m->bits;
-    const int fast = qm__sym_scales(m);
-    const uint32_t nfull = (uint32_t)(m->row_bytes / (2 * (size_t)bits));
-    const uint32_t cpb = m->nblk == 1 ? UINT32_MAX : m->block / 16;
-    for (uint32_t i = 0; i < QM__TILE_ROWS; i++) {
-        float *t = tile + (size_t)i * QM__GEMM_KT;
-        uint32_t n = n0 + i;
-        if (n >= n1) {
-            memset(t, 0, (size_t)len * sizeof(float));
-            continue;
-        }
-        const uint8_t *row = m->w + (size_t)n * m->row_bytes;
-        const uint8_t *srow =
-            (const uint8_t *)m->scales + (size_t)n * m->nblk * QM__SYM_SCALE_BYTES(fast);
-        const __m256 zsym = _mm256_set1_ps((float)(1 << (bits - 1)));
-        uint32_t c = kt0 / 16, cend = (kt0 + len) / 16;
-        /* One division per row and tile; blocks then advance by addition. */
-        uint32_t b = m->nblk == 1 ? 0 : c / cpb;
-        for (; c < cend; b++) {
-            uint32_t bend = m->nblk == 1 ? cend : (b + 1) * cpb;
-            if (bend > cend)
-                bend = cend;
-            __m256 sc, zp;
-            if (fast) {
-                sc = _mm256_set1_ps(fast == 2 ? qm__scale_sym(srow, b, 2) : qm__scale_f32(srow, b));
-                zp = zsym;
-            } else {
-                sc = _mm256_set1_ps(qm__qmat_scale(m, n, b));
-                zp = _mm256_set1_ps((float)qm__qmat_zp(m, n, b));
+    memset(sv, 0, sizeof(float) * 16 * nb);
+    if (m->scale_dtype == QM_DTYPE_F32) { /* plain loads, the common case */
+        const float *s = (const float *)m->scales + (size_t)n0 * m->nblk + b0;
+        for (uint32_t i = 0; i < nr; i++, s += m->nblk)
+            for (uint32_t j = 0; j < nb; j++)
+                memcpy(&sv[j * 16 + i], s + j, 4);
+    } else {
+        for (uint32_t i = 0; i < nr; i++)
+            for (uint32_t j = 0; j < nb; j++)
+                sv[j * 16 + i] = qm__qmat_scale_f16c(m, n0 + i, b0 + j);
+    }
+    if (m->zp) {
+        for (uint32_t j = 0; j < nb; j++)
+            for (uint32_t i = 0; i < 16; i++)
+                zv[j * 16 + i] = i < nr ? (float)qm__qmat_zp(m, n0 + i, b0 + j) : 0.0f;
+    }
+}
+
+/* Bytes [off, off + N) of a row (N = 8 or 16) as the low bytes of a
+ * register; zeros past row_bytes (never read) and for a row past the
+ * panel's (row NULL). */
+QM_AI __m128i qm__pk2_load(const qm__qmat *m, const uint8_t *row, size_t off, const int N)
+{
+    if (__builtin_expect(row && off + N <= m->row_bytes, 1))
+        return N == 8 ? _mm_loadl_epi64((const __m128i *)(row + off))
+                      : _mm_loadu_si128((const __m128i *)(row + off));
+    uint8_t t[16] = {0};
+    if (row && off < m->row_bytes)
+        memcpy(t, row + off, m->row_bytes - off < (size_t)N ? m->row_bytes - off : (size_t)N);
+    return _mm_loadu_si128((const __m128i *)t);
+}
+
+/* Bytes 0-7 of 8 rows (r[0..7]) transposed: c[t] holds byte 2t of the 8
+ * rows in its low 8 bytes and byte 2t + 1 in its high 8. */
+QM_AI void qm__pk2_transpose8(const __m128i r[8], __m128i c[4])
+{
+    __m128i a0 = _mm_unpacklo_epi8(r[0], r[1]), a1 = _mm_unpacklo_epi8(r[2], r[3]);
+    __m128i a2 = _mm_unpacklo_epi8(r[4], r[5]), a3 = _mm_unpacklo_epi8(r[6], r[7]);
+    __m128i b0 = _mm_unpacklo_epi16(a0, a1), b1 = _mm_unpackhi_epi16(a0, a1);
+    __m128i b2 = _mm_unpacklo_epi16(a2, a3), b3 = _mm_unpackhi_epi16(a2, a3);
+    c[0] = _mm_unpacklo_epi32(b0, b2);
+    c[1] = _mm_unpackhi_epi32(b0, b2);
+    c[2] = _mm_unpacklo_epi32(b1, b3);
+    c[3] = _mm_unpackhi_epi32(b1, b3);
+}
+
+/* One panel half-column: 8 rows' codes (low 8 bytes of q; signed bytes
+ * q - zp when ZP is 0, unsigned codes when 1) times the rows' scales. */
+QM_AI void qm__pk2_col(__m128i q, const int ZP, __m256 zv, __m256 sv, float *dst)
+{
+    __m256 w;
+    if (ZP)
+        w = _mm256_sub_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(q)), zv);
+    else
+        w = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q));
+    _mm256_store_ps(dst, _mm256_mul_ps(w, sv));
+}
+
+/* The two half-columns of a transposed register: its low 8 bytes to column
+ * d0, its high 8 to column d1 (16 floats apart per column). */
+QM_AI void qm__pk2_col2(__m128i q, const int ZP, __m256 zv, __m256 sv, float *d0, float *d1)
+{
+    qm__pk2_col(q, ZP, zv, sv, d0);
+    qm__pk2_col(_mm_unpackhi_epi64(q, q), ZP, zv, sv, d1);
+}
+
+/* Panel rows 8h..8h+7 (rows[0..7], NULL past the matrix's) of one
+ * 16-column chunk at code byte offset off into d = wt + chunk * 256 + 8h. */
+QM_AI void qm__pk2_chunk(const qm__qmat *m, const uint8_t *const *rows, size_t off, const int BITS,
+                         const int ZP, __m256 zv, __m256 sv, float *d)
+{
+    __m128i r[8], c[4];
+    if (BITS == 4) {
+        /* 8 code bytes a row: byte e holds column 2e (low nibble, prepared
+         * position e) and 2e + 1 (high nibble, position 8 + e). */
+        for (int i = 0; i < 8; i++)
+            r[i] = qm__pk2_load(m, rows[i], off, 8);
+        qm__pk2_transpose8(r, c);
+        const __m128i lo4 = _mm_set1_epi8(0x0f), eight = _mm_set1_epi8(8);
+        for (int t = 0; t < 4; t++) {
+            __m128i lo = _mm_and_si128(c[t], lo4);
+            __m128i hi = _mm_and_si128(_mm_srli_epi16(c[t], 4), lo4);
+            if (!ZP) { /* q - 8 on the bytes: exact, and a signed widening */
+                lo = _mm_sub_epi8(lo, eight);
+                hi = _mm_sub_epi8(hi, eight);
             }
-            for (; c < bend; c++) {
-                __m256 w0, w1;
-                if (c < nfull) {
-                    if (bits == 4)
-                        qm__load_chunk_full(row, c, 4, &w0, &w1);
-                    else
-                        qm__load_chunk_full(row, c, 8, &w0, &w1);
-                } else if (bits == 4) {
-                    qm__load_chunk(row, m->row_bytes, c, 4, &w0, &w1);
-                } else {
-                    qm__load_chunk(row, m->row_bytes, c, 8, &w0, &w1);
-                }
-                float *d = t + (size_t)c * 16 - kt0;
-                _mm256_storeu_ps(d, _mm256_mul_ps(_mm256_sub_ps(w0, zp), sc));
-                _mm256_storeu_ps(d + 8, _mm256_mul_ps(_mm256_sub_ps(w1, zp), sc));
+            qm__pk2_col2(lo, ZP, zv, sv, d + 16 * (2 * t), d + 16 * (2 * t + 1));
+            qm__pk2_col2(hi, ZP, zv, sv, d + 16 * (8 + 2 * t), d + 16 * (9 + 2 * t));
+        }
+    } else {
+        /* 16 code bytes a row, natural order; the implicit zero point 128
+         * is a flip of each byte's top bit (q - 128 as a signed byte). */
+        for (int i = 0; i < 8; i++)
+            r[i] = qm__pk2_load(m, rows[i], off, 16);
+        if (!ZP)
+            for (int i = 0; i < 8; i++)
+                r[i] = _mm_xor_si128(r[i], _mm_set1_epi8((char)0x80));
+        for (int half = 0; half < 2; half++) {
+            qm__pk2_transpose8(r, c);
+            for (int t = 0; t < 4; t++)
+                qm__pk2_col2(c[t], ZP, zv, sv, d + 16 * (8 * half + 2 * t),
+                             d + 16 * (8 * half + 2 * t + 1));
+            for (int i = 0; i < 8; i++) /* bytes 8-15 down for the second half */
+                r[i] = _mm_srli_si128(r[i], 8);
+        }
+    }
+}
+
+/* Rows [n0, n0 + nr) x prepared columns [kt0, kt0 + len) of W as the panel
+ * wt[len][16]; len is a multiple of 16. */
+QM_AI void qm__pk2_panel_t(const qm__qmat *m, uint32_t n0, uint32_t nr, uint32_t kt0, uint32_t len,
+                           float *wt, float *sv, float *zv, const int BITS, const int ZP)
+{
+    const uint32_t cpb = m->nblk == 1 ? UINT32_MAX : m->block / 16; /* chunks per block */
+    const uint32_t b0 = m->nblk == 1 ? 0 : kt0 / 16 / cpb;
+    const uint32_t b1 = m->nblk == 1 ? 0 : (kt0 + len - 1) / 16 / cpb;
+    qm__pk2_params(m, n0, nr, b0, b1 - b0 + 1, sv, zv);
+    const uint8_t *rows[16];
+    for (uint32_t i = 0; i < 16; i++)
+        rows[i] = i < nr ? m->w + (size_t)(n0 + i) * m->row_bytes : NULL;
+    const __m256 z0 = _mm256_setzero_ps();
+    for (uint32_t g = 0; g < len / 16; g++) { /* one 16-column chunk */
+        uint32_t j = m->nblk == 1 ? 0 : (kt0 / 16 + g) / cpb - b0;
+        size_t off = (size_t)(kt0 / 16 + g) * 2 * BITS;
+        for (int h = 0; h < 2; h++) {
+            if (8 * (uint32_t)h >= nr) { /* no rows in this half: zeros */
+                for (int c = 0; c < 16; c++)
+                    _mm256_store_ps(wt + (size_t)g * 256 + 16 * c + 8 * h, z0);
+                continue;
+            }
+            __m256 s = _mm256_loadu_ps(sv + 16 * j + 8 * h);
+            __m256 z = ZP ? _mm256_loadu_ps(zv + 16 * j + 8 * h) : z0;
+            qm__pk2_chunk(m, rows + 8 * h, off, BITS, ZP, z, s, wt + (size_t)g * 256 + 8 * h);
+        }
+    }
+}
+
+static void qm__pk2_panel(const qm__qmat *m, uint32_t n0, uint32_t nr, uint32_t kt0, uint32_t len,
+                          float *wt, float *sv, float *zv)
+{
+    if (m->bits == 4) {
+        if (m->zp)
+            qm__pk2_panel_t(m, n0, nr, kt0, len, wt, sv, zv, 4, 1);
+        else
+            qm__pk2_panel_t(m, n0, nr, kt0, len, wt, sv, zv, 4, 0);
+    } else if (m->zp) {
+        qm__pk2_panel_t(m, n0, nr, kt0, len, wt, sv, zv, 8, 1);
+    } else {
+        qm__pk2_panel_t(m, n0, nr, kt0, len, wt, sv, zv, 8, 0);
+    }
+}
+
+/* The codes and scales of tile kt0 of rows [n0, n0 + nr) into L2: 16 short
+ * runs at a row stride, a pattern the hardware prefetcher follows poorly;
+ * asked for while the previous tile's FMAs run. */
+static void qm__pk2_prefetch(const qm__qmat *m, uint32_t n0, uint32_t nr, uint32_t kt0)
+{
+    size_t off = (size_t)kt0 * m->bits / 8;
+    size_t run = (size_t)QM__GEMM_KT * m->bits / 8;
+    size_t ssz = m->scale_dtype == QM_DTYPE_F32 ? 4 : 2;
+    size_t soff = m->nblk == 1 ? 0 : (size_t)kt0 / m->block * ssz;
+    for (uint32_t n = n0; n < n0 + nr; n++) {
+        const uint8_t *r = m->w + (size_t)n * m->row_bytes;
+        for (size_t o = off; o < off + run && o < m->row_bytes; o += 64)
+            _mm_prefetch((const char *)(r + o), QM__PF_HINT);
+        _mm_prefetch((const char *)m->scales + ((size_t)n * m->nblk) * ssz + soff, QM__PF_HINT);
+    }
+}
+
+/* R input rows x the panel's 16 outputs over one tile; the tile's sums are
+ * stored to (first tile) or added to y's first nr columns. R is a constant
+ * after inlining, so the accumulators stay in registers. */
+QM_AI void qm__pk2_block(const float *wt, uint32_t len, const float *x, size_t ldx, float *y,
+                         size_t ldy, uint32_t nr, int add, const uint32_t R)
+{
+    __m256 a0[QM__PK2_MAXR], a1[QM__PK2_MAXR];
+#pragma GCC unroll 6
+    for (uint32_t r = 0; r < R; r++)
+        a0[r] = a1[r] = _mm256_setzero_ps();
+    /* One pointer per row, advanced every 4 columns and hidden from the
+     * optimiser (the empty asm), so that each broadcast is base +
+     * constant, not base + index (the AVX-512 GEMM's measured choice). */
+    const float *xr[QM__PK2_MAXR];
+#pragma GCC unroll 6
+    for (uint32_t r = 0; r < R; r++)
+        xr[r] = x + r * ldx;
+    for (const float *wc = wt, *we = wt + 16 * (size_t)len; wc < we; wc += 64) {
+#pragma GCC unroll 4
+        for (uint32_t u = 0; u < 4; u++) {
+            __m256 w0 = _mm256_load_ps(wc + 16 * u), w1 = _mm256_load_ps(wc + 16 * u + 8);
+#pragma GCC unroll 6
+            for (uint32_t r = 0; r < R; r++) {
+                __m256 b = _mm256_broadcast_ss(xr[r] + u);
+                a0[r] = _mm256_fmadd_ps(w0, b, a0[r]);
+                a1[r] = _mm256_fmadd_ps(w1, b, a1[r]);
             }
         }
+#pragma GCC unroll 6
+        for (uint32_t r = 0; r < R; r++) {
+            xr[r] += 4;
+            __asm__("" : "+r"(xr[r]));
+        }
     }
-}
-
-/* In-register transpose of 8 rows of 8 floats. */
-QM_AI void qm__transpose8(__m256 *r0, __m256 *r1, __m256 *r2, __m256 *r3, __m256 *r4, __m256 *r5,
-                          __m256 *r6, __m256 *r7)
-{
-    __m256 t0 = _mm256_unpacklo_ps(*r0, *r1), t1 = _mm256_unpackhi_ps(*r0, *r1);
-    __m256 t2 = _mm256_unpacklo_ps(*r2, *r3), t3 = _mm256_unpackhi_ps(*r2, *r3);
-    __m256 t4 = _mm256_unpacklo_ps(*r4, *r5), t5 = _mm256_unpackhi_ps(*r4, *r5);
-    __m256 t6 = _mm256_unpacklo_ps(*r6, *r7), t7 = _mm256_unpackhi_ps(*r6, *r7);
-    __m256 s0 = _mm256_shuffle_ps(t0, t2, _MM_SHUFFLE(1, 0, 1, 0));
-    __m256 s1 = _mm256_shuffle_ps(t0, t2, _MM_SHUFFLE(3, 2, 3, 2));
-    __m256 s2 = _mm256_shuffle_ps(t1, t3, _MM_SHUFFLE(1, 0, 1, 0));
-    __m256 s3 = _mm256_shuffle_ps(t1, t3, _MM_SHUFFLE(3, 2, 3, 2));
-    __m256 s4 = _mm256_shuffle_ps(t4, t6, _MM_SHUFFLE(1, 0, 1, 0));
-    __m256 s5 = _mm256_shuffle_ps(t4, t6, _MM_SHUFFLE(3, 2, 3, 2));
-    __m256 s6 = _mm256_shuffle_ps(t5, t7, _MM_SHUFFLE(1, 0, 1, 0));
-    __m256 s7 = _mm256_shuffle_ps(t5, t7, _MM_SHUFFLE(3, 2, 3, 2));
-    *r0 = _mm256_permute2f128_ps(s0, s4, 0x20);
-    *r1 = _mm256_permute2f128_ps(s1, s5, 0x20);
-    *r2 = _mm256_permute2f128_ps(s2, s6, 0x20);
-    *r3 = _mm256_permute2f128_ps(s3, s7, 0x20);
-    *r4 = _mm256_permute2f128_ps(s0, s4, 0x31);
-    *r5 = _mm256_permute2f128_ps(s1, s5, 0x31);
-    *r6 = _mm256_permute2f128_ps(s2, s6, 0x31);
-    *r7 = _mm256_permute2f128_ps(s3, s7, 0x31);
-}
-
-/* tile [16 rows][KT] -> wt [len][16]: column-major panel for the outer-product kernel. */
-static void qm__transpose_tile(const float *tile, uint32_t len, float *wt)
-{
-    for (uint32_t g = 0; g < 2; g++) {
-        const float *src = tile + (size_t)g * 8 * QM__GEMM_KT;
-        for (uint32_t cc = 0; cc < len; cc += 8) {
-            __m256 r0 = _mm256_loadu_ps(src + cc), r1 = _mm256_loadu_ps(src + QM__GEMM_KT + cc);
-            __m256 r2 = _mm256_loadu_ps(src + 2 * QM__GEMM_KT + cc);
-            __m256 r3 = _mm256_loadu_ps(src + 3 * QM__GEMM_KT + cc);
-            __m256 r4 = _mm256_loadu_ps(src + 4 * QM__GEMM_KT + cc);
-            __m256 r5 = _mm256_loadu_ps(src + 5 * QM__GEMM_KT + cc);
-            __m256 r6 = _mm256_loadu_ps(src + 6 * QM__GEMM_KT + cc);
-            __m256 r7 = _mm256_loadu_ps(src + 7 * QM__GEMM_KT + cc);
-            qm__transpose8(&r0, &r1, &r2, &r3, &r4, &r5, &r6, &r7);
-            float *d = wt + (size_t)cc * 16 + 8 * g;
-            _mm256_storeu_ps(d, r0);
-            _mm256_storeu_ps(d + 16, r1);
-            _mm256_storeu_ps(d + 32, r2);
-            _mm256_storeu_ps(d + 48, r3);
-            _mm256_storeu_ps(d + 64, r4);
-            _mm256_storeu_ps(d + 80, r5);
-            _mm256_storeu_ps(d + 96, r6);
-            _mm256_storeu_ps(d + 112, r7);
+#pragma GCC unroll 6
+    for (uint32_t r = 0; r < R; r++) {
+        float *out = y + r * ldy;
+        if (nr == 16) {
+            __m256 v0 = a0[r], v1 = a1[r];
+            if (add) {
+                v0 = _mm256_add_ps(_mm256_loadu_ps(out), v0);
+                v1 = _mm256_add_ps(_mm256_loadu_ps(out + 8), v1);
+            }
+            _mm256_storeu_ps(out, v0);
+            _mm256_storeu_ps(out + 8, v1);
+        } else { /* a short last tile: never write past nr */
+            float p[16];
+            _mm256_storeu_ps(p, a0[r]);
+            _mm256_storeu_ps(p + 8, a1[r]);
+            for (uint32_t j = 0; j < nr; j++)
+                out[j] = add ? out[j] + p[j] : p[j];
         }
     }
 }
 
-#define QM__GEMM_MR 6u
+#define QM__PK2_CASE(R)                                                                            \
+    case R:                                                                                        \
+        qm__pk2_block(wt, len, x, ldx, y, ldy, nr, add, R);                                        \
+        break
 
-/* 6 input rows x 16 tile rows over one K tile, outer-product form: each
- * output lane accumulates its products in column order; out[r * 2 + h]
- * holds rows n0 + 8h .. n0 + 8h + 7 of input row r. */
-QM_AI void qm__gemm_micro(const float *wt, uint32_t len, const float *x, size_t ldx, __m256 out[12])
+static void qm__pk2_rows(uint32_t rows, const float *wt, uint32_t len, const float *x, size_t ldx,
+                         float *y, size_t ldy, uint32_t nr, int add)
 {
-    __m256 c00 = _mm256_setzero_ps(), c01 = c00, c10 = c00, c11 = c00, c20 = c00, c21 = c00;
-    __m256 c30 = c00, c31 = c00, c40 = c00, c41 = c00, c50 = c00, c51 = c00;
-    const float *x0 = x, *x1 = x + ldx, *x2 = x1 + ldx, *x3 = x2 + ldx, *x4 = x3 + ldx,
-                *x5 = x4 + ldx;
-    for (uint32_t c = 0; c < len; c++) {
-        __m256 w0 = _mm256_loadu_ps(wt + 16 * (size_t)c), w1 = _mm256_loadu_ps(wt + 16 * (size_t)c + 8);
-        __m256 b = _mm256_broadcast_ss(x0 + c);
-        c00 = _mm256_fmadd_ps(w0, b, c00);
-        c01 = _mm256_fmadd_ps(w1, b, c01);
-        b = _mm256_broadcast_ss(x1 + c);
-        c10 = _mm256_fmadd_ps(w0, b, c10);
-        c11 = _mm256_fmadd_ps(w1, b, c11);
-        b = _mm256_broadcast_ss(x2 + c);
-        c20 = _mm256_fmadd_ps(w0, b, c20);
-        c21 = _mm256_fmadd_ps(w1, b, c21);
-        b = _mm256_broadcast_ss(x3 + c);
-        c30 = _mm256_fmadd_ps(w0, b, c30);
-        c31 = _mm256_fmadd_ps(w1, b, c31);
-        b = _mm256_broadcast_ss(x4 + c);
-        c40 = _mm256_fmadd_ps(w0, b, c40);
-        c41 = _mm256_fmadd_ps(w1, b, c41);
-        b = _mm256_broadcast_ss(x5 + c);
-        c50 = _mm256_fmadd_ps(w0, b, c50);
-        c51 = _mm256_fmadd_ps(w1, b, c51);
+    switch (rows) {
+        QM__PK2_CASE(1);
+        QM__PK2_CASE(2);
+        QM__PK2_CASE(3);
+        QM__PK2_CASE(4);
+        QM__PK2_CASE(5);
+        QM__PK2_CASE(6);
+    default:
+        break;
     }
-    out[0] = c00, out[1] = c01, out[2] = c10, out[3] = c11, out[4] = c20, out[5] = c21;
-    out[6] = c30, out[7] = c31, out[8] = c40, out[9] = c41, out[10] = c50, out[11] = c51;
-}
-
-/* Dequantises and transposes one 16-row x `len`-column tile of W into the
- * column-major panel returned (in scratch), and asks for the next tile's
- * codes and scales. */
-static const float *qm__avx2_gemm_panel(const qm__qmat *m, uint32_t n0, uint32_t n1,
-                                        uint32_t kt0, uint32_t len, float *scratch)
-{
-    const uint32_t kp = (uint32_t)qm__round16(m->k);
-    float *tile = scratch, *wt = scratch + (size_t)QM__TILE_ROWS * QM__GEMM_KT;
-    qm__dequant_tile(m, n0, n1, kt0, len, tile);
-    qm__transpose_tile(tile, len, wt);
-    /* The next tile's codes and scales are 16 short runs at a row
-     * stride, a pattern the hardware prefetcher follows poorly: ask for
-     * them now, while this tile's FMAs run. */
-    if (kt0 + QM__GEMM_KT < kp) {
-        size_t off = (size_t)(kt0 + QM__GEMM_KT) * m->bits / 8;
-        size_t run = (size_t)QM__GEMM_KT * m->bits / 8;
-        size_t ssz = m->scale_dtype == QM_DTYPE_F32 ? 4 : 2;
-        size_t soff = m->nblk == 1 ? 0 : (size_t)(kt0 + QM__GEMM_KT) / m->block * ssz;
-        for (uint32_t n = n0; n < n1; n++) {
-            const uint8_t *r = m->w + (size_t)n * m->row_bytes;
-            for (size_t o = off; o < off + run && o < m->row_bytes; o += 64)
-                _mm_prefetch((const char *)(r + o), QM__PF_HINT);
-            _mm_prefetch((const char *)m->scales + ((size_t)n * m->nblk) * ssz + soff,
-                         QM__PF_HINT);
-        }
-    }
-    return wt;
 }
 
 void qm__avx2_gemm(const qm__qmat *m, uint32_t n0, uint32_t n1, const float *xp, size_t ldx,
                    uint32_t nx, float *y, size_t ldy, float *scratch)
 {
-    const uint32_t kp = (uint32_t)qm__round16(m->k);
-    const uint32_t nrows = n1 - n0;
+    const uint32_t kp = (uint32_t)qm__round16(m->k), nr = n1 - n0;
+    if (nx == 0 || nr == 0)
+        return;
+    /* The panel on a cache-line boundary (scratch has the slack). */
+    float *wt = (float *)(((uintptr_t)scratch + 63) & ~(uintptr_t)63);
+    float *sv = wt + (size_t)16 * QM__GEMM_KT, *zv = sv + 16 * QM__PK2_MAXB;
+    /* Balanced groups: ng of them, the first `big` one row longer. */
+    const uint32_t ng = (nx + QM__PK2_MAXR - 1) / QM__PK2_MAXR;
+    const uint32_t base = nx / ng, big = nx % ng;
+    qm__pk2_prefetch(m, n0, nr, 0);
     for (uint32_t kt0 = 0; kt0 < kp; kt0 += QM__GEMM_KT) {
         uint32_t len = kp - kt0 < QM__GEMM_KT ? kp - kt0 : QM__GEMM_KT;
-        const float *wt = qm__avx2_gemm_panel(m, n0, n1, kt0, len, scratch);
-        /* xp has zero rows up to a multiple of QM__GEMM_MR (gemm_row_pad). */
-        for (uint32_t r0 = 0; r0 < nx; r0 += QM__GEMM_MR) {
-            __m256 acc[12];
-            qm__gemm_micro(wt, len, xp + (size_t)r0 * ldx + kt0, ldx, acc);
-            for (uint32_t r = 0; r < QM__GEMM_MR && r0 + r < nx; r++) {
-                float *out = y + (size_t)(r0 + r) * ldy + n0;
-                if (nrows == 16) {
-                    for (int h = 0; h < 2; h++) {
-                        __m256 v = acc[2 * r + h];
-                        if (kt0)
-                            v = _mm256_add_ps(_mm256_loadu_ps(out + 8 * h), v);
-                        _mm256_storeu_ps(out + 8 * h, v);
-                    }
-                } else { /* a short last tile: never write past n1 */
-                    float p[16];
-                    _mm256_storeu_ps(p, acc[2 * r]);
-                    _mm256_storeu_ps(p + 8, acc[2 * r + 1]);
-                    for (uint32_t j = 0; j < nrows; j++)
-                        out[j] = kt0 == 0 ? p[j] : out[j] + p[j];
-                }
-            }
+        qm__pk2_panel(m, n0, nr, kt0, len, wt, sv, zv);
+        if (kt0 + QM__GEMM_KT < kp)
+            qm__pk2_prefetch(m, n0, nr, kt0 + QM__GEMM_KT);
+        for (uint32_t g = 0, r0 = 0; g < ng; g++) {
+            uint32_t rows = base + (g < big);
+            qm__pk2_rows(rows, wt, len, xp + (size_t)r0 * ldx + kt0, ldx,
+                         y + (size_t)r0 * ldy + n0, ldy, nr, kt0 != 0);
+            r0 += rows;
         }
     }
 }
@@ -902,7 +1004,7 @@ void qm__avx2_gemm(const qm__qmat *m, uint32_t n0, uint32_t n1, const float *xp,
 #define QM__AVX2_TABLE(NAME, PREFIX)                                                               \
     {                                                                                              \
         .name = NAME, .x_stride = PREFIX##_x_stride, .prep = PREFIX##_prep,                        \
-        .gemv = PREFIX##_gemv, .gemm = qm__avx2_gemm, .gemm_row_pad = QM__GEMM_MR,                 \
+        .gemv = PREFIX##_gemv, .gemm = qm__avx2_gemm, .gemm_row_pad = 1,                           \
     }
 
 const qm__kernel qm__kernel_avx2 = QM__AVX2_TABLE("avx2", qm__avx2);

@@ -386,6 +386,83 @@ START_TEST(test_gemm_packed_same_bits_tails_and_reference)
 }
 END_TEST
 
+/* The GEMM class's order in plain C (qm_kernel_avx2.c): per tile of
+ * QM__GEMM_KT prepared columns (4-bit: every 16 columns as [8 even, 8 odd]),
+ * each output sums fmaf(w, x, acc) over the tile's columns in that order
+ * from zero, w = (float)(q - zp) * scale rounded once (codes past the
+ * row's bytes 0, x past k 0), and the tile's sum is stored to the output
+ * (first tile) or added to it. */
+static void gemm_model(const qm__qmat *m, const float *x, uint32_t nx, float *y)
+{
+    const uint32_t kp = (m->k + 15) & ~15u, pack = 8 / m->bits;
+    for (uint32_t t = 0; t < nx; t++)
+        for (uint32_t o = 0; o < m->n; o++) {
+            const uint8_t *row = m->w + (size_t)o * m->row_bytes;
+            float out = 0.0f;
+            for (uint32_t kt0 = 0; kt0 < kp; kt0 += QM__GEMM_KT) {
+                uint32_t kt1 = kt0 + QM__GEMM_KT < kp ? kt0 + QM__GEMM_KT : kp;
+                float acc = 0.0f;
+                for (uint32_t p = kt0; p < kt1; p++) {
+                    uint32_t g = p & ~15u, j = p & 15u;
+                    uint32_t c = m->bits == 4 ? g + (j < 8 ? 2 * j : 2 * (j - 8) + 1) : p;
+                    uint32_t b = m->nblk == 1 ? 0 : c / m->block;
+                    int q = c / pack < m->row_bytes ? qm__qmat_code(m, row, c) : 0;
+                    float w = (float)(q - qm__qmat_zp(m, o, b)) * qm__qmat_scale(m, o, b);
+                    acc = fmaf(w, c < m->k ? x[(size_t)t * m->k + c] : 0.0f, acc);
+                }
+                out = kt0 == 0 ? acc : out + acc;
+            }
+            y[(size_t)t * m->n + o] = out;
+        }
+}
+
+/* Every SIMD GEMM this CPU runs (AVX2; the AVX-512 packed one) gives the C
+ * model's bits, and so each other's, on shapes that leave every tail (N
+ * not a multiple of the 16-row panel, K not one of the 256-column tile, of
+ * 16 or of the block; blocks 16..128 and row-wise; 4/8-bit; f32/f16
+ * scales; zero points or not) at row counts that make every register
+ * block size of either kernel. */
+START_TEST(test_gemm_every_kernel_model_bits)
+{
+    const qm__kernel *ks[2] = {kernel("avx2"), kernel("avx512")};
+    if (!ks[0] && !ks[1]) {
+        fprintf(stderr, "gemm: no SIMD kernel on this CPU, nothing to compare\n");
+        return;
+    }
+    static const uint32_t BLOCKS[] = {0, 16, 32, 64, 128};
+    static const uint32_t TS[] = {5, 6, 7, 8, 9, 11, 12, 13, 17, 19, 24, 25, 37, 71};
+    int compared = 0;
+    for (int it = 0; it < 140; it++) {
+        uint32_t bits = it & 1 ? 8 : 4, T = TS[(it / 2) % 14];
+        uint32_t block = BLOCKS[(it / 3) % 5];
+        uint32_t k = 17 + next() % 800;
+        if (block && next() % 2)
+            k = block * (1 + next() % (900 / block)) - 1; /* a partial last block */
+        uint32_t n = 1 + next() % 50;
+        rand_mat r;
+        rand_mat_new(&r, bits, block, k, n);
+        float *x = rand_inputs(T, k), *ym = malloc(4 * (size_t)T * n),
+              *yk = malloc(4 * (size_t)T * n);
+        ck_assert(ym && yk);
+        gemm_model(&r.m, x, T, ym);
+        for (int i = 0; i < 2; i++) {
+            if (!ks[i])
+                continue;
+            run(ks[i], &r.m, 1, x, T, yk);
+            ck_assert_msg(memcmp(ym, yk, 4 * (size_t)T * n) == 0,
+                          "%s gemm %u-bit n %u k %u block %u T %u f16 %d zp %d: not the "
+                          "model's bits",
+                          ks[i]->name, bits, n, k, block, T, r.m.scale_dtype == QM_DTYPE_F16,
+                          r.m.zp != NULL);
+            compared++;
+        }
+        rand_mat_free(&r);
+        free(x), free(ym), free(yk);
+    }
+    ck_assert_int_ge(compared, 140);
+}
+END_TEST
+
 /* Fake timings: avx512 takes fake_wide us, avx2 fake_narrow, or on the
  * 4-bit GEMV fake_q4_gemv_narrow where that is set (> 0). */
 static double fake_wide, fake_narrow, fake_q4_gemv_narrow;
@@ -920,6 +997,7 @@ static Suite *suite(void)
     tcase_add_test(tc, test_q4_gemv_folded_within_bound);
     tcase_add_test(tc, test_no_avx512_takes_folded);
     tcase_add_test(tc, test_gemm_packed_same_bits_tails_and_reference);
+    tcase_add_test(tc, test_gemm_every_kernel_model_bits);
     tcase_add_test(tc, test_pick_with_margin);
     tcase_add_test(tc, test_calibration_takes_fastest);
     tcase_add_test(tc, test_cache);
