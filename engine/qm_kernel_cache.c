@@ -4,8 +4,8 @@
  * One line per mode, each keyed by its tag, the cache version, the CPU's
  * brand string and the candidate kernels (widest first), then the chosen
  * kernel of each of the mode's four classes:
- *   qmoe-kernels 4|<brand>|avx512,avx2|<gemv q4> <gemv q8> <gemm q4> <gemm q8>
- *   qmoe-fast-kernels 4|<brand>|amx,avx512vnni,avxvnni,avx2|<decode q4> <decode q8> <prefill q4> <prefill q8>
+ *   qmoe-kernels 5|<brand>|avx512,avx2|<gemv q4> <gemv q8> <gemm q4> <gemm q8>
+ *   qmoe-fast-kernels 5|<brand>|amx,avx512vnni,avxvnni,avx2|<decode q4> <decode q8> <prefill q4> <prefill q8>
  * A line for another CPU, kernel set or version, or a corrupt file, is
  * ignored with a line on stderr and rewritten after measuring; a file
  * holding only the other mode's line says nothing. Writing one mode's line
@@ -23,8 +23,10 @@
  * 3: the AVX-512 GEMM is the packed one (qm_gemm_packed_avx512.c), so the
  *    GEMM entries measured against the old one are taken again.
  * 4: the fast-mode choice is kept too, and its kernels changed (one order
- *    on block sums, int8 GEMMs, AMX). */
-#define QM__CACHE_VERSION 4
+ *    on block sums, int8 GEMMs, AMX).
+ * 5: the AVX2 GEMM builds its panel from the codes (1.8-2x faster per
+ *    core), so an AVX-512 CPU's GEMM entries are measured again. */
+#define QM__CACHE_VERSION 5
 
 /* The CPU's brand string (CPUID 0x80000002..4), or "unknown". */
 static void qm__cpu_brand(char *out, size_t cap)

@@ -955,7 +955,7 @@ START_TEST(test_fast_calibration_and_cache)
     ck_assert_ptr_nonnull(f);
     ck_assert_ptr_nonnull(fgets(line[0], sizeof line[0], f));
     fclose(f);
-    ck_assert_msg(strncmp(line[0], "qmoe-fast-kernels 4|", 20) == 0, "%s", line[0]);
+    ck_assert_msg(strncmp(line[0], "qmoe-fast-kernels 5|", 20) == 0, "%s", line[0]);
     fake_wide = 500.0; /* the cache wins over a new measurement */
     d = qm__i8kernel_recalibrate();
     ck_assert_msg(strstr(d, "(cached)") && strstr(d, "/amx"), "%s", d);
@@ -968,8 +968,8 @@ START_TEST(test_fast_calibration_and_cache)
     ck_assert_ptr_nonnull(fgets(line[0], sizeof line[0], f));
     ck_assert_ptr_nonnull(fgets(line[1], sizeof line[1], f));
     fclose(f);
-    ck_assert_msg(strncmp(line[0], "qmoe-kernels 4|", 15) == 0, "%s", line[0]);
-    ck_assert_msg(strncmp(line[1], "qmoe-fast-kernels 4|", 20) == 0, "%s", line[1]);
+    ck_assert_msg(strncmp(line[0], "qmoe-kernels 5|", 15) == 0, "%s", line[0]);
+    ck_assert_msg(strncmp(line[1], "qmoe-fast-kernels 5|", 20) == 0, "%s", line[1]);
     const qm__kernel *ek[2] = {&qm__kernel_avx512, &qm__kernel_avx2}, *eo[4];
     ck_assert_int_eq(qm__kernel_cache_load(path, ek, 2, eo), 0);
     ck_assert(eo[0] == &qm__kernel_avx2 && eo[1] == &qm__kernel_avx512);
