@@ -850,6 +850,16 @@ QM_AI void qm__pk2_panel_t(const qm__qmat *m, uint32_t n0, uint32_t nr, uint32_t
     const uint8_t *rows[16];
     for (uint32_t i = 0; i < 16; i++)
         rows[i] = i < nr ? m->w + (size_t)(n0 + i) * m->row_bytes : NULL;
+    /* The tile's code lines into L1 first (the previous tile's prefetch
+     * left them in L2): the chunk loop's loads then overlap. */
+    {
+        size_t off = (size_t)kt0 * BITS / 8, run = (size_t)len * BITS / 8;
+        for (uint32_t i = 0; i < nr; i++) {
+            const uint8_t *p = rows[i] + off;
+            for (size_t o = 0; o < run; o += 64)
+                _mm_prefetch((const char *)(p + o), _MM_HINT_T0);
+        }
+    }
     const __m256 z0 = _mm256_setzero_ps();
     for (uint32_t g = 0; g < len / 16; g++) { /* one 16-column chunk */
         uint32_t j = m->nblk == 1 ? 0 : (kt0 / 16 + g) / cpb - b0;
