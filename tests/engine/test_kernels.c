@@ -326,6 +326,23 @@ START_TEST(test_no_avx512_takes_folded)
 }
 END_TEST
 
+/* Case `it` of the GEMM tests: 4- and 8-bit in turn, T from TS (14
+ * entries), blocks 16..128 and row-wise in turn every bdiv cases, a K that
+ * often ends in a partial block (and is rarely a multiple of 16 or of the
+ * 256-column tile), N 1..50 (short last panels); the matrix into r. */
+static void gemm_case_new(int it, const uint32_t TS[14], int bdiv, rand_mat *r, uint32_t *T,
+                          uint32_t *block)
+{
+    static const uint32_t BLOCKS[] = {0, 16, 32, 64, 128};
+    *T = TS[(it / 2) % 14];
+    *block = BLOCKS[(it / bdiv) % 5];
+    uint32_t k = 17 + next() % 800;
+    if (*block && next() % 2)
+        k = *block * (1 + next() % (900 / *block)) - 1; /* a partial last block */
+    uint32_t n = 1 + next() % 50;
+    rand_mat_new(r, it & 1 ? 8 : 4, *block, k, n);
+}
+
 /* The GEMM class (jobs of more than 4 rows): the AVX-512 packed GEMM
  * (qm_gemm_packed_avx512.c) and the AVX2 GEMM give the same bits on
  * shapes that leave every tail: N not a multiple of the 16-row panel, K
@@ -340,17 +357,12 @@ START_TEST(test_gemm_packed_same_bits_tails_and_reference)
 {
     const qm__kernel *a = kernel("avx2"), *b = kernel("avx512");
     if (!a || !b) return;
-    static const uint32_t BLOCKS[] = {0, 16, 32, 64, 128};
     static const uint32_t TS[] = {5, 6, 7, 8, 13, 14, 15, 16, 27, 28, 29, 43, 64, 71};
     for (int it = 0; it < 70; it++) {
-        uint32_t bits = it & 1 ? 8 : 4, T = TS[(it / 2) % 14];
-        uint32_t block = BLOCKS[(it / 2) % 5];
-        uint32_t k = 17 + next() % 800;
-        if (block && next() % 2)
-            k = block * (1 + next() % (900 / block)) - 1; /* a partial last block */
-        uint32_t n = 1 + next() % 50;
         rand_mat r;
-        rand_mat_new(&r, bits, block, k, n);
+        uint32_t T, block;
+        gemm_case_new(it, TS, 2, &r, &T, &block);
+        uint32_t bits = r.m.bits, k = r.m.k, n = r.m.n;
         int f16 = r.m.scale_dtype == QM_DTYPE_F16, asym = r.m.zp != NULL;
         float *x = rand_inputs(T, k), *ya = malloc(4 * (size_t)T * n),
               *yb = malloc(4 * (size_t)T * n), *ys = malloc(4 * (size_t)T * n);
@@ -429,18 +441,13 @@ START_TEST(test_gemm_every_kernel_model_bits)
         fprintf(stderr, "gemm: no SIMD kernel on this CPU, nothing to compare\n");
         return;
     }
-    static const uint32_t BLOCKS[] = {0, 16, 32, 64, 128};
     static const uint32_t TS[] = {5, 6, 7, 8, 9, 11, 12, 13, 17, 19, 24, 25, 37, 71};
     int compared = 0;
     for (int it = 0; it < 140; it++) {
-        uint32_t bits = it & 1 ? 8 : 4, T = TS[(it / 2) % 14];
-        uint32_t block = BLOCKS[(it / 3) % 5];
-        uint32_t k = 17 + next() % 800;
-        if (block && next() % 2)
-            k = block * (1 + next() % (900 / block)) - 1; /* a partial last block */
-        uint32_t n = 1 + next() % 50;
         rand_mat r;
-        rand_mat_new(&r, bits, block, k, n);
+        uint32_t T, block;
+        gemm_case_new(it, TS, 3, &r, &T, &block);
+        uint32_t bits = r.m.bits, k = r.m.k, n = r.m.n;
         float *x = rand_inputs(T, k), *ym = malloc(4 * (size_t)T * n),
               *yk = malloc(4 * (size_t)T * n);
         ck_assert(ym && yk);
