@@ -736,6 +736,19 @@ static void qm__pk2_params(const qm__qmat *m, uint32_t n0, uint32_t nr, uint32_t
         for (uint32_t i = 0; i < nr; i++, s += m->nblk)
             for (uint32_t j = 0; j < nb; j++)
                 memcpy(&sv[j * 16 + i], s + j, 4);
+    } else if (m->scale_dtype == QM_DTYPE_F16) { /* 8 at a time by vcvtph2ps */
+        const uint16_t *h = (const uint16_t *)m->scales + (size_t)n0 * m->nblk + b0;
+        for (uint32_t i = 0; i < nr; i++, h += m->nblk) {
+            uint32_t j = 0;
+            for (; j + 8 <= nb; j += 8) {
+                float t[8];
+                _mm256_storeu_ps(t, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(h + j))));
+                for (uint32_t u = 0; u < 8; u++)
+                    sv[(j + u) * 16 + i] = t[u];
+            }
+            for (; j < nb; j++)
+                sv[j * 16 + i] = _cvtsh_ss(h[j]);
+        }
     } else {
         for (uint32_t i = 0; i < nr; i++)
             for (uint32_t j = 0; j < nb; j++)
