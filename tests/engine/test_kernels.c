@@ -428,6 +428,29 @@ static void gemm_model(const qm__qmat *m, const float *x, uint32_t nx, float *y)
         }
 }
 
+/* Each kernel of ks (NULL: skipped) on rand_mat r with T random inputs
+ * against gemm_model, bit for bit; counts the comparisons; frees r. */
+static void gemm_vs_model(const qm__kernel *const ks[2], rand_mat *r, uint32_t T, int *compared)
+{
+    uint32_t n = r->m.n, k = r->m.k;
+    float *x = rand_inputs(T, k), *ym = malloc(4 * (size_t)T * n), *yk = malloc(4 * (size_t)T * n);
+    ck_assert(ym && yk);
+    gemm_model(&r->m, x, T, ym);
+    for (int i = 0; i < 2; i++) {
+        if (!ks[i])
+            continue;
+        run(ks[i], &r->m, 1, x, T, yk);
+        ck_assert_msg(memcmp(ym, yk, 4 * (size_t)T * n) == 0,
+                      "%s gemm %u-bit n %u k %u block %u nblk %u T %u f16 %d zp %d: not the "
+                      "model's bits",
+                      ks[i]->name, r->m.bits, n, k, r->m.block, r->m.nblk, T,
+                      r->m.scale_dtype == QM_DTYPE_F16, r->m.zp != NULL);
+        (*compared)++;
+    }
+    rand_mat_free(r);
+    free(x), free(ym), free(yk);
+}
+
 /* Every SIMD GEMM this CPU runs (AVX2; the AVX-512 packed one) gives the C
  * model's bits, and so each other's, on shapes that leave every tail (N
  * not a multiple of the 16-row panel, K not one of the 256-column tile, of
@@ -447,26 +470,18 @@ START_TEST(test_gemm_every_kernel_model_bits)
         rand_mat r;
         uint32_t T, block;
         gemm_case_new(it, TS, 3, &r, &T, &block);
-        uint32_t bits = r.m.bits, k = r.m.k, n = r.m.n;
-        float *x = rand_inputs(T, k), *ym = malloc(4 * (size_t)T * n),
-              *yk = malloc(4 * (size_t)T * n);
-        ck_assert(ym && yk);
-        gemm_model(&r.m, x, T, ym);
-        for (int i = 0; i < 2; i++) {
-            if (!ks[i])
-                continue;
-            run(ks[i], &r.m, 1, x, T, yk);
-            ck_assert_msg(memcmp(ym, yk, 4 * (size_t)T * n) == 0,
-                          "%s gemm %u-bit n %u k %u block %u T %u f16 %d zp %d: not the "
-                          "model's bits",
-                          ks[i]->name, bits, n, k, block, T, r.m.scale_dtype == QM_DTYPE_F16,
-                          r.m.zp != NULL);
-            compared++;
-        }
-        rand_mat_free(&r);
-        free(x), free(ym), free(yk);
+        gemm_vs_model(ks, &r, T, &compared);
     }
-    ck_assert_int_ge(compared, 140);
+    /* Short rows: K of 2..40 (one or a few 16-column chunks, row-wise or
+     * blocks of 16/32), N of one panel or less. */
+    for (int it = 0; it < 40; it++) {
+        static const uint32_t SB[] = {0, 16, 32};
+        uint32_t k = 2 + next() % 39, n = 1 + next() % 20;
+        rand_mat r;
+        rand_mat_new(&r, it & 1 ? 8 : 4, SB[it % 3], k, n);
+        gemm_vs_model(ks, &r, 5 + it % 9, &compared);
+    }
+    ck_assert_int_ge(compared, 180);
 }
 END_TEST
 
