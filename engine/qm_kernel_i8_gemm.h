@@ -34,6 +34,11 @@
  *   QM__G_STEP(a, w, x4)     a plus, per lane, the dot of its 4 weight bytes
  *                            with the 4 bytes at x4 (u8 x s8, or 2 s16 x 2 s16)
  *   QM__G_FIN(a)             the accumulator as int32 sums (QM__G_VI)
+ * and optionally
+ *   QM__G_SB(w, xb, off, a)  its own loop for a full pass of QM__G_NR
+ *                            inputs over one sub-block: a[v][t] as the
+ *                            QM__G_G steps above leave them (the AVX2
+ *                            4-bit GEMM's register-bound version)
  * (a vpdpbusd ISA, u8 x s8 summed by 4 with no widening, names only
  *   QM__G_DPBUSD(a, w, x4)   QM__G_STEP on the u8 panel
  * instead of QM__G_G, QM__G_S16, QM__G_STEP and QM__G_FIN, which follow)
@@ -181,6 +186,12 @@ QM__I8_AI void QM__G_MICRO(const qm__g_call *c, size_t j0, size_t j1, uint32_t t
 #pragma GCC unroll 8
             for (int t = 0; t < NR; t++)
                 a[v][t] = QM__G_ACC0();
+#ifdef QM__G_SB
+        /* The includer's own loop for a full pass of inputs. */
+        if (NR == QM__G_NR) {
+            QM__G_SB(w, xb, seg * j, a);
+        } else
+#endif
         /* Not unrolled: GCC would reassociate the unrolled chain of
          * vector adds into a tree and spill every product. */
 #pragma GCC unroll 1
