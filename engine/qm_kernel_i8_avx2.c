@@ -46,20 +46,20 @@ static inline __m256i qm__avx2_dot8(const uint8_t *w, const int8_t *x, const int
 #include "qm_kernel_i8_g256.h"
 #define QM__G_NR 4
 
-/* acc0 += maddubs(w0, b), then acc1 += maddubs(w1, b), in s16 lanes, each
+/* A0 += maddubs(W0, b), then A1 += maddubs(W1, b), in s16 lanes, each
  * sum written back to its accumulator's own register. Written with
  * intrinsics, GCC 12 puts each sum in a new register and moves it back,
  * and keeps one or two of the eight accumulators in memory; the integer
  * sums, hence the bits, are the same either way. */
-#define QM__SB_STEP(acc0, acc1, w0, w1, bv)                                                       \
+#define QM__SB_STEP(A0, A1, W0, W1, BV)                                                           \
     do {                                                                                           \
-        __m256i b_ = (bv), t_;                                                                     \
+        __m256i b_ = (BV), t_;                                                                     \
         __asm__("vpmaddubsw %[b], %[w0], %[t]\n\t"                                               \
                 "vpaddw %[t], %[a0], %[a0]\n\t"                                                   \
                 "vpmaddubsw %[b], %[w1], %[t]\n\t"                                               \
                 "vpaddw %[t], %[a1], %[a1]"                                                        \
-                : [a0] "+x"(acc0), [a1] "+x"(acc1), [t] "=&x"(t_)                                  \
-                : [w0] "x"(w0), [w1] "x"(w1), [b] "x"(b_));                                         \
+                : [a0] "+x"(A0), [a1] "+x"(A1), [t] "=&x"(t_)                                      \
+                : [w0] "x"(W0), [w1] "x"(W1), [b] "x"(b_));                                         \
     } while (0)
 
 /* 4-bit, a full pass of 4 inputs (QM__G_NR) over one sub-block: the
