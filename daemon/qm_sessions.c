@@ -558,9 +558,11 @@ void qm_session_commit(qm_registry *r, qm_session *s)
                  &s->plan_span);
     s->next = r->sessions;
     r->sessions = s;
-    qm_log(QM_LOG_INFO, "session %s created: model %s, policy %s, budget %llu, uid %u", s->id,
-           s->model->name, s->policy_name, (unsigned long long)s->budget_bytes,
-           (unsigned)s->owner_uid);
+    qm_log(QM_LOG_INFO,
+           "session %s created: model %s, policy %s, budget %llu, uid %u, %llu bytes of whole "
+           "banks mapped in",
+           s->id, s->model->name, s->policy_name, (unsigned long long)s->budget_bytes,
+           (unsigned)s->owner_uid, (unsigned long long)s->last_stats.bytes_prefaulted_at_create);
 }
 
 /* What the session holds on each device at `budget`: its share

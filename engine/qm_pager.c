@@ -6,6 +6,7 @@
  * other pager file sits below this one (qm_pager_impl.h). */
 #include <stdint.h>
 #include <string.h>
+#include <unistd.h>
 
 #include "qm_alloc.h"
 #include "qm_hybrid.h"
@@ -51,6 +52,8 @@ static int qm__layers_alloc(qm_pager *p, const qm_residency_plan *plan, qm_statu
 static int qm__load_whole(qm_pager *p, uint64_t *arena_off, uint64_t align, qm_status *st)
 {
     int copy_whole = qm__copies_whole(&p->opt, p->backend);
+    long pages = sysconf(_SC_PHYS_PAGES), page = sysconf(_SC_PAGESIZE);
+    uint64_t ram = pages > 0 && page > 0 ? (uint64_t)pages * (uint64_t)page : 0;
     for (uint32_t l = 0; l < p->n_layers; l++) {
         qm__layer *L = &p->layers[l];
         if (L->paged || L->absent)
@@ -58,8 +61,18 @@ static int qm__load_whole(qm_pager *p, uint64_t *arena_off, uint64_t align, qm_s
         int rc = qm__pager_account_alloc(p, L->whole_bytes, st);
         if (rc)
             return rc;
-        if (!copy_whole)
+        if (!copy_whole) {
+            /* Read in place: map its pages now, not on the first calls,
+             * while what is mapped in stays under half of the RAM (a bank
+             * larger than that would only evict its own first pages). */
+            for (int t = 0; t < QM_T_EXPERT_COUNT; t++) {
+                const qm_tensor_view *tv = &L->view->t[t];
+                if (tv->present && p->stats.bytes_prefaulted_at_create + tv->nbytes <= ram / 2)
+                    p->stats.bytes_prefaulted_at_create +=
+                        qm_bank_prefault(p->bank, tv->data, tv->nbytes);
+            }
             continue;
+        }
         L->whole_base = qm_arena_at(p->arena, *arena_off);
         uint64_t span = 0;
         for (int t = 0; t < QM_T_EXPERT_COUNT; t++) {

@@ -138,6 +138,7 @@ typedef struct qm_pager_stats {
     uint32_t n_pinned;           /* slots held by pins */
     uint64_t overhead_bytes;     /* arena_bytes minus what the budget counts (alignment padding) */
     uint64_t host_bytes;         /* host-side bookkeeping of the pager */
+    uint64_t bytes_prefaulted_at_create; /* whole banks read in place, mapped in at creation */
 } qm_pager_stats;
 
 /* Creates the pager of a session. `backend`, `bank`, `plan` and `policy` are

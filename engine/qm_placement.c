@@ -211,6 +211,7 @@ void qm_multipager_stats(const qm_multipager *mp, qm_pager_stats *out)
         out->n_pinned += s.n_pinned;
         out->overhead_bytes += s.overhead_bytes;
         out->host_bytes += s.host_bytes;
+        out->bytes_prefaulted_at_create += s.bytes_prefaulted_at_create;
     }
     if (first)
         memset(out, 0, sizeof *out);

@@ -356,6 +356,26 @@ uint64_t qm_bank_file_bytes(const qm_bank *bank) { return bank->size; }
 const uint8_t *qm_bank_data(const qm_bank *bank) { return bank->data; }
 uint64_t qm_bank_expert_bytes_total(const qm_bank *bank) { return bank->expert_bytes_total; }
 
+#ifndef MADV_POPULATE_READ
+#define MADV_POPULATE_READ 22 /* Linux 5.14 */
+#endif
+
+uint64_t qm_bank_prefault(const qm_bank *bank, const void *p, uint64_t n)
+{
+    if (!bank || !bank->mapped || !p || n == 0)
+        return 0;
+    uintptr_t lo = (uintptr_t)p, base = (uintptr_t)bank->base;
+    if (lo < base || lo - base > bank->size || n > bank->size - (lo - base))
+        return 0;
+    long page = sysconf(_SC_PAGESIZE);
+    uintptr_t mask = (uintptr_t)(page > 0 ? page : 4096) - 1;
+    uintptr_t from = lo & ~mask, to = lo + (uintptr_t)n;
+    if (madvise((void *)from, to - from, MADV_POPULATE_READ) == 0)
+        return n;
+    (void)madvise((void *)from, to - from, MADV_WILLNEED);
+    return 0;
+}
+
 const void *qm_bank_mapping(const qm_bank *bank, uint64_t *bytes)
 {
     if (bytes)

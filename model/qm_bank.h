@@ -133,6 +133,14 @@ const qm_layer_view *qm_bank_layer(const qm_bank *bank, uint32_t layer);
 uint64_t qm_bank_expert_bytes_total(const qm_bank *bank);
 /* The whole mapped file (or memory buffer) and its size at open. */
 const void *qm_bank_mapping(const qm_bank *bank, uint64_t *bytes);
+/* Maps the pages of [p, p + n) of a file bank into this process now
+ * (madvise MADV_POPULATE_READ, Linux 5.14 and later; MADV_WILLNEED's
+ * readahead where the kernel refuses that), so kernels that read a
+ * whole-resident bank in place take no page faults on their first calls.
+ * Returns the bytes populated: 0 for memory banks, ranges outside the
+ * mapping, or a kernel that refuses both. Raises no signal: pages past the
+ * end of a file truncated under the mapping make madvise fail, not SIGBUS. */
+uint64_t qm_bank_prefault(const qm_bank *bank, const void *p, uint64_t n);
 /* For a bank opened from a file: fstat()s the file (kept open) and fails
  * with QM_EINVALID_MODEL "bank file <path> was truncated on disk (N < M
  * bytes)" when it is now shorter than the mapping, whose pages past the new

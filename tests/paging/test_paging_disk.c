@@ -406,6 +406,93 @@ START_TEST(test_direct_pager_resizes_and_reads_into_new_slots)
 }
 END_TEST
 
+/* Resident kB of this process's mapping that holds addr (/proc/self/smaps),
+ * or -1 when none does. */
+static long mapping_rss_kb(const void *addr)
+{
+    FILE *f = fopen("/proc/self/smaps", "r");
+    ck_assert_ptr_nonnull(f);
+    char line[512];
+    int in = 0;
+    long kb = -1;
+    while (fgets(line, sizeof line, f)) {
+        unsigned long lo, hi;
+        if (sscanf(line, "%lx-%lx ", &lo, &hi) == 2) { /* a mapping's first line */
+            in = (uintptr_t)addr >= lo && (uintptr_t)addr < hi;
+            continue;
+        }
+        if (in && sscanf(line, "Rss: %ld kB", &kb) == 1)
+            break;
+    }
+    fclose(f);
+    return kb;
+}
+
+/* A whole bank the CPU kernels read in place is mapped in when the pager is
+ * made, not by the first forward calls' page faults; banks in memory and
+ * paged banks are not touched. */
+START_TEST(test_whole_banks_read_in_place_are_mapped_in_at_creation)
+{
+    pf_spec big = pf_default_spec();
+    big.hidden = 512; /* ~20 MB of experts: far more than a fault maps (2 MB folios) */
+    big.inter = 1024;
+    pg_fixture_reopen(&big);
+    const pf_spec *sp = &fixture.spec;
+    dcase dc;
+    dcase_open(&dc, g_dir[0] ? g_dir : ".", "prefault", 4, 29);
+    uint64_t in_place = 0;
+    for (uint32_t l = 0; l < sp->layers; l++)
+        for (int t = 0; t < QM_T_EXPERT_COUNT; t++) {
+            const qm_tensor_view *tv = &qm_bank_layer(dc.bank, l)->t[t];
+            in_place += tv->present ? tv->nbytes : 0;
+        }
+    uint64_t map_bytes = 0;
+    const void *map = qm_bank_mapping(dc.bank, &map_bytes);
+    long before = mapping_rss_kb(map);
+    ck_assert_int_ge(before, 0);
+    ck_assert_msg((uint64_t)before * 1024 < in_place / 2,
+                  "the bank's mapping is already resident (%ld kB) before the pager", before);
+
+    pf_bank fb = fixture.bank;
+    fb.bank = dc.bank;
+    qm_policy pol = {0};
+    new_policy("whole_bank", &fb, &dc.set, &pol);
+    qm_residency_plan *plan = make_plan(&fb, &pol, 0, 0);
+    qm_pager_options o = {0};
+    qm_pager *pg = NULL;
+    qm_status st = {0};
+    ck_assert_msg(qm_pager_new(fixture.cpu, dc.bank, plan, &pol, &o, &pg, &st) == 0, "%s", st.msg);
+    qm_pager_stats s;
+    qm_pager_stats_get(pg, &s);
+    ck_assert_uint_eq(s.bytes_loaded_at_create, 0); /* read in place, not copied */
+    ck_assert_uint_eq(s.bytes_prefaulted_at_create, in_place);
+    long after = mapping_rss_kb(map);
+    ck_assert_msg((uint64_t)after * 1024 + 4096 >= in_place,
+                  "mapping resident %ld kB after creation, whole banks are %llu bytes", after,
+                  (unsigned long long)in_place);
+    for (size_t i = 0; i < dc.set.n; i++) {
+        ck_assert_int_eq(run_call(pg, &dc.set.calls[i], dc.out, &st), 0);
+        ck_assert(memcmp(dc.out, dc.set.calls[i].ref,
+                         sizeof(float) * dc.set.calls[i].T * qm_bank_get_config(dc.bank)->hidden) ==
+                  0);
+    }
+    free_pager(pg, plan, &pol);
+
+    /* A paged session maps nothing in at creation: its budget bounds what it holds. */
+    uint64_t U = unit_bytes(&fixture.bank);
+    new_policy("lru", &fb, &dc.set, &pol);
+    plan = make_plan(&fb, &pol, 1, sp->k * U);
+    ck_assert_msg(qm_pager_new(fixture.cpu, dc.bank, plan, &pol, &o, &pg, &st) == 0, "%s", st.msg);
+    qm_pager_stats_get(pg, &s);
+    ck_assert_uint_eq(s.bytes_prefaulted_at_create, 0);
+    free_pager(pg, plan, &pol);
+
+    /* A bank in memory has no mapping to populate. */
+    ck_assert_uint_eq(qm_bank_prefault(fixture.bank.bank, qm_bank_data(fixture.bank.bank), 4096), 0);
+    dcase_close(&dc);
+}
+END_TEST
+
 static Suite *disk_suite(void)
 {
     Suite *s = suite_create("paging_disk");
@@ -418,6 +505,7 @@ static Suite *disk_suite(void)
     tcase_add_test(tc, test_a_read_error_fails_that_request_only);
     tcase_add_test(tc, test_a_truncated_bank_file_fails_the_requests_that_read_past_its_end);
     tcase_add_test(tc, test_direct_pager_resizes_and_reads_into_new_slots);
+    tcase_add_test(tc, test_whole_banks_read_in_place_are_mapped_in_at_creation);
     suite_add_tcase(s, tc);
     return s;
 }
