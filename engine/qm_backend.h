@@ -38,6 +38,11 @@ typedef struct qm_fence {
  * or, for backends with host_visible = 1, may point into the mapped bank. */
 typedef struct qm_expert_weights {
     const void *ptr[QM_T_EXPERT_COUNT];
+    /* Bit t set: weight tensor t's codes are in the r8 layout (qm_r8.h: a
+     * host-visible backend's whole bank the pager laid out for the fast
+     * CPU GEMV); 0: row order, as in the bank. Backends without the CPU
+     * kernels never see it set. */
+    uint32_t r8;
 } qm_expert_weights;
 
 /* One expert's work in a layer call: rows of x to run through the FFN.

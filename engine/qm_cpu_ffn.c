@@ -8,6 +8,7 @@
 #include <string.h>
 
 #include "qm_alloc.h"
+#include "qm_r8.h"
 
 #define QM__CPU_ALIGN 64u
 /* Fused schedule: at most this many 16-row tiles per task, and about this
@@ -117,6 +118,10 @@ static int qm__make_qmat(const qm_bank_config *cfg, const qm_layer_view *lv, int
                                  lv->index, name, m->nblk, bs, k);
         m->block = bs;
     }
+    m->r8 = (int)((w->r8 >> wt) & 1u);
+    if (m->r8 && !qm__r8_eligible(cfg, lv, wt))
+        return qm_status_set(st, QM_EINVAL, "layer %u: %s cannot be in the r8 layout", lv->index,
+                             name);
     if (tz->present && w->ptr[wt + 2]) {
         m->zp = w->ptr[wt + 2];
         m->zp_blockwise = tz->ndim == 3;
@@ -222,6 +227,24 @@ static void qm__run_matrix(qm__run *R, const qm__qmat *m, int gemm, uint32_t n0,
                            const float *xp, size_t ldx, uint32_t nx, float *y, size_t ldy,
                            float *scratch)
 {
+    qm__qmat t;
+    if (m->r8 && !(R->i8 && qm__i8kernel_r8_native(R->i8, nx))) {
+        /* A kernel that reads rows: the tile's rows back in row order at the
+         * front of this worker's scratch (qm__kernel_scratch_floats counts
+         * them), the rest of the scratch the kernel's. */
+        qm__r8_rows(m->w, m->row_bytes, n0, n1, (uint8_t *)scratch);
+        size_t es = m->scale_dtype == QM_DTYPE_F32 ? 4 : 2;
+        t = *m;
+        t.r8 = 0;
+        t.w = (const uint8_t *)scratch;
+        t.n = n1 - n0;
+        t.scales = (const uint8_t *)m->scales + (size_t)n0 * m->nblk * es;
+        scratch += qm__r8_tile_floats(m);
+        y += n0;
+        n1 -= n0;
+        n0 = 0;
+        m = &t;
+    }
     if (R->i8)
         R->i8->mm(m, n0, n1, xp, ldx, nx, y, ldy, scratch);
     else if (gemm)

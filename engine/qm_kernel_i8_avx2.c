@@ -39,6 +39,7 @@ static inline __m256i qm__avx2_dot8(const uint8_t *w, const int8_t *x, const int
 }
 
 #define QM__V_FN qm__i8avx2_gemv
+#define QM__V_R8 1 /* reads r8 matrices (qm_r8.h) */
 #define QM__V_DOT4(lo, hi, xl, xh) qm__avx2_dot4(lo, hi, xl, xh)
 #define QM__V_DOT8(w, x, x16) qm__avx2_dot8(w, x, x16)
 #include "qm_kernel_i8_x86.h"

@@ -63,6 +63,17 @@ QM__I8_AI __m256i qm__x_row_u8(const qm__qmat *m, uint32_t n0, uint32_t nr, uint
     if (i >= nr)
         return _mm256_setzero_si256();
     const uint8_t *row = m->w + (size_t)(n0 + i) * m->row_bytes;
+    if (m->r8) { /* 4-bit r8 (qm_r8.h): the row's 4 runs of 4 bytes in its group */
+        uint32_t n = n0 + i;
+        const uint8_t *g = m->w + (size_t)(n & ~7u) * m->row_bytes + 128 * j + 4 * (n & 7u);
+        int32_t d[4];
+        for (int q = 0; q < 4; q++)
+            memcpy(&d[q], g + 32 * q, 4);
+        __m128i v = _mm_setr_epi32(d[0], d[1], d[2], d[3]);
+        const __m128i lo4 = _mm_set1_epi8(15);
+        __m128i lo = _mm_and_si128(v, lo4), hi = _mm_and_si128(_mm_srli_epi16(v, 4), lo4);
+        return _mm256_inserti128_si256(_mm256_castsi128_si256(lo), hi, 1);
+    }
     if (m->bits == 8)
         return _mm256_loadu_si256((const __m256i *)qm__x_bytes(m, row, 32 * j, 32, tmp));
     __m128i v = _mm_loadu_si128((const __m128i *)qm__x_bytes(m, row, 16 * j, 16, tmp));
@@ -593,6 +604,99 @@ QM__I8_AI __m256 qm__v_rows(const qm__qmat *m, const uint8_t *const row[8],
                 : qm__v_rows_q8(m, row, next, x, sct, zpt, h, 0, 0);
 }
 
+#ifdef QM__V_R8
+/* A group of 8 rows of an r8 matrix (qm_r8.h) at p times NX (1-4) inputs
+ * x: per sub-block j, 4 loads of 8 rows x 4 code bytes, each nibble half
+ * against its 4 input bytes broadcast, summed in int16 lanes (8 steps of
+ * |s| <= 3840: no wrap), widened to one int32 sum per row, then the
+ * canonical epilogue (qm__v_epi_b32). The same integer sums as qm__v_b32,
+ * so the same bits. pf: the next group (NULL: none), one line asked for
+ * per 64 bytes read. */
+QM__I8_AI void qm__v_r8_group(const qm__qmat *m, const uint8_t *p, const char *pf,
+                              const qm__i8_xrow *x, const float *sct, uint32_t h, float *y,
+                              size_t ldy, const int NX)
+{
+    const size_t nsb = m->k / 32;
+    const __m256i lo4 = _mm256_set1_epi8(15), one = _mm256_set1_epi16(1);
+    __m256 acc0 = _mm256_setzero_ps(), acc1 = acc0, acc2 = acc0, acc3 = acc0;
+    for (size_t j = 0; j < nsb; j++, p += 128) {
+        if (pf) {
+            _mm_prefetch(pf + 128 * j, QM__PF_HINT);
+            _mm_prefetch(pf + 128 * j + 64, QM__PF_HINT);
+        }
+        __m256i s0 = _mm256_setzero_si256(), s1 = s0, s2 = s0, s3 = s0;
+#pragma GCC unroll 4
+        for (size_t q = 0; q < 4; q++) {
+            __m256i v = _mm256_loadu_si256((const __m256i *)(p + 32 * q));
+            __m256i lo = _mm256_and_si256(v, lo4);
+            __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), lo4);
+            size_t o = 32 * j + 4 * q;
+#define QM__R8_STEP(S, I)                                                                          \
+    do {                                                                                           \
+        int32_t xl_, xh_;                                                                          \
+        memcpy(&xl_, x[I].q + o, 4);                                                               \
+        memcpy(&xh_, x[I].q + o + 16, 4);                                                          \
+        S = _mm256_add_epi16(S, _mm256_maddubs_epi16(lo, _mm256_set1_epi32(xl_)));                 \
+        S = _mm256_add_epi16(S, _mm256_maddubs_epi16(hi, _mm256_set1_epi32(xh_)));                 \
+    } while (0)
+            QM__R8_STEP(s0, 0);
+            if (NX > 1)
+                QM__R8_STEP(s1, 1);
+            if (NX > 2)
+                QM__R8_STEP(s2, 2);
+            if (NX > 3)
+                QM__R8_STEP(s3, 3);
+#undef QM__R8_STEP
+        }
+        acc0 = qm__v_epi_b32(&x[0], sct, h, j, _mm256_madd_epi16(s0, one), acc0);
+        if (NX > 1)
+            acc1 = qm__v_epi_b32(&x[1], sct, h, j, _mm256_madd_epi16(s1, one), acc1);
+        if (NX > 2)
+            acc2 = qm__v_epi_b32(&x[2], sct, h, j, _mm256_madd_epi16(s2, one), acc2);
+        if (NX > 3)
+            acc3 = qm__v_epi_b32(&x[3], sct, h, j, _mm256_madd_epi16(s3, one), acc3);
+    }
+    _mm256_storeu_ps(y, acc0);
+    if (NX > 1)
+        _mm256_storeu_ps(y + ldy, acc1);
+    if (NX > 2)
+        _mm256_storeu_ps(y + 2 * ldy, acc2);
+    if (NX > 3)
+        _mm256_storeu_ps(y + 3 * ldy, acc3);
+}
+
+/* Rows [n0, n0 + nr) of an r8 matrix (n0 and nr multiples of 8) times nx
+ * inputs, up to 4 at a time: each group's scales taken once, the next
+ * group's codes and scales prefetched while the first inputs run. */
+static void qm__v_r8(const qm__qmat *m, uint32_t n0, uint32_t nr, const float *xq, size_t ldx,
+                     uint32_t nx, float *y, size_t ldy, const qm__i8_scratch *s)
+{
+    const size_t gb = 8 * m->row_bytes;
+    for (uint32_t h = 0; h < nr; h += 8) {
+        const uint8_t *p = m->w + (size_t)(n0 + h) * m->row_bytes;
+        const char *pf = n0 + h + 16 <= m->n ? (const char *)p + gb : NULL;
+        qm__x_params8(m, n0, nr, h, s->sct, NULL);
+        qm__x_prefetch_scales(m, n0 + h + 8);
+        for (uint32_t r = 0; r < nx; r += 4) {
+            qm__i8_xrow x[4];
+            uint32_t cnt = nx - r < 4 ? nx - r : 4;
+            for (uint32_t i = 0; i < cnt; i++)
+                x[i] = qm__i8_xrow_at(m, xq + (size_t)(r + i) * ldx);
+            float *yo = y + (size_t)r * ldy + n0 + h;
+            const char *pfr = r ? NULL : pf;
+            if (cnt == 1)
+                qm__v_r8_group(m, p, pfr, x, s->sct, h, yo, ldy, 1);
+            else if (cnt == 2)
+                qm__v_r8_group(m, p, pfr, x, s->sct, h, yo, ldy, 2);
+            else if (cnt == 3)
+                qm__v_r8_group(m, p, pfr, x, s->sct, h, yo, ldy, 3);
+            else
+                qm__v_r8_group(m, p, pfr, x, s->sct, h, yo, ldy, 4);
+        }
+    }
+}
+#endif
+
 /* Rows [n0, n1) times nx inputs, 8 rows at a time, one input at a time.
  * Each group's scales are taken just before it, and while a group runs its
  * first input the next 8 rows' codes (one line per 64 bytes read) and
@@ -603,6 +707,12 @@ static void QM__V_FN(const qm__qmat *m, uint32_t n0, uint32_t n1, const float *x
 {
     qm__i8_scratch s = qm__i8_scratch_at(m, scratch);
     uint32_t nr = n1 - n0;
+#ifdef QM__V_R8
+    if (m->r8) {
+        qm__v_r8(m, n0, nr, xq, ldx, nx, y, ldy, &s);
+        return;
+    }
+#endif
     int32_t *zpt = m->zp ? s.zpt : NULL;
     uint32_t h0 = !qm__v_is_b32(m)            ? 0
                   : m->bits == 4 && nx > 1 ? qm__v_b32_pairs(m, n0, nr, xq, ldx, nx, y, ldy, &s)

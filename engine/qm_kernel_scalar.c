@@ -187,6 +187,11 @@ const qm__kernel qm__kernel_scalar = {
 
 const qm__i8kernel qm__i8kernel_scalar = {.name = "scalar", .mm = qm__scalar_i8mm};
 
+size_t qm__r8_tile_floats(const qm__qmat *m)
+{
+    return ((size_t)QM__TILE_ROWS * m->row_bytes / 4 + 15) & ~(size_t)15;
+}
+
 size_t qm__kernel_scratch_floats(const qm__qmat *m)
 {
     /* Exact GEMM: one dequantised tile and its transposed panel; exact
@@ -197,5 +202,5 @@ size_t qm__kernel_scratch_floats(const qm__qmat *m)
     size_t rows = (size_t)8 * (((size_t)m->nblk + 7) / 8 * 8);
     size_t fast = qm__i8_scratch_floats(m);
     size_t most = tile > rows ? tile : rows;
-    return (most > fast ? most : fast) + 64;
+    return (most > fast ? most : fast) + 64 + (m->r8 ? qm__r8_tile_floats(m) : 0);
 }

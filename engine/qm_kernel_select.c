@@ -624,6 +624,21 @@ const qm__i8kernel *qm__i8kernel_select(void)
 #endif
 }
 
+int qm__i8kernel_r8_native(const qm__i8kernel *k, uint32_t nx)
+{
+    if (!k || nx == 0)
+        return 0;
+#if defined(QMOE_X86_KERNELS)
+    if (k == &qm__i8kernel_auto) {
+        pthread_once(&qm__i8auto_once, qm__i8_auto_calibrate);
+        k = qm__i8auto.k[0][nx > QM__GEMV_MAX_ROWS];
+    }
+    return k == &qm__i8kernel_avx2;
+#else
+    return 0;
+#endif
+}
+
 const char *qm__i8kernel_describe(const qm__i8kernel *k)
 {
     if (k == &qm__i8kernel_auto)

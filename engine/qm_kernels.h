@@ -31,6 +31,8 @@ typedef struct qm__qmat {
     uint32_t n, k, bits;
     uint32_t nblk;        /* 1 = row-wise */
     uint32_t block;       /* columns per block; k when nblk == 1 */
+    int r8;               /* 1: 4-bit codes in the r8 layout (qm_r8.h); only
+                           * kernels qm__i8kernel_r8_native names read it */
 } qm__qmat;
 
 /* Output rows of one kernel task (fixed: the split never depends on threads). */
@@ -82,6 +84,11 @@ typedef struct qm__i8kernel {
 } qm__i8kernel;
 
 extern const qm__i8kernel qm__i8kernel_scalar;
+/* 1 when k's mm runs 4-bit r8 matrices (qm_r8.h) on nx inputs itself: the
+ * AVX2 kernel (its decode GEMV, and its GEMM's packer), forced or the one
+ * auto runs for nx inputs on this CPU. Every other kernel is handed
+ * row-major tiles (qm_cpu_ffn.c). */
+int qm__i8kernel_r8_native(const qm__i8kernel *k, uint32_t nx);
 /* The fast-mode kernel for this CPU: measured per class (decode, prefill;
  * 4/8-bit) once per process like the exact one;
  * QMOE_KERNEL=scalar|avx2|avxvnni|avx512vnni|amx forces one (avx512 means
@@ -139,6 +146,10 @@ static inline int qm__q4_canon(const qm__qmat *m, int gemm)
 
 /* Per-worker scratch floats a kernel may use for matrix m. */
 size_t qm__kernel_scratch_floats(const qm__qmat *m);
+/* Floats of scratch that hold one tile of an r8 matrix's rows back in row
+ * order (QM__TILE_ROWS rows), a multiple of 16; counted by
+ * qm__kernel_scratch_floats when m->r8. */
+size_t qm__r8_tile_floats(const qm__qmat *m);
 
 extern const qm__kernel qm__kernel_scalar;
 #if defined(QMOE_X86_KERNELS)

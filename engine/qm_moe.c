@@ -33,6 +33,7 @@ void qm_expert_weights_from_unit(const qm_layer_view *layer, uint32_t n_experts,
 {
     (void)expert; /* the unit already is this expert's bytes */
     uint64_t off = 0;
+    out->r8 = 0;
     for (int t = 0; t < QM_T_EXPERT_COUNT; t++) {
         const qm_tensor_view *tv = &layer->t[t];
         if (!tv->present) {
@@ -47,6 +48,7 @@ void qm_expert_weights_from_unit(const qm_layer_view *layer, uint32_t n_experts,
 void qm__mapped_weights(const qm_layer_view *layer, uint32_t n_experts, uint32_t expert,
                         qm_expert_weights *out)
 {
+    out->r8 = 0;
     for (int t = 0; t < QM_T_EXPERT_COUNT; t++) {
         const qm_tensor_view *tv = &layer->t[t];
         out->ptr[t] = tv->present ? (const uint8_t *)tv->data +
@@ -174,6 +176,8 @@ static int qm__run_waves(qm_backend *be, qm_routed_pass *pass, qm_expert_batch *
 {
     for (size_t done_n = 0; done_n < n_uniq;) {
         size_t left = n_uniq - done_n, ready = 0;
+        /* A source that predates qm_expert_weights.r8 leaves it 0: row order. */
+        memset(b->wts + done_n, 0, left * sizeof *b->wts);
         uint64_t t0 = qm__now_us();
         int rc = source->acquire(source->ctx, layer, b->uniq + done_n, left, b->wts + done_n,
                                  &ready, st);

@@ -19,6 +19,7 @@
 #include <time.h>
 
 #include "qm_kernels.h"
+#include "qm_r8.h"
 
 static double cpu_us(void)
 {
@@ -145,6 +146,39 @@ int main(int argc, char **argv)
         }
         report("fast", fast[e], N, K, bits, nx, best);
         free(xq);
+    }
+    /* The AVX2 decode GEMV on the same codes in the r8 layout (qm_r8.h:
+     * 4-bit, rows a multiple of 8), the engine's layout for it. */
+    setenv("QMOE_KERNEL", "avx2", 1);
+    const qm__i8kernel *a2 = qm__i8kernel_select();
+    if (bits == 4 && N % 8 == 0 && strcmp(a2->name, "avx2") == 0 &&
+        qm__i8kernel_r8_native(a2, nx)) {
+        qm__qmat mi = m;
+        uint8_t *wi = malloc((size_t)N * m.row_bytes), *tmp = malloc(8 * m.row_bytes);
+        memcpy(wi, w, (size_t)N * m.row_bytes);
+        qm__r8_interleave(wi, N, m.row_bytes, tmp);
+        mi.w = wi;
+        mi.r8 = 1;
+        size_t ld = (qm__i8_x_stride(&m) + 15) & ~(size_t)15;
+        float *xq = calloc(ld * nx, sizeof(float));
+        float *sr8 = malloc(sizeof(float) * qm__kernel_scratch_floats(&mi));
+        for (uint32_t r = 0; r < nx; r++)
+            qm__i8_prep(&m, x + (size_t)r * K, xq + r * ld);
+        double best = 1e300;
+        for (uint32_t rep = 0; rep <= reps; rep++) {
+            double t0 = cpu_us();
+            for (uint32_t n0 = 0; n0 < N; n0 += QM__TILE_ROWS)
+                a2->mm(&mi, n0, n0 + QM__TILE_ROWS, xq, ld, nx, y, N, sr8);
+            double dt = cpu_us() - t0;
+            if (rep && dt < best)
+                best = dt;
+        }
+        report("fast", "avx2-r8", N, K, bits, nx, best);
+        free(wi), free(tmp), free(xq), free(sr8);
+    } else {
+        printf("{\"mode\":\"fast\",\"kernel\":\"avx2-r8\",\"skipped\":\"%s\"}\n",
+               strcmp(a2->name, "avx2") ? "this CPU cannot run it"
+                                        : "not an r8 shape (4-bit, rows of 8, at most 4 inputs)");
     }
     /* The default exact choice's calibration (qm_kernel_select.c), thread CPU time. */
     unsetenv("QMOE_KERNEL");

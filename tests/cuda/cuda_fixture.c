@@ -93,6 +93,7 @@ void dev_layer_free(qm_backend *be, dev_layer *D)
 void dev_weights(const dev_layer *D, uint32_t e, qm_expert_weights *w)
 {
     uint8_t *base = qm_arena_at(D->arena, 0);
+    w->r8 = 0;
     for (int t = 0; t < QM_T_EXPERT_COUNT; t++)
         w->ptr[t] = D->L->lv.t[t].present ? base + D->off[e][t] : NULL;
 }

@@ -204,6 +204,7 @@ void tl_layer_free(tl_layer *L)
 
 void tl_expert_weights(const tl_layer *L, uint32_t e, qm_expert_weights *w)
 {
+    w->r8 = 0;
     for (int t = 0; t < QM_T_EXPERT_COUNT; t++) {
         const qm_tensor_view *tv = &L->lv.t[t];
         w->ptr[t] = tv->present ? (const uint8_t *)tv->data + e * (tv->nbytes / L->spec.E) : NULL;

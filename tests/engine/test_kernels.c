@@ -36,6 +36,7 @@
 #include "qm_alloc.h"
 #include "qm_kernel_i8.h"
 #include "qm_kernels.h"
+#include "qm_r8.h"
 #if defined(QMOE_I8_MODELS)
 #include "qm_kernel_i8_model.h"
 #endif
@@ -829,6 +830,75 @@ START_TEST(test_fast_decode_every_chunk_count)
 }
 END_TEST
 
+/* The r8 layout (qm_r8.h): interleaving and taking rows back is the
+ * identity; the AVX2 kernel on an r8 matrix (its GEMV, and its GEMM path
+ * forced at any input count) gives the row layout's specification bits;
+ * which kernels read r8 themselves. */
+START_TEST(test_r8_layout_same_bits)
+{
+    static const uint32_t NX[] = {1, 2, 3, 4, 5, 8, 13, 24};
+    const qm__i8kernel *avx2 = fast_kernel("avx2");
+    ck_assert(!qm__i8kernel_r8_native(&qm__i8kernel_scalar, 1));
+    if (avx2) {
+        ck_assert(qm__i8kernel_r8_native(avx2, 1) && qm__i8kernel_r8_native(avx2, 4) &&
+                  qm__i8kernel_r8_native(avx2, 40));
+    } else {
+        fprintf(stderr, "r8 layout: no AVX2 here, only the layout's round trip runs\n");
+    }
+    int runs = 0;
+    for (int it = 0; it < 48; it++) {
+        uint32_t k = it % 8 == 0 ? 2048 : 64 * (1 + next() % 12), n = 8 * (1 + next() % 9);
+        uint32_t nx = NX[it % 8];
+        fmat f;
+        fmat_new(&f, 4, 32, k, n);
+        f.m.zp = NULL;
+        f.m.row_bytes = (size_t)k / 2;
+        const qm__qmat *m = &f.m;
+        size_t bytes = (size_t)n * m->row_bytes;
+        uint8_t *wi = malloc(bytes), *back = malloc(bytes), *tmp = malloc(8 * m->row_bytes);
+        ck_assert(wi && back && tmp);
+        memcpy(wi, f.w, bytes);
+        qm__r8_interleave(wi, n, m->row_bytes, tmp);
+        ck_assert(n == 8 || memcmp(wi, f.w, bytes) != 0);
+        qm__r8_rows(wi, m->row_bytes, 0, n, back);
+        ck_assert_msg(memcmp(back, f.w, bytes) == 0, "k %u n %u: rows back differ", k, n);
+        uint32_t n0 = 8 * (next() % (n / 8)); /* a tile from a group boundary */
+        qm__r8_rows(wi, m->row_bytes, n0, n, back);
+        ck_assert(memcmp(back, f.w + (size_t)n0 * m->row_bytes, bytes - n0 * m->row_bytes) == 0);
+        if (avx2) {
+            qm__qmat mi = *m;
+            mi.w = wi;
+            mi.r8 = 1;
+            size_t ld = (qm__i8_x_stride(m) + 15) & ~(size_t)15;
+            float *x = rand_inputs(nx, k), *xq = calloc(ld * nx, sizeof(float));
+            float *ys = malloc(4 * (size_t)nx * n), *y = malloc(4 * (size_t)nx * n);
+            float *scratch = malloc(sizeof(float) * qm__kernel_scratch_floats(&mi));
+            ck_assert(x && xq && ys && y && scratch);
+            for (uint32_t r = 0; r < nx; r++)
+                qm__i8_prep(m, x + (size_t)r * k, xq + r * ld);
+            fast_run(qm__i8kernel_scalar.mm, m, xq, ld, nx, ys, scratch);
+            memset(y, 0xa5, 4 * (size_t)nx * n);
+#if defined(QMOE_X86_KERNELS)
+            fast_run(it & 1 ? avx2_gemm : avx2->mm, &mi, xq, ld, nx, y, scratch);
+#else
+            fast_run(avx2->mm, &mi, xq, ld, nx, y, scratch);
+#endif
+            for (size_t i = 0; i < (size_t)nx * n; i++)
+                ck_assert_msg(memcmp(&y[i], &ys[i], 4) == 0,
+                              "r8 k %u n %u nx %u dtype %d: output [%zu][%zu] %.9g, the "
+                              "specification %.9g",
+                              k, n, nx, (int)m->scale_dtype, i / n, i % n, y[i], ys[i]);
+            runs++;
+            free(x), free(xq), free(ys), free(y), free(scratch);
+        }
+        free(wi), free(back), free(tmp);
+        fmat_free(&f);
+    }
+    fprintf(stderr, "r8 layout: %d AVX2 runs on r8 matrices, all the specification's bits\n",
+            runs);
+}
+END_TEST
+
 #if defined(QMOE_X86_KERNELS)
 /* The vector packers and row parameters give the C ones' bytes: u8 panels
  * (4- and 8-bit), s16 panels, scales (f32/f16/bf16, zero points), short
@@ -1025,6 +1095,7 @@ static Suite *suite(void)
     tcase_add_test(tc, test_cache);
     tcase_add_test(tc, test_fast_kernels_same_bits_as_the_specification);
     tcase_add_test(tc, test_fast_decode_every_chunk_count);
+    tcase_add_test(tc, test_r8_layout_same_bits);
 #if defined(QMOE_X86_KERNELS)
     tcase_add_test(tc, test_fast_packers_match_c);
     tcase_add_test(tc, test_fast_prep_avx2_matches_c);
