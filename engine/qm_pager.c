@@ -15,6 +15,8 @@
 #include "qm_pager_prefetch.h"
 #include "qm_pager_source.h"
 #include "qm_pager_trace.h"
+#include "qm_r8.h"
+#include "qm_kernels.h"
 
 static void qm__layers_free(qm__layer *layers, uint32_t n)
 {
@@ -43,6 +45,53 @@ static int qm__layers_alloc(qm_pager *p, const qm_residency_plan *plan, qm_statu
         for (uint32_t e = 0; e < L->n_experts; e++)
             L->slot_of[e] = -1;
         qm__layer_pins(qm_plan_find_bank(plan, l), L->n_experts, L->pinned);
+    }
+    return 0;
+}
+
+/* Whether opt.interleave applies (qm_pager_options): a host-visible
+ * backend, a fast kernel that reads r8 itself, a 4-bit weight tensor the
+ * layout takes, and the bank's expert bytes within half the RAM. */
+static int qm__interleave_applies(const qm_pager *p)
+{
+    if (!p->opt.interleave || !qm_backend_host_visible(p->backend) ||
+        !qm__i8kernel_r8_native(qm__i8kernel_select(), 1))
+        return 0;
+    long pages = sysconf(_SC_PHYS_PAGES), page = sysconf(_SC_PAGESIZE);
+    if (pages <= 0 || page <= 0 ||
+        qm_bank_expert_bytes_total(p->bank) > (uint64_t)pages * (uint64_t)page / 2)
+        return 0;
+    static const int W[] = {QM_T_FC1_WEIGHT, QM_T_FC2_WEIGHT, QM_T_FC3_WEIGHT};
+    for (uint32_t l = 0; l < p->cfg->layers; l++)
+        for (int i = 0; i < 3; i++)
+            if (qm__r8_eligible(p->cfg, qm_bank_layer(p->bank, l), W[i]))
+                return 1;
+    return 0;
+}
+
+/* A whole layer just copied into the arena: its weight tensors the layout
+ * takes put in the r8 layout, expert by expert, in place; the mapping's
+ * pages of them let go (the copy is what the kernels read). */
+static int qm__interleave_layer(qm_pager *p, qm__layer *L, qm_status *st)
+{
+    static const int W[] = {QM_T_FC1_WEIGHT, QM_T_FC2_WEIGHT, QM_T_FC3_WEIGHT};
+    for (int i = 0; i < 3; i++) {
+        const qm_tensor_view *tv = &L->view->t[W[i]];
+        if (!qm__r8_eligible(p->cfg, L->view, W[i]))
+            continue;
+        uint32_t n = (uint32_t)tv->shape[1];
+        size_t rb = (size_t)tv->shape[2];
+        uint8_t *tmp = qm_malloc(8 * rb);
+        if (!tmp)
+            return qm_status_set(st, QM_ENOMEM, "out of memory interleaving a whole bank");
+        uint8_t *base = L->whole_base + L->tensor_off[W[i]];
+        for (uint32_t e = 0; e < L->n_experts; e++)
+            qm__r8_interleave(base + (uint64_t)e * L->slice[W[i]], n, rb, tmp);
+        qm_free(tmp);
+        L->r8 |= 1u << W[i];
+        p->stats.bytes_interleaved_at_create += tv->nbytes;
+        if (!p->disk)
+            qm_bank_release_pages(p->bank, tv->data, tv->nbytes);
     }
     return 0;
 }
@@ -85,6 +134,8 @@ static int qm__load_whole(qm_pager *p, uint64_t *arena_off, uint64_t align, qm_s
             p->stats.bytes_loaded_at_create += tv->nbytes;
             span = L->tensor_off[t] + tv->nbytes;
         }
+        if (p->opt.interleave && (rc = qm__interleave_layer(p, L, st)))
+            return rc;
         *arena_off += qm__align_up(span, align);
     }
     return 0;
@@ -209,6 +260,9 @@ int qm_pager_new(qm_backend *backend, const qm_bank *bank, const qm_residency_pl
     if (p->opt.history == 0)
         p->opt.history = 1;
     qm__pager_disk_open(p); /* before the layout: it may force whole banks into the arena */
+    p->opt.interleave = qm__interleave_applies(p);
+    if (p->opt.interleave)
+        p->opt.copy_whole_banks = 1; /* r8 copies in the arena (qm_r8.h) */
     p->n_layers = p->cfg->layers;
     p->layers = qm_calloc(p->n_layers, sizeof *p->layers);
     if (!p->layers) {

@@ -53,6 +53,15 @@ typedef struct qm_pager_options {
      * (default 0: host-visible backends read whole banks straight from the
      * mapping; their bytes still count against the budget). */
     int copy_whole_banks;
+    /* 1: a fast session's whole banks on a host-visible backend (the CPU)
+     * are copied into the arena with every 4-bit weight tensor the layout
+     * takes in the r8 layout (engine/qm_r8.h), the fast decode GEMV's,
+     * when this process's fast kernel reads it natively
+     * (qm__i8kernel_r8_native) and the bank's expert bytes fit in half the
+     * RAM; otherwise nothing changes. Outputs are the same bits either way
+     * (exact kernels and prefill GEMMs get row-major tiles back). The
+     * daemon sets it for fast sessions of their own (docs/PAGING.md). */
+    int interleave;
     /* Where units come from (qm_pager_disk.c). QM_PAGER_SOURCE_MMAP (0):
      * copied from the bank's mapping (the page cache). QM_PAGER_SOURCE_DIRECT:
      * read from the bank file with O_DIRECT straight into the slots (whole
@@ -139,6 +148,7 @@ typedef struct qm_pager_stats {
     uint64_t overhead_bytes;     /* arena_bytes minus what the budget counts (alignment padding) */
     uint64_t host_bytes;         /* host-side bookkeeping of the pager */
     uint64_t bytes_prefaulted_at_create; /* whole banks read in place, mapped in at creation */
+    uint64_t bytes_interleaved_at_create; /* whole-bank weight bytes laid out r8 (opt.interleave) */
 } qm_pager_stats;
 
 /* Creates the pager of a session. `backend`, `bank`, `plan` and `policy` are

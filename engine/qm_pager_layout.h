@@ -37,6 +37,7 @@ typedef struct qm__layer {
     uint64_t tensor_off[QM_T_EXPERT_COUNT]; /* whole bank: offsets inside whole_base */
     /* State */
     uint8_t *whole_base; /* whole bank: device copy, or NULL: served from the mapping */
+    uint32_t r8;         /* whole copy: bit t set, weight tensor t in the r8 layout (qm_r8.h) */
     int32_t *slot_of;    /* paged: [n_experts], -1 when not resident */
     uint8_t *pinned;     /* paged: [n_experts] 1 pinned, 2 pin released by a resize */
     uint8_t *mark;       /* paged: [n_experts] scratch for prefetch */

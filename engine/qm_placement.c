@@ -212,6 +212,7 @@ void qm_multipager_stats(const qm_multipager *mp, qm_pager_stats *out)
         out->overhead_bytes += s.overhead_bytes;
         out->host_bytes += s.host_bytes;
         out->bytes_prefaulted_at_create += s.bytes_prefaulted_at_create;
+        out->bytes_interleaved_at_create += s.bytes_interleaved_at_create;
     }
     if (first)
         memset(out, 0, sizeof *out);

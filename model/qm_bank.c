@@ -376,6 +376,21 @@ uint64_t qm_bank_prefault(const qm_bank *bank, const void *p, uint64_t n)
     return 0;
 }
 
+void qm_bank_release_pages(const qm_bank *bank, const void *p, uint64_t n)
+{
+    if (!bank || !bank->mapped || !p || n == 0)
+        return;
+    uintptr_t lo = (uintptr_t)p, base = (uintptr_t)bank->base;
+    if (lo < base || lo - base > bank->size || n > bank->size - (lo - base))
+        return;
+    long page = sysconf(_SC_PAGESIZE);
+    uintptr_t mask = (uintptr_t)(page > 0 ? page : 4096) - 1;
+    /* Whole pages inside the range only: a neighbour's bytes stay mapped. */
+    uintptr_t from = (lo + mask) & ~mask, to = (lo + (uintptr_t)n) & ~mask;
+    if (to > from)
+        (void)madvise((void *)from, to - from, MADV_DONTNEED);
+}
+
 const void *qm_bank_mapping(const qm_bank *bank, uint64_t *bytes)
 {
     if (bytes)

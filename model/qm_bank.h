@@ -141,6 +141,10 @@ const void *qm_bank_mapping(const qm_bank *bank, uint64_t *bytes);
  * mapping, or a kernel that refuses both. Raises no signal: pages past the
  * end of a file truncated under the mapping make madvise fail, not SIGBUS. */
 uint64_t qm_bank_prefault(const qm_bank *bank, const void *p, uint64_t n);
+/* Lets go of this process's mapping of the pages of [p, p + n) of a file
+ * bank (madvise MADV_DONTNEED: they leave the RSS, stay in the page cache,
+ * and a later read maps them again), for a range copied elsewhere. */
+void qm_bank_release_pages(const qm_bank *bank, const void *p, uint64_t n);
 /* For a bank opened from a file: fstat()s the file (kept open) and fails
  * with QM_EINVALID_MODEL "bank file <path> was truncated on disk (N < M
  * bytes)" when it is now shorter than the mapping, whose pages past the new

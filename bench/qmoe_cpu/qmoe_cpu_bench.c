@@ -3,7 +3,7 @@
  *
  *   qmoe_cpu_bench --bank F --tokens T [--threads 2] [--iters 20] [--warmup 3]
  *                  [--seed S] [--stream-mib 2048] [--precision exact|fast]
- *                  [--fma-peak] [--i8-peak]
+ *                  [--fma-peak] [--i8-peak] [--r8 1]
  *
  * Each call gets fresh random hidden states and router logits (from --seed,
  * drawn outside the timed region) and the calls cycle through the bank's
@@ -16,6 +16,7 @@
 #include <string.h>
 #include <time.h>
 
+#include "../bench_pager.h"
 #include "../bench_util.h"
 #include "qm_backend.h"
 #include "qm_bank.h"
@@ -311,7 +312,7 @@ int main(int argc, char **argv)
     unsigned tokens = 1, threads = 2, iters = 20, warmup = 3;
     size_t stream_mib = 0;
     uint64_t seed = 1;
-    int fast = 0, fma_peak = 0, i8_peak = 0;
+    int fast = 0, fma_peak = 0, i8_peak = 0, r8 = 0;
     for (int i = 1; i < argc; i += 2) {
         const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
         if (!strcmp(a, "--fma-peak") || !strcmp(a, "--i8-peak")) {
@@ -337,6 +338,8 @@ int main(int argc, char **argv)
             seed = strtoull(v, NULL, 10);
         else if (!strcmp(a, "--precision") && (!strcmp(v, "exact") || !strcmp(v, "fast")))
             fast = !strcmp(v, "fast");
+        else if (!strcmp(a, "--r8"))
+            r8 = atoi(v);
         else if (!strcmp(a, "--stream-mib"))
             stream_mib = (size_t)atol(v);
         else {
@@ -381,6 +384,22 @@ int main(int argc, char **argv)
     qm_backend_info(be, &info);
     qm_expert_source src;
     qm_expert_source_direct(bank, &src);
+    /* --r8 1: the calls go through a whole-bank pager that lays the bank out
+     * as a fast session of the daemon does (opt.interleave, qm_r8.h). */
+    qm_policy pol = {0};
+    qm_residency_plan *plan = NULL;
+    qm_pager *pg = NULL;
+    if (r8) {
+        qm_pager_options o = {.interleave = 1};
+        if (bench_pager_new(be, bank, "whole_bank", 0, &o, &pol, &plan, &pg, &st) < 0) {
+            fprintf(stderr, "qmoe_cpu_bench: pager: %s\n", st.msg);
+            return 1;
+        }
+        qm_pager_stats ps;
+        qm_pager_stats_get(pg, &ps);
+        fprintf(stderr, "qmoe_cpu_bench: %llu bytes of weights in the r8 layout\n",
+                (unsigned long long)ps.bytes_interleaved_at_create);
+    }
     size_t TH = (size_t)tokens * cfg->hidden, TE = (size_t)tokens * cfg->experts;
     float *x = malloc(TH * 4), *lg = malloc(TE * 4), *out = malloc(TH * 4);
     uint32_t *re = malloc((size_t)tokens * cfg->k * 4);
@@ -398,7 +417,8 @@ int main(int argc, char **argv)
                             .route_experts = re,
                             .precision = fast ? QM_PRECISION_FAST : QM_PRECISION_EXACT};
         double t0 = now_s(), c0 = process_cpu_s();
-        if (qm_moe_forward(be, bank, &call, &src, NULL, &st) < 0) {
+        if ((pg ? qm_pager_forward(pg, &call, NULL, &st)
+                : qm_moe_forward(be, bank, &call, &src, NULL, &st)) < 0) {
             fprintf(stderr, "qmoe_cpu_bench: forward: %s\n", st.msg);
             return 1;
         }
@@ -436,6 +456,9 @@ int main(int argc, char **argv)
     free(re);
     free(ms);
     free(cpu);
+    qm_pager_free(pg);
+    qm_plan_free(plan);
+    qm_policy_destroy(&pol);
     qm_backend_free(be);
     qm_bank_close(bank);
     return 0;

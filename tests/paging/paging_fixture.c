@@ -63,10 +63,16 @@ void pf_bank_open(const pf_spec *sp, pf_bank *out)
     ck_assert_uint_le(sp->layers * 7, 64);
     for (uint32_t l = 0; l < sp->layers; l++) {
         add(t, &n, &off, l, "fc1.weight", 0, E, I, H / pack, 3);
-        add(t, &n, &off, l, "fc1.scales", 1, E, I, 0, 2);
+        if (sp->block)
+            add(t, &n, &off, l, "fc1.scales", 1, E, I, H / sp->block, 3);
+        else
+            add(t, &n, &off, l, "fc1.scales", 1, E, I, 0, 2);
         add(t, &n, &off, l, "fc1.bias", 1, E, I, 0, 2);
         add(t, &n, &off, l, "fc2.weight", 0, E, H, I / pack, 3);
-        add(t, &n, &off, l, "fc2.scales", 1, E, H, 0, 2);
+        if (sp->block)
+            add(t, &n, &off, l, "fc2.scales", 1, E, H, I / sp->block, 3);
+        else
+            add(t, &n, &off, l, "fc2.scales", 1, E, H, 0, 2);
         add(t, &n, &off, l, "fc2.bias", 1, E, H, 0, 2);
         if (sp->router) {
             add(t, &n, &off, l, "router.weight", 1, E, H, 0, 2);
@@ -79,8 +85,8 @@ void pf_bank_open(const pf_spec *sp, pf_bank *out)
                      "{\"__metadata__\":{\"qmoe.format\":\"1\",\"qmoe.layers\":\"%u\","
                      "\"qmoe.experts\":\"%u\",\"qmoe.hidden_size\":\"%u\",\"qmoe.inter_size\":"
                      "\"%u\",\"qmoe.k\":\"%u\",\"qmoe.activation\":\"silu\",\"qmoe.bits\":\"%u\","
-                     "\"qmoe.block_size\":\"0\"}",
-                     sp->layers, E, H, I, sp->k, sp->bits);
+                     "\"qmoe.block_size\":\"%u\"}",
+                     sp->layers, E, H, I, sp->k, sp->bits, sp->block);
     for (size_t i = 0; i < n; i++) {
         w += snprintf(hdr + w, 16384 - (size_t)w, ",\"%s\":{\"dtype\":\"%s\",\"shape\":[%llu",
                       t[i].name, t[i].dtype, (unsigned long long)t[i].shape[0]);

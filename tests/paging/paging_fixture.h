@@ -13,6 +13,7 @@
 typedef struct pf_spec {
     uint32_t layers, experts, hidden, inter, k, bits;
     int router; /* layers carry router.weight/bias */
+    uint32_t block; /* 0: row-wise scales ([E, N]); else scales per `block` columns ([E, N, K / block]) */
     uint64_t seed;
 } pf_spec;
 

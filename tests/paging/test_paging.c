@@ -7,6 +7,7 @@
 #include <string.h>
 
 #include "paging_helpers.h"
+#include "qm_kernels.h"
 #include "qm_test_policies.h"
 #include "sim.h"
 
@@ -280,6 +281,91 @@ START_TEST(test_cyclic_pattern_sends_lru_to_zero_and_the_guarded_policies_near_b
 }
 END_TEST
 
+/* Fast sessions' whole banks in the r8 layout (opt.interleave, engine/qm_r8.h):
+ * the same bits as the bank read in place, fast and exact, at every row
+ * count (the AVX2 decode GEMV reads r8 itself; prefill GEMMs and exact
+ * kernels get rows back), on one and two threads; a paged session has no
+ * whole bank to lay out. */
+START_TEST(test_interleaved_whole_banks_same_bits)
+{
+    pf_spec sp = pf_default_spec();
+    sp.hidden = 128;
+    sp.inter = 64;
+    sp.block = 32;
+    pg_fixture_reopen(&sp);
+    const pf_bank *b = &fixture.bank;
+    const qm_bank_config *cfg = qm_bank_get_config(b->bank);
+    qm_backend *two = NULL;
+    ck_assert_int_eq(qm_backend_cpu_new(2, &two, &fixture.st), 0);
+    int native = qm__i8kernel_r8_native(qm__i8kernel_select(), 1);
+    if (!native)
+        fprintf(stderr, "test_interleaved_whole_banks_same_bits: this CPU's fast kernel does not "
+                        "read r8 (no AVX2): the pager must leave banks in place, checked\n");
+    static const uint32_t TS[] = {1, 2, 3, 4, 5, 9, 17};
+    uint64_t rs = 99;
+    for (int threads = 1; threads <= 2; threads++) {
+        qm_backend *be = threads == 1 ? fixture.cpu : two;
+        qm_policy pol = {0};
+        new_policy("whole_bank", b, NULL, &pol);
+        qm_residency_plan *plan = make_plan(b, &pol, 0, 0);
+        qm_pager_options o = {.interleave = 1};
+        qm_pager *pg = NULL;
+        ck_assert_msg(qm_pager_new(be, b->bank, plan, &pol, &o, &pg, &fixture.st) == 0, "%s",
+                      fixture.st.msg);
+        qm_pager_stats ps;
+        qm_pager_stats_get(pg, &ps);
+        uint64_t weights = 0;
+        for (uint32_t l = 0; l < cfg->layers; l++)
+            weights += qm_bank_layer(b->bank, l)->t[QM_T_FC1_WEIGHT].nbytes +
+                       qm_bank_layer(b->bank, l)->t[QM_T_FC2_WEIGHT].nbytes;
+        ck_assert_uint_eq(ps.bytes_interleaved_at_create, native ? weights : 0);
+        for (size_t ti = 0; ti < sizeof TS / sizeof TS[0]; ti++)
+            for (int prec = 0; prec < 2; prec++) {
+                uint32_t T = TS[ti], l = (uint32_t)(ti % cfg->layers);
+                float *x = malloc(sizeof(float) * T * sp.hidden);
+                float *lg = malloc(sizeof(float) * T * sp.experts);
+                float *ref = malloc(sizeof(float) * T * sp.hidden);
+                float *out = malloc(sizeof(float) * T * sp.hidden);
+                for (size_t i = 0; i < (size_t)T * sp.hidden; i++)
+                    x[i] = pf_uniform(&rs, -1.0f, 1.0f);
+                for (size_t i = 0; i < (size_t)T * sp.experts; i++)
+                    lg[i] = pf_uniform(&rs, -2.0f, 2.0f);
+                qm_moe_call c = {.layer = l, .dtype = QM_DTYPE_F32, .hidden = x, .n_tokens = T,
+                                 .logits = lg, .output = ref,
+                                 .precision = prec ? QM_PRECISION_FAST : QM_PRECISION_EXACT};
+                qm_expert_source src;
+                qm_expert_source_direct(b->bank, &src);
+                ck_assert_int_eq(qm_moe_forward(be, b->bank, &c, &src, NULL, &fixture.st), 0);
+                c.output = out;
+                qm_moe_stats ms = {0};
+                ck_assert_msg(qm_pager_forward(pg, &c, &ms, &fixture.st) == 0, "%s",
+                              fixture.st.msg);
+                ck_assert_msg(memcmp(out, ref, sizeof(float) * T * sp.hidden) == 0,
+                              "%s T %u threads %d: the r8 bank's output differs", prec ? "fast" : "exact",
+                              T, threads);
+                free(x), free(lg), free(ref), free(out);
+            }
+        qm_pager_free(pg);
+        qm_plan_free(plan);
+        qm_policy_destroy(&pol);
+    }
+    /* Paged: no whole bank, nothing laid out. */
+    qm_policy pol = {0};
+    new_policy("lru", b, NULL, &pol);
+    qm_residency_plan *plan = make_plan(b, &pol, 1, 2 * unit_bytes(b));
+    qm_pager_options o = {.interleave = 1};
+    qm_pager *pg = NULL;
+    ck_assert_int_eq(qm_pager_new(fixture.cpu, b->bank, plan, &pol, &o, &pg, &fixture.st), 0);
+    qm_pager_stats ps;
+    qm_pager_stats_get(pg, &ps);
+    ck_assert_uint_eq(ps.bytes_interleaved_at_create, 0);
+    qm_pager_free(pg);
+    qm_plan_free(plan);
+    qm_policy_destroy(&pol);
+    qm_backend_free(two);
+}
+END_TEST
+
 static Suite *paging_suite(void)
 {
     Suite *s = suite_create("paging");
@@ -291,6 +377,7 @@ static Suite *paging_suite(void)
     tcase_add_test(tc, test_lru_counters_match_hand_computed_sequence);
     tcase_add_test(tc, test_counters_match_policy_sim_model_for_every_policy_and_capacity);
     tcase_add_test(tc, test_cyclic_pattern_sends_lru_to_zero_and_the_guarded_policies_near_belady);
+    tcase_add_test(tc, test_interleaved_whole_banks_same_bits);
     suite_add_tcase(s, tc);
     return s;
 }
