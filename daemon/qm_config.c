@@ -26,6 +26,7 @@ void qm_config_defaults(qm_config *cfg)
         if (qm_backend_kind_caps(i) & QM_BACKEND_CAP_HOST)
             snprintf(cfg->backend, sizeof cfg->backend, "%s", qm_backend_kind_name(i));
     snprintf(cfg->paging_source, sizeof cfg->paging_source, "auto");
+    cfg->cpu_repack = 1;
     cfg->workers = 2;
     cfg->log_level = QM_LOG_INFO;
     cfg->max_request_bytes = QM_DEFAULT_MAX_REQUEST_BYTES;
@@ -269,6 +270,7 @@ static const key_def keys[] = {
     {"socket", K_STR, OFF(socket_path), 0, 0, 0},
     {"backend", K_BACKEND, 0, 0, 0, 0},
     {"paging_source", K_SOURCE, 0, 0, 0, 0},
+    {"cpu_repack", K_BOOL, OFF(cpu_repack), 0, 0, 0},
     {"device", K_DEVICES, 0, 0, 0, 0},
     {"device_budget", K_BUDGETS, 0, 0, 0, 0},
     {"emu_copy_mbps", K_U32, OFF(emu_copy_mbps), 0, 0, 1u << 30},
@@ -501,7 +503,8 @@ static void usage(FILE *out)
             "  --set KEY=VALUE       any config key (e.g. --set max_batch=16)\n"
             "  --version, --help\n"
             "Config keys: socket backend device device_budget emu_copy_mbps\n"
-            "  paging_source (auto|mmap|direct) state_dir threads workers admin_group\n"
+            "  paging_source (auto|mmap|direct) cpu_repack (true|false) state_dir threads\n"
+            "  workers admin_group\n"
             "  user allow_root model_dirs (a list; --set model_dirs=DIR:DIR)\n"
             "  log_level max_request_bytes max_nesting max_batch max_connections max_sessions\n"
             "  max_output_bytes queue_depth idle_timeout_s frame_timeout_s frames_per_wakeup\n"

@@ -51,6 +51,7 @@ typedef struct qm_config {
     char *admin_group;
     char *user;     /* drop to this user after binding (when started as root) */
     int allow_root; /* keep running as root without a warning */
+    int cpu_repack; /* fast sessions' whole banks in the CPU decode GEMV's r8 layout (default 1) */
     char *model_dirs; /* model.load only below these (':'-separated); NULL: anywhere */
     int log_level;
     /* limits */

@@ -466,6 +466,12 @@ int qm_session_prepare(qm_registry *r, const qm_params *p, uid_t owner, qm_sessi
         (strcmp(src, "auto") == 0 && qm_devices_host_visible(r->devices) &&
          qm_plan_per_expert_count(s->plan) > 0))
         s->pager_options.source = QM_PAGER_SOURCE_DIRECT;
+    /* A fast session of its own on the CPU: its whole banks in the decode
+     * GEMV's r8 layout (a copy in its arena; the pager decides whether this
+     * process's kernels read it: docs/PAGING.md). A shared pool stays in
+     * the bank's layout: its members may be exact. */
+    s->pager_options.interleave = r->cfg->cpu_repack && s->precision_fast && !s->share &&
+                                  qm_devices_host_visible(r->devices);
     /* Reserved now, so creations in flight cannot overcommit the device
      * budget while their pagers are built off the loop thread. */
     s->refs = 1;
@@ -560,9 +566,10 @@ void qm_session_commit(qm_registry *r, qm_session *s)
     r->sessions = s;
     qm_log(QM_LOG_INFO,
            "session %s created: model %s, policy %s, budget %llu, uid %u, %llu bytes of whole "
-           "banks mapped in",
+           "banks mapped in, %llu laid out for the fast CPU decode (r8)",
            s->id, s->model->name, s->policy_name, (unsigned long long)s->budget_bytes,
-           (unsigned)s->owner_uid, (unsigned long long)s->last_stats.bytes_prefaulted_at_create);
+           (unsigned)s->owner_uid, (unsigned long long)s->last_stats.bytes_prefaulted_at_create,
+           (unsigned long long)s->last_stats.bytes_interleaved_at_create);
 }
 
 /* What the session holds on each device at `budget`: its share
