@@ -70,8 +70,7 @@ static int qm__interleave_applies(const qm_pager *p)
 }
 
 /* A whole layer just copied into the arena: its weight tensors the layout
- * takes put in the r8 layout, expert by expert, in place; the mapping's
- * pages of them let go (the copy is what the kernels read). */
+ * takes put in the r8 layout, expert by expert, in place. */
 static int qm__interleave_layer(qm_pager *p, qm__layer *L, qm_status *st)
 {
     static const int W[] = {QM_T_FC1_WEIGHT, QM_T_FC2_WEIGHT, QM_T_FC3_WEIGHT};
@@ -90,8 +89,6 @@ static int qm__interleave_layer(qm_pager *p, qm__layer *L, qm_status *st)
         qm_free(tmp);
         L->r8 |= 1u << W[i];
         p->stats.bytes_interleaved_at_create += tv->nbytes;
-        if (!p->disk)
-            qm_bank_release_pages(p->bank, tv->data, tv->nbytes);
     }
     return 0;
 }
@@ -133,6 +130,8 @@ static int qm__load_whole(qm_pager *p, uint64_t *arena_off, uint64_t align, qm_s
                 return rc;
             p->stats.bytes_loaded_at_create += tv->nbytes;
             span = L->tensor_off[t] + tv->nbytes;
+            if (!p->disk) /* the copy is what runs: the mapping's pages need not stay */
+                qm_bank_release_pages(p->bank, tv->data, tv->nbytes);
         }
         if (p->opt.interleave && (rc = qm__interleave_layer(p, L, st)))
             return rc;
