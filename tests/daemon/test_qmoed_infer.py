@@ -244,3 +244,38 @@ def test_queued_inferences_of_a_vanished_client_are_skipped(banks):
         assert r["output"]["shape"] == [1, hid]
     finally:
         assert dm.stop() == 0, dm.log_text()
+
+
+def test_fast_sessions_hold_whole_banks_in_the_cpu_decode_layout(banks):
+    """cpu_repack (default true): a fast session of its own holds its whole
+    banks with the 4-bit weights the r8 layout takes interleaved 8 rows at a
+    time, where this CPU's fast kernel reads that layout (AVX2 chosen for
+    decode), and the session's creation line says how many bytes; an exact
+    session never does, nor any session with cpu_repack false. Outputs at
+    1-9 rows are bitwise the same either way."""
+    import re
+    flags = open("/proc/cpuinfo").read() if os.path.exists("/proc/cpuinfo") else ""
+    avx2_only = " avx2" in flags and "avx512_vnni" not in flags and "avx_vnni" not in flags
+    inputs = [(i % 2, hidden(t, seed=300 + i)) for i, t in enumerate((1, 2, 3, 4, 5, 9))]
+    outs = {}
+    for repack in ("true", "false"):
+        dm = Daemon(models={"small": banks["small"]}, args=["--set", "cpu_repack=" + repack])
+        try:
+            c = dm.client()
+            fast = new_session(c, precision="fast")
+            outs[repack] = [from_tensor(c.call("session.infer", {
+                "session": fast, "layer": l, "hidden": tensor(x)})["output"]).tobytes()
+                for l, x in inputs]
+            exact = new_session(c)
+            laid = dict(re.findall(r"session (\w+) created: .*?, (\d+) laid out", dm.log_text()))
+            assert laid[exact] == "0", laid
+            if repack == "false":
+                assert laid[fast] == "0", laid
+            elif avx2_only:
+                assert int(laid[fast]) > 0, laid
+            else:
+                print("this CPU may measure a non-AVX2 decode kernel: %s bytes laid out"
+                      % laid[fast])
+        finally:
+            assert dm.stop() == 0, dm.log_text()
+    assert outs["true"] == outs["false"]
