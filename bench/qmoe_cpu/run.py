@@ -11,7 +11,8 @@ its default settings (its fastest paths: MLAS Q4 / QNBit GEMM) and with the
 exact-path settings (ORT_USE_MLAS_Q4_GEMM_MOE=0, ORT_QMOE_CPU_QNBIT_GEMM=0),
 each with intra_op_num_threads = 2 and fresh random inputs per call, calls
 cycling through the bank's layers. Our engine runs in both precisions
-(exact, fast). With --ggml (bench/qmoe_cpu/ggml/build.sh builds it),
+(exact, fast); fast through a whole-bank pager in the r8 layout, as the
+daemon runs a fast session on the CPU (qmoe_cpu_bench --r8 1). With --ggml (bench/qmoe_cpu/ggml/build.sh builds it),
 llama.cpp's ggml MUL_MAT_ID runs the same shapes with Q4_0 and Q8_0 weights
 in the same rounds, with fresh expert ids before each compute, and Q4_0
 again from ggml's CPU_REPACK buffer (what llama.cpp runs by default on
@@ -120,7 +121,7 @@ def time_ort(sessions, cfg, t, iters, warmup, rng):
 def time_ours(bench, bank, t, iters, warmup, threads, seed, precision="exact"):
     r = subprocess.run([bench, "--bank", bank, "--tokens", str(t), "--threads", str(threads),
                         "--iters", str(iters), "--warmup", str(warmup), "--seed", str(seed),
-                        "--precision", precision],
+                        "--precision", precision] + (["--r8", "1"] if precision == "fast" else []),
                        capture_output=True, text=True, check=True)
     return json.loads(r.stdout.strip().splitlines()[-1])
 
@@ -304,7 +305,7 @@ def main():
                 if args.tokens and str(t) not in args.tokens.split(","):
                     continue
                 heavy = t * c["k"] * c["H"] * c["I"] >= 4 * 128 * 4096 * 14336 / 8
-                iters = 3 if heavy else (20 if t == 1 else 8)
+                iters = 3 if heavy else (60 if t == 1 else 8)
                 warm = 1 if heavy else 3
                 if args.quick:
                     iters, warm = max(2, iters // 4), 1
