@@ -281,6 +281,23 @@ START_TEST(test_cyclic_pattern_sends_lru_to_zero_and_the_guarded_policies_near_b
 }
 END_TEST
 
+/* Bytes an lru pager at `budget` asked for the r8 layout lays out. */
+static uint64_t lru_interleaved_bytes(const pf_bank *b, uint64_t budget)
+{
+    qm_policy pol = {0};
+    new_policy("lru", b, NULL, &pol);
+    qm_residency_plan *plan = make_plan(b, &pol, 1, budget);
+    qm_pager_options o = {.interleave = 1};
+    qm_pager *pg = NULL;
+    ck_assert_int_eq(qm_pager_new(fixture.cpu, b->bank, plan, &pol, &o, &pg, &fixture.st), 0);
+    qm_pager_stats ps;
+    qm_pager_stats_get(pg, &ps);
+    qm_pager_free(pg);
+    qm_plan_free(plan);
+    qm_policy_destroy(&pol);
+    return ps.bytes_interleaved_at_create;
+}
+
 /* Fast sessions' whole banks in the r8 layout (opt.interleave, engine/qm_r8.h):
  * the same bits as the bank read in place, fast and exact, at every row
  * count (the AVX2 decode GEMV reads r8 itself; prefill GEMMs and exact
@@ -350,18 +367,7 @@ START_TEST(test_interleaved_whole_banks_same_bits)
         qm_policy_destroy(&pol);
     }
     /* Paged: no whole bank, nothing laid out. */
-    qm_policy pol = {0};
-    new_policy("lru", b, NULL, &pol);
-    qm_residency_plan *plan = make_plan(b, &pol, 1, 2 * unit_bytes(b));
-    qm_pager_options o = {.interleave = 1};
-    qm_pager *pg = NULL;
-    ck_assert_int_eq(qm_pager_new(fixture.cpu, b->bank, plan, &pol, &o, &pg, &fixture.st), 0);
-    qm_pager_stats ps;
-    qm_pager_stats_get(pg, &ps);
-    ck_assert_uint_eq(ps.bytes_interleaved_at_create, 0);
-    qm_pager_free(pg);
-    qm_plan_free(plan);
-    qm_policy_destroy(&pol);
+    ck_assert_uint_eq(lru_interleaved_bytes(b, 2 * unit_bytes(b)), 0);
     qm_backend_free(two);
 }
 END_TEST
