@@ -318,6 +318,7 @@ def rows(checkpoint_dir, shape_name, args):
                         runs[(policy, budget)].append(llama_bench(a, gguf, extra, daemon_pid=dm.proc.pid))
                     finally:
                         dm.stop()
+                        shutil.rmtree(dm.dir, ignore_errors=True)  # the harness's temp dir
             out.append(summarise(a, shape_name, quant, None, None, runs[None], sizes, bits))
             for policy, budget in CONFIGS:
                 out.append(summarise(a, shape_name, quant, policy, budget, runs[(policy, budget)], sizes, bits))
@@ -371,6 +372,7 @@ def cgroup_rows(a, shape, quant, gguf, bank, name, sizes, bits):
             r["oom_kills"] = g.oom_kills()
         finally:
             dm.stop()
+            shutil.rmtree(dm.dir, ignore_errors=True)
     finally:
         g.remove()
     row = summarise(a, shape, quant, "next_use", budget / exp, [r], sizes, bits)
