@@ -49,6 +49,14 @@ static int qm__layers_alloc(qm_pager *p, const qm_residency_plan *plan, qm_statu
     return 0;
 }
 
+/* Half of this machine's RAM (0 when unknown): the most a pager maps in or
+ * lays out at creation. */
+static uint64_t qm__half_ram(void)
+{
+    long pages = sysconf(_SC_PHYS_PAGES), page = sysconf(_SC_PAGESIZE);
+    return pages > 0 && page > 0 ? (uint64_t)pages * (uint64_t)page / 2 : 0;
+}
+
 /* Whether opt.interleave applies (qm_pager_options): a host-visible
  * backend, a fast kernel that reads r8 itself, a 4-bit weight tensor the
  * layout takes, and the bank's expert bytes within half the RAM. */
@@ -57,9 +65,7 @@ static int qm__interleave_applies(const qm_pager *p)
     if (!p->opt.interleave || !qm_backend_host_visible(p->backend) ||
         !qm__i8kernel_r8_native(qm__i8kernel_select(), 1))
         return 0;
-    long pages = sysconf(_SC_PHYS_PAGES), page = sysconf(_SC_PAGESIZE);
-    if (pages <= 0 || page <= 0 ||
-        qm_bank_expert_bytes_total(p->bank) > (uint64_t)pages * (uint64_t)page / 2)
+    if (qm_bank_expert_bytes_total(p->bank) > qm__half_ram())
         return 0;
     static const int W[] = {QM_T_FC1_WEIGHT, QM_T_FC2_WEIGHT, QM_T_FC3_WEIGHT};
     for (uint32_t l = 0; l < p->cfg->layers; l++)
@@ -98,8 +104,7 @@ static int qm__interleave_layer(qm_pager *p, qm__layer *L, qm_status *st)
 static int qm__load_whole(qm_pager *p, uint64_t *arena_off, uint64_t align, qm_status *st)
 {
     int copy_whole = qm__copies_whole(&p->opt, p->backend);
-    long pages = sysconf(_SC_PHYS_PAGES), page = sysconf(_SC_PAGESIZE);
-    uint64_t ram = pages > 0 && page > 0 ? (uint64_t)pages * (uint64_t)page : 0;
+    const uint64_t half_ram = qm__half_ram();
     for (uint32_t l = 0; l < p->n_layers; l++) {
         qm__layer *L = &p->layers[l];
         if (L->paged || L->absent)
@@ -113,7 +118,7 @@ static int qm__load_whole(qm_pager *p, uint64_t *arena_off, uint64_t align, qm_s
              * larger than that would only evict its own first pages). */
             for (int t = 0; t < QM_T_EXPERT_COUNT; t++) {
                 const qm_tensor_view *tv = &L->view->t[t];
-                if (tv->present && p->stats.bytes_prefaulted_at_create + tv->nbytes <= ram / 2)
+                if (tv->present && p->stats.bytes_prefaulted_at_create + tv->nbytes <= half_ram)
                     p->stats.bytes_prefaulted_at_create +=
                         qm_bank_prefault(p->bank, tv->data, tv->nbytes);
             }
