@@ -1,7 +1,7 @@
 /* qm_cuda.h - the CUDA backend's public header: its constructor, and what it
- * offers beyond the backend interface (engine/qm_backend.h).
+ * offers beyond the backend interface (engine/backend/qm_backend.h).
  *
- * The registry (engine/qm_backend_registry.c) opens it as kind "cuda"
+ * The registry (backends/qm_backend_registry.c) opens it as kind "cuda"
  * through its row, qm__backend_cuda_kind; this header is for the users
  * that want CUDA itself (tests, bench). Always available: in a build
  * without CUDA (QMOE_HAVE_CUDA off) the library qmoe_cuda is a stub whose

@@ -104,8 +104,8 @@ int qm__cuda_launch_activation(const qm__cuda_act *act, uint32_t n_rows, const f
                                const float *h3, float *a, void *stream);
 
 /* ---- routing, permutation and combine (qm_cuda_route.cu) ----
- * The semantics of the engine's host routing (engine/qm_routing.c:
- * qm_moe_route, qm_moe_router_logits; engine/qm_host_route.c: the grouping
+ * The semantics of the engine's host routing (engine/forward/qm_routing.c:
+ * qm_moe_route, qm_moe_router_logits; engine/forward/qm_host_route.c: the grouping
  * by expert and the combine), on the device. */
 
 #define QM__CUDA_DROPPED 0xffffffffu /* QM_ROUTE_DROPPED */

@@ -1,5 +1,5 @@
 /* qm_cuda_route.cu - routing, token permutation and combine of an MoE layer
- * on the device, with the semantics of engine/qm_moe.c (the CPU engine is
+ * on the device, with the semantics of engine/forward/qm_moe.c (the CPU engine is
  * the reference; ../shared/BANK_FORMAT.md):
  *
  *   router logits  warp per (token, expert): products and sums in double

@@ -8,7 +8,7 @@
 
 #include "qm_error.h"
 
-/* Devices one daemon serves at most (engine/qm_placement.h's limit). */
+/* Devices one daemon serves at most (engine/pager/qm_placement.h's limit). */
 #define QM_CONFIG_MAX_DEVICES 16
 /* The backend value that picks a kind by what opens (qm_devices_open). */
 #define QM_CONFIG_BACKEND_AUTO "auto"
@@ -22,7 +22,7 @@ typedef struct qm_config {
     char *config_path;
     qm_model_spec *models;
     size_t n_models;
-    /* A kind of the backend registry (engine/qm_backend.h), or "auto": the
+    /* A kind of the backend registry (engine/backend/qm_backend.h), or "auto": the
      * first device 0 of a kind auto tries that opens, else the host. */
     char backend[16];
     int backend_set;    /* given (flag or file): a device list must agree with it */

@@ -1,5 +1,5 @@
 /* qm_devices.h - the devices a daemon serves (qm_devices.c), opened from
- * the configuration through the backend registry (engine/qm_backend.h),
+ * the configuration through the backend registry (engine/backend/qm_backend.h),
  * which names every backend: nothing here does. One device is the common
  * case of several, so everything loops over the array.
  *

@@ -28,7 +28,7 @@ struct qm_session {
     int precision_fast;       /* session.create precision "fast" (fixed for the session) */
     qm_policy policy;
     qm_residency_plan *plan;
-    /* Its layers over the daemon's devices (engine/qm_placement.h; one
+    /* Its layers over the daemon's devices (engine/pager/qm_placement.h; one
      * device holds them all), and one pager per device that holds layers
      * (worker, while a job of this session runs). */
     qm_placement placement;
@@ -184,7 +184,7 @@ static int device_refusal(const qm_registry *r, uint32_t i, unsigned long long n
 }
 
 /* The session's layers placed by what each device has free beyond a
- * workspace (engine/qm_placement.h; a device that cannot hold a workspace
+ * workspace (engine/pager/qm_placement.h; a device that cannot hold a workspace
  * gets no layers unless none can; one device holds them all), and each
  * device that gets layers charged its share of the budget plus a workspace
  * (its pager's scratch). QM_ERESOURCE_EXHAUSTED naming the device when one

@@ -11,7 +11,7 @@
 
 #include "qm_protocol.h"
 
-typedef struct qm_pager_stats qm_pager_stats; /* engine/qm_pager.h */
+typedef struct qm_pager_stats qm_pager_stats; /* engine/pager/qm_pager.h */
 
 uint64_t qm_now_us(void); /* monotonic: every span, latency and timeout reads it */
 

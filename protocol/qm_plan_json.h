@@ -38,7 +38,7 @@ typedef struct qm_plan_json_state {
      * "expert_host_runs"} after "resident_bytes" (hybrid execution). */
     const char *on_miss;
     uint64_t expert_hits, expert_misses, expert_host_runs;
-    /* Several devices (engine/qm_placement.h): non-NULL adds "placement":
+    /* Several devices (engine/pager/qm_placement.h): non-NULL adds "placement":
      * {"rule", "devices": [{"name", "budget_bytes"}, ...]} after
      * "execution"; banks then carry "device" (their index in it). */
     const char *placement_rule;

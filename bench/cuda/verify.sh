@@ -163,17 +163,17 @@ direct_build() { # everything test_cuda and the bench need, without CMake
   rm -rf "$o" && mkdir -p "$o/obj"
   # shellcheck disable=SC2207 # pkg-config output is meant to split
   cf=(-O2 -g -std=c11 -D_GNU_SOURCE -DQMOE_VERSION=\"0.1.0\" -DQMOE_HAVE_CUDA -DQMOE_X86_KERNELS
-      -Icommon -Iresidency -Iprotocol -Imodel -Iengine -Icuda -Itests -Itests/engine
+      -Icommon -Iresidency -Iprotocol -Imodel -Iengine/backend -Iengine/kernels -Iengine/forward -Iengine/pager -Icuda -Itests -Itests/engine
       $(pkg-config --cflags libcjson check 2>/dev/null) -I"$(dirname "$(command -v nvcc)")/../include")
   local f flags
-  for f in common/*.c residency/*.c protocol/*.c model/*.c engine/*.c cuda/qm_cuda_backend.c \
+  for f in common/*.c residency/*.c protocol/*.c model/*.c engine/*/*.c backends/*.c cuda/qm_cuda_backend.c \
            cuda/qm_cuda_run.c cuda/qm_cuda_route.c cuda/qm_cuda_bench.c cuda/qm_cuda_bench_e2e.c \
            tests/cuda/test_cuda.c tests/cuda/test_cuda_route.c tests/cuda/cuda_fixture.c \
            tests/engine/engine_fixture.c; do
     flags=()
     case "$f" in
-      engine/qm_kernel_avx2.c) flags=(-mavx2 -mfma -mf16c -O3) ;;
-      engine/qm_kernel_avx512.c) flags=(-mavx2 -mfma -mf16c -mavx512f -mavx512bw -mavx512vl -O3) ;;
+      engine/kernels/qm_kernel_avx2.c) flags=(-mavx2 -mfma -mf16c -O3) ;;
+      engine/kernels/qm_kernel_avx512.c) flags=(-mavx2 -mfma -mf16c -mavx512f -mavx512bw -mavx512vl -O3) ;;
     esac
     gcc "${cf[@]}" "${flags[@]}" -c "$f" -o "$o/obj/$(echo "$f" | tr / _).o" || return 1
   done

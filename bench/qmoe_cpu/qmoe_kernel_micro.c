@@ -1,7 +1,7 @@
 /* qmoe_kernel_micro - every CPU kernel of this build on one matrix, one
  * thread, timed by thread CPU time (a shared machine's other processes cost
  * wall time, not this thread's CPU time): what the measured kernel choice
- * of engine/qm_kernel_select.c weighs, on a larger matrix (docs/BENCHMARKS.md).
+ * of engine/kernels/qm_kernel_select.c weighs, on a larger matrix (docs/BENCHMARKS.md).
  *
  *   qmoe_kernel_micro [--rows 512] [--cols 2880] [--bits 4|8] [--inputs 1] [--reps 30]
  *

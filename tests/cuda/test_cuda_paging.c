@@ -1,4 +1,4 @@
-/* test_cuda_paging.c - the paging authority (engine/qm_pager*) on the CUDA
+/* test_cuda_paging.c - the paging authority (engine/pager/qm_pager*) on the CUDA
  * backend: whole banks and expert units copied into a device arena through
  * copy_h2d and fences, outputs bitwise identical across policies, budgets and
  * prefetch on the same backend, within 1e-5 of the CPU backend, and the

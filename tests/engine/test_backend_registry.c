@@ -1,4 +1,4 @@
-/* test_backend_registry.c - the backend registry (engine/qm_backend_registry.c)
+/* test_backend_registry.c - the backend registry (backends/qm_backend_registry.c)
  * and what a backend declares: every row is usable, names are found
  * exactly, the host kind opens, numbered kinds open by index or say why
  * they cannot here, and a backend's routing is asked only for the calls its

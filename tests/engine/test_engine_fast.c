@@ -1,6 +1,6 @@
 /* test_engine_fast.c - fast mode (precision "fast": int8 activations,
  * integer dot products) on every fast kernel this CPU runs (and the models
- * of those it cannot, engine/qm_kernel_i8_model*.c), all with the scalar
+ * of those it cannot, engine/kernels/qm_kernel_i8_model*.c), all with the scalar
  * specification's bits, against the float64 reference with the bound
  * derived in docs/ARCHITECTURE.md:
  *

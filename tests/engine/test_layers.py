@@ -2,7 +2,7 @@
 
 Reads the built static library with nm: file a calls file b when a's object
 uses a symbol b's object defines. docs/ARCHITECTURE.md (engine/) and
-engine/qm_pager_impl.h state the layers checked here."""
+engine/pager/qm_pager_impl.h state the layers checked here."""
 import collections
 import os
 import re

@@ -1,4 +1,4 @@
-/* test_devices.c - a session over several devices (engine/qm_placement.c)
+/* test_devices.c - a session over several devices (engine/pager/qm_placement.c)
  * on two emulated non-host-visible devices (the fake device of
  * paging_fixture.c, one arena each): the placement rule and its budget
  * split, each device's budget held on every allocation, outputs bitwise

@@ -1,4 +1,4 @@
-/* test_hybrid.c - hybrid execution (engine/qm_hybrid.c, policy_params.on_miss):
+/* test_hybrid.c - hybrid execution (engine/pager/qm_hybrid.c, policy_params.on_miss):
  * outputs bitwise equal to the CPU backend's whole-bank reference whatever
  * runs where (fake non-host-visible device and CPU backend, policies x
  * budgets x prefetch), the counters (hits + paged + host = accesses), host

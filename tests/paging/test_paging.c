@@ -1,4 +1,4 @@
-/* test_paging.c - the paging authority (engine/qm_pager*): outputs bitwise equal to
+/* test_paging.c - the paging authority (engine/pager/qm_pager*): outputs bitwise equal to
  * whole_bank over policies x budgets x prefetch x copy paths, the budget on every
  * allocation, counters against a hand-computed sequence and the policy_sim model. */
 #include <check.h>
@@ -298,7 +298,7 @@ static uint64_t lru_interleaved_bytes(const pf_bank *b, uint64_t budget)
     return ps.bytes_interleaved_at_create;
 }
 
-/* Fast sessions' whole banks in the r8 layout (opt.interleave, engine/qm_r8.h):
+/* Fast sessions' whole banks in the r8 layout (opt.interleave, engine/kernels/qm_r8.h):
  * the same bits as the bank read in place, fast and exact, at every row
  * count (the AVX2 decode GEMV reads r8 itself; prefill GEMMs and exact
  * kernels get rows back), on one and two threads; a paged session has no

@@ -55,7 +55,7 @@ typedef struct qm_pager_options {
     int copy_whole_banks;
     /* 1: a fast session's whole banks on a host-visible backend (the CPU)
      * are copied into the arena with every 4-bit weight tensor the layout
-     * takes in the r8 layout (engine/qm_r8.h), the fast decode GEMV's,
+     * takes in the r8 layout (engine/kernels/qm_r8.h), the fast decode GEMV's,
      * when this process's fast kernel reads it natively
      * (qm__i8kernel_r8_native) and the bank's expert bytes fit in half the
      * RAM; otherwise nothing changes. Outputs are the same bits either way
