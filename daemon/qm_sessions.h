@@ -17,11 +17,11 @@
 #include "qm_pager.h"
 #include "qm_pool.h"
 #include "qm_protocol.h"
-#include "qm_reclaim.h"
 #include "qm_registry.h"
 #include "qm_residency.h"
 #include "qm_shm.h"
 #include "qm_telemetry.h"
+#include "qm_touches.h"
 
 /* session.create in three steps: prepare (loop: checks, policy, plan,
  * admission reserved; *out has the registry's reference), build (worker:
@@ -86,7 +86,7 @@ qm_job_queue *qm_session_queue(qm_session *s); /* its FIFO in the pool */
 size_t qm_session_queued(const qm_session *s); /* jobs queued and not yet handed back */
 qm_shm_set *qm_session_maps(qm_session *s);    /* session.map's maps */
 int qm_session_closed(const qm_session *s);    /* any thread */
-/* The open connections that used it and its orphan mark (qm_reclaim.h):
+/* The open connections that used it and its orphan mark (qm_touches.h):
  * dispatch records every request that names it, session.create its
  * creator. */
 qm_touches *qm_session_touches(qm_session *s);
