@@ -9,7 +9,6 @@
 #include "qm_alloc.h"
 #include "qm_log.h"
 #include "qm_models.h"
-#include "qm_sessions.h"
 
 static uint64_t timeout_us(const qm_reclaim *rc)
 {
@@ -30,7 +29,7 @@ size_t qm_reclaim_due(qm_reclaim *rc, uint64_t now_us)
     size_t closed = 0;
     if (!limit)
         return 0;
-    for (qm_session *s = qm_registry_first_session(rc->registry), *next; s; s = next) {
+    for (qm_session *s = rc->sessions->first, *next; s; s = next) {
         next = qm_session_next(s);
         if (!is_due(s, now_us, limit))
             continue;
@@ -42,7 +41,7 @@ size_t qm_reclaim_due(qm_reclaim *rc, uint64_t now_us)
                rc->cfg->session_orphan_timeout_s, qm_session_model(s)->name,
                (unsigned)qm_session_owner(s), (unsigned long long)qm_session_budget(s),
                qm_session_maps(s)->count);
-        qm_session_close(rc->registry, s);
+        qm_session_close(rc->sessions, s);
         rc->counters->sessions_reclaimed++;
         closed++;
     }
@@ -56,11 +55,11 @@ static void timer_cb(uv_timer_t *h)
     qm_reclaim_arm(rc);
 }
 
-void qm_reclaim_init(qm_reclaim *rc, uv_loop_t *loop, qm_registry *r, const qm_config *cfg,
-                     qm_counters *counters)
+void qm_reclaim_init(qm_reclaim *rc, uv_loop_t *loop, qm_sessions *sessions,
+                     const qm_config *cfg, qm_counters *counters)
 {
     memset(rc, 0, sizeof *rc);
-    rc->registry = r;
+    rc->sessions = sessions;
     rc->cfg = cfg;
     rc->counters = counters;
     uv_timer_init(loop, &rc->timer);
@@ -74,7 +73,7 @@ void qm_reclaim_arm(qm_reclaim *rc)
     if (uv_is_closing((uv_handle_t *)&rc->timer))
         return;
     uint64_t limit = timeout_us(rc), first = 0;
-    for (qm_session *s = limit ? qm_registry_first_session(rc->registry) : NULL; s;
+    for (qm_session *s = limit ? rc->sessions->first : NULL; s;
          s = qm_session_next(s)) {
         const qm_touches *t = qm_session_touches(s);
         if (!t->orphaned_us || t->n || t->lost)
@@ -110,7 +109,7 @@ void qm_reclaim_conn_closed(qm_reclaim *rc, uint64_t conn_id)
 {
     int marked = 0;
     uint64_t now = qm_now_us();
-    for (qm_session *s = qm_registry_first_session(rc->registry); s; s = qm_session_next(s))
+    for (qm_session *s = rc->sessions->first; s; s = qm_session_next(s))
         if (qm_touches_forget(qm_session_touches(s), conn_id))
             marked |= mark(rc, s, now);
     if (marked)

@@ -13,23 +13,23 @@
 #include <uv.h>
 
 #include "qm_config.h"
-#include "qm_registry.h"
+#include "qm_sessions.h"
 #include "qm_telemetry.h"
 #include "qm_touches.h"
 
 /* The reclaimer: a timer on the loop, armed for the earliest deadline of
- * the orphaned sessions. It borrows the registry, the configuration
+ * the orphaned sessions. It borrows the sessions, the configuration
  * (session_orphan_timeout_s, reloaded in place) and the daemon's counters
  * (sessions_reclaimed) for as long as it lives. */
 typedef struct qm_reclaim {
     uv_timer_t timer;
-    qm_registry *registry;
+    qm_sessions *sessions;
     const qm_config *cfg;
     qm_counters *counters;
 } qm_reclaim;
 
-void qm_reclaim_init(qm_reclaim *rc, uv_loop_t *loop, qm_registry *r, const qm_config *cfg,
-                     qm_counters *counters);
+void qm_reclaim_init(qm_reclaim *rc, uv_loop_t *loop, qm_sessions *sessions,
+                     const qm_config *cfg, qm_counters *counters);
 /* Connection conn_id closed: every session forgets it, and those it leaves
  * orphaned are marked. */
 void qm_reclaim_conn_closed(qm_reclaim *rc, uint64_t conn_id);
