@@ -248,6 +248,20 @@ static int share_check(const qm_sessions *ss, const qm_policy_params_wire *pw, q
     return 0;
 }
 
+/* The configuration's paging_source for a plan: auto reads a paged
+ * session's units from disk on a host-visible backend (the CPU), so its
+ * budget bounds the memory the bank takes instead of the page cache
+ * holding the file. */
+static int pager_source(const qm_sessions *ss, const qm_residency_plan *plan)
+{
+    int source = ss->cfg->paging_source;
+    if (source != QM_PAGER_SOURCE_AUTO)
+        return source;
+    return qm_devices_host_visible(ss->devices) && qm_plan_per_expert_count(plan) > 0
+               ? QM_PAGER_SOURCE_DIRECT
+               : QM_PAGER_SOURCE_MMAP;
+}
+
 /* The pool s joins: the one of its model, policy and knobs, or a new one
  * with a policy, plan and placement of its own made from the same
  * parameters (the first member's budget until members join it). */
@@ -285,11 +299,8 @@ static int share_find_or_make(qm_sessions *ss, qm_session *s, const qm_policy_pa
     if (rc == 0)
         rc = qm_placement_make(s->model->bank, 1, NULL, budget, &pl, st);
     qm_pager_options o = {.prefetch = prefetch, .on_miss = on_miss < 0 ? QM_ON_MISS_PAGE : on_miss};
-    const char *src = ss->cfg->paging_source;
-    if (rc == 0 && (strcmp(src, "direct") == 0 ||
-                    (strcmp(src, "auto") == 0 && qm_devices_host_visible(ss->devices) &&
-                     qm_plan_per_expert_count(plan) > 0)))
-        o.source = QM_PAGER_SOURCE_DIRECT;
+    if (rc == 0)
+        o.source = pager_source(ss, plan);
     if (rc == 0) {
         s->share = qm_share_new(&ss->shares, s->model->bank, key, &policy, &plan, &pl, &o);
         if (!s->share)
@@ -460,14 +471,7 @@ int qm_session_prepare(qm_sessions *ss, const qm_models *ms, const qm_params *p,
                                           .on_miss = qm_on_miss_parse(pw->on_miss)};
     if (s->pager_options.on_miss < 0)
         s->pager_options.on_miss = QM_ON_MISS_PAGE; /* absent */
-    /* paging_source: auto reads a paged session's units from disk on a
-     * host-visible backend (the CPU), so its budget bounds the memory the
-     * bank takes instead of the page cache holding the file. */
-    const char *src = ss->cfg->paging_source;
-    if (strcmp(src, "direct") == 0 ||
-        (strcmp(src, "auto") == 0 && qm_devices_host_visible(ss->devices) &&
-         qm_plan_per_expert_count(s->plan) > 0))
-        s->pager_options.source = QM_PAGER_SOURCE_DIRECT;
+    s->pager_options.source = pager_source(ss, s->plan);
     /* A fast session of its own on the CPU: its whole banks in the decode
      * GEMV's r8 layout (a copy in its arena; the pager decides whether this
      * process's kernels read it: docs/PAGING.md). A shared pool stays in
