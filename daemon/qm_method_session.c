@@ -87,10 +87,36 @@ static void write_resize_result(qm_jw *w, const void *arg)
 
 /* ---- session.create: prepared on the loop, built on a worker ---- */
 
+/* session.create's params as the sessions read them (qm_session_spec):
+ * names to the registries' values, defaults filled. */
+static void create_spec(const qm_params *p, qm_session_spec *out)
+{
+    const qm_policy_params_wire *pw = &p->policy_params;
+    *out = (qm_session_spec){
+        .model = p->model,
+        .policy = p->policy ? p->policy : qm_policy_default_name(),
+        .has_budget = p->has_budget,
+        .budget_bytes = p->budget_bytes,
+        .precision = p->precision_fast ? QM_PRECISION_FAST : QM_PRECISION_EXACT,
+        .prefetch = pw->has_prefetch ? pw->prefetch : 1,
+        .on_miss = pw->on_miss ? qm_on_miss_parse(pw->on_miss) : QM_ON_MISS_PAGE,
+        .share = pw->has_share_residency && pw->share_residency,
+        .has_min_split_bytes = pw->has_min_split_bytes,
+        .min_split_bytes = pw->has_min_split_bytes ? pw->min_split_bytes : 0,
+        .n_values = pw->n_values < QM_POLICY_VALUES_MAX ? pw->n_values : QM_POLICY_VALUES_MAX,
+        .hot = pw->hot,
+        .n_hot = pw->n_hot,
+        .record_trace = pw->record_trace};
+    for (size_t i = 0; i < out->n_values; i++)
+        out->values[i] = (qm_policy_value){pw->values[i].name, pw->values[i].value};
+}
+
 static int create_admit(qm_job *job, qm_status *st)
 {
     qm_session *s;
-    int rc = qm_session_prepare(job->mx->sessions, job->mx->models, &job->req.params, job->peer_uid, &s, st);
+    qm_session_spec spec;
+    create_spec(&job->req.params, &spec);
+    int rc = qm_session_prepare(job->mx->sessions, job->mx->models, &spec, job->peer_uid, &s, st);
     if (rc < 0)
         return rc;
     job->session = s;

@@ -38,7 +38,7 @@ typedef struct qm_sessions {
     qm_session *first; /* the next of each is qm_session_next(s) */
     size_t n;
     uint64_t next_map_id;    /* qm_sessions_new_map_id */
-    struct qm_share *shares; /* shared-residency pools (qm_share.h) */
+    struct qm_expert_pool *shares; /* shared-residency pools (qm_expert_pool.h) */
 } qm_sessions;
 
 /* Closes every session of model m, or every session when m is NULL
@@ -49,13 +49,36 @@ size_t qm_sessions_of_model(const qm_sessions *ss, const qm_model *m);
 /* A daemon-wide unique id for a session's shared-memory map (qm_shm.h). */
 uint64_t qm_sessions_new_map_id(qm_sessions *ss);
 
+/* session.create's parameters as the sessions read them: decoded once from
+ * the wire (qm_method_session.c), names resolved to the registries'
+ * values, defaults filled. Strings and hot lists are borrowed from the
+ * request, for as long as qm_session_prepare runs. */
+typedef struct qm_session_spec {
+    const char *model;
+    const char *policy; /* a name the residency registry offers */
+    /* budget: expert bytes; has_budget 0: the model's expert bytes */
+    int has_budget;
+    uint64_t budget_bytes;
+    qm_precision precision;
+    int prefetch;        /* policy_params.prefetch (default 1) */
+    int on_miss;         /* QM_ON_MISS_* (default page) */
+    int share;           /* policy_params.share_residency */
+    int has_min_split_bytes;
+    uint64_t min_split_bytes;
+    qm_policy_value values[QM_POLICY_VALUES_MAX]; /* the policy's knobs given, names static */
+    size_t n_values;
+    const qm_hot_layer *hot; /* policy_params.hot, NULL when absent */
+    size_t n_hot;
+    const char *record_trace; /* a file name in the state dir, NULL when absent */
+} qm_session_spec;
+
 /* session.create in three steps: prepare (loop: checks, policy, plan,
  * admission reserved; *out has the registry's reference), build (worker:
  * the pagers, which may copy whole banks and pins), then commit (loop:
  * registered) or abort (loop: reservation released, that reference
  * dropped). */
-int qm_session_prepare(qm_sessions *ss, const qm_models *ms, const qm_params *p, uid_t owner,
-                       qm_session **out, qm_status *st);
+int qm_session_prepare(qm_sessions *ss, const qm_models *ms, const qm_session_spec *spec,
+                       uid_t owner, qm_session **out, qm_status *st);
 int qm_session_build(const qm_sessions *ss, qm_session *s, qm_status *st);
 void qm_session_commit(qm_sessions *ss, qm_session *s);
 void qm_session_abort(qm_sessions *ss, qm_session *s);
