@@ -19,7 +19,6 @@
 #include "qm_fault.h"
 #include "qm_log.h"
 #include "qm_placement.h"
-#include "qm_plan_json.h"
 
 struct qm_session {
     char id[QM_SESSION_ID_LEN + 1];
@@ -708,6 +707,12 @@ uint64_t qm_session_budget(const qm_session *s) { return s->budget_bytes; }
 uint64_t qm_session_workspace(const qm_session *s) { return s->workspace_bytes; }
 int64_t qm_session_created_at(const qm_session *s) { return s->created_at; }
 const qm_residency_plan *qm_session_plan(const qm_session *s) { return s->recipe.plan; }
+const qm_placement *qm_session_placement(const qm_session *s) { return &s->recipe.placement; }
+const char *qm_session_device_name(const qm_session *s, uint32_t i) { return s->device_names[i]; }
+int qm_session_on_miss(const qm_session *s) { return s->recipe.options.on_miss; }
+int qm_session_built(const qm_session *s) { return s->member.joined; }
+void qm_session_hold(qm_session *s) { qm_expert_pool_lock(s->pool); }
+void qm_session_release(qm_session *s) { qm_expert_pool_unlock(s->pool); }
 const qm_span *qm_session_plan_span(const qm_session *s) { return &s->plan_span; }
 qm_counters *qm_session_counters(qm_session *s) { return &s->counters; }
 uint64_t qm_session_resident_bytes(const qm_session *s) { return s->counters.resident_bytes; }
@@ -726,95 +731,3 @@ qm_shm_set *qm_session_maps(qm_session *s) { return &s->maps; }
 int qm_session_closed(const qm_session *s) { return atomic_load(&((qm_session *)s)->closed); }
 
 qm_touches *qm_session_touches(qm_session *s) { return &s->touches; }
-
-/* Whole-bank banks get no resident_now: they are resident for the session's
- * life, which the plan's decision already says (docs/PROTOCOL.md). */
-int qm_session_plan_json(qm_session *s, char **json, size_t *len, qm_status *st)
-{
-    /* A sharing session reads the pool's residency (its own plan and
-     * counters otherwise), with the pool held still. */
-    const int has_pagers = s->member.joined;
-    qm_expert_pool_lock(s->pool);
-    size_t n = qm_plan_total(s->recipe.plan);
-    qm_plan_json_bank_state *banks = qm_calloc(n ? n : 1, sizeof *banks);
-    uint32_t **lists = qm_calloc(n ? n : 1, sizeof *lists);
-    int rc = 0;
-    if (!banks || !lists) {
-        rc = qm_status_set(st, QM_ENOMEM, "out of memory reading the residency");
-        goto free_lists;
-    }
-    qm_plan_json_state state = {.banks = banks, .n_banks = 0};
-    /* The placement is shown when the session spans several devices. */
-    const qm_placement *pl = &s->recipe.placement;
-    const int placed = pl->n_devices > 1;
-    for (size_t i = 0; i < n && has_pagers; i++) {
-        uint32_t layer = qm_plan_bank_at(s->recipe.plan, i)->bank_id; /* bank id = layer */
-        qm_pager *pager = qm_session_pager_of(s, layer);
-        qm_plan_json_bank_state *b = &banks[state.n_banks];
-        *b = (qm_plan_json_bank_state){.bank_id = layer};
-        if (placed && layer < pl->n_layers) {
-            b->has_device = 1; /* every bank names its device, whole or paged */
-            b->device = pl->device_of[layer];
-        }
-        int count = pager && qm_pager_layer_is_paged(pager, layer) == 1
-                        ? qm_pager_resident_experts(pager, layer, NULL, 0)
-                        : -1;
-        if (b->has_device || count >= 0)
-            state.n_banks++;
-        if (count < 0)
-            continue;
-        lists[i] = qm_malloc(((size_t)count + 1) * sizeof **lists);
-        if (!lists[i]) {
-            rc = qm_status_set(st, QM_ENOMEM, "out of memory reading the residency");
-            goto free_lists;
-        }
-        size_t cap = (size_t)count;
-        count = qm_pager_resident_experts(pager, layer, lists[i], cap);
-        b->has_resident_now = 1;
-        b->resident_now = lists[i];
-        b->n_resident_now = count < 0 ? 0 : (size_t)count < cap ? (size_t)count : cap;
-        /* Pins a resize released: after the resident list, in the same buffer. */
-        int nrel = qm_pager_pins_released(pager, layer, NULL, 0);
-        if (nrel > 0) {
-            uint32_t *grown = qm_realloc(lists[i], (b->n_resident_now + (size_t)nrel) *
-                                                        sizeof **lists);
-            if (!grown) {
-                rc = qm_status_set(st, QM_ENOMEM, "out of memory reading the residency");
-                goto free_lists;
-            }
-            lists[i] = grown;
-            b->resident_now = grown;
-            b->pins_released = grown + b->n_resident_now;
-            nrel = qm_pager_pins_released(pager, layer, grown + b->n_resident_now,
-                                          (size_t)nrel);
-            b->n_pins_released = nrel < 0 ? 0 : (size_t)nrel;
-        }
-    }
-    const char *names[QM_CONFIG_MAX_DEVICES];
-    if (placed) {
-        for (uint32_t i = 0; i < pl->n_devices && i < QM_CONFIG_MAX_DEVICES; i++)
-            names[i] = s->device_names[i];
-        state.placement_rule = QM_PLACEMENT_RULE;
-        state.device_names = names;
-        state.device_budgets = pl->budget;
-        state.n_devices = pl->n_devices;
-    }
-    if (has_pagers) {
-        qm_pager_stats ps;
-        qm_session_stats(s, &ps);
-        state.has_resident_bytes = 1;
-        state.resident_bytes = ps.resident_bytes;
-        state.on_miss = qm_on_miss_name(s->recipe.options.on_miss);
-        state.expert_hits = ps.hits + ps.whole_bank_accesses;
-        state.expert_misses = ps.misses;
-        state.expert_host_runs = ps.host_runs;
-    }
-    rc = qm_plan_to_json_ex(s->recipe.plan, &state, json, len, st);
-free_lists:
-    qm_expert_pool_unlock(s->pool);
-    for (size_t i = 0; lists && i < n; i++)
-        qm_free(lists[i]);
-    qm_free(lists);
-    qm_free(banks);
-    return rc;
-}

@@ -17,6 +17,7 @@
 #include "qm_devices.h"
 #include "qm_moe.h"
 #include "qm_pager.h"
+#include "qm_placement.h"
 #include "qm_pool.h"
 #include "qm_protocol.h"
 #include "qm_models.h"
@@ -102,15 +103,18 @@ void qm_session_resize_finish(qm_sessions *ss, qm_session *s, int ok, uint64_t b
 /* The session's pagers, one per device that holds layers (worker, while
  * the session's job runs): the forward call, the counters summed over its
  * devices, a budget change (the placement's shares and the plan's budget
- * follow), the pager
- * that serves `layer` (NULL when none), and the plan JSON with the
- * residency now (*json is the caller's). */
+ * follow), and the pager that serves `layer` (NULL when none). */
 int qm_session_forward(qm_session *s, const qm_moe_call *call, qm_moe_stats *mstats,
                        qm_status *st);
 void qm_session_stats(const qm_session *s, qm_pager_stats *out);
 int qm_session_resize(qm_session *s, uint64_t budget, qm_status *st);
 qm_pager *qm_session_pager_of(const qm_session *s, uint32_t layer);
-int qm_session_plan_json(qm_session *s, char **json, size_t *len, qm_status *st);
+/* Its residency read still (session.plan, worker): between hold and
+ * release nothing changes the pool it draws from (a shared pool's other
+ * members wait). built: its pagers exist (it joined its pool). */
+void qm_session_hold(qm_session *s);
+void qm_session_release(qm_session *s);
+int qm_session_built(const qm_session *s);
 
 /* What the rest of the daemon reads of a session (loop thread; the
  * strings live as long as the session). */
@@ -124,6 +128,10 @@ uint64_t qm_session_budget(const qm_session *s);      /* the budget in force */
 uint64_t qm_session_workspace(const qm_session *s);
 int64_t qm_session_created_at(const qm_session *s); /* unix seconds */
 const qm_residency_plan *qm_session_plan(const qm_session *s);
+/* Its layers over the daemon's devices and the name of device i there. */
+const qm_placement *qm_session_placement(const qm_session *s);
+const char *qm_session_device_name(const qm_session *s, uint32_t i);
+int qm_session_on_miss(const qm_session *s); /* QM_ON_MISS_* */
 const qm_span *qm_session_plan_span(const qm_session *s);
 qm_counters *qm_session_counters(qm_session *s);
 uint64_t qm_session_resident_bytes(const qm_session *s); /* as of the last job */
