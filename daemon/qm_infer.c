@@ -6,6 +6,7 @@
  * session, which its FIFO gives it alone while it runs. */
 #include "qm_methods.h"
 
+#include <pthread.h>
 #include <string.h>
 
 #include "qm_alloc.h"
@@ -35,6 +36,82 @@ static float *logits_f32(const qm_tensor *t)
             out[i] = qm_bf16_to_f32(h[i]);
     }
     return out;
+}
+
+/* ---- the answer's stats: one table, as the metrics are ---- */
+
+/* Where a stat comes from: the growth of a telemetry counter over the call
+ * (qm_counter_paging: the one definition of a hit, a miss, ...), or one of
+ * the job's times. */
+typedef enum stat_source {
+    FROM_COUNTER,
+    FROM_QUEUE,   /* queued until a worker took it */
+    FROM_COMPUTE, /* the forward pass */
+    FROM_DECODE,  /* its frame's decoding */
+    FROM_ENCODE,  /* its answer's encoding (output and routing) */
+    FROM_WALL     /* taken by a worker until its answer was encoded */
+} stat_source;
+
+/* session.infer's stats in the order the answer writes them (the wire's
+ * order, docs/PROTOCOL.md; clients read them by position); `traced`: also
+ * an arg of the call's trace span, after its layer and tokens. */
+static const struct infer_stat {
+    const char *name;
+    stat_source from;
+    const char *counter; /* FROM_COUNTER: the telemetry counter it grows with */
+    int traced;
+} infer_stats[] = {
+    {"hits", FROM_COUNTER, "expert_hits", 1},
+    {"misses", FROM_COUNTER, "expert_misses", 1},
+    {"host_runs", FROM_COUNTER, "expert_host_runs", 0},
+    {"bytes_paged", FROM_COUNTER, "bytes_paged_h2d", 0},
+    {"bytes_read_disk", FROM_COUNTER, "bytes_read_disk", 0},
+    {"stall_us", FROM_COUNTER, "stall_us", 0},
+    {"queue_us", FROM_QUEUE, NULL, 1},
+    {"compute_us", FROM_COMPUTE, NULL, 1},
+    {"decode_us", FROM_DECODE, NULL, 0},
+    {"encode_us", FROM_ENCODE, NULL, 0},
+    {"wall_us", FROM_WALL, NULL, 0},
+};
+#define N_INFER_STATS (sizeof infer_stats / sizeof infer_stats[0])
+
+/* Each stat's counter in the telemetry table, found once. */
+static size_t stat_counter[N_INFER_STATS];
+static pthread_once_t stat_counters_once = PTHREAD_ONCE_INIT;
+
+static void find_stat_counters(void)
+{
+    for (size_t i = 0; i < N_INFER_STATS; i++)
+        stat_counter[i] = infer_stats[i].counter ? qm_counter_index(infer_stats[i].counter) : 0;
+}
+
+/* One inference as its stats read it: the session's pager statistics
+ * before and after, its job, and the times only the worker knows. */
+typedef struct infer_reading {
+    const qm_pager_stats *was, *now;
+    const qm_job *job;
+    uint64_t encode_us, end_us;
+} infer_reading;
+
+static uint64_t stat_value(size_t i, const infer_reading *r)
+{
+    const qm_job *job = r->job;
+    switch (infer_stats[i].from) {
+    case FROM_COUNTER:
+        return qm_counter_paging(stat_counter[i], r->now) -
+               qm_counter_paging(stat_counter[i], r->was);
+    case FROM_QUEUE:
+        return job->start_us - job->enqueue_us;
+    case FROM_COMPUTE:
+        return job->mstats.compute_us;
+    case FROM_DECODE:
+        return job->decode_us;
+    case FROM_ENCODE:
+        return r->encode_us;
+    case FROM_WALL:
+        return r->end_us - job->start_us;
+    }
+    return 0;
 }
 
 /* The checks that need the model, before queueing. */
@@ -88,6 +165,53 @@ static int infer_admit(qm_job *job, qm_status *st)
     qm_params *p = &job->req.params;
     int rc = qm_shm_resolve(qm_session_maps(job->session), p, p->hidden.nbytes, &job->maps, st);
     return rc < 0 ? rc : check_infer(job->session, p, st);
+}
+
+/* The answer, encoded on the worker: the output (base64, or the mapped
+ * tensor it was written to), the routing when asked, and the stats. */
+static void write_answer(qm_job *job, const void *output, const uint32_t *rexp, const float *rw,
+                         uint32_t k, const qm_pager_stats *before)
+{
+    const qm_params *p = &job->req.params;
+    uint32_t T = (uint32_t)p->hidden.shape[0];
+    infer_reading r = {.was = before, .now = &job->pstats, .job = job, .end_us = qm_now_us()};
+    qm_jw w;
+    qm_jw_init(&w, &job->response);
+    qm_rpc_result_begin(&w, job->req.id);
+    qm_jw_obj_begin(&w);
+    uint64_t enc0 = qm_now_us();
+    qm_jw_key(&w, "output");
+    if (job->maps.output)
+        qm_jw_mapped_tensor(&w, p->hidden.dtype, 2, p->hidden.shape, p->output_map,
+                            p->output_offset);
+    else
+        qm_jw_tensor(&w, p->hidden.dtype, 2, p->hidden.shape, output);
+    if (p->return_routing) {
+        qm_jw_key(&w, "routing");
+        qm_jw_arr_begin(&w);
+        for (uint32_t t = 0; t < T; t++) {
+            qm_jw_arr_begin(&w);
+            for (uint32_t j = 0; j < k; j++) {
+                if (rexp[(size_t)t * k + j] == QM_ROUTE_DROPPED)
+                    continue;
+                qm_jw_arr_begin(&w);
+                qm_jw_u64(&w, rexp[(size_t)t * k + j]);
+                qm_jw_f32(&w, rw[(size_t)t * k + j]);
+                qm_jw_arr_end(&w);
+            }
+            qm_jw_arr_end(&w);
+        }
+        qm_jw_arr_end(&w);
+    }
+    r.encode_us = qm_now_us() - enc0;
+    pthread_once(&stat_counters_once, find_stat_counters);
+    qm_jw_key(&w, "stats");
+    qm_jw_obj_begin(&w);
+    for (size_t i = 0; i < N_INFER_STATS; i++)
+        qm_jw_member_u64(&w, infer_stats[i].name, stat_value(i, &r));
+    qm_jw_obj_end(&w);
+    qm_jw_obj_end(&w);
+    qm_rpc_result_end(&w);
 }
 
 static void infer_run(qm_job *job)
@@ -153,55 +277,7 @@ static void infer_run(qm_job *job)
         memcpy(job->maps.output, output, out_bytes);
     if (job->rc < 0 || !job->req.id)
         goto free_buffers;
-    uint64_t now = qm_now_us();
-    qm_jw w;
-    qm_jw_init(&w, &job->response);
-    qm_rpc_result_begin(&w, job->req.id);
-    qm_jw_obj_begin(&w);
-    uint64_t enc0 = qm_now_us();
-    qm_jw_key(&w, "output");
-    if (job->maps.output)
-        qm_jw_mapped_tensor(&w, p->hidden.dtype, 2, p->hidden.shape, p->output_map,
-                            p->output_offset);
-    else
-        qm_jw_tensor(&w, p->hidden.dtype, 2, p->hidden.shape, output);
-    if (p->return_routing) {
-        qm_jw_key(&w, "routing");
-        qm_jw_arr_begin(&w);
-        for (uint32_t t = 0; t < T; t++) {
-            qm_jw_arr_begin(&w);
-            for (uint32_t j = 0; j < k; j++) {
-                if (rexp[(size_t)t * k + j] == QM_ROUTE_DROPPED)
-                    continue;
-                qm_jw_arr_begin(&w);
-                qm_jw_u64(&w, rexp[(size_t)t * k + j]);
-                qm_jw_f32(&w, rw[(size_t)t * k + j]);
-                qm_jw_arr_end(&w);
-            }
-            qm_jw_arr_end(&w);
-        }
-        qm_jw_arr_end(&w);
-    }
-    uint64_t encode_us = qm_now_us() - enc0;
-    qm_jw_key(&w, "stats");
-    qm_jw_obj_begin(&w);
-    qm_jw_key(&w, "hits");
-    qm_jw_u64(&w, job->pstats.hits - before.hits + (job->pstats.whole_bank_accesses -
-                                                    before.whole_bank_accesses));
-    qm_jw_member_u64(&w, "misses", job->pstats.misses - before.misses);
-    qm_jw_member_u64(&w, "host_runs", job->pstats.host_runs - before.host_runs);
-    qm_jw_member_u64(&w, "bytes_paged", job->pstats.bytes_paged_h2d - before.bytes_paged_h2d);
-    qm_jw_member_u64(&w, "bytes_read_disk",
-                     job->pstats.disk_bytes_read - before.disk_bytes_read);
-    qm_jw_member_u64(&w, "stall_us", job->pstats.stall_us - before.stall_us);
-    qm_jw_member_u64(&w, "queue_us", job->start_us - job->enqueue_us);
-    qm_jw_member_u64(&w, "compute_us", job->mstats.compute_us);
-    qm_jw_member_u64(&w, "decode_us", job->decode_us);
-    qm_jw_member_u64(&w, "encode_us", encode_us);
-    qm_jw_member_u64(&w, "wall_us", now - job->start_us);
-    qm_jw_obj_end(&w);
-    qm_jw_obj_end(&w);
-    qm_rpc_result_end(&w);
+    write_answer(job, output, rexp, rw, k, &before);
     if (job->response.oom)
         job->rc = qm_status_set(&job->st, QM_ENOMEM, "out of memory encoding the output");
 free_buffers:
@@ -237,21 +313,28 @@ static void account_infer(qm_job *job, uint64_t answered_us)
         qm_hotness_record(m->hotness, job->req.params.layer, job->route_experts, job->n_routes);
     qm_hist_add(&sc->latency, latency);
     qm_hist_add(&dc->latency, latency);
-    /* The span's args, {"layer":..,"compute_us":..}, by hand: every inference
-     * writes one (six names + six 20-digit numbers fit the 192 bytes). */
-    const qm_pager_stats *now = &job->pstats;
-    uint64_t hits = (now->hits - was.hits) + (now->whole_bank_accesses - was.whole_bank_accesses);
-    static const char *const keys[] = {"{\"layer\":",   ",\"tokens\":",   ",\"hits\":",
-                                       ",\"misses\":", ",\"queue_us\":", ",\"compute_us\":"};
-    const uint64_t vals[] = {job->req.params.layer, job->tokens, hits, now->misses - was.misses,
-                             job->start_us - job->enqueue_us, job->mstats.compute_us};
+    /* The span's args, {"layer":..,"tokens":..} and the traced stats, by
+     * hand: every inference writes one (the six today take 185 bytes at
+     * most; a stat that would not fit is left out). */
+    infer_reading r = {.was = &was, .now = &job->pstats, .job = job};
     char args[192];
     size_t n = 0;
-    for (size_t i = 0; i < sizeof vals / sizeof vals[0]; i++) {
-        size_t kl = strlen(keys[i]);
-        memcpy(args + n, keys[i], kl);
-        n += kl;
-        n += qm_fmt_u64(args + n, vals[i], 0);
+    memcpy(args + n, "{\"layer\":", 9);
+    n += 9;
+    n += qm_fmt_u64(args + n, job->req.params.layer, 0);
+    memcpy(args + n, ",\"tokens\":", 10);
+    n += 10;
+    n += qm_fmt_u64(args + n, job->tokens, 0);
+    pthread_once(&stat_counters_once, find_stat_counters);
+    for (size_t i = 0; i < N_INFER_STATS; i++) {
+        size_t kl = strlen(infer_stats[i].name);
+        if (!infer_stats[i].traced || n + kl + 4 + QM_U64_DEC_MAX + 2 > sizeof args)
+            continue;
+        memcpy(args + n, ",\"", 2);
+        memcpy(args + n + 2, infer_stats[i].name, kl);
+        memcpy(args + n + 2 + kl, "\":", 2);
+        n += kl + 4;
+        n += qm_fmt_u64(args + n, stat_value(i, &r), 0);
     }
     memcpy(args + n, "}", 2);
     qm_trace_add(mx->trace, "session.infer", job->read_us, latency, qm_session_id(s), args,

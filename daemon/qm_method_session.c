@@ -234,9 +234,10 @@ static int plan_state(qm_session *s, qm_plan_json_state *state,
         state->has_resident_bytes = 1;
         state->resident_bytes = ps.resident_bytes;
         state->on_miss = qm_on_miss_name(qm_session_on_miss(s));
-        state->expert_hits = ps.hits + ps.whole_bank_accesses;
-        state->expert_misses = ps.misses;
-        state->expert_host_runs = ps.host_runs;
+        /* The telemetry table's definitions, as every count of them. */
+        state->expert_hits = qm_counter_paging(qm_counter_index("expert_hits"), &ps);
+        state->expert_misses = qm_counter_paging(qm_counter_index("expert_misses"), &ps);
+        state->expert_host_runs = qm_counter_paging(qm_counter_index("expert_host_runs"), &ps);
     }
     return 0;
 }
