@@ -13,9 +13,10 @@
  * whatever was filled stays in `out` for qm_request_free. */
 int qm__params_decode(qm_method m, const cJSON *params, qm_params *out, qm_status *st);
 
-/* 1 when s[0..n) is well-formed UTF-8 (no surrogates, no overlongs). */
+/* 1 when s[0..n) is well-formed UTF-8 (no surrogates, no overlongs);
+ * qm_frame.c. */
 int qm__utf8_valid(const char *s, size_t n);
-/* "a string", "an array", ... for messages. */
+/* "a string", "an array", ... for messages; qm_params.c. */
 const char *qm__json_type_name(const cJSON *v);
 
 #endif
