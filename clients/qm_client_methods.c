@@ -791,6 +791,18 @@ static const qm__field qm__counter_u64s[] = {
     QM__FIELD(qm_client_counters, prefetch_useful),
     QM__FIELD(qm_client_counters, resident_bytes),
     QM__FIELD(qm_client_counters, expert_host_runs),
+    QM__FIELD(qm_client_counters, predict_router_predicted),
+    QM__FIELD(qm_client_counters, predict_router_correct),
+    QM__FIELD(qm_client_counters, predict_router_actual),
+    QM__FIELD(qm_client_counters, predict_router_gated),
+    QM__FIELD(qm_client_counters, predict_history_predicted),
+    QM__FIELD(qm_client_counters, predict_history_correct),
+    QM__FIELD(qm_client_counters, predict_history_actual),
+    QM__FIELD(qm_client_counters, predict_history_gated),
+    QM__FIELD(qm_client_counters, predict_lookahead_predicted),
+    QM__FIELD(qm_client_counters, predict_lookahead_correct),
+    QM__FIELD(qm_client_counters, predict_lookahead_actual),
+    QM__FIELD(qm_client_counters, predict_lookahead_gated),
 };
 
 static void qm__counters_from(const qm_cval *o, qm_client_counters *k)

@@ -323,6 +323,17 @@ typedef struct qm_client_counters {
     uint64_t evictions, prefetch_issued, prefetch_useful, resident_bytes;
     uint64_t expert_host_runs; /* 0 from a daemon without hybrid execution */
     double p50_us, p99_us;
+    /* Prefetch prediction per source (router, history, lookahead): experts
+     * predicted, of them used by the call they were about, the experts those
+     * calls used, and calls the source was off (docs/PROTOCOL.md; 0 from a
+     * daemon without them). Precision = correct / predicted, recall =
+     * correct / actual. */
+    uint64_t predict_router_predicted, predict_router_correct, predict_router_actual;
+    uint64_t predict_router_gated;
+    uint64_t predict_history_predicted, predict_history_correct, predict_history_actual;
+    uint64_t predict_history_gated;
+    uint64_t predict_lookahead_predicted, predict_lookahead_correct, predict_lookahead_actual;
+    uint64_t predict_lookahead_gated;
 } qm_client_counters;
 
 typedef struct qm_client_session_counters {
