@@ -35,6 +35,14 @@ qm_session *qm_registry_first_session(const qm_registry *r) { return r->sessions
 uint64_t qm_registry_new_map_id(qm_registry *r) { return ++r->next_map_id; }
 const qm_devices *qm_registry_devices(const qm_registry *r) { return r->devices; }
 
+void qm_registry_on_session_close(qm_registry *r, void (*cb)(void *arg, qm_session *s), void *arg)
+{
+    if (!r)
+        return;
+    r->on_close = cb;
+    r->on_close_arg = arg;
+}
+
 static void model_save_hotness(qm_model *m)
 {
     if (!m->hotness || !m->hotness_path || qm_hotness_records(m->hotness) == m->hotness_saved)

@@ -35,5 +35,11 @@ qm_session *qm_registry_first_session(const qm_registry *r);
 uint64_t qm_registry_new_map_id(qm_registry *r);
 /* The devices sessions are admitted to, borrowed from the daemon. */
 const qm_devices *qm_registry_devices(const qm_registry *r);
+/* cb(arg, s) on the loop thread as each session closes, however it closes
+ * (session.close, model.unload with force, the orphan reclaim, the
+ * registry's end), after it left the registry and while it still lives:
+ * the daemon ends the session's call rings there (qm_ring.h). */
+void qm_registry_on_session_close(qm_registry *r, void (*cb)(void *arg, qm_session *s),
+                                  void *arg);
 
 #endif

@@ -18,6 +18,8 @@ struct qm_registry {
     size_t n_sessions;
     uint64_t next_map_id;
     struct qm_share *shares; /* shared-residency pools (qm_share.h) */
+    void (*on_close)(void *arg, qm_session *s); /* qm_registry_on_session_close */
+    void *on_close_arg;
 };
 
 /* Closes every session of model m (qm_model_unload with force). */

@@ -756,6 +756,7 @@ int qm__params_decode(qm_method m, const cJSON *params, qm_params *out, qm_statu
         return rc;
     case QM_METHOD_SESSION_CLOSE:
     case QM_METHOD_SESSION_PLAN:
+    case QM_METHOD_SESSION_RING:
         return session_members(params, by_session, 1, out, st);
     case QM_METHOD_SESSION_RESIZE:
         rc = session_members(params, resize, 1, out, st);
