@@ -63,8 +63,8 @@ static void notify_status(qm_daemon *d, const char *prefix)
 {
     char msg[256];
     snprintf(msg, sizeof msg, "%sSTATUS=%s: %zu models, %zu sessions, %zu connections", prefix,
-             d->draining ? "draining" : "serving", qm_registry_model_count(d->registry),
-             qm_registry_session_count(d->registry), qm_server_connections(d->server));
+             d->draining ? "draining" : "serving", qm_registry_models(d->registry)->n,
+             qm_registry_sessions(d->registry)->n, qm_server_connections(d->server));
     qm_notify(msg);
 }
 
@@ -171,7 +171,7 @@ static void tick_cb(uv_timer_t *t)
     /* Hotness profiles reach the state dir every 5 minutes (and at unload
      * and exit), so a crash loses little. */
     if (++d->ticks % 300 == 0)
-        qm_models_save_hotness(d->registry);
+        qm_models_save_hotness(qm_registry_models(d->registry));
 }
 
 static void watchdog_cb(uv_timer_t *t)
@@ -286,6 +286,8 @@ int qm_daemon_main(int argc, char **argv)
     }
     d->methods = (qm_method_ctx){.cfg = &d->cfg,
                                  .registry = d->registry,
+                                 .models = qm_registry_models(d->registry),
+                                 .sessions = qm_registry_sessions(d->registry),
                                  .devices = &d->devices,
                                  .server = d->server,
                                  .counters = &d->counters,
@@ -298,7 +300,7 @@ int qm_daemon_main(int argc, char **argv)
                                  .life = d};
     for (size_t i = 0; i < d->cfg.n_models; i++) {
         qm_status_clear(&st);
-        rc = qm_model_load(d->registry, d->cfg.models[i].name, d->cfg.models[i].path, NULL, &st);
+        rc = qm_model_load(qm_registry_models(d->registry), d->cfg.models[i].name, d->cfg.models[i].path, NULL, &st);
         if (rc < 0) {
             qm_log(QM_LOG_ERR, "cannot load model %s from %s: %s", d->cfg.models[i].name,
                    d->cfg.models[i].path, st.msg);
@@ -317,7 +319,7 @@ int qm_daemon_main(int argc, char **argv)
     uv_signal_start(&d->sig_int, signal_cb, SIGINT);
     uv_signal_start(&d->sig_hup, signal_cb, SIGHUP);
     uv_timer_init(d->loop, &d->tick);
-    qm_reclaim_init(&d->reclaim, d->loop, d->registry, &d->cfg, &d->counters);
+    qm_reclaim_init(&d->reclaim, d->loop, qm_registry_sessions(d->registry), &d->cfg, &d->counters);
     d->reclaim_started = 1;
     uv_timer_init(d->loop, &d->watchdog);
     uv_timer_init(d->loop, &d->drain_timer);
@@ -333,7 +335,8 @@ int qm_daemon_main(int argc, char **argv)
         goto out_listen;
     }
     d->methods.rings = d->rings;
-    qm_registry_on_session_close(d->registry, session_closed, d);
+    qm_registry_sessions(d->registry)->on_close = session_closed;
+    qm_registry_sessions(d->registry)->on_close_arg = d;
     qm_pool_hooks hooks = {.done = pool_done, .idle = maybe_finish, .arg = d};
     if (qm_pool_start(d->loop, d->cfg.workers, &hooks, &d->pool) < 0) {
         qm_log(QM_LOG_ERR, "cannot start %u workers", d->cfg.workers);
@@ -347,7 +350,7 @@ int qm_daemon_main(int argc, char **argv)
     }
     notify_status(d, "READY=1\n");
     qm_log(QM_LOG_NOTICE, "qmoed %s ready (%zu models)", QMOE_VERSION,
-           qm_registry_model_count(d->registry));
+           qm_registry_models(d->registry)->n);
 
     uv_run(d->loop, UV_RUN_DEFAULT);
     /* Handles left by a stop (close callbacks still pending) finish here. */
@@ -365,7 +368,8 @@ out_workers:
     qm_rings_stop(d->rings);
     qm_pool_stop(d->pool);
 out_models:
-    qm_registry_on_session_close(d->registry, NULL, NULL);
+    if (d->registry)
+        qm_registry_sessions(d->registry)->on_close = NULL;
     qm_rings_free(d->rings);
     qm_registry_free(d->registry);
     qm_devices_close(&d->devices);

@@ -199,7 +199,7 @@ static void handle_request(const qm_method_ctx *mx, qm_conn *c, qm_reply *r, siz
     const qm_peer *peer = qm_conn_peer(c);
     const char *sid = req->params.session;
     qm_session *s = e->session != QM_SESSION_UNUSED && sid
-                        ? qm_session_find(mx->registry, sid)
+                        ? qm_session_find(mx->sessions, sid)
                         : NULL;
     qm_route_session target = {0};
     if (s)

@@ -31,7 +31,9 @@
  * operations say). */
 struct qm_method_ctx {
     const qm_config *cfg; /* reloaded in place on SIGHUP */
-    qm_registry *registry;
+    qm_registry *registry; /* its two lists, also given apart: */
+    qm_models *models;
+    qm_sessions *sessions;
     const qm_devices *devices;
     qm_server *server;
     qm_pool *pool;

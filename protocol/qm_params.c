@@ -31,6 +31,19 @@ static int bad(qm_status *st, const char *field, const char *fmt, ...)
     return QM_EINVAL;
 }
 
+const char *qm__json_type_name(const cJSON *v)
+{
+    static const struct {
+        cJSON_bool (*is)(const cJSON *const item);
+        const char *name;
+    } kinds[] = {{cJSON_IsString, "a string"}, {cJSON_IsNumber, "a number"},
+                 {cJSON_IsBool, "a boolean"},  {cJSON_IsNull, "null"},
+                 {cJSON_IsArray, "an array"},  {cJSON_IsObject, "an object"}};
+    for (size_t i = 0; i < sizeof kinds / sizeof kinds[0]; i++)
+        if (kinds[i].is(v)) return kinds[i].name;
+    return "invalid";
+}
+
 /* "PATH must be WHAT, got TYPE" for a member of the wrong JSON type. */
 static int wrong_type(qm_status *st, const char *path, const char *what, const cJSON *v)
 {
