@@ -57,6 +57,7 @@ void qm_config_defaults(qm_config *cfg)
     cfg->trace_capacity = 4096;
     cfg->session_workspace_bytes = 16ull << 20;
     cfg->max_mapped_bytes = 1ull << 30;
+    cfg->max_rings = 64;
     cfg->session_orphan_timeout_s = 300;
 }
 
@@ -311,6 +312,7 @@ static const key_def keys[] = {
     {"trace_capacity", K_U32, OFF(trace_capacity), 0, 16, 1u << 24},
     {"session_workspace_bytes", K_U64, OFF(session_workspace_bytes), 0, 0, UINT64_MAX},
     {"max_mapped_bytes", K_U64, OFF(max_mapped_bytes), 1, 0, UINT64_MAX},
+    {"max_rings", K_U32, OFF(max_rings), 1, 0, 4096},
     {"session_orphan_timeout_s", K_U32, OFF(session_orphan_timeout_s), 1, 0, 1u << 30},
 };
 
@@ -529,7 +531,7 @@ static void usage(FILE *out)
             "  log_level max_request_bytes max_nesting max_batch max_connections max_sessions\n"
             "  max_output_bytes queue_depth idle_timeout_s frame_timeout_s frames_per_wakeup\n"
             "  drain_timeout_s"
-            " trace_capacity session_workspace_bytes max_mapped_bytes\n"
+            " trace_capacity session_workspace_bytes max_mapped_bytes max_rings\n"
             "  session_orphan_timeout_s, and \"models\": {NAME: PATH}.\n"
             "SIGHUP re-reads the reloadable keys (limits, log_level, admin_group).\n",
             source_names(sources, sizeof sources, "|", "|"));

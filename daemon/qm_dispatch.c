@@ -66,7 +66,8 @@ static void answer_with_handler(const qm_method_ctx *mx, const qm_peer *peer, qm
     qm_status st;
     qm_status_clear(&st);
     const qm_method_entry *e = qm_method_entry_get(req->method);
-    qm_call call = {.mx = mx, .peer = peer, .req = req, .w = &w, .fds = fds};
+    qm_call call = {
+        .mx = mx, .peer = peer, .conn = qm_reply_conn(r), .req = req, .w = &w, .fds = fds};
     qm_rpc_result_begin(&w, req->id);
     int rc = e && e->handler
                  ? e->handler(&call, &st)

@@ -401,8 +401,30 @@ static int session_list(qm_call *k, qm_status *st)
     return 0;
 }
 
-/* session.map: the descriptor that came with the request's first byte
- * (qm_conn_take_fds), checked and mapped; the map id is daemon-wide unique. */
+/* The one descriptor that came with the request's first byte
+ * (qm_conn_take_fds), taken from the call (the caller closes it). */
+static int take_one_fd(qm_call *k, int *fd, qm_status *st)
+{
+    const char *method = qm_method_name(k->req->method);
+    qm_fds none = QM_FDS_NONE, *f = k->fds ? k->fds : &none;
+    if (f->count == 0)
+        return qm_status_set_field(st, QM_EINVAL, "fd",
+                                   "no descriptor came with %s: send one sealed memfd as "
+                                   "SCM_RIGHTS on the sendmsg that carries the request line's "
+                                   "first byte",
+                                   method);
+    if (f->count > 1)
+        return qm_status_set_field(st, QM_EINVAL, "fd",
+                                   "%u descriptors came with %s; expected exactly one (all were "
+                                   "closed)",
+                                   f->count, method);
+    *fd = f->fd;
+    *f = QM_FDS_NONE;
+    return 0;
+}
+
+/* session.map: the descriptor, checked and mapped; the map id is
+ * daemon-wide unique. */
 static int session_map(qm_call *k, qm_status *st)
 {
     const qm_method_ctx *mx = k->mx;
@@ -410,21 +432,12 @@ static int session_map(qm_call *k, qm_status *st)
     qm_session *s = qm_session_find(mx->sessions, p->session);
     if (!s)
         return qm_status_set_field(st, QM_ENOT_FOUND, "session", "no session with that id");
-    qm_fds none = QM_FDS_NONE, *f = k->fds ? k->fds : &none;
-    if (f->count == 0)
-        return qm_status_set_field(st, QM_EINVAL, "fd",
-                                   "no descriptor came with session.map: send one sealed memfd "
-                                   "as SCM_RIGHTS on the sendmsg that carries the request "
-                                   "line's first byte");
-    if (f->count > 1)
-        return qm_status_set_field(st, QM_EINVAL, "fd",
-                                   "%u descriptors came with session.map; expected exactly one "
-                                   "(all were closed)",
-                                   f->count);
-    int fd = f->fd;
-    *f = QM_FDS_NONE;
+    int fd = -1;
+    int rc = take_one_fd(k, &fd, st);
+    if (rc < 0)
+        return rc;
     qm_shm_map *m;
-    int rc = qm_shm_map_fd(fd, p->bytes, &m, st);
+    rc = qm_shm_map_fd(fd, p->bytes, &m, st);
     if (rc < 0)
         return rc;
     m->id = qm_sessions_new_map_id(mx->sessions);
@@ -451,6 +464,28 @@ static int session_unmap(qm_call *k, qm_status *st)
     return rc < 0 ? rc : empty_result(k->w);
 }
 
+/* session.ring: the descriptor, a sealed memfd of at least QM_RING_BYTES,
+ * becomes the session's call ring on this connection (qm_ring.h). */
+static int session_ring(qm_call *k, qm_status *st)
+{
+    qm_session *s = qm_session_find(k->mx->sessions, k->req->params.session);
+    if (!s)
+        return qm_status_set_field(st, QM_ENOT_FOUND, "session", "no session with that id");
+    int fd = -1;
+    uint64_t id;
+    int rc = take_one_fd(k, &fd, st);
+    if (rc == 0)
+        rc = qm_ring_open(k->mx->rings, s, k->conn, fd, &id, st);
+    if (rc < 0)
+        return rc;
+    qm_jw_obj_begin(k->w);
+    qm_jw_member_u64(k->w, "ring", id);
+    qm_jw_member_u64(k->w, "bytes", QM_RING_BYTES);
+    qm_jw_member_u64(k->w, "version", QM_RING_VERSION);
+    qm_jw_obj_end(k->w);
+    return 0;
+}
+
 /* session.plan always takes the session's queue: its resident_now comes
  * from the pagers, which belong to the worker running the session's jobs,
  * and it is ordered with the session's inferences. session.resize is a job
@@ -471,3 +506,5 @@ QM__METHOD_ROW(SESSION_MAP, .handler = session_map, .role = QM_ROLE_USER,
                .session = QM_SESSION_REQUIRED, .queued = QM_QUEUE_BEHIND, .takes_fds = 1);
 QM__METHOD_ROW(SESSION_UNMAP, .handler = session_unmap, .role = QM_ROLE_USER,
                .session = QM_SESSION_REQUIRED, .queued = QM_QUEUE_BEHIND);
+QM__METHOD_ROW(SESSION_RING, .handler = session_ring, .role = QM_ROLE_USER,
+               .session = QM_SESSION_REQUIRED, .queued = QM_QUEUE_BEHIND, .takes_fds = 1);

@@ -45,7 +45,7 @@ struct qm_session {
     uint32_t resizes_pending; /* session.resize jobs queued and not yet done */
     int64_t created_at;       /* unix seconds */
     qm_touches touches;       /* the open connections that used it, its orphan mark */
-    int refs;                 /* registry + queued jobs */
+    atomic_int refs;          /* registry + queued jobs + call rings (taken by a ring's thread too) */
     atomic_int closed;        /* set by the loop; workers answer not_found after it */
     qm_counters counters;
     qm_pager_stats last_stats; /* the pagers' cumulative stats after the last job */
@@ -66,6 +66,7 @@ qm_session *qm_session_find(const qm_sessions *ss, const char *id)
 static void session_free(qm_session *s)
 {
     qm_shm_set_release_all(&s->maps);
+    qm_shm_set_destroy(&s->maps);
     qm_touches_free(&s->touches);
     qm_status st = {0};
     if (s->pool && qm_expert_pool_leave(s->pool, &s->member, &st) < 0)
@@ -79,11 +80,13 @@ static void session_free(qm_session *s)
     qm_free(s);
 }
 
-void qm_session_ref(qm_session *s) { s->refs++; }
+void qm_session_ref(qm_session *s) { atomic_fetch_add(&s->refs, 1); }
 
+/* The last reference goes on the loop thread: a ring's thread only takes
+ * references while its ring holds one. */
 void qm_session_unref(qm_session *s)
 {
-    if (s && --s->refs == 0)
+    if (s && atomic_fetch_sub(&s->refs, 1) == 1)
         session_free(s);
 }
 
@@ -105,6 +108,8 @@ void qm_session_close(qm_sessions *ss, qm_session *s)
             s->next = NULL;
             /* Its maps go now; jobs still queued hold the ones they use. */
             qm_shm_set_release_all(&s->maps);
+            if (ss->on_close)
+                ss->on_close(ss->on_close_arg, s);
             qm_session_unref(s);
             return;
         }
@@ -392,6 +397,7 @@ static int session_new(const qm_sessions *ss, qm_model *m, const qm_session_spec
     qm_session *s = *out = qm_calloc(1, sizeof *s);
     if (!s)
         return qm_status_set(st, QM_ENOMEM, "out of memory");
+    qm_shm_set_init(&s->maps);
     for (uint32_t i = 0; i < ss->devices->n; i++)
         snprintf(s->device_names[i], sizeof s->device_names[i], "%s", ss->devices->dev[i].name);
     s->owner_uid = owner;
@@ -478,7 +484,7 @@ int qm_session_prepare(qm_sessions *ss, const qm_models *ms, const qm_session_sp
         goto fail;
     /* Reserved now, so creations in flight cannot overcommit the device
      * budget while their pagers are built off the loop thread. */
-    s->refs = 1;
+    atomic_init(&s->refs, 1);
     ss->n++;
     for (uint32_t i = 0; i < ss->devices->n; i++) {
         ss->devices->dev[i].admitted += s->device_admitted[i] = dev_need[i];

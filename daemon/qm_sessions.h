@@ -40,6 +40,12 @@ typedef struct qm_sessions {
     size_t n;
     uint64_t next_map_id;    /* qm_sessions_new_map_id */
     struct qm_expert_pool *shares; /* shared-residency pools (qm_expert_pool.h) */
+    /* Called as each session closes, however it closes (session.close,
+     * model.unload with force, the orphan reclaim, the daemon's exit),
+     * after it left the list and while it still lives: the daemon ends
+     * its call rings there (qm_ring.h). NULL: nothing. */
+    void (*on_close)(void *arg, qm_session *s);
+    void *on_close_arg;
 } qm_sessions;
 
 /* Closes every session of model m, or every session when m is NULL

@@ -37,9 +37,10 @@ typedef struct qm_pager_options {
      * capped by the evictable slots). */
     uint32_t max_prefetch;
     /* Prefetch gating: a prediction source (next layer's router, routing
-     * history) whose useful/issued ratio over its last 128 prefetches is
-     * below this is switched off and re-probed on one call in 8.
-     * 0 = default 0.25; negative = never gate. */
+     * history, the lookahead router) whose measured precision (experts
+     * predicted that the call they were about used, over its last 128
+     * predicted) is below this is switched off and re-probed on one call in
+     * 8. 0 = default 0.25; negative = never gate. */
     double prefetch_min_precision;
     /* 1: never preload. By default, when the budget holds every expert
      * (or there is none), all of them are loaded at creation so the session
@@ -138,6 +139,19 @@ typedef struct qm_pager_stats {
     uint64_t prefetch_router_issued, prefetch_router_useful;
     uint64_t prefetch_history_issued, prefetch_history_useful;
     uint64_t prefetch_gated; /* forward calls where a source was skipped as imprecise */
+    /* Each source's prediction measured against the call it was about,
+     * resident or not (docs/PAGING.md "Prediction, measured"): experts
+     * predicted, of which that call used (`correct`), and the experts those
+     * calls used (`actual`): precision = correct / predicted, recall =
+     * correct / actual. `gated`: forward calls on which the source was off.
+     * Sources: the next layer's router (router), its routing history
+     * (history), the router of the layer after next (lookahead). */
+    uint64_t predict_router_predicted, predict_router_correct, predict_router_actual;
+    uint64_t predict_history_predicted, predict_history_correct, predict_history_actual;
+    uint64_t predict_lookahead_predicted, predict_lookahead_correct, predict_lookahead_actual;
+    uint64_t predict_router_gated, predict_history_gated, predict_lookahead_gated;
+    uint64_t prefetch_lookahead_issued, prefetch_lookahead_useful;
+    uint32_t prefetch_sources_off; /* now: bit 0 router, 1 history, 2 lookahead */
     /* Routing trace (qm_pager_record_trace). */
     uint64_t trace_tokens, trace_dropped, trace_errors;
     /* Hybrid execution (on_miss host/auto): accesses to non-resident
