@@ -90,7 +90,8 @@ static void write_resize_result(qm_jw *w, const void *arg)
 /* ---- session.create: prepared on the loop, built on a worker ---- */
 
 /* session.create's params as the sessions read them (qm_session_spec):
- * names to the registries' values, defaults filled. */
+ * defaults filled. The wire's enums land their index, which is the
+ * engine's value (precision, on_miss: tests/daemon checks the lists). */
 static void create_spec(const qm_params *p, qm_session_spec *out)
 {
     const qm_policy_params_wire *pw = &p->policy_params;
@@ -99,9 +100,9 @@ static void create_spec(const qm_params *p, qm_session_spec *out)
         .policy = p->policy ? p->policy : qm_policy_default_name(),
         .has_budget = p->has_budget,
         .budget_bytes = p->budget_bytes,
-        .precision = p->precision_fast ? QM_PRECISION_FAST : QM_PRECISION_EXACT,
+        .precision = (qm_precision)p->precision,
         .prefetch = pw->has_prefetch ? pw->prefetch : 1,
-        .on_miss = pw->on_miss ? qm_on_miss_parse(pw->on_miss) : QM_ON_MISS_PAGE,
+        .on_miss = pw->has_on_miss ? pw->on_miss : QM_ON_MISS_PAGE,
         .share = pw->has_share_residency && pw->share_residency,
         .has_min_split_bytes = pw->has_min_split_bytes,
         .min_split_bytes = pw->has_min_split_bytes ? pw->min_split_bytes : 0,
