@@ -433,8 +433,12 @@ int qm_client_session_close(qm_client *c, const char *session, qm_client_error *
     if (!p)
         return QM__NOMEM(err);
     int rc = qm__call_plain(c, "session.close", p, err);
-    if (rc == 0 || rc == -32001) /* closed, or gone already */
+    if (rc == 0 || rc == -32001) { /* closed, or gone already */
         qm__client_disown(c, session);
+        pthread_mutex_lock(&c->lock);
+        qm__client_rings_forget(c, session); /* the daemon closed its rings */
+        pthread_mutex_unlock(&c->lock);
+    }
     return rc;
 }
 

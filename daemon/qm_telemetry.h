@@ -73,6 +73,7 @@ enum {
     QM_LIMIT_FRAMES_PER_WAKEUP,
     QM_LIMIT_FRAME_TIMEOUT,
     QM_LIMIT_OUTPUT_STALL,
+    QM_LIMIT_MAX_RINGS,
     QM_LIMIT_COUNT
 };
 extern const char *const qm_limit_names[QM_LIMIT_COUNT]; /* the config keys */

@@ -95,13 +95,23 @@ typedef struct qm_pager_options {
     uint64_t budget_bytes;
 } qm_pager_options;
 
-enum { QM_PAGER_SOURCE_MMAP = 0, QM_PAGER_SOURCE_DIRECT = 1 };
+/* QM_PAGER_SOURCE_AUTO is the daemon's choice, never a pager's: direct for
+ * a session with per-expert banks on a host-visible backend, else mmap. */
+enum { QM_PAGER_SOURCE_MMAP = 0, QM_PAGER_SOURCE_DIRECT = 1, QM_PAGER_SOURCE_AUTO = 2 };
 
 enum { QM_ON_MISS_PAGE = 0, QM_ON_MISS_HOST = 1, QM_ON_MISS_AUTO = 2 };
 
-/* "page", "host", "auto" (NULL for another value), and back (-1 unknown). */
+/* The registries of the options' names (qm_pager_options.c), the one list
+ * of each, in the order they are shown: on_miss "page", "host", "auto";
+ * paging sources "auto", "mmap", "direct". _name: a value's name (NULL for
+ * another value); _parse: a name's value (-1 unknown); _at: the i-th name
+ * and its value (NULL past the last). */
 const char *qm_on_miss_name(int on_miss);
 int qm_on_miss_parse(const char *name);
+const char *qm_on_miss_at(size_t i, int *value);
+const char *qm_pager_source_name(int source);
+int qm_pager_source_parse(const char *name);
+const char *qm_pager_source_at(size_t i, int *value);
 
 typedef struct qm_pager_stats {
     uint64_t hits;           /* accesses to a paged bank's expert that found it resident */
