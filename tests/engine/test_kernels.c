@@ -35,6 +35,7 @@
 
 #include "qm_alloc.h"
 #include "qm_kernel_i8.h"
+#include "qm_kernel_isa.h"
 #include "qm_kernels.h"
 #include "qm_r8.h"
 #if defined(QMOE_I8_MODELS)
@@ -631,28 +632,40 @@ static void fmat_free(fmat *f)
     free(f->w), free(f->zp), free(f->sc);
 }
 
+/* Why fast row `name` cannot serve here (not built, CPU features, or
+ * refused by the self-check). */
+static void fast_why(const char *name, char *why, size_t cap)
+{
+    int i = qm__i8isa_find(name);
+    snprintf(why, cap, "the self-check refused it");
+    if (i < 0)
+        snprintf(why, cap, "no such row");
+    else if (qm__i8isa_at((size_t)i)->not_built)
+        snprintf(why, cap, "%s", qm__i8isa_at((size_t)i)->not_built);
+    else
+        qm__cpu_needs(qm__i8isa_at((size_t)i)->needs, why, cap);
+}
+
 /* The fast kernel QMOE_KERNEL=name selects, or NULL with the reason said
  * once when this CPU cannot run it. */
 static const qm__i8kernel *fast_kernel(const char *name)
 {
-    static char said[8][16];
+    static char said[16][16];
     setenv("QMOE_KERNEL", name, 1);
     const qm__i8kernel *k = qm__i8kernel_select();
     unsetenv("QMOE_KERNEL");
     if (strcmp(k->name, name) == 0)
         return k;
-    for (int i = 0; i < 8; i++) {
+    for (int i = 0; i < 16; i++) {
         if (strcmp(said[i], name) == 0)
             break;
         if (!said[i][0]) {
             snprintf(said[i], sizeof said[i], "%s", name);
-            const char *why = "no such CPU flag here";
-#if defined(QMOE_X86_KERNELS)
-            if (strcmp(name, "amx") == 0)
-                why = qm__amx_why_not();
-#endif
+            char why[160];
+            fast_why(name, why, sizeof why);
+            int row = qm__i8isa_find(name);
             fprintf(stderr, "fast kernel %s: this CPU cannot run it (%s); skipped here%s\n", name,
-                    why, strcmp(name, "scalar") && strcmp(name, "avx2") ? ", its model runs" : "");
+                    why, row >= 0 && qm__i8isa_at((size_t)row)->model ? ", its model runs" : "");
             break;
         }
     }
@@ -671,51 +684,39 @@ static void fast_run(void (*mm)(const qm__qmat *, uint32_t, uint32_t, const floa
            scratch);
 }
 
-#if defined(QMOE_X86_KERNELS)
-static void avx2_gemv(const qm__qmat *m, uint32_t n0, uint32_t n1, const float *xq, size_t ldx,
-                      uint32_t nx, float *y, size_t ldy, float *scratch)
-{
-    qm__i8mm_avx2_path(0, m, n0, n1, xq, ldx, nx, y, ldy, scratch);
-}
-static void avx2_gemm(const qm__qmat *m, uint32_t n0, uint32_t n1, const float *xq, size_t ldx,
-                      uint32_t nx, float *y, size_t ldy, float *scratch)
-{
-    qm__i8mm_avx2_path(1, m, n0, n1, xq, ldx, nx, y, ldy, scratch);
-}
-#endif
-
 typedef struct fast_cand {
-    const char *name;
-    void (*mm)(const qm__qmat *, uint32_t, uint32_t, const float *, size_t, uint32_t, float *,
-               size_t, float *);
+    char name[48];
+    qm__mm_fn *mm;
+    int reads_r8;
 } fast_cand;
 
-/* Every fast kernel of this CPU, their paths, and the models. */
+/* A row's three entries (as it serves, its GEMV and GEMM paths at every
+ * input count) as candidates, under its name. */
+static int row_cands(const qm__i8isa *row, fast_cand *c)
+{
+    static const char *const path[3] = {"", " (gemv path)", " (gemm path)"};
+    qm__mm_fn *fn[3] = {row->kernel.mm, row->gemv, row->gemm};
+    for (int p = 0; p < 3; p++) {
+        snprintf(c[p].name, sizeof c[p].name, "%s%s", row->kernel.name, path[p]);
+        c[p].mm = fn[p];
+        c[p].reads_r8 = row->reads_r8;
+    }
+    return 3;
+}
+
+/* The fast table walked: every row this CPU runs (its three entries), the
+ * measured choice, and every row's software model (their GEMV is AVX2
+ * code: where AVX2 runs); at most 40. */
 static int fast_cands(fast_cand *c)
 {
     int n = 0;
-    static const char *const REAL[] = {"avx2", "avxvnni", "avx512vnni", "amx"};
-    for (int i = 0; i < 4; i++) {
-        const qm__i8kernel *k = fast_kernel(REAL[i]);
-        if (k)
-            c[n++] = (fast_cand){k->name, k->mm};
-    }
-    c[n++] = (fast_cand){"auto", qm__i8kernel_select()->mm};
-#if defined(QMOE_X86_KERNELS)
-    if (fast_kernel("avx2")) {
-        c[n++] = (fast_cand){"avx2 (gemv path)", avx2_gemv};
-        c[n++] = (fast_cand){"avx2 (gemm path)", avx2_gemm};
-    }
-#endif
-#if defined(QMOE_I8_MODELS)
-    const qm__i8kernel *models[] = {&qm__i8kernel_model_avxvnni, &qm__i8kernel_model_avxvnni_gemm,
-                                    &qm__i8kernel_model_avx512vnni,
-                                    &qm__i8kernel_model_avx512vnni_gemm, &qm__i8kernel_model_amx,
-                                    &qm__i8kernel_model_amx_tiles};
-    if (fast_kernel("avx2")) /* the models' GEMV runs on AVX2 */
-        for (int i = 0; i < 6; i++)
-            c[n++] = (fast_cand){models[i]->name, models[i]->mm};
-#endif
+    for (size_t i = 0; i < qm__i8isa_count(); i++)
+        if (fast_kernel(qm__i8isa_at(i)->kernel.name))
+            n += row_cands(qm__i8isa_at(i), c + n);
+    c[n++] = (fast_cand){"auto", qm__i8kernel_select()->mm, 0};
+    for (size_t i = 0; i < qm__i8isa_count() && fast_kernel("avx2"); i++)
+        if (qm__i8isa_at(i)->model)
+            n += row_cands(qm__i8isa_at(i)->model, c + n);
     return n;
 }
 
@@ -748,7 +749,7 @@ START_TEST(test_fast_kernels_same_bits_as_the_specification)
 {
     static const uint32_t BLOCKS[] = {0, 32, 64, 128, 256};
     static const uint32_t NX[] = {1, 2, 3, 4, 5, 7, 8, 9, 13, 16, 17, 24, 33, 65, 70};
-    fast_cand c[20];
+    fast_cand c[40];
     int nc = fast_cands(c), runs = 0;
     for (int it = 0; it < 60; it++) {
         uint32_t bits = it & 1 ? 8 : 4, block = BLOCKS[(it / 2) % 5];
@@ -803,7 +804,7 @@ START_TEST(test_fast_decode_every_chunk_count)
 {
     static const uint32_t CHUNKS[] = {1, 2, 3, 4, 5, 7, 12, 45};
     static const uint32_t NX[] = {1, 2, 3, 5};
-    fast_cand c[20];
+    fast_cand c[40];
     int nc = fast_cands(c), runs = 0;
     for (int it = 0; it < 64; it++) {
         uint32_t bits = it & 1 ? 8 : 4, k = 64 * CHUNKS[(it / 2) % 8], nx = NX[(it / 16) % 4];
@@ -831,21 +832,27 @@ START_TEST(test_fast_decode_every_chunk_count)
 END_TEST
 
 /* The r8 layout (qm_r8.h): interleaving and taking rows back is the
- * identity; the AVX2 kernel on an r8 matrix (its GEMV, and its GEMM path
- * forced at any input count) gives the row layout's specification bits;
- * which kernels read r8 themselves. */
+ * identity; every fast row that reads r8 (qm_kernel_isa.h: on this CPU, or
+ * through its model), as it serves and on its GEMV and GEMM paths forced
+ * at every input count, gives the row layout's specification bits on an
+ * r8 matrix; qm__i8kernel_r8_native answers each row's reads_r8. */
 START_TEST(test_r8_layout_same_bits)
 {
     static const uint32_t NX[] = {1, 2, 3, 4, 5, 8, 13, 24};
-    const qm__i8kernel *avx2 = fast_kernel("avx2");
     ck_assert(!qm__i8kernel_r8_native(&qm__i8kernel_scalar, 1));
-    if (avx2) {
-        ck_assert(qm__i8kernel_r8_native(avx2, 1) && qm__i8kernel_r8_native(avx2, 4) &&
-                  qm__i8kernel_r8_native(avx2, 40));
-    } else {
-        fprintf(stderr, "r8 layout: no AVX2 here, only the layout's round trip runs\n");
+    for (size_t i = 0; i < qm__i8isa_count(); i++) {
+        const qm__i8kernel *k = fast_kernel(qm__i8isa_at(i)->kernel.name);
+        int r8 = qm__i8isa_at(i)->reads_r8;
+        if (k)
+            ck_assert(qm__i8kernel_r8_native(k, 1) == r8 && qm__i8kernel_r8_native(k, 4) == r8 &&
+                      qm__i8kernel_r8_native(k, 40) == r8);
     }
-    int runs = 0;
+    fast_cand c[40];
+    int nc = fast_cands(c), runs = 0, readers = 0;
+    for (int ci = 0; ci < nc; ci++)
+        readers += c[ci].reads_r8;
+    if (!readers)
+        fprintf(stderr, "r8 layout: no kernel here reads r8, only the layout's round trip runs\n");
     for (int it = 0; it < 48; it++) {
         uint32_t k = it % 8 == 0 ? 2048 : 64 * (1 + next() % 12), n = 8 * (1 + next() % 9);
         uint32_t nx = NX[it % 8];
@@ -865,37 +872,35 @@ START_TEST(test_r8_layout_same_bits)
         uint32_t n0 = 8 * (next() % (n / 8)); /* a tile from a group boundary */
         qm__r8_rows(wi, m->row_bytes, n0, n, back);
         ck_assert(memcmp(back, f.w + (size_t)n0 * m->row_bytes, bytes - n0 * m->row_bytes) == 0);
-        if (avx2) {
-            qm__qmat mi = *m;
-            mi.w = wi;
-            mi.r8 = 1;
-            size_t ld = (qm__i8_x_stride(m) + 15) & ~(size_t)15;
-            float *x = rand_inputs(nx, k), *xq = calloc(ld * nx, sizeof(float));
-            float *ys = malloc(4 * (size_t)nx * n), *y = malloc(4 * (size_t)nx * n);
-            float *scratch = malloc(sizeof(float) * qm__kernel_scratch_floats(&mi));
-            ck_assert(x && xq && ys && y && scratch);
-            for (uint32_t r = 0; r < nx; r++)
-                qm__i8_prep(m, x + (size_t)r * k, xq + r * ld);
-            fast_run(qm__i8kernel_scalar.mm, m, xq, ld, nx, ys, scratch);
+        qm__qmat mi = *m;
+        mi.w = wi;
+        mi.r8 = 1;
+        size_t ld = (qm__i8_x_stride(m) + 15) & ~(size_t)15;
+        float *x = rand_inputs(nx, k), *xq = calloc(ld * nx, sizeof(float));
+        float *ys = malloc(4 * (size_t)nx * n), *y = malloc(4 * (size_t)nx * n);
+        float *scratch = malloc(sizeof(float) * qm__kernel_scratch_floats(&mi));
+        ck_assert(x && xq && ys && y && scratch);
+        for (uint32_t r = 0; r < nx; r++)
+            qm__i8_prep(m, x + (size_t)r * k, xq + r * ld);
+        fast_run(qm__i8kernel_scalar.mm, m, xq, ld, nx, ys, scratch);
+        for (int ci = 0; ci < nc; ci++) {
+            if (!c[ci].reads_r8)
+                continue;
             memset(y, 0xa5, 4 * (size_t)nx * n);
-#if defined(QMOE_X86_KERNELS)
-            fast_run(it & 1 ? avx2_gemm : avx2->mm, &mi, xq, ld, nx, y, scratch);
-#else
-            fast_run(avx2->mm, &mi, xq, ld, nx, y, scratch);
-#endif
+            fast_run(c[ci].mm, &mi, xq, ld, nx, y, scratch);
             for (size_t i = 0; i < (size_t)nx * n; i++)
                 ck_assert_msg(memcmp(&y[i], &ys[i], 4) == 0,
-                              "r8 k %u n %u nx %u dtype %d: output [%zu][%zu] %.9g, the "
+                              "%s on r8, k %u n %u nx %u dtype %d: output [%zu][%zu] %.9g, the "
                               "specification %.9g",
-                              k, n, nx, (int)m->scale_dtype, i / n, i % n, y[i], ys[i]);
+                              c[ci].name, k, n, nx, (int)m->scale_dtype, i / n, i % n, y[i], ys[i]);
             runs++;
-            free(x), free(xq), free(ys), free(y), free(scratch);
         }
+        free(x), free(xq), free(ys), free(y), free(scratch);
         free(wi), free(back), free(tmp);
         fmat_free(&f);
     }
-    fprintf(stderr, "r8 layout: %d AVX2 runs on r8 matrices, all the specification's bits\n",
-            runs);
+    fprintf(stderr, "r8 layout: %d runs of %d r8 readers (kernels, paths, models), all the "
+                    "specification's bits\n", runs, readers);
 }
 END_TEST
 
@@ -1016,8 +1021,9 @@ START_TEST(test_amx_permission_refused_falls_back)
 END_TEST
 
 /* The fast choice per class on fake timings (AMX made to look present and
- * granted, fastest at prefill only; no kernel runs), kept in the cache file
- * beside the exact choice, each mode's line kept when the other is written. */
+ * granted, and verified, which the self-check never ran here; fastest at
+ * prefill only; no kernel runs), kept in the cache file beside the exact
+ * choice, each mode's line kept when the other is written. */
 static double fake_i8(const qm__i8kernel *k, const qm__qmat *m, uint32_t nx, const float *x)
 {
     (void)m, (void)x;
@@ -1037,6 +1043,8 @@ START_TEST(test_fast_calibration_and_cache)
     remove(path);
     setenv("QMOE_KERNEL_CACHE", path, 1);
     qm__kernel_amx_hook(1, grant_perm);
+    size_t amx = (size_t)qm__i8isa_find("amx");
+    qm__kcheck_assume(1, amx, 1);
     qm__i8kernel_set_timer(fake_i8);
     fake_wide = 10.0;
     const char *d = qm__i8kernel_recalibrate();
@@ -1047,7 +1055,7 @@ START_TEST(test_fast_calibration_and_cache)
     ck_assert_ptr_nonnull(f);
     ck_assert_ptr_nonnull(fgets(line[0], sizeof line[0], f));
     fclose(f);
-    ck_assert_msg(strncmp(line[0], "qmoe-fast-kernels 5|", 20) == 0, "%s", line[0]);
+    ck_assert_msg(strncmp(line[0], "qmoe-fast-kernels 6|", 20) == 0, "%s", line[0]);
     fake_wide = 500.0; /* the cache wins over a new measurement */
     d = qm__i8kernel_recalibrate();
     ck_assert_msg(strstr(d, "(cached)") && strstr(d, "/amx"), "%s", d);
@@ -1060,14 +1068,15 @@ START_TEST(test_fast_calibration_and_cache)
     ck_assert_ptr_nonnull(fgets(line[0], sizeof line[0], f));
     ck_assert_ptr_nonnull(fgets(line[1], sizeof line[1], f));
     fclose(f);
-    ck_assert_msg(strncmp(line[0], "qmoe-kernels 5|", 15) == 0, "%s", line[0]);
-    ck_assert_msg(strncmp(line[1], "qmoe-fast-kernels 5|", 20) == 0, "%s", line[1]);
+    ck_assert_msg(strncmp(line[0], "qmoe-kernels 6|", 15) == 0, "%s", line[0]);
+    ck_assert_msg(strncmp(line[1], "qmoe-fast-kernels 6|", 20) == 0, "%s", line[1]);
     const qm__kernel *ek[2] = {&qm__kernel_avx512, &qm__kernel_avx2}, *eo[4];
     ck_assert_int_eq(qm__kernel_cache_load(path, ek, 2, eo), 0);
     ck_assert(eo[0] == &qm__kernel_avx2 && eo[1] == &qm__kernel_avx512);
     d = qm__i8kernel_recalibrate();
     ck_assert_msg(strstr(d, "(cached)"), "%s", d);
     qm__kernel_amx_hook(0, NULL); /* another kernel set: measured again */
+    qm__kcheck_assume(1, amx, 0);
     fake_wide = 10.0;
     d = qm__i8kernel_recalibrate();
     ck_assert_msg(!strstr(d, "(cached)") && !strstr(d, "amx"), "%s", d);
