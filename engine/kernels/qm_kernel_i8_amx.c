@@ -48,6 +48,6 @@ const qm__i8isa qm__i8isa_amx = {
     .needs = "avx2 fma f16c avx512f avx512bw avx512vl avx512vnni amx-tile amx-int8",
     .gemv = qm__i8mm_avx512vnni,
     .gemm = qm__amx_gemm,
-    .reads_r8 = 0,
+    .reads_r8 = 1,
     .model = &qm__i8model_amx,
 };

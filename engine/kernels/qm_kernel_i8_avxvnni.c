@@ -12,6 +12,7 @@
 #include "qm_kernel_i8_x86.h"
 
 #define QM__V_FN qm__avxvnni_gemv
+#define QM__V_R8 1 /* reads r8 matrices (qm_r8.h) */
 #define QM__V_DPBUSD(acc, w, x) _mm256_dpbusd_avx_epi32(acc, w, x)
 #include "qm_kernel_i8_x86.h"
 
@@ -46,6 +47,6 @@ const qm__i8isa qm__i8isa_avxvnni = {
     .not_built = QM__AVXVNNI_BUILT,
     .gemv = qm__avxvnni_gemv,
     .gemm = qm__avxvnni_gemm,
-    .reads_r8 = 0,
+    .reads_r8 = 1,
     .model = &qm__i8model_avxvnni,
 };
