@@ -173,10 +173,11 @@ int main(int argc, char **argv)
      * default exact choice's calibration (qm_kernel_select.c), thread CPU time. */
     unsetenv("QMOE_KERNEL");
     unsetenv("QMOE_KERNEL_CACHE");
-    const qm_kernel_check *kc = qm_kernel_check_run();
-    printf("{\"self_check_ms\":%.2f,\"verified\":%u,\"refused\":%u}\n", kc->ms, kc->verified,
-           kc->refused);
     double t0 = cpu_us();
+    const qm_kernel_check *kc = qm_kernel_check_run();
+    printf("{\"self_check_ms\":%.2f,\"self_check_cpu_ms\":%.2f,\"verified\":%u,\"refused\":%u}\n",
+           kc->ms, (cpu_us() - t0) / 1e3, kc->verified, kc->refused);
+    t0 = cpu_us();
     const char *choice = qm__kernel_recalibrate();
     printf("{\"calibration_ms\":%.2f,\"choice\":\"%s\"}\n", (cpu_us() - t0) / 1e3, choice);
     free(w);

@@ -8,11 +8,12 @@
  *          8-bit, blocks of 64, zero points, f16 scales, K 200 (a partial
  *          sub-block), N 19; 4-bit row-wise, zero points along rows, bf16
  *          scales, K 130, N 17; and where the kernel reads r8, the first
- *          shape's codes in the r8 layout; each at 1, 3 and 24 inputs (the
+ *          shape's codes in the r8 layout; each at 1, 3 and 9 inputs (the
  *          decode paths, and the GEMM every kernel runs from 8 inputs on);
  *   exact: the same three shapes at 1 and 3 inputs (GEMV) and 9 (GEMM).
  * Inputs: deterministic, every sub-block with a different range, some
- * zero. */
+ * zero. The specification runs once per shape and input count, then every
+ * kernel still unrefused is compared with it. */
 #include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -26,7 +27,7 @@
 
 #define QM__KC_ROWS 24u
 #define QM__KC_MAXK 256u
-#define QM__KC_NX 24u
+#define QM__KC_NX 9u /* the most inputs a shape runs with */
 #define QM__KC_ZP_BYTES 256u /* the most any shape's zero points take */
 
 typedef struct qm__kc_shape {
@@ -148,10 +149,32 @@ static void qm__kc_what(const qm__kc_shape *sh, uint32_t nx, char *out, size_t c
              qm__kc_dt(sh->dt), sh->r8 ? " r8" : "", nx, nx == 1 ? "" : "s");
 }
 
-/* A fast row on one case at nx inputs: 0 when every output has the
- * specification's bits, else -1 with the first difference in why. */
-static int qm__kc_fast_nx(const qm__i8isa *row, const qm__kc_shape *sh, qm__kc_case *c,
-                          uint32_t nx, char *why, size_t cap)
+/* ---- the verdicts ---- */
+
+static qm_kernel_check qm__kc;
+static pthread_once_t qm__kc_once = PTHREAD_ONCE_INIT;
+
+/* Row i's verdict slot: the exact rows first, then the fast ones. */
+static qm_kernel_verdict *qm__kc_slot(int fast, size_t i)
+{
+    size_t at = fast ? qm__exact_count() + i : i;
+    return at < QM_KERNEL_CHECK_MAX ? &qm__kc.v[at] : NULL;
+}
+
+/* Refuses the row of slot v with the shape, the input count and what. */
+static void qm__kc_refuse(qm_kernel_verdict *v, const qm__kc_shape *sh, uint32_t nx,
+                          const char *what)
+{
+    char shape[80];
+    qm__kc_what(sh, nx, shape, sizeof shape);
+    snprintf(v->reason, sizeof v->reason, "%s: %s", shape, what);
+    v->kind = QM_KERNEL_REFUSED;
+}
+
+/* Shape sh at nx inputs: the specification once, then every fast row still
+ * unchecked (kind 0) that takes the shape: refused at its first output
+ * whose bits differ. */
+static void qm__kc_fast_shape(const qm__kc_shape *sh, qm__kc_case *c, uint32_t nx)
 {
     qm__qmat rows = c->m; /* the specification reads rows, never r8 */
     uint8_t back[QM__KC_ROWS * QM__KC_MAXK / 2];
@@ -163,21 +186,26 @@ static int qm__kc_fast_nx(const qm__i8isa *row, const qm__kc_shape *sh, qm__kc_c
     for (uint32_t r = 0; r < nx; r++)
         qm__i8_prep(&c->m, c->x + (size_t)r * sh->k, c->xp + r * c->ld);
     qm__kc_tiles(qm__i8kernel_scalar.mm, &rows, c, nx, c->ys);
-    memset(c->y, 0xa5, sizeof(float) * nx * sh->n);
-    qm__kc_tiles(row->kernel.mm, &c->m, c, nx, c->y);
-    for (size_t i = 0; i < (size_t)nx * sh->n; i++) {
-        uint32_t a, b;
-        memcpy(&a, &c->y[i], 4);
-        memcpy(&b, &c->ys[i], 4);
-        if (a != b) {
-            char what[80];
-            qm__kc_what(sh, nx, what, sizeof what);
-            snprintf(why, cap, "%s: output [%zu][%zu] is 0x%08x, the specification's 0x%08x", what,
-                     i / sh->n, i % sh->n, a, b);
-            return -1;
+    for (size_t i = 0; i < qm__i8isa_count(); i++) {
+        qm_kernel_verdict *v = qm__kc_slot(1, i);
+        const qm__i8isa *row = qm__i8isa_at(i);
+        if (!v || v->kind != 0 || (sh->r8 && !row->reads_r8))
+            continue;
+        memset(c->y, 0xa5, sizeof(float) * nx * sh->n);
+        qm__kc_tiles(row->kernel.mm, &c->m, c, nx, c->y);
+        for (size_t o = 0; o < (size_t)nx * sh->n; o++) {
+            uint32_t a, b;
+            memcpy(&a, &c->y[o], 4);
+            memcpy(&b, &c->ys[o], 4);
+            if (a != b) {
+                char what[96];
+                snprintf(what, sizeof what, "output [%zu][%zu] is 0x%08x, the specification's "
+                         "0x%08x", o / sh->n, o % sh->n, a, b);
+                qm__kc_refuse(v, sh, nx, what);
+                break;
+            }
         }
     }
-    return 0;
 }
 
 /* sum_c |W[n,c] x[c]| of output (input r, row n), in double. */
@@ -212,70 +240,68 @@ static int qm__kc_exact_run(const qm__kernel *k, qm__kc_case *c, uint32_t nx, fl
     return 0;
 }
 
-/* An exact kernel on one case at nx inputs: 0 when every output is within
- * 2e-5 * sum |W x| of the specification's, else -1 with why. */
-static int qm__kc_exact_nx(const qm__kernel *k, const qm__kc_shape *sh, qm__kc_case *c,
-                           uint32_t nx, char *why, size_t cap)
+/* Shape sh at nx inputs: the specification and each output's bound
+ * (2e-5 sum |W x|) once, then every exact row still unchecked: refused at
+ * its first output outside the bound. -1 on no memory. */
+static int qm__kc_exact_shape(const qm__kc_shape *sh, qm__kc_case *c, uint32_t nx)
 {
-    memset(c->y, 0xa5, sizeof(float) * nx * sh->n);
-    if (qm__kc_exact_run(&qm__kernel_scalar, c, nx, c->ys) != 0 ||
-        qm__kc_exact_run(k, c, nx, c->y) != 0) {
-        snprintf(why, cap, "out of memory for the self-check");
+    double *bound = qm_malloc(sizeof(double) * nx * sh->n);
+    if (!bound || qm__kc_exact_run(&qm__kernel_scalar, c, nx, c->ys) != 0) {
+        qm_free(bound);
         return -1;
     }
     for (uint32_t r = 0; r < nx; r++)
-        for (uint32_t n = 0; n < sh->n; n++) {
-            double a = c->y[(size_t)r * sh->n + n], b = c->ys[(size_t)r * sh->n + n];
-            double bound = 2e-5 * qm__kc_abs_dot(&c->m, c->x + (size_t)r * sh->k, n) + 1e-30;
-            if (!(a - b <= bound && b - a <= bound)) {
-                char what[80];
-                qm__kc_what(sh, nx, what, sizeof what);
-                snprintf(why, cap, "%s: output [%u][%u] is %.9g, the specification's %.9g "
-                                   "(bound %.3g)", what, r, n, a, b, bound);
-                return -1;
+        for (uint32_t n = 0; n < sh->n; n++)
+            bound[(size_t)r * sh->n + n] =
+                2e-5 * qm__kc_abs_dot(&c->m, c->x + (size_t)r * sh->k, n) + 1e-30;
+    int rc = 0;
+    for (size_t i = 0; i < qm__exact_count() && rc == 0; i++) {
+        qm_kernel_verdict *v = qm__kc_slot(0, i);
+        if (!v || v->kind != 0)
+            continue;
+        memset(c->y, 0xa5, sizeof(float) * nx * sh->n);
+        rc = qm__kc_exact_run(qm__exact_at(i), c, nx, c->y);
+        for (size_t o = 0; rc == 0 && o < (size_t)nx * sh->n; o++) {
+            double a = c->y[o], b = c->ys[o];
+            if (!(a - b <= bound[o] && b - a <= bound[o])) {
+                char what[128];
+                snprintf(what, sizeof what, "output [%zu][%zu] is %.9g, the specification's "
+                         "%.9g (bound %.3g)", o / sh->n, o % sh->n, a, b, bound[o]);
+                qm__kc_refuse(v, sh, nx, what);
+                break;
             }
         }
-    return 0;
-}
-
-/* ---- the verdicts ---- */
-
-static qm_kernel_check qm__kc;
-static pthread_once_t qm__kc_once = PTHREAD_ONCE_INIT;
-
-/* Row i's verdict slot: the exact rows first, then the fast ones. */
-static qm_kernel_verdict *qm__kc_slot(int fast, size_t i)
-{
-    size_t at = fast ? qm__exact_count() + i : i;
-    return at < QM_KERNEL_CHECK_MAX ? &qm__kc.v[at] : NULL;
-}
-
-/* Runs row (fast or exact) on every shape; its verdict into v. -1: no memory. */
-static int qm__kc_check_row(int fast, size_t i, qm_kernel_verdict *v)
-{
-    static const uint32_t FAST_NX[] = {1, 3, 24}, EXACT_NX[] = {1, 3, 9};
-    const qm__i8isa *row = fast ? qm__i8isa_at(i) : NULL;
-    const qm__kernel *k = fast ? NULL : qm__exact_at(i);
-    for (size_t s = 0; s < QM__KC_NSHAPES; s++) {
-        const qm__kc_shape *sh = &qm__kc_shapes[s];
-        if (sh->r8 && (!fast || !row->reads_r8))
-            continue;
-        qm__kc_case c;
-        if (qm__kc_case_new(sh, &c) != 0)
-            return -1;
-        int bad = 0;
-        for (int j = 0; j < 3 && !bad; j++)
-            bad = fast ? qm__kc_fast_nx(row, sh, &c, FAST_NX[j], v->reason, sizeof v->reason)
-                       : qm__kc_exact_nx(k, sh, &c, EXACT_NX[j], v->reason, sizeof v->reason);
-        qm_free(c.mem);
-        if (bad) {
-            v->kind = QM_KERNEL_REFUSED;
-            return 0;
-        }
     }
-    v->kind = QM_KERNEL_VERIFIED;
-    v->reason[0] = 0;
-    return 0;
+    qm_free(bound);
+    return rc;
+}
+
+/* Every unchecked row (kind 0) through every shape; the ones left
+ * standing verified. Out of memory refuses what was left unchecked. */
+static void qm__kc_check_all(void)
+{
+    static const uint32_t NX[] = {1, 3, 9}; /* GEMV paths; the GEMM of every row */
+    int oom = 0;
+    for (size_t s = 0; s < QM__KC_NSHAPES && !oom; s++) {
+        const qm__kc_shape *sh = &qm__kc_shapes[s];
+        qm__kc_case c;
+        if (qm__kc_case_new(sh, &c) != 0) {
+            oom = 1;
+            break;
+        }
+        for (int j = 0; j < 3; j++)
+            qm__kc_fast_shape(sh, &c, NX[j]);
+        for (int j = 0; j < 3 && !sh->r8 && !oom; j++)
+            oom = qm__kc_exact_shape(sh, &c, NX[j]) != 0;
+        qm_free(c.mem);
+    }
+    for (unsigned i = 0; i < qm__kc.n; i++) {
+        qm_kernel_verdict *v = &qm__kc.v[i];
+        if (v->kind != 0)
+            continue;
+        v->kind = oom ? QM_KERNEL_REFUSED : QM_KERNEL_VERIFIED; /* unchecked is never used */
+        snprintf(v->reason, sizeof v->reason, "%s", oom ? "out of memory for the self-check" : "");
+    }
 }
 
 /* Every row's name, precision, and whether this process can run it
@@ -377,14 +403,7 @@ static void qm__kc_run_once(void)
                     qm__kc_from_payload(payload) == 0;
     if (!qm__kc.cached) {
         qm__kc_rows(); /* a payload that did not fit may have set some */
-        for (unsigned at = 0; at < qm__kc.n; at++) {
-            qm_kernel_verdict *v = &qm__kc.v[at];
-            size_t ne = qm__exact_count();
-            if (v->kind == 0 && qm__kc_check_row(at >= ne, at >= ne ? at - ne : at, v) != 0) {
-                v->kind = QM_KERNEL_REFUSED; /* unchecked is never used */
-                snprintf(v->reason, sizeof v->reason, "out of memory for the self-check");
-            }
-        }
+        qm__kc_check_all();
         qm__kc_payload(payload, sizeof payload);
         if (cache && *cache && payload[0])
             qm__cache_put(cache, "qmoe-kernel-check", payload);
@@ -401,6 +420,16 @@ const qm_kernel_check *qm_kernel_check_run(void)
 {
     pthread_once(&qm__kc_once, qm__kc_run_once);
     return &qm__kc;
+}
+
+void qm__kcheck_rerun(void)
+{
+    int ran = qm__kc.n > 0;
+    qm_kernel_check_run(); /* the once spent: the first check, or nothing */
+    if (ran) {
+        memset(&qm__kc, 0, sizeof qm__kc);
+        qm__kc_run_once();
+    }
 }
 
 int qm__kcheck_ok(int fast, size_t i)

@@ -88,6 +88,9 @@ void qm__cpu_hide(const char *name, int hide);
  * the check never ran). */
 int qm__kcheck_ok(int fast, size_t i);
 void qm__kcheck_assume(int fast, size_t i, int verified);
+/* Tests: the check run again now (after qm__kernel_break, or with another
+ * QMOE_KERNEL_CACHE); not thread-safe. Recalibrate the choices after it. */
+void qm__kcheck_rerun(void);
 
 /* Test hook (the daemon's QMOED_FAULT_KERNEL): "PRECISION:NAME[:LANE]"
  * (precision exact or fast, lane 0-15, default 3) makes that kernel's

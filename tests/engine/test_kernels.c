@@ -34,6 +34,7 @@
 #include <unistd.h>
 
 #include "qm_alloc.h"
+#include "qm_kernel_check.h"
 #include "qm_kernel_i8.h"
 #include "qm_kernel_isa.h"
 #include "qm_kernels.h"
@@ -1088,6 +1089,220 @@ START_TEST(test_fast_calibration_and_cache)
 END_TEST
 #endif
 
+
+/* ---- the self-check (qm_kernel_check.c) ---- */
+
+/* The verdict of (precision, name), or NULL. */
+static const qm_kernel_verdict *verdict(const qm_kernel_check *kc, const char *prec,
+                                        const char *name)
+{
+    for (unsigned i = 0; i < kc->n; i++)
+        if (!strcmp(kc->v[i].precision, prec) && !strcmp(kc->v[i].name, name))
+            return &kc->v[i];
+    return NULL;
+}
+
+/* Every row of both tables has a verdict; each row this CPU runs is
+ * verified (the kernels are right here), each other one unavailable with
+ * why; the check costs little. */
+START_TEST(test_self_check_verifies_this_cpu)
+{
+    unsetenv("QMOE_KERNEL_CACHE");
+    qm__kcheck_rerun();
+    const qm_kernel_check *kc = qm_kernel_check_run();
+    ck_assert_uint_eq(kc->n, qm__exact_count() + qm__i8isa_count());
+    ck_assert_uint_eq(kc->refused, 0);
+    for (size_t i = 0; i < qm__i8isa_count(); i++) {
+        const qm__i8isa *row = qm__i8isa_at(i);
+        const qm_kernel_verdict *v = verdict(kc, "fast", row->kernel.name);
+        char why[160];
+        int runs = !row->not_built && qm__cpu_needs(row->needs, why, sizeof why);
+        ck_assert_ptr_nonnull(v);
+        ck_assert_int_eq(v->kind, runs ? QM_KERNEL_VERIFIED : QM_KERNEL_UNAVAILABLE);
+        ck_assert(runs || v->reason[0]);
+    }
+    for (size_t i = 0; i < qm__exact_count(); i++) {
+        const qm_kernel_verdict *v = verdict(kc, "exact", qm__exact_at(i)->name);
+        ck_assert_ptr_nonnull(v);
+        ck_assert(v->kind == QM_KERNEL_VERIFIED || v->kind == QM_KERNEL_UNAVAILABLE);
+    }
+    ck_assert_msg(!kc->cached && kc->ms > 0, "%d %g", kc->cached, kc->ms);
+    fprintf(stderr, "self-check on %s (%s): %u verified, %.2f ms (wall)\n", kc->cpu, kc->flags,
+            kc->verified, kc->ms);
+}
+END_TEST
+
+/* The decode kernel the measured choice serves here (NULL: scalar). */
+static const qm__i8isa *chosen_decode_row(void)
+{
+    const char *d = qm__i8kernel_recalibrate(); /* "measured: q4 A[/B], q8 ..." */
+    const char *q4 = strstr(d, "q4 ");
+    for (size_t i = 0; q4 && i < qm__i8isa_count(); i++) {
+        const char *name = qm__i8isa_at(i)->kernel.name;
+        size_t n = strlen(name);
+        if (!strncmp(q4 + 3, name, n) && strchr("/, ", q4[3 + n]))
+            return qm__i8isa_at(i);
+    }
+    return NULL;
+}
+
+/* A test hook breaks one lane of the chosen decode kernel: the check
+ * refuses it (its reason names the output), it is no candidate, forcing
+ * it falls back and qm_kernel_check_forced says why, the choice's outputs
+ * keep the specification's bits; undone, it is verified again. The same
+ * for an exact kernel, caught by the bound. */
+START_TEST(test_self_check_refuses_a_broken_lane)
+{
+    unsetenv("QMOE_KERNEL_CACHE");
+    const qm__i8isa *row = chosen_decode_row();
+    if (!row) {
+        fprintf(stderr, "broken lane: no SIMD fast kernel here, nothing to break\n");
+        return;
+    }
+    char spec[64], why[160];
+    const char *name = row->kernel.name;
+    snprintf(spec, sizeof spec, "fast:%s:5", name);
+    ck_assert_int_eq(qm__kernel_break(spec, why, sizeof why), 0);
+    qm__kcheck_rerun();
+    const qm_kernel_check *kc = qm_kernel_check_run();
+    const qm_kernel_verdict *v = verdict(kc, "fast", name);
+    ck_assert_int_eq(v->kind, QM_KERNEL_REFUSED);
+    ck_assert_msg(strstr(v->reason, "output [0][5]"), "%s", v->reason);
+    const char *d = qm__i8kernel_recalibrate();
+    ck_assert_msg(!strstr(d, name), "%s still chosen: %s", name, d);
+    setenv("QMOE_KERNEL", name, 1);
+    ck_assert_str_ne(qm__i8kernel_select()->name, name);
+    qm_status st = {0};
+    ck_assert_int_eq(qm_kernel_check_forced(&st), QM_EINVAL);
+    ck_assert_msg(strstr(st.msg, "refused by the self-check") && strstr(st.msg, name), "%s",
+                  st.msg);
+    unsetenv("QMOE_KERNEL");
+    /* What serves now gives the specification's bits on the broken lane. */
+    fmat f;
+    fmat_new(&f, 4, 32, 256, 24);
+    f.m.zp = NULL;
+    f.m.row_bytes = 128;
+    size_t ld = (qm__i8_x_stride(&f.m) + 15) & ~(size_t)15;
+    float *x = rand_inputs(1, 256), *xq = calloc(ld, sizeof(float));
+    float *ys = malloc(4 * 24), *y = malloc(4 * 24);
+    float *scratch = malloc(sizeof(float) * qm__kernel_scratch_floats(&f.m));
+    qm__i8_prep(&f.m, x, xq);
+    fast_run(qm__i8kernel_scalar.mm, &f.m, xq, ld, 1, ys, scratch);
+    fast_run(qm__i8kernel_select()->mm, &f.m, xq, ld, 1, y, scratch);
+    ck_assert(memcmp(y, ys, 4 * 24) == 0);
+    free(x), free(xq), free(ys), free(y), free(scratch);
+    fmat_free(&f);
+    /* An exact kernel's broken lane is outside the bound. */
+    int ei = qm__exact_count() ? 0 : -1;
+    while (ei >= 0 && (size_t)ei < qm__exact_count() &&
+           !qm__cpu_needs(qm__exact_at((size_t)ei)->needs, why, sizeof why))
+        ei++;
+    if (ei >= 0 && (size_t)ei < qm__exact_count()) {
+        snprintf(spec, sizeof spec, "exact:%s", qm__exact_at((size_t)ei)->name);
+        ck_assert_int_eq(qm__kernel_break(spec, why, sizeof why), 0);
+        qm__kcheck_rerun();
+        v = verdict(qm_kernel_check_run(), "exact", qm__exact_at((size_t)ei)->name);
+        ck_assert_int_eq(v->kind, QM_KERNEL_REFUSED);
+        ck_assert_msg(strstr(v->reason, "bound"), "%s", v->reason);
+    }
+    ck_assert_int_ne(qm__kernel_break("fast:nope", why, sizeof why), 0);
+    ck_assert_int_ne(qm__kernel_break("fast:avx2:16", why, sizeof why), 0);
+    ck_assert_int_ne(qm__kernel_break("slow:avx2", why, sizeof why), 0);
+    qm__kernel_break(NULL, why, sizeof why);
+    qm__kcheck_rerun();
+    ck_assert_int_eq(verdict(qm_kernel_check_run(), "fast", name)->kind, QM_KERNEL_VERIFIED);
+    qm__i8kernel_recalibrate();
+}
+END_TEST
+
+/* The cache file's text (at most 4 KiB). */
+static void read_text(const char *path, char *out, size_t cap)
+{
+    FILE *f = fopen(path, "r");
+    size_t n = f ? fread(out, 1, cap - 1, f) : 0;
+    out[n] = 0;
+    if (f)
+        fclose(f);
+}
+
+static void write_text(const char *path, const char *text, size_t n)
+{
+    FILE *f = fopen(path, "w");
+    ck_assert_ptr_nonnull(f);
+    fwrite(text, 1, n, f);
+    fclose(f);
+}
+
+/* The self-check's verdicts in the kernel cache: a second start reads
+ * them; a cache file truncated anywhere, garbage, written by another
+ * version or another binary is ignored (the check runs again) and
+ * rewritten whole, never trusted. */
+START_TEST(test_self_check_cache_never_trusts_a_bad_file)
+{
+    char path[] = "/tmp/qmoe-kcheck-XXXXXX";
+    int fd = mkstemp(path);
+    ck_assert_int_ge(fd, 0);
+    close(fd);
+    remove(path);
+    setenv("QMOE_KERNEL_CACHE", path, 1);
+    qm__kcheck_rerun();
+    ck_assert(!qm_kernel_check_run()->cached);
+    qm__kernel_recalibrate();
+    qm__i8kernel_recalibrate();
+    char good[4096], now[4096];
+    read_text(path, good, sizeof good);
+    ck_assert_msg(strncmp(good, "qmoe-kernel-check 6|", 20) == 0, "%s", good);
+    qm__kcheck_rerun();
+    ck_assert(qm_kernel_check_run()->cached);
+    size_t len = strlen(good), line = strcspn(good, "\n") + 1;
+    /* Truncated at every few bytes of the check's line, and mid-file. */
+    for (size_t cut = 1; cut < len; cut += cut < line ? 7 : 23) {
+        write_text(path, good, cut);
+        qm__kcheck_rerun();
+        ck_assert_msg(!qm_kernel_check_run()->cached || cut >= line,
+                      "a file cut at byte %zu of %zu was trusted", cut, len);
+        read_text(path, now, sizeof now);
+        ck_assert_msg(strncmp(now, good, line) == 0, "cut at %zu: the line not rewritten", cut);
+    }
+    /* Garbage, and one byte changed anywhere in the line. */
+    write_text(path, "\x01garbage|||\nqmoe-kernel-check 6|x|y|z|00000000\n", 48);
+    qm__kcheck_rerun();
+    ck_assert(!qm_kernel_check_run()->cached);
+    for (size_t at = 0; at + 1 < line; at += 5) {
+        memcpy(now, good, len + 1);
+        now[at] = now[at] == 'x' ? 'y' : 'x';
+        write_text(path, now, len);
+        qm__kcheck_rerun();
+        ck_assert_msg(!qm_kernel_check_run()->cached, "byte %zu changed: trusted", at);
+    }
+    /* Another version and another binary, each line whole (its checksum
+     * recomputed the way the writer makes it). */
+    for (int which = 0; which < 2; which++) {
+        memcpy(now, good, line);
+        now[line] = 0;
+        char *bar = strchr(now, '|');
+        if (which == 0)
+            bar[-1] = '5'; /* "qmoe-kernel-check 5|" */
+        else
+            bar[1] = bar[1] == 'a' ? 'b' : 'a'; /* the build id's first digit */
+        char *last = strrchr(now, '|');
+        uint32_t h = 2166136261u;
+        for (const char *p = now; p < last; p++)
+            h = (h ^ (uint8_t)*p) * 16777619u;
+        snprintf(last, sizeof now - (size_t)(last - now), "|%08x\n", h);
+        write_text(path, now, strlen(now));
+        qm__kcheck_rerun();
+        ck_assert_msg(!qm_kernel_check_run()->cached, "%s trusted",
+                      which ? "another binary's line" : "another version's line");
+        read_text(path, now, sizeof now);
+        ck_assert(strncmp(now, good, line) == 0);
+    }
+    unsetenv("QMOE_KERNEL_CACHE");
+    remove(path);
+    qm__kcheck_rerun();
+}
+END_TEST
+
 static Suite *suite(void)
 {
     Suite *s = suite_create("kernels");
@@ -1105,6 +1320,9 @@ static Suite *suite(void)
     tcase_add_test(tc, test_fast_kernels_same_bits_as_the_specification);
     tcase_add_test(tc, test_fast_decode_every_chunk_count);
     tcase_add_test(tc, test_r8_layout_same_bits);
+    tcase_add_test(tc, test_self_check_verifies_this_cpu);
+    tcase_add_test(tc, test_self_check_refuses_a_broken_lane);
+    tcase_add_test(tc, test_self_check_cache_never_trusts_a_bad_file);
 #if defined(QMOE_X86_KERNELS)
     tcase_add_test(tc, test_fast_packers_match_c);
     tcase_add_test(tc, test_fast_prep_avx2_matches_c);
