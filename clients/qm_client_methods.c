@@ -791,6 +791,12 @@ static const qm__field qm__counter_u64s[] = {
     QM__FIELD(qm_client_counters, prefetch_useful),
     QM__FIELD(qm_client_counters, resident_bytes),
     QM__FIELD(qm_client_counters, expert_host_runs),
+    QM__FIELD(qm_client_counters, bytes_read_disk),
+    QM__FIELD(qm_client_counters, stall_us),
+    QM__FIELD(qm_client_counters, disk_busy_us),
+    QM__FIELD(qm_client_counters, read_calls),
+    QM__FIELD(qm_client_counters, reads_in_flight_sum),
+    QM__FIELD(qm_client_counters, reads_in_flight_peak),
 };
 
 static void qm__counters_from(const qm_cval *o, qm_client_counters *k)

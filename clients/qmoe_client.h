@@ -323,6 +323,12 @@ typedef struct qm_client_counters {
     uint64_t evictions, prefetch_issued, prefetch_useful, resident_bytes;
     uint64_t expert_host_runs; /* 0 from a daemon without hybrid execution */
     double p50_us, p99_us;
+    /* Direct disk paging (0 from a daemon without them): bytes read, time
+     * waited for units to land, time the disk had reads in flight,
+     * inferences with reads in flight and the sum of each one's most in
+     * flight at once, the most at once. */
+    uint64_t bytes_read_disk, stall_us, disk_busy_us, read_calls, reads_in_flight_sum,
+        reads_in_flight_peak;
 } qm_client_counters;
 
 typedef struct qm_client_session_counters {

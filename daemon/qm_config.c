@@ -16,6 +16,7 @@
 #include "qm_alloc.h"
 #include "qm_backend.h"
 #include "qm_log.h"
+#include "qm_pager.h"
 #include "qm_protocol.h"
 
 void qm_config_defaults(qm_config *cfg)
@@ -26,6 +27,8 @@ void qm_config_defaults(qm_config *cfg)
         if (qm_backend_kind_caps(i) & QM_BACKEND_CAP_HOST)
             snprintf(cfg->backend, sizeof cfg->backend, "%s", qm_backend_kind_name(i));
     snprintf(cfg->paging_source, sizeof cfg->paging_source, "auto");
+    snprintf(cfg->io_engine, sizeof cfg->io_engine, "%s", qm_pager_io_name(QM_PAGER_IO_AUTO));
+    cfg->io_depth = QM_PAGER_IO_DEPTH_DEFAULT;
     cfg->cpu_repack = 1;
     cfg->workers = 2;
     cfg->log_level = QM_LOG_INFO;
@@ -255,7 +258,7 @@ int qm_config_check_devices(qm_config *cfg, qm_status *st)
 }
 
 typedef enum { K_U32, K_U64, K_STR, K_LEVEL, K_BACKEND, K_BOOL, K_SOURCE, K_DEVICES,
-               K_BUDGETS } key_kind;
+               K_BUDGETS, K_IO_ENGINE } key_kind;
 
 typedef struct key_def {
     const char *name;
@@ -270,6 +273,8 @@ static const key_def keys[] = {
     {"socket", K_STR, OFF(socket_path), 0, 0, 0},
     {"backend", K_BACKEND, 0, 0, 0, 0},
     {"paging_source", K_SOURCE, 0, 0, 0, 0},
+    {"io_engine", K_IO_ENGINE, 0, 0, 0, 0},
+    {"io_depth", K_U32, OFF(io_depth), 0, 1, QM_PAGER_IO_DEPTH_MAX},
     {"cpu_repack", K_BOOL, OFF(cpu_repack), 0, 0, 0},
     {"device", K_DEVICES, 0, 0, 0, 0},
     {"device_budget", K_BUDGETS, 0, 0, 0, 0},
@@ -368,6 +373,14 @@ static int apply_key(qm_config *cfg, const key_def *k, const char *text, int has
             return qm_status_set_field(st, QM_EINVAL, k->name,
                                        "%s must be auto, mmap or direct", k->name);
         snprintf(cfg->paging_source, sizeof cfg->paging_source, "%s", text);
+        return 0;
+    case K_IO_ENGINE:
+        if (!text || qm_pager_io_parse(text) < 0) {
+            char names[64];
+            qm_pager_io_names(", ", " or ", names, sizeof names);
+            return qm_status_set_field(st, QM_EINVAL, k->name, "%s must be %s", k->name, names);
+        }
+        snprintf(cfg->io_engine, sizeof cfg->io_engine, "%s", text);
         return 0;
     case K_U32:
     case K_U64:
@@ -503,7 +516,8 @@ static void usage(FILE *out)
             "  --set KEY=VALUE       any config key (e.g. --set max_batch=16)\n"
             "  --version, --help\n"
             "Config keys: socket backend device device_budget emu_copy_mbps\n"
-            "  paging_source (auto|mmap|direct) cpu_repack (true|false) state_dir threads\n"
+            "  paging_source (auto|mmap|direct) io_engine (auto|threads|serial) io_depth\n"
+            "  cpu_repack (true|false) state_dir threads\n"
             "  workers admin_group\n"
             "  user allow_root model_dirs (a list; --set model_dirs=DIR:DIR)\n"
             "  log_level max_request_bytes max_nesting max_batch max_connections max_sessions\n"

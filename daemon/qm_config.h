@@ -38,6 +38,12 @@ typedef struct qm_config {
      * from the bank file into a locked arena; falls back with a logged
      * reason where the file or backend cannot). */
     char paging_source[8];
+    /* How the disk source reads (engine/pager/qm_pager.h's registry of I/O
+     * engines): auto (io_uring, else a pool of preadv threads, the reason
+     * logged), threads, serial (one read at a time, the engine before);
+     * io_depth: reads in flight at most per session. */
+    char io_engine[16];
+    uint32_t io_depth;
     /* --device-budget: one value for every device, or one per device in
      * device order (n_device_budgets = n_devices). device_budget is the
      * first. */

@@ -199,6 +199,11 @@ static void infer_run(qm_job *job)
     qm_jw_member_u64(&w, "decode_us", job->decode_us);
     qm_jw_member_u64(&w, "encode_us", encode_us);
     qm_jw_member_u64(&w, "wall_us", now - job->start_us);
+    /* Direct disk paging: the most reads in flight at once during this
+     * request, and the time the disk had any. */
+    qm_jw_member_u64(&w, "reads_in_flight",
+                     job->pstats.reads_in_flight_sum - before.reads_in_flight_sum);
+    qm_jw_member_u64(&w, "disk_busy_us", job->pstats.disk_busy_us - before.disk_busy_us);
     qm_jw_obj_end(&w);
     qm_jw_obj_end(&w);
     qm_rpc_result_end(&w);

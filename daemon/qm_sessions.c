@@ -246,6 +246,23 @@ static int share_check(const qm_registry *r, const qm_policy_params_wire *pw, qm
     return 0;
 }
 
+/* Where a session's pager reads units and how. paging_source auto reads a
+ * paged session's units from disk on a host-visible backend (the CPU), so
+ * its budget bounds the memory the bank takes instead of the page cache
+ * holding the file; io_engine and io_depth say how the reads are made. */
+static void session_disk_options(const qm_registry *r, const qm_residency_plan *plan,
+                                 qm_pager_options *o)
+{
+    const char *src = r->cfg->paging_source;
+    if (strcmp(src, "direct") == 0 ||
+        (strcmp(src, "auto") == 0 && qm_devices_host_visible(r->devices) &&
+         qm_plan_per_expert_count(plan) > 0))
+        o->source = QM_PAGER_SOURCE_DIRECT;
+    int engine = qm_pager_io_parse(r->cfg->io_engine);
+    o->io_engine = engine < 0 ? QM_PAGER_IO_AUTO : engine;
+    o->io_depth = r->cfg->io_depth;
+}
+
 /* The pool s joins: the one of its model, policy and knobs, or a new one
  * with a policy, plan and placement of its own made from the same
  * parameters (the first member's budget until members join it). */
@@ -283,11 +300,8 @@ static int share_find_or_make(qm_registry *r, qm_session *s, const qm_policy_par
     if (rc == 0)
         rc = qm_placement_make(s->model->bank, 1, NULL, budget, &pl, st);
     qm_pager_options o = {.prefetch = prefetch, .on_miss = on_miss < 0 ? QM_ON_MISS_PAGE : on_miss};
-    const char *src = r->cfg->paging_source;
-    if (rc == 0 && (strcmp(src, "direct") == 0 ||
-                    (strcmp(src, "auto") == 0 && qm_devices_host_visible(r->devices) &&
-                     qm_plan_per_expert_count(plan) > 0)))
-        o.source = QM_PAGER_SOURCE_DIRECT;
+    if (rc == 0)
+        session_disk_options(r, plan, &o);
     if (rc == 0) {
         s->share = qm_share_new(&r->shares, s->model->bank, key, &policy, &plan, &pl, &o);
         if (!s->share)
@@ -458,14 +472,7 @@ int qm_session_prepare(qm_registry *r, const qm_params *p, uid_t owner, qm_sessi
                                           .on_miss = qm_on_miss_parse(pw->on_miss)};
     if (s->pager_options.on_miss < 0)
         s->pager_options.on_miss = QM_ON_MISS_PAGE; /* absent */
-    /* paging_source: auto reads a paged session's units from disk on a
-     * host-visible backend (the CPU), so its budget bounds the memory the
-     * bank takes instead of the page cache holding the file. */
-    const char *src = r->cfg->paging_source;
-    if (strcmp(src, "direct") == 0 ||
-        (strcmp(src, "auto") == 0 && qm_devices_host_visible(r->devices) &&
-         qm_plan_per_expert_count(s->plan) > 0))
-        s->pager_options.source = QM_PAGER_SOURCE_DIRECT;
+    session_disk_options(r, s->plan, &s->pager_options);
     /* A fast session of its own on the CPU: its whole banks in the decode
      * GEMV's r8 layout (a copy in its arena; the pager decides whether this
      * process's kernels read it: docs/PAGING.md). A shared pool stays in
@@ -544,11 +551,18 @@ int qm_session_build(const qm_registry *r, qm_session *s, qm_status *st)
         int direct = qm_pager_source_info(pg, &why) == QM_PAGER_SOURCE_DIRECT;
         if (direct && fail_read)
             qm_pager_set_read_hook(pg, qm_fault_read_hook, (void *)(uintptr_t)fail_read);
-        if (direct)
-            qm_log(QM_LOG_INFO, "%s pages from disk: O_DIRECT reads of %s%s%s", where,
-                   qm_bank_path(s->model->bank), *why ? "; " : "", why);
-        else if (*why)
+        if (direct) {
+            uint32_t depth = 0;
+            const char *io_why = "";
+            int engine = qm_pager_io_info(pg, &depth, &io_why);
+            qm_log(QM_LOG_INFO,
+                   "%s pages from disk: O_DIRECT reads of %s through %s, %u in flight at "
+                   "most%s%s%s%s%s",
+                   where, qm_bank_path(s->model->bank), qm_pager_io_name(engine), depth,
+                   *io_why ? " (" : "", io_why, *io_why ? ")" : "", *why ? "; " : "", why);
+        } else if (*why) {
             qm_log(QM_LOG_WARNING, "%s: %s", where, why);
+        }
     }
     return 0;
 }

@@ -32,6 +32,7 @@ typedef struct qm_counters {
     uint64_t requests, errors, tokens, expert_hits, expert_misses, bytes_paged_h2d, evictions,
         prefetch_issued, prefetch_useful, resident_bytes, bytes_read_disk, stall_us,
         expert_host_runs;
+    uint64_t disk_busy_us, read_calls, reads_in_flight_sum, reads_in_flight_peak;
     qm_hist latency; /* session.infer end to end, microseconds */
     /* Daemon-wide only, outside the table: sessions the orphan reclaim
      * closed (qm_reclaim.h). */
