@@ -682,7 +682,8 @@ const qmoectl_cmd qmoectl_cmds[] = {
      "Show counters: hit rate, bytes paged, p50/p99 latency, ...\n"
      "Requests, errors, tokens, expert hit rate and misses, bytes paged, evictions,\n"
      "prefetches (useful/issued), resident bytes, p50/p99 inference latency;\n"
-     "daemon-wide and per session.\n"
+     "daemon-wide and per session; then each session's prefetch predictors\n"
+     "(router, history, lookahead): predicted, precision, recall, gated calls.\n"
      "  --watch S   refresh every S seconds until Ctrl-C\n"
      "  --count N   stop after N refreshes",
      "--watch= --count=", 0, 1, qmoectl_cmd_telemetry, qmoectl_check_telemetry, NULL},

@@ -8,8 +8,11 @@
 
 #include <string.h>
 
+#include <stdio.h>
+
 #include "qm_alloc.h"
 #include "qm_models.h"
+#include "qm_ring.h"
 #include "qm_sessions.h"
 
 static qm_dtype dtype_of(qm_wire_dtype t)
@@ -90,52 +93,63 @@ static int infer_admit(qm_job *job, qm_status *st)
     return rc < 0 ? rc : check_infer(job->session, p, st);
 }
 
-static void infer_run(qm_job *job)
+/* One layer call's buffers: the output (the client's map when output_to
+ * names a region no input overlaps, else aside and copied there), the
+ * route weights, and the session's statistics before the call. */
+typedef struct infer_call {
+    void *output;
+    int direct;
+    size_t out_bytes;
+    uint32_t tokens, k;
+    float *route_weights;
+    qm_pager_stats before;
+} infer_call;
+
+static void infer_call_free(infer_call *c)
+{
+    if (!c->direct)
+        qm_free(c->output);
+    qm_free(c->route_weights);
+}
+
+/* The layer through the session's pagers, for a socket inference and a
+ * ring call alike (the job holds the session's FIFO): job->rc, st,
+ * mstats, pstats, tokens and routes, and *c for the answer. */
+static int infer_compute(qm_job *job, infer_call *c)
 {
     qm_session *s = job->session;
     qm_params *p = &job->req.params;
-    if (qm__job_session_closed(job))
-        return;
-    /* Nobody will read the answer: a client that pipelined many inferences
-     * and went away must not keep the session's worker busy for them. */
-    if (job->reply && qm_reply_abandoned(job->reply)) {
-        job->cancelled = 1;
-        job->rc = qm_status_set(&job->st, QM_EIO,
-                                "the client disconnected before this request ran");
-        return;
-    }
     const qm_model *model = qm_session_model(s);
     const qm_bank_config *cfg = qm_bank_get_config(model->bank);
     uint32_t T = (uint32_t)p->hidden.shape[0], H = cfg->hidden;
     uint32_t k = p->has_topk ? (uint32_t)p->topk_ids.shape[1] : cfg->k;
-    size_t out_bytes = (size_t)T * H * qm_wire_dtype_size(p->hidden.dtype);
-    /* output_to: straight into the client's map, unless the region overlaps
-     * an input the layer is still reading (then aside, and copied). */
-    int direct = job->maps.output && !job->maps.output_overlaps;
-    void *output = direct ? job->maps.output : qm_malloc(out_bytes ? out_bytes : 1);
+    c->tokens = T;
+    c->k = k;
+    c->out_bytes = (size_t)T * H * qm_wire_dtype_size(p->hidden.dtype);
+    c->direct = job->maps.output && !job->maps.output_overlaps;
+    c->output = c->direct ? job->maps.output : qm_malloc(c->out_bytes ? c->out_bytes : 1);
     float *logits = p->has_router_logits ? logits_f32(&p->router_logits) : NULL;
     float *topk_w = p->has_topk ? logits_f32(&p->topk_weights) : NULL;
     /* Routes are always kept: the loop feeds them to the model's hotness
      * profile when the job is done. */
     uint32_t *rexp = qm_malloc((size_t)T * k * sizeof *rexp + 4);
-    float *rw = qm_malloc((size_t)T * k * sizeof *rw + 4);
+    c->route_weights = qm_malloc((size_t)T * k * sizeof *c->route_weights + 4);
     job->route_experts = rexp;
     job->n_routes = (size_t)T * k;
-    if (!output || (p->has_router_logits && !logits) || (p->has_topk && !topk_w) || !rexp ||
-        !rw) {
+    if (!c->output || (p->has_router_logits && !logits) || (p->has_topk && !topk_w) || !rexp ||
+        !c->route_weights) {
         job->rc = qm_status_set(&job->st, QM_ENOMEM, "out of memory for %u tokens", T);
-        goto free_buffers;
+        goto free_inputs;
     }
-    qm_pager_stats before;
-    qm_session_stats(s, &before);
+    qm_session_stats(s, &c->before);
     qm_moe_call call = {.layer = p->layer,
                         .dtype = dtype_of(p->hidden.dtype),
                         .hidden = p->hidden.data,
                         .n_tokens = T,
                         .logits = logits,
-                        .output = output,
+                        .output = c->output,
                         .route_experts = rexp,
-                        .route_weights = rw,
+                        .route_weights = c->route_weights,
                         .topk_ids = p->has_topk ? p->topk_ids.data : NULL,
                         .topk_weights = topk_w,
                         .topk_k = k,
@@ -149,10 +163,38 @@ static void infer_run(qm_job *job)
         job->rc = qm_model_check(model, &job->st);
     qm_session_stats(s, &job->pstats);
     job->tokens = T;
-    if (job->rc == 0 && job->maps.output && !direct)
-        memcpy(job->maps.output, output, out_bytes);
-    if (job->rc < 0 || !job->req.id)
-        goto free_buffers;
+    if (job->rc == 0 && job->maps.output && !c->direct)
+        memcpy(job->maps.output, c->output, c->out_bytes);
+free_inputs:
+    qm_free(logits);
+    qm_free(topk_w);
+    return job->rc;
+}
+
+/* session.infer's stats, in qm_ring_stat_names' order (the JSON answer's
+ * members and the ring's answer slot). */
+static void infer_stats(const qm_job *job, const infer_call *c, uint64_t encode_us,
+                        uint64_t now_us, uint64_t out[QM_RING_STATS])
+{
+    const qm_pager_stats *a = &c->before, *b = &job->pstats;
+    out[QM_RING_STAT_HITS] = b->hits - a->hits + (b->whole_bank_accesses - a->whole_bank_accesses);
+    out[QM_RING_STAT_MISSES] = b->misses - a->misses;
+    out[QM_RING_STAT_HOST_RUNS] = b->host_runs - a->host_runs;
+    out[QM_RING_STAT_BYTES_PAGED] = b->bytes_paged_h2d - a->bytes_paged_h2d;
+    out[QM_RING_STAT_BYTES_READ_DISK] = b->disk_bytes_read - a->disk_bytes_read;
+    out[QM_RING_STAT_STALL_US] = b->stall_us - a->stall_us;
+    out[QM_RING_STAT_QUEUE_US] = job->start_us - job->enqueue_us;
+    out[QM_RING_STAT_COMPUTE_US] = job->mstats.compute_us;
+    out[QM_RING_STAT_DECODE_US] = job->decode_us;
+    out[QM_RING_STAT_ENCODE_US] = encode_us;
+    out[QM_RING_STAT_WALL_US] = now_us - job->start_us;
+}
+
+/* The JSON answer: the output (mapped, or base64), the routing when asked
+ * for, the stats. */
+static void infer_encode(qm_job *job, const infer_call *c)
+{
+    qm_params *p = &job->req.params;
     uint64_t now = qm_now_us();
     qm_jw w;
     qm_jw_init(&w, &job->response);
@@ -164,57 +206,56 @@ static void infer_run(qm_job *job)
         qm_jw_mapped_tensor(&w, p->hidden.dtype, 2, p->hidden.shape, p->output_map,
                             p->output_offset);
     else
-        qm_jw_tensor(&w, p->hidden.dtype, 2, p->hidden.shape, output);
+        qm_jw_tensor(&w, p->hidden.dtype, 2, p->hidden.shape, c->output);
     if (p->return_routing) {
+        const uint32_t *rexp = job->route_experts;
         qm_jw_key(&w, "routing");
         qm_jw_arr_begin(&w);
-        for (uint32_t t = 0; t < T; t++) {
+        for (uint32_t t = 0; t < c->tokens; t++) {
             qm_jw_arr_begin(&w);
-            for (uint32_t j = 0; j < k; j++) {
-                if (rexp[(size_t)t * k + j] == QM_ROUTE_DROPPED)
+            for (uint32_t j = 0; j < c->k; j++) {
+                size_t i = (size_t)t * c->k + j;
+                if (rexp[i] == QM_ROUTE_DROPPED)
                     continue;
                 qm_jw_arr_begin(&w);
-                qm_jw_u64(&w, rexp[(size_t)t * k + j]);
-                qm_jw_f32(&w, rw[(size_t)t * k + j]);
+                qm_jw_u64(&w, rexp[i]);
+                qm_jw_f32(&w, c->route_weights[i]);
                 qm_jw_arr_end(&w);
             }
             qm_jw_arr_end(&w);
         }
         qm_jw_arr_end(&w);
     }
-    uint64_t encode_us = qm_now_us() - enc0;
+    uint64_t stats[QM_RING_STATS];
+    infer_stats(job, c, qm_now_us() - enc0, now, stats);
     qm_jw_key(&w, "stats");
     qm_jw_obj_begin(&w);
-    qm_jw_key(&w, "hits");
-    qm_jw_u64(&w, job->pstats.hits - before.hits + (job->pstats.whole_bank_accesses -
-                                                    before.whole_bank_accesses));
-    qm_jw_member_u64(&w, "misses", job->pstats.misses - before.misses);
-    qm_jw_member_u64(&w, "host_runs", job->pstats.host_runs - before.host_runs);
-    qm_jw_member_u64(&w, "bytes_paged", job->pstats.bytes_paged_h2d - before.bytes_paged_h2d);
-    qm_jw_member_u64(&w, "bytes_read_disk",
-                     job->pstats.disk_bytes_read - before.disk_bytes_read);
-    qm_jw_member_u64(&w, "stall_us", job->pstats.stall_us - before.stall_us);
-    qm_jw_member_u64(&w, "queue_us", job->start_us - job->enqueue_us);
-    qm_jw_member_u64(&w, "compute_us", job->mstats.compute_us);
-    qm_jw_member_u64(&w, "decode_us", job->decode_us);
-    qm_jw_member_u64(&w, "encode_us", encode_us);
-    qm_jw_member_u64(&w, "wall_us", now - job->start_us);
-    /* Direct disk paging: the most reads in flight at once during this
-     * request, and the time the disk had any. */
-    qm_jw_member_u64(&w, "reads_in_flight",
-                     job->pstats.reads_in_flight_sum - before.reads_in_flight_sum);
-    qm_jw_member_u64(&w, "disk_busy_us", job->pstats.disk_busy_us - before.disk_busy_us);
+    for (int i = 0; i < QM_RING_STATS; i++)
+        qm_jw_member_u64(&w, qm_ring_stat_names[i], stats[i]);
     qm_jw_obj_end(&w);
     qm_jw_obj_end(&w);
     qm_rpc_result_end(&w);
     if (job->response.oom)
         job->rc = qm_status_set(&job->st, QM_ENOMEM, "out of memory encoding the output");
-free_buffers:
-    if (!direct)
-        qm_free(output);
-    qm_free(logits);
-    qm_free(topk_w);
-    qm_free(rw);
+}
+
+static void infer_run(qm_job *job)
+{
+    if (qm__job_session_closed(job))
+        return;
+    /* Nobody will read the answer: a client that pipelined many inferences
+     * and went away must not keep the session's worker busy for them. */
+    if (job->reply && qm_reply_abandoned(job->reply)) {
+        job->cancelled = 1;
+        job->rc = qm_status_set(&job->st, QM_EIO,
+                                "the client disconnected before this request ran");
+        return;
+    }
+    infer_call c;
+    memset(&c, 0, sizeof c);
+    if (infer_compute(job, &c) == 0 && job->req.id)
+        infer_encode(job, &c);
+    infer_call_free(&c);
 }
 
 /* The counters, the model's hotness profile and a trace span; answered_us:
@@ -273,6 +314,56 @@ static void infer_finish(qm_job *job)
     if (!job->cancelled)
         account_infer(job, qm_now_us());
 }
+
+/* ---- a call ring's job (qm_ring.h) ----
+ * The socket inference's checks, layer and counting, with the answer in
+ * the ring's slot instead of JSON. The request was decoded on the ring's
+ * thread (job->rc says whether it decoded); the rest happens in the
+ * session's order, here. */
+
+static void ring_run(qm_job *job)
+{
+    qm_ring_job *rj = (qm_ring_job *)job;
+    qm_ring_answer a;
+    memset(&a, 0, sizeof a);
+    infer_call c;
+    memset(&c, 0, sizeof c);
+    if (job->rc == 0 && qm_ring_abandoned(rj->ring)) {
+        job->cancelled = 1;
+        job->rc = qm_status_set(&job->st, QM_EIO,
+                                "the client disconnected before this request ran");
+    }
+    if (job->rc == 0 && !qm__job_session_closed(job)) {
+        job->rc = infer_admit(job, &job->st);
+        rj->admitted = job->rc == 0;
+        if (job->rc == 0 && infer_compute(job, &c) == 0)
+            infer_stats(job, &c, 0, qm_now_us(), a.stats);
+    }
+    if (job->rc < 0) {
+        a.code = qm_rpc_code_from_status(job->st.code);
+        snprintf(a.field, sizeof a.field, "%s", job->st.field);
+        snprintf(a.reason, sizeof a.reason, "%s",
+                 job->st.msg[0] ? job->st.msg : qm_rpc_code_name(a.code));
+    }
+    infer_call_free(&c);
+    qm_ring_post(rj, &a);
+}
+
+/* Counted as the socket counts an inference: every call a request of the
+ * daemon's (an error when it failed), and the session's once it was
+ * admitted and not skipped. */
+static void ring_finish(qm_job *job)
+{
+    qm_ring_job *rj = (qm_ring_job *)job;
+    qm_counters *dc = job->mx->counters;
+    dc->requests++;
+    if (job->rc < 0)
+        dc->errors++;
+    if (rj->admitted && !job->cancelled)
+        account_infer(job, rj->answered_us);
+}
+
+const qm_job_ops qm__ring_infer_ops = {.run = ring_run, .finish = ring_finish};
 
 /* Inferences are what queue_depth bounds: they hold the compute. */
 static const qm_job_ops infer_ops = {

@@ -14,9 +14,9 @@ static int model_load(qm_call *k, qm_status *st)
     qm_model *m;
     uint64_t t0 = qm_now_us();
     char *resolved = NULL;
-    int rc = qm_model_path_allowed(mx->registry, p->path, &resolved, st);
+    int rc = qm_model_path_allowed(mx->models, p->path, &resolved, st);
     if (rc == 0)
-        rc = qm_model_load(mx->registry, p->name, resolved ? resolved : p->path, &m, st);
+        rc = qm_model_load(mx->models, p->name, resolved ? resolved : p->path, &m, st);
     qm_free(resolved);
     if (rc < 0)
         return rc;
@@ -31,7 +31,8 @@ static int model_load(qm_call *k, qm_status *st)
 
 static int model_unload(qm_call *k, qm_status *st)
 {
-    int rc = qm_model_unload(k->mx->registry, k->req->params.name, k->req->params.force, st);
+    int rc = qm_registry_unload_model(k->mx->registry, k->req->params.name,
+                                      k->req->params.force, st);
     if (rc < 0)
         return rc;
     qm_jw_obj_begin(k->w);
@@ -46,7 +47,7 @@ static int model_list(qm_call *k, qm_status *st)
     qm_jw_obj_begin(w);
     qm_jw_key(w, "models");
     qm_jw_arr_begin(w);
-    for (qm_model *m = qm_registry_first_model(k->mx->registry); m; m = m->next)
+    for (qm_model *m = k->mx->models->first; m; m = m->next)
         qm_jw_model_summary(w, m);
     qm_jw_arr_end(w);
     qm_jw_obj_end(w);

@@ -90,7 +90,7 @@ static void write_resize_result(qm_jw *w, const void *arg)
 static int create_admit(qm_job *job, qm_status *st)
 {
     qm_session *s;
-    int rc = qm_session_prepare(job->mx->registry, &job->req.params, job->peer_uid, &s, st);
+    int rc = qm_session_prepare(job->mx->sessions, job->mx->models, &job->req.params, job->peer_uid, &s, st);
     if (rc < 0)
         return rc;
     job->session = s;
@@ -100,7 +100,7 @@ static int create_admit(qm_job *job, qm_status *st)
 /* The pagers may copy whole banks and pins: built on a worker. */
 static void create_run(qm_job *job)
 {
-    job->rc = qm_session_build(job->mx->registry, job->session, &job->st);
+    job->rc = qm_session_build(job->mx->sessions, job->session, &job->st);
 }
 
 static void create_finish(qm_job *job)
@@ -112,11 +112,11 @@ static void create_finish(qm_job *job)
                                       "model '%s' was unloaded while the session was built",
                                       m->name);
     if (job->rc < 0) {
-        qm_session_abort(job->mx->registry, s);
+        qm_session_abort(job->mx->sessions, s);
         qm_reply_status(job->reply, job->slot, &job->req, &job->st);
         return;
     }
-    qm_session_commit(job->mx->registry, s);
+    qm_session_commit(job->mx->sessions, s);
     /* Its creator has touched it, unless its connection closed while the
      * session was built: then it is orphaned from the start (marked when
      * the job is handed back). */
@@ -126,7 +126,7 @@ static void create_finish(qm_job *job)
     qm_reply_result(job->reply, job->slot, &job->req, write_create_result, s);
 }
 
-static void create_undo(qm_job *job) { qm_session_abort(job->mx->registry, job->session); }
+static void create_undo(qm_job *job) { qm_session_abort(job->mx->sessions, job->session); }
 
 static const qm_job_ops create_ops = {
     .admit = create_admit, .run = create_run, .finish = create_finish, .undo = create_undo};
@@ -160,7 +160,7 @@ static const qm_job_ops plan_ops = {.run = plan_run, .finish = qm__job_answer};
 
 static int resize_admit(qm_job *job, qm_status *st)
 {
-    return qm_session_resize_reserve(job->mx->registry, job->session,
+    return qm_session_resize_reserve(job->mx->sessions, job->session,
                                      job->req.params.budget_bytes, st);
 }
 
@@ -178,7 +178,7 @@ static void resize_finish(qm_job *job)
 {
     const qm_method_ctx *mx = job->mx;
     qm_session *s = job->session;
-    qm_session_resize_finish(mx->registry, s, job->rc == 0, job->req.params.budget_bytes);
+    qm_session_resize_finish(mx->sessions, s, job->rc == 0, job->req.params.budget_bytes);
     if (!qm_session_closed(s)) {
         /* What the resize evicted and re-copied counts like paging. */
         qm_pager_stats was;
@@ -198,7 +198,7 @@ static void resize_finish(qm_job *job)
 
 static void resize_undo(qm_job *job)
 {
-    qm_session_resize_finish(job->mx->registry, job->session, 0, 0);
+    qm_session_resize_finish(job->mx->sessions, job->session, 0, 0);
 }
 
 static const qm_job_ops resize_ops = {
@@ -215,11 +215,11 @@ static int empty_result(qm_jw *w)
 
 static int session_close(qm_call *k, qm_status *st)
 {
-    qm_session *s = qm_session_find(k->mx->registry, k->req->params.session);
+    qm_session *s = qm_session_find(k->mx->sessions, k->req->params.session);
     if (!s)
         return qm_status_set_field(st, QM_ENOT_FOUND, "session", "no session with that id");
     qm_log(QM_LOG_INFO, "session %s closed by uid %u", qm_session_id(s), (unsigned)k->peer->uid);
-    qm_session_close(k->mx->registry, s);
+    qm_session_close(k->mx->sessions, s);
     return empty_result(k->w);
 }
 
@@ -250,7 +250,7 @@ static int session_list(qm_call *k, qm_status *st)
     qm_jw_obj_begin(w);
     qm_jw_key(w, "sessions");
     qm_jw_arr_begin(w);
-    for (qm_session *s = qm_registry_first_session(k->mx->registry); s; s = qm_session_next(s)) {
+    for (qm_session *s = k->mx->sessions->first; s; s = qm_session_next(s)) {
         if (!k->peer->is_admin && qm_session_owner(s) != k->peer->uid)
             continue;
         qm_jw_obj_begin(w);
@@ -269,33 +269,46 @@ static int session_list(qm_call *k, qm_status *st)
     return 0;
 }
 
-/* session.map: the descriptor that came with the request's first byte
- * (qm_conn_take_fds), checked and mapped; the map id is daemon-wide unique. */
+/* The one descriptor that came with the request's first byte
+ * (qm_conn_take_fds), taken from the call (the caller closes it). */
+static int take_one_fd(qm_call *k, int *fd, qm_status *st)
+{
+    const char *method = qm_method_name(k->req->method);
+    qm_fds none = QM_FDS_NONE, *f = k->fds ? k->fds : &none;
+    if (f->count == 0)
+        return qm_status_set_field(st, QM_EINVAL, "fd",
+                                   "no descriptor came with %s: send one sealed memfd as "
+                                   "SCM_RIGHTS on the sendmsg that carries the request line's "
+                                   "first byte",
+                                   method);
+    if (f->count > 1)
+        return qm_status_set_field(st, QM_EINVAL, "fd",
+                                   "%u descriptors came with %s; expected exactly one (all were "
+                                   "closed)",
+                                   f->count, method);
+    *fd = f->fd;
+    *f = QM_FDS_NONE;
+    return 0;
+}
+
+/* session.map: the descriptor, checked and mapped; the map id is
+ * daemon-wide unique. */
 static int session_map(qm_call *k, qm_status *st)
 {
     const qm_method_ctx *mx = k->mx;
     const qm_params *p = &k->req->params;
-    qm_session *s = qm_session_find(mx->registry, p->session);
+    qm_session *s = qm_session_find(mx->sessions, p->session);
     if (!s)
         return qm_status_set_field(st, QM_ENOT_FOUND, "session", "no session with that id");
-    qm_fds none = QM_FDS_NONE, *f = k->fds ? k->fds : &none;
-    if (f->count == 0)
-        return qm_status_set_field(st, QM_EINVAL, "fd",
-                                   "no descriptor came with session.map: send one sealed memfd "
-                                   "as SCM_RIGHTS on the sendmsg that carries the request "
-                                   "line's first byte");
-    if (f->count > 1)
-        return qm_status_set_field(st, QM_EINVAL, "fd",
-                                   "%u descriptors came with session.map; expected exactly one "
-                                   "(all were closed)",
-                                   f->count);
-    int fd = f->fd;
-    *f = QM_FDS_NONE;
-    qm_shm_map *m;
-    int rc = qm_shm_map_fd(fd, p->bytes, &m, st);
+    int fd = -1;
+    int rc = take_one_fd(k, &fd, st);
     if (rc < 0)
         return rc;
-    m->id = qm_registry_new_map_id(mx->registry);
+    qm_shm_map *m;
+    rc = qm_shm_map_fd(fd, p->bytes, &m, st);
+    if (rc < 0)
+        return rc;
+    m->id = qm_sessions_new_map_id(mx->sessions);
     rc = qm_shm_set_add(qm_session_maps(s), m, mx->cfg->max_mapped_bytes, st);
     if (rc < 0) {
         qm_shm_unref(m);
@@ -312,11 +325,33 @@ static int session_map(qm_call *k, qm_status *st)
 
 static int session_unmap(qm_call *k, qm_status *st)
 {
-    qm_session *s = qm_session_find(k->mx->registry, k->req->params.session);
+    qm_session *s = qm_session_find(k->mx->sessions, k->req->params.session);
     if (!s)
         return qm_status_set_field(st, QM_ENOT_FOUND, "session", "no session with that id");
     int rc = qm_shm_set_remove(qm_session_maps(s), k->req->params.map, st);
     return rc < 0 ? rc : empty_result(k->w);
+}
+
+/* session.ring: the descriptor, a sealed memfd of at least QM_RING_BYTES,
+ * becomes the session's call ring on this connection (qm_ring.h). */
+static int session_ring(qm_call *k, qm_status *st)
+{
+    qm_session *s = qm_session_find(k->mx->sessions, k->req->params.session);
+    if (!s)
+        return qm_status_set_field(st, QM_ENOT_FOUND, "session", "no session with that id");
+    int fd = -1;
+    uint64_t id;
+    int rc = take_one_fd(k, &fd, st);
+    if (rc == 0)
+        rc = qm_ring_open(k->mx->rings, s, k->conn, fd, &id, st);
+    if (rc < 0)
+        return rc;
+    qm_jw_obj_begin(k->w);
+    qm_jw_member_u64(k->w, "ring", id);
+    qm_jw_member_u64(k->w, "bytes", QM_RING_BYTES);
+    qm_jw_member_u64(k->w, "version", QM_RING_VERSION);
+    qm_jw_obj_end(k->w);
+    return 0;
 }
 
 /* session.plan always takes the session's queue: its resident_now comes
@@ -339,3 +374,5 @@ QM__METHOD_ROW(SESSION_MAP, .handler = session_map, .role = QM_ROLE_USER,
                .session = QM_SESSION_REQUIRED, .queued = QM_QUEUE_BEHIND, .takes_fds = 1);
 QM__METHOD_ROW(SESSION_UNMAP, .handler = session_unmap, .role = QM_ROLE_USER,
                .session = QM_SESSION_REQUIRED, .queued = QM_QUEUE_BEHIND);
+QM__METHOD_ROW(SESSION_RING, .handler = session_ring, .role = QM_ROLE_USER,
+               .session = QM_SESSION_REQUIRED, .queued = QM_QUEUE_BEHIND, .takes_fds = 1);

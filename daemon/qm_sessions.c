@@ -2,7 +2,7 @@
  * plan, a placement over the daemon's devices with one pager per device
  * that holds layers, and admission of their budgets against the devices'.
  * Loop thread only, except what qm_sessions.h gives a worker. */
-#include "qm_registry_impl.h"
+#include "qm_sessions.h"
 
 #include <errno.h>
 #include <pthread.h>
@@ -52,7 +52,7 @@ struct qm_session {
     int share_joined;
     uint64_t share_budget;
     qm_pager_stats share_stats;
-    int refs;                 /* registry + queued jobs */
+    atomic_int refs;          /* registry + queued jobs + call rings (taken by a ring's thread too) */
     atomic_int closed;        /* set by the loop; workers answer not_found after it */
     qm_counters counters;
     qm_pager_stats last_stats; /* the pagers' cumulative stats after the last job */
@@ -62,9 +62,9 @@ struct qm_session {
     qm_session *next;
 };
 
-qm_session *qm_session_find(const qm_registry *r, const char *id)
+qm_session *qm_session_find(const qm_sessions *ss, const char *id)
 {
-    for (qm_session *s = r->sessions; s; s = s->next)
+    for (qm_session *s = ss->first; s; s = s->next)
         if (strcmp(s->id, id) == 0)
             return s;
     return NULL;
@@ -73,6 +73,7 @@ qm_session *qm_session_find(const qm_registry *r, const char *id)
 static void session_free(qm_session *s)
 {
     qm_shm_set_release_all(&s->maps);
+    qm_shm_set_destroy(&s->maps);
     qm_touches_free(&s->touches);
     if (s->share_joined)
         qm_share_leave(s->share, s->share_budget);
@@ -86,54 +87,60 @@ static void session_free(qm_session *s)
     qm_free(s);
 }
 
-void qm_session_ref(qm_session *s) { s->refs++; }
+void qm_session_ref(qm_session *s) { atomic_fetch_add(&s->refs, 1); }
 
+/* The last reference goes on the loop thread: a ring's thread only takes
+ * references while its ring holds one. */
 void qm_session_unref(qm_session *s)
 {
-    if (s && --s->refs == 0)
+    if (s && atomic_fetch_sub(&s->refs, 1) == 1)
         session_free(s);
 }
 
 /* Gives the session's reservation back, on every device it holds. */
-static void session_release_admission(qm_registry *r, qm_session *s)
+static void session_release_admission(qm_sessions *ss, qm_session *s)
 {
-    for (uint32_t i = 0; i < r->devices->n; i++)
-        r->devices->dev[i].admitted -= s->device_admitted[i];
+    for (uint32_t i = 0; i < ss->devices->n; i++)
+        ss->devices->dev[i].admitted -= s->device_admitted[i];
 }
 
-void qm_session_close(qm_registry *r, qm_session *s)
+void qm_session_close(qm_sessions *ss, qm_session *s)
 {
-    for (qm_session **pp = &r->sessions; *pp; pp = &(*pp)->next) {
+    for (qm_session **pp = &ss->first; *pp; pp = &(*pp)->next) {
         if (*pp == s) {
             *pp = s->next;
-            r->n_sessions--;
-            session_release_admission(r, s);
+            ss->n--;
+            session_release_admission(ss, s);
             atomic_store(&s->closed, 1);
             s->next = NULL;
             /* Its maps go now; jobs still queued hold the ones they use. */
             qm_shm_set_release_all(&s->maps);
+            if (ss->on_close)
+                ss->on_close(ss->on_close_arg, s);
             qm_session_unref(s);
             return;
         }
     }
 }
 
-void qm__sessions_close_model(qm_registry *r, const qm_model *m)
+void qm_sessions_close_model(qm_sessions *ss, const qm_model *m)
 {
-    for (qm_session *s = r->sessions, *next; s; s = next) {
+    for (qm_session *s = ss->first, *next; s; s = next) {
         next = s->next;
         if (!m || s->model == m)
-            qm_session_close(r, s);
+            qm_session_close(ss, s);
     }
 }
 
-size_t qm__sessions_of_model(const qm_registry *r, const qm_model *m)
+size_t qm_sessions_of_model(const qm_sessions *ss, const qm_model *m)
 {
     size_t n = 0;
-    for (const qm_session *s = r->sessions; s; s = s->next)
+    for (const qm_session *s = ss->first; s; s = s->next)
         n += s->model == m;
     return n;
 }
+
+uint64_t qm_sessions_new_map_id(qm_sessions *ss) { return ++ss->next_map_id; }
 
 static int random_id(char out[QM_SESSION_ID_LEN + 1], qm_status *st)
 {
@@ -163,11 +170,11 @@ static uint64_t device_free(const qm_device *dv)
  * `share` of the budget + a workspace) against `free_bytes` (a resize counts
  * what the session holds there already). With one device the device's
  * budget is the daemon-wide budget, and the sentence says so. */
-static int device_refusal(const qm_registry *r, uint32_t i, unsigned long long need, uint64_t share,
+static int device_refusal(const qm_sessions *ss, uint32_t i, unsigned long long need, uint64_t share,
                           uint64_t budget, uint64_t workspace, uint64_t free_bytes, qm_status *st)
 {
-    const qm_device *dv = &r->devices->dev[i];
-    if (r->devices->n == 1)
+    const qm_device *dv = &ss->devices->dev[i];
+    if (ss->devices->n == 1)
         return qm_status_set_field(st, QM_ERESOURCE_EXHAUSTED, "budget_bytes",
                                    "session needs %llu bytes (budget %llu + workspace %llu) but "
                                    "only %llu bytes of the daemon-wide budget %llu are free",
@@ -189,11 +196,11 @@ static int device_refusal(const qm_registry *r, uint32_t i, unsigned long long n
  * device that gets layers charged its share of the budget plus a workspace
  * (its pager's scratch). QM_ERESOURCE_EXHAUSTED naming the device when one
  * cannot take its share. */
-static int admit_on_devices(qm_registry *r, const qm_model *m, uint64_t budget,
+static int admit_on_devices(qm_sessions *ss, const qm_model *m, uint64_t budget,
                             uint64_t workspace, qm_placement *pl, uint64_t *dev_need,
                             qm_status *st)
 {
-    const qm_devices *ds = r->devices;
+    const qm_devices *ds = ss->devices;
     uint64_t free_bytes[QM_CONFIG_MAX_DEVICES], weight[QM_CONFIG_MAX_DEVICES];
     for (uint32_t i = 0; i < ds->n; i++) {
         free_bytes[i] = device_free(&ds->dev[i]);
@@ -207,7 +214,7 @@ static int admit_on_devices(qm_registry *r, const qm_model *m, uint64_t budget,
         if (!pl->bytes[i])
             continue;
         if (qm_add_u64(pl->budget[i], workspace, &need) < 0 || need > free_bytes[i]) {
-            rc = device_refusal(r, i, need, pl->budget[i], budget, workspace, free_bytes[i], st);
+            rc = device_refusal(ss, i, need, pl->budget[i], budget, workspace, free_bytes[i], st);
             qm_placement_free(pl);
             return rc;
         }
@@ -218,13 +225,13 @@ static int admit_on_devices(qm_registry *r, const qm_model *m, uint64_t budget,
 
 /* policy_params.share_residency: what may share (docs/PAGING.md "Shared
  * residency"), refused naming the member and the rule. */
-static int share_check(const qm_registry *r, const qm_policy_params_wire *pw, qm_status *st)
+static int share_check(const qm_sessions *ss, const qm_policy_params_wire *pw, qm_status *st)
 {
     const char *f = "policy_params.share_residency";
-    const qm_device *d = &r->devices->dev[0];
+    const qm_device *d = &ss->devices->dev[0];
     int kind = qm_backend_kind_find(d->info.kind, strlen(d->info.kind));
     unsigned caps = kind < 0 ? 0 : qm_backend_kind_caps((size_t)kind);
-    if (r->devices->n != 1 || !(caps & QM_BACKEND_CAP_SHARED_POOL)) {
+    if (ss->devices->n != 1 || !(caps & QM_BACKEND_CAP_SHARED_POOL)) {
         char kinds[96] = ""; /* the registry's kinds that share pools */
         for (size_t i = 0; i < qm_backend_kind_count(); i++)
             if (qm_backend_kind_caps(i) & QM_BACKEND_CAP_SHARED_POOL)
@@ -233,8 +240,8 @@ static int share_check(const qm_registry *r, const qm_policy_params_wire *pw, qm
         return qm_status_set_field(st, QM_EINVAL, f,
                                    "policy_params.share_residency needs a daemon with one device "
                                    "of the %s backend; this one serves %u device%s (%s%s)",
-                                   kinds, r->devices->n, r->devices->n == 1 ? "" : "s", d->name,
-                                   r->devices->n > 1 ? ", ..." : "");
+                                   kinds, ss->devices->n, ss->devices->n == 1 ? "" : "s", d->name,
+                                   ss->devices->n > 1 ? ", ..." : "");
     }
     const char *other = pw->hot ? "hot" : pw->record_trace ? "record_trace"
                         : pw->has_min_split_bytes ? "min_split_bytes" : NULL;
@@ -246,30 +253,31 @@ static int share_check(const qm_registry *r, const qm_policy_params_wire *pw, qm
     return 0;
 }
 
-/* Where a session's pager reads units and how. paging_source auto reads a
- * paged session's units from disk on a host-visible backend (the CPU), so
- * its budget bounds the memory the bank takes instead of the page cache
- * holding the file; io_engine and io_depth say how the reads are made. */
-static void session_disk_options(const qm_registry *r, const qm_residency_plan *plan,
+/* Where a session's pager reads units and how: the configuration's
+ * paging_source for a plan (auto reads a paged session's units from disk
+ * on a host-visible backend, the CPU, so its budget bounds the memory the
+ * bank takes instead of the page cache holding the file), and io_engine
+ * and io_depth for the disk source's reads. */
+static void session_disk_options(const qm_sessions *ss, const qm_residency_plan *plan,
                                  qm_pager_options *o)
 {
-    const char *src = r->cfg->paging_source;
-    if (strcmp(src, "direct") == 0 ||
-        (strcmp(src, "auto") == 0 && qm_devices_host_visible(r->devices) &&
-         qm_plan_per_expert_count(plan) > 0))
-        o->source = QM_PAGER_SOURCE_DIRECT;
-    int engine = qm_pager_io_parse(r->cfg->io_engine);
-    o->io_engine = engine < 0 ? QM_PAGER_IO_AUTO : engine;
-    o->io_depth = r->cfg->io_depth;
+    int source = ss->cfg->paging_source;
+    if (source == QM_PAGER_SOURCE_AUTO)
+        source = qm_devices_host_visible(ss->devices) && qm_plan_per_expert_count(plan) > 0
+                     ? QM_PAGER_SOURCE_DIRECT
+                     : QM_PAGER_SOURCE_MMAP;
+    o->source = source;
+    o->io_engine = ss->cfg->io_engine;
+    o->io_depth = ss->cfg->io_depth;
 }
 
 /* The pool s joins: the one of its model, policy and knobs, or a new one
  * with a policy, plan and placement of its own made from the same
  * parameters (the first member's budget until members join it). */
-static int share_find_or_make(qm_registry *r, qm_session *s, const qm_policy_params_wire *pw,
+static int share_find_or_make(qm_sessions *ss, qm_session *s, const qm_policy_params_wire *pw,
                               const qm_policy_params *pp, uint64_t budget, qm_status *st)
 {
-    int rc = share_check(r, pw, st);
+    int rc = share_check(ss, pw, st);
     if (rc < 0)
         return rc;
     const char *names[QM_POLICY_VALUES_MAX];
@@ -283,7 +291,7 @@ static int share_find_or_make(qm_registry *r, qm_session *s, const qm_policy_par
     char key[256];
     qm_share_key(key, sizeof key, s->model->name, s->policy_name, prefetch, on_miss, names, values,
                  pp->n_values);
-    qm_share *p = qm_share_find(r->shares, s->model->bank, key);
+    qm_share *p = qm_share_find(ss->shares, s->model->bank, key);
     if (p) {
         qm_share_ref(p);
         s->share = p;
@@ -301,9 +309,9 @@ static int share_find_or_make(qm_registry *r, qm_session *s, const qm_policy_par
         rc = qm_placement_make(s->model->bank, 1, NULL, budget, &pl, st);
     qm_pager_options o = {.prefetch = prefetch, .on_miss = on_miss < 0 ? QM_ON_MISS_PAGE : on_miss};
     if (rc == 0)
-        session_disk_options(r, plan, &o);
+        session_disk_options(ss, plan, &o);
     if (rc == 0) {
-        s->share = qm_share_new(&r->shares, s->model->bank, key, &policy, &plan, &pl, &o);
+        s->share = qm_share_new(&ss->shares, s->model->bank, key, &policy, &plan, &pl, &o);
         if (!s->share)
             rc = qm_status_set(st, QM_ENOMEM, "out of memory");
     }
@@ -313,13 +321,13 @@ static int share_find_or_make(qm_registry *r, qm_session *s, const qm_policy_par
     return rc;
 }
 
-int qm_session_prepare(qm_registry *r, const qm_params *p, uid_t owner, qm_session **out,
-                       qm_status *st)
+int qm_session_prepare(qm_sessions *ss, const qm_models *ms, const qm_params *p, uid_t owner,
+                       qm_session **out, qm_status *st)
 {
     const char *policy = p->policy ? p->policy : qm_policy_default_name();
     if (qm_policy_params_check(policy, NULL, st) < 0) /* the name: offered over the socket? */
         return QM_EINVAL;
-    qm_model *m = qm_model_find(r, p->model);
+    qm_model *m = qm_model_find(ms, p->model);
     if (!m)
         return qm_status_set_field(st, QM_ENOT_FOUND, "model", "no model named '%.64s' is loaded",
                                    p->model);
@@ -331,7 +339,7 @@ int qm_session_prepare(qm_registry *r, const qm_params *p, uid_t owner, qm_sessi
         /* The decoder refused '/', "." and ".."; a name ending in .hot would
          * overwrite a model's hotness profile in the same directory. */
         size_t n = strlen(pw->record_trace);
-        if (!r->cfg->state_dir)
+        if (!ss->cfg->state_dir)
             return qm_status_set_field(st, QM_EINVAL, "policy_params.record_trace",
                                        "policy_params.record_trace needs a state dir; this "
                                        "daemon runs without one (state_dir)");
@@ -368,22 +376,22 @@ int qm_session_prepare(qm_registry *r, const qm_params *p, uid_t owner, qm_sessi
             }
         }
     }
-    if (r->n_sessions >= r->cfg->max_sessions) {
-        qm_limit_hit(r->limits, QM_LIMIT_MAX_SESSIONS, "max_sessions %u reached",
-                     r->cfg->max_sessions);
+    if (ss->n >= ss->cfg->max_sessions) {
+        qm_limit_hit(ss->limits, QM_LIMIT_MAX_SESSIONS, "max_sessions %u reached",
+                     ss->cfg->max_sessions);
         return qm_status_set(st, QM_ERESOURCE_EXHAUSTED,
                              "max_sessions %u reached; close a session first",
-                             r->cfg->max_sessions);
+                             ss->cfg->max_sessions);
     }
     uint64_t budget = p->has_budget ? p->budget_bytes : m->bytes_total;
-    uint64_t workspace = r->cfg->session_workspace_bytes;
+    uint64_t workspace = ss->cfg->session_workspace_bytes;
     qm_placement pl = {0};
     uint64_t dev_need[QM_CONFIG_MAX_DEVICES] = {0};
-    int rc = admit_on_devices(r, m, budget, workspace, &pl, dev_need, st);
+    int rc = admit_on_devices(ss, m, budget, workspace, &pl, dev_need, st);
     if (rc < 0)
         return rc == QM_ENOMEM ? rc : QM_ERESOURCE_EXHAUSTED;
     uint64_t need = 0;
-    for (uint32_t i = 0; i < r->devices->n; i++)
+    for (uint32_t i = 0; i < ss->devices->n; i++)
         need += dev_need[i];
 
     qm_session *s = qm_calloc(1, sizeof *s);
@@ -391,9 +399,10 @@ int qm_session_prepare(qm_registry *r, const qm_params *p, uid_t owner, qm_sessi
         qm_placement_free(&pl);
         return qm_status_set(st, QM_ENOMEM, "out of memory");
     }
+    qm_shm_set_init(&s->maps);
     s->placement = pl;
-    for (uint32_t i = 0; i < r->devices->n; i++)
-        snprintf(s->device_names[i], sizeof s->device_names[i], "%s", r->devices->dev[i].name);
+    for (uint32_t i = 0; i < ss->devices->n; i++)
+        snprintf(s->device_names[i], sizeof s->device_names[i], "%s", ss->devices->dev[i].name);
     rc = random_id(s->id, st);
     if (rc < 0)
         goto fail;
@@ -407,13 +416,13 @@ int qm_session_prepare(qm_registry *r, const qm_params *p, uid_t owner, qm_sessi
     s->admitted_bytes = need;
     s->created_at = (int64_t)time(NULL);
     if (pw->record_trace) {
-        size_t n = strlen(r->cfg->state_dir) + strlen(pw->record_trace) + 2;
+        size_t n = strlen(ss->cfg->state_dir) + strlen(pw->record_trace) + 2;
         s->trace_path = qm_malloc(n);
         if (!s->trace_path) {
             rc = qm_status_set(st, QM_ENOMEM, "out of memory");
             goto fail;
         }
-        snprintf(s->trace_path, n, "%s/%s", r->cfg->state_dir, pw->record_trace);
+        snprintf(s->trace_path, n, "%s/%s", ss->cfg->state_dir, pw->record_trace);
     }
 
     /* The hot lists of a policy that takes them, indexed by layer. */
@@ -450,7 +459,7 @@ int qm_session_prepare(qm_registry *r, const qm_params *p, uid_t owner, qm_sessi
     }
     rc = qm_policy_new(policy, &pp, &s->policy, st);
     if (rc == 0 && pw->share_residency)
-        rc = share_find_or_make(r, s, pw, &pp, budget, st);
+        rc = share_find_or_make(ss, s, pw, &pp, budget, st);
     qm_free(hot);
     qm_free(hot_len);
     if (rc < 0)
@@ -472,19 +481,19 @@ int qm_session_prepare(qm_registry *r, const qm_params *p, uid_t owner, qm_sessi
                                           .on_miss = qm_on_miss_parse(pw->on_miss)};
     if (s->pager_options.on_miss < 0)
         s->pager_options.on_miss = QM_ON_MISS_PAGE; /* absent */
-    session_disk_options(r, s->plan, &s->pager_options);
+    session_disk_options(ss, s->plan, &s->pager_options);
     /* A fast session of its own on the CPU: its whole banks in the decode
      * GEMV's r8 layout (a copy in its arena; the pager decides whether this
      * process's kernels read it: docs/PAGING.md). A shared pool stays in
      * the bank's layout: its members may be exact. */
-    s->pager_options.interleave = r->cfg->cpu_repack && s->precision_fast && !s->share &&
-                                  qm_devices_host_visible(r->devices);
+    s->pager_options.interleave = ss->cfg->cpu_repack && s->precision_fast && !s->share &&
+                                  qm_devices_host_visible(ss->devices);
     /* Reserved now, so creations in flight cannot overcommit the device
      * budget while their pagers are built off the loop thread. */
-    s->refs = 1;
-    r->n_sessions++;
-    for (uint32_t i = 0; i < r->devices->n; i++)
-        r->devices->dev[i].admitted += s->device_admitted[i] = dev_need[i];
+    atomic_init(&s->refs, 1);
+    ss->n++;
+    for (uint32_t i = 0; i < ss->devices->n; i++)
+        ss->devices->dev[i].admitted += s->device_admitted[i] = dev_need[i];
     *out = s;
     return 0;
 fail:
@@ -501,12 +510,12 @@ static void session_where(const qm_session *s, uint32_t i, char *out, size_t cap
         snprintf(out, cap, "session %s", s->id);
 }
 
-int qm_session_build(const qm_registry *r, qm_session *s, qm_status *st)
+int qm_session_build(const qm_sessions *ss, qm_session *s, qm_status *st)
 {
     /* The pagers read the mapping (whole banks, pins, preload): the bank
      * file must be whole before, and still after. */
     qm_backend *backends[QM_CONFIG_MAX_DEVICES];
-    qm_devices_backends(r->devices, backends);
+    qm_devices_backends(ss->devices, backends);
     int rc = qm_model_check(s->model, st);
     if (s->share) {
         if (rc == 0)
@@ -567,17 +576,17 @@ int qm_session_build(const qm_registry *r, qm_session *s, qm_status *st)
     return 0;
 }
 
-void qm_session_commit(qm_registry *r, qm_session *s)
+void qm_session_commit(qm_sessions *ss, qm_session *s)
 {
     s->counters.resident_bytes = s->last_stats.resident_bytes;
     char args[192];
     snprintf(args, sizeof args, "{\"policy\":\"%s\",\"resident\":%zu,\"degraded\":%zu,\"total\":%zu}",
              s->policy_name, qm_plan_resident_count(s->plan), qm_plan_degraded_count(s->plan),
              qm_plan_total(s->plan));
-    qm_trace_add(r->trace, "session.residency_plan", s->plan_start_us, s->plan_us, s->id, args,
+    qm_trace_add(ss->trace, "session.residency_plan", s->plan_start_us, s->plan_us, s->id, args,
                  &s->plan_span);
-    s->next = r->sessions;
-    r->sessions = s;
+    s->next = ss->first;
+    ss->first = s;
     qm_log(QM_LOG_INFO,
            "session %s created: model %s, policy %s, budget %llu, uid %u, %llu bytes of whole "
            "banks mapped in, %llu laid out for the fast CPU decode (r8)",
@@ -603,22 +612,22 @@ static int session_device_need(const qm_session *s, uint64_t budget, uint64_t *s
 
 /* A growth that device i cannot take: `more` bytes beyond what the session
  * holds there. */
-static int resize_refusal(const qm_registry *r, const qm_session *s, uint32_t i, uint64_t need,
+static int resize_refusal(const qm_sessions *ss, const qm_session *s, uint32_t i, uint64_t need,
                           uint64_t share, uint64_t budget, uint64_t more, uint64_t free_bytes,
                           qm_status *st)
 {
-    if (r->devices->n == 1)
+    if (ss->devices->n == 1)
         return qm_status_set_field(
             st, QM_ERESOURCE_EXHAUSTED, "budget_bytes",
             "growing the session to a budget of %llu needs %llu more bytes but only %llu "
             "bytes of the daemon-wide budget %llu are free",
             (unsigned long long)budget, (unsigned long long)more, (unsigned long long)free_bytes,
-            (unsigned long long)r->devices->dev[i].budget);
-    return device_refusal(r, i, need, share, budget, s->workspace_bytes,
+            (unsigned long long)ss->devices->dev[i].budget);
+    return device_refusal(ss, i, need, share, budget, s->workspace_bytes,
                           free_bytes + s->device_admitted[i], st);
 }
 
-int qm_session_resize_reserve(qm_registry *r, qm_session *s, uint64_t budget, qm_status *st)
+int qm_session_resize_reserve(qm_sessions *ss, qm_session *s, uint64_t budget, qm_status *st)
 {
     /* Growth admitted per device against that device's free budget (the
      * refusal of session.create's admission), all or nothing. */
@@ -631,15 +640,15 @@ int qm_session_resize_reserve(qm_registry *r, qm_session *s, uint64_t budget, qm
         if (need[i] <= s->device_admitted[i])
             continue;
         uint64_t more = need[i] - s->device_admitted[i];
-        uint64_t free_bytes = device_free(&r->devices->dev[i]);
+        uint64_t free_bytes = device_free(&ss->devices->dev[i]);
         if (more > free_bytes)
-            return resize_refusal(r, s, i, need[i], share[i], budget, more, free_bytes, st);
+            return resize_refusal(ss, s, i, need[i], share[i], budget, more, free_bytes, st);
     }
     for (uint32_t i = 0; i < n; i++) {
         if (need[i] <= s->device_admitted[i])
             continue;
         uint64_t more = need[i] - s->device_admitted[i];
-        r->devices->dev[i].admitted += more;
+        ss->devices->dev[i].admitted += more;
         s->admitted_bytes += more;
         s->device_admitted[i] = need[i];
     }
@@ -647,7 +656,7 @@ int qm_session_resize_reserve(qm_registry *r, qm_session *s, uint64_t budget, qm
     return 0;
 }
 
-void qm_session_resize_finish(qm_registry *r, qm_session *s, int ok, uint64_t budget)
+void qm_session_resize_finish(qm_sessions *ss, qm_session *s, int ok, uint64_t budget)
 {
     if (s->resizes_pending)
         s->resizes_pending--;
@@ -664,17 +673,17 @@ void qm_session_resize_finish(qm_registry *r, qm_session *s, int ok, uint64_t bu
         if (s->device_admitted[i] <= need[i])
             continue;
         uint64_t less = s->device_admitted[i] - need[i];
-        r->devices->dev[i].admitted -= less;
+        ss->devices->dev[i].admitted -= less;
         s->admitted_bytes -= less;
         s->device_admitted[i] = need[i];
     }
 }
 
-void qm_session_abort(qm_registry *r, qm_session *s)
+void qm_session_abort(qm_sessions *ss, qm_session *s)
 {
     atomic_store(&s->closed, 1); /* never served: nothing may mark or use it */
-    r->n_sessions--;
-    session_release_admission(r, s);
+    ss->n--;
+    session_release_admission(ss, s);
     qm_session_unref(s);
 }
 

@@ -145,6 +145,30 @@ static const metric_def metrics[] = {
      "Expert accesses run on the host CPU from the bank mapping instead of being paged in "
      "(policy_params.on_miss host or auto).",
      1, COFF(expert_host_runs), {POFF(host_runs), NO_STAT}},
+    {"predict_router_predicted", "Experts predicted by the next layer's router on the call's hidden states (resident or not).", 1,
+     COFF(predict_router_predicted), {POFF(predict_router_predicted), NO_STAT}},
+    {"predict_router_correct", "Experts predicted by router that the call they were about used.", 1,
+     COFF(predict_router_correct), {POFF(predict_router_correct), NO_STAT}},
+    {"predict_router_actual", "Experts used by the calls router made a prediction about.", 1,
+     COFF(predict_router_actual), {POFF(predict_router_actual), NO_STAT}},
+    {"predict_router_gated", "Forward calls on which router was switched off as imprecise.", 1,
+     COFF(predict_router_gated), {POFF(predict_router_gated), NO_STAT}},
+    {"predict_history_predicted", "Experts predicted by the next layer's recent calls (resident or not).", 1,
+     COFF(predict_history_predicted), {POFF(predict_history_predicted), NO_STAT}},
+    {"predict_history_correct", "Experts predicted by history that the call they were about used.", 1,
+     COFF(predict_history_correct), {POFF(predict_history_correct), NO_STAT}},
+    {"predict_history_actual", "Experts used by the calls history made a prediction about.", 1,
+     COFF(predict_history_actual), {POFF(predict_history_actual), NO_STAT}},
+    {"predict_history_gated", "Forward calls on which history was switched off as imprecise.", 1,
+     COFF(predict_history_gated), {POFF(predict_history_gated), NO_STAT}},
+    {"predict_lookahead_predicted", "Experts predicted by the router of the layer after next on the call's hidden states (resident or not).", 1,
+     COFF(predict_lookahead_predicted), {POFF(predict_lookahead_predicted), NO_STAT}},
+    {"predict_lookahead_correct", "Experts predicted by lookahead that the call they were about used.", 1,
+     COFF(predict_lookahead_correct), {POFF(predict_lookahead_correct), NO_STAT}},
+    {"predict_lookahead_actual", "Experts used by the calls lookahead made a prediction about.", 1,
+     COFF(predict_lookahead_actual), {POFF(predict_lookahead_actual), NO_STAT}},
+    {"predict_lookahead_gated", "Forward calls on which lookahead was switched off as imprecise.", 1,
+     COFF(predict_lookahead_gated), {POFF(predict_lookahead_gated), NO_STAT}},
     {"disk_busy_us",
      "Microseconds direct disk paging had at least one read in flight; bytes_read_disk / "
      "disk_busy_us is the disk's measured read rate.",
@@ -221,7 +245,7 @@ void qm_jw_counters(qm_jw *w, const qm_counters *c)
 const char *const qm_limit_names[QM_LIMIT_COUNT] = {
     "max_request_bytes", "max_nesting",  "max_batch",      "max_connections",  "max_sessions",
     "max_output_bytes",  "queue_depth",  "idle_timeout_s", "frames_per_wakeup",
-    "frame_timeout_s",   "output_stall",
+    "frame_timeout_s",   "output_stall", "max_rings",
 };
 
 void qm_limit_count(qm_limits *l, int limit) { l->hits[limit]++; }

@@ -32,6 +32,15 @@ typedef struct qm_counters {
     uint64_t requests, errors, tokens, expert_hits, expert_misses, bytes_paged_h2d, evictions,
         prefetch_issued, prefetch_useful, resident_bytes, bytes_read_disk, stall_us,
         expert_host_runs;
+    /* Prediction, per source (router, history, lookahead): experts
+     * predicted, of them used by the call they were about, the experts those
+     * calls used, forward calls the source sat out (gated). */
+    uint64_t predict_router_predicted, predict_router_correct, predict_router_actual,
+        predict_router_gated, predict_history_predicted, predict_history_correct,
+        predict_history_actual, predict_history_gated, predict_lookahead_predicted,
+        predict_lookahead_correct, predict_lookahead_actual, predict_lookahead_gated;
+    /* Direct disk paging's I/O engine: time with reads in flight, calls
+     * with reads in flight and the sum of each one's most, the most. */
     uint64_t disk_busy_us, read_calls, reads_in_flight_sum, reads_in_flight_peak;
     qm_hist latency; /* session.infer end to end, microseconds */
     /* Daemon-wide only, outside the table: sessions the orphan reclaim
@@ -67,6 +76,7 @@ enum {
     QM_LIMIT_FRAMES_PER_WAKEUP,
     QM_LIMIT_FRAME_TIMEOUT,
     QM_LIMIT_OUTPUT_STALL,
+    QM_LIMIT_MAX_RINGS,
     QM_LIMIT_COUNT
 };
 extern const char *const qm_limit_names[QM_LIMIT_COUNT]; /* the config keys */

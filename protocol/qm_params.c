@@ -31,6 +31,19 @@ static int bad(qm_status *st, const char *field, const char *fmt, ...)
     return QM_EINVAL;
 }
 
+const char *qm__json_type_name(const cJSON *v)
+{
+    static const struct {
+        cJSON_bool (*is)(const cJSON *const item);
+        const char *name;
+    } kinds[] = {{cJSON_IsString, "a string"}, {cJSON_IsNumber, "a number"},
+                 {cJSON_IsBool, "a boolean"},  {cJSON_IsNull, "null"},
+                 {cJSON_IsArray, "an array"},  {cJSON_IsObject, "an object"}};
+    for (size_t i = 0; i < sizeof kinds / sizeof kinds[0]; i++)
+        if (kinds[i].is(v)) return kinds[i].name;
+    return "invalid";
+}
+
 /* "PATH must be WHAT, got TYPE" for a member of the wrong JSON type. */
 static int wrong_type(qm_status *st, const char *path, const char *what, const cJSON *v)
 {
@@ -194,18 +207,25 @@ static int get_bool(const cJSON *obj, const char *key, const char *prefix, int *
 /* {map, offset} of a mapped tensor or of output_to: the map id (an integer
  * below 2^53) and an offset that is a multiple of QM_MAP_ALIGN. Whether the
  * region lies inside the map is the daemon's check (it knows the map). */
-static int parse_region(const cJSON *obj, const char *path, qm_tensor *out, qm_status *st)
+int qm__map_offset_check(const char *path, uint64_t offset, qm_status *st)
 {
     char sub[112];
+    suffixed(sub, sizeof sub, path, ".offset");
+    if (offset % QM_MAP_ALIGN != 0)
+        return bad(st, sub, "%s is %llu; it must be a multiple of %d", sub,
+                   (unsigned long long)offset, QM_MAP_ALIGN);
+    return 0;
+}
+
+static int parse_region(const cJSON *obj, const char *path, qm_tensor *out, qm_status *st)
+{
     int rc = get_uint(obj, "map", path, 1, UINT64_MAX, NULL, &out->map, st);
     if (rc == 0)
         rc = get_uint(obj, "offset", path, 1, UINT64_MAX, NULL, &out->offset, st);
+    if (rc == 0)
+        rc = qm__map_offset_check(path, out->offset, st);
     if (rc < 0)
         return rc;
-    suffixed(sub, sizeof sub, path, ".offset");
-    if (out->offset % QM_MAP_ALIGN != 0)
-        return bad(st, sub, "%s is %llu; it must be a multiple of %d", sub,
-                   (unsigned long long)out->offset, QM_MAP_ALIGN);
     out->mapped = 1;
     return 0;
 }
@@ -614,22 +634,35 @@ static int decode_topk(const cJSON *params, qm_params *out, qm_status *st)
         return bad(st, "topk_weights", "topk_weights is required with topk_ids (both or neither)");
     if (!has_ids)
         return bad(st, "topk_ids", "topk_ids is required with topk_weights (both or neither)");
-    if (out->has_router_logits)
-        return bad(st, "router_logits",
-                   "router_logits must be absent when topk_ids and topk_weights are given");
     out->has_topk = 1;
-    const uint64_t *is = out->topk_ids.shape, *ws = out->topk_weights.shape;
-    if (is[0] != out->hidden.shape[0])
-        return bad(st, "topk_ids.shape", "topk_ids.shape[0] is %llu but hidden has %llu tokens",
-                   (unsigned long long)is[0], (unsigned long long)out->hidden.shape[0]);
-    if (is[1] == 0)
-        return bad(st, "topk_ids.shape", "topk_ids.shape[1] is 0; expected 1 to the model's "
-                                         "expert count");
-    if (ws[0] != is[0] || ws[1] != is[1])
-        return bad(st, "topk_weights.shape",
-                   "topk_weights.shape is [%llu, %llu] but topk_ids.shape is [%llu, %llu]",
-                   (unsigned long long)ws[0], (unsigned long long)ws[1],
-                   (unsigned long long)is[0], (unsigned long long)is[1]);
+    return 0;
+}
+
+int qm__infer_shapes_check(const qm_params *p, qm_status *st)
+{
+    if (p->has_topk) {
+        if (p->has_router_logits)
+            return bad(st, "router_logits",
+                       "router_logits must be absent when topk_ids and topk_weights are given");
+        const uint64_t *is = p->topk_ids.shape, *ws = p->topk_weights.shape;
+        if (is[0] != p->hidden.shape[0])
+            return bad(st, "topk_ids.shape",
+                       "topk_ids.shape[0] is %llu but hidden has %llu tokens",
+                       (unsigned long long)is[0], (unsigned long long)p->hidden.shape[0]);
+        if (is[1] == 0)
+            return bad(st, "topk_ids.shape", "topk_ids.shape[1] is 0; expected 1 to the model's "
+                                             "expert count");
+        if (ws[0] != is[0] || ws[1] != is[1])
+            return bad(st, "topk_weights.shape",
+                       "topk_weights.shape is [%llu, %llu] but topk_ids.shape is [%llu, %llu]",
+                       (unsigned long long)ws[0], (unsigned long long)ws[1],
+                       (unsigned long long)is[0], (unsigned long long)is[1]);
+    }
+    if (p->has_router_logits && p->router_logits.shape[0] != p->hidden.shape[0])
+        return bad(st, "router_logits.shape",
+                   "router_logits.shape[0] is %llu but hidden has %llu tokens",
+                   (unsigned long long)p->router_logits.shape[0],
+                   (unsigned long long)p->hidden.shape[0]);
     return 0;
 }
 
@@ -736,6 +769,7 @@ int qm__params_decode(qm_method m, const cJSON *params, qm_params *out, qm_statu
         return rc;
     case QM_METHOD_SESSION_CLOSE:
     case QM_METHOD_SESSION_PLAN:
+    case QM_METHOD_SESSION_RING:
         return session_members(params, by_session, 1, out, st);
     case QM_METHOD_SESSION_RESIZE:
         rc = session_members(params, resize, 1, out, st);
@@ -754,12 +788,8 @@ int qm__params_decode(qm_method m, const cJSON *params, qm_params *out, qm_statu
                             &out->router_logits, st);
         if (rc == 0)
             rc = decode_topk(params, out, st);
-        if (rc == 0 && out->has_router_logits &&
-            out->router_logits.shape[0] != out->hidden.shape[0])
-            return bad(st, "router_logits.shape",
-                       "router_logits.shape[0] is %llu but hidden has %llu tokens",
-                       (unsigned long long)out->router_logits.shape[0],
-                       (unsigned long long)out->hidden.shape[0]);
+        if (rc == 0)
+            rc = qm__infer_shapes_check(out, st);
         if (rc == 0)
             rc = get_bool(params, "return_routing", "", NULL, &out->return_routing, st);
         if (rc == 0 && member(params, "output_to"))

@@ -199,6 +199,7 @@ int qm_json_check(const char *s, size_t n, int max_depth, const char **why);
     X(SESSION_INFER, "session.infer")                                                              \
     X(SESSION_MAP, "session.map")                                                                  \
     X(SESSION_UNMAP, "session.unmap")                                                              \
+    X(SESSION_RING, "session.ring")                                                                \
     X(TELEMETRY_GET, "telemetry.get")                                                              \
     X(TELEMETRY_TRACE, "telemetry.trace")                                                          \
     X(TELEMETRY_METRICS, "telemetry.metrics")

@@ -34,55 +34,6 @@
 #include "qm_clock.h"
 #include "qm_pager_io.h"
 
-/* ---- The registry of I/O engines ----------------------------------------------------- */
-
-static const struct {
-    int id;
-    const char *name;
-    int selectable; /* may be asked for (io_engine); io_uring is what auto runs where it can */
-} qm__io_engines[] = {
-    {QM_PAGER_IO_AUTO, "auto", 1},
-    {QM_PAGER_IO_URING, "io_uring", 0},
-    {QM_PAGER_IO_THREADS, "threads", 1},
-    {QM_PAGER_IO_SERIAL, "serial", 1},
-};
-#define QM__N_IO_ENGINES (sizeof qm__io_engines / sizeof qm__io_engines[0])
-
-const char *qm_pager_io_name(int engine)
-{
-    for (size_t i = 0; i < QM__N_IO_ENGINES; i++)
-        if (qm__io_engines[i].id == engine)
-            return qm__io_engines[i].name;
-    return NULL;
-}
-
-int qm_pager_io_parse(const char *name)
-{
-    for (size_t i = 0; name && i < QM__N_IO_ENGINES; i++)
-        if (qm__io_engines[i].selectable && strcmp(qm__io_engines[i].name, name) == 0)
-            return qm__io_engines[i].id;
-    return -1;
-}
-
-size_t qm_pager_io_names(const char *sep, const char *last_sep, char *out, size_t cap)
-{
-    size_t n = 0, k = 0, total = 0;
-    for (size_t i = 0; i < QM__N_IO_ENGINES; i++)
-        total += qm__io_engines[i].selectable;
-    if (cap)
-        out[0] = '\0';
-    for (size_t i = 0; i < QM__N_IO_ENGINES; i++) {
-        if (!qm__io_engines[i].selectable)
-            continue;
-        const char *s = k == 0 ? "" : k + 1 == total ? last_sep : sep;
-        int w = snprintf(out + (n < cap ? n : cap), n < cap ? cap - n : 0, "%s%s", s,
-                         qm__io_engines[i].name);
-        n += w > 0 ? (size_t)w : 0;
-        k++;
-    }
-    return n;
-}
-
 /* ---- The engine ----------------------------------------------------------------------- */
 
 /* One chunk in flight. */
