@@ -66,6 +66,27 @@ def run_all(c, sid, inputs):
 INPUTS = [(i % 2, hidden(1 + i % 4, seed=200 + i)) for i in range(24)]
 
 
+def run_failing_once(c, sid, ref, bank):
+    """Runs INPUTS on sid: a request that fails must be internal_error naming
+    the bank file and the offset of the read, and succeed when sent again
+    (the expert read again); every output equals ref. The requests that
+    failed."""
+    failed = 0
+    for (l, x), want in zip(INPUTS, ref):
+        params = {"session": sid, "layer": l, "hidden": tensor(x)}
+        r = c.request("session.infer", params)
+        if "error" in r:
+            e = err(r)
+            assert e["code"] == -32603, e
+            reason = e["data"]["reason"]
+            assert "Input/output error" in reason and bank in reason, e
+            assert re.search(r"at offset \d+", reason), e
+            failed += 1
+            r = c.request("session.infer", params)  # the same request again: served
+        assert from_tensor(r["result"]["output"]).tobytes() == want
+    return failed
+
+
 def test_direct_paging_is_bitwise_whole_bank_and_counts_disk_reads(disk_bank):
     dm = Daemon(models={"small": disk_bank})
     try:
@@ -130,33 +151,6 @@ def test_a_bank_on_tmpfs_falls_back_with_a_logged_reason(banks):
         shutil.rmtree(os.path.dirname(path))
 
 
-def test_a_disk_read_error_fails_that_request_only(disk_bank):
-    dm = Daemon(models={"small": disk_bank}, env={"QMOED_FAULT_READ": "3"})
-    try:
-        c = dm.client()
-        bpe = c.call("model.list")["models"][0]["bytes_per_expert"]
-        ref = run_all(c, new_session(c), INPUTS)
-        sid = new_session(c, policy="lru", budget_bytes=2 * bpe,
-                          policy_params={"prefetch": False})
-        failed = 0
-        for (l, x), want in zip(INPUTS, ref):
-            params = {"session": sid, "layer": l, "hidden": tensor(x)}
-            r = c.request("session.infer", params)
-            if "error" in r:
-                e = err(r)
-                assert e["code"] == -32603, e
-                assert "Input/output error" in e["data"]["reason"], e
-                assert disk_bank in e["data"]["reason"], e
-                failed += 1
-                r = c.request("session.infer", params)  # the same request again: served
-            assert from_tensor(r["result"]["output"]).tobytes() == want
-        assert failed == 1
-        t = c.call("telemetry.get", {"session": sid})
-        assert t["errors"] == 1 and t["resident_bytes"] <= 2 * bpe, t
-    finally:
-        assert dm.stop() == 0, dm.log_text()
-
-
 def test_io_engines_read_many_at_once_with_the_same_bits(disk_bank):
     ref = None
     for engine in ("auto", "io_uring", "threads", "serial"):
@@ -214,31 +208,20 @@ def test_bad_io_engine_and_depth_are_refused_at_start(disk_bank):
         assert want in bad.log_text(), bad.log_text()
 
 
-def test_a_read_error_among_many_in_flight_fails_that_request_only(disk_bank):
-    for engine in ("auto", "threads"):
+def test_a_disk_read_error_fails_that_request_only(disk_bank):
+    # QMOED_FAULT_READ=N fails the Nth read of the daemon, among many in
+    # flight with a budget of 8 experts, whichever engine reads.
+    for engine, experts, nth in (("auto", 2, "3"), ("auto", 8, "5"), ("threads", 8, "5")):
         dm = Daemon(models={"small": disk_bank}, args=["--set", "io_engine=" + engine],
-                    env={"QMOED_FAULT_READ": "5"})
+                    env={"QMOED_FAULT_READ": nth})
         try:
             c = dm.client()
             bpe = c.call("model.list")["models"][0]["bytes_per_expert"]
             ref = run_all(c, new_session(c), INPUTS)
-            sid = new_session(c, policy="lru", budget_bytes=8 * bpe,
+            sid = new_session(c, policy="lru", budget_bytes=experts * bpe,
                               policy_params={"prefetch": False})
-            failed = 0
-            for (l, x), want in zip(INPUTS, ref):
-                params = {"session": sid, "layer": l, "hidden": tensor(x)}
-                r = c.request("session.infer", params)
-                if "error" in r:
-                    e = err(r)
-                    assert e["code"] == -32603, e
-                    reason = e["data"]["reason"]
-                    assert "Input/output error" in reason and disk_bank in reason, e
-                    assert re.search(r"at offset \d+", reason), e
-                    failed += 1
-                    r = c.request("session.infer", params)  # again: the expert is read again
-                assert from_tensor(r["result"]["output"]).tobytes() == want
-            assert failed == 1, engine
+            assert run_failing_once(c, sid, ref, disk_bank) == 1, engine
             t = c.call("telemetry.get", {"session": sid})
-            assert t["errors"] == 1 and t["resident_bytes"] <= 8 * bpe, t
+            assert t["errors"] == 1 and t["resident_bytes"] <= experts * bpe, t
         finally:
             assert dm.stop() == 0, dm.log_text()

@@ -82,14 +82,14 @@ static void hook_reset(int fail_at, int sleep_us)
     g_sleep_us = sleep_us;
 }
 
-/* T = 4 tokens of layer 1 routed over all of its 8 experts (2t, 2t+1),
- * and the whole-bank output. */
+/* T = 4 tokens of `layer` routed over all of its 8 experts (2t, 2t+1),
+ * and the whole-bank output (a bank that can give it). */
 typedef struct wide_call {
     float x[4 * 64], logits[4 * 8], ref[4 * 64], out[4 * 64];
     qm_moe_call mc;
 } wide_call;
 
-static void wide_call_make(wide_call *w, qm_bank *bank)
+static void wide_call_make(wide_call *w, qm_bank *bank, uint32_t layer)
 {
     const qm_bank_config *cfg = qm_bank_get_config(bank);
     ck_assert_uint_le(cfg->hidden, 64);
@@ -103,7 +103,7 @@ static void wide_call_make(wide_call *w, qm_bank *bank)
     }
     qm_expert_source direct;
     qm_expert_source_direct(bank, &direct);
-    w->mc = (qm_moe_call){.layer = 1, .dtype = QM_DTYPE_F32, .hidden = w->x, .n_tokens = 4,
+    w->mc = (qm_moe_call){.layer = layer, .dtype = QM_DTYPE_F32, .hidden = w->x, .n_tokens = 4,
                           .logits = w->logits, .output = w->ref};
     qm_status st = {0};
     ck_assert_int_eq(qm_moe_forward(fixture.cpu, bank, &w->mc, &direct, NULL, &st), 0);
@@ -139,7 +139,7 @@ START_TEST(test_a_call_missing_every_expert_has_their_reads_in_flight_together)
     dcase dc;
     dcase_open(&dc, g_dir, "wide", 0, 0);
     wide_call w;
-    wide_call_make(&w, dc.bank);
+    wide_call_make(&w, dc.bank, 1);
     const uint32_t R = regions_per_unit(1), depth = 32;
     ck_assert_uint_ge(R, 2);
     const int engines[] = {QM_PAGER_IO_AUTO, QM_PAGER_IO_THREADS, QM_PAGER_IO_SERIAL};
@@ -239,7 +239,7 @@ START_TEST(test_a_failed_read_among_many_fails_only_its_call_and_is_read_again)
     dcase dc;
     dcase_open(&dc, g_dir, "fail", 0, 0);
     wide_call w;
-    wide_call_make(&w, dc.bank);
+    wide_call_make(&w, dc.bank, 1);
     const uint32_t R = regions_per_unit(1);
     const int fail_at[] = {1, (int)R + 1, (int)(4 * R), (int)(8 * R)};
     for (int ei = 0; ei < N_ENGINES; ei++)
@@ -299,19 +299,10 @@ START_TEST(test_a_short_read_among_many_fails_only_its_call)
                 end = &last->t[t];
         uint64_t cut = (uint64_t)((const uint8_t *)end->data - map) + end->nbytes / 2;
         ck_assert_int_eq(truncate(dc.path, (off_t)cut), 0);
-        const qm_bank_config *cfg = qm_bank_get_config(dc.bank);
-        float x[4 * 64], logits[4 * 8], out[4 * 64];
-        uint64_t seed = 9;
-        for (uint32_t i = 0; i < 4 * cfg->hidden; i++)
-            x[i] = pf_uniform(&seed, -1, 1);
-        for (uint32_t t = 0; t < 4; t++) {
-            uint32_t ex[2] = {2 * t, 2 * t + 1};
-            pf_route_logits(cfg->experts, ex, 2, logits + t * cfg->experts);
-        }
-        qm_moe_call mc = {.layer = sp->layers - 1, .dtype = QM_DTYPE_F32, .hidden = x,
-                          .n_tokens = 4, .logits = logits, .output = out};
+        wide_call w; /* its reference from the bank in memory: the file is cut */
+        wide_call_make(&w, fixture.bank.bank, sp->layers - 1);
         qm_status st = {0};
-        ck_assert_int_eq(qm_pager_forward(pg, &mc, NULL, &st), QM_EIO);
+        ck_assert_int_eq(wide_call_run(&w, pg, NULL, &st), QM_EIO);
         ck_assert_msg(strstr(st.msg, "truncated") && strstr(st.msg, dc.path) &&
                           strstr(st.msg, "at offset"),
                       "%s", st.msg);
@@ -322,8 +313,8 @@ START_TEST(test_a_short_read_among_many_fails_only_its_call)
         int n = qm_pager_resident_experts(pg, sp->layers - 1, res, 8);
         ck_assert_msg(n >= 1 && n < 8, "%d experts resident after the short reads", n);
         /* Layer 0 lies before the cut: served. */
-        mc.layer = 0;
-        ck_assert_msg(qm_pager_forward(pg, &mc, NULL, &st) == 0, "%s", st.msg);
+        w.mc.layer = 0;
+        ck_assert_msg(wide_call_run(&w, pg, NULL, &st) == 0, "%s", st.msg);
         free_pager(pg, plan, &pol);
         dcase_close(&dc);
     }
