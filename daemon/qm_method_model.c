@@ -7,6 +7,37 @@
 #include "qm_log.h"
 #include "qm_models.h"
 
+/* The model summary (PROTOCOL.md): model.load's result and each of
+ * model.list's. */
+static void write_model_summary(qm_jw *w, const qm_model *m)
+{
+    const qm_bank_config *c = qm_bank_get_config(m->bank);
+    qm_jw_obj_begin(w);
+    qm_jw_member_str(w, "name", m->name);
+    qm_jw_member_str(w, "path", m->path);
+    qm_jw_member_u64(w, "layers", c->layers);
+    qm_jw_member_u64(w, "experts", c->experts);
+    qm_jw_member_u64(w, "hidden_size", c->hidden);
+    qm_jw_member_u64(w, "inter_size", c->inter);
+    qm_jw_member_u64(w, "k", c->k);
+    qm_jw_member_str(w, "activation", qm_activation_name(c->activation));
+    qm_jw_member_u64(w, "bits", c->bits);
+    qm_jw_member_u64(w, "block_size", c->block_size);
+    qm_jw_member_u64(w, "bytes_total", m->bytes_total);
+    qm_jw_member_u64(w, "bytes_per_expert", m->bytes_per_expert);
+    /* An imported bank's qmoe.layer_map: engines tag their MoE layers with
+     * it (docs/ENGINES.md). Absent when the bank has none (identity). */
+    const uint32_t *map = qm_bank_layer_map(m->bank);
+    if (map) {
+        qm_jw_key(w, "layer_map");
+        qm_jw_arr_begin(w);
+        for (uint32_t l = 0; l < c->layers; l++)
+            qm_jw_u64(w, map[l]);
+        qm_jw_arr_end(w);
+    }
+    qm_jw_obj_end(w);
+}
+
 static int model_load(qm_call *k, qm_status *st)
 {
     const qm_method_ctx *mx = k->mx;
@@ -25,7 +56,7 @@ static int model_load(qm_call *k, qm_status *st)
     qm_trace_add(mx->trace, "model.load", t0, qm_now_us() - t0, NULL, args, NULL);
     qm_log(QM_LOG_INFO, "model %s loaded from %s (%u layers, %llu expert bytes)", m->name,
            m->path, m->n_layers, (unsigned long long)m->bytes_total);
-    qm_jw_model_summary(k->w, m);
+    write_model_summary(k->w, m);
     return 0;
 }
 
@@ -48,7 +79,7 @@ static int model_list(qm_call *k, qm_status *st)
     qm_jw_key(w, "models");
     qm_jw_arr_begin(w);
     for (qm_model *m = k->mx->models->first; m; m = m->next)
-        qm_jw_model_summary(w, m);
+        write_model_summary(w, m);
     qm_jw_arr_end(w);
     qm_jw_obj_end(w);
     return 0;

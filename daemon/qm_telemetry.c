@@ -196,6 +196,23 @@ static uint64_t stat_at(const qm_pager_stats *s, size_t offset)
     return v;
 }
 
+uint64_t qm_counter_paging(size_t i, const qm_pager_stats *s)
+{
+    uint64_t v = 0;
+    for (int j = 0; i < N_METRICS && j < 2; j++)
+        if (metrics[i].from[j] != NO_STAT)
+            v += stat_at(s, metrics[i].from[j]);
+    return v;
+}
+
+size_t qm_counter_index(const char *name)
+{
+    size_t i = 0;
+    while (i < N_METRICS && strcmp(metrics[i].name, name) != 0)
+        i++;
+    return i;
+}
+
 void qm_counters_add_paging(qm_counters *session, qm_counters *daemon, const qm_pager_stats *was,
                             const qm_pager_stats *now)
 {
@@ -204,17 +221,14 @@ void qm_counters_add_paging(qm_counters *session, qm_counters *daemon, const qm_
         if (m->from[0] == NO_STAT)
             continue;
         if (m->counter == METRIC_PEAK) {
-            uint64_t v = stat_at(now, m->from[0]);
+            uint64_t v = qm_counter_paging(i, now);
             if (v > *counter_slot(session, m))
                 *counter_slot(session, m) = v;
             if (v > *counter_slot(daemon, m))
                 *counter_slot(daemon, m) = v;
             continue;
         }
-        uint64_t delta = 0;
-        for (int j = 0; j < 2; j++)
-            if (m->from[j] != NO_STAT)
-                delta += stat_at(now, m->from[j]) - stat_at(was, m->from[j]);
+        uint64_t delta = qm_counter_paging(i, now) - qm_counter_paging(i, was);
         *counter_slot(session, m) += delta;
         *counter_slot(daemon, m) += delta;
     }

@@ -54,6 +54,13 @@ typedef struct qm_counters {
 void qm_counters_add_paging(qm_counters *session, qm_counters *daemon, const qm_pager_stats *was,
                             const qm_pager_stats *now);
 void qm_jw_counters(qm_jw *w, const qm_counters *c); /* the counter members, no braces */
+/* Counter i as one reading of a pager's statistics gives it: the sum of
+ * the statistics its row names, so the table is the one definition of
+ * each (expert_hits: hits + whole_bank_accesses); 0 for a counter the
+ * pager does not feed. What a job did is the difference of two readings. */
+uint64_t qm_counter_paging(size_t i, const qm_pager_stats *s);
+/* The index of the counter named `name` (qm_counter_count() when none). */
+size_t qm_counter_index(const char *name);
 
 /* The counters in table order, for the metrics: name, help, whether it is
  * a counter (else a gauge), and its value in c. i < qm_counter_count(). */

@@ -13,7 +13,7 @@
 #include "qm_alloc.h"
 
 static const char *const method_names[] = {
-#define QM__METHOD_NAME(name, text) text,
+#define QM__METHOD_NAME(name, text, ...) text,
     QM_METHOD_MAP(QM__METHOD_NAME)
 #undef QM__METHOD_NAME
 };
@@ -21,7 +21,7 @@ static const char *const method_names[] = {
 /* ", daemon.status, daemon.shutdown, ...": every method, for the error an
  * unknown one gets (read from its third byte). */
 static const char method_list[] = {
-#define QM__METHOD_LIST_ITEM(name, text) ", " text
+#define QM__METHOD_LIST_ITEM(name, text, ...) ", " text
     QM_METHOD_MAP(QM__METHOD_LIST_ITEM)
 #undef QM__METHOD_LIST_ITEM
 };

@@ -194,7 +194,7 @@ def generate(tokens, layers, experts, k, alpha, locality, seed, with_weights=Fal
 def generate_realistic(tokens, layers, experts, k, seed, reuse_top1=0.13, reuse_any=0.05,
                        alpha_lo=0.1, alpha_hi=0.7, drift=0.03, topic_tokens=250.0,
                        topic_strength=0.5, affinity=0.0, vocab=0, fidelity=0.0,
-                       with_weights=False):
+                       bigram=0.0, with_weights=False):
     """Routing shaped like a real MoE's (docs/TRACES.md, "The realistic model").
 
     Per layer l: a log-popularity vector from a Zipf law with its own skew
@@ -219,7 +219,10 @@ def generate_realistic(tokens, layers, experts, k, seed, reuse_top1=0.13, reuse_
     words, each word has its own route through every layer (drawn once from
     the layers' laws), and each of a token's routes follows its word's with
     probability `fidelity` (before reuse and affinity are tried), so
-    routing agrees across layers the way a token's identity makes it."""
+    routing agrees across layers the way a token's identity makes it.
+    `bigram` > 0 makes the words a text: each word has 4 likely successors
+    (a random table), and a token's word is one of its predecessor's
+    successors with that probability, else a fresh Zipf draw."""
     import math
     if not 1 <= k <= experts:
         raise TraceError("k=%d must be in [1, experts=%d]" % (k, experts))
@@ -251,7 +254,9 @@ def generate_realistic(tokens, layers, experts, k, seed, reuse_top1=0.13, reuse_
             m = list(range(experts))
             rng.shuffle(m)
             succ.append(m)
-    words, word_cum = [], []
+    if not 0.0 <= bigram <= 1.0:
+        raise TraceError("--bigram must be in [0, 1]")
+    words, word_cum, follow = [], [], []
     if fidelity > 0:  # each word's route: k distinct experts per layer, from the layer's law
         for _ in range(vocab):
             route = []
@@ -273,6 +278,8 @@ def generate_realistic(tokens, layers, experts, k, seed, reuse_top1=0.13, reuse_
         for r in range(vocab):
             acc += 1.0 / (r + 1)
             word_cum.append(acc)
+        if bigram > 0:
+            follow = [[rng.randrange(vocab) for _ in range(4)] for _ in range(vocab)]
 
     def new_topic():
         for l in range(layers):
@@ -287,9 +294,14 @@ def generate_realistic(tokens, layers, experts, k, seed, reuse_top1=0.13, reuse_
     for t in range(tokens):
         if t and rng.random() < 1.0 / topic_tokens:
             new_topic()
-        word = None
         if fidelity > 0:
-            word = words[min(bisect.bisect_left(word_cum, rng.random() * word_cum[-1]), vocab - 1)]
+            if t and bigram > 0 and rng.random() < bigram:
+                w_id = follow[w_id][rng.randrange(4)]
+            else:
+                w_id = min(bisect.bisect_left(word_cum, rng.random() * word_cum[-1]), vocab - 1)
+            word = words[w_id]
+        else:
+            word = None
         for l in range(layers):
             c, b, tp = cur[l], base[l], topic[l]
             for e in range(experts):  # mean-reverting drift around the layer's law
@@ -335,7 +347,7 @@ def generate_realistic(tokens, layers, experts, k, seed, reuse_top1=0.13, reuse_
     if affinity > 0:
         meta["affinity"] = affinity
     if fidelity > 0:
-        meta["vocab"], meta["fidelity"] = vocab, fidelity
+        meta["vocab"], meta["fidelity"], meta["bigram"] = vocab, fidelity, bigram
     return Trace(tokens, layers, k, experts, ids, weights, meta)
 
 
@@ -482,6 +494,8 @@ def main(argv=None):
     r.add_argument("--vocab", type=int, default=0, help="words, each with its own route")
     r.add_argument("--fidelity", type=float, default=0.0,
                    help="probability a token's route follows its word's (with --vocab)")
+    r.add_argument("--bigram", type=float, default=0.0,
+                   help="probability a token's word is one of its predecessor's 4 successors")
     r.add_argument("--weights", action="store_true", help="also store gate weights")
     st = sub.add_parser("stats", help="routing statistics of a trace (reuse, drift)")
     st.add_argument("src")
@@ -505,7 +519,8 @@ def main(argv=None):
                                     alpha_lo=args.alpha_lo, alpha_hi=args.alpha_hi,
                                     drift=args.drift, topic_tokens=args.topic_tokens,
                                     topic_strength=args.topic_strength, affinity=args.affinity,
-                                    vocab=args.vocab, fidelity=args.fidelity, with_weights=args.weights)
+                                    vocab=args.vocab, fidelity=args.fidelity,
+                                    bigram=args.bigram, with_weights=args.weights)
             write_trace(args.out, tr)
         elif args.cmd == "stats":
             print(json.dumps(stats(read_trace(args.src)), sort_keys=True))

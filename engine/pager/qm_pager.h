@@ -40,7 +40,8 @@ typedef struct qm_pager_options {
      * history, the lookahead router) whose measured precision (experts
      * predicted that the call they were about used, over its last 128
      * predicted) is below this is switched off and re-probed on one call in
-     * 8. 0 = default 0.25; negative = never gate. */
+     * 8. 0 = default 0.25; negative = never gate the router and the
+     * history (the lookahead, off until measured, then gates at 0.25). */
     double prefetch_min_precision;
     /* 1: never preload. By default, when the budget holds every expert
      * (or there is none), all of them are loaded at creation so the session

@@ -106,8 +106,8 @@ static void qm__pf_gate(qm_pager *p, uint8_t source, uint64_t predicted, uint64_
     if (p->pf_win_predicted[source] < QM__PF_WINDOW)
         return;
     double min = p->opt.prefetch_min_precision;
-    if (min == 0.0)
-        min = QM__PF_DEFAULT_MIN_PRECISION;
+    if (min == 0.0 || (min < 0 && source == QM__PF_LOOKAHEAD))
+        min = QM__PF_DEFAULT_MIN_PRECISION; /* the lookahead always earns its prefetch */
     p->pf_off[source] =
         min > 0 && (double)p->pf_win_correct[source] < min * (double)p->pf_win_predicted[source];
     p->pf_win_predicted[source] = p->pf_win_correct[source] = 0;
