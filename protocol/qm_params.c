@@ -653,6 +653,12 @@ const char *qm_wire_type_text(const qm_wire_param *p, char *out, size_t cap)
 {
     char list[256];
     switch (p->type) {
+    case QM_WT_POLICY: {
+        char names[256];
+        qm_policy_names(names, sizeof names);
+        snprintf(out, cap, "one of %s", names);
+        break;
+    }
     case QM_WT_STRING:
     case QM_WT_NAME:
     case QM_WT_FILENAME:
@@ -777,6 +783,7 @@ static int decode_row(const cJSON *obj, const qm_wire_param *p, const char *pref
     switch (p->type) {
     case QM_WT_STRING:
     case QM_WT_NAME:
+    case QM_WT_POLICY:
     case QM_WT_FILENAME:
         rc = string_value(v, path, p, (char **)at, st);
         break;
@@ -834,6 +841,7 @@ static void free_rows(const qm_wire_rows *rows, qm_params *p)
         switch (r->type) {
         case QM_WT_STRING:
         case QM_WT_NAME:
+        case QM_WT_POLICY:
         case QM_WT_FILENAME:
             qm_free(*(char **)at);
             *(char **)at = NULL;

@@ -37,6 +37,8 @@
 /* ---- the rows -------------------------------------------------------------------
  * P(member, TYPE, required, lo, hi, lands, has, more, "what it means")
  *   TYPE   STRING (lo..hi bytes of UTF-8), NAME (a STRING of [A-Za-z0-9._-]),
+ *          POLICY (a STRING naming a policy: the residency registry's offered
+ *          ones are listed from it; the daemon checks the name),
  *          FILENAME (a STRING naming a file: no '/', not "." or ".."),
  *          UINT / UINT32 (an integer lo..hi, landing in a uint64_t / uint32_t),
  *          BOOL, ENUM (one of the names `more` gives; lands its index),
@@ -70,8 +72,8 @@
 
 #define QM_PARAMS_SESSION_CREATE(P)                                                                \
     P("model", STRING, 1, 1, QM_NAME_MAX, AT(model), NOWHERE, NONE, "a loaded model's name")       \
-    P("policy", STRING, 0, 1, 32, AT(policy), NOWHERE, NONE,                                       \
-      "the residency policy (default whole_bank): a name the residency registry offers")           \
+    P("policy", POLICY, 0, 1, 32, AT(policy), NOWHERE, NONE,                                       \
+      "the residency policy (the first, when absent); the daemon refuses one not offered")         \
     P("budget_bytes", UINT, 0, 1, UINT64_MAX, AT(budget_bytes), AT(has_budget), NONE,              \
       "expert bytes the session may keep resident (default: the model's bytes_total)")             \
     P("policy_params", OBJECT, 0, 0, 0, AT(policy_params), AT(has_policy_params),                  \
