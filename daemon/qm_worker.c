@@ -8,7 +8,16 @@
  * worker writes it only when the loop has not been told yet (sends
  * coalesce). Not uv_async: libuv 1.44's loop spins, then sched_yield()s,
  * until the sending thread is back from its write, which on a loaded
- * machine costs the loop thread more than the whole T = 1 answer. */
+ * machine costs the loop thread more than the whole T = 1 answer.
+ *
+ * A call ring's job run on the ring's own thread (qm_pool_run_or_queue)
+ * has already answered its client: it joins the done list without waking
+ * the loop (a wake-up there would compete with the client's on a small
+ * machine), marked lazy. The loop takes lazy jobs with the next wake-up:
+ * the ring's next call writes the eventfd before it computes, a frame
+ * about to be dispatched collects them (qm_pool_collect: telemetry sees
+ * every answered call), and a check handle at the end of every loop
+ * iteration does (the daemon's 1 s tick bounds how long one waits). */
 #include "qm_pool.h"
 
 #include <errno.h>
@@ -35,7 +44,9 @@ struct qm_pool {
     int stop;
     int efd;              /* eventfd: done jobs wait */
     atomic_int told;      /* 1 while efd is written and not yet drained */
+    atomic_int lazy;      /* done jobs of rings wait, the loop not told */
     uv_poll_t done_poll;  /* the loop's watch on efd */
+    uv_check_t lazy_check; /* takes lazy jobs at the end of each loop iteration */
     /* jobs enqueued and not completed, and of them the bounded ones (what
      * queue_depth bounds): counted up by whoever submits (the loop, a
      * ring's thread), down by the loop */
@@ -132,16 +143,10 @@ static void worker_main(void *arg)
     uv_mutex_unlock(&p->mu);
 }
 
-static void done_cb(uv_poll_t *h, int status, int events)
+/* Hands every done job to the loop's hook, in the order they were done. */
+static void done_drain(qm_pool *p)
 {
-    qm_pool *p = h->data;
-    (void)status;
-    (void)events;
-    uint64_t n;
-    while (read(p->efd, &n, sizeof n) < 0 && errno == EINTR)
-        ;
-    /* Cleared before the drain: a job finished after it writes again. */
-    atomic_store(&p->told, 0);
+    atomic_store(&p->lazy, 0); /* a job done after this marks it again */
     uv_mutex_lock(&p->mu);
     qm_job *list = p->done_head;
     p->done_head = p->done_tail = NULL;
@@ -158,6 +163,27 @@ static void done_cb(uv_poll_t *h, int status, int events)
     }
     if (p->hooks.idle)
         p->hooks.idle(p->hooks.arg);
+}
+
+static void done_cb(uv_poll_t *h, int status, int events)
+{
+    qm_pool *p = h->data;
+    (void)status;
+    (void)events;
+    uint64_t n;
+    while (read(p->efd, &n, sizeof n) < 0 && errno == EINTR)
+        ;
+    /* Cleared before the drain: a job finished after it writes again. */
+    atomic_store(&p->told, 0);
+    done_drain(p);
+}
+
+static void lazy_check_cb(uv_check_t *h) { qm_pool_collect(h->data); }
+
+void qm_pool_collect(qm_pool *p)
+{
+    if (p && atomic_load(&p->lazy))
+        done_drain(p);
 }
 
 int qm_pool_start(uv_loop_t *loop, uint32_t n_threads, const qm_pool_hooks *hooks,
@@ -185,6 +211,10 @@ int qm_pool_start(uv_loop_t *loop, uint32_t n_threads, const qm_pool_hooks *hook
         goto fail_poll;
     p->done_poll.data = p;
     uv_poll_start(&p->done_poll, UV_READABLE, done_cb);
+    uv_check_init(loop, &p->lazy_check);
+    p->lazy_check.data = p;
+    uv_check_start(&p->lazy_check, lazy_check_cb);
+    uv_unref((uv_handle_t *)&p->lazy_check);
     *out = p;
     for (uint32_t i = 0; i < n_threads; i++) {
         /* The workers started so far are joined by qm_pool_stop. */
@@ -243,6 +273,10 @@ static void count_submitted(qm_pool *p, qm_job *job)
 int qm_pool_run_or_queue(qm_pool *p, qm_job *job)
 {
     qm_job_queue *q = job->queue;
+    /* The loop learns of the ring's earlier calls now, while this one
+     * computes and nobody waits on the loop. */
+    if (atomic_load(&p->lazy))
+        done_notify(p);
     count_submitted(p, job);
     uv_mutex_lock(&p->mu);
     if (q->scheduled) {
@@ -269,7 +303,7 @@ int qm_pool_run_or_queue(qm_pool *p, qm_job *job)
     uv_mutex_unlock(&p->mu);
     if (more)
         uv_cond_signal(&p->cv);
-    done_notify(p);
+    atomic_store(&p->lazy, 1); /* its client has its answer: the loop need not wake */
     return 1;
 }
 
