@@ -115,6 +115,10 @@ int qm_pool_run_or_queue(qm_pool *p, qm_job *job);
  * it reads (telemetry) counts every call already answered. Loop thread;
  * accepts NULL. */
 void qm_pool_collect(qm_pool *p);
+/* Wakes the loop for the lazy jobs when the oldest was done older_than_us
+ * ago or more (a ring's thread, before it sleeps and as it takes a call).
+ * Any thread. */
+void qm_pool_nudge(qm_pool *p, uint64_t older_than_us);
 void qm_job_free(qm_job *job); /* accepts NULL; the session reference is the caller's */
 
 #endif

@@ -75,6 +75,12 @@ struct qm_rings {
     uint64_t next_id;
 };
 
+/* A ring's answered calls reach the loop's counters within about this
+ * (qm_pool_nudge): one wake-up of the loop for every so many calls rather
+ * than one a call; a frame to dispatch or the daemon's tick takes them
+ * sooner or later anyway. */
+#define QM__RING_NUDGE_US 20000u
+
 static uint32_t *word(const qm_ring *r, size_t off) { return qm_ring_word(r->base, off); }
 
 /* ---- the thread ---- */
@@ -99,6 +105,8 @@ static int ring_wait_request(qm_ring *r, uint32_t *seq, int *parked)
             break;
         qm_ring_cpu_relax();
     }
+    /* Nothing to do until the next call: the loop may count the last ones. */
+    qm_pool_nudge(r->rings->mx->pool, QM__RING_NUDGE_US);
     for (;;) {
         /* Parked first, then a last look: either the client sees the flag
          * and wakes this thread, or this look sees its call. */

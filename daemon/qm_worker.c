@@ -12,12 +12,14 @@
  *
  * A call ring's job run on the ring's own thread (qm_pool_run_or_queue)
  * has already answered its client: it joins the done list without waking
- * the loop (a wake-up there would compete with the client's on a small
- * machine), marked lazy. The loop takes lazy jobs with the next wake-up:
- * the ring's next call writes the eventfd before it computes, a frame
- * about to be dispatched collects them (qm_pool_collect: telemetry sees
- * every answered call), and a check handle at the end of every loop
- * iteration does (the daemon's 1 s tick bounds how long one waits). */
+ * the loop, marked lazy (waking a thread costs the waker several
+ * microseconds on a VM, and the loop's wake-up would compete with the
+ * client's on a small machine). The loop takes lazy jobs when a frame is
+ * about to be dispatched (qm_pool_collect: telemetry counts every answered
+ * call), at the end of every loop iteration (a check handle; the daemon's
+ * 1 s tick bounds the wait), and when a ring nudges it (qm_pool_nudge:
+ * lazy jobs older than the ring's bound, told while the ring's thread has
+ * nothing else to do). */
 #include "qm_pool.h"
 
 #include <errno.h>
@@ -45,6 +47,7 @@ struct qm_pool {
     int efd;              /* eventfd: done jobs wait */
     atomic_int told;      /* 1 while efd is written and not yet drained */
     atomic_int lazy;      /* done jobs of rings wait, the loop not told */
+    atomic_uint_fast64_t lazy_since_us; /* when the oldest of them was done */
     uv_poll_t done_poll;  /* the loop's watch on efd */
     uv_check_t lazy_check; /* takes lazy jobs at the end of each loop iteration */
     /* jobs enqueued and not completed, and of them the bounded ones (what
@@ -186,6 +189,12 @@ void qm_pool_collect(qm_pool *p)
         done_drain(p);
 }
 
+void qm_pool_nudge(qm_pool *p, uint64_t older_than_us)
+{
+    if (atomic_load(&p->lazy) && qm_now_us() - atomic_load(&p->lazy_since_us) >= older_than_us)
+        done_notify(p);
+}
+
 int qm_pool_start(uv_loop_t *loop, uint32_t n_threads, const qm_pool_hooks *hooks,
                   qm_pool **out)
 {
@@ -273,10 +282,6 @@ static void count_submitted(qm_pool *p, qm_job *job)
 int qm_pool_run_or_queue(qm_pool *p, qm_job *job)
 {
     qm_job_queue *q = job->queue;
-    /* The loop learns of the ring's earlier calls now, while this one
-     * computes and nobody waits on the loop. */
-    if (atomic_load(&p->lazy))
-        done_notify(p);
     count_submitted(p, job);
     uv_mutex_lock(&p->mu);
     if (q->scheduled) {
@@ -303,7 +308,9 @@ int qm_pool_run_or_queue(qm_pool *p, qm_job *job)
     uv_mutex_unlock(&p->mu);
     if (more)
         uv_cond_signal(&p->cv);
-    atomic_store(&p->lazy, 1); /* its client has its answer: the loop need not wake */
+    /* Its client has its answer: the loop need not wake. */
+    if (!atomic_exchange(&p->lazy, 1))
+        atomic_store(&p->lazy_since_us, job->end_us);
     return 1;
 }
 
