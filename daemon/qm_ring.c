@@ -18,7 +18,6 @@
 #endif
 #include "qm_ring.h"
 
-#include <errno.h>
 #include <pthread.h>
 #include <stdatomic.h>
 #include <stdio.h>
@@ -29,6 +28,7 @@
 
 #include "qm_alloc.h"
 #include "qm_fault.h"
+#include "qm_io.h"
 #include "qm_log.h"
 #include "qm_methods.h"
 #include "qm_ring_params.h"
@@ -222,9 +222,7 @@ static void ring_main(void *arg)
     qm_ring_header_close(r->base, r->stop_code, r->stop_reason);
     qm_ring_futex_wake(word(r, QM_RING_OFF_ANS_SEQ));
     atomic_store(&r->exited, 1);
-    uint64_t one = 1;
-    while (write(r->rings->efd, &one, sizeof one) < 0 && errno == EINTR)
-        ;
+    qm_eventfd_post(r->rings->efd);
 }
 
 /* ---- what a ring call's job calls ---- */
@@ -285,9 +283,7 @@ static void reap_cb(uv_poll_t *h, int status, int events)
     qm_rings *rs = h->data;
     (void)status;
     (void)events;
-    uint64_t n;
-    while (read(rs->efd, &n, sizeof n) < 0 && errno == EINTR)
-        ;
+    qm_eventfd_take(rs->efd);
     rings_reap(rs);
 }
 

@@ -22,7 +22,6 @@
  * nothing else to do). */
 #include "qm_pool.h"
 
-#include <errno.h>
 #include <stdatomic.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -33,6 +32,7 @@
 
 #include "qm_alloc.h"
 #include "qm_fault.h"
+#include "qm_io.h"
 #include "qm_telemetry.h"
 
 struct qm_pool {
@@ -96,9 +96,7 @@ static void done_notify(qm_pool *p)
 {
     if (atomic_exchange(&p->told, 1))
         return;
-    uint64_t one = 1;
-    while (write(p->efd, &one, sizeof one) < 0 && errno == EINTR)
-        ;
+    qm_eventfd_post(p->efd);
 }
 
 static void worker_main(void *arg)
@@ -173,9 +171,7 @@ static void done_cb(uv_poll_t *h, int status, int events)
     qm_pool *p = h->data;
     (void)status;
     (void)events;
-    uint64_t n;
-    while (read(p->efd, &n, sizeof n) < 0 && errno == EINTR)
-        ;
+    qm_eventfd_take(p->efd);
     /* Cleared before the drain: a job finished after it writes again. */
     atomic_store(&p->told, 0);
     done_drain(p);
