@@ -16,6 +16,7 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "live_daemon.h"
 #include "qmoe_client.h"
 
 #define HIDDEN 64
@@ -23,18 +24,6 @@
 #define MAP_BYTES (1 << 20)
 
 static char dir[256], sock[300], bank[300];
-
-static int run(char *const argv[])
-{
-    pid_t p = fork();
-    if (p == 0) {
-        execv(argv[0], argv);
-        _exit(127);
-    }
-    int st = 0;
-    waitpid(p, &st, 0);
-    return WIFEXITED(st) ? WEXITSTATUS(st) : -1;
-}
 
 /* The bank, once per test process (each test forks from the runner). */
 static void make_bank(void)
@@ -51,7 +40,7 @@ static void make_bank(void)
                       "--hidden", "64", "--inter", "32", "--k", "2", "--bits", "4",
                       "--block-size", "32", "--activation", "swiglu", "--router", "--seed", "4",
                       NULL};
-    ck_assert_int_eq(run(create), 0);
+    ck_assert_int_eq(live_run(create), 0);
 }
 
 static void remove_dir(void)
@@ -84,17 +73,8 @@ static pid_t start_daemon(const char *set)
         execv(qmoed, argv);
         _exit(127);
     }
-    for (int i = 0; i < 400; i++) { /* up to 20 s */
-        qm_client *c = NULL;
-        if (qm_client_open(&c, sock, 1000, NULL) == 0) {
-            qm_client_close(c);
-            return pid;
-        }
-        ck_assert_int_eq(waitpid(pid, NULL, WNOHANG), 0);
-        usleep(50000);
-    }
-    ck_abort_msg("qmoed did not listen on %s", sock);
-    return -1;
+    live_wait_listening(pid, sock);
+    return pid;
 }
 
 static void stop_daemon(pid_t pid)
@@ -344,18 +324,29 @@ static void *call_thread(void *p)
     return NULL;
 }
 
-START_TEST(test_a_daemon_that_dies_mid_call_is_a_broken_connection)
+/* A daemon of its own, a handle with timeout_ms, a session, a map and one
+ * call of 5 tokens through the ring (which opened it); the daemon's pid. */
+static pid_t daemon_with_a_ring(int timeout_ms, qm_client **c, char **sid, qm_client_map *m)
 {
+    qm_client_error err;
     make_bank();
     pid_t pid = start_daemon(NULL);
-    qm_client *c = open_client(30000);
-    qm_client_error err;
-    char *sid = create_session(c, NULL);
+    *c = open_client(timeout_ms);
+    *sid = create_session(*c, NULL);
+    ck_assert_int_eq(qm_client_map_create(*c, *sid, MAP_BYTES, m, &err), 0);
+    fill_inputs(m, QM_CLIENT_F32, 5);
+    ck_assert_int_eq(mapped_call(*c, *sid, m, QM_CLIENT_F32, ROUTE_BANK, 5, 524288, &err), 0);
+    ck_assert_int_eq(qm_client_ring_active(*c, *sid), 1);
+    return pid;
+}
+
+START_TEST(test_a_daemon_that_dies_mid_call_is_a_broken_connection)
+{
+    qm_client *c;
+    char *sid;
     qm_client_map m;
-    ck_assert_int_eq(qm_client_map_create(c, sid, MAP_BYTES, &m, &err), 0);
-    fill_inputs(&m, QM_CLIENT_F32, 5);
-    ck_assert_int_eq(mapped_call(c, sid, &m, QM_CLIENT_F32, ROUTE_BANK, 5, 524288, &err), 0);
-    ck_assert_int_eq(qm_client_ring_active(c, sid), 1);
+    qm_client_error err;
+    pid_t pid = daemon_with_a_ring(30000, &c, &sid, &m);
     /* Stopped, the daemon cannot answer; killed, its socket hangs up. */
     kill(pid, SIGSTOP);
     call_arg a = {.c = c, .sid = sid, .m = &m};
@@ -379,15 +370,11 @@ END_TEST
 
 START_TEST(test_a_silent_daemon_times_out_and_the_next_call_opens_a_new_ring)
 {
-    make_bank();
-    pid_t pid = start_daemon(NULL);
-    qm_client *c = open_client(400);
-    qm_client_error err;
-    char *sid = create_session(c, NULL);
+    qm_client *c;
+    char *sid;
     qm_client_map m;
-    ck_assert_int_eq(qm_client_map_create(c, sid, MAP_BYTES, &m, &err), 0);
-    fill_inputs(&m, QM_CLIENT_F32, 5);
-    ck_assert_int_eq(mapped_call(c, sid, &m, QM_CLIENT_F32, ROUTE_BANK, 5, 524288, &err), 0);
+    qm_client_error err;
+    pid_t pid = daemon_with_a_ring(400, &c, &sid, &m);
     kill(pid, SIGSTOP);
     double t0 = now_s();
     ck_assert_int_eq(mapped_call(c, sid, &m, QM_CLIENT_F32, ROUTE_BANK, 5, 524288, &err),

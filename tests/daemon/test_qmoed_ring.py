@@ -25,43 +25,13 @@ import numpy as np
 import pytest
 
 from qmoed_harness import Daemon, make_bank, memfd
-from qmoed_suite import E, H, err, hidden, new_session
+from qmoed_suite import E, H, Shm, as_bytes, err, hidden, new_session, request_fds
 
 from qmoe_client import _ring
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 PYCLIENT = os.path.join(HERE, "..", "..", "clients", "python")
 MAP_BYTES = 1 << 20
-
-
-def request_fds(c, method, params, fds):
-    """One request whose first byte carries `fds` (SCM_RIGHTS); the answer."""
-    import json
-    req = {"jsonrpc": "2.0", "id": c.next_id, "method": method, "params": params}
-    c.next_id += 1
-    line = (json.dumps(req) + "\n").encode()
-    sent = socket.send_fds(c.sock, [line], fds) if fds else 0
-    c.sock.sendall(line[sent:])
-    return json.loads(c.read_line())
-
-
-class Shm:
-    """A memfd mapped here and in the daemon (map id `id`)."""
-
-    def __init__(self, c, sid, nbytes=MAP_BYTES):
-        import mmap
-        fd = memfd(nbytes)
-        self.mm = mmap.mmap(fd, nbytes)
-        r = request_fds(c, "session.map", {"session": sid, "bytes": nbytes}, [fd])
-        os.close(fd)
-        assert "result" in r, r
-        self.id = r["result"]["map"]
-
-    def put(self, offset, raw):
-        self.mm[offset:offset + len(raw)] = raw
-
-    def get(self, offset, n):
-        return bytes(self.mm[offset:offset + n])
 
 
 class RawRing:
@@ -107,12 +77,6 @@ def socket_error(r):
     e = err(r)
     d = e.get("data", {})
     return e["code"], d.get("field", ""), d.get("reason")
-
-
-def as_raw(x, dt):
-    if dt == "bf16":
-        return (x.astype(np.float32).view(np.uint32) >> 16).astype("<u2").tobytes()
-    return x.astype({"f32": "<f4", "f16": "<f2"}[dt]).tobytes()
 
 
 SIZE = {"f32": 4, "f16": 2, "bf16": 2}
@@ -233,7 +197,7 @@ def test_session_ring_of_an_unknown_session_is_not_found(rdaemon):
 def test_ring_calls_equal_socket_calls_bit_for_bit(rdaemon, precision, dt, routing):
     c = rdaemon.client()
     sid = new_session(c, precision=precision)
-    shm = Shm(c, sid)
+    shm = Shm(c, sid, MAP_BYTES)
     ring = RawRing(c, sid)
     for T in (1, 2, 7, 64):
         x = hidden(T, seed=T)
@@ -242,7 +206,7 @@ def test_ring_calls_equal_socket_calls_bit_for_bit(rdaemon, precision, dt, routi
         o_w = o_ids + up(T * E * 4)
         o_a = o_w + up(T * E * 4)
         o_b = o_a + up(T * H * 4)
-        shm.put(o_x, as_raw(x, dt))
+        shm.put(o_x, as_bytes(x, dt))
         logits = ids = w = None
         if routing == "logits":
             lg = np.random.default_rng(T + 1).standard_normal((T, E)).astype(np.float32)
@@ -254,7 +218,7 @@ def test_ring_calls_equal_socket_calls_bit_for_bit(rdaemon, precision, dt, routi
             sel = np.stack([rng.permutation(E)[:k] for _ in range(T)]).astype("<i4")
             sel[0, 1] = -1  # a dropped route
             shm.put(o_ids, sel.tobytes())
-            shm.put(o_w, as_raw(rng.random((T, k)), dt))
+            shm.put(o_w, as_bytes(rng.random((T, k)), dt))
             ids = ("i32", T, k, shm.id, o_ids)
             w = (dt, T, k, shm.id, o_w)
         xs = (dt, T, H, shm.id, o_x)
@@ -308,7 +272,7 @@ def error_cases(sid, small, big, m):
 def test_ring_errors_equal_the_sockets(rdaemon):
     c = rdaemon.client()
     sid = new_session(c)
-    shm = Shm(c, sid)
+    shm = Shm(c, sid, MAP_BYTES)
     ring = RawRing(c, sid)
     shm.put(0, hidden(2).tobytes())
     shm.put(12288, np.array([[0, 1], [2, 3], [4, 5]], "<i4").tobytes())
@@ -323,7 +287,7 @@ def test_ring_errors_equal_the_sockets(rdaemon):
         assert (code, field, reason) == want, name
     # A bank without a router weight: router_logits are required, alike.
     sid2 = new_session(c, model="norouter")
-    shm2 = Shm(c, sid2)
+    shm2 = Shm(c, sid2, MAP_BYTES)
     ring2 = RawRing(c, sid2)
     p, req = both(sid2, 0, ("f32", 1, H, shm2.id, 0), (shm2.id, 4096))
     want = socket_error(c.request("session.infer", p))
@@ -341,7 +305,7 @@ def test_ring_errors_equal_the_sockets(rdaemon):
 def test_what_only_the_ring_can_say_is_invalid_params_naming_it(rdaemon, what, field):
     c = rdaemon.client()
     sid = new_session(c)
-    shm = Shm(c, sid)
+    shm = Shm(c, sid, MAP_BYTES)
     ring = RawRing(c, sid)
     _, req = both(sid, 0, ("f32", 1, H, shm.id, 0), (shm.id, 4096),
                   ids=("i32", 1, 2, shm.id, 8192), w=("f32", 1, 2, shm.id, 12288))
@@ -363,7 +327,7 @@ def test_what_only_the_ring_can_say_is_invalid_params_naming_it(rdaemon, what, f
 def test_garbage_in_the_request_slot_fails_only_that_call(rdaemon):
     c = rdaemon.client()
     sid = new_session(c)
-    shm = Shm(c, sid)
+    shm = Shm(c, sid, MAP_BYTES)
     ring = RawRing(c, sid)
     before = c.call("telemetry.get")["daemon"]["errors"]
     rng = np.random.default_rng(4)
@@ -424,7 +388,7 @@ def test_ring_and_socket_calls_interleaved_keep_the_sessions_order(rdaemon):
     def run(use_ring):
         sid = new_session(c, policy="lru", budget_bytes=budget,
                           policy_params={"prefetch": False})
-        shm = Shm(c, sid)
+        shm = Shm(c, sid, MAP_BYTES)
         ring = RawRing(c, sid) if use_ring else None
         seen, outs = [], []
         for i in range(24):
@@ -458,7 +422,7 @@ def test_concurrent_ring_and_socket_calls_of_one_session_run_one_at_a_time(rdaem
     c = rdaemon.client()
     per_expert = [m for m in c.call("model.list")["models"] if m["name"] == "small"][0]
     sid = new_session(c, policy="lru", budget_bytes=2 * per_expert["bytes_per_expert"])
-    shm = Shm(c, sid)
+    shm = Shm(c, sid, MAP_BYTES)
     ring = RawRing(c, sid)
     x = hidden(4, seed=3)
     shm.put(0, x.tobytes())
@@ -499,7 +463,7 @@ def test_ring_calls_are_counted_and_traced_as_socket_calls_are(rdaemon):
 
     def run(use_ring):
         sid = new_session(c)
-        shm = Shm(c, sid)
+        shm = Shm(c, sid, MAP_BYTES)
         ring = RawRing(c, sid) if use_ring else None
         shm.put(0, hidden(3).tobytes())
         t0 = c.call("telemetry.get", {"session": sid})
@@ -539,7 +503,7 @@ def test_session_close_closes_its_ring_with_not_found(rdaemon):
     assert wait_for(lambda: ring_threads(pid) == 0)  # the earlier tests' rings are gone
     base = 0
     sid = new_session(c)
-    shm = Shm(c, sid)
+    shm = Shm(c, sid, MAP_BYTES)
     ring = RawRing(c, sid)
     assert wait_for(lambda: ring_threads(pid) == base + 1)
     c.call("session.close", {"session": sid})
@@ -696,7 +660,7 @@ def test_open_idle_rings_use_no_cpu(rdaemon):
     rings = []
     for _ in range(4):
         sid = new_session(c)
-        shm = Shm(c, sid)
+        shm = Shm(c, sid, MAP_BYTES)
         r = RawRing(c, sid)
         shm.put(0, hidden(1).tobytes())
         _, req = both(sid, 0, ("f32", 1, H, shm.id, 0), (shm.id, 4096))
