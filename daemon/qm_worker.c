@@ -293,7 +293,8 @@ int qm_pool_run_or_queue(qm_pool *p, qm_job *job)
     job->start_us = qm_now_us();
     if (job->ops->run)
         job->ops->run(job);
-    job->end_us = qm_now_us();
+    uint64_t end_us = job->end_us = qm_now_us();
+    /* From here the loop may take the job and free it: not read again. */
     uv_mutex_lock(&p->mu);
     job_list_append(&p->done_head, &p->done_tail, job);
     int more = q->head != NULL;
@@ -306,7 +307,7 @@ int qm_pool_run_or_queue(qm_pool *p, qm_job *job)
         uv_cond_signal(&p->cv);
     /* Its client has its answer: the loop need not wake. */
     if (!atomic_exchange(&p->lazy, 1))
-        atomic_store(&p->lazy_since_us, job->end_us);
+        atomic_store(&p->lazy_since_us, end_us);
     return 1;
 }
 
