@@ -6,6 +6,7 @@
  * that dies a broken connection, and the next call opens a new ring. Each
  * test starts its own daemon (some stop or kill it). */
 #include <check.h>
+#include <dirent.h>
 #include <math.h>
 #include <pthread.h>
 #include <signal.h>
@@ -60,7 +61,7 @@ static pid_t start_daemon(const char *set)
     pid_t pid = fork();
     if (pid == 0) {
         freopen("/dev/null", "w", stdout);
-        freopen("/dev/null", "w", stderr);
+        freopen(getenv("QM_DAEMON_LOG") ? getenv("QM_DAEMON_LOG") : "/dev/null", "a", stderr);
         char *argv[12] = {qmoed, "--socket", sock, "--model", model};
         int n = 5;
         if (set) {
@@ -75,6 +76,42 @@ static pid_t start_daemon(const char *set)
     }
     live_wait_listening(pid, sock);
     return pid;
+}
+
+/* 1 when every thread of pid is stopped (state T). */
+static int all_stopped(pid_t pid)
+{
+    char path[300], buf[512];
+    snprintf(path, sizeof path, "/proc/%d/task", (int)pid);
+    DIR *d = opendir(path);
+    if (!d)
+        return 0;
+    int all = 1;
+    struct dirent *e;
+    while (all && (e = readdir(d))) {
+        if (e->d_name[0] == '.')
+            continue;
+        snprintf(path, sizeof path, "/proc/%d/task/%.32s/stat", (int)pid, e->d_name);
+        FILE *f = fopen(path, "r");
+        size_t n = f ? fread(buf, 1, sizeof buf - 1, f) : 0;
+        if (f)
+            fclose(f);
+        buf[n] = '\0';
+        const char *p = strrchr(buf, ')');
+        all = !p || (p[1] == ' ' && p[2] == 'T');
+    }
+    closedir(d);
+    return all;
+}
+
+/* SIGSTOP, and back once every thread of pid has stopped (a call rung
+ * before then could still be answered). */
+static void stop_threads(pid_t pid)
+{
+    kill(pid, SIGSTOP);
+    for (int i = 0; i < 5000 && !all_stopped(pid); i++)
+        usleep(1000);
+    ck_assert_msg(all_stopped(pid), "qmoed %d did not stop", (int)pid);
 }
 
 static void stop_daemon(pid_t pid)
@@ -262,6 +299,7 @@ START_TEST(test_ring_errors_equal_the_sockets)
         ck_assert_str_eq(err.field, want.field);
         ck_assert_str_eq(err.reason, want.reason);
     }
+    qm_client_string_free(sid);
     qm_client_close(c);
     stop_daemon(pid);
     remove_dir();
@@ -294,6 +332,8 @@ START_TEST(test_a_refused_ring_falls_back_to_the_socket)
     ck_assert_int_eq(qm_client_session_ring(b, sb, &err), 0);
     ck_assert_int_eq(qm_client_ring_active(b, sb), 1);
     qm_client_close(b);
+    qm_client_string_free(sa);
+    qm_client_string_free(sb);
     stop_daemon(pid);
     remove_dir();
 }
@@ -348,7 +388,7 @@ START_TEST(test_a_daemon_that_dies_mid_call_is_a_broken_connection)
     qm_client_error err;
     pid_t pid = daemon_with_a_ring(30000, &c, &sid, &m);
     /* Stopped, the daemon cannot answer; killed, its socket hangs up. */
-    kill(pid, SIGSTOP);
+    stop_threads(pid);
     call_arg a = {.c = c, .sid = sid, .m = &m};
     pthread_t th;
     pthread_create(&th, NULL, call_thread, &a);
@@ -375,7 +415,7 @@ START_TEST(test_a_silent_daemon_times_out_and_the_next_call_opens_a_new_ring)
     qm_client_map m;
     qm_client_error err;
     pid_t pid = daemon_with_a_ring(400, &c, &sid, &m);
-    kill(pid, SIGSTOP);
+    stop_threads(pid);
     double t0 = now_s();
     ck_assert_int_eq(mapped_call(c, sid, &m, QM_CLIENT_F32, ROUTE_BANK, 5, 524288, &err),
                      QM_CLIENT_ETIMEDOUT);
@@ -388,6 +428,7 @@ START_TEST(test_a_silent_daemon_times_out_and_the_next_call_opens_a_new_ring)
                   err.reason);
     ck_assert_int_eq(qm_client_ring_active(c, sid), 1);
     ck_assert(memcmp((char *)m.data + 524288, (char *)m.data + 786432, 5 * HIDDEN * 4) == 0);
+    qm_client_string_free(sid);
     qm_client_close(c);
     stop_daemon(pid);
     remove_dir();

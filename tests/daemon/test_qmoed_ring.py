@@ -586,7 +586,8 @@ def test_a_closed_connection_ends_its_ring_and_wakes_the_waiter(banks, bigbank):
 
 
 def test_drain_lets_a_waiting_ring_call_finish_then_closes_the_ring(banks, bigbank):
-    dm = Daemon(models={"big": bigbank})
+    # The slow call may take many seconds under a sanitizer: the drain waits.
+    dm = Daemon(models={"big": bigbank}, args=["--set", "drain_timeout_s=600"])
     a = dm.client()
     sid = new_session(a, model="big")
     shm = Shm(a, sid, 16 << 20)
@@ -599,7 +600,7 @@ def test_drain_lets_a_waiting_ring_call_finish_then_closes_the_ring(banks, bigba
     got = {}
     th = threading.Thread(target=lambda: got.setdefault("r", ring.call(req)))
     th.start()
-    time.sleep(0.1)
+    time.sleep(0.5)  # the ring's thread has taken the call (it waits behind the slow one)
     dm.signal(signal.SIGTERM)
     th.join(30)
     assert got["r"][0] == 0, got  # accepted before the drain: answered
@@ -611,7 +612,7 @@ def test_drain_lets_a_waiting_ring_call_finish_then_closes_the_ring(banks, bigba
     assert e.value.code == -32007
     slow.close()
     a.close()
-    rc = dm.proc.wait(30)  # the drain ends by itself
+    rc = dm.proc.wait(120)  # the drain ends by itself
     dm.stop()
     assert rc == 0, dm.log_text()
 
