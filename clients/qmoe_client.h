@@ -79,6 +79,15 @@ typedef struct qm_client_device {
     uint64_t total_bytes, budget_bytes, used_bytes;
 } qm_client_device;
 
+/* One CPU kernel's verdict in the daemon's self-check at start:
+ * daemon.status "kernels" (docs/PROTOCOL.md). */
+typedef struct qm_client_kernel {
+    char *precision; /* "exact" or "fast" */
+    char *name;      /* its QMOE_KERNEL name */
+    char *state;     /* "verified", "refused" (never used) or "unavailable" (not on this CPU) */
+    char *reason;    /* refused or unavailable: why; NULL when verified */
+} qm_client_kernel;
+
 typedef struct qm_client_status {
     char *version;
     double uptime_s;
@@ -88,6 +97,14 @@ typedef struct qm_client_status {
     uint64_t models, sessions, connections;
     qm_client_device *devices; /* each device; none from a daemon that does not list them */
     size_t n_devices;
+    /* The CPU kernels' self-check: the CPU, its flags the kernels use, the
+     * check's cost and whether the kernel cache answered; each kernel's
+     * verdict. NULL / 0 from a daemon that does not report it. */
+    char *kernels_cpu, *kernels_flags;
+    double kernels_check_ms;
+    int kernels_cached;
+    qm_client_kernel *kernels;
+    size_t n_kernels;
 } qm_client_status;
 int qm_client_daemon_status(qm_client *c, qm_client_status *out, qm_client_error *err);
 void qm_client_status_free(qm_client_status *s); /* frees the members, not `s` */
@@ -359,6 +376,23 @@ typedef struct qm_client_counters {
     uint64_t evictions, prefetch_issued, prefetch_useful, resident_bytes;
     uint64_t expert_host_runs; /* 0 from a daemon without hybrid execution */
     double p50_us, p99_us;
+    /* Prefetch prediction per source (router, history, lookahead): experts
+     * predicted, of them used by the call they were about, the experts those
+     * calls used, and calls the source was off (docs/PROTOCOL.md; 0 from a
+     * daemon without them). Precision = correct / predicted, recall =
+     * correct / actual. */
+    uint64_t predict_router_predicted, predict_router_correct, predict_router_actual;
+    uint64_t predict_router_gated;
+    uint64_t predict_history_predicted, predict_history_correct, predict_history_actual;
+    uint64_t predict_history_gated;
+    uint64_t predict_lookahead_predicted, predict_lookahead_correct, predict_lookahead_actual;
+    uint64_t predict_lookahead_gated;
+    /* Direct disk paging (0 from a daemon without them): bytes read, time
+     * waited for units to land, time the disk had reads in flight,
+     * inferences with reads in flight and the sum of each one's most in
+     * flight at once, the most at once. */
+    uint64_t bytes_read_disk, stall_us, disk_busy_us, read_calls, reads_in_flight_sum,
+        reads_in_flight_peak;
 } qm_client_counters;
 
 typedef struct qm_client_session_counters {

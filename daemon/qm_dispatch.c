@@ -17,7 +17,7 @@
 
 /* ---- the method table ---- */
 
-#define QM__METHOD_ROW_REF(m, text) [QM_METHOD_##m] = &qm__method_row_##m,
+#define QM__METHOD_ROW_REF(m, ...) [QM_METHOD_##m] = &qm__method_row_##m,
 static const qm_method_entry *const method_table[QM_METHOD_COUNT] = {
     QM_METHOD_MAP(QM__METHOD_ROW_REF)};
 #undef QM__METHOD_ROW_REF

@@ -6,6 +6,7 @@
  * session, which its FIFO gives it alone while it runs. */
 #include "qm_methods.h"
 
+#include <pthread.h>
 #include <string.h>
 
 #include <stdio.h>
@@ -171,23 +172,81 @@ free_inputs:
     return job->rc;
 }
 
-/* session.infer's stats, in qm_ring_stat_names' order (the JSON answer's
- * members and the ring's answer slot). */
+/* ---- the answer's stats: one table, as the metrics are ---- */
+
+/* Where a stat comes from: the growth of a telemetry counter over the call
+ * (qm_counter_paging: the one definition of a hit, a miss, ...), or one of
+ * the job's times. */
+typedef enum stat_source {
+    FROM_COUNTER,
+    FROM_QUEUE,   /* queued until a worker took it */
+    FROM_COMPUTE, /* the forward pass */
+    FROM_DECODE,  /* its frame's decoding */
+    FROM_ENCODE,  /* its answer's encoding (output and routing) */
+    FROM_WALL     /* taken by a worker until its answer was encoded */
+} stat_source;
+
+/* session.infer's stats, by the wire's index (protocol/qm_ring_wire.h: the
+ * JSON answer's members in qm_ring_stat_names' order and the ring's answer
+ * slot); `traced`: also an arg of the call's trace span, after its layer
+ * and tokens. */
+static const struct infer_stat {
+    stat_source from;
+    const char *counter; /* FROM_COUNTER: the telemetry counter it grows with */
+    int traced;
+} infer_stat[QM_RING_STATS] = {
+    [QM_RING_STAT_HITS] = {FROM_COUNTER, "expert_hits", 1},
+    [QM_RING_STAT_MISSES] = {FROM_COUNTER, "expert_misses", 1},
+    [QM_RING_STAT_HOST_RUNS] = {FROM_COUNTER, "expert_host_runs", 0},
+    [QM_RING_STAT_BYTES_PAGED] = {FROM_COUNTER, "bytes_paged_h2d", 0},
+    [QM_RING_STAT_BYTES_READ_DISK] = {FROM_COUNTER, "bytes_read_disk", 0},
+    [QM_RING_STAT_STALL_US] = {FROM_COUNTER, "stall_us", 0},
+    [QM_RING_STAT_QUEUE_US] = {FROM_QUEUE, NULL, 1},
+    [QM_RING_STAT_COMPUTE_US] = {FROM_COMPUTE, NULL, 1},
+    [QM_RING_STAT_DECODE_US] = {FROM_DECODE, NULL, 0},
+    [QM_RING_STAT_ENCODE_US] = {FROM_ENCODE, NULL, 0},
+    [QM_RING_STAT_WALL_US] = {FROM_WALL, NULL, 0},
+};
+
+/* Each stat's counter in the telemetry table, found once. */
+static size_t stat_counter[QM_RING_STATS];
+static pthread_once_t stat_counters_once = PTHREAD_ONCE_INIT;
+
+static void find_stat_counters(void)
+{
+    for (size_t i = 0; i < QM_RING_STATS; i++)
+        stat_counter[i] = infer_stat[i].counter ? qm_counter_index(infer_stat[i].counter) : 0;
+}
+
+/* Stat i of a call: the session's pager statistics before (was) and after
+ * (now) it, its job, and the times only the worker knows. */
+static uint64_t stat_value(size_t i, const qm_pager_stats *was, const qm_pager_stats *now,
+                           const qm_job *job, uint64_t encode_us, uint64_t end_us)
+{
+    switch (infer_stat[i].from) {
+    case FROM_COUNTER:
+        return qm_counter_paging(stat_counter[i], now) - qm_counter_paging(stat_counter[i], was);
+    case FROM_QUEUE:
+        return job->start_us - job->enqueue_us;
+    case FROM_COMPUTE:
+        return job->mstats.compute_us;
+    case FROM_DECODE:
+        return job->decode_us;
+    case FROM_ENCODE:
+        return encode_us;
+    case FROM_WALL:
+        return end_us - job->start_us;
+    }
+    return 0;
+}
+
+/* session.infer's stats, by the wire's index. */
 static void infer_stats(const qm_job *job, const infer_call *c, uint64_t encode_us,
                         uint64_t now_us, uint64_t out[QM_RING_STATS])
 {
-    const qm_pager_stats *a = &c->before, *b = &job->pstats;
-    out[QM_RING_STAT_HITS] = b->hits - a->hits + (b->whole_bank_accesses - a->whole_bank_accesses);
-    out[QM_RING_STAT_MISSES] = b->misses - a->misses;
-    out[QM_RING_STAT_HOST_RUNS] = b->host_runs - a->host_runs;
-    out[QM_RING_STAT_BYTES_PAGED] = b->bytes_paged_h2d - a->bytes_paged_h2d;
-    out[QM_RING_STAT_BYTES_READ_DISK] = b->disk_bytes_read - a->disk_bytes_read;
-    out[QM_RING_STAT_STALL_US] = b->stall_us - a->stall_us;
-    out[QM_RING_STAT_QUEUE_US] = job->start_us - job->enqueue_us;
-    out[QM_RING_STAT_COMPUTE_US] = job->mstats.compute_us;
-    out[QM_RING_STAT_DECODE_US] = job->decode_us;
-    out[QM_RING_STAT_ENCODE_US] = encode_us;
-    out[QM_RING_STAT_WALL_US] = now_us - job->start_us;
+    pthread_once(&stat_counters_once, find_stat_counters);
+    for (size_t i = 0; i < QM_RING_STATS; i++)
+        out[i] = stat_value(i, &c->before, &job->pstats, job, encode_us, now_us);
 }
 
 /* The JSON answer: the output (mapped, or base64), the routing when asked
@@ -283,21 +342,27 @@ static void account_infer(qm_job *job, uint64_t answered_us)
         qm_hotness_record(m->hotness, job->req.params.layer, job->route_experts, job->n_routes);
     qm_hist_add(&sc->latency, latency);
     qm_hist_add(&dc->latency, latency);
-    /* The span's args, {"layer":..,"compute_us":..}, by hand: every inference
-     * writes one (six names + six 20-digit numbers fit the 192 bytes). */
-    const qm_pager_stats *now = &job->pstats;
-    uint64_t hits = (now->hits - was.hits) + (now->whole_bank_accesses - was.whole_bank_accesses);
-    static const char *const keys[] = {"{\"layer\":",   ",\"tokens\":",   ",\"hits\":",
-                                       ",\"misses\":", ",\"queue_us\":", ",\"compute_us\":"};
-    const uint64_t vals[] = {job->req.params.layer, job->tokens, hits, now->misses - was.misses,
-                             job->start_us - job->enqueue_us, job->mstats.compute_us};
+    /* The span's args, {"layer":..,"tokens":..} and the traced stats, by
+     * hand: every inference writes one (the six today take 185 bytes at
+     * most; a stat that would not fit is left out). */
     char args[192];
     size_t n = 0;
-    for (size_t i = 0; i < sizeof vals / sizeof vals[0]; i++) {
-        size_t kl = strlen(keys[i]);
-        memcpy(args + n, keys[i], kl);
-        n += kl;
-        n += qm_fmt_u64(args + n, vals[i], 0);
+    memcpy(args + n, "{\"layer\":", 9);
+    n += 9;
+    n += qm_fmt_u64(args + n, job->req.params.layer, 0);
+    memcpy(args + n, ",\"tokens\":", 10);
+    n += 10;
+    n += qm_fmt_u64(args + n, job->tokens, 0);
+    pthread_once(&stat_counters_once, find_stat_counters);
+    for (size_t i = 0; i < QM_RING_STATS; i++) {
+        size_t kl = strlen(qm_ring_stat_names[i]);
+        if (!infer_stat[i].traced || n + kl + 4 + QM_U64_DEC_MAX + 2 > sizeof args)
+            continue;
+        memcpy(args + n, ",\"", 2);
+        memcpy(args + n + 2, qm_ring_stat_names[i], kl);
+        memcpy(args + n + 2 + kl, "\":", 2);
+        n += kl + 4;
+        n += qm_fmt_u64(args + n, stat_value(i, &was, &job->pstats, job, 0, 0), 0);
     }
     memcpy(args + n, "}", 2);
     qm_trace_add(mx->trace, "session.infer", job->read_us, latency, qm_session_id(s), args,

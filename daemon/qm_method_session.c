@@ -7,6 +7,8 @@
 
 #include "qm_alloc.h"
 #include "qm_log.h"
+#include "qm_placement.h"
+#include "qm_plan_json.h"
 #include "qm_models.h"
 #include "qm_sessions.h"
 #include "qm_shm.h"
@@ -87,10 +89,37 @@ static void write_resize_result(qm_jw *w, const void *arg)
 
 /* ---- session.create: prepared on the loop, built on a worker ---- */
 
+/* session.create's params as the sessions read them (qm_session_spec):
+ * defaults filled. The wire's enums land their index, which is the
+ * engine's value (precision, on_miss: tests/daemon checks the lists). */
+static void create_spec(const qm_params *p, qm_session_spec *out)
+{
+    const qm_policy_params_wire *pw = &p->policy_params;
+    *out = (qm_session_spec){
+        .model = p->model,
+        .policy = p->policy ? p->policy : qm_policy_default_name(),
+        .has_budget = p->has_budget,
+        .budget_bytes = p->budget_bytes,
+        .precision = (qm_precision)p->precision,
+        .prefetch = pw->has_prefetch ? pw->prefetch : 1,
+        .on_miss = pw->has_on_miss ? pw->on_miss : QM_ON_MISS_PAGE,
+        .share = pw->has_share_residency && pw->share_residency,
+        .has_min_split_bytes = pw->has_min_split_bytes,
+        .min_split_bytes = pw->has_min_split_bytes ? pw->min_split_bytes : 0,
+        .n_values = pw->n_values < QM_POLICY_VALUES_MAX ? pw->n_values : QM_POLICY_VALUES_MAX,
+        .hot = pw->hot,
+        .n_hot = pw->n_hot,
+        .record_trace = pw->record_trace};
+    for (size_t i = 0; i < out->n_values; i++)
+        out->values[i] = (qm_policy_value){pw->values[i].name, pw->values[i].value};
+}
+
 static int create_admit(qm_job *job, qm_status *st)
 {
     qm_session *s;
-    int rc = qm_session_prepare(job->mx->sessions, job->mx->models, &job->req.params, job->peer_uid, &s, st);
+    qm_session_spec spec;
+    create_spec(&job->req.params, &spec);
+    int rc = qm_session_prepare(job->mx->sessions, job->mx->models, &spec, job->peer_uid, &s, st);
     if (rc < 0)
         return rc;
     job->session = s;
@@ -133,6 +162,110 @@ static const qm_job_ops create_ops = {
 
 /* ---- session.plan: the residency read by the worker that owns the pagers ---- */
 
+/* Layer `layer`'s residency now into b: the experts resident there and,
+ * after them in the same buffer (*list, the caller's), the pins a resize
+ * released. Nothing for a whole bank (resident for the session's life,
+ * which the plan's decision already says: docs/PROTOCOL.md). */
+static int bank_residency(qm_pager *pager, uint32_t layer, qm_plan_json_bank_state *b,
+                          uint32_t **list, qm_status *st)
+{
+    int count = pager && qm_pager_layer_is_paged(pager, layer) == 1
+                    ? qm_pager_resident_experts(pager, layer, NULL, 0)
+                    : -1;
+    if (count < 0)
+        return 0;
+    *list = qm_malloc(((size_t)count + 1) * sizeof **list);
+    if (!*list)
+        return qm_status_set(st, QM_ENOMEM, "out of memory reading the residency");
+    size_t cap = (size_t)count;
+    count = qm_pager_resident_experts(pager, layer, *list, cap);
+    b->has_resident_now = 1;
+    b->resident_now = *list;
+    b->n_resident_now = count < 0 ? 0 : (size_t)count < cap ? (size_t)count : cap;
+    int nrel = qm_pager_pins_released(pager, layer, NULL, 0);
+    if (nrel <= 0)
+        return 0;
+    uint32_t *grown = qm_realloc(*list, (b->n_resident_now + (size_t)nrel) * sizeof **list);
+    if (!grown)
+        return qm_status_set(st, QM_ENOMEM, "out of memory reading the residency");
+    *list = grown;
+    b->resident_now = grown;
+    b->pins_released = grown + b->n_resident_now;
+    nrel = qm_pager_pins_released(pager, layer, grown + b->n_resident_now, (size_t)nrel);
+    b->n_pins_released = nrel < 0 ? 0 : (size_t)nrel;
+    return 0;
+}
+
+/* The plan's run-time state (session held still): each bank's residency
+ * and device (the placement is shown when the session spans several
+ * devices), and the residency counters. banks[], lists[] and names[]
+ * back it. */
+static int plan_state(qm_session *s, qm_plan_json_state *state,
+                      qm_plan_json_bank_state *banks, uint32_t **lists, const char **names,
+                      qm_status *st)
+{
+    const qm_residency_plan *plan = qm_session_plan(s);
+    const qm_placement *pl = qm_session_placement(s);
+    const int built = qm_session_built(s), placed = pl->n_devices > 1;
+    for (size_t i = 0; i < qm_plan_total(plan) && built; i++) {
+        uint32_t layer = qm_plan_bank_at(plan, i)->bank_id; /* bank id = layer */
+        qm_plan_json_bank_state *b = &banks[state->n_banks];
+        *b = (qm_plan_json_bank_state){.bank_id = layer};
+        if (placed && layer < pl->n_layers) {
+            b->has_device = 1; /* every bank names its device, whole or paged */
+            b->device = pl->device_of[layer];
+        }
+        int rc = bank_residency(qm_session_pager_of(s, layer), layer, b, &lists[i], st);
+        if (rc < 0)
+            return rc;
+        if (b->has_device || b->has_resident_now)
+            state->n_banks++;
+    }
+    if (placed) {
+        for (uint32_t i = 0; i < pl->n_devices && i < QM_CONFIG_MAX_DEVICES; i++)
+            names[i] = qm_session_device_name(s, i);
+        state->placement_rule = QM_PLACEMENT_RULE;
+        state->device_names = names;
+        state->device_budgets = pl->budget;
+        state->n_devices = pl->n_devices;
+    }
+    if (built) {
+        qm_pager_stats ps;
+        qm_session_stats(s, &ps);
+        state->has_resident_bytes = 1;
+        state->resident_bytes = ps.resident_bytes;
+        state->on_miss = qm_on_miss_name(qm_session_on_miss(s));
+        /* The telemetry table's definitions, as every count of them. */
+        state->expert_hits = qm_counter_paging(qm_counter_index("expert_hits"), &ps);
+        state->expert_misses = qm_counter_paging(qm_counter_index("expert_misses"), &ps);
+        state->expert_host_runs = qm_counter_paging(qm_counter_index("expert_host_runs"), &ps);
+    }
+    return 0;
+}
+
+/* The session's plan with its residency now (*json is the caller's). A
+ * sharing session reads its pool's residency (its own plan and counters). */
+static int plan_json(qm_session *s, char **json, size_t *len, qm_status *st)
+{
+    size_t n = qm_plan_total(qm_session_plan(s));
+    qm_plan_json_bank_state *banks = qm_calloc(n ? n : 1, sizeof *banks);
+    uint32_t **lists = qm_calloc(n ? n : 1, sizeof *lists);
+    const char *names[QM_CONFIG_MAX_DEVICES];
+    qm_plan_json_state state = {.banks = banks};
+    int rc = banks && lists ? 0 : qm_status_set(st, QM_ENOMEM, "out of memory reading the residency");
+    qm_session_hold(s);
+    if (rc == 0)
+        rc = plan_state(s, &state, banks, lists, names, st);
+    if (rc == 0)
+        rc = qm_plan_to_json_ex(qm_session_plan(s), &state, json, len, st);
+    qm_session_release(s);
+    for (size_t i = 0; lists && i < n; i++)
+        qm_free(lists[i]);
+    qm_free(lists);
+    qm_free(banks);
+    return rc;
+}
+
 static void plan_run(qm_job *job)
 {
     if (qm__job_session_closed(job))
@@ -141,7 +274,7 @@ static void plan_run(qm_job *job)
         return; /* a notification: nothing to answer */
     char *json;
     size_t len;
-    job->rc = qm_session_plan_json(job->session, &json, &len, &job->st);
+    job->rc = plan_json(job->session, &json, &len, &job->st);
     if (job->rc < 0)
         return;
     qm_jw w;

@@ -106,7 +106,7 @@ void qm__job_answer(qm_job *job);
     const qm_method_entry qm__method_row_##m = {.method = QM_METHOD_##m, __VA_ARGS__}
 
 /* Every row, by QM_METHOD_MAP's names. */
-#define QM__METHOD_ROW_DECLARE(m, text) extern const qm_method_entry qm__method_row_##m;
+#define QM__METHOD_ROW_DECLARE(m, ...) extern const qm_method_entry qm__method_row_##m;
 QM_METHOD_MAP(QM__METHOD_ROW_DECLARE)
 #undef QM__METHOD_ROW_DECLARE
 

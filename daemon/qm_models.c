@@ -236,35 +236,6 @@ int qm_model_path_allowed(const qm_models *ms, const char *path, char **resolved
                                path, model_dirs[0] ? model_dirs : "empty: none");
 }
 
-void qm_jw_model_summary(qm_jw *w, const qm_model *m)
-{
-    const qm_bank_config *c = qm_bank_get_config(m->bank);
-    qm_jw_obj_begin(w);
-    qm_jw_member_str(w, "name", m->name);
-    qm_jw_member_str(w, "path", m->path);
-    qm_jw_member_u64(w, "layers", c->layers);
-    qm_jw_member_u64(w, "experts", c->experts);
-    qm_jw_member_u64(w, "hidden_size", c->hidden);
-    qm_jw_member_u64(w, "inter_size", c->inter);
-    qm_jw_member_u64(w, "k", c->k);
-    qm_jw_member_str(w, "activation", qm_activation_name(c->activation));
-    qm_jw_member_u64(w, "bits", c->bits);
-    qm_jw_member_u64(w, "block_size", c->block_size);
-    qm_jw_member_u64(w, "bytes_total", m->bytes_total);
-    qm_jw_member_u64(w, "bytes_per_expert", m->bytes_per_expert);
-    /* An imported bank's qmoe.layer_map: engines tag their MoE layers with
-     * it (docs/ENGINES.md). Absent when the bank has none (identity). */
-    const uint32_t *map = qm_bank_layer_map(m->bank);
-    if (map) {
-        qm_jw_key(w, "layer_map");
-        qm_jw_arr_begin(w);
-        for (uint32_t l = 0; l < c->layers; l++)
-            qm_jw_u64(w, map[l]);
-        qm_jw_arr_end(w);
-    }
-    qm_jw_obj_end(w);
-}
-
 void qm_model_unlink(qm_models *ms, qm_model *m)
 {
     for (qm_model **pp = &ms->first; *pp; pp = &(*pp)->next) {

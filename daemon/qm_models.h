@@ -62,7 +62,6 @@ void qm_model_unref(qm_model *m);
 void qm_model_unlink(qm_models *ms, qm_model *m);
 /* Unlinks every model (at exit, after every session closed). */
 void qm_models_free(qm_models *ms);
-void qm_jw_model_summary(qm_jw *w, const qm_model *m);
 /* Saves every model's hotness profile that changed (state_dir set). */
 void qm_models_save_hotness(qm_models *ms);
 /* Before and after each use of a model's bank:

@@ -17,6 +17,7 @@
 #include "qm_devices.h"
 #include "qm_moe.h"
 #include "qm_pager.h"
+#include "qm_placement.h"
 #include "qm_pool.h"
 #include "qm_protocol.h"
 #include "qm_models.h"
@@ -38,7 +39,7 @@ typedef struct qm_sessions {
     qm_session *first; /* the next of each is qm_session_next(s) */
     size_t n;
     uint64_t next_map_id;    /* qm_sessions_new_map_id */
-    struct qm_share *shares; /* shared-residency pools (qm_share.h) */
+    struct qm_expert_pool *shares; /* shared-residency pools (qm_expert_pool.h) */
     /* Called as each session closes, however it closes (session.close,
      * model.unload with force, the orphan reclaim, the daemon's exit),
      * after it left the list and while it still lives: the daemon ends
@@ -55,13 +56,36 @@ size_t qm_sessions_of_model(const qm_sessions *ss, const qm_model *m);
 /* A daemon-wide unique id for a session's shared-memory map (qm_shm.h). */
 uint64_t qm_sessions_new_map_id(qm_sessions *ss);
 
+/* session.create's parameters as the sessions read them: decoded once from
+ * the wire (qm_method_session.c), names resolved to the registries'
+ * values, defaults filled. Strings and hot lists are borrowed from the
+ * request, for as long as qm_session_prepare runs. */
+typedef struct qm_session_spec {
+    const char *model;
+    const char *policy; /* a name the residency registry offers */
+    /* budget: expert bytes; has_budget 0: the model's expert bytes */
+    int has_budget;
+    uint64_t budget_bytes;
+    qm_precision precision;
+    int prefetch;        /* policy_params.prefetch (default 1) */
+    int on_miss;         /* QM_ON_MISS_* (default page) */
+    int share;           /* policy_params.share_residency */
+    int has_min_split_bytes;
+    uint64_t min_split_bytes;
+    qm_policy_value values[QM_POLICY_VALUES_MAX]; /* the policy's knobs given, names static */
+    size_t n_values;
+    const qm_hot_layer *hot; /* policy_params.hot, NULL when absent */
+    size_t n_hot;
+    const char *record_trace; /* a file name in the state dir, NULL when absent */
+} qm_session_spec;
+
 /* session.create in three steps: prepare (loop: checks, policy, plan,
  * admission reserved; *out has the registry's reference), build (worker:
  * the pagers, which may copy whole banks and pins), then commit (loop:
  * registered) or abort (loop: reservation released, that reference
  * dropped). */
-int qm_session_prepare(qm_sessions *ss, const qm_models *ms, const qm_params *p, uid_t owner,
-                       qm_session **out, qm_status *st);
+int qm_session_prepare(qm_sessions *ss, const qm_models *ms, const qm_session_spec *spec,
+                       uid_t owner, qm_session **out, qm_status *st);
 int qm_session_build(const qm_sessions *ss, qm_session *s, qm_status *st);
 void qm_session_commit(qm_sessions *ss, qm_session *s);
 void qm_session_abort(qm_sessions *ss, qm_session *s);
@@ -85,15 +109,18 @@ void qm_session_resize_finish(qm_sessions *ss, qm_session *s, int ok, uint64_t b
 /* The session's pagers, one per device that holds layers (worker, while
  * the session's job runs): the forward call, the counters summed over its
  * devices, a budget change (the placement's shares and the plan's budget
- * follow), the pager
- * that serves `layer` (NULL when none), and the plan JSON with the
- * residency now (*json is the caller's). */
+ * follow), and the pager that serves `layer` (NULL when none). */
 int qm_session_forward(qm_session *s, const qm_moe_call *call, qm_moe_stats *mstats,
                        qm_status *st);
 void qm_session_stats(const qm_session *s, qm_pager_stats *out);
 int qm_session_resize(qm_session *s, uint64_t budget, qm_status *st);
 qm_pager *qm_session_pager_of(const qm_session *s, uint32_t layer);
-int qm_session_plan_json(qm_session *s, char **json, size_t *len, qm_status *st);
+/* Its residency read still (session.plan, worker): between hold and
+ * release nothing changes the pool it draws from (a shared pool's other
+ * members wait). built: its pagers exist (it joined its pool). */
+void qm_session_hold(qm_session *s);
+void qm_session_release(qm_session *s);
+int qm_session_built(const qm_session *s);
 
 /* What the rest of the daemon reads of a session (loop thread; the
  * strings live as long as the session). */
@@ -107,6 +134,10 @@ uint64_t qm_session_budget(const qm_session *s);      /* the budget in force */
 uint64_t qm_session_workspace(const qm_session *s);
 int64_t qm_session_created_at(const qm_session *s); /* unix seconds */
 const qm_residency_plan *qm_session_plan(const qm_session *s);
+/* Its layers over the daemon's devices and the name of device i there. */
+const qm_placement *qm_session_placement(const qm_session *s);
+const char *qm_session_device_name(const qm_session *s, uint32_t i);
+int qm_session_on_miss(const qm_session *s); /* QM_ON_MISS_* */
 const qm_span *qm_session_plan_span(const qm_session *s);
 qm_counters *qm_session_counters(qm_session *s);
 uint64_t qm_session_resident_bytes(const qm_session *s); /* as of the last job */

@@ -111,7 +111,7 @@ void qm_trace_add(qm_trace *t, const char *name, uint64_t start_us, uint64_t dur
  * counter the pager feeds names the statistics whose growth it sums. */
 typedef struct metric_def {
     const char *name, *help;
-    int counter;
+    int counter; /* 1 a total, 0 a gauge; METRIC_PEAK a gauge of the largest value seen */
     size_t offset;
     size_t from[2]; /* offsets in qm_pager_stats; NO_STAT: none */
 } metric_def;
@@ -120,6 +120,7 @@ typedef struct metric_def {
 #define POFF(f) offsetof(qm_pager_stats, f)
 #define NO_STAT SIZE_MAX
 #define NOT_PAGED {NO_STAT, NO_STAT}
+#define METRIC_PEAK 2
 static const metric_def metrics[] = {
     {"requests", "Requests answered.", 1, COFF(requests), NOT_PAGED},
     {"errors", "Requests answered with an error.", 1, COFF(errors), NOT_PAGED},
@@ -144,6 +145,42 @@ static const metric_def metrics[] = {
      "Expert accesses run on the host CPU from the bank mapping instead of being paged in "
      "(policy_params.on_miss host or auto).",
      1, COFF(expert_host_runs), {POFF(host_runs), NO_STAT}},
+    {"predict_router_predicted", "Experts predicted by the next layer's router on the call's hidden states (resident or not).", 1,
+     COFF(predict_router_predicted), {POFF(predict_router_predicted), NO_STAT}},
+    {"predict_router_correct", "Experts predicted by router that the call they were about used.", 1,
+     COFF(predict_router_correct), {POFF(predict_router_correct), NO_STAT}},
+    {"predict_router_actual", "Experts used by the calls router made a prediction about.", 1,
+     COFF(predict_router_actual), {POFF(predict_router_actual), NO_STAT}},
+    {"predict_router_gated", "Forward calls on which router was switched off as imprecise.", 1,
+     COFF(predict_router_gated), {POFF(predict_router_gated), NO_STAT}},
+    {"predict_history_predicted", "Experts predicted by the next layer's recent calls (resident or not).", 1,
+     COFF(predict_history_predicted), {POFF(predict_history_predicted), NO_STAT}},
+    {"predict_history_correct", "Experts predicted by history that the call they were about used.", 1,
+     COFF(predict_history_correct), {POFF(predict_history_correct), NO_STAT}},
+    {"predict_history_actual", "Experts used by the calls history made a prediction about.", 1,
+     COFF(predict_history_actual), {POFF(predict_history_actual), NO_STAT}},
+    {"predict_history_gated", "Forward calls on which history was switched off as imprecise.", 1,
+     COFF(predict_history_gated), {POFF(predict_history_gated), NO_STAT}},
+    {"predict_lookahead_predicted", "Experts predicted by the router of the layer after next on the call's hidden states (resident or not).", 1,
+     COFF(predict_lookahead_predicted), {POFF(predict_lookahead_predicted), NO_STAT}},
+    {"predict_lookahead_correct", "Experts predicted by lookahead that the call they were about used.", 1,
+     COFF(predict_lookahead_correct), {POFF(predict_lookahead_correct), NO_STAT}},
+    {"predict_lookahead_actual", "Experts used by the calls lookahead made a prediction about.", 1,
+     COFF(predict_lookahead_actual), {POFF(predict_lookahead_actual), NO_STAT}},
+    {"predict_lookahead_gated", "Forward calls on which lookahead was switched off as imprecise.", 1,
+     COFF(predict_lookahead_gated), {POFF(predict_lookahead_gated), NO_STAT}},
+    {"disk_busy_us",
+     "Microseconds direct disk paging had at least one read in flight; bytes_read_disk / "
+     "disk_busy_us is the disk's measured read rate.",
+     1, COFF(disk_busy_us), {POFF(disk_busy_us), NO_STAT}},
+    {"read_calls", "Inferences with disk reads in flight while they ran.", 1, COFF(read_calls),
+     {POFF(read_calls), NO_STAT}},
+    {"reads_in_flight_sum",
+     "Sum over read_calls of the most disk reads in flight at once during each (its mean per "
+     "call: reads_in_flight_sum / read_calls).",
+     1, COFF(reads_in_flight_sum), {POFF(reads_in_flight_sum), NO_STAT}},
+    {"reads_in_flight_peak", "Most disk reads in flight at once.", METRIC_PEAK,
+     COFF(reads_in_flight_peak), {POFF(reads_in_flight_peak), NO_STAT}},
 };
 #define N_METRICS (sizeof metrics / sizeof metrics[0])
 
@@ -159,6 +196,23 @@ static uint64_t stat_at(const qm_pager_stats *s, size_t offset)
     return v;
 }
 
+uint64_t qm_counter_paging(size_t i, const qm_pager_stats *s)
+{
+    uint64_t v = 0;
+    for (int j = 0; i < N_METRICS && j < 2; j++)
+        if (metrics[i].from[j] != NO_STAT)
+            v += stat_at(s, metrics[i].from[j]);
+    return v;
+}
+
+size_t qm_counter_index(const char *name)
+{
+    size_t i = 0;
+    while (i < N_METRICS && strcmp(metrics[i].name, name) != 0)
+        i++;
+    return i;
+}
+
 void qm_counters_add_paging(qm_counters *session, qm_counters *daemon, const qm_pager_stats *was,
                             const qm_pager_stats *now)
 {
@@ -166,10 +220,15 @@ void qm_counters_add_paging(qm_counters *session, qm_counters *daemon, const qm_
         const metric_def *m = &metrics[i];
         if (m->from[0] == NO_STAT)
             continue;
-        uint64_t delta = 0;
-        for (int j = 0; j < 2; j++)
-            if (m->from[j] != NO_STAT)
-                delta += stat_at(now, m->from[j]) - stat_at(was, m->from[j]);
+        if (m->counter == METRIC_PEAK) {
+            uint64_t v = qm_counter_paging(i, now);
+            if (v > *counter_slot(session, m))
+                *counter_slot(session, m) = v;
+            if (v > *counter_slot(daemon, m))
+                *counter_slot(daemon, m) = v;
+            continue;
+        }
+        uint64_t delta = qm_counter_paging(i, now) - qm_counter_paging(i, was);
         *counter_slot(session, m) += delta;
         *counter_slot(daemon, m) += delta;
     }
@@ -179,7 +238,7 @@ void qm_counters_add_paging(qm_counters *session, qm_counters *daemon, const qm_
 size_t qm_counter_count(void) { return N_METRICS; }
 const char *qm_counter_name(size_t i) { return i < N_METRICS ? metrics[i].name : NULL; }
 const char *qm_counter_help(size_t i) { return i < N_METRICS ? metrics[i].help : NULL; }
-int qm_counter_is_total(size_t i) { return i < N_METRICS && metrics[i].counter; }
+int qm_counter_is_total(size_t i) { return i < N_METRICS && metrics[i].counter == 1; }
 
 uint64_t qm_counter_value(const qm_counters *c, size_t i)
 {

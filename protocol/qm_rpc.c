@@ -13,7 +13,7 @@
 #include "qm_alloc.h"
 
 static const char *const method_names[] = {
-#define QM__METHOD_NAME(name, text) text,
+#define QM__METHOD_NAME(name, text, ...) text,
     QM_METHOD_MAP(QM__METHOD_NAME)
 #undef QM__METHOD_NAME
 };
@@ -21,7 +21,7 @@ static const char *const method_names[] = {
 /* ", daemon.status, daemon.shutdown, ...": every method, for the error an
  * unknown one gets (read from its third byte). */
 static const char method_list[] = {
-#define QM__METHOD_LIST_ITEM(name, text) ", " text
+#define QM__METHOD_LIST_ITEM(name, text, ...) ", " text
     QM_METHOD_MAP(QM__METHOD_LIST_ITEM)
 #undef QM__METHOD_LIST_ITEM
 };
@@ -51,20 +51,7 @@ void qm_request_free(qm_request *req)
     if (!req)
         return;
     qm_free(req->id);
-    qm_params *p = &req->params;
-    qm_free(p->name);
-    qm_free(p->path);
-    qm_free(p->model);
-    qm_free(p->policy);
-    qm_free(p->session);
-    for (size_t i = 0; i < p->policy_params.n_hot; i++)
-        qm_free(p->policy_params.hot[i].experts);
-    qm_free(p->policy_params.hot);
-    qm_free(p->policy_params.record_trace);
-    qm_tensor_free(&p->hidden);
-    qm_tensor_free(&p->router_logits);
-    qm_tensor_free(&p->topk_ids);
-    qm_tensor_free(&p->topk_weights);
+    qm__params_free(req->method, &req->params);
     memset(req, 0, sizeof *req);
 }
 

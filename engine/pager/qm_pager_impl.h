@@ -14,6 +14,7 @@
  *   qm_pager_copy.c       the copy path, eviction, sync              (qm_pager_copy.h)
  *   qm_pager_slots.c      slots, accounting, victims                 (this header)
  *   qm_pager_disk.c       the disk source: O_DIRECT reads, mlock     (qm_pager_disk.h)
+ *   qm_pager_io.c         the I/O engine: io_uring, preadv threads   (qm_pager_io.h)
  *   qm_pager_layout.c     layout and sizing, pure                    (qm_pager_layout.h)
  *
  * Each group of fields below names the file that owns it. */
@@ -31,8 +32,27 @@ typedef enum qm__slot_state {
     QM__SLOT_RESIDENT, /* copy landed */
 } qm__slot_state;
 
-/* Who predicted a prefetched expert: each source's precision gates it. */
-enum { QM__PF_NONE = 0, QM__PF_EXPLICIT, QM__PF_ROUTER, QM__PF_HISTORY, QM__PF_SOURCES };
+/* Who predicted a prefetched expert: each source's precision gates it.
+ * ROUTER: the next layer's router on the call's hidden states; HISTORY: the
+ * next layer's last calls; LOOKAHEAD: the router of the layer after next on
+ * the same hidden states (two calls ahead). */
+enum {
+    QM__PF_NONE = 0,
+    QM__PF_EXPLICIT,
+    QM__PF_ROUTER,
+    QM__PF_HISTORY,
+    QM__PF_LOOKAHEAD,
+    QM__PF_SOURCES
+};
+/* Predictions waiting for the call they are about (per source: the next
+ * layer's, and the lookahead's two calls ahead). */
+#define QM__PF_PENDING 2u
+
+typedef struct qm__pf_pending {
+    int valid;
+    uint32_t layer;
+    uint64_t *bits; /* [pred_words] the predicted experts */
+} qm__pf_pending;
 
 typedef struct qm__slot {
     uint8_t *base; /* device address of the slot in the arena */
@@ -40,6 +60,8 @@ typedef struct qm__slot {
     uint8_t state;
     uint8_t pinned;
     uint8_t prefetched; /* prefetched by a QM__PF_* source and not accessed since; 0 = no */
+    uint8_t by_prefetch; /* claimed by prefetch: a failed read is read again on demand */
+    uint8_t waiting;    /* held by the current acquire round, not handed out yet */
     uint32_t refs;      /* acquired and not yet released */
     uint64_t last_use;  /* pager tick of the last access/insert (LRU fallback) */
     uint64_t unit_bytes;
@@ -92,7 +114,10 @@ struct qm_pager {
      * one block owned through cand_refs (qm__pager_scratch_regrow). */
     qm_expert_ref *cand_refs;
     int32_t *cand_slots; /* victim candidates */
-    int32_t *wave_slots; /* slots assigned in the current acquire */
+    int32_t *wave_slots; /* slots of the current acquire round not handed out yet */
+    uint32_t wave_n;     /* ... their count (qm_pager_source.c) */
+    uint32_t wave_layer;
+    uint64_t arena_skew; /* the creation arena's slots and whole banks start here (alignment) */
     int has_budget;
     uint64_t budget;
     /* Arenas added by growing, each holding slots [grow_first[i], next one). */
@@ -129,7 +154,14 @@ struct qm_pager {
     size_t pred_cap_tokens;
     uint32_t *pred_list;
     uint8_t *pred_src;
-    uint32_t pf_win_issued[QM__PF_SOURCES], pf_win_useful[QM__PF_SOURCES];
+    uint32_t *pred_list2; /* the lookahead's list */
+    /* Measured prediction (qm_pager_prefetch.c): what each source predicted
+     * for a call, scored when that call comes (precision and recall, whether
+     * or not the experts were resident), and the gate's window. */
+    qm__pf_pending pf_pending[QM__PF_SOURCES][QM__PF_PENDING];
+    uint64_t *pf_bits; /* one block: every pending set, then the scored call's */
+    size_t pred_words;
+    uint64_t pf_win_predicted[QM__PF_SOURCES], pf_win_correct[QM__PF_SOURCES];
     uint8_t pf_off[QM__PF_SOURCES];
     uint64_t forward_calls;
 

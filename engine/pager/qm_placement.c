@@ -206,6 +206,18 @@ void qm_multipager_stats(const qm_multipager *mp, qm_pager_stats *out)
         out->host_runs += s.host_runs;
         out->host_rows += s.host_rows;
         out->host_admits += s.host_admits;
+        out->predict_router_predicted += s.predict_router_predicted;
+        out->predict_router_correct += s.predict_router_correct;
+        out->predict_router_actual += s.predict_router_actual;
+        out->predict_history_predicted += s.predict_history_predicted;
+        out->predict_history_correct += s.predict_history_correct;
+        out->predict_history_actual += s.predict_history_actual;
+        out->predict_lookahead_predicted += s.predict_lookahead_predicted;
+        out->predict_lookahead_correct += s.predict_lookahead_correct;
+        out->predict_lookahead_actual += s.predict_lookahead_actual;
+        out->predict_router_gated += s.predict_router_gated;
+        out->predict_history_gated += s.predict_history_gated;
+        out->predict_lookahead_gated += s.predict_lookahead_gated;
         out->arena_bytes += s.arena_bytes;
         out->n_slots += s.n_slots;
         out->n_pinned += s.n_pinned;
@@ -213,6 +225,16 @@ void qm_multipager_stats(const qm_multipager *mp, qm_pager_stats *out)
         out->host_bytes += s.host_bytes;
         out->bytes_prefaulted_at_create += s.bytes_prefaulted_at_create;
         out->bytes_interleaved_at_create += s.bytes_interleaved_at_create;
+        /* Disk reads and waits (each device's pager reads its own layers). */
+        out->disk_bytes_read += s.disk_bytes_read;
+        out->disk_reads += s.disk_reads;
+        out->disk_errors += s.disk_errors;
+        out->stall_us += s.stall_us;
+        out->disk_busy_us += s.disk_busy_us;
+        out->read_calls += s.read_calls;
+        out->reads_in_flight_sum += s.reads_in_flight_sum;
+        if (s.reads_in_flight_peak > out->reads_in_flight_peak)
+            out->reads_in_flight_peak = s.reads_in_flight_peak;
     }
     if (first)
         memset(out, 0, sizeof *out);

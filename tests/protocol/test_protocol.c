@@ -512,15 +512,15 @@ START_TEST(test_params_session_create_decodes_precision)
 {
     qm_rpc_frame f = decode(REQ("session.create", "{\"model\":\"m\",\"precision\":\"fast\"}"));
     ck_assert(f.items[0].ok);
-    ck_assert_int_eq(f.items[0].req.params.precision_fast, 1);
+    ck_assert_int_eq(f.items[0].req.params.precision, 1);
     qm_rpc_frame_free(&f);
     f = decode(REQ("session.create", "{\"model\":\"m\",\"precision\":\"exact\"}"));
     ck_assert(f.items[0].ok);
-    ck_assert_int_eq(f.items[0].req.params.precision_fast, 0);
+    ck_assert_int_eq(f.items[0].req.params.precision, 0);
     qm_rpc_frame_free(&f);
     f = decode(REQ("session.create", "{\"model\":\"m\"}"));
     ck_assert(f.items[0].ok);
-    ck_assert_int_eq(f.items[0].req.params.precision_fast, 0);
+    ck_assert_int_eq(f.items[0].req.params.precision, 0);
     qm_rpc_frame_free(&f);
     static const char *const bad[] = {"\"Fast\"", "\"int8\"", "1", "null", "\"\""};
     for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
