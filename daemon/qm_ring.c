@@ -186,6 +186,9 @@ static void ring_take(qm_ring *r, uint32_t seq, int parked)
     pthread_mutex_lock(&r->mu);
     r->outstanding = 1;
     pthread_mutex_unlock(&r->mu);
+    /* Calls back to back never let the thread sleep: the loop hears of
+     * them every QM__RING_NUDGE_US all the same. */
+    qm_pool_nudge(job->mx->pool, QM__RING_NUDGE_US);
     qm_pool_run_or_queue(job->mx->pool, job);
 }
 
