@@ -363,6 +363,7 @@ void qm_pager_free(qm_pager *p)
     if (!p)
         return;
     qm__pager_copy_stop(p);
+    qm__pager_disk_drain(p); /* prefetch reads may still be landing in the arenas */
     qm__pager_trace_close(p);
     qm__hybrid_stop(p);
     if (p->backend && p->slots) {

@@ -13,6 +13,7 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "live_daemon.h"
 #include "qmoe_client.h"
 
 #define LAYERS 2
@@ -22,18 +23,6 @@
 
 static char dir[256], sock[300], bank[300];
 static pid_t daemon_pid = -1;
-
-static int run(char *const argv[])
-{
-    pid_t p = fork();
-    if (p == 0) {
-        execv(argv[0], argv);
-        _exit(127);
-    }
-    int st = 0;
-    waitpid(p, &st, 0);
-    return WIFEXITED(st) ? WEXITSTATUS(st) : -1;
-}
 
 /* Unchecked fixture: once, in the runner, before the forked tests. */
 static void start_daemon(void)
@@ -52,7 +41,7 @@ static void start_daemon(void)
                       "--hidden", "64", "--inter", "32", "--k", "2", "--bits", "4",
                       "--block-size", "32", "--activation", "silu", "--router", "--seed", "3",
                       NULL};
-    ck_assert_int_eq(run(create), 0);
+    ck_assert_int_eq(live_run(create), 0);
     snprintf(model, sizeof model, "demo=%s", bank);
     daemon_pid = fork();
     if (daemon_pid == 0) {
@@ -65,16 +54,7 @@ static void start_daemon(void)
         execv(qmoed, argv);
         _exit(127);
     }
-    for (int i = 0; i < 400; i++) { /* up to 20 s */
-        qm_client *c = NULL;
-        if (qm_client_open(&c, sock, 1000, NULL) == 0) {
-            qm_client_close(c);
-            return;
-        }
-        ck_assert_int_eq(waitpid(daemon_pid, NULL, WNOHANG), 0);
-        usleep(50000);
-    }
-    ck_abort_msg("qmoed did not listen on %s", sock);
+    live_wait_listening(daemon_pid, sock);
 }
 
 static void stop_daemon(void)

@@ -210,7 +210,8 @@ class Hook:
         self._slots = {}
         self._tagged = []
         self._stats = {"calls": 0, "tokens": 0, "hits": 0, "misses": 0, "bytes_paged": 0,
-                       "compute_us": 0, "queue_us": 0, "wall_s": 0.0, "wait_s": 0.0}
+                       "compute_us": 0, "queue_us": 0, "wall_s": 0.0, "wait_s": 0.0,
+                       "ring_calls": 0}
         self.trace = None  # a list of (layer, topk_ids) when recording
         _LIVE.add(self)
 
@@ -313,6 +314,8 @@ class Hook:
         counts = self.client.ring_counts(self.session, ring_req, bank_layer)
         if counts is None:
             counts = self.client.infer_counts(params % bank_layer)
+        else:
+            self._stats["ring_calls"] += 1
         hits, misses, paged, queue_us, compute_us = counts
         t2 = time.perf_counter()
         out = ov.clone() if x.device.type == "cpu" else ov.to(x.device)
@@ -335,7 +338,8 @@ class Hook:
         """Sums over this hook's calls: calls, tokens (token-layers), hits,
         misses, bytes_paged, compute_us, queue_us (the daemon's answers),
         wall_s (time in the hook), wait_s (of which waiting for the
-        daemon's answer); hit_rate."""
+        daemon's answer); hit_rate; ring_calls (of calls, those that went
+        through the session's call ring)."""
         s = dict(self._stats)
         looked = s["hits"] + s["misses"]
         s["hit_rate"] = s["hits"] / looked if looked else 1.0
