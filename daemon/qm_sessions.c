@@ -70,6 +70,16 @@ qm_session *qm_session_find(const qm_registry *r, const char *id)
     return NULL;
 }
 
+int qm_session_id_free(const qm_registry *r, const char *id, qm_status *st)
+{
+    if (!qm_session_find(r, id))
+        return 0;
+    return qm_status_set_field(st, QM_ECONFLICT, "session",
+                               "session %s exists; re-creating a session under its id needs a "
+                               "daemon that no longer has it",
+                               id);
+}
+
 static void session_free(qm_session *s)
 {
     qm_shm_set_release_all(&s->maps);
@@ -299,6 +309,31 @@ static int share_find_or_make(qm_registry *r, qm_session *s, const qm_policy_par
     return rc;
 }
 
+/* policy_params.hot or session.create's warm against the model: every
+ * layer and expert in range (`name` the member, for the field). */
+static int check_lists(const qm_hot_layer *lists, size_t n, const char *name,
+                       const qm_bank_config *cfg, qm_status *st)
+{
+    char field[96];
+    for (size_t i = 0; i < n; i++) {
+        if (lists[i].layer >= cfg->layers) {
+            snprintf(field, sizeof field, "%s[%zu].layer", name, i);
+            return qm_status_set_field(st, QM_EINVAL, field,
+                                       "layer %u is out of range; the model has %u layers",
+                                       lists[i].layer, cfg->layers);
+        }
+        for (size_t j = 0; j < lists[i].n_experts; j++) {
+            if (lists[i].experts[j] >= cfg->experts) {
+                snprintf(field, sizeof field, "%s[%zu].experts[%zu]", name, i, j);
+                return qm_status_set_field(st, QM_EINVAL, field,
+                                           "expert %u is out of range; the model has %u experts",
+                                           lists[i].experts[j], cfg->experts);
+            }
+        }
+    }
+    return 0;
+}
+
 int qm_session_prepare(qm_registry *r, const qm_params *p, uid_t owner, qm_session **out,
                        qm_status *st)
 {
@@ -337,23 +372,11 @@ int qm_session_prepare(qm_registry *r, const qm_params *p, uid_t owner, qm_sessi
                               .hot = pw->hot ? &no_list : NULL};
     if (qm_policy_params_check(policy, &probe, st) < 0)
         return QM_EINVAL;
-    for (size_t i = 0; i < pw->n_hot; i++) {
-        char field[96];
-        if (pw->hot[i].layer >= cfg->layers) {
-            snprintf(field, sizeof field, "policy_params.hot[%zu].layer", i);
-            return qm_status_set_field(st, QM_EINVAL, field,
-                                       "layer %u is out of range; the model has %u layers",
-                                       pw->hot[i].layer, cfg->layers);
-        }
-        for (size_t j = 0; j < pw->hot[i].n_experts; j++) {
-            if (pw->hot[i].experts[j] >= cfg->experts) {
-                snprintf(field, sizeof field, "policy_params.hot[%zu].experts[%zu]", i, j);
-                return qm_status_set_field(st, QM_EINVAL, field,
-                                           "expert %u is out of range; the model has %u experts",
-                                           pw->hot[i].experts[j], cfg->experts);
-            }
-        }
-    }
+    if (check_lists(pw->hot, pw->n_hot, "policy_params.hot", cfg, st) < 0 ||
+        check_lists(p->warm, p->n_warm, "warm", cfg, st) < 0)
+        return QM_EINVAL;
+    if (p->session && qm_session_id_free(r, p->session, st) < 0)
+        return QM_ECONFLICT;
     if (r->n_sessions >= r->cfg->max_sessions) {
         qm_limit_hit(r->limits, QM_LIMIT_MAX_SESSIONS, "max_sessions %u reached",
                      r->cfg->max_sessions);
@@ -380,8 +403,9 @@ int qm_session_prepare(qm_registry *r, const qm_params *p, uid_t owner, qm_sessi
     s->placement = pl;
     for (uint32_t i = 0; i < r->devices->n; i++)
         snprintf(s->device_names[i], sizeof s->device_names[i], "%s", r->devices->dev[i].name);
-    rc = random_id(s->id, st);
-    if (rc < 0)
+    if (p->session)
+        snprintf(s->id, sizeof s->id, "%s", p->session); /* a re-creation; checked above */
+    else if ((rc = random_id(s->id, st)) < 0)
         goto fail;
     s->owner_uid = owner;
     s->model = m;
@@ -551,6 +575,32 @@ int qm_session_build(const qm_registry *r, qm_session *s, qm_status *st)
             qm_log(QM_LOG_WARNING, "%s: %s", where, why);
     }
     return 0;
+}
+
+int qm_session_warm(qm_session *s, const qm_hot_layer *warm, size_t n, qm_status *st)
+{
+    if (s->share || n == 0)
+        return 0; /* a shared pool is as warm as its other members keep it */
+    uint64_t t0 = qm_now_us();
+    int total = 0;
+    for (size_t i = 0; i < n; i++) {
+        qm_pager *pg = qm_session_pager_of(s, warm[i].layer);
+        int got = pg ? qm_pager_warm(pg, warm[i].layer, warm[i].experts, warm[i].n_experts, st)
+                     : 0;
+        if (got < 0)
+            return got;
+        total += got;
+    }
+    for (uint32_t d = 0; d < s->placement.n_devices; d++) {
+        qm_pager *pg = qm_multipager_pager(s->pagers, d);
+        int rc = pg ? qm_pager_sync(pg, st) : 0;
+        if (rc < 0)
+            return rc;
+    }
+    qm_session_stats(s, &s->last_stats);
+    qm_log(QM_LOG_INFO, "session %s warmed: %d experts loaded in %.1f ms", s->id, total,
+           (double)(qm_now_us() - t0) / 1000.0);
+    return total;
 }
 
 void qm_session_commit(qm_registry *r, qm_session *s)

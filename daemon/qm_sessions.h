@@ -31,9 +31,17 @@
 int qm_session_prepare(qm_registry *r, const qm_params *p, uid_t owner, qm_session **out,
                        qm_status *st);
 int qm_session_build(const qm_registry *r, qm_session *s, qm_status *st);
+/* Worker, after qm_session_build: loads session.create's `warm` lists
+ * (qm_pager_warm, in order, while free slots last) and waits for them.
+ * Nothing for a shared-residency session. Returns the experts loaded or a
+ * negative error (a read that failed). */
+int qm_session_warm(qm_session *s, const qm_hot_layer *warm, size_t n, qm_status *st);
 void qm_session_commit(qm_registry *r, qm_session *s);
 void qm_session_abort(qm_registry *r, qm_session *s);
 qm_session *qm_session_find(const qm_registry *r, const char *id); /* borrowed; NULL: none */
+/* 0 when no registered session has `id`, else QM_ECONFLICT naming field
+ * "session" (session.create re-creating a session under its old id). */
+int qm_session_id_free(const qm_registry *r, const char *id, qm_status *st);
 /* Unregisters, gives its budget back and drops the registry's reference
  * (jobs may hold more; they answer not_found). */
 void qm_session_close(qm_registry *r, qm_session *s);

@@ -406,24 +406,27 @@ static int first_repeat(const void *base, size_t n, size_t stride, size_t offset
     return 0;
 }
 
-static int decode_hot(const cJSON *hot, qm_policy_params_wire *pp, qm_status *st)
+/* A list of {layer, experts} at `name` (policy_params.hot, session.create's
+ * warm): layers distinct, experts distinct in each; ranges are the daemon's
+ * check (it knows the model). */
+static int decode_expert_lists(const cJSON *hot, const char *name, qm_hot_layer **list,
+                               size_t *count, qm_status *st)
 {
     static const char *const allowed[] = {"layer", "experts", NULL};
     if (!cJSON_IsArray(hot))
-        return wrong_type(st, "policy_params.hot", "an array", hot);
+        return wrong_type(st, name, "an array", hot);
     size_t n = (size_t)cJSON_GetArraySize(hot);
     if (n == 0)
         return 0;
     if (n > QM_HOT_MAX)
-        return bad(st, "policy_params.hot", "policy_params.hot has %zu entries; at most %d",
-                   n, QM_HOT_MAX);
-    pp->hot = qm_calloc(n, sizeof *pp->hot);
-    if (!pp->hot)
-        return qm_status_set(st, QM_ENOMEM, "out of memory for policy_params.hot");
+        return bad(st, name, "%s has %zu entries; at most %d", name, n, QM_HOT_MAX);
+    qm_hot_layer *hl = *list = qm_calloc(n, sizeof *hl);
+    if (!hl)
+        return qm_status_set(st, QM_ENOMEM, "out of memory for %s", name);
     size_t i = 0;
     for (const cJSON *e = hot->child; e; e = e->next, i++) {
         char path[96];
-        snprintf(path, sizeof path, "policy_params.hot[%zu]", i);
+        snprintf(path, sizeof path, "%s[%zu]", name, i);
         if (!cJSON_IsObject(e))
             return bad(st, path, "%s must be an object {layer, experts}", path);
         int rc = check_members(e, allowed, path, st);
@@ -433,8 +436,8 @@ static int decode_hot(const cJSON *hot, qm_policy_params_wire *pp, qm_status *st
         rc = get_uint(e, "layer", path, 1, UINT32_MAX, NULL, &layer, st);
         if (rc < 0)
             return rc;
-        pp->hot[i].layer = (uint32_t)layer;
-        pp->n_hot = i + 1;
+        hl[i].layer = (uint32_t)layer;
+        *count = i + 1;
         char epath[112];
         snprintf(epath, sizeof epath, "%s.experts", path);
         const cJSON *ex = member(e, "experts");
@@ -443,8 +446,8 @@ static int decode_hot(const cJSON *hot, qm_policy_params_wire *pp, qm_status *st
         size_t m = (size_t)cJSON_GetArraySize(ex);
         if (m > QM_HOT_MAX)
             return bad(st, epath, "%s has %zu experts; at most %d", epath, m, QM_HOT_MAX);
-        pp->hot[i].experts = qm_calloc(m ? m : 1, sizeof(uint32_t));
-        if (!pp->hot[i].experts)
+        hl[i].experts = qm_calloc(m ? m : 1, sizeof(uint32_t));
+        if (!hl[i].experts)
             return qm_status_set(st, QM_ENOMEM, "out of memory for %s", epath);
         size_t j = 0;
         for (const cJSON *x = ex->child; x; x = x->next, j++) {
@@ -454,29 +457,29 @@ static int decode_hot(const cJSON *hot, qm_policy_params_wire *pp, qm_status *st
             rc = integer_value(x, xpath, UINT32_MAX, &v, st);
             if (rc < 0)
                 return rc;
-            pp->hot[i].experts[j] = (uint32_t)v;
-            pp->hot[i].n_experts = j + 1;
+            hl[i].experts[j] = (uint32_t)v;
+            hl[i].n_experts = j + 1;
         }
-        int rc2 = first_repeat(pp->hot[i].experts, pp->hot[i].n_experts, sizeof(uint32_t), 0,
+        int rc2 = first_repeat(hl[i].experts, hl[i].n_experts, sizeof(uint32_t), 0,
                                &j, st);
         if (rc2 < 0)
             return rc2;
-        if (j < pp->hot[i].n_experts) {
+        if (j < hl[i].n_experts) {
             char xpath[144];
             snprintf(xpath, sizeof xpath, "%s[%zu]", epath, j);
-            return bad(st, xpath, "%s repeats expert %u", xpath, pp->hot[i].experts[j]);
+            return bad(st, xpath, "%s repeats expert %u", xpath, hl[i].experts[j]);
         }
     }
     /* Layers: the same check over the entries. */
     size_t j;
-    int rc2 = first_repeat(pp->hot, pp->n_hot, sizeof *pp->hot, offsetof(qm_hot_layer, layer), &j,
+    int rc2 = first_repeat(hl, *count, sizeof *hl, offsetof(qm_hot_layer, layer), &j,
                            st);
     if (rc2 < 0)
         return rc2;
-    if (j < pp->n_hot) {
+    if (j < *count) {
         char path[96];
-        snprintf(path, sizeof path, "policy_params.hot[%zu]", j);
-        return bad(st, path, "%s repeats layer %u", path, pp->hot[j].layer);
+        snprintf(path, sizeof path, "%s[%zu]", name, j);
+        return bad(st, path, "%s repeats layer %u", path, hl[j].layer);
     }
     return 0;
 }
@@ -584,7 +587,8 @@ static int decode_policy_params(const cJSON *obj, qm_policy_params_wire *pp, qm_
         rc = get_uint(obj, "min_split_bytes", prefix, 0, UINT64_MAX, &pp->has_min_split_bytes,
                       &pp->min_split_bytes, st);
     if (rc == 0 && member(obj, "hot"))
-        rc = decode_hot(member(obj, "hot"), pp, st);
+        rc = decode_expert_lists(member(obj, "hot"), "policy_params.hot", &pp->hot, &pp->n_hot,
+                                 st);
     if (rc == 0)
         rc = get_on_miss(obj, pp, st);
     if (rc == 0)
@@ -653,6 +657,38 @@ static int decode_output_to(const cJSON *v, qm_params *out, qm_status *st)
     return 0;
 }
 
+/* session.create's members for a session re-created after a restart
+ * (docs/ENGINES.md "Across a daemon restart"): `session`, the id to take
+ * again (as session.create made it: 32 lowercase hex digits), and `warm`,
+ * the experts to load before answering. */
+static int decode_recreate(const cJSON *params, qm_params *out, qm_status *st)
+{
+    const cJSON *id = member(params, "session");
+    if (id) {
+        size_t n = cJSON_IsString(id) ? strlen(id->valuestring) : 0;
+        int ok = n == QM_SESSION_ID_LEN;
+        for (size_t i = 0; ok && i < n; i++)
+            ok = (id->valuestring[i] >= '0' && id->valuestring[i] <= '9') ||
+                 (id->valuestring[i] >= 'a' && id->valuestring[i] <= 'f');
+        if (!ok) {
+            char clip[48] = "";
+            if (cJSON_IsString(id))
+                qm_clip(id->valuestring, strlen(id->valuestring), clip, sizeof clip);
+            return bad(st, "session",
+                       "session must be a session id as session.create gives one (%d lowercase "
+                       "hex digits), got %s%s%s",
+                       QM_SESSION_ID_LEN, cJSON_IsString(id) ? "'" : "",
+                       cJSON_IsString(id) ? clip : qm__json_type_name(id),
+                       cJSON_IsString(id) ? "'" : "");
+        }
+        out->session = qm_strdup(id->valuestring);
+        if (!out->session)
+            return qm_status_set(st, QM_ENOMEM, "out of memory");
+    }
+    const cJSON *warm = member(params, "warm");
+    return warm ? decode_expert_lists(warm, "warm", &out->warm, &out->n_warm, st) : 0;
+}
+
 /* A method naming a model: only the members `allowed`, then the name in
  * member `key` (required). */
 static int named_members(const cJSON *params, const char *const *allowed, const char *key,
@@ -686,7 +722,7 @@ int qm__params_decode(qm_method m, const cJSON *params, qm_params *out, qm_statu
     static const char *const load[] = {"name", "path", NULL};
     static const char *const unload[] = {"name", "force", NULL};
     static const char *const create[] = {"model", "policy", "budget_bytes", "policy_params",
-                                         "precision", NULL};
+                                         "precision", "session", "warm", NULL};
     static const char *const by_session[] = {"session", NULL};
     static const char *const resize[] = {"session", "budget_bytes", NULL};
     static const char *const infer[] = {"session",       "layer",    "hidden",
@@ -733,6 +769,8 @@ int qm__params_decode(qm_method m, const cJSON *params, qm_params *out, qm_statu
                 return bad(st, "precision", "precision must be \"exact\" or \"fast\"");
             out->precision_fast = strcmp(pr->valuestring, "fast") == 0;
         }
+        if (rc == 0)
+            rc = decode_recreate(params, out, st);
         return rc;
     case QM_METHOD_SESSION_CLOSE:
     case QM_METHOD_SESSION_PLAN:

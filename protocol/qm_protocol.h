@@ -264,7 +264,10 @@ typedef struct qm_params {
     int has_policy_params;
     qm_policy_params_wire policy_params;
     int precision_fast;      /* session.create `precision`: 0 exact (default), 1 fast */
-    char *session;           /* close, plan, infer, resize; optional for telemetry.* */
+    char *session;           /* close, plan, infer, resize; optional for telemetry.* and
+                              * session.create (an id to re-create a session under) */
+    qm_hot_layer *warm;      /* session.create: experts to load first (NULL: none) */
+    size_t n_warm;
     uint32_t layer;          /* infer */
     qm_tensor hidden;        /* infer: shape [T, H] */
     int has_router_logits;

@@ -60,6 +60,9 @@ void qm_request_free(qm_request *req)
     for (size_t i = 0; i < p->policy_params.n_hot; i++)
         qm_free(p->policy_params.hot[i].experts);
     qm_free(p->policy_params.hot);
+    for (size_t i = 0; i < p->n_warm; i++)
+        qm_free(p->warm[i].experts);
+    qm_free(p->warm);
     qm_free(p->policy_params.record_trace);
     qm_tensor_free(&p->hidden);
     qm_tensor_free(&p->router_logits);
