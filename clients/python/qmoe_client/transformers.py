@@ -39,6 +39,8 @@ import threading
 import time
 import weakref
 
+from ._client import QmoeError
+
 _IMPL = "qmoed"
 _ALIGN = 64
 _MAX_SLOTS = 8  # request layouts (token counts) cached per hook
@@ -319,7 +321,22 @@ class Hook:
         iv.copy_(ids)
         wv.copy_(w)
         t1 = time.perf_counter()
-        hits, misses, paged, queue_us, compute_us = self.client.infer_counts(params % bank_layer)
+        gen = self.client.restores
+        try:
+            counts = self.client.infer_counts(params % bank_layer)
+        except QmoeError as e:
+            # The daemon went away: the client brings the session and its
+            # map back (the map's id changes: the call's text is written
+            # again), and the call is retried once; the inputs are still in
+            # the map, the same memfd.
+            e._qmoe_generation = gen
+            if not self.client.restore(self.session, e):
+                raise
+            self._slots = {}
+            params = self._slot(key)[4]
+            counts = self.client.infer_counts(params % bank_layer)
+        self.client.note_call(self.session)
+        hits, misses, paged, queue_us, compute_us = counts
         t2 = time.perf_counter()
         out = ov.clone() if x.device.type == "cpu" else ov.to(x.device)
         s = self._stats
