@@ -155,6 +155,7 @@ static int qm__connect(qm_client *c, int64_t deadline, qm_client_error *err)
     }
     c->fd = fd;
     c->len = 0;
+    c->connects++;
     return 0;
 }
 

@@ -39,6 +39,7 @@ typedef struct qm__resume {
 struct qm_client {
     pthread_mutex_t lock; /* one exchange at a time; also guards `owned` */
     int fd;               /* -1 after a broken exchange; the next call reconnects */
+    uint64_t connects;    /* connections made (qm_client_resume.c tells them apart) */
     int timeout_ms;
     uint64_t next_id;
     char path[sizeof(((struct sockaddr_un *)0)->sun_path)];
@@ -78,6 +79,8 @@ void qm__client_resume_free(qm_client *c);
  * is kept when memory runs out (the session is then not restored). */
 void qm__client_keep(qm_client *c, const char *id, char *params, const char *model, int paged);
 void qm__client_unkeep(qm_client *c, const char *id); /* closed or detached */
+/* After session.resize: a re-creation takes the budget in force. */
+void qm__client_keep_budget(qm_client *c, const char *id, uint64_t budget_bytes);
 /* A map of a kept session, and its memfd (duplicated here), to pass again. */
 void qm__client_keep_map(qm_client *c, qm_client_map *m, int fd);
 void qm__client_unkeep_map(qm_client *c, const qm_client_map *m);
@@ -87,8 +90,11 @@ uint64_t qm__client_generation(qm_client *c);
 /* The one place a layer call that found the daemon gone comes: with the
  * failure in *err (rc) and the generation read before the call, brings
  * `session` back (reconnect, model, session under its id with its
- * residency, maps) within the window. 0: retry the call once; else `rc`
- * with *err as it was. */
+ * residency, maps) within the window. The daemon is gone when the call met
+ * a broken or refused connection, or "no such session" on a connection
+ * made since the session last answered (another call on the handle
+ * reconnected to a restarted daemon first). 0: retry the call once; else
+ * `rc` with *err as it was. */
 int qm__client_resume(qm_client *c, const char *session, uint64_t gen, int rc,
                       qm_client_error *err);
 /* After a successful layer call on `session`: reads its residency when the

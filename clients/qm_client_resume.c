@@ -37,6 +37,7 @@ struct qm__kept {
     int paged;
     char *warm;         /* the last plan's resident lists as `warm` JSON, or NULL */
     int64_t warm_at_ms; /* when they were read; 0: never */
+    uint64_t alive_on;  /* the connection (c->connects) of its last answered layer call */
     qm__kept_map *maps;
     size_t n_maps, cap_maps;
 };
@@ -181,6 +182,7 @@ void qm__client_keep(qm_client *c, const char *id, char *params, const char *mod
     qm__resume *r = &c->resume;
     if (k && k->id && k->model && !qm__find(c, id) &&
         qm__room((void **)&r->kept, r->n_kept, &r->cap_kept, sizeof(*r->kept)) == 0) {
+        k->alive_on = c->connects;
         r->kept[r->n_kept++] = k;
         k = NULL;
     }
@@ -203,6 +205,39 @@ void qm__client_unkeep(qm_client *c, const char *id)
     }
     pthread_mutex_unlock(&c->lock);
     qm__kept_free(gone);
+}
+
+void qm__client_keep_budget(qm_client *c, const char *id, uint64_t budget_bytes)
+{
+    pthread_mutex_lock(&c->lock);
+    qm__kept *k = qm__find(c, id);
+    char *text = k ? qm_strdup(k->params) : NULL;
+    pthread_mutex_unlock(&c->lock);
+    qm_status st = {0};
+    qm_cval *p = NULL;
+    char *out = NULL;
+    if (text && qm_cval_parse(text, strlen(text), &p, &st) == 0) {
+        qm_cval *b = (qm_cval *)qm_cval_get(p, "budget_bytes");
+        if (b && b->type == QM_CVAL_NUMBER) {
+            b->number = (double)budget_bytes;
+            out = qm_cval_print(p, 0, NULL);
+        } else if (!b && qm_cval_append(p, "budget_bytes",
+                                        qm_cval_new_number((double)budget_bytes)) == 0) {
+            out = qm_cval_print(p, 0, NULL);
+        }
+    }
+    qm_cval_free(p);
+    qm_free(text);
+    if (!out)
+        return; /* no memory: the session comes back with its earlier budget */
+    pthread_mutex_lock(&c->lock);
+    if ((k = qm__find(c, id)) != NULL) {
+        qm_free(k->params);
+        k->params = out;
+        out = NULL;
+    }
+    pthread_mutex_unlock(&c->lock);
+    qm_free(out);
 }
 
 void qm__client_keep_map(qm_client *c, qm_client_map *m, int fd)
@@ -321,7 +356,11 @@ void qm__client_note_call(qm_client *c, const char *session)
     int64_t now = qm__ms();
     pthread_mutex_lock(&c->lock);
     const qm_client_reconnect *o = &c->resume.opt;
-    qm__kept *k = o->window_ms > 0 && o->warm_interval_ms >= 0 ? qm__find(c, session) : NULL;
+    qm__kept *k = qm__find(c, session);
+    if (k)
+        k->alive_on = c->connects;
+    if (o->window_ms <= 0 || o->warm_interval_ms < 0)
+        k = NULL;
     int due = k && k->paged && (k->warm_at_ms == 0 || now - k->warm_at_ms >= o->warm_interval_ms);
     if (due)
         k->warm_at_ms = now; /* a failed read waits its interval too */
@@ -525,10 +564,28 @@ static int qm__restore(qm_client *c, qm__snap *s, int window_ms, qm_client_error
     return rc;
 }
 
+/* Whether `rc` (with `e`) says the daemon that had `session` is gone:
+ * a broken or refused connection, or no such session on a connection made
+ * since the session last answered a layer call (handle's lock held). */
+static int qm__went_away(qm_client *c, const char *session, int rc, const qm_client_error *e)
+{
+    if (qm__client_gone(rc))
+        return 1;
+    if (rc != QM__NOT_FOUND || !e || strcmp(e->field, "session") != 0)
+        return 0;
+    qm__kept *k = qm__find(c, session);
+    return k && k->alive_on != c->connects;
+}
+
 int qm__client_resume(qm_client *c, const char *session, uint64_t gen, int rc,
                       qm_client_error *err)
 {
-    if (!qm__client_gone(rc) || !session)
+    if (!session)
+        return rc;
+    pthread_mutex_lock(&c->lock);
+    int away = qm__went_away(c, session, rc, err);
+    pthread_mutex_unlock(&c->lock);
+    if (!away)
         return rc;
     pthread_mutex_lock(&c->resume.lock);
     pthread_mutex_lock(&c->lock);

@@ -366,11 +366,12 @@ class _Kept:
     params as sent, whether some bank is paged (its residency is then worth
     reading), the last residency read, and its maps (memfds kept open)."""
 
-    __slots__ = ("params", "paged", "warm", "warm_at", "maps")
+    __slots__ = ("params", "paged", "warm", "warm_at", "maps", "alive_on")
 
-    def __init__(self, params, paged):
+    def __init__(self, params, paged, alive_on):
         self.params = dict(params or {})
         self.paged = paged
+        self.alive_on = alive_on  # the connection of its last answer (create or layer call)
         self.warm = None
         self.warm_at = None
         self.maps = []
@@ -409,6 +410,7 @@ class Client:
                                    _env_seconds("QMOED_WARM_INTERVAL_S",
                                                 DEFAULT_WARM_INTERVAL_S))
         self.restores = 0  # sessions brought back (a generation count)
+        self._connects = 0  # connections made: tells a restarted daemon's "no such session"
         self._kept = {}    # session -> _Kept: what re-creating it needs
         self._banks = {}   # model -> bank file to model.load again
         self._resume_lock = threading.Lock()
@@ -453,6 +455,7 @@ class Client:
         # call's deadline.
         s.settimeout(None)
         self._sock = s
+        self._connects += 1
         self._apply_timeout()
         self._buf = bytearray()
 
@@ -527,12 +530,15 @@ class Client:
                 _own(self.path, r["session"])
             if "session" not in (params or {}):  # not a restoration's own call
                 per_expert = (r.get("plan_summary") or {}).get("per_expert", 0)
-                self._kept[r["session"]] = _Kept(params, per_expert > 0)
+                self._kept[r["session"]] = _Kept(params, per_expert > 0, self._connects)
         elif method == "session.close":
             _disown(self.path, (params or {}).get("session"))
             self._forget((params or {}).get("session"))
         elif method == "model.load":
             self._banks[params["name"]] = params["path"]
+        elif method == "session.resize" and (params or {}).get("session") in self._kept:
+            # A re-creation takes the budget in force, not the first one.
+            self._kept[params["session"]].params["budget_bytes"] = params["budget_bytes"]
         return r
 
     def call_json(self, method, params_json):
@@ -707,7 +713,10 @@ class Client:
         (session.plan's resident_now) when `warm_interval` says so, for a
         re-creation to start from."""
         kept = self._kept.get(session)
-        if kept is None or not kept.paged or self.reconnect <= 0 or self.warm_interval < 0:
+        if kept is None:
+            return
+        kept.alive_on = self._connects
+        if not kept.paged or self.reconnect <= 0 or self.warm_interval < 0:
             return
         now = time.monotonic()
         if kept.warm_at is not None and now - kept.warm_at < self.warm_interval:
@@ -736,7 +745,14 @@ class Client:
             if gen is not None and gen != self.restores:
                 return True  # another thread brought it back meanwhile
             kept = self._kept.get(session)
-            if not _gone(cause) or kept is None or self.reconnect <= 0:
+            if kept is None or self.reconnect <= 0:
+                return False
+            # Gone: a broken or refused connection, or "no such session" on
+            # a connection made since the session last answered (another
+            # call on this client reconnected to a restarted daemon first).
+            if not (_gone(cause) or (isinstance(cause, QmoeError) and cause.code == _NOT_FOUND
+                                     and cause.field == "session"
+                                     and kept.alive_on != self._connects)):
                 return False
             _log.warning("qmoed at %s went away (%s): bringing session %s back, for up to "
                          "%.1f s", self.path, cause.reason, session, self.reconnect)
