@@ -41,8 +41,10 @@ def main():
 
     torch.manual_seed(0)
     c = qmoe_client.Client(a.socket, reconnect=a.reconnect)
-    if a.bank:
+    if a.bank:  # as llama.cpp's --qmoed-bank: loaded when the daemon lacks it, and again after
         c.set_model_bank(a.model, a.bank)
+        if a.model not in [m["name"] for m in c.models()]:
+            c.load_model(a.model, a.bank)
     m = qt.from_pretrained(a.fixture, c, a.model, policy=a.policy, budget=a.budget,
                            dtype=torch.float32)
     ids = torch.tensor([[int(t) for t in a.prompt_ids.split(",")]])
