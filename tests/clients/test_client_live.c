@@ -592,6 +592,17 @@ static void collect(void *ud, const char *line)
     snprintf(said + n, sizeof said - n, "%s\n", line);
 }
 
+/* A daemon of the test's own on DIR/NAME.sock (path in `at`), and a handle on it. */
+static qm_client *own_daemon(char *at, size_t cap, const char *name, pid_t *pid)
+{
+    snprintf(at, cap, "%s/%s.sock", dir, name);
+    *pid = spawn_qmoed(at, 1);
+    qm_client *c = NULL;
+    qm_client_error err;
+    ck_assert_msg(qm_client_open(&c, at, 30000, &err) == 0, "open: %s", err.reason);
+    return c;
+}
+
 static void kill_qmoed(pid_t pid)
 {
     kill(pid, SIGKILL);
@@ -618,11 +629,9 @@ static int one_token(qm_client *c, const char *id, const qm_client_map *m, uint6
 START_TEST(test_a_session_outlives_a_daemon_restart)
 {
     char at[400];
-    snprintf(at, sizeof at, "%s/restart.sock", dir);
-    pid_t d = spawn_qmoed(at, 1);
-    qm_client *c = NULL;
+    pid_t d;
+    qm_client *c = own_daemon(at, sizeof at, "restart", &d);
     qm_client_error err;
-    ck_assert_int_eq(qm_client_open(&c, at, 30000, &err), 0);
     qm_client_reconnect o;
     qm_client_get_reconnect(c, &o);
     ck_assert_int_eq(o.window_ms, QM_CLIENT_DEFAULT_RECONNECT_MS);
@@ -702,11 +711,9 @@ END_TEST
 START_TEST(test_reconnection_off_fails_at_once)
 {
     char at[400];
-    snprintf(at, sizeof at, "%s/off.sock", dir);
-    pid_t d = spawn_qmoed(at, 1);
-    qm_client *c = NULL;
+    pid_t d;
+    qm_client *c = own_daemon(at, sizeof at, "off", &d);
     qm_client_error err;
-    ck_assert_int_eq(qm_client_open(&c, at, 30000, &err), 0);
     qm_client_reconnect o = {.window_ms = 0};
     qm_client_set_reconnect(c, &o);
     qm_client_session_params p = {.model = "demo"};

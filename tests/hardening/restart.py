@@ -26,10 +26,12 @@ sys.path.insert(0, os.path.join(HERE, "..", "daemon"))
 import qmoed_harness as harness  # noqa: E402
 
 
-class Supervisor:
+class Supervisor(harness.Daemon):
     """Starts qmoed, SIGKILLs and restarts it. `models` ({name: bank}) are
     given to every daemon it starts (the config's models, loaded at start);
-    `activation` hands each daemon the supervisor's socket."""
+    `activation` hands each daemon the supervisor's socket. client(),
+    log_text() and stop() are the harness's (stop: SIGTERM, a clean
+    drain; the exit status), stop() also closes the supervisor's socket."""
 
     def __init__(self, workdir, models=None, args=(), activation=True, env=None):
         self.dir = workdir
@@ -106,25 +108,8 @@ class Supervisor:
             time.sleep(delay)
         self.start(wait=wait)
 
-    def client(self):
-        return harness.Client(self.socket)
-
-    def log_text(self):
-        self.log.flush()
-        with open(self.log_path, "rb") as f:
-            return f.read().decode(errors="replace")
-
     def stop(self, timeout=15):
-        """SIGTERM (a clean drain); the exit status."""
-        rc = None
-        if self.proc is not None:
-            if self.proc.poll() is None:
-                self.proc.send_signal(signal.SIGTERM)
-            try:
-                rc = self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                rc = self.proc.wait()
+        rc = super().stop(timeout) if self.proc is not None else None
         if self.listener is not None:
             self.listener.close()
             self.listener = None
@@ -132,7 +117,6 @@ class Supervisor:
                 os.unlink(self.socket)
             except FileNotFoundError:
                 pass
-        self.log.close()
         return rc
 
 
