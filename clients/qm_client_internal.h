@@ -9,6 +9,9 @@
 #include "qm_client_codec.h"
 #include "qmoe_client.h"
 
+/* A session's call ring on this handle (qm_client_ring.c). */
+typedef struct qm__ring qm__ring;
+
 /* The sessions a handle closes for its caller (qm_client_owned.c): ids it
  * owns, malloc'd. */
 typedef struct qm__owned {
@@ -39,7 +42,6 @@ typedef struct qm__resume {
 struct qm_client {
     pthread_mutex_t lock; /* one exchange at a time; also guards `owned` */
     int fd;               /* -1 after a broken exchange; the next call reconnects */
-    uint64_t connects;    /* connections made (qm_client_resume.c tells them apart) */
     int timeout_ms;
     uint64_t next_id;
     char path[sizeof(((struct sockaddr_un *)0)->sun_path)];
@@ -48,6 +50,9 @@ struct qm_client {
     qm__owned owned;
     pid_t pid; /* the process that opened it: only it closes `owned` */
     qm__resume resume;
+    uint64_t conn_gen; /* connections made so far: a ring lives with the one it was opened on */
+    int ring_mode;     /* QM_CLIENT_RING_* (qm_client_set_ring) */
+    qm__ring *rings;   /* its sessions' rings (and refusals), under `lock` */
     struct qm_client *open_prev, *open_next; /* the process's open handles */
 };
 
@@ -101,6 +106,19 @@ int qm__client_resume(qm_client *c, const char *session, uint64_t gen, int rc,
  * interval says so. */
 void qm__client_note_call(qm_client *c, const char *session);
 
+/* ---- qm_client_ring.c ---- */
+/* qm_client_session_infer_mapped through the session's ring, the lock
+ * held: 1 when the ring took the call (*rc its result), 0 when the call
+ * goes through the socket (no ring, refused, or rings off). */
+int qm__client_ring_infer(qm_client *c, const qm_client_mapped_infer *q,
+                          qm_client_infer_stats *stats, int *rc, qm_client_error *err);
+/* 1 when `session` has a ring the caller opened (QM_CLIENT_RING_EXPLICIT)
+ * on an earlier connection: a restoration after a restart opens it again
+ * (in QM_CLIENT_RING_AUTO the next call does). Lock held. */
+int qm__client_ring_reopen_due(qm_client *c, const char *session);
+/* Forgets the ring of `session` (NULL: every ring), unmapping it. */
+void qm__client_rings_forget(qm_client *c, const char *session);
+
 /* Sets *err (may be NULL) and returns `code`. */
 int qm__client_fail(qm_client_error *err, int code, const char *fmt, ...)
     __attribute__((format(printf, 3, 4)));
@@ -113,6 +131,15 @@ int qm__client_call(qm_client *c, const char *method, qm_cval *params, qm_cval *
 /* The same, with `fd` (>= 0) passed as SCM_RIGHTS on the line's first byte. */
 int qm__client_call_fd(qm_client *c, const char *method, qm_cval *params, int fd,
                        qm_cval **result, qm_client_error *err);
+
+/* One exchange with the handle's lock held (the calls above take it):
+ * `text` (text_len bytes), when not NULL, is `params` already printed;
+ * fd >= 0 rides as SCM_RIGHTS. */
+int qm__client_exchange(qm_client *c, const char *method, const qm_cval *params,
+                        const char *text, size_t text_len, int fd, qm_cval **result,
+                        qm_client_error *err);
+/* Drops the connection (the next exchange reconnects); lock held. */
+void qm__client_drop(qm_client *c);
 
 /* The same, with params already printed as compact JSON (n bytes). */
 int qm__client_call_text(qm_client *c, const char *method, const char *params, size_t n,

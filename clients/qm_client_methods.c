@@ -450,6 +450,9 @@ int qm_client_session_close(qm_client *c, const char *session, qm_client_error *
     if (rc == 0 || rc == -32001) { /* closed, or gone already */
         qm__client_disown(c, session);
         qm__client_unkeep(c, session);
+        pthread_mutex_lock(&c->lock);
+        qm__client_rings_forget(c, session); /* the daemon closed its rings */
+        pthread_mutex_unlock(&c->lock);
     }
     return rc;
 }
@@ -826,6 +829,18 @@ static const qm__field qm__counter_u64s[] = {
     QM__FIELD(qm_client_counters, prefetch_useful),
     QM__FIELD(qm_client_counters, resident_bytes),
     QM__FIELD(qm_client_counters, expert_host_runs),
+    QM__FIELD(qm_client_counters, predict_router_predicted),
+    QM__FIELD(qm_client_counters, predict_router_correct),
+    QM__FIELD(qm_client_counters, predict_router_actual),
+    QM__FIELD(qm_client_counters, predict_router_gated),
+    QM__FIELD(qm_client_counters, predict_history_predicted),
+    QM__FIELD(qm_client_counters, predict_history_correct),
+    QM__FIELD(qm_client_counters, predict_history_actual),
+    QM__FIELD(qm_client_counters, predict_history_gated),
+    QM__FIELD(qm_client_counters, predict_lookahead_predicted),
+    QM__FIELD(qm_client_counters, predict_lookahead_correct),
+    QM__FIELD(qm_client_counters, predict_lookahead_actual),
+    QM__FIELD(qm_client_counters, predict_lookahead_gated),
 };
 
 static void qm__counters_from(const qm_cval *o, qm_client_counters *k)

@@ -37,7 +37,7 @@ struct qm__kept {
     int paged;
     char *warm;         /* the last plan's resident lists as `warm` JSON, or NULL */
     int64_t warm_at_ms; /* when they were read; 0: never */
-    uint64_t alive_on;  /* the connection (c->connects) of its last answered layer call */
+    uint64_t alive_on;  /* the connection (c->conn_gen) of its last answered layer call */
     qm__kept_map *maps;
     size_t n_maps, cap_maps;
 };
@@ -182,7 +182,7 @@ void qm__client_keep(qm_client *c, const char *id, char *params, const char *mod
     qm__resume *r = &c->resume;
     if (k && k->id && k->model && !qm__find(c, id) &&
         qm__room((void **)&r->kept, r->n_kept, &r->cap_kept, sizeof(*r->kept)) == 0) {
-        k->alive_on = c->connects;
+        k->alive_on = c->conn_gen;
         r->kept[r->n_kept++] = k;
         k = NULL;
     }
@@ -358,7 +358,7 @@ void qm__client_note_call(qm_client *c, const char *session)
     const qm_client_reconnect *o = &c->resume.opt;
     qm__kept *k = qm__find(c, session);
     if (k)
-        k->alive_on = c->connects;
+        k->alive_on = c->conn_gen;
     if (o->window_ms <= 0 || o->warm_interval_ms < 0)
         k = NULL;
     int due = k && k->paged && (k->warm_at_ms == 0 || now - k->warm_at_ms >= o->warm_interval_ms);
@@ -527,9 +527,16 @@ static int qm__attempt(qm_client *c, qm__snap *s, qm_client_error *e)
         return 0; /* the daemon never went: the session and its maps are there */
     if (rc < 0 && rc != QM__CONFLICT)
         return rc;
-    /* And whatever else the session had that lives in the daemon (a call
-     * ring, when it has one) is set up again here, after its maps. */
-    return qm__remap(c, s, e);
+    if ((rc = qm__remap(c, s, e)) < 0)
+        return rc;
+    /* And whatever else the session had in the daemon, after its maps: a
+     * call ring opened by the caller (one the handle opens itself comes
+     * back with the retried call). A refusal leaves the socket. */
+    pthread_mutex_lock(&c->lock);
+    int ring = qm__client_ring_reopen_due(c, s->id);
+    pthread_mutex_unlock(&c->lock);
+    rc = ring ? qm_client_session_ring(c, s->id, e) : 0;
+    return qm__client_gone(rc) || rc == QM_CLIENT_ETIMEDOUT ? rc : 0;
 }
 
 /* Waits `ms`, or less when the window ends sooner; 0 when time is left. */
@@ -574,7 +581,7 @@ static int qm__went_away(qm_client *c, const char *session, int rc, const qm_cli
     if (rc != QM__NOT_FOUND || !e || strcmp(e->field, "session") != 0)
         return 0;
     qm__kept *k = qm__find(c, session);
-    return k && k->alive_on != c->connects;
+    return k && k->alive_on != c->conn_gen;
 }
 
 int qm__client_resume(qm_client *c, const char *session, uint64_t gen, int rc,

@@ -638,17 +638,17 @@ static int check_infer(const qmoectl_args *a)
 
 const qmoectl_cmd qmoectl_cmds[] = {
     {"status", "", "Show the daemon's version, uptime, backend, memory and counts.", "", 0, 0,
-     cmd_status, NULL, NULL},
+     cmd_status, NULL, NULL, NULL},
     {"models", "", "List loaded models: shape, quantisation, bytes per expert unit, size.", "",
-     0, 0, cmd_models, NULL, NULL},
+     0, 0, cmd_models, NULL, NULL, NULL},
     {"load", "NAME PATH",
      "Load the bank file PATH as model NAME (admin). A relative PATH is made absolute.", "", 2, 2,
-     cmd_load, NULL, NULL},
+     cmd_load, NULL, NULL, NULL},
     {"unload", "NAME [--force]",
      "Unload model NAME (admin).\n"
      "Refused while sessions use it, unless --force closes them.",
-     "--force", 1, 1, cmd_unload, NULL, NULL},
-    {"sessions", "", "List sessions (a non-admin sees only their own).", "", 0, 0, cmd_sessions, NULL, NULL},
+     "--force", 1, 1, cmd_unload, NULL, NULL, NULL},
+    {"sessions", "", "List sessions (a non-admin sees only their own).", "", 0, 0, cmd_sessions, NULL, NULL, NULL},
     {"create", "MODEL [--policy P] [--budget BYTES|SIZE|N%] [--param KEY=VALUE]... [--precision P]",
      "Create a session on MODEL and print its id on the first line.\n"
      "  --policy P        the session's residency policy, one of those below (for a\n"
@@ -662,36 +662,37 @@ const qmoectl_cmd qmoectl_cmds[] = {
      "  --precision P     exact (default: f32, within 1e-5 of onnxruntime) or fast\n"
      "                    (int8 activations, integer dot products)",
      "--policy= --budget= --param= --precision=", 1, 1, cmd_create, check_create,
-     help_policies},
+     help_policies, NULL},
     {"close", "SESSION", "Close a session and release its memory (owner or admin).", "", 1, 1,
-     cmd_close, NULL, NULL},
+     cmd_close, NULL, NULL, NULL},
     {"resize", "SESSION BYTES|SIZE|N%",
      "Change a live session's expert budget (owner or admin).\n"
      "The budget is bytes, a size (512MiB, 2G) or a percentage of the model's bytes\n"
      "(40%). Shrinking evicts down to it before answering (pins that no longer fit\n"
      "are released, coldest first); growing is admitted against the daemon-wide\n"
      "budget. Requests queued before it finish under the old budget.",
-     "", 2, 2, cmd_resize, NULL, NULL},
+     "", 2, 2, cmd_resize, NULL, NULL, NULL},
     {"plan", "SESSION",
      "Show a session's residency plan, one row per bank.\n"
      "Each row: the bank's decision, the reason a bank stays whole, and counts and\n"
      "sizes of candidate, pinned and currently resident experts; then totals\n"
      "against the budget.",
-     "", 1, 1, qmoectl_cmd_plan, NULL, NULL},
+     "", 1, 1, qmoectl_cmd_plan, NULL, NULL, NULL},
     {"telemetry", "[SESSION] [--watch SECONDS [--count N]]",
      "Show counters: hit rate, bytes paged, p50/p99 latency, ...\n"
      "Requests, errors, tokens, expert hit rate and misses, bytes paged, evictions,\n"
      "prefetches (useful/issued), resident bytes, p50/p99 inference latency;\n"
-     "daemon-wide and per session.\n"
+     "daemon-wide and per session; then each session's prefetch predictors\n"
+     "(router, history, lookahead): predicted, precision, recall, gated calls.\n"
      "  --watch S   refresh every S seconds until Ctrl-C\n"
      "  --count N   stop after N refreshes",
-     "--watch= --count=", 0, 1, qmoectl_cmd_telemetry, qmoectl_check_telemetry, NULL},
+     "--watch= --count=", 0, 1, qmoectl_cmd_telemetry, qmoectl_check_telemetry, NULL, NULL},
     {"trace", "[--limit N] [--session SESSION]",
      "Show recent trace spans, oldest first (admin).\n"
      "  --limit N         at most N spans\n"
      "  --session SESSION only that session's spans",
-     "--limit= --session=", 0, 0, cmd_trace, check_trace, NULL},
-    {"metrics", "", "Print Prometheus metrics (text exposition format).", "", 0, 0, cmd_metrics, NULL, NULL},
+     "--limit= --session=", 0, 0, cmd_trace, check_trace, NULL, NULL},
+    {"metrics", "", "Print Prometheus metrics (text exposition format).", "", 0, 0, cmd_metrics, NULL, NULL, NULL},
     {"infer",
      "SESSION --layer N --hidden X.npy [--logits R.npy | --topk-ids I.npy --topk-weights W.npy] "
      "--out Y.npy [--routing]",
@@ -703,8 +704,21 @@ const qmoectl_cmd qmoectl_cmds[] = {
      "              route) and their weights (f32/f16), used exactly as given\n"
      "  --routing   also print the experts and weights chosen per token",
      "--layer= --hidden= --logits= --topk-ids= --topk-weights= --out= --routing", 1, 1, cmd_infer,
-     check_infer, NULL},
+     check_infer, NULL, NULL},
     {"shutdown", "", "Drain and stop the daemon (admin), as SIGTERM does.", "", 0, 0,
-     cmd_shutdown, NULL, NULL},
-    {NULL, NULL, NULL, NULL, 0, 0, NULL, NULL, NULL},
+     cmd_shutdown, NULL, NULL, NULL},
+    {"methods", "[METHOD] [--markdown]",
+     "List the wire's methods, or what METHOD takes (no daemon needed).\n"
+     "Every member with its type, whether it is required and what it means, from\n"
+     "the rows the daemon decodes with (protocol/qm_wire_schema.h).\n"
+     "  --markdown  METHOD's table as docs/PROTOCOL.md carries it\n"
+     "  --json      every method's rows as JSON",
+     "--markdown", 0, 1, NULL, NULL, NULL, qmoectl_cmd_methods},
+    {"call", "METHOD [MEMBER=VALUE]...",
+     "Call any method and print its result as JSON.\n"
+     "A member typed as a string in the method's rows (see qmoectl methods METHOD)\n"
+     "is sent as that string; any other value is JSON as written\n"
+     "(budget_bytes=1048576, force=true, policy_params='{\"prefetch\":false}').",
+     "", 1, QMOECTL_MAX_ARGS, qmoectl_cmd_call, qmoectl_check_call, NULL, NULL},
+    {NULL, NULL, NULL, NULL, 0, 0, NULL, NULL, NULL, NULL},
 };

@@ -7,6 +7,8 @@
 
 #include "qm_alloc.h"
 #include "qm_log.h"
+#include "qm_placement.h"
+#include "qm_plan_json.h"
 #include "qm_models.h"
 #include "qm_sessions.h"
 #include "qm_shm.h"
@@ -97,10 +99,40 @@ static void write_resize_result(qm_jw *w, const void *arg)
 
 /* ---- session.create: prepared on the loop, built on a worker ---- */
 
+/* session.create's params as the sessions read them (qm_session_spec):
+ * defaults filled. The wire's enums land their index, which is the
+ * engine's value (precision, on_miss: tests/daemon checks the lists). */
+static void create_spec(const qm_params *p, qm_session_spec *out)
+{
+    const qm_policy_params_wire *pw = &p->policy_params;
+    *out = (qm_session_spec){
+        .model = p->model,
+        .policy = p->policy ? p->policy : qm_policy_default_name(),
+        .has_budget = p->has_budget,
+        .budget_bytes = p->budget_bytes,
+        .precision = (qm_precision)p->precision,
+        .prefetch = pw->has_prefetch ? pw->prefetch : 1,
+        .on_miss = pw->has_on_miss ? pw->on_miss : QM_ON_MISS_PAGE,
+        .share = pw->has_share_residency && pw->share_residency,
+        .has_min_split_bytes = pw->has_min_split_bytes,
+        .min_split_bytes = pw->has_min_split_bytes ? pw->min_split_bytes : 0,
+        .n_values = pw->n_values < QM_POLICY_VALUES_MAX ? pw->n_values : QM_POLICY_VALUES_MAX,
+        .hot = pw->hot,
+        .n_hot = pw->n_hot,
+        .record_trace = pw->record_trace,
+        .id = p->session,
+        .warm = p->warm,
+        .n_warm = p->n_warm};
+    for (size_t i = 0; i < out->n_values; i++)
+        out->values[i] = (qm_policy_value){pw->values[i].name, pw->values[i].value};
+}
+
 static int create_admit(qm_job *job, qm_status *st)
 {
     qm_session *s;
-    int rc = qm_session_prepare(job->mx->registry, &job->req.params, job->peer_uid, &s, st);
+    qm_session_spec spec;
+    create_spec(&job->req.params, &spec);
+    int rc = qm_session_prepare(job->mx->sessions, job->mx->models, &spec, job->peer_uid, &s, st);
     if (rc < 0)
         return rc;
     job->session = s;
@@ -114,7 +146,7 @@ static int create_admit(qm_job *job, qm_status *st)
 static void create_run(qm_job *job)
 {
     const qm_params *p = &job->req.params;
-    job->rc = qm_session_build(job->mx->registry, job->session, &job->st);
+    job->rc = qm_session_build(job->mx->sessions, job->session, &job->st);
     if (job->rc < 0 || p->n_warm == 0)
         return;
     qm_status wst = {0};
@@ -135,13 +167,13 @@ static void create_finish(qm_job *job)
                                       m->name);
     /* Two re-creations of one id raced past prepare's check: the first wins. */
     if (job->rc == 0 && job->req.params.session)
-        job->rc = qm_session_id_free(job->mx->registry, qm_session_id(s), &job->st);
+        job->rc = qm_session_id_free(job->mx->sessions, qm_session_id(s), &job->st);
     if (job->rc < 0) {
-        qm_session_abort(job->mx->registry, s);
+        qm_session_abort(job->mx->sessions, s);
         qm_reply_status(job->reply, job->slot, &job->req, &job->st);
         return;
     }
-    qm_session_commit(job->mx->registry, s);
+    qm_session_commit(job->mx->sessions, s);
     /* Its creator has touched it, unless its connection closed while the
      * session was built: then it is orphaned from the start (marked when
      * the job is handed back). */
@@ -152,12 +184,116 @@ static void create_finish(qm_job *job)
     qm_reply_result(job->reply, job->slot, &job->req, write_create_result, &a);
 }
 
-static void create_undo(qm_job *job) { qm_session_abort(job->mx->registry, job->session); }
+static void create_undo(qm_job *job) { qm_session_abort(job->mx->sessions, job->session); }
 
 static const qm_job_ops create_ops = {
     .admit = create_admit, .run = create_run, .finish = create_finish, .undo = create_undo};
 
 /* ---- session.plan: the residency read by the worker that owns the pagers ---- */
+
+/* Layer `layer`'s residency now into b: the experts resident there and,
+ * after them in the same buffer (*list, the caller's), the pins a resize
+ * released. Nothing for a whole bank (resident for the session's life,
+ * which the plan's decision already says: docs/PROTOCOL.md). */
+static int bank_residency(qm_pager *pager, uint32_t layer, qm_plan_json_bank_state *b,
+                          uint32_t **list, qm_status *st)
+{
+    int count = pager && qm_pager_layer_is_paged(pager, layer) == 1
+                    ? qm_pager_resident_experts(pager, layer, NULL, 0)
+                    : -1;
+    if (count < 0)
+        return 0;
+    *list = qm_malloc(((size_t)count + 1) * sizeof **list);
+    if (!*list)
+        return qm_status_set(st, QM_ENOMEM, "out of memory reading the residency");
+    size_t cap = (size_t)count;
+    count = qm_pager_resident_experts(pager, layer, *list, cap);
+    b->has_resident_now = 1;
+    b->resident_now = *list;
+    b->n_resident_now = count < 0 ? 0 : (size_t)count < cap ? (size_t)count : cap;
+    int nrel = qm_pager_pins_released(pager, layer, NULL, 0);
+    if (nrel <= 0)
+        return 0;
+    uint32_t *grown = qm_realloc(*list, (b->n_resident_now + (size_t)nrel) * sizeof **list);
+    if (!grown)
+        return qm_status_set(st, QM_ENOMEM, "out of memory reading the residency");
+    *list = grown;
+    b->resident_now = grown;
+    b->pins_released = grown + b->n_resident_now;
+    nrel = qm_pager_pins_released(pager, layer, grown + b->n_resident_now, (size_t)nrel);
+    b->n_pins_released = nrel < 0 ? 0 : (size_t)nrel;
+    return 0;
+}
+
+/* The plan's run-time state (session held still): each bank's residency
+ * and device (the placement is shown when the session spans several
+ * devices), and the residency counters. banks[], lists[] and names[]
+ * back it. */
+static int plan_state(qm_session *s, qm_plan_json_state *state,
+                      qm_plan_json_bank_state *banks, uint32_t **lists, const char **names,
+                      qm_status *st)
+{
+    const qm_residency_plan *plan = qm_session_plan(s);
+    const qm_placement *pl = qm_session_placement(s);
+    const int built = qm_session_built(s), placed = pl->n_devices > 1;
+    for (size_t i = 0; i < qm_plan_total(plan) && built; i++) {
+        uint32_t layer = qm_plan_bank_at(plan, i)->bank_id; /* bank id = layer */
+        qm_plan_json_bank_state *b = &banks[state->n_banks];
+        *b = (qm_plan_json_bank_state){.bank_id = layer};
+        if (placed && layer < pl->n_layers) {
+            b->has_device = 1; /* every bank names its device, whole or paged */
+            b->device = pl->device_of[layer];
+        }
+        int rc = bank_residency(qm_session_pager_of(s, layer), layer, b, &lists[i], st);
+        if (rc < 0)
+            return rc;
+        if (b->has_device || b->has_resident_now)
+            state->n_banks++;
+    }
+    if (placed) {
+        for (uint32_t i = 0; i < pl->n_devices && i < QM_CONFIG_MAX_DEVICES; i++)
+            names[i] = qm_session_device_name(s, i);
+        state->placement_rule = QM_PLACEMENT_RULE;
+        state->device_names = names;
+        state->device_budgets = pl->budget;
+        state->n_devices = pl->n_devices;
+    }
+    if (built) {
+        qm_pager_stats ps;
+        qm_session_stats(s, &ps);
+        state->has_resident_bytes = 1;
+        state->resident_bytes = ps.resident_bytes;
+        state->on_miss = qm_on_miss_name(qm_session_on_miss(s));
+        /* The telemetry table's definitions, as every count of them. */
+        state->expert_hits = qm_counter_paging(qm_counter_index("expert_hits"), &ps);
+        state->expert_misses = qm_counter_paging(qm_counter_index("expert_misses"), &ps);
+        state->expert_host_runs = qm_counter_paging(qm_counter_index("expert_host_runs"), &ps);
+    }
+    return 0;
+}
+
+/* The session's plan with its residency now (*json is the caller's). A
+ * sharing session reads its pool's residency (its own plan and counters). */
+static int plan_json(qm_session *s, char **json, size_t *len, qm_status *st)
+{
+    size_t n = qm_plan_total(qm_session_plan(s));
+    qm_plan_json_bank_state *banks = qm_calloc(n ? n : 1, sizeof *banks);
+    uint32_t **lists = qm_calloc(n ? n : 1, sizeof *lists);
+    const char *names[QM_CONFIG_MAX_DEVICES];
+    qm_plan_json_state state = {.banks = banks};
+    int rc = banks && lists ? 0 : qm_status_set(st, QM_ENOMEM, "out of memory reading the residency");
+    qm_session_hold(s);
+    if (rc == 0)
+        rc = plan_state(s, &state, banks, lists, names, st);
+    if (rc == 0)
+        rc = qm_plan_to_json_ex(qm_session_plan(s), &state, json, len, st);
+    qm_session_release(s);
+    for (size_t i = 0; lists && i < n; i++)
+        qm_free(lists[i]);
+    qm_free(lists);
+    qm_free(banks);
+    return rc;
+}
 
 static void plan_run(qm_job *job)
 {
@@ -167,7 +303,7 @@ static void plan_run(qm_job *job)
         return; /* a notification: nothing to answer */
     char *json;
     size_t len;
-    job->rc = qm_session_plan_json(job->session, &json, &len, &job->st);
+    job->rc = plan_json(job->session, &json, &len, &job->st);
     if (job->rc < 0)
         return;
     qm_jw w;
@@ -186,7 +322,7 @@ static const qm_job_ops plan_ops = {.run = plan_run, .finish = qm__job_answer};
 
 static int resize_admit(qm_job *job, qm_status *st)
 {
-    return qm_session_resize_reserve(job->mx->registry, job->session,
+    return qm_session_resize_reserve(job->mx->sessions, job->session,
                                      job->req.params.budget_bytes, st);
 }
 
@@ -204,7 +340,7 @@ static void resize_finish(qm_job *job)
 {
     const qm_method_ctx *mx = job->mx;
     qm_session *s = job->session;
-    qm_session_resize_finish(mx->registry, s, job->rc == 0, job->req.params.budget_bytes);
+    qm_session_resize_finish(mx->sessions, s, job->rc == 0, job->req.params.budget_bytes);
     if (!qm_session_closed(s)) {
         /* What the resize evicted and re-copied counts like paging. */
         qm_pager_stats was;
@@ -224,7 +360,7 @@ static void resize_finish(qm_job *job)
 
 static void resize_undo(qm_job *job)
 {
-    qm_session_resize_finish(job->mx->registry, job->session, 0, 0);
+    qm_session_resize_finish(job->mx->sessions, job->session, 0, 0);
 }
 
 static const qm_job_ops resize_ops = {
@@ -241,11 +377,11 @@ static int empty_result(qm_jw *w)
 
 static int session_close(qm_call *k, qm_status *st)
 {
-    qm_session *s = qm_session_find(k->mx->registry, k->req->params.session);
+    qm_session *s = qm_session_find(k->mx->sessions, k->req->params.session);
     if (!s)
         return qm_status_set_field(st, QM_ENOT_FOUND, "session", "no session with that id");
     qm_log(QM_LOG_INFO, "session %s closed by uid %u", qm_session_id(s), (unsigned)k->peer->uid);
-    qm_session_close(k->mx->registry, s);
+    qm_session_close(k->mx->sessions, s);
     return empty_result(k->w);
 }
 
@@ -276,7 +412,7 @@ static int session_list(qm_call *k, qm_status *st)
     qm_jw_obj_begin(w);
     qm_jw_key(w, "sessions");
     qm_jw_arr_begin(w);
-    for (qm_session *s = qm_registry_first_session(k->mx->registry); s; s = qm_session_next(s)) {
+    for (qm_session *s = k->mx->sessions->first; s; s = qm_session_next(s)) {
         if (!k->peer->is_admin && qm_session_owner(s) != k->peer->uid)
             continue;
         qm_jw_obj_begin(w);
@@ -295,33 +431,46 @@ static int session_list(qm_call *k, qm_status *st)
     return 0;
 }
 
-/* session.map: the descriptor that came with the request's first byte
- * (qm_conn_take_fds), checked and mapped; the map id is daemon-wide unique. */
+/* The one descriptor that came with the request's first byte
+ * (qm_conn_take_fds), taken from the call (the caller closes it). */
+static int take_one_fd(qm_call *k, int *fd, qm_status *st)
+{
+    const char *method = qm_method_name(k->req->method);
+    qm_fds none = QM_FDS_NONE, *f = k->fds ? k->fds : &none;
+    if (f->count == 0)
+        return qm_status_set_field(st, QM_EINVAL, "fd",
+                                   "no descriptor came with %s: send one sealed memfd as "
+                                   "SCM_RIGHTS on the sendmsg that carries the request line's "
+                                   "first byte",
+                                   method);
+    if (f->count > 1)
+        return qm_status_set_field(st, QM_EINVAL, "fd",
+                                   "%u descriptors came with %s; expected exactly one (all were "
+                                   "closed)",
+                                   f->count, method);
+    *fd = f->fd;
+    *f = QM_FDS_NONE;
+    return 0;
+}
+
+/* session.map: the descriptor, checked and mapped; the map id is
+ * daemon-wide unique. */
 static int session_map(qm_call *k, qm_status *st)
 {
     const qm_method_ctx *mx = k->mx;
     const qm_params *p = &k->req->params;
-    qm_session *s = qm_session_find(mx->registry, p->session);
+    qm_session *s = qm_session_find(mx->sessions, p->session);
     if (!s)
         return qm_status_set_field(st, QM_ENOT_FOUND, "session", "no session with that id");
-    qm_fds none = QM_FDS_NONE, *f = k->fds ? k->fds : &none;
-    if (f->count == 0)
-        return qm_status_set_field(st, QM_EINVAL, "fd",
-                                   "no descriptor came with session.map: send one sealed memfd "
-                                   "as SCM_RIGHTS on the sendmsg that carries the request "
-                                   "line's first byte");
-    if (f->count > 1)
-        return qm_status_set_field(st, QM_EINVAL, "fd",
-                                   "%u descriptors came with session.map; expected exactly one "
-                                   "(all were closed)",
-                                   f->count);
-    int fd = f->fd;
-    *f = QM_FDS_NONE;
-    qm_shm_map *m;
-    int rc = qm_shm_map_fd(fd, p->bytes, &m, st);
+    int fd = -1;
+    int rc = take_one_fd(k, &fd, st);
     if (rc < 0)
         return rc;
-    m->id = qm_registry_new_map_id(mx->registry);
+    qm_shm_map *m;
+    rc = qm_shm_map_fd(fd, p->bytes, &m, st);
+    if (rc < 0)
+        return rc;
+    m->id = qm_sessions_new_map_id(mx->sessions);
     rc = qm_shm_set_add(qm_session_maps(s), m, mx->cfg->max_mapped_bytes, st);
     if (rc < 0) {
         qm_shm_unref(m);
@@ -338,11 +487,33 @@ static int session_map(qm_call *k, qm_status *st)
 
 static int session_unmap(qm_call *k, qm_status *st)
 {
-    qm_session *s = qm_session_find(k->mx->registry, k->req->params.session);
+    qm_session *s = qm_session_find(k->mx->sessions, k->req->params.session);
     if (!s)
         return qm_status_set_field(st, QM_ENOT_FOUND, "session", "no session with that id");
     int rc = qm_shm_set_remove(qm_session_maps(s), k->req->params.map, st);
     return rc < 0 ? rc : empty_result(k->w);
+}
+
+/* session.ring: the descriptor, a sealed memfd of at least QM_RING_BYTES,
+ * becomes the session's call ring on this connection (qm_ring.h). */
+static int session_ring(qm_call *k, qm_status *st)
+{
+    qm_session *s = qm_session_find(k->mx->sessions, k->req->params.session);
+    if (!s)
+        return qm_status_set_field(st, QM_ENOT_FOUND, "session", "no session with that id");
+    int fd = -1;
+    uint64_t id;
+    int rc = take_one_fd(k, &fd, st);
+    if (rc == 0)
+        rc = qm_ring_open(k->mx->rings, s, k->conn, fd, &id, st);
+    if (rc < 0)
+        return rc;
+    qm_jw_obj_begin(k->w);
+    qm_jw_member_u64(k->w, "ring", id);
+    qm_jw_member_u64(k->w, "bytes", QM_RING_BYTES);
+    qm_jw_member_u64(k->w, "version", QM_RING_VERSION);
+    qm_jw_obj_end(k->w);
+    return 0;
 }
 
 /* session.plan always takes the session's queue: its resident_now comes
@@ -365,3 +536,5 @@ QM__METHOD_ROW(SESSION_MAP, .handler = session_map, .role = QM_ROLE_USER,
                .session = QM_SESSION_REQUIRED, .queued = QM_QUEUE_BEHIND, .takes_fds = 1);
 QM__METHOD_ROW(SESSION_UNMAP, .handler = session_unmap, .role = QM_ROLE_USER,
                .session = QM_SESSION_REQUIRED, .queued = QM_QUEUE_BEHIND);
+QM__METHOD_ROW(SESSION_RING, .handler = session_ring, .role = QM_ROLE_USER,
+               .session = QM_SESSION_REQUIRED, .queued = QM_QUEUE_BEHIND, .takes_fds = 1);

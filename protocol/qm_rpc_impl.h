@@ -13,9 +13,18 @@
  * whatever was filled stays in `out` for qm_request_free. */
 int qm__params_decode(qm_method m, const cJSON *params, qm_params *out, qm_status *st);
 
-/* 1 when s[0..n) is well-formed UTF-8 (no surrogates, no overlongs). */
+/* session.infer's rules between its tensors (routing supplied by the engine
+ * against router_logits, token counts, topk shapes), and a mapped region's
+ * alignment (path "hidden": field "hidden.offset"): the JSON decoder's and
+ * the call ring's (qm_ring_params.c), so both transports answer alike;
+ * qm_params.c. */
+int qm__infer_shapes_check(const qm_params *p, qm_status *st);
+int qm__map_offset_check(const char *path, uint64_t offset, qm_status *st);
+
+/* 1 when s[0..n) is well-formed UTF-8 (no surrogates, no overlongs);
+ * qm_frame.c. */
 int qm__utf8_valid(const char *s, size_t n);
-/* "a string", "an array", ... for messages. */
+/* "a string", "an array", ... for messages; qm_params.c. */
 const char *qm__json_type_name(const cJSON *v);
 
 #endif

@@ -313,7 +313,12 @@ def test_telemetry_human_and_json(daemon, session):
 def test_telemetry_watch_refreshes(daemon, session):
     p = ctl(daemon, "telemetry", session, "--watch", "0.2", "--count", "2")
     assert len(re.findall(r"^qmoed telemetry at \d\d:\d\d:\d\d, every 0.2s", p.stdout, re.M)) == 2
-    assert p.stdout.count(session) == 2
+    # once per refresh in the counters (beside its model), and in the
+    # prediction table below them for each predictor that predicted
+    assert len(re.findall(r"^%s +demo " % session, p.stdout, re.M)) == 2
+    preds = re.findall(r"^%s +(router|history|lookahead) " % session, p.stdout, re.M)
+    assert len(preds) % 2 == 0 and preds, p.stdout
+    assert "PREDICTOR" in p.stdout and "RECALL" in p.stdout
     p = ctl(daemon, "--json", "telemetry", "--watch", "0.1", "--count", "2")
     dec, text, docs = json.JSONDecoder(), p.stdout.strip(), []
     while text:

@@ -98,7 +98,8 @@ def test_recreate_refusals_name_the_member(daemon):
     c = daemon.client()
     sid = new_session(c)
     for bad, why in ((sid[:-1], "32 lowercase hex digits"), (sid.upper(), "lowercase hex"),
-                     (sid[:-1] + "g", "got '"), (7, "got a number"), ("", "got ''")):
+                     (sid[:-1] + "g", "got '"), (7, "must be a string, got a number"),
+                     ("", "must not be empty")):
         e = err(c.request("session.create", {"model": "small", "session": bad}))
         assert e["code"] == -32602 and e["data"]["field"] == "session", e
         assert why in e["data"]["reason"], e

@@ -39,6 +39,7 @@ import threading
 import time
 import weakref
 
+from . import _ring
 from ._client import QmoeError
 
 _IMPL = "qmoed"
@@ -294,11 +295,14 @@ class Hook:
                   '"topk_weights":{"dtype":"%s","shape":[%d,%d],"map":%d,"offset":%d},'
                   '"output_to":{"map":%d,"offset":%d}}'
                   % (self.session, xw, T, H, m, T, k, m, o_ids, ww, T, k, m, o_w, m, o_out))
+        # The same call as the call ring's request (its layer patched per call).
+        ring_req = _ring.request(0, (xw, T, H, m, 0), (m, o_out),
+                                 topk_ids=("i32", T, k, m, o_ids), topk_weights=(ww, T, k, m, o_w))
         slot = (region(0, T * H * xsz, xdt, xshape),
                 region(o_ids, T * k * 4, torch.int32, (T, k) if gather else ishape),
                 region(o_w, T * k * wsz, wdt, (T, k) if gather else wshape),
                 region(o_out, T * H * xsz, xdt, xshape), params.encode("ascii"),
-                (T, k) if gather else None, T)
+                (T, k) if gather else None, T, ring_req)
         self._slots[key] = slot
         return slot
 
@@ -309,7 +313,7 @@ class Hook:
         slot = self._slots.get(key)
         if slot is None:
             slot = self._slot(key)
-        xv, iv, wv, ov, params, gather, T = slot
+        xv, iv, wv, ov, params, gather, T, ring_req = slot
         torch = _torch()
         x, ids, w = hidden_states, top_k_index, top_k_weights
         if torch.is_grad_enabled():
@@ -323,18 +327,18 @@ class Hook:
         t1 = time.perf_counter()
         gen = self.client.restores
         try:
-            counts = self.client.infer_counts(params % bank_layer)
+            counts = self._call(ring_req, params, bank_layer)
         except QmoeError as e:
             # The daemon went away: the client brings the session and its
-            # map back (the map's id changes: the call's text is written
-            # again), and the call is retried once; the inputs are still in
-            # the map, the same memfd.
+            # map back (the map's id changes: the call's text and ring
+            # request are written again), and the call is retried once; the
+            # inputs are still in the map, the same memfd.
             e._qmoe_generation = gen
             if not self.client.restore(self.session, e):
                 raise
             self._slots = {}
-            params = self._slot(key)[4]
-            counts = self.client.infer_counts(params % bank_layer)
+            slot = self._slot(key)
+            counts = self._call(slot[7], slot[4], bank_layer)
         self.client.note_call(self.session)
         hits, misses, paged, queue_us, compute_us = counts
         t2 = time.perf_counter()
@@ -353,6 +357,14 @@ class Hook:
         s["wait_s"] += t2 - t1
         s["wall_s"] += time.perf_counter() - t0
         return out
+
+    def _call(self, ring_req, params, bank_layer):
+        """One layer call: the session's call ring when it has one (the
+        client opens it on the first call), else the socket."""
+        counts = self.client.ring_counts(self.session, ring_req, bank_layer)
+        if counts is None:
+            counts = self.client.infer_counts(params % bank_layer)
+        return counts
 
     def stats(self):
         """Sums over this hook's calls: calls, tokens (token-layers), hits,
