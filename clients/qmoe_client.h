@@ -79,6 +79,15 @@ typedef struct qm_client_device {
     uint64_t total_bytes, budget_bytes, used_bytes;
 } qm_client_device;
 
+/* One CPU kernel's verdict in the daemon's self-check at start:
+ * daemon.status "kernels" (docs/PROTOCOL.md). */
+typedef struct qm_client_kernel {
+    char *precision; /* "exact" or "fast" */
+    char *name;      /* its QMOE_KERNEL name */
+    char *state;     /* "verified", "refused" (never used) or "unavailable" (not on this CPU) */
+    char *reason;    /* refused or unavailable: why; NULL when verified */
+} qm_client_kernel;
+
 typedef struct qm_client_status {
     char *version;
     double uptime_s;
@@ -88,6 +97,14 @@ typedef struct qm_client_status {
     uint64_t models, sessions, connections;
     qm_client_device *devices; /* each device; none from a daemon that does not list them */
     size_t n_devices;
+    /* The CPU kernels' self-check: the CPU, its flags the kernels use, the
+     * check's cost and whether the kernel cache answered; each kernel's
+     * verdict. NULL / 0 from a daemon that does not report it. */
+    char *kernels_cpu, *kernels_flags;
+    double kernels_check_ms;
+    int kernels_cached;
+    qm_client_kernel *kernels;
+    size_t n_kernels;
 } qm_client_status;
 int qm_client_daemon_status(qm_client *c, qm_client_status *out, qm_client_error *err);
 void qm_client_status_free(qm_client_status *s); /* frees the members, not `s` */

@@ -11,6 +11,43 @@
 
 /* ---------- status, models, load, unload ---------- */
 
+/* The kernels of one state as "exact avx512, avx2; fast avx2" (NULL: none). */
+static const char *kernel_names(const qm_client_status *s, const char *state, char *out,
+                                size_t cap)
+{
+    size_t o = 0;
+    const char *prec = NULL;
+    out[0] = 0;
+    for (size_t i = 0; i < s->n_kernels && o < cap; i++) {
+        const qm_client_kernel *k = &s->kernels[i];
+        if (!k->state || strcmp(k->state, state) != 0 || !k->name || !k->precision)
+            continue;
+        int same = prec && strcmp(prec, k->precision) == 0;
+        int n = same ? snprintf(out + o, cap - o, ", %s", k->name)
+                     : snprintf(out + o, cap - o, "%s%s %s", o ? "; " : "", k->precision, k->name);
+        o += n > 0 ? (size_t)n : 0;
+        prec = k->precision;
+    }
+    return out[0] ? out : NULL;
+}
+
+/* The self-check's lines: the kernels verified, each one refused with why. */
+static void print_kernels(const qm_client_status *s)
+{
+    char names[512];
+    if (!s->kernels_cpu)
+        return;
+    const char *v = kernel_names(s, "verified", names, sizeof names);
+    printf("kernels  verified %s (self-check on %s, %.1f ms%s)\n", v ? v : "none", s->kernels_cpu,
+           s->kernels_check_ms, s->kernels_cached ? ", from the kernel cache" : "");
+    for (size_t i = 0; i < s->n_kernels; i++) {
+        const qm_client_kernel *k = &s->kernels[i];
+        if (k->state && strcmp(k->state, "refused") == 0)
+            printf("kernels  refused %s %s, never used: %s\n", k->precision ? k->precision : "?",
+                   k->name ? k->name : "?", k->reason ? k->reason : "no reason given");
+    }
+}
+
 static int cmd_status(qm_client *c, const qmoectl_args *a)
 {
     if (a->json)
@@ -40,6 +77,7 @@ static int cmd_status(qm_client *c, const qmoectl_args *a)
     }
     printf("models   %llu   sessions %llu   connections %llu\n", (unsigned long long)s.models,
            (unsigned long long)s.sessions, (unsigned long long)s.connections);
+    print_kernels(&s);
     qm_client_status_free(&s);
     return QMOECTL_OK;
 }

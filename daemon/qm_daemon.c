@@ -21,6 +21,7 @@
 #include "qm_config.h"
 #include "qm_devices.h"
 #include "qm_dispatch.h"
+#include "qm_kernel_report.h"
 #include "qm_log.h"
 #include "qm_methods.h"
 #include "qm_models.h"
@@ -275,6 +276,11 @@ int qm_daemon_main(int argc, char **argv)
         int n = snprintf(cache, sizeof cache, "%s/kernels.cache", d->cfg.state_dir);
         if (n > 0 && (size_t)n < sizeof cache)
             setenv("QMOE_KERNEL_CACHE", cache, 0);
+    }
+    /* Every CPU kernel proves itself before any can be chosen (logged). */
+    if ((rc = qm_kernel_report_start(&st)) < 0) {
+        qm_log(QM_LOG_ERR, "%s; not starting", st.msg);
+        goto out_trace;
     }
     if ((rc = qm_devices_open(&d->devices, &d->cfg, &st)) < 0) {
         qm_log(QM_LOG_ERR, "cannot open backend %s: %s", d->cfg.backend, st.msg);

@@ -91,6 +91,14 @@ def test_status_human_and_json(daemon):
         assert k in r, k
     assert r["backend"] == "cpu"
     assert set(r["device"]) >= {"name", "total_bytes", "budget_bytes", "used_bytes"}
+    # The kernels' self-check: its line names what daemon.status verified.
+    k = r["kernels"]
+    assert set(k) >= {"cpu", "flags", "check_ms", "cached", "verified", "refused", "unavailable"}
+    line = re.search(r"^kernels\s+verified (.*) \(self-check on (.*), [0-9.]+ ms", p.stdout, re.M)
+    assert line and line.group(2) == k["cpu"], p.stdout
+    for v in k["verified"]:
+        assert v["name"] in line.group(1), (v, p.stdout)
+    assert "refused" not in p.stdout or k["refused"], p.stdout
 
 
 def test_models_human_and_json(daemon):
