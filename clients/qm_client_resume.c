@@ -457,10 +457,17 @@ static int qm__recreate(qm_client *c, qm__snap *s, qm_client_error *e)
 {
     qm_status st = {0};
     qm_cval *p = NULL, *warm = NULL, *r = NULL;
-    if (qm_cval_parse(s->params, strlen(s->params), &p, &st) < 0 ||
-        (s->warm && qm_cval_parse(s->warm, strlen(s->warm), &warm, &st) < 0) ||
-        qm_cval_append(p, "session", qm_cval_new_string(s->id)) < 0 ||
-        (warm && qm_cval_append(p, "warm", warm) < 0)) {
+    int bad = qm_cval_parse(s->params, strlen(s->params), &p, &st) < 0;
+    if (!bad && s->warm)
+        bad = qm_cval_parse(s->warm, strlen(s->warm), &warm, &st) < 0;
+    if (!bad)
+        bad = qm_cval_append(p, "session", qm_cval_new_string(s->id)) < 0;
+    if (!bad && warm) {
+        bad = qm_cval_append(p, "warm", warm) < 0; /* taken either way */
+        warm = NULL;
+    }
+    if (bad) {
+        qm_cval_free(warm);
         qm_cval_free(p);
         return qm__client_fail(e, QM_CLIENT_ENOMEM, "out of memory re-creating a session");
     }
