@@ -1,4 +1,4 @@
-/* qm_client_internal.h - what the client's two source files share. Not installed. */
+/* qm_client_internal.h - what the client's source files share. Not installed. */
 #ifndef QM_CLIENT_INTERNAL_H
 #define QM_CLIENT_INTERNAL_H
 
@@ -118,6 +118,11 @@ int qm__client_ring_infer(qm_client *c, const qm_client_mapped_infer *q,
 int qm__client_ring_reopen_due(qm_client *c, const char *session);
 /* Forgets the ring of `session` (NULL: every ring), unmapping it. */
 void qm__client_rings_forget(qm_client *c, const char *session);
+
+/* ---- qm_client_wire.c: the connection ---- */
+/* The monotonic clock in ms, and a connection to c->path by `deadline`. */
+int64_t qm__client_now_ms(void);
+int qm__client_connect(qm_client *c, int64_t deadline, qm_client_error *err);
 
 /* Sets *err (may be NULL) and returns `code`. */
 int qm__client_fail(qm_client_error *err, int code, const char *fmt, ...)

@@ -507,6 +507,20 @@ static int qm__remap(qm_client *c, qm__snap *s, qm_client_error *e)
     return 0;
 }
 
+/* model.load of the bank known for the session's model (admin). */
+static int qm__load_bank(qm_client *c, const qm__snap *s, qm_client_error *e)
+{
+    qm_cval *p = qm_cval_new(QM_CVAL_OBJECT), *r = NULL;
+    if (!p || qm_cval_append(p, "name", qm_cval_new_string(s->model)) < 0 ||
+        qm_cval_append(p, "path", qm_cval_new_string(s->bank)) < 0) {
+        qm_cval_free(p);
+        return qm__client_fail(e, QM_CLIENT_ENOMEM, "out of memory loading a model again");
+    }
+    int rc = qm__client_call(c, "model.load", p, &r, e);
+    qm_cval_free(r);
+    return rc;
+}
+
 /* 1 when a failure of one attempt may pass: the daemon not back yet (or
  * gone again), its model not loaded yet, its budget still held by sessions
  * it has not reclaimed, a drain. */
@@ -524,7 +538,7 @@ static int qm__attempt(qm_client *c, qm__snap *s, qm_client_error *e)
 {
     int rc = qm__recreate(c, s, e);
     if (rc == QM__NOT_FOUND && strcmp(e->field, "model") == 0 && s->bank) {
-        int lrc = qm_client_model_load(c, s->model, s->bank, NULL, e);
+        int lrc = qm__load_bank(c, s, e);
         if (lrc < 0 && lrc != QM__CONFLICT) /* conflict: another engine loaded it */
             return lrc;
         s->loaded = 1;
@@ -571,10 +585,14 @@ static int qm__restore(qm_client *c, qm__snap *s, int window_ms, qm_client_error
     pthread_mutex_unlock(&c->lock);
     do {
         int64_t left = deadline - qm__ms();
-        qm_client_set_timeout(c, left < timeout ? (int)(left > 100 ? left : 100) : timeout);
+        pthread_mutex_lock(&c->lock);
+        c->timeout_ms = left < timeout ? (int)(left > 100 ? left : 100) : timeout;
+        pthread_mutex_unlock(&c->lock);
         rc = qm__attempt(c, s, e);
     } while (rc < 0 && qm__transient(rc, e) && qm__backoff(deadline, &delay) == 0);
-    qm_client_set_timeout(c, timeout);
+    pthread_mutex_lock(&c->lock);
+    c->timeout_ms = timeout;
+    pthread_mutex_unlock(&c->lock);
     return rc;
 }
 

@@ -13,6 +13,7 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "live_daemon.h"
 #include "qmoe_client.h"
 
 #define LAYERS 2
@@ -22,18 +23,6 @@
 
 static char dir[256], sock[300], bank[300];
 static pid_t daemon_pid = -1;
-
-static int run(char *const argv[])
-{
-    pid_t p = fork();
-    if (p == 0) {
-        execv(argv[0], argv);
-        _exit(127);
-    }
-    int st = 0;
-    waitpid(p, &st, 0);
-    return WIFEXITED(st) ? WEXITSTATUS(st) : -1;
-}
 
 /* Starts qmoed on `at` (serving the demo bank as "demo" when `with_model`)
  * and waits until it listens; its pid. */
@@ -63,17 +52,8 @@ static pid_t spawn_qmoed(const char *at, int with_model)
         execv(qmoed, argv);
         _exit(127);
     }
-    for (int i = 0; i < 400; i++) { /* up to 20 s */
-        qm_client *c = NULL;
-        if (qm_client_open(&c, at, 1000, NULL) == 0) {
-            qm_client_close(c);
-            return pid;
-        }
-        ck_assert_int_eq(waitpid(pid, NULL, WNOHANG), 0);
-        usleep(50000);
-    }
-    ck_abort_msg("qmoed did not listen on %s", at);
-    return -1;
+    live_wait_listening(pid, at);
+    return pid;
 }
 
 /* Unchecked fixture: once, in the runner, before the forked tests. */
@@ -91,7 +71,7 @@ static void start_daemon(void)
                       "--hidden", "64", "--inter", "32", "--k", "2", "--bits", "4",
                       "--block-size", "32", "--activation", "silu", "--router", "--seed", "3",
                       NULL};
-    ck_assert_int_eq(run(create), 0);
+    ck_assert_int_eq(live_run(create), 0);
     daemon_pid = spawn_qmoed(sock, 1);
 }
 

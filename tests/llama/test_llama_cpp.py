@@ -234,6 +234,9 @@ def test_greedy_tokens(tools, ggufs, daemon, fam, q, tmp_path):
     r = generate(tools, gguf_of(ggufs, fam, q), qmoed_args(daemon))
     got = text_of(r)
     assert "qmoed: session" in r.stderr and "layer calls" in r.stderr, r.stderr[-3000:]
+    # One call ring per context carried every layer call.
+    assert "layer calls through its call ring" in r.stderr, r.stderr[-3000:]
+    assert "layer calls (call ring)" in r.stderr, r.stderr[-3000:]
     assert len(ref) == TOKENS and got == ref, (got, ref)
     s = next((i for i in range(TOKENS) if got[i] != alone[i]), None)
     print("%s %s: qmoed %r, llama.cpp %r (%s)" % (fam, q, got, alone,
@@ -261,6 +264,26 @@ def test_paging_changes_no_bit(tools, ggufs, daemon, fam, q, tmp_path):
     assert text_of(r) == text_of(generate(tools, gguf, qmoed_args(daemon)))
     m = re.search(r"expert hits (\d+), misses (\d+)", r.stderr)
     assert m and int(m.group(2)) > 0, "a 30%% budget paged nothing: %s" % r.stderr[-2000:]
+
+
+def test_a_daemon_that_refuses_a_ring_serves_the_same_tokens_through_the_socket(tools, ggufs,
+                                                                                daemon, tmp_path):
+    """A daemon at max_rings 0 refuses every session.ring: the context says
+    so and its layer calls take the socket, with the same tokens."""
+    fam, q = FAMILIES[0], TYPES[0]
+    name = "%s.%s" % (fam, q)
+    bank = str(tmp_path / (name + ".bank"))
+    r = subprocess.run([qmoe_bank_path(), "import", "gguf", str(gguf_of(ggufs, fam, q)),
+                        "--out", bank], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    dm = Daemon(models={name: bank}, args=["--threads", "2", "--set", "max_rings=0"])
+    try:
+        r = generate(tools, gguf_of(ggufs, fam, q), qmoed_args(dm), memo=False)
+        assert "no call ring (resource_exhausted" in r.stderr, r.stderr[-3000:]
+        assert "layer calls (socket)" in r.stderr, r.stderr[-3000:]
+        assert text_of(r) == text_of(generate(tools, gguf_of(ggufs, fam, q), qmoed_args(daemon)))
+    finally:
+        assert dm.stop() == 0, dm.log_text()[-3000:]
 
 
 def test_a_bank_of_another_model_is_refused(tools, ggufs, daemon, tmp_path):

@@ -514,6 +514,7 @@ struct llama_qmoed_session {
     qm_client_map map = {};
     uint32_t rows_cap = 0, k_cap = 0;
     uint64_t off_ids = 0, off_weights = 0, off_out = 0;
+    bool ring = false; // the layer calls go through the session's call ring (else the socket)
     std::vector<llama_qmoed_layer_op> ops; // per block; fixed once open (graphs point into it)
 
     // Written by the graph's thread 0 during a compute, read after it.
@@ -653,10 +654,12 @@ void llama_qmoed_session_deleter::operator()(llama_qmoed_session * s) const {
         return;
     }
     if (s->calls) {
-        LLAMA_LOG_INFO("qmoed: session %s: %llu layer calls, %llu rows: daemon compute %.1f ms, queue %.1f ms, "
+        LLAMA_LOG_INFO("qmoed: session %s: %llu layer calls (%s), %llu rows: daemon compute %.1f ms, queue %.1f ms, "
                        "%.1f ms in the op (%.1f us per call beyond the daemon's compute); expert hits %llu, "
                        "misses %llu, %.2f MiB paged\n",
-                       s->id, (unsigned long long) s->calls, (unsigned long long) s->rows, s->compute_us / 1e3,
+                       s->id, (unsigned long long) s->calls,
+                       qm_client_ring_active(s->client, s->id) ? "call ring" : "socket",
+                       (unsigned long long) s->rows, s->compute_us / 1e3,
                        s->queue_us / 1e3, s->op_us / 1e3,
                        (double) (s->op_us - std::min(s->op_us, s->compute_us)) / (double) s->calls,
                        (unsigned long long) s->hits, (unsigned long long) s->misses, s->bytes_paged / 1048576.0);
@@ -730,9 +733,19 @@ llama_qmoed_session_ptr llama_qmoed_session_open(std::shared_ptr<const llama_qmo
         qm_client_plan_summary_free(&sum);
         refuse(why);
     }
-    LLAMA_LOG_INFO("qmoed: session %s of '%s': policy %s, budget %llu of %llu expert bytes; %llu-byte map for %u rows\n",
+    // One call ring per context: thread 0 of the op rings the daemon and
+    // waits on it itself (no thread of ours in between). A daemon without
+    // rings, or one that refuses, leaves the layer calls on the socket.
+    s->ring = qm_client_session_ring(s->client, s->id, &err) == 0;
+    if (!s->ring) {
+        LLAMA_LOG_WARN("qmoed: session %s: no call ring (%s: %s); layer calls go through the socket\n", s->id,
+                       err.name, err.reason);
+    }
+    LLAMA_LOG_INFO("qmoed: session %s of '%s': policy %s, budget %llu of %llu expert bytes; %llu-byte map for %u rows; "
+                   "layer calls through %s\n",
                    s->id, model->name.c_str(), sum.policy ? sum.policy : "?", (unsigned long long) sum.budget_bytes,
-                   (unsigned long long) model->bank_bytes, (unsigned long long) bytes, s->rows_cap);
+                   (unsigned long long) model->bank_bytes, (unsigned long long) bytes, s->rows_cap,
+                   s->ring ? "its call ring" : "the socket");
     qm_client_plan_summary_free(&sum);
     return s;
 }

@@ -505,6 +505,8 @@ class Client:
     def close(self):
         with self._lock:
             self._drop()
+            for session in list(self._rings):
+                self._ring_forget(session)
 
     def __enter__(self):
         return self

@@ -32,9 +32,7 @@ MoE blocks without the registry) is not supported by this module.
 """
 
 import atexit
-import json
 import re
-import struct
 import threading
 import time
 import weakref
@@ -118,20 +116,6 @@ def _experts_modules(model):
     return [(n, m) for n, m in model.named_modules() if _is_experts_module(m)]
 
 
-def _bank_layer_map(path):
-    """qmoe.layer_map from the bank file's header (a safetensors header)."""
-    try:
-        with open(path, "rb") as f:
-            n = struct.unpack("<Q", f.read(8))[0]
-            if n > 1 << 28:
-                return None
-            meta = json.loads(f.read(n)).get("__metadata__", {})
-    except (OSError, ValueError, struct.error):
-        return None
-    lm = meta.get("qmoe.layer_map")
-    return json.loads(lm) if lm else None
-
-
 def _budget_bytes(budget, total):
     if budget is None:
         return None
@@ -181,7 +165,7 @@ def _bank_layers(summary, experts, model_name):
     if not experts:
         raise ValueError("the model has no experts module that transformers' experts "
                          "implementation registry dispatches")
-    layer_map = summary.get("layer_map") or _bank_layer_map(summary.get("path", ""))
+    layer_map = summary.get("layer_map")  # model.list carries it: nothing read from the file
     layers = {}
     for i, (name, mod) in enumerate(experts):
         idx = _model_layer_index(name)
@@ -227,7 +211,8 @@ class Hook:
         self._slots = {}
         self._tagged = []
         self._stats = {"calls": 0, "tokens": 0, "hits": 0, "misses": 0, "bytes_paged": 0,
-                       "compute_us": 0, "queue_us": 0, "wall_s": 0.0, "wait_s": 0.0}
+                       "compute_us": 0, "queue_us": 0, "wall_s": 0.0, "wait_s": 0.0,
+                       "ring_calls": 0}
         self.trace = None  # a list of (layer, topk_ids) when recording
         _LIVE.add(self)
 
@@ -364,13 +349,16 @@ class Hook:
         counts = self.client.ring_counts(self.session, ring_req, bank_layer)
         if counts is None:
             counts = self.client.infer_counts(params % bank_layer)
+        else:
+            self._stats["ring_calls"] += 1
         return counts
 
     def stats(self):
         """Sums over this hook's calls: calls, tokens (token-layers), hits,
         misses, bytes_paged, compute_us, queue_us (the daemon's answers),
         wall_s (time in the hook), wait_s (of which waiting for the
-        daemon's answer); hit_rate."""
+        daemon's answer); hit_rate; ring_calls (of calls, those that went
+        through the session's call ring)."""
         s = dict(self._stats)
         looked = s["hits"] + s["misses"]
         s["hit_rate"] = s["hits"] / looked if looked else 1.0
