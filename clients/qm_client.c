@@ -30,6 +30,11 @@ int qm_client_open(qm_client **out, const char *socket_path, int timeout_ms,
         qm_free(c);
         return qm__client_fail(err, QM_CLIENT_ENOMEM, "cannot create the handle's mutex");
     }
+    if (qm__client_resume_init(c) < 0) {
+        pthread_mutex_destroy(&c->lock);
+        qm_free(c);
+        return qm__client_fail(err, QM_CLIENT_ENOMEM, "cannot create the handle's mutex");
+    }
     c->pid = getpid();
     const char *ring = getenv("QMOE_RING");
     c->ring_mode = ring && (!strcmp(ring, "0") || !strcmp(ring, "off")) ? QM_CLIENT_RING_OFF
@@ -51,6 +56,7 @@ void qm_client_close(qm_client *c)
     qm__client_forget_open(c);
     qm__client_close_owned(c);
     qm__client_owned_free(c);
+    qm__client_resume_free(c);
     qm__client_rings_forget(c, NULL);
     if (c->fd >= 0)
         close(c->fd);

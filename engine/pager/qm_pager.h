@@ -262,6 +262,16 @@ int qm_pager_forward(qm_pager *pager, const qm_moe_call *call, qm_moe_stats *mst
  * skipped. Returns the number issued (>= 0) or a negative error. */
 int qm_pager_prefetch(qm_pager *pager, uint32_t layer, const uint32_t *experts, size_t n,
                       qm_status *st);
+/* Loads experts[0..n) of `layer` into free slots, in order, until none is
+ * free (never evicting, so the first ones win when the list holds more than
+ * the budget), without waiting for the copies (qm_pager_sync): a session
+ * re-created after a restart starting from its old residency
+ * (session.create `warm`). They stay evictable, as preloaded experts, and
+ * count in bytes_loaded_at_create. Experts resident, out of range, of a
+ * whole bank or of another device's layer are skipped. Returns the number
+ * loaded (>= 0) or a negative error. */
+int qm_pager_warm(qm_pager *pager, uint32_t layer, const uint32_t *experts, size_t n,
+                  qm_status *st);
 /* Waits for every copy in flight. */
 int qm_pager_sync(qm_pager *pager, qm_status *st);
 

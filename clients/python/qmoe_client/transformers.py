@@ -38,6 +38,7 @@ import time
 import weakref
 
 from . import _ring
+from ._client import QmoeError
 
 _IMPL = "qmoed"
 _ALIGN = 64
@@ -309,13 +310,21 @@ class Hook:
         iv.copy_(ids)
         wv.copy_(w)
         t1 = time.perf_counter()
-        # The session's call ring when it has one (the client opens it on the
-        # first call), else the socket.
-        counts = self.client.ring_counts(self.session, ring_req, bank_layer)
-        if counts is None:
-            counts = self.client.infer_counts(params % bank_layer)
-        else:
-            self._stats["ring_calls"] += 1
+        gen = self.client.restores
+        try:
+            counts = self._call(ring_req, params, bank_layer)
+        except QmoeError as e:
+            # The daemon went away: the client brings the session and its
+            # map back (the map's id changes: the call's text and ring
+            # request are written again), and the call is retried once; the
+            # inputs are still in the map, the same memfd.
+            e._qmoe_generation = gen
+            if not self.client.restore(self.session, e):
+                raise
+            self._slots = {}
+            slot = self._slot(key)
+            counts = self._call(slot[7], slot[4], bank_layer)
+        self.client.note_call(self.session)
         hits, misses, paged, queue_us, compute_us = counts
         t2 = time.perf_counter()
         out = ov.clone() if x.device.type == "cpu" else ov.to(x.device)
@@ -333,6 +342,16 @@ class Hook:
         s["wait_s"] += t2 - t1
         s["wall_s"] += time.perf_counter() - t0
         return out
+
+    def _call(self, ring_req, params, bank_layer):
+        """One layer call: the session's call ring when it has one (the
+        client opens it on the first call), else the socket."""
+        counts = self.client.ring_counts(self.session, ring_req, bank_layer)
+        if counts is None:
+            counts = self.client.infer_counts(params % bank_layer)
+        else:
+            self._stats["ring_calls"] += 1
+        return counts
 
     def stats(self):
         """Sums over this hook's calls: calls, tokens (token-layers), hits,
