@@ -99,7 +99,8 @@ static int ring_wait_request(qm_ring *r, uint32_t *seq, int *parked)
         uint32_t v = qm_ring_load(req);
         if (v != r->last_seq) {
             *seq = v;
-            return 0;
+            /* A stop moves the doorbell after it sets `stop`. */
+            return atomic_load(&r->stop) ? -1 : 0;
         }
         if ((i & 63) == 63 && qm_ring_now_ns() - t0 >= budget)
             break;
@@ -185,6 +186,9 @@ static void ring_take(qm_ring *r, uint32_t seq, int parked)
     pthread_mutex_lock(&r->mu);
     r->outstanding = 1;
     pthread_mutex_unlock(&r->mu);
+    /* Calls back to back never let the thread sleep: the loop hears of
+     * them every QM__RING_NUDGE_US all the same. */
+    qm_pool_nudge(job->mx->pool, QM__RING_NUDGE_US);
     qm_pool_run_or_queue(job->mx->pool, job);
 }
 
@@ -327,6 +331,10 @@ static void ring_stop(qm_ring *r, int32_t code, const char *reason)
         snprintf(r->stop_reason, sizeof r->stop_reason, "%s", reason);
         atomic_store(&r->stop, 1);
     }
+    /* The doorbell moves too: a thread between its last look at `stop` and
+     * its sleep finds the word changed and does not sleep (the ring is
+     * closing: the client reads its own call numbers, not this word). */
+    __atomic_fetch_add(word(r, QM_RING_OFF_REQ_SEQ), 1, __ATOMIC_SEQ_CST);
     qm_ring_futex_wake(word(r, QM_RING_OFF_REQ_SEQ));
     pthread_mutex_lock(&r->mu);
     pthread_cond_signal(&r->cv);

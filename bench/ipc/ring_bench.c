@@ -348,7 +348,9 @@ static int run_calls(const char *sock, const char *model, int calls, double gap_
     }
     double idle = -1, idle_ns = -1;
     if (idle_s > 0 && pid > 0) {
-        sleep_us(500000); /* any spin after the last call is over */
+        /* Any spin after the last call is over, and the loop has counted
+         * the last calls (lazily: within the daemon's 1 s tick). */
+        sleep_us(1500000);
         double s0 = daemon_stat_s(pid), n0 = daemon_cpu_ns(pid);
         sleep_us(idle_s * 1e6);
         idle = daemon_stat_s(pid) - s0;
