@@ -12,7 +12,8 @@
  * Threading: a pager is used by one thread at a time (a session's requests
  * run in order); that includes qm_pager_stats_get and
  * qm_pager_resident_experts, so read them on the session's thread or under
- * the session's lock. It may own one internal copy thread (see copy_thread). */
+ * the session's lock. It may own one internal copy thread (see copy_thread),
+ * or, with the disk source, its I/O engine's threads (see io_engine). */
 #ifndef QM_PAGER_H
 #define QM_PAGER_H
 
@@ -49,7 +50,8 @@ typedef struct qm_pager_options {
     int no_preload;
     /* Copy thread: -1 or 0 = automatic (on for host-visible backends, whose
      * copies are synchronous memcpy: the thread makes them overlap compute),
-     * 1 = force on, 2 = force off. */
+     * 1 = force on, 2 = force off. The disk source's I/O engine (io_engine
+     * other than serial) reads by itself and runs no copy thread. */
     int copy_thread;
     /* 1: copy whole banks into the arena even on host-visible backends
      * (default 0: host-visible backends read whole banks straight from the
