@@ -18,8 +18,8 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
-#include <fstream>
 #include <mutex>
+#include <set>
 #include <stdexcept>
 
 #include <spawn.h>
@@ -131,21 +131,50 @@ void open_client(client_handle & h, const std::string & socket) {
     }
 }
 
-// model.list's entry for `name`, or a null json when the daemon lacks it.
-json find_model(qm_client * c, const std::string & socket, const std::string & name) {
+// The result of `method` (no params) at the daemon, parsed.
+json call_result(qm_client * c, const std::string & socket, const char * method) {
     qm_client_error err;
     char * text = nullptr;
-    if (qm_client_call_json(c, "model.list", nullptr, 0, &text, &err) != 0) {
-        refuse(format("model.list at %s failed: %s", socket.c_str(), err.reason));
+    if (qm_client_call_json(c, method, nullptr, 0, &text, &err) != 0) {
+        refuse(format("%s at %s failed: %s", method, socket.c_str(), err.reason));
     }
     json r;
     try {
         r = json::parse(text);
     } catch (const std::exception & e) {
         qm_client_string_free(text);
-        refuse(format("the daemon at %s answered model.list with text that is not JSON: %s", socket.c_str(), e.what()));
+        refuse(format("the daemon at %s answered %s with text that is not JSON: %s", socket.c_str(), method,
+                      e.what()));
     }
     qm_client_string_free(text);
+    return r;
+}
+
+// The GGUF architectures whose experts the daemon serves (daemon.status's
+// families: the daemon's one family table), and in words for a refusal.
+std::set<std::string> served_archs(qm_client * c, const std::string & socket, std::string * words) {
+    const json r = call_result(c, socket, "daemon.status");
+    std::set<std::string> archs;
+    if (r.contains("families") && r["families"].is_array()) {
+        for (const auto & f : r["families"]) {
+            if (!f.is_object() || !f.contains("gguf_arch") || !f["gguf_arch"].is_string()) {
+                continue;
+            }
+            const std::string a = f["gguf_arch"].get<std::string>();
+            *words += (words->empty() ? "" : ", ") + a + " (" + f.value("name", "?") + ")";
+            archs.insert(a);
+        }
+    }
+    if (archs.empty()) {
+        refuse(format("the daemon at %s lists no model families it serves (daemon.status): it is older than "
+                      "this llama.cpp", socket.c_str()));
+    }
+    return archs;
+}
+
+// model.list's entry for `name`, or a null json when the daemon lacks it.
+json find_model(qm_client * c, const std::string & socket, const std::string & name) {
+    const json r = call_result(c, socket, "model.list");
     if (r.contains("models") && r["models"].is_array()) {
         for (const auto & m : r["models"]) {
             if (m.is_object() && m.value("name", "") == name) {
@@ -182,44 +211,6 @@ void import_bank(const std::string & gguf, const std::string & bank) {
                       gguf.c_str(), bank.c_str(), WIFEXITED(status) ? "exit status" : "signal",
                       WIFEXITED(status) ? WEXITSTATUS(status) : WTERMSIG(status)));
     }
-}
-
-// The bank file's safetensors header: {"__metadata__": {...}, "tensor": {...}}.
-// A null json when the file cannot be read here (the daemon may run as
-// another user); refuses a file that is not a bank.
-json read_bank_header(const std::string & path) {
-    std::ifstream f(path, std::ios::binary);
-    if (!f) {
-        return json();
-    }
-    unsigned char len8[8];
-    if (!f.read((char *) len8, 8)) {
-        refuse(format("bank %s is shorter than a bank header", path.c_str()));
-    }
-    uint64_t len = 0;
-    for (int i = 7; i >= 0; i--) {
-        len = (len << 8) | len8[i];
-    }
-    if (len == 0 || len > (100u << 20)) {
-        refuse(format("bank %s: a header of %llu bytes is not a bank's", path.c_str(), (unsigned long long) len));
-    }
-    std::string text(len, '\0');
-    if (!f.read(&text[0], (std::streamsize) len)) {
-        refuse(format("bank %s: the header runs past the end of the file", path.c_str()));
-    }
-    try {
-        return json::parse(text);
-    } catch (const std::exception & e) {
-        refuse(format("bank %s: the header is not JSON: %s", path.c_str(), e.what()));
-    }
-}
-
-std::string meta_of(const json & header, const char * key) {
-    if (!header.contains("__metadata__") || !header["__metadata__"].contains(key) ||
-        !header["__metadata__"][key].is_string()) {
-        return "";
-    }
-    return header["__metadata__"][key].get<std::string>();
 }
 
 // One MoE block of the GGUF.
@@ -284,9 +275,9 @@ std::vector<gguf_block> moe_blocks(const llama_hparams & hp, const llama_model_l
     return blocks;
 }
 
-// Every way the bank `m` (model.list's entry, `header` when readable) can
-// fail to be the GGUF's experts; "" when it is.
-std::string mismatch(const json & m, const json & header, const std::string & name, const std::string & gguf_base,
+// Every way the bank `m` (model.list's entry: its shape, layer map, source,
+// biases and SwiGLU) can fail to be the GGUF's experts; "" when it is.
+std::string mismatch(const json & m, const std::string & name, const std::string & gguf_base,
                      llm_arch arch, const llama_hparams & hp, uint32_t n_ff, const std::vector<gguf_block> & blocks,
                      std::vector<int> * bank_blocks) {
     const uint64_t experts = u64_of(m, "experts", name), hidden = u64_of(m, "hidden_size", name);
@@ -319,21 +310,14 @@ std::string mismatch(const json & m, const json & header, const std::string & na
         return format("%s serves blocks %s (its layer map); the GGUF's MoE blocks are %s", bank.c_str(),
                       list_str(*bank_blocks).c_str(), list_str(want).c_str());
     }
-    if (header.is_null()) {
-        return "";
-    }
     std::string src_file, src_arch, src_format;
-    const std::string src_text = meta_of(header, "qmoe.source");
-    if (!src_text.empty()) {
-        try {
-            const json src = json::parse(src_text);
-            src_format = src.value("format", "");
-            src_arch = src.value("arch", "");
-            if (src.contains("files") && src["files"].is_array() && src["files"].size() == 1 &&
-                src["files"][0].is_string()) {
-                src_file = src["files"][0].get<std::string>();
-            }
-        } catch (const std::exception &) {
+    if (m.contains("source") && m["source"].is_object()) {
+        const json & src = m["source"];
+        src_format = src.value("format", "");
+        src_arch = src.value("arch", "");
+        if (src.contains("files") && src["files"].is_array() && src["files"].size() == 1 &&
+            src["files"][0].is_string()) {
+            src_file = src["files"][0].get<std::string>();
         }
     }
     if (src_format != "gguf" || src_file != gguf_base) {
@@ -346,16 +330,21 @@ std::string mismatch(const json & m, const json & header, const std::string & na
         return format("%s was imported from a %s GGUF; this one is %s", bank.c_str(), src_arch.c_str(),
                       llm_arch_name(arch));
     }
-    const bool bank_biases = header.contains("layers.0.fc1.bias");
+    const bool bank_biases = m.value("biases", false);
     if (bank_biases != blocks[0].biases) {
         return format("%s %s expert biases; the GGUF's experts %s", bank.c_str(), bank_biases ? "has" : "has no",
                       blocks[0].biases ? "have them" : "do not");
     }
     const bool oai = arch == LLM_ARCH_OPENAI_MOE;
-    const std::string alpha = meta_of(header, "qmoe.activation_alpha"), limit = meta_of(header, "qmoe.swiglu_limit");
-    if (oai != (!alpha.empty() && std::fabs(atof(alpha.c_str()) - 1.702) < 1e-6 && atof(limit.c_str()) == 7.0)) {
-        return format("%s's activation (alpha %s, limit %s) is not the %s SwiGLU llama.cpp computes", bank.c_str(),
-                      alpha.empty() ? "1" : alpha.c_str(), limit.empty() ? "none" : limit.c_str(),
+    double alpha = 1.0, limit = INFINITY;
+    if (m.contains("swiglu") && m["swiglu"].is_object()) {
+        const json & sw = m["swiglu"];
+        alpha = sw.contains("alpha") && sw["alpha"].is_number() ? sw["alpha"].get<double>() : 1.0;
+        limit = sw.contains("limit") && sw["limit"].is_number() ? sw["limit"].get<double>() : INFINITY;
+    }
+    if (oai != (std::fabs(alpha - 1.702) < 1e-6 && limit == 7.0)) {
+        return format("%s's activation (alpha %g, limit %s) is not the %s SwiGLU llama.cpp computes", bank.c_str(),
+                      alpha, std::isinf(limit) ? "none" : format("%g", limit).c_str(),
                       oai ? "gpt-oss (alpha 1.702, limit 7)" : "plain");
     }
     return "";
@@ -389,17 +378,13 @@ std::shared_ptr<const llama_qmoed_model> llama_qmoed_attach(
     q->precision = str_or(p.precision);
     q->on_miss = str_or(p.on_miss);
 
-    switch (arch) {
-        case LLM_ARCH_LLAMA:
-        case LLM_ARCH_QWEN2MOE:
-        case LLM_ARCH_QWEN3MOE:
-        case LLM_ARCH_OLMOE:
-        case LLM_ARCH_DEEPSEEK2:
-        case LLM_ARCH_OPENAI_MOE:
-            break;
-        default:
-            refuse(format("the experts of a %s model are not served: qmoed serves llama (Mixtral), qwen2moe, "
-                          "qwen3moe, olmoe, deepseek2 and gpt-oss GGUFs", llm_arch_name(arch)));
+    // The families qmoed serves are the daemon's (daemon.status), not a list here.
+    client_handle h;
+    open_client(h, q->socket);
+    std::string served;
+    if (!served_archs(h.c, q->socket, &served).count(llm_arch_name(arch))) {
+        refuse(format("the experts of a %s model are not served: qmoed serves %s GGUFs", llm_arch_name(arch),
+                      served.c_str()));
     }
     if (hp.n_expert == 0) {
         refuse(format("%s has no experts (%s.expert_count is 0): nothing to serve", gguf_base.c_str(),
@@ -420,8 +405,6 @@ std::shared_ptr<const llama_qmoed_model> llama_qmoed_attach(
         }
     }
 
-    client_handle h;
-    open_client(h, q->socket);
     json m = find_model(h.c, q->socket, q->name);
     bool loaded_here = false;
     if (m.is_null()) {
@@ -458,12 +441,7 @@ std::shared_ptr<const llama_qmoed_model> llama_qmoed_attach(
     std::vector<int> bank_blocks;
     std::string why;
     try {
-        const json header = read_bank_header(m.value("path", ""));
-        if (header.is_null()) {
-            LLAMA_LOG_WARN("qmoed: cannot read bank %s here: its qmoe.source, biases and activation are not "
-                           "checked against the GGUF\n", m.value("path", "").c_str());
-        }
-        why = mismatch(m, header, q->name, gguf_base, arch, hp, n_ff, blocks, &bank_blocks);
+        why = mismatch(m, q->name, gguf_base, arch, hp, n_ff, blocks, &bank_blocks);
     } catch (const std::runtime_error & e) {
         why = e.what();
     }
