@@ -39,6 +39,9 @@ typedef struct qm_counters {
         predict_router_gated, predict_history_predicted, predict_history_correct,
         predict_history_actual, predict_history_gated, predict_lookahead_predicted,
         predict_lookahead_correct, predict_lookahead_actual, predict_lookahead_gated;
+    /* Direct disk paging's I/O engine: time with reads in flight, calls
+     * with reads in flight and the sum of each one's most, the most. */
+    uint64_t disk_busy_us, read_calls, reads_in_flight_sum, reads_in_flight_peak;
     qm_hist latency; /* session.infer end to end, microseconds */
     /* Daemon-wide only, outside the table: sessions the orphan reclaim
      * closed (qm_reclaim.h). */

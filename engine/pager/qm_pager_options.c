@@ -1,6 +1,6 @@
 /* qm_pager_options.c - the names of the pager's options (qm_pager.h): what
- * a demand miss does (on_miss) and where paged units come from (the paging
- * source). The one list of each: the daemon's configuration, the wire's
+ * a demand miss does (on_miss), where paged units come from (the paging
+ * source) and how the disk source reads (the I/O engine). The one list of each: the daemon's configuration, the wire's
  * decoder (checked against it by tests/daemon) and the help texts read
  * them here. */
 #include <string.h>
@@ -17,6 +17,10 @@ static const qm__option_name qm__on_miss[] = {
 static const qm__option_name qm__sources[] = {{"auto", QM_PAGER_SOURCE_AUTO},
                                              {"mmap", QM_PAGER_SOURCE_MMAP},
                                              {"direct", QM_PAGER_SOURCE_DIRECT}};
+static const qm__option_name qm__io_engines[] = {{"auto", QM_PAGER_IO_AUTO},
+                                                {"io_uring", QM_PAGER_IO_URING},
+                                                {"threads", QM_PAGER_IO_THREADS},
+                                                {"serial", QM_PAGER_IO_SERIAL}};
 #define QM__N(t) (sizeof(t) / sizeof((t)[0]))
 
 static const char *name_of(const qm__option_name *t, size_t n, int value)
@@ -44,22 +48,12 @@ static const char *at(const qm__option_name *t, size_t n, size_t i, int *value)
     return t[i].name;
 }
 
-const char *qm_on_miss_name(int on_miss) { return name_of(qm__on_miss, QM__N(qm__on_miss), on_miss); }
-int qm_on_miss_parse(const char *name) { return value_of(qm__on_miss, QM__N(qm__on_miss), name); }
-const char *qm_on_miss_at(size_t i, int *value)
-{
-    return at(qm__on_miss, QM__N(qm__on_miss), i, value);
-}
+/* A registry's three calls (qm_pager.h): PREFIX_name, PREFIX_parse, PREFIX_at. */
+#define QM__OPTION_CALLS(prefix, table)                                                            \
+    const char *prefix##_name(int value) { return name_of(table, QM__N(table), value); }           \
+    int prefix##_parse(const char *name) { return value_of(table, QM__N(table), name); }           \
+    const char *prefix##_at(size_t i, int *value) { return at(table, QM__N(table), i, value); }
 
-const char *qm_pager_source_name(int source)
-{
-    return name_of(qm__sources, QM__N(qm__sources), source);
-}
-int qm_pager_source_parse(const char *name)
-{
-    return value_of(qm__sources, QM__N(qm__sources), name);
-}
-const char *qm_pager_source_at(size_t i, int *value)
-{
-    return at(qm__sources, QM__N(qm__sources), i, value);
-}
+QM__OPTION_CALLS(qm_on_miss, qm__on_miss)
+QM__OPTION_CALLS(qm_pager_source, qm__sources)
+QM__OPTION_CALLS(qm_pager_io, qm__io_engines)
