@@ -11,8 +11,10 @@ r8 layout, as a fast daemon session runs on the CPU) and ggml_moe_bench
 llama.cpp runs on x86; fresh expert ids each call), then the STREAM-like
 read of qmoe_cpu_bench. Without onnxruntime, so a round takes seconds.
 Prints per case and T: medians (ms), the median of the per-round ratios
-ggml / qmoed (> 1: qmoed faster), and qmoed's share of the read bandwidth
-(its bank's bytes per call / median / read). Our bank's scales are f16 by
+ggml / qmoed (> 1: qmoed faster), the fastest single call of each (on a
+shared machine the one least disturbed; ggml's thread pool spins, so a
+loaded machine stretches its medians most), and qmoed's share of the read
+bandwidth (its bank's bytes per call / median / read). Our bank's scales are f16 by
 default (--scales: what an import of a GGUF Q4_0 holds, so both read the
 same bytes; run.py's banks have f32 scales, 11% more bytes than ggml's
 Q4_0). Not a test."""
@@ -66,13 +68,14 @@ def main():
                           f"GB/s", flush=True)
                 m = run.med(ours)
                 rows.append((name, t, m, run.med(theirs), run.med(ratios), min(ratios), max(ratios),
-                             100 * nbytes / (m * 1e-3) / 1e9 / run.med(bw), run.med(bw), kernels))
+                             100 * nbytes / (m * 1e-3) / 1e9 / run.med(bw), run.med(bw), kernels,
+                             min(ours), min(theirs)))
     print("\n| case | T | qmoed fast ms | ggml Q4_0 repacked ms | ggml / qmoed (min-max) | "
-          "qmoed % read BW | read GB/s |")
-    print("|---|---|---|---|---|---|---|")
+          "fastest call: qmoed, ggml, ggml / qmoed | qmoed % read BW | read GB/s |")
+    print("|---|---|---|---|---|---|---|---|")
     for r in rows:
         print(f"| {r[0]} | {r[1]} | {r[2]:.2f} | {r[3]:.2f} | {r[4]:.2f}x ({r[5]:.2f}-{r[6]:.2f}) "
-              f"| {r[7]:.0f}% | {r[8]:.2f} |")
+              f"| {r[10]:.2f}, {r[11]:.2f}, {r[11] / r[10]:.2f}x | {r[7]:.0f}% | {r[8]:.2f} |")
     print(f"\nqmoed kernels: {rows[-1][9] if rows else '?'}")
 
 

@@ -4,6 +4,7 @@
  * of engine/kernels/qm_kernel_select.c weighs, on a larger matrix (docs/BENCHMARKS.md).
  *
  *   qmoe_kernel_micro [--rows 512] [--cols 2880] [--bits 4|8] [--inputs 1] [--reps 30]
+ *                     [--hugepages 1]
  *
  * Random codes, f32 scales, blocks of 32: the matrix (rows x cols x bits/8
  * bytes) is meant to stay in L2, so this measures each kernel's compute, not
@@ -26,6 +27,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/mman.h>
 #include <time.h>
 
 #include "qm_kernel_check.h"
@@ -106,6 +108,21 @@ static void read_line(const qm__qmat *m, uint32_t reps)
            "\"read_gbps_per_core\":%.2f}\n", codes + scales, best, (codes + scales) / best / 1e3);
 }
 
+static int hugepages; /* --hugepages 1: the large buffers asked for 2 MiB pages */
+
+/* A buffer of n bytes; with --hugepages, 2 MiB aligned and madvise'd for
+ * transparent huge pages (what the kernels' TLB misses cost, from memory). */
+static void *big_alloc(size_t n)
+{
+    if (!hugepages)
+        return malloc(n);
+    size_t al = (size_t)2 << 20, len = (n + al - 1) / al * al;
+    void *p = aligned_alloc(al, len);
+    if (p)
+        madvise(p, len, MADV_HUGEPAGE);
+    return p;
+}
+
 static double time_tiles(qm__mm_fn *fn, const qm__qmat *m, const float *xp, size_t ld,
                          uint32_t nx, float *y, float *scratch, uint32_t reps)
 {
@@ -158,7 +175,7 @@ static void fast_kernels(const qm__qmat *m, const float *x, uint32_t nx, uint32_
         qm__i8_prep(m, x + (size_t)r * m->k, xq + r * ld);
     qm__qmat mi = *m;
     int r8 = m->bits == 4 && m->n % 8 == 0;
-    uint8_t *wi = malloc((size_t)m->n * m->row_bytes), *tmp = malloc(8 * m->row_bytes);
+    uint8_t *wi = big_alloc((size_t)m->n * m->row_bytes), *tmp = malloc(8 * m->row_bytes);
     memcpy(wi, m->w, (size_t)m->n * m->row_bytes);
     if (r8)
         qm__r8_interleave(wi, m->n, m->row_bytes, tmp);
@@ -205,6 +222,8 @@ int main(int argc, char **argv)
             nx = v;
         else if (!strcmp(argv[i], "--reps"))
             reps = v;
+        else if (!strcmp(argv[i], "--hugepages"))
+            hugepages = (int)v;
         else {
             fprintf(stderr, "unknown option %s\n", argv[i]);
             return 2;
@@ -216,8 +235,8 @@ int main(int argc, char **argv)
         return 2;
     }
     uint32_t nblk = K / 32;
-    uint8_t *w = malloc((size_t)N * K);
-    float *sc = malloc(sizeof(float) * N * nblk), *x = malloc(sizeof(float) * K * nx);
+    uint8_t *w = big_alloc((size_t)N * K);
+    float *sc = big_alloc(sizeof(float) * N * nblk), *x = malloc(sizeof(float) * K * nx);
     float *y = malloc(sizeof(float) * N * nx);
     uint32_t s = 1;
     for (size_t i = 0; i < (size_t)N * K; i++)
