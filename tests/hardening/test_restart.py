@@ -66,6 +66,22 @@ def hf_bank(tmp_path_factory):
     return out
 
 
+@pytest.fixture
+def supervisors():
+    """Supervisor(...) for a test, stopped at its end if the test did not
+    get as far (a failing test leaves no daemon behind)."""
+    made = []
+
+    def make(*args, **kw):
+        made.append(Supervisor(*args, **kw))
+        return made[-1]
+
+    yield make
+    for sup in made:
+        if sup.proc is not None and sup.proc.poll() is None:
+            sup.stop()
+
+
 # ---- a transformers generation ----
 
 def generate(py, sup, bank=None, tokens=TOKENS):
@@ -139,7 +155,7 @@ def test_transformers_generation_survives_a_random_sigkill(torchpy, hf_bank, und
 
 # ---- session.resize ----
 
-def test_a_daemon_killed_during_session_resize(tmp_path):
+def test_a_daemon_killed_during_session_resize(tmp_path, supervisors):
     """Resizes back to back from one thread, layer calls from another, on
     one client; the daemon is SIGKILLed at a random moment (between resizes
     or during one), three times. Every layer call gives the first pass's
@@ -147,7 +163,7 @@ def test_a_daemon_killed_during_session_resize(tmp_path):
     daemon confirmed (a resize whose answer was lost is not replayed), and
     the restarted daemon holds nothing else."""
     bank = make_bank(str(tmp_path / "small.bank"), layers=2, experts=8)
-    sup = Supervisor(str(tmp_path / "d"), models={"small": bank})
+    sup = supervisors(str(tmp_path / "d"), models={"small": bank})
     rng = random.Random(SEED)
     c = qmoe_client.Client(sup.socket, reconnect=20, warm_interval=0)
     bpe = c.models()[0]["bytes_per_expert"]
@@ -200,7 +216,7 @@ def test_a_daemon_killed_during_session_resize(tmp_path):
 
 # ---- a paged session's reads ----
 
-def test_a_daemon_killed_during_a_paged_sessions_reads(tmp_path):
+def test_a_daemon_killed_during_a_paged_sessions_reads(tmp_path, supervisors):
     """A session paged from disk (O_DIRECT reads into its locked arena) whose
     every call misses; the daemon is SIGKILLed at random moments while its
     reads are in flight, five times. Every output equals the undisturbed
@@ -208,7 +224,7 @@ def test_a_daemon_killed_during_a_paged_sessions_reads(tmp_path):
     bank = make_bank(str(tmp_path / "big.bank"), layers=4, experts=32, hidden=512, inter=1024,
                      bits=4, block=32, seed=3)
     digest = sha256(bank)
-    sup = Supervisor(str(tmp_path / "d"), models={"big": bank},
+    sup = supervisors(str(tmp_path / "d"), models={"big": bank},
                      args=["--set", "paging_source=direct"])
     c = qmoe_client.Client(sup.socket, reconnect=20)
     bpe = c.models()[0]["bytes_per_expert"]
