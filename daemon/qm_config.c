@@ -329,6 +329,21 @@ static const key_def *find_key(const char *name)
     return NULL;
 }
 
+/* A key naming one of a registry's values (paging_source, io_engine): the
+ * value into *out, or the error listing the registry's names. */
+static int option_value(const key_def *k, const char *text, int (*parse)(const char *),
+                        const char *(*at)(size_t, int *), int *out, qm_status *st)
+{
+    int v = parse(text);
+    if (v < 0) {
+        char names[64];
+        return qm_status_set_field(st, QM_EINVAL, k->name, "%s must be %s", k->name,
+                                   option_names(at, names, sizeof names, ", ", " or "));
+    }
+    *out = v;
+    return 0;
+}
+
 /* Applies one key given as text (flags) or as a number (the file). */
 static int apply_key(qm_config *cfg, const key_def *k, const char *text, int has_num, double num,
                      qm_status *st)
@@ -385,27 +400,11 @@ static int apply_key(qm_config *cfg, const key_def *k, const char *text, int has
         cfg->n_device_budgets = 1;
         cfg->has_device_budget = 1;
         return 0;
-    case K_SOURCE: {
-        int source = qm_pager_source_parse(text);
-        if (source < 0) {
-            char names[64];
-            return qm_status_set_field(st, QM_EINVAL, k->name, "%s must be %s", k->name,
-                                       option_names(qm_pager_source_at, names, sizeof names, ", ", " or "));
-        }
-        cfg->paging_source = source;
-        return 0;
-    }
-    case K_IO_ENGINE: {
-        int engine = qm_pager_io_parse(text);
-        if (engine < 0) {
-            char names[64];
-            return qm_status_set_field(st, QM_EINVAL, k->name, "%s must be %s", k->name,
-                                       option_names(qm_pager_io_at, names, sizeof names, ", ",
-                                                    " or "));
-        }
-        cfg->io_engine = engine;
-        return 0;
-    }
+    case K_SOURCE:
+        return option_value(k, text, qm_pager_source_parse, qm_pager_source_at,
+                            &cfg->paging_source, st);
+    case K_IO_ENGINE:
+        return option_value(k, text, qm_pager_io_parse, qm_pager_io_at, &cfg->io_engine, st);
     case K_U32:
     case K_U64:
         if (text) {
