@@ -233,6 +233,20 @@ void qm__pager_disk_unlock(qm_pager *p, qm_arena *arena)
         munlock(qm_arena_at(arena, 0), (size_t)qm_arena_size(arena));
 }
 
+void qm__pager_disk_lock_range(qm_pager *p, void *base, uint64_t len)
+{
+    if (p->disk && len && mlock(base, (size_t)len) != 0 && !strstr(p->source_why, "not locked"))
+        qm__why(p, "arena not locked in memory after a growth: mlock: %s; the kernel may swap "
+                   "it",
+                strerror(errno));
+}
+
+void qm__pager_disk_unlock_range(qm_pager *p, void *base, uint64_t len)
+{
+    if (p->disk && len)
+        munlock(base, (size_t)len);
+}
+
 void qm__pager_disk_close(qm_pager *p)
 {
     struct qm__disk *d = p->disk;

@@ -16,6 +16,11 @@ void qm__pager_disk_close(qm_pager *p);
 int qm__pager_disk_read(qm_pager *p, void *dst, const void *src, uint64_t len, qm_status *st);
 void qm__pager_disk_lock(qm_pager *p, qm_arena *arena); /* mlock, or why not */
 void qm__pager_disk_unlock(qm_pager *p, qm_arena *arena);
+/* The same for [base, base + len) of a locked arena: slots a resize gives
+ * back are unlocked (their pages then go back to the system) and locked
+ * again when a growth takes them. Nothing without the disk source. */
+void qm__pager_disk_lock_range(qm_pager *p, void *base, uint64_t len);
+void qm__pager_disk_unlock_range(qm_pager *p, void *base, uint64_t len);
 void qm__pager_disk_stats(const qm_pager *p, qm_pager_stats *out);
 
 #endif
