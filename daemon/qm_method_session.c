@@ -4,6 +4,7 @@
 #include "qm_methods.h"
 
 #include <stdio.h>
+#include <string.h>
 
 #include "qm_alloc.h"
 #include "qm_log.h"
@@ -63,25 +64,37 @@ static void write_session_bytes(qm_jw *w, const qm_session *s)
     qm_jw_member_u64(w, "workspace_bytes", qm_session_workspace(s));
 }
 
+/* Budget "auto": what it came to and why (qm_budget.h), last member. */
+static void write_budget_auto(qm_jw *w, qm_session *s)
+{
+    const qm_budget_auto *a = qm_session_auto_budget(s);
+    if (!a->on)
+        return;
+    qm_jw_key(w, "budget_auto");
+    qm_budget_auto_json(w, a);
+}
+
 static void write_create_result(qm_jw *w, const void *arg)
 {
-    const qm_session *s = arg;
+    qm_session *s = (qm_session *)arg;
     qm_jw_obj_begin(w);
     qm_jw_member_str(w, "session", qm_session_id(s));
     qm_jw_key(w, "plan_summary");
     write_plan_summary(w, s);
     write_session_bytes(w, s);
+    write_budget_auto(w, s);
     qm_jw_obj_end(w);
 }
 
 static void write_resize_result(qm_jw *w, const void *arg)
 {
-    const qm_session *s = arg;
+    qm_session *s = (qm_session *)arg;
     qm_jw_obj_begin(w);
     qm_jw_member_u64(w, "budget_bytes", qm_session_budget(s));
     qm_jw_member_u64(w, "resident_bytes", qm_session_resident_bytes(s));
     qm_jw_key(w, "plan_summary");
     write_plan_summary(w, s);
+    write_budget_auto(w, s);
     qm_jw_obj_end(w);
 }
 
@@ -160,8 +173,20 @@ static const qm_job_ops plan_ops = {.run = plan_run, .finish = qm__job_answer};
 
 static int resize_admit(qm_job *job, qm_status *st)
 {
-    return qm_session_resize_reserve(job->mx->registry, job->session,
-                                     job->req.params.budget_bytes, st);
+    /* "N%" and "auto" come to bytes now (qm_budget.h); "auto" keeps why. */
+    qm_params *p = &job->req.params;
+    qm_budget_auto autob;
+    int rc = qm_session_budget_for(job->mx->registry, job->session, &p->budget, &p->budget_bytes,
+                                   &autob, st);
+    if (rc == 0 && autob.on) {
+        job->budget_auto = qm_malloc(sizeof autob);
+        if (!job->budget_auto)
+            return qm_status_set(st, QM_ENOMEM, "out of memory");
+        *job->budget_auto = autob;
+    }
+    return rc < 0 ? rc
+                  : qm_session_resize_reserve(job->mx->registry, job->session, p->budget_bytes,
+                                              st);
 }
 
 /* Every earlier job of the session has finished (its FIFO): they ran under
@@ -189,8 +214,16 @@ static void resize_finish(qm_job *job)
         qm_reply_status(job->reply, job->slot, &job->req, &job->st);
         return;
     }
-    qm_log(QM_LOG_INFO, "session %s resized: budget %llu, resident %llu, pins released %llu",
-           qm_session_id(s), (unsigned long long)qm_session_budget(s),
+    /* A budget given as bytes or "N%" ends "auto": the watcher leaves the
+     * session alone from then on; "auto" sizes it again. */
+    qm_budget_auto *a = qm_session_auto_budget(s);
+    if (job->budget_auto)
+        *a = *job->budget_auto;
+    else
+        memset(a, 0, sizeof *a);
+    qm_log(QM_LOG_INFO, "session %s resized: budget %llu%s%s, resident %llu, pins released %llu",
+           qm_session_id(s), (unsigned long long)qm_session_budget(s), a->on ? "; " : "",
+           a->on ? a->why : "",
            (unsigned long long)qm_session_resident_bytes(s),
            (unsigned long long)qm_session_last_stats(s)->pins_released);
     qm_reply_result(job->reply, job->slot, &job->req, write_resize_result, s);

@@ -14,6 +14,7 @@
 #include <time.h>
 
 #include "qm_alloc.h"
+#include "qm_budget.h"
 #include "qm_fault.h"
 #include "qm_log.h"
 #include "qm_placement.h"
@@ -39,6 +40,7 @@ struct qm_session {
     char *trace_path;         /* policy_params.record_trace in the state dir, or NULL */
     uint64_t plan_start_us, plan_us;
     uint64_t budget_bytes;    /* expert-weight budget */
+    qm_budget_auto auto_budget; /* budget "auto": its size, why, the pressure watcher's state */
     uint64_t workspace_bytes; /* fixed at creation */
     uint64_t admitted_bytes;  /* what the devices hold for it (budget shares + workspaces);
                                * while resizes are queued, the largest they may set */
@@ -157,6 +159,31 @@ static int random_id(char out[QM_SESSION_ID_LEN + 1], qm_status *st)
 static uint64_t device_free(const qm_device *dv)
 {
     return dv->budget > dv->admitted ? dv->budget - dv->admitted : 0;
+}
+
+/* What the devices' budgets have free. */
+static uint64_t devices_free(const qm_registry *r)
+{
+    uint64_t sum = 0;
+    for (uint32_t i = 0; i < r->devices->n; i++)
+        sum += device_free(&r->devices->dev[i]);
+    return sum;
+}
+
+/* The budget a request's form asks for, in bytes (qm_budget.h); `s` is the
+ * session a resize changes (its resident bytes are in use already, its
+ * admission free for it), NULL for a creation. */
+static int resolve_budget(const qm_registry *r, const qm_model *m, const qm_budget_spec *spec,
+                          uint64_t workspace, const qm_session *s, uint64_t *bytes,
+                          qm_budget_auto *autob, qm_status *st)
+{
+    qm_budget_ask ask = {.spec = spec,
+                         .model_bytes = m->bytes_total,
+                         .workspace = workspace,
+                         .credit = s ? s->counters.resident_bytes : 0,
+                         .device_free = devices_free(r) + (s ? s->budget_bytes : 0),
+                         .host_memory = qm_devices_host_visible(r->devices)};
+    return qm_budget_resolve(r->cfg, &ask, bytes, autob, st);
 }
 
 /* A session that device i cannot take at `budget`: `need` bytes there (its
@@ -361,11 +388,16 @@ int qm_session_prepare(qm_registry *r, const qm_params *p, uid_t owner, qm_sessi
                              "max_sessions %u reached; close a session first",
                              r->cfg->max_sessions);
     }
-    uint64_t budget = p->has_budget ? p->budget_bytes : m->bytes_total;
     uint64_t workspace = r->cfg->session_workspace_bytes;
+    /* Bytes, "N%" or "auto" to bytes (qm_budget.h). */
+    uint64_t budget;
+    qm_budget_auto autob;
+    int rc = resolve_budget(r, m, &p->budget, workspace, NULL, &budget, &autob, st);
+    if (rc < 0)
+        return rc;
     qm_placement pl = {0};
     uint64_t dev_need[QM_CONFIG_MAX_DEVICES] = {0};
-    int rc = admit_on_devices(r, m, budget, workspace, &pl, dev_need, st);
+    rc = admit_on_devices(r, m, budget, workspace, &pl, dev_need, st);
     if (rc < 0)
         return rc == QM_ENOMEM ? rc : QM_ERESOURCE_EXHAUSTED;
     uint64_t need = 0;
@@ -389,6 +421,7 @@ int qm_session_prepare(qm_registry *r, const qm_params *p, uid_t owner, qm_sessi
     snprintf(s->policy_name, sizeof s->policy_name, "%s", policy);
     s->precision_fast = p->precision_fast;
     s->budget_bytes = budget;
+    s->auto_budget = autob;
     s->workspace_bytes = workspace;
     s->admitted_bytes = need;
     s->created_at = (int64_t)time(NULL);
@@ -565,10 +598,11 @@ void qm_session_commit(qm_registry *r, qm_session *s)
     s->next = r->sessions;
     r->sessions = s;
     qm_log(QM_LOG_INFO,
-           "session %s created: model %s, policy %s, budget %llu, uid %u, %llu bytes of whole "
-           "banks mapped in, %llu laid out for the fast CPU decode (r8)",
+           "session %s created: model %s, policy %s, budget %llu%s%s%s, uid %u, %llu bytes of "
+           "whole banks mapped in, %llu laid out for the fast CPU decode (r8)",
            s->id, s->model->name, s->policy_name, (unsigned long long)s->budget_bytes,
-           (unsigned)s->owner_uid, (unsigned long long)s->last_stats.bytes_prefaulted_at_create,
+           s->auto_budget.on ? " (" : "", s->auto_budget.on ? s->auto_budget.why : "",
+           s->auto_budget.on ? ")" : "", (unsigned)s->owner_uid, (unsigned long long)s->last_stats.bytes_prefaulted_at_create,
            (unsigned long long)s->last_stats.bytes_interleaved_at_create);
 }
 
@@ -741,6 +775,24 @@ qm_shm_set *qm_session_maps(qm_session *s) { return &s->maps; }
 int qm_session_closed(const qm_session *s) { return atomic_load(&((qm_session *)s)->closed); }
 
 qm_touches *qm_session_touches(qm_session *s) { return &s->touches; }
+qm_budget_auto *qm_session_auto_budget(qm_session *s) { return &s->auto_budget; }
+
+int qm_session_budget_for(const qm_registry *r, const qm_session *s, const qm_budget_spec *spec,
+                          uint64_t *bytes, qm_budget_auto *autob, qm_status *st)
+{
+    return resolve_budget(r, s->model, spec, 0, s, bytes, autob, st);
+}
+
+uint64_t qm_session_min_budget(const qm_registry *r, const qm_session *s)
+{
+    uint64_t min = s->budget_bytes;
+    qm_status st;
+    qm_status_clear(&st);
+    if (qm_pager_min_budget(r->devices->dev[0].backend, s->model->bank, s->plan,
+                            &s->pager_options, &min, &st) < 0)
+        return s->budget_bytes;
+    return min;
+}
 
 /* Whole-bank banks get no resident_now: they are resident for the session's
  * life, which the plan's decision already says (docs/PROTOCOL.md). */
@@ -825,7 +877,17 @@ int qm_session_plan_json(qm_session *s, char **json, size_t *len, qm_status *st)
         state.expert_misses = ps.misses;
         state.expert_host_runs = ps.host_runs;
     }
+    qm_buf auto_text; /* budget "auto": what it came to and why (qm_budget.h) */
+    qm_buf_init(&auto_text);
+    if (s->auto_budget.on) {
+        qm_jw aw;
+        qm_jw_init(&aw, &auto_text);
+        qm_budget_auto_json(&aw, &s->auto_budget);
+        if (qm_buf_append(&auto_text, "", 1) == 0 && !auto_text.oom)
+            state.budget_auto_json = auto_text.data; /* NUL-terminated */
+    }
     rc = qm_plan_to_json_ex(s->plan, &state, json, len, st);
+    qm_buf_free(&auto_text);
 free_lists:
     if (s->share)
         pthread_mutex_unlock(&s->share->lock);

@@ -13,6 +13,7 @@
 #include <stdint.h>
 #include <sys/types.h>
 
+#include "qm_budget.h"
 #include "qm_moe.h"
 #include "qm_pager.h"
 #include "qm_pool.h"
@@ -48,6 +49,11 @@ void qm_session_unref(qm_session *s); /* accepts NULL */
  * `budget` when ok, and once no resize is pending the reservation shrinks
  * to the budget in force. */
 int qm_session_resize_reserve(qm_registry *r, qm_session *s, uint64_t budget, qm_status *st);
+/* The bytes session.resize's budget form asks for s (qm_budget.h: "N%" of
+ * its model, "auto" counting the session's resident bytes as its own),
+ * and for "auto" what it came to in *autob (zeroed otherwise). */
+int qm_session_budget_for(const qm_registry *r, const qm_session *s, const qm_budget_spec *spec,
+                          uint64_t *bytes, qm_budget_auto *autob, qm_status *st);
 void qm_session_resize_finish(qm_registry *r, qm_session *s, int ok, uint64_t budget);
 
 /* The session's pagers, one per device that holds layers (worker, while
@@ -90,5 +96,12 @@ int qm_session_closed(const qm_session *s);    /* any thread */
  * dispatch records every request that names it, session.create its
  * creator. */
 qm_touches *qm_session_touches(qm_session *s);
+/* Its auto budget (qm_budget.h; `on` 0 when its budget is not auto): the
+ * watcher and session.resize change it, loop thread. */
+qm_budget_auto *qm_session_auto_budget(qm_session *s);
+/* The least budget its pagers take (whole banks + pins + one expert unit;
+ * qm_pager_min_budget over its plan); its budget now when that cannot be
+ * computed. */
+uint64_t qm_session_min_budget(const qm_registry *r, const qm_session *s);
 
 #endif

@@ -685,10 +685,10 @@ int qm__params_decode(qm_method m, const cJSON *params, qm_params *out, qm_statu
     static const char *const none[] = {NULL};
     static const char *const load[] = {"name", "path", NULL};
     static const char *const unload[] = {"name", "force", NULL};
-    static const char *const create[] = {"model", "policy", "budget_bytes", "policy_params",
-                                         "precision", NULL};
+    static const char *const create[] = {"model",         "policy",    "budget", "budget_bytes",
+                                         "policy_params", "precision", NULL};
     static const char *const by_session[] = {"session", NULL};
-    static const char *const resize[] = {"session", "budget_bytes", NULL};
+    static const char *const resize[] = {"session", "budget", "budget_bytes", NULL};
     static const char *const infer[] = {"session",       "layer",    "hidden",
                                         "router_logits", "topk_ids", "topk_weights",
                                         "return_routing", "output_to", NULL};
@@ -721,7 +721,7 @@ int qm__params_decode(qm_method m, const cJSON *params, qm_params *out, qm_statu
         if (rc == 0)
             rc = get_string(params, "policy", "", 0, 32, &out->policy, st);
         if (rc == 0)
-            rc = get_positive(params, "budget_bytes", 0, &out->has_budget, &out->budget_bytes, st);
+            rc = qm__params_budget(params, 0, out, st);
         if (rc == 0 && member(params, "policy_params")) {
             out->has_policy_params = 1;
             rc = decode_policy_params(member(params, "policy_params"), &out->policy_params, st);
@@ -740,7 +740,7 @@ int qm__params_decode(qm_method m, const cJSON *params, qm_params *out, qm_statu
     case QM_METHOD_SESSION_RESIZE:
         rc = session_members(params, resize, 1, out, st);
         if (rc == 0)
-            rc = get_positive(params, "budget_bytes", 1, &out->has_budget, &out->budget_bytes, st);
+            rc = qm__params_budget(params, 1, out, st);
         return rc;
     case QM_METHOD_SESSION_INFER:
         rc = session_members(params, infer, 1, out, st);

@@ -253,14 +253,42 @@ typedef struct qm_policy_params_wire {
     int has_share_residency, share_residency;
 } qm_policy_params_wire;
 
+/* How a session's budget was given (session.create, session.resize;
+ * PROTOCOL.md): bytes, a share of the model's expert bytes, or "auto" (the
+ * daemon sizes it from what this machine and its memory cgroup can give;
+ * daemon/qm_budget.h). */
+typedef enum qm_budget_form {
+    QM_BUDGET_NONE,    /* absent: session.create's default, the whole model */
+    QM_BUDGET_BYTES,   /* budget_bytes, or budget as a number of bytes */
+    QM_BUDGET_PERCENT, /* budget "N%": 0 < N <= 100 */
+    QM_BUDGET_AUTO     /* budget "auto" */
+} qm_budget_form;
+
+typedef struct qm_budget_spec {
+    qm_budget_form form;
+    uint64_t bytes; /* QM_BUDGET_BYTES: > 0 */
+    double percent; /* QM_BUDGET_PERCENT: in (0, 100] */
+} qm_budget_spec;
+
+/* A budget's text form: "auto", "N%" (a decimal number, 0 < N <= 100) or a
+ * whole number of bytes > 0. 0, or QM_EINVAL with st naming `field` and
+ * the rule (QM_BUDGET_RULE). The wire decoder's and qmoectl's one parser. */
+#define QM_BUDGET_RULE "expected bytes, \"N%\" with 0 < N <= 100, or \"auto\""
+int qm_budget_parse(const char *text, const char *field, qm_budget_spec *out, qm_status *st);
+/* "N%" of `total` bytes: rounded down, at least 1. */
+uint64_t qm_budget_percent_of(double percent, uint64_t total);
+
 /* Strings are owned by the request (qm_request_free). */
 typedef struct qm_params {
     char *name, *path;       /* model.load; name also model.unload */
     int force;               /* model.unload */
     char *model;             /* session.create */
     char *policy;            /* session.create; NULL = whole_bank */
-    int has_budget;
-    uint64_t budget_bytes;   /* session.create (optional), session.resize (required) */
+    int has_budget;          /* any form of budget given */
+    uint64_t budget_bytes;   /* session.create (optional), session.resize (required); the
+                              * bytes when budget.form is QM_BUDGET_BYTES, else the daemon's
+                              * to fill (qm_budget_resolve) */
+    qm_budget_spec budget;   /* the form given: `budget` or `budget_bytes` */
     int has_policy_params;
     qm_policy_params_wire policy_params;
     int precision_fast;      /* session.create `precision`: 0 exact (default), 1 fast */

@@ -13,6 +13,11 @@
  * whatever was filled stays in `out` for qm_request_free. */
 int qm__params_decode(qm_method m, const cJSON *params, qm_params *out, qm_status *st);
 
+/* session.create's and session.resize's budget (qm_budget_param.c): `budget`
+ * or `budget_bytes`, one of them, into out->budget (and has_budget,
+ * budget_bytes for bytes). QM_EINVAL naming the member. */
+int qm__params_budget(const cJSON *params, int required, qm_params *out, qm_status *st);
+
 /* 1 when s[0..n) is well-formed UTF-8 (no surrogates, no overlongs). */
 int qm__utf8_valid(const char *s, size_t n);
 /* "a string", "an array", ... for messages. */
