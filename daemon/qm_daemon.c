@@ -26,6 +26,7 @@
 #include "qm_models.h"
 #include "qm_notify.h"
 #include "qm_pool.h"
+#include "qm_pressure.h"
 #include "qm_reclaim.h"
 #include "qm_registry.h"
 #include "qm_server.h"
@@ -50,6 +51,7 @@ struct qm_daemon {
     qm_trace trace;
     qm_reclaim reclaim;    /* orphaned sessions closed after session_orphan_timeout_s */
     int reclaim_started;
+    qm_pressure pressure;  /* auto budgets under memory pressure (qm_pressure.h) */
     qm_method_ctx methods; /* what the methods reach of all this */
     int draining;
     int stopping; /* handles are being closed */
@@ -78,6 +80,7 @@ static void finish(qm_daemon *d)
     if (d->stopping)
         return;
     d->stopping = 1;
+    qm_pressure_stop(&d->pressure);
     qm_server_stop_listening(d->server);
     qm_server_close_all(d->server);
     uv_walk(d->loop, close_walk_cb, NULL);
@@ -322,6 +325,7 @@ int qm_daemon_main(int argc, char **argv)
         goto out_listen;
     }
     d->methods.pool = d->pool;
+    qm_pressure_start(&d->pressure, d->loop, &d->methods);
     d->watchdog_usec = qm_watchdog_usec();
     if (d->watchdog_usec) {
         uint64_t ms = d->watchdog_usec / 2000;
@@ -336,6 +340,7 @@ int qm_daemon_main(int argc, char **argv)
     uv_walk(d->loop, close_walk_cb, NULL);
     uv_run(d->loop, UV_RUN_DEFAULT);
     qm_pool_stop(d->pool);
+    qm_pressure_free(&d->pressure);
     status = d->exit_code;
     goto out_models;
 
