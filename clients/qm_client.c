@@ -155,6 +155,7 @@ static int qm__connect(qm_client *c, int64_t deadline, qm_client_error *err)
     }
     c->fd = fd;
     c->len = 0;
+    c->conn_gen++;
     return 0;
 }
 
@@ -180,6 +181,9 @@ int qm_client_open(qm_client **out, const char *socket_path, int timeout_ms,
         return qm__client_fail(err, QM_CLIENT_ENOMEM, "cannot create the handle's mutex");
     }
     c->pid = getpid();
+    const char *ring = getenv("QMOE_RING");
+    c->ring_mode = ring && (!strcmp(ring, "0") || !strcmp(ring, "off")) ? QM_CLIENT_RING_OFF
+                                                                         : QM_CLIENT_RING_AUTO;
     int rc = qm__connect(c, qm__now_ms() + c->timeout_ms, err);
     if (rc < 0) {
         qm_client_close(c);
@@ -197,6 +201,7 @@ void qm_client_close(qm_client *c)
     qm__client_forget_open(c);
     qm__client_close_owned(c);
     qm__client_owned_free(c);
+    qm__client_rings_forget(c, NULL);
     if (c->fd >= 0)
         close(c->fd);
     pthread_mutex_destroy(&c->lock);
@@ -215,7 +220,7 @@ void qm_client_set_timeout(qm_client *c, int timeout_ms)
     pthread_mutex_unlock(&c->lock);
 }
 
-static void qm__drop(qm_client *c)
+void qm__client_drop(qm_client *c)
 {
     if (c->fd >= 0)
         close(c->fd);
@@ -316,8 +321,7 @@ static void qm__consume(qm_client *c, size_t n)
     c->len -= n;
 }
 
-/* `text` (text_len bytes), when not NULL, is `params` already printed. */
-static int qm__exchange(qm_client *c, const char *method, const qm_cval *params,
+int qm__client_exchange(qm_client *c, const char *method, const qm_cval *params,
                         const char *text, size_t text_len, int fd, qm_cval **result,
                         qm_client_error *err)
 {
@@ -366,14 +370,14 @@ static int qm__exchange(qm_client *c, const char *method, const qm_cval *params,
                 snprintf(err->field, sizeof(err->field), "%s", e.field);
             /* The daemon closes the stream after an oversized frame. */
             if (e.code == -32006 || got == 0)
-                qm__drop(c);
+                qm__client_drop(c);
             return e.code;
         }
         return 0;
     }
 fail_broken:
     /* A half-sent request or half-read answer leaves the stream unusable. */
-    qm__drop(c);
+    qm__client_drop(c);
     return rc;
 }
 
@@ -394,7 +398,7 @@ int qm__client_call_fd(qm_client *c, const char *method, qm_cval *params, int fd
         return qm__client_fail(err, QM_CLIENT_EINVAL, "no client handle or method given");
     }
     pthread_mutex_lock(&c->lock);
-    int rc = qm__exchange(c, method, params, NULL, 0, fd, result, err);
+    int rc = qm__client_exchange(c, method, params, NULL, 0, fd, result, err);
     pthread_mutex_unlock(&c->lock);
     qm_cval_free(params);
     return rc;
@@ -407,7 +411,7 @@ int qm__client_call_text(qm_client *c, const char *method, const char *params, s
     if (err)
         memset(err, 0, sizeof(*err));
     pthread_mutex_lock(&c->lock);
-    int rc = qm__exchange(c, method, NULL, params, n, -1, result, err);
+    int rc = qm__client_exchange(c, method, NULL, params, n, -1, result, err);
     pthread_mutex_unlock(&c->lock);
     return rc;
 }

@@ -9,6 +9,9 @@
 #include "qm_client_codec.h"
 #include "qmoe_client.h"
 
+/* A session's call ring on this handle (qm_client_ring.c). */
+typedef struct qm__ring qm__ring;
+
 /* The sessions a handle closes for its caller (qm_client_owned.c): ids it
  * owns, malloc'd. */
 typedef struct qm__owned {
@@ -26,6 +29,9 @@ struct qm_client {
     size_t len, cap;
     qm__owned owned;
     pid_t pid; /* the process that opened it: only it closes `owned` */
+    uint64_t conn_gen; /* connections made so far: a ring lives with the one it was opened on */
+    int ring_mode;     /* QM_CLIENT_RING_* (qm_client_set_ring) */
+    qm__ring *rings;   /* its sessions' rings (and refusals), under `lock` */
     struct qm_client *open_prev, *open_next; /* the process's open handles */
 };
 
@@ -47,6 +53,15 @@ void qm__client_forget_open(qm_client *c);
 void qm__client_close_owned(qm_client *c);
 void qm__client_owned_free(qm_client *c);
 
+/* ---- qm_client_ring.c ---- */
+/* qm_client_session_infer_mapped through the session's ring, the lock
+ * held: 1 when the ring took the call (*rc its result), 0 when the call
+ * goes through the socket (no ring, refused, or rings off). */
+int qm__client_ring_infer(qm_client *c, const qm_client_mapped_infer *q,
+                          qm_client_infer_stats *stats, int *rc, qm_client_error *err);
+/* Forgets the ring of `session` (NULL: every ring), unmapping it. */
+void qm__client_rings_forget(qm_client *c, const char *session);
+
 /* Sets *err (may be NULL) and returns `code`. */
 int qm__client_fail(qm_client_error *err, int code, const char *fmt, ...)
     __attribute__((format(printf, 3, 4)));
@@ -59,6 +74,15 @@ int qm__client_call(qm_client *c, const char *method, qm_cval *params, qm_cval *
 /* The same, with `fd` (>= 0) passed as SCM_RIGHTS on the line's first byte. */
 int qm__client_call_fd(qm_client *c, const char *method, qm_cval *params, int fd,
                        qm_cval **result, qm_client_error *err);
+
+/* One exchange with the handle's lock held (the calls above take it):
+ * `text` (text_len bytes), when not NULL, is `params` already printed;
+ * fd >= 0 rides as SCM_RIGHTS. */
+int qm__client_exchange(qm_client *c, const char *method, const qm_cval *params,
+                        const char *text, size_t text_len, int fd, qm_cval **result,
+                        qm_client_error *err);
+/* Drops the connection (the next exchange reconnects); lock held. */
+void qm__client_drop(qm_client *c);
 
 /* The same, with params already printed as compact JSON (n bytes). */
 int qm__client_call_text(qm_client *c, const char *method, const char *params, size_t n,

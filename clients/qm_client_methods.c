@@ -179,6 +179,46 @@ static int qm__devices(const qm_cval *o, qm_client_device **out, size_t *n)
     return 0;
 }
 
+static const qm__field qm__kernel_strs[] = {
+    QM__FIELD(qm_client_kernel, precision),
+    QM__FIELD(qm_client_kernel, name),
+    QM__FIELD(qm_client_kernel, reason),
+};
+
+/* daemon.status "kernels": its members and its three lists, each item with
+ * its list's name as its state; absent: none. */
+static int qm__kernels(const qm_cval *r, qm_client_status *out)
+{
+    static const char *const lists[] = {"verified", "refused", "unavailable"};
+    const qm_cval *k = qm_cval_get(r, "kernels");
+    if (!k || k->type != QM_CVAL_OBJECT)
+        return 0;
+    out->kernels_check_ms = qm__dbl(k, "check_ms");
+    const qm_cval *cached = qm_cval_get(k, "cached");
+    out->kernels_cached = cached && cached->type == QM_CVAL_BOOL && cached->boolean;
+    if (qm__client_dup_member(k, "cpu", &out->kernels_cpu) < 0 ||
+        qm__client_dup_member(k, "flags", &out->kernels_flags) < 0)
+        return QM_CLIENT_ENOMEM;
+    size_t total = 0;
+    for (size_t l = 0; l < 3; l++) {
+        const qm_cval *a = qm_cval_get(k, lists[l]);
+        total += a && a->type == QM_CVAL_ARRAY ? a->count : 0;
+    }
+    out->kernels = qm_calloc(total ? total : 1, sizeof(*out->kernels));
+    if (!out->kernels)
+        return QM_CLIENT_ENOMEM;
+    for (size_t l = 0; l < 3; l++) {
+        const qm_cval *a = qm_cval_get(k, lists[l]);
+        for (size_t i = 0; a && a->type == QM_CVAL_ARRAY && i < a->count; i++) {
+            qm_client_kernel *kv = &out->kernels[out->n_kernels++];
+            if (qm__dup_strs(a->items[i], kv, qm__kernel_strs, QM__N_FIELDS(qm__kernel_strs)) < 0 ||
+                !(kv->state = qm_strdup(lists[l])))
+                return QM_CLIENT_ENOMEM;
+        }
+    }
+    return 0;
+}
+
 void qm_client_status_free(qm_client_status *s)
 {
     if (!s)
@@ -187,6 +227,13 @@ void qm_client_status_free(qm_client_status *s)
     qm_free(s->backend);
     qm_free(s->device_name);
     qm__devices_free(s->devices, s->n_devices);
+    qm_free(s->kernels_cpu);
+    qm_free(s->kernels_flags);
+    for (size_t i = 0; s->kernels && i < s->n_kernels; i++) {
+        qm__free_strs(&s->kernels[i], qm__kernel_strs, QM__N_FIELDS(qm__kernel_strs));
+        qm_free(s->kernels[i].state);
+    }
+    qm_free(s->kernels);
     memset(s, 0, sizeof(*s));
 }
 
@@ -212,7 +259,7 @@ int qm_client_daemon_status(qm_client *c, qm_client_status *out, qm_client_error
     if (qm__client_dup_member(r, "version", &out->version) < 0 ||
         qm__client_dup_member(r, "backend", &out->backend) < 0 ||
         qm__client_dup_member(dev, "name", &out->device_name) < 0 ||
-        qm__devices(r, &out->devices, &out->n_devices) < 0) {
+        qm__devices(r, &out->devices, &out->n_devices) < 0 || qm__kernels(r, out) < 0) {
         qm_client_status_free(out);
         rc = QM__NOMEM(err);
     }
@@ -433,8 +480,12 @@ int qm_client_session_close(qm_client *c, const char *session, qm_client_error *
     if (!p)
         return QM__NOMEM(err);
     int rc = qm__call_plain(c, "session.close", p, err);
-    if (rc == 0 || rc == -32001) /* closed, or gone already */
+    if (rc == 0 || rc == -32001) { /* closed, or gone already */
         qm__client_disown(c, session);
+        pthread_mutex_lock(&c->lock);
+        qm__client_rings_forget(c, session); /* the daemon closed its rings */
+        pthread_mutex_unlock(&c->lock);
+    }
     return rc;
 }
 
@@ -791,6 +842,18 @@ static const qm__field qm__counter_u64s[] = {
     QM__FIELD(qm_client_counters, prefetch_useful),
     QM__FIELD(qm_client_counters, resident_bytes),
     QM__FIELD(qm_client_counters, expert_host_runs),
+    QM__FIELD(qm_client_counters, predict_router_predicted),
+    QM__FIELD(qm_client_counters, predict_router_correct),
+    QM__FIELD(qm_client_counters, predict_router_actual),
+    QM__FIELD(qm_client_counters, predict_router_gated),
+    QM__FIELD(qm_client_counters, predict_history_predicted),
+    QM__FIELD(qm_client_counters, predict_history_correct),
+    QM__FIELD(qm_client_counters, predict_history_actual),
+    QM__FIELD(qm_client_counters, predict_history_gated),
+    QM__FIELD(qm_client_counters, predict_lookahead_predicted),
+    QM__FIELD(qm_client_counters, predict_lookahead_correct),
+    QM__FIELD(qm_client_counters, predict_lookahead_actual),
+    QM__FIELD(qm_client_counters, predict_lookahead_gated),
 };
 
 static void qm__counters_from(const qm_cval *o, qm_client_counters *k)

@@ -131,6 +131,12 @@ int qm_client_session_infer_mapped(qm_client *c, const qm_client_mapped_infer *q
     if (!q || !q->session || !q->map || !q->map->data)
         return qm__client_fail(err, QM_CLIENT_EINVAL,
                                "session.infer needs a session and a map from qm_client_map_create");
+    int ring_rc;
+    pthread_mutex_lock(&c->lock);
+    int took = qm__client_ring_infer(c, q, stats, &ring_rc, err);
+    pthread_mutex_unlock(&c->lock);
+    if (took)
+        return ring_rc;
     const qm_client_region *parts[] = {&q->hidden, q->router_logits, q->topk_ids,
                                        q->topk_weights};
     const char *keys[] = {"hidden", "router_logits", "topk_ids", "topk_weights"};

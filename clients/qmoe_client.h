@@ -79,6 +79,15 @@ typedef struct qm_client_device {
     uint64_t total_bytes, budget_bytes, used_bytes;
 } qm_client_device;
 
+/* One CPU kernel's verdict in the daemon's self-check at start:
+ * daemon.status "kernels" (docs/PROTOCOL.md). */
+typedef struct qm_client_kernel {
+    char *precision; /* "exact" or "fast" */
+    char *name;      /* its QMOE_KERNEL name */
+    char *state;     /* "verified", "refused" (never used) or "unavailable" (not on this CPU) */
+    char *reason;    /* refused or unavailable: why; NULL when verified */
+} qm_client_kernel;
+
 typedef struct qm_client_status {
     char *version;
     double uptime_s;
@@ -88,6 +97,14 @@ typedef struct qm_client_status {
     uint64_t models, sessions, connections;
     qm_client_device *devices; /* each device; none from a daemon that does not list them */
     size_t n_devices;
+    /* The CPU kernels' self-check: the CPU, its flags the kernels use, the
+     * check's cost and whether the kernel cache answered; each kernel's
+     * verdict. NULL / 0 from a daemon that does not report it. */
+    char *kernels_cpu, *kernels_flags;
+    double kernels_check_ms;
+    int kernels_cached;
+    qm_client_kernel *kernels;
+    size_t n_kernels;
 } qm_client_status;
 int qm_client_daemon_status(qm_client *c, qm_client_status *out, qm_client_error *err);
 void qm_client_status_free(qm_client_status *s); /* frees the members, not `s` */
@@ -313,9 +330,45 @@ typedef struct qm_client_mapped_infer {
     uint64_t output_offset; /* the output ([T, H], hidden's dtype) is written here */
 } qm_client_mapped_infer;
 /* session.infer with every tensor in the map and output_to it: on 0 the
- * output is in the map at output_offset; `stats` may be NULL. */
+ * output is in the map at output_offset; `stats` may be NULL. Through the
+ * session's call ring when the handle has one (below), else the socket:
+ * the same checks, errors, output bits and stats either way. */
 int qm_client_session_infer_mapped(qm_client *c, const qm_client_mapped_infer *req,
                                    qm_client_infer_stats *stats, qm_client_error *err);
+
+/* ---- the call ring ----
+ * A session's call ring (PROTOCOL.md "session.ring"): one page of shared
+ * memory, opened over the socket, through which
+ * qm_client_session_infer_mapped hands the daemon its call and takes the
+ * answer, with no JSON and no hop through the daemon's loop thread: this
+ * thread writes the call and rings a futex word, one thread of the daemon
+ * computes and rings back. Each side spins about as long as it expects to
+ * wait, when that is shorter than a wake-up, and otherwise sleeps.
+ *
+ * A ring lives with the connection it was opened on and its session. A
+ * daemon that died, or a connection that broke, is reported as on the
+ * socket (QM_CLIENT_EIO, the handle reconnects at its next call); a
+ * session closed or a daemon draining as the socket would answer
+ * (not_found, shutting_down).
+ *
+ * qm_client_session_ring: opens the session's ring on this handle (again
+ * after a reconnect: one call). The daemon's error when it refuses, among
+ * them -32601 from a daemon without rings; the handle then keeps to the
+ * socket for the session.
+ *
+ * qm_client_set_ring: QM_CLIENT_RING_AUTO (the default, unless QMOE_RING=0
+ * is in the environment when the handle is opened): infer_mapped opens the
+ * ring itself the first time it is called for a session (and again after
+ * a reconnect), and a refusal sends that session's calls through the
+ * socket with one line on stderr; QM_CLIENT_RING_EXPLICIT: only rings
+ * opened by qm_client_session_ring; QM_CLIENT_RING_OFF: the socket always.
+ *
+ * qm_client_ring_active: 1 when infer_mapped for `session` takes a ring
+ * now, 0 when it takes the socket. */
+enum { QM_CLIENT_RING_OFF = 0, QM_CLIENT_RING_AUTO = 1, QM_CLIENT_RING_EXPLICIT = 2 };
+int qm_client_session_ring(qm_client *c, const char *session, qm_client_error *err);
+void qm_client_set_ring(qm_client *c, int mode);
+int qm_client_ring_active(qm_client *c, const char *session);
 
 /* ---- telemetry ---- */
 typedef struct qm_client_counters {
@@ -323,6 +376,17 @@ typedef struct qm_client_counters {
     uint64_t evictions, prefetch_issued, prefetch_useful, resident_bytes;
     uint64_t expert_host_runs; /* 0 from a daemon without hybrid execution */
     double p50_us, p99_us;
+    /* Prefetch prediction per source (router, history, lookahead): experts
+     * predicted, of them used by the call they were about, the experts those
+     * calls used, and calls the source was off (docs/PROTOCOL.md; 0 from a
+     * daemon without them). Precision = correct / predicted, recall =
+     * correct / actual. */
+    uint64_t predict_router_predicted, predict_router_correct, predict_router_actual;
+    uint64_t predict_router_gated;
+    uint64_t predict_history_predicted, predict_history_correct, predict_history_actual;
+    uint64_t predict_history_gated;
+    uint64_t predict_lookahead_predicted, predict_lookahead_correct, predict_lookahead_actual;
+    uint64_t predict_lookahead_gated;
 } qm_client_counters;
 
 typedef struct qm_client_session_counters {

@@ -235,6 +235,8 @@ int main(int argc, char **argv)
         if (crc != 0)
             return crc;
     }
+    if (cmd->run_local)
+        return cmd->run_local(&a);
     qm_client *c = NULL;
     qm_client_error err;
     if (qm_client_open(&c, a.socket, a.timeout_ms, &err) < 0)

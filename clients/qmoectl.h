@@ -36,9 +36,16 @@ typedef struct qmoectl_cmd {
     int (*check)(const qmoectl_args *a);
     /* (optional) more of --help, written after `help` (lists from a registry). */
     void (*more_help)(FILE *out);
+    /* (optional) runs without a daemon, in place of `run`. */
+    int (*run_local)(const qmoectl_args *a);
 } qmoectl_cmd;
 
 extern const qmoectl_cmd qmoectl_cmds[];
+
+/* The wire's rows as commands (qmoectl_wire.c): methods, call. */
+int qmoectl_cmd_methods(const qmoectl_args *a);
+int qmoectl_cmd_call(qm_client *c, const qmoectl_args *a);
+int qmoectl_check_call(const qmoectl_args *a);
 
 /* The plan and telemetry views (qmoectl_views.c). */
 int qmoectl_cmd_plan(qm_client *c, const qmoectl_args *a);

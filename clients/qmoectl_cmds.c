@@ -11,6 +11,43 @@
 
 /* ---------- status, models, load, unload ---------- */
 
+/* The kernels of one state as "exact avx512, avx2; fast avx2" (NULL: none). */
+static const char *kernel_names(const qm_client_status *s, const char *state, char *out,
+                                size_t cap)
+{
+    size_t o = 0;
+    const char *prec = NULL;
+    out[0] = 0;
+    for (size_t i = 0; i < s->n_kernels && o < cap; i++) {
+        const qm_client_kernel *k = &s->kernels[i];
+        if (!k->state || strcmp(k->state, state) != 0 || !k->name || !k->precision)
+            continue;
+        int same = prec && strcmp(prec, k->precision) == 0;
+        int n = same ? snprintf(out + o, cap - o, ", %s", k->name)
+                     : snprintf(out + o, cap - o, "%s%s %s", o ? "; " : "", k->precision, k->name);
+        o += n > 0 ? (size_t)n : 0;
+        prec = k->precision;
+    }
+    return out[0] ? out : NULL;
+}
+
+/* The self-check's lines: the kernels verified, each one refused with why. */
+static void print_kernels(const qm_client_status *s)
+{
+    char names[512];
+    if (!s->kernels_cpu)
+        return;
+    const char *v = kernel_names(s, "verified", names, sizeof names);
+    printf("kernels  verified %s (self-check on %s, %.1f ms%s)\n", v ? v : "none", s->kernels_cpu,
+           s->kernels_check_ms, s->kernels_cached ? ", from the kernel cache" : "");
+    for (size_t i = 0; i < s->n_kernels; i++) {
+        const qm_client_kernel *k = &s->kernels[i];
+        if (k->state && strcmp(k->state, "refused") == 0)
+            printf("kernels  refused %s %s, never used: %s\n", k->precision ? k->precision : "?",
+                   k->name ? k->name : "?", k->reason ? k->reason : "no reason given");
+    }
+}
+
 static int cmd_status(qm_client *c, const qmoectl_args *a)
 {
     if (a->json)
@@ -40,6 +77,7 @@ static int cmd_status(qm_client *c, const qmoectl_args *a)
     }
     printf("models   %llu   sessions %llu   connections %llu\n", (unsigned long long)s.models,
            (unsigned long long)s.sessions, (unsigned long long)s.connections);
+    print_kernels(&s);
     qm_client_status_free(&s);
     return QMOECTL_OK;
 }
@@ -638,17 +676,17 @@ static int check_infer(const qmoectl_args *a)
 
 const qmoectl_cmd qmoectl_cmds[] = {
     {"status", "", "Show the daemon's version, uptime, backend, memory and counts.", "", 0, 0,
-     cmd_status, NULL, NULL},
+     cmd_status, NULL, NULL, NULL},
     {"models", "", "List loaded models: shape, quantisation, bytes per expert unit, size.", "",
-     0, 0, cmd_models, NULL, NULL},
+     0, 0, cmd_models, NULL, NULL, NULL},
     {"load", "NAME PATH",
      "Load the bank file PATH as model NAME (admin). A relative PATH is made absolute.", "", 2, 2,
-     cmd_load, NULL, NULL},
+     cmd_load, NULL, NULL, NULL},
     {"unload", "NAME [--force]",
      "Unload model NAME (admin).\n"
      "Refused while sessions use it, unless --force closes them.",
-     "--force", 1, 1, cmd_unload, NULL, NULL},
-    {"sessions", "", "List sessions (a non-admin sees only their own).", "", 0, 0, cmd_sessions, NULL, NULL},
+     "--force", 1, 1, cmd_unload, NULL, NULL, NULL},
+    {"sessions", "", "List sessions (a non-admin sees only their own).", "", 0, 0, cmd_sessions, NULL, NULL, NULL},
     {"create", "MODEL [--policy P] [--budget BYTES|SIZE|N%] [--param KEY=VALUE]... [--precision P]",
      "Create a session on MODEL and print its id on the first line.\n"
      "  --policy P        the session's residency policy, one of those below (for a\n"
@@ -662,36 +700,37 @@ const qmoectl_cmd qmoectl_cmds[] = {
      "  --precision P     exact (default: f32, within 1e-5 of onnxruntime) or fast\n"
      "                    (int8 activations, integer dot products)",
      "--policy= --budget= --param= --precision=", 1, 1, cmd_create, check_create,
-     help_policies},
+     help_policies, NULL},
     {"close", "SESSION", "Close a session and release its memory (owner or admin).", "", 1, 1,
-     cmd_close, NULL, NULL},
+     cmd_close, NULL, NULL, NULL},
     {"resize", "SESSION BYTES|SIZE|N%",
      "Change a live session's expert budget (owner or admin).\n"
      "The budget is bytes, a size (512MiB, 2G) or a percentage of the model's bytes\n"
      "(40%). Shrinking evicts down to it before answering (pins that no longer fit\n"
      "are released, coldest first); growing is admitted against the daemon-wide\n"
      "budget. Requests queued before it finish under the old budget.",
-     "", 2, 2, cmd_resize, NULL, NULL},
+     "", 2, 2, cmd_resize, NULL, NULL, NULL},
     {"plan", "SESSION",
      "Show a session's residency plan, one row per bank.\n"
      "Each row: the bank's decision, the reason a bank stays whole, and counts and\n"
      "sizes of candidate, pinned and currently resident experts; then totals\n"
      "against the budget.",
-     "", 1, 1, qmoectl_cmd_plan, NULL, NULL},
+     "", 1, 1, qmoectl_cmd_plan, NULL, NULL, NULL},
     {"telemetry", "[SESSION] [--watch SECONDS [--count N]]",
      "Show counters: hit rate, bytes paged, p50/p99 latency, ...\n"
      "Requests, errors, tokens, expert hit rate and misses, bytes paged, evictions,\n"
      "prefetches (useful/issued), resident bytes, p50/p99 inference latency;\n"
-     "daemon-wide and per session.\n"
+     "daemon-wide and per session; then each session's prefetch predictors\n"
+     "(router, history, lookahead): predicted, precision, recall, gated calls.\n"
      "  --watch S   refresh every S seconds until Ctrl-C\n"
      "  --count N   stop after N refreshes",
-     "--watch= --count=", 0, 1, qmoectl_cmd_telemetry, qmoectl_check_telemetry, NULL},
+     "--watch= --count=", 0, 1, qmoectl_cmd_telemetry, qmoectl_check_telemetry, NULL, NULL},
     {"trace", "[--limit N] [--session SESSION]",
      "Show recent trace spans, oldest first (admin).\n"
      "  --limit N         at most N spans\n"
      "  --session SESSION only that session's spans",
-     "--limit= --session=", 0, 0, cmd_trace, check_trace, NULL},
-    {"metrics", "", "Print Prometheus metrics (text exposition format).", "", 0, 0, cmd_metrics, NULL, NULL},
+     "--limit= --session=", 0, 0, cmd_trace, check_trace, NULL, NULL},
+    {"metrics", "", "Print Prometheus metrics (text exposition format).", "", 0, 0, cmd_metrics, NULL, NULL, NULL},
     {"infer",
      "SESSION --layer N --hidden X.npy [--logits R.npy | --topk-ids I.npy --topk-weights W.npy] "
      "--out Y.npy [--routing]",
@@ -703,8 +742,21 @@ const qmoectl_cmd qmoectl_cmds[] = {
      "              route) and their weights (f32/f16), used exactly as given\n"
      "  --routing   also print the experts and weights chosen per token",
      "--layer= --hidden= --logits= --topk-ids= --topk-weights= --out= --routing", 1, 1, cmd_infer,
-     check_infer, NULL},
+     check_infer, NULL, NULL},
     {"shutdown", "", "Drain and stop the daemon (admin), as SIGTERM does.", "", 0, 0,
-     cmd_shutdown, NULL, NULL},
-    {NULL, NULL, NULL, NULL, 0, 0, NULL, NULL, NULL},
+     cmd_shutdown, NULL, NULL, NULL},
+    {"methods", "[METHOD] [--markdown]",
+     "List the wire's methods, or what METHOD takes (no daemon needed).\n"
+     "Every member with its type, whether it is required and what it means, from\n"
+     "the rows the daemon decodes with (protocol/qm_wire_schema.h).\n"
+     "  --markdown  METHOD's table as docs/PROTOCOL.md carries it\n"
+     "  --json      every method's rows as JSON",
+     "--markdown", 0, 1, NULL, NULL, NULL, qmoectl_cmd_methods},
+    {"call", "METHOD [MEMBER=VALUE]...",
+     "Call any method and print its result as JSON.\n"
+     "A member typed as a string in the method's rows (see qmoectl methods METHOD)\n"
+     "is sent as that string; any other value is JSON as written\n"
+     "(budget_bytes=1048576, force=true, policy_params='{\"prefetch\":false}').",
+     "", 1, QMOECTL_MAX_ARGS, qmoectl_cmd_call, qmoectl_check_call, NULL, NULL},
+    {NULL, NULL, NULL, NULL, 0, 0, NULL, NULL, NULL, NULL},
 };

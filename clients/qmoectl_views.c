@@ -197,6 +197,62 @@ static void counters_row(qmoectl_table *t, const char *who, const char *model,
     qmoectl_table_cell(t, "%s", qmoectl_micros(k->p99_us, p99, sizeof(p99)));
 }
 
+/* One row per prediction source that predicted anything: precision and
+ * recall of the prefetch predictors, and how often the gate held one off. */
+static void prediction_rows(qmoectl_table *t, const char *who, const qm_client_counters *k)
+{
+    const struct {
+        const char *name;
+        uint64_t predicted, correct, actual, gated;
+    } src[] = {
+        {"router", k->predict_router_predicted, k->predict_router_correct,
+         k->predict_router_actual, k->predict_router_gated},
+        {"history", k->predict_history_predicted, k->predict_history_correct,
+         k->predict_history_actual, k->predict_history_gated},
+        {"lookahead", k->predict_lookahead_predicted, k->predict_lookahead_correct,
+         k->predict_lookahead_actual, k->predict_lookahead_gated},
+    };
+    for (size_t i = 0; i < sizeof src / sizeof src[0]; i++) {
+        char prec[16], rec[16];
+        if (!src[i].predicted && !src[i].gated)
+            continue;
+        qmoectl_table_cell(t, "%s", who);
+        qmoectl_table_cell(t, "%s", src[i].name);
+        qmoectl_table_cell(t, "%llu", (unsigned long long)src[i].predicted);
+        qmoectl_table_cell(t, "%llu", (unsigned long long)src[i].correct);
+        qmoectl_table_cell(t, "%s", qmoectl_percent((double)src[i].correct,
+                                                    (double)src[i].predicted, prec, sizeof prec));
+        qmoectl_table_cell(t, "%s", qmoectl_percent((double)src[i].correct,
+                                                    (double)src[i].actual, rec, sizeof rec));
+        qmoectl_table_cell(t, "%llu", (unsigned long long)src[i].gated);
+    }
+}
+
+static int predicted_any(const qm_client_counters *k)
+{
+    return k->predict_router_predicted || k->predict_router_gated ||
+           k->predict_history_predicted || k->predict_history_gated ||
+           k->predict_lookahead_predicted || k->predict_lookahead_gated;
+}
+
+static void prediction_table(const qm_client_telemetry *tm)
+{
+    int any = 0;
+    for (size_t i = 0; i < tm->n_sessions; i++)
+        any |= predicted_any(&tm->sessions[i].counters);
+    if (!any)
+        return;
+    static const char *const hdr[] = {"SESSION", "PREDICTOR", "PREDICTED", "CORRECT",
+                                      "PRECISION", "RECALL",   "GATED-CALLS"};
+    qmoectl_table *t = qmoectl_table_new(7, hdr);
+    for (size_t i = 0; i < tm->n_sessions; i++)
+        prediction_rows(t, tm->sessions[i].session ? tm->sessions[i].session : "?",
+                        &tm->sessions[i].counters);
+    printf("\n");
+    qmoectl_table_print(t, stdout);
+    qmoectl_table_free(t);
+}
+
 static int telemetry_once(qm_client *c, const char *session, int json)
 {
     if (json)
@@ -216,6 +272,7 @@ static int telemetry_once(qm_client *c, const char *session, int json)
                      tm.sessions[i].model, &tm.sessions[i].counters);
     qmoectl_table_print(t, stdout);
     qmoectl_table_free(t);
+    prediction_table(&tm);
     qm_client_telemetry_free(&tm);
     return QMOECTL_OK;
 }

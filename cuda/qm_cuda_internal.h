@@ -107,6 +107,8 @@ typedef struct qm__cuda_ctx {
  * `what`, and marks the backend lost on sticky (context-destroying) errors.
  * Out of memory -> QM_ERESOURCE_EXHAUSTED. Returns the code. */
 int qm__cuda_fail(qm__cuda_ctx *c, cudaError_t err, qm_status *st, const char *what);
+/* 1 for the errors that leave the device unusable (the context is lost). */
+int qm__cuda_is_sticky(cudaError_t err);
 
 /* Checks one CUDA call; on failure sets rc and st (qm__cuda_fail) and jumps
  * to the caller's `fail` label. */

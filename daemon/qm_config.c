@@ -16,7 +16,22 @@
 #include "qm_alloc.h"
 #include "qm_backend.h"
 #include "qm_log.h"
+#include "qm_pager.h"
 #include "qm_protocol.h"
+
+/* "auto, mmap or direct" (sep, last) from the pager's registry of paging
+ * sources, in its order. */
+static const char *source_names(char *out, size_t cap, const char *sep, const char *last)
+{
+    size_t len = 0, n = 0;
+    while (qm_pager_source_at(n, NULL))
+        n++;
+    out[0] = '\0';
+    for (size_t i = 0; i < n && len < cap; i++)
+        len += (size_t)snprintf(out + len, cap - len, "%s%s", i == 0 ? "" : i + 1 == n ? last : sep,
+                                qm_pager_source_at(i, NULL));
+    return out;
+}
 
 void qm_config_defaults(qm_config *cfg)
 {
@@ -25,7 +40,7 @@ void qm_config_defaults(qm_config *cfg)
     for (size_t i = qm_backend_kind_count(); i-- > 0;)
         if (qm_backend_kind_caps(i) & QM_BACKEND_CAP_HOST)
             snprintf(cfg->backend, sizeof cfg->backend, "%s", qm_backend_kind_name(i));
-    snprintf(cfg->paging_source, sizeof cfg->paging_source, "auto");
+    cfg->paging_source = QM_PAGER_SOURCE_AUTO;
     cfg->cpu_repack = 1;
     cfg->workers = 2;
     cfg->log_level = QM_LOG_INFO;
@@ -42,6 +57,7 @@ void qm_config_defaults(qm_config *cfg)
     cfg->trace_capacity = 4096;
     cfg->session_workspace_bytes = 16ull << 20;
     cfg->max_mapped_bytes = 1ull << 30;
+    cfg->max_rings = 64;
     cfg->session_orphan_timeout_s = 300;
     cfg->auto_budget_reserve = 256ull << 20;
     cfg->auto_budget_check_ms = 1000;
@@ -302,6 +318,7 @@ static const key_def keys[] = {
     {"trace_capacity", K_U32, OFF(trace_capacity), 0, 16, 1u << 24},
     {"session_workspace_bytes", K_U64, OFF(session_workspace_bytes), 0, 0, UINT64_MAX},
     {"max_mapped_bytes", K_U64, OFF(max_mapped_bytes), 1, 0, UINT64_MAX},
+    {"max_rings", K_U32, OFF(max_rings), 1, 0, 4096},
     {"session_orphan_timeout_s", K_U32, OFF(session_orphan_timeout_s), 1, 0, 1u << 30},
     {"auto_budget_reserve", K_U64, OFF(auto_budget_reserve), 1, 0, UINT64_MAX},
     {"auto_budget_check_ms", K_U32, OFF(auto_budget_check_ms), 1, 0, 3600000},
@@ -375,12 +392,16 @@ static int apply_key(qm_config *cfg, const key_def *k, const char *text, int has
         cfg->n_device_budgets = 1;
         cfg->has_device_budget = 1;
         return 0;
-    case K_SOURCE:
-        if (!text || (strcmp(text, "auto") && strcmp(text, "mmap") && strcmp(text, "direct")))
-            return qm_status_set_field(st, QM_EINVAL, k->name,
-                                       "%s must be auto, mmap or direct", k->name);
-        snprintf(cfg->paging_source, sizeof cfg->paging_source, "%s", text);
+    case K_SOURCE: {
+        int source = qm_pager_source_parse(text);
+        if (source < 0) {
+            char names[64];
+            return qm_status_set_field(st, QM_EINVAL, k->name, "%s must be %s", k->name,
+                                       source_names(names, sizeof names, ", ", " or "));
+        }
+        cfg->paging_source = source;
         return 0;
+    }
     case K_PRESSURE:
         if (!text || (strcmp(text, "low") && strcmp(text, "medium") &&
                       strcmp(text, "critical") && strcmp(text, "off")))
@@ -501,6 +522,7 @@ static void usage_backends(FILE *out)
 
 static void usage(FILE *out)
 {
+    char sources[64];
     fprintf(out,
             "usage: qmoed [options]\n"
             "  --socket PATH         listen here (default $RUNTIME_DIRECTORY/qmoed.sock,\n"
@@ -525,17 +547,18 @@ static void usage(FILE *out)
             "  --set KEY=VALUE       any config key (e.g. --set max_batch=16)\n"
             "  --version, --help\n"
             "Config keys: socket backend device device_budget emu_copy_mbps\n"
-            "  paging_source (auto|mmap|direct) cpu_repack (true|false) state_dir threads\n"
+            "  paging_source (%s) cpu_repack (true|false) state_dir threads\n"
             "  workers admin_group\n"
             "  user allow_root model_dirs (a list; --set model_dirs=DIR:DIR)\n"
             "  log_level max_request_bytes max_nesting max_batch max_connections max_sessions\n"
             "  max_output_bytes queue_depth idle_timeout_s frame_timeout_s frames_per_wakeup\n"
             "  drain_timeout_s"
-            " trace_capacity session_workspace_bytes max_mapped_bytes\n"
+            " trace_capacity session_workspace_bytes max_mapped_bytes max_rings\n"
             "  session_orphan_timeout_s auto_budget_reserve auto_budget_check_ms\n"
             "  auto_budget_pressure_ms auto_budget_pressure_level (low|medium|critical|off)\n"
             "  auto_budget_shrink_percent auto_budget_grow_after_s, and \"models\": {NAME: PATH}.\n"
-            "SIGHUP re-reads the reloadable keys (limits, log_level, admin_group).\n");
+            "SIGHUP re-reads the reloadable keys (limits, log_level, admin_group).\n",
+            source_names(sources, sizeof sources, "|", "|"));
 }
 
 int qm_config_from_args(qm_config *cfg, int argc, char **argv, qm_status *st)

@@ -32,12 +32,13 @@ typedef struct qm_config {
     uint32_t device_index[QM_CONFIG_MAX_DEVICES];
     char device_kind[16]; /* when n_devices > 0 */
     uint32_t emu_copy_mbps; /* modelled copy bandwidth of the kinds that model one (emu; 0: free) */
-    /* Where a paged session's pager reads expert units: auto (direct on a
-     * host-visible backend, i.e. CPU, for sessions with per-expert banks),
-     * mmap (the bank's mapping and the page cache), direct (O_DIRECT reads
-     * from the bank file into a locked arena; falls back with a logged
-     * reason where the file or backend cannot). */
-    char paging_source[8];
+    /* Where a paged session's pager reads expert units, a value of the
+     * pager's registry (QM_PAGER_SOURCE_*, engine/pager/qm_pager.h): auto
+     * (direct on a host-visible backend, i.e. CPU, for sessions with
+     * per-expert banks), mmap (the bank's mapping and the page cache),
+     * direct (O_DIRECT reads from the bank file into a locked arena; falls
+     * back with a logged reason where the file or backend cannot). */
+    int paging_source;
     /* --device-budget: one value for every device, or one per device in
      * device order (n_device_budgets = n_devices). device_budget is the
      * first. */
@@ -69,6 +70,7 @@ typedef struct qm_config {
     uint32_t trace_capacity;
     uint64_t session_workspace_bytes;
     uint64_t max_mapped_bytes; /* per session: bytes of its shared-memory maps */
+    uint32_t max_rings;        /* call rings open daemon-wide (each a thread) */
     /* An orphaned session (no open connection used it, nothing of it
      * queued) is closed after this long (qm_reclaim.h); 0 = never. */
     uint32_t session_orphan_timeout_s;

@@ -21,6 +21,7 @@
 #include "qm_config.h"
 #include "qm_devices.h"
 #include "qm_dispatch.h"
+#include "qm_kernel_report.h"
 #include "qm_log.h"
 #include "qm_methods.h"
 #include "qm_models.h"
@@ -29,6 +30,7 @@
 #include "qm_pressure.h"
 #include "qm_reclaim.h"
 #include "qm_registry.h"
+#include "qm_ring.h"
 #include "qm_server.h"
 #include "qm_sigbus.h"
 #include "qm_telemetry.h"
@@ -50,6 +52,7 @@ struct qm_daemon {
     qm_limits limits;
     qm_trace trace;
     qm_reclaim reclaim;    /* orphaned sessions closed after session_orphan_timeout_s */
+    qm_rings *rings;       /* call rings (qm_ring.h) */
     int reclaim_started;
     qm_pressure pressure;  /* auto budgets under memory pressure (qm_pressure.h) */
     qm_method_ctx methods; /* what the methods reach of all this */
@@ -63,8 +66,8 @@ static void notify_status(qm_daemon *d, const char *prefix)
 {
     char msg[256];
     snprintf(msg, sizeof msg, "%sSTATUS=%s: %zu models, %zu sessions, %zu connections", prefix,
-             d->draining ? "draining" : "serving", qm_registry_model_count(d->registry),
-             qm_registry_session_count(d->registry), qm_server_connections(d->server));
+             d->draining ? "draining" : "serving", qm_registry_models(d->registry)->n,
+             qm_registry_sessions(d->registry)->n, qm_server_connections(d->server));
     qm_notify(msg);
 }
 
@@ -117,6 +120,8 @@ static void begin_drain(void *arg, const char *why)
     qm_notify("STOPPING=1");
     notify_status(d, "");
     qm_server_stop_listening(d->server);
+    /* Calls in flight on rings finish; the rings take no more. */
+    qm_rings_drain(d->rings);
     if (d->cfg.drain_timeout_s) {
         uv_timer_start(&d->drain_timer, drain_timeout_cb, (uint64_t)d->cfg.drain_timeout_s * 1000,
                        0);
@@ -170,7 +175,7 @@ static void tick_cb(uv_timer_t *t)
     /* Hotness profiles reach the state dir every 5 minutes (and at unload
      * and exit), so a crash loses little. */
     if (++d->ticks % 300 == 0)
-        qm_models_save_hotness(d->registry);
+        qm_models_save_hotness(qm_registry_models(d->registry));
 }
 
 static void watchdog_cb(uv_timer_t *t)
@@ -189,8 +194,16 @@ static void server_frame(void *arg, qm_conn *c, qm_rpc_frame *frame, qm_frame_ti
 static void server_conn_closed(void *arg, uint64_t conn_id)
 {
     qm_daemon *d = arg;
+    /* Its rings first: a session the connection leaves orphaned has no
+     * ring of its then. */
+    qm_rings_conn_closed(d->rings, conn_id);
     if (d->reclaim_started && !d->stopping)
         qm_reclaim_conn_closed(&d->reclaim, conn_id);
+}
+
+static void session_closed(void *arg, qm_session *s)
+{
+    qm_rings_session_closed(((qm_daemon *)arg)->rings, s);
 }
 
 static void pool_done(void *arg, qm_job *job)
@@ -267,6 +280,11 @@ int qm_daemon_main(int argc, char **argv)
         if (n > 0 && (size_t)n < sizeof cache)
             setenv("QMOE_KERNEL_CACHE", cache, 0);
     }
+    /* Every CPU kernel proves itself before any can be chosen (logged). */
+    if ((rc = qm_kernel_report_start(&st)) < 0) {
+        qm_log(QM_LOG_ERR, "%s; not starting", st.msg);
+        goto out_trace;
+    }
     if ((rc = qm_devices_open(&d->devices, &d->cfg, &st)) < 0) {
         qm_log(QM_LOG_ERR, "cannot open backend %s: %s", d->cfg.backend, st.msg);
         goto out_trace;
@@ -277,6 +295,8 @@ int qm_daemon_main(int argc, char **argv)
     }
     d->methods = (qm_method_ctx){.cfg = &d->cfg,
                                  .registry = d->registry,
+                                 .models = qm_registry_models(d->registry),
+                                 .sessions = qm_registry_sessions(d->registry),
                                  .devices = &d->devices,
                                  .server = d->server,
                                  .counters = &d->counters,
@@ -289,7 +309,7 @@ int qm_daemon_main(int argc, char **argv)
                                  .life = d};
     for (size_t i = 0; i < d->cfg.n_models; i++) {
         qm_status_clear(&st);
-        rc = qm_model_load(d->registry, d->cfg.models[i].name, d->cfg.models[i].path, NULL, &st);
+        rc = qm_model_load(qm_registry_models(d->registry), d->cfg.models[i].name, d->cfg.models[i].path, NULL, &st);
         if (rc < 0) {
             qm_log(QM_LOG_ERR, "cannot load model %s from %s: %s", d->cfg.models[i].name,
                    d->cfg.models[i].path, st.msg);
@@ -308,7 +328,7 @@ int qm_daemon_main(int argc, char **argv)
     uv_signal_start(&d->sig_int, signal_cb, SIGINT);
     uv_signal_start(&d->sig_hup, signal_cb, SIGHUP);
     uv_timer_init(d->loop, &d->tick);
-    qm_reclaim_init(&d->reclaim, d->loop, d->registry, &d->cfg, &d->counters);
+    qm_reclaim_init(&d->reclaim, d->loop, qm_registry_sessions(d->registry), &d->cfg, &d->counters);
     d->reclaim_started = 1;
     uv_timer_init(d->loop, &d->watchdog);
     uv_timer_init(d->loop, &d->drain_timer);
@@ -319,6 +339,13 @@ int qm_daemon_main(int argc, char **argv)
         qm_log(QM_LOG_ERR, "%s", st.msg);
         goto out_listen;
     }
+    if (qm_rings_new(d->loop, &d->methods, &d->rings) < 0) {
+        qm_log(QM_LOG_ERR, "out of memory for the call rings");
+        goto out_listen;
+    }
+    d->methods.rings = d->rings;
+    qm_registry_sessions(d->registry)->on_close = session_closed;
+    qm_registry_sessions(d->registry)->on_close_arg = d;
     qm_pool_hooks hooks = {.done = pool_done, .idle = maybe_finish, .arg = d};
     if (qm_pool_start(d->loop, d->cfg.workers, &hooks, &d->pool) < 0) {
         qm_log(QM_LOG_ERR, "cannot start %u workers", d->cfg.workers);
@@ -333,22 +360,28 @@ int qm_daemon_main(int argc, char **argv)
     }
     notify_status(d, "READY=1\n");
     qm_log(QM_LOG_NOTICE, "qmoed %s ready (%zu models)", QMOE_VERSION,
-           qm_registry_model_count(d->registry));
+           qm_registry_models(d->registry)->n);
 
     uv_run(d->loop, UV_RUN_DEFAULT);
     /* Handles left by a stop (close callbacks still pending) finish here. */
     uv_walk(d->loop, close_walk_cb, NULL);
     uv_run(d->loop, UV_RUN_DEFAULT);
-    qm_pool_stop(d->pool);
-    qm_pressure_free(&d->pressure);
     status = d->exit_code;
-    goto out_models;
+    goto out_workers;
 
 out_listen:
     uv_walk(d->loop, close_walk_cb, NULL);
     uv_run(d->loop, UV_RUN_DEFAULT);
+out_workers:
+    /* Ring threads end before the pool they queue on; their memory after
+     * the workers that may still answer in it. */
+    qm_rings_stop(d->rings);
     qm_pool_stop(d->pool);
+    qm_pressure_free(&d->pressure);
 out_models:
+    if (d->registry)
+        qm_registry_sessions(d->registry)->on_close = NULL;
+    qm_rings_free(d->rings);
     qm_registry_free(d->registry);
     qm_devices_close(&d->devices);
 out_trace:

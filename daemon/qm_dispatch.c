@@ -17,7 +17,7 @@
 
 /* ---- the method table ---- */
 
-#define QM__METHOD_ROW_REF(m, text) [QM_METHOD_##m] = &qm__method_row_##m,
+#define QM__METHOD_ROW_REF(m, ...) [QM_METHOD_##m] = &qm__method_row_##m,
 static const qm_method_entry *const method_table[QM_METHOD_COUNT] = {
     QM_METHOD_MAP(QM__METHOD_ROW_REF)};
 #undef QM__METHOD_ROW_REF
@@ -66,7 +66,8 @@ static void answer_with_handler(const qm_method_ctx *mx, const qm_peer *peer, qm
     qm_status st;
     qm_status_clear(&st);
     const qm_method_entry *e = qm_method_entry_get(req->method);
-    qm_call call = {.mx = mx, .peer = peer, .req = req, .w = &w, .fds = fds};
+    qm_call call = {
+        .mx = mx, .peer = peer, .conn = qm_reply_conn(r), .req = req, .w = &w, .fds = fds};
     qm_rpc_result_begin(&w, req->id);
     int rc = e && e->handler
                  ? e->handler(&call, &st)
@@ -198,7 +199,7 @@ static void handle_request(const qm_method_ctx *mx, qm_conn *c, qm_reply *r, siz
     const qm_peer *peer = qm_conn_peer(c);
     const char *sid = req->params.session;
     qm_session *s = e->session != QM_SESSION_UNUSED && sid
-                        ? qm_session_find(mx->registry, sid)
+                        ? qm_session_find(mx->sessions, sid)
                         : NULL;
     qm_route_session target = {0};
     if (s)

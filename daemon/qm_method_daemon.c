@@ -1,6 +1,7 @@
 /* qm_method_daemon.c - daemon.status and daemon.shutdown (PROTOCOL.md). */
 #include "qm_methods.h"
 
+#include "qm_kernel_report.h"
 #include "qm_sessions.h"
 
 static int empty_result(qm_jw *w)
@@ -42,8 +43,10 @@ static int daemon_status(qm_call *k, qm_status *st)
         qm_jw_obj_end(w);
     }
     qm_jw_arr_end(w);
-    qm_jw_member_u64(w, "models", qm_registry_model_count(mx->registry));
-    qm_jw_member_u64(w, "sessions", qm_registry_session_count(mx->registry));
+    qm_jw_key(w, "kernels");
+    qm_kernel_report_json(w);
+    qm_jw_member_u64(w, "models", mx->models->n);
+    qm_jw_member_u64(w, "sessions", mx->sessions->n);
     qm_jw_member_u64(w, "connections", qm_server_connections(mx->server));
     qm_jw_key(w, "draining");
     qm_jw_bool(w, mx->draining(mx->life));

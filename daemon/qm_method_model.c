@@ -7,6 +7,37 @@
 #include "qm_log.h"
 #include "qm_models.h"
 
+/* The model summary (PROTOCOL.md): model.load's result and each of
+ * model.list's. */
+static void write_model_summary(qm_jw *w, const qm_model *m)
+{
+    const qm_bank_config *c = qm_bank_get_config(m->bank);
+    qm_jw_obj_begin(w);
+    qm_jw_member_str(w, "name", m->name);
+    qm_jw_member_str(w, "path", m->path);
+    qm_jw_member_u64(w, "layers", c->layers);
+    qm_jw_member_u64(w, "experts", c->experts);
+    qm_jw_member_u64(w, "hidden_size", c->hidden);
+    qm_jw_member_u64(w, "inter_size", c->inter);
+    qm_jw_member_u64(w, "k", c->k);
+    qm_jw_member_str(w, "activation", qm_activation_name(c->activation));
+    qm_jw_member_u64(w, "bits", c->bits);
+    qm_jw_member_u64(w, "block_size", c->block_size);
+    qm_jw_member_u64(w, "bytes_total", m->bytes_total);
+    qm_jw_member_u64(w, "bytes_per_expert", m->bytes_per_expert);
+    /* An imported bank's qmoe.layer_map: engines tag their MoE layers with
+     * it (docs/ENGINES.md). Absent when the bank has none (identity). */
+    const uint32_t *map = qm_bank_layer_map(m->bank);
+    if (map) {
+        qm_jw_key(w, "layer_map");
+        qm_jw_arr_begin(w);
+        for (uint32_t l = 0; l < c->layers; l++)
+            qm_jw_u64(w, map[l]);
+        qm_jw_arr_end(w);
+    }
+    qm_jw_obj_end(w);
+}
+
 static int model_load(qm_call *k, qm_status *st)
 {
     const qm_method_ctx *mx = k->mx;
@@ -14,9 +45,9 @@ static int model_load(qm_call *k, qm_status *st)
     qm_model *m;
     uint64_t t0 = qm_now_us();
     char *resolved = NULL;
-    int rc = qm_model_path_allowed(mx->registry, p->path, &resolved, st);
+    int rc = qm_model_path_allowed(mx->models, p->path, &resolved, st);
     if (rc == 0)
-        rc = qm_model_load(mx->registry, p->name, resolved ? resolved : p->path, &m, st);
+        rc = qm_model_load(mx->models, p->name, resolved ? resolved : p->path, &m, st);
     qm_free(resolved);
     if (rc < 0)
         return rc;
@@ -25,13 +56,14 @@ static int model_load(qm_call *k, qm_status *st)
     qm_trace_add(mx->trace, "model.load", t0, qm_now_us() - t0, NULL, args, NULL);
     qm_log(QM_LOG_INFO, "model %s loaded from %s (%u layers, %llu expert bytes)", m->name,
            m->path, m->n_layers, (unsigned long long)m->bytes_total);
-    qm_jw_model_summary(k->w, m);
+    write_model_summary(k->w, m);
     return 0;
 }
 
 static int model_unload(qm_call *k, qm_status *st)
 {
-    int rc = qm_model_unload(k->mx->registry, k->req->params.name, k->req->params.force, st);
+    int rc = qm_registry_unload_model(k->mx->registry, k->req->params.name,
+                                      k->req->params.force, st);
     if (rc < 0)
         return rc;
     qm_jw_obj_begin(k->w);
@@ -46,8 +78,8 @@ static int model_list(qm_call *k, qm_status *st)
     qm_jw_obj_begin(w);
     qm_jw_key(w, "models");
     qm_jw_arr_begin(w);
-    for (qm_model *m = qm_registry_first_model(k->mx->registry); m; m = m->next)
-        qm_jw_model_summary(w, m);
+    for (qm_model *m = k->mx->models->first; m; m = m->next)
+        write_model_summary(w, m);
     qm_jw_arr_end(w);
     qm_jw_obj_end(w);
     return 0;

@@ -22,7 +22,7 @@ static int can_see(const qm_peer *c, const qm_session *s)
 static void refresh_resident(const qm_method_ctx *mx)
 {
     uint64_t sum = 0, auto_sum = 0;
-    for (qm_session *s = qm_registry_first_session(mx->registry); s; s = qm_session_next(s)) {
+    for (qm_session *s = mx->sessions->first; s; s = qm_session_next(s)) {
         sum += qm_session_resident_bytes(s);
         uint64_t a = qm_session_auto_budget(s)->on ? qm_session_budget(s) : 0;
         qm_session_counters(s)->auto_budget_bytes = a;
@@ -49,7 +49,7 @@ static int telemetry_get(qm_call *k, qm_status *st)
     qm_jw *w = k->w;
     refresh_resident(mx);
     if (p->session) {
-        qm_session *s = qm_session_find(mx->registry, p->session);
+        qm_session *s = qm_session_find(mx->sessions, p->session);
         if (!s)
             return qm_status_set_field(st, QM_ENOT_FOUND, "session", "no session with that id");
         if (!can_see(c, s))
@@ -69,7 +69,7 @@ static int telemetry_get(qm_call *k, qm_status *st)
     qm_jw_obj_end(w);
     qm_jw_key(w, "sessions");
     qm_jw_arr_begin(w);
-    for (qm_session *s = qm_registry_first_session(mx->registry); s; s = qm_session_next(s)) {
+    for (qm_session *s = mx->sessions->first; s; s = qm_session_next(s)) {
         if (!can_see(c, s))
             continue;
         jw_session_counters(w, s);
@@ -109,9 +109,9 @@ static int telemetry_trace(qm_call *k, qm_status *st)
     const qm_params *p = &k->req->params;
     const qm_trace *trace = mx->trace;
     qm_jw *w = k->w;
-    if (p->session && !qm_session_find(mx->registry, p->session))
+    if (p->session && !qm_session_find(mx->sessions, p->session))
         return qm_status_set_field(st, QM_ENOT_FOUND, "session", "no session with that id");
-    size_t cap = trace->count + qm_registry_session_count(mx->registry);
+    size_t cap = trace->count + mx->sessions->n;
     const qm_span **all = qm_calloc(cap ? cap : 1, sizeof *all);
     if (!all)
         return qm_status_set(st, QM_ENOMEM, "out of memory collecting spans");
@@ -119,7 +119,7 @@ static int telemetry_trace(qm_call *k, qm_status *st)
     for (size_t i = 0; i < trace->count; i++)
         all[n++] = qm_trace_at(trace, i);
     size_t in_ring = n;
-    for (qm_session *s = qm_registry_first_session(mx->registry); s; s = qm_session_next(s)) {
+    for (qm_session *s = mx->sessions->first; s; s = qm_session_next(s)) {
         const qm_span *plan = qm_session_plan_span(s);
         int dup = 0;
         for (size_t i = 0; i < in_ring && !dup; i++)
@@ -169,7 +169,7 @@ static void session_labels(qm_buf *b, const qm_session *s, const char *extra)
 static int metrics_text(const qm_method_ctx *mx, const qm_peer *c, qm_buf *b)
 {
     refresh_resident(mx);
-    qm_session *first = qm_registry_first_session(mx->registry);
+    qm_session *first = mx->sessions->first;
     for (size_t i = 0; i < qm_counter_count(); i++) {
         const char *name = qm_counter_name(i), *help = qm_counter_help(i);
         const char *suffix = qm_counter_is_total(i) ? "_total" : "";
@@ -239,7 +239,7 @@ static int metrics_text(const qm_method_ctx *mx, const qm_peer *c, qm_buf *b)
                   "# TYPE qmoed_budget_used_bytes gauge\nqmoed_budget_used_bytes %llu\n"
                   "# HELP qmoed_uptime_seconds Seconds since start.\n"
                   "# TYPE qmoed_uptime_seconds gauge\nqmoed_uptime_seconds %llu\n",
-                  qm_registry_model_count(mx->registry), qm_registry_session_count(mx->registry),
+                  mx->models->n, mx->sessions->n,
                   qm_server_connections(mx->server),
                   (unsigned long long)qm_devices_admitted(mx->devices),
                   (unsigned long long)((qm_now_us() - mx->start_us) / 1000000));

@@ -21,6 +21,7 @@
 #include "qm_reclaim.h"
 #include "qm_registry.h"
 #include "qm_reply.h"
+#include "qm_ring.h"
 #include "qm_server.h"
 #include "qm_telemetry.h"
 
@@ -30,7 +31,9 @@
  * operations say). */
 struct qm_method_ctx {
     const qm_config *cfg; /* reloaded in place on SIGHUP */
-    qm_registry *registry;
+    qm_registry *registry; /* its two lists, also given apart: */
+    qm_models *models;
+    qm_sessions *sessions;
     const qm_devices *devices;
     qm_server *server;
     qm_pool *pool;
@@ -38,6 +41,7 @@ struct qm_method_ctx {
     qm_limits *limits;
     qm_trace *trace;
     qm_reclaim *reclaim; /* orphan reclaim (qm_reclaim.h) */
+    qm_rings *rings;     /* call rings (qm_ring.h) */
     uint64_t start_us; /* qm_now_us at start */
     int (*draining)(void *life);
     void (*begin_drain)(void *life, const char *why);
@@ -66,6 +70,7 @@ typedef enum qm_queueing {
 typedef struct qm_call {
     const qm_method_ctx *mx;
     const qm_peer *peer;
+    qm_conn *conn; /* the connection it came on (session.ring holds it) */
     const qm_request *req;
     qm_jw *w;
     qm_fds *fds; /* session.map: the descriptor that came with it (the handler takes it) */
@@ -101,7 +106,7 @@ void qm__job_answer(qm_job *job);
     const qm_method_entry qm__method_row_##m = {.method = QM_METHOD_##m, __VA_ARGS__}
 
 /* Every row, by QM_METHOD_MAP's names. */
-#define QM__METHOD_ROW_DECLARE(m, text) extern const qm_method_entry qm__method_row_##m;
+#define QM__METHOD_ROW_DECLARE(m, ...) extern const qm_method_entry qm__method_row_##m;
 QM_METHOD_MAP(QM__METHOD_ROW_DECLARE)
 #undef QM__METHOD_ROW_DECLARE
 

@@ -1,8 +1,8 @@
-/* qm_models.c - the registry's models: each bank loaded once, shared by
- * its sessions, reference counted, registered with every device for fast
- * copies, guarded against truncation (qm_sigbus.c); and the registry
- * itself. Loop thread only, except qm_model_check. */
-#include "qm_registry_impl.h"
+/* qm_models.c - the loaded models: each bank loaded once, shared by its
+ * sessions, reference counted, registered with every device for fast
+ * copies, guarded against truncation (qm_sigbus.c). Loop thread only,
+ * except qm_model_check. */
+#include "qm_models.h"
 
 #include <errno.h>
 #include <stdio.h>
@@ -13,27 +13,6 @@
 #include "qm_alloc.h"
 #include "qm_log.h"
 #include "qm_sigbus.h"
-
-int qm_registry_new(const qm_config *cfg, qm_devices *devices, qm_limits *limits,
-                    qm_trace *trace, qm_registry **out)
-{
-    qm_registry *r = qm_calloc(1, sizeof *r);
-    *out = r;
-    if (!r)
-        return QM_ENOMEM;
-    r->cfg = cfg;
-    r->devices = devices;
-    r->limits = limits;
-    r->trace = trace;
-    return 0;
-}
-
-size_t qm_registry_model_count(const qm_registry *r) { return r->n_models; }
-size_t qm_registry_session_count(const qm_registry *r) { return r->n_sessions; }
-qm_model *qm_registry_first_model(const qm_registry *r) { return r->models; }
-qm_session *qm_registry_first_session(const qm_registry *r) { return r->sessions; }
-uint64_t qm_registry_new_map_id(qm_registry *r) { return ++r->next_map_id; }
-const qm_devices *qm_registry_devices(const qm_registry *r) { return r->devices; }
 
 static void model_save_hotness(qm_model *m)
 {
@@ -48,9 +27,9 @@ static void model_save_hotness(qm_model *m)
     m->hotness_saved = qm_hotness_records(m->hotness);
 }
 
-void qm_models_save_hotness(qm_registry *r)
+void qm_models_save_hotness(qm_models *ms)
 {
-    for (qm_model *m = r->models; m; m = m->next)
+    for (qm_model *m = ms->first; m; m = m->next)
         model_save_hotness(m);
 }
 
@@ -59,13 +38,13 @@ void qm_models_save_hotness(qm_registry *r)
  * layers of it: a session's placement), so paging copies are one DMA each
  * instead of going through bounce buffers. A refusal only costs speed (on
  * that device); backends with nothing to register (CPU) answer 0. */
-static void model_register_host(qm_registry *r, qm_model *m)
+static void model_register_host(const qm_models *ms, qm_model *m)
 {
     uint64_t bytes;
     const void *base = qm_bank_mapping(m->bank, &bytes);
-    for (uint32_t i = 0; i < r->devices->n; i++) {
-        qm_backend *be = r->devices->dev[i].backend;
-        const char *name = r->devices->dev[i].name;
+    for (uint32_t i = 0; i < ms->devices->n; i++) {
+        qm_backend *be = ms->devices->dev[i].backend;
+        const char *name = ms->devices->dev[i].name;
         qm_status st;
         qm_status_clear(&st);
         int rc = qm_backend_register_host(be, base, (size_t)bytes, &st);
@@ -116,18 +95,18 @@ void qm_model_unref(qm_model *m)
         model_free(m);
 }
 
-qm_model *qm_model_find(const qm_registry *r, const char *name)
+qm_model *qm_model_find(const qm_models *ms, const char *name)
 {
-    for (qm_model *m = r->models; m; m = m->next)
+    for (qm_model *m = ms->first; m; m = m->next)
         if (strcmp(m->name, name) == 0)
             return m;
     return NULL;
 }
 
-int qm_model_load(qm_registry *r, const char *name, const char *path, qm_model **out,
+int qm_model_load(qm_models *ms, const char *name, const char *path, qm_model **out,
                   qm_status *st)
 {
-    if (qm_model_find(r, name))
+    if (qm_model_find(ms, name))
         return qm_status_set_field(st, QM_ECONFLICT, "name",
                                    "a model named '%s' is already loaded; unload it first", name);
     qm_model *m = qm_calloc(1, sizeof *m);
@@ -177,7 +156,7 @@ int qm_model_load(qm_registry *r, const char *name, const char *path, qm_model *
     qm_hotness_key key;
     qm_hotness_key_of_bank(m->bank, &key);
     char warning[256] = "";
-    const char *state_dir = r->cfg->state_dir;
+    const char *state_dir = ms->cfg->state_dir;
     if (state_dir) {
         size_t n = strlen(state_dir) + strlen(name) + 8;
         m->hotness_path = qm_malloc(n);
@@ -199,12 +178,12 @@ int qm_model_load(qm_registry *r, const char *name, const char *path, qm_model *
     m->bytes_total = qm_bank_expert_bytes_total(m->bank);
     const qm_layer_view *lv = qm_bank_layer(m->bank, 0);
     m->bytes_per_expert = lv ? lv->bytes_per_expert : 0;
-    model_register_host(r, m);
+    model_register_host(ms, m);
     m->refs = 1;
     m->registered = 1;
-    m->next = r->models;
-    r->models = m;
-    r->n_models++;
+    m->next = ms->first;
+    ms->first = m;
+    ms->n++;
     if (out)
         *out = m;
     return 0;
@@ -215,11 +194,11 @@ free_model:
 
 /* Symlinks and ".." are resolved on both sides before comparing, so a path
  * cannot step out of a directory; the resolved path is what gets opened. */
-int qm_model_path_allowed(const qm_registry *r, const char *path, char **resolved,
+int qm_model_path_allowed(const qm_models *ms, const char *path, char **resolved,
                           qm_status *st)
 {
     *resolved = NULL;
-    const char *model_dirs = r->cfg->model_dirs;
+    const char *model_dirs = ms->cfg->model_dirs;
     if (!model_dirs)
         return 0;
     char *real = realpath(path, NULL);
@@ -257,58 +236,17 @@ int qm_model_path_allowed(const qm_registry *r, const char *path, char **resolve
                                path, model_dirs[0] ? model_dirs : "empty: none");
 }
 
-void qm_jw_model_summary(qm_jw *w, const qm_model *m)
+void qm_model_unlink(qm_models *ms, qm_model *m)
 {
-    const qm_bank_config *c = qm_bank_get_config(m->bank);
-    qm_jw_obj_begin(w);
-    qm_jw_member_str(w, "name", m->name);
-    qm_jw_member_str(w, "path", m->path);
-    qm_jw_member_u64(w, "layers", c->layers);
-    qm_jw_member_u64(w, "experts", c->experts);
-    qm_jw_member_u64(w, "hidden_size", c->hidden);
-    qm_jw_member_u64(w, "inter_size", c->inter);
-    qm_jw_member_u64(w, "k", c->k);
-    qm_jw_member_str(w, "activation", qm_activation_name(c->activation));
-    qm_jw_member_u64(w, "bits", c->bits);
-    qm_jw_member_u64(w, "block_size", c->block_size);
-    qm_jw_member_u64(w, "bytes_total", m->bytes_total);
-    qm_jw_member_u64(w, "bytes_per_expert", m->bytes_per_expert);
-    /* An imported bank's qmoe.layer_map: engines tag their MoE layers with
-     * it (docs/ENGINES.md). Absent when the bank has none (identity). */
-    const uint32_t *map = qm_bank_layer_map(m->bank);
-    if (map) {
-        qm_jw_key(w, "layer_map");
-        qm_jw_arr_begin(w);
-        for (uint32_t l = 0; l < c->layers; l++)
-            qm_jw_u64(w, map[l]);
-        qm_jw_arr_end(w);
-    }
-    qm_jw_obj_end(w);
-}
-
-int qm_model_unload(qm_registry *r, const char *name, int force, qm_status *st)
-{
-    qm_model *m = qm_model_find(r, name);
-    if (!m)
-        return qm_status_set_field(st, QM_ENOT_FOUND, "name", "no model named '%s' is loaded",
-                                   name);
-    size_t users = qm__sessions_of_model(r, m);
-    if (users && !force)
-        return qm_status_set_field(st, QM_EIN_USE, "name",
-                                   "model '%s' has %zu open sessions; close them or pass force",
-                                   name, users);
-    qm__sessions_close_model(r, m);
-    for (qm_model **pp = &r->models; *pp; pp = &(*pp)->next) {
+    for (qm_model **pp = &ms->first; *pp; pp = &(*pp)->next) {
         if (*pp == m) {
             *pp = m->next;
-            break;
+            ms->n--;
+            m->registered = 0;
+            qm_model_unref(m);
+            return;
         }
     }
-    r->n_models--;
-    m->registered = 0;
-    qm_log(QM_LOG_INFO, "model %s unloaded%s", name, users ? " (sessions closed)" : "");
-    qm_model_unref(m);
-    return 0;
 }
 
 int qm_model_check(const qm_model *m, qm_status *st)
@@ -327,16 +265,8 @@ int qm_model_check(const qm_model *m, qm_status *st)
     return 0;
 }
 
-void qm_registry_free(qm_registry *r)
+void qm_models_free(qm_models *ms)
 {
-    if (!r)
-        return;
-    qm__sessions_close_model(r, NULL);
-    while (r->models) {
-        qm_model *m = r->models;
-        r->models = m->next;
-        r->n_models--;
-        qm_model_unref(m);
-    }
-    qm_free(r);
+    while (ms->first)
+        qm_model_unlink(ms, ms->first);
 }

@@ -1,7 +1,8 @@
-/* qm_models.h - the registry's loaded models (qm_models.c): each bank is
- * mapped once, shared by the sessions that use it, reference counted, and
- * freed when unloaded and its last session has let go. Loop thread only,
- * except qm_model_check, which a worker calls around each use of the bank. */
+/* qm_models.h - the loaded models (qm_models.c), the registry's first list
+ * (qm_registry.h): each bank is mapped once, shared by the sessions that
+ * use it, reference counted, and freed when unloaded and its last session
+ * has let go. Loop thread only, except qm_model_check, which a worker calls
+ * around each use of the bank. */
 #ifndef QM_MODELS_H
 #define QM_MODELS_H
 
@@ -10,9 +11,9 @@
 #include "qm_backend.h"
 #include "qm_bank.h"
 #include "qm_config.h"
+#include "qm_devices.h"
 #include "qm_hotness.h"
 #include "qm_protocol.h"
-#include "qm_registry.h"
 #include "qm_residency.h"
 
 typedef struct qm_model {
@@ -35,21 +36,34 @@ typedef struct qm_model {
     struct qm_model *next;
 } qm_model;
 
+/* The loaded models, newest first. It borrows the configuration
+ * (state_dir, model_dirs; reloaded in place) and the devices a mapping is
+ * registered with, the daemon's for as long as it lives. */
+typedef struct qm_models {
+    const qm_config *cfg;
+    const qm_devices *devices;
+    qm_model *first; /* the next of each is m->next */
+    size_t n;
+} qm_models;
+
 /* Maps the bank at path under `name`; *out (may be NULL) is borrowed from
- * the registry. */
-int qm_model_load(qm_registry *r, const char *name, const char *path, qm_model **out,
+ * the list. */
+int qm_model_load(qm_models *ms, const char *name, const char *path, qm_model **out,
                   qm_status *st);
 /* model.load's path check against model_dirs: the resolved path (qm_malloc'd)
  * in *resolved, or QM_EPERMISSION naming the key when it lies outside. */
-int qm_model_path_allowed(const qm_registry *r, const char *path, char **resolved,
+int qm_model_path_allowed(const qm_models *ms, const char *path, char **resolved,
                           qm_status *st);
-qm_model *qm_model_find(const qm_registry *r, const char *name); /* borrowed; NULL when none */
+qm_model *qm_model_find(const qm_models *ms, const char *name); /* borrowed; NULL when none */
 void qm_model_unref(qm_model *m);
-/* Unregisters; with force closes its sessions, else QM_EIN_USE while used. */
-int qm_model_unload(qm_registry *r, const char *name, int force, qm_status *st);
-void qm_jw_model_summary(qm_jw *w, const qm_model *m);
+/* Takes m off the list (unregistered: sessions still holding it keep it
+ * until they let go) and drops the list's reference. model.unload is the
+ * registry's (qm_registry_unload_model): it closes the sessions first. */
+void qm_model_unlink(qm_models *ms, qm_model *m);
+/* Unlinks every model (at exit, after every session closed). */
+void qm_models_free(qm_models *ms);
 /* Saves every model's hotness profile that changed (state_dir set). */
-void qm_models_save_hotness(qm_registry *r);
+void qm_models_save_hotness(qm_models *ms);
 /* Before and after each use of a model's bank:
  * QM_EINVALID_MODEL when its file was truncated on disk (fstat) or a read
  * hit a missing page (qm_sigbus.c). Any thread. */

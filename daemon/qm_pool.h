@@ -11,6 +11,7 @@
 #ifndef QM_POOL_H
 #define QM_POOL_H
 
+#include <stdatomic.h>
 #include <stddef.h>
 #include <stdint.h>
 #include <uv.h>
@@ -49,7 +50,9 @@ typedef struct qm_job_queue {
     qm_job *head, *tail;          /* its FIFO (pool lock) */
     int scheduled;                /* on the run queue or running (pool lock) */
     struct qm_job_queue *runq_next; /* (pool lock) */
-    size_t pending;               /* jobs submitted and not yet handed back (loop thread) */
+    /* jobs submitted and not yet handed back: counted up where they are
+     * submitted (the loop, or a ring's thread), down on the loop */
+    atomic_size_t pending;
 } qm_job_queue;
 
 struct qm_job {
@@ -103,6 +106,13 @@ void qm_pool_stop(qm_pool *p); /* joins the workers and frees p; accepts NULL */
 int qm_pool_submit(qm_pool *p, qm_job *job, uint32_t queue_depth);
 /* Jobs submitted and not yet handed back to the loop (0 without a pool). */
 size_t qm_pool_queued(const qm_pool *p);
+/* A call ring's job (daemon/qm_ring.c), from the ring's own thread: counted
+ * as submitted, then run at once on the calling thread when its session's
+ * FIFO is idle (returns 1: `run` ran here, in the session's order, and the
+ * job is on its way back to the loop), else queued behind the session's
+ * work for a worker (returns 0). Never refused: a ring has one call in
+ * flight. Any thread. */
+int qm_pool_run_or_queue(qm_pool *p, qm_job *job);
 void qm_job_free(qm_job *job); /* accepts NULL; the session reference is the caller's */
 
 #endif

@@ -220,7 +220,7 @@ static void arm_test_source(qm_pressure *p)
 
 static int auto_resize_admit(qm_job *job, qm_status *st)
 {
-    return qm_session_resize_reserve(job->mx->registry, job->session,
+    return qm_session_resize_reserve(job->mx->sessions, job->session,
                                      job->req.params.budget_bytes, st);
 }
 
@@ -250,7 +250,7 @@ static void auto_resize_finish(qm_job *job)
     qm_session *s = job->session;
     qm_budget_auto *a = qm_session_auto_budget(s);
     uint64_t was = qm_session_budget(s), want = job->req.params.budget_bytes;
-    qm_session_resize_finish(mx->registry, s, job->rc == 0, want);
+    qm_session_resize_finish(mx->sessions, s, job->rc == 0, want);
     a->pending = 0;
     if (qm_session_closed(s))
         return;
@@ -277,7 +277,7 @@ static void auto_resize_finish(qm_job *job)
 
 static void auto_resize_undo(qm_job *job)
 {
-    qm_session_resize_finish(job->mx->registry, job->session, 0, 0);
+    qm_session_resize_finish(job->mx->sessions, job->session, 0, 0);
     qm_session_auto_budget(job->session)->pending = 0;
 }
 
@@ -350,7 +350,7 @@ static size_t auto_sessions(const qm_method_ctx *mx, qm_session **s, qm_budget_v
 {
     size_t n = 0;
     *pending = 0;
-    for (qm_session *it = qm_registry_first_session(mx->registry); it; it = qm_session_next(it)) {
+    for (qm_session *it = mx->sessions->first; it; it = qm_session_next(it)) {
         qm_budget_auto *a = qm_session_auto_budget(it);
         if (!a->on || qm_session_closed(it))
             continue;
@@ -358,7 +358,7 @@ static size_t auto_sessions(const qm_method_ctx *mx, qm_session **s, qm_budget_v
         if (n == cap)
             continue;
         if (!a->floor)
-            a->floor = qm_session_min_budget(mx->registry, it);
+            a->floor = qm_session_min_budget(mx->sessions, it);
         s[n] = it;
         v[n] = (qm_budget_view){.budget = qm_session_budget(it), .target = a->target,
                                 .floor = a->floor, .pending = a->pending};

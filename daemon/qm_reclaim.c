@@ -1,6 +1,6 @@
-/* qm_reclaim.c - orphan reclaim: the connections that touched each session,
- * the orphan mark, and the timer that closes sessions orphaned for
- * session_orphan_timeout_s (qm_reclaim.h). Loop thread only. */
+/* qm_reclaim.c - orphan reclaim: the timer that closes sessions orphaned
+ * for session_orphan_timeout_s (qm_reclaim.h), and the marks it reads
+ * (qm_touches.h) set where a session's use changes. Loop thread only. */
 #include "qm_reclaim.h"
 
 #include <string.h>
@@ -9,70 +9,6 @@
 #include "qm_alloc.h"
 #include "qm_log.h"
 #include "qm_models.h"
-#include "qm_sessions.h"
-
-/* ---- one session's touches ---- */
-
-void qm_touches_add(qm_touches *t, uint64_t conn_id)
-{
-    t->orphaned_us = 0;
-    t->orphaned_at = 0;
-    for (uint32_t i = 0; i < t->n; i++)
-        if (t->conns[i] == conn_id)
-            return;
-    if (t->n == t->cap) {
-        uint32_t cap = t->cap ? 2 * t->cap : 4;
-        uint64_t *grown = qm_realloc(t->conns, cap * sizeof *grown);
-        if (!grown) {
-            /* Forgetting a touch could reclaim a session in use: keep it
-             * for good instead (the conservative side, today's rule). */
-            if (!t->lost)
-                qm_log(QM_LOG_WARNING, "out of memory recording a connection's use of a "
-                       "session: that session is never reclaimed as orphaned");
-            t->lost = 1;
-            return;
-        }
-        t->conns = grown;
-        t->cap = cap;
-    }
-    t->conns[t->n++] = conn_id;
-}
-
-int qm_touches_forget(qm_touches *t, uint64_t conn_id)
-{
-    for (uint32_t i = 0; i < t->n; i++) {
-        if (t->conns[i] == conn_id) {
-            t->conns[i] = t->conns[--t->n];
-            return 1;
-        }
-    }
-    return 0;
-}
-
-int qm_touches_mark(qm_touches *t, size_t queued, uint64_t now_us)
-{
-    if (t->orphaned_us || t->n || t->lost || queued)
-        return 0;
-    t->orphaned_us = now_us ? now_us : 1;
-    t->orphaned_at = (int64_t)time(NULL);
-    return 1;
-}
-
-void qm_touches_free(qm_touches *t)
-{
-    qm_free(t->conns);
-    memset(t, 0, sizeof *t);
-}
-
-int64_t qm_touches_reclaim_in_s(const qm_touches *t, uint32_t timeout_s, uint64_t now_us)
-{
-    if (!t->orphaned_us || !timeout_s)
-        return -1;
-    uint64_t due = t->orphaned_us + (uint64_t)timeout_s * 1000000u;
-    return due > now_us ? (int64_t)((due - now_us + 999999u) / 1000000u) : 0;
-}
-
-/* ---- the reclaimer ---- */
 
 static uint64_t timeout_us(const qm_reclaim *rc)
 {
@@ -93,7 +29,7 @@ size_t qm_reclaim_due(qm_reclaim *rc, uint64_t now_us)
     size_t closed = 0;
     if (!limit)
         return 0;
-    for (qm_session *s = qm_registry_first_session(rc->registry), *next; s; s = next) {
+    for (qm_session *s = rc->sessions->first, *next; s; s = next) {
         next = qm_session_next(s);
         if (!is_due(s, now_us, limit))
             continue;
@@ -105,7 +41,7 @@ size_t qm_reclaim_due(qm_reclaim *rc, uint64_t now_us)
                rc->cfg->session_orphan_timeout_s, qm_session_model(s)->name,
                (unsigned)qm_session_owner(s), (unsigned long long)qm_session_budget(s),
                qm_session_maps(s)->count);
-        qm_session_close(rc->registry, s);
+        qm_session_close(rc->sessions, s);
         rc->counters->sessions_reclaimed++;
         closed++;
     }
@@ -119,11 +55,11 @@ static void timer_cb(uv_timer_t *h)
     qm_reclaim_arm(rc);
 }
 
-void qm_reclaim_init(qm_reclaim *rc, uv_loop_t *loop, qm_registry *r, const qm_config *cfg,
-                     qm_counters *counters)
+void qm_reclaim_init(qm_reclaim *rc, uv_loop_t *loop, qm_sessions *sessions,
+                     const qm_config *cfg, qm_counters *counters)
 {
     memset(rc, 0, sizeof *rc);
-    rc->registry = r;
+    rc->sessions = sessions;
     rc->cfg = cfg;
     rc->counters = counters;
     uv_timer_init(loop, &rc->timer);
@@ -137,7 +73,7 @@ void qm_reclaim_arm(qm_reclaim *rc)
     if (uv_is_closing((uv_handle_t *)&rc->timer))
         return;
     uint64_t limit = timeout_us(rc), first = 0;
-    for (qm_session *s = limit ? qm_registry_first_session(rc->registry) : NULL; s;
+    for (qm_session *s = limit ? rc->sessions->first : NULL; s;
          s = qm_session_next(s)) {
         const qm_touches *t = qm_session_touches(s);
         if (!t->orphaned_us || t->n || t->lost)
@@ -173,7 +109,7 @@ void qm_reclaim_conn_closed(qm_reclaim *rc, uint64_t conn_id)
 {
     int marked = 0;
     uint64_t now = qm_now_us();
-    for (qm_session *s = qm_registry_first_session(rc->registry); s; s = qm_session_next(s))
+    for (qm_session *s = rc->sessions->first; s; s = qm_session_next(s))
         if (qm_touches_forget(qm_session_touches(s), conn_id))
             marked |= mark(rc, s, now);
     if (marked)

@@ -1,22 +1,19 @@
-/* qm_registry.h - the daemon's models and sessions (qm_models.h,
- * qm_sessions.h), one registry per daemon. It borrows what admission and
- * bookkeeping read: the configuration (reloaded in place), the devices,
- * the limit counters and the trace ring, all the daemon's for as long as
- * the registry lives. Loop thread only, except where qm_sessions.h says a
- * worker may call. */
+/* qm_registry.h - the daemon's models and sessions (qm_registry.c), one
+ * registry per daemon: its two lists (qm_models.h, qm_sessions.h) and what
+ * crosses them (a model unloaded with its sessions, everything at exit).
+ * It borrows what admission and bookkeeping read: the configuration
+ * (reloaded in place), the devices, the limit counters and the trace ring,
+ * all the daemon's for as long as the registry lives. Loop thread only. */
 #ifndef QM_REGISTRY_H
 #define QM_REGISTRY_H
 
-#include <stddef.h>
-#include <stdint.h>
-
 #include "qm_config.h"
 #include "qm_devices.h"
+#include "qm_models.h"
+#include "qm_sessions.h"
 #include "qm_telemetry.h"
 
 typedef struct qm_registry qm_registry;
-typedef struct qm_model qm_model;     /* qm_models.h */
-typedef struct qm_session qm_session; /* qm_sessions.h */
 
 /* An empty registry; *out is the caller's (qm_registry_free). */
 int qm_registry_new(const qm_config *cfg, qm_devices *devices, qm_limits *limits,
@@ -25,15 +22,12 @@ int qm_registry_new(const qm_config *cfg, qm_devices *devices, qm_limits *limits
  * NULL). Jobs still holding sessions must be gone. */
 void qm_registry_free(qm_registry *r);
 
-size_t qm_registry_model_count(const qm_registry *r);
-size_t qm_registry_session_count(const qm_registry *r);
-/* The first model and session (borrowed; NULL when none); the next of
- * each is m->next and qm_session_next(s). Newest first. */
-qm_model *qm_registry_first_model(const qm_registry *r);
-qm_session *qm_registry_first_session(const qm_registry *r);
-/* A daemon-wide unique id for a session's shared-memory map (qm_shm.h). */
-uint64_t qm_registry_new_map_id(qm_registry *r);
-/* The devices sessions are admitted to, borrowed from the daemon. */
-const qm_devices *qm_registry_devices(const qm_registry *r);
+/* Its lists, borrowed for as long as r lives. */
+qm_models *qm_registry_models(qm_registry *r);
+qm_sessions *qm_registry_sessions(qm_registry *r);
+
+/* model.unload: unregisters model `name`; with force closes its sessions
+ * first, else QM_EIN_USE while it has any (field name). */
+int qm_registry_unload_model(qm_registry *r, const char *name, int force, qm_status *st);
 
 #endif

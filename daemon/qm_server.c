@@ -50,6 +50,7 @@ struct qm_conn {
     int close_after_write;
     int eof;             /* the peer half-closed: answer what it sent, then close */
     size_t replies_pending;
+    uint32_t holds; /* call rings open on it (qm_conn_hold): idle_timeout_s spares it */
     int reading;
     int paused_output; /* reads stopped: output over max_output_bytes */
     int paused_frames; /* reads stopped: frames left for the next wake-up */
@@ -641,7 +642,7 @@ void qm_server_sweep_idle(qm_server *sv)
             qm_conn_drop(c);
             continue;
         }
-        if (!idle || c->replies_pending || c->out_bytes)
+        if (!idle || c->replies_pending || c->out_bytes || c->holds)
             continue;
         if (now - c->last_active_ms > idle) {
             qm_limit_hit(sv->host.limits, QM_LIMIT_IDLE_TIMEOUT,
@@ -650,6 +651,19 @@ void qm_server_sweep_idle(qm_server *sv)
             qm_conn_drop(c);
         }
     }
+}
+
+void qm_conn_hold(qm_conn *c)
+{
+    qm_conn_ref(c);
+    c->holds++;
+}
+
+void qm_conn_release(qm_conn *c)
+{
+    c->holds--;
+    c->last_active_ms = uv_now(c->sv->host.loop);
+    qm_conn_unref(c);
 }
 
 void qm_conn_reply_begin(qm_conn *c)

@@ -101,6 +101,11 @@ qm_fds qm_conn_take_fds(qm_conn *c);
 void qm_conn_drop(qm_conn *c);
 /* Queues bytes (takes ownership of `data`, from qm_malloc) for writing. */
 void qm_conn_write(qm_conn *c, char *data, size_t len);
+/* A call ring (qm_ring.h) opened on the connection (holds a reference to
+ * it) and, later, closed: while one is open, idle_timeout_s does not close
+ * the connection, whose peer talks through the ring. Loop thread. */
+void qm_conn_hold(qm_conn *c);
+void qm_conn_release(qm_conn *c);
 /* A reply was opened for the connection (holds a reference to it) and,
  * later, written or dropped (releases it): a half-closed connection closes
  * once the last one is done. */

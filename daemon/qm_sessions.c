@@ -1,11 +1,12 @@
-/* qm_sessions.c - the registry's sessions: unguessable ids, owner, policy,
- * plan, a placement over the daemon's devices with one pager per device
- * that holds layers, and admission of their budgets against the devices'.
- * Loop thread only, except what qm_sessions.h gives a worker. */
-#include "qm_registry_impl.h"
+/* qm_sessions.c - the sessions: unguessable ids, owner, a recipe (policy,
+ * plan, placement over the daemon's devices, pager options) made by one
+ * function for every session, the pool of experts it draws from (its own,
+ * or one shared with the model's sessions that share), and admission of
+ * their budgets against the devices'. Loop thread only, except what
+ * qm_sessions.h gives a worker. */
+#include "qm_sessions.h"
 
 #include <errno.h>
-#include <pthread.h>
 #include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -14,29 +15,27 @@
 #include <time.h>
 
 #include "qm_alloc.h"
-#include "qm_budget.h"
+#include "qm_expert_pool.h"
 #include "qm_fault.h"
 #include "qm_log.h"
 #include "qm_placement.h"
-#include "qm_plan_json.h"
-#include "qm_share.h"
 
 struct qm_session {
     char id[QM_SESSION_ID_LEN + 1];
     uid_t owner_uid;
     qm_model *model;
     char policy_name[16];
-    int precision_fast;       /* session.create precision "fast" (fixed for the session) */
-    qm_policy policy;
-    qm_residency_plan *plan;
-    /* Its layers over the daemon's devices (engine/pager/qm_placement.h; one
-     * device holds them all), and one pager per device that holds layers
-     * (worker, while a job of this session runs). */
-    qm_placement placement;
-    qm_multipager *pagers;
+    qm_precision precision;   /* fixed for the session */
+    /* Its policy, plan, layers over the daemon's devices (one device holds
+     * them all) and pager options; the pool it draws from (its own, which
+     * borrows the recipe and has one pager per device that holds layers,
+     * or a shared one) and its membership there (worker, while a job of
+     * this session runs). */
+    qm_pool_recipe recipe;
+    qm_expert_pool *pool;
+    qm_pool_member member;
     uint64_t device_admitted[QM_CONFIG_MAX_DEVICES]; /* its part of each device's budget */
     char device_names[QM_CONFIG_MAX_DEVICES][16];    /* the daemon's, for its plan */
-    qm_pager_options pager_options;
     char *trace_path;         /* policy_params.record_trace in the state dir, or NULL */
     uint64_t plan_start_us, plan_us;
     uint64_t budget_bytes;    /* expert-weight budget */
@@ -47,14 +46,7 @@ struct qm_session {
     uint32_t resizes_pending; /* session.resize jobs queued and not yet done */
     int64_t created_at;       /* unix seconds */
     qm_touches touches;       /* the open connections that used it, its orphan mark */
-    /* Shared residency (qm_share.h): the pool it draws from instead of
-     * pagers of its own, whether it joined, the budget it gave the pool and
-     * its own counters (worker, in its FIFO). NULL: pagers of its own. */
-    qm_share *share;
-    int share_joined;
-    uint64_t share_budget;
-    qm_pager_stats share_stats;
-    int refs;                 /* registry + queued jobs */
+    atomic_int refs;          /* registry + queued jobs + call rings (taken by a ring's thread too) */
     atomic_int closed;        /* set by the loop; workers answer not_found after it */
     qm_counters counters;
     qm_pager_stats last_stats; /* the pagers' cumulative stats after the last job */
@@ -64,9 +56,9 @@ struct qm_session {
     qm_session *next;
 };
 
-qm_session *qm_session_find(const qm_registry *r, const char *id)
+qm_session *qm_session_find(const qm_sessions *ss, const char *id)
 {
-    for (qm_session *s = r->sessions; s; s = s->next)
+    for (qm_session *s = ss->first; s; s = s->next)
         if (strcmp(s->id, id) == 0)
             return s;
     return NULL;
@@ -75,67 +67,74 @@ qm_session *qm_session_find(const qm_registry *r, const char *id)
 static void session_free(qm_session *s)
 {
     qm_shm_set_release_all(&s->maps);
+    qm_shm_set_destroy(&s->maps);
     qm_touches_free(&s->touches);
-    if (s->share_joined)
-        qm_share_leave(s->share, s->share_budget);
-    qm_share_unref(s->share);
-    qm_multipager_free(s->pagers);
-    qm_placement_free(&s->placement);
+    qm_status st = {0};
+    if (s->pool && qm_expert_pool_leave(s->pool, &s->member, &st) < 0)
+        qm_log(QM_LOG_WARNING, "shared residency pool: giving back a member's %llu bytes "
+               "failed (%s); the pool keeps them until its next member leaves",
+               (unsigned long long)s->member.budget, st.msg);
+    qm_expert_pool_unref(s->pool);
+    qm_pool_recipe_free(&s->recipe);
     qm_free(s->trace_path);
-    qm_plan_free(s->plan);
-    qm_policy_destroy(&s->policy);
     qm_model_unref(s->model);
     qm_free(s);
 }
 
-void qm_session_ref(qm_session *s) { s->refs++; }
+void qm_session_ref(qm_session *s) { atomic_fetch_add(&s->refs, 1); }
 
+/* The last reference goes on the loop thread: a ring's thread only takes
+ * references while its ring holds one. */
 void qm_session_unref(qm_session *s)
 {
-    if (s && --s->refs == 0)
+    if (s && atomic_fetch_sub(&s->refs, 1) == 1)
         session_free(s);
 }
 
 /* Gives the session's reservation back, on every device it holds. */
-static void session_release_admission(qm_registry *r, qm_session *s)
+static void session_release_admission(qm_sessions *ss, qm_session *s)
 {
-    for (uint32_t i = 0; i < r->devices->n; i++)
-        r->devices->dev[i].admitted -= s->device_admitted[i];
+    for (uint32_t i = 0; i < ss->devices->n; i++)
+        ss->devices->dev[i].admitted -= s->device_admitted[i];
 }
 
-void qm_session_close(qm_registry *r, qm_session *s)
+void qm_session_close(qm_sessions *ss, qm_session *s)
 {
-    for (qm_session **pp = &r->sessions; *pp; pp = &(*pp)->next) {
+    for (qm_session **pp = &ss->first; *pp; pp = &(*pp)->next) {
         if (*pp == s) {
             *pp = s->next;
-            r->n_sessions--;
-            session_release_admission(r, s);
+            ss->n--;
+            session_release_admission(ss, s);
             atomic_store(&s->closed, 1);
             s->next = NULL;
             /* Its maps go now; jobs still queued hold the ones they use. */
             qm_shm_set_release_all(&s->maps);
+            if (ss->on_close)
+                ss->on_close(ss->on_close_arg, s);
             qm_session_unref(s);
             return;
         }
     }
 }
 
-void qm__sessions_close_model(qm_registry *r, const qm_model *m)
+void qm_sessions_close_model(qm_sessions *ss, const qm_model *m)
 {
-    for (qm_session *s = r->sessions, *next; s; s = next) {
+    for (qm_session *s = ss->first, *next; s; s = next) {
         next = s->next;
         if (!m || s->model == m)
-            qm_session_close(r, s);
+            qm_session_close(ss, s);
     }
 }
 
-size_t qm__sessions_of_model(const qm_registry *r, const qm_model *m)
+size_t qm_sessions_of_model(const qm_sessions *ss, const qm_model *m)
 {
     size_t n = 0;
-    for (const qm_session *s = r->sessions; s; s = s->next)
+    for (const qm_session *s = ss->first; s; s = s->next)
         n += s->model == m;
     return n;
 }
+
+uint64_t qm_sessions_new_map_id(qm_sessions *ss) { return ++ss->next_map_id; }
 
 static int random_id(char out[QM_SESSION_ID_LEN + 1], qm_status *st)
 {
@@ -161,40 +160,15 @@ static uint64_t device_free(const qm_device *dv)
     return dv->budget > dv->admitted ? dv->budget - dv->admitted : 0;
 }
 
-/* What the devices' budgets have free. */
-static uint64_t devices_free(const qm_registry *r)
-{
-    uint64_t sum = 0;
-    for (uint32_t i = 0; i < r->devices->n; i++)
-        sum += device_free(&r->devices->dev[i]);
-    return sum;
-}
-
-/* The budget a request's form asks for, in bytes (qm_budget.h); `s` is the
- * session a resize changes (its resident bytes are in use already, its
- * admission free for it), NULL for a creation. */
-static int resolve_budget(const qm_registry *r, const qm_model *m, const qm_budget_spec *spec,
-                          uint64_t workspace, const qm_session *s, uint64_t *bytes,
-                          qm_budget_auto *autob, qm_status *st)
-{
-    qm_budget_ask ask = {.spec = spec,
-                         .model_bytes = m->bytes_total,
-                         .workspace = workspace,
-                         .credit = s ? s->counters.resident_bytes : 0,
-                         .device_free = devices_free(r) + (s ? s->budget_bytes : 0),
-                         .host_memory = qm_devices_host_visible(r->devices)};
-    return qm_budget_resolve(r->cfg, &ask, bytes, autob, st);
-}
-
 /* A session that device i cannot take at `budget`: `need` bytes there (its
  * `share` of the budget + a workspace) against `free_bytes` (a resize counts
  * what the session holds there already). With one device the device's
  * budget is the daemon-wide budget, and the sentence says so. */
-static int device_refusal(const qm_registry *r, uint32_t i, unsigned long long need, uint64_t share,
+static int device_refusal(const qm_sessions *ss, uint32_t i, unsigned long long need, uint64_t share,
                           uint64_t budget, uint64_t workspace, uint64_t free_bytes, qm_status *st)
 {
-    const qm_device *dv = &r->devices->dev[i];
-    if (r->devices->n == 1)
+    const qm_device *dv = &ss->devices->dev[i];
+    if (ss->devices->n == 1)
         return qm_status_set_field(st, QM_ERESOURCE_EXHAUSTED, "budget_bytes",
                                    "session needs %llu bytes (budget %llu + workspace %llu) but "
                                    "only %llu bytes of the daemon-wide budget %llu are free",
@@ -210,34 +184,32 @@ static int device_refusal(const qm_registry *r, uint32_t i, unsigned long long n
                                (unsigned long long)free_bytes, (unsigned long long)dv->budget);
 }
 
-/* The session's layers placed by what each device has free beyond a
- * workspace (engine/pager/qm_placement.h; a device that cannot hold a workspace
- * gets no layers unless none can; one device holds them all), and each
- * device that gets layers charged its share of the budget plus a workspace
- * (its pager's scratch). QM_ERESOURCE_EXHAUSTED naming the device when one
- * cannot take its share. */
-static int admit_on_devices(qm_registry *r, const qm_model *m, uint64_t budget,
-                            uint64_t workspace, qm_placement *pl, uint64_t *dev_need,
-                            qm_status *st)
+/* What each device has free for sessions, and the weights a session's
+ * layers are placed by: what is free beyond a workspace (a device that
+ * cannot hold a workspace gets no layers unless none can). */
+static void device_weights(const qm_sessions *ss, uint64_t workspace, uint64_t *free_bytes,
+                           uint64_t *weight)
 {
-    const qm_devices *ds = r->devices;
-    uint64_t free_bytes[QM_CONFIG_MAX_DEVICES], weight[QM_CONFIG_MAX_DEVICES];
-    for (uint32_t i = 0; i < ds->n; i++) {
-        free_bytes[i] = device_free(&ds->dev[i]);
+    for (uint32_t i = 0; i < ss->devices->n; i++) {
+        free_bytes[i] = device_free(&ss->devices->dev[i]);
         weight[i] = free_bytes[i] > workspace ? free_bytes[i] - workspace : 0;
     }
-    int rc = qm_placement_make(m->bank, ds->n, weight, budget, pl, st);
-    if (rc < 0)
-        return rc;
-    for (uint32_t i = 0; i < ds->n; i++) {
+}
+
+/* Each device that holds layers of placement pl is charged its share of the
+ * budget plus a workspace (its pager's scratch) into dev_need;
+ * QM_ERESOURCE_EXHAUSTED naming the device when one cannot take it. */
+static int admit_on_devices(const qm_sessions *ss, const qm_placement *pl, uint64_t budget,
+                            uint64_t workspace, const uint64_t *free_bytes, uint64_t *dev_need,
+                            qm_status *st)
+{
+    for (uint32_t i = 0; i < ss->devices->n; i++) {
         unsigned long long need = 0;
         if (!pl->bytes[i])
             continue;
-        if (qm_add_u64(pl->budget[i], workspace, &need) < 0 || need > free_bytes[i]) {
-            rc = device_refusal(r, i, need, pl->budget[i], budget, workspace, free_bytes[i], st);
-            qm_placement_free(pl);
-            return rc;
-        }
+        if (qm_add_u64(pl->budget[i], workspace, &need) < 0 || need > free_bytes[i])
+            return device_refusal(ss, i, need, pl->budget[i], budget, workspace, free_bytes[i],
+                                  st);
         dev_need[i] = need;
     }
     return 0;
@@ -245,13 +217,13 @@ static int admit_on_devices(qm_registry *r, const qm_model *m, uint64_t budget,
 
 /* policy_params.share_residency: what may share (docs/PAGING.md "Shared
  * residency"), refused naming the member and the rule. */
-static int share_check(const qm_registry *r, const qm_policy_params_wire *pw, qm_status *st)
+static int share_check(const qm_sessions *ss, const qm_session_spec *spec, qm_status *st)
 {
     const char *f = "policy_params.share_residency";
-    const qm_device *d = &r->devices->dev[0];
+    const qm_device *d = &ss->devices->dev[0];
     int kind = qm_backend_kind_find(d->info.kind, strlen(d->info.kind));
     unsigned caps = kind < 0 ? 0 : qm_backend_kind_caps((size_t)kind);
-    if (r->devices->n != 1 || !(caps & QM_BACKEND_CAP_SHARED_POOL)) {
+    if (ss->devices->n != 1 || !(caps & QM_BACKEND_CAP_SHARED_POOL)) {
         char kinds[96] = ""; /* the registry's kinds that share pools */
         for (size_t i = 0; i < qm_backend_kind_count(); i++)
             if (qm_backend_kind_caps(i) & QM_BACKEND_CAP_SHARED_POOL)
@@ -260,11 +232,11 @@ static int share_check(const qm_registry *r, const qm_policy_params_wire *pw, qm
         return qm_status_set_field(st, QM_EINVAL, f,
                                    "policy_params.share_residency needs a daemon with one device "
                                    "of the %s backend; this one serves %u device%s (%s%s)",
-                                   kinds, r->devices->n, r->devices->n == 1 ? "" : "s", d->name,
-                                   r->devices->n > 1 ? ", ..." : "");
+                                   kinds, ss->devices->n, ss->devices->n == 1 ? "" : "s", d->name,
+                                   ss->devices->n > 1 ? ", ..." : "");
     }
-    const char *other = pw->hot ? "hot" : pw->record_trace ? "record_trace"
-                        : pw->has_min_split_bytes ? "min_split_bytes" : NULL;
+    const char *other = spec->hot ? "hot" : spec->record_trace ? "record_trace"
+                        : spec->has_min_split_bytes ? "min_split_bytes" : NULL;
     if (other)
         return qm_status_set_field(st, QM_EINVAL, f,
                                    "policy_params.share_residency cannot be combined with "
@@ -273,302 +245,278 @@ static int share_check(const qm_registry *r, const qm_policy_params_wire *pw, qm
     return 0;
 }
 
-/* The pool s joins: the one of its model, policy and knobs, or a new one
- * with a policy, plan and placement of its own made from the same
- * parameters (the first member's budget until members join it). */
-static int share_find_or_make(qm_registry *r, qm_session *s, const qm_policy_params_wire *pw,
-                              const qm_policy_params *pp, uint64_t budget, qm_status *st)
+/* The configuration's paging_source for a plan: auto reads a paged
+ * session's units from disk on a host-visible backend (the CPU), so its
+ * budget bounds the memory the bank takes instead of the page cache
+ * holding the file. */
+static int pager_source(const qm_sessions *ss, const qm_residency_plan *plan)
 {
-    int rc = share_check(r, pw, st);
+    int source = ss->cfg->paging_source;
+    if (source != QM_PAGER_SOURCE_AUTO)
+        return source;
+    return qm_devices_host_visible(ss->devices) && qm_plan_per_expert_count(plan) > 0
+               ? QM_PAGER_SOURCE_DIRECT
+               : QM_PAGER_SOURCE_MMAP;
+}
+
+/* The one recipe of every pool, a session's own and a shared one: the
+ * model's layers placed over n_devices by `weights` (NULL: equal), the
+ * policy by name with pp's knobs and hot lists, the plan at `budget` (its
+ * start and duration in *plan_start_us and *plan_us when not NULL), and
+ * the pager options the spec and the configuration give. */
+static int make_recipe(const qm_sessions *ss, const qm_model *m, const qm_session_spec *spec,
+                       const qm_policy_params *pp, uint64_t budget, uint32_t n_devices,
+                       const uint64_t *weights, qm_pool_recipe *out, uint64_t *plan_start_us,
+                       uint64_t *plan_us, qm_status *st)
+{
+    int rc = qm_placement_make(m->bank, n_devices, weights, budget, &out->placement, st);
+    if (rc == 0)
+        rc = qm_policy_new(spec->policy, pp, &out->policy, st);
     if (rc < 0)
         return rc;
-    const char *names[QM_POLICY_VALUES_MAX];
-    double values[QM_POLICY_VALUES_MAX];
-    for (size_t i = 0; i < pp->n_values && i < QM_POLICY_VALUES_MAX; i++) {
-        names[i] = pp->values[i].name;
-        values[i] = pp->values[i].value;
+    uint64_t t0 = qm_now_us();
+    qm_plan_options opts = {
+        .has_budget = 1, .budget_bytes = budget, .min_split_bytes = spec->min_split_bytes};
+    rc = qm_plan_residency((const qm_region_catalog *const *)m->catalogs, m->n_layers,
+                           &out->policy, &opts, &out->plan, st);
+    if (rc < 0)
+        return rc;
+    if (plan_us) {
+        *plan_start_us = t0;
+        *plan_us = qm_now_us() - t0;
     }
-    int prefetch = pw->has_prefetch ? pw->prefetch : 1;
-    int on_miss = qm_on_miss_parse(pw->on_miss);
+    /* The budget travels in the plan (qm_plan_budget); the pager reads it
+     * there. A fast session of its own on the CPU holds its whole banks in
+     * the decode GEMV's r8 layout (a copy in its arena; the pager decides
+     * whether this process's kernels read it: docs/PAGING.md); a shared
+     * pool stays in the bank's layout: its members may be exact. */
+    out->options = (qm_pager_options){
+        .prefetch = spec->prefetch,
+        .on_miss = spec->on_miss,
+        .source = pager_source(ss, out->plan),
+        .interleave = ss->cfg->cpu_repack && spec->precision == QM_PRECISION_FAST &&
+                      !spec->share && qm_devices_host_visible(ss->devices)};
+    return 0;
+}
+
+/* The shared pool s joins: the one of its model, policy and knobs, or a
+ * new one whose recipe is made as a session's is, over the one device (the
+ * first member's budget until members join it). */
+static int join_shared_pool(qm_sessions *ss, qm_session *s, const qm_session_spec *spec,
+                            const qm_policy_params *pp, qm_status *st)
+{
+    int rc = share_check(ss, spec, st);
+    if (rc < 0)
+        return rc;
     char key[256];
-    qm_share_key(key, sizeof key, s->model->name, s->policy_name, prefetch, on_miss, names, values,
-                 pp->n_values);
-    qm_share *p = qm_share_find(r->shares, s->model->bank, key);
-    if (p) {
-        qm_share_ref(p);
-        s->share = p;
+    qm_expert_pool_key(key, sizeof key, s->model->name, s->policy_name, spec->prefetch,
+                       spec->on_miss, spec->values, spec->n_values);
+    s->pool = qm_expert_pool_find(ss->shares, s->model->bank, key);
+    if (s->pool) {
+        qm_expert_pool_ref(s->pool);
         return 0;
     }
-    qm_policy policy = {0};
-    qm_residency_plan *plan = NULL;
-    qm_placement pl = {0};
-    qm_plan_options opts = {.has_budget = 1, .budget_bytes = budget};
-    rc = qm_policy_new(s->policy_name, pp, &policy, st);
-    if (rc == 0)
-        rc = qm_plan_residency((const qm_region_catalog *const *)s->model->catalogs,
-                               s->model->n_layers, &policy, &opts, &plan, st);
-    if (rc == 0)
-        rc = qm_placement_make(s->model->bank, 1, NULL, budget, &pl, st);
-    qm_pager_options o = {.prefetch = prefetch, .on_miss = on_miss < 0 ? QM_ON_MISS_PAGE : on_miss};
-    const char *src = r->cfg->paging_source;
-    if (rc == 0 && (strcmp(src, "direct") == 0 ||
-                    (strcmp(src, "auto") == 0 && qm_devices_host_visible(r->devices) &&
-                     qm_plan_per_expert_count(plan) > 0)))
-        o.source = QM_PAGER_SOURCE_DIRECT;
-    if (rc == 0) {
-        s->share = qm_share_new(&r->shares, s->model->bank, key, &policy, &plan, &pl, &o);
-        if (!s->share)
-            rc = qm_status_set(st, QM_ENOMEM, "out of memory");
-    }
-    qm_placement_free(&pl);
-    qm_plan_free(plan);
-    qm_policy_destroy(&policy);
+    qm_pool_recipe r = {0};
+    rc = make_recipe(ss, s->model, spec, pp, s->budget_bytes, 1, NULL, &r, NULL, NULL, st);
+    if (rc == 0 && !(s->pool = qm_expert_pool_shared(&ss->shares, s->model->bank, key, &r)))
+        rc = qm_status_set(st, QM_ENOMEM, "out of memory");
+    qm_pool_recipe_free(&r);
     return rc;
 }
 
-int qm_session_prepare(qm_registry *r, const qm_params *p, uid_t owner, qm_session **out,
-                       qm_status *st)
+/* What session.create needs of the model and the daemon before anything
+ * is made: the policy offered, the model loaded and whole, a state dir for
+ * record_trace, the knobs (and hot lists) the policy takes, hot lists in
+ * the model's range, room for one more session. *out: the model. */
+static int check_create(const qm_sessions *ss, const qm_models *ms, const qm_session_spec *spec,
+                        qm_model **out, qm_status *st)
 {
-    const char *policy = p->policy ? p->policy : qm_policy_default_name();
-    if (qm_policy_params_check(policy, NULL, st) < 0) /* the name: offered over the socket? */
+    if (qm_policy_params_check(spec->policy, NULL, st) < 0) /* offered over the socket? */
         return QM_EINVAL;
-    qm_model *m = qm_model_find(r, p->model);
+    qm_model *m = qm_model_find(ms, spec->model);
     if (!m)
         return qm_status_set_field(st, QM_ENOT_FOUND, "model", "no model named '%.64s' is loaded",
-                                   p->model);
+                                   spec->model);
     if (qm_model_check(m, st) < 0)
         return QM_EINVALID_MODEL;
     const qm_bank_config *cfg = qm_bank_get_config(m->bank);
-    const qm_policy_params_wire *pw = &p->policy_params;
-    if (pw->record_trace) {
+    if (spec->record_trace) {
         /* The decoder refused '/', "." and ".."; a name ending in .hot would
          * overwrite a model's hotness profile in the same directory. */
-        size_t n = strlen(pw->record_trace);
-        if (!r->cfg->state_dir)
+        size_t n = strlen(spec->record_trace);
+        if (!ss->cfg->state_dir)
             return qm_status_set_field(st, QM_EINVAL, "policy_params.record_trace",
                                        "policy_params.record_trace needs a state dir; this "
                                        "daemon runs without one (state_dir)");
-        if (n >= 4 && strcmp(pw->record_trace + n - 4, ".hot") == 0)
+        if (n >= 4 && strcmp(spec->record_trace + n - 4, ".hot") == 0)
             return qm_status_set_field(st, QM_EINVAL, "policy_params.record_trace",
                                        "policy_params.record_trace must not end in .hot (the "
                                        "state dir's hotness profiles)");
     }
     /* Which knobs (and hot lists) the policy takes: its own declaration. */
     static const uint32_t *const no_list = NULL;
-    qm_policy_value values[QM_POLICY_VALUES_MAX];
-    for (size_t i = 0; i < pw->n_values && i < QM_POLICY_VALUES_MAX; i++)
-        values[i] = (qm_policy_value){pw->values[i].name, pw->values[i].value};
     qm_policy_params probe = {.version = QM_POLICY_PARAMS_VERSION,
-                              .values = values,
-                              .n_values = pw->n_values,
-                              .hot = pw->hot ? &no_list : NULL};
-    if (qm_policy_params_check(policy, &probe, st) < 0)
+                              .values = spec->values,
+                              .n_values = spec->n_values,
+                              .hot = spec->hot ? &no_list : NULL};
+    if (qm_policy_params_check(spec->policy, &probe, st) < 0)
         return QM_EINVAL;
-    for (size_t i = 0; i < pw->n_hot; i++) {
+    for (size_t i = 0; i < spec->n_hot; i++) {
         char field[96];
-        if (pw->hot[i].layer >= cfg->layers) {
+        if (spec->hot[i].layer >= cfg->layers) {
             snprintf(field, sizeof field, "policy_params.hot[%zu].layer", i);
             return qm_status_set_field(st, QM_EINVAL, field,
                                        "layer %u is out of range; the model has %u layers",
-                                       pw->hot[i].layer, cfg->layers);
+                                       spec->hot[i].layer, cfg->layers);
         }
-        for (size_t j = 0; j < pw->hot[i].n_experts; j++) {
-            if (pw->hot[i].experts[j] >= cfg->experts) {
+        for (size_t j = 0; j < spec->hot[i].n_experts; j++) {
+            if (spec->hot[i].experts[j] >= cfg->experts) {
                 snprintf(field, sizeof field, "policy_params.hot[%zu].experts[%zu]", i, j);
                 return qm_status_set_field(st, QM_EINVAL, field,
                                            "expert %u is out of range; the model has %u experts",
-                                           pw->hot[i].experts[j], cfg->experts);
+                                           spec->hot[i].experts[j], cfg->experts);
             }
         }
     }
-    if (r->n_sessions >= r->cfg->max_sessions) {
-        qm_limit_hit(r->limits, QM_LIMIT_MAX_SESSIONS, "max_sessions %u reached",
-                     r->cfg->max_sessions);
+    if (ss->n >= ss->cfg->max_sessions) {
+        qm_limit_hit(ss->limits, QM_LIMIT_MAX_SESSIONS, "max_sessions %u reached",
+                     ss->cfg->max_sessions);
         return qm_status_set(st, QM_ERESOURCE_EXHAUSTED,
                              "max_sessions %u reached; close a session first",
-                             r->cfg->max_sessions);
+                             ss->cfg->max_sessions);
     }
-    uint64_t workspace = r->cfg->session_workspace_bytes;
-    /* Bytes, "N%" or "auto" to bytes (qm_budget.h). */
-    uint64_t budget;
-    qm_budget_auto autob;
-    int rc = resolve_budget(r, m, &p->budget, workspace, NULL, &budget, &autob, st);
-    if (rc < 0)
-        return rc;
-    qm_placement pl = {0};
-    uint64_t dev_need[QM_CONFIG_MAX_DEVICES] = {0};
-    rc = admit_on_devices(r, m, budget, workspace, &pl, dev_need, st);
-    if (rc < 0)
-        return rc == QM_ENOMEM ? rc : QM_ERESOURCE_EXHAUSTED;
-    uint64_t need = 0;
-    for (uint32_t i = 0; i < r->devices->n; i++)
-        need += dev_need[i];
+    *out = m;
+    return 0;
+}
 
-    qm_session *s = qm_calloc(1, sizeof *s);
-    if (!s) {
-        qm_placement_free(&pl);
+/* A new session of model m (a reference taken) for `owner`: its id, policy
+ * name, precision, budget, workspace and record_trace path. *out is set
+ * even on an error after its allocation (for session_free). */
+static int session_new(const qm_sessions *ss, qm_model *m, const qm_session_spec *spec,
+                       uid_t owner, qm_session **out, qm_status *st)
+{
+    qm_session *s = *out = qm_calloc(1, sizeof *s);
+    if (!s)
         return qm_status_set(st, QM_ENOMEM, "out of memory");
-    }
-    s->placement = pl;
-    for (uint32_t i = 0; i < r->devices->n; i++)
-        snprintf(s->device_names[i], sizeof s->device_names[i], "%s", r->devices->dev[i].name);
-    rc = random_id(s->id, st);
-    if (rc < 0)
-        goto fail;
+    qm_shm_set_init(&s->maps);
+    for (uint32_t i = 0; i < ss->devices->n; i++)
+        snprintf(s->device_names[i], sizeof s->device_names[i], "%s", ss->devices->dev[i].name);
     s->owner_uid = owner;
     s->model = m;
     m->refs++;
-    snprintf(s->policy_name, sizeof s->policy_name, "%s", policy);
-    s->precision_fast = p->precision_fast;
-    s->budget_bytes = budget;
-    s->auto_budget = autob;
-    s->workspace_bytes = workspace;
-    s->admitted_bytes = need;
+    snprintf(s->policy_name, sizeof s->policy_name, "%s", spec->policy);
+    s->precision = spec->precision;
+    s->budget_bytes = spec->has_budget ? spec->budget_bytes : m->bytes_total;
+    if (spec->auto_budget)
+        s->auto_budget = *spec->auto_budget;
+    s->workspace_bytes = ss->cfg->session_workspace_bytes;
     s->created_at = (int64_t)time(NULL);
-    if (pw->record_trace) {
-        size_t n = strlen(r->cfg->state_dir) + strlen(pw->record_trace) + 2;
+    int rc = random_id(s->id, st);
+    if (rc == 0 && spec->record_trace) {
+        size_t n = strlen(ss->cfg->state_dir) + strlen(spec->record_trace) + 2;
         s->trace_path = qm_malloc(n);
-        if (!s->trace_path) {
-            rc = qm_status_set(st, QM_ENOMEM, "out of memory");
-            goto fail;
-        }
-        snprintf(s->trace_path, n, "%s/%s", r->cfg->state_dir, pw->record_trace);
+        if (!s->trace_path)
+            return qm_status_set(st, QM_ENOMEM, "out of memory");
+        snprintf(s->trace_path, n, "%s/%s", ss->cfg->state_dir, spec->record_trace);
     }
+    return rc;
+}
 
-    /* The hot lists of a policy that takes them, indexed by layer. */
+/* The policy's parameters: the knobs given (pin_fraction 0 included; the
+ * policy's declared default covers the rest) and the hot lists of a policy
+ * that takes them, indexed by layer: the request's (in *hot and *hot_len,
+ * the caller's to free) or, when it gave none, the model's persisted
+ * profile. */
+static int policy_params_of(const qm_model *m, const qm_session_spec *spec,
+                            const uint32_t ***hot, size_t **hot_len, qm_policy_params *pp,
+                            qm_status *st)
+{
+    uint32_t layers = qm_bank_get_config(m->bank)->layers;
+    *pp = (qm_policy_params){
+        .version = QM_POLICY_PARAMS_VERSION, .values = spec->values, .n_values = spec->n_values};
+    if (!spec->hot) {
+        if (qm_policy_accepts_hot(spec->policy) && m->hotness &&
+            qm_hotness_records(m->hotness) > 0)
+            return qm_hotness_policy_params(m->hotness, pp, st);
+        return 0;
+    }
+    *hot = qm_calloc(layers, sizeof **hot);
+    *hot_len = qm_calloc(layers, sizeof **hot_len);
+    if (!*hot || !*hot_len)
+        return qm_status_set(st, QM_ENOMEM, "out of memory");
+    for (size_t i = 0; i < spec->n_hot; i++) {
+        (*hot)[spec->hot[i].layer] = spec->hot[i].experts;
+        (*hot_len)[spec->hot[i].layer] = spec->hot[i].n_experts;
+    }
+    pp->hot = *hot;
+    pp->hot_len = *hot_len;
+    pp->n_hot_banks = layers;
+    return 0;
+}
+
+int qm_session_prepare(qm_sessions *ss, const qm_models *ms, const qm_session_spec *spec,
+                       uid_t owner, qm_session **out, qm_status *st)
+{
+    qm_model *m = NULL;
+    qm_session *s = NULL;
+    int rc = check_create(ss, ms, spec, &m, st);
+    if (rc == 0)
+        rc = session_new(ss, m, spec, owner, &s, st);
+    if (rc < 0)
+        goto fail;
+    uint64_t free_bytes[QM_CONFIG_MAX_DEVICES], weight[QM_CONFIG_MAX_DEVICES];
+    uint64_t dev_need[QM_CONFIG_MAX_DEVICES] = {0};
+    device_weights(ss, s->workspace_bytes, free_bytes, weight);
     const uint32_t **hot = NULL;
     size_t *hot_len = NULL;
-    /* Knobs given are passed as given (pin_fraction 0 included); the
-     * policy's declared default covers the rest. */
-    qm_policy_params pp = {.version = QM_POLICY_PARAMS_VERSION,
-                           .values = values,
-                           .n_values = pw->n_values};
-    if (pw->hot) {
-        hot = qm_calloc(cfg->layers, sizeof *hot);
-        hot_len = qm_calloc(cfg->layers, sizeof *hot_len);
-        if (!hot || !hot_len) {
-            qm_free(hot);
-            qm_free(hot_len);
-            rc = qm_status_set(st, QM_ENOMEM, "out of memory");
-            goto fail;
-        }
-        for (size_t i = 0; i < pw->n_hot; i++) {
-            hot[pw->hot[i].layer] = pw->hot[i].experts;
-            hot_len[pw->hot[i].layer] = pw->hot[i].n_experts;
-        }
-        pp.hot = hot;
-        pp.hot_len = hot_len;
-        pp.n_hot_banks = cfg->layers;
-    }
-    if (!pw->hot && qm_policy_accepts_hot(policy) && m->hotness &&
-        qm_hotness_records(m->hotness) > 0) {
-        /* No hot lists given: the model's persisted profile supplies them. */
-        rc = qm_hotness_policy_params(m->hotness, &pp, st);
-        if (rc < 0)
-            goto fail;
-    }
-    rc = qm_policy_new(policy, &pp, &s->policy, st);
-    if (rc == 0 && pw->share_residency)
-        rc = share_find_or_make(r, s, pw, &pp, budget, st);
+    qm_policy_params pp;
+    rc = policy_params_of(m, spec, &hot, &hot_len, &pp, st);
+    if (rc == 0)
+        rc = make_recipe(ss, m, spec, &pp, s->budget_bytes, ss->devices->n, weight, &s->recipe,
+                         &s->plan_start_us, &s->plan_us, st);
+    if (rc == 0)
+        rc = admit_on_devices(ss, &s->recipe.placement, s->budget_bytes, s->workspace_bytes,
+                              free_bytes, dev_need, st);
+    if (rc == 0 && spec->share)
+        rc = join_shared_pool(ss, s, spec, &pp, st);
+    else if (rc == 0 && !(s->pool = qm_expert_pool_own(m->bank, &s->recipe)))
+        rc = qm_status_set(st, QM_ENOMEM, "out of memory");
     qm_free(hot);
     qm_free(hot_len);
     if (rc < 0)
         goto fail;
-
-    uint64_t t0 = qm_now_us();
-    qm_plan_options opts = {.has_budget = 1, .budget_bytes = budget,
-                            .min_split_bytes = pw->has_min_split_bytes ? pw->min_split_bytes : 0};
-    rc = qm_plan_residency((const qm_region_catalog *const *)m->catalogs, m->n_layers, &s->policy,
-                           &opts, &s->plan, st);
-    if (rc < 0)
-        goto fail;
-    uint64_t plan_us = qm_now_us() - t0;
-
-    s->plan_start_us = t0;
-    s->plan_us = plan_us;
-    /* The budget travels in the plan (qm_plan_budget); the pager reads it there. */
-    s->pager_options = (qm_pager_options){.prefetch = pw->has_prefetch ? pw->prefetch : 1,
-                                          .on_miss = qm_on_miss_parse(pw->on_miss)};
-    if (s->pager_options.on_miss < 0)
-        s->pager_options.on_miss = QM_ON_MISS_PAGE; /* absent */
-    /* paging_source: auto reads a paged session's units from disk on a
-     * host-visible backend (the CPU), so its budget bounds the memory the
-     * bank takes instead of the page cache holding the file. */
-    const char *src = r->cfg->paging_source;
-    if (strcmp(src, "direct") == 0 ||
-        (strcmp(src, "auto") == 0 && qm_devices_host_visible(r->devices) &&
-         qm_plan_per_expert_count(s->plan) > 0))
-        s->pager_options.source = QM_PAGER_SOURCE_DIRECT;
-    /* A fast session of its own on the CPU: its whole banks in the decode
-     * GEMV's r8 layout (a copy in its arena; the pager decides whether this
-     * process's kernels read it: docs/PAGING.md). A shared pool stays in
-     * the bank's layout: its members may be exact. */
-    s->pager_options.interleave = r->cfg->cpu_repack && s->precision_fast && !s->share &&
-                                  qm_devices_host_visible(r->devices);
     /* Reserved now, so creations in flight cannot overcommit the device
      * budget while their pagers are built off the loop thread. */
-    s->refs = 1;
-    r->n_sessions++;
-    for (uint32_t i = 0; i < r->devices->n; i++)
-        r->devices->dev[i].admitted += s->device_admitted[i] = dev_need[i];
+    atomic_init(&s->refs, 1);
+    ss->n++;
+    for (uint32_t i = 0; i < ss->devices->n; i++) {
+        ss->devices->dev[i].admitted += s->device_admitted[i] = dev_need[i];
+        s->admitted_bytes += dev_need[i];
+    }
     *out = s;
     return 0;
 fail:
-    session_free(s);
+    if (s)
+        session_free(s);
     return rc;
 }
 
 /* "session ID", or "session ID, device NAME" when it spans several. */
 static void session_where(const qm_session *s, uint32_t i, char *out, size_t cap)
 {
-    if (s->placement.n_devices > 1)
+    if (s->recipe.placement.n_devices > 1)
         snprintf(out, cap, "session %s, device %s", s->id, s->device_names[i]);
     else
         snprintf(out, cap, "session %s", s->id);
 }
 
-int qm_session_build(const qm_registry *r, qm_session *s, qm_status *st)
+/* Logs where each device's pager reads its units from (and hooks the
+ * injected read faults onto the disk source, QMOED_FAULT_READ). */
+static void log_sources(const qm_session *s)
 {
-    /* The pagers read the mapping (whole banks, pins, preload): the bank
-     * file must be whole before, and still after. */
-    qm_backend *backends[QM_CONFIG_MAX_DEVICES];
-    qm_devices_backends(r->devices, backends);
-    int rc = qm_model_check(s->model, st);
-    if (s->share) {
-        if (rc == 0)
-            rc = qm_share_join(s->share, backends, s->budget_bytes, &s->share_stats, st);
-        if (rc == 0) {
-            s->share_joined = 1; /* from here a failure leaves through session_free */
-            s->share_budget = s->budget_bytes;
-            rc = qm_model_check(s->model, st);
-        }
-        if (rc < 0)
-            return rc;
-        s->last_stats = s->share_stats;
-        qm_log(QM_LOG_INFO, "session %s shares the residency of model %s (policy %s)", s->id,
-               s->model->name, s->policy_name);
-        return 0;
-    }
-    if (rc == 0)
-        rc = qm_multipager_new(backends, s->model->bank, s->plan, &s->policy, &s->pager_options,
-                               &s->placement, &s->pagers, st);
-    if (rc == 0)
-        rc = qm_model_check(s->model, st);
-    if (rc == 0 && s->trace_path) {
-        rc = qm_multipager_record_trace(s->pagers, s->trace_path, st);
-        if (rc < 0) {
-            if (st)
-                snprintf(st->field, sizeof st->field, "policy_params.record_trace");
-        } else {
-            qm_log(QM_LOG_INFO, "session %s records its routing to %s", s->id, s->trace_path);
-        }
-    }
-    if (rc < 0)
-        return rc;
-    qm_session_stats(s, &s->last_stats);
     unsigned long fail_read = qm_fault_read_at();
-    for (uint32_t i = 0; i < s->placement.n_devices; i++) {
-        qm_pager *pg = qm_multipager_pager(s->pagers, i);
+    for (uint32_t i = 0; i < s->recipe.placement.n_devices; i++) {
+        qm_pager *pg = qm_multipager_pager(qm_expert_pool_pagers(s->pool), i);
         const char *why = "";
         if (!pg)
             continue;
@@ -583,26 +531,58 @@ int qm_session_build(const qm_registry *r, qm_session *s, qm_status *st)
         else if (*why)
             qm_log(QM_LOG_WARNING, "%s: %s", where, why);
     }
+}
+
+int qm_session_build(const qm_sessions *ss, qm_session *s, qm_status *st)
+{
+    /* The pagers read the mapping (whole banks, pins, preload): the bank
+     * file must be whole before, and still after. From the join on, a
+     * failure leaves the pool through session_free. */
+    qm_backend *backends[QM_CONFIG_MAX_DEVICES];
+    qm_devices_backends(ss->devices, backends);
+    int rc = qm_model_check(s->model, st);
+    if (rc == 0)
+        rc = qm_expert_pool_join(s->pool, backends, &s->member, s->budget_bytes, st);
+    if (rc == 0)
+        rc = qm_model_check(s->model, st);
+    if (rc == 0 && s->trace_path) {
+        rc = qm_multipager_record_trace(qm_expert_pool_pagers(s->pool), s->trace_path, st);
+        if (rc < 0) {
+            if (st)
+                snprintf(st->field, sizeof st->field, "policy_params.record_trace");
+        } else {
+            qm_log(QM_LOG_INFO, "session %s records its routing to %s", s->id, s->trace_path);
+        }
+    }
+    if (rc < 0)
+        return rc;
+    qm_session_stats(s, &s->last_stats);
+    if (qm_expert_pool_is_shared(s->pool))
+        qm_log(QM_LOG_INFO, "session %s shares the residency of model %s (policy %s)", s->id,
+               s->model->name, s->policy_name);
+    else
+        log_sources(s);
     return 0;
 }
 
-void qm_session_commit(qm_registry *r, qm_session *s)
+void qm_session_commit(qm_sessions *ss, qm_session *s)
 {
     s->counters.resident_bytes = s->last_stats.resident_bytes;
     char args[192];
     snprintf(args, sizeof args, "{\"policy\":\"%s\",\"resident\":%zu,\"degraded\":%zu,\"total\":%zu}",
-             s->policy_name, qm_plan_resident_count(s->plan), qm_plan_degraded_count(s->plan),
-             qm_plan_total(s->plan));
-    qm_trace_add(r->trace, "session.residency_plan", s->plan_start_us, s->plan_us, s->id, args,
+             s->policy_name, qm_plan_resident_count(s->recipe.plan),
+             qm_plan_degraded_count(s->recipe.plan), qm_plan_total(s->recipe.plan));
+    qm_trace_add(ss->trace, "session.residency_plan", s->plan_start_us, s->plan_us, s->id, args,
                  &s->plan_span);
-    s->next = r->sessions;
-    r->sessions = s;
+    s->next = ss->first;
+    ss->first = s;
     qm_log(QM_LOG_INFO,
            "session %s created: model %s, policy %s, budget %llu%s%s%s, uid %u, %llu bytes of "
            "whole banks mapped in, %llu laid out for the fast CPU decode (r8)",
            s->id, s->model->name, s->policy_name, (unsigned long long)s->budget_bytes,
            s->auto_budget.on ? " (" : "", s->auto_budget.on ? s->auto_budget.why : "",
-           s->auto_budget.on ? ")" : "", (unsigned)s->owner_uid, (unsigned long long)s->last_stats.bytes_prefaulted_at_create,
+           s->auto_budget.on ? ")" : "", (unsigned)s->owner_uid,
+           (unsigned long long)s->last_stats.bytes_prefaulted_at_create,
            (unsigned long long)s->last_stats.bytes_interleaved_at_create);
 }
 
@@ -611,8 +591,8 @@ void qm_session_commit(qm_registry *r, qm_session *s)
 static int session_device_need(const qm_session *s, uint64_t budget, uint64_t *share,
                                uint64_t *need)
 {
-    qm_placement_split(&s->placement, budget, share);
-    for (uint32_t i = 0; i < s->placement.n_devices; i++) {
+    qm_placement_split(&s->recipe.placement, budget, share);
+    for (uint32_t i = 0; i < s->recipe.placement.n_devices; i++) {
         unsigned long long n = 0;
         if (share[i] && qm_add_u64(share[i], s->workspace_bytes, &n) < 0)
             return -1;
@@ -623,27 +603,27 @@ static int session_device_need(const qm_session *s, uint64_t budget, uint64_t *s
 
 /* A growth that device i cannot take: `more` bytes beyond what the session
  * holds there. */
-static int resize_refusal(const qm_registry *r, const qm_session *s, uint32_t i, uint64_t need,
+static int resize_refusal(const qm_sessions *ss, const qm_session *s, uint32_t i, uint64_t need,
                           uint64_t share, uint64_t budget, uint64_t more, uint64_t free_bytes,
                           qm_status *st)
 {
-    if (r->devices->n == 1)
+    if (ss->devices->n == 1)
         return qm_status_set_field(
             st, QM_ERESOURCE_EXHAUSTED, "budget_bytes",
             "growing the session to a budget of %llu needs %llu more bytes but only %llu "
             "bytes of the daemon-wide budget %llu are free",
             (unsigned long long)budget, (unsigned long long)more, (unsigned long long)free_bytes,
-            (unsigned long long)r->devices->dev[i].budget);
-    return device_refusal(r, i, need, share, budget, s->workspace_bytes,
+            (unsigned long long)ss->devices->dev[i].budget);
+    return device_refusal(ss, i, need, share, budget, s->workspace_bytes,
                           free_bytes + s->device_admitted[i], st);
 }
 
-int qm_session_resize_reserve(qm_registry *r, qm_session *s, uint64_t budget, qm_status *st)
+int qm_session_resize_reserve(qm_sessions *ss, qm_session *s, uint64_t budget, qm_status *st)
 {
     /* Growth admitted per device against that device's free budget (the
      * refusal of session.create's admission), all or nothing. */
     uint64_t share[QM_PLACEMENT_MAX_DEVICES], need[QM_PLACEMENT_MAX_DEVICES];
-    const uint32_t n = s->placement.n_devices;
+    const uint32_t n = s->recipe.placement.n_devices;
     if (session_device_need(s, budget, share, need) < 0)
         return qm_status_set_field(st, QM_ERESOURCE_EXHAUSTED, "budget_bytes",
                                    "budget_bytes %llu overflows", (unsigned long long)budget);
@@ -651,15 +631,15 @@ int qm_session_resize_reserve(qm_registry *r, qm_session *s, uint64_t budget, qm
         if (need[i] <= s->device_admitted[i])
             continue;
         uint64_t more = need[i] - s->device_admitted[i];
-        uint64_t free_bytes = device_free(&r->devices->dev[i]);
+        uint64_t free_bytes = device_free(&ss->devices->dev[i]);
         if (more > free_bytes)
-            return resize_refusal(r, s, i, need[i], share[i], budget, more, free_bytes, st);
+            return resize_refusal(ss, s, i, need[i], share[i], budget, more, free_bytes, st);
     }
     for (uint32_t i = 0; i < n; i++) {
         if (need[i] <= s->device_admitted[i])
             continue;
         uint64_t more = need[i] - s->device_admitted[i];
-        r->devices->dev[i].admitted += more;
+        ss->devices->dev[i].admitted += more;
         s->admitted_bytes += more;
         s->device_admitted[i] = need[i];
     }
@@ -667,7 +647,7 @@ int qm_session_resize_reserve(qm_registry *r, qm_session *s, uint64_t budget, qm
     return 0;
 }
 
-void qm_session_resize_finish(qm_registry *r, qm_session *s, int ok, uint64_t budget)
+void qm_session_resize_finish(qm_sessions *ss, qm_session *s, int ok, uint64_t budget)
 {
     if (s->resizes_pending)
         s->resizes_pending--;
@@ -680,64 +660,48 @@ void qm_session_resize_finish(qm_registry *r, qm_session *s, int ok, uint64_t bu
     uint64_t share[QM_PLACEMENT_MAX_DEVICES], need[QM_PLACEMENT_MAX_DEVICES];
     if (session_device_need(s, s->budget_bytes, share, need) < 0)
         return;
-    for (uint32_t i = 0; i < s->placement.n_devices; i++) {
+    for (uint32_t i = 0; i < s->recipe.placement.n_devices; i++) {
         if (s->device_admitted[i] <= need[i])
             continue;
         uint64_t less = s->device_admitted[i] - need[i];
-        r->devices->dev[i].admitted -= less;
+        ss->devices->dev[i].admitted -= less;
         s->admitted_bytes -= less;
         s->device_admitted[i] = need[i];
     }
 }
 
-void qm_session_abort(qm_registry *r, qm_session *s)
+void qm_session_abort(qm_sessions *ss, qm_session *s)
 {
     atomic_store(&s->closed, 1); /* never served: nothing may mark or use it */
-    r->n_sessions--;
-    session_release_admission(r, s);
+    ss->n--;
+    session_release_admission(ss, s);
     qm_session_unref(s);
 }
 
 int qm_session_forward(qm_session *s, const qm_moe_call *call, qm_moe_stats *mstats,
                        qm_status *st)
 {
-    if (s->share)
-        return qm_share_forward(s->share, call, mstats, s->share_budget, &s->share_stats, st);
-    return qm_multipager_forward(s->pagers, call, mstats, st);
+    return qm_expert_pool_forward(s->pool, &s->member, call, mstats, st);
 }
 
 int qm_session_resize(qm_session *s, uint64_t budget, qm_status *st)
 {
-    int rc;
-    if (s->share) {
-        rc = qm_share_resize(s->share, s->share_budget, budget, &s->share_stats, st);
-        if (rc == 0)
-            s->share_budget = budget;
-    } else {
-        rc = qm_multipager_resize(s->pagers, budget, st);
-    }
+    int rc = qm_expert_pool_resize(s->pool, &s->member, budget, st);
     if (rc == 0) { /* in the session's FIFO: no other job reads them now */
-        qm_placement_split(&s->placement, budget, s->placement.budget);
-        qm_plan_set_budget(s->plan, budget);
+        qm_placement_split(&s->recipe.placement, budget, s->recipe.placement.budget);
+        qm_plan_set_budget(s->recipe.plan, budget);
     }
     return rc;
 }
 
 void qm_session_stats(const qm_session *s, qm_pager_stats *out)
 {
-    if (s->share)
-        *out = s->share_stats;
-    else
-        qm_multipager_stats(s->pagers, out);
+    qm_expert_pool_stats(s->pool, &s->member, out);
 }
 
 qm_pager *qm_session_pager_of(const qm_session *s, uint32_t layer)
 {
-    if (s->share) /* one device */
-        return s->share_joined ? qm_multipager_pager(s->share->pagers, 0) : NULL;
-    return layer < s->placement.n_layers
-               ? qm_multipager_pager(s->pagers, s->placement.device_of[layer])
-               : NULL;
+    return s->member.joined ? qm_expert_pool_pager_of(s->pool, layer) : NULL;
 }
 
 /* ---- what the rest of the daemon reads ---- */
@@ -748,15 +712,18 @@ uid_t qm_session_owner(const qm_session *s) { return s->owner_uid; }
 qm_model *qm_session_model(const qm_session *s) { return s->model; }
 const char *qm_session_policy(const qm_session *s) { return s->policy_name; }
 
-qm_precision qm_session_precision(const qm_session *s)
-{
-    return s->precision_fast ? QM_PRECISION_FAST : QM_PRECISION_EXACT;
-}
+qm_precision qm_session_precision(const qm_session *s) { return s->precision; }
 
 uint64_t qm_session_budget(const qm_session *s) { return s->budget_bytes; }
 uint64_t qm_session_workspace(const qm_session *s) { return s->workspace_bytes; }
 int64_t qm_session_created_at(const qm_session *s) { return s->created_at; }
-const qm_residency_plan *qm_session_plan(const qm_session *s) { return s->plan; }
+const qm_residency_plan *qm_session_plan(const qm_session *s) { return s->recipe.plan; }
+const qm_placement *qm_session_placement(const qm_session *s) { return &s->recipe.placement; }
+const char *qm_session_device_name(const qm_session *s, uint32_t i) { return s->device_names[i]; }
+int qm_session_on_miss(const qm_session *s) { return s->recipe.options.on_miss; }
+int qm_session_built(const qm_session *s) { return s->member.joined; }
+void qm_session_hold(qm_session *s) { qm_expert_pool_lock(s->pool); }
+void qm_session_release(qm_session *s) { qm_expert_pool_unlock(s->pool); }
 const qm_span *qm_session_plan_span(const qm_session *s) { return &s->plan_span; }
 qm_counters *qm_session_counters(qm_session *s) { return &s->counters; }
 uint64_t qm_session_resident_bytes(const qm_session *s) { return s->counters.resident_bytes; }
@@ -777,123 +744,29 @@ int qm_session_closed(const qm_session *s) { return atomic_load(&((qm_session *)
 qm_touches *qm_session_touches(qm_session *s) { return &s->touches; }
 qm_budget_auto *qm_session_auto_budget(qm_session *s) { return &s->auto_budget; }
 
-int qm_session_budget_for(const qm_registry *r, const qm_session *s, const qm_budget_spec *spec,
-                          uint64_t *bytes, qm_budget_auto *autob, qm_status *st)
+int qm_sessions_budget(const qm_sessions *ss, const qm_model *m, const qm_session *s,
+                       const qm_budget_spec *spec, uint64_t *bytes, qm_budget_auto *autob,
+                       qm_status *st)
 {
-    return resolve_budget(r, s->model, spec, 0, s, bytes, autob, st);
+    uint64_t free_bytes = 0;
+    for (uint32_t i = 0; i < ss->devices->n; i++)
+        free_bytes += device_free(&ss->devices->dev[i]);
+    qm_budget_ask ask = {.spec = spec,
+                         .model_bytes = m->bytes_total,
+                         .workspace = s ? 0 : ss->cfg->session_workspace_bytes,
+                         .credit = s ? s->counters.resident_bytes : 0,
+                         .device_free = free_bytes + (s ? s->budget_bytes : 0),
+                         .host_memory = qm_devices_host_visible(ss->devices)};
+    return qm_budget_resolve(ss->cfg, &ask, bytes, autob, st);
 }
 
-uint64_t qm_session_min_budget(const qm_registry *r, const qm_session *s)
+uint64_t qm_session_min_budget(const qm_sessions *ss, const qm_session *s)
 {
     uint64_t min = s->budget_bytes;
     qm_status st;
     qm_status_clear(&st);
-    if (qm_pager_min_budget(r->devices->dev[0].backend, s->model->bank, s->plan,
-                            &s->pager_options, &min, &st) < 0)
+    if (qm_pager_min_budget(ss->devices->dev[0].backend, s->model->bank, s->recipe.plan,
+                            &s->recipe.options, &min, &st) < 0)
         return s->budget_bytes;
     return min;
-}
-
-/* Whole-bank banks get no resident_now: they are resident for the session's
- * life, which the plan's decision already says (docs/PROTOCOL.md). */
-int qm_session_plan_json(qm_session *s, char **json, size_t *len, qm_status *st)
-{
-    /* A sharing session reads the pool's residency (its own plan and
-     * counters otherwise), with the pool held still. */
-    const int has_pagers = s->pagers || s->share_joined;
-    if (s->share)
-        pthread_mutex_lock(&s->share->lock);
-    size_t n = qm_plan_total(s->plan);
-    qm_plan_json_bank_state *banks = qm_calloc(n ? n : 1, sizeof *banks);
-    uint32_t **lists = qm_calloc(n ? n : 1, sizeof *lists);
-    int rc = 0;
-    if (!banks || !lists) {
-        rc = qm_status_set(st, QM_ENOMEM, "out of memory reading the residency");
-        goto free_lists;
-    }
-    qm_plan_json_state state = {.banks = banks, .n_banks = 0};
-    /* The placement is shown when the session spans several devices. */
-    const qm_placement *pl = &s->placement;
-    const int placed = pl->n_devices > 1;
-    for (size_t i = 0; i < n && has_pagers; i++) {
-        uint32_t layer = qm_plan_bank_at(s->plan, i)->bank_id; /* bank id = layer */
-        qm_pager *pager = qm_session_pager_of(s, layer);
-        qm_plan_json_bank_state *b = &banks[state.n_banks];
-        *b = (qm_plan_json_bank_state){.bank_id = layer};
-        if (placed && layer < pl->n_layers) {
-            b->has_device = 1; /* every bank names its device, whole or paged */
-            b->device = pl->device_of[layer];
-        }
-        int count = pager && qm_pager_layer_is_paged(pager, layer) == 1
-                        ? qm_pager_resident_experts(pager, layer, NULL, 0)
-                        : -1;
-        if (b->has_device || count >= 0)
-            state.n_banks++;
-        if (count < 0)
-            continue;
-        lists[i] = qm_malloc(((size_t)count + 1) * sizeof **lists);
-        if (!lists[i]) {
-            rc = qm_status_set(st, QM_ENOMEM, "out of memory reading the residency");
-            goto free_lists;
-        }
-        size_t cap = (size_t)count;
-        count = qm_pager_resident_experts(pager, layer, lists[i], cap);
-        b->has_resident_now = 1;
-        b->resident_now = lists[i];
-        b->n_resident_now = count < 0 ? 0 : (size_t)count < cap ? (size_t)count : cap;
-        /* Pins a resize released: after the resident list, in the same buffer. */
-        int nrel = qm_pager_pins_released(pager, layer, NULL, 0);
-        if (nrel > 0) {
-            uint32_t *grown = qm_realloc(lists[i], (b->n_resident_now + (size_t)nrel) *
-                                                        sizeof **lists);
-            if (!grown) {
-                rc = qm_status_set(st, QM_ENOMEM, "out of memory reading the residency");
-                goto free_lists;
-            }
-            lists[i] = grown;
-            b->resident_now = grown;
-            b->pins_released = grown + b->n_resident_now;
-            nrel = qm_pager_pins_released(pager, layer, grown + b->n_resident_now,
-                                          (size_t)nrel);
-            b->n_pins_released = nrel < 0 ? 0 : (size_t)nrel;
-        }
-    }
-    const char *names[QM_CONFIG_MAX_DEVICES];
-    if (placed) {
-        for (uint32_t i = 0; i < pl->n_devices && i < QM_CONFIG_MAX_DEVICES; i++)
-            names[i] = s->device_names[i];
-        state.placement_rule = QM_PLACEMENT_RULE;
-        state.device_names = names;
-        state.device_budgets = pl->budget;
-        state.n_devices = pl->n_devices;
-    }
-    if (has_pagers) {
-        qm_pager_stats ps;
-        qm_session_stats(s, &ps);
-        state.has_resident_bytes = 1;
-        state.resident_bytes = ps.resident_bytes;
-        state.on_miss = qm_on_miss_name(s->pager_options.on_miss);
-        state.expert_hits = ps.hits + ps.whole_bank_accesses;
-        state.expert_misses = ps.misses;
-        state.expert_host_runs = ps.host_runs;
-    }
-    qm_buf auto_text; /* budget "auto": what it came to and why (qm_budget.h) */
-    qm_buf_init(&auto_text);
-    if (s->auto_budget.on) {
-        qm_jw aw;
-        qm_jw_init(&aw, &auto_text);
-        qm_budget_auto_json(&aw, &s->auto_budget);
-        if (qm_buf_append(&auto_text, "", 1) == 0 && !auto_text.oom)
-            state.budget_auto_json = auto_text.data; /* NUL-terminated */
-    }
-    rc = qm_plan_to_json_ex(s->plan, &state, json, len, st);
-    qm_buf_free(&auto_text);
-free_lists:
-    if (s->share)
-        pthread_mutex_unlock(&s->share->lock);
-    for (size_t i = 0; lists && i < n; i++)
-        qm_free(lists[i]);
-    qm_free(lists);
-    qm_free(banks);
-    return rc;
 }

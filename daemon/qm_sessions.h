@@ -1,11 +1,11 @@
-/* qm_sessions.h - the registry's sessions (qm_sessions.c) and their
- * admission against the devices' budgets: each device that holds some of
- * the session's layers (one device holds them all) is charged its share of
- * the budget plus a workspace.
+/* qm_sessions.h - the sessions (qm_sessions.c), the registry's second list
+ * (qm_registry.h), and their admission against the devices' budgets: each
+ * device that holds some of the session's layers (one device holds them
+ * all) is charged its share of the budget plus a workspace.
  *
- * A session is opaque and owned by the loop thread: the registry and the
- * jobs queued for it each hold a reference. While one of its jobs runs,
- * the worker running it alone uses its pagers (the calls marked "worker"). */
+ * A session is opaque and owned by the loop thread: the list and the jobs
+ * queued for it each hold a reference. While one of its jobs runs, the
+ * worker running it alone uses its pagers (the calls marked "worker"). */
 #ifndef QM_SESSIONS_H
 #define QM_SESSIONS_H
 
@@ -14,30 +14,88 @@
 #include <sys/types.h>
 
 #include "qm_budget.h"
+#include "qm_config.h"
+#include "qm_devices.h"
 #include "qm_moe.h"
 #include "qm_pager.h"
+#include "qm_placement.h"
 #include "qm_pool.h"
 #include "qm_protocol.h"
-#include "qm_reclaim.h"
-#include "qm_registry.h"
+#include "qm_models.h"
 #include "qm_residency.h"
 #include "qm_shm.h"
 #include "qm_telemetry.h"
+#include "qm_touches.h"
+
+typedef struct qm_session qm_session;
+
+/* The open sessions, newest first, and what their admission borrows: the
+ * configuration (reloaded in place), the devices, the limit counters and
+ * the trace ring, all the daemon's for as long as the list lives. */
+typedef struct qm_sessions {
+    const qm_config *cfg;
+    qm_devices *devices;
+    qm_limits *limits;
+    qm_trace *trace;
+    qm_session *first; /* the next of each is qm_session_next(s) */
+    size_t n;
+    uint64_t next_map_id;    /* qm_sessions_new_map_id */
+    struct qm_expert_pool *shares; /* shared-residency pools (qm_expert_pool.h) */
+    /* Called as each session closes, however it closes (session.close,
+     * model.unload with force, the orphan reclaim, the daemon's exit),
+     * after it left the list and while it still lives: the daemon ends
+     * its call rings there (qm_ring.h). NULL: nothing. */
+    void (*on_close)(void *arg, qm_session *s);
+    void *on_close_arg;
+} qm_sessions;
+
+/* Closes every session of model m, or every session when m is NULL
+ * (model.unload with force, the daemon's exit). */
+void qm_sessions_close_model(qm_sessions *ss, const qm_model *m);
+/* How many sessions use model m. */
+size_t qm_sessions_of_model(const qm_sessions *ss, const qm_model *m);
+/* A daemon-wide unique id for a session's shared-memory map (qm_shm.h). */
+uint64_t qm_sessions_new_map_id(qm_sessions *ss);
+
+/* session.create's parameters as the sessions read them: decoded once from
+ * the wire (qm_method_session.c), names resolved to the registries'
+ * values, defaults filled. Strings and hot lists are borrowed from the
+ * request, for as long as qm_session_prepare runs. */
+typedef struct qm_session_spec {
+    const char *model;
+    const char *policy; /* a name the residency registry offers */
+    /* budget: expert bytes; has_budget 0: the model's expert bytes */
+    int has_budget;
+    uint64_t budget_bytes;
+    /* budget "auto": what it came to and why (qm_sessions_budget); NULL otherwise */
+    const qm_budget_auto *auto_budget;
+    qm_precision precision;
+    int prefetch;        /* policy_params.prefetch (default 1) */
+    int on_miss;         /* QM_ON_MISS_* (default page) */
+    int share;           /* policy_params.share_residency */
+    int has_min_split_bytes;
+    uint64_t min_split_bytes;
+    qm_policy_value values[QM_POLICY_VALUES_MAX]; /* the policy's knobs given, names static */
+    size_t n_values;
+    const qm_hot_layer *hot; /* policy_params.hot, NULL when absent */
+    size_t n_hot;
+    const char *record_trace; /* a file name in the state dir, NULL when absent */
+} qm_session_spec;
 
 /* session.create in three steps: prepare (loop: checks, policy, plan,
  * admission reserved; *out has the registry's reference), build (worker:
  * the pagers, which may copy whole banks and pins), then commit (loop:
  * registered) or abort (loop: reservation released, that reference
  * dropped). */
-int qm_session_prepare(qm_registry *r, const qm_params *p, uid_t owner, qm_session **out,
-                       qm_status *st);
-int qm_session_build(const qm_registry *r, qm_session *s, qm_status *st);
-void qm_session_commit(qm_registry *r, qm_session *s);
-void qm_session_abort(qm_registry *r, qm_session *s);
-qm_session *qm_session_find(const qm_registry *r, const char *id); /* borrowed; NULL: none */
+int qm_session_prepare(qm_sessions *ss, const qm_models *ms, const qm_session_spec *spec,
+                       uid_t owner, qm_session **out, qm_status *st);
+int qm_session_build(const qm_sessions *ss, qm_session *s, qm_status *st);
+void qm_session_commit(qm_sessions *ss, qm_session *s);
+void qm_session_abort(qm_sessions *ss, qm_session *s);
+qm_session *qm_session_find(const qm_sessions *ss, const char *id); /* borrowed; NULL: none */
 /* Unregisters, gives its budget back and drops the registry's reference
  * (jobs may hold more; they answer not_found). */
-void qm_session_close(qm_registry *r, qm_session *s);
+void qm_session_close(qm_sessions *ss, qm_session *s);
 void qm_session_ref(qm_session *s);
 void qm_session_unref(qm_session *s); /* accepts NULL */
 
@@ -48,30 +106,37 @@ void qm_session_unref(qm_session *s); /* accepts NULL */
  * applied it) or was never queued (ok = 0): the budget in force becomes
  * `budget` when ok, and once no resize is pending the reservation shrinks
  * to the budget in force. */
-int qm_session_resize_reserve(qm_registry *r, qm_session *s, uint64_t budget, qm_status *st);
-/* The bytes session.resize's budget form asks for s (qm_budget.h: "N%" of
- * its model, "auto" counting the session's resident bytes as its own),
- * and for "auto" what it came to in *autob (zeroed otherwise). */
-int qm_session_budget_for(const qm_registry *r, const qm_session *s, const qm_budget_spec *spec,
-                          uint64_t *bytes, qm_budget_auto *autob, qm_status *st);
-void qm_session_resize_finish(qm_registry *r, qm_session *s, int ok, uint64_t budget);
+int qm_session_resize_reserve(qm_sessions *ss, qm_session *s, uint64_t budget, qm_status *st);
+void qm_session_resize_finish(qm_sessions *ss, qm_session *s, int ok, uint64_t budget);
+
+/* The bytes a budget's wire form asks for (qm_budget.h): "N%" of model m,
+ * "auto" from the memory bounds now and the devices' free budget, for a
+ * creation (s NULL, with a workspace to come) or a resize of s (its
+ * resident bytes counted as its own, its admission free for it); for
+ * "auto" what it came to in *autob (zeroed otherwise). */
+int qm_sessions_budget(const qm_sessions *ss, const qm_model *m, const qm_session *s,
+                       const qm_budget_spec *spec, uint64_t *bytes, qm_budget_auto *autob,
+                       qm_status *st);
 
 /* The session's pagers, one per device that holds layers (worker, while
  * the session's job runs): the forward call, the counters summed over its
  * devices, a budget change (the placement's shares and the plan's budget
- * follow), the pager
- * that serves `layer` (NULL when none), and the plan JSON with the
- * residency now (*json is the caller's). */
+ * follow), and the pager that serves `layer` (NULL when none). */
 int qm_session_forward(qm_session *s, const qm_moe_call *call, qm_moe_stats *mstats,
                        qm_status *st);
 void qm_session_stats(const qm_session *s, qm_pager_stats *out);
 int qm_session_resize(qm_session *s, uint64_t budget, qm_status *st);
 qm_pager *qm_session_pager_of(const qm_session *s, uint32_t layer);
-int qm_session_plan_json(qm_session *s, char **json, size_t *len, qm_status *st);
+/* Its residency read still (session.plan, worker): between hold and
+ * release nothing changes the pool it draws from (a shared pool's other
+ * members wait). built: its pagers exist (it joined its pool). */
+void qm_session_hold(qm_session *s);
+void qm_session_release(qm_session *s);
+int qm_session_built(const qm_session *s);
 
 /* What the rest of the daemon reads of a session (loop thread; the
  * strings live as long as the session). */
-qm_session *qm_session_next(const qm_session *s); /* the registry's next; NULL at the end */
+qm_session *qm_session_next(const qm_session *s); /* the list's next; NULL at the end */
 const char *qm_session_id(const qm_session *s);
 uid_t qm_session_owner(const qm_session *s);
 qm_model *qm_session_model(const qm_session *s); /* borrowed */
@@ -81,6 +146,10 @@ uint64_t qm_session_budget(const qm_session *s);      /* the budget in force */
 uint64_t qm_session_workspace(const qm_session *s);
 int64_t qm_session_created_at(const qm_session *s); /* unix seconds */
 const qm_residency_plan *qm_session_plan(const qm_session *s);
+/* Its layers over the daemon's devices and the name of device i there. */
+const qm_placement *qm_session_placement(const qm_session *s);
+const char *qm_session_device_name(const qm_session *s, uint32_t i);
+int qm_session_on_miss(const qm_session *s); /* QM_ON_MISS_* */
 const qm_span *qm_session_plan_span(const qm_session *s);
 qm_counters *qm_session_counters(qm_session *s);
 uint64_t qm_session_resident_bytes(const qm_session *s); /* as of the last job */
@@ -92,16 +161,16 @@ qm_job_queue *qm_session_queue(qm_session *s); /* its FIFO in the pool */
 size_t qm_session_queued(const qm_session *s); /* jobs queued and not yet handed back */
 qm_shm_set *qm_session_maps(qm_session *s);    /* session.map's maps */
 int qm_session_closed(const qm_session *s);    /* any thread */
-/* The open connections that used it and its orphan mark (qm_reclaim.h):
+/* The open connections that used it and its orphan mark (qm_touches.h):
  * dispatch records every request that names it, session.create its
  * creator. */
 qm_touches *qm_session_touches(qm_session *s);
 /* Its auto budget (qm_budget.h; `on` 0 when its budget is not auto): the
- * watcher and session.resize change it, loop thread. */
+ * watcher (qm_pressure.h) and session.resize change it, loop thread. */
 qm_budget_auto *qm_session_auto_budget(qm_session *s);
 /* The least budget its pagers take (whole banks + pins + one expert unit;
  * qm_pager_min_budget over its plan); its budget now when that cannot be
  * computed. */
-uint64_t qm_session_min_budget(const qm_registry *r, const qm_session *s);
+uint64_t qm_session_min_budget(const qm_sessions *ss, const qm_session *s);
 
 #endif

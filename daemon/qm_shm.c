@@ -99,7 +99,7 @@ int qm_shm_map_fd(int fd, uint64_t bytes, qm_shm_map **out, qm_status *st)
     }
     m->base = base;
     m->bytes = bytes;
-    m->refs = 1;
+    atomic_init(&m->refs, 1);
     *out = m;
 close_fd:
     close(fd);
@@ -108,18 +108,26 @@ close_fd:
 
 void qm_shm_ref(qm_shm_map *m)
 {
-    m->refs++;
+    atomic_fetch_add(&m->refs, 1);
 }
 
 void qm_shm_unref(qm_shm_map *m)
 {
-    if (!m || --m->refs > 0)
+    if (!m || atomic_fetch_sub(&m->refs, 1) > 1)
         return;
     munmap(m->base, (size_t)m->bytes);
     qm_free(m);
 }
 
-int qm_shm_set_add(qm_shm_set *s, qm_shm_map *m, uint64_t max_bytes, qm_status *st)
+void qm_shm_set_init(qm_shm_set *s)
+{
+    memset(s, 0, sizeof *s);
+    pthread_mutex_init(&s->lock, NULL);
+}
+
+void qm_shm_set_destroy(qm_shm_set *s) { pthread_mutex_destroy(&s->lock); }
+
+static int set_add(qm_shm_set *s, qm_shm_map *m, uint64_t max_bytes, qm_status *st)
 {
     if (s->count >= QM_SHM_MAX_MAPS)
         return qm_status_set_field(st, QM_ERESOURCE_EXHAUSTED, "bytes",
@@ -139,7 +147,16 @@ int qm_shm_set_add(qm_shm_set *s, qm_shm_map *m, uint64_t max_bytes, qm_status *
     return 0;
 }
 
-qm_shm_map *qm_shm_set_find(const qm_shm_set *s, uint64_t id)
+int qm_shm_set_add(qm_shm_set *s, qm_shm_map *m, uint64_t max_bytes, qm_status *st)
+{
+    pthread_mutex_lock(&s->lock);
+    int rc = set_add(s, m, max_bytes, st);
+    pthread_mutex_unlock(&s->lock);
+    return rc;
+}
+
+/* The map `id` of s (borrowed; the set's lock held). */
+static qm_shm_map *set_find(const qm_shm_set *s, uint64_t id)
 {
     for (qm_shm_map *m = s->head; m; m = m->next)
         if (m->id == id)
@@ -149,6 +166,8 @@ qm_shm_map *qm_shm_set_find(const qm_shm_set *s, uint64_t id)
 
 int qm_shm_set_remove(qm_shm_set *s, uint64_t id, qm_status *st)
 {
+    qm_shm_map *found = NULL;
+    pthread_mutex_lock(&s->lock);
     for (qm_shm_map **pp = &s->head; *pp; pp = &(*pp)->next) {
         qm_shm_map *m = *pp;
         if (m->id != id)
@@ -157,7 +176,12 @@ int qm_shm_set_remove(qm_shm_set *s, uint64_t id, qm_status *st)
         s->count--;
         s->bytes -= m->bytes;
         m->next = NULL;
-        qm_shm_unref(m);
+        found = m;
+        break;
+    }
+    pthread_mutex_unlock(&s->lock);
+    if (found) {
+        qm_shm_unref(found);
         return 0;
     }
     return qm_status_set_field(st, QM_ENOT_FOUND, "map", "the session holds no map %llu",
@@ -166,14 +190,18 @@ int qm_shm_set_remove(qm_shm_set *s, uint64_t id, qm_status *st)
 
 void qm_shm_set_release_all(qm_shm_set *s)
 {
-    while (s->head) {
-        qm_shm_map *m = s->head;
-        s->head = m->next;
+    pthread_mutex_lock(&s->lock);
+    qm_shm_map *list = s->head;
+    s->head = NULL;
+    s->count = 0;
+    s->bytes = 0;
+    pthread_mutex_unlock(&s->lock);
+    while (list) {
+        qm_shm_map *m = list;
+        list = m->next;
         m->next = NULL;
         qm_shm_unref(m);
     }
-    s->count = 0;
-    s->bytes = 0;
 }
 
 void qm_map_refs_release(qm_map_refs *refs)
@@ -188,7 +216,7 @@ static int region(const qm_shm_set *s, uint64_t id, uint64_t offset, uint64_t n,
                   qm_map_refs *refs, uint8_t **out, qm_status *st)
 {
     char field[64];
-    qm_shm_map *m = qm_shm_set_find(s, id);
+    qm_shm_map *m = set_find(s, id);
     if (!m) {
         snprintf(field, sizeof field, "%s.map", name);
         return qm_status_set_field(st, QM_ENOT_FOUND, field,
@@ -243,10 +271,9 @@ static int overlaps(const uint8_t *a, uint64_t an, const qm_tensor *t)
     return a < b + t->nbytes && b < a + an;
 }
 
-int qm_shm_resolve(const qm_shm_set *s, qm_params *p, uint64_t out_bytes, qm_map_refs *refs,
-                   qm_status *st)
+static int resolve_locked(const qm_shm_set *s, qm_params *p, uint64_t out_bytes,
+                          qm_map_refs *refs, qm_status *st)
 {
-    memset(refs, 0, sizeof *refs);
     struct {
         qm_tensor *t;
         const char *name;
@@ -273,5 +300,15 @@ int qm_shm_resolve(const qm_shm_set *s, qm_params *p, uint64_t out_bytes, qm_map
                 inputs[i].t->data = NULL;
         qm_map_refs_release(refs);
     }
+    return rc;
+}
+
+int qm_shm_resolve(qm_shm_set *s, qm_params *p, uint64_t out_bytes, qm_map_refs *refs,
+                   qm_status *st)
+{
+    memset(refs, 0, sizeof *refs);
+    pthread_mutex_lock(&s->lock);
+    int rc = resolve_locked(s, p, out_bytes, refs, st);
+    pthread_mutex_unlock(&s->lock);
     return rc;
 }

@@ -144,6 +144,30 @@ static const metric_def metrics[] = {
      "Expert accesses run on the host CPU from the bank mapping instead of being paged in "
      "(policy_params.on_miss host or auto).",
      1, COFF(expert_host_runs), {POFF(host_runs), NO_STAT}},
+    {"predict_router_predicted", "Experts predicted by the next layer's router on the call's hidden states (resident or not).", 1,
+     COFF(predict_router_predicted), {POFF(predict_router_predicted), NO_STAT}},
+    {"predict_router_correct", "Experts predicted by router that the call they were about used.", 1,
+     COFF(predict_router_correct), {POFF(predict_router_correct), NO_STAT}},
+    {"predict_router_actual", "Experts used by the calls router made a prediction about.", 1,
+     COFF(predict_router_actual), {POFF(predict_router_actual), NO_STAT}},
+    {"predict_router_gated", "Forward calls on which router was switched off as imprecise.", 1,
+     COFF(predict_router_gated), {POFF(predict_router_gated), NO_STAT}},
+    {"predict_history_predicted", "Experts predicted by the next layer's recent calls (resident or not).", 1,
+     COFF(predict_history_predicted), {POFF(predict_history_predicted), NO_STAT}},
+    {"predict_history_correct", "Experts predicted by history that the call they were about used.", 1,
+     COFF(predict_history_correct), {POFF(predict_history_correct), NO_STAT}},
+    {"predict_history_actual", "Experts used by the calls history made a prediction about.", 1,
+     COFF(predict_history_actual), {POFF(predict_history_actual), NO_STAT}},
+    {"predict_history_gated", "Forward calls on which history was switched off as imprecise.", 1,
+     COFF(predict_history_gated), {POFF(predict_history_gated), NO_STAT}},
+    {"predict_lookahead_predicted", "Experts predicted by the router of the layer after next on the call's hidden states (resident or not).", 1,
+     COFF(predict_lookahead_predicted), {POFF(predict_lookahead_predicted), NO_STAT}},
+    {"predict_lookahead_correct", "Experts predicted by lookahead that the call they were about used.", 1,
+     COFF(predict_lookahead_correct), {POFF(predict_lookahead_correct), NO_STAT}},
+    {"predict_lookahead_actual", "Experts used by the calls lookahead made a prediction about.", 1,
+     COFF(predict_lookahead_actual), {POFF(predict_lookahead_actual), NO_STAT}},
+    {"predict_lookahead_gated", "Forward calls on which lookahead was switched off as imprecise.", 1,
+     COFF(predict_lookahead_gated), {POFF(predict_lookahead_gated), NO_STAT}},
     {"auto_shrinks", "Times the memory watcher shrank an auto budget (pressure, or a limit "
      "leaving less than auto_budget_reserve).", 1, COFF(auto_shrinks), NOT_PAGED},
     {"auto_grows", "Times the memory watcher grew an auto budget back toward its auto size.", 1,
@@ -169,6 +193,23 @@ static uint64_t stat_at(const qm_pager_stats *s, size_t offset)
     return v;
 }
 
+uint64_t qm_counter_paging(size_t i, const qm_pager_stats *s)
+{
+    uint64_t v = 0;
+    for (int j = 0; i < N_METRICS && j < 2; j++)
+        if (metrics[i].from[j] != NO_STAT)
+            v += stat_at(s, metrics[i].from[j]);
+    return v;
+}
+
+size_t qm_counter_index(const char *name)
+{
+    size_t i = 0;
+    while (i < N_METRICS && strcmp(metrics[i].name, name) != 0)
+        i++;
+    return i;
+}
+
 void qm_counters_add_paging(qm_counters *session, qm_counters *daemon, const qm_pager_stats *was,
                             const qm_pager_stats *now)
 {
@@ -176,10 +217,7 @@ void qm_counters_add_paging(qm_counters *session, qm_counters *daemon, const qm_
         const metric_def *m = &metrics[i];
         if (m->from[0] == NO_STAT)
             continue;
-        uint64_t delta = 0;
-        for (int j = 0; j < 2; j++)
-            if (m->from[j] != NO_STAT)
-                delta += stat_at(now, m->from[j]) - stat_at(was, m->from[j]);
+        uint64_t delta = qm_counter_paging(i, now) - qm_counter_paging(i, was);
         *counter_slot(session, m) += delta;
         *counter_slot(daemon, m) += delta;
     }
@@ -210,7 +248,7 @@ void qm_jw_counters(qm_jw *w, const qm_counters *c)
 const char *const qm_limit_names[QM_LIMIT_COUNT] = {
     "max_request_bytes", "max_nesting",  "max_batch",      "max_connections",  "max_sessions",
     "max_output_bytes",  "queue_depth",  "idle_timeout_s", "frames_per_wakeup",
-    "frame_timeout_s",   "output_stall",
+    "frame_timeout_s",   "output_stall", "max_rings",
 };
 
 void qm_limit_count(qm_limits *l, int limit) { l->hits[limit]++; }

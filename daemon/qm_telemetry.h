@@ -32,6 +32,13 @@ typedef struct qm_counters {
     uint64_t requests, errors, tokens, expert_hits, expert_misses, bytes_paged_h2d, evictions,
         prefetch_issued, prefetch_useful, resident_bytes, bytes_read_disk, stall_us,
         expert_host_runs;
+    /* Prediction, per source (router, history, lookahead): experts
+     * predicted, of them used by the call they were about, the experts those
+     * calls used, forward calls the source sat out (gated). */
+    uint64_t predict_router_predicted, predict_router_correct, predict_router_actual,
+        predict_router_gated, predict_history_predicted, predict_history_correct,
+        predict_history_actual, predict_history_gated, predict_lookahead_predicted,
+        predict_lookahead_correct, predict_lookahead_actual, predict_lookahead_gated;
     /* Auto budgets (qm_budget.h, qm_pressure.h): what the memory watcher
      * shrank and grew, and the auto budgets in force (a gauge). */
     uint64_t auto_shrinks, auto_grows, auto_shrunk_bytes, auto_grown_bytes, auto_budget_bytes;
@@ -49,6 +56,13 @@ typedef struct qm_counters {
 void qm_counters_add_paging(qm_counters *session, qm_counters *daemon, const qm_pager_stats *was,
                             const qm_pager_stats *now);
 void qm_jw_counters(qm_jw *w, const qm_counters *c); /* the counter members, no braces */
+/* Counter i as one reading of a pager's statistics gives it: the sum of
+ * the statistics its row names, so the table is the one definition of
+ * each (expert_hits: hits + whole_bank_accesses); 0 for a counter the
+ * pager does not feed. What a job did is the difference of two readings. */
+uint64_t qm_counter_paging(size_t i, const qm_pager_stats *s);
+/* The index of the counter named `name` (qm_counter_count() when none). */
+size_t qm_counter_index(const char *name);
 
 /* The counters in table order, for the metrics: name, help, whether it is
  * a counter (else a gauge), and its value in c. i < qm_counter_count(). */
@@ -71,6 +85,7 @@ enum {
     QM_LIMIT_FRAMES_PER_WAKEUP,
     QM_LIMIT_FRAME_TIMEOUT,
     QM_LIMIT_OUTPUT_STALL,
+    QM_LIMIT_MAX_RINGS,
     QM_LIMIT_COUNT
 };
 extern const char *const qm_limit_names[QM_LIMIT_COUNT]; /* the config keys */

@@ -36,8 +36,11 @@ struct qm_pool {
     int efd;              /* eventfd: done jobs wait */
     atomic_int told;      /* 1 while efd is written and not yet drained */
     uv_poll_t done_poll;  /* the loop's watch on efd */
-    size_t queued;         /* jobs enqueued and not completed (loop thread) */
-    size_t queued_bounded; /* ... of which bounded ones (what queue_depth bounds) */
+    /* jobs enqueued and not completed, and of them the bounded ones (what
+     * queue_depth bounds): counted up by whoever submits (the loop, a
+     * ring's thread), down by the loop */
+    atomic_size_t queued;
+    atomic_size_t queued_bounded;
 };
 
 void qm_job_free(qm_job *job)
@@ -148,10 +151,10 @@ static void done_cb(uv_poll_t *h, int status, int events)
         qm_job *job = list;
         list = job->next;
         job->next = NULL;
-        p->queued--;
+        atomic_fetch_sub(&p->queued, 1);
         if (job->ops->bounded)
-            p->queued_bounded--;
-        job->queue->pending--;
+            atomic_fetch_sub(&p->queued_bounded, 1);
+        atomic_fetch_sub(&job->queue->pending, 1);
         p->hooks.done(p->hooks.arg, job);
     }
     if (p->hooks.idle)
@@ -225,21 +228,60 @@ void qm_pool_stop(qm_pool *p)
     qm_free(p);
 }
 
-size_t qm_pool_queued(const qm_pool *p) { return p ? p->queued : 0; }
+size_t qm_pool_queued(const qm_pool *p) { return p ? atomic_load(&((qm_pool *)p)->queued) : 0; }
+
+/* Counts a job submitted: the loop's bookkeeping sees it until done_cb. */
+static void count_submitted(qm_pool *p, qm_job *job)
+{
+    job->enqueue_us = qm_now_us();
+    job->next = NULL;
+    atomic_fetch_add(&p->queued, 1);
+    if (job->ops->bounded)
+        atomic_fetch_add(&p->queued_bounded, 1);
+    atomic_fetch_add(&job->queue->pending, 1);
+}
+
+int qm_pool_run_or_queue(qm_pool *p, qm_job *job)
+{
+    qm_job_queue *q = job->queue;
+    count_submitted(p, job);
+    uv_mutex_lock(&p->mu);
+    if (q->scheduled) {
+        /* The session's FIFO is busy (its jobs queued or running): this
+         * one waits its turn there; whoever holds the FIFO now puts it on
+         * the run queue when done. */
+        job_list_append(&q->head, &q->tail, job);
+        uv_mutex_unlock(&p->mu);
+        return 0;
+    }
+    q->scheduled = 1; /* held by this thread: no worker takes the session now */
+    uv_mutex_unlock(&p->mu);
+    job->start_us = qm_now_us();
+    if (job->ops->run)
+        job->ops->run(job);
+    job->end_us = qm_now_us();
+    uv_mutex_lock(&p->mu);
+    job_list_append(&p->done_head, &p->done_tail, job);
+    int more = q->head != NULL;
+    if (more)
+        runq_push(p, q);
+    else
+        q->scheduled = 0;
+    uv_mutex_unlock(&p->mu);
+    if (more)
+        uv_cond_signal(&p->cv);
+    done_notify(p);
+    return 1;
+}
 
 int qm_pool_submit(qm_pool *p, qm_job *job, uint32_t queue_depth)
 {
     /* Only bounded jobs hold compute worth refusing: barriers and session
      * creation are bounded by the sessions that exist. */
-    if (job->ops->bounded && p->queued_bounded >= queue_depth)
+    if (job->ops->bounded && atomic_load(&p->queued_bounded) >= queue_depth)
         return QM_EOVERLOADED;
-    job->enqueue_us = qm_now_us();
-    job->next = NULL;
-    p->queued++;
-    if (job->ops->bounded)
-        p->queued_bounded++;
+    count_submitted(p, job);
     qm_job_queue *q = job->queue;
-    q->pending++;
     uv_mutex_lock(&p->mu);
     job_list_append(&q->head, &q->tail, job);
     int wake = !q->scheduled;

@@ -9,6 +9,7 @@
 
 #include "qm_alloc.h"
 #include "qm_bank_internal.h"
+#include "qm_json.h"
 
 #define ST_FAIL(st, ...) qm_status_set((st), QM_EINVALID_MODEL, __VA_ARGS__)
 
@@ -364,22 +365,12 @@ static void sb_put(sbuf *b, const char *s, size_t n)
 
 static void sb_str(sbuf *b, const char *s) { sb_put(b, s, strlen(s)); }
 
+static void sb_put_cb(void *ctx, const char *bytes, size_t n) { sb_put(ctx, bytes, n); }
+
 static void sb_json_string(sbuf *b, const char *s)
 {
     sb_put(b, "\"", 1);
-    for (const unsigned char *c = (const unsigned char *)s; *c; c++) {
-        char esc[8];
-        if (*c == '"' || *c == '\\') {
-            esc[0] = '\\';
-            esc[1] = (char)*c;
-            sb_put(b, esc, 2);
-        } else if (*c < 0x20) {
-            snprintf(esc, sizeof esc, "\\u%04x", *c);
-            sb_put(b, esc, 6);
-        } else {
-            sb_put(b, (const char *)c, 1);
-        }
-    }
+    qm_json_escape_to(s, strlen(s), sb_put_cb, b);
     sb_put(b, "\"", 1);
 }
 

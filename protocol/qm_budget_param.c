@@ -1,8 +1,9 @@
 /* qm_budget_param.c - a session's budget on the wire (session.create,
  * session.resize; PROTOCOL.md): `budget` as bytes, "N%" of the model's
  * expert bytes or "auto", or `budget_bytes` as bytes (the older member),
- * one of the two. What "N%" and "auto" come to is the daemon's to say
- * (daemon/qm_budget.h): it knows the model and the machine. */
+ * one of the two (the rows of QM_PARAMS_BUDGET, qm_wire_schema.h). What
+ * "N%" and "auto" come to is the daemon's to say (daemon/qm_budget.h): it
+ * knows the model and the machine. */
 #include "qm_rpc_impl.h"
 
 #include <errno.h>
@@ -59,8 +60,7 @@ uint64_t qm_budget_percent_of(double percent, uint64_t total)
     return b >= (double)total ? total : (uint64_t)b;
 }
 
-/* `budget`: a positive integer or a string of qm_budget_parse. */
-static int decode_budget_member(const cJSON *v, qm_params *out, qm_status *st)
+int qm__decode_budget(const cJSON *v, qm_params *out, qm_status *st)
 {
     if (cJSON_IsString(v))
         return qm_budget_parse(v->valuestring, "budget", &out->budget, st);
@@ -78,46 +78,34 @@ static int decode_budget_member(const cJSON *v, qm_params *out, qm_status *st)
     return 0;
 }
 
-int qm__params_budget(const cJSON *params, int required, qm_params *out, qm_status *st)
+/* After both members: the one given lands in budget and budget_bytes. */
+static int check_budget(qm_params *out, int required, qm_status *st)
 {
-    const cJSON *b = params ? cJSON_GetObjectItemCaseSensitive(params, "budget") : NULL;
-    const cJSON *bytes = params ? cJSON_GetObjectItemCaseSensitive(params, "budget_bytes") : NULL;
-    memset(&out->budget, 0, sizeof out->budget);
-    if (b && bytes)
+    if (out->has_budget && out->has_budget_bytes)
         return qm_status_set_field(st, QM_EINVAL, "budget",
                                    "budget and budget_bytes are two ways of giving one budget; "
                                    "give one of them");
-    if (!b && !bytes) {
-        if (required) /* the field older clients know */
-            return qm_status_set_field(st, QM_EINVAL, "budget_bytes",
-                                       "budget_bytes is required (or budget: bytes, \"N%%\" of "
-                                       "the model's expert bytes, or \"auto\")");
-        return 0;
+    if (out->has_budget_bytes) {
+        out->budget = (qm_budget_spec){.form = QM_BUDGET_BYTES, .bytes = out->budget_bytes};
+        out->has_budget = 1;
+    } else if (out->has_budget) {
+        out->budget_bytes = out->budget.form == QM_BUDGET_BYTES ? out->budget.bytes : 0;
+    } else if (required) { /* the field older clients know */
+        return qm_status_set_field(st, QM_EINVAL, "budget_bytes",
+                                   "budget_bytes is required (or budget: bytes, \"N%%\" of the "
+                                   "model's expert bytes, or \"auto\")");
     }
-    int rc;
-    if (b) {
-        rc = decode_budget_member(b, out, st);
-    } else {
-        double d = cJSON_IsNumber(bytes) ? bytes->valuedouble : -1;
-        if (!cJSON_IsNumber(bytes))
-            return qm_status_set_field(st, QM_EINVAL, "budget_bytes",
-                                       "budget_bytes must be a non-negative integer, got %s "
-                                       "(a share or \"auto\" goes in budget)",
-                                       qm__json_type_name(bytes));
-        if (!isfinite(d) || d != floor(d) || d < 0 || d > MAX_SAFE_INT)
-            return qm_status_set_field(st, QM_EINVAL, "budget_bytes",
-                                       "budget_bytes must be a non-negative integer, got %.17g",
-                                       d);
-        if (d == 0)
-            return qm_status_set_field(st, QM_EINVAL, "budget_bytes",
-                                       "budget_bytes must be greater than 0");
-        out->budget.form = QM_BUDGET_BYTES;
-        out->budget.bytes = (uint64_t)d;
-        rc = 0;
-    }
-    if (rc < 0)
-        return rc;
-    out->has_budget = 1;
-    out->budget_bytes = out->budget.form == QM_BUDGET_BYTES ? out->budget.bytes : 0;
     return 0;
+}
+
+int qm__check_budget0(const cJSON *v, qm_params *out, qm_status *st)
+{
+    (void)v;
+    return check_budget(out, 0, st);
+}
+
+int qm__check_budget1(const cJSON *v, qm_params *out, qm_status *st)
+{
+    (void)v;
+    return check_budget(out, 1, st);
 }

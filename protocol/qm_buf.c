@@ -1,4 +1,5 @@
-/* qm_buf.c - the growable byte buffer and the JSON string escaper (qm_buf.h). */
+/* qm_buf.c - the growable byte buffer, and the JSON string escaper into it
+ * (qm_buf.h; the escaping itself is common/qm_json.c). */
 #include "qm_buf.h"
 
 #include <stdarg.h>
@@ -8,6 +9,7 @@
 
 #include "qm_alloc.h"
 #include "qm_error.h"
+#include "qm_json.h"
 
 void qm_buf_init(qm_buf *b)
 {
@@ -114,22 +116,6 @@ size_t qm_fmt_u64(char *out, unsigned long long v, int negative)
     return n;
 }
 
-void qm_json_escape(qm_buf *b, const char *s, size_t n)
-{
-    static const char hex[] = "0123456789abcdef";
-    /* The letter after '\\' for the bytes with a two-character escape. */
-    static const char short_escape[128] = {
-        ['"'] = '"', ['\\'] = '\\', ['\n'] = 'n', ['\r'] = 'r', ['\t'] = 't'};
-    size_t run = 0;
-    for (size_t i = 0; i < n; i++) {
-        unsigned char c = (unsigned char)s[i];
-        if (c >= 0x20 && c != '"' && c != '\\')
-            continue;
-        qm_buf_append(b, s + run, i - run);
-        run = i + 1;
-        const char esc[6] = {'\\', short_escape[c] ? short_escape[c] : 'u', '0', '0',
-                             hex[c >> 4], hex[c & 15]};
-        qm_buf_append(b, esc, short_escape[c] ? 2 : 6);
-    }
-    qm_buf_append(b, s + run, n - run);
-}
+static void buf_put(void *ctx, const char *bytes, size_t n) { qm_buf_append(ctx, bytes, n); }
+
+void qm_json_escape(qm_buf *b, const char *s, size_t n) { qm_json_escape_to(s, n, buf_put, b); }

@@ -1,4 +1,4 @@
-/* qm_buf.h - the one growable byte buffer and the one JSON string escaper,
+/* qm_buf.h - the one growable byte buffer and the JSON string escaper into it,
  * shared by the daemon's response writer (qm_jw) and the client codec
  * (qm_cval_print, request lines). Free of cJSON, so the client library
  * compiles it on its own (clients/CMakeLists.txt). */
@@ -31,9 +31,8 @@ char *qm_buf_take(qm_buf *b, size_t *len);
 #define QM_U64_DEC_MAX 22
 size_t qm_fmt_u64(char *out, unsigned long long v, int negative);
 
-/* Appends s[0..n) as the body of a JSON string (no quotes): '"', '\\', \n,
- * \r and \t as two-character escapes, other bytes below 0x20 as \u00XX,
- * everything else (UTF-8 included) as it is. */
+/* Appends s[0..n) as the body of a JSON string (no quotes), escaped by
+ * common/qm_json.h's qm_json_escape_to. */
 void qm_json_escape(qm_buf *b, const char *s, size_t n);
 
 #endif

@@ -1,11 +1,12 @@
-/* qm_frame.c - newline framing with a hard cap, and the nesting pre-scan.
+/* qm_frame.c - newline framing with a hard cap, the nesting pre-scan, and
+ * the UTF-8 check of decoded strings.
  *
  * The cap is enforced while bytes accumulate, not when the newline finally
  * arrives: a peer streaming an endless line costs at most max_frame bytes. */
 #ifndef _GNU_SOURCE
 #define _GNU_SOURCE /* memrchr */
 #endif
-#include "qm_protocol.h"
+#include "qm_rpc_impl.h"
 
 #include <string.h>
 
@@ -212,4 +213,42 @@ int qm_json_check(const char *s, size_t n, int max_depth, const char **why)
         }
     }
     return 0;
+}
+
+int qm__utf8_valid(const char *s, size_t n)
+{
+    const unsigned char *p = (const unsigned char *)s;
+    size_t i = 0;
+    while (i < n) {
+        unsigned char c = p[i];
+        size_t len;
+        uint32_t cp;
+        if (c < 0x80) {
+            i++;
+            continue;
+        } else if ((c & 0xe0) == 0xc0) {
+            len = 2;
+            cp = c & 0x1f;
+        } else if ((c & 0xf0) == 0xe0) {
+            len = 3;
+            cp = c & 0x0f;
+        } else if ((c & 0xf8) == 0xf0) {
+            len = 4;
+            cp = c & 0x07;
+        } else {
+            return 0;
+        }
+        if (n - i < len)
+            return 0;
+        for (size_t j = 1; j < len; j++) {
+            if ((p[i + j] & 0xc0) != 0x80)
+                return 0;
+            cp = cp << 6 | (p[i + j] & 0x3f);
+        }
+        if ((len == 2 && cp < 0x80) || (len == 3 && cp < 0x800) || (len == 4 && cp < 0x10000) ||
+            cp > 0x10ffff || (cp >= 0xd800 && cp <= 0xdfff))
+            return 0;
+        i += len;
+    }
+    return 1;
 }

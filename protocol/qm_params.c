@@ -31,6 +31,19 @@ static int bad(qm_status *st, const char *field, const char *fmt, ...)
     return QM_EINVAL;
 }
 
+const char *qm__json_type_name(const cJSON *v)
+{
+    static const struct {
+        cJSON_bool (*is)(const cJSON *const item);
+        const char *name;
+    } kinds[] = {{cJSON_IsString, "a string"}, {cJSON_IsNumber, "a number"},
+                 {cJSON_IsBool, "a boolean"},  {cJSON_IsNull, "null"},
+                 {cJSON_IsArray, "an array"},  {cJSON_IsObject, "an object"}};
+    for (size_t i = 0; i < sizeof kinds / sizeof kinds[0]; i++)
+        if (kinds[i].is(v)) return kinds[i].name;
+    return "invalid";
+}
+
 /* "PATH must be WHAT, got TYPE" for a member of the wrong JSON type. */
 static int wrong_type(qm_status *st, const char *path, const char *what, const cJSON *v)
 {
@@ -74,8 +87,9 @@ static void suffixed(char *out, size_t size, const char *path, const char *suffi
     put_clipped(out, size, &o, suffix, size);
 }
 
-/* Unknown or duplicate members of `obj`. `allowed` ends with NULL. */
-static int check_members(const cJSON *obj, const char *const *allowed, const char *prefix,
+/* Unknown or duplicate members of an object with a fixed list of members
+ * (a tensor). `allowed` ends with NULL. */
+static int check_allowed(const cJSON *obj, const char *const *allowed, const char *prefix,
                          qm_status *st)
 {
     char path[96];
@@ -123,30 +137,6 @@ static int find_member(const cJSON *obj, const char *key, const char *prefix, in
     return 0;
 }
 
-/* String member: required or optional (*out stays NULL when absent). */
-static int get_string(const cJSON *obj, const char *key, const char *prefix, int required,
-                      size_t max_len, char **out, qm_status *st)
-{
-    char path[96];
-    const cJSON *v;
-    int rc = find_member(obj, key, prefix, required, "a string", path, &v, st);
-    if (rc < 0 || !v)
-        return rc;
-    if (!cJSON_IsString(v))
-        return wrong_type(st, path, "a string", v);
-    size_t n = strlen(v->valuestring);
-    if (n == 0)
-        return bad(st, path, "%s must not be empty", path);
-    if (n > max_len)
-        return bad(st, path, "%s is %zu bytes; at most %zu allowed", path, n, max_len);
-    if (!qm__utf8_valid(v->valuestring, n))
-        return bad(st, path, "%s is not valid UTF-8", path);
-    *out = qm_strdup(v->valuestring);
-    if (!*out)
-        return qm_status_set(st, QM_ENOMEM, "out of memory copying %s", path);
-    return 0;
-}
-
 static int integer_value(const cJSON *v, const char *path, uint64_t max, uint64_t *out,
                          qm_status *st)
 {
@@ -175,44 +165,32 @@ static int get_uint(const cJSON *obj, const char *key, const char *prefix, int r
     return integer_value(v, path, max, out, st);
 }
 
-static int get_bool(const cJSON *obj, const char *key, const char *prefix, int *has, int *out,
-                    qm_status *st)
-{
-    char path[96];
-    const cJSON *v;
-    int rc = find_member(obj, key, prefix, 0, "true or false", path, &v, st);
-    if (rc < 0 || !v)
-        return rc;
-    if (!cJSON_IsBool(v))
-        return wrong_type(st, path, "true or false", v);
-    if (has)
-        *has = 1;
-    *out = cJSON_IsTrue(v);
-    return 0;
-}
-
 /* {map, offset} of a mapped tensor or of output_to: the map id (an integer
  * below 2^53) and an offset that is a multiple of QM_MAP_ALIGN. Whether the
  * region lies inside the map is the daemon's check (it knows the map). */
-static int parse_region(const cJSON *obj, const char *path, qm_tensor *out, qm_status *st)
+int qm__map_offset_check(const char *path, uint64_t offset, qm_status *st)
 {
     char sub[112];
+    suffixed(sub, sizeof sub, path, ".offset");
+    if (offset % QM_MAP_ALIGN != 0)
+        return bad(st, sub, "%s is %llu; it must be a multiple of %d", sub,
+                   (unsigned long long)offset, QM_MAP_ALIGN);
+    return 0;
+}
+
+static int parse_region(const cJSON *obj, const char *path, qm_tensor *out, qm_status *st)
+{
     int rc = get_uint(obj, "map", path, 1, UINT64_MAX, NULL, &out->map, st);
     if (rc == 0)
         rc = get_uint(obj, "offset", path, 1, UINT64_MAX, NULL, &out->offset, st);
+    if (rc == 0)
+        rc = qm__map_offset_check(path, out->offset, st);
     if (rc < 0)
         return rc;
-    suffixed(sub, sizeof sub, path, ".offset");
-    if (out->offset % QM_MAP_ALIGN != 0)
-        return bad(st, sub, "%s is %llu; it must be a multiple of %d", sub,
-                   (unsigned long long)out->offset, QM_MAP_ALIGN);
     out->mapped = 1;
     return 0;
 }
 
-/* Which wire dtypes a tensor field takes. */
-#define QM__DT_FLOAT 1u /* f32, f16, bf16 */
-#define QM__DT_I32 2u
 
 static int parse_tensor(const cJSON *t, const char *path, uint32_t expect_ndim, unsigned dtypes,
                         qm_tensor *out, qm_status *st)
@@ -228,27 +206,27 @@ static int parse_tensor(const cJSON *t, const char *path, uint32_t expect_ndim, 
                    path, qm__json_type_name(t));
     /* A mapped tensor names a region of a session.map instead of data. */
     int mapped = member(t, "map") != NULL || (member(t, "offset") != NULL && !member(t, "data"));
-    int rc = check_members(t, mapped ? allowed_mapped : allowed, path, st);
+    int rc = check_allowed(t, mapped ? allowed_mapped : allowed, path, st);
     if (rc < 0)
         return rc;
     const cJSON *dtype = member(t, "dtype"), *shape = member(t, "shape"),
                 *data = member(t, "data");
     suffixed(sub, sizeof sub, path, ".dtype");
-    const char *allowed_s = dtypes == QM__DT_I32     ? "i32"
-                            : dtypes == QM__DT_FLOAT ? "f32, f16, bf16"
+    const char *allowed_s = dtypes == QM_WIRE_DT_I32     ? "i32"
+                            : dtypes == QM_WIRE_DT_FLOAT ? "f32, f16, bf16"
                                                      : "f32, f16, bf16, i32";
     if (!dtype || !cJSON_IsString(dtype)) {
-        if (dtypes == QM__DT_I32)
+        if (dtypes == QM_WIRE_DT_I32)
             return bad(st, sub, "%s must be \"i32\"", sub);
         return bad(st, sub, "%s must be \"f32\", \"f16\" or \"bf16\"", sub);
     }
-    if ((dtypes & QM__DT_FLOAT) && strcmp(dtype->valuestring, "f32") == 0)
+    if ((dtypes & QM_WIRE_DT_FLOAT) && strcmp(dtype->valuestring, "f32") == 0)
         out->dtype = QM_WIRE_F32;
-    else if ((dtypes & QM__DT_FLOAT) && strcmp(dtype->valuestring, "f16") == 0)
+    else if ((dtypes & QM_WIRE_DT_FLOAT) && strcmp(dtype->valuestring, "f16") == 0)
         out->dtype = QM_WIRE_F16;
-    else if ((dtypes & QM__DT_FLOAT) && strcmp(dtype->valuestring, "bf16") == 0)
+    else if ((dtypes & QM_WIRE_DT_FLOAT) && strcmp(dtype->valuestring, "bf16") == 0)
         out->dtype = QM_WIRE_BF16;
-    else if ((dtypes & QM__DT_I32) && strcmp(dtype->valuestring, "i32") == 0)
+    else if ((dtypes & QM_WIRE_DT_I32) && strcmp(dtype->valuestring, "i32") == 0)
         out->dtype = QM_WIRE_I32;
     else {
         char clip[80];
@@ -321,23 +299,6 @@ static int parse_tensor(const cJSON *t, const char *path, uint32_t expect_ndim, 
     return 0;
 }
 
-static int get_tensor(const cJSON *obj, const char *key, int required, uint32_t ndim,
-                      unsigned dtypes, int *has, qm_tensor *out, qm_status *st)
-{
-    const cJSON *v = member(obj, key);
-    if (!v) {
-        if (required)
-            return bad(st, key, "%s is required (a tensor {dtype, shape, data|map, offset})", key);
-        return 0;
-    }
-    int rc = parse_tensor(v, key, ndim, dtypes, out, st);
-    if (rc < 0)
-        return rc;
-    if (has)
-        *has = 1;
-    return 0;
-}
-
 int qm_tensor_decode_json(const char *json, size_t n, qm_tensor *out, qm_status *st)
 {
     memset(out, 0, sizeof *out);
@@ -346,7 +307,7 @@ int qm_tensor_decode_json(const char *json, size_t n, qm_tensor *out, qm_status 
         return qm_status_set(st, QM_EPARSE, "tensor is not a JSON text");
     qm_status local;
     qm_status_clear(&local);
-    int rc = parse_tensor(root, "tensor", 0, QM__DT_FLOAT | QM__DT_I32, out, &local);
+    int rc = parse_tensor(root, "tensor", 0, QM_WIRE_DT_FLOAT | QM_WIRE_DT_I32, out, &local);
     cJSON_Delete(root);
     if (st)
         *st = local;
@@ -426,7 +387,7 @@ static int decode_hot(const cJSON *hot, qm_policy_params_wire *pp, qm_status *st
         snprintf(path, sizeof path, "policy_params.hot[%zu]", i);
         if (!cJSON_IsObject(e))
             return bad(st, path, "%s must be an object {layer, experts}", path);
-        int rc = check_members(e, allowed, path, st);
+        int rc = check_allowed(e, allowed, path, st);
         if (rc < 0)
             return rc;
         uint64_t layer = 0;
@@ -481,6 +442,8 @@ static int decode_hot(const cJSON *hot, qm_policy_params_wire *pp, qm_status *st
     return 0;
 }
 
+/* ---- what the rows name: policy knobs, the hot list, rules ---- */
+
 /* A policy knob (decay, pin_fraction, ...): the residency registry says
  * which names exist and their ranges. */
 static int get_policy_value(const cJSON *v, const qm_policy_param_spec *spec,
@@ -507,15 +470,136 @@ static int get_policy_value(const cJSON *v, const qm_policy_param_spec *spec,
     return 0;
 }
 
-/* "prefetch, min_split_bytes, ..., decay, pin_fraction, ...": what
- * policy_params may hold, the session's own members then the knobs. */
-static void policy_params_members(const char *const *allowed, char *list, size_t cap)
+static int qm__decode_hot(const cJSON *v, qm_params *out, qm_status *st)
+{
+    return decode_hot(v, &out->policy_params, st);
+}
+
+/* session.infer's routing supplied by the engine (PROTOCOL.md): topk_ids and
+ * topk_weights, both or neither. The ids against the model's E are the
+ * daemon's check. */
+static int qm__check_topk(const cJSON *v, qm_params *out, qm_status *st)
+{
+    if (!out->has_topk_ids && !out->has_topk_weights)
+        return 0;
+    if (!out->has_topk_weights)
+        return bad(st, "topk_weights", "topk_weights is required with topk_ids (both or neither)");
+    if (!out->has_topk_ids)
+        return bad(st, "topk_ids", "topk_ids is required with topk_weights (both or neither)");
+    out->has_topk = 1;
+    return 0;
+}
+
+int qm__infer_shapes_check(const qm_params *p, qm_status *st)
+{
+    if (p->has_topk) {
+        if (p->has_router_logits)
+            return bad(st, "router_logits",
+                       "router_logits must be absent when topk_ids and topk_weights are given");
+        const uint64_t *is = p->topk_ids.shape, *ws = p->topk_weights.shape;
+        if (is[0] != p->hidden.shape[0])
+            return bad(st, "topk_ids.shape",
+                       "topk_ids.shape[0] is %llu but hidden has %llu tokens",
+                       (unsigned long long)is[0], (unsigned long long)p->hidden.shape[0]);
+        if (is[1] == 0)
+            return bad(st, "topk_ids.shape", "topk_ids.shape[1] is 0; expected 1 to the model's "
+                                             "expert count");
+        if (ws[0] != is[0] || ws[1] != is[1])
+            return bad(st, "topk_weights.shape",
+                       "topk_weights.shape is [%llu, %llu] but topk_ids.shape is [%llu, %llu]",
+                       (unsigned long long)ws[0], (unsigned long long)ws[1],
+                       (unsigned long long)is[0], (unsigned long long)is[1]);
+    }
+    if (p->has_router_logits && p->router_logits.shape[0] != p->hidden.shape[0])
+        return bad(st, "router_logits.shape",
+                   "router_logits.shape[0] is %llu but hidden has %llu tokens",
+                   (unsigned long long)p->router_logits.shape[0],
+                   (unsigned long long)p->hidden.shape[0]);
+    return 0;
+}
+
+static int qm__check_shapes(const cJSON *v, qm_params *out, qm_status *st)
+{
+    return qm__infer_shapes_check(out, st);
+}
+
+static int qm__check_output_offset(const cJSON *v, qm_params *out, qm_status *st)
+{
+    return qm__map_offset_check("output_to", out->output_offset, st);
+}
+
+/* ---- the rows (qm_wire_schema.h) ---- */
+
+#define AT(field) offsetof(qm_params, field)
+#define NOWHERE SIZE_MAX
+#define NONE .fn = NULL
+#define FN(f) .fn = f
+#define NAMES(e) .names = qm__names_##e
+#define ROWS(o) .object = &qm__rows_##o
+#define QM__ROW(m, t, r, l, h, at, flag, more, d)                                                  \
+    {.member = m, .type = QM_WT_##t, .required = r, .lo = l, .hi = h, .lands = at, .has = flag,    \
+     more, .doc = d},
+#define QM__END {.member = NULL}
+#define QM__N(rows) (sizeof(rows) / sizeof(rows)[0] - 1)
+#define QM__KNOBS 1
+#define QM__NO_MORE 0
+
+#define QM__ENUM(e, ...) static const char *const qm__names_##e[] = {__VA_ARGS__, NULL};
+QM_WIRE_ENUMS(QM__ENUM)
+
+#define QM__OBJECT(o, more)                                                                        \
+    static const qm_wire_param qm__rows_##o##_[] = {QM_PARAMS_##o(QM__ROW) QM__END};               \
+    static const qm_wire_rows qm__rows_##o = {qm__rows_##o##_, QM__N(qm__rows_##o##_),             \
+                                              QM__##more};
+QM_WIRE_OBJECTS(QM__OBJECT)
+
+#define QM__METHOD_ROWS(e, name, params, summary)                                                  \
+    static const qm_wire_param qm__method_rows_##e[] = {QM_PARAMS_##params(QM__ROW) QM__END};
+QM_METHOD_MAP(QM__METHOD_ROWS)
+
+static const qm_wire_rows qm__method_params[QM_METHOD_COUNT] = {
+#define QM__METHOD_PARAMS(e, ...) {qm__method_rows_##e, QM__N(qm__method_rows_##e), 0},
+    QM_METHOD_MAP(QM__METHOD_PARAMS)};
+
+static const char *const qm__method_summaries[QM_METHOD_COUNT] = {
+#define QM__METHOD_SUMMARY(e, name, params, summary) summary,
+    QM_METHOD_MAP(QM__METHOD_SUMMARY)};
+
+const qm_wire_rows *qm_wire_params(qm_method m)
+{
+    return (unsigned)m < QM_METHOD_COUNT ? &qm__method_params[m] : NULL;
+}
+
+const char *qm_method_summary(qm_method m)
+{
+    return (unsigned)m < QM_METHOD_COUNT ? qm__method_summaries[m] : "";
+}
+
+/* ---- the walker ---- */
+
+/* "a, b or c" (each quoted when `quote`) into out[cap]. */
+static void names_list(const char *const *names, int quote, char *out, size_t cap)
+{
+    size_t len = 0, n = 0;
+    while (names[n])
+        n++;
+    out[0] = '\0';
+    for (size_t i = 0; i < n && len < cap; i++)
+        len += (size_t)snprintf(out + len, cap - len, "%s%s%s%s", i == 0 ? "" : i + 1 == n ? " or " : ", ",
+                                quote ? "\"" : "", names[i], quote ? "\"" : "");
+}
+
+/* "prefetch, min_split_bytes, ...": the members `rows` takes, then the
+ * knobs some offered policy declares when it takes them. */
+static void members_list(const qm_wire_rows *rows, char *list, size_t cap)
 {
     size_t len = 0;
     list[0] = '\0';
-    for (const char *const *a = allowed; *a && len < cap; a++)
-        len += (size_t)snprintf(list + len, cap - len, "%s%s", len ? ", " : "", *a);
-    for (size_t i = 0; i < qm_policy_count(); i++)
+    for (size_t i = 0; i < rows->n && len < cap; i++)
+        if (rows->rows[i].type != QM_WT_CHECK)
+            len += (size_t)snprintf(list + len, cap - len, "%s%s", len ? ", " : "",
+                                    rows->rows[i].member);
+    for (size_t i = 0; rows->knobs && i < qm_policy_count(); i++)
         for (size_t j = 0; j < qm_policy_param_count(i) && len < cap; j++) {
             const qm_policy_param_spec *spec = qm_policy_param_at(i, j);
             const char *n = qm_policy_param_name(spec);
@@ -524,267 +608,232 @@ static void policy_params_members(const char *const *allowed, char *list, size_t
         }
 }
 
-/* policy_params.on_miss: one of the hybrid execution's answers to a miss. */
-static int get_on_miss(const cJSON *obj, qm_policy_params_wire *pp, qm_status *st)
+static const qm_wire_param *row_named(const qm_wire_rows *rows, const char *member)
 {
-    static const char *const names[] = {"page", "host", "auto"};
-    const cJSON *v = member(obj, "on_miss");
-    if (!v)
-        return 0;
-    for (size_t i = 0; cJSON_IsString(v) && i < sizeof names / sizeof names[0]; i++)
-        if (strcmp(v->valuestring, names[i]) == 0) {
-            pp->on_miss = names[i];
-            return 0;
-        }
-    char clip[40] = "";
-    if (cJSON_IsString(v))
-        qm_clip(v->valuestring, strlen(v->valuestring), clip, sizeof clip);
-    return bad(st, "policy_params.on_miss",
-               "policy_params.on_miss must be \"page\", \"host\" or \"auto\", got %s%s%s",
-               cJSON_IsString(v) ? "'" : "", cJSON_IsString(v) ? clip : qm__json_type_name(v),
-               cJSON_IsString(v) ? "'" : "");
+    for (size_t i = 0; i < rows->n; i++)
+        if (rows->rows[i].type != QM_WT_CHECK && strcmp(rows->rows[i].member, member) == 0)
+            return &rows->rows[i];
+    return NULL;
 }
 
-static int decode_policy_params(const cJSON *obj, qm_policy_params_wire *pp, qm_status *st)
+/* Each member of `obj` once, and a row's or (rows->knobs) a policy knob,
+ * which is decoded here, in the order given. */
+static int check_members(const cJSON *obj, const qm_wire_rows *rows, const char *prefix,
+                         qm_params *out, qm_status *st)
 {
-    static const char *const allowed[] = {"prefetch", "min_split_bytes", "hot", "record_trace",
-                                          "on_miss", "share_residency", NULL};
-    const char *prefix = "policy_params";
-    if (!cJSON_IsObject(obj))
-        return wrong_type(st, prefix, "an object", obj);
-    /* Members: the session's own (allowed) and the policies' knobs. */
-    int rc = 0;
-    for (const cJSON *m = obj->child; m && rc == 0; m = m->next) {
+    for (const cJSON *m = obj ? obj->child : NULL; m; m = m->next) {
         char clip[80], path[96];
-        qm_clip(m->string, strlen(m->string), clip, sizeof clip);
-        join(path, sizeof path, prefix, clip);
         for (const cJSON *o = obj->child; o != m; o = o->next)
-            if (strcmp(o->string, m->string) == 0)
+            if (strcmp(o->string, m->string) == 0) {
+                qm_clip(m->string, strlen(m->string), clip, sizeof clip);
+                join(path, sizeof path, prefix, clip);
                 return bad(st, path, "duplicate member '%s'", clip);
-        const qm_policy_param_spec *spec = qm_policy_param_find(m->string, strlen(m->string));
-        if (spec) {
-            rc = get_policy_value(m, spec, pp, st);
+            }
+        if (row_named(rows, m->string))
+            continue;
+        const qm_policy_param_spec *knob =
+            rows->knobs ? qm_policy_param_find(m->string, strlen(m->string)) : NULL;
+        if (knob) {
+            int rc = get_policy_value(m, knob, &out->policy_params, st);
+            if (rc < 0)
+                return rc;
             continue;
         }
-        int known = 0;
-        for (const char *const *a = allowed; *a; a++)
-            known |= strcmp(*a, m->string) == 0;
-        if (!known) {
-            char list[512];
-            policy_params_members(allowed, list, sizeof list);
-            return bad(st, path, "unknown member '%s'; expected %s", clip, list);
-        }
+        char list[512];
+        qm_clip(m->string, strlen(m->string), clip, sizeof clip);
+        join(path, sizeof path, prefix, clip);
+        members_list(rows, list, sizeof list);
+        return bad(st, path, "unknown member '%s'; expected %s", clip,
+                   list[0] ? list : "no members");
     }
-    if (rc == 0)
-        rc = get_bool(obj, "prefetch", prefix, &pp->has_prefetch, &pp->prefetch, st);
-    if (rc == 0)
-        rc = get_bool(obj, "share_residency", prefix, &pp->has_share_residency,
-                      &pp->share_residency, st);
-    if (rc == 0)
-        rc = get_uint(obj, "min_split_bytes", prefix, 0, UINT64_MAX, &pp->has_min_split_bytes,
-                      &pp->min_split_bytes, st);
-    if (rc == 0 && member(obj, "hot"))
-        rc = decode_hot(member(obj, "hot"), pp, st);
-    if (rc == 0)
-        rc = get_on_miss(obj, pp, st);
-    if (rc == 0)
-        rc = get_string(obj, "record_trace", prefix, 0, 255, &pp->record_trace, st);
-    if (rc == 0 && pp->record_trace &&
-        (strchr(pp->record_trace, '/') || strcmp(pp->record_trace, ".") == 0 ||
-         strcmp(pp->record_trace, "..") == 0))
-        return bad(st, "policy_params.record_trace",
-                   "policy_params.record_trace must be a file name inside the state dir, "
-                   "without '/'");
+    return 0;
+}
+
+const char *qm_wire_type_text(const qm_wire_param *p, char *out, size_t cap)
+{
+    char list[256];
+    switch (p->type) {
+    case QM_WT_STRING:
+    case QM_WT_NAME:
+    case QM_WT_FILENAME:
+        snprintf(out, cap, "%s of %llu to %llu bytes",
+                 p->type == QM_WT_NAME ? "a name ([A-Za-z0-9._-])"
+                 : p->type == QM_WT_FILENAME ? "a file name (no '/')" : "a string",
+                 (unsigned long long)p->lo, (unsigned long long)p->hi);
+        break;
+    case QM_WT_UINT:
+    case QM_WT_UINT32:
+        if (p->hi == UINT64_MAX || p->hi == UINT32_MAX)
+            snprintf(out, cap, p->lo ? "an integer >= %llu" : "a non-negative integer",
+                     (unsigned long long)p->lo);
+        else
+            snprintf(out, cap, "an integer %llu..%llu", (unsigned long long)p->lo,
+                     (unsigned long long)p->hi);
+        break;
+    case QM_WT_BOOL:
+        snprintf(out, cap, "true or false");
+        break;
+    case QM_WT_ENUM:
+        names_list(p->names, 1, list, sizeof list);
+        snprintf(out, cap, "%s", list);
+        break;
+    case QM_WT_TENSOR:
+        snprintf(out, cap, "a tensor of rank %llu, %s", (unsigned long long)p->lo,
+                 p->hi == QM_WIRE_DT_I32 ? "i32" : "f32, f16 or bf16");
+        break;
+    case QM_WT_OBJECT:
+        members_list(p->object, list, sizeof list);
+        snprintf(out, cap, "an object {%s}", list);
+        break;
+    case QM_WT_HOT:
+        snprintf(out, cap, "an array of {layer, experts}");
+        break;
+    case QM_WT_BUDGET:
+        snprintf(out, cap, "bytes (an integer >= 1), \"N%%\" or \"auto\"");
+        break;
+    case QM_WT_CHECK:
+        snprintf(out, cap, "a rule");
+        break;
+    }
+    return out;
+}
+
+/* A string row's value: non-empty, at most hi bytes, UTF-8; a NAME of
+ * [A-Za-z0-9._-], a FILENAME without '/' and not "." or "..". */
+static int string_value(const cJSON *v, const char *path, const qm_wire_param *p, char **out,
+                        qm_status *st)
+{
+    if (!cJSON_IsString(v))
+        return wrong_type(st, path, "a string", v);
+    size_t n = strlen(v->valuestring);
+    if (n < p->lo)
+        return bad(st, path, "%s must not be empty", path);
+    if (n > p->hi)
+        return bad(st, path, "%s is %zu bytes; at most %llu allowed", path, n,
+                   (unsigned long long)p->hi);
+    if (!qm__utf8_valid(v->valuestring, n))
+        return bad(st, path, "%s is not valid UTF-8", path);
+    if (p->type == QM_WT_NAME && !model_name_ok(v->valuestring))
+        return bad(st, path, "%s may hold only letters, digits, '.', '_' and '-'", path);
+    if (p->type == QM_WT_FILENAME &&
+        (strchr(v->valuestring, '/') || strcmp(v->valuestring, ".") == 0 ||
+         strcmp(v->valuestring, "..") == 0))
+        return bad(st, path, "%s must be a file name inside the state dir, without '/'", path);
+    *out = qm_strdup(v->valuestring);
+    if (!*out)
+        return qm_status_set(st, QM_ENOMEM, "out of memory copying %s", path);
+    return 0;
+}
+
+/* An ENUM row's value: the index of its name. */
+static int enum_value(const cJSON *v, const char *path, const qm_wire_param *p, int *out,
+                      qm_status *st)
+{
+    for (int i = 0; cJSON_IsString(v) && p->names[i]; i++)
+        if (strcmp(v->valuestring, p->names[i]) == 0) {
+            *out = i;
+            return 0;
+        }
+    char list[256], clip[80] = "";
+    names_list(p->names, 1, list, sizeof list);
+    if (cJSON_IsString(v))
+        qm_clip(v->valuestring, strlen(v->valuestring), clip, sizeof clip);
+    return bad(st, path, "%s must be %s, got %s%s%s", path, list, cJSON_IsString(v) ? "'" : "",
+               cJSON_IsString(v) ? clip : qm__json_type_name(v), cJSON_IsString(v) ? "'" : "");
+}
+
+static int decode_rows(const cJSON *obj, const qm_wire_rows *rows, const char *prefix,
+                       qm_params *out, qm_status *st);
+
+/* What a missing required member was to be, for its sentence. */
+static const char *required_what(const qm_wire_param *p)
+{
+    switch (p->type) {
+    case QM_WT_UINT:
+    case QM_WT_UINT32:
+        return "a non-negative integer";
+    case QM_WT_TENSOR:
+        return "a tensor {dtype, shape, data|map, offset}";
+    case QM_WT_OBJECT:
+        return "an object";
+    case QM_WT_BOOL:
+        return "true or false";
+    default:
+        return "a string";
+    }
+}
+
+/* One row: its member decoded and landed, or its rule applied. */
+static int decode_row(const cJSON *obj, const qm_wire_param *p, const char *prefix,
+                      qm_params *out, qm_status *st)
+{
+    if (p->type == QM_WT_CHECK)
+        return p->fn(NULL, out, st);
+    char path[96], what[320];
+    join(path, sizeof path, prefix, p->member);
+    const cJSON *v = member(obj, p->member);
+    if (!v)
+        return p->required ? bad(st, path, "%s is required (%s)", path, required_what(p)) : 0;
+    char *at = (char *)out + (p->lands == NOWHERE ? 0 : p->lands);
+    uint64_t u = 0;
+    int rc = 0;
+    switch (p->type) {
+    case QM_WT_STRING:
+    case QM_WT_NAME:
+    case QM_WT_FILENAME:
+        rc = string_value(v, path, p, (char **)at, st);
+        break;
+    case QM_WT_UINT:
+    case QM_WT_UINT32:
+        rc = integer_value(v, path, p->hi, &u, st);
+        if (rc == 0 && u < p->lo)
+            rc = p->lo == 1 ? bad(st, path, "%s must be greater than 0", path)
+                            : bad(st, path, "%s must be at least %llu", path,
+                                  (unsigned long long)p->lo);
+        if (rc == 0 && p->type == QM_WT_UINT)
+            memcpy(at, &u, sizeof u);
+        if (rc == 0 && p->type == QM_WT_UINT32)
+            *(uint32_t *)at = (uint32_t)u;
+        break;
+    case QM_WT_BOOL:
+        rc = cJSON_IsBool(v) ? 0 : wrong_type(st, path, "true or false", v);
+        if (rc == 0)
+            *(int *)at = cJSON_IsTrue(v);
+        break;
+    case QM_WT_ENUM:
+        rc = enum_value(v, path, p, (int *)at, st);
+        break;
+    case QM_WT_TENSOR:
+        rc = parse_tensor(v, path, (uint32_t)p->lo, (unsigned)p->hi, (qm_tensor *)at, st);
+        break;
+    case QM_WT_OBJECT:
+        rc = cJSON_IsObject(v) ? decode_rows(v, p->object, path, out, st)
+                               : wrong_type(st, path, qm_wire_type_text(p, what, sizeof what), v);
+        break;
+    case QM_WT_HOT:
+    case QM_WT_BUDGET:
+    case QM_WT_CHECK:
+        rc = p->fn(v, out, st);
+        break;
+    }
+    if (rc == 0 && p->has != NOWHERE)
+        *(int *)((char *)out + p->has) = 1;
     return rc;
 }
 
-/* session.infer's routing supplied by the engine (PROTOCOL.md): topk_ids and
- * topk_weights, both or neither, never with router_logits. The ids against
- * the model's E are the daemon's check. */
-static int decode_topk(const cJSON *params, qm_params *out, qm_status *st)
+static int decode_rows(const cJSON *obj, const qm_wire_rows *rows, const char *prefix,
+                       qm_params *out, qm_status *st)
 {
-    int has_ids = 0, has_w = 0, rc;
-    if ((rc = get_tensor(params, "topk_ids", 0, 2, QM__DT_I32, &has_ids, &out->topk_ids, st)) ||
-        (rc = get_tensor(params, "topk_weights", 0, 2, QM__DT_FLOAT, &has_w, &out->topk_weights,
-                         st)))
-        return rc;
-    if (!has_ids && !has_w)
-        return 0;
-    if (!has_w)
-        return bad(st, "topk_weights", "topk_weights is required with topk_ids (both or neither)");
-    if (!has_ids)
-        return bad(st, "topk_ids", "topk_ids is required with topk_weights (both or neither)");
-    if (out->has_router_logits)
-        return bad(st, "router_logits",
-                   "router_logits must be absent when topk_ids and topk_weights are given");
-    out->has_topk = 1;
-    const uint64_t *is = out->topk_ids.shape, *ws = out->topk_weights.shape;
-    if (is[0] != out->hidden.shape[0])
-        return bad(st, "topk_ids.shape", "topk_ids.shape[0] is %llu but hidden has %llu tokens",
-                   (unsigned long long)is[0], (unsigned long long)out->hidden.shape[0]);
-    if (is[1] == 0)
-        return bad(st, "topk_ids.shape", "topk_ids.shape[1] is 0; expected 1 to the model's "
-                                         "expert count");
-    if (ws[0] != is[0] || ws[1] != is[1])
-        return bad(st, "topk_weights.shape",
-                   "topk_weights.shape is [%llu, %llu] but topk_ids.shape is [%llu, %llu]",
-                   (unsigned long long)ws[0], (unsigned long long)ws[1],
-                   (unsigned long long)is[0], (unsigned long long)is[1]);
-    return 0;
-}
-
-/* session.infer's output_to: {map, offset} (PROTOCOL.md "Shared-memory
- * tensors"). */
-static int decode_output_to(const cJSON *v, qm_params *out, qm_status *st)
-{
-    static const char *const allowed[] = {"map", "offset", NULL};
-    if (!cJSON_IsObject(v))
-        return wrong_type(st, "output_to", "an object {map, offset}", v);
-    int rc = check_members(v, allowed, "output_to", st);
-    qm_tensor region;
-    memset(&region, 0, sizeof region);
-    if (rc == 0)
-        rc = parse_region(v, "output_to", &region, st);
-    if (rc < 0)
-        return rc;
-    out->has_output_to = 1;
-    out->output_map = region.map;
-    out->output_offset = region.offset;
-    return 0;
-}
-
-/* A method naming a model: only the members `allowed`, then the name in
- * member `key` (required). */
-static int named_members(const cJSON *params, const char *const *allowed, const char *key,
-                         char **out, qm_status *st)
-{
-    int rc = check_members(params, allowed, "", st);
-    return rc == 0 ? get_string(params, key, "", 1, QM_NAME_MAX, out, st) : rc;
-}
-
-/* A session-addressed method: only the members `allowed`, then the session id. */
-static int session_members(const cJSON *params, const char *const *allowed, int required,
-                           qm_params *out, qm_status *st)
-{
-    int rc = check_members(params, allowed, "", st);
-    return rc == 0 ? get_string(params, "session", "", required, 128, &out->session, st) : rc;
-}
-
-/* A byte count that, when given, must be greater than 0. */
-static int get_positive(const cJSON *params, const char *key, int required, int *has,
-                        uint64_t *out, qm_status *st)
-{
-    int rc = get_uint(params, key, "", required, UINT64_MAX, has, out, st);
-    if (rc == 0 && (!has || *has) && *out == 0)
-        return bad(st, key, "%s must be greater than 0", key);
+    int rc = check_members(obj, rows, prefix, out, st);
+    for (size_t i = 0; rc == 0 && i < rows->n; i++)
+        rc = decode_row(obj, &rows->rows[i], prefix, out, st);
     return rc;
 }
 
 int qm__params_decode(qm_method m, const cJSON *params, qm_params *out, qm_status *st)
 {
-    static const char *const none[] = {NULL};
-    static const char *const load[] = {"name", "path", NULL};
-    static const char *const unload[] = {"name", "force", NULL};
-    static const char *const create[] = {"model",         "policy",    "budget", "budget_bytes",
-                                         "policy_params", "precision", NULL};
-    static const char *const by_session[] = {"session", NULL};
-    static const char *const resize[] = {"session", "budget", "budget_bytes", NULL};
-    static const char *const infer[] = {"session",       "layer",    "hidden",
-                                        "router_logits", "topk_ids", "topk_weights",
-                                        "return_routing", "output_to", NULL};
-    static const char *const map[] = {"session", "bytes", NULL};
-    static const char *const unmap[] = {"session", "map", NULL};
-    static const char *const trace[] = {"session", "limit", NULL};
-    int rc = 0;
-    uint64_t v = 0;
-    switch (m) {
-    case QM_METHOD_DAEMON_STATUS:
-    case QM_METHOD_DAEMON_SHUTDOWN:
-    case QM_METHOD_MODEL_LIST:
-    case QM_METHOD_SESSION_LIST:
-    case QM_METHOD_TELEMETRY_METRICS:
-        return check_members(params, none, "", st);
-    case QM_METHOD_MODEL_LOAD:
-        rc = named_members(params, load, "name", &out->name, st);
-        if (rc == 0 && !model_name_ok(out->name))
-            return bad(st, "name", "name may hold only letters, digits, '.', '_' and '-'");
-        if (rc == 0)
-            rc = get_string(params, "path", "", 1, 4095, &out->path, st);
-        return rc;
-    case QM_METHOD_MODEL_UNLOAD:
-        rc = named_members(params, unload, "name", &out->name, st);
-        if (rc == 0)
-            rc = get_bool(params, "force", "", NULL, &out->force, st);
-        return rc;
-    case QM_METHOD_SESSION_CREATE:
-        rc = named_members(params, create, "model", &out->model, st);
-        if (rc == 0)
-            rc = get_string(params, "policy", "", 0, 32, &out->policy, st);
-        if (rc == 0)
-            rc = qm__params_budget(params, 0, out, st);
-        if (rc == 0 && member(params, "policy_params")) {
-            out->has_policy_params = 1;
-            rc = decode_policy_params(member(params, "policy_params"), &out->policy_params, st);
-        }
-        if (rc == 0 && member(params, "precision")) {
-            const cJSON *pr = member(params, "precision");
-            if (!cJSON_IsString(pr) || (strcmp(pr->valuestring, "exact") != 0 &&
-                                        strcmp(pr->valuestring, "fast") != 0))
-                return bad(st, "precision", "precision must be \"exact\" or \"fast\"");
-            out->precision_fast = strcmp(pr->valuestring, "fast") == 0;
-        }
-        return rc;
-    case QM_METHOD_SESSION_CLOSE:
-    case QM_METHOD_SESSION_PLAN:
-        return session_members(params, by_session, 1, out, st);
-    case QM_METHOD_SESSION_RESIZE:
-        rc = session_members(params, resize, 1, out, st);
-        if (rc == 0)
-            rc = qm__params_budget(params, 1, out, st);
-        return rc;
-    case QM_METHOD_SESSION_INFER:
-        rc = session_members(params, infer, 1, out, st);
-        if (rc == 0)
-            rc = get_uint(params, "layer", "", 1, UINT32_MAX, NULL, &v, st);
-        out->layer = (uint32_t)v;
-        if (rc == 0)
-            rc = get_tensor(params, "hidden", 1, 2, QM__DT_FLOAT, NULL, &out->hidden, st);
-        if (rc == 0)
-            rc = get_tensor(params, "router_logits", 0, 2, QM__DT_FLOAT, &out->has_router_logits,
-                            &out->router_logits, st);
-        if (rc == 0)
-            rc = decode_topk(params, out, st);
-        if (rc == 0 && out->has_router_logits &&
-            out->router_logits.shape[0] != out->hidden.shape[0])
-            return bad(st, "router_logits.shape",
-                       "router_logits.shape[0] is %llu but hidden has %llu tokens",
-                       (unsigned long long)out->router_logits.shape[0],
-                       (unsigned long long)out->hidden.shape[0]);
-        if (rc == 0)
-            rc = get_bool(params, "return_routing", "", NULL, &out->return_routing, st);
-        if (rc == 0 && member(params, "output_to"))
-            rc = decode_output_to(member(params, "output_to"), out, st);
-        return rc;
-    case QM_METHOD_SESSION_MAP:
-        rc = session_members(params, map, 1, out, st);
-        if (rc == 0)
-            rc = get_positive(params, "bytes", 1, NULL, &out->bytes, st);
-        return rc;
-    case QM_METHOD_SESSION_UNMAP:
-        rc = session_members(params, unmap, 1, out, st);
-        if (rc == 0)
-            rc = get_uint(params, "map", "", 1, UINT64_MAX, NULL, &out->map, st);
-        return rc;
-    case QM_METHOD_TELEMETRY_GET:
-        return session_members(params, by_session, 0, out, st);
-    case QM_METHOD_TELEMETRY_TRACE:
-        rc = session_members(params, trace, 0, out, st);
-        if (rc == 0)
-            rc = get_uint(params, "limit", "", 0, UINT32_MAX, &out->has_limit, &v, st);
-        out->limit = (uint32_t)v;
-        return rc;
-    case QM_METHOD_COUNT:
-        break;
-    }
-    return bad(st, "", "unknown method");
+    const qm_wire_rows *rows = qm_wire_params(m);
+    if (!rows)
+        return bad(st, "", "unknown method");
+    return decode_rows(params, rows, "", out, st);
 }

@@ -185,74 +185,6 @@ int qm_json_check(const char *s, size_t n, int max_depth, const char **why);
 
 /* ---- Requests ---------------------------------------------------------------- */
 
-#define QM_METHOD_MAP(X)                                                                           \
-    X(DAEMON_STATUS, "daemon.status")                                                              \
-    X(DAEMON_SHUTDOWN, "daemon.shutdown")                                                          \
-    X(MODEL_LOAD, "model.load")                                                                    \
-    X(MODEL_UNLOAD, "model.unload")                                                                \
-    X(MODEL_LIST, "model.list")                                                                    \
-    X(SESSION_CREATE, "session.create")                                                            \
-    X(SESSION_CLOSE, "session.close")                                                              \
-    X(SESSION_LIST, "session.list")                                                                \
-    X(SESSION_PLAN, "session.plan")                                                                \
-    X(SESSION_RESIZE, "session.resize")                                                            \
-    X(SESSION_INFER, "session.infer")                                                              \
-    X(SESSION_MAP, "session.map")                                                                  \
-    X(SESSION_UNMAP, "session.unmap")                                                              \
-    X(TELEMETRY_GET, "telemetry.get")                                                              \
-    X(TELEMETRY_TRACE, "telemetry.trace")                                                          \
-    X(TELEMETRY_METRICS, "telemetry.metrics")
-
-typedef enum qm_method {
-#define QM__METHOD_ENUM(name, text) QM_METHOD_##name,
-    QM_METHOD_MAP(QM__METHOD_ENUM)
-#undef QM__METHOD_ENUM
-        QM_METHOD_COUNT
-} qm_method;
-
-const char *qm_method_name(qm_method m); /* "session.infer"; "?" out of range */
-int qm_method_parse(const char *name, size_t n, qm_method *out); /* 0 or QM_ENOT_FOUND */
-
-#define QM_SESSION_ID_LEN 32 /* 128 bits as lowercase hex */
-#define QM_NAME_MAX 64       /* model names: [A-Za-z0-9._-]{1,64} */
-
-#define QM_POLICY_VALUES_MAX 16 /* numeric knobs in one policy_params */
-#define QM_HOT_MAX 65536 /* entries of policy_params.hot, and experts in each */
-
-typedef struct qm_hot_layer {
-    uint32_t layer;
-    uint32_t *experts; /* hottest first, distinct */
-    size_t n_experts;
-} qm_hot_layer;
-
-/* One policy knob of policy_params; `name` is the residency registry's own
- * string (static), so the daemon passes it on as a qm_policy_value. */
-typedef struct qm_policy_value_wire {
-    const char *name;
-    double value;
-} qm_policy_value_wire;
-
-typedef struct qm_policy_params_wire {
-    int has_prefetch, prefetch;
-    int has_min_split_bytes;
-    uint64_t min_split_bytes;
-    /* The policy's numeric knobs (decay, pin_fraction, ...): every member
-     * that some offered policy declares (qm_policy_param_find), checked
-     * against that declaration's range; names are the registry's. Whether
-     * the chosen policy takes them is the daemon's check. */
-    qm_policy_value_wire values[QM_POLICY_VALUES_MAX];
-    size_t n_values;
-    qm_hot_layer *hot; /* NULL when absent */
-    size_t n_hot;
-    char *record_trace; /* NULL when absent */
-    /* "page", "host" or "auto" (a static string), NULL when absent: what a
-     * non-resident expert does (hybrid execution, docs/PAGING.md). */
-    const char *on_miss;
-    /* share_residency: draw experts from the pool of the model's sessions
-     * that share (docs/PAGING.md "Shared residency"). */
-    int has_share_residency, share_residency;
-} qm_policy_params_wire;
-
 /* How a session's budget was given (session.create, session.resize;
  * PROTOCOL.md): bytes, a share of the model's expert bytes, or "auto" (the
  * daemon sizes it from what this machine and its memory cgroup can give;
@@ -272,42 +204,71 @@ typedef struct qm_budget_spec {
 
 /* A budget's text form: "auto", "N%" (a decimal number, 0 < N <= 100) or a
  * whole number of bytes > 0. 0, or QM_EINVAL with st naming `field` and
- * the rule (QM_BUDGET_RULE). The wire decoder's and qmoectl's one parser. */
+ * the rule (QM_BUDGET_RULE). The wire decoder's and qmoectl's one parser
+ * (qm_budget_param.c). */
 #define QM_BUDGET_RULE "expected bytes, \"N%\" with 0 < N <= 100, or \"auto\""
 int qm_budget_parse(const char *text, const char *field, qm_budget_spec *out, qm_status *st);
 /* "N%" of `total` bytes: rounded down, at least 1. */
 uint64_t qm_budget_percent_of(double percent, uint64_t total);
 
-/* Strings are owned by the request (qm_request_free). */
-typedef struct qm_params {
-    char *name, *path;       /* model.load; name also model.unload */
-    int force;               /* model.unload */
-    char *model;             /* session.create */
-    char *policy;            /* session.create; NULL = whole_bank */
-    int has_budget;          /* any form of budget given */
-    uint64_t budget_bytes;   /* session.create (optional), session.resize (required); the
-                              * bytes when budget.form is QM_BUDGET_BYTES, else the daemon's
-                              * to fill (qm_budget_resolve) */
-    qm_budget_spec budget;   /* the form given: `budget` or `budget_bytes` */
-    int has_policy_params;
-    qm_policy_params_wire policy_params;
-    int precision_fast;      /* session.create `precision`: 0 exact (default), 1 fast */
-    char *session;           /* close, plan, infer, resize; optional for telemetry.* */
-    uint32_t layer;          /* infer */
-    qm_tensor hidden;        /* infer: shape [T, H] */
-    int has_router_logits;
-    qm_tensor router_logits; /* infer: shape [T, E] */
-    int has_topk;            /* infer: routing supplied by the engine (both tensors) */
-    qm_tensor topk_ids;      /* infer: i32 [T, k'], k' >= 1 */
-    qm_tensor topk_weights;  /* infer: f32/f16/bf16, the shape of topk_ids */
-    int return_routing;
-    int has_output_to;       /* infer: output_to {map, offset} */
-    uint64_t output_map, output_offset;
-    uint64_t bytes;          /* session.map */
-    uint64_t map;            /* session.unmap */
-    int has_limit;
-    uint32_t limit;          /* telemetry.trace */
-} qm_params;
+/* The methods, their params as rows and qm_params: the wire as data. */
+#include "qm_wire_schema.h"
+
+typedef enum qm_method {
+#define QM__METHOD_ENUM(name, ...) QM_METHOD_##name,
+    QM_METHOD_MAP(QM__METHOD_ENUM)
+#undef QM__METHOD_ENUM
+        QM_METHOD_COUNT
+} qm_method;
+
+const char *qm_method_name(qm_method m); /* "session.infer"; "?" out of range */
+int qm_method_parse(const char *name, size_t n, qm_method *out); /* 0 or QM_ENOT_FOUND */
+const char *qm_method_summary(qm_method m); /* a phrase; "" out of range */
+
+/* One row of a method's params (qm_wire_schema.h says what each type
+ * means). Rows are static; walk them to list, document or check what a
+ * method takes. */
+typedef enum qm_wire_type {
+    QM_WT_STRING,
+    QM_WT_NAME,
+    QM_WT_FILENAME,
+    QM_WT_UINT,
+    QM_WT_UINT32,
+    QM_WT_BOOL,
+    QM_WT_ENUM,
+    QM_WT_TENSOR,
+    QM_WT_OBJECT,
+    QM_WT_HOT,
+    QM_WT_BUDGET, /* bytes, "N%" or "auto" (qm_budget_parse) */
+    QM_WT_CHECK
+} qm_wire_type;
+
+struct cJSON;
+typedef struct qm_wire_rows qm_wire_rows;
+typedef struct qm_wire_param {
+    const char *member; /* "" for a CHECK */
+    qm_wire_type type;
+    int required;
+    uint64_t lo, hi;           /* bytes of a string, an integer's range, a tensor's rank and dtypes */
+    size_t lands, has;         /* offsets in qm_params; SIZE_MAX: nowhere */
+    const char *const *names;  /* ENUM: its names, NULL-terminated */
+    const qm_wire_rows *object; /* OBJECT: its rows */
+    /* HOT, BUDGET: decodes the member; CHECK: the rule (v NULL). Private to protocol/. */
+    int (*fn)(const struct cJSON *v, qm_params *out, qm_status *st);
+    const char *doc;
+} qm_wire_param;
+
+struct qm_wire_rows {
+    const qm_wire_param *rows;
+    size_t n;
+    int knobs; /* it also takes every knob some offered policy declares */
+};
+
+/* Method m's params (NULL out of range). */
+const qm_wire_rows *qm_wire_params(qm_method m);
+/* "string of 1 to 64 bytes", "integer 1..18446744073709551615",
+ * "\"exact\" or \"fast\"", ...: a row's type in words, into out[cap]. */
+const char *qm_wire_type_text(const qm_wire_param *p, char *out, size_t cap);
 
 typedef struct qm_request {
     qm_method method;

@@ -13,7 +13,7 @@
 #include "qm_alloc.h"
 
 static const char *const method_names[] = {
-#define QM__METHOD_NAME(name, text) text,
+#define QM__METHOD_NAME(name, text, ...) text,
     QM_METHOD_MAP(QM__METHOD_NAME)
 #undef QM__METHOD_NAME
 };
@@ -21,7 +21,7 @@ static const char *const method_names[] = {
 /* ", daemon.status, daemon.shutdown, ...": every method, for the error an
  * unknown one gets (read from its third byte). */
 static const char method_list[] = {
-#define QM__METHOD_LIST_ITEM(name, text) ", " text
+#define QM__METHOD_LIST_ITEM(name, text, ...) ", " text
     QM_METHOD_MAP(QM__METHOD_LIST_ITEM)
 #undef QM__METHOD_LIST_ITEM
 };
@@ -79,59 +79,6 @@ void qm_rpc_frame_free(qm_rpc_frame *frame)
     frame->n = 0;
 }
 
-int qm__utf8_valid(const char *s, size_t n)
-{
-    const unsigned char *p = (const unsigned char *)s;
-    size_t i = 0;
-    while (i < n) {
-        unsigned char c = p[i];
-        size_t len;
-        uint32_t cp;
-        if (c < 0x80) {
-            i++;
-            continue;
-        } else if ((c & 0xe0) == 0xc0) {
-            len = 2;
-            cp = c & 0x1f;
-        } else if ((c & 0xf0) == 0xe0) {
-            len = 3;
-            cp = c & 0x0f;
-        } else if ((c & 0xf8) == 0xf0) {
-            len = 4;
-            cp = c & 0x07;
-        } else {
-            return 0;
-        }
-        if (n - i < len)
-            return 0;
-        for (size_t j = 1; j < len; j++) {
-            if ((p[i + j] & 0xc0) != 0x80)
-                return 0;
-            cp = cp << 6 | (p[i + j] & 0x3f);
-        }
-        if ((len == 2 && cp < 0x80) || (len == 3 && cp < 0x800) || (len == 4 && cp < 0x10000) ||
-            cp > 0x10ffff || (cp >= 0xd800 && cp <= 0xdfff))
-            return 0;
-        i += len;
-    }
-    return 1;
-}
-
-static const char *type_name(const cJSON *v)
-{
-    static const struct {
-        cJSON_bool (*is)(const cJSON *const item);
-        const char *name;
-    } kinds[] = {{cJSON_IsString, "a string"}, {cJSON_IsNumber, "a number"},
-                 {cJSON_IsBool, "a boolean"},  {cJSON_IsNull, "null"},
-                 {cJSON_IsArray, "an array"},  {cJSON_IsObject, "an object"}};
-    for (size_t i = 0; i < sizeof kinds / sizeof kinds[0]; i++)
-        if (kinds[i].is(v)) return kinds[i].name;
-    return "invalid";
-}
-
-const char *qm__json_type_name(const cJSON *v) { return type_name(v); }
-
 /* Writes the id as JSON text; QM_EINVAL for a type JSON-RPC does not allow. */
 static int id_to_text(const cJSON *id, char **out)
 {
@@ -188,7 +135,7 @@ static void decode_item(const cJSON *obj, qm_rpc_item *it)
     memset(it, 0, sizeof *it);
     if (!cJSON_IsObject(obj)) {
         item_error(it, QM_RPC_INVALID_REQUEST, NULL,
-                   "a request must be a JSON object, got %s", type_name(obj));
+                   "a request must be a JSON object, got %s", qm__json_type_name(obj));
         return;
     }
     const cJSON *id = NULL, *version = NULL, *method = NULL, *params = NULL;
@@ -227,7 +174,7 @@ static void decode_item(const cJSON *obj, qm_rpc_item *it)
             item_error(it, QM_RPC_INVALID_REQUEST, NULL,
                        "id must be a string of at most 256 bytes or an integer below 2^53 "
                        "in magnitude, got %s",
-                       type_name(id));
+                       qm__json_type_name(id));
             return;
         }
     }
@@ -237,7 +184,7 @@ static void decode_item(const cJSON *obj, qm_rpc_item *it)
     }
     if (!method || !cJSON_IsString(method)) {
         item_error(it, QM_RPC_INVALID_REQUEST, NULL, "method must be a string, got %s",
-                   method ? type_name(method) : "nothing");
+                   method ? qm__json_type_name(method) : "nothing");
         return;
     }
     /* A well-formed envelope without id is a notification: from here on its
@@ -253,7 +200,7 @@ static void decode_item(const cJSON *obj, qm_rpc_item *it)
     }
     if (params && !cJSON_IsObject(params)) {
         item_error(it, QM_RPC_INVALID_PARAMS, "params", "params must be an object, got %s",
-                   type_name(params));
+                   qm__json_type_name(params));
         return;
     }
     qm_status st;

@@ -13,14 +13,27 @@
  * whatever was filled stays in `out` for qm_request_free. */
 int qm__params_decode(qm_method m, const cJSON *params, qm_params *out, qm_status *st);
 
-/* session.create's and session.resize's budget (qm_budget_param.c): `budget`
- * or `budget_bytes`, one of them, into out->budget (and has_budget,
- * budget_bytes for bytes). QM_EINVAL naming the member. */
-int qm__params_budget(const cJSON *params, int required, qm_params *out, qm_status *st);
+/* session.infer's rules between its tensors (routing supplied by the engine
+ * against router_logits, token counts, topk shapes), and a mapped region's
+ * alignment (path "hidden": field "hidden.offset"): the JSON decoder's and
+ * the call ring's (qm_ring_params.c), so both transports answer alike;
+ * qm_params.c. */
+int qm__infer_shapes_check(const qm_params *p, qm_status *st);
 
-/* 1 when s[0..n) is well-formed UTF-8 (no surrogates, no overlongs). */
+/* The budget's rows (qm_budget_param.c): `budget`'s value (a positive
+ * integer, or a string of qm_budget_parse) into out->budget; then the rule
+ * across it and budget_bytes: not both (0), or one of them (1, resize),
+ * has_budget and budget_bytes set for whichever was given. QM_EINVAL
+ * naming the member. */
+int qm__decode_budget(const cJSON *v, qm_params *out, qm_status *st);
+int qm__check_budget0(const cJSON *v, qm_params *out, qm_status *st);
+int qm__check_budget1(const cJSON *v, qm_params *out, qm_status *st);
+int qm__map_offset_check(const char *path, uint64_t offset, qm_status *st);
+
+/* 1 when s[0..n) is well-formed UTF-8 (no surrogates, no overlongs);
+ * qm_frame.c. */
 int qm__utf8_valid(const char *s, size_t n);
-/* "a string", "an array", ... for messages. */
+/* "a string", "an array", ... for messages; qm_params.c. */
 const char *qm__json_type_name(const cJSON *v);
 
 #endif

@@ -193,7 +193,8 @@ def generate(tokens, layers, experts, k, alpha, locality, seed, with_weights=Fal
 
 def generate_realistic(tokens, layers, experts, k, seed, reuse_top1=0.13, reuse_any=0.05,
                        alpha_lo=0.1, alpha_hi=0.7, drift=0.03, topic_tokens=250.0,
-                       topic_strength=0.5, with_weights=False):
+                       topic_strength=0.5, affinity=0.0, vocab=0, fidelity=0.0,
+                       bigram=0.0, with_weights=False):
     """Routing shaped like a real MoE's (docs/TRACES.md, "The realistic model").
 
     Per layer l: a log-popularity vector from a Zipf law with its own skew
@@ -209,13 +210,29 @@ def generate_realistic(tokens, layers, experts, k, seed, reuse_top1=0.13, reuse_
     `reuse_any`, else draws from the popularity (k distinct experts, top-1
     first). The defaults give Mixtral's published figures for E=8, k=2
     (consecutive tokens share their top-1 ~25% of the time, >= 1 expert
-    ~60%); `stats` measures them."""
+    ~60%); `stats` measures them. `affinity` > 0 adds cross-layer structure:
+    per layer l > 0 a random map of layer l-1's experts onto layer l's, and a
+    token whose top-1 is not reused takes the image of its top-1 at layer
+    l-1 with that probability (0, the default, draws nothing more, so the
+    traces of the defaults are unchanged). `vocab` > 0 with `fidelity` > 0
+    models tokens: each token is a word of a Zipf(1) vocabulary of `vocab`
+    words, each word has its own route through every layer (drawn once from
+    the layers' laws), and each of a token's routes follows its word's with
+    probability `fidelity` (before reuse and affinity are tried), so
+    routing agrees across layers the way a token's identity makes it.
+    `bigram` > 0 makes the words a text: each word has 4 likely successors
+    (a random table), and a token's word is one of its predecessor's
+    successors with that probability, else a fresh Zipf draw."""
     import math
     if not 1 <= k <= experts:
         raise TraceError("k=%d must be in [1, experts=%d]" % (k, experts))
     for name, v in (("reuse_top1", reuse_top1), ("reuse_any", reuse_any)):
         if not 0.0 <= v <= 1.0:
             raise TraceError("--%s must be in [0, 1]" % name.replace("_", "-"))
+    if not 0.0 <= affinity <= 1.0:
+        raise TraceError("--affinity must be in [0, 1]")
+    if not 0.0 <= fidelity <= 1.0 or vocab < 0 or (fidelity > 0 and vocab < 1):
+        raise TraceError("--fidelity must be in [0, 1], with --vocab >= 1")
     if alpha_lo < 0 or alpha_hi < alpha_lo or drift < 0 or topic_tokens < 1:
         raise TraceError("bad realistic-model parameters")
     rng = random.Random(seed)
@@ -231,6 +248,38 @@ def generate_realistic(tokens, layers, experts, k, seed, reuse_top1=0.13, reuse_
         alphas.append(round(a, 4))
     cur = [list(b) for b in base]
     topic = [[0.0] * experts for _ in range(layers)]
+    succ = []
+    if affinity > 0:  # layer l-1's expert e leads to succ[l][e] at layer l
+        for l in range(layers):
+            m = list(range(experts))
+            rng.shuffle(m)
+            succ.append(m)
+    if not 0.0 <= bigram <= 1.0:
+        raise TraceError("--bigram must be in [0, 1]")
+    words, word_cum, follow = [], [], []
+    if fidelity > 0:  # each word's route: k distinct experts per layer, from the layer's law
+        for _ in range(vocab):
+            route = []
+            for l in range(layers):
+                w = [math.exp(x) for x in base[l]]
+                pick = []
+                while len(pick) < k:
+                    u, acc = rng.random() * sum(w[e] for e in range(experts) if e not in pick), 0.0
+                    for e in range(experts):
+                        if e in pick:
+                            continue
+                        acc += w[e]
+                        if acc >= u:
+                            break
+                    pick.append(e)
+                route.append(pick)
+            words.append(route)
+        acc = 0.0
+        for r in range(vocab):
+            acc += 1.0 / (r + 1)
+            word_cum.append(acc)
+        if bigram > 0:
+            follow = [[rng.randrange(vocab) for _ in range(4)] for _ in range(vocab)]
 
     def new_topic():
         for l in range(layers):
@@ -245,6 +294,14 @@ def generate_realistic(tokens, layers, experts, k, seed, reuse_top1=0.13, reuse_
     for t in range(tokens):
         if t and rng.random() < 1.0 / topic_tokens:
             new_topic()
+        if fidelity > 0:
+            if t and bigram > 0 and rng.random() < bigram:
+                w_id = follow[w_id][rng.randrange(4)]
+            else:
+                w_id = min(bisect.bisect_left(word_cum, rng.random() * word_cum[-1]), vocab - 1)
+            word = words[w_id]
+        else:
+            word = None
         for l in range(layers):
             c, b, tp = cur[l], base[l], topic[l]
             for e in range(experts):  # mean-reverting drift around the layer's law
@@ -265,13 +322,20 @@ def generate_realistic(tokens, layers, experts, k, seed, reuse_top1=0.13, reuse_
                 return last
 
             p = prev[l]
-            if p is not None and rng.random() < reuse_top1:
+            if word is not None and rng.random() < fidelity:
+                pick = [word[l][0]]
+            elif p is not None and rng.random() < reuse_top1:
                 pick = [p[0]]
+            elif l > 0 and affinity > 0 and rng.random() < affinity:
+                pick = [succ[l][prev[l - 1][0]]]
             else:
                 pick = [draw(())]
             while len(pick) < k:
                 pool = [e for e in (p or []) if e not in pick]
-                if pool and rng.random() < reuse_any:
+                own = word[l][len(pick)] if word is not None else None
+                if own is not None and own not in pick and rng.random() < fidelity:
+                    pick.append(own)
+                elif pool and rng.random() < reuse_any:
                     pick.append(pool[rng.randrange(len(pool))])
                 else:
                     pick.append(draw(pick))
@@ -280,6 +344,10 @@ def generate_realistic(tokens, layers, experts, k, seed, reuse_top1=0.13, reuse_
     meta = {"generator": "qmoe_trace.py", "model": "realistic", "alpha": alphas, "seed": seed,
             "reuse_top1": reuse_top1, "reuse_any": reuse_any, "drift": drift,
             "topic_tokens": topic_tokens, "topic_strength": topic_strength}
+    if affinity > 0:
+        meta["affinity"] = affinity
+    if fidelity > 0:
+        meta["vocab"], meta["fidelity"], meta["bigram"] = vocab, fidelity, bigram
     return Trace(tokens, layers, k, experts, ids, weights, meta)
 
 
@@ -288,7 +356,11 @@ def stats(tr, window=None):
     consecutive tokens keep the top-1 expert of a layer (and the chance
     level, 1/E), share >= 1 expert, and how popularity differs per layer and
     drifts (total-variation distance between a layer's expert histogram in
-    the first and second half, averaged; and between layers)."""
+    the first and second half, averaged; and between layers), and how much
+    a token's top-1 at layer l says about its top-1 at layer l+1: the share
+    of tokens whose top-1 at l+1 is the commonest successor of their top-1
+    at l (`next_top1_given_top1`, fitted on the trace itself) against the
+    share that is layer l+1's commonest top-1 (`next_top1_marginal`)."""
     L, k, E, T = tr.layers, tr.k, tr.experts, tr.tokens
     same1 = share = pairs = 0
     for t in range(1, T):
@@ -312,6 +384,20 @@ def stats(tr, window=None):
     def tv(p, q):
         return 0.5 * sum(abs(x - y) for x, y in zip(p, q))
 
+    follow = marginal = steps = 0
+    for l in range(L - 1):
+        joint, last = {}, [0] * E
+        for t in range(T):
+            a, b = tr.row(t, l)[0], tr.row(t, l + 1)[0]
+            if a >= 0 and b >= 0:
+                joint[(a, b)] = joint.get((a, b), 0) + 1
+                last[b] += 1
+                steps += 1
+        best = {}
+        for (a, b), n in joint.items():
+            best[a] = max(best.get(a, 0), n)
+        follow += sum(best.values())
+        marginal += max(last)
     half = T // 2
     drift = sum(tv(hist(l, 0, half), hist(l, half, T)) for l in range(L)) / L if T > 1 else 0.0
     whole = [hist(l, 0, T) for l in range(L)]
@@ -319,7 +405,9 @@ def stats(tr, window=None):
                (L * (L - 1) / 2)) if L > 1 else 0.0
     return {"top1_reuse": same1 / pairs if pairs else 0.0, "chance_top1": 1.0 / E,
             "share_any": share / pairs if pairs else 0.0, "drift_tv": drift,
-            "layer_tv": between}
+            "layer_tv": between,
+            "next_top1_given_top1": follow / steps if steps else 0.0,
+            "next_top1_marginal": marginal / steps if steps else 0.0}
 
 
 def to_jsonl(tr, path):
@@ -400,6 +488,14 @@ def main(argv=None):
     r.add_argument("--alpha-hi", type=float, default=0.7, help="largest per-layer Zipf skew")
     r.add_argument("--topic-strength", type=float, default=0.5,
                    help="largest log-popularity boost of a topic's experts")
+    r.add_argument("--affinity", type=float, default=0.0,
+                   help="probability a token's top-1 follows its top-1 of the layer before "
+                        "(a random map per layer; cross-layer structure)")
+    r.add_argument("--vocab", type=int, default=0, help="words, each with its own route")
+    r.add_argument("--fidelity", type=float, default=0.0,
+                   help="probability a token's route follows its word's (with --vocab)")
+    r.add_argument("--bigram", type=float, default=0.0,
+                   help="probability a token's word is one of its predecessor's 4 successors")
     r.add_argument("--weights", action="store_true", help="also store gate weights")
     st = sub.add_parser("stats", help="routing statistics of a trace (reuse, drift)")
     st.add_argument("src")
@@ -422,7 +518,9 @@ def main(argv=None):
                                     reuse_top1=args.reuse_top1, reuse_any=args.reuse_any,
                                     alpha_lo=args.alpha_lo, alpha_hi=args.alpha_hi,
                                     drift=args.drift, topic_tokens=args.topic_tokens,
-                                    topic_strength=args.topic_strength, with_weights=args.weights)
+                                    topic_strength=args.topic_strength, affinity=args.affinity,
+                                    vocab=args.vocab, fidelity=args.fidelity,
+                                    bigram=args.bigram, with_weights=args.weights)
             write_trace(args.out, tr)
         elif args.cmd == "stats":
             print(json.dumps(stats(read_trace(args.src)), sort_keys=True))

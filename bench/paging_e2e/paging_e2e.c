@@ -123,6 +123,36 @@ out:
     return rc;
 }
 
+/* Each prediction source measured against the call it was about, over the
+ * whole run (warm-up included; resident or not): precision, recall, and the
+ * calls its gate held it off. */
+static void predict_table(const cfg_t *cfgs, const run_out *last, int n)
+{
+    printf("\n| session | budget | prefetch | router precision / recall, gated calls | history "
+           "precision / recall, gated | lookahead (layer + 2) precision / recall, gated, "
+           "prefetched |\n|---|---|---|---|---|---|\n");
+    for (int c = 0; c < n; c++) {
+        const qm_pager_stats *p = &last[c].st;
+        if (!cfgs[c].policy || !cfgs[c].prefetch)
+            continue;
+        double q[6] = {(double)p->predict_router_predicted, (double)p->predict_router_actual,
+                       (double)p->predict_history_predicted, (double)p->predict_history_actual,
+                       (double)p->predict_lookahead_predicted,
+                       (double)p->predict_lookahead_actual};
+        double hit[3] = {(double)p->predict_router_correct, (double)p->predict_history_correct,
+                         (double)p->predict_lookahead_correct};
+        char cell[3][64];
+        for (int s = 0; s < 3; s++)
+            snprintf(cell[s], sizeof cell[s], "%.2f / %.2f", q[2 * s] ? hit[s] / q[2 * s] : 0.0,
+                     q[2 * s + 1] ? hit[s] / q[2 * s + 1] : 0.0);
+        printf("| %s | %.0f%% | on | %s, %llu | %s, %llu | %s, %llu, %llu |\n", cfgs[c].policy,
+               100 * cfgs[c].frac, cell[0], (unsigned long long)p->predict_router_gated, cell[1],
+               (unsigned long long)p->predict_history_gated, cell[2],
+               (unsigned long long)p->predict_lookahead_gated,
+               (unsigned long long)p->prefetch_lookahead_issued);
+    }
+}
+
 int main(int argc, char **argv)
 {
     const char *path = NULL;
@@ -247,6 +277,7 @@ int main(int argc, char **argv)
                (unsigned long long)p->prefetch_history_issued,
                (unsigned long long)p->prefetch_gated);
     }
+    predict_table(cfgs, last, N);
     free(ref);
     sim_trace_free(&tr);
     qm_backend_free(be);

@@ -15,7 +15,7 @@ typedef struct sim_opts {
     double predict_acc;
     double lfu_decay, pin_fraction, next_use_decay; /* < 0: the policy's default */
     uint64_t seed;
-    int quick, no_prefetch;
+    int quick, no_prefetch, prefetch_all;
 } sim_opts;
 
 /* belady first (the yardstick), then the policies compared (--policies). */
@@ -244,48 +244,62 @@ static int policy_table(const char *label, const sim_trace *tr, const sim_opts *
     return 0;
 }
 
+/* Misses without prefetch, with the history, the modelled router and both;
+ * hits with prefetch against Belady's without (prefetch turns misses into
+ * hits Belady's eviction alone cannot have). `--prefetch-all`: every
+ * compared policy at every budget, else lru, lfu and next_use at 25% and 50%. */
+static int prefetch_row(const char *label, const char *pol, const sim_trace *tr,
+                        const sim_opts *o, double frac, const hot_lists *hot, double *worst_hist,
+                        double *worst_router)
+{
+    uint64_t unit = (uint64_t)(o->expert_mib * 1048576.0);
+    uint32_t cap = cap_of(tr, frac);
+    sim_prefetch none = {0}, hist = {.history = 1, .seed = o->seed},
+                 router = {.router_acc = o->predict_acc, .seed = o->seed},
+                 both = {.history = 1, .router_acc = o->predict_acc, .seed = o->seed};
+    sim_result r0, rh, rr, rb, rmin;
+    if (run_one(pol, tr, cap, unit, hot, &none, &r0) ||
+        run_one(pol, tr, cap, unit, hot, &hist, &rh) ||
+        run_one(pol, tr, cap, unit, hot, &router, &rr) ||
+        run_one(pol, tr, cap, unit, hot, &both, &rb) ||
+        run_one("belady", tr, cap, unit, hot, &none, &rmin))
+        return -1;
+    double th = r0.misses ? 100.0 * ((double)r0.misses - (double)rh.misses) / r0.misses : 0;
+    double tr_ = r0.misses ? 100.0 * ((double)r0.misses - (double)rr.misses) / r0.misses : 0;
+    double tb = r0.misses ? 100.0 * ((double)r0.misses - (double)rb.misses) / r0.misses : 0;
+    if (th < *worst_hist)
+        *worst_hist = th;
+    if (tb < *worst_router)
+        *worst_router = tb;
+    double gb0 = (double)r0.misses * unit / 1e9;
+    double gbb = (double)(rb.misses + rb.prefetch_issued) * unit / 1e9;
+    printf("| %s | %s | %.0f%% | %llu | %llu (%.1f%%) | %llu (%.1f%%) | %llu (%.1f%%) | "
+           "%.1f%% | %.0f / %.0f / %.0f | %.1f -> %.1f |\n",
+           label, pol, 100 * frac, (unsigned long long)r0.misses, (unsigned long long)rh.misses,
+           th, (unsigned long long)rr.misses, tr_, (unsigned long long)rb.misses, tb,
+           pct(rb.prefetch_useful, rb.prefetch_issued), pct(r0.hits, rmin.hits),
+           pct(rh.hits, rmin.hits), pct(rb.hits, rmin.hits), gb0, gbb);
+    return 0;
+}
+
 static int prefetch_table(const char *label, const sim_trace *tr, const sim_opts *o,
                           double *worst_hist, double *worst_router)
 {
     hot_lists hot = {0};
     if (make_hot(tr, tr->tokens / 2, &hot))
         return -1;
-    uint64_t unit = (uint64_t)(o->expert_mib * 1048576.0);
-    const char *pols[] = {"lru", "lfu", "next_use"};
-    const double fr[] = {0.25, 0.50};
-    for (int p = 0; p < 3; p++) {
-        for (int b = 0; b < 2; b++) {
-            uint32_t cap = cap_of(tr, fr[b]);
-            sim_prefetch none = {0}, hist = {.history = 1, .seed = o->seed},
-                         router = {.router_acc = o->predict_acc, .seed = o->seed},
-                         both = {.history = 1, .router_acc = o->predict_acc, .seed = o->seed};
-            sim_result r0, rh, rr, rb;
-            if (run_one(pols[p], tr, cap, unit, &hot, &none, &r0) ||
-                run_one(pols[p], tr, cap, unit, &hot, &hist, &rh) ||
-                run_one(pols[p], tr, cap, unit, &hot, &router, &rr) ||
-                run_one(pols[p], tr, cap, unit, &hot, &both, &rb)) {
-                free_hot(&hot);
-                return -1;
-            }
-            double th = r0.misses ? 100.0 * ((double)r0.misses - (double)rh.misses) / r0.misses : 0;
-            double tr_ = r0.misses ? 100.0 * ((double)r0.misses - (double)rr.misses) / r0.misses : 0;
-            double tb = r0.misses ? 100.0 * ((double)r0.misses - (double)rb.misses) / r0.misses : 0;
-            if (th < *worst_hist)
-                *worst_hist = th;
-            if (tb < *worst_router)
-                *worst_router = tb;
-            double gb0 = (double)r0.misses * unit / 1e9;
-            double gbb = (double)(rb.misses + rb.prefetch_issued) * unit / 1e9;
-            printf("| %s | %s | %.0f%% | %llu | %llu (%.1f%%) | %llu (%.1f%%) | %llu (%.1f%%) | "
-                   "%.1f%% | %.1f -> %.1f |\n",
-                   label, pols[p], 100 * fr[b], (unsigned long long)r0.misses,
-                   (unsigned long long)rh.misses, th, (unsigned long long)rr.misses, tr_,
-                   (unsigned long long)rb.misses, tb,
-                   pct(rb.prefetch_useful, rb.prefetch_issued), gb0, gbb);
-        }
-    }
+    static const char *const few[] = {"lru", "lfu", "next_use"};
+    static const double few_fr[] = {0.25, 0.50};
+    const char *const *pols = o->prefetch_all ? k_policies + 1 : few;
+    int n_pols = o->prefetch_all ? N_POLICIES - 1 : 3;
+    const double *fr = o->prefetch_all ? k_budgets : few_fr;
+    int n_fr = o->prefetch_all ? N_BUDGETS : 2;
+    int rc = 0;
+    for (int p = 0; p < n_pols && rc == 0; p++)
+        for (int b = 0; b < n_fr && rc == 0; b++)
+            rc = prefetch_row(label, pols[p], tr, o, fr[b], &hot, worst_hist, worst_router);
     free_hot(&hot);
-    return 0;
+    return rc;
 }
 
 static void usage(void)
@@ -293,7 +307,8 @@ static void usage(void)
     fprintf(stderr, "usage: policy_sim [--trace FILE.qmtr|.npy|.jsonl [--experts E]] [--tokens N] "
                     "[--expert-mib M] "
                     "[--predict-acc Q] [--lfu-decay D] [--next-use-decay D] [--pin-fraction F] "
-                    "[--policies a,b,...] [--seed S] [--quick] [--no-prefetch]\n");
+                    "[--policies a,b,...] [--seed S] [--quick] [--no-prefetch] "
+                    "[--prefetch-all]\n");
 }
 
 int main(int argc, char **argv)
@@ -311,6 +326,10 @@ int main(int argc, char **argv)
         }
         if (!strcmp(a, "--no-prefetch")) { /* only the policy table */
             o.no_prefetch = 1;
+            continue;
+        }
+        if (!strcmp(a, "--prefetch-all")) { /* every policy and budget in the prefetch table */
+            o.prefetch_all = 1;
             continue;
         }
         if (!v) {
@@ -375,7 +394,8 @@ int main(int argc, char **argv)
     snprintf(head + hl, sizeof head - hl, "---|---|---|\n");
     const char *phead = "| trace | policy | budget | misses, no prefetch | history prefetch "
                         "(misses -> hits) | router prefetch | both | useful/issued (both) | "
-                        "GB moved no pf -> both |\n|---|---|---|---|---|---|---|---|---|\n";
+                        "hits %MIN: none / history / both | GB moved no pf -> both |\n"
+                        "|---|---|---|---|---|---|---|---|---|---|\n";
     double worst50 = 1e9, wh = 1e9, wr = 1e9;
     if (trace_path) {
         sim_trace tr;

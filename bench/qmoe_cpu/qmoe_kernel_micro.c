@@ -8,17 +8,22 @@
  * Random codes, f32 scales, blocks of 32: the matrix (rows x cols x bits/8
  * bytes) is meant to stay in L2, so this measures each kernel's compute, not
  * the memory. --inputs <= 4 runs the GEMV path of the exact kernels, more
- * the GEMM path; the fast kernels have one entry for both. One JSON line per
+ * the GEMM path. The fast kernels are the fast table's rows
+ * (engine/kernels/qm_kernel_isa.h), each as it serves (NAME), its two paths
+ * at this input count (NAME-gemv, NAME-gemm) and, for a row that reads the
+ * r8 layout (4-bit, rows a multiple of 8), the same codes interleaved
+ * (NAME-r8, the layout a fast whole-bank session gets). One JSON line per
  * kernel: best time over --reps (after one warm-up), weight GB/s per core
  * (GEMV) or GFLOP/s per core. Kernels this CPU cannot run are skipped with a
- * line saying so. The last line: how long the default exact choice's
+ * line saying why. The last line: how long the default exact choice's
  * calibration took (thread CPU time) and what it chose. Not a test. */
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
 
-#include "qm_kernels.h"
+#include "qm_kernel_check.h"
+#include "qm_kernel_isa.h"
 #include "qm_r8.h"
 
 static double cpu_us(void)
@@ -35,6 +40,90 @@ static void report(const char *mode, const char *name, uint32_t n, uint32_t k, u
            "\"best_us\":%.1f,\"weight_gbps_per_core\":%.2f,\"gflops_per_core\":%.1f}\n",
            mode, name, n, k, bits, nx, us, (double)n * k * bits / 8 / us / 1e3,
            2.0 * n * k * nx / us / 1e3);
+}
+
+static double time_tiles(qm__mm_fn *fn, const qm__qmat *m, const float *xp, size_t ld,
+                         uint32_t nx, float *y, float *scratch, uint32_t reps)
+{
+    double best = 1e300;
+    for (uint32_t rep = 0; rep <= reps; rep++) {
+        double t0 = cpu_us();
+        for (uint32_t n0 = 0; n0 < m->n; n0 += QM__TILE_ROWS)
+            fn(m, n0, n0 + QM__TILE_ROWS, xp, ld, nx, y, m->n, scratch);
+        double dt = cpu_us() - t0;
+        if (rep && dt < best)
+            best = dt;
+    }
+    return best;
+}
+
+static void skipped(const char *mode, const char *name, const char *why)
+{
+    printf("{\"mode\":\"%s\",\"kernel\":\"%s\",\"skipped\":\"%s\"}\n", mode, name, why);
+}
+
+/* The scalar kernel and every row of the exact table this CPU runs. */
+static void exact_kernels(const qm__qmat *m, const float *x, uint32_t nx, int gemm, uint32_t reps,
+                          float *y, float *scratch)
+{
+    for (size_t i = 0; i <= qm__exact_count(); i++) {
+        const qm__kernel *k = i ? qm__exact_at(i - 1) : &qm__kernel_scalar;
+        char why[128];
+        if (!qm__cpu_needs(k->needs, why, sizeof why)) {
+            skipped("exact", k->name, why);
+            continue;
+        }
+        size_t ld = (k->x_stride(m, gemm) + 15) & ~(size_t)15;
+        uint32_t rows = (nx + 11) / 12 * 12; /* room for any gemm_row_pad */
+        float *xp = calloc(ld * rows, sizeof(float));
+        for (uint32_t r = 0; r < nx; r++)
+            k->prep(m, gemm, x + (size_t)r * m->k, xp + r * ld);
+        report("exact", k->name, m->n, m->k, m->bits, nx,
+               time_tiles(gemm ? k->gemm : k->gemv, m, xp, ld, nx, y, scratch, i ? reps : 1));
+        free(xp);
+    }
+}
+
+/* The scalar fast kernel and every row of the fast table this CPU runs:
+ * as it serves, its two paths, and on r8 codes where it reads them. */
+static void fast_kernels(const qm__qmat *m, const float *x, uint32_t nx, uint32_t reps, float *y)
+{
+    size_t ld = (qm__i8_x_stride(m) + 15) & ~(size_t)15;
+    float *xq = calloc(ld * nx, sizeof(float));
+    for (uint32_t r = 0; r < nx; r++)
+        qm__i8_prep(m, x + (size_t)r * m->k, xq + r * ld);
+    qm__qmat mi = *m;
+    int r8 = m->bits == 4 && m->n % 8 == 0;
+    uint8_t *wi = malloc((size_t)m->n * m->row_bytes), *tmp = malloc(8 * m->row_bytes);
+    memcpy(wi, m->w, (size_t)m->n * m->row_bytes);
+    if (r8)
+        qm__r8_interleave(wi, m->n, m->row_bytes, tmp);
+    mi.w = wi;
+    mi.r8 = 1;
+    float *scratch = malloc(sizeof(float) * qm__kernel_scratch_floats(&mi));
+    report("fast", "scalar", m->n, m->k, m->bits, nx,
+           time_tiles(qm__i8kernel_scalar.mm, m, xq, ld, nx, y, scratch, 1));
+    for (size_t i = 0; i < qm__i8isa_count(); i++) {
+        const qm__i8isa *row = qm__i8isa_at(i);
+        char why[128], name[64];
+        if (row->not_built || !qm__cpu_needs(row->needs, why, sizeof why)) {
+            skipped("fast", row->kernel.name, row->not_built ? row->not_built : why);
+            continue;
+        }
+        qm__mm_fn *fns[4] = {row->kernel.mm, row->gemv, row->gemm, row->kernel.mm};
+        static const char *const suffix[4] = {"", "-gemv", "-gemm", "-r8"};
+        for (int f = 0; f < 4; f++) {
+            snprintf(name, sizeof name, "%s%s", row->kernel.name, suffix[f]);
+            if (f == 3 && (!row->reads_r8 || !r8)) {
+                skipped("fast", name, row->reads_r8 ? "not an r8 shape (4-bit, rows of 8)"
+                                                    : "this kernel does not read r8");
+                continue;
+            }
+            report("fast", name, m->n, m->k, m->bits, nx,
+                   time_tiles(fns[f], f == 3 ? &mi : m, xq, ld, nx, y, scratch, reps));
+        }
+    }
+    free(wi), free(tmp), free(xq), free(scratch);
 }
 
 int main(int argc, char **argv)
@@ -57,6 +146,7 @@ int main(int argc, char **argv)
             return 2;
         }
     }
+    unsetenv("QMOE_KERNEL_CACHE"); /* the self-check runs here, not from a cache */
     if ((bits != 4 && bits != 8) || K % 32 || N % 16 || !N || !nx || !reps) {
         fprintf(stderr, "want --bits 4|8, --cols a multiple of 32, --rows of 16\n");
         return 2;
@@ -77,113 +167,17 @@ int main(int argc, char **argv)
                   .block = 32};
     float *scratch = malloc(sizeof(float) * qm__kernel_scratch_floats(&m));
     int gemm = nx > QM__GEMV_MAX_ROWS;
-    /* QMOE_KERNEL values and the kernel each names ("avx2": the AVX2
-     * kernel with the canonical 4-bit GEMV, AVX-512's co-candidate). */
-    static const char *const exact[][2] = {{"scalar", "scalar"},
-                                           {"avx2-canonical", "avx2"},
-                                           {"avx2-folded", "avx2-folded"},
-                                           {"avx512", "avx512"}};
-    for (int e = 0; e < 4; e++) {
-        setenv("QMOE_KERNEL", exact[e][0], 1);
-        const qm__kernel *k = qm__kernel_select();
-        if (strcmp(k->name, exact[e][1]) != 0) {
-            printf("{\"mode\":\"exact\",\"kernel\":\"%s\",\"skipped\":\"this CPU cannot run it\"}\n",
-                   exact[e][1]);
-            continue;
-        }
-        size_t ld = (k->x_stride(&m, gemm) + 15) & ~(size_t)15;
-        uint32_t rows = (nx + 11) / 12 * 12; /* room for any gemm_row_pad */
-        float *xp = calloc(ld * rows, sizeof(float));
-        for (uint32_t r = 0; r < nx; r++)
-            k->prep(&m, gemm, x + (size_t)r * K, xp + r * ld);
-        double best = 1e300;
-        for (uint32_t rep = 0; rep <= (e ? reps : 1); rep++) {
-            double t0 = cpu_us();
-            for (uint32_t n0 = 0; n0 < N; n0 += QM__TILE_ROWS)
-                (gemm ? k->gemm : k->gemv)(&m, n0, n0 + QM__TILE_ROWS, xp, ld, nx, y, N, scratch);
-            double dt = cpu_us() - t0;
-            if (rep && dt < best)
-                best = dt;
-        }
-        report("exact", k->name, N, K, bits, nx, best);
-        free(xp);
-    }
-    /* The fast kernels, and the AVX2 kernel's two paths at any input count
-     * (where its GEMV / GEMM split should lie). */
-    static const char *const fast[] = {"scalar",    "avx2",      "avxvnni",         "avx512vnni",
-                                       "amx",       "avx2-gemv", "avx2-gemm",       "avx512vnni-gemv",
-                                       "avx512vnni-gemm"};
-    for (int e = 0; e < 9; e++) {
-        int path = e >= 5 ? (e - 5) % 2 : -1;
-        const char *base = e >= 7 ? "avx512vnni" : e >= 5 ? "avx2" : fast[e];
-        setenv("QMOE_KERNEL", base, 1);
-        const qm__i8kernel *k = qm__i8kernel_select();
-        if (strcmp(k->name, base) != 0) {
-            printf("{\"mode\":\"fast\",\"kernel\":\"%s\",\"skipped\":\"this CPU cannot run it\"}\n",
-                   fast[e]);
-            continue;
-        }
-        size_t ld = (qm__i8_x_stride(&m) + 15) & ~(size_t)15;
-        float *xq = calloc(ld * nx, sizeof(float));
-        for (uint32_t r = 0; r < nx; r++)
-            qm__i8_prep(&m, x + (size_t)r * K, xq + r * ld);
-        double best = 1e300;
-        for (uint32_t rep = 0; rep <= (e ? reps : 1); rep++) {
-            double t0 = cpu_us();
-            for (uint32_t n0 = 0; n0 < N; n0 += QM__TILE_ROWS)
-#if defined(QMOE_X86_KERNELS)
-                if (path >= 0 && e >= 7)
-                    qm__i8mm_avx512vnni_path(path, &m, n0, n0 + QM__TILE_ROWS, xq, ld, nx, y, N,
-                                             scratch);
-                else if (path >= 0)
-                    qm__i8mm_avx2_path(path, &m, n0, n0 + QM__TILE_ROWS, xq, ld, nx, y, N, scratch);
-                else
-#endif
-                    k->mm(&m, n0, n0 + QM__TILE_ROWS, xq, ld, nx, y, N, scratch);
-            double dt = cpu_us() - t0;
-            if (rep && dt < best)
-                best = dt;
-        }
-        report("fast", fast[e], N, K, bits, nx, best);
-        free(xq);
-    }
-    /* The AVX2 decode GEMV on the same codes in the r8 layout (qm_r8.h:
-     * 4-bit, rows a multiple of 8), the engine's layout for it. */
-    setenv("QMOE_KERNEL", "avx2", 1);
-    const qm__i8kernel *a2 = qm__i8kernel_select();
-    if (bits == 4 && N % 8 == 0 && strcmp(a2->name, "avx2") == 0 &&
-        qm__i8kernel_r8_native(a2, nx)) {
-        qm__qmat mi = m;
-        uint8_t *wi = malloc((size_t)N * m.row_bytes), *tmp = malloc(8 * m.row_bytes);
-        memcpy(wi, w, (size_t)N * m.row_bytes);
-        qm__r8_interleave(wi, N, m.row_bytes, tmp);
-        mi.w = wi;
-        mi.r8 = 1;
-        size_t ld = (qm__i8_x_stride(&m) + 15) & ~(size_t)15;
-        float *xq = calloc(ld * nx, sizeof(float));
-        float *sr8 = malloc(sizeof(float) * qm__kernel_scratch_floats(&mi));
-        for (uint32_t r = 0; r < nx; r++)
-            qm__i8_prep(&m, x + (size_t)r * K, xq + r * ld);
-        double best = 1e300;
-        for (uint32_t rep = 0; rep <= reps; rep++) {
-            double t0 = cpu_us();
-            for (uint32_t n0 = 0; n0 < N; n0 += QM__TILE_ROWS)
-                a2->mm(&mi, n0, n0 + QM__TILE_ROWS, xq, ld, nx, y, N, sr8);
-            double dt = cpu_us() - t0;
-            if (rep && dt < best)
-                best = dt;
-        }
-        report("fast", "avx2-r8", N, K, bits, nx, best);
-        free(wi), free(tmp), free(xq), free(sr8);
-    } else {
-        printf("{\"mode\":\"fast\",\"kernel\":\"avx2-r8\",\"skipped\":\"%s\"}\n",
-               strcmp(a2->name, "avx2") ? "this CPU cannot run it"
-                                        : "not an r8 shape (4-bit, rows of 8, at most 4 inputs)");
-    }
-    /* The default exact choice's calibration (qm_kernel_select.c), thread CPU time. */
+    exact_kernels(&m, x, nx, gemm, reps, y, scratch);
+    fast_kernels(&m, x, nx, reps, y);
+    /* The self-check (qm_kernel_check.c, wall time; no cache), then the
+     * default exact choice's calibration (qm_kernel_select.c), thread CPU time. */
     unsetenv("QMOE_KERNEL");
     unsetenv("QMOE_KERNEL_CACHE");
     double t0 = cpu_us();
+    const qm_kernel_check *kc = qm_kernel_check_run();
+    printf("{\"self_check_ms\":%.2f,\"self_check_cpu_ms\":%.2f,\"verified\":%u,\"refused\":%u}\n",
+           kc->ms, (cpu_us() - t0) / 1e3, kc->verified, kc->refused);
+    t0 = cpu_us();
     const char *choice = qm__kernel_recalibrate();
     printf("{\"calibration_ms\":%.2f,\"choice\":\"%s\"}\n", (cpu_us() - t0) / 1e3, choice);
     free(w);

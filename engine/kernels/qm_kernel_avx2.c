@@ -1024,11 +1024,15 @@ void qm__avx2_gemm(const qm__qmat *m, uint32_t n0, uint32_t n1, const float *xp,
     }
 }
 
-#define QM__AVX2_TABLE(NAME, PREFIX)                                                               \
+#define QM__AVX2_TABLE(NAME, PREFIX, ...)                                                          \
     {                                                                                              \
-        .name = NAME, .x_stride = PREFIX##_x_stride, .prep = PREFIX##_prep,                        \
-        .gemv = PREFIX##_gemv, .gemm = qm__avx2_gemm, .gemm_row_pad = 1,                           \
+        .name = NAME, .needs = "avx2 fma f16c", .x_stride = PREFIX##_x_stride,                     \
+        .prep = PREFIX##_prep, .gemv = PREFIX##_gemv, .gemm = qm__avx2_gemm, .gemm_row_pad = 1,    \
+        __VA_ARGS__                                                                                \
     }
 
-const qm__kernel qm__kernel_avx2 = QM__AVX2_TABLE("avx2", qm__avx2);
-const qm__kernel qm__kernel_avx2_folded = QM__AVX2_TABLE("avx2-folded", qm__avx2_folded);
+/* Rows of the exact table (qm_kernel_isa.c). */
+const qm__kernel qm__kernel_avx2_folded =
+    QM__AVX2_TABLE("avx2-folded", qm__avx2_folded, .variant = 1);
+const qm__kernel qm__kernel_avx2 = QM__AVX2_TABLE("avx2", qm__avx2, .aliases = "avx2-canonical",
+                                                  .alone = &qm__kernel_avx2_folded);

@@ -331,8 +331,10 @@ static void qm__avx512_gemv(const qm__qmat *m, uint32_t n0, uint32_t n1, const f
         (fast ? qm__gemv512_q4f : qm__gemv512_q4g)(m, n0, n1, xp, ldx, nx, y, ldy);
 }
 
+/* A row of the exact table (qm_kernel_isa.c). */
 const qm__kernel qm__kernel_avx512 = {
     .name = "avx512",
+    .needs = "avx2 fma f16c avx512f avx512bw avx512vl",
     .x_stride = qm__avx2_x_stride,
     .prep = qm__avx2_prep,
     .gemv = qm__avx512_gemv,

@@ -26,6 +26,7 @@
 #include <string.h>
 
 #include "qm_kernels.h"
+#include "qm_r8.h"
 
 #define QM__I8_AI static inline __attribute__((always_inline))
 
@@ -180,27 +181,30 @@ static inline void qm__i8_params_c(const qm__qmat *m, uint32_t n0, uint32_t nr, 
     qm__i8_params8_c(m, n0, nr, 8, sct, zpt);
 }
 
-/* Byte o of a row, 0 past its end. */
-static inline uint8_t qm__i8_row_byte(const qm__qmat *m, const uint8_t *row, size_t o)
+/* Byte o of row n of m, in either layout (r8: qm_r8.h), 0 past its end. */
+static inline uint8_t qm__i8_code_byte(const qm__qmat *m, uint32_t n, size_t o)
 {
-    return o < m->row_bytes ? row[o] : 0;
+    if (o >= m->row_bytes)
+        return 0;
+    return m->r8 ? m->w[qm__r8_offset(m->row_bytes, n, o)] : m->w[(size_t)n * m->row_bytes + o];
 }
 
-/* The u8 panel of sub-blocks [j0, j1) of rows [n0, n0 + nr), from pan. */
+/* The u8 panel of sub-blocks [j0, j1) of rows [n0, n0 + nr), from pan
+ * (either layout). */
 static inline void qm__i8_pack_u8_c(const qm__qmat *m, uint32_t n0, uint32_t nr, size_t j0,
                                     size_t j1, uint8_t *pan)
 {
     memset(pan, 0, 512 * (j1 - j0));
     for (uint32_t i = 0; i < nr; i++) {
-        const uint8_t *row = m->w + (size_t)(n0 + i) * m->row_bytes;
         for (size_t j = j0; j < j1; j++)
             for (uint32_t p = 0; p < 32; p++) {
                 uint32_t c = qm__i8_pos_col(m, p);
                 uint8_t v;
                 if (m->bits == 4)
-                    v = (uint8_t)((qm__i8_row_byte(m, row, 16 * j + c / 2) >> (4 * (c & 1))) & 15);
+                    v = (uint8_t)((qm__i8_code_byte(m, n0 + i, 16 * j + c / 2) >> (4 * (c & 1))) &
+                                  15);
                 else
-                    v = qm__i8_row_byte(m, row, 32 * j + c);
+                    v = qm__i8_code_byte(m, n0 + i, 32 * j + c);
                 pan[512 * (j - j0) + 64 * (p / 4) + 4 * i + p % 4] = v;
             }
     }
@@ -213,11 +217,10 @@ static inline void qm__i8_pack_s16_c(const qm__qmat *m, uint32_t n0, uint32_t nr
     memset(pan, 0, 1024 * (j1 - j0));
     uint32_t spb = qm__i8_spb(m);
     for (uint32_t i = 0; i < nr; i++) {
-        const uint8_t *row = m->w + (size_t)(n0 + i) * m->row_bytes;
         for (size_t j = j0; j < j1; j++) {
             int zp = qm__qmat_zp(m, n0 + i, (uint32_t)(j / spb));
             for (uint32_t c = 0; c < 32; c++) {
-                int16_t v = (int16_t)(qm__i8_row_byte(m, row, 32 * j + c) - zp);
+                int16_t v = (int16_t)(qm__i8_code_byte(m, n0 + i, 32 * j + c) - zp);
                 memcpy(pan + 1024 * (j - j0) + 64 * (c / 2) + 4 * i + 2 * (c % 2), &v, 2);
             }
         }

@@ -14,6 +14,7 @@
  * and stores clobber memory (GCC's _tile_loadd declares no memory read). */
 #include "qm_kernel_i8_x86.h"
 #include "qm_kernel_i8_v512.h"
+#include "qm_kernel_isa.h"
 
 #define QM__G_PARAMS(m, n0, nr, sct, zpt) qm__x_params(m, n0, nr, sct, zpt)
 #define QM__G_PACK(m, n0, nr, j0, j1, pan) qm__x_pack_u8(m, n0, nr, j0, j1, pan)
@@ -32,8 +33,21 @@
 static qm__mm_fn qm__amx_gemm;
 #include "qm_kernel_i8_gemm.h"
 
-void qm__i8mm_amx(const qm__qmat *m, uint32_t n0, uint32_t n1, const float *xq, size_t ldx,
-                  uint32_t nx, float *y, size_t ldy, float *scratch)
+static void qm__i8mm_amx(const qm__qmat *m, uint32_t n0, uint32_t n1, const float *xq,
+                         size_t ldx, uint32_t nx, float *y, size_t ldy, float *scratch)
 {
-    qm__i8_split(QM__I8_AMX_MIN, qm__i8mm_avx512vnni, qm__amx_gemm, m, n0, n1, xq, ldx, nx, y, ldy, scratch);
+    qm__i8_split(QM__I8_AMX_MIN, qm__i8mm_avx512vnni, qm__amx_gemm, m, n0, n1, xq, ldx, nx, y,
+                 ldy, scratch);
 }
+
+/* Its row of the fast table (qm_kernel_isa.c): its decode path is the
+ * AVX-512 VNNI kernel's entry (r8 included), its packer reads r8 too. */
+QM__I8ISA_MODEL(amx);
+const qm__i8isa qm__i8isa_amx = {
+    .kernel = {.name = "amx", .mm = qm__i8mm_amx},
+    .needs = "avx2 fma f16c avx512f avx512bw avx512vl avx512vnni amx-tile amx-int8",
+    .gemv = qm__i8mm_avx512vnni,
+    .gemm = qm__amx_gemm,
+    .reads_r8 = 1,
+    .model = &qm__i8model_amx,
+};

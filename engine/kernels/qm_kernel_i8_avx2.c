@@ -12,6 +12,7 @@
  * q - zp against the s16 codes, vpmaddwd into s32.
  * Both give qm_kernel_i8.h's exact sums, hence every fast kernel's bits. */
 #include "qm_kernel_i8_x86.h"
+#include "qm_kernel_isa.h"
 
 /* Inputs from which a call runs the GEMM, 4-bit and 8-bit: where
  * bench/qmoe_cpu/qmoe_kernel_micro --inputs N (kernels avx2-gemv and
@@ -118,27 +119,31 @@ static qm__mm_fn qm__i8avx2_gemm_q4;
 static qm__mm_fn qm__i8avx2_gemm_q8;
 #include "qm_kernel_i8_gemm.h"
 
-void qm__i8mm_avx2(const qm__qmat *m, uint32_t n0, uint32_t n1, const float *xq, size_t ldx,
-                   uint32_t nx, float *y, size_t ldy, float *scratch)
+/* The GEMM path at any input count: the 4-bit or the 8-bit one. */
+static void qm__i8avx2_gemm(const qm__qmat *m, uint32_t n0, uint32_t n1, const float *xq,
+                            size_t ldx, uint32_t nx, float *y, size_t ldy, float *scratch)
 {
-    if (nx < (m->bits == 4 ? QM__I8_AVX2_GEMM_MIN : QM__I8_AVX2_GEMM_MIN8))
-        qm__i8avx2_gemv(m, n0, n1, xq, ldx, nx, y, ldy, scratch);
-    else if (m->bits == 4)
-        qm__i8avx2_gemm_q4(m, n0, n1, xq, ldx, nx, y, ldy, scratch);
-    else
-        qm__i8avx2_gemm_q8(m, n0, n1, xq, ldx, nx, y, ldy, scratch);
+    (m->bits == 4 ? qm__i8avx2_gemm_q4 : qm__i8avx2_gemm_q8)(m, n0, n1, xq, ldx, nx, y, ldy,
+                                                             scratch);
 }
 
-void qm__i8mm_avx2_path(int gemm, const qm__qmat *m, uint32_t n0, uint32_t n1, const float *xq,
-                        size_t ldx, uint32_t nx, float *y, size_t ldy, float *scratch)
+static void qm__i8mm_avx2(const qm__qmat *m, uint32_t n0, uint32_t n1, const float *xq,
+                          size_t ldx, uint32_t nx, float *y, size_t ldy, float *scratch)
 {
-    if (!gemm)
-        qm__i8avx2_gemv(m, n0, n1, xq, ldx, nx, y, ldy, scratch);
-    else if (m->bits == 4)
-        qm__i8avx2_gemm_q4(m, n0, n1, xq, ldx, nx, y, ldy, scratch);
-    else
-        qm__i8avx2_gemm_q8(m, n0, n1, xq, ldx, nx, y, ldy, scratch);
+    qm__i8_split(m->bits == 4 ? QM__I8_AVX2_GEMM_MIN : QM__I8_AVX2_GEMM_MIN8, qm__i8avx2_gemv,
+                 qm__i8avx2_gemm, m, n0, n1, xq, ldx, nx, y, ldy, scratch);
 }
+
+/* Its row of the fast table (qm_kernel_isa.c). AVX2 is the x86 baseline
+ * the tests run the other rows' models on: it has no model of its own. */
+const qm__i8isa qm__i8isa_avx2 = {
+    .kernel = {.name = "avx2", .mm = qm__i8mm_avx2},
+    .aliases = "avx2-canonical avx2-folded", /* the exact mode's AVX2 names */
+    .needs = "avx2 fma f16c",
+    .gemv = qm__i8avx2_gemv,
+    .gemm = qm__i8avx2_gemm,
+    .reads_r8 = 1,
+};
 
 /* The vector packers, for tests/engine (byte for byte those of qm_kernel_i8.h). */
 void qm__i8_pack_avx2(const qm__qmat *m, uint32_t n0, uint32_t nr, size_t j0, size_t j1,

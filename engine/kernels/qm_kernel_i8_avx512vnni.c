@@ -8,8 +8,10 @@
  * rows in one 512-bit vector and the u8 panel, the blocking its model
  * (qm_kernel_i8_model.c, QM__I8_AVX512VNNI_NR) runs in the tests. */
 #include "qm_kernel_i8_x86.h"
+#include "qm_kernel_isa.h"
 
 #define QM__V_FN qm__vnni512_gemv
+#define QM__V_R8 1 /* reads r8 matrices (qm_r8.h) */
 #define QM__V_DPBUSD(acc, w, x) _mm256_dpbusd_epi32(acc, w, x)
 #define QM__V_DPBUSD512(acc, w, x) _mm512_dpbusd_epi32(acc, w, x)
 #include "qm_kernel_i8_x86.h"
@@ -43,9 +45,14 @@ void qm__i8mm_avx512vnni(const qm__qmat *m, uint32_t n0, uint32_t n1, const floa
     qm__i8_split(QM__I8_AVX512VNNI_GEMM_MIN(m), qm__vnni512_gemv, qm__vnni512_gemm, m, n0, n1, xq, ldx, nx, y, ldy, scratch);
 }
 
-void qm__i8mm_avx512vnni_path(int gemm, const qm__qmat *m, uint32_t n0, uint32_t n1,
-                              const float *xq, size_t ldx, uint32_t nx, float *y, size_t ldy,
-                              float *scratch)
-{
-    (gemm ? qm__vnni512_gemm : qm__vnni512_gemv)(m, n0, n1, xq, ldx, nx, y, ldy, scratch);
-}
+/* Its row of the fast table (qm_kernel_isa.c). */
+QM__I8ISA_MODEL(avx512vnni);
+const qm__i8isa qm__i8isa_avx512vnni = {
+    .kernel = {.name = "avx512vnni", .mm = qm__i8mm_avx512vnni},
+    .aliases = "avx512",
+    .needs = "avx2 fma f16c avx512f avx512bw avx512vl avx512vnni",
+    .gemv = qm__vnni512_gemv,
+    .gemm = qm__vnni512_gemm,
+    .reads_r8 = 1,
+    .model = &qm__i8model_avx512vnni,
+};

@@ -9,7 +9,7 @@
 
 #include <stdint.h>
 
-#include "qm_kernels.h"
+#include "qm_kernel_isa.h"
 
 /* vpdpbusd, one 32-bit lane: acc + the 4 products of u8 w[0..3] by s8 x[0..3]. */
 static inline int32_t qm__model_dpbd(int32_t acc, const uint8_t *w, const uint8_t *x)
@@ -19,12 +19,9 @@ static inline int32_t qm__model_dpbd(int32_t acc, const uint8_t *w, const uint8_
     return acc;
 }
 
-/* The models as fast kernels (never chosen by qm__i8kernel_select): each
- * one's mm is its real kernel's (the same GEMV / GEMM split); "-gemm" and
- * "-tiles" run the GEMM / tile path at every input count. */
-extern const qm__i8kernel qm__i8kernel_model_avxvnni, qm__i8kernel_model_avxvnni_gemm;
-extern const qm__i8kernel qm__i8kernel_model_avx512vnni, qm__i8kernel_model_avx512vnni_gemm;
-extern const qm__i8kernel qm__i8kernel_model_amx, qm__i8kernel_model_amx_tiles;
+/* The models are rows like their kernels' (qm__i8model_<name>, each its
+ * kernel row's .model, qm_kernel_isa.h; never chosen): mm is the real
+ * kernel's split, gemv and gemm its two paths at every input count. */
 /* Faults the AMX model saw since the last call (a configuration ldtilecfg
  * would refuse, tiles used unconfigured, shapes tdpbsud would refuse); the
  * first one's description in why (may be NULL). Resets the count. */

@@ -153,19 +153,24 @@ static qm__mm_fn qm__model_amx_gemm;
 static void qm__model16_mm(const qm__qmat *m, uint32_t n0, uint32_t n1, const float *xq,
                            size_t ldx, uint32_t nx, float *y, size_t ldy, float *scratch)
 {
-    qm__i8_split(QM__I8_AVX512VNNI_GEMM_MIN(m), qm__model_vnni_gemv, qm__model16_gemm, m, n0, n1, xq, ldx, nx, y, ldy, scratch);
+    qm__i8_split(QM__I8_AVX512VNNI_GEMM_MIN(m), qm__model_vnni_gemv, qm__model16_gemm, m, n0, n1,
+                 xq, ldx, nx, y, ldy, scratch);
 }
 
 static void qm__model_amx_mm(const qm__qmat *m, uint32_t n0, uint32_t n1, const float *xq,
                              size_t ldx, uint32_t nx, float *y, size_t ldy, float *scratch)
 {
-    qm__i8_split(QM__I8_AMX_MIN, qm__model16_mm, qm__model_amx_gemm, m, n0, n1, xq, ldx, nx, y, ldy, scratch);
+    qm__i8_split(QM__I8_AMX_MIN, qm__model16_mm, qm__model_amx_gemm, m, n0, n1, xq, ldx, nx, y,
+                 ldy, scratch);
 }
 
-const qm__i8kernel qm__i8kernel_model_avx512vnni = {.name = "model-avx512vnni",
-                                                    .mm = qm__model16_mm};
-const qm__i8kernel qm__i8kernel_model_avx512vnni_gemm = {.name = "model-avx512vnni-gemm",
-                                                         .mm = qm__model16_gemm};
-const qm__i8kernel qm__i8kernel_model_amx = {.name = "model-amx", .mm = qm__model_amx_mm};
-const qm__i8kernel qm__i8kernel_model_amx_tiles = {.name = "model-amx-tiles",
-                                                   .mm = qm__model_amx_gemm};
+/* The avx512vnni and amx rows' models (their .model). */
+const qm__i8isa qm__i8model_avx512vnni = {
+    .kernel = {.name = "model-avx512vnni", .mm = qm__model16_mm},
+    .gemv = qm__model_vnni_gemv,
+    .gemm = qm__model16_gemm,
+    .reads_r8 = 1};
+const qm__i8isa qm__i8model_amx = {.kernel = {.name = "model-amx", .mm = qm__model_amx_mm},
+                                   .gemv = qm__model16_mm,
+                                   .gemm = qm__model_amx_gemm,
+                                   .reads_r8 = 1};

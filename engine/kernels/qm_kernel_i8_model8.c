@@ -18,9 +18,12 @@ static qm__mm_fn qm__model8_gemm;
 static void qm__model8_mm(const qm__qmat *m, uint32_t n0, uint32_t n1, const float *xq,
                           size_t ldx, uint32_t nx, float *y, size_t ldy, float *scratch)
 {
-    qm__i8_split(QM__I8_VNNI_GEMM_MIN, qm__model_vnni_gemv, qm__model8_gemm, m, n0, n1, xq, ldx, nx, y, ldy, scratch);
+    qm__i8_split(QM__I8_VNNI_GEMM_MIN, qm__model_vnni_gemv, qm__model8_gemm, m, n0, n1, xq, ldx,
+                 nx, y, ldy, scratch);
 }
 
-const qm__i8kernel qm__i8kernel_model_avxvnni = {.name = "model-avxvnni", .mm = qm__model8_mm};
-const qm__i8kernel qm__i8kernel_model_avxvnni_gemm = {.name = "model-avxvnni-gemm",
-                                                      .mm = qm__model8_gemm};
+/* The avxvnni row's model (its .model). */
+const qm__i8isa qm__i8model_avxvnni = {.kernel = {.name = "model-avxvnni", .mm = qm__model8_mm},
+                                       .gemv = qm__model_vnni_gemv,
+                                       .gemm = qm__model8_gemm,
+                                       .reads_r8 = 1};

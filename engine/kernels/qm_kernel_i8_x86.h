@@ -64,8 +64,7 @@ QM__I8_AI __m256i qm__x_row_u8(const qm__qmat *m, uint32_t n0, uint32_t nr, uint
         return _mm256_setzero_si256();
     const uint8_t *row = m->w + (size_t)(n0 + i) * m->row_bytes;
     if (m->r8) { /* 4-bit r8 (qm_r8.h): the row's 4 runs of 4 bytes in its group */
-        uint32_t n = n0 + i;
-        const uint8_t *g = m->w + (size_t)(n & ~7u) * m->row_bytes + 128 * j + 4 * (n & 7u);
+        const uint8_t *g = m->w + qm__r8_offset(m->row_bytes, n0 + i, 16 * j);
         int32_t d[4];
         for (int q = 0; q < 4; q++)
             memcpy(&d[q], g + 32 * q, 4);
@@ -605,39 +604,59 @@ QM__I8_AI __m256 qm__v_rows(const qm__qmat *m, const uint8_t *const row[8],
 }
 
 #ifdef QM__V_R8
+/* One step of an r8 group's sub-block: S plus, per row (lane), the dot of
+ * its 4 low-nibble codes (lo) with the input's 4 bytes xl and of its 4
+ * high-nibble codes (hi) with xh (each broadcast to every lane); and the
+ * rows' int32 sums of a sub-block's accumulators A (QM__V_R8_ACCS of them:
+ * step q of the 4 goes to A[q % QM__V_R8_ACCS]). A vpdpbusd ISA sums into
+ * int32 lanes directly, in two accumulators so that no chain of dependent
+ * vpdpbusd is longer than 4; AVX2 sums vpmaddubsw pairs in int16 lanes (8
+ * steps of |s| <= 3810 a sub-block: no wrap) and widens once. Integer
+ * sums: any split gives the same ones. */
+#ifdef QM__V_DPBUSD
+#define QM__V_R8_ACCS 2
+#define QM__V_R8_STEP(S, lo, hi, xl, xh) S = QM__V_DPBUSD(QM__V_DPBUSD(S, lo, xl), hi, xh)
+#define QM__V_R8_SUMS(A) _mm256_add_epi32((A)[0], (A)[1])
+#else
+#define QM__V_R8_ACCS 1
+#define QM__V_R8_STEP(S, lo, hi, xl, xh)                                                          \
+    S = _mm256_add_epi16(_mm256_add_epi16(S, _mm256_maddubs_epi16(lo, xl)),                       \
+                         _mm256_maddubs_epi16(hi, xh))
+#define QM__V_R8_SUMS(A) _mm256_madd_epi16((A)[0], _mm256_set1_epi16(1))
+#endif
+
 /* A group of 8 rows of an r8 matrix (qm_r8.h) at p times NX (1-4) inputs
  * x: per sub-block j, 4 loads of 8 rows x 4 code bytes, each nibble half
- * against its 4 input bytes broadcast, summed in int16 lanes (8 steps of
- * |s| <= 3840: no wrap), widened to one int32 sum per row, then the
- * canonical epilogue (qm__v_epi_b32). The same integer sums as qm__v_b32,
- * so the same bits. pf: the next group (NULL: none), one line asked for
- * per 64 bytes read. */
+ * against its 4 input bytes broadcast (QM__V_R8_STEP), one int32 sum per
+ * row, then the canonical epilogue (qm__v_epi_b32). The same integer sums
+ * as qm__v_b32, so the same bits. pf: the next group (NULL: none), one
+ * line asked for per 64 bytes read. */
 QM__I8_AI void qm__v_r8_group(const qm__qmat *m, const uint8_t *p, const char *pf,
                               const qm__i8_xrow *x, const float *sct, uint32_t h, float *y,
                               size_t ldy, const int NX)
 {
     const size_t nsb = m->k / 32;
-    const __m256i lo4 = _mm256_set1_epi8(15), one = _mm256_set1_epi16(1);
+    const __m256i lo4 = _mm256_set1_epi8(15);
     __m256 acc0 = _mm256_setzero_ps(), acc1 = acc0, acc2 = acc0, acc3 = acc0;
     for (size_t j = 0; j < nsb; j++, p += 128) {
         if (pf) {
             _mm_prefetch(pf + 128 * j, QM__PF_HINT);
             _mm_prefetch(pf + 128 * j + 64, QM__PF_HINT);
         }
-        __m256i s0 = _mm256_setzero_si256(), s1 = s0, s2 = s0, s3 = s0;
+        __m256i s0[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()};
+        __m256i s1[2] = {s0[0], s0[0]}, s2[2] = {s0[0], s0[0]}, s3[2] = {s0[0], s0[0]};
 #pragma GCC unroll 4
         for (size_t q = 0; q < 4; q++) {
             __m256i v = _mm256_loadu_si256((const __m256i *)(p + 32 * q));
             __m256i lo = _mm256_and_si256(v, lo4);
             __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), lo4);
-            size_t o = 32 * j + 4 * q;
+            size_t o = 32 * j + 4 * q, a = q % QM__V_R8_ACCS;
 #define QM__R8_STEP(S, I)                                                                          \
     do {                                                                                           \
         int32_t xl_, xh_;                                                                          \
         memcpy(&xl_, x[I].q + o, 4);                                                               \
         memcpy(&xh_, x[I].q + o + 16, 4);                                                          \
-        S = _mm256_add_epi16(S, _mm256_maddubs_epi16(lo, _mm256_set1_epi32(xl_)));                 \
-        S = _mm256_add_epi16(S, _mm256_maddubs_epi16(hi, _mm256_set1_epi32(xh_)));                 \
+        QM__V_R8_STEP(S[a], lo, hi, _mm256_set1_epi32(xl_), _mm256_set1_epi32(xh_));               \
     } while (0)
             QM__R8_STEP(s0, 0);
             if (NX > 1)
@@ -648,13 +667,13 @@ QM__I8_AI void qm__v_r8_group(const qm__qmat *m, const uint8_t *p, const char *p
                 QM__R8_STEP(s3, 3);
 #undef QM__R8_STEP
         }
-        acc0 = qm__v_epi_b32(&x[0], sct, h, j, _mm256_madd_epi16(s0, one), acc0);
+        acc0 = qm__v_epi_b32(&x[0], sct, h, j, QM__V_R8_SUMS(s0), acc0);
         if (NX > 1)
-            acc1 = qm__v_epi_b32(&x[1], sct, h, j, _mm256_madd_epi16(s1, one), acc1);
+            acc1 = qm__v_epi_b32(&x[1], sct, h, j, QM__V_R8_SUMS(s1), acc1);
         if (NX > 2)
-            acc2 = qm__v_epi_b32(&x[2], sct, h, j, _mm256_madd_epi16(s2, one), acc2);
+            acc2 = qm__v_epi_b32(&x[2], sct, h, j, QM__V_R8_SUMS(s2), acc2);
         if (NX > 3)
-            acc3 = qm__v_epi_b32(&x[3], sct, h, j, _mm256_madd_epi16(s3, one), acc3);
+            acc3 = qm__v_epi_b32(&x[3], sct, h, j, QM__V_R8_SUMS(s3), acc3);
     }
     _mm256_storeu_ps(y, acc0);
     if (NX > 1)
@@ -664,14 +683,109 @@ QM__I8_AI void qm__v_r8_group(const qm__qmat *m, const uint8_t *p, const char *p
     if (NX > 3)
         _mm256_storeu_ps(y + 3 * ldy, acc3);
 }
+#undef QM__V_R8_ACCS
+#undef QM__V_R8_STEP
+#undef QM__V_R8_SUMS
+
+#ifdef QM__V_DPBUSD512
+/* The two groups of a call's 16 rows of an r8 matrix (at p and p + gb)
+ * times NX (1-4) inputs on 512-bit vectors: lanes 0-7 the first group's
+ * rows, 8-15 the second's (the call's rows in order, as sct holds their
+ * scales), so each step's nibble split and each vpdpbusd serve both
+ * groups. The same integer sums and epilogue as qm__v_r8_group, so the
+ * same bits. pf: the next call's two groups (NULL: none). */
+QM__I8_AI void qm__v_r8_pair(const qm__qmat *m, const uint8_t *p, size_t gb, const char *pf,
+                             const qm__i8_xrow *x, const float *sct, float *y, size_t ldy,
+                             const int NX)
+{
+    const size_t nsb = m->k / 32;
+    const __m512i lo4 = _mm512_set1_epi8(15);
+    __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(),
+                     _mm512_setzero_ps()};
+    for (size_t j = 0; j < nsb; j++, p += 128) {
+        if (pf) {
+            _mm_prefetch(pf + 128 * j, QM__PF_HINT);
+            _mm_prefetch(pf + 128 * j + 64, QM__PF_HINT);
+            _mm_prefetch(pf + gb + 128 * j, QM__PF_HINT);
+            _mm_prefetch(pf + gb + 128 * j + 64, QM__PF_HINT);
+        }
+        __m512i s[4][2];
+        for (int i = 0; i < NX; i++)
+            s[i][0] = s[i][1] = _mm512_setzero_si512();
+#pragma GCC unroll 4
+        for (size_t q = 0; q < 4; q++) {
+            __m512i v = _mm512_inserti64x4(
+                _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(p + 32 * q))),
+                _mm256_loadu_si256((const __m256i *)(p + gb + 32 * q)), 1);
+            __m512i lo = _mm512_and_si512(v, lo4);
+            __m512i hi = _mm512_and_si512(_mm512_srli_epi32(v, 4), lo4);
+            size_t o = 32 * j + 4 * q;
+#pragma GCC unroll 4
+            for (int i = 0; i < NX; i++) {
+                int32_t xl, xh;
+                memcpy(&xl, x[i].q + o, 4);
+                memcpy(&xh, x[i].q + o + 16, 4);
+                s[i][q & 1] = QM__V_DPBUSD512(
+                    QM__V_DPBUSD512(s[i][q & 1], lo, _mm512_set1_epi32(xl)), hi,
+                    _mm512_set1_epi32(xh));
+            }
+        }
+#pragma GCC unroll 4
+        for (int i = 0; i < NX; i++) {
+            __m512i S = _mm512_sub_epi32(_mm512_add_epi32(s[i][0], s[i][1]),
+                                         _mm512_set1_epi32(x[i].zsum[j]));
+            __m512 t = _mm512_fmadd_ps(_mm512_cvtepi32_ps(S), _mm512_set1_ps(x[i].dx[j]),
+                                       _mm512_setzero_ps());
+            acc[i] = _mm512_fmadd_ps(t, _mm512_loadu_ps(sct + 16 * j), acc[i]);
+        }
+    }
+    for (int i = 0; i < NX; i++)
+        _mm512_storeu_ps(y + (size_t)i * ldy, acc[i]);
+}
+
+/* A whole call of 16 r8 rows on 512-bit vectors, inputs 4 at a time. */
+static void qm__v_r8_16(const qm__qmat *m, uint32_t n0, const float *xq, size_t ldx, uint32_t nx,
+                        float *y, size_t ldy, const qm__i8_scratch *s)
+{
+    const size_t gb = 8 * m->row_bytes;
+    const uint8_t *p = m->w + (size_t)n0 * m->row_bytes;
+    const char *pf = n0 + 32 <= m->n ? (const char *)p + 2 * gb : NULL;
+    qm__x_params(m, n0, 16, s->sct, NULL);
+    qm__x_prefetch_scales(m, n0 + 16);
+    qm__x_prefetch_scales(m, n0 + 24);
+    for (uint32_t r = 0; r < nx; r += 4) {
+        qm__i8_xrow x[4];
+        uint32_t cnt = nx - r < 4 ? nx - r : 4;
+        for (uint32_t i = 0; i < cnt; i++)
+            x[i] = qm__i8_xrow_at(m, xq + (size_t)(r + i) * ldx);
+        float *yo = y + (size_t)r * ldy + n0;
+        const char *pfr = r ? NULL : pf;
+        if (cnt == 1)
+            qm__v_r8_pair(m, p, gb, pfr, x, s->sct, yo, ldy, 1);
+        else if (cnt == 2)
+            qm__v_r8_pair(m, p, gb, pfr, x, s->sct, yo, ldy, 2);
+        else if (cnt == 3)
+            qm__v_r8_pair(m, p, gb, pfr, x, s->sct, yo, ldy, 3);
+        else
+            qm__v_r8_pair(m, p, gb, pfr, x, s->sct, yo, ldy, 4);
+    }
+}
+#endif
 
 /* Rows [n0, n0 + nr) of an r8 matrix (n0 and nr multiples of 8) times nx
  * inputs, up to 4 at a time: each group's scales taken once, the next
- * group's codes and scales prefetched while the first inputs run. */
+ * group's codes and scales prefetched while the first inputs run; with
+ * 512-bit vpdpbusd, a call's 16 rows as one (qm__v_r8_16). */
 static void qm__v_r8(const qm__qmat *m, uint32_t n0, uint32_t nr, const float *xq, size_t ldx,
                      uint32_t nx, float *y, size_t ldy, const qm__i8_scratch *s)
 {
     const size_t gb = 8 * m->row_bytes;
+#ifdef QM__V_DPBUSD512
+    if (nr == 16) {
+        qm__v_r8_16(m, n0, xq, ldx, nx, y, ldy, s);
+        return;
+    }
+#endif
     for (uint32_t h = 0; h < nr; h += 8) {
         const uint8_t *p = m->w + (size_t)(n0 + h) * m->row_bytes;
         const char *pf = n0 + h + 16 <= m->n ? (const char *)p + gb : NULL;

@@ -1,5 +1,10 @@
 /* qm_kernel_select.c - which kernel runs on this CPU.
  *
+ * Candidates: the rows of the kernel tables (qm_kernel_isa.h) this process
+ * can run (their CPU features present) and the self-check verified
+ * (qm_kernel_check.h: a kernel that disagreed with the scalar
+ * specification is never a candidate, never forced, never run).
+ *
  * Exact mode: a kernel per shape class the engine distinguishes (GEMV =
  * decode jobs of <= QM__GEMV_MAX_ROWS rows, GEMM = longer jobs; 4-bit and
  * 8-bit weights). The candidate SIMD kernels of each class give the same
@@ -11,44 +16,39 @@
  * a narrower kernel taking a class only when more than 10% faster (no
  * flapping between near-equal kernels). Two processes that measure
  * differently (the daemon and `qmoe-bank run`) still give the same bits.
- * Candidates: AVX-512 and AVX2 where the CPU has AVX-512F/BW/VL (the AVX2
- * 4-bit GEMV then in the canonical order, qm__kernel_avx2); else AVX2
- * alone, nothing to measure, and its 4-bit GEMV of 1-row jobs (decode)
- * takes the AVX2 kernel's own folded order (qm__kernel_avx2_folded: zero
- * point and scale once per block, 1.28x faster than the canonical order
- * there; 2-4 rows keep the canonical one, 1.15-1.45x faster than folded;
+ * The exact table's rows are AVX-512 and AVX2 (canonical 4-bit GEMV); a
+ * CPU with AVX2 alone has one candidate, nothing to measure, and its 4-bit
+ * GEMV of 1-row jobs (decode) takes the row's `alone` variant, the AVX2
+ * kernel's own folded order (qm__kernel_avx2_folded: zero point and scale
+ * once per block, 1.28x faster than the canonical order there; 2-4 rows
+ * keep the canonical one, 1.15-1.45x faster than folded;
  * docs/BENCHMARKS.md): with one candidate no measurement can change bits.
- * QMOE_KERNEL_CACHE=<file> keeps the measured choice across restarts,
- * keyed by the CPU's brand string, the candidate kernels and a version (a
- * stale, invalid or corrupt file is ignored with a line on stderr and
- * rewritten). QMOE_KERNEL=measure measures every class without the cache,
- * =table takes the fixed per-ISA table without measuring (the widest
- * kernel, but AVX2 for the 8-bit GEMV), =scalar|avx2|avx512 forces one
- * kernel for every class (an unavailable one falls back to the default;
- * avx2 is the AVX2 kernel the default uses on this CPU, so forcing it or
- * avx512 never changes bits), =avx2-canonical|avx2-folded forces the AVX2
- * kernel with that 4-bit GEMV order (benchmarks, tests).
+ * QMOE_KERNEL_CACHE=<file> keeps the measured choice across restarts
+ * (qm_kernel_cache.c). QMOE_KERNEL=measure measures every class without
+ * the cache, =table takes the fixed per-ISA table without measuring (the
+ * widest kernel, but the narrowest for the 8-bit GEMV), =scalar or a row's
+ * name forces one kernel for every class (an unavailable or refused one
+ * falls back to the default; a row's name is the kernel the default uses
+ * with that row, so forcing avx2 or avx512 never changes bits), a row's
+ * alias forces exactly that row (avx2-canonical; avx2-folded by its name).
  *
  * Fast mode: every SIMD fast kernel produces the same bits (qm_kernel_i8.h),
- * so its choice is always measured, once per process, among the available
- * ones (AVX-512 VNNI, AVX-VNNI, AVX2), per class (decode, prefill; 4/8-bit);
- * QMOE_KERNEL=scalar|avx2|avxvnni|avx512vnni (avx512 = avx512vnni,
+ * so its choice is always measured, once per process, among the fast
+ * table's candidates, per class (decode, prefill; 4/8-bit);
+ * QMOE_KERNEL=scalar or a row's name or alias (avx512 = avx512vnni,
  * avx2-canonical|avx2-folded = avx2) forces one.
  *
  * qm__kernel_describe() / qm__i8kernel_describe() name the choice; the CPU
  * backend puts them in its device name (daemon.status device.name,
  * qmoe-bank run --verbose). */
-#include <errno.h>
 #include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
-#include <sys/syscall.h>
-#include <unistd.h>
 
 #include "qm_alloc.h"
-#include "qm_kernels.h"
+#include "qm_kernel_isa.h"
 
 typedef struct qm__auto_choice {
     const qm__kernel *gemv[2]; /* [0]: 4-bit, [1]: 8-bit */
@@ -105,6 +105,7 @@ static qm__kernel qm__kernel_auto[3] = {
 
 typedef struct qm__i8_auto_choice {
     const qm__i8kernel *k[2][2]; /* [8-bit][prefill] */
+    int r8[2];                   /* [prefill]: the 4-bit kernel reads r8 */
     char desc[160];
 } qm__i8_auto_choice;
 
@@ -120,16 +121,6 @@ static void qm__i8_auto_mm(const qm__qmat *m, uint32_t n0, uint32_t n1, const fl
 
 static const qm__i8kernel qm__i8kernel_auto = {.name = "auto", .mm = qm__i8_auto_mm};
 
-#if defined(QMOE_X86_KERNELS)
-static const qm__i8kernel qm__i8kernel_avx2 = {.name = "avx2", .mm = qm__i8mm_avx2};
-static const qm__i8kernel qm__i8kernel_avx512vnni = {.name = "avx512vnni",
-                                                     .mm = qm__i8mm_avx512vnni};
-#if defined(QMOE_AVXVNNI_KERNEL)
-static const qm__i8kernel qm__i8kernel_avxvnni = {.name = "avxvnni", .mm = qm__i8mm_avxvnni};
-#endif
-static const qm__i8kernel qm__i8kernel_amx = {.name = "amx", .mm = qm__i8mm_amx};
-#endif
-
 /* This thread's CPU time: other processes on a shared machine cost wall
  * time, not this thread's CPU time. */
 static double qm__now_us(void)
@@ -142,6 +133,7 @@ static double qm__now_us(void)
 #define QM__CAL_N 64u
 #define QM__CAL_K 2880u
 #define QM__CAL_GEMM_ROWS 24u
+#define QM__MAX_CANDS 8
 
 /* The best of `reps` sweeps of `fn` (a kernel's gemv, gemm or fast-mode
  * mm) over every row tile of m, in thread CPU microseconds; one more sweep
@@ -232,22 +224,29 @@ static int qm__cal_data(uint8_t **w, float **sc, float **x)
     return 0;
 }
 
-/* The fast kernels this CPU runs, widest first. */
+/* The calibration matrix of `bits` over the data of qm__cal_data. */
+static qm__qmat qm__cal_mat(const uint8_t *w, const float *sc, uint32_t bits)
+{
+    return (qm__qmat){.w = w, .row_bytes = QM__CAL_K * bits / 8u, .scales = sc,
+                      .scale_dtype = QM_DTYPE_F32, .n = QM__CAL_N, .k = QM__CAL_K, .bits = bits,
+                      .nblk = QM__CAL_K / 32, .block = 32};
+}
+
+/* Fast row i can serve here: built, its CPU features present, verified. */
+static int qm__i8_usable(size_t i)
+{
+    const qm__i8isa *row = qm__i8isa_at(i);
+    char why[128];
+    return !row->not_built && qm__cpu_needs(row->needs, why, sizeof why) && qm__kcheck_ok(1, i);
+}
+
+/* The fast kernels that may serve here, widest first; none: the scalar one. */
 static int qm__i8_cands(const qm__i8kernel **cands)
 {
     int nc = 0;
-#if defined(QMOE_X86_KERNELS)
-    if (qm__cpu_has_amx())
-        cands[nc++] = &qm__i8kernel_amx;
-    if (qm__cpu_has_avx512vnni())
-        cands[nc++] = &qm__i8kernel_avx512vnni;
-#if defined(QMOE_AVXVNNI_KERNEL)
-    if (qm__cpu_has_avxvnni())
-        cands[nc++] = &qm__i8kernel_avxvnni;
-#endif
-    if (qm__cpu_has_avx2())
-        cands[nc++] = &qm__i8kernel_avx2;
-#endif
+    for (size_t i = 0; i < qm__i8isa_count() && nc < QM__MAX_CANDS; i++)
+        if (qm__i8_usable(i))
+            cands[nc++] = &qm__i8isa_at(i)->kernel;
     if (nc == 0)
         cands[nc++] = &qm__i8kernel_scalar;
     return nc;
@@ -260,6 +259,29 @@ void qm__i8kernel_set_timer(qm__i8kernel_timer fn)
     qm__i8timer = fn ? fn : qm__time_i8;
 }
 
+/* The measured fast choice of each class into idx[2 * prefill + 8-bit];
+ * -1 on no memory (idx left as it was). */
+static int qm__i8_measure(const qm__i8kernel *const *cands, int nc, int idx[4])
+{
+    uint8_t *w;
+    float *sc, *x;
+    if (qm__cal_data(&w, &sc, &x) != 0)
+        return -1;
+    for (int b8 = 0; b8 < 2; b8++) {
+        qm__qmat m = qm__cal_mat(w, sc, b8 ? 8u : 4u);
+        for (int pf = 0; pf < 2; pf++) {
+            double us[QM__MAX_CANDS];
+            for (int c = 0; c < nc; c++)
+                us[c] = qm__i8timer(cands[c], &m, pf ? QM__CAL_GEMM_ROWS : 1, x);
+            idx[2 * pf + b8] = qm__kernel_pick(us, nc);
+        }
+    }
+    qm_free(w);
+    qm_free(sc);
+    qm_free(x);
+    return 0;
+}
+
 /* Every fast kernel gives the same bits, so each class (decode = jobs of
  * at most QM__GEMV_MAX_ROWS rows, prefill; 4/8-bit) takes the fastest
  * candidate on the calibration matrix (1 and QM__CAL_GEMM_ROWS inputs), a
@@ -267,37 +289,23 @@ void qm__i8kernel_set_timer(qm__i8kernel_timer fn)
  * beside the exact choice. */
 static void qm__i8_auto_calibrate(void)
 {
-    const qm__i8kernel *cands[5];
-    const char *names[5];
+    const qm__i8kernel *cands[QM__MAX_CANDS];
+    const char *names[QM__MAX_CANDS];
     int nc = qm__i8_cands(cands), idx[4] = {0, 0, 0, 0}, from_cache = 0;
     for (int c = 0; c < nc; c++)
         names[c] = cands[c]->name;
     const char *cache = getenv("QMOE_KERNEL_CACHE");
-    uint8_t *w;
-    float *sc, *x;
-    if (nc > 1 && cache && *cache && qm__cache_load(cache, "qmoe-fast-kernels", names, nc, idx) == 0) {
+    if (nc > 1 && cache && *cache && qm__cache_load(cache, "qmoe-fast-kernels", names, nc, idx) == 0)
         from_cache = 1;
-    } else if (nc > 1 && qm__cal_data(&w, &sc, &x) == 0) {
-        for (int b8 = 0; b8 < 2; b8++) {
-            qm__qmat m = {.w = w, .row_bytes = QM__CAL_K * (b8 ? 8u : 4u) / 8u, .scales = sc,
-                          .scale_dtype = QM_DTYPE_F32, .n = QM__CAL_N, .k = QM__CAL_K,
-                          .bits = b8 ? 8u : 4u, .nblk = QM__CAL_K / 32, .block = 32};
-            for (int pf = 0; pf < 2; pf++) {
-                double us[5];
-                for (int c = 0; c < nc; c++)
-                    us[c] = qm__i8timer(cands[c], &m, pf ? QM__CAL_GEMM_ROWS : 1, x);
-                idx[2 * pf + b8] = qm__kernel_pick(us, nc);
-            }
-        }
-        qm_free(w);
-        qm_free(sc);
-        qm_free(x);
-        if (cache && *cache)
-            qm__cache_save(cache, "qmoe-fast-kernels", names, nc, idx);
-    }
+    else if (nc > 1 && qm__i8_measure(cands, nc, idx) == 0 && cache && *cache)
+        qm__cache_save(cache, "qmoe-fast-kernels", names, nc, idx);
     for (int b8 = 0; b8 < 2; b8++)
         for (int pf = 0; pf < 2; pf++)
             qm__i8auto.k[b8][pf] = cands[idx[2 * pf + b8]];
+    for (int pf = 0; pf < 2; pf++) {
+        const qm__i8isa *row = qm__i8isa_of(qm__i8auto.k[0][pf]);
+        qm__i8auto.r8[pf] = row && row->reads_r8;
+    }
     /* "q4 A, q8 B", or "q4 A/C" when decode (A) and prefill (C) differ. */
     char part[2][64];
     for (int b8 = 0; b8 < 2; b8++) {
@@ -317,6 +325,8 @@ const char *qm__i8kernel_recalibrate(void)
     return qm__i8auto.desc;
 }
 
+/* ---- exact mode ---- */
+
 static qm__kernel_timer qm__timer = qm__time_kernel_real;
 
 void qm__kernel_set_timer(qm__kernel_timer fn)
@@ -333,24 +343,79 @@ int qm__kernel_pick(const double *us, int nc)
     return best;
 }
 
+/* Exact row i can serve here: its CPU features present, verified. */
+static int qm__exact_usable(size_t i)
+{
+    char why[128];
+    return qm__cpu_needs(qm__exact_at(i)->needs, why, sizeof why) && qm__kcheck_ok(0, i);
+}
+
+/* The exact table's measured rows that may serve here, widest first. */
+static int qm__exact_cands(const qm__kernel **cands)
+{
+    int nc = 0;
+    for (size_t i = 0; i < qm__exact_count() && nc < QM__MAX_CANDS; i++)
+        if (!qm__exact_at(i)->variant && qm__exact_usable(i))
+            cands[nc++] = qm__exact_at(i);
+    return nc;
+}
+
+/* The row k's `alone` names, if it may serve here; else k. */
+static const qm__kernel *qm__exact_alone(const qm__kernel *k)
+{
+    int i = k->alone ? qm__exact_find(k->alone->name) : -1;
+    return i >= 0 && qm__exact_usable((size_t)i) ? qm__exact_at((size_t)i) : k;
+}
+
+/* Measures every exact class among the candidates into ch (and saves the
+ * choice in the cache when one is named). */
+static void qm__exact_measure(qm__auto_choice *ch, const qm__kernel *const *cands, int nc,
+                              const char *cache)
+{
+    uint8_t *w;
+    float *sc, *x;
+    if (qm__cal_data(&w, &sc, &x) != 0)
+        return;
+    for (int b8 = 0; b8 < 2; b8++) {
+        qm__qmat m = qm__cal_mat(w, sc, b8 ? 8u : 4u);
+        for (int gemm = 0; gemm < 2; gemm++) {
+            double us[QM__MAX_CANDS];
+            for (int c = 0; c < nc; c++)
+                us[c] = qm__timer(cands[c], &m, gemm, x);
+            int best = qm__kernel_pick(us, nc);
+            (gemm ? ch->gemm : ch->gemv)[b8] = cands[best];
+            (gemm ? ch->gemm_us : ch->gemv_us)[b8] = us[best];
+        }
+    }
+    qm_free(w);
+    qm_free(sc);
+    qm_free(x);
+    if (cache && *cache) {
+        const qm__kernel *save[4] = {ch->gemv[0], ch->gemv[1], ch->gemm[0], ch->gemm[1]};
+        const char *names[QM__MAX_CANDS];
+        int idx[4] = {0, 0, 0, 0};
+        for (int c = 0; c < nc; c++)
+            names[c] = cands[c]->name;
+        for (int i = 0; i < 4; i++)
+            for (int c = 0; c < nc; c++)
+                if (save[i] == cands[c])
+                    idx[i] = c;
+        qm__cache_save(cache, "qmoe-kernels", names, nc, idx);
+    }
+}
+
 /* mode 0: default (measured, or the cache), 1: measured without the cache,
  * 2: the fixed table. */
 static void qm__auto_calibrate(int mode)
 {
     qm__auto_choice *ch = &qm__choice[mode];
-    const qm__kernel *cands[4];
-    int nc = 0;
-#if defined(QMOE_X86_KERNELS)
-    if (qm__cpu_has_avx512())
-        cands[nc++] = &qm__kernel_avx512;
-    if (qm__cpu_has_avx2())
-        cands[nc++] = &qm__kernel_avx2;
-#endif
+    const qm__kernel *cands[QM__MAX_CANDS];
+    int nc = qm__exact_cands(cands);
     for (int b8 = 0; b8 < 2; b8++) {
         ch->gemv[b8] = ch->gemm[b8] = nc ? cands[0] : &qm__kernel_scalar;
         ch->gemv_us[b8] = ch->gemm_us[b8] = 0.0;
     }
-    /* The fixed table: the widest kernel, AVX2 for the 8-bit GEMV. */
+    /* The fixed table: the widest kernel, the narrowest for the 8-bit GEMV. */
     ch->gemv[1] = nc ? cands[nc - 1] : &qm__kernel_scalar;
     const char *cache = mode == 0 ? getenv("QMOE_KERNEL_CACHE") : NULL;
     const qm__kernel *cached[4];
@@ -363,49 +428,10 @@ static void qm__auto_calibrate(int mode)
         ch->gemm[1] = cached[3];
         from_cache = 1;
     } else if (nc > 1 && mode != 2) {
-        uint8_t *w;
-        float *sc, *x;
-        uint32_t nblk = QM__CAL_K / 32;
-        if (qm__cal_data(&w, &sc, &x) == 0) {
-            for (int b8 = 0; b8 < 2; b8++) {
-                qm__qmat m = {.w = w, .row_bytes = QM__CAL_K * (b8 ? 8u : 4u) / 8u,
-                              .scales = sc, .scale_dtype = QM_DTYPE_F32, .n = QM__CAL_N,
-                              .k = QM__CAL_K, .bits = b8 ? 8u : 4u, .nblk = nblk, .block = 32};
-                for (int gemm = 0; gemm < 2; gemm++) {
-                    double us[4];
-                    for (int c = 0; c < nc; c++)
-                        us[c] = qm__timer(cands[c], &m, gemm, x);
-                    int best = qm__kernel_pick(us, nc);
-                    if (gemm) {
-                        ch->gemm[b8] = cands[best];
-                        ch->gemm_us[b8] = us[best];
-                    } else {
-                        ch->gemv[b8] = cands[best];
-                        ch->gemv_us[b8] = us[best];
-                    }
-                }
-            }
-            qm_free(w);
-            qm_free(sc);
-            qm_free(x);
-            if (cache && *cache) {
-                const qm__kernel *save[4] = {ch->gemv[0], ch->gemv[1], ch->gemm[0], ch->gemm[1]};
-                const char *names[4];
-                int idx[4];
-                for (int c = 0; c < nc; c++)
-                    names[c] = cands[c]->name;
-                for (int i = 0; i < 4; i++)
-                    for (int c = 0; c < nc; c++)
-                        if (save[i] == cands[c])
-                            idx[i] = c;
-                qm__cache_save(cache, "qmoe-kernels", names, nc, idx);
-            }
-        }
+        qm__exact_measure(ch, cands, nc, cache);
     }
-#if defined(QMOE_X86_KERNELS)
-    if (nc == 1 && cands[0] == &qm__kernel_avx2) /* no AVX-512: the only candidate */
-        ch->gemv[0] = &qm__kernel_avx2_folded;
-#endif
+    if (nc == 1) /* the only candidate: its decode variant, if it has one */
+        ch->gemv[0] = qm__exact_alone(cands[0]);
     uint32_t pad = 1;
     for (int b8 = 0; b8 < 2; b8++) {
         uint32_t p = ch->gemm[b8]->gemm_row_pad;
@@ -439,152 +465,34 @@ static void qm__auto_table(void)
     qm__auto_calibrate(2);
 }
 
-static int qm__avx512_hidden; /* tests: qm__kernel_hide_avx512 */
-
-void qm__kernel_hide_avx512(int hide)
+/* QMOE_KERNEL naming an exact row that may serve here: by its name, the
+ * kernel the default uses with it (its `alone` when it is the only
+ * candidate); by an alias, exactly it. NULL: no such row, or not here. */
+static const qm__kernel *qm__exact_forced(const char *force)
 {
-    qm__avx512_hidden = hide;
-}
-
-#if defined(QMOE_X86_KERNELS)
-int qm__cpu_has_avx2(void)
-{
-    __builtin_cpu_init();
-    /* F16C is not a feature name every compiler's builtin knows; every CPU
-     * with AVX2 and FMA (Haswell, Zen and later) has it. */
-    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-}
-
-int qm__cpu_has_avx512(void)
-{
-    return !qm__avx512_hidden && qm__cpu_has_avx2() && __builtin_cpu_supports("avx512f") &&
-           __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl");
-}
-
-int qm__cpu_has_avx512vnni(void)
-{
-    return qm__cpu_has_avx512() && __builtin_cpu_supports("avx512vnni");
-}
-
-/* CPUID.(EAX=7, ECX=1):EAX bit 4; GCC 12's builtin has no name for it. */
-int qm__cpu_has_avxvnni(void)
-{
-#if defined(QMOE_AVXVNNI_KERNEL)
-    unsigned a, b, c, d;
-    if (!qm__cpu_has_avx2())
-        return 0;
-    __asm__ volatile("cpuid" : "=a"(a), "=b"(b), "=c"(c), "=d"(d) : "a"(0), "c"(0));
-    if (a < 7)
-        return 0;
-    __asm__ volatile("cpuid" : "=a"(a), "=b"(b), "=c"(c), "=d"(d) : "a"(7), "c"(1));
-    return (a >> 4) & 1;
-#else
-    return 0;
-#endif
-}
-
-/* ---- AMX: the CPU's flags, the OS's tile state, this process's permission ---- */
-
-#define QM__ARCH_GET_XCOMP_PERM 0x1022
-#define QM__ARCH_REQ_XCOMP_PERM 0x1023
-#define QM__XFEATURE_XTILEDATA 18
-
-static pthread_mutex_t qm__amx_lock = PTHREAD_MUTEX_INITIALIZER;
-static int qm__amx_state;         /* 0: not asked yet, 1: usable, -1: not */
-static const char *qm__amx_reason; /* why not */
-static char qm__amx_reason_buf[128];
-static int qm__amx_fake_cpu;
-static int (*qm__amx_perm_hook)(void);
-
-/* CPUID.(7,0):EDX bits 24 (AMX-TILE) and 25 (AMX-INT8), and XCR0 bits 17
- * and 18 (the OS saves XTILECFG / XTILEDATA). */
-static int qm__cpu_amx_flags(void)
-{
-    unsigned a, b, c, d;
-    if (!qm__cpu_has_avx512vnni())
-        return 0;
-    __asm__ volatile("cpuid" : "=a"(a), "=b"(b), "=c"(c), "=d"(d) : "a"(0), "c"(0));
-    if (a < 7)
-        return 0;
-    __asm__ volatile("cpuid" : "=a"(a), "=b"(b), "=c"(c), "=d"(d) : "a"(7), "c"(0));
-    if (!((d >> 24) & 1) || !((d >> 25) & 1))
-        return 0;
-    unsigned lo, hi;
-    __asm__ volatile("xgetbv" : "=a"(lo), "=d"(hi) : "c"(0));
-    return ((lo >> 17) & 3) == 3;
-}
-
-/* Linux asks each process to request the tile state before its first tile
- * instruction (a larger signal frame); a kernel without the call, or one
- * that refuses, leaves AMX off. */
-static int qm__amx_request(void)
-{
-    if (qm__amx_perm_hook)
-        return qm__amx_perm_hook();
-    unsigned long features = 0;
-    if (syscall(SYS_arch_prctl, QM__ARCH_GET_XCOMP_PERM, &features) == 0 &&
-        ((features >> QM__XFEATURE_XTILEDATA) & 1))
-        return 0;
-    if (syscall(SYS_arch_prctl, QM__ARCH_REQ_XCOMP_PERM, QM__XFEATURE_XTILEDATA) != 0)
-        return errno ? errno : -1;
-    return 0;
-}
-
-int qm__cpu_has_amx(void)
-{
-    pthread_mutex_lock(&qm__amx_lock);
-    if (qm__amx_state == 0) {
-        int flags = qm__amx_fake_cpu || qm__cpu_amx_flags();
-        int refused = flags ? qm__amx_request() : 0;
-        if (!flags) {
-            qm__amx_reason = "no AMX-INT8 on this CPU (or the OS does not save the tile state)";
-        } else if (refused) {
-            snprintf(qm__amx_reason_buf, sizeof qm__amx_reason_buf,
-                     "tile permission refused (arch_prctl ARCH_REQ_XCOMP_PERM: %s)",
-                     refused > 0 ? strerror(refused) : "refused");
-            qm__amx_reason = qm__amx_reason_buf;
-        } else {
-            qm__amx_reason = NULL;
-        }
-        qm__amx_state = qm__amx_reason ? -1 : 1;
+    for (size_t i = 0; i < qm__exact_count(); i++) {
+        const qm__kernel *k = qm__exact_at(i);
+        int by_name = strcmp(k->name, force) == 0;
+        if (!by_name && !qm__word_in(k->aliases, force))
+            continue;
+        if (!qm__exact_usable(i))
+            return NULL;
+        const qm__kernel *cands[QM__MAX_CANDS];
+        return by_name && qm__exact_cands(cands) == 1 && cands[0] == k ? qm__exact_alone(k) : k;
     }
-    int ok = qm__amx_state == 1;
-    pthread_mutex_unlock(&qm__amx_lock);
-    return ok;
+    return NULL;
 }
-
-const char *qm__amx_why_not(void)
-{
-    return qm__cpu_has_amx() ? NULL : qm__amx_reason;
-}
-
-void qm__kernel_amx_hook(int fake_cpu, int (*perm)(void))
-{
-    pthread_mutex_lock(&qm__amx_lock);
-    qm__amx_fake_cpu = fake_cpu;
-    qm__amx_perm_hook = perm;
-    qm__amx_state = 0;
-    pthread_mutex_unlock(&qm__amx_lock);
-}
-#endif
 
 const qm__kernel *qm__kernel_select(void)
 {
     const char *force = getenv("QMOE_KERNEL");
     if (force && strcmp(force, "scalar") == 0)
         return &qm__kernel_scalar;
-#if defined(QMOE_X86_KERNELS)
-    if (force && strncmp(force, "avx2", 4) == 0 && qm__cpu_has_avx2()) {
-        if (strcmp(force, "avx2") == 0) /* the one the default uses (qm__auto_calibrate) */
-            return qm__cpu_has_avx512() ? &qm__kernel_avx2 : &qm__kernel_avx2_folded;
-        if (strcmp(force, "avx2-canonical") == 0)
-            return &qm__kernel_avx2;
-        if (strcmp(force, "avx2-folded") == 0)
-            return &qm__kernel_avx2_folded;
-    }
-    if (force && strcmp(force, "avx512") == 0 && qm__cpu_has_avx512())
-        return &qm__kernel_avx512;
-    if (!qm__cpu_has_avx2())
+    const qm__kernel *forced = force ? qm__exact_forced(force) : NULL;
+    if (forced)
+        return forced;
+    const qm__kernel *cands[QM__MAX_CANDS];
+    if (qm__exact_cands(cands) == 0)
         return &qm__kernel_scalar;
     int mode = !force                          ? 0
                : strcmp(force, "measure") == 0 ? 1
@@ -593,9 +501,6 @@ const qm__kernel *qm__kernel_select(void)
     static void (*const init[3])(void) = {qm__auto_default, qm__auto_measured, qm__auto_table};
     pthread_once(&qm__choice_once[mode], init[mode]);
     return &qm__kernel_auto[mode];
-#else
-    return &qm__kernel_scalar;
-#endif
 }
 
 const qm__i8kernel *qm__i8kernel_select(void)
@@ -603,40 +508,26 @@ const qm__i8kernel *qm__i8kernel_select(void)
     const char *force = getenv("QMOE_KERNEL");
     if (force && strcmp(force, "scalar") == 0)
         return &qm__i8kernel_scalar;
-#if defined(QMOE_X86_KERNELS)
-    if (force && strncmp(force, "avx2", 4) == 0 && qm__cpu_has_avx2()) /* avx2[-order] */
-        return &qm__i8kernel_avx2;
-    if (force && (strcmp(force, "avx512") == 0 || strcmp(force, "avx512vnni") == 0) &&
-        qm__cpu_has_avx512vnni())
-        return &qm__i8kernel_avx512vnni;
-#if defined(QMOE_AVXVNNI_KERNEL)
-    if (force && strcmp(force, "avxvnni") == 0 && qm__cpu_has_avxvnni())
-        return &qm__i8kernel_avxvnni;
-#endif
-    if (force && strcmp(force, "amx") == 0 && qm__cpu_has_amx())
-        return &qm__i8kernel_amx;
-    if (!qm__cpu_has_avx2())
+    int i = force ? qm__i8isa_find(force) : -1;
+    if (i >= 0 && qm__i8_usable((size_t)i))
+        return &qm__i8isa_at((size_t)i)->kernel;
+    const qm__i8kernel *cands[QM__MAX_CANDS];
+    if (qm__i8_cands(cands) == 1 && cands[0] == &qm__i8kernel_scalar)
         return &qm__i8kernel_scalar;
     pthread_once(&qm__i8auto_once, qm__i8_auto_calibrate);
     return &qm__i8kernel_auto;
-#else
-    return &qm__i8kernel_scalar;
-#endif
 }
 
 int qm__i8kernel_r8_native(const qm__i8kernel *k, uint32_t nx)
 {
     if (!k || nx == 0)
         return 0;
-#if defined(QMOE_X86_KERNELS)
     if (k == &qm__i8kernel_auto) {
         pthread_once(&qm__i8auto_once, qm__i8_auto_calibrate);
-        k = qm__i8auto.k[0][nx > QM__GEMV_MAX_ROWS];
+        return qm__i8auto.r8[nx > QM__GEMV_MAX_ROWS];
     }
-    return k == &qm__i8kernel_avx2;
-#else
-    return 0;
-#endif
+    const qm__i8isa *row = qm__i8isa_of(k);
+    return row && row->reads_r8;
 }
 
 const char *qm__i8kernel_describe(const qm__i8kernel *k)

@@ -61,7 +61,13 @@ typedef void qm__mm_fn(const qm__qmat *m, uint32_t n0, uint32_t n1, const float 
                        uint32_t nx, float *y, size_t ldy, float *scratch);
 
 typedef struct qm__kernel {
-    const char *name; /* "scalar", "avx2", "avx512" */
+    const char *name; /* "scalar", "avx2", "avx2-folded", "avx512" */
+    const char *needs;   /* the CPU features it runs on (qm_kernel_isa.h); NULL: none */
+    const char *aliases; /* other QMOE_KERNEL names that force exactly it, or NULL */
+    int variant;         /* 1: never measured; taken as another kernel's `alone`, or forced */
+    /* The kernel whose 4-bit GEMV of one input row this one's choice takes
+     * when it is the only candidate (avx2: avx2-folded), or NULL. */
+    const struct qm__kernel *alone;
     /* Floats per prepared input row for matrix m (GEMV or GEMM path). */
     size_t (*x_stride)(const qm__qmat *m, int gemm);
     /* Prepares one natural-order input row x[0..k) into xp[0..x_stride). */
@@ -84,15 +90,17 @@ typedef struct qm__i8kernel {
 } qm__i8kernel;
 
 extern const qm__i8kernel qm__i8kernel_scalar;
-/* 1 when k's mm runs 4-bit r8 matrices (qm_r8.h) on nx inputs itself: the
- * AVX2 kernel (its decode GEMV, and its GEMM's packer), forced or the one
- * auto runs for nx inputs on this CPU. Every other kernel is handed
- * row-major tiles (qm_cpu_ffn.c). */
+/* 1 when k's mm runs 4-bit r8 matrices (qm_r8.h) on nx inputs itself: a
+ * row of the fast table that reads r8 (qm_kernel_isa.h: every SIMD row
+ * today, its decode GEMV and its GEMM's packer), forced or the one auto
+ * runs for nx inputs on this CPU. The scalar kernel and the exact ones are
+ * handed row-major tiles (qm_cpu_ffn.c). */
 int qm__i8kernel_r8_native(const qm__i8kernel *k, uint32_t nx);
-/* The fast-mode kernel for this CPU: measured per class (decode, prefill;
- * 4/8-bit) once per process like the exact one;
- * QMOE_KERNEL=scalar|avx2|avxvnni|avx512vnni|amx forces one (avx512 means
- * avx512vnni; an unavailable one falls back to the choice). */
+/* The fast-mode kernel for this CPU: among the rows of the fast table this
+ * CPU runs and the self-check verified (qm_kernel_check.h), measured per
+ * class (decode, prefill; 4/8-bit) once per process like the exact one;
+ * QMOE_KERNEL=scalar or a row's name or alias forces one (one this CPU
+ * cannot run, or the check refused, falls back to the choice). */
 const qm__i8kernel *qm__i8kernel_select(void);
 const char *qm__i8kernel_describe(const qm__i8kernel *k);
 /* Calibration, for tests: the timer of one fast kernel on nx inputs (best
@@ -200,17 +208,18 @@ int qm__cache_load(const char *path, const char *tag, const char *const *cands, 
                    int out[4]);
 void qm__cache_save(const char *path, const char *tag, const char *const *cands, int nc,
                     const int ch[4]);
+/* Any line of the cache (tags "qmoe-kernel-check", "qmoe-kernels",
+ * "qmoe-fast-kernels"): its payload for this binary and CPU into out[cap],
+ * 0; or -1 (missing, or not whole, or another version, binary or CPU's: a
+ * stderr line). Put writes it, keeping the other tags' whole lines. */
+int qm__cache_get(const char *path, const char *tag, char *out, size_t cap);
+void qm__cache_put(const char *path, const char *tag, const char *payload);
 /* What runs: the kernel's name, or the measured choice of each class. */
 const char *qm__kernel_describe(const qm__kernel *k);
 #if defined(QMOE_X86_KERNELS)
-int qm__cpu_has_avx2(void);
-int qm__cpu_has_avx512(void);
-int qm__cpu_has_avx512vnni(void);
-int qm__cpu_has_avxvnni(void);
-/* Fast-mode entries, one per instruction set (qm_kernel_i8*.c). */
-qm__mm_fn qm__i8mm_avx2, qm__i8mm_avxvnni, qm__i8mm_avx512vnni;
-/* Only in a thread of a process granted the tile state (qm__cpu_has_amx). */
-qm__mm_fn qm__i8mm_amx;
+/* The AVX-512 VNNI kernel's entry, which the AMX kernel runs below its
+ * input count (qm_kernel_i8_amx.c). */
+qm__mm_fn qm__i8mm_avx512vnni;
 /* AMX-INT8 usable: the CPU flags, the OS's tile state, and this process's
  * permission for it, asked once (arch_prctl ARCH_REQ_XCOMP_PERM); where not,
  * why (qm__amx_why_not: "no AMX-INT8 on this CPU", "tile permission
@@ -222,15 +231,7 @@ const char *qm__amx_why_not(void);
  * kernel; the answer is asked again at the next qm__cpu_has_amx. (0, NULL)
  * undoes it. */
 void qm__kernel_amx_hook(int fake_cpu, int (*perm)(void));
-/* Tests: the AVX2 kernel's GEMV (gemm 0) or GEMM (1) at any input count,
- * and its vector packers and row parameters (those of qm_kernel_i8.h). */
-void qm__i8mm_avx2_path(int gemm, const qm__qmat *m, uint32_t n0, uint32_t n1, const float *xq,
-                        size_t ldx, uint32_t nx, float *y, size_t ldy, float *scratch);
-/* The same for the AVX-512 VNNI kernel (a CPU without AVX-512 VNNI must
- * not call it). */
-void qm__i8mm_avx512vnni_path(int gemm, const qm__qmat *m, uint32_t n0, uint32_t n1,
-                              const float *xq, size_t ldx, uint32_t nx, float *y, size_t ldy,
-                              float *scratch);
+/* Tests: the AVX2 vector packers and row parameters (those of qm_kernel_i8.h). */
 void qm__i8_pack_avx2(const qm__qmat *m, uint32_t n0, uint32_t nr, size_t j0, size_t j1, int s16,
                       uint8_t *pan);
 void qm__i8_params_avx2(const qm__qmat *m, uint32_t n0, uint32_t nr, float *sct, int32_t *zpt);

@@ -15,12 +15,6 @@ int qm__r8_eligible(const qm_bank_config *cfg, const qm_layer_view *lv, int wt)
            ts->shape[1] == n;
 }
 
-/* Byte b of run q of sub-block j, row r, in a group: where it goes. */
-static size_t qm__r8_at(size_t j, size_t q, size_t r)
-{
-    return 128 * j + 32 * q + 4 * r;
-}
-
 void qm__r8_interleave(uint8_t *w, uint32_t n, size_t row_bytes, uint8_t *tmp)
 {
     size_t nsb = row_bytes / 16, gb = 8 * row_bytes;
@@ -30,7 +24,8 @@ void qm__r8_interleave(uint8_t *w, uint32_t n, size_t row_bytes, uint8_t *tmp)
         for (size_t r = 0; r < 8; r++)
             for (size_t j = 0; j < nsb; j++)
                 for (size_t q = 0; q < 4; q++)
-                    memcpy(grp + qm__r8_at(j, q, r), tmp + r * row_bytes + 16 * j + 4 * q, 4);
+                    memcpy(grp + qm__r8_offset(row_bytes, (uint32_t)r, 16 * j + 4 * q),
+                           tmp + r * row_bytes + 16 * j + 4 * q, 4);
     }
 }
 
@@ -38,11 +33,8 @@ void qm__r8_rows(const uint8_t *w, size_t row_bytes, uint32_t n0, uint32_t n1, u
 {
     size_t nsb = row_bytes / 16;
     for (uint32_t row = n0; row < n1; row++) {
-        const uint8_t *grp = w + (size_t)(row & ~7u) * row_bytes;
         uint8_t *dst = out + (size_t)(row - n0) * row_bytes;
-        size_t r = row & 7u;
-        for (size_t j = 0; j < nsb; j++)
-            for (size_t q = 0; q < 4; q++)
-                memcpy(dst + 16 * j + 4 * q, grp + qm__r8_at(j, q, r), 4);
+        for (size_t o = 0; o < 16 * nsb; o += 4)
+            memcpy(dst + o, w + qm__r8_offset(row_bytes, row, o), 4);
     }
 }

@@ -27,6 +27,15 @@
 
 #include "qm_bank.h"
 
+/* Where byte o (< row_bytes) of row n of an r8 matrix lies, in bytes from
+ * the matrix's start: in row n's group, run o / 4 % 4 of sub-block o / 16,
+ * at the row's place in the run. */
+static inline size_t qm__r8_offset(size_t row_bytes, uint32_t n, size_t o)
+{
+    return (size_t)(n & ~7u) * row_bytes + 128 * (o / 16) + 32 * (o % 16 / 4) + 4 * (n & 7u) +
+           o % 4;
+}
+
 /* 1 when tensor wt (QM_T_FC1_WEIGHT, ..._FC2_, ..._FC3_) of layer view lv
  * of a bank with config cfg can take the r8 layout. */
 int qm__r8_eligible(const qm_bank_config *cfg, const qm_layer_view *lv, int wt);

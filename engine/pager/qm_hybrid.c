@@ -41,21 +41,6 @@
  * for nothing, while a host run declined wrongly costs at most the margin. */
 #define QM__PAGE_MARGIN 0.9
 
-static const char *const qm__on_miss_names[] = {"page", "host", "auto"};
-
-const char *qm_on_miss_name(int on_miss)
-{
-    return on_miss >= 0 && on_miss <= QM_ON_MISS_AUTO ? qm__on_miss_names[on_miss] : NULL;
-}
-
-int qm_on_miss_parse(const char *name)
-{
-    for (int i = 0; name && i <= QM_ON_MISS_AUTO; i++)
-        if (strcmp(name, qm__on_miss_names[i]) == 0)
-            return i;
-    return -1;
-}
-
 static double qm__now_us(void)
 {
     struct timespec ts;

@@ -37,9 +37,11 @@ typedef struct qm_pager_options {
      * capped by the evictable slots). */
     uint32_t max_prefetch;
     /* Prefetch gating: a prediction source (next layer's router, routing
-     * history) whose useful/issued ratio over its last 128 prefetches is
-     * below this is switched off and re-probed on one call in 8.
-     * 0 = default 0.25; negative = never gate. */
+     * history, the lookahead router) whose measured precision (experts
+     * predicted that the call they were about used, over its last 128
+     * predicted) is below this is switched off and re-probed on one call in
+     * 8. 0 = default 0.25; negative = never gate the router and the
+     * history (the lookahead, off until measured, then gates at 0.25). */
     double prefetch_min_precision;
     /* 1: never preload. By default, when the budget holds every expert
      * (or there is none), all of them are loaded at creation so the session
@@ -93,13 +95,23 @@ typedef struct qm_pager_options {
     uint64_t budget_bytes;
 } qm_pager_options;
 
-enum { QM_PAGER_SOURCE_MMAP = 0, QM_PAGER_SOURCE_DIRECT = 1 };
+/* QM_PAGER_SOURCE_AUTO is the daemon's choice, never a pager's: direct for
+ * a session with per-expert banks on a host-visible backend, else mmap. */
+enum { QM_PAGER_SOURCE_MMAP = 0, QM_PAGER_SOURCE_DIRECT = 1, QM_PAGER_SOURCE_AUTO = 2 };
 
 enum { QM_ON_MISS_PAGE = 0, QM_ON_MISS_HOST = 1, QM_ON_MISS_AUTO = 2 };
 
-/* "page", "host", "auto" (NULL for another value), and back (-1 unknown). */
+/* The registries of the options' names (qm_pager_options.c), the one list
+ * of each, in the order they are shown: on_miss "page", "host", "auto";
+ * paging sources "auto", "mmap", "direct". _name: a value's name (NULL for
+ * another value); _parse: a name's value (-1 unknown); _at: the i-th name
+ * and its value (NULL past the last). */
 const char *qm_on_miss_name(int on_miss);
 int qm_on_miss_parse(const char *name);
+const char *qm_on_miss_at(size_t i, int *value);
+const char *qm_pager_source_name(int source);
+int qm_pager_source_parse(const char *name);
+const char *qm_pager_source_at(size_t i, int *value);
 
 typedef struct qm_pager_stats {
     uint64_t hits;           /* accesses to a paged bank's expert that found it resident */
@@ -128,6 +140,19 @@ typedef struct qm_pager_stats {
     uint64_t prefetch_router_issued, prefetch_router_useful;
     uint64_t prefetch_history_issued, prefetch_history_useful;
     uint64_t prefetch_gated; /* forward calls where a source was skipped as imprecise */
+    /* Each source's prediction measured against the call it was about,
+     * resident or not (docs/PAGING.md "Prediction, measured"): experts
+     * predicted, of which that call used (`correct`), and the experts those
+     * calls used (`actual`): precision = correct / predicted, recall =
+     * correct / actual. `gated`: forward calls on which the source was off.
+     * Sources: the next layer's router (router), its routing history
+     * (history), the router of the layer after next (lookahead). */
+    uint64_t predict_router_predicted, predict_router_correct, predict_router_actual;
+    uint64_t predict_history_predicted, predict_history_correct, predict_history_actual;
+    uint64_t predict_lookahead_predicted, predict_lookahead_correct, predict_lookahead_actual;
+    uint64_t predict_router_gated, predict_history_gated, predict_lookahead_gated;
+    uint64_t prefetch_lookahead_issued, prefetch_lookahead_useful;
+    uint32_t prefetch_sources_off; /* now: bit 0 router, 1 history, 2 lookahead */
     /* Routing trace (qm_pager_record_trace). */
     uint64_t trace_tokens, trace_dropped, trace_errors;
     /* Hybrid execution (on_miss host/auto): accesses to non-resident

@@ -31,8 +31,27 @@ typedef enum qm__slot_state {
     QM__SLOT_RESIDENT, /* copy landed */
 } qm__slot_state;
 
-/* Who predicted a prefetched expert: each source's precision gates it. */
-enum { QM__PF_NONE = 0, QM__PF_EXPLICIT, QM__PF_ROUTER, QM__PF_HISTORY, QM__PF_SOURCES };
+/* Who predicted a prefetched expert: each source's precision gates it.
+ * ROUTER: the next layer's router on the call's hidden states; HISTORY: the
+ * next layer's last calls; LOOKAHEAD: the router of the layer after next on
+ * the same hidden states (two calls ahead). */
+enum {
+    QM__PF_NONE = 0,
+    QM__PF_EXPLICIT,
+    QM__PF_ROUTER,
+    QM__PF_HISTORY,
+    QM__PF_LOOKAHEAD,
+    QM__PF_SOURCES
+};
+/* Predictions waiting for the call they are about (per source: the next
+ * layer's, and the lookahead's two calls ahead). */
+#define QM__PF_PENDING 2u
+
+typedef struct qm__pf_pending {
+    int valid;
+    uint32_t layer;
+    uint64_t *bits; /* [pred_words] the predicted experts */
+} qm__pf_pending;
 
 typedef struct qm__slot {
     uint8_t *base; /* device address of the slot in the arena */
@@ -129,7 +148,14 @@ struct qm_pager {
     size_t pred_cap_tokens;
     uint32_t *pred_list;
     uint8_t *pred_src;
-    uint32_t pf_win_issued[QM__PF_SOURCES], pf_win_useful[QM__PF_SOURCES];
+    uint32_t *pred_list2; /* the lookahead's list */
+    /* Measured prediction (qm_pager_prefetch.c): what each source predicted
+     * for a call, scored when that call comes (precision and recall, whether
+     * or not the experts were resident), and the gate's window. */
+    qm__pf_pending pf_pending[QM__PF_SOURCES][QM__PF_PENDING];
+    uint64_t *pf_bits; /* one block: every pending set, then the scored call's */
+    size_t pred_words;
+    uint64_t pf_win_predicted[QM__PF_SOURCES], pf_win_correct[QM__PF_SOURCES];
     uint8_t pf_off[QM__PF_SOURCES];
     uint64_t forward_calls;
 

@@ -10,8 +10,9 @@
 #include "qm_pager_copy.h"
 #include "qm_pager_prefetch.h"
 
-/* A source whose useful/issued ratio over its last window falls below the
- * threshold is switched off, and probed on one forward call in
+/* A source whose measured precision (experts it predicted that the call
+ * they were about used) over its last QM__PF_WINDOW predicted experts falls
+ * below the threshold is switched off, and probed on one forward call in
  * QM__PF_PROBE_EVERY to see whether it has become useful again. */
 #define QM__PF_WINDOW 128u
 #define QM__PF_PROBE_EVERY 8u
@@ -23,10 +24,13 @@
  * the layer's own work. */
 #define QM__ROUTER_PREDICT_MAX_TOKENS 64u
 
+static void qm__pf_score(qm_pager *p, uint32_t layer, const uint32_t *route, size_t n);
+
 void qm__pager_history_record(qm_pager *p, uint32_t layer, const uint32_t *route, size_t n)
 {
     if (layer >= p->n_layers)
         return;
+    qm__pf_score(p, layer, route, n);
     qm__layer *L = &p->layers[layer];
     if (!L->paged || !L->hist)
         return;
@@ -43,13 +47,12 @@ void qm__pager_history_record(qm_pager *p, uint32_t layer, const uint32_t *route
 void qm__pager_prefetch_useful(qm_pager *p, uint8_t source)
 {
     p->stats.prefetch_useful++;
-    if (source >= QM__PF_SOURCES)
-        return;
-    p->pf_win_useful[source]++;
     if (source == QM__PF_ROUTER)
         p->stats.prefetch_router_useful++;
     else if (source == QM__PF_HISTORY)
         p->stats.prefetch_history_useful++;
+    else if (source == QM__PF_LOOKAHEAD)
+        p->stats.prefetch_lookahead_useful++;
 }
 
 static void qm__pf_issued(qm_pager *p, uint8_t source)
@@ -58,16 +61,147 @@ static void qm__pf_issued(qm_pager *p, uint8_t source)
         p->stats.prefetch_router_issued++;
     else if (source == QM__PF_HISTORY)
         p->stats.prefetch_history_issued++;
-    if (++p->pf_win_issued[source] < QM__PF_WINDOW)
+    else if (source == QM__PF_LOOKAHEAD)
+        p->stats.prefetch_lookahead_issued++;
+}
+
+/* ---- Prediction, measured ------------------------------------------------ */
+
+/* The statistics of `source`: predicted, correct, actual, gated. */
+static uint64_t *qm__pf_counters(qm_pager *p, uint8_t source)
+{
+    static uint64_t none[4];
+    switch (source) {
+    case QM__PF_ROUTER: return &p->stats.predict_router_predicted;
+    case QM__PF_HISTORY: return &p->stats.predict_history_predicted;
+    case QM__PF_LOOKAHEAD: return &p->stats.predict_lookahead_predicted;
+    default: return none;
+    }
+}
+
+static uint64_t *qm__pf_gated(qm_pager *p, uint8_t source)
+{
+    switch (source) {
+    case QM__PF_ROUTER: return &p->stats.predict_router_gated;
+    case QM__PF_HISTORY: return &p->stats.predict_history_gated;
+    default: return &p->stats.predict_lookahead_gated;
+    }
+}
+
+static uint64_t qm__popcount(const uint64_t *bits, size_t words)
+{
+    uint64_t n = 0;
+    for (size_t i = 0; i < words; i++)
+        n += (uint64_t)__builtin_popcountll(bits[i]);
+    return n;
+}
+
+/* The gate's decision after `predicted` more experts, `correct` of them
+ * used: a full window below the threshold switches the source off, one at
+ * or above it on again. */
+static void qm__pf_gate(qm_pager *p, uint8_t source, uint64_t predicted, uint64_t correct)
+{
+    p->pf_win_predicted[source] += predicted;
+    p->pf_win_correct[source] += correct;
+    if (p->pf_win_predicted[source] < QM__PF_WINDOW)
         return;
     double min = p->opt.prefetch_min_precision;
-    if (min == 0.0)
-        min = QM__PF_DEFAULT_MIN_PRECISION;
-    /* Useful counts of this window may belong to the previous one's issues:
-     * a smoothing that errs toward keeping a source on. */
-    p->pf_off[source] = min > 0 && (double)p->pf_win_useful[source] < min * QM__PF_WINDOW;
-    p->pf_win_issued[source] = 0;
-    p->pf_win_useful[source] = 0;
+    if (min == 0.0 || (min < 0 && source == QM__PF_LOOKAHEAD))
+        min = QM__PF_DEFAULT_MIN_PRECISION; /* the lookahead always earns its prefetch */
+    p->pf_off[source] =
+        min > 0 && (double)p->pf_win_correct[source] < min * (double)p->pf_win_predicted[source];
+    p->pf_win_predicted[source] = p->pf_win_correct[source] = 0;
+    uint32_t bit = 1u << (source - QM__PF_ROUTER);
+    p->stats.prefetch_sources_off =
+        p->pf_off[source] ? p->stats.prefetch_sources_off | bit : p->stats.prefetch_sources_off & ~bit;
+}
+
+/* A call of `layer` used route[0..n): the predictions about it are scored
+ * (per source: predicted, of them used, used) and fed to the gates. */
+static void qm__pf_score(qm_pager *p, uint32_t layer, const uint32_t *route, size_t n)
+{
+    if (!p->pf_bits)
+        return;
+    uint64_t *used = p->pf_bits + (size_t)QM__PF_SOURCES * QM__PF_PENDING * p->pred_words;
+    int any = 0;
+    for (uint8_t s = 0; s < QM__PF_SOURCES && !any; s++)
+        for (uint32_t i = 0; i < QM__PF_PENDING; i++)
+            any |= p->pf_pending[s][i].valid && p->pf_pending[s][i].layer == layer;
+    if (!any)
+        return;
+    memset(used, 0, p->pred_words * sizeof *used);
+    uint32_t E = p->layers[layer].n_experts;
+    for (size_t i = 0; i < n; i++)
+        if (route[i] < E && route[i] / 64 < p->pred_words)
+            used[route[i] / 64] |= 1ull << (route[i] % 64);
+    uint64_t actual = qm__popcount(used, p->pred_words);
+    for (uint8_t s = 0; s < QM__PF_SOURCES; s++) {
+        for (uint32_t i = 0; i < QM__PF_PENDING; i++) {
+            qm__pf_pending *pd = &p->pf_pending[s][i];
+            if (!pd->valid || pd->layer != layer)
+                continue;
+            uint64_t predicted = qm__popcount(pd->bits, p->pred_words), correct = 0;
+            for (size_t w = 0; w < p->pred_words; w++)
+                correct += (uint64_t)__builtin_popcountll(pd->bits[w] & used[w]);
+            uint64_t *c = qm__pf_counters(p, s);
+            c[0] += predicted;
+            c[1] += correct;
+            c[2] += actual;
+            qm__pf_gate(p, s, predicted, correct);
+            pd->valid = 0;
+        }
+    }
+}
+
+/* The cleared pending set of `source` for the next call of `layer` (its
+ * own earlier one, else a free one, else the oldest's); NULL without
+ * measurement memory. */
+static uint64_t *qm__pf_slot(qm_pager *p, uint8_t source, uint32_t layer)
+{
+    if (!p->pf_bits || source >= QM__PF_SOURCES)
+        return NULL;
+    qm__pf_pending *pend = p->pf_pending[source], *slot = NULL;
+    for (uint32_t i = 0; i < QM__PF_PENDING && !slot; i++)
+        if (pend[i].valid && pend[i].layer == layer)
+            slot = &pend[i];
+    for (uint32_t i = 0; i < QM__PF_PENDING && !slot; i++)
+        if (!pend[i].valid)
+            slot = &pend[i];
+    if (!slot) { /* the oldest goes (index 0); the newer moves down */
+        qm__pf_pending oldest = pend[0];
+        memmove(pend, pend + 1, (QM__PF_PENDING - 1) * sizeof *pend);
+        pend[QM__PF_PENDING - 1] = oldest;
+        slot = &pend[QM__PF_PENDING - 1];
+    }
+    memset(slot->bits, 0, p->pred_words * sizeof *slot->bits);
+    slot->valid = 1;
+    slot->layer = layer;
+    return slot->bits;
+}
+
+/* Remembers what `source` predicted for the next call of `layer`. */
+static void qm__pf_remember(qm_pager *p, uint8_t source, uint32_t layer, const uint32_t *experts,
+                            size_t n)
+{
+    uint64_t *bits = qm__pf_slot(p, source, layer);
+    for (size_t i = 0; bits && i < n; i++)
+        if (experts[i] / 64 < p->pred_words)
+            bits[experts[i] / 64] |= 1ull << (experts[i] % 64);
+}
+
+/* The history's prediction for `layer`: every expert of its remembered
+ * calls (the router's picks among them included, so each source is scored
+ * on what it says alone). */
+static void qm__pf_remember_history(qm_pager *p, uint32_t layer)
+{
+    const qm__layer *L = &p->layers[layer];
+    if (!L->hist || !L->hist_count)
+        return;
+    uint64_t *bits = qm__pf_slot(p, QM__PF_HISTORY, layer);
+    size_t words = L->words64 < p->pred_words ? L->words64 : p->pred_words;
+    for (uint32_t h = 0; bits && h < L->hist_count; h++)
+        for (size_t w = 0; w < words; w++)
+            bits[w] |= L->hist[(size_t)h * L->words64 + w];
 }
 
 /* Prefetches experts[i] tagged sources[i] (NULL: explicit). */
@@ -193,6 +327,45 @@ static size_t qm__predict_history(qm_pager *p, uint32_t next, uint32_t *list, si
     return n_list;
 }
 
+/* Whether `source` predicts on this call: on, or off but probed. Counts
+ * the calls it sits out. */
+static int qm__pf_runs(qm_pager *p, uint8_t source, int probe)
+{
+    if (!p->pf_off[source] || probe)
+        return 1;
+    p->stats.prefetch_gated++;
+    (*qm__pf_gated(p, source))++;
+    return 0;
+}
+
+/* The router of the layer two calls ahead on this call's hidden states.
+ * Measured on every call it can run; prefetched (after the next layer's, so
+ * it never takes their place) only once its measured precision has reached
+ * the gate's threshold: it starts off, and is not probed, since a wrong
+ * guess two calls ahead costs the next layer's prefetches their slots. */
+static void qm__predict_lookahead(qm_pager *p, const qm_moe_call *call, uint32_t ahead,
+                                  size_t cap)
+{
+    qm__layer *A = &p->layers[ahead];
+    if (!A->paged || !p->pred_list2 || ahead == call->layer)
+        return;
+    size_t n = qm__predict_router(p, call, ahead, p->pred_list2, 0, cap);
+    for (size_t i = 0; i < n; i++)
+        A->mark[p->pred_list2[i]] = 0;
+    if (!n)
+        return;
+    qm__pf_remember(p, QM__PF_LOOKAHEAD, ahead, p->pred_list2, n);
+    if (p->pf_off[QM__PF_LOOKAHEAD]) {
+        p->stats.prefetch_gated++;
+        p->stats.predict_lookahead_gated++;
+        return;
+    }
+    for (size_t i = 0; i < n; i++)
+        p->pred_src[i] = QM__PF_LOOKAHEAD;
+    qm_status tmp;
+    (void)qm__prefetch(p, ahead, p->pred_list2, p->pred_src, n, &tmp);
+}
+
 void qm__pager_prefetch_next(qm_pager *p, const qm_moe_call *call)
 {
     if (!p->opt.prefetch || p->n_slots == 0)
@@ -202,14 +375,17 @@ void qm__pager_prefetch_next(qm_pager *p, const qm_moe_call *call)
     if (!N->paged)
         return;
     if (!p->pred_list) {
-        p->pred_list = qm_malloc(sizeof(uint32_t) * N->n_experts);
-        p->pred_src = qm_malloc(N->n_experts);
-        if (!p->pred_list || !p->pred_src) {
-            /* Prefetch is best effort; drop both, so a half-made pair is
+        size_t cap = 2 * p->pred_words * 64;
+        p->pred_list = qm_malloc(sizeof(uint32_t) * cap);
+        p->pred_list2 = qm_malloc(sizeof(uint32_t) * cap);
+        p->pred_src = qm_malloc(cap);
+        if (!p->pred_list || !p->pred_list2 || !p->pred_src) {
+            /* Prefetch is best effort; drop all, so a half-made set is
              * never taken as ready on the next call. */
             qm_free(p->pred_list);
+            qm_free(p->pred_list2);
             qm_free(p->pred_src);
-            p->pred_list = NULL;
+            p->pred_list = p->pred_list2 = NULL;
             p->pred_src = NULL;
             return;
         }
@@ -222,29 +398,36 @@ void qm__pager_prefetch_next(qm_pager *p, const qm_moe_call *call)
      * its precision keeps being measured. */
     int probe = p->forward_calls++ % QM__PF_PROBE_EVERY == 0;
     size_t n = 0;
-    if (!p->pf_off[QM__PF_ROUTER] || probe)
+    if (qm__pf_runs(p, QM__PF_ROUTER, probe))
         n = qm__predict_router(p, call, next, p->pred_list, 0, cap);
-    else
-        p->stats.prefetch_gated++;
     for (size_t i = 0; i < n; i++)
         p->pred_src[i] = QM__PF_ROUTER;
     size_t n_router = n;
-    if (!p->pf_off[QM__PF_HISTORY] || probe)
+    if (n_router)
+        qm__pf_remember(p, QM__PF_ROUTER, next, p->pred_list, n_router);
+    if (qm__pf_runs(p, QM__PF_HISTORY, probe)) {
+        /* Scored on its own: what the history says, router's picks included. */
+        size_t h0 = n;
         n = qm__predict_history(p, next, p->pred_list, n, cap);
-    else
-        p->stats.prefetch_gated++;
-    for (size_t i = n_router; i < n; i++)
-        p->pred_src[i] = QM__PF_HISTORY;
+        for (size_t i = h0; i < n; i++)
+            p->pred_src[i] = QM__PF_HISTORY;
+        qm__pf_remember_history(p, next);
+    }
     for (size_t i = 0; i < n; i++)
         N->mark[p->pred_list[i]] = 0;
     qm_status tmp;
     (void)qm__prefetch(p, next, p->pred_list, p->pred_src, n, &tmp);
+    if (p->n_layers > 2)
+        qm__predict_lookahead(p, call, (call->layer + 2) % p->n_layers, need);
 }
 
 int qm__pager_prefetch_start(qm_pager *p, qm_status *st)
 {
+    uint32_t max_experts = 1;
     for (uint32_t l = 0; l < p->n_layers; l++) {
         qm__layer *L = &p->layers[l];
+        if (L->n_experts > max_experts)
+            max_experts = L->n_experts;
         if (!L->paged)
             continue;
         L->words64 = (L->n_experts + 63) / 64;
@@ -253,6 +436,18 @@ int qm__pager_prefetch_start(qm_pager *p, qm_status *st)
             return qm_status_set(st, QM_ENOMEM, "out of memory for routing history");
         p->stats.host_bytes += (uint64_t)L->words64 * p->opt.history * 8 + L->n_experts * 6u;
     }
+    /* Measurement: one bitset per pending prediction, and the scored call's. */
+    p->pred_words = (max_experts + 63) / 64;
+    size_t sets = (size_t)QM__PF_SOURCES * QM__PF_PENDING + 1;
+    p->pf_bits = qm_calloc(sets * p->pred_words, sizeof *p->pf_bits);
+    if (!p->pf_bits)
+        return qm_status_set(st, QM_ENOMEM, "out of memory for prefetch measurement");
+    for (uint32_t s = 0; s < QM__PF_SOURCES; s++)
+        for (uint32_t i = 0; i < QM__PF_PENDING; i++)
+            p->pf_pending[s][i].bits = p->pf_bits + ((size_t)s * QM__PF_PENDING + i) * p->pred_words;
+    p->pf_off[QM__PF_LOOKAHEAD] = 1; /* until measured precise enough */
+    p->stats.prefetch_sources_off = 1u << (QM__PF_LOOKAHEAD - QM__PF_ROUTER);
+    p->stats.host_bytes += sets * p->pred_words * 8;
     return 0;
 }
 
@@ -267,5 +462,7 @@ void qm__pager_prefetch_free(qm_pager *p)
     qm_free(p->pred_experts);
     qm_free(p->pred_weights);
     qm_free(p->pred_list);
+    qm_free(p->pred_list2);
     qm_free(p->pred_src);
+    qm_free(p->pf_bits);
 }

@@ -91,6 +91,14 @@ def test_status_human_and_json(daemon):
         assert k in r, k
     assert r["backend"] == "cpu"
     assert set(r["device"]) >= {"name", "total_bytes", "budget_bytes", "used_bytes"}
+    # The kernels' self-check: its line names what daemon.status verified.
+    k = r["kernels"]
+    assert set(k) >= {"cpu", "flags", "check_ms", "cached", "verified", "refused", "unavailable"}
+    line = re.search(r"^kernels\s+verified (.*) \(self-check on (.*), [0-9.]+ ms", p.stdout, re.M)
+    assert line and line.group(2) == k["cpu"], p.stdout
+    for v in k["verified"]:
+        assert v["name"] in line.group(1), (v, p.stdout)
+    assert "refused" not in p.stdout or k["refused"], p.stdout
 
 
 def test_models_human_and_json(daemon):
@@ -313,7 +321,12 @@ def test_telemetry_human_and_json(daemon, session):
 def test_telemetry_watch_refreshes(daemon, session):
     p = ctl(daemon, "telemetry", session, "--watch", "0.2", "--count", "2")
     assert len(re.findall(r"^qmoed telemetry at \d\d:\d\d:\d\d, every 0.2s", p.stdout, re.M)) == 2
-    assert p.stdout.count(session) == 2
+    # once per refresh in the counters (beside its model), and in the
+    # prediction table below them for each predictor that predicted
+    assert len(re.findall(r"^%s +demo " % session, p.stdout, re.M)) == 2
+    preds = re.findall(r"^%s +(router|history|lookahead) " % session, p.stdout, re.M)
+    assert len(preds) % 2 == 0 and preds, p.stdout
+    assert "PREDICTOR" in p.stdout and "RECALL" in p.stdout
     p = ctl(daemon, "--json", "telemetry", "--watch", "0.1", "--count", "2")
     dec, text, docs = json.JSONDecoder(), p.stdout.strip(), []
     while text:

@@ -15,7 +15,9 @@
 #include "qm_config.h"
 #include "qm_log.h"
 #include "qm_notify.h"
+#include "qm_moe.h"
 #include "qm_pager.h"
+#include "qm_protocol.h"
 #include "qm_reclaim.h"
 #include "qm_sigbus.h"
 #include "qm_telemetry.h"
@@ -155,6 +157,57 @@ START_TEST(test_config_rejects_unknown_keys_and_bad_values)
     ck_assert_int_eq(qm_config_from_args(&cfg, 3, a3, &st), QM_EINVAL);
     char *a4[] = {"qmoed", "--backend", "tpu", NULL};
     ck_assert_int_eq(qm_config_from_args(&cfg, 3, a4, &st), QM_EINVAL);
+    qm_config_free(&cfg);
+}
+END_TEST
+
+/* The wire's enums are the engine's registries: the names of
+ * policy_params.on_miss are qm_on_miss_at's, in order, each landing its
+ * value; precision's land qm_precision; and paging_source (a config key)
+ * takes every name of the pager's registry and only those. */
+static const qm_wire_param *row_of(const qm_wire_rows *rows, const char *member)
+{
+    for (size_t i = 0; rows && i < rows->n; i++)
+        if (strcmp(rows->rows[i].member, member) == 0)
+            return &rows->rows[i];
+    return NULL;
+}
+
+START_TEST(test_the_wires_enums_are_the_registries)
+{
+    const qm_wire_rows *create = qm_wire_params(QM_METHOD_SESSION_CREATE);
+    const qm_wire_param *pp = row_of(create, "policy_params");
+    ck_assert_ptr_nonnull(pp);
+    const qm_wire_param *on_miss = row_of(pp->object, "on_miss");
+    ck_assert_ptr_nonnull(on_miss);
+    size_t n = 0;
+    int value;
+    for (const char *name; (name = qm_on_miss_at(n, &value)) != NULL; n++) {
+        ck_assert_ptr_nonnull(on_miss->names[n]);
+        ck_assert_str_eq(on_miss->names[n], name);
+        ck_assert_int_eq(value, (int)n); /* the row lands the index */
+    }
+    ck_assert_ptr_null(on_miss->names[n]);
+    const qm_wire_param *precision = row_of(create, "precision");
+    ck_assert_str_eq(precision->names[QM_PRECISION_EXACT], "exact");
+    ck_assert_str_eq(precision->names[QM_PRECISION_FAST], "fast");
+    ck_assert_ptr_null(precision->names[2]);
+    qm_config cfg;
+    qm_status st;
+    qm_config_defaults(&cfg);
+    for (size_t i = 0; qm_pager_source_at(i, &value); i++) {
+        char set[64];
+        snprintf(set, sizeof set, "paging_source=%s", qm_pager_source_at(i, NULL));
+        char *args[] = {"qmoed", "--set", set, NULL};
+        optind = 1;
+        ck_assert_int_eq(qm_config_from_args(&cfg, 3, args, &st), 0);
+        ck_assert_int_eq(cfg.paging_source, value);
+    }
+    char *bad[] = {"qmoed", "--set", "paging_source=nvme", NULL};
+    optind = 1;
+    ck_assert_int_eq(qm_config_from_args(&cfg, 3, bad, &st), QM_EINVAL);
+    for (size_t i = 0; qm_pager_source_at(i, NULL); i++)
+        ck_assert_ptr_nonnull(strstr(st.msg, qm_pager_source_at(i, NULL)));
     qm_config_free(&cfg);
 }
 END_TEST
@@ -455,6 +508,7 @@ int main(void)
     tcase_add_test(tc, test_flags_override_the_config_file);
     tcase_add_test(tc, test_config_rejects_unknown_keys_and_bad_values);
     tcase_add_test(tc, test_backend_and_device_kinds_come_from_the_registry);
+    tcase_add_test(tc, test_the_wires_enums_are_the_registries);
     tcase_add_test(tc, test_device_lists_and_budgets_per_device);
     tcase_add_test(tc, test_reload_changes_only_reloadable_keys);
     tcase_add_test(tc, test_orphan_timeout_is_a_reloadable_key_with_a_flag);

@@ -70,7 +70,8 @@ START_TEST(test_every_loop_answered_method_has_a_handler)
 END_TEST
 
 /* queue_depth bounds the inferences (the compute) alone, and only
- * session.map takes the descriptors that come with a request. */
+ * session.map and session.ring take the descriptors that come with a
+ * request. */
 START_TEST(test_only_inference_is_bounded_and_only_map_takes_descriptors)
 {
     for (int m = 0; m < QM_METHOD_COUNT; m++) {
@@ -79,8 +80,8 @@ START_TEST(test_only_inference_is_bounded_and_only_map_takes_descriptors)
         int bounded = e->job && e->job->bounded;
         ck_assert_msg(bounded == (m == QM_METHOD_SESSION_INFER), "%s: bounded %d", name,
                       bounded);
-        ck_assert_msg(e->takes_fds == (m == QM_METHOD_SESSION_MAP), "%s: takes_fds %d", name,
-                      e->takes_fds);
+        int fds = m == QM_METHOD_SESSION_MAP || m == QM_METHOD_SESSION_RING;
+        ck_assert_msg(e->takes_fds == fds, "%s: takes_fds %d", name, e->takes_fds);
     }
 }
 END_TEST

@@ -118,7 +118,7 @@ def test_budget_forms_over_the_wire(daemon):
     e = err(c.request("session.create", {"model": "small", "budget": "auto", "budget_bytes": 5}))
     assert e["data"]["field"] == "budget" and "give one of them" in e["data"]["reason"]
     e = err(c.request("session.create", {"model": "small", "budget_bytes": "50%"}))
-    assert e["data"]["field"] == "budget_bytes" and "goes in budget" in e["data"]["reason"]
+    assert e["data"]["field"] == "budget_bytes" and "non-negative integer" in e["data"]["reason"]
     e = err(c.request("session.resize", {"session": sid}))
     assert e["data"]["field"] == "budget_bytes"
 

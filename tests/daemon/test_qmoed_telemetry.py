@@ -51,3 +51,35 @@ def test_trace_ring_keeps_the_plan_span_after_wrapping(banks):
         assert all(a["start_us"] <= b["start_us"] for a, b in zip(spans, spans[1:]))
     finally:
         assert dm.stop() == 0
+
+
+def test_prediction_is_measured_per_source(banks):
+    """Every call is routed by the bank's routers on the same hidden state,
+    so the next layer's router (and the one after, two calls ahead) predict
+    each call exactly: precision and recall 1, measured whether or not the
+    experts were resident; the history predicts what the layer did before."""
+    import os
+    from qmoed_harness import make_bank
+    path = make_bank(os.path.join(banks["dir"], "four.bank"), layers=4, experts=16, seed=5)
+    dm = Daemon(models={"four": path})
+    try:
+        c = dm.client()
+        info = [m for m in c.call("model.list")["models"] if m["name"] == "four"][0]
+        sid = c.call("session.create", {"model": "four", "policy": "lru",
+                                         "budget_bytes": info["bytes_total"] // 2})["session"]
+        x = tensor(hidden(1, seed=3))
+        for _ in range(12):  # three tokens through the four layers
+            for layer in range(4):
+                c.call("session.infer", {"session": sid, "layer": layer, "hidden": x})
+        t = c.call("telemetry.get", {"session": sid})
+        for src in ("router", "lookahead"):
+            assert t["predict_%s_predicted" % src] > 0, t
+            assert t["predict_%s_correct" % src] == t["predict_%s_predicted" % src], t
+            assert t["predict_%s_actual" % src] == t["predict_%s_correct" % src], t
+        # the same hidden state every token: a layer's last call is its next one
+        assert t["predict_history_correct"] == t["predict_history_predicted"] > 0, t
+        assert t["predict_router_gated"] == 0 and t["predict_history_gated"] == 0, t
+        text = c.call("telemetry.metrics")["text"]
+        assert "qmoed_session_predict_router_correct_total{" in text, text
+    finally:
+        assert dm.stop() == 0, dm.log_text()

@@ -24,41 +24,60 @@
 #include "qm_kernels.h"
 #include "qm_moe.h"
 #include "qm_moe_internal.h"
-#if defined(QMOE_I8_MODELS)
-#include "qm_kernel_i8_model.h"
-static const qm__i8kernel *const MODELS[] = {&qm__i8kernel_model_avxvnni,
-                                             &qm__i8kernel_model_avx512vnni,
-                                             &qm__i8kernel_model_amx_tiles};
-#define N_MODELS 3
-#else
-static const qm__i8kernel *const MODELS[1] = {NULL};
-#define N_MODELS 0
-#endif
+#include "qm_kernel_isa.h"
 
-static const char *const I8[] = {"scalar", "avx2", "avxvnni", "avx512vnni", "amx", "auto"};
-#define N_I8 6
+/* The fast kernels by QMOE_KERNEL name: "scalar", every row of the fast
+ * table (qm_kernel_isa.h), and "auto" (the measured choice); their count. */
+#define N_I8_MAX 16
+static const char *I8[N_I8_MAX];
+static int N_I8;
+
+static void i8_names(void)
+{
+    N_I8 = 0;
+    I8[N_I8++] = "scalar";
+    for (size_t i = 0; i < qm__i8isa_count() && N_I8 < N_I8_MAX - 1; i++)
+        I8[N_I8++] = qm__i8isa_at(i)->kernel.name;
+    I8[N_I8++] = "auto";
+}
 
 /* The fast kernel QMOE_KERNEL=name selects, or NULL (said once, with the
  * reason) when this CPU cannot run it. */
 static const qm__i8kernel *i8_kernel(const char *name)
 {
-    static int reported[N_I8];
+    static int reported[N_I8_MAX];
     setenv("QMOE_KERNEL", name, 1);
     const qm__i8kernel *k = qm__i8kernel_select();
     unsetenv("QMOE_KERNEL");
     if (strcmp(k->name, name) == 0 || strcmp(name, "auto") == 0)
         return k;
-    for (int i = 0; i < N_I8; i++)
-        if (strcmp(I8[i], name) == 0 && !reported[i]) {
-            reported[i] = 1;
-            const char *why = "no such CPU flag here";
-#if defined(QMOE_X86_KERNELS)
-            if (strcmp(name, "amx") == 0)
-                why = qm__amx_why_not();
-#endif
-            fprintf(stderr, "fast kernel %s: this CPU cannot run it (%s); skipped here\n", name,
-                    why);
+    int i = qm__i8isa_find(name);
+    for (int n = 0; n < N_I8; n++)
+        if (strcmp(I8[n], name) == 0 && !reported[n] && i >= 0) {
+            reported[n] = 1;
+            const qm__i8isa *row = qm__i8isa_at((size_t)i);
+            char why[160] = "the self-check refused it";
+            if (row->not_built)
+                snprintf(why, sizeof why, "%s", row->not_built);
+            else
+                qm__cpu_needs(row->needs, why, sizeof why);
+            fprintf(stderr, "fast kernel %s: this CPU cannot run it (%s); skipped here%s\n", name,
+                    why, row->model ? ", its model runs" : "");
         }
+    return NULL;
+}
+
+/* The i-th kernel of the bound test: the named ones, then the rows'
+ * software models (their GEMV needs AVX2; NULL past the end or not here). */
+static const qm__i8kernel *bound_kernel(int i, int *named)
+{
+    *named = i < N_I8;
+    if (i < N_I8)
+        return i8_kernel(I8[i]);
+    int m = i - N_I8;
+    for (size_t r = 0; r < qm__i8isa_count(); r++)
+        if (qm__i8isa_at(r)->model && m-- == 0)
+            return i8_kernel("avx2") ? &qm__i8isa_at(r)->model->kernel : NULL;
     return NULL;
 }
 
@@ -100,7 +119,8 @@ START_TEST(test_fast_kernels_within_derived_bound)
     static const uint32_t BS[] = {0, 32, 64, 128};
     static const qm_dtype DT[] = {QM_DTYPE_F32, QM_DTYPE_F16, QM_DTYPE_BF16};
     static const uint32_t NX[] = {1, 2, 3, 4, 5, 7, 37};
-    int cases = 0, ran[N_I8] = {0};
+    int cases = 0, ran[N_I8_MAX] = {0};
+    i8_names();
     double worst = 0; /* error / bound */
     for (int bits = 4; bits <= 8; bits += 4)
         for (int bi = 0; bi < 4; bi++)
@@ -137,11 +157,12 @@ START_TEST(test_fast_kernels_within_derived_bound)
                     const double *W = L.deq[0] + (size_t)1 * N * K;
                     /* Every fast kernel gives the scalar kernel's bits (qm_kernel_i8.h). */
                     float *simd_y[sizeof NX / sizeof NX[0]] = {0};
-                    for (int ki = 0; ki < N_I8 + N_MODELS; ki++) {
-                        const qm__i8kernel *k = ki < N_I8 ? i8_kernel(I8[ki]) : MODELS[ki - N_I8];
-                        if (!k || (ki >= N_I8 && !i8_kernel("avx2"))) /* models' GEMV: AVX2 */
+                    for (int ki = 0; ki < N_I8 + (int)qm__i8isa_count(); ki++) {
+                        int named;
+                        const qm__i8kernel *k = bound_kernel(ki, &named);
+                        if (!k)
                             continue;
-                        if (ki < N_I8)
+                        if (named)
                             ran[ki]++;
                         for (size_t ni = 0; ni < sizeof NX / sizeof NX[0]; ni++) {
                             uint32_t nx = NX[ni];
@@ -231,6 +252,7 @@ static void forward(qm_backend *be, tl_layer *L, uint32_t T, const float *x, con
 START_TEST(test_fast_layer_close_and_thread_independent)
 {
     static const uint32_t BS[] = {32, 64, 0, 16};
+    i8_names();
     for (int bits = 4; bits <= 8; bits += 4)
         for (int bi = 0; bi < 4; bi++) {
             tl_spec s = tl_default_spec(4242 + (uint64_t)(bits * 10 + bi));

@@ -34,7 +34,9 @@
 #include <unistd.h>
 
 #include "qm_alloc.h"
+#include "qm_kernel_check.h"
 #include "qm_kernel_i8.h"
+#include "qm_kernel_isa.h"
 #include "qm_kernels.h"
 #include "qm_r8.h"
 #if defined(QMOE_I8_MODELS)
@@ -631,28 +633,40 @@ static void fmat_free(fmat *f)
     free(f->w), free(f->zp), free(f->sc);
 }
 
+/* Why fast row `name` cannot serve here (not built, CPU features, or
+ * refused by the self-check). */
+static void fast_why(const char *name, char *why, size_t cap)
+{
+    int i = qm__i8isa_find(name);
+    snprintf(why, cap, "the self-check refused it");
+    if (i < 0)
+        snprintf(why, cap, "no such row");
+    else if (qm__i8isa_at((size_t)i)->not_built)
+        snprintf(why, cap, "%s", qm__i8isa_at((size_t)i)->not_built);
+    else
+        qm__cpu_needs(qm__i8isa_at((size_t)i)->needs, why, cap);
+}
+
 /* The fast kernel QMOE_KERNEL=name selects, or NULL with the reason said
  * once when this CPU cannot run it. */
 static const qm__i8kernel *fast_kernel(const char *name)
 {
-    static char said[8][16];
+    static char said[16][16];
     setenv("QMOE_KERNEL", name, 1);
     const qm__i8kernel *k = qm__i8kernel_select();
     unsetenv("QMOE_KERNEL");
     if (strcmp(k->name, name) == 0)
         return k;
-    for (int i = 0; i < 8; i++) {
+    for (int i = 0; i < 16; i++) {
         if (strcmp(said[i], name) == 0)
             break;
         if (!said[i][0]) {
             snprintf(said[i], sizeof said[i], "%s", name);
-            const char *why = "no such CPU flag here";
-#if defined(QMOE_X86_KERNELS)
-            if (strcmp(name, "amx") == 0)
-                why = qm__amx_why_not();
-#endif
+            char why[160];
+            fast_why(name, why, sizeof why);
+            int row = qm__i8isa_find(name);
             fprintf(stderr, "fast kernel %s: this CPU cannot run it (%s); skipped here%s\n", name,
-                    why, strcmp(name, "scalar") && strcmp(name, "avx2") ? ", its model runs" : "");
+                    why, row >= 0 && qm__i8isa_at((size_t)row)->model ? ", its model runs" : "");
             break;
         }
     }
@@ -671,51 +685,39 @@ static void fast_run(void (*mm)(const qm__qmat *, uint32_t, uint32_t, const floa
            scratch);
 }
 
-#if defined(QMOE_X86_KERNELS)
-static void avx2_gemv(const qm__qmat *m, uint32_t n0, uint32_t n1, const float *xq, size_t ldx,
-                      uint32_t nx, float *y, size_t ldy, float *scratch)
-{
-    qm__i8mm_avx2_path(0, m, n0, n1, xq, ldx, nx, y, ldy, scratch);
-}
-static void avx2_gemm(const qm__qmat *m, uint32_t n0, uint32_t n1, const float *xq, size_t ldx,
-                      uint32_t nx, float *y, size_t ldy, float *scratch)
-{
-    qm__i8mm_avx2_path(1, m, n0, n1, xq, ldx, nx, y, ldy, scratch);
-}
-#endif
-
 typedef struct fast_cand {
-    const char *name;
-    void (*mm)(const qm__qmat *, uint32_t, uint32_t, const float *, size_t, uint32_t, float *,
-               size_t, float *);
+    char name[48];
+    qm__mm_fn *mm;
+    int reads_r8;
 } fast_cand;
 
-/* Every fast kernel of this CPU, their paths, and the models. */
+/* A row's three entries (as it serves, its GEMV and GEMM paths at every
+ * input count) as candidates, under its name. */
+static int row_cands(const qm__i8isa *row, fast_cand *c)
+{
+    static const char *const path[3] = {"", " (gemv path)", " (gemm path)"};
+    qm__mm_fn *fn[3] = {row->kernel.mm, row->gemv, row->gemm};
+    for (int p = 0; p < 3; p++) {
+        snprintf(c[p].name, sizeof c[p].name, "%s%s", row->kernel.name, path[p]);
+        c[p].mm = fn[p];
+        c[p].reads_r8 = row->reads_r8;
+    }
+    return 3;
+}
+
+/* The fast table walked: every row this CPU runs (its three entries), the
+ * measured choice, and every row's software model (their GEMV is AVX2
+ * code: where AVX2 runs); at most 40. */
 static int fast_cands(fast_cand *c)
 {
     int n = 0;
-    static const char *const REAL[] = {"avx2", "avxvnni", "avx512vnni", "amx"};
-    for (int i = 0; i < 4; i++) {
-        const qm__i8kernel *k = fast_kernel(REAL[i]);
-        if (k)
-            c[n++] = (fast_cand){k->name, k->mm};
-    }
-    c[n++] = (fast_cand){"auto", qm__i8kernel_select()->mm};
-#if defined(QMOE_X86_KERNELS)
-    if (fast_kernel("avx2")) {
-        c[n++] = (fast_cand){"avx2 (gemv path)", avx2_gemv};
-        c[n++] = (fast_cand){"avx2 (gemm path)", avx2_gemm};
-    }
-#endif
-#if defined(QMOE_I8_MODELS)
-    const qm__i8kernel *models[] = {&qm__i8kernel_model_avxvnni, &qm__i8kernel_model_avxvnni_gemm,
-                                    &qm__i8kernel_model_avx512vnni,
-                                    &qm__i8kernel_model_avx512vnni_gemm, &qm__i8kernel_model_amx,
-                                    &qm__i8kernel_model_amx_tiles};
-    if (fast_kernel("avx2")) /* the models' GEMV runs on AVX2 */
-        for (int i = 0; i < 6; i++)
-            c[n++] = (fast_cand){models[i]->name, models[i]->mm};
-#endif
+    for (size_t i = 0; i < qm__i8isa_count(); i++)
+        if (fast_kernel(qm__i8isa_at(i)->kernel.name))
+            n += row_cands(qm__i8isa_at(i), c + n);
+    c[n++] = (fast_cand){"auto", qm__i8kernel_select()->mm, 0};
+    for (size_t i = 0; i < qm__i8isa_count() && fast_kernel("avx2"); i++)
+        if (qm__i8isa_at(i)->model)
+            n += row_cands(qm__i8isa_at(i)->model, c + n);
     return n;
 }
 
@@ -748,7 +750,7 @@ START_TEST(test_fast_kernels_same_bits_as_the_specification)
 {
     static const uint32_t BLOCKS[] = {0, 32, 64, 128, 256};
     static const uint32_t NX[] = {1, 2, 3, 4, 5, 7, 8, 9, 13, 16, 17, 24, 33, 65, 70};
-    fast_cand c[20];
+    fast_cand c[40];
     int nc = fast_cands(c), runs = 0;
     for (int it = 0; it < 60; it++) {
         uint32_t bits = it & 1 ? 8 : 4, block = BLOCKS[(it / 2) % 5];
@@ -803,7 +805,7 @@ START_TEST(test_fast_decode_every_chunk_count)
 {
     static const uint32_t CHUNKS[] = {1, 2, 3, 4, 5, 7, 12, 45};
     static const uint32_t NX[] = {1, 2, 3, 5};
-    fast_cand c[20];
+    fast_cand c[40];
     int nc = fast_cands(c), runs = 0;
     for (int it = 0; it < 64; it++) {
         uint32_t bits = it & 1 ? 8 : 4, k = 64 * CHUNKS[(it / 2) % 8], nx = NX[(it / 16) % 4];
@@ -831,21 +833,27 @@ START_TEST(test_fast_decode_every_chunk_count)
 END_TEST
 
 /* The r8 layout (qm_r8.h): interleaving and taking rows back is the
- * identity; the AVX2 kernel on an r8 matrix (its GEMV, and its GEMM path
- * forced at any input count) gives the row layout's specification bits;
- * which kernels read r8 themselves. */
+ * identity; every fast row that reads r8 (qm_kernel_isa.h: on this CPU, or
+ * through its model), as it serves and on its GEMV and GEMM paths forced
+ * at every input count, gives the row layout's specification bits on an
+ * r8 matrix; qm__i8kernel_r8_native answers each row's reads_r8. */
 START_TEST(test_r8_layout_same_bits)
 {
     static const uint32_t NX[] = {1, 2, 3, 4, 5, 8, 13, 24};
-    const qm__i8kernel *avx2 = fast_kernel("avx2");
     ck_assert(!qm__i8kernel_r8_native(&qm__i8kernel_scalar, 1));
-    if (avx2) {
-        ck_assert(qm__i8kernel_r8_native(avx2, 1) && qm__i8kernel_r8_native(avx2, 4) &&
-                  qm__i8kernel_r8_native(avx2, 40));
-    } else {
-        fprintf(stderr, "r8 layout: no AVX2 here, only the layout's round trip runs\n");
+    for (size_t i = 0; i < qm__i8isa_count(); i++) {
+        const qm__i8kernel *k = fast_kernel(qm__i8isa_at(i)->kernel.name);
+        int r8 = qm__i8isa_at(i)->reads_r8;
+        if (k)
+            ck_assert(qm__i8kernel_r8_native(k, 1) == r8 && qm__i8kernel_r8_native(k, 4) == r8 &&
+                      qm__i8kernel_r8_native(k, 40) == r8);
     }
-    int runs = 0;
+    fast_cand c[40];
+    int nc = fast_cands(c), runs = 0, readers = 0;
+    for (int ci = 0; ci < nc; ci++)
+        readers += c[ci].reads_r8;
+    if (!readers)
+        fprintf(stderr, "r8 layout: no kernel here reads r8, only the layout's round trip runs\n");
     for (int it = 0; it < 48; it++) {
         uint32_t k = it % 8 == 0 ? 2048 : 64 * (1 + next() % 12), n = 8 * (1 + next() % 9);
         uint32_t nx = NX[it % 8];
@@ -865,37 +873,35 @@ START_TEST(test_r8_layout_same_bits)
         uint32_t n0 = 8 * (next() % (n / 8)); /* a tile from a group boundary */
         qm__r8_rows(wi, m->row_bytes, n0, n, back);
         ck_assert(memcmp(back, f.w + (size_t)n0 * m->row_bytes, bytes - n0 * m->row_bytes) == 0);
-        if (avx2) {
-            qm__qmat mi = *m;
-            mi.w = wi;
-            mi.r8 = 1;
-            size_t ld = (qm__i8_x_stride(m) + 15) & ~(size_t)15;
-            float *x = rand_inputs(nx, k), *xq = calloc(ld * nx, sizeof(float));
-            float *ys = malloc(4 * (size_t)nx * n), *y = malloc(4 * (size_t)nx * n);
-            float *scratch = malloc(sizeof(float) * qm__kernel_scratch_floats(&mi));
-            ck_assert(x && xq && ys && y && scratch);
-            for (uint32_t r = 0; r < nx; r++)
-                qm__i8_prep(m, x + (size_t)r * k, xq + r * ld);
-            fast_run(qm__i8kernel_scalar.mm, m, xq, ld, nx, ys, scratch);
+        qm__qmat mi = *m;
+        mi.w = wi;
+        mi.r8 = 1;
+        size_t ld = (qm__i8_x_stride(m) + 15) & ~(size_t)15;
+        float *x = rand_inputs(nx, k), *xq = calloc(ld * nx, sizeof(float));
+        float *ys = malloc(4 * (size_t)nx * n), *y = malloc(4 * (size_t)nx * n);
+        float *scratch = malloc(sizeof(float) * qm__kernel_scratch_floats(&mi));
+        ck_assert(x && xq && ys && y && scratch);
+        for (uint32_t r = 0; r < nx; r++)
+            qm__i8_prep(m, x + (size_t)r * k, xq + r * ld);
+        fast_run(qm__i8kernel_scalar.mm, m, xq, ld, nx, ys, scratch);
+        for (int ci = 0; ci < nc; ci++) {
+            if (!c[ci].reads_r8)
+                continue;
             memset(y, 0xa5, 4 * (size_t)nx * n);
-#if defined(QMOE_X86_KERNELS)
-            fast_run(it & 1 ? avx2_gemm : avx2->mm, &mi, xq, ld, nx, y, scratch);
-#else
-            fast_run(avx2->mm, &mi, xq, ld, nx, y, scratch);
-#endif
+            fast_run(c[ci].mm, &mi, xq, ld, nx, y, scratch);
             for (size_t i = 0; i < (size_t)nx * n; i++)
                 ck_assert_msg(memcmp(&y[i], &ys[i], 4) == 0,
-                              "r8 k %u n %u nx %u dtype %d: output [%zu][%zu] %.9g, the "
+                              "%s on r8, k %u n %u nx %u dtype %d: output [%zu][%zu] %.9g, the "
                               "specification %.9g",
-                              k, n, nx, (int)m->scale_dtype, i / n, i % n, y[i], ys[i]);
+                              c[ci].name, k, n, nx, (int)m->scale_dtype, i / n, i % n, y[i], ys[i]);
             runs++;
-            free(x), free(xq), free(ys), free(y), free(scratch);
         }
+        free(x), free(xq), free(ys), free(y), free(scratch);
         free(wi), free(back), free(tmp);
         fmat_free(&f);
     }
-    fprintf(stderr, "r8 layout: %d AVX2 runs on r8 matrices, all the specification's bits\n",
-            runs);
+    fprintf(stderr, "r8 layout: %d runs of %d r8 readers (kernels, paths, models), all the "
+                    "specification's bits\n", runs, readers);
 }
 END_TEST
 
@@ -1016,8 +1022,9 @@ START_TEST(test_amx_permission_refused_falls_back)
 END_TEST
 
 /* The fast choice per class on fake timings (AMX made to look present and
- * granted, fastest at prefill only; no kernel runs), kept in the cache file
- * beside the exact choice, each mode's line kept when the other is written. */
+ * granted, and verified, which the self-check never ran here; fastest at
+ * prefill only; no kernel runs), kept in the cache file beside the exact
+ * choice, each mode's line kept when the other is written. */
 static double fake_i8(const qm__i8kernel *k, const qm__qmat *m, uint32_t nx, const float *x)
 {
     (void)m, (void)x;
@@ -1037,6 +1044,8 @@ START_TEST(test_fast_calibration_and_cache)
     remove(path);
     setenv("QMOE_KERNEL_CACHE", path, 1);
     qm__kernel_amx_hook(1, grant_perm);
+    size_t amx = (size_t)qm__i8isa_find("amx");
+    qm__kcheck_assume(1, amx, 1);
     qm__i8kernel_set_timer(fake_i8);
     fake_wide = 10.0;
     const char *d = qm__i8kernel_recalibrate();
@@ -1047,7 +1056,7 @@ START_TEST(test_fast_calibration_and_cache)
     ck_assert_ptr_nonnull(f);
     ck_assert_ptr_nonnull(fgets(line[0], sizeof line[0], f));
     fclose(f);
-    ck_assert_msg(strncmp(line[0], "qmoe-fast-kernels 5|", 20) == 0, "%s", line[0]);
+    ck_assert_msg(strncmp(line[0], "qmoe-fast-kernels 6|", 20) == 0, "%s", line[0]);
     fake_wide = 500.0; /* the cache wins over a new measurement */
     d = qm__i8kernel_recalibrate();
     ck_assert_msg(strstr(d, "(cached)") && strstr(d, "/amx"), "%s", d);
@@ -1060,14 +1069,15 @@ START_TEST(test_fast_calibration_and_cache)
     ck_assert_ptr_nonnull(fgets(line[0], sizeof line[0], f));
     ck_assert_ptr_nonnull(fgets(line[1], sizeof line[1], f));
     fclose(f);
-    ck_assert_msg(strncmp(line[0], "qmoe-kernels 5|", 15) == 0, "%s", line[0]);
-    ck_assert_msg(strncmp(line[1], "qmoe-fast-kernels 5|", 20) == 0, "%s", line[1]);
+    ck_assert_msg(strncmp(line[0], "qmoe-kernels 6|", 15) == 0, "%s", line[0]);
+    ck_assert_msg(strncmp(line[1], "qmoe-fast-kernels 6|", 20) == 0, "%s", line[1]);
     const qm__kernel *ek[2] = {&qm__kernel_avx512, &qm__kernel_avx2}, *eo[4];
     ck_assert_int_eq(qm__kernel_cache_load(path, ek, 2, eo), 0);
     ck_assert(eo[0] == &qm__kernel_avx2 && eo[1] == &qm__kernel_avx512);
     d = qm__i8kernel_recalibrate();
     ck_assert_msg(strstr(d, "(cached)"), "%s", d);
     qm__kernel_amx_hook(0, NULL); /* another kernel set: measured again */
+    qm__kcheck_assume(1, amx, 0);
     fake_wide = 10.0;
     d = qm__i8kernel_recalibrate();
     ck_assert_msg(!strstr(d, "(cached)") && !strstr(d, "amx"), "%s", d);
@@ -1078,6 +1088,220 @@ START_TEST(test_fast_calibration_and_cache)
 }
 END_TEST
 #endif
+
+
+/* ---- the self-check (qm_kernel_check.c) ---- */
+
+/* The verdict of (precision, name), or NULL. */
+static const qm_kernel_verdict *verdict(const qm_kernel_check *kc, const char *prec,
+                                        const char *name)
+{
+    for (unsigned i = 0; i < kc->n; i++)
+        if (!strcmp(kc->v[i].precision, prec) && !strcmp(kc->v[i].name, name))
+            return &kc->v[i];
+    return NULL;
+}
+
+/* Every row of both tables has a verdict; each row this CPU runs is
+ * verified (the kernels are right here), each other one unavailable with
+ * why; the check costs little. */
+START_TEST(test_self_check_verifies_this_cpu)
+{
+    unsetenv("QMOE_KERNEL_CACHE");
+    qm__kcheck_rerun();
+    const qm_kernel_check *kc = qm_kernel_check_run();
+    ck_assert_uint_eq(kc->n, qm__exact_count() + qm__i8isa_count());
+    ck_assert_uint_eq(kc->refused, 0);
+    for (size_t i = 0; i < qm__i8isa_count(); i++) {
+        const qm__i8isa *row = qm__i8isa_at(i);
+        const qm_kernel_verdict *v = verdict(kc, "fast", row->kernel.name);
+        char why[160];
+        int runs = !row->not_built && qm__cpu_needs(row->needs, why, sizeof why);
+        ck_assert_ptr_nonnull(v);
+        ck_assert_int_eq(v->kind, runs ? QM_KERNEL_VERIFIED : QM_KERNEL_UNAVAILABLE);
+        ck_assert(runs || v->reason[0]);
+    }
+    for (size_t i = 0; i < qm__exact_count(); i++) {
+        const qm_kernel_verdict *v = verdict(kc, "exact", qm__exact_at(i)->name);
+        ck_assert_ptr_nonnull(v);
+        ck_assert(v->kind == QM_KERNEL_VERIFIED || v->kind == QM_KERNEL_UNAVAILABLE);
+    }
+    ck_assert_msg(!kc->cached && kc->ms > 0, "%d %g", kc->cached, kc->ms);
+    fprintf(stderr, "self-check on %s (%s): %u verified, %.2f ms (wall)\n", kc->cpu, kc->flags,
+            kc->verified, kc->ms);
+}
+END_TEST
+
+/* The decode kernel the measured choice serves here (NULL: scalar). */
+static const qm__i8isa *chosen_decode_row(void)
+{
+    const char *d = qm__i8kernel_recalibrate(); /* "measured: q4 A[/B], q8 ..." */
+    const char *q4 = strstr(d, "q4 ");
+    for (size_t i = 0; q4 && i < qm__i8isa_count(); i++) {
+        const char *name = qm__i8isa_at(i)->kernel.name;
+        size_t n = strlen(name);
+        if (!strncmp(q4 + 3, name, n) && strchr("/, ", q4[3 + n]))
+            return qm__i8isa_at(i);
+    }
+    return NULL;
+}
+
+/* A test hook breaks one lane of the chosen decode kernel: the check
+ * refuses it (its reason names the output), it is no candidate, forcing
+ * it falls back and qm_kernel_check_forced says why, the choice's outputs
+ * keep the specification's bits; undone, it is verified again. The same
+ * for an exact kernel, caught by the bound. */
+START_TEST(test_self_check_refuses_a_broken_lane)
+{
+    unsetenv("QMOE_KERNEL_CACHE");
+    const qm__i8isa *row = chosen_decode_row();
+    if (!row) {
+        fprintf(stderr, "broken lane: no SIMD fast kernel here, nothing to break\n");
+        return;
+    }
+    char spec[64], why[160];
+    const char *name = row->kernel.name;
+    snprintf(spec, sizeof spec, "fast:%s:5", name);
+    ck_assert_int_eq(qm__kernel_break(spec, why, sizeof why), 0);
+    qm__kcheck_rerun();
+    const qm_kernel_check *kc = qm_kernel_check_run();
+    const qm_kernel_verdict *v = verdict(kc, "fast", name);
+    ck_assert_int_eq(v->kind, QM_KERNEL_REFUSED);
+    ck_assert_msg(strstr(v->reason, "output [0][5]"), "%s", v->reason);
+    const char *d = qm__i8kernel_recalibrate();
+    ck_assert_msg(!strstr(d, name), "%s still chosen: %s", name, d);
+    setenv("QMOE_KERNEL", name, 1);
+    ck_assert_str_ne(qm__i8kernel_select()->name, name);
+    qm_status st = {0};
+    ck_assert_int_eq(qm_kernel_check_forced(&st), QM_EINVAL);
+    ck_assert_msg(strstr(st.msg, "refused by the self-check") && strstr(st.msg, name), "%s",
+                  st.msg);
+    unsetenv("QMOE_KERNEL");
+    /* What serves now gives the specification's bits on the broken lane. */
+    fmat f;
+    fmat_new(&f, 4, 32, 256, 24);
+    f.m.zp = NULL;
+    f.m.row_bytes = 128;
+    size_t ld = (qm__i8_x_stride(&f.m) + 15) & ~(size_t)15;
+    float *x = rand_inputs(1, 256), *xq = calloc(ld, sizeof(float));
+    float *ys = malloc(4 * 24), *y = malloc(4 * 24);
+    float *scratch = malloc(sizeof(float) * qm__kernel_scratch_floats(&f.m));
+    qm__i8_prep(&f.m, x, xq);
+    fast_run(qm__i8kernel_scalar.mm, &f.m, xq, ld, 1, ys, scratch);
+    fast_run(qm__i8kernel_select()->mm, &f.m, xq, ld, 1, y, scratch);
+    ck_assert(memcmp(y, ys, 4 * 24) == 0);
+    free(x), free(xq), free(ys), free(y), free(scratch);
+    fmat_free(&f);
+    /* An exact kernel's broken lane is outside the bound. */
+    int ei = qm__exact_count() ? 0 : -1;
+    while (ei >= 0 && (size_t)ei < qm__exact_count() &&
+           !qm__cpu_needs(qm__exact_at((size_t)ei)->needs, why, sizeof why))
+        ei++;
+    if (ei >= 0 && (size_t)ei < qm__exact_count()) {
+        snprintf(spec, sizeof spec, "exact:%s", qm__exact_at((size_t)ei)->name);
+        ck_assert_int_eq(qm__kernel_break(spec, why, sizeof why), 0);
+        qm__kcheck_rerun();
+        v = verdict(qm_kernel_check_run(), "exact", qm__exact_at((size_t)ei)->name);
+        ck_assert_int_eq(v->kind, QM_KERNEL_REFUSED);
+        ck_assert_msg(strstr(v->reason, "bound"), "%s", v->reason);
+    }
+    ck_assert_int_ne(qm__kernel_break("fast:nope", why, sizeof why), 0);
+    ck_assert_int_ne(qm__kernel_break("fast:avx2:16", why, sizeof why), 0);
+    ck_assert_int_ne(qm__kernel_break("slow:avx2", why, sizeof why), 0);
+    qm__kernel_break(NULL, why, sizeof why);
+    qm__kcheck_rerun();
+    ck_assert_int_eq(verdict(qm_kernel_check_run(), "fast", name)->kind, QM_KERNEL_VERIFIED);
+    qm__i8kernel_recalibrate();
+}
+END_TEST
+
+/* The cache file's text (at most 4 KiB). */
+static void read_text(const char *path, char *out, size_t cap)
+{
+    FILE *f = fopen(path, "r");
+    size_t n = f ? fread(out, 1, cap - 1, f) : 0;
+    out[n] = 0;
+    if (f)
+        fclose(f);
+}
+
+static void write_text(const char *path, const char *text, size_t n)
+{
+    FILE *f = fopen(path, "w");
+    ck_assert_ptr_nonnull(f);
+    fwrite(text, 1, n, f);
+    fclose(f);
+}
+
+/* The self-check's verdicts in the kernel cache: a second start reads
+ * them; a cache file truncated anywhere, garbage, written by another
+ * version or another binary is ignored (the check runs again) and
+ * rewritten whole, never trusted. */
+START_TEST(test_self_check_cache_never_trusts_a_bad_file)
+{
+    char path[] = "/tmp/qmoe-kcheck-XXXXXX";
+    int fd = mkstemp(path);
+    ck_assert_int_ge(fd, 0);
+    close(fd);
+    remove(path);
+    setenv("QMOE_KERNEL_CACHE", path, 1);
+    qm__kcheck_rerun();
+    ck_assert(!qm_kernel_check_run()->cached);
+    qm__kernel_recalibrate();
+    qm__i8kernel_recalibrate();
+    char good[4096], now[4096];
+    read_text(path, good, sizeof good);
+    ck_assert_msg(strncmp(good, "qmoe-kernel-check 6|", 20) == 0, "%s", good);
+    qm__kcheck_rerun();
+    ck_assert(qm_kernel_check_run()->cached);
+    size_t len = strlen(good), line = strcspn(good, "\n") + 1;
+    /* Truncated at every few bytes of the check's line, and mid-file. */
+    for (size_t cut = 1; cut < len; cut += cut < line ? 7 : 23) {
+        write_text(path, good, cut);
+        qm__kcheck_rerun();
+        ck_assert_msg(!qm_kernel_check_run()->cached || cut >= line,
+                      "a file cut at byte %zu of %zu was trusted", cut, len);
+        read_text(path, now, sizeof now);
+        ck_assert_msg(strncmp(now, good, line) == 0, "cut at %zu: the line not rewritten", cut);
+    }
+    /* Garbage, and one byte changed anywhere in the line. */
+    write_text(path, "\x01garbage|||\nqmoe-kernel-check 6|x|y|z|00000000\n", 48);
+    qm__kcheck_rerun();
+    ck_assert(!qm_kernel_check_run()->cached);
+    for (size_t at = 0; at + 1 < line; at += 5) {
+        memcpy(now, good, len + 1);
+        now[at] = now[at] == 'x' ? 'y' : 'x';
+        write_text(path, now, len);
+        qm__kcheck_rerun();
+        ck_assert_msg(!qm_kernel_check_run()->cached, "byte %zu changed: trusted", at);
+    }
+    /* Another version and another binary, each line whole (its checksum
+     * recomputed the way the writer makes it). */
+    for (int which = 0; which < 2; which++) {
+        memcpy(now, good, line);
+        now[line] = 0;
+        char *bar = strchr(now, '|');
+        if (which == 0)
+            bar[-1] = '5'; /* "qmoe-kernel-check 5|" */
+        else
+            bar[1] = bar[1] == 'a' ? 'b' : 'a'; /* the build id's first digit */
+        char *last = strrchr(now, '|');
+        uint32_t h = 2166136261u;
+        for (const char *p = now; p < last; p++)
+            h = (h ^ (uint8_t)*p) * 16777619u;
+        snprintf(last, sizeof now - (size_t)(last - now), "|%08x\n", h);
+        write_text(path, now, strlen(now));
+        qm__kcheck_rerun();
+        ck_assert_msg(!qm_kernel_check_run()->cached, "%s trusted",
+                      which ? "another binary's line" : "another version's line");
+        read_text(path, now, sizeof now);
+        ck_assert(strncmp(now, good, line) == 0);
+    }
+    unsetenv("QMOE_KERNEL_CACHE");
+    remove(path);
+    qm__kcheck_rerun();
+}
+END_TEST
 
 static Suite *suite(void)
 {
@@ -1096,6 +1320,9 @@ static Suite *suite(void)
     tcase_add_test(tc, test_fast_kernels_same_bits_as_the_specification);
     tcase_add_test(tc, test_fast_decode_every_chunk_count);
     tcase_add_test(tc, test_r8_layout_same_bits);
+    tcase_add_test(tc, test_self_check_verifies_this_cpu);
+    tcase_add_test(tc, test_self_check_refuses_a_broken_lane);
+    tcase_add_test(tc, test_self_check_cache_never_trusts_a_bad_file);
 #if defined(QMOE_X86_KERNELS)
     tcase_add_test(tc, test_fast_packers_match_c);
     tcase_add_test(tc, test_fast_prep_avx2_matches_c);

@@ -17,7 +17,7 @@ LIB = os.path.join(BUILD, "engine", "libqmoe_engine.a")
 # docs/ARCHITECTURE.md's table of the engine's layers, top first: each file
 # may call only files after it (the kernels, scratch and clock
 # below them all are leaves, checked by the circle test).
-LAYERS = ["qm_placement",
+LAYERS = ["qm_expert_pool", "qm_placement",
           "qm_pager", "qm_pager_source", "qm_pager_prefetch", "qm_pager_resize", "qm_hybrid",
           "qm_pager_trace", "qm_pager_copy", "qm_pager_slots", "qm_pager_disk",
           "qm_pager_layout",

@@ -7,7 +7,7 @@
 #include <string.h>
 
 #include "paging_helpers.h"
-#include "qm_kernels.h"
+#include "qm_kernel_isa.h"
 #include "qm_test_policies.h"
 #include "sim.h"
 
@@ -298,30 +298,26 @@ static uint64_t lru_interleaved_bytes(const pf_bank *b, uint64_t budget)
     return ps.bytes_interleaved_at_create;
 }
 
-/* Fast sessions' whole banks in the r8 layout (opt.interleave, engine/kernels/qm_r8.h):
- * the same bits as the bank read in place, fast and exact, at every row
- * count (the AVX2 decode GEMV reads r8 itself; prefill GEMMs and exact
- * kernels get rows back), on one and two threads; a paged session has no
- * whole bank to lay out. */
-START_TEST(test_interleaved_whole_banks_same_bits)
+/* One kernel's (QMOE_KERNEL=force, or the measured choice when NULL) whole
+ * bank in the r8 layout against the bank read in place: the same bits,
+ * fast and exact, at every row count, on one and two threads. */
+static void interleaved_same_bits(const char *force)
 {
-    pf_spec sp = pf_default_spec();
-    sp.hidden = 128;
-    sp.inter = 64;
-    sp.block = 32;
-    pg_fixture_reopen(&sp);
     const pf_bank *b = &fixture.bank;
     const qm_bank_config *cfg = qm_bank_get_config(b->bank);
-    qm_backend *two = NULL;
-    ck_assert_int_eq(qm_backend_cpu_new(2, &two, &fixture.st), 0);
+    const pf_spec sp = fixture.spec;
+    if (force)
+        setenv("QMOE_KERNEL", force, 1);
     int native = qm__i8kernel_r8_native(qm__i8kernel_select(), 1);
     if (!native)
-        fprintf(stderr, "test_interleaved_whole_banks_same_bits: this CPU's fast kernel does not "
-                        "read r8 (no AVX2): the pager must leave banks in place, checked\n");
+        fprintf(stderr, "test_interleaved_whole_banks_same_bits: fast kernel %s does not read r8 "
+                        "here: the pager must leave banks in place, checked\n",
+                force ? force : "(the choice)");
     static const uint32_t TS[] = {1, 2, 3, 4, 5, 9, 17};
     uint64_t rs = 99;
-    for (int threads = 1; threads <= 2; threads++) {
-        qm_backend *be = threads == 1 ? fixture.cpu : two;
+    for (unsigned threads = 1; threads <= 2; threads++) {
+        qm_backend *be = NULL;
+        ck_assert_int_eq(qm_backend_cpu_new(threads, &be, &fixture.st), 0);
         qm_policy pol = {0};
         new_policy("whole_bank", b, NULL, &pol);
         qm_residency_plan *plan = make_plan(b, &pol, 0, 0);
@@ -358,17 +354,49 @@ START_TEST(test_interleaved_whole_banks_same_bits)
                 ck_assert_msg(qm_pager_forward(pg, &c, &ms, &fixture.st) == 0, "%s",
                               fixture.st.msg);
                 ck_assert_msg(memcmp(out, ref, sizeof(float) * T * sp.hidden) == 0,
-                              "%s T %u threads %d: the r8 bank's output differs", prec ? "fast" : "exact",
-                              T, threads);
+                              "%s %s T %u threads %u: the r8 bank's output differs",
+                              force ? force : "(the choice)", prec ? "fast" : "exact", T, threads);
                 free(x), free(lg), free(ref), free(out);
             }
         qm_pager_free(pg);
         qm_plan_free(plan);
         qm_policy_destroy(&pol);
+        qm_backend_free(be);
     }
+    unsetenv("QMOE_KERNEL");
+}
+
+/* Fast sessions' whole banks in the r8 layout (opt.interleave, engine/kernels/qm_r8.h):
+ * the same bits as the bank read in place, fast and exact, at every row
+ * count (the fast decode GEMVs read r8 themselves; prefill GEMMs pack from
+ * it; exact kernels get rows back), on one and two threads, with the
+ * measured choice and with each fast row of this CPU that reads r8 forced
+ * (AVX-512 VNNI and AVX2 on a Zen 4); a paged session has no whole bank to
+ * lay out. */
+START_TEST(test_interleaved_whole_banks_same_bits)
+{
+    pf_spec sp = pf_default_spec();
+    sp.hidden = 128;
+    sp.inter = 64;
+    sp.block = 32;
+    pg_fixture_reopen(&sp);
+    interleaved_same_bits(NULL);
+    int forced = 0;
+    for (size_t i = 0; i < qm__i8isa_count(); i++) {
+        const char *name = qm__i8isa_at(i)->kernel.name;
+        setenv("QMOE_KERNEL", name, 1);
+        int here = strcmp(qm__i8kernel_select()->name, name) == 0;
+        unsetenv("QMOE_KERNEL");
+        if (here && qm__i8isa_at(i)->reads_r8) {
+            interleaved_same_bits(name);
+            fprintf(stderr, "test_interleaved_whole_banks_same_bits: %s read the r8 bank\n", name);
+            forced++;
+        }
+    }
+    if (!forced)
+        fprintf(stderr, "test_interleaved_whole_banks_same_bits: no fast row here reads r8\n");
     /* Paged: no whole bank, nothing laid out. */
-    ck_assert_uint_eq(lru_interleaved_bytes(b, 2 * unit_bytes(b)), 0);
-    qm_backend_free(two);
+    ck_assert_uint_eq(lru_interleaved_bytes(&fixture.bank, 2 * unit_bytes(&fixture.bank)), 0);
 }
 END_TEST
 

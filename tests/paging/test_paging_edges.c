@@ -123,6 +123,102 @@ START_TEST(test_hostile_victims_fall_back_to_lru_and_keep_accounting_and_outputs
 }
 END_TEST
 
+/* ---- A policy naming an expert in use --------------------------------------------------- */
+
+/* Remembers the latest access (an expert the call holds while its wave
+ * runs) and answers every victim choice by writing that expert into the
+ * candidates and naming it. */
+typedef struct in_use_namer {
+    hostile base;
+    qm_expert_ref last;
+    int has_last;
+    uint64_t named;
+} in_use_namer;
+
+static void namer_access(void *ctx, qm_expert_ref ref, uint64_t tick, int hit)
+{
+    (void)tick;
+    (void)hit;
+    in_use_namer *nm = ctx;
+    nm->last = ref;
+    nm->has_last = 1;
+}
+
+static int namer_choose(void *ctx, const qm_expert_ref *cand, size_t n, size_t *victim)
+{
+    in_use_namer *nm = ctx;
+    if (!nm->has_last || n == 0)
+        return -1;
+    for (size_t i = 0; i < n; i++) {
+        if (cand[i].bank == nm->last.bank && cand[i].expert == nm->last.expert) {
+            *victim = i; /* a candidate after all: released, no longer in use */
+            return 0;
+        }
+    }
+    ((qm_expert_ref *)cand)[n - 1] = nm->last;
+    *victim = n - 1;
+    nm->named++;
+    return 0;
+}
+
+static const qm_policy_iface namer_iface = {
+    .version = QM_POLICY_IFACE_VERSION,
+    .name = "in_use_namer",
+    .decide = hostile_decide,
+    .on_access = namer_access,
+    .choose_victim = namer_choose,
+    .destroy = hostile_destroy,
+};
+
+START_TEST(test_policy_naming_an_expert_in_use_is_overruled)
+{
+    pg_set set;
+    make_calls(&fixture.bank, fixture.cpu, 40, 23, &set);
+    for (int prefetch = 0; prefetch <= 1; prefetch++) {
+        in_use_namer *nm = calloc(1, sizeof *nm);
+        qm_policy pol = {.iface = &namer_iface, .ctx = nm};
+        /* Room for one call's experts at once (one wave), so the experts a
+         * call accessed stay resident until its own evictions are done. */
+        uint64_t budget = (uint64_t)(8 * fixture.spec.k) * unit_bytes(&fixture.bank);
+        qm_residency_plan *plan = make_plan(&fixture.bank, &pol, 1, budget);
+        qm_pager_options o = {.prefetch = prefetch, .no_preload = 1};
+        qm_pager *pg = NULL;
+        ck_assert_int_eq(
+            qm_pager_new(fixture.cpu, fixture.bank.bank, plan, &pol, &o, &pg, &fixture.st), 0);
+        float out[8 * 64];
+        for (size_t i = 0; i < set.n; i++) {
+            const pg_call *c = &set.calls[i];
+            uint64_t named = nm->named;
+            qm_moe_call mc = {.layer = c->layer, .dtype = QM_DTYPE_F32, .hidden = c->x,
+                              .n_tokens = c->T, .logits = c->logits, .output = out};
+            qm_moe_stats ms = {0};
+            ck_assert_int_eq(qm_pager_forward(pg, &mc, &ms, &fixture.st), 0);
+            ck_assert_msg(memcmp(out, c->ref, sizeof(float) * c->T * fixture.spec.hidden) == 0,
+                          "call %zu's output changed", i);
+            if (prefetch || nm->named == named)
+                continue;
+            /* The expert it named was in use: still resident after the call. */
+            uint32_t r[64];
+            int nr = qm_pager_resident_experts(pg, nm->last.bank, r, 64);
+            int found = 0;
+            for (int j = 0; j < nr; j++)
+                found |= r[j] == nm->last.expert;
+            ck_assert_msg(found, "call %zu: expert %u of layer %u, in use, was evicted", i,
+                          nm->last.expert, nm->last.bank);
+        }
+        qm_pager_stats s;
+        qm_pager_stats_get(pg, &s);
+        ck_assert_uint_gt(nm->named, 0);
+        ck_assert_uint_eq(s.policy_fallbacks, nm->named); /* every such answer overruled */
+        ck_assert_uint_le(s.resident_bytes, budget);
+        qm_pager_free(pg);
+        qm_plan_free(plan);
+        qm_policy_destroy(&pol);
+    }
+    free_calls(&set);
+}
+END_TEST
+
 /* ---- Claiming slots ------------------------------------------------------------------------ */
 
 static int refusing_choose(void *ctx, const qm_expert_ref *cand, size_t n, size_t *victim)
@@ -441,6 +537,61 @@ START_TEST(test_imprecise_router_prediction_is_switched_off)
 }
 END_TEST
 
+/* Each source is scored against the call it was about, resident or not:
+ * with every call routed by the bank's routers on one hidden state, the
+ * next layer's router and the lookahead (two calls ahead) are exact, and
+ * the lookahead, off until measured, starts prefetching once a window says
+ * so; with routing the routers do not predict, it stays off. */
+START_TEST(test_prediction_is_measured_and_the_lookahead_earns_its_prefetch)
+{
+    float x[32], out[32];
+    uint64_t s = 5;
+    for (int i = 0; i < 32; i++)
+        x[i] = pf_uniform(&s, -1, 1);
+    qm_pager *pg = pg_fixture_lru_pager(3 * unit_bytes(&fixture.bank), 1);
+    qm_pager_stats a;
+    qm_pager_stats_get(pg, &a);
+    ck_assert_uint_eq(a.prefetch_sources_off, 4); /* the lookahead, until measured */
+    for (uint32_t i = 0; i < 3 * 80; i++) {
+        qm_moe_call mc = {.layer = i % fixture.spec.layers, .dtype = QM_DTYPE_F32, .hidden = x,
+                          .n_tokens = 1, .output = out};
+        qm_moe_stats ms = {0};
+        ck_assert_int_eq(qm_pager_forward(pg, &mc, &ms, &fixture.st), 0);
+    }
+    qm_pager_stats_get(pg, &a);
+    ck_assert_uint_gt(a.predict_router_predicted, 0);
+    ck_assert_uint_eq(a.predict_router_correct, a.predict_router_predicted);
+    ck_assert_uint_eq(a.predict_router_actual, a.predict_router_correct);
+    ck_assert_uint_eq(a.predict_lookahead_correct, a.predict_lookahead_predicted);
+    ck_assert_uint_ge(a.predict_lookahead_predicted, 128); /* a full window */
+    ck_assert_uint_eq(a.prefetch_sources_off, 0);
+    ck_assert_uint_gt(a.predict_lookahead_gated, 0); /* off before its window */
+}
+END_TEST
+
+START_TEST(test_lookahead_the_routers_do_not_predict_stays_off)
+{
+    pf_spec sp = pf_default_spec();
+    sp.experts = 32; /* random guesses of 2 in 32: precision ~1/16 */
+    pg_fixture_reopen(&sp);
+    uint64_t s = 9;
+    qm_pager *pg = pg_fixture_lru_pager(3 * unit_bytes(&fixture.bank), 1);
+    for (uint32_t i = 0; i < 600; i++) {
+        /* Routed by random logits: the routers predict nothing. */
+        uint32_t ex[2] = {(uint32_t)(pf_rand(&s) % 16), 16 + (uint32_t)(pf_rand(&s) % 16)};
+        call_experts(pg, &fixture.bank, i % fixture.spec.layers, ex, 2, &s);
+    }
+    qm_pager_stats b;
+    qm_pager_stats_get(pg, &b);
+    ck_assert_uint_gt(b.predict_lookahead_predicted, 128);
+    ck_assert_uint_lt(b.predict_lookahead_correct * 4, b.predict_lookahead_predicted);
+    ck_assert_uint_eq(b.prefetch_lookahead_issued, 0);
+    ck_assert(b.prefetch_sources_off & 4);
+    /* measured the same way; the fixture's pager never gates the router */
+    ck_assert_uint_lt(b.predict_router_correct * 4, b.predict_router_predicted);
+}
+END_TEST
+
 START_TEST(test_budget_holding_every_expert_preloads_and_never_misses)
 {
     pg_set set;
@@ -556,6 +707,9 @@ static void add_edge_tests(TCase *tc)
     tcase_add_test(tc, test_recorded_trace_holds_each_tokens_routing_in_layer_order);
     tcase_add_test(tc, test_budget_holding_every_expert_preloads_and_never_misses);
     tcase_add_test(tc, test_imprecise_router_prediction_is_switched_off);
+    tcase_add_test(tc, test_policy_naming_an_expert_in_use_is_overruled);
+    tcase_add_test(tc, test_prediction_is_measured_and_the_lookahead_earns_its_prefetch);
+    tcase_add_test(tc, test_lookahead_the_routers_do_not_predict_stays_off);
     tcase_add_test(tc, test_hostile_victims_fall_back_to_lru_and_keep_accounting_and_outputs);
     tcase_add_test(tc, test_demand_claims_are_held_until_release_prefetched_ones_are_not);
     tcase_add_test(tc, test_every_claim_stamps_the_current_tick);

@@ -144,6 +144,28 @@ def test_realistic_generator_knobs_move_the_statistics_and_seed_fixes_the_bytes(
     assert r.returncode == 2 and "reuse-top1" in r.stderr
 
 
+def test_realistic_generator_cross_layer_knobs_add_structure_and_keep_the_defaults(tmp_path):
+    base = qmoe_trace.generate_realistic(600, 8, 8, 2, 4)
+    # the defaults draw nothing more: the same bytes as before the knobs existed
+    assert base.ids == qmoe_trace.generate_realistic(600, 8, 8, 2, 4, affinity=0.0, vocab=50,
+                                                     fidelity=0.0, bigram=0.0).ids
+    plain = qmoe_trace.stats(base)
+    aff = qmoe_trace.stats(qmoe_trace.generate_realistic(600, 8, 8, 2, 4, affinity=0.5))
+    # a token's top-1 at layer l says more about layer l+1 with affinity
+    assert plain["next_top1_given_top1"] - plain["next_top1_marginal"] < 0.08, plain
+    assert aff["next_top1_given_top1"] - aff["next_top1_marginal"] > 0.2, aff
+    words = qmoe_trace.generate_realistic(600, 8, 8, 2, 4, vocab=20, fidelity=1.0, bigram=0.5)
+    assert words.meta["vocab"] == 20 and words.meta["bigram"] == 0.5
+    # fidelity 1: every token is one of 20 routes through all layers
+    routes = {tuple(tuple(words.row(t, l)) for l in range(8)) for t in range(600)}
+    assert len(routes) <= 20, len(routes)
+    for bad, needle in ((["--affinity", "1.5"], "--affinity"),
+                        (["--fidelity", "0.5"], "--vocab"),  # words need a vocabulary
+                        (["--vocab", "4", "--bigram", "2"], "--bigram")):
+        r = run_tool("gen-real", "--out", str(tmp_path / "x"), "--tokens", "10", *bad)
+        assert r.returncode == 2 and needle in r.stderr, (bad, r.stderr)
+
+
 # ---- policy_sim's readers: .npy (vLLM routed_experts) and JSON lines -----------
 
 

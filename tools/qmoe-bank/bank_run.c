@@ -21,8 +21,11 @@ void qm__help_run(FILE *f)
           "result is bitwise the same for every T. .npy files must be C-ordered,\n"
           "little-endian; their headers are fully validated. --precision fast quantises\n"
           "activations to int8 per 32 columns and uses integer dot products (default\n"
-          "exact: f32, within 1e-5 of onnxruntime). --verbose prints the CPU backend and\n"
-          "the kernels it chose (measured on this CPU) to stderr.\n",
+          "exact: f32, within 1e-5 of onnxruntime). Before any kernel runs, every CPU\n"
+          "kernel this CPU can run is checked against the scalar specification (the\n"
+          "daemon's self-check); QMOE_KERNEL naming a refused kernel is an error.\n"
+          "--verbose prints the self-check, the CPU backend and the kernels it chose\n"
+          "(measured on this CPU) to stderr.\n",
           f);
 }
 
@@ -44,12 +47,28 @@ int qm__cmd_run(int argc, char **argv)
 #include "qm_alloc.h"
 #include "qm_backend.h"
 #include "qm_bank.h"
+#include "qm_kernel_check.h"
 #include "qm_moe.h"
 #include "qm_npy.h"
 
 static int usage(const char *what)
 {
     return qm__usage("run", what);
+}
+
+/* The kernels' self-check (engine/kernels/qm_kernel_check.h), one line per kernel. */
+static void qm__print_kernel_check(FILE *f)
+{
+    static const char *const state[] = {"?", "verified", "refused, never used", "unavailable"};
+    const qm_kernel_check *kc = qm_kernel_check_run();
+    fprintf(f, "qmoe-bank run: kernel self-check on %s (%s): %u verified, %u refused, %.1f ms%s\n",
+            kc->cpu, kc->flags, kc->verified, kc->refused, kc->ms,
+            kc->cached ? " (from the kernel cache)" : "");
+    for (unsigned i = 0; i < kc->n; i++) {
+        const qm_kernel_verdict *v = &kc->v[i];
+        fprintf(f, "qmoe-bank run:   %s %s: %s%s%s\n", v->precision, v->name,
+                state[v->kind <= 3 ? v->kind : 0], v->reason[0] ? ": " : "", v->reason);
+    }
 }
 
 int qm__cmd_run(int argc, char **argv)
@@ -192,6 +211,12 @@ int qm__cmd_run(int argc, char **argv)
     }
     out = qm_malloc(x.nbytes ? (size_t)x.nbytes : 1);
     if (!out) goto oom;
+    if ((rc = qm_kernel_check_forced(&st)) != 0) {
+        fprintf(stderr, "qmoe-bank run: %s\n", st.msg);
+        goto done;
+    }
+    if (verbose)
+        qm__print_kernel_check(stderr);
     if ((rc = qm_backend_cpu_new(threads, &be, &st)) != 0) {
         fprintf(stderr, "qmoe-bank run: CPU backend: %s\n", st.msg);
         goto done;

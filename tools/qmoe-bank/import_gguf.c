@@ -27,6 +27,7 @@
 #include "qm_bank.h"
 #include "qm_bank_writer.h"
 #include "qm_quant.h"
+#include "qm_json.h"
 #include "qmoe_bank_tool.h"
 #include "tool_input.h"
 
@@ -511,21 +512,6 @@ static int write_f32(job *j, uint32_t l, const qm__gguf_tensor *src, int t, qm_s
     return rc;
 }
 
-static void json_escape(const char *s, char *out, size_t size)
-{
-    size_t o = 0;
-    for (; *s && o + 7 < size; s++) {
-        unsigned char c = (unsigned char)*s;
-        if (c == '"' || c == '\\')
-            o += (size_t)snprintf(out + o, size - o, "\\%c", c);
-        else if (c < 0x20)
-            o += (size_t)snprintf(out + o, size - o, "\\u%04x", c);
-        else
-            out[o++] = (char)c;
-    }
-    out[o] = '\0';
-}
-
 /* The bank's tensors per layer, in the order they are listed and placed:
  * fc1 = gate, fc3 = up, fc2 = down, each weight, scales, bias; the router. */
 static const qm_bank_tensor GGUF_ORDER[] = {
@@ -538,7 +524,7 @@ static int source_json(const job *j, const plan *pl, int exact_all, const char *
 {
     char base[512];
     const char *slash = strrchr(j->in_path, '/');
-    json_escape(slash ? slash + 1 : j->in_path, base, sizeof base);
+    qm_json_escape_str(slash ? slash + 1 : j->in_path, base, sizeof base);
     int n = snprintf(buf, size,
                      "{\"format\":\"gguf\",\"family\":\"%s\",\"arch\":\"%s\",\"files\":[\"%s\"],"
                      "\"exact\":%s%s%s}",

@@ -16,6 +16,7 @@
 
 #include "import_hf_impl.h"
 #include "qm_alloc.h"
+#include "qm_json.h"
 #include "qmoe_bank_tool.h"
 #include "tool_input.h"
 
@@ -68,12 +69,7 @@ static int source_prefix(qm__hf_import *im, char *buf, size_t n)
             break;
         }
         at += (size_t)snprintf(buf + at, n - at, "%s\"", i ? "," : "");
-        for (const unsigned char *c = (const unsigned char *)s; *c; c++)
-            at += (size_t)snprintf(buf + at, n - at,
-                                   *c == '"' || *c == '\\' ? "\\%c"
-                                   : *c < 0x20             ? "\\u%04x"
-                                                           : "%c",
-                                   *c);
+        at += qm_json_escape_str(s, buf + at, n - at);
         at += (size_t)snprintf(buf + at, n - at, "\"");
     }
     at += (size_t)snprintf(buf + at, n - at, "]");

@@ -10,6 +10,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include "qm_json.h"
 #include "qmoe_bank_tool.h"
 
 int qm__open_input(const char *path, const char *what, int *fd, uint64_t *size, qm_status *st)
@@ -141,16 +142,11 @@ int qm__parse_scale_dtype(const char *s, qm_dtype *out)
     return 0;
 }
 
+static void file_put(void *ctx, const char *bytes, size_t n) { fwrite(bytes, 1, n, ctx); }
+
 void qm__json_string(FILE *f, const char *s)
 {
     fputc('"', f);
-    for (const unsigned char *c = (const unsigned char *)s; *c; c++) {
-        if (*c == '"' || *c == '\\')
-            fprintf(f, "\\%c", *c);
-        else if (*c < 0x20)
-            fprintf(f, "\\u%04x", *c);
-        else
-            fputc(*c, f);
-    }
+    qm_json_escape_to(s, strlen(s), file_put, f);
     fputc('"', f);
 }

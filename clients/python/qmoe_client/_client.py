@@ -10,8 +10,11 @@ import os
 import re
 import socket
 import struct
+import sys
 import threading
 import time
+
+from . import _ring
 
 try:  # numpy is optional: without it tensors come back as Tensor objects
     import numpy as _np
@@ -333,6 +336,23 @@ class InferResult:
         self.output, self.routing, self.stats = output, routing, stats
 
 
+def _ring_request(layer, hidden, router_logits, topk_ids, topk_weights, output_to):
+    """The ring's request for infer()'s arguments, or None when one is not a
+    2-D MappedTensor of output_to's map (those go through the socket)."""
+    m = output_to.map.id
+    parts = []
+    for t in (hidden, router_logits, topk_ids, topk_weights):
+        if t is None:
+            parts.append(None)
+            continue
+        if not isinstance(t, MappedTensor) or t.map.id != m or len(t.shape) != 2:
+            return None
+        parts.append((t.dtype, t.shape[0], t.shape[1], m, t.offset))
+    if len(output_to.shape) != 2:
+        return None
+    return _ring.request(layer, parts[0], (m, output_to.offset), *parts[1:])
+
+
 class Client:
     """One connection to qmoed. Calls are synchronous and bounded by
     `timeout` seconds; a Client may be shared between threads (calls are
@@ -353,6 +373,13 @@ class Client:
         self._rbuf = bytearray(_RECV)
         self._next_id = 1
         self._method_json = {}  # method name -> its JSON text
+        self._conn_gen = 0  # connections made: a ring lives with the one it was opened on
+        self._rings = {}  # session -> _ring.Ring, or False (refused on this connection)
+        env = os.environ.get("QMOE_RING", "")
+        # "auto": infer() with mapped tensors and ring_counts() open the
+        # session's ring themselves; "explicit": only rings opened by
+        # ring(); "off": the socket always.
+        self.ring_mode = "off" if env in ("0", "off") else "auto"
         self._connect(time.monotonic() + self.timeout)
 
     # ---- connection ----
@@ -393,6 +420,7 @@ class Client:
         s.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, tv)
         self._sock = s
         self._buf = bytearray()
+        self._conn_gen += 1
 
     def _drop(self):
         if self._sock is not None:
@@ -575,7 +603,10 @@ class Client:
         return self.call("session.create", p)
 
     def close_session(self, session):
-        return self.call("session.close", {"session": session})
+        try:
+            return self.call("session.close", {"session": session})
+        finally:
+            self._ring_forget(session)
 
     def plan(self, session):
         return self.call("session.plan", {"session": session})
@@ -633,6 +664,12 @@ class Client:
             if not isinstance(output_to, MappedTensor):
                 raise TypeError("output_to is a MappedTensor (SharedMap.tensor / alloc)")
             p["output_to"] = {"map": output_to.wire()["map"], "offset": output_to.offset}
+            req = None if return_routing else _ring_request(
+                layer, hidden, router_logits, topk_ids, topk_weights, output_to)
+            st = self._ring_stats(session, req, int(layer)) if req is not None else None
+            if st is not None:
+                output = output_to.array if (self.as_numpy and _np is not None) else output_to
+                return InferResult(output, None, st)
         r = self.call("session.infer", p)
         routing = r.get("routing")
         if routing is not None:
@@ -645,6 +682,105 @@ class Client:
         else:
             output = decode_tensor(out, self.as_numpy)
         return InferResult(output, routing, r.get("stats", {}))
+
+    # ---- the call ring (PROTOCOL.md "session.ring") ----
+    def ring(self, session):
+        """session.ring: opens `session`'s call ring on this connection (again
+        after a reconnect). infer() with every tensor mapped and output_to,
+        and ring_counts(), then go through it. Raises QmoeError when the
+        daemon refuses (-32601 from a daemon without rings)."""
+        self._ring_forget(session)
+        fd, mm = _ring.region()
+        try:
+            gen = self._conn_gen
+            r = self.call("session.ring", {"session": session}, fd=fd)
+            if int(r.get("version", 0)) != _ring.VERSION:
+                raise QmoeError(E_PROTO, "bad_response",
+                                "qmoed's call ring is version %s; this client speaks %d"
+                                % (r.get("version"), _ring.VERSION))
+        except BaseException as e:
+            mm.close()
+            if isinstance(e, QmoeError) and e.code not in (E_IO, E_TIMEOUT):
+                self._rings[session] = (False, self._conn_gen)
+            raise
+        finally:
+            os.close(fd)
+        if gen != self._conn_gen:  # reconnected on the way: the ring is the new connection's
+            gen = self._conn_gen
+        self._rings[session] = (_ring.Ring(mm, session, gen), gen)
+        return True
+
+    def ring_active(self, session):
+        """True when calls of `session` take its ring now."""
+        r = self._rings.get(session)
+        return bool(r and r[0] and r[1] == self._conn_gen and self._sock is not None)
+
+    def _ring_forget(self, session):
+        r = self._rings.pop(session, None)
+        if r and r[0]:
+            r[0].close()
+
+    def _ring_for(self, session):
+        """The session's ring on this connection, opened when ring_mode is
+        "auto"; None when its calls take the socket."""
+        if self.ring_mode == "off" or not _ring.supported():
+            return None
+        r = self._rings.get(session)
+        if r is not None and r[1] == self._conn_gen and self._sock is not None:
+            return r[0] or None
+        if self.ring_mode != "auto":
+            return None
+        try:
+            self.ring(session)
+        except QmoeError as e:
+            if e.code in (E_IO, E_TIMEOUT):
+                raise
+            sys.stderr.write("qmoe_client: no call ring for session %s (%s: %s); its calls "
+                             "go through the socket\n" % (session[:64], e.name, e.reason))
+            return None
+        return self._rings[session][0]
+
+    def _ring_call(self, session, req, layer):
+        """One call through the ring: the answer's stats, or None when the
+        session's calls take the socket. Raises QmoeError as call() would."""
+        ring = self._ring_for(session)
+        if ring is None:
+            return None
+        with self._lock:
+            if self._sock is None or self._rings.get(session, (None, -1))[1] != self._conn_gen:
+                return None
+            try:
+                code, stats, field, reason = ring.call(req, layer, self._sock.fileno(),
+                                                       self.timeout)
+            except _ring.RingClosed as e:
+                self._rings.pop(session, None)
+                ring.close()
+                if e.code >= 0:
+                    self._drop()
+                    raise QmoeError(E_IO, "connection_lost",
+                                    "qmoed closed the connection: %s" % e.reason)
+                raise QmoeError(e.code, ERROR_NAMES.get(e.code, "error"), e.reason)
+            except _ring.RingHangup:
+                self._drop()
+                raise QmoeError(E_IO, "connection_lost",
+                                "qmoed closed the connection before answering")
+            except _ring.RingTimeout:
+                self._drop()
+                raise QmoeError(E_TIMEOUT, "timeout", "qmoed did not answer session.infer in time")
+        if code:
+            raise QmoeError(code, ERROR_NAMES.get(code, "error"), reason, field or None)
+        return stats
+
+    def _ring_stats(self, session, req, layer):
+        stats = self._ring_call(session, req, layer)
+        return None if stats is None else dict(zip(_ring.STAT_NAMES, stats))
+
+    def ring_counts(self, session, req, layer):
+        """infer_counts() through the session's ring: `req` is the request
+        slot's bytes (_ring.request), `layer` patched in. The same tuple, or
+        None when the session's calls take the socket."""
+        stats = self._ring_call(session, req, layer)
+        return None if stats is None else tuple(stats[i] for i in _ring.COUNT_INDEX)
 
     def telemetry(self, session=None):
         return self.call("telemetry.get", {"session": session} if session is not None else None)

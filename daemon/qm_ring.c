@@ -1,0 +1,436 @@
+/* qm_ring.c - call rings (qm_ring.h; PROTOCOL.md "session.ring").
+ *
+ * One thread per ring waits on the region's doorbell (spinning for about
+ * the gap it expects between calls when that is shorter than a wake-up,
+ * else parked on the futex word, using no CPU), copies the request slot
+ * once, decodes the copy and runs the call in its session's order
+ * (qm_pool_run_or_queue): on this thread when the session's FIFO is idle,
+ * else on a worker behind the session's work, the thread waiting for that
+ * answer before it takes the next call (one call in flight per ring).
+ *
+ * The loop opens rings, stops them (the connection, the session, the
+ * drain) and reaps the threads that ended (an eventfd they write, as the
+ * pool's workers do). A ring's memory, its session reference and its hold
+ * on the connection go when it is reaped: its thread has ended and no call
+ * of it is in flight. */
+#include "qm_ring.h"
+
+#include <errno.h>
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stdio.h>
+#include <string.h>
+#include <sys/eventfd.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "qm_alloc.h"
+#include "qm_fault.h"
+#include "qm_log.h"
+#include "qm_methods.h"
+#include "qm_ring_params.h"
+#include "qm_sessions.h"
+#include "qm_shm.h"
+#include "qm_telemetry.h"
+
+struct qm_ring {
+    qm_rings *rings;
+    uint64_t id;
+    qm_session *session; /* a reference, dropped when reaped */
+    qm_conn *conn;       /* held (qm_conn_hold) until reaped */
+    uint64_t conn_id;
+    qm_shm_map *map; /* the region's mapping */
+    uint8_t *base;
+    uv_thread_t thread;
+    /* Stopping: set once by the loop (code and reason written first); the
+     * thread takes no new call after it. */
+    atomic_int stop;
+    int32_t stop_code;
+    char stop_reason[QM_RING_REASON_BYTES];
+    atomic_int conn_gone; /* its connection closed: calls in flight are skipped */
+    atomic_int abandon;   /* the daemon exits: the thread leaves with a call queued */
+    pthread_mutex_t mu;   /* outstanding */
+    pthread_cond_t cv;
+    int outstanding; /* 1 while its call's job has not posted its answer */
+    atomic_int exited;
+    /* The thread's own. */
+    uint32_t last_seq;   /* the call number last taken */
+    qm_ring_spin spin;   /* how long to spin for the next call */
+    atomic_uint_fast64_t last_answer_ns; /* when the last answer was posted */
+    qm_ring *next;
+};
+
+struct qm_rings {
+    uv_loop_t *loop;
+    const qm_method_ctx *mx;
+    int efd;             /* written by ring threads that ended */
+    uv_poll_t reap_poll; /* the loop's watch on efd */
+    int polling;
+    qm_ring *head;       /* every ring not yet reaped */
+    uint32_t open;       /* rings with a thread (what max_rings bounds) */
+    uint64_t next_id;
+};
+
+static uint32_t *word(const qm_ring *r, size_t off) { return qm_ring_word(r->base, off); }
+
+/* ---- the thread ---- */
+
+/* The next call number, or -1 once the ring stops. Spins for the budget
+ * its measurements give, then parks on REQ_SEQ (DAEMON_PARKED tells the
+ * client to wake it). *parked: whether it slept. */
+static int ring_wait_request(qm_ring *r, uint32_t *seq, int *parked)
+{
+    uint32_t *req = word(r, QM_RING_OFF_REQ_SEQ), *flag = word(r, QM_RING_OFF_DAEMON_PARKED);
+    uint64_t t0 = qm_ring_now_ns(), budget = qm_ring_spin_budget(&r->spin);
+    *parked = 0;
+    for (unsigned i = 0;; i++) {
+        if (atomic_load(&r->stop))
+            return -1;
+        uint32_t v = qm_ring_load(req);
+        if (v != r->last_seq) {
+            *seq = v;
+            return 0;
+        }
+        if ((i & 63) == 63 && qm_ring_now_ns() - t0 >= budget)
+            break;
+        qm_ring_cpu_relax();
+    }
+    for (;;) {
+        /* Parked first, then a last look: either the client sees the flag
+         * and wakes this thread, or this look sees its call. */
+        qm_ring_store(flag, 1);
+        if (!atomic_load(&r->stop) && qm_ring_load(req) == r->last_seq) {
+            qm_ring_futex_wait(req, r->last_seq, 0);
+            *parked = 1;
+        }
+        qm_ring_store(flag, 0);
+        if (atomic_load(&r->stop))
+            return -1;
+        uint32_t v = qm_ring_load(req);
+        if (v != r->last_seq) {
+            *seq = v;
+            return 0;
+        }
+    }
+}
+
+/* What this call taught the spin rule: the gap since the last answer, and
+ * (when the thread slept) what the wake-up cost, from the client's stamp. */
+static void ring_learn(qm_ring *r, uint64_t rung_ns, uint64_t taken_ns, int parked)
+{
+    uint64_t last = atomic_load(&r->last_answer_ns);
+    uint64_t at = rung_ns && rung_ns <= taken_ns && rung_ns >= last ? rung_ns : taken_ns;
+    if (last && at >= last)
+        qm_ring_spin_note_wait(&r->spin, at - last);
+    if (parked && rung_ns && rung_ns <= taken_ns)
+        qm_ring_spin_note_wake(&r->spin, taken_ns - rung_ns);
+}
+
+/* An answer without a job (no memory for one): the client is not left
+ * waiting. */
+static void ring_post_error(qm_ring *r, uint32_t seq, int code, const char *reason)
+{
+    qm_ring_answer a;
+    memset(&a, 0, sizeof a);
+    a.code = code;
+    snprintf(a.reason, sizeof a.reason, "%s", reason);
+    a.answered_ns = qm_ring_now_ns();
+    qm_ring_answer_write(r->base + QM_RING_OFF_ANSWER, &a);
+    qm_ring_store(word(r, QM_RING_OFF_ANS_SEQ), seq);
+    qm_ring_futex_wake(word(r, QM_RING_OFF_ANS_SEQ));
+}
+
+/* Call `seq`: the slot copied once (the client may write it at any
+ * moment; only the copy is read), decoded, and run in the session's order.
+ * A request that does not decode still runs as a job, which answers the
+ * error in order and is counted. */
+static void ring_take(qm_ring *r, uint32_t seq, int parked)
+{
+    uint8_t copy[QM_RING_REQUEST_BYTES];
+    memcpy(copy, r->base + QM_RING_OFF_REQUEST, sizeof copy);
+    uint64_t taken_ns = qm_ring_now_ns();
+    r->last_seq = seq;
+    qm_ring_job *rj = qm_calloc(1, sizeof *rj);
+    if (!rj) {
+        ring_post_error(r, seq, QM_RPC_RESOURCE_EXHAUSTED, "out of memory for a ring call");
+        return;
+    }
+    qm_job *job = &rj->job;
+    job->ops = &qm__ring_infer_ops;
+    job->mx = r->rings->mx;
+    job->session = r->session;
+    qm_session_ref(r->session); /* the ring holds one: never the last */
+    job->queue = qm_session_queue(r->session);
+    job->req.method = QM_METHOD_SESSION_INFER;
+    job->read_us = qm_now_us();
+    qm_buf_init(&job->response);
+    uint64_t rung_ns = 0;
+    job->rc = qm_ring_params_decode(copy, &job->req.params, &rung_ns, &job->st);
+    job->decode_us = qm_now_us() - job->read_us;
+    ring_learn(r, rung_ns, taken_ns, parked);
+    rj->ring = r;
+    rj->seq = seq;
+    pthread_mutex_lock(&r->mu);
+    r->outstanding = 1;
+    pthread_mutex_unlock(&r->mu);
+    qm_pool_run_or_queue(job->mx->pool, job);
+}
+
+/* Until the call taken last has posted its answer (at once when it ran on
+ * this thread), or the daemon exits. */
+static void ring_wait_answered(qm_ring *r)
+{
+    pthread_mutex_lock(&r->mu);
+    while (r->outstanding && !atomic_load(&r->abandon)) {
+        struct timespec ts;
+        clock_gettime(CLOCK_REALTIME, &ts);
+        ts.tv_nsec += 100 * 1000000L;
+        if (ts.tv_nsec >= 1000000000L) {
+            ts.tv_sec++;
+            ts.tv_nsec -= 1000000000L;
+        }
+        pthread_cond_timedwait(&r->cv, &r->mu, &ts);
+    }
+    pthread_mutex_unlock(&r->mu);
+}
+
+static void ring_main(void *arg)
+{
+    qm_ring *r = arg;
+    qm_fault_tag_thread(QM_FAULT_WORKER);
+    uint32_t seq;
+    int parked;
+    while (ring_wait_request(r, &seq, &parked) == 0) {
+        ring_take(r, seq, parked);
+        ring_wait_answered(r);
+    }
+    /* The region says closed, and why, only once nothing will write an
+     * answer in it; a client waiting is woken to read it. */
+    qm_ring_header_close(r->base, r->stop_code, r->stop_reason);
+    qm_ring_futex_wake(word(r, QM_RING_OFF_ANS_SEQ));
+    atomic_store(&r->exited, 1);
+    uint64_t one = 1;
+    while (write(r->rings->efd, &one, sizeof one) < 0 && errno == EINTR)
+        ;
+}
+
+/* ---- what a ring call's job calls ---- */
+
+int qm_ring_abandoned(const qm_ring *r) { return atomic_load(&((qm_ring *)r)->conn_gone); }
+
+void qm_ring_post(qm_ring_job *rj, qm_ring_answer *a)
+{
+    qm_ring *r = rj->ring;
+    rj->ring = NULL;
+    a->answered_ns = qm_ring_now_ns();
+    qm_ring_answer_write(r->base + QM_RING_OFF_ANSWER, a);
+    qm_ring_store(word(r, QM_RING_OFF_ANS_SEQ), rj->seq);
+    if (qm_ring_load(word(r, QM_RING_OFF_CLIENT_PARKED)))
+        qm_ring_futex_wake(word(r, QM_RING_OFF_ANS_SEQ));
+    rj->answered_us = qm_now_us();
+    atomic_store(&r->last_answer_ns, a->answered_ns);
+    /* Last: once the thread sees it, the ring may end and be reaped. */
+    pthread_mutex_lock(&r->mu);
+    r->outstanding = 0;
+    pthread_cond_signal(&r->cv);
+    pthread_mutex_unlock(&r->mu);
+}
+
+/* ---- the loop's side ---- */
+
+static void ring_free(qm_ring *r)
+{
+    qm_conn_release(r->conn);
+    qm_session_unref(r->session);
+    qm_shm_unref(r->map);
+    pthread_cond_destroy(&r->cv);
+    pthread_mutex_destroy(&r->mu);
+    qm_free(r);
+}
+
+/* Ends the rings whose thread has ended. */
+static void rings_reap(qm_rings *rs)
+{
+    for (qm_ring **pp = &rs->head; *pp;) {
+        qm_ring *r = *pp;
+        if (!atomic_load(&r->exited)) {
+            pp = &r->next;
+            continue;
+        }
+        *pp = r->next;
+        uv_thread_join(&r->thread);
+        rs->open--;
+        qm_log(QM_LOG_DEBUG, "call ring %llu of session %s closed: %s", (unsigned long long)r->id,
+               qm_session_id(r->session), r->stop_reason);
+        ring_free(r);
+    }
+}
+
+static void reap_cb(uv_poll_t *h, int status, int events)
+{
+    qm_rings *rs = h->data;
+    (void)status;
+    (void)events;
+    uint64_t n;
+    while (read(rs->efd, &n, sizeof n) < 0 && errno == EINTR)
+        ;
+    rings_reap(rs);
+}
+
+int qm_rings_new(uv_loop_t *loop, const qm_method_ctx *mx, qm_rings **out)
+{
+    qm_rings *rs = qm_calloc(1, sizeof *rs);
+    *out = NULL;
+    if (!rs)
+        return QM_ENOMEM;
+    rs->loop = loop;
+    rs->mx = mx;
+    rs->efd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
+    if (rs->efd < 0 || uv_poll_init(loop, &rs->reap_poll, rs->efd) != 0) {
+        if (rs->efd >= 0)
+            close(rs->efd);
+        qm_free(rs);
+        return QM_ENOMEM;
+    }
+    rs->polling = 1;
+    rs->reap_poll.data = rs;
+    uv_poll_start(&rs->reap_poll, UV_READABLE, reap_cb);
+    /* Rings are the connections' business: they keep no loop alive. */
+    uv_unref((uv_handle_t *)&rs->reap_poll);
+    *out = rs;
+    return 0;
+}
+
+/* Stops r (the first cause names the code and reason) and wakes its
+ * thread wherever it waits. */
+static void ring_stop(qm_ring *r, int32_t code, const char *reason)
+{
+    if (!atomic_load(&r->stop)) {
+        r->stop_code = code;
+        snprintf(r->stop_reason, sizeof r->stop_reason, "%s", reason);
+        atomic_store(&r->stop, 1);
+    }
+    qm_ring_futex_wake(word(r, QM_RING_OFF_REQ_SEQ));
+    pthread_mutex_lock(&r->mu);
+    pthread_cond_signal(&r->cv);
+    pthread_mutex_unlock(&r->mu);
+}
+
+static int ring_start(qm_rings *rs, qm_ring *r, qm_status *st)
+{
+    if (pthread_mutex_init(&r->mu, NULL) != 0)
+        return qm_status_set(st, QM_ENOMEM, "cannot make the ring's lock");
+    if (pthread_cond_init(&r->cv, NULL) != 0) {
+        pthread_mutex_destroy(&r->mu);
+        return qm_status_set(st, QM_ENOMEM, "cannot make the ring's condition");
+    }
+    qm_ring_header_init(r->base, QM_RING_BYTES);
+    /* The client's doorbell as it stands is no call: the first is the
+     * first change. */
+    r->last_seq = qm_ring_load(word(r, QM_RING_OFF_REQ_SEQ));
+    qm_ring_store(word(r, QM_RING_OFF_ANS_SEQ), r->last_seq);
+    qm_ring_store(word(r, QM_RING_OFF_DAEMON_PARKED), 0);
+    qm_ring_spin_init(&r->spin);
+    r->rings = rs;
+    if (uv_thread_create(&r->thread, ring_main, r) != 0) {
+        pthread_cond_destroy(&r->cv);
+        pthread_mutex_destroy(&r->mu);
+        return qm_status_set(st, QM_ENOMEM, "cannot start the ring's thread");
+    }
+    return 0;
+}
+
+int qm_ring_open(qm_rings *rs, qm_session *s, qm_conn *c, int fd, uint64_t *id, qm_status *st)
+{
+    const qm_method_ctx *mx = rs->mx;
+    uint32_t max = mx->cfg->max_rings;
+    if (rs->open >= max) {
+        close(fd);
+        qm_limit_hit(mx->limits, QM_LIMIT_MAX_RINGS, "max_rings %u reached: refusing a ring", max);
+        return qm_status_set(st, QM_ERESOURCE_EXHAUSTED,
+                             "max_rings %u reached: the daemon has %u call rings open; close one "
+                             "(its connection, or its session) or use the socket",
+                             max, rs->open);
+    }
+    qm_shm_map *m;
+    int rc = qm_shm_map_fd(fd, QM_RING_BYTES, &m, st);
+    if (rc < 0)
+        return rc;
+    qm_ring *r = qm_calloc(1, sizeof *r);
+    if (!r) {
+        qm_shm_unref(m);
+        return qm_status_set(st, QM_ENOMEM, "out of memory for a ring");
+    }
+    r->map = m;
+    r->base = m->base;
+    r->session = s;
+    r->conn = c;
+    r->conn_id = qm_conn_id(c);
+    rc = ring_start(rs, r, st);
+    if (rc < 0) {
+        qm_shm_unref(m);
+        qm_free(r);
+        return rc;
+    }
+    qm_session_ref(s);
+    qm_conn_hold(c);
+    r->id = ++rs->next_id;
+    r->next = rs->head;
+    rs->head = r;
+    rs->open++;
+    *id = r->id;
+    qm_log(QM_LOG_INFO, "session %s: call ring %llu opened on connection %llu", qm_session_id(s),
+           (unsigned long long)r->id, (unsigned long long)r->conn_id);
+    return 0;
+}
+
+void qm_rings_conn_closed(qm_rings *rs, uint64_t conn_id)
+{
+    for (qm_ring *r = rs ? rs->head : NULL; r; r = r->next) {
+        if (r->conn_id != conn_id)
+            continue;
+        atomic_store(&r->conn_gone, 1);
+        ring_stop(r, QM_RING_CLOSED_CONN, "the connection that opened the ring closed");
+    }
+}
+
+void qm_rings_session_closed(qm_rings *rs, const qm_session *s)
+{
+    for (qm_ring *r = rs ? rs->head : NULL; r; r = r->next)
+        if (r->session == s)
+            ring_stop(r, QM_RPC_NOT_FOUND, "the session was closed");
+}
+
+void qm_rings_drain(qm_rings *rs)
+{
+    for (qm_ring *r = rs ? rs->head : NULL; r; r = r->next)
+        ring_stop(r, QM_RPC_SHUTTING_DOWN, "the daemon is draining and takes no new requests");
+}
+
+uint32_t qm_rings_open_count(const qm_rings *rs) { return rs ? rs->open : 0; }
+
+void qm_rings_stop(qm_rings *rs)
+{
+    if (!rs)
+        return;
+    for (qm_ring *r = rs->head; r; r = r->next) {
+        atomic_store(&r->abandon, 1);
+        ring_stop(r, QM_RPC_SHUTTING_DOWN, "the daemon is exiting");
+    }
+    for (qm_ring *r = rs->head; r; r = r->next)
+        uv_thread_join(&r->thread);
+}
+
+void qm_rings_free(qm_rings *rs)
+{
+    if (!rs)
+        return;
+    while (rs->head) {
+        qm_ring *r = rs->head;
+        rs->head = r->next;
+        ring_free(r);
+    }
+    /* The poll handle was closed with the loop's other handles. */
+    close(rs->efd);
+    qm_free(rs);
+}

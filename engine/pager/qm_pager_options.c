@@ -1,0 +1,65 @@
+/* qm_pager_options.c - the names of the pager's options (qm_pager.h): what
+ * a demand miss does (on_miss) and where paged units come from (the paging
+ * source). The one list of each: the daemon's configuration, the wire's
+ * decoder (checked against it by tests/daemon) and the help texts read
+ * them here. */
+#include <string.h>
+
+#include "qm_pager.h"
+
+typedef struct qm__option_name {
+    const char *name;
+    int value;
+} qm__option_name;
+
+static const qm__option_name qm__on_miss[] = {
+    {"page", QM_ON_MISS_PAGE}, {"host", QM_ON_MISS_HOST}, {"auto", QM_ON_MISS_AUTO}};
+static const qm__option_name qm__sources[] = {{"auto", QM_PAGER_SOURCE_AUTO},
+                                             {"mmap", QM_PAGER_SOURCE_MMAP},
+                                             {"direct", QM_PAGER_SOURCE_DIRECT}};
+#define QM__N(t) (sizeof(t) / sizeof((t)[0]))
+
+static const char *name_of(const qm__option_name *t, size_t n, int value)
+{
+    for (size_t i = 0; i < n; i++)
+        if (t[i].value == value)
+            return t[i].name;
+    return NULL;
+}
+
+static int value_of(const qm__option_name *t, size_t n, const char *name)
+{
+    for (size_t i = 0; name && i < n; i++)
+        if (strcmp(name, t[i].name) == 0)
+            return t[i].value;
+    return -1;
+}
+
+static const char *at(const qm__option_name *t, size_t n, size_t i, int *value)
+{
+    if (i >= n)
+        return NULL;
+    if (value)
+        *value = t[i].value;
+    return t[i].name;
+}
+
+const char *qm_on_miss_name(int on_miss) { return name_of(qm__on_miss, QM__N(qm__on_miss), on_miss); }
+int qm_on_miss_parse(const char *name) { return value_of(qm__on_miss, QM__N(qm__on_miss), name); }
+const char *qm_on_miss_at(size_t i, int *value)
+{
+    return at(qm__on_miss, QM__N(qm__on_miss), i, value);
+}
+
+const char *qm_pager_source_name(int source)
+{
+    return name_of(qm__sources, QM__N(qm__sources), source);
+}
+int qm_pager_source_parse(const char *name)
+{
+    return value_of(qm__sources, QM__N(qm__sources), name);
+}
+const char *qm_pager_source_at(size_t i, int *value)
+{
+    return at(qm__sources, QM__N(qm__sources), i, value);
+}
