@@ -93,11 +93,12 @@ static int qm__slot_pages(const qm_pager *p, uint32_t s, uintptr_t *start, uint6
     return 1;
 }
 
-/* Slots [from, to) given back by a shrink: in a host arena their pages go
- * back to the system (unlocked first where the disk source locked them), so
- * the smaller budget is less memory, as a memory cgroup counts it; a
- * growth takes them again (qm__slots_retake). Device memory stays. */
-static void qm__slots_release(qm_pager *p, uint32_t from, uint32_t to)
+/* Slots [from, to) given back by a shrink (take 0): in a host arena their
+ * pages go back to the system (unlocked first where the disk source locked
+ * them), so the smaller budget is less memory, as a memory cgroup counts
+ * it; taken again by a growth (take 1): locked again as the arena was.
+ * Device memory stays. */
+static void qm__slots_memory(qm_pager *p, uint32_t from, uint32_t to, int take)
 {
     if (!qm_backend_host_visible(p->backend))
         return;
@@ -106,20 +107,12 @@ static void qm__slots_release(qm_pager *p, uint32_t from, uint32_t to)
         uint64_t len;
         if (!qm__slot_pages(p, s, &a, &len))
             continue;
-        qm__pager_disk_unlock_range(p, (void *)a, len);
-        madvise((void *)a, (size_t)len, MADV_DONTNEED);
-    }
-}
-
-static void qm__slots_retake(qm_pager *p, uint32_t from, uint32_t to)
-{
-    if (!qm_backend_host_visible(p->backend))
-        return;
-    for (uint32_t s = from; s < to; s++) {
-        uintptr_t a;
-        uint64_t len;
-        if (qm__slot_pages(p, s, &a, &len))
+        if (take) {
             qm__pager_disk_lock_range(p, (void *)a, len);
+        } else {
+            qm__pager_disk_unlock_range(p, (void *)a, len);
+            madvise((void *)a, (size_t)len, MADV_DONTNEED);
+        }
     }
 }
 
@@ -151,7 +144,7 @@ static int qm__shrink(qm_pager *p, uint64_t budget, uint32_t keep, qm_status *st
             return qm_status_set(st, QM_EINTERNAL, "resize: no free slot below %u", keep);
         qm__move_unit(p, (int32_t)s, (int32_t)low);
     }
-    qm__slots_release(p, keep, p->n_slots);
+    qm__slots_memory(p, keep, p->n_slots, 0);
     p->n_slots = keep;
     /* Arenas added by growing whose slots are all given back go. */
     while (p->n_grow > 0 && p->grow_first[p->n_grow - 1] >= keep) {
@@ -170,7 +163,7 @@ static int qm__grow(qm_pager *p, uint32_t want, qm_status *st)
     if (want <= p->slot_cap) {
         for (uint32_t s = p->n_slots; s < want; s++)
             memset(&p->slots[s].layer, 0, sizeof *p->slots - offsetof(qm__slot, layer));
-        qm__slots_retake(p, p->n_slots, want);
+        qm__slots_memory(p, p->n_slots, want, 1);
         p->n_slots = want;
         return 0;
     }
@@ -201,7 +194,7 @@ static int qm__grow(qm_pager *p, uint32_t want, qm_status *st)
     p->stats.arena_bytes += bytes;
     for (uint32_t s = p->n_slots; s < p->slot_cap; s++)
         memset(&p->slots[s].layer, 0, sizeof *p->slots - offsetof(qm__slot, layer));
-    qm__slots_retake(p, p->n_slots, p->slot_cap);
+    qm__slots_memory(p, p->n_slots, p->slot_cap, 1);
     p->slot_cap = want;
     p->n_slots = want;
     return 0;

@@ -163,17 +163,32 @@ static qm_mem_state one_cgroup(uint64_t limit, uint64_t usage)
     return m;
 }
 
+/* "auto" asked of a machine with one cgroup of `limit` and `usage`
+ * (one_cgroup) and `reserve`: qm_budget_auto_size's code, the bytes (left
+ * alone on an error), what it came to and its status. */
+static int size_auto(uint64_t limit, uint64_t usage, uint64_t reserve, qm_budget_ask ask,
+                     uint64_t *bytes, qm_budget_auto *a, qm_status *st)
+{
+    static const qm_budget_spec spec = {.form = QM_BUDGET_AUTO};
+    ask.spec = &spec;
+    ask.host_memory = 1;
+    if (!ask.device_free)
+        ask.device_free = UINT64_MAX;
+    qm_mem_state m = one_cgroup(limit, usage);
+    qm_status_clear(st);
+    return qm_budget_auto_size(&m, reserve, &ask, bytes, a, st);
+}
+
 START_TEST(test_auto_is_the_tightest_bound_less_reserve_and_workspace)
 {
     qm_budget_spec spec = {.form = QM_BUDGET_AUTO};
     qm_budget_ask ask = {.spec = &spec, .model_bytes = 10000 * MB, .workspace = 16 * MB,
                          .device_free = UINT64_MAX, .host_memory = 1};
-    qm_mem_state m = one_cgroup(4000 * MB, 400 * MB);
+    qm_mem_state m;
     qm_budget_auto a;
     uint64_t bytes = 0;
     qm_status st;
-    qm_status_clear(&st);
-    ck_assert_int_eq(qm_budget_auto_size(&m, 500 * MB, &ask, &bytes, &a, &st), 0);
+    ck_assert_int_eq(size_auto(4000 * MB, 400 * MB, 500 * MB, ask, &bytes, &a, &st), 0);
     ck_assert_uint_eq(bytes, 3084 * MB);
     ck_assert_uint_eq(a.target, bytes);
     ck_assert_int_eq(a.on, 1);
@@ -210,15 +225,11 @@ END_TEST
 
 START_TEST(test_auto_with_nothing_left_is_refused_with_the_arithmetic)
 {
-    qm_budget_spec spec = {.form = QM_BUDGET_AUTO};
-    qm_budget_ask ask = {.spec = &spec, .model_bytes = 10000 * MB, .workspace = 16 * MB,
-                         .device_free = UINT64_MAX, .host_memory = 1};
-    qm_mem_state m = one_cgroup(1000 * MB, 800 * MB);
+    qm_budget_ask ask = {.model_bytes = 10000 * MB, .workspace = 16 * MB};
     qm_budget_auto a;
     uint64_t bytes = 7;
     qm_status st;
-    qm_status_clear(&st);
-    ck_assert_int_eq(qm_budget_auto_size(&m, 256 * MB, &ask, &bytes, &a, &st),
+    ck_assert_int_eq(size_auto(1000 * MB, 800 * MB, 256 * MB, ask, &bytes, &a, &st),
                      QM_ERESOURCE_EXHAUSTED);
     ck_assert_uint_eq(bytes, 7);
     ck_assert_str_eq(st.field, "budget");
@@ -231,15 +242,11 @@ END_TEST
 
 START_TEST(test_a_resize_to_auto_counts_the_sessions_own_bytes)
 {
-    qm_budget_spec spec = {.form = QM_BUDGET_AUTO};
-    qm_budget_ask ask = {.spec = &spec, .model_bytes = 10000 * MB, .credit = 600 * MB,
-                         .device_free = UINT64_MAX, .host_memory = 1};
-    qm_mem_state m = one_cgroup(1000 * MB, 900 * MB);
+    qm_budget_ask ask = {.model_bytes = 10000 * MB, .credit = 600 * MB};
     qm_budget_auto a;
     uint64_t bytes = 0;
     qm_status st;
-    qm_status_clear(&st);
-    ck_assert_int_eq(qm_budget_auto_size(&m, 200 * MB, &ask, &bytes, &a, &st), 0);
+    ck_assert_int_eq(size_auto(1000 * MB, 900 * MB, 200 * MB, ask, &bytes, &a, &st), 0);
     ck_assert_uint_eq(bytes, 500 * MB);
     ck_assert_str_eq(a.why, "budget auto: 500.0 MB = cgroup limit 1.00 GB - in use 900.0 MB + "
                             "its own 600.0 MB - reserve 200.0 MB (cgroup v1 "

@@ -92,6 +92,20 @@ def small(banks):
     return banks["small"]
 
 
+@pytest.fixture
+def watched(small, tmp_path):
+    """A daemon whose memory is FakeMemory's (a 1 GiB cgroup, nothing in use;
+    auto_budget_reserve 10000 bytes) and whose pressure events come from a
+    FIFO: (daemon, FakeMemory, the FIFO's path). It must exit 0."""
+    fm = FakeMemory(str(tmp_path), limit=1 << 30, usage=0)
+    fifo = os.path.join(str(tmp_path), "pressure")
+    os.mkfifo(fifo)
+    dm = Daemon(models={"small": small}, env=fm.env(fifo),
+                args=WATCH + ["--set", "auto_budget_reserve=10000"])
+    yield dm, fm, fifo
+    assert dm.stop() == 0, dm.log_text()
+
+
 def test_budget_forms_over_the_wire(daemon):
     c = daemon.client()
     total = model_bytes(c)
@@ -123,52 +137,49 @@ def test_budget_forms_over_the_wire(daemon):
     assert e["data"]["field"] == "budget_bytes"
 
 
-def test_auto_is_sized_by_the_tightest_of_meminfo_and_the_cgroup_chain(small, tmp_path):
-    fm = FakeMemory(str(tmp_path), limit=1 << 30, usage=0)
-    dm = Daemon(models={"small": small}, env=fm.env(), args=WATCH + ["--set", "auto_budget_reserve=10000"])
-    try:
-        c = dm.client()
-        total = model_bytes(c)
-        x = total // 2
-        # The cgroup: 1 GiB less (usage - inactive page cache) leaves x after the reserve and the workspace.
-        fm.write("memory.usage_in_bytes", (1 << 30) - 10000 - WORKSPACE - x + 3000)
-        with open(os.path.join(fm.dir, "memory.stat"), "w") as f:
-            f.write("total_inactive_file 3000\n")
-        r = c.call("session.create", {"model": "small", "policy": "lru", "budget": "auto"})
-        assert r["budget_bytes"] == x, r
-        a = r["budget_auto"]
-        assert a["bound"] == "memory" and a["target_bytes"] == x and a["reserve_bytes"] == 10000
-        m = a["memory"]
-        assert m["source"] == "cgroup v1" and m["path"] == fm.dir
-        assert m["limit_bytes"] == 1 << 30 and m["page_cache_bytes"] == 3000
-        assert m["available_bytes"] == x + 10000 + WORKSPACE
-        assert re.match(r"budget auto: .* = cgroup limit 1\.07 GB - in use 1\.07 GB - reserve 10\.0 kB "
-                        r"- workspace 4\.1 kB \(cgroup v1 .*/cg\)$", a["reason"]), a["reason"]
-        plan = c.call("session.plan", {"session": r["session"]})
-        assert plan["budget_auto"] == a
-        assert "budget auto: " in dm.log_text()
-        # MemAvailable tighter than the cgroup: it bounds.
-        fm.write("memory.usage_in_bytes", 0)
-        fm.set_meminfo(100 << 30, 10000 + WORKSPACE + total // 4)
-        r = c.call("session.create", {"model": "small", "policy": "lru", "budget": "auto"})
-        by_meminfo = ((10000 + WORKSPACE + total // 4) >> 10 << 10) - 10000 - WORKSPACE  # kB
-        assert r["budget_bytes"] == by_meminfo
-        assert r["budget_auto"]["memory"]["source"] == "MemAvailable"
-        assert r["budget_auto"]["reason"].startswith("budget auto: ")
-        # Room for everything: the model bounds it.
-        fm.set_meminfo(100 << 30, 90 << 30)
-        r = c.call("session.create", {"model": "small", "policy": "lru", "budget": "auto"})
-        assert r["budget_bytes"] == total and r["budget_auto"]["bound"] == "model"
-        # Nothing left: refused with the arithmetic.
-        fm.write("memory.usage_in_bytes", (1 << 30) - 5000)
-        e = err(c.request("session.create", {"model": "small", "budget": "auto"}))
-        assert e["code"] == -32003 and e["data"]["field"] == "budget", e
-        assert "nothing left for expert weights" in e["data"]["reason"]
-        assert "auto_budget_reserve" in e["data"]["reason"]
-        t = c.call("telemetry.get")["daemon"]
-        assert t["auto_budget_bytes"] == x + by_meminfo + total
-    finally:
-        assert dm.stop() == 0, dm.log_text()
+def test_auto_is_sized_by_the_tightest_of_meminfo_and_the_cgroup_chain(watched):
+    dm, fm, fifo = watched
+    c = dm.client()
+    total = model_bytes(c)
+    x = total // 2
+    # The cgroup: 1 GiB less (usage - inactive page cache) leaves x after the reserve and the workspace.
+    fm.write("memory.usage_in_bytes", (1 << 30) - 10000 - WORKSPACE - x + 3000)
+    with open(os.path.join(fm.dir, "memory.stat"), "w") as f:
+        f.write("total_inactive_file 3000\n")
+    r = c.call("session.create", {"model": "small", "policy": "lru", "budget": "auto"})
+    assert r["budget_bytes"] == x, r
+    a = r["budget_auto"]
+    assert a["bound"] == "memory" and a["target_bytes"] == x and a["reserve_bytes"] == 10000
+    m = a["memory"]
+    assert m["source"] == "cgroup v1" and m["path"] == fm.dir
+    assert m["limit_bytes"] == 1 << 30 and m["page_cache_bytes"] == 3000
+    assert m["available_bytes"] == x + 10000 + WORKSPACE
+    assert re.match(r"budget auto: .* = cgroup limit 1\.07 GB - in use 1\.07 GB - reserve 10\.0 kB "
+                    r"- workspace 4\.1 kB \(cgroup v1 .*/cg\)$", a["reason"]), a["reason"]
+    plan = c.call("session.plan", {"session": r["session"]})
+    assert plan["budget_auto"] == a
+    assert "budget auto: " in dm.log_text()
+    # MemAvailable tighter than the cgroup: it bounds.
+    fm.write("memory.usage_in_bytes", 0)
+    fm.set_meminfo(100 << 30, 10000 + WORKSPACE + total // 4)
+    r = c.call("session.create", {"model": "small", "policy": "lru", "budget": "auto"})
+    by_meminfo = ((10000 + WORKSPACE + total // 4) >> 10 << 10) - 10000 - WORKSPACE  # kB
+    assert r["budget_bytes"] == by_meminfo
+    assert r["budget_auto"]["memory"]["source"] == "MemAvailable"
+    assert r["budget_auto"]["reason"].startswith("budget auto: ")
+    # Room for everything: the model bounds it.
+    fm.set_meminfo(100 << 30, 90 << 30)
+    r = c.call("session.create", {"model": "small", "policy": "lru", "budget": "auto"})
+    assert r["budget_bytes"] == total and r["budget_auto"]["bound"] == "model"
+    # Nothing left: refused with the arithmetic (and within half the reserve
+    # of it: the watcher leaves the sessions above alone).
+    fm.write("memory.usage_in_bytes", (1 << 30) - 6000)
+    e = err(c.request("session.create", {"model": "small", "budget": "auto"}))
+    assert e["code"] == -32003 and e["data"]["field"] == "budget", e
+    assert "nothing left for expert weights" in e["data"]["reason"]
+    assert "auto_budget_reserve" in e["data"]["reason"]
+    t = c.call("telemetry.get")["daemon"]
+    assert t["auto_budget_bytes"] == x + by_meminfo + total
 
 
 def test_auto_on_this_machine_is_within_memavailable(daemon):
@@ -183,102 +194,87 @@ def test_auto_on_this_machine_is_within_memavailable(daemon):
     assert avail <= now["MemTotal"]
 
 
-def test_pressure_shrinks_auto_sessions_only_and_quiet_grows_them_back(small, tmp_path):
-    fm = FakeMemory(str(tmp_path), limit=1 << 30, usage=0)
-    fifo = os.path.join(str(tmp_path), "pressure")
-    os.mkfifo(fifo)
-    dm = Daemon(models={"small": small}, env=fm.env(fifo),
-                args=WATCH + ["--set", "auto_budget_reserve=10000"])
-    try:
-        c = dm.client()
-        total = model_bytes(c)
-        ref = outputs(c, new_session(c))
-        auto = c.call("session.create", {"model": "small", "policy": "lru", "budget": "auto"})["session"]
-        fixed = c.call("session.create", {"model": "small", "policy": "lru", "budget": total})["session"]
-        assert same(outputs(c, auto), ref)
-        with open(fifo, "w") as f:
-            f.write("pressure\n")
-        shrunk = wait_budget(c, auto, lambda b: b < total, "shrunk")
-        assert shrunk == total - total // 5, (shrunk, total)
-        assert budget_of(c, fixed) == total  # only auto budgets give way
-        assert same(outputs(c, auto), ref)
-        t = c.call("telemetry.get")
-        assert t["daemon"]["memory_pressure_events"] == 1
-        assert t["daemon"]["auto_shrinks"] == 1 and t["daemon"]["auto_shrunk_bytes"] == total // 5
-        s = next(x for x in t["sessions"] if x["session"] == auto)
-        assert s["auto_shrinks"] == 1 and s["auto_budget_bytes"] == shrunk
-        assert re.search(r"session %s: auto budget shrank .* \(memory pressure\)" % auto, dm.log_text())
-        # A second event within the check interval is the same episode; then quiet.
-        grown = wait_budget(c, auto, lambda b: b == total, "grown back", timeout=15)
-        assert grown == total
-        assert same(outputs(c, auto), ref)
-        t = c.call("telemetry.get")["daemon"]
-        assert t["auto_grows"] == 1 and t["auto_grown_bytes"] == total // 5
-        assert re.search(r"session %s: auto budget grew .* \(no memory pressure for 1 s" % auto,
-                         dm.log_text())
-        plan = c.call("session.plan", {"session": auto})
-        assert plan["budget_bytes"] == total and plan["budget_auto"]["target_bytes"] == total
-    finally:
-        assert dm.stop() == 0, dm.log_text()
+def test_pressure_shrinks_auto_sessions_only_and_quiet_grows_them_back(watched):
+    dm, fm, fifo = watched
+    c = dm.client()
+    total = model_bytes(c)
+    ref = outputs(c, new_session(c))
+    auto = c.call("session.create", {"model": "small", "policy": "lru", "budget": "auto"})["session"]
+    fixed = c.call("session.create", {"model": "small", "policy": "lru", "budget": total})["session"]
+    assert same(outputs(c, auto), ref)
+    with open(fifo, "w") as f:
+        f.write("pressure\n")
+    shrunk = wait_budget(c, auto, lambda b: b < total, "shrunk")
+    assert shrunk == total - total // 5, (shrunk, total)
+    assert budget_of(c, fixed) == total  # only auto budgets give way
+    assert same(outputs(c, auto), ref)
+    t = c.call("telemetry.get")
+    assert t["daemon"]["memory_pressure_events"] == 1
+    assert t["daemon"]["auto_shrinks"] == 1 and t["daemon"]["auto_shrunk_bytes"] == total // 5
+    s = next(x for x in t["sessions"] if x["session"] == auto)
+    assert s["auto_shrinks"] == 1 and s["auto_budget_bytes"] == shrunk
+    assert re.search(r"session %s: auto budget shrank .* \(memory pressure\)" % auto, dm.log_text())
+    # A second event within the check interval is the same episode; then quiet.
+    grown = wait_budget(c, auto, lambda b: b == total, "grown back", timeout=15)
+    assert grown == total
+    assert same(outputs(c, auto), ref)
+    t = c.call("telemetry.get")["daemon"]
+    assert t["auto_grows"] == 1 and t["auto_grown_bytes"] == total // 5
+    assert re.search(r"session %s: auto budget grew .* \(no memory pressure for 1 s" % auto,
+                     dm.log_text())
+    plan = c.call("session.plan", {"session": auto})
+    assert plan["budget_bytes"] == total and plan["budget_auto"]["target_bytes"] == total
 
 
-def test_a_lowered_limit_takes_what_is_missing_from_auto_budgets(small, tmp_path):
-    fm = FakeMemory(str(tmp_path), limit=1 << 30, usage=0)
-    dm = Daemon(models={"small": small}, env=fm.env(), args=WATCH + ["--set", "auto_budget_reserve=10000"])
-    try:
-        c = dm.client()
-        total = model_bytes(c)
-        ref = outputs(c, new_session(c))
-        auto = c.call("session.create", {"model": "small", "policy": "lru", "budget": "auto"})["session"]
-        assert budget_of(c, auto) == total
-        # Within half the reserve: the reserve absorbs it.
-        fm.write("memory.usage_in_bytes", (1 << 30) - 6000)
-        time.sleep(0.5)
-        assert budget_of(c, auto) == total
-        # 6000 bytes of the reserve eaten: that much goes (and again at each
-        # check, since this cgroup's usage does not follow the daemon's).
-        fm.write("memory.usage_in_bytes", (1 << 30) - 4000)
-        wait_budget(c, auto, lambda b: b < total, "shrunk")
-        first = re.search(r"session %s: auto budget shrank (\S+ \S+) -> (\S+ \S+) \(cgroup limit "
-                          r"1\.07 GB - in use 1\.07 GB leaves less than the reserve 10\.0 kB\)" % auto,
-                          dm.log_text())
-        kb = lambda n: "%.1f kB" % (n / 1e3)  # the daemon's units at this size
-        assert first and first.groups() == (kb(total), kb(total - 6000)), dm.log_text()[-2000:]
-        assert same(outputs(c, auto), ref)
-        fm.write("memory.usage_in_bytes", 0)
-        assert wait_budget(c, auto, lambda b: b == total, "grown back", timeout=15) == total
-    finally:
-        assert dm.stop() == 0, dm.log_text()
+
+def test_a_lowered_limit_takes_what_is_missing_from_auto_budgets(watched):
+    dm, fm, fifo = watched
+    c = dm.client()
+    total = model_bytes(c)
+    ref = outputs(c, new_session(c))
+    auto = c.call("session.create", {"model": "small", "policy": "lru", "budget": "auto"})["session"]
+    assert budget_of(c, auto) == total
+    # Within half the reserve: the reserve absorbs it.
+    fm.write("memory.usage_in_bytes", (1 << 30) - 6000)
+    time.sleep(0.5)
+    assert budget_of(c, auto) == total
+    # 6000 bytes of the reserve eaten: that much goes (and again at each
+    # check, since this cgroup's usage does not follow the daemon's).
+    fm.write("memory.usage_in_bytes", (1 << 30) - 4000)
+    wait_budget(c, auto, lambda b: b < total, "shrunk")
+    first = re.search(r"session %s: auto budget shrank (\S+ \S+) -> (\S+ \S+) \(cgroup limit "
+                      r"1\.07 GB - in use 1\.07 GB leaves less than the reserve 10\.0 kB\)" % auto,
+                      dm.log_text())
+    kb = lambda n: "%.1f kB" % (n / 1e3)  # the daemon's units at this size
+    assert first and first.groups() == (kb(total), kb(total - 6000)), dm.log_text()[-2000:]
+    assert same(outputs(c, auto), ref)
+    fm.write("memory.usage_in_bytes", 0)
+    assert wait_budget(c, auto, lambda b: b == total, "grown back", timeout=15) == total
 
 
-def test_resizing_an_auto_session(small, tmp_path):
-    fm = FakeMemory(str(tmp_path), limit=1 << 30, usage=0)
-    fifo = os.path.join(str(tmp_path), "pressure")
-    os.mkfifo(fifo)
-    dm = Daemon(models={"small": small}, env=fm.env(fifo),
-                args=WATCH + ["--set", "auto_budget_reserve=10000"])
-    try:
-        c = dm.client()
-        total = model_bytes(c)
-        sid = c.call("session.create", {"model": "small", "policy": "lru", "budget": "auto"})["session"]
-        # Bytes end auto: the watcher leaves it alone from then on.
-        r = c.call("session.resize", {"session": sid, "budget": "50%"})
-        assert r["budget_bytes"] == total // 2 and "budget_auto" not in r
-        assert "budget_auto" not in c.call("session.plan", {"session": sid})
-        with open(fifo, "w") as f:
-            f.write("pressure\n")
-        time.sleep(0.5)
-        assert budget_of(c, sid) == total // 2
-        # "auto" sizes it again, its own resident bytes counted as its.
-        fm.write("memory.usage_in_bytes", (1 << 30) - 10000 - total // 3)
-        res = next(s for s in c.call("session.list")["sessions"] if s["session"] == sid)["resident_bytes"]
-        assert res > 0
-        r = c.call("session.resize", {"session": sid, "budget": "auto"})
-        assert r["budget_bytes"] == min(total, total // 3 + res), (r, res)
-        assert "its own" in r["budget_auto"]["reason"]
-        assert c.call("session.plan", {"session": sid})["budget_auto"]["target_bytes"] == r["budget_bytes"]
-    finally:
-        assert dm.stop() == 0, dm.log_text()
+
+def test_resizing_an_auto_session(watched):
+    dm, fm, fifo = watched
+    c = dm.client()
+    total = model_bytes(c)
+    sid = c.call("session.create", {"model": "small", "policy": "lru", "budget": "auto"})["session"]
+    # Bytes end auto: the watcher leaves it alone from then on.
+    r = c.call("session.resize", {"session": sid, "budget": "50%"})
+    assert r["budget_bytes"] == total // 2 and "budget_auto" not in r
+    assert "budget_auto" not in c.call("session.plan", {"session": sid})
+    with open(fifo, "w") as f:
+        f.write("pressure\n")
+    time.sleep(0.5)
+    assert budget_of(c, sid) == total // 2
+    # "auto" sizes it again, its own resident bytes counted as its.
+    fm.write("memory.usage_in_bytes", (1 << 30) - 10000 - total // 3)
+    res = next(s for s in c.call("session.list")["sessions"] if s["session"] == sid)["resident_bytes"]
+    assert res > 0
+    r = c.call("session.resize", {"session": sid, "budget": "auto"})
+    assert r["budget_bytes"] == min(total, total // 3 + res), (r, res)
+    assert "its own" in r["budget_auto"]["reason"]
+    assert c.call("session.plan", {"session": sid})["budget_auto"]["target_bytes"] == r["budget_bytes"]
+
 
 
 # ---- a real memory cgroup ----
