@@ -25,6 +25,7 @@ struct qm__psource {
     int kind;   /* QM__PSOURCE_* */
     int fd;     /* polled: a PSI trigger, cgroup v1's eventfd, the test FIFO */
     int aux_fd; /* cgroup v1: memory.pressure_level, held while registered; else -1 */
+    int prio;   /* a PSI trigger: POLLPRI, nothing to read; else readable, drained */
     char what[QM_MEM_PATH_MAX + 32]; /* for the log */
 };
 
@@ -64,7 +65,7 @@ static void source_cb(uv_poll_t *h, int status, int events)
         source_close(p, src->kind);
         return;
     }
-    if (src->kind != QM__PSOURCE_SYSTEM && !(src->kind == QM__PSOURCE_CGROUP && src->aux_fd < 0)) {
+    if (!src->prio) {
         char sink[256]; /* the eventfd's count, the FIFO's lines: events, whatever they say */
         while (read(src->fd, sink, sizeof sink) > 0)
             ;
@@ -97,6 +98,7 @@ static int source_add(qm_pressure *p, int kind, int fd, int aux_fd, int prio, co
     src->kind = kind;
     src->fd = fd;
     src->aux_fd = aux_fd;
+    src->prio = prio;
     snprintf(src->what, sizeof src->what, "%s", what);
     src->poll.data = src;
     uv_poll_start(&src->poll, prio ? UV_PRIORITIZED : UV_READABLE, source_cb);

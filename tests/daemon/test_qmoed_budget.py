@@ -9,6 +9,7 @@ while inferences run: no OOM kill, the budget shrank, the outputs the same.
 """
 import os
 import re
+import subprocess
 import threading
 import time
 
@@ -370,3 +371,54 @@ def test_a_real_cgroup_bounds_auto_and_a_limit_lowered_mid_run_is_followed(banks
         rc_ = dm.stop()
         g.remove()
         assert rc_ == 0, dm.log_text()[-3000:]
+
+
+def test_a_real_pressure_event_shrinks_an_auto_budget(small, tmp_path):
+    """The kernel's own event: a memory cgroup whose page cache a reader
+    churns (a file four times its limit, read through it) reclaims, which
+    cgroup v1 reports as memory.pressure_level events (level low) and v2 as
+    PSI stall in memory.pressure; the daemon in that group shrinks its auto
+    session."""
+    why = MemCgroup.unavailable()
+    if why:
+        pytest.skip("no memory cgroup: " + why)
+    g = MemCgroup(8 << 30)
+    args = WATCH + ["--set", "auto_budget_reserve=1000", "--set", "auto_budget_pressure_ms=5",
+                    "--set", "auto_budget_pressure_level=low", "--set", "auto_budget_grow_after_s=3600"]
+    dm = Daemon(models={"small": small}, args=args)
+    try:
+        g.add(dm.proc.pid)
+        g.set_limit(g.usage() + (64 << 20))
+        c = dm.client()
+        total = model_bytes(c)
+        sid = c.call("session.create", {"model": "small", "policy": "lru", "budget": "auto"})["session"]
+        assert budget_of(c, sid) == total
+        deadline = time.time() + 5  # the watcher arms its sources at its first step
+        while "listening for memory pressure on" not in dm.log_text() and time.time() < deadline:
+            time.sleep(0.05)
+        if "listening for memory pressure on" not in dm.log_text():
+            pytest.skip("no memory pressure source could be armed here:\n" + dm.log_text()[-1500:])
+        churn = str(tmp_path / "churn")
+        with open(churn, "wb") as f:
+            f.truncate(256 << 20)
+        for _ in range(10):
+            subprocess.run(g.prefix() + ["dd", "if=" + churn, "of=/dev/null", "bs=1M"],
+                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, check=True)
+            if budget_of(c, sid) < total:
+                break
+        b = wait_budget(c, sid, lambda b: b < total, "shrunk by a real pressure event", timeout=10)
+        assert b >= qmoe_floor(c, sid)
+        t = c.call("telemetry.get")["daemon"]
+        assert t["memory_pressure_events"] > 0 and t["auto_shrinks"] >= 1, t
+        assert re.search(r"session %s: auto budget shrank .* \(memory pressure\)" % sid, dm.log_text())
+        assert g.oom_kills() == 0
+    finally:
+        rc = dm.stop()
+        g.remove()
+        assert rc == 0, dm.log_text()[-3000:]
+
+
+def qmoe_floor(c, sid):
+    """One expert unit: the least a paged session's budget goes to."""
+    return c.call("model.list")["models"][0]["bytes_per_expert"]
+
