@@ -888,6 +888,12 @@ static const qm__field qm__counter_u64s[] = {
     QM__FIELD(qm_client_counters, predict_lookahead_correct),
     QM__FIELD(qm_client_counters, predict_lookahead_actual),
     QM__FIELD(qm_client_counters, predict_lookahead_gated),
+    QM__FIELD(qm_client_counters, bytes_read_disk),
+    QM__FIELD(qm_client_counters, stall_us),
+    QM__FIELD(qm_client_counters, disk_busy_us),
+    QM__FIELD(qm_client_counters, read_calls),
+    QM__FIELD(qm_client_counters, reads_in_flight_sum),
+    QM__FIELD(qm_client_counters, reads_in_flight_peak),
 };
 
 static void qm__counters_from(const qm_cval *o, qm_client_counters *k)

@@ -404,6 +404,12 @@ typedef struct qm_client_counters {
     uint64_t predict_history_gated;
     uint64_t predict_lookahead_predicted, predict_lookahead_correct, predict_lookahead_actual;
     uint64_t predict_lookahead_gated;
+    /* Direct disk paging (0 from a daemon without them): bytes read, time
+     * waited for units to land, time the disk had reads in flight,
+     * inferences with reads in flight and the sum of each one's most in
+     * flight at once, the most at once. */
+    uint64_t bytes_read_disk, stall_us, disk_busy_us, read_calls, reads_in_flight_sum,
+        reads_in_flight_peak;
 } qm_client_counters;
 
 typedef struct qm_client_session_counters {

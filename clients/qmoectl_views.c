@@ -260,6 +260,41 @@ static void prediction_table(const qm_client_telemetry *tm)
     qmoectl_table_free(t);
 }
 
+/* Direct disk paging, added to the rows when any row read from disk: stall
+ * per call and per token, bytes read per token, reads in flight (mean of
+ * each call's most / the most), the disk's measured rate (bytes read / time
+ * with reads in flight). */
+static const char *const disk_headers[] = {"STALL/CALL", "STALL/TOKEN", "DISK/TOKEN",
+                                           "IN-FLIGHT", "DISK-RATE"};
+#define N_DISK_HEADERS (sizeof disk_headers / sizeof *disk_headers)
+
+static void disk_cells(qmoectl_table *t, const qm_client_counters *k)
+{
+    char sc[32], stok[32], rtok[32], rate[32];
+    double calls = (double)(k->requests ? k->requests : 1),
+           tok = (double)(k->tokens ? k->tokens : 1);
+    qmoectl_table_cell(t, "%s", qmoectl_micros((double)k->stall_us / calls, sc, sizeof(sc)));
+    qmoectl_table_cell(t, "%s", qmoectl_micros((double)k->stall_us / tok, stok, sizeof(stok)));
+    qmoectl_table_cell(t, "%s", B((uint64_t)((double)k->bytes_read_disk / tok), rtok));
+    qmoectl_table_cell(t, "%.1f/%llu",
+                       k->read_calls ? (double)k->reads_in_flight_sum / (double)k->read_calls : 0.0,
+                       (unsigned long long)k->reads_in_flight_peak);
+    if (k->disk_busy_us)
+        qmoectl_table_cell(
+            t, "%s/s",
+            B((uint64_t)((double)k->bytes_read_disk * 1e6 / (double)k->disk_busy_us), rate));
+    else
+        qmoectl_table_cell(t, "-");
+}
+
+static int any_disk(const qm_client_telemetry *tm)
+{
+    int any = tm->has_daemon && tm->daemon.bytes_read_disk;
+    for (size_t i = 0; i < tm->n_sessions; i++)
+        any |= tm->sessions[i].counters.bytes_read_disk != 0;
+    return any;
+}
+
 static int telemetry_once(qm_client *c, const char *session, int json)
 {
     if (json)
@@ -268,15 +303,25 @@ static int telemetry_once(qm_client *c, const char *session, int json)
     qm_client_error err;
     if (qm_client_telemetry_get(c, session, &tm, &err) < 0)
         return qmoectl_fail(&err);
-    static const char *const hdr[] = {"SESSION",   "MODEL",  "REQUESTS",  "ERRORS", "TOKENS",
-                                      "HIT-RATE",  "MISSES", "ON-HOST",   "PAGED",
-                                      "EVICTED",   "PREFETCH", "RESIDENT", "P50",   "P99"};
-    qmoectl_table *t = qmoectl_table_new(14, hdr);
-    if (tm.has_daemon)
+    const char *hdr[14 + N_DISK_HEADERS] = {"SESSION",  "MODEL",    "REQUESTS", "ERRORS",
+                                             "TOKENS",   "HIT-RATE", "MISSES",   "ON-HOST",
+                                             "PAGED",    "EVICTED",  "PREFETCH", "RESIDENT",
+                                             "P50",      "P99"};
+    const int disk = any_disk(&tm);
+    for (size_t i = 0; disk && i < N_DISK_HEADERS; i++)
+        hdr[14 + i] = disk_headers[i];
+    qmoectl_table *t = qmoectl_table_new(disk ? 14 + (int)N_DISK_HEADERS : 14, hdr);
+    if (tm.has_daemon) {
         counters_row(t, "(daemon)", NULL, &tm.daemon);
-    for (size_t i = 0; i < tm.n_sessions; i++)
+        if (disk)
+            disk_cells(t, &tm.daemon);
+    }
+    for (size_t i = 0; i < tm.n_sessions; i++) {
         counters_row(t, tm.sessions[i].session ? tm.sessions[i].session : "?",
                      tm.sessions[i].model, &tm.sessions[i].counters);
+        if (disk)
+            disk_cells(t, &tm.sessions[i].counters);
+    }
     qmoectl_table_print(t, stdout);
     qmoectl_table_free(t);
     prediction_table(&tm);

@@ -257,19 +257,26 @@ static int call_params(const qmoectl_args *a, qm_method m, qm_buf *out)
     return out->oom ? qmoectl_error("out of memory") : 0;
 }
 
+/* The method and its params from `call`'s arguments; params is the
+ * caller's to free either way. */
+static int call_of(const qmoectl_args *a, qm_method *m, qm_buf *params)
+{
+    qm_buf_init(params);
+    if (method_named(a->pos[0], m) != 0)
+        return QMOECTL_USAGE;
+    int rc = call_params(a, *m, params);
+    if (rc == 0)
+        qm_buf_append(params, "", 1);
+    return rc == 0 && params->oom ? qmoectl_error("out of memory") : rc;
+}
+
 int qmoectl_cmd_call(qm_client *c, const qmoectl_args *a)
 {
     qm_method m;
-    if (method_named(a->pos[0], &m) != 0)
-        return QMOECTL_USAGE;
     qm_buf params;
-    qm_buf_init(&params);
-    int rc = call_params(a, m, &params);
-    if (rc == 0) {
-        qm_buf_append(&params, "", 1);
-        rc = params.oom ? qmoectl_error("out of memory")
-                        : qmoectl_print_json(c, qm_method_name(m), a->npos > 1 ? params.data : NULL);
-    }
+    int rc = call_of(a, &m, &params);
+    if (rc == 0)
+        rc = qmoectl_print_json(c, qm_method_name(m), a->npos > 1 ? params.data : NULL);
     qm_buf_free(&params);
     return rc;
 }
@@ -277,11 +284,8 @@ int qmoectl_cmd_call(qm_client *c, const qmoectl_args *a)
 int qmoectl_check_call(const qmoectl_args *a)
 {
     qm_method m;
-    if (method_named(a->pos[0], &m) != 0)
-        return QMOECTL_USAGE;
     qm_buf params;
-    qm_buf_init(&params);
-    int rc = call_params(a, m, &params);
+    int rc = call_of(a, &m, &params);
     qm_buf_free(&params);
     return rc;
 }

@@ -19,17 +19,18 @@
 #include "qm_pager.h"
 #include "qm_protocol.h"
 
-/* "auto, mmap or direct" (sep, last) from the pager's registry of paging
- * sources, in its order. */
-static const char *source_names(char *out, size_t cap, const char *sep, const char *last)
+/* "auto, mmap or direct" (sep, last) from one of the pager's registries of
+ * option names (qm_pager_source_at, qm_pager_io_at), in its order. */
+static const char *option_names(const char *(*at)(size_t, int *), char *out, size_t cap,
+                                const char *sep, const char *last)
 {
     size_t len = 0, n = 0;
-    while (qm_pager_source_at(n, NULL))
+    while (at(n, NULL))
         n++;
     out[0] = '\0';
     for (size_t i = 0; i < n && len < cap; i++)
         len += (size_t)snprintf(out + len, cap - len, "%s%s", i == 0 ? "" : i + 1 == n ? last : sep,
-                                qm_pager_source_at(i, NULL));
+                                at(i, NULL));
     return out;
 }
 
@@ -41,6 +42,8 @@ void qm_config_defaults(qm_config *cfg)
         if (qm_backend_kind_caps(i) & QM_BACKEND_CAP_HOST)
             snprintf(cfg->backend, sizeof cfg->backend, "%s", qm_backend_kind_name(i));
     cfg->paging_source = QM_PAGER_SOURCE_AUTO;
+    cfg->io_engine = QM_PAGER_IO_AUTO;
+    cfg->io_depth = QM_PAGER_IO_DEPTH_DEFAULT;
     cfg->cpu_repack = 1;
     cfg->workers = 2;
     cfg->log_level = QM_LOG_INFO;
@@ -277,7 +280,7 @@ int qm_config_check_devices(qm_config *cfg, qm_status *st)
 }
 
 typedef enum { K_U32, K_U64, K_STR, K_LEVEL, K_BACKEND, K_BOOL, K_SOURCE, K_DEVICES,
-               K_BUDGETS, K_PRESSURE } key_kind;
+               K_BUDGETS, K_IO_ENGINE, K_PRESSURE } key_kind;
 
 typedef struct key_def {
     const char *name;
@@ -292,6 +295,8 @@ static const key_def keys[] = {
     {"socket", K_STR, OFF(socket_path), 0, 0, 0},
     {"backend", K_BACKEND, 0, 0, 0, 0},
     {"paging_source", K_SOURCE, 0, 0, 0, 0},
+    {"io_engine", K_IO_ENGINE, 0, 0, 0, 0},
+    {"io_depth", K_U32, OFF(io_depth), 0, 1, QM_PAGER_IO_DEPTH_MAX},
     {"cpu_repack", K_BOOL, OFF(cpu_repack), 0, 0, 0},
     {"device", K_DEVICES, 0, 0, 0, 0},
     {"device_budget", K_BUDGETS, 0, 0, 0, 0},
@@ -397,9 +402,20 @@ static int apply_key(qm_config *cfg, const key_def *k, const char *text, int has
         if (source < 0) {
             char names[64];
             return qm_status_set_field(st, QM_EINVAL, k->name, "%s must be %s", k->name,
-                                       source_names(names, sizeof names, ", ", " or "));
+                                       option_names(qm_pager_source_at, names, sizeof names, ", ", " or "));
         }
         cfg->paging_source = source;
+        return 0;
+    }
+    case K_IO_ENGINE: {
+        int engine = qm_pager_io_parse(text);
+        if (engine < 0) {
+            char names[64];
+            return qm_status_set_field(st, QM_EINVAL, k->name, "%s must be %s", k->name,
+                                       option_names(qm_pager_io_at, names, sizeof names, ", ",
+                                                    " or "));
+        }
+        cfg->io_engine = engine;
         return 0;
     }
     case K_PRESSURE:
@@ -522,7 +538,7 @@ static void usage_backends(FILE *out)
 
 static void usage(FILE *out)
 {
-    char sources[64];
+    char sources[64], engines[64];
     fprintf(out,
             "usage: qmoed [options]\n"
             "  --socket PATH         listen here (default $RUNTIME_DIRECTORY/qmoed.sock,\n"
@@ -547,7 +563,8 @@ static void usage(FILE *out)
             "  --set KEY=VALUE       any config key (e.g. --set max_batch=16)\n"
             "  --version, --help\n"
             "Config keys: socket backend device device_budget emu_copy_mbps\n"
-            "  paging_source (%s) cpu_repack (true|false) state_dir threads\n"
+            "  paging_source (%s) io_engine (%s) io_depth\n"
+            "  cpu_repack (true|false) state_dir threads\n"
             "  workers admin_group\n"
             "  user allow_root model_dirs (a list; --set model_dirs=DIR:DIR)\n"
             "  log_level max_request_bytes max_nesting max_batch max_connections max_sessions\n"
@@ -558,7 +575,8 @@ static void usage(FILE *out)
             "  auto_budget_pressure_ms auto_budget_pressure_level (low|medium|critical|off)\n"
             "  auto_budget_shrink_percent auto_budget_grow_after_s, and \"models\": {NAME: PATH}.\n"
             "SIGHUP re-reads the reloadable keys (limits, log_level, admin_group).\n",
-            source_names(sources, sizeof sources, "|", "|"));
+            option_names(qm_pager_source_at, sources, sizeof sources, "|", "|"),
+            option_names(qm_pager_io_at, engines, sizeof engines, "|", "|"));
 }
 
 int qm_config_from_args(qm_config *cfg, int argc, char **argv, qm_status *st)

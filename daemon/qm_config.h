@@ -39,6 +39,12 @@ typedef struct qm_config {
      * direct (O_DIRECT reads from the bank file into a locked arena; falls
      * back with a logged reason where the file or backend cannot). */
     int paging_source;
+    /* How the disk source reads, a value of the pager's registry
+     * (QM_PAGER_IO_*): auto or io_uring (io_uring, else a pool of preadv
+     * threads, the reason logged), threads, serial (one read at a time, the
+     * engine before); io_depth: reads in flight at most per session. */
+    int io_engine;
+    uint32_t io_depth;
     /* --device-budget: one value for every device, or one per device in
      * device order (n_device_budgets = n_devices). device_budget is the
      * first. */

@@ -211,40 +211,141 @@ static void pool_done(void *arg, qm_job *job)
     qm_dispatch_job_done(&((qm_daemon *)arg)->methods, job);
 }
 
+/* The configuration from the flags and the file, and what must hold before
+ * anything opens: -1 to go on, else the exit status (the config freed). */
+static int configure(qm_daemon *d, int argc, char **argv)
+{
+    qm_status st;
+    qm_status_clear(&st);
+    qm_config_defaults(&d->cfg);
+    int rc = qm_config_from_args(&d->cfg, argc, argv, &st), status = -1;
+    if (rc == 1) {
+        status = 0;
+    } else if (rc < 0) {
+        fprintf(stderr, "qmoed: %s\n", st.msg);
+        status = 2;
+    } else if (geteuid() == 0 && !d->cfg.user && !d->cfg.allow_root) {
+        /* Root only when asked for, before any bank is opened. */
+        fprintf(stderr, "qmoed: refusing to run as root: pass --user USER to drop to it after "
+                        "binding, or --allow-root (config keys user, allow_root)\n");
+        status = 2;
+    } else if (d->cfg.state_dir && mkdir(d->cfg.state_dir, 0750) < 0 && errno != EEXIST) {
+        /* The state dir holds hotness profiles and recorded traces;
+         * systemd's StateDirectory= creates it for the service, a
+         * hand-started daemon creates it here (one level, like
+         * StateDirectory). */
+        fprintf(stderr, "qmoed: cannot create state_dir %s: %s\n", d->cfg.state_dir,
+                strerror(errno));
+        status = 2;
+    }
+    if (status >= 0)
+        qm_config_free(&d->cfg);
+    return status;
+}
+
+/* What every method reaches of the daemon (qm_methods.h); the pool and
+ * the rings join it as they start. */
+static void set_method_ctx(qm_daemon *d)
+{
+    d->methods = (qm_method_ctx){.cfg = &d->cfg,
+                                 .registry = d->registry,
+                                 .models = qm_registry_models(d->registry),
+                                 .sessions = qm_registry_sessions(d->registry),
+                                 .devices = &d->devices,
+                                 .server = d->server,
+                                 .counters = &d->counters,
+                                 .limits = &d->limits,
+                                 .trace = &d->trace,
+                                 .reclaim = &d->reclaim,
+                                 .start_us = d->start_us,
+                                 .draining = draining,
+                                 .begin_drain = begin_drain,
+                                 .life = d};
+}
+
+/* The models given at start (--model, the file's "models"). */
+static int load_models(qm_daemon *d)
+{
+    for (size_t i = 0; i < d->cfg.n_models; i++) {
+        qm_status st;
+        qm_status_clear(&st);
+        if (qm_model_load(qm_registry_models(d->registry), d->cfg.models[i].name,
+                          d->cfg.models[i].path, NULL, &st) < 0) {
+            qm_log(QM_LOG_ERR, "cannot load model %s from %s: %s", d->cfg.models[i].name,
+                   d->cfg.models[i].path, st.msg);
+            return -1;
+        }
+        qm_log(QM_LOG_INFO, "model %s loaded from %s", d->cfg.models[i].name,
+               d->cfg.models[i].path);
+    }
+    return 0;
+}
+
+/* Signals first (a SIGTERM that arrives as soon as the socket answers
+ * must drain, not kill), then the loop's timers and the reclaim. */
+static void start_handles(qm_daemon *d)
+{
+    uv_signal_init(d->loop, &d->sig_term);
+    uv_signal_init(d->loop, &d->sig_int);
+    uv_signal_init(d->loop, &d->sig_hup);
+    d->sig_term.data = d->sig_int.data = d->sig_hup.data = d;
+    uv_signal_start(&d->sig_term, signal_cb, SIGTERM);
+    uv_signal_start(&d->sig_int, signal_cb, SIGINT);
+    uv_signal_start(&d->sig_hup, signal_cb, SIGHUP);
+    uv_timer_init(d->loop, &d->tick);
+    qm_reclaim_init(&d->reclaim, d->loop, qm_registry_sessions(d->registry), &d->cfg,
+                    &d->counters);
+    d->reclaim_started = 1;
+    uv_timer_init(d->loop, &d->watchdog);
+    uv_timer_init(d->loop, &d->drain_timer);
+    d->tick.data = d->watchdog.data = d->drain_timer.data = d;
+    uv_timer_start(&d->tick, tick_cb, 1000, 1000);
+}
+
+/* The socket, the call rings and the workers, then READY=1. */
+static int start_serving(qm_daemon *d)
+{
+    qm_status st;
+    qm_status_clear(&st);
+    if (qm_server_listen(d->server, &st) < 0) {
+        qm_log(QM_LOG_ERR, "%s", st.msg);
+        return -1;
+    }
+    if (qm_rings_new(d->loop, &d->methods, &d->rings) < 0) {
+        qm_log(QM_LOG_ERR, "out of memory for the call rings");
+        return -1;
+    }
+    d->methods.rings = d->rings;
+    qm_registry_sessions(d->registry)->on_close = session_closed;
+    qm_registry_sessions(d->registry)->on_close_arg = d;
+    qm_pool_hooks hooks = {.done = pool_done, .idle = maybe_finish, .arg = d};
+    if (qm_pool_start(d->loop, d->cfg.workers, &hooks, &d->pool) < 0) {
+        qm_log(QM_LOG_ERR, "cannot start %u workers", d->cfg.workers);
+        return -1;
+    }
+    d->methods.pool = d->pool;
+    qm_pressure_start(&d->pressure, d->loop, &d->methods);
+    d->watchdog_usec = qm_watchdog_usec();
+    if (d->watchdog_usec) {
+        uint64_t ms = d->watchdog_usec / 2000;
+        uv_timer_start(&d->watchdog, watchdog_cb, ms ? ms : 1, ms ? ms : 1);
+    }
+    notify_status(d, "READY=1\n");
+    qm_log(QM_LOG_NOTICE, "qmoed %s ready (%zu models)", QMOE_VERSION,
+           qm_registry_models(d->registry)->n);
+    return 0;
+}
+
 int qm_daemon_main(int argc, char **argv)
 {
     qm_daemon daemon_state, *d = &daemon_state;
     memset(d, 0, sizeof *d);
     qm_log_init();
-    qm_config_defaults(&d->cfg);
+    int rc = configure(d, argc, argv);
+    if (rc >= 0)
+        return rc;
     qm_status st;
     qm_status_clear(&st);
-    int rc = qm_config_from_args(&d->cfg, argc, argv, &st);
-    if (rc == 1) {
-        qm_config_free(&d->cfg);
-        return 0;
-    }
-    if (rc < 0) {
-        fprintf(stderr, "qmoed: %s\n", st.msg);
-        qm_config_free(&d->cfg);
-        return 2;
-    }
-    if (geteuid() == 0 && !d->cfg.user && !d->cfg.allow_root) {
-        /* Root only when asked for, before any bank is opened. */
-        fprintf(stderr, "qmoed: refusing to run as root: pass --user USER to drop to it after "
-                        "binding, or --allow-root (config keys user, allow_root)\n");
-        qm_config_free(&d->cfg);
-        return 2;
-    }
-    /* The state dir holds hotness profiles and recorded traces; systemd's
-     * StateDirectory= creates it for the service, a hand-started daemon
-     * creates it here (one level, like StateDirectory). */
-    if (d->cfg.state_dir && mkdir(d->cfg.state_dir, 0750) < 0 && errno != EEXIST) {
-        fprintf(stderr, "qmoed: cannot create state_dir %s: %s\n", d->cfg.state_dir,
-                strerror(errno));
-        qm_config_free(&d->cfg);
-        return 2;
-    }
     signal(SIGPIPE, SIG_IGN);
     if (qm_sigbus_install() < 0)
         qm_log(QM_LOG_WARNING, "cannot install the SIGBUS handler: a bank file truncated "
@@ -293,74 +394,12 @@ int qm_daemon_main(int argc, char **argv)
         qm_log(QM_LOG_ERR, "out of memory for the registry");
         goto out_models;
     }
-    d->methods = (qm_method_ctx){.cfg = &d->cfg,
-                                 .registry = d->registry,
-                                 .models = qm_registry_models(d->registry),
-                                 .sessions = qm_registry_sessions(d->registry),
-                                 .devices = &d->devices,
-                                 .server = d->server,
-                                 .counters = &d->counters,
-                                 .limits = &d->limits,
-                                 .trace = &d->trace,
-                                 .reclaim = &d->reclaim,
-                                 .start_us = d->start_us,
-                                 .draining = draining,
-                                 .begin_drain = begin_drain,
-                                 .life = d};
-    for (size_t i = 0; i < d->cfg.n_models; i++) {
-        qm_status_clear(&st);
-        rc = qm_model_load(qm_registry_models(d->registry), d->cfg.models[i].name, d->cfg.models[i].path, NULL, &st);
-        if (rc < 0) {
-            qm_log(QM_LOG_ERR, "cannot load model %s from %s: %s", d->cfg.models[i].name,
-                   d->cfg.models[i].path, st.msg);
-            goto out_models;
-        }
-        qm_log(QM_LOG_INFO, "model %s loaded from %s", d->cfg.models[i].name,
-               d->cfg.models[i].path);
-    }
-    /* Signals first: a SIGTERM that arrives as soon as the socket answers
-     * must drain, not kill. */
-    uv_signal_init(d->loop, &d->sig_term);
-    uv_signal_init(d->loop, &d->sig_int);
-    uv_signal_init(d->loop, &d->sig_hup);
-    d->sig_term.data = d->sig_int.data = d->sig_hup.data = d;
-    uv_signal_start(&d->sig_term, signal_cb, SIGTERM);
-    uv_signal_start(&d->sig_int, signal_cb, SIGINT);
-    uv_signal_start(&d->sig_hup, signal_cb, SIGHUP);
-    uv_timer_init(d->loop, &d->tick);
-    qm_reclaim_init(&d->reclaim, d->loop, qm_registry_sessions(d->registry), &d->cfg, &d->counters);
-    d->reclaim_started = 1;
-    uv_timer_init(d->loop, &d->watchdog);
-    uv_timer_init(d->loop, &d->drain_timer);
-    d->tick.data = d->watchdog.data = d->drain_timer.data = d;
-    uv_timer_start(&d->tick, tick_cb, 1000, 1000);
-    qm_status_clear(&st);
-    if ((rc = qm_server_listen(d->server, &st)) < 0) {
-        qm_log(QM_LOG_ERR, "%s", st.msg);
+    set_method_ctx(d);
+    if (load_models(d) < 0)
+        goto out_models;
+    start_handles(d);
+    if (start_serving(d) < 0)
         goto out_listen;
-    }
-    if (qm_rings_new(d->loop, &d->methods, &d->rings) < 0) {
-        qm_log(QM_LOG_ERR, "out of memory for the call rings");
-        goto out_listen;
-    }
-    d->methods.rings = d->rings;
-    qm_registry_sessions(d->registry)->on_close = session_closed;
-    qm_registry_sessions(d->registry)->on_close_arg = d;
-    qm_pool_hooks hooks = {.done = pool_done, .idle = maybe_finish, .arg = d};
-    if (qm_pool_start(d->loop, d->cfg.workers, &hooks, &d->pool) < 0) {
-        qm_log(QM_LOG_ERR, "cannot start %u workers", d->cfg.workers);
-        goto out_listen;
-    }
-    d->methods.pool = d->pool;
-    qm_pressure_start(&d->pressure, d->loop, &d->methods);
-    d->watchdog_usec = qm_watchdog_usec();
-    if (d->watchdog_usec) {
-        uint64_t ms = d->watchdog_usec / 2000;
-        uv_timer_start(&d->watchdog, watchdog_cb, ms ? ms : 1, ms ? ms : 1);
-    }
-    notify_status(d, "READY=1\n");
-    qm_log(QM_LOG_NOTICE, "qmoed %s ready (%zu models)", QMOE_VERSION,
-           qm_registry_models(d->registry)->n);
 
     uv_run(d->loop, UV_RUN_DEFAULT);
     /* Handles left by a stop (close callbacks still pending) finish here. */

@@ -1,6 +1,7 @@
 /* qm_method_daemon.c - daemon.status and daemon.shutdown (PROTOCOL.md). */
 #include "qm_methods.h"
 
+#include "qm_families.h"
 #include "qm_kernel_report.h"
 #include "qm_sessions.h"
 
@@ -9,6 +10,25 @@ static int empty_result(qm_jw *w)
     qm_jw_obj_begin(w);
     qm_jw_obj_end(w);
     return 0;
+}
+
+/* The families whose banks the daemon serves (model/qm_families.h), and
+ * each one's GGUF architecture (null: none): what an engine's adapter asks
+ * instead of keeping a list of its own. */
+static void write_families(qm_jw *w)
+{
+    qm_jw_key(w, "families");
+    qm_jw_arr_begin(w);
+    for (size_t i = 0; i < qm_n_families; i++) {
+        const qm_family *f = &qm_families[i];
+        qm_jw_obj_begin(w);
+        qm_jw_member_str(w, "name", f->name);
+        qm_jw_member_str(w, "gguf_arch", f->gguf_arch);
+        qm_jw_key(w, "gguf_sigmoid");
+        qm_jw_bool(w, f->gguf_sigmoid);
+        qm_jw_obj_end(w);
+    }
+    qm_jw_arr_end(w);
 }
 
 static int daemon_status(qm_call *k, qm_status *st)
@@ -45,6 +65,7 @@ static int daemon_status(qm_call *k, qm_status *st)
     qm_jw_arr_end(w);
     qm_jw_key(w, "kernels");
     qm_kernel_report_json(w);
+    write_families(w);
     qm_jw_member_u64(w, "models", mx->models->n);
     qm_jw_member_u64(w, "sessions", mx->sessions->n);
     qm_jw_member_u64(w, "connections", qm_server_connections(mx->server));

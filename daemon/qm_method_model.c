@@ -2,10 +2,49 @@
 #include "qm_methods.h"
 
 #include <stdio.h>
+#include <string.h>
 
 #include "qm_alloc.h"
 #include "qm_log.h"
 #include "qm_models.h"
+
+/* What an engine checks against its own model instead of reading the bank
+ * file: where the bank came from (its qmoe.source, checked JSON at open;
+ * absent for a bank without one), how its experts are quantised, whether
+ * they carry biases, and the SwiGLU's constants (docs/PROTOCOL.md). */
+static void write_bank_makeup(qm_jw *w, const qm_bank *bank)
+{
+    const qm_bank_config *c = qm_bank_get_config(bank);
+    const qm_layer_view *lv = qm_bank_layer(bank, 0);
+    const char *source = qm_bank_source_json(bank);
+    if (source) {
+        qm_jw_key(w, "source");
+        qm_jw_raw(w, source, strlen(source));
+    }
+    qm_jw_key(w, "quantisation");
+    qm_jw_obj_begin(w);
+    qm_jw_member_u64(w, "bits", c->bits);
+    qm_jw_member_u64(w, "block_size", c->block_size);
+    qm_jw_member_str(w, "scale_dtype",
+                     lv ? qm_dtype_name(lv->t[QM_T_FC1_SCALES].dtype) : NULL);
+    qm_jw_key(w, "zero_points");
+    qm_jw_bool(w, lv && lv->t[QM_T_FC1_ZERO_POINTS].present);
+    qm_jw_obj_end(w);
+    qm_jw_key(w, "biases");
+    qm_jw_bool(w, lv && lv->t[QM_T_FC1_BIAS].present);
+    if (c->activation != QM_ACT_SWIGLU)
+        return;
+    qm_jw_key(w, "swiglu");
+    qm_jw_obj_begin(w);
+    qm_jw_key(w, "alpha");
+    qm_jw_f32(w, c->alpha);
+    qm_jw_key(w, "beta");
+    qm_jw_f32(w, c->beta);
+    qm_jw_key(w, "limit"); /* null: no clamp */
+    qm_jw_f32(w, c->limit);
+    qm_jw_member_u64(w, "fusion", c->swiglu_fusion);
+    qm_jw_obj_end(w);
+}
 
 /* The model summary (PROTOCOL.md): model.load's result and each of
  * model.list's. */
@@ -25,6 +64,7 @@ static void write_model_summary(qm_jw *w, const qm_model *m)
     qm_jw_member_u64(w, "block_size", c->block_size);
     qm_jw_member_u64(w, "bytes_total", m->bytes_total);
     qm_jw_member_u64(w, "bytes_per_expert", m->bytes_per_expert);
+    write_bank_makeup(w, m->bank);
     /* An imported bank's qmoe.layer_map: engines tag their MoE layers with
      * it (docs/ENGINES.md). Absent when the bank has none (identity). */
     const uint32_t *map = qm_bank_layer_map(m->bank);

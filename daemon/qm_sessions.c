@@ -245,18 +245,22 @@ static int share_check(const qm_sessions *ss, const qm_session_spec *spec, qm_st
     return 0;
 }
 
-/* The configuration's paging_source for a plan: auto reads a paged
- * session's units from disk on a host-visible backend (the CPU), so its
- * budget bounds the memory the bank takes instead of the page cache
- * holding the file. */
-static int pager_source(const qm_sessions *ss, const qm_residency_plan *plan)
+/* Where a session's pager reads units and how: the configuration's
+ * paging_source for a plan (auto reads a paged session's units from disk
+ * on a host-visible backend, the CPU, so its budget bounds the memory the
+ * bank takes instead of the page cache holding the file), and io_engine
+ * and io_depth for the disk source's reads. */
+static void session_disk_options(const qm_sessions *ss, const qm_residency_plan *plan,
+                                 qm_pager_options *o)
 {
     int source = ss->cfg->paging_source;
-    if (source != QM_PAGER_SOURCE_AUTO)
-        return source;
-    return qm_devices_host_visible(ss->devices) && qm_plan_per_expert_count(plan) > 0
-               ? QM_PAGER_SOURCE_DIRECT
-               : QM_PAGER_SOURCE_MMAP;
+    if (source == QM_PAGER_SOURCE_AUTO)
+        source = qm_devices_host_visible(ss->devices) && qm_plan_per_expert_count(plan) > 0
+                     ? QM_PAGER_SOURCE_DIRECT
+                     : QM_PAGER_SOURCE_MMAP;
+    o->source = source;
+    o->io_engine = ss->cfg->io_engine;
+    o->io_depth = ss->cfg->io_depth;
 }
 
 /* The one recipe of every pool, a session's own and a shared one: the
@@ -293,9 +297,9 @@ static int make_recipe(const qm_sessions *ss, const qm_model *m, const qm_sessio
     out->options = (qm_pager_options){
         .prefetch = spec->prefetch,
         .on_miss = spec->on_miss,
-        .source = pager_source(ss, out->plan),
         .interleave = ss->cfg->cpu_repack && spec->precision == QM_PRECISION_FAST &&
                       !spec->share && qm_devices_host_visible(ss->devices)};
+    session_disk_options(ss, out->plan, &out->options);
     return 0;
 }
 
@@ -525,11 +529,18 @@ static void log_sources(const qm_session *s)
         int direct = qm_pager_source_info(pg, &why) == QM_PAGER_SOURCE_DIRECT;
         if (direct && fail_read)
             qm_pager_set_read_hook(pg, qm_fault_read_hook, (void *)(uintptr_t)fail_read);
-        if (direct)
-            qm_log(QM_LOG_INFO, "%s pages from disk: O_DIRECT reads of %s%s%s", where,
-                   qm_bank_path(s->model->bank), *why ? "; " : "", why);
-        else if (*why)
+        if (direct) {
+            uint32_t depth = 0;
+            const char *io_why = "";
+            int engine = qm_pager_io_info(pg, &depth, &io_why);
+            qm_log(QM_LOG_INFO,
+                   "%s pages from disk: O_DIRECT reads of %s through %s, %u in flight at "
+                   "most%s%s%s%s%s",
+                   where, qm_bank_path(s->model->bank), qm_pager_io_name(engine), depth,
+                   *io_why ? " (" : "", io_why, *io_why ? ")" : "", *why ? "; " : "", why);
+        } else if (*why) {
             qm_log(QM_LOG_WARNING, "%s: %s", where, why);
+        }
     }
 }
 

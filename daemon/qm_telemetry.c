@@ -111,7 +111,7 @@ void qm_trace_add(qm_trace *t, const char *name, uint64_t start_us, uint64_t dur
  * counter the pager feeds names the statistics whose growth it sums. */
 typedef struct metric_def {
     const char *name, *help;
-    int counter;
+    int counter; /* 1 a total, 0 a gauge; METRIC_PEAK a gauge of the largest value seen */
     size_t offset;
     size_t from[2]; /* offsets in qm_pager_stats; NO_STAT: none */
 } metric_def;
@@ -120,6 +120,7 @@ typedef struct metric_def {
 #define POFF(f) offsetof(qm_pager_stats, f)
 #define NO_STAT SIZE_MAX
 #define NOT_PAGED {NO_STAT, NO_STAT}
+#define METRIC_PEAK 2
 static const metric_def metrics[] = {
     {"requests", "Requests answered.", 1, COFF(requests), NOT_PAGED},
     {"errors", "Requests answered with an error.", 1, COFF(errors), NOT_PAGED},
@@ -168,6 +169,18 @@ static const metric_def metrics[] = {
      COFF(predict_lookahead_actual), {POFF(predict_lookahead_actual), NO_STAT}},
     {"predict_lookahead_gated", "Forward calls on which lookahead was switched off as imprecise.", 1,
      COFF(predict_lookahead_gated), {POFF(predict_lookahead_gated), NO_STAT}},
+    {"disk_busy_us",
+     "Microseconds direct disk paging had at least one read in flight; bytes_read_disk / "
+     "disk_busy_us is the disk's measured read rate.",
+     1, COFF(disk_busy_us), {POFF(disk_busy_us), NO_STAT}},
+    {"read_calls", "Inferences with disk reads in flight while they ran.", 1, COFF(read_calls),
+     {POFF(read_calls), NO_STAT}},
+    {"reads_in_flight_sum",
+     "Sum over read_calls of the most disk reads in flight at once during each (its mean per "
+     "call: reads_in_flight_sum / read_calls).",
+     1, COFF(reads_in_flight_sum), {POFF(reads_in_flight_sum), NO_STAT}},
+    {"reads_in_flight_peak", "Most disk reads in flight at once.", METRIC_PEAK,
+     COFF(reads_in_flight_peak), {POFF(reads_in_flight_peak), NO_STAT}},
     {"auto_shrinks", "Times the memory watcher shrank an auto budget (pressure, or a limit "
      "leaving less than auto_budget_reserve).", 1, COFF(auto_shrinks), NOT_PAGED},
     {"auto_grows", "Times the memory watcher grew an auto budget back toward its auto size.", 1,
@@ -217,6 +230,14 @@ void qm_counters_add_paging(qm_counters *session, qm_counters *daemon, const qm_
         const metric_def *m = &metrics[i];
         if (m->from[0] == NO_STAT)
             continue;
+        if (m->counter == METRIC_PEAK) {
+            uint64_t v = qm_counter_paging(i, now);
+            if (v > *counter_slot(session, m))
+                *counter_slot(session, m) = v;
+            if (v > *counter_slot(daemon, m))
+                *counter_slot(daemon, m) = v;
+            continue;
+        }
         uint64_t delta = qm_counter_paging(i, now) - qm_counter_paging(i, was);
         *counter_slot(session, m) += delta;
         *counter_slot(daemon, m) += delta;
@@ -227,7 +248,7 @@ void qm_counters_add_paging(qm_counters *session, qm_counters *daemon, const qm_
 size_t qm_counter_count(void) { return N_METRICS; }
 const char *qm_counter_name(size_t i) { return i < N_METRICS ? metrics[i].name : NULL; }
 const char *qm_counter_help(size_t i) { return i < N_METRICS ? metrics[i].help : NULL; }
-int qm_counter_is_total(size_t i) { return i < N_METRICS && metrics[i].counter; }
+int qm_counter_is_total(size_t i) { return i < N_METRICS && metrics[i].counter == 1; }
 
 uint64_t qm_counter_value(const qm_counters *c, size_t i)
 {

@@ -39,6 +39,9 @@ typedef struct qm_counters {
         predict_router_gated, predict_history_predicted, predict_history_correct,
         predict_history_actual, predict_history_gated, predict_lookahead_predicted,
         predict_lookahead_correct, predict_lookahead_actual, predict_lookahead_gated;
+    /* Direct disk paging's I/O engine: time with reads in flight, calls
+     * with reads in flight and the sum of each one's most, the most. */
+    uint64_t disk_busy_us, read_calls, reads_in_flight_sum, reads_in_flight_peak;
     /* Auto budgets (qm_budget.h, qm_pressure.h): what the memory watcher
      * shrank and grew, and the auto budgets in force (a gauge). */
     uint64_t auto_shrinks, auto_grows, auto_shrunk_bytes, auto_grown_bytes, auto_budget_bytes;

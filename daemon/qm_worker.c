@@ -88,6 +88,30 @@ static void done_notify(qm_pool *p)
         ;
 }
 
+/* Runs `job` of q's FIFO (the caller holds the FIFO; p's lock released)
+ * and hands it back: to the done list, the FIFO to the run queue when more
+ * waits in it. Returns with the lock released. */
+static void run_job(qm_pool *p, qm_job_queue *q, qm_job *job)
+{
+    job->start_us = qm_now_us();
+    if (job->ops->run)
+        job->ops->run(job);
+    job->end_us = qm_now_us();
+    uv_mutex_lock(&p->mu);
+    job_list_append(&p->done_head, &p->done_tail, job);
+    int more = q->head != NULL;
+    if (more)
+        runq_push(p, q);
+    else
+        q->scheduled = 0;
+    /* Wake the loop with the lock released, so that its done_cb does not
+     * find it held and sleep on it. */
+    uv_mutex_unlock(&p->mu);
+    if (more)
+        uv_cond_signal(&p->cv);
+    done_notify(p);
+}
+
 static void worker_main(void *arg)
 {
     qm_pool *p = arg;
@@ -110,24 +134,7 @@ static void worker_main(void *arg)
         job->next = NULL;
         uv_mutex_unlock(&p->mu);
 
-        job->start_us = qm_now_us();
-        if (job->ops->run)
-            job->ops->run(job);
-        job->end_us = qm_now_us();
-
-        uv_mutex_lock(&p->mu);
-        job_list_append(&p->done_head, &p->done_tail, job);
-        int more = q->head != NULL;
-        if (more)
-            runq_push(p, q);
-        else
-            q->scheduled = 0;
-        /* Wake the loop with the lock released, so that its done_cb does
-         * not find it held and sleep on it. */
-        uv_mutex_unlock(&p->mu);
-        if (more)
-            uv_cond_signal(&p->cv);
-        done_notify(p);
+        run_job(p, q, job);
         uv_mutex_lock(&p->mu);
     }
     uv_mutex_unlock(&p->mu);
@@ -256,21 +263,7 @@ int qm_pool_run_or_queue(qm_pool *p, qm_job *job)
     }
     q->scheduled = 1; /* held by this thread: no worker takes the session now */
     uv_mutex_unlock(&p->mu);
-    job->start_us = qm_now_us();
-    if (job->ops->run)
-        job->ops->run(job);
-    job->end_us = qm_now_us();
-    uv_mutex_lock(&p->mu);
-    job_list_append(&p->done_head, &p->done_tail, job);
-    int more = q->head != NULL;
-    if (more)
-        runq_push(p, q);
-    else
-        q->scheduled = 0;
-    uv_mutex_unlock(&p->mu);
-    if (more)
-        uv_cond_signal(&p->cv);
-    done_notify(p);
+    run_job(p, q, job);
     return 1;
 }
 

@@ -60,8 +60,9 @@ set(CPACK_DEBIAN_PACKAGE_SUGGESTS "pkg-config, libcjson-dev")
 set(CPACK_DEBIAN_PACKAGE_RECOMMENDS "systemd")
 
 # Dependencies from the binaries themselves when dpkg-shlibdeps is here;
-# otherwise the list a Debian 12 build links (libc6, libuv1, libcjson1, plus
-# libstdc++6/libgcc-s1 with the CUDA backend).
+# otherwise the list a Debian 12 build links (libc6, libuv1, libcjson1,
+# liburing2 with io_uring for the disk source, plus libstdc++6/libgcc-s1
+# with the CUDA backend).
 find_program(QMOE_DPKG_SHLIBDEPS dpkg-shlibdeps)
 mark_as_advanced(QMOE_DPKG_SHLIBDEPS)
 if(QMOE_DPKG_SHLIBDEPS)
@@ -69,6 +70,9 @@ if(QMOE_DPKG_SHLIBDEPS)
 else()
   set(CPACK_DEBIAN_PACKAGE_SHLIBDEPS OFF)
   set(CPACK_DEBIAN_PACKAGE_DEPENDS "libc6 (>= 2.34), libuv1 (>= 1.44), libcjson1 (>= 1.7.15)")
+  if(QMOE_HAVE_LIBURING)
+    string(APPEND CPACK_DEBIAN_PACKAGE_DEPENDS ", liburing2 (>= 2.1)")
+  endif()
   if(QMOE_HAVE_CUDA)
     string(APPEND CPACK_DEBIAN_PACKAGE_DEPENDS ", libstdc++6 (>= 12), libgcc-s1 (>= 3.0)")
   endif()

@@ -830,6 +830,44 @@ static int decode_rows(const cJSON *obj, const qm_wire_rows *rows, const char *p
     return rc;
 }
 
+static void free_rows(const qm_wire_rows *rows, qm_params *p)
+{
+    for (size_t i = 0; i < rows->n; i++) {
+        const qm_wire_param *r = &rows->rows[i];
+        char *at = (char *)p + (r->lands == NOWHERE ? 0 : r->lands);
+        switch (r->type) {
+        case QM_WT_STRING:
+        case QM_WT_NAME:
+        case QM_WT_FILENAME:
+            qm_free(*(char **)at);
+            *(char **)at = NULL;
+            break;
+        case QM_WT_TENSOR:
+            qm_tensor_free((qm_tensor *)at);
+            break;
+        case QM_WT_OBJECT:
+            free_rows(r->object, p);
+            break;
+        case QM_WT_HOT:
+            for (size_t j = 0; j < p->policy_params.n_hot; j++)
+                qm_free(p->policy_params.hot[j].experts);
+            qm_free(p->policy_params.hot);
+            p->policy_params.hot = NULL;
+            p->policy_params.n_hot = 0;
+            break;
+        default:
+            break;
+        }
+    }
+}
+
+void qm__params_free(qm_method m, qm_params *p)
+{
+    const qm_wire_rows *rows = qm_wire_params(m);
+    if (rows)
+        free_rows(rows, p);
+}
+
 int qm__params_decode(qm_method m, const cJSON *params, qm_params *out, qm_status *st)
 {
     const qm_wire_rows *rows = qm_wire_params(m);

@@ -51,20 +51,7 @@ void qm_request_free(qm_request *req)
     if (!req)
         return;
     qm_free(req->id);
-    qm_params *p = &req->params;
-    qm_free(p->name);
-    qm_free(p->path);
-    qm_free(p->model);
-    qm_free(p->policy);
-    qm_free(p->session);
-    for (size_t i = 0; i < p->policy_params.n_hot; i++)
-        qm_free(p->policy_params.hot[i].experts);
-    qm_free(p->policy_params.hot);
-    qm_free(p->policy_params.record_trace);
-    qm_tensor_free(&p->hidden);
-    qm_tensor_free(&p->router_logits);
-    qm_tensor_free(&p->topk_ids);
-    qm_tensor_free(&p->topk_weights);
+    qm__params_free(req->method, &req->params);
     memset(req, 0, sizeof *req);
 }
 

@@ -30,6 +30,10 @@ int qm__check_budget0(const cJSON *v, qm_params *out, qm_status *st);
 int qm__check_budget1(const cJSON *v, qm_params *out, qm_status *st);
 int qm__map_offset_check(const char *path, uint64_t offset, qm_status *st);
 
+/* Releases what the rows of method m landed in p (strings, tensors, the
+ * hot list), walking the same rows the decoder walks. */
+void qm__params_free(qm_method m, qm_params *p);
+
 /* 1 when s[0..n) is well-formed UTF-8 (no surrogates, no overlongs);
  * qm_frame.c. */
 int qm__utf8_valid(const char *s, size_t n);

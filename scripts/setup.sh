@@ -10,8 +10,8 @@ if [ "$(id -u)" != 0 ]; then
   fi
 fi
 
-pkgs="build-essential cmake pkg-config libuv1-dev libcjson-dev check clang libclang-rt-dev valgrind
-      python3 python3-venv python3-pip redis-server redis-tools"
+pkgs="build-essential cmake pkg-config libuv1-dev libcjson-dev liburing-dev check clang
+      libclang-rt-dev valgrind python3 python3-venv python3-pip redis-server redis-tools fio"
 missing=""
 for p in $pkgs; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing="$missing $p"

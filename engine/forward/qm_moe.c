@@ -121,6 +121,8 @@ typedef struct qm__call_buffers {
     qm_expert_weights *wts;  /* [E] their weights, as the source made them usable */
     qm_expert_job *jobs;     /* [E] a wave's jobs */
     uint8_t *on_host;        /* [E] hybrid execution: uniq[i] runs on the host */
+    size_t *ready_idx;       /* [E] acquire_some: indexes into the experts left */
+    uint32_t *got;           /* [E] acquire_some: the experts of one batch */
     float *out;              /* [T, H] the combine, f32 */
 } qm__call_buffers;
 
@@ -137,6 +139,8 @@ static void qm__layout_call(qm__carver *c, const qm__dims *d, void *out)
     b->wts = qm__carve(c, d->E, sizeof(qm_expert_weights));
     b->jobs = qm__carve(c, d->E, sizeof(qm_expert_job));
     b->on_host = qm__carve(c, d->E, sizeof(uint8_t));
+    b->ready_idx = qm__carve(c, d->E, sizeof(size_t));
+    b->got = qm__carve(c, d->E, sizeof(uint32_t));
     b->out = qm__carve(c, TH, sizeof(float));
 }
 
@@ -169,6 +173,22 @@ static int qm__group(const uint32_t *route_e, size_t n_routes, uint32_t E,
     return 0;
 }
 
+/* One batch of experts on the backend: jobs[0..n) over got[0..n). */
+static int qm__run_batch(qm_backend *be, qm_routed_pass *pass, qm_expert_batch *batch,
+                         const qm__call_buffers *b, size_t n, qm_moe_stats *stats, qm_status *st)
+{
+    uint64_t t0 = qm__now_us();
+    batch->jobs = b->jobs;
+    batch->n_jobs = n;
+    int rc = qm__backend_run_routed(be, pass, batch, st);
+    stats->device_us += qm__now_us() - t0;
+    stats->device_experts += (uint32_t)n;
+    for (size_t i = 0; i < n; i++)
+        stats->device_rows += b->jobs[i].n_rows;
+    stats->batches++;
+    return rc;
+}
+
 /* Experts in waves of whatever the source can make usable at once. */
 static int qm__run_waves(qm_backend *be, qm_routed_pass *pass, qm_expert_batch *batch,
                          qm_expert_source *source, uint32_t layer, const qm__call_buffers *b,
@@ -194,19 +214,75 @@ static int qm__run_waves(qm_backend *be, qm_routed_pass *pass, qm_expert_batch *
             b->jobs[i] = (qm_expert_job){
                 .expert = e, .weights = b->wts[done_n + i], .n_rows = b->counts[e]};
         }
-        batch->jobs = b->jobs;
-        batch->n_jobs = ready;
-        rc = qm__backend_run_routed(be, pass, batch, st);
-        stats->device_us += qm__now_us() - t1;
-        stats->device_experts += (uint32_t)ready;
-        for (size_t i = 0; i < ready; i++)
-            stats->device_rows += b->jobs[i].n_rows;
+        rc = qm__run_batch(be, pass, batch, b, ready, stats, st);
         if (source->release)
             source->release(source->ctx, layer, b->uniq + done_n, ready);
         if (rc < 0)
             return rc;
         done_n += ready;
         stats->waves++;
+    }
+    return 0;
+}
+
+/* Experts as the source makes them usable (acquire_some): resident ones at
+ * once, the others as their copies land; uniq[0..n_left) stays the
+ * experts not run yet, ascending. Each batch runs in expert order, like a
+ * wave, and the combine sums in route order: the same bits in any order. */
+static int qm__run_landed(qm_backend *be, qm_routed_pass *pass, qm_expert_batch *batch,
+                          qm_expert_source *source, uint32_t layer, const qm__call_buffers *b,
+                          size_t n_left, qm_moe_stats *stats, qm_status *st)
+{
+    while (n_left > 0) {
+        size_t ready = 0;
+        memset(b->wts, 0, n_left * sizeof *b->wts);
+        uint64_t t0 = qm__now_us();
+        int rc = source->acquire_some(source->ctx, layer, b->uniq, n_left, b->ready_idx, b->wts,
+                                      &ready, st);
+        stats->acquire_us += qm__now_us() - t0;
+        if (rc < 0)
+            return rc; /* the source let go of what it had not returned */
+        int bad = ready == 0 || ready > n_left;
+        for (size_t i = 0; !bad && i < ready; i++) {
+            bad = b->ready_idx[i] >= n_left || b->on_host[b->ready_idx[i]];
+            if (!bad)
+                b->on_host[b->ready_idx[i]] = 1; /* taken */
+        }
+        if (bad) {
+            memset(b->on_host, 0, n_left);
+            if (source->release)
+                source->release(source->ctx, layer, b->uniq, n_left);
+            return qm_status_set(st, QM_EINTERNAL,
+                                 "expert source made %zu of %zu experts usable, or one twice",
+                                 ready, n_left);
+        }
+        stats->waves += rc == 1;
+        /* Expert order within the batch (insertion: a batch is small). */
+        for (size_t i = 0; i < ready; i++) {
+            size_t j = i, idx = b->ready_idx[i];
+            qm_expert_weights w = b->wts[i];
+            for (; j > 0 && b->got[j - 1] > b->uniq[idx]; j--) {
+                b->got[j] = b->got[j - 1];
+                b->jobs[j] = b->jobs[j - 1];
+            }
+            b->got[j] = b->uniq[idx];
+            b->jobs[j] = (qm_expert_job){
+                .expert = b->uniq[idx], .weights = w, .n_rows = b->counts[b->uniq[idx]]};
+        }
+        rc = qm__run_batch(be, pass, batch, b, ready, stats, st);
+        if (source->release)
+            source->release(source->ctx, layer, b->got, ready);
+        size_t k = 0;
+        for (size_t i = 0; i < n_left; i++)
+            if (!b->on_host[i])
+                b->uniq[k++] = b->uniq[i];
+        memset(b->on_host, 0, n_left);
+        n_left = k;
+        if (rc < 0) {
+            if (source->release && n_left)
+                source->release(source->ctx, layer, b->uniq, n_left);
+            return rc;
+        }
     }
     return 0;
 }
@@ -301,7 +377,12 @@ static int qm__forward(qm_backend *be, const qm_bank_config *cfg, const qm_layer
     uint64_t t0 = qm__now_us();
     if (hybrid && (rc = qm__run_on_host(&pass, &batch, source, layer, &b, &n_uniq, stats, st)) < 0)
         goto release_pass;
-    rc = qm__run_waves(be, &pass, &batch, source, layer->index, &b, n_uniq, stats, st);
+    if (source->acquire_some) {
+        memset(b.on_host, 0, n_uniq); /* marks the experts each batch took */
+        rc = qm__run_landed(be, &pass, &batch, source, layer->index, &b, n_uniq, stats, st);
+    } else {
+        rc = qm__run_waves(be, &pass, &batch, source, layer->index, &b, n_uniq, stats, st);
+    }
     if (rc < 0)
         goto release_pass;
     stats->compute_us = qm__now_us() - t0;
@@ -418,4 +499,5 @@ void qm_expert_source_direct(const qm_bank *bank, qm_expert_source *out)
     out->release = qm__direct_release;
     out->split = NULL;
     out->host = NULL;
+    out->acquire_some = NULL; /* everything is mapped: acquire gives it all at once */
 }

@@ -63,8 +63,9 @@ int qm_moe_router_logits(const qm_bank_config *cfg, const qm_layer_view *layer, 
  * `version` comes first and must be QM_EXPERT_SOURCE_VERSION: the forward
  * pass refuses (QM_EINVAL) a source made for another layout of this struct.
  * Required: acquire. Optional, defaulted by the forward pass: release
- * (nothing to release), split (every expert is acquired). */
-#define QM_EXPERT_SOURCE_VERSION 1
+ * (nothing to release), split (every expert is acquired), acquire_some
+ * (acquire). Version 2 added acquire_some. */
+#define QM_EXPERT_SOURCE_VERSION 2
 
 typedef struct qm_expert_source {
     int version; /* QM_EXPERT_SOURCE_VERSION */
@@ -86,6 +87,23 @@ typedef struct qm_expert_source {
     int (*split)(void *ctx, uint32_t layer, uint32_t n_tokens, const uint32_t *experts,
                  const uint32_t *rows, size_t n, uint8_t *on_host, qm_status *st);
     qm_backend *host; /* runs split's experts; required with split */
+    /* (optional) Overlapped acquire, used instead of acquire when set:
+     * makes experts[0..n) (ascending, distinct) usable as they become so.
+     * It starts everything it can hold at once (every copy in flight
+     * together) and returns the experts usable now, at least one (waiting
+     * for the first to land when none is): ready_idx[j] is the index in
+     * experts[] of the j-th, weights[j] its pointers, j < *n_ready, valid
+     * until release() of that expert. The next call passes the experts not
+     * yet returned (still ascending). Returns 1 when the experts returned
+     * start a new round of acquisition (a wave: the source could not hold
+     * every expert at once), 0 when they continue the last one, negative on
+     * error; on error the source has let go of every expert not returned,
+     * and release() of an expert not returned abandons it. The forward pass
+     * combines in route order, so the order experts land in never changes
+     * an output bit. */
+    int (*acquire_some)(void *ctx, uint32_t layer, const uint32_t *experts, size_t n,
+                        size_t *ready_idx, qm_expert_weights *weights, size_t *n_ready,
+                        qm_status *st);
 } qm_expert_source;
 
 /* Fills a source that reads the mapped bank directly (no copies). */
@@ -99,6 +117,7 @@ void qm_expert_weights_from_unit(const qm_layer_view *layer, uint32_t n_experts,
 typedef struct qm_moe_stats {
     uint64_t compute_us;
     uint32_t waves; /* acquire rounds needed (1 when every expert fit at once) */
+    uint32_t batches; /* backend runs of the waves (acquire_some: more, as experts land) */
     /* Hybrid execution (a source with split): experts and rows run on the
      * host, and the time of that run; the time spent in acquire (copies)
      * and in the backend's waves, and the experts and rows they ran. */

@@ -110,7 +110,8 @@ int qm_expert_pool_is_shared(const qm_expert_pool *p) { return p->shared; }
 /* ---- a shared pool's members' counters ---- */
 
 /* The counters that count events (everything but the gauges and what is
- * fixed at creation): uint64_t members from `hits` to `host_admits`. */
+ * fixed at creation): uint64_t members from `hits` to `host_admits`, and
+ * from `disk_busy_us` to `reads_in_flight_sum`. */
 static int is_event(size_t off)
 {
     return off != offsetof(qm_pager_stats, resident_bytes) &&
@@ -121,7 +122,11 @@ static int is_event(size_t off)
 static void add_change(qm_pager_stats *own, const qm_pager_stats *was, const qm_pager_stats *now)
 {
     for (size_t off = offsetof(qm_pager_stats, hits);
-         off <= offsetof(qm_pager_stats, host_admits); off += sizeof(uint64_t)) {
+         off <= offsetof(qm_pager_stats, reads_in_flight_sum); off += sizeof(uint64_t)) {
+        /* ... and the disk source's I/O counters, after the fixed ones */
+        if (off > offsetof(qm_pager_stats, host_admits) &&
+            off < offsetof(qm_pager_stats, disk_busy_us))
+            off = offsetof(qm_pager_stats, disk_busy_us);
         if (!is_event(off))
             continue;
         uint64_t a, b, o;
@@ -131,6 +136,8 @@ static void add_change(qm_pager_stats *own, const qm_pager_stats *was, const qm_
         o += b - a;
         memcpy((char *)own + off, &o, sizeof o);
     }
+    if (now->reads_in_flight_peak > own->reads_in_flight_peak)
+        own->reads_in_flight_peak = now->reads_in_flight_peak;
 }
 
 /* Under the lock: the gauges of a member of `budget`. */

@@ -99,9 +99,42 @@ static int qm__interleave_layer(qm_pager *p, qm__layer *L, qm_status *st)
     return 0;
 }
 
+/* A whole bank read in place: its pages mapped now, not on the first
+ * calls, while what is mapped in stays under half of the RAM (a bank
+ * larger than that would only evict its own first pages). */
+static void qm__prefault_whole(qm_pager *p, const qm__layer *L, uint64_t half_ram)
+{
+    for (int t = 0; t < QM_T_EXPERT_COUNT; t++) {
+        const qm_tensor_view *tv = &L->view->t[t];
+        if (tv->present && p->stats.bytes_prefaulted_at_create + tv->nbytes <= half_ram)
+            p->stats.bytes_prefaulted_at_create += qm_bank_prefault(p->bank, tv->data, tv->nbytes);
+    }
+}
+
+/* Copies layer L's whole bank into its place in the arena (the disk
+ * source's I/O engine has read it already). */
+static int qm__copy_whole(qm_pager *p, qm__layer *L, qm_status *st)
+{
+    for (int t = 0; t < QM_T_EXPERT_COUNT; t++) {
+        const qm_tensor_view *tv = &L->view->t[t];
+        if (!tv->present || tv->nbytes == 0)
+            continue;
+        p->stats.bytes_loaded_at_create += tv->nbytes;
+        if (qm__pager_disk_async(p))
+            continue;
+        int rc = qm__pager_copy_now(p, L->whole_base + L->tensor_off[t], tv->data, tv->nbytes, st);
+        if (rc)
+            return rc;
+        if (!p->disk) /* the copy is what runs: the mapping's pages need not stay */
+            qm_bank_release_pages(p->bank, tv->data, tv->nbytes);
+    }
+    return 0;
+}
+
 /* Whole banks: accounted for the session's life; copied into the arena when
- * the backend cannot read the mapping. */
-static int qm__load_whole(qm_pager *p, uint64_t *arena_off, uint64_t align, qm_status *st)
+ * the backend cannot read the mapping (the disk source reads every layer's
+ * at once). */
+static int qm__load_whole(qm_pager *p, uint64_t arena_off, uint64_t align, qm_status *st)
 {
     int copy_whole = qm__copies_whole(&p->opt, p->backend);
     const uint64_t half_ram = qm__half_ram();
@@ -113,64 +146,59 @@ static int qm__load_whole(qm_pager *p, uint64_t *arena_off, uint64_t align, qm_s
         if (rc)
             return rc;
         if (!copy_whole) {
-            /* Read in place: map its pages now, not on the first calls,
-             * while what is mapped in stays under half of the RAM (a bank
-             * larger than that would only evict its own first pages). */
-            for (int t = 0; t < QM_T_EXPERT_COUNT; t++) {
-                const qm_tensor_view *tv = &L->view->t[t];
-                if (tv->present && p->stats.bytes_prefaulted_at_create + tv->nbytes <= half_ram)
-                    p->stats.bytes_prefaulted_at_create +=
-                        qm_bank_prefault(p->bank, tv->data, tv->nbytes);
-            }
+            qm__prefault_whole(p, L, half_ram);
             continue;
         }
-        L->whole_base = qm_arena_at(p->arena, *arena_off);
+        L->whole_base = qm_arena_at(p->arena, arena_off);
         uint64_t span = 0;
-        for (int t = 0; t < QM_T_EXPERT_COUNT; t++) {
-            const qm_tensor_view *tv = &L->view->t[t];
-            if (!tv->present || tv->nbytes == 0)
-                continue;
-            rc = qm__pager_copy_now(p, L->whole_base + L->tensor_off[t], tv->data, tv->nbytes, st);
-            if (rc)
-                return rc;
-            p->stats.bytes_loaded_at_create += tv->nbytes;
-            span = L->tensor_off[t] + tv->nbytes;
-            if (!p->disk) /* the copy is what runs: the mapping's pages need not stay */
-                qm_bank_release_pages(p->bank, tv->data, tv->nbytes);
-        }
-        if (p->opt.interleave && (rc = qm__interleave_layer(p, L, st)))
-            return rc;
-        *arena_off += qm__align_up(span, align);
+        for (int t = 0; t < QM_T_EXPERT_COUNT; t++)
+            if (L->view->t[t].present && L->view->t[t].nbytes)
+                span = L->tensor_off[t] + L->view->t[t].nbytes;
+        arena_off += qm__align_up(span, align);
     }
-    return 0;
+    int rc = copy_whole && qm__pager_disk_async(p) ? qm__pager_disk_read_whole(p, st) : 0;
+    for (uint32_t l = 0; l < p->n_layers && rc == 0; l++) {
+        qm__layer *L = &p->layers[l];
+        if (!L->whole_base)
+            continue;
+        rc = qm__copy_whole(p, L, st);
+        if (rc == 0 && p->opt.interleave)
+            rc = qm__interleave_layer(p, L, st);
+    }
+    return rc;
 }
 
+/* The pins: copies issued together, then waited. */
 static int qm__load_pins(qm_pager *p, qm_status *st)
 {
-    for (uint32_t l = 0; l < p->n_layers; l++) {
+    int rc = 0;
+    for (uint32_t l = 0; l < p->n_layers && rc == 0; l++) {
         qm__layer *L = &p->layers[l];
         if (!L->paged)
             continue;
-        for (uint32_t e = 0; e < L->n_experts; e++) {
+        for (uint32_t e = 0; e < L->n_experts && rc == 0; e++) {
             if (!L->pinned[e])
                 continue;
             int32_t s = qm__pager_free_slot(p);
             if (s < 0)
                 return qm_status_set(st, QM_EINTERNAL, "no slot left for pinned expert %u/%u", l,
                                      e);
-            int rc = qm__pager_claim(p, s, l, e, QM__CLAIM_PIN, QM__PF_NONE, st);
-            if (rc)
-                return rc;
+            if ((rc = qm__pager_claim(p, s, l, e, QM__CLAIM_PIN, QM__PF_NONE, st)))
+                break;
             p->stats.n_pinned++;
-            rc = qm__pager_copy_unit(p, s, st);
-            if (rc == 0)
-                rc = qm__pager_copy_wait(p, s, st);
-            if (rc)
-                return rc;
             p->stats.bytes_loaded_at_create += L->unit_bytes;
+            rc = qm__pager_copy_unit(p, s, st);
         }
     }
-    return 0;
+    /* A pin whose copy failed holds a slot nobody frees: fail the pager. */
+    for (uint32_t s = 0; s < p->n_slots; s++) {
+        if (p->slots[s].state != QM__SLOT_LOADING)
+            continue;
+        int w = qm__pager_copy_wait(p, (int32_t)s, rc ? NULL : st);
+        if (w && !rc)
+            rc = w;
+    }
+    return rc;
 }
 
 /* When the budget holds every expert, paging can only add first-touch
@@ -207,12 +235,21 @@ static int qm__arena_carve(qm_pager *p, uint64_t *arena_bytes, qm_status *st)
     if (qm_mul_u64(p->n_slots, sz->slot_size, &slots_bytes) ||
         qm_add_u64(slots_bytes, sz->whole_arena, &bytes))
         return qm_status_set(st, QM_ERESOURCE_EXHAUSTED, "arena size overflows");
+    /* Room to start the carve on the layout's alignment (the disk source's
+     * blocks) whatever the backend gives. */
+    const uint64_t align = qm__pager_align(p->backend, &p->opt);
+    const uint64_t slack = bytes && align > qm_backend_alignment(p->backend) ? align : 0;
+    if (slack && qm_add_u64(bytes, slack, &bytes))
+        return qm_status_set(st, QM_ERESOURCE_EXHAUSTED, "arena size overflows");
     *arena_bytes = bytes;
     if (bytes > 0) {
         int rc = qm_arena_new(p->backend, bytes, &p->arena, st);
         if (rc)
             return rc;
+        uintptr_t base = (uintptr_t)qm_arena_at(p->arena, 0);
+        p->arena_skew = slack ? (align - base % align) % align : 0;
         qm__pager_disk_lock(p, p->arena);
+        qm__pager_disk_arenas(p);
     }
     if (p->n_slots == 0)
         return 0;
@@ -220,8 +257,9 @@ static int qm__arena_carve(qm_pager *p, uint64_t *arena_bytes, qm_status *st)
     if (!p->slots || qm__pager_scratch_regrow(p, 0, p->n_slots))
         return qm_status_set(st, QM_ENOMEM, "out of memory for %u slots", p->n_slots);
     for (uint32_t s = 0; s < p->n_slots; s++)
-        p->slots[s].base = qm_arena_at(p->arena, sz->whole_arena + (uint64_t)s * sz->slot_size);
-    return 0;
+        p->slots[s].base = qm_arena_at(p->arena, p->arena_skew + sz->whole_arena +
+                                                     (uint64_t)s * sz->slot_size);
+    return qm__pager_disk_slots(p, p->n_slots, st);
 }
 
 /* The layout and the budget: the pager's layers, sizing and slot count. */
@@ -280,12 +318,13 @@ int qm_pager_new(qm_backend *backend, const qm_bank *bank, const qm_residency_pl
     uint64_t arena_bytes = 0;
     if ((rc = qm__arena_carve(p, &arena_bytes, st)) || (rc = qm__pager_prefetch_start(p, st)))
         goto fail;
-    uint64_t arena_off = 0;
-    rc = qm__load_whole(p, &arena_off, qm__pager_align(backend), st);
+    rc = qm__load_whole(p, p->arena_skew, qm__pager_align(backend, &p->opt), st);
     if (rc)
         goto fail;
-    int want_thread = p->opt.copy_thread == 1 ||
-                      (p->opt.copy_thread != 2 && qm_backend_host_visible(backend));
+    /* The disk source's I/O engine reads by itself: no copy thread. */
+    int want_thread = !qm__pager_disk_async(p) &&
+                      (p->opt.copy_thread == 1 ||
+                       (p->opt.copy_thread != 2 && qm_backend_host_visible(backend)));
     if (want_thread && p->n_slots) {
         rc = qm__pager_copy_start(p, st);
         if (rc)
@@ -374,18 +413,20 @@ int qm_pager_forward(qm_pager *p, const qm_moe_call *call, qm_moe_stats *mstats,
         mstats = &local;
     const qm_layer_view *layer = NULL;
     int rc = qm__moe_layer_of(p->bank, call, &layer, st);
+    qm__pager_disk_call_begin(p);
     if (rc == 0)
         rc = qm__moe_forward_layer(p->backend, p->cfg, layer, &c, &p->source, p->scratch, mstats,
                                    st);
-    if (rc || call->n_tokens == 0 || call->layer >= p->n_layers)
-        return rc;
-    rc = qm__hybrid_observe(p, mstats, st);
-    if (rc)
-        return rc;
-    qm__pager_history_record(p, call->layer, c.route_experts, need);
-    qm__pager_trace_record(p, call->layer, c.route_experts, call->n_tokens, route_k);
-    qm__pager_prefetch_next(p, call);
-    return 0;
+    if (rc == 0 && call->n_tokens && call->layer < p->n_layers) {
+        rc = qm__hybrid_observe(p, mstats, st);
+        if (rc == 0) {
+            qm__pager_history_record(p, call->layer, c.route_experts, need);
+            qm__pager_trace_record(p, call->layer, c.route_experts, call->n_tokens, route_k);
+            qm__pager_prefetch_next(p, call);
+        }
+    }
+    qm__pager_disk_call_end(p);
+    return rc;
 }
 
 /* ---- Introspection ----------------------------------------------------------------- */

@@ -93,7 +93,22 @@ typedef struct qm_pager_options {
     /* The budget this pager keeps, in place of the plan's (0 = the plan's):
      * a device's share of the session's budget. */
     uint64_t budget_bytes;
+    /* How the disk source reads (qm_pager_io.c; the daemon's io_engine):
+     * QM_PAGER_IO_AUTO (0) io_uring where the kernel allows it, else a pool
+     * of preadv threads (why: qm_pager_io_info); QM_PAGER_IO_THREADS the
+     * pool; QM_PAGER_IO_SERIAL the engine before it: one read at a time on
+     * the copy thread, and a call waits for every miss before computing.
+     * With io_uring or the pool every miss of a call is read at once and
+     * the call computes its resident experts while they land. */
+    int io_engine;
+    /* Reads in flight at most (0 = QM_PAGER_IO_DEPTH_DEFAULT; at most
+     * QM_PAGER_IO_DEPTH_MAX, 64 for the pool); prefetches use at most half. */
+    uint32_t io_depth;
 } qm_pager_options;
+
+enum { QM_PAGER_IO_AUTO = 0, QM_PAGER_IO_URING, QM_PAGER_IO_THREADS, QM_PAGER_IO_SERIAL };
+#define QM_PAGER_IO_DEPTH_DEFAULT 32u
+#define QM_PAGER_IO_DEPTH_MAX 1024u
 
 /* QM_PAGER_SOURCE_AUTO is the daemon's choice, never a pager's: direct for
  * a session with per-expert banks on a host-visible backend, else mmap. */
@@ -103,15 +118,20 @@ enum { QM_ON_MISS_PAGE = 0, QM_ON_MISS_HOST = 1, QM_ON_MISS_AUTO = 2 };
 
 /* The registries of the options' names (qm_pager_options.c), the one list
  * of each, in the order they are shown: on_miss "page", "host", "auto";
- * paging sources "auto", "mmap", "direct". _name: a value's name (NULL for
- * another value); _parse: a name's value (-1 unknown); _at: the i-th name
- * and its value (NULL past the last). */
+ * paging sources "auto", "mmap", "direct"; I/O engines "auto", "io_uring"
+ * (asked for, the same as auto: what auto runs where it can), "threads",
+ * "serial". _name: a value's name (NULL for another value); _parse: a
+ * name's value (-1 unknown); _at: the i-th name and its value (NULL past
+ * the last). */
 const char *qm_on_miss_name(int on_miss);
 int qm_on_miss_parse(const char *name);
 const char *qm_on_miss_at(size_t i, int *value);
 const char *qm_pager_source_name(int source);
 int qm_pager_source_parse(const char *name);
 const char *qm_pager_source_at(size_t i, int *value);
+const char *qm_pager_io_name(int engine);
+int qm_pager_io_parse(const char *name);
+const char *qm_pager_io_at(size_t i, int *value);
 
 typedef struct qm_pager_stats {
     uint64_t hits;           /* accesses to a paged bank's expert that found it resident */
@@ -174,6 +194,12 @@ typedef struct qm_pager_stats {
     uint64_t host_bytes;         /* host-side bookkeeping of the pager */
     uint64_t bytes_prefaulted_at_create; /* whole banks read in place, mapped in at creation */
     uint64_t bytes_interleaved_at_create; /* whole-bank weight bytes laid out r8 (opt.interleave) */
+    /* The disk source's I/O engine (qm_pager_io_info says which). The
+     * disk's measured read rate is disk_bytes_read / disk_busy_us. */
+    uint64_t disk_busy_us;        /* microseconds with at least one read in flight */
+    uint64_t read_calls;          /* forward calls with reads in flight while they ran */
+    uint64_t reads_in_flight_sum; /* over those calls, the sum of each one's most in flight */
+    uint64_t reads_in_flight_peak; /* most reads in flight at once */
 } qm_pager_stats;
 
 /* Creates the pager of a session. `backend`, `bank`, `plan` and `policy` are
@@ -276,9 +302,18 @@ int qm_pager_record_trace(qm_pager *pager, const char *path, qm_status *st);
  * (mlock refused: RLIMIT_MEMLOCK). Borrowed from the pager. */
 int qm_pager_source_info(const qm_pager *pager, const char **why);
 
+/* The disk source's I/O engine in force: QM_PAGER_IO_URING,
+ * QM_PAGER_IO_THREADS or QM_PAGER_IO_SERIAL, or -1 without the disk source;
+ * *depth (may be NULL) the reads in flight at most; *why (may be NULL) ""
+ * or why io_uring is not used or its buffers are not registered (borrowed
+ * from the pager). */
+int qm_pager_io_info(const qm_pager *pager, uint32_t *depth, const char **why);
+
 /* Test hook on the disk source: called before each read of `len` bytes at
- * file offset `off` (on the copy thread); a non-zero errno fails that read
- * as if the disk had. NULL removes it. */
+ * file offset `off` (on the thread that issues it: the copy thread, the
+ * thread issuing io_uring reads, or one of the pool's threads, several at
+ * once); a non-zero errno fails that read as if the disk had. NULL removes
+ * it; set it between forward calls. */
 typedef int (*qm_pager_read_cb)(void *ud, uint64_t off, uint64_t len);
 void qm_pager_set_read_hook(qm_pager *pager, qm_pager_read_cb cb, void *ud);
 

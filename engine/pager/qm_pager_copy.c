@@ -130,7 +130,7 @@ static void qm__unit_job(const qm_pager *p, int32_t s, qm__copy_job *job)
         const qm_tensor_view *tv = &L->view->t[t];
         if (!tv->present || L->slice[t] == 0)
             continue;
-        job->dst[job->n] = sl->base + L->unit_off[t];
+        job->dst[job->n] = sl->base + L->unit_off[t] + qm__slice_phase(L, t, sl->expert);
         job->src[job->n] = (const uint8_t *)tv->data + (uint64_t)sl->expert * L->slice[t];
         job->len[job->n] = L->slice[t];
         job->n++;
@@ -140,10 +140,17 @@ static void qm__unit_job(const qm_pager *p, int32_t s, qm__copy_job *job)
 int qm__pager_copy_unit(qm_pager *p, int32_t s, qm_status *st)
 {
     qm__slot *sl = &p->slots[s];
-    qm__copy_job job;
-    qm__unit_job(p, s, &job);
     sl->n_fences = 0;
     sl->copy_seq = 0;
+    if (qm__pager_disk_async(p)) {
+        /* copy_seq 1: a read of the I/O engine to collect. */
+        sl->copy_rc = 0;
+        int rc = qm__pager_disk_submit(p, s, sl->prefetched != QM__PF_NONE, st);
+        sl->copy_seq = rc == 0;
+        return sl->copy_rc = rc;
+    }
+    qm__copy_job job;
+    qm__unit_job(p, s, &job);
     if (p->use_thread) {
         pthread_mutex_lock(&p->mu);
         if (p->q_len == p->q_cap) {
@@ -182,11 +189,28 @@ int qm__pager_copy_unit(qm_pager *p, int32_t s, qm_status *st)
     return 0;
 }
 
+/* Collects slot s's read from the I/O engine (waiting for it). */
+static int qm__copy_wait_disk(qm_pager *p, int32_t s, qm_status *st)
+{
+    qm__slot *sl = &p->slots[s];
+    qm_status why;
+    qm_status_clear(&why);
+    int rc = qm__pager_disk_wait(p, s, &why);
+    sl->copy_seq = 0;
+    sl->copy_rc = rc;
+    if (rc)
+        qm_status_set(st, rc, "copying expert %u of layer %u failed: %s", sl->expert, sl->layer,
+                      why.msg);
+    return rc;
+}
+
 int qm__pager_copy_wait(qm_pager *p, int32_t s, qm_status *st)
 {
     qm__slot *sl = &p->slots[s];
     int rc = 0;
-    if (sl->copy_seq) {
+    if (sl->copy_seq && qm__pager_disk_async(p)) {
+        rc = qm__copy_wait_disk(p, s, st);
+    } else if (sl->copy_seq) {
         pthread_mutex_lock(&p->mu);
         while (p->done_seq < sl->copy_seq)
             pthread_cond_wait(&p->cv_done, &p->mu);
@@ -214,6 +238,47 @@ int qm__pager_copy_wait(qm_pager *p, int32_t s, qm_status *st)
     if (rc == 0 && sl->state == QM__SLOT_LOADING)
         sl->state = QM__SLOT_RESIDENT;
     return rc;
+}
+
+void qm__pager_copy_promote(qm_pager *p, int32_t s)
+{
+    if (p->slots[s].copy_seq && qm__pager_disk_async(p))
+        qm__pager_disk_promote(p, s);
+}
+
+int qm__pager_copy_landed(qm_pager *p, int32_t s)
+{
+    const qm__slot *sl = &p->slots[s];
+    if (sl->state != QM__SLOT_LOADING || !sl->copy_seq)
+        return 1; /* landed, failed, or device fences (a wait is all that can tell) */
+    if (qm__pager_disk_async(p))
+        return qm__pager_disk_landed(p, s);
+    pthread_mutex_lock(&p->mu);
+    int done = p->done_seq >= sl->copy_seq;
+    pthread_mutex_unlock(&p->mu);
+    return done;
+}
+
+void qm__pager_copy_wait_any(qm_pager *p, const int32_t *slots, size_t n)
+{
+    for (size_t i = 0; i < n; i++)
+        if (qm__pager_copy_landed(p, slots[i]))
+            return;
+    if (n == 0)
+        return;
+    if (qm__pager_disk_async(p)) {
+        (void)qm__pager_disk_wait_any(p, slots, n);
+        return;
+    }
+    /* The copy thread lands jobs in order: the earliest of them first. */
+    uint64_t first = UINT64_MAX;
+    for (size_t i = 0; i < n; i++)
+        if (p->slots[slots[i]].copy_seq && p->slots[slots[i]].copy_seq < first)
+            first = p->slots[slots[i]].copy_seq;
+    pthread_mutex_lock(&p->mu);
+    while (p->done_seq < first)
+        pthread_cond_wait(&p->cv_done, &p->mu);
+    pthread_mutex_unlock(&p->mu);
 }
 
 int qm__pager_copy_now(qm_pager *p, void *dst, const void *src, uint64_t n, qm_status *st)

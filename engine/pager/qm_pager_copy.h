@@ -1,8 +1,9 @@
 /* qm_pager_copy.h - the pager's copy path: how a claimed slot's unit gets
- * its bytes (the backend's copy_h2d with fences, or the pager's copy thread
- * for host-visible backends, reading the mapping or the disk source) and
- * when it may be used or given back. Above the slots; below prefetch,
- * resize, hybrid execution and the expert source. Private to engine/. */
+ * its bytes (the backend's copy_h2d with fences, the pager's copy thread
+ * for host-visible backends reading the mapping or the serial disk source,
+ * or the disk source's I/O engine) and when it may be used or given back.
+ * Above the slots; below prefetch, resize, hybrid execution and the expert
+ * source. Private to engine/. */
 #ifndef QM_PAGER_COPY_H
 #define QM_PAGER_COPY_H
 
@@ -12,13 +13,26 @@
  * unit jobs, its bytes counted in stats.host_bytes. */
 int qm__pager_copy_start(qm_pager *p, qm_status *st);
 void qm__pager_copy_stop(qm_pager *p); /* joins the thread; nothing may be in flight after */
-/* Issues the copy of slot s's unit (layer/expert already set). */
+/* Issues the copy of slot s's unit (layer/expert already set). With the
+ * disk source's I/O engine a unit claimed by prefetch (slot.prefetched) is
+ * read at prefetch priority, behind every demand read; any other at demand
+ * priority. */
 int qm__pager_copy_unit(qm_pager *p, int32_t s, qm_status *st);
 /* Waits for slot s's copy; marks it RESIDENT on success, leaves it LOADING
  * (with nothing in flight) on failure. */
 int qm__pager_copy_wait(qm_pager *p, int32_t s, qm_status *st);
+/* A prefetch's copy in flight in slot s is needed now: ahead of prefetches
+ * (the disk source's I/O engine; the other copy paths keep their order). */
+void qm__pager_copy_promote(qm_pager *p, int32_t s);
+/* 1 when waiting for slot s's copy would not block (it has landed or
+ * failed, or nothing is in flight), 0 while it is in flight. Copies a
+ * device fences can only be waited for count as landed. */
+int qm__pager_copy_landed(qm_pager *p, int32_t s);
+/* Waits until the copy of one of slots[0..n) (LOADING ones) has landed or
+ * failed; qm__pager_copy_wait then collects it without blocking. */
+void qm__pager_copy_wait_any(qm_pager *p, const int32_t *slots, size_t n);
 /* Copies n bytes at src (the mapping) to dst now, on the caller's thread
- * (creation's whole banks). */
+ * (creation's whole banks, without the disk source's I/O engine). */
 int qm__pager_copy_now(qm_pager *p, void *dst, const void *src, uint64_t n, qm_status *st);
 /* Evicts slot s: waits for a copy that may still be writing into it, frees
  * it (qm__pager_drop) and counts the eviction. */

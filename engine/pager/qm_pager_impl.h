@@ -14,6 +14,7 @@
  *   qm_pager_copy.c       the copy path, eviction, sync              (qm_pager_copy.h)
  *   qm_pager_slots.c      slots, accounting, victims                 (this header)
  *   qm_pager_disk.c       the disk source: O_DIRECT reads, mlock     (qm_pager_disk.h)
+ *   qm_pager_io.c         the I/O engine: io_uring, preadv threads   (qm_pager_io.h)
  *   qm_pager_layout.c     layout and sizing, pure                    (qm_pager_layout.h)
  *
  * Each group of fields below names the file that owns it. */
@@ -59,6 +60,8 @@ typedef struct qm__slot {
     uint8_t state;
     uint8_t pinned;
     uint8_t prefetched; /* prefetched by a QM__PF_* source and not accessed since; 0 = no */
+    uint8_t by_prefetch; /* claimed by prefetch: a failed read is read again on demand */
+    uint8_t waiting;    /* held by the current acquire round, not handed out yet */
     uint32_t refs;      /* acquired and not yet released */
     uint64_t last_use;  /* pager tick of the last access/insert (LRU fallback) */
     uint64_t unit_bytes;
@@ -111,7 +114,10 @@ struct qm_pager {
      * one block owned through cand_refs (qm__pager_scratch_regrow). */
     qm_expert_ref *cand_refs;
     int32_t *cand_slots; /* victim candidates */
-    int32_t *wave_slots; /* slots assigned in the current acquire */
+    int32_t *wave_slots; /* slots of the current acquire round not handed out yet */
+    uint32_t wave_n;     /* ... their count (qm_pager_source.c) */
+    uint32_t wave_layer;
+    uint64_t arena_skew; /* the creation arena's slots and whole banks start here (alignment) */
     int has_budget;
     uint64_t budget;
     /* Arenas added by growing, each holding slots [grow_first[i], next one). */

@@ -10,10 +10,24 @@ uint64_t qm__align_up(uint64_t v, uint64_t a)
     return a <= 1 ? v : (v + a - 1) / a * a;
 }
 
-uint64_t qm__pager_align(const qm_backend *be)
+static int qm__direct_layout(const qm_pager_options *opt)
+{
+    return opt && opt->source == QM_PAGER_SOURCE_DIRECT;
+}
+
+uint64_t qm__pager_align(const qm_backend *be, const qm_pager_options *opt)
 {
     uint64_t align = qm_backend_alignment(be);
-    return align < QM__UNIT_SLICE_ALIGN ? QM__UNIT_SLICE_ALIGN : align;
+    if (align < QM__UNIT_SLICE_ALIGN)
+        align = QM__UNIT_SLICE_ALIGN;
+    if (qm__direct_layout(opt) && align < QM__DISK_BLOCK)
+        align = QM__DISK_BLOCK;
+    return align;
+}
+
+uint64_t qm__slice_phase(const qm__layer *L, int t, uint32_t e)
+{
+    return L->direct ? (L->file_off[t] + (uint64_t)e * L->slice[t]) % QM__DISK_BLOCK : 0;
 }
 
 int qm__copies_whole(const qm_pager_options *opt, const qm_backend *be)
@@ -34,21 +48,42 @@ void qm__layer_pins(const qm_plan_bank *pb, uint32_t n_experts, uint8_t *pin)
             pin[pb->decision.pinned[i]] = 1;
 }
 
-/* The layout of layer l's tensors: slices in a slot, offsets in a whole copy. */
-static void qm__layout_tensors(const qm_layer_view *v, uint32_t n_experts, qm__layer *L,
-                               uint64_t *whole, uint64_t *whole_span)
+/* The disk source's window for slice t: whole blocks holding the slice at
+ * any phase it takes (one phase when the slice is a whole number of
+ * blocks, else any). */
+static uint64_t qm__slice_window(const qm__layer *L, int t)
+{
+    const uint64_t B = QM__DISK_BLOCK, slice = L->slice[t];
+    if (slice % B == 0)
+        return qm__align_up(L->file_off[t] % B + slice, B);
+    return qm__align_up(slice, B) + B;
+}
+
+/* The layout of layer l's tensors: slices in a slot, offsets in a whole
+ * copy; with the disk source (map: the bank's mapping) each where a
+ * block-aligned read puts it. */
+static void qm__layout_tensors(const qm_layer_view *v, uint32_t n_experts, const uint8_t *map,
+                               qm__layer *L, uint64_t *whole, uint64_t *whole_span)
 {
     uint64_t off = 0, toff = 0;
     *whole = 0;
+    L->direct = map != NULL;
     for (int t = 0; t < QM_T_EXPERT_COUNT; t++) {
         if (!v->t[t].present)
             continue;
         L->slice[t] = qm_expert_slice_bytes(&v->t[t], n_experts);
         L->unit_off[t] = off;
-        off = qm__align_up(off + L->slice[t], QM__UNIT_SLICE_ALIGN);
         L->tensor_off[t] = toff;
-        toff = qm__align_up(toff + v->t[t].nbytes, QM__UNIT_SLICE_ALIGN);
         *whole += v->t[t].nbytes;
+        if (map) {
+            L->file_off[t] = (uint64_t)((const uint8_t *)v->t[t].data - map);
+            off += qm__slice_window(L, t);
+            L->tensor_off[t] += L->file_off[t] % QM__DISK_BLOCK;
+            toff = qm__align_up(L->tensor_off[t] + v->t[t].nbytes, QM__DISK_BLOCK);
+            continue;
+        }
+        off = qm__align_up(off + L->slice[t], QM__UNIT_SLICE_ALIGN);
+        toff = qm__align_up(toff + v->t[t].nbytes, QM__UNIT_SLICE_ALIGN);
     }
     L->unit_bytes = v->bytes_per_expert;
     L->unit_span = off;
@@ -60,7 +95,9 @@ int qm__layout(const qm_backend *be, const qm_bank *bank, const qm_residency_pla
                qm_status *st)
 {
     const qm_bank_config *cfg = qm_bank_get_config(bank);
-    const uint64_t align = qm__pager_align(be);
+    const uint64_t align = qm__pager_align(be, opt);
+    uint64_t map_bytes = 0;
+    const uint8_t *map = qm__direct_layout(opt) ? qm_bank_mapping(bank, &map_bytes) : NULL;
     memset(sz, 0, sizeof *sz);
     for (size_t i = 0; i < qm_plan_total(plan); i++) {
         const qm_plan_bank *pb = qm_plan_bank_at(plan, i);
@@ -77,7 +114,7 @@ int qm__layout(const qm_backend *be, const qm_bank *bank, const qm_residency_pla
         L->view = v;
         L->n_experts = cfg->experts;
         uint64_t whole, whole_span;
-        qm__layout_tensors(v, cfg->experts, L, &whole, &whole_span);
+        qm__layout_tensors(v, cfg->experts, map, L, &whole, &whole_span);
         if (opt && opt->layer_mask && !opt->layer_mask[l]) {
             L->absent = 1; /* another device's: neither whole nor paged here */
             continue;
@@ -171,7 +208,7 @@ void qm__fill_weights(const qm__layer *L, const uint8_t *unit_base, uint32_t e, 
         if (!L->view->t[t].present) {
             w->ptr[t] = NULL;
         } else if (from_slot) {
-            w->ptr[t] = unit_base + L->unit_off[t];
+            w->ptr[t] = unit_base + L->unit_off[t] + qm__slice_phase(L, t, e);
         } else if (L->whole_base) {
             w->ptr[t] = L->whole_base + L->tensor_off[t] + (uint64_t)e * L->slice[t];
         } else {

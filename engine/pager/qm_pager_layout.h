@@ -19,6 +19,12 @@
 /* Slices inside a slot start on this boundary so that every tensor's slice is
  * aligned for vector loads (and for CUDA kernels reading f32 scales). */
 #define QM__UNIT_SLICE_ALIGN 64u
+/* The disk source reads whole blocks of this size (O_DIRECT). Its layout
+ * (opt->source QM_PAGER_SOURCE_DIRECT) puts every slice at the offset, modulo
+ * the block, that it has in the file, inside a window of whole blocks: the
+ * block-aligned read of the slice then lands straight where the kernels
+ * read it, with no bounce copy. */
+#define QM__DISK_BLOCK 4096u
 
 /* One layer of the bank as a pager holds it. The layout fields are
  * qm__layout's and fixed for the pager's life; the state fields below them
@@ -33,6 +39,12 @@ typedef struct qm__layer {
     uint64_t unit_off[QM_T_EXPERT_COUNT]; /* offset of each slice inside a slot */
     uint64_t unit_bytes;                  /* the catalog's bytes_per_expert (accounted) */
     uint64_t unit_span;                   /* bytes a unit spans in a slot (padding included) */
+    /* The disk source's layout: unit_off[t] is the start of slice t's
+     * window of whole blocks, the slice lies qm__slice_phase() into it;
+     * tensor_off[t] already has its phase. file_off: each tensor's offset
+     * in the bank file. */
+    int direct;
+    uint64_t file_off[QM_T_EXPERT_COUNT];
     uint64_t whole_bytes;                  /* whole bank, accounted: every expert tensor's bytes */
     uint64_t tensor_off[QM_T_EXPERT_COUNT]; /* whole bank: offsets inside whole_base */
     /* State */
@@ -60,8 +72,11 @@ typedef struct qm__sizing {
 
 uint64_t qm__align_up(uint64_t v, uint64_t a);
 /* The alignment of the arena's regions: the backend's, at least
- * QM__UNIT_SLICE_ALIGN. */
-uint64_t qm__pager_align(const qm_backend *be);
+ * QM__UNIT_SLICE_ALIGN, and QM__DISK_BLOCK for the disk source's layout
+ * (`opt` may be NULL). */
+uint64_t qm__pager_align(const qm_backend *be, const qm_pager_options *opt);
+/* Where slice t of expert e starts inside its window (0 unless L->direct). */
+uint64_t qm__slice_phase(const qm__layer *L, int t, uint32_t e);
 /* 1 when whole banks are copied into the arena (a backend that cannot read
  * the mapping, or opt->copy_whole_banks). `opt` may be NULL. */
 int qm__copies_whole(const qm_pager_options *opt, const qm_backend *be);

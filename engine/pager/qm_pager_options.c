@@ -1,6 +1,6 @@
 /* qm_pager_options.c - the names of the pager's options (qm_pager.h): what
- * a demand miss does (on_miss) and where paged units come from (the paging
- * source). The one list of each: the daemon's configuration, the wire's
+ * a demand miss does (on_miss), where paged units come from (the paging
+ * source) and how the disk source reads (the I/O engine). The one list of each: the daemon's configuration, the wire's
  * decoder (checked against it by tests/daemon) and the help texts read
  * them here. */
 #include <string.h>
@@ -17,6 +17,10 @@ static const qm__option_name qm__on_miss[] = {
 static const qm__option_name qm__sources[] = {{"auto", QM_PAGER_SOURCE_AUTO},
                                              {"mmap", QM_PAGER_SOURCE_MMAP},
                                              {"direct", QM_PAGER_SOURCE_DIRECT}};
+static const qm__option_name qm__io_engines[] = {{"auto", QM_PAGER_IO_AUTO},
+                                                {"io_uring", QM_PAGER_IO_URING},
+                                                {"threads", QM_PAGER_IO_THREADS},
+                                                {"serial", QM_PAGER_IO_SERIAL}};
 #define QM__N(t) (sizeof(t) / sizeof((t)[0]))
 
 static const char *name_of(const qm__option_name *t, size_t n, int value)
@@ -62,4 +66,17 @@ int qm_pager_source_parse(const char *name)
 const char *qm_pager_source_at(size_t i, int *value)
 {
     return at(qm__sources, QM__N(qm__sources), i, value);
+}
+
+const char *qm_pager_io_name(int engine)
+{
+    return name_of(qm__io_engines, QM__N(qm__io_engines), engine);
+}
+int qm_pager_io_parse(const char *name)
+{
+    return value_of(qm__io_engines, QM__N(qm__io_engines), name);
+}
+const char *qm_pager_io_at(size_t i, int *value)
+{
+    return at(qm__io_engines, QM__N(qm__io_engines), i, value);
 }

@@ -147,6 +147,7 @@ static int qm__shrink(qm_pager *p, uint64_t budget, uint32_t keep, qm_status *st
     qm__slots_memory(p, keep, p->n_slots, 0);
     p->n_slots = keep;
     /* Arenas added by growing whose slots are all given back go. */
+    size_t n_grow = p->n_grow;
     while (p->n_grow > 0 && p->grow_first[p->n_grow - 1] >= keep) {
         qm_arena *a = p->grow_arenas[p->n_grow - 1];
         p->stats.arena_bytes -= qm_arena_size(a);
@@ -155,6 +156,8 @@ static int qm__shrink(qm_pager *p, uint64_t budget, uint32_t keep, qm_status *st
         qm_arena_free(p->backend, a);
         p->n_grow--;
     }
+    if (p->n_grow != n_grow)
+        qm__pager_disk_arenas(p);
     return 0;
 }
 
@@ -169,7 +172,10 @@ static int qm__grow(qm_pager *p, uint32_t want, qm_status *st)
     }
     uint32_t add = want - p->slot_cap;
     unsigned long long bytes;
-    if (qm_mul_u64(add, p->sz.slot_size, &bytes))
+    /* The slots start on the layout's alignment (the disk source's blocks). */
+    const uint64_t align = qm__pager_align(p->backend, &p->opt);
+    const uint64_t slack = align > qm_backend_alignment(p->backend) ? align : 0;
+    if (qm_mul_u64(add, p->sz.slot_size, &bytes) || qm_add_u64(bytes, slack, &bytes))
         return qm_status_set(st, QM_ERESOURCE_EXHAUSTED, "arena size overflows");
     /* Every array first (a failure leaves the pager as it was: the arrays
      * are only larger), then the arena. */
@@ -178,6 +184,8 @@ static int qm__grow(qm_pager *p, uint32_t want, qm_status *st)
         qm__pager_scratch_regrow(p, p->slot_cap, want))
         return qm_status_set(st, QM_ENOMEM, "out of memory growing to %u slots", want);
     int rc = qm__pager_slots_regrow(p, want, st);
+    if (rc == 0)
+        rc = qm__pager_disk_slots(p, want, st);
     if (rc)
         return rc;
     qm_arena *a = NULL;
@@ -185,13 +193,16 @@ static int qm__grow(qm_pager *p, uint32_t want, qm_status *st)
     if (rc)
         return rc;
     qm__pager_disk_lock(p, a);
+    uintptr_t a0 = (uintptr_t)qm_arena_at(a, 0);
+    uint64_t skew = slack ? (align - a0 % align) % align : 0;
     memset(&p->slots[p->slot_cap], 0, (size_t)add * sizeof *p->slots);
     for (uint32_t i = 0; i < add; i++)
-        p->slots[p->slot_cap + i].base = qm_arena_at(a, (uint64_t)i * p->sz.slot_size);
+        p->slots[p->slot_cap + i].base = qm_arena_at(a, skew + (uint64_t)i * p->sz.slot_size);
     p->grow_arenas[p->n_grow] = a;
     p->grow_first[p->n_grow] = p->slot_cap;
     p->n_grow++;
     p->stats.arena_bytes += bytes;
+    qm__pager_disk_arenas(p);
     for (uint32_t s = p->n_slots; s < p->slot_cap; s++)
         memset(&p->slots[s].layer, 0, sizeof *p->slots - offsetof(qm__slot, layer));
     qm__slots_memory(p, p->n_slots, p->slot_cap, 1);

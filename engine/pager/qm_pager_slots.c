@@ -46,6 +46,8 @@ int qm__pager_claim(qm_pager *p, int32_t s, uint32_t layer, uint32_t expert, qm_
     sl->expert = expert;
     sl->pinned = how == QM__CLAIM_PIN;
     sl->prefetched = how == QM__CLAIM_PREFETCH ? pf_source : QM__PF_NONE;
+    sl->by_prefetch = how == QM__CLAIM_PREFETCH;
+    sl->waiting = 0;
     sl->refs = how == QM__CLAIM_DEMAND;
     sl->last_use = p->tick;
     sl->unit_bytes = L->unit_bytes;
@@ -64,6 +66,7 @@ void qm__pager_drop(qm_pager *p, int32_t s)
     p->stats.resident_bytes -= sl->unit_bytes;
     sl->state = QM__SLOT_FREE;
     sl->prefetched = 0;
+    sl->waiting = 0;
     sl->refs = 0;
     qm_policy_on_evict(p->policy, (qm_expert_ref){sl->layer, sl->expert});
 }

@@ -1,9 +1,12 @@
-/* qm_pager_source.c - the pager's expert source: demand paging in waves.
- * acquire maps each requested expert to its slot (a hit), or claims a free
- * or evictable slot and copies it in (a miss), as many as fit at once, and
- * lands the wave's copies before handing out their pointers; release drops
- * the wave's holds. The policy sees every access; victims are its choice
- * (qm_pager_slots.c). */
+/* qm_pager_source.c - the pager's expert source: demand paging in rounds
+ * (waves). A round maps each requested expert to its slot (a hit), or claims
+ * a free or evictable slot and issues its copy (a miss), as many as fit at
+ * once; every miss of the round is then in flight together. acquire_some
+ * hands the round's experts out as they land (hits at once), so the forward
+ * pass computes the resident experts while the misses are read; acquire
+ * (the older contract) lands the whole round first. release drops the
+ * holds. The policy sees every access, in request order; victims are its
+ * choice (qm_pager_slots.c). */
 #include "qm_pager_source.h"
 
 #include "qm_clock.h"
@@ -38,40 +41,63 @@ static size_t qm__collect_candidates(qm_pager *p, uint32_t layer, const uint32_t
     return n;
 }
 
-static void qm__undo_round(qm_pager *p, size_t n_wave)
+/* The experts of the round not handed out yet (wave_slots[0..wave_n))
+ * leave it: their holds are dropped, and a slot whose copy failed or is
+ * still loading is landed first, then given back. */
+static void qm__abandon_round(qm_pager *p)
 {
-    for (size_t i = 0; i < n_wave; i++) {
-        qm__slot *sl = &p->slots[p->wave_slots[i]];
-        if (sl->refs)
+    for (size_t w = 0; w < p->wave_n; w++) {
+        int32_t s = p->wave_slots[w];
+        qm__slot *sl = &p->slots[s];
+        sl->waiting = 0;
+        if (sl->state == QM__SLOT_LOADING)
+            (void)qm__pager_copy_wait(p, s, NULL);
+        if (sl->state == QM__SLOT_LOADING) {
+            sl->refs = 0;
+            qm__pager_drop(p, s);
+        } else if (sl->refs) {
             sl->refs--;
+        }
     }
+    p->wave_n = 0;
 }
 
-static int qm__source_acquire(void *ctx, uint32_t layer, const uint32_t *experts, size_t n,
-                              qm_expert_weights *weights, size_t *n_ready, qm_status *st)
+/* The layer of a request, after checking it: NULL with st set. */
+static qm__layer *qm__request_layer(qm_pager *p, uint32_t layer, const uint32_t *experts,
+                                    size_t n, qm_status *st)
 {
-    qm_pager *p = ctx;
-    *n_ready = 0;
-    if (layer >= p->n_layers)
-        return qm_status_set(st, QM_EINVAL, "layer %u out of range (%u layers)", layer,
-                             p->n_layers);
-    qm__layer *L = &p->layers[layer];
-    if (L->absent)
-        return qm_status_set_field(st, QM_EINVAL, "layer",
-                                   "layer %u is placed on another device", layer);
-    for (size_t i = 0; i < n; i++)
-        if (experts[i] >= L->n_experts)
-            return qm_status_set(st, QM_EINVAL, "expert %u out of range (%u experts)",
-                                 experts[i], L->n_experts);
-    if (!L->paged) {
-        for (size_t i = 0; i < n; i++)
-            qm__fill_weights(L, NULL, experts[i], 0, &weights[i]);
-        p->stats.whole_bank_accesses += n;
-        *n_ready = n;
-        return 0;
+    if (layer >= p->n_layers) {
+        qm_status_set(st, QM_EINVAL, "layer %u out of range (%u layers)", layer, p->n_layers);
+        return NULL;
     }
-    size_t i = 0, n_wave = 0;
+    qm__layer *L = &p->layers[layer];
+    if (L->absent) {
+        qm_status_set_field(st, QM_EINVAL, "layer", "layer %u is placed on another device", layer);
+        return NULL;
+    }
+    for (size_t i = 0; i < n; i++) {
+        if (experts[i] >= L->n_experts) {
+            qm_status_set(st, QM_EINVAL, "expert %u out of range (%u experts)", experts[i],
+                          L->n_experts);
+            return NULL;
+        }
+    }
+    return L;
+}
+
+/* One round: every requested expert it can hold at once, in order, is a
+ * hit (held) or a miss (a slot claimed, its copy issued): wave_slots[0..
+ * wave_n), each waiting. The policy's hooks run in request order whatever
+ * the copies do, so counters never depend on timing. *claimed: how many of
+ * experts[] the round took. On failure nothing stays held. */
+static int qm__claim_round(qm_pager *p, uint32_t layer, const uint32_t *experts, size_t n,
+                           size_t *claimed, qm_status *st)
+{
+    qm__layer *L = &p->layers[layer];
+    size_t i = 0;
     int rc = 0;
+    p->wave_n = 0;
+    p->wave_layer = layer;
     for (; i < n; i++) {
         uint32_t e = experts[i];
         qm_expert_ref ref = {layer, e};
@@ -84,9 +110,12 @@ static int qm__source_acquire(void *ctx, uint32_t layer, const uint32_t *experts
                 qm__pager_prefetch_useful(p, sl->prefetched);
                 sl->prefetched = 0;
             }
+            if (sl->state == QM__SLOT_LOADING)
+                qm__pager_copy_promote(p, s); /* a demand now: ahead of prefetches */
             sl->refs++;
             sl->last_use = p->tick++;
-            p->wave_slots[n_wave++] = s;
+            sl->waiting = 1;
+            p->wave_slots[p->wave_n++] = s;
             continue;
         }
         /* A miss: find room before telling the policy about the access, so a
@@ -95,10 +124,10 @@ static int qm__source_acquire(void *ctx, uint32_t layer, const uint32_t *experts
         size_t nc = 0;
         if (s < 0) {
             nc = qm__collect_candidates(p, layer, experts + i, n - i, 1);
-            if (nc == 0 && n_wave == 0)
+            if (nc == 0 && p->wave_n == 0)
                 nc = qm__collect_candidates(p, layer, experts + i, n - i, 2);
             if (nc == 0)
-                break; /* end of this wave */
+                break; /* end of this round */
         }
         p->stats.misses++;
         qm_policy_on_access(p->policy, ref, p->tick, 0);
@@ -110,7 +139,8 @@ static int qm__source_acquire(void *ctx, uint32_t layer, const uint32_t *experts
         if (rc)
             break;
         p->tick++;
-        p->wave_slots[n_wave++] = s;
+        p->slots[s].waiting = 1;
+        p->wave_slots[p->wave_n++] = s;
         p->stats.bytes_paged_h2d += L->unit_bytes;
         rc = qm__pager_copy_unit(p, s, st);
         if (rc)
@@ -121,10 +151,161 @@ static int qm__source_acquire(void *ctx, uint32_t layer, const uint32_t *experts
                            "no slot can hold expert %u of layer %u: all %u slots are pinned or "
                            "in use",
                            experts[0], layer, p->n_slots);
-    /* Land the copies of this round (and prefetches it hit) before use;
-     * the time spent waiting is the forward call's stall. */
+    if (rc) {
+        qm__abandon_round(p);
+        return rc;
+    }
+    if (i < n)
+        p->stats.waves++;
+    *claimed = i;
+    return 0;
+}
+
+/* Collects slot s's copy if it has landed (*ready 1) or is still in flight
+ * (*ready 0). A read that failed fails the call, except for a unit a
+ * prefetch claimed: no call asked for that read, so it is read again now,
+ * on demand. */
+static int qm__collect(qm_pager *p, int32_t s, int *ready, qm_status *st)
+{
+    qm__slot *sl = &p->slots[s];
+    *ready = 0;
+    if (sl->state != QM__SLOT_LOADING) {
+        *ready = 1;
+        return 0;
+    }
+    if (!qm__pager_copy_landed(p, s))
+        return 0;
+    int rc = qm__pager_copy_wait(p, s, st);
+    if (rc && sl->by_prefetch) {
+        sl->by_prefetch = 0;
+        return qm__pager_copy_unit(p, s, st);
+    }
+    *ready = rc == 0;
+    return rc;
+}
+
+/* Hands out the round's experts that have landed (waiting for one when
+ * none has; every one with the serial engine, which computes nothing
+ * before its misses are in), in landing order: ready_idx[j] their index in
+ * experts[0..n), weights[j] their pointers. The time waited is the call's
+ * stall. */
+static int qm__hand_out(qm_pager *p, const uint32_t *experts, size_t n, size_t *ready_idx,
+                        qm_expert_weights *weights, size_t *n_ready, qm_status *st)
+{
+    qm__layer *L = &p->layers[p->wave_layer];
+    const int all = p->opt.io_engine == QM_PAGER_IO_SERIAL && p->disk;
     uint64_t t_stall = 0;
-    for (size_t w = 0; rc == 0 && w < n_wave; w++) {
+    size_t got = 0;
+    int rc = 0;
+    for (;;) {
+        size_t loading = 0;
+        for (size_t w = 0; w < p->wave_n && rc == 0; w++) {
+            int ready = 0;
+            rc = qm__collect(p, p->wave_slots[w], &ready, st);
+            loading += !ready;
+        }
+        if (rc)
+            break;
+        if (loading == 0 || (!all && loading < p->wave_n))
+            break;
+        if (!t_stall)
+            t_stall = qm__now_us();
+        /* The slots still loading, first: wait for one of them. */
+        size_t k = 0;
+        for (size_t w = 0; w < p->wave_n; w++)
+            if (p->slots[p->wave_slots[w]].state == QM__SLOT_LOADING)
+                p->cand_slots[k++] = p->wave_slots[w];
+        qm__pager_copy_wait_any(p, p->cand_slots, k);
+    }
+    if (t_stall)
+        p->stats.stall_us += qm__now_us() - t_stall;
+    if (rc) {
+        qm__abandon_round(p);
+        return rc;
+    }
+    size_t keep = 0;
+    for (size_t w = 0; w < p->wave_n; w++) {
+        int32_t s = p->wave_slots[w];
+        qm__slot *sl = &p->slots[s];
+        if (sl->state == QM__SLOT_LOADING) {
+            p->wave_slots[keep++] = s;
+            continue;
+        }
+        size_t j = 0;
+        while (j < n && experts[j] != sl->expert)
+            j++;
+        sl->waiting = 0;
+        if (j == n) { /* no longer asked for (the caller broke the contract): let it go */
+            if (sl->refs)
+                sl->refs--;
+            continue;
+        }
+        ready_idx[got] = j;
+        qm__fill_weights(L, sl->base, sl->expert, 1, &weights[got]);
+        got++;
+    }
+    p->wave_n = (uint32_t)keep;
+    *n_ready = got;
+    return 0;
+}
+
+/* (the expert source's acquire_some) A round of experts[0..n) claimed when
+ * the last one is all handed out; then what has landed. */
+static int qm__source_acquire_some(void *ctx, uint32_t layer, const uint32_t *experts, size_t n,
+                                   size_t *ready_idx, qm_expert_weights *weights, size_t *n_ready,
+                                   qm_status *st)
+{
+    qm_pager *p = ctx;
+    *n_ready = 0;
+    qm__layer *L = qm__request_layer(p, layer, experts, n, st);
+    if (!L)
+        return QM_EINVAL;
+    if (!L->paged) {
+        for (size_t i = 0; i < n; i++) {
+            qm__fill_weights(L, NULL, experts[i], 0, &weights[i]);
+            ready_idx[i] = i;
+        }
+        p->stats.whole_bank_accesses += n;
+        *n_ready = n;
+        return 1;
+    }
+    if (p->wave_n && p->wave_layer != layer)
+        qm__abandon_round(p); /* a call that ended without releasing */
+    int started = 0;
+    if (p->wave_n == 0 && n > 0) {
+        size_t claimed = 0;
+        int rc = qm__claim_round(p, layer, experts, n, &claimed, st);
+        if (rc)
+            return rc;
+        started = 1;
+    }
+    int rc = qm__hand_out(p, experts, n, ready_idx, weights, n_ready, st);
+    return rc ? rc : started;
+}
+
+/* (the expert source's acquire) One round, every copy of it landed before
+ * it returns, in request order. */
+static int qm__source_acquire(void *ctx, uint32_t layer, const uint32_t *experts, size_t n,
+                              qm_expert_weights *weights, size_t *n_ready, qm_status *st)
+{
+    qm_pager *p = ctx;
+    *n_ready = 0;
+    qm__layer *L = qm__request_layer(p, layer, experts, n, st);
+    if (!L)
+        return QM_EINVAL;
+    if (!L->paged) {
+        for (size_t i = 0; i < n; i++)
+            qm__fill_weights(L, NULL, experts[i], 0, &weights[i]);
+        p->stats.whole_bank_accesses += n;
+        *n_ready = n;
+        return 0;
+    }
+    if (p->wave_n)
+        qm__abandon_round(p);
+    size_t claimed = 0;
+    int rc = qm__claim_round(p, layer, experts, n, &claimed, st);
+    uint64_t t_stall = 0;
+    for (size_t w = 0; rc == 0 && w < p->wave_n; w++) {
         int32_t s = p->wave_slots[w];
         if (p->slots[s].state != QM__SLOT_LOADING)
             continue;
@@ -135,27 +316,17 @@ static int qm__source_acquire(void *ctx, uint32_t layer, const uint32_t *experts
     if (t_stall)
         p->stats.stall_us += qm__now_us() - t_stall;
     if (rc) {
-        /* Land whatever is still in flight, then drop what did not land; the
-         * rest stays resident. */
-        for (size_t w = 0; w < n_wave; w++) {
-            int32_t s = p->wave_slots[w];
-            if (p->slots[s].state == QM__SLOT_LOADING)
-                (void)qm__pager_copy_wait(p, s, NULL);
-            if (p->slots[s].state == QM__SLOT_LOADING) {
-                p->slots[s].refs = 0;
-                qm__pager_drop(p, s);
-            }
-        }
-        qm__undo_round(p, n_wave);
+        if (p->wave_n)
+            qm__abandon_round(p);
         return rc;
     }
-    if (i < n)
-        p->stats.waves++;
-    for (size_t w = 0; w < n_wave; w++) {
-        int32_t s = p->wave_slots[w];
-        qm__fill_weights(L, p->slots[s].base, p->slots[s].expert, 1, &weights[w]);
+    for (size_t w = 0; w < p->wave_n; w++) {
+        qm__slot *sl = &p->slots[p->wave_slots[w]];
+        sl->waiting = 0;
+        qm__fill_weights(L, sl->base, sl->expert, 1, &weights[w]);
     }
-    *n_ready = i;
+    p->wave_n = 0;
+    *n_ready = claimed;
     return 0;
 }
 
@@ -169,8 +340,21 @@ static void qm__source_release(void *ctx, uint32_t layer, const uint32_t *expert
         if (experts[i] >= L->n_experts)
             continue;
         int32_t s = L->slot_of[experts[i]];
-        if (s >= 0 && p->slots[s].refs > 0)
-            p->slots[s].refs--;
+        if (s < 0)
+            continue;
+        qm__slot *sl = &p->slots[s];
+        if (sl->waiting) {
+            /* Released before it was handed out (a call that ended early):
+             * it leaves the round; a copy in flight lands as a prefetch would. */
+            sl->waiting = 0;
+            size_t k = 0;
+            for (size_t w = 0; w < p->wave_n; w++)
+                if (p->wave_slots[w] != s)
+                    p->wave_slots[k++] = p->wave_slots[w];
+            p->wave_n = (uint32_t)k;
+        }
+        if (sl->refs > 0)
+            sl->refs--;
     }
 }
 
@@ -184,5 +368,6 @@ void qm__pager_source_init(qm_pager *p)
     p->source.version = QM_EXPERT_SOURCE_VERSION;
     p->source.ctx = p;
     p->source.acquire = qm__source_acquire;
+    p->source.acquire_some = qm__source_acquire_some;
     p->source.release = qm__source_release;
 }

@@ -225,6 +225,16 @@ void qm_multipager_stats(const qm_multipager *mp, qm_pager_stats *out)
         out->host_bytes += s.host_bytes;
         out->bytes_prefaulted_at_create += s.bytes_prefaulted_at_create;
         out->bytes_interleaved_at_create += s.bytes_interleaved_at_create;
+        /* Disk reads and waits (each device's pager reads its own layers). */
+        out->disk_bytes_read += s.disk_bytes_read;
+        out->disk_reads += s.disk_reads;
+        out->disk_errors += s.disk_errors;
+        out->stall_us += s.stall_us;
+        out->disk_busy_us += s.disk_busy_us;
+        out->read_calls += s.read_calls;
+        out->reads_in_flight_sum += s.reads_in_flight_sum;
+        if (s.reads_in_flight_peak > out->reads_in_flight_peak)
+            out->reads_in_flight_peak = s.reads_in_flight_peak;
     }
     if (first)
         memset(out, 0, sizeof *out);

@@ -2,15 +2,20 @@
 session reads its experts from the bank file with O_DIRECT (outputs bitwise
 equal to whole_bank, bytes read and stall time in telemetry.get and the
 metrics), `paging_source: mmap` keeps the mapping, a bank on tmpfs falls back
-with a logged reason, and a disk read error fails that request only.
+with a logged reason, and a disk read error fails that request only. The
+I/O engine (io_engine, io_depth): io_uring and the forced pool of threads
+have many reads in flight (counted in telemetry, qmoectl shows them), the
+serial engine one, all with the same bits; bad values are refused at start.
 """
 import os
+import re
 import shutil
+import subprocess
 import tempfile
 
 import pytest
 
-from qmoed_harness import Daemon, from_tensor, tensor
+from qmoed_harness import BUILD, Daemon, from_tensor, tensor
 from qmoed_suite import err, hidden, new_session
 
 
@@ -59,6 +64,27 @@ def run_all(c, sid, inputs):
 
 
 INPUTS = [(i % 2, hidden(1 + i % 4, seed=200 + i)) for i in range(24)]
+
+
+def run_failing_once(c, sid, ref, bank):
+    """Runs INPUTS on sid: a request that fails must be internal_error naming
+    the bank file and the offset of the read, and succeed when sent again
+    (the expert read again); every output equals ref. The requests that
+    failed."""
+    failed = 0
+    for (l, x), want in zip(INPUTS, ref):
+        params = {"session": sid, "layer": l, "hidden": tensor(x)}
+        r = c.request("session.infer", params)
+        if "error" in r:
+            e = err(r)
+            assert e["code"] == -32603, e
+            reason = e["data"]["reason"]
+            assert "Input/output error" in reason and bank in reason, e
+            assert re.search(r"at offset \d+", reason), e
+            failed += 1
+            r = c.request("session.infer", params)  # the same request again: served
+        assert from_tensor(r["result"]["output"]).tobytes() == want
+    return failed
 
 
 def test_direct_paging_is_bitwise_whole_bank_and_counts_disk_reads(disk_bank):
@@ -125,28 +151,77 @@ def test_a_bank_on_tmpfs_falls_back_with_a_logged_reason(banks):
         shutil.rmtree(os.path.dirname(path))
 
 
+def test_io_engines_read_many_at_once_with_the_same_bits(disk_bank):
+    ref = None
+    for engine in ("auto", "io_uring", "threads", "serial"):
+        dm = Daemon(models={"small": disk_bank},
+                    args=["--set", "io_engine=" + engine, "--set", "io_depth=16"])
+        try:
+            c = dm.client()
+            bpe = c.call("model.list")["models"][0]["bytes_per_expert"]
+            if ref is None:
+                ref = run_all(c, new_session(c), INPUTS)
+            sid = new_session(c, policy="lru", budget_bytes=4 * bpe,
+                              policy_params={"prefetch": engine != "serial"})
+            r = c.call("session.infer", {"session": sid, "layer": 0,
+                                         "hidden": tensor(hidden(4, seed=5))})
+            assert r["stats"]["misses"] >= 2 and r["stats"]["bytes_read_disk"] > 0, r["stats"]
+            assert run_all(c, sid, INPUTS) == ref, engine
+            t = c.call("telemetry.get", {"session": sid})
+            assert t["read_calls"] > 0 and t["disk_busy_us"] > 0, t
+            assert t["reads_in_flight_sum"] >= t["read_calls"], t
+            m = re.search(r"session %s pages from disk: O_DIRECT reads of .* through (\S+), "
+                          r"(\d+) in flight at most" % sid, dm.log_text())
+            assert m, dm.log_text()[-2000:]
+            if engine == "serial":
+                assert m.group(1) == "serial" and m.group(2) == "1", m.group(0)
+                assert t["reads_in_flight_peak"] == 1, t
+            else:
+                # auto and io_uring: io_uring, or the pool with the kernel's reason
+                assert m.group(1) in (("threads",) if engine == "threads"
+                                      else ("io_uring", "threads")), m.group(0)
+                assert m.group(1) != "threads" or engine == "threads" or "io_uring" in m.group(0)
+                assert m.group(2) == "16", m.group(0)
+                assert 1 < t["reads_in_flight_peak"] <= 16, t
+            # qmoectl telemetry adds the disk columns
+            env = dict(os.environ, QMOED_SOCKET=dm.socket)
+            out = subprocess.run([os.path.join(BUILD, "clients", "qmoectl"), "telemetry", sid],
+                                 env=env, capture_output=True, text=True, timeout=30)
+            assert out.returncode == 0, out.stderr
+            for col in ("STALL/CALL", "STALL/TOKEN", "DISK/TOKEN", "IN-FLIGHT", "DISK-RATE"):
+                assert col in out.stdout, out.stdout
+            text = c.call("telemetry.metrics")["text"]
+            for name in ("qmoed_disk_busy_us_total", "qmoed_read_calls_total",
+                         "qmoed_reads_in_flight_sum_total", "qmoed_reads_in_flight_peak"):
+                assert "\n%s" % name in text, name
+        finally:
+            assert dm.stop() == 0, dm.log_text()
+
+
+def test_bad_io_engine_and_depth_are_refused_at_start(disk_bank):
+    for arg, want in (("io_engine=nvme", "io_engine must be auto, io_uring, threads or serial"),
+                      ("io_depth=0", "io_depth must be in 1..1024"),
+                      ("io_depth=5000", "io_depth must be in 1..1024")):
+        bad = Daemon(models={"small": disk_bank}, args=["--set", arg], wait=False)
+        assert bad.proc.wait(30) != 0
+        bad.stop()
+        assert want in bad.log_text(), bad.log_text()
+
+
 def test_a_disk_read_error_fails_that_request_only(disk_bank):
-    dm = Daemon(models={"small": disk_bank}, env={"QMOED_FAULT_READ": "3"})
-    try:
-        c = dm.client()
-        bpe = c.call("model.list")["models"][0]["bytes_per_expert"]
-        ref = run_all(c, new_session(c), INPUTS)
-        sid = new_session(c, policy="lru", budget_bytes=2 * bpe,
-                          policy_params={"prefetch": False})
-        failed = 0
-        for (l, x), want in zip(INPUTS, ref):
-            params = {"session": sid, "layer": l, "hidden": tensor(x)}
-            r = c.request("session.infer", params)
-            if "error" in r:
-                e = err(r)
-                assert e["code"] == -32603, e
-                assert "Input/output error" in e["data"]["reason"], e
-                assert disk_bank in e["data"]["reason"], e
-                failed += 1
-                r = c.request("session.infer", params)  # the same request again: served
-            assert from_tensor(r["result"]["output"]).tobytes() == want
-        assert failed == 1
-        t = c.call("telemetry.get", {"session": sid})
-        assert t["errors"] == 1 and t["resident_bytes"] <= 2 * bpe, t
-    finally:
-        assert dm.stop() == 0, dm.log_text()
+    # QMOED_FAULT_READ=N fails the Nth read of the daemon, among many in
+    # flight with a budget of 8 experts, whichever engine reads.
+    for engine, experts, nth in (("auto", 2, "3"), ("auto", 8, "5"), ("threads", 8, "5")):
+        dm = Daemon(models={"small": disk_bank}, args=["--set", "io_engine=" + engine],
+                    env={"QMOED_FAULT_READ": nth})
+        try:
+            c = dm.client()
+            bpe = c.call("model.list")["models"][0]["bytes_per_expert"]
+            ref = run_all(c, new_session(c), INPUTS)
+            sid = new_session(c, policy="lru", budget_bytes=experts * bpe,
+                              policy_params={"prefetch": False})
+            assert run_failing_once(c, sid, ref, disk_bank) == 1, engine
+            t = c.call("telemetry.get", {"session": sid})
+            assert t["errors"] == 1 and t["resident_bytes"] <= experts * bpe, t
+        finally:
+            assert dm.stop() == 0, dm.log_text()

@@ -10,7 +10,7 @@ import os
 import subprocess
 import tempfile
 
-from qmoed_harness import Daemon, make_bank, qmoed_path, root_args, tensor
+from qmoed_harness import Daemon, make_bank, qmoe_bank_path, qmoed_path, root_args, tensor
 from qmoed_suite import H, E, K, hidden, err
 
 
@@ -29,6 +29,41 @@ def test_model_list_gives_the_summary(daemon):
     assert m["hidden_size"] == H and m["inter_size"] == 32 and m["k"] == K
     assert m["activation"] == "swiglu" and m["bits"] == 4 and m["block_size"] == 32
     assert m["bytes_total"] == 2 * E * m["bytes_per_expert"]
+
+
+def test_model_list_says_how_the_bank_is_made(daemon):
+    """What engines checked by reading the bank file is on the wire: the
+    quantisation, biases and SwiGLU constants (a created bank has no source)."""
+    m = daemon.client().call("model.list")["models"][0]
+    assert m["quantisation"] == {"bits": 4, "block_size": 32, "scale_dtype": "f16",
+                                 "zero_points": False}, m
+    assert m["biases"] is True and "source" not in m
+    assert m["swiglu"] == {"alpha": 1, "beta": 0, "limit": None, "fusion": 1}, m
+
+
+def test_an_imported_banks_source_is_on_the_wire(daemon, tmp_path):
+    src = os.path.join(os.path.dirname(__file__), "..", "import", "fixtures", "mixtral")
+    bank = str(tmp_path / "mixtral.bank")
+    subprocess.run([qmoe_bank_path(), "import", "hf", src, "--out", bank, "--quiet"], check=True,
+                   stdout=subprocess.DEVNULL)
+    c = daemon.client()
+    m = c.call("model.load", {"name": "mixtral", "path": bank})
+    assert m["source"]["format"] == "hf" and m["source"]["family"] == "mixtral", m
+    assert "files" in m["source"] and isinstance(m["source"]["exact"], bool), m
+    listed = [x for x in c.call("model.list")["models"] if x["name"] == "mixtral"][0]
+    assert listed["source"] == m["source"] and listed["quantisation"] == m["quantisation"]
+    c.call("model.unload", {"name": "mixtral"})
+
+
+def test_daemon_status_lists_the_families_the_importers_know(daemon):
+    """The families an engine's adapter asks for are the importers' table,
+    walked: `qmoe-bank import --families` and daemon.status agree."""
+    out = subprocess.run([qmoe_bank_path(), "import", "--families"], capture_output=True,
+                         text=True, check=True).stdout
+    table = [(f["name"], f["gguf"]["arch"] if f["gguf"] else None,
+              bool(f["gguf"] and f["gguf"]["sigmoid"])) for f in json.loads(out)]
+    listed = daemon.client().call("daemon.status")["families"]
+    assert [(f["name"], f["gguf_arch"], f["gguf_sigmoid"]) for f in listed] == table
 
 
 def test_model_load_unload_conflict_in_use_and_force(daemon, banks):

@@ -262,7 +262,7 @@ START_TEST(test_forward_refuses_an_expert_source_of_another_version)
     qm_status st = {0};
     ck_assert_int_eq(qm__moe_forward_layer(be, &L.cfg, &L.lv, &call, &src, NULL, NULL, &st),
                      QM_EINVAL);
-    ck_assert_msg(strstr(st.msg, "expert source of version 2 (want 1)") != NULL, "%s", st.msg);
+    ck_assert_msg(strstr(st.msg, "expert source of version 3 (want 2)") != NULL, "%s", st.msg);
     free(x);
     free(lg);
     free(out);

@@ -20,11 +20,12 @@ LIB = os.path.join(BUILD, "engine", "libqmoe_engine.a")
 LAYERS = ["qm_expert_pool", "qm_placement",
           "qm_pager", "qm_pager_source", "qm_pager_prefetch", "qm_pager_resize", "qm_hybrid",
           "qm_pager_trace", "qm_pager_copy", "qm_pager_slots", "qm_pager_disk",
-          "qm_pager_layout",
+          "qm_pager_io", "qm_pager_layout",
           "qm_backend_emu", "qm_backend_cpu", "qm_cpu_ffn",
           "qm_moe", "qm_backend", "qm_host_route", "qm_routing"]
 # Files that call no other engine file but these (leaves of the graph).
-LEAVES = {"qm_pager_layout": {"qm_backend"}, "qm_routing": set(),
+LEAVES = {"qm_pager_layout": {"qm_backend"}, "qm_pager_io": {"qm_clock"},
+          "qm_routing": set(),
           "qm_scratch": set(), "qm_clock": set()}
 
 

@@ -23,121 +23,11 @@
 #include <sys/vfs.h>
 #include <unistd.h>
 
-#include "paging_helpers.h"
+#include "paging_disk_fixture.h"
 
 #ifndef TMPFS_MAGIC
 #define TMPFS_MAGIC 0x01021994
 #endif
-
-static char g_dir[512];
-static int g_have_direct;
-
-/* A directory whose filesystem takes O_DIRECT reads, or "" (the fallback
- * is checked anyway). */
-static void find_direct_dir(void)
-{
-    const char *cands[] = {getenv("QMOE_TEST_DISK_DIR"), ".", "/var/tmp", "/tmp"};
-    for (size_t i = 0; i < sizeof cands / sizeof *cands; i++) {
-        if (!cands[i] || !*cands[i])
-            continue;
-        char path[600];
-        snprintf(path, sizeof path, "%s/qm_direct_probe_XXXXXX", cands[i]);
-        int fd = mkstemp(path);
-        if (fd < 0)
-            continue;
-        static char block[8192];
-        int ok = write(fd, block, sizeof block) == (ssize_t)sizeof block;
-        close(fd);
-        int dfd = ok ? open(path, O_RDONLY | O_DIRECT) : -1;
-        void *buf = NULL;
-        if (dfd >= 0 && posix_memalign(&buf, 4096, 4096) == 0 && pread(dfd, buf, 4096, 0) == 4096)
-            snprintf(g_dir, sizeof g_dir, "%s", cands[i]);
-        free(buf);
-        if (dfd >= 0)
-            close(dfd);
-        unlink(path);
-        if (g_dir[0])
-            break;
-    }
-    g_have_direct = g_dir[0] != 0;
-    if (!g_have_direct)
-        fprintf(stderr, "test_paging_disk: no directory takes O_DIRECT here; direct-only "
-                        "checks skipped\n");
-}
-
-/* The fixture's bank image written to dir/name, opened from the file. */
-static qm_bank *file_bank(const char *dir, const char *name, char *path, size_t cap)
-{
-    snprintf(path, cap, "%s/%s.%d.bank", dir, name, (int)getpid());
-    FILE *f = fopen(path, "wb");
-    ck_assert_ptr_nonnull(f);
-    ck_assert_uint_eq(fwrite(fixture.bank.image, 1, fixture.bank.size, f), fixture.bank.size);
-    ck_assert_int_eq(fclose(f), 0);
-    qm_bank *b = NULL;
-    qm_status st = {0};
-    ck_assert_msg(qm_bank_open(path, &b, &st) == 0, "%s: %s", path, st.msg);
-    return b;
-}
-
-/* One test's bank file, calls (with whole-bank references) and output buffer. */
-typedef struct dcase {
-    char path[700];
-    qm_bank *bank;
-    pg_set set;
-    float *out;
-} dcase;
-
-static void dcase_open(dcase *c, const char *dir, const char *name, size_t n_calls, uint64_t seed)
-{
-    memset(c, 0, sizeof *c);
-    c->bank = file_bank(dir, name, c->path, sizeof c->path);
-    if (n_calls)
-        make_calls(&fixture.bank, fixture.cpu, n_calls, seed, &c->set);
-    c->out = malloc(sizeof(float) * 8 * qm_bank_get_config(fixture.bank.bank)->hidden);
-}
-
-static void dcase_close(dcase *c)
-{
-    free(c->out);
-    if (c->set.calls)
-        free_calls(&c->set);
-    qm_bank_close(c->bank);
-    unlink(c->path);
-}
-
-static qm_pager *direct_pager(qm_bank *bank, const char *policy, uint64_t budget, int prefetch,
-                              int copy_thread, const pg_set *set, qm_policy *pol,
-                              qm_residency_plan **plan)
-{
-    pf_bank fb = fixture.bank;
-    fb.bank = bank;
-    new_policy(policy, &fb, set, pol);
-    *plan = make_plan(&fb, pol, 1, budget);
-    qm_pager_options o = {.prefetch = prefetch, .copy_thread = copy_thread,
-                          .source = QM_PAGER_SOURCE_DIRECT};
-    qm_pager *pg = NULL;
-    qm_status st = {0};
-    int rc = qm_pager_new(fixture.cpu, bank, *plan, pol, &o, &pg, &st);
-    ck_assert_msg(rc == 0, "%s budget %llu: %s", policy, (unsigned long long)budget, st.msg);
-    return pg;
-}
-
-static int run_call(qm_pager *pg, const pg_call *c, float *out, qm_status *st)
-{
-    const qm_bank_config *cfg = qm_bank_get_config(fixture.bank.bank);
-    memset(out, 0x7f, sizeof(float) * c->T * cfg->hidden);
-    qm_moe_call mc = {.layer = c->layer, .dtype = QM_DTYPE_F32, .hidden = c->x,
-                      .n_tokens = c->T, .logits = c->logits, .output = out};
-    qm_moe_stats ms = {0};
-    return qm_pager_forward(pg, &mc, &ms, st);
-}
-
-static void free_pager(qm_pager *pg, qm_residency_plan *plan, qm_policy *pol)
-{
-    qm_pager_free(pg);
-    qm_plan_free(plan);
-    qm_policy_destroy(pol);
-}
 
 START_TEST(test_direct_reads_give_bitwise_whole_bank_outputs)
 {
@@ -156,12 +46,13 @@ START_TEST(test_direct_reads_give_bitwise_whole_bank_outputs)
     for (size_t pi = 0; pi < 4; pi++)
         for (size_t bi = 0; bi < 4; bi++)
             for (int pf = 0; pf < 2; pf++)
-                for (int ct = 0; ct < 2; ct++) {
+                for (int rp = 0; rp < N_READ_PATHS; rp++) {
                     uint64_t budget = pi == 0 ? total : budgets[bi];
                     qm_policy pol = {0};
                     qm_residency_plan *plan = NULL;
-                    qm_pager *pg = direct_pager(bank, policies[pi], budget, pf, ct ? 2 : 0, set,
-                                                &pol, &plan);
+                    qm_pager_options o = read_path_options(rp, pf);
+                    qm_pager *pg = direct_pager_opt(bank, policies[pi], budget, &o, set, &pol,
+                                                    &plan);
                     const char *why = NULL;
                     ck_assert_int_eq(qm_pager_source_info(pg, &why), QM_PAGER_SOURCE_DIRECT);
                     qm_status st = {0};
@@ -171,8 +62,9 @@ START_TEST(test_direct_reads_give_bitwise_whole_bank_outputs)
                                       st.msg);
                         ck_assert_msg(memcmp(out, c->ref, sizeof(float) * c->T * cfg->hidden) ==
                                           0,
-                                      "%s budget %llu prefetch %d thread %d: call %zu differs",
-                                      policies[pi], (unsigned long long)budget, pf, !ct, i);
+                                      "%s budget %llu prefetch %d %s: call %zu differs",
+                                      policies[pi], (unsigned long long)budget, pf,
+                                      g_read_paths[rp].name, i);
                     }
                     qm_pager_stats s;
                     qm_pager_stats_get(pg, &s);
@@ -279,7 +171,7 @@ static int failing_read(void *ud, uint64_t off, uint64_t len)
     (void)ud;
     (void)off;
     (void)len;
-    return ++g_reads == g_fail_at ? EIO : 0;
+    return __atomic_add_fetch(&g_reads, 1, __ATOMIC_SEQ_CST) == g_fail_at ? EIO : 0;
 }
 
 START_TEST(test_a_read_error_fails_that_request_only)
@@ -293,12 +185,13 @@ START_TEST(test_a_read_error_fails_that_request_only)
     pg_set set = dc.set;
     const char *path = dc.path;
     float *out = dc.out;
-    for (int ct = 0; ct < 2; ct++)
+    for (int rp = 0; rp < N_READ_PATHS; rp++)
         for (int fail_at = 1; fail_at <= 12; fail_at += 3) {
             qm_policy pol = {0};
             qm_residency_plan *plan = NULL;
-            qm_pager *pg = direct_pager(bank, "lru", 2 * unit_bytes(&fixture.bank), 1,
-                                        ct ? 2 : 0, &set, &pol, &plan);
+            qm_pager_options o = read_path_options(rp, 1);
+            qm_pager *pg = direct_pager_opt(bank, "lru", 2 * unit_bytes(&fixture.bank), &o, &set,
+                                            &pol, &plan);
             g_reads = 0;
             g_fail_at = fail_at;
             qm_pager_set_read_hook(pg, failing_read, NULL);

@@ -84,6 +84,29 @@ static const qm_policy_iface hostile_iface = {
     .destroy = hostile_destroy,
 };
 
+/* A pager over the fixture's bank with `pol` at `budget`. */
+static qm_pager *edge_pager(qm_policy *pol, uint64_t budget, const qm_pager_options *o,
+                            qm_residency_plan **plan)
+{
+    *plan = make_plan(&fixture.bank, pol, 1, budget);
+    qm_pager *pg = NULL;
+    ck_assert_int_eq(qm_pager_new(fixture.cpu, fixture.bank.bank, *plan, pol, o, &pg, &fixture.st),
+                     0);
+    return pg;
+}
+
+/* Runs call c and checks its output bit for bit against the whole bank's. */
+static void forward_same_bits(qm_pager *pg, const pg_call *c, size_t i)
+{
+    float out[8 * 64];
+    qm_moe_call mc = {.layer = c->layer, .dtype = QM_DTYPE_F32, .hidden = c->x,
+                      .n_tokens = c->T, .logits = c->logits, .output = out};
+    qm_moe_stats ms = {0};
+    ck_assert_int_eq(qm_pager_forward(pg, &mc, &ms, &fixture.st), 0);
+    ck_assert_msg(memcmp(out, c->ref, sizeof(float) * c->T * fixture.spec.hidden) == 0,
+                  "call %zu's output changed", i);
+}
+
 START_TEST(test_hostile_victims_fall_back_to_lru_and_keep_accounting_and_outputs)
 {
     pg_set set;
@@ -92,23 +115,13 @@ START_TEST(test_hostile_victims_fall_back_to_lru_and_keep_accounting_and_outputs
         hostile *h = calloc(1, sizeof *h);
         qm_policy pol = {.iface = &hostile_iface, .ctx = h};
         uint64_t budget = cap * unit_bytes(&fixture.bank);
-        qm_residency_plan *plan = make_plan(&fixture.bank, &pol, 1, budget);
+        qm_residency_plan *plan = NULL;
         qm_pager_options o = {.prefetch = (int)(cap % 2)};
-        qm_pager *pg = NULL;
-        ck_assert_int_eq(
-            qm_pager_new(fixture.cpu, fixture.bank.bank, plan, &pol, &o, &pg, &fixture.st), 0);
+        qm_pager *pg = edge_pager(&pol, budget, &o, &plan);
         g_budget = budget;
         qm_pager_set_alloc_hook(pg, budget_hook, NULL);
-        float out[8 * 64];
-        for (size_t i = 0; i < set.n; i++) {
-            const pg_call *c = &set.calls[i];
-            qm_moe_call mc = {.layer = c->layer, .dtype = QM_DTYPE_F32, .hidden = c->x,
-                              .n_tokens = c->T, .logits = c->logits, .output = out};
-            qm_moe_stats ms = {0};
-            ck_assert_int_eq(qm_pager_forward(pg, &mc, &ms, &fixture.st), 0);
-            ck_assert_msg(memcmp(out, c->ref, sizeof(float) * c->T * fixture.spec.hidden) == 0,
-                          "hostile policy changed call %zu's output", i);
-        }
+        for (size_t i = 0; i < set.n; i++)
+            forward_same_bits(pg, &set.calls[i], i);
         qm_pager_stats s;
         qm_pager_stats_get(pg, &s);
         ck_assert_uint_gt(h->answers, 0);
@@ -180,21 +193,12 @@ START_TEST(test_policy_naming_an_expert_in_use_is_overruled)
         /* Room for one call's experts at once (one wave), so the experts a
          * call accessed stay resident until its own evictions are done. */
         uint64_t budget = (uint64_t)(8 * fixture.spec.k) * unit_bytes(&fixture.bank);
-        qm_residency_plan *plan = make_plan(&fixture.bank, &pol, 1, budget);
+        qm_residency_plan *plan = NULL;
         qm_pager_options o = {.prefetch = prefetch, .no_preload = 1};
-        qm_pager *pg = NULL;
-        ck_assert_int_eq(
-            qm_pager_new(fixture.cpu, fixture.bank.bank, plan, &pol, &o, &pg, &fixture.st), 0);
-        float out[8 * 64];
+        qm_pager *pg = edge_pager(&pol, budget, &o, &plan);
         for (size_t i = 0; i < set.n; i++) {
-            const pg_call *c = &set.calls[i];
             uint64_t named = nm->named;
-            qm_moe_call mc = {.layer = c->layer, .dtype = QM_DTYPE_F32, .hidden = c->x,
-                              .n_tokens = c->T, .logits = c->logits, .output = out};
-            qm_moe_stats ms = {0};
-            ck_assert_int_eq(qm_pager_forward(pg, &mc, &ms, &fixture.st), 0);
-            ck_assert_msg(memcmp(out, c->ref, sizeof(float) * c->T * fixture.spec.hidden) == 0,
-                          "call %zu's output changed", i);
+            forward_same_bits(pg, &set.calls[i], i);
             if (prefetch || nm->named == named)
                 continue;
             /* The expert it named was in use: still resident after the call. */

@@ -79,7 +79,7 @@ typedef struct moe_layer {
 } moe_layer;
 
 typedef struct plan {
-    const qm__family *fam;
+    const qm_family *fam;
     const char *arch;
     uint32_t E, k, H, I, n_layers;
     moe_layer *layers;
@@ -155,10 +155,10 @@ static int read_plan(const qm__gguf_file *f, plan *pl, unsigned requant_bits, qm
     if (!ak || ak->type != QM__GGUF_STRING)
         return BAD(st, "GGUF key general.architecture is missing (or not a string)");
     pl->arch = ak->str;
-    pl->fam = qm__family_for_gguf(ak->str, 0);
+    pl->fam = qm_family_for_gguf(ak->str, 0);
     if (!pl->fam) {
         char archs[160];
-        qm__family_names(1, archs, sizeof archs);
+        qm_family_names(1, archs, sizeof archs);
         return BAD(st,
                    "GGUF key general.architecture = \"%.32s\" is not a supported MoE "
                    "architecture (%s)",
@@ -330,7 +330,7 @@ static int read_plan(const qm__gguf_file *f, plan *pl, unsigned requant_bits, qm
     if (L0->corr_bias && !pl->score_sigmoid && gating != 1)
         return BAD(st, "%s: a correction bias needs softmax or sigmoid gating",
                    L0->corr_bias->name);
-    pl->fam = qm__family_for_gguf(pl->arch, pl->score_sigmoid); /* deepseek2: V2 or V3 */
+    pl->fam = qm_family_for_gguf(pl->arch, pl->score_sigmoid); /* deepseek2: V2 or V3 */
 #undef KEY
 
     /* The layout: exact for as many expert tensors as one (bits, block) allows. */
@@ -614,7 +614,7 @@ static int build_and_write(job *j, const plan *pl, int resume, int quiet, uint32
     META("qmoe.block_size", v_bs);
     META("qmoe.swiglu_fusion", "0");
     META("qmoe.normalize_routing_weights", "1");
-    if (pl->fam->flags & QM__FAM_OAI_SWIGLU) {
+    if (pl->fam->flags & QM_FAMILY_OAI_SWIGLU) {
         /* llama.cpp's swiglu_oai: not in the GGUF, fixed by the architecture. */
         META("qmoe.activation_alpha", "1.702");
         META("qmoe.activation_beta", "1");

@@ -229,11 +229,11 @@ static int run_import(qm__hf_import *im)
         .scale_dtype = im->o.scale_dtype,
         .bias_dtype = QM_DTYPE_F32,
         .router_dtype = QM_DTYPE_F32,
-        .fc1_bias = (fl & QM__FAM_EXPERT_BIASES) != 0,
-        .fc2_bias = (fl & QM__FAM_EXPERT_BIASES) != 0,
+        .fc1_bias = (fl & QM_FAMILY_EXPERT_BIASES) != 0,
+        .fc2_bias = (fl & QM_FAMILY_EXPERT_BIASES) != 0,
         .router_weight = 1,
-        .router_bias = (fl & QM__FAM_ROUTER_BIAS) != 0,
-        .correction_bias = (fl & QM__FAM_CORRECTION_BIAS) != 0,
+        .router_bias = (fl & QM_FAMILY_ROUTER_BIAS) != 0,
+        .correction_bias = (fl & QM_FAMILY_CORRECTION_BIAS) != 0,
     };
     plan = qm_calloc((size_t)im->n_moe * QM_T_COUNT, sizeof *plan);
     if (!plan) {
@@ -303,7 +303,7 @@ static int run_import(qm__hf_import *im)
     b.packed[1] = qm_malloc(qm_bank_writer_slice_bytes(w, 0, QM_T_FC2_WEIGHT));
     b.scales[0] = qm_malloc(qm_bank_writer_slice_bytes(w, 0, QM_T_FC1_SCALES));
     b.scales[1] = qm_malloc(qm_bank_writer_slice_bytes(w, 0, QM_T_FC2_SCALES));
-    const int transpose = (im->fam->flags & QM__FAM_FUSED_EXPERTS) && !im->mxfp4;
+    const int transpose = (im->fam->flags & QM_FAMILY_FUSED_EXPERTS) && !im->mxfp4;
     if (transpose) b.mat = qm_malloc(n1 * im->H * sizeof(float));
     if (!b.row || !b.bias || !b.packed[0] || !b.packed[1] || !b.scales[0] || !b.scales[1] ||
         (transpose && !b.mat)) {

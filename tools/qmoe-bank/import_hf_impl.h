@@ -40,7 +40,7 @@ typedef struct qm__hf_opts {
 
 typedef struct qm__hf_import {
     qm__hf_opts o;
-    const qm__family *fam;
+    const qm_family *fam;
     qm__hf_checkpoint *ck;
     uint32_t model_layers, n_moe, E, H, I, k;
     uint32_t mtp_layers; /* DeepSeek's num_nextn_predict_layers, after the model's layers */

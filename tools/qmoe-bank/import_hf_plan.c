@@ -61,9 +61,9 @@ static int find_family(qm__hf_import *im, qm_status *st)
     if (rc && rc != QM_ENOT_FOUND) return QM_EINVALID_MODEL;
     rc = qm_hf_json_array_string(c, "architectures", 0, &arch, st);
     if (rc && rc != QM_ENOT_FOUND) return QM_EINVALID_MODEL;
-    if ((im->fam = qm__family_for_hf(mt, arch)) != NULL) return 0;
+    if ((im->fam = qm_family_for_hf(mt, arch)) != NULL) return 0;
     char names[256];
-    qm__family_names(0, names, sizeof names);
+    qm_family_names(0, names, sizeof names);
     return qm_status_set(st, QM_EUNSUPPORTED,
                          "config.json: model_type \"%.60s\" (architectures[0] \"%.60s\") is not a "
                          "supported MoE family; supported: %s",
@@ -76,14 +76,14 @@ static int moe_layers(qm__hf_import *im, qm_status *st)
     const qm_hf_json *c = qm__hf_config(im->ck);
     uint32_t step = 1, first_dense = 0;
     int rc;
-    const int sparse_step = (im->fam->flags & QM__FAM_SPARSE_STEP) != 0;
+    const int sparse_step = (im->fam->flags & QM_FAMILY_SPARSE_STEP) != 0;
     if (sparse_step) {
         if ((rc = cfg_u32(im, "decoder_sparse_step", 0, 1, &step, st)) != 0) return rc;
         if (step == 0)
             return qm_status_set(st, QM_EINVALID_MODEL,
                                  "config.json: decoder_sparse_step is 0, expected >= 1");
     }
-    if (im->fam->flags & QM__FAM_DENSE_PREFIX)
+    if (im->fam->flags & QM_FAMILY_DENSE_PREFIX)
         if ((rc = cfg_u32(im, "first_k_dense_replace", 0, 0, &first_dense, st)) != 0 ||
             (rc = cfg_u32(im, "num_nextn_predict_layers", 0, 0, &im->mtp_layers, st)) != 0)
             return rc;
@@ -128,7 +128,7 @@ static int moe_layers(qm__hf_import *im, qm_status *st)
 /* The family's routing rule, from the config keys its descriptor names. */
 static int read_routing(qm__hf_import *im, qm_status *st)
 {
-    const qm__family *f = im->fam;
+    const qm_family *f = im->fam;
     const qm_hf_json *c = qm__hf_config(im->ck);
     int rc;
     im->alpha = 1.0f;
@@ -142,8 +142,8 @@ static int read_routing(qm__hf_import *im, qm_status *st)
         return rc;
     if (f->scale_key && (rc = cfg_num(im, f->scale_key, f->scale_default, &im->scale, st)) != 0)
         return rc;
-    int grouped = f->groups == QM__GROUPS_ALWAYS;
-    if (f->groups == QM__GROUPS_BY_TOPK_METHOD) {
+    int grouped = f->groups == QM_FAMILY_GROUPS_ALWAYS;
+    if (f->groups == QM_FAMILY_GROUPS_BY_TOPK_METHOD) {
         const char *method = "greedy";
         rc = qm_hf_json_string(c, "topk_method", &method, st);
         if (rc && rc != QM_ENOT_FOUND) return QM_EINVALID_MODEL;
@@ -162,7 +162,7 @@ static int read_routing(qm__hf_import *im, qm_status *st)
             return rc;
         im->group_score = f->group_score;
     }
-    if (f->flags & QM__FAM_OAI_SWIGLU) {
+    if (f->flags & QM_FAMILY_OAI_SWIGLU) {
         double a, lim;
         if ((rc = cfg_num(im, "swiglu_alpha", 1.702, &a, st)) != 0 ||
             (rc = cfg_num(im, "swiglu_limit", 7.0, &lim, st)) != 0)
@@ -226,9 +226,9 @@ int qm__hf_read_config(qm__hf_import *im, qm_status *st)
     const char *qm = NULL;
     rc = qm_hf_json_string(c, "quantization_config/quant_method", &qm, st);
     if (rc && rc != QM_ENOT_FOUND) return QM_EINVALID_MODEL;
-    if (qm && strcmp(qm, "mxfp4") == 0 && (im->fam->flags & QM__FAM_MXFP4)) {
+    if (qm && strcmp(qm, "mxfp4") == 0 && (im->fam->flags & QM_FAMILY_MXFP4)) {
         im->mxfp4 = 1;
-    } else if (qm && strcmp(qm, "fp8") == 0 && (im->fam->flags & QM__FAM_FP8)) {
+    } else if (qm && strcmp(qm, "fp8") == 0 && (im->fam->flags & QM_FAMILY_FP8)) {
         im->fp8 = 1;
         double bn = 128, bk = 128;
         size_t n = 0;
@@ -246,11 +246,11 @@ int qm__hf_read_config(qm__hf_import *im, qm_status *st)
     } else if (qm) {
         char which[256] = "";
         size_t at = 0;
-        for (size_t i = 0; i < qm__n_families && at < sizeof which; i++) {
-            unsigned fl = qm__families[i].flags;
-            if (fl & (QM__FAM_MXFP4 | QM__FAM_FP8))
+        for (size_t i = 0; i < qm_n_families && at < sizeof which; i++) {
+            unsigned fl = qm_families[i].flags;
+            if (fl & (QM_FAMILY_MXFP4 | QM_FAMILY_FP8))
                 at += (size_t)snprintf(which + at, sizeof which - at, "%s%s for %s", at ? ", " : "",
-                                       fl & QM__FAM_MXFP4 ? "mxfp4" : "fp8", qm__families[i].name);
+                                       fl & QM_FAMILY_MXFP4 ? "mxfp4" : "fp8", qm_families[i].name);
         }
         return qm_status_set(st, QM_EUNSUPPORTED,
                              "config.json: quantization_config.quant_method \"%.40s\" is not "
@@ -348,14 +348,14 @@ static int check_absent(qm__hf_import *im, const char *name, const char *why, qm
 
 int qm__hf_resolve(qm__hf_import *im, qm_status *st)
 {
-    const qm__family *f = im->fam;
+    const qm_family *f = im->fam;
     uint32_t E = im->E, H = im->H, I = im->I;
     size_t nl = im->n_moe;
     im->router_w = qm_calloc(nl, sizeof *im->router_w);
     im->router_b = qm_calloc(nl, sizeof *im->router_b);
     im->corr = qm_calloc(nl, sizeof *im->corr);
     im->layer_bytes = qm_calloc(nl, sizeof *im->layer_bytes);
-    const int fused = (f->flags & QM__FAM_FUSED_EXPERTS) != 0;
+    const int fused = (f->flags & QM_FAMILY_FUSED_EXPERTS) != 0;
     /* config.json's counts are claims: every expert tensor they imply must
      * exist before a table of them is allocated (65536 layers x 65536
      * experts would be 200 GB of pointers for a 1 KB file). */
@@ -401,12 +401,12 @@ int qm__hf_resolve(qm__hf_import *im, qm_status *st)
         snprintf(name, sizeof name, "model.layers.%u.%s.%s.weight", l, f->moe, f->router);
         if ((rc = expect(im, name, ELEM_FLOAT, 2, rshape, why, &im->router_w[li], st)) != 0)
             return rc;
-        if (f->flags & QM__FAM_ROUTER_BIAS) {
+        if (f->flags & QM_FAMILY_ROUTER_BIAS) {
             snprintf(name, sizeof name, "model.layers.%u.%s.%s.bias", l, f->moe, f->router);
             if ((rc = expect(im, name, ELEM_FLOAT, 1, rshape, why, &im->router_b[li], st)) != 0)
                 return rc;
         }
-        if (f->flags & QM__FAM_CORRECTION_BIAS) {
+        if (f->flags & QM_FAMILY_CORRECTION_BIAS) {
             snprintf(name, sizeof name, "model.layers.%u.%s.%s.e_score_correction_bias", l, f->moe,
                      f->router);
             if ((rc = expect(im, name, ELEM_FLOAT, 1, rshape, why, &im->corr[li], st)) != 0)
@@ -476,7 +476,7 @@ int qm__hf_resolve(qm__hf_import *im, qm_status *st)
                 {"gate_up_proj_bias", ELEM_FLOAT, 2, b1, QM__HF_FUSED_GATE_UP_BIAS},
                 {"down_proj_bias", ELEM_FLOAT, 2, b2, QM__HF_FUSED_DOWN_BIAS},
             };
-            if ((f->flags & QM__FAM_EXPERT_BIASES) &&
+            if ((f->flags & QM_FAMILY_EXPERT_BIASES) &&
                 (rc = expect_fused(im, l, f->moe, bias, 2, why, src, st)))
                 return rc;
         }

@@ -32,9 +32,7 @@ MoE blocks without the registry) is not supported by this module.
 """
 
 import atexit
-import json
 import re
-import struct
 import threading
 import time
 import weakref
@@ -117,20 +115,6 @@ def _experts_modules(model):
     return [(n, m) for n, m in model.named_modules() if _is_experts_module(m)]
 
 
-def _bank_layer_map(path):
-    """qmoe.layer_map from the bank file's header (a safetensors header)."""
-    try:
-        with open(path, "rb") as f:
-            n = struct.unpack("<Q", f.read(8))[0]
-            if n > 1 << 28:
-                return None
-            meta = json.loads(f.read(n)).get("__metadata__", {})
-    except (OSError, ValueError, struct.error):
-        return None
-    lm = meta.get("qmoe.layer_map")
-    return json.loads(lm) if lm else None
-
-
 def _wire_budget(budget):
     """The budget as the daemon takes it: bytes (an int), "N%" and "auto" as
     given, a fraction in (0, 1] as "N%" (the daemon works out the bytes of
@@ -183,7 +167,7 @@ def _bank_layers(summary, experts, model_name):
     if not experts:
         raise ValueError("the model has no experts module that transformers' experts "
                          "implementation registry dispatches")
-    layer_map = summary.get("layer_map") or _bank_layer_map(summary.get("path", ""))
+    layer_map = summary.get("layer_map")  # model.list carries it: nothing read from the file
     layers = {}
     for i, (name, mod) in enumerate(experts):
         idx = _model_layer_index(name)
