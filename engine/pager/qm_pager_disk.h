@@ -28,7 +28,9 @@ int qm__pager_disk_async(const qm_pager *p);
  * (creation, growing). QM_ENOMEM keeps what there was. No-op when serial. */
 int qm__pager_disk_slots(qm_pager *p, uint32_t n, qm_status *st);
 /* Registers the pager's arenas (creation and growth) with the engine as
- * fixed buffers, after any change to them, with nothing in flight. */
+ * fixed buffers, after any change to them or to the slots in use (each as
+ * far as its slots in use reach, so a shrink's pages are not pinned), with
+ * nothing in flight. */
 void qm__pager_disk_arenas(qm_pager *p);
 /* Starts reading slot s's unit (layer/expert set, base in an arena) at
  * demand or prefetch priority. */

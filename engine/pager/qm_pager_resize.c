@@ -147,7 +147,6 @@ static int qm__shrink(qm_pager *p, uint64_t budget, uint32_t keep, qm_status *st
     qm__slots_memory(p, keep, p->n_slots, 0);
     p->n_slots = keep;
     /* Arenas added by growing whose slots are all given back go. */
-    size_t n_grow = p->n_grow;
     while (p->n_grow > 0 && p->grow_first[p->n_grow - 1] >= keep) {
         qm_arena *a = p->grow_arenas[p->n_grow - 1];
         p->stats.arena_bytes -= qm_arena_size(a);
@@ -156,8 +155,7 @@ static int qm__shrink(qm_pager *p, uint64_t budget, uint32_t keep, qm_status *st
         qm_arena_free(p->backend, a);
         p->n_grow--;
     }
-    if (p->n_grow != n_grow)
-        qm__pager_disk_arenas(p);
+    qm__pager_disk_arenas(p); /* the slots given back hold no pin now */
     return 0;
 }
 
@@ -168,6 +166,7 @@ static int qm__grow(qm_pager *p, uint32_t want, qm_status *st)
             memset(&p->slots[s].layer, 0, sizeof *p->slots - offsetof(qm__slot, layer));
         qm__slots_memory(p, p->n_slots, want, 1);
         p->n_slots = want;
+        qm__pager_disk_arenas(p); /* the slots taken again are registered */
         return 0;
     }
     uint32_t add = want - p->slot_cap;
@@ -202,12 +201,12 @@ static int qm__grow(qm_pager *p, uint32_t want, qm_status *st)
     p->grow_first[p->n_grow] = p->slot_cap;
     p->n_grow++;
     p->stats.arena_bytes += bytes;
-    qm__pager_disk_arenas(p);
     for (uint32_t s = p->n_slots; s < p->slot_cap; s++)
         memset(&p->slots[s].layer, 0, sizeof *p->slots - offsetof(qm__slot, layer));
     qm__slots_memory(p, p->n_slots, p->slot_cap, 1);
     p->slot_cap = want;
     p->n_slots = want;
+    qm__pager_disk_arenas(p); /* the new arena, and slots taken again */
     return 0;
 }
 
