@@ -30,7 +30,7 @@ struct llama_qmoed_model {
     std::string socket;   // the daemon's Unix socket
     std::string name;     // the bank's name in the daemon
     std::string policy, budget, precision, on_miss; // session options; "" = the daemon's default
-    uint64_t bank_bytes = 0;           // the bank's expert bytes (bytes_total): what NN% budgets are of
+    uint64_t bank_bytes = 0;           // the bank's expert bytes (bytes_total), for the log
     uint32_t n_embd = 0;               // hidden size
     uint32_t n_expert_used = 0;        // widest routing (topk_ids columns) of any layer
     std::vector<int32_t> bank_layer;   // per block: the bank layer serving it, -1 for none
