@@ -63,18 +63,18 @@ int qm_budget_auto_size(const qm_mem_state *mem, uint64_t reserve, const qm_budg
     if (b == 0)
         return qm_status_set_field(
             st, QM_ERESOURCE_EXHAUSTED, "budget",
-            "budget auto: nothing left for expert weights: %s%s = 0 bytes (free memory, or "
-            "lower auto_budget_reserve)",
+            "budget auto: nothing left for expert weights: %.250s%.100s = 0 bytes (free memory, "
+            "or lower auto_budget_reserve)",
             out->by == QM_AUTO_BY_MEMORY ? terms : "the devices' free budget less a workspace",
             at);
     qm_mem_bytes_text(b, text, sizeof text);
     qm_mem_bytes_text(by_memory, other, sizeof other);
     if (out->by == QM_AUTO_BY_MEMORY)
-        snprintf(out->why, sizeof out->why, "budget auto: %s = %s%s", text, terms, at);
+        snprintf(out->why, sizeof out->why, "budget auto: %.31s = %.250s%.100s", text, terms, at);
     else if (out->by == QM_AUTO_BY_MODEL && out->has_bound)
         snprintf(out->why, sizeof out->why,
-                 "budget auto: %s = the model's expert bytes (memory allows %s = %s)", text,
-                 other, terms);
+                 "budget auto: %.31s = the model's expert bytes (memory allows %.31s = %.250s)",
+                 text, other, terms);
     else if (out->by == QM_AUTO_BY_MODEL)
         snprintf(out->why, sizeof out->why, "budget auto: %s = the model's expert bytes", text);
     else
