@@ -1,4 +1,4 @@
-/* qm_client_internal.h - what the client's two source files share. Not installed. */
+/* qm_client_internal.h - what the client's source files share. Not installed. */
 #ifndef QM_CLIENT_INTERNAL_H
 #define QM_CLIENT_INTERNAL_H
 
@@ -19,6 +19,26 @@ typedef struct qm__owned {
     size_t n, cap;
 } qm__owned;
 
+/* What the handle needs to bring its sessions back after a daemon restart
+ * (qm_client_resume.c): the sessions it created (their session.create
+ * params, maps and last known residency), the bank each model may be loaded
+ * from again, and the options. Guarded by the handle's lock; `lock` is held
+ * by the one restoration at a time, which takes the handle's lock per call
+ * inside it (never the other way round). */
+typedef struct qm__kept qm__kept;
+typedef struct qm__bank_path {
+    char *model, *path;
+} qm__bank_path;
+typedef struct qm__resume {
+    qm_client_reconnect opt;
+    qm__kept **kept;
+    size_t n_kept, cap_kept;
+    qm__bank_path *banks;
+    size_t n_banks, cap_banks;
+    uint64_t generation;  /* restorations done */
+    pthread_mutex_t lock; /* one restoration at a time */
+} qm__resume;
+
 struct qm_client {
     pthread_mutex_t lock; /* one exchange at a time; also guards `owned` */
     int fd;               /* -1 after a broken exchange; the next call reconnects */
@@ -29,6 +49,7 @@ struct qm_client {
     size_t len, cap;
     qm__owned owned;
     pid_t pid; /* the process that opened it: only it closes `owned` */
+    qm__resume resume;
     uint64_t conn_gen; /* connections made so far: a ring lives with the one it was opened on */
     int ring_mode;     /* QM_CLIENT_RING_* (qm_client_set_ring) */
     qm__ring *rings;   /* its sessions' rings (and refusals), under `lock` */
@@ -53,14 +74,55 @@ void qm__client_forget_open(qm_client *c);
 void qm__client_close_owned(qm_client *c);
 void qm__client_owned_free(qm_client *c);
 
+/* ---- qm_client_resume.c ---- */
+/* Options from the environment, empty lists; 0 or QM_CLIENT_ENOMEM. */
+int qm__client_resume_init(qm_client *c);
+void qm__client_resume_free(qm_client *c);
+/* After session.create answered `id`: keeps `params` (its params as
+ * compact JSON, taken over) and `model` to re-create it; `paged`: some
+ * bank is paged per expert (its residency is worth remembering). Nothing
+ * is kept when memory runs out (the session is then not restored). */
+void qm__client_keep(qm_client *c, const char *id, char *params, const char *model, int paged);
+void qm__client_unkeep(qm_client *c, const char *id); /* closed or detached */
+/* After session.resize: a re-creation takes the budget in force. */
+void qm__client_keep_budget(qm_client *c, const char *id, uint64_t budget_bytes);
+/* A map of a kept session, and its memfd (duplicated here), to pass again. */
+void qm__client_keep_map(qm_client *c, qm_client_map *m, int fd);
+void qm__client_unkeep_map(qm_client *c, const qm_client_map *m);
+/* 1 when `rc` says the daemon is gone (EIO, ENOTRUNNING): worth a restoration. */
+int qm__client_gone(int rc);
+uint64_t qm__client_generation(qm_client *c);
+/* The one place a layer call that found the daemon gone comes: with the
+ * failure in *err (rc) and the generation read before the call, brings
+ * `session` back (reconnect, model, session under its id with its
+ * residency, maps) within the window. The daemon is gone when the call met
+ * a broken or refused connection, or "no such session" on a connection
+ * made since the session last answered (another call on the handle
+ * reconnected to a restarted daemon first). 0: retry the call once; else
+ * `rc` with *err as it was. */
+int qm__client_resume(qm_client *c, const char *session, uint64_t gen, int rc,
+                      qm_client_error *err);
+/* After a successful layer call on `session`: reads its residency when the
+ * interval says so. */
+void qm__client_note_call(qm_client *c, const char *session);
+
 /* ---- qm_client_ring.c ---- */
 /* qm_client_session_infer_mapped through the session's ring, the lock
  * held: 1 when the ring took the call (*rc its result), 0 when the call
  * goes through the socket (no ring, refused, or rings off). */
 int qm__client_ring_infer(qm_client *c, const qm_client_mapped_infer *q,
                           qm_client_infer_stats *stats, int *rc, qm_client_error *err);
+/* 1 when `session` has a ring the caller opened (QM_CLIENT_RING_EXPLICIT)
+ * on an earlier connection: a restoration after a restart opens it again
+ * (in QM_CLIENT_RING_AUTO the next call does). Lock held. */
+int qm__client_ring_reopen_due(qm_client *c, const char *session);
 /* Forgets the ring of `session` (NULL: every ring), unmapping it. */
 void qm__client_rings_forget(qm_client *c, const char *session);
+
+/* ---- qm_client_wire.c: the connection ---- */
+/* The monotonic clock in ms, and a connection to c->path by `deadline`. */
+int64_t qm__client_now_ms(void);
+int qm__client_connect(qm_client *c, int64_t deadline, qm_client_error *err);
 
 /* Sets *err (may be NULL) and returns `code`. */
 int qm__client_fail(qm_client_error *err, int code, const char *fmt, ...)

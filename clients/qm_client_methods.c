@@ -328,6 +328,8 @@ int qm_client_model_load(qm_client *c, const char *name, const char *path,
     if (!p)
         return QM__NOMEM(err);
     int rc = qm__client_call(c, "model.load", p, &r, err);
+    if (rc == 0) /* what a restarted daemon may be given again */
+        qm_client_set_model_bank(c, name, path, NULL);
     if (rc == 0 && out && qm__model_from(r, out) < 0)
         rc = QM__NOMEM(err);
     qm_cval_free(r);
@@ -430,9 +432,13 @@ int qm_client_session_create(qm_client *c, const qm_client_session_params *sp,
         qm_cval_free(p);
         return rc;
     }
+    /* Kept to re-create the session after a restart (NULL: not kept). */
+    char *sent = qm_cval_print(p, 0, NULL);
     rc = qm__client_call(c, "session.create", p, &r, err);
-    if (rc < 0)
+    if (rc < 0) {
+        qm_free(sent);
         return rc;
+    }
     if (!qm_cval_get_string(r, "session")) {
         rc = qm__bad_result(err, "session.create", "a session id");
         goto out;
@@ -449,7 +455,14 @@ int qm_client_session_create(qm_client *c, const qm_client_session_params *sp,
     /* Owned from here (even when the caller got ENOMEM and no id): the
      * handle closes it at qm_client_close or exit. */
     qm__client_own(c, qm_cval_get_string(r, "session"));
+    if (sent) {
+        const qm_cval *ps = qm_cval_get(r, "plan_summary");
+        qm__client_keep(c, qm_cval_get_string(r, "session"), sent, sp->model,
+                        qm__u64(ps, "per_expert") > 0);
+        sent = NULL;
+    }
 out:
+    qm_free(sent);
     qm_cval_free(r);
     return rc;
 }
@@ -474,6 +487,7 @@ static int qm__resize(qm_client *c, const char *session, uint64_t budget_bytes, 
     int rc = qm__client_call(c, "session.resize", p, &r, err);
     if (rc < 0)
         return rc;
+    qm__client_keep_budget(c, session, budget_bytes);
     if (resident_bytes)
         *resident_bytes = qm__u64(r, "resident_bytes");
     if (summary && qm__read_summary(r, summary) < 0)
@@ -508,6 +522,7 @@ int qm_client_session_close(qm_client *c, const char *session, qm_client_error *
     int rc = qm__call_plain(c, "session.close", p, err);
     if (rc == 0 || rc == -32001) { /* closed, or gone already */
         qm__client_disown(c, session);
+        qm__client_unkeep(c, session);
         pthread_mutex_lock(&c->lock);
         qm__client_rings_forget(c, session); /* the daemon closed its rings */
         pthread_mutex_unlock(&c->lock);
@@ -525,6 +540,7 @@ int qm_client_session_detach(qm_client *c, const char *session, qm_client_error 
         return qm__client_fail(err, QM_CLIENT_EINVAL,
                                "session %.64s is not one this handle owns (created or adopted)",
                                session);
+    qm__client_unkeep(c, session); /* another process carries it on */
     return 0;
 }
 
@@ -781,10 +797,10 @@ static int qm__routing(const qm_cval *routing, qm_client_infer_result *out)
     return 0;
 }
 
-static int qm__infer(qm_client *c, const char *session, uint64_t layer,
-                     const qm_client_tensor *hidden, const qm_client_tensor *router_logits,
-                     const qm_client_tensor *topk_ids, const qm_client_tensor *topk_weights,
-                     int return_routing, qm_client_infer_result *out, qm_client_error *err)
+static int qm__infer_once(qm_client *c, const char *session, uint64_t layer,
+                          const qm_client_tensor *hidden, const qm_client_tensor *router_logits,
+                          const qm_client_tensor *topk_ids, const qm_client_tensor *topk_weights,
+                          int return_routing, qm_client_infer_result *out, qm_client_error *err)
 {
     qm_cval *r = NULL;
     memset(out, 0, sizeof(*out));
@@ -840,6 +856,24 @@ static int qm__infer(qm_client *c, const char *session, uint64_t layer,
 fail:
     qm_client_infer_result_free(out);
     qm_cval_free(r);
+    return rc;
+}
+
+/* A layer call, retried once when the daemon went away and the session came
+ * back (qm__client_resume). */
+static int qm__infer(qm_client *c, const char *session, uint64_t layer,
+                     const qm_client_tensor *hidden, const qm_client_tensor *router_logits,
+                     const qm_client_tensor *topk_ids, const qm_client_tensor *topk_weights,
+                     int return_routing, qm_client_infer_result *out, qm_client_error *err)
+{
+    uint64_t gen = c ? qm__client_generation(c) : 0;
+    int rc = qm__infer_once(c, session, layer, hidden, router_logits, topk_ids, topk_weights,
+                            return_routing, out, err);
+    if (rc < 0 && c && qm__client_resume(c, session, gen, rc, err) == 0)
+        rc = qm__infer_once(c, session, layer, hidden, router_logits, topk_ids, topk_weights,
+                            return_routing, out, err);
+    if (rc == 0)
+        qm__client_note_call(c, session);
     return rc;
 }
 

@@ -320,6 +320,12 @@ int qm__client_ring_infer(qm_client *c, const qm_client_mapped_infer *q,
     return 1;
 }
 
+int qm__client_ring_reopen_due(qm_client *c, const char *session)
+{
+    const qm__ring *r = ring_find(c, session);
+    return c->ring_mode == QM_CLIENT_RING_EXPLICIT && r && r->base && r->conn_gen != c->conn_gen;
+}
+
 int qm_client_session_ring(qm_client *c, const char *session, qm_client_error *err)
 {
     if (err)

@@ -57,12 +57,12 @@ int qm_client_map_create(qm_client *c, const char *session, size_t bytes, qm_cli
     }
     qm_cval *r = NULL;
     int rc = qm__client_call_fd(c, "session.map", p, fd, &r, err);
-    close(fd); /* the daemon holds its own mapping, this process `base` */
     uint64_t id = 0;
     if (rc == 0 && qm_cval_get_u64(r, "map", &id) < 0)
         rc = qm__client_fail(err, QM_CLIENT_EPROTO, "qmoed's answer to session.map lacks map");
     qm_cval_free(r);
     if (rc < 0) {
+        close(fd);
         munmap(base, len);
         return rc;
     }
@@ -71,6 +71,10 @@ int qm_client_map_create(qm_client *c, const char *session, size_t bytes, qm_cli
     out->bytes = bytes;
     out->mapped_len = len;
     snprintf(out->session, sizeof(out->session), "%s", session);
+    /* The daemon holds its own mapping, this process `base`; the handle
+     * keeps a copy of the memfd to pass again after a restart. */
+    qm__client_keep_map(c, out, fd);
+    close(fd);
     return 0;
 }
 
@@ -82,6 +86,7 @@ int qm_client_map_release(qm_client *c, qm_client_map *m, qm_client_error *err)
     if (!m || !m->data)
         return 0;
     if (c) {
+        qm__client_unkeep_map(c, m);
         qm_cval *p = qm_cval_new(QM_CVAL_OBJECT);
         p = qm__obj_add(p, "session", qm_cval_new_string(m->session));
         p = qm__obj_add(p, "map", qm_cval_new_number((double)m->id));
@@ -121,8 +126,8 @@ static int qm__region(qm_buf *b, const char *key, const qm_client_map *map,
     return 0;
 }
 
-int qm_client_session_infer_mapped(qm_client *c, const qm_client_mapped_infer *q,
-                                   qm_client_infer_stats *stats, qm_client_error *err)
+static int qm__infer_mapped_once(qm_client *c, const qm_client_mapped_infer *q,
+                                 qm_client_infer_stats *stats, qm_client_error *err)
 {
     if (stats)
         memset(stats, 0, sizeof(*stats));
@@ -184,5 +189,46 @@ int qm_client_session_infer_mapped(qm_client *c, const qm_client_mapped_infer *q
         qm_cval_get_u64(st, "compute_us", &stats->compute_us);
     }
     qm_cval_free(r);
+    return rc;
+}
+
+/* 1 when [a, a + n) and [b, b + m) share a byte. */
+static int qm__overlap(uint64_t a, uint64_t n, uint64_t b, uint64_t m)
+{
+    return n && m && a < b + m && b < a + n;
+}
+
+/* Whether the call may run again after the daemon died during it: not when
+ * its output lands on one of its inputs (the output is computed aside and
+ * copied there at the end, so a daemon that died copying it may have
+ * changed the input). */
+static int qm__retry_safe(const qm_client_mapped_infer *q)
+{
+    static const uint64_t size[] = {4, 2, 2, 4};
+    const qm_client_region *in[] = {&q->hidden, q->router_logits, q->topk_ids, q->topk_weights};
+    if ((unsigned)q->hidden.dtype >= 4)
+        return 0;
+    uint64_t out_n = q->hidden.rows * q->hidden.cols * size[q->hidden.dtype];
+    for (size_t i = 0; i < sizeof(in) / sizeof(in[0]); i++) {
+        if (!in[i] || (unsigned)in[i]->dtype >= 4)
+            continue;
+        uint64_t n = in[i]->rows * in[i]->cols * size[in[i]->dtype];
+        if (qm__overlap(q->output_offset, out_n, in[i]->offset, n))
+            return 0;
+    }
+    return 1;
+}
+
+int qm_client_session_infer_mapped(qm_client *c, const qm_client_mapped_infer *q,
+                                   qm_client_infer_stats *stats, qm_client_error *err)
+{
+    uint64_t gen = c ? qm__client_generation(c) : 0;
+    int rc = qm__infer_mapped_once(c, q, stats, err);
+    /* The map's id may have changed: the retry's request is written again. */
+    if (rc < 0 && c && q && qm__retry_safe(q) &&
+        qm__client_resume(c, q->session, gen, rc, err) == 0)
+        rc = qm__infer_mapped_once(c, q, stats, err);
+    if (rc == 0)
+        qm__client_note_call(c, q->session);
     return rc;
 }

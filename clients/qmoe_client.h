@@ -353,6 +353,54 @@ typedef struct qm_client_mapped_infer {
 int qm_client_session_infer_mapped(qm_client *c, const qm_client_mapped_infer *req,
                                    qm_client_infer_stats *stats, qm_client_error *err);
 
+/* ---- across a daemon restart ----
+ * When a layer call (qm_client_session_infer, _infer_routed,
+ * _infer_mapped) finds the daemon gone (QM_CLIENT_EIO: the connection was
+ * reset or closed mid-call; QM_CLIENT_ENOTRUNNING: nothing listens), the
+ * handle reconnects with a bounded backoff (20 ms doubling to 500 ms) for up
+ * to `window_ms`, makes the model available again (model.load of the bank
+ * qm_client_set_model_bank or qm_client_model_load named for it, else it
+ * waits for an operator's load within the same window), re-creates the
+ * session under its id with the options it was created with and the
+ * residency its last session.plan showed (PROTOCOL.md session.create
+ * `session` and `warm`), passes every map of the session again (the same
+ * memfd, so `data` does not move; the map's `id` is rewritten in the
+ * caller's qm_client_map, which must therefore stay where
+ * qm_client_map_create wrote it), and retries the failed call once. Only
+ * when the window passes does the call fail, with the error it met first.
+ * A daemon that still has the session (only the connection broke) keeps
+ * it: the call is retried on a new connection. Sessions this handle
+ * created are re-created; adopted ones are not (their options are not
+ * known here), nor a mapped call whose output_to overlaps an input region
+ * (a daemon that died while writing it may have changed the input).
+ *
+ * Residency: after a successful layer call on a session with experts paged,
+ * the handle asks session.plan at most every `warm_interval_ms` and
+ * remembers which experts were resident (0: after every call; < 0: never).
+ * Defaults: window_ms from $QMOED_RECONNECT_S (seconds; 0 turns reconnection
+ * off) else QM_CLIENT_DEFAULT_RECONNECT_MS; warm_interval_ms from
+ * $QMOED_WARM_INTERVAL_S (seconds; negative: never) else
+ * QM_CLIENT_DEFAULT_WARM_INTERVAL_MS. `log`, when set, receives one line per
+ * step (the daemon gone, the session back and what that took, giving up),
+ * without a newline; it runs on the calling thread. */
+#define QM_CLIENT_DEFAULT_RECONNECT_MS 30000
+#define QM_CLIENT_DEFAULT_WARM_INTERVAL_MS 1000
+typedef struct qm_client_reconnect {
+    int window_ms;        /* how long a call keeps trying; 0: reconnection off */
+    int warm_interval_ms; /* how often residency is read (0: every call, < 0: never) */
+    void (*log)(void *ud, const char *line);
+    void *log_ud;
+} qm_client_reconnect;
+void qm_client_get_reconnect(qm_client *c, qm_client_reconnect *out);
+void qm_client_set_reconnect(qm_client *c, const qm_client_reconnect *r); /* NULL: defaults */
+/* The bank file the handle may model.load (admin) as `model` when a
+ * restarted daemon lacks it; qm_client_model_load on the handle records the
+ * same. `bank_path` NULL forgets it. QM_CLIENT_ENOMEM or 0. */
+int qm_client_set_model_bank(qm_client *c, const char *model, const char *bank_path,
+                             qm_client_error *err);
+/* How many times the handle brought a session back (a generation count). */
+uint64_t qm_client_restores(qm_client *c);
+
 /* ---- the call ring ----
  * A session's call ring (PROTOCOL.md "session.ring"): one page of shared
  * memory, opened over the socket, through which

@@ -101,6 +101,7 @@ static const char *json_kind(const qm_wire_param *p)
     switch (p->type) {
     case QM_WT_STRING:
     case QM_WT_NAME:
+    case QM_WT_POLICY:
     case QM_WT_FILENAME:
     case QM_WT_ENUM:
         return "string";

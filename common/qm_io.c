@@ -25,3 +25,17 @@ int qm_pwrite_all(int fd, const void *buf, uint64_t n, uint64_t at)
     }
     return 0;
 }
+
+void qm_eventfd_post(int fd)
+{
+    uint64_t one = 1;
+    while (write(fd, &one, sizeof one) < 0 && errno == EINTR)
+        ;
+}
+
+void qm_eventfd_take(int fd)
+{
+    uint64_t n;
+    while (read(fd, &n, sizeof n) < 0 && errno == EINTR)
+        ;
+}

@@ -227,6 +227,8 @@ static void handle_request(const qm_method_ctx *mx, qm_conn *c, qm_reply *r, siz
 void qm_dispatch_frame(const qm_method_ctx *mx, qm_conn *c, qm_rpc_frame *frame,
                        qm_frame_times times)
 {
+    /* Ring calls answered and not yet counted are counted first. */
+    qm_pool_collect(mx->pool);
     qm_reply *r = qm_reply_new(c, frame->n, frame->is_batch, mx->counters);
     if (!r) {
         qm_log(QM_LOG_ERR, "out of memory for a reply; dropping connection %llu",

@@ -411,7 +411,7 @@ static void ring_run(qm_job *job)
                  job->st.msg[0] ? job->st.msg : qm_rpc_code_name(a.code));
     }
     infer_call_free(&c);
-    qm_ring_post(rj, &a);
+    qm_ring_post(rj, job->cancelled ? NULL : &a);
 }
 
 /* Counted as the socket counts an inference: every call a request of the

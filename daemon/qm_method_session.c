@@ -76,15 +76,25 @@ static void write_budget_auto(qm_jw *w, qm_session *s)
     qm_budget_auto_json(w, a);
 }
 
+/* session.create's answer: the session, and the experts `warm` loaded when
+ * it was given. */
+typedef struct create_answer {
+    const qm_session *s;
+    int warm;
+    uint32_t warmed;
+} create_answer;
+
 static void write_create_result(qm_jw *w, const void *arg)
 {
-    qm_session *s = (qm_session *)arg;
+    const create_answer *a = arg;
     qm_jw_obj_begin(w);
-    qm_jw_member_str(w, "session", qm_session_id(s));
+    qm_jw_member_str(w, "session", qm_session_id(a->s));
     qm_jw_key(w, "plan_summary");
-    write_plan_summary(w, s);
-    write_session_bytes(w, s);
-    write_budget_auto(w, s);
+    write_plan_summary(w, a->s);
+    write_session_bytes(w, a->s);
+    if (a->warm)
+        qm_jw_member_u64(w, "warmed", a->warmed);
+    write_budget_auto(w, (qm_session *)a->s);
     qm_jw_obj_end(w);
 }
 
@@ -122,7 +132,10 @@ static void create_spec(const qm_params *p, qm_session_spec *out)
         .n_values = pw->n_values < QM_POLICY_VALUES_MAX ? pw->n_values : QM_POLICY_VALUES_MAX,
         .hot = pw->hot,
         .n_hot = pw->n_hot,
-        .record_trace = pw->record_trace};
+        .record_trace = pw->record_trace,
+        .id = p->session,
+        .warm = p->warm,
+        .n_warm = p->n_warm};
     for (size_t i = 0; i < out->n_values; i++)
         out->values[i] = (qm_policy_value){pw->values[i].name, pw->values[i].value};
 }
@@ -152,10 +165,22 @@ static int create_admit(qm_job *job, qm_status *st)
     return 0;
 }
 
-/* The pagers may copy whole banks and pins: built on a worker. */
+/* The pagers may copy whole banks and pins: built on a worker; then the
+ * experts of `warm` (a re-created session's old residency) are loaded.
+ * Warming is best effort: a read that fails leaves a colder session, not
+ * a failed one. job->tokens counts the experts warmed. */
 static void create_run(qm_job *job)
 {
+    const qm_params *p = &job->req.params;
     job->rc = qm_session_build(job->mx->sessions, job->session, &job->st);
+    if (job->rc < 0 || p->n_warm == 0)
+        return;
+    qm_status wst = {0};
+    int got = qm_session_warm(job->session, p->warm, p->n_warm, &wst);
+    if (got < 0)
+        qm_log(QM_LOG_WARNING, "session %s: warming it stopped: %s",
+               qm_session_id(job->session), wst.msg);
+    job->tokens = got > 0 ? (uint32_t)got : 0;
 }
 
 static void create_finish(qm_job *job)
@@ -166,6 +191,9 @@ static void create_finish(qm_job *job)
         job->rc = qm_status_set_field(&job->st, QM_ENOT_FOUND, "model",
                                       "model '%s' was unloaded while the session was built",
                                       m->name);
+    /* Two re-creations of one id raced past prepare's check: the first wins. */
+    if (job->rc == 0 && job->req.params.session)
+        job->rc = qm_session_id_free(job->mx->sessions, qm_session_id(s), &job->st);
     if (job->rc < 0) {
         qm_session_abort(job->mx->sessions, s);
         qm_reply_status(job->reply, job->slot, &job->req, &job->st);
@@ -178,7 +206,8 @@ static void create_finish(qm_job *job)
     qm_conn *creator = qm_reply_conn(job->reply);
     if (!qm_conn_gone(creator))
         qm_touches_add(qm_session_touches(s), qm_conn_id(creator));
-    qm_reply_result(job->reply, job->slot, &job->req, write_create_result, s);
+    create_answer a = {s, job->req.params.warm != NULL, job->tokens};
+    qm_reply_result(job->reply, job->slot, &job->req, write_create_result, &a);
 }
 
 static void create_undo(qm_job *job) { qm_session_abort(job->mx->sessions, job->session); }

@@ -109,10 +109,19 @@ size_t qm_pool_queued(const qm_pool *p);
 /* A call ring's job (daemon/qm_ring.c), from the ring's own thread: counted
  * as submitted, then run at once on the calling thread when its session's
  * FIFO is idle (returns 1: `run` ran here, in the session's order, and the
- * job is on its way back to the loop), else queued behind the session's
- * work for a worker (returns 0). Never refused: a ring has one call in
- * flight. Any thread. */
+ * job is on its way back to the loop, which takes it lazily: see
+ * qm_worker.c), else queued behind the session's work for a worker
+ * (returns 0). Never refused: a ring has one call in flight. Any thread. */
 int qm_pool_run_or_queue(qm_pool *p, qm_job *job);
+/* Hands the jobs done lazily (rings' calls) to the loop's hook now, in
+ * order with every other job done: before a frame is dispatched, so what
+ * it reads (telemetry) counts every call already answered. Loop thread;
+ * accepts NULL. */
+void qm_pool_collect(qm_pool *p);
+/* Wakes the loop for the lazy jobs when the oldest was done older_than_us
+ * ago or more (a ring's thread, before it sleeps and as it takes a call).
+ * Any thread. */
+void qm_pool_nudge(qm_pool *p, uint64_t older_than_us);
 void qm_job_free(qm_job *job); /* accepts NULL; the session reference is the caller's */
 
 #endif

@@ -13,9 +13,11 @@
  * pool's workers do). A ring's memory, its session reference and its hold
  * on the connection go when it is reaped: its thread has ended and no call
  * of it is in flight. */
+#ifndef _GNU_SOURCE
+#define _GNU_SOURCE /* pthread_setname_np */
+#endif
 #include "qm_ring.h"
 
-#include <errno.h>
 #include <pthread.h>
 #include <stdatomic.h>
 #include <stdio.h>
@@ -26,6 +28,7 @@
 
 #include "qm_alloc.h"
 #include "qm_fault.h"
+#include "qm_io.h"
 #include "qm_log.h"
 #include "qm_methods.h"
 #include "qm_ring_params.h"
@@ -53,6 +56,7 @@ struct qm_ring {
     pthread_cond_t cv;
     int outstanding; /* 1 while its call's job has not posted its answer */
     atomic_int exited;
+    int counted; /* loop: counted in the rings' `open` (until stopped) */
     /* The thread's own. */
     uint32_t last_seq;   /* the call number last taken */
     qm_ring_spin spin;   /* how long to spin for the next call */
@@ -67,9 +71,15 @@ struct qm_rings {
     uv_poll_t reap_poll; /* the loop's watch on efd */
     int polling;
     qm_ring *head;       /* every ring not yet reaped */
-    uint32_t open;       /* rings with a thread (what max_rings bounds) */
+    uint32_t open;       /* rings open and not stopped (what max_rings bounds) */
     uint64_t next_id;
 };
+
+/* A ring's answered calls reach the loop's counters within about this
+ * (qm_pool_nudge): one wake-up of the loop for every so many calls rather
+ * than one a call; a frame to dispatch or the daemon's tick takes them
+ * sooner or later anyway. */
+#define QM__RING_NUDGE_US 20000u
 
 static uint32_t *word(const qm_ring *r, size_t off) { return qm_ring_word(r->base, off); }
 
@@ -89,12 +99,15 @@ static int ring_wait_request(qm_ring *r, uint32_t *seq, int *parked)
         uint32_t v = qm_ring_load(req);
         if (v != r->last_seq) {
             *seq = v;
-            return 0;
+            /* A stop moves the doorbell after it sets `stop`. */
+            return atomic_load(&r->stop) ? -1 : 0;
         }
         if ((i & 63) == 63 && qm_ring_now_ns() - t0 >= budget)
             break;
         qm_ring_cpu_relax();
     }
+    /* Nothing to do until the next call: the loop may count the last ones. */
+    qm_pool_nudge(r->rings->mx->pool, QM__RING_NUDGE_US);
     for (;;) {
         /* Parked first, then a last look: either the client sees the flag
          * and wakes this thread, or this look sees its call. */
@@ -173,6 +186,9 @@ static void ring_take(qm_ring *r, uint32_t seq, int parked)
     pthread_mutex_lock(&r->mu);
     r->outstanding = 1;
     pthread_mutex_unlock(&r->mu);
+    /* Calls back to back never let the thread sleep: the loop hears of
+     * them every QM__RING_NUDGE_US all the same. */
+    qm_pool_nudge(job->mx->pool, QM__RING_NUDGE_US);
     qm_pool_run_or_queue(job->mx->pool, job);
 }
 
@@ -198,6 +214,7 @@ static void ring_main(void *arg)
 {
     qm_ring *r = arg;
     qm_fault_tag_thread(QM_FAULT_WORKER);
+    pthread_setname_np(pthread_self(), "qmoed-ring"); /* what top -H and the tests see */
     uint32_t seq;
     int parked;
     while (ring_wait_request(r, &seq, &parked) == 0) {
@@ -209,9 +226,7 @@ static void ring_main(void *arg)
     qm_ring_header_close(r->base, r->stop_code, r->stop_reason);
     qm_ring_futex_wake(word(r, QM_RING_OFF_ANS_SEQ));
     atomic_store(&r->exited, 1);
-    uint64_t one = 1;
-    while (write(r->rings->efd, &one, sizeof one) < 0 && errno == EINTR)
-        ;
+    qm_eventfd_post(r->rings->efd);
 }
 
 /* ---- what a ring call's job calls ---- */
@@ -222,13 +237,15 @@ void qm_ring_post(qm_ring_job *rj, qm_ring_answer *a)
 {
     qm_ring *r = rj->ring;
     rj->ring = NULL;
-    a->answered_ns = qm_ring_now_ns();
-    qm_ring_answer_write(r->base + QM_RING_OFF_ANSWER, a);
-    qm_ring_store(word(r, QM_RING_OFF_ANS_SEQ), rj->seq);
-    if (qm_ring_load(word(r, QM_RING_OFF_CLIENT_PARKED)))
-        qm_ring_futex_wake(word(r, QM_RING_OFF_ANS_SEQ));
     rj->answered_us = qm_now_us();
-    atomic_store(&r->last_answer_ns, a->answered_ns);
+    if (a) {
+        a->answered_ns = qm_ring_now_ns();
+        qm_ring_answer_write(r->base + QM_RING_OFF_ANSWER, a);
+        qm_ring_store(word(r, QM_RING_OFF_ANS_SEQ), rj->seq);
+        if (qm_ring_load(word(r, QM_RING_OFF_CLIENT_PARKED)))
+            qm_ring_futex_wake(word(r, QM_RING_OFF_ANS_SEQ));
+        atomic_store(&r->last_answer_ns, a->answered_ns);
+    }
     /* Last: once the thread sees it, the ring may end and be reaped. */
     pthread_mutex_lock(&r->mu);
     r->outstanding = 0;
@@ -259,7 +276,6 @@ static void rings_reap(qm_rings *rs)
         }
         *pp = r->next;
         uv_thread_join(&r->thread);
-        rs->open--;
         qm_log(QM_LOG_DEBUG, "call ring %llu of session %s closed: %s", (unsigned long long)r->id,
                qm_session_id(r->session), r->stop_reason);
         ring_free(r);
@@ -271,9 +287,7 @@ static void reap_cb(uv_poll_t *h, int status, int events)
     qm_rings *rs = h->data;
     (void)status;
     (void)events;
-    uint64_t n;
-    while (read(rs->efd, &n, sizeof n) < 0 && errno == EINTR)
-        ;
+    qm_eventfd_take(rs->efd);
     rings_reap(rs);
 }
 
@@ -305,11 +319,22 @@ int qm_rings_new(uv_loop_t *loop, const qm_method_ctx *mx, qm_rings **out)
  * thread wherever it waits. */
 static void ring_stop(qm_ring *r, int32_t code, const char *reason)
 {
+    /* A stopping ring's thread ends as soon as its call in flight is done:
+     * it no longer counts against max_rings (a client reconnecting at once
+     * gets its new ring). */
+    if (r->counted) {
+        r->counted = 0;
+        r->rings->open--;
+    }
     if (!atomic_load(&r->stop)) {
         r->stop_code = code;
         snprintf(r->stop_reason, sizeof r->stop_reason, "%s", reason);
         atomic_store(&r->stop, 1);
     }
+    /* The doorbell moves too: a thread between its last look at `stop` and
+     * its sleep finds the word changed and does not sleep (the ring is
+     * closing: the client reads its own call numbers, not this word). */
+    __atomic_fetch_add(word(r, QM_RING_OFF_REQ_SEQ), 1, __ATOMIC_SEQ_CST);
     qm_ring_futex_wake(word(r, QM_RING_OFF_REQ_SEQ));
     pthread_mutex_lock(&r->mu);
     pthread_cond_signal(&r->cv);
@@ -378,6 +403,7 @@ int qm_ring_open(qm_rings *rs, qm_session *s, qm_conn *c, int fd, uint64_t *id, 
     r->next = rs->head;
     rs->head = r;
     rs->open++;
+    r->counted = 1;
     *id = r->id;
     qm_log(QM_LOG_INFO, "session %s: call ring %llu opened on connection %llu", qm_session_id(s),
            (unsigned long long)r->id, (unsigned long long)r->conn_id);

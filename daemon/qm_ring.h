@@ -73,7 +73,8 @@ void qm_rings_free(qm_rings *rs);
 /* Any thread, for a ring call's job: 1 when nobody will read its answer
  * (the ring's connection closed); qm_ring_post writes the answer, sets the
  * answered number, wakes the client, and lets go of the ring (rj->ring is
- * NULL after). */
+ * NULL after). A NULL answer (a call skipped because its connection
+ * closed) writes nothing: the ring closes with the connection's code. */
 int qm_ring_abandoned(const qm_ring *r);
 void qm_ring_post(qm_ring_job *rj, qm_ring_answer *a);
 

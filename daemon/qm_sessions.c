@@ -64,6 +64,16 @@ qm_session *qm_session_find(const qm_sessions *ss, const char *id)
     return NULL;
 }
 
+int qm_session_id_free(const qm_sessions *ss, const char *id, qm_status *st)
+{
+    if (!qm_session_find(ss, id))
+        return 0;
+    return qm_status_set_field(st, QM_ECONFLICT, "session",
+                               "session %s exists; re-creating a session under its id needs a "
+                               "daemon that no longer has it",
+                               id);
+}
+
 static void session_free(qm_session *s)
 {
     qm_shm_set_release_all(&s->maps);
@@ -328,6 +338,31 @@ static int join_shared_pool(qm_sessions *ss, qm_session *s, const qm_session_spe
     return rc;
 }
 
+/* policy_params.hot or session.create's warm against the model: every
+ * layer and expert in range (`name` the member, for the field). */
+static int check_lists(const qm_hot_layer *lists, size_t n, const char *name,
+                       const qm_bank_config *cfg, qm_status *st)
+{
+    char field[96];
+    for (size_t i = 0; i < n; i++) {
+        if (lists[i].layer >= cfg->layers) {
+            snprintf(field, sizeof field, "%s[%zu].layer", name, i);
+            return qm_status_set_field(st, QM_EINVAL, field,
+                                       "layer %u is out of range; the model has %u layers",
+                                       lists[i].layer, cfg->layers);
+        }
+        for (size_t j = 0; j < lists[i].n_experts; j++) {
+            if (lists[i].experts[j] >= cfg->experts) {
+                snprintf(field, sizeof field, "%s[%zu].experts[%zu]", name, i, j);
+                return qm_status_set_field(st, QM_EINVAL, field,
+                                           "expert %u is out of range; the model has %u experts",
+                                           lists[i].experts[j], cfg->experts);
+            }
+        }
+    }
+    return 0;
+}
+
 /* What session.create needs of the model and the daemon before anything
  * is made: the policy offered, the model loaded and whole, a state dir for
  * record_trace, the knobs (and hot lists) the policy takes, hot lists in
@@ -365,23 +400,11 @@ static int check_create(const qm_sessions *ss, const qm_models *ms, const qm_ses
                               .hot = spec->hot ? &no_list : NULL};
     if (qm_policy_params_check(spec->policy, &probe, st) < 0)
         return QM_EINVAL;
-    for (size_t i = 0; i < spec->n_hot; i++) {
-        char field[96];
-        if (spec->hot[i].layer >= cfg->layers) {
-            snprintf(field, sizeof field, "policy_params.hot[%zu].layer", i);
-            return qm_status_set_field(st, QM_EINVAL, field,
-                                       "layer %u is out of range; the model has %u layers",
-                                       spec->hot[i].layer, cfg->layers);
-        }
-        for (size_t j = 0; j < spec->hot[i].n_experts; j++) {
-            if (spec->hot[i].experts[j] >= cfg->experts) {
-                snprintf(field, sizeof field, "policy_params.hot[%zu].experts[%zu]", i, j);
-                return qm_status_set_field(st, QM_EINVAL, field,
-                                           "expert %u is out of range; the model has %u experts",
-                                           spec->hot[i].experts[j], cfg->experts);
-            }
-        }
-    }
+    if (check_lists(spec->hot, spec->n_hot, "policy_params.hot", cfg, st) < 0 ||
+        check_lists(spec->warm, spec->n_warm, "warm", cfg, st) < 0)
+        return QM_EINVAL;
+    if (spec->id && qm_session_id_free(ss, spec->id, st) < 0)
+        return QM_ECONFLICT;
     if (ss->n >= ss->cfg->max_sessions) {
         qm_limit_hit(ss->limits, QM_LIMIT_MAX_SESSIONS, "max_sessions %u reached",
                      ss->cfg->max_sessions);
@@ -415,7 +438,11 @@ static int session_new(const qm_sessions *ss, qm_model *m, const qm_session_spec
         s->auto_budget = *spec->auto_budget;
     s->workspace_bytes = ss->cfg->session_workspace_bytes;
     s->created_at = (int64_t)time(NULL);
-    int rc = random_id(s->id, st);
+    int rc = 0;
+    if (spec->id) /* a re-creation: checked by check_create */
+        snprintf(s->id, sizeof s->id, "%s", spec->id);
+    else
+        rc = random_id(s->id, st);
     if (rc == 0 && spec->record_trace) {
         size_t n = strlen(ss->cfg->state_dir) + strlen(spec->record_trace) + 2;
         s->trace_path = qm_malloc(n);
@@ -574,6 +601,33 @@ int qm_session_build(const qm_sessions *ss, qm_session *s, qm_status *st)
     else
         log_sources(s);
     return 0;
+}
+
+int qm_session_warm(qm_session *s, const qm_hot_layer *warm, size_t n, qm_status *st)
+{
+    if (n == 0 || qm_expert_pool_is_shared(s->pool))
+        return 0; /* a shared pool is as warm as its other members keep it */
+    uint64_t t0 = qm_now_us();
+    int total = 0;
+    for (size_t i = 0; i < n; i++) {
+        qm_pager *pg = qm_session_pager_of(s, warm[i].layer);
+        int got = pg ? qm_pager_warm(pg, warm[i].layer, warm[i].experts, warm[i].n_experts, st)
+                     : 0;
+        if (got < 0)
+            return got;
+        total += got;
+    }
+    const qm_multipager *mp = qm_expert_pool_pagers(s->pool);
+    for (uint32_t d = 0; d < s->recipe.placement.n_devices; d++) {
+        qm_pager *pg = qm_multipager_pager(mp, d);
+        int rc = pg ? qm_pager_sync(pg, st) : 0;
+        if (rc < 0)
+            return rc;
+    }
+    qm_session_stats(s, &s->last_stats);
+    qm_log(QM_LOG_INFO, "session %s warmed: %d experts loaded in %.1f ms", s->id, total,
+           (double)(qm_now_us() - t0) / 1000.0);
+    return total;
 }
 
 void qm_session_commit(qm_sessions *ss, qm_session *s)

@@ -80,6 +80,13 @@ typedef struct qm_session_spec {
     const qm_hot_layer *hot; /* policy_params.hot, NULL when absent */
     size_t n_hot;
     const char *record_trace; /* a file name in the state dir, NULL when absent */
+    /* A session re-created after a restart (docs/ENGINES.md "Across a
+     * daemon restart"): the id it takes again (session.create `session`,
+     * 32 lowercase hex digits; NULL: a new random one), and the experts
+     * `warm` lists, range-checked here and loaded by qm_session_warm. */
+    const char *id;
+    const qm_hot_layer *warm;
+    size_t n_warm;
 } qm_session_spec;
 
 /* session.create in three steps: prepare (loop: checks, policy, plan,
@@ -90,9 +97,17 @@ typedef struct qm_session_spec {
 int qm_session_prepare(qm_sessions *ss, const qm_models *ms, const qm_session_spec *spec,
                        uid_t owner, qm_session **out, qm_status *st);
 int qm_session_build(const qm_sessions *ss, qm_session *s, qm_status *st);
+/* Worker, after qm_session_build: loads session.create's `warm` lists
+ * (qm_pager_warm, in order, while free slots last) and waits for them.
+ * Nothing for a shared-residency session. Returns the experts loaded or a
+ * negative error (a read that failed). */
+int qm_session_warm(qm_session *s, const qm_hot_layer *warm, size_t n, qm_status *st);
 void qm_session_commit(qm_sessions *ss, qm_session *s);
 void qm_session_abort(qm_sessions *ss, qm_session *s);
 qm_session *qm_session_find(const qm_sessions *ss, const char *id); /* borrowed; NULL: none */
+/* 0 when no registered session has `id`, else QM_ECONFLICT naming field
+ * "session" (session.create re-creating a session under its old id). */
+int qm_session_id_free(const qm_sessions *ss, const char *id, qm_status *st);
 /* Unregisters, gives its budget back and drops the registry's reference
  * (jobs may hold more; they answer not_found). */
 void qm_session_close(qm_sessions *ss, qm_session *s);

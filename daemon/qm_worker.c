@@ -8,10 +8,20 @@
  * worker writes it only when the loop has not been told yet (sends
  * coalesce). Not uv_async: libuv 1.44's loop spins, then sched_yield()s,
  * until the sending thread is back from its write, which on a loaded
- * machine costs the loop thread more than the whole T = 1 answer. */
+ * machine costs the loop thread more than the whole T = 1 answer.
+ *
+ * A call ring's job run on the ring's own thread (qm_pool_run_or_queue)
+ * has already answered its client: it joins the done list without waking
+ * the loop, marked lazy (waking a thread costs the waker several
+ * microseconds on a VM, and the loop's wake-up would compete with the
+ * client's on a small machine). The loop takes lazy jobs when a frame is
+ * about to be dispatched (qm_pool_collect: telemetry counts every answered
+ * call), at the end of every loop iteration (a check handle; the daemon's
+ * 1 s tick bounds the wait), and when a ring nudges it (qm_pool_nudge:
+ * lazy jobs older than the ring's bound, told while the ring's thread has
+ * nothing else to do). */
 #include "qm_pool.h"
 
-#include <errno.h>
 #include <stdatomic.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -22,6 +32,7 @@
 
 #include "qm_alloc.h"
 #include "qm_fault.h"
+#include "qm_io.h"
 #include "qm_telemetry.h"
 
 struct qm_pool {
@@ -35,7 +46,10 @@ struct qm_pool {
     int stop;
     int efd;              /* eventfd: done jobs wait */
     atomic_int told;      /* 1 while efd is written and not yet drained */
+    atomic_int lazy;      /* done jobs of rings wait, the loop not told */
+    atomic_uint_fast64_t lazy_since_us; /* when the oldest of them was done */
     uv_poll_t done_poll;  /* the loop's watch on efd */
+    uv_check_t lazy_check; /* takes lazy jobs at the end of each loop iteration */
     /* jobs enqueued and not completed, and of them the bounded ones (what
      * queue_depth bounds): counted up by whoever submits (the loop, a
      * ring's thread), down by the loop */
@@ -83,20 +97,21 @@ static void done_notify(qm_pool *p)
 {
     if (atomic_exchange(&p->told, 1))
         return;
-    uint64_t one = 1;
-    while (write(p->efd, &one, sizeof one) < 0 && errno == EINTR)
-        ;
+    qm_eventfd_post(p->efd);
 }
 
 /* Runs `job` of q's FIFO (the caller holds the FIFO; p's lock released)
  * and hands it back: to the done list, the FIFO to the run queue when more
- * waits in it. Returns with the lock released. */
-static void run_job(qm_pool *p, qm_job_queue *q, qm_job *job)
+ * waits in it. Returns with the lock released. `lazy`: a ring's job run on
+ * the ring's thread, whose client has its answer: the loop is not woken
+ * for it (the file's head comment). */
+static void run_job(qm_pool *p, qm_job_queue *q, qm_job *job, int lazy)
 {
     job->start_us = qm_now_us();
     if (job->ops->run)
         job->ops->run(job);
-    job->end_us = qm_now_us();
+    uint64_t end_us = job->end_us = qm_now_us();
+    /* From here the loop may take the job and free it: not read again. */
     uv_mutex_lock(&p->mu);
     job_list_append(&p->done_head, &p->done_tail, job);
     int more = q->head != NULL;
@@ -109,7 +124,10 @@ static void run_job(qm_pool *p, qm_job_queue *q, qm_job *job)
     uv_mutex_unlock(&p->mu);
     if (more)
         uv_cond_signal(&p->cv);
-    done_notify(p);
+    if (!lazy)
+        done_notify(p);
+    else if (!atomic_exchange(&p->lazy, 1))
+        atomic_store(&p->lazy_since_us, end_us);
 }
 
 static void worker_main(void *arg)
@@ -134,22 +152,16 @@ static void worker_main(void *arg)
         job->next = NULL;
         uv_mutex_unlock(&p->mu);
 
-        run_job(p, q, job);
+        run_job(p, q, job, 0);
         uv_mutex_lock(&p->mu);
     }
     uv_mutex_unlock(&p->mu);
 }
 
-static void done_cb(uv_poll_t *h, int status, int events)
+/* Hands every done job to the loop's hook, in the order they were done. */
+static void done_drain(qm_pool *p)
 {
-    qm_pool *p = h->data;
-    (void)status;
-    (void)events;
-    uint64_t n;
-    while (read(p->efd, &n, sizeof n) < 0 && errno == EINTR)
-        ;
-    /* Cleared before the drain: a job finished after it writes again. */
-    atomic_store(&p->told, 0);
+    atomic_store(&p->lazy, 0); /* a job done after this marks it again */
     uv_mutex_lock(&p->mu);
     qm_job *list = p->done_head;
     p->done_head = p->done_tail = NULL;
@@ -166,6 +178,31 @@ static void done_cb(uv_poll_t *h, int status, int events)
     }
     if (p->hooks.idle)
         p->hooks.idle(p->hooks.arg);
+}
+
+static void done_cb(uv_poll_t *h, int status, int events)
+{
+    qm_pool *p = h->data;
+    (void)status;
+    (void)events;
+    qm_eventfd_take(p->efd);
+    /* Cleared before the drain: a job finished after it writes again. */
+    atomic_store(&p->told, 0);
+    done_drain(p);
+}
+
+static void lazy_check_cb(uv_check_t *h) { qm_pool_collect(h->data); }
+
+void qm_pool_collect(qm_pool *p)
+{
+    if (p && atomic_load(&p->lazy))
+        done_drain(p);
+}
+
+void qm_pool_nudge(qm_pool *p, uint64_t older_than_us)
+{
+    if (atomic_load(&p->lazy) && qm_now_us() - atomic_load(&p->lazy_since_us) >= older_than_us)
+        done_notify(p);
 }
 
 int qm_pool_start(uv_loop_t *loop, uint32_t n_threads, const qm_pool_hooks *hooks,
@@ -193,6 +230,10 @@ int qm_pool_start(uv_loop_t *loop, uint32_t n_threads, const qm_pool_hooks *hook
         goto fail_poll;
     p->done_poll.data = p;
     uv_poll_start(&p->done_poll, UV_READABLE, done_cb);
+    uv_check_init(loop, &p->lazy_check);
+    p->lazy_check.data = p;
+    uv_check_start(&p->lazy_check, lazy_check_cb);
+    uv_unref((uv_handle_t *)&p->lazy_check);
     *out = p;
     for (uint32_t i = 0; i < n_threads; i++) {
         /* The workers started so far are joined by qm_pool_stop. */
@@ -263,7 +304,7 @@ int qm_pool_run_or_queue(qm_pool *p, qm_job *job)
     }
     q->scheduled = 1; /* held by this thread: no worker takes the session now */
     uv_mutex_unlock(&p->mu);
-    run_job(p, q, job);
+    run_job(p, q, job, 1);
     return 1;
 }
 

@@ -367,24 +367,27 @@ static int first_repeat(const void *base, size_t n, size_t stride, size_t offset
     return 0;
 }
 
-static int decode_hot(const cJSON *hot, qm_policy_params_wire *pp, qm_status *st)
+/* A list of {layer, experts} at `name` (policy_params.hot, session.create's
+ * warm): layers distinct, experts distinct in each; ranges are the daemon's
+ * check (it knows the model). */
+static int decode_expert_lists(const cJSON *hot, const char *name, qm_hot_layer **list,
+                               size_t *count, qm_status *st)
 {
     static const char *const allowed[] = {"layer", "experts", NULL};
     if (!cJSON_IsArray(hot))
-        return wrong_type(st, "policy_params.hot", "an array", hot);
+        return wrong_type(st, name, "an array", hot);
     size_t n = (size_t)cJSON_GetArraySize(hot);
     if (n == 0)
         return 0;
     if (n > QM_HOT_MAX)
-        return bad(st, "policy_params.hot", "policy_params.hot has %zu entries; at most %d",
-                   n, QM_HOT_MAX);
-    pp->hot = qm_calloc(n, sizeof *pp->hot);
-    if (!pp->hot)
-        return qm_status_set(st, QM_ENOMEM, "out of memory for policy_params.hot");
+        return bad(st, name, "%s has %zu entries; at most %d", name, n, QM_HOT_MAX);
+    qm_hot_layer *hl = *list = qm_calloc(n, sizeof *hl);
+    if (!hl)
+        return qm_status_set(st, QM_ENOMEM, "out of memory for %s", name);
     size_t i = 0;
     for (const cJSON *e = hot->child; e; e = e->next, i++) {
         char path[96];
-        snprintf(path, sizeof path, "policy_params.hot[%zu]", i);
+        snprintf(path, sizeof path, "%s[%zu]", name, i);
         if (!cJSON_IsObject(e))
             return bad(st, path, "%s must be an object {layer, experts}", path);
         int rc = check_allowed(e, allowed, path, st);
@@ -394,8 +397,8 @@ static int decode_hot(const cJSON *hot, qm_policy_params_wire *pp, qm_status *st
         rc = get_uint(e, "layer", path, 1, UINT32_MAX, NULL, &layer, st);
         if (rc < 0)
             return rc;
-        pp->hot[i].layer = (uint32_t)layer;
-        pp->n_hot = i + 1;
+        hl[i].layer = (uint32_t)layer;
+        *count = i + 1;
         char epath[112];
         snprintf(epath, sizeof epath, "%s.experts", path);
         const cJSON *ex = member(e, "experts");
@@ -404,8 +407,8 @@ static int decode_hot(const cJSON *hot, qm_policy_params_wire *pp, qm_status *st
         size_t m = (size_t)cJSON_GetArraySize(ex);
         if (m > QM_HOT_MAX)
             return bad(st, epath, "%s has %zu experts; at most %d", epath, m, QM_HOT_MAX);
-        pp->hot[i].experts = qm_calloc(m ? m : 1, sizeof(uint32_t));
-        if (!pp->hot[i].experts)
+        hl[i].experts = qm_calloc(m ? m : 1, sizeof(uint32_t));
+        if (!hl[i].experts)
             return qm_status_set(st, QM_ENOMEM, "out of memory for %s", epath);
         size_t j = 0;
         for (const cJSON *x = ex->child; x; x = x->next, j++) {
@@ -415,29 +418,29 @@ static int decode_hot(const cJSON *hot, qm_policy_params_wire *pp, qm_status *st
             rc = integer_value(x, xpath, UINT32_MAX, &v, st);
             if (rc < 0)
                 return rc;
-            pp->hot[i].experts[j] = (uint32_t)v;
-            pp->hot[i].n_experts = j + 1;
+            hl[i].experts[j] = (uint32_t)v;
+            hl[i].n_experts = j + 1;
         }
-        int rc2 = first_repeat(pp->hot[i].experts, pp->hot[i].n_experts, sizeof(uint32_t), 0,
+        int rc2 = first_repeat(hl[i].experts, hl[i].n_experts, sizeof(uint32_t), 0,
                                &j, st);
         if (rc2 < 0)
             return rc2;
-        if (j < pp->hot[i].n_experts) {
+        if (j < hl[i].n_experts) {
             char xpath[144];
             snprintf(xpath, sizeof xpath, "%s[%zu]", epath, j);
-            return bad(st, xpath, "%s repeats expert %u", xpath, pp->hot[i].experts[j]);
+            return bad(st, xpath, "%s repeats expert %u", xpath, hl[i].experts[j]);
         }
     }
     /* Layers: the same check over the entries. */
     size_t j;
-    int rc2 = first_repeat(pp->hot, pp->n_hot, sizeof *pp->hot, offsetof(qm_hot_layer, layer), &j,
+    int rc2 = first_repeat(hl, *count, sizeof *hl, offsetof(qm_hot_layer, layer), &j,
                            st);
     if (rc2 < 0)
         return rc2;
-    if (j < pp->n_hot) {
+    if (j < *count) {
         char path[96];
-        snprintf(path, sizeof path, "policy_params.hot[%zu]", j);
-        return bad(st, path, "%s repeats layer %u", path, pp->hot[j].layer);
+        snprintf(path, sizeof path, "%s[%zu]", name, j);
+        return bad(st, path, "%s repeats layer %u", path, hl[j].layer);
     }
     return 0;
 }
@@ -472,7 +475,36 @@ static int get_policy_value(const cJSON *v, const qm_policy_param_spec *spec,
 
 static int qm__decode_hot(const cJSON *v, qm_params *out, qm_status *st)
 {
-    return decode_hot(v, &out->policy_params, st);
+    return decode_expert_lists(v, "policy_params.hot", &out->policy_params.hot,
+                               &out->policy_params.n_hot, st);
+}
+
+/* session.create's members for a session re-created after a restart
+ * (docs/ENGINES.md "Across a daemon restart"): `warm`, the experts to load
+ * before answering, and `session`, the id to take again, as session.create
+ * made it. */
+static int qm__decode_warm(const cJSON *v, qm_params *out, qm_status *st)
+{
+    return decode_expert_lists(v, "warm", &out->warm, &out->n_warm, st);
+}
+
+static int qm__check_session_id(const cJSON *v, qm_params *out, qm_status *st)
+{
+    const char *id = out->session;
+    if (!id)
+        return 0;
+    size_t n = strlen(id);
+    int ok = n == QM_SESSION_ID_LEN;
+    for (size_t i = 0; ok && i < n; i++)
+        ok = (id[i] >= '0' && id[i] <= '9') || (id[i] >= 'a' && id[i] <= 'f');
+    if (ok)
+        return 0;
+    char clip[80];
+    qm_clip(id, n, clip, sizeof clip);
+    return bad(st, "session",
+               "session must be a session id as session.create gives one (%d lowercase hex "
+               "digits), got '%s'",
+               QM_SESSION_ID_LEN, clip);
 }
 
 /* session.infer's routing supplied by the engine (PROTOCOL.md): topk_ids and
@@ -653,6 +685,12 @@ const char *qm_wire_type_text(const qm_wire_param *p, char *out, size_t cap)
 {
     char list[256];
     switch (p->type) {
+    case QM_WT_POLICY: {
+        char names[256];
+        qm_policy_names(names, sizeof names);
+        snprintf(out, cap, "one of %s", names);
+        break;
+    }
     case QM_WT_STRING:
     case QM_WT_NAME:
     case QM_WT_FILENAME:
@@ -780,6 +818,7 @@ static int decode_row(const cJSON *obj, const qm_wire_param *p, const char *pref
     switch (p->type) {
     case QM_WT_STRING:
     case QM_WT_NAME:
+    case QM_WT_POLICY:
     case QM_WT_FILENAME:
         rc = string_value(v, path, p, (char **)at, st);
         break;
@@ -838,6 +877,7 @@ static void free_rows(const qm_wire_rows *rows, qm_params *p)
         switch (r->type) {
         case QM_WT_STRING:
         case QM_WT_NAME:
+        case QM_WT_POLICY:
         case QM_WT_FILENAME:
             qm_free(*(char **)at);
             *(char **)at = NULL;
@@ -848,18 +888,29 @@ static void free_rows(const qm_wire_rows *rows, qm_params *p)
         case QM_WT_OBJECT:
             free_rows(r->object, p);
             break;
-        case QM_WT_HOT:
-            for (size_t j = 0; j < p->policy_params.n_hot; j++)
-                qm_free(p->policy_params.hot[j].experts);
-            qm_free(p->policy_params.hot);
-            p->policy_params.hot = NULL;
-            p->policy_params.n_hot = 0;
+        case QM_WT_HOT: {
+            /* The list where the row lands, its count right after it. */
+            qm_hot_layer **list = (qm_hot_layer **)at;
+            size_t *n = (size_t *)(at + sizeof(qm_hot_layer *));
+            for (size_t j = 0; j < *n; j++)
+                qm_free((*list)[j].experts);
+            qm_free(*list);
+            *list = NULL;
+            *n = 0;
             break;
+        }
         default:
             break;
         }
     }
 }
+
+/* A HOT row lands its list; the count follows it (free_rows). */
+_Static_assert(offsetof(qm_params, policy_params.n_hot) ==
+                   offsetof(qm_params, policy_params.hot) + sizeof(qm_hot_layer *),
+               "policy_params.n_hot follows policy_params.hot");
+_Static_assert(offsetof(qm_params, n_warm) == offsetof(qm_params, warm) + sizeof(qm_hot_layer *),
+               "n_warm follows warm");
 
 void qm__params_free(qm_method m, qm_params *p)
 {

@@ -231,6 +231,7 @@ const char *qm_method_summary(qm_method m); /* a phrase; "" out of range */
 typedef enum qm_wire_type {
     QM_WT_STRING,
     QM_WT_NAME,
+    QM_WT_POLICY,
     QM_WT_FILENAME,
     QM_WT_UINT,
     QM_WT_UINT32,

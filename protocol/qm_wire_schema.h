@@ -37,11 +37,14 @@
 /* ---- the rows -------------------------------------------------------------------
  * P(member, TYPE, required, lo, hi, lands, has, more, "what it means")
  *   TYPE   STRING (lo..hi bytes of UTF-8), NAME (a STRING of [A-Za-z0-9._-]),
+ *          POLICY (a STRING naming a policy: the residency registry's offered
+ *          ones are listed from it; the daemon checks the name),
  *          FILENAME (a STRING naming a file: no '/', not "." or ".."),
  *          UINT / UINT32 (an integer lo..hi, landing in a uint64_t / uint32_t),
  *          BOOL, ENUM (one of the names `more` gives; lands its index),
  *          TENSOR (rank lo, dtypes hi: QM_WIRE_DT_*), OBJECT (the rows
- *          `more` gives), HOT (policy_params.hot's list), CHECK (no member:
+ *          `more` gives), HOT (a [{layer, experts}] list, landing where its count
+ *          follows it: policy_params.hot, warm), CHECK (no member:
  *          a rule across the members decoded so far, `more`'s function)
  *   lands  AT(field of qm_params) or NOWHERE;  has: AT(flag set when given) or NOWHERE
  *   more   NAMES(enum), ROWS(object), FN(function) or NONE
@@ -70,13 +73,19 @@
 
 #define QM_PARAMS_SESSION_CREATE(P)                                                                \
     P("model", STRING, 1, 1, QM_NAME_MAX, AT(model), NOWHERE, NONE, "a loaded model's name")       \
-    P("policy", STRING, 0, 1, 32, AT(policy), NOWHERE, NONE,                                       \
-      "the residency policy (default whole_bank): a name the residency registry offers")           \
+    P("policy", POLICY, 0, 1, 32, AT(policy), NOWHERE, NONE,                                       \
+      "the residency policy (the first, when absent); the daemon refuses one not offered")         \
     QM_PARAMS_BUDGET(P, 0)                                                                         \
     P("policy_params", OBJECT, 0, 0, 0, AT(policy_params), AT(has_policy_params),                  \
       ROWS(POLICY_PARAMS), "the session's paging and its policy's knobs")                          \
     P("precision", ENUM, 0, 0, 0, AT(precision), NOWHERE, NAMES(PRECISION),                        \
-      "exact (f32) or fast (int8 activations, integer dot products)")
+      "exact (f32) or fast (int8 activations, integer dot products)")                              \
+    P("session", STRING, 0, 1, 128, AT(session), NOWHERE, NONE,                                    \
+      "re-create a session under this id, one session.create gave (after a restart)")              \
+    P("", CHECK, 0, 0, 0, NOWHERE, NOWHERE, FN(qm__check_session_id),                              \
+      "session: 32 lowercase hex digits")                                                          \
+    P("warm", HOT, 0, 0, QM_HOT_MAX, AT(warm), NOWHERE, FN(qm__decode_warm),                        \
+      "[{layer, experts}]: loaded before the answer (a re-created session's old residency)")
 
 #define QM_PARAMS_POLICY_PARAMS(P)                                                                 \
     P("prefetch", BOOL, 0, 0, 0, AT(policy_params.prefetch), AT(policy_params.has_prefetch), NONE, \
@@ -84,7 +93,7 @@
     P("min_split_bytes", UINT, 0, 0, UINT64_MAX, AT(policy_params.min_split_bytes),                \
       AT(policy_params.has_min_split_bytes), NONE,                                                 \
       "a bank whose expert unit is smaller stays whole")                                           \
-    P("hot", HOT, 0, 0, QM_HOT_MAX, NOWHERE, NOWHERE, FN(qm__decode_hot),                          \
+    P("hot", HOT, 0, 0, QM_HOT_MAX, AT(policy_params.hot), NOWHERE, FN(qm__decode_hot),                          \
       "[{layer, experts: hottest first}]: the pins of a policy that takes them")                   \
     P("record_trace", FILENAME, 0, 1, 255, AT(policy_params.record_trace), NOWHERE, NONE,          \
       "a file in the state dir the session's routing is recorded to")                              \
@@ -227,7 +236,10 @@ typedef struct qm_params {
     int has_policy_params;
     qm_policy_params_wire policy_params;
     int precision;           /* session.create: QM_WIRE_ENUMS' PRECISION index, 0 exact */
-    char *session;           /* close, plan, infer, resize, ring; optional for telemetry.* */
+    char *session;           /* close, plan, infer, resize, ring; optional for telemetry.* and
+                              * session.create (an id to re-create a session under) */
+    qm_hot_layer *warm;      /* session.create: experts to load first (NULL: none) */
+    size_t n_warm;
     uint32_t layer;          /* infer */
     qm_tensor hidden;        /* infer: shape [T, H] */
     int has_router_logits;

@@ -26,7 +26,9 @@ per token, stall ms per token, reads in flight (mean of each call's most /
 the most), the I/O time per token (misses x expert bytes / the disk's random
 rate at qmoed's depth) and the bounds it sets: I/O alone (1 / I/O time) and
 overlapped with compute (min of that and resident), and the share of the
-overlapped bound the row reached; with --old, new/old per budget.
+overlapped bound the row reached; disk busy: every byte the pager read per
+token (prefetches too) x tokens/s / that rate, how much of the disk the
+row used; with --old, new/old per budget.
 
 Without --bank a Qwen3-30B-A3B-shaped bank (128 experts, top-8, H 2048,
 I 768, int4 blocks of 32, f16 scales) of --layers layers (default 4, about
@@ -162,7 +164,7 @@ def main():
     resident = med(0, "tokens_per_s")
     hdr = ("row", "engine", "budget", "tok/s", "calls/s", "x resident", "hit rate",
            "MiB/token", "stall ms/token", "in flight", "I/O ms/token", "I/O bound tok/s",
-           "overlap bound", "of bound")
+           "overlap bound", "of bound", "disk busy")
     print("| " + " | ".join(hdr) + " |")
     print("|" + "---|" * len(hdr))
     new_of = {}
@@ -182,10 +184,12 @@ def main():
                       "%.1f/%d" % (med(i, "reads_in_flight_mean"),
                                    max(r["reads_in_flight_peak"] for r in runs[i])),
                       "%.1f" % io_ms, "%.1f" % bound, "%.1f" % overlap,
-                      "%.2f" % (tps / overlap)]
+                      "%.2f" % (tps / overlap),
+                      "%.0f%%" % (100 * med(i, "pager_disk_mib_per_token") * 1048576 * tps / rate
+                                  if rate else 0)]
             new_of.setdefault(row["budget"], {})[row["io"]] = tps
         else:
-            cells += ["-"] * 7
+            cells += ["-"] * 8
         print("| " + " | ".join(cells) + " |")
     for b, d in new_of.items():
         if "auto" in d and "serial" in d:

@@ -4,6 +4,7 @@
  * of engine/kernels/qm_kernel_select.c weighs, on a larger matrix (docs/BENCHMARKS.md).
  *
  *   qmoe_kernel_micro [--rows 512] [--cols 2880] [--bits 4|8] [--inputs 1] [--reps 30]
+ *                     [--hugepages 1]
  *
  * Random codes, f32 scales, blocks of 32: the matrix (rows x cols x bits/8
  * bytes) is meant to stay in L2, so this measures each kernel's compute, not
@@ -14,12 +15,19 @@
  * r8 layout (4-bit, rows a multiple of 8), the same codes interleaved
  * (NAME-r8, the layout a fast whole-bank session gets). One JSON line per
  * kernel: best time over --reps (after one warm-up), weight GB/s per core
- * (GEMV) or GFLOP/s per core. Kernels this CPU cannot run are skipped with a
- * line saying why. The last line: how long the default exact choice's
- * calibration took (thread CPU time) and what it chose. Not a test. */
+ * (codes; read_gbps_per_core: codes and scales) and GFLOP/s per core. A
+ * "read" line before and after the kernels times a plain read of the same
+ * bytes the same way: with a matrix far larger than the caches (e.g.
+ * --rows 131072 --cols 2048: 128 MiB of 4-bit codes) a decode kernel's
+ * read_gbps_per_core over it is its share of a core's read bandwidth,
+ * robust to a shared machine's time-slicing (thread CPU time). Kernels this
+ * CPU cannot run are skipped with a line saying why. The last lines: the
+ * self-check's cost, and how long the default exact choice's calibration
+ * took (thread CPU time) and what it chose. Not a test. */
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/mman.h>
 #include <time.h>
 
 #include "qm_kernel_check.h"
@@ -33,13 +41,86 @@ static double cpu_us(void)
     return (double)t.tv_sec * 1e6 + (double)t.tv_nsec * 1e-3;
 }
 
+/* A kernel's line: weight_gbps_per_core counts the codes, read_gbps_per_core
+ * the codes and the f32 scales (what it reads of the matrix). */
 static void report(const char *mode, const char *name, uint32_t n, uint32_t k, uint32_t bits,
                    uint32_t nx, double us)
 {
+    double codes = (double)n * k * bits / 8, scales = (double)n * (k / 32) * 4;
     printf("{\"mode\":\"%s\",\"kernel\":\"%s\",\"rows\":%u,\"cols\":%u,\"bits\":%u,\"inputs\":%u,"
-           "\"best_us\":%.1f,\"weight_gbps_per_core\":%.2f,\"gflops_per_core\":%.1f}\n",
-           mode, name, n, k, bits, nx, us, (double)n * k * bits / 8 / us / 1e3,
+           "\"best_us\":%.1f,\"weight_gbps_per_core\":%.2f,\"read_gbps_per_core\":%.2f,"
+           "\"gflops_per_core\":%.1f}\n",
+           mode, name, n, k, bits, nx, us, codes / us / 1e3, (codes + scales) / us / 1e3,
            2.0 * n * k * nx / us / 1e3);
+}
+
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#include <immintrin.h>
+/* The bytes [p, p + n) summed with 256-bit loads into 8 accumulators: the
+ * read bandwidth a core reaches (n a multiple of 256). */
+__attribute__((target("avx2"))) static uint64_t read_sum(const uint8_t *p, size_t n)
+{
+    __m256i a[8];
+    for (int i = 0; i < 8; i++)
+        a[i] = _mm256_setzero_si256();
+    for (size_t o = 0; o + 256 <= n; o += 256)
+        for (int i = 0; i < 8; i++)
+            a[i] = _mm256_add_epi64(a[i], _mm256_loadu_si256((const __m256i *)(p + o + 32 * i)));
+    uint64_t s[4], t = 0;
+    for (int i = 1; i < 8; i++)
+        a[0] = _mm256_add_epi64(a[0], a[i]);
+    _mm256_storeu_si256((__m256i *)s, a[0]);
+    for (int i = 0; i < 4; i++)
+        t += s[i];
+    return t;
+}
+#else
+static uint64_t read_sum(const uint8_t *p, size_t n)
+{
+    uint64_t t = 0;
+    for (size_t o = 0; o < n; o += 8) {
+        uint64_t v;
+        memcpy(&v, p + o, 8);
+        t += v;
+    }
+    return t;
+}
+#endif
+
+/* A plain read of the matrix's codes and scales, timed like the kernels
+ * (thread CPU time, best of reps): each kernel's read_gbps_per_core over
+ * this line's is its share of what one core reads (from memory when the
+ * matrix is far larger than the caches). */
+static void read_line(const qm__qmat *m, uint32_t reps)
+{
+    size_t codes = (size_t)m->n * m->row_bytes, scales = (size_t)m->n * m->nblk * 4;
+    double best = 1e300;
+    volatile uint64_t sink = 0;
+    for (uint32_t rep = 0; rep <= reps; rep++) {
+        double t0 = cpu_us();
+        sink += read_sum(m->w, codes / 256 * 256) + read_sum(m->scales, scales / 256 * 256);
+        double dt = cpu_us() - t0;
+        if (rep && dt < best)
+            best = dt;
+    }
+    (void)sink;
+    printf("{\"mode\":\"read\",\"kernel\":\"read\",\"bytes\":%zu,\"best_us\":%.1f,"
+           "\"read_gbps_per_core\":%.2f}\n", codes + scales, best, (codes + scales) / best / 1e3);
+}
+
+static int hugepages; /* --hugepages 1: the large buffers asked for 2 MiB pages */
+
+/* A buffer of n bytes; with --hugepages, 2 MiB aligned and madvise'd for
+ * transparent huge pages (what the kernels' TLB misses cost, from memory). */
+static void *big_alloc(size_t n)
+{
+    if (!hugepages)
+        return malloc(n);
+    size_t al = (size_t)2 << 20, len = (n + al - 1) / al * al;
+    void *p = aligned_alloc(al, len);
+    if (p)
+        madvise(p, len, MADV_HUGEPAGE);
+    return p;
 }
 
 static double time_tiles(qm__mm_fn *fn, const qm__qmat *m, const float *xp, size_t ld,
@@ -94,7 +175,7 @@ static void fast_kernels(const qm__qmat *m, const float *x, uint32_t nx, uint32_
         qm__i8_prep(m, x + (size_t)r * m->k, xq + r * ld);
     qm__qmat mi = *m;
     int r8 = m->bits == 4 && m->n % 8 == 0;
-    uint8_t *wi = malloc((size_t)m->n * m->row_bytes), *tmp = malloc(8 * m->row_bytes);
+    uint8_t *wi = big_alloc((size_t)m->n * m->row_bytes), *tmp = malloc(8 * m->row_bytes);
     memcpy(wi, m->w, (size_t)m->n * m->row_bytes);
     if (r8)
         qm__r8_interleave(wi, m->n, m->row_bytes, tmp);
@@ -141,6 +222,8 @@ int main(int argc, char **argv)
             nx = v;
         else if (!strcmp(argv[i], "--reps"))
             reps = v;
+        else if (!strcmp(argv[i], "--hugepages"))
+            hugepages = (int)v;
         else {
             fprintf(stderr, "unknown option %s\n", argv[i]);
             return 2;
@@ -152,8 +235,8 @@ int main(int argc, char **argv)
         return 2;
     }
     uint32_t nblk = K / 32;
-    uint8_t *w = malloc((size_t)N * K);
-    float *sc = malloc(sizeof(float) * N * nblk), *x = malloc(sizeof(float) * K * nx);
+    uint8_t *w = big_alloc((size_t)N * K);
+    float *sc = big_alloc(sizeof(float) * N * nblk), *x = malloc(sizeof(float) * K * nx);
     float *y = malloc(sizeof(float) * N * nx);
     uint32_t s = 1;
     for (size_t i = 0; i < (size_t)N * K; i++)
@@ -167,8 +250,10 @@ int main(int argc, char **argv)
                   .block = 32};
     float *scratch = malloc(sizeof(float) * qm__kernel_scratch_floats(&m));
     int gemm = nx > QM__GEMV_MAX_ROWS;
+    read_line(&m, reps);
     exact_kernels(&m, x, nx, gemm, reps, y, scratch);
     fast_kernels(&m, x, nx, reps, y);
+    read_line(&m, reps);
     /* The self-check (qm_kernel_check.c, wall time; no cache), then the
      * default exact choice's calibration (qm_kernel_select.c), thread CPU time. */
     unsetenv("QMOE_KERNEL");

@@ -57,8 +57,9 @@ CASES = {
 }
 
 
-def make_bank(path, c, seed):
-    """Random codes (every nibble random), scales ~ 1/(sqrt(K) * 2^(bits-1)),
+def make_bank(path, c, seed, scale_dtype=np.float32):
+    """Random codes (every nibble random), scales ~ 1/(sqrt(K) * 2^(bits-1))
+    (f32, or scale_dtype: np.float16 is what a GGUF Q4_0 import holds),
     f32 biases: GPT-OSS-style swiglu (interleaved, alpha 1.702, beta 1, limit 7)."""
     rng = np.random.default_rng(seed)
     cfg = qmoebank.BankConfig(layers=c["layers"], experts=c["E"], hidden_size=c["H"],
@@ -75,7 +76,7 @@ def make_bank(path, c, seed):
                 0, 256, (c["E"], n, k // pack), dtype=np.uint8)
             base = 1.0 / (math.sqrt(k) * (1 << (c["bits"] - 1)))
             tensors[f"layers.{layer}.{proj}.scales"] = (
-                base * rng.uniform(0.5, 1.5, (c["E"], n, nblk))).astype(np.float32)
+                base * rng.uniform(0.5, 1.5, (c["E"], n, nblk))).astype(scale_dtype)
             tensors[f"layers.{layer}.{proj}.bias"] = (
                 0.05 * rng.standard_normal((c["E"], n))).astype(np.float32)
     qmoebank.save_bank(path, cfg, tensors)

@@ -8,7 +8,8 @@
  * and closed by a checksum of everything before it:
  *   qmoe-kernel-check 6|<binary>|<cpu>|<verdicts>|<fnv1a32>
  *   qmoe-kernels 6|<binary>|<cpu>|avx512,avx2|<gemv q4> <gemv q8> <gemm q4> <gemm q8>|<fnv1a32>
- *   qmoe-fast-kernels 6|<binary>|<cpu>|amx,...,avx2|<decode q4> <decode q8> <prefill q4> <prefill q8>|<fnv1a32>
+ *   qmoe-fast-kernels 6|<binary>|<cpu>|amx,...,avx2|<decode q4> <decode q8>
+ *                       <prefill q4> <prefill q8>|<fnv1a32>       (one line)
  * A line that is truncated, altered, garbage, or written by another
  * version, binary or CPU is never used: it is ignored with a line on
  * stderr, the check or measurement runs again, and the line is rewritten.

@@ -215,7 +215,8 @@ static double qm__kc_abs_dot(const qm__qmat *m, const float *x, uint32_t n)
     double s = 0;
     for (uint32_t col = 0; col < m->k; col++) {
         uint32_t b = col / m->block;
-        double w = (double)qm__qmat_scale(m, n, b) * (qm__qmat_code(m, row, col) - qm__qmat_zp(m, n, b));
+        double w = (double)qm__qmat_scale(m, n, b) *
+                   (qm__qmat_code(m, row, col) - qm__qmat_zp(m, n, b));
         s += w * x[col] < 0 ? -(w * x[col]) : w * x[col];
     }
     return s;
@@ -233,9 +234,10 @@ static int qm__kc_exact_run(const qm__kernel *k, qm__kc_case *c, uint32_t nx, fl
         return -1;
     for (uint32_t r = 0; r < nx; r++)
         k->prep(&c->m, gemm, c->x + (size_t)r * c->m.k, xp + r * ld);
-    for (uint32_t n0 = 0; n0 < c->m.n; n0 += QM__TILE_ROWS)
-        (gemm ? k->gemm : k->gemv)(&c->m, n0, n0 + QM__TILE_ROWS < c->m.n ? n0 + QM__TILE_ROWS : c->m.n,
-                                   xp, ld, nx, y, c->m.n, c->scratch);
+    for (uint32_t n0 = 0; n0 < c->m.n; n0 += QM__TILE_ROWS) {
+        uint32_t n1 = n0 + QM__TILE_ROWS < c->m.n ? n0 + QM__TILE_ROWS : c->m.n;
+        (gemm ? k->gemm : k->gemv)(&c->m, n0, n1, xp, ld, nx, y, c->m.n, c->scratch);
+    }
     qm_free(xp);
     return 0;
 }

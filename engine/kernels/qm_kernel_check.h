@@ -26,7 +26,7 @@
 #define QM_KERNEL_CHECK_MAX 16
 
 typedef enum qm_kernel_verdict_kind {
-    QM_KERNEL_VERIFIED = 1, /* gave the specification's bits (fast) or stayed in the bound (exact) */
+    QM_KERNEL_VERIFIED = 1,   /* the specification's bits (fast), or within the bound (exact) */
     QM_KERNEL_REFUSED = 2,  /* disagreed: never used */
     QM_KERNEL_UNAVAILABLE = 3 /* this CPU or this build cannot run it: not checked */
 } qm_kernel_verdict_kind;

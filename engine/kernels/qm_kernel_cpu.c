@@ -59,8 +59,12 @@ typedef struct qm__cpu_words {
     unsigned l1[4], l7[4], l7s1[4], xcr0;
 } qm__cpu_words;
 
-static void qm__cpu_read(qm__cpu_words *w)
+static qm__cpu_words qm__words;
+static pthread_once_t qm__words_once = PTHREAD_ONCE_INIT;
+
+static void qm__cpu_read_once(void)
 {
+    qm__cpu_words *w = &qm__words;
     unsigned r[4];
     memset(w, 0, sizeof *w);
     qm__cpuid(0, 0, r);
@@ -78,6 +82,13 @@ static void qm__cpu_read(qm__cpu_words *w)
         (void)hi;
         w->xcr0 = lo;
     }
+}
+
+/* The words, read once (CPUID traps to the hypervisor in a VM). */
+static void qm__cpu_read(qm__cpu_words *w)
+{
+    pthread_once(&qm__words_once, qm__cpu_read_once);
+    *w = qm__words;
 }
 
 static unsigned qm__hidden; /* tests: bit i hides qm__feats[i] */
@@ -100,6 +111,13 @@ static int qm__feat_index(const char *name, size_t n)
         if (strlen(qm__feats[i].name) == n && memcmp(qm__feats[i].name, name, n) == 0)
             return (int)i;
     return -1;
+}
+
+/* Feature `name`'s CPUID bit and OS state (qm__feat_flag). */
+static int qm__feat_named(const char *name)
+{
+    int i = qm__feat_index(name, strlen(name));
+    return i >= 0 && qm__feat_flag((size_t)i);
 }
 
 /* ---- AMX: the CPU's flags, the OS's tile state, this process's permission ---- */
@@ -135,8 +153,7 @@ int qm__cpu_has_amx(void)
 {
     pthread_mutex_lock(&qm__amx_lock);
     if (qm__amx_state == 0) {
-        int flags = qm__amx_fake_cpu || (qm__feat_flag((size_t)qm__feat_index("amx-tile", 8)) &&
-                                         qm__feat_flag((size_t)qm__feat_index("amx-int8", 8)));
+        int flags = qm__amx_fake_cpu || (qm__feat_named("amx-tile") && qm__feat_named("amx-int8"));
         int refused = flags ? qm__amx_request() : 0;
         if (!flags) {
             qm__amx_reason = "no AMX-INT8 on this CPU (or the OS does not save the tile state)";

@@ -103,8 +103,8 @@ int qm__kernel_break(const char *spec, char *why, size_t cap)
     }
     int row = fast ? qm__i8isa_find(name) : qm__exact_find(name);
     if (row < 0) {
-        snprintf(why, cap, "kernel to break: no %s kernel '%s' in this build", fast ? "fast" : "exact",
-                 name);
+        snprintf(why, cap, "kernel to break: no %s kernel '%s' in this build",
+                 fast ? "fast" : "exact", name);
         return -1;
     }
     qm__broken.row = (size_t)row;

@@ -295,7 +295,8 @@ static void qm__i8_auto_calibrate(void)
     for (int c = 0; c < nc; c++)
         names[c] = cands[c]->name;
     const char *cache = getenv("QMOE_KERNEL_CACHE");
-    if (nc > 1 && cache && *cache && qm__cache_load(cache, "qmoe-fast-kernels", names, nc, idx) == 0)
+    if (nc > 1 && cache && *cache &&
+        qm__cache_load(cache, "qmoe-fast-kernels", names, nc, idx) == 0)
         from_cache = 1;
     else if (nc > 1 && qm__i8_measure(cands, nc, idx) == 0 && cache && *cache)
         qm__cache_save(cache, "qmoe-fast-kernels", names, nc, idx);

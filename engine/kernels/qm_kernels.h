@@ -85,7 +85,7 @@ typedef struct qm__kernel {
  * every row count: rows [n0, n1) of W times nx quantised rows. Every fast
  * kernel gives the same bits for every row count (qm_kernel_i8.h). */
 typedef struct qm__i8kernel {
-    const char *name; /* "scalar", "avx2", "avxvnni", "avx512vnni", "amx" */
+    const char *name; /* its QMOE_KERNEL name: "scalar", or a fast table row's (qm_kernel_isa.c) */
     qm__mm_fn *mm;
 } qm__i8kernel;
 

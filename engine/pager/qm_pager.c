@@ -227,6 +227,37 @@ static int qm__preload_all(qm_pager *p, qm_status *st)
     return rc ? rc : w;
 }
 
+int qm_pager_warm(qm_pager *p, uint32_t layer, const uint32_t *experts, size_t n,
+                  qm_status *st)
+{
+    if (!p || (n && !experts))
+        return qm_status_set(st, QM_EINVAL, "qm_pager_warm: NULL argument");
+    if (layer >= p->n_layers)
+        return qm_status_set(st, QM_EINVAL, "layer %u out of range (%u layers)", layer,
+                             p->n_layers);
+    qm__layer *L = &p->layers[layer];
+    if (!L->paged || L->absent)
+        return 0;
+    int loaded = 0, rc = 0;
+    for (size_t i = 0; i < n && rc == 0; i++) {
+        uint32_t e = experts[i];
+        if (e >= L->n_experts || L->slot_of[e] >= 0)
+            continue;
+        int32_t s = qm__pager_free_slot(p);
+        if (s < 0)
+            break; /* full: one warm expert never evicts another */
+        if ((rc = qm__pager_claim(p, s, layer, e, QM__CLAIM_PRELOAD, QM__PF_NONE, st)))
+            break;
+        if ((rc = qm__pager_copy_unit(p, s, st))) {
+            qm__pager_drop(p, s);
+            break;
+        }
+        p->stats.bytes_loaded_at_create += L->unit_bytes;
+        loaded++;
+    }
+    return rc ? rc : loaded;
+}
+
 /* The one arena: whole banks first (when copied), then n_slots slots. */
 static int qm__arena_carve(qm_pager *p, uint64_t *arena_bytes, qm_status *st)
 {
@@ -363,6 +394,7 @@ void qm_pager_free(qm_pager *p)
     if (!p)
         return;
     qm__pager_copy_stop(p);
+    qm__pager_disk_drain(p); /* prefetch reads may still be landing in the arenas */
     qm__pager_trace_close(p);
     qm__hybrid_stop(p);
     if (p->backend && p->slots) {

@@ -12,7 +12,8 @@
  * Threading: a pager is used by one thread at a time (a session's requests
  * run in order); that includes qm_pager_stats_get and
  * qm_pager_resident_experts, so read them on the session's thread or under
- * the session's lock. It may own one internal copy thread (see copy_thread). */
+ * the session's lock. It may own one internal copy thread (see copy_thread),
+ * or, with the disk source, its I/O engine's threads (see io_engine). */
 #ifndef QM_PAGER_H
 #define QM_PAGER_H
 
@@ -49,7 +50,8 @@ typedef struct qm_pager_options {
     int no_preload;
     /* Copy thread: -1 or 0 = automatic (on for host-visible backends, whose
      * copies are synchronous memcpy: the thread makes them overlap compute),
-     * 1 = force on, 2 = force off. */
+     * 1 = force on, 2 = force off. The disk source's I/O engine (io_engine
+     * other than serial) reads by itself and runs no copy thread. */
     int copy_thread;
     /* 1: copy whole banks into the arena even on host-visible backends
      * (default 0: host-visible backends read whole banks straight from the
@@ -265,6 +267,16 @@ int qm_pager_forward(qm_pager *pager, const qm_moe_call *call, qm_moe_stats *mst
  * skipped. Returns the number issued (>= 0) or a negative error. */
 int qm_pager_prefetch(qm_pager *pager, uint32_t layer, const uint32_t *experts, size_t n,
                       qm_status *st);
+/* Loads experts[0..n) of `layer` into free slots, in order, until none is
+ * free (never evicting, so the first ones win when the list holds more than
+ * the budget), without waiting for the copies (qm_pager_sync): a session
+ * re-created after a restart starting from its old residency
+ * (session.create `warm`). They stay evictable, as preloaded experts, and
+ * count in bytes_loaded_at_create. Experts resident, out of range, of a
+ * whole bank or of another device's layer are skipped. Returns the number
+ * loaded (>= 0) or a negative error. */
+int qm_pager_warm(qm_pager *pager, uint32_t layer, const uint32_t *experts, size_t n,
+                  qm_status *st);
 /* Waits for every copy in flight. */
 int qm_pager_sync(qm_pager *pager, qm_status *st);
 

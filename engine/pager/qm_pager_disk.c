@@ -319,6 +319,12 @@ void qm__pager_disk_close(qm_pager *p)
     p->disk = NULL;
 }
 
+void qm__pager_disk_drain(qm_pager *p)
+{
+    if (p->disk)
+        qm__io_drain(p->disk->io);
+}
+
 void qm__pager_disk_stats(const qm_pager *p, qm_pager_stats *out)
 {
     struct qm__disk *d = p->disk;

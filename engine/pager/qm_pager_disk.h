@@ -14,6 +14,9 @@
  * MMAP, so the layout is the mapping's. Call before the layout. */
 void qm__pager_disk_open(qm_pager *p);
 void qm__pager_disk_close(qm_pager *p);
+/* Waits for every read in flight (prefetches no one waited for included):
+ * before the arenas are freed. */
+void qm__pager_disk_drain(qm_pager *p);
 /* The serial engine: reads the bytes the mapping holds at src..src+len
  * into dst now, on the caller's thread (QM_EIO). */
 int qm__pager_disk_read(qm_pager *p, void *dst, const void *src, uint64_t len, qm_status *st);

@@ -555,7 +555,7 @@ fail_mu:
     return qm_status_set(st, QM_ERESOURCE_EXHAUSTED, "cannot set up the disk I/O engine's lock");
 }
 
-void qm__io_free(qm__io *io)
+void qm__io_drain(qm__io *io)
 {
     if (!io)
         return;
@@ -563,6 +563,13 @@ void qm__io_free(qm__io *io)
     while (io->in_flight || io->head[QM__IO_DEMAND] || io->head[QM__IO_PREFETCH])
         pthread_cond_wait(&io->cv_done, &io->mu);
     pthread_mutex_unlock(&io->mu);
+}
+
+void qm__io_free(qm__io *io)
+{
+    if (!io)
+        return;
+    qm__io_drain(io);
 #ifdef QMOE_HAVE_LIBURING
     qm__io_uring_close(io);
 #endif

@@ -81,6 +81,9 @@ int qm__io_new(int fd, int engine, uint32_t depth, qm__io **out, char *why, size
                qm_status *st);
 /* Waits for every read in flight, then stops. Accepts NULL. */
 void qm__io_free(qm__io *io);
+/* Waits until nothing is queued or in flight (before the memory reads
+ * land in goes away). Accepts NULL. */
+void qm__io_drain(qm__io *io);
 /* QM_PAGER_IO_URING or QM_PAGER_IO_THREADS, and the reads in flight at most. */
 int qm__io_kind(const qm__io *io);
 uint32_t qm__io_depth(const qm__io *io);

@@ -48,35 +48,12 @@ static const char *at(const qm__option_name *t, size_t n, size_t i, int *value)
     return t[i].name;
 }
 
-const char *qm_on_miss_name(int on_miss) { return name_of(qm__on_miss, QM__N(qm__on_miss), on_miss); }
-int qm_on_miss_parse(const char *name) { return value_of(qm__on_miss, QM__N(qm__on_miss), name); }
-const char *qm_on_miss_at(size_t i, int *value)
-{
-    return at(qm__on_miss, QM__N(qm__on_miss), i, value);
-}
+/* A registry's three calls (qm_pager.h): PREFIX_name, PREFIX_parse, PREFIX_at. */
+#define QM__OPTION_CALLS(prefix, table)                                                            \
+    const char *prefix##_name(int value) { return name_of(table, QM__N(table), value); }           \
+    int prefix##_parse(const char *name) { return value_of(table, QM__N(table), name); }           \
+    const char *prefix##_at(size_t i, int *value) { return at(table, QM__N(table), i, value); }
 
-const char *qm_pager_source_name(int source)
-{
-    return name_of(qm__sources, QM__N(qm__sources), source);
-}
-int qm_pager_source_parse(const char *name)
-{
-    return value_of(qm__sources, QM__N(qm__sources), name);
-}
-const char *qm_pager_source_at(size_t i, int *value)
-{
-    return at(qm__sources, QM__N(qm__sources), i, value);
-}
-
-const char *qm_pager_io_name(int engine)
-{
-    return name_of(qm__io_engines, QM__N(qm__io_engines), engine);
-}
-int qm_pager_io_parse(const char *name)
-{
-    return value_of(qm__io_engines, QM__N(qm__io_engines), name);
-}
-const char *qm_pager_io_at(size_t i, int *value)
-{
-    return at(qm__io_engines, QM__N(qm__io_engines), i, value);
-}
+QM__OPTION_CALLS(qm_on_miss, qm__on_miss)
+QM__OPTION_CALLS(qm_pager_source, qm__sources)
+QM__OPTION_CALLS(qm_pager_io, qm__io_engines)

@@ -49,7 +49,7 @@ def bank(workdir):
 
 
 class Daemon:
-    def __init__(self, workdir, bank, name):
+    def __init__(self, workdir, bank, name, with_model=True):
         self.dir = os.path.join(workdir, name)
         os.makedirs(self.dir, exist_ok=True)
         os.chmod(self.dir, 0o755)
@@ -58,7 +58,8 @@ class Daemon:
         self.log_path = os.path.join(self.dir, "qmoed.log")
         self.log = open(self.log_path, "wb")
         self.proc = subprocess.Popen(
-            [need(QMOED), "--socket", self.socket, "--backend", "cpu", "--model", "demo=" + bank]
+            [need(QMOED), "--socket", self.socket, "--backend", "cpu"]
+            + (["--model", "demo=" + bank] if with_model else [])
             + (["--allow-root"] if os.geteuid() == 0 else []) + [
              "--state-dir", os.path.join(self.dir, "state"), "--device-budget", "1GiB",
              "--log-level", "info"],

@@ -242,3 +242,28 @@ def test_a_drifted_request_is_caught(fake):
     verdicts = decode_all(['{"jsonrpc":"2.0","id":1,"method":"session.resize",'
                            '"params":{"session":"s","budget_kb":4096}}'])
     assert verdicts[0][1].startswith("error -32602 budget_kb "), verdicts
+
+
+def test_the_llama_cpp_options_name_what_the_registries_hold():
+    """llama.cpp checks --qmoed-on-miss and --qmoed-precision and lists the
+    policies in --help before any daemon answers: those lists, in
+    clients/llama.cpp/llama.cpp.patch, are walked against the wire's rows
+    (the pager's on_miss registry, precision) and the residency registry's
+    offered policies (`qmoectl create --help`)."""
+    if not os.path.exists(QMOECTL):
+        pytest.skip("%s is not built" % QMOECTL)
+    src = os.environ.get("QMOE_SOURCE_DIR", os.path.join(os.path.dirname(__file__), "..", ".."))
+    with open(os.path.join(src, "clients", "llama.cpp", "llama.cpp.patch")) as f:
+        patch = f.read()
+    rows = {m["method"]: m for m in json.loads(subprocess.run(
+        [QMOECTL, "--json", "methods"], capture_output=True, text=True, check=True).stdout)}
+    create = {p["member"]: p for p in rows["session.create"]["params"]}
+    on_miss = next(p for p in create["policy_params"]["members"] if p["member"] == "on_miss")
+    assert '"{%s}"' % ",".join(on_miss["names"]) in patch, on_miss["names"]
+    assert '"{%s}"' % ",".join(create["precision"]["names"]) in patch, create["precision"]
+    help_text = subprocess.run([QMOECTL, "create", "--help"], capture_output=True,
+                               text=True).stdout.split("Policies:\n", 1)[1]
+    offered = [line.split()[0] for line in help_text.splitlines()
+               if line.startswith("  ") and not line.startswith("   ")]
+    listed = patch.split("qmoed residency policy: ", 1)[1].split("\\n", 1)[0].split(", ")
+    assert sorted(listed) == sorted(offered), (listed, offered)

@@ -13,6 +13,7 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "live_daemon.h"
 #include "qmoe_client.h"
 
 #define LAYERS 2
@@ -23,58 +24,55 @@
 static char dir[256], sock[300], bank[300];
 static pid_t daemon_pid = -1;
 
-static int run(char *const argv[])
+/* Starts qmoed on `at` (serving the demo bank as "demo" when `with_model`)
+ * and waits until it listens; its pid. */
+static pid_t spawn_qmoed(const char *at, int with_model)
 {
-    pid_t p = fork();
-    if (p == 0) {
-        execv(argv[0], argv);
+    char qmoed[512], model[400], state[400];
+    snprintf(qmoed, sizeof qmoed, "%s/daemon/qmoed", getenv("QMOE_BUILD_DIR"));
+    snprintf(model, sizeof model, "demo=%s", bank);
+    snprintf(state, sizeof state, "%s.state", at);
+    pid_t pid = fork();
+    if (pid == 0) {
+        char log[420];
+        snprintf(log, sizeof log, "%s.log", at);
+        freopen(log, "a", stdout);
+        dup2(fileno(stdout), 2);
+        /* qmoed refuses to run as root unless told to (CI runs as root). */
+        char *argv[16] = {qmoed, "--socket", (char *)at, "--backend", "cpu", "--state-dir",
+                          state, "--device-budget", "1GiB"};
+        int n = 9;
+        if (with_model) {
+            argv[n++] = "--model";
+            argv[n++] = model;
+        }
+        if (geteuid() == 0)
+            argv[n++] = "--allow-root";
+        argv[n] = NULL;
+        execv(qmoed, argv);
         _exit(127);
     }
-    int st = 0;
-    waitpid(p, &st, 0);
-    return WIFEXITED(st) ? WEXITSTATUS(st) : -1;
+    live_wait_listening(pid, at);
+    return pid;
 }
 
 /* Unchecked fixture: once, in the runner, before the forked tests. */
 static void start_daemon(void)
 {
     const char *build = getenv("QMOE_BUILD_DIR");
-    char qmoed[512], tool[512], model[400], state[300];
+    char tool[512];
     ck_assert_msg(build != NULL, "QMOE_BUILD_DIR is not set (run through ctest)");
     snprintf(dir, sizeof dir, "/tmp/qmoe-client-live-XXXXXX");
     ck_assert_ptr_nonnull(mkdtemp(dir));
     snprintf(sock, sizeof sock, "%s/qmoed.sock", dir);
     snprintf(bank, sizeof bank, "%s/demo.qmoe", dir);
-    snprintf(state, sizeof state, "%s/state", dir);
-    snprintf(qmoed, sizeof qmoed, "%s/daemon/qmoed", build);
     snprintf(tool, sizeof tool, "%s/tools/qmoe-bank/qmoe-bank", build);
     char *create[] = {tool, "create", "--out", bank, "--quiet", "--layers", "2", "--experts", "8",
                       "--hidden", "64", "--inter", "32", "--k", "2", "--bits", "4",
                       "--block-size", "32", "--activation", "silu", "--router", "--seed", "3",
                       NULL};
-    ck_assert_int_eq(run(create), 0);
-    snprintf(model, sizeof model, "demo=%s", bank);
-    daemon_pid = fork();
-    if (daemon_pid == 0) {
-        freopen("/dev/null", "w", stdout);
-        freopen("/dev/null", "w", stderr);
-        /* qmoed refuses to run as root unless told to (CI runs as root). */
-        char *argv[] = {qmoed, "--socket", sock, "--backend", "cpu", "--model", model,
-                        "--state-dir", state, "--device-budget", "1GiB",
-                        geteuid() == 0 ? "--allow-root" : NULL, NULL};
-        execv(qmoed, argv);
-        _exit(127);
-    }
-    for (int i = 0; i < 400; i++) { /* up to 20 s */
-        qm_client *c = NULL;
-        if (qm_client_open(&c, sock, 1000, NULL) == 0) {
-            qm_client_close(c);
-            return;
-        }
-        ck_assert_int_eq(waitpid(daemon_pid, NULL, WNOHANG), 0);
-        usleep(50000);
-    }
-    ck_abort_msg("qmoed did not listen on %s", sock);
+    ck_assert_int_eq(live_run(create), 0);
+    daemon_pid = spawn_qmoed(sock, 1);
 }
 
 static void stop_daemon(void)
@@ -83,7 +81,7 @@ static void stop_daemon(void)
         kill(daemon_pid, SIGTERM);
         waitpid(daemon_pid, NULL, 0);
     }
-    char cmd[400];
+    char cmd[800];
     snprintf(cmd, sizeof cmd, "rm -rf '%s'", dir);
     (void)!system(cmd);
 }
@@ -563,6 +561,164 @@ START_TEST(test_a_forked_child_never_closes_its_parents_sessions)
 }
 END_TEST
 
+/* ---- across a daemon restart (qmoe_client.h) ---- */
+
+static char said[8192]; /* the handle's log lines */
+
+static void collect(void *ud, const char *line)
+{
+    (void)ud;
+    size_t n = strlen(said);
+    snprintf(said + n, sizeof said - n, "%s\n", line);
+}
+
+/* A daemon of the test's own on DIR/NAME.sock (path in `at`), and a handle on it. */
+static qm_client *own_daemon(char *at, size_t cap, const char *name, pid_t *pid)
+{
+    snprintf(at, cap, "%s/%s.sock", dir, name);
+    *pid = spawn_qmoed(at, 1);
+    qm_client *c = NULL;
+    qm_client_error err;
+    ck_assert_msg(qm_client_open(&c, at, 30000, &err) == 0, "open: %s", err.reason);
+    return c;
+}
+
+static void kill_qmoed(pid_t pid)
+{
+    kill(pid, SIGKILL);
+    waitpid(pid, NULL, 0);
+}
+
+/* One token through `layer` with the engine's routing, all in the map: x at
+ * 0, ids at 256, weights at 320, the output at 384. */
+static int one_token(qm_client *c, const char *id, const qm_client_map *m, uint64_t layer,
+                     qm_client_infer_stats *st, qm_client_error *err)
+{
+    const qm_client_region ids = {QM_CLIENT_I32, 1, 2, 256}, w = {QM_CLIENT_F32, 1, 2, 320};
+    qm_client_mapped_infer q = {.session = id, .layer = layer, .map = m,
+                                .hidden = {QM_CLIENT_F32, 1, HIDDEN, 0},
+                                .topk_ids = &ids, .topk_weights = &w, .output_offset = 384};
+    return qm_client_session_infer_mapped(c, &q, st, err);
+}
+
+/* SIGKILL and restart under a paged session with a map: the next layer call
+ * brings the session back under its id (restarted with the model; then
+ * without it, the handle loading its bank), warm from its last plan, and
+ * gives the same bits; a daemon that never comes back fails the call with
+ * the error it met, once the window passes. */
+START_TEST(test_a_session_outlives_a_daemon_restart)
+{
+    char at[400];
+    pid_t d;
+    qm_client *c = own_daemon(at, sizeof at, "restart", &d);
+    qm_client_error err;
+    qm_client_reconnect o;
+    qm_client_get_reconnect(c, &o);
+    ck_assert_int_eq(o.window_ms, QM_CLIENT_DEFAULT_RECONNECT_MS);
+    o.warm_interval_ms = 0;
+    o.log = collect;
+    qm_client_set_reconnect(c, &o);
+    qm_client_model *models = NULL;
+    size_t n_models = 0;
+    ck_assert_int_eq(qm_client_model_list(c, &models, &n_models, &err), 0);
+    uint64_t bpe = models[0].bytes_per_expert;
+    qm_client_models_free(models, n_models);
+    qm_client_session_params p = {.model = "demo", .policy = "lru", .budget_bytes = 4 * bpe,
+                                  .has_budget = 1, .policy_params_json = "{\"prefetch\":false}"};
+    char *id = NULL;
+    ck_assert_msg(qm_client_session_create(c, &p, &id, NULL, &err) == 0, "%s", err.reason);
+    qm_client_map m;
+    ck_assert_int_eq(qm_client_map_create(c, id, 4096, &m, &err), 0);
+    float *x = m.data, want[2][HIDDEN];
+    int32_t *ids = (int32_t *)((char *)m.data + 256);
+    float *w = (float *)((char *)m.data + 320), *y = (float *)((char *)m.data + 384);
+    fill_hidden(x, 9); /* TOKENS rows; the call reads the first */
+    ids[0] = 1, ids[1] = 6, w[0] = 0.75f, w[1] = 0.25f;
+    qm_client_infer_stats st;
+    for (int l = 0; l < 2; l++) {
+        ck_assert_int_eq(one_token(c, id, &m, (uint64_t)l, &st, &err), 0);
+        ck_assert_uint_eq(st.misses, 2);
+        memcpy(want[l], y, sizeof want[l]);
+    }
+
+    /* Restarted with its model: the session is back, warm, same bits. */
+    kill_qmoed(d);
+    d = spawn_qmoed(at, 1);
+    memset(y, 0, HIDDEN * sizeof(float));
+    ck_assert_msg(one_token(c, id, &m, 0, &st, &err) == 0, "%s", err.reason);
+    ck_assert_uint_eq(qm_client_restores(c), 1);
+    ck_assert_uint_eq(st.hits, 2);
+    ck_assert_uint_eq(st.misses, 0);
+    ck_assert(memcmp(y, want[0], sizeof want[0]) == 0);
+    ck_assert_int_eq(one_token(c, id, &m, 1, &st, &err), 0);
+    ck_assert_uint_eq(st.hits, 2);
+    ck_assert(memcmp(y, want[1], sizeof want[1]) == 0);
+    ck_assert_ptr_nonnull(strstr(said, "went away"));
+    ck_assert_ptr_nonnull(strstr(said, "is back after"));
+    ck_assert_ptr_nonnull(strstr(said, "4 experts warm"));
+
+    /* Restarted without it: the handle loads the bank it was told of. */
+    ck_assert_int_eq(qm_client_set_model_bank(c, "demo", bank, &err), 0);
+    kill_qmoed(d);
+    d = spawn_qmoed(at, 0);
+    ck_assert_msg(one_token(c, id, &m, 1, &st, &err) == 0, "%s", err.reason);
+    ck_assert_uint_eq(qm_client_restores(c), 2);
+    ck_assert(memcmp(y, want[1], sizeof want[1]) == 0);
+    ck_assert_ptr_nonnull(strstr(said, "its model loaded again from its bank"));
+
+    /* Gone for good: the call fails with the error it met once the window
+     * (1 s here) has passed. */
+    o.window_ms = 1000;
+    qm_client_set_reconnect(c, &o);
+    kill_qmoed(d);
+    struct timespec t0, t1;
+    clock_gettime(CLOCK_MONOTONIC, &t0);
+    ck_assert_int_eq(one_token(c, id, &m, 0, &st, &err), QM_CLIENT_EIO);
+    clock_gettime(CLOCK_MONOTONIC, &t1);
+    double took = (double)(t1.tv_sec - t0.tv_sec) + (t1.tv_nsec - t0.tv_nsec) / 1e9;
+    ck_assert_msg(took >= 0.9 && took < 5.0, "the call failed after %.2f s", took);
+    ck_assert_msg(strstr(err.reason, "qmoed closed the connection") != NULL, "%s", err.reason);
+    ck_assert_ptr_nonnull(strstr(said, "giving up on session"));
+    ck_assert_uint_eq(qm_client_restores(c), 2);
+    qm_client_map_release(NULL, &m, &err);
+    qm_client_string_free(id);
+    qm_client_close(c);
+}
+END_TEST
+
+/* Reconnection off (window 0): the first call after a restart fails as it
+ * always did, and the session is not re-created behind the caller. */
+START_TEST(test_reconnection_off_fails_at_once)
+{
+    char at[400];
+    pid_t d;
+    qm_client *c = own_daemon(at, sizeof at, "off", &d);
+    qm_client_error err;
+    qm_client_reconnect o = {.window_ms = 0};
+    qm_client_set_reconnect(c, &o);
+    qm_client_session_params p = {.model = "demo"};
+    char *id = NULL;
+    ck_assert_int_eq(qm_client_session_create(c, &p, &id, NULL, &err), 0);
+    float x[TOKENS * HIDDEN];
+    fill_hidden(x, 1);
+    qm_client_tensor h = {.dtype = QM_CLIENT_F32, .ndim = 2, .shape = {TOKENS, HIDDEN},
+                          .data = x, .nbytes = sizeof x};
+    qm_client_infer_result r;
+    ck_assert_int_eq(qm_client_session_infer(c, id, 0, &h, NULL, 0, &r, &err), 0);
+    qm_client_infer_result_free(&r);
+    kill_qmoed(d);
+    d = spawn_qmoed(at, 1);
+    ck_assert_int_eq(qm_client_session_infer(c, id, 0, &h, NULL, 0, &r, &err), QM_CLIENT_EIO);
+    /* The next call reaches the new daemon, which never heard of it. */
+    int rc = qm_client_session_infer(c, id, 0, &h, NULL, 0, &r, &err);
+    ck_assert_msg(rc == -32001, "%d %s", rc, err.reason);
+    ck_assert_uint_eq(qm_client_restores(c), 0);
+    qm_client_string_free(id);
+    qm_client_close(c);
+    kill_qmoed(d);
+}
+END_TEST
+
 int main(void)
 {
     Suite *s = suite_create("client_live");
@@ -582,6 +738,12 @@ int main(void)
     tcase_add_test(tc, test_close_closes_what_the_handle_owns_and_nothing_else);
     tcase_add_test(tc, test_a_forked_child_never_closes_its_parents_sessions);
     suite_add_tcase(s, tc);
+    TCase *restart = tcase_create("restart");
+    tcase_add_unchecked_fixture(restart, start_daemon, stop_daemon);
+    tcase_set_timeout(restart, 120);
+    tcase_add_test(restart, test_a_session_outlives_a_daemon_restart);
+    tcase_add_test(restart, test_reconnection_off_fails_at_once);
+    suite_add_tcase(s, restart);
     SRunner *sr = srunner_create(s);
     srunner_run_all(sr, CK_NORMAL);
     int failed = srunner_ntests_failed(sr);

@@ -107,8 +107,9 @@ def test_generation_with_experts_in_qmoed_matches_transformers(report, name):
         assert run["ids"] == res["ref_ids"], what
         assert run["max_rel_logit_err"] <= 1e-4, (what, run["max_rel_logit_err"])
         st = run["stats"]
-        # every MoE layer of every step went to qmoed
+        # every MoE layer of every step went to qmoed, through the session's call ring
         assert st["calls"] == TOKENS * len(run["layers"]), (what, st)
+        assert st["ring_calls"] == st["calls"], (what, st)
         assert run["layers"] == list(range(len(LAYER_MAPS.get(name, [0, 1])))), what
     whole, lru = runs(res, "from_pretrained")
     assert whole["stats"]["misses"] == 0 and whole["stats"]["bytes_paged"] == 0

@@ -163,7 +163,8 @@ def memfd(nbytes, seals=None, name="test-map"):
 def tensor(array):
     """numpy array -> wire tensor."""
     import numpy as np
-    dtype = {np.dtype("float32"): "f32", np.dtype("float16"): "f16"}[array.dtype]
+    dtype = {np.dtype("float32"): "f32", np.dtype("float16"): "f16",
+             np.dtype("int32"): "i32"}[array.dtype]
     a = np.ascontiguousarray(array)
     return {"dtype": dtype, "shape": list(a.shape),
             "data": base64.b64encode(a.astype(a.dtype.newbyteorder("<")).tobytes()).decode()}

@@ -3,7 +3,9 @@ bank's shape, request helpers, `qmoe-bank run` as the reference, and running
 a client as another uid. The fixtures (banks, daemon) are in conftest.py.
 """
 import json
+import mmap
 import os
+import socket
 import subprocess
 import tempfile
 import time
@@ -11,7 +13,7 @@ import time
 import numpy as np
 import pytest
 
-from qmoed_harness import Daemon, qmoe_bank_path
+from qmoed_harness import Daemon, memfd, qmoe_bank_path
 
 H, E, K = 64, 8, 2  # the "small" bank of conftest.banks
 
@@ -107,3 +109,44 @@ def daemon_open_to_all(banks):
     os.chmod(dm.dir, 0o755)
     os.chmod(dm.socket, 0o666)
     return dm
+
+
+# ---- shared-memory maps (session.map), for the shm and ring suites ----
+
+def request_fds(c, method, params, fds):
+    """One request whose first byte carries `fds` (SCM_RIGHTS); the answer."""
+    req = {"jsonrpc": "2.0", "id": c.next_id, "method": method, "params": params}
+    c.next_id += 1
+    line = (json.dumps(req) + "\n").encode()
+    sent = socket.send_fds(c.sock, [line], fds) if fds else 0
+    c.sock.sendall(line[sent:])
+    return json.loads(c.read_line())
+
+
+def map_fd(c, sid, fd, nbytes):
+    return request_fds(c, "session.map", {"session": sid, "bytes": nbytes}, [fd])
+
+
+class Shm:
+    """A memfd mapped here and in the daemon (map id `id`)."""
+
+    def __init__(self, c, sid, nbytes):
+        fd = memfd(nbytes)
+        self.mm = mmap.mmap(fd, nbytes)
+        r = map_fd(c, sid, fd, nbytes)
+        os.close(fd)
+        assert "result" in r, r
+        assert r["result"]["bytes"] == nbytes
+        self.id = r["result"]["map"]
+
+    def put(self, offset, raw):
+        self.mm[offset:offset + len(raw)] = raw
+
+    def get(self, offset, n):
+        return bytes(self.mm[offset:offset + n])
+
+
+def as_bytes(x, dtype):
+    if dtype == "bf16":
+        return (x.astype(np.float32).view(np.uint32) >> 16).astype("<u2").tobytes()
+    return x.astype({"f32": "<f4", "f16": "<f2"}[dtype]).tobytes()

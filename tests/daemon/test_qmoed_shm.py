@@ -21,25 +21,11 @@ import numpy as np
 import pytest
 
 from qmoed_harness import Daemon, memfd
-from qmoed_suite import E, H, err, hidden, new_session
+from qmoed_suite import E, H, Shm, as_bytes, err, hidden, map_fd, new_session, request_fds
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 PYCLIENT = os.path.join(HERE, "..", "..", "clients", "python")
 SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
-
-
-def request_fds(c, method, params, fds):
-    """One request whose first byte carries `fds` (SCM_RIGHTS); the answer."""
-    req = {"jsonrpc": "2.0", "id": c.next_id, "method": method, "params": params}
-    c.next_id += 1
-    line = (json.dumps(req) + "\n").encode()
-    sent = socket.send_fds(c.sock, [line], fds) if fds else 0
-    c.sock.sendall(line[sent:])
-    return json.loads(c.read_line())
-
-
-def map_fd(c, sid, fd, nbytes):
-    return request_fds(c, "session.map", {"session": sid, "bytes": nbytes}, [fd])
 
 
 def open_fds(pid):
@@ -49,31 +35,6 @@ def open_fds(pid):
 def mapped_regions(pid, name="test-map"):
     with open("/proc/%d/maps" % pid) as f:
         return sum(1 for line in f if ("memfd:" + name) in line)
-
-
-class Shm:
-    """A memfd mapped here and in the daemon (map id `id`)."""
-
-    def __init__(self, c, sid, nbytes):
-        fd = memfd(nbytes)
-        self.mm = mmap.mmap(fd, nbytes)
-        r = map_fd(c, sid, fd, nbytes)
-        os.close(fd)
-        assert "result" in r, r
-        assert r["result"]["bytes"] == nbytes
-        self.id = r["result"]["map"]
-
-    def put(self, offset, raw):
-        self.mm[offset:offset + len(raw)] = raw
-
-    def get(self, offset, n):
-        return bytes(self.mm[offset:offset + n])
-
-
-def as_bytes(x, dtype):
-    if dtype == "bf16":
-        return (x.astype(np.float32).view(np.uint32) >> 16).astype("<u2").tobytes()
-    return x.astype({"f32": "<f4", "f16": "<f2"}[dtype]).tobytes()
 
 
 def b64(raw, dtype, shape):

@@ -234,6 +234,9 @@ def test_greedy_tokens(tools, ggufs, daemon, fam, q, tmp_path):
     r = generate(tools, gguf_of(ggufs, fam, q), qmoed_args(daemon))
     got = text_of(r)
     assert "qmoed: session" in r.stderr and "layer calls" in r.stderr, r.stderr[-3000:]
+    # One call ring per context carried every layer call.
+    assert "layer calls through its call ring" in r.stderr, r.stderr[-3000:]
+    assert "layer calls (call ring)" in r.stderr, r.stderr[-3000:]
     assert len(ref) == TOKENS and got == ref, (got, ref)
     s = next((i for i in range(TOKENS) if got[i] != alone[i]), None)
     print("%s %s: qmoed %r, llama.cpp %r (%s)" % (fam, q, got, alone,
@@ -283,6 +286,26 @@ def test_budget_auto_and_a_bad_budget(tools, ggufs, daemon):
     assert r.returncode != 0 and '"N%" with 0 < N <= 100' in r.stderr, r.stderr[-2000:]
 
 
+def test_a_daemon_that_refuses_a_ring_serves_the_same_tokens_through_the_socket(tools, ggufs,
+                                                                                daemon, tmp_path):
+    """A daemon at max_rings 0 refuses every session.ring: the context says
+    so and its layer calls take the socket, with the same tokens."""
+    fam, q = FAMILIES[0], TYPES[0]
+    name = "%s.%s" % (fam, q)
+    bank = str(tmp_path / (name + ".bank"))
+    r = subprocess.run([qmoe_bank_path(), "import", "gguf", str(gguf_of(ggufs, fam, q)),
+                        "--out", bank], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    dm = Daemon(models={name: bank}, args=["--threads", "2", "--set", "max_rings=0"])
+    try:
+        r = generate(tools, gguf_of(ggufs, fam, q), qmoed_args(dm), memo=False)
+        assert "no call ring (resource_exhausted" in r.stderr, r.stderr[-3000:]
+        assert "layer calls (socket)" in r.stderr, r.stderr[-3000:]
+        assert text_of(r) == text_of(generate(tools, gguf_of(ggufs, fam, q), qmoed_args(daemon)))
+    finally:
+        assert dm.stop() == 0, dm.log_text()[-3000:]
+
+
 def test_a_bank_of_another_model_is_refused(tools, ggufs, daemon, tmp_path):
     """The same shapes from another GGUF, another quantisation of the same
     model, another layer map, another expert count: each refused at load with
@@ -325,17 +348,28 @@ def test_a_missing_bank_is_imported_and_loaded(tools, ggufs, tmp_path):
         assert dm.stop() == 0, dm.log_text()[-3000:]
 
 
-def test_the_daemon_killed_mid_run_ends_the_run_with_an_error_naming_it(tools, ggufs, tmp_path):
+def completion_cmd(tools, gguf, n, *extra):
+    return [tool(tools, "llama-completion"), "-m", str(gguf), "-p", PROMPT, "-n", str(n), "--temp", "0",
+            "--ignore-eos", "-no-cnv", "--no-display-prompt", "--no-warmup", "-t", "2", "-c", "4096",
+            "--simple-io"] + list(extra)
+
+
+def test_the_daemon_gone_for_good_fails_the_step_and_emits_no_token_from_it(tools, ggufs, tmp_path):
+    """The daemon killed mid-generation and never restarted: once the
+    reconnection window (1 s here) has passed, the layer call fails the
+    whole step with the line naming the daemon, llama-completion exits 1,
+    and every token it printed is one of the undisturbed run's, in order:
+    nothing computed on a failed step (whose later ops only wrote zeros)
+    reached the output."""
     name = "gpt_oss.q8_0"
+    gguf = gguf_of(ggufs, "gpt_oss", "q8_0")
     bank = tmp_path / (name + ".bank")
-    subprocess.run([qmoe_bank_path(), "import", "gguf", str(gguf_of(ggufs, "gpt_oss", "q8_0")), "--out",
-                    str(bank), "--quiet"], check=True)
+    subprocess.run([qmoe_bank_path(), "import", "gguf", str(gguf), "--out", str(bank), "--quiet"],
+                   check=True)
     dm = Daemon(models={name: str(bank)}, args=["--threads", "2"])
-    cmd = [tool(tools, "llama-completion"), "-m", str(gguf_of(ggufs, "gpt_oss", "q8_0")), "-p", PROMPT,
-           "-n", "4000", "--temp", "0", "--ignore-eos", "-no-cnv", "--no-warmup", "-t", "2", "-c", "4096",
-           "--simple-io"] + qmoed_args(dm)
-    p = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                         text=True)
+    p = subprocess.Popen(completion_cmd(tools, gguf, 4000, *qmoed_args(dm)), stdin=subprocess.DEVNULL,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         env=dict(os.environ, QMOED_RECONNECT_S="1"))
     try:
         c = dm.client()
         deadline = time.time() + 60
@@ -348,14 +382,66 @@ def test_the_daemon_killed_mid_run_ends_the_run_with_an_error_naming_it(tools, g
         assert p.poll() is None
         dm.proc.kill()
         dm.proc.wait()
+        t0 = time.time()
         p.send_signal(signal.SIGCONT)
         out, err = p.communicate(timeout=60)  # bounded: a hang fails here
+        took = time.time() - t0
     finally:
         if p.poll() is None:
             p.kill()
-    assert p.returncode != 0 and len(out) < 4000
+    assert p.returncode == 1 and 0 < len(out) < 4000, (p.returncode, len(out), err[-3000:])
     assert "qmoed: the daemon at %s went away during block" % dm.socket in err, err[-3000:]
-    assert "Segmentation" not in err and p.returncode > 0
+    assert "giving up on session" in err, err[-3000:]
+    assert took < 15, took
+    assert "Segmentation" not in err
+    # The reference: the same run undisturbed, as far as this one got.
+    ref = Daemon(models={name: str(bank)}, args=["--threads", "2"])
+    try:
+        r = run(completion_cmd(tools, gguf, len(out) + 1, *qmoed_args(ref)))
+        assert r.returncode == 0, r.stderr[-3000:]
+    finally:
+        assert ref.stop() == 0
+    assert r.stdout.startswith(out), (out[-80:], r.stdout[len(out) - 80:len(out) + 2])
+
+
+def test_llama_completion_survives_random_sigkills(tools, ggufs, tmp_path):
+    """qmoed under a supervisor that restarts it as systemd would, through
+    the socket unit's inherited fd (tests/hardening/restart.py), serving a
+    paged session; SIGKILLed at a random token-layer of each run. The
+    restarted daemon has no model: the context's client loads the bank
+    --qmoed-bank names, re-creates the session under its id, warm, passes
+    its map again and retries the layer call; every run ends with the
+    undisturbed run's tokens."""
+    sys.path.insert(0, os.path.join(SRC, "tests", "hardening"))
+    from restart import Killer, Supervisor
+    gguf = gguf_of(ggufs, "gpt_oss", "q8_0")
+    bank = str(tmp_path / "gpt_oss.q8_0.bank")
+    args = ["--qmoed-bank", bank, "--qmoed-policy", "lru", "--qmoed-budget", "50%"]
+    sup = Supervisor(str(tmp_path / "calm"), args=["--threads", "2"])
+    try:
+        calm = run(completion_cmd(tools, gguf, 48, "--qmoed", sup.socket, *args))
+        assert calm.returncode == 0, calm.stderr[-3000:]
+        total = sup.client().call("telemetry.get")["daemon"]["tokens"]
+    finally:
+        assert sup.stop() == 0, sup.log_text()[-3000:]
+    assert len(calm.stdout) > 40
+    for i in range(2):
+        sup = Supervisor(str(tmp_path / ("run%d" % i)), args=["--threads", "2"])
+        killer = Killer(sup, span=(total // 4, total * 3 // 4), seed=40 + i)
+        try:
+            p = subprocess.Popen(completion_cmd(tools, gguf, 48, "--qmoed", sup.socket, *args),
+                                 stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                 stderr=subprocess.PIPE, text=True, env=env_with_tools())
+            killer.start()
+            out, err = p.communicate(timeout=120)
+            killer.finish()
+        finally:
+            killer.finish()
+            sup.stop()
+        assert killer.error is None and len(killer.points) == 1, (killer.error, killer.points)
+        assert p.returncode == 0, err[-3000:]
+        assert out == calm.stdout, (out, calm.stdout)
+        assert "is back after" in err and "its model loaded again from its bank" in err, err[-3000:]
 
 
 def test_llama_server_slots_share_the_context_session(tools, ggufs, daemon, tmp_path):

@@ -469,6 +469,11 @@ std::shared_ptr<const llama_qmoed_model> llama_qmoed_attach(
         refuse(why.rfind("qmoed: ", 0) == 0 ? why.substr(7) : why);
     }
 
+    if (p.bank && *p.bank) {
+        char * abs = realpath(p.bank, nullptr);
+        q->bank = abs ? std::string(abs) : std::string();
+        free(abs);
+    }
     q->bank_bytes = u64_of(m, "bytes_total", q->name);
     q->n_embd = hp.n_embd;
     q->n_expert_used = hp.n_expert_used_max();
@@ -501,10 +506,13 @@ struct llama_qmoed_session {
     qm_client_map map = {};
     uint32_t rows_cap = 0, k_cap = 0;
     uint64_t off_ids = 0, off_weights = 0, off_out = 0;
+    bool ring = false; // the layer calls go through the session's call ring (else the socket)
     std::vector<llama_qmoed_layer_op> ops; // per block; fixed once open (graphs point into it)
 
     // Written by the graph's thread 0 during a compute, read after it.
-    bool failed = false;
+    bool failed = false; // this graph: a layer call failed (cleared when reported)
+    bool gone = false;   // the last layer call found the daemon gone for good
+    bool dry = false;    // a context that only measures memory
     std::string why;
     uint64_t calls = 0, rows = 0, compute_us = 0, queue_us = 0, op_us = 0, hits = 0, misses = 0, bytes_paged = 0;
 
@@ -529,6 +537,7 @@ struct llama_qmoed_session {
 
     void fail(const llama_qmoed_layer_op & op, int rc, const qm_client_error & err) {
         failed = true;
+        gone = rc == QM_CLIENT_EIO || rc == QM_CLIENT_ENOTRUNNING || rc == QM_CLIENT_ETIMEDOUT;
         const char * sock = model->socket.c_str();
         if (rc == QM_CLIENT_EIO || rc == QM_CLIENT_ENOTRUNNING) {
             why = format("qmoed: the daemon at %s went away during block %d's experts (bank layer %d): %s",
@@ -547,7 +556,8 @@ struct llama_qmoed_session {
         const ggml_tensor * x = dst->src[0], * ids = dst->src[1], * w = dst->src[2];
         float * out = (float *) dst->data;
         const int64_t H = x->ne[0], T = x->ne[1], k = ids->ne[0];
-        if (failed) {
+        if (failed || dry) {
+            failed = true;
             memset(out, 0, ggml_nbytes(dst));
             return;
         }
@@ -599,6 +609,7 @@ struct llama_qmoed_session {
                 return;
             }
             memcpy(out + r0 * H, base + off_out, n * H * sizeof(float));
+            gone = false;
             calls++;
             rows += n;
             compute_us += st.compute_us;
@@ -612,6 +623,11 @@ struct llama_qmoed_session {
 };
 
 namespace {
+
+// libqmoe-client's reconnection steps, one line each.
+void client_log(void *, const char * line) {
+    LLAMA_LOG_WARN("%s\n", line);
+}
 
 void qmoed_op(ggml_tensor * dst, int ith, int nth, void * userdata) {
     auto * op = (llama_qmoed_layer_op *) userdata;
@@ -630,16 +646,18 @@ void llama_qmoed_session_deleter::operator()(llama_qmoed_session * s) const {
         return;
     }
     if (s->calls) {
-        LLAMA_LOG_INFO("qmoed: session %s: %llu layer calls, %llu rows: daemon compute %.1f ms, queue %.1f ms, "
+        LLAMA_LOG_INFO("qmoed: session %s: %llu layer calls (%s), %llu rows: daemon compute %.1f ms, queue %.1f ms, "
                        "%.1f ms in the op (%.1f us per call beyond the daemon's compute); expert hits %llu, "
                        "misses %llu, %.2f MiB paged\n",
-                       s->id, (unsigned long long) s->calls, (unsigned long long) s->rows, s->compute_us / 1e3,
+                       s->id, (unsigned long long) s->calls,
+                       qm_client_ring_active(s->client, s->id) ? "call ring" : "socket",
+                       (unsigned long long) s->rows, s->compute_us / 1e3,
                        s->queue_us / 1e3, s->op_us / 1e3,
                        (double) (s->op_us - std::min(s->op_us, s->compute_us)) / (double) s->calls,
                        (unsigned long long) s->hits, (unsigned long long) s->misses, s->bytes_paged / 1048576.0);
     }
     qm_client_error err;
-    if (s->failed) {
+    if (s->gone || s->dry || !s->client) {
         qm_client_map_release(nullptr, &s->map, &err);
     } else {
         qm_client_map_release(s->client, &s->map, &err);
@@ -661,7 +679,7 @@ llama_qmoed_session_ptr llama_qmoed_session_open(std::shared_ptr<const llama_qmo
         s->ops[il] = {s.get(), (int) il, model->bank_layer[il]};
     }
     if (dry_run) {
-        s->failed = true;
+        s->dry = true;
         s->why = "qmoed: a context that only measures memory computes nothing";
         return s;
     }
@@ -669,6 +687,16 @@ llama_qmoed_session_ptr llama_qmoed_session_open(std::shared_ptr<const llama_qmo
     qm_client_error err;
     if (qm_client_open(&s->client, sock.c_str(), QMOED_TIMEOUT_MS, &err) != 0) {
         refuse(format("cannot reach the daemon at %s (--qmoed): %s", sock.c_str(), err.reason));
+    }
+    // Across a restart: the client's steps in llama.cpp's log, and the bank
+    // it may load again (docs/ENGINES.md "Across a daemon restart").
+    qm_client_reconnect rec;
+    qm_client_get_reconnect(s->client, &rec);
+    rec.log = client_log;
+    qm_client_set_reconnect(s->client, &rec);
+    if (!model->bank.empty() &&
+        qm_client_set_model_bank(s->client, model->name.c_str(), model->bank.c_str(), &err) != 0) {
+        refuse(format("cannot remember bank %s: %s", model->bank.c_str(), err.reason));
     }
     const std::string params_json = model->on_miss.empty() ? "" : "{\"on_miss\":\"" + model->on_miss + "\"}";
     qm_client_session_params sp = {};
@@ -695,11 +723,20 @@ llama_qmoed_session_ptr llama_qmoed_session_open(std::shared_ptr<const llama_qmo
         qm_client_plan_summary_free(&sum);
         refuse(why);
     }
-    LLAMA_LOG_INFO("qmoed: session %s of '%s': policy %s, budget %llu of %llu expert bytes%s%s; %llu-byte map for %u rows\n",
+    // One call ring per context: thread 0 of the op rings the daemon and
+    // waits on it itself (no thread of ours in between). A daemon without
+    // rings, or one that refuses, leaves the layer calls on the socket.
+    s->ring = qm_client_session_ring(s->client, s->id, &err) == 0;
+    if (!s->ring) {
+        LLAMA_LOG_WARN("qmoed: session %s: no call ring (%s: %s); layer calls go through the socket\n", s->id,
+                       err.name, err.reason);
+    }
+    LLAMA_LOG_INFO("qmoed: session %s of '%s': policy %s, budget %llu of %llu expert bytes%s%s; %llu-byte map for %u rows; "
+                   "layer calls through %s\n",
                    s->id, model->name.c_str(), sum.policy ? sum.policy : "?", (unsigned long long) sum.budget_bytes,
                    (unsigned long long) model->bank_bytes, sum.budget_auto ? " (" : "",
                    sum.budget_auto ? (std::string(sum.budget_auto) + ")").c_str() : "", (unsigned long long) bytes,
-                   s->rows_cap);
+                   s->rows_cap, s->ring ? "its call ring" : "the socket");
     qm_client_plan_summary_free(&sum);
     return s;
 }
@@ -715,12 +752,13 @@ ggml_tensor * llama_qmoed_build_moe(ggml_context * ctx, llama_qmoed_session * s,
                           &s->ops[il]);
 }
 
-bool llama_qmoed_failed(const llama_qmoed_session * s, std::string * why) {
+bool llama_qmoed_failed(llama_qmoed_session * s, std::string * why) {
     if (!s || !s->failed) {
         return false;
     }
     if (why) {
         *why = s->why;
     }
+    s->failed = false;
     return true;
 }

@@ -30,6 +30,8 @@ struct llama_qmoed_model {
     std::string socket;   // the daemon's Unix socket
     std::string name;     // the bank's name in the daemon
     std::string policy, budget, precision, on_miss; // session options; "" = the daemon's default
+    std::string bank;     // --qmoed-bank as an absolute path ("" = none): loaded again by a context
+                          // whose session comes back to a restarted daemon that lacks the model
     uint64_t bank_bytes = 0;           // the bank's expert bytes (bytes_total), for the log
     uint32_t n_embd = 0;               // hidden size
     uint32_t n_expert_used = 0;        // widest routing (topk_ids columns) of any layer
@@ -57,7 +59,10 @@ std::shared_ptr<const llama_qmoed_model> llama_qmoed_attach(
 // std::runtime_error with the daemon's reason. With `dry_run` (a context
 // that only measures memory: its graphs are built, never computed) nothing
 // is sent to the daemon. Closing (the deleter) logs the session's counters,
-// then closes the map, the session and the connection.
+// then closes the map, the session and the connection. Across a daemon
+// restart libqmoe-client brings the session and its map back within its
+// window ($QMOED_RECONNECT_S, default 30 s) and retries the layer call
+// (docs/ENGINES.md "Across a daemon restart"); each step is logged.
 struct llama_qmoed_session;
 struct llama_qmoed_session_deleter {
     void operator()(llama_qmoed_session * s) const;
@@ -79,6 +84,8 @@ ggml_tensor * llama_qmoed_build_moe(ggml_context * ctx, llama_qmoed_session * s,
                                     ggml_tensor * cur, ggml_tensor * selected, ggml_tensor * weights);
 
 // After a graph ran: false when every layer call of the session succeeded;
-// else true with the first failure's sentence in *why (the daemon named).
-// A failed session stays failed: its later ops only write zeros.
-bool llama_qmoed_failed(const llama_qmoed_session * s, std::string * why);
+// else true with the first failure's sentence in *why (the daemon named),
+// and the graph must be failed: once a layer call failed, the later ops of
+// that graph only wrote zeros, so nothing it computed may be used. The
+// failure is cleared: the next graph's layer calls try the daemon again.
+bool llama_qmoed_failed(llama_qmoed_session * s, std::string * why);

@@ -5,6 +5,7 @@ import base64
 import errno
 import fcntl
 import json
+import logging
 import numbers
 import mmap as _mmap
 import os
@@ -62,6 +63,29 @@ _INFER_COUNTS = re.compile(
     rb'"stats":\{"hits":(\d+),"misses":(\d+),"host_runs":\d+,"bytes_paged":(\d+),'
     rb'"bytes_read_disk":\d+,"stall_us":\d+,"queue_us":(\d+),"compute_us":(\d+)[^{}]*\}\}\}')
 _COUNT_NAMES = ("hits", "misses", "bytes_paged", "queue_us", "compute_us")
+
+# Across a daemon restart (docs/ENGINES.md): how long a layer call that finds
+# the daemon gone keeps trying, and how often a paged session's residency
+# is read to start its re-creation warm.
+DEFAULT_RECONNECT_S = 30.0
+DEFAULT_WARM_INTERVAL_S = 1.0
+_BACKOFF_FIRST_S, _BACKOFF_MAX_S = 0.02, 0.5
+_CONFLICT, _NOT_FOUND, _EXHAUSTED, _SHUTTING_DOWN = -32008, -32001, -32003, -32007
+_log = logging.getLogger("qmoe_client")
+
+
+def _env_seconds(name, default):
+    try:
+        return float(os.environ.get(name, ""))
+    except ValueError:
+        return default
+
+
+def _gone(e):
+    """Whether a QmoeError says the daemon went away (the connection reset
+    or closed mid-call, or nothing listens): worth a restoration."""
+    return isinstance(e, QmoeError) and e.code in (E_IO, E_NOT_RUNNING)
+
 
 # Sessions this process created and has not closed: {socket path: {session: pid}}.
 # Closed at interpreter exit (atexit) by the process that created them.
@@ -229,6 +253,10 @@ class SharedMap:
             os.close(self.fd)
             self.fd = None
 
+    def keep_fd(self):
+        """Whether the memfd is kept open (to pass it again after a restart)."""
+        return self.fd is not None
+
     def close(self):
         """Drops this process's mapping (the daemon keeps its own until unmap)."""
         self._close_fd()
@@ -337,6 +365,22 @@ class InferResult:
         self.output, self.routing, self.stats = output, routing, stats
 
 
+class _Kept:
+    """What re-creating a session after a restart needs: its session.create
+    params as sent, whether some bank is paged (its residency is then worth
+    reading), the last residency read, and its maps (memfds kept open)."""
+
+    __slots__ = ("params", "paged", "warm", "warm_at", "maps", "alive_on")
+
+    def __init__(self, params, paged, alive_on):
+        self.params = dict(params or {})
+        self.paged = paged
+        self.alive_on = alive_on  # the connection of its last answer (create or layer call)
+        self.warm = None
+        self.warm_at = None
+        self.maps = []
+
+
 def _ring_request(layer, hidden, router_logits, topk_ids, topk_weights, output_to):
     """The ring's request for infer()'s arguments, or None when one is not a
     2-D MappedTensor of output_to's map (those go through the socket)."""
@@ -374,14 +418,36 @@ class Client:
     serialised by a lock). After a timeout or broken connection the next call
     reconnects. Sessions created through it are closed when the interpreter
     exits if they are still open (unless close_sessions_at_exit=False);
-    close() only drops the connection."""
+    close() only drops the connection.
+
+    Across a daemon restart: a layer call (infer, or an engine's call that
+    goes through restore()) that finds the daemon gone brings its session
+    back and is retried once: `reconnect` seconds at most (default
+    $QMOED_RECONNECT_S or 30; 0 turns it off), the model loaded again from
+    the bank load_model or set_model_bank named, the session re-created
+    under its id with its options, warm from the residency read every
+    `warm_interval` seconds (default $QMOED_WARM_INTERVAL_S or 1), its maps
+    passed again. Each step is logged on the "qmoe_client" logger."""
 
     def __init__(self, socket_path=None, timeout=30.0, as_numpy=True,
-                 close_sessions_at_exit=True):
+                 close_sessions_at_exit=True, reconnect=None, warm_interval=None):
         self.path = default_socket_path(socket_path)
         self.timeout = float(timeout)
         self.as_numpy = as_numpy
         self.close_sessions_at_exit = close_sessions_at_exit
+        # Across a daemon restart: seconds a layer call keeps trying (0: off;
+        # $QMOED_RECONNECT_S), seconds between residency reads of a paged
+        # session (0: every call, < 0: never; $QMOED_WARM_INTERVAL_S).
+        self.reconnect = max(0.0, float(reconnect if reconnect is not None else
+                                        _env_seconds("QMOED_RECONNECT_S",
+                                                     DEFAULT_RECONNECT_S)))
+        self.warm_interval = float(warm_interval if warm_interval is not None else
+                                   _env_seconds("QMOED_WARM_INTERVAL_S",
+                                                DEFAULT_WARM_INTERVAL_S))
+        self.restores = 0  # sessions brought back (a generation count)
+        self._kept = {}    # session -> _Kept: what re-creating it needs
+        self._banks = {}   # model -> bank file to model.load again
+        self._resume_lock = threading.Lock()
         self._lock = threading.Lock()
         self._sock = None
         self._buf = bytearray()
@@ -429,13 +495,18 @@ class Client:
         # call instead of poll + call + two mode changes; _read_line keeps the
         # call's deadline.
         s.settimeout(None)
+        self._sock = s
+        self._conn_gen += 1
+        self._apply_timeout()
+        self._buf = bytearray()
+
+    def _apply_timeout(self):
+        if self._sock is None:
+            return
         t = max(0.001, self.timeout)
         tv = struct.pack("ll", int(t), int((t - int(t)) * 1e6))
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, tv)
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, tv)
-        self._sock = s
-        self._buf = bytearray()
-        self._conn_gen += 1
+        self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, tv)
+        self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, tv)
 
     def _drop(self):
         if self._sock is not None:
@@ -449,6 +520,8 @@ class Client:
     def close(self):
         with self._lock:
             self._drop()
+            for session in list(self._rings):
+                self._ring_forget(session)
 
     def __enter__(self):
         return self
@@ -498,8 +571,21 @@ class Client:
         if method == "session.create" and isinstance(r, dict) and "session" in r:
             if self.close_sessions_at_exit:
                 _own(self.path, r["session"])
+            if "session" not in (params or {}):  # not a restoration's own call
+                per_expert = (r.get("plan_summary") or {}).get("per_expert", 0)
+                self._kept[r["session"]] = _Kept(params, per_expert > 0, self._conn_gen)
         elif method == "session.close":
             _disown(self.path, (params or {}).get("session"))
+            self._forget((params or {}).get("session"))
+        elif method == "model.load":
+            self._banks[params["name"]] = params["path"]
+        elif method == "session.resize" and (params or {}).get("session") in self._kept:
+            # A re-creation takes the budget in force, not the first one (as
+            # given: "auto" sizes it again on the restarted daemon).
+            kept = self._kept[params["session"]].params
+            kept.pop("budget", None)
+            kept.pop("budget_bytes", None)
+            kept.update({k: params[k] for k in ("budget", "budget_bytes") if k in params})
         return r
 
     def call_json(self, method, params_json):
@@ -630,25 +716,203 @@ class Client:
         return self.call("session.plan", {"session": session})
 
     def map(self, session, nbytes):
-        """session.map: a new SharedMap of `nbytes` for `session`."""
+        """session.map: a new SharedMap of `nbytes` for `session`. The
+        daemon holds its own mapping; ours is shm.mmap. The memfd stays open
+        for a session this client would re-create after a restart (the map
+        is then passed again, its id rewritten)."""
         shm = SharedMap(nbytes)
         try:
             r = self.call("session.map", {"session": session, "bytes": shm.size}, fd=shm.fd)
         except BaseException:
             shm.close()
             raise
-        shm._close_fd()  # the daemon holds its own mapping; ours is shm.mmap
         shm.id, shm.session = int(r["map"]), session
+        kept = self._kept.get(session)
+        if kept is not None and self.reconnect > 0:
+            kept.maps.append(shm)
+        else:
+            shm._close_fd()
         return shm
 
     def unmap(self, shm):
         """session.unmap, then drops this process's mapping too."""
+        kept = self._kept.get(shm.session)
+        if kept is not None and shm in kept.maps:
+            kept.maps.remove(shm)
         try:
             if shm.id is not None:
                 self.call("session.unmap", {"session": shm.session, "map": shm.id})
         finally:
             shm.id = None
             shm.close()
+
+    # ---- across a daemon restart (docs/ENGINES.md "Across a daemon restart") ----
+    def set_model_bank(self, model, path):
+        """The bank file this client may model.load (admin) as `model` when
+        a restarted daemon lacks it (load_model records the same); None
+        forgets it."""
+        if path is None:
+            self._banks.pop(model, None)
+        else:
+            self._banks[model] = os.fspath(path)
+
+    def _forget(self, session):
+        kept = self._kept.pop(session, None)
+        for shm in kept.maps if kept is not None else ():
+            shm._close_fd()
+
+    def note_call(self, session):
+        """After a successful layer call on `session`: reads its residency
+        (session.plan's resident_now) when `warm_interval` says so, for a
+        re-creation to start from."""
+        kept = self._kept.get(session)
+        if kept is None:
+            return
+        kept.alive_on = self._conn_gen
+        if not kept.paged or self.reconnect <= 0 or self.warm_interval < 0:
+            return
+        now = time.monotonic()
+        if kept.warm_at is not None and now - kept.warm_at < self.warm_interval:
+            return
+        kept.warm_at = now
+        try:
+            banks = self.call("session.plan", {"session": session}).get("banks", [])
+        except QmoeError:
+            return  # the next layer call meets whatever this met
+        warm = [{"layer": b["layer"], "experts": b["resident_now"]}
+                for b in banks if b.get("resident_now")]
+        if warm:
+            kept.warm = warm
+
+    def restore(self, session, cause):
+        """The one place a layer call that found the daemon gone (`cause`, a
+        QmoeError) comes: reconnects with a bounded backoff for up to
+        `reconnect` seconds, makes the model available again (model.load of
+        a bank known for it, else waits for an operator's load), re-creates
+        the session under its id with its options and last known residency,
+        and passes its maps again (their ids rewritten). True: retry the call
+        once. False: not restorable here, or the window passed (the caller
+        raises `cause`)."""
+        gen = getattr(cause, "_qmoe_generation", None)
+        with self._resume_lock:
+            if gen is not None and gen != self.restores:
+                return True  # another thread brought it back meanwhile
+            kept = self._kept.get(session)
+            if kept is None or self.reconnect <= 0:
+                return False
+            # Gone: a broken or refused connection, or "no such session" on
+            # a connection made since the session last answered (another
+            # call on this client reconnected to a restarted daemon first).
+            if not (_gone(cause) or (isinstance(cause, QmoeError) and cause.code == _NOT_FOUND
+                                     and cause.field == "session"
+                                     and kept.alive_on != self._conn_gen)):
+                return False
+            _log.warning("qmoed at %s went away (%s): bringing session %s back, for up to "
+                         "%.1f s", self.path, cause.reason, session, self.reconnect)
+            t0 = time.monotonic()
+            deadline = t0 + self.reconnect
+            state = {"created": False, "mapped": 0, "warmed": 0, "loaded": False}
+            timeout, delay, err = self.timeout, _BACKOFF_FIRST_S, None
+            try:
+                while True:
+                    self.timeout = max(0.1, min(timeout, deadline - time.monotonic()))
+                    self._apply_timeout()
+                    try:
+                        self._restore_once(session, kept, state)
+                        err = None
+                        break
+                    except QmoeError as e:
+                        err = e
+                        left = deadline - time.monotonic()
+                        if not self._transient(e) or left <= 0:
+                            break
+                    time.sleep(min(delay, left))
+                    delay = min(2 * delay, _BACKOFF_MAX_S)
+            finally:
+                self.timeout = timeout
+                self._apply_timeout()
+            took = time.monotonic() - t0
+            if err is not None:
+                _log.warning("qmoed at %s: giving up on session %s after %.1f s: %s",
+                             self.path, session, took, err.reason)
+                return False
+            self.restores += 1
+            _log.warning("qmoed at %s: session %s is back after %.2f s (%s; %d map(s) passed "
+                         "again; %d experts warm); retrying the call", self.path, session, took,
+                         "re-created, its model loaded again from its bank" if state["loaded"]
+                         else "re-created" if state["created"] else "the daemon still had it",
+                         len(kept.maps) if state["created"] else 0, state["warmed"])
+            return True
+
+    @staticmethod
+    def _transient(e):
+        return (_gone(e) or e.code in (E_TIMEOUT, _EXHAUSTED, _SHUTTING_DOWN)
+                or (e.code == _NOT_FOUND and e.field == "model"))
+
+    def _recreate(self, session, kept, state):
+        p = dict(kept.params, session=session)
+        if kept.warm:
+            p["warm"] = kept.warm
+        r = self.call("session.create", p)
+        state.update(created=True, mapped=0, warmed=int(r.get("warmed", 0)))
+
+    def _restore_once(self, session, kept, state):
+        """One attempt: the session (re-created, or still there), its model
+        loaded again when missing and a bank is known, its maps (those not
+        passed since the session was last made)."""
+        try:
+            self._recreate(session, kept, state)
+        except QmoeError as e:
+            bank = self._banks.get(kept.params.get("model"))
+            if e.code == _NOT_FOUND and e.field == "model" and bank:
+                try:
+                    self.call("model.load", {"name": kept.params["model"], "path": bank})
+                except QmoeError as le:
+                    if le.code != _CONFLICT:  # conflict: another engine loaded it
+                        raise
+                state["loaded"] = True
+                try:
+                    self._recreate(session, kept, state)
+                except QmoeError as e2:
+                    e = e2
+                else:
+                    e = None
+            if e is not None and e.code == _CONFLICT and not state["created"]:
+                return  # the daemon never went: the session and its maps are there
+            if e is not None and e.code != _CONFLICT:
+                raise e
+        while state["mapped"] < len(kept.maps):
+            shm = kept.maps[state["mapped"]]
+            if shm.mmap is not None and shm.fd is not None:
+                r = self.call("session.map", {"session": session, "bytes": shm.size},
+                              fd=shm.fd)
+                shm.id = int(r["map"])
+            state["mapped"] += 1
+        # And whatever else the session had in the daemon, after its maps: a
+        # call ring opened by the caller (ring_mode "explicit"; one this
+        # client opens itself comes back with the retried call). A refusal
+        # leaves the socket.
+        ring = self._rings.get(session)
+        if self.ring_mode == "explicit" and ring and ring[0] and ring[1] != self._conn_gen:
+            try:
+                self.ring(session)
+            except QmoeError as e:
+                if _gone(e) or e.code == E_TIMEOUT:
+                    raise
+
+    def _layer_call(self, session, fn):
+        """fn() once, and once more when the daemon went away and the
+        session came back (restore)."""
+        gen = self.restores
+        try:
+            r = fn()
+        except QmoeError as e:
+            e._qmoe_generation = gen
+            if not self.restore(session, e):
+                raise
+            r = fn()
+        self.note_call(session)
+        return r
 
     def resize_session(self, session, budget_bytes=None, budget=None):
         """session.resize: the session's new expert budget: bytes (an int),
@@ -687,14 +951,27 @@ class Client:
         if output_to is not None:
             if not isinstance(output_to, MappedTensor):
                 raise TypeError("output_to is a MappedTensor (SharedMap.tensor / alloc)")
-            p["output_to"] = {"map": output_to.wire()["map"], "offset": output_to.offset}
-            req = None if return_routing else _ring_request(
-                layer, hidden, router_logits, topk_ids, topk_weights, output_to)
-            st = self._ring_stats(session, req, int(layer)) if req is not None else None
-            if st is not None:
-                output = output_to.array if (self.as_numpy and _np is not None) else output_to
-                return InferResult(output, None, st)
-        r = self.call("session.infer", p)
+
+        def once():
+            # Mapped tensors name their map's id at each try: it changes when
+            # a restored session's maps are passed again.
+            for key, t in (("hidden", hidden), ("router_logits", router_logits),
+                           ("topk_ids", topk_ids), ("topk_weights", topk_weights)):
+                if isinstance(t, MappedTensor):
+                    p[key] = t.wire()
+            if output_to is not None:
+                p["output_to"] = {"map": output_to.wire()["map"], "offset": output_to.offset}
+                req = None if return_routing else _ring_request(
+                    layer, hidden, router_logits, topk_ids, topk_weights, output_to)
+                st = self._ring_stats(session, req, int(layer)) if req is not None else None
+                if st is not None:
+                    return {"stats": st, "_ring": True}
+            return self.call("session.infer", p)
+
+        r = self._layer_call(session, once)
+        if r.get("_ring"):
+            output = output_to.array if (self.as_numpy and _np is not None) else output_to
+            return InferResult(output, None, r["stats"])
         routing = r.get("routing")
         if routing is not None:
             routing = [[(int(e), float(w)) for e, w in tok] for tok in routing]

@@ -38,6 +38,7 @@ import time
 import weakref
 
 from . import _ring
+from ._client import QmoeError
 
 _IMPL = "qmoed"
 _ALIGN = 64
@@ -213,7 +214,8 @@ class Hook:
         self._slots = {}
         self._tagged = []
         self._stats = {"calls": 0, "tokens": 0, "hits": 0, "misses": 0, "bytes_paged": 0,
-                       "compute_us": 0, "queue_us": 0, "wall_s": 0.0, "wait_s": 0.0}
+                       "compute_us": 0, "queue_us": 0, "wall_s": 0.0, "wait_s": 0.0,
+                       "ring_calls": 0}
         self.trace = None  # a list of (layer, topk_ids) when recording
         _LIVE.add(self)
 
@@ -311,11 +313,21 @@ class Hook:
         iv.copy_(ids)
         wv.copy_(w)
         t1 = time.perf_counter()
-        # The session's call ring when it has one (the client opens it on the
-        # first call), else the socket.
-        counts = self.client.ring_counts(self.session, ring_req, bank_layer)
-        if counts is None:
-            counts = self.client.infer_counts(params % bank_layer)
+        gen = self.client.restores
+        try:
+            counts = self._call(ring_req, params, bank_layer)
+        except QmoeError as e:
+            # The daemon went away: the client brings the session and its
+            # map back (the map's id changes: the call's text and ring
+            # request are written again), and the call is retried once; the
+            # inputs are still in the map, the same memfd.
+            e._qmoe_generation = gen
+            if not self.client.restore(self.session, e):
+                raise
+            self._slots = {}
+            slot = self._slot(key)
+            counts = self._call(slot[7], slot[4], bank_layer)
+        self.client.note_call(self.session)
         hits, misses, paged, queue_us, compute_us = counts
         t2 = time.perf_counter()
         out = ov.clone() if x.device.type == "cpu" else ov.to(x.device)
@@ -334,11 +346,22 @@ class Hook:
         s["wall_s"] += time.perf_counter() - t0
         return out
 
+    def _call(self, ring_req, params, bank_layer):
+        """One layer call: the session's call ring when it has one (the
+        client opens it on the first call), else the socket."""
+        counts = self.client.ring_counts(self.session, ring_req, bank_layer)
+        if counts is None:
+            counts = self.client.infer_counts(params % bank_layer)
+        else:
+            self._stats["ring_calls"] += 1
+        return counts
+
     def stats(self):
         """Sums over this hook's calls: calls, tokens (token-layers), hits,
         misses, bytes_paged, compute_us, queue_us (the daemon's answers),
         wall_s (time in the hook), wait_s (of which waiting for the
-        daemon's answer); hit_rate."""
+        daemon's answer); hit_rate; ring_calls (of calls, those that went
+        through the session's call ring)."""
         s = dict(self._stats)
         looked = s["hits"] + s["misses"]
         s["hit_rate"] = s["hits"] / looked if looked else 1.0

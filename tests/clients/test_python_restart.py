@@ -1,0 +1,105 @@
+"""The Python client across a daemon restart (docs/ENGINES.md "Across a
+daemon restart"): a layer call that finds the daemon gone brings its session
+back (same id, its options, warm from its last plan, its maps passed again,
+the model loaded again from the bank the client knows) and is retried once,
+with the same bits; a daemon that never comes back fails the call with the
+error it met once the window passes; reconnect=0 fails at once."""
+
+import logging
+import time
+
+import numpy as np
+import pytest
+
+from conftest import HIDDEN, Daemon
+from qmoe_client import Client, QmoeError
+
+
+def restart(d, workdir, bank, with_model=True):
+    d.proc.kill()
+    d.proc.wait()
+    d.log.close()
+    return Daemon(workdir, bank, d.dir.rsplit("/", 1)[1], with_model=with_model)
+
+
+@pytest.fixture
+def engine(fresh_daemon):
+    """A paged session with one map holding a token's input, routing and
+    output: what an engine's layer call looks like."""
+    c = Client(fresh_daemon.socket, reconnect=20, warm_interval=0)
+    bpe = c.models()[0]["bytes_per_expert"]
+    sid = c.create_session("demo", policy="lru", budget_bytes=4 * bpe,
+                           policy_params={"prefetch": False})["session"]
+    shm = c.map(sid, 1 << 16)
+    x, y = shm.alloc((1, HIDDEN), "f32"), shm.alloc((1, HIDDEN), "f32")
+    ids, w = shm.alloc((1, 2), "i32"), shm.alloc((1, 2), "f32")
+    x.array[:] = np.random.default_rng(4).standard_normal((1, HIDDEN))
+    ids.array[:] = [[1, 6]]
+    w.array[:] = [[0.75, 0.25]]
+
+    def call(layer):
+        r = c.infer(sid, layer, x, topk_ids=ids, topk_weights=w, output_to=y)
+        return r.output.copy(), r.stats
+
+    yield c, sid, shm, call
+    c.close()
+
+
+def test_infer_outlives_a_daemon_restart(engine, fresh_daemon, workdir, bank, caplog):
+    c, sid, shm, call = engine
+    want = [call(layer)[0] for layer in (0, 1)]
+    caplog.set_level(logging.WARNING, logger="qmoe_client")
+    d = restart(fresh_daemon, workdir, bank)
+    try:
+        out, st = call(0)
+        assert c.restores == 1
+        assert np.array_equal(out, want[0])
+        assert st["hits"] == 2 and st["misses"] == 0, st  # warm from the last plan
+        assert np.array_equal(call(1)[0], want[1])
+        assert shm.id is not None and [s["session"] for s in c.sessions()] == [sid]
+        text = caplog.text
+        assert "went away" in text and "session %s is back after" % sid in text, text
+        assert "4 experts warm" in text, text
+        # Without its model: the client loads the bank it was told of.
+        c.set_model_bank("demo", bank)
+        d = restart(d, workdir, bank, with_model=False)
+        assert np.array_equal(call(1)[0], want[1])
+        assert c.restores == 2
+        assert "its model loaded again from its bank" in caplog.text
+    finally:
+        d.stop()
+        fresh_daemon.proc = d.proc  # the fixture stops what is left
+
+
+def test_a_daemon_that_stays_away_fails_the_call_after_the_window(engine, fresh_daemon):
+    c, sid, shm, call = engine
+    call(0)
+    c.reconnect = 1.0
+    fresh_daemon.proc.kill()
+    fresh_daemon.proc.wait()
+    t0 = time.monotonic()
+    with pytest.raises(QmoeError) as e:
+        call(0)
+    took = time.monotonic() - t0
+    assert e.value.name == "connection_lost", e.value
+    assert 0.9 <= took < 5, took
+    assert c.restores == 0
+
+
+def test_reconnect_off_fails_at_once(fresh_daemon, workdir, bank):
+    c = Client(fresh_daemon.socket, reconnect=0)
+    sid = c.create_session("demo")["session"]
+    x = np.ones((1, HIDDEN), np.float32)
+    c.infer(sid, 0, x)
+    d = restart(fresh_daemon, workdir, bank)
+    try:
+        with pytest.raises(QmoeError) as e:
+            c.infer(sid, 0, x)
+        assert e.value.name == "connection_lost"
+        with pytest.raises(QmoeError) as e:
+            c.infer(sid, 0, x)
+        assert e.value.name == "not_found" and e.value.field == "session"
+    finally:
+        c.close()
+        d.stop()
+        fresh_daemon.proc = d.proc

@@ -1,0 +1,706 @@
+"""qmoed over the wire, the call ring (PROTOCOL.md "session.ring"): a
+session's shared call region opened with a sealed memfd over the socket,
+whose calls one daemon thread takes straight from the region.
+
+One contract, two transports: a ring call answers what session.infer with
+the same mapped tensors answers over the socket, bit for bit and error for
+error, in the session's order, counted alike. The ring is untrusted input
+(garbage fails that call and nothing else); it ends cleanly with its
+connection, its session and the drain, waking whoever waits on it; a client
+killed mid-call leaves no thread behind, and an idle ring costs no CPU.
+
+The tests drive the region by hand (qmoe_client._ring's layout and waits)
+next to raw JSON lines on the socket, so both transports are seen as bytes.
+"""
+import os
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from qmoed_harness import Daemon, make_bank, memfd
+from qmoed_suite import E, H, Shm, as_bytes, err, hidden, new_session, request_fds
+
+from qmoe_client import _ring
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+PYCLIENT = os.path.join(HERE, "..", "..", "clients", "python")
+MAP_BYTES = 1 << 20
+
+
+class RawRing:
+    """A ring opened by hand on connection c (its region mapped here)."""
+
+    def __init__(self, c, sid):
+        fd, self.mm = _ring.region()
+        r = request_fds(c, "session.ring", {"session": sid}, [fd])
+        os.close(fd)
+        assert "result" in r, r
+        self.result = r["result"]
+        self.ring = _ring.Ring(self.mm, sid, 0)
+        self.sock_fd = c.sock.fileno()
+
+    def call(self, req, layer=None, timeout=30, sock_fd=None):
+        """(code, stats dict, field, reason)."""
+        layer = _ring.REQUEST.unpack_from(req, 0)[0] if layer is None else layer
+        code, stats, field, reason = self.ring.call(
+            req, layer, self.sock_fd if sock_fd is None else sock_fd, timeout)
+        return code, dict(zip(_ring.STAT_NAMES, stats)), field, reason
+
+
+def mapped(t):
+    dt, rows, cols, m, off = t
+    return {"dtype": dt, "shape": [rows, cols], "map": m, "offset": off}
+
+
+def both(sid, layer, x, out, logits=None, ids=None, w=None):
+    """One call as session.infer's params (mapped tensors, output_to) and
+    as the ring's request. Tensors are (dtype, rows, cols, map, offset)."""
+    p = {"session": sid, "layer": layer, "hidden": mapped(x),
+         "output_to": {"map": out[0], "offset": out[1]}}
+    if logits is not None:
+        p["router_logits"] = mapped(logits)
+    if ids is not None:
+        p["topk_ids"] = mapped(ids)
+    if w is not None:
+        p["topk_weights"] = mapped(w)
+    return p, _ring.request(layer, x, out, logits, ids, w)
+
+
+def socket_error(r):
+    e = err(r)
+    d = e.get("data", {})
+    return e["code"], d.get("field", ""), d.get("reason")
+
+
+SIZE = {"f32": 4, "f16": 2, "bf16": 2}
+
+
+def up(n):
+    return (n + 63) // 64 * 64
+
+
+def ring_threads(pid):
+    """The daemon's ring threads (named qmoed-ring)."""
+    n = 0
+    for t in os.listdir("/proc/%d/task" % pid):
+        try:
+            with open("/proc/%d/task/%s/comm" % (pid, t)) as f:
+                n += f.read().strip() == "qmoed-ring"
+        except OSError:
+            pass  # a thread that just ended
+    return n
+
+
+def cpu_ticks(pid):
+    with open("/proc/%d/stat" % pid) as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return int(fields[11]) + int(fields[12])  # utime + stime
+
+
+def wait_for(pred, timeout=10):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if pred():
+            return True
+        time.sleep(0.02)
+    return pred()
+
+
+@pytest.fixture(scope="module")
+def bigbank(banks):
+    """One layer whose T = 256 exact call takes a good part of a second on
+    two cores: it holds a session's FIFO while a ring call waits behind it."""
+    return make_bank(os.path.join(banks["dir"], "big.bank"), layers=1, experts=8, hidden=2048,
+                     inter=2048, k=4, bits=4, block=32, seed=5)
+
+
+@pytest.fixture(scope="module")
+def rdaemon(banks, bigbank):
+    dm = Daemon(models={"small": banks["small"], "norouter": banks["norouter"],
+                        "big": bigbank})
+    yield dm
+    assert dm.stop() == 0, dm.log_text()
+
+
+def slow_socket_call(dm, sid, shm, T=256):
+    """Starts a T-token exact call of the big bank on a connection of its own
+    (not read): it holds sid's FIFO for a while. Returns that connection."""
+    c = dm.client()
+    x = np.random.default_rng(9).standard_normal((T, 2048)).astype(np.float32)
+    shm.put(0, x.tobytes())
+    p, _ = both(sid, 0, ("f32", T, 2048, shm.id, 0), (shm.id, up(T * 2048 * 4)))
+    import json
+    c.send_raw((json.dumps({"jsonrpc": "2.0", "id": 99, "method": "session.infer",
+                            "params": p}) + "\n").encode())
+    return c
+
+
+# ---- opening ----
+
+def test_session_ring_opens_a_region_the_daemon_initialised(rdaemon):
+    c = rdaemon.client()
+    sid = new_session(c)
+    r = RawRing(c, sid)
+    assert r.result["bytes"] == _ring.RING_BYTES and r.result["version"] == 1
+    assert isinstance(r.result["ring"], int)
+    import struct
+    magic, version, nbytes, state = struct.unpack_from("<4I", r.mm, 0)
+    assert (magic, version, nbytes, state) == (0x31474e52, 1, 4096, 0)
+    assert "call ring %d opened" % r.result["ring"] in rdaemon.log_text()
+    c.close()
+
+
+@pytest.mark.parametrize("case", ["none", "two", "unsealed", "small", "pipe"])
+def test_session_ring_refuses_a_bad_descriptor_naming_fd(rdaemon, case):
+    c = rdaemon.client()
+    sid = new_session(c)
+    fds = []
+    if case == "two":
+        fds = [memfd(4096), memfd(4096)]
+    elif case == "unsealed":
+        fds = [memfd(4096, seals=0)]
+    elif case == "small":
+        fds = [memfd(1024)]
+    elif case == "pipe":
+        fds = list(os.pipe())[:1]
+    r = request_fds(c, "session.ring", {"session": sid}, fds)
+    for fd in fds:
+        os.close(fd)
+    e = err(r)
+    assert e["code"] == -32602 and e["data"]["field"] == "fd", r
+    # The session and the connection go on.
+    assert c.call("session.plan", {"session": sid})["policy"] == "whole_bank"
+    c.close()
+
+
+def test_session_ring_of_an_unknown_session_is_not_found(rdaemon):
+    c = rdaemon.client()
+    fd = memfd(4096)
+    r = request_fds(c, "session.ring", {"session": "0" * 32}, [fd])
+    os.close(fd)
+    assert err(r)["code"] == -32001
+    c.close()
+
+
+# ---- one contract, two transports ----
+
+@pytest.mark.parametrize("precision", ["exact", "fast"])
+@pytest.mark.parametrize("dt", ["f32", "f16", "bf16"])
+@pytest.mark.parametrize("routing", ["bank", "logits", "engine"])
+def test_ring_calls_equal_socket_calls_bit_for_bit(rdaemon, precision, dt, routing):
+    c = rdaemon.client()
+    sid = new_session(c, precision=precision)
+    shm = Shm(c, sid, MAP_BYTES)
+    ring = RawRing(c, sid)
+    for T in (1, 2, 7, 64):
+        x = hidden(T, seed=T)
+        o_x, o_l = 0, up(T * H * 4)
+        o_ids = o_l + up(T * E * 4)
+        o_w = o_ids + up(T * E * 4)
+        o_a = o_w + up(T * E * 4)
+        o_b = o_a + up(T * H * 4)
+        shm.put(o_x, as_bytes(x, dt))
+        logits = ids = w = None
+        if routing == "logits":
+            lg = np.random.default_rng(T + 1).standard_normal((T, E)).astype(np.float32)
+            shm.put(o_l, lg.tobytes())
+            logits = ("f32", T, E, shm.id, o_l)
+        elif routing == "engine":
+            k = 3
+            rng = np.random.default_rng(T + 2)
+            sel = np.stack([rng.permutation(E)[:k] for _ in range(T)]).astype("<i4")
+            sel[0, 1] = -1  # a dropped route
+            shm.put(o_ids, sel.tobytes())
+            shm.put(o_w, as_bytes(rng.random((T, k)), dt))
+            ids = ("i32", T, k, shm.id, o_ids)
+            w = (dt, T, k, shm.id, o_w)
+        xs = (dt, T, H, shm.id, o_x)
+        p, _ = both(sid, T % 2, xs, (shm.id, o_a), logits, ids, w)
+        _, req = both(sid, T % 2, xs, (shm.id, o_b), logits, ids, w)
+        r = c.request("session.infer", p)
+        assert "result" in r, r
+        code, stats, _, reason = ring.call(req)
+        assert code == 0, reason
+        n = T * H * SIZE[dt]
+        assert shm.get(o_a, n) == shm.get(o_b, n), (precision, dt, routing, T)
+        assert stats["hits"] == r["result"]["stats"]["hits"]
+        assert stats["misses"] == r["result"]["stats"]["misses"] == 0
+        assert stats["compute_us"] > 0 and stats["encode_us"] == 0
+    c.close()
+
+
+def error_cases(sid, small, big, m):
+    """(name, kwargs of both()) for requests each transport refuses."""
+    T = 2
+    x = ("f32", T, H, m, 0)
+    out = (m, 4096)
+    return [
+        ("layer", dict(layer=9, x=x, out=out)),
+        ("hidden cols", dict(layer=0, x=("f32", T, H + 1, m, 0), out=out)),
+        ("unknown map", dict(layer=0, x=("f32", T, H, m + 1000, 0), out=out)),
+        ("region outside", dict(layer=0, x=("f32", T, H, m, MAP_BYTES - 64), out=out)),
+        ("offset alignment", dict(layer=0, x=("f32", T, H, m, 32), out=out)),
+        ("output outside", dict(layer=0, x=x, out=(m, MAP_BYTES - 64))),
+        ("output alignment", dict(layer=0, x=x, out=(m, 4100))),
+        ("output unknown map", dict(layer=0, x=x, out=(m + 1000, 4096))),
+        ("logits cols", dict(layer=0, x=x, out=out, logits=("f32", T, E + 1, m, 8192))),
+        ("logits rows", dict(layer=0, x=x, out=out, logits=("f32", T + 1, E, m, 8192))),
+        ("logits with topk", dict(layer=0, x=x, out=out, logits=("f32", T, E, m, 8192),
+                                  ids=("i32", T, 2, m, 12288), w=("f32", T, 2, m, 16384))),
+        ("topk id range", dict(layer=0, x=x, out=out, ids=("i32", T, 2, m, 20480),
+                               w=("f32", T, 2, m, 16384))),
+        ("topk repeated", dict(layer=0, x=x, out=out, ids=("i32", T, 2, m, 24576),
+                               w=("f32", T, 2, m, 16384))),
+        ("topk rows", dict(layer=0, x=x, out=out, ids=("i32", T + 1, 2, m, 12288),
+                           w=("f32", T + 1, 2, m, 16384))),
+        ("topk zero cols", dict(layer=0, x=x, out=out, ids=("i32", T, 0, m, 12288),
+                                w=("f32", T, 0, m, 16384))),
+        ("topk weights shape", dict(layer=0, x=x, out=out, ids=("i32", T, 2, m, 12288),
+                                    w=("f32", T, 3, m, 16384))),
+        ("topk too wide", dict(layer=0, x=x, out=out, ids=("i32", T, E + 1, m, 12288),
+                               w=("f32", T, E + 1, m, 16384))),
+    ]
+
+
+def test_ring_errors_equal_the_sockets(rdaemon):
+    c = rdaemon.client()
+    sid = new_session(c)
+    shm = Shm(c, sid, MAP_BYTES)
+    ring = RawRing(c, sid)
+    shm.put(0, hidden(2).tobytes())
+    shm.put(12288, np.array([[0, 1], [2, 3], [4, 5]], "<i4").tobytes())
+    shm.put(16384, np.full((3, 3), 0.5, "<f4").tobytes())
+    shm.put(20480, np.array([[0, E], [1, 2]], "<i4").tobytes())
+    shm.put(24576, np.array([[3, 3], [1, 2]], "<i4").tobytes())
+    for name, kw in error_cases(sid, "small", "big", shm.id):
+        p, req = both(sid, kw["layer"], kw["x"], kw["out"], kw.get("logits"), kw.get("ids"),
+                      kw.get("w"))
+        want = socket_error(c.request("session.infer", p))
+        code, _, field, reason = ring.call(req)
+        assert (code, field, reason) == want, name
+    # A bank without a router weight: router_logits are required, alike.
+    sid2 = new_session(c, model="norouter")
+    shm2 = Shm(c, sid2, MAP_BYTES)
+    ring2 = RawRing(c, sid2)
+    p, req = both(sid2, 0, ("f32", 1, H, shm2.id, 0), (shm2.id, 4096))
+    want = socket_error(c.request("session.infer", p))
+    code, _, field, reason = ring2.call(req)
+    assert (code, field, reason) == want and want[1] == "router_logits"
+    # After every refusal the ring still serves.
+    p, req = both(sid, 0, ("f32", 2, H, shm.id, 0), (shm.id, 4096))
+    assert ring.call(req)[0] == 0
+    c.close()
+
+
+@pytest.mark.parametrize("what,field", [("dtype", "hidden.dtype"), ("flags", "flags"),
+                                        ("ids dtype", "topk_ids.dtype"),
+                                        ("overflow", "hidden.shape")])
+def test_what_only_the_ring_can_say_is_invalid_params_naming_it(rdaemon, what, field):
+    c = rdaemon.client()
+    sid = new_session(c)
+    shm = Shm(c, sid, MAP_BYTES)
+    ring = RawRing(c, sid)
+    _, req = both(sid, 0, ("f32", 1, H, shm.id, 0), (shm.id, 4096),
+                  ids=("i32", 1, 2, shm.id, 8192), w=("f32", 1, 2, shm.id, 12288))
+    req = bytearray(req)
+    if what == "dtype":
+        req[16] = 7
+    elif what == "flags":
+        req[4] |= 0x10
+    elif what == "ids dtype":
+        req[96] = 0
+    else:
+        import struct
+        struct.pack_into("<QQ", req, 24, 1 << 40, 1 << 40)
+    code, _, got_field, reason = ring.call(bytes(req))
+    assert code == -32602 and got_field == field, reason
+    c.close()
+
+
+def test_garbage_in_the_request_slot_fails_only_that_call(rdaemon):
+    c = rdaemon.client()
+    sid = new_session(c)
+    shm = Shm(c, sid, MAP_BYTES)
+    ring = RawRing(c, sid)
+    before = c.call("telemetry.get")["daemon"]["errors"]
+    rng = np.random.default_rng(4)
+    codes = set()
+    n = 300
+    for i in range(n):
+        raw = bytearray(rng.integers(0, 256, 192, dtype=np.uint8).tobytes())
+        if i % 2:  # mostly plausible: small numbers, some fields right
+            _, good = both(sid, 0, ("f32", 1, H, shm.id, 0), (shm.id, 4096))
+            raw = bytearray(good)
+            for _ in range(3):
+                raw[int(rng.integers(0, 192))] = int(rng.integers(0, 256))
+        code, _, _, _ = ring.call(bytes(raw), layer=int(rng.integers(0, 4)))
+        codes.add(code)
+    assert codes <= {0, -32602, -32001}, codes
+    assert -32602 in codes
+    after = c.call("telemetry.get")["daemon"]["errors"]
+    assert after > before
+    # A good call afterwards, on the ring and on another connection.
+    shm.put(0, hidden(1).tobytes())
+    p, req = both(sid, 1, ("f32", 1, H, shm.id, 0), (shm.id, 4096))
+    _, req2 = both(sid, 1, ("f32", 1, H, shm.id, 0), (shm.id, 8192))
+    assert c.request("session.infer", p)["result"]
+    assert ring.call(req2)[0] == 0
+    assert shm.get(4096, H * 4) == shm.get(8192, H * 4)
+    c2 = rdaemon.client()
+    assert c2.call("daemon.status")["sessions"] >= 1
+    c2.close()
+    c.close()
+
+
+def test_a_writer_racing_the_daemons_reads_fails_only_its_calls(rdaemon):
+    """tests/daemon/ring_racer.c: a thread rewrites the request slot while
+    2000 calls are rung; each is answered 0, -32602 or -32001, and the valid
+    call afterwards gives the socket's bits."""
+    from qmoed_harness import BUILD
+    import json
+    r = subprocess.run([os.path.join(BUILD, "tests", "daemon", "ring_racer"), rdaemon.socket,
+                        "small", "2000"], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    seen = json.loads(r.stdout)
+    assert seen["ok"] + seen["invalid_params"] + seen["not_found"] == 2000
+    assert seen["invalid_params"] > 0
+    c = rdaemon.client()
+    assert c.call("daemon.status")["models"] >= 1
+    c.close()
+
+
+# ---- order, counting ----
+
+def test_ring_and_socket_calls_interleaved_keep_the_sessions_order(rdaemon):
+    """A paged session's hits and misses depend on the order of its calls:
+    alternating transports gives the sequence an all-socket session gives."""
+    c = rdaemon.client()
+    per_expert = [m for m in c.call("model.list")["models"] if m["name"] == "small"][0]
+    budget = 3 * per_expert["bytes_per_expert"]
+
+    def run(use_ring):
+        sid = new_session(c, policy="lru", budget_bytes=budget,
+                          policy_params={"prefetch": False})
+        shm = Shm(c, sid, MAP_BYTES)
+        ring = RawRing(c, sid) if use_ring else None
+        seen, outs = [], []
+        for i in range(24):
+            x = hidden(1 + i % 3, seed=i)
+            shm.put(0, x.tobytes())
+            p, req = both(sid, i % 2, ("f32", x.shape[0], H, shm.id, 0), (shm.id, 8192))
+            if use_ring and i % 2:
+                code, st, _, reason = ring.call(req)
+                assert code == 0, reason
+            else:
+                st = c.call("session.infer", p)["stats"]
+            seen.append((st["hits"], st["misses"]))
+            outs.append(shm.get(8192, x.shape[0] * H * 4))
+        tele = c.call("telemetry.get", {"session": sid})
+        c.call("session.close", {"session": sid})
+        return seen, outs, tele
+
+    mixed, mixed_out, tm = run(True)
+    plain, plain_out, tp = run(False)
+    assert mixed == plain
+    assert mixed_out == plain_out
+    for k in ("requests", "tokens", "expert_hits", "expert_misses", "bytes_paged_h2d"):
+        assert tm[k] == tp[k], k
+    c.close()
+
+
+def test_concurrent_ring_and_socket_calls_of_one_session_run_one_at_a_time(rdaemon):
+    """A ring on one connection and pipelined socket calls on another: every
+    output is the reference's (the pagers were never shared), every call
+    counted once."""
+    c = rdaemon.client()
+    per_expert = [m for m in c.call("model.list")["models"] if m["name"] == "small"][0]
+    sid = new_session(c, policy="lru", budget_bytes=2 * per_expert["bytes_per_expert"])
+    shm = Shm(c, sid, MAP_BYTES)
+    ring = RawRing(c, sid)
+    x = hidden(4, seed=3)
+    shm.put(0, x.tobytes())
+    shm.put(4096, x.tobytes())
+    ref = {}
+    for layer in (0, 1):
+        p, _ = both(sid, layer, ("f32", 4, H, shm.id, 0), (shm.id, 65536 + layer * 4096))
+        c.call("session.infer", p)
+        ref[layer] = shm.get(65536 + layer * 4096, 4 * H * 4)
+    before = c.call("telemetry.get", {"session": sid})["requests"]
+    n_sock, n_ring = 40, 40
+    c2 = rdaemon.client()
+    import json
+    lines = []
+    for i in range(n_sock):
+        p, _ = both(sid, i % 2, ("f32", 4, H, shm.id, 4096), (shm.id, 131072 + i * 1024))
+        lines.append(json.dumps({"jsonrpc": "2.0", "id": i + 1, "method": "session.infer",
+                                 "params": p}))
+    c2.send_raw(("\n".join(lines) + "\n").encode())
+    for i in range(n_ring):
+        _, req = both(sid, i % 2, ("f32", 4, H, shm.id, 0), (shm.id, 262144 + i * 1024))
+        assert ring.call(req)[0] == 0
+        assert shm.get(262144 + i * 1024, 4 * H * 4) == ref[i % 2]
+    for i in range(n_sock):
+        assert "result" in c2.read()
+    for i in range(n_sock):
+        assert shm.get(131072 + i * 1024, 4 * H * 4) == ref[i % 2], i
+    after = c.call("telemetry.get", {"session": sid})["requests"]
+    assert after - before == n_sock + n_ring
+    c2.close()
+    c.close()
+
+
+def test_ring_calls_are_counted_and_traced_as_socket_calls_are(rdaemon):
+    """The same four calls (one refused) through each transport move the
+    session's and the daemon's counters alike and leave the same spans."""
+    c = rdaemon.client()
+
+    def run(use_ring):
+        sid = new_session(c)
+        shm = Shm(c, sid, MAP_BYTES)
+        ring = RawRing(c, sid) if use_ring else None
+        shm.put(0, hidden(3).tobytes())
+        t0 = c.call("telemetry.get", {"session": sid})
+        d0 = c.call("telemetry.get")["daemon"]
+        for layer in (0, 1, 0, 5):
+            p, req = both(sid, layer, ("f32", 3, H, shm.id, 0), (shm.id, 4096))
+            if use_ring:
+                code = ring.call(req)[0]
+            else:
+                r = c.request("session.infer", p)
+                code = r["error"]["code"] if "error" in r else 0
+            assert code == (-32602 if layer == 5 else 0)
+        t1 = c.call("telemetry.get", {"session": sid})  # behind the session's work
+        d1 = c.call("telemetry.get")["daemon"]
+        spans = [s for s in c.call("telemetry.trace", {"session": sid})["spans"]
+                 if s["name"] == "session.infer"]
+        delta = {k: t1[k] - t0[k] for k in ("requests", "errors", "tokens", "expert_hits",
+                                              "expert_misses")}
+        ddelta = {k: d1[k] - d0[k] for k in ("requests", "errors", "tokens", "expert_hits")}
+        return delta, ddelta, [(s["args"]["layer"], s["args"]["tokens"], s["args"]["hits"])
+                               for s in spans], t1["p50_us"]
+
+    ring_counts, ring_daemon, ring_spans, p50 = run(True)
+    sock_counts, sock_daemon, sock_spans, _ = run(False)
+    assert ring_counts == sock_counts and ring_counts["requests"] == 3
+    assert ring_daemon == sock_daemon and ring_daemon["errors"] == 1
+    assert ring_spans == sock_spans and len(ring_spans) == 3
+    assert p50 > 0
+    c.close()
+
+
+# ---- the ring's end ----
+
+def test_session_close_closes_its_ring_with_not_found(rdaemon):
+    c = rdaemon.client()
+    pid = rdaemon.proc.pid
+    assert wait_for(lambda: ring_threads(pid) == 0)  # the earlier tests' rings are gone
+    base = 0
+    sid = new_session(c)
+    shm = Shm(c, sid, MAP_BYTES)
+    ring = RawRing(c, sid)
+    assert wait_for(lambda: ring_threads(pid) == base + 1)
+    c.call("session.close", {"session": sid})
+    assert wait_for(lambda: ring.ring.closed() is not None)
+    code, reason = ring.ring.closed()
+    assert code == -32001 and "closed" in reason
+    _, req = both(sid, 0, ("f32", 1, H, shm.id, 0), (shm.id, 4096))
+    with pytest.raises(_ring.RingClosed) as e:
+        ring.call(req)
+    assert e.value.code == -32001
+    assert wait_for(lambda: ring_threads(pid) == base)
+    c.close()
+
+
+def test_a_waiter_is_woken_with_not_found_when_the_model_is_unloaded(rdaemon, bigbank):
+    admin = rdaemon.client()
+    admin.call("model.load", {"name": "big2", "path": bigbank})
+    sid = new_session(admin, model="big2")
+    shm = Shm(admin, sid, 16 << 20)
+    ring = RawRing(admin, sid)
+    slow = slow_socket_call(rdaemon, sid, shm)
+    time.sleep(0.1)
+    shm.put(8 << 20, np.zeros((1, 2048), np.float32).tobytes())
+    _, req = both(sid, 0, ("f32", 1, 2048, shm.id, 8 << 20), (shm.id, 12 << 20))
+    got = {}
+    th = threading.Thread(target=lambda: got.setdefault("r", ring.call(req)))
+    th.start()
+    time.sleep(0.1)
+    assert th.is_alive(), "the ring call should wait behind the slow one"
+    admin.call("model.unload", {"name": "big2", "force": True})
+    th.join(30)
+    assert not th.is_alive()
+    code, _, field, reason = got["r"]
+    assert code == -32001 and field == "session", reason
+    assert wait_for(lambda: ring.ring.closed() is not None)
+    assert ring.ring.closed()[0] == -32001
+    slow.read()  # the call that ran finishes (its answer)
+    slow.close()
+    admin.close()
+
+
+def test_a_closed_connection_ends_its_ring_and_wakes_the_waiter(banks, bigbank):
+    dm = Daemon(models={"big": bigbank},
+                args=["--session-orphan-timeout", "1"])
+    try:
+        pid = dm.proc.pid
+        base = ring_threads(pid)
+        a = dm.client()
+        sid = new_session(a, model="big")
+        shm = Shm(a, sid, 16 << 20)
+        ring = RawRing(a, sid)
+        assert wait_for(lambda: ring_threads(pid) == base + 1)
+        slow = slow_socket_call(dm, sid, shm)
+        time.sleep(0.1)
+        _, req = both(sid, 0, ("f32", 1, 2048, shm.id, 8 << 20), (shm.id, 12 << 20))
+        got = {}
+
+        def waiter():
+            try:
+                got["r"] = ring.call(req, sock_fd=-1)
+            except _ring.RingClosed as e:
+                got["closed"] = e.code
+        th = threading.Thread(target=waiter)
+        th.start()
+        time.sleep(0.1)
+        a.sock.shutdown(socket.SHUT_RDWR)
+        a.close()
+        th.join(30)
+        assert not th.is_alive()
+        assert got.get("closed") == _ring.CLOSED_CONN, got
+        slow.read()
+        slow.close()
+        # Nobody left: the session is reclaimed, the ring's thread is gone.
+        c = dm.client()
+        assert wait_for(lambda: c.call("session.list")["sessions"] == [], 15)
+        assert wait_for(lambda: ring_threads(pid) == base)
+        c.close()
+    finally:
+        assert dm.stop() == 0, dm.log_text()
+
+
+def test_drain_lets_a_waiting_ring_call_finish_then_closes_the_ring(banks, bigbank):
+    # The slow call may take many seconds under a sanitizer: the drain waits.
+    dm = Daemon(models={"big": bigbank}, args=["--set", "drain_timeout_s=600"])
+    a = dm.client()
+    sid = new_session(a, model="big")
+    shm = Shm(a, sid, 16 << 20)
+    ring = RawRing(a, sid)
+    slow = slow_socket_call(dm, sid, shm)
+    time.sleep(0.1)
+    x = np.random.default_rng(1).standard_normal((1, 2048)).astype(np.float32)
+    shm.put(8 << 20, x.tobytes())
+    _, req = both(sid, 0, ("f32", 1, 2048, shm.id, 8 << 20), (shm.id, 12 << 20))
+    got = {}
+    th = threading.Thread(target=lambda: got.setdefault("r", ring.call(req)))
+    th.start()
+    time.sleep(0.5)  # the ring's thread has taken the call (it waits behind the slow one)
+    dm.signal(signal.SIGTERM)
+    th.join(30)
+    assert got["r"][0] == 0, got  # accepted before the drain: answered
+    assert "result" in slow.read()
+    assert wait_for(lambda: ring.ring.closed() is not None)
+    assert ring.ring.closed()[0] == -32007
+    with pytest.raises(_ring.RingClosed) as e:
+        ring.call(req, sock_fd=-1)
+    assert e.value.code == -32007
+    slow.close()
+    a.close()
+    rc = dm.proc.wait(120)  # the drain ends by itself
+    dm.stop()
+    assert rc == 0, dm.log_text()
+
+
+def test_a_client_killed_mid_call_leaves_no_thread_behind(banks, bigbank):
+    dm = Daemon(models={"big": bigbank}, args=["--session-orphan-timeout", "1"])
+    try:
+        pid = dm.proc.pid
+        base = ring_threads(pid)
+        script = textwrap.dedent("""
+            import sys, numpy as np
+            sys.path.insert(0, %r)
+            from qmoe_client import Client
+            c = Client(%r, close_sessions_at_exit=False)
+            sid = c.create_session("big")["session"]
+            shm = c.map(sid, 16 << 20)
+            x = shm.tensor(0, (128, 2048), "f32")
+            x.array[:] = np.random.default_rng(0).standard_normal((128, 2048))
+            out = shm.tensor(8 << 20, (128, 2048), "f32")
+            c.infer(sid, 0, x, output_to=out)  # opens the ring
+            print("calling", flush=True)
+            c.infer(sid, 0, x, output_to=out)
+            print("done", flush=True)
+        """ % (PYCLIENT, dm.socket))
+        p = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+        assert p.stdout.readline().strip() == "calling"
+        time.sleep(0.05)
+        p.kill()
+        p.wait()
+        c = dm.client()
+        # The daemon serves meanwhile, and once the call is through nothing
+        # of the client is left: no ring thread, no session.
+        assert c.call("daemon.status")["models"] == 1
+        assert wait_for(lambda: c.call("session.list")["sessions"] == [], 30)
+        assert wait_for(lambda: ring_threads(pid) == base, 10), (ring_threads(pid), base)
+        assert "reclaimed" in dm.log_text()
+        c.close()
+    finally:
+        assert dm.stop() == 0, dm.log_text()
+
+
+# ---- cost ----
+
+def test_open_idle_rings_use_no_cpu(rdaemon):
+    c = rdaemon.client()
+    rings = []
+    for _ in range(4):
+        sid = new_session(c)
+        shm = Shm(c, sid, MAP_BYTES)
+        r = RawRing(c, sid)
+        shm.put(0, hidden(1).tobytes())
+        _, req = both(sid, 0, ("f32", 1, H, shm.id, 0), (shm.id, 4096))
+        for _ in range(20):  # calls back to back: the threads learn to spin
+            assert r.call(req)[0] == 0
+        rings.append((sid, shm, r))
+    time.sleep(0.5)  # any spin after the last call is over by now
+    t0 = cpu_ticks(rdaemon.proc.pid)
+    time.sleep(3)
+    used = cpu_ticks(rdaemon.proc.pid) - t0
+    assert used <= 1, "%d clock ticks in 3 s with 4 idle rings" % used
+    c.close()
+
+
+# ---- refusals, and clients that fall back ----
+
+def test_max_rings_refuses_and_the_python_client_falls_back_to_the_socket(banks, capfd):
+    from qmoe_client import Client
+    dm = Daemon(models={"small": banks["small"]}, args=["--set", "max_rings=1"])
+    try:
+        c1, c2 = Client(dm.socket), Client(dm.socket)
+        s1 = c1.create_session("small")["session"]
+        s2 = c2.create_session("small")["session"]
+        outs = []
+        for cl, s in ((c1, s1), (c2, s2)):
+            shm = cl.map(s, 1 << 16)
+            x = shm.tensor(0, (2, H), "f32")
+            x.array[:] = hidden(2)
+            out = shm.tensor(4096, (2, H), "f32")
+            r = cl.infer(s, 0, x, output_to=out)
+            assert r.stats["hits"] > 0
+            outs.append(out.array.copy())
+        assert c1.ring_active(s1) and not c2.ring_active(s2)
+        assert np.array_equal(outs[0].view(np.uint32), outs[1].view(np.uint32))
+        assert "no call ring for session %s (resource_exhausted" % s2 in capfd.readouterr().err
+        assert "max_rings" in dm.log_text()
+        c1.close_session(s1)
+        c2.close_session(s2)
+        c1.close()
+        c2.close()
+    finally:
+        assert dm.stop() == 0, dm.log_text()
