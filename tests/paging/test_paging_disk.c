@@ -299,20 +299,6 @@ START_TEST(test_direct_pager_resizes_and_reads_into_new_slots)
 }
 END_TEST
 
-/* The process's anonymous resident bytes (RssAnon of /proc/self/status). */
-static uint64_t rss_anon_bytes(void)
-{
-    FILE *f = fopen("/proc/self/status", "r");
-    char line[128];
-    unsigned long long kb = 0;
-    while (f && fgets(line, sizeof line, f))
-        if (sscanf(line, "RssAnon: %llu kB", &kb) == 1)
-            break;
-    if (f)
-        fclose(f);
-    return (uint64_t)kb * 1024;
-}
-
 /* A shrink of a disk-source pager frees the locked, registered slots it
  * gives back (unlocked, unpinned by registering again, then dropped), and
  * the reads into slots a growth takes again land where compute reads: on
@@ -321,13 +307,8 @@ START_TEST(test_direct_shrink_frees_locked_slots_and_regrowth_reads_right)
 {
     if (!g_have_direct)
         return;
-    pf_spec big = pf_default_spec();
-    big.hidden = 256;
-    big.inter = 512;
-    big.bits = 8;
-    big.experts = 16;
-    big.layers = 2;
-    pg_fixture_reopen(&big);
+    pg_fixture_big_units();
+    const pf_spec big = fixture.spec;
     const qm_bank_config *cfg = qm_bank_get_config(fixture.bank.bank);
     uint64_t U = unit_bytes(&fixture.bank), total = (uint64_t)big.layers * big.experts * U;
     dcase dc;
@@ -338,9 +319,9 @@ START_TEST(test_direct_shrink_frees_locked_slots_and_regrowth_reads_right)
         qm_pager_options o = read_path_options(rp, 0);
         qm_pager *pg = direct_pager_opt(dc.bank, "lru", total, &o, &dc.set, &pol, &plan);
         qm_status st = {0};
-        uint64_t before = rss_anon_bytes();
+        uint64_t before = pg_rss_anon();
         ck_assert_int_eq(qm_pager_resize(pg, 2 * U, &st), 0);
-        uint64_t after = rss_anon_bytes();
+        uint64_t after = pg_rss_anon();
         ck_assert_msg(before - after >= (total - 2 * U) * 8 / 10,
                       "%s: shrinking %llu to %llu bytes freed %lld bytes of RssAnon",
                       g_read_paths[rp].name, (unsigned long long)total,

@@ -218,42 +218,22 @@ START_TEST(test_growth_adds_an_arena_and_shrinking_gives_it_back)
 END_TEST
 
 
-/* The process's anonymous resident bytes (RssAnon of /proc/self/status). */
-static uint64_t rss_anon(void)
-{
-    FILE *f = fopen("/proc/self/status", "r");
-    char line[128];
-    unsigned long long kb = 0;
-    while (f && fgets(line, sizeof line, f))
-        if (sscanf(line, "RssAnon: %llu kB", &kb) == 1)
-            break;
-    if (f)
-        fclose(f);
-    return (uint64_t)kb * 1024;
-}
-
 /* A shrink is less memory, not only a smaller number: the slots it gives
  * back leave the process (a memory cgroup sees them go, which is what an
  * auto budget under pressure is for), and a growth takes them again. */
 START_TEST(test_shrinking_gives_the_slots_memory_back_to_the_system)
 {
-    pf_spec sp = pf_default_spec();
-    sp.hidden = 256;
-    sp.inter = 512;
-    sp.bits = 8;
-    sp.experts = 16;
-    sp.layers = 2;
-    pg_fixture_reopen(&sp);
+    pg_fixture_big_units();
+    const pf_spec sp = fixture.spec;
     uint64_t U = unit_bytes(&fixture.bank), total = (uint64_t)sp.layers * sp.experts * U;
-    ck_assert_uint_ge(U, 256 << 10); /* slots of many pages */
     qm_pager *pg = pg_fixture_lru_pager(total, 0);
     uint64_t seed = 3;
     for (uint32_t l = 0; l < sp.layers; l++)
         for (uint32_t e = 0; e < sp.experts; e++)
             call_experts(pg, &fixture.bank, l, &e, 1, &seed);
-    uint64_t full = rss_anon();
+    uint64_t full = pg_rss_anon();
     resize_to(pg, 2 * U, "lru");
-    uint64_t small = rss_anon(), freed = full > small ? full - small : 0;
+    uint64_t small = pg_rss_anon(), freed = full > small ? full - small : 0;
     ck_assert_msg(freed >= (total - 2 * U) * 9 / 10,
                   "shrinking from %llu to %llu bytes freed only %llu bytes of RssAnon",
                   (unsigned long long)total, (unsigned long long)(2 * U),
@@ -263,7 +243,7 @@ START_TEST(test_shrinking_gives_the_slots_memory_back_to_the_system)
     for (uint32_t l = 0; l < sp.layers; l++)
         for (uint32_t e = 0; e < sp.experts; e++)
             call_experts(pg, &fixture.bank, l, &e, 1, &seed);
-    ck_assert_uint_ge(rss_anon(), small + (total - 2 * U) * 9 / 10);
+    ck_assert_uint_ge(pg_rss_anon(), small + (total - 2 * U) * 9 / 10);
     qm_pager_stats s;
     qm_pager_stats_get(pg, &s);
     ck_assert_uint_eq(s.resident_bytes, total);
