@@ -364,6 +364,7 @@ void qm_client_plan_summary_free(qm_client_plan_summary *s)
     if (!s)
         return;
     qm_free(s->policy);
+    qm_free(s->budget_auto);
     memset(s, 0, sizeof(*s));
 }
 
@@ -379,6 +380,10 @@ static int qm__read_summary(const qm_cval *r, qm_client_plan_summary *summary)
     summary->workspace_bytes = qm__u64(s, "workspace_bytes");
     if (!summary->workspace_bytes)
         summary->workspace_bytes = qm__u64(r, "workspace_bytes");
+    const qm_cval *a = qm_cval_get(r, "budget_auto");
+    if (a && a->type == QM_CVAL_OBJECT &&
+        qm__client_dup_member(a, "reason", &summary->budget_auto) < 0)
+        return QM_CLIENT_ENOMEM;
     return qm__client_dup_member(s, "policy", &summary->policy) < 0 ? QM_CLIENT_ENOMEM : 0;
 }
 
@@ -405,7 +410,9 @@ int qm_client_session_create(qm_client *c, const qm_client_session_params *sp,
     qm_cval *p = qm__with_str(qm__params(), "model", sp->model);
     if (p && sp->policy)
         p = qm__with_str(p, "policy", sp->policy);
-    if (p && sp->has_budget)
+    if (p && sp->budget)
+        p = qm__with_str(p, "budget", sp->budget);
+    else if (p && sp->has_budget)
         p = qm__with_num(p, "budget_bytes", (double)sp->budget_bytes);
     if (p && sp->precision)
         p = qm__with_str(p, "precision", sp->precision);
@@ -460,9 +467,10 @@ out:
     return rc;
 }
 
-int qm_client_session_resize(qm_client *c, const char *session, uint64_t budget_bytes,
-                             uint64_t *resident_bytes, qm_client_plan_summary *summary,
-                             qm_client_error *err)
+/* session.resize with the budget as bytes (text NULL) or as text. */
+static int qm__resize(qm_client *c, const char *session, uint64_t budget_bytes, const char *text,
+                      uint64_t *resident_bytes, qm_client_plan_summary *summary,
+                      qm_client_error *err)
 {
     qm_cval *r = NULL;
     if (summary)
@@ -470,7 +478,9 @@ int qm_client_session_resize(qm_client *c, const char *session, uint64_t budget_
     if (!session)
         return qm__client_fail(err, QM_CLIENT_EINVAL, "session.resize needs a session id");
     qm_cval *p = qm__with_str(qm__params(), "session", session);
-    if (p)
+    if (p && text)
+        p = qm__with_str(p, "budget", text);
+    else if (p)
         p = qm__with_num(p, "budget_bytes", (double)budget_bytes);
     if (!p)
         return QM__NOMEM(err);
@@ -484,6 +494,22 @@ int qm_client_session_resize(qm_client *c, const char *session, uint64_t budget_
         rc = QM__NOMEM(err);
     qm_cval_free(r);
     return rc;
+}
+
+int qm_client_session_resize(qm_client *c, const char *session, uint64_t budget_bytes,
+                             uint64_t *resident_bytes, qm_client_plan_summary *summary,
+                             qm_client_error *err)
+{
+    return qm__resize(c, session, budget_bytes, NULL, resident_bytes, summary, err);
+}
+
+int qm_client_session_resize_to(qm_client *c, const char *session, const char *budget,
+                                uint64_t *resident_bytes, qm_client_plan_summary *summary,
+                                qm_client_error *err)
+{
+    if (!budget)
+        return qm__client_fail(err, QM_CLIENT_EINVAL, "session.resize needs a budget");
+    return qm__resize(c, session, 0, budget, resident_bytes, summary, err);
 }
 
 int qm_client_session_close(qm_client *c, const char *session, qm_client_error *err)
@@ -609,6 +635,7 @@ void qm_client_plan_free(qm_client_plan *p)
     qm_free(p->policy);
     qm_free(p->on_miss);
     qm_free(p->placement_rule);
+    qm_free(p->budget_auto);
     qm__devices_free(p->devices, p->n_devices);
     memset(p, 0, sizeof(*p));
 }
@@ -661,6 +688,13 @@ int qm_client_session_plan(qm_client *c, const char *session, qm_client_plan *ou
         out->expert_hits = qm__u64(ex, "expert_hits");
         out->expert_misses = qm__u64(ex, "expert_misses");
         out->expert_host_runs = qm__u64(ex, "expert_host_runs");
+    }
+    const qm_cval *ba = qm_cval_get(r, "budget_auto");
+    if (ba && ba->type == QM_CVAL_OBJECT) {
+        if (qm__client_dup_member(ba, "reason", &out->budget_auto) < 0)
+            goto fail_nomem;
+        out->budget_auto_target = qm__u64(ba, "target_bytes");
+        out->budget_auto_reserve = qm__u64(ba, "reserve_bytes");
     }
     const qm_cval *pl = qm_cval_get(r, "placement");
     if (pl && pl->type == QM_CVAL_OBJECT &&

@@ -131,6 +131,11 @@ typedef struct qm_client_session_params {
     int has_budget;
     const char *policy_params_json; /* an object's JSON text, or NULL */
     const char *precision;          /* "exact" or "fast"; NULL: the daemon's default (exact) */
+    /* The budget as text, sent as given (session.create's `budget`): bytes
+     * ("1073741824"), "N%" of the model's expert bytes, or "auto" (the
+     * daemon sizes it from the memory it may take). Wins over budget_bytes;
+     * NULL: budget_bytes when has_budget, else the whole model. */
+    const char *budget;
 } qm_client_session_params;
 
 typedef struct qm_client_plan_summary {
@@ -138,6 +143,9 @@ typedef struct qm_client_plan_summary {
     uint64_t budget_bytes, total, resident, degraded;
     uint64_t workspace_bytes; /* 0 when the daemon does not report it */
     uint64_t pins_released;   /* pins a session.resize released (0 when none) */
+    /* Budget "auto": what it came to and why ("budget auto: 3.10 GB = cgroup
+     * limit ..."); NULL when the budget is not auto. */
+    char *budget_auto;
 } qm_client_plan_summary;
 
 /* On 0, *session_id is a malloc'd id (qm_client_string_free) and `summary`
@@ -188,6 +196,11 @@ int qm_client_session_adopt(qm_client *c, const char *session, qm_client_error *
 int qm_client_session_resize(qm_client *c, const char *session, uint64_t budget_bytes,
                              uint64_t *resident_bytes, qm_client_plan_summary *summary,
                              qm_client_error *err);
+/* The same with the budget as text, sent as given (session.resize's
+ * `budget`): bytes, "N%" of the model's expert bytes, or "auto". */
+int qm_client_session_resize_to(qm_client *c, const char *session, const char *budget,
+                                uint64_t *resident_bytes, qm_client_plan_summary *summary,
+                                qm_client_error *err);
 
 typedef struct qm_client_session_info {
     char *session, *model, *policy;
@@ -235,6 +248,10 @@ typedef struct qm_client_plan {
     char *placement_rule;
     qm_client_device *devices;
     size_t n_devices;
+    /* Budget "auto" (session.plan "budget_auto"): why it is what it is, the
+     * size it grows back to and the reserve; NULL/0 when not auto. */
+    char *budget_auto;
+    uint64_t budget_auto_target, budget_auto_reserve;
 } qm_client_plan;
 int qm_client_session_plan(qm_client *c, const char *session, qm_client_plan *out,
                            qm_client_error *err);

@@ -4,6 +4,7 @@
 #include <string.h>
 #include <time.h>
 
+#include "qm_protocol.h"
 #include "qmoectl.h"
 #include "qm_residency.h"
 
@@ -270,50 +271,47 @@ static int build_policy_params(const qmoectl_args *a, char *out, size_t cap, int
     return 0;
 }
 
-/* --budget BYTES|SIZE|N%: a percentage is of the model's expert bytes. */
-static int resolve_budget(qm_client *c, const char *model, const char *s, uint64_t *out)
+/* --budget BYTES|SIZE|N%|auto as the wire's text (into out[cap]): bytes,
+ * "N%" of the model's expert bytes and "auto" as given (the daemon says
+ * what they come to), a size (512MiB, 2G) as bytes. */
+static int budget_text(const char *opt, const char *s, char *out, size_t cap)
 {
-    size_t len = strlen(s);
-    if (len > 1 && s[len - 1] == '%') {
-        char *end = NULL;
-        double pct = strtod(s, &end);
-        if (end != s + len - 1 || !(pct > 0) || pct > 100)
-            return qmoectl_usage_error("--budget percentage must be in (0, 100], not '%.32s'", s);
-        qm_client_error err;
-        qm_client_model *m = NULL;
-        size_t n = 0;
-        if (qm_client_model_list(c, &m, &n, &err) < 0)
-            return qmoectl_fail(&err);
-        int found = 0;
-        for (size_t i = 0; i < n; i++)
-            if (m[i].name && strcmp(m[i].name, model) == 0) {
-                *out = (uint64_t)((double)m[i].bytes_total * pct / 100.0);
-                found = 1;
-            }
-        qm_client_models_free(m, n);
-        if (!found)
-            return qmoectl_error("no model named '%.64s' is loaded (see qmoectl models)", model);
+    qm_budget_spec spec;
+    qm_status st = {0};
+    uint64_t v;
+    if (qm_budget_parse(s, "budget", &spec, &st) == 0) {
+        snprintf(out, cap, "%s", s);
         return 0;
     }
-    if (qmoectl_parse_bytes(s, out) < 0)
-        return qmoectl_usage_error("--budget takes bytes (1073741824), a size (1GiB, 512M) or a "
-                                   "percentage of the model (50%%), not '%.32s'",
-                                   s);
-    return 0;
+    if (qmoectl_parse_bytes(s, &v) == 0 && v > 0) {
+        snprintf(out, cap, "%llu", (unsigned long long)v);
+        return 0;
+    }
+    return qmoectl_usage_error("%s takes bytes (1073741824), a size (1GiB, 512M), a percentage "
+                               "of the model's expert bytes (50%%, 0 < N <= 100) or auto, not "
+                               "'%.32s'",
+                               opt, s);
+}
+
+/* "budget auto: 3.10 GB = cgroup limit ..." after a create or a resize to auto. */
+static void print_budget_auto(const char *why)
+{
+    if (why)
+        printf("%s\n", why);
 }
 
 static int cmd_create(qm_client *c, const qmoectl_args *a)
 {
     char pp[16384];
     int any = 0, rc;
-    uint64_t budget = 0;
+    char budget[32];
     const char *policy = qmoectl_opt(a, "--policy"), *bstr = qmoectl_opt(a, "--budget");
     const char *prec = qmoectl_opt(a, "--precision");
     if (prec && strcmp(prec, "exact") != 0 && strcmp(prec, "fast") != 0)
         return qmoectl_usage_error("--precision must be exact or fast");
     if ((rc = build_policy_params(a, pp, sizeof(pp), &any)) != 0)
         return rc;
-    if (bstr && (rc = resolve_budget(c, a->pos[0], bstr, &budget)) != 0)
+    if (bstr && (rc = budget_text("--budget", bstr, budget, sizeof budget)) != 0)
         return rc;
     if (a->json) {
         char qm[1024], qp[256], params[17000];
@@ -324,8 +322,7 @@ static int cmd_create(qm_client *c, const qmoectl_args *a)
         if (policy)
             n += snprintf(params + n, sizeof(params) - (size_t)n, ",\"policy\":%s", qp);
         if (bstr)
-            n += snprintf(params + n, sizeof(params) - (size_t)n, ",\"budget_bytes\":%llu",
-                          (unsigned long long)budget);
+            n += snprintf(params + n, sizeof(params) - (size_t)n, ",\"budget\":\"%s\"", budget);
         if (any)
             n += snprintf(params + n, sizeof(params) - (size_t)n, ",\"policy_params\":%s", pp);
         if (prec)
@@ -335,8 +332,7 @@ static int cmd_create(qm_client *c, const qmoectl_args *a)
     }
     qm_client_session_params sp = {.model = a->pos[0],
                                    .policy = policy,
-                                   .budget_bytes = budget,
-                                   .has_budget = bstr != NULL,
+                                   .budget = bstr ? budget : NULL,
                                    .policy_params_json = any ? pp : NULL,
                                    .precision = prec};
     char *id = NULL;
@@ -357,6 +353,7 @@ static int cmd_create(qm_client *c, const qmoectl_args *a)
            (unsigned long long)sum.resident,
            (unsigned long long)(sum.total - sum.resident - sum.degraded),
            (unsigned long long)sum.degraded);
+    print_budget_auto(sum.budget_auto);
     printf("inspect it with `qmoectl plan %s`\n", id);
     qm_client_string_free(id);
     qm_client_plan_summary_free(&sum);
@@ -365,34 +362,21 @@ static int cmd_create(qm_client *c, const qmoectl_args *a)
 
 static int cmd_resize(qm_client *c, const qmoectl_args *a)
 {
-    /* A percentage is of the session's model: found through session.list. */
-    char model[128] = "";
     qm_client_error err;
-    qm_client_session_info *si = NULL;
-    size_t ns = 0;
-    if (qm_client_session_list(c, &si, &ns, &err) < 0)
-        return qmoectl_fail(&err);
-    for (size_t i = 0; i < ns; i++)
-        if (si[i].session && si[i].model && strcmp(si[i].session, a->pos[0]) == 0)
-            snprintf(model, sizeof(model), "%s", si[i].model);
-    qm_client_sessions_free(si, ns);
-    if (!model[0])
-        return qmoectl_error("no session '%.64s' of yours (see qmoectl sessions)", a->pos[0]);
-    uint64_t budget = 0;
-    int rc = resolve_budget(c, model, a->pos[1], &budget);
+    char budget[32];
+    int rc = budget_text("the budget", a->pos[1], budget, sizeof budget);
     if (rc != 0)
         return rc;
     if (a->json) {
         char q[1024], params[1200];
         if (qmoectl_json_quote(a->pos[0], q, sizeof(q)) < 0)
             return qmoectl_usage_error("session id too long");
-        snprintf(params, sizeof(params), "{\"session\":%s,\"budget_bytes\":%llu}", q,
-                 (unsigned long long)budget);
+        snprintf(params, sizeof(params), "{\"session\":%s,\"budget\":\"%s\"}", q, budget);
         return qmoectl_print_json(c, "session.resize", params);
     }
     uint64_t resident = 0;
     qm_client_plan_summary sum;
-    if (qm_client_session_resize(c, a->pos[0], budget, &resident, &sum, &err) < 0)
+    if (qm_client_session_resize_to(c, a->pos[0], budget, &resident, &sum, &err) < 0)
         return qmoectl_fail(&err);
     char bud[32], res[32];
     printf("resized %s: budget %s, resident %s", a->pos[0], B(sum.budget_bytes, bud),
@@ -400,6 +384,7 @@ static int cmd_resize(qm_client *c, const qmoectl_args *a)
     if (sum.pins_released)
         printf(", %llu pins released", (unsigned long long)sum.pins_released);
     printf("\n");
+    print_budget_auto(sum.budget_auto);
     qm_client_plan_summary_free(&sum);
     return QMOECTL_OK;
 }
@@ -631,22 +616,8 @@ static int check_create(const qmoectl_args *a)
     if ((rc = build_policy_params(a, pp, sizeof(pp), &any)) != 0)
         return rc;
     const char *b = qmoectl_opt(a, "--budget");
-    uint64_t v;
-    size_t len = b ? strlen(b) : 0;
-    if (!b)
-        return 0;
-    if (len > 1 && b[len - 1] == '%') {
-        char *end = NULL;
-        double pct = strtod(b, &end);
-        if (end != b + len - 1 || !(pct > 0) || pct > 100)
-            return qmoectl_usage_error("--budget percentage must be in (0, 100], not '%.32s'", b);
-        return 0;
-    }
-    if (qmoectl_parse_bytes(b, &v) < 0)
-        return qmoectl_usage_error("--budget takes bytes (1073741824), a size (1GiB, 512M) or a "
-                                   "percentage of the model (50%%), not '%.32s'",
-                                   b);
-    return 0;
+    char text[32];
+    return b ? budget_text("--budget", b, text, sizeof text) : 0;
 }
 
 static int check_trace(const qmoectl_args *a)
@@ -687,13 +658,16 @@ const qmoectl_cmd qmoectl_cmds[] = {
      "Refused while sessions use it, unless --force closes them.",
      "--force", 1, 1, cmd_unload, NULL, NULL, NULL},
     {"sessions", "", "List sessions (a non-admin sees only their own).", "", 0, 0, cmd_sessions, NULL, NULL, NULL},
-    {"create", "MODEL [--policy P] [--budget BYTES|SIZE|N%] [--param KEY=VALUE]... [--precision P]",
+    {"create", "MODEL [--policy P] [--budget BYTES|SIZE|N%|auto] [--param KEY=VALUE]... [--precision P]",
      "Create a session on MODEL and print its id on the first line.\n"
      "  --policy P        the session's residency policy, one of those below (for a\n"
      "                    paged session, the budget below the model, the one marked\n"
      "                    recommended; measured in docs/BENCHMARKS.md)\n"
      "  --budget B        expert bytes the session may keep resident: bytes, a size\n"
-     "                    (512MiB, 2G) or a percentage of the model's bytes (50%)\n"
+     "                    (512MiB, 2G), a percentage of the model's bytes (50%), or\n"
+     "                    auto: what this machine and qmoed's memory cgroup can give,\n"
+     "                    less auto_budget_reserve; it shrinks under memory pressure\n"
+     "                    and grows back (docs/OPERATIONS.md)\n"
      "  --param KEY=VALUE a policy parameter; VALUE is JSON when it reads as JSON\n"
      "                    (prefetch=false, pin_fraction=0.25, hot='[{\"layer\":0,\"experts\":[3,1]}]'),\n"
      "                    else a string; repeatable\n"
@@ -703,10 +677,11 @@ const qmoectl_cmd qmoectl_cmds[] = {
      help_policies, NULL},
     {"close", "SESSION", "Close a session and release its memory (owner or admin).", "", 1, 1,
      cmd_close, NULL, NULL, NULL},
-    {"resize", "SESSION BYTES|SIZE|N%",
+    {"resize", "SESSION BYTES|SIZE|N%|auto",
      "Change a live session's expert budget (owner or admin).\n"
-     "The budget is bytes, a size (512MiB, 2G) or a percentage of the model's bytes\n"
-     "(40%). Shrinking evicts down to it before answering (pins that no longer fit\n"
+     "The budget is bytes, a size (512MiB, 2G), a percentage of the model's bytes\n"
+     "(40%) or auto (sized again from the memory free now; bytes or a percentage end\n"
+     "auto). Shrinking evicts down to it before answering (pins that no longer fit\n"
      "are released, coldest first); growing is admitted against the daemon-wide\n"
      "budget. Requests queued before it finish under the old budget.",
      "", 2, 2, cmd_resize, NULL, NULL, NULL},

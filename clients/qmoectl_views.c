@@ -142,6 +142,13 @@ int qmoectl_cmd_plan(qm_client *c, const qmoectl_args *a)
            (unsigned long long)p.total, (unsigned long long)p.resident,
            (unsigned long long)(p.total - p.resident - p.degraded),
            (unsigned long long)p.degraded);
+    if (p.budget_auto) {
+        printf("%s\n", p.budget_auto);
+        if (p.budget_auto_target && p.budget_bytes < p.budget_auto_target)
+            printf("now %s after memory pressure; grows back toward %s when it eases\n",
+                   B(p.budget_bytes, b1), B(p.budget_auto_target, b2));
+        printf("\n");
+    }
     if (placed) {
         printf("placement %s:", p.placement_rule ? p.placement_rule : "?");
         for (size_t i = 0; i < p.n_devices; i++)

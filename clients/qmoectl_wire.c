@@ -116,6 +116,8 @@ static const char *json_kind(const qm_wire_param *p)
         return "object";
     case QM_WT_HOT:
         return "array";
+    case QM_WT_BUDGET:
+        return "integer or string";
     case QM_WT_CHECK:
         break;
     }

@@ -62,6 +62,12 @@ void qm_config_defaults(qm_config *cfg)
     cfg->max_mapped_bytes = 1ull << 30;
     cfg->max_rings = 64;
     cfg->session_orphan_timeout_s = 300;
+    cfg->auto_budget_reserve = 256ull << 20;
+    cfg->auto_budget_check_ms = 1000;
+    cfg->auto_budget_pressure_ms = 200;
+    snprintf(cfg->auto_budget_pressure_level, sizeof cfg->auto_budget_pressure_level, "medium");
+    cfg->auto_budget_shrink_percent = 10;
+    cfg->auto_budget_grow_after_s = 30;
 }
 
 void qm_config_free(qm_config *cfg)
@@ -274,7 +280,7 @@ int qm_config_check_devices(qm_config *cfg, qm_status *st)
 }
 
 typedef enum { K_U32, K_U64, K_STR, K_LEVEL, K_BACKEND, K_BOOL, K_SOURCE, K_DEVICES,
-               K_BUDGETS, K_IO_ENGINE } key_kind;
+               K_BUDGETS, K_IO_ENGINE, K_PRESSURE } key_kind;
 
 typedef struct key_def {
     const char *name;
@@ -319,6 +325,12 @@ static const key_def keys[] = {
     {"max_mapped_bytes", K_U64, OFF(max_mapped_bytes), 1, 0, UINT64_MAX},
     {"max_rings", K_U32, OFF(max_rings), 1, 0, 4096},
     {"session_orphan_timeout_s", K_U32, OFF(session_orphan_timeout_s), 1, 0, 1u << 30},
+    {"auto_budget_reserve", K_U64, OFF(auto_budget_reserve), 1, 0, UINT64_MAX},
+    {"auto_budget_check_ms", K_U32, OFF(auto_budget_check_ms), 1, 0, 3600000},
+    {"auto_budget_pressure_ms", K_U32, OFF(auto_budget_pressure_ms), 0, 0, 2000},
+    {"auto_budget_pressure_level", K_PRESSURE, 0, 0, 0, 0},
+    {"auto_budget_shrink_percent", K_U32, OFF(auto_budget_shrink_percent), 1, 1, 90},
+    {"auto_budget_grow_after_s", K_U32, OFF(auto_budget_grow_after_s), 1, 0, 86400},
 };
 
 static const key_def *find_key(const char *name)
@@ -405,6 +417,16 @@ static int apply_key(qm_config *cfg, const key_def *k, const char *text, int has
                             &cfg->paging_source, st);
     case K_IO_ENGINE:
         return option_value(k, text, qm_pager_io_parse, qm_pager_io_at, &cfg->io_engine, st);
+    case K_PRESSURE:
+        if (!text || (strcmp(text, "low") && strcmp(text, "medium") &&
+                      strcmp(text, "critical") && strcmp(text, "off")))
+            return qm_status_set_field(st, QM_EINVAL, k->name,
+                                       "%s must be low, medium, critical (cgroup v1's "
+                                       "memory.pressure_level) or off",
+                                       k->name);
+        snprintf(cfg->auto_budget_pressure_level, sizeof cfg->auto_budget_pressure_level, "%s",
+                 text);
+        return 0;
     case K_U32:
     case K_U64:
         if (text) {
@@ -548,7 +570,9 @@ static void usage(FILE *out)
             "  max_output_bytes queue_depth idle_timeout_s frame_timeout_s frames_per_wakeup\n"
             "  drain_timeout_s"
             " trace_capacity session_workspace_bytes max_mapped_bytes max_rings\n"
-            "  session_orphan_timeout_s, and \"models\": {NAME: PATH}.\n"
+            "  session_orphan_timeout_s auto_budget_reserve auto_budget_check_ms\n"
+            "  auto_budget_pressure_ms auto_budget_pressure_level (low|medium|critical|off)\n"
+            "  auto_budget_shrink_percent auto_budget_grow_after_s, and \"models\": {NAME: PATH}.\n"
             "SIGHUP re-reads the reloadable keys (limits, log_level, admin_group).\n",
             option_names(qm_pager_source_at, sources, sizeof sources, "|", "|"),
             option_names(qm_pager_io_at, engines, sizeof engines, "|", "|"));

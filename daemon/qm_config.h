@@ -80,6 +80,19 @@ typedef struct qm_config {
     /* An orphaned session (no open connection used it, nothing of it
      * queued) is closed after this long (qm_reclaim.h); 0 = never. */
     uint32_t session_orphan_timeout_s;
+    /* Budgets that size themselves (budget "auto"; qm_budget.h): the bytes
+     * left to the daemon's own memory, the engine and the page cache; how
+     * often the memory bounds are read again (ms, 0 = never); the stall
+     * in a 2 s window that makes a PSI pressure trigger (ms, 0 = none) and
+     * cgroup v1's pressure level; how far one pressure event shrinks an
+     * auto budget (percent of it); how long without pressure before auto
+     * budgets grow back (s). */
+    uint64_t auto_budget_reserve;
+    uint32_t auto_budget_check_ms;
+    uint32_t auto_budget_pressure_ms;
+    char auto_budget_pressure_level[12]; /* low, medium, critical; off: no v1 events */
+    uint32_t auto_budget_shrink_percent;
+    uint32_t auto_budget_grow_after_s;
 } qm_config;
 
 void qm_config_defaults(qm_config *cfg);

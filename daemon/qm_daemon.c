@@ -27,6 +27,7 @@
 #include "qm_models.h"
 #include "qm_notify.h"
 #include "qm_pool.h"
+#include "qm_pressure.h"
 #include "qm_reclaim.h"
 #include "qm_registry.h"
 #include "qm_ring.h"
@@ -53,6 +54,7 @@ struct qm_daemon {
     qm_reclaim reclaim;    /* orphaned sessions closed after session_orphan_timeout_s */
     qm_rings *rings;       /* call rings (qm_ring.h) */
     int reclaim_started;
+    qm_pressure pressure;  /* auto budgets under memory pressure (qm_pressure.h) */
     qm_method_ctx methods; /* what the methods reach of all this */
     int draining;
     int stopping; /* handles are being closed */
@@ -81,6 +83,7 @@ static void finish(qm_daemon *d)
     if (d->stopping)
         return;
     d->stopping = 1;
+    qm_pressure_stop(&d->pressure);
     qm_server_stop_listening(d->server);
     qm_server_close_all(d->server);
     uv_walk(d->loop, close_walk_cb, NULL);
@@ -321,6 +324,7 @@ static int start_serving(qm_daemon *d)
         return -1;
     }
     d->methods.pool = d->pool;
+    qm_pressure_start(&d->pressure, d->loop, &d->methods);
     d->watchdog_usec = qm_watchdog_usec();
     if (d->watchdog_usec) {
         uint64_t ms = d->watchdog_usec / 2000;
@@ -412,6 +416,7 @@ out_workers:
      * the workers that may still answer in it. */
     qm_rings_stop(d->rings);
     qm_pool_stop(d->pool);
+    qm_pressure_free(&d->pressure);
 out_models:
     if (d->registry)
         qm_registry_sessions(d->registry)->on_close = NULL;

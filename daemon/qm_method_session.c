@@ -4,6 +4,7 @@
 #include "qm_methods.h"
 
 #include <stdio.h>
+#include <string.h>
 
 #include "qm_alloc.h"
 #include "qm_log.h"
@@ -65,6 +66,16 @@ static void write_session_bytes(qm_jw *w, const qm_session *s)
     qm_jw_member_u64(w, "workspace_bytes", qm_session_workspace(s));
 }
 
+/* Budget "auto": what it came to and why (qm_budget.h), a last member. */
+static void write_budget_auto(qm_jw *w, qm_session *s)
+{
+    const qm_budget_auto *a = qm_session_auto_budget(s);
+    if (!a->on)
+        return;
+    qm_jw_key(w, "budget_auto");
+    qm_budget_auto_json(w, a);
+}
+
 /* session.create's answer: the session, and the experts `warm` loaded when
  * it was given. */
 typedef struct create_answer {
@@ -83,17 +94,19 @@ static void write_create_result(qm_jw *w, const void *arg)
     write_session_bytes(w, a->s);
     if (a->warm)
         qm_jw_member_u64(w, "warmed", a->warmed);
+    write_budget_auto(w, (qm_session *)a->s);
     qm_jw_obj_end(w);
 }
 
 static void write_resize_result(qm_jw *w, const void *arg)
 {
-    const qm_session *s = arg;
+    qm_session *s = (qm_session *)arg;
     qm_jw_obj_begin(w);
     qm_jw_member_u64(w, "budget_bytes", qm_session_budget(s));
     qm_jw_member_u64(w, "resident_bytes", qm_session_resident_bytes(s));
     qm_jw_key(w, "plan_summary");
     write_plan_summary(w, s);
+    write_budget_auto(w, s);
     qm_jw_obj_end(w);
 }
 
@@ -132,7 +145,20 @@ static int create_admit(qm_job *job, qm_status *st)
     qm_session *s;
     qm_session_spec spec;
     create_spec(&job->req.params, &spec);
-    int rc = qm_session_prepare(job->mx->sessions, job->mx->models, &spec, job->peer_uid, &s, st);
+    /* "N%" and "auto" to bytes (qm_budget.h); an unknown model is
+     * prepare's to refuse. */
+    const qm_params *p = &job->req.params;
+    const qm_model *m = qm_model_find(job->mx->models, p->model);
+    qm_budget_auto autob;
+    memset(&autob, 0, sizeof autob);
+    int rc = 0;
+    if (m && p->budget.form != QM_BUDGET_BYTES && p->budget.form != QM_BUDGET_NONE)
+        rc = qm_sessions_budget(job->mx->sessions, m, NULL, &p->budget, &spec.budget_bytes,
+                                &autob, st);
+    if (rc < 0)
+        return rc;
+    spec.auto_budget = autob.on ? &autob : NULL;
+    rc = qm_session_prepare(job->mx->sessions, job->mx->models, &spec, job->peer_uid, &s, st);
     if (rc < 0)
         return rc;
     job->session = s;
@@ -282,12 +308,23 @@ static int plan_json(qm_session *s, char **json, size_t *len, qm_status *st)
     const char *names[QM_CONFIG_MAX_DEVICES];
     qm_plan_json_state state = {.banks = banks};
     int rc = banks && lists ? 0 : qm_status_set(st, QM_ENOMEM, "out of memory reading the residency");
+    /* Budget "auto": what it came to and why (qm_budget.h). */
+    qm_buf auto_text;
+    qm_buf_init(&auto_text);
+    if (qm_session_auto_budget(s)->on) {
+        qm_jw aw;
+        qm_jw_init(&aw, &auto_text);
+        qm_budget_auto_json(&aw, qm_session_auto_budget(s));
+        if (qm_buf_append(&auto_text, "", 1) == 0 && !auto_text.oom)
+            state.budget_auto_json = auto_text.data; /* NUL-terminated */
+    }
     qm_session_hold(s);
     if (rc == 0)
         rc = plan_state(s, &state, banks, lists, names, st);
     if (rc == 0)
         rc = qm_plan_to_json_ex(qm_session_plan(s), &state, json, len, st);
     qm_session_release(s);
+    qm_buf_free(&auto_text);
     for (size_t i = 0; lists && i < n; i++)
         qm_free(lists[i]);
     qm_free(lists);
@@ -322,8 +359,20 @@ static const qm_job_ops plan_ops = {.run = plan_run, .finish = qm__job_answer};
 
 static int resize_admit(qm_job *job, qm_status *st)
 {
-    return qm_session_resize_reserve(job->mx->sessions, job->session,
-                                     job->req.params.budget_bytes, st);
+    /* "N%" and "auto" come to bytes now (qm_budget.h); "auto" keeps why. */
+    qm_params *p = &job->req.params;
+    qm_budget_auto autob;
+    int rc = qm_sessions_budget(job->mx->sessions, qm_session_model(job->session), job->session,
+                                &p->budget, &p->budget_bytes, &autob, st);
+    if (rc == 0 && autob.on) {
+        job->budget_auto = qm_malloc(sizeof autob);
+        if (!job->budget_auto)
+            return qm_status_set(st, QM_ENOMEM, "out of memory");
+        *job->budget_auto = autob;
+    }
+    return rc < 0 ? rc
+                  : qm_session_resize_reserve(job->mx->sessions, job->session, p->budget_bytes,
+                                              st);
 }
 
 /* Every earlier job of the session has finished (its FIFO): they ran under
@@ -351,8 +400,16 @@ static void resize_finish(qm_job *job)
         qm_reply_status(job->reply, job->slot, &job->req, &job->st);
         return;
     }
-    qm_log(QM_LOG_INFO, "session %s resized: budget %llu, resident %llu, pins released %llu",
-           qm_session_id(s), (unsigned long long)qm_session_budget(s),
+    /* A budget given as bytes or "N%" ends "auto": the watcher leaves the
+     * session alone from then on; "auto" sizes it again. */
+    qm_budget_auto *a = qm_session_auto_budget(s);
+    if (job->budget_auto)
+        *a = *job->budget_auto;
+    else
+        memset(a, 0, sizeof *a);
+    qm_log(QM_LOG_INFO, "session %s resized: budget %llu%s%s, resident %llu, pins released %llu",
+           qm_session_id(s), (unsigned long long)qm_session_budget(s), a->on ? "; " : "",
+           a->on ? a->why : "",
            (unsigned long long)qm_session_resident_bytes(s),
            (unsigned long long)qm_session_last_stats(s)->pins_released);
     qm_reply_result(job->reply, job->slot, &job->req, write_resize_result, s);

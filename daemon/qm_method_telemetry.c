@@ -17,13 +17,19 @@ static int can_see(const qm_peer *c, const qm_session *s)
     return c->is_admin || c->uid == qm_session_owner(s);
 }
 
-/* The daemon-wide resident figure is the sum over open sessions, now. */
+/* The daemon-wide resident figure is the sum over open sessions, now; so
+ * are the auto budgets in force (each session's gauge set here too). */
 static void refresh_resident(const qm_method_ctx *mx)
 {
-    uint64_t sum = 0;
-    for (qm_session *s = mx->sessions->first; s; s = qm_session_next(s))
+    uint64_t sum = 0, auto_sum = 0;
+    for (qm_session *s = mx->sessions->first; s; s = qm_session_next(s)) {
         sum += qm_session_resident_bytes(s);
+        uint64_t a = qm_session_auto_budget(s)->on ? qm_session_budget(s) : 0;
+        qm_session_counters(s)->auto_budget_bytes = a;
+        auto_sum += a;
+    }
     mx->counters->resident_bytes = sum;
+    mx->counters->auto_budget_bytes = auto_sum;
 }
 
 static void jw_session_counters(qm_jw *w, qm_session *s)
@@ -59,6 +65,7 @@ static int telemetry_get(qm_call *k, qm_status *st)
     qm_jw_obj_begin(w);
     qm_jw_counters(w, mx->counters);
     qm_jw_member_u64(w, "sessions_reclaimed", mx->counters->sessions_reclaimed);
+    qm_jw_member_u64(w, "memory_pressure_events", mx->counters->memory_pressure_events);
     qm_jw_obj_end(w);
     qm_jw_key(w, "sessions");
     qm_jw_arr_begin(w);
@@ -212,6 +219,11 @@ static int metrics_text(const qm_method_ctx *mx, const qm_peer *c, qm_buf *b)
                      "session_orphan_timeout_s.\n# TYPE qmoed_sessions_reclaimed_total counter\n"
                      "qmoed_sessions_reclaimed_total %llu\n",
                   (unsigned long long)mx->counters->sessions_reclaimed);
+    qm_buf_printf(b, "# HELP qmoed_memory_pressure_events_total Memory pressure events the "
+                     "auto-budget watcher received.\n"
+                     "# TYPE qmoed_memory_pressure_events_total counter\n"
+                     "qmoed_memory_pressure_events_total %llu\n",
+                  (unsigned long long)mx->counters->memory_pressure_events);
     qm_buf_printf(b, "# HELP qmoed_limit_hits_total Times a configured limit was hit.\n"
                      "# TYPE qmoed_limit_hits_total counter\n");
     for (int i = 0; i < QM_LIMIT_COUNT; i++)

@@ -80,6 +80,9 @@ struct qm_job {
     uint32_t tokens;
     uint32_t *route_experts; /* [tokens * k], for the hotness profile */
     size_t n_routes;
+    /* session.resize to "auto": what it came to (qm_budget.h), owned; set
+     * by admit, the session's once the resize is applied. */
+    struct qm_budget_auto *budget_auto;
 };
 
 /* The loop's side: done is called for each job a worker hands back (the

@@ -39,6 +39,7 @@ struct qm_session {
     char *trace_path;         /* policy_params.record_trace in the state dir, or NULL */
     uint64_t plan_start_us, plan_us;
     uint64_t budget_bytes;    /* expert-weight budget */
+    qm_budget_auto auto_budget; /* budget "auto": its size, why, the pressure watcher's state */
     uint64_t workspace_bytes; /* fixed at creation */
     uint64_t admitted_bytes;  /* what the devices hold for it (budget shares + workspaces);
                                * while resizes are queued, the largest they may set */
@@ -433,6 +434,8 @@ static int session_new(const qm_sessions *ss, qm_model *m, const qm_session_spec
     snprintf(s->policy_name, sizeof s->policy_name, "%s", spec->policy);
     s->precision = spec->precision;
     s->budget_bytes = spec->has_budget ? spec->budget_bytes : m->bytes_total;
+    if (spec->auto_budget)
+        s->auto_budget = *spec->auto_budget;
     s->workspace_bytes = ss->cfg->session_workspace_bytes;
     s->created_at = (int64_t)time(NULL);
     int rc = 0;
@@ -639,10 +642,12 @@ void qm_session_commit(qm_sessions *ss, qm_session *s)
     s->next = ss->first;
     ss->first = s;
     qm_log(QM_LOG_INFO,
-           "session %s created: model %s, policy %s, budget %llu, uid %u, %llu bytes of whole "
-           "banks mapped in, %llu laid out for the fast CPU decode (r8)",
+           "session %s created: model %s, policy %s, budget %llu%s%s%s, uid %u, %llu bytes of "
+           "whole banks mapped in, %llu laid out for the fast CPU decode (r8)",
            s->id, s->model->name, s->policy_name, (unsigned long long)s->budget_bytes,
-           (unsigned)s->owner_uid, (unsigned long long)s->last_stats.bytes_prefaulted_at_create,
+           s->auto_budget.on ? " (" : "", s->auto_budget.on ? s->auto_budget.why : "",
+           s->auto_budget.on ? ")" : "", (unsigned)s->owner_uid,
+           (unsigned long long)s->last_stats.bytes_prefaulted_at_create,
            (unsigned long long)s->last_stats.bytes_interleaved_at_create);
 }
 
@@ -802,3 +807,31 @@ qm_shm_set *qm_session_maps(qm_session *s) { return &s->maps; }
 int qm_session_closed(const qm_session *s) { return atomic_load(&((qm_session *)s)->closed); }
 
 qm_touches *qm_session_touches(qm_session *s) { return &s->touches; }
+qm_budget_auto *qm_session_auto_budget(qm_session *s) { return &s->auto_budget; }
+
+int qm_sessions_budget(const qm_sessions *ss, const qm_model *m, const qm_session *s,
+                       const qm_budget_spec *spec, uint64_t *bytes, qm_budget_auto *autob,
+                       qm_status *st)
+{
+    uint64_t free_bytes = 0;
+    for (uint32_t i = 0; i < ss->devices->n; i++)
+        free_bytes += device_free(&ss->devices->dev[i]);
+    qm_budget_ask ask = {.spec = spec,
+                         .model_bytes = m->bytes_total,
+                         .workspace = s ? 0 : ss->cfg->session_workspace_bytes,
+                         .credit = s ? s->counters.resident_bytes : 0,
+                         .device_free = free_bytes + (s ? s->budget_bytes : 0),
+                         .host_memory = qm_devices_host_visible(ss->devices)};
+    return qm_budget_resolve(ss->cfg, &ask, bytes, autob, st);
+}
+
+uint64_t qm_session_min_budget(const qm_sessions *ss, const qm_session *s)
+{
+    uint64_t min = s->budget_bytes;
+    qm_status st;
+    qm_status_clear(&st);
+    if (qm_pager_min_budget(ss->devices->dev[0].backend, s->model->bank, s->recipe.plan,
+                            &s->recipe.options, &min, &st) < 0)
+        return s->budget_bytes;
+    return min;
+}

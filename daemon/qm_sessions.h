@@ -13,6 +13,7 @@
 #include <stdint.h>
 #include <sys/types.h>
 
+#include "qm_budget.h"
 #include "qm_config.h"
 #include "qm_devices.h"
 #include "qm_moe.h"
@@ -66,6 +67,8 @@ typedef struct qm_session_spec {
     /* budget: expert bytes; has_budget 0: the model's expert bytes */
     int has_budget;
     uint64_t budget_bytes;
+    /* budget "auto": what it came to and why (qm_sessions_budget); NULL otherwise */
+    const qm_budget_auto *auto_budget;
     qm_precision precision;
     int prefetch;        /* policy_params.prefetch (default 1) */
     int on_miss;         /* QM_ON_MISS_* (default page) */
@@ -121,6 +124,15 @@ void qm_session_unref(qm_session *s); /* accepts NULL */
 int qm_session_resize_reserve(qm_sessions *ss, qm_session *s, uint64_t budget, qm_status *st);
 void qm_session_resize_finish(qm_sessions *ss, qm_session *s, int ok, uint64_t budget);
 
+/* The bytes a budget's wire form asks for (qm_budget.h): "N%" of model m,
+ * "auto" from the memory bounds now and the devices' free budget, for a
+ * creation (s NULL, with a workspace to come) or a resize of s (its
+ * resident bytes counted as its own, its admission free for it); for
+ * "auto" what it came to in *autob (zeroed otherwise). */
+int qm_sessions_budget(const qm_sessions *ss, const qm_model *m, const qm_session *s,
+                       const qm_budget_spec *spec, uint64_t *bytes, qm_budget_auto *autob,
+                       qm_status *st);
+
 /* The session's pagers, one per device that holds layers (worker, while
  * the session's job runs): the forward call, the counters summed over its
  * devices, a budget change (the placement's shares and the plan's budget
@@ -168,5 +180,12 @@ int qm_session_closed(const qm_session *s);    /* any thread */
  * dispatch records every request that names it, session.create its
  * creator. */
 qm_touches *qm_session_touches(qm_session *s);
+/* Its auto budget (qm_budget.h; `on` 0 when its budget is not auto): the
+ * watcher (qm_pressure.h) and session.resize change it, loop thread. */
+qm_budget_auto *qm_session_auto_budget(qm_session *s);
+/* The least budget its pagers take (whole banks + pins + one expert unit;
+ * qm_pager_min_budget over its plan); its budget now when that cannot be
+ * computed. */
+uint64_t qm_session_min_budget(const qm_sessions *ss, const qm_session *s);
 
 #endif

@@ -181,6 +181,16 @@ static const metric_def metrics[] = {
      1, COFF(reads_in_flight_sum), {POFF(reads_in_flight_sum), NO_STAT}},
     {"reads_in_flight_peak", "Most disk reads in flight at once.", METRIC_PEAK,
      COFF(reads_in_flight_peak), {POFF(reads_in_flight_peak), NO_STAT}},
+    {"auto_shrinks", "Times the memory watcher shrank an auto budget (pressure, or a limit "
+     "leaving less than auto_budget_reserve).", 1, COFF(auto_shrinks), NOT_PAGED},
+    {"auto_grows", "Times the memory watcher grew an auto budget back toward its auto size.", 1,
+     COFF(auto_grows), NOT_PAGED},
+    {"auto_shrunk_bytes", "Bytes of budget the memory watcher took from auto budgets.", 1,
+     COFF(auto_shrunk_bytes), NOT_PAGED},
+    {"auto_grown_bytes", "Bytes of budget the memory watcher gave back to auto budgets.", 1,
+     COFF(auto_grown_bytes), NOT_PAGED},
+    {"auto_budget_bytes", "Budget bytes in force of the sessions whose budget is auto.", 0,
+     COFF(auto_budget_bytes), NOT_PAGED},
 };
 #define N_METRICS (sizeof metrics / sizeof metrics[0])
 

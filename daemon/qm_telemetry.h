@@ -42,10 +42,15 @@ typedef struct qm_counters {
     /* Direct disk paging's I/O engine: time with reads in flight, calls
      * with reads in flight and the sum of each one's most, the most. */
     uint64_t disk_busy_us, read_calls, reads_in_flight_sum, reads_in_flight_peak;
+    /* Auto budgets (qm_budget.h, qm_pressure.h): what the memory watcher
+     * shrank and grew, and the auto budgets in force (a gauge). */
+    uint64_t auto_shrinks, auto_grows, auto_shrunk_bytes, auto_grown_bytes, auto_budget_bytes;
     qm_hist latency; /* session.infer end to end, microseconds */
     /* Daemon-wide only, outside the table: sessions the orphan reclaim
-     * closed (qm_reclaim.h). */
+     * closed (qm_reclaim.h); memory pressure events the watcher received
+     * (qm_pressure.h). */
     uint64_t sessions_reclaimed;
+    uint64_t memory_pressure_events;
 } qm_counters;
 
 /* What a session's pager did between two readings of its statistics (one

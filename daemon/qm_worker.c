@@ -66,6 +66,7 @@ void qm_job_free(qm_job *job)
     qm_map_refs_release(&job->maps);
     qm_buf_free(&job->response);
     qm_free(job->route_experts);
+    qm_free(job->budget_auto);
     qm_free(job);
 }
 

@@ -169,7 +169,8 @@ def main(argv=None):
     ap.add_argument("--name", help="model name in qmoed (default: the bank's file name)")
     ap.add_argument("--bits", type=int, default=8, choices=(4, 8), help="import bits (8)")
     ap.add_argument("--policy", default="whole_bank")
-    ap.add_argument("--budget", help="expert-weight budget: bytes, a fraction or NN%%")
+    ap.add_argument("--budget", help="expert-weight budget: bytes, a fraction, NN%%, or auto (sized "
+                    "by qmoed from the memory this machine and its cgroup give)")
     ap.add_argument("--precision", choices=("exact", "fast"))
     ap.add_argument("--prompt", default="Once upon a time")
     ap.add_argument("--prompt-ids", help="token ids (models without a tokenizer)")

@@ -726,6 +726,9 @@ const char *qm_wire_type_text(const qm_wire_param *p, char *out, size_t cap)
     case QM_WT_HOT:
         snprintf(out, cap, "an array of {layer, experts}");
         break;
+    case QM_WT_BUDGET:
+        snprintf(out, cap, "bytes (an integer >= 1), \"N%%\" or \"auto\"");
+        break;
     case QM_WT_CHECK:
         snprintf(out, cap, "a rule");
         break;
@@ -847,6 +850,7 @@ static int decode_row(const cJSON *obj, const qm_wire_param *p, const char *pref
                                : wrong_type(st, path, qm_wire_type_text(p, what, sizeof what), v);
         break;
     case QM_WT_HOT:
+    case QM_WT_BUDGET:
     case QM_WT_CHECK:
         rc = p->fn(v, out, st);
         break;

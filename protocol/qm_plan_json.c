@@ -158,6 +158,9 @@ int qm_plan_to_json_ex(const qm_residency_plan *plan, const qm_plan_json_state *
     }
     if (state && state->placement_rule && placement_item(root, state))
         goto fail_build;
+    if (state && state->budget_auto_json &&
+        add(root, "budget_auto", cJSON_CreateRaw(state->budget_auto_json)))
+        goto fail_build;
     cJSON *banks = cJSON_CreateArray();
     if (add(root, "banks", banks)) goto fail_build;
     for (size_t i = 0; i < qm_plan_total(plan); i++) {

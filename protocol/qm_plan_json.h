@@ -45,6 +45,9 @@ typedef struct qm_plan_json_state {
     const char *const *device_names; /* [n_devices] */
     const uint64_t *device_budgets;  /* [n_devices] the session's budget on each */
     size_t n_devices;
+    /* Budget "auto" (daemon/qm_budget.h): non-NULL adds "budget_auto", this
+     * object's JSON text as given, after "placement". */
+    const char *budget_auto_json;
 } qm_plan_json_state;
 
 /* Writes the plan as JSON. *out is a NUL-terminated string the caller owns

@@ -185,6 +185,32 @@ int qm_json_check(const char *s, size_t n, int max_depth, const char **why);
 
 /* ---- Requests ---------------------------------------------------------------- */
 
+/* How a session's budget was given (session.create, session.resize;
+ * PROTOCOL.md): bytes, a share of the model's expert bytes, or "auto" (the
+ * daemon sizes it from what this machine and its memory cgroup can give;
+ * daemon/qm_budget.h). */
+typedef enum qm_budget_form {
+    QM_BUDGET_NONE,    /* absent: session.create's default, the whole model */
+    QM_BUDGET_BYTES,   /* budget_bytes, or budget as a number of bytes */
+    QM_BUDGET_PERCENT, /* budget "N%": 0 < N <= 100 */
+    QM_BUDGET_AUTO     /* budget "auto" */
+} qm_budget_form;
+
+typedef struct qm_budget_spec {
+    qm_budget_form form;
+    uint64_t bytes; /* QM_BUDGET_BYTES: > 0 */
+    double percent; /* QM_BUDGET_PERCENT: in (0, 100] */
+} qm_budget_spec;
+
+/* A budget's text form: "auto", "N%" (a decimal number, 0 < N <= 100) or a
+ * whole number of bytes > 0. 0, or QM_EINVAL with st naming `field` and
+ * the rule (QM_BUDGET_RULE). The wire decoder's and qmoectl's one parser
+ * (qm_budget_param.c). */
+#define QM_BUDGET_RULE "expected bytes, \"N%\" with 0 < N <= 100, or \"auto\""
+int qm_budget_parse(const char *text, const char *field, qm_budget_spec *out, qm_status *st);
+/* "N%" of `total` bytes: rounded down, at least 1. */
+uint64_t qm_budget_percent_of(double percent, uint64_t total);
+
 /* The methods, their params as rows and qm_params: the wire as data. */
 #include "qm_wire_schema.h"
 
@@ -214,6 +240,7 @@ typedef enum qm_wire_type {
     QM_WT_TENSOR,
     QM_WT_OBJECT,
     QM_WT_HOT,
+    QM_WT_BUDGET, /* bytes, "N%" or "auto" (qm_budget_parse) */
     QM_WT_CHECK
 } qm_wire_type;
 
@@ -227,7 +254,7 @@ typedef struct qm_wire_param {
     size_t lands, has;         /* offsets in qm_params; SIZE_MAX: nowhere */
     const char *const *names;  /* ENUM: its names, NULL-terminated */
     const qm_wire_rows *object; /* OBJECT: its rows */
-    /* HOT: decodes the member; CHECK: the rule (v NULL). Private to protocol/. */
+    /* HOT, BUDGET: decodes the member; CHECK: the rule (v NULL). Private to protocol/. */
     int (*fn)(const struct cJSON *v, qm_params *out, qm_status *st);
     const char *doc;
 } qm_wire_param;

@@ -19,6 +19,15 @@ int qm__params_decode(qm_method m, const cJSON *params, qm_params *out, qm_statu
  * the call ring's (qm_ring_params.c), so both transports answer alike;
  * qm_params.c. */
 int qm__infer_shapes_check(const qm_params *p, qm_status *st);
+
+/* The budget's rows (qm_budget_param.c): `budget`'s value (a positive
+ * integer, or a string of qm_budget_parse) into out->budget; then the rule
+ * across it and budget_bytes: not both (0), or one of them (1, resize),
+ * has_budget and budget_bytes set for whichever was given. QM_EINVAL
+ * naming the member. */
+int qm__decode_budget(const cJSON *v, qm_params *out, qm_status *st);
+int qm__check_budget0(const cJSON *v, qm_params *out, qm_status *st);
+int qm__check_budget1(const cJSON *v, qm_params *out, qm_status *st);
 int qm__map_offset_check(const char *path, uint64_t offset, qm_status *st);
 
 /* Releases what the rows of method m landed in p (strings, tensors, the

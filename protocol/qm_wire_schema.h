@@ -75,8 +75,7 @@
     P("model", STRING, 1, 1, QM_NAME_MAX, AT(model), NOWHERE, NONE, "a loaded model's name")       \
     P("policy", POLICY, 0, 1, 32, AT(policy), NOWHERE, NONE,                                       \
       "the residency policy (the first, when absent); the daemon refuses one not offered")         \
-    P("budget_bytes", UINT, 0, 1, UINT64_MAX, AT(budget_bytes), AT(has_budget), NONE,              \
-      "expert bytes the session may keep resident (default: the model's bytes_total)")             \
+    QM_PARAMS_BUDGET(P, 0)                                                                         \
     P("policy_params", OBJECT, 0, 0, 0, AT(policy_params), AT(has_policy_params),                  \
       ROWS(POLICY_PARAMS), "the session's paging and its policy's knobs")                          \
     P("precision", ENUM, 0, 0, 0, AT(precision), NOWHERE, NAMES(PRECISION),                        \
@@ -106,8 +105,19 @@
 
 #define QM_PARAMS_SESSION_RESIZE(P)                                                                \
     QM_PARAMS_BY_SESSION(P)                                                                        \
-    P("budget_bytes", UINT, 1, 1, UINT64_MAX, AT(budget_bytes), AT(has_budget), NONE,              \
-      "the session's new expert budget")
+    QM_PARAMS_BUDGET(P, 1)
+
+/* A session's budget (session.create: optional, default the model's
+ * bytes_total; session.resize: one of the two required). */
+#define QM_PARAMS_BUDGET(P, req)                                                                   \
+    P("budget", BUDGET, 0, 1, UINT64_MAX, AT(budget), AT(has_budget), FN(qm__decode_budget),       \
+      "expert bytes the session may keep resident: bytes, \"N%\" of the model's expert bytes, "    \
+      "or \"auto\" (sized from the memory this machine and its cgroup give)")                      \
+    P("budget_bytes", UINT, 0, 1, UINT64_MAX, AT(budget_bytes), AT(has_budget_bytes), NONE,        \
+      "the budget as bytes (the older member; not with budget)")                                   \
+    P("", CHECK, 0, 0, 0, NOWHERE, NOWHERE, FN(qm__check_budget##req), QM__BUDGET_RULE_##req)
+#define QM__BUDGET_RULE_0 "budget or budget_bytes, not both"
+#define QM__BUDGET_RULE_1 "budget or budget_bytes, one of them"
 
 #define QM_PARAMS_SESSION_INFER(P)                                                                 \
     QM_PARAMS_BY_SESSION(P)                                                                        \
@@ -217,8 +227,12 @@ typedef struct qm_params {
     int force;               /* model.unload */
     char *model;             /* session.create */
     char *policy;            /* session.create; NULL = whole_bank */
-    int has_budget;
-    uint64_t budget_bytes;   /* session.create (optional), session.resize (required) */
+    int has_budget;          /* a budget given, in either member */
+    int has_budget_bytes;    /* budget_bytes given */
+    uint64_t budget_bytes;   /* session.create (optional), session.resize (required); the
+                              * bytes when budget.form is QM_BUDGET_BYTES, else the daemon's
+                              * to fill (daemon/qm_budget.h) */
+    qm_budget_spec budget;   /* the form given, by `budget` or `budget_bytes` */
     int has_policy_params;
     qm_policy_params_wire policy_params;
     int precision;           /* session.create: QM_WIRE_ENUMS' PRECISION index, 0 exact */

@@ -56,6 +56,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.abspath(os.path.join(HERE, "..", ".."))
 sys.path.insert(0, os.path.join(ROOT, "tests", "daemon"))
 
+from qmoed_memcg import MemCgroup  # noqa: E402  (a memory cgroup, v1 or v2)
+
 GB = 1e9
 CONFIGS = [("whole_bank", None), ("next_use", 0.5), ("next_use", 0.25)]
 SESSION_RE = re.compile(r"qmoed: session \S+: (\d+) layer calls, (\d+) rows: daemon compute ([\d.]+) ms, "
@@ -124,41 +126,6 @@ def drop_cached(paths):
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
         finally:
             os.close(fd)
-
-
-class MemCgroup:
-    """A memory-capped cgroup (v1 memory controller, or v2)."""
-
-    def __init__(self, limit):
-        self.v2 = os.path.exists("/sys/fs/cgroup/cgroup.controllers")
-        base = "/sys/fs/cgroup" if self.v2 else "/sys/fs/cgroup/memory"
-        self.path = os.path.join(base, "qmoe-bench-%d-%d" % (os.getpid(), int(time.time() * 1e3)))
-        os.makedirs(self.path)
-        with open(os.path.join(self.path, "memory.max" if self.v2 else "memory.limit_in_bytes"), "w") as f:
-            f.write(str(int(limit)))
-
-    def prefix(self):
-        """A command prefix that moves the command into the group first."""
-        return ["sh", "-c", 'echo $$ > "$0/cgroup.procs" && exec "$@"', self.path]
-
-    def add(self, pid):
-        with open(os.path.join(self.path, "cgroup.procs"), "w") as f:
-            f.write(str(pid))
-
-    def oom_kills(self):
-        with open(os.path.join(self.path, "memory.events" if self.v2 else "memory.oom_control")) as f:
-            for line in f:
-                if line.startswith("oom_kill "):
-                    return int(line.split()[1])
-        return 0
-
-    def remove(self):
-        for _ in range(50):
-            try:
-                os.rmdir(self.path)
-                return
-            except OSError:
-                time.sleep(0.1)
 
 
 def llama_bench(a, gguf, extra=(), cmd_prefix=(), daemon_pid=None, prompt=None, decode=None,
@@ -339,7 +306,7 @@ def cgroup_rows(a, shape, quant, gguf, bank, name, sizes, bits):
     exp, rest = sizes
     out = []
     for extra in ([], ["--repack", "0"]):  # llama.cpp alone, mmap
-        g = MemCgroup(cap)
+        g = MemCgroup(cap, prefix="qmoe-bench")
         try:
             drop_cached([gguf])
             r = llama_bench(a, gguf, extra, cmd_prefix=g.prefix(), prompt=a.cgroup_prompt, decode=a.cgroup_decode)
@@ -357,7 +324,7 @@ def cgroup_rows(a, shape, quant, gguf, bank, name, sizes, bits):
     # non-expert weights and its buffers (measured uncapped: well under 1 GB
     # beyond them on these shapes), the daemon's its own memory
     budget = int(max(cap - rest - 0.9 * GB, exp * 0.02))
-    g = MemCgroup(cap)
+    g = MemCgroup(cap, prefix="qmoe-bench")
     try:
         drop_cached([gguf, bank])
         dm = Daemon(models={name: bank}, args=["--threads", str(a.threads), "--log-level", "warning",

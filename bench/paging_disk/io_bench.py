@@ -64,13 +64,15 @@ def make_bank(build, layers, d):
     return path
 
 
-def fio(path, name, rw, depth, seconds):
-    """fio's read rate (bytes/s) of one job on the bank file, or None."""
+def fio(path, name, rw, depth, seconds, block="2M"):
+    """fio's read rate (bytes/s) of one job on the bank file, and the engine
+    that ran it, or None; `block` bytes per read (bench/e2e/capped_sweep.py
+    reads one expert unit)."""
     if not shutil.which("fio"):
         return None
     for engine in ("io_uring", "libaio", "psync"):
         p = sh(["fio", "--name=" + name, "--filename=" + path, "--readonly", "--direct=1",
-                "--rw=" + rw, "--bs=2M", "--iodepth=%d" % depth, "--ioengine=" + engine,
+                "--rw=" + rw, "--bs=%s" % block, "--iodepth=%d" % depth, "--ioengine=" + engine,
                 "--runtime=%d" % seconds, "--time_based", "--output-format=json",
                 "--invalidate=1"])
         if p.returncode == 0:

@@ -231,10 +231,13 @@ int qm_pager_min_budget(qm_backend *backend, const qm_bank *bank, const qm_resid
  * it pays for; the budget in force changes only once resident bytes are
  * within it, so they are never above the budget in force. Slots given back
  * are the highest: a survivor in one is re-copied into a lower free slot,
- * and memory added by an earlier growth is freed once none of its slots is
- * in use (the creation arena is kept whole). Growing: the new slots come
- * from memory given back earlier, else from one new arena; nothing is
- * loaded (misses fill them). Outputs never change. Errors:
+ * memory added by an earlier growth is freed once none of its slots is in
+ * use, and on a host-visible backend the pages of the other slots given
+ * back return to the system (madvise; unlocked first when the disk source
+ * locked them), so a smaller budget is less memory as a cgroup counts it.
+ * Growing: the new slots come from memory given back earlier (locked again
+ * where the arena was), else from one new arena; nothing is loaded (misses
+ * fill them). Outputs never change. Errors:
  * QM_ERESOURCE_EXHAUSTED with field "budget_bytes" when the budget is below
  * the minimum (whole banks + one expert unit when anything is paged; pins
  * can be released), message shaped as qm_pager_new's; QM_ENOMEM /

@@ -292,6 +292,20 @@ void qm__pager_disk_unlock(qm_pager *p, qm_arena *arena)
         munlock(qm_arena_at(arena, 0), (size_t)qm_arena_size(arena));
 }
 
+void qm__pager_disk_lock_range(qm_pager *p, void *base, uint64_t len)
+{
+    if (p->disk && len && mlock(base, (size_t)len) != 0 && !strstr(p->source_why, "not locked"))
+        qm__why(p, "arena not locked in memory after a growth: mlock: %s; the kernel may swap "
+                   "it",
+                strerror(errno));
+}
+
+void qm__pager_disk_unlock_range(qm_pager *p, void *base, uint64_t len)
+{
+    if (p->disk && len)
+        munlock(base, (size_t)len);
+}
+
 void qm__pager_disk_close(qm_pager *p)
 {
     struct qm__disk *d = p->disk;
@@ -352,6 +366,24 @@ int qm__pager_disk_slots(qm_pager *p, uint32_t n, qm_status *st)
     return 0;
 }
 
+/* How far into arena `a` its slots in use (and, in the creation arena, its
+ * whole banks) reach: what is registered, so that a slot a shrink gave
+ * back holds no pin and its pages really go (qm_pager_resize.c). */
+static uint64_t qm__arena_live(const qm_pager *p, qm_arena *a, int creation)
+{
+    const uint64_t size = qm_arena_size(a);
+    const uint8_t *b = qm_arena_at(a, 0);
+    if (!p->slots) /* being created: all of it */
+        return size;
+    uint64_t live = creation ? p->arena_skew + p->sz.whole_arena : 0;
+    for (uint32_t s = 0; s < p->n_slots; s++) {
+        const uint8_t *sb = p->slots[s].base;
+        if (sb >= b && sb < b + size && (uint64_t)(sb - b) + p->sz.slot_size > live)
+            live = (uint64_t)(sb - b) + p->sz.slot_size;
+    }
+    return live < size ? live : size;
+}
+
 void qm__pager_disk_arenas(qm_pager *p)
 {
     struct qm__disk *d = p->disk;
@@ -367,10 +399,11 @@ void qm__pager_disk_arenas(qm_pager *p)
         size_t k = 0;
         for (size_t i = 0; i < n; i++) {
             qm_arena *a = i == 0 && p->arena ? p->arena : p->grow_arenas[i - (p->arena ? 1 : 0)];
-            if (!qm_arena_size(a))
+            uint64_t live = qm_arena_size(a) ? qm__arena_live(p, a, a == p->arena) : 0;
+            if (!live)
                 continue;
             base[k] = qm_arena_at(a, 0);
-            len[k++] = qm_arena_size(a);
+            len[k++] = live;
         }
         qm__io_set_buffers(d->io, base, len, k, note, sizeof note);
     }

@@ -31,7 +31,9 @@ int qm__pager_disk_async(const qm_pager *p);
  * (creation, growing). QM_ENOMEM keeps what there was. No-op when serial. */
 int qm__pager_disk_slots(qm_pager *p, uint32_t n, qm_status *st);
 /* Registers the pager's arenas (creation and growth) with the engine as
- * fixed buffers, after any change to them, with nothing in flight. */
+ * fixed buffers, after any change to them or to the slots in use (each as
+ * far as its slots in use reach, so a shrink's pages are not pinned), with
+ * nothing in flight. */
 void qm__pager_disk_arenas(qm_pager *p);
 /* Starts reading slot s's unit (layer/expert set, base in an arena) at
  * demand or prefetch priority. */
@@ -54,6 +56,11 @@ void qm__pager_disk_call_begin(qm_pager *p);
 void qm__pager_disk_call_end(qm_pager *p);
 void qm__pager_disk_lock(qm_pager *p, qm_arena *arena); /* mlock, or why not */
 void qm__pager_disk_unlock(qm_pager *p, qm_arena *arena);
+/* The same for [base, base + len) of a locked arena: slots a resize gives
+ * back are unlocked (their pages then go back to the system) and locked
+ * again when a growth takes them. Nothing without the disk source. */
+void qm__pager_disk_lock_range(qm_pager *p, void *base, uint64_t len);
+void qm__pager_disk_unlock_range(qm_pager *p, void *base, uint64_t len);
 void qm__pager_disk_stats(const qm_pager *p, qm_pager_stats *out);
 
 #endif

@@ -5,6 +5,8 @@
  * new arena. See qm_pager_resize in qm_pager.h and docs/PAGING.md. */
 #include <stddef.h>
 #include <string.h>
+#include <sys/mman.h>
+#include <unistd.h>
 
 #include "qm_alloc.h"
 #include "qm_pager_copy.h"
@@ -77,6 +79,43 @@ static void qm__move_unit(qm_pager *p, int32_t from, int32_t to)
     p->stats.bytes_paged_h2d += b->unit_bytes;
 }
 
+/* The whole pages inside slot s: [*start, *start + *len). 0 when none. */
+static int qm__slot_pages(const qm_pager *p, uint32_t s, uintptr_t *start, uint64_t *len)
+{
+    long page = sysconf(_SC_PAGESIZE);
+    uintptr_t mask = (uintptr_t)(page > 0 ? page : 4096) - 1;
+    uintptr_t a = ((uintptr_t)p->slots[s].base + mask) & ~mask;
+    uintptr_t e = ((uintptr_t)p->slots[s].base + (uintptr_t)p->sz.slot_size) & ~mask;
+    if (!p->slots[s].base || e <= a)
+        return 0;
+    *start = a;
+    *len = e - a;
+    return 1;
+}
+
+/* Slots [from, to) given back by a shrink (take 0): in a host arena their
+ * pages go back to the system (unlocked first where the disk source locked
+ * them), so the smaller budget is less memory, as a memory cgroup counts
+ * it; taken again by a growth (take 1): locked again as the arena was.
+ * Device memory stays. */
+static void qm__slots_memory(qm_pager *p, uint32_t from, uint32_t to, int take)
+{
+    if (!qm_backend_host_visible(p->backend))
+        return;
+    for (uint32_t s = from; s < to; s++) {
+        uintptr_t a;
+        uint64_t len;
+        if (!qm__slot_pages(p, s, &a, &len))
+            continue;
+        if (take) {
+            qm__pager_disk_lock_range(p, (void *)a, len);
+        } else {
+            qm__pager_disk_unlock_range(p, (void *)a, len);
+            madvise((void *)a, (size_t)len, MADV_DONTNEED);
+        }
+    }
+}
+
 static int qm__shrink(qm_pager *p, uint64_t budget, uint32_t keep, qm_status *st)
 {
     /* Evict by the policy until the survivors fit the kept slots and the
@@ -105,9 +144,9 @@ static int qm__shrink(qm_pager *p, uint64_t budget, uint32_t keep, qm_status *st
             return qm_status_set(st, QM_EINTERNAL, "resize: no free slot below %u", keep);
         qm__move_unit(p, (int32_t)s, (int32_t)low);
     }
+    qm__slots_memory(p, keep, p->n_slots, 0);
     p->n_slots = keep;
     /* Arenas added by growing whose slots are all given back go. */
-    size_t n_grow = p->n_grow;
     while (p->n_grow > 0 && p->grow_first[p->n_grow - 1] >= keep) {
         qm_arena *a = p->grow_arenas[p->n_grow - 1];
         p->stats.arena_bytes -= qm_arena_size(a);
@@ -116,8 +155,7 @@ static int qm__shrink(qm_pager *p, uint64_t budget, uint32_t keep, qm_status *st
         qm_arena_free(p->backend, a);
         p->n_grow--;
     }
-    if (p->n_grow != n_grow)
-        qm__pager_disk_arenas(p);
+    qm__pager_disk_arenas(p); /* the slots given back hold no pin now */
     return 0;
 }
 
@@ -126,7 +164,9 @@ static int qm__grow(qm_pager *p, uint32_t want, qm_status *st)
     if (want <= p->slot_cap) {
         for (uint32_t s = p->n_slots; s < want; s++)
             memset(&p->slots[s].layer, 0, sizeof *p->slots - offsetof(qm__slot, layer));
+        qm__slots_memory(p, p->n_slots, want, 1);
         p->n_slots = want;
+        qm__pager_disk_arenas(p); /* the slots taken again are registered */
         return 0;
     }
     uint32_t add = want - p->slot_cap;
@@ -161,11 +201,12 @@ static int qm__grow(qm_pager *p, uint32_t want, qm_status *st)
     p->grow_first[p->n_grow] = p->slot_cap;
     p->n_grow++;
     p->stats.arena_bytes += bytes;
-    qm__pager_disk_arenas(p);
     for (uint32_t s = p->n_slots; s < p->slot_cap; s++)
         memset(&p->slots[s].layer, 0, sizeof *p->slots - offsetof(qm__slot, layer));
+    qm__slots_memory(p, p->n_slots, p->slot_cap, 1);
     p->slot_cap = want;
     p->n_slots = want;
+    qm__pager_disk_arenas(p); /* the new arena, and slots taken again */
     return 0;
 }
 

@@ -47,9 +47,21 @@ int main(int argc, char **argv)
         qm_client_plan_summary_free(&sum);
         qm_client_string_free(id);
     }
+    /* The budget as text: "N%" and "auto" are the daemon's to size. */
+    static const char *const texts[] = {"25%", "auto", "4096"};
+    for (size_t i = 0; i < sizeof texts / sizeof *texts; i++) {
+        sp.budget = texts[i];
+        if (qm_client_session_create(c, &sp, &id, &sum, &err) == 0) {
+            qm_client_plan_summary_free(&sum);
+            qm_client_string_free(id);
+        }
+    }
     uint64_t resident = 0;
     if (qm_client_session_resize(c, sid, 1 << 19, &resident, &sum, &err) == 0)
         qm_client_plan_summary_free(&sum);
+    for (size_t i = 0; i < sizeof texts / sizeof *texts; i++)
+        if (qm_client_session_resize_to(c, sid, texts[i], &resident, &sum, &err) == 0)
+            qm_client_plan_summary_free(&sum);
     qm_client_session_adopt(c, sid, &err);
     qm_client_session_info *infos = NULL;
     if (qm_client_session_list(c, &infos, &n, &err) == 0)

@@ -216,7 +216,9 @@ def test_qmoectl_sends_what_the_rows_take(fake, tmp_path):
         ["sessions"],
         ["create", "demo", "--policy", "next_use", "--budget", "1MiB", "--param", "prefetch=false",
          "--param", "decay=0.5", "--precision", "fast"],
-        ["resize", SID, "512KiB"], ["plan", SID], ["telemetry", SID], ["telemetry"],
+        ["create", "demo", "--budget", "auto"], ["create", "demo", "--budget", "12.5%"],
+        ["resize", SID, "512KiB"], ["resize", SID, "auto"], ["resize", SID, "40%"],
+        ["plan", SID], ["telemetry", SID], ["telemetry"],
         ["trace", "--limit", "10", "--session", SID], ["metrics"],
         ["infer", SID, "--layer", "1", "--hidden", str(h), "--logits", str(tmp_path / "r.npy"),
          "--out", str(tmp_path / "y.npy"), "--routing"],
@@ -238,8 +240,8 @@ def test_qmoectl_sends_what_the_rows_take(fake, tmp_path):
 def test_a_drifted_request_is_caught(fake):
     """The check itself: a member the rows do not take is named."""
     verdicts = decode_all(['{"jsonrpc":"2.0","id":1,"method":"session.resize",'
-                           '"params":{"session":"s","budget":4096}}'])
-    assert verdicts[0][1].startswith("error -32602 budget "), verdicts
+                           '"params":{"session":"s","budget_kb":4096}}'])
+    assert verdicts[0][1].startswith("error -32602 budget_kb "), verdicts
 
 
 def test_the_llama_cpp_options_name_what_the_registries_hold():

@@ -93,6 +93,25 @@ def test_resize_session(client):
     client.close_session(sid)
 
 
+def test_budget_as_a_share_or_auto(client):
+    total = next(m for m in client.models() if m["name"] == "demo")["bytes_total"]
+    r = client.create_session("demo", policy="lru", budget="25%")
+    assert r["budget_bytes"] == total // 4 and "budget_auto" not in r
+    a = client.create_session("demo", policy="lru", budget="auto")
+    assert a["budget_auto"]["reason"].startswith("budget auto: ")
+    assert a["budget_bytes"] == a["budget_auto"]["target_bytes"] <= total
+    r = client.resize_session(a["session"], "40%")
+    assert r["budget_bytes"] == int(total * 0.4) and "budget_auto" not in r
+    r = client.resize_session(a["session"], budget="auto")
+    assert "budget_auto" in r
+    with pytest.raises(QmoeError) as e:
+        client.create_session("demo", budget="half")
+    assert e.value.field == "budget" and '"auto"' in str(e.value)
+    with pytest.raises(TypeError):
+        client.create_session("demo", budget=[1])
+    client.close_session(a["session"])
+
+
 def test_infer_matches_qmoe_bank_run(client, sid, daemon):
     rng = np.random.default_rng(5)
     x = rng.standard_normal((4, HIDDEN)).astype(np.float32)

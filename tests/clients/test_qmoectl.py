@@ -67,6 +67,7 @@ def test_every_subcommand_has_help(cmd):
 
 @pytest.mark.parametrize("args", [["bogus"], ["plan"], ["load", "x"], ["status", "--bogus"],
                                   ["--timeout", "abc", "status"], ["create", "m", "--budget", "lots"],
+                                  ["create", "m", "--budget", "auto%"], ["create", "m", "--budget", "0%"],
                                   ["infer", "s", "--layer", "0"], [], ["trace", "--limit", "-1"]])
 def test_usage_errors_exit_2_with_a_qmoectl_message(args):
     p = ctl("/nonexistent/qmoed.sock", *args, check_rc=2)
@@ -184,6 +185,30 @@ def test_resize_by_percent_and_bytes(daemon):
     p = ctl(daemon, "resize", "0" * 32, "40%", check_rc=1)
     assert "no session" in p.stderr
     ctl(daemon, "resize", sid, "lots", check_rc=2)
+    ctl(daemon, "close", sid)
+
+
+def test_budget_auto_create_plan_and_resize(daemon):
+    # The daemon says what auto came to and why; qmoectl prints its sentence.
+    p = ctl(daemon, "create", "demo", "--policy", "lru", "--budget", "auto")
+    sid = p.stdout.split()[0]
+    assert re.search(r"^budget auto: .* = ", p.stdout, re.M), p.stdout
+    plan = ctl(daemon, "plan", sid)
+    assert re.search(r"^budget auto: \S+ \S+ = ", plan.stdout, re.M), plan.stdout
+    j = ctl(daemon, "plan", sid, json_out=True)
+    assert j["budget_auto"]["target_bytes"] == j["budget_bytes"]
+    assert j["budget_auto"]["reason"] in plan.stdout
+    # To bytes ends auto; back to auto sizes it again.
+    p = ctl(daemon, "resize", sid, "30%")
+    assert "budget auto" not in p.stdout
+    assert "budget_auto" not in ctl(daemon, "plan", sid, json_out=True)
+    p = ctl(daemon, "resize", sid, "auto")
+    assert re.search(r"^budget auto: ", p.stdout, re.M), p.stdout
+    r = ctl(daemon, "resize", sid, "auto", json_out=True)
+    assert r["budget_auto"]["reason"].startswith("budget auto: ")
+    for bad in ("Auto", "0%", "150%", "1.5"):
+        p = ctl(daemon, "resize", sid, bad, check_rc=2)
+        assert "auto" in p.stderr and "percentage" in p.stderr, p.stderr
     ctl(daemon, "close", sid)
 
 

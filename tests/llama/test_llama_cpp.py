@@ -266,6 +266,26 @@ def test_paging_changes_no_bit(tools, ggufs, daemon, fam, q, tmp_path):
     assert m and int(m.group(2)) > 0, "a 30%% budget paged nothing: %s" % r.stderr[-2000:]
 
 
+def test_budget_auto_and_a_bad_budget(tools, ggufs, daemon):
+    """--qmoed-budget auto: the daemon sizes it (the log says how) and the
+    tokens are the whole bank's; a share goes to the daemon as given; a
+    budget that is none of bytes, NN% or auto is refused at load, the
+    daemon's rule for a bad share at the session."""
+    fam, q = FAMILIES[0], TYPES[0]
+    gguf = gguf_of(ggufs, fam, q)
+    r = generate(tools, gguf, qmoed_args(daemon, "--qmoed-policy", "lru", "--qmoed-budget", "auto"))
+    assert text_of(r) == text_of(generate(tools, gguf, qmoed_args(daemon)))
+    assert re.search(r"qmoed: session \S+ of '\S+': policy lru, budget \d+ of \d+ expert bytes "
+                     r"\(budget auto: .* = ", r.stderr), r.stderr[-3000:]
+    r = generate(tools, gguf, qmoed_args(daemon, "--qmoed-policy", "lru", "--qmoed-budget", "12.5%"))
+    m = re.search(r"budget (\d+) of (\d+) expert bytes", r.stderr)
+    assert m and int(m.group(1)) == int(m.group(2)) // 8, r.stderr[-3000:]
+    r = generate(tools, gguf, qmoed_args(daemon, "--qmoed-budget", "8X"), memo=False)
+    assert r.returncode != 0 and "--qmoed-budget '8X'" in r.stderr and "or auto" in r.stderr, r.stderr[-2000:]
+    r = generate(tools, gguf, qmoed_args(daemon, "--qmoed-budget", "150%"), memo=False)
+    assert r.returncode != 0 and '"N%" with 0 < N <= 100' in r.stderr, r.stderr[-2000:]
+
+
 def test_a_daemon_that_refuses_a_ring_serves_the_same_tokens_through_the_socket(tools, ggufs,
                                                                                 daemon, tmp_path):
     """A daemon at max_rings 0 refuses every session.ring: the context says

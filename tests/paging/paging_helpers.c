@@ -3,6 +3,7 @@
 #include "paging_helpers.h"
 
 #include <check.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -223,3 +224,29 @@ void free_two_devices(qm_multipager *mp, qm_placement *pl, qm_residency_plan *pl
     qm_backend_free(dev[0]);
     qm_backend_free(dev[1]);
 }
+
+uint64_t pg_rss_anon(void)
+{
+    FILE *f = fopen("/proc/self/status", "r");
+    char line[128];
+    unsigned long long kb = 0;
+    while (f && fgets(line, sizeof line, f))
+        if (sscanf(line, "RssAnon: %llu kB", &kb) == 1)
+            break;
+    if (f)
+        fclose(f);
+    return (uint64_t)kb * 1024;
+}
+
+void pg_fixture_big_units(void)
+{
+    pf_spec big = pf_default_spec();
+    big.hidden = 256;
+    big.inter = 512;
+    big.bits = 8;
+    big.experts = 16;
+    big.layers = 2;
+    pg_fixture_reopen(&big);
+    ck_assert_uint_ge(unit_bytes(&fixture.bank), 256 << 10); /* slots of many pages */
+}
+

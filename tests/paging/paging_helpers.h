@@ -53,6 +53,13 @@ qm_pager *lru_pager(const pf_bank *b, qm_backend *be, qm_policy *pol, uint64_t b
  * multipager, the placement, the plan and the policy, then the two devices. */
 void free_two_devices(qm_multipager *mp, qm_placement *pl, qm_residency_plan *plan,
                       qm_policy *pol, qm_backend *dev[2]);
+/* The process's anonymous resident bytes (RssAnon of /proc/self/status):
+ * what a shrink gives back shows here. */
+uint64_t pg_rss_anon(void);
+/* The reopened fixture bank of units of many pages (2 layers x 16 experts,
+ * H 256, I 512, int8): a slot a shrink gives back holds whole pages. */
+void pg_fixture_big_units(void);
+
 /* One single-token call of `layer` routed to ex[0..n). */
 void call_experts(qm_pager *pg, const pf_bank *b, uint32_t layer, const uint32_t *ex, uint32_t n,
                   uint64_t *seed);

@@ -299,6 +299,46 @@ START_TEST(test_direct_pager_resizes_and_reads_into_new_slots)
 }
 END_TEST
 
+/* A shrink of a disk-source pager frees the locked, registered slots it
+ * gives back (unlocked, unpinned by registering again, then dropped), and
+ * the reads into slots a growth takes again land where compute reads: on
+ * every read path, bitwise equal to whole_bank throughout. */
+START_TEST(test_direct_shrink_frees_locked_slots_and_regrowth_reads_right)
+{
+    if (!g_have_direct)
+        return;
+    pg_fixture_big_units();
+    const pf_spec big = fixture.spec;
+    const qm_bank_config *cfg = qm_bank_get_config(fixture.bank.bank);
+    uint64_t U = unit_bytes(&fixture.bank), total = (uint64_t)big.layers * big.experts * U;
+    dcase dc;
+    dcase_open(&dc, g_dir, "shrink", 16, 57);
+    for (int rp = 0; rp < N_READ_PATHS; rp++) {
+        qm_policy pol = {0};
+        qm_residency_plan *plan = NULL;
+        qm_pager_options o = read_path_options(rp, 0);
+        qm_pager *pg = direct_pager_opt(dc.bank, "lru", total, &o, &dc.set, &pol, &plan);
+        qm_status st = {0};
+        uint64_t before = pg_rss_anon();
+        ck_assert_int_eq(qm_pager_resize(pg, 2 * U, &st), 0);
+        uint64_t after = pg_rss_anon();
+        ck_assert_msg(before - after >= (total - 2 * U) * 8 / 10,
+                      "%s: shrinking %llu to %llu bytes freed %lld bytes of RssAnon",
+                      g_read_paths[rp].name, (unsigned long long)total,
+                      (unsigned long long)(2 * U), (long long)(before - after));
+        ck_assert_int_eq(qm_pager_resize(pg, total, &st), 0);
+        for (size_t i = 0; i < dc.set.n; i++) {
+            const pg_call *c = &dc.set.calls[i];
+            ck_assert_int_eq(run_call(pg, c, dc.out, &st), 0);
+            ck_assert_msg(memcmp(dc.out, c->ref, sizeof(float) * c->T * cfg->hidden) == 0,
+                          "%s: call %zu after the regrowth differs", g_read_paths[rp].name, i);
+        }
+        free_pager(pg, plan, &pol);
+    }
+    dcase_close(&dc);
+}
+END_TEST
+
 /* Resident kB of this process's mapping that holds addr (/proc/self/smaps),
  * or -1 when none does. */
 static long mapping_rss_kb(const void *addr)
@@ -398,6 +438,7 @@ static Suite *disk_suite(void)
     tcase_add_test(tc, test_a_read_error_fails_that_request_only);
     tcase_add_test(tc, test_a_truncated_bank_file_fails_the_requests_that_read_past_its_end);
     tcase_add_test(tc, test_direct_pager_resizes_and_reads_into_new_slots);
+    tcase_add_test(tc, test_direct_shrink_frees_locked_slots_and_regrowth_reads_right);
     tcase_add_test(tc, test_whole_banks_read_in_place_are_mapped_in_at_creation);
     suite_add_tcase(s, tc);
     return s;

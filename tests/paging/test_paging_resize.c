@@ -218,6 +218,38 @@ START_TEST(test_growth_adds_an_arena_and_shrinking_gives_it_back)
 END_TEST
 
 
+/* A shrink is less memory, not only a smaller number: the slots it gives
+ * back leave the process (a memory cgroup sees them go, which is what an
+ * auto budget under pressure is for), and a growth takes them again. */
+START_TEST(test_shrinking_gives_the_slots_memory_back_to_the_system)
+{
+    pg_fixture_big_units();
+    const pf_spec sp = fixture.spec;
+    uint64_t U = unit_bytes(&fixture.bank), total = (uint64_t)sp.layers * sp.experts * U;
+    qm_pager *pg = pg_fixture_lru_pager(total, 0);
+    uint64_t seed = 3;
+    for (uint32_t l = 0; l < sp.layers; l++)
+        for (uint32_t e = 0; e < sp.experts; e++)
+            call_experts(pg, &fixture.bank, l, &e, 1, &seed);
+    uint64_t full = pg_rss_anon();
+    resize_to(pg, 2 * U, "lru");
+    uint64_t small = pg_rss_anon(), freed = full > small ? full - small : 0;
+    ck_assert_msg(freed >= (total - 2 * U) * 9 / 10,
+                  "shrinking from %llu to %llu bytes freed only %llu bytes of RssAnon",
+                  (unsigned long long)total, (unsigned long long)(2 * U),
+                  (unsigned long long)freed);
+    /* Grown again and filled: the memory comes back, the outputs stay. */
+    resize_to(pg, total, "lru");
+    for (uint32_t l = 0; l < sp.layers; l++)
+        for (uint32_t e = 0; e < sp.experts; e++)
+            call_experts(pg, &fixture.bank, l, &e, 1, &seed);
+    ck_assert_uint_ge(pg_rss_anon(), small + (total - 2 * U) * 9 / 10);
+    qm_pager_stats s;
+    qm_pager_stats_get(pg, &s);
+    ck_assert_uint_eq(s.resident_bytes, total);
+}
+END_TEST
+
 /* Two devices: each pager's allocations against its current share. */
 static void share_hook(void *ud, uint64_t resident, uint64_t budget)
 {
@@ -316,6 +348,7 @@ static Suite *resize_suite(void)
     tcase_add_test(tc, test_shrinking_releases_the_coldest_pins_first_and_reports_them);
     tcase_add_test(tc, test_resize_below_the_minimum_is_refused_like_create);
     tcase_add_test(tc, test_growth_adds_an_arena_and_shrinking_gives_it_back);
+    tcase_add_test(tc, test_shrinking_gives_the_slots_memory_back_to_the_system);
     tcase_add_test(tc, test_two_devices_resize_by_share_with_outputs_bitwise);
     suite_add_tcase(s, tc);
     return s;

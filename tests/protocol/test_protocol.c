@@ -476,6 +476,93 @@ START_TEST(test_params_wrong_type_and_missing_name_field)
 }
 END_TEST
 
+/* The budget's forms (PROTOCOL.md): `budget` as bytes, "N%" or "auto", or
+ * `budget_bytes` as bytes; one of the two; every other value refused
+ * naming the member and the rule. */
+START_TEST(test_params_budget_forms_and_refusals)
+{
+    static const struct {
+        const char *params;
+        qm_budget_form form;
+        uint64_t bytes;
+        double percent;
+    } good[] = {
+        {"{\"model\":\"m\"}", QM_BUDGET_NONE, 0, 0},
+        {"{\"model\":\"m\",\"budget\":4096}", QM_BUDGET_BYTES, 4096, 0},
+        {"{\"model\":\"m\",\"budget\":\"4096\"}", QM_BUDGET_BYTES, 4096, 0},
+        {"{\"model\":\"m\",\"budget_bytes\":4096}", QM_BUDGET_BYTES, 4096, 0},
+        {"{\"model\":\"m\",\"budget\":\"25%\"}", QM_BUDGET_PERCENT, 0, 25},
+        {"{\"model\":\"m\",\"budget\":\"12.5%\"}", QM_BUDGET_PERCENT, 0, 12.5},
+        {"{\"model\":\"m\",\"budget\":\"100%\"}", QM_BUDGET_PERCENT, 0, 100},
+        {"{\"model\":\"m\",\"budget\":\"auto\"}", QM_BUDGET_AUTO, 0, 0},
+    };
+    char req[256];
+    for (size_t i = 0; i < sizeof good / sizeof *good; i++) {
+        snprintf(req, sizeof req,
+                 "{\"jsonrpc\":\"2.0\",\"id\":1,\"method\":\"session.create\",\"params\":%s}",
+                 good[i].params);
+        qm_rpc_frame f = decode(req);
+        ck_assert_msg(f.items[0].ok, "%s: %s", good[i].params, f.items[0].status.msg);
+        const qm_params *p = &f.items[0].req.params;
+        ck_assert_int_eq(p->budget.form, good[i].form);
+        ck_assert_int_eq(p->has_budget, good[i].form != QM_BUDGET_NONE);
+        ck_assert_uint_eq(p->budget.bytes, good[i].bytes);
+        ck_assert_uint_eq(p->budget_bytes, good[i].bytes);
+        ck_assert_double_eq(p->budget.percent, good[i].percent);
+        qm_rpc_frame_free(&f);
+    }
+    static const char *const bad[][2] = {
+        {"{\"model\":\"m\",\"budget\":\"0%\"}", "budget"},
+        {"{\"model\":\"m\",\"budget\":\"100.5%\"}", "budget"},
+        {"{\"model\":\"m\",\"budget\":\"-5%\"}", "budget"},
+        {"{\"model\":\"m\",\"budget\":\" 5%\"}", "budget"},
+        {"{\"model\":\"m\",\"budget\":\"%\"}", "budget"},
+        {"{\"model\":\"m\",\"budget\":\"inf%\"}", "budget"},
+        {"{\"model\":\"m\",\"budget\":\"Auto\"}", "budget"},
+        {"{\"model\":\"m\",\"budget\":\"2G\"}", "budget"},
+        {"{\"model\":\"m\",\"budget\":\"0\"}", "budget"},
+        {"{\"model\":\"m\",\"budget\":\"\"}", "budget"},
+        {"{\"model\":\"m\",\"budget\":0}", "budget"},
+        {"{\"model\":\"m\",\"budget\":1.5}", "budget"},
+        {"{\"model\":\"m\",\"budget\":true}", "budget"},
+        {"{\"model\":\"m\",\"budget\":null}", "budget"},
+        {"{\"model\":\"m\",\"budget\":\"auto\",\"budget_bytes\":1}", "budget"},
+        {"{\"model\":\"m\",\"budget_bytes\":\"auto\"}", "budget_bytes"},
+        {"{\"model\":\"m\",\"budget_bytes\":0}", "budget_bytes"},
+    };
+    char field[64];
+    for (size_t i = 0; i < sizeof bad / sizeof *bad; i++) {
+        snprintf(req, sizeof req,
+                 "{\"jsonrpc\":\"2.0\",\"id\":1,\"method\":\"session.create\",\"params\":%s}",
+                 bad[i][0]);
+        qm_rpc_frame f = decode(req);
+        ck_assert_msg(!f.items[0].ok, "%s decoded", bad[i][0]);
+        ck_assert_int_eq(f.items[0].rpc_code, QM_RPC_INVALID_PARAMS);
+        ck_assert_str_eq(f.items[0].status.field, bad[i][1]);
+        if (strcmp(bad[i][1], "budget") == 0 && !strstr(bad[i][0], "budget_bytes"))
+            ck_assert_msg(strstr(f.items[0].status.msg, QM_BUDGET_RULE), "%s: %s", bad[i][0],
+                          f.items[0].status.msg);
+        qm_rpc_frame_free(&f);
+    }
+    /* session.resize takes the same forms, and needs one. */
+    ck_assert_int_eq(decode_code(REQ("session.resize", "{\"session\":\"s\",\"budget\":\"auto\"}"),
+                                 field, sizeof field),
+                     0);
+    ck_assert_int_eq(decode_code(REQ("session.resize", "{\"session\":\"s\",\"budget\":\"40%\"}"),
+                                 field, sizeof field),
+                     0);
+    ck_assert_int_eq(decode_code(REQ("session.resize", "{\"session\":\"s\",\"budget\":\"x\"}"),
+                                 field, sizeof field),
+                     QM_RPC_INVALID_PARAMS);
+    ck_assert_str_eq(field, "budget");
+    /* What "N%" comes to: rounded down, at least one byte, never more than all. */
+    ck_assert_uint_eq(qm_budget_percent_of(25, 1000), 250);
+    ck_assert_uint_eq(qm_budget_percent_of(0.001, 1000), 1);
+    ck_assert_uint_eq(qm_budget_percent_of(100, UINT64_MAX), UINT64_MAX);
+    ck_assert_uint_eq(qm_budget_percent_of(33.3, 10), 3);
+}
+END_TEST
+
 START_TEST(test_params_session_create_decodes_policy_params)
 {
     qm_rpc_frame f = decode(REQ("session.create",
@@ -875,6 +962,7 @@ static Suite *protocol_suite(void)
     tcase_add_test(tc, test_params_unknown_member_names_field);
     tcase_add_test(tc, test_params_wrong_type_and_missing_name_field);
     tcase_add_test(tc, test_params_session_create_decodes_policy_params);
+    tcase_add_test(tc, test_params_budget_forms_and_refusals);
     tcase_add_test(tc, test_params_session_create_decodes_precision);
     tcase_add_test(tc, test_params_infer_decodes_tensor);
     tcase_add_test(tc, test_params_infer_rejects_shape_data_disagreement);

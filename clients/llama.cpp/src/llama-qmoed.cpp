@@ -75,24 +75,18 @@ std::string list_str(const std::vector<int> & v) {
     return s + "]";
 }
 
-// "123", "8G", "512M" (binary units) or "NN%" of `total`; 0 when `s` is empty.
-uint64_t parse_budget(const std::string & s, uint64_t total) {
-    if (s.empty()) {
-        return 0;
+// --qmoed-budget as the daemon's `budget`: "NN%" and "auto" as given (the
+// daemon says what they come to, and refuses a bad one naming the rule),
+// "123", "8G", "512M" (binary units) as bytes; "" when `s` is empty. A size
+// that is not one is refused here, at load.
+std::string wire_budget(const std::string & s) {
+    if (s.empty() || s == "auto" || s.back() == '%') {
+        return s;
     }
-    const std::string rule = format("--qmoed-budget '%s': expected bytes (with an optional K, M, G or T suffix) "
-                                    "or a percentage of the bank's %llu expert bytes such as 50%%",
-                                    s.c_str(), (unsigned long long) total);
+    const std::string rule = format("--qmoed-budget '%s': expected bytes (with an optional K, M, G or T suffix), "
+                                    "a percentage of the bank's expert bytes such as 50%%, or auto", s.c_str());
     char * end = nullptr;
     errno = 0;
-    if (s.back() == '%') {
-        const double pct = strtod(s.c_str(), &end);
-        if (errno || end != s.c_str() + s.size() - 1 || !(pct > 0.0) || pct > 100.0) {
-            refuse(rule);
-        }
-        const uint64_t b = (uint64_t) std::floor((double) total * pct / 100.0);
-        return b > 0 ? b : 1;
-    }
     const unsigned long long v = strtoull(s.c_str(), &end, 10);
     if (errno || end == s.c_str() || s[0] == '-') {
         refuse(rule);
@@ -115,7 +109,7 @@ uint64_t parse_budget(const std::string & s, uint64_t total) {
     if (v == 0 || v > (ULLONG_MAX >> shift)) {
         refuse(rule);
     }
-    return (uint64_t) v << shift;
+    return std::to_string((unsigned long long) v << shift);
 }
 
 // One connection; closed when it goes out of scope.
@@ -465,9 +459,7 @@ std::shared_ptr<const llama_qmoed_model> llama_qmoed_attach(
     for (size_t l = 0; l < bank_blocks.size(); l++) {
         q->bank_layer[bank_blocks[l]] = (int32_t) l;
     }
-    if (!q->budget.empty()) {
-        parse_budget(q->budget, q->bank_bytes); // a bad budget is refused at load, not per context
-    }
+    q->budget = wire_budget(q->budget); // a bad size is refused at load, not per context
     size_t skipped = 0;
     for (const auto & n : names) {
         skipped += ggml_nbytes(ml.get_tensor_meta(n.c_str()));
@@ -684,13 +676,11 @@ llama_qmoed_session_ptr llama_qmoed_session_open(std::shared_ptr<const llama_qmo
         qm_client_set_model_bank(s->client, model->name.c_str(), model->bank.c_str(), &err) != 0) {
         refuse(format("cannot remember bank %s: %s", model->bank.c_str(), err.reason));
     }
-    const uint64_t budget = parse_budget(model->budget, model->bank_bytes);
     const std::string params_json = model->on_miss.empty() ? "" : "{\"on_miss\":\"" + model->on_miss + "\"}";
     qm_client_session_params sp = {};
     sp.model = model->name.c_str();
     sp.policy = model->policy.empty() ? nullptr : model->policy.c_str();
-    sp.budget_bytes = budget;
-    sp.has_budget = budget != 0;
+    sp.budget = model->budget.empty() ? nullptr : model->budget.c_str();
     sp.policy_params_json = params_json.empty() ? nullptr : params_json.c_str();
     sp.precision = model->precision.empty() ? nullptr : model->precision.c_str();
     qm_client_plan_summary sum;
@@ -719,11 +709,12 @@ llama_qmoed_session_ptr llama_qmoed_session_open(std::shared_ptr<const llama_qmo
         LLAMA_LOG_WARN("qmoed: session %s: no call ring (%s: %s); layer calls go through the socket\n", s->id,
                        err.name, err.reason);
     }
-    LLAMA_LOG_INFO("qmoed: session %s of '%s': policy %s, budget %llu of %llu expert bytes; %llu-byte map for %u rows; "
+    LLAMA_LOG_INFO("qmoed: session %s of '%s': policy %s, budget %llu of %llu expert bytes%s%s; %llu-byte map for %u rows; "
                    "layer calls through %s\n",
                    s->id, model->name.c_str(), sum.policy ? sum.policy : "?", (unsigned long long) sum.budget_bytes,
-                   (unsigned long long) model->bank_bytes, (unsigned long long) bytes, s->rows_cap,
-                   s->ring ? "its call ring" : "the socket");
+                   (unsigned long long) model->bank_bytes, sum.budget_auto ? " (" : "",
+                   sum.budget_auto ? (std::string(sum.budget_auto) + ")").c_str() : "", (unsigned long long) bytes,
+                   s->rows_cap, s->ring ? "its call ring" : "the socket");
     qm_client_plan_summary_free(&sum);
     return s;
 }

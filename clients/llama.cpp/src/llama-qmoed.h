@@ -32,7 +32,7 @@ struct llama_qmoed_model {
     std::string policy, budget, precision, on_miss; // session options; "" = the daemon's default
     std::string bank;     // --qmoed-bank as an absolute path ("" = none): loaded again by a context
                           // whose session comes back to a restarted daemon that lacks the model
-    uint64_t bank_bytes = 0;           // the bank's expert bytes (bytes_total): what NN% budgets are of
+    uint64_t bank_bytes = 0;           // the bank's expert bytes (bytes_total), for the log
     uint32_t n_embd = 0;               // hidden size
     uint32_t n_expert_used = 0;        // widest routing (topk_ids columns) of any layer
     std::vector<int32_t> bank_layer;   // per block: the bank layer serving it, -1 for none

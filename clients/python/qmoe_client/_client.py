@@ -6,6 +6,7 @@ import errno
 import fcntl
 import json
 import logging
+import numbers
 import mmap as _mmap
 import os
 import re
@@ -397,6 +398,20 @@ def _ring_request(layer, hidden, router_logits, topk_ids, topk_weights, output_t
     return _ring.request(layer, parts[0], (m, output_to.offset), *parts[1:])
 
 
+def _budget_member(budget):
+    """A budget as the wire takes it: bytes (a whole number) as budget_bytes,
+    which every daemon reads; "auto" or "N%" as text in `budget`, which the
+    daemon checks and sizes ({} for None)."""
+    if budget is None:
+        return {}
+    if isinstance(budget, str):
+        return {"budget": budget.strip()}
+    if isinstance(budget, numbers.Real) and not isinstance(budget, bool) and \
+            float(budget).is_integer():
+        return {"budget_bytes": int(budget)}
+    raise TypeError('a budget is bytes (a whole number), "N%%" or "auto", not %r' % (budget,))
+
+
 class Client:
     """One connection to qmoed. Calls are synchronous and bounded by
     `timeout` seconds; a Client may be shared between threads (calls are
@@ -565,8 +580,12 @@ class Client:
         elif method == "model.load":
             self._banks[params["name"]] = params["path"]
         elif method == "session.resize" and (params or {}).get("session") in self._kept:
-            # A re-creation takes the budget in force, not the first one.
-            self._kept[params["session"]].params["budget_bytes"] = params["budget_bytes"]
+            # A re-creation takes the budget in force, not the first one (as
+            # given: "auto" sizes it again on the restarted daemon).
+            kept = self._kept[params["session"]].params
+            kept.pop("budget", None)
+            kept.pop("budget_bytes", None)
+            kept.update({k: params[k] for k in ("budget", "budget_bytes") if k in params})
         return r
 
     def call_json(self, method, params_json):
@@ -671,13 +690,16 @@ class Client:
         return self.call("session.list")["sessions"]
 
     def create_session(self, model, policy=None, budget_bytes=None, policy_params=None,
-                       precision=None):
-        """precision: "exact" (the daemon's default) or "fast" (int8 activations)."""
+                       precision=None, budget=None):
+        """precision: "exact" (the daemon's default) or "fast" (int8 activations).
+        budget: bytes (an int), "N%" of the model's expert bytes, or "auto"
+        (the daemon sizes it from the memory this machine and its cgroup give,
+        and shrinks it under memory pressure); budget_bytes is the same as
+        bytes. The result carries "budget_auto" (what auto came to and why)."""
         p = {"model": model}
         if policy is not None:
             p["policy"] = policy
-        if budget_bytes is not None:
-            p["budget_bytes"] = int(budget_bytes)
+        p.update(_budget_member(budget_bytes if budget is None else budget))
         if policy_params is not None:
             p["policy_params"] = policy_params
         if precision is not None:
@@ -892,12 +914,18 @@ class Client:
         self.note_call(session)
         return r
 
-    def resize_session(self, session, budget_bytes):
-        """session.resize: the session's new expert budget in bytes. Requests
-        sent before it finish under the old budget, later ones under the new.
-        Returns {budget_bytes, resident_bytes, plan_summary}."""
-        return self.call("session.resize", {"session": session,
-                                            "budget_bytes": int(budget_bytes)})
+    def resize_session(self, session, budget_bytes=None, budget=None):
+        """session.resize: the session's new expert budget: bytes (an int),
+        "N%" of the model's expert bytes, or "auto" (bytes or "N%" end an
+        auto budget; "auto" sizes it again). Requests sent before it finish
+        under the old budget, later ones under the new. Returns
+        {budget_bytes, resident_bytes, plan_summary[, budget_auto]}."""
+        b = budget_bytes if budget is None else budget
+        if b is None:
+            raise ValueError("resize_session needs a budget")
+        p = {"session": session}
+        p.update(_budget_member(b))
+        return self.call("session.resize", p)
 
     def infer(self, session, layer, hidden, router_logits=None, return_routing=False,
               topk_ids=None, topk_weights=None, output_to=None):

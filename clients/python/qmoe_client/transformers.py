@@ -116,17 +116,20 @@ def _experts_modules(model):
     return [(n, m) for n, m in model.named_modules() if _is_experts_module(m)]
 
 
-def _budget_bytes(budget, total):
-    if budget is None:
-        return None
+def _wire_budget(budget):
+    """The budget as the daemon takes it: bytes (an int), "N%" and "auto" as
+    given, a fraction in (0, 1] as "N%" (the daemon works out the bytes of
+    the bank, so nothing here reads it)."""
+    if isinstance(budget, float) and 0 < budget <= 1:
+        return "%.10g%%" % (budget * 100)
     if isinstance(budget, str):
         b = budget.strip()
-        if b.endswith("%"):
-            return max(1, int(total * float(b[:-1]) / 100.0))
-        budget = float(b)
-    if isinstance(budget, float) and 0 < budget <= 1:
-        return max(1, int(total * budget))
-    return int(budget)
+        try:
+            f = float(b)
+        except ValueError:
+            return b  # "auto", "N%": the daemon checks it
+        return _wire_budget(f) if 0 < f <= 1 else b
+    return budget
 
 
 def _model_layer_index(name):
@@ -428,8 +431,7 @@ class Hook:
 
 
 def _create_session(client, summary, model_name, policy, budget, precision, policy_params):
-    r = client.create_session(model_name, policy=policy,
-                              budget_bytes=_budget_bytes(budget, int(summary["bytes_total"])),
+    r = client.create_session(model_name, policy=policy, budget=_wire_budget(budget),
                               policy_params=policy_params or None, precision=precision)
     return r["session"]
 
@@ -453,8 +455,9 @@ def attach(model, client, model_name, policy=None, budget=None, precision=None,
            policy_params=None):
     """Runs `model`'s routed experts in qmoed's model `model_name` (a bank
     imported from the same checkpoint, loaded with model.load): creates a
-    session (policy, budget as bytes, a fraction or "NN%" of the bank's
-    expert bytes, precision "exact"/"fast"), tags each MoE layer's experts
+    session (policy; budget as bytes, a fraction or "NN%" of the bank's
+    expert bytes, or "auto": what this machine and qmoed's memory cgroup can
+    give, shrunk under memory pressure; precision "exact"/"fast"), tags each MoE layer's experts
     with its bank layer (the bank's qmoe.layer_map) and switches the model to
     the "qmoed" experts implementation. The model keeps its own experts too
     (held twice: from_pretrained holds them once). Returns a Hook;

@@ -1,0 +1,595 @@
+#!/usr/bin/env python3
+"""The capped sweep (issue 38, item 6): a model larger than the memory it is
+given, llama.cpp alone against llama.cpp + qmoed with --qmoed-budget auto,
+in memory cgroups capped at 1/2, 1/3 and 1/4 of the GGUF, per model shape;
+one command, one table, one figure.
+
+    $QMOE_TORCH_VENV/bin/python bench/e2e/capped_sweep.py --llama PREFIX
+        [--shapes qwen3-30b-a3b,gpt-oss-20b,mixtral-8x7b] [--caps 1/2,1/3,1/4]
+        [--prompt 16] [--decode 32] [--work DIR] [--keep] [--direct-q8]
+        [--json OUT.json] [--md OUT.md] [--png docs/capped_sweep.png]
+
+Per shape (bench/e2e/checkpoints.py's real-config checkpoint, 8 layers): the
+Q4_0 GGUF made with llama.cpp's converter and llama-quantize, its exact int4
+bank (`qmoe-bank import gguf`), then:
+
+- the disk, measured in the same run: fio O_DIRECT random reads of the
+  bank, one expert unit per read (bytes_per_expert rounded up to 4 KiB), at
+  qmoed's queue depth (--iodepth, default 32: qmoed's io_depth, which the
+  daemons here are given too), io_uring (libaio, then psync, when refused;
+  bench/paging_disk/io_bench.py's fio);
+- uncapped: llama.cpp alone (mmap) and llama.cpp + qmoed whole_bank, the
+  references (the overlapped bound's compute time is the uncapped qmoed
+  decode's);
+- for each cap C x the GGUF's bytes, each row in a fresh memory cgroup
+  (root, cgroup v1 or v2: tests/daemon/qmoed_memcg.py) with the GGUF's and
+  the bank's page cache dropped first (posix_fadvise DONTNEED on the two
+  files): llama.cpp alone with mmap (`--repack 0`: its default repacking
+  copies the weights into anonymous memory, which a cap below the GGUF
+  OOM-kills, measured after 5.5 minutes of thrashing; --alone-repack 1 runs
+  it anyway), then a fresh qmoed moved into the group (paging_source
+  direct, auto_budget_reserve = the engine's share measured uncapped: its
+  peak anonymous memory and the GGUF pages it touched, plus 64 MiB; or
+  --reserve) and llama.cpp + qmoed with `--qmoed-policy next_use
+  --qmoed-budget auto` in the group too.
+
+- the target of issue 38 (unless --no-midrun), at the first cap: the
+  cgroup's limit lowered while llama-completion decodes, by half of what the
+  auto budget took, a third of the reserve every half second (a hard limit
+  lowered past unreclaimable memory at once is refused by cgroup v1 and
+  OOM-kills on v2, before any watcher can act): the row says whether the
+  run finished, with no OOM kill, the budget shrunk (logged) and its tokens
+  those of an uncapped whole_bank run.
+
+Each llama.cpp run is `llama-bench -t THREADS -r 1`, twice: `-p PROMPT -n 0`
+(prefill) and `-p 0 -n DECODE` (decode); qmoed's daemon-wide counters
+(telemetry.get) around the decode run give its expert hit rate, the bytes
+read from the bank per decode token, the stall per token, and the misses
+per token, whose bytes (x bytes_per_expert) at fio's rate are the row's I/O
+bound: io_bound_tok_s = rate / (misses per token x bytes_per_expert) (reads
+alone), overlapped_bound_tok_s = 1 / max(that time, the uncapped qmoed
+decode's time per token). Every row also records its cgroup's OOM kills.
+
+Writes the rows as JSON (--json), the markdown table (stdout and --md) and
+the figure (--png, matplotlib): decode tok/s against the memory given (the
+cap as a fraction of the GGUF; uncapped at the right), llama.cpp alone
+dashed and llama.cpp + qmoed solid, one colour per shape. Runs as root (the
+cgroups). The checkpoints, GGUFs and banks go after their shape unless
+--keep (the Mixtral shape needs ~23 GB of checkpoint, its GGUF path another
+~25 GB unless --direct-q8).
+"""
+import argparse
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.abspath(os.path.join(HERE, "..", ".."))
+sys.path.insert(0, HERE)
+sys.path.insert(0, os.path.join(ROOT, "tests", "daemon"))
+sys.path.insert(0, os.path.join(ROOT, "bench", "paging_disk"))
+
+import checkpoints  # noqa: E402
+import llama_cpp  # noqa: E402
+from qmoed_memcg import MemCgroup  # noqa: E402
+
+GB = 1e9
+SHAPES = ("qwen3-30b-a3b", "gpt-oss-20b", "mixtral-8x7b")
+T0 = time.monotonic()
+# The daemon's log line of each session it creates (daemon/qm_sessions.c).
+CREATED_RE = re.compile(r"session \S+ created: model \S+, policy \S+, budget (\d+)"
+                        r"(?: \((budget auto: .*?)\))?, uid")
+
+
+def progress(msg):
+    print("[sweep %6.0fs] %s" % (time.monotonic() - T0, msg), file=sys.stderr, flush=True)
+
+
+def fraction(text):
+    """"1/3" or "0.333" -> float in (0, 1]."""
+    if "/" in text:
+        n, d = text.split("/", 1)
+        v = float(n) / float(d)
+    else:
+        v = float(text)
+    if not 0 < v <= 1:
+        raise argparse.ArgumentTypeError("a cap is a fraction of the GGUF in (0, 1], not %r" % text)
+    return v
+
+
+# ---- the disk ----
+
+def disk_rate(path, block, iodepth, seconds):
+    """fio's O_DIRECT random-read rate of `path` at `block` bytes per read and
+    `iodepth` reads in flight (bench/paging_disk/io_bench.py's fio): (bytes/s,
+    what ran, the engine), or (None, why, None)."""
+    import io_bench
+    llama_cpp.drop_cached([path])
+    got = io_bench.fio(path, "qmoed-units", "randread", iodepth, seconds, block=block)
+    if not got:
+        return None, "fio is missing or failed on %s (scripts/setup.sh installs it)" % path, None
+    what = "fio --filename=%s --readonly --direct=1 --rw=randread --bs=%d --iodepth=%d --ioengine=%s " \
+           "--runtime=%d --time_based" % (path, block, iodepth, got[1], seconds)
+    return float(got[0]), what, got[1]
+
+
+# ---- one llama-bench phase, with qmoed's counters around it ----
+
+def daemon_counters(sock):
+    if not sock:
+        return None
+    from qmoed_harness import Client
+    c = Client(sock)
+    try:
+        return c.call("telemetry.get")["daemon"]
+    finally:
+        c.close()
+
+
+def phase(a, gguf, extra, prefix, dm, prompt, decode):
+    """One llama-bench run: its result (llama_cpp.llama_bench's dict) with the
+    daemon's counters' growth over it ("delta") and the session line's
+    budget ("budget", "budget_auto")."""
+    before = daemon_counters(dm.socket if dm else None)
+    r = llama_cpp.llama_bench(a, gguf, extra, cmd_prefix=prefix, daemon_pid=dm.proc.pid if dm else None,
+                              prompt=prompt, decode=decode, timeout=a.row_timeout)
+    after = daemon_counters(dm.socket if dm else None) if dm and dm.proc.poll() is None else None
+    if before and after:
+        r["delta"] = {k: after[k] - before[k] for k in after
+                      if isinstance(after[k], (int, float)) and k in before}
+    created = CREATED_RE.findall(dm.log_text()) if dm else []
+    if created:  # this run's session: the last one made
+        r["budget"] = int(created[-1][0])
+        r["budget_auto"] = created[-1][1] or None
+    return r
+
+
+def per_token(delta, layers):
+    """Per token, from the daemon's counters: tokens counts each layer call's
+    rows, so a token is `layers` of them."""
+    if not delta or not delta.get("tokens"):
+        return None
+    n = delta["tokens"] / layers
+    hits, misses = delta.get("expert_hits", 0), delta.get("expert_misses", 0)
+    return {"tokens": n, "hit_rate": hits / (hits + misses) if hits + misses else None,
+            "misses_per_token": misses / n, "bytes_read_per_token": delta.get("bytes_read_disk", 0) / n,
+            "stall_us_per_token": delta.get("stall_us", 0) / n, "auto_shrinks": delta.get("auto_shrinks", 0)}
+
+
+# ---- rows ----
+
+def cold_or_warm(cap, paths):
+    """A capped row starts with the files out of the page cache (what it
+    reads, it reads from disk under its cap); an uncapped one with them read
+    through once (the reference: compute, not the disk)."""
+    if cap:
+        llama_cpp.drop_cached(paths)
+    else:
+        llama_cpp.warm(paths)
+
+
+def base_row(shape, engine, cap, gguf_bytes):
+    return {"shape": shape, "engine": engine, "cap_fraction": cap,
+            "cap_bytes": int(cap * gguf_bytes) if cap else None, "gguf_bytes": gguf_bytes,
+            "prefill_tok_s": None, "decode_tok_s": None, "budget_bytes": None, "budget_auto": None,
+            "hit_rate": None, "bytes_read_per_token": None, "stall_us_per_token": None,
+            "misses_per_token": None, "io_bound_tok_s": None, "overlapped_bound_tok_s": None,
+            "engine_peak_anon": None, "engine_peak_file": None, "qmoed_peak_rss": None,
+            "oom_kills": None, "auto_shrinks": None, "status": "ok", "note": None}
+
+
+def finish_row(row, pre, dec):
+    for r, key in ((pre, "prefill_tok_s"), (dec, "decode_tok_s")):
+        if r["rc"] != 0:
+            row["status"] = "failed"
+            tail = r["log_tail"].strip().splitlines()
+            row["note"] = "%s exited %s%s" % (key.split("_")[0], r["rc"], ": " + tail[-1][:160] if tail else "")
+        else:
+            row[key] = r.get(key)
+    row["engine_peak_anon"] = max(pre["engine"]["RssAnon"], dec["engine"]["RssAnon"])
+    row["engine_peak_file"] = max(pre["engine"]["RssFile"], dec["engine"]["RssFile"])
+    if dec.get("daemon"):
+        row["qmoed_peak_rss"] = max(pre["daemon"]["VmRSS"], dec["daemon"]["VmRSS"])
+    row["budget_bytes"] = dec.get("budget", pre.get("budget"))
+    row["budget_auto"] = dec.get("budget_auto", pre.get("budget_auto"))
+    return row
+
+
+def io_bounds(row, unit, rate, compute_s):
+    if row["misses_per_token"] is None or not rate:
+        return
+    io_s = row["misses_per_token"] * unit / rate
+    row["io_s_per_token"] = io_s
+    row["io_bound_tok_s"] = 1 / io_s if io_s > 0 else None
+    if compute_s:
+        row["overlapped_bound_tok_s"] = 1 / max(io_s, compute_s)
+
+
+def alone(a, shape, gguf, gguf_bytes, cap):
+    row = base_row(shape, "llama.cpp", cap, gguf_bytes)
+    extra = [] if cap is None or a.alone_repack else ["--repack", "0"]
+    g = MemCgroup(cap * gguf_bytes, prefix="qmoe-sweep") if cap else None
+    try:
+        cold_or_warm(cap, [gguf])
+        prefix = g.prefix() if g else ()
+        pre = phase(a, gguf, extra, prefix, None, a.prompt, 0)
+        dec = phase(a, gguf, extra, prefix, None, 0, a.decode)
+        row["oom_kills"] = g.oom_kills() if g else None
+    finally:
+        if g:
+            g.remove()
+    finish_row(row, pre, dec)
+    if row["status"] == "ok":
+        row["note"] = "mmap%s" % (", --repack 0" if extra else "")
+    return row
+
+
+def with_qmoed(a, shape, gguf, bank, name, gguf_bytes, cap, reserve, layers):
+    from qmoed_harness import Daemon
+    row = base_row(shape, "llama.cpp + qmoed", cap, gguf_bytes)
+    args = ["--threads", str(a.threads), "--log-level", "info", "--set", "paging_source=direct",
+            "--set", "io_depth=%d" % a.iodepth, "--set", "auto_budget_reserve=%d" % reserve]
+    g = MemCgroup(cap * gguf_bytes, prefix="qmoe-sweep") if cap else None
+    dm = None
+    try:
+        cold_or_warm(cap, [gguf, bank])
+        dm = Daemon(models={name: bank}, args=args)
+        if g:
+            g.add(dm.proc.pid)
+        extra = ["--qmoed", dm.socket]
+        extra += ["--qmoed-policy", a.policy, "--qmoed-budget", "auto"] if cap else []
+        if a.precision:
+            extra += ["--qmoed-precision", a.precision]
+        prefix = g.prefix() if g else ()
+        pre = phase(a, gguf, extra, prefix, dm, a.prompt, 0)
+        dec = phase(a, gguf, extra, prefix, dm, 0, a.decode)
+        row["oom_kills"] = g.oom_kills() if g else None
+        row["daemon_alive"] = dm.proc.poll() is None
+    finally:
+        if dm:
+            dm.stop()
+            shutil.rmtree(dm.dir, ignore_errors=True)
+        if g:
+            g.remove()
+    finish_row(row, pre, dec)
+    pt = per_token(dec.get("delta"), layers)
+    if pt:
+        for k in ("hit_rate", "misses_per_token", "bytes_read_per_token", "stall_us_per_token",
+                  "auto_shrinks"):
+            row[k] = pt[k]
+    if row["status"] == "ok":
+        row["note"] = ("%s, --qmoed-budget auto (reserve %.2f GB), O_DIRECT" % (a.policy, reserve / GB)
+                       if cap else "whole_bank, uncapped")
+    return row
+
+
+def completion(a, gguf, extra, prefix=()):
+    """Greedy llama-completion of a fixed prompt: (Popen, its stdout file)."""
+    out = tempfile.TemporaryFile(mode="w+")
+    cmd = list(prefix) + [os.path.join(a.llama, "bin", "llama-completion"), "-m", gguf,
+                          "-p", "Once upon a time", "-n", str(a.midrun_tokens), "--temp", "0",
+                          "--ignore-eos", "-no-cnv", "--no-display-prompt", "--no-warmup",
+                          "-t", str(a.threads), "-c", "256", "--simple-io"] + list(extra)
+    return subprocess.Popen(cmd, stdout=out, stderr=subprocess.DEVNULL, stdin=subprocess.DEVNULL), out
+
+
+def finished_text(proc, out, timeout):
+    try:
+        rc = proc.wait(timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        rc = proc.wait()
+    out.seek(0)
+    return rc, out.read()
+
+
+def midrun(a, shape, gguf, bank, name, gguf_bytes, cap, reserve):
+    """The target of issue 38: a cap lowered mid-run to half of what the auto
+    budget took (in steps of a third of the reserve, every half second, as a
+    controller would: a hard limit lowered past unreclaimable memory at once
+    is refused on v1 and OOM-kills on v2), while llama-completion decodes;
+    the run must finish with no OOM kill, the budget shrunk (logged), and
+    its tokens those of an uncapped whole_bank run."""
+    from qmoed_harness import Daemon
+    row = base_row(shape, "llama.cpp + qmoed, cap lowered mid-run", cap, gguf_bytes)
+    dm = Daemon(models={name: bank}, args=["--threads", str(a.threads)])
+    try:
+        ref_rc, ref = finished_text(*completion(a, gguf, ["--qmoed", dm.socket]), a.row_timeout)
+    finally:
+        dm.stop()
+        shutil.rmtree(dm.dir, ignore_errors=True)
+    g = MemCgroup(cap * gguf_bytes, prefix="qmoe-sweep")
+    limit = cur = g.limit()
+    dm = None
+    try:
+        llama_cpp.drop_cached([gguf, bank])
+        dm = Daemon(models={name: bank}, args=["--threads", str(a.threads), "--log-level", "info",
+                                               "--set", "paging_source=direct", "--set",
+                                               "io_depth=%d" % a.iodepth, "--set",
+                                               "auto_budget_reserve=%d" % reserve, "--set",
+                                               "auto_budget_check_ms=200", "--set",
+                                               "auto_budget_grow_after_s=3600"])
+        g.add(dm.proc.pid)
+        proc, out = completion(a, gguf, ["--qmoed", dm.socket, "--qmoed-policy", a.policy,
+                                         "--qmoed-budget", "auto"], g.prefix())
+        took, deadline = None, time.time() + a.row_timeout
+        while took is None and proc.poll() is None and time.time() < deadline:
+            created = CREATED_RE.findall(dm.log_text())
+            took = int(created[-1][0]) if created else None
+            time.sleep(0.05)
+        refused = 0
+        if took:
+            goal, step = limit - took // 2, max(reserve // 3, 16 << 20)
+            while cur > goal and proc.poll() is None:
+                try:
+                    g.set_limit(max(goal, cur - step))
+                    cur = g.limit()
+                except OSError:
+                    refused += 1
+                time.sleep(0.5)
+        rc, text = finished_text(proc, out, max(1, deadline - time.time()))
+        t = daemon_counters(dm.socket) if dm.proc.poll() is None else {}
+        row.update({"budget_bytes": took, "limit_before": limit, "limit_after": cur,
+                    "limit_writes_refused": refused, "auto_shrinks": t.get("auto_shrinks"),
+                    "oom_kills": g.oom_kills(), "tokens_equal": rc == 0 and ref_rc == 0 and text == ref,
+                    "shrink_logged": bool(re.search(r"auto budget shrank", dm.log_text())),
+                    "lowered_by_half": took is not None and cur <= limit - took // 2})
+        # The run must finish, unkilled, with its tokens; the target also
+        # wants the budget shrunk, which a reserve as large as the lowering
+        # absorbs instead (said, not failed).
+        ok = row["tokens_equal"] and row["oom_kills"] == 0 and row["lowered_by_half"]
+        row["status"] = "ok" if ok else "failed"
+        row["target_met"] = ok and row["shrink_logged"]
+        row["note"] = ("limit %.2f -> %.2f GB while decoding %d tokens: %s shrinks%s, %d OOM kills, "
+                       "tokens %s" % (limit / GB, cur / GB, a.midrun_tokens, row["auto_shrinks"],
+                                      "" if row["shrink_logged"] else " (the reserve absorbed it)",
+                                      row["oom_kills"],
+                                      "unchanged" if row["tokens_equal"] else "DIFFERENT (rc %d)" % rc))
+    finally:
+        if dm:
+            dm.stop()
+            shutil.rmtree(dm.dir, ignore_errors=True)
+        g.remove()
+    return row
+
+
+def run_shape(a, shape):
+    rows = []
+    ckpt = os.path.join(a.work, shape)
+    made = []
+    try:
+        if not os.path.exists(os.path.join(ckpt, "config.json")):
+            ex, other = checkpoints.sizes(checkpoints.shape_config(shape, a.layers))
+            progress("%s: building the checkpoint (%.1f GB of experts, %.2f GB of the rest, bf16)"
+                     % (shape, ex / GB, other / GB))
+            checkpoints.build(shape, ckpt, a.layers)
+            made.append(ckpt)
+        progress("%s: the Q4_0 GGUF (llama.cpp's converter, llama-quantize)" % shape)
+        gguf = llama_cpp.make_ggufs(a, ckpt, shape)["q4_0"]
+        made.append(gguf)
+        if not a.keep:  # the GGUF is all the rest needs
+            shutil.rmtree(ckpt, ignore_errors=True)
+        bank = llama_cpp.make_bank(gguf)
+        made.append(bank)
+        name = os.path.basename(gguf)[:-len(".gguf")]
+        exp, rest = llama_cpp.gguf_sizes(a, gguf)
+        gguf_bytes = os.path.getsize(gguf)
+        from qmoed_harness import Daemon
+        dm = Daemon(models={name: bank}, args=["--log-level", "warning"])
+        try:
+            c = dm.client()
+            model = c.call("model.list")["models"][0]
+            c.close()
+        finally:
+            dm.stop()
+            shutil.rmtree(dm.dir, ignore_errors=True)
+        unit, layers = model["bytes_per_expert"], model["layers"]
+        block = (unit + 4095) // 4096 * 4096
+        progress("%s: GGUF %.2f GB (experts %.2f GB), bank unit %.2f MB; fio at queue depth %d"
+                 % (shape, gguf_bytes / GB, exp / GB, unit / 1e6, a.iodepth))
+        rate, fio_cmd, fio_engine = disk_rate(bank, block, a.iodepth, a.fio_seconds)
+        progress("%s: disk %s" % (shape, "%.2f GB/s (%s)" % (rate / GB, fio_engine) if rate else fio_cmd))
+        common = {"layers": layers, "bytes_per_expert": unit, "expert_bytes": exp, "non_expert_bytes": rest,
+                  "disk_bytes_per_s": rate, "disk_cmd": fio_cmd, "disk_engine": fio_engine,
+                  "iodepth": a.iodepth, "threads": a.threads, "prompt": a.prompt, "decode": a.decode}
+        progress("%s: uncapped, llama.cpp alone and + qmoed whole_bank" % shape)
+        ref_alone = alone(a, shape, gguf, gguf_bytes, None)
+        ref_q = with_qmoed(a, shape, gguf, bank, name, gguf_bytes, None, 0, layers)
+        rows += [ref_alone, ref_q]
+        compute_s = 1 / ref_q["decode_tok_s"] if ref_q["decode_tok_s"] else None
+        reserve = a.reserve if a.reserve is not None else int(
+            (ref_q["engine_peak_anon"] or 0) + (ref_q["engine_peak_file"] or rest) + (64 << 20))
+        for cap in a.caps:
+            progress("%s: cap %.2f GB (%.3g of the GGUF): llama.cpp alone" % (shape, cap * gguf_bytes / GB, cap))
+            rows.append(alone(a, shape, gguf, gguf_bytes, cap))
+            progress("%s:   %s, decode %s tok/s" % (shape, rows[-1]["status"], fmt(rows[-1]["decode_tok_s"])))
+            progress("%s: cap %.2f GB: llama.cpp + qmoed, budget auto" % (shape, cap * gguf_bytes / GB))
+            rows.append(with_qmoed(a, shape, gguf, bank, name, gguf_bytes, cap, reserve, layers))
+            io_bounds(rows[-1], unit, rate, compute_s)
+            progress("%s:   %s, decode %s tok/s, %s" % (shape, rows[-1]["status"], fmt(rows[-1]["decode_tok_s"]),
+                                                        rows[-1]["budget_auto"]))
+        if a.midrun:
+            progress("%s: the cap of %s lowered mid-run by half of what auto took" % (shape, frac_text(a.caps[0])))
+            rows.append(midrun(a, shape, gguf, bank, name, gguf_bytes, a.caps[0], reserve))
+            progress("%s:   %s: %s" % (shape, rows[-1]["status"], rows[-1]["note"]))
+        for r in rows:
+            r.update(common)
+            r["uncapped_decode_tok_s"] = (ref_alone if r["engine"] == "llama.cpp" else ref_q)["decode_tok_s"]
+    finally:
+        if not a.keep:
+            for p in made:
+                if os.path.isdir(p):
+                    shutil.rmtree(p, ignore_errors=True)
+                elif os.path.exists(p):
+                    os.remove(p)
+    return rows
+
+
+# ---- the table and the figure ----
+
+def fmt(x, f="%.2f"):
+    return "—" if x is None else f % x
+
+
+def markdown(rows):
+    head = ("| shape | memory given | engine | budget | prefill tok/s | decode tok/s | x uncapped | "
+            "hit rate | MB read / token | stall ms / token | I/O bound tok/s (reads; overlapped) | "
+            "disk GB/s | OOM kills | status |")
+    lines = [head, "|" + "---|" * 14]
+    for r in rows:
+        mem = "uncapped" if not r["cap_fraction"] else "%.2f GB (%s of the GGUF)" % (
+            r["cap_bytes"] / GB, frac_text(r["cap_fraction"]))
+        budget = "—" if r["budget_bytes"] is None else "%.2f GB%s" % (
+            r["budget_bytes"] / GB, " auto" if r["budget_auto"] else "")
+        ratio = (r["decode_tok_s"] / r["uncapped_decode_tok_s"]
+                 if r["decode_tok_s"] and r.get("uncapped_decode_tok_s") else None)
+        bound = "—" if r["io_bound_tok_s"] is None else "%.1f; %s" % (
+            r["io_bound_tok_s"], fmt(r["overlapped_bound_tok_s"], "%.1f"))
+        st = r["status"] if r["status"] == "ok" and not r.get("oom_kills") else "%s%s" % (
+            r["status"], ": " + r["note"] if r["status"] != "ok" and r["note"] else "")
+        lines.append("| %s | %s | %s | %s | %s | %s | %s | %s | %s | %s | %s | %s | %s | %s |" % (
+            r["shape"], mem, r["engine"], budget, fmt(r["prefill_tok_s"], "%.1f"),
+            fmt(r["decode_tok_s"]), fmt(ratio), fmt(r["hit_rate"], "%.3f"),
+            fmt(r["bytes_read_per_token"] / 1e6 if r["bytes_read_per_token"] is not None else None, "%.1f"),
+            fmt(r["stall_us_per_token"] / 1e3 if r["stall_us_per_token"] is not None else None, "%.1f"),
+            bound, fmt(r["disk_bytes_per_s"] / GB if r.get("disk_bytes_per_s") else None),
+            fmt(r["oom_kills"], "%d"), st))
+    return "\n".join(lines)
+
+
+def frac_text(f):
+    for d in range(1, 9):
+        if abs(f * d - round(f * d)) < 1e-3 and round(f * d) >= 1:
+            return "%d/%d" % (round(f * d), d)
+    return "%.3g" % f
+
+
+def figure(rows, path, caption):
+    """decode tok/s against the memory given; returns None or why not."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return "matplotlib is not installed (tools/requirements-torch.txt)"
+    fig, ax = plt.subplots(figsize=(7.5, 4.6), dpi=120)
+    shapes = list(dict.fromkeys(r["shape"] for r in rows))
+    colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    for i, shape in enumerate(shapes):
+        for engine, style, marker in (("llama.cpp + qmoed", "-", "o"), ("llama.cpp", "--", "s")):
+            # A row that did not run (refused, killed) has no point: the line skips it.
+            pts = sorted((r["cap_fraction"] or 1.25, r["decode_tok_s"]) for r in rows
+                         if r["shape"] == shape and r["engine"] == engine and r["decode_tok_s"])
+            if not pts:
+                continue
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], style, marker=marker,
+                    color=colours[i % len(colours)], label="%s, %s" % (shape, engine))
+    caps = sorted({r["cap_fraction"] for r in rows if r["cap_fraction"]})
+    ax.set_xticks(caps + [1.25])
+    ax.set_xticklabels([frac_text(c) for c in caps] + ["uncapped"])
+    ax.set_xlabel("memory given (cgroup cap, fraction of the Q4_0 GGUF)")
+    ax.set_ylabel("decode tokens/s")
+    ax.set_yscale("log")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=7, loc="best")
+    ax.set_title(caption, fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return None
+
+
+def cpu_name():
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return "?"
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--llama", required=True, help="PREFIX that clients/llama.cpp/build.sh installed")
+    ap.add_argument("--shapes", default=",".join(SHAPES),
+                    help="comma-separated, of %s" % ", ".join(checkpoints.SHAPES))
+    ap.add_argument("--caps", default="1/2,1/3,1/4", help="memory cgroup caps, fractions of the GGUF")
+    ap.add_argument("--layers", type=int, default=checkpoints.LAYERS)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--prompt", type=int, default=16)
+    ap.add_argument("--decode", type=int, default=32)
+    ap.add_argument("--policy", default="next_use", help="of the capped qmoed rows")
+    ap.add_argument("--precision", choices=("exact", "fast"), help="of the qmoed rows (default: exact)")
+    ap.add_argument("--reserve", type=int, help="auto_budget_reserve in bytes (default: the engine's "
+                    "share measured uncapped + 64 MiB)")
+    ap.add_argument("--iodepth", type=int, default=32,
+                    help="reads in flight: qmoed's io_depth (its default, 32) and fio's")
+    ap.add_argument("--fio-seconds", type=int, default=5)
+    ap.add_argument("--alone-repack", type=int, default=0, choices=(0, 1),
+                    help="llama.cpp alone under a cap with its default repacking (1) or --repack 0")
+    ap.add_argument("--row-timeout", type=int, default=1800, help="seconds per llama-bench run")
+    ap.add_argument("--no-midrun", dest="midrun", action="store_false",
+                    help="no run with the first cap lowered mid-run by half of what auto took")
+    ap.add_argument("--midrun-tokens", type=int, default=96, help="tokens that run decodes")
+    ap.add_argument("--direct-q8", action="store_true",
+                    help="convert straight to Q8_0 (no bf16 GGUF on disk); Q4_0 requantised from it")
+    ap.add_argument("--build", default=os.path.join(ROOT, "build"), help="qmoed's build tree")
+    ap.add_argument("--work", help="where checkpoints, GGUFs and banks go (default: a temp dir in /var/tmp)")
+    ap.add_argument("--keep", action="store_true", help="keep the checkpoints, GGUFs and banks")
+    ap.add_argument("--json", help="write the rows here")
+    ap.add_argument("--md", help="write the markdown table here")
+    ap.add_argument("--png", default=os.path.join(ROOT, "docs", "capped_sweep.png"),
+                    help="the figure (matplotlib); '' for none")
+    a = ap.parse_args(argv)
+    why = MemCgroup.unavailable()
+    if why:
+        ap.error("the sweep caps memory with cgroups: " + why)
+    a.caps = [fraction(c) for c in a.caps.split(",")]
+    a.shapes = a.shapes.split(",")
+    for s in a.shapes:
+        if s not in checkpoints.SHAPES:
+            ap.error("unknown shape %r (%s)" % (s, ", ".join(checkpoints.SHAPES)))
+    a.llama = os.path.abspath(a.llama)
+    a.quants = ["q4_0"]
+    os.environ["QMOE_BUILD_DIR"] = os.path.abspath(a.build)
+    temp = a.work is None
+    a.work = a.work or tempfile.mkdtemp(prefix="qmoe-sweep-", dir="/var/tmp")
+    os.makedirs(a.work, exist_ok=True)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    rows = []
+    try:
+        for shape in a.shapes:
+            rows += run_shape(a, shape)
+            if a.json:
+                with open(a.json, "w") as f:
+                    json.dump(rows, f, indent=1)
+    finally:
+        if temp and not a.keep:
+            shutil.rmtree(a.work, ignore_errors=True)
+    table = markdown(rows)
+    machine = "%s, %d cores, %.0f GiB; %s" % (cpu_name(), os.cpu_count(),
+                                              os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30,
+                                              time.strftime("%Y-%m-%d"))
+    print(table)
+    print("\n%s; llama-bench -t %d -r 1, prefill %d tokens, decode %d; qmoed %s, %s budget auto"
+          % (machine, a.threads, a.prompt, a.decode, a.precision or "exact", a.policy))
+    if a.md:
+        with open(a.md, "w") as f:
+            f.write(table + "\n\n" + machine + "\n")
+    if a.png and rows:
+        why = figure(rows, a.png, "decode tok/s, llama.cpp alone (dashed) and + qmoed --qmoed-budget auto "
+                     "(solid); %s" % machine)
+        print("figure: %s" % (why or a.png), file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
