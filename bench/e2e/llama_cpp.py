@@ -60,9 +60,10 @@ from qmoed_memcg import MemCgroup  # noqa: E402  (a memory cgroup, v1 or v2)
 
 GB = 1e9
 CONFIGS = [("whole_bank", None), ("next_use", 0.5), ("next_use", 0.25)]
-SESSION_RE = re.compile(r"qmoed: session \S+: (\d+) layer calls, (\d+) rows: daemon compute ([\d.]+) ms, "
+SESSION_RE = re.compile(r"qmoed: session \S+: (\d+) layer calls(?: \([^)]*\))?, (\d+) rows: daemon compute ([\d.]+) ms, "
                         r"queue ([\d.]+) ms, ([\d.]+) ms in the op \(([\d.]+) us per call beyond the "
                         r"daemon's compute\); expert hits (\d+), misses (\d+)")
+TRANSPORT_RE = re.compile(r"qmoed: session \S+: \d+ layer calls \(([^)]*)\)")
 KV_RE = re.compile(r"llama_kv_cache: size = +([\d.]+) MiB")
 
 
@@ -168,6 +169,7 @@ def llama_bench(a, gguf, extra=(), cmd_prefix=(), daemon_pid=None, prompt=None, 
         res["calls"] = calls
         res["call_overhead_us"] = (op_ms - compute_ms) * 1e3 / calls if calls else None
         res["hit_rate"] = hits / (hits + misses) if hits + misses else None
+        res["transport"] = ",".join(sorted(set(TRANSPORT_RE.findall(log)))) or None
     return res
 
 
@@ -246,6 +248,7 @@ def summarise(a, shape, quant, policy, budget, runs, sizes, bits):
         "non_expert_bytes": rest, "expert_bytes": exp,
         "kv_bytes": med([r.get("kv_bytes") for r in ok]),
         "call_overhead_us": med([r.get("call_overhead_us") for r in ok]),
+        "transport": next((r["transport"] for r in ok if r.get("transport")), None),
         "rounds": len(ok), "status": "ok" if ok else "failed",
         "note": None if ok else runs[-1]["log_tail"].strip().splitlines()[-1] if runs[-1]["log_tail"] else None,
     }
@@ -355,7 +358,8 @@ def table(rs):
     cols = [("shape", "%s"), ("weights", "%s"), ("engine", "%s"), ("policy", "%s"), ("budget", "%.2f"),
             ("prefill_tok_s", "%.1f"), ("decode_tok_s", "%.2f"), ("engine_peak_anon", "GB"),
             ("engine_peak_rss", "GB"), ("qmoed_peak_rss", "GB"), ("non_expert_bytes", "GB"), ("kv_bytes", "GB"),
-            ("call_overhead_us", "%.0f"), ("hit_rate", "%.3f"), ("status", "%s"), ("note", "%s")]
+            ("call_overhead_us", "%.0f"), ("transport", "%s"), ("hit_rate", "%.3f"), ("status", "%s"),
+            ("note", "%s")]
     lines = ["| " + " | ".join(c for c, _ in cols) + " |", "|" + "---|" * len(cols)]
     for r in rs:
         cells = []
