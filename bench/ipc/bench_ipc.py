@@ -6,7 +6,10 @@ Both servers run in this process's lifetime on private sockets. Round trips
 are driven by qmoe-ipc-load (one epoll thread, closed loop, like
 redis-benchmark); redis is also measured by redis-benchmark itself.
 
-usage: bench_ipc.py --build BUILD_DIR [--record docs/BENCHMARKS.md] [--quick]
+usage: bench_ipc.py --build BUILD_DIR [--out FILE] [--quick]
+
+The table goes to stdout, and with --out also into FILE (replaced); the raw
+figures go to stderr as JSON. docs/BENCHMARKS.md "The call's cost" shows it.
 """
 import argparse
 import base64
@@ -51,7 +54,7 @@ def redis_benchmark(sock, clients, requests):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--build", required=True)
-    ap.add_argument("--record")
+    ap.add_argument("--out", help="also write the table to this file (replaced)")
     ap.add_argument("--workdir", default=os.path.join(tempfile.gettempdir(), "qmoe-bench-ipc"))
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--quick", action="store_true")
@@ -149,7 +152,7 @@ def main():
 
     inf, inf1 = results["infer_t1"], results["infer_t1_threads1"]
     lines = [
-        "## IPC",
+        "**The wire against redis** (bench/ipc/bench_ipc.py)",
         "",
         "`cmake --build build --target bench-ipc` (bench/ipc/bench_ipc.py), %s, %s, %d cores, "
         "load average %.1f at the end (the machine is shared). qmoed (CPU backend, release "
@@ -204,16 +207,9 @@ def main():
     text = "\n".join(lines)
     print(text)
     print(json.dumps(results, indent=1), file=sys.stderr)
-    if a.record:
-        old = open(a.record).read() if os.path.exists(a.record) else "# Benchmarks\n\n"
-        start = old.find("## IPC\n")
-        if start >= 0:
-            end = old.find("\n## ", start + 1)
-            old = old[:start] + (old[end + 1:] if end >= 0 else "")
-        if not old.endswith("\n\n"):
-            old = old.rstrip("\n") + "\n\n"
-        with open(a.record, "w") as f:
-            f.write(old + text)
+    if a.out:
+        with open(a.out, "w") as f:
+            f.write(text)
 
 
 if __name__ == "__main__":

@@ -1,5 +1,6 @@
 /* sim_main.c - policy_sim's driver: traces x budgets x policies, Markdown out.
- * See policy_sim.c for the cache model and docs/BENCHMARKS.md for results. */
+ * See policy_sim.c for the cache model and docs/BENCHMARKS.md, "Residency
+ * against Belady", for results. */
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>

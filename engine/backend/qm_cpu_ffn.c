@@ -17,8 +17,9 @@
  * threads claim tasks in turn, so a task is also how long each thread's
  * stream runs before it jumps: 16 tiles (96-256 KiB of 4-bit codes on the
  * fine-grained shapes) took 4-12% off every call of a Zen 4 core pair
- * against 4 tiles (docs/BENCHMARKS.md, "Zen 4"); on Zen 3 4-32 measured
- * the same. */
+ * against 4 tiles; on Zen 3 4-32 measured the same (the old
+ * docs/BENCHMARKS.md, `git show 0eb56d2:docs/BENCHMARKS.md`: "A Zen 4 core
+ * pair" and "Against ggml's repacked Q4_0, and an interleaved layout"). */
 #define QM__MAX_TILES_PER_TASK 16u
 #define QM__TASKS_PER_THREAD 32u
 /* Pauses a waiting task spins before it sleeps (some tens of microseconds). */
