@@ -128,15 +128,11 @@ static int rd_scalar(cursor *c, uint32_t type, qm__gguf_kv *kv)
         u = u << 8 | b[i];
     switch (type) {
     case QM__GGUF_I8:
-        kv->v.i = (int8_t)u;
-        break;
     case QM__GGUF_I16:
-        kv->v.i = (int16_t)u;
-        break;
     case QM__GGUF_I32:
-        kv->v.i = (int32_t)u;
-        break;
-    case QM__GGUF_I64:
+    case QM__GGUF_I64: /* two's complement in its n bytes, sign-extended */
+        if (n < 8 && (u >> (8 * n - 1)) & 1)
+            u |= ~0ull << (8 * n);
         kv->v.i = (int64_t)u;
         break;
     case QM__GGUF_F32: {
