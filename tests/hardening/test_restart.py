@@ -362,8 +362,15 @@ def test_no_torn_bank_ever_loads(hf_bank, tmp_path, kind):
             sup.restart(wait=True)
             loader.join(30)
             c2 = qmoe_client.Client(sup.socket)
-            assert c2.models() == []
-            assert c2.load_model("r%d" % i, ref)["bytes_total"] == want
+            # The loader's request may reach the new daemon (its connection
+            # made after the restart): then the model is there, whole.
+            # Either way the name then loads (or is loaded) whole.
+            models = c2.models()
+            assert [m["name"] for m in models] in ([], ["r%d" % i]), models
+            if not models:
+                assert c2.load_model("r%d" % i, ref)["bytes_total"] == want
+            else:
+                assert models[0]["bytes_total"] == want
             c2.close()
     finally:
         c.close()
