@@ -46,6 +46,10 @@ extern const qmoectl_cmd qmoectl_cmds[];
 int qmoectl_cmd_methods(const qmoectl_args *a);
 int qmoectl_cmd_call(qm_client *c, const qmoectl_args *a);
 int qmoectl_check_call(const qmoectl_args *a);
+/* 0 when `value` is one of the names `method`'s `member` row takes (an
+ * enum's, from its registry); else a usage error naming `option` and them. */
+int qmoectl_check_name(const char *method, const char *member, const char *option,
+                       const char *value);
 
 /* The plan and telemetry views (qmoectl_views.c). */
 int qmoectl_cmd_plan(qm_client *c, const qmoectl_args *a);

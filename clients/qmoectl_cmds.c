@@ -307,8 +307,8 @@ static int cmd_create(qm_client *c, const qmoectl_args *a)
     char budget[32];
     const char *policy = qmoectl_opt(a, "--policy"), *bstr = qmoectl_opt(a, "--budget");
     const char *prec = qmoectl_opt(a, "--precision");
-    if (prec && strcmp(prec, "exact") != 0 && strcmp(prec, "fast") != 0)
-        return qmoectl_usage_error("--precision must be exact or fast");
+    if (prec && (rc = qmoectl_check_name("session.create", "precision", "--precision", prec)) != 0)
+        return rc;
     if ((rc = build_policy_params(a, pp, sizeof(pp), &any)) != 0)
         return rc;
     if (bstr && (rc = budget_text("--budget", bstr, budget, sizeof budget)) != 0)

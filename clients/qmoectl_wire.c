@@ -17,6 +17,26 @@ static int method_named(const char *name, qm_method *out)
     return qmoectl_usage_error("unknown method '%.64s'; `qmoectl methods` lists them", name);
 }
 
+int qmoectl_check_name(const char *method, const char *member, const char *option,
+                       const char *value)
+{
+    qm_method m;
+    const qm_wire_rows *rows =
+        qm_method_parse(method, strlen(method), &m) == 0 ? qm_wire_params(m) : NULL;
+    for (size_t i = 0; rows && i < rows->n; i++) {
+        const qm_wire_param *p = &rows->rows[i];
+        if (strcmp(p->member, member) != 0 || !p->names)
+            continue;
+        for (size_t j = 0; p->names[j]; j++)
+            if (strcmp(p->names[j], value) == 0)
+                return 0;
+        char type[256];
+        return qmoectl_usage_error("%s must be %s, not '%.64s'", option,
+                                   qm_wire_type_text(p, type, sizeof type), value);
+    }
+    return 0; /* no such row: the daemon judges */
+}
+
 /* ---- one method's params as rows of text ---- */
 
 /* "lfu, next_use": the offered policies that take knob `name`. */
@@ -143,6 +163,13 @@ static void jw_rows(qm_jw *w, const qm_wire_rows *rows)
             qm_jw_arr_begin(w);
             for (size_t j = 0; p->names[j]; j++)
                 qm_jw_str(w, p->names[j]);
+            qm_jw_arr_end(w);
+        } else if (p->type == QM_WT_POLICY) { /* the residency registry's offered policies */
+            qm_jw_key(w, "names");
+            qm_jw_arr_begin(w);
+            for (size_t j = 0; j < qm_policy_count(); j++)
+                if (qm_policy_offered_at(j))
+                    qm_jw_str(w, qm_policy_name_at(j));
             qm_jw_arr_end(w);
         }
         if (p->object) {

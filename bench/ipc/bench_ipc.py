@@ -6,22 +6,21 @@ Both servers run in this process's lifetime on private sockets. Round trips
 are driven by qmoe-ipc-load (one epoll thread, closed loop, like
 redis-benchmark); redis is also measured by redis-benchmark itself.
 
-usage: bench_ipc.py --build BUILD_DIR [--record docs/BENCHMARKS.md] [--quick]
+usage: bench_ipc.py --build BUILD_DIR [--out FILE] [--quick]
+
+The table goes to stdout, and with --out also into FILE (replaced); the raw
+figures go to stderr as JSON. docs/BENCHMARKS.md "The call's cost" shows it.
 """
-import argparse
 import base64
 import datetime
 import json
 import os
 import platform
-import shutil
 import subprocess
 import sys
 import tempfile
-import time
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.join(HERE, "..", "..", "tests", "daemon"))
+import bench_common
 
 
 def load(build, sock, clients, requests, warmup, line=None, line_file=None, redis=False):
@@ -49,34 +48,21 @@ def redis_benchmark(sock, clients, requests):
 
 
 def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--build", required=True)
-    ap.add_argument("--record")
-    ap.add_argument("--workdir", default=os.path.join(tempfile.gettempdir(), "qmoe-bench-ipc"))
+    ap = bench_common.parser("qmoe-bench-ipc", threads=False)
+    ap.add_argument("--out", help="also write the table to this file (replaced)")
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--reps", type=int, default=5)
     a = ap.parse_args()
-    os.environ["QMOE_BUILD_DIR"] = a.build
-    from qmoed_harness import Client, Daemon, make_bank
-
-    os.makedirs(a.workdir, exist_ok=True)
+    h = bench_common.harness(a.build)
     n1, n50, ninf = (3000, 10000, 30) if a.quick else (20000, 50000, 100)
-    bank = make_bank(os.path.join(a.workdir, "gptoss20b-like-%dl.bank" % a.layers),
-                     layers=a.layers, experts=32, hidden=2880, inter=2880, k=4, bits=4, block=32,
-                     activation="swiglu", fusion=1, router=True, seed=7)
+    bank = bench_common.gptoss_bank(h, a.workdir, a.layers)
     results = {}
     run_dir = tempfile.mkdtemp(prefix="bench-ipc-")
-    dm = Daemon(models={"gptoss": bank}, workdir=run_dir,
-                args=["--set", "idle_timeout_s=0", "--log-level", "notice"])
-    redis_sock = os.path.join(run_dir, "redis.sock")
-    redis = subprocess.Popen(["redis-server", "--port", "0", "--unixsocket", redis_sock,
-                              "--save", "", "--appendonly", "no", "--loglevel", "warning"],
-                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    dm = h.Daemon(models={"gptoss": bank}, workdir=run_dir,
+                  args=["--set", "idle_timeout_s=0", "--log-level", "notice"])
+    redis, redis_sock = bench_common.start_redis(run_dir)
     try:
-        deadline = time.time() + 10
-        while not os.path.exists(redis_sock) and time.time() < deadline:
-            time.sleep(0.02)
         status = '{"jsonrpc":"2.0","id":1,"method":"daemon.status"}'
         # Interleaved repetitions: on a shared machine the load drifts, so
         # each contender gets the same mix of quiet and busy moments.
@@ -118,7 +104,7 @@ def main():
             results[tag] = r
 
         infer_run(dm, "infer_t1")
-        dm1 = Daemon(models={"gptoss": bank}, workdir=run_dir,
+        dm1 = h.Daemon(models={"gptoss": bank}, workdir=run_dir,
                      socket_path=os.path.join(run_dir, "t1.sock"),
                      args=["--threads", "1", "--workers", "1", "--log-level", "notice"])
         try:
@@ -149,7 +135,7 @@ def main():
 
     inf, inf1 = results["infer_t1"], results["infer_t1_threads1"]
     lines = [
-        "## IPC",
+        "**The wire against redis** (bench/ipc/bench_ipc.py)",
         "",
         "`cmake --build build --target bench-ipc` (bench/ipc/bench_ipc.py), %s, %s, %d cores, "
         "load average %.1f at the end (the machine is shared). qmoed (CPU backend, release "
@@ -204,16 +190,9 @@ def main():
     text = "\n".join(lines)
     print(text)
     print(json.dumps(results, indent=1), file=sys.stderr)
-    if a.record:
-        old = open(a.record).read() if os.path.exists(a.record) else "# Benchmarks\n\n"
-        start = old.find("## IPC\n")
-        if start >= 0:
-            end = old.find("\n## ", start + 1)
-            old = old[:start] + (old[end + 1:] if end >= 0 else "")
-        if not old.endswith("\n\n"):
-            old = old.rstrip("\n") + "\n\n"
-        with open(a.record, "w") as f:
-            f.write(old + text)
+    if a.out:
+        with open(a.out, "w") as f:
+            f.write(text)
 
 
 if __name__ == "__main__":

@@ -19,49 +19,38 @@ usage: bench_ring.py --build BUILD [--calls 1000] [--gap-us 1000] [--layers 4]
                      [--idle-s 10] [--threads 0] [--workdir DIR] [--skip-qwen]
 Prints the JSON of every part, then the table and the targets' lines.
 """
-import argparse
 import json
 import os
 import subprocess
-import sys
 import tempfile
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.join(HERE, "..", "..", "tests", "daemon"))
+import bench_common
 
 
 def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--build", required=True)
-    ap.add_argument("--workdir", default=os.path.join(tempfile.gettempdir(), "qmoe-bench-ring"))
+    ap = bench_common.parser("qmoe-bench-ring")
     ap.add_argument("--calls", type=int, default=1000)
     ap.add_argument("--gap-us", type=float, default=1000)
     ap.add_argument("--layers", type=int, default=4, help="layers of the Qwen3-shaped bank")
     ap.add_argument("--idle-s", type=float, default=10)
-    ap.add_argument("--threads", type=int, default=0, help="qmoed --threads (0 = cores)")
     ap.add_argument("--skip-qwen", action="store_true")
     a = ap.parse_args()
-    os.environ["QMOE_BUILD_DIR"] = a.build
-    from qmoed_harness import Daemon, make_bank
-
-    os.makedirs(a.workdir, exist_ok=True)
+    h = bench_common.harness(a.build)
     bench = os.path.join(a.build, "bench", "ipc", "qmoe-ring-bench")
     out = {}
     r = subprocess.run([bench, "floor", "--calls", str(a.calls), "--gap-us", str(a.gap_us)],
                        check=True, capture_output=True, text=True)
     out["floor"] = json.loads(r.stdout)
 
-    cases = [("tiny", "exact", make_bank(os.path.join(a.workdir, "tiny-h64.bank"), layers=2,
-                                         experts=32, hidden=64, inter=32, k=4, bits=4, block=32,
-                                         activation="swiglu", fusion=1, router=True, seed=7))]
+    cases = [("tiny", "exact", bench_common.tiny_bank(h, a.workdir))]
     if not a.skip_qwen:
-        cases.append(("qwen3-30b-a3b", "fast", make_bank(
+        cases.append(("qwen3-30b-a3b", "fast", h.make_bank(
             os.path.join(a.workdir, "qwen3-30b-a3b-%dl.bank" % a.layers), layers=a.layers,
             experts=128, hidden=2048, inter=768, k=8, bits=4, block=32, activation="swiglu",
             fusion=1, router=True, seed=7)))
     for name, precision, bank in cases:
         run_dir = tempfile.mkdtemp(prefix="bench-ring-", dir=a.workdir)
-        dm = Daemon(models={name: bank}, workdir=run_dir,
+        dm = h.Daemon(models={name: bank}, workdir=run_dir,
                     args=["--set", "idle_timeout_s=0", "--log-level", "notice",
                           "--threads", str(a.threads)])
         try:

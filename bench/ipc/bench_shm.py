@@ -12,53 +12,31 @@ queue and thread hand-offs.
 
 usage: bench_shm.py --build BUILD_DIR [--requests-t1 N] [--requests-t512 N] [--threads N]
 """
-import argparse
 import json
 import os
 import subprocess
-import sys
 import tempfile
-import time
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.join(HERE, "..", "..", "tests", "daemon"))
+import bench_common
 
 
 def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--build", required=True)
-    ap.add_argument("--workdir", default=os.path.join(tempfile.gettempdir(), "qmoe-bench-ipc"))
+    ap = bench_common.parser("qmoe-bench-ipc")
     ap.add_argument("--requests-t1", type=int, default=100)
     ap.add_argument("--requests-t512", type=int, default=5)
-    ap.add_argument("--threads", type=int, default=0, help="qmoed --threads (0 = cores)")
     a = ap.parse_args()
-    os.environ["QMOE_BUILD_DIR"] = a.build
-    from qmoed_harness import Daemon, make_bank
-
-    os.makedirs(a.workdir, exist_ok=True)
-    bank = make_bank(os.path.join(a.workdir, "gptoss20b-like-2l.bank"), layers=2, experts=32,
-                     hidden=2880, inter=2880, k=4, bits=4, block=32, activation="swiglu",
-                     fusion=1, router=True, seed=7)
-    # A tiny layer too (H = 64, 8 experts): its compute is a few µs, so its
-    # overhead is the protocol path's floor without a 20-40 ms compute next
-    # to it on the same cores.
-    tiny = make_bank(os.path.join(a.workdir, "tiny-h64.bank"), layers=2, experts=32, hidden=64,
-                     inter=32, k=4, bits=4, block=32, activation="swiglu", fusion=1,
-                     router=True, seed=7)
+    h = bench_common.harness(a.build)
+    bank = bench_common.gptoss_bank(h, a.workdir)
+    # The tiny layer too: its overhead is the protocol path's floor without
+    # a 20-40 ms compute next to it on the same cores.
+    tiny = bench_common.tiny_bank(h, a.workdir)
     run_dir = tempfile.mkdtemp(prefix="bench-shm-")
-    dm = Daemon(models={"gptoss": bank, "tiny": tiny}, workdir=run_dir,
-                args=["--set", "idle_timeout_s=0", "--log-level", "notice",
-                      "--threads", str(a.threads), "--set", "max_request_bytes=134217728"])
-    redis_sock = os.path.join(run_dir, "redis.sock")
-    redis = subprocess.Popen(["redis-server", "--port", "0", "--unixsocket", redis_sock,
-                              "--save", "", "--appendonly", "no", "--loglevel", "warning"],
-                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    dm = h.Daemon(models={"gptoss": bank, "tiny": tiny}, workdir=run_dir,
+                  args=["--set", "idle_timeout_s=0", "--log-level", "notice",
+                        "--threads", str(a.threads), "--set", "max_request_bytes=134217728"])
+    redis, redis_sock = bench_common.start_redis(run_dir)
     out = {}
     try:
-        deadline = time.time() + 10
-        while not os.path.exists(redis_sock) and time.time() < deadline:
-            time.sleep(0.02)
-
         def ping():
             r = subprocess.run([os.path.join(a.build, "bench", "ipc", "qmoe-ipc-load"), "--socket",
                                 redis_sock, "--clients", "1", "--requests", "20000", "--warmup",

@@ -1,5 +1,5 @@
 #!/bin/sh
-# bench/paging_disk/run.sh - the docs/BENCHMARKS.md "CPU decode from disk" table.
+# bench/paging_disk/run.sh - the "Decode from disk" table of docs/BENCHMARKS.md, "A model larger than my memory".
 #
 #   bench/paging_disk/run.sh BUILD_DIR BANK [TOKENS] [HEADROOM_MIB] [REPS] [-- extra paging_disk args]
 #

@@ -1,5 +1,6 @@
 /* sim_main.c - policy_sim's driver: traces x budgets x policies, Markdown out.
- * See policy_sim.c for the cache model and docs/BENCHMARKS.md for results. */
+ * See policy_sim.c for the cache model and docs/BENCHMARKS.md, "Residency
+ * against Belady", for results. */
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -18,10 +19,18 @@ typedef struct sim_opts {
     int quick, no_prefetch, prefetch_all;
 } sim_opts;
 
-/* belady first (the yardstick), then the policies compared (--policies). */
-static const char *k_policies[16] = {"belady", "lru", "lfu", "static_hot", "arc", "layered_lru",
-                                     "next_use"};
-static int N_POLICIES = 7;
+/* belady first (the yardstick), then the policies compared: --policies, or
+ * every policy the residency registry offers but the default (whole_bank,
+ * which pages nothing), in registry order. */
+static const char *k_policies[16] = {"belady"};
+static int N_POLICIES = 1;
+
+static void offered_policies(void)
+{
+    for (size_t i = 0; i < qm_policy_count() && N_POLICIES < 16; i++)
+        if (qm_policy_offered_at(i) && strcmp(qm_policy_name_at(i), qm_policy_default_name()) != 0)
+            k_policies[N_POLICIES++] = qm_policy_name_at(i);
+}
 static const double k_budgets[] = {0.10, 0.25, 0.50, 0.75};
 enum { N_BUDGETS = 4 };
 
@@ -316,6 +325,7 @@ int main(int argc, char **argv)
     sim_opts o = {.tokens = 4000, .expert_mib = 84.0, .predict_acc = 0.85, .seed = 1,
                   .lfu_decay = -1, .pin_fraction = -1, .next_use_decay = -1};
     g_opts = &o;
+    offered_policies();
     const char *trace_path = NULL;
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i];

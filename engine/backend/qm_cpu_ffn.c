@@ -17,8 +17,9 @@
  * threads claim tasks in turn, so a task is also how long each thread's
  * stream runs before it jumps: 16 tiles (96-256 KiB of 4-bit codes on the
  * fine-grained shapes) took 4-12% off every call of a Zen 4 core pair
- * against 4 tiles (docs/BENCHMARKS.md, "Zen 4"); on Zen 3 4-32 measured
- * the same. */
+ * against 4 tiles; on Zen 3 4-32 measured the same (the old
+ * docs/BENCHMARKS.md, `git show 0eb56d2:docs/BENCHMARKS.md`: "A Zen 4 core
+ * pair" and "Against ggml's repacked Q4_0, and an interleaved layout"). */
 #define QM__MAX_TILES_PER_TASK 16u
 #define QM__TASKS_PER_THREAD 32u
 /* Pauses a waiting task spins before it sleeps (some tens of microseconds). */
@@ -574,18 +575,19 @@ static void qm__map_tokens(qm__run *R)
         }
 }
 
-int qm__cpu_ffn_run(qm__cpu_ffn *f, const qm_expert_batch *b, qm_status *st)
+/* The run's shape from the batch's config and layer: activation, fc3, the
+ * precision it runs at, the biases' types. */
+static int qm__run_begin(qm__cpu_ffn *f, const qm_expert_batch *b, qm__run *R, qm_status *st)
 {
     const qm_bank_config *cfg = b->config;
     const qm_layer_view *lv = b->layer;
-    int rc = 0;
     if (!cfg || !lv || (!b->x && b->n_tokens) || !b->y)
         return qm_status_set(st, QM_EINVAL, "run_experts: batch lacks config, layer, x or y");
-    qm__run R = {.f = f, .b = b, .k = f->kernel, .H = cfg->hidden, .I = cfg->inter};
-    R.swiglu = cfg->activation == QM_ACT_SWIGLU;
-    R.has_fc3 = R.swiglu && cfg->swiglu_fusion == 0;
-    R.N1 = R.swiglu && !R.has_fc3 ? 2 * R.I : R.I;
-    if (R.swiglu && cfg->swiglu_fusion > 2)
+    *R = (qm__run){.f = f, .b = b, .k = f->kernel, .H = cfg->hidden, .I = cfg->inter};
+    R->swiglu = cfg->activation == QM_ACT_SWIGLU;
+    R->has_fc3 = R->swiglu && cfg->swiglu_fusion == 0;
+    R->N1 = R->swiglu && !R->has_fc3 ? 2 * R->I : R->I;
+    if (R->swiglu && cfg->swiglu_fusion > 2)
         return qm_status_set(st, QM_EINVAL, "swiglu_fusion %u is not 0, 1 or 2",
                              cfg->swiglu_fusion);
     /* Fast mode needs weight blocks of whole 32-column sub-blocks; other
@@ -593,113 +595,138 @@ int qm__cpu_ffn_run(qm__cpu_ffn *f, const qm_expert_batch *b, qm_status *st)
     if (b->precision == QM_PRECISION_FAST && f->i8 &&
         (cfg->block_size == 0 || cfg->block_size % 32 == 0 ||
          lv->t[QM_T_FC1_WEIGHT + 1].ndim != 3))
-        R.i8 = f->i8;
-    R.b1_dt = lv->t[QM_T_FC1_BIAS].dtype;
-    R.b2_dt = lv->t[QM_T_FC2_BIAS].dtype;
-    R.b3_dt = lv->t[QM_T_FC3_BIAS].dtype;
+        R->i8 = f->i8;
+    R->b1_dt = lv->t[QM_T_FC1_BIAS].dtype;
+    R->b2_dt = lv->t[QM_T_FC2_BIAS].dtype;
+    R->b3_dt = lv->t[QM_T_FC3_BIAS].dtype;
+    return 0;
+}
 
+/* What the jobs' geometry adds up to: rows of X and of the hidden
+ * activations, tasks of each phase, the kernels' per-thread scratch. */
+typedef struct {
+    size_t xrows, hrows, n_tasks1, n_tasks2, ws;
+} qm__run_size;
+
+/* Job j's geometry (its matrices, biases and rows in the scratch), added
+ * to *sz. */
+static int qm__job_geometry(qm__run *R, size_t j, qm__run_size *sz, qm_status *st)
+{
+    const qm_expert_batch *b = R->b;
+    const qm_bank_config *cfg = b->config;
+    const qm_layer_view *lv = b->layer;
+    const qm_expert_job *job = &b->jobs[j];
+    qm__job_geo *g = &R->geo[j];
+    if (job->expert >= cfg->experts || (job->n_rows && (!job->rows || !job->out_index)))
+        return qm_status_set(st, QM_EINVAL, "job %zu: expert %u out of range or rows missing", j,
+                             job->expert);
+    for (uint32_t r = 0; r < job->n_rows; r++)
+        if (job->rows[r] >= b->n_tokens)
+            return qm_status_set(st, QM_EINVAL, "job %zu: row %u >= %u tokens", j,
+                                 job->rows[r], b->n_tokens);
+    int rc = qm__make_qmat(cfg, lv, QM_T_FC1_WEIGHT, &job->weights, R->N1, R->H, &g->fc1, st);
+    if (rc == 0)
+        rc = qm__make_qmat(cfg, lv, QM_T_FC2_WEIGHT, &job->weights, R->H, R->I, &g->fc2, st);
+    if (rc == 0 && R->has_fc3)
+        rc = qm__make_qmat(cfg, lv, QM_T_FC3_WEIGHT, &job->weights, R->I, R->H, &g->fc3, st);
+    if (rc < 0)
+        return rc;
+    g->b1 = lv->t[QM_T_FC1_BIAS].present ? job->weights.ptr[QM_T_FC1_BIAS] : NULL;
+    g->b2 = lv->t[QM_T_FC2_BIAS].present ? job->weights.ptr[QM_T_FC2_BIAS] : NULL;
+    g->b3 = lv->t[QM_T_FC3_BIAS].present ? job->weights.ptr[QM_T_FC3_BIAS] : NULL;
+    g->gemm = job->n_rows > QM__GEMV_MAX_ROWS;
+    g->xrows = g->gemm && !R->i8 ? (uint32_t)qm__round_up(job->n_rows, R->k->gemm_row_pad)
+                                 : job->n_rows;
+    g->xrow = sz->xrows;
+    g->hrow = sz->hrows;
+    sz->xrows += g->xrows;
+    sz->hrows += job->n_rows;
+    if (job->n_rows) {
+        sz->n_tasks1 += qm__tiles(R->N1) + (R->has_fc3 ? qm__tiles(R->I) : 0);
+        sz->n_tasks2 += qm__tiles(R->H);
+    }
+    sz->ws = qm__max3(sz->ws, qm__kernel_scratch_floats(&g->fc1),
+                      qm__kernel_scratch_floats(&g->fc2));
+    if (R->has_fc3)
+        sz->ws = qm__max3(sz->ws, qm__kernel_scratch_floats(&g->fc3), 0);
+    return 0;
+}
+
+/* The run's buffers, cut from the shared scratch (grown to fit), and its
+ * task list; fast mode, fused, also maps the tokens used. */
+static int qm__run_scratch(qm__cpu_ffn *f, qm__run *R, const qm__run_size *sz, int fused,
+                           qm_status *st)
+{
+    const qm_expert_batch *b = R->b;
+    const qm__qmat *m1 = &R->geo[0].fc1, *m2 = &R->geo[0].fc2;
+    if (R->i8) {
+        R->ldx = qm__round_up(qm__max3(qm__i8_x_stride(m1), 1, 1), 16);
+        R->lda = qm__round_up(qm__max3(qm__i8_x_stride(m2), 1, 1), 16);
+    } else {
+        R->ldx = qm__round_up(qm__max3(f->kernel->x_stride(m1, 0), f->kernel->x_stride(m1, 1), 1),
+                              16);
+        R->lda = qm__round_up(qm__max3(f->kernel->x_stride(m2, 0), f->kernel->x_stride(m2, 1), 1),
+                              16);
+    }
+    R->ws_floats = qm__round_up(sz->ws + R->I, 16);
+    /* Fast mode, fused: one quantised row per token used (at most the
+     * routes' rows), and the token maps. */
+    const int dedupe = fused && R->i8;
+    const size_t hrows = sz->hrows;
+    const size_t n_tx = dedupe ? (hrows < b->n_tokens ? hrows : b->n_tokens) : 0;
+    size_t off_x = 0, off_h1 = off_x + sz->xrows * R->ldx;
+    size_t off_h3 = off_h1 + hrows * R->N1;
+    size_t off_a = off_h3 + (R->has_fc3 ? hrows * R->I : 0);
+    size_t off_y2 = off_a + sz->xrows * R->lda;
+    size_t off_ws = off_y2 + hrows * R->H;
+    size_t off_tx = off_ws + (size_t)f->threads * R->ws_floats;
+    size_t off_tok = off_tx + n_tx * R->ldx;
+    size_t total = off_tok + (dedupe ? (size_t)b->n_tokens + n_tx : 0);
+    size_t max_tasks = fused ? (size_t)f->threads * 4 + 1 + b->n_jobs + sz->n_tasks1 + sz->n_tasks2
+                             : (sz->n_tasks1 > sz->n_tasks2 ? sz->n_tasks1 : sz->n_tasks2);
+    if (qm__ffn_reserve(f, total, max_tasks, fused ? b->n_jobs : 0) < 0)
+        return qm_status_set(st, QM_ENOMEM, "out of memory for %zu floats of expert scratch",
+                             total);
+    float *s = f->scratch;
+    R->X = s + off_x;
+    R->H1 = s + off_h1;
+    R->H3 = s + off_h3;
+    R->A = s + off_a;
+    R->Y2 = s + off_y2;
+    R->wscratch = s + off_ws;
+    R->tasks = f->tasks;
+    R->sync = f->sync;
+    if (dedupe) {
+        R->TX = s + off_tx;
+        R->tx_floats = qm__i8_x_stride(m1);
+        R->tok_slot = (uint32_t *)(s + off_tok);
+        R->tok_used = R->tok_slot + b->n_tokens;
+        qm__map_tokens(R);
+    }
+    return 0;
+}
+
+int qm__cpu_ffn_run(qm__cpu_ffn *f, const qm_expert_batch *b, qm_status *st)
+{
+    qm__run R;
+    int rc = qm__run_begin(f, b, &R, st);
+    if (rc < 0)
+        return rc;
     R.geo = qm_calloc(b->n_jobs, sizeof *R.geo);
     if (!R.geo)
         return qm_status_set(st, QM_ENOMEM, "out of memory for %zu expert jobs", b->n_jobs);
-
-    /* Geometry of every job, and the scratch it needs. */
-    size_t xrows = 0, hrows = 0, n_tasks1 = 0, n_tasks2 = 0, ws = 0;
-    const uint32_t pad = f->kernel->gemm_row_pad;
-    for (size_t j = 0; j < b->n_jobs; j++) {
-        const qm_expert_job *job = &b->jobs[j];
-        qm__job_geo *g = &R.geo[j];
-        if (job->expert >= cfg->experts || (job->n_rows && (!job->rows || !job->out_index))) {
-            rc = qm_status_set(st, QM_EINVAL, "job %zu: expert %u out of range or rows missing",
-                               j, job->expert);
-            goto done;
-        }
-        for (uint32_t r = 0; r < job->n_rows; r++) {
-            if (job->rows[r] >= b->n_tokens) {
-                rc = qm_status_set(st, QM_EINVAL, "job %zu: row %u >= %u tokens", j,
-                                   job->rows[r], b->n_tokens);
-                goto done;
-            }
-        }
-        rc = qm__make_qmat(cfg, lv, QM_T_FC1_WEIGHT, &job->weights, R.N1, R.H, &g->fc1, st);
-        if (rc == 0)
-            rc = qm__make_qmat(cfg, lv, QM_T_FC2_WEIGHT, &job->weights, R.H, R.I, &g->fc2, st);
-        if (rc == 0 && R.has_fc3)
-            rc = qm__make_qmat(cfg, lv, QM_T_FC3_WEIGHT, &job->weights, R.I, R.H, &g->fc3, st);
-        if (rc < 0)
-            goto done;
-        g->b1 = lv->t[QM_T_FC1_BIAS].present ? job->weights.ptr[QM_T_FC1_BIAS] : NULL;
-        g->b2 = lv->t[QM_T_FC2_BIAS].present ? job->weights.ptr[QM_T_FC2_BIAS] : NULL;
-        g->b3 = lv->t[QM_T_FC3_BIAS].present ? job->weights.ptr[QM_T_FC3_BIAS] : NULL;
-        g->gemm = job->n_rows > QM__GEMV_MAX_ROWS;
-        g->xrows = g->gemm && !R.i8 ? (uint32_t)qm__round_up(job->n_rows, pad) : job->n_rows;
-        g->xrow = xrows;
-        g->hrow = hrows;
-        xrows += g->xrows;
-        hrows += job->n_rows;
-        if (job->n_rows) {
-            n_tasks1 += qm__tiles(R.N1) + (R.has_fc3 ? qm__tiles(R.I) : 0);
-            n_tasks2 += qm__tiles(R.H);
-        }
-        ws = qm__max3(ws, qm__kernel_scratch_floats(&g->fc1), qm__kernel_scratch_floats(&g->fc2));
-        if (R.has_fc3)
-            ws = qm__max3(ws, qm__kernel_scratch_floats(&g->fc3), 0);
-    }
-    if (hrows == 0)
-        goto done;
+    qm__run_size sz = {0};
+    for (size_t j = 0; j < b->n_jobs && rc == 0; j++)
+        rc = qm__job_geometry(&R, j, &sz, st);
     const int fused = f->schedule == QM__CPU_SCHEDULE_FUSED;
-    {
-        const qm__qmat *m1 = &R.geo[0].fc1, *m2 = &R.geo[0].fc2;
-        if (R.i8) {
-            R.ldx = qm__round_up(qm__max3(qm__i8_x_stride(m1), 1, 1), 16);
-            R.lda = qm__round_up(qm__max3(qm__i8_x_stride(m2), 1, 1), 16);
-        } else {
-            R.ldx = qm__round_up(
-                qm__max3(f->kernel->x_stride(m1, 0), f->kernel->x_stride(m1, 1), 1), 16);
-            R.lda = qm__round_up(
-                qm__max3(f->kernel->x_stride(m2, 0), f->kernel->x_stride(m2, 1), 1), 16);
-        }
-        R.ws_floats = qm__round_up(ws + R.I, 16);
-        /* Fast mode, fused: one quantised row per token used (at most the
-         * routes' rows), and the token maps. */
-        const int dedupe = fused && R.i8;
-        const size_t n_tx = dedupe ? (hrows < b->n_tokens ? hrows : b->n_tokens) : 0;
-        size_t off_x = 0, off_h1 = off_x + xrows * R.ldx;
-        size_t off_h3 = off_h1 + hrows * R.N1;
-        size_t off_a = off_h3 + (R.has_fc3 ? hrows * R.I : 0);
-        size_t off_y2 = off_a + xrows * R.lda;
-        size_t off_ws = off_y2 + hrows * R.H;
-        size_t off_tx = off_ws + (size_t)f->threads * R.ws_floats;
-        size_t off_tok = off_tx + n_tx * R.ldx;
-        size_t total = off_tok + (dedupe ? (size_t)b->n_tokens + n_tx : 0);
-        size_t max_tasks = fused ? (size_t)f->threads * 4 + 1 + b->n_jobs + n_tasks1 + n_tasks2
-                                 : (n_tasks1 > n_tasks2 ? n_tasks1 : n_tasks2);
-        if (qm__ffn_reserve(f, total, max_tasks, fused ? b->n_jobs : 0) < 0) {
-            rc = qm_status_set(st, QM_ENOMEM, "out of memory for %zu floats of expert scratch",
-                               total);
-            goto done;
-        }
-        float *s = f->scratch;
-        R.X = s + off_x;
-        R.H1 = s + off_h1;
-        R.H3 = s + off_h3;
-        R.A = s + off_a;
-        R.Y2 = s + off_y2;
-        R.wscratch = s + off_ws;
-        R.tasks = f->tasks;
-        R.sync = f->sync;
-        if (dedupe) {
-            R.TX = s + off_tx;
-            R.tx_floats = qm__i8_x_stride(m1);
-            R.tok_slot = (uint32_t *)(s + off_tok);
-            R.tok_used = R.tok_slot + b->n_tokens;
-            qm__map_tokens(&R);
-        }
+    if (rc == 0 && sz.hrows)
+        rc = qm__run_scratch(f, &R, &sz, fused, st);
+    if (rc == 0 && sz.hrows) {
+        if (fused)
+            qm__run_fused(f, &R, sz.n_tasks1 + sz.n_tasks2);
+        else
+            qm__run_phased(f, &R);
     }
-    if (fused)
-        qm__run_fused(f, &R, n_tasks1 + n_tasks2);
-    else
-        qm__run_phased(f, &R);
-done:
     qm_free(R.geo);
     return rc;
 }

@@ -168,28 +168,38 @@ static int qm__load_whole(qm_pager *p, uint64_t arena_off, uint64_t align, qm_st
     return rc;
 }
 
-/* The pins: copies issued together, then waited. */
-static int qm__load_pins(qm_pager *p, qm_status *st)
+/* At creation, the copy of every paged expert to load issued into a free
+ * slot, claimed as `claim`: the pins (QM__CLAIM_PIN), or every expert not
+ * resident yet (QM__CLAIM_PRELOAD). The copies are left in flight. */
+static int qm__issue_at_create(qm_pager *p, qm__claim claim, qm_status *st)
 {
+    const int pins = claim == QM__CLAIM_PIN;
     int rc = 0;
     for (uint32_t l = 0; l < p->n_layers && rc == 0; l++) {
         qm__layer *L = &p->layers[l];
         if (!L->paged)
             continue;
         for (uint32_t e = 0; e < L->n_experts && rc == 0; e++) {
-            if (!L->pinned[e])
+            if (pins ? !L->pinned[e] : L->slot_of[e] >= 0)
                 continue;
             int32_t s = qm__pager_free_slot(p);
             if (s < 0)
-                return qm_status_set(st, QM_EINTERNAL, "no slot left for pinned expert %u/%u", l,
-                                     e);
-            if ((rc = qm__pager_claim(p, s, l, e, QM__CLAIM_PIN, QM__PF_NONE, st)))
+                return qm_status_set(st, QM_EINTERNAL, "no slot left for %s expert %u/%u",
+                                     pins ? "pinned" : "preloaded", l, e);
+            if ((rc = qm__pager_claim(p, s, l, e, claim, QM__PF_NONE, st)))
                 break;
-            p->stats.n_pinned++;
+            p->stats.n_pinned += pins;
             p->stats.bytes_loaded_at_create += L->unit_bytes;
             rc = qm__pager_copy_unit(p, s, st);
         }
     }
+    return rc;
+}
+
+/* The pins: copies issued together, then waited. */
+static int qm__load_pins(qm_pager *p, qm_status *st)
+{
+    int rc = qm__issue_at_create(p, QM__CLAIM_PIN, st);
     /* A pin whose copy failed holds a slot nobody frees: fail the pager. */
     for (uint32_t s = 0; s < p->n_slots; s++) {
         if (p->slots[s].state != QM__SLOT_LOADING)
@@ -206,35 +216,28 @@ static int qm__load_pins(qm_pager *p, qm_status *st)
  * 100% session hits from its first call. The experts stay evictable. */
 static int qm__preload_all(qm_pager *p, qm_status *st)
 {
-    int rc = 0;
-    for (uint32_t l = 0; l < p->n_layers && rc == 0; l++) {
-        qm__layer *L = &p->layers[l];
-        if (!L->paged)
-            continue;
-        for (uint32_t e = 0; e < L->n_experts && rc == 0; e++) {
-            if (L->slot_of[e] >= 0)
-                continue;
-            int32_t s = qm__pager_free_slot(p);
-            if (s < 0)
-                return qm_status_set(st, QM_EINTERNAL, "no slot left to preload %u/%u", l, e);
-            if ((rc = qm__pager_claim(p, s, l, e, QM__CLAIM_PRELOAD, QM__PF_NONE, st)))
-                break;
-            p->stats.bytes_loaded_at_create += L->unit_bytes;
-            rc = qm__pager_copy_unit(p, s, st);
-        }
-    }
+    int rc = qm__issue_at_create(p, QM__CLAIM_PRELOAD, st);
     int w = qm_pager_sync(p, rc ? NULL : st);
     return rc ? rc : w;
+}
+
+int qm__pager_check_call(const qm_pager *p, const char *fn, uint32_t layer,
+                         const uint32_t *experts, size_t n, qm_status *st)
+{
+    if (!p || (n && !experts))
+        return qm_status_set(st, QM_EINVAL, "%s: NULL argument", fn);
+    if (layer >= p->n_layers)
+        return qm_status_set(st, QM_EINVAL, "layer %u out of range (%u layers)", layer,
+                             p->n_layers);
+    return 0;
 }
 
 int qm_pager_warm(qm_pager *p, uint32_t layer, const uint32_t *experts, size_t n,
                   qm_status *st)
 {
-    if (!p || (n && !experts))
-        return qm_status_set(st, QM_EINVAL, "qm_pager_warm: NULL argument");
-    if (layer >= p->n_layers)
-        return qm_status_set(st, QM_EINVAL, "layer %u out of range (%u layers)", layer,
-                             p->n_layers);
+    int checked = qm__pager_check_call(p, "qm_pager_warm", layer, experts, n, st);
+    if (checked)
+        return checked;
     qm__layer *L = &p->layers[layer];
     if (!L->paged || L->absent)
         return 0;

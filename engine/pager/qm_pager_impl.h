@@ -190,6 +190,11 @@ typedef enum qm__claim {
     QM__CLAIM_PIN,
 } qm__claim;
 
+/* The arguments of a call about experts[0..n) of `layer` (warm, prefetch):
+ * 0, or QM_EINVAL naming `fn` for a NULL pager or list, or the layer out
+ * of range. */
+int qm__pager_check_call(const qm_pager *p, const char *fn, uint32_t layer,
+                         const uint32_t *experts, size_t n, qm_status *st);
 /* Adds `bytes` to the resident bytes, or refuses with QM_EINTERNAL (counted
  * as a budget violation) when that would pass the budget. */
 int qm__pager_account_alloc(qm_pager *p, uint64_t bytes, qm_status *st);

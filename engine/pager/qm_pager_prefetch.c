@@ -44,25 +44,33 @@ void qm__pager_history_record(qm_pager *p, uint32_t layer, const uint32_t *route
         L->hist_count++;
 }
 
+/* Source `source`'s count of prefetches issued, or of those used before
+ * eviction (`useful`); NULL for an explicit prefetch (no source). */
+static uint64_t *qm__pf_count(qm_pager *p, uint8_t source, int useful)
+{
+    qm_pager_stats *s = &p->stats;
+    switch (source) {
+    case QM__PF_ROUTER: return useful ? &s->prefetch_router_useful : &s->prefetch_router_issued;
+    case QM__PF_HISTORY: return useful ? &s->prefetch_history_useful : &s->prefetch_history_issued;
+    case QM__PF_LOOKAHEAD:
+        return useful ? &s->prefetch_lookahead_useful : &s->prefetch_lookahead_issued;
+    default: return NULL;
+    }
+}
+
 void qm__pager_prefetch_useful(qm_pager *p, uint8_t source)
 {
     p->stats.prefetch_useful++;
-    if (source == QM__PF_ROUTER)
-        p->stats.prefetch_router_useful++;
-    else if (source == QM__PF_HISTORY)
-        p->stats.prefetch_history_useful++;
-    else if (source == QM__PF_LOOKAHEAD)
-        p->stats.prefetch_lookahead_useful++;
+    uint64_t *by_source = qm__pf_count(p, source, 1);
+    if (by_source)
+        (*by_source)++;
 }
 
 static void qm__pf_issued(qm_pager *p, uint8_t source)
 {
-    if (source == QM__PF_ROUTER)
-        p->stats.prefetch_router_issued++;
-    else if (source == QM__PF_HISTORY)
-        p->stats.prefetch_history_issued++;
-    else if (source == QM__PF_LOOKAHEAD)
-        p->stats.prefetch_lookahead_issued++;
+    uint64_t *by_source = qm__pf_count(p, source, 0);
+    if (by_source)
+        (*by_source)++;
 }
 
 /* ---- Prediction, measured ------------------------------------------------ */
@@ -208,11 +216,9 @@ static void qm__pf_remember_history(qm_pager *p, uint32_t layer)
 static int qm__prefetch(qm_pager *p, uint32_t layer, const uint32_t *experts,
                         const uint8_t *sources, size_t n, qm_status *st)
 {
-    if (!p || (n && !experts))
-        return qm_status_set(st, QM_EINVAL, "qm_pager_prefetch: NULL argument");
-    if (layer >= p->n_layers)
-        return qm_status_set(st, QM_EINVAL, "layer %u out of range (%u layers)", layer,
-                             p->n_layers);
+    int checked = qm__pager_check_call(p, "qm_pager_prefetch", layer, experts, n, st);
+    if (checked)
+        return checked;
     qm__layer *L = &p->layers[layer];
     if (!L->paged || p->n_slots == 0)
         return 0;

@@ -9,6 +9,7 @@ import array
 import base64
 import json
 import os
+import re
 import socket
 import subprocess
 import threading
@@ -247,9 +248,10 @@ def test_a_drifted_request_is_caught(fake):
 def test_the_llama_cpp_options_name_what_the_registries_hold():
     """llama.cpp checks --qmoed-on-miss and --qmoed-precision and lists the
     policies in --help before any daemon answers: those lists, in
-    clients/llama.cpp/llama.cpp.patch, are walked against the wire's rows
-    (the pager's on_miss registry, precision) and the residency registry's
-    offered policies (`qmoectl create --help`)."""
+    clients/llama.cpp/llama.cpp.patch (each option's metavar, the values it
+    accepts and its error), are walked against the wire's rows (the pager's
+    on_miss registry, precision, the residency registry's offered
+    policies)."""
     if not os.path.exists(QMOECTL):
         pytest.skip("%s is not built" % QMOECTL)
     src = os.environ.get("QMOE_SOURCE_DIR", os.path.join(os.path.dirname(__file__), "..", ".."))
@@ -259,11 +261,14 @@ def test_the_llama_cpp_options_name_what_the_registries_hold():
         [QMOECTL, "--json", "methods"], capture_output=True, text=True, check=True).stdout)}
     create = {p["member"]: p for p in rows["session.create"]["params"]}
     on_miss = next(p for p in create["policy_params"]["members"] if p["member"] == "on_miss")
-    assert '"{%s}"' % ",".join(on_miss["names"]) in patch, on_miss["names"]
-    assert '"{%s}"' % ",".join(create["precision"]["names"]) in patch, create["precision"]
-    help_text = subprocess.run([QMOECTL, "create", "--help"], capture_output=True,
-                               text=True).stdout.split("Policies:\n", 1)[1]
-    offered = [line.split()[0] for line in help_text.splitlines()
-               if line.startswith("  ") and not line.startswith("   ")]
+    for option, names in (("--qmoed-on-miss", on_miss["names"]),
+                          ("--qmoed-precision", create["precision"]["names"])):
+        body = patch.split('{"%s"}' % option, 1)[1].split("add_opt(", 1)[0]
+        assert '"{%s}"' % ",".join(names) in body, (option, names)
+        accepted = re.findall(r'value != "([^"]+)"', body)
+        assert accepted == names, (option, accepted, names)
+        words = re.search(r'"%s takes ([^"]+)"' % option, body).group(1)
+        assert re.split(r", | or ", words) == names, (option, words, names)
+    offered = create["policy"]["names"]
     listed = patch.split("qmoed residency policy: ", 1)[1].split("\\n", 1)[0].split(", ")
     assert sorted(listed) == sorted(offered), (listed, offered)

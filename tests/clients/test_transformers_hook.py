@@ -31,11 +31,23 @@ sys.path.insert(0, os.path.join(SRC, "tests", "daemon"))
 from qmoed_harness import Daemon, qmoe_bank_path  # noqa: E402
 
 FIXTURES = os.path.join(SRC, "tests", "import", "fixtures")
-# At least Mixtral, Qwen3-MoE, GPT-OSS and the engine-routed families
-# (OLMoE, DeepSeek-V3: routing the daemon could not compute from logits
-# alone); the others too, since they cost little.
-FAMILIES = ["mixtral", "qwen3_moe", "gpt_oss", "gpt_oss_mxfp4", "olmoe", "deepseek_v3",
-            "qwen2_moe", "deepseek_v2"]
+
+
+def table_families():
+    """The family table's names (model/qm_families.c, as `qmoe-bank import
+    --families` prints it); each has its fixture under FIXTURES."""
+    if not os.path.exists(qmoe_bank_path()):
+        return []
+    out = subprocess.run([qmoe_bank_path(), "import", "--families"], capture_output=True,
+                         text=True, check=True).stdout
+    return [f["name"] for f in json.loads(out)]
+
+
+# Every family of the table (Mixtral, Qwen3-MoE, GPT-OSS, the engine-routed
+# OLMoE and DeepSeek-V3, whose routing the daemon could not compute from
+# logits alone, and the rest, since they cost little), and GPT-OSS's MXFP4
+# layout.
+FAMILIES = table_families() + ["gpt_oss_mxfp4"]
 TOKENS = 32
 # Bank layer -> model layer of the fixtures with dense layers.
 # attach (a fully loaded model) on one family of each experts layout: gate/up

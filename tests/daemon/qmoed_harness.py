@@ -29,6 +29,17 @@ def qmoe_bank_path():
     return os.path.join(BUILD, "tools", "qmoe-bank", "qmoe-bank")
 
 
+def offered_policies():
+    """The policies the daemon offers, the residency registry's order (the
+    default first): session.create's `policy` row as `qmoectl --json
+    methods` prints it, so a test that means "every policy" walks the
+    registry rather than a list of its own."""
+    qmoectl = os.path.join(BUILD, "clients", "qmoectl")
+    rows = json.loads(subprocess.run([qmoectl, "--json", "methods", "session.create"],
+                                     capture_output=True, text=True, check=True).stdout)
+    return next(p for p in rows[0]["params"] if p["member"] == "policy")["names"]
+
+
 def make_bank(path, layers=2, experts=8, hidden=64, inter=32, k=2, bits=4, block=32,
               activation="swiglu", fusion=1, router=True, seed=1, scale_dtype=None):
     if os.path.exists(path):

@@ -157,9 +157,12 @@ START_TEST(test_counters_match_policy_sim_model_for_every_policy_and_capacity)
     pf_spec sp = pf_default_spec();
     sp.router = 0; /* prefetch predicts from history only, as the model does */
     pg_fixture_reopen(&sp);
-    /* belady last: the others are checked against it */
-    const char *policies[] = {"lru", "lfu", "arc", "layered_lru", "next_use", "belady"};
-    enum { NP = sizeof policies / sizeof policies[0] };
+    /* Every offered policy that pages (all but whole_bank), then belady:
+     * the others are checked against it. */
+    const char *policies[QM_TEST_MAX_POLICIES + 1];
+    size_t n_offered = qm_test_policies(policies, 0, "whole_bank");
+    policies[n_offered] = "belady";
+    const int NP = (int)n_offered + 1;
     const uint32_t caps[] = {1, 2, 3, 5, 8, 13, 24};
     for (int loc = 0; loc < 2; loc++) {
         sim_trace tr;
@@ -169,7 +172,7 @@ START_TEST(test_counters_match_policy_sim_model_for_every_policy_and_capacity)
         qm_expert_ref *fut;
         size_t nf;
         ck_assert_int_eq(sim_future(&tr, 0, tr.tokens, &fut, &nf), 0);
-        uint64_t demand_hits[NP][7] = {{0}};
+        uint64_t demand_hits[QM_TEST_MAX_POLICIES + 1][7] = {{0}};
         for (int p = 0; p < NP; p++)
             for (size_t ci = 0; ci < 7; ci++)
                 for (int pf = 0; pf < 2; pf++) {

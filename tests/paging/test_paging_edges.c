@@ -8,6 +8,7 @@
 
 #include "paging_helpers.h"
 #include "qm_policy_impl.h"
+#include "qm_test_policies.h"
 #include "sim.h"
 
 /* ---- Hostile policy -------------------------------------------------------------------- */
@@ -392,10 +393,15 @@ END_TEST
 
 START_TEST(test_budget_below_one_expert_is_refused_naming_the_minimum)
 {
-    const char *names[] = {"lru", "arc", "layered_lru", "next_use", "whole_bank"};
-    uint64_t U = unit_bytes(&fixture.bank);
-    uint64_t mins[] = {U, U, U, U, qm_bank_expert_bytes_total(fixture.bank.bank)};
-    for (int i = 0; i < 5; i++) {
+    /* Every offered policy: one expert, or the whole model for whole_bank. */
+    const char *names[QM_TEST_MAX_POLICIES];
+    const size_t n = qm_test_policies(names, 0, NULL);
+    uint64_t U = unit_bytes(&fixture.bank), mins[QM_TEST_MAX_POLICIES];
+    for (size_t i = 0; i < n; i++)
+        mins[i] = strcmp(names[i], "whole_bank") == 0
+                      ? qm_bank_expert_bytes_total(fixture.bank.bank)
+                      : U;
+    for (size_t i = 0; i < n; i++) {
         qm_policy pol = {0};
         ck_assert_int_eq(qm_policy_new(names[i], NULL, &pol, &fixture.st), 0);
         qm_residency_plan *plan = make_plan(&fixture.bank, &pol, 1, mins[i] - 1);

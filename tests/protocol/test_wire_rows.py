@@ -39,6 +39,9 @@ def test_every_method_is_listed_with_its_members():
     create = {p["member"]: p for p in ms["session.create"]["params"]}
     assert create["model"]["required"] and not create["policy"]["required"]
     assert create["precision"]["names"] == ["exact", "fast"]
+    # the residency registry's offered policies, the default first, as the type says
+    assert create["policy"]["names"][0] == "whole_bank", create["policy"]
+    assert create["policy"]["type"] == "one of " + ", ".join(create["policy"]["names"])
     pp = {p["member"]: p for p in create["policy_params"]["members"]}
     assert pp["on_miss"]["names"] == ["page", "host", "auto"]
     assert create["policy_params"]["knobs"] is True

@@ -8,6 +8,7 @@
 #include "qm_alloc.h"
 #include "qm_plan_json.h"
 #include "qm_residency.h"
+#include "qm_test_policies.h"
 #include "rt_util.h"
 
 #define MAX_CATS 16
@@ -264,8 +265,11 @@ START_TEST(test_every_policy_plans_the_same_banks_and_only_splits_pageable_ones)
     fixture fx;
     fx_mixed(&fx);
     qm_plan_options opt = {.has_budget = 1, .budget_bytes = 4096};
-    const char *names[] = {"whole_bank", "lru", "lfu", "static_hot", "test_split_all", "belady"};
-    for (size_t p = 0; p < sizeof names / sizeof *names; p++) {
+    /* Every registered policy (belady too), and the test's own. */
+    const char *names[QM_TEST_MAX_POLICIES + 1];
+    size_t n = qm_test_policies(names, 1, NULL);
+    names[n++] = "test_split_all";
+    for (size_t p = 0; p < n; p++) {
         qm_policy pol;
         qm_status st;
         if (!strcmp(names[p], "test_split_all"))

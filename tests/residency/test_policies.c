@@ -8,6 +8,7 @@
 #include <time.h>
 
 #include "qm_residency.h"
+#include "qm_test_policies.h"
 #include "rt_util.h"
 
 #define REF(b, e) ((qm_expert_ref){(b), (e)})
@@ -336,8 +337,9 @@ START_TEST(test_belady_matches_a_brute_force_optimum_on_tiny_traces)
         ck_assert_msg(got == optimum, "round %d: belady %zu misses, optimum %zu", round, got,
                       optimum);
         qm_policy_destroy(&bel);
-        const char *others[] = {"lru", "lfu", "static_hot"};
-        for (size_t k = 0; k < 3; k++) {
+        const char *others[QM_TEST_MAX_POLICIES]; /* every offered policy that pages */
+        const size_t n_others = qm_test_policies(others, 0, "whole_bank");
+        for (size_t k = 0; k < n_others; k++) {
             qm_policy pol = make(others[k], NULL);
             ck_assert_uint_ge(simulate(&pol, trace, len, cap), optimum);
             qm_policy_destroy(&pol);
@@ -471,8 +473,9 @@ START_TEST(test_run_time_hooks_are_constant_per_access_and_linear_in_candidates)
      * the test pass or fail: 16x the candidates must cost < 64x (linear
      * ~16x, quadratic 256x); 256x the keys in history must cost < 16x per
      * access (hashing ~1-4x with cache misses; a scan of history 256x). */
-    const char *names[] = {"lru", "lfu", "static_hot", "arc", "layered_lru", "next_use"};
-    for (size_t k = 0; k < sizeof names / sizeof names[0]; k++) {
+    const char *names[QM_TEST_MAX_POLICIES];
+    const size_t n = qm_test_policies(names, 0, "whole_bank"); /* it has no run-time hooks */
+    for (size_t k = 0; k < n; k++) {
         double c64 = hook_seconds(names[k], 64 * 128, 64, 40000);
         double c1024 = hook_seconds(names[k], 64 * 2048, 1024, 40000);
         ck_assert_msg(c1024 < 64.0 * c64 + 0.02, "%s: 1024 candidates %.4f s vs 64: %.4f s",

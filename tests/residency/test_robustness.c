@@ -150,21 +150,9 @@ END_TEST
 
 /* ---- Allocation failure at every site ------------------------------------------ */
 
-typedef enum scenario_policy {
-    SC_WHOLE,
-    SC_LRU,
-    SC_LFU,
-    SC_STATIC_HOT,
-    SC_ARC,
-    SC_LAYERED_LRU,
-    SC_NEXT_USE,
-    SC_BELADY,
-    SC_COUNT
-} scenario_policy;
-
 /* Builds catalogs, a policy, a plan and its JSON, and drives the run-time
  * hooks; frees everything. Returns 0 or the first error. */
-static int scenario(scenario_policy which, char *msg, size_t msg_cap)
+static int scenario(const char *policy, char *msg, size_t msg_cap)
 {
     int rc = 0;
     qm_status st;
@@ -187,13 +175,11 @@ static int scenario(scenario_policy which, char *msg, size_t msg_cap)
     qm_policy_params params = {.version = QM_POLICY_PARAMS_VERSION, .hot = hot,
                                .hot_len = hot_len, .n_hot_banks = 3};
     const qm_expert_ref future[] = {{0, 1}, {2, 3}, {0, 1}, {0, 2}, {2, 0}, {0, 5}};
-    static const char *const names[] = {"whole_bank", "lru",         "lfu",     "static_hot",
-                                        "arc",        "layered_lru", "next_use"};
-    if (!qm_policy_accepts_hot(which == SC_BELADY ? "belady" : names[which])) params.hot = NULL;
-    if (which == SC_BELADY)
+    if (!qm_policy_accepts_hot(policy)) params.hot = NULL;
+    if (strcmp(policy, "belady") == 0) /* not offered: made from its future */
         rc = qm_policy_belady_new(future, 6, &pol, &st);
     else
-        rc = qm_policy_new(names[which], &params, &pol, &st);
+        rc = qm_policy_new(policy, &params, &pol, &st);
     if (rc) goto done;
     qm_plan_options opt = {.has_budget = 1, .budget_bytes = 4096};
     rc = qm_plan_residency((const qm_region_catalog *const *)cats, 3, &pol, &opt, &plan, &st);
@@ -224,7 +210,9 @@ done:
 
 START_TEST(test_allocation_failure_at_every_site_is_reported_and_leaks_nothing)
 {
-    scenario_policy which = (scenario_policy)_i;
+    const char *names[QM_TEST_MAX_POLICIES];
+    ck_assert_uint_lt((size_t)_i, qm_test_policies(names, 1, NULL));
+    const char *which = names[_i]; /* every registered policy, offered or not */
     long sites = 0;
     for (long fail_at = 1; fail_at < 10000; fail_at++) {
         char msg[QM_STATUS_MSG_MAX] = "";
@@ -233,23 +221,23 @@ START_TEST(test_allocation_failure_at_every_site_is_reported_and_leaks_nothing)
         int failed = rt_alloc_failed();
         long live = rt_alloc_live();
         rt_alloc_uninstall();
-        ck_assert_msg(live == 0, "policy %d, failing allocation %ld: %ld blocks leaked", which,
+        ck_assert_msg(live == 0, "policy %s, failing allocation %ld: %ld blocks leaked", which,
                       fail_at, live);
         if (!failed) {
-            ck_assert_msg(rc == 0, "policy %d: no failure injected yet rc %d", which, rc);
+            ck_assert_msg(rc == 0, "policy %s: no failure injected yet rc %d", which, rc);
             sites = fail_at - 1;
             break;
         }
         /* Either reported as out of memory with a sentence, or absorbed
          * (a best-effort reservation, a degraded bank) with a valid plan. */
-        ck_assert_msg(rc == 0 || rc == QM_ENOMEM, "policy %d, failing allocation %ld: rc %d", which,
+        ck_assert_msg(rc == 0 || rc == QM_ENOMEM, "policy %s, failing allocation %ld: rc %d", which,
                       fail_at, rc);
         if (rc == QM_ENOMEM)
             ck_assert_msg(msg[0] != '\0',
-                          "policy %d, failing allocation %ld: ENOMEM without a sentence", which,
+                          "policy %s, failing allocation %ld: ENOMEM without a sentence", which,
                           fail_at);
     }
-    ck_assert_msg(sites > 10, "policy %d: only %ld allocation sites exercised", which, sites);
+    ck_assert_msg(sites > 10, "policy %s: only %ld allocation sites exercised", which, sites);
 }
 END_TEST
 
@@ -263,8 +251,9 @@ static Suite *robustness_suite(void)
     suite_add_tcase(s, c);
     c = tcase_create("allocation_failure");
     tcase_set_timeout(c, 120);
+    const char *names[QM_TEST_MAX_POLICIES];
     tcase_add_loop_test(c, test_allocation_failure_at_every_site_is_reported_and_leaks_nothing, 0,
-                        SC_COUNT);
+                        (int)qm_test_policies(names, 1, NULL));
     suite_add_tcase(s, c);
     return s;
 }

@@ -128,15 +128,11 @@ static int rd_scalar(cursor *c, uint32_t type, qm__gguf_kv *kv)
         u = u << 8 | b[i];
     switch (type) {
     case QM__GGUF_I8:
-        kv->v.i = (int8_t)u;
-        break;
     case QM__GGUF_I16:
-        kv->v.i = (int16_t)u;
-        break;
     case QM__GGUF_I32:
-        kv->v.i = (int32_t)u;
-        break;
-    case QM__GGUF_I64:
+    case QM__GGUF_I64: /* two's complement in its n bytes, sign-extended */
+        if (n < 8 && (u >> (8 * n - 1)) & 1)
+            u |= ~0ull << (8 * n);
         kv->v.i = (int64_t)u;
         break;
     case QM__GGUF_F32: {
@@ -249,6 +245,15 @@ static int check_overlaps(const qm__gguf_file *f, qm_status *st)
     return rc;
 }
 
+/* The name of the i-th entry of a list (a key, a tensor); `what` and i
+ * name it in errors. */
+static int rd_nth_name(cursor *c, char **out, const char *what, uint64_t i, qm_status *st)
+{
+    char label[48];
+    snprintf(label, sizeof label, "%s %llu", what, (unsigned long long)i);
+    return rd_string(c, out, MAX_KEY_BYTES, label, st);
+}
+
 static int parse(qm__gguf_file *f, qm_status *st)
 {
     cursor c = {.p = f->base, .pos = 0, .size = f->size};
@@ -276,9 +281,7 @@ static int parse(qm__gguf_file *f, qm_status *st)
                              (unsigned long long)n_kv, (unsigned long long)n_tensors);
     for (uint64_t i = 0; i < n_kv; i++) {
         qm__gguf_kv *kv = &f->kv[i];
-        char what[48];
-        snprintf(what, sizeof what, "metadata key %llu", (unsigned long long)i);
-        if ((rc = rd_string(&c, &kv->key, MAX_KEY_BYTES, what, st))) return rc;
+        if ((rc = rd_nth_name(&c, &kv->key, "metadata key", i, st))) return rc;
         f->n_kv = i + 1;
         if (rd_u32(&c, &kv->type)) return FAIL(st, "GGUF truncated in the type of %.64s", kv->key);
         if ((rc = rd_value(&c, kv, st))) return rc;
@@ -292,9 +295,7 @@ static int parse(qm__gguf_file *f, qm_status *st)
     }
     for (uint64_t i = 0; i < n_tensors; i++) {
         qm__gguf_tensor *t = &f->tensors[i];
-        char what[48];
-        snprintf(what, sizeof what, "the name of tensor %llu", (unsigned long long)i);
-        if ((rc = rd_string(&c, &t->name, MAX_KEY_BYTES, what, st))) return rc;
+        if ((rc = rd_nth_name(&c, &t->name, "the name of tensor", i, st))) return rc;
         f->n_tensors = i + 1;
         if (rd_u32(&c, &t->n_dims))
             return FAIL(st, "GGUF truncated in the info of tensor %.64s", t->name);
