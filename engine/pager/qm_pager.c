@@ -221,17 +221,6 @@ static int qm__preload_all(qm_pager *p, qm_status *st)
     return rc ? rc : w;
 }
 
-int qm__pager_check_call(const qm_pager *p, const char *fn, uint32_t layer,
-                         const uint32_t *experts, size_t n, qm_status *st)
-{
-    if (!p || (n && !experts))
-        return qm_status_set(st, QM_EINVAL, "%s: NULL argument", fn);
-    if (layer >= p->n_layers)
-        return qm_status_set(st, QM_EINVAL, "layer %u out of range (%u layers)", layer,
-                             p->n_layers);
-    return 0;
-}
-
 int qm_pager_warm(qm_pager *p, uint32_t layer, const uint32_t *experts, size_t n,
                   qm_status *st)
 {

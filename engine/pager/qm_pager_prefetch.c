@@ -44,6 +44,18 @@ void qm__pager_history_record(qm_pager *p, uint32_t layer, const uint32_t *route
         L->hist_count++;
 }
 
+/* The arguments of a warm or prefetch call (qm_pager.c's qm_pager_warm too). */
+int qm__pager_check_call(const qm_pager *p, const char *fn, uint32_t layer,
+                         const uint32_t *experts, size_t n, qm_status *st)
+{
+    if (!p || (n && !experts))
+        return qm_status_set(st, QM_EINVAL, "%s: NULL argument", fn);
+    if (layer >= p->n_layers)
+        return qm_status_set(st, QM_EINVAL, "layer %u out of range (%u layers)", layer,
+                             p->n_layers);
+    return 0;
+}
+
 /* Source `source`'s count of prefetches issued, or of those used before
  * eviction (`useful`); NULL for an explicit prefetch (no source). */
 static uint64_t *qm__pf_count(qm_pager *p, uint8_t source, int useful)
