@@ -31,6 +31,7 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "qm_gemm_tiles.h"
 #include "qm_kernels.h"
 
 #define QM_AI static inline __attribute__((always_inline))
@@ -257,31 +258,6 @@ static void qm__pk_rows(uint32_t rows, const float *wt, uint32_t len, const floa
     }
 }
 
-void qm__avx512_gemm_packed(const qm__qmat *m, uint32_t n0, uint32_t n1, const float *xp,
-                            size_t ldx, uint32_t nx, float *y, size_t ldy, float *scratch)
-{
-    const uint32_t kp = (m->k + 15) & ~15u, nr = n1 - n0;
-    if (nx == 0)
-        return;
-    const __mmask16 mask = (__mmask16)((1u << nr) - 1u);
-    /* The panel on a cache-line boundary (scratch has the slack): every
-     * panel load is one line, never a split load. */
-    float *wt = (float *)(((uintptr_t)scratch + 63) & ~(uintptr_t)63);
-    float *sv = wt + (size_t)16 * QM__GEMM_KT, *zv = sv + 16 * QM__PK_MAXB;
-    /* Balanced groups: ng of them, the first `big` one row longer. */
-    const uint32_t ng = (nx + QM__PK_MAXR - 1) / QM__PK_MAXR;
-    const uint32_t base = nx / ng, big = nx % ng;
-    qm__pk_prefetch(m, n0, nr, 0);
-    for (uint32_t kt0 = 0; kt0 < kp; kt0 += QM__GEMM_KT) {
-        uint32_t len = kp - kt0 < QM__GEMM_KT ? kp - kt0 : QM__GEMM_KT;
-        qm__pk_panel(m, n0, nr, kt0, len, wt, sv, zv);
-        if (kt0 + QM__GEMM_KT < kp)
-            qm__pk_prefetch(m, n0, nr, kt0 + QM__GEMM_KT);
-        for (uint32_t g = 0, r0 = 0; g < ng; g++) {
-            uint32_t rows = base + (g < big);
-            qm__pk_rows(rows, wt, len, xp + (size_t)r0 * ldx + kt0, ldx,
-                        y + (size_t)r0 * ldy + n0, ldy, mask, kt0 != 0);
-            r0 += rows;
-        }
-    }
-}
+/* The lanes past nr are masked: never loaded, never stored. */
+QM__PACKED_GEMM(qm__avx512_gemm_packed, qm__pk_panel, qm__pk_prefetch, qm__pk_rows, QM__PK_MAXR,
+                QM__PK_MAXB, (__mmask16)((1u << nr) - 1u))

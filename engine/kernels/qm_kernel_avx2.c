@@ -22,6 +22,7 @@
 #include <immintrin.h>
 #include <string.h>
 
+#include "qm_gemm_tiles.h"
 #include "qm_kernels.h"
 
 #define QM_AI static inline __attribute__((always_inline))
@@ -385,29 +386,21 @@ QM_AI void qm__gemv_2x2_impl(const qm__qmat *m, uint32_t n, const float *xp, siz
     y[ldy + n + 1] = qm__hsum8(y_3);
 }
 
-static void qm__gemv_2x2_q4(const qm__qmat *m, uint32_t n, const float *xp, size_t ldx, float *y,
-                            size_t ldy)
-{
-    int fast = qm__sym_scales(m);
-    if (fast == 1)
-        qm__gemv_2x2_impl(m, n, xp, ldx, y, ldy, 4, 1);
-    else if (fast == 2)
-        qm__gemv_2x2_impl(m, n, xp, ldx, y, ldy, 4, 2);
-    else
-        qm__gemv_2x2_impl(m, n, xp, ldx, y, ldy, 4, 0);
-}
-
-static void qm__gemv_2x2_q8(const qm__qmat *m, uint32_t n, const float *xp, size_t ldx, float *y,
-                            size_t ldy)
-{
-    int fast = qm__sym_scales(m);
-    if (fast == 1)
-        qm__gemv_2x2_impl(m, n, xp, ldx, y, ldy, 8, 1);
-    else if (fast == 2)
-        qm__gemv_2x2_impl(m, n, xp, ldx, y, ldy, 8, 2);
-    else
-        qm__gemv_2x2_impl(m, n, xp, ldx, y, ldy, 8, 0);
-}
+/* The 2 x 2 GEMV of BITS-bit codes as NAME, its scale path chosen once a call. */
+#define QM__GEMV_2X2_DISPATCH(NAME, BITS)                                                          \
+    static void NAME(const qm__qmat *m, uint32_t n, const float *xp, size_t ldx, float *y,         \
+                     size_t ldy)                                                                   \
+    {                                                                                              \
+        int fast = qm__sym_scales(m);                                                              \
+        if (fast == 1)                                                                             \
+            qm__gemv_2x2_impl(m, n, xp, ldx, y, ldy, BITS, 1);                                     \
+        else if (fast == 2)                                                                        \
+            qm__gemv_2x2_impl(m, n, xp, ldx, y, ldy, BITS, 2);                                     \
+        else                                                                                       \
+            qm__gemv_2x2_impl(m, n, xp, ldx, y, ldy, BITS, 0);                                     \
+    }
+QM__GEMV_2X2_DISPATCH(qm__gemv_2x2_q4, 4)
+QM__GEMV_2X2_DISPATCH(qm__gemv_2x2_q8, 8)
 
 #define qm__gemv_2x2(m, n, xp, ldx, y, ldy, BITS)                                                  \
     ((BITS) == 4 ? qm__gemv_2x2_q4(m, n, xp, ldx, y, ldy) : qm__gemv_2x2_q8(m, n, xp, ldx, y, ldy))
@@ -997,32 +990,9 @@ static void qm__pk2_rows(uint32_t rows, const float *wt, uint32_t len, const flo
     }
 }
 
-void qm__avx2_gemm(const qm__qmat *m, uint32_t n0, uint32_t n1, const float *xp, size_t ldx,
-                   uint32_t nx, float *y, size_t ldy, float *scratch)
-{
-    const uint32_t kp = (uint32_t)qm__round16(m->k), nr = n1 - n0;
-    if (nx == 0 || nr == 0)
-        return;
-    /* The panel on a cache-line boundary (scratch has the slack). */
-    float *wt = (float *)(((uintptr_t)scratch + 63) & ~(uintptr_t)63);
-    float *sv = wt + (size_t)16 * QM__GEMM_KT, *zv = sv + 16 * QM__PK2_MAXB;
-    /* Balanced groups: ng of them, the first `big` one row longer. */
-    const uint32_t ng = (nx + QM__PK2_MAXR - 1) / QM__PK2_MAXR;
-    const uint32_t base = nx / ng, big = nx % ng;
-    qm__pk2_prefetch(m, n0, nr, 0);
-    for (uint32_t kt0 = 0; kt0 < kp; kt0 += QM__GEMM_KT) {
-        uint32_t len = kp - kt0 < QM__GEMM_KT ? kp - kt0 : QM__GEMM_KT;
-        qm__pk2_panel(m, n0, nr, kt0, len, wt, sv, zv);
-        if (kt0 + QM__GEMM_KT < kp)
-            qm__pk2_prefetch(m, n0, nr, kt0 + QM__GEMM_KT);
-        for (uint32_t g = 0, r0 = 0; g < ng; g++) {
-            uint32_t rows = base + (g < big);
-            qm__pk2_rows(rows, wt, len, xp + (size_t)r0 * ldx + kt0, ldx,
-                         y + (size_t)r0 * ldy + n0, ldy, nr, kt0 != 0);
-            r0 += rows;
-        }
-    }
-}
+/* A short last panel's outputs past nr are never written. */
+QM__PACKED_GEMM(qm__avx2_gemm, qm__pk2_panel, qm__pk2_prefetch, qm__pk2_rows, QM__PK2_MAXR,
+                QM__PK2_MAXB, nr)
 
 #define QM__AVX2_TABLE(NAME, PREFIX, ...)                                                          \
     {                                                                                              \
