@@ -133,6 +133,19 @@ QM_AI void qm__q4_luts(const qm__qmat *m, uint32_t n, const int NR, uint32_t b,
     }
 }
 
+/* Chunk c whole (its 16 bytes inside each row) at cur, then cur and xv
+ * stepped past it. */
+QM_AI void qm__q4_whole(const uint8_t *cur[4], const int NR, const __m512 lut[4],
+                        const float **xv, size_t ldx, const int R, __m512 acc[4][4], size_t rb,
+                        uint32_t c)
+{
+    qm__q4_chunk(cur, NR, lut, *xv, ldx, R, acc, 1, rb, c);
+#pragma GCC unroll 4
+    for (int i = 0; i < NR; i++)
+        cur[i] += 16;
+    *xv += 32;
+}
+
 /* NR weight rows (n..n+NR-1) x R input rows, R <= 4, NR in {1, 4}. The
  * chunks that lie whole inside the row run with pointers stepped 16 bytes
  * (and 32 input floats) at a time and, for f32 scales, the scales read
@@ -172,11 +185,7 @@ QM_AI void qm__gemv512(const qm__qmat *m, uint32_t n, const int NR, const float 
             qm__q4_luts(m, n, NR, c, srow, centred, lut, FAST);
             if (NR == 4 && (c & 1) == 0)
                 qm__prefetch_next4(row, (size_t)c * 16 + 4 * rb);
-            qm__q4_chunk(cur, NR, lut, xv, ldx, R, acc, 1, rb, c);
-#pragma GCC unroll 4
-            for (int i = 0; i < NR; i++)
-                cur[i] += 16;
-            xv += 32;
+            qm__q4_whole(cur, NR, lut, &xv, ldx, R, acc, rb, c);
         }
         for (; c < nch; c++) {
             qm__q4_luts(m, n, NR, c, srow, centred, lut, FAST);
@@ -190,13 +199,8 @@ QM_AI void qm__gemv512(const qm__qmat *m, uint32_t n, const int NR, const float 
             if (NR == 4 && (b & 1) == 0)
                 qm__prefetch_next4(row, (size_t)c * 16 + 4 * rb);
             uint32_t cw = ce < nwhole ? ce : nwhole;
-            for (; c < cw; c++) {
-                qm__q4_chunk(cur, NR, lut, xv, ldx, R, acc, 1, rb, c);
-#pragma GCC unroll 4
-                for (int i = 0; i < NR; i++)
-                    cur[i] += 16;
-                xv += 32;
-            }
+            for (; c < cw; c++)
+                qm__q4_whole(cur, NR, lut, &xv, ldx, R, acc, rb, c);
             for (; c < ce; c++) {
                 qm__q4_chunk(row, NR, lut, xv, ldx, R, acc, 0, rb, c);
                 xv += 32;
