@@ -156,8 +156,7 @@ static const qm_policy_iface whole_bank_iface = {
 };
 
 const qm__policy_desc qm__policy_whole_bank_desc = {
-    .version = QM_POLICY_DESC_VERSION,
-    .iface = &whole_bank_iface, /* no ctx */
-    .summary = "every bank whole-bank resident; the same as no residency machinery (default)",
-    .offered = 1,
+    /* no ctx */
+    QM__POLICY_OFFERED(whole_bank_iface, "every bank whole-bank resident; the same as no "
+                                         "residency machinery (default)"),
 };

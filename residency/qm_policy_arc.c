@@ -183,20 +183,12 @@ static void arc_destroy(void *ctx)
     qm__split_destroy(a); /* a starts with the split base */
 }
 
-static const qm_policy_iface arc_iface = {
-    .on_access = arc_on_access,
-    .on_insert = arc_on_insert,
-    .on_evict = arc_on_evict,
-    .choose_victim = arc_choose_victim,
-    .destroy = arc_destroy,
-    QM__SPLIT_POLICY("arc"), /* version, name, decide */
-};
+QM__SPLIT_IFACE(arc_iface, "arc", .on_access = arc_on_access, .on_insert = arc_on_insert,
+                .on_evict = arc_on_evict, .choose_victim = arc_choose_victim,
+                .destroy = arc_destroy);
 
 const qm__policy_desc qm__policy_arc_desc = {
-    .version = QM_POLICY_DESC_VERSION,
-    .iface = &arc_iface,
-    .summary = "Adaptive Replacement Cache: balances recency and frequency online from the "
-               "ghosts of recent evictions",
-    .offered = 1,
+    QM__POLICY_OFFERED(arc_iface, "Adaptive Replacement Cache: balances recency and frequency "
+                                  "online from the ghosts of recent evictions"),
     .ctx_size = sizeof(arc_ctx),
 };

@@ -64,12 +64,8 @@ static void belady_destroy(void *ctx)
     qm__split_destroy(bl);
 }
 
-static const qm_policy_iface belady_iface = {
-    .on_access = belady_on_access,
-    .choose_victim = belady_choose_victim,
-    .destroy = belady_destroy,
-    QM__SPLIT_POLICY("belady"), /* version, name, decide */
-};
+QM__SPLIT_IFACE(belady_iface, "belady", .on_access = belady_on_access,
+                .choose_victim = belady_choose_victim, .destroy = belady_destroy);
 
 int qm_policy_belady_new(const qm_expert_ref *future, size_t n, qm_policy *out, qm_status *st)
 {

@@ -85,6 +85,13 @@ typedef struct qm__policy_desc {
     const char *refusal;
 } qm__policy_desc;
 
+/* The members an offered policy's descriptor opens with: the descriptor
+ * version, its interface (whose name is the policy's) and its help line. */
+#define QM__POLICY_OFFERED(iface_, summary_)                                                       \
+    .version = QM_POLICY_DESC_VERSION, .iface = &(iface_), .summary = (summary_), .offered = 1
+/* A policy's parameter table as its descriptor's params and n_params. */
+#define QM__POLICY_PARAMS(table) .params = (table), .n_params = sizeof(table) / sizeof((table)[0])
+
 /* The value of parameter `name` of the policy being built: the given one,
  * else the declared default. `name` must be in the policy's table. */
 double qm__policy_param(const qm_policy_params *params, const qm__policy_desc *desc,

@@ -152,21 +152,13 @@ static int layered_choose_victim(void *ctx, const qm_expert_ref *candidates, siz
     return 0;
 }
 
-static const qm_policy_iface layered_lru_iface = {
-    .on_access = layered_on_access,
-    .on_insert = layered_on_insert,
-    .choose_victim = layered_choose_victim,
-    .destroy = qm__split_destroy,
-    QM__SPLIT_POLICY("layered_lru"), /* version, name, decide */
-};
-
-static const qm_policy_iface next_use_iface = {
-    .on_access = layered_on_access,
-    .on_insert = layered_on_insert,
-    .choose_victim = layered_choose_victim,
-    .destroy = qm__split_destroy,
-    QM__SPLIT_POLICY("next_use"), /* version, name, decide */
-};
+/* layered_lru and next_use: the same hooks under two names. */
+#define QM__LAYERED_IFACE(var, policy_name)                                                        \
+    QM__SPLIT_IFACE(var, policy_name, .on_access = layered_on_access,                              \
+                    .on_insert = layered_on_insert, .choose_victim = layered_choose_victim,        \
+                    .destroy = qm__split_destroy)
+QM__LAYERED_IFACE(layered_lru_iface, "layered_lru");
+QM__LAYERED_IFACE(next_use_iface, "next_use");
 
 static int layered_make(const qm_policy_iface *iface, double decay, qm_policy *out,
                         qm_status *st)
@@ -199,21 +191,16 @@ static int next_use_new(const qm_policy_params *params, qm_policy *out, qm_statu
 }
 
 const qm__policy_desc qm__policy_layered_lru_desc = {
-    .version = QM_POLICY_DESC_VERSION,
-    .iface = &layered_lru_iface,
-    .summary = "evicts the expert whose layer-aware LRU estimate of its next use is furthest "
-               "(recency counted in visits of its own layer)",
-    .offered = 1,
+    QM__POLICY_OFFERED(layered_lru_iface,
+                       "evicts the expert whose layer-aware LRU estimate of its next use is "
+                       "furthest (recency counted in visits of its own layer)"),
     .create = layered_lru_new,
 };
 
 const qm__policy_desc qm__policy_next_use_desc = {
-    .version = QM_POLICY_DESC_VERSION,
-    .iface = &next_use_iface,
-    .summary = "evicts the expert whose estimated next use is furthest (its layer's next visit "
-               "plus a per-visit decayed frequency); recommended for paged sessions",
-    .offered = 1,
-    .params = next_use_params,
-    .n_params = sizeof next_use_params / sizeof next_use_params[0],
+    QM__POLICY_OFFERED(next_use_iface,
+                       "evicts the expert whose estimated next use is furthest (its layer's next "
+                       "visit plus a per-visit decayed frequency); recommended for paged sessions"),
+    QM__POLICY_PARAMS(next_use_params),
     .create = next_use_new,
 };

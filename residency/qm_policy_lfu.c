@@ -77,12 +77,8 @@ static int lfu_choose_victim(void *ctx, const qm_expert_ref *candidates, size_t 
     return 0;
 }
 
-static const qm_policy_iface lfu_iface = {
-    .on_access = lfu_on_access,
-    .choose_victim = lfu_choose_victim,
-    .destroy = qm__split_destroy,
-    QM__SPLIT_POLICY("lfu"), /* version, name, decide */
-};
+QM__SPLIT_IFACE(lfu_iface, "lfu", .on_access = lfu_on_access, .choose_victim = lfu_choose_victim,
+                .destroy = qm__split_destroy);
 
 static const qm_policy_param_spec lfu_params[] = {
     {.name = "decay", .min = 0.0, .max = 1.0, .def = QM_POLICY_LFU_DEFAULT_DECAY,
@@ -102,11 +98,8 @@ static int lfu_new(const qm_policy_params *params, qm_policy *out, qm_status *st
 }
 
 const qm__policy_desc qm__policy_lfu_desc = {
-    .version = QM_POLICY_DESC_VERSION,
-    .iface = &lfu_iface,
-    .summary = "pages every expert; evicts the least frequently used, counts aged by decay",
-    .offered = 1,
-    .params = lfu_params,
-    .n_params = sizeof lfu_params / sizeof lfu_params[0],
+    QM__POLICY_OFFERED(
+        lfu_iface, "pages every expert; evicts the least frequently used, counts aged by decay"),
+    QM__POLICY_PARAMS(lfu_params),
     .create = lfu_new,
 };

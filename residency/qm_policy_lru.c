@@ -49,19 +49,13 @@ static int lru_choose_victim(void *ctx, const qm_expert_ref *candidates, size_t 
     return 0;
 }
 
-static const qm_policy_iface lru_iface = {
-    .on_access = lru_on_access,
-    .on_insert = lru_on_insert,
-    .choose_victim = lru_choose_victim,
-    .destroy = qm__split_destroy,
-    QM__SPLIT_POLICY("lru"), /* version, name, decide */
-};
+/* The LRU hooks, which static_hot's iface shares. */
+#define QM__LRU_HOOKS                                                                              \
+    .on_access = lru_on_access, .on_insert = lru_on_insert, .choose_victim = lru_choose_victim
+QM__SPLIT_IFACE(lru_iface, "lru", QM__LRU_HOOKS, .destroy = qm__split_destroy);
 
 const qm__policy_desc qm__policy_lru_desc = {
-    .version = QM_POLICY_DESC_VERSION,
-    .iface = &lru_iface,
-    .summary = "pages every expert; evicts the least recently used",
-    .offered = 1,
+    QM__POLICY_OFFERED(lru_iface, "pages every expert; evicts the least recently used"),
     .ctx_size = sizeof(lru_ctx),
 };
 
@@ -134,9 +128,7 @@ static const qm_policy_iface static_hot_iface = {
     .version = QM_POLICY_IFACE_VERSION,
     .name = "static_hot",
     .decide = static_hot_decide,
-    .on_access = lru_on_access,
-    .on_insert = lru_on_insert,
-    .choose_victim = lru_choose_victim,
+    QM__LRU_HOOKS,
     .destroy = static_hot_destroy,
 };
 
@@ -188,13 +180,10 @@ fail_copy:
 }
 
 const qm__policy_desc qm__policy_static_hot_desc = {
-    .version = QM_POLICY_DESC_VERSION,
-    .iface = &static_hot_iface,
-    .summary = "pins the hottest experts (policy_params.hot or the saved profile) up to "
-               "pin_fraction of the budget; pages the rest under LRU",
-    .offered = 1,
+    QM__POLICY_OFFERED(static_hot_iface,
+                       "pins the hottest experts (policy_params.hot or the saved profile) up to "
+                       "pin_fraction of the budget; pages the rest under LRU"),
     .accepts_hot = 1,
-    .params = static_hot_params,
-    .n_params = sizeof static_hot_params / sizeof static_hot_params[0],
+    QM__POLICY_PARAMS(static_hot_params),
     .create = static_hot_new,
 };

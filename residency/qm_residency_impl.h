@@ -85,6 +85,11 @@ void qm__split_destroy(void *ctx);
  *   static const qm_policy_iface lru_iface = {.on_access = ..., QM__SPLIT_POLICY("lru")}; */
 #define QM__SPLIT_POLICY(policy_name)                                                              \
     .version = QM_POLICY_IFACE_VERSION, .name = (policy_name), .decide = qm__split_decide
+/* VAR, the iface of the splitting policy POLICY_NAME whose hooks are the
+ * designated members after it:
+ *   QM__SPLIT_IFACE(lru_iface, "lru", .on_access = lru_on_access, ...); */
+#define QM__SPLIT_IFACE(var, policy_name, ...)                                                     \
+    static const qm_policy_iface var = {QM__SPLIT_POLICY(policy_name), __VA_ARGS__}
 /* A zeroed ctx of `size` bytes for `iface`, installed in *out; NULL (with
  * "out of memory creating policy '<name>'" in st) when it cannot be had. */
 void *qm__policy_alloc(const qm_policy_iface *iface, size_t size, qm_policy *out, qm_status *st);
