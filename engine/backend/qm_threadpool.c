@@ -6,6 +6,7 @@
 
 #include "qm_alloc.h"
 #include "qm_clock.h"
+#include "qm_sync.h"
 #include "qm_error.h"
 
 /* How long the caller of a run spins for the workers' last tasks before it
@@ -114,16 +115,9 @@ void qm__pool_free(qm__pool *p)
 {
     if (!p)
         return;
-    pthread_mutex_lock(&p->mu);
-    p->stopping = 1;
-    pthread_cond_broadcast(&p->wake);
-    pthread_mutex_unlock(&p->mu);
-    for (unsigned i = 0; i < p->started; i++)
-        pthread_join(p->workers[i], NULL);
+    qm_workers_stop(&p->mu, &p->wake, &p->stopping, p->workers, p->started);
     qm_free(p->workers);
-    pthread_cond_destroy(&p->wake);
-    pthread_cond_destroy(&p->done);
-    pthread_mutex_destroy(&p->mu);
+    qm_lock2_destroy(&p->mu, &p->done, &p->wake);
     pthread_mutex_destroy(&p->run_lock);
     qm_free(p);
 }

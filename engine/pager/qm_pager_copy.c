@@ -13,6 +13,7 @@
 #include "qm_alloc.h"
 #include "qm_pager_copy.h"
 #include "qm_pager_disk.h"
+#include "qm_sync.h"
 
 /* One unit's copy: up to one region per expert tensor. */
 typedef struct qm__copy_job {
@@ -76,12 +77,7 @@ int qm__pager_copy_start(qm_pager *p, qm_status *st)
     p->queue = qm_calloc(p->q_cap, sizeof *p->queue);
     if (!p->queue)
         return qm_status_set(st, QM_ENOMEM, "out of memory for the copy queue");
-    if (pthread_mutex_init(&p->mu, NULL))
-        goto fail_mu;
-    if (pthread_cond_init(&p->cv_work, NULL))
-        goto fail_work;
-    if (pthread_cond_init(&p->cv_done, NULL))
-        goto fail_done;
+    if (qm_lock2_init(&p->mu, &p->cv_work, &p->cv_done)) goto fail_lock;
     p->stop = 0;
     if (pthread_create(&p->thread, NULL, qm__copy_thread_main, p))
         goto fail_thread;
@@ -89,12 +85,8 @@ int qm__pager_copy_start(qm_pager *p, qm_status *st)
     p->stats.host_bytes += p->q_cap * sizeof *p->queue;
     return 0;
 fail_thread:
-    pthread_cond_destroy(&p->cv_done);
-fail_done:
-    pthread_cond_destroy(&p->cv_work);
-fail_work:
-    pthread_mutex_destroy(&p->mu);
-fail_mu:
+    qm_lock2_destroy(&p->mu, &p->cv_work, &p->cv_done);
+fail_lock:
     qm_free(p->queue);
     p->queue = NULL;
     return qm_status_set(st, QM_ERESOURCE_EXHAUSTED, "cannot start the pager's copy thread");
@@ -107,14 +99,8 @@ void qm__pager_copy_stop(qm_pager *p)
         p->queue = NULL;
         return;
     }
-    pthread_mutex_lock(&p->mu);
-    p->stop = 1;
-    pthread_cond_broadcast(&p->cv_work);
-    pthread_mutex_unlock(&p->mu);
-    pthread_join(p->thread, NULL);
-    pthread_cond_destroy(&p->cv_done);
-    pthread_cond_destroy(&p->cv_work);
-    pthread_mutex_destroy(&p->mu);
+    qm_workers_stop(&p->mu, &p->cv_work, &p->stop, &p->thread, 1);
+    qm_lock2_destroy(&p->mu, &p->cv_work, &p->cv_done);
     qm_free(p->queue);
     p->queue = NULL;
     p->use_thread = 0;

@@ -33,6 +33,7 @@
 #include "qm_alloc.h"
 #include "qm_clock.h"
 #include "qm_pager_io.h"
+#include "qm_sync.h"
 
 /* ---- The engine ----------------------------------------------------------------------- */
 
@@ -272,12 +273,7 @@ static int qm__io_pool_start(qm__io *io, qm_status *st)
 
 static void qm__io_pool_stop(qm__io *io)
 {
-    pthread_mutex_lock(&io->mu);
-    io->stop = 1;
-    pthread_cond_broadcast(&io->cv_work);
-    pthread_mutex_unlock(&io->mu);
-    for (uint32_t i = 0; i < io->n_threads; i++)
-        pthread_join(io->threads[i], NULL);
+    qm_workers_stop(&io->mu, &io->cv_work, &io->stop, io->threads, io->n_threads);
     qm_free(io->threads);
     io->threads = NULL;
     io->n_threads = 0;
@@ -511,12 +507,11 @@ int qm__io_new(int fd, int engine, uint32_t depth, qm__io **out, char *why, size
     io->depth = depth ? depth : QM__IO_DEFAULT_DEPTH;
     if (io->depth > QM__IO_MAX_DEPTH)
         io->depth = QM__IO_MAX_DEPTH;
-    if (pthread_mutex_init(&io->mu, NULL))
-        goto fail_mu;
-    if (pthread_cond_init(&io->cv_done, NULL))
-        goto fail_done;
-    if (pthread_cond_init(&io->cv_work, NULL))
-        goto fail_work;
+    if (qm_lock2_init(&io->mu, &io->cv_done, &io->cv_work)) {
+        qm_free(io);
+        return qm_status_set(st, QM_ERESOURCE_EXHAUSTED,
+                             "cannot set up the disk I/O engine's lock");
+    }
     io->kind = QM_PAGER_IO_THREADS;
 #ifdef QMOE_HAVE_LIBURING
     if (engine != QM_PAGER_IO_THREADS) {
@@ -546,13 +541,6 @@ int qm__io_new(int fd, int engine, uint32_t depth, qm__io **out, char *why, size
     io->pf_depth = io->depth > 1 ? io->depth / 2 : 1;
     *out = io;
     return 0;
-fail_work:
-    pthread_cond_destroy(&io->cv_done);
-fail_done:
-    pthread_mutex_destroy(&io->mu);
-fail_mu:
-    qm_free(io);
-    return qm_status_set(st, QM_ERESOURCE_EXHAUSTED, "cannot set up the disk I/O engine's lock");
 }
 
 void qm__io_drain(qm__io *io)
@@ -575,9 +563,7 @@ void qm__io_free(qm__io *io)
 #endif
     if (io->threads)
         qm__io_pool_stop(io);
-    pthread_cond_destroy(&io->cv_work);
-    pthread_cond_destroy(&io->cv_done);
-    pthread_mutex_destroy(&io->mu);
+    qm_lock2_destroy(&io->mu, &io->cv_done, &io->cv_work);
     qm_free(io->ops);
     qm_free(io);
 }
