@@ -170,6 +170,17 @@ QM_AI void qm__load_chunk_full(const uint8_t *row, uint32_t c, const int BITS, _
     }
 }
 
+/* Loads chunk c of a row: without the tail check when c < nfull, the
+ * chunks the row holds whole. */
+QM_AI void qm__load_chunk_any(const uint8_t *row, size_t row_bytes, uint32_t c, uint32_t nfull,
+                              const int BITS, __m256 *w0, __m256 *w1)
+{
+    if (c < nfull)
+        qm__load_chunk_full(row, c, BITS, w0, w1);
+    else
+        qm__load_chunk(row, row_bytes, c, BITS, w0, w1);
+}
+
 QM_AI float qm__scale_f32(const uint8_t *row_scales, uint32_t b)
 {
     float f;
@@ -351,16 +362,10 @@ QM_AI void qm__gemv_2x2_impl(const qm__qmat *m, uint32_t n, const float *xp, siz
         uint32_t ce = c + cpb < nch ? c + cpb : nch;
         for (; c < ce; c++) {
             __m256 w0, w1;
-            if (c < nfull)
-                qm__load_chunk_full(r0, c, BITS, &w0, &w1);
-            else
-                qm__load_chunk(r0, rb, c, BITS, &w0, &w1);
+            qm__load_chunk_any(r0, rb, c, nfull, BITS, &w0, &w1);
             QM__ACC_FMA(0, w0, w1, xp + 16 * (size_t)c);
             QM__ACC_FMA(1, w0, w1, xq + 16 * (size_t)c);
-            if (c < nfull)
-                qm__load_chunk_full(r1, c, BITS, &w0, &w1);
-            else
-                qm__load_chunk(r1, rb, c, BITS, &w0, &w1);
+            qm__load_chunk_any(r1, rb, c, nfull, BITS, &w0, &w1);
             QM__ACC_FMA(2, w0, w1, xp + 16 * (size_t)c);
             QM__ACC_FMA(3, w0, w1, xq + 16 * (size_t)c);
         }

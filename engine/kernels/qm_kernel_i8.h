@@ -60,15 +60,41 @@ static inline size_t qm__i8_dx_off(const qm__qmat *m)
     return nsb * 8 + (m->bits == 8 ? nsb * 16 : 0);
 }
 
-static inline qm__i8_xrow qm__i8_xrow_at(const qm__qmat *m, const float *xq)
+/* The same parts of a prepared row being written (the quantisers). */
+typedef struct qm__i8_xout {
+    int8_t *q;
+    int16_t *q16; /* 8-bit weights only */
+    float *dx;
+    int32_t *sumq, *zsum;
+} qm__i8_xout;
+
+static inline qm__i8_xout qm__i8_xout_at(const qm__qmat *m, float *xq)
 {
     size_t nsb = qm__i8_nsb(m);
-    const float *dx = xq + qm__i8_dx_off(m);
-    qm__i8_xrow x = {.q = (const int8_t *)xq,
-                     .q16 = m->bits == 8 ? (const int16_t *)(xq + nsb * 8) : NULL,
+    float *dx = xq + qm__i8_dx_off(m);
+    qm__i8_xout x = {.q = (int8_t *)xq,
+                     .q16 = m->bits == 8 ? (int16_t *)(xq + nsb * 8) : NULL,
                      .dx = dx,
-                     .sumq = (const int32_t *)(dx + nsb),
-                     .zsum = (const int32_t *)(dx + 2 * nsb)};
+                     .sumq = (int32_t *)(dx + nsb),
+                     .zsum = (int32_t *)(dx + 2 * nsb)};
+    return x;
+}
+
+/* Sub-block j's scale and sums, from its absolute maximum and the sum of
+ * its codes. */
+static inline void qm__i8_xout_sums(const qm__i8_xout *x, const qm__qmat *m, size_t j, float amax,
+                                    int32_t sum)
+{
+    x->dx[j] = amax / 127.0f;
+    x->sumq[j] = sum;
+    x->zsum[j] = sum * (1 << (m->bits - 1));
+}
+
+static inline qm__i8_xrow qm__i8_xrow_at(const qm__qmat *m, const float *xq)
+{
+    /* Read only: the row is written through qm__i8_xout alone. */
+    qm__i8_xout o = qm__i8_xout_at(m, (float *)xq);
+    qm__i8_xrow x = {.q = o.q, .q16 = o.q16, .dx = o.dx, .sumq = o.sumq, .zsum = o.zsum};
     return x;
 }
 

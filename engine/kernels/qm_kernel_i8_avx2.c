@@ -166,10 +166,9 @@ void qm__i8_params_avx2(const qm__qmat *m, uint32_t n0, uint32_t nr, float *sct,
 void qm__i8_prep_avx2(const qm__qmat *m, const float *x, float *xq)
 {
     size_t nsb = qm__i8_nsb(m);
-    int8_t *q = (int8_t *)xq;
-    int16_t *q16 = m->bits == 8 ? (int16_t *)(xq + nsb * 8) : NULL;
-    float *dx = xq + qm__i8_dx_off(m);
-    int32_t *sumq = (int32_t *)(dx + nsb), *zsum = sumq + nsb;
+    const qm__i8_xout o = qm__i8_xout_at(m, xq);
+    int8_t *q = o.q;
+    int16_t *q16 = o.q16;
     const __m256 absm = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
     const __m256i lim = _mm256_set1_epi32(127), nlim = _mm256_set1_epi32(-127);
     /* Within each 128-bit lane: even bytes, then odd bytes. */
@@ -219,9 +218,6 @@ void qm__i8_prep_avx2(const qm__qmat *m, const float *x, float *xq)
         __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(sum), _mm256_extracti128_si256(sum, 1));
         s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4E));
         s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xB1));
-        int32_t total = _mm_cvtsi128_si32(s4);
-        dx[j] = amax / 127.0f;
-        sumq[j] = total;
-        zsum[j] = total * (1 << (m->bits - 1));
+        qm__i8_xout_sums(&o, m, j, amax, _mm_cvtsi128_si32(s4));
     }
 }

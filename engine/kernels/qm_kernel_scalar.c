@@ -117,10 +117,7 @@ void qm__i8_prep(const qm__qmat *m, const float *x, float *xq)
 void qm__i8_prep_c(const qm__qmat *m, const float *x, float *xq)
 {
     size_t nsb = qm__i8_nsb(m);
-    int8_t *q = (int8_t *)xq;
-    int16_t *q16 = m->bits == 8 ? (int16_t *)(xq + nsb * 8) : NULL;
-    float *dx = xq + qm__i8_dx_off(m);
-    int32_t *sumq = (int32_t *)(dx + nsb), *zsum = sumq + nsb;
+    const qm__i8_xout o = qm__i8_xout_at(m, xq);
     for (size_t j = 0; j < nsb; j++) {
         float amax = 0.0f;
         for (size_t t = 0; t < 32; t++) {
@@ -134,14 +131,11 @@ void qm__i8_prep_c(const qm__qmat *m, const float *x, float *xq)
             size_t c = 32 * j + qm__i8_pos_col(m, p);
             long v = c < m->k ? lrintf(x[c] * id) : 0;
             v = v > 127 ? 127 : v < -127 ? -127 : v;
-            q[32 * j + p] = (int8_t)v;
-            if (q16)
-                q16[32 * j + p] = (int16_t)v;
+            o.q[32 * j + p] = (int8_t)v;
+            if (o.q16) o.q16[32 * j + p] = (int16_t)v;
             sum += (int32_t)v;
         }
-        dx[j] = amax / 127.0f;
-        sumq[j] = sum;
-        zsum[j] = sum * (1 << (m->bits - 1));
+        qm__i8_xout_sums(&o, m, j, amax, sum);
     }
 }
 
