@@ -9,6 +9,7 @@
 
 #include "qm_alloc.h"
 #include "qm_bank_internal.h"
+#include "qm_json_pick.h"
 #include "qm_json.h"
 
 #define ST_FAIL(st, ...) qm_status_set((st), QM_EINVALID_MODEL, __VA_ARGS__)
@@ -105,22 +106,16 @@ static int parse_tensor(const cJSON *item, qm_st_tensor *t, qm_status *st)
     const char *name = t->name;
     if (!cJSON_IsObject(item))
         return ST_FAIL(st, "%.80s: header entry is not an object", name);
-    const cJSON *dtype = NULL, *shape = NULL, *offs = NULL;
-    for (const cJSON *f = item->child; f; f = f->next) {
-        const cJSON **slot = NULL;
-        if (strcmp(f->string, "dtype") == 0)
-            slot = &dtype;
-        else if (strcmp(f->string, "shape") == 0)
-            slot = &shape;
-        else if (strcmp(f->string, "data_offsets") == 0)
-            slot = &offs;
-        else
-            return ST_FAIL(st, "%.80s: unexpected field \"%.32s\" (allowed: dtype, shape, data_offsets)",
-                           name, f->string);
-        if (*slot)
-            return ST_FAIL(st, "%.80s: field \"%s\" appears twice", name, f->string);
-        *slot = f;
-    }
+    static const char *const fields[] = {"dtype", "shape", "data_offsets"};
+    const cJSON *slot[3] = {NULL, NULL, NULL}, *f = NULL;
+    qm_json_pick_rc pick = qm_json_pick(item, fields, slot, 3, &f);
+    if (pick == QM_JSON_PICK_UNKNOWN)
+        return ST_FAIL(st,
+                       "%.80s: unexpected field \"%.32s\" (allowed: dtype, shape, data_offsets)",
+                       name, f->string);
+    if (pick == QM_JSON_PICK_TWICE)
+        return ST_FAIL(st, "%.80s: field \"%s\" appears twice", name, f->string);
+    const cJSON *dtype = slot[0], *shape = slot[1], *offs = slot[2];
     if (!dtype || !cJSON_IsString(dtype))
         return ST_FAIL(st, "%.80s: missing or non-string \"dtype\"", name);
     size_t dl = strnlen(dtype->valuestring, sizeof t->dtype);

@@ -11,6 +11,7 @@
 #include <string.h>
 
 #include "qm_alloc.h"
+#include "qm_json_pick.h"
 
 static const char *const method_names[] = {
 #define QM__METHOD_NAME(name, text, ...) text,
@@ -125,31 +126,20 @@ static void decode_item(const cJSON *obj, qm_rpc_item *it)
                    "a request must be a JSON object, got %s", qm__json_type_name(obj));
         return;
     }
-    const cJSON *id = NULL, *version = NULL, *method = NULL, *params = NULL;
-    for (const cJSON *m = obj->child; m; m = m->next) {
-        const cJSON **slot = NULL;
-        if (strcmp(m->string, "id") == 0)
-            slot = &id;
-        else if (strcmp(m->string, "jsonrpc") == 0)
-            slot = &version;
-        else if (strcmp(m->string, "method") == 0)
-            slot = &method;
-        else if (strcmp(m->string, "params") == 0)
-            slot = &params;
-        if (!slot) {
-            char clip[80];
-            qm_clip(m->string, strlen(m->string), clip, sizeof clip);
-            item_error(it, QM_RPC_INVALID_REQUEST, NULL,
-                       "unknown member '%s' in request; expected jsonrpc, id, method, params",
-                       clip);
-            goto answer_with_id;
-        }
-        if (*slot) {
-            item_error(it, QM_RPC_INVALID_REQUEST, NULL, "duplicate member '%s' in request",
-                       m->string);
-            goto answer_with_id;
-        }
-        *slot = m;
+    static const char *const members[] = {"id", "jsonrpc", "method", "params"};
+    const cJSON *slot[4] = {NULL, NULL, NULL, NULL}, *m = NULL;
+    qm_json_pick_rc pick = qm_json_pick(obj, members, slot, 4, &m);
+    const cJSON *id = slot[0], *version = slot[1], *method = slot[2], *params = slot[3];
+    if (pick == QM_JSON_PICK_UNKNOWN) {
+        char clip[80];
+        qm_clip(m->string, strlen(m->string), clip, sizeof clip);
+        item_error(it, QM_RPC_INVALID_REQUEST, NULL,
+                   "unknown member '%s' in request; expected jsonrpc, id, method, params", clip);
+        goto answer_with_id;
+    }
+    if (pick == QM_JSON_PICK_TWICE) {
+        item_error(it, QM_RPC_INVALID_REQUEST, NULL, "duplicate member '%s' in request", m->string);
+        goto answer_with_id;
     }
     if (id) {
         int rc = id_to_text(id, &it->req.id);
