@@ -93,37 +93,23 @@ static const cJSON *typed(const qm_hf_json *j, const char *key, json_is_fn is, c
     return *rc ? NULL : v;
 }
 
-int qm_hf_json_number(const qm_hf_json *j, const char *key, double *out, qm_status *st)
-{
-    int rc;
-    const cJSON *v = typed(j, key, cJSON_IsNumber, "a number", &rc, st);
-    if (v) *out = v->valuedouble;
-    return rc;
-}
-
-int qm_hf_json_bool(const qm_hf_json *j, const char *key, int *out, qm_status *st)
-{
-    int rc;
-    const cJSON *v = typed(j, key, cJSON_IsBool, "true or false", &rc, st);
-    if (v) *out = cJSON_IsTrue(v);
-    return rc;
-}
-
-int qm_hf_json_string(const qm_hf_json *j, const char *key, const char **out, qm_status *st)
-{
-    int rc;
-    const cJSON *v = typed(j, key, cJSON_IsString, "a string", &rc, st);
-    if (v) *out = v->valuestring;
-    return rc;
-}
-
-int qm_hf_json_array_len(const qm_hf_json *j, const char *key, size_t *len, qm_status *st)
-{
-    int rc;
-    const cJSON *v = typed(j, key, cJSON_IsArray, "an array", &rc, st);
-    if (v) *len = (size_t)cJSON_GetArraySize(v);
-    return rc;
-}
+/* NAME(j, key, out, st): the value at key when IS accepts it, as VALUE(v)
+ * of type T in *out; the getters differ only in those. */
+#define QM__HF_GETTER(NAME, T, IS, WANT, VALUE)                                                    \
+    int NAME(const qm_hf_json *j, const char *key, T *out, qm_status *st)                          \
+    {                                                                                              \
+        int rc;                                                                                    \
+        const cJSON *v = typed(j, key, IS, WANT, &rc, st);                                         \
+        if (v) *out = VALUE(v);                                                                    \
+        return rc;                                                                                 \
+    }
+#define QM__HF_NUMBER(v) ((v)->valuedouble)
+#define QM__HF_STRING(v) ((v)->valuestring)
+#define QM__HF_ARRAY_LEN(v) ((size_t)cJSON_GetArraySize(v))
+QM__HF_GETTER(qm_hf_json_number, double, cJSON_IsNumber, "a number", QM__HF_NUMBER)
+QM__HF_GETTER(qm_hf_json_bool, int, cJSON_IsBool, "true or false", cJSON_IsTrue)
+QM__HF_GETTER(qm_hf_json_string, const char *, cJSON_IsString, "a string", QM__HF_STRING)
+QM__HF_GETTER(qm_hf_json_array_len, size_t, cJSON_IsArray, "an array", QM__HF_ARRAY_LEN)
 
 static const cJSON *array_item(const qm_hf_json *j, const char *key, size_t i, qm_status *st,
                                int *rc)
