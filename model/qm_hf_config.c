@@ -124,27 +124,22 @@ static const cJSON *array_item(const qm_hf_json *j, const char *key, size_t i, q
     return cJSON_GetArrayItem(lookup(j, key), (int)i);
 }
 
-int qm_hf_json_array_number(const qm_hf_json *j, const char *key, size_t i, double *out,
-                            qm_status *st)
-{
-    int rc;
-    const cJSON *v = array_item(j, key, i, st, &rc);
-    if (!v) return rc;
-    if (!cJSON_IsNumber(v)) return wrong_type(j, key, "an array of numbers", st);
-    *out = v->valuedouble;
-    return 0;
-}
-
-int qm_hf_json_array_string(const qm_hf_json *j, const char *key, size_t i, const char **out,
-                            qm_status *st)
-{
-    int rc;
-    const cJSON *v = array_item(j, key, i, st, &rc);
-    if (!v) return rc;
-    if (!cJSON_IsString(v)) return wrong_type(j, key, "an array of strings", st);
-    *out = v->valuestring;
-    return 0;
-}
+/* NAME(j, key, i, out, st): item i of the array at key when IS accepts
+ * it, as VALUE(v) of type T in *out. */
+#define QM__HF_ITEM_GETTER(NAME, T, IS, WANT, VALUE)                                               \
+    int NAME(const qm_hf_json *j, const char *key, size_t i, T *out, qm_status *st)                \
+    {                                                                                              \
+        int rc;                                                                                    \
+        const cJSON *v = array_item(j, key, i, st, &rc);                                           \
+        if (!v) return rc;                                                                         \
+        if (!IS(v)) return wrong_type(j, key, WANT, st);                                           \
+        *out = VALUE(v);                                                                           \
+        return 0;                                                                                  \
+    }
+QM__HF_ITEM_GETTER(qm_hf_json_array_number, double, cJSON_IsNumber, "an array of numbers",
+                   QM__HF_NUMBER)
+QM__HF_ITEM_GETTER(qm_hf_json_array_string, const char *, cJSON_IsString, "an array of strings",
+                   QM__HF_STRING)
 
 int qm_hf_json_numbers(const qm_hf_json *j, const char *key, double **out, size_t *n, qm_status *st)
 {
