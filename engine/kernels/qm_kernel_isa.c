@@ -125,17 +125,20 @@ int qm__kernel_break(const char *spec, char *why, size_t cap)
 
 /* ---- the tables ---- */
 
-size_t qm__i8isa_count(void)
-{
-    return QM__N_I8ISAS;
-}
-
-const qm__i8isa *qm__i8isa_at(size_t i)
-{
-    if (i >= QM__N_I8ISAS)
-        return NULL;
-    return qm__broken.fast == 1 && qm__broken.row == i ? &qm__broken.i8 : qm__i8isas[i];
-}
+/* COUNT() and AT(i) of TABLE (N rows of T): row i, or the broken copy that
+ * stands in for it while the test hook breaks a row of table FAST. */
+#define QM__TABLE_ACCESS(COUNT, AT, T, TABLE, N, FAST, BROKEN)                                     \
+    size_t COUNT(void)                                                                             \
+    {                                                                                              \
+        return (N);                                                                                \
+    }                                                                                              \
+    const T *AT(size_t i)                                                                          \
+    {                                                                                              \
+        if (i >= (N)) return NULL;                                                                 \
+        return qm__broken.fast == (FAST) && qm__broken.row == i ? &qm__broken.BROKEN : TABLE[i];   \
+    }
+QM__TABLE_ACCESS(qm__i8isa_count, qm__i8isa_at, qm__i8isa, qm__i8isas, QM__N_I8ISAS, 1, i8)
+QM__TABLE_ACCESS(qm__exact_count, qm__exact_at, qm__kernel, qm__exacts, QM__N_EXACTS, 0, exact)
 
 int qm__word_in(const char *list, const char *name)
 {
@@ -164,18 +167,6 @@ const qm__i8isa *qm__i8isa_of(const qm__i8kernel *k)
         if (k == &qm__i8isa_at(i)->kernel)
             return qm__i8isa_at(i);
     return NULL;
-}
-
-size_t qm__exact_count(void)
-{
-    return QM__N_EXACTS;
-}
-
-const qm__kernel *qm__exact_at(size_t i)
-{
-    if (i >= QM__N_EXACTS)
-        return NULL;
-    return qm__broken.fast == 0 && qm__broken.row == i ? &qm__broken.exact : qm__exacts[i];
 }
 
 int qm__exact_find(const char *name)
