@@ -267,6 +267,29 @@ QM__I8_AI __m256i qm__v_load32(const qm__qmat *m, const uint8_t *row, size_t off
  * input: 4-bit, two sub-blocks per step; the 8 rows' 8-lane sums reduce to
  * one vector per sub-block (row i in lane i). Sub-blocks from jt on may
  * reach past a row's bytes and are read through a copy. */
+/* One line of each of the 8 next rows at byte offset off (none when next
+ * is NULL). */
+QM__I8_AI void qm__v_prefetch8(const uint8_t *const *next, size_t off)
+{
+    if (!next) return;
+#pragma GCC unroll 8
+    for (int i = 0; i < 8; i++)
+        _mm_prefetch((const char *)next[i] + off, QM__PF_HINT);
+}
+
+/* The int32 lanes of 8 rows (row r at p[r * stride]) reduced by the hadd
+ * tree to one sum per row and 128-bit half: *lo holds rows 0-7's sums of
+ * their first half, *hi those of their second. */
+QM__I8_AI void qm__v_reduce8(const __m256i *p, size_t stride, __m256i *lo, __m256i *hi)
+{
+    __m256i X = _mm256_hadd_epi32(_mm256_hadd_epi32(p[0], p[stride]),
+                                  _mm256_hadd_epi32(p[2 * stride], p[3 * stride]));
+    __m256i Y = _mm256_hadd_epi32(_mm256_hadd_epi32(p[4 * stride], p[5 * stride]),
+                                  _mm256_hadd_epi32(p[6 * stride], p[7 * stride]));
+    *lo = _mm256_permute2x128_si256(X, Y, 0x20);
+    *hi = _mm256_permute2x128_si256(X, Y, 0x31);
+}
+
 QM__I8_AI __m256 qm__v_rows_q4(const qm__qmat *m, const uint8_t *const row[8],
                                const uint8_t *const *next, const qm__i8_xrow *x, const float *sct, const int32_t *zpt,
                                uint32_t h, const int ZP, const int SPB1)
@@ -282,10 +305,8 @@ QM__I8_AI __m256 qm__v_rows_q4(const qm__qmat *m, const uint8_t *const row[8],
         __m256i xb = _mm256_loadu_si256((const __m256i *)(x->q + 32 * j + 32));
         __m256i xl = _mm256_permute2x128_si256(xa, xb, 0x20);
         __m256i xh = _mm256_permute2x128_si256(xa, xb, 0x31);
-        if (next && (j & 2) == 0) /* one line of each next row per 64 bytes */
-#pragma GCC unroll 8
-            for (int i = 0; i < 8; i++)
-                _mm_prefetch((const char *)next[i] + 16 * j, QM__PF_HINT);
+        if ((j & 2) == 0) /* one line of each next row per 64 bytes */
+            qm__v_prefetch8(next, 16 * j);
         __m256i p[8];
 #pragma GCC unroll 8
         for (int i = 0; i < 8; i++) {
@@ -295,13 +316,10 @@ QM__I8_AI __m256 qm__v_rows_q4(const qm__qmat *m, const uint8_t *const row[8],
             __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), lo4);
             p[i] = QM__V_DOT4(lo, hi, xl, xh);
         }
-        __m256i X = _mm256_hadd_epi32(_mm256_hadd_epi32(p[0], p[1]), _mm256_hadd_epi32(p[2], p[3]));
-        __m256i Y = _mm256_hadd_epi32(_mm256_hadd_epi32(p[4], p[5]), _mm256_hadd_epi32(p[6], p[7]));
-        qm__v_epi(x, sct, zpt, spb, nse, j, &pos, h, _mm256_permute2x128_si256(X, Y, 0x20), &t,
-                  &acc, ZP, SPB1);
-        if (j + 1 < nse)
-            qm__v_epi(x, sct, zpt, spb, nse, j + 1, &pos, h,
-                      _mm256_permute2x128_si256(X, Y, 0x31), &t, &acc, ZP, SPB1);
+        __m256i lo, hi;
+        qm__v_reduce8(p, 1, &lo, &hi);
+        qm__v_epi(x, sct, zpt, spb, nse, j, &pos, h, lo, &t, &acc, ZP, SPB1);
+        if (j + 1 < nse) qm__v_epi(x, sct, zpt, spb, nse, j + 1, &pos, h, hi, &t, &acc, ZP, SPB1);
     }
     return acc;
 }
@@ -316,10 +334,7 @@ QM__I8_AI __m256 qm__v_rows_q8(const qm__qmat *m, const uint8_t *const row[8],
     __m256 t = _mm256_setzero_ps(), acc = _mm256_setzero_ps();
     qm__v_pos pos = {0, 0};
     for (size_t j = 0; j < nse; j++) {
-        if (next && (j & 1) == 0)
-#pragma GCC unroll 8
-            for (int i = 0; i < 8; i++)
-                _mm_prefetch((const char *)next[i] + 32 * j, QM__PF_HINT);
+        if ((j & 1) == 0) qm__v_prefetch8(next, 32 * j);
         __m256i p[8];
 #pragma GCC unroll 8
         for (int i = 0; i < 8; i++) {
@@ -327,11 +342,9 @@ QM__I8_AI __m256 qm__v_rows_q8(const qm__qmat *m, const uint8_t *const row[8],
             const uint8_t *w = j < jt ? row[i] + 32 * j : qm__x_bytes(m, row[i], 32 * j, 32, tmp);
             p[i] = QM__V_DOT8(w, x->q + 32 * j, x->q16 + 32 * j);
         }
-        __m256i X = _mm256_hadd_epi32(_mm256_hadd_epi32(p[0], p[1]), _mm256_hadd_epi32(p[2], p[3]));
-        __m256i Y = _mm256_hadd_epi32(_mm256_hadd_epi32(p[4], p[5]), _mm256_hadd_epi32(p[6], p[7]));
-        __m256i s = _mm256_add_epi32(_mm256_permute2x128_si256(X, Y, 0x20),
-                                     _mm256_permute2x128_si256(X, Y, 0x31));
-        qm__v_epi(x, sct, zpt, spb, nse, j, &pos, h, s, &t, &acc, ZP, SPB1);
+        __m256i lo, hi;
+        qm__v_reduce8(p, 1, &lo, &hi);
+        qm__v_epi(x, sct, zpt, spb, nse, j, &pos, h, _mm256_add_epi32(lo, hi), &t, &acc, ZP, SPB1);
     }
     return acc;
 }
@@ -492,12 +505,8 @@ QM__I8_AI __m256 qm__v_pass2(const __m256i *part, size_t nc, const qm__i8_xrow *
 {
     __m256 acc = _mm256_setzero_ps();
     for (size_t c = 0; c < nc; c++) {
-        __m256i X = _mm256_hadd_epi32(_mm256_hadd_epi32(part[c], part[nc + c]),
-                                      _mm256_hadd_epi32(part[2 * nc + c], part[3 * nc + c]));
-        __m256i Y = _mm256_hadd_epi32(_mm256_hadd_epi32(part[4 * nc + c], part[5 * nc + c]),
-                                      _mm256_hadd_epi32(part[6 * nc + c], part[7 * nc + c]));
-        __m256i lo = _mm256_permute2x128_si256(X, Y, 0x20);
-        __m256i hi = _mm256_permute2x128_si256(X, Y, 0x31);
+        __m256i lo, hi;
+        qm__v_reduce8(part + c, nc, &lo, &hi);
         if (BITS == 4) {
             acc = qm__v_epi_b32(x, sct, h, 2 * c, lo, acc);
             acc = qm__v_epi_b32(x, sct, h, 2 * c + 1, hi, acc);
