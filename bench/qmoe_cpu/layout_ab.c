@@ -86,6 +86,17 @@ static inline __m256 epilogue(__m256i S, int32_t zsum, float dx, const float *sc
     return _mm256_fmadd_ps(t, _mm256_loadu_ps(sc), acc);
 }
 
+/* Chunk c's two sub-blocks finished from the 8 rows' reduced sums X, Y
+ * (the hadd tree's halves: sub-block 2c low, 2c + 1 high). */
+static inline __m256 epilogue2(__m256i X, __m256i Y, size_t c, const int32_t *zsum, const float *dx,
+                               const float *sct, __m256 acc)
+{
+    acc =
+        epilogue(_mm256_permute2x128_si256(X, Y, 0x20), zsum[2 * c], dx[2 * c], sct + 16 * c, acc);
+    return epilogue(_mm256_permute2x128_si256(X, Y, 0x31), zsum[2 * c + 1], dx[2 * c + 1],
+                    sct + 16 * c + 8, acc);
+}
+
 /* Pass 2: the 8 rows' lane sums reduced per chunk, then finished. */
 __attribute__((noinline)) static __m256 row_pass2(const shape *g, const __m256i *part,
                                                   const int32_t *zsum, const float *dx,
@@ -98,10 +109,7 @@ __attribute__((noinline)) static __m256 row_pass2(const shape *g, const __m256i 
                                       _mm256_hadd_epi32(part[2 * nc + c], part[3 * nc + c]));
         __m256i Y = _mm256_hadd_epi32(_mm256_hadd_epi32(part[4 * nc + c], part[5 * nc + c]),
                                       _mm256_hadd_epi32(part[6 * nc + c], part[7 * nc + c]));
-        acc = epilogue(_mm256_permute2x128_si256(X, Y, 0x20), zsum[2 * c], dx[2 * c],
-                       sct + 16 * c, acc);
-        acc = epilogue(_mm256_permute2x128_si256(X, Y, 0x31), zsum[2 * c + 1], dx[2 * c + 1],
-                       sct + 16 * c + 8, acc);
+        acc = epilogue2(X, Y, c, zsum, dx, sct, acc);
     }
     return acc;
 }
@@ -130,10 +138,7 @@ __attribute__((noinline)) static __m256 row16_pass2(const shape *g, const __m256
         __m256i Y = _mm256_madd_epi16(
             _mm256_hadd_epi16(_mm256_hadd_epi16(part[4 * nc + c], part[5 * nc + c]),
                               _mm256_hadd_epi16(part[6 * nc + c], part[7 * nc + c])), one);
-        acc = epilogue(_mm256_permute2x128_si256(X, Y, 0x20), zsum[2 * c], dx[2 * c],
-                       sct + 16 * c, acc);
-        acc = epilogue(_mm256_permute2x128_si256(X, Y, 0x31), zsum[2 * c + 1], dx[2 * c + 1],
-                       sct + 16 * c + 8, acc);
+        acc = epilogue2(X, Y, c, zsum, dx, sct, acc);
     }
     return acc;
 }
