@@ -123,21 +123,6 @@ static void *big_alloc(size_t n)
     return p;
 }
 
-static double time_tiles(qm__mm_fn *fn, const qm__qmat *m, const float *xp, size_t ld,
-                         uint32_t nx, float *y, float *scratch, uint32_t reps)
-{
-    double best = 1e300;
-    for (uint32_t rep = 0; rep <= reps; rep++) {
-        double t0 = cpu_us();
-        for (uint32_t n0 = 0; n0 < m->n; n0 += QM__TILE_ROWS)
-            fn(m, n0, n0 + QM__TILE_ROWS, xp, ld, nx, y, m->n, scratch);
-        double dt = cpu_us() - t0;
-        if (rep && dt < best)
-            best = dt;
-    }
-    return best;
-}
-
 static void skipped(const char *mode, const char *name, const char *why)
 {
     printf("{\"mode\":\"%s\",\"kernel\":\"%s\",\"skipped\":\"%s\"}\n", mode, name, why);
@@ -160,7 +145,8 @@ static void exact_kernels(const qm__qmat *m, const float *x, uint32_t nx, int ge
         for (uint32_t r = 0; r < nx; r++)
             k->prep(m, gemm, x + (size_t)r * m->k, xp + r * ld);
         report("exact", k->name, m->n, m->k, m->bits, nx,
-               time_tiles(gemm ? k->gemm : k->gemv, m, xp, ld, nx, y, scratch, i ? reps : 1));
+               qm__kernel_best_sweep(gemm ? k->gemm : k->gemv, m, xp, ld, nx, y, scratch,
+                                     i ? reps : 1));
         free(xp);
     }
 }
@@ -183,7 +169,7 @@ static void fast_kernels(const qm__qmat *m, const float *x, uint32_t nx, uint32_
     mi.r8 = 1;
     float *scratch = malloc(sizeof(float) * qm__kernel_scratch_floats(&mi));
     report("fast", "scalar", m->n, m->k, m->bits, nx,
-           time_tiles(qm__i8kernel_scalar.mm, m, xq, ld, nx, y, scratch, 1));
+           qm__kernel_best_sweep(qm__i8kernel_scalar.mm, m, xq, ld, nx, y, scratch, 1));
     for (size_t i = 0; i < qm__i8isa_count(); i++) {
         const qm__i8isa *row = qm__i8isa_at(i);
         char why[128], name[64];
@@ -201,7 +187,7 @@ static void fast_kernels(const qm__qmat *m, const float *x, uint32_t nx, uint32_
                 continue;
             }
             report("fast", name, m->n, m->k, m->bits, nx,
-                   time_tiles(fns[f], f == 3 ? &mi : m, xq, ld, nx, y, scratch, reps));
+                   qm__kernel_best_sweep(fns[f], f == 3 ? &mi : m, xq, ld, nx, y, scratch, reps));
         }
     }
     free(wi), free(tmp), free(xq), free(scratch);

@@ -135,10 +135,7 @@ static double qm__now_us(void)
 #define QM__CAL_GEMM_ROWS 24u
 #define QM__MAX_CANDS 8
 
-/* The best of `reps` sweeps of `fn` (a kernel's gemv, gemm or fast-mode
- * mm) over every row tile of m, in thread CPU microseconds; one more sweep
- * first warms the caches. */
-static double qm__best_sweep(qm__mm_fn *fn, const qm__qmat *m, const float *xp, size_t ld,
+double qm__kernel_best_sweep(qm__mm_fn *fn, const qm__qmat *m, const float *xp, size_t ld,
                              uint32_t nx, float *y, float *scratch, int reps)
 {
     double best = 1e30;
@@ -166,8 +163,8 @@ static double qm__time_kernel_real(const qm__kernel *k, const qm__qmat *m, int g
     float *scratch = xp + ld * nx, *y = scratch + sf;
     for (uint32_t r = 0; r < nx; r++)
         k->prep(m, gemm, x + (size_t)r * m->k, xp + r * ld);
-    double best = qm__best_sweep(gemm ? k->gemm : k->gemv, m, xp, ld, nx, y, scratch,
-                                 gemm ? 3 : 7);
+    double best =
+        qm__kernel_best_sweep(gemm ? k->gemm : k->gemv, m, xp, ld, nx, y, scratch, gemm ? 3 : 7);
     qm_free(xp);
     return best;
 }
@@ -183,7 +180,7 @@ static double qm__time_i8(const qm__i8kernel *k, const qm__qmat *m, uint32_t nx,
     float *y = xq + ld * nx, *scratch = y + (size_t)nx * m->n;
     for (uint32_t r = 0; r < nx; r++)
         qm__i8_prep(m, x + (size_t)r * m->k, xq + r * ld);
-    double best = qm__best_sweep(k->mm, m, xq, ld, nx, y, scratch, nx > 4 ? 3 : 7);
+    double best = qm__kernel_best_sweep(k->mm, m, xq, ld, nx, y, scratch, nx > 4 ? 3 : 7);
     qm_free(xq);
     return best;
 }

@@ -187,6 +187,12 @@ const qm__kernel *qm__kernel_select(void);
 typedef double (*qm__kernel_timer)(const qm__kernel *k, const qm__qmat *m, int gemm,
                                    const float *x);
 void qm__kernel_set_timer(qm__kernel_timer fn);
+/* The best of `reps` sweeps of `fn` (a kernel's gemv, gemm or fast-mode
+ * mm) over every row tile of m, in thread CPU microseconds; one more sweep
+ * first warms the caches. The calibration's timer, and the kernel
+ * microbenchmark's (bench/qmoe_cpu/qmoe_kernel_micro.c). */
+double qm__kernel_best_sweep(qm__mm_fn *fn, const qm__qmat *m, const float *xp, size_t ld,
+                             uint32_t nx, float *y, float *scratch, int reps);
 /* Index of the kernel to take among nc timings, widest kernel first: a
  * later (narrower) one only when more than 10% faster. */
 int qm__kernel_pick(const double *us, int nc);
