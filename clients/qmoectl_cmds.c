@@ -4,6 +4,7 @@
 #include <string.h>
 #include <time.h>
 
+#include "qm_name_groups.h"
 #include "qm_protocol.h"
 #include "qmoectl.h"
 #include "qm_residency.h"
@@ -16,18 +17,12 @@
 static const char *kernel_names(const qm_client_status *s, const char *state, char *out,
                                 size_t cap)
 {
-    size_t o = 0;
-    const char *prec = NULL;
-    out[0] = 0;
-    for (size_t i = 0; i < s->n_kernels && o < cap; i++) {
+    qm_name_groups g;
+    qm_name_groups_init(&g, out, cap);
+    for (size_t i = 0; i < s->n_kernels; i++) {
         const qm_client_kernel *k = &s->kernels[i];
-        if (!k->state || strcmp(k->state, state) != 0 || !k->name || !k->precision)
-            continue;
-        int same = prec && strcmp(prec, k->precision) == 0;
-        int n = same ? snprintf(out + o, cap - o, ", %s", k->name)
-                     : snprintf(out + o, cap - o, "%s%s %s", o ? "; " : "", k->precision, k->name);
-        o += n > 0 ? (size_t)n : 0;
-        prec = k->precision;
+        if (k->state && strcmp(k->state, state) == 0 && k->name && k->precision)
+            qm_name_groups_add(&g, k->precision, k->name);
     }
     return out[0] ? out : NULL;
 }

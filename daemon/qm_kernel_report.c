@@ -8,24 +8,16 @@
 
 #include "qm_kernel_check.h"
 #include "qm_log.h"
+#include "qm_name_groups.h"
 
 /* "exact avx512, avx2; fast avx512vnni, avx2" of the verdicts of one kind. */
 static void names_of(const qm_kernel_check *kc, qm_kernel_verdict_kind kind, char *out,
                      size_t cap)
 {
-    size_t o = 0;
-    const char *prec = NULL;
-    out[0] = 0;
-    for (unsigned i = 0; i < kc->n && o < cap; i++) {
-        const qm_kernel_verdict *v = &kc->v[i];
-        if (v->kind != kind)
-            continue;
-        int n = prec && strcmp(prec, v->precision) == 0
-                    ? snprintf(out + o, cap - o, ", %s", v->name)
-                    : snprintf(out + o, cap - o, "%s%s %s", o ? "; " : "", v->precision, v->name);
-        o += n > 0 ? (size_t)n : 0;
-        prec = v->precision;
-    }
+    qm_name_groups g;
+    qm_name_groups_init(&g, out, cap);
+    for (unsigned i = 0; i < kc->n; i++)
+        if (kc->v[i].kind == kind) qm_name_groups_add(&g, kc->v[i].precision, kc->v[i].name);
     if (!out[0])
         snprintf(out, cap, "none");
 }
