@@ -8,6 +8,8 @@
 
 #include "qm_alloc.h"
 #include "qm_json.h"
+#include "qm_json_pick.h"
+#include "qm_name_groups.h"
 #include "qm_protocol.h"
 
 static qm_proto_limits lim(void)
@@ -932,6 +934,51 @@ START_TEST(test_decode_survives_allocation_failure_at_every_site)
 }
 END_TEST
 
+START_TEST(test_json_pick_fills_slots_and_names_unknown_and_repeated_members)
+{
+    static const char *const names[] = {"a", "b"};
+    cJSON *o = cJSON_Parse("{\"b\":1,\"a\":2}");
+    const cJSON *slot[2] = {NULL, NULL}, *bad = o;
+    ck_assert_int_eq(qm_json_pick(o, names, slot, 2, &bad), QM_JSON_PICK_OK);
+    ck_assert_ptr_null(bad);
+    ck_assert_int_eq(slot[0]->valueint, 2);
+    ck_assert_int_eq(slot[1]->valueint, 1);
+    cJSON_Delete(o);
+    o = cJSON_Parse("{\"a\":1,\"c\":2,\"b\":3}");
+    slot[0] = slot[1] = NULL;
+    ck_assert_int_eq(qm_json_pick(o, names, slot, 2, &bad), QM_JSON_PICK_UNKNOWN);
+    ck_assert_str_eq(bad->string, "c");
+    ck_assert_ptr_nonnull(slot[0]); /* taken before the unknown one */
+    ck_assert_ptr_null(slot[1]);
+    cJSON_Delete(o);
+    o = cJSON_Parse("{\"b\":1,\"b\":2}");
+    slot[0] = slot[1] = NULL;
+    ck_assert_int_eq(qm_json_pick(o, names, slot, 2, &bad), QM_JSON_PICK_TWICE);
+    ck_assert_ptr_eq(bad, o->child->next);
+    cJSON_Delete(o);
+}
+END_TEST
+
+START_TEST(test_name_groups_group_by_label_and_cut_at_the_buffer)
+{
+    char out[64];
+    qm_name_groups g;
+    qm_name_groups_init(&g, out, sizeof out);
+    ck_assert_str_eq(out, "");
+    qm_name_groups_add(&g, "exact", "avx512");
+    qm_name_groups_add(&g, "exact", "avx2");
+    qm_name_groups_add(&g, "fast", "avx512vnni");
+    qm_name_groups_add(&g, "exact", "scalar");
+    ck_assert_str_eq(out, "exact avx512, avx2; fast avx512vnni; exact scalar");
+    char small[12];
+    qm_name_groups_init(&g, small, sizeof small);
+    qm_name_groups_add(&g, "exact", "avx512");
+    qm_name_groups_add(&g, "exact", "avx2");
+    qm_name_groups_add(&g, "fast", "avx2");
+    ck_assert_str_eq(small, "exact avx51");
+}
+END_TEST
+
 static Suite *protocol_suite(void)
 {
     Suite *s = suite_create("protocol");
@@ -977,6 +1024,8 @@ static Suite *protocol_suite(void)
     tcase_add_test(tc, test_status_codes_map_to_protocol_codes);
     tcase_add_test(tc, test_decode_survives_allocation_failure_at_every_site);
     tcase_add_test(tc, test_config_flattens_models_and_rejects_arrays);
+    tcase_add_test(tc, test_json_pick_fills_slots_and_names_unknown_and_repeated_members);
+    tcase_add_test(tc, test_name_groups_group_by_label_and_cut_at_the_buffer);
     suite_add_tcase(s, tc);
     return s;
 }
