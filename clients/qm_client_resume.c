@@ -84,12 +84,7 @@ static void qm__kept_free(qm__kept *k)
         return;
     for (size_t i = 0; i < k->n_maps; i++)
         close(k->maps[i].fd);
-    qm_free(k->maps);
-    qm_free(k->id);
-    qm_free(k->params);
-    qm_free(k->model);
-    qm_free(k->warm);
-    qm_free(k);
+    QM_FREE_ALL(k->maps, k->id, k->params, k->model, k->warm, k);
 }
 
 void qm__client_resume_free(qm_client *c)
@@ -403,11 +398,7 @@ typedef struct qm__snap {
 
 static void qm__snap_free(qm__snap *s)
 {
-    qm_free(s->params);
-    qm_free(s->model);
-    qm_free(s->warm);
-    qm_free(s->bank);
-    qm_free(s->maps);
+    QM_FREE_ALL(s->params, s->model, s->warm, s->bank, s->maps);
 }
 
 /* 0, -1 when the session is not kept, QM_CLIENT_ENOMEM. */

@@ -52,6 +52,12 @@ void qm_free(void *ptr)
         free(ptr);
 }
 
+void qm_free_each(void *const *ptrs, size_t n)
+{
+    for (size_t i = 0; i < n; i++)
+        qm_free(ptrs[i]);
+}
+
 char *qm_strdup(const char *s)
 {
     if (!s)

@@ -23,6 +23,12 @@ void *qm_calloc(size_t count, size_t size); /* overflow-checked */
 void *qm_realloc(void *ptr, size_t size);
 void qm_free(void *ptr);
 char *qm_strdup(const char *s);
+/* qm_free on each of the n pointers at ptrs, in order (NULL ones too). */
+void qm_free_each(void *const *ptrs, size_t n);
+/* qm_free on each argument, in order, for a destructor's run of frees:
+ *   QM_FREE_ALL(k->id, k->params, k->model, k); */
+#define QM_FREE_ALL(...)                                                                           \
+    qm_free_each((void *const[]){__VA_ARGS__}, sizeof((void *[]){__VA_ARGS__}) / sizeof(void *))
 
 /* Overflow-checked arithmetic on sizes: return 0 on success, -1 on overflow. */
 static inline int qm_mul_u64(unsigned long long a, unsigned long long b, unsigned long long *out)

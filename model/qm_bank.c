@@ -340,12 +340,7 @@ void qm_bank_close(qm_bank *bank)
         close(bank->fd);
     for (size_t i = 0; i < bank->n_warnings; i++)
         qm_free(bank->warnings[i]);
-    qm_free(bank->warnings);
-    qm_free(bank->layer_map);
-    qm_free(bank->source_json);
-    qm_free(bank->layers);
-    qm_free(bank->path);
-    qm_free(bank);
+    QM_FREE_ALL(bank->warnings, bank->layer_map, bank->source_json, bank->layers, bank->path, bank);
 }
 
 /* ---- accessors --------------------------------------------------------------- */
