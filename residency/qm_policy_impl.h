@@ -93,8 +93,12 @@ typedef struct qm__policy_desc {
 #define QM__POLICY_PARAMS(table) .params = (table), .n_params = sizeof(table) / sizeof((table)[0])
 
 /* The value of parameter `name` of the policy being built: the given one,
- * else the declared default. `name` must be in the policy's table. */
-double qm__policy_param(const qm_policy_params *params, const qm__policy_desc *desc,
-                        const char *name);
+ * else the default that the policy's table specs[n] declares. `name` must
+ * be in the table. */
+double qm__policy_param_in(const qm_policy_params *params, const qm_policy_param_spec *specs,
+                           size_t n, const char *name);
+/* The same with the policy's parameter table by name. */
+#define QM__POLICY_PARAM(params, table, name)                                                      \
+    qm__policy_param_in((params), (table), sizeof(table) / sizeof((table)[0]), (name))
 
 #endif

@@ -182,12 +182,10 @@ static const qm_policy_param_spec next_use_params[] = {
      .doc = "weight a use keeps per later visit of its layer (memory ~1/(1-decay) visits)"},
 };
 
-extern const qm__policy_desc qm__policy_next_use_desc; /* below */
-
 static int next_use_new(const qm_policy_params *params, qm_policy *out, qm_status *st)
 {
-    const qm__policy_desc *d = &qm__policy_next_use_desc;
-    return layered_make(&next_use_iface, qm__policy_param(params, d, "decay"), out, st);
+    return layered_make(&next_use_iface, QM__POLICY_PARAM(params, next_use_params, "decay"), out,
+                        st);
 }
 
 const qm__policy_desc qm__policy_layered_lru_desc = {

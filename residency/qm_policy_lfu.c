@@ -85,11 +85,9 @@ static const qm_policy_param_spec lfu_params[] = {
      .doc = "multiplicative decay of a count per access to its bank (1 = no aging)"},
 };
 
-extern const qm__policy_desc qm__policy_lfu_desc; /* below */
-
 static int lfu_new(const qm_policy_params *params, qm_policy *out, qm_status *st)
 {
-    double decay = qm__policy_param(params, &qm__policy_lfu_desc, "decay");
+    double decay = QM__POLICY_PARAM(params, lfu_params, "decay");
     lfu_ctx *lfu = qm__policy_alloc(&lfu_iface, sizeof *lfu, out, st);
     if (!lfu) return QM_ENOMEM;
     lfu->decay = decay;

@@ -137,11 +137,9 @@ static const qm_policy_param_spec static_hot_params[] = {
      .doc = "share of the budget for pins, split evenly between banks with a hot list"},
 };
 
-extern const qm__policy_desc qm__policy_static_hot_desc; /* below */
-
 static int static_hot_new(const qm_policy_params *params, qm_policy *out, qm_status *st)
 {
-    double fraction = qm__policy_param(params, &qm__policy_static_hot_desc, "pin_fraction");
+    double fraction = QM__POLICY_PARAM(params, static_hot_params, "pin_fraction");
     size_t n_banks = params->hot && params->hot_len ? params->n_hot_banks : 0;
     static_hot_ctx *sh = qm__policy_alloc(&static_hot_iface, sizeof *sh, out, st);
     if (!sh) return QM_ENOMEM;

@@ -173,13 +173,14 @@ int qm_policy_params_check(const char *name, const qm_policy_params *params, qm_
     return params ? check_params(d, params, st) : 0;
 }
 
-double qm__policy_param(const qm_policy_params *params, const qm__policy_desc *desc,
-                        const char *name)
+double qm__policy_param_in(const qm_policy_params *params, const qm_policy_param_spec *specs,
+                           size_t n, const char *name)
 {
     for (size_t i = 0; i < params->n_values; i++)
         if (!strcmp(params->values[i].name, name)) return params->values[i].value;
-    const qm_policy_param_spec *s = spec_of(desc, name);
-    return s ? s->def : NAN;
+    for (size_t j = 0; j < n; j++)
+        if (!strcmp(specs[j].name, name)) return specs[j].def;
+    return NAN;
 }
 
 int qm_policy_new(const char *name, const qm_policy_params *params, qm_policy *out, qm_status *st)
