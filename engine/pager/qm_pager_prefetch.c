@@ -16,7 +16,7 @@
  * QM__PF_PROBE_EVERY to see whether it has become useful again. */
 #define QM__PF_WINDOW 128u
 #define QM__PF_PROBE_EVERY 8u
-#define QM__PF_DEFAULT_MIN_PRECISION 0.25
+#define QM__PF_DEFAULT_MIN_PRECISION 0.5
 
 /* Router prediction runs the next layer's router on the current hidden
  * states: T*E*H multiply-adds. Above this many tokens (prefill) the history
