@@ -109,11 +109,18 @@ class Ring:
         self.mm, self.session, self.conn_gen = mm, session, conn_gen
         self._word = ctypes.c_char.from_buffer(mm)  # keeps the address; released by close()
         self._addr = ctypes.addressof(self._word)
+        # The shared words are read and written whole, as one aligned 32-bit
+        # access: struct.pack_into clears its bytes before it fills them, so
+        # the daemon could see a doorbell of 0 between two calls and take a
+        # call that was never rung (and then the real one again).
+        self._words = {off: ctypes.c_uint32.from_address(self._addr + off)
+                       for off in (OFF_STATE, OFF_REQ_SEQ, OFF_ANS_SEQ, OFF_CLIENT_PARKED)}
         self.seq = self._load(OFF_ANS_SEQ)
         self._wake_ns = 20000  # a wake-up's cost, until measured
         self._expect_ns = 20000  # a call's service time, moving average
 
     def close(self):
+        self._words = {}  # the addresses end with the mapping
         self._word = None
         try:
             self.mm.close()
@@ -121,10 +128,10 @@ class Ring:
             pass
 
     def _load(self, off):
-        return _U32.unpack_from(self.mm, off)[0]
+        return self._words[off].value
 
     def _store(self, off, v):
-        _U32.pack_into(self.mm, off, v & 0xffffffff)
+        self._words[off].value = v & 0xffffffff
 
     def _futex(self, off, op, val, timeout_s=None):
         ts = None
