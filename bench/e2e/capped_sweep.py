@@ -159,7 +159,12 @@ def per_token(delta, layers):
     hits, misses = delta.get("expert_hits", 0), delta.get("expert_misses", 0)
     return {"tokens": n, "hit_rate": hits / (hits + misses) if hits + misses else None,
             "misses_per_token": misses / n, "bytes_read_per_token": delta.get("bytes_read_disk", 0) / n,
-            "stall_us_per_token": delta.get("stall_us", 0) / n, "auto_shrinks": delta.get("auto_shrinks", 0)}
+            "stall_us_per_token": delta.get("stall_us", 0) / n, "auto_shrinks": delta.get("auto_shrinks", 0),
+            "prefetch_per_token": delta.get("prefetch_issued", 0) / n,
+            "prefetch_useful_per_token": delta.get("prefetch_useful", 0) / n,
+            "router_precision": (delta.get("predict_router_correct", 0) /
+                                 delta["predict_router_predicted"]
+                                 if delta.get("predict_router_predicted") else None)}
 
 
 # ---- rows ----
@@ -261,7 +266,8 @@ def with_qmoed(a, shape, gguf, bank, name, gguf_bytes, cap, reserve, layers):
     pt = per_token(dec.get("delta"), layers)
     if pt:
         for k in ("hit_rate", "misses_per_token", "bytes_read_per_token", "stall_us_per_token",
-                  "auto_shrinks"):
+                  "auto_shrinks", "prefetch_per_token", "prefetch_useful_per_token",
+                  "router_precision"):
             row[k] = pt[k]
     if row["status"] == "ok":
         row["note"] = ("%s, --qmoed-budget auto (reserve %.2f GB), O_DIRECT" % (a.policy, reserve / GB)
