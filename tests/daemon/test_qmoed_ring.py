@@ -129,16 +129,18 @@ def rdaemon(banks, bigbank):
     assert dm.stop() == 0, dm.log_text()
 
 
-def slow_socket_call(dm, sid, shm, T=256):
-    """Starts a T-token exact call of the big bank on a connection of its own
-    (not read): it holds sid's FIFO for a while. Returns that connection."""
+def slow_socket_call(dm, sid, shm, T=256, calls=1):
+    """Starts `calls` T-token exact calls of the big bank, pipelined on a
+    connection of its own (not read): they hold sid's FIFO for a while (one
+    takes 0.17 s on a quiet Zen 4, so tests that must see a call still
+    waiting after 0.2 s queue several). Returns that connection."""
     c = dm.client()
     x = np.random.default_rng(9).standard_normal((T, 2048)).astype(np.float32)
     shm.put(0, x.tobytes())
     p, _ = both(sid, 0, ("f32", T, 2048, shm.id, 0), (shm.id, up(T * 2048 * 4)))
     import json
-    c.send_raw((json.dumps({"jsonrpc": "2.0", "id": 99, "method": "session.infer",
-                            "params": p}) + "\n").encode())
+    c.send_raw(b"".join((json.dumps({"jsonrpc": "2.0", "id": 99 + i, "method": "session.infer",
+                                     "params": p}) + "\n").encode() for i in range(calls)))
     return c
 
 
@@ -524,7 +526,7 @@ def test_a_waiter_is_woken_with_not_found_when_the_model_is_unloaded(rdaemon, bi
     sid = new_session(admin, model="big2")
     shm = Shm(admin, sid, 16 << 20)
     ring = RawRing(admin, sid)
-    slow = slow_socket_call(rdaemon, sid, shm)
+    slow = slow_socket_call(rdaemon, sid, shm, calls=4)
     time.sleep(0.1)
     shm.put(8 << 20, np.zeros((1, 2048), np.float32).tobytes())
     _, req = both(sid, 0, ("f32", 1, 2048, shm.id, 8 << 20), (shm.id, 12 << 20))
@@ -556,7 +558,7 @@ def test_a_closed_connection_ends_its_ring_and_wakes_the_waiter(banks, bigbank):
         shm = Shm(a, sid, 16 << 20)
         ring = RawRing(a, sid)
         assert wait_for(lambda: ring_threads(pid) == base + 1)
-        slow = slow_socket_call(dm, sid, shm)
+        slow = slow_socket_call(dm, sid, shm, calls=4)
         time.sleep(0.1)
         _, req = both(sid, 0, ("f32", 1, 2048, shm.id, 8 << 20), (shm.id, 12 << 20))
         got = {}
