@@ -39,6 +39,11 @@ typedef struct qm_counters {
         predict_router_gated, predict_history_predicted, predict_history_correct,
         predict_history_actual, predict_history_gated, predict_lookahead_predicted,
         predict_lookahead_correct, predict_lookahead_actual, predict_lookahead_gated;
+    /* Prefetch per source: experts it copied in, of them used before
+     * eviction; (source, call) pairs a switched-off source fetched nothing. */
+    uint64_t prefetch_router_issued, prefetch_router_useful, prefetch_history_issued,
+        prefetch_history_useful, prefetch_lookahead_issued, prefetch_lookahead_useful,
+        prefetch_gated;
     /* Direct disk paging's I/O engine: time with reads in flight, calls
      * with reads in flight and the sum of each one's most, the most. */
     uint64_t disk_busy_us, read_calls, reads_in_flight_sum, reads_in_flight_peak;
