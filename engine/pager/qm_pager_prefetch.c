@@ -13,7 +13,8 @@
 /* A source whose measured precision (experts it predicted that the call
  * they were about used) over its last QM__PF_WINDOW predicted experts falls
  * below the threshold is switched off, and probed on one forward call in
- * QM__PF_PROBE_EVERY to see whether it has become useful again. */
+ * QM__PF_PROBE_EVERY (it predicts and is scored, and fetches nothing) to
+ * see whether it has become useful again. */
 #define QM__PF_WINDOW 128u
 #define QM__PF_PROBE_EVERY 8u
 #define QM__PF_DEFAULT_MIN_PRECISION 0.5
@@ -345,15 +346,33 @@ static size_t qm__predict_history(qm_pager *p, uint32_t next, uint32_t *list, si
     return n_list;
 }
 
-/* Whether `source` predicts on this call: on, or off but probed. Counts
- * the calls it sits out. */
+/* Whether `source` predicts on this call: on, or off but probed (scored,
+ * not fetched: qm__pf_fetches). Counts the calls an off source fetches
+ * nothing. */
 static int qm__pf_runs(qm_pager *p, uint8_t source, int probe)
 {
-    if (!p->pf_off[source] || probe)
+    if (!p->pf_off[source])
         return 1;
     p->stats.prefetch_gated++;
     (*qm__pf_gated(p, source))++;
-    return 0;
+    return probe;
+}
+
+/* Whether what `source` predicts on this call is fetched: only while it is
+ * on. A probe of an off source is scored and nothing more: its guesses are
+ * below the gate's precision, and under a memory cap the disk is the bound,
+ * so each wrong one would take a demand read's time. */
+static int qm__pf_fetches(const qm_pager *p, uint8_t source)
+{
+    return !p->pf_off[source];
+}
+
+/* Takes list[from..n) back out of the prefetch (their marks cleared). */
+static size_t qm__pf_unlist(qm__layer *N, const uint32_t *list, size_t from, size_t n)
+{
+    for (size_t i = from; i < n; i++)
+        N->mark[list[i]] = 0;
+    return from;
 }
 
 /* The router of the layer two calls ahead on this call's hidden states.
@@ -416,13 +435,16 @@ void qm__pager_prefetch_next(qm_pager *p, const qm_moe_call *call)
      * its precision keeps being measured. */
     int probe = p->forward_calls++ % QM__PF_PROBE_EVERY == 0;
     size_t n = 0;
+    int fetch_router = qm__pf_fetches(p, QM__PF_ROUTER);
+    int fetch_history = qm__pf_fetches(p, QM__PF_HISTORY);
     if (qm__pf_runs(p, QM__PF_ROUTER, probe))
         n = qm__predict_router(p, call, next, p->pred_list, 0, cap);
     for (size_t i = 0; i < n; i++)
         p->pred_src[i] = QM__PF_ROUTER;
-    size_t n_router = n;
-    if (n_router)
-        qm__pf_remember(p, QM__PF_ROUTER, next, p->pred_list, n_router);
+    if (n)
+        qm__pf_remember(p, QM__PF_ROUTER, next, p->pred_list, n);
+    if (!fetch_router)
+        n = qm__pf_unlist(N, p->pred_list, 0, n);
     if (qm__pf_runs(p, QM__PF_HISTORY, probe)) {
         /* Scored on its own: what the history says, router's picks included. */
         size_t h0 = n;
@@ -430,6 +452,8 @@ void qm__pager_prefetch_next(qm_pager *p, const qm_moe_call *call)
         for (size_t i = h0; i < n; i++)
             p->pred_src[i] = QM__PF_HISTORY;
         qm__pf_remember_history(p, next);
+        if (!fetch_history)
+            n = qm__pf_unlist(N, p->pred_list, h0, n);
     }
     for (size_t i = 0; i < n; i++)
         N->mark[p->pred_list[i]] = 0;
