@@ -157,7 +157,7 @@ def per_token(delta, layers):
         return None
     n = delta["tokens"] / layers
     hits, misses = delta.get("expert_hits", 0), delta.get("expert_misses", 0)
-    return {"tokens": n, "hit_rate": hits / (hits + misses) if hits + misses else None,
+    row = {"tokens": n, "hit_rate": hits / (hits + misses) if hits + misses else None,
             "misses_per_token": misses / n, "bytes_read_per_token": delta.get("bytes_read_disk", 0) / n,
             "stall_us_per_token": delta.get("stall_us", 0) / n, "auto_shrinks": delta.get("auto_shrinks", 0),
             "prefetch_per_token": delta.get("prefetch_issued", 0) / n,
@@ -165,6 +165,12 @@ def per_token(delta, layers):
             "router_precision": (delta.get("predict_router_correct", 0) /
                                  delta["predict_router_predicted"]
                                  if delta.get("predict_router_predicted") else None)}
+    for src in ("router", "history", "lookahead"):  # which predictor read what
+        row["prefetch_%s_per_token" % src] = delta.get("prefetch_%s_issued" % src, 0) / n
+        row["prefetch_%s_useful_per_token" % src] = delta.get("prefetch_%s_useful" % src, 0) / n
+        pred = delta.get("predict_%s_predicted" % src)
+        row["%s_precision" % src] = delta.get("predict_%s_correct" % src, 0) / pred if pred else None
+    return row
 
 
 # ---- rows ----
@@ -269,6 +275,9 @@ def with_qmoed(a, shape, gguf, bank, name, gguf_bytes, cap, reserve, layers):
                   "auto_shrinks", "prefetch_per_token", "prefetch_useful_per_token",
                   "router_precision"):
             row[k] = pt[k]
+        row["prefetch_sources"] = {k: v for k, v in pt.items()
+                                   if k.startswith("prefetch_") and k.split("_")[1] in
+                                   ("router", "history", "lookahead") or k.endswith("_precision")}
     if row["status"] == "ok":
         row["note"] = ("%s, --qmoed-budget auto (reserve %.2f GB), O_DIRECT" % (a.policy, reserve / GB)
                        if cap else "whole_bank, uncapped")
