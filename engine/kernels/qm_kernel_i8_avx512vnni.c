@@ -2,9 +2,10 @@
  * with -mavx2 -mfma -mf16c -mavx512f -mavx512vl -mavx512vnni): vpdpbusd,
  * u8 codes times s8 inputs summed by 4 into s32 lanes, exact, for 4-bit
  * and 8-bit codes alike. Decode: qm_kernel_i8_x86.h's GEMV with the
- * 256-bit (VL) vpdpbusd, its 4-bit first pass on two 32-byte chunks per
- * 512-bit vpdpbusd (QM__V_DPBUSD512: the same lanes, half the instructions;
- * 3-6% off a Zen 4 decode call, 12% in L2); prefill: qm_kernel_i8_gemm.h with a call's 16
+ * 256-bit (VL) vpdpbusd (r8 matrices one 8-row group at a time, as AVX2),
+ * its row layout's 4-bit first pass on two 32-byte chunks per 512-bit
+ * vpdpbusd (QM__V_DPBUSD512: the same lanes, half the instructions; level
+ * with 256-bit from memory on Zen 4); prefill: qm_kernel_i8_gemm.h with a call's 16
  * rows in one 512-bit vector and the u8 panel, the blocking its model
  * (qm_kernel_i8_model.c, QM__I8_AVX512VNNI_NR) runs in the tests. */
 #include "qm_kernel_i8_x86.h"

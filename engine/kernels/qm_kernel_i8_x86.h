@@ -696,105 +696,18 @@ QM__I8_AI void qm__v_r8_group(const qm__qmat *m, const uint8_t *p, const char *p
 #undef QM__V_R8_STEP
 #undef QM__V_R8_SUMS
 
-#ifdef QM__V_DPBUSD512
-/* The two groups of a call's 16 rows of an r8 matrix (at p and p + gb)
- * times NX (1-4) inputs on 512-bit vectors: lanes 0-7 the first group's
- * rows, 8-15 the second's (the call's rows in order, as sct holds their
- * scales), so each step's nibble split and each vpdpbusd serve both
- * groups. The same integer sums and epilogue as qm__v_r8_group, so the
- * same bits. pf: the next call's two groups (NULL: none). */
-QM__I8_AI void qm__v_r8_pair(const qm__qmat *m, const uint8_t *p, size_t gb, const char *pf,
-                             const qm__i8_xrow *x, const float *sct, float *y, size_t ldy,
-                             const int NX)
-{
-    const size_t nsb = m->k / 32;
-    const __m512i lo4 = _mm512_set1_epi8(15);
-    __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(),
-                     _mm512_setzero_ps()};
-    for (size_t j = 0; j < nsb; j++, p += 128) {
-        if (pf) {
-            _mm_prefetch(pf + 128 * j, QM__PF_HINT);
-            _mm_prefetch(pf + 128 * j + 64, QM__PF_HINT);
-            _mm_prefetch(pf + gb + 128 * j, QM__PF_HINT);
-            _mm_prefetch(pf + gb + 128 * j + 64, QM__PF_HINT);
-        }
-        __m512i s[4][2];
-        for (int i = 0; i < NX; i++)
-            s[i][0] = s[i][1] = _mm512_setzero_si512();
-#pragma GCC unroll 4
-        for (size_t q = 0; q < 4; q++) {
-            __m512i v = _mm512_inserti64x4(
-                _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(p + 32 * q))),
-                _mm256_loadu_si256((const __m256i *)(p + gb + 32 * q)), 1);
-            __m512i lo = _mm512_and_si512(v, lo4);
-            __m512i hi = _mm512_and_si512(_mm512_srli_epi32(v, 4), lo4);
-            size_t o = 32 * j + 4 * q;
-#pragma GCC unroll 4
-            for (int i = 0; i < NX; i++) {
-                int32_t xl, xh;
-                memcpy(&xl, x[i].q + o, 4);
-                memcpy(&xh, x[i].q + o + 16, 4);
-                s[i][q & 1] = QM__V_DPBUSD512(
-                    QM__V_DPBUSD512(s[i][q & 1], lo, _mm512_set1_epi32(xl)), hi,
-                    _mm512_set1_epi32(xh));
-            }
-        }
-#pragma GCC unroll 4
-        for (int i = 0; i < NX; i++) {
-            __m512i S = _mm512_sub_epi32(_mm512_add_epi32(s[i][0], s[i][1]),
-                                         _mm512_set1_epi32(x[i].zsum[j]));
-            __m512 t = _mm512_fmadd_ps(_mm512_cvtepi32_ps(S), _mm512_set1_ps(x[i].dx[j]),
-                                       _mm512_setzero_ps());
-            acc[i] = _mm512_fmadd_ps(t, _mm512_loadu_ps(sct + 16 * j), acc[i]);
-        }
-    }
-    for (int i = 0; i < NX; i++)
-        _mm512_storeu_ps(y + (size_t)i * ldy, acc[i]);
-}
-
-/* A whole call of 16 r8 rows on 512-bit vectors, inputs 4 at a time. */
-static void qm__v_r8_16(const qm__qmat *m, uint32_t n0, const float *xq, size_t ldx, uint32_t nx,
-                        float *y, size_t ldy, const qm__i8_scratch *s)
-{
-    const size_t gb = 8 * m->row_bytes;
-    const uint8_t *p = m->w + (size_t)n0 * m->row_bytes;
-    const char *pf = n0 + 32 <= m->n ? (const char *)p + 2 * gb : NULL;
-    qm__x_params(m, n0, 16, s->sct, NULL);
-    qm__x_prefetch_scales(m, n0 + 16);
-    qm__x_prefetch_scales(m, n0 + 24);
-    for (uint32_t r = 0; r < nx; r += 4) {
-        qm__i8_xrow x[4];
-        uint32_t cnt = nx - r < 4 ? nx - r : 4;
-        for (uint32_t i = 0; i < cnt; i++)
-            x[i] = qm__i8_xrow_at(m, xq + (size_t)(r + i) * ldx);
-        float *yo = y + (size_t)r * ldy + n0;
-        const char *pfr = r ? NULL : pf;
-        if (cnt == 1)
-            qm__v_r8_pair(m, p, gb, pfr, x, s->sct, yo, ldy, 1);
-        else if (cnt == 2)
-            qm__v_r8_pair(m, p, gb, pfr, x, s->sct, yo, ldy, 2);
-        else if (cnt == 3)
-            qm__v_r8_pair(m, p, gb, pfr, x, s->sct, yo, ldy, 3);
-        else
-            qm__v_r8_pair(m, p, gb, pfr, x, s->sct, yo, ldy, 4);
-    }
-}
-#endif
-
 /* Rows [n0, n0 + nr) of an r8 matrix (n0 and nr multiples of 8) times nx
  * inputs, up to 4 at a time: each group's scales taken once, the next
- * group's codes and scales prefetched while the first inputs run; with
- * 512-bit vpdpbusd, a call's 16 rows as one (qm__v_r8_16). */
+ * group's codes and scales prefetched while the first inputs run. One
+ * group, one stream, on 256-bit vectors on every ISA: reading a call's two
+ * groups side by side on 512-bit vectors (one vpdpbusd for both) was
+ * slower from memory, two streams a group apart (Zen 4, qmoe_cpu_bench
+ * --r8 1, Qwen3 shape, T = 1: 0.65 against 0.61 ms a call on 2 threads,
+ * 0.90 against 0.78 on one; T = 4 and 8 4-10% too). */
 static void qm__v_r8(const qm__qmat *m, uint32_t n0, uint32_t nr, const float *xq, size_t ldx,
                      uint32_t nx, float *y, size_t ldy, const qm__i8_scratch *s)
 {
     const size_t gb = 8 * m->row_bytes;
-#ifdef QM__V_DPBUSD512
-    if (nr == 16) {
-        qm__v_r8_16(m, n0, xq, ldx, nx, y, ldy, s);
-        return;
-    }
-#endif
     for (uint32_t h = 0; h < nr; h += 8) {
         const uint8_t *p = m->w + (size_t)(n0 + h) * m->row_bytes;
         const char *pf = n0 + h + 16 <= m->n ? (const char *)p + gb : NULL;
