@@ -163,6 +163,11 @@ struct qm_pager {
     size_t pred_words;
     uint64_t pf_win_predicted[QM__PF_SOURCES], pf_win_correct[QM__PF_SOURCES];
     uint8_t pf_off[QM__PF_SOURCES];
+    /* The usefulness gate: each source's issued and useful prefetch counts
+     * at its last window's end, and windows it stays off for having wasted
+     * its reads (qm_pager_prefetch.c). */
+    uint64_t pf_win_issued0[QM__PF_SOURCES], pf_win_useful0[QM__PF_SOURCES];
+    uint32_t pf_hold[QM__PF_SOURCES];
     uint64_t forward_calls;
 
     /* Routing trace (qm_pager_trace.c) */

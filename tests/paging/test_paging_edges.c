@@ -553,27 +553,37 @@ START_TEST(test_imprecise_router_prediction_is_switched_off)
 }
 END_TEST
 
-/* Each source is scored against the call it was about, resident or not:
- * with every call routed by the bank's routers on one hidden state, the
- * next layer's router and the lookahead (two calls ahead) are exact, and
- * the lookahead, off until measured, starts prefetching once a window says
- * so; with routing the routers do not predict, it stays off. */
-START_TEST(test_prediction_is_measured_and_the_lookahead_earns_its_prefetch)
+/* n forward calls of the fixture's bank, every one on hidden state x,
+ * layers in turn from call `from`: the bank's routers route each layer the
+ * same way every time. */
+static void same_hidden_calls(qm_pager *pg, const float *x, uint32_t from, uint32_t n)
 {
-    float x[32], out[32];
-    uint64_t s = 5;
-    for (int i = 0; i < 32; i++)
-        x[i] = pf_uniform(&s, -1, 1);
-    qm_pager *pg = pg_fixture_lru_pager(3 * unit_bytes(&fixture.bank), 1);
-    qm_pager_stats a;
-    qm_pager_stats_get(pg, &a);
-    ck_assert_uint_eq(a.prefetch_sources_off, 4); /* the lookahead, until measured */
-    for (uint32_t i = 0; i < 3 * 80; i++) {
+    float out[32];
+    for (uint32_t i = from; i < from + n; i++) {
         qm_moe_call mc = {.layer = i % fixture.spec.layers, .dtype = QM_DTYPE_F32, .hidden = x,
                           .n_tokens = 1, .output = out};
         qm_moe_stats ms = {0};
         ck_assert_int_eq(qm_pager_forward(pg, &mc, &ms, &fixture.st), 0);
     }
+}
+
+/* Each source is scored against the call it was about, resident or not:
+ * with every call routed by the bank's routers on one hidden state, the
+ * next layer's router and the lookahead (two calls ahead) are exact, and
+ * the lookahead, off until measured, starts prefetching once a window says
+ * so (with room for what it fetches: 6 units hold every layer's two
+ * experts); with routing the routers do not predict, it stays off. */
+START_TEST(test_prediction_is_measured_and_the_lookahead_earns_its_prefetch)
+{
+    float x[32];
+    uint64_t s = 5;
+    for (int i = 0; i < 32; i++)
+        x[i] = pf_uniform(&s, -1, 1);
+    qm_pager *pg = pg_fixture_lru_pager(6 * unit_bytes(&fixture.bank), 1);
+    qm_pager_stats a;
+    qm_pager_stats_get(pg, &a);
+    ck_assert_uint_eq(a.prefetch_sources_off, 4); /* the lookahead, until measured */
+    same_hidden_calls(pg, x, 0, 3 * 80);
     qm_pager_stats_get(pg, &a);
     ck_assert_uint_gt(a.predict_router_predicted, 0);
     ck_assert_uint_eq(a.predict_router_correct, a.predict_router_predicted);
@@ -582,6 +592,33 @@ START_TEST(test_prediction_is_measured_and_the_lookahead_earns_its_prefetch)
     ck_assert_uint_ge(a.predict_lookahead_predicted, 128); /* a full window */
     ck_assert_uint_eq(a.prefetch_sources_off, 0);
     ck_assert_uint_gt(a.predict_lookahead_gated, 0); /* off before its window */
+}
+END_TEST
+
+/* A precise source whose prefetches are evicted before their call comes
+ * (3 units for calls of 2 experts: the next layer's prefetch and its demand
+ * take the lookahead's slots) wastes its reads: a window in which fewer
+ * than half were used holds it off for 8 windows, precise as it is, and it
+ * fetches nothing meanwhile. */
+START_TEST(test_prefetches_evicted_before_use_hold_their_source_off)
+{
+    float x[32];
+    uint64_t s = 5;
+    for (int i = 0; i < 32; i++)
+        x[i] = pf_uniform(&s, -1, 1);
+    qm_pager *pg = pg_fixture_lru_pager(3 * unit_bytes(&fixture.bank), 1);
+    same_hidden_calls(pg, x, 0, 3 * 80);
+    qm_pager_stats a, b;
+    qm_pager_stats_get(pg, &a);
+    ck_assert_uint_eq(a.predict_lookahead_correct, a.predict_lookahead_predicted);
+    ck_assert_uint_ge(a.prefetch_lookahead_issued, 16);
+    ck_assert_uint_lt(2 * a.prefetch_lookahead_useful, a.prefetch_lookahead_issued);
+    ck_assert(a.prefetch_sources_off & 4u);
+    same_hidden_calls(pg, x, 3 * 80, 3 * 60);
+    qm_pager_stats_get(pg, &b);
+    ck_assert(b.prefetch_sources_off & 4u);
+    ck_assert_uint_eq(b.prefetch_lookahead_issued, a.prefetch_lookahead_issued);
+    ck_assert_uint_gt(b.predict_lookahead_predicted, a.predict_lookahead_predicted);
 }
 END_TEST
 
@@ -725,6 +762,7 @@ static void add_edge_tests(TCase *tc)
     tcase_add_test(tc, test_imprecise_router_prediction_is_switched_off);
     tcase_add_test(tc, test_policy_naming_an_expert_in_use_is_overruled);
     tcase_add_test(tc, test_prediction_is_measured_and_the_lookahead_earns_its_prefetch);
+    tcase_add_test(tc, test_prefetches_evicted_before_use_hold_their_source_off);
     tcase_add_test(tc, test_lookahead_the_routers_do_not_predict_stays_off);
     tcase_add_test(tc, test_hostile_victims_fall_back_to_lru_and_keep_accounting_and_outputs);
     tcase_add_test(tc, test_demand_claims_are_held_until_release_prefetched_ones_are_not);
