@@ -433,13 +433,18 @@ END_TEST
 
 /* ---- Prefetch ------------------------------------------------------------------------------ */
 
+/* n values drawn uniformly in [-1, 1) from `seed`. */
+static void fill_uniform(float *x, size_t n, uint64_t seed)
+{
+    for (size_t i = 0; i < n; i++)
+        x[i] = pf_uniform(&seed, -1, 1);
+}
+
 START_TEST(test_router_prefetch_makes_next_layer_call_all_hits)
 {
     qm_pager *pg = pg_fixture_lru_pager(4 * unit_bytes(&fixture.bank), 1);
     float x[32], out[32];
-    uint64_t s = 77;
-    for (int i = 0; i < 32; i++)
-        x[i] = pf_uniform(&s, -1, 1);
+    fill_uniform(x, 32, 77);
     qm_moe_call mc = {.layer = 0, .dtype = QM_DTYPE_F32, .hidden = x, .n_tokens = 1,
                       .output = out};
     qm_moe_stats ms = {0};
@@ -576,9 +581,7 @@ static void same_hidden_calls(qm_pager *pg, const float *x, uint32_t from, uint3
 START_TEST(test_prediction_is_measured_and_the_lookahead_earns_its_prefetch)
 {
     float x[32];
-    uint64_t s = 5;
-    for (int i = 0; i < 32; i++)
-        x[i] = pf_uniform(&s, -1, 1);
+    fill_uniform(x, 32, 5);
     qm_pager *pg = pg_fixture_lru_pager(6 * unit_bytes(&fixture.bank), 1);
     qm_pager_stats a;
     qm_pager_stats_get(pg, &a);
@@ -603,9 +606,7 @@ END_TEST
 START_TEST(test_prefetches_evicted_before_use_hold_their_source_off)
 {
     float x[32];
-    uint64_t s = 5;
-    for (int i = 0; i < 32; i++)
-        x[i] = pf_uniform(&s, -1, 1);
+    fill_uniform(x, 32, 5);
     qm_pager *pg = pg_fixture_lru_pager(3 * unit_bytes(&fixture.bank), 1);
     same_hidden_calls(pg, x, 0, 3 * 80);
     qm_pager_stats a, b;
