@@ -18,5 +18,9 @@ void qm__pool_free(qm__pool *pool); /* accepts NULL; joins the workers */
 unsigned qm__pool_threads(const qm__pool *pool);
 /* Runs fn(arg, i, worker) for i in [0, n); worker < qm__pool_threads. Returns when all are done. */
 void qm__pool_run(qm__pool *pool, size_t n, qm__task_fn fn, void *arg);
+/* The CPU the workers were kept off at the last run that woke them
+ * (qm_threadpool.c's head comment), or -1: none yet, or steering is off
+ * (QMOE_CPU_STEER=0, more threads than CPUs, or an affinity call failed). */
+int qm__pool_steered_cpu(const qm__pool *pool);
 
 #endif
