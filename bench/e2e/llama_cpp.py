@@ -168,6 +168,7 @@ def llama_bench(a, gguf, extra=(), cmd_prefix=(), daemon_pid=None, prompt=None, 
         hits, misses = sum(int(x[6]) for x in sessions), sum(int(x[7]) for x in sessions)
         res["calls"] = calls
         res["call_overhead_us"] = (op_ms - compute_ms) * 1e3 / calls if calls else None
+        res["compute_us"] = compute_ms * 1e3 / calls if calls else None
         res["hit_rate"] = hits / (hits + misses) if hits + misses else None
         res["transport"] = ",".join(sorted(set(TRANSPORT_RE.findall(log)))) or None
     return res

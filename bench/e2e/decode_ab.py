@@ -1,0 +1,120 @@
+#!/usr/bin/env python3
+"""Decode alternated: llama.cpp alone against llama.cpp + qmoed (whole_bank)
+in one or more daemon variants, round after round in the same minutes, so
+that a noisy host's drift falls on every row alike.
+
+Each round runs `llama-bench -p 0 -n DECODE -t THREADS` alone, then once per
+variant against a fresh `qmoed --threads THREADS` whose environment the
+variant sets (NAME=VAR=VALUE[,VAR=VALUE...]; NAME= for the daemon as it
+is). Prints every round's tok/s, each variant's ratio to the alone run of
+the same round (pair by pair), and their medians; --json writes the rounds.
+
+usage: decode_ab.py --llama PREFIX --gguf GGUF --bank BANK [--rounds 6] [--decode 64]
+                    [--threads 2] [--precision fast] [--variant NAME=ENV ...] [--json OUT]
+(GGUF and BANK: what bench/e2e/llama_cpp.py --keep left in its --work folder,
+e.g. qwen3-30b-a3b.q4_0.gguf and qwen3-30b-a3b.q4_0.bank.)
+"""
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.abspath(os.path.join(HERE, "..", ".."))
+sys.path.insert(0, HERE)
+sys.path.insert(0, os.path.join(ROOT, "tests", "daemon"))
+
+import llama_cpp  # noqa: E402  (llama_bench: one llama-bench run, parsed)
+
+
+def variant(text):
+    name, _, env = text.partition("=")
+    pairs = [kv.split("=", 1) for kv in env.split(",") if kv]
+    if not name or any(len(kv) != 2 for kv in pairs):
+        raise argparse.ArgumentTypeError("--variant NAME=VAR=VALUE[,VAR=VALUE...] (NAME= for none): %r" % text)
+    return name, dict(pairs)
+
+
+def cpu_line():
+    model, flags = platform.processor(), ""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name") and not model:
+                    model = line.split(":", 1)[1].strip()
+                if line.startswith("flags"):
+                    fl = line.split(":", 1)[1].split()
+                    flags = " ".join(x for x in fl if x.startswith(("avx", "amx")) or x in ("fma", "f16c"))
+                    break
+    except OSError:
+        pass
+    return "%s, %d CPUs; %s" % (model or "?", os.cpu_count() or 0, flags)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--llama", required=True, help="PREFIX that clients/llama.cpp/build.sh installed")
+    ap.add_argument("--gguf", required=True)
+    ap.add_argument("--bank", required=True)
+    ap.add_argument("--build", default=os.path.join(ROOT, "build"), help="qmoed's build tree")
+    ap.add_argument("--rounds", type=int, default=6)
+    ap.add_argument("--decode", type=int, default=64)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--precision", choices=["exact", "fast"], default="fast")
+    ap.add_argument("--variant", type=variant, action="append",
+                    help="NAME=VAR=VALUE[,...]: a daemon variant (default: one, the daemon as it is)")
+    ap.add_argument("--json", help="also write the rounds here")
+    a = ap.parse_args()
+    os.environ["QMOE_BUILD_DIR"] = os.path.abspath(a.build)
+    from qmoed_harness import Daemon
+    variants = a.variant or [("qmoed", {})]
+    # llama.cpp asks the daemon for the model named as the GGUF's file.
+    model = os.path.splitext(os.path.basename(a.gguf))[0]
+    print("# %s" % cpu_line(), flush=True)
+    rounds = []
+    for r in range(a.rounds):
+        row = {"alone": llama_cpp.llama_bench(a, a.gguf, prompt=0).get("decode_tok_s")}
+        for name, env in variants:
+            dm = Daemon(models={model: a.bank}, env=env,
+                        args=["--threads", str(a.threads), "--log-level", "warning"])
+            try:
+                res = llama_cpp.llama_bench(a, a.gguf, prompt=0, daemon_pid=dm.proc.pid,
+                                            extra=["--qmoed", dm.socket, "--qmoed-policy", "whole_bank",
+                                                   "--qmoed-precision", a.precision])
+            finally:
+                dm.stop()
+            row[name] = res.get("decode_tok_s")
+            row[name + "_beyond_us"] = res.get("call_overhead_us")
+            row[name + "_compute_us"] = res.get("compute_us")
+            if res["rc"] != 0:
+                sys.exit("llama-bench with qmoed (%s) failed:\n%s" % (name, res["log_tail"]))
+        rounds.append(row)
+        print("round %d: alone %.2f | %s" % (r + 1, row["alone"], " | ".join(
+            "%s %.2f (%.3fx; a call %.0f us compute + %.0f us)" % (
+                n, row[n], row[n] / row["alone"], row[n + "_compute_us"] or 0, row[n + "_beyond_us"] or 0)
+            for n, _ in variants)), flush=True)
+    print()
+    print("| row | decode tok/s, median of %d | / alone, pair by pair: median (range) "
+          "| a layer call: compute, beyond it (medians) |" % a.rounds)
+    print("|---|---|---|---|")
+    print("| llama.cpp alone | %.2f | — | — |" % statistics.median(x["alone"] for x in rounds))
+    for n, _ in variants:
+        ratios = [x[n] / x["alone"] for x in rounds]
+        print("| + qmoed %s | %.2f | **%.3fx** (%.3f-%.3f) | %.0f us, %.0f us |" % (
+            n, statistics.median(x[n] for x in rounds), statistics.median(ratios), min(ratios), max(ratios),
+            statistics.median(x[n + "_compute_us"] or 0 for x in rounds),
+            statistics.median(x[n + "_beyond_us"] or 0 for x in rounds)))
+    if len(variants) == 2:
+        (n0, _), (n1, _) = variants
+        ratios = [x[n1] / x[n0] for x in rounds]
+        print("\n%s / %s, pair by pair: median %.3fx (%.3f-%.3f)" % (
+            n1, n0, statistics.median(ratios), min(ratios), max(ratios)))
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump({"cpu": cpu_line(), "rounds": rounds}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
