@@ -285,8 +285,9 @@ def with_qmoed(a, shape, gguf, bank, name, gguf_bytes, cap, reserve, layers):
 
 
 def completion(a, gguf, extra, prefix=()):
-    """Greedy llama-completion of a fixed prompt: (Popen, its stdout file)."""
-    out = tempfile.TemporaryFile(mode="w+")
+    """Greedy llama-completion of a fixed prompt: (Popen, its stdout file).
+    Bytes: a random-weights model prints pieces of UTF-8 characters."""
+    out = tempfile.TemporaryFile(mode="w+b")
     cmd = list(prefix) + [os.path.join(a.llama, "bin", "llama-completion"), "-m", gguf,
                           "-p", "Once upon a time", "-n", str(a.midrun_tokens), "--temp", "0",
                           "--ignore-eos", "-no-cnv", "--no-display-prompt", "--no-warmup",
