@@ -1,5 +1,6 @@
 /* The CPU backend's thread pool (engine/backend/qm_threadpool.c): every
- * task runs once, and steering keeps the workers off the caller's CPU
+ * task runs once and before its run returns (small runs too, which a late
+ * worker no longer holds up), and steering keeps the workers off the caller's CPU
  * (on when every thread can have a CPU, off when asked or when the CPUs
  * are too few). */
 #ifndef _GNU_SOURCE
@@ -66,6 +67,49 @@ START_TEST(test_every_task_runs_once_on_a_thread_of_the_pool)
             ck_assert_int_eq(atomic_load(&log.by_worker[w]), 0);
     }
     qm__pool_free(p);
+}
+END_TEST
+
+/* A run of a few tiny tasks: most end before the worker wakes, which then
+ * finds the run closed (qm_threadpool.c, "Joining late"). Whoever runs a
+ * task, it runs once and before its run returns. */
+typedef struct small_run {
+    atomic_int ran[4];
+    atomic_int returned;
+} small_run;
+
+static void small_task(void *arg, size_t i, unsigned worker)
+{
+    small_run *r = arg;
+    (void)worker;
+    ck_assert_msg(!atomic_load(&r->returned), "a task ran after its run returned");
+    atomic_fetch_add(&r->ran[i], 1);
+}
+
+START_TEST(test_small_runs_run_each_task_once_before_they_return)
+{
+    qm__pool *p;
+    ck_assert_int_eq(qm__pool_new(2, &p), 0);
+    small_run *runs = calloc(20000, sizeof *runs);
+    ck_assert_ptr_nonnull(runs);
+    for (int r = 0; r < 20000; r++) {
+        size_t n = 2 + (size_t)(r % 3);
+        qm__pool_run(p, n, small_task, &runs[r]);
+        atomic_store(&runs[r].returned, 1);
+        for (size_t i = 0; i < n; i++) {
+            int v = atomic_load(&runs[r].ran[i]);
+            ck_assert_msg(v == 1, "run %d: task %zu ran %d times by the time the run returned", r, i, v);
+        }
+        if (r % 1000 == 999)
+            usleep(2000); /* the worker asleep again: it wakes late */
+    }
+    qm__pool_free(p); /* joins the worker: a late task would have asserted */
+    for (int r = 0; r < 20000; r++)
+        for (size_t i = 0; i < 2 + (size_t)(r % 3); i++) {
+            int v = atomic_load(&runs[r].ran[i]);
+            ck_assert_msg(v == 1, "run %d: task %zu ran %d times in all", r, i, v);
+        }
+    free(runs);
 }
 END_TEST
 
@@ -157,6 +201,7 @@ static Suite *threadpool_suite(void)
     TCase *tc = tcase_create("core");
     tcase_set_timeout(tc, 60);
     tcase_add_test(tc, test_every_task_runs_once_on_a_thread_of_the_pool);
+    tcase_add_test(tc, test_small_runs_run_each_task_once_before_they_return);
     tcase_add_test(tc, test_workers_are_kept_off_the_callers_cpu);
     tcase_add_test(tc, test_no_steering_when_asked);
     tcase_add_test(tc, test_no_steering_with_more_threads_than_cpus);
