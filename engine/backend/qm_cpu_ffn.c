@@ -353,10 +353,35 @@ static size_t qm__add_tiles(qm__task *tasks, size_t nt, uint32_t j, size_t tiles
     return nt;
 }
 
+/* A batch whose weights are fewer than this many bytes runs on the calling
+ * thread alone: waking a worker on an idle vCPU costs the caller about 13 us
+ * in the wake-up call and the worker arrives 27-37 us later (a 2-CPU VM,
+ * measured), while one thread reads this much in about 30 us. */
+#define QM__WAKE_MIN_BYTES (512u << 10)
+
+static size_t qm__qmat_bytes(const qm__qmat *m)
+{
+    return m->w ? (size_t)m->n * m->row_bytes : 0;
+}
+
+/* The pool, or the caller alone for a small batch (QM__WAKE_MIN_BYTES). */
+static void qm__run_tasks(qm__cpu_ffn *f, const qm__run *R, size_t n, qm__task_fn fn, void *arg)
+{
+    size_t bytes = 0;
+    for (size_t j = 0; j < R->b->n_jobs && bytes < QM__WAKE_MIN_BYTES; j++)
+        if (R->b->jobs[j].n_rows)
+            bytes += qm__qmat_bytes(&R->geo[j].fc1) + qm__qmat_bytes(&R->geo[j].fc2) +
+                     qm__qmat_bytes(&R->geo[j].fc3);
+    if (bytes < QM__WAKE_MIN_BYTES)
+        qm__pool_run_here(f->pool, n, fn, arg);
+    else
+        qm__pool_run(f->pool, n, fn, arg);
+}
+
 static void qm__run_phased(qm__cpu_ffn *f, qm__run *R)
 {
     const qm_expert_batch *b = R->b;
-    qm__pool_run(f->pool, b->n_jobs, qm__phased_prep, R);
+    qm__run_tasks(f, R, b->n_jobs, qm__phased_prep, R);
     size_t nt = 0;
     for (size_t j = 0; j < b->n_jobs; j++) {
         if (!b->jobs[j].n_rows)
@@ -365,15 +390,15 @@ static void qm__run_phased(qm__cpu_ffn *f, qm__run *R)
         if (R->has_fc3)
             nt = qm__add_tiles(R->tasks, nt, (uint32_t)j, qm__tiles(R->I), 1, QM__TASK_FC3);
     }
-    qm__pool_run(f->pool, nt, qm__phased_tile, R);
-    qm__pool_run(f->pool, b->n_jobs, qm__phased_act, R);
+    qm__run_tasks(f, R, nt, qm__phased_tile, R);
+    qm__run_tasks(f, R, b->n_jobs, qm__phased_act, R);
     nt = 0;
     for (size_t j = 0; j < b->n_jobs; j++) {
         if (!b->jobs[j].n_rows)
             continue;
         nt = qm__add_tiles(R->tasks, nt, (uint32_t)j, qm__tiles(R->H), 1, QM__TASK_FC2);
     }
-    qm__pool_run(f->pool, nt, qm__phased_tile, R);
+    qm__run_tasks(f, R, nt, qm__phased_tile, R);
 }
 
 /* ---- The fused schedule: one pool run, per-job dependencies ---- */
@@ -506,7 +531,7 @@ static void qm__run_fused(qm__cpu_ffn *f, qm__run *R, size_t total_tiles)
         if (b->jobs[j].n_rows)
             nt = qm__add_tiles(R->tasks, nt, (uint32_t)j, qm__tiles(R->H), tpt, QM__TASK_FC2);
     /* The pool's start publishes these stores to the workers. */
-    qm__pool_run(f->pool, nt, qm__fused_task, R);
+    qm__run_tasks(f, R, nt, qm__fused_task, R);
 }
 
 static size_t qm__round_up(size_t v, size_t m)

@@ -244,6 +244,14 @@ static void qm__pool_wait_inside(qm__pool *p)
     pthread_mutex_unlock(&p->mu);
 }
 
+void qm__pool_run_here(qm__pool *p, size_t n, qm__task_fn fn, void *arg)
+{
+    pthread_mutex_lock(&p->run_lock);
+    for (size_t i = 0; i < n; i++)
+        fn(arg, i, 0);
+    pthread_mutex_unlock(&p->run_lock);
+}
+
 void qm__pool_run(qm__pool *p, size_t n, qm__task_fn fn, void *arg)
 {
     if (n == 0)

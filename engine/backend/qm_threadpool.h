@@ -18,6 +18,9 @@ void qm__pool_free(qm__pool *pool); /* accepts NULL; joins the workers */
 unsigned qm__pool_threads(const qm__pool *pool);
 /* Runs fn(arg, i, worker) for i in [0, n); worker < qm__pool_threads. Returns when all are done. */
 void qm__pool_run(qm__pool *pool, size_t n, qm__task_fn fn, void *arg);
+/* The same on the calling thread alone (worker 0), waking nobody: for a
+ * run too small to be worth a worker's wake-up. */
+void qm__pool_run_here(qm__pool *pool, size_t n, qm__task_fn fn, void *arg);
 /* The CPU the workers were kept off at the last run that woke them
  * (qm_threadpool.c's head comment), or -1: none yet, or steering is off
  * (QMOE_CPU_STEER=0, more threads than CPUs, or an affinity call failed). */
