@@ -70,6 +70,19 @@ START_TEST(test_every_task_runs_once_on_a_thread_of_the_pool)
 }
 END_TEST
 
+START_TEST(test_run_here_runs_every_task_on_the_caller)
+{
+    qm__pool *p;
+    ck_assert_int_eq(qm__pool_new(2, &p), 0);
+    run_log log = {0};
+    qm__pool_run_here(p, TASKS, record, &log);
+    check_each_ran_once(&log);
+    ck_assert_int_eq(atomic_load(&log.by_worker[0]), TASKS);
+    ck_assert_int_eq(atomic_load(&log.worker_mask_seen), 0);
+    qm__pool_free(p);
+}
+END_TEST
+
 /* A run of a few tiny tasks: most end before the worker wakes, which then
  * finds the run closed (qm_threadpool.c, "Joining late"). Whoever runs a
  * task, it runs once and before its run returns. */
@@ -202,6 +215,7 @@ static Suite *threadpool_suite(void)
     tcase_set_timeout(tc, 60);
     tcase_add_test(tc, test_every_task_runs_once_on_a_thread_of_the_pool);
     tcase_add_test(tc, test_small_runs_run_each_task_once_before_they_return);
+    tcase_add_test(tc, test_run_here_runs_every_task_on_the_caller);
     tcase_add_test(tc, test_workers_are_kept_off_the_callers_cpu);
     tcase_add_test(tc, test_no_steering_when_asked);
     tcase_add_test(tc, test_no_steering_with_more_threads_than_cpus);
