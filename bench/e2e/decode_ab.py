@@ -7,7 +7,10 @@ Each round runs `llama-bench -p 0 -n DECODE -t THREADS` alone, then once per
 variant against a fresh `qmoed --threads THREADS` whose environment the
 variant sets (NAME=VAR=VALUE[,VAR=VALUE...]; NAME= for the daemon as it
 is). Prints every round's tok/s, each variant's ratio to the alone run of
-the same round (pair by pair), and their medians; --json writes the rounds.
+the same round (pair by pair), and their medians, with both processes'
+memory: llama-bench's peak VmRSS (with its RssAnon: VmRSS counts the GGUF's
+mapped pages it touched) and the daemon's peak VmRSS, sampled every 20 ms;
+--json writes the rounds.
 
 usage: decode_ab.py --llama PREFIX --gguf GGUF --bank BANK [--rounds 6] [--decode 64]
                     [--threads 2] [--precision fast] [--variant NAME=ENV ...] [--json OUT]
@@ -53,6 +56,14 @@ def cpu_line():
     return "%s, %d CPUs; %s" % (model or "?", os.cpu_count() or 0, flags)
 
 
+def mem(rounds, key, anon=None):
+    """Peak bytes, median over the rounds, in GB (with the anonymous part)."""
+    gb = statistics.median(x[key] for x in rounds) / 1e9
+    if anon is None:
+        return "%.2f GB" % gb
+    return "%.2f GB (%.2f)" % (gb, statistics.median(x[anon] for x in rounds) / 1e9)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--llama", required=True, help="PREFIX that clients/llama.cpp/build.sh installed")
@@ -75,7 +86,9 @@ def main():
     print("# %s" % cpu_line(), flush=True)
     rounds = []
     for r in range(a.rounds):
-        row = {"alone": llama_cpp.llama_bench(a, a.gguf, prompt=0).get("decode_tok_s")}
+        res = llama_cpp.llama_bench(a, a.gguf, prompt=0)
+        row = {"alone": res.get("decode_tok_s"), "alone_rss": res["engine"]["VmRSS"],
+               "alone_anon": res["engine"]["RssAnon"]}
         for name, env in variants:
             dm = Daemon(models={model: a.bank}, env=env,
                         args=["--threads", str(a.threads), "--log-level", "warning"])
@@ -88,6 +101,9 @@ def main():
             row[name] = res.get("decode_tok_s")
             row[name + "_beyond_us"] = res.get("call_overhead_us")
             row[name + "_compute_us"] = res.get("compute_us")
+            row[name + "_rss"] = res["engine"]["VmRSS"]
+            row[name + "_anon"] = res["engine"]["RssAnon"]
+            row[name + "_qmoed_rss"] = res["daemon"]["VmRSS"]
             if res["rc"] != 0:
                 sys.exit("llama-bench with qmoed (%s) failed:\n%s" % (name, res["log_tail"]))
         rounds.append(row)
@@ -97,15 +113,18 @@ def main():
             for n, _ in variants)), flush=True)
     print()
     print("| row | decode tok/s, median of %d | / alone, pair by pair: median (range) "
-          "| a layer call: compute, beyond it (medians) |" % a.rounds)
-    print("|---|---|---|---|")
-    print("| llama.cpp alone | %.2f | — | — |" % statistics.median(x["alone"] for x in rounds))
+          "| a layer call: compute, beyond it (medians) | llama-bench peak RSS (anon) | qmoed peak RSS |"
+          % a.rounds)
+    print("|---|---|---|---|---|---|")
+    print("| llama.cpp alone | %.2f | — | — | %s | — |" % (
+        statistics.median(x["alone"] for x in rounds), mem(rounds, "alone_rss", "alone_anon")))
     for n, _ in variants:
         ratios = [x[n] / x["alone"] for x in rounds]
-        print("| + qmoed %s | %.2f | **%.3fx** (%.3f-%.3f) | %.0f us, %.0f us |" % (
+        print("| + qmoed %s | %.2f | **%.3fx** (%.3f-%.3f) | %.0f us, %.0f us | %s | %s |" % (
             n, statistics.median(x[n] for x in rounds), statistics.median(ratios), min(ratios), max(ratios),
             statistics.median(x[n + "_compute_us"] or 0 for x in rounds),
-            statistics.median(x[n + "_beyond_us"] or 0 for x in rounds)))
+            statistics.median(x[n + "_beyond_us"] or 0 for x in rounds),
+            mem(rounds, n + "_rss", n + "_anon"), mem(rounds, n + "_qmoed_rss")))
     if len(variants) == 2:
         (n0, _), (n1, _) = variants
         ratios = [x[n1] / x[n0] for x in rounds]
