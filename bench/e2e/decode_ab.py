@@ -3,14 +3,17 @@
 in one or more daemon variants, round after round in the same minutes, so
 that a noisy host's drift falls on every row alike.
 
-Each round runs `llama-bench -p 0 -n DECODE -t THREADS` alone, then once per
-variant against a fresh `qmoed --threads THREADS` whose environment the
-variant sets (NAME=VAR=VALUE[,VAR=VALUE...]; NAME= for the daemon as it
-is). Prints every round's tok/s, each variant's ratio to the alone run of
-the same round (pair by pair), and their medians, with both processes'
-memory: llama-bench's peak VmRSS (with its RssAnon: VmRSS counts the GGUF's
-mapped pages it touched) and the daemon's peak VmRSS, sampled every 20 ms;
---json writes the rounds.
+Each round runs `llama-bench -p 0 -n DECODE -t THREADS` alone and once per
+variant, in an order rotated round by round (so that no row always runs
+right after the same one: the memory the last run freed, the page cache),
+against a fresh `qmoed --threads THREADS` whose environment the variant
+sets (NAME=VAR=VALUE[,VAR=VALUE...]; NAME= for the daemon as it is);
+llama-bench gets the variant's environment too (the llama.cpp adapter and
+libqmoe-client read some of the same variables). Prints every round's
+tok/s, each variant's ratio to the alone run of the same round (pair by
+pair), and their medians, with both processes' memory: llama-bench's peak
+VmRSS (with its RssAnon: VmRSS counts the GGUF's mapped pages it touched)
+and the daemon's peak VmRSS, sampled every 20 ms; --json writes the rounds.
 
 usage: decode_ab.py --llama PREFIX --gguf GGUF --bank BANK [--rounds 6] [--decode 64]
                     [--threads 2] [--precision fast] [--variant NAME=ENV ...] [--json OUT]
@@ -86,28 +89,37 @@ def main():
     print("# %s" % cpu_line(), flush=True)
     rounds = []
     for r in range(a.rounds):
-        res = llama_cpp.llama_bench(a, a.gguf, prompt=0)
-        row = {"alone": res.get("decode_tok_s"), "alone_rss": res["engine"]["VmRSS"],
-               "alone_anon": res["engine"]["RssAnon"]}
-        for name, env in variants:
+        # Each round runs alone and the variants in a rotated order: what runs
+        # right after another (the page cache, the memory the last run freed)
+        # falls on every row in turn.
+        order = [None] + list(variants)
+        order = order[r % len(order):] + order[:r % len(order)]
+        row = {"order": ["alone" if v is None else v[0] for v in order]}
+        for v in order:
+            if v is None:
+                res = llama_cpp.llama_bench(a, a.gguf, prompt=0)
+                row.update({"alone": res.get("decode_tok_s"), "alone_rss": res["engine"]["VmRSS"],
+                            "alone_anon": res["engine"]["RssAnon"]})
+                continue
+            name, env = v
             dm = Daemon(models={model: a.bank}, env=env,
                         args=["--threads", str(a.threads), "--log-level", "warning"])
             try:
-                res = llama_cpp.llama_bench(a, a.gguf, prompt=0, daemon_pid=dm.proc.pid,
+                res = llama_cpp.llama_bench(a, a.gguf, prompt=0, daemon_pid=dm.proc.pid, env=env,
                                             extra=["--qmoed", dm.socket, "--qmoed-policy", "whole_bank",
                                                    "--qmoed-precision", a.precision])
             finally:
                 dm.stop()
+            if res["rc"] != 0:
+                sys.exit("llama-bench with qmoed (%s) failed:\n%s" % (name, res["log_tail"]))
             row[name] = res.get("decode_tok_s")
             row[name + "_beyond_us"] = res.get("call_overhead_us")
             row[name + "_compute_us"] = res.get("compute_us")
             row[name + "_rss"] = res["engine"]["VmRSS"]
             row[name + "_anon"] = res["engine"]["RssAnon"]
             row[name + "_qmoed_rss"] = res["daemon"]["VmRSS"]
-            if res["rc"] != 0:
-                sys.exit("llama-bench with qmoed (%s) failed:\n%s" % (name, res["log_tail"]))
         rounds.append(row)
-        print("round %d: alone %.2f | %s" % (r + 1, row["alone"], " | ".join(
+        print("round %d (%s): alone %.2f | %s" % (r + 1, ", ".join(row["order"]), row["alone"], " | ".join(
             "%s %.2f (%.3fx; a call %.0f us compute + %.0f us)" % (
                 n, row[n], row[n] / row["alone"], row[n + "_compute_us"] or 0, row[n + "_beyond_us"] or 0)
             for n, _ in variants)), flush=True)

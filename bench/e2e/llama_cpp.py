@@ -130,7 +130,7 @@ def drop_cached(paths):
 
 
 def llama_bench(a, gguf, extra=(), cmd_prefix=(), daemon_pid=None, prompt=None, decode=None,
-                timeout=3600):
+                timeout=3600, env=None):
     prompt = a.prompt if prompt is None else prompt
     decode = a.decode if decode is None else decode
     cmd = list(cmd_prefix) + [os.path.join(a.llama, "bin", "llama-bench"), "-m", gguf, "-p", str(prompt),
@@ -138,7 +138,8 @@ def llama_bench(a, gguf, extra=(), cmd_prefix=(), daemon_pid=None, prompt=None, 
                               "-v"] + list(extra)
     err = tempfile.TemporaryFile(mode="w+")
     t0 = time.time()
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, text=True)
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, text=True,
+                            env=dict(os.environ, **env) if env else None)
     eng = RssPeak(proc.pid)
     eng.start()
     dmn = RssPeak(daemon_pid) if daemon_pid else None
