@@ -44,11 +44,18 @@ bank (`qmoe-bank import gguf`), then:
 Each llama.cpp run is `llama-bench -t THREADS -r 1`, twice: `-p PROMPT -n 0`
 (prefill) and `-p 0 -n DECODE` (decode); qmoed's daemon-wide counters
 (telemetry.get) around the decode run give its expert hit rate, the bytes
-read from the bank per decode token, the stall per token, and the misses
-per token, whose bytes (x bytes_per_expert) at fio's rate are the row's I/O
-bound: io_bound_tok_s = rate / (misses per token x bytes_per_expert) (reads
-alone), overlapped_bound_tok_s = 1 / max(that time, the uncapped qmoed
-decode's time per token). Every row also records its cgroup's OOM kills.
+read from the bank per decode token, the stall per token, and the reads a
+token needed: its misses plus its prefetched experts that were used
+(prefetch_useful: a hit, but a read all the same). Their bytes (x
+bytes_per_expert) at fio's rate are the row's I/O bound: io_bound_tok_s =
+rate / (reads needed per token x bytes_per_expert) (reads alone; a wasted
+prefetch is not needed, and counts against the row; the rate is fio's, or
+the one the row's reads ran at while decoding when that was faster),
+overlapped_bound_tok_s = 1 / max(that time, the uncapped qmoed decode's time
+per token): every read overlapped with compute, which needs every miss
+foreseen a call ahead. The row also gives the rate its reads ran at while
+decoding (bytes read per token x tokens/s), beside fio's.
+Every row also records its cgroup's OOM kills.
 
 Writes the rows as JSON (--json), the markdown table (stdout and --md) and
 the figure (--png, matplotlib): decode tok/s against the memory given (the
@@ -213,9 +220,17 @@ def finish_row(row, pre, dec):
 
 
 def io_bounds(row, unit, rate, compute_s):
+    """The row's I/O bound (module doc) from its counters, the expert unit,
+    fio's rate and the uncapped qmoed decode's time per token."""
     if row["misses_per_token"] is None or not rate:
         return
-    io_s = row["misses_per_token"] * unit / rate
+    row["reads_needed_per_token"] = row["misses_per_token"] + (row.get("prefetch_useful_per_token") or 0)
+    # The disk's rate: fio's, or what the row's own reads ran at while
+    # decoding when that was faster (fio then fell short of the disk).
+    seen = (row.get("bytes_read_per_token") or 0) * (row.get("decode_tok_s") or 0)
+    rate = max(rate, seen)
+    row["bound_disk_bytes_per_s"] = rate
+    io_s = row["reads_needed_per_token"] * unit / rate
     row["io_s_per_token"] = io_s
     row["io_bound_tok_s"] = 1 / io_s if io_s > 0 else None
     if compute_s:
@@ -456,7 +471,7 @@ def fmt(x, f="%.2f"):
 def markdown(rows):
     head = ("| shape | memory given | engine | budget | prefill tok/s | decode tok/s | x uncapped | "
             "hit rate | MB read / token | stall ms / token | I/O bound tok/s (reads; overlapped) | "
-            "disk GB/s | OOM kills | status |")
+            "disk GB/s (fio; while decoding) | OOM kills | status |")
     lines = [head, "|" + "---|" * 14]
     for r in rows:
         mem = "uncapped" if not r["cap_fraction"] else "%.2f GB (%s of the GGUF)" % (
@@ -474,9 +489,16 @@ def markdown(rows):
             fmt(r["decode_tok_s"]), fmt(ratio), fmt(r["hit_rate"], "%.3f"),
             fmt(r["bytes_read_per_token"] / 1e6 if r["bytes_read_per_token"] is not None else None, "%.1f"),
             fmt(r["stall_us_per_token"] / 1e3 if r["stall_us_per_token"] is not None else None, "%.1f"),
-            bound, fmt(r["disk_bytes_per_s"] / GB if r.get("disk_bytes_per_s") else None),
+            bound, disk_text(r),
             fmt(r["oom_kills"], "%d"), st))
     return "\n".join(lines)
+
+
+def disk_text(r):
+    fio = fmt(r["disk_bytes_per_s"] / GB if r.get("disk_bytes_per_s") else None)
+    if not r.get("bytes_read_per_token") or not r.get("decode_tok_s"):
+        return fio
+    return "%s; %.2f" % (fio, r["bytes_read_per_token"] * r["decode_tok_s"] / GB)
 
 
 def frac_text(f):
@@ -532,9 +554,30 @@ def cpu_name():
     return "?"
 
 
+def render_saved(a):
+    rows = []
+    for path in a.from_json:
+        with open(path) as f:
+            rows += json.load(f)
+    for r in rows:
+        if r["engine"] != "llama.cpp" and r.get("cap_fraction"):
+            ref = r.get("uncapped_decode_tok_s")
+            io_bounds(r, r["bytes_per_expert"], r.get("disk_bytes_per_s"), 1 / ref if ref else None)
+    table = markdown(rows)
+    print(table)
+    if a.md:
+        with open(a.md, "w") as f:
+            f.write(table + "\n")
+    if a.png and rows:
+        why = figure(rows, a.png, "decode tok/s, llama.cpp alone (dashed) and + qmoed --qmoed-budget auto "
+                     "(solid); rows of %s" % ", ".join(os.path.basename(p) for p in a.from_json))
+        print("figure: %s" % (why or a.png), file=sys.stderr)
+    return 0
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--llama", required=True, help="PREFIX that clients/llama.cpp/build.sh installed")
+    ap.add_argument("--llama", help="PREFIX that clients/llama.cpp/build.sh installed (required unless --from-json)")
     ap.add_argument("--shapes", default=",".join(SHAPES),
                     help="comma-separated, of %s" % ", ".join(checkpoints.SHAPES))
     ap.add_argument("--caps", default="1/2,1/3,1/4", help="memory cgroup caps, fractions of the GGUF")
@@ -564,7 +607,14 @@ def main(argv=None):
     ap.add_argument("--md", help="write the markdown table here")
     ap.add_argument("--png", default=os.path.join(ROOT, "docs", "capped_sweep.png"),
                     help="the figure (matplotlib); '' for none")
+    ap.add_argument("--from-json", nargs="+", metavar="JSON",
+                    help="run nothing: the table and figure of rows an earlier --json wrote "
+                    "(bounds recomputed from their counters)")
     a = ap.parse_args(argv)
+    if a.from_json:
+        return render_saved(a)
+    if not a.llama:
+        ap.error("--llama PREFIX is required (unless --from-json)")
     why = MemCgroup.unavailable()
     if why:
         ap.error("the sweep caps memory with cgroups: " + why)
