@@ -21,6 +21,7 @@
 #include "qm_config.h"
 #include "qm_devices.h"
 #include "qm_dispatch.h"
+#include "qm_idle_hint.h"
 #include "qm_kernel_report.h"
 #include "qm_log.h"
 #include "qm_methods.h"
@@ -386,6 +387,9 @@ int qm_daemon_main(int argc, char **argv)
         qm_log(QM_LOG_ERR, "%s; not starting", st.msg);
         goto out_trace;
     }
+    char idle[512];
+    if (qm_idle_hint(QM_IDLE_DRIVER_PATH, QM_HALTPOLL_NS_PATH, idle, sizeof idle))
+        qm_log(QM_LOG_INFO, "%s", idle);
     if ((rc = qm_devices_open(&d->devices, &d->cfg, &st)) < 0) {
         qm_log(QM_LOG_ERR, "cannot open backend %s: %s", d->cfg.backend, st.msg);
         goto out_trace;

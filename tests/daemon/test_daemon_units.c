@@ -13,6 +13,7 @@
 #include "qm_alloc.h"
 #include "qm_backend.h"
 #include "qm_config.h"
+#include "qm_idle_hint.h"
 #include "qm_log.h"
 #include "qm_notify.h"
 #include "qm_moe.h"
@@ -496,6 +497,52 @@ START_TEST(test_sigbus_in_a_truncated_bank_mapping_reads_zeros_and_poisons)
 }
 END_TEST
 
+/* ---- the start-up line about a guest that halts idle vCPUs ---- */
+
+static void idle_file(const char *path, const char *text)
+{
+    FILE *f = fopen(path, "w");
+    ck_assert_msg(f != NULL, "cannot write %s", path);
+    fputs(text, f);
+    fclose(f);
+}
+
+START_TEST(test_idle_hint_only_for_haltpoll_that_never_polls)
+{
+    char dir[] = "/tmp/qm-idle-XXXXXX", drv[64], poll[64], msg[512];
+    ck_assert(mkdtemp(dir) != NULL);
+    snprintf(drv, sizeof drv, "%s/driver", dir);
+    snprintf(poll, sizeof poll, "%s/poll", dir);
+    /* The machines measured: haltpoll, polling 0. */
+    idle_file(drv, "haltpoll\n");
+    idle_file(poll, "0\n");
+    msg[0] = '\0';
+    ck_assert_int_eq(qm_idle_hint(drv, poll, msg, sizeof msg), 1);
+    ck_assert_msg(strstr(msg, "halts an idle vCPU at once") && strstr(msg, poll) &&
+                      strstr(msg, "On a virtual machine"),
+                  "%s", msg);
+    /* The guest polls before it halts: nothing to say. */
+    idle_file(poll, "200000\n");
+    ck_assert_int_eq(qm_idle_hint(drv, poll, msg, sizeof msg), 0);
+    /* Not a number, or empty: nothing said rather than a guess. */
+    idle_file(poll, "0x\n");
+    ck_assert_int_eq(qm_idle_hint(drv, poll, msg, sizeof msg), 0);
+    idle_file(poll, "");
+    ck_assert_int_eq(qm_idle_hint(drv, poll, msg, sizeof msg), 0);
+    /* Another idle driver (bare metal, or a guest without haltpoll). */
+    idle_file(poll, "0\n");
+    idle_file(drv, "intel_idle\n");
+    ck_assert_int_eq(qm_idle_hint(drv, poll, msg, sizeof msg), 0);
+    /* Files missing (no cpuidle, no haltpoll module). */
+    idle_file(drv, "haltpoll\n");
+    unlink(poll);
+    ck_assert_int_eq(qm_idle_hint(drv, poll, msg, sizeof msg), 0);
+    unlink(drv);
+    ck_assert_int_eq(qm_idle_hint(drv, poll, msg, sizeof msg), 0);
+    ck_assert_int_eq(rmdir(dir), 0);
+}
+END_TEST
+
 int main(void)
 {
     Suite *s = suite_create("daemon");
@@ -521,6 +568,9 @@ int main(void)
     tc = tcase_create("systemd");
     tcase_add_test(tc, test_notify_sends_one_datagram_and_is_silent_without_socket);
     tcase_add_test(tc, test_socket_activation_and_watchdog_need_our_pid);
+    suite_add_tcase(s, tc);
+    tc = tcase_create("idle");
+    tcase_add_test(tc, test_idle_hint_only_for_haltpoll_that_never_polls);
     suite_add_tcase(s, tc);
     tc = tcase_create("sigbus");
     tcase_add_test(tc, test_sigbus_in_a_truncated_bank_mapping_reads_zeros_and_poisons);
