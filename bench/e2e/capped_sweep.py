@@ -47,10 +47,11 @@ Each llama.cpp run is `llama-bench -t THREADS -r 1`, twice: `-p PROMPT -n 0`
 read from the bank per decode token, the stall per token, and the reads a
 token needed: its misses plus its prefetched experts that were used
 (prefetch_useful: a hit, but a read all the same). Their bytes (x
-bytes_per_expert) at fio's rate are the row's I/O bound: io_bound_tok_s =
-rate / (reads needed per token x bytes_per_expert) (reads alone; a wasted
-prefetch is not needed, and counts against the row; the rate is fio's, or
-the one the row's reads ran at while decoding when that was faster),
+bytes_per_expert) at the disk's rate are the row's I/O bound:
+io_bound_tok_s = rate / (reads needed per token x bytes_per_expert) (reads
+alone; a wasted prefetch is not needed, and counts against the row; the
+rate is fio's, or the one the row's reads ran at while decoding when that
+was faster: fio then fell short of the disk),
 overlapped_bound_tok_s = 1 / max(that time, the uncapped qmoed decode's time
 per token): every read overlapped with compute, which needs every miss
 foreseen a call ahead. The row also gives the rate its reads ran at while
@@ -221,7 +222,8 @@ def finish_row(row, pre, dec):
 
 def io_bounds(row, unit, rate, compute_s):
     """The row's I/O bound (module doc) from its counters, the expert unit,
-    fio's rate and the uncapped qmoed decode's time per token."""
+    fio's rate (raised to the row's own when that was faster) and the
+    uncapped qmoed decode's time per token."""
     if row["misses_per_token"] is None or not rate:
         return
     row["reads_needed_per_token"] = row["misses_per_token"] + (row.get("prefetch_useful_per_token") or 0)
