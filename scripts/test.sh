@@ -33,12 +33,16 @@ cat build/hardening_faults_*.txt
 
 # Valgrind memcheck of the release qmoed under a slice of the abuse suite:
 # any error or definitely-lost block makes qmoed exit 99, which the suite's
-# fixture fails on; the logs are checked here too.
+# fixture fails on; the logs are checked here too. --fair-sched=yes: valgrind
+# runs one thread at a time, and its default lock lets a computing worker
+# keep it, starving the loop thread for tens of seconds (a killed client's
+# hundred queued inferences kept session.list unanswered past the client's
+# 30 s timeout); a ticket lock hands it round.
 if command -v valgrind >/dev/null; then
   echo "== valgrind memcheck: release qmoed + abuse subset"
   vg_logs=$(mktemp -d)
   QMOE_BUILD_DIR="$here/build" QMOE_HARDENING_SLOW=10 QMOE_HARDENING_RSS_SLACK_MB=200 \
-    QMOED_WRAP="valgrind --error-exitcode=99 --leak-check=full --errors-for-leak-kinds=definite --log-file=$vg_logs/vg.%p" \
+    QMOED_WRAP="valgrind --fair-sched=yes --error-exitcode=99 --leak-check=full --errors-for-leak-kinds=definite --log-file=$vg_logs/vg.%p" \
     PYTHONPATH="$here/tests${PYTHONPATH:+:$PYTHONPATH}" \
     python -m pytest -q -p no:cacheprovider -p qmoe_tmp tests/hardening/test_abuse.py \
       -k "nesting or utf8 or numbers or shape_products or base64 or duplicate_keys or batches or half_close or reset_in or maps or map_is_in_use"

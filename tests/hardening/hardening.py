@@ -7,7 +7,7 @@ run against an ASan/UBSan or valgrind build:
 
     QMOED_BIN=/tmp/build-asan/daemon/qmoed pytest tests/hardening
 
-QMOED_WRAP (e.g. "valgrind --error-exitcode=99 --leak-check=full") puts a
+QMOED_WRAP (e.g. "valgrind --fair-sched=yes --error-exitcode=99 --leak-check=full") puts a
 command in front of qmoed; /proc readings then follow the wrapped process,
 which valgrind keeps as the same pid.
 """
