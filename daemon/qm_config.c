@@ -45,6 +45,7 @@ void qm_config_defaults(qm_config *cfg)
     cfg->io_engine = QM_PAGER_IO_AUTO;
     cfg->io_depth = QM_PAGER_IO_DEPTH_DEFAULT;
     cfg->cpu_repack = 1;
+    cfg->prefetch_trial = 1;
     cfg->workers = 2;
     cfg->log_level = QM_LOG_INFO;
     cfg->max_request_bytes = QM_DEFAULT_MAX_REQUEST_BYTES;
@@ -298,6 +299,7 @@ static const key_def keys[] = {
     {"io_engine", K_IO_ENGINE, 0, 0, 0, 0},
     {"io_depth", K_U32, OFF(io_depth), 0, 1, QM_PAGER_IO_DEPTH_MAX},
     {"cpu_repack", K_BOOL, OFF(cpu_repack), 0, 0, 0},
+    {"prefetch_trial", K_BOOL, OFF(prefetch_trial), 0, 0, 0},
     {"device", K_DEVICES, 0, 0, 0, 0},
     {"device_budget", K_BUDGETS, 0, 0, 0, 0},
     {"emu_copy_mbps", K_U32, OFF(emu_copy_mbps), 0, 0, 1u << 30},
@@ -563,7 +565,7 @@ static void usage(FILE *out)
             "  --version, --help\n"
             "Config keys: socket backend device device_budget emu_copy_mbps\n"
             "  paging_source (%s) io_engine (%s) io_depth\n"
-            "  cpu_repack (true|false) state_dir threads\n"
+            "  cpu_repack (true|false) prefetch_trial (true|false) state_dir threads\n"
             "  workers admin_group\n"
             "  user allow_root model_dirs (a list; --set model_dirs=DIR:DIR)\n"
             "  log_level max_request_bytes max_nesting max_batch max_connections max_sessions\n"

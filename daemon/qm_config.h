@@ -59,6 +59,7 @@ typedef struct qm_config {
     char *user;     /* drop to this user after binding (when started as root) */
     int allow_root; /* keep running as root without a warning */
     int cpu_repack; /* fast sessions' whole banks in the CPU decode GEMV's r8 layout (default 1) */
+    int prefetch_trial; /* paged sessions time whether prefetch pays (default 1; qm_pager_trial.h) */
     char *model_dirs; /* model.load only below these (':'-separated); NULL: anywhere */
     int log_level;
     /* limits */

@@ -306,6 +306,8 @@ static int make_recipe(const qm_sessions *ss, const qm_model *m, const qm_sessio
      * pool stays in the bank's layout: its members may be exact. */
     out->options = (qm_pager_options){
         .prefetch = spec->prefetch,
+        /* Timed where a prefetch is a disk read (the pager's automatic). */
+        .prefetch_trial = ss->cfg->prefetch_trial ? 0 : 2,
         .on_miss = spec->on_miss,
         .interleave = ss->cfg->cpu_repack && spec->precision == QM_PRECISION_FAST &&
                       !spec->share && qm_devices_host_visible(ss->devices)};

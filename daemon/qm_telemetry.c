@@ -183,6 +183,12 @@ static const metric_def metrics[] = {
      COFF(prefetch_lookahead_useful), {POFF(prefetch_lookahead_useful), NO_STAT}},
     {"prefetch_gated", "Forward calls times prediction sources that fetched nothing, switched off (imprecise, or their prefetches evicted unused).", 1,
      COFF(prefetch_gated), {POFF(prefetch_gated), NO_STAT}},
+    {"prefetch_trial_held", "Forward calls whose predictions were not fetched: the prefetch trial timed the session faster without them.", 1,
+     COFF(prefetch_trial_held), {POFF(prefetch_trial_held), NO_STAT}},
+    {"prefetch_trial_decisions", "Times the prefetch trial compared the session's speed with prefetch fetched and held.", 1,
+     COFF(prefetch_trial_decisions), {POFF(prefetch_trial_decisions), NO_STAT}},
+    {"prefetch_trial_decisions_held", "Prefetch trial decisions that held prefetch (it was slower).", 1,
+     COFF(prefetch_trial_decisions_held), {POFF(prefetch_trial_decisions_held), NO_STAT}},
     {"disk_busy_us",
      "Microseconds direct disk paging had at least one read in flight; bytes_read_disk / "
      "disk_busy_us is the disk's measured read rate.",

@@ -44,6 +44,9 @@ typedef struct qm_counters {
     uint64_t prefetch_router_issued, prefetch_router_useful, prefetch_history_issued,
         prefetch_history_useful, prefetch_lookahead_issued, prefetch_lookahead_useful,
         prefetch_gated;
+    /* The prefetch trial (engine/pager/qm_pager_trial.h): forward calls
+     * whose predictions it held; its decisions, of them to hold. */
+    uint64_t prefetch_trial_held, prefetch_trial_decisions, prefetch_trial_decisions_held;
     /* Direct disk paging's I/O engine: time with reads in flight, calls
      * with reads in flight and the sum of each one's most, the most. */
     uint64_t disk_busy_us, read_calls, reads_in_flight_sum, reads_in_flight_peak;

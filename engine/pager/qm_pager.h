@@ -41,9 +41,15 @@ typedef struct qm_pager_options {
      * history, the lookahead router) whose measured precision (experts
      * predicted that the call they were about used, over its last 128
      * predicted) is below this is switched off and re-probed on one call in
-     * 8. 0 = default 0.25; negative = never gate the router and the
-     * history (the lookahead, off until measured, then gates at 0.25). */
+     * 8. 0 = default 0.5; negative = never gate the router and the
+     * history (the lookahead, off until measured, then gates at 0.5). */
     double prefetch_min_precision;
+    /* Whether prefetch pays on this session, timed (qm_pager_trial.h):
+     * windows with prefetch fetched and held alternate, then the faster
+     * mode is kept for a while and measured again. 0 = automatic: on with
+     * the disk source (a wasted prefetch is a disk read), off otherwise; 1
+     * = on; 2 = off. Explicit qm_pager_prefetch calls are never held. */
+    int prefetch_trial;
     /* 1: never preload. By default, when the budget holds every expert
      * (or there is none), all of them are loaded at creation so the session
      * never misses; they stay evictable. */
@@ -174,7 +180,13 @@ typedef struct qm_pager_stats {
     uint64_t predict_lookahead_predicted, predict_lookahead_correct, predict_lookahead_actual;
     uint64_t predict_router_gated, predict_history_gated, predict_lookahead_gated;
     uint64_t prefetch_lookahead_issued, prefetch_lookahead_useful;
-    uint32_t prefetch_sources_off; /* now: bit 0 router, 1 history, 2 lookahead */
+    uint32_t prefetch_sources_off; /* now: bit 0 router, 1 history, 2 lookahead, 3 the trial */
+    /* The prefetch trial (qm_pager_trial.h): forward calls whose
+     * predictions it held (not fetched); its decisions, of them to hold;
+     * what its last one measured, ns per token of a layer call with
+     * prefetch fetched and held (0 until measured). */
+    uint64_t prefetch_trial_held, prefetch_trial_decisions, prefetch_trial_decisions_held;
+    uint64_t prefetch_trial_fetch_ns_per_token, prefetch_trial_held_ns_per_token;
     /* Routing trace (qm_pager_record_trace). */
     uint64_t trace_tokens, trace_dropped, trace_errors;
     /* Hybrid execution (on_miss host/auto): accesses to non-resident

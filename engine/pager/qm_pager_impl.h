@@ -16,6 +16,7 @@
  *   qm_pager_disk.c       the disk source: O_DIRECT reads, mlock     (qm_pager_disk.h)
  *   qm_pager_io.c         the I/O engine: io_uring, preadv threads   (qm_pager_io.h)
  *   qm_pager_layout.c     layout and sizing, pure                    (qm_pager_layout.h)
+ *   qm_pager_trial.c      whether prefetch pays, timed; pure         (qm_pager_trial.h)
  *
  * Each group of fields below names the file that owns it. */
 #ifndef QM_PAGER_IMPL_H
@@ -25,6 +26,7 @@
 
 #include "qm_moe_internal.h"
 #include "qm_pager_layout.h"
+#include "qm_pager_trial.h"
 
 typedef enum qm__slot_state {
     QM__SLOT_FREE = 0,
@@ -169,6 +171,8 @@ struct qm_pager {
     uint64_t pf_win_issued0[QM__PF_SOURCES], pf_win_useful0[QM__PF_SOURCES];
     uint32_t pf_hold[QM__PF_SOURCES];
     uint64_t forward_calls;
+    /* Whether prefetch pays on this session, timed (qm_pager_trial.h). */
+    qm__pf_trial trial;
 
     /* Routing trace (qm_pager_trace.c) */
     struct qm__trace *trace;

@@ -7,6 +7,7 @@
 #include <string.h>
 
 #include "qm_alloc.h"
+#include "qm_clock.h"
 #include "qm_pager_copy.h"
 #include "qm_pager_prefetch.h"
 
@@ -402,7 +403,7 @@ static size_t qm__pf_unlist(qm__layer *N, const uint32_t *list, size_t from, siz
  * the gate's threshold: it starts off, and is not probed, since a wrong
  * guess two calls ahead costs the next layer's prefetches their slots. */
 static void qm__predict_lookahead(qm_pager *p, const qm_moe_call *call, uint32_t ahead,
-                                  size_t cap)
+                                  size_t cap, int held)
 {
     qm__layer *A = &p->layers[ahead];
     if (!A->paged || !p->pred_list2 || ahead == call->layer)
@@ -418,16 +419,35 @@ static void qm__predict_lookahead(qm_pager *p, const qm_moe_call *call, uint32_t
         p->stats.predict_lookahead_gated++;
         return;
     }
+    if (held)
+        return; /* the trial holds prefetch (counted once a call) */
     for (size_t i = 0; i < n; i++)
         p->pred_src[i] = QM__PF_LOOKAHEAD;
     qm_status tmp;
     (void)qm__prefetch(p, ahead, p->pred_list2, p->pred_src, n, &tmp);
 }
 
+/* The trial's state in the statistics: bit 3 of prefetch_sources_off
+ * while it holds prefetch, and what it measured. */
+static void qm__pf_trial_publish(qm_pager *p)
+{
+    const qm__pf_trial *t = &p->trial;
+    const uint32_t bit = 1u << 3;
+    p->stats.prefetch_sources_off =
+        t->held ? p->stats.prefetch_sources_off | bit : p->stats.prefetch_sources_off & ~bit;
+    p->stats.prefetch_trial_decisions = t->decisions;
+    p->stats.prefetch_trial_decisions_held = t->decisions_held;
+    p->stats.prefetch_trial_fetch_ns_per_token = t->ns_per_token[0];
+    p->stats.prefetch_trial_held_ns_per_token = t->ns_per_token[1];
+}
+
 void qm__pager_prefetch_next(qm_pager *p, const qm_moe_call *call)
 {
     if (!p->opt.prefetch || p->n_slots == 0)
         return;
+    /* Every call is timed, whether or not the next layer is paged. */
+    int held = qm__pf_trial_call(&p->trial, call->n_tokens, qm__now_us());
+    qm__pf_trial_publish(p);
     uint32_t next = (call->layer + 1) % p->n_layers;
     qm__layer *N = &p->layers[next];
     if (!N->paged)
@@ -478,10 +498,15 @@ void qm__pager_prefetch_next(qm_pager *p, const qm_moe_call *call)
     }
     for (size_t i = 0; i < n; i++)
         N->mark[p->pred_list[i]] = 0;
+    /* Held by the trial: predicted and scored all the same (the gates
+     * keep measuring), nothing read. */
     qm_status tmp;
-    (void)qm__prefetch(p, next, p->pred_list, p->pred_src, n, &tmp);
+    if (held)
+        p->stats.prefetch_trial_held++;
+    else
+        (void)qm__prefetch(p, next, p->pred_list, p->pred_src, n, &tmp);
     if (p->n_layers > 2)
-        qm__predict_lookahead(p, call, (call->layer + 2) % p->n_layers, need);
+        qm__predict_lookahead(p, call, (call->layer + 2) % p->n_layers, need, held);
 }
 
 int qm__pager_prefetch_start(qm_pager *p, qm_status *st)
@@ -509,6 +534,14 @@ int qm__pager_prefetch_start(qm_pager *p, qm_status *st)
         for (uint32_t i = 0; i < QM__PF_PENDING; i++)
             p->pf_pending[s][i].bits = p->pf_bits + ((size_t)s * QM__PF_PENDING + i) * p->pred_words;
     p->pf_off[QM__PF_LOOKAHEAD] = 1; /* until measured precise enough */
+    /* The trial (qm_pager_trial.h): by default where a prefetch is a
+     * disk read; a token is a call of each layer this pager serves. */
+    uint32_t served = 0;
+    for (uint32_t l = 0; l < p->n_layers; l++)
+        served += !p->layers[l].absent;
+    qm__pf_trial_init(&p->trial,
+                      p->opt.prefetch_trial == 1 || (p->opt.prefetch_trial == 0 && p->disk),
+                      served);
     p->stats.prefetch_sources_off = 1u << (QM__PF_LOOKAHEAD - QM__PF_ROUTER);
     p->stats.host_bytes += sets * p->pred_words * 8;
     return 0;

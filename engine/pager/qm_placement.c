@@ -218,6 +218,9 @@ void qm_multipager_stats(const qm_multipager *mp, qm_pager_stats *out)
         out->predict_router_gated += s.predict_router_gated;
         out->predict_history_gated += s.predict_history_gated;
         out->predict_lookahead_gated += s.predict_lookahead_gated;
+        out->prefetch_trial_held += s.prefetch_trial_held;
+        out->prefetch_trial_decisions += s.prefetch_trial_decisions;
+        out->prefetch_trial_decisions_held += s.prefetch_trial_decisions_held;
         out->arena_bytes += s.arena_bytes;
         out->n_slots += s.n_slots;
         out->n_pinned += s.n_pinned;

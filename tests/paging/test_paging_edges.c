@@ -7,6 +7,7 @@
 #include <unistd.h>
 
 #include "paging_helpers.h"
+#include "qm_pager_trial.h"
 #include "qm_policy_impl.h"
 #include "qm_test_policies.h"
 #include "sim.h"
@@ -756,6 +757,143 @@ START_TEST(test_recorded_trace_holds_each_tokens_routing_in_layer_order)
 }
 END_TEST
 
+/* ---- The prefetch trial (engine/pager/qm_pager_trial.h) ---- */
+
+/* Runs n calls of the trial on a clock that advances by fetch_us or held_us
+ * a call (by the mode the previous call left); every `every` calls (0:
+ * never) adds an interruption that, were it timed, would make holding look
+ * faster: while held, a prefill call of 512 tokens taking 10 ms (20 us a
+ * token); while fetching, a 2 s pause before the call (pause). Returns the
+ * calls that ran held; *decided_at: the calls at which the trial's first
+ * decisions came (up to 4). */
+static uint64_t trial_run(qm__pf_trial *t, uint32_t n, uint64_t fetch_us, uint64_t held_us,
+                          uint32_t every, int pause, uint32_t *decided_at)
+{
+    uint64_t now = 1000000, held_calls = 0, seen = 0;
+    int held = 0;
+    for (uint32_t i = 0; i < n; i++) {
+        now += held ? held_us : fetch_us;
+        if (every && i % every == every - 1 && pause && !held)
+            now += 2000000;
+        if (every && i % every == every - 1 && !pause && held) {
+            now += 10000;
+            held = qm__pf_trial_call(t, 512, now);
+            continue;
+        }
+        held = qm__pf_trial_call(t, 1, now);
+        held_calls += (uint64_t)held;
+        if (decided_at && t->decisions > seen && seen < 4)
+            decided_at[seen++] = i;
+    }
+    return held_calls;
+}
+
+/* Timed faster without prefetch, the trial holds it after measuring (two
+ * tokens left out, windows A B B A of two tokens, a token left out after
+ * each switch), and keeps holding: measured again less and less often. */
+START_TEST(test_prefetch_trial_holds_prefetch_that_is_slower)
+{
+    qm__pf_trial t;
+    qm__pf_trial_init(&t, 1, 8); /* 8 layers: windows of 16 calls */
+    ck_assert_uint_eq(t.window_calls, 16);
+    uint32_t at[4] = {0};
+    uint64_t held = trial_run(&t, 20000, 200, 100, 0, 0, at);
+    ck_assert_uint_ge(t.decisions, 3);
+    ck_assert_uint_eq(t.decisions_held, t.decisions);
+    ck_assert_uint_eq(t.ns_per_token[0], 200000);
+    ck_assert_uint_eq(t.ns_per_token[1], 100000);
+    /* The first decision: 16 calls left out, A (1 + 16), a token, B B, a
+     * token, A: at call 16 + 16 + 8 + 1 + 32 + 8 + 1 + 16. */
+    ck_assert_uint_eq(at[0], 98);
+    ck_assert_uint_gt(at[2] - at[1], at[1] - at[0]); /* measured less often */
+    ck_assert_uint_gt(held, 20000 * 9 / 10);
+}
+END_TEST
+
+/* Timed faster with prefetch, it is never held after the measurement;
+ * a prefill or a pause (each making holding look faster were it timed)
+ * restarts the window instead of counting. */
+START_TEST(test_prefetch_trial_keeps_prefetch_that_pays_and_times_only_decode)
+{
+    for (int variant = 0; variant < 3; variant++) {
+        qm__pf_trial t;
+        qm__pf_trial_init(&t, 1, 4); /* 4 layers: windows of the minimum, 16 calls */
+        ck_assert_uint_eq(t.window_calls, QM__TRIAL_MIN_WINDOW_CALLS);
+        uint64_t held = trial_run(&t, 20000, 100, 200, variant ? 40 : 0, variant == 2, NULL);
+        ck_assert_msg(t.decisions >= 3, "variant %d: %llu decisions", variant,
+                      (unsigned long long)t.decisions);
+        ck_assert_msg(t.decisions_held == 0, "variant %d: held %llu times", variant,
+                      (unsigned long long)t.decisions_held);
+        ck_assert_uint_lt(held, 20000 / 10); /* only the held windows of each measurement */
+    }
+    /* Within the margin: fetching stays. */
+    qm__pf_trial t;
+    qm__pf_trial_init(&t, 1, 8);
+    trial_run(&t, 5000, 100, 99, 0, 0, NULL);
+    ck_assert_uint_ge(t.decisions, 1);
+    ck_assert_uint_eq(t.decisions_held, 0);
+    /* Off: never held, nothing measured. */
+    qm__pf_trial_init(&t, 0, 8);
+    ck_assert_uint_eq(trial_run(&t, 5000, 200, 100, 0, 0, NULL), 0);
+    ck_assert_uint_eq(t.decisions, 0);
+}
+END_TEST
+
+/* In a pager: while the trial holds prefetch, the predictions are made and
+ * scored but nothing is read, each held call is counted, and bit 3 of
+ * prefetch_sources_off says so; fetching resumes after the held windows.
+ * Which mode wins depends on the clock; the A B B A measurement's order
+ * does not: 2 tokens and window A fetch, then a token and two windows are
+ * held. */
+START_TEST(test_prefetch_trial_in_the_pager_holds_reads_not_predictions)
+{
+    qm_policy pol = {0};
+    ck_assert_int_eq(qm_policy_new("lru", NULL, &pol, &fixture.st), 0);
+    qm_residency_plan *plan = make_plan(&fixture.bank, &pol, 1, 4 * unit_bytes(&fixture.bank));
+    /* Never gated by precision: each call's prediction is fetched unless held. */
+    qm_pager_options o = {.prefetch = 1, .prefetch_trial = 1, .prefetch_min_precision = -1};
+    qm_pager *pg = NULL;
+    ck_assert_int_eq(qm_pager_new(fixture.cpu, fixture.bank.bank, plan, &pol, &o, &pg, &fixture.st),
+                     0);
+    const uint32_t L = fixture.spec.layers, W = QM__TRIAL_MIN_WINDOW_CALLS; /* 3 layers */
+    uint64_t s = 5;
+    uint32_t i = 0;
+    qm_pager_stats a, b;
+#define TRIAL_CALLS(n)                                                                             \
+    for (uint32_t end = i + (n); i < end; i++) {                                                   \
+        uint32_t ex[2] = {(uint32_t)(pf_rand(&s) % 4), 4 + (uint32_t)(pf_rand(&s) % 4)};          \
+        call_experts(pg, &fixture.bank, i % L, ex, 2, &s);                                         \
+    }
+    TRIAL_CALLS(2 * L + W);
+    qm_pager_stats_get(pg, &a);
+    ck_assert_uint_gt(a.prefetch_issued, 0);
+    ck_assert_uint_eq(a.prefetch_trial_held, 0);
+    ck_assert_uint_eq(a.prefetch_sources_off & 8u, 0);
+    TRIAL_CALLS(1);
+    qm_pager_stats_get(pg, &b);
+    ck_assert(b.prefetch_sources_off & 8u);
+    TRIAL_CALLS(L + 2 * W);
+    qm_pager_stats_get(pg, &b);
+    ck_assert_uint_eq(b.prefetch_trial_held, L + 2 * W + 1);
+    ck_assert_uint_eq(b.prefetch_issued, a.prefetch_issued);
+    ck_assert_uint_gt(b.predict_router_predicted, a.predict_router_predicted + L + 2 * W);
+    ck_assert(b.prefetch_sources_off & 8u);
+    TRIAL_CALLS(1); /* the call that closes B B switches back */
+    qm_pager_stats_get(pg, &b);
+    ck_assert_uint_eq(b.prefetch_sources_off & 8u, 0);
+    ck_assert_uint_eq(b.prefetch_trial_held, L + 2 * W + 1);
+    TRIAL_CALLS(W);
+    qm_pager_stats_get(pg, &a);
+    ck_assert_uint_gt(a.prefetch_issued, b.prefetch_issued);
+    ck_assert_uint_eq(a.prefetch_trial_held, b.prefetch_trial_held);
+    ck_assert_uint_eq(a.prefetch_trial_decisions, 0);
+#undef TRIAL_CALLS
+    qm_pager_free(pg);
+    qm_plan_free(plan);
+    qm_policy_destroy(&pol);
+}
+END_TEST
+
 static void add_edge_tests(TCase *tc)
 {
     tcase_add_test(tc, test_recorded_trace_holds_each_tokens_routing_in_layer_order);
@@ -772,6 +910,9 @@ static void add_edge_tests(TCase *tc)
     tcase_add_test(tc, test_budget_below_one_expert_is_refused_naming_the_minimum);
     tcase_add_test(tc, test_router_prefetch_makes_next_layer_call_all_hits);
     tcase_add_test(tc, test_prefetch_never_evicts_pinned_or_in_use_experts);
+    tcase_add_test(tc, test_prefetch_trial_holds_prefetch_that_is_slower);
+    tcase_add_test(tc, test_prefetch_trial_keeps_prefetch_that_pays_and_times_only_decode);
+    tcase_add_test(tc, test_prefetch_trial_in_the_pager_holds_reads_not_predictions);
 }
 
 int main(void)
