@@ -3,8 +3,8 @@
 
     python3 bench/paging_disk/io_bench.py BUILD_DIR [--bank FILE | --layers N --dir DIR]
         [--tokens 48] [--warm 8] [--reps 3] [--budgets 0.5,0.25] [--policy next_use]
-        [--precision fast] [--io-depth 32] [--threads 2] [--old] [--fio-seconds 8]
-        [--trace FILE] [--json OUT]
+        [--precision fast] [--io-depth 32] [--threads 2] [--old] [--trial-ab]
+        [--fio-seconds 8] [--trace FILE] [--json OUT]
 
 1. The disk, with fio on the bank file itself (O_DIRECT, read only, 2 MiB
    reads): random at queue depth 1, random at the queue depth qmoed uses
@@ -28,7 +28,9 @@ rate at qmoed's depth) and the bounds it sets: I/O alone (1 / I/O time) and
 overlapped with compute (min of that and resident), and the share of the
 overlapped bound the row reached; disk busy: every byte the pager read per
 token (prefetches too) x tokens/s / that rate, how much of the disk the
-row used; with --old, new/old per budget.
+row used; with --old, new/old per budget; with --trial-ab, a
+`direct-notrial` row per budget (the prefetch trial off,
+engine/pager/qm_pager_trial.h) and trial on/off.
 
 Without --bank a Qwen3-30B-A3B-shaped bank (128 experts, top-8, H 2048,
 I 768, int4 blocks of 32, f16 scales) of --layers layers (default 4, about
@@ -89,7 +91,8 @@ def run_row(binary, bank, row, a):
             "--threads", str(a.threads), "--precision", a.precision, "--mode", row["mode"]]
     if row["mode"] == "direct":
         args += ["--policy", a.policy, "--budget", str(row["budget"]), "--io", row["io"],
-                 "--io-depth", str(1 if row["io"] == "serial" else a.io_depth)]
+                 "--io-depth", str(1 if row["io"] == "serial" else a.io_depth),
+                 "--prefetch-trial", row.get("trial", "auto")]
     if a.trace:
         args += ["--trace", a.trace]
     p = sh(args, timeout=3600)
@@ -113,6 +116,8 @@ def main():
     ap.add_argument("--io-depth", type=int, default=32)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--old", action="store_true", help="add the engine before (serial) per budget")
+    ap.add_argument("--trial-ab", action="store_true",
+                    help="add a row per budget with the prefetch trial off (engine/pager/qm_pager_trial.h)")
     ap.add_argument("--fio-seconds", type=int, default=8)
     ap.add_argument("--trace")
     ap.add_argument("--json", help="also write every run's JSON line here")
@@ -141,6 +146,9 @@ def main():
     rows = [{"name": "resident", "mode": "resident", "budget": 1.0, "io": "-"}]
     for b in (float(x) for x in a.budgets.split(",")):
         rows.append({"name": "direct", "mode": "direct", "budget": b, "io": "auto"})
+        if a.trial_ab:
+            rows.append({"name": "direct-notrial", "mode": "direct", "budget": b, "io": "auto",
+                         "trial": "off"})
         if a.old:
             rows.append({"name": "direct-old", "mode": "direct", "budget": b, "io": "serial"})
     runs = {i: [] for i in range(len(rows))}
@@ -187,11 +195,14 @@ def main():
                       "%.2f" % (tps / overlap),
                       "%.0f%%" % (100 * med(i, "pager_disk_mib_per_token") * 1048576 * tps / rate
                                   if rate else 0)]
-            new_of.setdefault(row["budget"], {})[row["io"]] = tps
+            new_of.setdefault(row["budget"], {})[row["io"] + ("-" + row["trial"] if "trial" in row else "")] = tps
         else:
             cells += ["-"] * 8
         print("| " + " | ".join(cells) + " |")
     for b, d in new_of.items():
+        if "auto" in d and "auto-off" in d:
+            print("# budget %.0f%%: prefetch trial on/off %.2f (%.2f / %.2f tok/s)" % (
+                100 * b, d["auto"] / d["auto-off"], d["auto"], d["auto-off"]))
         if "auto" in d and "serial" in d:
             print("# budget %.0f%%: new/old %.2f (%.2f / %.2f tok/s)" % (
                 100 * b, d["auto"] / d["serial"], d["auto"], d["serial"]))

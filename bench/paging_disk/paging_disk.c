@@ -46,7 +46,7 @@
 #include "sim.h"
 
 typedef struct bench_cfg {
-    const char *path, *mode, *policy, *trace, *io, *precision;
+    const char *path, *mode, *policy, *trace, *io, *precision, *trial;
     double frac, alpha, locality;
     uint32_t tokens, warm, threads, io_depth;
     uint64_t seed;
@@ -70,7 +70,7 @@ static int parse_args(int argc, char **argv, bench_cfg *c)
 {
     *c = (bench_cfg){.mode = "direct", .policy = "lru", .io = "auto", .precision = "exact",
                      .frac = 0.5, .alpha = 1.0, .locality = 0.3, .tokens = 64, .warm = 8,
-                     .threads = 2, .seed = 1, .prefetch = 1};
+                     .threads = 2, .seed = 1, .prefetch = 1, .trial = "auto"};
     const bench_arg args[] = {
         {"--bank", BENCH_ARG_STR, &c->path},         {"--mode", BENCH_ARG_STR, &c->mode},
         {"--budget", BENCH_ARG_DBL, &c->frac},       {"--policy", BENCH_ARG_STR, &c->policy},
@@ -79,6 +79,7 @@ static int parse_args(int argc, char **argv, bench_cfg *c)
         {"--locality", BENCH_ARG_DBL, &c->locality}, {"--seed", BENCH_ARG_U64, &c->seed},
         {"--trace", BENCH_ARG_STR, &c->trace},       {"--io", BENCH_ARG_STR, &c->io},
         {"--io-depth", BENCH_ARG_U32, &c->io_depth}, {"--precision", BENCH_ARG_STR, &c->precision},
+        {"--prefetch-trial", BENCH_ARG_STR, &c->trial},
     };
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
@@ -96,7 +97,8 @@ static int parse_args(int argc, char **argv, bench_cfg *c)
         mode_ok |= !strcmp(c->mode, modes[i]);
     if (!c->path || c->tokens == 0 || !mode_ok || c->frac <= 0 || c->frac > 1 ||
         qm_pager_io_parse(c->io) < 0 ||
-        (strcmp(c->precision, "exact") && strcmp(c->precision, "fast")))
+        (strcmp(c->precision, "exact") && strcmp(c->precision, "fast")) ||
+        (strcmp(c->trial, "auto") && strcmp(c->trial, "on") && strcmp(c->trial, "off")))
         return -1;
     return 0;
 }
@@ -122,6 +124,9 @@ static qm_pager *make_pager(const bench_cfg *c, qm_backend *be, qm_bank *bank, q
 {
     int direct = !strcmp(c->mode, "direct"), resident = !strcmp(c->mode, "resident");
     qm_pager_options o = {.prefetch = c->prefetch,
+                          .prefetch_trial = !strcmp(c->trial, "on")    ? 1
+                                            : !strcmp(c->trial, "off") ? 2
+                                                                       : 0,
                           .source = direct ? QM_PAGER_SOURCE_DIRECT : QM_PAGER_SOURCE_MMAP,
                           .io_engine = qm_pager_io_parse(c->io),
                           .io_depth = c->io_depth,
@@ -236,7 +241,7 @@ int main(int argc, char **argv)
                         "[--budget FRAC] [--policy P] [--tokens N] [--warm W] [--threads T] "
                         "[--alpha A] [--locality L] [--seed S] [--trace FILE] "
                         "[--io auto|threads|serial] [--io-depth D] [--precision exact|fast] "
-                        "[--no-prefetch]\n");
+                        "[--no-prefetch] [--prefetch-trial auto|on|off]\n");
         return 2;
     }
     if (drop_cache(c.path))
