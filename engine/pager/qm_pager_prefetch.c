@@ -445,8 +445,11 @@ void qm__pager_prefetch_next(qm_pager *p, const qm_moe_call *call)
 {
     if (!p->opt.prefetch || p->n_slots == 0)
         return;
-    /* Every call is timed, whether or not the next layer is paged. */
-    int held = qm__pf_trial_call(&p->trial, call->n_tokens, qm__now_us());
+    /* Every call is timed, whether or not the next layer is paged, once
+     * the budget is full (its first eviction): before, a prefetch lands in
+     * a free slot and evicts nothing, and a filling cache's misses would
+     * weigh on whichever mode came first. */
+    int held = p->stats.evictions ? qm__pf_trial_call(&p->trial, call->n_tokens, qm__now_us()) : 0;
     qm__pf_trial_publish(p);
     uint32_t next = (call->layer + 1) % p->n_layers;
     qm__layer *N = &p->layers[next];

@@ -15,7 +15,7 @@ void qm__pf_trial_init(qm__pf_trial *t, int on, uint32_t layers)
     uint32_t w = QM__TRIAL_WINDOW_TOKENS * layers;
     t->window_calls = w < QM__TRIAL_MIN_WINDOW_CALLS ? QM__TRIAL_MIN_WINDOW_CALLS : w;
     t->settle_calls = layers;
-    t->settle = QM__TRIAL_START_TOKENS * layers; /* the first misses of an empty cache */
+    t->settle = QM__TRIAL_START_TOKENS * layers; /* the budget just filled */
 }
 
 /* The mode of exploring window `step`: A B B A from `first`, so that a

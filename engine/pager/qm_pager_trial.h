@@ -12,9 +12,10 @@
  * shape a fifth of its decode and the Mixtral-8x7B shape a third, while it
  * gained the GPT-OSS-20B shape a third.
  *
- * So the trial times the session itself. After its first two tokens (an
- * empty cache's misses), in windows of about two tokens (2 x layers
- * forward calls), it runs prefetch fetched and prefetch held (predicted
+ * So the trial times the session itself. Once its budget is full (the
+ * pager calls it from the first eviction on: until then a prefetch evicts
+ * nothing) and two more tokens have passed, in windows of about two tokens
+ * (2 x layers forward calls), it runs prefetch fetched and prefetch held (predicted
  * and scored as always, nothing read) in the order A B B A (a trend, such
  * as a cache still filling, weighs on both alike), the first token after
  * each switch left out of the clock (the cache it left behind is the other
@@ -37,7 +38,7 @@
 #define QM__TRIAL_WINDOW_TOKENS 2u   /* a window: this many x layers calls */
 #define QM__TRIAL_MIN_WINDOW_CALLS 16u
 #define QM__TRIAL_EXPLORE_STEPS 4u   /* windows A B B A, before deciding */
-#define QM__TRIAL_START_TOKENS 2u    /* a session's first tokens, left out */
+#define QM__TRIAL_START_TOKENS 2u    /* the first tokens it sees, left out */
 #define QM__TRIAL_KEEP_WINDOWS 32u   /* the winner's, before measuring again */
 #define QM__TRIAL_KEEP_MAX 512u      /* ... doubled while the answer holds, to this */
 #define QM__TRIAL_MAX_TOKENS 64u     /* a larger call is a prefill: the window restarts */

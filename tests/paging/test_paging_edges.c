@@ -842,9 +842,10 @@ END_TEST
 /* In a pager: while the trial holds prefetch, the predictions are made and
  * scored but nothing is read, each held call is counted, and bit 3 of
  * prefetch_sources_off says so; fetching resumes after the held windows.
- * Which mode wins depends on the clock; the A B B A measurement's order
- * does not: 2 tokens and window A fetch, then a token and two windows are
- * held. */
+ * Which mode wins depends on the clock; the order of the first measurement
+ * does not: from the budget's first eviction, 2 tokens and window A fetch,
+ * then a token and two windows (L + 2W + 1 calls, the last switching back)
+ * are held. */
 START_TEST(test_prefetch_trial_in_the_pager_holds_reads_not_predictions)
 {
     qm_policy pol = {0};
@@ -856,38 +857,39 @@ START_TEST(test_prefetch_trial_in_the_pager_holds_reads_not_predictions)
     ck_assert_int_eq(qm_pager_new(fixture.cpu, fixture.bank.bank, plan, &pol, &o, &pg, &fixture.st),
                      0);
     const uint32_t L = fixture.spec.layers, W = QM__TRIAL_MIN_WINDOW_CALLS; /* 3 layers */
-    uint64_t s = 5;
-    uint32_t i = 0;
-    qm_pager_stats a, b;
-#define TRIAL_CALLS(n)                                                                             \
-    for (uint32_t end = i + (n); i < end; i++) {                                                   \
-        uint32_t ex[2] = {(uint32_t)(pf_rand(&s) % 4), 4 + (uint32_t)(pf_rand(&s) % 4)};          \
-        call_experts(pg, &fixture.bank, i % L, ex, 2, &s);                                         \
+    enum { N = 200 };
+    uint8_t held[N], bit[N];
+    uint64_t issued[N], predicted[N], held_total[N], decisions[N];
+    uint64_t s = 5, held_before = 0;
+    for (uint32_t i = 0; i < N; i++) {
+        uint32_t ex[2] = {(uint32_t)(pf_rand(&s) % 4), 4 + (uint32_t)(pf_rand(&s) % 4)};
+        call_experts(pg, &fixture.bank, i % L, ex, 2, &s);
+        qm_pager_stats ps;
+        qm_pager_stats_get(pg, &ps);
+        held[i] = ps.prefetch_trial_held > held_before;
+        held_before = ps.prefetch_trial_held;
+        bit[i] = (ps.prefetch_sources_off & 8u) != 0;
+        issued[i] = ps.prefetch_issued;
+        predicted[i] = ps.predict_router_predicted;
+        held_total[i] = ps.prefetch_trial_held;
+        decisions[i] = ps.prefetch_trial_decisions;
     }
-    TRIAL_CALLS(2 * L + W);
-    qm_pager_stats_get(pg, &a);
-    ck_assert_uint_gt(a.prefetch_issued, 0);
-    ck_assert_uint_eq(a.prefetch_trial_held, 0);
-    ck_assert_uint_eq(a.prefetch_sources_off & 8u, 0);
-    TRIAL_CALLS(1);
-    qm_pager_stats_get(pg, &b);
-    ck_assert(b.prefetch_sources_off & 8u);
-    TRIAL_CALLS(L + 2 * W);
-    qm_pager_stats_get(pg, &b);
-    ck_assert_uint_eq(b.prefetch_trial_held, L + 2 * W + 1);
-    ck_assert_uint_eq(b.prefetch_issued, a.prefetch_issued);
-    ck_assert_uint_gt(b.predict_router_predicted, a.predict_router_predicted + L + 2 * W);
-    ck_assert(b.prefetch_sources_off & 8u);
-    TRIAL_CALLS(1); /* the call that closes B B switches back */
-    qm_pager_stats_get(pg, &b);
-    ck_assert_uint_eq(b.prefetch_sources_off & 8u, 0);
-    ck_assert_uint_eq(b.prefetch_trial_held, L + 2 * W + 1);
-    TRIAL_CALLS(W);
-    qm_pager_stats_get(pg, &a);
-    ck_assert_uint_gt(a.prefetch_issued, b.prefetch_issued);
-    ck_assert_uint_eq(a.prefetch_trial_held, b.prefetch_trial_held);
-    ck_assert_uint_eq(a.prefetch_trial_decisions, 0);
-#undef TRIAL_CALLS
+    uint32_t h = 0;
+    while (h < N && !held[h])
+        h++;
+    ck_assert_uint_ge(h, 2 * L + W); /* at least 2 tokens and window A first */
+    ck_assert_uint_gt(issued[h - 1], 0);
+    for (uint32_t i = h; i < h + L + 2 * W + 1; i++) {
+        ck_assert_msg(held[i] && bit[i], "call %u of the held run", i - h);
+        ck_assert_uint_eq(issued[i], issued[h - 1]); /* nothing read */
+    }
+    ck_assert_uint_gt(predicted[h + L + 2 * W], predicted[h - 1] + L + 2 * W); /* scored */
+    uint32_t after = h + L + 2 * W + 1;
+    ck_assert(!held[after] && !bit[after]);
+    ck_assert_uint_gt(issued[after + W - 1], issued[after - 1]); /* fetching again */
+    ck_assert_uint_eq(held_total[after + W - 1], L + 2 * W + 1);
+    ck_assert_uint_eq(decisions[after + W - 1], 0); /* the last A is not over */
+    ck_assert_uint_eq(decisions[N - 1], 1);         /* it is now */
     qm_pager_free(pg);
     qm_plan_free(plan);
     qm_policy_destroy(&pol);
