@@ -7,6 +7,7 @@ one command, one table, one figure.
     $QMOE_TORCH_VENV/bin/python bench/e2e/capped_sweep.py --llama PREFIX
         [--shapes qwen3-30b-a3b,gpt-oss-20b,mixtral-8x7b] [--caps 1/2,1/3,1/4]
         [--prompt 16] [--decode 32] [--work DIR] [--keep] [--direct-q8]
+        [--variant NAME:KEY=VALUE ...]
         [--json OUT.json] [--md OUT.md] [--png docs/capped_sweep.png]
 
 Per shape (bench/e2e/checkpoints.py's real-config checkpoint, 8 layers): the
@@ -56,7 +57,10 @@ overlapped_bound_tok_s = 1 / max(that time, the uncapped qmoed decode's time
 per token): every read overlapped with compute, which needs every miss
 foreseen a call ahead. The row also gives the rate its reads ran at while
 decoding (bytes read per token x tokens/s), beside fio's.
-Every row also records its cgroup's OOM kills.
+Every row also records its cgroup's OOM kills. Each --variant NAME:KEY=VALUE
+adds, per cap, a "llama.cpp + qmoed, NAME" row whose qmoed runs with --set
+KEY=VALUE (e.g. no-trial:prefetch_trial=false), the qmoed rows of a cap in
+turns (the order reversed every other cap).
 
 Writes the rows as JSON (--json), the markdown table (stdout and --md) and
 the figure (--png, matplotlib): decode tok/s against the memory given (the
@@ -258,11 +262,13 @@ def alone(a, shape, gguf, gguf_bytes, cap):
     return row
 
 
-def with_qmoed(a, shape, gguf, bank, name, gguf_bytes, cap, reserve, layers):
+def with_qmoed(a, shape, gguf, bank, name, gguf_bytes, cap, reserve, layers, variant=None):
     from qmoed_harness import Daemon
-    row = base_row(shape, "llama.cpp + qmoed", cap, gguf_bytes)
+    row = base_row(shape, "llama.cpp + qmoed" + (", " + variant[0] if variant else ""), cap, gguf_bytes)
     args = ["--threads", str(a.threads), "--log-level", "info", "--set", "paging_source=direct",
             "--set", "io_depth=%d" % a.iodepth, "--set", "auto_budget_reserve=%d" % reserve]
+    if variant:
+        args += ["--set", variant[1]]
     g = MemCgroup(cap * gguf_bytes, prefix="qmoe-sweep") if cap else None
     dm = None
     try:
@@ -397,7 +403,8 @@ def run_shape(a, shape):
     ckpt = os.path.join(a.work, shape)
     made = []
     try:
-        if not os.path.exists(os.path.join(ckpt, "config.json")):
+        have_gguf = os.path.exists(os.path.join(a.work, shape + ".q4_0.gguf"))
+        if not have_gguf and not os.path.exists(os.path.join(ckpt, "config.json")):
             ex, other = checkpoints.sizes(checkpoints.shape_config(shape, a.layers))
             progress("%s: building the checkpoint (%.1f GB of experts, %.2f GB of the rest, bf16)"
                      % (shape, ex / GB, other / GB))
@@ -443,10 +450,17 @@ def run_shape(a, shape):
             rows.append(alone(a, shape, gguf, gguf_bytes, cap))
             progress("%s:   %s, decode %s tok/s" % (shape, rows[-1]["status"], fmt(rows[-1]["decode_tok_s"])))
             progress("%s: cap %.2f GB: llama.cpp + qmoed, budget auto" % (shape, cap * gguf_bytes / GB))
-            rows.append(with_qmoed(a, shape, gguf, bank, name, gguf_bytes, cap, reserve, layers))
-            io_bounds(rows[-1], unit, rate, compute_s)
-            progress("%s:   %s, decode %s tok/s, %s" % (shape, rows[-1]["status"], fmt(rows[-1]["decode_tok_s"]),
-                                                        rows[-1]["budget_auto"]))
+            # With variants, the qmoed rows of a cap alternate their order
+            # cap by cap (a shared host's speed drifts).
+            runs = [None] + a.variant
+            if a.variant and a.caps.index(cap) % 2:
+                runs.reverse()
+            for v in runs:
+                rows.append(with_qmoed(a, shape, gguf, bank, name, gguf_bytes, cap, reserve, layers, v))
+                io_bounds(rows[-1], unit, rate, compute_s)
+                progress("%s:   %s%s, decode %s tok/s, %s" % (
+                    shape, rows[-1]["status"], " (%s)" % v[0] if v else "",
+                    fmt(rows[-1]["decode_tok_s"]), rows[-1]["budget_auto"]))
         if a.midrun:
             progress("%s: the cap of %s lowered mid-run by half of what auto took" % (shape, frac_text(a.caps[0])))
             rows.append(midrun(a, shape, gguf, bank, name, gguf_bytes, a.caps[0], reserve))
@@ -588,6 +602,9 @@ def main(argv=None):
     ap.add_argument("--prompt", type=int, default=16)
     ap.add_argument("--decode", type=int, default=32)
     ap.add_argument("--policy", default="next_use", help="of the capped qmoed rows")
+    ap.add_argument("--variant", action="append", default=[], metavar="NAME:KEY=VALUE",
+                    help="per cap, another llama.cpp + qmoed row with qmoed --set KEY=VALUE "
+                    "(e.g. no-trial:prefetch_trial=false), named NAME; repeatable")
     ap.add_argument("--precision", choices=("exact", "fast"), help="of the qmoed rows (default: exact)")
     ap.add_argument("--reserve", type=int, help="auto_budget_reserve in bytes (default: the engine's "
                     "share measured uncapped + 64 MiB)")
@@ -622,6 +639,11 @@ def main(argv=None):
         ap.error("the sweep caps memory with cgroups: " + why)
     a.caps = [fraction(c) for c in a.caps.split(",")]
     a.shapes = a.shapes.split(",")
+    for i, v in enumerate(a.variant):
+        vname, _, kv = v.partition(":")
+        if not vname or "=" not in kv:
+            ap.error("--variant %r: expected NAME:KEY=VALUE" % v)
+        a.variant[i] = (vname, kv)
     for s in a.shapes:
         if s not in checkpoints.SHAPES:
             ap.error("unknown shape %r (%s)" % (s, ", ".join(checkpoints.SHAPES)))
