@@ -4,32 +4,33 @@
  * The gates of qm_pager_prefetch.c judge each prediction source by what it
  * predicts (precision) and by how many of its prefetches were used before
  * eviction. Neither says whether prefetching made the session faster: a
- * prefetch that was used still took the disk's time when the disk was the
- * bound, and one that was not took it for nothing and may have evicted an
- * expert the next token needed. Measured with the capped sweep (docs/
- * BENCHMARKS.md, 2026-12-04, llama.cpp + qmoed at 1/3 of the GGUF, two
- * alternated rounds), the same gates let prefetch cost the Qwen3-30B-A3B
- * shape a fifth of its decode and the Mixtral-8x7B shape a third, while it
- * gained the GPT-OSS-20B shape a third.
+ * prefetch that was used still took the disk's time, which under a memory
+ * cap is the bound, and one that was not took it for nothing and may have
+ * evicted an expert the next token needed. Measured on this project's VMs
+ * (llama.cpp + qmoed at 1/3 of the GGUF, 2026-12-04, alternated pairs),
+ * prefetch as the gates allowed it cost the Mixtral-8x7B shape a quarter
+ * of its decode (1.78-1.91 against 2.35-2.68 tok/s without prefetch, 1.35
+ * against 0.87 GB read a token); on the Qwen3-30B-A3B and GPT-OSS-20B
+ * shapes the difference stayed within the host's noise.
  *
  * So the trial times the session itself. Once its budget is full (the
  * pager calls it from the first eviction on: until then a prefetch evicts
  * nothing) and two more tokens have passed, in windows of about two tokens
- * (2 x layers forward calls), it runs prefetch fetched and prefetch held (predicted
- * and scored as always, nothing read) in the order A B B A (a trend, such
- * as a cache still filling, weighs on both alike), the first token after
- * each switch left out of the clock (the cache it left behind is the other
- * mode's); then keeps the mode whose windows took
- * less wall time per token (held only when that is at least 3% faster) for
- * 32 windows, and measures again; each time the answer is the same as the
- * last, it keeps it twice as long (up to 512 windows, about 1000 tokens:
- * a measurement costs the losing mode's windows). Wall time between forward calls is what
- * the engine sees: the calls' compute and stalls, and whatever the engine
- * does between them. A call of more than 64 tokens (a prefill) or a pause
- * of over a second between calls restarts the window.
+ * (2 x layers forward calls), it runs prefetch fetched and prefetch held
+ * (predicted and scored as always, nothing read) in the order A B B A (a
+ * trend weighs on both alike), the first token after each switch left out
+ * of the clock (the cache it finds is the other mode's); then keeps the
+ * mode whose windows took less wall time per token (held only when that
+ * is at least 3% faster) for 32 windows, and measures again; each time the
+ * answer is the same as the last, it keeps it twice as long (up to 512
+ * windows, about 1000 tokens: a measurement costs the losing mode's
+ * windows). Wall time between forward calls is what the engine sees: the
+ * calls' compute and stalls, and whatever the engine does between them. A
+ * call of more than 64 tokens (a prefill) or a pause of over a second
+ * between calls drops the open window.
  *
  * The state machine alone, on the times it is given: tested without a
- * pager (tests/paging/test_paging_trial.c). */
+ * pager, and in one (tests/paging/test_paging_edges.c). */
 #ifndef QM_PAGER_TRIAL_H
 #define QM_PAGER_TRIAL_H
 
