@@ -7,7 +7,7 @@ one command, one table, one figure.
     $QMOE_TORCH_VENV/bin/python bench/e2e/capped_sweep.py --llama PREFIX
         [--shapes qwen3-30b-a3b,gpt-oss-20b,mixtral-8x7b] [--caps 1/2,1/3,1/4]
         [--prompt 16] [--decode 32] [--work DIR] [--keep] [--direct-q8]
-        [--variant NAME:KEY=VALUE ...]
+        [--variant NAME:KEY=VALUE ...] [--no-alone] [--no-midrun]
         [--json OUT.json] [--md OUT.md] [--png docs/capped_sweep.png]
 
 Per shape (bench/e2e/checkpoints.py's real-config checkpoint, 8 layers): the
@@ -60,7 +60,8 @@ decoding (bytes read per token x tokens/s), beside fio's.
 Every row also records its cgroup's OOM kills. Each --variant NAME:KEY=VALUE
 adds, per cap, a "llama.cpp + qmoed, NAME" row whose qmoed runs with --set
 KEY=VALUE (e.g. no-trial:prefetch_trial=false), the qmoed rows of a cap in
-turns (the order reversed every other cap).
+turns (the order reversed every other cap); --no-alone leaves the
+llama.cpp alone rows out (an A/B of qmoed rows alone).
 
 Writes the rows as JSON (--json), the markdown table (stdout and --md) and
 the figure (--png, matplotlib): decode tok/s against the memory given (the
@@ -438,17 +439,18 @@ def run_shape(a, shape):
         common = {"layers": layers, "bytes_per_expert": unit, "expert_bytes": exp, "non_expert_bytes": rest,
                   "disk_bytes_per_s": rate, "disk_cmd": fio_cmd, "disk_engine": fio_engine,
                   "iodepth": a.iodepth, "threads": a.threads, "prompt": a.prompt, "decode": a.decode}
-        progress("%s: uncapped, llama.cpp alone and + qmoed whole_bank" % shape)
-        ref_alone = alone(a, shape, gguf, gguf_bytes, None)
+        progress("%s: uncapped, %s+ qmoed whole_bank" % (shape, "llama.cpp alone and " if a.alone else ""))
+        ref_alone = alone(a, shape, gguf, gguf_bytes, None) if a.alone else None
         ref_q = with_qmoed(a, shape, gguf, bank, name, gguf_bytes, None, 0, layers)
-        rows += [ref_alone, ref_q]
+        rows += [r for r in (ref_alone, ref_q) if r]
         compute_s = 1 / ref_q["decode_tok_s"] if ref_q["decode_tok_s"] else None
         reserve = a.reserve if a.reserve is not None else int(
             (ref_q["engine_peak_anon"] or 0) + (ref_q["engine_peak_file"] or rest) + (64 << 20))
         for cap in a.caps:
-            progress("%s: cap %.2f GB (%.3g of the GGUF): llama.cpp alone" % (shape, cap * gguf_bytes / GB, cap))
-            rows.append(alone(a, shape, gguf, gguf_bytes, cap))
-            progress("%s:   %s, decode %s tok/s" % (shape, rows[-1]["status"], fmt(rows[-1]["decode_tok_s"])))
+            if a.alone:
+                progress("%s: cap %.2f GB (%.3g of the GGUF): llama.cpp alone" % (shape, cap * gguf_bytes / GB, cap))
+                rows.append(alone(a, shape, gguf, gguf_bytes, cap))
+                progress("%s:   %s, decode %s tok/s" % (shape, rows[-1]["status"], fmt(rows[-1]["decode_tok_s"])))
             progress("%s: cap %.2f GB: llama.cpp + qmoed, budget auto" % (shape, cap * gguf_bytes / GB))
             # With variants, the qmoed rows of a cap alternate their order
             # cap by cap (a shared host's speed drifts).
@@ -614,6 +616,8 @@ def main(argv=None):
     ap.add_argument("--alone-repack", type=int, default=0, choices=(0, 1),
                     help="llama.cpp alone under a cap with its default repacking (1) or --repack 0")
     ap.add_argument("--row-timeout", type=int, default=1800, help="seconds per llama-bench run")
+    ap.add_argument("--no-alone", dest="alone", action="store_false",
+                    help="no llama.cpp alone rows (an A/B of qmoed rows with --variant)")
     ap.add_argument("--no-midrun", dest="midrun", action="store_false",
                     help="no run with the first cap lowered mid-run by half of what auto took")
     ap.add_argument("--midrun-tokens", type=int, default=96, help="tokens that run decodes")
