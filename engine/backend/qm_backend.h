@@ -61,6 +61,25 @@ typedef struct qm_expert_job {
  * in docs/ARCHITECTURE.md); a backend without it runs EXACT. */
 typedef enum qm_precision { QM_PRECISION_EXACT = 0, QM_PRECISION_FAST = 1 } qm_precision;
 
+/* A layer call's combine: out[t] = the sum over j = 0..k-1, in that order,
+ * of weights[t*k+j] * y[t*k+j] (rows of `hidden`), skipping a dropped route
+ * (experts[t*k+j] == UINT32_MAX, QM_ROUTE_DROPPED). The forward offers it
+ * with a batch that holds every route of its call (one wave); a backend
+ * that sums the routes itself, with qm_combine_columns and so with the
+ * same bits, sets `done`, and the forward does not sum them again. */
+typedef struct qm_combine {
+    float *out;              /* [n_tokens, hidden] */
+    const float *weights;    /* [n_tokens * k] */
+    const uint32_t *experts; /* [n_tokens * k] */
+    uint32_t k;
+    int done;
+} qm_combine;
+
+/* Columns [c0, c1) of c->out for every token, from y ([n_tokens * k,
+ * hidden] rows by route): the one definition of the sum's order. */
+void qm_combine_columns(const qm_combine *c, const float *y, uint32_t n_tokens, uint32_t hidden,
+                        uint32_t c0, uint32_t c1);
+
 /* A batch of expert jobs of one layer. x: [T, hidden] f32 host memory;
  * y: host memory with room for every out_index. The backend may run jobs
  * in any order and in parallel; each job's result must not depend on that
@@ -74,6 +93,10 @@ typedef struct qm_expert_batch {
     const qm_expert_job *jobs;
     size_t n_jobs;
     qm_precision precision; /* zero-initialised: exact */
+    /* NULL, or the call's combine when this batch holds every one of its
+     * routes: a host backend may sum them as its last tiles land, while
+     * they are in its cache (qm_combine). */
+    qm_combine *combine;
 } qm_expert_batch;
 
 /* ---- The backend registry (qm_backend_registry.c, library qmoe_backends) ----

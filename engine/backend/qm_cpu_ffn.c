@@ -71,6 +71,13 @@ typedef struct qm__run {
     uint32_t *tok_used;  /* [n_used] the tokens, ascending */
     uint32_t n_used;
     atomic_uint tokens_left; /* QM__TASK_TOKENS tasks not done */
+    /* The call's combine (qm_combine), when this run holds every route:
+     * fc2's rows in ranges of `range_tiles` tiles, every job's range r
+     * alike; the task that finishes range r's last job sums its columns,
+     * while they are in cache. */
+    qm_combine *combine;
+    uint32_t range_tiles;
+    atomic_uint *range_left; /* [ranges]: jobs whose fc2 tiles there are not done */
 } qm__run;
 
 int qm__cpu_schedule_from_env(void)
@@ -314,6 +321,23 @@ static void qm__fc2_tile(qm__run *R, uint32_t j, uint32_t t, unsigned worker)
     }
 }
 
+/* After fc2's tiles [first, first + count) of one job (one range): the
+ * job that finishes the range last sums its columns (the seq_cst RMW sees
+ * every other job's rows there). */
+static void qm__fc2_range_done(qm__run *R, uint32_t first, uint32_t count)
+{
+    if (!R->combine || atomic_fetch_sub(&R->range_left[first / R->range_tiles], 1) != 1)
+        return;
+    uint32_t c1 = (first + count) * QM__TILE_ROWS;
+    qm_combine_columns(R->combine, R->b->y, R->b->n_tokens, R->H, first * QM__TILE_ROWS,
+                       c1 < R->H ? c1 : R->H);
+}
+
+/* Appends job j's fc2 tasks, `per` tiles each. With a combine: range-major
+ * (range r of every job, then r + 1), so that a range's jobs finish close
+ * together, and each range's count of jobs set. */
+static size_t qm__add_fc2(qm__run *R, size_t nt, uint32_t per);
+
 /* ---- The phased schedule: four pool runs, a barrier after each ---- */
 
 static void qm__phased_prep(void *arg, size_t j, unsigned worker)
@@ -331,9 +355,10 @@ static void qm__phased_tile(void *arg, size_t t, unsigned worker)
 {
     qm__run *R = arg;
     const qm__task *task = &R->tasks[t];
-    if (task->kind == QM__TASK_FC2)
+    if (task->kind == QM__TASK_FC2) {
         qm__fc2_tile(R, task->job, task->first, worker);
-    else
+        qm__fc2_range_done(R, task->first, 1);
+    } else
         qm__fc1_tile(R, task->job, task->first, task->kind == QM__TASK_FC3 ? 3 : 1, worker);
 }
 
@@ -349,6 +374,31 @@ static size_t qm__add_tiles(qm__task *tasks, size_t nt, uint32_t j, size_t tiles
     for (uint32_t t = 0; t < tiles; t += per) {
         uint32_t n = tiles - t < per ? (uint32_t)(tiles - t) : per;
         tasks[nt++] = (qm__task){.job = j, .first = t, .count = n, .kind = kind};
+    }
+    return nt;
+}
+
+static size_t qm__add_fc2(qm__run *R, size_t nt, uint32_t per)
+{
+    const qm_expert_batch *b = R->b;
+    size_t tiles = qm__tiles(R->H);
+    if (!R->combine) {
+        for (size_t j = 0; j < b->n_jobs; j++)
+            if (b->jobs[j].n_rows)
+                nt = qm__add_tiles(R->tasks, nt, (uint32_t)j, tiles, per, QM__TASK_FC2);
+        return nt;
+    }
+    unsigned jobs = 0;
+    for (size_t j = 0; j < b->n_jobs; j++)
+        jobs += b->jobs[j].n_rows != 0;
+    R->range_tiles = per;
+    for (uint32_t t = 0, r = 0; t < tiles; t += per, r++) {
+        uint32_t n = tiles - t < per ? (uint32_t)(tiles - t) : per;
+        atomic_store_explicit(&R->range_left[r], jobs, memory_order_relaxed);
+        for (size_t j = 0; j < b->n_jobs; j++)
+            if (b->jobs[j].n_rows)
+                R->tasks[nt++] = (qm__task){
+                    .job = (uint32_t)j, .first = t, .count = n, .kind = QM__TASK_FC2};
     }
     return nt;
 }
@@ -392,12 +442,7 @@ static void qm__run_phased(qm__cpu_ffn *f, qm__run *R)
     }
     qm__run_tasks(f, R, nt, qm__phased_tile, R);
     qm__run_tasks(f, R, b->n_jobs, qm__phased_act, R);
-    nt = 0;
-    for (size_t j = 0; j < b->n_jobs; j++) {
-        if (!b->jobs[j].n_rows)
-            continue;
-        nt = qm__add_tiles(R->tasks, nt, (uint32_t)j, qm__tiles(R->H), 1, QM__TASK_FC2);
-    }
+    nt = qm__add_fc2(R, 0, 1);
     qm__run_tasks(f, R, nt, qm__phased_tile, R);
 }
 
@@ -481,6 +526,7 @@ static void qm__fused_task(void *arg, size_t t, unsigned worker)
         qm__wait(f, &js->activated, NULL);
         for (uint32_t i = 0; i < task->count; i++)
             qm__fc2_tile(R, task->job, task->first + i, worker);
+        qm__fc2_range_done(R, task->first, task->count);
         return;
     default:
         return;
@@ -527,9 +573,7 @@ static void qm__run_fused(qm__cpu_ffn *f, qm__run *R, size_t total_tiles)
         atomic_store_explicit(&R->sync[j].fc1_left, (unsigned)(nt - before),
                               memory_order_relaxed);
     }
-    for (size_t j = 0; j < b->n_jobs; j++)
-        if (b->jobs[j].n_rows)
-            nt = qm__add_tiles(R->tasks, nt, (uint32_t)j, qm__tiles(R->H), tpt, QM__TASK_FC2);
+    nt = qm__add_fc2(R, nt, tpt);
     /* The pool's start publishes these stores to the workers. */
     qm__run_tasks(f, R, nt, qm__fused_task, R);
 }
@@ -560,7 +604,8 @@ static int qm__grow_array(void **items, size_t *cap, size_t n, size_t elem)
 }
 
 /* Grows the shared scratch; contents are not kept. */
-static int qm__ffn_reserve(qm__cpu_ffn *f, size_t floats, size_t tasks, size_t jobs)
+static int qm__ffn_reserve(qm__cpu_ffn *f, size_t floats, size_t tasks, size_t jobs,
+                           size_t ranges)
 {
     if (floats > f->scratch_floats) {
         qm_free(f->scratch_raw);
@@ -578,7 +623,8 @@ static int qm__ffn_reserve(qm__cpu_ffn *f, size_t floats, size_t tasks, size_t j
         f->scratch_floats = floats;
     }
     if (qm__grow_array((void **)&f->tasks, &f->tasks_cap, tasks, sizeof(qm__task)) < 0 ||
-        qm__grow_array((void **)&f->sync, &f->sync_cap, jobs, sizeof(qm__job_sync)) < 0)
+        qm__grow_array((void **)&f->sync, &f->sync_cap, jobs, sizeof(qm__job_sync)) < 0 ||
+        qm__grow_array(&f->left, &f->left_cap, ranges, sizeof(atomic_uint)) < 0)
         return QM_ENOMEM;
     return 0;
 }
@@ -709,7 +755,8 @@ static int qm__run_scratch(qm__cpu_ffn *f, qm__run *R, const qm__run_size *sz, i
     size_t total = off_tok + (dedupe ? (size_t)b->n_tokens + n_tx : 0);
     size_t max_tasks = fused ? (size_t)f->threads * 4 + 1 + b->n_jobs + sz->n_tasks1 + sz->n_tasks2
                              : (sz->n_tasks1 > sz->n_tasks2 ? sz->n_tasks1 : sz->n_tasks2);
-    if (qm__ffn_reserve(f, total, max_tasks, fused ? b->n_jobs : 0) < 0)
+    if (qm__ffn_reserve(f, total, max_tasks, fused ? b->n_jobs : 0,
+                        R->combine ? qm__tiles(R->H) : 0) < 0)
         return qm_status_set(st, QM_ENOMEM, "out of memory for %zu floats of expert scratch",
                              total);
     float *s = f->scratch;
@@ -721,6 +768,7 @@ static int qm__run_scratch(qm__cpu_ffn *f, qm__run *R, const qm__run_size *sz, i
     R->wscratch = s + off_ws;
     R->tasks = f->tasks;
     R->sync = f->sync;
+    R->range_left = f->left;
     if (dedupe) {
         R->TX = s + off_tx;
         R->tx_floats = qm__i8_x_stride(m1);
@@ -729,6 +777,19 @@ static int qm__run_scratch(qm__cpu_ffn *f, qm__run *R, const qm__run_size *sz, i
         qm__map_tokens(R);
     }
     return 0;
+}
+
+/* Whether the batch's `rows` rows are every route its combine sums (the
+ * forward offers one only then; checked, as a backend checks its input). */
+static int qm__covers_routes(const qm_expert_batch *b, size_t rows)
+{
+    const qm_combine *c = b->combine;
+    if (!c || !c->out || !c->weights || !c->experts || c->k == 0)
+        return 0;
+    size_t routes = 0, n = (size_t)b->n_tokens * c->k;
+    for (size_t i = 0; i < n; i++)
+        routes += c->experts[i] != UINT32_MAX;
+    return routes == rows;
 }
 
 int qm__cpu_ffn_run(qm__cpu_ffn *f, const qm_expert_batch *b, qm_status *st)
@@ -744,6 +805,8 @@ int qm__cpu_ffn_run(qm__cpu_ffn *f, const qm_expert_batch *b, qm_status *st)
     for (size_t j = 0; j < b->n_jobs && rc == 0; j++)
         rc = qm__job_geometry(&R, j, &sz, st);
     const int fused = f->schedule == QM__CPU_SCHEDULE_FUSED;
+    if (rc == 0 && sz.hrows && qm__covers_routes(b, sz.hrows))
+        R.combine = b->combine;
     if (rc == 0 && sz.hrows)
         rc = qm__run_scratch(f, &R, &sz, fused, st);
     if (rc == 0 && sz.hrows) {
@@ -751,6 +814,8 @@ int qm__cpu_ffn_run(qm__cpu_ffn *f, const qm_expert_batch *b, qm_status *st)
             qm__run_fused(f, &R, sz.n_tasks1 + sz.n_tasks2);
         else
             qm__run_phased(f, &R);
+        if (R.combine)
+            R.combine->done = 1;
     }
     qm_free(R.geo);
     return rc;
@@ -775,6 +840,7 @@ void qm__cpu_ffn_release(qm__cpu_ffn *f)
     qm_free(f->scratch_raw);
     qm_free(f->tasks);
     qm_free(f->sync);
+    qm_free(f->left);
     f->scratch_raw = NULL;
     f->scratch = NULL;
     f->scratch_floats = 0;
@@ -782,6 +848,8 @@ void qm__cpu_ffn_release(qm__cpu_ffn *f)
     f->tasks_cap = 0;
     f->sync = NULL;
     f->sync_cap = 0;
+    f->left = NULL;
+    f->left_cap = 0;
     if (f->inited) {
         pthread_cond_destroy(&f->cv);
         pthread_mutex_destroy(&f->mu);

@@ -46,6 +46,8 @@ typedef struct qm__cpu_ffn {
     size_t tasks_cap;
     void *sync; /* per-job flags of the fused schedule */
     size_t sync_cap;
+    void *left; /* per range of fc2 rows: jobs not done there (a combine) */
+    size_t left_cap;
     /* Where the fused schedule's waiting tasks sleep (qm__cpu_ffn_init). */
     pthread_mutex_t mu;
     pthread_cond_t cv;

@@ -108,27 +108,34 @@ int qm__host_batch(qm__host_pass *hp, const qm_expert_batch *batch, qm_expert_ba
     return 0;
 }
 
+void qm_combine_columns(const qm_combine *c, const float *y, uint32_t n_tokens, uint32_t hidden,
+                        uint32_t c0, uint32_t c1)
+{
+    /* Route order j = 0..k-1: the same sums whatever order the experts ran
+     * in. The fc2 bias is inside y, so inside the weighted sum. */
+    const uint32_t k = c->k;
+    for (uint32_t t = 0; t < n_tokens; t++) {
+        float *o = c->out + (size_t)t * hidden;
+        for (uint32_t n = c0; n < c1; n++)
+            o[n] = 0.0f;
+        for (uint32_t j = 0; j < k; j++) {
+            size_t i = (size_t)t * k + j;
+            if (c->experts[i] == UINT32_MAX)
+                continue;
+            const float *yr = y + i * hidden;
+            float w = c->weights[i];
+            for (uint32_t n = c0; n < c1; n++)
+                o[n] += w * yr[n];
+        }
+    }
+}
+
 int qm__host_combine(const qm__host_pass *hp, float *out, qm_status *st)
 {
     if (!hp || !hp->experts)
         return qm_status_set(st, QM_EINVAL, "combine: the call was not routed on the host");
-    /* Route order j = 0..k-1: the same sums whatever order the experts ran
-     * in. The fc2 bias is inside y, so inside the weighted sum. */
-    const uint32_t T = hp->n_tokens, k = hp->k, H = hp->hidden;
-    for (uint32_t t = 0; t < T; t++) {
-        float *o = out + (size_t)t * H;
-        for (uint32_t c = 0; c < H; c++)
-            o[c] = 0.0f;
-        for (uint32_t j = 0; j < k; j++) {
-            size_t i = (size_t)t * k + j;
-            if (hp->experts[i] == QM_ROUTE_DROPPED)
-                continue;
-            const float *yr = hp->y + i * H;
-            float w = hp->weights[i];
-            for (uint32_t c = 0; c < H; c++)
-                o[c] += w * yr[c];
-        }
-    }
+    qm_combine c = {.out = out, .weights = hp->weights, .experts = hp->experts, .k = hp->k};
+    qm_combine_columns(&c, hp->y, hp->n_tokens, hp->hidden, 0, hp->hidden);
     return 0;
 }
 

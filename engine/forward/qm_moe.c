@@ -194,6 +194,7 @@ static int qm__run_waves(qm_backend *be, qm_routed_pass *pass, qm_expert_batch *
                          qm_expert_source *source, uint32_t layer, const qm__call_buffers *b,
                          size_t n_uniq, qm_moe_stats *stats, qm_status *st)
 {
+    qm_combine *combine = batch->combine;
     for (size_t done_n = 0; done_n < n_uniq;) {
         size_t left = n_uniq - done_n, ready = 0;
         /* A source that predates qm_expert_weights.r8 leaves it 0: row order. */
@@ -214,7 +215,10 @@ static int qm__run_waves(qm_backend *be, qm_routed_pass *pass, qm_expert_batch *
             b->jobs[i] = (qm_expert_job){
                 .expert = e, .weights = b->wts[done_n + i], .n_rows = b->counts[e]};
         }
+        /* One wave holds every route: the backend may combine them. */
+        batch->combine = ready == n_uniq ? combine : NULL;
         rc = qm__run_batch(be, pass, batch, b, ready, stats, st);
+        batch->combine = combine;
         if (source->release)
             source->release(source->ctx, layer, b->uniq + done_n, ready);
         if (rc < 0)
@@ -233,6 +237,8 @@ static int qm__run_landed(qm_backend *be, qm_routed_pass *pass, qm_expert_batch 
                           qm_expert_source *source, uint32_t layer, const qm__call_buffers *b,
                           size_t n_left, qm_moe_stats *stats, qm_status *st)
 {
+    qm_combine *combine = batch->combine;
+    const size_t n_all = n_left;
     while (n_left > 0) {
         size_t ready = 0;
         memset(b->wts, 0, n_left * sizeof *b->wts);
@@ -269,7 +275,9 @@ static int qm__run_landed(qm_backend *be, qm_routed_pass *pass, qm_expert_batch 
             b->jobs[j] = (qm_expert_job){
                 .expert = b->uniq[idx], .weights = w, .n_rows = b->counts[b->uniq[idx]]};
         }
+        batch->combine = ready == n_all ? combine : NULL; /* every route in one batch */
         rc = qm__run_batch(be, pass, batch, b, ready, stats, st);
+        batch->combine = combine;
         if (source->release)
             source->release(source->ctx, layer, b->got, ready);
         size_t k = 0;
@@ -372,8 +380,15 @@ static int qm__forward(qm_backend *be, const qm_bank_config *cfg, const qm_layer
         goto release_pass;
 
     /* 3. Waves. */
-    qm_expert_batch batch = {
-        .config = cfg, .layer = layer, .x = b.x, .n_tokens = T, .precision = call->precision};
+    /* Offered to the backend with a batch of every route; never in hybrid
+     * execution, whose host share is summed with the device's. */
+    qm_combine combine = {.out = b.out, .weights = route_w, .experts = route_e, .k = k};
+    qm_expert_batch batch = {.config = cfg,
+                             .layer = layer,
+                             .x = b.x,
+                             .n_tokens = T,
+                             .precision = call->precision,
+                             .combine = hybrid ? NULL : &combine};
     uint64_t t0 = qm__now_us();
     if (hybrid && (rc = qm__run_on_host(&pass, &batch, source, layer, &b, &n_uniq, stats, st)) < 0)
         goto release_pass;
@@ -387,8 +402,9 @@ static int qm__forward(qm_backend *be, const qm_bank_config *cfg, const qm_layer
         goto release_pass;
     stats->compute_us = qm__now_us() - t0;
 
-    /* 4. Combine. */
-    rc = qm__backend_combine(be, &pass, b.out, st);
+    /* 4. Combine, unless the backend did. */
+    if (!combine.done)
+        rc = qm__backend_combine(be, &pass, b.out, st);
     if (rc == 0)
         qm__store_output(call->dtype, b.out, TH, call->output);
 

@@ -365,10 +365,21 @@ END_TEST
 
 /* The CPU backend's fused schedule (one pool run per batch, per-job
  * dependencies, row blocks of several tiles, fast mode's tokens quantised
- * once) against the phased one (a barrier after each phase, one tile per
- * task) on many small experts with few rows each, and with fc3 and GEMM
- * jobs: the same bits, on every SIMD kernel path of this CPU, in both
- * precisions, with 1, 2 and 3 threads. */
+ * once, the routes summed by range as they land) against the phased one (a
+ * barrier after each phase, one tile per task) and against the forward's
+ * own sum after a wave per expert, on many small experts with few rows
+ * each, and with fc3 and GEMM jobs: the same bits, on every SIMD kernel
+ * path of this CPU, in both precisions, with 1, 2 and 3 threads. */
+/* The fixture's source one expert a wave: no batch holds every route of
+ * a call, so the forward sums them (qm_combine), not the backend. */
+static int one_per_wave(void *ctx, uint32_t layer, const uint32_t *experts, size_t n,
+                        qm_expert_weights *weights, size_t *n_ready, qm_status *st)
+{
+    qm_expert_source inner;
+    tl_source(ctx, &inner);
+    return inner.acquire(ctx, layer, experts, n < 1 ? n : 1, weights, n_ready, st);
+}
+
 static void run_schedule(const char *kernel, const char *schedule, unsigned threads, tl_layer *L,
                          const uint32_t *tokens, int n_tokens, const float *x, const float *lg,
                          float *out)
@@ -378,6 +389,10 @@ static void run_schedule(const char *kernel, const char *schedule, unsigned thre
     const uint32_t H = L->spec.H;
     qm_expert_source src;
     tl_source(L, &src);
+    if (strcmp(schedule, "waves") == 0) { /* the fused schedule, a wave per expert */
+        unsetenv("QMOE_CPU_SCHEDULE");
+        src.acquire = one_per_wave;
+    }
     size_t off = 0;
     for (int p = 0; p < 2; p++) {
         for (int i = 0; i < n_tokens; i++) {
@@ -425,14 +440,20 @@ START_TEST(test_fused_schedule_gives_the_phased_bits)
             if (!cpu_has(KERNELS[ki]))
                 continue;
             run_schedule(KERNELS[ki], "phased", 2, &L, tokens, n_tokens, x, lg, want);
-            for (unsigned th = 1; th <= 3; th++) {
-                memset(got, 0xff, sizeof(float) * total);
-                run_schedule(KERNELS[ki], "fused", th, &L, tokens, n_tokens, x, lg, got);
-                for (size_t i = 0; i < total; i++)
-                    ck_assert_msg(memcmp(&got[i], &want[i], sizeof(float)) == 0,
-                                  "shape %d, kernel %s, %u threads: output %zu is %a, phased %a",
-                                  shape, KERNELS[ki], th, i, (double)got[i], (double)want[i]);
-            }
+            /* fused: the backend sums the routes as its last tiles land
+             * (qm_combine); waves: the forward sums them after the batches */
+            static const char *const other[] = {"fused", "waves"};
+            for (int o = 0; o < 2; o++)
+                for (unsigned th = 1; th <= 3; th++) {
+                    memset(got, 0xff, sizeof(float) * total);
+                    run_schedule(KERNELS[ki], other[o], th, &L, tokens, n_tokens, x, lg, got);
+                    for (size_t i = 0; i < total; i++)
+                        ck_assert_msg(memcmp(&got[i], &want[i], sizeof(float)) == 0,
+                                      "shape %d, kernel %s, %s, %u threads: output %zu is %a, "
+                                      "phased %a",
+                                      shape, KERNELS[ki], other[o], th, i, (double)got[i],
+                                      (double)want[i]);
+                }
         }
         free(x);
         free(lg);
