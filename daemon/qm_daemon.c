@@ -294,6 +294,7 @@ static void start_handles(qm_daemon *d)
     uv_signal_start(&d->sig_int, signal_cb, SIGINT);
     uv_signal_start(&d->sig_hup, signal_cb, SIGHUP);
     uv_timer_init(d->loop, &d->tick);
+    qm_models_watch(qm_registry_models(d->registry), d->loop);
     qm_reclaim_init(&d->reclaim, d->loop, qm_registry_sessions(d->registry), &d->cfg,
                     &d->counters);
     d->reclaim_started = 1;

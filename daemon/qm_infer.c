@@ -120,7 +120,7 @@ static int infer_compute(qm_job *job, infer_call *c)
 {
     qm_session *s = job->session;
     qm_params *p = &job->req.params;
-    const qm_model *model = qm_session_model(s);
+    qm_model *model = qm_session_model(s);
     const qm_bank_config *cfg = qm_bank_get_config(model->bank);
     uint32_t T = (uint32_t)p->hidden.shape[0], H = cfg->hidden;
     uint32_t k = p->has_topk ? (uint32_t)p->topk_ids.shape[1] : cfg->k;
@@ -156,12 +156,13 @@ static int infer_compute(qm_job *job, infer_call *c)
                         .topk_k = k,
                         .precision = qm_session_precision(s)};
     /* A bank file truncated on disk fails the request before it reads the
-     * mapping, and after it when the truncation raced it (qm_sigbus.c). */
+     * mapping, and after it when the truncation raced it and a read hit a
+     * missing page (qm_sigbus.c): what was read before was the file's. */
     job->rc = qm_model_check(model, &job->st);
     if (job->rc == 0)
         job->rc = qm_session_forward(s, &call, &job->mstats, &job->st);
     if (job->rc == 0)
-        job->rc = qm_model_check(model, &job->st);
+        job->rc = qm_model_check_reads(model, &job->st);
     qm_session_stats(s, &job->pstats);
     job->tokens = T;
     if (job->rc == 0 && job->maps.output && !c->direct)

@@ -8,7 +8,10 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/inotify.h>
 #include <sys/stat.h>
+#include <time.h>
+#include <unistd.h>
 
 #include "qm_alloc.h"
 #include "qm_log.h"
@@ -72,6 +75,121 @@ static void model_unregister_host(qm_model *m)
     }
 }
 
+/* ---- the size check and its watch ---- */
+
+/* A watched file's size is checked again after this long whatever the
+ * watch saw (inotify misses changes some file systems make remotely). */
+#define QM__SIZE_RECHECK_NS 1000000000ull
+
+static uint64_t mono_ns(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
+}
+
+static void model_watch(qm_models *ms, qm_model *m)
+{
+    if (!ms->watching)
+        return;
+    int wd = inotify_add_watch(ms->watch_fd, m->path, IN_MODIFY | IN_ATTRIB | IN_DELETE_SELF);
+    if (wd < 0)
+        qm_log(QM_LOG_NOTICE, "model %s: no watch on %s (%s): its size is checked on every call",
+               m->name, m->path, strerror(errno));
+    atomic_store(&m->watch, wd < 0 ? -1 : wd);
+}
+
+/* Models of one file share its watch (inotify watches the inode): it goes
+ * with the last of them. */
+static void model_unwatch(qm_models *ms, qm_model *m)
+{
+    int wd = atomic_exchange(&m->watch, -1);
+    atomic_store(&m->size_fresh, 0);
+    if (wd < 0 || !ms->watching)
+        return;
+    for (qm_model *o = ms->first; o; o = o->next)
+        if (o != m && atomic_load(&o->watch) == wd)
+            return;
+    inotify_rm_watch(ms->watch_fd, wd);
+}
+
+static void watch_cb(uv_poll_t *h, int status, int events)
+{
+    (void)events;
+    qm_models *ms = h->data;
+    if (status < 0)
+        return;
+    char buf[4096] __attribute__((aligned(__alignof__(struct inotify_event))));
+    ssize_t n;
+    while ((n = read(ms->watch_fd, buf, sizeof buf)) > 0) {
+        for (char *p = buf; p < buf + n;) {
+            const struct inotify_event *ev = (const struct inotify_event *)p;
+            for (qm_model *m = ms->first; m; m = m->next) {
+                if (atomic_load(&m->watch) != ev->wd)
+                    continue;
+                atomic_store(&m->size_fresh, 0);
+                if (ev->mask & IN_IGNORED) /* the file is gone: its watch too */
+                    atomic_store(&m->watch, -1);
+            }
+            p += sizeof *ev + ev->len;
+        }
+    }
+}
+
+void qm_models_watch(qm_models *ms, uv_loop_t *loop)
+{
+    if (ms->watching)
+        return;
+    int fd = inotify_init1(IN_NONBLOCK | IN_CLOEXEC);
+    if (fd < 0) {
+        qm_log(QM_LOG_NOTICE, "no inotify (%s): bank files' sizes are checked on every call",
+               strerror(errno));
+        return;
+    }
+    if (uv_poll_init(loop, &ms->watch_poll, fd) < 0) {
+        close(fd);
+        return;
+    }
+    ms->watch_poll.data = ms;
+    uv_poll_start(&ms->watch_poll, UV_READABLE, watch_cb);
+    ms->watch_fd = fd;
+    ms->watching = 1;
+    for (qm_model *m = ms->first; m; m = m->next)
+        model_watch(ms, m);
+}
+
+int qm_model_check_reads(const qm_model *m, qm_status *st)
+{
+    if (qm_sigbus_poisoned(m->guard_slot))
+        return qm_status_set(st, QM_EINVALID_MODEL,
+                             "bank file %.200s was truncated on disk while in use; restore it, "
+                             "then unload and load model '%s' again",
+                             m->path, m->name);
+    return 0;
+}
+
+int qm_model_check(qm_model *m, qm_status *st)
+{
+    int rc = qm_model_check_reads(m, st);
+    if (rc < 0)
+        return rc;
+    uint64_t now = mono_ns();
+    if (atomic_load(&m->size_fresh) && now - atomic_load(&m->size_checked_ns) < QM__SIZE_RECHECK_NS)
+        return 0;
+    /* Fresh before the fstat: a change the watch reports after it makes
+     * the next call look again. */
+    atomic_store(&m->size_fresh, atomic_load(&m->watch) >= 0);
+    rc = qm_bank_check_file(m->bank, st);
+    if (rc < 0) {
+        atomic_store(&m->size_fresh, 0);
+        if (st)
+            st->code = QM_EINVALID_MODEL;
+        return QM_EINVALID_MODEL;
+    }
+    atomic_store(&m->size_checked_ns, now);
+    return 0;
+}
+
 static void model_free(qm_model *m)
 {
     if (!m)
@@ -113,6 +231,9 @@ int qm_model_load(qm_models *ms, const char *name, const char *path, qm_model **
     if (!m)
         return qm_status_set(st, QM_ENOMEM, "out of memory");
     m->guard_slot = -1;
+    atomic_init(&m->watch, -1);
+    atomic_init(&m->size_fresh, 0);
+    atomic_init(&m->size_checked_ns, 0);
     snprintf(m->name, sizeof m->name, "%s", name);
     m->path = qm_strdup(path);
     int rc = m->path ? 0 : qm_status_set(st, QM_ENOMEM, "out of memory");
@@ -179,6 +300,7 @@ int qm_model_load(qm_models *ms, const char *name, const char *path, qm_model **
     const qm_layer_view *lv = qm_bank_layer(m->bank, 0);
     m->bytes_per_expert = lv ? lv->bytes_per_expert : 0;
     model_register_host(ms, m);
+    model_watch(ms, m);
     m->refs = 1;
     m->registered = 1;
     m->next = ms->first;
@@ -240,6 +362,7 @@ void qm_model_unlink(qm_models *ms, qm_model *m)
 {
     for (qm_model **pp = &ms->first; *pp; pp = &(*pp)->next) {
         if (*pp == m) {
+            model_unwatch(ms, m);
             *pp = m->next;
             ms->n--;
             m->registered = 0;
@@ -249,24 +372,12 @@ void qm_model_unlink(qm_models *ms, qm_model *m)
     }
 }
 
-int qm_model_check(const qm_model *m, qm_status *st)
-{
-    if (qm_sigbus_poisoned(m->guard_slot))
-        return qm_status_set(st, QM_EINVALID_MODEL,
-                             "bank file %.200s was truncated on disk while in use; restore it, "
-                             "then unload and load model '%s' again",
-                             m->path, m->name);
-    int rc = qm_bank_check_file(m->bank, st);
-    if (rc < 0) {
-        if (st)
-            st->code = QM_EINVALID_MODEL;
-        return QM_EINVALID_MODEL;
-    }
-    return 0;
-}
-
 void qm_models_free(qm_models *ms)
 {
     while (ms->first)
         qm_model_unlink(ms, ms->first);
+    if (ms->watching) { /* its poll handle closed with the loop's */
+        close(ms->watch_fd);
+        ms->watching = 0;
+    }
 }

@@ -6,7 +6,9 @@
 #ifndef QM_MODELS_H
 #define QM_MODELS_H
 
+#include <stdatomic.h>
 #include <stdint.h>
+#include <uv.h>
 
 #include "qm_backend.h"
 #include "qm_bank.h"
@@ -31,6 +33,12 @@ typedef struct qm_model {
     qm_backend *host_registered[QM_CONFIG_MAX_DEVICES];
     uint32_t n_host_registered;
     int guard_slot;              /* qm_sigbus_register's slot, or -1 */
+    /* The file's size check (qm_model_check): its inotify watch
+     * (qm_models_watch), -1 without one; whether the size was found whole
+     * since the watch last saw the file change; and when. */
+    atomic_int watch;
+    atomic_int size_fresh;
+    _Atomic uint64_t size_checked_ns;
     int refs;        /* registry + sessions */
     int registered;  /* 0 once unloaded: freed when the last session lets go */
     struct qm_model *next;
@@ -44,7 +52,18 @@ typedef struct qm_models {
     const qm_devices *devices;
     qm_model *first; /* the next of each is m->next */
     size_t n;
+    /* The loop's inotify watch on the models' files (qm_models_watch). */
+    int watching;
+    int watch_fd;
+    uv_poll_t watch_poll;
 } qm_models;
+
+/* Watches every model's file (inotify, on `loop`), now and as models load,
+ * so that qm_model_check need not fstat the file on every call: only after
+ * the watch saw the file change, once a second whatever it saw (a file
+ * system whose changes inotify misses), and always for a model without a
+ * watch. Without inotify (logged): every call, as before. */
+void qm_models_watch(qm_models *ms, uv_loop_t *loop);
 
 /* Maps the bank at path under `name`; *out (may be NULL) is borrowed from
  * the list. */
@@ -64,9 +83,12 @@ void qm_model_unlink(qm_models *ms, qm_model *m);
 void qm_models_free(qm_models *ms);
 /* Saves every model's hotness profile that changed (state_dir set). */
 void qm_models_save_hotness(qm_models *ms);
-/* Before and after each use of a model's bank:
- * QM_EINVALID_MODEL when its file was truncated on disk (fstat) or a read
- * hit a missing page (qm_sigbus.c). Any thread. */
-int qm_model_check(const qm_model *m, qm_status *st);
+/* Before each use of a model's bank: QM_EINVALID_MODEL when its file was
+ * truncated on disk (fstat, when the watch says it may have changed) or a
+ * read hit a missing page (qm_sigbus.c). Any thread. */
+int qm_model_check(qm_model *m, qm_status *st);
+/* After a use: QM_EINVALID_MODEL when one of its reads hit a missing page
+ * (a truncation that raced it; what it read before was the file's). */
+int qm_model_check_reads(const qm_model *m, qm_status *st);
 
 #endif

@@ -3,16 +3,17 @@
  *
  * Reading a page of a MAP_SHARED mapping that lies past the file's new end
  * raises SIGBUS. Two defences:
- * 1. qm_model_check (qm_models.c; before and after every use of a bank: session.create,
- *    session.infer) fstat()s the bank's file and fails the request with
- *    invalid_model when it shrank, so the usual case never touches a
- *    missing page.
+ * 1. qm_model_check (qm_models.c; before every use of a bank: session.create,
+ *    session.infer) fstat()s the bank's file when its inotify watch saw it
+ *    change (every call without a watch, and once a second anyway) and
+ *    fails the request with invalid_model when it shrank, so the usual case
+ *    never touches a missing page.
  * 2. For a truncation racing a request: a SIGBUS handler that, when the
  *    faulting address lies inside a registered bank mapping, maps anonymous
  *    zero pages over the rest of that mapping (so the faulting read resumes
  *    and reads zeros), and marks the bank poisoned. The request then fails in
- *    its after-use check, and so does every later one on that model until it
- *    is reloaded. This works on any thread (the worker, the backend's compute
+ *    its after-use check (qm_model_check_reads), and so does every later one
+ *    on that model until it is reloaded. This works on any thread (the worker, the backend's compute
  *    threads, the pager's copy thread), which a sigsetjmp on the worker
  *    alone would not, and it never unwinds through the pager's locks.
  *    A SIGBUS anywhere else gets the default action (the process dies with
