@@ -9,7 +9,8 @@ right after the same one: the memory the last run freed, the page cache),
 against a fresh `qmoed --threads THREADS` whose environment the variant
 sets (NAME=VAR=VALUE[,VAR=VALUE...]; NAME= for the daemon as it is);
 llama-bench gets the variant's environment too (the llama.cpp adapter and
-libqmoe-client read some of the same variables). Prints every round's
+libqmoe-client read some of the same variables); the variable QMOED names
+the qmoed binary a variant runs instead (another build, side by side). Prints every round's
 tok/s, each variant's ratio to the alone run of the same round (pair by
 pair), and their medians, with both processes' memory: llama-bench's peak
 VmRSS (with its RssAnon: VmRSS counts the GGUF's mapped pages it touched)
@@ -78,7 +79,8 @@ def main():
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--precision", choices=["exact", "fast"], default="fast")
     ap.add_argument("--variant", type=variant, action="append",
-                    help="NAME=VAR=VALUE[,...]: a daemon variant (default: one, the daemon as it is)")
+                    help="NAME=VAR=VALUE[,...]: a daemon variant (default: one, the daemon as it is); "
+                         "VAR QMOED: the qmoed binary to run (another build)")
     ap.add_argument("--json", help="also write the rounds here")
     a = ap.parse_args()
     os.environ["QMOE_BUILD_DIR"] = os.path.abspath(a.build)
@@ -102,7 +104,10 @@ def main():
                             "alone_anon": res["engine"]["RssAnon"]})
                 continue
             name, env = v
-            dm = Daemon(models={model: a.bank}, env=env,
+            # QMOED=PATH: that qmoed binary (another build, side by side).
+            binary = env.get("QMOED")
+            env = {k: val for k, val in env.items() if k != "QMOED"}
+            dm = Daemon(models={model: a.bank}, env=env, binary=binary,
                         args=["--threads", str(a.threads), "--log-level", "warning"])
             try:
                 res = llama_cpp.llama_bench(a, a.gguf, prompt=0, daemon_pid=dm.proc.pid, env=env,

@@ -61,11 +61,11 @@ class Daemon:
     """A qmoed process on a socket in a fresh temp dir."""
 
     def __init__(self, models=None, args=(), env=None, workdir=None, socket_path=None,
-                 wait=True, root_flag=True):
+                 wait=True, root_flag=True, binary=None):
         self.dir = workdir or tempfile.mkdtemp(prefix="qmoed-test-")
         self.socket = socket_path or os.path.join(self.dir, "qmoed.sock")
         self.log_path = os.path.join(self.dir, "qmoed.log")
-        cmd = [qmoed_path(), "--socket", self.socket, "--log-level", "debug"]
+        cmd = [binary or qmoed_path(), "--socket", self.socket, "--log-level", "debug"]
         if root_flag and os.geteuid() == 0 and "--user" not in args:
             cmd.append("--allow-root")  # CI runs as root; say so, as the daemon asks
         for name, path in (models or {}).items():
