@@ -333,9 +333,11 @@ static void qm__fc2_range_done(qm__run *R, uint32_t first, uint32_t count)
                        c1 < R->H ? c1 : R->H);
 }
 
-/* Appends job j's fc2 tasks, `per` tiles each. With a combine: range-major
- * (range r of every job, then r + 1), so that a range's jobs finish close
- * together, and each range's count of jobs set. */
+/* Appends the jobs' fc2 tasks, `per` tiles each, and with a combine each
+ * range's count of jobs. Job after job, except with a combine and only
+ * GEMV jobs (decode): range after range (range r of every job, then r + 1),
+ * so that a range's jobs finish close together and its rows are summed
+ * while in cache; GEMM jobs keep their activations in cache job by job. */
 static size_t qm__add_fc2(qm__run *R, size_t nt, uint32_t per);
 
 /* ---- The phased schedule: four pool runs, a barrier after each ---- */
@@ -382,19 +384,25 @@ static size_t qm__add_fc2(qm__run *R, size_t nt, uint32_t per)
 {
     const qm_expert_batch *b = R->b;
     size_t tiles = qm__tiles(R->H);
-    if (!R->combine) {
+    unsigned jobs = 0;
+    int gemm = 0;
+    for (size_t j = 0; j < b->n_jobs; j++) {
+        jobs += b->jobs[j].n_rows != 0;
+        gemm |= R->geo[j].gemm;
+    }
+    if (R->combine) {
+        R->range_tiles = per;
+        for (uint32_t t = 0, r = 0; t < tiles; t += per, r++)
+            atomic_store_explicit(&R->range_left[r], jobs, memory_order_relaxed);
+    }
+    if (!R->combine || gemm) {
         for (size_t j = 0; j < b->n_jobs; j++)
             if (b->jobs[j].n_rows)
                 nt = qm__add_tiles(R->tasks, nt, (uint32_t)j, tiles, per, QM__TASK_FC2);
         return nt;
     }
-    unsigned jobs = 0;
-    for (size_t j = 0; j < b->n_jobs; j++)
-        jobs += b->jobs[j].n_rows != 0;
-    R->range_tiles = per;
-    for (uint32_t t = 0, r = 0; t < tiles; t += per, r++) {
+    for (uint32_t t = 0; t < tiles; t += per) {
         uint32_t n = tiles - t < per ? (uint32_t)(tiles - t) : per;
-        atomic_store_explicit(&R->range_left[r], jobs, memory_order_relaxed);
         for (size_t j = 0; j < b->n_jobs; j++)
             if (b->jobs[j].n_rows)
                 R->tasks[nt++] = (qm__task){
