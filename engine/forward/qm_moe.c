@@ -382,7 +382,12 @@ static int qm__forward(qm_backend *be, const qm_bank_config *cfg, const qm_layer
     /* 3. Waves. */
     /* Offered to the backend with a batch of every route; never in hybrid
      * execution, whose host share is summed with the device's. */
-    qm_combine combine = {.out = b.out, .weights = route_w, .experts = route_e, .k = k};
+    /* An f32 output is summed into in place (aligned: the map's offsets
+     * need not be); another dtype from the call's f32 rows. */
+    float *out = call->dtype == QM_DTYPE_F32 && (uintptr_t)call->output % sizeof(float) == 0
+                     ? (float *)call->output
+                     : b.out;
+    qm_combine combine = {.out = out, .weights = route_w, .experts = route_e, .k = k};
     qm_expert_batch batch = {.config = cfg,
                              .layer = layer,
                              .x = b.x,
@@ -404,9 +409,9 @@ static int qm__forward(qm_backend *be, const qm_bank_config *cfg, const qm_layer
 
     /* 4. Combine, unless the backend did. */
     if (!combine.done)
-        rc = qm__backend_combine(be, &pass, b.out, st);
-    if (rc == 0)
-        qm__store_output(call->dtype, b.out, TH, call->output);
+        rc = qm__backend_combine(be, &pass, out, st);
+    if (rc == 0 && out != call->output)
+        qm__store_output(call->dtype, out, TH, call->output);
 
 release_pass:
     qm__backend_pass_release(be, &pass);
