@@ -13,9 +13,10 @@
  *    zero pages over the rest of that mapping (so the faulting read resumes
  *    and reads zeros), and marks the bank poisoned. The request then fails in
  *    its after-use check (qm_model_check_reads), and so does every later one
- *    on that model until it is reloaded. This works on any thread (the worker, the backend's compute
- *    threads, the pager's copy thread), which a sigsetjmp on the worker
- *    alone would not, and it never unwinds through the pager's locks.
+ *    on that model until it is reloaded. This works on any thread (the
+ *    worker, the backend's compute threads, the pager's copy thread), which
+ *    a sigsetjmp on the worker alone would not, and it never unwinds through
+ *    the pager's locks.
  *    A SIGBUS anywhere else gets the default action (the process dies with
  *    the signal, as it would have without the handler). */
 #include "qm_sigbus.h"
