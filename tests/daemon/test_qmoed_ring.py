@@ -563,9 +563,12 @@ def test_a_closed_connection_ends_its_ring_and_wakes_the_waiter(banks, bigbank):
         _, req = both(sid, 0, ("f32", 1, 2048, shm.id, 8 << 20), (shm.id, 12 << 20))
         got = {}
 
+        # The waiter's call queues behind the slow calls, which run to the
+        # end (another connection's): with QMOE_KERNEL=scalar those take
+        # longer than the client's default 30 s.
         def waiter():
             try:
-                got["r"] = ring.call(req, sock_fd=-1)
+                got["r"] = ring.call(req, sock_fd=-1, timeout=180)
             except _ring.RingClosed as e:
                 got["closed"] = e.code
         th = threading.Thread(target=waiter)
@@ -573,7 +576,7 @@ def test_a_closed_connection_ends_its_ring_and_wakes_the_waiter(banks, bigbank):
         time.sleep(0.1)
         a.sock.shutdown(socket.SHUT_RDWR)
         a.close()
-        th.join(30)
+        th.join(200)
         assert not th.is_alive()
         assert got.get("closed") == _ring.CLOSED_CONN, got
         slow.read()
