@@ -380,13 +380,14 @@ static int qm__forward(qm_backend *be, const qm_bank_config *cfg, const qm_layer
         goto release_pass;
 
     /* 3. Waves. */
-    /* Offered to the backend with a batch of every route; never in hybrid
-     * execution, whose host share is summed with the device's. */
     /* An f32 output is summed into in place (aligned: the map's offsets
-     * need not be); another dtype from the call's f32 rows. */
+     * need not be; only the caller's own rows are written and read back);
+     * another dtype from the pass's f32 rows. */
     float *out = call->dtype == QM_DTYPE_F32 && (uintptr_t)call->output % sizeof(float) == 0
                      ? (float *)call->output
                      : b.out;
+    /* The sum is offered to the backend with a batch of every route; never
+     * in hybrid execution, whose host share is summed with the device's. */
     qm_combine combine = {.out = out, .weights = route_w, .experts = route_e, .k = k};
     qm_expert_batch batch = {.config = cfg,
                              .layer = layer,
