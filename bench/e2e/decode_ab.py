@@ -14,7 +14,11 @@ the qmoed binary a variant runs instead (another build, side by side). Prints ev
 tok/s, each variant's ratio to the alone run of the same round (pair by
 pair), and their medians, with both processes' memory: llama-bench's peak
 VmRSS (with its RssAnon: VmRSS counts the GGUF's mapped pages it touched)
-and the daemon's peak VmRSS, sampled every 20 ms; --json writes the rounds.
+and the daemon's peak VmRSS, sampled every 20 ms; and the share of the
+CPUs' time the host took from this guest during each run (/proc/stat's
+steal: what the neighbours of a shared host disturbed, shown beside the
+rows; a host can also slow a run without it showing there, through the
+memory bandwidth it shares). --json writes the rounds.
 
 usage: decode_ab.py --llama PREFIX --gguf GGUF --bank BANK [--rounds 6] [--decode 64]
                     [--threads 2] [--precision fast] [--variant NAME=ENV ...] [--json OUT]
@@ -60,6 +64,28 @@ def cpu_line():
     return "%s, %d CPUs; %s" % (model or "?", os.cpu_count() or 0, flags)
 
 
+def cpu_times():
+    """/proc/stat's first line: (all ticks, steal ticks), or None."""
+    try:
+        with open("/proc/stat") as f:
+            v = [int(x) for x in f.readline().split()[1:]]
+    except (OSError, ValueError):
+        return None
+    # user nice system idle iowait irq softirq steal [guest guest_nice]: the
+    # guest times are already inside user and nice.
+    return sum(v[:8]), v[7] if len(v) > 7 else 0
+
+
+def steal_share(t0, t1):
+    if not t0 or not t1 or t1[0] <= t0[0]:
+        return None
+    return (t1[1] - t0[1]) / (t1[0] - t0[0])
+
+
+def steal_text(share):
+    return "" if share is None else " [steal %.1f%%]" % (100 * share)
+
+
 def mem(rounds, key, anon=None):
     """Peak bytes, median over the rounds, in GB (with the anonymous part)."""
     gb = statistics.median(x[key] for x in rounds) / 1e9
@@ -98,10 +124,12 @@ def main():
         order = order[r % len(order):] + order[:r % len(order)]
         row = {"order": ["alone" if v is None else v[0] for v in order]}
         for v in order:
+            t0 = cpu_times()
             if v is None:
                 res = llama_cpp.llama_bench(a, a.gguf, prompt=0)
                 row.update({"alone": res.get("decode_tok_s"), "alone_rss": res["engine"]["VmRSS"],
-                            "alone_anon": res["engine"]["RssAnon"]})
+                            "alone_anon": res["engine"]["RssAnon"],
+                            "alone_steal": steal_share(t0, cpu_times())})
                 continue
             name, env = v
             # QMOED=PATH: that qmoed binary (another build, side by side).
@@ -114,6 +142,7 @@ def main():
                                             extra=["--qmoed", dm.socket, "--qmoed-policy", "whole_bank",
                                                    "--qmoed-precision", a.precision])
             finally:
+                row[name + "_steal"] = steal_share(t0, cpu_times())
                 dm.stop()
             if res["rc"] != 0:
                 sys.exit("llama-bench with qmoed (%s) failed:\n%s" % (name, res["log_tail"]))
@@ -124,10 +153,12 @@ def main():
             row[name + "_anon"] = res["engine"]["RssAnon"]
             row[name + "_qmoed_rss"] = res["daemon"]["VmRSS"]
         rounds.append(row)
-        print("round %d (%s): alone %.2f | %s" % (r + 1, ", ".join(row["order"]), row["alone"], " | ".join(
-            "%s %.2f (%.3fx; a call %.0f us compute + %.0f us)" % (
-                n, row[n], row[n] / row["alone"], row[n + "_compute_us"] or 0, row[n + "_beyond_us"] or 0)
-            for n, _ in variants)), flush=True)
+        print("round %d (%s): alone %.2f%s | %s" % (
+            r + 1, ", ".join(row["order"]), row["alone"], steal_text(row["alone_steal"]), " | ".join(
+                "%s %.2f (%.3fx; a call %.0f us compute + %.0f us)%s" % (
+                    n, row[n], row[n] / row["alone"], row[n + "_compute_us"] or 0, row[n + "_beyond_us"] or 0,
+                    steal_text(row[n + "_steal"]))
+                for n, _ in variants)), flush=True)
     print()
     print("| row | decode tok/s, median of %d | / alone, pair by pair: median (range) "
           "| a layer call: compute, beyond it (medians) | llama-bench peak RSS (anon) | qmoed peak RSS |"
@@ -142,6 +173,10 @@ def main():
             statistics.median(x[n + "_compute_us"] or 0 for x in rounds),
             statistics.median(x[n + "_beyond_us"] or 0 for x in rounds),
             mem(rounds, n + "_rss", n + "_anon"), mem(rounds, n + "_qmoed_rss")))
+    steals = [x[k] for x in rounds for k in x if k.endswith("steal") and x[k] is not None]
+    if steals:
+        print("\nthe host's steal per run: median %.1f%%, largest %.1f%% (of %d runs)" % (
+            100 * statistics.median(steals), 100 * max(steals), len(steals)))
     if len(variants) == 2:
         (n0, _), (n1, _) = variants
         ratios = [x[n1] / x[n0] for x in rounds]
