@@ -300,6 +300,7 @@ static const key_def keys[] = {
     {"io_depth", K_U32, OFF(io_depth), 0, 1, QM_PAGER_IO_DEPTH_MAX},
     {"cpu_repack", K_BOOL, OFF(cpu_repack), 0, 0, 0},
     {"prefetch_trial", K_BOOL, OFF(prefetch_trial), 0, 0, 0},
+    {"record_routing", K_BOOL, OFF(record_routing), 0, 0, 0},
     {"device", K_DEVICES, 0, 0, 0, 0},
     {"device_budget", K_BUDGETS, 0, 0, 0, 0},
     {"emu_copy_mbps", K_U32, OFF(emu_copy_mbps), 0, 0, 1u << 30},
@@ -565,8 +566,8 @@ static void usage(FILE *out)
             "  --version, --help\n"
             "Config keys: socket backend device device_budget emu_copy_mbps\n"
             "  paging_source (%s) io_engine (%s) io_depth\n"
-            "  cpu_repack (true|false) prefetch_trial (true|false) state_dir threads\n"
-            "  workers admin_group\n"
+            "  cpu_repack (true|false) prefetch_trial (true|false) record_routing (true|false)\n"
+            "  state_dir threads workers admin_group\n"
             "  user allow_root model_dirs (a list; --set model_dirs=DIR:DIR)\n"
             "  log_level max_request_bytes max_nesting max_batch max_connections max_sessions\n"
             "  max_output_bytes queue_depth idle_timeout_s frame_timeout_s frames_per_wakeup\n"
@@ -684,5 +685,8 @@ int qm_config_from_args(qm_config *cfg, int argc, char **argv, qm_status *st)
     }
     if (optind < argc)
         return qm_status_set(st, QM_EINVAL, "unexpected argument '%.64s'", argv[optind]);
+    if (cfg->record_routing && !cfg->state_dir)
+        return qm_status_set_field(st, QM_EINVAL, "record_routing",
+                                   "record_routing needs state_dir (where the traces go)");
     return qm_config_check_devices(cfg, st);
 }

@@ -37,6 +37,7 @@ struct qm_session {
     uint64_t device_admitted[QM_CONFIG_MAX_DEVICES]; /* its part of each device's budget */
     char device_names[QM_CONFIG_MAX_DEVICES][16];    /* the daemon's, for its plan */
     char *trace_path;         /* policy_params.record_trace in the state dir, or NULL */
+    int trace_by_daemon;      /* trace_path is record_routing's: failing it fails no session */
     uint64_t plan_start_us, plan_us;
     uint64_t budget_bytes;    /* expert-weight budget */
     qm_budget_auto auto_budget; /* budget "auto": its size, why, the pressure watcher's state */
@@ -451,6 +452,18 @@ static int session_new(const qm_sessions *ss, qm_model *m, const qm_session_spec
         if (!s->trace_path)
             return qm_status_set(st, QM_ENOMEM, "out of memory");
         snprintf(s->trace_path, n, "%s/%s", ss->cfg->state_dir, spec->record_trace);
+    } else if (rc == 0 && ss->cfg->record_routing && ss->cfg->state_dir &&
+               strcmp(spec->policy, "whole_bank") != 0) {
+        /* The operator's recording (config record_routing) of a session that
+         * pages (whole_bank computes in place, outside the pager that
+         * records): one file per session id, so a session re-created after
+         * a restart starts it again. */
+        size_t n = strlen(ss->cfg->state_dir) + sizeof "/routing-.qmtr" + strlen(s->id);
+        s->trace_path = qm_malloc(n);
+        if (!s->trace_path)
+            return qm_status_set(st, QM_ENOMEM, "out of memory");
+        snprintf(s->trace_path, n, "%s/routing-%s.qmtr", ss->cfg->state_dir, s->id);
+        s->trace_by_daemon = 1;
     }
     return rc;
 }
@@ -585,7 +598,17 @@ int qm_session_build(const qm_sessions *ss, qm_session *s, qm_status *st)
         rc = qm_expert_pool_join(s->pool, backends, &s->member, s->budget_bytes, st);
     if (rc == 0)
         rc = qm_model_check(s->model, st);
-    if (rc == 0 && s->trace_path) {
+    if (rc == 0 && s->trace_path && s->trace_by_daemon) {
+        /* The operator's recording (record_routing): a failure is logged and
+         * the session goes on without it. */
+        qm_status tst;
+        qm_status_clear(&tst);
+        if (qm_multipager_record_trace(qm_expert_pool_pagers(s->pool), s->trace_path, &tst) < 0)
+            qm_log(QM_LOG_WARNING, "session %s does not record its routing (record_routing): %s",
+                   s->id, tst.msg);
+        else
+            qm_log(QM_LOG_INFO, "session %s records its routing to %s", s->id, s->trace_path);
+    } else if (rc == 0 && s->trace_path) {
         rc = qm_multipager_record_trace(qm_expert_pool_pagers(s->pool), s->trace_path, st);
         if (rc < 0) {
             if (st)

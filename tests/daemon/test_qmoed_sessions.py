@@ -10,7 +10,7 @@ import os
 import subprocess
 import tempfile
 
-from qmoed_harness import Daemon, offered_policies, tensor
+from qmoed_harness import Daemon, offered_policies, qmoed_path, root_args, tensor
 from qmoed_suite import E, K, hidden, err, new_session, load_trace_tool
 
 
@@ -184,5 +184,55 @@ def test_record_trace_writes_the_routing_to_the_state_dir(banks, daemon):
                                             "qmoe_trace.py"), "info", path],
                               capture_output=True, text=True)
         assert info.returncode == 0 and "6" in info.stdout, info
+    finally:
+        assert dm.stop() == 0
+
+
+def test_record_routing_records_every_session_in_the_state_dir(banks):
+    # Without a state dir the key is refused at start, named.
+    p = subprocess.run([qmoed_path(), "--socket", "/nonexistent/x.sock", "--set",
+                        "record_routing=true"] + root_args(), capture_output=True, timeout=10)
+    assert p.returncode == 2 and b"record_routing" in p.stderr and b"state_dir" in p.stderr, p
+    d = tempfile.mkdtemp(prefix="qmoed-state-")
+    state = os.path.join(d, "state")
+    os.mkdir(state)
+    dm = Daemon(models={"small": banks["small"]},
+                args=["--state-dir", state, "--set", "record_routing=true"], workdir=d)
+    try:
+        c = dm.client()
+        # A session of its own asking for a file keeps its name; the others
+        # record as routing-ID.qmtr, each its own routing.
+        own = c.call("session.create", {"model": "small", "policy": "lru", "budget_bytes": 40000,
+                                        "policy_params": {"record_trace": "mine.qmtr"}})["session"]
+        a = c.call("session.create", {"model": "small", "policy": "lru",
+                                      "budget_bytes": 40000})["session"]
+        b = c.call("session.create", {"model": "small", "policy": "next_use",
+                                      "budget_bytes": 40000})["session"]
+        # whole_bank pages nothing and records nothing
+        whole = c.call("session.create", {"model": "small", "policy": "whole_bank"})["session"]
+        c.call("session.infer", {"session": whole, "layer": 0, "hidden": tensor(hidden(1, seed=9))})
+        c.call("session.close", {"session": whole})
+        routes = {a: [], b: [], own: []}
+        for sid, seed in ((a, 1), (b, 2), (own, 3)):
+            for i in range(2):
+                step = []
+                for layer in (0, 1):
+                    r = c.call("session.infer", {"session": sid, "layer": layer,
+                                                 "hidden": tensor(hidden(1, seed=seed * 100 + 10 * i + layer)),
+                                                 "return_routing": True})
+                    step.append(sorted(e for e, _ in r["routing"][0]))
+                routes[sid].append(step)
+        for sid in routes:
+            c.call("session.close", {"session": sid})
+        names = sorted(n for n in os.listdir(state) if n.endswith(".qmtr"))
+        assert names == sorted(["mine.qmtr", "routing-%s.qmtr" % a, "routing-%s.qmtr" % b]), names
+        tool = load_trace_tool()
+        for sid, name in ((a, "routing-%s.qmtr" % a), (b, "routing-%s.qmtr" % b), (own, "mine.qmtr")):
+            tr = tool.read_trace(os.path.join(state, name))
+            assert (tr.tokens, tr.layers, tr.k, tr.experts) == (2, 2, K, E), name
+            for i, step in enumerate(routes[sid]):
+                for layer in (0, 1):
+                    assert sorted(x for x in tr.row(i, layer) if x >= 0) == step[layer], (name, i)
+        assert "records its routing to" in dm.log_text()
     finally:
         assert dm.stop() == 0
