@@ -13,11 +13,13 @@ routed_experts layout, so a trace from there is a header away.
     qmoe_trace.py info t.qmtr
     qmoe_trace.py gen-real --out r.qmtr --tokens 4000 --layers 32 --experts 8 --k 2 --seed 1
     qmoe_trace.py stats r.qmtr
+    qmoe_trace.py min r.qmtr --slots 0.1,0.5   # Belady's MIN: the fewest loads possible
 
 Only the Python standard library is used.
 """
 import argparse
 import bisect
+import heapq
 import json
 import random
 import struct
@@ -410,6 +412,47 @@ def stats(tr, window=None):
             "next_top1_marginal": marginal / steps if steps else 0.0}
 
 
+def access_sequence(tr):
+    """The trace as the accesses a cache sees: per token, per layer, its
+    distinct experts in ascending order, each a (layer, expert) key."""
+    seq = []
+    for t in range(tr.tokens):
+        for l in range(tr.layers):
+            seq.extend((l, e) for e in sorted(set(x for x in tr.row(t, l) if x >= 0)))
+    return seq
+
+
+def min_loads(seq, slots):
+    """Belady's MIN on an access sequence with `slots` places: (its loads
+    from a cold cache, the loads of the first fill = min(slots, distinct
+    keys)). Every access stands alone, so MIN may evict an expert of the
+    layer in progress once it is used: fewer constraints than a layer call
+    has, a lower bound on any policy's loads. `loads - fill` is a lower
+    bound from the best starting cache (a cold run can copy any warm one
+    for at most `slots` more loads). No prefetching policy loads fewer into
+    the same places (demand paging is optimal in loads). O(n log n)."""
+    if slots < 1:
+        raise ValueError("MIN needs at least one slot")
+    n = len(seq)
+    nxt, last = [0] * n, {}
+    for i in range(n - 1, -1, -1):  # next position of seq[i]; never again: past the end, distinct
+        nxt[i] = last.get(seq[i], n + i + 1)
+        last[seq[i]] = i
+    cache, heap, loads = {}, [], 0  # cache: key -> its next use; heap: (-next use, key), lazy
+    for i, key in enumerate(seq):
+        if key not in cache:
+            loads += 1
+            if len(cache) >= slots:
+                while True:  # evict the furthest next use still current
+                    nu, k = heapq.heappop(heap)
+                    if cache.get(k) == -nu:
+                        del cache[k]
+                        break
+        cache[key] = nxt[i]
+        heapq.heappush(heap, (-nxt[i], key))
+    return loads, min(slots, len(last))
+
+
 def to_jsonl(tr, path):
     with open(path, "w") as f:
         head = {"format": "qmoe-trace", "version": VERSION, "tokens": tr.tokens,
@@ -507,6 +550,10 @@ def main(argv=None):
     b.add_argument("dst")
     i = sub.add_parser("info", help="print a trace's header")
     i.add_argument("src")
+    m = sub.add_parser("min", help="Belady's MIN: the fewest loads any policy could make with "
+                       "SLOTS places (a share of all experts, e.g. 0.5, or a count)")
+    m.add_argument("src")
+    m.add_argument("--slots", required=True, help="comma-separated: counts, or shares in (0, 1)")
     args = ap.parse_args(argv)
     try:
         if args.cmd == "gen":
@@ -528,6 +575,18 @@ def main(argv=None):
             to_jsonl(read_trace(args.src), args.dst)
         elif args.cmd == "from-jsonl":
             write_trace(args.dst, from_jsonl(args.src))
+        elif args.cmd == "min":
+            tr = read_trace(args.src)
+            seq = access_sequence(tr)
+            for text in args.slots.split(","):
+                v = float(text)
+                slots = int(v * tr.layers * tr.experts) if 0 < v < 1 else int(v)
+                loads, fill = min_loads(seq, slots)
+                print(json.dumps({"slots": slots, "accesses": len(seq), "loads": loads,
+                                  "hit_rate": 1 - loads / len(seq) if seq else None,
+                                  "warm_loads": loads - fill,
+                                  "warm_loads_per_token": (loads - fill) / tr.tokens
+                                  if tr.tokens else None}, sort_keys=True))
         else:
             tr = read_trace(args.src)
             print(json.dumps({"tokens": tr.tokens, "layers": tr.layers, "k": tr.k,

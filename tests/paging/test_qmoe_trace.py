@@ -231,3 +231,52 @@ def test_policy_sim_rejects_a_jsonl_record_of_the_wrong_shape(tmp_path):
     r = subprocess.run([sim, "--trace", str(j), "--no-prefetch"], capture_output=True, text=True,
                        timeout=60)
     assert r.returncode == 1 and "line 2" in r.stderr, r.stderr
+
+
+def _brute_min(seq, slots):
+    """The fewest loads, by trying every victim (small sequences only)."""
+    from functools import lru_cache
+
+    @lru_cache(None)
+    def best(i, cache):
+        if i == len(seq):
+            return 0
+        key = seq[i]
+        if key in cache:
+            return best(i + 1, cache)
+        if len(cache) < slots:
+            return 1 + best(i + 1, cache | {key})
+        return 1 + min(best(i + 1, (cache - {v}) | {key}) for v in cache)
+
+    return best(0, frozenset())
+
+
+def test_min_loads_equal_a_brute_force_optimum():
+    import random
+    rng = random.Random(7)
+    for _ in range(400):
+        n, keys, slots = rng.randint(1, 13), rng.randint(1, 6), rng.randint(1, 4)
+        seq = [rng.randrange(keys) for _ in range(n)]
+        loads, fill = qmoe_trace.min_loads(seq, slots)
+        assert loads == _brute_min(seq, slots), (seq, slots)
+        assert fill == min(slots, len(set(seq)))
+    with pytest.raises(ValueError):
+        qmoe_trace.min_loads([1], 0)
+
+
+def test_min_of_a_cycle_beats_lru_and_the_subcommand_prints_it(tmp_path):
+    # One expert per layer, 3 layers visited in turn, 2 places: LRU misses
+    # every access; MIN keeps one for good and misses half the others.
+    ids = qmoe_trace.array("h", [0] * (10 * 3))
+    tr = qmoe_trace.Trace(10, 3, 1, 4, ids)
+    seq = qmoe_trace.access_sequence(tr)
+    assert seq[:4] == [(0, 0), (1, 0), (2, 0), (0, 0)] and len(seq) == 30
+    loads, fill = qmoe_trace.min_loads(seq, 2)
+    assert fill == 2 and loads == 2 + 14  # after the fill, every other access of one key
+    path = tmp_path / "c.qmtr"
+    qmoe_trace.write_trace(str(path), tr)
+    r = run_tool("min", str(path), "--slots", "2,3")
+    assert r.returncode == 0, r.stderr
+    rows = [json.loads(x) for x in r.stdout.splitlines()]
+    assert [(x["slots"], x["loads"], x["warm_loads"]) for x in rows] == [(2, 16, 14), (3, 3, 0)]
+    assert rows[1]["hit_rate"] == 0.9 and rows[0]["warm_loads_per_token"] == 1.4
