@@ -57,6 +57,14 @@ overlapped_bound_tok_s = 1 / max(that time, the uncapped qmoed decode's time
 per token): every read overlapped with compute, which needs every miss
 foreseen a call ahead. The row also gives the rate its reads ran at while
 decoding (bytes read per token x tokens/s), beside fio's.
+What no policy could beat on the row's own routing: each capped qmoed
+row's daemon records its sessions' routing (record_routing), and the
+decode run's trace goes through Belady's MIN (tools/qmoe_trace.py
+min_loads) at the row's budget and at a budget of the whole cap, in expert
+units: MIN's hit rate from a cold cache, and the most tok/s any eviction or
+prefetch could reach, MIN's loads a token past the first fill (the best
+starting cache) at the row's disk rate, at most the uncapped decode. No
+policy, prefetching or not, loads fewer experts into the same places.
 Every row also records its cgroup's OOM kills. Each --variant NAME:KEY=VALUE
 adds, per cap, a "llama.cpp + qmoed, NAME" row whose qmoed runs with --set
 KEY=VALUE (e.g. no-trial:prefetch_trial=false), the qmoed rows of a cap in
@@ -87,9 +95,11 @@ ROOT = os.path.abspath(os.path.join(HERE, "..", ".."))
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(ROOT, "tests", "daemon"))
 sys.path.insert(0, os.path.join(ROOT, "bench", "paging_disk"))
+sys.path.insert(0, os.path.join(ROOT, "tools"))
 
 import checkpoints  # noqa: E402
 import llama_cpp  # noqa: E402
+import qmoe_trace  # noqa: E402
 from qmoed_memcg import MemCgroup  # noqa: E402
 
 GB = 1e9
@@ -225,6 +235,43 @@ def finish_row(row, pre, dec):
     return row
 
 
+def routing_of(path):
+    """A recorded trace as the sequence MIN replays (qmoe_trace.access_sequence)."""
+    tr = qmoe_trace.read_trace(path)
+    return {"tokens": tr.tokens, "layers": tr.layers, "k": tr.k, "experts": tr.experts,
+            "seq": qmoe_trace.access_sequence(tr)}
+
+
+def belady_bounds(row, unit, rate, uncapped_tok_s):
+    """What no eviction or prefetch could beat on this row's own routing
+    (the decode run's recorded trace), at the row's budget and at a budget
+    of the whole cap: Belady's MIN loads, with the first fill free (the
+    best cache the run could have started with), each a read of `unit`
+    bytes at the row's disk rate; no policy, prefetching or not, loads
+    fewer experts into the same places. The bound in tok/s is that
+    reading's rate, at most the uncapped decode (compute)."""
+    tr = row.get("routing_trace")
+    seq = tr.pop("seq", None) if tr else None
+    if not seq or not tr["tokens"] or not rate:
+        return
+    accesses = len(seq)
+    out = {"tokens": tr["tokens"], "accesses": accesses}
+    for key, budget in (("budget", row.get("budget_bytes")), ("cap", row.get("cap_bytes"))):
+        if not budget:
+            continue
+        slots = max(1, int(budget // unit))
+        loads, fill = qmoe_trace.min_loads(seq, slots)
+        warm = loads - fill
+        io_s = warm * unit / rate / tr["tokens"]
+        bound = 1 / io_s if io_s > 0 else None
+        if uncapped_tok_s:
+            bound = min(bound, uncapped_tok_s) if bound else uncapped_tok_s
+        out[key] = {"slots": slots, "min_loads": loads, "min_hit_rate": 1 - loads / accesses,
+                    "min_warm_loads_per_token": warm / tr["tokens"], "bound_tok_s": bound,
+                    "bound_x_uncapped": bound / uncapped_tok_s if bound and uncapped_tok_s else None}
+    row["belady"] = out
+
+
 def io_bounds(row, unit, rate, compute_s):
     """The row's I/O bound (module doc) from its counters, the expert unit,
     fio's rate (raised to the row's own when that was faster) and the
@@ -272,9 +319,14 @@ def with_qmoed(a, shape, gguf, bank, name, gguf_bytes, cap, reserve, layers, var
         args += ["--set", variant[1]]
     g = MemCgroup(cap * gguf_bytes, prefix="qmoe-sweep") if cap else None
     dm = None
+    work = tempfile.mkdtemp(prefix="qmoed-sweep-", dir=a.work)
+    state = os.path.join(work, "state")
+    os.mkdir(state)
+    if cap:  # the sessions' real routing, for Belady's MIN at the row's budget
+        args += ["--state-dir", state, "--set", "record_routing=true"]
     try:
         cold_or_warm(cap, [gguf, bank])
-        dm = Daemon(models={name: bank}, args=args)
+        dm = Daemon(models={name: bank}, args=args, workdir=work)
         if g:
             g.add(dm.proc.pid)
         extra = ["--qmoed", dm.socket]
@@ -289,9 +341,13 @@ def with_qmoed(a, shape, gguf, bank, name, gguf_bytes, cap, reserve, layers, var
     finally:
         if dm:
             dm.stop()
-            shutil.rmtree(dm.dir, ignore_errors=True)
         if g:
             g.remove()
+        # The decode run's session: the trace written last.
+        traces = sorted((os.path.getmtime(os.path.join(state, f)), f) for f in os.listdir(state)
+                        if f.startswith("routing-") and f.endswith(".qmtr"))
+        row["routing_trace"] = routing_of(os.path.join(state, traces[-1][1])) if traces else None
+        shutil.rmtree(work, ignore_errors=True)
     finish_row(row, pre, dec)
     pt = per_token(dec.get("delta"), layers)
     if pt:
@@ -460,6 +516,8 @@ def run_shape(a, shape):
             for v in runs:
                 rows.append(with_qmoed(a, shape, gguf, bank, name, gguf_bytes, cap, reserve, layers, v))
                 io_bounds(rows[-1], unit, rate, compute_s)
+                belady_bounds(rows[-1], unit, rows[-1].get("bound_disk_bytes_per_s") or rate,
+                              ref_q["decode_tok_s"])
                 progress("%s:   %s%s, decode %s tok/s, %s" % (
                     shape, rows[-1]["status"], " (%s)" % v[0] if v else "",
                     fmt(rows[-1]["decode_tok_s"]), rows[-1]["budget_auto"]))
@@ -489,8 +547,9 @@ def fmt(x, f="%.2f"):
 def markdown(rows):
     head = ("| shape | memory given | engine | budget | prefill tok/s | decode tok/s | x uncapped | "
             "hit rate | MB read / token | stall ms / token | I/O bound tok/s (reads; overlapped) | "
+            "Belady: hit rate; tok/s at most (budget; whole cap) | "
             "disk GB/s (fio; while decoding) | OOM kills | status |")
-    lines = [head, "|" + "---|" * 14]
+    lines = [head, "|" + "---|" * 15]
     for r in rows:
         mem = "uncapped" if not r["cap_fraction"] else "%.2f GB (%s of the GGUF)" % (
             r["cap_bytes"] / GB, frac_text(r["cap_fraction"]))
@@ -502,14 +561,23 @@ def markdown(rows):
             r["io_bound_tok_s"], fmt(r["overlapped_bound_tok_s"], "%.1f"))
         st = r["status"] if r["status"] == "ok" and not r.get("oom_kills") else "%s%s" % (
             r["status"], ": " + r["note"] if r["status"] != "ok" and r["note"] else "")
-        lines.append("| %s | %s | %s | %s | %s | %s | %s | %s | %s | %s | %s | %s | %s | %s |" % (
+        lines.append("| %s | %s | %s | %s | %s | %s | %s | %s | %s | %s | %s | %s | %s | %s | %s |" % (
             r["shape"], mem, r["engine"], budget, fmt(r["prefill_tok_s"], "%.1f"),
             fmt(r["decode_tok_s"]), fmt(ratio), fmt(r["hit_rate"], "%.3f"),
             fmt(r["bytes_read_per_token"] / 1e6 if r["bytes_read_per_token"] is not None else None, "%.1f"),
             fmt(r["stall_us_per_token"] / 1e3 if r["stall_us_per_token"] is not None else None, "%.1f"),
-            bound, disk_text(r),
+            bound, belady_text(r), disk_text(r),
             fmt(r["oom_kills"], "%d"), st))
     return "\n".join(lines)
+
+
+def belady_text(r):
+    b = r.get("belady") or {}
+    if "budget" not in b:
+        return "—"
+    cap = b.get("cap")
+    return "%.3f; %.1f; %s" % (b["budget"]["min_hit_rate"], b["budget"]["bound_tok_s"],
+                               fmt(cap["bound_tok_s"] if cap else None, "%.1f"))
 
 
 def disk_text(r):
