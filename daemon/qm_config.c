@@ -46,6 +46,7 @@ void qm_config_defaults(qm_config *cfg)
     cfg->io_depth = QM_PAGER_IO_DEPTH_DEFAULT;
     cfg->cpu_repack = 1;
     cfg->prefetch_trial = 1;
+    cfg->warm_from_profile = 1;
     cfg->workers = 2;
     cfg->log_level = QM_LOG_INFO;
     cfg->max_request_bytes = QM_DEFAULT_MAX_REQUEST_BYTES;
@@ -301,6 +302,7 @@ static const key_def keys[] = {
     {"cpu_repack", K_BOOL, OFF(cpu_repack), 0, 0, 0},
     {"prefetch_trial", K_BOOL, OFF(prefetch_trial), 0, 0, 0},
     {"record_routing", K_BOOL, OFF(record_routing), 0, 0, 0},
+    {"warm_from_profile", K_BOOL, OFF(warm_from_profile), 0, 0, 0},
     {"device", K_DEVICES, 0, 0, 0, 0},
     {"device_budget", K_BUDGETS, 0, 0, 0, 0},
     {"emu_copy_mbps", K_U32, OFF(emu_copy_mbps), 0, 0, 1u << 30},
@@ -567,7 +569,7 @@ static void usage(FILE *out)
             "Config keys: socket backend device device_budget emu_copy_mbps\n"
             "  paging_source (%s) io_engine (%s) io_depth\n"
             "  cpu_repack (true|false) prefetch_trial (true|false) record_routing (true|false)\n"
-            "  state_dir threads workers admin_group\n"
+            "  warm_from_profile (true|false) state_dir threads workers admin_group\n"
             "  user allow_root model_dirs (a list; --set model_dirs=DIR:DIR)\n"
             "  log_level max_request_bytes max_nesting max_batch max_connections max_sessions\n"
             "  max_output_bytes queue_depth idle_timeout_s frame_timeout_s frames_per_wakeup\n"

@@ -61,6 +61,7 @@ typedef struct qm_config {
     int cpu_repack; /* fast sessions' whole banks in the CPU decode GEMV's r8 layout (default 1) */
     int prefetch_trial; /* paged sessions time whether prefetch pays (default 1; qm_pager_trial.h) */
     int record_routing; /* every session records its routing to state_dir/routing-ID.qmtr (default 0) */
+    int warm_from_profile; /* a new paging session starts from its model's hottest experts (default 1) */
     char *model_dirs; /* model.load only below these (':'-separated); NULL: anywhere */
     int log_level;
     /* limits */

@@ -135,7 +135,8 @@ static void create_spec(const qm_params *p, qm_session_spec *out)
         .record_trace = pw->record_trace,
         .id = p->session,
         .warm = p->warm,
-        .n_warm = p->n_warm};
+        .n_warm = p->n_warm,
+        .warm_from_profile = pw->has_warm_from_profile ? pw->warm_from_profile : -1};
     for (size_t i = 0; i < out->n_values; i++)
         out->values[i] = (qm_policy_value){pw->values[i].name, pw->values[i].value};
 }
@@ -173,9 +174,15 @@ static void create_run(qm_job *job)
 {
     const qm_params *p = &job->req.params;
     job->rc = qm_session_build(job->mx->sessions, job->session, &job->st);
-    if (job->rc < 0 || p->n_warm == 0)
+    if (job->rc < 0)
         return;
     qm_status wst = {0};
+    if (p->n_warm == 0) { /* a new session: the model's hottest experts, if chosen */
+        if (qm_session_warm_from_profile(job->session, &wst) < 0)
+            qm_log(QM_LOG_WARNING, "session %s: warming it from the hotness profile stopped: %s",
+                   qm_session_id(job->session), wst.msg);
+        return;
+    }
     int got = qm_session_warm(job->session, p->warm, p->n_warm, &wst);
     if (got < 0)
         qm_log(QM_LOG_WARNING, "session %s: warming it stopped: %s",

@@ -38,6 +38,11 @@ struct qm_session {
     char device_names[QM_CONFIG_MAX_DEVICES][16];    /* the daemon's, for its plan */
     char *trace_path;         /* policy_params.record_trace in the state dir, or NULL */
     int trace_by_daemon;      /* trace_path is record_routing's: failing it fails no session */
+    /* warm_from_profile: the model's hottest experts at creation, hottest
+     * first across layers, one entry each (qm_session_warm_from_profile) */
+    qm_hot_layer *profile_warm;
+    uint32_t *profile_warm_experts;
+    size_t n_profile_warm;
     uint64_t plan_start_us, plan_us;
     uint64_t budget_bytes;    /* expert-weight budget */
     qm_budget_auto auto_budget; /* budget "auto": its size, why, the pressure watcher's state */
@@ -88,6 +93,8 @@ static void session_free(qm_session *s)
     qm_expert_pool_unref(s->pool);
     qm_pool_recipe_free(&s->recipe);
     qm_free(s->trace_path);
+    qm_free(s->profile_warm);
+    qm_free(s->profile_warm_experts);
     qm_model_unref(s->model);
     qm_free(s);
 }
@@ -500,6 +507,67 @@ static int policy_params_of(const qm_model *m, const qm_session_spec *spec,
     return 0;
 }
 
+typedef struct profile_pick {
+    double count;
+    uint32_t layer, expert;
+} profile_pick;
+
+static int pick_hotter(const void *a, const void *b)
+{
+    const profile_pick *x = a, *y = b;
+    if (x->count != y->count)
+        return x->count > y->count ? -1 : 1;
+    if (x->layer != y->layer)
+        return x->layer < y->layer ? -1 : 1;
+    return x->expert < y->expert ? -1 : x->expert > y->expert;
+}
+
+/* warm_from_profile (loop thread, where the profile lives): a new session
+ * that pages, of its own pool and given no `warm`, gets the model's
+ * hottest experts across layers by their decayed counts, as many as its
+ * budget holds experts, to load once built. Nothing when the profile is
+ * empty; out of memory only leaves the session cold. */
+static void choose_profile_warm(const qm_sessions *ss, const qm_model *m,
+                                const qm_session_spec *spec, qm_session *s)
+{
+    int on = spec->warm_from_profile >= 0 ? spec->warm_from_profile : ss->cfg->warm_from_profile;
+    if (!on || spec->n_warm || spec->share ||
+        strcmp(spec->policy, "whole_bank") == 0 || !m->hotness ||
+        qm_hotness_records(m->hotness) == 0 || !m->bytes_per_expert)
+        return;
+    const qm_bank_config *cfg = qm_bank_get_config(m->bank);
+    uint64_t fit = s->budget_bytes / m->bytes_per_expert;
+    profile_pick *picks = qm_malloc((size_t)cfg->layers * cfg->experts * sizeof *picks);
+    uint32_t *hot = qm_malloc((size_t)cfg->experts * sizeof *hot);
+    size_t n = 0;
+    for (uint32_t l = 0; picks && hot && l < cfg->layers; l++) {
+        int got = qm_hotness_hottest(m->hotness, l, hot, cfg->experts);
+        for (int i = 0; i < got && (uint32_t)i < cfg->experts; i++)
+            picks[n++] = (profile_pick){qm_hotness_count(m->hotness, l, hot[i]), l, hot[i]};
+    }
+    qm_free(hot);
+    qsort(picks, n, sizeof *picks, pick_hotter);
+    if (n > fit)
+        n = (size_t)fit;
+    if (n) {
+        s->profile_warm = qm_calloc(n, sizeof *s->profile_warm);
+        s->profile_warm_experts = qm_malloc(n * sizeof *s->profile_warm_experts);
+    }
+    if (n && s->profile_warm && s->profile_warm_experts) {
+        for (size_t i = 0; i < n; i++) {
+            s->profile_warm_experts[i] = picks[i].expert;
+            s->profile_warm[i] = (qm_hot_layer){picks[i].layer, &s->profile_warm_experts[i], 1};
+        }
+        s->n_profile_warm = n;
+    } else {
+        qm_free(s->profile_warm);
+        qm_free(s->profile_warm_experts);
+        s->profile_warm = NULL;
+        s->profile_warm_experts = NULL;
+    }
+    qm_free(picks);
+}
+
 int qm_session_prepare(qm_sessions *ss, const qm_models *ms, const qm_session_spec *spec,
                        uid_t owner, qm_session **out, qm_status *st)
 {
@@ -531,6 +599,7 @@ int qm_session_prepare(qm_sessions *ss, const qm_models *ms, const qm_session_sp
     qm_free(hot_len);
     if (rc < 0)
         goto fail;
+    choose_profile_warm(ss, m, spec, s);
     /* Reserved now, so creations in flight cannot overcommit the device
      * budget while their pagers are built off the loop thread. */
     atomic_init(&s->refs, 1);
@@ -653,6 +722,22 @@ int qm_session_warm(qm_session *s, const qm_hot_layer *warm, size_t n, qm_status
     qm_log(QM_LOG_INFO, "session %s warmed: %d experts loaded in %.1f ms", s->id, total,
            (double)(qm_now_us() - t0) / 1000.0);
     return total;
+}
+
+int qm_session_warm_from_profile(qm_session *s, qm_status *st)
+{
+    if (!s->n_profile_warm)
+        return 0;
+    int got = qm_session_warm(s, s->profile_warm, s->n_profile_warm, st);
+    if (got >= 0)
+        qm_log(QM_LOG_INFO, "session %s started from the hotness profile of %s: %d of its %zu "
+               "hottest experts loaded", s->id, s->model->name, got, s->n_profile_warm);
+    qm_free(s->profile_warm);
+    qm_free(s->profile_warm_experts);
+    s->profile_warm = NULL;
+    s->profile_warm_experts = NULL;
+    s->n_profile_warm = 0;
+    return got;
 }
 
 void qm_session_commit(qm_sessions *ss, qm_session *s)

@@ -87,6 +87,7 @@ typedef struct qm_session_spec {
     const char *id;
     const qm_hot_layer *warm;
     size_t n_warm;
+    int warm_from_profile; /* policy_params.warm_from_profile: 0, 1, or -1 = the config's */
 } qm_session_spec;
 
 /* session.create in three steps: prepare (loop: checks, policy, plan,
@@ -102,6 +103,11 @@ int qm_session_build(const qm_sessions *ss, qm_session *s, qm_status *st);
  * Nothing for a shared-residency session. Returns the experts loaded or a
  * negative error (a read that failed). */
 int qm_session_warm(qm_session *s, const qm_hot_layer *warm, size_t n, qm_status *st);
+/* Worker, after qm_session_build, for a session.create without `warm`:
+ * the experts qm_session_prepare chose from the model's hotness profile
+ * (config warm_from_profile), loaded the same way. Returns the experts
+ * loaded (0: none chosen) or a negative error. */
+int qm_session_warm_from_profile(qm_session *s, qm_status *st);
 void qm_session_commit(qm_sessions *ss, qm_session *s);
 void qm_session_abort(qm_sessions *ss, qm_session *s);
 qm_session *qm_session_find(const qm_sessions *ss, const char *id); /* borrowed; NULL: none */

@@ -101,7 +101,10 @@
       NAMES(ON_MISS), "what a non-resident expert does: paged in, run on the host, or either")     \
     P("share_residency", BOOL, 0, 0, 0, AT(policy_params.share_residency),                         \
       AT(policy_params.has_share_residency), NONE,                                                 \
-      "draw experts from one pool with the model's sessions that share")
+      "draw experts from one pool with the model's sessions that share")                           \
+    P("warm_from_profile", BOOL, 0, 0, 0, AT(policy_params.warm_from_profile),                     \
+      AT(policy_params.has_warm_from_profile), NONE,                                               \
+      "start from the model's hottest experts (default: the daemon's warm_from_profile)")
 
 #define QM_PARAMS_SESSION_RESIZE(P)                                                                \
     QM_PARAMS_BY_SESSION(P)                                                                        \
@@ -202,6 +205,7 @@ typedef struct qm_policy_value_wire {
 
 typedef struct qm_policy_params_wire {
     int has_prefetch, prefetch;
+    int has_warm_from_profile, warm_from_profile;
     int has_min_split_bytes;
     uint64_t min_split_bytes;
     /* The policy's numeric knobs (decay, pin_fraction, ...): every member

@@ -219,7 +219,7 @@ def test_a_disk_read_error_fails_that_request_only(disk_bank):
             bpe = c.call("model.list")["models"][0]["bytes_per_expert"]
             ref = run_all(c, new_session(c), INPUTS)
             sid = new_session(c, policy="lru", budget_bytes=experts * bpe,
-                              policy_params={"prefetch": False})
+                              policy_params={"prefetch": False, "warm_from_profile": False})
             assert run_failing_once(c, sid, ref, disk_bank) == 1, engine
             t = c.call("telemetry.get", {"session": sid})
             assert t["errors"] == 1 and t["resident_bytes"] <= experts * bpe, t

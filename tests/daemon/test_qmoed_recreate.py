@@ -60,10 +60,18 @@ def test_a_session_recreated_under_its_id_starts_warm_and_gives_the_same_bits(ba
             got = call(c, layer)
             assert got["stats"]["hits"] == K and got["stats"]["misses"] == 0, got["stats"]
             assert np.array_equal(from_tensor(got["output"]), want[layer])
-        # Without warm, the same re-creation starts cold: its first call misses.
+        # Without warm, the same re-creation starts from the model's hotness
+        # profile (B's calls above routed 1 and 6 at both layers): it hits.
         c.call("session.close", {"session": sid})
         r = c.call("session.create", dict(opts, session=sid))
         assert r["session"] == sid and "warmed" not in r
+        got = call(c, 0)
+        assert got["stats"]["hits"] == K and got["stats"]["misses"] == 0, got["stats"]
+        assert np.array_equal(from_tensor(got["output"]), want[0])
+        # ... and told not to, it starts cold: its first call misses.
+        c.call("session.close", {"session": sid})
+        cold = dict(opts, session=sid, policy_params={"prefetch": False, "warm_from_profile": False})
+        r = c.call("session.create", cold)
         got = call(c, 0)
         assert got["stats"]["misses"] == K
         assert np.array_equal(from_tensor(got["output"]), want[0])

@@ -107,7 +107,7 @@ def test_resize_is_ordered_with_the_sessions_inferences(daemon):
     bpe = bpe_of(c)
     # 12 of the 16 experts: nothing is preloaded.
     sid = new_session(c, policy="lru", budget_bytes=12 * bpe,
-                      policy_params={"prefetch": False})
+                      policy_params={"prefetch": False, "warm_from_profile": False})
     x = tensor(hidden(4, seed=7))
     batch = [{"jsonrpc": "2.0", "id": 1, "method": "session.infer",
               "params": {"session": sid, "layer": 0, "hidden": x}},

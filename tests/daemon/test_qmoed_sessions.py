@@ -56,10 +56,12 @@ def test_plan_json_is_byte_identical_across_calls(daemon):
 def test_plan_reports_resident_now_per_paged_bank_and_resident_bytes(daemon):
     c = daemon.client()
     bpe = c.call("model.list")["models"][0]["bytes_per_expert"]
-    # Room for a few experts, not all 16: nothing is preloaded; prefetch off,
-    # so only what an inference routes becomes resident.
+    # Room for a few experts, not all 16: nothing is preloaded (not even the
+    # hotness profile's); prefetch off, so only what an inference routes
+    # becomes resident.
     sid = c.call("session.create", {"model": "small", "policy": "lru", "budget_bytes": 6 * bpe,
-                                    "policy_params": {"prefetch": False}})["session"]
+                                    "policy_params": {"prefetch": False,
+                                                      "warm_from_profile": False}})["session"]
     plan = c.call("session.plan", {"session": sid})
     assert plan["resident_bytes"] == 0 and plan["budget_bytes"] == 6 * bpe
     for b in plan["banks"]:
@@ -234,5 +236,66 @@ def test_record_routing_records_every_session_in_the_state_dir(banks):
                 for layer in (0, 1):
                     assert sorted(x for x in tr.row(i, layer) if x >= 0) == step[layer], (name, i)
         assert "records its routing to" in dm.log_text()
+    finally:
+        assert dm.stop() == 0
+
+
+def test_a_new_session_starts_from_the_models_hottest_experts(banks):
+    import numpy as np
+    dm = Daemon(models={"small": banks["small"]})
+    try:
+        c = dm.client()
+        bpe = c.call("model.list")["models"][0]["bytes_per_expert"]
+        opts = {"model": "small", "policy": "lru", "policy_params": {"prefetch": False}}
+        x = tensor(hidden(1, seed=3))
+        w = tensor(np.array([[0.5, 0.5]], dtype=np.float32))
+
+        def route(sid, layer, experts):
+            return c.call("session.infer", {"session": sid, "layer": layer, "hidden": x,
+                                            "topk_ids": tensor(np.array([experts], dtype=np.int32)),
+                                            "topk_weights": w})["stats"]
+
+        def resident(sid):
+            return [b.get("resident_now") for b in c.call("session.plan", {"session": sid})["banks"]]
+
+        # The first session of the model has no profile to start from.
+        a = c.call("session.create", dict(opts, budget_bytes=4 * bpe))["session"]
+        assert resident(a) == [[], []]
+        for _ in range(3):
+            route(a, 0, [1, 6])
+        route(a, 1, [2, 5])
+        c.call("session.close", {"session": a})
+        # The next: the hottest experts across layers, as many as its budget
+        # holds (ties: the lower layer, then the lower expert), before its
+        # first call, which hits.
+        b = c.call("session.create", dict(opts, budget_bytes=3 * bpe))["session"]
+        assert resident(b) == [[1, 6], [2]]
+        st = route(b, 0, [1, 6])
+        assert st["hits"] == K and st["misses"] == 0, st
+        c.call("session.close", {"session": b})
+        # Told not to, or a whole_bank session: nothing loaded for it.
+        cold = c.call("session.create", dict(opts, budget_bytes=4 * bpe, policy_params={
+            "prefetch": False, "warm_from_profile": False}))["session"]
+        assert resident(cold) == [[], []]
+        assert route(cold, 0, [1, 6])["misses"] == K
+        whole = c.call("session.create", {"model": "small"})["session"]
+        assert all("resident_now" not in b for b in
+                   c.call("session.plan", {"session": whole})["banks"])
+        assert "started from the hotness profile of small: 3 of its 3 hottest experts" in dm.log_text()
+    finally:
+        assert dm.stop() == 0
+    # A daemon told not to warm new sessions: only a session that asks is warmed.
+    dm = Daemon(models={"small": banks["small"]}, args=["--set", "warm_from_profile=false"])
+    try:
+        c = dm.client()
+        bpe = c.call("model.list")["models"][0]["bytes_per_expert"]
+        a = c.call("session.create", dict(opts, budget_bytes=4 * bpe))["session"]
+        route(a, 1, [0, 7])
+        c.call("session.close", {"session": a})
+        off = c.call("session.create", dict(opts, budget_bytes=4 * bpe))["session"]
+        assert resident(off) == [[], []]
+        on = c.call("session.create", dict(opts, budget_bytes=4 * bpe, policy_params={
+            "prefetch": False, "warm_from_profile": True}))["session"]
+        assert resident(on) == [[], [0, 7]]
     finally:
         assert dm.stop() == 0

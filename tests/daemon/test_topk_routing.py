@@ -182,7 +182,8 @@ def test_paging_sees_the_supplied_experts_and_keeps_the_bits(daemon):
     c = daemon.client()
     bpe = c.call("model.list")["models"][0]["bytes_per_expert"]
     whole = session(c)
-    paged = session(c, policy="lru", budget_bytes=3 * bpe, policy_params={"prefetch": False})
+    paged = session(c, policy="lru", budget_bytes=3 * bpe,
+                    policy_params={"prefetch": False, "warm_from_profile": False})
     x = hidden(4, seed=6)
     calls = [np.array([[5, 1], [5, -1], [1, 5], [-1, -1]], np.int32),
              np.array([[6, 7], [0, 7], [6, 0], [2, 7]], np.int32),
