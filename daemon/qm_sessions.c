@@ -546,7 +546,8 @@ static void choose_profile_warm(const qm_sessions *ss, const qm_model *m,
             picks[n++] = (profile_pick){qm_hotness_count(m->hotness, l, hot[i]), l, hot[i]};
     }
     qm_free(hot);
-    qsort(picks, n, sizeof *picks, pick_hotter);
+    if (n)
+        qsort(picks, n, sizeof *picks, pick_hotter);
     if (n > fit)
         n = (size_t)fit;
     if (n) {
