@@ -76,25 +76,27 @@ def record(a, shape, mode):
     work = tempfile.mkdtemp(prefix="qmoed-rec-", dir=a.work)
     state = os.path.join(work, "state")
     os.mkdir(state)
-    dm = Daemon(models={name: bank}, workdir=work,
-                args=["--threads", str(a.threads), "--log-level", "info", "--state-dir", state,
-                      "--set", "record_routing=true", "--set", "paging_source=mmap"])
     try:
-        c = dm.client()
-        unit = c.call("model.list")["models"][0]
-        c.close()
-        budget = int(unit["bytes_per_expert"] * unit["layers"] * unit["experts"] * 0.95)
-        decode(a, mode, gguf, dm.socket, budget)
+        dm = Daemon(models={name: bank}, workdir=work,
+                    args=["--threads", str(a.threads), "--log-level", "info", "--state-dir", state,
+                          "--set", "record_routing=true", "--set", "paging_source=mmap"])
+        try:
+            c = dm.client()
+            unit = c.call("model.list")["models"][0]
+            c.close()
+            budget = int(unit["bytes_per_expert"] * unit["layers"] * unit["experts"] * 0.95)
+            decode(a, mode, gguf, dm.socket, budget)
+        finally:
+            dm.stop()
+        traces = sorted((os.path.getmtime(os.path.join(state, f)), f) for f in os.listdir(state)
+                        if f.startswith("routing-"))
+        if not traces:
+            raise RuntimeError("%s %s: the daemon recorded no trace" % (shape, mode))
+        out = os.path.join(a.out, "%s.%s.qmtr" % (shape, mode))
+        shutil.copyfile(os.path.join(state, traces[-1][1]), out)
+        return out
     finally:
-        dm.stop()
-    traces = sorted((os.path.getmtime(os.path.join(state, f)), f) for f in os.listdir(state)
-                    if f.startswith("routing-"))
-    if not traces:
-        raise RuntimeError("%s %s: the daemon recorded no trace" % (shape, mode))
-    out = os.path.join(a.out, "%s.%s.qmtr" % (shape, mode))
-    shutil.copyfile(os.path.join(state, traces[-1][1]), out)
-    shutil.rmtree(work, ignore_errors=True)
-    return out
+        shutil.rmtree(work, ignore_errors=True)
 
 
 def main(argv=None):
