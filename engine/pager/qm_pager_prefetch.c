@@ -397,16 +397,37 @@ static size_t qm__pf_unlist(qm__layer *N, const uint32_t *list, size_t from, siz
     return from;
 }
 
+/* Whether this forward call probes the sources that fetch nothing on it
+ * (switched off, or held by the trial): one call in QM__PF_PROBE_EVERY,
+ * drawn by a hash of the call count rather than every eighth call, which
+ * for a model of 8, 16, 32 or 48 layers would be one layer's calls only. */
+static int qm__pf_probe(qm_pager *p)
+{
+    uint64_t z = ++p->forward_calls * 0x9e3779b97f4a7c15ull;
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+    return ((z ^ (z >> 31)) % QM__PF_PROBE_EVERY) == 0;
+}
+
 /* The router of the layer two calls ahead on this call's hidden states.
- * Measured on every call it can run; prefetched (after the next layer's, so
- * it never takes their place) only once its measured precision has reached
- * the gate's threshold: it starts off, and is not probed, since a wrong
- * guess two calls ahead costs the next layer's prefetches their slots. */
+ * Prefetched (after the next layer's, so it never takes their place) only
+ * once its measured precision has reached the gate's threshold: it starts
+ * off, since a wrong guess two calls ahead costs the next layer's
+ * prefetches their slots. It runs (a router GEMV on the call's critical
+ * path) on the calls it fetches for, and on probe calls while it is off or
+ * the trial holds prefetch, where it is only measured. */
 static void qm__predict_lookahead(qm_pager *p, const qm_moe_call *call, uint32_t ahead,
-                                  size_t cap, int held)
+                                  size_t cap, int held, int probe)
 {
     qm__layer *A = &p->layers[ahead];
     if (!A->paged || !p->pred_list2 || ahead == call->layer)
+        return;
+    const int off = p->pf_off[QM__PF_LOOKAHEAD];
+    if (off) {
+        p->stats.prefetch_gated++;
+        p->stats.predict_lookahead_gated++;
+    }
+    if ((off || held) && !probe)
         return;
     size_t n = qm__predict_router(p, call, ahead, p->pred_list2, 0, cap);
     for (size_t i = 0; i < n; i++)
@@ -414,13 +435,8 @@ static void qm__predict_lookahead(qm_pager *p, const qm_moe_call *call, uint32_t
     if (!n)
         return;
     qm__pf_remember(p, QM__PF_LOOKAHEAD, ahead, p->pred_list2, n);
-    if (p->pf_off[QM__PF_LOOKAHEAD]) {
-        p->stats.prefetch_gated++;
-        p->stats.predict_lookahead_gated++;
-        return;
-    }
-    if (held)
-        return; /* the trial holds prefetch (counted once a call) */
+    if (off || held)
+        return; /* measured only (the trial's hold is counted once a call) */
     for (size_t i = 0; i < n; i++)
         p->pred_src[i] = QM__PF_LOOKAHEAD;
     qm_status tmp;
@@ -476,12 +492,14 @@ void qm__pager_prefetch_next(qm_pager *p, const qm_moe_call *call)
     if (cap > N->n_experts)
         cap = N->n_experts;
     /* A switched-off source still runs on one call in QM__PF_PROBE_EVERY so
-     * its precision keeps being measured. */
-    int probe = p->forward_calls++ % QM__PF_PROBE_EVERY == 0;
+     * its precision keeps being measured; so does the router while the
+     * trial holds prefetch (its GEMV is the costly part of a prediction,
+     * and a held call would only score it). */
+    int probe = qm__pf_probe(p);
     size_t n = 0;
     int fetch_router = qm__pf_fetches(p, QM__PF_ROUTER);
     int fetch_history = qm__pf_fetches(p, QM__PF_HISTORY);
-    if (qm__pf_runs(p, QM__PF_ROUTER, probe))
+    if (qm__pf_runs(p, QM__PF_ROUTER, probe) && (!held || probe))
         n = qm__predict_router(p, call, next, p->pred_list, 0, cap);
     for (size_t i = 0; i < n; i++)
         p->pred_src[i] = QM__PF_ROUTER;
@@ -501,15 +519,15 @@ void qm__pager_prefetch_next(qm_pager *p, const qm_moe_call *call)
     }
     for (size_t i = 0; i < n; i++)
         N->mark[p->pred_list[i]] = 0;
-    /* Held by the trial: predicted and scored all the same (the gates
-     * keep measuring), nothing read. */
+    /* Held by the trial: the history predicted and scored all the same,
+     * the router on probe calls (the gates keep measuring), nothing read. */
     qm_status tmp;
     if (held)
         p->stats.prefetch_trial_held++;
     else
         (void)qm__prefetch(p, next, p->pred_list, p->pred_src, n, &tmp);
     if (p->n_layers > 2)
-        qm__predict_lookahead(p, call, (call->layer + 2) % p->n_layers, need, held);
+        qm__predict_lookahead(p, call, (call->layer + 2) % p->n_layers, need, held, probe);
 }
 
 int qm__pager_prefetch_start(qm_pager *p, qm_status *st)

@@ -587,7 +587,7 @@ START_TEST(test_prediction_is_measured_and_the_lookahead_earns_its_prefetch)
     qm_pager_stats a;
     qm_pager_stats_get(pg, &a);
     ck_assert_uint_eq(a.prefetch_sources_off, 4); /* the lookahead, until measured */
-    same_hidden_calls(pg, x, 0, 3 * 80);
+    same_hidden_calls(pg, x, 0, 3 * 400);
     qm_pager_stats_get(pg, &a);
     ck_assert_uint_gt(a.predict_router_predicted, 0);
     ck_assert_uint_eq(a.predict_router_correct, a.predict_router_predicted);
@@ -609,14 +609,14 @@ START_TEST(test_prefetches_evicted_before_use_hold_their_source_off)
     float x[32];
     fill_uniform(x, 32, 5);
     qm_pager *pg = pg_fixture_lru_pager(3 * unit_bytes(&fixture.bank), 1);
-    same_hidden_calls(pg, x, 0, 3 * 80);
+    same_hidden_calls(pg, x, 0, 3 * 400);
     qm_pager_stats a, b;
     qm_pager_stats_get(pg, &a);
     ck_assert_uint_eq(a.predict_lookahead_correct, a.predict_lookahead_predicted);
     ck_assert_uint_ge(a.prefetch_lookahead_issued, 16);
     ck_assert_uint_lt(2 * a.prefetch_lookahead_useful, a.prefetch_lookahead_issued);
     ck_assert(a.prefetch_sources_off & 4u);
-    same_hidden_calls(pg, x, 3 * 80, 3 * 60);
+    same_hidden_calls(pg, x, 3 * 400, 3 * 60);
     qm_pager_stats_get(pg, &b);
     ck_assert(b.prefetch_sources_off & 4u);
     ck_assert_uint_eq(b.prefetch_lookahead_issued, a.prefetch_lookahead_issued);
@@ -839,8 +839,9 @@ START_TEST(test_prefetch_trial_keeps_prefetch_that_pays_and_times_only_decode)
 }
 END_TEST
 
-/* In a pager: while the trial holds prefetch, the predictions are made and
- * scored but nothing is read, each held call is counted, and bit 3 of
+/* In a pager: while the trial holds prefetch, nothing is read, the history
+ * still predicts and is scored on every call and the router (a GEMV a call)
+ * only on probe calls, each held call is counted, and bit 3 of
  * prefetch_sources_off says so; fetching resumes after the held windows.
  * Which mode wins depends on the clock; the order of the first measurement
  * does not: from the budget's first eviction, 2 tokens and window A fetch,
@@ -859,7 +860,7 @@ START_TEST(test_prefetch_trial_in_the_pager_holds_reads_not_predictions)
     const uint32_t L = fixture.spec.layers, W = QM__TRIAL_MIN_WINDOW_CALLS; /* 3 layers */
     enum { N = 200 };
     uint8_t held[N], bit[N];
-    uint64_t issued[N], predicted[N], held_total[N], decisions[N];
+    uint64_t issued[N], predicted[N], history[N], held_total[N], decisions[N];
     uint64_t s = 5, held_before = 0;
     for (uint32_t i = 0; i < N; i++) {
         uint32_t ex[2] = {(uint32_t)(pf_rand(&s) % 4), 4 + (uint32_t)(pf_rand(&s) % 4)};
@@ -871,6 +872,7 @@ START_TEST(test_prefetch_trial_in_the_pager_holds_reads_not_predictions)
         bit[i] = (ps.prefetch_sources_off & 8u) != 0;
         issued[i] = ps.prefetch_issued;
         predicted[i] = ps.predict_router_predicted;
+        history[i] = ps.predict_history_predicted;
         held_total[i] = ps.prefetch_trial_held;
         decisions[i] = ps.prefetch_trial_decisions;
     }
@@ -883,7 +885,11 @@ START_TEST(test_prefetch_trial_in_the_pager_holds_reads_not_predictions)
         ck_assert_msg(held[i] && bit[i], "call %u of the held run", i - h);
         ck_assert_uint_eq(issued[i], issued[h - 1]); /* nothing read */
     }
-    ck_assert_uint_gt(predicted[h + L + 2 * W], predicted[h - 1] + L + 2 * W); /* scored */
+    /* The history scored on each held call; the router on a few only
+     * (fetching, it predicts on every call: at least one expert each). */
+    ck_assert_uint_ge(history[h + L + 2 * W], history[h - 1] + L + 2 * W);
+    ck_assert_uint_ge(predicted[h - 1] - predicted[h - 1 - L], L);
+    ck_assert_uint_lt(predicted[h + L + 2 * W] - predicted[h - 1], L + 2 * W);
     uint32_t after = h + L + 2 * W + 1;
     ck_assert(!held[after] && !bit[after]);
     ck_assert_uint_gt(issued[after + W - 1], issued[after - 1]); /* fetching again */
