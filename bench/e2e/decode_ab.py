@@ -10,7 +10,12 @@ against a fresh `qmoed --threads THREADS` whose environment the variant
 sets (NAME=VAR=VALUE[,VAR=VALUE...]; NAME= for the daemon as it is);
 llama-bench gets the variant's environment too (the llama.cpp adapter and
 libqmoe-client read some of the same variables); the variable QMOED names
-the qmoed binary a variant runs instead (another build, side by side). Prints every round's
+the qmoed binary a variant runs instead (another build, side by side), and
+POLICY and BUDGET the session llama.cpp asks for (`--qmoed-policy`, default
+whole_bank; `--qmoed-budget`, e.g. 50%: a paged session). --state-dir gives
+every daemon one state_dir, as a long-running daemon keeps one: a paged
+session then starts from the hotness profile the earlier runs left
+(warm_from_profile). Prints every round's
 tok/s, each variant's ratio to the alone run of the same round (pair by
 pair), and their medians, with both processes' memory: llama-bench's peak
 VmRSS (with its RssAnon: VmRSS counts the GGUF's mapped pages it touched)
@@ -22,6 +27,8 @@ memory bandwidth it shares). --json writes the rounds.
 
 usage: decode_ab.py --llama PREFIX --gguf GGUF --bank BANK [--rounds 6] [--decode 64]
                     [--threads 2] [--precision fast] [--variant NAME=ENV ...] [--json OUT]
+                    [--state-dir DIR]
+e.g. paged against whole_bank: --variant whole= --variant p50=POLICY=next_use,BUDGET=50%
 (GGUF and BANK: what bench/e2e/llama_cpp.py --keep left in its --work folder,
 e.g. qwen3-30b-a3b.q4_0.gguf and qwen3-30b-a3b.q4_0.bank.)
 """
@@ -86,6 +93,10 @@ def steal_text(share):
     return "" if share is None else " [steal %.1f%%]" % (100 * share)
 
 
+def hits_text(rate):
+    return "—" if rate is None else "%.3f" % rate
+
+
 def mem(rounds, key, anon=None):
     """Peak bytes, median over the rounds, in GB (with the anonymous part)."""
     gb = statistics.median(x[key] for x in rounds) / 1e9
@@ -108,6 +119,7 @@ def main():
                     help="NAME=VAR=VALUE[,...]: a daemon variant (default: one, the daemon as it is); "
                          "VAR QMOED: the qmoed binary to run (another build)")
     ap.add_argument("--json", help="also write the rounds here")
+    ap.add_argument("--state-dir", help="every daemon's state_dir (hotness profiles kept between runs)")
     a = ap.parse_args()
     os.environ["QMOE_BUILD_DIR"] = os.path.abspath(a.build)
     from qmoed_harness import Daemon
@@ -132,15 +144,22 @@ def main():
                             "alone_steal": steal_share(t0, cpu_times())})
                 continue
             name, env = v
-            # QMOED=PATH: that qmoed binary (another build, side by side).
+            # QMOED=PATH: that qmoed binary (another build, side by side);
+            # POLICY and BUDGET: the session llama.cpp asks for.
             binary = env.get("QMOED")
-            env = {k: val for k, val in env.items() if k != "QMOED"}
-            dm = Daemon(models={model: a.bank}, env=env, binary=binary,
-                        args=["--threads", str(a.threads), "--log-level", "warning"])
+            session = ["--qmoed-policy", env.get("POLICY", "whole_bank")]
+            if "BUDGET" in env:
+                session += ["--qmoed-budget", env["BUDGET"]]
+            env = {k: val for k, val in env.items() if k not in ("QMOED", "POLICY", "BUDGET")}
+            args = ["--threads", str(a.threads), "--log-level", "warning"]
+            if a.state_dir:
+                os.makedirs(a.state_dir, exist_ok=True)
+                args += ["--set", "state_dir=" + os.path.abspath(a.state_dir)]
+            dm = Daemon(models={model: a.bank}, env=env, binary=binary, args=args)
             try:
                 res = llama_cpp.llama_bench(a, a.gguf, prompt=0, daemon_pid=dm.proc.pid, env=env,
-                                            extra=["--qmoed", dm.socket, "--qmoed-policy", "whole_bank",
-                                                   "--qmoed-precision", a.precision])
+                                            extra=["--qmoed", dm.socket] + session +
+                                                  ["--qmoed-precision", a.precision])
             finally:
                 row[name + "_steal"] = steal_share(t0, cpu_times())
                 dm.stop()
@@ -149,39 +168,45 @@ def main():
             row[name] = res.get("decode_tok_s")
             row[name + "_beyond_us"] = res.get("call_overhead_us")
             row[name + "_compute_us"] = res.get("compute_us")
+            row[name + "_hit_rate"] = res.get("hit_rate")
             row[name + "_rss"] = res["engine"]["VmRSS"]
             row[name + "_anon"] = res["engine"]["RssAnon"]
             row[name + "_qmoed_rss"] = res["daemon"]["VmRSS"]
         rounds.append(row)
         print("round %d (%s): alone %.2f%s | %s" % (
             r + 1, ", ".join(row["order"]), row["alone"], steal_text(row["alone_steal"]), " | ".join(
-                "%s %.2f (%.3fx; a call %.0f us compute + %.0f us)%s" % (
+                "%s %.2f (%.3fx; a call %.0f us compute + %.0f us; hits %s)%s" % (
                     n, row[n], row[n] / row["alone"], row[n + "_compute_us"] or 0, row[n + "_beyond_us"] or 0,
-                    steal_text(row[n + "_steal"]))
+                    hits_text(row[n + "_hit_rate"]), steal_text(row[n + "_steal"]))
                 for n, _ in variants)), flush=True)
     print()
     print("| row | decode tok/s, median of %d | / alone, pair by pair: median (range) "
-          "| a layer call: compute, beyond it (medians) | llama-bench peak RSS (anon) | qmoed peak RSS |"
+          "| a layer call: compute, beyond it (medians) | hit rate | llama-bench peak RSS (anon) | qmoed peak RSS |"
           % a.rounds)
-    print("|---|---|---|---|---|---|")
-    print("| llama.cpp alone | %.2f | — | — | %s | — |" % (
+    print("|---|---|---|---|---|---|---|")
+    print("| llama.cpp alone | %.2f | — | — | — | %s | — |" % (
         statistics.median(x["alone"] for x in rounds), mem(rounds, "alone_rss", "alone_anon")))
     for n, _ in variants:
         ratios = [x[n] / x["alone"] for x in rounds]
-        print("| + qmoed %s | %.2f | **%.3fx** (%.3f-%.3f) | %.0f us, %.0f us | %s | %s |" % (
+        hits = [x[n + "_hit_rate"] for x in rounds if x[n + "_hit_rate"] is not None]
+        print("| + qmoed %s | %.2f | **%.3fx** (%.3f-%.3f) | %.0f us, %.0f us | %s | %s | %s |" % (
             n, statistics.median(x[n] for x in rounds), statistics.median(ratios), min(ratios), max(ratios),
             statistics.median(x[n + "_compute_us"] or 0 for x in rounds),
             statistics.median(x[n + "_beyond_us"] or 0 for x in rounds),
+            hits_text(statistics.median(hits) if hits else None),
             mem(rounds, n + "_rss", n + "_anon"), mem(rounds, n + "_qmoed_rss")))
     steals = [x[k] for x in rounds for k in x if k.endswith("steal") and x[k] is not None]
     if steals:
         print("\nthe host's steal per run: median %.1f%%, largest %.1f%% (of %d runs)" % (
             100 * statistics.median(steals), 100 * max(steals), len(steals)))
-    if len(variants) == 2:
-        (n0, _), (n1, _) = variants
+    # Every further variant against the first, pair by pair (e.g. a paged
+    # session against whole_bank, or a build against another).
+    n0 = variants[0][0]
+    for n1, _ in variants[1:]:
         ratios = [x[n1] / x[n0] for x in rounds]
-        print("\n%s / %s, pair by pair: median %.3fx (%.3f-%.3f)" % (
-            n1, n0, statistics.median(ratios), min(ratios), max(ratios)))
+        print("%s%s / %s, pair by pair: median %.3fx (%.3f-%.3f)" % (
+            "\n" if n1 == variants[1][0] else "", n1, n0, statistics.median(ratios), min(ratios),
+            max(ratios)))
     if a.json:
         with open(a.json, "w") as f:
             json.dump({"cpu": cpu_line(), "rounds": rounds}, f, indent=1)
