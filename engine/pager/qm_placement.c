@@ -218,6 +218,13 @@ void qm_multipager_stats(const qm_multipager *mp, qm_pager_stats *out)
         out->predict_router_gated += s.predict_router_gated;
         out->predict_history_gated += s.predict_history_gated;
         out->predict_lookahead_gated += s.predict_lookahead_gated;
+        out->prefetch_router_issued += s.prefetch_router_issued;
+        out->prefetch_router_useful += s.prefetch_router_useful;
+        out->prefetch_history_issued += s.prefetch_history_issued;
+        out->prefetch_history_useful += s.prefetch_history_useful;
+        out->prefetch_lookahead_issued += s.prefetch_lookahead_issued;
+        out->prefetch_lookahead_useful += s.prefetch_lookahead_useful;
+        out->prefetch_gated += s.prefetch_gated;
         out->prefetch_trial_held += s.prefetch_trial_held;
         out->prefetch_trial_decisions += s.prefetch_trial_decisions;
         out->prefetch_trial_decisions_held += s.prefetch_trial_decisions_held;
