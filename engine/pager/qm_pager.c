@@ -57,20 +57,13 @@ static uint64_t qm__half_ram(void)
     return pages > 0 && page > 0 ? (uint64_t)pages * (uint64_t)page / 2 : 0;
 }
 
-/* Whether this process reads the r8 layout where opt.interleave asks for
- * it: a host-visible backend and a fast kernel that reads r8 itself. */
-static int qm__r8_read_here(const qm_pager *p)
-{
-    return p->opt.interleave && qm_backend_host_visible(p->backend) &&
-           qm__i8kernel_r8_native(qm__i8kernel_select(), 1);
-}
-
-/* Whether opt.interleave applies to whole banks (qm_pager_options): r8
- * read here, a 4-bit weight tensor the layout takes, and the bank's expert
- * bytes within half the RAM. */
+/* Whether opt.interleave applies (qm_pager_options): a host-visible
+ * backend, a fast kernel that reads r8 itself, a 4-bit weight tensor the
+ * layout takes, and the bank's expert bytes within half the RAM. */
 static int qm__interleave_applies(const qm_pager *p)
 {
-    if (!qm__r8_read_here(p))
+    if (!p->opt.interleave || !qm_backend_host_visible(p->backend) ||
+        !qm__i8kernel_r8_native(qm__i8kernel_select(), 1))
         return 0;
     if (qm_bank_expert_bytes_total(p->bank) > qm__half_ram())
         return 0;
@@ -104,53 +97,6 @@ static int qm__interleave_layer(qm_pager *p, qm__layer *L, qm_status *st)
         p->stats.bytes_interleaved_at_create += tv->nbytes;
     }
     return 0;
-}
-
-/* Paged layers whose units take the r8 layout when first handed out
- * (qm__pager_unit_weights): their eligible weight tensors in slot_r8, and the
- * scratch of the widest. Nothing when r8 is not read here. */
-static int qm__slot_r8_start(qm_pager *p, int read_here, qm_status *st)
-{
-    static const int W[] = {QM_T_FC1_WEIGHT, QM_T_FC2_WEIGHT, QM_T_FC3_WEIGHT};
-    size_t tmp = 0;
-    for (uint32_t l = 0; read_here && l < p->n_layers; l++) {
-        qm__layer *L = &p->layers[l];
-        if (!L->paged || L->absent)
-            continue;
-        for (int i = 0; i < 3; i++) {
-            if (!qm__r8_eligible(p->cfg, L->view, W[i]))
-                continue;
-            L->slot_r8 |= 1u << W[i];
-            size_t rb = (size_t)L->view->t[W[i]].shape[2];
-            if (8 * rb > tmp)
-                tmp = 8 * rb;
-        }
-    }
-    if (tmp && !(p->r8_tmp = qm_malloc(tmp)))
-        return qm_status_set(st, QM_ENOMEM, "out of memory for the r8 layout's scratch");
-    return 0;
-}
-
-void qm__pager_r8_layout(qm_pager *p, int32_t s)
-{
-    qm__slot *sl = &p->slots[s];
-    const qm__layer *L = &p->layers[sl->layer];
-    for (int t = 0; t < QM_T_EXPERT_COUNT && !sl->r8_done; t++) {
-        if (!(L->slot_r8 >> t & 1u))
-            continue;
-        const qm_tensor_view *tv = &L->view->t[t];
-        qm__r8_interleave(sl->base + L->unit_off[t] + qm__slice_phase(L, t, sl->expert),
-                          (uint32_t)tv->shape[1], (size_t)tv->shape[2], p->r8_tmp);
-        p->stats.bytes_interleaved_paged += L->slice[t];
-    }
-    sl->r8_done = 1;
-}
-
-void qm__pager_unit_weights(qm_pager *p, int32_t s, qm_expert_weights *w)
-{
-    qm__pager_r8_layout(p, s);
-    const qm__slot *sl = &p->slots[s];
-    qm__fill_weights(&p->layers[sl->layer], sl->base, sl->expert, 1, w);
 }
 
 /* A whole bank read in place: its pages mapped now, not on the first
@@ -261,8 +207,6 @@ static int qm__load_pins(qm_pager *p, qm_status *st)
         int w = qm__pager_copy_wait(p, (int32_t)s, rc ? NULL : st);
         if (w && !rc)
             rc = w;
-        if (w == 0)
-            qm__pager_r8_layout(p, (int32_t)s);
     }
     return rc;
 }
@@ -381,7 +325,6 @@ int qm_pager_new(qm_backend *backend, const qm_bank *bank, const qm_residency_pl
     if (p->opt.history == 0)
         p->opt.history = 1;
     qm__pager_disk_open(p); /* before the layout: it may force whole banks into the arena */
-    const int r8_here = qm__r8_read_here(p);
     p->opt.interleave = qm__interleave_applies(p);
     if (p->opt.interleave)
         p->opt.copy_whole_banks = 1; /* r8 copies in the arena (qm_r8.h) */
@@ -391,8 +334,7 @@ int qm_pager_new(qm_backend *backend, const qm_bank *bank, const qm_residency_pl
         qm_status_set(st, QM_ENOMEM, "out of memory for the pager's layers");
         goto fail;
     }
-    if ((rc = qm__moe_scratch_new(&p->scratch, st)) || (rc = qm__size(p, plan, st)) ||
-        (rc = qm__slot_r8_start(p, r8_here, st)))
+    if ((rc = qm__moe_scratch_new(&p->scratch, st)) || (rc = qm__size(p, plan, st)))
         goto fail;
     const qm__sizing *sz = &p->sz;
     const uint32_t n_paging = p->n_slots - sz->pinned_count;
@@ -464,7 +406,6 @@ void qm_pager_free(qm_pager *p)
     qm_free(p->slots);
     qm_free(p->cand_refs); /* and cand_slots, wave_slots */
     qm_free(p->route_buf);
-    qm_free(p->r8_tmp);
     qm__moe_scratch_free(p->scratch);
     qm_free(p);
 }

@@ -63,14 +63,13 @@ typedef struct qm_pager_options {
      * (default 0: host-visible backends read whole banks straight from the
      * mapping; their bytes still count against the budget). */
     int copy_whole_banks;
-    /* 1: a fast session on a host-visible backend (the CPU) holds every
-     * 4-bit weight tensor the layout takes in the r8 layout
-     * (engine/kernels/qm_r8.h), the fast decode GEMV's, when this process's
-     * fast kernel reads it natively (qm__i8kernel_r8_native): whole banks
-     * are copied into the arena so when the bank's expert bytes fit in half
-     * the RAM, and each paged unit is laid out in its slot as its copy
-     * lands; otherwise nothing changes. Outputs are the same bits either
-     * way (exact kernels and prefill GEMMs get row-major tiles back). The
+    /* 1: a fast session's whole banks on a host-visible backend (the CPU)
+     * are copied into the arena with every 4-bit weight tensor the layout
+     * takes in the r8 layout (engine/kernels/qm_r8.h), the fast decode GEMV's,
+     * when this process's fast kernel reads it natively
+     * (qm__i8kernel_r8_native) and the bank's expert bytes fit in half the
+     * RAM; otherwise nothing changes. Outputs are the same bits either way
+     * (exact kernels and prefill GEMMs get row-major tiles back). The
      * daemon sets it for fast sessions of their own (docs/PAGING.md). */
     int interleave;
     /* Where units come from (qm_pager_disk.c). QM_PAGER_SOURCE_MMAP (0):
@@ -209,7 +208,6 @@ typedef struct qm_pager_stats {
     uint64_t host_bytes;         /* host-side bookkeeping of the pager */
     uint64_t bytes_prefaulted_at_create; /* whole banks read in place, mapped in at creation */
     uint64_t bytes_interleaved_at_create; /* whole-bank weight bytes laid out r8 (opt.interleave) */
-    uint64_t bytes_interleaved_paged;     /* paged units' weight bytes laid out r8 as they landed */
     /* The disk source's I/O engine (qm_pager_io_info says which). The
      * disk's measured read rate is disk_bytes_read / disk_busy_us. */
     uint64_t disk_busy_us;        /* microseconds with at least one read in flight */

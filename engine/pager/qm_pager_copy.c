@@ -128,7 +128,6 @@ int qm__pager_copy_unit(qm_pager *p, int32_t s, qm_status *st)
     qm__slot *sl = &p->slots[s];
     sl->n_fences = 0;
     sl->copy_seq = 0;
-    sl->r8_done = 0; /* the bank's layout again (qm__pager_unit_weights) */
     if (qm__pager_disk_async(p)) {
         /* copy_seq 1: a read of the I/O engine to collect. */
         sl->copy_rc = 0;
@@ -327,10 +326,8 @@ int qm_pager_sync(qm_pager *p, qm_status *st)
             continue;
         qm_status tmp;
         int r = qm__pager_copy_wait(p, (int32_t)s, &tmp);
-        if (r == 0) {
-            qm__pager_r8_layout(p, (int32_t)s); /* now rather than on a call's path */
+        if (r == 0)
             continue;
-        }
         if (p->slots[s].refs == 0) {
             /* A failed prefetch costs its slot, never the caller's request. */
             qm__pager_drop(p, (int32_t)s);

@@ -64,7 +64,6 @@ typedef struct qm__slot {
     uint8_t prefetched; /* prefetched by a QM__PF_* source and not accessed since; 0 = no */
     uint8_t by_prefetch; /* claimed by prefetch: a failed read is read again on demand */
     uint8_t waiting;    /* held by the current acquire round, not handed out yet */
-    uint8_t r8_done;    /* its layer's slot_r8 slices are in the r8 layout (since its copy) */
     uint32_t refs;      /* acquired and not yet released */
     uint64_t last_use;  /* pager tick of the last access/insert (LRU fallback) */
     uint64_t unit_bytes;
@@ -107,10 +106,6 @@ struct qm_pager {
     qm__sizing sz; /* sz.pinned_bytes: the pins now (qm_pager_resize.c releases them) */
     uint64_t tick;
     qm_pager_stats stats;
-
-    /* The r8 layout of paged units (opt.interleave; layers' slot_r8): the
-     * scratch of 8 rows of the widest tensor laid out as a unit lands. */
-    uint8_t *r8_tmp;
 
     /* Slots (qm_pager_slots.c; qm_pager_resize.c grows and shrinks them) */
     qm_arena *arena;
@@ -231,15 +226,6 @@ int qm__pager_evictable(const qm_pager *p, int32_t s);
 /* Chooses a victim among cand_slots[0..n) (slot indices, evictable): the
  * policy's answer when valid, else LRU (counted as a fallback). */
 int32_t qm__pager_pick_victim(qm_pager *p, size_t n);
-/* The unit in slot s (landed): its layer's slot_r8 slices put in the r8
- * layout in place, once per copy (qm_pager.c). A call's units are laid out
- * when first handed to a kernel, not as they land, so a prefetch evicted
- * unused costs no layout; what creation, a warm start or a resize loads
- * (qm_pager_sync, the pins) is laid out as it is waited for, before any
- * call. */
-void qm__pager_r8_layout(qm_pager *p, int32_t s);
-/* The weights of the unit in slot s (landed) for a kernel, laid out first. */
-void qm__pager_unit_weights(qm_pager *p, int32_t s, qm_expert_weights *w);
 /* Frees the arenas that growing added (teardown). */
 void qm__pager_grow_free(qm_pager *p);
 /* Resizes *buf to n elements of `elem` bytes; on failure keeps it and

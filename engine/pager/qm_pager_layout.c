@@ -203,7 +203,7 @@ int qm__budget_refused(uint64_t budget, uint64_t whole, uint64_t pinned, uint64_
 void qm__fill_weights(const qm__layer *L, const uint8_t *unit_base, uint32_t e, int from_slot,
                       qm_expert_weights *w)
 {
-    w->r8 = from_slot ? L->slot_r8 : L->whole_base ? L->r8 : 0;
+    w->r8 = !from_slot && L->whole_base ? L->r8 : 0;
     for (int t = 0; t < QM_T_EXPERT_COUNT; t++) {
         if (!L->view->t[t].present) {
             w->ptr[t] = NULL;

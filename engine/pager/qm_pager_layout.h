@@ -50,7 +50,6 @@ typedef struct qm__layer {
     /* State */
     uint8_t *whole_base; /* whole bank: device copy, or NULL: served from the mapping */
     uint32_t r8;         /* whole copy: bit t set, weight tensor t in the r8 layout (qm_r8.h) */
-    uint32_t slot_r8;    /* paged: bit t set, slice t of every unit in the r8 layout once landed */
     int32_t *slot_of;    /* paged: [n_experts], -1 when not resident */
     uint8_t *pinned;     /* paged: [n_experts] 1 pinned, 2 pin released by a resize */
     uint8_t *mark;       /* paged: [n_experts] scratch for prefetch */

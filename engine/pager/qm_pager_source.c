@@ -192,6 +192,7 @@ static int qm__collect(qm_pager *p, int32_t s, int *ready, qm_status *st)
 static int qm__hand_out(qm_pager *p, const uint32_t *experts, size_t n, size_t *ready_idx,
                         qm_expert_weights *weights, size_t *n_ready, qm_status *st)
 {
+    qm__layer *L = &p->layers[p->wave_layer];
     const int all = p->opt.io_engine == QM_PAGER_IO_SERIAL && p->disk;
     uint64_t t_stall = 0;
     size_t got = 0;
@@ -240,7 +241,7 @@ static int qm__hand_out(qm_pager *p, const uint32_t *experts, size_t n, size_t *
             continue;
         }
         ready_idx[got] = j;
-        qm__pager_unit_weights(p, s, &weights[got]);
+        qm__fill_weights(L, sl->base, sl->expert, 1, &weights[got]);
         got++;
     }
     p->wave_n = (uint32_t)keep;
@@ -320,8 +321,9 @@ static int qm__source_acquire(void *ctx, uint32_t layer, const uint32_t *experts
         return rc;
     }
     for (size_t w = 0; w < p->wave_n; w++) {
-        p->slots[p->wave_slots[w]].waiting = 0;
-        qm__pager_unit_weights(p, p->wave_slots[w], &weights[w]);
+        qm__slot *sl = &p->slots[p->wave_slots[w]];
+        sl->waiting = 0;
+        qm__fill_weights(L, sl->base, sl->expert, 1, &weights[w]);
     }
     p->wave_n = 0;
     *n_ready = claimed;

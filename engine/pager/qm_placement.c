@@ -235,7 +235,6 @@ void qm_multipager_stats(const qm_multipager *mp, qm_pager_stats *out)
         out->host_bytes += s.host_bytes;
         out->bytes_prefaulted_at_create += s.bytes_prefaulted_at_create;
         out->bytes_interleaved_at_create += s.bytes_interleaved_at_create;
-        out->bytes_interleaved_paged += s.bytes_interleaved_paged;
         /* Disk reads and waits (each device's pager reads its own layers). */
         out->disk_bytes_read += s.disk_bytes_read;
         out->disk_reads += s.disk_reads;

@@ -403,100 +403,6 @@ START_TEST(test_interleaved_whole_banks_same_bits)
 }
 END_TEST
 
-/* One kernel's (QMOE_KERNEL=force, or the choice when NULL) paged units
- * laid out r8 as they are handed out (opt.interleave), against the bank read
- * in place: the same bits, fast and exact, at several row counts, through
- * misses, evictions, prefetches and a resize that moves units (each copy
- * into a slot, a move's too, is laid out again). Returns the bytes laid out. */
-static uint64_t interleaved_paged_same_bits(const char *force)
-{
-    const pf_bank *b = &fixture.bank;
-    const qm_bank_config *cfg = qm_bank_get_config(b->bank);
-    const pf_spec sp = fixture.spec;
-    if (force)
-        setenv("QMOE_KERNEL", force, 1);
-    static const uint32_t TS[] = {1, 1, 2, 1, 5, 1, 17, 1, 3};
-    uint64_t rs = 7, laid = 0;
-    const uint64_t unit = unit_bytes(b);
-    qm_policy pol = {0};
-    new_policy("lru", b, NULL, &pol);
-    qm_residency_plan *plan = make_plan(b, &pol, 1, 5 * unit);
-    qm_pager_options o = {.interleave = 1, .prefetch = 1};
-    qm_pager *pg = NULL;
-    ck_assert_msg(qm_pager_new(fixture.cpu, b->bank, plan, &pol, &o, &pg, &fixture.st) == 0, "%s",
-                  fixture.st.msg);
-    float *x = malloc(sizeof(float) * 17 * sp.hidden), *lg = malloc(sizeof(float) * 17 * sp.experts);
-    float *ref = malloc(sizeof(float) * 17 * sp.hidden), *out = malloc(sizeof(float) * 17 * sp.hidden);
-    for (uint32_t i = 0; i < 90; i++) {
-        if (i == 45) /* units in the slots given back move down, re-read */
-            ck_assert_msg(qm_pager_resize(pg, 3 * unit, &fixture.st) == 0, "%s", fixture.st.msg);
-        uint32_t T = TS[i % (sizeof TS / sizeof TS[0])], l = i % cfg->layers;
-        for (size_t j = 0; j < (size_t)T * sp.hidden; j++)
-            x[j] = pf_uniform(&rs, -1.0f, 1.0f);
-        for (size_t j = 0; j < (size_t)T * sp.experts; j++)
-            lg[j] = pf_uniform(&rs, -2.0f, 2.0f);
-        int prec = i % 3 != 2; /* mostly fast; exact kernels get rows back */
-        qm_moe_call c = {.layer = l, .dtype = QM_DTYPE_F32, .hidden = x, .n_tokens = T,
-                         .logits = lg, .output = ref,
-                         .precision = prec ? QM_PRECISION_FAST : QM_PRECISION_EXACT};
-        qm_expert_source src;
-        qm_expert_source_direct(b->bank, &src);
-        ck_assert_int_eq(qm_moe_forward(fixture.cpu, b->bank, &c, &src, NULL, &fixture.st), 0);
-        c.output = out;
-        qm_moe_stats ms = {0};
-        ck_assert_msg(qm_pager_forward(pg, &c, &ms, &fixture.st) == 0, "%s", fixture.st.msg);
-        ck_assert_msg(memcmp(out, ref, sizeof(float) * T * sp.hidden) == 0,
-                      "%s call %u (%s, T %u): the paged r8 units' output differs",
-                      force ? force : "(the choice)", i, prec ? "fast" : "exact", T);
-    }
-    qm_pager_stats ps;
-    qm_pager_stats_get(pg, &ps);
-    ck_assert_uint_gt(ps.misses, 20);
-    ck_assert_uint_gt(ps.resize_moves + ps.evictions, 0);
-    ck_assert_uint_eq(ps.bytes_interleaved_at_create, 0);
-    laid = ps.bytes_interleaved_paged;
-    if (qm__i8kernel_r8_native(qm__i8kernel_select(), 1))
-        ck_assert_uint_gt(laid, 0);
-    else
-        ck_assert_uint_eq(laid, 0); /* the kernel reads rows: units stay as the bank has them */
-    free(x), free(lg), free(ref), free(out);
-    qm_pager_free(pg);
-    qm_plan_free(plan);
-    qm_policy_destroy(&pol);
-    unsetenv("QMOE_KERNEL");
-    return laid;
-}
-
-/* A fast session's paged units in the r8 layout: the same bits as the bank
- * read in place with the measured choice and with each fast row of this CPU
- * that reads r8 forced. */
-START_TEST(test_interleaved_paged_units_same_bits)
-{
-    pf_spec sp = pf_default_spec();
-    sp.hidden = 128;
-    sp.inter = 64;
-    sp.block = 32;
-    pg_fixture_reopen(&sp);
-    uint64_t laid = interleaved_paged_same_bits(NULL);
-    fprintf(stderr, "test_interleaved_paged_units_same_bits: the choice laid out %llu bytes\n",
-            (unsigned long long)laid);
-    int forced = 0;
-    for (size_t i = 0; i < qm__i8isa_count(); i++) {
-        const char *name = qm__i8isa_at(i)->kernel.name;
-        setenv("QMOE_KERNEL", name, 1);
-        int here = strcmp(qm__i8kernel_select()->name, name) == 0;
-        unsetenv("QMOE_KERNEL");
-        if (here && qm__i8isa_at(i)->reads_r8) {
-            ck_assert_uint_gt(interleaved_paged_same_bits(name), 0);
-            fprintf(stderr, "test_interleaved_paged_units_same_bits: %s read r8 units\n", name);
-            forced++;
-        }
-    }
-    if (!forced)
-        fprintf(stderr, "test_interleaved_paged_units_same_bits: no fast row here reads r8\n");
-}
-END_TEST
-
 static Suite *paging_suite(void)
 {
     Suite *s = suite_create("paging");
@@ -509,7 +415,6 @@ static Suite *paging_suite(void)
     tcase_add_test(tc, test_counters_match_policy_sim_model_for_every_policy_and_capacity);
     tcase_add_test(tc, test_cyclic_pattern_sends_lru_to_zero_and_the_guarded_policies_near_belady);
     tcase_add_test(tc, test_interleaved_whole_banks_same_bits);
-    tcase_add_test(tc, test_interleaved_paged_units_same_bits);
     suite_add_tcase(s, tc);
     return s;
 }
