@@ -268,6 +268,13 @@ int sim_run(const sim_trace *tr, uint32_t t0, uint32_t t1, uint32_t cap_slots,
             const qm_policy *pol, const uint8_t *pinned, const sim_prefetch *pf,
             sim_result *r)
 {
+    return sim_run_warm(tr, t0, t1, cap_slots, pol, pinned, pf, NULL, 0, r);
+}
+
+int sim_run_warm(const sim_trace *tr, uint32_t t0, uint32_t t1, uint32_t cap_slots,
+                 const qm_policy *pol, const uint8_t *pinned, const sim_prefetch *pf,
+                 const uint32_t *warm, size_t n_warm, sim_result *r)
+{
     memset(r, 0, sizeof *r);
     sim_cache c = {.L = tr->layers, .E = tr->experts, .cap = cap_slots};
     size_t nk = (size_t)c.L * c.E;
@@ -298,6 +305,14 @@ int sim_run(const sim_trace *tr, uint32_t t0, uint32_t t1, uint32_t cap_slots,
     for (uint32_t i = 0; i <= cap_slots; i++)
         c.slot_key[i] = UINT32_MAX;
     uint64_t tick = 0, seed = pf ? pf->seed : 1;
+    /* A warm start: as qm_pager_warm loads one, in order, at the same tick. */
+    for (size_t i = 0; i < n_warm && !is_full(&c); i++) {
+        uint32_t key = warm[i];
+        if (key >= nk || c.resident[key] || c.pinned[key])
+            continue;
+        insert(&c, pol, key, tick);
+        r->warmed++;
+    }
     for (uint32_t t = t0; t < t1; t++) {
         for (uint32_t l = 0; l < c.L; l++) {
             size_t m = step_experts(tr, t, l, ex);

@@ -24,6 +24,7 @@ typedef struct sim_result {
     uint64_t hits, misses, evictions, waves, fallbacks, uncached;
     uint64_t prefetch_issued, prefetch_useful;
     uint64_t preloaded; /* pins copied in at creation (fetches before the replay) */
+    uint64_t warmed;    /* sim_run_warm's warm start (loaded before the session answers) */
 } sim_result;
 
 int sim_trace_generate(sim_trace *tr, uint32_t tokens, uint32_t layers, uint32_t experts,
@@ -45,5 +46,12 @@ int sim_future(const sim_trace *tr, uint32_t t0, uint32_t t1, qm_expert_ref **ou
  * `pinned` ([layers*experts] flags, may be NULL), `pf` (NULL: no prefetch). */
 int sim_run(const sim_trace *tr, uint32_t t0, uint32_t t1, uint32_t cap_slots,
             const qm_policy *pol, const uint8_t *pinned, const sim_prefetch *pf, sim_result *r);
+/* The same from a warm start, as the daemon's warm_from_profile loads one:
+ * before the replay, warm[0..n_warm) (keys layer * experts + expert, hottest
+ * first) go into free slots in that order, at tick 0, until none is free
+ * (the policy sees each on_insert; counted in r->warmed, not as misses). */
+int sim_run_warm(const sim_trace *tr, uint32_t t0, uint32_t t1, uint32_t cap_slots,
+                 const qm_policy *pol, const uint8_t *pinned, const sim_prefetch *pf,
+                 const uint32_t *warm, size_t n_warm, sim_result *r);
 
 #endif

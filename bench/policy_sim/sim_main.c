@@ -17,6 +17,7 @@ typedef struct sim_opts {
     double lfu_decay, pin_fraction, next_use_decay; /* < 0: the policy's default */
     uint64_t seed;
     int quick, no_prefetch, prefetch_all;
+    int warm; /* replays start from the profile's hottest experts (warm_from_profile) */
 } sim_opts;
 
 /* belady first (the yardstick), then the policies compared: --policies, or
@@ -82,7 +83,52 @@ out:
 typedef struct hot_lists {
     qm_hotness *profile;
     qm_policy_params lists; /* hot, hot_len, n_hot_banks */
+    uint32_t *warm;         /* keys of every profiled expert, hottest first across layers */
+    size_t n_warm;
 } hot_lists;
+
+typedef struct warm_pick {
+    double count;
+    uint32_t layer, expert;
+} warm_pick;
+
+static int hotter(const void *a, const void *b)
+{
+    const warm_pick *x = a, *y = b;
+    if (x->count != y->count)
+        return x->count > y->count ? -1 : 1;
+    if (x->layer != y->layer)
+        return x->layer < y->layer ? -1 : 1;
+    return x->expert < y->expert ? -1 : x->expert > y->expert;
+}
+
+/* The warm start the daemon's warm_from_profile gives a new session
+ * (daemon/qm_sessions.c, choose_profile_warm): every expert the profile
+ * counted, by count across layers, ties to the lower layer, then expert. */
+static int make_warm(const sim_trace *tr, hot_lists *h)
+{
+    size_t nk = (size_t)tr->layers * tr->experts, n = 0;
+    warm_pick *picks = calloc(nk ? nk : 1, sizeof *picks);
+    uint32_t *hot = calloc(tr->experts, sizeof *hot);
+    h->warm = calloc(nk ? nk : 1, sizeof *h->warm);
+    if (!picks || !hot || !h->warm) {
+        free(picks);
+        free(hot);
+        return -1;
+    }
+    for (uint32_t l = 0; l < tr->layers; l++) {
+        int got = qm_hotness_hottest(h->profile, l, hot, tr->experts);
+        for (int i = 0; i < got && (uint32_t)i < tr->experts; i++)
+            picks[n++] = (warm_pick){qm_hotness_count(h->profile, l, hot[i]), l, hot[i]};
+    }
+    qsort(picks, n, sizeof *picks, hotter);
+    for (size_t i = 0; i < n; i++)
+        h->warm[i] = picks[i].layer * tr->experts + picks[i].expert;
+    h->n_warm = n;
+    free(picks);
+    free(hot);
+    return 0;
+}
 
 static int make_hot(const sim_trace *tr, uint32_t t1, hot_lists *h)
 {
@@ -102,6 +148,8 @@ static int make_hot(const sim_trace *tr, uint32_t t1, hot_lists *h)
         }
     if (rc == 0)
         rc = qm_hotness_policy_params(h->profile, &h->lists, &st);
+    if (rc == 0)
+        rc = make_warm(tr, h);
     free(route);
     return rc;
 }
@@ -109,6 +157,7 @@ static int make_hot(const sim_trace *tr, uint32_t t1, hot_lists *h)
 static void free_hot(hot_lists *h)
 {
     qm_hotness_free(h->profile);
+    free(h->warm);
 }
 
 static const sim_opts *g_opts;
@@ -157,7 +206,8 @@ static int run_one(const char *name, const sim_trace *tr, uint32_t cap, uint64_t
         goto out;
     if (plan_pins(tr, &pol, unit, (uint64_t)cap * unit, pinned))
         goto out;
-    rc = sim_run(tr, t0, t1, cap, &pol, pinned, pf, r);
+    rc = g_opts->warm ? sim_run_warm(tr, t0, t1, cap, &pol, pinned, pf, hot->warm, hot->n_warm, r)
+                      : sim_run(tr, t0, t1, cap, &pol, pinned, pf, r);
     /* Count pin loads as fetches: each costs the hit of its first access. */
     r->hits -= r->preloaded < r->hits ? r->preloaded : r->hits;
     r->misses += r->preloaded;
@@ -317,7 +367,7 @@ static void usage(void)
                     "[--expert-mib M] "
                     "[--predict-acc Q] [--lfu-decay D] [--next-use-decay D] [--pin-fraction F] "
                     "[--policies a,b,...] [--seed S] [--quick] [--no-prefetch] "
-                    "[--prefetch-all]\n");
+                    "[--prefetch-all] [--warm]\n");
 }
 
 int main(int argc, char **argv)
@@ -332,6 +382,10 @@ int main(int argc, char **argv)
         const char *v = i + 1 < argc ? argv[i + 1] : NULL;
         if (!strcmp(a, "--quick")) {
             o.quick = 1;
+            continue;
+        }
+        if (!strcmp(a, "--warm")) { /* replays start as warm_from_profile starts a session */
+            o.warm = 1;
             continue;
         }
         if (!strcmp(a, "--no-prefetch")) { /* only the policy table */
@@ -388,9 +442,12 @@ int main(int argc, char **argv)
     snprintf(argv_pin, sizeof argv_pin, "%g", o.pin_fraction);
     printf("policy_sim: tokens %u (first half profiles static_hot, second half is replayed), "
            "expert unit %.1f MiB, modelled router prediction accuracy %.2f, lfu decay %s, "
-           "static_hot pin_fraction %s, seed %llu; pin loads count as misses\n\n",
+           "static_hot pin_fraction %s, seed %llu; pin loads count as misses%s\n\n",
            o.tokens, o.expert_mib, o.predict_acc, o.lfu_decay < 0 ? "default" : argv_decay,
-           o.pin_fraction < 0 ? "default" : argv_pin, (unsigned long long)o.seed);
+           o.pin_fraction < 0 ? "default" : argv_pin, (unsigned long long)o.seed,
+           o.warm ? "; every replay (Belady's too) starts from the first half's hottest experts "
+                    "across layers, as warm_from_profile starts a session (not counted as misses)"
+                  : "");
     char head[1024];
     size_t hl = (size_t)snprintf(head, sizeof head,
                                  "| trace | budget (slots) | belady hit%% | hindsight top-C hit%% |");
