@@ -507,21 +507,6 @@ static int policy_params_of(const qm_model *m, const qm_session_spec *spec,
     return 0;
 }
 
-typedef struct profile_pick {
-    double count;
-    uint32_t layer, expert;
-} profile_pick;
-
-static int pick_hotter(const void *a, const void *b)
-{
-    const profile_pick *x = a, *y = b;
-    if (x->count != y->count)
-        return x->count > y->count ? -1 : 1;
-    if (x->layer != y->layer)
-        return x->layer < y->layer ? -1 : 1;
-    return x->expert < y->expert ? -1 : x->expert > y->expert;
-}
-
 /* warm_from_profile (loop thread, where the profile lives): a new session
  * that pages, of its own pool and given no `warm`, gets the model's
  * hottest experts across layers by their decayed counts, as many as its
@@ -537,28 +522,21 @@ static void choose_profile_warm(const qm_sessions *ss, const qm_model *m,
         return;
     const qm_bank_config *cfg = qm_bank_get_config(m->bank);
     uint64_t fit = s->budget_bytes / m->bytes_per_expert;
-    profile_pick *picks = qm_malloc((size_t)cfg->layers * cfg->experts * sizeof *picks);
-    uint32_t *hot = qm_malloc((size_t)cfg->experts * sizeof *hot);
-    size_t n = 0;
-    for (uint32_t l = 0; picks && hot && l < cfg->layers; l++) {
-        int got = qm_hotness_hottest(m->hotness, l, hot, cfg->experts);
-        for (int i = 0; i < got && (uint32_t)i < cfg->experts; i++)
-            picks[n++] = (profile_pick){qm_hotness_count(m->hotness, l, hot[i]), l, hot[i]};
-    }
-    qm_free(hot);
-    if (n)
-        qsort(picks, n, sizeof *picks, pick_hotter);
-    if (n > fit)
-        n = (size_t)fit;
+    size_t cells = (size_t)cfg->layers * cfg->experts;
+    size_t n = fit < cells ? (size_t)fit : cells;
+    uint32_t *layers = n ? qm_malloc(n * sizeof *layers) : NULL;
     if (n) {
         s->profile_warm = qm_calloc(n, sizeof *s->profile_warm);
         s->profile_warm_experts = qm_malloc(n * sizeof *s->profile_warm_experts);
     }
-    if (n && s->profile_warm && s->profile_warm_experts) {
-        for (size_t i = 0; i < n; i++) {
-            s->profile_warm_experts[i] = picks[i].expert;
-            s->profile_warm[i] = (qm_hot_layer){picks[i].layer, &s->profile_warm_experts[i], 1};
-        }
+    long all = layers && s->profile_warm && s->profile_warm_experts
+                   ? qm_hotness_hottest_all(m->hotness, layers, s->profile_warm_experts, n)
+                   : 0;
+    if (all > 0) {
+        if ((size_t)all < n)
+            n = (size_t)all;
+        for (size_t i = 0; i < n; i++)
+            s->profile_warm[i] = (qm_hot_layer){layers[i], &s->profile_warm_experts[i], 1};
         s->n_profile_warm = n;
     } else {
         qm_free(s->profile_warm);
@@ -566,7 +544,7 @@ static void choose_profile_warm(const qm_sessions *ss, const qm_model *m,
         s->profile_warm = NULL;
         s->profile_warm_experts = NULL;
     }
-    qm_free(picks);
+    qm_free(layers);
 }
 
 int qm_session_prepare(qm_sessions *ss, const qm_models *ms, const qm_session_spec *spec,

@@ -87,47 +87,24 @@ typedef struct hot_lists {
     size_t n_warm;
 } hot_lists;
 
-typedef struct warm_pick {
-    double count;
-    uint32_t layer, expert;
-} warm_pick;
-
-static int hotter(const void *a, const void *b)
-{
-    const warm_pick *x = a, *y = b;
-    if (x->count != y->count)
-        return x->count > y->count ? -1 : 1;
-    if (x->layer != y->layer)
-        return x->layer < y->layer ? -1 : 1;
-    return x->expert < y->expert ? -1 : x->expert > y->expert;
-}
-
 /* The warm start the daemon's warm_from_profile gives a new session
- * (daemon/qm_sessions.c, choose_profile_warm): every expert the profile
- * counted, by count across layers, ties to the lower layer, then expert. */
+ * (qm_hotness_hottest_all, as daemon/qm_sessions.c's choose_profile_warm):
+ * every expert the profile counted, hottest first across layers. */
 static int make_warm(const sim_trace *tr, hot_lists *h)
 {
-    size_t nk = (size_t)tr->layers * tr->experts, n = 0;
-    warm_pick *picks = calloc(nk ? nk : 1, sizeof *picks);
-    uint32_t *hot = calloc(tr->experts, sizeof *hot);
+    size_t nk = (size_t)tr->layers * tr->experts;
+    uint32_t *layers = calloc(nk ? nk : 1, sizeof *layers);
+    uint32_t *experts = calloc(nk ? nk : 1, sizeof *experts);
     h->warm = calloc(nk ? nk : 1, sizeof *h->warm);
-    if (!picks || !hot || !h->warm) {
-        free(picks);
-        free(hot);
-        return -1;
-    }
-    for (uint32_t l = 0; l < tr->layers; l++) {
-        int got = qm_hotness_hottest(h->profile, l, hot, tr->experts);
-        for (int i = 0; i < got && (uint32_t)i < tr->experts; i++)
-            picks[n++] = (warm_pick){qm_hotness_count(h->profile, l, hot[i]), l, hot[i]};
-    }
-    qsort(picks, n, sizeof *picks, hotter);
-    for (size_t i = 0; i < n; i++)
-        h->warm[i] = picks[i].layer * tr->experts + picks[i].expert;
-    h->n_warm = n;
-    free(picks);
-    free(hot);
-    return 0;
+    long n = layers && experts && h->warm
+                 ? qm_hotness_hottest_all(h->profile, layers, experts, nk)
+                 : -1;
+    for (long i = 0; i < n; i++)
+        h->warm[i] = layers[i] * tr->experts + experts[i];
+    h->n_warm = n > 0 ? (size_t)n : 0;
+    free(layers);
+    free(experts);
+    return n < 0 ? -1 : 0;
 }
 
 static int make_hot(const sim_trace *tr, uint32_t t1, hot_lists *h)

@@ -18,6 +18,7 @@
 #include <fcntl.h>
 #include <math.h>
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
 #include <unistd.h>
@@ -177,6 +178,50 @@ int qm_hotness_hottest(const qm_hotness *h, uint32_t layer, uint32_t *out, size_
     for (size_t i = 0; out && i < n && i < cap; i++)
         out[i] = tmp[i];
     return (int)n;
+}
+
+typedef struct qm__hot_pick {
+    double count;
+    uint32_t layer, expert;
+} qm__hot_pick;
+
+static int qm__hotter(const void *a, const void *b)
+{
+    const qm__hot_pick *x = a, *y = b;
+    if (x->count != y->count)
+        return x->count > y->count ? -1 : 1;
+    if (x->layer != y->layer)
+        return x->layer < y->layer ? -1 : 1;
+    return x->expert < y->expert ? -1 : x->expert > y->expert;
+}
+
+long qm_hotness_hottest_all(const qm_hotness *h, uint32_t *layers, uint32_t *experts,
+                            size_t cap)
+{
+    if (!h || (cap && (!layers || !experts)))
+        return QM_EINVAL;
+    const size_t E = h->key.experts;
+    qm__hot_pick *picks = qm_malloc(((size_t)h->key.layers * E + 1) * sizeof *picks);
+    uint32_t *tmp = qm_malloc((E + 1) * sizeof *tmp);
+    if (!picks || !tmp) {
+        qm_free(picks);
+        qm_free(tmp);
+        return QM_ENOMEM;
+    }
+    size_t n = 0;
+    for (uint32_t l = 0; l < h->key.layers; l++) {
+        size_t got = qm__sorted_layer(h, l, tmp);
+        for (size_t i = 0; i < got; i++)
+            picks[n++] = (qm__hot_pick){qm_hotness_count(h, l, tmp[i]), l, tmp[i]};
+    }
+    qsort(picks, n, sizeof *picks, qm__hotter);
+    for (size_t i = 0; i < n && i < cap; i++) {
+        layers[i] = picks[i].layer;
+        experts[i] = picks[i].expert;
+    }
+    qm_free(picks);
+    qm_free(tmp);
+    return (long)n;
 }
 
 int qm_hotness_policy_params(qm_hotness *h, qm_policy_params *params, qm_status *st)

@@ -45,6 +45,14 @@ uint64_t qm_hotness_records(const qm_hotness *h); /* record() calls so far (incl
  * first). Writes up to `cap`; returns how many there are (or negative). */
 int qm_hotness_hottest(const qm_hotness *h, uint32_t layer, uint32_t *out, size_t cap);
 
+/* Every expert with a count > 0, of every layer, hottest first across
+ * layers (by count; ties to the lower layer, then the lower expert): up to
+ * `cap` of them as (layers[i], experts[i]). Returns how many there are in
+ * all (>= 0), or QM_EINVAL, or QM_ENOMEM. What warm_from_profile loads
+ * into a new session, and policy_sim --warm models. */
+long qm_hotness_hottest_all(const qm_hotness *h, uint32_t *layers, uint32_t *experts,
+                            size_t cap);
+
 /* Fills `params->hot`, `hot_len`, `n_hot_banks` with hottest-first lists of
  * every layer, for qm_policy_new("static_hot", params). The arrays belong to
  * the profile and stay valid until its next record/load/free. Other fields of

@@ -66,6 +66,32 @@ START_TEST(test_hottest_lists_order_by_count_then_index)
 }
 END_TEST
 
+/* Across layers (what warm_from_profile loads): by count, ties to the
+ * lower layer, then the lower expert; a cap writes the hottest only and
+ * the answer is how many there are. */
+START_TEST(test_hottest_across_layers_order_by_count_then_layer_then_index)
+{
+    qm_hotness *h = sample(1.0);
+    const uint32_t e[] = {3};
+    qm_hotness_record(h, 1, e, 1); /* layer 1: experts 2 and 3 once each */
+    uint32_t layers[8], experts[8];
+    ck_assert_int_eq(qm_hotness_hottest_all(h, layers, experts, 8), 5);
+    const uint32_t want_l[] = {0, 0, 0, 1, 1}, want_e[] = {4, 1, 5, 2, 3};
+    for (int i = 0; i < 5; i++) {
+        ck_assert_uint_eq(layers[i], want_l[i]);
+        ck_assert_uint_eq(experts[i], want_e[i]);
+    }
+    memset(layers, 0xff, sizeof layers);
+    ck_assert_int_eq(qm_hotness_hottest_all(h, layers, experts, 2), 5);
+    ck_assert_uint_eq(experts[0], 4);
+    ck_assert_uint_eq(experts[1], 1);
+    ck_assert_uint_eq(layers[2], UINT32_MAX); /* past the cap: untouched */
+    ck_assert_int_eq(qm_hotness_hottest_all(h, NULL, NULL, 0), 5);
+    ck_assert_int_lt(qm_hotness_hottest_all(NULL, layers, experts, 8), 0);
+    qm_hotness_free(h);
+}
+END_TEST
+
 START_TEST(test_decay_lets_stale_popularity_fade)
 {
     qm_hotness_key key = {.layers = 1, .experts = 4};
@@ -212,6 +238,7 @@ int main(void)
     Suite *s = suite_create("hotness");
     TCase *tc = tcase_create("profile");
     tcase_add_test(tc, test_hottest_lists_order_by_count_then_index);
+    tcase_add_test(tc, test_hottest_across_layers_order_by_count_then_layer_then_index);
     tcase_add_test(tc, test_decay_lets_stale_popularity_fade);
     tcase_add_test(tc, test_save_load_round_trip_keeps_counts);
     tcase_add_test(tc, test_corrupt_truncated_or_mismatched_profile_is_ignored_with_a_warning);
