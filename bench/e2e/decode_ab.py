@@ -15,7 +15,10 @@ POLICY and BUDGET the session llama.cpp asks for (`--qmoed-policy`, default
 whole_bank; `--qmoed-budget`, e.g. 50%: a paged session). --state-dir gives
 every daemon one state_dir, as a long-running daemon keeps one: a paged
 session then starts from the hotness profile the earlier runs left
-(warm_from_profile). Prints every round's
+(warm_from_profile). When a variant pages, the bank's disk is measured
+before the first round and after the last (fio, O_DIRECT random reads of
+one expert unit at 32 in flight, bench/paging_disk/io_bench.py's), the
+bound its paged rows read against. Prints every round's
 tok/s, each variant's ratio to the alone run of the same round (pair by
 pair), and their medians, with both processes' memory: llama-bench's peak
 VmRSS (with its RssAnon: VmRSS counts the GGUF's mapped pages it touched)
@@ -43,6 +46,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.abspath(os.path.join(HERE, "..", ".."))
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(ROOT, "tests", "daemon"))
+sys.path.insert(0, os.path.join(ROOT, "bench", "paging_disk"))
 
 import llama_cpp  # noqa: E402  (llama_bench: one llama-bench run, parsed)
 
@@ -93,6 +97,35 @@ def steal_text(share):
     return "" if share is None else " [steal %.1f%%]" % (100 * share)
 
 
+def unit_bytes(build, bank):
+    """The bank's bytes_per_expert (qmoe-bank inspect), or None."""
+    import re
+    import subprocess
+    tool = os.path.join(build, "tools", "qmoe-bank", "qmoe-bank")
+    try:
+        out = subprocess.run([tool, "inspect", bank], capture_output=True, text=True, timeout=60).stdout
+    except OSError:
+        return None
+    m = re.search(r"^bytes_per_expert: (\d+)", out, re.M)
+    return int(m.group(1)) if m else None
+
+
+def disk(build, bank):
+    """fio's O_DIRECT random-read rate of the bank, one expert unit a read
+    (rounded up to 4 KiB), 32 in flight: (bytes/s, text)."""
+    import io_bench
+    unit = unit_bytes(build, bank)
+    if not unit:
+        return None, "the bank's unit size is unknown (qmoe-bank inspect failed)"
+    block = (unit + 4095) // 4096 * 4096
+    llama_cpp.drop_cached([bank])
+    got = io_bench.fio(bank, "qmoed-units", "randread", 32, 5, block=block)
+    if not got:
+        return None, "fio is missing or failed (scripts/setup.sh installs it)"
+    return float(got[0]), "%.2f GB/s (fio, %s, %d-byte O_DIRECT random reads, 32 in flight)" % (
+        got[0] / 1e9, got[1], block)
+
+
 def hits_text(rate):
     return "—" if rate is None else "%.3f" % rate
 
@@ -127,6 +160,12 @@ def main():
     # llama.cpp asks the daemon for the model named as the GGUF's file.
     model = os.path.splitext(os.path.basename(a.gguf))[0]
     print("# %s" % cpu_line(), flush=True)
+    pages = any("BUDGET" in env for _, env in variants)
+    disk_rates = []
+    if pages:
+        rate, text = disk(a.build, a.bank)
+        disk_rates.append(rate)
+        print("# the disk before the rounds: %s" % text, flush=True)
     rounds = []
     for r in range(a.rounds):
         # Each round runs alone and the variants in a rotated order: what runs
@@ -179,6 +218,10 @@ def main():
                     n, row[n], row[n] / row["alone"], row[n + "_compute_us"] or 0, row[n + "_beyond_us"] or 0,
                     hits_text(row[n + "_hit_rate"]), steal_text(row[n + "_steal"]))
                 for n, _ in variants)), flush=True)
+    if pages:
+        rate, text = disk(a.build, a.bank)
+        disk_rates.append(rate)
+        print("# the disk after the rounds: %s" % text, flush=True)
     print()
     print("| row | decode tok/s, median of %d | / alone, pair by pair: median (range) "
           "| a layer call: compute, beyond it (medians) | hit rate | llama-bench peak RSS (anon) | qmoed peak RSS |"
@@ -209,7 +252,7 @@ def main():
             max(ratios)))
     if a.json:
         with open(a.json, "w") as f:
-            json.dump({"cpu": cpu_line(), "rounds": rounds}, f, indent=1)
+            json.dump({"cpu": cpu_line(), "rounds": rounds, "disk_bytes_per_s": disk_rates}, f, indent=1)
 
 
 if __name__ == "__main__":
