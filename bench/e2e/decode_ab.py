@@ -39,6 +39,7 @@ import argparse
 import json
 import os
 import platform
+import shutil
 import statistics
 import sys
 
@@ -202,6 +203,7 @@ def main():
             finally:
                 row[name + "_steal"] = steal_share(t0, cpu_times())
                 dm.stop()
+                shutil.rmtree(dm.dir, ignore_errors=True)  # the harness's temp dir
             if res["rc"] != 0:
                 sys.exit("llama-bench with qmoed (%s) failed:\n%s" % (name, res["log_tail"]))
             row[name] = res.get("decode_tok_s")
