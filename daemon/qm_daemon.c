@@ -44,7 +44,6 @@ struct qm_daemon {
     uv_signal_t sig_term, sig_int, sig_hup;
     uv_timer_t tick, watchdog, drain_timer;
     uint64_t watchdog_usec;
-    uint64_t ticks;
     qm_devices devices;
     qm_registry *registry;
     qm_server *server;
@@ -169,14 +168,13 @@ static void signal_cb(uv_signal_t *h, int signum)
     begin_drain(d, signum == SIGTERM ? "SIGTERM" : "SIGINT");
 }
 
+/* Hotness profiles reach the state dir every 5 minutes (and at unload and
+ * exit), so a crash loses little. The connections' limits have their own
+ * timer, armed only while one can expire (qm_server_sweep_idle). */
 static void tick_cb(uv_timer_t *t)
 {
     qm_daemon *d = t->data;
-    qm_server_sweep_idle(d->server);
-    /* Hotness profiles reach the state dir every 5 minutes (and at unload
-     * and exit), so a crash loses little. */
-    if (++d->ticks % 300 == 0)
-        qm_models_save_hotness(qm_registry_models(d->registry));
+    qm_models_save_hotness(qm_registry_models(d->registry));
 }
 
 static void watchdog_cb(uv_timer_t *t)
@@ -301,7 +299,7 @@ static void start_handles(qm_daemon *d)
     uv_timer_init(d->loop, &d->watchdog);
     uv_timer_init(d->loop, &d->drain_timer);
     d->tick.data = d->watchdog.data = d->drain_timer.data = d;
-    uv_timer_start(&d->tick, tick_cb, 1000, 1000);
+    uv_timer_start(&d->tick, tick_cb, 300000, 300000);
 }
 
 /* The socket, the call rings and the workers, then READY=1. */
@@ -326,6 +324,7 @@ static int start_serving(qm_daemon *d)
         return -1;
     }
     d->methods.pool = d->pool;
+    d->methods.pressure = &d->pressure;
     qm_pressure_start(&d->pressure, d->loop, &d->methods);
     d->watchdog_usec = qm_watchdog_usec();
     if (d->watchdog_usec) {

@@ -10,6 +10,7 @@
 #include "qm_log.h"
 #include "qm_placement.h"
 #include "qm_plan_json.h"
+#include "qm_pressure.h"
 #include "qm_models.h"
 #include "qm_sessions.h"
 #include "qm_shm.h"
@@ -207,6 +208,8 @@ static void create_finish(qm_job *job)
         return;
     }
     qm_session_commit(job->mx->sessions, s);
+    if (qm_session_auto_budget(s)->on)
+        qm_pressure_watch(job->mx->pressure);
     /* Its creator has touched it, unless its connection closed while the
      * session was built: then it is orphaned from the start (marked when
      * the job is handed back). */
@@ -410,10 +413,12 @@ static void resize_finish(qm_job *job)
     /* A budget given as bytes or "N%" ends "auto": the watcher leaves the
      * session alone from then on; "auto" sizes it again. */
     qm_budget_auto *a = qm_session_auto_budget(s);
-    if (job->budget_auto)
+    if (job->budget_auto) {
         *a = *job->budget_auto;
-    else
+        qm_pressure_watch(job->mx->pressure);
+    } else {
         memset(a, 0, sizeof *a);
+    }
     qm_log(QM_LOG_INFO, "session %s resized: budget %llu%s%s, resident %llu, pins released %llu",
            qm_session_id(s), (unsigned long long)qm_session_budget(s), a->on ? "; " : "",
            a->on ? a->why : "",

@@ -42,6 +42,7 @@ struct qm_method_ctx {
     qm_trace *trace;
     qm_reclaim *reclaim; /* orphan reclaim (qm_reclaim.h) */
     qm_rings *rings;     /* call rings (qm_ring.h) */
+    struct qm_pressure *pressure; /* the auto budgets' watcher (qm_pressure.h) */
     uint64_t start_us; /* qm_now_us at start */
     int (*draining)(void *life);
     void (*begin_drain)(void *life, const char *why);

@@ -120,8 +120,9 @@ int qm_pool_run_or_queue(qm_pool *p, qm_job *job);
 void qm_pool_collect(qm_pool *p);
 /* Wakes the loop for the lazy jobs when the oldest was done older_than_us
  * ago or more (a ring's thread, before it sleeps and as it takes a call).
- * Any thread. */
-void qm_pool_nudge(qm_pool *p, uint64_t older_than_us);
+ * Returns the microseconds until the oldest is that old (0: none waits,
+ * or the loop was woken). Any thread. */
+uint64_t qm_pool_nudge(qm_pool *p, uint64_t older_than_us);
 void qm_job_free(qm_job *job); /* accepts NULL; the session reference is the caller's */
 
 #endif

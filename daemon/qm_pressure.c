@@ -379,12 +379,12 @@ static int64_t signed_diff(uint64_t a, uint64_t b)
     return a >= b ? m : -m;
 }
 
-void qm_pressure_step(qm_pressure *p, uint64_t now)
+size_t qm_pressure_step(qm_pressure *p, uint64_t now)
 {
     const qm_method_ctx *mx = p->mx;
     const qm_config *cfg = mx->cfg;
     if (p->stopped || !mx->pool || mx->draining(mx->life))
-        return;
+        return 0;
     qm_session *s[QM__STEP_MAX_SESSIONS];
     qm_budget_view v[QM__STEP_MAX_SESSIONS];
     uint64_t next[QM__STEP_MAX_SESSIONS];
@@ -392,7 +392,7 @@ void qm_pressure_step(qm_pressure *p, uint64_t now)
     size_t n = auto_sessions(mx, s, v, QM__STEP_MAX_SESSIONS, &pending);
     if (n == 0) {
         p->pressure_pending = 0;
-        return;
+        return 0;
     }
     qm_mem_state mem;
     qm_status st;
@@ -400,7 +400,7 @@ void qm_pressure_step(qm_pressure *p, uint64_t now)
     int have_mem = qm_devices_host_visible(mx->devices) && qm_mem_read(&mem, &st) == 0;
     arm_sources(p, have_mem ? &mem : NULL);
     if (pending) /* the last changes land before the next: no double count */
-        return;
+        return n;
     uint64_t reserve = cfg->auto_budget_reserve;
     int64_t headroom = have_mem ? signed_diff(qm_mem_available(&mem), reserve) : 0;
     int pressure = p->pressure_pending && now - p->last_step_us >= check_us(p);
@@ -413,7 +413,7 @@ void qm_pressure_step(qm_pressure *p, uint64_t now)
                        next) == 0) {
         if (pressure)
             p->pressure_pending = 0; /* nothing left to give */
-        return;
+        return n;
     }
     char why[200];
     step_reason(p, have_mem ? &mem : NULL, headroom, slack, why, sizeof why);
@@ -430,16 +430,36 @@ void qm_pressure_step(qm_pressure *p, uint64_t now)
         p->last_step_us = now;
         p->pressure_pending = 0;
     }
+    return n;
+}
+
+/* Whether any open session has an auto budget. */
+static int any_auto(const qm_method_ctx *mx)
+{
+    for (qm_session *it = mx->sessions->first; it; it = qm_session_next(it))
+        if (qm_session_auto_budget(it)->on && !qm_session_closed(it))
+            return 1;
+    return 0;
 }
 
 /* ---- life ---- */
 
+/* Steps every auto_budget_check_ms while auto budgets exist; with none,
+ * the timer stops until qm_pressure_watch. */
 static void timer_cb(uv_timer_t *t)
 {
     qm_pressure *p = t->data;
-    if (p->mx->cfg->auto_budget_check_ms) /* 0: only events step (reloadable) */
-        qm_pressure_step(p, qm_now_us());
-    uv_timer_start(&p->timer, timer_cb, check_us(p) / 1000u, 0);
+    size_t n = p->mx->cfg->auto_budget_check_ms /* 0: only events step (reloadable) */
+                   ? qm_pressure_step(p, qm_now_us())
+                   : (size_t)any_auto(p->mx);
+    if (n && !p->stopped)
+        uv_timer_start(&p->timer, timer_cb, check_us(p) / 1000u, 0);
+}
+
+void qm_pressure_watch(qm_pressure *p)
+{
+    if (p && p->started && !p->stopped && !uv_is_active((uv_handle_t *)&p->timer))
+        uv_timer_start(&p->timer, timer_cb, check_us(p) / 1000u, 0);
 }
 
 void qm_pressure_start(qm_pressure *p, uv_loop_t *loop, const qm_method_ctx *mx)

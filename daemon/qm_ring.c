@@ -77,8 +77,10 @@ struct qm_rings {
 
 /* A ring's answered calls reach the loop's counters within about this
  * (qm_pool_nudge): one wake-up of the loop for every so many calls rather
- * than one a call; a frame to dispatch or the daemon's tick takes them
- * sooner or later anyway. */
+ * than one a call; a frame to dispatch takes them sooner. A ring that
+ * parks before they are that old sleeps at most until they are, nudges,
+ * and then sleeps until its next call: the loop is never left with calls
+ * it did not count, and an idle daemon has no timer. */
 #define QM__RING_NUDGE_US 20000u
 
 static uint32_t *word(const qm_ring *r, size_t off) { return qm_ring_word(r->base, off); }
@@ -106,14 +108,16 @@ static int ring_wait_request(qm_ring *r, uint32_t *seq, int *parked)
             break;
         qm_ring_cpu_relax();
     }
-    /* Nothing to do until the next call: the loop may count the last ones. */
-    qm_pool_nudge(r->rings->mx->pool, QM__RING_NUDGE_US);
+    /* Nothing to do until the next call: the loop may count the last ones
+     * (now, or once they are old enough: then this thread wakes to say so). */
+    uint64_t nudge_in_us = qm_pool_nudge(r->rings->mx->pool, QM__RING_NUDGE_US);
     for (;;) {
         /* Parked first, then a last look: either the client sees the flag
          * and wakes this thread, or this look sees its call. */
         qm_ring_store(flag, 1);
         if (!atomic_load(&r->stop) && qm_ring_load(req) == r->last_seq) {
-            qm_ring_futex_wait(req, r->last_seq, 0);
+            qm_ring_futex_wait(req, r->last_seq, nudge_in_us * 1000u);
+            nudge_in_us = qm_pool_nudge(r->rings->mx->pool, QM__RING_NUDGE_US);
             *parked = 1;
         }
         qm_ring_store(flag, 0);

@@ -235,6 +235,7 @@ static void write_cb(uv_write_t *req, int status)
     qm_conn *c = w->conn;
     c->out_bytes -= w->len;
     c->last_progress_ms = uv_now(c->sv->host.loop);
+    qm__server_watch(c->sv);
     qm_free(w->data);
     qm_free(w);
     if (status < 0 && !c->closing)
@@ -255,6 +256,7 @@ void qm_conn_write(qm_conn *c, char *data, size_t len)
         return;
     }
     c->last_active_ms = uv_now(c->sv->host.loop);
+    qm__server_watch(c->sv);
     size_t off = 0;
     if (c->out_bytes == 0) {
         uv_buf_t b = uv_buf_init(data, (unsigned)len);
@@ -343,6 +345,7 @@ static void conn_fatal(qm_conn *c, int rpc_code, const char *reason)
 static void read_cb(uv_stream_t *s, ssize_t nread, const uv_buf_t *buf)
 {
     qm_conn *c = s->data;
+    qm__server_watch(c->sv);
     if (nread > 0)
         conn_receive_fds(c, (size_t)nread);
     if (nread > 0 && !c->close_after_write) {
@@ -473,6 +476,7 @@ void qm__server_idle_cb(uv_idle_t *h)
     qm_conn *list = sv->pending;
     sv->pending = NULL;
     uv_idle_stop(h);
+    qm__server_watch(sv);
     while (list) {
         qm_conn *c = list;
         list = c->pending_next;
@@ -490,9 +494,8 @@ void qm__server_idle_cb(uv_idle_t *h)
 
 /* The safe point: connections marked for dropping are closed here, and a
  * drain that has nothing left to answer ends here. */
-void qm__server_check_cb(uv_check_t *h)
+static void close_marked(qm_server *sv)
 {
-    qm_server *sv = h->data;
     if (sv->drops_marked) {
         sv->drops_marked = 0;
         for (qm_conn *c = sv->conns; c; c = c->next)
@@ -502,6 +505,8 @@ void qm__server_check_cb(uv_check_t *h)
     safe_point(sv);
 }
 
+void qm__server_check_cb(uv_check_t *h) { close_marked(h->data); }
+
 void qm__server_on_connection(uv_stream_t *server, int status)
 {
     qm_server *sv = server->data;
@@ -510,11 +515,13 @@ void qm__server_on_connection(uv_stream_t *server, int status)
         qm_log(QM_LOG_WARNING, "accept failed: %s", uv_strerror(status));
         return;
     }
+    qm__server_watch(sv);
     qm_conn *c = qm_calloc(1, sizeof *c);
     if (!c) {
         /* libuv stops listening until this connection is accepted; left
          * so, the daemon would never accept again (RELIABILITY.md B12).
-         * The next tick tries again; new clients wait in the backlog. */
+         * The next sweep (a second) tries again; new clients wait in the
+         * backlog. */
         qm_log(QM_LOG_ERR, "out of memory accepting a connection; retrying in a second");
         sv->accept_retry = 1;
         return;
@@ -607,15 +614,26 @@ void qm_server_close_all(qm_server *sv)
         conn_close_now(c);
 }
 
-void qm_server_sweep_idle(qm_server *sv)
+/* The earliest of *next and `due` (a time that is not before now). */
+static void sweep_due(uint64_t *next, uint64_t now, uint64_t due)
+{
+    uint64_t in = due > now ? due - now : 1;
+    if (!*next || in < *next)
+        *next = in;
+}
+
+uint64_t qm_server_sweep_idle(qm_server *sv)
 {
     if (!sv)
-        return;
+        return 0;
     const qm_config *cfg = sv->host.cfg;
+    uint64_t next = 0;
     if (sv->accept_retry && sv->listening) {
         sv->accept_retry = 0;
         qm__server_on_connection((uv_stream_t *)&sv->listener, 0);
     }
+    if (sv->accept_retry)
+        next = 1000;
     uint64_t now = uv_now(sv->host.loop), idle = (uint64_t)cfg->idle_timeout_s * 1000;
     /* A frame must complete, and paused output must move, within this. */
     uint64_t deadline = cfg->frame_timeout_s ? (uint64_t)cfg->frame_timeout_s * 1000
@@ -624,23 +642,29 @@ void qm_server_sweep_idle(qm_server *sv)
     for (qm_conn *c = sv->conns; c; c = c->next) {
         if (c->closing || c->drop)
             continue;
-        if (c->frame_started_ms && !c->paused_frames && now - c->frame_started_ms > deadline) {
-            qm_limit_hit(sv->host.limits, QM_LIMIT_FRAME_TIMEOUT,
-                         "connection %llu (uid %u) left a frame incomplete for over %llu ms: "
-                         "closing it",
-                         (unsigned long long)c->id, (unsigned)c->peer.uid,
-                         (unsigned long long)deadline);
-            qm_conn_drop(c);
-            continue;
+        if (c->frame_started_ms && !c->paused_frames) {
+            if (now - c->frame_started_ms > deadline) {
+                qm_limit_hit(sv->host.limits, QM_LIMIT_FRAME_TIMEOUT,
+                             "connection %llu (uid %u) left a frame incomplete for over %llu ms: "
+                             "closing it",
+                             (unsigned long long)c->id, (unsigned)c->peer.uid,
+                             (unsigned long long)deadline);
+                qm_conn_drop(c);
+                continue;
+            }
+            sweep_due(&next, now, c->frame_started_ms + deadline + 1);
         }
-        if (c->paused_output && now - c->last_progress_ms > deadline) {
-            qm_limit_hit(sv->host.limits, QM_LIMIT_OUTPUT_STALL,
-                         "connection %llu (uid %u) read none of its %llu queued bytes for over "
-                         "%llu ms: closing it",
-                         (unsigned long long)c->id, (unsigned)c->peer.uid,
-                         (unsigned long long)c->out_bytes, (unsigned long long)deadline);
-            qm_conn_drop(c);
-            continue;
+        if (c->paused_output) {
+            if (now - c->last_progress_ms > deadline) {
+                qm_limit_hit(sv->host.limits, QM_LIMIT_OUTPUT_STALL,
+                             "connection %llu (uid %u) read none of its %llu queued bytes for "
+                             "over %llu ms: closing it",
+                             (unsigned long long)c->id, (unsigned)c->peer.uid,
+                             (unsigned long long)c->out_bytes, (unsigned long long)deadline);
+                qm_conn_drop(c);
+                continue;
+            }
+            sweep_due(&next, now, c->last_progress_ms + deadline + 1);
         }
         if (!idle || c->replies_pending || c->out_bytes || c->holds)
             continue;
@@ -649,8 +673,32 @@ void qm_server_sweep_idle(qm_server *sv)
                          "connection %llu (uid %u) idle for over idle_timeout_s %u: closing",
                          (unsigned long long)c->id, (unsigned)c->peer.uid, cfg->idle_timeout_s);
             qm_conn_drop(c);
+            continue;
         }
+        sweep_due(&next, now, c->last_active_ms + idle + 1);
     }
+    return next;
+}
+
+static void sweep_cb(uv_timer_t *t)
+{
+    qm_server *sv = t->data;
+    uint64_t next = qm_server_sweep_idle(sv);
+    if (next && !sv->stopping)
+        uv_timer_start(&sv->sweep, sweep_cb, next, 0);
+    /* Connections it dropped close now: the check handle's safe point
+     * comes only after the poll, which with no timer left and nothing to
+     * read would wait for the next event. A timer's callback is itself a
+     * safe point (no connection's callback is under way). */
+    close_marked(sv);
+}
+
+void qm__server_watch(qm_server *sv)
+{
+    if (sv->stopping || !uv_is_active((uv_handle_t *)&sv->check))
+        return; /* not listening yet, or closing */
+    if (!uv_is_active((uv_handle_t *)&sv->sweep) || uv_timer_get_due_in(&sv->sweep) > 1000)
+        uv_timer_start(&sv->sweep, sweep_cb, 1000, 0);
 }
 
 void qm_conn_hold(qm_conn *c)
@@ -663,6 +711,7 @@ void qm_conn_release(qm_conn *c)
 {
     c->holds--;
     c->last_active_ms = uv_now(c->sv->host.loop);
+    qm__server_watch(c->sv);
     qm_conn_unref(c);
 }
 
@@ -675,6 +724,7 @@ void qm_conn_reply_begin(qm_conn *c)
 void qm_conn_reply_done(qm_conn *c)
 {
     c->replies_pending--;
+    qm__server_watch(c->sv);
     conn_maybe_close(c);
     qm_conn_unref(c);
 }

@@ -78,9 +78,15 @@ void qm_server_stop_listening(qm_server *sv); /* accepts NULL */
 void qm_server_close_all(qm_server *sv);
 /* Frees the server once the loop has closed its handles; accepts NULL. */
 void qm_server_free(qm_server *sv);
-/* Marks connections idle past idle_timeout_s for dropping, retries a
- * refused accept (once a second, from the tick). */
-void qm_server_sweep_idle(qm_server *sv);
+/* Drops connections past a limit (idle_timeout_s; a frame left incomplete
+ * or output unread past frame_timeout_s) and retries a refused accept. It
+ * runs from the server's own one-shot timer, armed only while a limit can
+ * expire: within a second of any activity on a connection, then at the
+ * earliest moment one could expire; nothing to watch (every connection
+ * busy, holding a call ring, or none at all), no timer: an idle daemon
+ * does not wake (docs/ARCHITECTURE.md, "The loop's timers"). Returns the
+ * milliseconds until the next sweep is needed, 0 for none. */
+uint64_t qm_server_sweep_idle(qm_server *sv);
 size_t qm_server_connections(const qm_server *sv);
 /* 1 while a connection is owed an answer or bytes: frames waiting for
  * their turn, replies in flight or output not yet written. */

@@ -24,6 +24,7 @@ struct qm_server {
     int accept_retry; /* a connection waits for memory to accept it */
     uv_check_t check;
     uv_idle_t idle;
+    uv_timer_t sweep; /* one-shot: when a connection's next limit may expire */
     qm_conn *conns;
     size_t n_conns;
     uint64_t next_conn_id;
@@ -37,6 +38,9 @@ struct qm_server {
 void qm__server_on_connection(uv_stream_t *server, int status);
 void qm__server_check_cb(uv_check_t *h);
 void qm__server_idle_cb(uv_idle_t *h);
+/* Something on a connection changed (a read, a write, a reply or a ring
+ * let go of, a new connection): the sweep runs within a second. */
+void qm__server_watch(qm_server *sv);
 /* qm_server_socket.c: uid 0, the daemon's uid, or a member of admin_group. */
 int qm__server_peer_is_admin(const qm_server *sv, uid_t uid, gid_t gid);
 

@@ -191,6 +191,8 @@ int qm_server_listen(qm_server *sv, qm_status *st)
     uv_check_start(&sv->check, qm__server_check_cb);
     uv_idle_init(loop, &sv->idle);
     sv->idle.data = sv;
+    uv_timer_init(loop, &sv->sweep);
+    sv->sweep.data = sv;
     return 0;
 }
 

@@ -17,9 +17,9 @@
  * client's on a small machine). The loop takes lazy jobs when a frame is
  * about to be dispatched (qm_pool_collect: telemetry counts every answered
  * call), at the end of every loop iteration (a check handle; the daemon's
- * 1 s tick bounds the wait), and when a ring nudges it (qm_pool_nudge:
- * lazy jobs older than the ring's bound, told while the ring's thread has
- * nothing else to do). */
+ * when a ring nudges it (qm_pool_nudge: lazy jobs older than the ring's
+ * bound, told while the ring's thread has nothing else to do; a ring that
+ * parks before they are that old nudges again when they are). */
 #include "qm_pool.h"
 
 #include <stdatomic.h>
@@ -199,10 +199,15 @@ void qm_pool_collect(qm_pool *p)
         done_drain(p);
 }
 
-void qm_pool_nudge(qm_pool *p, uint64_t older_than_us)
+uint64_t qm_pool_nudge(qm_pool *p, uint64_t older_than_us)
 {
-    if (atomic_load(&p->lazy) && qm_now_us() - atomic_load(&p->lazy_since_us) >= older_than_us)
-        done_notify(p);
+    if (!atomic_load(&p->lazy))
+        return 0;
+    uint64_t age = qm_now_us() - atomic_load(&p->lazy_since_us);
+    if (age < older_than_us)
+        return older_than_us - age;
+    done_notify(p);
+    return 0;
 }
 
 int qm_pool_start(uv_loop_t *loop, uint32_t n_threads, const qm_pool_hooks *hooks,

@@ -104,6 +104,21 @@ def cpu_ticks(pid):
     return int(fields[11]) + int(fields[12])  # utime + stime
 
 
+def wakeups(pid):
+    """{thread id: voluntary context switches}: each time a thread of pid
+    slept and was woken."""
+    out = {}
+    for tid in os.listdir("/proc/%d/task" % pid):
+        try:
+            with open("/proc/%d/task/%s/status" % (pid, tid)) as f:
+                for line in f:
+                    if line.startswith("voluntary_ctxt_switches:"):
+                        out[tid] = int(line.split()[1])
+        except FileNotFoundError:
+            pass
+    return out
+
+
 def wait_for(pred, timeout=10):
     deadline = time.time() + timeout
     while time.time() < deadline:
@@ -682,6 +697,38 @@ def test_open_idle_rings_use_no_cpu(rdaemon):
     used = cpu_ticks(rdaemon.proc.pid) - t0
     assert used <= 1, "%d clock ticks in 3 s with 4 idle rings" % used
     c.close()
+
+
+def test_an_idle_daemon_with_open_rings_never_wakes(banks):
+    """No timer ticks while nothing can expire: with rings open (their
+    connection spared by idle_timeout_s), no auto budget and no call, not
+    one of the daemon's threads is woken in 2 s (the loop used to wake
+    every second, the memory watcher too)."""
+    dm = Daemon(models={"small": banks["small"]})
+    try:
+        c = dm.client()
+        rings = []
+        for _ in range(2):
+            sid = new_session(c)
+            shm = Shm(c, sid, MAP_BYTES)
+            r = RawRing(c, sid)
+            shm.put(0, hidden(1).tobytes())
+            _, req = both(sid, 0, ("f32", 1, H, shm.id, 0), (shm.id, 4096))
+            for _ in range(20):
+                assert r.call(req)[0] == 0
+            rings.append((sid, shm, r))
+        time.sleep(1.5)  # spins over; the watcher's first check found no auto budget
+        before = wakeups(dm.proc.pid)
+        time.sleep(2)
+        after = wakeups(dm.proc.pid)
+        woke = {t: after[t] - before[t] for t in after if t in before and after[t] != before[t]}
+        assert not woke, "threads woken while idle (tid: times): %s" % woke
+        # And the rings still answer at once.
+        assert rings[0][2].call(both(rings[0][0], 0, ("f32", 1, H, rings[0][1].id, 0),
+                                     (rings[0][1].id, 4096))[1])[0] == 0
+        c.close()
+    finally:
+        assert dm.stop() == 0, dm.log_text()
 
 
 # ---- refusals, and clients that fall back ----
