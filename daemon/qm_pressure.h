@@ -57,9 +57,9 @@ void qm_pressure_start(qm_pressure *p, uv_loop_t *loop, const qm_method_ctx *mx)
 void qm_pressure_stop(qm_pressure *p);
 /* After the loop ran out: frees what the stop's closes left. */
 void qm_pressure_free(qm_pressure *p);
-/* One step now: what the timer and each event run. */
-/* One step; returns the auto-budget sessions it found (0: none, and its
- * timer stops until qm_pressure_watch). */
+/* One step now: what the timer and each event run. Returns the sessions
+ * with an auto budget it found (0: none; the timer then stops until
+ * qm_pressure_watch). */
 size_t qm_pressure_step(qm_pressure *p, uint64_t now_us);
 /* A session's budget became "auto" (created or resized so): the timer runs
  * again if it had stopped. An idle daemon without auto budgets has no
