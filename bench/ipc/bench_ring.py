@@ -21,6 +21,7 @@ Prints the JSON of every part, then the table and the targets' lines.
 """
 import json
 import os
+import shutil
 import subprocess
 import tempfile
 
@@ -62,6 +63,7 @@ def main():
             out[name] = json.loads(r.stdout)
         finally:
             dm.stop()
+            shutil.rmtree(run_dir, ignore_errors=True)  # the daemon's; the banks stay in --workdir
     print(json.dumps(out, indent=1))
     report(out, a)
 
