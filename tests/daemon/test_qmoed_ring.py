@@ -679,18 +679,25 @@ def test_a_client_killed_mid_call_leaves_no_thread_behind(banks, bigbank):
 
 # ---- cost ----
 
-def test_open_idle_rings_use_no_cpu(rdaemon):
-    c = rdaemon.client()
+def warm_rings(c, n):
+    """n sessions with a ring each, 20 calls back to back on every ring (the
+    threads learn to spin): [(session, its Shm, its RawRing, a request)]."""
     rings = []
-    for _ in range(4):
+    for _ in range(n):
         sid = new_session(c)
         shm = Shm(c, sid, MAP_BYTES)
         r = RawRing(c, sid)
         shm.put(0, hidden(1).tobytes())
         _, req = both(sid, 0, ("f32", 1, H, shm.id, 0), (shm.id, 4096))
-        for _ in range(20):  # calls back to back: the threads learn to spin
+        for _ in range(20):
             assert r.call(req)[0] == 0
-        rings.append((sid, shm, r))
+        rings.append((sid, shm, r, req))
+    return rings
+
+
+def test_open_idle_rings_use_no_cpu(rdaemon):
+    c = rdaemon.client()
+    rings = warm_rings(c, 4)  # noqa: F841 (kept open)
     time.sleep(0.5)  # any spin after the last call is over by now
     t0 = cpu_ticks(rdaemon.proc.pid)
     time.sleep(3)
@@ -707,25 +714,15 @@ def test_an_idle_daemon_with_open_rings_never_wakes(banks):
     dm = Daemon(models={"small": banks["small"]})
     try:
         c = dm.client()
-        rings = []
-        for _ in range(2):
-            sid = new_session(c)
-            shm = Shm(c, sid, MAP_BYTES)
-            r = RawRing(c, sid)
-            shm.put(0, hidden(1).tobytes())
-            _, req = both(sid, 0, ("f32", 1, H, shm.id, 0), (shm.id, 4096))
-            for _ in range(20):
-                assert r.call(req)[0] == 0
-            rings.append((sid, shm, r))
+        rings = warm_rings(c, 2)
         time.sleep(1.5)  # spins over; the watcher's first check found no auto budget
         before = wakeups(dm.proc.pid)
         time.sleep(2)
         after = wakeups(dm.proc.pid)
         woke = {t: after[t] - before[t] for t in after if t in before and after[t] != before[t]}
         assert not woke, "threads woken while idle (tid: times): %s" % woke
-        # And the rings still answer at once.
-        assert rings[0][2].call(both(rings[0][0], 0, ("f32", 1, H, rings[0][1].id, 0),
-                                     (rings[0][1].id, 4096))[1])[0] == 0
+        # And the rings still answer.
+        assert all(r.call(req)[0] == 0 for _, _, r, req in rings)
         c.close()
     finally:
         assert dm.stop() == 0, dm.log_text()
