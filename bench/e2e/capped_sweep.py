@@ -71,8 +71,11 @@ KEY=VALUE (e.g. no-trial:prefetch_trial=false), the qmoed rows of a cap in
 turns (the order reversed every other cap); --no-alone leaves the
 llama.cpp alone rows out (an A/B of qmoed rows alone).
 
-Writes the rows as JSON (--json), the markdown table (stdout and --md) and
-the figure (--png, matplotlib): decode tok/s against the memory given (the
+Writes the rows as JSON (--json), the markdown table (stdout and --md),
+then one line per shape and cap for the default qmoed row (x its uncapped
+decode, x llama.cpp alone in the same cap, share of the overlapped bound,
+and issue 38's targets at 1/3 and 1/2, met or missed), and the figure
+(--png, matplotlib): decode tok/s against the memory given (the
 cap as a fraction of the GGUF; uncapped at the right), llama.cpp alone
 dashed and llama.cpp + qmoed solid, one colour per shape. Runs as root (the
 cgroups). The checkpoints, GGUFs and banks go after their shape unless
@@ -89,6 +92,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from fractions import Fraction
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.abspath(os.path.join(HERE, "..", ".."))
@@ -571,6 +575,45 @@ def markdown(rows):
     return "\n".join(lines)
 
 
+# Issue 38's targets for the default qmoed rows: at 1/3 of the GGUF, >= 0.5x
+# the uncapped decode, >= 80% of the overlapped I/O bound, >= 5x llama.cpp
+# alone; at 1/2, >= 0.7x uncapped.
+TARGETS = {(1, 3): (0.5, 0.8, 5.0), (1, 2): (0.7, None, None)}
+
+
+def targets(rows):
+    """Per shape and cap, the default qmoed row against llama.cpp alone in
+    the same cap and its own uncapped decode: x uncapped, x alone, share of
+    the overlapped bound, and which of TARGETS it meets."""
+    out = []
+    for shape in dict.fromkeys(r["shape"] for r in rows):
+        for r in rows:
+            if r["shape"] != shape or r["engine"] != "llama.cpp + qmoed" or not r["cap_fraction"] \
+                    or not r["decode_tok_s"]:
+                continue
+            f = Fraction(r["cap_fraction"]).limit_denominator(16)
+            alone = next((x["decode_tok_s"] for x in rows if x["shape"] == shape
+                          and x["engine"] == "llama.cpp" and x["cap_fraction"] == r["cap_fraction"]), None)
+            ref, bound = r.get("uncapped_decode_tok_s"), r.get("overlapped_bound_tok_s")
+            xu = r["decode_tok_s"] / ref if ref else None
+            xa = r["decode_tok_s"] / alone if alone else None
+            share = r["decode_tok_s"] / bound if bound else None
+            want = TARGETS.get((f.numerator, f.denominator))
+            verdict = []
+            if want:
+                for got, goal, text in ((xu, want[0], "%gx uncapped"),
+                                        (share, want[1], "{}% of the bound"),
+                                        (xa, want[2], "%gx alone")):
+                    if goal is not None and got is not None:
+                        goal_text = text.format(round(100 * goal)) if "{}" in text else text % goal
+                        verdict.append("%s %s" % ("met" if got >= goal else "missed", goal_text))
+            out.append("%s at %s: %s tok/s, %sx uncapped, %sx alone, %s of the overlapped bound%s" % (
+                shape, frac_text(r["cap_fraction"]), fmt(r["decode_tok_s"]), fmt(xu), fmt(xa, "%.1f"),
+                "—" if share is None else "%.0f%%" % (100 * share),
+                "; targets: " + ", ".join(verdict) if verdict else ""))
+    return out
+
+
 def belady_text(r):
     b = r.get("belady") or {}
     if "budget" not in b:
@@ -651,6 +694,7 @@ def render_saved(a):
             io_bounds(r, r["bytes_per_expert"], r.get("disk_bytes_per_s"), 1 / ref if ref else None)
     table = markdown(rows)
     print(table)
+    print("\n" + "\n".join(targets(rows)))
     if a.md:
         with open(a.md, "w") as f:
             f.write(table + "\n")
@@ -743,6 +787,7 @@ def main(argv=None):
     print(table)
     print("\n%s; llama-bench -t %d -r 1, prefill %d tokens, decode %d; qmoed %s, %s budget auto"
           % (machine, a.threads, a.prompt, a.decode, a.precision or "exact", a.policy))
+    print("\n" + "\n".join(targets(rows)))
     if a.md:
         with open(a.md, "w") as f:
             f.write(table + "\n\n" + machine + "\n")
