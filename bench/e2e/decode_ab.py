@@ -12,7 +12,9 @@ llama-bench gets the variant's environment too (the llama.cpp adapter and
 libqmoe-client read some of the same variables); the variable QMOED names
 the qmoed binary a variant runs instead (another build, side by side), and
 POLICY and BUDGET the session llama.cpp asks for (`--qmoed-policy`, default
-whole_bank; `--qmoed-budget`, e.g. 50%: a paged session). --state-dir gives
+whole_bank; `--qmoed-budget`, e.g. 50%: a paged session), and
+SET=KEY=VALUE[;KEY=VALUE...] the daemon's settings (`--set`, e.g.
+SET=io_depth=4). --state-dir gives
 every daemon one state_dir, as a long-running daemon keeps one: a paged
 session then starts from the hotness profile the earlier runs left
 (warm_from_profile). When a variant pages, the bank's disk is measured
@@ -190,8 +192,11 @@ def main():
             session = ["--qmoed-policy", env.get("POLICY", "whole_bank")]
             if "BUDGET" in env:
                 session += ["--qmoed-budget", env["BUDGET"]]
-            env = {k: val for k, val in env.items() if k not in ("QMOED", "POLICY", "BUDGET")}
+            sets = [kv for kv in env.get("SET", "").split(";") if kv]
+            env = {k: val for k, val in env.items() if k not in ("QMOED", "POLICY", "BUDGET", "SET")}
             args = ["--threads", str(a.threads), "--log-level", "warning"]
+            for kv in sets:  # SET=KEY=VALUE[;KEY=VALUE...]: the daemon's --set
+                args += ["--set", kv]
             if a.state_dir:
                 os.makedirs(a.state_dir, exist_ok=True)
                 args += ["--set", "state_dir=" + os.path.abspath(a.state_dir)]
