@@ -17,6 +17,10 @@ compute_us from its answer. Ring and socket calls alternate in blocks of
 
 usage: bench_ring.py --build BUILD [--calls 1000] [--gap-us 1000] [--layers 4]
                      [--idle-s 10] [--threads 0] [--workdir DIR] [--skip-qwen]
+                     [--evict-mib M]
+--evict-mib M: before each call (the floor's and qmoed's alike) two threads
+read M MiB between them, as an engine's attention reads its weights between
+two layer calls, so that the call finds the caches cold.
 Prints the JSON of every part, then the table and the targets' lines.
 """
 import json
@@ -35,11 +39,16 @@ def main():
     ap.add_argument("--layers", type=int, default=4, help="layers of the Qwen3-shaped bank")
     ap.add_argument("--idle-s", type=float, default=10)
     ap.add_argument("--skip-qwen", action="store_true")
+    ap.add_argument("--evict-mib", type=float, default=0,
+                    help="before each call (floor and qmoed alike) two threads read this many MiB "
+                         "between them, as an engine's own work between layer calls does: the "
+                         "caches then hold none of either side's state")
     a = ap.parse_args()
     h = bench_common.harness(a.build)
     bench = os.path.join(a.build, "bench", "ipc", "qmoe-ring-bench")
     out = {}
-    r = subprocess.run([bench, "floor", "--calls", str(a.calls), "--gap-us", str(a.gap_us)],
+    ev = ["--evict-mib", str(a.evict_mib)] if a.evict_mib else []
+    r = subprocess.run([bench, "floor", "--calls", str(a.calls), "--gap-us", str(a.gap_us)] + ev,
                        check=True, capture_output=True, text=True)
     out["floor"] = json.loads(r.stdout)
 
@@ -58,7 +67,7 @@ def main():
             r = subprocess.run([bench, "calls", "--socket", dm.socket, "--model", name,
                                 "--calls", str(a.calls), "--gap-us", str(a.gap_us),
                                 "--precision", precision, "--daemon-pid", str(dm.proc.pid),
-                                "--idle-s", str(a.idle_s)],
+                                "--idle-s", str(a.idle_s)] + ev,
                                check=True, capture_output=True, text=True, timeout=3600)
             out[name] = json.loads(r.stdout)
         finally:
@@ -72,9 +81,10 @@ def report(out, a):
     fl = out["floor"]
     futex, sock = fl["futex_us"], fl["socket_us"]
     print()
-    print("Floor, two processes, calls %.0f us apart, %d calls each: futex p50 %.1f us (p90 %.1f), "
-          "Unix socket p50 %.1f us (p90 %.1f)" % (a.gap_us, fl["calls"], futex["p50"], futex["p90"],
-                                                 sock["p50"], sock["p90"]))
+    print("Floor, two processes, calls %.0f us apart%s, %d calls each: futex p50 %.1f us (p90 %.1f), "
+          "Unix socket p50 %.1f us (p90 %.1f)" % (
+              a.gap_us, ", %.0f MiB read by two threads before each" % a.evict_mib if a.evict_mib else "",
+              fl["calls"], futex["p50"], futex["p90"], sock["p50"], sock["p90"]))
     print()
     print("| bank | transport | end to end p50 (p90) | compute_us p50 | beyond compute p50 (p90) "
           "| / futex floor | daemon CPU per call |")

@@ -2,10 +2,10 @@
  * floor beside qmoed's call ring and socket, calls 1 ms apart so that both
  * sides are asleep when a call comes, as in an engine's decode.
  *
- * usage: qmoe-ring-bench floor [--calls N] [--gap-us G]
+ * usage: qmoe-ring-bench floor [--calls N] [--gap-us G] [--evict-mib M]
  *        qmoe-ring-bench calls --socket PATH --model NAME [--calls N] [--gap-us G]
  *                        [--tokens T] [--precision exact|fast] [--daemon-pid P]
- *                        [--block B] [--idle-s S]
+ *                        [--block B] [--idle-s S] [--evict-mib M]
  *
  * floor: two processes hand a token back and forth through a futex word in
  * shared memory, then through a Unix socket pair, each side blocked (no
@@ -22,7 +22,11 @@
  * daemon's CPU time per call (every thread's, /proc/PID/task/TID/schedstat)
  * when --daemon-pid is given; and with --idle-s, the daemon's CPU seconds
  * over that many seconds with the ring open and no call
- * (/proc/PID/stat utime + stime). One JSON line. */
+ * (/proc/PID/stat utime + stime). With --evict-mib M, before each call
+ * (after the gap) two threads, one a CPU on a 2-CPU machine, read M MiB
+ * between them, as an engine's own layer work (attention's weights) reads
+ * between two layer calls: the caches hold none of the daemon's or the
+ * client's state when the call comes. One JSON line. */
 #ifndef _GNU_SOURCE
 #define _GNU_SOURCE
 #endif
@@ -30,6 +34,7 @@
 #include <errno.h>
 #include <linux/futex.h>
 #include <math.h>
+#include <pthread.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -70,6 +75,79 @@ static void print_stats(const char *name, double *v, int n, int last)
            last ? "" : ",");
 }
 
+/* --evict-mib: two readers of one buffer, started together before a call. */
+typedef struct evictor {
+    const uint64_t *buf;
+    size_t words;      /* per reader */
+    pthread_barrier_t go, done;
+    pthread_t helper;
+    volatile uint64_t sink;
+    int on, stop;
+} evictor;
+
+static uint64_t read_words(const uint64_t *p, size_t n)
+{
+    uint64_t a = 0, b = 0, c = 0, d = 0;
+    for (size_t i = 0; i + 4 <= n; i += 4) {
+        a += p[i];
+        b += p[i + 1];
+        c += p[i + 2];
+        d += p[i + 3];
+    }
+    return a ^ b ^ c ^ d;
+}
+
+static void *evict_helper(void *arg)
+{
+    evictor *ev = arg;
+    for (;;) {
+        pthread_barrier_wait(&ev->go);
+        if (ev->stop)
+            return NULL;
+        ev->sink += read_words(ev->buf + ev->words, ev->words);
+        pthread_barrier_wait(&ev->done);
+    }
+}
+
+static int evict_start(evictor *ev, double mib)
+{
+    memset(ev, 0, sizeof *ev);
+    if (mib <= 0)
+        return 0;
+    size_t bytes = (size_t)(mib * 1048576.0) / 64 * 64;
+    uint64_t *b = malloc(bytes);
+    if (!b)
+        return -1;
+    memset(b, 1, bytes);
+    ev->buf = b;
+    ev->words = bytes / 16; /* half the buffer's 8-byte words each */
+    pthread_barrier_init(&ev->go, NULL, 2);
+    pthread_barrier_init(&ev->done, NULL, 2);
+    if (pthread_create(&ev->helper, NULL, evict_helper, ev) != 0)
+        return -1;
+    ev->on = 1;
+    return 0;
+}
+
+static void evict_now(evictor *ev)
+{
+    if (!ev->on)
+        return;
+    pthread_barrier_wait(&ev->go);
+    ev->sink += read_words(ev->buf, ev->words);
+    pthread_barrier_wait(&ev->done);
+}
+
+static void evict_stop(evictor *ev)
+{
+    if (!ev->on)
+        return;
+    ev->stop = 1;
+    pthread_barrier_wait(&ev->go);
+    pthread_join(ev->helper, NULL);
+    free((void *)ev->buf);
+}
+
 /* ---- the floor ---- */
 
 static long futex(uint32_t *w, int op, uint32_t v)
@@ -79,7 +157,7 @@ static long futex(uint32_t *w, int op, uint32_t v)
 
 /* The parent rings word 0 and sleeps on word 16 until the child, asleep on
  * word 0, answers there. */
-static void floor_futex(uint32_t *shared, int calls, double gap_us, double *rtt)
+static void floor_futex(uint32_t *shared, int calls, double gap_us, double *rtt, evictor *ev)
 {
     uint32_t *req = shared, *ans = shared + 16;
     pid_t child = fork();
@@ -98,6 +176,7 @@ static void floor_futex(uint32_t *shared, int calls, double gap_us, double *rtt)
     }
     for (int i = 0; i < calls; i++) {
         sleep_us(gap_us);
+        evict_now(ev);
         uint32_t seq = __atomic_load_n(req, __ATOMIC_SEQ_CST) + 1;
         double t0 = now_us();
         __atomic_store_n(req, seq, __ATOMIC_SEQ_CST);
@@ -112,7 +191,7 @@ static void floor_futex(uint32_t *shared, int calls, double gap_us, double *rtt)
     waitpid(child, NULL, 0);
 }
 
-static void floor_socket(int calls, double gap_us, double *rtt)
+static void floor_socket(int calls, double gap_us, double *rtt, evictor *ev)
 {
     int sv[2];
     if (socketpair(AF_UNIX, SOCK_STREAM, 0, sv) < 0) {
@@ -131,6 +210,7 @@ static void floor_socket(int calls, double gap_us, double *rtt)
     close(sv[1]);
     for (int i = 0; i < calls; i++) {
         sleep_us(gap_us);
+        evict_now(ev);
         char b = 'x';
         double t0 = now_us();
         if (write(sv[0], &b, 1) != 1 || read(sv[0], &b, 1) != 1) {
@@ -145,17 +225,23 @@ static void floor_socket(int calls, double gap_us, double *rtt)
     close(sv[0]);
 }
 
-static int run_floor(int calls, double gap_us, int block)
+static int run_floor(int calls, double gap_us, int block, double evict_mib)
 {
+    evictor ev;
+    if (evict_start(&ev, evict_mib) < 0) {
+        fprintf(stderr, "--evict-mib: no memory or no thread\n");
+        return 1;
+    }
     uint32_t *shared = mmap(NULL, 4096, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS, -1, 0);
     double *fx = calloc((size_t)calls, sizeof *fx), *sk = calloc((size_t)calls, sizeof *sk);
     for (int done = 0; done < calls; done += block) {
         int n = calls - done < block ? calls - done : block;
         memset(shared, 0, 4096);
-        floor_futex(shared, n, gap_us, fx + done);
-        floor_socket(n, gap_us, sk + done);
+        floor_futex(shared, n, gap_us, fx + done, &ev);
+        floor_socket(n, gap_us, sk + done, &ev);
     }
-    printf("{\"calls\":%d,\"gap_us\":%.0f,", calls, gap_us);
+    evict_stop(&ev);
+    printf("{\"calls\":%d,\"gap_us\":%.0f,\"evict_mib\":%.0f,", calls, gap_us, evict_mib);
     print_stats("futex_us", fx, calls, 0);
     print_stats("socket_us", sk, calls, 1);
     printf("}\n");
@@ -294,8 +380,13 @@ static int setup_calls(call_setup *s, const char *sock, const char *model, const
 }
 
 static int run_calls(const char *sock, const char *model, int calls, double gap_us, uint64_t T,
-                     const char *precision, int pid, int block, double idle_s)
+                     const char *precision, int pid, int block, double idle_s, double evict_mib)
 {
+    evictor ev;
+    if (evict_start(&ev, evict_mib) < 0) {
+        fprintf(stderr, "--evict-mib: no memory or no thread\n");
+        return 1;
+    }
     call_setup s;
     memset(&s, 0, sizeof s);
     if (setup_calls(&s, sock, model, precision, T) < 0)
@@ -325,6 +416,7 @@ static int run_calls(const char *sock, const char *model, int calls, double gap_
         double c0 = daemon_cpu_ns(pid);
         for (int i = 0; i < n; i++) {
             sleep_us(gap_us);
+            evict_now(&ev);
             int at = done[m] + i;
             if (one_call(&s, layer++ % layers, &e2e[m][at], &comp[m][at]) < 0)
                 return 1;
@@ -336,8 +428,10 @@ static int run_calls(const char *sock, const char *model, int calls, double gap_
     }
     if (!qm_client_ring_active(s.c, s.sid))
         qm_client_set_ring(s.c, QM_CLIENT_RING_EXPLICIT);
-    printf("{\"model\":\"%s\",\"tokens\":%llu,\"calls\":%d,\"gap_us\":%.0f,\"precision\":\"%s\",",
-           model, (unsigned long long)T, calls, gap_us, precision);
+    evict_stop(&ev);
+    printf("{\"model\":\"%s\",\"tokens\":%llu,\"calls\":%d,\"gap_us\":%.0f,\"precision\":\"%s\","
+           "\"evict_mib\":%.0f,",
+           model, (unsigned long long)T, calls, gap_us, precision, evict_mib);
     const char *names[2] = {"ring", "socket"};
     for (int m = 0; m < 2; m++) {
         printf("\"%s\":{", names[m]);
@@ -370,14 +464,14 @@ int main(int argc, char **argv)
 {
     const char *sock = NULL, *model = NULL, *precision = "exact";
     int calls = 1000, pid = 0, block = 100;
-    double gap_us = 1000, idle_s = 0;
+    double gap_us = 1000, idle_s = 0, evict_mib = 0;
     uint64_t tokens = 1;
     bench_arg args[] = {
         {"--socket", BENCH_ARG_STR, &sock},       {"--model", BENCH_ARG_STR, &model},
         {"--calls", BENCH_ARG_INT, &calls},       {"--gap-us", BENCH_ARG_DBL, &gap_us},
         {"--tokens", BENCH_ARG_U64, &tokens},     {"--precision", BENCH_ARG_STR, &precision},
         {"--daemon-pid", BENCH_ARG_INT, &pid},    {"--block", BENCH_ARG_INT, &block},
-        {"--idle-s", BENCH_ARG_DBL, &idle_s},
+        {"--idle-s", BENCH_ARG_DBL, &idle_s},     {"--evict-mib", BENCH_ARG_DBL, &evict_mib},
     };
     const char *mode = argc > 1 ? argv[1] : "";
     for (int i = 2; i + 1 < argc; i += 2)
@@ -388,12 +482,12 @@ int main(int argc, char **argv)
     if (calls < 1 || block < 1)
         return 2;
     if (!strcmp(mode, "floor"))
-        return run_floor(calls, gap_us, block);
+        return run_floor(calls, gap_us, block, evict_mib);
     if (!strcmp(mode, "calls") && sock && model)
-        return run_calls(sock, model, calls, gap_us, tokens, precision, pid, block, idle_s);
-    fprintf(stderr, "usage: qmoe-ring-bench floor [--calls N] [--gap-us G] [--block B]\n"
+        return run_calls(sock, model, calls, gap_us, tokens, precision, pid, block, idle_s, evict_mib);
+    fprintf(stderr, "usage: qmoe-ring-bench floor [--calls N] [--gap-us G] [--block B] [--evict-mib M]\n"
                     "       qmoe-ring-bench calls --socket PATH --model NAME [--calls N] "
                     "[--gap-us G] [--tokens T] [--precision exact|fast] [--daemon-pid P] "
-                    "[--block B] [--idle-s S]\n");
+                    "[--block B] [--idle-s S] [--evict-mib M]\n");
     return 2;
 }
