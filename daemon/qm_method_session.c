@@ -574,7 +574,7 @@ static int session_ring(qm_call *k, qm_status *st)
     uint64_t id;
     int rc = take_one_fd(k, &fd, st);
     if (rc == 0)
-        rc = qm_ring_open(k->mx->rings, s, k->conn, fd, &id, st);
+        rc = qm_ring_open(k->mx->rings, s, k->conn, fd, k->req->params.anticipate, &id, st);
     if (rc < 0)
         return rc;
     qm_jw_obj_begin(k->w);

@@ -36,6 +36,8 @@
 #include "qm_shm.h"
 #include "qm_telemetry.h"
 
+#define QM__RING_TEMPO 256u /* layers whose gaps a ring keeps apart (then modulo) */
+
 struct qm_ring {
     qm_rings *rings;
     uint64_t id;
@@ -61,6 +63,12 @@ struct qm_ring {
     uint32_t last_seq;   /* the call number last taken */
     qm_ring_spin spin;   /* how long to spin for the next call */
     atomic_uint_fast64_t last_answer_ns; /* when the last answer was posted */
+    /* Anticipation (session.ring's `anticipate`): per layer (modulo
+     * QM__RING_TEMPO), a moving average of the gap from answering a call
+     * of that layer to the next call; the layer answered last. */
+    int anticipate;
+    uint64_t gap_ns[QM__RING_TEMPO];
+    uint32_t last_layer;
     qm_ring *next;
 };
 
@@ -83,9 +91,54 @@ struct qm_rings {
  * it did not count, and an idle daemon has no timer. */
 #define QM__RING_NUDGE_US 20000u
 
+/* Anticipation: the thread wakes `margin` before the gap it expects after
+ * the layer it answered last, and spins until `margin` after it: margin =
+ * 50 us + gap / 8 (a decode's gaps between layer calls move by about an
+ * eighth), at most QM__RING_MARGIN_MAX_NS; only for gaps under
+ * QM__RING_TEMPO_MAX_NS (a longer one is not a decode's tempo). */
+#define QM__RING_MARGIN_MAX_NS 200000u
+#define QM__RING_TEMPO_MAX_NS 20000000u
+
 static uint32_t *word(const qm_ring *r, size_t off) { return qm_ring_word(r->base, off); }
 
 /* ---- the thread ---- */
+
+/* Anticipation (the ring's `anticipate`): when the gap expected after
+ * the layer answered last is known, sleeps (DAEMON_PARKED set: a call that
+ * comes early wakes it as usual) until `margin` before it, then spins until
+ * `margin` after it. 0 with *seq when a call came, -1 when the ring stops,
+ * 1 when none came in the window (the caller parks as usual). */
+static int ring_anticipate(qm_ring *r, uint32_t *req, uint32_t *flag, uint32_t *seq)
+{
+    uint64_t last = atomic_load(&r->last_answer_ns);
+    uint64_t gap = r->gap_ns[r->last_layer % QM__RING_TEMPO];
+    if (!last || !gap || gap >= QM__RING_TEMPO_MAX_NS)
+        return 1;
+    uint64_t margin = 50000u + gap / 8;
+    if (margin > QM__RING_MARGIN_MAX_NS)
+        margin = QM__RING_MARGIN_MAX_NS;
+    uint64_t now = qm_ring_now_ns();
+    if (now < last || now - last >= gap + margin)
+        return 1; /* past the window already */
+    if (now - last + margin < gap) {
+        qm_ring_store(flag, 1);
+        if (!atomic_load(&r->stop) && qm_ring_load(req) == r->last_seq)
+            qm_ring_futex_wait(req, r->last_seq, gap - margin - (now - last));
+        qm_ring_store(flag, 0);
+    }
+    for (unsigned i = 0;; i++) {
+        if (atomic_load(&r->stop))
+            return -1;
+        uint32_t v = qm_ring_load(req);
+        if (v != r->last_seq) {
+            *seq = v;
+            return atomic_load(&r->stop) ? -1 : 0;
+        }
+        if ((i & 63) == 63 && qm_ring_now_ns() - last >= gap + margin)
+            return 1;
+        qm_ring_cpu_relax();
+    }
+}
 
 /* The next call number, or -1 once the ring stops. Spins for the budget
  * its measurements give, then parks on REQ_SEQ (DAEMON_PARKED tells the
@@ -107,6 +160,11 @@ static int ring_wait_request(qm_ring *r, uint32_t *seq, int *parked)
         if ((i & 63) == 63 && qm_ring_now_ns() - t0 >= budget)
             break;
         qm_ring_cpu_relax();
+    }
+    if (r->anticipate) {
+        int got = ring_anticipate(r, req, flag, seq);
+        if (got != 1)
+            return got;
     }
     /* Nothing to do until the next call: the loop may count the last ones
      * (now, or once they are old enough: then this thread wakes to say so). */
@@ -137,8 +195,11 @@ static void ring_learn(qm_ring *r, uint64_t rung_ns, uint64_t taken_ns, int park
 {
     uint64_t last = atomic_load(&r->last_answer_ns);
     uint64_t at = rung_ns && rung_ns <= taken_ns && rung_ns >= last ? rung_ns : taken_ns;
-    if (last && at >= last)
+    if (last && at >= last) {
         qm_ring_spin_note_wait(&r->spin, at - last);
+        uint64_t *g = &r->gap_ns[r->last_layer % QM__RING_TEMPO], gap = at - last;
+        *g = *g ? *g - *g / 4 + gap / 4 : gap; /* the gap after the layer answered last */
+    }
     if (parked && rung_ns && rung_ns <= taken_ns)
         qm_ring_spin_note_wake(&r->spin, taken_ns - rung_ns);
 }
@@ -185,6 +246,8 @@ static void ring_take(qm_ring *r, uint32_t seq, int parked)
     job->rc = qm_ring_params_decode(copy, &job->req.params, &rung_ns, &job->st);
     job->decode_us = qm_now_us() - job->read_us;
     ring_learn(r, rung_ns, taken_ns, parked);
+    if (job->rc == 0)
+        r->last_layer = job->req.params.layer;
     rj->ring = r;
     rj->seq = seq;
     pthread_mutex_lock(&r->mu);
@@ -369,7 +432,8 @@ static int ring_start(qm_rings *rs, qm_ring *r, qm_status *st)
     return 0;
 }
 
-int qm_ring_open(qm_rings *rs, qm_session *s, qm_conn *c, int fd, uint64_t *id, qm_status *st)
+int qm_ring_open(qm_rings *rs, qm_session *s, qm_conn *c, int fd, int anticipate, uint64_t *id,
+                 qm_status *st)
 {
     const qm_method_ctx *mx = rs->mx;
     uint32_t max = mx->cfg->max_rings;
@@ -395,6 +459,7 @@ int qm_ring_open(qm_rings *rs, qm_session *s, qm_conn *c, int fd, uint64_t *id, 
     r->session = s;
     r->conn = c;
     r->conn_id = qm_conn_id(c);
+    r->anticipate = anticipate;
     rc = ring_start(rs, r, st);
     if (rc < 0) {
         qm_shm_unref(m);
@@ -409,8 +474,9 @@ int qm_ring_open(qm_rings *rs, qm_session *s, qm_conn *c, int fd, uint64_t *id, 
     rs->open++;
     r->counted = 1;
     *id = r->id;
-    qm_log(QM_LOG_INFO, "session %s: call ring %llu opened on connection %llu", qm_session_id(s),
-           (unsigned long long)r->id, (unsigned long long)r->conn_id);
+    qm_log(QM_LOG_INFO, "session %s: call ring %llu opened on connection %llu%s", qm_session_id(s),
+           (unsigned long long)r->id, (unsigned long long)r->conn_id,
+           anticipate ? " (anticipating its calls)" : "");
     return 0;
 }
 

@@ -52,8 +52,11 @@ int qm_rings_new(uv_loop_t *loop, const qm_method_ctx *mx, qm_rings **out);
  * QM_RING_BYTES at least, read-write), maps it, writes the header and
  * starts the ring's thread; the connection c is held while the ring is
  * open. Closes fd in every case. QM_EINVAL (field fd), QM_ERESOURCE_EXHAUSTED
- * at max_rings (counted), QM_ENOMEM. *id: the ring's number. */
-int qm_ring_open(qm_rings *rs, qm_session *s, qm_conn *c, int fd, uint64_t *id, qm_status *st);
+ * at max_rings (counted), QM_ENOMEM. *id: the ring's number. anticipate:
+ * the thread wakes ahead of each call it expects from the ring's tempo and
+ * spins for it (session.ring's `anticipate`; PROTOCOL.md). */
+int qm_ring_open(qm_rings *rs, qm_session *s, qm_conn *c, int fd, int anticipate, uint64_t *id,
+                 qm_status *st);
 /* Closing, by cause: the connection that opened it closed (calls in flight
  * are skipped: nobody reads them), its session closed (they fail with
  * not_found), the daemon drains (they finish; the ring takes no more). The

@@ -29,7 +29,7 @@
     X(SESSION_INFER, "session.infer", SESSION_INFER, "one MoE layer's feed-forward")               \
     X(SESSION_MAP, "session.map", SESSION_MAP, "hand the daemon a shared-memory file")             \
     X(SESSION_UNMAP, "session.unmap", SESSION_UNMAP, "take a shared-memory file back")             \
-    X(SESSION_RING, "session.ring", BY_SESSION, "open the session's call ring")                    \
+    X(SESSION_RING, "session.ring", SESSION_RING, "open the session's call ring")                  \
     X(TELEMETRY_GET, "telemetry.get", TELEMETRY_GET, "counters, daemon-wide and per session")     \
     X(TELEMETRY_TRACE, "telemetry.trace", TELEMETRY_TRACE, "recent trace spans")                   \
     X(TELEMETRY_METRICS, "telemetry.metrics", NONE, "the counters as Prometheus text")
@@ -158,6 +158,12 @@
     QM_PARAMS_BY_SESSION(P)                                                                        \
     P("map", UINT, 1, 0, UINT64_MAX, AT(map), NOWHERE, NONE, "the map's id")
 
+#define QM_PARAMS_SESSION_RING(P)                                                                  \
+    QM_PARAMS_BY_SESSION(P)                                                                        \
+    P("anticipate", BOOL, 0, 0, 0, AT(anticipate), NOWHERE, NONE,                                  \
+      "wake ahead of each call expected from the ring's tempo and spin for it: for an engine "    \
+      "that leaves a CPU idle")
+
 #define QM_PARAMS_TELEMETRY_GET(P)                                                                 \
     P("session", STRING, 0, 1, 128, AT(session), NOWHERE, NONE,                                    \
       "one session's counters (default: the daemon's and every visible session's)")
@@ -257,6 +263,7 @@ typedef struct qm_params {
     uint64_t output_map, output_offset;
     uint64_t bytes;          /* session.map */
     uint64_t map;            /* session.unmap */
+    int anticipate;          /* session.ring */
     int has_limit;
     uint32_t limit;          /* telemetry.trace */
 } qm_params;

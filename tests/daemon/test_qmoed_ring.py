@@ -37,9 +37,9 @@ MAP_BYTES = 1 << 20
 class RawRing:
     """A ring opened by hand on connection c (its region mapped here)."""
 
-    def __init__(self, c, sid):
+    def __init__(self, c, sid, **params):
         fd, self.mm = _ring.region()
-        r = request_fds(c, "session.ring", {"session": sid}, [fd])
+        r = request_fds(c, "session.ring", dict(params, session=sid), [fd])
         os.close(fd)
         assert "result" in r, r
         self.result = r["result"]
@@ -728,7 +728,101 @@ def test_an_idle_daemon_with_open_rings_never_wakes(banks):
         assert dm.stop() == 0, dm.log_text()
 
 
+def daemon_awake(ring):
+    """The daemon's thread is not parked on the doorbell (it spins): a
+    client ringing now would need no futex wake."""
+    return int.from_bytes(ring.mm[_ring.OFF_DAEMON_PARKED:_ring.OFF_DAEMON_PARKED + 4],
+                          "little") == 0
+
+
+def test_an_anticipating_ring_is_awake_for_its_calls_and_then_sleeps(banks):
+    """session.ring's `anticipate`: the thread learns the gap after each
+    layer's call and is awake (spinning, DAEMON_PARKED 0) when the next one
+    is due, as a plain ring is not (calls 3 ms apart: far more than it
+    spins); the answers are the socket's, bit for bit; once calls stop it
+    sleeps, and no thread of the daemon wakes while it is idle."""
+    dm = Daemon(models={"small": banks["small"]})
+    try:
+        c = dm.client()
+        awake = {}
+        for anticipate in (False, True):
+            sid = new_session(c)
+            shm = Shm(c, sid, MAP_BYTES)
+            r = RawRing(c, sid, **({"anticipate": True} if anticipate else {}))
+            x = hidden(1, seed=5)
+            shm.put(0, x.tobytes())
+            n = 0
+            for i in range(60):
+                p, req = both(sid, i % 2, ("f32", 1, H, shm.id, 0), (shm.id, 8192))
+                time.sleep(0.003)
+                n += daemon_awake(r)  # just before the call rings
+                code, _, _, reason = r.call(req)
+                assert code == 0, reason
+                if i % 20 == 19:  # the socket's answer, bit for bit
+                    p["output_to"] = {"map": shm.id, "offset": 16384}
+                    assert "result" in c.request("session.infer", p)
+                    assert shm.get(8192, H * 4) == shm.get(16384, H * 4)
+            awake[anticipate] = n
+        # Timing on a shared machine: the anticipating thread is found awake
+        # at least once, and more often than the plain one.
+        assert awake[True] >= 1 and awake[True] > awake[False], awake
+        assert "(anticipating its calls)" in dm.log_text()
+        time.sleep(1.5)  # past every window, and the loop counted the calls
+        before = wakeups(dm.proc.pid)
+        time.sleep(1)
+        after = wakeups(dm.proc.pid)
+        woke = {t: after[t] - before[t] for t in after if t in before and after[t] != before[t]}
+        assert not woke, "threads woken while idle (tid: times): %s" % woke
+        r = c.request("session.ring", {"session": sid, "anticipate": "yes"})
+        assert err(r)["code"] == -32602 and err(r)["data"]["field"] == "anticipate", r
+        c.close()
+    finally:
+        assert dm.stop() == 0, dm.log_text()
+
+
 # ---- refusals, and clients that fall back ----
+
+def test_the_python_client_asks_for_anticipation_and_does_without_on_an_older_daemon(banks):
+    """Client.ring_anticipate True: the rings it opens carry `anticipate`;
+    a daemon that names the member unknown (one older than it) gets the
+    plain session.ring, and the calls take a ring all the same."""
+    from qmoe_client import Client, QmoeError
+    dm = Daemon(models={"small": banks["small"]})
+    try:
+        outs = []
+        for older in (False, True):
+            cl = Client(dm.socket)
+            cl.ring_anticipate = True
+            asked = []
+            if older:
+                call = cl.call
+
+                def refusing(method, params=None, fd=None):
+                    asked.append(dict(params or {}))
+                    if method == "session.ring" and "anticipate" in (params or {}):
+                        raise QmoeError(-32602, "invalid_params",
+                                        "unknown member 'anticipate'; expected session", "anticipate")
+                    return call(method, params, fd=fd)
+                cl.call = refusing
+            s = cl.create_session("small")["session"]
+            shm = cl.map(s, 1 << 16)
+            x = shm.tensor(0, (1, H), "f32")
+            x.array[:] = hidden(1)
+            out = shm.tensor(4096, (1, H), "f32")
+            for _ in range(3):
+                cl.infer(s, 0, x, output_to=out)
+            assert cl.ring_active(s)
+            outs.append(out.array.copy())
+            if older:
+                rings = [p for p in asked if "session" in p and len(p) <= 2 and "anticipate" in p]
+                assert rings, asked  # it asked, was refused, and opened the ring without
+            cl.close_session(s)
+            cl.close()
+        assert dm.log_text().count("(anticipating its calls)") == 1
+        assert np.array_equal(outs[0].view(np.uint32), outs[1].view(np.uint32))
+    finally:
+        assert dm.stop() == 0, dm.log_text()
+
 
 def test_max_rings_refuses_and_the_python_client_falls_back_to_the_socket(banks, capfd):
     from qmoe_client import Client
