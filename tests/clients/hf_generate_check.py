@@ -197,6 +197,10 @@ def main():
                     metavar=("POLICY", "BUDGET"), help="an attach generation")
     ap.add_argument("--attach-models", help="the models (comma-separated) of the attach runs "
                                             "(default: every case)")
+    ap.add_argument("--anticipate-run", nargs=2, action="append", default=None,
+                    metavar=("POLICY", "BUDGET"),
+                    help="an attach generation on a client of its own with torch on one "
+                         "thread (the hook then asks for an anticipating ring when a CPU is left)")
     ap.add_argument("--tokens", type=int, default=32)
     ap.add_argument("--prompt", default="1,5,9,2,7")
     a = ap.parse_args()
@@ -233,6 +237,25 @@ def main():
                                 "ids": got_ids, "max_rel_logit_err": rel_err(got_logits, ref_logits),
                                 "s": got_s, "stats": st,
                                 "layers": sorted(set(hook.layers.values()))})
+        for policy, budget in (a.anticipate_run or []) if attach_runs else []:
+            threads = torch.get_num_threads()
+            torch.set_num_threads(1)
+            c1 = qmoe_client.Client(a.socket)
+            try:
+                hook = qhook.attach(model, c1, name, policy=policy,
+                                    budget=None if budget == "100%" else budget)
+                got_ids, got_logits, got_s = generate(model, ids, a.tokens, torch)
+                st = hook.stats()
+                hook.detach()
+            finally:
+                torch.set_num_threads(threads)
+            res["runs"].append({"road": "attach, one torch thread", "policy": policy,
+                                "budget": budget, "ids": got_ids,
+                                "max_rel_logit_err": rel_err(got_logits, ref_logits), "s": got_s,
+                                "stats": st, "layers": sorted(set(hook.layers.values())),
+                                "ring_anticipate": c1.ring_anticipate,
+                                "cpus": len(os.sched_getaffinity(0))})
+            c1.close()
         if attach_runs:
             # Detached: the model is itself again (same implementation, same
             # weights, the same tokens).

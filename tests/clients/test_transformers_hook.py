@@ -89,7 +89,8 @@ def report(torchpy, served):
                     % probe["error"]["data"]["reason"])
     cmd = [torchpy, os.path.join(HERE, "hf_generate_check.py"), "--socket", dm.socket,
            "--tokens", str(TOKENS), "--run", "whole_bank", "100%", "--run", "lru", "30%",
-           "--attach-run", "whole_bank", "100%", "--attach-models", ",".join(ATTACH_FAMILIES)]
+           "--attach-run", "whole_bank", "100%", "--attach-models", ",".join(ATTACH_FAMILIES),
+           "--anticipate-run", "whole_bank", "100%"]
     for name in FAMILIES:
         cmd += ["--case", os.path.join(FIXTURES, name), banks[name], name]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
@@ -111,7 +112,7 @@ def runs(res, road):
 
 
 @pytest.mark.parametrize("name", FAMILIES)
-def test_generation_with_experts_in_qmoed_matches_transformers(report, name):
+def test_generation_with_experts_in_qmoed_matches_transformers(report, served, name):
     res = report[name]
     assert len(res["ref_ids"]) == TOKENS
     for run in res["runs"]:
@@ -128,6 +129,15 @@ def test_generation_with_experts_in_qmoed_matches_transformers(report, name):
     assert lru["stats"]["misses"] > 0 and lru["stats"]["bytes_paged"] > 0, lru["stats"]
     assert [r["policy"] for r in runs(res, "attach")] == (
         ["whole_bank"] if name in ATTACH_FAMILIES else [])
+    one = runs(res, "attach, one torch thread")
+    assert len(one) == (1 if name in ATTACH_FAMILIES else 0)
+    for run in one:
+        # torch on one thread leaves a CPU idle: the hook asked for a ring
+        # that anticipates its calls (where this process may use more than
+        # one CPU), and the tokens are the same
+        assert run["ring_anticipate"] == (run["cpus"] > 1), run
+        if run["ring_anticipate"]:
+            assert "(anticipating its calls)" in served[0].log_text()
 
 
 @pytest.mark.parametrize("name", FAMILIES)

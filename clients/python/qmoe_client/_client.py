@@ -461,6 +461,14 @@ class Client:
         # session's ring themselves; "explicit": only rings opened by
         # ring(); "off": the socket always.
         self.ring_mode = "off" if env in ("0", "off") else "auto"
+        # True: rings this handle opens from now on ask the daemon to
+        # anticipate each call from the ring's tempo (session.ring's
+        # `anticipate`: it wakes ahead and spins for the call, which costs
+        # it CPU while it waits): for an engine that leaves a CPU idle
+        # between its calls. None (the default): no, unless the
+        # transformers hook sets it (it does when torch's threads leave a
+        # CPU of this process's idle).
+        self.ring_anticipate = None
         self._connect(time.monotonic() + self.timeout)
 
     # ---- connection ----
@@ -994,7 +1002,21 @@ class Client:
         fd, mm = _ring.region()
         try:
             gen = self._conn_gen
-            r = self.call("session.ring", {"session": session}, fd=fd)
+            params = {"session": session}
+            if self.ring_anticipate:
+                params["anticipate"] = True
+            try:
+                r = self.call("session.ring", params, fd=fd)
+            except QmoeError as e:
+                # A daemon older than `anticipate` names it: a ring without.
+                if not (e.name == "invalid_params" and e.field == "anticipate"):
+                    raise
+                os.close(fd)
+                fd = -1
+                mm.close()
+                fd, mm = _ring.region()
+                gen = self._conn_gen
+                r = self.call("session.ring", {"session": session}, fd=fd)
             if int(r.get("version", 0)) != _ring.VERSION:
                 raise QmoeError(E_PROTO, "bad_response",
                                 "qmoed's call ring is version %s; this client speaks %d"
@@ -1005,7 +1027,8 @@ class Client:
                 self._rings[session] = (False, self._conn_gen)
             raise
         finally:
-            os.close(fd)
+            if fd >= 0:
+                os.close(fd)
         if gen != self._conn_gen:  # reconnected on the way: the ring is the new connection's
             gen = self._conn_gen
         self._rings[session] = (_ring.Ring(mm, session, gen), gen)
