@@ -15,6 +15,9 @@ call of every round:
   before call / in client call / after  where the hook's time goes (the
               client call: the request's text, the socket both ways, the
               daemon, the response's parse)
+  daemon CPU  every daemon thread's CPU time over the generation, per
+              layer call (/proc/PID/task/*/schedstat): what an
+              anticipating ring's spinning costs it
 
 --loop calls the hook's layer call directly, back to back, with one
 token's hidden state and routing (what a decode step sends, without the
@@ -48,13 +51,28 @@ def baseline_package(rev, d):
     """The client package of revision `rev` as the package qmoe_client_base."""
     pkg = os.path.join(d, "qmoe_client_base")
     os.makedirs(pkg)
-    for f in ("__init__.py", "_client.py", "transformers.py"):
+    names = subprocess.run(["git", "-C", ROOT, "ls-tree", "--name-only", rev,
+                            "clients/python/qmoe_client/"], capture_output=True, text=True,
+                           check=True).stdout.split()
+    for f in (os.path.basename(n) for n in names if n.endswith(".py")):  # the package's modules
         src = subprocess.run(["git", "-C", ROOT, "show", "%s:clients/python/qmoe_client/%s"
                               % (rev, f)], capture_output=True, text=True, check=True).stdout
         with open(os.path.join(pkg, f), "w") as out:
             out.write(src)
     sys.path.insert(0, d)
     return importlib.import_module("qmoe_client_base")
+
+
+def daemon_cpu_ns(pid):
+    """CPU time of every thread of the daemon so far, ns (schedstat)."""
+    total = 0
+    for t in os.listdir("/proc/%d/task" % pid):
+        try:
+            with open("/proc/%d/task/%s/schedstat" % (pid, t)) as f:
+                total += int(f.read().split()[0])
+        except (OSError, ValueError, IndexError):
+            pass
+    return total
 
 
 class Timed:
@@ -135,6 +153,7 @@ def main():
     dm = Daemon(models={a.fixture: bank}, workdir=d,
                 args=["--log-level", "warning", "--set", "trace_capacity=1000000"])
     results = {name: [] for name in roads}
+    daemon_cpu = {name: [0, 0] for name in roads}  # ns, layer calls (every round but the first)
     try:
         model = transformers.AutoModelForCausalLM.from_pretrained(fixture, dtype=torch.float32)
         model.eval()
@@ -156,6 +175,7 @@ def main():
                 hook = hk.attach(model, clients[name], a.fixture)
                 hook._ensure_map(1 << 20)
                 timer.samples = []
+                cpu0 = daemon_cpu_ns(dm.proc.pid)
                 with torch.no_grad():
                     if a.loop:
                         H = model.config.hidden_size
@@ -169,6 +189,7 @@ def main():
                     else:
                         model.generate(ids, max_new_tokens=a.tokens, min_new_tokens=a.tokens,
                                        do_sample=False, pad_token_id=0)
+                cpu1 = daemon_cpu_ns(dm.proc.pid)
                 spans = [s for s in admin.trace(session=hook.session)
                          if s["name"] == "session.infer"]
                 hook.detach()
@@ -179,6 +200,8 @@ def main():
                             if s["args"]["tokens"] == 1]  # decode steps (T = 1)
                 if r:
                     results[name] += per_call
+                    daemon_cpu[name][0] += cpu1 - cpu0
+                    daemon_cpu[name][1] += len(calls)
     finally:
         dm.stop()
     med = statistics.median
@@ -207,6 +230,9 @@ def main():
         print("    before call   %s   CPU %s" % (q(before), q(cpu_parts[0])))
         print("    client call   %s   CPU %s" % (q(wait), q(cpu_parts[1])))
         print("    after call    %s   CPU %s" % (q(after), q(cpu_parts[2])))
+        ns, n = daemon_cpu[name]
+        print("    daemon CPU    %6.1f a layer call (every thread's, over the rounds)"
+              % (ns / 1e3 / n if n else float("nan")))
 
 
 if __name__ == "__main__":
