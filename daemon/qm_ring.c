@@ -103,6 +103,25 @@ static uint32_t *word(const qm_ring *r, size_t off) { return qm_ring_word(r->bas
 
 /* ---- the thread ---- */
 
+/* Spins on the doorbell until `end` (qm_ring_now_ns) at least 64 looks: 0
+ * with *seq when a call came, -1 once the ring stops, 1 at `end`. */
+static int ring_spin(qm_ring *r, const uint32_t *req, uint32_t *seq, uint64_t end)
+{
+    for (unsigned i = 0;; i++) {
+        if (atomic_load(&r->stop))
+            return -1;
+        uint32_t v = qm_ring_load(req);
+        if (v != r->last_seq) {
+            *seq = v;
+            /* A stop moves the doorbell after it sets `stop`. */
+            return atomic_load(&r->stop) ? -1 : 0;
+        }
+        if ((i & 63) == 63 && qm_ring_now_ns() >= end)
+            return 1;
+        qm_ring_cpu_relax();
+    }
+}
+
 /* Anticipation (the ring's `anticipate`): when the gap expected after
  * the layer answered last is known, sleeps (DAEMON_PARKED set: a call that
  * comes early wakes it as usual) until `margin` before it, then spins until
@@ -126,18 +145,7 @@ static int ring_anticipate(qm_ring *r, uint32_t *req, uint32_t *flag, uint32_t *
             qm_ring_futex_wait(req, r->last_seq, gap - margin - (now - last));
         qm_ring_store(flag, 0);
     }
-    for (unsigned i = 0;; i++) {
-        if (atomic_load(&r->stop))
-            return -1;
-        uint32_t v = qm_ring_load(req);
-        if (v != r->last_seq) {
-            *seq = v;
-            return atomic_load(&r->stop) ? -1 : 0;
-        }
-        if ((i & 63) == 63 && qm_ring_now_ns() - last >= gap + margin)
-            return 1;
-        qm_ring_cpu_relax();
-    }
+    return ring_spin(r, req, seq, last + gap + margin);
 }
 
 /* The next call number, or -1 once the ring stops. Spins for the budget
@@ -146,26 +154,12 @@ static int ring_anticipate(qm_ring *r, uint32_t *req, uint32_t *flag, uint32_t *
 static int ring_wait_request(qm_ring *r, uint32_t *seq, int *parked)
 {
     uint32_t *req = word(r, QM_RING_OFF_REQ_SEQ), *flag = word(r, QM_RING_OFF_DAEMON_PARKED);
-    uint64_t t0 = qm_ring_now_ns(), budget = qm_ring_spin_budget(&r->spin);
     *parked = 0;
-    for (unsigned i = 0;; i++) {
-        if (atomic_load(&r->stop))
-            return -1;
-        uint32_t v = qm_ring_load(req);
-        if (v != r->last_seq) {
-            *seq = v;
-            /* A stop moves the doorbell after it sets `stop`. */
-            return atomic_load(&r->stop) ? -1 : 0;
-        }
-        if ((i & 63) == 63 && qm_ring_now_ns() - t0 >= budget)
-            break;
-        qm_ring_cpu_relax();
-    }
-    if (r->anticipate) {
-        int got = ring_anticipate(r, req, flag, seq);
-        if (got != 1)
-            return got;
-    }
+    int got = ring_spin(r, req, seq, qm_ring_now_ns() + qm_ring_spin_budget(&r->spin));
+    if (got != 1)
+        return got;
+    if (r->anticipate && (got = ring_anticipate(r, req, flag, seq)) != 1)
+        return got;
     /* Nothing to do until the next call: the loop may count the last ones
      * (now, or once they are old enough: then this thread wakes to say so). */
     uint64_t nudge_in_us = qm_pool_nudge(r->rings->mx->pool, QM__RING_NUDGE_US);
