@@ -52,6 +52,7 @@ struct qm_client {
     qm__resume resume;
     uint64_t conn_gen; /* connections made so far: a ring lives with the one it was opened on */
     int ring_mode;     /* QM_CLIENT_RING_* (qm_client_set_ring) */
+    int ring_anticipate; /* qm_client_set_ring_anticipate */
     qm__ring *rings;   /* its sessions' rings (and refusals), under `lock` */
     struct qm_client *open_prev, *open_next; /* the process's open handles */
 };

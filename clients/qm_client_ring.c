@@ -113,17 +113,27 @@ static int ring_open(qm_client *c, const char *session, qm__ring **out, qm_clien
     int rc = ring_region(&fd, &base, err);
     if (rc < 0)
         return rc;
-    qm_cval *p = qm_cval_new(QM_CVAL_OBJECT);
-    if (!p || qm_cval_append(p, "session", qm_cval_new_string(session)) < 0) {
-        qm_cval_free(p);
-        close(fd);
-        munmap(base, QM_RING_BYTES);
-        return qm__client_fail(err, QM_CLIENT_ENOMEM, "out of memory");
-    }
     qm_cval *res = NULL;
-    rc = qm__client_exchange(c, "session.ring", p, NULL, 0, fd, &res, err);
+    for (int anticipate = c->ring_anticipate;; anticipate = 0) {
+        qm_cval *p = qm_cval_new(QM_CVAL_OBJECT);
+        if (!p || qm_cval_append(p, "session", qm_cval_new_string(session)) < 0 ||
+            (anticipate && qm_cval_append(p, "anticipate", qm_cval_new_bool(1)) < 0)) {
+            qm_cval_free(p);
+            close(fd);
+            munmap(base, QM_RING_BYTES);
+            return qm__client_fail(err, QM_CLIENT_ENOMEM, "out of memory");
+        }
+        qm_client_error why;
+        memset(&why, 0, sizeof why);
+        rc = qm__client_exchange(c, "session.ring", p, NULL, 0, fd, &res, &why);
+        qm_cval_free(p);
+        if (err)
+            *err = why;
+        /* A daemon older than `anticipate` names it unknown: a ring without. */
+        if (!(anticipate && rc == -32602 && strcmp(why.field, "anticipate") == 0))
+            break;
+    }
     close(fd); /* the daemon holds its own mapping */
-    qm_cval_free(p);
     uint64_t version = 0;
     if (rc == 0 && (qm_cval_get_u64(res, "version", &version) < 0 || version != QM_RING_VERSION))
         rc = qm__client_fail(err, QM_CLIENT_EPROTO,
@@ -360,4 +370,13 @@ int qm_client_ring_active(qm_client *c, const char *session)
              r->conn_gen == c->conn_gen;
     pthread_mutex_unlock(&c->lock);
     return on;
+}
+
+void qm_client_set_ring_anticipate(qm_client *c, int on)
+{
+    if (!c)
+        return;
+    pthread_mutex_lock(&c->lock);
+    c->ring_anticipate = on != 0;
+    pthread_mutex_unlock(&c->lock);
 }

@@ -429,11 +429,21 @@ uint64_t qm_client_restores(qm_client *c);
  * opened by qm_client_session_ring; QM_CLIENT_RING_OFF: the socket always.
  *
  * qm_client_ring_active: 1 when infer_mapped for `session` takes a ring
- * now, 0 when it takes the socket. */
+ * now, 0 when it takes the socket.
+ *
+ * qm_client_set_ring_anticipate: on (1), the rings this handle opens from
+ * then on ask the daemon to anticipate their calls (session.ring's
+ * `anticipate`: its thread wakes ahead of each call the ring's per-layer
+ * tempo says is due and spins for it, so that a steady decode's call wakes
+ * no one; it costs the daemon CPU while it spins: for an engine that
+ * leaves a CPU idle between its calls). A daemon older than the member
+ * refuses it naming the field: the ring is then opened without it. Off (0)
+ * by default. */
 enum { QM_CLIENT_RING_OFF = 0, QM_CLIENT_RING_AUTO = 1, QM_CLIENT_RING_EXPLICIT = 2 };
 int qm_client_session_ring(qm_client *c, const char *session, qm_client_error *err);
 void qm_client_set_ring(qm_client *c, int mode);
 int qm_client_ring_active(qm_client *c, const char *session);
+void qm_client_set_ring_anticipate(qm_client *c, int on);
 
 /* ---- telemetry ---- */
 typedef struct qm_client_counters {

@@ -306,6 +306,49 @@ START_TEST(test_ring_errors_equal_the_sockets)
 }
 END_TEST
 
+/* qm_client_set_ring_anticipate: the ring the handle opens asks for
+ * anticipation (the daemon says so in its log), and its calls answer what
+ * the socket answers. */
+START_TEST(test_a_handle_asks_for_an_anticipating_ring)
+{
+    make_bank();
+    char log[400];
+    snprintf(log, sizeof log, "%s/qmoed.log", dir);
+    setenv("QM_DAEMON_LOG", log, 1);
+    pid_t pid = start_daemon("log_level=info");
+    unsetenv("QM_DAEMON_LOG");
+    qm_client *c = open_client(30000);
+    qm_client_set_ring_anticipate(c, 1);
+    qm_client_error err;
+    char *sid = create_session(c, NULL);
+    qm_client_map m;
+    ck_assert_int_eq(qm_client_map_create(c, sid, MAP_BYTES, &m, &err), 0);
+    fill_inputs(&m, QM_CLIENT_F32, 1);
+    for (int i = 0; i < 20; i++) {
+        ck_assert_msg(mapped_call(c, sid, &m, QM_CLIENT_F32, ROUTE_BANK, 1, 524288, &err) == 0,
+                      "ring: %s", err.reason);
+        usleep(2000);
+    }
+    ck_assert_int_eq(qm_client_ring_active(c, sid), 1);
+    qm_client_set_ring(c, QM_CLIENT_RING_OFF);
+    ck_assert_int_eq(mapped_call(c, sid, &m, QM_CLIENT_F32, ROUTE_BANK, 1, 786432, &err), 0);
+    ck_assert(memcmp((char *)m.data + 524288, (char *)m.data + 786432, HIDDEN * 4) == 0);
+    FILE *f = fopen(log, "r");
+    ck_assert_ptr_nonnull(f);
+    static char text[1 << 16];
+    size_t n = fread(text, 1, sizeof text - 1, f);
+    fclose(f);
+    text[n] = '\0';
+    ck_assert_msg(strstr(text, "(anticipating its calls)") != NULL, "the daemon's log: %s", text);
+    qm_client_map_release(c, &m, &err);
+    ck_assert_int_eq(qm_client_session_close(c, sid, &err), 0);
+    qm_client_string_free(sid);
+    qm_client_close(c);
+    stop_daemon(pid);
+    remove_dir();
+}
+END_TEST
+
 START_TEST(test_a_refused_ring_falls_back_to_the_socket)
 {
     make_bank();
@@ -447,6 +490,7 @@ int main(void)
     tcase_add_test(tc, test_mapped_calls_take_the_ring_and_equal_the_socket_bit_for_bit);
     tcase_add_test(tc, test_ring_errors_equal_the_sockets);
     tcase_add_test(tc, test_a_refused_ring_falls_back_to_the_socket);
+    tcase_add_test(tc, test_a_handle_asks_for_an_anticipating_ring);
     tcase_add_test(tc, test_a_daemon_that_dies_mid_call_is_a_broken_connection);
     tcase_add_test(tc, test_a_silent_daemon_times_out_and_the_next_call_opens_a_new_ring);
     suite_add_tcase(s, tc);
