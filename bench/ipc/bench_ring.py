@@ -17,7 +17,10 @@ compute_us from its answer. Ring and socket calls alternate in blocks of
 
 usage: bench_ring.py --build BUILD [--calls 1000] [--gap-us 1000] [--layers 4]
                      [--idle-s 10] [--threads 0] [--workdir DIR] [--skip-qwen]
-                     [--evict-mib M]
+                     [--evict-mib M] [--anticipate]
+--anticipate: the ring is opened asking the daemon to anticipate its calls
+(session.ring's `anticipate`: it wakes ahead of each call its tempo says is
+due and spins for it), against a floor that still sleeps.
 --evict-mib M: before each call (the floor's and qmoed's alike) two threads
 read M MiB between them, as an engine's attention reads its weights between
 two layer calls, so that the call finds the caches cold.
@@ -39,6 +42,9 @@ def main():
     ap.add_argument("--layers", type=int, default=4, help="layers of the Qwen3-shaped bank")
     ap.add_argument("--idle-s", type=float, default=10)
     ap.add_argument("--skip-qwen", action="store_true")
+    ap.add_argument("--anticipate", action="store_true",
+                    help="open the ring asking the daemon to anticipate its calls "
+                         "(session.ring's anticipate); the floor still sleeps")
     ap.add_argument("--evict-mib", type=float, default=0,
                     help="before each call (floor and qmoed alike) two threads read this many MiB "
                          "between them, as an engine's own work between layer calls does: the "
@@ -67,7 +73,8 @@ def main():
             r = subprocess.run([bench, "calls", "--socket", dm.socket, "--model", name,
                                 "--calls", str(a.calls), "--gap-us", str(a.gap_us),
                                 "--precision", precision, "--daemon-pid", str(dm.proc.pid),
-                                "--idle-s", str(a.idle_s)] + ev,
+                                "--idle-s", str(a.idle_s)] + ev +
+                               (["--anticipate", "1"] if a.anticipate else []),
                                check=True, capture_output=True, text=True, timeout=3600)
             out[name] = json.loads(r.stdout)
         finally:
@@ -92,8 +99,9 @@ def report(out, a):
     for name in [k for k in out if k != "floor"]:
         for t in ("ring", "socket"):
             r = out[name][t]
+            label = "ring (anticipating)" if t == "ring" and a.anticipate else t
             print("| %s | %s | %.1f (%.1f) us | %.1f us | %.1f (%.1f) us | %.2fx | %.1f us |" % (
-                name, t, r["e2e_us"]["p50"], r["e2e_us"]["p90"], r["compute_us"]["p50"],
+                name, label, r["e2e_us"]["p50"], r["e2e_us"]["p90"], r["compute_us"]["p50"],
                 r["rest_us"]["p50"], r["rest_us"]["p90"], r["rest_us"]["p50"] / futex["p50"],
                 r["daemon_cpu_us_per_call"]))
     print()

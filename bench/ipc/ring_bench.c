@@ -5,7 +5,7 @@
  * usage: qmoe-ring-bench floor [--calls N] [--gap-us G] [--evict-mib M]
  *        qmoe-ring-bench calls --socket PATH --model NAME [--calls N] [--gap-us G]
  *                        [--tokens T] [--precision exact|fast] [--daemon-pid P]
- *                        [--block B] [--idle-s S] [--evict-mib M]
+ *                        [--block B] [--idle-s S] [--evict-mib M] [--anticipate 1]
  *
  * floor: two processes hand a token back and forth through a futex word in
  * shared memory, then through a Unix socket pair, each side blocked (no
@@ -26,7 +26,9 @@
  * (after the gap) two threads, one a CPU on a 2-CPU machine, read M MiB
  * between them, as an engine's own layer work (attention's weights) reads
  * between two layer calls: the caches hold none of the daemon's or the
- * client's state when the call comes. One JSON line. */
+ * client's state when the call comes. With --anticipate 1 the ring is
+ * opened asking the daemon to anticipate its calls
+ * (qm_client_set_ring_anticipate). One JSON line. */
 #ifndef _GNU_SOURCE
 #define _GNU_SOURCE
 #endif
@@ -347,7 +349,7 @@ static int one_call(call_setup *s, uint64_t layer, double *e2e, double *compute)
 static uint64_t up64(uint64_t n) { return (n + 63) / 64 * 64; }
 
 static int setup_calls(call_setup *s, const char *sock, const char *model, const char *precision,
-                       uint64_t T)
+                       uint64_t T, int anticipate)
 {
     qm_client_model shape;
     s->c = bench_connect(sock, model, &shape);
@@ -372,6 +374,7 @@ static int setup_calls(call_setup *s, const char *sock, const char *model, const
         fprintf(stderr, "map: %s\n", err.reason);
         return -1;
     }
+    qm_client_set_ring_anticipate(s->c, anticipate);
     if (qm_client_session_ring(s->c, s->sid, &err) < 0) {
         fprintf(stderr, "ring: %s\n", err.reason);
         return -1;
@@ -380,7 +383,8 @@ static int setup_calls(call_setup *s, const char *sock, const char *model, const
 }
 
 static int run_calls(const char *sock, const char *model, int calls, double gap_us, uint64_t T,
-                     const char *precision, int pid, int block, double idle_s, double evict_mib)
+                     const char *precision, int pid, int block, double idle_s, double evict_mib,
+                     int anticipate)
 {
     evictor ev;
     if (evict_start(&ev, evict_mib) < 0) {
@@ -389,7 +393,7 @@ static int run_calls(const char *sock, const char *model, int calls, double gap_
     }
     call_setup s;
     memset(&s, 0, sizeof s);
-    if (setup_calls(&s, sock, model, precision, T) < 0)
+    if (setup_calls(&s, sock, model, precision, T, anticipate) < 0)
         return 1;
     uint64_t layers = s.layers;
     double *e2e[2], *comp[2], *rest[2], cpu_ns[2] = {0, 0};
@@ -430,8 +434,8 @@ static int run_calls(const char *sock, const char *model, int calls, double gap_
         qm_client_set_ring(s.c, QM_CLIENT_RING_EXPLICIT);
     evict_stop(&ev);
     printf("{\"model\":\"%s\",\"tokens\":%llu,\"calls\":%d,\"gap_us\":%.0f,\"precision\":\"%s\","
-           "\"evict_mib\":%.0f,",
-           model, (unsigned long long)T, calls, gap_us, precision, evict_mib);
+           "\"evict_mib\":%.0f,\"anticipate\":%d,",
+           model, (unsigned long long)T, calls, gap_us, precision, evict_mib, anticipate);
     const char *names[2] = {"ring", "socket"};
     for (int m = 0; m < 2; m++) {
         printf("\"%s\":{", names[m]);
@@ -465,6 +469,7 @@ int main(int argc, char **argv)
     const char *sock = NULL, *model = NULL, *precision = "exact";
     int calls = 1000, pid = 0, block = 100;
     double gap_us = 1000, idle_s = 0, evict_mib = 0;
+    int anticipate = 0;
     uint64_t tokens = 1;
     bench_arg args[] = {
         {"--socket", BENCH_ARG_STR, &sock},       {"--model", BENCH_ARG_STR, &model},
@@ -472,6 +477,7 @@ int main(int argc, char **argv)
         {"--tokens", BENCH_ARG_U64, &tokens},     {"--precision", BENCH_ARG_STR, &precision},
         {"--daemon-pid", BENCH_ARG_INT, &pid},    {"--block", BENCH_ARG_INT, &block},
         {"--idle-s", BENCH_ARG_DBL, &idle_s},     {"--evict-mib", BENCH_ARG_DBL, &evict_mib},
+        {"--anticipate", BENCH_ARG_INT, &anticipate},
     };
     const char *mode = argc > 1 ? argv[1] : "";
     for (int i = 2; i + 1 < argc; i += 2)
@@ -484,10 +490,11 @@ int main(int argc, char **argv)
     if (!strcmp(mode, "floor"))
         return run_floor(calls, gap_us, block, evict_mib);
     if (!strcmp(mode, "calls") && sock && model)
-        return run_calls(sock, model, calls, gap_us, tokens, precision, pid, block, idle_s, evict_mib);
+        return run_calls(sock, model, calls, gap_us, tokens, precision, pid, block, idle_s, evict_mib,
+                         anticipate);
     fprintf(stderr, "usage: qmoe-ring-bench floor [--calls N] [--gap-us G] [--block B] [--evict-mib M]\n"
                     "       qmoe-ring-bench calls --socket PATH --model NAME [--calls N] "
                     "[--gap-us G] [--tokens T] [--precision exact|fast] [--daemon-pid P] "
-                    "[--block B] [--idle-s S] [--evict-mib M]\n");
+                    "[--block B] [--idle-s S] [--evict-mib M] [--anticipate 1]\n");
     return 2;
 }
