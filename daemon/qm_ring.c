@@ -191,8 +191,10 @@ static void ring_learn(qm_ring *r, uint64_t rung_ns, uint64_t taken_ns, int park
     uint64_t at = rung_ns && rung_ns <= taken_ns && rung_ns >= last ? rung_ns : taken_ns;
     if (last && at >= last) {
         qm_ring_spin_note_wait(&r->spin, at - last);
-        uint64_t *g = &r->gap_ns[r->last_layer % QM__RING_TEMPO], gap = at - last;
-        *g = *g ? *g - *g / 4 + gap / 4 : gap; /* the gap after the layer answered last */
+        if (r->anticipate) { /* the gap after the layer answered last */
+            uint64_t *g = &r->gap_ns[r->last_layer % QM__RING_TEMPO], gap = at - last;
+            *g = *g ? *g - *g / 4 + gap / 4 : gap;
+        }
     }
     if (parked && rung_ns && rung_ns <= taken_ns)
         qm_ring_spin_note_wake(&r->spin, taken_ns - rung_ns);
@@ -240,7 +242,7 @@ static void ring_take(qm_ring *r, uint32_t seq, int parked)
     job->rc = qm_ring_params_decode(copy, &job->req.params, &rung_ns, &job->st);
     job->decode_us = qm_now_us() - job->read_us;
     ring_learn(r, rung_ns, taken_ns, parked);
-    if (job->rc == 0)
+    if (r->anticipate && job->rc == 0)
         r->last_layer = job->req.params.layer;
     rj->ring = r;
     rj->seq = seq;
