@@ -43,6 +43,7 @@ struct qm_session {
     qm_hot_layer *profile_warm;
     uint32_t *profile_warm_experts;
     size_t n_profile_warm;
+    uint64_t prior_records; /* its policy's prior: the profile's records then (0: none) */
     uint64_t plan_start_us, plan_us;
     uint64_t budget_bytes;    /* expert-weight budget */
     qm_budget_auto auto_budget; /* budget "auto": its size, why, the pressure watcher's state */
@@ -476,10 +477,12 @@ static int session_new(const qm_sessions *ss, qm_model *m, const qm_session_spec
 }
 
 /* The policy's parameters: the knobs given (pin_fraction 0 included; the
- * policy's declared default covers the rest) and the hot lists of a policy
+ * policy's declared default covers the rest), the hot lists of a policy
  * that takes them, indexed by layer: the request's (in *hot and *hot_len,
  * the caller's to free) or, when it gave none, the model's persisted
- * profile. */
+ * profile; and for a policy that takes a prior (next_use), the profile's
+ * per-visit frequencies. The profile's arrays stay valid until its next
+ * record, which only the loop makes: the policy copies them before. */
 static int policy_params_of(const qm_model *m, const qm_session_spec *spec,
                             const uint32_t ***hot, size_t **hot_len, qm_policy_params *pp,
                             qm_status *st)
@@ -487,6 +490,11 @@ static int policy_params_of(const qm_model *m, const qm_session_spec *spec,
     uint32_t layers = qm_bank_get_config(m->bank)->layers;
     *pp = (qm_policy_params){
         .version = QM_POLICY_PARAMS_VERSION, .values = spec->values, .n_values = spec->n_values};
+    if (qm_policy_accepts_prior(spec->policy) && m->hotness &&
+        qm_hotness_records(m->hotness) > 0) {
+        int rc = qm_hotness_policy_prior(m->hotness, pp, st);
+        if (rc) return rc;
+    }
     if (!spec->hot) {
         if (qm_policy_accepts_hot(spec->policy) && m->hotness &&
             qm_hotness_records(m->hotness) > 0)
@@ -504,6 +512,15 @@ static int policy_params_of(const qm_model *m, const qm_session_spec *spec,
     pp->hot = *hot;
     pp->hot_len = *hot_len;
     pp->n_hot_banks = layers;
+    return 0;
+}
+
+/* Whether the request set knob `name` to 0. */
+static int knob_is_zero(const qm_session_spec *spec, const char *name)
+{
+    for (size_t i = 0; i < spec->n_values; i++)
+        if (spec->values[i].name && !strcmp(spec->values[i].name, name))
+            return spec->values[i].value == 0.0;
     return 0;
 }
 
@@ -564,6 +581,8 @@ int qm_session_prepare(qm_sessions *ss, const qm_models *ms, const qm_session_sp
     size_t *hot_len = NULL;
     qm_policy_params pp;
     rc = policy_params_of(m, spec, &hot, &hot_len, &pp, st);
+    if (rc == 0 && pp.prior && !knob_is_zero(spec, "prior_weight"))
+        s->prior_records = qm_hotness_records(m->hotness);
     if (rc == 0)
         rc = make_recipe(ss, m, spec, &pp, s->budget_bytes, ss->devices->n, weight, &s->recipe,
                          &s->plan_start_us, &s->plan_us, st);
@@ -730,14 +749,18 @@ void qm_session_commit(qm_sessions *ss, qm_session *s)
                  &s->plan_span);
     s->next = ss->first;
     ss->first = s;
+    char prior[96] = "";
+    if (s->prior_records)
+        snprintf(prior, sizeof prior, "; the policy's expert frequencies start from the hotness "
+                 "profile (%llu records)", (unsigned long long)s->prior_records);
     qm_log(QM_LOG_INFO,
            "session %s created: model %s, policy %s, budget %llu%s%s%s, uid %u, %llu bytes of "
-           "whole banks mapped in, %llu laid out for the fast CPU decode (r8)",
+           "whole banks mapped in, %llu laid out for the fast CPU decode (r8)%s",
            s->id, s->model->name, s->policy_name, (unsigned long long)s->budget_bytes,
            s->auto_budget.on ? " (" : "", s->auto_budget.on ? s->auto_budget.why : "",
            s->auto_budget.on ? ")" : "", (unsigned)s->owner_uid,
            (unsigned long long)s->last_stats.bytes_prefaulted_at_create,
-           (unsigned long long)s->last_stats.bytes_interleaved_at_create);
+           (unsigned long long)s->last_stats.bytes_interleaved_at_create, prior);
 }
 
 /* What the session holds on each device at `budget`: its share

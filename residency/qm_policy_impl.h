@@ -72,6 +72,7 @@ typedef struct qm__policy_desc {
     const char *summary;   /* one line, for help texts */
     int offered;           /* 1: offered over the socket (session.create) */
     int accepts_hot;       /* 1: takes policy_params.hot (hottest-first expert lists) */
+    int accepts_prior;     /* 1: takes policy_params.prior (per-visit frequencies) */
     const qm_policy_param_spec *params;
     size_t n_params;
     /* A policy that reads parameters: its constructor. `params` is never

@@ -20,7 +20,12 @@
  *                much more often such experts came back than their
  *                frequency said), so routing with little token-to-token
  *                reuse ranks by frequency and routing with much ranks
- *                closer to recency.
+ *                closer to recency. Given a prior (the share of each bank's
+ *                visits that used each expert in earlier sessions: the
+ *                model's persisted profile), an expert's count starts at that
+ *                frequency's steady state, as if the session had that
+ *                history, and fades at the policy's decay as the session's
+ *                own uses come in.
  * Ties go to the least recent. Hooks are O(1) expected, choose_victim
  * O(n candidates). */
 #include "qm_residency.h"
@@ -28,6 +33,7 @@
 #include "qm_residency_impl.h"
 
 #include <math.h>
+#include <string.h>
 
 #include "qm_alloc.h"
 
@@ -47,7 +53,36 @@ typedef struct layered_ctx {
     double cur_fsum;                 /* ... their frequencies before this visit */
     uint64_t prev_n;                 /* the same bank's previous visit */
     double prev_fsum;
+    /* next_use: policy_params.prior, flattened: bank b's experts at
+     * prior[prior_off[b] .. prior_off[b + 1]). */
+    double *prior;
+    size_t *prior_off;
+    size_t n_prior_banks;
+    double prior_weight; /* the count a use at every visit would have had */
 } layered_ctx;
+
+/* The prior's per-visit frequency of an expert (0 without one). */
+static double prior_of(const layered_ctx *lc, uint64_t key)
+{
+    uint64_t b = key >> 32, e = key & 0xffffffffu;
+    if (!lc->prior || b >= lc->n_prior_banks || e >= lc->prior_off[b + 1] - lc->prior_off[b])
+        return 0.0;
+    return lc->prior[lc->prior_off[b] + e];
+}
+
+/* The expert's history, made on first sight: with a prior, its count starts
+ * as if it had been used at that frequency over the last `prior_weight`
+ * visits of its bank (at most the decay's whole memory, 1 / (1 - decay):
+ * the frequency's steady state), dated before the bank's first visit
+ * (aged() fades it from there). */
+static qm__ref_entry *history_of(layered_ctx *lc, qm_expert_ref ref)
+{
+    qm__ref_entry *e = qm__ref_map_upsert(&lc->base.split.history, qm__ref_key(ref));
+    if (e && e->last_tick == 0 && e->visit == 0 && e->count == 0.0 && lc->prior &&
+        lc->decay > 0.0 && lc->decay < 1.0)
+        e->count = prior_of(lc, e->key) * lc->prior_weight;
+    return e;
+}
 
 static double aged(const layered_ctx *lc, const qm__ref_entry *e, uint64_t bank_visits)
 {
@@ -94,7 +129,7 @@ static void layered_on_access(void *ctx, qm_expert_ref ref, uint64_t tick, int h
         switch_visit(lc, ref.bank);
     uint64_t visits =
         qm__layer_clock_access(&lc->base.clock, &lc->base.split.history, ref.bank, tick);
-    qm__ref_entry *e = qm__ref_map_upsert(&lc->base.split.history, qm__ref_key(ref));
+    qm__ref_entry *e = history_of(lc, ref);
     if (!e) return; /* no memory: this expert just looks colder than it is */
     if (e->last_tick == 0 || e->visit != visits) { /* once per visit: a batch counts as one use */
         int reused = e->visit && e->visit + 1 == visits;
@@ -114,7 +149,7 @@ static void layered_on_access(void *ctx, qm_expert_ref ref, uint64_t tick, int h
 static void layered_on_insert(void *ctx, qm_expert_ref ref, uint64_t tick)
 {
     layered_ctx *lc = ctx;
-    qm__ref_entry *e = qm__ref_map_upsert(&lc->base.split.history, qm__ref_key(ref));
+    qm__ref_entry *e = history_of(lc, ref);
     if (e && e->last_tick == 0) e->last_tick = qm__tick_stamp(tick);
 }
 
@@ -122,13 +157,14 @@ static void layered_on_insert(void *ctx, qm_expert_ref ref, uint64_t tick)
  * better victim. */
 static double wait_of(const layered_ctx *lc, const qm__ref_entry *e, const qm__bank_phase *ph)
 {
-    if (!e || e->visit == 0) return INFINITY; /* never used: nothing says it is needed */
+    if (!e || (e->visit == 0 && !(e->count > 0.0)))
+        return INFINITY; /* never used, no prior: nothing says it is needed */
     if (!lc->use_frequency) return qm__layered_next_use(ph, e->visit);
     /* p: chance of a use at a visit of its bank. A decayed frequency (its
      * steady state is the per-visit frequency), plus the learnt reuse bump
      * when it was used at the bank's last visit. */
     double p = frequency(lc, e, ph->visits);
-    if (qm__visits_since(ph, e->visit) == 0) p += lc->bump;
+    if (e->visit && qm__visits_since(ph, e->visit) == 0) p += lc->bump;
     if (p > 1.0) p = 1.0;
     if (!(p > 1e-6)) p = 1e-6; /* a negative bump: rare, not never */
     /* Slot time per expected hit: the ticks until its bank's next visit
@@ -152,13 +188,43 @@ static int layered_choose_victim(void *ctx, const qm_expert_ref *candidates, siz
     return 0;
 }
 
+static void layered_destroy(void *ctx)
+{
+    layered_ctx *lc = ctx;
+    if (lc) {
+        qm_free(lc->prior);
+        qm_free(lc->prior_off);
+    }
+    qm__split_destroy(ctx); /* lc starts with the split base */
+}
+
 /* layered_lru and next_use: the same hooks under two names. */
 #define QM__LAYERED_IFACE(var, policy_name)                                                        \
     QM__SPLIT_IFACE(var, policy_name, .on_access = layered_on_access,                              \
                     .on_insert = layered_on_insert, .choose_victim = layered_choose_victim,        \
-                    .destroy = qm__split_destroy)
+                    .destroy = layered_destroy)
 QM__LAYERED_IFACE(layered_lru_iface, "layered_lru");
 QM__LAYERED_IFACE(next_use_iface, "next_use");
+
+/* A copy of the prior, flattened (the policy owns what it keeps). */
+static int copy_prior(layered_ctx *lc, const qm_policy_params *params, qm_status *st)
+{
+    size_t nb = params->n_prior_banks, total = 0;
+    for (size_t b = 0; b < nb; b++)
+        total += params->prior[b] ? params->prior_len[b] : 0;
+    lc->prior_off = qm_calloc(nb + 1, sizeof *lc->prior_off);
+    lc->prior = qm_calloc(total ? total : 1, sizeof *lc->prior);
+    if (!lc->prior_off || !lc->prior)
+        return qm_status_set(st, QM_ENOMEM, "out of memory for next_use's prior");
+    for (size_t b = 0, at = 0; b < nb; b++) {
+        size_t n = params->prior[b] ? params->prior_len[b] : 0;
+        if (n) memcpy(lc->prior + at, params->prior[b], n * sizeof *lc->prior);
+        at += n;
+        lc->prior_off[b + 1] = at;
+    }
+    lc->n_prior_banks = nb;
+    return 0;
+}
 
 static int layered_make(const qm_policy_iface *iface, double decay, qm_policy *out,
                         qm_status *st)
@@ -180,12 +246,23 @@ static int layered_lru_new(const qm_policy_params *params, qm_policy *out, qm_st
 static const qm_policy_param_spec next_use_params[] = {
     {.name = "decay", .min = 0.0, .max = 1.0, .def = QM_POLICY_NEXT_USE_DEFAULT_DECAY,
      .doc = "weight a use keeps per later visit of its layer (memory ~1/(1-decay) visits)"},
+    {.name = "prior_weight", .min = 0.0, .max = 1000000.0,
+     .def = QM_POLICY_NEXT_USE_DEFAULT_PRIOR_WEIGHT,
+     .doc = "visits of its layer the model's persisted profile counts as at the start (0: none)"},
 };
 
 static int next_use_new(const qm_policy_params *params, qm_policy *out, qm_status *st)
 {
-    return layered_make(&next_use_iface, QM__POLICY_PARAM(params, next_use_params, "decay"), out,
-                        st);
+    double decay = QM__POLICY_PARAM(params, next_use_params, "decay");
+    double weight = QM__POLICY_PARAM(params, next_use_params, "prior_weight");
+    int rc = layered_make(&next_use_iface, decay, out, st);
+    if (rc || !params->prior || !params->n_prior_banks || weight <= 0.0 || decay <= 0.0 ||
+        decay >= 1.0)
+        return rc;
+    layered_ctx *lc = out->ctx;
+    lc->prior_weight = weight < 1.0 / (1.0 - decay) ? weight : 1.0 / (1.0 - decay);
+    if ((rc = copy_prior(lc, params, st)) != 0) qm_policy_destroy(out);
+    return rc;
 }
 
 const qm__policy_desc qm__policy_layered_lru_desc = {
@@ -200,5 +277,6 @@ const qm__policy_desc qm__policy_next_use_desc = {
                        "evicts the expert whose estimated next use is furthest (its layer's next "
                        "visit plus a per-visit decayed frequency); recommended for paged sessions"),
     QM__POLICY_PARAMS(next_use_params),
+    .accepts_prior = 1,
     .create = next_use_new,
 };

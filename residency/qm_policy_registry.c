@@ -91,6 +91,12 @@ const qm_policy_param_spec *qm_policy_param_find(const char *name, size_t n)
     return NULL;
 }
 
+int qm_policy_accepts_prior(const char *name)
+{
+    const qm__policy_desc *d = find(name ? name : qm_policy_default_name());
+    return d && d->accepts_prior;
+}
+
 int qm_policy_accepts_hot(const char *name)
 {
     const qm__policy_desc *d = find(name ? name : qm_policy_default_name());
@@ -104,14 +110,15 @@ static const qm_policy_param_spec *spec_of(const qm__policy_desc *d, const char 
     return NULL;
 }
 
-/* "policy lfu" or "policies lfu, lecar": who accepts knob `name` (or "hot"). */
+/* "policy lfu" or "policies lfu, lecar": who accepts knob `name` (or "hot", "prior"). */
 static void accepted_by(const char *name, char *buf, size_t cap)
 {
     size_t n = 0, len = 0;
     char list[160] = "";
     for (size_t i = 0; i < N_POLICIES; i++) {
         if (!registry[i]->offered) continue;
-        int takes = !strcmp(name, "hot") ? registry[i]->accepts_hot
+        int takes = !strcmp(name, "hot")     ? registry[i]->accepts_hot
+                    : !strcmp(name, "prior") ? registry[i]->accepts_prior
                                          : spec_of(registry[i], name) != NULL;
         if (!takes) continue;
         int w = snprintf(list + len, sizeof list - len, "%s%s", n ? ", " : "",
@@ -158,6 +165,18 @@ static int check_params(const qm__policy_desc *d, const qm_policy_params *p, qm_
         return qm_status_set_field(st, QM_EINVAL, "policy_params.hot",
                                    "policy_params.hot applies to %s only", who);
     }
+    if (p->prior && !d->accepts_prior) {
+        accepted_by("prior", who, sizeof who);
+        return qm_status_set_field(st, QM_EINVAL, "policy_params.prior",
+                                   "policy_params.prior applies to %s only", who);
+    }
+    for (size_t b = 0; p->prior && b < p->n_prior_banks; b++)
+        for (size_t e = 0; p->prior[b] && e < p->prior_len[b]; e++)
+            if (!(p->prior[b][e] >= 0.0 && p->prior[b][e] <= 1.0)) /* also rejects NaN */
+                return qm_status_set_field(st, QM_EINVAL, "policy_params.prior",
+                                           "policy_params.prior of layer %zu expert %zu is %g, "
+                                           "outside [0, 1]",
+                                           b, e, p->prior[b][e]);
     return 0;
 }
 

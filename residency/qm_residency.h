@@ -166,11 +166,22 @@ typedef struct qm_policy_params {
     const uint32_t *const *hot;
     const size_t *hot_len;
     size_t n_hot_banks;
+    /* next_use: what earlier sessions of the model saw (its persisted
+     * profile, qm_hotness_policy_prior): prior[b][e] = the share of bank
+     * b's visits that used expert e, in [0, 1], for e < prior_len[b]
+     * (prior[b] may be NULL). The policy starts as if that had been its
+     * history, which then fades at its own decay as the session's routing
+     * comes in. Only policies that accept it take it
+     * (qm_policy_accepts_prior). */
+    const double *const *prior;
+    const size_t *prior_len;
+    size_t n_prior_banks;
 } qm_policy_params;
 
 #define QM_POLICY_LFU_DEFAULT_DECAY 0.999
 #define QM_POLICY_DEFAULT_PIN_FRACTION 0.5
 #define QM_POLICY_NEXT_USE_DEFAULT_DECAY 0.99
+#define QM_POLICY_NEXT_USE_DEFAULT_PRIOR_WEIGHT 50.0
 
 /* name: one of the registered policies (qm_policy_names); NULL means
  * "whole_bank". Unknown name, a policy that cannot be made from parameters
@@ -211,6 +222,8 @@ void qm_policy_param_range(const qm_policy_param_spec *spec, double *min, double
 const qm_policy_param_spec *qm_policy_param_find(const char *name, size_t n);
 /* 1 when policy `name` takes policy_params.hot. */
 int qm_policy_accepts_hot(const char *name);
+/* 1 when policy `name` takes policy_params.prior. */
+int qm_policy_accepts_prior(const char *name);
 
 /* Belady's MIN, for tests and benchmarks only (not offered over the socket):
  * knows the whole future access sequence `future[0..n)` (copied). Splits

@@ -18,6 +18,7 @@ typedef struct sim_opts {
     uint64_t seed;
     int quick, no_prefetch, prefetch_all;
     int warm; /* replays start from the profile's hottest experts (warm_from_profile) */
+    int no_prior; /* policies that take a prior do without the profile's */
 } sim_opts;
 
 /* belady first (the yardstick), then the policies compared: --policies, or
@@ -82,7 +83,7 @@ out:
  * records a session's, and its lists as static_hot gets them. */
 typedef struct hot_lists {
     qm_hotness *profile;
-    qm_policy_params lists; /* hot, hot_len, n_hot_banks */
+    qm_policy_params lists; /* hot, hot_len, n_hot_banks; prior, prior_len, n_prior_banks */
     uint32_t *warm;         /* keys of every profiled expert, hottest first across layers */
     size_t n_warm;
 } hot_lists;
@@ -126,6 +127,8 @@ static int make_hot(const sim_trace *tr, uint32_t t1, hot_lists *h)
     if (rc == 0)
         rc = qm_hotness_policy_params(h->profile, &h->lists, &st);
     if (rc == 0)
+        rc = qm_hotness_policy_prior(h->profile, &h->lists, &st);
+    if (rc == 0)
         rc = make_warm(tr, h);
     free(route);
     return rc;
@@ -164,6 +167,13 @@ static int new_policy(const char *name, const sim_trace *tr, uint32_t t0, uint32
         pp.hot = hot->lists.hot;
         pp.hot_len = hot->lists.hot_len;
         pp.n_hot_banks = hot->lists.n_hot_banks;
+    }
+    /* The profile's frequencies, as the daemon gives a session the
+     * model's persisted profile (daemon/qm_sessions.c). */
+    if (qm_policy_accepts_prior(name) && !g_opts->no_prior) {
+        pp.prior = hot->lists.prior;
+        pp.prior_len = hot->lists.prior_len;
+        pp.n_prior_banks = hot->lists.n_prior_banks;
     }
     int rc = qm_policy_new(name, &pp, pol, &st);
     if (rc)
@@ -344,7 +354,7 @@ static void usage(void)
                     "[--expert-mib M] "
                     "[--predict-acc Q] [--lfu-decay D] [--next-use-decay D] [--pin-fraction F] "
                     "[--policies a,b,...] [--seed S] [--quick] [--no-prefetch] "
-                    "[--prefetch-all] [--warm]\n");
+                    "[--prefetch-all] [--warm] [--no-prior]\n");
 }
 
 int main(int argc, char **argv)
@@ -363,6 +373,10 @@ int main(int argc, char **argv)
         }
         if (!strcmp(a, "--warm")) { /* replays start as warm_from_profile starts a session */
             o.warm = 1;
+            continue;
+        }
+        if (!strcmp(a, "--no-prior")) { /* next_use starts without the profile's frequencies */
+            o.no_prior = 1;
             continue;
         }
         if (!strcmp(a, "--no-prefetch")) { /* only the policy table */

@@ -44,6 +44,9 @@ struct qm_hotness {
     uint32_t *lists;       /* [layers * experts] */
     const uint32_t **hot;  /* [layers] */
     size_t *hot_len;       /* [layers] */
+    double *freq;          /* [layers * experts] policy prior view */
+    const double **prior;  /* [layers] */
+    size_t *prior_len;     /* [layers] */
 };
 
 static uint64_t qm__fnv1a(uint64_t h, const void *data, size_t n)
@@ -80,6 +83,9 @@ static void qm__hot_layout(qm__carver *c, const qm_hotness_key *key, qm_hotness 
     h->lists = qm__carve(c, cells, sizeof *h->lists);
     h->hot = qm__carve(c, key->layers, sizeof *h->hot);
     h->hot_len = qm__carve(c, key->layers, sizeof *h->hot_len);
+    h->freq = qm__carve(c, cells, sizeof *h->freq);
+    h->prior = qm__carve(c, key->layers, sizeof *h->prior);
+    h->prior_len = qm__carve(c, key->layers, sizeof *h->prior_len);
 }
 
 int qm_hotness_new(const qm_hotness_key *key, double decay, qm_hotness **out, qm_status *st)
@@ -236,6 +242,35 @@ int qm_hotness_policy_params(qm_hotness *h, qm_policy_params *params, qm_status 
     params->hot = (const uint32_t *const *)h->hot;
     params->hot_len = h->hot_len;
     params->n_hot_banks = h->key.layers;
+    return 0;
+}
+
+int qm_hotness_policy_prior(qm_hotness *h, qm_policy_params *params, qm_status *st)
+{
+    if (!h || !params)
+        return qm_status_set(st, QM_EINVAL, "qm_hotness_policy_prior: NULL argument");
+    /* Every layer is recorded once a call, so a layer's records are about
+     * the profile's over its layers; its counts, decayed once a record,
+     * sum a use's weight over those n records: 1 + d + ... + d^(n-1). */
+    double n = floor((double)h->records / h->key.layers);
+    double weight = h->decay < 1.0 ? (1.0 - pow(h->decay, n)) / (1.0 - h->decay) : n;
+    size_t E = h->key.experts;
+    for (uint32_t l = 0; l < h->key.layers; l++) {
+        double *f = h->freq + (size_t)l * E;
+        const double *c = h->counts + (size_t)l * E;
+        int any = 0;
+        for (size_t e = 0; e < E; e++) {
+            f[e] = weight >= 1.0 ? c[e] / weight : 0.0;
+            if (!(f[e] >= 0.0)) f[e] = 0.0;
+            if (f[e] > 1.0) f[e] = 1.0;
+            any |= f[e] > 0.0;
+        }
+        h->prior[l] = any ? f : NULL;
+        h->prior_len[l] = any ? E : 0;
+    }
+    params->prior = h->prior;
+    params->prior_len = h->prior_len;
+    params->n_prior_banks = h->key.layers;
     return 0;
 }
 

@@ -59,6 +59,14 @@ long qm_hotness_hottest_all(const qm_hotness *h, uint32_t *layers, uint32_t *exp
  * `params` are left alone. */
 int qm_hotness_policy_params(qm_hotness *h, qm_policy_params *params, qm_status *st);
 
+/* Fills `params->prior`, `prior_len`, `n_prior_banks` with each layer's
+ * per-visit frequencies (an expert's decayed count over what one use a
+ * record would have summed, in [0, 1]; a layer with none: NULL), for a
+ * policy that takes a prior (qm_policy_accepts_prior: next_use). The arrays
+ * belong to the profile and stay valid until its next record/load/free;
+ * other fields of `params` are left alone. */
+int qm_hotness_policy_prior(qm_hotness *h, qm_policy_params *params, qm_status *st);
+
 /* Saves atomically: writes `path`.tmp.<pid>, fsyncs it, renames it over
  * `path`, fsyncs the directory. On failure `path` is untouched. */
 int qm_hotness_save(const qm_hotness *h, const char *path, qm_status *st);

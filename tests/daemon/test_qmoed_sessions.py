@@ -299,3 +299,57 @@ def test_a_new_session_starts_from_the_models_hottest_experts(banks):
         assert resident(on) == [[], [0, 7]]
     finally:
         assert dm.stop() == 0
+
+
+def test_next_use_starts_from_the_models_expert_frequencies(banks):
+    """A next_use session of a model with a hotness profile ranks its
+    experts by the profile's frequencies before its own routing says
+    anything: at a tie of its own history (two experts used at one visit)
+    the one the profile saw often stays, where without the prior
+    (prior_weight 0) the least recent goes."""
+    import numpy as np
+    dm = Daemon(models={"small": banks["small"]})
+    try:
+        c = dm.client()
+        bpe = c.call("model.list")["models"][0]["bytes_per_expert"]
+        x = tensor(hidden(1, seed=3))
+        w = tensor(np.array([[0.5, 0.5]], dtype=np.float32))
+
+        def route(sid, layer, experts):
+            return c.call("session.infer", {"session": sid, "layer": layer, "hidden": x,
+                                            "topk_ids": tensor(np.array([experts], dtype=np.int32)),
+                                            "topk_weights": w})["stats"]
+
+        def resident(sid):
+            return [b.get("resident_now") for b in c.call("session.plan", {"session": sid})["banks"]]
+
+        # The profile: layer 0 routes to experts 1 and 6, layer 1 to 2 and 5.
+        a = c.call("session.create", {"model": "small", "policy": "lru", "budget_bytes": 4 * bpe,
+                                      "policy_params": {"prefetch": False}})["session"]
+        for _ in range(4):
+            route(a, 0, [1, 6])
+            route(a, 1, [2, 5])
+        c.call("session.close", {"session": a})
+
+        def run(params):
+            sid = c.call("session.create", {
+                "model": "small", "policy": "next_use", "budget_bytes": 3 * bpe,
+                "policy_params": dict({"prefetch": False, "warm_from_profile": False},
+                                      **params)})["session"]
+            route(sid, 0, [1, 3])  # 1 first: the least recent of the two
+            route(sid, 1, [0, 7])  # the third slot, then a victim among 1 and 3
+            got = resident(sid)
+            c.call("session.close", {"session": sid})
+            return got
+
+        assert run({}) == [[1], [0, 7]]
+        assert run({"prior_weight": 0}) == [[3], [0, 7]]
+        assert "the policy's expert frequencies start from the hotness profile (8 records)" \
+            in dm.log_text()
+        # A weight outside its range is refused, naming it.
+        err = c.request("session.create", {"model": "small", "policy": "next_use",
+                                           "budget_bytes": 3 * bpe,
+                                           "policy_params": {"prior_weight": -1}})["error"]
+        assert err["code"] == -32602 and err["data"]["field"] == "policy_params.prior_weight", err
+    finally:
+        assert dm.stop() == 0

@@ -66,6 +66,55 @@ START_TEST(test_hottest_lists_order_by_count_then_index)
 }
 END_TEST
 
+/* The prior next_use starts from: each expert's share of its layer's
+ * records, exact without decay and weighted as the counts were with it. */
+START_TEST(test_prior_is_each_experts_share_of_its_layers_records)
+{
+    const double decays[] = {1.0, 0.9};
+    for (int i = 0; i < 2; i++) {
+        qm_hotness_key key = {.layers = 2, .experts = 4, .fingerprint = 7};
+        qm_hotness *h = NULL;
+        qm_status st = {0};
+        ck_assert_int_eq(qm_hotness_new(&key, decays[i], &h, &st), 0);
+        const uint32_t r01[] = {0, 1}, r0[] = {0}, r02[] = {0, 2}, r3[] = {3};
+        qm_hotness_record(h, 0, r01, 2);
+        qm_hotness_record(h, 1, r3, 1);
+        qm_hotness_record(h, 0, r0, 1);
+        qm_hotness_record(h, 1, r3, 1);
+        qm_hotness_record(h, 0, r02, 2);
+        qm_hotness_record(h, 1, NULL, 0);
+        qm_hotness_record(h, 0, r0, 1);
+        qm_hotness_record(h, 1, NULL, 0);
+        qm_policy_params pp = {.version = QM_POLICY_PARAMS_VERSION};
+        ck_assert_int_eq(qm_hotness_policy_prior(h, &pp, &st), 0);
+        ck_assert_uint_eq(pp.n_prior_banks, 2);
+        ck_assert_uint_eq(pp.prior_len[0], 4);
+        double d = decays[i], w = d < 1.0 ? (1 - d * d * d * d) / (1 - d) : 4.0;
+        ck_assert_double_eq_tol(pp.prior[0][0], 1.0, 1e-12); /* every record */
+        ck_assert_double_eq_tol(pp.prior[0][1], d * d * d / w, 1e-12);   /* the first */
+        ck_assert_double_eq_tol(pp.prior[0][2], d / w, 1e-12);           /* the third */
+        ck_assert_double_eq_tol(pp.prior[0][3], 0.0, 1e-12);
+        ck_assert_double_eq_tol(pp.prior[1][3], (d * d * d + d * d) / w, 1e-12);
+        /* It drives a real next_use; a policy without a prior refuses it. */
+        qm_policy pol = {0};
+        ck_assert_int_eq(qm_policy_new("next_use", &pp, &pol, &st), 0);
+        qm_policy_destroy(&pol);
+        ck_assert_int_eq(qm_policy_new("lfu", &pp, &pol, &st), QM_EINVAL);
+        qm_hotness_free(h);
+    }
+    /* An empty profile: no layer has a prior. */
+    qm_hotness_key key = {.layers = 2, .experts = 4, .fingerprint = 7};
+    qm_hotness *h = NULL;
+    qm_status st = {0};
+    ck_assert_int_eq(qm_hotness_new(&key, 1.0, &h, &st), 0);
+    qm_policy_params pp = {.version = QM_POLICY_PARAMS_VERSION};
+    ck_assert_int_eq(qm_hotness_policy_prior(h, &pp, &st), 0);
+    ck_assert_ptr_null(pp.prior[0]);
+    ck_assert_ptr_null(pp.prior[1]);
+    qm_hotness_free(h);
+}
+END_TEST
+
 /* Across layers (what warm_from_profile loads): by count, ties to the
  * lower layer, then the lower expert; a cap writes the hottest only and
  * the answer is how many there are. */
@@ -239,6 +288,7 @@ int main(void)
     TCase *tc = tcase_create("profile");
     tcase_add_test(tc, test_hottest_lists_order_by_count_then_index);
     tcase_add_test(tc, test_hottest_across_layers_order_by_count_then_layer_then_index);
+    tcase_add_test(tc, test_prior_is_each_experts_share_of_its_layers_records);
     tcase_add_test(tc, test_decay_lets_stale_popularity_fade);
     tcase_add_test(tc, test_save_load_round_trip_keeps_counts);
     tcase_add_test(tc, test_corrupt_truncated_or_mismatched_profile_is_ignored_with_a_warning);

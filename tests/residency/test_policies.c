@@ -434,6 +434,93 @@ START_TEST(test_next_use_keeps_the_frequent_expert_of_a_layer)
 }
 END_TEST
 
+/* A prior of bank 0 (4 experts) and bank 1 (2): what a profile gives. */
+static const double k_prior0[] = {0.05, 0.9, 0.0, 0.5}, k_prior1[] = {0.3, 0.3};
+static const double *const k_prior[] = {k_prior0, k_prior1};
+static const size_t k_prior_len[] = {4, 2};
+
+static qm_policy next_use_with_prior(double weight)
+{
+    qm_policy_value v = {"prior_weight", weight};
+    qm_policy_params p = {.version = QM_POLICY_PARAMS_VERSION, .values = &v,
+                          .n_values = weight >= 0 ? 1 : 0, .prior = k_prior,
+                          .prior_len = k_prior_len, .n_prior_banks = 2};
+    return make("next_use", &p);
+}
+
+START_TEST(test_next_use_starts_from_its_prior)
+{
+    /* Experts 0 and 1 of bank 0 loaded (warm or prefetched), neither used
+     * yet: without a prior both are "never used" and the least recent (0)
+     * goes; with one, the rarely used one (0) stays behind the frequent one
+     * whatever their order, and one the prior never saw (2) goes first. */
+    for (int with = 0; with < 2; with++) {
+        qm_policy pol = with ? next_use_with_prior(-1) : make("next_use", NULL);
+        qm_policy_on_insert(&pol, REF(0, 1), 0);
+        qm_policy_on_insert(&pol, REF(0, 0), 1);
+        qm_policy_on_access(&pol, REF(1, 0), 2, 0);
+        const qm_expert_ref cands[] = {REF(0, 1), REF(0, 0)};
+        ck_assert_uint_eq(victim_of(&pol, cands, 2), (with ? 1u : 0u));
+        if (with) {
+            qm_policy_on_insert(&pol, REF(0, 2), 3);
+            const qm_expert_ref three[] = {REF(0, 2), REF(0, 1), REF(0, 0)};
+            ck_assert_uint_eq(victim_of(&pol, three, 3), 0);
+        }
+        qm_policy_destroy(&pol);
+    }
+    /* prior_weight 0: the prior is not used (the least recent goes). */
+    qm_policy pol = next_use_with_prior(0.0);
+    qm_policy_on_insert(&pol, REF(0, 1), 0);
+    qm_policy_on_insert(&pol, REF(0, 0), 1);
+    qm_policy_on_access(&pol, REF(1, 0), 2, 0);
+    const qm_expert_ref cands[] = {REF(0, 1), REF(0, 0)};
+    ck_assert_uint_eq(victim_of(&pol, cands, 2), 0);
+    qm_policy_destroy(&pol);
+}
+END_TEST
+
+START_TEST(test_next_use_prior_fades_as_the_session_routes)
+{
+    /* The prior says expert 1 of bank 0 is the frequent one; this session
+     * uses expert 0 at every visit and never 1. After a few visits the
+     * session's own routing wins; after one it does not yet. */
+    qm_policy pol = next_use_with_prior(-1);
+    uint64_t t = 0;
+    qm_policy_on_insert(&pol, REF(0, 1), t++);
+    const qm_expert_ref cands[] = {REF(0, 1), REF(0, 0)};
+    for (int v = 0; v < 120; v++) {
+        qm_policy_on_access(&pol, REF(0, 0), t++, v > 0);
+        qm_policy_on_access(&pol, REF(1, 0), t++, 1);
+        if (v == 0) /* 0 used once (count 1 + 0.05 x 50), 1 at its prior (0.9 x 50) */
+            ck_assert_uint_eq(victim_of(&pol, cands, 2), 1);
+    }
+    ck_assert_uint_eq(victim_of(&pol, cands, 2), 0);
+    qm_policy_destroy(&pol);
+}
+END_TEST
+
+START_TEST(test_prior_is_checked_and_taken_by_next_use_only)
+{
+    qm_policy pol;
+    qm_status st;
+    qm_policy_params p = {.version = QM_POLICY_PARAMS_VERSION, .prior = k_prior,
+                          .prior_len = k_prior_len, .n_prior_banks = 2};
+    ck_assert(qm_policy_accepts_prior("next_use"));
+    ck_assert(!qm_policy_accepts_prior("lru"));
+    ck_assert_int_eq(qm_policy_new("lru", &p, &pol, &st), QM_EINVAL);
+    ck_assert_str_eq(st.field, "policy_params.prior");
+    ck_assert_msg(strstr(st.msg, "applies to policy next_use only"), "%s", st.msg);
+    static const double bad0[] = {0.1, 1.5, 0.0, 0.0};
+    static const double *const bad[] = {k_prior0, bad0};
+    static const size_t bad_len[] = {4, 4};
+    p.prior = bad;
+    p.prior_len = bad_len;
+    ck_assert_int_eq(qm_policy_new("next_use", &p, &pol, &st), QM_EINVAL);
+    ck_assert_str_eq(st.field, "policy_params.prior");
+    ck_assert_msg(strstr(st.msg, "layer 1 expert 1 is 1.5"), "%s", st.msg);
+}
+END_TEST
+
 /* CPU seconds for `calls` hook rounds over `keys` distinct experts (64
  * banks), each round an access, an insert and, every 4th, a victim among
  * `n_cand` candidates. Best of 3, so a busy machine inflates it less. */
@@ -514,6 +601,9 @@ static Suite *policies_suite(void)
     tcase_add_test(c, test_arc_keeps_a_reused_expert_through_a_scan_that_flushes_lru);
     tcase_add_test(c, test_layered_policies_survive_the_cycle_that_takes_lru_to_zero);
     tcase_add_test(c, test_next_use_keeps_the_frequent_expert_of_a_layer);
+    tcase_add_test(c, test_next_use_starts_from_its_prior);
+    tcase_add_test(c, test_next_use_prior_fades_as_the_session_routes);
+    tcase_add_test(c, test_prior_is_checked_and_taken_by_next_use_only);
     suite_add_tcase(s, c);
     c = tcase_create("seam");
     /* The hook timing runs ~10 s in release, 22 s on a loaded 2-core
