@@ -22,10 +22,10 @@
  *                reuse ranks by frequency and routing with much ranks
  *                closer to recency. Given a prior (the share of each bank's
  *                visits that used each expert in earlier sessions: the
- *                model's persisted profile), an expert's count starts at that
- *                frequency's steady state, as if the session had that
- *                history, and fades at the policy's decay as the session's
- *                own uses come in.
+ *                model's persisted profile), an expert's count starts as if
+ *                the session had routed at that frequency for the last
+ *                `prior_weight` visits of the bank, and fades at the
+ *                policy's decay as the session's own uses come in.
  * Ties go to the least recent. Hooks are O(1) expected, choose_victim
  * O(n candidates). */
 #include "qm_residency.h"

@@ -170,6 +170,9 @@ static int check_params(const qm__policy_desc *d, const qm_policy_params *p, qm_
         return qm_status_set_field(st, QM_EINVAL, "policy_params.prior",
                                    "policy_params.prior applies to %s only", who);
     }
+    if (p->prior && !p->prior_len)
+        return qm_status_set_field(st, QM_EINVAL, "policy_params.prior",
+                                   "policy_params.prior needs prior_len");
     for (size_t b = 0; p->prior && b < p->n_prior_banks; b++)
         for (size_t e = 0; p->prior[b] && e < p->prior_len[b]; e++)
             if (!(p->prior[b][e] >= 0.0 && p->prior[b][e] <= 1.0)) /* also rejects NaN */
