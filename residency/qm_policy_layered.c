@@ -73,8 +73,8 @@ static double prior_of(const layered_ctx *lc, uint64_t key)
 /* The expert's history, made on first sight: with a prior, its count starts
  * as if it had been used at that frequency over the last `prior_weight`
  * visits of its bank (at most the decay's whole memory, 1 / (1 - decay):
- * the frequency's steady state), dated before the bank's first visit
- * (aged() fades it from there). */
+ * the frequency's steady state, and at most the visits the profile saw),
+ * dated before the bank's first visit (aged() fades it from there). */
 static qm__ref_entry *history_of(layered_ctx *lc, qm_expert_ref ref)
 {
     qm__ref_entry *e = qm__ref_map_upsert(&lc->base.split.history, qm__ref_key(ref));
@@ -260,7 +260,11 @@ static int next_use_new(const qm_policy_params *params, qm_policy *out, qm_statu
         decay >= 1.0)
         return rc;
     layered_ctx *lc = out->ctx;
-    lc->prior_weight = weight < 1.0 / (1.0 - decay) ? weight : 1.0 / (1.0 - decay);
+    /* Never more than the decay remembers, nor than the profile saw. */
+    if (weight > 1.0 / (1.0 - decay)) weight = 1.0 / (1.0 - decay);
+    if (params->prior_visits > 0.0 && weight > params->prior_visits)
+        weight = params->prior_visits;
+    lc->prior_weight = weight;
     if ((rc = copy_prior(lc, params, st)) != 0) qm_policy_destroy(out);
     return rc;
 }

@@ -176,6 +176,9 @@ typedef struct qm_policy_params {
     const double *const *prior;
     const size_t *prior_len;
     size_t n_prior_banks;
+    /* How many visits of a bank the prior was measured over (0: unknown):
+     * it never counts for more than that. */
+    double prior_visits;
 } qm_policy_params;
 
 #define QM_POLICY_LFU_DEFAULT_DECAY 0.999

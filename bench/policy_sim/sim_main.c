@@ -174,6 +174,7 @@ static int new_policy(const char *name, const sim_trace *tr, uint32_t t0, uint32
         pp.prior = hot->lists.prior;
         pp.prior_len = hot->lists.prior_len;
         pp.n_prior_banks = hot->lists.n_prior_banks;
+        pp.prior_visits = hot->lists.prior_visits;
     }
     int rc = qm_policy_new(name, &pp, pol, &st);
     if (rc)

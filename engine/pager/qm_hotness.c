@@ -271,6 +271,7 @@ int qm_hotness_policy_prior(qm_hotness *h, qm_policy_params *params, qm_status *
     params->prior = h->prior;
     params->prior_len = h->prior_len;
     params->n_prior_banks = h->key.layers;
+    params->prior_visits = weight; /* what the counts weigh, in records of a layer */
     return 0;
 }
 

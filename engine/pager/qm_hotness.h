@@ -61,8 +61,10 @@ int qm_hotness_policy_params(qm_hotness *h, qm_policy_params *params, qm_status 
 
 /* Fills `params->prior`, `prior_len`, `n_prior_banks` with each layer's
  * per-visit frequencies (an expert's decayed count over what one use a
- * record would have summed, in [0, 1]; a layer with none: NULL), for a
- * policy that takes a prior (qm_policy_accepts_prior: next_use). The arrays
+ * record would have summed, in [0, 1]; a layer with none: NULL) and
+ * `prior_visits` with what a layer's records weigh (as many, decayed: the
+ * prior never counts for more), for a policy that takes a prior
+ * (qm_policy_accepts_prior: next_use). The arrays
  * belong to the profile and stay valid until its next record/load/free;
  * other fields of `params` are left alone. */
 int qm_hotness_policy_prior(qm_hotness *h, qm_policy_params *params, qm_status *st);

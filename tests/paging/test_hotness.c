@@ -95,6 +95,7 @@ START_TEST(test_prior_is_each_experts_share_of_its_layers_records)
         ck_assert_double_eq_tol(pp.prior[0][2], d / w, 1e-12);           /* the third */
         ck_assert_double_eq_tol(pp.prior[0][3], 0.0, 1e-12);
         ck_assert_double_eq_tol(pp.prior[1][3], (d * d * d + d * d) / w, 1e-12);
+        ck_assert_double_eq_tol(pp.prior_visits, w, 1e-12); /* 4 records a layer, decayed */
         /* It drives a real next_use; a policy without a prior refuses it. */
         qm_policy pol = {0};
         ck_assert_int_eq(qm_policy_new("next_use", &pp, &pol, &st), 0);

@@ -499,6 +499,30 @@ START_TEST(test_next_use_prior_fades_as_the_session_routes)
 }
 END_TEST
 
+START_TEST(test_next_use_prior_counts_no_more_than_the_visits_it_saw)
+{
+    /* Expert 2 of bank 0 (prior 0) used once, at the bank's first visit;
+     * expert 1 (prior 0.9) loaded and never used. A prior measured over
+     * many visits keeps 1 over 2; one measured over a single visit weighs
+     * less than 2's one use. */
+    const double seen[] = {0.0, 1.0};
+    for (int i = 0; i < 2; i++) {
+        qm_policy_params p = {.version = QM_POLICY_PARAMS_VERSION, .prior = k_prior,
+                              .prior_len = k_prior_len, .n_prior_banks = 2,
+                              .prior_visits = seen[i]};
+        qm_policy pol = make("next_use", &p);
+        qm_policy_on_insert(&pol, REF(0, 1), 0);
+        qm_policy_on_access(&pol, REF(0, 2), 1, 0);
+        qm_policy_on_access(&pol, REF(1, 0), 2, 0);
+        qm_policy_on_access(&pol, REF(0, 0), 3, 0);
+        qm_policy_on_access(&pol, REF(1, 0), 4, 0);
+        const qm_expert_ref cands[] = {REF(0, 1), REF(0, 2)};
+        ck_assert_uint_eq(victim_of(&pol, cands, 2), (i ? 0u : 1u));
+        qm_policy_destroy(&pol);
+    }
+}
+END_TEST
+
 START_TEST(test_prior_is_checked_and_taken_by_next_use_only)
 {
     qm_policy pol;
@@ -603,6 +627,7 @@ static Suite *policies_suite(void)
     tcase_add_test(c, test_next_use_keeps_the_frequent_expert_of_a_layer);
     tcase_add_test(c, test_next_use_starts_from_its_prior);
     tcase_add_test(c, test_next_use_prior_fades_as_the_session_routes);
+    tcase_add_test(c, test_next_use_prior_counts_no_more_than_the_visits_it_saw);
     tcase_add_test(c, test_prior_is_checked_and_taken_by_next_use_only);
     suite_add_tcase(s, c);
     c = tcase_create("seam");
