@@ -240,23 +240,31 @@ def test_record_routing_records_every_session_in_the_state_dir(banks):
         assert dm.stop() == 0
 
 
-def test_a_new_session_starts_from_the_models_hottest_experts(banks):
+def routed_calls(c):
+    """route(sid, layer, experts): one token's session.infer with the given
+    experts (its stats); resident(sid): each bank's resident_now."""
     import numpy as np
+    x = tensor(hidden(1, seed=3))
+    w = tensor(np.array([[0.5, 0.5]], dtype=np.float32))
+
+    def route(sid, layer, experts):
+        return c.call("session.infer", {"session": sid, "layer": layer, "hidden": x,
+                                        "topk_ids": tensor(np.array([experts], dtype=np.int32)),
+                                        "topk_weights": w})["stats"]
+
+    def resident(sid):
+        return [b.get("resident_now") for b in c.call("session.plan", {"session": sid})["banks"]]
+
+    return route, resident
+
+
+def test_a_new_session_starts_from_the_models_hottest_experts(banks):
     dm = Daemon(models={"small": banks["small"]})
     try:
         c = dm.client()
         bpe = c.call("model.list")["models"][0]["bytes_per_expert"]
         opts = {"model": "small", "policy": "lru", "policy_params": {"prefetch": False}}
-        x = tensor(hidden(1, seed=3))
-        w = tensor(np.array([[0.5, 0.5]], dtype=np.float32))
-
-        def route(sid, layer, experts):
-            return c.call("session.infer", {"session": sid, "layer": layer, "hidden": x,
-                                            "topk_ids": tensor(np.array([experts], dtype=np.int32)),
-                                            "topk_weights": w})["stats"]
-
-        def resident(sid):
-            return [b.get("resident_now") for b in c.call("session.plan", {"session": sid})["banks"]]
+        route, resident = routed_calls(c)
 
         # The first session of the model has no profile to start from.
         a = c.call("session.create", dict(opts, budget_bytes=4 * bpe))["session"]
@@ -288,6 +296,7 @@ def test_a_new_session_starts_from_the_models_hottest_experts(banks):
     dm = Daemon(models={"small": banks["small"]}, args=["--set", "warm_from_profile=false"])
     try:
         c = dm.client()
+        route, resident = routed_calls(c)
         bpe = c.call("model.list")["models"][0]["bytes_per_expert"]
         a = c.call("session.create", dict(opts, budget_bytes=4 * bpe))["session"]
         route(a, 1, [0, 7])
@@ -307,21 +316,11 @@ def test_next_use_starts_from_the_models_expert_frequencies(banks):
     anything: at a tie of its own history (two experts used at one visit)
     the one the profile saw often stays, where without the prior
     (prior_weight 0) the least recent goes."""
-    import numpy as np
     dm = Daemon(models={"small": banks["small"]})
     try:
         c = dm.client()
         bpe = c.call("model.list")["models"][0]["bytes_per_expert"]
-        x = tensor(hidden(1, seed=3))
-        w = tensor(np.array([[0.5, 0.5]], dtype=np.float32))
-
-        def route(sid, layer, experts):
-            return c.call("session.infer", {"session": sid, "layer": layer, "hidden": x,
-                                            "topk_ids": tensor(np.array([experts], dtype=np.int32)),
-                                            "topk_weights": w})["stats"]
-
-        def resident(sid):
-            return [b.get("resident_now") for b in c.call("session.plan", {"session": sid})["banks"]]
+        route, resident = routed_calls(c)
 
         # The profile: layer 0 routes to experts 1 and 6, layer 1 to 2 and 5.
         a = c.call("session.create", {"model": "small", "policy": "lru", "budget_bytes": 4 * bpe,
