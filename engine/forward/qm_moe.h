@@ -55,6 +55,11 @@ int qm_moe_topk_check(const int32_t *ids, uint32_t n_tokens, uint32_t n_experts,
  * QM_EINVAL with a message when the layer has none. x: [T, H] f32. */
 int qm_moe_router_logits(const qm_bank_config *cfg, const qm_layer_view *layer, const float *x,
                          uint32_t n_tokens, float *logits, qm_status *st);
+/* The same logits to within f32 rounding, fast (f32 FMA in any order; not
+ * the bits qm_moe_router_logits gives, so never for routing): the pager's
+ * prediction of the next layers' experts. */
+int qm_moe_router_predict(const qm_bank_config *cfg, const qm_layer_view *layer, const float *x,
+                          uint32_t n_tokens, float *logits, qm_status *st);
 
 /* ---- The forward pass (qm_moe.c) ---- */
 

@@ -247,6 +247,81 @@ static int qm__router_simd_ok(void)
 }
 #endif
 
+#ifdef QM__ROUTER_SIMD
+/* The prediction's logits: each (token, expert) a dot product in f32 with
+ * FMA, 8 lanes and 4 accumulators, the weights read row by row once per
+ * token (a decode's prediction has one token: one pass over the router). */
+__attribute__((target("avx2,fma,f16c"))) static void
+qm__router_predict_avx2(const qm_tensor_view *tw, const qm_tensor_view *tb, uint32_t E, uint32_t H,
+                        const float *x, uint32_t n_tokens, float *logits)
+{
+    const size_t es = tw->dtype == QM_DTYPE_F32 ? 4 : 2;
+    for (uint32_t t = 0; t < n_tokens; t++) {
+        const float *xt = x + (size_t)t * H;
+        for (uint32_t e = 0; e < E; e++) {
+            const uint8_t *row = (const uint8_t *)tw->data + (size_t)e * H * es;
+            __m256 a[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(),
+                           _mm256_setzero_ps()};
+            uint32_t c = 0;
+            for (; c + 32 <= H; c += 32)
+                for (int i = 0; i < 4; i++) {
+                    uint32_t ci = c + 8 * (uint32_t)i;
+                    __m256 w;
+                    if (tw->dtype == QM_DTYPE_F32)
+                        w = _mm256_loadu_ps((const float *)row + ci);
+                    else {
+                        __m128i h = _mm_loadu_si128((const __m128i *)((const uint16_t *)row + ci));
+                        w = tw->dtype == QM_DTYPE_BF16
+                                ? _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16))
+                                : _mm256_cvtph_ps(h);
+                    }
+                    a[i] = _mm256_fmadd_ps(w, _mm256_loadu_ps(xt + ci), a[i]);
+                }
+            __m256 s = _mm256_add_ps(_mm256_add_ps(a[0], a[1]), _mm256_add_ps(a[2], a[3]));
+            __m128 q = _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
+            q = _mm_add_ps(q, _mm_movehl_ps(q, q));
+            q = _mm_add_ss(q, _mm_shuffle_ps(q, q, 1));
+            float sum = _mm_cvtss_f32(q);
+            for (; c < H; c++)
+                sum += qm__load_float(tw->data, tw->dtype, (size_t)e * H + c) * xt[c];
+            if (tb->present)
+                sum += qm__load_float(tb->data, tb->dtype, e);
+            logits[(size_t)t * E + e] = sum;
+        }
+    }
+}
+
+static int qm__router_predict_simd_ok(void)
+{
+    static atomic_int ok = -1;
+    int v = atomic_load_explicit(&ok, memory_order_relaxed);
+    if (v < 0) {
+        __builtin_cpu_init();
+        v = qm__router_simd_ok() && __builtin_cpu_supports("fma");
+        atomic_store_explicit(&ok, v, memory_order_relaxed);
+    }
+    return v;
+}
+#endif
+
+int qm_moe_router_predict(const qm_bank_config *cfg, const qm_layer_view *layer, const float *x,
+                          uint32_t n_tokens, float *logits, qm_status *st)
+{
+    const qm_tensor_view *tw = &layer->t[QM_T_ROUTER_WEIGHT];
+    if (!tw->present)
+        return qm_status_set(st, QM_EINVAL,
+                             "layer %u has no router weight: pass router_logits", layer->index);
+#ifdef QM__ROUTER_SIMD
+    if (!qm__routing_scalar_forced && qm__router_predict_simd_ok() &&
+        (tw->dtype == QM_DTYPE_F32 || tw->dtype == QM_DTYPE_F16 || tw->dtype == QM_DTYPE_BF16)) {
+        qm__router_predict_avx2(tw, &layer->t[QM_T_ROUTER_BIAS], cfg->experts, cfg->hidden, x,
+                                n_tokens, logits);
+        return 0;
+    }
+#endif
+    return qm_moe_router_logits(cfg, layer, x, n_tokens, logits, st);
+}
+
 int qm_moe_router_logits(const qm_bank_config *cfg, const qm_layer_view *layer, const float *x,
                          uint32_t n_tokens, float *logits, qm_status *st)
 {

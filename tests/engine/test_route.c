@@ -425,6 +425,67 @@ START_TEST(test_router_logits_simd_gives_the_scalar_bits)
 }
 END_TEST
 
+/* The prediction's logits (qm_moe_router_predict: f32 FMA, any order) are
+ * the routing's to within f32 rounding of their sum of magnitudes, every
+ * weight dtype, with and without a bias, off its blocks of 32 columns. */
+START_TEST(test_router_predict_is_the_logits_to_f32_rounding)
+{
+    static const uint32_t Es[] = {1, 7, 128}, Hs[] = {1, 31, 32, 100, 2048};
+    static const qm_dtype dts[] = {QM_DTYPE_F32, QM_DTYPE_F16, QM_DTYPE_BF16};
+    uint64_t seed = 73;
+    for (size_t ie = 0; ie < 3; ie++)
+        for (size_t ih = 0; ih < 5; ih++)
+            for (size_t id = 0; id < 3; id++) {
+                const uint32_t E = Es[ie], H = Hs[ih], T = 1 + (uint32_t)(ih % 3);
+                const qm_dtype dt = dts[id];
+                const int bias = (ie + ih + id) % 2;
+                const size_t es = dt == QM_DTYPE_F32 ? 4 : 2;
+                uint8_t *w = malloc((size_t)E * H * es + 1), *b = malloc((size_t)E * es + 1);
+                float *wf = malloc(sizeof(float) * ((size_t)E * H + E));
+                float *x = malloc(sizeof(float) * T * H);
+                float *want = malloc(sizeof(float) * T * E), *got = malloc(sizeof(float) * T * E);
+                for (size_t i = 0; i < (size_t)E * H + E; i++) {
+                    float v = tl_uniform(&seed, -1, 1);
+                    uint8_t *dst = i < (size_t)E * H ? w + i * es : b + (i - (size_t)E * H) * es;
+                    if (dt == QM_DTYPE_F32) {
+                        memcpy(dst, &v, 4);
+                    } else {
+                        uint16_t h = dt == QM_DTYPE_F16 ? qm_f32_to_f16(v) : qm_f32_to_bf16(v);
+                        memcpy(dst, &h, 2);
+                        v = dt == QM_DTYPE_F16 ? qm_f16_to_f32(h) : qm_bf16_to_f32(h);
+                    }
+                    wf[i] = v;
+                }
+                for (size_t i = 0; i < (size_t)T * H; i++)
+                    x[i] = tl_uniform(&seed, -4, 4);
+                qm_bank_config cfg = {.experts = E, .hidden = H};
+                qm_layer_view lv = {.index = 0};
+                lv.t[QM_T_ROUTER_WEIGHT] = (qm_tensor_view){.present = 1, .dtype = dt, .ndim = 2,
+                                                            .shape = {E, H}, .data = w,
+                                                            .nbytes = (uint64_t)E * H * es};
+                if (bias)
+                    lv.t[QM_T_ROUTER_BIAS] = (qm_tensor_view){
+                        .present = 1, .dtype = dt, .ndim = 1, .shape = {E}, .data = b,
+                        .nbytes = (uint64_t)E * es};
+                qm_status st = {0};
+                ck_assert_int_eq(qm_moe_router_logits(&cfg, &lv, x, T, want, &st), 0);
+                ck_assert_int_eq(qm_moe_router_predict(&cfg, &lv, x, T, got, &st), 0);
+                for (uint32_t t = 0; t < T; t++)
+                    for (uint32_t e = 0; e < E; e++) {
+                        double mag = bias ? fabs(wf[(size_t)E * H + e]) : 0;
+                        for (uint32_t c = 0; c < H; c++)
+                            mag += fabs((double)wf[(size_t)e * H + c] * x[(size_t)t * H + c]);
+                        size_t i = (size_t)t * E + e;
+                        ck_assert_msg(fabs((double)got[i] - want[i]) <= 1e-5 * mag + 1e-30,
+                                      "E %u H %u T %u dtype %d bias %d: %g, logits %g (sum of "
+                                      "magnitudes %g)",
+                                      E, H, T, (int)dt, bias, (double)got[i], (double)want[i], mag);
+                    }
+                free(w), free(b), free(wf), free(x), free(want), free(got);
+            }
+}
+END_TEST
+
 START_TEST(test_forward_routes_by_the_bank_rule)
 {
     tl_layer L;
@@ -480,6 +541,7 @@ static Suite *route_suite(void)
     tcase_add_test(tc, test_supplied_routing_rejects_bad_ids_naming_topk_ids);
     tcase_add_test(tc, test_forward_routes_by_the_bank_rule);
     tcase_add_test(tc, test_router_logits_simd_gives_the_scalar_bits);
+    tcase_add_test(tc, test_router_predict_is_the_logits_to_f32_rounding);
     suite_add_tcase(s, tc);
     return s;
 }
