@@ -296,6 +296,8 @@ static void ring_main(void *arg)
 
 int qm_ring_abandoned(const qm_ring *r) { return atomic_load(&((qm_ring *)r)->conn_gone); }
 
+int qm_ring_anticipates(const qm_ring *r) { return r->anticipate; }
+
 void qm_ring_post(qm_ring_job *rj, qm_ring_answer *a)
 {
     qm_ring *r = rj->ring;

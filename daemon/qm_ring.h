@@ -79,6 +79,9 @@ void qm_rings_free(qm_rings *rs);
  * NULL after). A NULL answer (a call skipped because its connection
  * closed) writes nothing: the ring closes with the connection's code. */
 int qm_ring_abandoned(const qm_ring *r);
+/* 1 when the ring anticipates its calls (opened with `anticipate`: the
+ * engine leaves a CPU idle between them). */
+int qm_ring_anticipates(const qm_ring *r);
 void qm_ring_post(qm_ring_job *rj, qm_ring_answer *a);
 
 #endif

@@ -142,9 +142,15 @@ int qm_sessions_budget(const qm_sessions *ss, const qm_model *m, const qm_sessio
 /* The session's pagers, one per device that holds layers (worker, while
  * the session's job runs): the forward call, the counters summed over its
  * devices, a budget change (the placement's shares and the plan's budget
- * follow), and the pager that serves `layer` (NULL when none). */
+ * follow), and the pager that serves `layer` (NULL when none).
+ * qm_session_after_forward: the prefetch a forward call left, run by the
+ * same job (qm_pager_options.defer_prefetch); qm_session_tidy: that and
+ * the work that only speeds later calls, once the engine is not waiting
+ * (qm_pager_tidy). */
 int qm_session_forward(qm_session *s, const qm_moe_call *call, qm_moe_stats *mstats,
                        qm_status *st);
+void qm_session_after_forward(qm_session *s);
+void qm_session_tidy(qm_session *s);
 void qm_session_stats(const qm_session *s, qm_pager_stats *out);
 int qm_session_resize(qm_session *s, uint64_t budget, qm_status *st);
 qm_pager *qm_session_pager_of(const qm_session *s, uint32_t layer);

@@ -201,6 +201,10 @@ static const metric_def metrics[] = {
      1, COFF(reads_in_flight_sum), {POFF(reads_in_flight_sum), NO_STAT}},
     {"reads_in_flight_peak", "Most disk reads in flight at once.", METRIC_PEAK,
      COFF(reads_in_flight_peak), {POFF(reads_in_flight_peak), NO_STAT}},
+    {"bytes_interleaved_paged",
+     "Weight bytes of paged experts laid out in the fast decode GEMV's r8 layout after they "
+     "landed and were reused, after session creation (fast sessions on the CPU).",
+     1, COFF(bytes_interleaved_paged), {POFF(bytes_interleaved_paged), NO_STAT}},
     {"auto_shrinks", "Times the memory watcher shrank an auto budget (pressure, or a limit "
      "leaving less than auto_budget_reserve).", 1, COFF(auto_shrinks), NOT_PAGED},
     {"auto_grows", "Times the memory watcher grew an auto budget back toward its auto size.", 1,

@@ -50,6 +50,8 @@ typedef struct qm_counters {
     /* Direct disk paging's I/O engine: time with reads in flight, calls
      * with reads in flight and the sum of each one's most, the most. */
     uint64_t disk_busy_us, read_calls, reads_in_flight_sum, reads_in_flight_peak;
+    /* Paged experts' weights laid out in the r8 layout after they landed. */
+    uint64_t bytes_interleaved_paged;
     /* Auto budgets (qm_budget.h, qm_pressure.h): what the memory watcher
      * shrank and grew, and the auto budgets in force (a gauge). */
     uint64_t auto_shrinks, auto_grows, auto_shrunk_bytes, auto_grown_bytes, auto_budget_bytes;

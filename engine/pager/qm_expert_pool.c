@@ -269,6 +269,22 @@ int qm_expert_pool_forward(qm_expert_pool *p, qm_pool_member *m, const qm_moe_ca
     return rc;
 }
 
+void qm_expert_pool_after_forward(qm_expert_pool *p, qm_pool_member *m, int tidy)
+{
+    if (!p->shared) {
+        qm_multipager_after_forward(p->pagers, tidy);
+        return;
+    }
+    qm_pager_stats was, now;
+    pthread_mutex_lock(&p->lock);
+    qm_multipager_stats(p->pagers, &was);
+    qm_multipager_after_forward(p->pagers, tidy);
+    qm_multipager_stats(p->pagers, &now);
+    add_change(&m->own, &was, &now);
+    own_gauges(p, &now, m->budget, &m->own);
+    pthread_mutex_unlock(&p->lock);
+}
+
 static int resize_shared(qm_expert_pool *p, qm_pool_member *m, uint64_t budget, qm_status *st)
 {
     qm_pager_stats was, now;

@@ -81,6 +81,10 @@ int qm_expert_pool_leave(qm_expert_pool *p, qm_pool_member *m, qm_status *st);
 /* One layer call of member m on the pool's pagers. */
 int qm_expert_pool_forward(qm_expert_pool *p, qm_pool_member *m, const qm_moe_call *call,
                            qm_moe_stats *mstats, qm_status *st);
+/* The prefetch member m's last call left (qm_pager_after_forward), or
+ * that and the pagers' tidying (tidy 1: qm_pager_tidy); in a shared pool
+ * counted as m's. */
+void qm_expert_pool_after_forward(qm_expert_pool *p, qm_pool_member *m, int tidy);
 /* Member m's budget becomes `budget` (session.resize): the pool's budget
  * changes by the difference, split over its devices by the placement. */
 int qm_expert_pool_resize(qm_expert_pool *p, qm_pool_member *m, uint64_t budget,

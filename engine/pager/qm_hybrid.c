@@ -240,7 +240,7 @@ static int qm__calibrate(qm_pager *p, qm_status *st)
         goto done;
     h->copy_us = qm__now_us() - t0;
     p->stats.bytes_loaded_at_create += L->unit_bytes;
-    qm__fill_weights(L, p->slots[s].base, 0, 1, &w);
+    qm__fill_weights(L, p->slots[s].base, 0, 1, &w); /* just copied: row layout */
     rc = qm__time_expert(p, p->backend, L, 0, &w, x, y, idx, &h->dev, st);
 done:
     qm_free(x);

@@ -57,13 +57,20 @@ static uint64_t qm__half_ram(void)
     return pages > 0 && page > 0 ? (uint64_t)pages * (uint64_t)page / 2 : 0;
 }
 
-/* Whether opt.interleave applies (qm_pager_options): a host-visible
- * backend, a fast kernel that reads r8 itself, a 4-bit weight tensor the
- * layout takes, and the bank's expert bytes within half the RAM. */
+/* Whether opt.interleave can apply at all: asked for, a host-visible
+ * backend and a fast kernel that reads r8 itself. */
+static int qm__r8_wanted(const qm_pager *p)
+{
+    return p->opt.interleave && qm_backend_host_visible(p->backend) &&
+           qm__i8kernel_r8_native(qm__i8kernel_select(), 1);
+}
+
+/* Whether opt.interleave applies to whole banks (qm_pager_options): it can
+ * (qm__r8_wanted), a 4-bit weight tensor the layout takes, and the bank's
+ * expert bytes within half the RAM. */
 static int qm__interleave_applies(const qm_pager *p)
 {
-    if (!p->opt.interleave || !qm_backend_host_visible(p->backend) ||
-        !qm__i8kernel_r8_native(qm__i8kernel_select(), 1))
+    if (!qm__r8_wanted(p))
         return 0;
     if (qm_bank_expert_bytes_total(p->bank) > qm__half_ram())
         return 0;
@@ -97,6 +104,170 @@ static int qm__interleave_layer(qm_pager *p, qm__layer *L, qm_status *st)
         p->stats.bytes_interleaved_at_create += tv->nbytes;
     }
     return 0;
+}
+
+/* ---- Paged units in the r8 layout ----
+ * A fast session's paged units land in the bank's row layout (a read
+ * straight into the slot). Laying a unit out when it landed, on the call's
+ * path, cost more than it saved (docs/PAGING.md); here it happens when the
+ * caller says its engine is not waiting (qm_pager_tidy, after a call's
+ * answer), one weight tensor at a time, for a unit
+ * that has been used twice (it is being reused) while the session's
+ * recent accesses hit at least QM__R8_SLOT_MIN_HIT_RATE of the time: the
+ * layout costs about as much as a dozen of its uses save (2.65 MB units
+ * laid out at 9 GB/s, a T = 1 use 1.25x faster in r8; docs/PAGING.md), so
+ * it pays for an expert that stays, not one about to be evicted. What a
+ * session loads at its creation (pins, the preload, qm_pager_warm: its
+ * hottest experts) is laid out there, all at once
+ * (qm_pager_interleave_resident). Outputs are the same bits in either
+ * layout. */
+#define QM__R8_SLOT_MIN_USES 2
+#define QM__R8_SLOT_MIN_HIT_RATE 0.9
+#define QM__R8_SLOT_DECAY 0.99 /* a call's weight in the hit rate: about the last 100 calls' */
+/* One weight tensor at a time, and none larger than this (about 0.2 ms at
+ * 9 GB/s: less than the gap between two layer calls of a decode on the e2e
+ * shapes, so the next call seldom waits for it). A unit's larger tensors
+ * (GPT-OSS-20B's 8.3 and 4.1 MB, Mixtral's 33 MB) are laid out only at
+ * creation: one took 1.5 ms after an answer, which the next call waited
+ * for (354 against 163 us beyond compute a call, GPT-OSS-20B shape at 50%). */
+#define QM__R8_TIDY_MAX_BYTES (2u << 20)
+
+static int qm__r8_slots_start(qm_pager *p, qm_status *st)
+{
+    if (!qm__r8_wanted(p))
+        return 0;
+    static const int W[] = {QM_T_FC1_WEIGHT, QM_T_FC2_WEIGHT, QM_T_FC3_WEIGHT};
+    size_t tmp = 0;
+    for (uint32_t l = 0; l < p->n_layers; l++) {
+        qm__layer *L = &p->layers[l];
+        if (!L->paged || L->absent)
+            continue;
+        for (int i = 0; i < 3; i++) {
+            if (!qm__r8_eligible(p->cfg, L->view, W[i]))
+                continue;
+            L->r8_slot |= 1u << W[i];
+            if (L->slice[W[i]] <= QM__R8_TIDY_MAX_BYTES)
+                L->r8_tidy |= 1u << W[i];
+            size_t need = 8 * (size_t)L->view->t[W[i]].shape[2];
+            tmp = need > tmp ? need : tmp;
+        }
+    }
+    if (tmp && !(p->r8_tmp = qm_malloc(tmp)))
+        return qm_status_set(st, QM_ENOMEM, "out of memory for the r8 layout's scratch");
+    return 0;
+}
+
+/* Slot s's unit into the r8 layout, in place (nothing reads or writes the
+ * slot: its copy landed and no call holds it). */
+static void qm__r8_slot(qm_pager *p, qm__slot *sl, uint32_t mask, int one)
+{
+    const qm__layer *L = &p->layers[sl->layer];
+    qm_expert_weights w;
+    qm__fill_weights(L, sl->base, sl->expert, 1, &w);
+    for (int t = 0; t < QM_T_EXPERT_COUNT; t++) {
+        if (!(mask >> t & 1u) || (sl->r8 >> t & 1u))
+            continue;
+        const qm_tensor_view *tv = &L->view->t[t];
+        qm__r8_interleave((uint8_t *)w.ptr[t], (uint32_t)tv->shape[1], (size_t)tv->shape[2],
+                          p->r8_tmp);
+        sl->r8 |= 1u << t;
+        p->stats.bytes_interleaved_paged += L->slice[t];
+        if (sl->r8 == L->r8_slot)
+            p->stats.units_interleaved_paged++;
+        if (one)
+            break;
+    }
+}
+
+uint64_t qm_pager_interleave_resident(qm_pager *p)
+{
+    uint64_t was = p && p->r8_tmp ? p->stats.bytes_interleaved_paged : 0;
+    for (uint32_t s = 0; p && p->r8_tmp && s < p->n_slots; s++) {
+        qm__slot *sl = &p->slots[s];
+        uint32_t want = p->layers[sl->layer].r8_slot;
+        if (sl->state == QM__SLOT_RESIDENT && !sl->refs && want && sl->r8 != want)
+            qm__r8_slot(p, sl, want, 0);
+    }
+    return p ? p->stats.bytes_interleaved_paged - was : 0;
+}
+
+static void qm__r8_slot_step(qm_pager *p)
+{
+    if (!p->r8_tmp)
+        return;
+    uint64_t h = p->stats.hits - p->r8_hits_seen, m = p->stats.misses - p->r8_misses_seen;
+    p->r8_hits_seen = p->stats.hits;
+    p->r8_misses_seen = p->stats.misses;
+    p->r8_hits_w = p->r8_hits_w * QM__R8_SLOT_DECAY + (double)h;
+    p->r8_access_w = p->r8_access_w * QM__R8_SLOT_DECAY + (double)(h + m);
+    if (!(p->r8_hits_w >= QM__R8_SLOT_MIN_HIT_RATE * p->r8_access_w) || p->r8_access_w == 0)
+        return;
+    qm__slot *best = NULL;
+    for (uint32_t s = 0; s < p->n_slots; s++) {
+        qm__slot *sl = &p->slots[s];
+        if (sl->state != QM__SLOT_RESIDENT || sl->refs || sl->uses < QM__R8_SLOT_MIN_USES)
+            continue;
+        if (!(p->layers[sl->layer].r8_tidy & ~sl->r8) || (best && best->uses >= sl->uses))
+            continue;
+        best = sl;
+    }
+    if (best)
+        qm__r8_slot(p, best, p->layers[best->layer].r8_tidy, 1);
+}
+
+/* ---- After a call's answer ---- */
+
+/* What follows a forward call's compute: the next layers' prefetch, now,
+ * or kept for qm__pager_settle (opt.defer_prefetch; at once when the
+ * call's hidden states could not be copied). */
+static void qm__after_call(qm_pager *p, const qm_moe_call *call, uint32_t k)
+{
+    if (p->opt.defer_prefetch && qm__pager_prefetch_keep(p, call, k) == 0) {
+        p->after_pending = 1;
+        return;
+    }
+    qm__pager_prefetch_next(p, call, k);
+}
+
+/* The work a forward call left for after its answer, run now if any:
+ * before anything else touches the slots (a forward, prefetch, warm or
+ * resize). */
+static void qm__pager_settle(qm_pager *p)
+{
+    if (!p->after_pending)
+        return;
+    p->after_pending = 0;
+    qm__pager_prefetch_kept(p);
+}
+
+void qm_pager_after_forward(qm_pager *p)
+{
+    if (p)
+        qm__pager_settle(p);
+}
+
+void qm_pager_tidy(qm_pager *p)
+{
+    if (!p)
+        return;
+    qm__pager_settle(p);
+    qm__r8_slot_step(p);
+}
+
+int qm_pager_prefetch(qm_pager *p, uint32_t layer, const uint32_t *experts, size_t n,
+                      qm_status *st)
+{
+    if (p)
+        qm__pager_settle(p);
+    return qm__pager_prefetch_experts(p, layer, experts, n, st);
+}
+
+int qm_pager_resize(qm_pager *p, uint64_t budget, qm_status *st)
+{
+    if (!p)
+        return qm_status_set(st, QM_EINVAL, "qm_pager_resize: NULL pager");
+    qm__pager_settle(p);
+    return qm__pager_resize(p, budget, st);
 }
 
 /* A whole bank read in place: its pages mapped now, not on the first
@@ -227,6 +398,7 @@ int qm_pager_warm(qm_pager *p, uint32_t layer, const uint32_t *experts, size_t n
     int checked = qm__pager_check_call(p, "qm_pager_warm", layer, experts, n, st);
     if (checked)
         return checked;
+    qm__pager_settle(p);
     qm__layer *L = &p->layers[layer];
     if (!L->paged || L->absent)
         return 0;
@@ -334,7 +506,8 @@ int qm_pager_new(qm_backend *backend, const qm_bank *bank, const qm_residency_pl
         qm_status_set(st, QM_ENOMEM, "out of memory for the pager's layers");
         goto fail;
     }
-    if ((rc = qm__moe_scratch_new(&p->scratch, st)) || (rc = qm__size(p, plan, st)))
+    if ((rc = qm__moe_scratch_new(&p->scratch, st)) || (rc = qm__size(p, plan, st)) ||
+        (rc = qm__r8_slots_start(p, st)))
         goto fail;
     const qm__sizing *sz = &p->sz;
     const uint32_t n_paging = p->n_slots - sz->pinned_count;
@@ -361,6 +534,7 @@ int qm_pager_new(qm_backend *backend, const qm_bank *bank, const qm_residency_pl
         if (rc)
             goto fail;
     }
+    qm_pager_interleave_resident(p); /* the pins and the preload */
     qm__pager_source_init(p);
     rc = qm__hybrid_start(p, st);
     if (rc)
@@ -402,6 +576,7 @@ void qm_pager_free(qm_pager *p)
     qm__pager_grow_free(p);
     qm__pager_disk_close(p);
     qm__pager_prefetch_free(p);
+    qm_free(p->r8_tmp);
     qm__layers_free(p->layers, p->n_layers);
     qm_free(p->slots);
     qm_free(p->cand_refs); /* and cand_slots, wave_slots */
@@ -419,6 +594,7 @@ int qm_pager_forward(qm_pager *p, const qm_moe_call *call, qm_moe_stats *mstats,
     if (call->layer < p->n_layers && p->layers[call->layer].absent)
         return qm_status_set_field(st, QM_EINVAL, "layer", "layer %u is placed on another device",
                                    call->layer);
+    qm__pager_settle(p);
     qm_moe_call c = *call;
     uint32_t route_k = qm_moe_call_k(p->cfg, call);
     size_t need = (size_t)call->n_tokens * route_k;
@@ -437,16 +613,19 @@ int qm_pager_forward(qm_pager *p, const qm_moe_call *call, qm_moe_stats *mstats,
         mstats = &local;
     const qm_layer_view *layer = NULL;
     int rc = qm__moe_layer_of(p->bank, call, &layer, st);
+    const uint64_t missed = p->stats.misses + p->stats.host_runs;
     qm__pager_disk_call_begin(p);
     if (rc == 0)
         rc = qm__moe_forward_layer(p->backend, p->cfg, layer, &c, &p->source, p->scratch, mstats,
                                    st);
     if (rc == 0 && call->n_tokens && call->layer < p->n_layers) {
         rc = qm__hybrid_observe(p, mstats, st);
+        p->calls_since_miss =
+            p->stats.misses + p->stats.host_runs != missed ? 0 : p->calls_since_miss + 1;
         if (rc == 0) {
             qm__pager_history_record(p, call->layer, c.route_experts, need);
             qm__pager_trace_record(p, call->layer, c.route_experts, call->n_tokens, route_k);
-            qm__pager_prefetch_next(p, call);
+            qm__after_call(p, call, route_k);
         }
     }
     qm__pager_disk_call_end(p);

@@ -112,6 +112,15 @@ typedef struct qm_pager_options {
     /* Reads in flight at most (0 = QM_PAGER_IO_DEPTH_DEFAULT; at most
      * QM_PAGER_IO_DEPTH_MAX, 64 for the pool); prefetches use at most half. */
     uint32_t io_depth;
+    /* 1: qm_pager_forward leaves its prefetch (the next layers' router
+     * GEMVs and the reads they issue: 50-90 us of a paged T = 1 call on
+     * the e2e shapes) for qm_pager_after_forward, which the caller runs
+     * once the call's answer is out, off the engine's wait; the pager runs
+     * it itself first when the next forward, prefetch, warm or resize
+     * comes before. The call's hidden states are copied (the caller's may
+     * change once answered). The daemon sets it; 0 prefetches inside
+     * qm_pager_forward. Outputs never change either way. */
+    int defer_prefetch;
 } qm_pager_options;
 
 enum { QM_PAGER_IO_AUTO = 0, QM_PAGER_IO_URING, QM_PAGER_IO_THREADS, QM_PAGER_IO_SERIAL };
@@ -160,6 +169,9 @@ typedef struct qm_pager_stats {
     uint64_t disk_reads;         /* read calls */
     uint64_t disk_errors;        /* units whose read failed (the request failed, not the session) */
     uint64_t stall_us;           /* forward calls waiting for units to land (any source) */
+    /* Paged units laid out in the r8 layout after they landed (opt.interleave) */
+    uint64_t bytes_interleaved_paged; /* their weight bytes */
+    uint64_t units_interleaved_paged;
     /* qm_pager_resize */
     uint64_t resizes;            /* budget changes applied */
     uint64_t pins_released;      /* pins released because a smaller budget could not hold them */
@@ -268,10 +280,23 @@ qm_expert_source *qm_pager_source(qm_pager *pager);
 /* qm_moe_forward through the pager's source, then: records the call's routing
  * in the history and, with prefetch on, prefetches the next layer's predicted
  * experts (history + that layer's router applied to call->hidden when the bank
- * has it). The copies run on the copy path while the caller does other work.
+ * has it), or leaves that for qm_pager_after_forward (opt.defer_prefetch).
+ * The copies run on the copy path while the caller does other work.
  * call->route_experts may be NULL (the pager uses its own scratch). */
 int qm_pager_forward(qm_pager *pager, const qm_moe_call *call, qm_moe_stats *mstats,
                      qm_status *st);
+/* The prefetch the last qm_pager_forward left (opt.defer_prefetch), run
+ * now; nothing when none is left. Best effort, as prefetch is: never
+ * fails. Same thread rules as qm_pager_forward (one caller at a time). */
+void qm_pager_after_forward(qm_pager *pager);
+/* Work that only makes later calls faster, for when the caller's engine is
+ * not waiting on it (the daemon: after a ring call's answer): with
+ * opt.interleave where this process's fast kernel reads r8, one landed
+ * unit that has been reused laid out in r8 while the session's recent
+ * accesses hit at least 90% of the time (qm_pager.c; a GPT-OSS-20B-shaped
+ * unit of 14 MB takes about 1.5 ms). Runs the kept prefetch first. Same
+ * thread rules as qm_pager_forward. */
+void qm_pager_tidy(qm_pager *pager);
 
 /* Copies experts[0..n) of `layer` into free or evictable slots (never
  * evicting a pinned, in-use or just-predicted expert) without waiting for the
@@ -291,6 +316,13 @@ int qm_pager_warm(qm_pager *pager, uint32_t layer, const uint32_t *experts, size
                   qm_status *st);
 /* Waits for every copy in flight. */
 int qm_pager_sync(qm_pager *pager, qm_status *st);
+/* Every landed unit not yet in the r8 layout laid out now, where
+ * opt.interleave asks for it and this process's fast kernel reads r8
+ * (nothing otherwise): what a session loaded at its creation (its pins and
+ * preload, done by qm_pager_new; qm_pager_warm's, after qm_pager_sync)
+ * rather than one unit a call while it decodes. Returns the weight bytes
+ * laid out. */
+uint64_t qm_pager_interleave_resident(qm_pager *pager);
 
 void qm_pager_stats_get(const qm_pager *pager, qm_pager_stats *out);
 

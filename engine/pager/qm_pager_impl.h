@@ -65,6 +65,10 @@ typedef struct qm__slot {
     uint8_t by_prefetch; /* claimed by prefetch: a failed read is read again on demand */
     uint8_t waiting;    /* held by the current acquire round, not handed out yet */
     uint32_t refs;      /* acquired and not yet released */
+    uint16_t uses;      /* times handed out to a call since it was claimed (saturates) */
+    /* Bit t set: weight tensor t of the unit is in the r8 layout (laid out
+     * after it landed, qm_pager.c); 0 from every copy into the slot. */
+    uint32_t r8;
     uint64_t last_use;  /* pager tick of the last access/insert (LRU fallback) */
     uint64_t unit_bytes;
     /* Copy in flight (qm_pager_copy.c): a copy-thread job (copy_seq > 0) or device fences. */
@@ -149,7 +153,15 @@ struct qm_pager {
     uint32_t *route_buf;
     size_t route_cap;
 
+    /* Slot units in the r8 layout (qm_pager.c, opt.interleave on a paged
+     * session): the layout's scratch (NULL: never), and the recent hit
+     * rate that gates it (decayed counts, the stats' totals last seen). */
+    uint8_t *r8_tmp;
+    double r8_hits_w, r8_access_w;
+    uint64_t r8_hits_seen, r8_misses_seen;
+
     /* Prediction and prefetch (qm_pager_prefetch.c) */
+    uint16_t *pred_routers; /* the block of the layers' pred_router copies */
     float *pred_x, *pred_logits;
     uint32_t *pred_experts;
     float *pred_weights;
@@ -157,6 +169,16 @@ struct qm_pager {
     uint32_t *pred_list;
     uint8_t *pred_src;
     uint32_t *pred_list2; /* the lookahead's list */
+    /* A forward call's prefetch left for qm_pager_after_forward
+     * (opt.defer_prefetch): the call as prediction reads it, its hidden
+     * states copied to f32 in pf_x (NULL past the router's token bound). */
+    int after_pending; /* qm__pager_settle has work: the kept prefetch */
+    uint32_t calls_since_miss; /* forward calls since one missed (or ran an expert on the host) */
+    int pf_deferred;
+    qm_moe_call pf_call;
+    uint32_t pf_k;
+    float *pf_x;
+    size_t pf_x_cap;
     /* Measured prediction (qm_pager_prefetch.c): what each source predicted
      * for a call, scored when that call comes (precision and recall, whether
      * or not the experts were resident), and the gate's window. */
@@ -231,6 +253,12 @@ void qm__pager_grow_free(qm_pager *p);
 /* Resizes *buf to n elements of `elem` bytes; on failure keeps it and
  * answers QM_ENOMEM (the buffers of prefetch and resize). */
 int qm__pager_regrow(void **buf, size_t n, size_t elem);
+/* qm_pager_resize (qm_pager_resize.c; qm_pager.c checks the pager and
+ * settles it first). */
+int qm__pager_resize(qm_pager *p, uint64_t budget, qm_status *st);
+/* Slot s's weights for a call (the unit's r8 layout in w->r8), counted as
+ * a use. */
+void qm__pager_slot_weights(qm_pager *p, int32_t s, qm_expert_weights *w);
 /* cand_refs, cand_slots and wave_slots for n slots, in one new block that
  * keeps their first n_old entries; QM_ENOMEM leaves them as they were. */
 int qm__pager_scratch_regrow(qm_pager *p, uint32_t n_old, uint32_t n);

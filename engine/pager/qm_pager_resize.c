@@ -11,6 +11,7 @@
 #include "qm_alloc.h"
 #include "qm_pager_copy.h"
 #include "qm_pager_disk.h"
+#include "qm_pager_prefetch.h"
 
 static int qm__any_paged(const qm_pager *p)
 {
@@ -61,6 +62,7 @@ static void qm__move_unit(qm_pager *p, int32_t from, int32_t to)
     b->base = to_base;
     b->copy_seq = 0;
     b->n_fences = 0;
+    b->r8 = 0; /* re-copied from the bank */
     b->state = QM__SLOT_LOADING;
     p->layers[b->layer].slot_of[b->expert] = to;
     memset(a, 0, sizeof *a);
@@ -210,11 +212,8 @@ static int qm__grow(qm_pager *p, uint32_t want, qm_status *st)
     return 0;
 }
 
-int qm_pager_resize(qm_pager *p, uint64_t budget, qm_status *st)
-{
-    if (!p)
-        return qm_status_set(st, QM_EINVAL, "qm_pager_resize: NULL pager");
-    uint64_t unit = qm__any_paged(p) ? p->sz.max_unit : 0;
+int qm__pager_resize(qm_pager *p, uint64_t budget, qm_status *st)
+{    uint64_t unit = qm__any_paged(p) ? p->sz.max_unit : 0;
     if (budget < p->sz.whole_accounted + unit)
         return qm__budget_refused(budget, p->sz.whole_accounted, 0, unit, st);
     int rc = qm_pager_sync(p, st);

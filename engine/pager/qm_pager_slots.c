@@ -48,6 +48,8 @@ int qm__pager_claim(qm_pager *p, int32_t s, uint32_t layer, uint32_t expert, qm_
     sl->prefetched = how == QM__CLAIM_PREFETCH ? pf_source : QM__PF_NONE;
     sl->by_prefetch = how == QM__CLAIM_PREFETCH;
     sl->waiting = 0;
+    sl->uses = 0;
+    sl->r8 = 0;
     sl->refs = how == QM__CLAIM_DEMAND;
     sl->last_use = p->tick;
     sl->unit_bytes = L->unit_bytes;
@@ -115,6 +117,15 @@ void qm__pager_grow_free(qm_pager *p)
     p->grow_arenas = NULL;
     p->grow_first = NULL;
     p->n_grow = 0;
+}
+
+void qm__pager_slot_weights(qm_pager *p, int32_t s, qm_expert_weights *w)
+{
+    qm__slot *sl = &p->slots[s];
+    qm__fill_weights(&p->layers[sl->layer], sl->base, sl->expert, 1, w);
+    w->r8 = sl->r8;
+    if (sl->uses < UINT16_MAX)
+        sl->uses++;
 }
 
 int qm__pager_regrow(void **buf, size_t n, size_t elem)

@@ -192,7 +192,6 @@ static int qm__collect(qm_pager *p, int32_t s, int *ready, qm_status *st)
 static int qm__hand_out(qm_pager *p, const uint32_t *experts, size_t n, size_t *ready_idx,
                         qm_expert_weights *weights, size_t *n_ready, qm_status *st)
 {
-    qm__layer *L = &p->layers[p->wave_layer];
     const int all = p->opt.io_engine == QM_PAGER_IO_SERIAL && p->disk;
     uint64_t t_stall = 0;
     size_t got = 0;
@@ -241,7 +240,7 @@ static int qm__hand_out(qm_pager *p, const uint32_t *experts, size_t n, size_t *
             continue;
         }
         ready_idx[got] = j;
-        qm__fill_weights(L, sl->base, sl->expert, 1, &weights[got]);
+        qm__pager_slot_weights(p, s, &weights[got]);
         got++;
     }
     p->wave_n = (uint32_t)keep;
@@ -323,7 +322,7 @@ static int qm__source_acquire(void *ctx, uint32_t layer, const uint32_t *experts
     for (size_t w = 0; w < p->wave_n; w++) {
         qm__slot *sl = &p->slots[p->wave_slots[w]];
         sl->waiting = 0;
-        qm__fill_weights(L, sl->base, sl->expert, 1, &weights[w]);
+        qm__pager_slot_weights(p, p->wave_slots[w], &weights[w]);
     }
     p->wave_n = 0;
     *n_ready = claimed;

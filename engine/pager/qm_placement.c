@@ -173,6 +173,16 @@ int qm_multipager_forward(qm_multipager *mp, const qm_moe_call *call, qm_moe_sta
     return qm_pager_forward(mp->pagers[mp->pl->device_of[call->layer]], call, mstats, st);
 }
 
+void qm_multipager_after_forward(qm_multipager *mp, int tidy)
+{
+    for (uint32_t d = 0; mp && d < mp->pl->n_devices; d++) {
+        if (tidy)
+            qm_pager_tidy(mp->pagers[d]);
+        else
+            qm_pager_after_forward(mp->pagers[d]);
+    }
+}
+
 void qm_multipager_stats(const qm_multipager *mp, qm_pager_stats *out)
 {
     int first = 1;
@@ -240,6 +250,8 @@ void qm_multipager_stats(const qm_multipager *mp, qm_pager_stats *out)
         out->disk_reads += s.disk_reads;
         out->disk_errors += s.disk_errors;
         out->stall_us += s.stall_us;
+        out->bytes_interleaved_paged += s.bytes_interleaved_paged;
+        out->units_interleaved_paged += s.units_interleaved_paged;
         out->disk_busy_us += s.disk_busy_us;
         out->read_calls += s.read_calls;
         out->reads_in_flight_sum += s.reads_in_flight_sum;

@@ -60,6 +60,9 @@ void qm_multipager_free(qm_multipager *mp); /* accepts NULL */
 /* qm_pager_forward on the pager of call->layer's device. */
 int qm_multipager_forward(qm_multipager *mp, const qm_moe_call *call, qm_moe_stats *mstats,
                           qm_status *st);
+/* qm_pager_after_forward (tidy 0) or qm_pager_tidy (1) on every device's
+ * pager. */
+void qm_multipager_after_forward(qm_multipager *mp, int tidy);
 /* session.resize over the devices: `budget` split by qm_placement_split
  * (the placement stays) and each device's pager resized to its share
  * (qm_pager_resize: shrinking evicts by the policy on that device; outputs

@@ -13,6 +13,7 @@ The tests drive the region by hand (qmoe_client._ring's layout and waits)
 next to raw JSON lines on the socket, so both transports are seen as bytes.
 """
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -250,6 +251,52 @@ def test_ring_calls_equal_socket_calls_bit_for_bit(rdaemon, precision, dt, routi
         assert stats["hits"] == r["result"]["stats"]["hits"]
         assert stats["misses"] == r["result"]["stats"]["misses"] == 0
         assert stats["compute_us"] > 0 and stats["encode_us"] == 0
+    c.close()
+
+
+def test_a_fast_paged_sessions_reused_units_are_laid_out_after_answers(rdaemon):
+    """A fast paged session's experts, reused while it hits, are laid out in
+    the fast decode's r8 layout after ring answers (qm_pager_tidy): the
+    telemetry counts their bytes, and every answer, before and after, is
+    bitwise the whole-bank session's, through evictions."""
+    c = rdaemon.client()
+    bpe = next(m for m in c.call("model.list")["models"] if m["name"] == "small")[
+        "bytes_per_expert"]
+    whole = new_session(c, precision="fast")
+    paged = new_session(c, precision="fast", policy="lru", budget_bytes=4 * bpe)
+    shm_w, shm_p = Shm(c, whole, MAP_BYTES), Shm(c, paged, MAP_BYTES)
+    ring_w, ring_p = RawRing(c, whole), RawRing(c, paged)
+    rng = np.random.default_rng(17)
+    o_l, o_out = up(H * 4), up(H * 4) + up(E * 4)
+    # 300 calls of two hot experts per layer, with a cold pair every 25th
+    # (evictions: a unit read again is in rows until laid out again)
+    for i in range(300):
+        hot = (0, 1) if i % 25 else tuple(rng.choice(np.arange(2, E), 2, replace=False))
+        lg = rng.uniform(-2, 0, (1, E)).astype(np.float32)
+        lg[0, hot[0]], lg[0, hot[1]] = 4.0, 3.0
+        x = hidden(1, seed=100 + i)
+        outs = []
+        for shm, ring in ((shm_w, ring_w), (shm_p, ring_p)):
+            shm.put(0, x.tobytes())
+            shm.put(o_l, lg.tobytes())
+            sid = whole if ring is ring_w else paged
+            _, req = both(sid, i % 2, ("f32", 1, H, shm.id, 0), (shm.id, o_out),
+                          ("f32", 1, E, shm.id, o_l))
+            code, _, _, reason = ring.call(req)
+            assert code == 0, reason
+            outs.append(shm.get(o_out, H * 4))
+        assert outs[0] == outs[1], i
+    t = c.call("telemetry.get", {"session": paged})
+    assert t["evictions"] > 0, t
+    # Whether this CPU's fast kernel reads r8: the whole-bank session laid
+    # its bank out at creation (its log line).
+    r8 = re.search(r"session %s created: .* (\d+) laid out for the fast CPU decode" % whole,
+                   rdaemon.log_text())
+    if r8 and int(r8.group(1)) > 0:
+        assert t["bytes_interleaved_paged"] > 0, t
+    else:
+        print("this CPU's fast kernel does not read r8: nothing laid out, checked")
+        assert t["bytes_interleaved_paged"] == 0, t
     c.close()
 
 

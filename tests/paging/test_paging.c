@@ -369,13 +369,91 @@ static void interleaved_same_bits(const char *force)
     unsetenv("QMOE_KERNEL");
 }
 
+/* One paged call of layer l routed to experts a and b (logits), T tokens,
+ * against the bank read in place: the same bits. */
+static void paged_call_same_bits(qm_pager *pg, qm_backend *be, uint32_t l, uint32_t a,
+                                 uint32_t b, uint32_t T, int fast, uint64_t *rs, const char *what)
+{
+    const pf_bank *bk = &fixture.bank;
+    const pf_spec sp = fixture.spec;
+    float *x = malloc(sizeof(float) * T * sp.hidden), *lg = malloc(sizeof(float) * T * sp.experts);
+    float *ref = malloc(sizeof(float) * T * sp.hidden), *out = malloc(sizeof(float) * T * sp.hidden);
+    for (size_t i = 0; i < (size_t)T * sp.hidden; i++)
+        x[i] = pf_uniform(rs, -1.0f, 1.0f);
+    for (uint32_t t = 0; t < T; t++)
+        for (uint32_t e = 0; e < sp.experts; e++)
+            lg[(size_t)t * sp.experts + e] =
+                e == a ? 4.0f : e == b ? 3.0f + pf_uniform(rs, 0.0f, 0.5f) : pf_uniform(rs, -2, 0);
+    qm_moe_call c = {.layer = l, .dtype = QM_DTYPE_F32, .hidden = x, .n_tokens = T, .logits = lg,
+                     .output = ref, .precision = fast ? QM_PRECISION_FAST : QM_PRECISION_EXACT};
+    qm_expert_source src;
+    qm_expert_source_direct(bk->bank, &src);
+    ck_assert_int_eq(qm_moe_forward(be, bk->bank, &c, &src, NULL, &fixture.st), 0);
+    c.output = out;
+    qm_moe_stats ms = {0};
+    ck_assert_msg(qm_pager_forward(pg, &c, &ms, &fixture.st) == 0, "%s", fixture.st.msg);
+    ck_assert_msg(memcmp(out, ref, sizeof(float) * T * sp.hidden) == 0,
+                  "%s: layer %u experts %u,%u T %u %s: the paged output differs", what, l, a, b, T,
+                  fast ? "fast" : "exact");
+    qm_pager_tidy(pg); /* as the daemon, after the answer */
+    free(x), free(lg), free(ref), free(out);
+}
+
+/* A fast session's paged units laid out in r8 after they landed, once
+ * reused while the session hits (qm_pager_tidy): the same bits before and
+ * after, through evictions (a unit read again is in rows until laid out
+ * again), fast and exact, T = 1 and 3. */
+static void interleaved_slots_same_bits(const char *force)
+{
+    const pf_bank *b = &fixture.bank;
+    if (force)
+        setenv("QMOE_KERNEL", force, 1);
+    int native = qm__i8kernel_r8_native(qm__i8kernel_select(), 1);
+    qm_backend *be = NULL;
+    ck_assert_int_eq(qm_backend_cpu_new(2, &be, &fixture.st), 0);
+    qm_policy pol = {0};
+    new_policy("lru", b, NULL, &pol);
+    qm_residency_plan *plan = make_plan(b, &pol, 1, 4 * unit_bytes(b));
+    qm_pager_options o = {.interleave = 1, .no_preload = 1};
+    qm_pager *pg = NULL;
+    ck_assert_msg(qm_pager_new(be, b->bank, plan, &pol, &o, &pg, &fixture.st) == 0, "%s",
+                  fixture.st.msg);
+    const char *what = force ? force : "(the choice)";
+    uint64_t rs = 7;
+    qm_pager_stats ps;
+    /* Experts 0 and 1 of layer 0, hit after the first call. */
+    for (int i = 0; i < 16; i++)
+        paged_call_same_bits(pg, be, 0, 0, 1, i % 5 == 4 ? 3 : 1, i % 2, &rs, what);
+    qm_pager_stats_get(pg, &ps);
+    ck_assert_uint_eq(ps.units_interleaved_paged, native ? 2 : 0);
+    /* Churn: every unit of layers 0 and 1 in turn through 4 slots. */
+    for (uint32_t e = 0; e < 8; e += 2)
+        for (uint32_t l = 0; l < 2; l++)
+            paged_call_same_bits(pg, be, l, e, e + 1, 1 + e % 3, e % 4 == 0, &rs, what);
+    /* Back to 0 and 1: read again in rows, then laid out again once the
+     * recent hit rate (about the last 100 calls') is back above its gate. */
+    for (int i = 0; i < 120; i++)
+        paged_call_same_bits(pg, be, 0, 0, 1, 1, i % 2, &rs, what);
+    qm_pager_stats_get(pg, &ps);
+    ck_assert_uint_ge(ps.evictions, 8);
+    if (native)
+        ck_assert_uint_ge(ps.units_interleaved_paged, 4);
+    else
+        ck_assert_uint_eq(ps.bytes_interleaved_paged, 0);
+    qm_pager_free(pg);
+    qm_plan_free(plan);
+    qm_policy_destroy(&pol);
+    qm_backend_free(be);
+    unsetenv("QMOE_KERNEL");
+}
+
 /* Fast sessions' whole banks in the r8 layout (opt.interleave, engine/kernels/qm_r8.h):
  * the same bits as the bank read in place, fast and exact, at every row
  * count (the fast decode GEMVs read r8 themselves; prefill GEMMs pack from
  * it; exact kernels get rows back), on one and two threads, with the
  * measured choice and with each fast row of this CPU that reads r8 forced
- * (AVX-512 VNNI and AVX2 on a Zen 4); a paged session has no whole bank to
- * lay out. */
+ * (AVX-512 VNNI and AVX2 on a Zen 4); a paged session's units, laid out
+ * after they landed, alike. */
 START_TEST(test_interleaved_whole_banks_same_bits)
 {
     pf_spec sp = pf_default_spec();
@@ -384,6 +462,7 @@ START_TEST(test_interleaved_whole_banks_same_bits)
     sp.block = 32;
     pg_fixture_reopen(&sp);
     interleaved_same_bits(NULL);
+    interleaved_slots_same_bits(NULL);
     int forced = 0;
     for (size_t i = 0; i < qm__i8isa_count(); i++) {
         const char *name = qm__i8isa_at(i)->kernel.name;
@@ -392,13 +471,15 @@ START_TEST(test_interleaved_whole_banks_same_bits)
         unsetenv("QMOE_KERNEL");
         if (here && qm__i8isa_at(i)->reads_r8) {
             interleaved_same_bits(name);
+            interleaved_slots_same_bits(name);
             fprintf(stderr, "test_interleaved_whole_banks_same_bits: %s read the r8 bank\n", name);
             forced++;
         }
     }
     if (!forced)
         fprintf(stderr, "test_interleaved_whole_banks_same_bits: no fast row here reads r8\n");
-    /* Paged: no whole bank, nothing laid out. */
+    /* Paged: no whole bank, nothing laid out at creation (units are, once
+     * they land and are reused: interleaved_slots_same_bits). */
     ck_assert_uint_eq(lru_interleaved_bytes(&fixture.bank, 2 * unit_bytes(&fixture.bank)), 0);
 }
 END_TEST

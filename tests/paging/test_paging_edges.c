@@ -465,6 +465,113 @@ START_TEST(test_router_prefetch_makes_next_layer_call_all_hits)
 }
 END_TEST
 
+/* With defer_prefetch (the daemon's), a forward call leaves its prefetch
+ * for qm_pager_after_forward, which predicts from the hidden states the
+ * call was given even after the caller reused its buffer; a forward that
+ * comes first runs it itself. */
+START_TEST(test_deferred_prefetch_runs_after_the_answer_from_the_calls_own_hidden_states)
+{
+    qm_policy pol = {0};
+    ck_assert_int_eq(qm_policy_new("lru", NULL, &pol, &fixture.st), 0);
+    qm_residency_plan *plan = make_plan(&fixture.bank, &pol, 1, 4 * unit_bytes(&fixture.bank));
+    qm_pager_options o = {.prefetch = 1, .history = 1, .prefetch_min_precision = -1,
+                          .no_preload = 1, .defer_prefetch = 1};
+    qm_pager *pg = NULL;
+    ck_assert_int_eq(qm_pager_new(fixture.cpu, fixture.bank.bank, plan, &pol, &o, &pg, &fixture.st),
+                     0);
+    const uint32_t k = fixture.spec.k;
+    float x[32], x0[32], out[32];
+    fill_uniform(x0, 32, 77);
+    memcpy(x, x0, sizeof x);
+    qm_moe_call mc = {.layer = 0, .dtype = QM_DTYPE_F32, .hidden = x, .n_tokens = 1,
+                      .output = out};
+    qm_moe_stats ms = {0};
+    ck_assert_int_eq(qm_pager_forward(pg, &mc, &ms, &fixture.st), 0);
+    qm_pager_stats a;
+    qm_pager_stats_get(pg, &a);
+    ck_assert_uint_eq(a.misses, k);
+    ck_assert_uint_eq(a.prefetch_issued, 0); /* left for after the answer */
+    fill_uniform(x, 32, 78);                 /* the caller reuses its buffer */
+    qm_pager_after_forward(pg);
+    qm_pager_stats b;
+    qm_pager_stats_get(pg, &b);
+    ck_assert_uint_eq(b.prefetch_issued, k);
+    qm_pager_after_forward(pg); /* nothing left: nothing more */
+    qm_pager_stats_get(pg, &b);
+    ck_assert_uint_eq(b.prefetch_issued, k);
+    /* Layer 1's router on the call's own hidden state: all hits. */
+    memcpy(x, x0, sizeof x);
+    mc.layer = 1;
+    ck_assert_int_eq(qm_pager_forward(pg, &mc, &ms, &fixture.st), 0);
+    qm_pager_stats c;
+    qm_pager_stats_get(pg, &c);
+    ck_assert_uint_eq(c.misses, k);
+    ck_assert_uint_eq(c.hits, k);
+    /* Not run by the caller: the next forward runs it before its own. Layer
+     * 1's call left layer 2's prediction; layer 2 with the same state hits. */
+    mc.layer = 2;
+    ck_assert_int_eq(qm_pager_forward(pg, &mc, &ms, &fixture.st), 0);
+    qm_pager_stats d;
+    qm_pager_stats_get(pg, &d);
+    ck_assert_uint_eq(d.prefetch_issued, 2 * k);
+    ck_assert_uint_eq(d.misses, k);
+    ck_assert_uint_eq(d.hits, 2 * k);
+    qm_pager_free(pg); /* with layer 2's prefetch still left: dropped */
+    qm_plan_free(plan);
+    qm_policy_destroy(&pol);
+}
+END_TEST
+
+/* A session that has not missed for two tokens predicts with its routers
+ * on probe calls only (their GEMVs would find what is resident), and again
+ * on every call from the one after a miss. */
+START_TEST(test_router_prediction_rests_while_nothing_misses)
+{
+    qm_pager *pg = pg_fixture_lru_pager(8 * unit_bytes(&fixture.bank), 1);
+    const uint32_t L = fixture.spec.layers, k = fixture.spec.k;
+    float x[32], out[32];
+    fill_uniform(x, 32, 91);
+    qm_moe_call mc = {.dtype = QM_DTYPE_F32, .hidden = x, .n_tokens = 1, .output = out};
+    qm_moe_stats ms = {0};
+    qm_pager_stats a, b;
+    /* Every layer routed by its own router on the same state: after the
+     * first token all hit. */
+    for (uint32_t t = 0; t < 3; t++)
+        for (mc.layer = 0; mc.layer < L; mc.layer++)
+            ck_assert_int_eq(qm_pager_forward(pg, &mc, &ms, &fixture.st), 0);
+    qm_pager_stats_get(pg, &a);
+    const uint32_t calls = 40 * L;
+    for (uint32_t t = 0; t < 40; t++)
+        for (mc.layer = 0; mc.layer < L; mc.layer++)
+            ck_assert_int_eq(qm_pager_forward(pg, &mc, &ms, &fixture.st), 0);
+    qm_pager_stats_get(pg, &b);
+    ck_assert_uint_eq(b.misses, a.misses);
+    uint64_t predicted = b.predict_router_predicted - a.predict_router_predicted;
+    /* Probe calls only: one in 8 drawn, far below one prediction a call. */
+    ck_assert_msg(predicted > 0 && predicted < (uint64_t)calls * k / 3,
+                  "%llu experts predicted over %u quiet calls",
+                  (unsigned long long)predicted, calls);
+    /* A call that misses (another state: other experts), then the next
+     * call predicts again. */
+    float y[32];
+    fill_uniform(y, 32, 92);
+    mc.hidden = y;
+    mc.layer = 0;
+    uint64_t before = b.misses;
+    for (int i = 0; i < 8 && b.misses == before; i++) {
+        fill_uniform(y, 32, 93 + (uint64_t)i);
+        ck_assert_int_eq(qm_pager_forward(pg, &mc, &ms, &fixture.st), 0);
+        qm_pager_stats_get(pg, &b);
+    }
+    ck_assert_uint_gt(b.misses, before);
+    mc.layer = 1;
+    ck_assert_int_eq(qm_pager_forward(pg, &mc, &ms, &fixture.st), 0);
+    qm_pager_stats c;
+    qm_pager_stats_get(pg, &c);
+    ck_assert_uint_ge(c.predict_router_predicted, b.predict_router_predicted + 1);
+}
+END_TEST
+
 START_TEST(test_prefetch_never_evicts_pinned_or_in_use_experts)
 {
     pg_set none = {0};
@@ -917,6 +1024,8 @@ static void add_edge_tests(TCase *tc)
     tcase_add_test(tc, test_budget_below_one_request_runs_in_waves_with_same_output);
     tcase_add_test(tc, test_budget_below_one_expert_is_refused_naming_the_minimum);
     tcase_add_test(tc, test_router_prefetch_makes_next_layer_call_all_hits);
+    tcase_add_test(tc, test_router_prediction_rests_while_nothing_misses);
+    tcase_add_test(tc, test_deferred_prefetch_runs_after_the_answer_from_the_calls_own_hidden_states);
     tcase_add_test(tc, test_prefetch_never_evicts_pinned_or_in_use_experts);
     tcase_add_test(tc, test_prefetch_trial_holds_prefetch_that_is_slower);
     tcase_add_test(tc, test_prefetch_trial_keeps_prefetch_that_pays_and_times_only_decode);
