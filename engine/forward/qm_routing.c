@@ -304,26 +304,10 @@ static int qm__router_predict_simd_ok(void)
 }
 #endif
 
-int qm_moe_router_predict(const qm_bank_config *cfg, const qm_layer_view *layer, const float *x,
-                          uint32_t n_tokens, float *logits, qm_status *st)
-{
-    const qm_tensor_view *tw = &layer->t[QM_T_ROUTER_WEIGHT];
-    if (!tw->present)
-        return qm_status_set(st, QM_EINVAL,
-                             "layer %u has no router weight: pass router_logits", layer->index);
-#ifdef QM__ROUTER_SIMD
-    if (!qm__routing_scalar_forced && qm__router_predict_simd_ok() &&
-        (tw->dtype == QM_DTYPE_F32 || tw->dtype == QM_DTYPE_F16 || tw->dtype == QM_DTYPE_BF16)) {
-        qm__router_predict_avx2(tw, &layer->t[QM_T_ROUTER_BIAS], cfg->experts, cfg->hidden, x,
-                                n_tokens, logits);
-        return 0;
-    }
-#endif
-    return qm_moe_router_logits(cfg, layer, x, n_tokens, logits, st);
-}
-
-int qm_moe_router_logits(const qm_bank_config *cfg, const qm_layer_view *layer, const float *x,
-                         uint32_t n_tokens, float *logits, qm_status *st)
+/* logits = x . W^T + b: the routing's exact GEMV, or (fast) the
+ * prediction's f32 one where this CPU runs it. */
+static int qm__router_gemv(const qm_bank_config *cfg, const qm_layer_view *layer, const float *x,
+                           uint32_t n_tokens, float *logits, int fast, qm_status *st)
 {
     const qm_tensor_view *tw = &layer->t[QM_T_ROUTER_WEIGHT];
     if (!tw->present)
@@ -332,12 +316,29 @@ int qm_moe_router_logits(const qm_bank_config *cfg, const qm_layer_view *layer, 
 #ifdef QM__ROUTER_SIMD
     if (!qm__routing_scalar_forced && qm__router_simd_ok() &&
         (tw->dtype == QM_DTYPE_F32 || tw->dtype == QM_DTYPE_F16 || tw->dtype == QM_DTYPE_BF16)) {
-        qm__router_logits_avx2(cfg, layer, x, n_tokens, logits);
+        if (fast && qm__router_predict_simd_ok())
+            qm__router_predict_avx2(tw, &layer->t[QM_T_ROUTER_BIAS], cfg->experts, cfg->hidden,
+                                    x, n_tokens, logits);
+        else
+            qm__router_logits_avx2(cfg, layer, x, n_tokens, logits);
         return 0;
     }
 #endif
+    (void)fast;
     qm__router_logits_scalar(cfg, layer, x, n_tokens, logits);
     return 0;
+}
+
+int qm_moe_router_predict(const qm_bank_config *cfg, const qm_layer_view *layer, const float *x,
+                          uint32_t n_tokens, float *logits, qm_status *st)
+{
+    return qm__router_gemv(cfg, layer, x, n_tokens, logits, 1, st);
+}
+
+int qm_moe_router_logits(const qm_bank_config *cfg, const qm_layer_view *layer, const float *x,
+                         uint32_t n_tokens, float *logits, qm_status *st)
+{
+    return qm__router_gemv(cfg, layer, x, n_tokens, logits, 0, st);
 }
 
 /* Index of the largest v[i] over i with !taken[i]; ties: larger index;

@@ -353,6 +353,34 @@ END_TEST
 
 /* A layer with a routing rule and a correction bias routes by it in the
  * forward pass: same bits as supplying the rule's own routes. */
+/* v stored at dst as dtype dt (f32, f16 or bf16); returns the value stored. */
+static float store_weight(uint8_t *dst, qm_dtype dt, float v)
+{
+    if (dt == QM_DTYPE_F32) {
+        memcpy(dst, &v, 4);
+        return v;
+    }
+    uint16_t h = dt == QM_DTYPE_F16 ? qm_f32_to_f16(v) : qm_f32_to_bf16(v);
+    memcpy(dst, &h, 2);
+    return dt == QM_DTYPE_F16 ? qm_f16_to_f32(h) : qm_bf16_to_f32(h);
+}
+
+/* A layer view of router weight w [E][H] and, with `bias`, bias b [E], of dtype dt. */
+static qm_layer_view router_view(qm_dtype dt, uint32_t E, uint32_t H, const void *w, const void *b,
+                                 int bias)
+{
+    const size_t es = dt == QM_DTYPE_F32 ? 4 : 2;
+    qm_layer_view lv = {.index = 0};
+    lv.t[QM_T_ROUTER_WEIGHT] = (qm_tensor_view){.present = 1, .dtype = dt, .ndim = 2,
+                                                .shape = {E, H}, .data = w,
+                                                .nbytes = (uint64_t)E * H * es};
+    if (bias)
+        lv.t[QM_T_ROUTER_BIAS] = (qm_tensor_view){.present = 1, .dtype = dt, .ndim = 1,
+                                                  .shape = {E}, .data = b,
+                                                  .nbytes = (uint64_t)E * es};
+    return lv;
+}
+
 /* Router logits on this CPU's SIMD path are the scalar specification's bits
  * (per expert and token, the same exact products and rounded additions in
  * column order): every weight dtype, with and without a bias, expert and
@@ -385,25 +413,12 @@ START_TEST(test_router_logits_simd_gives_the_scalar_bits)
                 size_t e = i / H, c = i % H;
                 if (i < (size_t)E * H && e % 2 == 0 && H >= 2 && (c == 0 || c == H - 1))
                     v = c == 0 ? big : -big;
-                uint8_t *dst = i < (size_t)E * H ? w + i * es : b + (i - (size_t)E * H) * es;
-                if (dt == QM_DTYPE_F32) {
-                    memcpy(dst, &v, 4);
-                } else {
-                    uint16_t h = dt == QM_DTYPE_F16 ? qm_f32_to_f16(v) : qm_f32_to_bf16(v);
-                    memcpy(dst, &h, 2);
-                }
+                store_weight(i < (size_t)E * H ? w + i * es : b + (i - (size_t)E * H) * es, dt, v);
             }
             for (size_t i = 0; i < (size_t)T * H; i++)
                 x[i] = i % H == H - 1 ? x[i - (H - 1)] : tl_uniform(&seed, -4, 4);
             qm_bank_config cfg = {.experts = E, .hidden = H};
-            qm_layer_view lv = {.index = 0};
-            lv.t[QM_T_ROUTER_WEIGHT] = (qm_tensor_view){.present = 1, .dtype = dt, .ndim = 2,
-                                                        .shape = {E, H}, .data = w,
-                                                        .nbytes = (uint64_t)E * H * es};
-            if (bias)
-                lv.t[QM_T_ROUTER_BIAS] = (qm_tensor_view){.present = 1, .dtype = dt, .ndim = 1,
-                                                          .shape = {E}, .data = b,
-                                                          .nbytes = (uint64_t)E * es};
+            qm_layer_view lv = router_view(dt, E, H, w, b, bias);
             qm_status st = {0};
             qm__routing_force_scalar(1);
             ck_assert_int_eq(qm_moe_router_logits(&cfg, &lv, x, T, want, &st), 0);
@@ -444,29 +459,14 @@ START_TEST(test_router_predict_is_the_logits_to_f32_rounding)
                 float *wf = malloc(sizeof(float) * ((size_t)E * H + E));
                 float *x = malloc(sizeof(float) * T * H);
                 float *want = malloc(sizeof(float) * T * E), *got = malloc(sizeof(float) * T * E);
-                for (size_t i = 0; i < (size_t)E * H + E; i++) {
-                    float v = tl_uniform(&seed, -1, 1);
-                    uint8_t *dst = i < (size_t)E * H ? w + i * es : b + (i - (size_t)E * H) * es;
-                    if (dt == QM_DTYPE_F32) {
-                        memcpy(dst, &v, 4);
-                    } else {
-                        uint16_t h = dt == QM_DTYPE_F16 ? qm_f32_to_f16(v) : qm_f32_to_bf16(v);
-                        memcpy(dst, &h, 2);
-                        v = dt == QM_DTYPE_F16 ? qm_f16_to_f32(h) : qm_bf16_to_f32(h);
-                    }
-                    wf[i] = v;
-                }
+                for (size_t i = 0; i < (size_t)E * H + E; i++)
+                    wf[i] = store_weight(i < (size_t)E * H ? w + i * es
+                                                           : b + (i - (size_t)E * H) * es,
+                                         dt, tl_uniform(&seed, -1, 1));
                 for (size_t i = 0; i < (size_t)T * H; i++)
                     x[i] = tl_uniform(&seed, -4, 4);
                 qm_bank_config cfg = {.experts = E, .hidden = H};
-                qm_layer_view lv = {.index = 0};
-                lv.t[QM_T_ROUTER_WEIGHT] = (qm_tensor_view){.present = 1, .dtype = dt, .ndim = 2,
-                                                            .shape = {E, H}, .data = w,
-                                                            .nbytes = (uint64_t)E * H * es};
-                if (bias)
-                    lv.t[QM_T_ROUTER_BIAS] = (qm_tensor_view){
-                        .present = 1, .dtype = dt, .ndim = 1, .shape = {E}, .data = b,
-                        .nbytes = (uint64_t)E * es};
+                qm_layer_view lv = router_view(dt, E, H, w, b, bias);
                 qm_status st = {0};
                 ck_assert_int_eq(qm_moe_router_logits(&cfg, &lv, x, T, want, &st), 0);
                 ck_assert_int_eq(qm_moe_router_predict(&cfg, &lv, x, T, got, &st), 0);

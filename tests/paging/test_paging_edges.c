@@ -441,6 +441,16 @@ static void fill_uniform(float *x, size_t n, uint64_t seed)
         x[i] = pf_uniform(&seed, -1, 1);
 }
 
+/* One call of mc through pg (asserted to succeed): the pager's stats after it. */
+static qm_pager_stats forward_stats(qm_pager *pg, const qm_moe_call *mc)
+{
+    qm_moe_stats ms = {0};
+    ck_assert_int_eq(qm_pager_forward(pg, mc, &ms, &fixture.st), 0);
+    qm_pager_stats s;
+    qm_pager_stats_get(pg, &s);
+    return s;
+}
+
 START_TEST(test_router_prefetch_makes_next_layer_call_all_hits)
 {
     qm_pager *pg = pg_fixture_lru_pager(4 * unit_bytes(&fixture.bank), 1);
@@ -448,17 +458,12 @@ START_TEST(test_router_prefetch_makes_next_layer_call_all_hits)
     fill_uniform(x, 32, 77);
     qm_moe_call mc = {.layer = 0, .dtype = QM_DTYPE_F32, .hidden = x, .n_tokens = 1,
                       .output = out};
-    qm_moe_stats ms = {0};
-    ck_assert_int_eq(qm_pager_forward(pg, &mc, &ms, &fixture.st), 0);
-    qm_pager_stats a;
-    qm_pager_stats_get(pg, &a);
+    qm_pager_stats a = forward_stats(pg, &mc);
     ck_assert_uint_eq(a.misses, fixture.spec.k);
     /* Layer 1's router on the same hidden state. */
     ck_assert_uint_eq(a.prefetch_issued, fixture.spec.k);
     mc.layer = 1; /* same hidden, routed by layer 1's own router: exactly the prediction */
-    ck_assert_int_eq(qm_pager_forward(pg, &mc, &ms, &fixture.st), 0);
-    qm_pager_stats c;
-    qm_pager_stats_get(pg, &c);
+    qm_pager_stats c = forward_stats(pg, &mc);
     ck_assert_uint_eq(c.misses, a.misses);
     ck_assert_uint_eq(c.hits, fixture.spec.k);
     ck_assert_uint_eq(c.prefetch_useful, fixture.spec.k);
@@ -485,10 +490,7 @@ START_TEST(test_deferred_prefetch_runs_after_the_answer_from_the_calls_own_hidde
     memcpy(x, x0, sizeof x);
     qm_moe_call mc = {.layer = 0, .dtype = QM_DTYPE_F32, .hidden = x, .n_tokens = 1,
                       .output = out};
-    qm_moe_stats ms = {0};
-    ck_assert_int_eq(qm_pager_forward(pg, &mc, &ms, &fixture.st), 0);
-    qm_pager_stats a;
-    qm_pager_stats_get(pg, &a);
+    qm_pager_stats a = forward_stats(pg, &mc);
     ck_assert_uint_eq(a.misses, k);
     ck_assert_uint_eq(a.prefetch_issued, 0); /* left for after the answer */
     fill_uniform(x, 32, 78);                 /* the caller reuses its buffer */
@@ -502,17 +504,13 @@ START_TEST(test_deferred_prefetch_runs_after_the_answer_from_the_calls_own_hidde
     /* Layer 1's router on the call's own hidden state: all hits. */
     memcpy(x, x0, sizeof x);
     mc.layer = 1;
-    ck_assert_int_eq(qm_pager_forward(pg, &mc, &ms, &fixture.st), 0);
-    qm_pager_stats c;
-    qm_pager_stats_get(pg, &c);
+    qm_pager_stats c = forward_stats(pg, &mc);
     ck_assert_uint_eq(c.misses, k);
     ck_assert_uint_eq(c.hits, k);
     /* Not run by the caller: the next forward runs it before its own. Layer
      * 1's call left layer 2's prediction; layer 2 with the same state hits. */
     mc.layer = 2;
-    ck_assert_int_eq(qm_pager_forward(pg, &mc, &ms, &fixture.st), 0);
-    qm_pager_stats d;
-    qm_pager_stats_get(pg, &d);
+    qm_pager_stats d = forward_stats(pg, &mc);
     ck_assert_uint_eq(d.prefetch_issued, 2 * k);
     ck_assert_uint_eq(d.misses, k);
     ck_assert_uint_eq(d.hits, 2 * k);
