@@ -43,6 +43,11 @@ typedef struct qm_expert_weights {
      * CPU GEMV); 0: row order, as in the bank. Backends without the CPU
      * kernels never see it set. */
     uint32_t r8;
+    /* And weight tensor r8_part, its bit clear, in r8 for its first
+     * r8_part_rows rows (a multiple of 16), in row order after them: a
+     * paged unit the pager lays out a piece at a time; r8_part_rows 0:
+     * none. */
+    uint32_t r8_part, r8_part_rows;
 } qm_expert_weights;
 
 /* One expert's work in a layer call: rows of x to run through the FFN.

@@ -127,7 +127,11 @@ static int qm__make_qmat(const qm_bank_config *cfg, const qm_layer_view *lv, int
         m->block = bs;
     }
     m->r8 = (int)((w->r8 >> wt) & 1u);
-    if (m->r8 && !qm__r8_eligible(cfg, lv, wt))
+    m->r8_rows = !m->r8 && w->r8_part == (uint32_t)wt && w->r8_part_rows < n ? w->r8_part_rows : 0;
+    if (m->r8_rows % QM__TILE_ROWS)
+        return qm_status_set(st, QM_EINVAL, "layer %u: %s in r8 up to row %u, not a tile's edge",
+                             lv->index, name, m->r8_rows);
+    if ((m->r8 || m->r8_rows) && !qm__r8_eligible(cfg, lv, wt))
         return qm_status_set(st, QM_EINVAL, "layer %u: %s cannot be in the r8 layout", lv->index,
                              name);
     if (tz->present && w->ptr[wt + 2]) {
@@ -236,6 +240,20 @@ static void qm__run_matrix(qm__run *R, const qm__qmat *m, int gemm, uint32_t n0,
                            float *scratch)
 {
     qm__qmat t;
+    if (m->r8_rows) {
+        /* Laid out in part: the rows below the edge in r8, the rest in rows
+         * (tiles start on the edge's multiples of 16: one side or the other). */
+        uint32_t edge = m->r8_rows;
+        t = *m;
+        t.r8_rows = 0;
+        if (n0 < edge && n1 > edge) {
+            qm__run_matrix(R, m, gemm, n0, edge, xp, ldx, nx, y, ldy, scratch);
+            qm__run_matrix(R, m, gemm, edge, n1, xp, ldx, nx, y, ldy, scratch);
+            return;
+        }
+        t.r8 = n0 < edge;
+        m = &t;
+    }
     if (m->r8 && !(R->i8 && qm__i8kernel_r8_native(R->i8, nx))) {
         /* A kernel that reads rows: the tile's rows back in row order at the
          * front of this worker's scratch (qm__kernel_scratch_floats counts

@@ -33,7 +33,7 @@ void qm_expert_weights_from_unit(const qm_layer_view *layer, uint32_t n_experts,
 {
     (void)expert; /* the unit already is this expert's bytes */
     uint64_t off = 0;
-    out->r8 = 0;
+    out->r8 = out->r8_part = out->r8_part_rows = 0;
     for (int t = 0; t < QM_T_EXPERT_COUNT; t++) {
         const qm_tensor_view *tv = &layer->t[t];
         if (!tv->present) {
@@ -48,7 +48,7 @@ void qm_expert_weights_from_unit(const qm_layer_view *layer, uint32_t n_experts,
 void qm__mapped_weights(const qm_layer_view *layer, uint32_t n_experts, uint32_t expert,
                         qm_expert_weights *out)
 {
-    out->r8 = 0;
+    out->r8 = out->r8_part = out->r8_part_rows = 0;
     for (int t = 0; t < QM_T_EXPERT_COUNT; t++) {
         const qm_tensor_view *tv = &layer->t[t];
         out->ptr[t] = tv->present ? (const uint8_t *)tv->data +

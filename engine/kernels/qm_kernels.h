@@ -33,6 +33,10 @@ typedef struct qm__qmat {
     uint32_t block;       /* columns per block; k when nblk == 1 */
     int r8;               /* 1: 4-bit codes in the r8 layout (qm_r8.h); only
                            * kernels qm__i8kernel_r8_native names read it */
+    uint32_t r8_rows;     /* with r8 0: rows [0, r8_rows) are in r8 all the
+                           * same (a multiple of 16, a paged unit laid out a
+                           * piece at a time); qm_cpu_ffn.c hands the kernels
+                           * each tile in one layout */
 } qm__qmat;
 
 /* Output rows of one kernel task (fixed: the split never depends on threads). */

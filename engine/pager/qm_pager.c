@@ -111,26 +111,26 @@ static int qm__interleave_layer(qm_pager *p, qm__layer *L, qm_status *st)
  * straight into the slot). Laying a unit out when it landed, on the call's
  * path, cost more than it saved (docs/PAGING.md); here it happens when the
  * caller says its engine is not waiting (qm_pager_tidy, after a call's
- * answer), one weight tensor at a time, for a unit
- * that has been used twice (it is being reused) while the session's
- * recent accesses hit at least QM__R8_SLOT_MIN_HIT_RATE of the time: the
- * layout costs about as much as a dozen of its uses save (2.65 MB units
- * laid out at 9 GB/s, a T = 1 use 1.25x faster in r8; docs/PAGING.md), so
- * it pays for an expert that stays, not one about to be evicted. What a
- * session loads at its creation (pins, the preload, qm_pager_warm: its
- * hottest experts) is laid out there, all at once
- * (qm_pager_interleave_resident). Outputs are the same bits in either
- * layout. */
+ * answer), QM__R8_PIECE_BYTES at a time, for a unit that has been used
+ * twice (it is being reused) while the session's recent accesses hit at
+ * least QM__R8_SLOT_MIN_HIT_RATE of the time: the layout costs about as
+ * much as a dozen of its uses save (2.65 MB units laid out at 9 GB/s, a
+ * T = 1 use 1.25x faster in r8; docs/PAGING.md), so it pays for an expert
+ * that stays, not one about to be evicted. A tensor laid out in part is
+ * in r8 up to a row on a tile's edge (qm_expert_weights.r8_part_rows):
+ * the kernels take each 16-row tile in its own layout. What a session
+ * loads at its creation (pins, the preload, qm_pager_warm: its hottest
+ * experts) is laid out there, all at once (qm_pager_interleave_resident).
+ * Outputs are the same bits in either layout. */
 #define QM__R8_SLOT_MIN_USES 2
 #define QM__R8_SLOT_MIN_HIT_RATE 0.9
 #define QM__R8_SLOT_DECAY 0.99 /* a call's weight in the hit rate: about the last 100 calls' */
-/* One weight tensor at a time, and none larger than this (about 0.2 ms at
- * 9 GB/s: less than the gap between two layer calls of a decode on the e2e
- * shapes, so the next call seldom waits for it). A unit's larger tensors
- * (GPT-OSS-20B's 8.3 and 4.1 MB, Mixtral's 33 MB) are laid out only at
- * creation: one took 1.5 ms after an answer, which the next call waited
- * for (354 against 163 us beyond compute a call, GPT-OSS-20B shape at 50%). */
-#define QM__R8_TIDY_MAX_BYTES (2u << 20)
+/* A piece after an answer: about 0.2 ms at 9 GB/s, less than the gap
+ * between two layer calls of a decode on the e2e shapes, so the next call
+ * seldom waits for it (a whole 14 MB GPT-OSS-20B-shaped unit took 1.5 ms,
+ * which the next call waited for: 354 against 163 us beyond compute a
+ * call at 50% of that bank). */
+#define QM__R8_PIECE_BYTES (2u << 20)
 
 static int qm__r8_slots_start(qm_pager *p, qm_status *st)
 {
@@ -146,8 +146,6 @@ static int qm__r8_slots_start(qm_pager *p, qm_status *st)
             if (!qm__r8_eligible(p->cfg, L->view, W[i]))
                 continue;
             L->r8_slot |= 1u << W[i];
-            if (L->slice[W[i]] <= QM__R8_TIDY_MAX_BYTES)
-                L->r8_tidy |= 1u << W[i];
             size_t need = 8 * (size_t)L->view->t[W[i]].shape[2];
             tmp = need > tmp ? need : tmp;
         }
@@ -157,25 +155,40 @@ static int qm__r8_slots_start(qm_pager *p, qm_status *st)
     return 0;
 }
 
-/* Slot s's unit into the r8 layout, in place (nothing reads or writes the
- * slot: its copy landed and no call holds it). */
-static void qm__r8_slot(qm_pager *p, qm__slot *sl, uint32_t mask, int one)
+/* Slot sl's unit into the r8 layout, in place, from where it stands: the
+ * tensor laid out in part first, then the others in order, `budget` bytes
+ * at most (whole tiles of QM__TILE_ROWS rows, at least one). Nothing reads
+ * or writes the slot meanwhile: its copy landed and no call holds it. */
+static void qm__r8_slot(qm_pager *p, qm__slot *sl, uint64_t budget)
 {
     const qm__layer *L = &p->layers[sl->layer];
     qm_expert_weights w;
     qm__fill_weights(L, sl->base, sl->expert, 1, &w);
-    for (int t = 0; t < QM_T_EXPERT_COUNT; t++) {
-        if (!(mask >> t & 1u) || (sl->r8 >> t & 1u))
-            continue;
+    while (budget && (L->r8_slot & ~sl->r8)) {
+        uint32_t t = sl->r8_part;
+        if (!sl->r8_part_rows)
+            for (t = 0; !(L->r8_slot >> t & 1u) || (sl->r8 >> t & 1u); t++)
+                ;
         const qm_tensor_view *tv = &L->view->t[t];
-        qm__r8_interleave((uint8_t *)w.ptr[t], (uint32_t)tv->shape[1], (size_t)tv->shape[2],
-                          p->r8_tmp);
-        sl->r8 |= 1u << t;
-        p->stats.bytes_interleaved_paged += L->slice[t];
-        if (sl->r8 == L->r8_slot)
-            p->stats.units_interleaved_paged++;
-        if (one)
-            break;
+        const uint32_t n = (uint32_t)tv->shape[1], from = sl->r8_part_rows;
+        const size_t rb = (size_t)tv->shape[2];
+        uint64_t rows = budget / rb / QM__TILE_ROWS * QM__TILE_ROWS;
+        if (rows < QM__TILE_ROWS)
+            rows = QM__TILE_ROWS;
+        uint32_t to = rows >= n - from ? n : from + (uint32_t)rows;
+        qm__r8_interleave((uint8_t *)w.ptr[t] + (size_t)from * rb, to - from, rb, p->r8_tmp);
+        uint64_t done = (uint64_t)(to - from) * rb;
+        p->stats.bytes_interleaved_paged += done;
+        budget = done >= budget ? 0 : budget - done;
+        if (to == n) {
+            sl->r8 |= 1u << t;
+            sl->r8_part_rows = 0;
+            if (sl->r8 == L->r8_slot)
+                p->stats.units_interleaved_paged++;
+        } else {
+            sl->r8_part = t;
+            sl->r8_part_rows = to;
+        }
     }
 }
 
@@ -184,9 +197,8 @@ uint64_t qm_pager_interleave_resident(qm_pager *p)
     uint64_t was = p && p->r8_tmp ? p->stats.bytes_interleaved_paged : 0;
     for (uint32_t s = 0; p && p->r8_tmp && s < p->n_slots; s++) {
         qm__slot *sl = &p->slots[s];
-        uint32_t want = p->layers[sl->layer].r8_slot;
-        if (sl->state == QM__SLOT_RESIDENT && !sl->refs && want && sl->r8 != want)
-            qm__r8_slot(p, sl, want, 0);
+        if (sl->state == QM__SLOT_RESIDENT && !sl->refs)
+            qm__r8_slot(p, sl, UINT64_MAX);
     }
     return p ? p->stats.bytes_interleaved_paged - was : 0;
 }
@@ -207,12 +219,12 @@ static void qm__r8_slot_step(qm_pager *p)
         qm__slot *sl = &p->slots[s];
         if (sl->state != QM__SLOT_RESIDENT || sl->refs || sl->uses < QM__R8_SLOT_MIN_USES)
             continue;
-        if (!(p->layers[sl->layer].r8_tidy & ~sl->r8) || (best && best->uses >= sl->uses))
+        if (!(p->layers[sl->layer].r8_slot & ~sl->r8) || (best && best->uses >= sl->uses))
             continue;
         best = sl;
     }
     if (best)
-        qm__r8_slot(p, best, p->layers[best->layer].r8_tidy, 1);
+        qm__r8_slot(p, best, p->opt.r8_piece_bytes ? p->opt.r8_piece_bytes : QM__R8_PIECE_BYTES);
 }
 
 /* ---- After a call's answer ---- */

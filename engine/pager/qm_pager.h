@@ -121,6 +121,10 @@ typedef struct qm_pager_options {
      * change once answered). The daemon sets it; 0 prefetches inside
      * qm_pager_forward. Outputs never change either way. */
     int defer_prefetch;
+    /* qm_pager_tidy's piece of a paged unit's r8 layout, bytes (0 = 2 MiB;
+     * at least one tile of 16 rows). Tests make it small to walk every
+     * partial layout. */
+    uint32_t r8_piece_bytes;
 } qm_pager_options;
 
 enum { QM_PAGER_IO_AUTO = 0, QM_PAGER_IO_URING, QM_PAGER_IO_THREADS, QM_PAGER_IO_SERIAL };

@@ -128,7 +128,7 @@ int qm__pager_copy_unit(qm_pager *p, int32_t s, qm_status *st)
     qm__slot *sl = &p->slots[s];
     sl->n_fences = 0;
     sl->copy_seq = 0;
-    sl->r8 = 0; /* the bank's row layout lands */
+    sl->r8 = sl->r8_part_rows = 0; /* the bank's row layout lands */
     if (qm__pager_disk_async(p)) {
         /* copy_seq 1: a read of the I/O engine to collect. */
         sl->copy_rc = 0;

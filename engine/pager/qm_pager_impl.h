@@ -67,8 +67,9 @@ typedef struct qm__slot {
     uint32_t refs;      /* acquired and not yet released */
     uint16_t uses;      /* times handed out to a call since it was claimed (saturates) */
     /* Bit t set: weight tensor t of the unit is in the r8 layout (laid out
-     * after it landed, qm_pager.c); 0 from every copy into the slot. */
-    uint32_t r8;
+     * after it landed, qm_pager.c); and tensor r8_part in r8 for its first
+     * r8_part_rows rows (0: none); 0 from every copy into the slot. */
+    uint32_t r8, r8_part, r8_part_rows;
     uint64_t last_use;  /* pager tick of the last access/insert (LRU fallback) */
     uint64_t unit_bytes;
     /* Copy in flight (qm_pager_copy.c): a copy-thread job (copy_seq > 0) or device fences. */

@@ -204,6 +204,7 @@ void qm__fill_weights(const qm__layer *L, const uint8_t *unit_base, uint32_t e, 
                       qm_expert_weights *w)
 {
     w->r8 = !from_slot && L->whole_base ? L->r8 : 0;
+    w->r8_part = w->r8_part_rows = 0;
     for (int t = 0; t < QM_T_EXPERT_COUNT; t++) {
         if (!L->view->t[t].present) {
             w->ptr[t] = NULL;

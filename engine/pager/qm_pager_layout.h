@@ -51,7 +51,6 @@ typedef struct qm__layer {
     uint8_t *whole_base; /* whole bank: device copy, or NULL: served from the mapping */
     uint32_t r8;         /* whole copy: bit t set, weight tensor t in the r8 layout (qm_r8.h) */
     uint32_t r8_slot;    /* paged: the weight tensors a slot's unit may be laid out in r8 */
-    uint32_t r8_tidy;    /* ... of them, those small enough to lay out after an answer */
     int32_t *slot_of;    /* paged: [n_experts], -1 when not resident */
     uint8_t *pinned;     /* paged: [n_experts] 1 pinned, 2 pin released by a resize */
     uint8_t *mark;       /* paged: [n_experts] scratch for prefetch */

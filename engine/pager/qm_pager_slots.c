@@ -49,7 +49,7 @@ int qm__pager_claim(qm_pager *p, int32_t s, uint32_t layer, uint32_t expert, qm_
     sl->by_prefetch = how == QM__CLAIM_PREFETCH;
     sl->waiting = 0;
     sl->uses = 0;
-    sl->r8 = 0;
+    sl->r8 = sl->r8_part_rows = 0;
     sl->refs = how == QM__CLAIM_DEMAND;
     sl->last_use = p->tick;
     sl->unit_bytes = L->unit_bytes;
@@ -124,6 +124,8 @@ void qm__pager_slot_weights(qm_pager *p, int32_t s, qm_expert_weights *w)
     qm__slot *sl = &p->slots[s];
     qm__fill_weights(&p->layers[sl->layer], sl->base, sl->expert, 1, w);
     w->r8 = sl->r8;
+    w->r8_part = sl->r8_part;
+    w->r8_part_rows = sl->r8_part_rows;
     if (sl->uses < UINT16_MAX)
         sl->uses++;
 }

@@ -403,7 +403,7 @@ static void paged_call_same_bits(qm_pager *pg, qm_backend *be, uint32_t l, uint3
  * reused while the session hits (qm_pager_tidy): the same bits before and
  * after, through evictions (a unit read again is in rows until laid out
  * again), fast and exact, T = 1 and 3. */
-static void interleaved_slots_same_bits(const char *force)
+static void interleaved_slots_same_bits(const char *force, uint32_t piece)
 {
     const pf_bank *b = &fixture.bank;
     if (force)
@@ -414,7 +414,7 @@ static void interleaved_slots_same_bits(const char *force)
     qm_policy pol = {0};
     new_policy("lru", b, NULL, &pol);
     qm_residency_plan *plan = make_plan(b, &pol, 1, 4 * unit_bytes(b));
-    qm_pager_options o = {.interleave = 1, .no_preload = 1};
+    qm_pager_options o = {.interleave = 1, .no_preload = 1, .r8_piece_bytes = piece};
     qm_pager *pg = NULL;
     ck_assert_msg(qm_pager_new(be, b->bank, plan, &pol, &o, &pg, &fixture.st) == 0, "%s",
                   fixture.st.msg);
@@ -425,7 +425,11 @@ static void interleaved_slots_same_bits(const char *force)
     for (int i = 0; i < 16; i++)
         paged_call_same_bits(pg, be, 0, 0, 1, i % 5 == 4 ? 3 : 1, i % 2, &rs, what);
     qm_pager_stats_get(pg, &ps);
-    ck_assert_uint_eq(ps.units_interleaved_paged, native ? 2 : 0);
+    if (piece) /* one tile a tidy: units in part, the kernels taking each tile in its layout */
+        ck_assert(native ? ps.bytes_interleaved_paged > 0 && ps.units_interleaved_paged < 2
+                         : ps.bytes_interleaved_paged == 0);
+    else
+        ck_assert_uint_eq(ps.units_interleaved_paged, native ? 2 : 0);
     /* Churn: every unit of layers 0 and 1 in turn through 4 slots. */
     for (uint32_t e = 0; e < 8; e += 2)
         for (uint32_t l = 0; l < 2; l++)
@@ -437,7 +441,7 @@ static void interleaved_slots_same_bits(const char *force)
     qm_pager_stats_get(pg, &ps);
     ck_assert_uint_ge(ps.evictions, 8);
     if (native)
-        ck_assert_uint_ge(ps.units_interleaved_paged, 4);
+        ck_assert_uint_ge(ps.units_interleaved_paged, piece ? 2 : 4);
     else
         ck_assert_uint_eq(ps.bytes_interleaved_paged, 0);
     qm_pager_free(pg);
@@ -462,7 +466,8 @@ START_TEST(test_interleaved_whole_banks_same_bits)
     sp.block = 32;
     pg_fixture_reopen(&sp);
     interleaved_same_bits(NULL);
-    interleaved_slots_same_bits(NULL);
+    interleaved_slots_same_bits(NULL, 0);
+    interleaved_slots_same_bits(NULL, 1);
     int forced = 0;
     for (size_t i = 0; i < qm__i8isa_count(); i++) {
         const char *name = qm__i8isa_at(i)->kernel.name;
@@ -471,7 +476,8 @@ START_TEST(test_interleaved_whole_banks_same_bits)
         unsetenv("QMOE_KERNEL");
         if (here && qm__i8isa_at(i)->reads_r8) {
             interleaved_same_bits(name);
-            interleaved_slots_same_bits(name);
+            interleaved_slots_same_bits(name, 0);
+            interleaved_slots_same_bits(name, 1);
             fprintf(stderr, "test_interleaved_whole_banks_same_bits: %s read the r8 bank\n", name);
             forced++;
         }
