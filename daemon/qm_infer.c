@@ -431,9 +431,8 @@ static void ring_run(qm_job *job)
         qm_session_after_forward(job->session);
     qm_ring_post(rj, job->cancelled ? NULL : &a);
     /* And once the client has its answer, the work that only speeds
-     * later calls (a paged unit's r8 layout, qm_pager_tidy: up to 1.5 ms,
-     * which on the answer's path a GPT-OSS-20B shape at 50% of its bank
-     * paid as 354 against 163 us beyond compute a call). */
+     * later calls (a piece of a paged unit's r8 layout, qm_pager_tidy:
+     * about 0.2 ms, which on the answer's path the engine would wait for). */
     if (rj->admitted)
         qm_session_tidy(job->session);
 }

@@ -57,7 +57,7 @@ void qm__mapped_weights(const qm_layer_view *layer, uint32_t n_experts, uint32_t
     }
 }
 
-static void qm__load_hidden(qm_dtype dt, const void *src, size_t n, float *dst)
+void qm__load_hidden(qm_dtype dt, const void *src, size_t n, float *dst)
 {
     if (dt == QM_DTYPE_F32) {
         memcpy(dst, src, n * sizeof(float));

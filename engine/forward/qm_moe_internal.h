@@ -38,6 +38,9 @@ void qm__mapped_weights(const qm_layer_view *layer, uint32_t n_experts, uint32_t
  * instead of the AVX2 path (the same bits), 0 undoes it. */
 void qm__routing_force_scalar(int on);
 
+/* n hidden-state values of dtype dt (f32, f16, bf16) at src as f32 at dst. */
+void qm__load_hidden(qm_dtype dt, const void *src, size_t n, float *dst);
+
 /* Bytes of one expert's slice of a per-expert tensor (nbytes / experts). */
 uint64_t qm__expert_slice(const qm_tensor_view *tv, uint32_t n_experts);
 

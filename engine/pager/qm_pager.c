@@ -234,23 +234,15 @@ static void qm__r8_slot_step(qm_pager *p)
  * call's hidden states could not be copied). */
 static void qm__after_call(qm_pager *p, const qm_moe_call *call, uint32_t k)
 {
-    if (p->opt.defer_prefetch && qm__pager_prefetch_keep(p, call, k) == 0) {
-        p->after_pending = 1;
+    if (p->opt.defer_prefetch && qm__pager_prefetch_keep(p, call, k) == 0)
         return;
-    }
     qm__pager_prefetch_next(p, call, k);
 }
 
 /* The work a forward call left for after its answer, run now if any:
  * before anything else touches the slots (a forward, prefetch, warm or
  * resize). */
-static void qm__pager_settle(qm_pager *p)
-{
-    if (!p->after_pending)
-        return;
-    p->after_pending = 0;
-    qm__pager_prefetch_kept(p);
-}
+static void qm__pager_settle(qm_pager *p) { qm__pager_prefetch_kept(p); }
 
 void qm_pager_after_forward(qm_pager *p)
 {

@@ -173,7 +173,6 @@ struct qm_pager {
     /* A forward call's prefetch left for qm_pager_after_forward
      * (opt.defer_prefetch): the call as prediction reads it, its hidden
      * states copied to f32 in pf_x (NULL past the router's token bound). */
-    int after_pending; /* qm__pager_settle has work: the kept prefetch */
     uint32_t calls_since_miss; /* forward calls since one missed (or ran an expert on the host) */
     int pf_deferred;
     qm_moe_call pf_call;

@@ -331,9 +331,7 @@ static size_t qm__predict_router(qm_pager *p, const qm_moe_call *call, uint32_t 
     }
     const float *x = call->hidden;
     if (call->dtype != QM_DTYPE_F32) {
-        const uint16_t *h = call->hidden;
-        for (size_t i = 0; i < (size_t)T * H; i++)
-            p->pred_x[i] = call->dtype == QM_DTYPE_F16 ? qm_f16_to_f32(h[i]) : qm_bf16_to_f32(h[i]);
+        qm__load_hidden(call->dtype, call->hidden, (size_t)T * H, p->pred_x);
         x = p->pred_x;
     }
     qm_status tmp;
@@ -560,14 +558,7 @@ int qm__pager_prefetch_keep(qm_pager *p, const qm_moe_call *call, uint32_t k)
                 return -1;
             p->pf_x_cap = TH;
         }
-        if (call->dtype == QM_DTYPE_F32) {
-            memcpy(p->pf_x, call->hidden, TH * sizeof(float));
-        } else {
-            const uint16_t *h = call->hidden;
-            for (size_t i = 0; i < TH; i++)
-                p->pf_x[i] =
-                    call->dtype == QM_DTYPE_F16 ? qm_f16_to_f32(h[i]) : qm_bf16_to_f32(h[i]);
-        }
+        qm__load_hidden(call->dtype, call->hidden, TH, p->pf_x);
         x = p->pf_x;
     }
     p->pf_call = (qm_moe_call){
