@@ -103,8 +103,9 @@ static uint32_t *word(const qm_ring *r, size_t off) { return qm_ring_word(r->bas
 
 /* ---- the thread ---- */
 
-/* Spins on the doorbell until `end` (qm_ring_now_ns) at least 64 looks: 0
- * with *seq when a call came, -1 once the ring stops, 1 at `end`. */
+/* Spins on the doorbell until `end` (qm_ring_now_ns) at least 64 looks, or
+ * looks once when `end` is 0: 0 with *seq when a call came, -1 once the
+ * ring stops, 1 at `end`. */
 static int ring_spin(qm_ring *r, const uint32_t *req, uint32_t *seq, uint64_t end)
 {
     for (unsigned i = 0;; i++) {
@@ -116,7 +117,7 @@ static int ring_spin(qm_ring *r, const uint32_t *req, uint32_t *seq, uint64_t en
             /* A stop moves the doorbell after it sets `stop`. */
             return atomic_load(&r->stop) ? -1 : 0;
         }
-        if ((i & 63) == 63 && qm_ring_now_ns() >= end)
+        if (!end || ((i & 63) == 63 && qm_ring_now_ns() >= end))
             return 1;
         qm_ring_cpu_relax();
     }
@@ -155,7 +156,10 @@ static int ring_wait_request(qm_ring *r, uint32_t *seq, int *parked)
 {
     uint32_t *req = word(r, QM_RING_OFF_REQ_SEQ), *flag = word(r, QM_RING_OFF_DAEMON_PARKED);
     *parked = 0;
-    int got = ring_spin(r, req, seq, qm_ring_now_ns() + qm_ring_spin_budget(&r->spin));
+    /* No budget: one look, then park (the client may be waiting for this
+     * CPU: see libqmoe-client's ring_wait). */
+    uint64_t budget = qm_ring_spin_budget(&r->spin);
+    int got = ring_spin(r, req, seq, budget ? qm_ring_now_ns() + budget : 0);
     if (got != 1)
         return got;
     if (r->anticipate && (got = ring_anticipate(r, req, flag, seq)) != 1)
