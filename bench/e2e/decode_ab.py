@@ -10,7 +10,9 @@ against a fresh `qmoed --threads THREADS` whose environment the variant
 sets (NAME=VAR=VALUE[,VAR=VALUE...]; NAME= for the daemon as it is);
 llama-bench gets the variant's environment too (the llama.cpp adapter and
 libqmoe-client read some of the same variables); the variable QMOED names
-the qmoed binary a variant runs instead (another build, side by side), and
+the qmoed binary a variant runs instead (another build, side by side), LLAMA
+the llama.cpp install (PREFIX) its llama-bench comes from (one linked with
+another build's libqmoe-client), and
 POLICY and BUDGET the session llama.cpp asks for (`--qmoed-policy`, default
 whole_bank; `--qmoed-budget`, e.g. 50%: a paged session), and
 SET=KEY=VALUE[;KEY=VALUE...] the daemon's settings (`--set`, e.g.
@@ -153,7 +155,8 @@ def main():
     ap.add_argument("--precision", choices=["exact", "fast"], default="fast")
     ap.add_argument("--variant", type=variant, action="append",
                     help="NAME=VAR=VALUE[,...]: a daemon variant (default: one, the daemon as it is); "
-                         "VAR QMOED: the qmoed binary to run (another build)")
+                         "VAR QMOED: the qmoed binary to run (another build); LLAMA: the llama.cpp "
+                         "PREFIX its llama-bench comes from")
     ap.add_argument("--json", help="also write the rounds here")
     ap.add_argument("--state-dir", help="every daemon's state_dir (hotness profiles kept between runs)")
     a = ap.parse_args()
@@ -189,11 +192,17 @@ def main():
             # QMOED=PATH: that qmoed binary (another build, side by side);
             # POLICY and BUDGET: the session llama.cpp asks for.
             binary = env.get("QMOED")
+            # LLAMA=PREFIX: that llama.cpp install (e.g. linked with another
+            # build's libqmoe-client), for this variant's runs.
+            va = argparse.Namespace(**vars(a))
+            if "LLAMA" in env:
+                va.llama = env["LLAMA"]
             session = ["--qmoed-policy", env.get("POLICY", "whole_bank")]
             if "BUDGET" in env:
                 session += ["--qmoed-budget", env["BUDGET"]]
             sets = [kv for kv in env.get("SET", "").split(";") if kv]
-            env = {k: val for k, val in env.items() if k not in ("QMOED", "POLICY", "BUDGET", "SET")}
+            env = {k: val for k, val in env.items()
+                   if k not in ("QMOED", "LLAMA", "POLICY", "BUDGET", "SET")}
             args = ["--threads", str(a.threads), "--log-level", "warning"]
             for kv in sets:  # SET=KEY=VALUE[;KEY=VALUE...]: the daemon's --set
                 args += ["--set", kv]
@@ -202,7 +211,7 @@ def main():
                 args += ["--set", "state_dir=" + os.path.abspath(a.state_dir)]
             dm = Daemon(models={model: a.bank}, env=env, binary=binary, args=args)
             try:
-                res = llama_cpp.llama_bench(a, a.gguf, prompt=0, daemon_pid=dm.proc.pid, env=env,
+                res = llama_cpp.llama_bench(va, a.gguf, prompt=0, daemon_pid=dm.proc.pid, env=env,
                                             extra=["--qmoed", dm.socket] + session +
                                                   ["--qmoed-precision", a.precision])
             finally:
