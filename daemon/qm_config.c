@@ -70,6 +70,7 @@ void qm_config_defaults(qm_config *cfg)
     snprintf(cfg->auto_budget_pressure_level, sizeof cfg->auto_budget_pressure_level, "medium");
     cfg->auto_budget_shrink_percent = 10;
     cfg->auto_budget_grow_after_s = 30;
+    cfg->auto_budget_grace_ms = 3000;
 }
 
 void qm_config_free(qm_config *cfg)
@@ -336,6 +337,7 @@ static const key_def keys[] = {
     {"auto_budget_pressure_level", K_PRESSURE, 0, 0, 0, 0},
     {"auto_budget_shrink_percent", K_U32, OFF(auto_budget_shrink_percent), 1, 1, 90},
     {"auto_budget_grow_after_s", K_U32, OFF(auto_budget_grow_after_s), 1, 0, 86400},
+    {"auto_budget_grace_ms", K_U32, OFF(auto_budget_grace_ms), 1, 0, 600000},
 };
 
 static const key_def *find_key(const char *name)
@@ -577,7 +579,8 @@ static void usage(FILE *out)
             " trace_capacity session_workspace_bytes max_mapped_bytes max_rings\n"
             "  session_orphan_timeout_s auto_budget_reserve auto_budget_check_ms\n"
             "  auto_budget_pressure_ms auto_budget_pressure_level (low|medium|critical|off)\n"
-            "  auto_budget_shrink_percent auto_budget_grow_after_s, and \"models\": {NAME: PATH}.\n"
+            "  auto_budget_shrink_percent auto_budget_grow_after_s auto_budget_grace_ms,\n"
+            "  and \"models\": {NAME: PATH}.\n"
             "SIGHUP re-reads the reloadable keys (limits, log_level, admin_group).\n",
             option_names(qm_pager_source_at, sources, sizeof sources, "|", "|"),
             option_names(qm_pager_io_at, engines, sizeof engines, "|", "|"));

@@ -89,13 +89,17 @@ typedef struct qm_config {
      * in a 2 s window that makes a PSI pressure trigger (ms, 0 = none) and
      * cgroup v1's pressure level; how far one pressure event shrinks an
      * auto budget (percent of it); how long without pressure before auto
-     * budgets grow back (s). */
+     * budgets grow back (s); how long after an auto budget was made or
+     * grown pressure events are not acted on (ms: its own allocation and
+     * the engine's loading evict page cache, which the kernel reports as
+     * pressure). */
     uint64_t auto_budget_reserve;
     uint32_t auto_budget_check_ms;
     uint32_t auto_budget_pressure_ms;
     char auto_budget_pressure_level[12]; /* low, medium, critical; off: no v1 events */
     uint32_t auto_budget_shrink_percent;
     uint32_t auto_budget_grow_after_s;
+    uint32_t auto_budget_grace_ms;
 } qm_config;
 
 void qm_config_defaults(qm_config *cfg);

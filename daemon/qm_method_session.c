@@ -164,6 +164,9 @@ static int create_admit(qm_job *job, qm_status *st)
     if (rc < 0)
         return rc;
     job->session = s;
+    /* Its build allocates the budget: pressure events wait (again at its commit). */
+    if (autob.on)
+        qm_pressure_watch(job->mx->pressure);
     return 0;
 }
 

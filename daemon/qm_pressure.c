@@ -72,6 +72,11 @@ static void source_cb(uv_poll_t *h, int status, int events)
     }
     uint64_t now = qm_now_us();
     p->mx->counters->memory_pressure_events++;
+    if (now < p->grace_until_us) {
+        qm_log(QM_LOG_DEBUG, "memory pressure event from %s: within %u ms of an auto budget's "
+               "allocation, not acted on", src->what, p->mx->cfg->auto_budget_grace_ms);
+        return;
+    }
     qm_log(QM_LOG_DEBUG, "memory pressure event from %s", src->what);
     p->pressure_pending = 1;
     uint64_t last = p->last_pressure_us;
@@ -246,6 +251,13 @@ static void count_change(qm_counters *c, uint64_t was, uint64_t now)
     }
 }
 
+/* Pressure events wait auto_budget_grace_ms from now (qm_pressure.h). */
+static void start_grace(qm_pressure *p)
+{
+    if (p)
+        p->grace_until_us = qm_now_us() + (uint64_t)p->mx->cfg->auto_budget_grace_ms * 1000u;
+}
+
 static void auto_resize_finish(qm_job *job)
 {
     const qm_method_ctx *mx = job->mx;
@@ -272,6 +284,8 @@ static void auto_resize_finish(qm_job *job)
     }
     count_change(qm_session_counters(s), was, want);
     count_change(mx->counters, was, want);
+    if (want > was) /* the growth's own allocation */
+        start_grace(mx->pressure);
     qm_log(QM_LOG_NOTICE, "session %s: auto budget %s %s -> %s (%s); resident %llu",
            qm_session_id(s), want < was ? "shrank" : "grew", from, to, a->change_why,
            (unsigned long long)qm_session_resident_bytes(s));
@@ -458,7 +472,11 @@ static void timer_cb(uv_timer_t *t)
 
 void qm_pressure_watch(qm_pressure *p)
 {
-    if (p && p->started && !p->stopped && !uv_is_active((uv_handle_t *)&p->timer))
+    if (!p || !p->started || p->stopped)
+        return;
+    start_grace(p);
+    p->pressure_pending = 0; /* what came while it was built */
+    if (!uv_is_active((uv_handle_t *)&p->timer))
         uv_timer_start(&p->timer, timer_cb, check_us(p) / 1000u, 0);
 }
 

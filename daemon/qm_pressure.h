@@ -19,7 +19,12 @@
  * What a step does is qm_budget_step (qm_budget.h): a limit leaving less
  * than half the reserve shrinks the auto sessions by what is missing; a
  * pressure event by auto_budget_shrink_percent; auto_budget_grow_after_s
- * without either grows them back toward their auto size. One resize per
+ * without either grows them back toward their auto size. Events within
+ * auto_budget_grace_ms of an auto budget's making or growth are counted and
+ * not acted on: that allocation (mlocked slots filled from disk) and the
+ * engine loading beside it push page cache out of a capped cgroup, which
+ * the kernel reports as pressure (measured: docs/OPERATIONS.md, "Under
+ * pressure"). One resize per
  * session at a time; each change is logged and counted (auto_shrinks,
  * auto_grows, auto_shrunk_bytes, auto_grown_bytes; memory_pressure_events).
  * Loop thread only. */
@@ -48,6 +53,9 @@ typedef struct qm_pressure {
     uint64_t last_pressure_us;     /* the last event (0: none yet) */
     uint64_t last_step_us;         /* the last step a pressure event took */
     int pressure_pending;          /* an event not yet acted on */
+    /* Events before this are counted and not acted on: an auto budget was
+     * just made or grown (auto_budget_grace_ms). */
+    uint64_t grace_until_us;
 } qm_pressure;
 
 /* Starts the timer; the sources are armed at the first step that finds an
@@ -62,8 +70,10 @@ void qm_pressure_free(qm_pressure *p);
  * qm_pressure_watch). */
 size_t qm_pressure_step(qm_pressure *p, uint64_t now_us);
 /* A session's budget became "auto" (created or resized so): the timer runs
- * again if it had stopped. An idle daemon without auto budgets has no
- * timer running (docs/ARCHITECTURE.md, "The loop's timers"). */
+ * again if it had stopped, and pressure events wait auto_budget_grace_ms
+ * (what the session's allocation and its engine's loading evicted is not
+ * a shortage). An idle daemon without auto budgets has no timer running
+ * (docs/ARCHITECTURE.md, "The loop's timers"). */
 void qm_pressure_watch(qm_pressure *p);
 
 #endif

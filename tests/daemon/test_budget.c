@@ -363,21 +363,24 @@ START_TEST(test_auto_budget_config_keys_and_their_checks)
     ck_assert_uint_eq(cfg.auto_budget_reserve, 256ull << 20);
     ck_assert_uint_eq(cfg.auto_budget_check_ms, 1000);
     ck_assert_str_eq(cfg.auto_budget_pressure_level, "medium");
+    ck_assert_uint_eq(cfg.auto_budget_grace_ms, 3000);
     char *argv[] = {"qmoed", "--set", "auto_budget_reserve=1G", "--set",
                     "auto_budget_pressure_level=low", "--set", "auto_budget_shrink_percent=25",
-                    NULL};
+                    "--set", "auto_budget_grace_ms=0", NULL};
     qm_status st;
     qm_status_clear(&st);
-    ck_assert_int_eq(qm_config_from_args(&cfg, 7, argv, &st), 0);
+    ck_assert_int_eq(qm_config_from_args(&cfg, 9, argv, &st), 0);
     ck_assert_uint_eq(cfg.auto_budget_reserve, 1ull << 30);
     ck_assert_str_eq(cfg.auto_budget_pressure_level, "low");
     ck_assert_uint_eq(cfg.auto_budget_shrink_percent, 25);
+    ck_assert_uint_eq(cfg.auto_budget_grace_ms, 0);
     qm_config_free(&cfg);
     static const char *const bad[][2] = {
         {"auto_budget_pressure_level=high", "low, medium, critical"},
         {"auto_budget_shrink_percent=0", "1..90"},
         {"auto_budget_shrink_percent=95", "1..90"},
         {"auto_budget_pressure_ms=2001", "0..2000"},
+        {"auto_budget_grace_ms=600001", "0..600000"},
         {"auto_budget_reserve=lots", "non-negative integer"},
     };
     for (size_t i = 0; i < sizeof bad / sizeof *bad; i++) {

@@ -24,7 +24,8 @@ WORKSPACE = 4096  # session_workspace_bytes in these daemons
 RULE = 'budget: expected bytes, "N%" with 0 < N <= 100, or "auto"'
 WATCH = ["--set", "session_workspace_bytes=%d" % WORKSPACE, "--set", "auto_budget_check_ms=100",
          "--set", "auto_budget_grow_after_s=1", "--set", "auto_budget_pressure_ms=0",
-         "--set", "auto_budget_pressure_level=off", "--set", "auto_budget_shrink_percent=20"]
+         "--set", "auto_budget_pressure_level=off", "--set", "auto_budget_shrink_percent=20",
+         "--set", "auto_budget_grace_ms=0"]
 
 
 def model_bytes(c):
@@ -226,6 +227,51 @@ def test_pressure_shrinks_auto_sessions_only_and_quiet_grows_them_back(watched):
     plan = c.call("session.plan", {"session": auto})
     assert plan["budget_bytes"] == total and plan["budget_auto"]["target_bytes"] == total
 
+
+
+def test_pressure_waits_its_grace_after_an_auto_budget_is_made_or_grown(small, tmp_path):
+    """Events within auto_budget_grace_ms of an auto session's creation, or
+    of the watcher's growing it, are counted and not acted on: that
+    allocation and the engine's loading evict page cache, which the kernel
+    reports as pressure. After the grace an event shrinks as before."""
+    grace = 3.0
+    fm = FakeMemory(str(tmp_path), limit=1 << 30, usage=0)
+    fifo = os.path.join(str(tmp_path), "pressure")
+    os.mkfifo(fifo)
+    dm = Daemon(models={"small": small}, env=fm.env(fifo),
+                args=WATCH + ["--set", "auto_budget_reserve=10000",
+                              "--set", "auto_budget_grace_ms=%d" % (grace * 1000)])
+    try:
+        c = dm.client()
+        total = model_bytes(c)
+
+        def event():
+            with open(fifo, "w") as f:
+                f.write("pressure\n")
+
+        t0 = time.time()
+        sid = c.call("session.create", {"model": "small", "policy": "lru", "budget": "auto"})["session"]
+        event()
+        time.sleep(0.5)
+        assert time.time() - t0 < grace  # the check below means something
+        assert budget_of(c, sid) == total
+        t = c.call("telemetry.get")["daemon"]
+        assert t["memory_pressure_events"] == 1 and t["auto_shrinks"] == 0, t
+        time.sleep(max(0.0, grace + 0.2 - (time.time() - t0)))
+        event()
+        shrunk = wait_budget(c, sid, lambda b: b < total, "shrunk after the grace")
+        assert shrunk == total - total // 5
+        # Quiet (1 s) grows it back; an event right after the growth waits too.
+        wait_budget(c, sid, lambda b: b == total, "grown back", timeout=15)
+        t1 = time.time()
+        event()
+        time.sleep(0.5)
+        assert time.time() - t1 < grace
+        assert budget_of(c, sid) == total
+        t = c.call("telemetry.get")["daemon"]
+        assert t["memory_pressure_events"] == 3 and t["auto_shrinks"] == 1, t
+    finally:
+        assert dm.stop() == 0, dm.log_text()
 
 
 def test_a_lowered_limit_takes_what_is_missing_from_auto_budgets(watched):
