@@ -7,7 +7,6 @@ void qm__pf_trial_init(qm__pf_trial *t, int on, uint32_t layers)
 {
     memset(t, 0, sizeof *t);
     t->on = on ? 1 : 0;
-    t->exploring = 1;
     if (layers == 0)
         layers = 1;
     if (layers > 1u << 20)
@@ -16,6 +15,13 @@ void qm__pf_trial_init(qm__pf_trial *t, int on, uint32_t layers)
     t->window_calls = w < QM__TRIAL_MIN_WINDOW_CALLS ? QM__TRIAL_MIN_WINDOW_CALLS : w;
     t->settle_calls = layers;
     t->settle = QM__TRIAL_START_TOKENS * layers; /* the budget just filled */
+    /* Prefetch starts held, kept as a decision is (QM__TRIAL_KEEP_WINDOWS),
+     * and is then measured: a read has to show that it pays. */
+    if (t->on) {
+        t->held = 1;
+        t->last_hold = 1;
+        t->keep = t->keep_left = QM__TRIAL_KEEP_WINDOWS;
+    }
 }
 
 /* The mode of exploring window `step`: A B B A from `first`, so that a

@@ -15,16 +15,24 @@
  *
  * So the trial times the session itself. Once its budget is full (the
  * pager calls it from the first eviction on: until then a prefetch evicts
- * nothing) and two more tokens have passed, in windows of about two tokens
- * (2 x layers forward calls), it runs prefetch fetched and prefetch held
- * (predicted and scored as always, nothing read) in the order A B B A (a
- * trend weighs on both alike), the first token after each switch left out
- * of the clock (the cache it finds is the other mode's); then keeps the
- * mode whose windows took less wall time per token (held only when that
- * is at least 3% faster) for 32 windows, and measures again; each time the
- * answer is the same as the last, it keeps it twice as long (up to 512
- * windows, about 1000 tokens: a measurement costs the losing mode's
- * windows). Wall time between forward calls is what the engine sees: the
+ * nothing) prefetch is held (predicted and scored as always, nothing read)
+ * for two tokens and 32 windows of about two tokens (2 x layers forward
+ * calls), about 66 tokens; then, in such windows, it runs prefetch held and
+ * prefetch fetched in the order A B B A (a trend weighs on both alike),
+ * the first token after each switch left out of the clock (the cache it
+ * finds is the other mode's); then keeps the mode whose windows took less
+ * wall time per token (held only when that is at least 3% faster) for 32
+ * windows, and measures again; each time the answer is the same as the
+ * last, it keeps it twice as long (up to 512 windows, about 1000 tokens: a
+ * measurement costs the losing mode's windows). Held first because,
+ * measured on machine B (2026-12-05, llama.cpp decode, a build starting
+ * held against the one starting with A B B A fetched first, in turns),
+ * starting held was as fast or faster in every regime tried: next_use at
+ * 25% of the Qwen3-30B-A3B shape's bank 1.08x, 50% / 25% of GPT-OSS-20B's
+ * 1.07x / 1.07x, under a cgroup cap of half the GPT-OSS GGUF 1.05-1.10x and
+ * of a third of the Qwen3 GGUF 1.05-1.11x, of half the Qwen3 GGUF parity:
+ * the fetched windows of the first measurement (and of a session too short
+ * for one) read for guesses that were wrong as often as right. Wall time between forward calls is what the engine sees: the
  * calls' compute and stalls, and whatever the engine does between them. A
  * call of more than 64 tokens (a prefill) or a pause of over a second
  * between calls drops the open window.

@@ -261,6 +261,25 @@ def resize_script(dm, cls, tally):
     return outs
 
 
+def residency_free(outs):
+    """outs with the plans' residency left out (resident_now, resident,
+    resident_bytes): for a run whose pager took the mapping instead of the
+    disk (an absorbed failure in the disk source's opening: logged, "serving
+    from the mapping"), whose prefetch then differs (the prefetch trial
+    runs on the disk source only, and holds prefetch at first), so the
+    experts resident after the script may differ; the outputs may not."""
+    def strip(o):
+        if not isinstance(o, str) or '"banks"' not in o:
+            return o
+        plan = json.loads(o)
+        for b in plan["banks"]:
+            b.pop("resident_now", None)
+        plan.pop("resident", None)
+        plan.pop("resident_bytes", None)
+        return json.dumps(plan, sort_keys=True)
+    return [strip(o) for o in outs]
+
+
 def run(bank, cls, n, body=script):
     dm = Daemon(models={"small": bank}, env={"QMOED_FAULT_ALLOC": "%s:%d" % (cls, n)})
     dm.bank_path = bank
@@ -281,6 +300,9 @@ def run(bank, cls, n, body=script):
     m = re.search(r"QMOED_FAULT_ALLOC: (\d+) worker allocations, (\d+) loop, (\d+) engine", log)
     assert m, "the fault hook did not report (not installed?):\n" + log[-2000:]
     counts = dict(zip(("worker", "loop", "engine"), map(int, m.groups())))
+    run.took_mapping = "serving from the mapping" in log
+    if run.took_mapping:
+        outs = residency_free(outs)
     return outs, tally, counts
 
 
@@ -318,7 +340,8 @@ def test_allocation_failures_give_clean_errors_and_leave_nothing_behind(bank, cl
         outs, tally, _ = run(bank, cls, n)
         # Whatever failed, the retried requests give exactly the answers of
         # the fault-free daemon, and the budget in use is back to zero.
-        assert outs == expect, "%s:%d: outputs differ from the fault-free run" % (cls, n)
+        want = residency_free(expect) if run.took_mapping else expect
+        assert outs == want, "%s:%d: outputs differ from the fault-free run" % (cls, n)
         for k, v in tally.items():
             total[k] = total.get(k, 0) + v
         absorbed += not any(tally.values())

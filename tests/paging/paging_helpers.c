@@ -150,9 +150,10 @@ qm_pager *lru_pager(const pf_bank *b, qm_backend *be, qm_policy *pol, uint64_t b
 {
     qm_status st = {0};
     *plan = make_plan(b, pol, 1, budget);
-    /* No gating: the model does not gate prefetch sources. */
+    /* No gating: the model does not gate prefetch sources; nor does the
+     * trial hold them (it starts held: its own tests in test_paging_edges.c). */
     qm_pager_options o = {.prefetch = prefetch, .history = 1, .prefetch_min_precision = -1,
-                          .no_preload = 1};
+                          .no_preload = 1, .prefetch_trial = 2};
     qm_pager *pg = NULL;
     int rc = qm_pager_new(be, b->bank, *plan, pol, &o, &pg, &st);
     ck_assert_msg(rc == 0, "pager: %s", st.msg);

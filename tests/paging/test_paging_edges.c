@@ -893,31 +893,39 @@ static uint64_t trial_run(qm__pf_trial *t, uint32_t n, uint64_t fetch_us, uint64
     return held_calls;
 }
 
-/* Timed faster without prefetch, the trial holds it after measuring (two
- * tokens left out, windows A B B A of two tokens, a token left out after
- * each switch), and keeps holding: measured again less and less often. */
+/* Timed faster without prefetch, the trial holds it from the start (two
+ * tokens, then 32 windows of two tokens), measures (windows A B B A, held
+ * first, a token left out after each switch), and keeps holding: measured
+ * again less and less often. */
 START_TEST(test_prefetch_trial_holds_prefetch_that_is_slower)
 {
     qm__pf_trial t;
     qm__pf_trial_init(&t, 1, 8); /* 8 layers: windows of 16 calls */
     ck_assert_uint_eq(t.window_calls, 16);
     uint32_t at[4] = {0};
+    uint64_t now = 1000000;
+    for (uint32_t i = 0; i < 16 + 1 + 32 * 16; i++) /* held throughout, no decision yet */
+        ck_assert_int_eq(qm__pf_trial_call(&t, 1, now += 200), 1);
+    ck_assert_uint_eq(t.decisions, 0);
+    qm__pf_trial_init(&t, 1, 8);
     uint64_t held = trial_run(&t, 20000, 200, 100, 0, 0, at);
     ck_assert_uint_ge(t.decisions, 3);
     ck_assert_uint_eq(t.decisions_held, t.decisions);
     ck_assert_uint_eq(t.ns_per_token[0], 200000);
     ck_assert_uint_eq(t.ns_per_token[1], 100000);
-    /* The first decision: 16 calls left out, A (1 + 16), a token, B B, a
-     * token, A: at call 16 + 16 + 8 + 1 + 32 + 8 + 1 + 16. */
-    ck_assert_uint_eq(at[0], 98);
+    /* The first decision: 16 calls held, 32 windows kept (1 + 32 x 16),
+     * A (16), a token, B B, a token, A: at call 16 + 512 + 16 + 8 + 1 + 32
+     * + 8 + 1 + 16. */
+    ck_assert_uint_eq(at[0], 610);
     ck_assert_uint_gt(at[2] - at[1], at[1] - at[0]); /* measured less often */
     ck_assert_uint_gt(held, 20000 * 9 / 10);
 }
 END_TEST
 
-/* Timed faster with prefetch, it is never held after the measurement;
- * a prefill or a pause (each making holding look faster were it timed)
- * restarts the window instead of counting. */
+/* Timed faster with prefetch, it is never held after the measurement
+ * (held before it, for the first 66 tokens); a prefill or a pause (each
+ * making holding look faster were it timed) restarts the window instead of
+ * counting. */
 START_TEST(test_prefetch_trial_keeps_prefetch_that_pays_and_times_only_decode)
 {
     for (int variant = 0; variant < 3; variant++) {
@@ -929,9 +937,10 @@ START_TEST(test_prefetch_trial_keeps_prefetch_that_pays_and_times_only_decode)
                       (unsigned long long)t.decisions);
         ck_assert_msg(t.decisions_held == 0, "variant %d: held %llu times", variant,
                       (unsigned long long)t.decisions_held);
-        ck_assert_uint_lt(held, 20000 / 10); /* only the held windows of each measurement */
+        /* The first tokens and the held windows of each measurement only. */
+        ck_assert_uint_lt(held, 20000 / 10);
     }
-    /* Within the margin: fetching stays. */
+    /* Within the margin: fetching wins. */
     qm__pf_trial t;
     qm__pf_trial_init(&t, 1, 8);
     trial_run(&t, 5000, 100, 99, 0, 0, NULL);
@@ -947,11 +956,11 @@ END_TEST
 /* In a pager: while the trial holds prefetch, nothing is read, the history
  * still predicts and is scored on every call and the router (a GEMV a call)
  * only on probe calls, each held call is counted, and bit 3 of
- * prefetch_sources_off says so; fetching resumes after the held windows.
- * Which mode wins depends on the clock; the order of the first measurement
- * does not: from the budget's first eviction, 2 tokens and window A fetch,
- * then a token and two windows (L + 2W + 1 calls, the last switching back)
- * are held. */
+ * prefetch_sources_off says so; fetching comes with the first measurement.
+ * Which mode wins depends on the clock; the order does not: from the
+ * budget's first eviction, 2 tokens, 32 kept windows and window A are held
+ * (2L + 33W calls), then a token and two windows (L + 2W + 1 calls, the
+ * last switching back) fetch. */
 START_TEST(test_prefetch_trial_in_the_pager_holds_reads_not_predictions)
 {
     qm_policy pol = {0};
@@ -963,9 +972,10 @@ START_TEST(test_prefetch_trial_in_the_pager_holds_reads_not_predictions)
     ck_assert_int_eq(qm_pager_new(fixture.cpu, fixture.bank.bank, plan, &pol, &o, &pg, &fixture.st),
                      0);
     const uint32_t L = fixture.spec.layers, W = QM__TRIAL_MIN_WINDOW_CALLS; /* 3 layers */
-    enum { N = 200 };
-    uint8_t held[N], bit[N];
-    uint64_t issued[N], predicted[N], history[N], held_total[N], decisions[N];
+    const uint32_t R = 2 * L + 33 * W; /* the held run */
+    enum { N = 800 };
+    static uint8_t held[N], bit[N];
+    static uint64_t issued[N], predicted[N], history[N], held_total[N], decisions[N], evictions[N];
     uint64_t s = 5, held_before = 0;
     for (uint32_t i = 0; i < N; i++) {
         uint32_t ex[2] = {(uint32_t)(pf_rand(&s) % 4), 4 + (uint32_t)(pf_rand(&s) % 4)};
@@ -980,27 +990,31 @@ START_TEST(test_prefetch_trial_in_the_pager_holds_reads_not_predictions)
         history[i] = ps.predict_history_predicted;
         held_total[i] = ps.prefetch_trial_held;
         decisions[i] = ps.prefetch_trial_decisions;
+        evictions[i] = ps.evictions;
     }
     uint32_t h = 0;
     while (h < N && !held[h])
         h++;
-    ck_assert_uint_ge(h, 2 * L + W); /* at least 2 tokens and window A first */
-    ck_assert_uint_gt(issued[h - 1], 0);
-    for (uint32_t i = h; i < h + L + 2 * W + 1; i++) {
+    ck_assert_uint_gt(h, 0);
+    ck_assert_uint_lt(h + R + L + 2 * W + L + W + 2, N);
+    ck_assert_uint_eq(evictions[h - 1], 0); /* held from the budget's first eviction */
+    ck_assert_uint_gt(evictions[h], 0);
+    for (uint32_t i = h; i < h + R; i++) {
         ck_assert_msg(held[i] && bit[i], "call %u of the held run", i - h);
         ck_assert_uint_eq(issued[i], issued[h - 1]); /* nothing read */
     }
+    ck_assert_uint_eq(decisions[h + R - 1], 0);
     /* The history scored on each held call; the router on a few only
-     * (fetching, it predicts on every call: at least one expert each). */
-    ck_assert_uint_ge(history[h + L + 2 * W], history[h - 1] + L + 2 * W);
-    ck_assert_uint_ge(predicted[h - 1] - predicted[h - 1 - L], L);
-    ck_assert_uint_lt(predicted[h + L + 2 * W] - predicted[h - 1], L + 2 * W);
-    uint32_t after = h + L + 2 * W + 1;
+     * (fetching, below, it predicts on every call: at least one expert each). */
+    ck_assert_uint_ge(history[h + R - 1], history[h - 1] + R - 1);
+    ck_assert_uint_lt(predicted[h + R - 1] - predicted[h - 1], R / 2);
+    uint32_t after = h + R;
     ck_assert(!held[after] && !bit[after]);
-    ck_assert_uint_gt(issued[after + W - 1], issued[after - 1]); /* fetching again */
-    ck_assert_uint_eq(held_total[after + W - 1], L + 2 * W + 1);
-    ck_assert_uint_eq(decisions[after + W - 1], 0); /* the last A is not over */
-    ck_assert_uint_eq(decisions[N - 1], 1);         /* it is now */
+    ck_assert_uint_gt(issued[after + L + W], issued[after - 1]); /* fetching */
+    ck_assert_uint_ge(predicted[after + L + W] - predicted[after + W], L);
+    ck_assert_uint_eq(held_total[after + L + 2 * W], R); /* the fetched run: nothing held */
+    ck_assert_uint_eq(decisions[after + L + 2 * W], 0); /* the last A is not over */
+    ck_assert_uint_eq(decisions[N - 1], 1);             /* it is now */
     qm_pager_free(pg);
     qm_plan_free(plan);
     qm_policy_destroy(&pol);
