@@ -11,6 +11,7 @@
 #include <string.h>
 
 #include "qm_alloc.h"
+#include "qm_clock.h"
 #include "qm_pager_copy.h"
 #include "qm_pager_disk.h"
 #include "qm_sync.h"
@@ -281,9 +282,14 @@ int qm__pager_copy_now(qm_pager *p, void *dst, const void *src, uint64_t n, qm_s
 
 void qm__pager_evict(qm_pager *p, int32_t s)
 {
-    /* Never hand out a slot a copy may still be writing into. */
-    if (p->slots[s].state == QM__SLOT_LOADING)
+    /* Never hand out a slot a copy may still be writing into. The wait
+     * (a prefetch's read of a unit nobody used yet) holds up the call or
+     * the prefetch evicting it: a stall like any other. */
+    if (p->slots[s].state == QM__SLOT_LOADING) {
+        const uint64_t t0 = qm__now_us();
         (void)qm__pager_copy_wait(p, s, NULL);
+        p->stats.stall_us += qm__now_us() - t0;
+    }
     qm__pager_drop(p, s);
     p->stats.evictions++;
 }

@@ -2,7 +2,8 @@
  * every miss of a call in flight at once (counted), with outputs bitwise
  * those of one read at a time and of whole_bank; io_uring and the pool of
  * preadv threads (forced) both; demand reads issued before prefetches, and
- * a demand for a unit whose prefetch is in flight waits for that read; a
+ * a demand for a unit whose prefetch is in flight waits for that read, and
+ * one that must evict such a unit waits for its read as a counted stall; a
  * failed or short read among many fails only the call that needed it,
  * naming the file and the offset, the others land, and the next call reads
  * that expert again; an expert in use is never evicted while prefetches
@@ -424,6 +425,51 @@ START_TEST(test_a_demand_for_a_unit_in_flight_waits_for_its_prefetch)
 }
 END_TEST
 
+/* A call whose miss can only take the slot of a prefetch still being
+ * read waits for that read (a copy never lands in a slot handed out):
+ * the wait is the call's stall and is counted as one. The pool of
+ * threads, whose hook holds a read in flight on its worker. */
+START_TEST(test_waiting_for_a_prefetch_in_flight_to_evict_it_counts_as_stall)
+{
+    if (!g_have_direct)
+        return;
+    dcase dc;
+    dcase_open(&dc, g_dir, "evictwait", 0, 0);
+    const uint64_t U = unit_bytes(&fixture.bank);
+    qm_policy pol = {0};
+    qm_residency_plan *plan = NULL;
+    qm_pager_options o = {.io_engine = QM_PAGER_IO_THREADS, .io_depth = 1, .no_preload = 1};
+    qm_pager *pg = direct_pager_opt(dc.bank, "lru", U, &o, NULL, &pol, &plan);
+    hook_reset(0, 60000);
+    qm_pager_set_read_hook(pg, slow_read, NULL);
+    uint32_t e = 3, other = 5;
+    qm_status st = {0};
+    struct timespec t0, t1;
+    clock_gettime(CLOCK_MONOTONIC, &t0);
+    ck_assert_int_eq(qm_pager_prefetch(pg, 1, &e, 1, &st), 1);
+    while (__atomic_load_n(&g_reads, __ATOMIC_SEQ_CST) < 1) /* its first read is in the hook */
+        usleep(100);
+    g_sleep_us = 0; /* the rest, and the demand's own reads, are quick */
+    uint64_t seed = 1;
+    call_experts(pg, &fixture.bank, 1, &other, 1, &seed);
+    clock_gettime(CLOCK_MONOTONIC, &t1);
+    double waited_us = (t1.tv_sec - t0.tv_sec) * 1e6 + (t1.tv_nsec - t0.tv_nsec) / 1e3;
+    qm_pager_stats s;
+    qm_pager_stats_get(pg, &s);
+    ck_assert_uint_eq(s.misses, 1);
+    ck_assert_uint_eq(s.evictions, 1);
+    ck_assert_uint_eq(s.prefetch_useful, 0);
+    /* The prefetch's first read slept 60 ms; the call began right after
+     * issuing it, so most of that was the call's wait. */
+    ck_assert_msg(waited_us >= 50000, "the call did not wait for the read in flight (%.0f us)",
+                  waited_us);
+    ck_assert_msg(s.stall_us >= 40000, "stall_us %llu after a %.0f us wait for the victim's read",
+                  (unsigned long long)s.stall_us, waited_us);
+    free_pager(pg, plan, &pol);
+    dcase_close(&dc);
+}
+END_TEST
+
 START_TEST(test_whole_banks_at_creation_are_read_with_many_reads_in_flight)
 {
     if (!g_have_direct)
@@ -555,6 +601,7 @@ static Suite *io_suite(void)
     tcase_add_test(tc, test_a_short_read_among_many_fails_only_its_call);
     tcase_add_test(tc, test_an_expert_in_use_is_never_evicted_under_concurrent_prefetch);
     tcase_add_test(tc, test_a_demand_for_a_unit_in_flight_waits_for_its_prefetch);
+    tcase_add_test(tc, test_waiting_for_a_prefetch_in_flight_to_evict_it_counts_as_stall);
     tcase_add_test(tc, test_whole_banks_at_creation_are_read_with_many_reads_in_flight);
     tcase_add_test(tc, test_the_engine_issues_demand_reads_before_queued_prefetches);
     suite_add_tcase(s, tc);
