@@ -6,7 +6,7 @@ one command, one table, one figure.
 
     $QMOE_TORCH_VENV/bin/python bench/e2e/capped_sweep.py --llama PREFIX
         [--shapes qwen3-30b-a3b,gpt-oss-20b,mixtral-8x7b] [--caps 1/2,1/3,1/4]
-        [--prompt 16] [--decode 32] [--work DIR] [--keep] [--direct-q8]
+        [--prompt 16] [--decode 32] [--rounds N] [--work DIR] [--keep] [--direct-q8]
         [--variant NAME:KEY=VALUE ...] [--no-alone] [--no-midrun]
         [--json OUT.json] [--md OUT.md] [--png docs/capped_sweep.png]
 
@@ -65,6 +65,15 @@ units: MIN's hit rate from a cold cache, and the most tok/s any eviction or
 prefetch could reach, MIN's loads a token past the first fill (the best
 starting cache) at the row's disk rate, at most the uncapped decode. No
 policy, prefetching or not, loads fewer experts into the same places.
+With --rounds N the uncapped qmoed row and every capped qmoed row run N
+times, the caps' order and the uncapped row's place (first, then last)
+reversed every other round, llama.cpp alone once: a row's decode and
+prefill are the medians of its rounds, its counters and bounds those of
+its median round (bounds against that round's uncapped decode), and "x
+uncapped" the median of each round's ratio to the uncapped decode of the
+same round (the JSON keeps every round's decode and ratio): a capped row
+moves by 10-20% between runs an hour apart on these hosts, a ratio taken
+within a round much less.
 Every row also records its cgroup's OOM kills. Each --variant NAME:KEY=VALUE
 adds, per cap, a "llama.cpp + qmoed, NAME" row whose qmoed runs with --set
 KEY=VALUE (e.g. no-trial:prefetch_trial=false), the qmoed rows of a cap in
@@ -88,6 +97,7 @@ import os
 import re
 import shutil
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -459,6 +469,39 @@ def midrun(a, shape, gguf, bank, name, gguf_bytes, cap, reserve):
     return row
 
 
+def median_row(rounds, refs):
+    """One row of its rounds (--rounds): the round whose decode is the
+    median's (the lower middle of an even count) gives the row's counters
+    and bounds; decode and prefill are the medians of every round's, and
+    x uncapped the median of each round's decode over the uncapped qmoed
+    decode of the same round (refs[i]: a row with that round's
+    decode_tok_s); the share of the overlapped bound likewise, each round's
+    decode over its own bound. A single round is returned as it is."""
+    if len(rounds) == 1:
+        return rounds[0]
+    ok = sorted(((r, ref) for r, ref in zip(rounds, refs) if r["decode_tok_s"]),
+                key=lambda p: p[0]["decode_tok_s"])
+    row = dict(ok[(len(ok) - 1) // 2][0] if ok else rounds[0])
+    row["rounds"] = len(rounds)
+    row["decode_rounds"] = [r["decode_tok_s"] for r in rounds]
+    row["prefill_rounds"] = [r["prefill_tok_s"] for r in rounds]
+    dec = [r["decode_tok_s"] for r, _ in ok]
+    pre = [r["prefill_tok_s"] for r in rounds if r["prefill_tok_s"]]
+    row["decode_tok_s"] = statistics.median(dec) if dec else None
+    row["prefill_tok_s"] = statistics.median(pre) if pre else None
+    pairs = [r["decode_tok_s"] / ref["decode_tok_s"] for r, ref in ok if ref.get("decode_tok_s")]
+    row["x_uncapped_rounds"] = pairs
+    row["x_uncapped"] = statistics.median(pairs) if pairs else None
+    shares = [r["decode_tok_s"] / r["overlapped_bound_tok_s"] for r, _ in ok
+              if r.get("overlapped_bound_tok_s")]
+    row["bound_share_rounds"] = shares
+    row["bound_share"] = statistics.median(shares) if shares else None
+    failed = len(rounds) - len(ok)
+    if failed and ok:
+        row["note"] = "%s; %d of %d rounds failed" % (row["note"] or "", failed, len(rounds))
+    return row
+
+
 def run_shape(a, shape):
     rows = []
     ckpt = os.path.join(a.work, shape)
@@ -501,30 +544,60 @@ def run_shape(a, shape):
                   "iodepth": a.iodepth, "threads": a.threads, "prompt": a.prompt, "decode": a.decode}
         progress("%s: uncapped, %s+ qmoed whole_bank" % (shape, "llama.cpp alone and " if a.alone else ""))
         ref_alone = alone(a, shape, gguf, gguf_bytes, None) if a.alone else None
-        ref_q = with_qmoed(a, shape, gguf, bank, name, gguf_bytes, None, 0, layers)
+        # Rounds (--rounds): the uncapped qmoed row and every capped qmoed
+        # row once a round, the caps' order and the uncapped row's place
+        # (first, then last) reversed every other round; llama.cpp alone
+        # once (the first round).
+        refs, alone_rows, runs_of = [], {}, {}
+        reserve = None
+        for rnd in range(a.rounds):
+            tag = " (round %d of %d)" % (rnd + 1, a.rounds) if a.rounds > 1 else ""
+            caps = list(a.caps) if rnd % 2 == 0 else list(reversed(a.caps))
+            if rnd % 2 == 0:
+                refs.append(with_qmoed(a, shape, gguf, bank, name, gguf_bytes, None, 0, layers))
+                progress("%s: uncapped + qmoed%s, decode %s tok/s" % (shape, tag, fmt(refs[-1]["decode_tok_s"])))
+            if reserve is None:
+                ref0 = refs[0]
+                reserve = a.reserve if a.reserve is not None else int(
+                    (ref0["engine_peak_anon"] or 0) + (ref0["engine_peak_file"] or rest) + (64 << 20))
+            this_round = []
+            for cap in caps:
+                if a.alone and rnd == 0:
+                    progress("%s: cap %.2f GB (%.3g of the GGUF): llama.cpp alone" % (shape, cap * gguf_bytes / GB, cap))
+                    alone_rows[cap] = alone(a, shape, gguf, gguf_bytes, cap)
+                    progress("%s:   %s, decode %s tok/s" % (shape, alone_rows[cap]["status"],
+                                                           fmt(alone_rows[cap]["decode_tok_s"])))
+                progress("%s: cap %.2f GB: llama.cpp + qmoed, budget auto%s" % (shape, cap * gguf_bytes / GB, tag))
+                # With variants, the qmoed rows of a cap alternate their order
+                # cap by cap (a shared host's speed drifts).
+                runs = [None] + a.variant
+                if a.variant and (a.caps.index(cap) + rnd) % 2:
+                    runs.reverse()
+                for v in runs:
+                    row = with_qmoed(a, shape, gguf, bank, name, gguf_bytes, cap, reserve, layers, v)
+                    runs_of.setdefault((cap, v[0] if v else None), []).append(row)
+                    this_round.append(row)
+                    progress("%s:   %s%s, decode %s tok/s, %s" % (
+                        shape, row["status"], " (%s)" % v[0] if v else "",
+                        fmt(row["decode_tok_s"]), row["budget_auto"]))
+            if rnd % 2 == 1:
+                refs.append(with_qmoed(a, shape, gguf, bank, name, gguf_bytes, None, 0, layers))
+                progress("%s: uncapped + qmoed%s, decode %s tok/s" % (shape, tag, fmt(refs[-1]["decode_tok_s"])))
+            ref = refs[-1]
+            compute_s = 1 / ref["decode_tok_s"] if ref["decode_tok_s"] else None
+            for row in this_round:  # bounds against this round's uncapped decode
+                row["round_uncapped_decode_tok_s"] = ref["decode_tok_s"]
+                io_bounds(row, unit, rate, compute_s)
+                belady_bounds(row, unit, row.get("bound_disk_bytes_per_s") or rate, ref["decode_tok_s"])
+        ref_q = median_row(refs, refs)
         rows += [r for r in (ref_alone, ref_q) if r]
-        compute_s = 1 / ref_q["decode_tok_s"] if ref_q["decode_tok_s"] else None
-        reserve = a.reserve if a.reserve is not None else int(
-            (ref_q["engine_peak_anon"] or 0) + (ref_q["engine_peak_file"] or rest) + (64 << 20))
         for cap in a.caps:
-            if a.alone:
-                progress("%s: cap %.2f GB (%.3g of the GGUF): llama.cpp alone" % (shape, cap * gguf_bytes / GB, cap))
-                rows.append(alone(a, shape, gguf, gguf_bytes, cap))
-                progress("%s:   %s, decode %s tok/s" % (shape, rows[-1]["status"], fmt(rows[-1]["decode_tok_s"])))
-            progress("%s: cap %.2f GB: llama.cpp + qmoed, budget auto" % (shape, cap * gguf_bytes / GB))
-            # With variants, the qmoed rows of a cap alternate their order
-            # cap by cap (a shared host's speed drifts).
-            runs = [None] + a.variant
-            if a.variant and a.caps.index(cap) % 2:
-                runs.reverse()
-            for v in runs:
-                rows.append(with_qmoed(a, shape, gguf, bank, name, gguf_bytes, cap, reserve, layers, v))
-                io_bounds(rows[-1], unit, rate, compute_s)
-                belady_bounds(rows[-1], unit, rows[-1].get("bound_disk_bytes_per_s") or rate,
-                              ref_q["decode_tok_s"])
-                progress("%s:   %s%s, decode %s tok/s, %s" % (
-                    shape, rows[-1]["status"], " (%s)" % v[0] if v else "",
-                    fmt(rows[-1]["decode_tok_s"]), rows[-1]["budget_auto"]))
+            if cap in alone_rows:
+                rows.append(alone_rows[cap])
+            for v in [None] + a.variant:
+                got = runs_of[(cap, v[0] if v else None)]
+                rows.append(median_row(got, [{"decode_tok_s": r.get("round_uncapped_decode_tok_s")}
+                                             for r in got]))
         if a.midrun:
             progress("%s: the cap of %s lowered mid-run by half of what auto took" % (shape, frac_text(a.caps[0])))
             rows.append(midrun(a, shape, gguf, bank, name, gguf_bytes, a.caps[0], reserve))
@@ -548,6 +621,15 @@ def fmt(x, f="%.2f"):
     return "—" if x is None else f % x
 
 
+def x_uncapped(r):
+    """The row's decode over its engine's uncapped decode: with rounds, the
+    median of the ratios of each round (median_row); else of the two rows."""
+    if r.get("x_uncapped") is not None:
+        return r["x_uncapped"]
+    ref = r.get("uncapped_decode_tok_s")
+    return r["decode_tok_s"] / ref if r.get("decode_tok_s") and ref else None
+
+
 def markdown(rows):
     head = ("| shape | memory given | engine | budget | prefill tok/s | decode tok/s | x uncapped | "
             "hit rate | MB read / token | stall ms / token | I/O bound tok/s (reads; overlapped) | "
@@ -559,8 +641,7 @@ def markdown(rows):
             r["cap_bytes"] / GB, frac_text(r["cap_fraction"]))
         budget = "—" if r["budget_bytes"] is None else "%.2f GB%s" % (
             r["budget_bytes"] / GB, " auto" if r["budget_auto"] else "")
-        ratio = (r["decode_tok_s"] / r["uncapped_decode_tok_s"]
-                 if r["decode_tok_s"] and r.get("uncapped_decode_tok_s") else None)
+        ratio = x_uncapped(r)
         bound = "—" if r["io_bound_tok_s"] is None else "%.1f; %s" % (
             r["io_bound_tok_s"], fmt(r["overlapped_bound_tok_s"], "%.1f"))
         st = r["status"] if r["status"] == "ok" and not r.get("oom_kills") else "%s%s" % (
@@ -594,10 +675,10 @@ def targets(rows):
             f = Fraction(r["cap_fraction"]).limit_denominator(16)
             alone = next((x["decode_tok_s"] for x in rows if x["shape"] == shape
                           and x["engine"] == "llama.cpp" and x["cap_fraction"] == r["cap_fraction"]), None)
-            ref, bound = r.get("uncapped_decode_tok_s"), r.get("overlapped_bound_tok_s")
-            xu = r["decode_tok_s"] / ref if ref else None
+            bound = r.get("overlapped_bound_tok_s")
+            xu = x_uncapped(r)
             xa = r["decode_tok_s"] / alone if alone else None
-            share = r["decode_tok_s"] / bound if bound else None
+            share = r.get("bound_share") or (r["decode_tok_s"] / bound if bound else None)
             want = TARGETS.get((f.numerator, f.denominator))
             verdict = []
             if want:
@@ -715,6 +796,9 @@ def main(argv=None):
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--prompt", type=int, default=16)
     ap.add_argument("--decode", type=int, default=32)
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="qmoed rows (uncapped and capped) run this many times in alternated order: "
+                    "medians, and x uncapped the median of each round's ratio")
     ap.add_argument("--policy", default="next_use", help="of the capped qmoed rows")
     ap.add_argument("--variant", action="append", default=[], metavar="NAME:KEY=VALUE",
                     help="per cap, another llama.cpp + qmoed row with qmoed --set KEY=VALUE "
