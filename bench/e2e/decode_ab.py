@@ -19,7 +19,12 @@ SET=KEY=VALUE[;KEY=VALUE...] the daemon's settings (`--set`, e.g.
 SET=io_depth=4). --state-dir gives
 every daemon one state_dir, as a long-running daemon keeps one: a paged
 session then starts from the hotness profile the earlier runs left
-(warm_from_profile). When a variant pages, the bank's disk is measured
+(warm_from_profile). llama-bench decodes the same tokens in every run (its
+std::rand() is never seeded), so that profile was made by the very routing
+the next run repeats: an upper bound for a daemon whose earlier sessions
+saw other prompts. A variant's SET=state_dir=DIR gives that variant alone
+one; without either a session starts empty (a lower bound: a decode with
+no prompt before it). When a variant pages, the bank's disk is measured
 before the first round and after the last (fio, O_DIRECT random reads of
 one expert unit at 32 in flight, bench/paging_disk/io_bench.py's), the
 bound its paged rows read against. Prints every round's
