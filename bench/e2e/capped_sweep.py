@@ -51,12 +51,22 @@ token needed: its misses plus its prefetched experts that were used
 bytes_per_expert) at the disk's rate are the row's I/O bound:
 io_bound_tok_s = rate / (reads needed per token x bytes_per_expert) (reads
 alone; a wasted prefetch is not needed, and counts against the row; the
-rate is fio's, or the one the row's reads ran at while decoding when that
-was faster: fio then fell short of the disk),
+rate is fio's, or the one the row's reads ran at when that was faster, in
+flight (qmoed's disk_bytes_read / disk_busy_us) or over the decode: fio
+then fell short of the disk),
 overlapped_bound_tok_s = 1 / max(that time, the uncapped qmoed decode's time
 per token): every read overlapped with compute, which needs every miss
 foreseen a call ahead. The row also gives the rate its reads ran at while
-decoding (bytes read per token x tokens/s), beside fio's.
+in flight (qmoed's disk_bytes_read / disk_busy_us) and over the decode
+(bytes read per token x tokens/s), beside fio's.
+The demand-only bound: what a pager that reads nothing before a call asks
+for could reach with the row's own misses, call by call (the decode
+session's session.infer spans, telemetry.trace): each call's misses read
+from its start at the row's disk rate one after another, overlapped only
+with the compute of its resident experts (that share of the uncapped
+decode's median compute a call), on top of the uncapped decode's time a
+token. A row near it has no waste in its reads' mechanics; what lies
+between it and the overlapped bound is foresight (prefetch that is right).
 What no policy could beat on the row's own routing: each capped qmoed
 row's daemon records its sessions' routing (record_routing), and the
 decode run's trace goes through Belady's MIN (tools/qmoe_trace.py
@@ -169,6 +179,23 @@ def daemon_counters(sock):
         c.close()
 
 
+def session_calls(sock):
+    """The last session's layer calls, oldest first, from the daemon's trace
+    (telemetry.trace's session.infer spans; the ring holds trace_capacity,
+    4096, of them): (hits, misses, compute_us) each, or None."""
+    from qmoed_harness import Client
+    c = Client(sock)
+    try:
+        spans = [s for s in c.call("telemetry.trace")["spans"] if s["name"] == "session.infer"]
+    finally:
+        c.close()
+    if not spans:
+        return None
+    last = spans[-1]["session"]
+    return [(s["args"].get("hits", 0), s["args"].get("misses", 0), s["args"].get("compute_us", 0))
+            for s in spans if s["session"] == last]
+
+
 def phase(a, gguf, extra, prefix, dm, prompt, decode):
     """One llama-bench run: its result (llama_cpp.llama_bench's dict) with the
     daemon's counters' growth over it ("delta") and the session line's
@@ -177,6 +204,8 @@ def phase(a, gguf, extra, prefix, dm, prompt, decode):
     r = llama_cpp.llama_bench(a, gguf, extra, cmd_prefix=prefix, daemon_pid=dm.proc.pid if dm else None,
                               prompt=prompt, decode=decode, timeout=a.row_timeout)
     after = daemon_counters(dm.socket if dm else None) if dm and dm.proc.poll() is None else None
+    if after and decode:
+        r["calls"] = session_calls(dm.socket)
     if before and after:
         r["delta"] = {k: after[k] - before[k] for k in after
                       if isinstance(after[k], (int, float)) and k in before}
@@ -197,6 +226,8 @@ def per_token(delta, layers):
     row = {"tokens": n, "hit_rate": hits / (hits + misses) if hits + misses else None,
             "misses_per_token": misses / n, "bytes_read_per_token": delta.get("bytes_read_disk", 0) / n,
             "stall_us_per_token": delta.get("stall_us", 0) / n, "auto_shrinks": delta.get("auto_shrinks", 0),
+            "disk_busy_bytes_per_s": (delta.get("bytes_read_disk", 0) * 1e6 / delta["disk_busy_us"]
+                                      if delta.get("disk_busy_us") else None),
             "prefetch_per_token": delta.get("prefetch_issued", 0) / n,
             "prefetch_useful_per_token": delta.get("prefetch_useful", 0) / n,
             "router_precision": (delta.get("predict_router_correct", 0) /
@@ -286,6 +317,25 @@ def belady_bounds(row, unit, rate, uncapped_tok_s):
     row["belady"] = out
 
 
+def demand_bound(row, unit, ref, layers):
+    """The demand-only bound (module doc): the decode a pager that reads
+    nothing before a call asks for it could reach with this row's misses,
+    call by call: each call's misses read from its start at the row's disk
+    rate, one after another (more in flight gain nothing on a throttled
+    disk), overlapped with the compute of its resident experts (the
+    uncapped decode's median compute a call, that share of it), on top of
+    the uncapped decode's time a token."""
+    calls, ref_calls = row.get("calls"), ref.get("calls")
+    rate = row.get("bound_disk_bytes_per_s")
+    if not calls or not ref_calls or not rate or not ref.get("decode_tok_s"):
+        return
+    c_ref = statistics.median(c for _, _, c in ref_calls)
+    read_us = unit / rate * 1e6
+    wait_us = sum(max(0.0, m * read_us - c_ref * h / (h + m)) for h, m, _ in calls if h + m)
+    t = 1 / ref["decode_tok_s"] + wait_us / 1e6 / (len(calls) / layers)
+    row["demand_bound_tok_s"] = 1 / t
+
+
 def io_bounds(row, unit, rate, compute_s):
     """The row's I/O bound (module doc) from its counters, the expert unit,
     fio's rate (raised to the row's own when that was faster) and the
@@ -293,10 +343,11 @@ def io_bounds(row, unit, rate, compute_s):
     if row["misses_per_token"] is None or not rate:
         return
     row["reads_needed_per_token"] = row["misses_per_token"] + (row.get("prefetch_useful_per_token") or 0)
-    # The disk's rate: fio's, or what the row's own reads ran at while
-    # decoding when that was faster (fio then fell short of the disk).
+    # The disk's rate: fio's, or what the row's own reads ran at when that
+    # was faster (fio then fell short of the disk): while they were in
+    # flight (qmoed's disk_bytes_read / disk_busy_us), or over the decode.
     seen = (row.get("bytes_read_per_token") or 0) * (row.get("decode_tok_s") or 0)
-    rate = max(rate, seen)
+    rate = max(rate, seen, row.get("disk_busy_bytes_per_s") or 0)
     row["bound_disk_bytes_per_s"] = rate
     io_s = row["reads_needed_per_token"] * unit / rate
     row["io_s_per_token"] = io_s
@@ -363,10 +414,11 @@ def with_qmoed(a, shape, gguf, bank, name, gguf_bytes, cap, reserve, layers, var
         row["routing_trace"] = routing_of(os.path.join(state, traces[-1][1])) if traces else None
         shutil.rmtree(work, ignore_errors=True)
     finish_row(row, pre, dec)
+    row["calls"] = dec.get("calls")
     pt = per_token(dec.get("delta"), layers)
     if pt:
         for k in ("hit_rate", "misses_per_token", "bytes_read_per_token", "stall_us_per_token",
-                  "auto_shrinks", "prefetch_per_token", "prefetch_useful_per_token",
+                  "auto_shrinks", "prefetch_per_token", "prefetch_useful_per_token", "disk_busy_bytes_per_s",
                   "router_precision"):
             row[k] = pt[k]
         row["prefetch_sources"] = {k: v for k, v in pt.items()
@@ -496,6 +548,10 @@ def median_row(rounds, refs):
               if r.get("overlapped_bound_tok_s")]
     row["bound_share_rounds"] = shares
     row["bound_share"] = statistics.median(shares) if shares else None
+    dshares = [r["decode_tok_s"] / r["demand_bound_tok_s"] for r, _ in ok
+               if r.get("demand_bound_tok_s")]
+    row["demand_share_rounds"] = dshares
+    row["demand_share"] = statistics.median(dshares) if dshares else None
     failed = len(rounds) - len(ok)
     if failed and ok:
         row["note"] = "%s; %d of %d rounds failed" % (row["note"] or "", failed, len(rounds))
@@ -589,6 +645,7 @@ def run_shape(a, shape):
                 row["round_uncapped_decode_tok_s"] = ref["decode_tok_s"]
                 io_bounds(row, unit, rate, compute_s)
                 belady_bounds(row, unit, row.get("bound_disk_bytes_per_s") or rate, ref["decode_tok_s"])
+                demand_bound(row, unit, ref, layers)
         ref_q = median_row(refs, refs)
         rows += [r for r in (ref_alone, ref_q) if r]
         for cap in a.caps:
@@ -602,6 +659,8 @@ def run_shape(a, shape):
             progress("%s: the cap of %s lowered mid-run by half of what auto took" % (shape, frac_text(a.caps[0])))
             rows.append(midrun(a, shape, gguf, bank, name, gguf_bytes, a.caps[0], reserve))
             progress("%s:   %s: %s" % (shape, rows[-1]["status"], rows[-1]["note"]))
+        for r in rows + refs + [x for got in runs_of.values() for x in got]:
+            r.pop("calls", None)  # the demand-only bound's input, not the table's
         for r in rows:
             r.update(common)
             r["uncapped_decode_tok_s"] = (ref_alone if r["engine"] == "llama.cpp" else ref_q)["decode_tok_s"]
@@ -632,9 +691,9 @@ def x_uncapped(r):
 
 def markdown(rows):
     head = ("| shape | memory given | engine | budget | prefill tok/s | decode tok/s | x uncapped | "
-            "hit rate | MB read / token | stall ms / token | I/O bound tok/s (reads; overlapped) | "
+            "hit rate | MB read / token | stall ms / token | I/O bound tok/s (reads; overlapped; demand-only) | "
             "Belady: hit rate; tok/s at most (budget; whole cap) | "
-            "disk GB/s (fio; while decoding) | OOM kills | status |")
+            "disk GB/s (fio; qmoed's reads in flight; over the decode) | OOM kills | status |")
     lines = [head, "|" + "---|" * 15]
     for r in rows:
         mem = "uncapped" if not r["cap_fraction"] else "%.2f GB (%s of the GGUF)" % (
@@ -642,8 +701,9 @@ def markdown(rows):
         budget = "—" if r["budget_bytes"] is None else "%.2f GB%s" % (
             r["budget_bytes"] / GB, " auto" if r["budget_auto"] else "")
         ratio = x_uncapped(r)
-        bound = "—" if r["io_bound_tok_s"] is None else "%.1f; %s" % (
-            r["io_bound_tok_s"], fmt(r["overlapped_bound_tok_s"], "%.1f"))
+        bound = "—" if r["io_bound_tok_s"] is None else "%.1f; %s; %s" % (
+            r["io_bound_tok_s"], fmt(r["overlapped_bound_tok_s"], "%.1f"),
+            fmt(r.get("demand_bound_tok_s"), "%.1f"))
         st = r["status"] if r["status"] == "ok" and not r.get("oom_kills") else "%s%s" % (
             r["status"], ": " + r["note"] if r["status"] != "ok" and r["note"] else "")
         lines.append("| %s | %s | %s | %s | %s | %s | %s | %s | %s | %s | %s | %s | %s | %s | %s |" % (
@@ -679,6 +739,8 @@ def targets(rows):
             xu = x_uncapped(r)
             xa = r["decode_tok_s"] / alone if alone else None
             share = r.get("bound_share") or (r["decode_tok_s"] / bound if bound else None)
+            demand = r.get("demand_bound_tok_s")
+            dshare = r.get("demand_share") or (r["decode_tok_s"] / demand if demand else None)
             want = TARGETS.get((f.numerator, f.denominator))
             verdict = []
             if want:
@@ -688,9 +750,11 @@ def targets(rows):
                     if goal is not None and got is not None:
                         goal_text = text.format(round(100 * goal)) if "{}" in text else text % goal
                         verdict.append("%s %s" % ("met" if got >= goal else "missed", goal_text))
-            out.append("%s at %s: %s tok/s, %sx uncapped, %sx alone, %s of the overlapped bound%s" % (
+            out.append("%s at %s: %s tok/s, %sx uncapped, %sx alone, %s of the overlapped bound, "
+                       "%s of the demand-only bound%s" % (
                 shape, frac_text(r["cap_fraction"]), fmt(r["decode_tok_s"]), fmt(xu), fmt(xa, "%.1f"),
                 "—" if share is None else "%.0f%%" % (100 * share),
+                "—" if dshare is None else "%.0f%%" % (100 * dshare),
                 "; targets: " + ", ".join(verdict) if verdict else ""))
     return out
 
@@ -708,7 +772,8 @@ def disk_text(r):
     fio = fmt(r["disk_bytes_per_s"] / GB if r.get("disk_bytes_per_s") else None)
     if not r.get("bytes_read_per_token") or not r.get("decode_tok_s"):
         return fio
-    return "%s; %.2f" % (fio, r["bytes_read_per_token"] * r["decode_tok_s"] / GB)
+    busy = fmt(r["disk_busy_bytes_per_s"] / GB if r.get("disk_busy_bytes_per_s") else None)
+    return "%s; %s; %.2f" % (fio, busy, r["bytes_read_per_token"] * r["decode_tok_s"] / GB)
 
 
 def frac_text(f):
