@@ -15,6 +15,8 @@ typedef struct sim_opts {
     double expert_mib;
     double predict_acc;
     double lfu_decay, pin_fraction, next_use_decay; /* < 0: the policy's default */
+    double prior_weight;      /* next_use's prior_weight; < 0: its default */
+    const char *profile_path; /* the profile from this trace (all of it), not the first half */
     uint64_t seed;
     int quick, no_prefetch, prefetch_all;
     int warm; /* replays start from the profile's hottest experts (warm_from_profile) */
@@ -134,13 +136,35 @@ static int make_hot(const sim_trace *tr, uint32_t t1, hot_lists *h)
     return rc;
 }
 
+static const sim_opts *g_opts;
+
+/* The profile a replay starts from: the first half of its own trace, or
+ * all of --profile-trace (another session's routing of the same model). */
+static int profile_of(const sim_trace *tr, hot_lists *h)
+{
+    if (!g_opts->profile_path)
+        return make_hot(tr, tr->tokens / 2, h);
+    sim_trace other;
+    char err[256];
+    if (sim_trace_load_any(g_opts->profile_path, tr->experts, &other, err, sizeof err)) {
+        fprintf(stderr, "policy_sim: --profile-trace: %s\n", err);
+        return -1;
+    }
+    int rc = -1;
+    if (other.layers != tr->layers || other.experts != tr->experts)
+        fprintf(stderr, "policy_sim: --profile-trace has %u layers x %u experts, the trace %u x %u\n",
+                other.layers, other.experts, tr->layers, tr->experts);
+    else
+        rc = make_hot(&other, other.tokens, h);
+    sim_trace_free(&other);
+    return rc;
+}
+
 static void free_hot(hot_lists *h)
 {
     qm_hotness_free(h->profile);
     free(h->warm);
 }
-
-static const sim_opts *g_opts;
 
 static int new_policy(const char *name, const sim_trace *tr, uint32_t t0, uint32_t t1,
                       const hot_lists *hot, qm_policy *pol)
@@ -161,6 +185,8 @@ static int new_policy(const char *name, const sim_trace *tr, uint32_t t0, uint32
         vals[pp.n_values++] = (qm_policy_value){"decay", g_opts->lfu_decay};
     if (!strcmp(name, "next_use") && g_opts->next_use_decay >= 0)
         vals[pp.n_values++] = (qm_policy_value){"decay", g_opts->next_use_decay};
+    if (!strcmp(name, "next_use") && g_opts->prior_weight >= 0)
+        vals[pp.n_values++] = (qm_policy_value){"prior_weight", g_opts->prior_weight};
     if (!strcmp(name, "static_hot")) {
         if (g_opts->pin_fraction >= 0)
             vals[pp.n_values++] = (qm_policy_value){"pin_fraction", g_opts->pin_fraction};
@@ -260,7 +286,7 @@ static double pct(uint64_t a, uint64_t b)
 static int policy_table(const char *label, const sim_trace *tr, const sim_opts *o, double *worst50)
 {
     hot_lists hot = {0};
-    if (make_hot(tr, tr->tokens / 2, &hot))
+    if (profile_of(tr, &hot))
         return -1;
     uint64_t unit = (uint64_t)(o->expert_mib * 1048576.0);
     for (int b = 0; b < N_BUDGETS; b++) {
@@ -333,7 +359,7 @@ static int prefetch_table(const char *label, const sim_trace *tr, const sim_opts
                           double *worst_hist, double *worst_router)
 {
     hot_lists hot = {0};
-    if (make_hot(tr, tr->tokens / 2, &hot))
+    if (profile_of(tr, &hot))
         return -1;
     static const char *const few[] = {"lru", "lfu", "next_use"};
     static const double few_fr[] = {0.25, 0.50};
@@ -355,13 +381,13 @@ static void usage(void)
                     "[--expert-mib M] "
                     "[--predict-acc Q] [--lfu-decay D] [--next-use-decay D] [--pin-fraction F] "
                     "[--policies a,b,...] [--seed S] [--quick] [--no-prefetch] "
-                    "[--prefetch-all] [--warm] [--no-prior]\n");
+                    "[--prefetch-all] [--warm] [--no-prior] [--prior-weight W] [--profile-trace FILE]\n");
 }
 
 int main(int argc, char **argv)
 {
     sim_opts o = {.tokens = 4000, .expert_mib = 84.0, .predict_acc = 0.85, .seed = 1,
-                  .lfu_decay = -1, .pin_fraction = -1, .next_use_decay = -1};
+                  .lfu_decay = -1, .pin_fraction = -1, .next_use_decay = -1, .prior_weight = -1};
     g_opts = &o;
     offered_policies();
     const char *trace_path = NULL;
@@ -406,6 +432,10 @@ int main(int argc, char **argv)
             o.experts = (uint32_t)strtoul(v, NULL, 10);
         else if (!strcmp(a, "--next-use-decay"))
             o.next_use_decay = strtod(v, NULL);
+        else if (!strcmp(a, "--prior-weight"))
+            o.prior_weight = strtod(v, NULL);
+        else if (!strcmp(a, "--profile-trace"))
+            o.profile_path = v;
         else if (!strcmp(a, "--policies")) {
             /* belady stays first: every column is measured against it */
             static char list[256];
