@@ -184,7 +184,7 @@ typedef struct qm_policy_params {
 #define QM_POLICY_LFU_DEFAULT_DECAY 0.999
 #define QM_POLICY_DEFAULT_PIN_FRACTION 0.5
 #define QM_POLICY_NEXT_USE_DEFAULT_DECAY 0.99
-#define QM_POLICY_NEXT_USE_DEFAULT_PRIOR_WEIGHT 50.0
+#define QM_POLICY_NEXT_USE_DEFAULT_PRIOR_WEIGHT 5.0
 
 /* name: one of the registered policies (qm_policy_names); NULL means
  * "whole_bank". Unknown name, a policy that cannot be made from parameters

@@ -482,9 +482,10 @@ END_TEST
 START_TEST(test_next_use_prior_fades_as_the_session_routes)
 {
     /* The prior says expert 1 of bank 0 is the frequent one; this session
-     * uses expert 0 at every visit and never 1. After a few visits the
-     * session's own routing wins; after one it does not yet. */
-    qm_policy pol = next_use_with_prior(-1);
+     * uses expert 0 at every visit and never 1. Counted as 50 visits, the
+     * prior still wins after one visit; after a few the session's own
+     * routing does. */
+    qm_policy pol = next_use_with_prior(50);
     uint64_t t = 0;
     qm_policy_on_insert(&pol, REF(0, 1), t++);
     const qm_expert_ref cands[] = {REF(0, 1), REF(0, 0)};
@@ -494,6 +495,22 @@ START_TEST(test_next_use_prior_fades_as_the_session_routes)
         if (v == 0) /* 0 used once (count 1 + 0.05 x 50), 1 at its prior (0.9 x 50) */
             ck_assert_uint_eq(victim_of(&pol, cands, 2), 1);
     }
+    ck_assert_uint_eq(victim_of(&pol, cands, 2), 0);
+    qm_policy_destroy(&pol);
+}
+END_TEST
+
+START_TEST(test_next_use_default_prior_yields_to_the_session_at_once)
+{
+    /* At the default weight (a profile counts as a few visits) a session
+     * whose routing disagrees with the profile overrides it from its first
+     * visit: a stale profile (other prompts) does not hold slots against
+     * what the session uses. */
+    qm_policy pol = next_use_with_prior(-1);
+    qm_policy_on_insert(&pol, REF(0, 1), 0);
+    qm_policy_on_access(&pol, REF(0, 0), 1, 0);
+    qm_policy_on_access(&pol, REF(1, 0), 2, 0);
+    const qm_expert_ref cands[] = {REF(0, 1), REF(0, 0)};
     ck_assert_uint_eq(victim_of(&pol, cands, 2), 0);
     qm_policy_destroy(&pol);
 }
@@ -627,6 +644,7 @@ static Suite *policies_suite(void)
     tcase_add_test(c, test_next_use_keeps_the_frequent_expert_of_a_layer);
     tcase_add_test(c, test_next_use_starts_from_its_prior);
     tcase_add_test(c, test_next_use_prior_fades_as_the_session_routes);
+    tcase_add_test(c, test_next_use_default_prior_yields_to_the_session_at_once);
     tcase_add_test(c, test_next_use_prior_counts_no_more_than_the_visits_it_saw);
     tcase_add_test(c, test_prior_is_checked_and_taken_by_next_use_only);
     suite_add_tcase(s, c);
