@@ -462,12 +462,15 @@ int main(int argc, char **argv)
     char argv_decay[32], argv_pin[32];
     snprintf(argv_decay, sizeof argv_decay, "%g", o.lfu_decay);
     snprintf(argv_pin, sizeof argv_pin, "%g", o.pin_fraction);
-    printf("policy_sim: tokens %u (first half profiles static_hot, second half is replayed), "
+    printf("policy_sim: tokens %u (the profile, of static_hot, next_use's prior and --warm: %s%s; "
+           "the second half is replayed), "
            "expert unit %.1f MiB, modelled router prediction accuracy %.2f, lfu decay %s, "
            "static_hot pin_fraction %s, seed %llu; pin loads count as misses%s\n\n",
-           o.tokens, o.expert_mib, o.predict_acc, o.lfu_decay < 0 ? "default" : argv_decay,
+           o.tokens, o.profile_path ? "all of " : "the first half",
+           o.profile_path ? o.profile_path : "", o.expert_mib, o.predict_acc,
+           o.lfu_decay < 0 ? "default" : argv_decay,
            o.pin_fraction < 0 ? "default" : argv_pin, (unsigned long long)o.seed,
-           o.warm ? "; every replay (Belady's too) starts from the first half's hottest experts "
+           o.warm ? "; every replay (Belady's too) starts from the profile's hottest experts "
                     "across layers, as warm_from_profile starts a session (not counted as misses)"
                   : "");
     char head[1024];
