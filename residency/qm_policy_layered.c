@@ -25,7 +25,11 @@
  *                model's persisted profile), an expert's count starts as if
  *                the session had routed at that frequency for the last
  *                `prior_weight` visits of the bank, and fades at the
- *                policy's decay as the session's own uses come in.
+ *                policy's decay as the session's own uses come in; an
+ *                expert the session has not used yet (warm start,
+ *                prefetch) goes before any it has used, the prior ranking
+ *                those among themselves: a profile of other prompts then
+ *                never holds a slot against the session's own experts.
  * Ties go to the least recent. Hooks are O(1) expected, choose_victim
  * O(n candidates). */
 #include "qm_residency.h"
@@ -172,19 +176,26 @@ static double wait_of(const layered_ctx *lc, const qm__ref_entry *e, const qm__b
     return (ph->until + 0.05 * ph->period) / p;
 }
 
-/* Equal estimates: the scan sends the least recent first. */
+/* Equal estimates: the scan sends the least recent first. next_use ranks
+ * the experts this session has not used yet (loaded at its start or
+ * prefetched: only the prior, if any, says they are needed) in a list of
+ * their own, evicted before any it has used. */
 static double layered_rank(void *ctx, const qm__ref_entry *e, const qm__bank_phase *ph, int *list)
 {
-    (void)list;
-    return wait_of(ctx, e, ph);
+    const layered_ctx *lc = ctx;
+    if (lc->use_frequency && (!e || e->visit == 0))
+        *list = 1;
+    return wait_of(lc, e, ph);
 }
 
 static int layered_choose_victim(void *ctx, const qm_expert_ref *candidates, size_t n,
                                  size_t *victim)
 {
     layered_ctx *lc = ctx;
-    *victim = qm__victim_scan1(&lc->base.split.history, candidates, n, qm__layered_bank_phase,
-                               layered_rank, lc);
+    size_t best[2];
+    qm__victim_scan(&lc->base.split.history, candidates, n, qm__layered_bank_phase, layered_rank,
+                    lc, best);
+    *victim = best[1] < n ? best[1] : best[0];
     return 0;
 }
 

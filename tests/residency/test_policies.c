@@ -482,21 +482,48 @@ END_TEST
 START_TEST(test_next_use_prior_fades_as_the_session_routes)
 {
     /* The prior says expert 1 of bank 0 is the frequent one; this session
-     * uses expert 0 at every visit and never 1. Counted as 50 visits, the
-     * prior still wins after one visit; after a few the session's own
-     * routing does. */
+     * uses expert 0 at every visit and 1 at its first visit only. Counted
+     * as 50 visits, the prior still keeps 1 after one visit; after a few
+     * the session's own routing keeps 0. */
     qm_policy pol = next_use_with_prior(50);
     uint64_t t = 0;
     qm_policy_on_insert(&pol, REF(0, 1), t++);
     const qm_expert_ref cands[] = {REF(0, 1), REF(0, 0)};
     for (int v = 0; v < 120; v++) {
         qm_policy_on_access(&pol, REF(0, 0), t++, v > 0);
+        if (v == 0)
+            qm_policy_on_access(&pol, REF(0, 1), t++, 1);
         qm_policy_on_access(&pol, REF(1, 0), t++, 1);
-        if (v == 0) /* 0 used once (count 1 + 0.05 x 50), 1 at its prior (0.9 x 50) */
+        if (v == 0) /* 0 used once (count 1 + 0.05 x 50), 1 once (1 + 0.9 x 50) */
             ck_assert_uint_eq(victim_of(&pol, cands, 2), 1);
     }
     ck_assert_uint_eq(victim_of(&pol, cands, 2), 0);
     qm_policy_destroy(&pol);
+}
+END_TEST
+
+START_TEST(test_next_use_evicts_what_the_session_has_not_used_first)
+{
+    /* Expert 1 of bank 0 loaded at the start (warm) and rated 0.9 by the
+     * prior, however heavily it counts; expert 2, rated 0, used once by the
+     * session. What the session has used stays before what only the
+     * profile vouches for (another prompt's profile would otherwise hold
+     * slots against the session's own experts); the prior ranks the
+     * experts the session has not used among themselves. */
+    const double weights[] = {-1, 50};
+    for (int i = 0; i < 2; i++) {
+        qm_policy pol = next_use_with_prior(weights[i]);
+        qm_policy_on_insert(&pol, REF(0, 1), 0);
+        qm_policy_on_insert(&pol, REF(0, 3), 1);
+        qm_policy_on_access(&pol, REF(0, 2), 2, 0);
+        qm_policy_on_access(&pol, REF(1, 0), 3, 0);
+        const qm_expert_ref cands[] = {REF(0, 2), REF(0, 1)};
+        ck_assert_uint_eq(victim_of(&pol, cands, 2), 1);
+        /* Among the unused: 3 (prior 0.5) goes before 1 (0.9). */
+        const qm_expert_ref unused[] = {REF(0, 1), REF(0, 3)};
+        ck_assert_uint_eq(victim_of(&pol, unused, 2), 1);
+        qm_policy_destroy(&pol);
+    }
 }
 END_TEST
 
@@ -518,21 +545,26 @@ END_TEST
 
 START_TEST(test_next_use_prior_counts_no_more_than_the_visits_it_saw)
 {
-    /* Expert 2 of bank 0 (prior 0) used once, at the bank's first visit;
-     * expert 1 (prior 0.9) loaded and never used. A prior measured over
-     * many visits keeps 1 over 2; one measured over a single visit weighs
-     * less than 2's one use. */
+    /* Bank 0's visits: experts 1 (prior 0.9) and 2 (prior 0), then 2 and
+     * 0, then 0: 1 used once, 2 twice, neither at the last visit. A prior
+     * measured over many visits keeps 1 over 2 (0.9 x 5 + 1 against 2
+     * uses); one measured over a single visit weighs less than 2's second
+     * use. */
     const double seen[] = {0.0, 1.0};
     for (int i = 0; i < 2; i++) {
         qm_policy_params p = {.version = QM_POLICY_PARAMS_VERSION, .prior = k_prior,
                               .prior_len = k_prior_len, .n_prior_banks = 2,
                               .prior_visits = seen[i]};
         qm_policy pol = make("next_use", &p);
-        qm_policy_on_insert(&pol, REF(0, 1), 0);
-        qm_policy_on_access(&pol, REF(0, 2), 1, 0);
-        qm_policy_on_access(&pol, REF(1, 0), 2, 0);
-        qm_policy_on_access(&pol, REF(0, 0), 3, 0);
-        qm_policy_on_access(&pol, REF(1, 0), 4, 0);
+        uint64_t t = 0;
+        qm_policy_on_access(&pol, REF(0, 1), t++, 0);
+        qm_policy_on_access(&pol, REF(0, 2), t++, 0);
+        qm_policy_on_access(&pol, REF(1, 0), t++, 0);
+        qm_policy_on_access(&pol, REF(0, 2), t++, 1);
+        qm_policy_on_access(&pol, REF(0, 0), t++, 0);
+        qm_policy_on_access(&pol, REF(1, 0), t++, 1);
+        qm_policy_on_access(&pol, REF(0, 0), t++, 1);
+        qm_policy_on_access(&pol, REF(1, 0), t++, 1);
         const qm_expert_ref cands[] = {REF(0, 1), REF(0, 2)};
         ck_assert_uint_eq(victim_of(&pol, cands, 2), (i ? 0u : 1u));
         qm_policy_destroy(&pol);
@@ -645,6 +677,7 @@ static Suite *policies_suite(void)
     tcase_add_test(c, test_next_use_starts_from_its_prior);
     tcase_add_test(c, test_next_use_prior_fades_as_the_session_routes);
     tcase_add_test(c, test_next_use_default_prior_yields_to_the_session_at_once);
+    tcase_add_test(c, test_next_use_evicts_what_the_session_has_not_used_first);
     tcase_add_test(c, test_next_use_prior_counts_no_more_than_the_visits_it_saw);
     tcase_add_test(c, test_prior_is_checked_and_taken_by_next_use_only);
     suite_add_tcase(s, c);
