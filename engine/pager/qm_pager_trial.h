@@ -13,10 +13,9 @@
  * against 0.87 GB read a token); on the Qwen3-30B-A3B and GPT-OSS-20B
  * shapes the difference stayed within the host's noise.
  *
- * So the trial times the session itself. Once its budget is full of
- * experts the session used (the pager calls it from the first eviction of
- * one on: until then a prefetch evicts nothing the session has shown it
- * needs) prefetch is held (predicted and scored as always, nothing read)
+ * So the trial times the session itself. Once its budget is full (the
+ * pager calls it from the first eviction on: until then a prefetch evicts
+ * nothing) prefetch is held (predicted and scored as always, nothing read)
  * for two tokens and 32 windows of about two tokens (2 x layers forward
  * calls), about 66 tokens; then, in such windows, it runs prefetch held and
  * prefetch fetched in the order A B B A (a trend weighs on both alike),
