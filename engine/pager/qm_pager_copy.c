@@ -290,8 +290,6 @@ void qm__pager_evict(qm_pager *p, int32_t s)
         (void)qm__pager_copy_wait(p, s, NULL);
         p->stats.stall_us += qm__now_us() - t0;
     }
-    if (p->slots[s].uses)
-        p->full_of_own = 1;
     qm__pager_drop(p, s);
     p->stats.evictions++;
 }

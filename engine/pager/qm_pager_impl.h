@@ -193,13 +193,8 @@ struct qm_pager {
     uint64_t pf_win_issued0[QM__PF_SOURCES], pf_win_useful0[QM__PF_SOURCES];
     uint32_t pf_hold[QM__PF_SOURCES];
     uint64_t forward_calls;
-    /* Whether prefetch pays on this session, timed (qm_pager_trial.h)
-     * from the first eviction of an expert the session used (full_of_own):
-     * until then a prefetch takes a free slot, or that of an expert loaded
-     * at the start (a warm start) or prefetched and not used since, and
-     * evicts nothing the session has shown it needs. */
+    /* Whether prefetch pays on this session, timed (qm_pager_trial.h). */
     qm__pf_trial trial;
-    uint8_t full_of_own;
 
     /* Routing trace (qm_pager_trace.c) */
     struct qm__trace *trace;

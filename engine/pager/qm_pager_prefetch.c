@@ -471,11 +471,10 @@ static void qm__pf_trial_publish(qm_pager *p)
 static void qm__prefetch_now(qm_pager *p, const qm_moe_call *call, uint32_t k)
 {
     /* Every call is timed, whether or not the next layer is paged, once
-     * the budget is full of experts the session used (full_of_own):
-     * before, a prefetch lands in a free slot or in one of an expert the
-     * session has not used (a warm start's, a wrong guess's), and a
-     * filling cache's misses would weigh on whichever mode came first. */
-    int held = p->full_of_own ? qm__pf_trial_call(&p->trial, call->n_tokens, qm__now_us()) : 0;
+     * the budget is full (its first eviction): before, a prefetch lands in
+     * a free slot and evicts nothing, and a filling cache's misses would
+     * weigh on whichever mode came first. */
+    int held = p->stats.evictions ? qm__pf_trial_call(&p->trial, call->n_tokens, qm__now_us()) : 0;
     qm__pf_trial_publish(p);
     uint32_t next = (call->layer + 1) % p->n_layers;
     qm__layer *N = &p->layers[next];

@@ -1021,58 +1021,9 @@ START_TEST(test_prefetch_trial_in_the_pager_holds_reads_not_predictions)
 }
 END_TEST
 
-/* A warm start the session does not use (another prompt's hottest
- * experts) is room, not the session's: prefetch reads into those slots as
- * into free ones, and the trial's clock starts only when an expert the
- * session used is evicted. Layer 0's experts 4-7 fill the budget at the
- * start; the calls route to experts 0-3 only. */
-START_TEST(test_prefetch_trial_starts_when_the_session_s_own_are_evicted)
-{
-    qm_policy pol = {0};
-    ck_assert_int_eq(qm_policy_new("lru", NULL, &pol, &fixture.st), 0);
-    qm_residency_plan *plan = make_plan(&fixture.bank, &pol, 1, 4 * unit_bytes(&fixture.bank));
-    qm_pager_options o = {.prefetch = 1, .prefetch_trial = 1, .prefetch_min_precision = -1};
-    qm_pager *pg = NULL;
-    ck_assert_int_eq(qm_pager_new(fixture.cpu, fixture.bank.bank, plan, &pol, &o, &pg, &fixture.st),
-                     0);
-    const uint32_t warm[] = {4, 5, 6, 7};
-    ck_assert_int_eq(qm_pager_warm(pg, 0, warm, 4, &fixture.st), 4);
-    const uint32_t L = fixture.spec.layers;
-    enum { N = 200 };
-    uint64_t s = 9, held_before = 0, issued_before_held = 0, evictions_at_held = 0;
-    int h = -1;
-    for (uint32_t i = 0; i < N && h < 0; i++) {
-        uint32_t ex[2] = {(uint32_t)(pf_rand(&s) % 2), 2 + (uint32_t)(pf_rand(&s) % 2)};
-        qm_pager_stats ps;
-        qm_pager_stats_get(pg, &ps);
-        issued_before_held = ps.prefetch_issued;
-        call_experts(pg, &fixture.bank, i % L, ex, 2, &s);
-        qm_pager_stats_get(pg, &ps);
-        if (ps.prefetch_trial_held > held_before) {
-            h = (int)i;
-            evictions_at_held = ps.evictions;
-        }
-        held_before = ps.prefetch_trial_held;
-    }
-    ck_assert_int_ge(h, 0);
-    /* Every warm expert gave its slot before the trial held anything, and
-     * prefetch read meanwhile. */
-    ck_assert_uint_gt(evictions_at_held, 4);
-    ck_assert_uint_gt(issued_before_held, 0);
-    uint32_t res[8];
-    int n = qm_pager_resident_experts(pg, 0, res, 8);
-    for (int i = 0; i < n; i++)
-        ck_assert_uint_lt(res[i], 4); /* none of the warm start is left */
-    qm_pager_free(pg);
-    qm_plan_free(plan);
-    qm_policy_destroy(&pol);
-}
-END_TEST
-
 static void add_edge_tests(TCase *tc)
 {
     tcase_add_test(tc, test_recorded_trace_holds_each_tokens_routing_in_layer_order);
-    tcase_add_test(tc, test_prefetch_trial_starts_when_the_session_s_own_are_evicted);
     tcase_add_test(tc, test_budget_holding_every_expert_preloads_and_never_misses);
     tcase_add_test(tc, test_imprecise_router_prediction_is_switched_off);
     tcase_add_test(tc, test_policy_naming_an_expert_in_use_is_overruled);
