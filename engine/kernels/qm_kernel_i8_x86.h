@@ -703,7 +703,15 @@ QM__I8_AI void qm__v_r8_group(const qm__qmat *m, const uint8_t *p, const char *p
  * groups side by side on 512-bit vectors (one vpdpbusd for both) was
  * slower from memory, two streams a group apart (Zen 4, qmoe_cpu_bench
  * --r8 1, Qwen3 shape, T = 1: 0.65 against 0.61 ms a call on 2 threads,
- * 0.90 against 0.78 on one; T = 4 and 8 4-10% too). */
+ * 0.90 against 0.78 on one; T = 4 and 8 4-10% too). On AVX2 the same
+ * (Zen 3, 2026-12-06): two groups at T = 1 with the input's broadcasts
+ * and the epilogue's shared, 10% faster than one on a matrix in L3
+ * (qmoe_kernel_micro), was 9% slower from memory on the Qwen3 shape (0.865
+ * against 0.786 ms a call, 8 rounds alternated) and level on GPT-OSS's and
+ * Mixtral's; and the s16 sums kept in place with inline asm (GCC spills
+ * the tree it makes of them at 2-4 inputs), 13-19% faster in L3 at 2 and
+ * 4 inputs, was level from memory. From memory a call is bound by the
+ * reads, not by these instructions. */
 static void qm__v_r8(const qm__qmat *m, uint32_t n0, uint32_t nr, const float *xq, size_t ldx,
                      uint32_t nx, float *y, size_t ldy, const qm__i8_scratch *s)
 {
