@@ -108,7 +108,11 @@ static int source_add(qm_pressure *p, int kind, int fd, int aux_fd, int prio, co
     src->poll.data = src;
     uv_poll_start(&src->poll, prio ? UV_PRIORITIZED : UV_READABLE, source_cb);
     p->src[kind] = src;
-    qm_log(QM_LOG_INFO, "auto budgets: listening for memory pressure on %s", what);
+    /* Said once a source: sources close with the last auto session and
+     * arm again with the next. */
+    qm_log(p->announced[kind] ? QM_LOG_DEBUG : QM_LOG_INFO,
+           "auto budgets: listening for memory pressure on %s", what);
+    p->announced[kind] = 1;
     return 0;
 }
 
@@ -185,9 +189,12 @@ static void arm_sources(qm_pressure *p, const qm_mem_state *mem)
         else if (arm_psi(p, QM__PSOURCE_SYSTEM, "/proc/pressure/memory", why, sizeof why) < 0)
             say_off(p, QM__PSOURCE_SYSTEM, why);
     }
-    if (mem && strcmp(mem->cgroup, p->cgroup) != 0) {
+    int moved = mem && strcmp(mem->cgroup, p->cgroup) != 0;
+    if (mem && (moved || p->rearm_cgroup)) {
+        p->rearm_cgroup = 0;
         source_close(p, QM__PSOURCE_CGROUP);
-        p->logged[QM__PSOURCE_CGROUP] = 0;
+        if (moved)
+            p->logged[QM__PSOURCE_CGROUP] = 0;
         snprintf(p->cgroup, sizeof p->cgroup, "%s", mem->cgroup);
         int rc = 0;
         char path[QM_MEM_PATH_MAX + 32];
@@ -205,6 +212,20 @@ static void arm_sources(qm_pressure *p, const qm_mem_state *mem)
         if (rc < 0)
             say_off(p, QM__PSOURCE_CGROUP, why);
     }
+}
+
+/* No auto session is open: the sources close (a PSI trigger keeps the
+ * kernel's monitor polling; the cgroup's registration, two descriptors)
+ * until the next auto session arms them again. The test FIFO stays. */
+static void disarm_sources(qm_pressure *p)
+{
+    if (!p->src[QM__PSOURCE_SYSTEM] && !p->src[QM__PSOURCE_CGROUP])
+        return;
+    p->rearm_cgroup = p->src[QM__PSOURCE_CGROUP] != NULL; /* on the cgroup qmoed is in then */
+    source_close(p, QM__PSOURCE_SYSTEM);
+    source_close(p, QM__PSOURCE_CGROUP);
+    p->pressure_pending = 0;
+    qm_log(QM_LOG_DEBUG, "auto budgets: no auto session open, memory pressure sources closed");
 }
 
 /* QMOED_TEST_PRESSURE: a FIFO held open from the start, so a test's write
@@ -406,6 +427,7 @@ size_t qm_pressure_step(qm_pressure *p, uint64_t now)
     size_t n = auto_sessions(mx, s, v, QM__STEP_MAX_SESSIONS, &pending);
     if (n == 0) {
         p->pressure_pending = 0;
+        disarm_sources(p);
         return 0;
     }
     qm_mem_state mem;
@@ -466,6 +488,8 @@ static void timer_cb(uv_timer_t *t)
     size_t n = p->mx->cfg->auto_budget_check_ms /* 0: only events step (reloadable) */
                    ? qm_pressure_step(p, qm_now_us())
                    : (size_t)any_auto(p->mx);
+    if (n == 0 && !p->stopped)
+        disarm_sources(p);
     if (n && !p->stopped)
         uv_timer_start(&p->timer, timer_cb, check_us(p) / 1000u, 0);
 }

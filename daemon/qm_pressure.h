@@ -49,7 +49,9 @@ typedef struct qm_pressure {
     int started, stopped;
     qm__psource *src[QM__PSOURCE_COUNT];
     char cgroup[QM_MEM_PATH_MAX]; /* the cgroup the cgroup source listens to */
+    int rearm_cgroup;             /* its source closed with the last auto session */
     int logged[QM__PSOURCE_COUNT]; /* why a source is off: said once */
+    int announced[QM__PSOURCE_COUNT]; /* that it listens: said once */
     uint64_t last_pressure_us;     /* the last event (0: none yet) */
     uint64_t last_step_us;         /* the last step a pressure event took */
     int pressure_pending;          /* an event not yet acted on */
@@ -59,15 +61,16 @@ typedef struct qm_pressure {
 } qm_pressure;
 
 /* Starts the timer; the sources are armed at the first step that finds an
- * auto session. `mx` must have its pool. */
+ * auto session, and closed at the first that finds none. `mx` must have
+ * its pool. */
 void qm_pressure_start(qm_pressure *p, uv_loop_t *loop, const qm_method_ctx *mx);
 /* Closes its handles (the daemon's finish, before it closes the rest). */
 void qm_pressure_stop(qm_pressure *p);
 /* After the loop ran out: frees what the stop's closes left. */
 void qm_pressure_free(qm_pressure *p);
 /* One step now: what the timer and each event run. Returns the sessions
- * with an auto budget it found (0: none; the timer then stops until
- * qm_pressure_watch). */
+ * with an auto budget it found (0: none; the sources close and the timer
+ * stops until qm_pressure_watch). */
 size_t qm_pressure_step(qm_pressure *p, uint64_t now_us);
 /* A session's budget became "auto" (created or resized so): the timer runs
  * again if it had stopped, and pressure events wait auto_budget_grace_ms

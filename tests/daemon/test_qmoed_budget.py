@@ -471,3 +471,55 @@ def qmoe_floor(c, sid):
     """One expert unit: the least a paged session's budget goes to."""
     return c.call("model.list")["models"][0]["bytes_per_expert"]
 
+
+
+def pressure_fds(pid):
+    """The daemon's descriptors on memory pressure files (PSI triggers, a
+    cgroup v1 memory.pressure_level registration)."""
+    out = []
+    for fd in os.listdir("/proc/%d/fd" % pid):
+        try:
+            target = os.readlink("/proc/%d/fd/%s" % (pid, fd))
+        except OSError:
+            continue
+        if "pressure" in target:
+            out.append(target)
+    return sorted(out)
+
+
+def test_pressure_sources_close_with_the_last_auto_session_and_open_with_the_next(small):
+    """While auto sessions are open qmoed listens for memory pressure; with
+    none open it holds no trigger or registration (a PSI trigger keeps the
+    kernel's monitor polling), and the next auto session arms them again,
+    said once in the log."""
+    args = WATCH + ["--set", "auto_budget_pressure_ms=150", "--set", "auto_budget_pressure_level=medium",
+                    "--log-level", "info"]
+    dm = Daemon(models={"small": small}, args=args)
+    try:
+        c = dm.client()
+        assert pressure_fds(dm.proc.pid) == []
+        fixed = new_session(c, policy="lru", budget_bytes=model_bytes(c))
+        sid = c.call("session.create", {"model": "small", "policy": "lru", "budget": "auto"})["session"]
+        deadline = time.time() + 5  # armed at the watcher's first step
+        while not pressure_fds(dm.proc.pid) and time.time() < deadline:
+            time.sleep(0.05)
+        armed = pressure_fds(dm.proc.pid)
+        if not armed:
+            pytest.skip("no memory pressure source could be armed here:\n" + dm.log_text()[-1500:])
+        c.call("session.close", {"session": sid})
+        deadline = time.time() + 5
+        while pressure_fds(dm.proc.pid) and time.time() < deadline:
+            time.sleep(0.05)
+        assert pressure_fds(dm.proc.pid) == [], "still held with no auto session open"
+        assert outputs(c, fixed)  # the other session serves on
+        sid = c.call("session.create", {"model": "small", "policy": "lru", "budget": "auto"})["session"]
+        deadline = time.time() + 5
+        while pressure_fds(dm.proc.pid) != armed and time.time() < deadline:
+            time.sleep(0.05)
+        assert pressure_fds(dm.proc.pid) == armed
+        log = dm.log_text()
+        for what in set(re.findall(r"listening for memory pressure on (.*)", log)):
+            assert log.count("listening for memory pressure on " + what) == 1, log[-2000:]
+    finally:
+        rc = dm.stop()
+        assert rc == 0, dm.log_text()[-3000:]
