@@ -7,6 +7,9 @@
 #include "qm_sessions.h"
 
 #include <errno.h>
+#ifdef __GLIBC__
+#include <malloc.h> /* malloc_trim */
+#endif
 #include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -98,6 +101,13 @@ static void session_free(qm_session *s)
     qm_free(s->profile_warm_experts);
     qm_model_unref(s->model);
     qm_free(s);
+#ifdef __GLIBC__
+    /* What the session's threads allocated is free now, much of it in the
+     * heaps of the threads that ran its calls (a ring's own thread has an
+     * arena of its own), where glibc keeps it resident: give the free pages
+     * back, so a daemon's memory returns after its sessions go. */
+    malloc_trim(0);
+#endif
 }
 
 void qm_session_ref(qm_session *s) { atomic_fetch_add(&s->refs, 1); }

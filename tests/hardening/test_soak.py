@@ -1,0 +1,423 @@
+"""A soak of the daemon: several clients at once do, in a random order,
+what engines and operators do — sessions of every offered policy and of
+budgets in bytes, percents and "auto", exact and fast; layer calls over the
+socket and over the call ring (mapped tensors), with the bank's router and
+with router logits given; resizes, plans, telemetry and listings; calls
+that are wrong (a bad layer, a bad width); garbage lines; sessions closed,
+connections dropped with sessions open, and client processes killed in the
+middle of their calls — for QMOE_SOAK_S seconds (default 12), with the
+banks paged from the disk where the filesystem takes O_DIRECT.
+
+What must hold: every answer to a valid call equals, bit for bit, the
+whole-bank answer computed before the soak (paging, sharing and resizing
+never change an output bit); every wrong call fails with -32602 naming its
+field, and the session it named still serves; a garbage line gets a parse
+error and its connection still serves. Afterwards the daemon is alive,
+every orphaned session is reclaimed, its memory is back to none in use, it
+holds no more descriptors and threads than before the soak, and it exits 0
+(under the sanitizers: with no report). QMOE_SOAK_SEED replays a run (the
+seed is printed).
+"""
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import textwrap
+import threading
+import time
+
+import numpy as np
+
+from hardening import HERE, SLOW, Baseline, Bystander, Daemon, make_bank
+from qmoed_harness import Client as RawClient, offered_policies
+
+PYCLIENT = os.path.join(HERE, "..", "..", "clients", "python")
+sys.path.insert(0, PYCLIENT)
+from qmoe_client import Client, QmoeError  # noqa: E402
+
+SOAK_S = float(os.environ.get("QMOE_SOAK_S", "12"))
+WORKERS = 3
+LAYERS, EXPERTS, HID, K = 4, 16, 64, 2
+MODELS = {"q4": dict(bits=4, block=32, seed=11), "q8": dict(bits=8, block=0, seed=12)}
+TOKENS = (1, 2, 5, 8)
+ORPHAN_S = 1
+UNLOADED = "q8"  # the model the operator unloads (force) and loads again
+
+
+def disk_dir():
+    """A new directory on a filesystem that takes O_DIRECT (the banks are
+    then paged from the disk through the io engine), else in the temp dir
+    (paged from the mapping, as the daemon logs). The caller removes it."""
+    for d in (os.environ.get("QMOE_TEST_DISK_DIR"), "/var/tmp"):
+        if not d or not os.path.isdir(d):
+            continue
+        try:
+            path = tempfile.mkdtemp(dir=d, prefix="qmoed-soak-")
+        except OSError:
+            continue
+        probe = os.path.join(path, "probe")
+        try:
+            with open(probe, "wb") as f:
+                f.write(b"\0" * 8192)
+            os.close(os.open(probe, os.O_RDONLY | os.O_DIRECT))
+            os.unlink(probe)
+            return path
+        except OSError:
+            shutil.rmtree(path, ignore_errors=True)
+    return tempfile.mkdtemp(prefix="qmoed-soak-")
+
+
+def inputs_of(seed):
+    """Per model: (layer, hidden [T, H] f32, router logits [T, E] f32 or None)."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for i in range(24):
+        t = TOKENS[i % len(TOKENS)]
+        x = rng.standard_normal((t, HID)).astype(np.float32)
+        lg = rng.standard_normal((t, EXPERTS)).astype(np.float32) if i % 3 == 0 else None
+        out.append((i % LAYERS, x, lg))
+    return out
+
+
+def daemon_fds_threads(pid):
+    return len(os.listdir("/proc/%d/fd" % pid)), len(os.listdir("/proc/%d/task" % pid))
+
+
+def daemon_fd_names(pid):
+    out = []
+    for fd in sorted(os.listdir("/proc/%d/fd" % pid), key=int):
+        try:
+            out.append("%s %s" % (fd, os.readlink("/proc/%d/fd/%s" % (pid, fd))))
+        except OSError:
+            pass
+    return out
+
+
+class Soak:
+    def __init__(self, dm, banks, seed):
+        self.dm, self.seed = dm, seed
+        self.inputs = {m: inputs_of(seed + j) for j, m in enumerate(MODELS)}
+        c = Client(dm.socket, reconnect=0)
+        self.bpe = {m["name"]: m["bytes_per_expert"] for m in c.models()}
+        # The reference: whole_bank sessions, every input, both precisions.
+        self.ref = {}
+        for m in MODELS:
+            for prec in ("exact", "fast"):
+                sid = c.create_session(m, policy="whole_bank", precision=prec)["session"]
+                for i, (layer, x, lg) in enumerate(self.inputs[m]):
+                    self.ref[m, prec, i] = c.infer(sid, layer, x, router_logits=lg).output.tobytes()
+                c.close_session(sid)
+        c.close()
+        self.policies = offered_policies()
+        self.errors = []
+        self.counts = {}
+        self.lock = threading.Lock()
+        self.stop = threading.Event()
+
+    def count(self, what):
+        with self.lock:
+            self.counts[what] = self.counts.get(what, 0) + 1
+
+    def fail(self, msg):
+        with self.lock:
+            self.errors.append(msg)
+        self.stop.set()
+
+    def budget(self, rng, model):
+        b = rng.choice(["bytes", "bytes", "pct", "auto", None])
+        if b == "bytes":
+            return rng.randint(1, 3 * LAYERS * K) * self.bpe[model]
+        if b == "pct":
+            return "%d%%" % rng.choice((10, 25, 50, 100))
+        return b
+
+    # ---- one worker: its own connection, its own sessions ----
+    def worker(self, w):
+        rng = random.Random(self.seed * 100 + w)
+        me = {"c": Client(self.dm.socket, reconnect=0), "sessions": {}}  # sid -> [model, prec, map]
+        try:
+            while not self.stop.is_set():
+                try:
+                    self.step(me, rng)
+                except QmoeError as e:
+                    if e.code != -32001:
+                        raise
+                    self.gone(me, e)
+        except Exception as e:  # noqa: BLE001 - every failure is reported
+            self.fail("worker %d: %r" % (w, e))
+        finally:
+            me["c"].close()
+
+    def step(self, me, rng):
+        c, sessions = me["c"], me["sessions"]
+        r = rng.random()
+        if not sessions or (r < 0.03 and len(sessions) < 3):
+            self.create(c, rng, sessions)
+        elif r < 0.50:
+            self.call(c, rng, sessions, ring=False)
+        elif r < 0.80:
+            self.call(c, rng, sessions, ring=True)
+        elif r < 0.86:
+            self.resize(c, rng, sessions)
+        elif r < 0.91:
+            self.look(c, rng, sessions)
+        elif r < 0.96:
+            self.wrong(c, rng, sessions)
+        elif r < 0.975:
+            sid = rng.choice(list(sessions))
+            c.close_session(sid)
+            sessions.pop(sid)
+            self.count("close")
+        elif r < 0.98:
+            c.close()  # its sessions are left to the orphan reclaim
+            me["c"], me["sessions"] = Client(self.dm.socket, reconnect=0), {}
+            self.count("drop")
+        else:
+            self.garbage(rng)
+
+    def gone(self, me, e):
+        """not_found: only sessions of the model the operator unloads (with
+        force, which closes them) may have gone."""
+        sessions = me["sessions"]
+        live = {s["session"] for s in me["c"].sessions()}
+        lost = [sid for sid in sessions if sid not in live]
+        if not lost or any(sessions[sid][0] != UNLOADED for sid in lost):
+            raise AssertionError("not_found (%s) with sessions %s lost (%s)" % (
+                e, lost, [sessions[sid][0] for sid in lost]))
+        for sid in lost:
+            sessions.pop(sid)
+        self.count("session closed by unload")
+
+    def create(self, c, rng, sessions):
+        model = rng.choice(list(MODELS))
+        prec = rng.choice(("exact", "fast"))
+        policy = rng.choice(self.policies)
+        budget = None if policy == "whole_bank" else self.budget(rng, model)
+        try:
+            sid = c.create_session(model, policy=policy, budget=budget, precision=prec)["session"]
+        except QmoeError as e:
+            # A budget below one expert unit, or more than this machine has;
+            # max_sessions while dropped connections' sessions await reclaim.
+            if e.code == -32001 and model == UNLOADED:
+                self.count("create of an unloaded model")
+                return
+            if e.field not in ("budget_bytes", "budget") and "max_sessions" not in e.reason:
+                raise
+            self.count("create refused")
+            return
+        sessions[sid] = [model, prec, None]
+        self.count("create")
+
+    def call(self, c, rng, sessions, ring):
+        sid = rng.choice(list(sessions))
+        model, prec, shm = sessions[sid]
+        i = rng.randrange(len(self.inputs[model]))
+        layer, x, lg = self.inputs[model][i]
+        if ring:
+            if shm is None:
+                shm = sessions[sid][2] = c.map(sid, 1 << 16)
+            shm.reset()
+            hx = shm.alloc(x.shape, "f32")
+            hx.array[:] = x
+            lgm = None
+            if lg is not None:
+                lgm = shm.alloc(lg.shape, "f32")
+                lgm.array[:] = lg
+            out = shm.alloc(x.shape, "f32")
+            got = c.infer(sid, layer, hx, router_logits=lgm, output_to=out).output
+            got = np.array(got, copy=True)
+            if not c.ring_active(sid):
+                self.fail("session %s: a call with every tensor mapped did not take the ring" % sid)
+        else:
+            got = c.infer(sid, layer, x, router_logits=lg).output
+        if got.tobytes() != self.ref[model, prec, i]:
+            self.fail("session %s (%s, %s) input %d layer %d over the %s: output differs from "
+                      "whole_bank's" % (sid, model, prec, i, layer, "ring" if ring else "socket"))
+        self.count("ring call" if ring else "socket call")
+
+    def resize(self, c, rng, sessions):
+        sid = rng.choice(list(sessions))
+        b = self.budget(rng, sessions[sid][0])
+        if b is None:
+            b = self.bpe[sessions[sid][0]] * LAYERS * K
+        try:
+            if isinstance(b, int):
+                c.resize_session(sid, budget_bytes=b)
+            else:
+                c.resize_session(sid, budget=b)
+            self.count("resize")
+        except QmoeError as e:
+            # whole_bank sessions are not resized; a budget below one unit is refused
+            if e.code not in (-32602, -32003):
+                raise
+            self.count("resize refused")
+
+    def look(self, c, rng, sessions):
+        sid = rng.choice(list(sessions))
+        what = rng.choice(("plan", "telemetry", "sessions", "status"))
+        r = {"plan": lambda: c.plan(sid), "telemetry": lambda: c.telemetry(sid),
+             "sessions": c.sessions, "status": c.status}[what]()
+        assert isinstance(r, (dict, list)), (what, r)
+        self.count(what)
+
+    def wrong(self, c, rng, sessions):
+        sid = rng.choice(list(sessions))
+        model = sessions[sid][0]
+        x = np.zeros((1, HID), np.float32)
+        case = rng.choice(("layer", "hidden.shape"))
+        try:
+            if case == "layer":
+                c.infer(sid, LAYERS + rng.randrange(5), x)
+            else:
+                c.infer(sid, 0, np.zeros((1, HID + 1), np.float32))
+        except QmoeError as e:
+            if e.code == -32001:
+                raise  # its session went with an unload: step's caller sees
+            if e.code != -32602 or e.field != case:
+                self.fail("wrong %s on %s: %r (code %s, field %s)" % (case, sid, e, e.code, e.field))
+            self.count("wrong call")
+        else:
+            self.fail("wrong %s on %s (%s) was served" % (case, sid, model))
+
+    def garbage(self, rng):
+        rc = RawClient(self.dm.socket)
+        try:
+            junk = rng.choice((b'{"jsonrpc":"2.0","id":1,"method":"session.infer","params":{',
+                               b"\x00\xff\xfe not json at all", b"[1,2,3"))
+            rc.send_raw(junk + b"\n")
+            r = rc.read()
+            assert r.get("error", {}).get("code") == -32700, r
+            assert rc.call("daemon.status")["version"], "connection after garbage"
+            self.count("garbage")
+        finally:
+            rc.close()
+
+    # ---- an operator unloading a model under its sessions, loading it again ----
+    def operator(self, path):
+        rng = random.Random(self.seed * 100 + 98)
+        rc = RawClient(self.dm.socket)
+        try:
+            while not self.stop.wait(rng.uniform(0.5, 2.0)):
+                r = rc.request("model.unload", {"name": UNLOADED, "force": True})
+                assert "result" in r, r
+                time.sleep(rng.uniform(0.0, 0.3))
+                r = rc.request("model.load", {"name": UNLOADED, "path": path})
+                assert "result" in r, r
+                self.count("model reloaded")
+        except Exception as e:  # noqa: BLE001
+            self.fail("operator: %r" % (e,))
+        finally:
+            rc.close()
+
+    # ---- processes killed in the middle of their calls ----
+    def killer(self):
+        rng = random.Random(self.seed * 100 + 99)
+        code = textwrap.dedent("""
+            import sys, numpy as np
+            sys.path.insert(0, %r)
+            from qmoe_client import Client
+            c = Client(%r, reconnect=0)
+            sid = c.create_session(sys.argv[1], policy="lru", budget=%d)["session"]
+            shm = c.map(sid, 1 << 16)
+            x = np.ones((8, %d), np.float32)
+            print("ready", flush=True)
+            i = 0
+            while True:
+                if i %% 2:
+                    c.infer(sid, i %% %d, x)
+                else:
+                    shm.reset()
+                    h = shm.alloc(x.shape, "f32"); h.array[:] = x
+                    c.infer(sid, i %% %d, h, output_to=shm.alloc(x.shape, "f32"))
+                i += 1
+        """) % (PYCLIENT, self.dm.socket, 2 * self.bpe["q4"], HID, LAYERS, LAYERS)
+        while not self.stop.is_set():
+            p = subprocess.Popen([sys.executable, "-c", code, rng.choice(list(MODELS))],
+                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            line = p.stdout.readline()
+            if line.strip() != "ready":
+                p.kill()
+                err = p.stderr.read()
+                p.wait()
+                if "max_sessions" in err or "no model named '%s'" % UNLOADED in err:
+                    # dropped sessions await reclaim; the operator's model is out
+                    self.count("killed client refused")
+                    time.sleep(0.2)
+                    continue
+                self.fail("killed client did not start: %s %s" % (line, err[-2000:]))
+                return
+            time.sleep(rng.uniform(0.05, 0.4))
+            p.send_signal(signal.SIGKILL)
+            p.wait()
+            self.count("client killed")
+
+
+def wait_for(what, fn, timeout=30 * SLOW):
+    deadline = time.time() + timeout
+    while True:
+        v = fn()
+        if v:
+            return v
+        assert time.time() < deadline, what() if callable(what) else what
+        time.sleep(0.1)
+
+
+def test_soak_many_clients_at_once_bitwise_and_nothing_left_behind(capsys):
+    seed = int(os.environ.get("QMOE_SOAK_SEED", str(int(time.time()) % 100000)))
+    d, dm, rc = disk_dir(), None, None
+    try:
+        banks = {m: make_bank(os.path.join(d, "%s.bank" % m), layers=LAYERS, experts=EXPERTS,
+                              hidden=HID, k=K, bits=o["bits"], block=o["block"], seed=o["seed"])
+                 for m, o in MODELS.items()}
+        dm = Daemon(models=banks, args=["--session-orphan-timeout", str(ORPHAN_S),
+                                        "--log-level", "info"])
+        soak = Soak(dm, banks, seed)
+        bystander = Bystander(dm, model="q4")
+        watch = RawClient(dm.socket)
+        base = Baseline(dm)
+        used0 = watch.call("daemon.status")["device"]["used_bytes"]
+        threads0 = daemon_fds_threads(dm.proc.pid)[1]
+        names0 = daemon_fd_names(dm.proc.pid)
+        threads = [threading.Thread(target=soak.worker, args=(w,)) for w in range(WORKERS)]
+        threads.append(threading.Thread(target=soak.killer))
+        threads.append(threading.Thread(target=soak.operator, args=(banks[UNLOADED],)))
+        for t in threads:
+            t.start()
+        soak.stop.wait(SOAK_S)
+        soak.stop.set()
+        for t in threads:
+            t.join(120)
+            assert not t.is_alive(), "a soak thread is stuck (seed %d)" % seed
+        with capsys.disabled():
+            print("\nsoak seed %d, %.0f s: %s" % (seed, SOAK_S, dict(sorted(soak.counts.items()))))
+        assert not soak.errors, "seed %d: %s\n%s" % (seed, soak.errors, dm.log_text()[-4000:])
+        assert dm.proc.poll() is None, dm.log_text()[-4000:]
+        assert soak.counts.get("socket call", 0) > 0 and soak.counts.get("ring call", 0) > 0
+        # Every session but the bystander's is gone (closed or reclaimed),
+        # its memory with it.
+        wait_for(lambda: "sessions left: %s" % watch.call("session.list"),
+                 lambda: [s["session"] for s in watch.call("session.list")["sessions"]]
+                 == [bystander.sid])
+        wait_for("connections left", lambda: watch.call("daemon.status")["connections"] == 2)
+        assert watch.call("daemon.status")["device"]["used_bytes"] == used0
+        # No thread more than before the soak (the rings' threads reaped) and,
+        # Baseline's check, the descriptors exactly as before (the rings'
+        # regions and the maps unmapped and closed), RSS within the slack,
+        # the bystander untouched.
+        wait_for(lambda: "threads: before %d, now %d; descriptors before %s, now %s" % (
+            threads0, daemon_fds_threads(dm.proc.pid)[1], names0, daemon_fd_names(dm.proc.pid)),
+            lambda: daemon_fds_threads(dm.proc.pid)[1] <= threads0)
+        base.check(bystander, settle=10.0 * SLOW)
+        with capsys.disabled():
+            print("soak: RSS %d KiB before, %d KiB after; %d descriptors, %d threads" % (
+                base.rss, dm.rss_kb(), base.fds, threads0))
+        watch.close()
+        bystander.c.close()
+    finally:
+        if dm is not None:
+            rc = dm.stop()
+        shutil.rmtree(d, ignore_errors=True)
+    assert rc == 0, dm.log_text()[-4000:]
