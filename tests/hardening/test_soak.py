@@ -318,10 +318,14 @@ class Soak:
         code = textwrap.dedent("""
             import sys, numpy as np
             sys.path.insert(0, %r)
-            from qmoe_client import Client
+            from qmoe_client import Client, QmoeError
             c = Client(%r, reconnect=0)
-            sid = c.create_session(sys.argv[1], policy="lru", budget=%d)["session"]
-            shm = c.map(sid, 1 << 16)
+            try:
+                sid = c.create_session(sys.argv[1], policy="lru", budget=int(sys.argv[2]))["session"]
+                shm = c.map(sid, 1 << 16)
+            except QmoeError as e:
+                print("refused %%d %%s" %% (e.code, e), flush=True)
+                sys.exit(3)
             x = np.ones((8, %d), np.float32)
             print("ready", flush=True)
             i = 0
@@ -333,17 +337,20 @@ class Soak:
                     h = shm.alloc(x.shape, "f32"); h.array[:] = x
                     c.infer(sid, i %% %d, h, output_to=shm.alloc(x.shape, "f32"))
                 i += 1
-        """) % (PYCLIENT, self.dm.socket, 2 * self.bpe["q4"], HID, LAYERS, LAYERS)
+        """) % (PYCLIENT, self.dm.socket, HID, LAYERS, LAYERS)
         while not self.stop.is_set():
-            p = subprocess.Popen([sys.executable, "-c", code, rng.choice(list(MODELS))],
+            model = rng.choice(list(MODELS))
+            p = subprocess.Popen([sys.executable, "-c", code, model, str(2 * self.bpe[model])],
                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-            line = p.stdout.readline()
-            if line.strip() != "ready":
+            line = p.stdout.readline().strip()
+            if line != "ready":
                 p.kill()
                 err = p.stderr.read()
                 p.wait()
-                if "max_sessions" in err or "no model named '%s'" % UNLOADED in err:
-                    # dropped sessions await reclaim; the operator's model is out
+                # max_sessions while dropped sessions await reclaim; the
+                # operator's model out, or unloaded under the new session
+                if line.startswith("refused -32003") or (
+                        line.startswith("refused -32001") and model == UNLOADED):
                     self.count("killed client refused")
                     time.sleep(0.2)
                     continue
