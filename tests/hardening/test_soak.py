@@ -5,8 +5,10 @@ socket and over the call ring (mapped tensors), with the bank's router and
 with router logits given; resizes, plans, telemetry and listings; calls
 that are wrong (a bad layer, a bad width); garbage lines; sessions closed,
 connections dropped with sessions open, and client processes killed in the
-middle of their calls — for QMOE_SOAK_S seconds (default 12), with the
-banks paged from the disk where the filesystem takes O_DIRECT.
+middle of their calls, a model unloaded under its sessions and loaded
+again — for QMOE_SOAK_S seconds (default 10) on each of three backends:
+the CPU, with the banks paged from the disk where the filesystem takes
+O_DIRECT; one emulated device; two, the models placed across them.
 
 What must hold: every answer to a valid call equals, bit for bit, the
 whole-bank answer computed before the soak (paging, sharing and resizing
@@ -30,6 +32,7 @@ import threading
 import time
 
 import numpy as np
+import pytest
 
 from hardening import HERE, SLOW, Baseline, Bystander, Daemon, make_bank
 from qmoed_harness import Client as RawClient, offered_policies
@@ -38,7 +41,7 @@ PYCLIENT = os.path.join(HERE, "..", "..", "clients", "python")
 sys.path.insert(0, PYCLIENT)
 from qmoe_client import Client, QmoeError  # noqa: E402
 
-SOAK_S = float(os.environ.get("QMOE_SOAK_S", "12"))
+SOAK_S = float(os.environ.get("QMOE_SOAK_S", "10"))
 WORKERS = 3
 LAYERS, EXPERTS, HID, K = 4, 16, 64, 2
 MODELS = {"q4": dict(bits=4, block=32, seed=11), "q8": dict(bits=8, block=0, seed=12)}
@@ -372,7 +375,18 @@ def wait_for(what, fn, timeout=30 * SLOW):
         time.sleep(0.1)
 
 
-def test_soak_many_clients_at_once_bitwise_and_nothing_left_behind(capsys):
+def used_bytes(c):
+    return [d["used_bytes"] for d in c.call("daemon.status")["devices"]]
+
+
+# The CPU backend (units read from the disk into host memory), one emulated
+# device (not host visible: every unit copied into its arena) and two (the
+# models' layers placed across them).
+BACKENDS = {"cpu": [], "emu": ["--backend", "emu"], "two-emu": ["--device", "emu:0,emu:1"]}
+
+
+@pytest.mark.parametrize("backend", sorted(BACKENDS))
+def test_soak_many_clients_at_once_bitwise_and_nothing_left_behind(backend, capsys):
     seed = int(os.environ.get("QMOE_SOAK_SEED", str(int(time.time()) % 100000)))
     d, dm, rc = disk_dir(), None, None
     try:
@@ -380,12 +394,12 @@ def test_soak_many_clients_at_once_bitwise_and_nothing_left_behind(capsys):
                               hidden=HID, k=K, bits=o["bits"], block=o["block"], seed=o["seed"])
                  for m, o in MODELS.items()}
         dm = Daemon(models=banks, args=["--session-orphan-timeout", str(ORPHAN_S),
-                                        "--log-level", "info"])
+                                        "--log-level", "info"] + BACKENDS[backend])
         soak = Soak(dm, banks, seed)
         bystander = Bystander(dm, model="q4")
         watch = RawClient(dm.socket)
         base = Baseline(dm)
-        used0 = watch.call("daemon.status")["device"]["used_bytes"]
+        used0 = used_bytes(watch)
         threads0 = daemon_fds_threads(dm.proc.pid)[1]
         names0 = daemon_fd_names(dm.proc.pid)
         threads = [threading.Thread(target=soak.worker, args=(w,)) for w in range(WORKERS)]
@@ -399,7 +413,8 @@ def test_soak_many_clients_at_once_bitwise_and_nothing_left_behind(capsys):
             t.join(120)
             assert not t.is_alive(), "a soak thread is stuck (seed %d)" % seed
         with capsys.disabled():
-            print("\nsoak seed %d, %.0f s: %s" % (seed, SOAK_S, dict(sorted(soak.counts.items()))))
+            print("\nsoak %s, seed %d, %.0f s: %s" % (backend, seed, SOAK_S,
+                                                      dict(sorted(soak.counts.items()))))
         assert not soak.errors, "seed %d: %s\n%s" % (seed, soak.errors, dm.log_text()[-4000:])
         assert dm.proc.poll() is None, dm.log_text()[-4000:]
         assert soak.counts.get("socket call", 0) > 0 and soak.counts.get("ring call", 0) > 0
@@ -409,7 +424,7 @@ def test_soak_many_clients_at_once_bitwise_and_nothing_left_behind(capsys):
                  lambda: [s["session"] for s in watch.call("session.list")["sessions"]]
                  == [bystander.sid])
         wait_for("connections left", lambda: watch.call("daemon.status")["connections"] == 2)
-        assert watch.call("daemon.status")["device"]["used_bytes"] == used0
+        assert used_bytes(watch) == used0
         # No thread more than before the soak (the rings' threads reaped) and,
         # Baseline's check, the descriptors exactly as before (the rings'
         # regions and the maps unmapped and closed), RSS within the slack,
