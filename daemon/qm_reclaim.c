@@ -68,6 +68,14 @@ void qm_reclaim_init(qm_reclaim *rc, uv_loop_t *loop, qm_sessions *sessions,
     uv_unref((uv_handle_t *)&rc->timer);
 }
 
+/* Armed for the first orphaned session's due time. One with work queued
+ * (an orphan's own jobs, or an auto budget's resize the memory watcher
+ * queued after it was orphaned) is not due while it has some: its last
+ * job's hand-back arms this again (qm_reclaim_check). Were it counted, its
+ * passed due time would restart the timer at 0 ms from its own callback,
+ * which libuv runs again in the same pass: the loop thread would spin
+ * there for ever and never hand that job back (a soak found it). At least
+ * 1 ms for the same reason. */
 void qm_reclaim_arm(qm_reclaim *rc)
 {
     if (uv_is_closing((uv_handle_t *)&rc->timer))
@@ -76,7 +84,7 @@ void qm_reclaim_arm(qm_reclaim *rc)
     for (qm_session *s = limit ? rc->sessions->first : NULL; s;
          s = qm_session_next(s)) {
         const qm_touches *t = qm_session_touches(s);
-        if (!t->orphaned_us || t->n || t->lost)
+        if (!t->orphaned_us || t->n || t->lost || qm_session_queued(s))
             continue;
         if (!first || t->orphaned_us + limit < first)
             first = t->orphaned_us + limit;
@@ -86,8 +94,8 @@ void qm_reclaim_arm(qm_reclaim *rc)
         return;
     }
     uint64_t now = qm_now_us();
-    uint64_t ms = first > now ? (first - now + 999u) / 1000u : 0;
-    uv_timer_start(&rc->timer, timer_cb, ms, 0);
+    uint64_t ms = first > now ? (first - now + 999u) / 1000u : 1;
+    uv_timer_start(&rc->timer, timer_cb, ms ? ms : 1, 0);
 }
 
 /* Marks s orphaned when nothing holds it any more: 1 when newly marked. */
@@ -116,8 +124,13 @@ void qm_reclaim_conn_closed(qm_reclaim *rc, uint64_t conn_id)
         qm_reclaim_arm(rc);
 }
 
+/* After a job of s was handed back: s newly orphaned, or orphaned before
+ * and now without work queued (due again), arms the timer. */
 void qm_reclaim_check(qm_reclaim *rc, qm_session *s)
 {
-    if (!qm_session_closed(s) && mark(rc, s, qm_now_us()))
+    if (qm_session_closed(s))
+        return;
+    if (mark(rc, s, qm_now_us()) ||
+        (qm_session_touches(s)->orphaned_us && !qm_session_queued(s)))
         qm_reclaim_arm(rc);
 }

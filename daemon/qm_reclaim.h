@@ -34,8 +34,9 @@ void qm_reclaim_init(qm_reclaim *rc, uv_loop_t *loop, qm_sessions *sessions,
  * orphaned are marked. */
 void qm_reclaim_conn_closed(qm_reclaim *rc, uint64_t conn_id);
 /* A session whose state changed (a job handed back, a creation
- * committed): marked, and the timer armed, when that left it orphaned.
- * Accepts a closed session (nothing to do). */
+ * committed): marked, and the timer armed, when that left it orphaned or
+ * left an orphan without work queued. Accepts a closed session (nothing
+ * to do). */
 void qm_reclaim_check(qm_reclaim *rc, qm_session *s);
 /* After a mark or a change of session_orphan_timeout_s: the timer for the
  * earliest deadline (stopped when there is none or the timeout is 0). */
