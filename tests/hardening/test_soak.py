@@ -2,22 +2,26 @@
 what engines and operators do — sessions of every offered policy and of
 budgets in bytes, percents and "auto", exact and fast; layer calls over the
 socket and over the call ring (mapped tensors), with the bank's router and
-with router logits given; resizes, plans, telemetry and listings; calls
-that are wrong (a bad layer, a bad width); garbage lines; sessions closed,
-connections dropped with sessions open, and client processes killed in the
-middle of their calls, a model unloaded under its sessions and loaded
-again — for QMOE_SOAK_S seconds (default 10) on each of three backends:
-the CPU, with the banks paged from the disk where the filesystem takes
-O_DIRECT; one emulated device; two, the models placed across them.
+with router logits given; one session every client calls at once;
+resizes, plans, telemetry and listings; calls that are wrong (a bad layer,
+a bad width); garbage lines; sessions closed, connections dropped with
+sessions open, and client processes killed in the middle of their calls;
+an operator unloading a model under its sessions and loading it again,
+sending memory pressure events (auto budgets shrink, and grow back after a
+quiet second) and SIGHUP, reading the metrics and the trace — for
+QMOE_SOAK_S seconds (default 10) on each of three backends: the CPU, with
+the banks paged from the disk where the filesystem takes O_DIRECT; one
+emulated device; two, the models placed across them.
 
 What must hold: every answer to a valid call equals, bit for bit, the
 whole-bank answer computed before the soak (paging, sharing and resizing
 never change an output bit); every wrong call fails with -32602 naming its
 field, and the session it named still serves; a garbage line gets a parse
-error and its connection still serves. Afterwards the daemon is alive,
-every orphaned session is reclaimed, its memory is back to none in use, it
-holds no more descriptors and threads than before the soak, and it exits 0
-(under the sanitizers: with no report). QMOE_SOAK_SEED replays a run (the
+error and its connection still serves; a bystander connected throughout
+sees nothing. Afterwards the daemon is alive, every orphaned session is
+reclaimed, the device memory in use is what it was before the soak, the
+descriptors are exactly those, no thread more, RSS within the hardening
+slack, and it exits 0 (under the sanitizers: with no report). QMOE_SOAK_SEED replays a run (the
 seed is printed).
 """
 import os
@@ -113,12 +117,18 @@ class Soak:
                 for i, (layer, x, lg) in enumerate(self.inputs[m]):
                     self.ref[m, prec, i] = c.infer(sid, layer, x, router_logits=lg).output.tobytes()
                 c.close_session(sid)
-        c.close()
+        self.shared_client, self.shared = c, None
         self.policies = offered_policies()
         self.errors = []
         self.counts = {}
         self.lock = threading.Lock()
         self.stop = threading.Event()
+
+    def open_shared(self):
+        """One session every worker calls too, over its own connection and
+        ring, and none closes (the soak does, at its end)."""
+        self.shared = self.shared_client.create_session("q4", policy="next_use", budget="50%",
+                                                        precision="fast")["session"]
 
     def count(self, what):
         with self.lock:
@@ -140,7 +150,7 @@ class Soak:
     # ---- one worker: its own connection, its own sessions ----
     def worker(self, w):
         rng = random.Random(self.seed * 100 + w)
-        me = {"c": Client(self.dm.socket, reconnect=0), "sessions": {}}  # sid -> [model, prec, map]
+        me = {"c": Client(self.dm.socket, reconnect=0), "sessions": self.own()}
         try:
             while not self.stop.is_set():
                 try:
@@ -154,10 +164,16 @@ class Soak:
         finally:
             me["c"].close()
 
+    def own(self):
+        """A worker's sessions: sid -> [model, precision, its map here or
+        None, shared]; the shared one from the start."""
+        return {self.shared: ["q4", "fast", None, True]}
+
     def step(self, me, rng):
         c, sessions = me["c"], me["sessions"]
+        mine = [sid for sid, v in sessions.items() if not v[3]]
         r = rng.random()
-        if not sessions or (r < 0.03 and len(sessions) < 3):
+        if not mine or (r < 0.03 and len(mine) < 3):
             self.create(c, rng, sessions)
         elif r < 0.50:
             self.call(c, rng, sessions, ring=False)
@@ -170,13 +186,13 @@ class Soak:
         elif r < 0.96:
             self.wrong(c, rng, sessions)
         elif r < 0.975:
-            sid = rng.choice(list(sessions))
+            sid = rng.choice(mine)
             c.close_session(sid)
             sessions.pop(sid)
             self.count("close")
         elif r < 0.98:
             c.close()  # its sessions are left to the orphan reclaim
-            me["c"], me["sessions"] = Client(self.dm.socket, reconnect=0), {}
+            me["c"], me["sessions"] = Client(self.dm.socket, reconnect=0), self.own()
             self.count("drop")
         else:
             self.garbage(rng)
@@ -211,12 +227,12 @@ class Soak:
                 raise
             self.count("create refused")
             return
-        sessions[sid] = [model, prec, None]
+        sessions[sid] = [model, prec, None, False]
         self.count("create")
 
     def call(self, c, rng, sessions, ring):
         sid = rng.choice(list(sessions))
-        model, prec, shm = sessions[sid]
+        model, prec, shm, shared = sessions[sid]
         i = rng.randrange(len(self.inputs[model]))
         layer, x, lg = self.inputs[model][i]
         if ring:
@@ -239,7 +255,7 @@ class Soak:
         if got.tobytes() != self.ref[model, prec, i]:
             self.fail("session %s (%s, %s) input %d layer %d over the %s: output differs from "
                       "whole_bank's" % (sid, model, prec, i, layer, "ring" if ring else "socket"))
-        self.count("ring call" if ring else "socket call")
+        self.count(("ring call" if ring else "socket call") + (" (shared)" if shared else ""))
 
     def resize(self, c, rng, sessions):
         sid = rng.choice(list(sessions))
@@ -299,17 +315,31 @@ class Soak:
             rc.close()
 
     # ---- an operator unloading a model under its sessions, loading it again ----
-    def operator(self, path):
+    def operator(self, path, fifo):
+        """Now and then: the 8-bit model unloaded with force under its
+        sessions and loaded again; a memory pressure event (auto budgets
+        shrink, and grow back after a quiet second); SIGHUP (a reload);
+        the metrics and the trace read."""
         rng = random.Random(self.seed * 100 + 98)
         rc = RawClient(self.dm.socket)
         try:
-            while not self.stop.wait(rng.uniform(0.5, 2.0)):
-                r = rc.request("model.unload", {"name": UNLOADED, "force": True})
-                assert "result" in r, r
-                time.sleep(rng.uniform(0.0, 0.3))
-                r = rc.request("model.load", {"name": UNLOADED, "path": path})
-                assert "result" in r, r
-                self.count("model reloaded")
+            while not self.stop.wait(rng.uniform(0.2, 0.8)):
+                what = rng.choice(("reload model", "pressure", "pressure", "sighup", "read"))
+                if what == "reload model":
+                    r = rc.request("model.unload", {"name": UNLOADED, "force": True})
+                    assert "result" in r, r
+                    time.sleep(rng.uniform(0.0, 0.3))
+                    r = rc.request("model.load", {"name": UNLOADED, "path": path})
+                    assert "result" in r, r
+                elif what == "pressure":
+                    with open(fifo, "w") as f:
+                        f.write("pressure\n")
+                elif what == "sighup":
+                    self.dm.proc.send_signal(signal.SIGHUP)
+                else:
+                    assert "qmoed_" in rc.call("telemetry.metrics")["text"]
+                    assert isinstance(rc.call("telemetry.trace", {"limit": 50})["spans"], list)
+                self.count("operator: " + what)
         except Exception as e:  # noqa: BLE001
             self.fail("operator: %r" % (e,))
         finally:
@@ -393,8 +423,13 @@ def test_soak_many_clients_at_once_bitwise_and_nothing_left_behind(backend, caps
         banks = {m: make_bank(os.path.join(d, "%s.bank" % m), layers=LAYERS, experts=EXPERTS,
                               hidden=HID, k=K, bits=o["bits"], block=o["block"], seed=o["seed"])
                  for m, o in MODELS.items()}
-        dm = Daemon(models=banks, args=["--session-orphan-timeout", str(ORPHAN_S),
-                                        "--log-level", "info"] + BACKENDS[backend])
+        fifo = os.path.join(d, "pressure")  # the operator's memory pressure events
+        os.mkfifo(fifo)
+        dm = Daemon(models=banks, env={"QMOED_TEST_PRESSURE": fifo},
+                    args=["--session-orphan-timeout", str(ORPHAN_S), "--log-level", "info",
+                          "--set", "auto_budget_check_ms=100", "--set", "auto_budget_grow_after_s=1",
+                          "--set", "auto_budget_shrink_percent=20",
+                          "--set", "auto_budget_grace_ms=0"] + BACKENDS[backend])
         soak = Soak(dm, banks, seed)
         bystander = Bystander(dm, model="q4")
         watch = RawClient(dm.socket)
@@ -402,9 +437,10 @@ def test_soak_many_clients_at_once_bitwise_and_nothing_left_behind(backend, caps
         used0 = used_bytes(watch)
         threads0 = daemon_fds_threads(dm.proc.pid)[1]
         names0 = daemon_fd_names(dm.proc.pid)
+        soak.open_shared()
         threads = [threading.Thread(target=soak.worker, args=(w,)) for w in range(WORKERS)]
         threads.append(threading.Thread(target=soak.killer))
-        threads.append(threading.Thread(target=soak.operator, args=(banks[UNLOADED],)))
+        threads.append(threading.Thread(target=soak.operator, args=(banks[UNLOADED], fifo)))
         for t in threads:
             t.start()
         soak.stop.wait(SOAK_S)
@@ -418,12 +454,14 @@ def test_soak_many_clients_at_once_bitwise_and_nothing_left_behind(backend, caps
         assert not soak.errors, "seed %d: %s\n%s" % (seed, soak.errors, dm.log_text()[-4000:])
         assert dm.proc.poll() is None, dm.log_text()[-4000:]
         assert soak.counts.get("socket call", 0) > 0 and soak.counts.get("ring call", 0) > 0
+        soak.shared_client.close_session(soak.shared)  # its connection stays: in the baseline
         # Every session but the bystander's is gone (closed or reclaimed),
         # its memory with it.
         wait_for(lambda: "sessions left: %s" % watch.call("session.list"),
                  lambda: [s["session"] for s in watch.call("session.list")["sessions"]]
                  == [bystander.sid])
-        wait_for("connections left", lambda: watch.call("daemon.status")["connections"] == 2)
+        # The bystander's, the shared session's creator's and this one.
+        wait_for("connections left", lambda: watch.call("daemon.status")["connections"] == 3)
         assert used_bytes(watch) == used0
         # No thread more than before the soak (the rings' threads reaped) and,
         # Baseline's check, the descriptors exactly as before (the rings'
@@ -438,6 +476,7 @@ def test_soak_many_clients_at_once_bitwise_and_nothing_left_behind(backend, caps
                 base.rss, dm.rss_kb(), base.fds, threads0))
         watch.close()
         bystander.c.close()
+        soak.shared_client.close()
     finally:
         if dm is not None:
             rc = dm.stop()
