@@ -78,15 +78,27 @@ def disk_dir():
 
 
 def inputs_of(seed):
-    """Per model: (layer, hidden [T, H] f32, router logits [T, E] f32 or None)."""
+    """Per model, the inputs of the calls: (layer, hidden [T, H] f32 or f16,
+    routing): the bank's router, router logits [T, E], or the engine's own
+    top-k (ids [T, k] int32, -1 for no route, and f32 weights)."""
     rng = np.random.default_rng(seed)
     out = []
     for i in range(24):
         t = TOKENS[i % len(TOKENS)]
-        x = rng.standard_normal((t, HID)).astype(np.float32)
-        lg = rng.standard_normal((t, EXPERTS)).astype(np.float32) if i % 3 == 0 else None
-        out.append((i % LAYERS, x, lg))
+        x = rng.standard_normal((t, HID)).astype(np.float16 if i % 4 == 3 else np.float32)
+        route = {}
+        if i % 3 == 0:
+            route["router_logits"] = rng.standard_normal((t, EXPERTS)).astype(np.float32)
+        elif i % 3 == 1:
+            ids = np.stack([rng.choice(EXPERTS, K, replace=False) for _ in range(t)]).astype(np.int32)
+            ids[0, -1] = -1
+            route["topk_ids"] = ids
+            route["topk_weights"] = rng.uniform(0.1, 1.0, (t, K)).astype(np.float32)
+        out.append((i % LAYERS, x, route))
     return out
+
+
+DTYPE = {np.dtype(np.float32): "f32", np.dtype(np.float16): "f16", np.dtype(np.int32): "i32"}
 
 
 def daemon_fds_threads(pid):
@@ -114,8 +126,8 @@ class Soak:
         for m in MODELS:
             for prec in ("exact", "fast"):
                 sid = c.create_session(m, policy="whole_bank", precision=prec)["session"]
-                for i, (layer, x, lg) in enumerate(self.inputs[m]):
-                    self.ref[m, prec, i] = c.infer(sid, layer, x, router_logits=lg).output.tobytes()
+                for i, (layer, x, route) in enumerate(self.inputs[m]):
+                    self.ref[m, prec, i] = c.infer(sid, layer, x, **route).output.tobytes()
                 c.close_session(sid)
         self.shared_client, self.shared = c, None
         self.policies = offered_policies()
@@ -185,6 +197,8 @@ class Soak:
             self.look(c, rng, sessions)
         elif r < 0.96:
             self.wrong(c, rng, sessions)
+        elif r < 0.965:
+            self.unmap(c, rng, sessions)
         elif r < 0.975:
             sid = rng.choice(mine)
             c.close_session(sid)
@@ -223,9 +237,13 @@ class Soak:
             if e.code == -32001 and model == UNLOADED:
                 self.count("create of an unloaded model")
                 return
-            if e.field not in ("budget_bytes", "budget") and "max_sessions" not in e.reason:
+            if "max_sessions" in e.reason:
+                self.count("create refused: max_sessions")
+                time.sleep(0.05)  # as a client would, before trying again
+                return
+            if e.field not in ("budget_bytes", "budget"):
                 raise
-            self.count("create refused")
+            self.count("create refused: budget")
             return
         sessions[sid] = [model, prec, None, False]
         self.count("create")
@@ -234,28 +252,37 @@ class Soak:
         sid = rng.choice(list(sessions))
         model, prec, shm, shared = sessions[sid]
         i = rng.randrange(len(self.inputs[model]))
-        layer, x, lg = self.inputs[model][i]
+        layer, x, route = self.inputs[model][i]
         if ring:
             if shm is None:
                 shm = sessions[sid][2] = c.map(sid, 1 << 16)
             shm.reset()
-            hx = shm.alloc(x.shape, "f32")
-            hx.array[:] = x
-            lgm = None
-            if lg is not None:
-                lgm = shm.alloc(lg.shape, "f32")
-                lgm.array[:] = lg
-            out = shm.alloc(x.shape, "f32")
-            got = c.infer(sid, layer, hx, router_logits=lgm, output_to=out).output
+
+            def mapped(a):
+                t = shm.alloc(a.shape, DTYPE[a.dtype])
+                t.array[:] = a
+                return t
+            out = shm.alloc(x.shape, DTYPE[x.dtype])
+            got = c.infer(sid, layer, mapped(x), output_to=out,
+                          **{k: mapped(v) for k, v in route.items()}).output
             got = np.array(got, copy=True)
             if not c.ring_active(sid):
                 self.fail("session %s: a call with every tensor mapped did not take the ring" % sid)
         else:
-            got = c.infer(sid, layer, x, router_logits=lg).output
+            got = c.infer(sid, layer, x, **route).output
         if got.tobytes() != self.ref[model, prec, i]:
             self.fail("session %s (%s, %s) input %d layer %d over the %s: output differs from "
                       "whole_bank's" % (sid, model, prec, i, layer, "ring" if ring else "socket"))
         self.count(("ring call" if ring else "socket call") + (" (shared)" if shared else ""))
+
+    def unmap(self, c, rng, sessions):
+        """A map the ring calls used, unmapped; the next ring call maps anew."""
+        held = [sid for sid, v in sessions.items() if v[2] is not None]
+        if held:
+            sid = rng.choice(held)
+            c.unmap(sessions[sid][2])
+            sessions[sid][2] = None
+            self.count("unmap")
 
     def resize(self, c, rng, sessions):
         sid = rng.choice(list(sessions))
