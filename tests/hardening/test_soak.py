@@ -9,8 +9,9 @@ sessions open, and client processes killed in the middle of their calls;
 an operator unloading a model under its sessions and loading it again,
 sending memory pressure events (auto budgets shrink, and grow back after a
 quiet second) and SIGHUP, reading the metrics and the trace — for
-QMOE_SOAK_S seconds (default 10) on each of three backends: the CPU, with
-the banks paged from the disk where the filesystem takes O_DIRECT; one
+QMOE_SOAK_S seconds (default 10) on each of four backends: the CPU, with
+the banks paged from the disk where the filesystem takes O_DIRECT (through
+io_uring, and through its fallback, a pool of preadv threads); one
 emulated device; two, the models placed across them.
 
 What must hold: every answer to a valid call equals, bit for bit, the
@@ -26,6 +27,7 @@ seed is printed).
 """
 import os
 import random
+import re
 import shutil
 import signal
 import subprocess
@@ -101,6 +103,14 @@ def inputs_of(seed):
 DTYPE = {np.dtype(np.float32): "f32", np.dtype(np.float16): "f16", np.dtype(np.int32): "i32"}
 
 
+def raw(dm):
+    """A raw-socket client whose reads wait as long as the daemon's slowness
+    (QMOE_HARDENING_SLOW under valgrind or a sanitizer) needs."""
+    c = RawClient(dm.socket)
+    c.sock.settimeout(30 * SLOW)
+    return c
+
+
 def daemon_fds_threads(pid):
     return len(os.listdir("/proc/%d/fd" % pid)), len(os.listdir("/proc/%d/task" % pid))
 
@@ -119,7 +129,7 @@ class Soak:
     def __init__(self, dm, banks, seed):
         self.dm, self.seed = dm, seed
         self.inputs = {m: inputs_of(seed + j) for j, m in enumerate(MODELS)}
-        c = Client(dm.socket, reconnect=0)
+        c = Client(dm.socket, reconnect=0, timeout=30 * SLOW)
         self.bpe = {m["name"]: m["bytes_per_expert"] for m in c.models()}
         # The reference: whole_bank sessions, every input, both precisions.
         self.ref = {}
@@ -162,7 +172,7 @@ class Soak:
     # ---- one worker: its own connection, its own sessions ----
     def worker(self, w):
         rng = random.Random(self.seed * 100 + w)
-        me = {"c": Client(self.dm.socket, reconnect=0), "sessions": self.own()}
+        me = {"c": Client(self.dm.socket, reconnect=0, timeout=30 * SLOW), "sessions": self.own()}
         try:
             while not self.stop.is_set():
                 try:
@@ -206,7 +216,7 @@ class Soak:
             self.count("close")
         elif r < 0.98:
             c.close()  # its sessions are left to the orphan reclaim
-            me["c"], me["sessions"] = Client(self.dm.socket, reconnect=0), self.own()
+            me["c"], me["sessions"] = Client(self.dm.socket, reconnect=0, timeout=30 * SLOW), self.own()
             self.count("drop")
         else:
             self.garbage(rng)
@@ -329,7 +339,7 @@ class Soak:
             self.fail("wrong %s on %s (%s) was served" % (case, sid, model))
 
     def garbage(self, rng):
-        rc = RawClient(self.dm.socket)
+        rc = raw(self.dm)
         try:
             junk = rng.choice((b'{"jsonrpc":"2.0","id":1,"method":"session.infer","params":{',
                                b"\x00\xff\xfe not json at all", b"[1,2,3"))
@@ -348,7 +358,7 @@ class Soak:
         shrink, and grow back after a quiet second); SIGHUP (a reload);
         the metrics and the trace read."""
         rng = random.Random(self.seed * 100 + 98)
-        rc = RawClient(self.dm.socket)
+        rc = raw(self.dm)
         try:
             while not self.stop.wait(rng.uniform(0.2, 0.8)):
                 what = rng.choice(("reload model", "pressure", "pressure", "sighup", "read"))
@@ -379,7 +389,7 @@ class Soak:
             import sys, numpy as np
             sys.path.insert(0, %r)
             from qmoe_client import Client, QmoeError
-            c = Client(%r, reconnect=0)
+            c = Client(%r, reconnect=0, timeout=%d)
             try:
                 sid = c.create_session(sys.argv[1], policy="lru", budget=int(sys.argv[2]))["session"]
                 shm = c.map(sid, 1 << 16)
@@ -397,7 +407,7 @@ class Soak:
                     h = shm.alloc(x.shape, "f32"); h.array[:] = x
                     c.infer(sid, i %% %d, h, output_to=shm.alloc(x.shape, "f32"))
                 i += 1
-        """) % (PYCLIENT, self.dm.socket, HID, LAYERS, LAYERS)
+        """) % (PYCLIENT, self.dm.socket, 30 * SLOW, HID, LAYERS, LAYERS)
         while not self.stop.is_set():
             model = rng.choice(list(MODELS))
             p = subprocess.Popen([sys.executable, "-c", code, model, str(2 * self.bpe[model])],
@@ -436,10 +446,12 @@ def used_bytes(c):
     return [d["used_bytes"] for d in c.call("daemon.status")["devices"]]
 
 
-# The CPU backend (units read from the disk into host memory), one emulated
-# device (not host visible: every unit copied into its arena) and two (the
-# models' layers placed across them).
-BACKENDS = {"cpu": [], "emu": ["--backend", "emu"], "two-emu": ["--device", "emu:0,emu:1"]}
+# The CPU backend (units read from the disk into host memory: through
+# io_uring where the kernel gives it, and through the pool of preadv
+# threads, its fallback), one emulated device (not host visible: every unit
+# copied into its arena) and two (the models' layers placed across them).
+BACKENDS = {"cpu": [], "cpu-threads": ["--set", "io_engine=threads"], "emu": ["--backend", "emu"],
+            "two-emu": ["--device", "emu:0,emu:1"]}
 
 
 @pytest.mark.parametrize("backend", sorted(BACKENDS))
@@ -459,7 +471,7 @@ def test_soak_many_clients_at_once_bitwise_and_nothing_left_behind(backend, caps
                           "--set", "auto_budget_grace_ms=0"] + BACKENDS[backend])
         soak = Soak(dm, banks, seed)
         bystander = Bystander(dm, model="q4")
-        watch = RawClient(dm.socket)
+        watch = raw(dm)
         base = Baseline(dm)
         used0 = used_bytes(watch)
         threads0 = daemon_fds_threads(dm.proc.pid)[1]
@@ -481,6 +493,9 @@ def test_soak_many_clients_at_once_bitwise_and_nothing_left_behind(backend, caps
         assert not soak.errors, "seed %d: %s\n%s" % (seed, soak.errors, dm.log_text()[-4000:])
         assert dm.proc.poll() is None, dm.log_text()[-4000:]
         assert soak.counts.get("socket call", 0) > 0 and soak.counts.get("ring call", 0) > 0
+        paged = re.findall(r"pages from disk: O_DIRECT reads of \S+ through (\S+),", dm.log_text())
+        if backend == "cpu-threads" and paged:
+            assert set(paged) == {"threads"}, set(paged)
         soak.shared_client.close_session(soak.shared)  # its connection stays: in the baseline
         # Every session but the bystander's is gone (closed or reclaimed),
         # its memory with it.
