@@ -7,6 +7,7 @@ call still running holds it; timeout 0 keeps every session, as before.
 
 The daemons here run with a 2 s timeout; each test waits a few seconds.
 """
+import json
 import os
 import re
 import signal
@@ -261,3 +262,60 @@ def test_a_bad_timeout_is_refused_at_start(bank, value):
     assert dm.proc.wait(10) == 2
     dm.log.close()
     assert "session_orphan_timeout_s must be" in dm.log_text(), dm.log_text()
+
+
+def test_an_orphan_whose_resize_waits_for_a_worker_past_its_time_goes_after_it(bank, tmp_path):
+    """The memory watcher queues resizes of auto sessions, orphaned or not.
+    An orphan whose resize still waits for the one worker (busy with another
+    session's call, copies at 1 MB/s) when its reclaim time comes is not due
+    until that job is handed back; then it goes. Before, the reclaim timer
+    restarted itself at 0 ms from its own callback, which libuv ran again in
+    the same pass: the loop thread spun for good and nobody was answered
+    (docs/RELIABILITY.md B17)."""
+    from qmoed_harness import Client, tensor
+    import numpy as np
+    big = make_bank(str(tmp_path / "big.bank"), layers=2, experts=8, hidden=512, inter=512)
+    fifo = str(tmp_path / "pressure")
+    os.mkfifo(fifo)
+    dm = Daemon(models={"big": big, "small": bank}, env={"QMOED_TEST_PRESSURE": fifo},
+                args=["--backend", "emu", "--set", "emu_copy_mbps=1", "--workers", "1",
+                      "--session-orphan-timeout", "1", "--set", "auto_budget_check_ms=100",
+                      "--set", "auto_budget_grace_ms=0", "--set", "auto_budget_shrink_percent=20",
+                      "--set", "auto_budget_grow_after_s=3600"])
+    try:
+        c = dm.client()
+        bpe = {m["name"]: m["bytes_per_expert"] for m in c.call("model.list")["models"]}
+        gone = Client(dm.socket)
+        orphan = gone.call("session.create", {"model": "small", "policy": "lru",
+                                              "budget": "auto"})["session"]
+        busy = c.call("session.create", {"model": "big", "policy": "lru",
+                                         "budget_bytes": 2 * bpe["big"],
+                                         "policy_params": {"prefetch": False}})["session"]
+        # The worker's next seconds: every expert of a layer copied at 1 MB/s.
+        assert 8 * bpe["big"] / 1e6 > 3, bpe
+        x = np.random.default_rng(0).standard_normal((64, 512)).astype(np.float32)
+        c.send_raw((json.dumps({"jsonrpc": "2.0", "id": 99, "method": "session.infer",
+                                "params": {"session": busy, "layer": 1, "hidden": tensor(x)}})
+                    + "\n").encode())
+        time.sleep(0.3)  # taken by the worker
+        gone.close()  # orphaned now, due in 1 s
+        deadline = time.time() + 5
+        while (listed(c, orphan) or {}).get("orphaned_since") is None:
+            assert time.time() < deadline, dm.log_text()[-2000:]
+            time.sleep(0.02)
+        with open(fifo, "w") as f:  # the watcher queues its resize behind the busy call
+            f.write("pressure\n")
+        time.sleep(1.5)  # past its reclaim time, its resize still queued
+        probe = Client(dm.socket)
+        probe.sock.settimeout(5)
+        assert probe.call("daemon.status")["version"], "the daemon answers"
+        assert listed(probe, orphan) is not None, "reclaimed with its resize queued"
+        probe.close()
+        assert c.read()["id"] == 99  # the busy call's answer
+        wait_gone(c, orphan, within=20)
+        assert re.search(r"session %s: auto budget shrank .* \(memory pressure\)" % orphan,
+                         dm.log_text()), dm.log_text()[-3000:]
+        c.close()
+    finally:
+        rc = dm.stop()
+    assert rc == 0, dm.log_text()[-3000:]
