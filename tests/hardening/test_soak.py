@@ -12,7 +12,8 @@ quiet second) and SIGHUP, reading the metrics and the trace — for
 QMOE_SOAK_S seconds (default 10) on each of four backends: the CPU, with
 the banks paged from the disk where the filesystem takes O_DIRECT (through
 io_uring, and through its fallback, a pool of preadv threads); one
-emulated device; two, the models placed across them.
+emulated device; two, the models placed across them, copies at 20 MB/s
+and one worker.
 
 What must hold: every answer to a valid call equals, bit for bit, the
 whole-bank answer computed before the soak (paging, sharing and resizing
@@ -449,9 +450,11 @@ def used_bytes(c):
 # The CPU backend (units read from the disk into host memory: through
 # io_uring where the kernel gives it, and through the pool of preadv
 # threads, its fallback), one emulated device (not host visible: every unit
-# copied into its arena) and two (the models' layers placed across them).
+# copied into its arena) and two (the models' layers placed across them),
+# these with copies at 20 MB/s and one worker, so that jobs wait behind
+# copies and each other.
 BACKENDS = {"cpu": [], "cpu-threads": ["--set", "io_engine=threads"], "emu": ["--backend", "emu"],
-            "two-emu": ["--device", "emu:0,emu:1"]}
+            "two-emu": ["--device", "emu:0,emu:1", "--set", "emu_copy_mbps=20", "--workers", "1"]}
 
 
 @pytest.mark.parametrize("backend", sorted(BACKENDS))
