@@ -22,8 +22,8 @@ field, and the session it named still serves; a garbage line gets a parse
 error and its connection still serves; a bystander connected throughout
 sees nothing. Afterwards the daemon is alive, every orphaned session is
 reclaimed, the device memory in use is what it was before the soak, the
-descriptors are exactly those, no thread more, RSS within the hardening
-slack, and it exits 0 (under the sanitizers: with no report). QMOE_SOAK_SEED replays a run (the
+descriptors are exactly those, no thread more, RSS within 48 MiB of
+where it started, and it exits 0 (under the sanitizers: with no report). QMOE_SOAK_SEED replays a run (the
 seed is printed).
 """
 import os
@@ -41,7 +41,7 @@ import time
 import numpy as np
 import pytest
 
-from hardening import HERE, SLOW, Baseline, Bystander, Daemon, make_bank
+from hardening import HERE, RSS_SLACK_KB, SLOW, Baseline, Bystander, Daemon, make_bank
 from qmoed_harness import Client as RawClient, offered_policies
 
 PYCLIENT = os.path.join(HERE, "..", "..", "clients", "python")
@@ -475,7 +475,10 @@ def test_soak_many_clients_at_once_bitwise_and_nothing_left_behind(backend, caps
         soak = Soak(dm, banks, seed)
         bystander = Bystander(dm, model="q4")
         watch = raw(dm)
-        base = Baseline(dm)
+        # RSS may end up to 48 MiB over (or the hardening slack, when
+        # larger): the preadv pool's threads and the rings' keep their
+        # caches; a session's freed memory left in the heaps (B15) was 85 MB.
+        base = Baseline(dm, rss_slack_kb=max(RSS_SLACK_KB, 48 << 10))
         used0 = used_bytes(watch)
         threads0 = daemon_fds_threads(dm.proc.pid)[1]
         names0 = daemon_fd_names(dm.proc.pid)
