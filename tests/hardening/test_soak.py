@@ -1,6 +1,10 @@
 """A soak of the daemon: several clients at once do, in a random order,
 what engines and operators do — sessions of every offered policy and of
-budgets in bytes, percents and "auto", exact and fast; layer calls over the
+budgets in bytes, percents and "auto", exact and fast, now and then with
+the session's options (a miss run on the host or either way, prefetch or
+the profile's warm start off, shared residency, a routing trace of its
+own, banks kept whole, pins, a warm list), the policy's knobs, or the id
+of a session it closed (re-created; a live one's id is refused); layer calls over the
 socket and over the call ring (mapped tensors), with the bank's router and
 with router logits given; one session every client calls at once;
 resizes, plans, telemetry and listings; calls that are wrong (a bad layer,
@@ -8,7 +12,9 @@ a bad width); garbage lines; sessions closed, connections dropped with
 sessions open, and client processes killed in the middle of their calls;
 an operator unloading a model under its sessions and loading it again,
 sending memory pressure events (auto budgets shrink, and grow back after a
-quiet second) and SIGHUP, reading the metrics and the trace — for
+quiet second) and SIGHUP, reading the metrics and the trace; the daemon
+keeps a state dir (hotness profiles, routing traces; the preadv backend
+with record_routing on) — for
 QMOE_SOAK_S seconds (default 10) on each of four backends: the CPU, with
 the banks paged from the disk where the filesystem takes O_DIRECT (through
 io_uring, and through its fallback, a pool of preadv threads); one
@@ -21,7 +27,8 @@ never change an output bit); every wrong call fails with -32602 naming its
 field, and the session it named still serves; a garbage line gets a parse
 error and its connection still serves; a bystander connected throughout
 sees nothing. Afterwards the daemon is alive, every orphaned session is
-reclaimed, the device memory in use is what it was before the soak, the
+reclaimed, every routing trace recorded reads whole, the unloaded model's
+profile was saved, the device memory in use is what it was before the soak, the
 descriptors are exactly those, no thread more, RSS within 48 MiB of
 where it started, and it exits 0 (under the sanitizers: with no report). QMOE_SOAK_SEED replays a run (the
 seed is printed).
@@ -47,6 +54,9 @@ from qmoed_harness import Client as RawClient, offered_policies
 PYCLIENT = os.path.join(HERE, "..", "..", "clients", "python")
 sys.path.insert(0, PYCLIENT)
 from qmoe_client import Client, QmoeError  # noqa: E402
+
+sys.path.insert(0, os.path.join(HERE, "..", "..", "tools"))
+import qmoe_trace  # noqa: E402
 
 SOAK_S = float(os.environ.get("QMOE_SOAK_S", "10"))
 WORKERS = 3
@@ -127,8 +137,9 @@ def daemon_fd_names(pid):
 
 
 class Soak:
-    def __init__(self, dm, banks, seed):
-        self.dm, self.seed = dm, seed
+    def __init__(self, dm, banks, seed, devices=1):
+        self.dm, self.seed, self.devices = dm, seed, devices
+        self.traces = 0  # record_trace files asked for
         self.inputs = {m: inputs_of(seed + j) for j, m in enumerate(MODELS)}
         c = Client(dm.socket, reconnect=0, timeout=30 * SLOW)
         self.bpe = {m["name"]: m["bytes_per_expert"] for m in c.models()}
@@ -173,7 +184,8 @@ class Soak:
     # ---- one worker: its own connection, its own sessions ----
     def worker(self, w):
         rng = random.Random(self.seed * 100 + w)
-        me = {"c": Client(self.dm.socket, reconnect=0, timeout=30 * SLOW), "sessions": self.own()}
+        me = {"c": Client(self.dm.socket, reconnect=0, timeout=30 * SLOW), "sessions": self.own(),
+              "closed": []}
         try:
             while not self.stop.is_set():
                 try:
@@ -197,7 +209,7 @@ class Soak:
         mine = [sid for sid, v in sessions.items() if not v[3]]
         r = rng.random()
         if not mine or (r < 0.03 and len(mine) < 3):
-            self.create(c, rng, sessions)
+            self.create(c, rng, sessions, me["closed"])
         elif r < 0.50:
             self.call(c, rng, sessions, ring=False)
         elif r < 0.80:
@@ -214,6 +226,7 @@ class Soak:
             sid = rng.choice(mine)
             c.close_session(sid)
             sessions.pop(sid)
+            me["closed"].append(sid)
             self.count("close")
         elif r < 0.98:
             c.close()  # its sessions are left to the orphan reclaim
@@ -235,13 +248,59 @@ class Soak:
             sessions.pop(sid)
         self.count("session closed by unload")
 
-    def create(self, c, rng, sessions):
+    def policy_params(self, rng, policy):
+        """Now and then the session-level options and the policy's knobs:
+        what a miss does (paged in, run on the host, or either), prefetch
+        and the profile's warm start on or off, shared residency, a trace
+        of its own routing in the state dir, banks kept whole below a unit
+        size, pins given. None of them may change an output bit."""
+        pp = {}
+        if policy == "whole_bank" or rng.random() < 0.4:
+            return pp
+        if rng.random() < 0.4:
+            pp["on_miss"] = rng.choice(("page", "host", "auto"))
+        if rng.random() < 0.3:
+            pp["prefetch"] = rng.random() < 0.5
+        if rng.random() < 0.3:
+            pp["warm_from_profile"] = rng.random() < 0.5
+        if policy in ("lfu", "next_use") and rng.random() < 0.3:
+            pp["decay"] = rng.choice((0.9, 0.99, 0.999))
+        if policy == "next_use" and rng.random() < 0.3:
+            pp["prior_weight"] = rng.choice((0, 5, 50))
+        if policy == "static_hot" and rng.random() < 0.3:
+            pp["pin_fraction"] = rng.choice((0.0, 0.5, 1.0))
+        r = rng.random()
+        if r < 0.35:
+            pp["share_residency"] = True
+        elif r < 0.5:
+            with self.lock:
+                self.traces += 1
+                pp["record_trace"] = "soak-%d.qmtr" % self.traces
+        elif r < 0.6:
+            pp["min_split_bytes"] = rng.choice((0, 1 << 20))
+        elif r < 0.7 and policy == "static_hot":
+            pp["hot"] = [{"layer": l, "experts": rng.sample(range(EXPERTS), rng.randint(1, 4))}
+                         for l in rng.sample(range(LAYERS), rng.randint(1, LAYERS))]
+        return pp
+
+    def create(self, c, rng, sessions, closed):
         model = rng.choice(list(MODELS))
         prec = rng.choice(("exact", "fast"))
         policy = rng.choice(self.policies)
         budget = None if policy == "whole_bank" else self.budget(rng, model)
+        p = {"model": model, "policy": policy, "precision": prec}
+        if budget is not None:
+            p["budget"] = budget
+        pp = self.policy_params(rng, policy)
+        if pp:
+            p["policy_params"] = pp
+        if rng.random() < 0.2:  # a re-created session's old residency
+            p["warm"] = [{"layer": l, "experts": rng.sample(range(EXPERTS), rng.randint(1, EXPERTS))}
+                         for l in rng.sample(range(LAYERS), rng.randint(1, LAYERS))]
+        if closed and rng.random() < 0.3:  # an id this client closed, re-created
+            p["session"] = closed.pop(rng.randrange(len(closed)))
         try:
-            sid = c.create_session(model, policy=policy, budget=budget, precision=prec)["session"]
+            r = c.call("session.create", p)
         except QmoeError as e:
             # A budget below one expert unit, or more than this machine has;
             # max_sessions while dropped connections' sessions await reclaim.
@@ -252,12 +311,25 @@ class Soak:
                 self.count("create refused: max_sessions")
                 time.sleep(0.05)  # as a client would, before trying again
                 return
+            # Shared residency only on a daemon with one cpu or emu device.
+            if (e.code == -32602 and e.field == "policy_params.share_residency"
+                    and self.devices > 1):
+                self.count("create refused: share_residency on several devices")
+                return
             if e.field not in ("budget_bytes", "budget"):
-                raise
+                raise AssertionError("session.create %s: %s (code %s, field %s)" % (
+                    p, e, e.code, e.field))
             self.count("create refused: budget")
             return
+        sid = r["session"]
+        if "session" in p and sid != p["session"]:
+            self.fail("session re-created as %s took the id %s" % (p["session"], sid))
+        if "warm" in p and "warmed" not in r:
+            self.fail("session.create with warm answered no warmed: %s" % r)
         sessions[sid] = [model, prec, None, False]
-        self.count("create")
+        self.count("create (re-created)" if "session" in p else "create")
+        for k in sorted(pp) + (["warm"] if "warm" in p else []):
+            self.count("create with " + k)
 
     def call(self, c, rng, sessions, ring):
         sid = rng.choice(list(sessions))
@@ -325,16 +397,18 @@ class Soak:
         sid = rng.choice(list(sessions))
         model = sessions[sid][0]
         x = np.zeros((1, HID), np.float32)
-        case = rng.choice(("layer", "hidden.shape"))
+        case = rng.choice(("layer", "hidden.shape", "session"))
         try:
-            if case == "layer":
+            if case == "session":  # re-creating a session the daemon has
+                c.call("session.create", {"model": "q4", "session": self.shared})
+            elif case == "layer":
                 c.infer(sid, LAYERS + rng.randrange(5), x)
             else:
                 c.infer(sid, 0, np.zeros((1, HID + 1), np.float32))
         except QmoeError as e:
             if e.code == -32001:
                 raise  # its session went with an unload: step's caller sees
-            if e.code != -32602 or e.field != case:
+            if e.code != (-32008 if case == "session" else -32602) or e.field != case:
                 self.fail("wrong %s on %s: %r (code %s, field %s)" % (case, sid, e, e.code, e.field))
             self.count("wrong call")
         else:
@@ -454,7 +528,8 @@ def used_bytes(c):
 # copied into its arena) and two (the models' layers placed across them),
 # these with copies at 20 MB/s and one worker, so that jobs wait behind
 # copies and each other.
-BACKENDS = {"cpu": [], "cpu-threads": ["--set", "io_engine=threads"], "emu": ["--backend", "emu"],
+BACKENDS = {"cpu": [], "cpu-threads": ["--set", "io_engine=threads", "--set", "record_routing=true"],
+            "emu": ["--backend", "emu"],
             "two-emu": ["--device", "emu:0,emu:1", "--set", "emu_copy_mbps=20", "--workers", "1"]}
 
 
@@ -468,12 +543,15 @@ def test_soak_many_clients_at_once_bitwise_and_nothing_left_behind(backend, caps
                  for m, o in MODELS.items()}
         fifo = os.path.join(d, "pressure")  # the operator's memory pressure events
         os.mkfifo(fifo)
+        state = os.path.join(d, "state")  # hotness profiles, routing traces
+        os.mkdir(state)
         dm = Daemon(models=banks, env={"QMOED_TEST_PRESSURE": fifo},
                     args=["--session-orphan-timeout", str(ORPHAN_S), "--log-level", "info",
+                          "--state-dir", state,
                           "--set", "auto_budget_check_ms=100", "--set", "auto_budget_grow_after_s=1",
                           "--set", "auto_budget_shrink_percent=20",
                           "--set", "auto_budget_grace_ms=0"] + BACKENDS[backend])
-        soak = Soak(dm, banks, seed)
+        soak = Soak(dm, banks, seed, devices=2 if backend == "two-emu" else 1)
         bystander = Bystander(dm, model="q4")
         watch = raw(dm)
         # RSS may end up to 48 MiB over (or the hardening slack, when
@@ -498,6 +576,10 @@ def test_soak_many_clients_at_once_bitwise_and_nothing_left_behind(backend, caps
             print("\nsoak %s, seed %d, %.0f s: %s" % (backend, seed, SOAK_S,
                                                       dict(sorted(soak.counts.items()))))
         assert not soak.errors, "seed %d: %s\n%s" % (seed, soak.errors, dm.log_text()[-4000:])
+        if os.environ.get("QMOE_SOAK_LOG"):
+            with capsys.disabled():
+                print("\n".join(l for l in dm.log_text().splitlines()
+                                if re.search(r"warn|error|fail", l, re.I))[-6000:])
         assert dm.proc.poll() is None, dm.log_text()[-4000:]
         assert soak.counts.get("socket call", 0) > 0 and soak.counts.get("ring call", 0) > 0
         paged = re.findall(r"pages from disk: O_DIRECT reads of \S+ through (\S+),", dm.log_text())
@@ -520,9 +602,20 @@ def test_soak_many_clients_at_once_bitwise_and_nothing_left_behind(backend, caps
             threads0, daemon_fds_threads(dm.proc.pid)[1], names0, daemon_fd_names(dm.proc.pid)),
             lambda: daemon_fds_threads(dm.proc.pid)[1] <= threads0)
         base.check(bystander, settle=10.0 * SLOW)
+        # Every routing trace the sessions recorded (their own files, and
+        # record_routing's) reads whole, its sessions closed or reclaimed.
+        traces = [f for f in os.listdir(state) if f.endswith(".qmtr")]
+        for f in traces:
+            tr = qmoe_trace.read_trace(os.path.join(state, f))
+            assert (tr.layers, tr.experts, tr.k) == (LAYERS, EXPERTS, K), (f, tr.layers, tr.experts)
+            assert all(-1 <= e < EXPERTS for e in tr.ids), f
+        # The unloaded model's hotness profile was saved at its unload (and
+        # read back at its load: the load would have failed on a bad file).
+        if soak.counts.get("operator: reload model"):
+            assert os.path.isfile(os.path.join(state, UNLOADED + ".hot")), os.listdir(state)
         with capsys.disabled():
-            print("soak: RSS %d KiB before, %d KiB after; %d descriptors, %d threads" % (
-                base.rss, dm.rss_kb(), base.fds, threads0))
+            print("soak: RSS %d KiB before, %d KiB after; %d descriptors, %d threads; "
+                  "%d routing traces" % (base.rss, dm.rss_kb(), base.fds, threads0, len(traces)))
         watch.close()
         bystander.c.close()
         soak.shared_client.close()
