@@ -523,6 +523,35 @@ int qm_config_load_file(qm_config *cfg, const char *path, int reload, qm_status 
     return rc;
 }
 
+int qm_config_reload(qm_config *cfg, int argc, char **argv, qm_status *st)
+{
+    qm_config fresh;
+    qm_config_defaults(&fresh);
+    int rc = qm_config_from_args(&fresh, argc, argv, st);
+    if (rc == 0) {
+        char *base = (char *)cfg, *from = (char *)&fresh;
+        for (size_t i = 0; i < sizeof keys / sizeof keys[0]; i++) {
+            const key_def *k = &keys[i];
+            if (!k->reloadable)
+                continue;
+            switch (k->kind) {
+            case K_STR: { /* swapped: fresh frees the old one */
+                char **a = (char **)(base + k->offset), **b = (char **)(from + k->offset), *t = *a;
+                *a = *b;
+                *b = t;
+                break;
+            }
+            case K_LEVEL: cfg->log_level = fresh.log_level; break;
+            case K_U32: memcpy(base + k->offset, from + k->offset, sizeof(uint32_t)); break;
+            case K_U64: memcpy(base + k->offset, from + k->offset, sizeof(uint64_t)); break;
+            default: break; /* no other kind is reloadable */
+            }
+        }
+    }
+    qm_config_free(&fresh);
+    return rc < 0 ? rc : 0;
+}
+
 /* The backend registry's kinds, for --help. */
 static void usage_backends(FILE *out)
 {

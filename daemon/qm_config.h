@@ -109,6 +109,12 @@ void qm_config_free(qm_config *cfg);
 int qm_config_from_args(qm_config *cfg, int argc, char **argv, qm_status *st);
 /* Reads the JSON file; with reload = 1 only the reloadable keys are applied. */
 int qm_config_load_file(qm_config *cfg, const char *path, int reload, qm_status *st);
+/* SIGHUP: parses argv again as a fresh start would (defaults, today's
+ * file, the flags over it) and puts that configuration's reloadable keys
+ * into cfg, the rest left as they are: a key taken out of the file goes
+ * back to its default, a flag still wins over the file, and a file that
+ * does not load changes nothing (negative, st set). */
+int qm_config_reload(qm_config *cfg, int argc, char **argv, qm_status *st);
 /* The device list against the backend (a list of one kind sets the
  * backend when none was given; another backend is refused, except auto
  * with a list of a kind auto tries) and the number of device_budget values

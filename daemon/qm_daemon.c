@@ -60,6 +60,8 @@ struct qm_daemon {
     int stopping; /* handles are being closed */
     uint64_t start_us;
     int exit_code;
+    int argc; /* the command line, parsed again on SIGHUP */
+    char **argv;
 };
 
 static void notify_status(qm_daemon *d, const char *prefix)
@@ -146,15 +148,11 @@ static void signal_cb(uv_signal_t *h, int signum)
         qm_notify(msg);
         qm_status st;
         qm_status_clear(&st);
-        qm_config next = d->cfg;
-        /* Strings are shared with d->cfg; only reloadable scalars and
-         * admin_group change, and set_string frees the old one in place. */
-        int rc = qm_config_load_file(&next, d->cfg.config_path, 1, &st);
-        d->cfg.admin_group = next.admin_group; /* possibly replaced (and the old freed) */
-        if (rc < 0) {
+        /* The reloadable keys as a fresh start would set them (flags over
+         * the file, defaults where neither says), all or none. */
+        if (qm_config_reload(&d->cfg, d->argc, d->argv, &st) < 0) {
             qm_log(QM_LOG_ERR, "SIGHUP: keeping the old config: %s", st.msg);
         } else {
-            d->cfg = next;
             qm_log_set_level(d->cfg.log_level);
             qm_server_apply_config(d->server);
             qm_reclaim_arm(&d->reclaim); /* session_orphan_timeout_s may have changed */
@@ -342,6 +340,8 @@ int qm_daemon_main(int argc, char **argv)
     qm_daemon daemon_state, *d = &daemon_state;
     memset(d, 0, sizeof *d);
     qm_log_init();
+    d->argc = argc;
+    d->argv = argv;
     int rc = configure(d, argc, argv);
     if (rc >= 0)
         return rc;

@@ -344,6 +344,55 @@ START_TEST(test_reload_changes_only_reloadable_keys)
 }
 END_TEST
 
+/* SIGHUP's reload: what a fresh start with the same command line and
+ * today's file would give, for the reloadable keys only, all or nothing. */
+static void rewrite(const char *path, const char *text)
+{
+    FILE *f = fopen(path, "w");
+    ck_assert_ptr_nonnull(f);
+    fputs(text, f);
+    fclose(f);
+}
+
+START_TEST(test_reload_is_a_fresh_parse_all_or_nothing_with_flags_over_the_file)
+{
+    char *path = write_temp("{\"max_batch\": 2, \"max_nesting\": 9, \"admin_group\": \"wheel\"}");
+    char *argv[] = {"qmoed", "--config", path, "--set", "max_nesting=10", NULL};
+    int argc = 5;
+    qm_config cfg;
+    qm_config_defaults(&cfg);
+    qm_status st;
+    qm_status_clear(&st);
+    optind = 1;
+    ck_assert_int_eq(qm_config_from_args(&cfg, argc, argv, &st), 0);
+    ck_assert_uint_eq(cfg.max_batch, 2);
+    ck_assert_uint_eq(cfg.max_nesting, 10); /* the flag over the file */
+    ck_assert_str_eq(cfg.admin_group, "wheel");
+    /* A file that does not load changes nothing: not the keys before the
+     * bad one either (admin_group was taken from such a file before). */
+    rewrite(path, "{\"admin_group\": \"staff\", \"max_batch\": 8, \"max_sessions\": 0}");
+    ck_assert_int_eq(qm_config_reload(&cfg, argc, argv, &st), QM_EINVAL);
+    ck_assert_str_eq(st.field, "max_sessions");
+    ck_assert_str_eq(cfg.admin_group, "wheel");
+    ck_assert_uint_eq(cfg.max_batch, 2);
+    /* The flag still wins over the file; keys taken out of the file go
+     * back to their defaults; keys that need a restart stay. */
+    rewrite(path, "{\"max_nesting\": 20, \"max_sessions\": 5, \"workers\": 7}");
+    ck_assert_int_eq(qm_config_reload(&cfg, argc, argv, &st), 0);
+    ck_assert_uint_eq(cfg.max_nesting, 10);
+    ck_assert_uint_eq(cfg.max_sessions, 5);
+    ck_assert_uint_eq(cfg.max_batch, 128);
+    ck_assert_ptr_null(cfg.admin_group);
+    ck_assert_uint_eq(cfg.workers, 2);
+    ck_assert_str_eq(cfg.config_path, path);
+    /* A file that is gone: the old configuration stays. */
+    unlink(path);
+    ck_assert_int_lt(qm_config_reload(&cfg, argc, argv, &st), 0);
+    ck_assert_uint_eq(cfg.max_sessions, 5);
+    qm_config_free(&cfg);
+}
+END_TEST
+
 /* A session is orphaned once every connection that touched it has closed
  * and nothing of it is queued; a touch clears the mark. */
 START_TEST(test_orphan_mark_needs_every_toucher_gone_and_nothing_queued)
@@ -558,6 +607,7 @@ int main(void)
     tcase_add_test(tc, test_the_wires_enums_are_the_registries);
     tcase_add_test(tc, test_device_lists_and_budgets_per_device);
     tcase_add_test(tc, test_reload_changes_only_reloadable_keys);
+    tcase_add_test(tc, test_reload_is_a_fresh_parse_all_or_nothing_with_flags_over_the_file);
     tcase_add_test(tc, test_orphan_timeout_is_a_reloadable_key_with_a_flag);
     suite_add_tcase(s, tc);
     tc = tcase_create("reclaim");

@@ -185,6 +185,70 @@ def test_sighup_reloads_limits_from_the_config_file(banks):
         assert dm.stop() == 0
 
 
+def test_sighup_reload_keeps_flags_over_the_file_restores_defaults_and_is_all_or_nothing(banks):
+    """After SIGHUP the reloadable keys are what a fresh start with the same
+    command line and today's file would give: a flag still wins over the
+    file (it did only until the first reload), a key taken out of the file
+    goes back to its default (it used to keep the file's old value), and a
+    file that does not load changes nothing."""
+    d = tempfile.mkdtemp(prefix="qmoed-hup-")
+    conf = os.path.join(d, "qmoed.conf")
+
+    def write(cfg):
+        with open(conf + ".new", "w") as f:
+            json.dump(cfg, f)
+        os.replace(conf + ".new", conf)
+
+    write({"max_batch": 2, "max_nesting": 64})
+    dm = Daemon(models={"small": banks["small"]}, workdir=d,
+                args=["--config", conf, "--set", "max_nesting=4"])
+    batch = json.dumps([{"jsonrpc": "2.0", "id": i, "method": "daemon.status"}
+                        for i in range(3)]).encode() + b"\n"
+    deep = {"v": 1}
+    for _ in range(8):
+        deep = {"a": deep}
+    nested = json.dumps({"jsonrpc": "2.0", "id": 9, "method": "daemon.status",
+                         "params": deep}).encode() + b"\n"
+
+    def reload(n):
+        dm.signal(signal.SIGHUP)
+        deadline = time.time() + 30
+        while dm.log_text().count("SIGHUP: ") < n:
+            assert time.time() < deadline, "no reload logged 30 s after SIGHUP:\n" + dm.log_text()
+            time.sleep(0.02)
+
+    def refused_nesting():
+        c = dm.client()
+        try:
+            c.send_raw(nested)
+            r = c.read()
+            e = r.get("error", {})
+            return e.get("code") == -32600 and "max_nesting" in e.get("data", {}).get("reason", "")
+        finally:
+            c.close()
+
+    try:
+        c = dm.client()
+        c.send_raw(batch)
+        assert c.read()["error"]["code"] == -32600
+        assert refused_nesting()
+        write({"max_nesting": 64})  # max_batch taken out; the flag's max_nesting stays
+        reload(1)
+        assert "SIGHUP: reloaded" in dm.log_text()
+        c.send_raw(batch)
+        assert len(c.read()) == 3  # max_batch back to its default, 128
+        assert refused_nesting()
+        write({"max_batch": 2, "max_sessions": 0})  # max_sessions must be >= 1
+        reload(2)
+        assert "SIGHUP: keeping the old config" in dm.log_text()
+        assert "max_sessions" in dm.log_text().split("keeping the old config")[1].splitlines()[0]
+        c.send_raw(batch)
+        assert len(c.read()) == 3
+        assert c.call("daemon.status")["models"] == 1
+    finally:
+        assert dm.stop() == 0
+
+
 def test_user_flag_drops_root_after_binding(banks):
     if os.geteuid() != 0:
         pytest.skip("needs root to test dropping to another user")
