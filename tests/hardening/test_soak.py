@@ -33,6 +33,7 @@ descriptors are exactly those, no thread more, RSS within 48 MiB of
 where it started, and it exits 0 (under the sanitizers: with no report). QMOE_SOAK_SEED replays a run (the
 seed is printed).
 """
+import json
 import os
 import random
 import re
@@ -65,6 +66,11 @@ MODELS = {"q4": dict(bits=4, block=32, seed=11), "q8": dict(bits=8, block=0, see
 TOKENS = (1, 2, 5, 8)
 ORPHAN_S = 1
 UNLOADED = "q8"  # the model the operator unloads (force) and loads again
+# The config file the daemon starts with; the operator rewrites it before
+# each SIGHUP (Soak.reconfigure).
+CONFIG = {"session_orphan_timeout_s": ORPHAN_S, "auto_budget_check_ms": 100,
+          "auto_budget_grow_after_s": 1, "auto_budget_shrink_percent": 20,
+          "auto_budget_grace_ms": 0}
 
 
 def disk_dir():
@@ -427,12 +433,37 @@ class Soak:
         finally:
             rc.close()
 
+    def reconfigure(self, rng, conf):
+        """SIGHUP after the config file was rewritten (atomically): the
+        reloadable limits moved within what the soak's clients meet, or,
+        one time in five, a file that does not load (the daemon keeps its
+        configuration whole and serves on)."""
+        cfg = dict(CONFIG)
+        bad = rng.random() < 0.2
+        if bad:
+            cfg[rng.choice(("max_sessions", "frames_per_wakeup", "no_such_key"))] = 0
+        else:
+            cfg.update(frames_per_wakeup=rng.randint(1, 32), max_batch=rng.randint(8, 128),
+                       session_orphan_timeout_s=rng.choice((1, 2)),
+                       auto_budget_shrink_percent=rng.randint(10, 40),
+                       auto_budget_check_ms=rng.choice((50, 100, 200)),
+                       auto_budget_grace_ms=rng.choice((0, 100)),
+                       idle_timeout_s=rng.choice((0, 60, 300)), frame_timeout_s=rng.choice((0, 30)),
+                       max_sessions=rng.choice((48, 64)), queue_depth=rng.choice((256, 1024)),
+                       max_connections=rng.choice((128, 256)),
+                       max_output_bytes=rng.choice((16 << 20, 64 << 20)))
+        with open(conf + ".new", "w") as f:
+            json.dump(cfg, f)
+        os.replace(conf + ".new", conf)
+        self.dm.proc.send_signal(signal.SIGHUP)
+        self.count("operator: sighup" + (" (bad file)" if bad else ""))
+
     # ---- an operator unloading a model under its sessions, loading it again ----
-    def operator(self, path, fifo):
+    def operator(self, path, fifo, conf):
         """Now and then: the 8-bit model unloaded with force under its
         sessions and loaded again; a memory pressure event (auto budgets
-        shrink, and grow back after a quiet second); SIGHUP (a reload);
-        the metrics and the trace read."""
+        shrink, and grow back after a quiet second); SIGHUP with the config
+        file rewritten (reconfigure); the metrics and the trace read."""
         rng = random.Random(self.seed * 100 + 98)
         rc = raw(self.dm)
         try:
@@ -448,7 +479,8 @@ class Soak:
                     with open(fifo, "w") as f:
                         f.write("pressure\n")
                 elif what == "sighup":
-                    self.dm.proc.send_signal(signal.SIGHUP)
+                    self.reconfigure(rng, conf)
+                    continue
                 else:
                     assert "qmoed_" in rc.call("telemetry.metrics")["text"]
                     assert isinstance(rc.call("telemetry.trace", {"limit": 50})["spans"], list)
@@ -545,12 +577,12 @@ def test_soak_many_clients_at_once_bitwise_and_nothing_left_behind(backend, caps
         os.mkfifo(fifo)
         state = os.path.join(d, "state")  # hotness profiles, routing traces
         os.mkdir(state)
+        conf = os.path.join(d, "qmoed.conf")
+        with open(conf, "w") as f:
+            json.dump(CONFIG, f)
         dm = Daemon(models=banks, env={"QMOED_TEST_PRESSURE": fifo},
-                    args=["--session-orphan-timeout", str(ORPHAN_S), "--log-level", "info",
-                          "--state-dir", state,
-                          "--set", "auto_budget_check_ms=100", "--set", "auto_budget_grow_after_s=1",
-                          "--set", "auto_budget_shrink_percent=20",
-                          "--set", "auto_budget_grace_ms=0"] + BACKENDS[backend])
+                    args=["--config", conf, "--log-level", "info", "--state-dir", state]
+                    + BACKENDS[backend])
         soak = Soak(dm, banks, seed, devices=2 if backend == "two-emu" else 1)
         bystander = Bystander(dm, model="q4")
         watch = raw(dm)
@@ -564,7 +596,7 @@ def test_soak_many_clients_at_once_bitwise_and_nothing_left_behind(backend, caps
         soak.open_shared()
         threads = [threading.Thread(target=soak.worker, args=(w,)) for w in range(WORKERS)]
         threads.append(threading.Thread(target=soak.killer))
-        threads.append(threading.Thread(target=soak.operator, args=(banks[UNLOADED], fifo)))
+        threads.append(threading.Thread(target=soak.operator, args=(banks[UNLOADED], fifo, conf)))
         for t in threads:
             t.start()
         soak.stop.wait(SOAK_S)
