@@ -234,6 +234,12 @@ static int configure(qm_daemon *d, int argc, char **argv)
         fprintf(stderr, "qmoed: cannot create state_dir %s: %s\n", d->cfg.state_dir,
                 strerror(errno));
         status = 2;
+    } else if (d->cfg.state_dir) {
+        struct stat sb;
+        if (stat(d->cfg.state_dir, &sb) < 0 || !S_ISDIR(sb.st_mode)) {
+            fprintf(stderr, "qmoed: state_dir %s is not a directory\n", d->cfg.state_dir);
+            status = 2;
+        }
     }
     if (status >= 0)
         qm_config_free(&d->cfg);
@@ -309,6 +315,13 @@ static int start_serving(qm_daemon *d)
         qm_log(QM_LOG_ERR, "%s", st.msg);
         return -1;
     }
+    /* As the user it serves as (after --user's drop): what it keeps there
+     * would otherwise fail at each save. */
+    if (d->cfg.state_dir && access(d->cfg.state_dir, W_OK | X_OK) < 0)
+        qm_log(QM_LOG_WARNING,
+               "state_dir %s is not writable by uid %u (%s): hotness profiles, traces and the "
+               "kernel cache will not be saved",
+               d->cfg.state_dir, (unsigned)geteuid(), strerror(errno));
     if (qm_rings_new(d->loop, &d->methods, &d->rings) < 0) {
         qm_log(QM_LOG_ERR, "out of memory for the call rings");
         return -1;

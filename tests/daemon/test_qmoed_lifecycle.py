@@ -8,6 +8,7 @@ qmoed_suite.py).
 """
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -270,6 +271,36 @@ def test_user_flag_drops_root_after_binding(banks):
     p = subprocess.run([qmoed_path(), "--socket", os.path.join(d, "x.sock"), "--user",
                         "no-such-user-qmoed"], capture_output=True, timeout=10)
     assert p.returncode != 0 and b"no user named" in p.stderr
+
+
+def test_a_state_dir_that_is_not_a_directory_stops_the_start(banks):
+    d = tempfile.mkdtemp(prefix="qmoed-state-")
+    try:
+        f = os.path.join(d, "state")
+        open(f, "w").close()
+        p = subprocess.run([qmoed_path(), "--socket", os.path.join(d, "s.sock"), "--allow-root",
+                            "--state-dir", f], capture_output=True, timeout=10)
+        assert p.returncode == 2, p
+        assert b"state_dir %s is not a directory" % f.encode() in p.stderr, p.stderr
+    finally:
+        shutil.rmtree(d, ignore_errors=True)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root: drops to nobody, who cannot write there")
+def test_a_state_dir_the_served_user_cannot_write_is_named_at_start(banks):
+    d = tempfile.mkdtemp(prefix="qmoed-state-")
+    os.chmod(d, 0o755)
+    os.chmod(banks["dir"], 0o755)
+    state = os.path.join(d, "state")
+    os.mkdir(state, 0o755)  # root's: nobody cannot write in it
+    dm = Daemon(models={"small": banks["small"]}, args=["--user", "nobody", "--state-dir", state],
+                workdir=d)
+    try:
+        assert "state_dir %s is not writable by uid 65534" % state in dm.log_text()
+        assert dm.client().call("daemon.status")["models"] == 1  # it serves on
+    finally:
+        assert dm.stop() == 0
+        shutil.rmtree(d, ignore_errors=True)
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="needs root: checks the refusal to run as root")
