@@ -41,6 +41,7 @@ struct qm_session {
     char device_names[QM_CONFIG_MAX_DEVICES][16];    /* the daemon's, for its plan */
     char *trace_path;         /* policy_params.record_trace in the state dir, or NULL */
     int trace_by_daemon;      /* trace_path is record_routing's: failing it fails no session */
+    int recreated;            /* created under an id a session had (after a restart) */
     /* warm_from_profile: the model's hottest experts at creation, hottest
      * first across layers, one entry each (qm_session_warm_from_profile) */
     qm_hot_layer *profile_warm;
@@ -464,8 +465,10 @@ static int session_new(const qm_sessions *ss, qm_model *m, const qm_session_spec
     s->workspace_bytes = ss->cfg->session_workspace_bytes;
     s->created_at = (int64_t)time(NULL);
     int rc = 0;
-    if (spec->id) /* a re-creation: checked by check_create */
+    if (spec->id) { /* a re-creation: checked by check_create */
         snprintf(s->id, sizeof s->id, "%s", spec->id);
+        s->recreated = 1;
+    }
     else
         rc = random_id(s->id, st);
     if (rc == 0 && spec->record_trace) {
@@ -479,7 +482,7 @@ static int session_new(const qm_sessions *ss, qm_model *m, const qm_session_spec
         /* The operator's recording (config record_routing) of a session that
          * pages (whole_bank computes in place, outside the pager that
          * records): one file per session id, so a session re-created after
-         * a restart starts it again. */
+         * a restart goes on with it. */
         size_t n = strlen(ss->cfg->state_dir) + sizeof "/routing-.qmtr" + strlen(s->id);
         s->trace_path = qm_malloc(n);
         if (!s->trace_path)
@@ -667,6 +670,18 @@ static void log_sources(const qm_session *s)
     }
 }
 
+static void log_trace(qm_session *s, int resumed)
+{
+    if (!resumed) {
+        qm_log(QM_LOG_INFO, "session %s records its routing to %s", s->id, s->trace_path);
+        return;
+    }
+    qm_pager_stats ps;
+    qm_session_stats(s, &ps);
+    qm_log(QM_LOG_INFO, "session %s goes on recording its routing to %s (%llu tokens there)",
+           s->id, s->trace_path, (unsigned long long)ps.trace_tokens);
+}
+
 int qm_session_build(const qm_sessions *ss, qm_session *s, qm_status *st)
 {
     /* The pagers read the mapping (whole banks, pins, preload): the bank
@@ -679,23 +694,30 @@ int qm_session_build(const qm_sessions *ss, qm_session *s, qm_status *st)
         rc = qm_expert_pool_join(s->pool, backends, &s->member, s->budget_bytes, st);
     if (rc == 0)
         rc = qm_model_check(s->model, st);
+    /* A session re-created under its id (after a restart) goes on with the
+     * trace its first life recorded, when the file is one of this model's
+     * shape; a new session starts the file anew. */
     if (rc == 0 && s->trace_path && s->trace_by_daemon) {
         /* The operator's recording (record_routing): a failure is logged and
          * the session goes on without it. */
         qm_status tst;
         qm_status_clear(&tst);
-        if (qm_multipager_record_trace(qm_expert_pool_pagers(s->pool), s->trace_path, &tst) < 0)
+        int r = qm_multipager_record_trace(qm_expert_pool_pagers(s->pool), s->trace_path,
+                                           s->recreated, &tst);
+        if (r < 0)
             qm_log(QM_LOG_WARNING, "session %s does not record its routing (record_routing): %s",
                    s->id, tst.msg);
         else
-            qm_log(QM_LOG_INFO, "session %s records its routing to %s", s->id, s->trace_path);
+            log_trace(s, r);
     } else if (rc == 0 && s->trace_path) {
-        rc = qm_multipager_record_trace(qm_expert_pool_pagers(s->pool), s->trace_path, st);
+        rc = qm_multipager_record_trace(qm_expert_pool_pagers(s->pool), s->trace_path,
+                                        s->recreated, st);
         if (rc < 0) {
             if (st)
                 snprintf(st->field, sizeof st->field, "policy_params.record_trace");
         } else {
-            qm_log(QM_LOG_INFO, "session %s records its routing to %s", s->id, s->trace_path);
+            log_trace(s, rc);
+            rc = 0;
         }
     }
     if (rc < 0)

@@ -351,9 +351,13 @@ int qm_pager_layer_is_paged(const qm_pager *pager, uint32_t layer);
  * current, so the file is a valid trace at any moment. Recording never
  * fails inference: an I/O error stops it (trace_errors); rows of a layer
  * that runs more than 65536 tokens ahead of another are dropped
- * (trace_dropped). A second call replaces the recording. QM_EIO when the
- * file cannot be created. */
-int qm_pager_record_trace(qm_pager *pager, const char *path, qm_status *st);
+ * (trace_dropped). A second call replaces the recording. With `resume`, a
+ * trace already at `path` of this bank's shape (layers, k, experts; no
+ * weights) is gone on with instead: its rows kept (anything after the
+ * last whole row its header counts cut off), trace_tokens starting at its
+ * count, and 1 returned; any other file is replaced as without it. 0 when
+ * a new trace was started; QM_EIO when the file cannot be created. */
+int qm_pager_record_trace(qm_pager *pager, const char *path, int resume, qm_status *st);
 
 /* The source in force: QM_PAGER_SOURCE_DIRECT or _MMAP. *why (may be NULL)
  * gets a sentence on what was asked and not done ("" when nothing): the

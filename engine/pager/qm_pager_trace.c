@@ -7,6 +7,7 @@
 #include <fcntl.h>
 #include <stdio.h>
 #include <string.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include "qm_alloc.h"
@@ -55,7 +56,42 @@ static void qm__trace_fail(qm_pager *p)
     qm__pager_trace_close(p);
 }
 
-int qm_pager_record_trace(qm_pager *p, const char *path, qm_status *st)
+/* A trace at `path` this recording may go on with: a .qmtr of the same
+ * layers, k and experts, without weights, its rows whole up to the token
+ * count its header gives. Opened for writing, anything past those rows (a
+ * row written before its count was) cut off: the descriptor, with its
+ * payload offset and token count; -1 when there is no such file. */
+static int qm__trace_reopen(const char *path, const qm_bank_config *cfg, uint32_t layers,
+                            uint64_t *payload_off, uint64_t *tokens)
+{
+    int fd = open(path, O_RDWR | O_CLOEXEC | O_NOFOLLOW);
+    if (fd < 0)
+        return -1;
+    uint8_t head[QM__TRACE_HEADER];
+    uint32_t f[8];
+    struct stat sb;
+    if (pread(fd, head, sizeof head, 0) != (ssize_t)sizeof head || memcmp(head, "QMTRACE\0", 8) ||
+        fstat(fd, &sb) || !S_ISREG(sb.st_mode))
+        goto no;
+    memcpy(f, head + 8, sizeof f);
+    /* version, tokens, layers, k, experts, flags, meta_len */
+    if (f[0] != 1 || f[2] != layers || f[3] != cfg->k || f[4] != cfg->experts || f[5] != 0 ||
+        f[6] > 4096)
+        goto no;
+    uint64_t off = QM__TRACE_HEADER + (uint64_t)f[6];
+    off += (8 - off % 8) % 8;
+    uint64_t end = off + (uint64_t)f[1] * layers * cfg->k * sizeof(int16_t);
+    if ((uint64_t)sb.st_size < end || ((uint64_t)sb.st_size > end && ftruncate(fd, (off_t)end)))
+        goto no;
+    *payload_off = off;
+    *tokens = f[1];
+    return fd;
+no:
+    close(fd);
+    return -1;
+}
+
+int qm_pager_record_trace(qm_pager *p, const char *path, int resume, qm_status *st)
 {
     if (!p || !path)
         return qm_status_set(st, QM_EINVAL, "qm_pager_record_trace: NULL argument");
@@ -80,6 +116,12 @@ int qm_pager_record_trace(qm_pager *p, const char *path, qm_status *st)
     if (!ok) {
         qm__trace_free(t, p->n_layers);
         return qm_status_set(st, QM_ENOMEM, "out of memory for the trace recorder");
+    }
+    uint64_t tokens = 0;
+    if (resume && (t->fd = qm__trace_reopen(path, cfg, p->n_layers, &t->payload_off, &tokens)) >= 0) {
+        p->trace = t;
+        p->stats.trace_tokens = tokens;
+        return 1;
     }
     t->fd = open(path, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0600);
     if (t->fd < 0) {

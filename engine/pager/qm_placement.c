@@ -294,22 +294,24 @@ int qm_multipager_resize(qm_multipager *mp, uint64_t budget, qm_status *st)
     return 0;
 }
 
-int qm_multipager_record_trace(qm_multipager *mp, const char *path, qm_status *st)
+int qm_multipager_record_trace(qm_multipager *mp, const char *path, int resume, qm_status *st)
 {
     if (!mp)
         return qm_status_set(st, QM_EINVAL, "qm_multipager_record_trace: NULL argument");
     qm_pager *owner = NULL;
+    int resumed = 0;
     for (uint32_t d = 0; d < mp->pl->n_devices; d++) {
         qm_pager *p = mp->pagers[d];
         if (!p)
             continue;
         if (!owner) {
-            int rc = qm_pager_record_trace(p, path, st);
-            if (rc)
+            int rc = qm_pager_record_trace(p, path, resume, st);
+            if (rc < 0)
                 return rc;
+            resumed = rc;
             owner = p;
         }
         qm__pager_trace_to(p, owner);
     }
-    return 0;
+    return resumed;
 }

@@ -7,6 +7,7 @@ qmoed_suite.py).
 """
 import json
 import os
+import shutil
 import subprocess
 import tempfile
 
@@ -238,6 +239,72 @@ def test_record_routing_records_every_session_in_the_state_dir(banks):
         assert "records its routing to" in dm.log_text()
     finally:
         assert dm.stop() == 0
+
+
+def test_a_session_re_created_after_a_restart_goes_on_with_its_traces(banks):
+    """record_routing's routing-ID.qmtr and a session's own record_trace
+    file: a session re-created under its id by the next daemon (as an
+    engine's client does after a restart) keeps what its first life
+    recorded and adds to it; a new session under another id starts its
+    file anew."""
+    d = tempfile.mkdtemp(prefix="qmoed-state-")
+    state = os.path.join(d, "state")
+    os.mkdir(state)
+    tool = load_trace_tool()
+    args = ["--state-dir", state, "--set", "record_routing=true"]
+
+    def decode(c, sid, steps, seed):
+        out = []
+        for i in range(steps):
+            step = []
+            for layer in (0, 1):
+                r = c.call("session.infer", {"session": sid, "layer": layer,
+                                             "hidden": tensor(hidden(1, seed=seed + 10 * i + layer)),
+                                             "return_routing": True})
+                step.append(sorted(e for e, _ in r["routing"][0]))
+            out.append(step)
+        return out
+
+    def check(name, routes):
+        tr = tool.read_trace(os.path.join(state, name))
+        assert (tr.tokens, tr.layers, tr.k, tr.experts) == (len(routes), 2, K, E), (name, tr.tokens)
+        for i, step in enumerate(routes):
+            for layer in (0, 1):
+                assert sorted(x for x in tr.row(i, layer) if x >= 0) == step[layer], (name, i)
+
+    spec = {"model": "small", "policy": "lru", "budget_bytes": 40000}
+    dm = Daemon(models={"small": banks["small"]}, args=args, workdir=d)
+    try:
+        c = dm.client()
+        a = c.call("session.create", spec)["session"]
+        own = c.call("session.create", dict(spec, policy_params={"record_trace": "own.qmtr"}))["session"]
+        ra, rown = decode(c, a, 3, 100), decode(c, own, 2, 200)
+    finally:
+        assert dm.stop() == 0
+    check("routing-%s.qmtr" % a, ra)
+    check("own.qmtr", rown)
+    dm = Daemon(models={"small": banks["small"]}, args=args, workdir=d,
+                socket_path=os.path.join(d, "again.sock"))
+    try:
+        c = dm.client()
+        assert c.call("session.create", dict(spec, session=a))["session"] == a
+        assert c.call("session.create", dict(spec, session=own,
+                                             policy_params={"record_trace": "own.qmtr"}))["session"] == own
+        ra += decode(c, a, 2, 300)
+        rown += decode(c, own, 1, 400)
+        log = dm.log_text()
+        assert "session %s goes on recording its routing to %s/routing-%s.qmtr (3 tokens there)" % (
+            a, state, a) in log, log[-2000:]
+        assert "session %s goes on recording its routing to %s/own.qmtr (2 tokens there)" % (
+            own, state) in log, log[-2000:]
+        check("routing-%s.qmtr" % a, ra)
+        check("own.qmtr", rown)
+        # A new session naming the same file starts it anew.
+        other = c.call("session.create", dict(spec, policy_params={"record_trace": "own.qmtr"}))["session"]
+        check("own.qmtr", decode(c, other, 1, 500))
+    finally:
+        assert dm.stop() == 0
+    shutil.rmtree(d, ignore_errors=True)
 
 
 def routed_calls(c):

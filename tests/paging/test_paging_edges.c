@@ -1,6 +1,7 @@
 /* test_paging_edges.c - the paging authority at its edges: hostile policies,
  * waves, the minimum budget, prefetch safety and gating, preloading. */
 #include <check.h>
+#include <fcntl.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -801,10 +802,10 @@ START_TEST(test_recorded_trace_holds_each_tokens_routing_in_layer_order)
     int fd = mkstemp(path);
     ck_assert_int_ge(fd, 0);
     close(fd);
-    ck_assert_int_eq(qm_pager_record_trace(pg, path, &fixture.st), 0);
+    ck_assert_int_eq(qm_pager_record_trace(pg, path, 0, &fixture.st), 0);
     uint64_t s = 1;
     /* Five decode tokens; token 2 of layer 1 has a single route (the other dropped). */
-    int16_t want[8][3][2];
+    int16_t want[10][3][2];
     for (uint32_t t = 0; t < 5; t++)
         for (uint32_t l = 0; l < 3; l++) {
             uint32_t ex[2] = {(t + l) % 8, (t + 2 * l + 3) % 8};
@@ -854,7 +855,46 @@ START_TEST(test_recorded_trace_holds_each_tokens_routing_in_layer_order)
     qm_pager_stats_get(pg, &ps);
     ck_assert_uint_eq(ps.trace_errors, 0);
     ck_assert_uint_eq(ps.trace_dropped, 0);
-    ck_assert_int_eq(qm_pager_record_trace(pg, "/nonexistent-qm-dir/t.qmtr", &fixture.st), QM_EIO);
+    /* Gone on with (a session re-created after a restart): a partial row
+     * past the header's count (written before the count was) cut off, the
+     * 8 rows kept, two more tokens after them. */
+    fd = open(path, O_WRONLY | O_APPEND);
+    ck_assert_int_ge(fd, 0);
+    ck_assert_int_eq(write(fd, "\x01\x02\x03", 3), 3);
+    close(fd);
+    ck_assert_int_eq(qm_pager_record_trace(pg, path, 1, &fixture.st), 1);
+    qm_pager_stats_get(pg, &ps);
+    ck_assert_uint_eq(ps.trace_tokens, 8);
+    for (uint32_t t = 8; t < 10; t++)
+        for (uint32_t l = 0; l < 3; l++) {
+            uint32_t ex[2] = {t % 8, (t + l + 1) % 8};
+            call_experts(pg, &fixture.bank, l, ex, 2, &s);
+            want[t][l][0] = (int16_t)ex[0];
+            want[t][l][1] = (int16_t)ex[1];
+        }
+    ck_assert_msg(sim_trace_load(path, &tr, err, sizeof err) == 0, "%s", err);
+    ck_assert_uint_eq(tr.tokens, 10);
+    for (uint32_t t = 0; t < 10; t++)
+        for (uint32_t l = 0; l < 3; l++)
+            for (uint32_t j = 0; j < 2; j++)
+                ck_assert_msg(tr.ids[(t * 3 + l) * 2 + j] == want[t][l][j],
+                              "gone on with: token %u layer %u route %u: %d, want %d", t, l, j,
+                              tr.ids[(t * 3 + l) * 2 + j], want[t][l][j]);
+    sim_trace_free(&tr);
+    /* A trace of another shape (16 experts) is not gone on with: started anew. */
+    fd = open(path, O_RDWR);
+    ck_assert_int_ge(fd, 0);
+    uint32_t experts16 = 16;
+    ck_assert_int_eq(pwrite(fd, &experts16, 4, 24), 4);
+    close(fd);
+    ck_assert_int_eq(qm_pager_record_trace(pg, path, 1, &fixture.st), 0);
+    qm_pager_stats_get(pg, &ps);
+    ck_assert_uint_eq(ps.trace_tokens, 0);
+    ck_assert_msg(sim_trace_load(path, &tr, err, sizeof err) == 0, "%s", err);
+    ck_assert_uint_eq(tr.tokens, 0);
+    ck_assert_uint_eq(tr.experts, 8);
+    sim_trace_free(&tr);
+    ck_assert_int_eq(qm_pager_record_trace(pg, "/nonexistent-qm-dir/t.qmtr", 0, &fixture.st), QM_EIO);
     qm_pager_free(pg);
     unlink(path);
     qm_plan_free(plan);
