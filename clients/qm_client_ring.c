@@ -87,6 +87,12 @@ static int ring_region(int *fd, uint8_t **base, qm_client_error *err)
     return 0;
 }
 
+/* The daemon has no such session: -32001 naming `session`. */
+static int ring_session_missing(int rc, const qm_client_error *e)
+{
+    return rc == -32001 && e && strcmp(e->field, "session") == 0;
+}
+
 /* session.ring for `session` on the current connection: the record (kept
  * also when refused, so the socket is used without asking again until
  * the handle reconnects or qm_client_session_ring is called). */
@@ -140,8 +146,10 @@ static int ring_open(qm_client *c, const char *session, qm__ring **out, qm_clien
                              "qmoed's call ring is version %llu; this client speaks %u",
                              (unsigned long long)version, QM_RING_VERSION);
     qm_cval_free(res);
-    /* Refused (or the connection broke): this connection uses the socket. */
-    r->conn_gen = c->conn_gen;
+    /* Refused (or the connection broke): this connection uses the socket.
+     * Not when the daemon lacks the session (a restarted daemon, before the
+     * session is re-created): asked again on the next call. */
+    r->conn_gen = ring_session_missing(rc, err) ? UINT64_MAX : c->conn_gen;
     if (rc < 0) {
         munmap(base, QM_RING_BYTES);
         return rc;
@@ -316,7 +324,10 @@ int qm__client_ring_infer(qm_client *c, const qm_client_mapped_infer *q,
         qm_client_error why;
         int orc = ring_open(c, q->session, &r, &why);
         if (orc < 0) {
-            if (c->fd < 0) { /* the connection broke opening it: the socket's error */
+            /* The connection broke opening it, or the daemon lacks the
+             * session (restarted: the caller's resume re-creates it and
+             * calls again, which opens the ring then): that error. */
+            if (c->fd < 0 || ring_session_missing(orc, &why)) {
                 if (err)
                     *err = why;
                 *rc = orc;

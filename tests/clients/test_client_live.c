@@ -656,13 +656,31 @@ START_TEST(test_a_session_outlives_a_daemon_restart)
     ck_assert_ptr_nonnull(strstr(said, "went away"));
     ck_assert_ptr_nonnull(strstr(said, "is back after"));
     ck_assert_ptr_nonnull(strstr(said, "4 experts warm"));
+    ck_assert_int_eq(qm_client_ring_active(c, id), 1);
+
+    /* Restarted, and the handle reconnected by another call first: the
+     * layer call finds a daemon without the session when it opens the
+     * ring; the session comes back and its calls take the ring again (they
+     * used to stay on the socket for good). */
+    kill_qmoed(d);
+    d = spawn_qmoed(at, 1);
+    qm_client_model *again = NULL;
+    size_t n_again = 0;
+    /* The first call meets the broken connection; the next reconnects. */
+    ck_assert_int_eq(qm_client_model_list(c, &again, &n_again, &err), QM_CLIENT_EIO);
+    ck_assert_int_eq(qm_client_model_list(c, &again, &n_again, &err), 0);
+    qm_client_models_free(again, n_again);
+    ck_assert_msg(one_token(c, id, &m, 0, &st, &err) == 0, "%s", err.reason);
+    ck_assert_uint_eq(qm_client_restores(c), 2);
+    ck_assert(memcmp(y, want[0], sizeof want[0]) == 0);
+    ck_assert_int_eq(qm_client_ring_active(c, id), 1);
 
     /* Restarted without it: the handle loads the bank it was told of. */
     ck_assert_int_eq(qm_client_set_model_bank(c, "demo", bank, &err), 0);
     kill_qmoed(d);
     d = spawn_qmoed(at, 0);
     ck_assert_msg(one_token(c, id, &m, 1, &st, &err) == 0, "%s", err.reason);
-    ck_assert_uint_eq(qm_client_restores(c), 2);
+    ck_assert_uint_eq(qm_client_restores(c), 3);
     ck_assert(memcmp(y, want[1], sizeof want[1]) == 0);
     ck_assert_ptr_nonnull(strstr(said, "its model loaded again from its bank"));
 
@@ -679,7 +697,7 @@ START_TEST(test_a_session_outlives_a_daemon_restart)
     ck_assert_msg(took >= 0.9 && took < 5.0, "the call failed after %.2f s", took);
     ck_assert_msg(strstr(err.reason, "qmoed closed the connection") != NULL, "%s", err.reason);
     ck_assert_ptr_nonnull(strstr(said, "giving up on session"));
-    ck_assert_uint_eq(qm_client_restores(c), 2);
+    ck_assert_uint_eq(qm_client_restores(c), 3);
     qm_client_map_release(NULL, &m, &err);
     qm_client_string_free(id);
     qm_client_close(c);

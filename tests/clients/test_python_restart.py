@@ -60,11 +60,23 @@ def test_infer_outlives_a_daemon_restart(engine, fresh_daemon, workdir, bank, ca
         text = caplog.text
         assert "went away" in text and "session %s is back after" % sid in text, text
         assert "4 experts warm" in text, text
+        assert c.ring_active(sid)
+        # Restarted, and the client reconnected by another call first: the
+        # layer call finds a daemon without the session when it opens the
+        # ring; the session comes back and its calls take the ring again
+        # (they used to stay on the socket for good).
+        d = restart(d, workdir, bank)
+        with pytest.raises(QmoeError):
+            c.models()  # meets the broken connection
+        assert c.models()  # reconnects
+        assert np.array_equal(call(0)[0], want[0])
+        assert c.restores == 2
+        assert c.ring_active(sid)
         # Without its model: the client loads the bank it was told of.
         c.set_model_bank("demo", bank)
         d = restart(d, workdir, bank, with_model=False)
         assert np.array_equal(call(1)[0], want[1])
-        assert c.restores == 2
+        assert c.restores == 3
         assert "its model loaded again from its bank" in caplog.text
     finally:
         d.stop()

@@ -214,6 +214,129 @@ def test_a_daemon_killed_during_session_resize(tmp_path, supervisors):
     assert sup.stop() == 0, sup.log_text()[-3000:]
 
 
+# ---- many clients at once ----
+
+def test_many_clients_and_their_sessions_across_sigkills(tmp_path, supervisors):
+    """Four clients at once, each with sessions of its own (policies and
+    budgets mixed, exact and fast, one paged from the disk, one with a map
+    whose calls take the call ring, routing from the bank, from router
+    logits and from the engine's top-k), calling without pause while the
+    daemon is SIGKILLed and restarted (socket activation, as systemd) five
+    times at random moments. Every call answers, each with the bits of the
+    whole-bank reference; each client brings its own sessions back under
+    their ids (none lost, none made twice); the last daemon holds exactly
+    the sessions the clients hold, and stops cleanly."""
+    L, E, H, K = 4, 16, 64, 2
+    bank = make_bank(str(tmp_path / "m.bank"), layers=L, experts=E, hidden=H, k=K, bits=4,
+                     block=32, seed=5)
+    sup = supervisors(str(tmp_path / "d"), models={"m": bank})
+    rng = np.random.default_rng(SEED)
+    inputs = []
+    for i in range(12):
+        t = (1, 2, 5)[i % 3]
+        route = {}
+        if i % 3 == 1:
+            route["router_logits"] = rng.standard_normal((t, E)).astype(np.float32)
+        elif i % 3 == 2:
+            route["topk_ids"] = np.stack([rng.choice(E, K, replace=False)
+                                          for _ in range(t)]).astype(np.int32)
+            route["topk_weights"] = rng.uniform(0.1, 1, (t, K)).astype(np.float32)
+        inputs.append((i % L, rng.standard_normal((t, H)).astype(np.float32), route))
+    c0 = qmoe_client.Client(sup.socket)
+    bpe = c0.models()[0]["bytes_per_expert"]
+    ref = {}
+    for prec in ("exact", "fast"):
+        sid = c0.create_session("m", policy="whole_bank", precision=prec)["session"]
+        for i, (layer, x, route) in enumerate(inputs):
+            ref[prec, i] = c0.infer(sid, layer, x, **route).output.tobytes()
+        c0.close_session(sid)
+    c0.close()
+    kinds = [dict(policy="lru", budget_bytes=3 * bpe, precision="exact"),
+             dict(policy="next_use", budget="25%", precision="fast"),
+             dict(policy="whole_bank", precision="fast"),
+             dict(policy="arc", budget_bytes=5 * bpe, precision="exact")]
+    stop = threading.Event()
+    errors, calls, held = [], [0] * len(kinds), {}
+
+    def client(w):
+        r = random.Random(SEED * 10 + w)
+        c = qmoe_client.Client(sup.socket, reconnect=30, warm_interval=0)
+        try:
+            spec = kinds[w]
+            sid = c.create_session("m", **spec)["session"]
+            held[w] = sid
+            shm = c.map(sid, 1 << 16) if w % 2 else None
+            while not stop.is_set():
+                i = r.randrange(len(inputs))
+                layer, x, route = inputs[i]
+                if shm is not None:
+                    shm.reset()
+
+                    def mapped(a):
+                        t = shm.alloc(a.shape, "i32" if a.dtype == np.int32 else "f32")
+                        t.array[:] = a
+                        return t
+                    out = shm.alloc(x.shape, "f32")
+                    got = c.infer(sid, layer, mapped(x), output_to=out,
+                                  **{k: mapped(v) for k, v in route.items()}).output.tobytes()
+                else:
+                    got = c.infer(sid, layer, x, **route).output.tobytes()
+                if got != ref[spec["precision"], i]:
+                    errors.append("client %d input %d: output differs from whole_bank's" % (w, i))
+                    return
+                calls[w] += 1
+            # Back on the ring: a restart must not leave a session's mapped
+            # calls on the socket for good.
+            if shm is not None and not c.ring_active(sid):
+                errors.append("client %d: its mapped calls left the call ring" % w)
+            c.close_session(sid)
+            held.pop(w)
+        except Exception as e:  # noqa: BLE001 - every failure is reported
+            errors.append("client %d: %r" % (w, e))
+        finally:
+            c.close()
+
+    threads = [threading.Thread(target=client, args=(w,)) for w in range(len(kinds))]
+    for t in threads:
+        t.start()
+    krng = random.Random(SEED)
+    try:
+        def live():
+            try:
+                c = sup.client()
+                try:
+                    return sorted(s["session"] for s in c.call("session.list")["sessions"])
+                finally:
+                    c.close()
+            except (OSError, EOFError, AssertionError):
+                return None
+
+        for k in range(5):
+            time.sleep(krng.uniform(0.2, 0.6))
+            sup.restart()
+            # Every client's session back on the new daemon (under its id,
+            # none twice), then every client at work again, before the next kill.
+            deadline = time.time() + 60
+            while live() != sorted(held.values()) and not errors:
+                assert time.time() < deadline, "sessions after kill %d: %s, clients hold %s\n%s" % (
+                    k, live(), held, sup.log_text()[-3000:])
+                time.sleep(0.01)
+            before = list(calls)
+            while any(calls[w] <= before[w] for w in range(len(kinds))) and not errors:
+                assert time.time() < deadline, "clients stuck after kill %d: %s -> %s\n%s" % (
+                    k, before, calls, sup.log_text()[-3000:])
+                time.sleep(0.01)
+        assert not errors, errors
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(60)
+    assert not errors, errors
+    assert not any(t.is_alive() for t in threads)
+    assert sup.client().call("session.list")["sessions"] == []
+    assert sup.stop() == 0, sup.log_text()[-3000:]
+
+
 # ---- a paged session's reads ----
 
 def test_a_daemon_killed_during_a_paged_sessions_reads(tmp_path, supervisors):

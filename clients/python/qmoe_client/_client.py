@@ -71,6 +71,13 @@ DEFAULT_RECONNECT_S = 30.0
 DEFAULT_WARM_INTERVAL_S = 1.0
 _BACKOFF_FIRST_S, _BACKOFF_MAX_S = 0.02, 0.5
 _CONFLICT, _NOT_FOUND, _EXHAUSTED, _SHUTTING_DOWN = -32008, -32001, -32003, -32007
+
+
+def _session_missing(e):
+    """The daemon has no such session (-32001 naming `session`)."""
+    return e.code == _NOT_FOUND and e.field == "session"
+
+
 _log = logging.getLogger("qmoe_client")
 
 
@@ -1023,7 +1030,11 @@ class Client:
                                 % (r.get("version"), _ring.VERSION))
         except BaseException as e:
             mm.close()
-            if isinstance(e, QmoeError) and e.code not in (E_IO, E_TIMEOUT):
+            # Refused: this connection's calls take the socket. Not when the
+            # daemon lacks the session (restarted, the session not re-created
+            # yet): asked again once it is back.
+            if (isinstance(e, QmoeError) and e.code not in (E_IO, E_TIMEOUT)
+                    and not _session_missing(e)):
                 self._rings[session] = (False, self._conn_gen)
             raise
         finally:
@@ -1057,7 +1068,9 @@ class Client:
         try:
             self.ring(session)
         except QmoeError as e:
-            if e.code in (E_IO, E_TIMEOUT):
+            # The connection broke, or a restarted daemon lacks the session:
+            # the layer call's restore handles it, and the retry asks again.
+            if e.code in (E_IO, E_TIMEOUT) or _session_missing(e):
                 raise
             sys.stderr.write("qmoe_client: no call ring for session %s (%s: %s); its calls "
                              "go through the socket\n" % (session[:64], e.name, e.reason))
