@@ -217,10 +217,11 @@ def test_a_daemon_killed_during_session_resize(tmp_path, supervisors):
 # ---- many clients at once ----
 
 def test_many_clients_and_their_sessions_across_sigkills(tmp_path, supervisors):
-    """Four clients at once, each with sessions of its own (policies and
-    budgets mixed, exact and fast, one paged from the disk, one with a map
-    whose calls take the call ring, routing from the bank, from router
-    logits and from the engine's top-k), calling without pause while the
+    """Seven clients at once, each with a session of its own (policies and
+    budgets mixed, auto ones sharing their residency, a miss run on the
+    host, a routing trace; exact and fast; maps whose calls take the call
+    ring; routing from the bank, from router logits and from the engine's
+    top-k), calling without pause while the
     daemon is SIGKILLed and restarted (socket activation, as systemd) five
     times at random moments. Every call answers, each with the bits of the
     whole-bank reference; each client brings its own sessions back under
@@ -254,7 +255,13 @@ def test_many_clients_and_their_sessions_across_sigkills(tmp_path, supervisors):
     kinds = [dict(policy="lru", budget_bytes=3 * bpe, precision="exact"),
              dict(policy="next_use", budget="25%", precision="fast"),
              dict(policy="whole_bank", precision="fast"),
-             dict(policy="arc", budget_bytes=5 * bpe, precision="exact")]
+             dict(policy="arc", budget_bytes=5 * bpe, precision="exact"),
+             dict(policy="next_use", budget="auto", precision="exact",
+                  policy_params={"share_residency": True}),
+             dict(policy="next_use", budget="auto", precision="exact",
+                  policy_params={"share_residency": True, "on_miss": "auto"}),
+             dict(policy="lfu", budget="50%", precision="fast",
+                  policy_params={"record_trace": "t.qmtr", "on_miss": "host"})]
     stop = threading.Event()
     errors, calls, held = [], [0] * len(kinds), {}
 
