@@ -407,7 +407,8 @@ static int check_create(const qm_sessions *ss, const qm_models *ms, const qm_ses
     const qm_bank_config *cfg = qm_bank_get_config(m->bank);
     if (spec->record_trace) {
         /* The decoder refused '/', "." and ".."; a name ending in .hot would
-         * overwrite a model's hotness profile in the same directory. */
+         * overwrite a model's hotness profile in the same directory, a
+         * session of any user being able to name one. */
         size_t n = strlen(spec->record_trace);
         if (!ss->cfg->state_dir)
             return qm_status_set_field(st, QM_EINVAL, "policy_params.record_trace",
@@ -417,6 +418,14 @@ static int check_create(const qm_sessions *ss, const qm_models *ms, const qm_ses
             return qm_status_set_field(st, QM_EINVAL, "policy_params.record_trace",
                                        "policy_params.record_trace must not end in .hot (the "
                                        "state dir's hotness profiles)");
+        /* Nor the kernel cache or a save's temporary file (NAME.hot.tmp.PID,
+         * kernels.cache.PID.tmp). */
+        if (strncmp(spec->record_trace, "kernels.cache", 13) == 0 ||
+            strstr(spec->record_trace, ".hot.tmp."))
+            return qm_status_set_field(st, QM_EINVAL, "policy_params.record_trace",
+                                       "policy_params.record_trace must not name the state "
+                                       "dir's kernel cache (kernels.cache) or a profile's "
+                                       "temporary file (.hot.tmp.)");
     }
     /* Which knobs (and hot lists) the policy takes: its own declaration. */
     static const uint32_t *const no_list = NULL;

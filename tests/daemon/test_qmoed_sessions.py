@@ -153,7 +153,8 @@ def test_record_trace_writes_the_routing_to_the_state_dir(banks, daemon):
     dm = Daemon(models={"small": banks["small"]}, args=["--state-dir", state], workdir=d)
     try:
         c = dm.client()
-        for bad in ("../t.qmtr", "a/b", "..", ".", "", "small.hot"):
+        for bad in ("../t.qmtr", "a/b", "..", ".", "", "small.hot", "kernels.cache",
+                    "kernels.cache.77.tmp", "small.hot.tmp.77"):
             e = err(c.request("session.create", {"model": "small",
                                                  "policy_params": {"record_trace": bad}}))
             assert e["code"] == -32602, (bad, e)
