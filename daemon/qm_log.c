@@ -59,9 +59,12 @@ void qm_log(int level, const char *fmt, ...)
     va_start(ap, fmt);
     vsnprintf(msg, sizeof msg, fmt, ap);
     va_end(ap);
-    /* One write per line keeps lines whole when workers log too. */
+    /* One write per line keeps lines whole when workers log too; no control
+     * character a client put in a name it gave (a record_trace file name, a
+     * model name) can start a line of its own or reach an operator's
+     * terminal (\r, escape sequences). */
     for (char *p = msg; *p; p++)
-        if (*p == '\n')
+        if ((unsigned char)*p < 0x20 || *p == 0x7f)
             *p = ' ';
     if (journal_stream) {
         fprintf(stderr, "<%d>%s\n", level, msg);

@@ -188,6 +188,16 @@ def test_record_trace_writes_the_routing_to_the_state_dir(banks, daemon):
                                             "qmoe_trace.py"), "info", path],
                               capture_output=True, text=True)
         assert info.returncode == 0 and "6" in info.stdout, info
+        # A name with control characters is a file name like any other, and
+        # the daemon's log line naming it holds none of them.
+        odd = "a\rb\x1b[31mc\td.qmtr"
+        sid = c.call("session.create", {"model": "small", "policy": "lru", "budget_bytes": 40000,
+                                        "policy_params": {"record_trace": odd}})["session"]
+        c.call("session.close", {"session": sid})
+        assert os.path.exists(os.path.join(state, odd))
+        line = [l for l in dm.log_text().splitlines() if sid in l and "records its routing" in l]
+        assert line and "a b [31mc d.qmtr" in line[0], line
+        assert not any(ch in dm.log_text() for ch in "\r\x1b\t"), repr(dm.log_text()[-500:])
     finally:
         assert dm.stop() == 0
 
