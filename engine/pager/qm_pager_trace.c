@@ -57,7 +57,8 @@ static void qm__trace_fail(qm_pager *p)
 }
 
 /* A trace at `path` this recording may go on with: a .qmtr of the same
- * layers, k and experts, without weights, its rows whole up to the token
+ * layers, k and experts (the header qm_pager_record_trace writes), without
+ * weights, its rows (`layers` x k ids, as recorded) whole up to the token
  * count its header gives. Opened for writing, anything past those rows (a
  * row written before its count was) cut off: the descriptor, with its
  * payload offset and token count; -1 when there is no such file. */
@@ -75,8 +76,8 @@ static int qm__trace_reopen(const char *path, const qm_bank_config *cfg, uint32_
         goto no;
     memcpy(f, head + 8, sizeof f);
     /* version, tokens, layers, k, experts, flags, meta_len */
-    if (f[0] != 1 || f[2] != layers || f[3] != cfg->k || f[4] != cfg->experts || f[5] != 0 ||
-        f[6] > 4096)
+    if (f[0] != 1 || f[2] != cfg->layers || f[3] != cfg->k || f[4] != cfg->experts ||
+        f[5] != 0 || f[6] > 4096)
         goto no;
     uint64_t off = QM__TRACE_HEADER + (uint64_t)f[6];
     off += (8 - off % 8) % 8;
