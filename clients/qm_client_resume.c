@@ -38,6 +38,7 @@ struct qm__kept {
     char *warm;         /* the last plan's resident lists as `warm` JSON, or NULL */
     int64_t warm_at_ms; /* when they were read; 0: never */
     uint64_t alive_on;  /* the connection (c->conn_gen) of its last answered layer call */
+    uint64_t made_on;   /* the connection it was last made (or found still there) on */
     qm__kept_map *maps;
     size_t n_maps, cap_maps;
 };
@@ -177,7 +178,7 @@ void qm__client_keep(qm_client *c, const char *id, char *params, const char *mod
     qm__resume *r = &c->resume;
     if (k && k->id && k->model && !qm__find(c, id) &&
         qm__room((void **)&r->kept, r->n_kept, &r->cap_kept, sizeof(*r->kept)) == 0) {
-        k->alive_on = c->conn_gen;
+        k->alive_on = k->made_on = c->conn_gen;
         r->kept[r->n_kept++] = k;
         k = NULL;
     }
@@ -614,8 +615,14 @@ int qm__client_resume(qm_client *c, const char *session, uint64_t gen, int rc,
     pthread_mutex_lock(&c->lock);
     int window = c->resume.opt.window_ms;
     uint64_t now_gen = c->resume.generation;
+    const qm__kept *kept = qm__find(c, session);
+    int made_here = kept && kept->made_on == c->conn_gen;
     pthread_mutex_unlock(&c->lock);
-    if (now_gen != gen) { /* another thread brought it back meanwhile */
+    /* Another thread brought this session back meanwhile (on the connection
+     * there is now). One that brought back another session of the handle
+     * did not: this one is restored too (it used to be taken as back, and
+     * its retry met "no such session"). */
+    if (now_gen != gen && made_here) {
         pthread_mutex_unlock(&c->resume.lock);
         return 0;
     }
@@ -638,6 +645,9 @@ int qm__client_resume(qm_client *c, const char *session, uint64_t gen, int rc,
     if (got == 0) {
         pthread_mutex_lock(&c->lock);
         c->resume.generation++;
+        qm__kept *k = qm__find(c, session);
+        if (k)
+            k->made_on = c->conn_gen;
         pthread_mutex_unlock(&c->lock);
         qm__say(c,
                 "qmoed at %s: session %s is back after %.2f s (%s; %zu map%s passed again; "

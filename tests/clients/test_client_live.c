@@ -704,6 +704,102 @@ START_TEST(test_a_session_outlives_a_daemon_restart)
 }
 END_TEST
 
+/* One handle, four threads, a session each, calling across three restarts:
+ * every call answers with the first pass's bits. A thread whose session
+ * another thread's restore did not bring back restores its own (it used to
+ * take the other's restore for its own, and its retry met "no such
+ * session"). */
+typedef struct restart_arg {
+    qm_client *c;
+    char *id;
+    const float *want;
+    int layer;
+    volatile int *go, *stop;
+    int calls, failures;
+    char last[200];
+} restart_arg;
+
+static void *restart_worker(void *p)
+{
+    restart_arg *a = p;
+    float x[TOKENS * HIDDEN];
+    fill_hidden(x, 5);
+    qm_client_tensor h = {.dtype = QM_CLIENT_F32, .ndim = 2, .shape = {TOKENS, HIDDEN}, .data = x,
+                          .nbytes = sizeof x};
+    while (!*a->go)
+        usleep(100);
+    while (!*a->stop) {
+        qm_client_infer_result r;
+        qm_client_error err;
+        int rc = qm_client_session_infer(a->c, a->id, (uint64_t)a->layer, &h, NULL, 0, &r, &err);
+        if (rc || memcmp(r.output.data, a->want, sizeof x) != 0) {
+            a->failures++;
+            snprintf(a->last, sizeof a->last, "rc %d: %.150s", rc, rc ? err.reason : "wrong bits");
+        }
+        if (rc == 0)
+            qm_client_infer_result_free(&r);
+        a->calls++;
+    }
+    return NULL;
+}
+
+START_TEST(test_threads_of_one_handle_each_bring_their_session_back)
+{
+    char at[400];
+    pid_t d;
+    qm_client *c = own_daemon(at, sizeof at, "threads", &d);
+    qm_client_error err;
+    qm_client_reconnect o;
+    qm_client_get_reconnect(c, &o);
+    o.warm_interval_ms = -1;
+    o.log = collect;
+    qm_client_set_reconnect(c, &o);
+    float x[TOKENS * HIDDEN], want[4][TOKENS * HIDDEN];
+    fill_hidden(x, 5);
+    qm_client_tensor h = {.dtype = QM_CLIENT_F32, .ndim = 2, .shape = {TOKENS, HIDDEN}, .data = x,
+                          .nbytes = sizeof x};
+    volatile int go = 0, stop = 0;
+    restart_arg a[4];
+    pthread_t th[4];
+    const char *policies[4] = {"lru", "whole_bank", "lfu", "next_use"};
+    for (int i = 0; i < 4; i++) {
+        a[i] = (restart_arg){.c = c, .layer = i % LAYERS, .go = &go, .stop = &stop};
+        qm_client_session_params p = {.model = "demo", .policy = policies[i]};
+        ck_assert_msg(qm_client_session_create(c, &p, &a[i].id, NULL, &err) == 0, "%s", err.reason);
+        qm_client_infer_result r;
+        ck_assert_int_eq(qm_client_session_infer(c, a[i].id, (uint64_t)a[i].layer, &h, NULL, 0, &r,
+                                                 &err),
+                         0);
+        memcpy(want[i], r.output.data, sizeof x);
+        qm_client_infer_result_free(&r);
+        a[i].want = want[i];
+        ck_assert_int_eq(pthread_create(&th[i], NULL, restart_worker, &a[i]), 0);
+    }
+    go = 1;
+    for (int k = 0; k < 3; k++) {
+        usleep(100000);
+        kill_qmoed(d);
+        d = spawn_qmoed(at, 1);
+    }
+    usleep(200000);
+    stop = 1;
+    for (int i = 0; i < 4; i++) {
+        pthread_join(th[i], NULL);
+        size_t n = strlen(said);
+        ck_assert_msg(a[i].failures == 0, "thread %d: %d of %d calls failed, the last: %s; log: %s",
+                      i, a[i].failures, a[i].calls, a[i].last, said + (n > 300 ? n - 300 : 0));
+        ck_assert_int_gt(a[i].calls, 0);
+    }
+    ck_assert_uint_ge(qm_client_restores(c), 3);
+    for (int i = 0; i < 4; i++) {
+        qm_client_session_close(c, a[i].id, &err);
+        qm_client_string_free(a[i].id);
+    }
+    qm_client_close(c);
+    kill_qmoed(d);
+}
+END_TEST
+
 /* Reconnection off (window 0): the first call after a restart fails as it
  * always did, and the session is not re-created behind the caller. */
 START_TEST(test_reconnection_off_fails_at_once)
@@ -761,6 +857,7 @@ int main(void)
     tcase_set_timeout(restart, 120);
     tcase_add_test(restart, test_a_session_outlives_a_daemon_restart);
     tcase_add_test(restart, test_reconnection_off_fails_at_once);
+    tcase_add_test(restart, test_threads_of_one_handle_each_bring_their_session_back);
     suite_add_tcase(s, restart);
     SRunner *sr = srunner_create(s);
     srunner_run_all(sr, CK_NORMAL);

@@ -216,7 +216,8 @@ def test_a_daemon_killed_during_session_resize(tmp_path, supervisors):
 
 # ---- many clients at once ----
 
-def test_many_clients_and_their_sessions_across_sigkills(tmp_path, supervisors):
+@pytest.mark.parametrize("handles", ["one each", "one shared"])
+def test_many_clients_and_their_sessions_across_sigkills(tmp_path, supervisors, handles):
     """Seven clients at once, each with a session of its own (policies and
     budgets mixed, auto ones sharing their residency, a miss run on the
     host, a routing trace; exact and fast; maps whose calls take the call
@@ -226,7 +227,10 @@ def test_many_clients_and_their_sessions_across_sigkills(tmp_path, supervisors):
     times at random moments. Every call answers, each with the bits of the
     whole-bank reference; each client brings its own sessions back under
     their ids (none lost, none made twice); the last daemon holds exactly
-    the sessions the clients hold, and stops cleanly."""
+    the sessions the clients hold, and stops cleanly. Each thread with a
+    client handle of its own, and all of them on one handle (whose restore
+    of one thread's session must not be taken by the others as their own:
+    their retries met "no such session" before)."""
     L, E, H, K = 4, 16, 64, 2
     bank = make_bank(str(tmp_path / "m.bank"), layers=L, experts=E, hidden=H, k=K, bits=4,
                      block=32, seed=5)
@@ -265,9 +269,12 @@ def test_many_clients_and_their_sessions_across_sigkills(tmp_path, supervisors):
     stop = threading.Event()
     errors, calls, held = [], [0] * len(kinds), {}
 
+    one = qmoe_client.Client(sup.socket, reconnect=30, warm_interval=0) \
+        if handles == "one shared" else None
+
     def client(w):
         r = random.Random(SEED * 10 + w)
-        c = qmoe_client.Client(sup.socket, reconnect=30, warm_interval=0)
+        c = one or qmoe_client.Client(sup.socket, reconnect=30, warm_interval=0)
         try:
             spec = kinds[w]
             sid = c.create_session("m", **spec)["session"]
@@ -301,7 +308,8 @@ def test_many_clients_and_their_sessions_across_sigkills(tmp_path, supervisors):
         except Exception as e:  # noqa: BLE001 - every failure is reported
             errors.append("client %d: %r" % (w, e))
         finally:
-            c.close()
+            if one is None:
+                c.close()
 
     threads = [threading.Thread(target=client, args=(w,)) for w in range(len(kinds))]
     for t in threads:
@@ -340,6 +348,8 @@ def test_many_clients_and_their_sessions_across_sigkills(tmp_path, supervisors):
             t.join(60)
     assert not errors, errors
     assert not any(t.is_alive() for t in threads)
+    if one is not None:
+        one.close()
     assert sup.client().call("session.list")["sessions"] == []
     assert sup.stop() == 0, sup.log_text()[-3000:]
 

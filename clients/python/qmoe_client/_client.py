@@ -377,12 +377,13 @@ class _Kept:
     params as sent, whether some bank is paged (its residency is then worth
     reading), the last residency read, and its maps (memfds kept open)."""
 
-    __slots__ = ("params", "paged", "warm", "warm_at", "maps", "alive_on")
+    __slots__ = ("params", "paged", "warm", "warm_at", "maps", "alive_on", "made_on")
 
     def __init__(self, params, paged, alive_on):
         self.params = dict(params or {})
         self.paged = paged
         self.alive_on = alive_on  # the connection of its last answer (create or layer call)
+        self.made_on = alive_on  # the connection it was last made (or found still there) on
         self.warm = None
         self.warm_at = None
         self.maps = []
@@ -810,11 +811,15 @@ class Client:
         raises `cause`)."""
         gen = getattr(cause, "_qmoe_generation", None)
         with self._resume_lock:
-            if gen is not None and gen != self.restores:
-                return True  # another thread brought it back meanwhile
             kept = self._kept.get(session)
             if kept is None or self.reconnect <= 0:
                 return False
+            # Another thread brought this session back meanwhile, on the
+            # connection there is now. One that brought back another session
+            # did not: this one is restored too (it used to be taken as back,
+            # and its retry met "no such session").
+            if gen is not None and gen != self.restores and kept.made_on == self._conn_gen:
+                return True
             # Gone: a broken or refused connection, or "no such session" on
             # a connection made since the session last answered (another
             # call on this client reconnected to a restarted daemon first).
@@ -852,6 +857,7 @@ class Client:
                              self.path, session, took, err.reason)
                 return False
             self.restores += 1
+            kept.made_on = self._conn_gen
             _log.warning("qmoed at %s: session %s is back after %.2f s (%s; %d map(s) passed "
                          "again; %d experts warm); retrying the call", self.path, session, took,
                          "re-created, its model loaded again from its bank" if state["loaded"]
