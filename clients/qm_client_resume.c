@@ -589,11 +589,14 @@ static int qm__restore(qm_client *c, qm__snap *s, int window_ms, qm_client_error
 }
 
 /* Whether `rc` (with `e`) says the daemon that had `session` is gone:
- * a broken or refused connection, or no such session on a connection made
- * since the session last answered a layer call (handle's lock held). */
+ * a broken or refused connection, a daemon draining, or no such session on
+ * a connection made since the session last answered a layer call (handle's
+ * lock held). */
 static int qm__went_away(qm_client *c, const char *session, int rc, const qm_client_error *e)
 {
-    if (qm__client_gone(rc))
+    /* Gone, or going: a draining daemon (systemctl restart, an upgrade)
+     * answers shutting_down, and the next one takes the session. */
+    if (qm__client_gone(rc) || rc == QM__SHUTTING_DOWN)
         return 1;
     if (rc != QM__NOT_FOUND || !e || strcmp(e->field, "session") != 0)
         return 0;

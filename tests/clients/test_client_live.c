@@ -704,11 +704,13 @@ START_TEST(test_a_session_outlives_a_daemon_restart)
 }
 END_TEST
 
-/* One handle, four threads, a session each, calling across three restarts:
- * every call answers with the first pass's bits. A thread whose session
- * another thread's restore did not bring back restores its own (it used to
- * take the other's restore for its own, and its retry met "no such
- * session"). */
+/* One handle, four threads, a session each, calling across three SIGKILLs
+ * and three graceful restarts (SIGTERM: the drain answers new requests
+ * shutting_down): every call answers with the first pass's bits. A thread
+ * whose session another thread's restore did not bring back restores its
+ * own (it used to take the other's restore for its own, and its retry met
+ * "no such session"); a call a draining daemon refuses waits for the next
+ * one (it used to fail). */
 typedef struct restart_arg {
     qm_client *c;
     char *id;
@@ -776,9 +778,14 @@ START_TEST(test_threads_of_one_handle_each_bring_their_session_back)
         ck_assert_int_eq(pthread_create(&th[i], NULL, restart_worker, &a[i]), 0);
     }
     go = 1;
-    for (int k = 0; k < 3; k++) {
+    for (int k = 0; k < 6; k++) {
         usleep(100000);
-        kill_qmoed(d);
+        if (k < 3) {
+            kill_qmoed(d);
+        } else { /* systemctl restart: a drain, whose new requests get shutting_down */
+            kill(d, SIGTERM);
+            waitpid(d, NULL, 0);
+        }
         d = spawn_qmoed(at, 1);
     }
     usleep(200000);
@@ -790,7 +797,7 @@ START_TEST(test_threads_of_one_handle_each_bring_their_session_back)
                       i, a[i].failures, a[i].calls, a[i].last, said + (n > 300 ? n - 300 : 0));
         ck_assert_int_gt(a[i].calls, 0);
     }
-    ck_assert_uint_ge(qm_client_restores(c), 3);
+    ck_assert_uint_ge(qm_client_restores(c), 6);
     for (int i = 0; i < 4; i++) {
         qm_client_session_close(c, a[i].id, &err);
         qm_client_string_free(a[i].id);

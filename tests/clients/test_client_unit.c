@@ -224,7 +224,14 @@ END_TEST
 
 /* ---------- a scripted fake daemon ---------- */
 
-typedef enum { FAKE_ECHO, FAKE_SILENT, FAKE_STRAY_ID, FAKE_ERROR, FAKE_HANGUP_FIRST } fake_mode;
+typedef enum {
+    FAKE_ECHO,
+    FAKE_SILENT,
+    FAKE_STRAY_ID,
+    FAKE_ERROR,
+    FAKE_HANGUP_FIRST,
+    FAKE_DRAINING /* a daemon whose first layer call meets its drain, then its successor */
+} fake_mode;
 
 typedef struct fake {
     char path[108];
@@ -232,6 +239,7 @@ typedef struct fake {
     fake_mode mode;
     pthread_t thread;
     int connections;
+    int drained, creates; /* FAKE_DRAINING */
 } fake;
 
 static void fake_send(int fd, const char *s) { (void)!write(fd, s, strlen(s)); }
@@ -256,7 +264,39 @@ static void fake_serve(fake *f, int fd)
                 const qm_cval *params = qm_cval_get(req, "params");
                 char *pj = params ? qm_cval_print(params, 0, NULL) : NULL;
                 char out[1 << 16];
+                const char *method = qm_cval_get_string(req, "method");
                 switch (f->mode) {
+                case FAKE_DRAINING: {
+                    /* session.create (under the id asked for, or a new
+                     * one); the first session.infer shutting_down, every
+                     * later one the hidden state back; anything else echoed. */
+                    const char *sid = qm_cval_get_string(params, "session");
+                    const qm_cval *hid = qm_cval_get(params, "hidden");
+                    char *hj = hid ? qm_cval_print(hid, 0, NULL) : NULL;
+                    if (method && strcmp(method, "session.create") == 0) {
+                        f->creates++;
+                        snprintf(out, sizeof out,
+                                 "{\"jsonrpc\":\"2.0\",\"id\":%.0f,\"result\":{\"session\":\"%s\"}}\n",
+                                 id, sid ? sid : "00112233445566778899aabbccddeeff");
+                    } else if (method && strcmp(method, "session.infer") == 0 && !f->drained++) {
+                        snprintf(out, sizeof out,
+                                 "{\"jsonrpc\":\"2.0\",\"id\":%.0f,\"error\":{\"code\":-32007,"
+                                 "\"message\":\"shutting_down\",\"data\":{\"reason\":\"the "
+                                 "daemon is draining and takes no new requests\"}}}\n",
+                                 id);
+                    } else if (method && strcmp(method, "session.infer") == 0) {
+                        snprintf(out, sizeof out,
+                                 "{\"jsonrpc\":\"2.0\",\"id\":%.0f,\"result\":{\"output\":%s,"
+                                 "\"stats\":{\"hits\":1}}}\n",
+                                 id, hj ? hj : "{}");
+                    } else {
+                        snprintf(out, sizeof out, "{\"jsonrpc\":\"2.0\",\"id\":%.0f,\"result\":%s}\n",
+                                 id, pj ? pj : "{}");
+                    }
+                    qm_free(hj);
+                    fake_send(fd, out);
+                    break;
+                }
                 case FAKE_SILENT: break;
                 case FAKE_HANGUP_FIRST:
                     if (f->connections == 1) {
@@ -397,6 +437,36 @@ START_TEST(test_call_skips_answers_to_other_ids_and_blank_lines)
     ck_assert_int_eq(qm_client_call_json(c, "daemon.status", NULL, 0, &out, &err), 0);
     ck_assert_str_eq(out, "{\"mine\":true}");
     qm_client_string_free(out);
+    qm_client_close(c);
+    fake_stop(&f);
+}
+END_TEST
+
+/* A layer call that meets a draining daemon (systemctl restart: new
+ * requests get shutting_down) brings its session back on the next one and
+ * is retried, as when the daemon was gone (it used to fail the call). */
+START_TEST(test_a_layer_call_that_meets_a_drain_waits_for_the_next_daemon)
+{
+    fake f;
+    fake_start(&f, FAKE_DRAINING);
+    qm_client *c = NULL;
+    qm_client_error err;
+    ck_assert_int_eq(qm_client_open(&c, f.path, 2000, &err), 0);
+    qm_client_session_params p = {.model = "demo", .policy = "lru"};
+    char *id = NULL;
+    ck_assert_msg(qm_client_session_create(c, &p, &id, NULL, &err) == 0, "%s", err.reason);
+    float x[2] = {1.5f, -2.0f};
+    qm_client_tensor h = {.dtype = QM_CLIENT_F32, .ndim = 2, .shape = {1, 2}, .data = x,
+                          .nbytes = sizeof x};
+    qm_client_infer_result r;
+    ck_assert_msg(qm_client_session_infer(c, id, 0, &h, NULL, 0, &r, &err) == 0, "%d %s", err.code,
+                  err.reason);
+    ck_assert_int_eq(f.drained, 2);
+    ck_assert_int_eq(f.creates, 2); /* made, then re-created under its id */
+    ck_assert_uint_eq(qm_client_restores(c), 1);
+    ck_assert(memcmp(r.output.data, x, sizeof x) == 0);
+    qm_client_infer_result_free(&r);
+    qm_client_string_free(id);
     qm_client_close(c);
     fake_stop(&f);
 }
@@ -545,6 +615,7 @@ static Suite *client_suite(void)
     tcase_add_test(conn, test_call_times_out_when_the_daemon_is_silent);
     tcase_add_test(conn, test_call_skips_answers_to_other_ids_and_blank_lines);
     tcase_add_test(conn, test_call_reports_code_name_reason_and_field);
+    tcase_add_test(conn, test_a_layer_call_that_meets_a_drain_waits_for_the_next_daemon);
     tcase_add_test(conn, test_call_reconnects_after_the_daemon_hung_up);
     tcase_add_test(conn, test_typed_helpers_send_the_documented_params);
     tcase_add_test(conn, test_one_handle_serves_many_threads);

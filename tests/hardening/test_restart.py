@@ -25,6 +25,7 @@ import hashlib
 import json
 import os
 import random
+import signal
 import subprocess
 import sys
 import threading
@@ -216,15 +217,18 @@ def test_a_daemon_killed_during_session_resize(tmp_path, supervisors):
 
 # ---- many clients at once ----
 
+@pytest.mark.parametrize("stop", ["SIGKILL", "SIGTERM"])
 @pytest.mark.parametrize("handles", ["one each", "one shared"])
-def test_many_clients_and_their_sessions_across_sigkills(tmp_path, supervisors, handles):
+def test_many_clients_and_their_sessions_across_sigkills(tmp_path, supervisors, handles, stop):
     """Seven clients at once, each with a session of its own (policies and
     budgets mixed, auto ones sharing their residency, a miss run on the
     host, a routing trace; exact and fast; maps whose calls take the call
     ring; routing from the bank, from router logits and from the engine's
     top-k), calling without pause while the
-    daemon is SIGKILLed and restarted (socket activation, as systemd) five
-    times at random moments. Every call answers, each with the bits of the
+    daemon is SIGKILLed, or stopped with SIGTERM as `systemctl restart`
+    does (its drain answers new requests shutting_down: those calls wait
+    for the next daemon, where they used to fail), and restarted (socket
+    activation, as systemd) five times at random moments. Every call answers, each with the bits of the
     whole-bank reference; each client brings its own sessions back under
     their ids (none lost, none made twice); the last daemon holds exactly
     the sessions the clients hold, and stops cleanly. Each thread with a
@@ -328,7 +332,12 @@ def test_many_clients_and_their_sessions_across_sigkills(tmp_path, supervisors, 
 
         for k in range(5):
             time.sleep(krng.uniform(0.2, 0.6))
-            sup.restart()
+            if stop == "SIGKILL":
+                sup.restart()
+            else:
+                sup.proc.send_signal(signal.SIGTERM)
+                assert sup.proc.wait(30) == 0, sup.log_text()[-3000:]
+                sup.start(wait=False)
             # Every client's session back on the new daemon (under its id,
             # none twice), then every client at work again, before the next kill.
             deadline = time.time() + 60

@@ -823,9 +823,11 @@ class Client:
             # Gone: a broken or refused connection, or "no such session" on
             # a connection made since the session last answered (another
             # call on this client reconnected to a restarted daemon first).
-            if not (_gone(cause) or (isinstance(cause, QmoeError) and cause.code == _NOT_FOUND
-                                     and cause.field == "session"
-                                     and kept.alive_on != self._conn_gen)):
+            # Or going: a draining daemon (systemctl restart, an upgrade)
+            # answers shutting_down; the next one takes the session.
+            if not (_gone(cause) or (isinstance(cause, QmoeError) and cause.code == _SHUTTING_DOWN)
+                    or (isinstance(cause, QmoeError) and cause.code == _NOT_FOUND
+                        and cause.field == "session" and kept.alive_on != self._conn_gen)):
                 return False
             _log.warning("qmoed at %s went away (%s): bringing session %s back, for up to "
                          "%.1f s", self.path, cause.reason, session, self.reconnect)
