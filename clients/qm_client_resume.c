@@ -420,7 +420,7 @@ static int qm__snap_take(qm_client *c, const char *id, qm__snap *s)
             if (strcmp(c->resume.banks[i].model, k->model) == 0)
                 s->bank = qm_strdup(c->resume.banks[i].path);
         s->maps = qm_calloc(k->n_maps ? k->n_maps : 1, sizeof(*s->maps));
-        if (s->maps)
+        if (s->maps && k->n_maps) /* a session without maps has none (NULL) to copy */
             memcpy(s->maps, k->maps, k->n_maps * sizeof(*s->maps));
         s->n_maps = k->n_maps;
         if (!s->params || !s->model || (k->warm && !s->warm) || !s->maps)
