@@ -101,8 +101,15 @@ class Supervisor(harness.Daemon):
         if self.proc is not None:
             self.proc.wait()
 
-    def restart(self, delay=0.0, wait=False):
-        """SIGKILL, then a new daemon after `delay` seconds (RestartSec)."""
+    def restart(self, delay=0.0, wait=False, graceful=False):
+        """SIGKILL (or, `graceful`, SIGTERM and its drain to the end, as
+        `systemctl restart` does), then a new daemon after `delay` seconds
+        (RestartSec)."""
+        if graceful and self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            rc = self.proc.wait(60)
+            if rc != 0:
+                raise RuntimeError("qmoed's drain exited %s:\n%s" % (rc, self.log_text()[-3000:]))
         self.kill()
         if delay:
             time.sleep(delay)
@@ -140,9 +147,10 @@ class Killer(threading.Thread):
     `span` (from what the restarted daemon counts afresh). Records when
     each kill happened."""
 
-    def __init__(self, sup, span, kills=1, delay=0.0, seed=None, poll=0.005):
+    def __init__(self, sup, span, kills=1, delay=0.0, seed=None, poll=0.005, graceful=False):
         super().__init__(daemon=True)
         self.sup, self.span, self.kills, self.delay, self.poll = sup, span, kills, delay, poll
+        self.graceful = graceful  # SIGTERM and its drain (systemctl restart), not SIGKILL
         self.rng = random.Random(seed)
         self.points, self.times = [], []
         self.stop_flag = threading.Event()
@@ -161,7 +169,7 @@ class Killer(threading.Thread):
                     return
                 self.points.append(at)
                 self.times.append(time.monotonic())
-                self.sup.restart(self.delay)
+                self.sup.restart(self.delay, graceful=self.graceful)
         except Exception as e:  # reported by the test
             self.error = e
 

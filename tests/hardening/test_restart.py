@@ -25,7 +25,6 @@ import hashlib
 import json
 import os
 import random
-import signal
 import subprocess
 import sys
 import threading
@@ -332,12 +331,7 @@ def test_many_clients_and_their_sessions_across_sigkills(tmp_path, supervisors, 
 
         for k in range(5):
             time.sleep(krng.uniform(0.2, 0.6))
-            if stop == "SIGKILL":
-                sup.restart()
-            else:
-                sup.proc.send_signal(signal.SIGTERM)
-                assert sup.proc.wait(30) == 0, sup.log_text()[-3000:]
-                sup.start(wait=False)
+            sup.restart(graceful=stop == "SIGTERM")
             # Every client's session back on the new daemon (under its id,
             # none twice), then every client at work again, before the next kill.
             deadline = time.time() + 60

@@ -407,7 +407,8 @@ def test_the_daemon_gone_for_good_fails_the_step_and_emits_no_token_from_it(tool
 def test_llama_completion_survives_random_sigkills(tools, ggufs, tmp_path):
     """qmoed under a supervisor that restarts it as systemd would, through
     the socket unit's inherited fd (tests/hardening/restart.py), serving a
-    paged session; SIGKILLed at a random token-layer of each run. The
+    paged session; SIGKILLed (the last run: SIGTERM, a graceful restart) at
+    a random token-layer of each run. The
     restarted daemon has no model: the context's client loads the bank
     --qmoed-bank names, re-creates the session under its id, warm, passes
     its map again and retries the layer call; every run ends with the
@@ -425,12 +426,15 @@ def test_llama_completion_survives_random_sigkills(tools, ggufs, tmp_path):
     finally:
         assert sup.stop() == 0, sup.log_text()[-3000:]
     assert len(calm.stdout) > 40
-    for i in range(2):
+    for i in range(3):
         sup = Supervisor(str(tmp_path / ("run%d" % i)), args=["--threads", "2"])
         # A run decodes in tens of ms on a fast CPU: kill in its first half,
         # polling the daemon's count every ms, so the engine is still
-        # running when the daemon goes.
-        killer = Killer(sup, span=(total // 4, total // 2), seed=40 + i, poll=0.001)
+        # running when the daemon goes. The third run's daemon is stopped
+        # as `systemctl restart` stops it: SIGTERM, whose drain answers the
+        # engine's next layer call shutting_down.
+        killer = Killer(sup, span=(total // 4, total // 2), seed=40 + i, poll=0.001,
+                        graceful=i == 2)
         try:
             p = subprocess.Popen(completion_cmd(tools, gguf, 48, "--qmoed", sup.socket, *args),
                                  stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
