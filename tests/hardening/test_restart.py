@@ -123,19 +123,21 @@ def undisturbed(torchpy, hf_bank, tmp_path_factory):
     return res["tokens"], total
 
 
-@pytest.mark.parametrize("how", ["activation", "bank-reloaded", "no-activation"])
+@pytest.mark.parametrize("how", ["activation", "bank-reloaded", "no-activation", "graceful"])
 def test_transformers_generation_survives_a_random_sigkill(torchpy, hf_bank, undisturbed,
                                                            tmp_path, how):
     """Killed at a random token-layer of the generation (past the prompt),
-    restarted at once: the generation ends with the undisturbed tokens, the
-    hook having brought its session back once."""
+    restarted at once (`graceful`: stopped with SIGTERM, as `systemctl
+    restart` does, its drain answering new requests shutting_down): the
+    generation ends with the undisturbed tokens, the hook having brought
+    its session back once."""
     tokens, total = undisturbed
     models = {} if how == "bank-reloaded" else {"mixtral": hf_bank}
     sup = Supervisor(str(tmp_path), models={"mixtral": hf_bank},
                      activation=how != "no-activation")
     sup.models = models  # what the restarted daemons load at start
-    seed = SEED + ["activation", "bank-reloaded", "no-activation"].index(how)
-    killer = Killer(sup, span=(total // 4, total * 3 // 4), seed=seed)
+    seed = SEED + ["activation", "bank-reloaded", "no-activation", "graceful"].index(how)
+    killer = Killer(sup, span=(total // 4, total * 3 // 4), seed=seed, graceful=how == "graceful")
     try:
         p = generate(torchpy, sup, bank=hf_bank if how == "bank-reloaded" else None)
         killer.start()
