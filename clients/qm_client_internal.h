@@ -103,9 +103,15 @@ uint64_t qm__client_generation(qm_client *c);
  * `rc` with *err as it was. */
 int qm__client_resume(qm_client *c, const char *session, uint64_t gen, int rc,
                       qm_client_error *err);
-/* After a successful layer call on `session`: reads its residency when the
- * interval says so. */
-void qm__client_note_call(qm_client *c, const char *session);
+/* After a successful layer call on `session`: notes the connection that
+ * answered it (`answered_on`, 0: the handle's current one) and reads its
+ * residency when the interval says so. */
+void qm__client_note_call(qm_client *c, const char *session, uint64_t answered_on);
+/* The connection (c->conn_gen) whose daemon gave this thread's last answer,
+ * over the socket or a ring: the layer call's caller reads it for
+ * qm__client_note_call. Per thread: another thread may reconnect between a
+ * call's answer and its note. */
+extern _Thread_local uint64_t qm__client_answered_on;
 
 /* ---- qm_client_ring.c ---- */
 /* qm_client_session_infer_mapped through the session's ring, the lock

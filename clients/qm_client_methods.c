@@ -867,13 +867,14 @@ static int qm__infer(qm_client *c, const char *session, uint64_t layer,
                      int return_routing, qm_client_infer_result *out, qm_client_error *err)
 {
     uint64_t gen = c ? qm__client_generation(c) : 0;
+    qm__client_answered_on = 0;
     int rc = qm__infer_once(c, session, layer, hidden, router_logits, topk_ids, topk_weights,
                             return_routing, out, err);
     if (rc < 0 && c && qm__client_resume(c, session, gen, rc, err) == 0)
         rc = qm__infer_once(c, session, layer, hidden, router_logits, topk_ids, topk_weights,
                             return_routing, out, err);
     if (rc == 0)
-        qm__client_note_call(c, session);
+        qm__client_note_call(c, session, qm__client_answered_on);
     return rc;
 }
 

@@ -347,14 +347,19 @@ static char *qm__warm_of(const qm_cval *plan)
     return text;
 }
 
-void qm__client_note_call(qm_client *c, const char *session)
+void qm__client_note_call(qm_client *c, const char *session, uint64_t answered_on)
 {
     int64_t now = qm__ms();
     pthread_mutex_lock(&c->lock);
     const qm_client_reconnect *o = &c->resume.opt;
     qm__kept *k = qm__find(c, session);
+    /* The connection that answered, not the one there is now: another
+     * thread may have reconnected to a new daemon since, which lacks the
+     * session until it is restored (taking that one for this session's
+     * made its "no such session" look final, and its calls failed until
+     * the next restart). */
     if (k)
-        k->alive_on = c->conn_gen;
+        k->alive_on = answered_on ? answered_on : c->conn_gen;
     if (o->window_ms <= 0 || o->warm_interval_ms < 0)
         k = NULL;
     int due = k && k->paged && (k->warm_at_ms == 0 || now - k->warm_at_ms >= o->warm_interval_ms);

@@ -287,6 +287,7 @@ static int ring_call(qm_client *c, qm__ring *r, const qm_client_mapped_infer *q,
     }
     qm_ring_answer a;
     qm_ring_answer_read(r->base + QM_RING_OFF_ANSWER, &a);
+    qm__client_answered_on = r->conn_gen;
     uint64_t now = qm_ring_now_ns();
     qm_ring_spin_note_wait(&r->spin, now - t0);
     if (parked && a.answered_ns && a.answered_ns <= now)

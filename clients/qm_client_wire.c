@@ -262,6 +262,8 @@ static void qm__consume(qm_client *c, size_t n)
     c->len -= n;
 }
 
+_Thread_local uint64_t qm__client_answered_on;
+
 int qm__client_exchange(qm_client *c, const char *method, const qm_cval *params,
                         const char *text, size_t text_len, int fd, qm_cval **result,
                         qm_client_error *err)
@@ -305,6 +307,7 @@ int qm__client_exchange(qm_client *c, const char *method, const qm_cval *params,
             *result = NULL;
             continue;
         }
+        qm__client_answered_on = c->conn_gen;
         if (is_error) {
             qm__client_fail(err, e.code, "%s", e.reason);
             if (err)

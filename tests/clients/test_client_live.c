@@ -704,7 +704,8 @@ START_TEST(test_a_session_outlives_a_daemon_restart)
 }
 END_TEST
 
-/* One handle, four threads, a session each, calling across three SIGKILLs
+/* One handle, four threads, a session each (two of them with mapped calls,
+ * through the call ring), calling across three SIGKILLs
  * and three graceful restarts (SIGTERM: the drain answers new requests
  * shutting_down): every call answers with the first pass's bits. A thread
  * whose session another thread's restore did not bring back restores its
@@ -715,6 +716,7 @@ typedef struct restart_arg {
     qm_client *c;
     char *id;
     const float *want;
+    qm_client_map *m; /* mapped calls (one_token: the call ring), or socket ones */
     int layer;
     volatile int *go, *stop;
     int calls, failures;
@@ -733,13 +735,23 @@ static void *restart_worker(void *p)
     while (!*a->stop) {
         qm_client_infer_result r;
         qm_client_error err;
-        int rc = qm_client_session_infer(a->c, a->id, (uint64_t)a->layer, &h, NULL, 0, &r, &err);
-        if (rc || memcmp(r.output.data, a->want, sizeof x) != 0) {
+        int rc, same;
+        if (a->m) {
+            qm_client_infer_stats st;
+            float *y = (float *)((char *)a->m->data + 384);
+            memset(y, 0, HIDDEN * sizeof(float));
+            rc = one_token(a->c, a->id, a->m, (uint64_t)a->layer, &st, &err);
+            same = rc == 0 && memcmp(y, a->want, HIDDEN * sizeof(float)) == 0;
+        } else {
+            rc = qm_client_session_infer(a->c, a->id, (uint64_t)a->layer, &h, NULL, 0, &r, &err);
+            same = rc == 0 && memcmp(r.output.data, a->want, sizeof x) == 0;
+            if (rc == 0)
+                qm_client_infer_result_free(&r);
+        }
+        if (!same) {
             a->failures++;
             snprintf(a->last, sizeof a->last, "rc %d: %.150s", rc, rc ? err.reason : "wrong bits");
         }
-        if (rc == 0)
-            qm_client_infer_result_free(&r);
         a->calls++;
     }
     return NULL;
@@ -763,17 +775,32 @@ START_TEST(test_threads_of_one_handle_each_bring_their_session_back)
     volatile int go = 0, stop = 0;
     restart_arg a[4];
     pthread_t th[4];
+    qm_client_map maps[4];
     const char *policies[4] = {"lru", "whole_bank", "lfu", "next_use"};
     for (int i = 0; i < 4; i++) {
         a[i] = (restart_arg){.c = c, .layer = i % LAYERS, .go = &go, .stop = &stop};
         qm_client_session_params p = {.model = "demo", .policy = policies[i]};
         ck_assert_msg(qm_client_session_create(c, &p, &a[i].id, NULL, &err) == 0, "%s", err.reason);
-        qm_client_infer_result r;
-        ck_assert_int_eq(qm_client_session_infer(c, a[i].id, (uint64_t)a[i].layer, &h, NULL, 0, &r,
-                                                 &err),
-                         0);
-        memcpy(want[i], r.output.data, sizeof x);
-        qm_client_infer_result_free(&r);
+        if (i >= 2) { /* threads 2 and 3: mapped calls, through the call ring */
+            ck_assert_int_eq(qm_client_map_create(c, a[i].id, 4096, &maps[i], &err), 0);
+            a[i].m = &maps[i];
+            char *base = maps[i].data;
+            fill_hidden((float *)base, 11 + i);
+            int32_t *ids = (int32_t *)(base + 256);
+            float *w = (float *)(base + 320);
+            ids[0] = i, ids[1] = 7 - i, w[0] = 0.6f, w[1] = 0.4f;
+            qm_client_infer_stats st;
+            ck_assert_int_eq(one_token(c, a[i].id, a[i].m, (uint64_t)a[i].layer, &st, &err), 0);
+            memcpy(want[i], base + 384, HIDDEN * sizeof(float));
+            ck_assert_int_eq(qm_client_ring_active(c, a[i].id), 1);
+        } else {
+            qm_client_infer_result r;
+            ck_assert_int_eq(qm_client_session_infer(c, a[i].id, (uint64_t)a[i].layer, &h, NULL,
+                                                     0, &r, &err),
+                             0);
+            memcpy(want[i], r.output.data, sizeof x);
+            qm_client_infer_result_free(&r);
+        }
         a[i].want = want[i];
         ck_assert_int_eq(pthread_create(&th[i], NULL, restart_worker, &a[i]), 0);
     }
@@ -799,6 +826,10 @@ START_TEST(test_threads_of_one_handle_each_bring_their_session_back)
     }
     ck_assert_uint_ge(qm_client_restores(c), 6);
     for (int i = 0; i < 4; i++) {
+        if (a[i].m) { /* back on the ring after every restart */
+            ck_assert_int_eq(qm_client_ring_active(c, a[i].id), 1);
+            qm_client_map_release(c, a[i].m, &err);
+        }
         qm_client_session_close(c, a[i].id, &err);
         qm_client_string_free(a[i].id);
     }

@@ -6,6 +6,7 @@ with the same bits; a daemon that never comes back fails the call with the
 error it met once the window passes; reconnect=0 fails at once."""
 
 import logging
+import threading
 import time
 
 import numpy as np
@@ -81,6 +82,33 @@ def test_infer_outlives_a_daemon_restart(engine, fresh_daemon, workdir, bank, ca
     finally:
         d.stop()
         fresh_daemon.proc = d.proc  # the fixture stops what is left
+
+
+def test_a_call_noted_after_another_thread_reconnected_is_still_restored(engine, fresh_daemon,
+                                                                          workdir, bank):
+    """A layer call answered by the old daemon and noted only after another
+    thread has reconnected to the new one (the note comes after the answer,
+    outside the client's lock): the session's next call must still bring
+    it back. The note used to take the new connection for the one that
+    answered, so the new daemon's "no such session" looked final and every
+    later call failed until the next restart."""
+    c, sid, shm, call = engine
+    want = call(0)[0]
+    d = restart(fresh_daemon, workdir, bank)
+    try:
+        def other_thread():
+            with pytest.raises(QmoeError):
+                c.models()  # meets the broken connection
+            assert c.models()  # reconnects: the new daemon, without the session
+        t = threading.Thread(target=other_thread)
+        t.start()
+        t.join()
+        c.note_call(sid)  # the late note of the call the old daemon answered
+        assert np.array_equal(call(0)[0], want)
+        assert c.restores == 1
+    finally:
+        d.stop()
+        fresh_daemon.proc = d.proc
 
 
 def test_a_daemon_that_stays_away_fails_the_call_after_the_window(engine, fresh_daemon):

@@ -457,6 +457,9 @@ class Client:
         self._banks = {}   # model -> bank file to model.load again
         self._resume_lock = threading.Lock()
         self._lock = threading.Lock()
+        # Per thread: the connection (_conn_gen) whose daemon gave this
+        # thread's last answer, over the socket or a ring (note_call).
+        self._answered = threading.local()
         self._sock = None
         self._buf = bytearray()
         self._rbuf = bytearray(_RECV)
@@ -649,6 +652,7 @@ class Client:
                     if counts is not None:
                         m = counts.fullmatch(raw)
                         if m is not None and int(m.group(1)) == rid:
+                            self._answered.gen = self._conn_gen
                             return tuple(map(int, m.groups()[1:]))
                     if not raw.strip():
                         continue
@@ -661,6 +665,7 @@ class Client:
                     got = msg.get("id")
                     if got is not None and got != rid:
                         continue  # the answer to a request that timed out earlier
+                    self._answered.gen = self._conn_gen
                     if "error" in msg:
                         err = msg["error"] or {}
                         code = err.get("code", -32603)
@@ -784,7 +789,13 @@ class Client:
         kept = self._kept.get(session)
         if kept is None:
             return
-        kept.alive_on = self._conn_gen
+        # The connection that answered this thread's call, not the one there
+        # is now: another thread may have reconnected to a new daemon since,
+        # which lacks the session until it is restored (taking that one made
+        # its "no such session" look final: its calls failed until the next
+        # restart).
+        answered = getattr(self._answered, "gen", None)
+        kept.alive_on = answered if answered is not None else self._conn_gen
         if not kept.paged or self.reconnect <= 0 or self.warm_interval < 0:
             return
         now = time.monotonic()
@@ -1097,6 +1108,7 @@ class Client:
             try:
                 code, stats, field, reason = ring.call(req, layer, self._sock.fileno(),
                                                        self.timeout)
+                self._answered.gen = self._conn_gen  # the ring's: checked above
             except _ring.RingClosed as e:
                 self._rings.pop(session, None)
                 ring.close()
