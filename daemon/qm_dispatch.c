@@ -159,6 +159,7 @@ static void queue_request(const qm_method_ctx *mx, const qm_method_entry *e, qm_
     job->reply = r;
     job->slot = slot;
     job->peer_uid = qm_conn_peer(c)->uid;
+    job->conn_id = qm_conn_id(c);
     job->read_us = times.read_us;
     job->decode_us = times.decode_us;
     job->req = *req; /* moved: the frame no longer owns it */
@@ -215,7 +216,7 @@ static void handle_request(const qm_method_ctx *mx, qm_conn *c, qm_reply *r, siz
         return;
     }
     if (s)
-        qm_touches_add(qm_session_touches(s), qm_conn_id(c));
+        qm_reclaim_touch(s, qm_conn_id(c));
     if (route.kind == QM_ROUTE_ANSWER) {
         answer_with_handler(mx, peer, r, slot, req, &fds);
         qm_fds_close(&fds);

@@ -90,7 +90,8 @@ static int check_infer(const qm_session *s, const qm_params *p, qm_status *st)
 static int infer_admit(qm_job *job, qm_status *st)
 {
     qm_params *p = &job->req.params;
-    int rc = qm_shm_resolve(qm_session_maps(job->session), p, p->hidden.nbytes, &job->maps, st);
+    int rc = qm_shm_resolve(qm_session_maps(job->session), p, p->hidden.nbytes, job->conn_id,
+                            &job->maps, st);
     return rc < 0 ? rc : check_infer(job->session, p, st);
 }
 

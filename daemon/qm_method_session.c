@@ -543,7 +543,7 @@ static int session_map(qm_call *k, qm_status *st)
     if (rc < 0)
         return rc;
     m->id = qm_sessions_new_map_id(mx->sessions);
-    rc = qm_shm_set_add(qm_session_maps(s), m, mx->cfg->max_mapped_bytes, st);
+    rc = qm_shm_set_add(qm_session_maps(s), m, mx->cfg->max_mapped_bytes, qm_conn_id(k->conn), st);
     if (rc < 0) {
         qm_shm_unref(m);
         return rc;

@@ -65,6 +65,7 @@ static int telemetry_get(qm_call *k, qm_status *st)
     qm_jw_obj_begin(w);
     qm_jw_counters(w, mx->counters);
     qm_jw_member_u64(w, "sessions_reclaimed", mx->counters->sessions_reclaimed);
+    qm_jw_member_u64(w, "maps_reclaimed", mx->counters->maps_reclaimed);
     qm_jw_member_u64(w, "memory_pressure_events", mx->counters->memory_pressure_events);
     qm_jw_obj_end(w);
     qm_jw_key(w, "sessions");
@@ -219,6 +220,10 @@ static int metrics_text(const qm_method_ctx *mx, const qm_peer *c, qm_buf *b)
                      "session_orphan_timeout_s.\n# TYPE qmoed_sessions_reclaimed_total counter\n"
                      "qmoed_sessions_reclaimed_total %llu\n",
                   (unsigned long long)mx->counters->sessions_reclaimed);
+    qm_buf_printf(b, "# HELP qmoed_maps_reclaimed_total Maps unmapped after their connection "
+                     "had been closed for session_orphan_timeout_s.\n"
+                     "# TYPE qmoed_maps_reclaimed_total counter\nqmoed_maps_reclaimed_total %llu\n",
+                  (unsigned long long)mx->counters->maps_reclaimed);
     qm_buf_printf(b, "# HELP qmoed_memory_pressure_events_total Memory pressure events the "
                      "auto-budget watcher received.\n"
                      "# TYPE qmoed_memory_pressure_events_total counter\n"

@@ -64,6 +64,7 @@ struct qm_job {
     qm_reply *reply;
     size_t slot;
     uid_t peer_uid;           /* who sent it */
+    uint64_t conn_id;         /* the connection it came on (a ring call: the ring's) */
     qm_request req;   /* owned */
     qm_fds fds;       /* session.map's descriptor, owned (closed by qm_job_free) */
     qm_map_refs maps; /* the session's maps its tensors use (released by qm_job_free) */

@@ -1,6 +1,7 @@
 /* qm_reclaim.c - orphan reclaim: the timer that closes sessions orphaned
- * for session_orphan_timeout_s (qm_reclaim.h), and the marks it reads
- * (qm_touches.h) set where a session's use changes. Loop thread only. */
+ * for session_orphan_timeout_s and unmaps maps orphaned as long
+ * (qm_reclaim.h), and the marks it reads (qm_touches.h, qm_shm.h) set
+ * where a session's or a map's use changes. Loop thread only. */
 #include "qm_reclaim.h"
 
 #include <string.h>
@@ -23,6 +24,24 @@ static int is_due(qm_session *s, uint64_t now_us, uint64_t limit_us)
            now_us - t->orphaned_us >= limit_us;
 }
 
+/* A session not orphaned itself: its maps orphaned for the timeout are
+ * unmapped (an orphaned session's go with it, on its own clock). */
+static void reclaim_maps(qm_reclaim *rc, qm_session *s, uint64_t now_us, uint64_t limit)
+{
+    if (qm_session_touches(s)->orphaned_us)
+        return;
+    uint64_t bytes = 0;
+    size_t n = qm_shm_set_reclaim(qm_session_maps(s), now_us, limit, &bytes);
+    if (!n)
+        return;
+    qm_log(QM_LOG_NOTICE, "session %s: %zu map%s (%llu bytes) reclaimed: the connection that "
+           "last used %s closed %u s ago and none has since (session_orphan_timeout_s); the "
+           "session stays",
+           qm_session_id(s), n, n == 1 ? "" : "s", (unsigned long long)bytes,
+           n == 1 ? "it" : "them", rc->cfg->session_orphan_timeout_s);
+    rc->counters->maps_reclaimed += n;
+}
+
 size_t qm_reclaim_due(qm_reclaim *rc, uint64_t now_us)
 {
     uint64_t limit = timeout_us(rc);
@@ -31,8 +50,10 @@ size_t qm_reclaim_due(qm_reclaim *rc, uint64_t now_us)
         return 0;
     for (qm_session *s = rc->sessions->first, *next; s; s = next) {
         next = qm_session_next(s);
-        if (!is_due(s, now_us, limit))
+        if (!is_due(s, now_us, limit)) {
+            reclaim_maps(rc, s, now_us, limit);
             continue;
+        }
         const qm_touches *t = qm_session_touches(s);
         qm_log(QM_LOG_NOTICE, "session %s reclaimed: no open connection had used it for %llu s "
                "(session_orphan_timeout_s %u); model %s, uid %u, budget %llu and %u maps "
@@ -84,10 +105,13 @@ void qm_reclaim_arm(qm_reclaim *rc)
     for (qm_session *s = limit ? rc->sessions->first : NULL; s;
          s = qm_session_next(s)) {
         const qm_touches *t = qm_session_touches(s);
-        if (!t->orphaned_us || t->n || t->lost || qm_session_queued(s))
-            continue;
-        if (!first || t->orphaned_us + limit < first)
-            first = t->orphaned_us + limit;
+        uint64_t due = 0;
+        if (!t->orphaned_us)
+            due = qm_shm_set_next_due(qm_session_maps(s), limit);
+        else if (!t->n && !t->lost && !qm_session_queued(s))
+            due = t->orphaned_us + limit;
+        if (due && (!first || due < first))
+            first = due;
     }
     if (!first) {
         uv_timer_stop(&rc->timer);
@@ -118,10 +142,20 @@ void qm_reclaim_conn_closed(qm_reclaim *rc, uint64_t conn_id)
     int marked = 0;
     uint64_t now = qm_now_us();
     for (qm_session *s = rc->sessions->first; s; s = qm_session_next(s))
-        if (qm_touches_forget(qm_session_touches(s), conn_id))
+        if (qm_touches_forget(qm_session_touches(s), conn_id)) {
+            marked |= qm_shm_set_conn_closed(qm_session_maps(s), conn_id, now) > 0;
             marked |= mark(rc, s, now);
+        }
     if (marked)
         qm_reclaim_arm(rc);
+}
+
+void qm_reclaim_touch(qm_session *s, uint64_t conn_id)
+{
+    qm_touches *t = qm_session_touches(s);
+    if (t->orphaned_us)
+        qm_shm_set_restart_clocks(qm_session_maps(s), qm_now_us());
+    qm_touches_add(t, conn_id);
 }
 
 /* After a job of s was handed back: s newly orphaned, or orphaned before

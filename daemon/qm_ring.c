@@ -239,6 +239,7 @@ static void ring_take(qm_ring *r, uint32_t seq, int parked)
     job->session = r->session;
     qm_session_ref(r->session); /* the ring holds one: never the last */
     job->queue = qm_session_queue(r->session);
+    job->conn_id = r->conn_id; /* its maps are held by the ring's connection */
     job->req.method = QM_METHOD_SESSION_INFER;
     job->read_us = qm_now_us();
     qm_buf_init(&job->response);

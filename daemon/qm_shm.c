@@ -147,8 +147,11 @@ static int set_add(qm_shm_set *s, qm_shm_map *m, uint64_t max_bytes, qm_status *
     return 0;
 }
 
-int qm_shm_set_add(qm_shm_set *s, qm_shm_map *m, uint64_t max_bytes, qm_status *st)
+int qm_shm_set_add(qm_shm_set *s, qm_shm_map *m, uint64_t max_bytes, uint64_t conn_id,
+                   qm_status *st)
 {
+    m->holder = conn_id;
+    m->orphaned_us = 0;
     pthread_mutex_lock(&s->lock);
     int rc = set_add(s, m, max_bytes, st);
     pthread_mutex_unlock(&s->lock);
@@ -164,21 +167,27 @@ static qm_shm_map *set_find(const qm_shm_set *s, uint64_t id)
     return NULL;
 }
 
+/* Takes *pp off the list (the set's lock held): the list's reference is
+ * the caller's. */
+static qm_shm_map *set_unlink(qm_shm_set *s, qm_shm_map **pp)
+{
+    qm_shm_map *m = *pp;
+    *pp = m->next;
+    s->count--;
+    s->bytes -= m->bytes;
+    m->next = NULL;
+    return m;
+}
+
 int qm_shm_set_remove(qm_shm_set *s, uint64_t id, qm_status *st)
 {
     qm_shm_map *found = NULL;
     pthread_mutex_lock(&s->lock);
-    for (qm_shm_map **pp = &s->head; *pp; pp = &(*pp)->next) {
-        qm_shm_map *m = *pp;
-        if (m->id != id)
-            continue;
-        *pp = m->next;
-        s->count--;
-        s->bytes -= m->bytes;
-        m->next = NULL;
-        found = m;
-        break;
-    }
+    for (qm_shm_map **pp = &s->head; *pp; pp = &(*pp)->next)
+        if ((*pp)->id == id) {
+            found = set_unlink(s, pp);
+            break;
+        }
     pthread_mutex_unlock(&s->lock);
     if (found) {
         qm_shm_unref(found);
@@ -204,6 +213,66 @@ void qm_shm_set_release_all(qm_shm_set *s)
     }
 }
 
+size_t qm_shm_set_conn_closed(qm_shm_set *s, uint64_t conn_id, uint64_t now_us)
+{
+    size_t n = 0;
+    pthread_mutex_lock(&s->lock);
+    for (qm_shm_map *m = s->head; m; m = m->next)
+        if (m->holder == conn_id && !m->orphaned_us) {
+            m->orphaned_us = now_us ? now_us : 1;
+            n++;
+        }
+    pthread_mutex_unlock(&s->lock);
+    return n;
+}
+
+void qm_shm_set_restart_clocks(qm_shm_set *s, uint64_t now_us)
+{
+    pthread_mutex_lock(&s->lock);
+    for (qm_shm_map *m = s->head; m; m = m->next)
+        if (m->orphaned_us)
+            m->orphaned_us = now_us ? now_us : 1;
+    pthread_mutex_unlock(&s->lock);
+}
+
+uint64_t qm_shm_set_next_due(qm_shm_set *s, uint64_t limit_us)
+{
+    uint64_t first = 0;
+    pthread_mutex_lock(&s->lock);
+    for (qm_shm_map *m = s->head; m; m = m->next)
+        if (m->orphaned_us && (!first || m->orphaned_us + limit_us < first))
+            first = m->orphaned_us + limit_us;
+    pthread_mutex_unlock(&s->lock);
+    return first;
+}
+
+size_t qm_shm_set_reclaim(qm_shm_set *s, uint64_t now_us, uint64_t limit_us, uint64_t *bytes)
+{
+    qm_shm_map *due = NULL;
+    size_t n = 0;
+    pthread_mutex_lock(&s->lock);
+    for (qm_shm_map **pp = &s->head; *pp;) {
+        qm_shm_map *m = *pp;
+        if (!m->orphaned_us || now_us - m->orphaned_us < limit_us) {
+            pp = &m->next;
+            continue;
+        }
+        set_unlink(s, pp);
+        *bytes += m->bytes;
+        m->next = due;
+        due = m;
+        n++;
+    }
+    pthread_mutex_unlock(&s->lock);
+    while (due) { /* a job still using one keeps its memory until it is done */
+        qm_shm_map *m = due;
+        due = m->next;
+        m->next = NULL;
+        qm_shm_unref(m);
+    }
+    return n;
+}
+
 void qm_map_refs_release(qm_map_refs *refs)
 {
     for (int i = 0; i < refs->n; i++)
@@ -213,7 +282,7 @@ void qm_map_refs_release(qm_map_refs *refs)
 
 /* The map `id` of s with [offset, offset + n) inside it, referenced. */
 static int region(const qm_shm_set *s, uint64_t id, uint64_t offset, uint64_t n, const char *name,
-                  qm_map_refs *refs, uint8_t **out, qm_status *st)
+                  uint64_t conn_id, qm_map_refs *refs, uint8_t **out, qm_status *st)
 {
     char field[64];
     qm_shm_map *m = set_find(s, id);
@@ -233,19 +302,21 @@ static int region(const qm_shm_set *s, uint64_t id, uint64_t offset, uint64_t n,
     }
     if (refs->n == QM_SHM_JOB_MAPS)
         return qm_status_set(st, QM_EINTERNAL, "too many mapped tensors in one request");
+    m->holder = conn_id;
+    m->orphaned_us = 0;
     qm_shm_ref(m);
     refs->maps[refs->n++] = m;
     *out = m->base + offset;
     return 0;
 }
 
-static int resolve_tensor(const qm_shm_set *s, qm_tensor *t, const char *name, qm_map_refs *refs,
-                          qm_status *st)
+static int resolve_tensor(const qm_shm_set *s, qm_tensor *t, const char *name, uint64_t conn_id,
+                          qm_map_refs *refs, qm_status *st)
 {
     if (!t->mapped)
         return 0;
     uint8_t *p;
-    int rc = region(s, t->map, t->offset, t->nbytes, name, refs, &p, st);
+    int rc = region(s, t->map, t->offset, t->nbytes, name, conn_id, refs, &p, st);
     if (rc < 0)
         return rc;
     if (t->dtype == QM_WIRE_I32) {
@@ -272,7 +343,7 @@ static int overlaps(const uint8_t *a, uint64_t an, const qm_tensor *t)
 }
 
 static int resolve_locked(const qm_shm_set *s, qm_params *p, uint64_t out_bytes,
-                          qm_map_refs *refs, qm_status *st)
+                          uint64_t conn_id, qm_map_refs *refs, qm_status *st)
 {
     struct {
         qm_tensor *t;
@@ -285,10 +356,10 @@ static int resolve_locked(const qm_shm_set *s, qm_params *p, uint64_t out_bytes,
     int rc = 0;
     for (size_t i = 0; i < n_inputs && rc == 0; i++)
         if (inputs[i].t)
-            rc = resolve_tensor(s, inputs[i].t, inputs[i].name, refs, st);
+            rc = resolve_tensor(s, inputs[i].t, inputs[i].name, conn_id, refs, st);
     if (rc == 0 && p->has_output_to) {
-        rc = region(s, p->output_map, p->output_offset, out_bytes, "output_to", refs, &refs->output,
-                    st);
+        rc = region(s, p->output_map, p->output_offset, out_bytes, "output_to", conn_id, refs,
+                    &refs->output, st);
         for (size_t i = 0; i < n_inputs && rc == 0; i++)
             if (inputs[i].t && overlaps(refs->output, out_bytes, inputs[i].t))
                 refs->output_overlaps = 1;
@@ -303,12 +374,12 @@ static int resolve_locked(const qm_shm_set *s, qm_params *p, uint64_t out_bytes,
     return rc;
 }
 
-int qm_shm_resolve(qm_shm_set *s, qm_params *p, uint64_t out_bytes, qm_map_refs *refs,
-                   qm_status *st)
+int qm_shm_resolve(qm_shm_set *s, qm_params *p, uint64_t out_bytes, uint64_t conn_id,
+                   qm_map_refs *refs, qm_status *st)
 {
     memset(refs, 0, sizeof *refs);
     pthread_mutex_lock(&s->lock);
-    int rc = resolve_locked(s, p, out_bytes, refs, st);
+    int rc = resolve_locked(s, p, out_bytes, conn_id, refs, st);
     pthread_mutex_unlock(&s->lock);
     return rc;
 }

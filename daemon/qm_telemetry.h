@@ -57,9 +57,9 @@ typedef struct qm_counters {
     uint64_t auto_shrinks, auto_grows, auto_shrunk_bytes, auto_grown_bytes, auto_budget_bytes;
     qm_hist latency; /* session.infer end to end, microseconds */
     /* Daemon-wide only, outside the table: sessions the orphan reclaim
-     * closed (qm_reclaim.h); memory pressure events the watcher received
-     * (qm_pressure.h). */
-    uint64_t sessions_reclaimed;
+     * closed and maps it unmapped in sessions that lived on (qm_reclaim.h);
+     * memory pressure events the watcher received (qm_pressure.h). */
+    uint64_t sessions_reclaimed, maps_reclaimed;
     uint64_t memory_pressure_events;
 } qm_counters;
 

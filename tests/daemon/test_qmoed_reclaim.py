@@ -4,6 +4,10 @@ running, is closed after session_orphan_timeout_s as session.close would
 close it: its maps unmapped, its budget returned, a log line and the
 sessions_reclaimed counter. A client that comes back in time keeps it; a
 call still running holds it; timeout 0 keeps every session, as before.
+A map whose connection (the last to make or name it) closed is unmapped
+as long after in a session other connections keep (maps_reclaimed); a
+call naming it in time keeps it; an orphaned session's maps go with it,
+on its clock.
 
 The daemons here run with a 2 s timeout; each test waits a few seconds.
 """
@@ -20,6 +24,7 @@ import time
 import pytest
 
 from qmoed_harness import BUILD, Daemon, make_bank
+from qmoed_suite import H, Shm, hidden
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 PYCLIENT = os.path.join(HERE, "..", "..", "clients", "python")
@@ -157,6 +162,122 @@ def test_an_open_connection_that_touched_it_keeps_it_whoever_touched_last(daemon
     assert s is not None and s["orphaned_since"] is None, s
     owner.call("session.close", {"session": sid})
     owner.close()
+
+
+def maps_reclaimed(c):
+    return c.call("telemetry.get")["daemon"]["maps_reclaimed"]
+
+
+def mapped_call(c, sid, shm, T=2):
+    """A call whose input and output are in shm's map (its answer, or error)."""
+    shm.put(0, hidden(T).tobytes())
+    t = {"dtype": "f32", "shape": [T, H], "map": shm.id, "offset": 0}
+    return c.request("session.infer", {"session": sid, "layer": 0, "hidden": t,
+                                       "output_to": {"map": shm.id, "offset": T * H * 4}})
+
+
+# A client that maps 1 MiB into a session another client keeps, calls it
+# through its ring (every tensor mapped) and dies by SIGKILL.
+MAPS_AND_DIES = textwrap.dedent("""
+    import os, signal, sys
+    import numpy as np
+    sys.path.insert(0, sys.argv[2])
+    import qmoe_client
+    cl = qmoe_client.Client(sys.argv[1])
+    sid = sys.argv[3]
+    shm = cl.map(sid, 1 << 20)
+    x = shm.alloc((2, 64), "f32")
+    x.array[:] = np.random.default_rng(1).standard_normal((2, 64))
+    out = shm.alloc((2, 64), "f32")
+    cl.infer(sid, 0, x, output_to=out)
+    assert cl.ring_active(sid), "the call did not take the ring"
+    print("called", flush=True)
+    os.kill(os.getpid(), signal.SIGKILL)
+""")
+
+
+def test_a_dead_clients_maps_in_a_session_others_keep_are_reclaimed(daemon):
+    """Before, they stayed until the session closed: a session several
+    engines share filled up with the maps of clients long gone (a soak
+    found it at 256, the most a session may hold: session.map refused)."""
+    pid = daemon.proc.pid
+    owner = daemon.client()
+    sid = owner.call("session.create", {"model": "small"})["session"]
+    mine = Shm(owner, sid, 8192)
+    before = maps_reclaimed(owner)
+    p = subprocess.run([sys.executable, "-c", MAPS_AND_DIES, daemon.socket, PYCLIENT, sid],
+                       capture_output=True, text=True, timeout=60)
+    died_at = time.time()
+    assert p.returncode == -signal.SIGKILL and p.stdout.strip() == "called", p.stderr
+    assert mapped_regions(pid, "qmoe-map") == 1
+    deadline = died_at + TIMEOUT_S + 3
+    while mapped_regions(pid, "qmoe-map"):
+        assert time.time() < deadline, "the dead client's map is still mapped"
+        time.sleep(0.05)
+    assert time.time() - died_at >= TIMEOUT_S - 0.5  # not before its time
+    assert maps_reclaimed(owner) == before + 1
+    assert "qmoed_maps_reclaimed_total %d\n" % (before + 1) in owner.call("telemetry.metrics")["text"]
+    assert re.search(r"session %s: 1 map \(1048576 bytes\) reclaimed: the connection that last "
+                     r"used it closed 2 s ago" % sid, daemon.log_text())
+    # The session and the map of the client that keeps it are untouched,
+    # past the timeout too.
+    s = listed(owner, sid)
+    assert s is not None and s["orphaned_since"] is None, s
+    time.sleep(0.5)
+    assert "result" in mapped_call(owner, sid, mine)
+    assert maps_reclaimed(owner) == before + 1
+    owner.call("session.close", {"session": sid})
+    owner.close()
+
+
+def test_a_map_named_again_in_time_is_kept(daemon):
+    """A map whose connection closed is held again by the next connection
+    that names it (here a socket call): it stays past the first deadline."""
+    owner = daemon.client()
+    sid = owner.call("session.create", {"model": "small"})["session"]
+    other = daemon.client()
+    shm = Shm(other, sid, 8192)
+    other.close()
+    before = maps_reclaimed(owner)
+    time.sleep(TIMEOUT_S * 0.5)
+    assert "result" in mapped_call(owner, sid, shm)
+    time.sleep(TIMEOUT_S + 0.5)  # past the first deadline
+    assert "result" in mapped_call(owner, sid, shm)
+    assert maps_reclaimed(owner) == before
+    # Held by the owner's connection now: it goes once that one has gone
+    # and another keeps the session.
+    keeper = daemon.client()
+    keeper.call("session.plan", {"session": sid})
+    owner.close()
+    deadline = time.time() + TIMEOUT_S + 3
+    while maps_reclaimed(keeper) == before:
+        assert time.time() < deadline
+        time.sleep(0.05)
+    e = mapped_call(keeper, sid, shm)["error"]
+    assert e["code"] == -32001 and e["data"]["field"] == "hidden.map", e
+    keeper.call("session.close", {"session": sid})
+    keeper.close()
+
+
+def test_an_orphaned_sessions_maps_start_again_when_a_client_comes_back(daemon):
+    """The session and its map orphaned together; a client names the
+    session before its time: the map's clock starts again then, so the
+    client can still use it after the first deadline."""
+    c = daemon.client()
+    sid = c.call("session.create", {"model": "small"})["session"]
+    shm = Shm(c, sid, 8192)
+    c.close()
+    watcher = daemon.client()
+    before = maps_reclaimed(watcher)
+    time.sleep(TIMEOUT_S * 0.75)
+    back = daemon.client()
+    back.call("session.plan", {"session": sid})
+    time.sleep(TIMEOUT_S * 0.5)  # past the map's first deadline
+    assert "result" in mapped_call(back, sid, shm)
+    assert maps_reclaimed(watcher) == before
+    back.call("session.close", {"session": sid})
+    back.close()
+    watcher.close()
 
 
 # A client that starts one slow call (the experts of layer 1 paged in at
