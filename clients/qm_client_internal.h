@@ -103,6 +103,14 @@ uint64_t qm__client_generation(qm_client *c);
  * `rc` with *err as it was. */
 int qm__client_resume(qm_client *c, const char *session, uint64_t gen, int rc,
                       qm_client_error *err);
+/* A mapped call that failed because the daemon no longer holds its map
+ * (`rc` -32001 naming `<tensor>.map` while the session lives on: the
+ * daemon reclaimed it once the connection that last used it had been
+ * closed for session_orphan_timeout_s) with the id `failed_id`: the map is
+ * passed again from its kept memfd and its id rewritten (not when another
+ * thread did so meanwhile). 0: retry the call once; else `rc`. */
+int qm__client_map_again(qm_client *c, const char *session, const qm_client_map *m,
+                         uint64_t failed_id, int rc, const qm_client_error *err);
 /* After a successful layer call on `session`: notes the connection that
  * answered it (`answered_on`, 0: the handle's current one) and reads its
  * residency when the interval says so. */

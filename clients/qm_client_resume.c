@@ -676,3 +676,48 @@ int qm__client_resume(qm_client *c, const char *session, uint64_t gen, int rc,
     pthread_mutex_unlock(&c->resume.lock);
     return got == 0 ? 0 : rc;
 }
+
+int qm__client_map_again(qm_client *c, const char *session, const qm_client_map *m,
+                         uint64_t failed_id, int rc, const qm_client_error *err)
+{
+    size_t n = err ? strlen(err->field) : 0;
+    if (rc != QM__NOT_FOUND || !session || !m || n < 4 || strcmp(err->field + n - 4, ".map") != 0)
+        return rc;
+    pthread_mutex_lock(&c->resume.lock);
+    pthread_mutex_lock(&c->lock);
+    qm_client_map *kept_m = NULL;
+    int fd = -1;
+    const qm__kept *k = qm__find(c, session);
+    for (size_t i = 0; k && i < k->n_maps; i++)
+        if (k->maps[i].m == m && m->data == k->maps[i].data) {
+            kept_m = k->maps[i].m;
+            fd = fcntl(k->maps[i].fd, F_DUPFD_CLOEXEC, 3);
+            break;
+        }
+    pthread_mutex_unlock(&c->lock);
+    int got = rc;
+    if (kept_m && m->id != failed_id) {
+        got = 0; /* another thread passed it again meanwhile */
+    } else if (kept_m && fd >= 0) {
+        qm_cval *p = qm_cval_new(QM_CVAL_OBJECT), *r = NULL;
+        qm_client_error e = {0};
+        uint64_t id = 0;
+        if (!p || qm_cval_append(p, "session", qm_cval_new_string(session)) < 0 ||
+            qm_cval_append(p, "bytes", qm_cval_new_number((double)m->bytes)) < 0) {
+            qm_cval_free(p); /* out of memory: the call fails as it did */
+        } else if (qm__client_call_fd(c, "session.map", p, fd, &r, &e) == 0 &&
+                   qm_cval_get_u64(r, "map", &id) == 0) {
+            kept_m->id = id;
+            got = 0;
+            qm__say(c, "qmoed at %s no longer held map %llu of session %s (reclaimed: this "
+                    "handle's connection had been closed for a while); passed it again as map "
+                    "%llu, retrying the call",
+                    c->path, (unsigned long long)failed_id, session, (unsigned long long)id);
+        }
+        qm_cval_free(r);
+    }
+    if (fd >= 0)
+        close(fd);
+    pthread_mutex_unlock(&c->resume.lock);
+    return got;
+}

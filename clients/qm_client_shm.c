@@ -223,11 +223,18 @@ int qm_client_session_infer_mapped(qm_client *c, const qm_client_mapped_infer *q
                                    qm_client_infer_stats *stats, qm_client_error *err)
 {
     uint64_t gen = c ? qm__client_generation(c) : 0;
+    uint64_t map_id = q && q->map ? q->map->id : 0;
     qm__client_answered_on = 0;
     int rc = qm__infer_mapped_once(c, q, stats, err);
-    /* The map's id may have changed: the retry's request is written again. */
+    /* The map's id may have changed: the retry's request is written again.
+     * A map the daemon reclaimed (its connection long closed: found on the
+     * first try or on the retry after a reconnection) failed the call
+     * before it ran. */
     if (rc < 0 && c && q && qm__retry_safe(q) &&
         qm__client_resume(c, q->session, gen, rc, err) == 0)
+        rc = qm__infer_mapped_once(c, q, stats, err);
+    if (rc < 0 && c && q && q->map &&
+        qm__client_map_again(c, q->session, q->map, map_id, rc, err) == 0)
         rc = qm__infer_mapped_once(c, q, stats, err);
     if (rc == 0)
         qm__client_note_call(c, q->session, qm__client_answered_on);

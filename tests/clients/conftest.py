@@ -49,7 +49,7 @@ def bank(workdir):
 
 
 class Daemon:
-    def __init__(self, workdir, bank, name, with_model=True):
+    def __init__(self, workdir, bank, name, with_model=True, extra=()):
         self.dir = os.path.join(workdir, name)
         os.makedirs(self.dir, exist_ok=True)
         os.chmod(self.dir, 0o755)
@@ -62,7 +62,7 @@ class Daemon:
             + (["--model", "demo=" + bank] if with_model else [])
             + (["--allow-root"] if os.geteuid() == 0 else []) + [
              "--state-dir", os.path.join(self.dir, "state"), "--device-budget", "1GiB",
-             "--log-level", "info"],
+             "--log-level", "info"] + list(extra),
             stdout=self.log, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + 20
         while time.monotonic() < deadline:

@@ -23,6 +23,8 @@
 
 static char dir[256], sock[300], bank[300];
 static pid_t daemon_pid = -1;
+/* Settings (`--set K=V`) for the daemons spawned next, NULL-terminated. */
+static const char *spawn_sets[4];
 
 /* Starts qmoed on `at` (serving the demo bank as "demo" when `with_model`)
  * and waits until it listens; its pid. */
@@ -39,9 +41,13 @@ static pid_t spawn_qmoed(const char *at, int with_model)
         freopen(log, "a", stdout);
         dup2(fileno(stdout), 2);
         /* qmoed refuses to run as root unless told to (CI runs as root). */
-        char *argv[16] = {qmoed, "--socket", (char *)at, "--backend", "cpu", "--state-dir",
+        char *argv[24] = {qmoed, "--socket", (char *)at, "--backend", "cpu", "--state-dir",
                           state, "--device-budget", "1GiB"};
         int n = 9;
+        for (int i = 0; i < 3 && spawn_sets[i]; i++) {
+            argv[n++] = "--set";
+            argv[n++] = (char *)spawn_sets[i];
+        }
         if (with_model) {
             argv[n++] = "--model";
             argv[n++] = model;
@@ -704,6 +710,67 @@ START_TEST(test_a_session_outlives_a_daemon_restart)
 }
 END_TEST
 
+/* The daemon reclaims a map once the connection that last used it has been
+ * closed for session_orphan_timeout_s while its session lives on (another
+ * connection keeps it): here the handle's connection, closed for being
+ * idle (its calls on the socket: a connection with a call ring open is
+ * never idle-closed). The handle's next mapped call passes the map again
+ * from its kept memfd and gives the same bits (without that it would fail
+ * with "hidden.map N is not a map of this session"). */
+START_TEST(test_a_map_the_daemon_reclaimed_is_passed_again)
+{
+    char at[400];
+    pid_t d;
+    spawn_sets[0] = "idle_timeout_s=1";
+    spawn_sets[1] = "session_orphan_timeout_s=1";
+    qm_client *c = own_daemon(at, sizeof at, "map-again", &d);
+    spawn_sets[0] = spawn_sets[1] = NULL;
+    qm_client_set_ring(c, QM_CLIENT_RING_OFF);
+    qm_client_error err;
+    qm_client_reconnect o;
+    qm_client_get_reconnect(c, &o);
+    o.log = collect;
+    qm_client_set_reconnect(c, &o);
+    char *id = create_session(c, NULL, 0);
+    qm_client_map m;
+    ck_assert_int_eq(qm_client_map_create(c, id, 4096, &m, &err), 0);
+    float *x = m.data, want[HIDDEN];
+    int32_t *ids = (int32_t *)((char *)m.data + 256);
+    float *w = (float *)((char *)m.data + 320), *y = (float *)((char *)m.data + 384);
+    fill_hidden(x, 11);
+    ids[0] = 2, ids[1] = 5, w[0] = 0.5f, w[1] = 0.5f;
+    qm_client_infer_stats st;
+    ck_assert_int_eq(one_token(c, id, &m, 0, &st, &err), 0);
+    memcpy(want, y, sizeof want);
+    uint64_t first_id = m.id;
+    /* A second handle keeps the session, its connection never idle. */
+    qm_client *keeper = NULL;
+    ck_assert_int_eq(qm_client_open(&keeper, at, 30000, &err), 0);
+    for (int i = 0; i < 12; i++) { /* 3.6 s: past the idle close and the map's reclaim */
+        char params[200], *plan = NULL;
+        snprintf(params, sizeof params, "{\"session\":\"%s\"}", id);
+        ck_assert_msg(qm_client_call_json(keeper, "session.plan", params, 0, &plan, &err) == 0,
+                      "%s", err.reason);
+        qm_client_string_free(plan);
+        usleep(300000);
+    }
+    memset(y, 0, HIDDEN * sizeof(float));
+    ck_assert_msg(one_token(c, id, &m, 0, &st, &err) == 0, "%s", err.reason);
+    ck_assert(memcmp(y, want, sizeof want) == 0);
+    ck_assert_uint_ne(m.id, first_id);
+    ck_assert_msg(strstr(said, "no longer held map") != NULL, "%s", said);
+    /* The session never went: the reconnection found it ("the daemon
+     * still had it"), its map alone was passed again. */
+    ck_assert_ptr_nonnull(strstr(said, "the daemon still had it"));
+    qm_client_close(keeper);
+    qm_client_map_release(c, &m, &err);
+    qm_client_session_close(c, id, &err);
+    qm_client_string_free(id);
+    qm_client_close(c);
+    kill_qmoed(d);
+}
+END_TEST
+
 /* One handle, four threads, a session each (two of them with mapped calls,
  * through the call ring), calling across three SIGKILLs
  * and three graceful restarts (SIGTERM: the drain answers new requests
@@ -896,6 +963,7 @@ int main(void)
     tcase_add_test(restart, test_a_session_outlives_a_daemon_restart);
     tcase_add_test(restart, test_reconnection_off_fails_at_once);
     tcase_add_test(restart, test_threads_of_one_handle_each_bring_their_session_back);
+    tcase_add_test(restart, test_a_map_the_daemon_reclaimed_is_passed_again);
     suite_add_tcase(s, restart);
     SRunner *sr = srunner_create(s);
     srunner_run_all(sr, CK_NORMAL);

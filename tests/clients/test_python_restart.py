@@ -3,7 +3,9 @@ daemon restart"): a layer call that finds the daemon gone brings its session
 back (same id, its options, warm from its last plan, its maps passed again,
 the model loaded again from the bank the client knows) and is retried once,
 with the same bits; a daemon that never comes back fails the call with the
-error it met once the window passes; reconnect=0 fails at once."""
+error it met once the window passes; reconnect=0 fails at once. A map the
+daemon reclaimed while the session lived on (its connection long closed) is
+passed again and the call retried."""
 
 import logging
 import threading
@@ -143,3 +145,38 @@ def test_reconnect_off_fails_at_once(fresh_daemon, workdir, bank):
         c.close()
         d.stop()
         fresh_daemon.proc = d.proc
+
+
+def test_a_map_the_daemon_reclaimed_is_passed_again(workdir, bank, caplog):
+    """The daemon reclaims a map once the connection that last used it has
+    been closed for session_orphan_timeout_s while another connection keeps
+    its session: here the client's, closed for being idle (its calls on the
+    socket: a connection with a call ring open is never idle-closed). The
+    next call passes the map again and gives the same bits (without that it
+    failed with "hidden.map N is not a map of this session")."""
+    d = Daemon(workdir, bank, "map-again", extra=["--set", "idle_timeout_s=1", "--set",
+                                                  "session_orphan_timeout_s=1"])
+    try:
+        c = Client(d.socket, reconnect=20, warm_interval=-1)
+        c.ring_mode = "off"
+        sid = c.create_session("demo")["session"]
+        shm = c.map(sid, 1 << 16)
+        x, y = shm.alloc((2, HIDDEN), "f32"), shm.alloc((2, HIDDEN), "f32")
+        x.array[:] = np.random.default_rng(8).standard_normal((2, HIDDEN))
+        want = c.infer(sid, 0, x, output_to=y).output.copy()
+        first = shm.id
+        keeper = Client(d.socket, reconnect=0)
+        for _ in range(12):  # 3.6 s: past the idle close and the map's reclaim
+            keeper.plan(sid)
+            time.sleep(0.3)
+        assert keeper.call("telemetry.get")["daemon"]["maps_reclaimed"] == 1
+        caplog.set_level(logging.WARNING, logger="qmoe_client")
+        y.array[:] = 0
+        assert np.array_equal(c.infer(sid, 0, x, output_to=y).output, want)
+        assert shm.id != first
+        assert "no longer held map %d of session %s" % (first, sid) in caplog.text
+        keeper.close()
+        c.close_session(sid)
+        c.close()
+    finally:
+        d.stop()

@@ -934,19 +934,53 @@ class Client:
                 if _gone(e) or e.code == E_TIMEOUT:
                     raise
 
-    def _layer_call(self, session, fn):
+    def _layer_call(self, session, fn, maps=None):
         """fn() once, and once more when the daemon went away and the
-        session came back (restore)."""
+        session came back (restore), or when the daemon no longer held a
+        map the call named (`maps`: tensor name -> SharedMap) and it was
+        passed again."""
         gen = self.restores
         try:
-            r = fn()
+            try:
+                r = fn()
+            except QmoeError as e:
+                e._qmoe_generation = gen
+                if not self.restore(session, e):
+                    raise
+                r = fn()
         except QmoeError as e:
-            e._qmoe_generation = gen
-            if not self.restore(session, e):
+            if not self._map_again(session, e, maps):
                 raise
             r = fn()
         self.note_call(session)
         return r
+
+    def _map_again(self, session, cause, maps):
+        """A call failed because the daemon no longer holds one of its maps
+        (not_found naming `<tensor>.map` while the session lives on: the
+        daemon reclaimed it once the connection that last used it had been
+        closed for session_orphan_timeout_s, PROTOCOL.md "Lifecycle"): the
+        map is passed again from its kept memfd and its id rewritten. True:
+        retry the call once."""
+        field = cause.field or ""
+        if not (maps and cause.code == _NOT_FOUND and field.endswith(".map")):
+            return False
+        shm = maps.get(field[:-len(".map")])
+        if shm is None:
+            return False
+        failed_id = shm.id
+        with self._resume_lock:
+            kept = self._kept.get(session)
+            if kept is None or shm not in kept.maps or shm.fd is None or shm.mmap is None:
+                return False
+            if shm.id != failed_id:
+                return True  # another thread passed it again meanwhile
+            r = self.call("session.map", {"session": session, "bytes": shm.size}, fd=shm.fd)
+            shm.id = int(r["map"])
+        _log.warning("qmoed at %s no longer held map %s of session %s (reclaimed: this "
+                     "client's connection had been closed for a while); passed it again as map "
+                     "%d, retrying the call", self.path, failed_id, session, shm.id)
+        return True
 
     def resize_session(self, session, budget_bytes=None, budget=None):
         """session.resize: the session's new expert budget: bytes (an int),
@@ -1002,7 +1036,11 @@ class Client:
                     return {"stats": st, "_ring": True}
             return self.call("session.infer", p)
 
-        r = self._layer_call(session, once)
+        maps = {name: t.map for name, t in (
+            ("hidden", hidden), ("router_logits", router_logits), ("topk_ids", topk_ids),
+            ("topk_weights", topk_weights), ("output_to", output_to))
+            if isinstance(t, MappedTensor)}
+        r = self._layer_call(session, once, maps)
         if r.get("_ring"):
             output = output_to.array if (self.as_numpy and _np is not None) else output_to
             return InferResult(output, None, r["stats"])
