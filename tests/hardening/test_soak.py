@@ -448,7 +448,11 @@ class Soak:
                        auto_budget_shrink_percent=rng.randint(10, 40),
                        auto_budget_check_ms=rng.choice((50, 100, 200)),
                        auto_budget_grace_ms=rng.choice((0, 100)),
-                       idle_timeout_s=rng.choice((0, 60, 300)), frame_timeout_s=rng.choice((0, 30)),
+                       # never below the soak's length: the shared session's
+                       # creator idles throughout, and its connection is in the
+                       # baseline the end compares against
+                       idle_timeout_s=rng.choice((0, max(300, int(2 * SOAK_S)))),
+                       frame_timeout_s=rng.choice((0, 30)),
                        max_sessions=rng.choice((48, 64)), queue_depth=rng.choice((256, 1024)),
                        max_connections=rng.choice((128, 256)),
                        max_output_bytes=rng.choice((16 << 20, 64 << 20)))
