@@ -440,6 +440,18 @@ int qm_ring_open(qm_rings *rs, qm_session *s, qm_conn *c, int fd, int anticipate
 {
     const qm_method_ctx *mx = rs->mx;
     uint32_t max = mx->cfg->max_rings;
+    /* One ring per session and connection: a second session.ring on the
+     * same connection replaces the first (a client that lost track of it,
+     * or asks again, leaves no thread behind it, and a connection cannot
+     * take every ring of the daemon for one session). */
+    for (qm_ring *o = rs->head; o; o = o->next)
+        if (o->counted && o->session == s && o->conn_id == qm_conn_id(c)) {
+            qm_log(QM_LOG_INFO, "session %s: call ring %llu replaced: its connection %llu asked "
+                   "for another", qm_session_id(s), (unsigned long long)o->id,
+                   (unsigned long long)o->conn_id);
+            ring_stop(o, QM_RPC_CONFLICT, "the connection opened another call ring for the "
+                      "session (session.ring again): this one is closed");
+        }
     if (rs->open >= max) {
         close(fd);
         qm_limit_hit(mx->limits, QM_LIMIT_MAX_RINGS, "max_rings %u reached: refusing a ring", max);

@@ -585,6 +585,36 @@ def test_session_close_closes_its_ring_with_not_found(rdaemon):
     c.close()
 
 
+def test_a_second_ring_on_one_connection_replaces_the_first(rdaemon):
+    """One ring per session and connection: session.ring again on the same
+    connection closes the ring it had (conflict) and its thread ends, so a
+    connection cannot hold every ring of the daemon for one session (before,
+    64 session.ring calls took all of max_rings, 64 threads, and other
+    clients' rings were refused). Another connection's ring of the same
+    session stays."""
+    c, other = rdaemon.client(), rdaemon.client()
+    pid = rdaemon.proc.pid
+    assert wait_for(lambda: ring_threads(pid) == 0)  # the earlier tests' rings are gone
+    sid = new_session(c)
+    shm = Shm(c, sid, MAP_BYTES)
+    theirs = RawRing(other, sid)
+    first = RawRing(c, sid)
+    for _ in range(10):
+        last = RawRing(c, sid)
+    assert wait_for(lambda: ring_threads(pid) == 2), ring_threads(pid)
+    code, reason = first.ring.closed()
+    assert code == -32008 and "another call ring" in reason, (code, reason)
+    _, req = both(sid, 0, ("f32", 1, H, shm.id, 0), (shm.id, 4096))
+    shm.put(0, hidden(1).tobytes())
+    assert last.call(req)[0] == 0
+    assert theirs.call(req)[0] == 0
+    assert "call ring %d replaced" % first.result["ring"] in rdaemon.log_text()
+    c.call("session.close", {"session": sid})
+    assert wait_for(lambda: ring_threads(pid) == 0)
+    c.close()
+    other.close()
+
+
 def test_a_waiter_is_woken_with_not_found_when_the_model_is_unloaded(rdaemon, bigbank):
     admin = rdaemon.client()
     admin.call("model.load", {"name": "big2", "path": bigbank})
