@@ -496,6 +496,9 @@ static int session_list(qm_call *k, qm_status *st)
         qm_jw_key(w, "created_at");
         qm_jw_i64(w, qm_session_created_at(s));
         write_orphan_state(w, s, k->mx->cfg->session_orphan_timeout_s, now);
+        /* Its session.map maps (changed on this thread only). */
+        qm_jw_member_u64(w, "maps", qm_session_maps(s)->count);
+        qm_jw_member_u64(w, "mapped_bytes", qm_session_maps(s)->bytes);
         qm_jw_obj_end(w);
     }
     qm_jw_arr_end(w);

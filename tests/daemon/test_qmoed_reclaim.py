@@ -210,6 +210,8 @@ def test_a_dead_clients_maps_in_a_session_others_keep_are_reclaimed(daemon):
     died_at = time.time()
     assert p.returncode == -signal.SIGKILL and p.stdout.strip() == "called", p.stderr
     assert mapped_regions(pid, "qmoe-map") == 1
+    s = listed(owner, sid)
+    assert s["maps"] == 2 and s["mapped_bytes"] == 8192 + (1 << 20), s
     deadline = died_at + TIMEOUT_S + 3
     while mapped_regions(pid, "qmoe-map"):
         assert time.time() < deadline, "the dead client's map is still mapped"
@@ -223,6 +225,7 @@ def test_a_dead_clients_maps_in_a_session_others_keep_are_reclaimed(daemon):
     # past the timeout too.
     s = listed(owner, sid)
     assert s is not None and s["orphaned_since"] is None, s
+    assert s["maps"] == 1 and s["mapped_bytes"] == 8192, s
     time.sleep(0.5)
     assert "result" in mapped_call(owner, sid, mine)
     assert maps_reclaimed(owner) == before + 1
