@@ -27,7 +27,7 @@ never change an output bit); every wrong call fails with -32602 naming its
 field, and the session it named still serves; a garbage line gets a parse
 error and its connection still serves; a bystander connected throughout
 sees nothing. Afterwards the daemon is alive, every orphaned session is
-reclaimed, every routing trace recorded reads whole, the unloaded model's
+reclaimed, so is every map the workers left in the shared session, every routing trace recorded reads whole, the unloaded model's
 profile was saved, the device memory in use is what it was before the soak, the
 descriptors are exactly those, no thread more, RSS within 48 MiB of
 where it started, and it exits 0 (under the sanitizers: with no report). QMOE_SOAK_SEED replays a run (the
@@ -621,6 +621,12 @@ def test_soak_many_clients_at_once_bitwise_and_nothing_left_behind(backend, caps
         paged = re.findall(r"pages from disk: O_DIRECT reads of \S+ through (\S+),", dm.log_text())
         if backend == "cpu-threads" and paged:
             assert set(paged) == {"threads"}, set(paged)
+        # The workers' connections are closed and their creator never
+        # mapped: the maps they left in the shared session are reclaimed
+        # (they used to stay until the session closed: B26).
+        wait_for(lambda: "maps left in the shared session: %s" % watch.call("session.list"),
+                 lambda: [s["maps"] for s in watch.call("session.list")["sessions"]
+                          if s["session"] == soak.shared] == [0])
         soak.shared_client.close_session(soak.shared)  # its connection stays: in the baseline
         # Every session but the bystander's is gone (closed or reclaimed),
         # its memory with it.
