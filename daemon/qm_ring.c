@@ -441,18 +441,14 @@ int qm_ring_open(qm_rings *rs, qm_session *s, qm_conn *c, int fd, int anticipate
     const qm_method_ctx *mx = rs->mx;
     uint32_t max = mx->cfg->max_rings;
     /* One ring per session and connection: a second session.ring on the
-     * same connection replaces the first (a client that lost track of it,
-     * or asks again, leaves no thread behind it, and a connection cannot
-     * take every ring of the daemon for one session). */
+     * same connection replaces the first once the new one runs (a client
+     * that lost track of it, or asks again, leaves no thread behind it, and
+     * a connection cannot take every ring of the daemon for one session);
+     * the one it replaces does not count against max_rings. */
+    uint32_t replaced = 0;
     for (qm_ring *o = rs->head; o; o = o->next)
-        if (o->counted && o->session == s && o->conn_id == qm_conn_id(c)) {
-            qm_log(QM_LOG_INFO, "session %s: call ring %llu replaced: its connection %llu asked "
-                   "for another", qm_session_id(s), (unsigned long long)o->id,
-                   (unsigned long long)o->conn_id);
-            ring_stop(o, QM_RPC_CONFLICT, "the connection opened another call ring for the "
-                      "session (session.ring again): this one is closed");
-        }
-    if (rs->open >= max) {
+        replaced += o->counted && o->session == s && o->conn_id == qm_conn_id(c);
+    if (rs->open - replaced >= max) {
         close(fd);
         qm_limit_hit(mx->limits, QM_LIMIT_MAX_RINGS, "max_rings %u reached: refusing a ring", max);
         return qm_status_set(st, QM_ERESOURCE_EXHAUSTED,
@@ -481,6 +477,14 @@ int qm_ring_open(qm_rings *rs, qm_session *s, qm_conn *c, int fd, int anticipate
         qm_free(r);
         return rc;
     }
+    for (qm_ring *o = rs->head; replaced && o; o = o->next)
+        if (o->counted && o->session == s && o->conn_id == r->conn_id) {
+            qm_log(QM_LOG_INFO, "session %s: call ring %llu replaced: its connection %llu asked "
+                   "for another", qm_session_id(s), (unsigned long long)o->id,
+                   (unsigned long long)o->conn_id);
+            ring_stop(o, QM_RPC_CONFLICT, "the connection opened another call ring for the "
+                      "session (session.ring again): this one is closed");
+        }
     qm_session_ref(s);
     qm_conn_hold(c);
     r->id = ++rs->next_id;

@@ -12,6 +12,7 @@ killed mid-call leaves no thread behind, and an idle ring costs no CPU.
 The tests drive the region by hand (qmoe_client._ring's layout and waits)
 next to raw JSON lines on the socket, so both transports are seen as bytes.
 """
+import json
 import os
 import re
 import signal
@@ -609,6 +610,10 @@ def test_a_second_ring_on_one_connection_replaces_the_first(rdaemon):
     assert last.call(req)[0] == 0
     assert theirs.call(req)[0] == 0
     assert "call ring %d replaced" % first.result["ring"] in rdaemon.log_text()
+    # A session.ring that fails (no descriptor) replaces nothing.
+    e = err(request_fds(c, "session.ring", {"session": sid}, []))
+    assert e["code"] == -32602 and e["data"]["field"] == "fd", e
+    assert last.ring.closed() is None and last.call(req)[0] == 0
     c.call("session.close", {"session": sid})
     assert wait_for(lambda: ring_threads(pid) == 0)
     c.close()
@@ -902,6 +907,29 @@ def test_the_python_client_asks_for_anticipation_and_does_without_on_an_older_da
             cl.close()
         assert dm.log_text().count("(anticipating its calls)") == 1
         assert np.array_equal(outs[0].view(np.uint32), outs[1].view(np.uint32))
+    finally:
+        assert dm.stop() == 0, dm.log_text()
+
+
+def test_a_connection_at_max_rings_may_open_its_ring_again(banks):
+    """The ring a session.ring replaces does not count against max_rings:
+    at max_rings 1 the connection holding the one ring opens it again; a
+    ring of another connection is still refused."""
+    dm = Daemon(models={"small": banks["small"]}, args=["--set", "max_rings=1"])
+    try:
+        c, other = dm.client(), dm.client()
+        sid = new_session(c)
+        first = RawRing(c, sid)
+        again = RawRing(c, sid)
+        assert wait_for(lambda: first.ring.closed() is not None)
+        assert first.ring.closed()[0] == -32008 and again.ring.closed() is None
+        fd = memfd(_ring.RING_BYTES)
+        e = err(request_fds(other, "session.ring", {"session": sid}, [fd]))
+        os.close(fd)
+        assert e["code"] == -32003 and "max_rings" in e["message"] + json.dumps(e.get("data")), e
+        c.call("session.close", {"session": sid})
+        c.close()
+        other.close()
     finally:
         assert dm.stop() == 0, dm.log_text()
 
