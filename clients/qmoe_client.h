@@ -349,7 +349,12 @@ typedef struct qm_client_mapped_infer {
 /* session.infer with every tensor in the map and output_to it: on 0 the
  * output is in the map at output_offset; `stats` may be NULL. Through the
  * session's call ring when the handle has one (below), else the socket:
- * the same checks, errors, output bits and stats either way. */
+ * the same checks, errors, output bits and stats either way. A map the
+ * daemon no longer holds while the session lives on (it reclaims one whose
+ * connection has been closed for session_orphan_timeout_s while another
+ * connection keeps the session) is passed again from the memfd the handle
+ * keeps (with a reconnect window, below), its id rewritten in *req->map,
+ * and the call retried once. */
 int qm_client_session_infer_mapped(qm_client *c, const qm_client_mapped_infer *req,
                                    qm_client_infer_stats *stats, qm_client_error *err);
 
