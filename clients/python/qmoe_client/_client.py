@@ -740,7 +740,9 @@ class Client:
         """session.map: a new SharedMap of `nbytes` for `session`. The
         daemon holds its own mapping; ours is shm.mmap. The memfd stays open
         for a session this client would re-create after a restart (the map
-        is then passed again, its id rewritten)."""
+        is then passed again, its id rewritten), or whose map the daemon
+        reclaimed while the session lived on (the connection that last used
+        it closed long ago: passed again at the next call that names it)."""
         shm = SharedMap(nbytes)
         try:
             r = self.call("session.map", {"session": session, "bytes": shm.size}, fd=shm.fd)
