@@ -154,8 +154,12 @@ int qm_pager_record_trace(qm_pager *p, const char *path, int resume, qm_status *
     t->payload_off = QM__TRACE_HEADER + (uint64_t)meta_len;
     t->payload_off += (8 - t->payload_off % 8) % 8;
     if (qm_pwrite_all(t->fd, head, (size_t)t->payload_off, 0)) {
+        /* No header (a full disk): no file either, since one without a
+         * header is no trace and a replay of the directory would stumble
+         * on it (what it held before was truncated already). */
         int e = errno;
         qm__trace_free(t, p->n_layers);
+        unlink(path);
         return qm_status_set(st, QM_EIO, "cannot write trace %s: %s", path, strerror(e));
     }
     p->trace = t;

@@ -2,9 +2,11 @@
  * waves, the minimum budget, prefetch safety and gating, preloading. */
 #include <check.h>
 #include <fcntl.h>
+#include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/resource.h>
 #include <unistd.h>
 
 #include "paging_helpers.h"
@@ -895,6 +897,18 @@ START_TEST(test_recorded_trace_holds_each_tokens_routing_in_layer_order)
     ck_assert_uint_eq(tr.experts, 8);
     sim_trace_free(&tr);
     ck_assert_int_eq(qm_pager_record_trace(pg, "/nonexistent-qm-dir/t.qmtr", 0, &fixture.st), QM_EIO);
+    /* A trace whose header cannot be written (a full disk; here a file
+     * size limit) fails and leaves no file behind: a 0-byte .qmtr is no
+     * trace, and a replay of the state dir's traces stumbled on it. */
+    struct rlimit old_lim, small;
+    ck_assert_int_eq(getrlimit(RLIMIT_FSIZE, &old_lim), 0);
+    small = (struct rlimit){16, old_lim.rlim_max};
+    signal(SIGXFSZ, SIG_IGN);
+    ck_assert_int_eq(setrlimit(RLIMIT_FSIZE, &small), 0);
+    ck_assert_int_eq(qm_pager_record_trace(pg, path, 0, &fixture.st), QM_EIO);
+    ck_assert_int_eq(setrlimit(RLIMIT_FSIZE, &old_lim), 0);
+    ck_assert_msg(strstr(fixture.st.msg, "cannot write trace") != NULL, "%s", fixture.st.msg);
+    ck_assert_int_eq(access(path, F_OK), -1);
     qm_pager_free(pg);
     unlink(path);
     qm_plan_free(plan);
