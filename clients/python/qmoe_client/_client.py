@@ -942,6 +942,7 @@ class Client:
         map the call named (`maps`: tensor name -> SharedMap) and it was
         passed again."""
         gen = self.restores
+        ids = {name: shm.id for name, shm in (maps or {}).items()}  # as this call names them
         try:
             try:
                 r = fn()
@@ -951,26 +952,28 @@ class Client:
                     raise
                 r = fn()
         except QmoeError as e:
-            if not self._map_again(session, e, maps):
+            if not self._map_again(session, e, maps, ids):
                 raise
             r = fn()
         self.note_call(session)
         return r
 
-    def _map_again(self, session, cause, maps):
+    def _map_again(self, session, cause, maps, ids):
         """A call failed because the daemon no longer holds one of its maps
         (not_found naming `<tensor>.map` while the session lives on: the
         daemon reclaimed it once the connection that last used it had been
         closed for session_orphan_timeout_s, PROTOCOL.md "Lifecycle"): the
-        map is passed again from its kept memfd and its id rewritten. True:
-        retry the call once."""
+        map is passed again from its kept memfd and its id rewritten, unless
+        another thread did so since the call began (`ids`: the maps' ids
+        then). True: retry the call once."""
         field = cause.field or ""
         if not (maps and cause.code == _NOT_FOUND and field.endswith(".map")):
             return False
-        shm = maps.get(field[:-len(".map")])
+        name = field[:-len(".map")]
+        shm = maps.get(name)
         if shm is None:
             return False
-        failed_id = shm.id
+        failed_id = ids.get(name)
         with self._resume_lock:
             kept = self._kept.get(session)
             if kept is None or shm not in kept.maps or shm.fd is None or shm.mmap is None:
