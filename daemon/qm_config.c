@@ -62,6 +62,7 @@ void qm_config_defaults(qm_config *cfg)
     cfg->trace_capacity = 4096;
     cfg->session_workspace_bytes = 16ull << 20;
     cfg->max_mapped_bytes = 1ull << 30;
+    cfg->max_trace_bytes = 1ull << 30;
     cfg->max_rings = 64;
     cfg->session_orphan_timeout_s = 300;
     cfg->auto_budget_reserve = 256ull << 20;
@@ -329,6 +330,7 @@ static const key_def keys[] = {
     {"trace_capacity", K_U32, OFF(trace_capacity), 0, 16, 1u << 24},
     {"session_workspace_bytes", K_U64, OFF(session_workspace_bytes), 0, 0, UINT64_MAX},
     {"max_mapped_bytes", K_U64, OFF(max_mapped_bytes), 1, 0, UINT64_MAX},
+    {"max_trace_bytes", K_U64, OFF(max_trace_bytes), 1, 0, UINT64_MAX},
     {"max_rings", K_U32, OFF(max_rings), 1, 0, 4096},
     {"session_orphan_timeout_s", K_U32, OFF(session_orphan_timeout_s), 1, 0, 1u << 30},
     {"auto_budget_reserve", K_U64, OFF(auto_budget_reserve), 1, 0, UINT64_MAX},
@@ -606,7 +608,8 @@ static void usage(FILE *out)
             "  max_output_bytes queue_depth idle_timeout_s frame_timeout_s frames_per_wakeup\n"
             "  drain_timeout_s"
             " trace_capacity session_workspace_bytes max_mapped_bytes max_rings\n"
-            "  session_orphan_timeout_s auto_budget_reserve auto_budget_check_ms\n"
+            "  max_trace_bytes"
+            " session_orphan_timeout_s auto_budget_reserve auto_budget_check_ms\n"
             "  auto_budget_pressure_ms auto_budget_pressure_level (low|medium|critical|off)\n"
             "  auto_budget_shrink_percent auto_budget_grow_after_s auto_budget_grace_ms,\n"
             "  and \"models\": {NAME: PATH}.\n"

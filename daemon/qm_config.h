@@ -79,6 +79,7 @@ typedef struct qm_config {
     uint32_t trace_capacity;
     uint64_t session_workspace_bytes;
     uint64_t max_mapped_bytes; /* per session: bytes of its shared-memory maps */
+    uint64_t max_trace_bytes;  /* per routing trace file (record_trace, record_routing); 0 = none */
     uint32_t max_rings;        /* call rings open daemon-wide (each a thread) */
     /* An orphaned session (no open connection used it, nothing of it
      * queued) is closed after this long (qm_reclaim.h); 0 = never. */

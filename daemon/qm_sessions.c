@@ -687,8 +687,14 @@ static void log_trace(qm_session *s, int resumed)
     }
     qm_pager_stats ps;
     qm_session_stats(s, &ps);
-    qm_log(QM_LOG_INFO, "session %s goes on recording its routing to %s (%llu tokens there)",
-           s->id, s->trace_path, (unsigned long long)ps.trace_tokens);
+    if (ps.trace_full)
+        qm_log(QM_LOG_WARNING,
+               "session %s does not go on recording its routing to %s: the file is at "
+               "max_trace_bytes already (%llu tokens in it)",
+               s->id, s->trace_path, (unsigned long long)ps.trace_tokens);
+    else
+        qm_log(QM_LOG_INFO, "session %s goes on recording its routing to %s (%llu tokens there)",
+               s->id, s->trace_path, (unsigned long long)ps.trace_tokens);
 }
 
 int qm_session_build(const qm_sessions *ss, qm_session *s, qm_status *st)
@@ -712,15 +718,15 @@ int qm_session_build(const qm_sessions *ss, qm_session *s, qm_status *st)
         qm_status tst;
         qm_status_clear(&tst);
         int r = qm_multipager_record_trace(qm_expert_pool_pagers(s->pool), s->trace_path,
-                                           s->recreated, &tst);
+                                           s->recreated, ss->cfg->max_trace_bytes, &tst);
         if (r < 0)
             qm_log(QM_LOG_WARNING, "session %s does not record its routing (record_routing): %s",
                    s->id, tst.msg);
         else
             log_trace(s, r);
     } else if (rc == 0 && s->trace_path) {
-        rc = qm_multipager_record_trace(qm_expert_pool_pagers(s->pool), s->trace_path,
-                                        s->recreated, st);
+        rc = qm_multipager_record_trace(qm_expert_pool_pagers(s->pool), s->trace_path, s->recreated,
+                                        ss->cfg->max_trace_bytes, st);
         if (rc < 0) {
             if (st)
                 snprintf(st->field, sizeof st->field, "policy_params.record_trace");
@@ -967,6 +973,16 @@ const qm_pager_stats *qm_session_last_stats(const qm_session *s) { return &s->la
 
 void qm_session_note_stats(qm_session *s, const qm_pager_stats *now, qm_pager_stats *was)
 {
+    /* A recording that stopped says so once (inference went on). */
+    if (s->trace_path && now->trace_full > s->last_stats.trace_full)
+        qm_log(QM_LOG_WARNING,
+               "session %s stopped recording its routing to %s: the file reached max_trace_bytes "
+               "(%llu tokens in it)",
+               s->id, s->trace_path, (unsigned long long)now->trace_tokens);
+    else if (s->trace_path && now->trace_errors > s->last_stats.trace_errors)
+        qm_log(QM_LOG_WARNING,
+               "session %s stopped recording its routing to %s: a write failed (%llu tokens in it)",
+               s->id, s->trace_path, (unsigned long long)now->trace_tokens);
     if (was)
         *was = s->last_stats;
     s->last_stats = *now;

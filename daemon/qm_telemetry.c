@@ -205,6 +205,12 @@ static const metric_def metrics[] = {
      "Weight bytes of paged experts laid out in the fast decode GEMV's r8 layout after they "
      "landed and were reused, after session creation (fast sessions on the CPU).",
      1, COFF(bytes_interleaved_paged), {POFF(bytes_interleaved_paged), NO_STAT}},
+    {"routing_trace_tokens",
+     "Token rows written to routing traces (policy_params.record_trace, record_routing).", 1,
+     COFF(routing_trace_tokens), {POFF(trace_tokens), NO_STAT}},
+    {"routing_trace_stops",
+     "Routing recordings stopped: the file reached max_trace_bytes, or a write failed (logged).",
+     1, COFF(routing_trace_stops), {POFF(trace_full), POFF(trace_errors)}},
     {"auto_shrinks", "Times the memory watcher shrank an auto budget (pressure, or a limit "
      "leaving less than auto_budget_reserve).", 1, COFF(auto_shrinks), NOT_PAGED},
     {"auto_grows", "Times the memory watcher grew an auto budget back toward its auto size.", 1,

@@ -52,6 +52,9 @@ typedef struct qm_counters {
     uint64_t disk_busy_us, read_calls, reads_in_flight_sum, reads_in_flight_peak;
     /* Paged experts' weights laid out in the r8 layout after they landed. */
     uint64_t bytes_interleaved_paged;
+    /* Routing traces (record_trace, record_routing): token rows written,
+     * recordings stopped (a file at max_trace_bytes, a failed write). */
+    uint64_t routing_trace_tokens, routing_trace_stops;
     /* Auto budgets (qm_budget.h, qm_pressure.h): what the memory watcher
      * shrank and grew, and the auto budgets in force (a gauge). */
     uint64_t auto_shrinks, auto_grows, auto_shrunk_bytes, auto_grown_bytes, auto_budget_bytes;

@@ -205,6 +205,7 @@ typedef struct qm_pager_stats {
     uint64_t prefetch_trial_fetch_ns_per_token, prefetch_trial_held_ns_per_token;
     /* Routing trace (qm_pager_record_trace). */
     uint64_t trace_tokens, trace_dropped, trace_errors;
+    uint64_t trace_full; /* 1 once the recording stopped at its max_bytes */
     /* Hybrid execution (on_miss host/auto): accesses to non-resident
      * experts that ran on the host instead of being paged (counted in
      * neither hits nor misses), their rows, and the experts `auto` copied
@@ -349,7 +350,9 @@ int qm_pager_layer_is_paged(const qm_pager *pager, uint32_t layer);
  * come in order per token, as a decoder makes them (a prefill call of T
  * tokens adds T rows to its layer). The header's token count is kept
  * current, so the file is a valid trace at any moment. Recording never
- * fails inference: an I/O error stops it (trace_errors); rows of a layer
+ * fails inference: an I/O error stops it (trace_errors), and so does the
+ * file reaching `max_bytes` (0: no bound; trace_full set, the file a valid
+ * trace of the tokens that fit); rows of a layer
  * that runs more than 65536 tokens ahead of another are dropped
  * (trace_dropped). A second call replaces the recording. With `resume`, a
  * trace already at `path` of this bank's shape (layers, k, experts; no
@@ -357,7 +360,8 @@ int qm_pager_layer_is_paged(const qm_pager *pager, uint32_t layer);
  * last whole row its header counts cut off), trace_tokens starting at its
  * count, and 1 returned; any other file is replaced as without it. 0 when
  * a new trace was started; QM_EIO when the file cannot be created. */
-int qm_pager_record_trace(qm_pager *pager, const char *path, int resume, qm_status *st);
+int qm_pager_record_trace(qm_pager *pager, const char *path, int resume, uint64_t max_bytes,
+                          qm_status *st);
 
 /* The source in force: QM_PAGER_SOURCE_DIRECT or _MMAP. *why (may be NULL)
  * gets a sentence on what was asked and not done ("" when nothing): the

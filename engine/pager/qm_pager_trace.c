@@ -22,6 +22,7 @@ typedef struct qm__trace {
     uint32_t *head, *len; /* per layer */
     uint32_t cap;         /* rows per layer ring */
     int16_t *token;       /* one token's row: [layers][k] */
+    uint64_t max_bytes;   /* the file's bound (0: none) */
 } qm__trace;
 
 #define QM__TRACE_MAX_BEHIND 65536u
@@ -92,7 +93,15 @@ no:
     return -1;
 }
 
-int qm_pager_record_trace(qm_pager *p, const char *path, int resume, qm_status *st)
+/* Stops recording at the file's bound; the file stays a valid trace. */
+static void qm__trace_full(qm_pager *p)
+{
+    p->stats.trace_full = 1;
+    qm__pager_trace_close(p);
+}
+
+int qm_pager_record_trace(qm_pager *p, const char *path, int resume, uint64_t max_bytes,
+                          qm_status *st)
 {
     if (!p || !path)
         return qm_status_set(st, QM_EINVAL, "qm_pager_record_trace: NULL argument");
@@ -105,6 +114,8 @@ int qm_pager_record_trace(qm_pager *p, const char *path, int resume, qm_status *
     if (!t)
         return qm_status_set(st, QM_ENOMEM, "out of memory for the trace recorder");
     t->fd = -1;
+    t->max_bytes = max_bytes;
+    p->stats.trace_full = 0;
     /* Rings start small and grow up to QM__TRACE_MAX_BEHIND rows per layer. */
     t->cap = 64;
     t->rows = qm_calloc(p->n_layers, sizeof *t->rows);
@@ -122,6 +133,10 @@ int qm_pager_record_trace(qm_pager *p, const char *path, int resume, qm_status *
     if (resume && (t->fd = qm__trace_reopen(path, cfg, p->n_layers, &t->payload_off, &tokens)) >= 0) {
         p->trace = t;
         p->stats.trace_tokens = tokens;
+        /* Already at its bound: nothing more goes in. */
+        if (max_bytes && t->payload_off + (tokens + 1) * p->n_layers * cfg->k * sizeof(int16_t) >
+                             max_bytes)
+            qm__trace_full(p);
         return 1;
     }
     t->fd = open(path, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0600);
@@ -226,6 +241,10 @@ void qm__pager_trace_record(qm_pager *from, uint32_t layer, const uint32_t *rout
             t->len[l]--;
         }
         uint64_t off = t->payload_off + p->stats.trace_tokens * L * k * sizeof(int16_t);
+        if (t->max_bytes && off + (uint64_t)L * k * sizeof(int16_t) > t->max_bytes) {
+            qm__trace_full(p);
+            return;
+        }
         uint32_t n_tokens = (uint32_t)(p->stats.trace_tokens + 1);
         if (p->stats.trace_tokens + 1 > UINT32_MAX ||
             qm_pwrite_all(t->fd, t->token, (size_t)L * k * sizeof *t->token, off) ||

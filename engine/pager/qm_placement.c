@@ -294,7 +294,8 @@ int qm_multipager_resize(qm_multipager *mp, uint64_t budget, qm_status *st)
     return 0;
 }
 
-int qm_multipager_record_trace(qm_multipager *mp, const char *path, int resume, qm_status *st)
+int qm_multipager_record_trace(qm_multipager *mp, const char *path, int resume,
+                               uint64_t max_bytes, qm_status *st)
 {
     if (!mp)
         return qm_status_set(st, QM_EINVAL, "qm_multipager_record_trace: NULL argument");
@@ -305,7 +306,7 @@ int qm_multipager_record_trace(qm_multipager *mp, const char *path, int resume, 
         if (!p)
             continue;
         if (!owner) {
-            int rc = qm_pager_record_trace(p, path, resume, st);
+            int rc = qm_pager_record_trace(p, path, resume, max_bytes, st);
             if (rc < 0)
                 return rc;
             resumed = rc;

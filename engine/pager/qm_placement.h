@@ -75,8 +75,9 @@ int qm_multipager_resize(qm_multipager *mp, uint64_t budget, qm_status *st);
  * other device's routing goes to that recording), rows in token order
  * across the devices: the same file a one-device session of the same calls
  * writes. Its trace_* counters are the first device's (qm_multipager_stats).
- * `resume` and the result as qm_pager_record_trace's (1: a trace gone on with). */
-int qm_multipager_record_trace(qm_multipager *mp, const char *path, int resume, qm_status *st);
+ * `resume`, `max_bytes` and the result as qm_pager_record_trace's (1: a trace gone on with). */
+int qm_multipager_record_trace(qm_multipager *mp, const char *path, int resume,
+                               uint64_t max_bytes, qm_status *st);
 /* The pager of device d (NULL when it has no layers or d is out of range). */
 qm_pager *qm_multipager_pager(const qm_multipager *mp, uint32_t d);
 /* Counters summed over the devices (the model_* estimates: the first

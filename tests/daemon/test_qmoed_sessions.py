@@ -252,6 +252,56 @@ def test_record_routing_records_every_session_in_the_state_dir(banks):
         assert dm.stop() == 0
 
 
+def test_a_routing_trace_stops_at_max_trace_bytes(banks):
+    """A client's record_trace (and record_routing) cannot fill the state
+    dir's disk: the file stops at max_trace_bytes with the whole tokens
+    that fit, still a valid trace; the session goes on answering; the stop
+    is logged once and counted in telemetry."""
+    d = tempfile.mkdtemp(prefix="qmoed-state-")
+    state = os.path.join(d, "state")
+    os.mkdir(state)
+    # Rows start after the 40-byte header and the metadata naming the bank,
+    # padded to 8 (docs/TRACES.md); a token is 2 layers x k ids of 2 bytes.
+    meta = '{"generator":"qmoed","source":"session routing","bank":"%s"}' % os.path.basename(
+        banks["small"])
+    head = 40 + len(meta) + (8 - (40 + len(meta)) % 8) % 8
+    row = 2 * K * 2
+    dm = Daemon(models={"small": banks["small"]}, workdir=d,
+                args=["--state-dir", state, "--set", "max_trace_bytes=%d" % (head + 3 * row + 1)])
+    try:
+        c = dm.client()
+        sid = c.call("session.create", {"model": "small", "policy": "lru", "budget_bytes": 40000,
+                                        "policy_params": {"record_trace": "capped.qmtr"}})["session"]
+        path = os.path.join(state, "capped.qmtr")
+        routes = []
+        for i in range(6):
+            step = []
+            for layer in (0, 1):
+                r = c.call("session.infer", {"session": sid, "layer": layer,
+                                             "hidden": tensor(hidden(1, seed=40 + 10 * i + layer)),
+                                             "return_routing": True})
+                step.append(sorted(e for e, _ in r["routing"][0]))
+            routes.append(step)
+        tool = load_trace_tool()
+        tr = tool.read_trace(path)
+        assert (tr.tokens, tr.layers, tr.k) == (3, 2, K)
+        assert os.path.getsize(path) == head + 3 * row
+        for i in range(3):
+            for layer in (0, 1):
+                assert sorted(x for x in tr.row(i, layer) if x >= 0) == routes[i][layer], (i, layer)
+        t = c.call("telemetry.get")
+        s = next(x for x in t["sessions"] if x["session"] == sid)
+        assert s["routing_trace_tokens"] == 3 and s["routing_trace_stops"] == 1, s
+        assert t["daemon"]["routing_trace_tokens"] == 3, t["daemon"]
+        assert t["daemon"]["routing_trace_stops"] == 1, t["daemon"]
+        log = dm.log_text()
+        assert log.count("stopped recording its routing to") == 1, log[-2000:]
+        assert "max_trace_bytes" in log
+        c.call("session.close", {"session": sid})
+    finally:
+        assert dm.stop() == 0
+
+
 def test_a_session_re_created_after_a_restart_goes_on_with_its_traces(banks):
     """record_routing's routing-ID.qmtr and a session's own record_trace
     file: a session re-created under its id by the next daemon (as an

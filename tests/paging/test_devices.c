@@ -218,8 +218,8 @@ START_TEST(test_two_devices_record_the_trace_one_device_records)
         ck_assert_int_ge(fd, 0);
         close(fd);
     }
-    ck_assert_int_eq(qm_multipager_record_trace(mp, p2, 0, &fixture.st), 0);
-    ck_assert_int_eq(qm_pager_record_trace(one, p1, 0, &fixture.st), 0);
+    ck_assert_int_eq(qm_multipager_record_trace(mp, p2, 0, 0, &fixture.st), 0);
+    ck_assert_int_eq(qm_pager_record_trace(one, p1, 0, 0, &fixture.st), 0);
     const qm_bank_config *cfg = qm_bank_get_config(fixture.bank.bank);
     float out[8 * 64];
     for (size_t i = 0; i < set.n; i++) {

@@ -7,6 +7,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/resource.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include "paging_helpers.h"
@@ -793,6 +794,86 @@ START_TEST(test_budget_holding_every_expert_preloads_and_never_misses)
 }
 END_TEST
 
+/* A trace stops at its file's bound (max_trace_bytes: a client's
+ * record_trace must not fill the state dir's disk): the file holds the
+ * whole tokens that fit and stays a valid trace, inference goes on, and a
+ * trace gone on with that is at its bound already takes nothing more. */
+START_TEST(test_recorded_trace_stops_at_its_bound)
+{
+    qm_policy pol = {0};
+    ck_assert_int_eq(qm_policy_new("lru", NULL, &pol, &fixture.st), 0);
+    qm_residency_plan *plan;
+    qm_pager *pg =
+        lru_pager(&fixture.bank, fixture.cpu, &pol, 4 * unit_bytes(&fixture.bank), 1, &plan);
+    char path[] = "/tmp/qm_trace_test.XXXXXX";
+    int fd = mkstemp(path);
+    ck_assert_int_ge(fd, 0);
+    close(fd);
+    /* Unbounded first, to learn where rows start (3 layers x k 2 x 2 bytes
+     * = 12 bytes a token). */
+    ck_assert_int_eq(qm_pager_record_trace(pg, path, 0, 0, &fixture.st), 0);
+    struct stat sb;
+    ck_assert_int_eq(stat(path, &sb), 0);
+    const uint64_t head = (uint64_t)sb.st_size, row = 3 * 2 * sizeof(int16_t);
+    /* Room for 4 tokens and most of a fifth. */
+    ck_assert_int_eq(qm_pager_record_trace(pg, path, 0, head + 4 * row + row - 1, &fixture.st), 0);
+    uint64_t s = 7;
+    for (uint32_t t = 0; t < 7; t++)
+        for (uint32_t l = 0; l < 3; l++) {
+            uint32_t ex[2] = {(t + l) % 8, (t + l + 3) % 8};
+            call_experts(pg, &fixture.bank, l, ex, 2, &s);
+        }
+    qm_pager_stats ps;
+    qm_pager_stats_get(pg, &ps);
+    ck_assert_uint_eq(ps.trace_tokens, 4);
+    ck_assert_uint_eq(ps.trace_full, 1);
+    ck_assert_uint_eq(ps.trace_errors, 0);
+    ck_assert_int_eq(stat(path, &sb), 0);
+    ck_assert_uint_eq((uint64_t)sb.st_size, head + 4 * row);
+    sim_trace tr;
+    char err[256];
+    ck_assert_msg(sim_trace_load(path, &tr, err, sizeof err) == 0, "%s", err);
+    ck_assert_uint_eq(tr.tokens, 4);
+    for (uint32_t t = 0; t < 4; t++)
+        for (uint32_t l = 0; l < 3; l++) {
+            ck_assert_int_eq(tr.ids[(t * 3 + l) * 2], (int16_t)((t + l) % 8));
+            ck_assert_int_eq(tr.ids[(t * 3 + l) * 2 + 1], (int16_t)((t + l + 3) % 8));
+        }
+    sim_trace_free(&tr);
+    /* Gone on with under the same bound: full at once, the file as it was. */
+    ck_assert_int_eq(qm_pager_record_trace(pg, path, 1, head + 4 * row + row - 1, &fixture.st), 1);
+    qm_pager_stats_get(pg, &ps);
+    ck_assert_uint_eq(ps.trace_full, 1);
+    ck_assert_uint_eq(ps.trace_tokens, 4);
+    uint32_t ex[2] = {1, 2};
+    call_experts(pg, &fixture.bank, 0, ex, 2, &s);
+    call_experts(pg, &fixture.bank, 1, ex, 2, &s);
+    call_experts(pg, &fixture.bank, 2, ex, 2, &s);
+    ck_assert_int_eq(stat(path, &sb), 0);
+    ck_assert_uint_eq((uint64_t)sb.st_size, head + 4 * row);
+    /* A larger bound goes on: one more token. */
+    ck_assert_int_eq(qm_pager_record_trace(pg, path, 1, head + 5 * row, &fixture.st), 1);
+    qm_pager_stats_get(pg, &ps);
+    ck_assert_uint_eq(ps.trace_full, 0);
+    for (uint32_t l = 0; l < 3; l++)
+        call_experts(pg, &fixture.bank, l, ex, 2, &s);
+    qm_pager_stats_get(pg, &ps);
+    ck_assert_uint_eq(ps.trace_tokens, 5);
+    ck_assert_uint_eq(ps.trace_full, 0);
+    for (uint32_t l = 0; l < 3; l++)
+        call_experts(pg, &fixture.bank, l, ex, 2, &s);
+    qm_pager_stats_get(pg, &ps);
+    ck_assert_uint_eq(ps.trace_tokens, 5);
+    ck_assert_uint_eq(ps.trace_full, 1);
+    ck_assert_int_eq(stat(path, &sb), 0);
+    ck_assert_uint_eq((uint64_t)sb.st_size, head + 5 * row);
+    qm_pager_free(pg);
+    unlink(path);
+    qm_plan_free(plan);
+    qm_policy_destroy(&pol);
+}
+END_TEST
+
 START_TEST(test_recorded_trace_holds_each_tokens_routing_in_layer_order)
 {
     qm_policy pol = {0};
@@ -804,7 +885,7 @@ START_TEST(test_recorded_trace_holds_each_tokens_routing_in_layer_order)
     int fd = mkstemp(path);
     ck_assert_int_ge(fd, 0);
     close(fd);
-    ck_assert_int_eq(qm_pager_record_trace(pg, path, 0, &fixture.st), 0);
+    ck_assert_int_eq(qm_pager_record_trace(pg, path, 0, 0, &fixture.st), 0);
     uint64_t s = 1;
     /* Five decode tokens; token 2 of layer 1 has a single route (the other dropped). */
     int16_t want[10][3][2];
@@ -864,7 +945,7 @@ START_TEST(test_recorded_trace_holds_each_tokens_routing_in_layer_order)
     ck_assert_int_ge(fd, 0);
     ck_assert_int_eq(write(fd, "\x01\x02\x03", 3), 3);
     close(fd);
-    ck_assert_int_eq(qm_pager_record_trace(pg, path, 1, &fixture.st), 1);
+    ck_assert_int_eq(qm_pager_record_trace(pg, path, 1, 0, &fixture.st), 1);
     qm_pager_stats_get(pg, &ps);
     ck_assert_uint_eq(ps.trace_tokens, 8);
     for (uint32_t t = 8; t < 10; t++)
@@ -889,14 +970,14 @@ START_TEST(test_recorded_trace_holds_each_tokens_routing_in_layer_order)
     uint32_t experts16 = 16;
     ck_assert_int_eq(pwrite(fd, &experts16, 4, 24), 4);
     close(fd);
-    ck_assert_int_eq(qm_pager_record_trace(pg, path, 1, &fixture.st), 0);
+    ck_assert_int_eq(qm_pager_record_trace(pg, path, 1, 0, &fixture.st), 0);
     qm_pager_stats_get(pg, &ps);
     ck_assert_uint_eq(ps.trace_tokens, 0);
     ck_assert_msg(sim_trace_load(path, &tr, err, sizeof err) == 0, "%s", err);
     ck_assert_uint_eq(tr.tokens, 0);
     ck_assert_uint_eq(tr.experts, 8);
     sim_trace_free(&tr);
-    ck_assert_int_eq(qm_pager_record_trace(pg, "/nonexistent-qm-dir/t.qmtr", 0, &fixture.st), QM_EIO);
+    ck_assert_int_eq(qm_pager_record_trace(pg, "/nonexistent-qm-dir/t.qmtr", 0, 0, &fixture.st), QM_EIO);
     /* A trace whose header cannot be written (a full disk; here a file
      * size limit) fails and leaves no file behind: a 0-byte .qmtr is no
      * trace, and a replay of the state dir's traces stumbled on it. */
@@ -905,7 +986,7 @@ START_TEST(test_recorded_trace_holds_each_tokens_routing_in_layer_order)
     small = (struct rlimit){16, old_lim.rlim_max};
     signal(SIGXFSZ, SIG_IGN);
     ck_assert_int_eq(setrlimit(RLIMIT_FSIZE, &small), 0);
-    ck_assert_int_eq(qm_pager_record_trace(pg, path, 0, &fixture.st), QM_EIO);
+    ck_assert_int_eq(qm_pager_record_trace(pg, path, 0, 0, &fixture.st), QM_EIO);
     ck_assert_int_eq(setrlimit(RLIMIT_FSIZE, &old_lim), 0);
     ck_assert_msg(strstr(fixture.st.msg, "cannot write trace") != NULL, "%s", fixture.st.msg);
     ck_assert_int_eq(access(path, F_OK), -1);
@@ -1078,6 +1159,7 @@ END_TEST
 static void add_edge_tests(TCase *tc)
 {
     tcase_add_test(tc, test_recorded_trace_holds_each_tokens_routing_in_layer_order);
+    tcase_add_test(tc, test_recorded_trace_stops_at_its_bound);
     tcase_add_test(tc, test_budget_holding_every_expert_preloads_and_never_misses);
     tcase_add_test(tc, test_imprecise_router_prediction_is_switched_off);
     tcase_add_test(tc, test_policy_naming_an_expert_in_use_is_overruled);
