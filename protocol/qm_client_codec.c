@@ -225,7 +225,7 @@ int qm_cval_parse(const char *buf, size_t len, qm_cval **out, qm_status *st)
     cJSON *j = cJSON_ParseWithLengthOpts(buf, len, &end, 0);
     if (!j) {
         size_t at = end && end >= buf && end <= buf + len ? (size_t)(end - buf) : 0;
-        return qm_status_set(st, QM_EPARSE, "invalid JSON near byte %zu", at);
+        return qm_status_set(st, QM_EPARSE, "invalid JSON near byte %zu of %zu", at, len);
     }
     /* Only whitespace may follow the value. */
     for (const char *p = end; p && p < buf + len; p++) {

@@ -40,6 +40,39 @@ def test_tensor_codec_round_trips_and_checks_lengths():
         encode_tensor(np.zeros(3, dtype=np.float64))
 
 
+def test_an_unreadable_response_is_reported_with_where_it_broke(tmp_path):
+    """A line that is not JSON (a daemon's defect, or a stream out of step)
+    fails the call as bad_response naming its length and the bytes where
+    the parse stopped, and drops the connection."""
+    import socket
+    path = str(tmp_path / "fake.sock")
+    srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    srv.bind(path)
+    srv.listen(1)
+    broken = b'{"jsonrpc":"2.0","id":1,"result":{"a":1"b":2}}'
+
+    def serve():
+        conn, _ = srv.accept()
+        with conn:
+            conn.recv(4096)
+            conn.sendall(broken + b"\n")
+            conn.recv(4096)  # until the client hangs up
+
+    t = threading.Thread(target=serve)
+    t.start()
+    try:
+        c = Client(path, timeout=10, reconnect=0)
+        with pytest.raises(QmoeError) as e:
+            c.status()
+        assert e.value.name == "bad_response"
+        assert "%d bytes; at %d" % (len(broken), broken.index(b'"b"')) in e.value.reason, e.value.reason
+        assert '"a":1"b":2' in e.value.reason, e.value.reason
+        c.close()
+    finally:
+        t.join(10)
+        srv.close()
+
+
 def test_no_daemon_raises_daemon_not_running(tmp_path):
     with pytest.raises(DaemonNotRunning) as e:
         Client(str(tmp_path / "none.sock"))

@@ -420,6 +420,16 @@ def _budget_member(budget):
     raise TypeError('a budget is bytes (a whole number), "N%%" or "auto", not %r' % (budget,))
 
 
+def _excerpt(raw, e):
+    """Where a response line stopped being JSON: its length and the bytes
+    around the error's position, for the report (a daemon's defect or a
+    stream out of step)."""
+    pos = getattr(e, "pos", None)
+    if not isinstance(pos, int):
+        return " (%d bytes)" % len(raw)
+    return " (%d bytes; at %d: %r)" % (len(raw), pos, bytes(raw[max(0, pos - 48):pos + 48]))
+
+
 class Client:
     """One connection to qmoed. Calls are synchronous and bounded by
     `timeout` seconds; a Client may be shared between threads (calls are
@@ -659,7 +669,8 @@ class Client:
                     try:
                         msg = json.loads(raw)
                     except ValueError as e:
-                        raise QmoeError(E_PROTO, "bad_response", "unreadable response from qmoed: %s" % e)
+                        raise QmoeError(E_PROTO, "bad_response",
+                                        "unreadable response from qmoed: %s%s" % (e, _excerpt(raw, e)))
                     if not isinstance(msg, dict) or msg.get("jsonrpc") != "2.0":
                         raise QmoeError(E_PROTO, "bad_response", "response is not JSON-RPC 2.0")
                     got = msg.get("id")
