@@ -30,7 +30,7 @@ struct qm_bank {
     qm_bank_config cfg;
     qm_layer_view *layers;
     uint32_t *layer_map; /* qmoe.layer_map, NULL when absent */
-    char *source_json;   /* qmoe.source, NULL when absent */
+    char *source_json;   /* qmoe.source as one line of compact JSON, NULL when absent */
     char **warnings;
     size_t n_warnings;
     uint64_t expert_bytes_total;
@@ -235,11 +235,9 @@ static int parse_bank(qm_bank *b, qm_status *st)
         (rc = qm__config_from_metadata(h, &b->cfg, st)) != 0 ||
         (rc = qm__routing_from_metadata(h, &b->cfg, st)) != 0 ||
         (rc = qm__layer_map_from_metadata(h, b->cfg.layers, &b->layer_map, st)) != 0 ||
-        (rc = qm__source_check(h, st)) != 0 || (rc = build_layers(b, h, st)) != 0)
+        (rc = qm__source_check(h, &b->source_json, st)) != 0)
         goto done;
-    const char *source = qm_st_header_meta(h, "qmoe.source");
-    if (source && !(b->source_json = qm_strdup(source)))
-        rc = qm_status_set(st, QM_ENOMEM, "out of memory keeping qmoe.source");
+    rc = build_layers(b, h, st);
 done:
     qm_st_header_free(h);
     return rc;

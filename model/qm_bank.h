@@ -154,8 +154,10 @@ int qm_bank_check_file(const qm_bank *bank, qm_status *st);
  * strictly ascending), or NULL when the bank has no map (bank layer l is model
  * layer l). Borrowed, valid while the bank is open. */
 const uint32_t *qm_bank_layer_map(const qm_bank *bank);
-/* qmoe.source as written (a JSON object, checked at open), or NULL when
- * absent. Borrowed, valid while the bank is open. */
+/* qmoe.source (a JSON object, checked at open) as one line of compact
+ * JSON in well-formed UTF-8 (what the file holds may be pretty-printed;
+ * the daemon splices this into its answers), or NULL when absent.
+ * Borrowed, valid while the bank is open. */
 const char *qm_bank_source_json(const qm_bank *bank);
 /* Unknown tensors seen at open, as "name" strings. Borrowed. */
 const char *const *qm_bank_warnings(const qm_bank *bank, size_t *count);

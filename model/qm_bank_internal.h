@@ -30,11 +30,13 @@ int qm__check_layer_tensor(const qm_bank_config *cfg, const char *name, qm_bank_
 /* qm_bank_meta.c: the keys of imported banks. Routing keys into cfg->routing
  * (cfg's other fields already filled); layer map into *map (caller frees,
  * NULL when absent); qmoe.source checked to be a JSON object of the known
- * fields. QM_EINVALID_MODEL naming the key on any violation. */
+ * fields, and into *compact (caller frees, NULL when absent) as one line
+ * of compact JSON in well-formed UTF-8. QM_EINVALID_MODEL naming the key
+ * on any violation. */
 int qm__routing_from_metadata(const qm_st_header *h, qm_bank_config *cfg, qm_status *st);
 int qm__layer_map_from_metadata(const qm_st_header *h, uint32_t layers, uint32_t **map,
                                 qm_status *st);
-int qm__source_check(const qm_st_header *h, qm_status *st);
+int qm__source_check(const qm_st_header *h, char **compact, qm_status *st);
 void qm__format_shape(char *buf, size_t size, const uint64_t *shape, uint32_t ndim);
 
 /* qm_st_header.c: the scan every JSON text of an untrusted file gets before

@@ -14,6 +14,7 @@
 
 #include "qm_alloc.h"
 #include "qm_bank_internal.h"
+#include "qm_json.h"
 
 #define META_FAIL(st, ...) qm_status_set((st), QM_EINVALID_MODEL, __VA_ARGS__)
 
@@ -224,8 +225,36 @@ done:
 
 /* ---- qmoe.source ------------------------------------------------------------- */
 
-int qm__source_check(const qm_st_header *h, qm_status *st)
+/* cJSON's compact text with every byte that is not well-formed UTF-8 (in
+ * its strings: the structure is ASCII) as U+FFFD; NULL without memory. */
+static char *source_compact(const cJSON *j)
 {
+    char *text = cJSON_PrintUnformatted(j);
+    if (!text)
+        return NULL;
+    size_t n = strlen(text), o = 0;
+    char *out = qm_malloc(3 * n + 1);
+    for (size_t i = 0; out && i < n;) {
+        size_t ok = qm_utf8_valid_len((const unsigned char *)text + i, n - i);
+        if (ok) {
+            memcpy(out + o, text + i, ok);
+            o += ok;
+            i += ok;
+        } else {
+            memcpy(out + o, "\xef\xbf\xbd", 3);
+            o += 3;
+            i++;
+        }
+    }
+    if (out)
+        out[o] = '\0';
+    cJSON_free(text);
+    return out;
+}
+
+int qm__source_check(const qm_st_header *h, char **compact, qm_status *st)
+{
+    *compact = NULL;
     cJSON *j;
     int rc = meta_json(h, "qmoe.source", cJSON_IsObject, "a JSON object", &j, st);
     if (rc || !j)
@@ -264,6 +293,11 @@ int qm__source_check(const qm_st_header *h, qm_status *st)
         rc = META_FAIL(st, "__metadata__: qmoe.source.max_rel_err must be a finite number >= 0");
         goto done;
     }
+    /* Kept as the daemon splices it into answers: one line of JSON (the
+     * file's text may be pretty-printed, and a newline would end the
+     * answer's line) of well-formed UTF-8. */
+    if (!(*compact = source_compact(j)))
+        rc = qm_status_set(st, QM_ENOMEM, "out of memory keeping qmoe.source");
 done:
     cJSON_Delete(j);
     return rc;

@@ -55,6 +55,64 @@ def test_an_imported_banks_source_is_on_the_wire(daemon, tmp_path):
     c.call("model.unload", {"name": "mixtral"})
 
 
+def _with_header_meta(src, dst, key, value):
+    """A copy of bank `src` whose __metadata__[key] is the raw bytes
+    `value` (a JSON string's body: bytes a writer other than ours may
+    leave, invalid UTF-8 included)."""
+    with open(src, "rb") as f:
+        data = f.read()
+    hlen = int.from_bytes(data[:8], "little")
+    head = json.loads(data[8:8 + hlen])
+    head["__metadata__"][key] = "@@VALUE@@"
+    text = json.dumps(head, separators=(",", ":")).encode().replace(b"@@VALUE@@", value)
+    text += b" " * ((8 - len(text) % 8) % 8)
+    with open(dst, "wb") as f:
+        f.write(len(text).to_bytes(8, "little") + text + data[8 + hlen:])
+
+
+def test_a_banks_source_as_its_file_has_it_never_breaks_an_answer(daemon, banks, tmp_path):
+    """qmoe.source is spliced into model.load and model.list: a file whose
+    source JSON is pretty-printed (its newlines ended every answer's line
+    early, for every client listing models) or holds bytes that are not
+    UTF-8 (a reader that decodes first, Python's json, refused the answer)
+    is answered as one line of well-formed JSON."""
+    pretty = str(tmp_path / "pretty.bank")
+    _with_header_meta(banks["small"], pretty, "qmoe.source",
+                      b'{\\n  \\"format\\": \\"synthetic\\",\\n  \\"exact\\": true\\n}\\n')
+    latin = str(tmp_path / "latin.bank")
+    _with_header_meta(banks["small"], latin, "qmoe.source",
+                      b'{\\"format\\":\\"hf\\",\\"family\\":\\"caf\xe9 \xce\xb1\\"}')
+    c = daemon.client()
+    for name, path, want in (("pretty", pretty, {"format": "synthetic", "exact": True}),
+                             ("latin", latin, {"format": "hf", "family": "caf\ufffd \u03b1"})):
+        line = c.request("model.load", {"name": name, "path": path}, raw=True)
+        assert b"\n" not in line
+        m = json.loads(line.decode("utf-8"))["result"]
+        assert m["source"] == want, m
+        other = daemon.client()  # any client listing the models
+        listed = json.loads(other.request("model.list", raw=True).decode("utf-8"))["result"]
+        assert [x["source"] for x in listed["models"] if x["name"] == name] == [want]
+        other.close()
+        c.call("model.unload", {"name": name})
+
+
+def test_an_error_message_cut_inside_a_character_comes_back_well_formed(daemon):
+    """An error message quoting a client's string is cut at its buffer's
+    end, maybe inside a UTF-8 character: the answer is still well-formed
+    UTF-8 JSON naming the field, and the connection goes on. (A string
+    that is not UTF-8 at all is refused, naming it.)"""
+    c = daemon.client()
+    for path, code in ((b"/nonexistent/" + "\u03b1".encode() * 400, -32005),
+                       (b"/nonexistent/" + b"a" + "\u03b1".encode() * 400, -32005),
+                       (b"/nonexistent/caf\xe9.bank", -32602)):
+        c.send_raw(b'{"jsonrpc":"2.0","id":7,"method":"model.load","params":'
+                   b'{"name":"x","path":"' + path + b'"}}\n')
+        e = json.loads(c.read_line().decode("utf-8"))
+        assert e["id"] == 7 and e["error"]["code"] == code, e
+        assert e["error"]["data"]["field"] == "path", e
+    assert c.call("daemon.status")["models"] == 1
+
+
 def test_daemon_status_lists_the_families_the_importers_know(daemon):
     """The families an engine's adapter asks for are the importers' table,
     walked: `qmoe-bank import --families` and daemon.status agree."""

@@ -1,9 +1,14 @@
-/* fuzz_bank_open.c - libFuzzer over qm_bank_open_memory and the catalogs. */
+/* fuzz_bank_open.c - libFuzzer over qm_bank_open_memory and the catalogs.
+ * A bank's qmoe.source, which the daemon splices into its answers, must
+ * come out as one line of JSON in well-formed UTF-8 whatever the file
+ * holds. */
+#include <cjson/cJSON.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "qm_bank.h"
+#include "qm_json.h"
 #include "qm_residency.h"
 
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
@@ -17,6 +22,17 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
     qm_status st;
     if (qm_bank_open_memory(buf, size, &bank, &st) == 0) {
         const qm_bank_config *c = qm_bank_get_config(bank);
+        const char *src = qm_bank_source_json(bank);
+        for (size_t i = 0, n = src ? strlen(src) : 0; i < n;) {
+            size_t k = qm_utf8_valid_len((const unsigned char *)src + i, n - i);
+            if (!k || src[i] == '\n')
+                abort();
+            i += k;
+        }
+        cJSON *sj = src ? cJSON_Parse(src) : NULL;
+        if (src && !cJSON_IsObject(sj))
+            abort();
+        cJSON_Delete(sj);
         volatile uint8_t sink = 0;
         for (uint32_t l = 0; l < c->layers; l++) {
             const qm_layer_view *lv = qm_bank_layer(bank, l);

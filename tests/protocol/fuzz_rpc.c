@@ -11,11 +11,32 @@
  * hit counts count as new features, and ran at ~500 exec/s.
  *
  * The framer's cap is above the decoder's and both are below libFuzzer's
- * default max_len (4096), so both "too large" paths are reachable. */
+ * default max_len (4096), so both "too large" paths are reachable.
+ *
+ * Every answer must be what any client reads: one line (no raw newline) of
+ * JSON that parses, in well-formed UTF-8 (an error message quotes the
+ * peer's bytes, and may be cut inside a character). */
+#include <cjson/cJSON.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
+#include "qm_json.h"
 #include "qm_protocol.h"
+
+static void check_answer(const qm_buf *out)
+{
+    for (size_t i = 0; i < out->len;) {
+        size_t n = qm_utf8_valid_len((const unsigned char *)out->data + i, out->len - i);
+        if (!n || out->data[i] == '\n')
+            abort();
+        i += n;
+    }
+    cJSON *j = cJSON_ParseWithLength(out->data, out->len);
+    if (!j)
+        abort();
+    cJSON_Delete(j);
+}
 
 #define MAX_FRAMES 16
 
@@ -57,6 +78,8 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
                 } else {
                     qm_rpc_error(&w, it->req.id, it->rpc_code, it->status.msg, it->status.field);
                 }
+                if (!out.oom)
+                    check_answer(&out);
             }
             qm_rpc_frame_free(&frame);
         }

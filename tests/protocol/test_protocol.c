@@ -806,6 +806,52 @@ START_TEST(test_escape_into_a_bounded_string_never_cuts_an_escape)
 }
 END_TEST
 
+/* Whatever bytes a string holds (a status message vsnprintf cut inside a
+ * character, a bank's metadata, a peer's string), the writer's output is
+ * well-formed UTF-8: a reader that decodes it first (Python's json) takes
+ * it. Well-formed sequences pass as they are; every byte of an ill-formed
+ * one becomes \ufffd. */
+START_TEST(test_escape_writes_well_formed_utf8_whatever_came_in)
+{
+    static const struct {
+        const char *in, *out;
+    } cases[] = {
+        {"caf\xc3\xa9 \xe2\x82\xac \xf0\x9f\x98\x80", "caf\xc3\xa9 \xe2\x82\xac \xf0\x9f\x98\x80"},
+        {"a\xff" "b", "a\\ufffdb"},                       /* never a byte of UTF-8 */
+        {"\xc0\xaf", "\\ufffd\\ufffd"},                   /* overlong '/' */
+        {"\xe0\x80\xaf", "\\ufffd\\ufffd\\ufffd"},        /* overlong, 3 bytes */
+        {"\xed\xa0\x80", "\\ufffd\\ufffd\\ufffd"},        /* a UTF-16 surrogate */
+        {"\xf4\x90\x80\x80", "\\ufffd\\ufffd\\ufffd\\ufffd"}, /* past U+10FFFF */
+        {"\xf5\x80", "\\ufffd\\ufffd"},
+        {"\x80x", "\\ufffdx"},                            /* a lone continuation */
+        {"ab\xe2\x82", "ab\\ufffd\\ufffd"},               /* cut short at the end */
+        {"\xe2\x82" "a", "\\ufffd\\ufffda"},              /* cut short before ASCII */
+        {"\xf0\x9f\x98\x80\xf0\x9f", "\xf0\x9f\x98\x80\\ufffd\\ufffd"},
+    };
+    char out[64];
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+        qm_json_escape_str(cases[i].in, out, sizeof out);
+        ck_assert_msg(strcmp(out, cases[i].out) == 0, "case %zu: got \"%s\"", i, out);
+    }
+    /* A bounded copy cuts between characters, never inside one. */
+    ck_assert_uint_eq(qm_json_escape_str("abc\xe2\x82\xac", out, 6), 6);
+    ck_assert_str_eq(out, "abc");
+    ck_assert_uint_eq(qm_json_escape_str("ab\xe2\x82\xac", out, 6), 5);
+    ck_assert_str_eq(out, "ab\xe2\x82\xac");
+    /* Through the writer, as every answer is made. */
+    qm_buf b;
+    qm_buf_init(&b);
+    qm_jw w;
+    qm_jw_init(&w, &b);
+    qm_jw_obj_begin(&w);
+    qm_jw_member_str(&w, "reason", "cannot open /m/\xce\xb1\xce");
+    qm_jw_obj_end(&w);
+    qm_buf_append(&b, "", 1);
+    ck_assert_str_eq(b.data, "{\"reason\":\"cannot open /m/\xce\xb1\\ufffd\"}");
+    qm_buf_free(&b);
+}
+END_TEST
+
 START_TEST(test_writer_members_are_a_key_and_its_value)
 {
     qm_buf b;
@@ -1019,6 +1065,7 @@ static Suite *protocol_suite(void)
     tcase_add_test(tc, test_base64_round_trips_every_length);
     tcase_add_test(tc, test_writer_places_commas_and_escapes);
     tcase_add_test(tc, test_escape_into_a_bounded_string_never_cuts_an_escape);
+    tcase_add_test(tc, test_escape_writes_well_formed_utf8_whatever_came_in);
     tcase_add_test(tc, test_writer_members_are_a_key_and_its_value);
     tcase_add_test(tc, test_error_response_has_code_message_reason_and_field);
     tcase_add_test(tc, test_status_codes_map_to_protocol_codes);
