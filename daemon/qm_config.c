@@ -321,6 +321,8 @@ static const key_def keys[] = {
     {"max_batch", K_U32, OFF(max_batch), 1, 1, 1u << 20},
     {"max_connections", K_U32, OFF(max_connections), 1, 1, 1u << 20},
     {"max_sessions", K_U32, OFF(max_sessions), 1, 1, 1u << 20},
+    {"max_connections_per_uid", K_U32, OFF(max_connections_per_uid), 1, 0, 1u << 20},
+    {"max_sessions_per_uid", K_U32, OFF(max_sessions_per_uid), 1, 0, 1u << 20},
     {"max_output_bytes", K_U64, OFF(max_output_bytes), 1, 4096, UINT64_MAX},
     {"queue_depth", K_U32, OFF(queue_depth), 1, 1, 1u << 24},
     {"idle_timeout_s", K_U32, OFF(idle_timeout_s), 1, 0, 1u << 30},
@@ -605,6 +607,7 @@ static void usage(FILE *out)
             "  warm_from_profile (true|false) state_dir threads workers admin_group\n"
             "  user allow_root model_dirs (a list; --set model_dirs=DIR:DIR)\n"
             "  log_level max_request_bytes max_nesting max_batch max_connections max_sessions\n"
+            "  max_connections_per_uid max_sessions_per_uid\n"
             "  max_output_bytes queue_depth idle_timeout_s frame_timeout_s frames_per_wakeup\n"
             "  drain_timeout_s"
             " trace_capacity session_workspace_bytes max_mapped_bytes max_rings\n"

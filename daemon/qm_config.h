@@ -70,6 +70,8 @@ typedef struct qm_config {
     uint32_t max_batch;
     uint32_t max_connections;
     uint32_t max_sessions;
+    uint32_t max_connections_per_uid; /* 0 = no bound but max_connections */
+    uint32_t max_sessions_per_uid;    /* 0 = no bound but max_sessions */
     uint64_t max_output_bytes; /* per connection: reads pause above it */
     uint32_t queue_depth;      /* jobs queued daemon-wide */
     uint32_t idle_timeout_s;   /* 0 = never */

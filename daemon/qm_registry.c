@@ -28,6 +28,7 @@ void qm_registry_free(qm_registry *r)
     if (!r)
         return;
     qm_sessions_close_model(&r->sessions, NULL);
+    qm_sessions_free_owners(&r->sessions);
     qm_models_free(&r->models);
     qm_free(r);
 }

@@ -569,6 +569,24 @@ void qm__server_on_connection(uv_stream_t *server, int status)
         conn_fatal(c, QM_RPC_RESOURCE_EXHAUSTED, reason);
         return;
     }
+    /* One uid may not take every slot from the others. */
+    if (cfg->max_connections_per_uid) {
+        uint32_t mine = 0;
+        for (qm_conn *o = sv->conns; o; o = o->next)
+            mine += !o->closing && !o->drop && !o->close_after_write &&
+                    o->peer.uid == c->peer.uid;
+        if (mine > cfg->max_connections_per_uid) {
+            qm_limit_hit(sv->host.limits, QM_LIMIT_MAX_CONNECTIONS_PER_UID,
+                         "max_connections_per_uid %u reached: refusing another of uid %u",
+                         cfg->max_connections_per_uid, (unsigned)c->peer.uid);
+            char reason[112];
+            snprintf(reason, sizeof reason,
+                     "max_connections_per_uid %u reached for uid %u; close one first",
+                     cfg->max_connections_per_uid, (unsigned)c->peer.uid);
+            conn_fatal(c, QM_RPC_RESOURCE_EXHAUSTED, reason);
+            return;
+        }
+    }
     conn_update_reading(c);
 }
 

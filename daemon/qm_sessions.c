@@ -128,12 +128,38 @@ static void session_release_admission(qm_sessions *ss, qm_session *s)
         ss->devices->dev[i].admitted -= s->device_admitted[i];
 }
 
+/* The sessions of `uid` (0 when none), a slot made for it when `make`
+ * (NULL without memory). */
+static uint32_t *owner_count(qm_sessions *ss, uid_t uid, int make)
+{
+    for (size_t i = 0; i < ss->n_owners; i++)
+        if (ss->owners[i].uid == uid)
+            return &ss->owners[i].n;
+    if (!make)
+        return NULL;
+    struct qm_sessions_owner *o =
+        qm_realloc(ss->owners, (ss->n_owners + 1) * sizeof *ss->owners);
+    if (!o)
+        return NULL;
+    ss->owners = o;
+    o[ss->n_owners] = (struct qm_sessions_owner){.uid = uid, .n = 0};
+    return &o[ss->n_owners++].n;
+}
+
+static void owner_less(qm_sessions *ss, uid_t uid)
+{
+    uint32_t *n = owner_count(ss, uid, 0);
+    if (n && *n)
+        (*n)--;
+}
+
 void qm_session_close(qm_sessions *ss, qm_session *s)
 {
     for (qm_session **pp = &ss->first; *pp; pp = &(*pp)->next) {
         if (*pp == s) {
             *pp = s->next;
             ss->n--;
+            owner_less(ss, s->owner_uid);
             session_release_admission(ss, s);
             atomic_store(&s->closed, 1);
             s->next = NULL;
@@ -590,12 +616,39 @@ static void choose_profile_warm(const qm_sessions *ss, const qm_model *m,
     qm_free(layers);
 }
 
+/* One uid may not take every session from the others. */
+static int check_owner(qm_sessions *ss, uid_t owner, qm_status *st)
+{
+    uint32_t cap = ss->cfg->max_sessions_per_uid;
+    const uint32_t *n = owner_count(ss, owner, 0);
+    if (!cap || !n || *n < cap)
+        return 0;
+    qm_limit_hit(ss->limits, QM_LIMIT_MAX_SESSIONS_PER_UID,
+                 "max_sessions_per_uid %u reached by uid %u", cap, (unsigned)owner);
+    return qm_status_set(st, QM_ERESOURCE_EXHAUSTED,
+                         "max_sessions_per_uid %u reached for uid %u; close one of its sessions "
+                         "first",
+                         cap, (unsigned)owner);
+}
+
+void qm_sessions_free_owners(qm_sessions *ss)
+{
+    qm_free(ss->owners);
+    ss->owners = NULL;
+    ss->n_owners = 0;
+}
+
 int qm_session_prepare(qm_sessions *ss, const qm_models *ms, const qm_session_spec *spec,
                        uid_t owner, qm_session **out, qm_status *st)
 {
     qm_model *m = NULL;
     qm_session *s = NULL;
+    uint32_t *mine = owner_count(ss, owner, 1);
+    if (!mine)
+        return qm_status_set(st, QM_ENOMEM, "out of memory");
     int rc = check_create(ss, ms, spec, &m, st);
+    if (rc == 0)
+        rc = check_owner(ss, owner, st);
     if (rc == 0)
         rc = session_new(ss, m, spec, owner, &s, st);
     if (rc < 0)
@@ -628,6 +681,7 @@ int qm_session_prepare(qm_sessions *ss, const qm_models *ms, const qm_session_sp
      * budget while their pagers are built off the loop thread. */
     atomic_init(&s->refs, 1);
     ss->n++;
+    (*owner_count(ss, owner, 0))++;
     for (uint32_t i = 0; i < ss->devices->n; i++) {
         ss->devices->dev[i].admitted += s->device_admitted[i] = dev_need[i];
         s->admitted_bytes += dev_need[i];
@@ -909,6 +963,7 @@ void qm_session_abort(qm_sessions *ss, qm_session *s)
 {
     atomic_store(&s->closed, 1); /* never served: nothing may mark or use it */
     ss->n--;
+    owner_less(ss, s->owner_uid);
     session_release_admission(ss, s);
     qm_session_unref(s);
 }

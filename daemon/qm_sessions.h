@@ -38,7 +38,13 @@ typedef struct qm_sessions {
     qm_limits *limits;
     qm_trace *trace;
     qm_session *first; /* the next of each is qm_session_next(s) */
-    size_t n;
+    size_t n;          /* sessions, those being created included */
+    /* Sessions per owner, those being created included (max_sessions_per_uid). */
+    struct qm_sessions_owner {
+        uid_t uid;
+        uint32_t n;
+    } *owners;
+    size_t n_owners;
     uint64_t next_map_id;    /* qm_sessions_new_map_id */
     struct qm_expert_pool *shares; /* shared-residency pools (qm_expert_pool.h) */
     /* Called as each session closes, however it closes (session.close,
@@ -52,6 +58,9 @@ typedef struct qm_sessions {
 /* Closes every session of model m, or every session when m is NULL
  * (model.unload with force, the daemon's exit). */
 void qm_sessions_close_model(qm_sessions *ss, const qm_model *m);
+/* Frees the sessions-per-owner table (the daemon's exit, after every
+ * session closed). */
+void qm_sessions_free_owners(qm_sessions *ss);
 /* How many sessions use model m. */
 size_t qm_sessions_of_model(const qm_sessions *ss, const qm_model *m);
 /* A daemon-wide unique id for a session's shared-memory map (qm_shm.h). */

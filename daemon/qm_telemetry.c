@@ -299,7 +299,8 @@ void qm_jw_counters(qm_jw *w, const qm_counters *c)
 const char *const qm_limit_names[QM_LIMIT_COUNT] = {
     "max_request_bytes", "max_nesting",  "max_batch",      "max_connections",  "max_sessions",
     "max_output_bytes",  "queue_depth",  "idle_timeout_s", "frames_per_wakeup",
-    "frame_timeout_s",   "output_stall", "max_rings",
+    "frame_timeout_s",   "output_stall", "max_rings",      "max_connections_per_uid",
+    "max_sessions_per_uid",
 };
 
 void qm_limit_count(qm_limits *l, int limit) { l->hits[limit]++; }

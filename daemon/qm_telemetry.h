@@ -102,6 +102,8 @@ enum {
     QM_LIMIT_FRAME_TIMEOUT,
     QM_LIMIT_OUTPUT_STALL,
     QM_LIMIT_MAX_RINGS,
+    QM_LIMIT_MAX_CONNECTIONS_PER_UID,
+    QM_LIMIT_MAX_SESSIONS_PER_UID,
     QM_LIMIT_COUNT
 };
 extern const char *const qm_limit_names[QM_LIMIT_COUNT]; /* the config keys */
