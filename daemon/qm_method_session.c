@@ -324,13 +324,11 @@ static int plan_json(qm_session *s, char **json, size_t *len, qm_status *st)
     /* Budget "auto": what it came to and why (qm_budget.h). */
     qm_buf auto_text;
     qm_buf_init(&auto_text);
-    if (qm_session_auto_budget(s)->on) {
-        qm_jw aw;
-        qm_jw_init(&aw, &auto_text);
-        qm_budget_auto_json(&aw, qm_session_auto_budget(s));
-        if (qm_buf_append(&auto_text, "", 1) == 0 && !auto_text.oom)
-            state.budget_auto_json = auto_text.data; /* NUL-terminated */
-    }
+    qm_jw aw;
+    qm_jw_init(&aw, &auto_text);
+    if (qm_session_auto_budget_json(s, &aw) && qm_buf_append(&auto_text, "", 1) == 0 &&
+        !auto_text.oom)
+        state.budget_auto_json = auto_text.data; /* NUL-terminated */
     qm_session_hold(s);
     if (rc == 0)
         rc = plan_state(s, &state, banks, lists, names, st);
@@ -416,12 +414,9 @@ static void resize_finish(qm_job *job)
     /* A budget given as bytes or "N%" ends "auto": the watcher leaves the
      * session alone from then on; "auto" sizes it again. */
     qm_budget_auto *a = qm_session_auto_budget(s);
-    if (job->budget_auto) {
-        *a = *job->budget_auto;
+    qm_session_set_auto_budget(s, job->budget_auto);
+    if (job->budget_auto)
         qm_pressure_watch(job->mx->pressure);
-    } else {
-        memset(a, 0, sizeof *a);
-    }
     qm_log(QM_LOG_INFO, "session %s resized: budget %llu%s%s, resident %llu, pins released %llu",
            qm_session_id(s), (unsigned long long)qm_session_budget(s), a->on ? "; " : "",
            a->on ? a->why : "",

@@ -9,6 +9,7 @@
 #include <errno.h>
 #ifdef __GLIBC__
 #include <malloc.h> /* malloc_trim */
+#include <pthread.h>
 #endif
 #include <stdatomic.h>
 #include <stdio.h>
@@ -51,6 +52,10 @@ struct qm_session {
     uint64_t plan_start_us, plan_us;
     uint64_t budget_bytes;    /* expert-weight budget */
     qm_budget_auto auto_budget; /* budget "auto": its size, why, the pressure watcher's state */
+    /* Held while the loop replaces auto_budget (a session.resize done) and
+     * while a worker writes it into a plan: the plan of the request after
+     * the resize may run before the loop hears the resize finished. */
+    pthread_mutex_t auto_mu;
     uint64_t workspace_bytes; /* fixed at creation */
     uint64_t admitted_bytes;  /* what the devices hold for it (budget shares + workspaces);
                                * while resizes are queued, the largest they may set */
@@ -97,6 +102,7 @@ static void session_free(qm_session *s)
                (unsigned long long)s->member.budget, st.msg);
     qm_expert_pool_unref(s->pool);
     qm_pool_recipe_free(&s->recipe);
+    pthread_mutex_destroy(&s->auto_mu);
     qm_free(s->trace_path);
     qm_free(s->profile_warm);
     qm_free(s->profile_warm_experts);
@@ -487,6 +493,7 @@ static int session_new(const qm_sessions *ss, qm_model *m, const qm_session_spec
     if (!s)
         return qm_status_set(st, QM_ENOMEM, "out of memory");
     qm_shm_set_init(&s->maps);
+    pthread_mutex_init(&s->auto_mu, NULL);
     for (uint32_t i = 0; i < ss->devices->n; i++)
         snprintf(s->device_names[i], sizeof s->device_names[i], "%s", ss->devices->dev[i].name);
     s->owner_uid = owner;
@@ -1050,6 +1057,26 @@ int qm_session_closed(const qm_session *s) { return atomic_load(&((qm_session *)
 
 qm_touches *qm_session_touches(qm_session *s) { return &s->touches; }
 qm_budget_auto *qm_session_auto_budget(qm_session *s) { return &s->auto_budget; }
+
+void qm_session_set_auto_budget(qm_session *s, const qm_budget_auto *a)
+{
+    pthread_mutex_lock(&s->auto_mu);
+    if (a)
+        s->auto_budget = *a;
+    else
+        memset(&s->auto_budget, 0, sizeof s->auto_budget);
+    pthread_mutex_unlock(&s->auto_mu);
+}
+
+int qm_session_auto_budget_json(qm_session *s, qm_jw *w)
+{
+    pthread_mutex_lock(&s->auto_mu);
+    int on = s->auto_budget.on;
+    if (on)
+        qm_budget_auto_json(w, &s->auto_budget);
+    pthread_mutex_unlock(&s->auto_mu);
+    return on;
+}
 
 int qm_sessions_budget(const qm_sessions *ss, const qm_model *m, const qm_session *s,
                        const qm_budget_spec *spec, uint64_t *bytes, qm_budget_auto *autob,

@@ -204,6 +204,11 @@ qm_touches *qm_session_touches(qm_session *s);
 /* Its auto budget (qm_budget.h; `on` 0 when its budget is not auto): the
  * watcher (qm_pressure.h) and session.resize change it, loop thread. */
 qm_budget_auto *qm_session_auto_budget(qm_session *s);
+/* Replaces the session's auto budget (NULL: no longer auto), and writes
+ * it as session.plan's budget_auto (1) or nothing (0, not auto): the loop
+ * replaces it while a worker may write the plan of a later request. */
+void qm_session_set_auto_budget(qm_session *s, const qm_budget_auto *a);
+int qm_session_auto_budget_json(qm_session *s, qm_jw *w);
 /* The least budget its pagers take (whole banks + pins + one expert unit;
  * qm_pager_min_budget over its plan); its budget now when that cannot be
  * computed. */

@@ -7,6 +7,7 @@ sessions only, quiet growing them back, outputs bitwise unchanged
 throughout, and a real cgroup's limit lowered by half of what auto took
 while inferences run: no OOM kill, the budget shrank, the outputs the same.
 """
+import json
 import os
 import re
 import subprocess
@@ -325,6 +326,37 @@ def test_resizing_an_auto_session(watched):
     assert "its own" in r["budget_auto"]["reason"]
     assert c.call("session.plan", {"session": sid})["budget_auto"]["target_bytes"] == r["budget_bytes"]
 
+
+
+def test_plans_pipelined_behind_auto_resizes_are_whole(watched):
+    """session.resize "auto" and "50%" alternating with session.plan,
+    pipelined on one connection: a plan may be written on a worker while
+    the loop replaces the session's auto budget (the resize before it just
+    finished); every plan answer is whole JSON, and any budget_auto it
+    carries is one whole auto budget, never half of one and half of none."""
+    dm, fm, fifo = watched
+    c = dm.client()
+    sid = c.call("session.create", {"model": "small", "policy": "lru", "budget": "auto"})["session"]
+    n = 150
+    lines = []
+    for i in range(n):
+        budget = "auto" if i % 2 == 0 else "50%"
+        lines.append({"jsonrpc": "2.0", "id": 2 * i + 1, "method": "session.resize",
+                      "params": {"session": sid, "budget": budget}})
+        lines.append({"jsonrpc": "2.0", "id": 2 * i + 2, "method": "session.plan",
+                      "params": {"session": sid}})
+    c.send_raw(b"".join(json.dumps(x).encode() + b"\n" for x in lines))
+    seen = 0
+    for _ in range(2 * n):
+        r = json.loads(c.read_line().decode("utf-8"))
+        assert "result" in r, r
+        if r["id"] % 2 == 0:
+            a = r["result"].get("budget_auto")
+            if a is not None:
+                assert a["reason"].startswith("budget auto: ") and "\x00" not in a["reason"], a
+                assert a["target_bytes"] > 0 and a["bound"] in ("memory", "model", "device"), a
+                seen += 1
+    assert seen > 0
 
 
 # ---- a real memory cgroup ----
