@@ -106,8 +106,14 @@ static void maybe_finish(void *arg)
 static void drain_timeout_cb(uv_timer_t *t)
 {
     qm_daemon *d = t->data;
-    qm_log(QM_LOG_ERR, "drain_timeout_s %u passed with %zu requests unanswered; exiting",
-           d->cfg.drain_timeout_s, qm_pool_queued(d->pool));
+    uint64_t bytes;
+    size_t conns;
+    qm_server_unread(d->server, &bytes, &conns);
+    /* Computed answers a client does not read are owed too: say which. */
+    qm_log(QM_LOG_ERR,
+           "drain_timeout_s %u passed with %zu requests unanswered and %llu bytes of answers "
+           "unread by %zu connections (clients that stopped reading); exiting",
+           d->cfg.drain_timeout_s, qm_pool_queued(d->pool), (unsigned long long)bytes, conns);
     d->exit_code = 1;
     finish(d);
 }

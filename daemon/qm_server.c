@@ -762,6 +762,18 @@ int qm_server_owes_answers(const qm_server *sv)
     return 0;
 }
 
+void qm_server_unread(const qm_server *sv, uint64_t *bytes, size_t *conns)
+{
+    *bytes = 0;
+    *conns = 0;
+    for (qm_conn *c = sv ? sv->conns : NULL; c; c = c->next) {
+        if (c->closing || !c->out_bytes)
+            continue;
+        *bytes += c->out_bytes;
+        (*conns)++;
+    }
+}
+
 const qm_peer *qm_conn_peer(const qm_conn *c) { return &c->peer; }
 uint64_t qm_conn_id(const qm_conn *c) { return c->id; }
 int qm_conn_gone(const qm_conn *c) { return atomic_load(&((qm_conn *)c)->gone); }

@@ -91,6 +91,9 @@ size_t qm_server_connections(const qm_server *sv);
 /* 1 while a connection is owed an answer or bytes: frames waiting for
  * their turn, replies in flight or output not yet written. */
 int qm_server_owes_answers(const qm_server *sv);
+/* What is owed now: answers written but not yet taken by their clients
+ * (bytes, and the connections holding them). */
+void qm_server_unread(const qm_server *sv, uint64_t *bytes, size_t *conns);
 
 const qm_peer *qm_conn_peer(const qm_conn *c); /* lives as long as c */
 uint64_t qm_conn_id(const qm_conn *c);

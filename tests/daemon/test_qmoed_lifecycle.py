@@ -91,6 +91,30 @@ def test_sigterm_with_requests_in_flight_answers_each_and_exits_0(banks):
     assert not os.path.exists(dm.socket)
 
 
+def test_a_drain_that_times_out_on_a_client_not_reading_says_so(banks):
+    """SIGTERM's drain waits for every answer to be written; a client that
+    stopped reading keeps them owed: at drain_timeout_s the daemon exits 1
+    and its log names the bytes of answers unread and the connections
+    holding them, not only requests unanswered (there are none)."""
+    dm = Daemon(models={"small": banks["small"]}, args=["--set", "drain_timeout_s=1"])
+    c = dm.client()
+    req = b"".join(b'{"jsonrpc":"2.0","id":%d,"method":"telemetry.metrics"}\n' % (i + 1)
+                   for i in range(300))
+    c.send_raw(req)  # and never reads: the answers fill the socket, then the daemon's buffer
+    other = dm.client()
+    deadline = time.time() + 30
+    while other.call("telemetry.get")["daemon"]["requests"] < 300:  # all answered, unread
+        assert time.time() < deadline
+        time.sleep(0.05)
+    other.close()
+    dm.signal(signal.SIGTERM)
+    assert dm.stop() == 1
+    log = dm.log_text()
+    assert "drain_timeout_s 1 passed with 0 requests unanswered and" in log, log[-2000:]
+    assert "bytes of answers unread by 1 connections" in log, log[-2000:]
+    c.close()
+
+
 def test_daemon_shutdown_drains_and_refuses_new_work(banks):
     dm = Daemon(models={"small": banks["small"]})
     c = dm.client()
