@@ -794,6 +794,19 @@ START_TEST(test_budget_holding_every_expert_preloads_and_never_misses)
 }
 END_TEST
 
+/* An lru pager of 4 units for the trace tests, and an empty file at
+ * `path` (a mkstemp template) to record into. */
+static qm_pager *trace_pager(qm_policy *pol, qm_residency_plan **plan, char *path)
+{
+    ck_assert_int_eq(qm_policy_new("lru", NULL, pol, &fixture.st), 0);
+    qm_pager *pg =
+        lru_pager(&fixture.bank, fixture.cpu, pol, 4 * unit_bytes(&fixture.bank), 1, plan);
+    int fd = mkstemp(path);
+    ck_assert_int_ge(fd, 0);
+    close(fd);
+    return pg;
+}
+
 /* A trace stops at its file's bound (max_trace_bytes: a client's
  * record_trace must not fill the state dir's disk): the file holds the
  * whole tokens that fit and stays a valid trace, inference goes on, and a
@@ -801,14 +814,9 @@ END_TEST
 START_TEST(test_recorded_trace_stops_at_its_bound)
 {
     qm_policy pol = {0};
-    ck_assert_int_eq(qm_policy_new("lru", NULL, &pol, &fixture.st), 0);
     qm_residency_plan *plan;
-    qm_pager *pg =
-        lru_pager(&fixture.bank, fixture.cpu, &pol, 4 * unit_bytes(&fixture.bank), 1, &plan);
     char path[] = "/tmp/qm_trace_test.XXXXXX";
-    int fd = mkstemp(path);
-    ck_assert_int_ge(fd, 0);
-    close(fd);
+    qm_pager *pg = trace_pager(&pol, &plan, path);
     /* Unbounded first, to learn where rows start (3 layers x k 2 x 2 bytes
      * = 12 bytes a token). */
     ck_assert_int_eq(qm_pager_record_trace(pg, path, 0, 0, &fixture.st), 0);
@@ -877,14 +885,9 @@ END_TEST
 START_TEST(test_recorded_trace_holds_each_tokens_routing_in_layer_order)
 {
     qm_policy pol = {0};
-    ck_assert_int_eq(qm_policy_new("lru", NULL, &pol, &fixture.st), 0);
     qm_residency_plan *plan;
-    qm_pager *pg =
-        lru_pager(&fixture.bank, fixture.cpu, &pol, 4 * unit_bytes(&fixture.bank), 1, &plan);
     char path[] = "/tmp/qm_trace_test.XXXXXX";
-    int fd = mkstemp(path);
-    ck_assert_int_ge(fd, 0);
-    close(fd);
+    qm_pager *pg = trace_pager(&pol, &plan, path);
     ck_assert_int_eq(qm_pager_record_trace(pg, path, 0, 0, &fixture.st), 0);
     uint64_t s = 1;
     /* Five decode tokens; token 2 of layer 1 has a single route (the other dropped). */
@@ -941,7 +944,7 @@ START_TEST(test_recorded_trace_holds_each_tokens_routing_in_layer_order)
     /* Gone on with (a session re-created after a restart): a partial row
      * past the header's count (written before the count was) cut off, the
      * 8 rows kept, two more tokens after them. */
-    fd = open(path, O_WRONLY | O_APPEND);
+    int fd = open(path, O_WRONLY | O_APPEND);
     ck_assert_int_ge(fd, 0);
     ck_assert_int_eq(write(fd, "\x01\x02\x03", 3), 3);
     close(fd);
