@@ -17,6 +17,7 @@
 #include <string.h>
 #include <sys/random.h>
 #include <time.h>
+#include <unistd.h>
 
 #include "qm_alloc.h"
 #include "qm_expert_pool.h"
@@ -95,12 +96,27 @@ static void session_free(qm_session *s)
     qm_shm_set_release_all(&s->maps);
     qm_shm_set_destroy(&s->maps);
     qm_touches_free(&s->touches);
+    /* The operator's recording (record_routing) of a session that recorded
+     * no token goes with it: a daemon whose clients open sessions and close
+     * them unused would otherwise leave a file a session (a re-creation
+     * after a restart finds none and starts anew). A pool others share
+     * may still write to the file: its file stays. */
+    int drop_trace = 0;
+    if (s->trace_path && s->trace_by_daemon && s->pool && s->member.joined &&
+        !qm_expert_pool_is_shared(s->pool)) {
+        qm_pager_stats ps;
+        qm_session_stats(s, &ps);
+        drop_trace = ps.trace_tokens == 0;
+    }
     qm_status st = {0};
     if (s->pool && qm_expert_pool_leave(s->pool, &s->member, &st) < 0)
         qm_log(QM_LOG_WARNING, "shared residency pool: giving back a member's %llu bytes "
                "failed (%s); the pool keeps them until its next member leaves",
                (unsigned long long)s->member.budget, st.msg);
     qm_expert_pool_unref(s->pool);
+    if (drop_trace && unlink(s->trace_path) == 0)
+        qm_log(QM_LOG_DEBUG, "session %s recorded no token: its routing trace %s removed", s->id,
+               s->trace_path);
     qm_pool_recipe_free(&s->recipe);
     pthread_mutex_destroy(&s->auto_mu);
     qm_free(s->trace_path);

@@ -222,6 +222,22 @@ def test_record_routing_records_every_session_in_the_state_dir(banks):
                                       "budget_bytes": 40000})["session"]
         b = c.call("session.create", {"model": "small", "policy": "next_use",
                                       "budget_bytes": 40000})["session"]
+        # A paging session closed before a whole token leaves no file of
+        # record_routing's (an unused session, one that ran one layer of two);
+        # a file the client asked for stays, empty as it is.
+        unused = c.call("session.create", {"model": "small", "policy": "lru",
+                                           "budget_bytes": 40000})["session"]
+        partial = c.call("session.create", {"model": "small", "policy": "lru",
+                                            "budget_bytes": 40000})["session"]
+        c.call("session.infer", {"session": partial, "layer": 0, "hidden": tensor(hidden(1, seed=8))})
+        asked = c.call("session.create", {"model": "small", "policy": "lru", "budget_bytes": 40000,
+                                          "policy_params": {"record_trace": "asked.qmtr"}})["session"]
+        assert os.path.exists(os.path.join(state, "routing-%s.qmtr" % unused))
+        for sid in (unused, partial, asked):
+            c.call("session.close", {"session": sid})
+        assert not os.path.exists(os.path.join(state, "routing-%s.qmtr" % unused))
+        assert not os.path.exists(os.path.join(state, "routing-%s.qmtr" % partial))
+        assert load_trace_tool().read_trace(os.path.join(state, "asked.qmtr")).tokens == 0
         # whole_bank pages nothing and records nothing
         whole = c.call("session.create", {"model": "small", "policy": "whole_bank"})["session"]
         c.call("session.infer", {"session": whole, "layer": 0, "hidden": tensor(hidden(1, seed=9))})
@@ -239,7 +255,8 @@ def test_record_routing_records_every_session_in_the_state_dir(banks):
         for sid in routes:
             c.call("session.close", {"session": sid})
         names = sorted(n for n in os.listdir(state) if n.endswith(".qmtr"))
-        assert names == sorted(["mine.qmtr", "routing-%s.qmtr" % a, "routing-%s.qmtr" % b]), names
+        assert names == sorted(["asked.qmtr", "mine.qmtr", "routing-%s.qmtr" % a,
+                                "routing-%s.qmtr" % b]), names
         tool = load_trace_tool()
         for sid, name in ((a, "routing-%s.qmtr" % a), (b, "routing-%s.qmtr" % b), (own, "mine.qmtr")):
             tr = tool.read_trace(os.path.join(state, name))
