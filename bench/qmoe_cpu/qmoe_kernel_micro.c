@@ -160,7 +160,7 @@ static void fast_kernels(const qm__qmat *m, const float *x, uint32_t nx, uint32_
     for (uint32_t r = 0; r < nx; r++)
         qm__i8_prep(m, x + (size_t)r * m->k, xq + r * ld);
     qm__qmat mi = *m;
-    int r8 = m->bits == 4 && m->n % 8 == 0;
+    int r8 = (m->bits == 4 || m->bits == 8) && m->n % 8 == 0;
     uint8_t *wi = big_alloc((size_t)m->n * m->row_bytes), *tmp = malloc(8 * m->row_bytes);
     memcpy(wi, m->w, (size_t)m->n * m->row_bytes);
     if (r8)
@@ -181,9 +181,10 @@ static void fast_kernels(const qm__qmat *m, const float *x, uint32_t nx, uint32_
         static const char *const suffix[4] = {"", "-gemv", "-gemm", "-r8"};
         for (int f = 0; f < 4; f++) {
             snprintf(name, sizeof name, "%s%s", row->kernel.name, suffix[f]);
-            if (f == 3 && (!row->reads_r8 || !r8)) {
-                skipped("fast", name, row->reads_r8 ? "not an r8 shape (4-bit, rows of 8)"
-                                                    : "this kernel does not read r8");
+            int reads = m->bits == 8 ? row->reads_r8_q8 : row->reads_r8;
+            if (f == 3 && (!reads || !r8)) {
+                skipped("fast", name, reads ? "not an r8 shape (4- or 8-bit, rows of 8)"
+                                            : "this kernel does not read r8 of this width");
                 continue;
             }
             report("fast", name, m->n, m->k, m->bits, nx,

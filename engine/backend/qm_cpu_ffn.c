@@ -254,7 +254,7 @@ static void qm__run_matrix(qm__run *R, const qm__qmat *m, int gemm, uint32_t n0,
         t.r8 = n0 < edge;
         m = &t;
     }
-    if (m->r8 && !(R->i8 && qm__i8kernel_r8_native(R->i8, nx))) {
+    if (m->r8 && !(R->i8 && qm__i8kernel_r8_native(R->i8, nx, m->bits))) {
         /* A kernel that reads rows: the tile's rows back in row order at the
          * front of this worker's scratch (qm__kernel_scratch_floats counts
          * them), the rest of the scratch the kernel's. */

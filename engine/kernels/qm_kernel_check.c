@@ -34,7 +34,7 @@ typedef struct qm__kc_shape {
     uint32_t bits, block, k, n; /* block 0: row-wise */
     int zp;                     /* 1: zero points (blockwise, or along rows when row-wise) */
     qm_dtype dt;
-    int r8;                     /* 1: the codes in the r8 layout (4-bit, blocks of 32) */
+    int r8;                     /* 1: the codes in the r8 layout (blocks of 32) */
 } qm__kc_shape;
 
 static const qm__kc_shape qm__kc_shapes[] = {
@@ -42,6 +42,7 @@ static const qm__kc_shape qm__kc_shapes[] = {
     {8, 64, 200, 19, 1, QM_DTYPE_F16, 0},
     {4, 0, 130, 17, 1, QM_DTYPE_BF16, 0},
     {4, 32, 256, 24, 0, QM_DTYPE_F32, 1},
+    {8, 32, 256, 24, 0, QM_DTYPE_F16, 1},
 };
 #define QM__KC_NSHAPES (sizeof qm__kc_shapes / sizeof qm__kc_shapes[0])
 
@@ -91,7 +92,7 @@ static void qm__kc_fill(const qm__kc_shape *sh, qm__kc_case *c, uint8_t *w, uint
                                       : range * ((float)(qm__kc_next(&s) % 2001) - 1000.f) / 1000.f;
     }
     if (sh->r8) {
-        uint8_t tmp[8 * QM__KC_MAXK / 2];
+        uint8_t tmp[8 * QM__KC_MAXK];
         qm__r8_interleave(w, sh->n, c->m.row_bytes, tmp);
     }
 }
@@ -177,7 +178,7 @@ static void qm__kc_refuse(qm_kernel_verdict *v, const qm__kc_shape *sh, uint32_t
 static void qm__kc_fast_shape(const qm__kc_shape *sh, qm__kc_case *c, uint32_t nx)
 {
     qm__qmat rows = c->m; /* the specification reads rows, never r8 */
-    uint8_t back[QM__KC_ROWS * QM__KC_MAXK / 2];
+    uint8_t back[QM__KC_ROWS * QM__KC_MAXK];
     if (sh->r8) {
         qm__r8_rows(c->m.w, c->m.row_bytes, 0, c->m.n, back);
         rows.w = back;
@@ -189,7 +190,8 @@ static void qm__kc_fast_shape(const qm__kc_shape *sh, qm__kc_case *c, uint32_t n
     for (size_t i = 0; i < qm__i8isa_count(); i++) {
         qm_kernel_verdict *v = qm__kc_slot(1, i);
         const qm__i8isa *row = qm__i8isa_at(i);
-        if (!v || v->kind != 0 || (sh->r8 && !row->reads_r8))
+        if (!v || v->kind != 0 ||
+            (sh->r8 && !(sh->bits == 8 ? row->reads_r8_q8 : row->reads_r8)))
             continue;
         memset(c->y, 0xa5, sizeof(float) * nx * sh->n);
         qm__kc_tiles(row->kernel.mm, &c->m, c, nx, c->y);

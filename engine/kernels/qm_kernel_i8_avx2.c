@@ -4,8 +4,11 @@
  * Decode (fewer than QM__I8_AVX2_GEMM_MIN inputs, 8-bit: _MIN8): the GEMV of
  * qm_kernel_i8_x86.h, 8 rows at a time. 4-bit codes (<= 15) times |x| <=
  * 127 make a vpmaddubsw pair of at most 3810, no saturation; 8-bit codes
- * would saturate it (255 * 127 * 2), so they are widened to 16 bits and
- * multiplied with vpmaddwd.
+ * would saturate it (255 * 127 * 2), so in the row layout they are widened
+ * to 16 bits and multiplied with vpmaddwd, and in the r8 layout taken as
+ * |c - 128| against x with c - 128's sign (pairs of at most 32512:
+ * qm__v_r8q8_group), the zero point's share added back before the same
+ * epilogue.
  * Prefill: the GEMM of qm_kernel_i8_gemm.h on 8 rows per vector. 4-bit:
  * the u8 panel, a sub-block's 8 vpmaddubsw steps summed in s16 (at most
  * 8 * 3810 = 30480) and widened once by vpmaddwd. 8-bit: the s16 panel of
@@ -40,7 +43,8 @@ static inline __m256i qm__avx2_dot8(const uint8_t *w, const int8_t *x, const int
 }
 
 #define QM__V_FN qm__i8avx2_gemv
-#define QM__V_R8 1 /* reads r8 matrices (qm_r8.h) */
+#define QM__V_R8 1    /* reads r8 matrices (qm_r8.h) */
+#define QM__V_R8_Q8 1 /* 8-bit ones too */
 #define QM__V_DOT4(lo, hi, xl, xh) qm__avx2_dot4(lo, hi, xl, xh)
 #define QM__V_DOT8(w, x, x16) qm__avx2_dot8(w, x, x16)
 #include "qm_kernel_i8_x86.h"
@@ -143,6 +147,7 @@ const qm__i8isa qm__i8isa_avx2 = {
     .gemv = qm__i8avx2_gemv,
     .gemm = qm__i8avx2_gemm,
     .reads_r8 = 1,
+    .reads_r8_q8 = 1,
 };
 
 /* The vector packers, for tests/engine (byte for byte those of qm_kernel_i8.h). */

@@ -63,6 +63,13 @@ QM__I8_AI __m256i qm__x_row_u8(const qm__qmat *m, uint32_t n0, uint32_t nr, uint
     if (i >= nr)
         return _mm256_setzero_si256();
     const uint8_t *row = m->w + (size_t)(n0 + i) * m->row_bytes;
+    if (m->r8 && m->bits == 8) { /* 8-bit r8 (qm_r8.h): the row's 8 runs of 4 bytes */
+        const uint8_t *g = m->w + qm__r8_offset(m->row_bytes, n0 + i, 32 * j);
+        int32_t d[8];
+        for (int q = 0; q < 8; q++)
+            memcpy(&d[q], g + 32 * q, 4);
+        return _mm256_setr_epi32(d[0], d[1], d[2], d[3], d[4], d[5], d[6], d[7]);
+    }
     if (m->r8) { /* 4-bit r8 (qm_r8.h): the row's 4 runs of 4 bytes in its group */
         const uint8_t *g = m->w + qm__r8_offset(m->row_bytes, n0 + i, 16 * j);
         int32_t d[4];
@@ -97,6 +104,29 @@ static inline void qm__x_pack_u8(const qm__qmat *m, uint32_t n0, uint32_t nr, si
         }
 }
 
+/* A whole group of an 8-bit r8 matrix (qm_r8.h, rows n..n+7, no zero
+ * points: the implicit zp for all) at sub-block j as qm__x_pack_s16 lays
+ * it out, lo[g] / hi[g] lane i = row i's columns 2g, 2g + 1 / 16 + 2g,
+ * 17 + 2g less zp: each run (4 columns of the 8 rows) widened and its
+ * lanes put in place, with no gather of rows. */
+QM__I8_AI void qm__x_r8q8_s16(const qm__qmat *m, uint32_t n, size_t j, short zp, __m256i lo[8],
+                              __m256i hi[8])
+{
+    const uint8_t *g = m->w + (size_t)n * m->row_bytes + 256 * j;
+    const __m256i z = _mm256_set1_epi16(zp), ev = _mm256_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7);
+    for (int q = 0; q < 8; q++) {
+        __m256i v = _mm256_loadu_si256((const __m256i *)(g + 32 * q));
+        /* rows 0-3 and 4-7: per row, the pairs (4q, 4q + 1), (4q + 2, 4q + 3) */
+        __m256i a = _mm256_sub_epi16(_mm256_cvtepu8_epi16(_mm256_castsi256_si128(v)), z);
+        __m256i b = _mm256_sub_epi16(_mm256_cvtepu8_epi16(_mm256_extracti128_si256(v, 1)), z);
+        a = _mm256_permutevar8x32_epi32(a, ev);
+        b = _mm256_permutevar8x32_epi32(b, ev);
+        __m256i *o = q < 4 ? lo + 2 * q : hi + 2 * (q - 4);
+        o[0] = _mm256_permute2x128_si256(a, b, 0x20);
+        o[1] = _mm256_permute2x128_si256(a, b, 0x31);
+    }
+}
+
 /* qm__i8_pack_s16_c on vectors. */
 static inline void qm__x_pack_s16(const qm__qmat *m, uint32_t n0, uint32_t nr, size_t j0,
                                   size_t j1, uint8_t *pan)
@@ -105,6 +135,16 @@ static inline void qm__x_pack_s16(const qm__qmat *m, uint32_t n0, uint32_t nr, s
     for (size_t j = j0; j < j1; j++)
         for (uint32_t h = 0; h < 16; h += 8) {
             __m256i lo[8], hi[8];
+            if (m->r8 && m->bits == 8 && h + 8 <= nr && !m->zp) {
+                qm__x_r8q8_s16(m, n0 + h, j,
+                               (short)qm__qmat_zp(m, n0 + h, (uint32_t)(j / spb)), lo, hi);
+                uint8_t *p = pan + 1024 * (j - j0) + 4 * h;
+                for (int g = 0; g < 8; g++) {
+                    _mm256_storeu_si256((__m256i *)(p + 64 * g), lo[g]);
+                    _mm256_storeu_si256((__m256i *)(p + 64 * (g + 8)), hi[g]);
+                }
+                continue;
+            }
             for (uint32_t i = 0; i < 8; i++) {
                 __m256i v = qm__x_row_u8(m, n0, nr, h + i, j);
                 __m256i zp = _mm256_set1_epi16(
@@ -696,6 +736,73 @@ QM__I8_AI void qm__v_r8_group(const qm__qmat *m, const uint8_t *p, const char *p
 #undef QM__V_R8_STEP
 #undef QM__V_R8_SUMS
 
+#ifdef QM__V_R8_Q8
+/* A group of 8 rows of an 8-bit r8 matrix (qm_r8.h: sub-block j is the
+ * group's bytes 256j..256j+255, 8 runs of 8 rows x 4 code bytes) at p times
+ * NX (1-4) inputs x: per run, one load against the run's 4 input bytes
+ * broadcast, each row's sum in its own lane. vpmaddubsw takes u8 x s8, and
+ * codes c (0..255) times |x| <= 127 would saturate its pairs; the code
+ * with its top bit flipped is c - 128 (s8): |c - 128| (u8, at most 128)
+ * against x with the sign of c - 128 makes pairs of at most 2 * 128 * 127 =
+ * 32512, widened at once. That sums (c - 128) x, the row layout's sum less
+ * its zsum: zsum is added back and the canonical epilogue (qm__v_epi_b32)
+ * takes it off again, so the same integers, hence the same bits, as
+ * qm__v_b32. pf: the next group (NULL: none), one line asked for per 64
+ * bytes read. */
+QM__I8_AI void qm__v_r8q8_group(const qm__qmat *m, const uint8_t *p, const char *pf,
+                                const qm__i8_xrow *x, const float *sct, uint32_t h, float *y,
+                                size_t ldy, const int NX)
+{
+    const size_t nsb = m->k / 32;
+    const __m256i flip = _mm256_set1_epi8((char)0x80), ones = _mm256_set1_epi16(1);
+    __m256 acc0 = _mm256_setzero_ps(), acc1 = acc0, acc2 = acc0, acc3 = acc0;
+    for (size_t j = 0; j < nsb; j++, p += 256) {
+        if (pf)
+            for (int l = 0; l < 4; l++)
+                _mm_prefetch(pf + 256 * j + 64 * l, QM__PF_HINT);
+        __m256i s0 = _mm256_setzero_si256(), s1 = s0, s2 = s0, s3 = s0;
+#pragma GCC unroll 8
+        for (size_t q = 0; q < 8; q++) {
+            __m256i w = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(p + 32 * q)), flip);
+            __m256i aw = _mm256_abs_epi8(w);
+            size_t o = 32 * j + 4 * q;
+#define QM__R8Q8_STEP(S, I)                                                                        \
+    do {                                                                                           \
+        int32_t x_;                                                                                \
+        memcpy(&x_, x[I].q + o, 4);                                                                \
+        __m256i t_ = _mm256_maddubs_epi16(aw, _mm256_sign_epi8(_mm256_set1_epi32(x_), w));         \
+        S = _mm256_add_epi32(S, _mm256_madd_epi16(t_, ones));                                      \
+    } while (0)
+            QM__R8Q8_STEP(s0, 0);
+            if (NX > 1)
+                QM__R8Q8_STEP(s1, 1);
+            if (NX > 2)
+                QM__R8Q8_STEP(s2, 2);
+            if (NX > 3)
+                QM__R8Q8_STEP(s3, 3);
+#undef QM__R8Q8_STEP
+        }
+#define QM__R8Q8_EPI(A, S, I)                                                                      \
+    A = qm__v_epi_b32(&x[I], sct, h, j, _mm256_add_epi32(S, _mm256_set1_epi32(x[I].zsum[j])), A)
+        QM__R8Q8_EPI(acc0, s0, 0);
+        if (NX > 1)
+            QM__R8Q8_EPI(acc1, s1, 1);
+        if (NX > 2)
+            QM__R8Q8_EPI(acc2, s2, 2);
+        if (NX > 3)
+            QM__R8Q8_EPI(acc3, s3, 3);
+#undef QM__R8Q8_EPI
+    }
+    _mm256_storeu_ps(y, acc0);
+    if (NX > 1)
+        _mm256_storeu_ps(y + ldy, acc1);
+    if (NX > 2)
+        _mm256_storeu_ps(y + 2 * ldy, acc2);
+    if (NX > 3)
+        _mm256_storeu_ps(y + 3 * ldy, acc3);
+}
+#endif
+
 /* Rows [n0, n0 + nr) of an r8 matrix (n0 and nr multiples of 8) times nx
  * inputs, up to 4 at a time: each group's scales taken once, the next
  * group's codes and scales prefetched while the first inputs run. One
@@ -728,6 +835,19 @@ static void qm__v_r8(const qm__qmat *m, uint32_t n0, uint32_t nr, const float *x
                 x[i] = qm__i8_xrow_at(m, xq + (size_t)(r + i) * ldx);
             float *yo = y + (size_t)r * ldy + n0 + h;
             const char *pfr = r ? NULL : pf;
+#ifdef QM__V_R8_Q8
+            if (m->bits == 8) {
+                if (cnt == 1)
+                    qm__v_r8q8_group(m, p, pfr, x, s->sct, h, yo, ldy, 1);
+                else if (cnt == 2)
+                    qm__v_r8q8_group(m, p, pfr, x, s->sct, h, yo, ldy, 2);
+                else if (cnt == 3)
+                    qm__v_r8q8_group(m, p, pfr, x, s->sct, h, yo, ldy, 3);
+                else
+                    qm__v_r8q8_group(m, p, pfr, x, s->sct, h, yo, ldy, 4);
+                continue;
+            }
+#endif
             if (cnt == 1)
                 qm__v_r8_group(m, p, pfr, x, s->sct, h, yo, ldy, 1);
             else if (cnt == 2)

@@ -33,6 +33,7 @@ typedef struct qm__i8isa {
     const char *not_built; /* NULL, or why this build has no code for it */
     qm__mm_fn *gemv, *gemm; /* its decode and prefill paths, each at any input count */
     int reads_r8;           /* 1: gemv and gemm read 4-bit r8 matrices (qm_r8.h) themselves */
+    int reads_r8_q8;        /* 1: and 8-bit ones */
     /* Its software model (qm_kernel_i8_model*.c, linked into the tests only:
      * a weak reference, NULL elsewhere): the same blocking with the
      * instructions this CPU may lack written in C. */

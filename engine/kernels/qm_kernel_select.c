@@ -105,7 +105,7 @@ static qm__kernel qm__kernel_auto[3] = {
 
 typedef struct qm__i8_auto_choice {
     const qm__i8kernel *k[2][2]; /* [8-bit][prefill] */
-    int r8[2];                   /* [prefill]: the 4-bit kernel reads r8 */
+    int r8[2][2];                /* [8-bit][prefill]: that kernel reads r8 matrices of its bits */
     char desc[160];
 } qm__i8_auto_choice;
 
@@ -300,10 +300,11 @@ static void qm__i8_auto_calibrate(void)
     for (int b8 = 0; b8 < 2; b8++)
         for (int pf = 0; pf < 2; pf++)
             qm__i8auto.k[b8][pf] = cands[idx[2 * pf + b8]];
-    for (int pf = 0; pf < 2; pf++) {
-        const qm__i8isa *row = qm__i8isa_of(qm__i8auto.k[0][pf]);
-        qm__i8auto.r8[pf] = row && row->reads_r8;
-    }
+    for (int b8 = 0; b8 < 2; b8++)
+        for (int pf = 0; pf < 2; pf++) {
+            const qm__i8isa *row = qm__i8isa_of(qm__i8auto.k[b8][pf]);
+            qm__i8auto.r8[b8][pf] = row && (b8 ? row->reads_r8_q8 : row->reads_r8);
+        }
     /* "q4 A, q8 B", or "q4 A/C" when decode (A) and prefill (C) differ. */
     char part[2][64];
     for (int b8 = 0; b8 < 2; b8++) {
@@ -516,16 +517,16 @@ const qm__i8kernel *qm__i8kernel_select(void)
     return &qm__i8kernel_auto;
 }
 
-int qm__i8kernel_r8_native(const qm__i8kernel *k, uint32_t nx)
+int qm__i8kernel_r8_native(const qm__i8kernel *k, uint32_t nx, uint32_t bits)
 {
-    if (!k || nx == 0)
+    if (!k || nx == 0 || (bits != 4 && bits != 8))
         return 0;
     if (k == &qm__i8kernel_auto) {
         pthread_once(&qm__i8auto_once, qm__i8_auto_calibrate);
-        return qm__i8auto.r8[nx > QM__GEMV_MAX_ROWS];
+        return qm__i8auto.r8[bits == 8][nx > QM__GEMV_MAX_ROWS];
     }
     const qm__i8isa *row = qm__i8isa_of(k);
-    return row && row->reads_r8;
+    return row && (bits == 8 ? row->reads_r8_q8 : row->reads_r8);
 }
 
 const char *qm__i8kernel_describe(const qm__i8kernel *k)

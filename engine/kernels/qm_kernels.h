@@ -31,7 +31,7 @@ typedef struct qm__qmat {
     uint32_t n, k, bits;
     uint32_t nblk;        /* 1 = row-wise */
     uint32_t block;       /* columns per block; k when nblk == 1 */
-    int r8;               /* 1: 4-bit codes in the r8 layout (qm_r8.h); only
+    int r8;               /* 1: codes in the r8 layout (qm_r8.h); only
                            * kernels qm__i8kernel_r8_native names read it */
     uint32_t r8_rows;     /* with r8 0: rows [0, r8_rows) are in r8 all the
                            * same (a multiple of 16, a paged unit laid out a
@@ -94,12 +94,13 @@ typedef struct qm__i8kernel {
 } qm__i8kernel;
 
 extern const qm__i8kernel qm__i8kernel_scalar;
-/* 1 when k's mm runs 4-bit r8 matrices (qm_r8.h) on nx inputs itself: a
- * row of the fast table that reads r8 (qm_kernel_isa.h: every SIMD row
- * today, its decode GEMV and its GEMM's packer), forced or the one auto
- * runs for nx inputs on this CPU. The scalar kernel and the exact ones are
- * handed row-major tiles (qm_cpu_ffn.c). */
-int qm__i8kernel_r8_native(const qm__i8kernel *k, uint32_t nx);
+/* 1 when k's mm runs r8 matrices (qm_r8.h) of `bits` (4 or 8) on nx inputs
+ * itself: a row of the fast table that reads them (qm_kernel_isa.h: 4-bit,
+ * every SIMD row today; 8-bit, the AVX2 row), its decode GEMV and its
+ * GEMM's packer, forced or the one auto runs for nx inputs of that width
+ * on this CPU. The scalar kernel and the exact ones are handed row-major
+ * tiles (qm_cpu_ffn.c). */
+int qm__i8kernel_r8_native(const qm__i8kernel *k, uint32_t nx, uint32_t bits);
 /* The fast-mode kernel for this CPU: among the rows of the fast table this
  * CPU runs and the self-check verified (qm_kernel_check.h), measured per
  * class (decode, prefill; 4/8-bit) once per process like the exact one;

@@ -9,11 +9,11 @@
 int qm__r8_eligible(const qm_bank_config *cfg, const qm_layer_view *lv, int wt)
 {
     const qm_tensor_view *tw = &lv->t[wt], *ts = &lv->t[wt + 1], *tz = &lv->t[wt + 2];
-    if (!cfg || cfg->bits != 4 || !tw->present || !ts->present || tz->present ||
+    if (!cfg || (cfg->bits != 4 && cfg->bits != 8) || !tw->present || !ts->present || tz->present ||
         tw->ndim != 3 || ts->ndim != 3)
         return 0;
     uint64_t n = tw->shape[1], row_bytes = tw->shape[2], nblk = ts->shape[2];
-    uint64_t k = row_bytes * 2;
+    uint64_t k = row_bytes * 8 / cfg->bits;
     return n > 0 && n % 8 == 0 && k % 64 == 0 && cfg->block_size == 32 && nblk == k / 32 &&
            ts->shape[1] == n;
 }

@@ -1,24 +1,26 @@
-/* qm_r8.h - 4-bit weight codes with rows interleaved eight at a time (the
- * "r8" layout), the fast-mode AVX2 decode GEMV's layout on the CPU.
+/* qm_r8.h - weight codes with rows interleaved eight at a time (the "r8"
+ * layout), the fast-mode decode GEMV's layout on the CPU.
  *
  * A matrix of n rows of row_bytes code bytes keeps its bytes and its size;
  * only their order changes, within each group of 8 rows (rows 8g..8g+7,
- * the same 8 x row_bytes bytes at the same offset): sub-block j (the 32
- * columns of bytes 16j..16j+15 of a row) takes bytes 128j..128j+127 of the
- * group, as 4 runs of 32 bytes; run q holds bytes 16j+4q..16j+4q+3 of row
- * 0, then of row 1, ... row 7. So one 32-byte load is 4 code bytes of each
- * of 8 rows (lane r = row r): a sub-block's integer sums come out one row
- * per lane, with no horizontal reduction, and a group is one linear stream
- * (llama.cpp's repacked Q4_0 is the same idea). Scales, zero points and
- * biases keep their layout. The integer sums, hence the bits, are those of
- * the row layout (tests/engine/test_kernels.c).
+ * the same 8 x row_bytes bytes at the same offset): each 16 bytes of a row
+ * (bytes 16j..16j+15: the 32 columns of 4-bit sub-block j, half of 8-bit
+ * sub-block j / 2) take bytes 128j..128j+127 of the group, as 4 runs of 32
+ * bytes; run q holds bytes 16j+4q..16j+4q+3 of row 0, then of row 1, ...
+ * row 7. So one 32-byte load is 4 code bytes of each of 8 rows (lane r =
+ * row r): a sub-block's integer sums come out one row per lane, with no
+ * horizontal reduction, and a group is one linear stream (llama.cpp's
+ * repacked Q4_0 is the same idea); an 8-bit sub-block is 8 such runs in a
+ * row. The layout is one of bytes: it does not depend on the code width.
+ * Scales, zero points and biases keep their layout. The integer sums,
+ * hence the bits, are those of the row layout (tests/engine/test_kernels.c).
  *
- * Only matrices the fast GEMV's b32 path takes are laid out so (4-bit,
- * blocks of 32 columns with no zero points, K a multiple of 64, rows of
- * exactly K / 2 bytes, N a multiple of 8): qm__r8_eligible. The pager lays
- * whole banks out so when a fast session's kernel reads it natively
- * (docs/PAGING.md); every other reader gets row-major tiles back from
- * qm__r8_rows. */
+ * Only matrices the fast GEMV's b32 path takes are laid out so (4-bit or
+ * 8-bit, blocks of 32 columns with no zero points, K a multiple of 64, rows
+ * of exactly K * bits / 8 bytes, N a multiple of 8): qm__r8_eligible. The
+ * pager lays whole banks out so when a fast session's kernel reads r8 of
+ * the bank's width natively (qm__i8kernel_r8_native; docs/PAGING.md); every
+ * other reader gets row-major tiles back from qm__r8_rows. */
 #ifndef QM_R8_H
 #define QM_R8_H
 

@@ -62,7 +62,7 @@ static uint64_t qm__half_ram(void)
 static int qm__r8_wanted(const qm_pager *p)
 {
     return p->opt.interleave && qm_backend_host_visible(p->backend) &&
-           qm__i8kernel_r8_native(qm__i8kernel_select(), 1);
+           qm__i8kernel_r8_native(qm__i8kernel_select(), 1, p->cfg->bits);
 }
 
 /* Whether opt.interleave applies to whole banks (qm_pager_options): it can

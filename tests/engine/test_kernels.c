@@ -688,7 +688,7 @@ static void fast_run(void (*mm)(const qm__qmat *, uint32_t, uint32_t, const floa
 typedef struct fast_cand {
     char name[48];
     qm__mm_fn *mm;
-    int reads_r8;
+    int reads_r8, reads_r8_q8;
 } fast_cand;
 
 /* A row's three entries (as it serves, its GEMV and GEMM paths at every
@@ -701,6 +701,7 @@ static int row_cands(const qm__i8isa *row, fast_cand *c)
         snprintf(c[p].name, sizeof c[p].name, "%s%s", row->kernel.name, path[p]);
         c[p].mm = fn[p];
         c[p].reads_r8 = row->reads_r8;
+        c[p].reads_r8_q8 = row->reads_r8_q8;
     }
     return 3;
 }
@@ -714,7 +715,7 @@ static int fast_cands(fast_cand *c)
     for (size_t i = 0; i < qm__i8isa_count(); i++)
         if (fast_kernel(qm__i8isa_at(i)->kernel.name))
             n += row_cands(qm__i8isa_at(i), c + n);
-    c[n++] = (fast_cand){"auto", qm__i8kernel_select()->mm, 0};
+    c[n++] = (fast_cand){"auto", qm__i8kernel_select()->mm, 0, 0};
     for (size_t i = 0; i < qm__i8isa_count() && fast_kernel("avx2"); i++)
         if (qm__i8isa_at(i)->model)
             n += row_cands(qm__i8isa_at(i)->model, c + n);
@@ -833,34 +834,48 @@ START_TEST(test_fast_decode_every_chunk_count)
 END_TEST
 
 /* The r8 layout (qm_r8.h): interleaving and taking rows back is the
- * identity; every fast row that reads r8 (qm_kernel_isa.h: on this CPU, or
- * through its model), as it serves and on its GEMV and GEMM paths forced
- * at every input count, gives the row layout's specification bits on an
- * r8 matrix; qm__i8kernel_r8_native answers each row's reads_r8. */
+ * identity; every fast row that reads r8 of a width (qm_kernel_isa.h,
+ * reads_r8 for 4-bit, reads_r8_q8 for 8-bit: on this CPU, or through its
+ * model), as it serves and on its GEMV and GEMM paths forced at every
+ * input count, gives the row layout's specification bits on an r8 matrix
+ * of that width (8-bit: with codes 0, the -128 of the sign trick, against
+ * inputs of +-127, the largest pairs); qm__i8kernel_r8_native answers each
+ * row's flags. */
 START_TEST(test_r8_layout_same_bits)
 {
     static const uint32_t NX[] = {1, 2, 3, 4, 5, 8, 13, 24};
-    ck_assert(!qm__i8kernel_r8_native(&qm__i8kernel_scalar, 1));
+    ck_assert(!qm__i8kernel_r8_native(&qm__i8kernel_scalar, 1, 4));
+    ck_assert(!qm__i8kernel_r8_native(&qm__i8kernel_scalar, 1, 8));
     for (size_t i = 0; i < qm__i8isa_count(); i++) {
         const qm__i8kernel *k = fast_kernel(qm__i8isa_at(i)->kernel.name);
-        int r8 = qm__i8isa_at(i)->reads_r8;
+        int r8 = qm__i8isa_at(i)->reads_r8, q8 = qm__i8isa_at(i)->reads_r8_q8;
         if (k)
-            ck_assert(qm__i8kernel_r8_native(k, 1) == r8 && qm__i8kernel_r8_native(k, 4) == r8 &&
-                      qm__i8kernel_r8_native(k, 40) == r8);
+            ck_assert(
+                qm__i8kernel_r8_native(k, 1, 4) == r8 && qm__i8kernel_r8_native(k, 4, 4) == r8 &&
+                qm__i8kernel_r8_native(k, 40, 4) == r8 && qm__i8kernel_r8_native(k, 1, 8) == q8 &&
+                qm__i8kernel_r8_native(k, 40, 8) == q8 && !qm__i8kernel_r8_native(k, 1, 2));
     }
     fast_cand c[40];
-    int nc = fast_cands(c), runs = 0, readers = 0;
+    int nc = fast_cands(c), runs = 0, readers = 0, readers8 = 0;
     for (int ci = 0; ci < nc; ci++)
-        readers += c[ci].reads_r8;
+        readers += c[ci].reads_r8, readers8 += c[ci].reads_r8_q8;
     if (!readers)
-        fprintf(stderr, "r8 layout: no kernel here reads r8, only the layout's round trip runs\n");
-    for (int it = 0; it < 48; it++) {
+        fprintf(stderr,
+                "r8 layout: no kernel here reads 4-bit r8, only the layout's round trip runs\n");
+    if (!readers8)
+        fprintf(stderr,
+                "r8 layout: no kernel here reads 8-bit r8, only the layout's round trip runs\n");
+    for (int it = 0; it < 96; it++) {
+        uint32_t bits = it < 48 ? 4 : 8;
         uint32_t k = it % 8 == 0 ? 2048 : 64 * (1 + next() % 12), n = 8 * (1 + next() % 9);
         uint32_t nx = NX[it % 8];
         fmat f;
-        fmat_new(&f, 4, 32, k, n);
+        fmat_new(&f, bits, 32, k, n);
         f.m.zp = NULL;
-        f.m.row_bytes = (size_t)k / 2;
+        f.m.row_bytes = (size_t)k * bits / 8;
+        if (bits == 8)
+            for (uint32_t r = 0; r < n; r++)
+                f.w[(size_t)r * k] = f.w[(size_t)r * k + 1] = 0;
         const qm__qmat *m = &f.m;
         size_t bytes = (size_t)n * m->row_bytes;
         uint8_t *wi = malloc(bytes), *back = malloc(bytes), *tmp = malloc(8 * m->row_bytes);
@@ -881,27 +896,31 @@ START_TEST(test_r8_layout_same_bits)
         float *ys = malloc(4 * (size_t)nx * n), *y = malloc(4 * (size_t)nx * n);
         float *scratch = malloc(sizeof(float) * qm__kernel_scratch_floats(&mi));
         ck_assert(x && xq && ys && y && scratch);
+        for (uint32_t r = 0; r < nx && bits == 8; r++) /* the block's +-127 on the two zeros */
+            x[(size_t)r * k] = x[(size_t)r * k + 1] = r % 2 ? 20.0f : -20.0f;
         for (uint32_t r = 0; r < nx; r++)
             qm__i8_prep(m, x + (size_t)r * k, xq + r * ld);
         fast_run(qm__i8kernel_scalar.mm, m, xq, ld, nx, ys, scratch);
         for (int ci = 0; ci < nc; ci++) {
-            if (!c[ci].reads_r8)
-                continue;
+            if (!(bits == 8 ? c[ci].reads_r8_q8 : c[ci].reads_r8)) continue;
             memset(y, 0xa5, 4 * (size_t)nx * n);
             fast_run(c[ci].mm, &mi, xq, ld, nx, y, scratch);
             for (size_t i = 0; i < (size_t)nx * n; i++)
                 ck_assert_msg(memcmp(&y[i], &ys[i], 4) == 0,
-                              "%s on r8, k %u n %u nx %u dtype %d: output [%zu][%zu] %.9g, the "
-                              "specification %.9g",
-                              c[ci].name, k, n, nx, (int)m->scale_dtype, i / n, i % n, y[i], ys[i]);
+                              "%s on %u-bit r8, k %u n %u nx %u dtype %d: output [%zu][%zu] "
+                              "%.9g, the specification %.9g",
+                              c[ci].name, bits, k, n, nx, (int)m->scale_dtype, i / n, i % n, y[i],
+                              ys[i]);
             runs++;
         }
         free(x), free(xq), free(ys), free(y), free(scratch);
         free(wi), free(back), free(tmp);
         fmat_free(&f);
     }
-    fprintf(stderr, "r8 layout: %d runs of %d r8 readers (kernels, paths, models), all the "
-                    "specification's bits\n", runs, readers);
+    fprintf(stderr,
+            "r8 layout: %d runs of %d 4-bit and %d 8-bit r8 readers (kernels, paths, "
+            "models), all the specification's bits\n",
+            runs, readers, readers8);
 }
 END_TEST
 

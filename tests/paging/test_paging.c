@@ -311,11 +311,12 @@ static void interleaved_same_bits(const char *force)
     const pf_spec sp = fixture.spec;
     if (force)
         setenv("QMOE_KERNEL", force, 1);
-    int native = qm__i8kernel_r8_native(qm__i8kernel_select(), 1);
+    int native = qm__i8kernel_r8_native(qm__i8kernel_select(), 1, cfg->bits);
     if (!native)
-        fprintf(stderr, "test_interleaved_whole_banks_same_bits: fast kernel %s does not read r8 "
-                        "here: the pager must leave banks in place, checked\n",
-                force ? force : "(the choice)");
+        fprintf(stderr,
+                "test_interleaved_whole_banks_same_bits: fast kernel %s does not read "
+                "%u-bit r8 here: the pager must leave banks in place, checked\n",
+                force ? force : "(the choice)", cfg->bits);
     static const uint32_t TS[] = {1, 2, 3, 4, 5, 9, 17};
     uint64_t rs = 99;
     for (unsigned threads = 1; threads <= 2; threads++) {
@@ -408,7 +409,8 @@ static void interleaved_slots_same_bits(const char *force, uint32_t piece)
     const pf_bank *b = &fixture.bank;
     if (force)
         setenv("QMOE_KERNEL", force, 1);
-    int native = qm__i8kernel_r8_native(qm__i8kernel_select(), 1);
+    int native =
+        qm__i8kernel_r8_native(qm__i8kernel_select(), 1, qm_bank_get_config(b->bank)->bits);
     qm_backend *be = NULL;
     ck_assert_int_eq(qm_backend_cpu_new(2, &be, &fixture.st), 0);
     qm_policy pol = {0};
@@ -460,30 +462,40 @@ static void interleaved_slots_same_bits(const char *force, uint32_t piece)
  * after they landed, alike. */
 START_TEST(test_interleaved_whole_banks_same_bits)
 {
-    pf_spec sp = pf_default_spec();
-    sp.hidden = 128;
-    sp.inter = 64;
-    sp.block = 32;
-    pg_fixture_reopen(&sp);
-    interleaved_same_bits(NULL);
-    interleaved_slots_same_bits(NULL, 0);
-    interleaved_slots_same_bits(NULL, 1);
-    int forced = 0;
-    for (size_t i = 0; i < qm__i8isa_count(); i++) {
-        const char *name = qm__i8isa_at(i)->kernel.name;
-        setenv("QMOE_KERNEL", name, 1);
-        int here = strcmp(qm__i8kernel_select()->name, name) == 0;
-        unsetenv("QMOE_KERNEL");
-        if (here && qm__i8isa_at(i)->reads_r8) {
-            interleaved_same_bits(name);
-            interleaved_slots_same_bits(name, 0);
-            interleaved_slots_same_bits(name, 1);
-            fprintf(stderr, "test_interleaved_whole_banks_same_bits: %s read the r8 bank\n", name);
-            forced++;
+    /* 4-bit and 8-bit banks (r8 is a layout of bytes; which kernels read
+     * it depends on the width: qm_kernel_isa.h's reads_r8, reads_r8_q8). */
+    for (uint32_t bits = 4; bits <= 8; bits += 4) {
+        pf_spec sp = pf_default_spec();
+        sp.hidden = 128;
+        sp.inter = 64;
+        sp.block = 32;
+        sp.bits = bits;
+        pg_fixture_reopen(&sp);
+        interleaved_same_bits(NULL);
+        interleaved_slots_same_bits(NULL, 0);
+        interleaved_slots_same_bits(NULL, 1);
+        int forced = 0;
+        for (size_t i = 0; i < qm__i8isa_count(); i++) {
+            const qm__i8isa *row = qm__i8isa_at(i);
+            setenv("QMOE_KERNEL", row->kernel.name, 1);
+            int here = strcmp(qm__i8kernel_select()->name, row->kernel.name) == 0;
+            unsetenv("QMOE_KERNEL");
+            if (here && (bits == 8 ? row->reads_r8_q8 : row->reads_r8)) {
+                interleaved_same_bits(row->kernel.name);
+                interleaved_slots_same_bits(row->kernel.name, 0);
+                interleaved_slots_same_bits(row->kernel.name, 1);
+                fprintf(stderr,
+                        "test_interleaved_whole_banks_same_bits: %s read the %u-bit r8 bank\n",
+                        row->kernel.name, bits);
+                forced++;
+            }
         }
+        if (!forced)
+            fprintf(stderr,
+                    "test_interleaved_whole_banks_same_bits: no fast row here reads %u-bit "
+                    "r8\n",
+                    bits);
     }
-    if (!forced)
-        fprintf(stderr, "test_interleaved_whole_banks_same_bits: no fast row here reads r8\n");
     /* Paged: no whole bank, nothing laid out at creation (units are, once
      * they land and are reused: interleaved_slots_same_bits). */
     ck_assert_uint_eq(lru_interleaved_bytes(&fixture.bank, 2 * unit_bytes(&fixture.bank)), 0);
