@@ -37,7 +37,10 @@ steal: what the neighbours of a shared host disturbed, shown beside the
 rows; a host can also slow a run without it showing there, through the
 memory bandwidth it shares). --json writes the rounds.
 
-usage: decode_ab.py --llama PREFIX --gguf GGUF --bank BANK [--rounds 6] [--decode 64]
+--prefill N times a prompt of N tokens instead of the decode (`-p N -n 0`),
+the same rows in prefill tok/s.
+
+usage: decode_ab.py --llama PREFIX --gguf GGUF --bank BANK [--rounds 6] [--decode 64] [--prefill N]
                     [--threads 2] [--precision fast] [--variant NAME=ENV ...] [--json OUT]
                     [--state-dir DIR]
 e.g. paged against whole_bank: --variant whole= --variant p50=POLICY=next_use,BUDGET=50%
@@ -156,6 +159,9 @@ def main():
     ap.add_argument("--build", default=os.path.join(ROOT, "build"), help="qmoed's build tree")
     ap.add_argument("--rounds", type=int, default=6)
     ap.add_argument("--decode", type=int, default=64)
+    ap.add_argument("--prefill", type=int, default=0,
+                    help="time a prompt of this many tokens instead (llama-bench -p N -n 0): "
+                         "prefill tok/s in every row")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--precision", choices=["exact", "fast"], default="fast")
     ap.add_argument("--variant", type=variant, action="append",
@@ -168,6 +174,8 @@ def main():
     os.environ["QMOE_BUILD_DIR"] = os.path.abspath(a.build)
     from qmoed_harness import Daemon
     variants = a.variant or [("qmoed", {})]
+    # --prefill: every run times a prompt (no decode) and the rows compare that.
+    n_gen, key = (0, "prefill_tok_s") if a.prefill else (a.decode, "decode_tok_s")
     # llama.cpp asks the daemon for the model named as the GGUF's file.
     model = os.path.splitext(os.path.basename(a.gguf))[0]
     print("# %s" % cpu_line(), flush=True)
@@ -188,8 +196,8 @@ def main():
         for v in order:
             t0 = cpu_times()
             if v is None:
-                res = llama_cpp.llama_bench(a, a.gguf, prompt=0)
-                row.update({"alone": res.get("decode_tok_s"), "alone_rss": res["engine"]["VmRSS"],
+                res = llama_cpp.llama_bench(a, a.gguf, prompt=a.prefill, decode=n_gen)
+                row.update({"alone": res.get(key), "alone_rss": res["engine"]["VmRSS"],
                             "alone_anon": res["engine"]["RssAnon"],
                             "alone_steal": steal_share(t0, cpu_times())})
                 continue
@@ -216,7 +224,8 @@ def main():
                 args += ["--set", "state_dir=" + os.path.abspath(a.state_dir)]
             dm = Daemon(models={model: a.bank}, env=env, binary=binary, args=args)
             try:
-                res = llama_cpp.llama_bench(va, a.gguf, prompt=0, daemon_pid=dm.proc.pid, env=env,
+                res = llama_cpp.llama_bench(va, a.gguf, prompt=a.prefill, decode=n_gen,
+                                            daemon_pid=dm.proc.pid, env=env,
                                             extra=["--qmoed", dm.socket] + session +
                                                   ["--qmoed-precision", a.precision])
             finally:
@@ -225,7 +234,7 @@ def main():
                 shutil.rmtree(dm.dir, ignore_errors=True)  # the harness's temp dir
             if res["rc"] != 0:
                 sys.exit("llama-bench with qmoed (%s) failed:\n%s" % (name, res["log_tail"]))
-            row[name] = res.get("decode_tok_s")
+            row[name] = res.get(key)
             row[name + "_beyond_us"] = res.get("call_overhead_us")
             row[name + "_compute_us"] = res.get("compute_us")
             row[name + "_hit_rate"] = res.get("hit_rate")
@@ -244,9 +253,9 @@ def main():
         disk_rates.append(rate)
         print("# the disk after the rounds: %s" % text, flush=True)
     print()
-    print("| row | decode tok/s, median of %d | / alone, pair by pair: median (range) "
+    print("| row | %s tok/s, median of %d | / alone, pair by pair: median (range) "
           "| a layer call: compute, beyond it (medians) | hit rate | llama-bench peak RSS (anon) | qmoed peak RSS |"
-          % a.rounds)
+          % ("prefill (%d tokens)" % a.prefill if a.prefill else "decode", a.rounds))
     print("|---|---|---|---|---|---|---|")
     print("| llama.cpp alone | %.2f | — | — | — | %s | — |" % (
         statistics.median(x["alone"] for x in rounds), mem(rounds, "alone_rss", "alone_anon")))
