@@ -246,20 +246,23 @@ def test_queued_inferences_of_a_vanished_client_are_skipped(banks):
         assert dm.stop() == 0, dm.log_text()
 
 
-def test_fast_sessions_hold_whole_banks_in_the_cpu_decode_layout(banks):
+@pytest.mark.parametrize("bits", [4, 8])
+def test_fast_sessions_hold_whole_banks_in_the_cpu_decode_layout(banks, bits):
     """cpu_repack (default true): a fast session of its own holds its whole
-    banks with the 4-bit weights the r8 layout takes interleaved 8 rows at a
-    time, where this CPU's fast kernel reads that layout (AVX2 chosen for
-    decode), and the session's creation line says how many bytes; an exact
-    session never does, nor any session with cpu_repack false. Outputs at
-    1-9 rows are bitwise the same either way."""
+    banks with the 4-bit (or 8-bit) weights the r8 layout takes interleaved
+    8 rows at a time, where this CPU's fast kernel reads that layout of
+    that width (AVX2 chosen for decode), and the session's creation line
+    says how many bytes; an exact session never does, nor any session with
+    cpu_repack false. Outputs at 1-9 rows are bitwise the same either way."""
     import re
     flags = open("/proc/cpuinfo").read() if os.path.exists("/proc/cpuinfo") else ""
     avx2_only = " avx2" in flags and "avx512_vnni" not in flags and "avx_vnni" not in flags
     inputs = [(i % 2, hidden(t, seed=300 + i)) for i, t in enumerate((1, 2, 3, 4, 5, 9))]
+    bank = banks["small"] if bits == 4 else make_bank(
+        os.path.join(banks["dir"], "small8.bank"), bits=8, block=32, seed=5)
     outs = {}
     for repack in ("true", "false"):
-        dm = Daemon(models={"small": banks["small"]}, args=["--set", "cpu_repack=" + repack])
+        dm = Daemon(models={"small": bank}, args=["--set", "cpu_repack=" + repack])
         try:
             c = dm.client()
             fast = new_session(c, precision="fast")
