@@ -896,6 +896,17 @@ void qm_session_commit(qm_sessions *ss, qm_session *s)
            s->auto_budget.on ? ")" : "", (unsigned)s->owner_uid,
            (unsigned long long)s->last_stats.bytes_prefaulted_at_create,
            (unsigned long long)s->last_stats.bytes_interleaved_at_create, prior);
+    /* Fast mode reads weight blocks of whole 32-column sub-blocks: a bank
+     * with blocks of 16 (a GGUF's Q6_K, as in a Q4_K_M file, imported at 8
+     * bits) computes in exact precision whatever the session asked. */
+    const qm_bank_config *cfg = qm_bank_get_config(s->model->bank);
+    if (s->precision == QM_PRECISION_FAST && cfg && cfg->block_size % 32 != 0)
+        qm_log(QM_LOG_WARNING,
+               "session %s asked for fast precision, but model %s has weight blocks of %u "
+               "columns, which no fast kernel reads (they take whole 32-column blocks): its calls "
+               "compute in exact precision (f32 activations, slower); a bank imported with "
+               "blocks of 32 (qmoe-bank import gguf --requant-bits 4) runs fast",
+               s->id, s->model->name, cfg->block_size);
 }
 
 /* What the session holds on each device at `budget`: its share

@@ -246,6 +246,32 @@ def test_queued_inferences_of_a_vanished_client_are_skipped(banks):
         assert dm.stop() == 0, dm.log_text()
 
 
+def test_a_fast_session_on_blocks_of_16_says_it_computes_exact(banks):
+    """A bank with weight blocks of 16 columns (a Q4_K_M GGUF imported at 8
+    bits: Q6_K's exact repack) has no fast kernel: a session asking for fast
+    precision is told in the log, naming the model, the block and the
+    import that runs fast, and computes what an exact session computes, bit
+    for bit; an exact session is not warned."""
+    bank = make_bank(os.path.join(banks["dir"], "b16.bank"), bits=8, block=16, seed=6)
+    dm = Daemon(models={"small": bank})
+    try:
+        c = dm.client()
+        fast = new_session(c, precision="fast")
+        exact = new_session(c)
+        log = dm.log_text()
+        assert log.count("asked for fast precision") == 1, log[-2000:]
+        line = next(l for l in log.splitlines() if "asked for fast precision" in l)
+        assert fast in line and "blocks of 16" in line and "--requant-bits 4" in line, line
+        for t, l in ((1, 0), (3, 1), (9, 0)):
+            x = hidden(t, seed=500 + t)
+            a, b = (from_tensor(c.call("session.infer", {"session": sid, "layer": l,
+                                                         "hidden": tensor(x)})["output"])
+                    for sid in (fast, exact))
+            assert a.tobytes() == b.tobytes(), t
+    finally:
+        assert dm.stop() == 0, dm.log_text()
+
+
 @pytest.mark.parametrize("bits", [4, 8])
 def test_fast_sessions_hold_whole_banks_in_the_cpu_decode_layout(banks, bits):
     """cpu_repack (default true): a fast session of its own holds its whole

@@ -236,6 +236,12 @@ def test_mixed_q4k_q6k_keeps_q6k_exact(tmp_path):
     assert np.array_equal(down.view(np.uint32), src[0]["down"].view(np.uint32))
     lines = {l.split()[0]: l for l in stdout.splitlines() if l.startswith("  ")}
     assert "exact repack" in lines["Q6_K"] and "requantised" in lines["Q4_K"], stdout
+    # Blocks of 16 have no fast kernel and take more bytes: the import says
+    # so and names the way out (the Q4_K_M case: int8 block 16, 1.8x its GGUF).
+    r = run_tool("import", "gguf", gpath, "--out", tmp_path / "q.bank", "--quiet")
+    note = [l for l in r.stderr.splitlines() if l.startswith("note: ") and "blocks of 16" in l]
+    assert note and "exact precision" in note[0] and "--requant-bits 4" in note[0], r.stderr
+    assert "x the GGUF file" in note[0] and not r.stdout, (r.stdout, r.stderr)
     # Scale dtypes per tensor: requantised ones take --scales (default f16),
     # the exact Q6_K repack keeps f32 whatever --scales says.
     assert t["layers.0.fc1.scales"].dtype == np.float16 and t["layers.0.fc3.scales"].dtype == np.float16
@@ -244,6 +250,10 @@ def test_mixed_q4k_q6k_keeps_q6k_exact(tmp_path):
     t32, _ = load_bank(out32)
     assert all(t32[f"layers.0.{fc}.scales"].dtype == np.float32 for fc in ("fc1", "fc2", "fc3"))
     assert np.array_equal(bank_matrix(t32, meta, 0, "fc2").view(np.uint32), down.view(np.uint32))
+    r4 = run_tool("import", "gguf", gpath, "--out", tmp_path / "q4.bank", "--requant-bits", "4")
+    _, meta4 = load_bank(tmp_path / "q4.bank")
+    assert (meta4["qmoe.bits"], meta4["qmoe.block_size"]) == ("4", "32")
+    assert "note:" not in r4.stderr + r4.stdout, r4
 
 
 def silu(z):

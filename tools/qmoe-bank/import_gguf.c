@@ -796,6 +796,21 @@ int qm__gguf_run(qm__gguf_file *given, int argc, char **argv)
         if (stat(out, &sb) == 0) printf(", %lld bytes", (long long)sb.st_size);
         printf("\n");
     }
+    if (pl.bs % 32 != 0) {
+        /* On stderr, --quiet or not: an engine that imports for its user
+         * (llama.cpp's --qmoed-bank) shows it. */
+        struct stat ob, gb;
+        char ratio[64] = "";
+        if (stat(out, &ob) == 0 && stat(j.in_path, &gb) == 0 && gb.st_size > 0)
+            snprintf(ratio, sizeof ratio, ", %.2fx the GGUF file",
+                     (double)ob.st_size / (double)gb.st_size);
+        fprintf(stderr,
+                "note: %s: blocks of %u columns (Q6_K's exact repack) have no fast kernel: "
+                "sessions of this bank compute in exact precision whatever they ask; it holds "
+                "%d-bit codes%s; --requant-bits 4 requantises every tensor to int4 blocks of 32: "
+                "fast decode at about a Q4_0's size and error (docs/IMPORT.md, K-quant files)\n",
+                out, pl.bs, pl.bits, ratio);
+    }
     goto done;
 fail:
     ret = rc == QM_EIO || rc == QM_ENOMEM || rc == QM_EINTERNAL ? QM__EXIT_FAIL : QM__EXIT_USAGE;
