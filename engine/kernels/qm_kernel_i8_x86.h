@@ -755,53 +755,43 @@ QM__I8_AI void qm__v_r8q8_group(const qm__qmat *m, const uint8_t *p, const char 
 {
     const size_t nsb = m->k / 32;
     const __m256i flip = _mm256_set1_epi8((char)0x80), ones = _mm256_set1_epi16(1);
-    __m256 acc0 = _mm256_setzero_ps(), acc1 = acc0, acc2 = acc0, acc3 = acc0;
+    __m256 acc[4];
+    for (int i = 0; i < NX; i++)
+        acc[i] = _mm256_setzero_ps();
     for (size_t j = 0; j < nsb; j++, p += 256) {
         if (pf)
             for (int l = 0; l < 4; l++)
                 _mm_prefetch(pf + 256 * j + 64 * l, QM__PF_HINT);
-        __m256i s0 = _mm256_setzero_si256(), s1 = s0, s2 = s0, s3 = s0;
+        __m256i sum[4];
+        for (int i = 0; i < NX; i++)
+            sum[i] = _mm256_setzero_si256();
 #pragma GCC unroll 8
         for (size_t q = 0; q < 8; q++) {
             __m256i w = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(p + 32 * q)), flip);
             __m256i aw = _mm256_abs_epi8(w);
-            size_t o = 32 * j + 4 * q;
-#define QM__R8Q8_STEP(S, I)                                                                        \
-    do {                                                                                           \
-        int32_t x_;                                                                                \
-        memcpy(&x_, x[I].q + o, 4);                                                                \
-        __m256i t_ = _mm256_maddubs_epi16(aw, _mm256_sign_epi8(_mm256_set1_epi32(x_), w));         \
-        S = _mm256_add_epi32(S, _mm256_madd_epi16(t_, ones));                                      \
-    } while (0)
-            QM__R8Q8_STEP(s0, 0);
-            if (NX > 1)
-                QM__R8Q8_STEP(s1, 1);
-            if (NX > 2)
-                QM__R8Q8_STEP(s2, 2);
-            if (NX > 3)
-                QM__R8Q8_STEP(s3, 3);
-#undef QM__R8Q8_STEP
+            for (int i = 0; i < NX; i++) {
+                int32_t xb;
+                memcpy(&xb, x[i].q + 32 * j + 4 * q, 4);
+                __m256i t = _mm256_maddubs_epi16(aw, _mm256_sign_epi8(_mm256_set1_epi32(xb), w));
+                sum[i] = _mm256_add_epi32(sum[i], _mm256_madd_epi16(t, ones));
+            }
         }
-#define QM__R8Q8_EPI(A, S, I)                                                                      \
-    A = qm__v_epi_b32(&x[I], sct, h, j, _mm256_add_epi32(S, _mm256_set1_epi32(x[I].zsum[j])), A)
-        QM__R8Q8_EPI(acc0, s0, 0);
-        if (NX > 1)
-            QM__R8Q8_EPI(acc1, s1, 1);
-        if (NX > 2)
-            QM__R8Q8_EPI(acc2, s2, 2);
-        if (NX > 3)
-            QM__R8Q8_EPI(acc3, s3, 3);
-#undef QM__R8Q8_EPI
+        for (int i = 0; i < NX; i++)
+            acc[i] =
+                qm__v_epi_b32(&x[i], sct, h, j,
+                              _mm256_add_epi32(sum[i], _mm256_set1_epi32(x[i].zsum[j])), acc[i]);
     }
-    _mm256_storeu_ps(y, acc0);
-    if (NX > 1)
-        _mm256_storeu_ps(y + ldy, acc1);
-    if (NX > 2)
-        _mm256_storeu_ps(y + 2 * ldy, acc2);
-    if (NX > 3)
-        _mm256_storeu_ps(y + 3 * ldy, acc3);
+    for (int i = 0; i < NX; i++)
+        _mm256_storeu_ps(y + (size_t)i * ldy, acc[i]);
 }
 #endif
+
+/* fn(args..., NX) with NX the constant 1-4 that cnt is. */
+#define QM__V_BY_NX(fn, cnt, ...)                                                                  \
+    ((cnt) == 1   ? fn(__VA_ARGS__, 1)                                                             \
+     : (cnt) == 2 ? fn(__VA_ARGS__, 2)                                                             \
+     : (cnt) == 3 ? fn(__VA_ARGS__, 3)                                                             \
+                  : fn(__VA_ARGS__, 4))
 
 /* Rows [n0, n0 + nr) of an r8 matrix (n0 and nr multiples of 8) times nx
  * inputs, up to 4 at a time: each group's scales taken once, the next
@@ -837,28 +827,15 @@ static void qm__v_r8(const qm__qmat *m, uint32_t n0, uint32_t nr, const float *x
             const char *pfr = r ? NULL : pf;
 #ifdef QM__V_R8_Q8
             if (m->bits == 8) {
-                if (cnt == 1)
-                    qm__v_r8q8_group(m, p, pfr, x, s->sct, h, yo, ldy, 1);
-                else if (cnt == 2)
-                    qm__v_r8q8_group(m, p, pfr, x, s->sct, h, yo, ldy, 2);
-                else if (cnt == 3)
-                    qm__v_r8q8_group(m, p, pfr, x, s->sct, h, yo, ldy, 3);
-                else
-                    qm__v_r8q8_group(m, p, pfr, x, s->sct, h, yo, ldy, 4);
+                QM__V_BY_NX(qm__v_r8q8_group, cnt, m, p, pfr, x, s->sct, h, yo, ldy);
                 continue;
             }
 #endif
-            if (cnt == 1)
-                qm__v_r8_group(m, p, pfr, x, s->sct, h, yo, ldy, 1);
-            else if (cnt == 2)
-                qm__v_r8_group(m, p, pfr, x, s->sct, h, yo, ldy, 2);
-            else if (cnt == 3)
-                qm__v_r8_group(m, p, pfr, x, s->sct, h, yo, ldy, 3);
-            else
-                qm__v_r8_group(m, p, pfr, x, s->sct, h, yo, ldy, 4);
+            QM__V_BY_NX(qm__v_r8_group, cnt, m, p, pfr, x, s->sct, h, yo, ldy);
         }
     }
 }
+#undef QM__V_BY_NX
 #endif
 
 /* Rows [n0, n1) times nx inputs, 8 rows at a time, one input at a time.
