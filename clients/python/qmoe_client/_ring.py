@@ -211,6 +211,10 @@ class Ring:
             self._store(OFF_CLIENT_PARKED, 0)
             if load(OFF_ANS_SEQ) == seq:
                 return True
+            # The region's word before the socket: a daemon that closed the
+            # ring (drain, exit) and then its socket said why in the region.
+            if load(OFF_STATE) != 0:
+                raise RingClosed(*self.closed())
             if sock_fd < 0:  # no socket to look at (tests drive the region alone)
                 continue
             p = select.poll()
