@@ -214,6 +214,12 @@ static void pool_done(void *arg, qm_job *job)
     qm_dispatch_job_done(&((qm_daemon *)arg)->methods, job);
 }
 
+static void pool_discard(void *arg, qm_job *job)
+{
+    (void)arg;
+    qm_dispatch_job_discard(job);
+}
+
 /* The configuration from the flags and the file, and what must hold before
  * anything opens: -1 to go on, else the exit status (the config freed). */
 static int configure(qm_daemon *d, int argc, char **argv)
@@ -335,7 +341,8 @@ static int start_serving(qm_daemon *d)
     d->methods.rings = d->rings;
     qm_registry_sessions(d->registry)->on_close = session_closed;
     qm_registry_sessions(d->registry)->on_close_arg = d;
-    qm_pool_hooks hooks = {.done = pool_done, .idle = maybe_finish, .arg = d};
+    qm_pool_hooks hooks = {
+        .done = pool_done, .idle = maybe_finish, .discard = pool_discard, .arg = d};
     if (qm_pool_start(d->loop, d->cfg.workers, &hooks, &d->pool) < 0) {
         qm_log(QM_LOG_ERR, "cannot start %u workers", d->cfg.workers);
         return -1;

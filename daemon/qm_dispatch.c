@@ -262,3 +262,9 @@ void qm_dispatch_job_done(const qm_method_ctx *mx, qm_job *job)
     qm_session_unref(job->session);
     qm_job_free(job);
 }
+
+void qm_dispatch_job_discard(qm_job *job)
+{
+    qm_session_unref(job->session);
+    qm_job_free(job);
+}

@@ -92,6 +92,10 @@ struct qm_job {
 typedef struct qm_pool_hooks {
     void (*done)(void *arg, qm_job *job);
     void (*idle)(void *arg);
+    /* qm_pool_stop, for each job the loop never took (done after it
+     * stopped, or never run): release it (its session reference, its
+     * memory); no answer, no bookkeeping. None: the jobs leak. */
+    void (*discard)(void *arg, qm_job *job);
     void *arg;
 } qm_pool_hooks;
 
@@ -100,7 +104,10 @@ typedef struct qm_pool_hooks {
  * QM_ENOMEM. */
 int qm_pool_start(uv_loop_t *loop, uint32_t n_threads, const qm_pool_hooks *hooks,
                   qm_pool **out);
-void qm_pool_stop(qm_pool *p); /* joins the workers and frees p; accepts NULL */
+/* Joins the workers, hands every job the loop did not take to
+ * hooks.discard, frees p; accepts NULL. After the loop's last run and
+ * after every thread that submits (rings) has ended. */
+void qm_pool_stop(qm_pool *p);
 /* Queues a job on its queue's FIFO (takes ownership). QM_EOVERLOADED,
  * the job still the caller's, when it is bounded and queue_depth bounded
  * jobs are already waiting. Loop thread. */

@@ -33,6 +33,7 @@
 #include "qm_alloc.h"
 #include "qm_fault.h"
 #include "qm_io.h"
+#include "qm_log.h"
 #include "qm_telemetry.h"
 
 struct qm_pool {
@@ -262,6 +263,50 @@ fail_mutex:
     return QM_ENOMEM;
 }
 
+/* The jobs no loop will take now that the workers are joined: those done
+ * after the loop's last drain (a ring's call taken as the daemon stopped)
+ * and those never run (drain_timeout_s ran out with work queued), handed
+ * to hooks.discard, which gives back what each holds. Every queue with
+ * jobs is on the run queue here: whoever held one pushed it there. */
+static void discard_left(qm_pool *p)
+{
+    qm_job *list = p->done_head, *tail = p->done_tail;
+    size_t done = 0, never_ran = 0;
+    for (qm_job *j = list; j; j = j->next)
+        done++;
+    p->done_head = p->done_tail = NULL;
+    for (qm_job_queue *q = p->runq_head; q; q = q->runq_next) {
+        for (qm_job *j = q->head; j; j = j->next)
+            never_ran++;
+        if (q->head) {
+            if (tail)
+                tail->next = q->head;
+            else
+                list = q->head;
+            tail = q->tail;
+        }
+        q->head = q->tail = NULL;
+        q->scheduled = 0;
+    }
+    p->runq_head = p->runq_tail = NULL;
+    if (done + never_ran)
+        qm_log(QM_LOG_INFO, "exiting with %zu jobs the loop did not take (%zu done, %zu never "
+               "run): released", done + never_ran, done, never_ran);
+    /* The list is whole before the first discard: that may free a session
+     * and the queue embedded in it. */
+    while (list) {
+        qm_job *job = list;
+        list = job->next;
+        job->next = NULL;
+        atomic_fetch_sub(&p->queued, 1);
+        if (job->ops->bounded)
+            atomic_fetch_sub(&p->queued_bounded, 1);
+        atomic_fetch_sub(&job->queue->pending, 1);
+        if (p->hooks.discard)
+            p->hooks.discard(p->hooks.arg, job);
+    }
+}
+
 void qm_pool_stop(qm_pool *p)
 {
     if (!p)
@@ -273,6 +318,7 @@ void qm_pool_stop(qm_pool *p)
     for (uint32_t i = 0; i < p->n_threads; i++)
         uv_thread_join(&p->threads[i]);
     qm_free(p->threads);
+    discard_left(p);
     qm_fault_report();
     uv_cond_destroy(&p->cv);
     uv_mutex_destroy(&p->mu);

@@ -2,6 +2,9 @@
  * histograms, the trace ring, flags and the config file, the systemd
  * helpers. The wire behaviour is tested end to end in test_qmoed.py. */
 #include <check.h>
+#include <pthread.h>
+#include <semaphore.h>
+#include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -16,6 +19,8 @@
 #include "qm_idle_hint.h"
 #include "qm_log.h"
 #include "qm_notify.h"
+#include "qm_pool.h"
+#include "qm_server.h"
 #include "qm_moe.h"
 #include "qm_pager.h"
 #include "qm_protocol.h"
@@ -592,6 +597,119 @@ START_TEST(test_idle_hint_only_for_haltpoll_that_never_polls)
 }
 END_TEST
 
+/* ---- the compute pool at exit ---- */
+
+static struct {
+    int ran, done, discarded, discarded_ran;
+    sem_t release; /* blocking_run waits on it */
+    sem_t started;
+} pool_t;
+
+static void counting_run(qm_job *job)
+{
+    (void)job;
+    __atomic_fetch_add(&pool_t.ran, 1, __ATOMIC_SEQ_CST);
+}
+
+static void blocking_run(qm_job *job)
+{
+    counting_run(job);
+    sem_post(&pool_t.started);
+    while (sem_wait(&pool_t.release) != 0)
+        ;
+}
+
+static void no_finish(qm_job *job) { (void)job; }
+
+static const qm_job_ops counting_ops = {.run = counting_run, .finish = no_finish};
+static const qm_job_ops blocking_ops = {.run = blocking_run, .finish = no_finish};
+
+static void pool_t_done(void *arg, qm_job *job)
+{
+    (void)arg;
+    pool_t.done++;
+    qm_job_free(job);
+}
+
+static void pool_t_discard(void *arg, qm_job *job)
+{
+    (void)arg;
+    pool_t.discarded++;
+    pool_t.discarded_ran += job->end_us != 0;
+    qm_job_free(job);
+}
+
+static qm_job *pool_t_job(const qm_job_ops *ops, qm_job_queue *q)
+{
+    qm_job *job = qm_calloc(1, sizeof *job);
+    ck_assert_ptr_nonnull(job);
+    job->ops = ops;
+    job->queue = q;
+    job->fds = QM_FDS_NONE;
+    return job;
+}
+
+static void pool_t_close_walk(uv_handle_t *h, void *arg)
+{
+    (void)arg;
+    if (!uv_is_closing(h))
+        uv_close(h, NULL);
+}
+
+static void *release_later(void *arg)
+{
+    (void)arg;
+    usleep(100 * 1000);
+    sem_post(&pool_t.release);
+    return NULL;
+}
+
+/* A ring's call run on its thread as the loop stops (done, never taken)
+ * and a session's job queued behind a running one when the workers stop
+ * (never run): both reach the discard hook, so their session references
+ * and memory are given back (the leak CI's LeakSanitizer found). */
+START_TEST(test_pool_stop_discards_the_jobs_the_loop_never_took)
+{
+    memset(&pool_t, 0, sizeof pool_t);
+    ck_assert_int_eq(sem_init(&pool_t.release, 0, 0), 0);
+    ck_assert_int_eq(sem_init(&pool_t.started, 0, 0), 0);
+    uv_loop_t loop;
+    ck_assert_int_eq(uv_loop_init(&loop), 0);
+    qm_pool_hooks hooks = {.done = pool_t_done, .discard = pool_t_discard};
+    qm_pool *p;
+    ck_assert_int_eq(qm_pool_start(&loop, 1, &hooks, &p), 0);
+    qm_job_queue ring_q = {0}, session_q = {0};
+
+    /* Run at once on this thread, lazily: the loop is not told. */
+    ck_assert_int_eq(qm_pool_run_or_queue(p, pool_t_job(&counting_ops, &ring_q)), 1);
+    ck_assert_int_eq(pool_t.ran, 1);
+    /* A worker holds the session with a job that blocks; one waits. */
+    ck_assert_int_eq(qm_pool_submit(p, pool_t_job(&blocking_ops, &session_q), 8), 0);
+    ck_assert_int_eq(qm_pool_submit(p, pool_t_job(&counting_ops, &session_q), 8), 0);
+    while (sem_wait(&pool_t.started) != 0)
+        ;
+    ck_assert_uint_eq(qm_pool_queued(p), 3);
+    pthread_t t;
+    ck_assert_int_eq(pthread_create(&t, NULL, release_later, NULL), 0);
+    /* The loop never runs again: the daemon's order at exit. */
+    qm_pool_stop(p);
+    pthread_join(t, NULL);
+
+    ck_assert_int_eq(pool_t.done, 0);
+    ck_assert_int_eq(pool_t.ran, 2); /* the queued job never ran */
+    ck_assert_int_eq(pool_t.discarded, 3);
+    ck_assert_int_eq(pool_t.discarded_ran, 2);
+    ck_assert_uint_eq(atomic_load(&ring_q.pending), 0);
+    ck_assert_uint_eq(atomic_load(&session_q.pending), 0);
+    /* Its handles go with the loop (the daemon closes them with the rest). */
+    uv_walk(&loop, pool_t_close_walk, NULL);
+    uv_run(&loop, UV_RUN_DEFAULT);
+    ck_assert_int_eq(uv_loop_close(&loop), 0);
+    sem_destroy(&pool_t.release);
+    sem_destroy(&pool_t.started);
+}
+END_TEST
+
 int main(void)
 {
     Suite *s = suite_create("daemon");
@@ -621,6 +739,9 @@ int main(void)
     suite_add_tcase(s, tc);
     tc = tcase_create("idle");
     tcase_add_test(tc, test_idle_hint_only_for_haltpoll_that_never_polls);
+    suite_add_tcase(s, tc);
+    tc = tcase_create("pool");
+    tcase_add_test(tc, test_pool_stop_discards_the_jobs_the_loop_never_took);
     suite_add_tcase(s, tc);
     tc = tcase_create("sigbus");
     tcase_add_test(tc, test_sigbus_in_a_truncated_bank_mapping_reads_zeros_and_poisons);
