@@ -159,6 +159,20 @@ static void worker_main(void *arg)
     uv_mutex_unlock(&p->mu);
 }
 
+/* The head of a list of jobs handed back, taken off it and counted gone
+ * from the pool and from its session's queue. */
+static qm_job *take_counted(qm_pool *p, qm_job **list)
+{
+    qm_job *job = *list;
+    *list = job->next;
+    job->next = NULL;
+    atomic_fetch_sub(&p->queued, 1);
+    if (job->ops->bounded)
+        atomic_fetch_sub(&p->queued_bounded, 1);
+    atomic_fetch_sub(&job->queue->pending, 1);
+    return job;
+}
+
 /* Hands every done job to the loop's hook, in the order they were done. */
 static void done_drain(qm_pool *p)
 {
@@ -168,13 +182,7 @@ static void done_drain(qm_pool *p)
     p->done_head = p->done_tail = NULL;
     uv_mutex_unlock(&p->mu);
     while (list) {
-        qm_job *job = list;
-        list = job->next;
-        job->next = NULL;
-        atomic_fetch_sub(&p->queued, 1);
-        if (job->ops->bounded)
-            atomic_fetch_sub(&p->queued_bounded, 1);
-        atomic_fetch_sub(&job->queue->pending, 1);
+        qm_job *job = take_counted(p, &list);
         p->hooks.done(p->hooks.arg, job);
     }
     if (p->hooks.idle)
@@ -295,13 +303,7 @@ static void discard_left(qm_pool *p)
     /* The list is whole before the first discard: that may free a session
      * and the queue embedded in it. */
     while (list) {
-        qm_job *job = list;
-        list = job->next;
-        job->next = NULL;
-        atomic_fetch_sub(&p->queued, 1);
-        if (job->ops->bounded)
-            atomic_fetch_sub(&p->queued_bounded, 1);
-        atomic_fetch_sub(&job->queue->pending, 1);
+        qm_job *job = take_counted(p, &list);
         if (p->hooks.discard)
             p->hooks.discard(p->hooks.arg, job);
     }
