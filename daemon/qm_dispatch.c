@@ -265,6 +265,11 @@ void qm_dispatch_job_done(const qm_method_ctx *mx, qm_job *job)
 
 void qm_dispatch_job_discard(qm_job *job)
 {
+    /* Its frame's answer is written by no one: the slot is settled empty,
+     * which lets the reply go, and with it its hold on the connection (a
+     * closed one: nothing is written). */
+    if (job->reply)
+        qm_reply_fill(job->reply, job->slot, NULL, 0);
     qm_session_unref(job->session);
     qm_job_free(job);
 }

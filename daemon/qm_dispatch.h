@@ -59,7 +59,8 @@ void qm_dispatch_frame(const qm_method_ctx *mx, qm_conn *c, qm_rpc_frame *frame,
  * operations, its session reference dropped, freed. */
 void qm_dispatch_job_done(const qm_method_ctx *mx, qm_job *job);
 /* A job the loop will never take (the pool's discard hook, at exit): its
- * session reference dropped, freed; nothing answered. */
+ * reply slot settled empty, its session reference dropped, freed; nothing
+ * answered. */
 void qm_dispatch_job_discard(qm_job *job);
 
 #endif

@@ -8,6 +8,7 @@ qmoed_suite.py).
 """
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -17,7 +18,7 @@ import time
 
 import pytest
 
-from qmoed_harness import Client, Daemon, qmoed_path, root_args, tensor
+from qmoed_harness import Client, Daemon, make_bank, qmoed_path, root_args, tensor
 from qmoed_suite import daemon_open_to_all, hidden, new_session, run_as
 
 
@@ -112,6 +113,36 @@ def test_a_drain_that_times_out_on_a_client_not_reading_says_so(banks):
     log = dm.log_text()
     assert "drain_timeout_s 1 passed with 0 requests unanswered and" in log, log[-2000:]
     assert "bytes of answers unread by 1 connections" in log, log[-2000:]
+    c.close()
+
+
+def test_a_drain_that_times_out_with_inferences_queued_releases_them(banks):
+    """At drain_timeout_s the daemon exits 1 with inferences still queued
+    behind a slow one: the workers stop, and what those jobs hold (their
+    session's reference, and through it the session, its pool and its
+    model) is given back before exit; LeakSanitizer found it kept (B33).
+    The log counts them."""
+    import numpy as np
+    big = make_bank(os.path.join(banks["dir"], "lifecycle-big.bank"), layers=1, experts=8,
+                    hidden=2048, inter=2048, k=4, bits=4, block=32, seed=5)
+    dm = Daemon(models={"big": big}, args=["--set", "drain_timeout_s=1"])
+    c = dm.client()
+    sid = new_session(c, model="big")
+    x = tensor(np.random.default_rng(3).standard_normal((256, 2048)).astype(np.float32))
+    n = 12  # each some 0.2-1 s of exact compute: far more than the drain's second
+    line = lambda i: (json.dumps({"jsonrpc": "2.0", "id": i, "method": "session.infer",
+                                  "params": {"session": sid, "layer": 0, "hidden": x}})
+                      + "\n").encode()
+    c.send_raw(b"".join(line(i) for i in range(n)))
+    assert "result" in c.read()  # the pipeline is running
+    dm.signal(signal.SIGTERM)
+    rc = dm.proc.wait(120)
+    dm.stop()
+    log = dm.log_text()
+    assert rc == 1, log[-3000:]
+    assert "requests unanswered" in log, log[-3000:]
+    assert re.search(r"exiting with \d+ jobs the loop did not take \(\d+ done, [1-9]\d* never run\)",
+                     log), log[-3000:]
     c.close()
 
 
