@@ -737,20 +737,24 @@ def test_sigterm_amid_back_to_back_ring_calls_exits_clean(banks):
         shm.put(0, hidden(1, seed=3).tobytes())
         _, req = both(sid, 0, ("f32", 1, H, shm.id, 0), (shm.id, 4096))
         codes = []
+        first = threading.Event()
 
         def hammer():
             while True:
                 try:
                     codes.append(ring.call(req, timeout=30)[0])
+                    first.set()
                 except _ring.RingClosed as e:
                     codes.append(("closed", e.code))
                     return
                 except Exception as e:  # noqa: BLE001 - the assertion shows it
                     codes.append(repr(e))
+                    first.set()
                     return
 
         th = threading.Thread(target=hammer)
         th.start()
+        assert first.wait(60), codes  # calls are flowing (slow machines, sanitizers)
         time.sleep(delay)
         dm.signal(signal.SIGTERM)
         th.join(60)
