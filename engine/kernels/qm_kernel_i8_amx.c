@@ -49,5 +49,6 @@ const qm__i8isa qm__i8isa_amx = {
     .gemv = qm__i8mm_avx512vnni,
     .gemm = qm__amx_gemm,
     .reads_r8 = 1,
+    .reads_r8_q8 = 1,
     .model = &qm__i8model_amx,
 };

@@ -13,6 +13,7 @@
 
 #define QM__V_FN qm__vnni512_gemv
 #define QM__V_R8 1 /* reads r8 matrices (qm_r8.h) */
+#define QM__V_R8_Q8 1 /* 8-bit ones too */
 #define QM__V_DPBUSD(acc, w, x) _mm256_dpbusd_epi32(acc, w, x)
 #define QM__V_DPBUSD512(acc, w, x) _mm512_dpbusd_epi32(acc, w, x)
 #include "qm_kernel_i8_x86.h"
@@ -55,5 +56,6 @@ const qm__i8isa qm__i8isa_avx512vnni = {
     .gemv = qm__vnni512_gemv,
     .gemm = qm__vnni512_gemm,
     .reads_r8 = 1,
+    .reads_r8_q8 = 1,
     .model = &qm__i8model_avx512vnni,
 };

@@ -13,6 +13,7 @@
 
 #define QM__V_FN qm__avxvnni_gemv
 #define QM__V_R8 1 /* reads r8 matrices (qm_r8.h) */
+#define QM__V_R8_Q8 1 /* 8-bit ones too */
 #define QM__V_DPBUSD(acc, w, x) _mm256_dpbusd_avx_epi32(acc, w, x)
 #include "qm_kernel_i8_x86.h"
 
@@ -48,5 +49,6 @@ const qm__i8isa qm__i8isa_avxvnni = {
     .gemv = qm__avxvnni_gemv,
     .gemm = qm__avxvnni_gemm,
     .reads_r8 = 1,
+    .reads_r8_q8 = 1,
     .model = &qm__i8model_avxvnni,
 };

@@ -169,8 +169,10 @@ const qm__i8isa qm__i8model_avx512vnni = {
     .kernel = {.name = "model-avx512vnni", .mm = qm__model16_mm},
     .gemv = qm__model_vnni_gemv,
     .gemm = qm__model16_gemm,
-    .reads_r8 = 1};
+    .reads_r8 = 1,
+    .reads_r8_q8 = 1};
 const qm__i8isa qm__i8model_amx = {.kernel = {.name = "model-amx", .mm = qm__model_amx_mm},
                                    .gemv = qm__model16_mm,
                                    .gemm = qm__model_amx_gemm,
-                                   .reads_r8 = 1};
+                                   .reads_r8 = 1,
+                                   .reads_r8_q8 = 1};

@@ -26,4 +26,5 @@ static void qm__model8_mm(const qm__qmat *m, uint32_t n0, uint32_t n1, const flo
 const qm__i8isa qm__i8model_avxvnni = {.kernel = {.name = "model-avxvnni", .mm = qm__model8_mm},
                                        .gemv = qm__model_vnni_gemv,
                                        .gemm = qm__model8_gemm,
-                                       .reads_r8 = 1};
+                                       .reads_r8 = 1,
+                                       .reads_r8_q8 = 1};

@@ -20,6 +20,7 @@ static inline __m256i qm__model_dpbusd256(__m256i acc, __m256i w, __m256i x)
 
 #define QM__V_FN qm__model_gemv_body
 #define QM__V_R8 1 /* reads r8 matrices, as the VNNI kernels' GEMV does */
+#define QM__V_R8_Q8 1 /* 8-bit ones too */
 #define QM__V_DPBUSD(acc, w, x) qm__model_dpbusd256(acc, w, x)
 #include "qm_kernel_i8_x86.h"
 

@@ -736,7 +736,48 @@ QM__I8_AI void qm__v_r8_group(const qm__qmat *m, const uint8_t *p, const char *p
 #undef QM__V_R8_STEP
 #undef QM__V_R8_SUMS
 
-#ifdef QM__V_R8_Q8
+#if defined(QM__V_R8_Q8) && defined(QM__V_DPBUSD)
+/* A group of 8 rows of an 8-bit r8 matrix (qm_r8.h: sub-block j is the
+ * group's bytes 256j..256j+255, 8 runs of 8 rows x 4 code bytes) at p times
+ * NX (1-4) inputs x, on a vpdpbusd ISA: per run, the codes (u8) against the
+ * run's 4 input bytes (s8) broadcast, summed by 4 into each row's int32
+ * lane exactly (at most 4 x 255 x 127 a step), in two accumulators so that
+ * no chain of dependent vpdpbusd is longer than 4. Those are the row
+ * layout's integers, so the canonical epilogue (qm__v_epi_b32) gives the
+ * same bits as qm__v_b32. pf: the next group (NULL: none), one line asked
+ * for per 64 bytes read. */
+QM__I8_AI void qm__v_r8q8_group(const qm__qmat *m, const uint8_t *p, const char *pf,
+                                const qm__i8_xrow *x, const float *sct, uint32_t h, float *y,
+                                size_t ldy, const int NX)
+{
+    const size_t nsb = m->k / 32;
+    __m256 acc[4];
+    for (int i = 0; i < NX; i++)
+        acc[i] = _mm256_setzero_ps();
+    for (size_t j = 0; j < nsb; j++, p += 256) {
+        if (pf)
+            for (int l = 0; l < 4; l++)
+                _mm_prefetch(pf + 256 * j + 64 * l, QM__PF_HINT);
+        __m256i sum[4][2];
+        for (int i = 0; i < NX; i++)
+            sum[i][0] = sum[i][1] = _mm256_setzero_si256();
+#pragma GCC unroll 8
+        for (size_t q = 0; q < 8; q++) {
+            __m256i w = _mm256_loadu_si256((const __m256i *)(p + 32 * q));
+            for (int i = 0; i < NX; i++) {
+                int32_t xb;
+                memcpy(&xb, x[i].q + 32 * j + 4 * q, 4);
+                sum[i][q % 2] = QM__V_DPBUSD(sum[i][q % 2], w, _mm256_set1_epi32(xb));
+            }
+        }
+        for (int i = 0; i < NX; i++)
+            acc[i] = qm__v_epi_b32(&x[i], sct, h, j, _mm256_add_epi32(sum[i][0], sum[i][1]),
+                                   acc[i]);
+    }
+    for (int i = 0; i < NX; i++)
+        _mm256_storeu_ps(y + (size_t)i * ldy, acc[i]);
+}
+#elif defined(QM__V_R8_Q8)
 /* A group of 8 rows of an 8-bit r8 matrix (qm_r8.h: sub-block j is the
  * group's bytes 256j..256j+255, 8 runs of 8 rows x 4 code bytes) at p times
  * NX (1-4) inputs x: per run, one load against the run's 4 input bytes

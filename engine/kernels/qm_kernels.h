@@ -95,11 +95,11 @@ typedef struct qm__i8kernel {
 
 extern const qm__i8kernel qm__i8kernel_scalar;
 /* 1 when k's mm runs r8 matrices (qm_r8.h) of `bits` (4 or 8) on nx inputs
- * itself: a row of the fast table that reads them (qm_kernel_isa.h: 4-bit,
- * every SIMD row today; 8-bit, the AVX2 row), its decode GEMV and its
- * GEMM's packer, forced or the one auto runs for nx inputs of that width
- * on this CPU. The scalar kernel and the exact ones are handed row-major
- * tiles (qm_cpu_ffn.c). */
+ * itself: a row of the fast table that reads them (qm_kernel_isa.h: 4- and
+ * 8-bit, every SIMD row today), its decode GEMV and its GEMM's packer,
+ * forced or the one auto runs for nx inputs of that width on this CPU.
+ * The scalar kernel and the exact ones are handed row-major tiles
+ * (qm_cpu_ffn.c). */
 int qm__i8kernel_r8_native(const qm__i8kernel *k, uint32_t nx, uint32_t bits);
 /* The fast-mode kernel for this CPU: among the rows of the fast table this
  * CPU runs and the self-check verified (qm_kernel_check.h), measured per
