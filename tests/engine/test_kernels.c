@@ -966,6 +966,44 @@ START_TEST(test_fast_packers_match_c)
         free(pa), free(pc), free(sa), free(sc), free(za), free(zc);
         fmat_free(&f);
     }
+    /* r8 matrices (qm_r8.h) of either width: the vector packers give the
+     * panels the C packer makes of the same rows in row order, whole
+     * groups and a half tile alike (the VNNI and AMX GEMMs pack 8-bit r8
+     * through qm__x_pack_u8; AVX2's through the s16 packer). */
+    for (int it = 0; it < 24; it++) {
+        /* r8 takes k in whole 64-column pairs of sub-blocks (qm__r8_eligible) */
+        uint32_t bits = it & 1 ? 8 : 4, k = 64 * (1 + next() % 12), n = 8 * (1 + next() % 9);
+        fmat f;
+        fmat_new(&f, bits, 32, k, n);
+        f.m.zp = NULL;
+        f.m.row_bytes = (size_t)k * bits / 8;
+        const qm__qmat *m = &f.m;
+        size_t nsb = qm__i8_nsb(m), bytes = (size_t)n * m->row_bytes;
+        uint8_t *wi = malloc(bytes), *tmp = malloc(8 * m->row_bytes);
+        uint8_t *pa = malloc(1024 * nsb), *pc = malloc(1024 * nsb);
+        ck_assert(wi && tmp && pa && pc);
+        memcpy(wi, f.w, bytes);
+        qm__r8_interleave(wi, n, m->row_bytes, tmp);
+        qm__qmat mi = *m;
+        mi.w = wi;
+        mi.r8 = 1;
+        for (uint32_t n0 = 0; n0 < n; n0 += 16) {
+            uint32_t nr = n - n0 < 16 ? n - n0 : 16;
+            memset(pa, 0x5a, 1024 * nsb);
+            qm__i8_pack_avx2(&mi, n0, nr, 0, nsb, 0, pa);
+            qm__i8_pack_u8_c(m, n0, nr, 0, nsb, pc);
+            ck_assert_msg(memcmp(pa, pc, 512 * nsb) == 0, "u8 panel of %u-bit r8, k %u rows %u+%u",
+                          bits, k, n0, nr);
+            if (bits == 8 && nsb > 1) {
+                qm__i8_pack_avx2(&mi, n0, nr, 1, nsb, 1, pa);
+                qm__i8_pack_s16_c(m, n0, nr, 1, nsb, pc);
+                ck_assert_msg(memcmp(pa, pc, 1024 * (nsb - 1)) == 0,
+                              "s16 panel of 8-bit r8, k %u rows %u+%u", k, n0, nr);
+            }
+        }
+        free(wi), free(tmp), free(pa), free(pc);
+        fmat_free(&f);
+    }
 }
 END_TEST
 
