@@ -88,12 +88,22 @@ QM__I8_AI __m256i qm__x_row_u8(const qm__qmat *m, uint32_t n0, uint32_t nr, uint
     return _mm256_inserti128_si256(_mm256_castsi128_si256(lo), hi, 1);
 }
 
-/* qm__i8_pack_u8_c on vectors. */
+/* qm__i8_pack_u8_c on vectors. A whole group of an 8-bit r8 matrix is
+ * copied as it lies: its sub-block's 8 runs of 8 rows x 4 bytes are the
+ * panel's 8 row dwords already (what the transpose makes of rows). */
 static inline void qm__x_pack_u8(const qm__qmat *m, uint32_t n0, uint32_t nr, size_t j0,
                                  size_t j1, uint8_t *pan)
 {
     for (size_t j = j0; j < j1; j++)
         for (uint32_t h = 0; h < 16; h += 8) {
+            if (m->r8 && m->bits == 8 && h + 8 <= nr && (n0 + h) % 8 == 0) {
+                const uint8_t *g = m->w + qm__r8_offset(m->row_bytes, n0 + h, 32 * j);
+                uint8_t *p = pan + 512 * (j - j0) + 4 * h;
+                for (int q = 0; q < 8; q++)
+                    _mm256_storeu_si256((__m256i *)(p + 64 * q),
+                                        _mm256_loadu_si256((const __m256i *)(g + 32 * q)));
+                continue;
+            }
             __m256i r[8];
             for (uint32_t i = 0; i < 8; i++)
                 r[i] = qm__x_row_u8(m, n0, nr, h + i, j);
