@@ -746,21 +746,30 @@ QM__I8_AI void qm__v_r8_group(const qm__qmat *m, const uint8_t *p, const char *p
 #undef QM__V_R8_STEP
 #undef QM__V_R8_SUMS
 
-#if defined(QM__V_R8_Q8) && defined(QM__V_DPBUSD)
+#ifdef QM__V_R8_Q8
 /* A group of 8 rows of an 8-bit r8 matrix (qm_r8.h: sub-block j is the
  * group's bytes 256j..256j+255, 8 runs of 8 rows x 4 code bytes) at p times
- * NX (1-4) inputs x, on a vpdpbusd ISA: per run, the codes (u8) against the
- * run's 4 input bytes (s8) broadcast, summed by 4 into each row's int32
- * lane exactly (at most 4 x 255 x 127 a step), in two accumulators so that
- * no chain of dependent vpdpbusd is longer than 4. Those are the row
- * layout's integers, so the canonical epilogue (qm__v_epi_b32) gives the
- * same bits as qm__v_b32. pf: the next group (NULL: none), one line asked
- * for per 64 bytes read. */
+ * NX (1-4) inputs x: per run, one load against the run's 4 input bytes
+ * broadcast, each row's sum in its own int32 lane, in two accumulators a
+ * sub-block (no chain of dependent vpdpbusd longer than 4). A vpdpbusd ISA
+ * takes the codes c (u8) as they are, exact in int32 (at most 4 x 255 x
+ * 127 a step): the row layout's integers. AVX2's vpmaddubsw takes u8 x s8
+ * too, but codes c (0..255) times |x| <= 127 would saturate its pairs: the
+ * code with its top bit flipped is c - 128 (s8), and |c - 128| (u8, at most
+ * 128) against x with the sign of c - 128 makes pairs of at most 2 * 128 *
+ * 127 = 32512, widened at once; that sums (c - 128) x, the row layout's
+ * sum less its zsum, which is added back. The canonical epilogue
+ * (qm__v_epi_b32) takes zsum off again: the same integers, hence the same
+ * bits, as qm__v_b32. pf: the next group (NULL: none), one line asked for
+ * per 64 bytes read. */
 QM__I8_AI void qm__v_r8q8_group(const qm__qmat *m, const uint8_t *p, const char *pf,
                                 const qm__i8_xrow *x, const float *sct, uint32_t h, float *y,
                                 size_t ldy, const int NX)
 {
     const size_t nsb = m->k / 32;
+#ifndef QM__V_DPBUSD
+    const __m256i flip = _mm256_set1_epi8((char)0x80), ones = _mm256_set1_epi16(1);
+#endif
     __m256 acc[4];
     for (int i = 0; i < NX; i++)
         acc[i] = _mm256_setzero_ps();
@@ -774,63 +783,29 @@ QM__I8_AI void qm__v_r8q8_group(const qm__qmat *m, const uint8_t *p, const char 
 #pragma GCC unroll 8
         for (size_t q = 0; q < 8; q++) {
             __m256i w = _mm256_loadu_si256((const __m256i *)(p + 32 * q));
-            for (int i = 0; i < NX; i++) {
-                int32_t xb;
-                memcpy(&xb, x[i].q + 32 * j + 4 * q, 4);
-                sum[i][q % 2] = QM__V_DPBUSD(sum[i][q % 2], w, _mm256_set1_epi32(xb));
-            }
-        }
-        for (int i = 0; i < NX; i++)
-            acc[i] = qm__v_epi_b32(&x[i], sct, h, j, _mm256_add_epi32(sum[i][0], sum[i][1]),
-                                   acc[i]);
-    }
-    for (int i = 0; i < NX; i++)
-        _mm256_storeu_ps(y + (size_t)i * ldy, acc[i]);
-}
-#elif defined(QM__V_R8_Q8)
-/* A group of 8 rows of an 8-bit r8 matrix (qm_r8.h: sub-block j is the
- * group's bytes 256j..256j+255, 8 runs of 8 rows x 4 code bytes) at p times
- * NX (1-4) inputs x: per run, one load against the run's 4 input bytes
- * broadcast, each row's sum in its own lane. vpmaddubsw takes u8 x s8, and
- * codes c (0..255) times |x| <= 127 would saturate its pairs; the code
- * with its top bit flipped is c - 128 (s8): |c - 128| (u8, at most 128)
- * against x with the sign of c - 128 makes pairs of at most 2 * 128 * 127 =
- * 32512, widened at once. That sums (c - 128) x, the row layout's sum less
- * its zsum: zsum is added back and the canonical epilogue (qm__v_epi_b32)
- * takes it off again, so the same integers, hence the same bits, as
- * qm__v_b32. pf: the next group (NULL: none), one line asked for per 64
- * bytes read. */
-QM__I8_AI void qm__v_r8q8_group(const qm__qmat *m, const uint8_t *p, const char *pf,
-                                const qm__i8_xrow *x, const float *sct, uint32_t h, float *y,
-                                size_t ldy, const int NX)
-{
-    const size_t nsb = m->k / 32;
-    const __m256i flip = _mm256_set1_epi8((char)0x80), ones = _mm256_set1_epi16(1);
-    __m256 acc[4];
-    for (int i = 0; i < NX; i++)
-        acc[i] = _mm256_setzero_ps();
-    for (size_t j = 0; j < nsb; j++, p += 256) {
-        if (pf)
-            for (int l = 0; l < 4; l++)
-                _mm_prefetch(pf + 256 * j + 64 * l, QM__PF_HINT);
-        __m256i sum[4];
-        for (int i = 0; i < NX; i++)
-            sum[i] = _mm256_setzero_si256();
-#pragma GCC unroll 8
-        for (size_t q = 0; q < 8; q++) {
-            __m256i w = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(p + 32 * q)), flip);
+#ifndef QM__V_DPBUSD
+            w = _mm256_xor_si256(w, flip);
             __m256i aw = _mm256_abs_epi8(w);
+#endif
             for (int i = 0; i < NX; i++) {
                 int32_t xb;
                 memcpy(&xb, x[i].q + 32 * j + 4 * q, 4);
-                __m256i t = _mm256_maddubs_epi16(aw, _mm256_sign_epi8(_mm256_set1_epi32(xb), w));
-                sum[i] = _mm256_add_epi32(sum[i], _mm256_madd_epi16(t, ones));
+                __m256i xv = _mm256_set1_epi32(xb), *s = &sum[i][q % 2];
+#ifdef QM__V_DPBUSD
+                *s = QM__V_DPBUSD(*s, w, xv);
+#else
+                __m256i t = _mm256_maddubs_epi16(aw, _mm256_sign_epi8(xv, w));
+                *s = _mm256_add_epi32(*s, _mm256_madd_epi16(t, ones));
+#endif
             }
         }
-        for (int i = 0; i < NX; i++)
-            acc[i] =
-                qm__v_epi_b32(&x[i], sct, h, j,
-                              _mm256_add_epi32(sum[i], _mm256_set1_epi32(x[i].zsum[j])), acc[i]);
+        for (int i = 0; i < NX; i++) {
+            __m256i s = _mm256_add_epi32(sum[i][0], sum[i][1]);
+#ifndef QM__V_DPBUSD
+            s = _mm256_add_epi32(s, _mm256_set1_epi32(x[i].zsum[j]));
+#endif
+            acc[i] = qm__v_epi_b32(&x[i], sct, h, j, s, acc[i]);
+        }
     }
     for (int i = 0; i < NX; i++)
         _mm256_storeu_ps(y + (size_t)i * ldy, acc[i]);
