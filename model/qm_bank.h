@@ -84,9 +84,20 @@ const char *qm_route_score_name(qm_route_score s);  /* "legacy", "softmax", "sig
 const char *qm_group_score_name(qm_group_score s);  /* "max", "top2_sum" */
 
 /* The model's shape and semantics, from __metadata__. */
+/* A 4-bit code book (`qmoe.codebook`, docs/BANK_FORMAT.md): the weight of
+ * code q is scale * values[q] instead of scale * (q - zero point). */
+typedef enum qm_codebook {
+    QM_CODEBOOK_NONE = 0,
+    QM_CODEBOOK_E2M1 = 1, /* MXFP4's E2M1 values doubled: 0 1 2 3 4 6 8 12, then negated */
+} qm_codebook;
+/* The 16 signed values of a code book's codes (NULL for none), its name. */
+const int8_t *qm_codebook_values(qm_codebook cb);
+const char *qm_codebook_name(qm_codebook cb);
+
 typedef struct qm_bank_config {
     uint32_t layers, experts, hidden, inter, k;
     uint32_t bits;          /* 4 or 8 */
+    qm_codebook codebook;   /* NONE, or a table of 4-bit codes (bits 4, no zero points) */
     uint32_t block_size;    /* 0 = one scale per row */
     qm_activation activation;
     uint32_t swiglu_fusion; /* 0 separate fc3, 1 interleaved, 2 concatenated */

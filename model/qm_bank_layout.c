@@ -168,6 +168,17 @@ static int meta_float(const qm_st_header *h, const char *key, float dflt, int al
     return 0;
 }
 
+const int8_t *qm_codebook_values(qm_codebook cb)
+{
+    static const int8_t e2m1[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
+    return cb == QM_CODEBOOK_E2M1 ? e2m1 : NULL;
+}
+
+const char *qm_codebook_name(qm_codebook cb)
+{
+    return cb == QM_CODEBOOK_E2M1 ? "e2m1" : "none";
+}
+
 int qm__config_from_metadata(const qm_st_header *h, qm_bank_config *cfg, qm_status *st)
 {
     int rc;
@@ -189,6 +200,16 @@ int qm__config_from_metadata(const qm_st_header *h, qm_bank_config *cfg, qm_stat
     if (cfg->bits != 4 && cfg->bits != 8)
         return META_FAIL(st, "__metadata__: qmoe.bits = %u but only 4 and 8 are supported",
                          cfg->bits);
+    const char *cb = qm_st_header_meta(h, "qmoe.codebook");
+    if (cb) {
+        if (strcmp(cb, "e2m1") != 0)
+            return META_FAIL(st, "__metadata__: qmoe.codebook = \"%.32s\" but the only code "
+                                 "book is e2m1", cb);
+        if (cfg->bits != 4)
+            return META_FAIL(st, "__metadata__: qmoe.codebook = e2m1 needs qmoe.bits = 4, not %u",
+                             cfg->bits);
+        cfg->codebook = QM_CODEBOOK_E2M1;
+    }
     uint32_t bs = cfg->block_size;
     if (bs != 0 && (bs < 16 || (bs & (bs - 1)) != 0))
         return META_FAIL(st, "__metadata__: qmoe.block_size = %u but it must be 0 or a power of "
@@ -333,6 +354,11 @@ int qm__check_layer_tensor(const qm_bank_config *cfg, const char *name, qm_bank_
             snprintf(why[2], sizeof why[2], "block_size %llu", (unsigned long long)bs);
             break;
         case 2: /* zero points: ORT's packed layouts */
+            if (cfg->codebook)
+                return qm_status_set(st, QM_EINVALID_MODEL,
+                                     "%s: zero points with qmoe.codebook = %s (a code book's "
+                                     "values are signed: it takes none)",
+                                     name, qm_codebook_name(cfg->codebook));
             snprintf(nd_why, sizeof nd_why, "block_size %llu", (unsigned long long)bs);
             if (bs) {
                 want_nd = 3;
