@@ -55,6 +55,7 @@ typedef struct qm__run {
     const qm_expert_batch *b;
     const qm__kernel *k;
     const qm__i8kernel *i8; /* non-NULL: fast mode (int8 activations) */
+    int cb4;                /* a code book read in 4 bits (qm__cb_native) */
     uint32_t H, I, N1;
     int swiglu, has_fc3;
     qm_dtype b1_dt, b2_dt, b3_dt;
@@ -87,7 +88,7 @@ int qm__cpu_schedule_from_env(void)
 }
 
 static int qm__make_qmat(const qm_bank_config *cfg, const qm_layer_view *lv, int wt,
-                         const qm_expert_weights *w, uint32_t n, uint32_t k, qm__qmat *m,
+                         const qm_expert_weights *w, uint32_t n, uint32_t k, int cb4, qm__qmat *m,
                          qm_status *st)
 {
     const qm_tensor_view *tw = &lv->t[wt], *ts = &lv->t[wt + 1], *tz = &lv->t[wt + 2];
@@ -109,6 +110,16 @@ static int qm__make_qmat(const qm_bank_config *cfg, const qm_layer_view *lv, int
     if (tw->ndim != 3 || tw->shape[1] != n || m->row_bytes * 8 < (size_t)k * m->bits)
         return qm_status_set(st, QM_EINVAL, "layer %u: %s shape does not hold [E, %u, %u cols]",
                              lv->index, name, n, k);
+    if (cfg->codebook) {
+        /* Read in 4 bits by the fast GEMV, or as the 8-bit matrix of the
+         * same weights by any kernel (qm__qmat.cb). */
+        m->cb = qm_codebook_values(cfg->codebook);
+        if (!m->cb || m->bits != 4 || tz->present)
+            return qm_status_set(st, QM_EINVAL, "layer %u: %s: a code book needs 4-bit codes "
+                                 "and no zero points", lv->index, name);
+        if (!cb4)
+            m->bits = 8;
+    }
     m->scales = w->ptr[wt + 1];
     m->scale_dtype = ts->dtype;
     if (ts->dtype != QM_DTYPE_F32 && ts->dtype != QM_DTYPE_F16 && ts->dtype != QM_DTYPE_BF16)
@@ -252,6 +263,40 @@ static void qm__run_matrix(qm__run *R, const qm__qmat *m, int gemm, uint32_t n0,
             return;
         }
         t.r8 = n0 < edge;
+        m = &t;
+    }
+    if (m->cb && (m->bits == 8 || !m->r8)) {
+        /* A code book (qm__qmat.cb) the kernel does not read as it lies:
+         * the tile at the front of this worker's scratch (qm_codebook.c),
+         * the rest of it the kernel's. In 4 bits, a tile in rows laid out
+         * in r8 (the fast GEMV reads a code book from r8 only); in 8 bits,
+         * its rows (back from r8 first where they are so) as 8-bit codes. */
+        uint8_t *tile = (uint8_t *)scratch, *rows = tile + (size_t)QM__TILE_ROWS * m->k;
+        size_t es = m->scale_dtype == QM_DTYPE_F32 ? 4 : 2, nb = (size_t)(n1 - n0) * m->row_bytes;
+        t = *m;
+        t.n = n1 - n0;
+        t.scales = (const uint8_t *)m->scales + (size_t)n0 * m->nblk * es;
+        if (m->r8) {
+            qm__r8_rows(m->w, m->row_bytes, n0, n1, rows);
+            t.w = rows;
+            t.r8 = 0;
+        } else {
+            t.w = m->w + (size_t)n0 * m->row_bytes;
+        }
+        if (m->bits == 4) {
+            memcpy(tile, t.w, nb);
+            qm__r8_interleave(tile, t.n, m->row_bytes, rows + nb);
+            t.r8 = 1;
+        } else {
+            qm__cb_rows(&t, 0, t.n, tile);
+            t.cb = NULL;
+            t.row_bytes = m->k;
+        }
+        t.w = tile;
+        scratch += qm__cb_tile_floats(m);
+        y += n0;
+        n1 -= n0;
+        n0 = 0;
         m = &t;
     }
     if (m->r8 && !(R->i8 && qm__i8kernel_r8_native(R->i8, nx, m->bits))) {
@@ -699,6 +744,26 @@ static int qm__run_begin(qm__cpu_ffn *f, const qm_expert_batch *b, qm__run *R, q
     return 0;
 }
 
+/* 1 when this run reads its code book in 4 bits (qm__qmat.cb): fast mode
+ * on a SIMD row that reads 4-bit r8, every job's rows below
+ * QM__CB_NATIVE_NX (all of them in that row's GEMV), and every matrix one
+ * the r8 layout takes. Otherwise (prefill, exact, the scalar kernel) the
+ * kernels read the 8-bit codes of the same weights, a tile at a time: the
+ * same bits either way (tests/engine/test_engine_fast.c). */
+static int qm__cb_native(const qm__run *R)
+{
+    const qm_expert_batch *b = R->b;
+    const qm_bank_config *cfg = b->config;
+    if (!cfg->codebook || !R->i8 || !qm__i8kernel_r8_native(R->i8, 1, 4))
+        return 0;
+    for (size_t j = 0; j < b->n_jobs; j++)
+        if (b->jobs[j].n_rows >= QM__CB_NATIVE_NX)
+            return 0;
+    return qm__r8_eligible(cfg, b->layer, QM_T_FC1_WEIGHT) &&
+           qm__r8_eligible(cfg, b->layer, QM_T_FC2_WEIGHT) &&
+           (!R->has_fc3 || qm__r8_eligible(cfg, b->layer, QM_T_FC3_WEIGHT));
+}
+
 /* What the jobs' geometry adds up to: rows of X and of the hidden
  * activations, tasks of each phase, the kernels' per-thread scratch. */
 typedef struct {
@@ -721,11 +786,11 @@ static int qm__job_geometry(qm__run *R, size_t j, qm__run_size *sz, qm_status *s
         if (job->rows[r] >= b->n_tokens)
             return qm_status_set(st, QM_EINVAL, "job %zu: row %u >= %u tokens", j,
                                  job->rows[r], b->n_tokens);
-    int rc = qm__make_qmat(cfg, lv, QM_T_FC1_WEIGHT, &job->weights, R->N1, R->H, &g->fc1, st);
+    int rc = qm__make_qmat(cfg, lv, QM_T_FC1_WEIGHT, &job->weights, R->N1, R->H, R->cb4, &g->fc1, st);
     if (rc == 0)
-        rc = qm__make_qmat(cfg, lv, QM_T_FC2_WEIGHT, &job->weights, R->H, R->I, &g->fc2, st);
+        rc = qm__make_qmat(cfg, lv, QM_T_FC2_WEIGHT, &job->weights, R->H, R->I, R->cb4, &g->fc2, st);
     if (rc == 0 && R->has_fc3)
-        rc = qm__make_qmat(cfg, lv, QM_T_FC3_WEIGHT, &job->weights, R->I, R->H, &g->fc3, st);
+        rc = qm__make_qmat(cfg, lv, QM_T_FC3_WEIGHT, &job->weights, R->I, R->H, R->cb4, &g->fc3, st);
     if (rc < 0)
         return rc;
     g->b1 = lv->t[QM_T_FC1_BIAS].present ? job->weights.ptr[QM_T_FC1_BIAS] : NULL;
@@ -828,6 +893,7 @@ int qm__cpu_ffn_run(qm__cpu_ffn *f, const qm_expert_batch *b, qm_status *st)
     if (!R.geo)
         return qm_status_set(st, QM_ENOMEM, "out of memory for %zu expert jobs", b->n_jobs);
     qm__run_size sz = {0};
+    R.cb4 = qm__cb_native(&R);
     for (size_t j = 0; j < b->n_jobs && rc == 0; j++)
         rc = qm__job_geometry(&R, j, &sz, st);
     const int fused = f->schedule == QM__CPU_SCHEDULE_FUSED;

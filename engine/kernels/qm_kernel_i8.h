@@ -36,7 +36,8 @@
  *   and high nibbles meet their inputs at p and p + 16; 8-bit: natural);
  * 8-bit weights only: the same codes as s16, natural order (32 nsb int16);
  * then dx[nsb] (f32), sumq[nsb] (int32: the sum of the sub-block's codes)
- * and zsum[nsb] = sumq << (bits - 1) (the implicit zero point's share). */
+ * and zsum[nsb] = sumq << (bits - 1) (the implicit zero point's share;
+ * QM__CB_ZP * sumq for a 4-bit code-book view). */
 typedef struct qm__i8_xrow {
     const int8_t *q;
     const int16_t *q16; /* 8-bit weights only */
@@ -87,7 +88,7 @@ static inline void qm__i8_xout_sums(const qm__i8_xout *x, const qm__qmat *m, siz
 {
     x->dx[j] = amax / 127.0f;
     x->sumq[j] = sum;
-    x->zsum[j] = sum * (1 << (m->bits - 1));
+    x->zsum[j] = sum * (m->cb && m->bits == 4 ? QM__CB_ZP : 1 << (m->bits - 1));
 }
 
 static inline qm__i8_xrow qm__i8_xrow_at(const qm__qmat *m, const float *xq)

@@ -676,12 +676,16 @@ QM__I8_AI __m256 qm__v_rows(const qm__qmat *m, const uint8_t *const row[8],
 #define QM__V_R8_ACCS 2
 #define QM__V_R8_STEP(S, lo, hi, xl, xh) S = QM__V_DPBUSD(QM__V_DPBUSD(S, lo, xl), hi, xh)
 #define QM__V_R8_SUMS(A) _mm256_add_epi32((A)[0], (A)[1])
+#define QM__V_R8_SUMS_N(A, N) QM__V_R8_SUMS(A)
 #else
 #define QM__V_R8_ACCS 1
 #define QM__V_R8_STEP(S, lo, hi, xl, xh)                                                          \
     S = _mm256_add_epi16(_mm256_add_epi16(S, _mm256_maddubs_epi16(lo, xl)),                       \
                          _mm256_maddubs_epi16(hi, xh))
 #define QM__V_R8_SUMS(A) _mm256_madd_epi16((A)[0], _mm256_set1_epi16(1))
+#define QM__V_R8_SUMS_N(A, N)                                                                      \
+    ((N) == 2 ? _mm256_add_epi32(QM__V_R8_SUMS(A), _mm256_madd_epi16((A)[1], _mm256_set1_epi16(1))) \
+              : QM__V_R8_SUMS(A))
 #endif
 
 /* A group of 8 rows of an r8 matrix (qm_r8.h) at p times NX (1-4) inputs
@@ -689,13 +693,27 @@ QM__I8_AI __m256 qm__v_rows(const qm__qmat *m, const uint8_t *const row[8],
  * against its 4 input bytes broadcast (QM__V_R8_STEP), one int32 sum per
  * row, then the canonical epilogue (qm__v_epi_b32). The same integer sums
  * as qm__v_b32, so the same bits. pf: the next group (NULL: none), one
- * line asked for per 64 bytes read. */
+ * line asked for per 64 bytes read.
+ *
+ * CB (a 4-bit code-book view, qm__qmat.cb): each nibble looked up first
+ * (vpshufb) to QM__CB_ZP + cb[q], 0..24, whose zero point the input's zsum
+ * carries: the integers sum (cb[q]) x, those of the int8 matrix of codes
+ * 128 + cb[q], hence its bits. On AVX2 two int16 accumulators a sub-block
+ * then (4 vpmaddubsw pairs each of at most 2 * 24 * 127: no wrap). */
 QM__I8_AI void qm__v_r8_group(const qm__qmat *m, const uint8_t *p, const char *pf,
                               const qm__i8_xrow *x, const float *sct, uint32_t h, float *y,
-                              size_t ldy, const int NX)
+                              size_t ldy, const int CB, const int NX)
 {
     const size_t nsb = m->k / 32;
     const __m256i lo4 = _mm256_set1_epi8(15);
+    __m256i lut = lo4;
+    if (CB) {
+        uint8_t t[32];
+        for (int i = 0; i < 32; i++)
+            t[i] = (uint8_t)(QM__CB_ZP + m->cb[i & 15]);
+        lut = _mm256_loadu_si256((const __m256i *)t);
+    }
+    const int ACCS = CB ? 2 : QM__V_R8_ACCS;
     __m256 acc0 = _mm256_setzero_ps(), acc1 = acc0, acc2 = acc0, acc3 = acc0;
     for (size_t j = 0; j < nsb; j++, p += 128) {
         if (pf) {
@@ -709,7 +727,11 @@ QM__I8_AI void qm__v_r8_group(const qm__qmat *m, const uint8_t *p, const char *p
             __m256i v = _mm256_loadu_si256((const __m256i *)(p + 32 * q));
             __m256i lo = _mm256_and_si256(v, lo4);
             __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), lo4);
-            size_t o = 32 * j + 4 * q, a = q % QM__V_R8_ACCS;
+            if (CB) {
+                lo = _mm256_shuffle_epi8(lut, lo);
+                hi = _mm256_shuffle_epi8(lut, hi);
+            }
+            size_t o = 32 * j + 4 * q, a = q % ACCS;
 #define QM__R8_STEP(S, I)                                                                          \
     do {                                                                                           \
         int32_t xl_, xh_;                                                                          \
@@ -726,13 +748,13 @@ QM__I8_AI void qm__v_r8_group(const qm__qmat *m, const uint8_t *p, const char *p
                 QM__R8_STEP(s3, 3);
 #undef QM__R8_STEP
         }
-        acc0 = qm__v_epi_b32(&x[0], sct, h, j, QM__V_R8_SUMS(s0), acc0);
+        acc0 = qm__v_epi_b32(&x[0], sct, h, j, QM__V_R8_SUMS_N(s0, ACCS), acc0);
         if (NX > 1)
-            acc1 = qm__v_epi_b32(&x[1], sct, h, j, QM__V_R8_SUMS(s1), acc1);
+            acc1 = qm__v_epi_b32(&x[1], sct, h, j, QM__V_R8_SUMS_N(s1, ACCS), acc1);
         if (NX > 2)
-            acc2 = qm__v_epi_b32(&x[2], sct, h, j, QM__V_R8_SUMS(s2), acc2);
+            acc2 = qm__v_epi_b32(&x[2], sct, h, j, QM__V_R8_SUMS_N(s2, ACCS), acc2);
         if (NX > 3)
-            acc3 = qm__v_epi_b32(&x[3], sct, h, j, QM__V_R8_SUMS(s3), acc3);
+            acc3 = qm__v_epi_b32(&x[3], sct, h, j, QM__V_R8_SUMS_N(s3, ACCS), acc3);
     }
     _mm256_storeu_ps(y, acc0);
     if (NX > 1)
@@ -745,6 +767,7 @@ QM__I8_AI void qm__v_r8_group(const qm__qmat *m, const uint8_t *p, const char *p
 #undef QM__V_R8_ACCS
 #undef QM__V_R8_STEP
 #undef QM__V_R8_SUMS
+#undef QM__V_R8_SUMS_N
 
 #ifdef QM__V_R8_Q8
 /* A group of 8 rows of an 8-bit r8 matrix (qm_r8.h: sub-block j is the
@@ -857,7 +880,10 @@ static void qm__v_r8(const qm__qmat *m, uint32_t n0, uint32_t nr, const float *x
                 continue;
             }
 #endif
-            QM__V_BY_NX(qm__v_r8_group, cnt, m, p, pfr, x, s->sct, h, yo, ldy);
+            if (m->cb)
+                QM__V_BY_NX(qm__v_r8_group, cnt, m, p, pfr, x, s->sct, h, yo, ldy, 1);
+            else
+                QM__V_BY_NX(qm__v_r8_group, cnt, m, p, pfr, x, s->sct, h, yo, ldy, 0);
         }
     }
 }

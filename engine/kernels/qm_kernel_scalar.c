@@ -196,5 +196,6 @@ size_t qm__kernel_scratch_floats(const qm__qmat *m)
     size_t rows = (size_t)8 * (((size_t)m->nblk + 7) / 8 * 8);
     size_t fast = qm__i8_scratch_floats(m);
     size_t most = tile > rows ? tile : rows;
-    return (most > fast ? most : fast) + 64 + (m->r8 || m->r8_rows ? qm__r8_tile_floats(m) : 0);
+    return (most > fast ? most : fast) + 64 + (m->r8 || m->r8_rows ? qm__r8_tile_floats(m) : 0) +
+           (m->cb ? qm__cb_tile_floats(m) : 0);
 }

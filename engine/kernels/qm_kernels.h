@@ -37,7 +37,25 @@ typedef struct qm__qmat {
                            * same (a multiple of 16, a paged unit laid out a
                            * piece at a time); qm_cpu_ffn.c hands the kernels
                            * each tile in one layout */
+    const int8_t *cb;     /* NULL, or a 4-bit code book's 16 values
+                           * (qm_bank.h; no zero points), seen one of two
+                           * ways. bits 8: the matrix of 8-bit codes 128 +
+                           * cb[q] that qm_cpu_ffn.c decodes a tile at a time
+                           * into its scratch (qm__cb_rows) for any kernel,
+                           * which is handed that tile (cb NULL). bits 4 (fast
+                           * decode, r8 only): the fast GEMV of a SIMD row
+                           * looks each code up itself, as QM__CB_ZP + cb[q]
+                           * against an implicit zero point of QM__CB_ZP
+                           * (qm_kernel_i8_x86.h, qm__v_r8_group) */
 } qm__qmat;
+
+/* The implicit zero point of a 4-bit code-book view (qm__qmat.cb): codes
+ * are looked up to QM__CB_ZP + cb[q], 0..24 for e2m1's values -12..12. */
+#define QM__CB_ZP 12
+/* Below this many inputs every SIMD fast row runs its GEMV (the smallest
+ * GEMM threshold of the fast table, AVX-VNNI's 4): a batch whose jobs all
+ * have fewer reads a code book in 4 bits (qm_cpu_ffn.c). */
+#define QM__CB_NATIVE_NX 4u
 
 /* Output rows of one kernel task (fixed: the split never depends on threads). */
 #define QM__TILE_ROWS 16u
@@ -163,6 +181,14 @@ size_t qm__kernel_scratch_floats(const qm__qmat *m);
  * order (QM__TILE_ROWS rows), a multiple of 16; counted by
  * qm__kernel_scratch_floats when m->r8. */
 size_t qm__r8_tile_floats(const qm__qmat *m);
+/* Code books (qm__qmat.cb): floats of scratch that hold one tile
+ * (QM__TILE_ROWS rows) of the 8-bit codes, a multiple of 16; counted by
+ * qm__kernel_scratch_floats when m->cb. */
+size_t qm__cb_tile_floats(const qm__qmat *m);
+/* Rows [n0, n1) of code-book matrix m as 8-bit codes 128 + cb[q], k bytes
+ * a row, at out (SSSE3 where the CPU has it: the same bytes). */
+void qm__cb_rows(const qm__qmat *m, uint32_t n0, uint32_t n1, uint8_t *out);
+void qm__cb_rows_c(const qm__qmat *m, uint32_t n0, uint32_t n1, uint8_t *out);
 
 extern const qm__kernel qm__kernel_scalar;
 #if defined(QMOE_X86_KERNELS)
@@ -300,7 +326,7 @@ static inline __attribute__((always_inline)) float qm__qmat_scale_f16c(const qm_
 static inline int qm__qmat_zp(const qm__qmat *m, uint32_t n, uint32_t b)
 {
     if (!m->zp)
-        return 1 << (m->bits - 1);
+        return m->cb && m->bits == 4 ? QM__CB_ZP : 1 << (m->bits - 1);
     uint32_t pack = 8 / m->bits, mask = (1u << m->bits) - 1;
     uint8_t byte;
     uint32_t idx;

@@ -1,6 +1,8 @@
 /* engine_fixture.c - see engine_fixture.h. */
 #include "engine_fixture.h"
 
+#include "qm_r8.h"
+
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
@@ -90,13 +92,14 @@ static int tl_matrix(tl_layer *L, int mi, int wt, uint32_t N, uint32_t K, uint64
     double *db = calloc((size_t)E * N, sizeof(double));
     if (!w || !sc || (s->asym && !zp) || (s->bias && !bias) || !deq || !db)
         return -1;
-    uint32_t maxq = (1u << bits) - 1;
+    const int8_t *cb = qm_codebook_values(s->codebook);
+    uint32_t maxq = cb ? 15u : (1u << bits) - 1, half = cb ? 8u : 1u << (bits - 1);
     for (uint32_t e = 0; e < E; e++) {
         for (uint32_t n = 0; n < N; n++) {
             double scale[1024];
             int zpv[1024];
             for (uint32_t b = 0; b < nblk; b++) {
-                float v = tl_uniform(rng, 0.5f, 1.5f) / (sqrtf((float)K) * (float)(1u << (bits - 1)));
+                float v = tl_uniform(rng, 0.5f, 1.5f) / (sqrtf((float)K) * (float)half);
                 scale[b] = tl_store(sc, s->scale_dtype, ((size_t)e * N + n) * nblk + b, v);
                 zpv[b] = 1 << (bits - 1);
                 if (s->asym) {
@@ -113,9 +116,15 @@ static int tl_matrix(tl_layer *L, int mi, int wt, uint32_t N, uint32_t K, uint64
             uint8_t *row = w + ((size_t)e * N + n) * row_bytes;
             for (uint32_t c = 0; c < K; c++) {
                 uint32_t q = (uint32_t)(tl_rand(rng) % (maxq + 1));
-                row[c / pack] |= (uint8_t)(q << ((c % pack) * bits));
                 uint32_t b = bs ? c / bs : 0;
-                deq[((size_t)e * N + n) * K + c] = scale[b] * (double)((int)q - zpv[b]);
+                double v = (double)((int)q - zpv[b]);
+                if (cb) {
+                    v = cb[q];
+                    if (bits == 8)
+                        q = (uint32_t)(128 + cb[q]);
+                }
+                row[c / pack] |= (uint8_t)(q << ((c % pack) * bits));
+                deq[((size_t)e * N + n) * K + c] = scale[b] * v;
             }
             if (bias)
                 db[(size_t)e * N + n] =
@@ -158,7 +167,8 @@ int tl_layer_build(const tl_spec *spec, tl_layer *L)
                               .k = s->k, .bits = s->bits, .block_size = s->block_size,
                               .activation = s->act, .swiglu_fusion = s->fusion,
                               .normalize_routing = 1, .alpha = s->alpha, .beta = s->beta,
-                              .limit = s->limit};
+                              .limit = s->limit,
+                              .codebook = s->bits == 4 ? s->codebook : QM_CODEBOOK_NONE};
     L->lv.index = 0;
     if (tl_matrix(L, 0, QM_T_FC1_WEIGHT, N1, s->H, &rng) < 0 ||
         tl_matrix(L, 1, QM_T_FC2_WEIGHT, s->H, s->I, &rng) < 0)
@@ -202,9 +212,25 @@ void tl_layer_free(tl_layer *L)
     memset(L, 0, sizeof *L);
 }
 
+void tl_layer_r8(tl_layer *L)
+{
+    for (int wt = QM_T_FC1_WEIGHT; wt <= QM_T_FC3_WEIGHT; wt += 4) {
+        qm_tensor_view *tv = &L->lv.t[wt];
+        if (!tv->present)
+            continue;
+        uint32_t n = (uint32_t)tv->shape[1];
+        size_t rb = (size_t)tv->shape[2];
+        uint8_t *tmp = malloc(8 * rb);
+        for (uint32_t e = 0; e < L->spec.E; e++)
+            qm__r8_interleave((uint8_t *)tv->data + (size_t)e * n * rb, n, rb, tmp);
+        free(tmp);
+        L->r8_mask |= 1u << wt;
+    }
+}
+
 void tl_expert_weights(const tl_layer *L, uint32_t e, qm_expert_weights *w)
 {
-    w->r8 = 0;
+    w->r8 = L->r8_mask;
     for (int t = 0; t < QM_T_EXPERT_COUNT; t++) {
         const qm_tensor_view *tv = &L->lv.t[t];
         w->ptr[t] = tv->present ? (const uint8_t *)tv->data + e * (tv->nbytes / L->spec.E) : NULL;

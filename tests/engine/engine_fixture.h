@@ -18,6 +18,11 @@ typedef struct tl_spec {
     qm_dtype scale_dtype, bias_dtype;
     float alpha, beta, limit;
     uint64_t seed;
+    /* A 4-bit code book (bits 4, no zero points): W = scale * values[q].
+     * With bits 8 instead, the int8 layer of the same weights (codes 128 +
+     * values[q], cfg without the code book): the same seed draws the same
+     * codes, scales and biases for both. */
+    qm_codebook codebook;
 } tl_spec;
 
 typedef struct tl_layer {
@@ -29,12 +34,16 @@ typedef struct tl_layer {
     double *deq[3], *bias[3];
     uint32_t n[3], kk[3];
     double *router_w, *router_b;
+    uint32_t r8_mask; /* the weights' r8 bits (qm_expert_weights.r8): tl_layer_r8 */
 } tl_layer;
 
 /* A spec with the common defaults filled in (seeded). */
 tl_spec tl_default_spec(uint64_t seed);
 int tl_layer_build(const tl_spec *spec, tl_layer *out);
 void tl_layer_free(tl_layer *L);
+/* Lays every expert's weight matrices out in r8 (qm_r8.h), in place; each
+ * must be one the layout takes (qm__r8_eligible). */
+void tl_layer_r8(tl_layer *L);
 
 /* Direct source over the layer's own arrays. */
 void tl_source(tl_layer *L, qm_expert_source *out);

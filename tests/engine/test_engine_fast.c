@@ -309,6 +309,106 @@ START_TEST(test_fast_layer_close_and_thread_independent)
 }
 END_TEST
 
+/* A 4-bit code-book layer (e2m1) computes as the int8 layer of the same
+ * weights, bit for bit, in both precisions, on every kernel this CPU runs,
+ * for GEMV and GEMM row counts and 1 and 3 threads (qm_codebook.c decodes
+ * its tiles into those 8-bit codes); within the bounds above of the
+ * float64 reference; and the decoder's SIMD bytes are the C ones. */
+START_TEST(test_codebook_layer_is_its_int8_layer)
+{
+    /* Blocks of 32 and K % 64 == 0 (case 0; case 3 in r8): the fast GEMV
+     * reads 4 bits below QM__CB_NATIVE_NX rows a job (T = 1, 3), a row
+     * tile laid out in r8 in the scratch first in case 0; the others and
+     * more rows, the 8-bit tiles. */
+    static const uint32_t BS[] = {32, 64, 0, 32}, IS[] = {128, 96, 160, 128};
+    static const uint32_t TS[] = {1, 3, 9, 41};
+    i8_names();
+    for (int bi = 0; bi < 4; bi++) {
+        tl_spec s = tl_default_spec(777 + (uint64_t)bi);
+        s.H = 192;
+        s.I = IS[bi];
+        s.E = 8;
+        s.k = 2;
+        s.bits = 4;
+        s.block_size = BS[bi];
+        s.codebook = QM_CODEBOOK_E2M1;
+        s.act = QM_ACT_SWIGLU;
+        s.fusion = 1;
+        s.scale_dtype = bi == 1 ? QM_DTYPE_F16 : QM_DTYPE_F32;
+        tl_spec s8 = s;
+        s8.bits = 8;
+        tl_layer L, L8;
+        ck_assert_int_eq(tl_layer_build(&s, &L), 0);
+        ck_assert_int_eq(tl_layer_build(&s8, &L8), 0);
+        ck_assert(L.cfg.codebook == QM_CODEBOOK_E2M1 && L8.cfg.codebook == QM_CODEBOOK_NONE);
+        ck_assert(memcmp(L.deq[1], L8.deq[1], sizeof(double) * s.E * s.H * s.I) == 0);
+
+        /* The decoder: SIMD bytes against the C ones, and the int8 codes. */
+        qm__qmat m;
+        fc1_qmat(&L, 3, &m);
+        m.cb = qm_codebook_values(QM_CODEBOOK_E2M1);
+        uint8_t *a = malloc((size_t)m.n * m.k), *c = malloc((size_t)m.n * m.k);
+        qm__cb_rows(&m, 0, m.n, a);
+        qm__cb_rows_c(&m, 0, m.n, c);
+        ck_assert(memcmp(a, c, (size_t)m.n * m.k) == 0);
+        qm__qmat m8;
+        fc1_qmat(&L8, 3, &m8);
+        ck_assert(memcmp(a, m8.w, (size_t)m.n * m.k) == 0);
+        free(a);
+        free(c);
+        if (bi == 3)
+            tl_layer_r8(&L);
+
+        for (size_t ti = 0; ti < sizeof TS / sizeof TS[0]; ti++) {
+            uint32_t T = TS[ti];
+            size_t no = (size_t)T * s.H;
+            float *x = malloc(sizeof(float) * T * s.H), *lg = malloc(sizeof(float) * T * s.E);
+            float *o[4], *o8[2];
+            for (int i = 0; i < 4; i++)
+                o[i] = malloc(sizeof(float) * no);
+            for (int i = 0; i < 2; i++)
+                o8[i] = malloc(sizeof(float) * no);
+            double *ref = malloc(sizeof(double) * no);
+            tl_random_inputs(55 + T, T, s.H, s.E, x, lg);
+            tl_reference(&L, x, lg, T, ref);
+            for (int ki = 0; ki < N_I8; ki++) {
+                if (!i8_kernel(I8[ki]))
+                    continue;
+                qm_backend *b1 = backend(I8[ki], 1), *b3 = backend(I8[ki], 3);
+                forward(b1, &L, T, x, lg, o[0], QM_PRECISION_FAST);
+                forward(b3, &L, T, x, lg, o[1], QM_PRECISION_FAST);
+                forward(b1, &L, T, x, lg, o[2], QM_PRECISION_EXACT);
+                forward(b3, &L, T, x, lg, o[3], QM_PRECISION_EXACT);
+                forward(b3, &L8, T, x, lg, o8[0], QM_PRECISION_FAST);
+                forward(b3, &L8, T, x, lg, o8[1], QM_PRECISION_EXACT);
+                const char *what[] = {"fast, 1 thread", "fast, 3 threads", "exact, 1 thread",
+                                      "exact, 3 threads"};
+                for (int i = 0; i < 4; i++)
+                    ck_assert_msg(memcmp(o[i], o8[i / 2], sizeof(float) * no) == 0,
+                                  "%s bs %u T %u %s: the code-book layer is not its int8 layer",
+                                  I8[ki], s.block_size, T, what[i]);
+                double err = tl_rel_err_f(o[0], ref, no), eerr = tl_rel_err_f(o[2], ref, no);
+                ck_assert_msg(err <= 2e-2 && err > 1e-7, "%s bs %u T %u: fast rel err %.3g",
+                              I8[ki], s.block_size, T, err);
+                ck_assert_msg(eerr <= 1e-5, "%s bs %u T %u: exact rel err %.3g", I8[ki],
+                              s.block_size, T, eerr);
+                qm_backend_free(b1);
+                qm_backend_free(b3);
+            }
+            free(x);
+            free(lg);
+            for (int i = 0; i < 4; i++)
+                free(o[i]);
+            for (int i = 0; i < 2; i++)
+                free(o8[i]);
+            free(ref);
+        }
+        tl_layer_free(&L);
+        tl_layer_free(&L8);
+    }
+}
+END_TEST
+
 static Suite *suite(void)
 {
     Suite *s = suite_create("engine_fast");
@@ -316,6 +416,7 @@ static Suite *suite(void)
     tcase_set_timeout(tc, 120);
     tcase_add_test(tc, test_fast_kernels_within_derived_bound);
     tcase_add_test(tc, test_fast_layer_close_and_thread_independent);
+    tcase_add_test(tc, test_codebook_layer_is_its_int8_layer);
     suite_add_tcase(s, tc);
     return s;
 }

@@ -924,6 +924,82 @@ START_TEST(test_r8_layout_same_bits)
 }
 END_TEST
 
+/* A 4-bit code book read in 4 bits (qm__qmat.cb with bits 4, r8): every
+ * fast row that reads 4-bit r8 (on this CPU, or through its model), as it
+ * serves and on its GEMV path, below QM__CB_NATIVE_NX inputs, gives the
+ * specification's bits of the int8 matrix of codes 128 + cb[q] with the
+ * same scales; with every code 12 against inputs of 127 too (AVX2's int16
+ * sums at their largest). */
+START_TEST(test_codebook_gemv_is_its_int8_matrix)
+{
+    const int8_t *cb = qm_codebook_values(QM_CODEBOOK_E2M1);
+    fast_cand c[40];
+    int nc = fast_cands(c), runs = 0;
+    for (int it = 0; it < 24; it++) {
+        uint32_t k = it % 6 == 0 ? 2880 : 64 * (1 + next() % 12), n = 8 * (1 + next() % 9);
+        uint32_t nx = 1 + (uint32_t)it % (QM__CB_NATIVE_NX - 1);
+        int full = it % 4 == 3;
+        fmat f;
+        fmat_new(&f, 4, 32, k, n);
+        qm__qmat m4 = f.m;
+        m4.zp = NULL;
+        m4.row_bytes = (size_t)k / 2;
+        m4.cb = cb;
+        for (size_t i = 0; full && i < (size_t)n * m4.row_bytes; i++)
+            f.w[i] = 0x77; /* e2m1 code 7: 12 */
+        uint8_t *w8 = malloc((size_t)n * k), *wi = malloc((size_t)n * m4.row_bytes);
+        uint8_t *tmp = malloc(8 * m4.row_bytes);
+        ck_assert(w8 && wi && tmp);
+        qm__cb_rows_c(&m4, 0, n, w8);
+        memcpy(wi, f.w, (size_t)n * m4.row_bytes);
+        qm__r8_interleave(wi, n, m4.row_bytes, tmp);
+        qm__qmat m8 = m4, mi = m4;
+        m8.cb = NULL;
+        m8.bits = 8;
+        m8.w = w8;
+        m8.row_bytes = k;
+        mi.w = wi;
+        mi.r8 = 1;
+        size_t ld4 = (qm__i8_x_stride(&mi) + 15) & ~(size_t)15;
+        size_t ld8 = (qm__i8_x_stride(&m8) + 15) & ~(size_t)15;
+        float *x = rand_inputs(nx, k);
+        float *xq4 = calloc(ld4 * nx, sizeof(float)), *xq8 = calloc(ld8 * nx, sizeof(float));
+        float *ys = malloc(4 * (size_t)nx * n), *y = malloc(4 * (size_t)nx * n);
+        size_t sf = qm__kernel_scratch_floats(&m8) + qm__kernel_scratch_floats(&mi);
+        float *scratch = malloc(sizeof(float) * sf);
+        ck_assert(x && xq4 && xq8 && ys && y && scratch);
+        for (size_t i = 0; full && i < (size_t)nx * k; i++)
+            x[i] = 1.0f;
+        for (uint32_t r = 0; r < nx; r++) {
+            qm__i8_prep(&mi, x + (size_t)r * k, xq4 + r * ld4);
+            qm__i8_prep(&m8, x + (size_t)r * k, xq8 + r * ld8);
+        }
+        fast_run(qm__i8kernel_scalar.mm, &m8, xq8, ld8, nx, ys, scratch);
+        for (int ci = 0; ci < nc; ci++) {
+            if (!c[ci].reads_r8 || strstr(c[ci].name, "gemm path"))
+                continue;
+            memset(y, 0xa5, 4 * (size_t)nx * n);
+            fast_run(c[ci].mm, &mi, xq4, ld4, nx, y, scratch);
+            for (size_t i = 0; i < (size_t)nx * n; i++)
+                ck_assert_msg(memcmp(&y[i], &ys[i], 4) == 0,
+                              "%s on an e2m1 code book in r8, k %u n %u nx %u%s: output "
+                              "[%zu][%zu] %.9g, the int8 matrix's %.9g",
+                              c[ci].name, k, n, nx, full ? " (every code 12)" : "", i / n, i % n,
+                              y[i], ys[i]);
+            runs++;
+        }
+        free(x), free(xq4), free(xq8), free(ys), free(y), free(scratch);
+        free(w8), free(wi), free(tmp);
+        fmat_free(&f);
+    }
+    if (!runs)
+        fprintf(stderr, "code book: no kernel here reads 4-bit r8; not run\n");
+    else
+        fprintf(stderr, "code book: %d runs of the 4-bit GEMV (kernels, models), all the int8 "
+                        "matrix's bits\n", runs);
+}
+END_TEST
+
 #if defined(QMOE_X86_KERNELS)
 /* The vector packers and row parameters give the C ones' bytes: u8 panels
  * (4- and 8-bit), s16 panels, scales (f32/f16/bf16, zero points), short
@@ -1403,6 +1479,7 @@ static Suite *suite(void)
     tcase_add_test(tc, test_fast_kernels_same_bits_as_the_specification);
     tcase_add_test(tc, test_fast_decode_every_chunk_count);
     tcase_add_test(tc, test_r8_layout_same_bits);
+    tcase_add_test(tc, test_codebook_gemv_is_its_int8_matrix);
     tcase_add_test(tc, test_self_check_verifies_this_cpu);
     tcase_add_test(tc, test_self_check_refuses_a_broken_lane);
     tcase_add_test(tc, test_self_check_cache_never_trusts_a_bad_file);
