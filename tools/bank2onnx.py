@@ -21,6 +21,10 @@ and the router to that dtype
 and sets the graph's activation dtype (what the oracle needs). A router weight
 and bias in the bank are stored as initializers `layers.N.router.weight` /
 `.bias` that no node reads: onnxruntime ignores them, onnx2bank.py keeps them.
+
+A bank with a code book (qmoe.codebook, e.g. `import` of MXFP4 by default) is
+refused: QMoE has none. `qmoe-bank import ... --mxfp4 int8` gives the same
+weights as an int8 bank, which converts.
 """
 
 import os
@@ -129,6 +133,10 @@ def main(argv=None):
     import onnx
 
     cfg, tensors = qmoebank.load_bank(args.bank)
+    if cfg.codebook is not None:
+        ap.error(f"{args.bank} has qmoe.codebook = {cfg.codebook}: onnxruntime's QMoE has no "
+                 "code book, so no model can carry it (import the source with "
+                 "`qmoe-bank import ... --mxfp4 int8` for a bank it reads)")
     if args.layer == "all":
         layers = list(range(cfg.layers))
     else:

@@ -293,7 +293,9 @@ def main(argv=None):
             rewrite_fp8(ckdir, opts["fp8"])
         if opts.get("mxfp4"):
             rewrite_mxfp4(ckdir)
-        args = []
+        # MXFP4: the golden is the int8 bank's (the one onnxruntime reads); the
+        # default e2m1 code book bank holds the same weights bit for bit.
+        args = ["--mxfp4", "int8"] if opts.get("mxfp4") else []
         with tempfile.TemporaryDirectory() as td:
             bank = os.path.join(td, "bank.safetensors")
             r = subprocess.run([a.qmoe_bank, "import", "hf", ckdir, "--out", bank, "--quiet", *args],

@@ -24,6 +24,9 @@ SUFFIXES = [
     "router.weight", "router.bias",
 ]
 ACTIVATIONS = ("relu", "gelu", "silu", "swiglu", "identity")
+# qmoe.codebook (docs/BANK_FORMAT.md): a 4-bit code q weighs scale * value[q];
+# e2m1 is MXFP4's E2M1 values doubled, q being the MXFP4 nibble.
+CODEBOOKS = {"e2m1": (0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12)}
 
 try:  # bfloat16 in numpy comes from ml_dtypes (an onnx dependency)
     import ml_dtypes
@@ -42,7 +45,8 @@ class BankConfig:
 
     def __init__(self, layers, experts, hidden_size, inter_size, k, bits, block_size,
                  activation, swiglu_fusion=None, normalize_routing_weights=1,
-                 activation_alpha=1.0, activation_beta=0.0, swiglu_limit=math.inf):
+                 activation_alpha=1.0, activation_beta=0.0, swiglu_limit=math.inf,
+                 codebook=None):
         self.layers, self.experts = int(layers), int(experts)
         self.hidden_size, self.inter_size, self.k = int(hidden_size), int(inter_size), int(k)
         self.bits, self.block_size = int(bits), int(block_size)
@@ -56,6 +60,11 @@ class BankConfig:
         self.activation_alpha = float(activation_alpha)
         self.activation_beta = float(activation_beta)
         self.swiglu_limit = float(swiglu_limit)
+        if codebook is not None and codebook not in CODEBOOKS:
+            raise ValueError(f"qmoe.codebook {codebook!r} not one of {tuple(CODEBOOKS)}")
+        if codebook is not None and self.bits != 4:
+            raise ValueError(f"qmoe.codebook {codebook!r} needs bits 4, not {self.bits}")
+        self.codebook = codebook  # None: code q weighs scale * (q - zero point)
 
     @property
     def pack(self):
@@ -92,6 +101,7 @@ class BankConfig:
             if v is not None:
                 kw[key] = float(v)
         kw["activation"] = get("activation")
+        kw["codebook"] = get("codebook")
         return cls(**kw)
 
     def to_metadata(self):
@@ -105,6 +115,8 @@ class BankConfig:
             meta["qmoe." + key] = str(int(getattr(self, key)))
         for key in self.FLOAT_KEYS:
             meta["qmoe." + key] = fmt(getattr(self, key))
+        if self.codebook is not None:
+            meta["qmoe.codebook"] = self.codebook
         return meta
 
 
@@ -191,21 +203,27 @@ def zero_points(cfg, zp, n):
 
 
 def dequantize(cfg, proj, lt):
-    """Float64 weights [E, N, K] of projection `proj` ('fc1', ...) of a layer dict."""
+    """Float64 weights [E, N, K] of projection `proj` ('fc1', ...) of a layer dict:
+    scale * (code - zero point), or scale * value[code] through a code book."""
     n, k = cfg.dims(proj)
-    q = unpack_codes(lt[proj + ".weight"], cfg.bits, k).astype(np.float64)  # [E, N, K]
+    codes = unpack_codes(lt[proj + ".weight"], cfg.bits, k)  # [E, N, K]
     s = np.asarray(lt[proj + ".scales"]).astype(np.float64)
     bs = cfg.block_size or k
     nblk = -(-k // bs)
     if s.ndim == 2:
         s = s[:, :, None]
+    col_block = np.arange(k) // bs
+    s_full = s[:, :, col_block] if s.shape[2] > 1 else s
+    if cfg.codebook is not None:
+        if proj + ".zero_points" in lt:
+            raise ValueError(f"{proj}.zero_points in a bank with qmoe.codebook {cfg.codebook}")
+        return s_full * np.asarray(CODEBOOKS[cfg.codebook], np.float64)[codes]
+    q = codes.astype(np.float64)
     zp = lt.get(proj + ".zero_points")
     if zp is not None:
         z = zero_points(cfg, zp, n)[:, :, :nblk]
     else:
         z = np.full((1, 1, 1), float(1 << (cfg.bits - 1)))
-    col_block = np.arange(k) // bs
-    s_full = s[:, :, col_block] if s.shape[2] > 1 else s
     z_full = z[:, :, col_block] if z.shape[2] > 1 else z
     return s_full * (q - z_full)
 
@@ -251,6 +269,31 @@ def quantize_rows(w, bits, block_size, asymmetric):
     elif zp is not None:  # block-wise: packed along blocks, [..., N, ceil(nblk/pack)]
         zp = pack_codes(zp, bits)
     return packed, scale, zp
+
+
+def quantize_rows_codebook(w, block_size, codebook="e2m1", scale_dtype=np.float32):
+    """Quantises float rows w [..., N, K] (K even) through a code book the way
+    `qmoe-bank create --codebook` does: per block the scale absmax / (the
+    book's largest value), floored at 1e-8, rounded to scale_dtype; each code
+    the nearest value to w / scale in f32, ties to the smaller code. Returns
+    (packed codes [..., N, K/2] uint8, scales [..., N] or [..., N, nblk] of
+    scale_dtype)."""
+    values = np.asarray(CODEBOOKS[codebook], np.float32)
+    w = np.asarray(w, dtype=np.float32)
+    k = w.shape[-1]
+    bs = block_size or k
+    nblk = -(-k // bs)
+    wp = np.pad(w, [(0, 0)] * (w.ndim - 1) + [(0, nblk * bs - k)])
+    blocks = wp.reshape(*w.shape[:-1], nblk, bs)
+    amax = np.abs(blocks).max(axis=-1)
+    scale = np.maximum(amax / np.float32(np.abs(values).max()), np.float32(1e-8))
+    scale = scale.astype(scale_dtype)
+    s32 = scale.astype(np.float32)
+    d = np.abs((blocks / s32[..., None])[..., None] - values)  # [..., nblk, bs, 16], f32
+    codes = np.argmin(d, axis=-1).astype(np.uint8).reshape(*w.shape[:-1], nblk * bs)[..., :k]
+    if not block_size:
+        scale = scale[..., 0]
+    return pack_codes(codes, 4), scale
 
 
 # ---- the reference forward pass (float64) -----------------------------------------

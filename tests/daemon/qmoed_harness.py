@@ -41,7 +41,10 @@ def offered_policies():
 
 
 def make_bank(path, layers=2, experts=8, hidden=64, inter=32, k=2, bits=4, block=32,
-              activation="swiglu", fusion=1, router=True, seed=1, scale_dtype=None):
+              activation="swiglu", fusion=1, router=True, seed=1, scale_dtype=None,
+              codebook=None):
+    """`qmoe-bank create` into path (kept when it exists). codebook="e2m1":
+    a code book bank (bits 4; docs/BANK_FORMAT.md, qmoe.codebook)."""
     if os.path.exists(path):
         return path
     cmd = [qmoe_bank_path(), "create", "--out", path, "--layers", str(layers),
@@ -53,6 +56,8 @@ def make_bank(path, layers=2, experts=8, hidden=64, inter=32, k=2, bits=4, block
         cmd.append("--router")
     if scale_dtype:  # else create's default: f16 scales, f32 biases and router
         cmd += ["--scale-dtype", scale_dtype]
+    if codebook:
+        cmd += ["--codebook", codebook]
     subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
     return path
 

@@ -1,10 +1,10 @@
 /* fuzz_ggml_blocks.c - libFuzzer: ggml's block formats on arbitrary bytes.
  * The first byte picks a supported type and a bank layout; the rest are
  * blocks (the low 5 bits pick the type; 0x20 block 16, 0x40 int4, 0x80 f16
- * scales). Every dequantiser runs; where the layout repacks the type exactly
- * (qm__ggml_exact_fits), the repacked codes and scales must give back every
- * finite dequantised value bit for bit: the claim `import gguf` records as
- * exact. */
+ * scales; at int4, 0x10 also asks for the e2m1 code book). Every dequantiser
+ * runs; where the layout repacks the type exactly (qm__ggml_exact_fits), the
+ * repacked codes and scales must give back every finite dequantised value
+ * bit for bit: the claim `import gguf` records as exact. */
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -26,6 +26,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
     uint32_t type = TYPES[(data[0] & 0x1f) % N_TYPES];
     unsigned bits = data[0] & 0x40 ? 4 : 8, bs = data[0] & 0x20 ? 16 : 32;
     qm_dtype sdt = data[0] & 0x80 ? QM_DTYPE_F16 : QM_DTYPE_F32;
+    qm_codebook cb = bits == 4 && data[0] & 0x10 ? QM_CODEBOOK_E2M1 : QM_CODEBOOK_NONE;
     uint64_t block, bytes;
     if (!qm__ggml_type_size(type, &block, &bytes) || !qm__ggml_can_dequant(type)) abort();
     uint64_t nblocks = (size - 1) / bytes;
@@ -41,16 +42,17 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
     int mxfp4_f16_ok = 1; /* the importer takes f16 for MXFP4 only when every exponent fits */
     for (uint64_t b = 0; type == QM__GGML_MXFP4 && b < nblocks; b++)
         mxfp4_f16_ok &= src[b * bytes] >= 104 && src[b * bytes] <= 143;
-    if (qm__ggml_exact_fits(type, bits, bs, sdt) && n % bs == 0 &&
+    if (qm__ggml_exact_fits(type, bits, cb, bs, sdt) && n % bs == 0 &&
         (type != QM__GGML_MXFP4 || sdt != QM_DTYPE_F16 || mxfp4_f16_ok)) {
-        qm__ggml_repack_row(type, src, n, bits, bs, sdt, codes, scales);
+        qm__ggml_repack_row(type, src, n, bits, cb, bs, sdt, codes, scales);
+        const int8_t *book = qm_codebook_values(cb);
         const int zp = 1 << (bits - 1);
         for (uint64_t c = 0; c < n; c++) {
             if (!isfinite(values[c])) continue; /* refused by the importer */
             unsigned code = bits == 8 ? codes[c] : c % 2 ? codes[c / 2] >> 4 : codes[c / 2] & 15;
             float s = sdt == QM_DTYPE_F16 ? qm_f16_to_f32(((const uint16_t *)scales)[c / bs])
                                           : scales[c / bs];
-            float got = s * (float)((int)code - zp);
+            float got = s * (float)(book ? book[code] : (int)code - zp);
             uint32_t a, b;
             memcpy(&a, &got, 4);
             memcpy(&b, &values[c], 4);

@@ -18,9 +18,17 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
     qm_status st;
     qm_status_clear(&st);
     if (qm__gguf_open_memory(data, size, &f, &st) != 0) return 0;
-    char *argv[] = {"gguf",           "fuzz.gguf",          "--out", (char *)out, "--quiet",
-                    "--requant-bits", size % 2 ? "4" : "8", NULL};
-    int rc = qm__gguf_run(f, 7, argv);
+    char *argv[] = {"gguf",
+                    "fuzz.gguf",
+                    "--out",
+                    (char *)out,
+                    "--quiet",
+                    "--requant-bits",
+                    size % 2 ? "4" : "8",
+                    "--mxfp4",
+                    size & 2 ? "int8" : "e2m1",
+                    NULL};
+    int rc = qm__gguf_run(f, 9, argv);
     if (rc == QM__EXIT_OK) {
         qm_bank *bank = NULL;
         if (qm_bank_open(out, &bank, &st) != 0) abort(); /* the writer checked it: never */

@@ -69,15 +69,18 @@ static size_t put_shard(uint8_t *buf, size_t cap, int which)
     return 8 + at + off;
 }
 
-static int run(const qm__hf_file *files, size_t n)
+/* mxfp4_int8: the bank an MXFP4 checkpoint takes (1: int8, 0: the e2m1 code book). */
+static int run(const qm__hf_file *files, size_t n, int mxfp4_int8)
 {
     const char *out = fuzz_out_path();
     qm__hf_checkpoint *ck = NULL;
     qm_status st;
     qm_status_clear(&st);
     if (qm__hf_open_memory(files, n, &ck, &st) != 0) return 0;
-    char *argv[] = {"hf", "(memory)", "--out", (char *)out, "--quiet", NULL};
-    int rc = qm__hf_run(ck, 5, argv);
+    char *argv[] = {
+        "hf", "(memory)", "--out", (char *)out, "--quiet", "--mxfp4", mxfp4_int8 ? "int8" : "e2m1",
+        NULL};
+    int rc = qm__hf_run(ck, 7, argv);
     if (rc == QM__EXIT_OK) {
         qm_bank *bank = NULL;
         if (qm_bank_open(out, &bank, &st) != 0) abort(); /* the writer checked it: never */
@@ -97,13 +100,13 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
 #if FUZZ_HF_MODE == 0 /* config */
     qm__hf_file files[] = {{"config.json", data, size},
                            {"model.safetensors", shard[2], shard_len[2]}};
-    return run(files, 2);
+    return run(files, 2, (int)(size & 1));
 #elif FUZZ_HF_MODE == 1 /* index */
     qm__hf_file files[] = {{"config.json", (const uint8_t *)CONFIG, sizeof CONFIG - 1},
                            {"model.safetensors.index.json", data, size},
                            {"model-00001-of-00002.safetensors", shard[0], shard_len[0]},
                            {"model-00002-of-00002.safetensors", shard[1], shard_len[1]}};
-    return run(files, 4);
+    return run(files, 4, (int)(size & 1));
 #else                   /* a whole checkpoint */
     if (size < 4) return 0;
     uint32_t clen = (uint32_t)data[0] | (uint32_t)data[1] << 8 | (uint32_t)data[2] << 16 |
@@ -111,6 +114,6 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
     if (clen > size - 4) return 0;
     qm__hf_file files[] = {{"config.json", data + 4, clen},
                            {"model.safetensors", data + 4 + clen, size - 4 - clen}};
-    return run(files, 2);
+    return run(files, 2, (int)(size & 1));
 #endif
 }

@@ -12,7 +12,8 @@ corpus/hf_import   per fixture, a small checkpoint of its family: its config.jso
                    shard: small, so that a whole import costs little to run
 corpus/gguf        one-block GGUF files (hidden and width 32, 1 expert; 4 for deepseek2)
                    of every family with a GGUF form, in the block-32 ggml types
-corpus/ggml_blocks one file per ggml type and layout byte: the selector, then raw blocks"""
+corpus/ggml_blocks one file per ggml type and layout byte: the selector, then raw blocks
+                   (MXFP4 also through the e2m1 code book)"""
 
 import json
 import os
@@ -184,6 +185,10 @@ def main():
             raw = gguf.quants.quantize(x.reshape(1, -1), qt).tobytes()
         for layout in (0x00, 0x20, 0x40, 0x80):
             put("ggml_blocks", f"{qt.name}-{layout:02x}", bytes([i | layout]) + raw)
+        if qt == Q.MXFP4:  # int4 with 0x10: the e2m1 code book; the low 5 bits still pick MXFP4
+            for layout in (0x50, 0xd0):
+                put("ggml_blocks", f"{qt.name}-{layout:02x}",
+                    bytes([(i - 16) % len(order) | layout]) + raw)
 
 
 if __name__ == "__main__":

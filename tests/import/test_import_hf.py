@@ -5,7 +5,12 @@ with save_pretrained (tools/make_hf_fixtures.py; GPT-OSS also in the Hub's
 MXFP4 layout, DeepSeek-V3 also FP8 block-scaled). Their golden.safetensors
 holds what transformers computed: the MoE block's output for an input x with
 the bank's dequantised weights written back into the block, and the experts
-and weights it chose. Only numpy and safetensors are needed here."""
+and weights it chose. Only numpy and safetensors are needed here.
+
+An MXFP4 checkpoint is imported twice: by default (its own codes through the
+e2m1 code book) under its own name, and with --mxfp4 int8 (the int8 bank the
+golden output was computed from, the one onnxruntime reads) as NAME_int8; the
+two hold the same weights bit for bit."""
 
 import hashlib
 import json
@@ -48,6 +53,23 @@ def quant_method(name):
     return (config(name).get("quantization_config") or {}).get("quant_method")
 
 
+def is_mxfp4(name):
+    return quant_method(name) == "mxfp4"
+
+
+# Every bank the tests read: each fixture imported as by default, and each
+# MXFP4 fixture also with --mxfp4 int8 (bank name NAME_int8).
+INT8 = "_int8"
+BANKS = NAMES + [n + INT8 for n in NAMES if is_mxfp4(n)]
+
+
+def fixture_of(bank):
+    """The fixture a bank name was imported from, and the import's arguments."""
+    if bank.endswith(INT8) and bank[:-len(INT8)] in NAMES:
+        return bank[:-len(INT8)], ["--mxfp4", "int8"]
+    return bank, []
+
+
 def moe_layers(ckdir):
     """The model layers whose tensors include routed experts, past which
     num_hidden_layers does not reach: what the bank's layer map must list."""
@@ -78,9 +100,10 @@ def golden(name):
 def banks(tmp_path_factory):
     d = tmp_path_factory.mktemp("banks")
     out = {}
-    for name in NAMES:
+    for name in BANKS:
         path = d / f"{name}.bank"
-        r = run_import(os.path.join(FIXTURES, name), path)
+        fixture, args = fixture_of(name)
+        r = run_import(os.path.join(FIXTURES, fixture), path, *args)
         assert r.returncode == 0, f"{name}: {r.stderr}"
         out[name] = str(path)
     return out
@@ -99,25 +122,29 @@ def test_every_family_has_a_fixture_and_every_fixture_a_family(table):
 
 @pytest.mark.parametrize("name", NAMES)
 def test_import_is_the_bank_the_golden_was_computed_from(banks, name):
+    """An MXFP4 fixture's golden was computed from its int8 bank (the default
+    before the code book; make_hf_fixtures.py now asks for it by name); the
+    code book bank's weights are that bank's (test_mxfp4_..._same_weights)."""
     _, meta = golden(name)
-    with open(banks[name], "rb") as f:
+    with open(banks[name + INT8 if is_mxfp4(name) else name], "rb") as f:
         sha = hashlib.sha256(f.read()).hexdigest()
     assert sha == meta["bank_sha256"], (
         f"{name}: the import no longer gives the bank the golden output was computed from; "
         "if the change is intended, rerun tools/make_hf_fixtures.py")
 
 
-@pytest.mark.parametrize("name", NAMES)
-def test_metadata_records_source_layer_map_and_swiglu(banks, table, name):
+@pytest.mark.parametrize("bank", BANKS)
+def test_metadata_records_source_layer_map_and_swiglu(banks, table, bank):
+    name, args = fixture_of(bank)
     ck = os.path.join(FIXTURES, name)
     fam = ref.family_of(ck, table)
-    _, meta, _ = qb.read_header(banks[name])
+    _, meta, _ = qb.read_header(banks[bank])
     source = json.loads(meta["qmoe.source"])
     assert source["format"] == "hf" and source["family"] == fam["name"]
     files = sorted(f for f in os.listdir(ck)
                    if f.endswith(".safetensors") and f != "golden.safetensors")
     assert source["files"] == files
-    exact = quant_method(name) == "mxfp4"  # MXFP4 maps onto int8 block 32 bit for bit
+    exact = is_mxfp4(name)  # MXFP4 maps onto the e2m1 code book, or int8 block 32, bit for bit
     assert source["exact"] is exact, source
     assert (source["max_rel_err"] == 0) == source["exact"]
     assert json.loads(meta["qmoe.layer_map"]) == moe_layers(ck)
@@ -125,17 +152,20 @@ def test_metadata_records_source_layer_map_and_swiglu(banks, table, name):
     if fam["hf"]["flags"]["oai_swiglu"]:
         assert (meta["qmoe.activation_alpha"], meta["qmoe.activation_beta"],
                 meta["qmoe.swiglu_limit"]) == ("1.70200002", "1", "7")
-    assert (meta["qmoe.bits"], meta["qmoe.block_size"]) == ("8" if exact else "4", "32")
+    codebook = "e2m1" if exact and not args else None
+    assert meta.get("qmoe.codebook") == codebook
+    assert (meta["qmoe.bits"], meta["qmoe.block_size"]) == ("8" if exact and args else "4", "32")
 
 
-@pytest.mark.parametrize("name", NAMES)
-def test_the_banks_routing_keys_choose_transformers_experts_and_weights(banks, name):
+@pytest.mark.parametrize("bank", BANKS)
+def test_the_banks_routing_keys_choose_transformers_experts_and_weights(banks, bank):
     """Each bank's qmoe.routing.* keys (or their absence), evaluated by a
     float64 reference of BANK_FORMAT.md's rule, pick the experts transformers
     picked, with its weights."""
+    name, _ = fixture_of(bank)
     g, _ = golden(name)
-    cfg, tensors = qb.load_bank(banks[name])
-    _, meta, _ = qb.read_header(banks[name])
+    cfg, tensors = qb.load_bank(banks[bank])
+    _, meta, _ = qb.read_header(banks[bank])
     for i in range(cfg.layers):
         got = ref.route_by_bank(meta, qb.layer_tensors(tensors, i), g["x"], cfg.k)
         for t, (ids, ws) in enumerate(zip(g[f"topk_ids.{i}"], g[f"topk_weights.{i}"])):
@@ -145,10 +175,11 @@ def test_the_banks_routing_keys_choose_transformers_experts_and_weights(banks, n
                 assert abs(got[t][e] - want[e]) <= 1e-6 * max(1.0, abs(want[e])), (name, i, t)
 
 
-@pytest.mark.parametrize("name", NAMES)
-def test_every_matrix_dequantises_to_the_source_within_the_recorded_bound(banks, table, name):
-    cfg, tensors = qb.load_bank(banks[name])
-    _, meta, _ = qb.read_header(banks[name])
+@pytest.mark.parametrize("bank", BANKS)
+def test_every_matrix_dequantises_to_the_source_within_the_recorded_bound(banks, table, bank):
+    name, _ = fixture_of(bank)
+    cfg, tensors = qb.load_bank(banks[bank])
+    _, meta, _ = qb.read_header(banks[bank])
     source = json.loads(meta["qmoe.source"])
     ck = os.path.join(FIXTURES, name)
     fam = ref.family_of(ck, table)
@@ -185,6 +216,71 @@ def test_every_matrix_dequantises_to_the_source_within_the_recorded_bound(banks,
         assert measured <= source["max_rel_err"] * (1 + 1e-5), (measured, source)
         assert measured >= source["max_rel_err"] * (1 - 1e-5), (measured, source)
         assert 0.05 < measured < 0.2  # int4 block 32 RTN of Gaussian weights: about 0.1
+
+
+@pytest.mark.parametrize("name", [n for n in NAMES if is_mxfp4(n)])
+def test_mxfp4_code_book_bank_is_the_checkpoints_codes_and_the_int8_banks_weights(banks, name):
+    """The default import of an MXFP4 checkpoint keeps the Hub's _blocks
+    bytes as its codes (already low nibble = even column) and the int8
+    bank's scales: the same weights bit for bit, in about half the bytes."""
+    ce, te = qb.load_bank(banks[name])
+    ci, ti = qb.load_bank(banks[name + INT8])
+    assert (ce.codebook, ce.bits, ce.block_size) == ("e2m1", 4, 32)
+    assert (ci.codebook, ci.bits, ci.block_size) == (None, 8, 32)
+    assert sorted(te) == sorted(ti)
+    _, me, _ = qb.read_header(banks[name])
+    raw = ref.checkpoint_tensors(os.path.join(FIXTURES, name))
+    for i, l in enumerate(json.loads(me["qmoe.layer_map"])):
+        le, li = qb.layer_tensors(te, i), qb.layer_tensors(ti, i)
+        for proj, src in (("fc1", "gate_up_proj_blocks"), ("fc2", "down_proj_blocks")):
+            de, di = qb.dequantize(ce, proj, le), qb.dequantize(ci, proj, li)
+            assert np.array_equal(de.view(np.uint64), di.view(np.uint64)), (name, l, proj)
+            assert le[proj + ".scales"].tobytes() == li[proj + ".scales"].tobytes()
+            blocks = raw[f"model.layers.{l}.mlp.experts.{src}"]
+            assert le[proj + ".weight"].tobytes() == np.ascontiguousarray(blocks).tobytes()
+            assert le[proj + ".weight"].nbytes * 2 == li[proj + ".weight"].nbytes
+        for t in le:
+            if not t.endswith((".weight", ".scales")) or t.startswith("router"):
+                assert le[t].tobytes() == li[t].tobytes(), t
+    assert os.path.getsize(banks[name]) < 0.65 * os.path.getsize(banks[name + INT8])
+
+
+@pytest.mark.parametrize("args,bits,bs,exact", [(["--bits", "8"], 8, 32, True),
+                                                (["--block-size", "32"], 8, 32, True),
+                                                (["--bits", "4"], 4, 32, False),
+                                                (["--block-size", "64"], 8, 64, False)])
+def test_explicit_bits_or_block_size_keep_their_meaning_for_mxfp4(tmp_path, args, bits, bs, exact):
+    """--bits/--block-size given: today's layouts (int8 block 32 exact, or a
+    requantisation), never the code book, whatever --mxfp4 says."""
+    out = tmp_path / "b.bank"
+    r = run_import(os.path.join(FIXTURES, "gpt_oss_mxfp4"), out, *args)
+    assert r.returncode == 0, r.stderr
+    cfg, _ = qb.load_bank(str(out))
+    _, meta, _ = qb.read_header(str(out))
+    assert (cfg.codebook, cfg.bits, cfg.block_size) == (None, bits, bs)
+    assert json.loads(meta["qmoe.source"])["exact"] is exact
+
+
+def test_code_book_import_with_f16_scales_that_cannot_hold_the_exponents_is_refused(tmp_path):
+    """There is no requantising into the code book: an explicit --scales f16
+    that cannot hold 2^(e-128) is refused, naming the ways out; without
+    --scales the import takes f32 scales (as the int8 path does)."""
+    import make_hf_fixtures as mk
+
+    ck = copy_fixture(tmp_path, "gpt_oss_mxfp4")
+    t = ref.read_safetensors_raw(ck / "model.safetensors")
+    p = "model.layers.0.mlp.experts.down_proj_scales"
+    dt, shape, raw = t[p]
+    t[p] = (dt, shape, b"\x60" + raw[1:])  # 2^-32: below f16's smallest subnormal
+    mk.write_safetensors(ck / "model.safetensors", t, {"format": "pt"})
+    out = tmp_path / "b.bank"
+    assert_refused(run_import(ck, out, "--scales", "f16"), out, "--scales f16",
+                   "--scales f32 or bf16", "--mxfp4 int8")
+    r = run_import(ck, out)
+    assert r.returncode == 0, r.stderr
+    cfg, tensors = qb.load_bank(str(out))
+    assert cfg.codebook == "e2m1" and tensors["layers.0.fc2.scales"].dtype == np.float32
+    assert float(tensors["layers.0.fc2.scales"].reshape(-1)[0]) == 2.0 ** -32
 
 
 @pytest.mark.parametrize("name,dtype", [("gpt_oss", "BF16"), ("mixtral", "BF16"),
@@ -241,10 +337,10 @@ def test_bf16_and_f16_checkpoints_import_within_the_recorded_bound(tmp_path, tab
 
 # ---- what the bank computes ------------------------------------------------------
 
-@pytest.mark.parametrize("name", NAMES)
-def test_float64_reference_of_the_bank_matches_transformers(banks, name):
-    g, _ = golden(name)
-    cfg, tensors = qb.load_bank(banks[name])
+@pytest.mark.parametrize("bank", BANKS)
+def test_float64_reference_of_the_bank_matches_transformers(banks, bank):
+    g, _ = golden(fixture_of(bank)[0])
+    cfg, tensors = qb.load_bank(banks[bank])
     for i in range(cfg.layers):
         y = ref.forward_given(cfg, qb.layer_tensors(tensors, i), g["x"], g[f"topk_ids.{i}"],
                               g[f"topk_weights.{i}"])
@@ -284,14 +380,15 @@ def engine_routing(daemon):
     return "result" in r or "unknown member 'topk_ids'" not in json.dumps(r.get("error"))
 
 
-@pytest.mark.parametrize("name", NAMES)
-def test_session_with_the_engines_routing_matches_transformers(daemon, engine_routing, name):
+@pytest.mark.parametrize("bank", BANKS)
+def test_session_with_the_engines_routing_matches_transformers(daemon, engine_routing, bank):
     if not engine_routing:
         pytest.skip("this qmoed predates engine-supplied routing (topk_ids)")
     d, h = daemon
+    name, _ = fixture_of(bank)
     g, _ = golden(name)
     c = d.client()
-    sid = c.call("session.create", {"model": name, "policy": "whole_bank"})["session"]
+    sid = c.call("session.create", {"model": bank, "policy": "whole_bank"})["session"]
     for i in range(len(moe_layers(os.path.join(FIXTURES, name)))):
         r = c.call("session.infer", {"session": sid, "layer": i, "hidden": h.tensor(g["x"]),
                                      "topk_ids": i32_tensor(g[f"topk_ids.{i}"]),
@@ -300,15 +397,16 @@ def test_session_with_the_engines_routing_matches_transformers(daemon, engine_ro
         assert rel(y, g[f"out.{i}"].astype(np.float64)) < 1e-5
 
 
-@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("bank", BANKS)
 def test_session_routing_by_itself_chooses_transformers_experts(daemon, banks, engine_routing,
-                                                                 name):
-    if "qmoe.routing.score" in qb.read_header(banks[name])[1] and not engine_routing:
+                                                                 bank):
+    if "qmoe.routing.score" in qb.read_header(banks[bank])[1] and not engine_routing:
         pytest.skip("this qmoed predates routing by the bank's qmoe.routing.* keys")
     d, h = daemon
+    name, _ = fixture_of(bank)
     g, _ = golden(name)
     c = d.client()
-    sid = c.call("session.create", {"model": name, "policy": "whole_bank"})["session"]
+    sid = c.call("session.create", {"model": bank, "policy": "whole_bank"})["session"]
     for i in range(len(moe_layers(os.path.join(FIXTURES, name)))):
         r = c.call("session.infer", {"session": sid, "layer": i, "hidden": h.tensor(g["x"]),
                                      "return_routing": True})
@@ -472,6 +570,7 @@ def test_truncated_shard_is_named(tmp_path):
 def test_usage_errors_exit_2(tmp_path):
     for args in (["import"], ["import", "nosuchformat", "x", "--out", "y"],
                  ["import", "hf", str(tmp_path), "--bits", "3", "--out", "y"],
+                 ["import", "hf", str(tmp_path), "--mxfp4", "fp4", "--out", "y"],
                  ["import", "hf", str(tmp_path)]):
         r = subprocess.run([QMOE_BANK, *args], capture_output=True, text=True)
         assert r.returncode == 2, (args, r.stderr)

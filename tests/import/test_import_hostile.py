@@ -116,9 +116,23 @@ def test_non_finite_gguf_values_are_refused_naming_the_tensor(tmp_path, qtype, t
     refused(gg(path, out), out, tensor, "NaN or infinity")
 
 
-def test_mxfp4_exponents_that_overflow_f32_are_refused(tmp_path):
+@pytest.mark.parametrize("mxfp4", ["e2m1", "int8"])
+def test_mxfp4_gguf_exponent_255_is_refused_on_both_paths(tmp_path, mxfp4):
+    """E8M0 255 is NaN: neither the code book bank nor the int8 one takes it."""
+    from gguf import GGMLQuantizationType as Q
+
+    path = gguf_file(tmp_path, types=(Q.MXFP4,) * 3, blocks=1, seed=3)
+    tensor = "blk.0.ffn_down_exps.weight"
+    patch(path, tensor_data_offset(path, tensor) + 17, b"\xff")  # block 1's exponent
+    out = tmp_path / "b.bank"
+    refused(gg(path, out, "--mxfp4", mxfp4), out, tensor, "NaN or infinity")
+
+
+@pytest.mark.parametrize("mxfp4", ["e2m1", "int8"])
+def test_mxfp4_exponents_that_overflow_f32_are_refused(tmp_path, mxfp4):
     """E8M0 254 times the largest E2M1 value (6) is beyond f32: the HF
-    importer refused 255 only and wrote an 'exact' bank of infinities."""
+    importer refused 255 only and wrote an 'exact' bank of infinities (the
+    code book bank would hold scale 2^126 and code 12: the same infinity)."""
     ck = copy_fixture(tmp_path, "gpt_oss_mxfp4")
     t = ref.read_safetensors_raw(ck / "model.safetensors")
     p = "model.layers.0.mlp.experts."
@@ -128,7 +142,7 @@ def test_mxfp4_exponents_that_overflow_f32_are_refused(tmp_path):
     t[p + "down_proj_blocks"] = (dt, shape, raw[:80] + b"\x77" + raw[81:])  # two codes of 6
     mk.write_safetensors(ck / "model.safetensors", t, {"format": "pt"})
     out = tmp_path / "b.bank"
-    refused(hf(ck, out), out, p + "down_proj_scales", "NaN or infinity")
+    refused(hf(ck, out, "--mxfp4", mxfp4), out, p + "down_proj_scales", "NaN or infinity")
 
 
 # ---- rows 3 and 4: claims are not costs -------------------------------------------

@@ -468,6 +468,8 @@ START_TEST(test_bank_rejects_missing_or_malformed_metadata)
         {"qmoe.hidden_size", "63", "qmoe.hidden_size"},
         {"qmoe.format", "2", "qmoe.format = \"2\" but this build reads format 1"},
         {"qmoe.format", "1.0", "reads format 1"},
+        {"qmoe.codebook", "nf4", "qmoe.codebook = \"nf4\" but the only code book is e2m1"},
+        {"qmoe.codebook", "", "qmoe.codebook = \"\""},
     };
     for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
         fx_init(&fx, &o);
@@ -477,6 +479,46 @@ START_TEST(test_bank_rejects_missing_or_malformed_metadata)
     fx_init(&fx, &o);
     fx_del_meta(&fx, "qmoe.format");
     expect_invalid(&fx, "qmoe.format is missing");
+    /* A code book's codes are 4 bits, and its values signed: no zero points. */
+    o.bits = 8;
+    fx_init(&fx, &o);
+    fx_set_meta(&fx, "qmoe.codebook", "e2m1");
+    expect_invalid(&fx, "qmoe.codebook = e2m1 needs qmoe.bits = 4, not 8");
+    o = fx_default();
+    o.asymmetric = 1;
+    fx_init(&fx, &o);
+    fx_set_meta(&fx, "qmoe.codebook", "e2m1");
+    expect_invalid(&fx, "layers.0.fc1.zero_points: zero points with qmoe.codebook = e2m1");
+}
+END_TEST
+
+START_TEST(test_bank_opens_a_code_book_bank)
+{
+    fx_opts o = fx_default();
+    fx_bank fx;
+    fx_init(&fx, &o);
+    fx_set_meta(&fx, "qmoe.codebook", "e2m1");
+    size_t size;
+    uint8_t *img = fx_build(&fx, &size, NULL);
+    qm_bank *bank = NULL;
+    qm_status st;
+    ck_assert_msg(qm_bank_open_memory(img, size, &bank, &st) == 0, "%s", st.msg);
+    const qm_bank_config *c = qm_bank_get_config(bank);
+    ck_assert_int_eq(c->codebook, QM_CODEBOOK_E2M1);
+    ck_assert_uint_eq(c->bits, 4);
+    ck_assert_str_eq(qm_codebook_name(c->codebook), "e2m1");
+    static const int8_t want[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
+    ck_assert_mem_eq(qm_codebook_values(c->codebook), want, sizeof want);
+    ck_assert_ptr_null(qm_codebook_values(QM_CODEBOOK_NONE));
+    qm_bank_close(bank);
+    free(img);
+
+    fx_init(&fx, &o); /* without the key: none */
+    img = fx_build(&fx, &size, NULL);
+    ck_assert_int_eq(qm_bank_open_memory(img, size, &bank, &st), 0);
+    ck_assert_int_eq(qm_bank_get_config(bank)->codebook, QM_CODEBOOK_NONE);
+    qm_bank_close(bank);
+    free(img);
 }
 END_TEST
 
@@ -737,6 +779,7 @@ static Suite *bank_suite(void)
     tcase_add_test(tc, test_bank_rejects_dtype_shape_byte_mismatch);
     tcase_add_test(tc, test_bank_rejects_shape_products_overflowing_64_bits);
     tcase_add_test(tc, test_bank_rejects_missing_or_malformed_metadata);
+    tcase_add_test(tc, test_bank_opens_a_code_book_bank);
     tcase_add_test(tc, test_bank_rejects_wrong_expert_count_in_one_tensor);
     tcase_add_test(tc, test_bank_names_tensor_and_rule_for_shape_mismatches);
     tcase_add_test(tc, test_bank_rejects_missing_required_and_misplaced_optional_tensors);

@@ -45,10 +45,10 @@ def py(script, *args):
     assert mod.main([str(a) for a in args]) == 0
 
 
-def py_cli(script, *args):
+def py_cli(script, *args, check=True):
     r = subprocess.run([sys.executable, os.path.join(TOOLS, script), *map(str, args)],
                        capture_output=True, text=True)
-    assert r.returncode == 0, r.stderr
+    assert r.returncode == 0 or not check, r.stderr
     return r
 
 
@@ -134,6 +134,65 @@ def test_create_writes_ort_rule_quantisation_readable_by_safetensors(
             rel = {"f32": 0.0, "f16": 2.0 ** -11, "bf16": 2.0 ** -8}[sdt]
             tol = step * (0.5 if not asym else 1.0) * (1 + 16 * rel) + 1e-6 + rel * np.abs(w)
             assert np.all(np.abs(deq - w) <= tol), proj
+
+
+@pytest.mark.parametrize("block_size,sdt", [(32, "f16"), (16, "f32"), (0, "bf16")])
+def test_create_codebook_writes_the_nearest_e2m1_values(tmp_path, block_size, sdt):
+    """--codebook e2m1: per block absmax / 12, each code the nearest book value
+    (qmoebank.quantize_rows_codebook, the same rule), no zero points; the
+    bank opens, inspect names the book, bank2onnx refuses it."""
+    extra = ["--seed", 4, "--scale-dtype", sdt, "--codebook", "e2m1", "--swiglu-fusion", 0]
+    path = create(tmp_path / "cb.qmoe", layers=2, experts=3, hidden=64, inter=32,
+                  bits=4, block_size=block_size, activation="swiglu", extra=extra)
+    _, meta, _ = qb.read_header(str(path))
+    assert meta["qmoe.codebook"] == "e2m1" and meta["qmoe.bits"] == "4"
+    cfg, tensors = qb.load_bank(str(path))
+    assert cfg.codebook == "e2m1" and cfg.to_metadata()["qmoe.codebook"] == "e2m1"
+    assert not any(name.endswith("zero_points") for name in tensors)
+    sd = {"f32": np.float32, "f16": np.float16, "bf16": qb.BF16}[sdt]
+    for layer in range(2):
+        want = expected_layer(cfg, 4, layer, sd, False)
+        lt = qb.layer_tensors(tensors, layer)
+        for proj in ("fc1", "fc2", "fc3"):
+            w = want[proj + "._float"]
+            packed, scales = qb.quantize_rows_codebook(w, block_size, "e2m1", sd)
+            assert lt[proj + ".weight"].tobytes() == packed.tobytes(), (layer, proj)
+            assert lt[proj + ".scales"].tobytes() == scales.tobytes(), (layer, proj)
+            # Within half the widest gap of the book (2, between 8 and 12) of a
+            # step, plus the scale's own rounding.
+            deq = qb.dequantize(cfg, proj, lt)
+            s = lt[proj + ".scales"].astype(np.float64)
+            s = s if s.ndim == 3 else s[:, :, None]
+            step = np.repeat(s, block_size or w.shape[2], axis=2)[:, :, :w.shape[2]]
+            assert np.all(np.abs(deq - w) <= 2.0 * step * (1 + 2.0 ** -7) + 1e-7), proj
+    out = tool("inspect", path).stdout
+    assert "codebook: e2m1 (codes 0-15: 0 1 2 3 4 6 8 12 0 -1 -2 -3 -4 -6 -8 -12)" in out
+    info = json.loads(tool("inspect", "--json", path).stdout)
+    assert info["codebook"] == {"name": "e2m1",
+                                "values": [0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12]}
+    r = py_cli("bank2onnx.py", path, "--out", tmp_path / "cb.onnx", check=False)
+    assert r.returncode == 2 and "qmoe.codebook = e2m1" in r.stderr and "--mxfp4 int8" in r.stderr
+    assert not os.path.exists(tmp_path / "cb.onnx")
+
+
+def test_create_codebook_needs_4_bit_symmetric_codes(tmp_path):
+    for bits, extra in ((8, []), (4, ["--asymmetric"])):
+        r = tool("create", "--out", tmp_path / "x.qmoe", "--layers", 1, "--experts", 2, "--hidden",
+                 32, "--inter", 32, "--k", 1, "--bits", bits, "--block-size", 32, "--activation",
+                 "silu", "--codebook", "e2m1", *extra, check=False)
+        assert r.returncode == 2 and "--codebook e2m1 needs --bits 4" in r.stderr, r.stderr
+    r = tool("create", "--out", tmp_path / "x.qmoe", "--layers", 1, "--experts", 2, "--hidden",
+             32, "--inter", 32, "--k", 1, "--bits", 4, "--block-size", 32, "--activation", "silu",
+             "--codebook", "nf4", check=False)
+    assert r.returncode == 2 and "--codebook must be e2m1" in r.stderr
+    assert not os.path.exists(tmp_path / "x.qmoe")
+    assert "--codebook e2m1" in tool("create", "--help").stdout
+
+
+def test_inspect_plain_bank_has_no_codebook(tmp_path):
+    path = create(tmp_path / "p.qmoe")
+    assert "codebook: none" in tool("inspect", path).stdout
+    assert json.loads(tool("inspect", "--json", path).stdout)["codebook"] is None
 
 
 def test_create_is_deterministic_and_seeded(tmp_path):

@@ -1,7 +1,8 @@
 """`qmoe-bank import gguf`: GGUF files written here with the `gguf` package
 (llama.cpp's gguf-py), imported, and checked against gguf-py's own
-dequantiser: bit for bit for the exact types (Q4_0, Q8_0, Q5_0, MXFP4, Q6_K),
-within the recorded max_rel_err for the requantised ones; the MoE output of
+dequantiser: bit for bit for the exact types (Q4_0, Q8_0, Q5_0, MXFP4 through
+the e2m1 code book and as int8, Q6_K), within the recorded max_rel_err for the
+requantised ones; the MoE output of
 the imported bank against a numpy reference; every bad input exits 2 with
 one line naming the tensor or key, and leaves no file behind.
 """
@@ -136,19 +137,30 @@ def write_gguf(path, arch="qwen3moe", types=(Q.Q4_0, Q.Q4_0, Q.Q4_0), blocks=2, 
 # ---- reading the bank back -------------------------------------------------------------
 
 
-def bank_matrix(t, meta, layer, fc):
-    bits = int(meta["qmoe.bits"])
-    bs = int(meta["qmoe.block_size"])
+# qmoe.codebook = e2m1 (docs/BANK_FORMAT.md): code q weighs scale * E2M1[q].
+E2M1 = np.array([0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12], np.float32)
+
+
+def bank_codes(t, meta, layer, fc):
     codes = t[f"layers.{layer}.{fc}.weight"]
-    if bits == 4:
+    if int(meta["qmoe.bits"]) == 4:
         q = np.empty(codes.shape[:-1] + (codes.shape[-1] * 2,), np.uint8)
         q[..., 0::2] = codes & 15
         q[..., 1::2] = codes >> 4
-    else:
-        q = codes
-    zp = np.float32(1 << (bits - 1))
+        return q
+    return codes
+
+
+def bank_matrix(t, meta, layer, fc):
+    bits = int(meta["qmoe.bits"])
+    bs = int(meta["qmoe.block_size"])
+    q = bank_codes(t, meta, layer, fc)
     sc = t[f"layers.{layer}.{fc}.scales"].astype(np.float32)
     sc = np.repeat(sc, bs, axis=-1)[..., :q.shape[-1]]
+    if "qmoe.codebook" in meta:
+        assert meta["qmoe.codebook"] == "e2m1" and bits == 4
+        return sc * E2M1[q]
+    zp = np.float32(1 << (bits - 1))
     return sc * (q.astype(np.float32) - zp)
 
 
@@ -169,14 +181,21 @@ def import_ok(tmp_path, gpath, *extra):
 FC = {"gate": "fc1", "up": "fc3", "down": "fc2"}
 
 
-@pytest.mark.parametrize("qtype,bits,bs", [(Q.Q4_0, 4, 32), (Q.Q8_0, 8, 32), (Q.Q5_0, 8, 32),
-                                           (Q.MXFP4, 8, 32), (Q.Q6_K, 8, 16)])
-def test_exact_types_repack_bit_for_bit(tmp_path, qtype, bits, bs):
+@pytest.mark.parametrize("qtype,bits,bs,extra", [
+    (Q.Q4_0, 4, 32, ()), (Q.Q8_0, 8, 32, ()), (Q.Q5_0, 8, 32, ()),
+    pytest.param(Q.MXFP4, 4, 32, (), id="MXFP4-e2m1"),
+    pytest.param(Q.MXFP4, 8, 32, ("--mxfp4", "int8"), id="MXFP4-int8"),
+    (Q.Q6_K, 8, 16, ())])
+def test_exact_types_repack_bit_for_bit(tmp_path, qtype, bits, bs, extra):
     gpath = tmp_path / "m.gguf"
     src = write_gguf(gpath, types=(qtype,) * 3, seed=int(qtype))
-    out, stdout = import_ok(tmp_path, gpath)
+    out, stdout = import_ok(tmp_path, gpath, *extra)
     t, meta = load_bank(out)
     assert (int(meta["qmoe.bits"]), int(meta["qmoe.block_size"])) == (bits, bs)
+    # MXFP4 alone keeps its own codes through the e2m1 code book unless asked
+    # for int8 (today's bank, onnxruntime's); every other layout has no book.
+    codebook = "e2m1" if qtype == Q.MXFP4 and not extra else None
+    assert meta.get("qmoe.codebook") == codebook
     source = json.loads(meta["qmoe.source"])
     assert source["format"] == "gguf" and source["exact"] is True and "max_rel_err" not in source
     assert source["family"] == "qwen3_moe" and source["files"] == ["m.gguf"]
@@ -194,6 +213,7 @@ def test_exact_types_repack_bit_for_bit(tmp_path, qtype, bits, bs):
         for fc in FC.values():
             assert t[f"layers.{layer}.{fc}.scales"].dtype == want_dt, (qtype.name, fc)
     assert f"{qtype.name}" in stdout and "exact repack" in stdout, stdout
+    assert ("-> e2m1 code book block 32" in stdout) == (codebook is not None), stdout
     # qwen3moe renormalises the top-k: the legacy rule, no routing keys.
     assert not any(k.startswith("qmoe.routing.") for k in meta)
 
@@ -224,6 +244,71 @@ def test_requantised_types_stay_within_the_recorded_error(tmp_path, qtype, bits)
     assert bound < (0.02 if bits == 8 else 0.3), bound
     line = [l for l in stdout.splitlines() if l.strip().startswith(qtype.name + " ")]
     assert line and "requantised" in line[0] and "max rel err" in line[0], stdout
+
+
+def mxfp4_source_codes(gpath, tensor):
+    """The 4-bit codes of an MXFP4 tensor as the file holds them, element
+    order: ggml's block {u8 e; u8 qs[16]}, element j in qs[j]'s low nibble and
+    j + 16 in its high one."""
+    r = gguf.GGUFReader(str(gpath))
+    t = next(x for x in r.tensors if x.name == tensor)
+    blocks = np.asarray(t.data, np.uint8).reshape(-1, 17)
+    qs = blocks[:, 1:]
+    codes = np.concatenate([qs & 15, qs >> 4], axis=1)  # [blocks, 32]
+    return codes.reshape(*[int(d) for d in reversed(t.shape)])
+
+
+def test_mxfp4_e2m1_and_int8_banks_hold_the_same_weights(tmp_path):
+    """The e2m1 bank is the file's own nibbles (repacked to the bank's order)
+    with the int8 bank's scales: half its code bytes, the same weights bit
+    for bit."""
+    gpath = tmp_path / "m.gguf"
+    write_gguf(gpath, types=(Q.MXFP4,) * 3, blocks=2, seed=31)
+    e2m1, stdout = import_ok(tmp_path, gpath)
+    int8 = tmp_path / "int8.bank"
+    run_tool("import", "gguf", gpath, "--out", int8, "--mxfp4", "int8", "--quiet")
+    te, me = load_bank(e2m1)
+    ti, mi = load_bank(int8)
+    assert me["qmoe.codebook"] == "e2m1" and (me["qmoe.bits"], me["qmoe.block_size"]) == ("4", "32")
+    # --mxfp4 int8: today's metadata exactly, no code book key.
+    assert "qmoe.codebook" not in mi and (mi["qmoe.bits"], mi["qmoe.block_size"]) == ("8", "32")
+    assert {k: v for k, v in me.items() if k not in ("qmoe.bits", "qmoe.codebook")} == \
+        {k: v for k, v in mi.items() if k != "qmoe.bits"}
+    assert json.loads(me["qmoe.source"])["exact"] is True
+    for layer in (0, 1):
+        for name, fc in FC.items():
+            we, wi = bank_matrix(te, me, layer, fc), bank_matrix(ti, mi, layer, fc)
+            assert np.array_equal(we.view(np.uint32), wi.view(np.uint32)), (layer, fc)
+            assert te[f"layers.{layer}.{fc}.scales"].tobytes() == \
+                ti[f"layers.{layer}.{fc}.scales"].tobytes()
+            codes = bank_codes(te, me, layer, fc)
+            assert np.array_equal(codes, mxfp4_source_codes(gpath, f"blk.{layer}.ffn_{name}_exps.weight"))
+            # int8 code = 128 + E2M1[nibble]: the two banks' codes agree
+            assert np.array_equal(ti[f"layers.{layer}.{fc}.weight"].astype(np.int32),
+                                  128 + E2M1[codes].astype(np.int32))
+            assert te[f"layers.{layer}.{fc}.weight"].nbytes * 2 == ti[f"layers.{layer}.{fc}.weight"].nbytes
+    assert os.path.getsize(e2m1) < 0.6 * os.path.getsize(int8)
+    # --scales is honoured as on the int8 path: f32 holds 2^(e-128) too.
+    out = tmp_path / "f32.bank"
+    run_tool("import", "gguf", gpath, "--out", out, "--scales", "f32", "--quiet")
+    t, m = load_bank(out)
+    assert m["qmoe.codebook"] == "e2m1" and t["layers.0.fc2.scales"].dtype == np.float32
+    assert np.array_equal(bank_matrix(t, m, 0, "fc2").view(np.uint32),
+                          bank_matrix(te, me, 0, "fc2").view(np.uint32))
+
+
+def test_mxfp4_mixed_with_another_type_stays_int8(tmp_path):
+    """A code book holds MXFP4 only: a file whose experts mix MXFP4 with Q8_0
+    keeps today's int8 block 32 bank, exact, whatever --mxfp4 says."""
+    gpath = tmp_path / "m.gguf"
+    src = write_gguf(gpath, types=(Q.MXFP4, Q.MXFP4, Q.Q8_0), blocks=1, seed=32)
+    for extra in ((), ("--mxfp4", "e2m1")):
+        out, stdout = import_ok(tmp_path, gpath, *extra)
+        t, meta = load_bank(out)
+        assert "qmoe.codebook" not in meta and (meta["qmoe.bits"], meta["qmoe.block_size"]) == ("8", "32")
+        for name, fc in FC.items():
+            assert np.array_equal(bank_matrix(t, meta, 0, fc).view(np.uint32),
+                                  src[0][name].view(np.uint32)), name
 
 
 def test_mixed_q4k_q6k_keeps_q6k_exact(tmp_path):
@@ -304,11 +389,13 @@ def test_moe_output_matches_numpy_reference(tmp_path):
         assert err < 1e-5, err
 
 
-def test_gpt_oss_biases_router_bias_and_swiglu_constants(tmp_path):
+@pytest.mark.parametrize("mxfp4", ["e2m1", "int8"])
+def test_gpt_oss_biases_router_bias_and_swiglu_constants(tmp_path, mxfp4):
     gpath = tmp_path / "m.gguf"
     src = write_gguf(gpath, arch="gpt-oss", types=(Q.MXFP4,) * 3, blocks=1, seed=12, biases=True)
-    out, stdout = import_ok(tmp_path, gpath)
+    out, stdout = import_ok(tmp_path, gpath, "--mxfp4", mxfp4)
     t, meta = load_bank(out)
+    assert meta.get("qmoe.codebook") == (None if mxfp4 == "int8" else "e2m1")
     assert meta["qmoe.activation_alpha"] == "1.702" and meta["qmoe.swiglu_limit"] == "7"
     assert json.loads(meta["qmoe.source"])["family"] == "gpt_oss"
     for name, fc in FC.items():
@@ -429,8 +516,12 @@ def test_usage_errors(tmp_path):
     r = run_tool("import", "gguf", "x.gguf", "--out", tmp_path / "o", "--requant-bits", "3",
                  check=False)
     assert r.returncode == 2 and "--requant-bits takes 4 or 8" in r.stderr
+    r = run_tool("import", "gguf", "x.gguf", "--out", tmp_path / "o", "--mxfp4", "int4",
+                 check=False)
+    assert r.returncode == 2 and '--mxfp4 takes e2m1 or int8, not "int4"' in r.stderr
     expect_bad(tmp_path, tmp_path / "missing.gguf", "cannot open")
-    assert "import gguf" in run_tool("import", "gguf", "--help").stdout
+    helptext = run_tool("import", "gguf", "--help").stdout
+    assert "import gguf" in helptext and "--mxfp4 e2m1|int8" in helptext
 
 
 def families():

@@ -4,7 +4,8 @@
  * projection, expert), so any slice can be produced alone: the file is
  * written expert slice by expert slice with pwrite, and memory stays at one
  * slice whatever the bank's size. Quantisation is model/qm_quant.h's with
- * onnxruntime's QMoE tests' recipe (codes against the f32 scale). */
+ * onnxruntime's QMoE tests' recipe (codes against the f32 scale); a code
+ * book bank's codes are the nearest of its values (e2m1_row). */
 #include <errno.h>
 #include <getopt.h>
 #include <math.h>
@@ -26,7 +27,8 @@ void qm__help_create(FILE *f)
           "                        --k K --bits 4|8 --block-size BS --activation ACT\n"
           "                        [--swiglu-fusion 0|1|2] [--asymmetric] [--router]\n"
           "                        [--seed S] [--scale-dtype f32|f16|bf16] [--no-bias]\n"
-          "                        [--alpha A] [--beta B] [--limit X] [--quiet]\n"
+          "                        [--alpha A] [--beta B] [--limit X] [--codebook e2m1]\n"
+          "                        [--quiet]\n"
           "\n"
           "Writes a deterministic synthetic bank: float weights from a generator seeded by\n"
           "S (default 1), quantised per row (BS 0) or per block of BS columns (a power of\n"
@@ -38,8 +40,12 @@ void qm__help_create(FILE *f)
           "relu, gelu, silu, swiglu or identity; swiglu uses --swiglu-fusion (default 1:\n"
           "fc1 rows interleaved gate/linear; 2: gate rows then linear rows; 0: separate\n"
           "fc3) and --alpha/--beta/--limit (defaults 1, 0, inf). The same arguments always\n"
-          "give the same bytes. The file is written layer by layer through FILE.partial and\n"
-          "renamed when complete; progress is shown on a terminal for banks over 64 MiB.\n",
+          "give the same bytes. --codebook e2m1 (with --bits 4, not --asymmetric) writes\n"
+          "a code book bank (qmoe.codebook, docs/BANK_FORMAT.md): per block the scale\n"
+          "absmax / 12 and each code the nearest of the values 0 1 2 3 4 6 8 12 and their\n"
+          "negatives (ties to the smaller code). The file is written layer by layer through\n"
+          "FILE.partial and renamed when complete; progress is shown on a terminal for banks\n"
+          "over 64 MiB.\n",
           f);
 }
 
@@ -47,6 +53,7 @@ typedef struct create_opts {
     const char *out;
     unsigned layers, experts, hidden, inter, k, bits, block_size, fusion;
     int fusion_set, asymmetric, router, bias, quiet;
+    qm_codebook codebook;
     unsigned long long seed;
     qm_dtype scale_dtype, bias_dtype; /* bias_dtype: biases and the router */
     float alpha, beta, limit;
@@ -112,6 +119,7 @@ static qm_bank_config config_of(const create_opts *o)
                             .inter = o->inter,
                             .k = o->k,
                             .bits = o->bits,
+                            .codebook = o->codebook,
                             .block_size = o->block_size,
                             .activation = o->act,
                             .swiglu_fusion = o->fusion,
@@ -119,6 +127,39 @@ static qm_bank_config config_of(const create_opts *o)
                             .alpha = o->alpha,
                             .beta = o->beta,
                             .limit = o->limit};
+}
+
+/* A row of k values (k even) into codes of code book cb, packed two to a
+ * byte (low nibble = even column), and its blocks' scales (absmax / the
+ * book's largest value, floored at 1e-8, as stored in sdt) as elements
+ * [scale_at, scale_at + nblk) of `scales`. Each code is the nearest value
+ * to w / stored scale; ties take the smaller code. */
+static void codebook_row(qm_codebook cb, const float *w, uint64_t k, uint64_t bs, qm_dtype sdt,
+                         uint8_t *packed, void *scales, uint64_t scale_at)
+{
+    const int8_t *v = qm_codebook_values(cb);
+    int vmax = 0;
+    for (int q = 0; q < 16; q++)
+        vmax = abs(v[q]) > vmax ? abs(v[q]) : vmax;
+    if (!bs) bs = k;
+    memset(packed, 0, (size_t)(k / 2));
+    for (uint64_t b0 = 0, blk = 0; b0 < k; b0 += bs, blk++) {
+        uint64_t end = b0 + bs < k ? b0 + bs : k;
+        float amax = 0.0f;
+        for (uint64_t c = b0; c < end; c++)
+            amax = fabsf(w[c]) > amax ? fabsf(w[c]) : amax;
+        float s = qm_quant_round_to(sdt, fmaxf(amax / (float)vmax, 1e-8f));
+        qm_quant_store(scales, sdt, scale_at + blk, s);
+        for (uint64_t c = b0; c < end; c++) {
+            unsigned best = 0;
+            float best_d = INFINITY;
+            for (unsigned q = 0; q < 16; q++) {
+                float d = fabsf(w[c] / s - (float)v[q]);
+                if (d < best_d) best = q, best_d = d;
+            }
+            packed[c / 2] |= (uint8_t)(best << (c % 2 ? 4 : 0));
+        }
+    }
 }
 
 /* Writes projection p of one layer, expert by expert. */
@@ -157,7 +198,12 @@ static int write_projection(const create_opts *o, qm_bank_writer *w, uint32_t la
         for (uint64_t row_i = 0; row_i < n; row_i++) {
             for (uint64_t c = 0; c < k; c++)
                 row[c] = rng_uniform(&r) * wscale;
-            qm_quant_row(&q, row, k, wbuf + row_i * (k / pack), sbuf, row_i * nblk, row_zps, NULL);
+            if (o->codebook)
+                codebook_row(o->codebook, row, k, bs, o->scale_dtype, wbuf + row_i * (k / pack),
+                             sbuf, row_i * nblk);
+            else
+                qm_quant_row(&q, row, k, wbuf + row_i * (k / pack), sbuf, row_i * nblk, row_zps,
+                             NULL);
             if (o->asymmetric) {
                 if (bs) { /* [N, ceil(nblk/pack)], packed along blocks */
                     uint64_t per_row = ceil_div(nblk, pack);
@@ -240,13 +286,16 @@ static int write_bank(const create_opts *o)
     for (uint32_t l = 0; l < o->layers; l++)
         qm_bank_plan_layer(&cfg, &lo, &plan[(size_t)l * QM_T_COUNT]);
     char v[12][32];
-    qm_st_meta meta[QM_BANK_STD_META];
+    qm_st_meta meta[QM_BANK_STD_META + 1];
+    size_t n_meta = QM_BANK_STD_META;
     qm_bank_std_meta(&cfg, v, meta);
+    if (o->codebook)
+        meta[n_meta++] = (qm_st_meta){"qmoe.codebook", (char *)qm_codebook_name(o->codebook)};
     const qm_bank_writer_spec spec = {.layers = o->layers,
                                       .experts = o->experts,
                                       .tensors = plan,
                                       .meta = meta,
-                                      .n_meta = QM_BANK_STD_META,
+                                      .n_meta = n_meta,
                                       .tool = "create"};
     uint32_t first;
     double unused;
@@ -315,6 +364,7 @@ int qm__cmd_create(int argc, char **argv)
         O_ALPHA,
         O_BETA,
         O_LIMIT,
+        O_CODEBOOK,
         O_QUIET,
         O_HELP
     };
@@ -336,6 +386,7 @@ int qm__cmd_create(int argc, char **argv)
                                              {"alpha", required_argument, 0, O_ALPHA},
                                              {"beta", required_argument, 0, O_BETA},
                                              {"limit", required_argument, 0, O_LIMIT},
+                                             {"codebook", required_argument, 0, O_CODEBOOK},
                                              {"quiet", no_argument, 0, O_QUIET},
                                              {"help", no_argument, 0, O_HELP},
                                              {0, 0, 0, 0}};
@@ -422,6 +473,10 @@ int qm__cmd_create(int argc, char **argv)
             if (parse_float_opt(optarg, &o.limit) || !(o.limit > 0))
                 return bad("--limit wants a number > 0 (or inf)");
             break;
+        case O_CODEBOOK:
+            if (strcmp(optarg, "e2m1") != 0) return bad("--codebook must be e2m1");
+            o.codebook = QM_CODEBOOK_E2M1;
+            break;
         case O_HELP:
             qm__help_create(stdout);
             return QM__EXIT_OK;
@@ -437,6 +492,9 @@ int qm__cmd_create(int argc, char **argv)
         return bad("--layers/--experts at most 65536, --hidden/--inter at most 1048576");
     if (o.k > o.experts) return bad("--k must not exceed --experts");
     if (o.bits != 4 && o.bits != 8) return bad("--bits must be 4 or 8");
+    if (o.codebook && (o.bits != 4 || o.asymmetric))
+        return bad("--codebook e2m1 needs --bits 4 and takes no --asymmetric (its values are "
+                   "signed: no zero points)");
     if (o.block_size && (o.block_size < 16 || (o.block_size & (o.block_size - 1))))
         return bad("--block-size must be 0 or a power of two >= 16");
     unsigned pack = 8 / o.bits;

@@ -16,7 +16,8 @@ void qm__help_inspect(FILE *f)
           "\n"
           "Opens FILE exactly as the daemon does (mmap, full validation) and prints the\n"
           "model summary (name, path, layers, experts, hidden_size, inter_size, k,\n"
-          "activation, bits, block_size, bytes_total = expert bytes of all layers,\n"
+          "activation, bits, block_size, codebook (none, or e2m1 with its 16 values: code\n"
+          "q weighs scale * value[q]), bytes_total = expert bytes of all layers,\n"
           "bytes_per_expert = one expert's unit in one layer), then per layer its tensors\n"
           "(dtype, shape, offset in the data section, bytes, bytes per expert) and its\n"
           "region catalog (pageable, or the non-pageable reason). Unknown tensors are\n"
@@ -128,6 +129,11 @@ static void print_text(const qm_bank *bank, qm_region_catalog **cats)
            c->experts, c->hidden, c->inter, c->k);
     printf("activation: %s\nbits: %u\nblock_size: %u\n", qm_activation_name(c->activation), c->bits,
            c->block_size);
+    const int8_t *book = qm_codebook_values(c->codebook);
+    printf("codebook: %s", qm_codebook_name(c->codebook));
+    for (int q = 0; book && q < 16; q++)
+        printf("%s%d", q ? " " : " (codes 0-15: ", book[q]);
+    printf("%s\n", book ? ")" : "");
     printf("bytes_total: %llu\nbytes_per_expert: %llu\n",
            (unsigned long long)qm_bank_expert_bytes_total(bank),
            (unsigned long long)l0->bytes_per_expert);
@@ -185,6 +191,15 @@ static void print_json(const qm_bank *bank, qm_region_catalog **cats)
            c->bits, c->block_size, (unsigned long long)qm_bank_expert_bytes_total(bank),
            (unsigned long long)qm_bank_layer(bank, 0)->bytes_per_expert,
            (unsigned long long)qm_bank_file_bytes(bank), c->swiglu_fusion, c->normalize_routing);
+    const int8_t *book = qm_codebook_values(c->codebook);
+    if (book) {
+        printf("\"codebook\":{\"name\":\"%s\",\"values\":[", qm_codebook_name(c->codebook));
+        for (int q = 0; q < 16; q++)
+            printf("%s%d", q ? "," : "", book[q]);
+        printf("]},");
+    } else {
+        printf("\"codebook\":null,");
+    }
     if (c->limit > 3.0e38f)
         printf("\"activation_alpha\":%.9g,\"activation_beta\":%.9g,\"swiglu_limit\":\"inf\",",
                (double)c->alpha, (double)c->beta);

@@ -243,8 +243,11 @@ void qm__ggml_dequant_row(uint32_t type, const uint8_t *src, uint64_t n, float *
 
 /* ---- exact repacks --------------------------------------------------------------- */
 
-int qm__ggml_exact_fits(uint32_t type, unsigned bits, unsigned bs, qm_dtype sdt)
+int qm__ggml_exact_fits(uint32_t type, unsigned bits, qm_codebook cb, unsigned bs, qm_dtype sdt)
 {
+    if (cb == QM_CODEBOOK_E2M1) /* MXFP4's nibble is the code book's code */
+        return type == QM__GGML_MXFP4 && bits == 4 && (bs == 32 || bs == 16);
+    if (cb != QM_CODEBOOK_NONE) return 0;
     switch (type) {
     case QM__GGML_Q4_0:
         return (bs == 32 || bs == 16) && (sdt == QM_DTYPE_F16 || sdt == QM_DTYPE_F32) &&
@@ -282,8 +285,8 @@ static void put_scale(void *scales, qm_dtype sdt, uint64_t i, float s, int from_
         qm_quant_store(scales, sdt, i, s);
 }
 
-void qm__ggml_repack_row(uint32_t type, const uint8_t *src, uint64_t n, unsigned bits, unsigned bs,
-                         qm_dtype sdt, uint8_t *codes, void *scales)
+void qm__ggml_repack_row(uint32_t type, const uint8_t *src, uint64_t n, unsigned bits,
+                         qm_codebook cb, unsigned bs, qm_dtype sdt, uint8_t *codes, void *scales)
 {
     uint64_t block, bytes;
     qm__ggml_type_size(type, &block, &bytes);
@@ -316,8 +319,10 @@ void qm__ggml_repack_row(uint32_t type, const uint8_t *src, uint64_t n, unsigned
         }
         case QM__GGML_MXFP4: {
             float d = qm__e8m0_half_scale(src[0]);
-            for (unsigned j = 0; j < 32; j++)
-                put_code(codes, bits, c0 + j, (unsigned)(qm__fp4_half[nib(src + 1, j)] + 128));
+            for (unsigned j = 0; j < 32; j++) /* e2m1: the nibble; int8: its value + 128 */
+                put_code(codes, bits, c0 + j,
+                         cb == QM_CODEBOOK_E2M1 ? nib(src + 1, j)
+                                                : (unsigned)(qm__fp4_half[nib(src + 1, j)] + 128));
             for (unsigned k = 0; k < 32 / bs; k++)
                 put_scale(scales, sdt, c0 / bs + k, d, 0, 0);
             break;

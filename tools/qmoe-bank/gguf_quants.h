@@ -9,7 +9,9 @@
  *   Q8_0  -> int8, code q + 128, block 32 or 16, f16/f32 scales d
  *   Q5_0  -> int8, code q5 + 112 (value q5 - 16), block 32 or 16, f16/f32 scales d
  *   MXFP4 -> int8, code kv[q] + 128 (kv = 2 x E2M1), block 32 or 16, scales 2^(e-128):
- *            f32, bf16, or f16 when every exponent e is in [104, 143] (the caller checks)
+ *            f32, bf16, or f16 when every exponent e is in [104, 143] (the caller checks);
+ *            or 4-bit codes of the e2m1 code book (qmoe.codebook): code q itself, the
+ *            value kv[q], same blocks and scales
  *   Q6_K  -> int8, code q6 + 96, block 16, f32 scales d·sc
  * Every other supported type (F32, F16, BF16, Q4_1, Q5_1, Q2_K, Q3_K, Q4_K,
  * Q5_K) is dequantised and requantised. */
@@ -27,13 +29,14 @@ int qm__ggml_can_dequant(uint32_t type);
  * into dst. The caller checked the type with qm__ggml_can_dequant. */
 void qm__ggml_dequant_row(uint32_t type, const uint8_t *src, uint64_t n, float *dst);
 
-/* 1 when `type` repacks exactly into codes of `bits` with blocks of `bs` and
- * scales of dtype `sdt`. */
-int qm__ggml_exact_fits(uint32_t type, unsigned bits, unsigned bs, qm_dtype sdt);
+/* 1 when `type` repacks exactly into codes of `bits` (through code book cb,
+ * or none) with blocks of `bs` and scales of dtype `sdt`. */
+int qm__ggml_exact_fits(uint32_t type, unsigned bits, qm_codebook cb, unsigned bs, qm_dtype sdt);
 /* The repack of one row of n elements: codes packed QMoE-style (column c in
  * byte c/(8/bits), low nibble = even column), n/bs scales of dtype sdt at
- * scales. Only for a (type, bits, bs, sdt) that qm__ggml_exact_fits accepts. */
-void qm__ggml_repack_row(uint32_t type, const uint8_t *src, uint64_t n, unsigned bits, unsigned bs,
-                         qm_dtype sdt, uint8_t *codes, void *scales);
+ * scales. Only for a (type, bits, cb, bs, sdt) that qm__ggml_exact_fits
+ * accepts. */
+void qm__ggml_repack_row(uint32_t type, const uint8_t *src, uint64_t n, unsigned bits,
+                         qm_codebook cb, unsigned bs, qm_dtype sdt, uint8_t *codes, void *scales);
 
 #endif

@@ -1,9 +1,9 @@
 /* import_gguf.c - `qmoe-bank import gguf FILE --out BANK [--requant-bits 4|8]`:
  * llama.cpp's stacked MoE tensors of a GGUF file into a bank.
  *
- * One bank layout (bits, block size) for the whole file, chosen from the
- * ggml types of its expert tensors so that as many as possible repack bit
- * exactly (gguf_quants.h); the others are dequantised and requantised to
+ * One bank layout (bits, block size, code book) for the whole file, chosen
+ * from the ggml types of its expert tensors so that as many as possible
+ * repack bit exactly (gguf_quants.h); the others are dequantised and requantised to
  * --requant-bits with their error measured. The bank is fc1 = gate, fc3 =
  * up, fc2 = down (swiglu, fusion 0), the router (ffn_gate_inp) in f32, and
  * the routing keys from the GGUF metadata, written through the bank writer
@@ -37,7 +37,8 @@
 void qm__help_import_gguf(FILE *f)
 {
     fputs("usage: qmoe-bank import gguf FILE --out BANK [--requant-bits 4|8]\n"
-          "                               [--scales f16|f32|bf16] [--resume] [--quiet]\n"
+          "                               [--scales f16|f32|bf16] [--mxfp4 e2m1|int8]\n"
+          "                               [--resume] [--quiet]\n"
           "\n"
           "Imports the routed experts of a llama.cpp GGUF file: blk.N.ffn_{gate,up,down}_exps,\n"
           "the router ffn_gate_inp (+ bias), exp_probs_b (a correction bias), expert biases,\n"
@@ -48,18 +49,22 @@ void qm__help_import_gguf(FILE *f)
           f);
     qm__family_help(f, 1);
     fputs("\n"
-          "Q4_0, Q8_0, Q5_0, MXFP4 and Q6_K repack bit-exactly (Q4_0 alone: int4 block\n"
-          "32; with Q8_0/Q5_0/MXFP4: int8 block 32; with Q6_K: int8 block 16). Every other\n"
-          "type (F32, F16, BF16, Q4_1, Q5_1, Q2_K, Q3_K, Q4_K, Q5_K) is requantised to\n"
-          "--requant-bits (default 8) with scales stored as --scales (default f16) and\n"
-          "the error recorded in qmoe.source; exact repacks keep scales that hold the\n"
-          "source's values (Q4_0/Q8_0/Q5_0: their f16 d; MXFP4: f16 when every exponent\n"
-          "fits, else f32; Q6_K: f32). The output lists which path each tensor type took.\n"
-          "A bad file (unknown quant type, truncated data, missing tensor, metadata that\n"
-          "contradicts the tensors) prints one line naming the tensor or key and exits 2,\n"
-          "leaving no output file. BANK is written as BANK.partial and renamed when\n"
-          "complete; after a crash or Ctrl-C, --resume continues at the first layer not\n"
-          "yet written. A progress line is shown on a terminal unless --quiet.\n",
+          "Q4_0, Q8_0, Q5_0, MXFP4 and Q6_K repack bit-exactly. Q4_0 alone: int4 block 32.\n"
+          "MXFP4 alone: with --mxfp4 e2m1 (the default) its own 4-bit codes through the\n"
+          "e2m1 code book (qmoe.codebook, docs/BANK_FORMAT.md), block 32, about the file's\n"
+          "size; with --mxfp4 int8, int8 block 32 (twice the bytes: the bank onnxruntime's\n"
+          "QMoE reads). With Q8_0/Q5_0/MXFP4 mixed: int8 block 32; with Q6_K: int8 block\n"
+          "16. Every other type (F32, F16, BF16, Q4_1, Q5_1, Q2_K, Q3_K, Q4_K, Q5_K) is\n"
+          "requantised to --requant-bits (default 8) with scales stored as --scales\n"
+          "(default f16) and the error recorded in qmoe.source; exact repacks keep scales\n"
+          "that hold the source's values (Q4_0/Q8_0/Q5_0: their f16 d; MXFP4: f16 when\n"
+          "every exponent fits, else f32; Q6_K: f32). The output lists which path each\n"
+          "tensor type took. A bad file (unknown quant type, truncated data, missing\n"
+          "tensor, metadata that contradicts the tensors) prints one line naming the\n"
+          "tensor or key and exits 2, leaving no output file. BANK is written as\n"
+          "BANK.partial and renamed when complete; after a crash or Ctrl-C, --resume\n"
+          "continues at the first layer not yet written. A progress line is shown on a\n"
+          "terminal unless --quiet.\n",
           f);
 }
 
@@ -84,6 +89,7 @@ typedef struct plan {
     uint32_t E, k, H, I, n_layers;
     moe_layer *layers;
     unsigned bits, bs;
+    qm_codebook cb; /* e2m1: an MXFP4 file's own codes (--mxfp4 e2m1) */
     /* routing */
     int legacy, score_sigmoid, normalize, groups, topk_groups;
     double scale;
@@ -147,7 +153,8 @@ static int required_uint(const qm__gguf_file *f, const char *key, uint64_t max, 
     return 0;
 }
 
-static int read_plan(const qm__gguf_file *f, plan *pl, unsigned requant_bits, qm_status *st)
+static int read_plan(const qm__gguf_file *f, plan *pl, unsigned requant_bits, int mxfp4_int8,
+                     qm_status *st)
 {
     char key[128];
     int rc;
@@ -334,17 +341,22 @@ static int read_plan(const qm__gguf_file *f, plan *pl, unsigned requant_bits, qm
 #undef KEY
 
     /* The layout: exact for as many expert tensors as one (bits, block) allows. */
-    int only_q40 = 1, any_q6k = 0, any_requant = 0;
+    int only_q40 = 1, only_mxfp4 = 1, any_q6k = 0, any_requant = 0;
     for (uint32_t l = 0; l < pl->n_layers; l++)
         for (int p = 0; p < P_COUNT; p++) {
             uint32_t t = pl->layers[l].w[p]->type;
             only_q40 &= t == QM__GGML_Q4_0;
+            only_mxfp4 &= t == QM__GGML_MXFP4;
             any_q6k |= t == QM__GGML_Q6_K;
-            any_requant |= !qm__ggml_exact_fits(t, 8, 16, QM_DTYPE_F32);
+            any_requant |= !qm__ggml_exact_fits(t, 8, QM_CODEBOOK_NONE, 16, QM_DTYPE_F32);
         }
     if (only_q40) {
         pl->bits = 4;
         pl->bs = 32;
+    } else if (only_mxfp4 && !mxfp4_int8) {
+        pl->bits = 4;
+        pl->bs = 32;
+        pl->cb = QM_CODEBOOK_E2M1;
     } else if (!any_requant) {
         pl->bits = 8;
         pl->bs = any_q6k ? 16 : 32;
@@ -389,7 +401,7 @@ static void choose_scales(plan *pl, qm_dtype sdt)
                 d = sdt == QM_DTYPE_BF16                             ? QM_DTYPE_BF16
                     : sdt == QM_DTYPE_F16 && mxfp4_fits_f16(L->w[p]) ? QM_DTYPE_F16
                                                                      : QM_DTYPE_F32;
-            L->exact[p] = qm__ggml_exact_fits(type, pl->bits, pl->bs, d);
+            L->exact[p] = qm__ggml_exact_fits(type, pl->bits, pl->cb, pl->bs, d);
             L->sdt[p] = L->exact[p] ? d : sdt;
         }
 }
@@ -464,7 +476,7 @@ static int write_experts(job *j, const plan *pl, uint32_t l, int p, qm_status *s
                     rc = not_finite(src, r / N, r % N, st);
                     goto done;
                 }
-                qm__ggml_repack_row(src->type, in, K, pl->bits, pl->bs, sdt, out, sc);
+                qm__ggml_repack_row(src->type, in, K, pl->bits, pl->cb, pl->bs, sdt, out, sc);
                 continue;
             }
             int qrc = qm_quant_row(&q, row, K, out, sc, 0, NULL, &err);
@@ -544,6 +556,7 @@ static int build_and_write(job *j, const plan *pl, int resume, int quiet, uint32
                                 .inter = I,
                                 .k = pl->k,
                                 .bits = pl->bits,
+                                .codebook = pl->cb,
                                 .block_size = pl->bs,
                                 .activation = QM_ACT_SWIGLU,
                                 .swiglu_fusion = 0};
@@ -612,6 +625,7 @@ static int build_and_write(job *j, const plan *pl, int resume, int quiet, uint32
     META("qmoe.activation", "swiglu");
     META("qmoe.bits", v_bits);
     META("qmoe.block_size", v_bs);
+    if (pl->cb) META("qmoe.codebook", qm_codebook_name(pl->cb));
     META("qmoe.swiglu_fusion", "0");
     META("qmoe.normalize_routing_weights", "1");
     if (pl->fam->flags & QM_FAMILY_OAI_SWIGLU) {
@@ -718,6 +732,7 @@ int qm__gguf_run(qm__gguf_file *given, int argc, char **argv)
     static const struct option longopts[] = {{"out", required_argument, 0, 'o'},
                                              {"requant-bits", required_argument, 0, 'b'},
                                              {"scales", required_argument, 0, 's'},
+                                             {"mxfp4", required_argument, 0, 'm'},
                                              {"resume", no_argument, 0, 'r'},
                                              {"quiet", no_argument, 0, 'q'},
                                              {"help", no_argument, 0, 'h'},
@@ -725,7 +740,7 @@ int qm__gguf_run(qm__gguf_file *given, int argc, char **argv)
     const char *out = NULL;
     unsigned requant_bits = 8;
     qm_dtype sdt = QM_DTYPE_F16;
-    int quiet = 0, resume = 0, c;
+    int quiet = 0, resume = 0, mxfp4_int8 = 0, c;
     optind = 1;
     opterr = 0;
     while ((c = getopt_long(argc, argv, "", longopts, NULL)) != -1) {
@@ -739,6 +754,10 @@ int qm__gguf_run(qm__gguf_file *given, int argc, char **argv)
             if (qm__parse_scale_dtype(optarg, &sdt))
                 return gguf_usage(given, "--scales takes f16, f32 or bf16, not \"%.32s\"",
                                   optarg);
+        } else if (c == 'm') {
+            if (strcmp(optarg, "e2m1") != 0 && strcmp(optarg, "int8") != 0)
+                return gguf_usage(given, "--mxfp4 takes e2m1 or int8, not \"%.32s\"", optarg);
+            mxfp4_int8 = strcmp(optarg, "int8") == 0;
         } else if (c == 'r') {
             resume = 1;
         } else if (c == 'q') {
@@ -762,7 +781,7 @@ int qm__gguf_run(qm__gguf_file *given, int argc, char **argv)
     int rc = 0, ret = QM__EXIT_OK, keep = 0;
     uint32_t first = 0;
     if ((!f && (rc = qm__gguf_open(j.in_path, &f, &st)) != 0) ||
-        (rc = read_plan(f, &pl, requant_bits, &st)) != 0 ||
+        (rc = read_plan(f, &pl, requant_bits, mxfp4_int8, &st)) != 0 ||
         (choose_scales(&pl, sdt), rc = build_and_write(&j, &pl, resume, quiet, &first, &st)) != 0)
         goto fail;
     if (!quiet) {
@@ -778,10 +797,14 @@ int qm__gguf_run(qm__gguf_file *given, int argc, char **argv)
         for (size_t i = 0; i < j.n_ts; i++) {
             const type_stats *s = &j.ts[i];
             char tb[16];
-            printf("  %-6s %3u tensors: %s -> int%u block %u, %s scales",
+            char layout[32];
+            if (pl.cb)
+                snprintf(layout, sizeof layout, "%s code book", qm_codebook_name(pl.cb));
+            else
+                snprintf(layout, sizeof layout, "int%u", pl.bits);
+            printf("  %-6s %3u tensors: %s -> %s block %u, %s scales",
                    qm__ggml_type_name(s->type, tb, sizeof tb), s->count,
-                   s->exact ? "exact repack" : "requantised", pl.bits, pl.bs,
-                   qm_dtype_name(s->sdt));
+                   s->exact ? "exact repack" : "requantised", layout, pl.bs, qm_dtype_name(s->sdt));
             if (!s->exact) printf(", max rel err %.3e", s->max_rel);
             printf("\n");
         }

@@ -5,8 +5,9 @@
  * (names, dtypes, shapes, layer and expert counts) before a byte is written;
  * then the bank header goes out first and the layers are streamed one at a
  * time from the mapped shards (import_elements.h). Float sources are
- * requantised by round to nearest; GPT-OSS's MXFP4 maps onto int8 block 32
- * bit for bit. Tensor names and layouts per family: docs/IMPORT.md. */
+ * requantised by round to nearest; GPT-OSS's MXFP4 keeps its 4-bit codes
+ * through the e2m1 code book (or, --mxfp4 int8, maps onto int8 block 32), bit
+ * for bit either way. Tensor names and layouts per family: docs/IMPORT.md. */
 #include <getopt.h>
 #include <math.h>
 #include <stdio.h>
@@ -23,7 +24,8 @@
 void qm__help_import_hf(FILE *f)
 {
     fputs("usage: qmoe-bank import hf DIR --out FILE [--bits 4|8] [--block-size N]\n"
-          "                         [--scales f32|f16|bf16] [--resume] [--quiet]\n"
+          "                         [--scales f32|f16|bf16] [--mxfp4 e2m1|int8]\n"
+          "                         [--resume] [--quiet]\n"
           "\n"
           "Imports the routed experts of a Hugging Face checkpoint (config.json plus one\n"
           "*.safetensors, or shards listed in model.safetensors.index.json) into a bank.\n"
@@ -33,17 +35,21 @@ void qm__help_import_hf(FILE *f)
     fputs("bf16/f16/f32/FP8 weights are requantised by round to nearest, symmetric, to\n"
           "--bits (default 4) with one scale per --block-size columns (default 32; 0 = one\n"
           "per row) stored as --scales (default f16: 4.5 bits per weight at int4); the\n"
-          "error is measured and recorded in qmoe.source. MXFP4 defaults to int8 block 32,\n"
-          "which holds it bit for bit (exact), with f16 scales when every block exponent\n"
-          "fits one (else f32). Routers, router biases, correction biases and expert\n"
-          "biases are copied as f32, and the family's routing rule is written as\n"
-          "qmoe.routing.* keys. Shared experts, dense layers, attention and embeddings\n"
-          "stay with the engine: the import says what it left out. Memory stays at about\n"
-          "one layer: shards are mapped and each layer's pages are dropped after it is\n"
-          "written. The bank is written as FILE.partial and renamed when complete; after\n"
-          "a crash or Ctrl-C, --resume continues at the first layer not yet written (the\n"
-          "partial file's header must match these arguments and this checkpoint). A\n"
-          "progress line is shown on a terminal unless --quiet.\n"
+          "error is measured and recorded in qmoe.source. MXFP4 is held bit for bit\n"
+          "(exact): with --mxfp4 e2m1 (the default) as its own 4-bit codes through the\n"
+          "e2m1 code book (qmoe.codebook, docs/BANK_FORMAT.md), block 32; with --mxfp4\n"
+          "int8 as int8 block 32 (twice the bytes: the bank onnxruntime's QMoE reads);\n"
+          "either way with f16 scales when every block exponent fits one (else f32). An\n"
+          "explicit --bits or --block-size asks for int8 block 32 (exact) when it names\n"
+          "that layout, else requantises MXFP4 to it. Routers, router biases, correction\n"
+          "biases and expert biases are copied as f32, and the family's routing rule is\n"
+          "written as qmoe.routing.* keys. Shared experts, dense layers, attention and\n"
+          "embeddings stay with the engine: the import says what it left out. Memory\n"
+          "stays at about one layer: shards are mapped and each layer's pages are dropped\n"
+          "after it is written. The bank is written as FILE.partial and renamed when\n"
+          "complete; after a crash or Ctrl-C, --resume continues at the first layer not\n"
+          "yet written (the partial file's header must match these arguments and this\n"
+          "checkpoint). A progress line is shown on a terminal unless --quiet.\n"
           "exit status: 0 ok, 1 I/O failure, 2 bad usage or a checkpoint that cannot be\n"
           "imported (the message names the file, tensor or key).\n",
           f);
@@ -128,14 +134,15 @@ static void report_left_out(qm__hf_import *im)
 /* ---- the command ----------------------------------------------------------- */
 
 /* The scale dtype: f16 unless --scales says otherwise, so a 4-bit bank is
- * 4.5 bits per weight. MXFP4 at int8 block 32 maps onto the bank exactly
- * when its scales 2^(e-128) keep their value in the dtype: always in f32
- * and bf16, in f16 when every exponent is in [104, 143]; the default takes
- * f32 for a checkpoint outside that range rather than requantise it. */
+ * 4.5 bits per weight. MXFP4 at int8 block 32, or through the e2m1 code
+ * book, maps onto the bank exactly when its scales 2^(e-128) keep their
+ * value in the dtype: always in f32 and bf16, in f16 when every exponent is
+ * in [104, 143]; the default takes f32 for a checkpoint outside that range
+ * rather than requantise it. */
 static void choose_scales(qm__hf_import *im)
 {
     if (!im->o.scales_set) im->o.scale_dtype = QM_DTYPE_F16;
-    if (!im->mxfp4 || im->o.bits != 8 || im->o.block_size != 32) return;
+    if (!im->mxfp4 || (!im->codebook && (im->o.bits != 8 || im->o.block_size != 32))) return;
     int fits_f16 = 1;
     for (uint32_t l = 0; l < im->n_moe && fits_f16; l++)
         for (int g = 0; g < 2; g++) {
@@ -179,7 +186,14 @@ static int run_import(qm__hf_import *im)
     if ((!im->ck && (rc = qm__hf_open(im->o.dir, &im->ck, &st)) != 0) ||
         (rc = qm__hf_read_config(im, &st)) != 0)
         goto fail_input;
-    if (!im->o.bits_set) im->o.bits = im->mxfp4 ? 8 : 4;
+    if (im->mxfp4 && !im->o.mxfp4_int8 && !im->o.bits_set && !im->o.block_set) {
+        /* MXFP4's nibbles are the e2m1 code book's codes: the file's own bits */
+        im->codebook = QM_CODEBOOK_E2M1;
+        im->o.bits = 4;
+        im->o.block_size = 32;
+    } else if (!im->o.bits_set) {
+        im->o.bits = im->mxfp4 ? 8 : 4;
+    }
     if (im->H % (8 / im->o.bits) || im->I % (8 / im->o.bits)) {
         rc = qm_status_set(&st, QM_EINVALID_MODEL,
                            "config.json: hidden_size %u and %s %u must be even for 4-bit codes",
@@ -188,6 +202,13 @@ static int run_import(qm__hf_import *im)
     }
     if ((rc = qm__hf_resolve(im, &st)) != 0) goto fail_input;
     choose_scales(im);
+    if (im->codebook && !im->mxfp4_exact) { /* there is no requantising into a code book */
+        rc = qm_status_set(&st, QM_EINVALID_MODEL,
+                           "--scales f16 cannot hold this checkpoint's MXFP4 scales (a block "
+                           "exponent outside [104, 143]): rerun with --scales f32 or bf16, or "
+                           "--mxfp4 int8 to requantise");
+        goto fail_input;
+    }
 
     /* Metadata. */
     size_t lm_cap = (size_t)im->n_moe * 8 + 4;
@@ -216,6 +237,7 @@ static int run_import(qm__hf_import *im)
         .inter = im->I,
         .k = im->k,
         .bits = im->o.bits,
+        .codebook = im->codebook,
         .block_size = im->o.block_size,
         .activation = QM_ACT_SWIGLU,
         .swiglu_fusion = 1,
@@ -243,9 +265,11 @@ static int run_import(qm__hf_import *im)
     for (uint32_t l = 0; l < im->n_moe; l++)
         qm_bank_plan_layer(&cfg, &lo, &plan[(size_t)l * QM_T_COUNT]);
     char std_values[12][32], source[sizeof src + 64];
-    qm_st_meta meta[QM_BANK_STD_META + 8];
+    qm_st_meta meta[QM_BANK_STD_META + 9];
     size_t n_meta = QM_BANK_STD_META;
     qm_bank_std_meta(&cfg, std_values, meta);
+    if (im->codebook)
+        meta[n_meta++] = (qm_st_meta){"qmoe.codebook", (char *)qm_codebook_name(im->codebook)};
     source_value(src, 0, 0, source, sizeof source);
     meta[n_meta++] = (qm_st_meta){"qmoe.source", source};
     const char *keys[] = {"qmoe.layer_map", "qmoe.routing.score", "qmoe.routing.normalize",
@@ -280,13 +304,18 @@ static int run_import(qm__hf_import *im)
         if (i < first) done_src += im->layer_bytes[i];
     }
     if (!im->o.quiet) {
+        char layout[32];
+        if (im->codebook)
+            snprintf(layout, sizeof layout, "%s code book", qm_codebook_name(im->codebook));
+        else
+            snprintf(layout, sizeof layout, "int%u", im->o.bits);
         printf("importing %s (%s): %u of %u layers have routed experts, %u experts, k %u, "
-               "hidden %u, inter %u; %s -> int%u block %u, %s scales%s\n",
+               "hidden %u, inter %u; %s -> %s block %u, %s scales%s\n",
                im->o.dir, im->fam->name, im->n_moe, im->model_layers, im->E, im->k, im->H, im->I,
                im->mxfp4 ? "MXFP4"
                : im->fp8 ? "FP8 e4m3"
                          : "float",
-               im->o.bits, im->o.block_size, qm_dtype_name(im->o.scale_dtype),
+               layout, im->o.block_size, qm_dtype_name(im->o.scale_dtype),
                im->mxfp4_exact ? " (exact)" : " (requantised)");
         if (first) printf("resuming %s.partial at layer %u of %u\n", im->o.out, first, im->n_moe);
         report_left_out(im);
@@ -386,12 +415,16 @@ static int usage(const char *what)
 /* The options into im; -1 to go on, else the exit status. */
 static int hf_options(int argc, char **argv, qm__hf_import *im)
 {
-    enum { O_OUT = 256, O_BITS, O_BS, O_SCALES, O_RESUME, O_QUIET, O_HELP };
-    static const struct option longopts[] = {
-        {"out", required_argument, 0, O_OUT},       {"bits", required_argument, 0, O_BITS},
-        {"block-size", required_argument, 0, O_BS}, {"scales", required_argument, 0, O_SCALES},
-        {"resume", no_argument, 0, O_RESUME},       {"quiet", no_argument, 0, O_QUIET},
-        {"help", no_argument, 0, O_HELP},           {0, 0, 0, 0}};
+    enum { O_OUT = 256, O_BITS, O_BS, O_SCALES, O_MXFP4, O_RESUME, O_QUIET, O_HELP };
+    static const struct option longopts[] = {{"out", required_argument, 0, O_OUT},
+                                             {"bits", required_argument, 0, O_BITS},
+                                             {"block-size", required_argument, 0, O_BS},
+                                             {"scales", required_argument, 0, O_SCALES},
+                                             {"mxfp4", required_argument, 0, O_MXFP4},
+                                             {"resume", no_argument, 0, O_RESUME},
+                                             {"quiet", no_argument, 0, O_QUIET},
+                                             {"help", no_argument, 0, O_HELP},
+                                             {0, 0, 0, 0}};
     optind = 1;
     opterr = 0;
     int c;
@@ -411,11 +444,17 @@ static int hf_options(int argc, char **argv, qm__hf_import *im)
                 (im->o.block_size &&
                  (im->o.block_size < 16 || (im->o.block_size & (im->o.block_size - 1)))))
                 return usage("--block-size must be 0 or a power of two >= 16");
+            im->o.block_set = 1;
             break;
         case O_SCALES:
             im->o.scales_set = 1;
             if (qm__parse_scale_dtype(optarg, &im->o.scale_dtype))
                 return usage("--scales must be f32, f16 or bf16");
+            break;
+        case O_MXFP4:
+            if (strcmp(optarg, "e2m1") != 0 && strcmp(optarg, "int8") != 0)
+                return usage("--mxfp4 must be e2m1 or int8");
+            im->o.mxfp4_int8 = strcmp(optarg, "int8") == 0;
             break;
         case O_RESUME:
             im->o.resume = 1;

@@ -35,6 +35,7 @@ typedef struct qm__hf_opts {
     const char *dir, *out;
     unsigned bits, block_size;
     int bits_set, block_set, scales_set, resume, quiet;
+    int mxfp4_int8; /* --mxfp4 int8: MXFP4 onto int8 block 32, not the e2m1 code book */
     qm_dtype scale_dtype;
 } qm__hf_opts;
 
@@ -46,6 +47,7 @@ typedef struct qm__hf_import {
     uint32_t mtp_layers; /* DeepSeek's num_nextn_predict_layers, after the model's layers */
     uint32_t *layer_map; /* [n_moe] */
     int mxfp4, fp8, mxfp4_exact;
+    qm_codebook codebook; /* e2m1: MXFP4's own codes (--mxfp4 e2m1, no --bits/--block-size) */
     uint32_t fp8_bn, fp8_bk;
     float alpha, beta, limit;
     /* routing */

@@ -55,17 +55,19 @@ static void mxfp4_row(const uint8_t *blocks, const uint8_t *scales, uint64_t K, 
     }
 }
 
-/* The exact path: int8 code = 128 + 2·fp4, scale 2^(e-128) as f32. */
-/* 0, or -1 when a value is infinite (a block exponent near 255). */
-static int mxfp4_row_exact(const uint8_t *blocks, const uint8_t *scales, uint64_t K,
+/* The exact paths, scale 2^(e-128) in sdt: int8 code = 128 + 2·fp4, or
+ * (e2m1 code book) the nibbles as they are, already low nibble = even
+ * column. 0, or -1 when a value is infinite (a block exponent near 255). */
+static int mxfp4_row_exact(const uint8_t *blocks, const uint8_t *scales, uint64_t K, qm_codebook cb,
                            uint8_t *packed, void *scale_out, uint64_t scale_at, qm_dtype sdt,
                            qm_quant_error *err)
 {
     int finite = 1;
+    if (cb == QM_CODEBOOK_E2M1) memcpy(packed, blocks, (size_t)(K / 2));
     for (uint64_t c = 0; c < K; c++) {
         uint8_t byte = blocks[c / 2];
         int q = c % 2 ? byte >> 4 : byte & 15;
-        packed[c] = (uint8_t)(128 + qm__fp4_half[q]);
+        if (cb == QM_CODEBOOK_NONE) packed[c] = (uint8_t)(128 + qm__fp4_half[q]);
         float src = ldexpf((float)qm__fp4_half[q], (int)scales[c / 32] - 128);
         float scale = qm__e8m0_half_scale(scales[c / 32]);
         float deq = scale * (float)qm__fp4_half[q];
@@ -154,8 +156,9 @@ int qm__hf_convert_layer(qm__hf_import *im, qm_bank_writer *w, uint32_t li, qm__
                     for (uint64_t s = 0; s < K / 32; s++)
                         if (sc[s] == 255) return not_finite(im, stt, st);
                     if (im->mxfp4_exact) {
-                        if (mxfp4_row_exact(blk, sc, K, b->packed[p] + r * K, b->scales[p], r * nb,
-                                            q.scale_dtype, p ? &err_down : &err_gate) != 0)
+                        if (mxfp4_row_exact(blk, sc, K, im->codebook, b->packed[p] + r * (K / pack),
+                                            b->scales[p], r * nb, q.scale_dtype,
+                                            p ? &err_down : &err_gate) != 0)
                             return not_finite(im, stt, st);
                     } else {
                         mxfp4_row(blk, sc, K, b->row);
