@@ -29,6 +29,8 @@ static void write_bank_makeup(qm_jw *w, const qm_bank *bank)
                      lv ? qm_dtype_name(lv->t[QM_T_FC1_SCALES].dtype) : NULL);
     qm_jw_key(w, "zero_points");
     qm_jw_bool(w, lv && lv->t[QM_T_FC1_ZERO_POINTS].present);
+    if (c->codebook)
+        qm_jw_member_str(w, "codebook", qm_codebook_name(c->codebook));
     qm_jw_obj_end(w);
     qm_jw_key(w, "biases");
     qm_jw_bool(w, lv && lv->t[QM_T_FC1_BIAS].present);
