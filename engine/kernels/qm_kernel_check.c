@@ -10,6 +10,10 @@
  *          scales, K 130, N 17; and where the kernel reads r8, the first
  *          shape's codes in the r8 layout; each at 1, 3 and 9 inputs (the
  *          decode paths, and the GEMM every kernel runs from 8 inputs on);
+ *          and where the kernel reads 4-bit r8, that shape as an e2m1 code
+ *          book read in 4 bits (qm__qmat.cb) at 1 and 3 inputs (the
+ *          decode batches that read it so), against the specification of
+ *          the int8 matrix of the same weights;
  *   exact: the same three shapes at 1 and 3 inputs (GEMV) and 9 (GEMM).
  * Inputs: deterministic, every sub-block with a different range, some
  * zero. The specification runs once per shape and input count, then every
@@ -35,14 +39,16 @@ typedef struct qm__kc_shape {
     int zp;                     /* 1: zero points (blockwise, or along rows when row-wise) */
     qm_dtype dt;
     int r8;                     /* 1: the codes in the r8 layout (blocks of 32) */
+    int cb;                     /* 1: an e2m1 code book read in 4 bits (r8, bits 4) */
 } qm__kc_shape;
 
 static const qm__kc_shape qm__kc_shapes[] = {
-    {4, 32, 256, 24, 0, QM_DTYPE_F32, 0},
-    {8, 64, 200, 19, 1, QM_DTYPE_F16, 0},
-    {4, 0, 130, 17, 1, QM_DTYPE_BF16, 0},
-    {4, 32, 256, 24, 0, QM_DTYPE_F32, 1},
-    {8, 32, 256, 24, 0, QM_DTYPE_F16, 1},
+    {4, 32, 256, 24, 0, QM_DTYPE_F32, 0, 0},
+    {8, 64, 200, 19, 1, QM_DTYPE_F16, 0, 0},
+    {4, 0, 130, 17, 1, QM_DTYPE_BF16, 0, 0},
+    {4, 32, 256, 24, 0, QM_DTYPE_F32, 1, 0},
+    {8, 32, 256, 24, 0, QM_DTYPE_F16, 1, 0},
+    {4, 32, 256, 24, 0, QM_DTYPE_F16, 1, 1},
 };
 #define QM__KC_NSHAPES (sizeof qm__kc_shapes / sizeof qm__kc_shapes[0])
 
@@ -104,7 +110,8 @@ static int qm__kc_case_new(const qm__kc_shape *sh, qm__kc_case *c)
     uint32_t nblk = sh->block ? (sh->k + sh->block - 1) / sh->block : 1;
     c->m = (qm__qmat){.row_bytes = ((size_t)sh->k * sh->bits + 7) / 8, .scale_dtype = sh->dt,
                       .zp_blockwise = sh->block != 0, .n = sh->n, .k = sh->k, .bits = sh->bits,
-                      .nblk = nblk, .block = sh->block ? sh->block : sh->k, .r8 = sh->r8};
+                      .nblk = nblk, .block = sh->block ? sh->block : sh->k, .r8 = sh->r8,
+                      .cb = sh->cb ? qm_codebook_values(QM_CODEBOOK_E2M1) : NULL};
     c->m.zp_row_bytes = c->m.zp_blockwise ? ((size_t)nblk * sh->bits + 7) / 8 : 0;
     size_t es = sh->dt == QM_DTYPE_F32 ? 4 : 2, sf = qm__kernel_scratch_floats(&c->m);
     size_t wb = ((size_t)sh->n * c->m.row_bytes + 63) & ~(size_t)63;
@@ -145,9 +152,10 @@ static const char *qm__kc_dt(qm_dtype dt)
 /* The shape in words, for a reason. */
 static void qm__kc_what(const qm__kc_shape *sh, uint32_t nx, char *out, size_t cap)
 {
-    snprintf(out, cap, "%u-bit %s%u k %u n %u%s %s scales%s, %u input%s", sh->bits,
+    snprintf(out, cap, "%u-bit %s%u k %u n %u%s %s scales%s%s, %u input%s", sh->bits,
              sh->block ? "blocks of " : "row-wise", sh->block, sh->k, sh->n, sh->zp ? " zp" : "",
-             qm__kc_dt(sh->dt), sh->r8 ? " r8" : "", nx, nx == 1 ? "" : "s");
+             qm__kc_dt(sh->dt), sh->r8 ? " r8" : "", sh->cb ? " e2m1 code book" : "", nx,
+             nx == 1 ? "" : "s");
 }
 
 /* ---- the verdicts ---- */
@@ -178,7 +186,9 @@ static void qm__kc_refuse(qm_kernel_verdict *v, const qm__kc_shape *sh, uint32_t
 static void qm__kc_fast_shape(const qm__kc_shape *sh, qm__kc_case *c, uint32_t nx)
 {
     qm__qmat rows = c->m; /* the specification reads rows, never r8 */
-    uint8_t back[QM__KC_ROWS * QM__KC_MAXK];
+    uint8_t back[QM__KC_ROWS * QM__KC_MAXK], wide[QM__KC_ROWS * QM__KC_MAXK];
+    if (sh->cb && nx >= QM__CB_NATIVE_NX)
+        return; /* more inputs read the 8-bit codes: the other shapes */
     if (sh->r8) {
         qm__r8_rows(c->m.w, c->m.row_bytes, 0, c->m.n, back);
         rows.w = back;
@@ -186,7 +196,28 @@ static void qm__kc_fast_shape(const qm__kc_shape *sh, qm__kc_case *c, uint32_t n
     }
     for (uint32_t r = 0; r < nx; r++)
         qm__i8_prep(&c->m, c->x + (size_t)r * sh->k, c->xp + r * c->ld);
-    qm__kc_tiles(qm__i8kernel_scalar.mm, &rows, c, nx, c->ys);
+    if (sh->cb) {
+        /* The specification: the int8 matrix of codes 128 + cb[q], its own
+         * prepared inputs (8-bit) after the kernel's (4-bit) in xp. */
+        qm__cb_rows_c(&rows, 0, rows.n, wide);
+        rows.w = wide;
+        rows.cb = NULL;
+        rows.bits = 8;
+        rows.row_bytes = rows.k;
+        size_t ld8 = (qm__i8_x_stride(&rows) + 15) & ~(size_t)15;
+        float *xp8 = qm_malloc(sizeof(float) * nx * ld8);
+        if (!xp8)
+            return;
+        for (uint32_t r = 0; r < nx; r++)
+            qm__i8_prep(&rows, c->x + (size_t)r * sh->k, xp8 + r * ld8);
+        for (uint32_t n0 = 0; n0 < rows.n; n0 += QM__TILE_ROWS)
+            qm__i8kernel_scalar.mm(&rows, n0, n0 + QM__TILE_ROWS < rows.n ? n0 + QM__TILE_ROWS
+                                                                          : rows.n,
+                                   xp8, ld8, nx, c->ys, rows.n, c->scratch);
+        qm_free(xp8);
+    } else {
+        qm__kc_tiles(qm__i8kernel_scalar.mm, &rows, c, nx, c->ys);
+    }
     for (size_t i = 0; i < qm__i8isa_count(); i++) {
         qm_kernel_verdict *v = qm__kc_slot(1, i);
         const qm__i8isa *row = qm__i8isa_at(i);
