@@ -1,0 +1,75 @@
+"""qmoed over the wire with a code-book bank (qmoe.codebook e2m1,
+docs/BANK_FORMAT.md): model.list names the code book; every session of it
+(fast whole_bank, where the fast GEMV reads the codes in 4 bits from r8 for
+decode-sized jobs and 8-bit tiles otherwise; exact; paged next_use from the
+file) answers with the bits of the int8 bank of the same weights (codes 128 +
+2·E2M1), which onnxruntime's QMoE can read; its expert units are half the
+int8 bank's bytes."""
+import os
+
+import numpy as np
+import pytest
+
+import qmoebank
+from qmoed_harness import Daemon, from_tensor, make_bank, tensor
+
+H, I, E = 128, 64, 8
+E2M1 = np.array([0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12], dtype=np.int16)
+
+
+@pytest.fixture(scope="module")
+def twin_banks(tmp_path_factory):
+    """(code-book bank, its int8 twin): the twin's codes are 128 + E2M1[q]."""
+    d = tmp_path_factory.mktemp("codebook")
+    cb = make_bank(str(d / "cb.bank"), layers=2, experts=E, hidden=H, inter=I, k=2,
+                   block=32, seed=5, codebook="e2m1")
+    cfg, t = qmoebank.load_bank(cb)
+    assert cfg.codebook == "e2m1" and cfg.bits == 4
+    out = {}
+    for name, a in t.items():
+        if name.endswith(".weight") and ".fc" in name:
+            q = qmoebank.unpack_codes(a, 4, a.shape[-1] * 2)
+            out[name] = (128 + E2M1[q]).astype(np.uint8)
+        else:
+            out[name] = a
+    cfg.bits, cfg.codebook = 8, None
+    twin = str(d / "int8.bank")
+    qmoebank.save_bank(twin, cfg, out)
+    return cb, twin
+
+
+def _infer(c, sid, layer, x):
+    r = c.call("session.infer", {"session": sid, "layer": layer, "hidden": tensor(x)})
+    return from_tensor(r["output"]).tobytes()
+
+
+def test_code_book_sessions_answer_the_int8_banks_bits(twin_banks):
+    cb, twin = twin_banks
+    dm = Daemon(models={"cb": cb, "int8": twin})
+    try:
+        c = dm.client()
+        models = {m["name"]: m for m in c.call("model.list")["models"]}
+        assert models["cb"]["quantisation"]["codebook"] == "e2m1", models["cb"]
+        assert "codebook" not in models["int8"]["quantisation"], models["int8"]
+        assert models["cb"]["quantisation"]["bits"] == 4
+        bpe_cb, bpe8 = models["cb"]["bytes_per_expert"], models["int8"]["bytes_per_expert"]
+        assert bpe_cb < 0.6 * bpe8, (bpe_cb, bpe8)
+        rng = np.random.default_rng(11)
+        inputs = [(i % 2, rng.standard_normal((T, H)).astype(np.float32))
+                  for i, T in enumerate([1, 2, 3, 1, 4, 8, 17, 1, 3, 64])]
+        for precision in ("fast", "exact"):
+            s8 = c.call("session.create", {"model": "int8", "precision": precision})["session"]
+            want = [_infer(c, s8, l, x) for l, x in inputs]
+            sessions = [c.call("session.create", {"model": "cb", "precision": precision})
+                        ["session"],
+                        c.call("session.create", {"model": "cb", "precision": precision,
+                                                  "policy": "next_use",
+                                                  "budget_bytes": 3 * bpe_cb})["session"]]
+            for sid in sessions:
+                got = [_infer(c, sid, l, x) for l, x in inputs]
+                for (l, x), g, w in zip(inputs, got, want):
+                    assert g == w, (precision, sid, l, x.shape)
+        # The fast whole_bank session laid the code book out in r8 for its GEMV.
+        assert "laid out for the fast CPU decode" in dm.log_text(), dm.log_text()[-3000:]
+    finally:
+        assert dm.stop() == 0, dm.log_text()
