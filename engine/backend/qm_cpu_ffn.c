@@ -270,19 +270,13 @@ static void qm__run_matrix(qm__run *R, const qm__qmat *m, int gemm, uint32_t n0,
          * the tile at the front of this worker's scratch (qm_codebook.c),
          * the rest of it the kernel's. In 4 bits, a tile in rows laid out
          * in r8 (the fast GEMV reads a code book from r8 only); in 8 bits,
-         * its rows (back from r8 first where they are so) as 8-bit codes. */
+         * its rows (from either layout) as 8-bit codes. */
         uint8_t *tile = (uint8_t *)scratch, *rows = tile + (size_t)QM__TILE_ROWS * m->k;
         size_t es = m->scale_dtype == QM_DTYPE_F32 ? 4 : 2, nb = (size_t)(n1 - n0) * m->row_bytes;
         t = *m;
         t.n = n1 - n0;
         t.scales = (const uint8_t *)m->scales + (size_t)n0 * m->nblk * es;
-        if (m->r8) {
-            qm__r8_rows(m->w, m->row_bytes, n0, n1, rows);
-            t.w = rows;
-            t.r8 = 0;
-        } else {
-            t.w = m->w + (size_t)n0 * m->row_bytes;
-        }
+        t.w = m->w + (size_t)n0 * m->row_bytes; /* n0 a tile's start: a group's in r8 */
         if (m->bits == 4) {
             memcpy(tile, t.w, nb);
             qm__r8_interleave(tile, t.n, m->row_bytes, rows + nb);
@@ -290,6 +284,7 @@ static void qm__run_matrix(qm__run *R, const qm__qmat *m, int gemm, uint32_t n0,
         } else {
             qm__cb_rows(&t, 0, t.n, tile);
             t.cb = NULL;
+            t.r8 = 0;
             t.row_bytes = m->k;
         }
         t.w = tile;

@@ -185,8 +185,9 @@ size_t qm__r8_tile_floats(const qm__qmat *m);
  * (QM__TILE_ROWS rows) of the 8-bit codes, a multiple of 16; counted by
  * qm__kernel_scratch_floats when m->cb. */
 size_t qm__cb_tile_floats(const qm__qmat *m);
-/* Rows [n0, n1) of code-book matrix m as 8-bit codes 128 + cb[q], k bytes
- * a row, at out (SSSE3 where the CPU has it: the same bytes). */
+/* Rows [n0, n1) of code-book matrix m (rows or r8: n0 a multiple of 8
+ * then) as 8-bit codes 128 + cb[q], k bytes a row, at out (SSSE3 where the
+ * CPU has it: the same bytes). */
 void qm__cb_rows(const qm__qmat *m, uint32_t n0, uint32_t n1, uint8_t *out);
 void qm__cb_rows_c(const qm__qmat *m, uint32_t n0, uint32_t n1, uint8_t *out);
 

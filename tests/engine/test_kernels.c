@@ -924,7 +924,9 @@ START_TEST(test_r8_layout_same_bits)
 }
 END_TEST
 
-/* A 4-bit code book read in 4 bits (qm__qmat.cb with bits 4, r8): every
+/* A 4-bit code book read in 4 bits (qm__qmat.cb with bits 4, r8): its
+ * 8-bit tiles decoded from rows and from r8 (C and SIMD) are the int8
+ * matrix's codes; every
  * fast row that reads 4-bit r8 (on this CPU, or through its model), as it
  * serves and on its GEMV path, below QM__CB_NATIVE_NX inputs, gives the
  * specification's bits of the int8 matrix of codes 128 + cb[q] with the
@@ -960,6 +962,19 @@ START_TEST(test_codebook_gemv_is_its_int8_matrix)
         m8.row_bytes = k;
         mi.w = wi;
         mi.r8 = 1;
+        /* The 8-bit tiles decoded from r8 (SIMD where it runs) and from rows. */
+        uint8_t *d8 = malloc((size_t)n * k);
+        ck_assert(d8);
+        for (int simd = 0; simd < 2; simd++) {
+            memset(d8, 0x5a, (size_t)n * k);
+            (simd ? qm__cb_rows : qm__cb_rows_c)(&mi, 0, n, d8);
+            ck_assert_msg(memcmp(d8, w8, (size_t)n * k) == 0, "k %u n %u: %s r8 decode", k, n,
+                          simd ? "SIMD" : "C");
+            memset(d8, 0x5a, (size_t)n * k);
+            (simd ? qm__cb_rows : qm__cb_rows_c)(&m4, 0, n, d8);
+            ck_assert(memcmp(d8, w8, (size_t)n * k) == 0);
+        }
+        free(d8);
         size_t ld4 = (qm__i8_x_stride(&mi) + 15) & ~(size_t)15;
         size_t ld8 = (qm__i8_x_stride(&m8) + 15) & ~(size_t)15;
         float *x = rand_inputs(nx, k);
