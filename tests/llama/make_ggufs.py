@@ -5,7 +5,8 @@ Runs in the torch environment (convert_hf_to_gguf.py needs torch and
 transformers; $QMOE_TORCH_VENV). Per family FAM and type Q (q8_0, q4_0):
 
     FAM.f32.gguf            convert_hf_to_gguf.py --outtype f32 of the fixture
-    FAM.Q.gguf              llama-quantize FAM.f32.gguf Q
+    FAM.Q.gguf              llama-quantize FAM.f32.gguf Q (gpt_oss also
+                            mxfp4_moe: its experts in MXFP4)
     FAM.Q-f32exps.gguf      the same file, except that the routed expert
                             tensors are F32 holding FAM.Q.gguf's dequantised
                             expert weights: llama.cpp then computes the experts
@@ -45,6 +46,9 @@ QWEN2_REGEX = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}|"
 VOCAB = ["Ġ"] + [chr(c) for c in range(ord("a"), ord("z") + 1)] + [".", ",", "Ċ", "!"]
 EOS = "<|endoftext|>"
 TYPES = ("q8_0", "q4_0")
+# Types a family also gets: GPT-OSS's own MXFP4 (llama-quantize MXFP4_MOE:
+# the routed experts in MXFP4, what its published GGUFs hold).
+EXTRA_TYPES = {"gpt_oss": ("mxfp4_moe",)}
 
 
 def write_tokenizer(dst):
@@ -162,7 +166,7 @@ def main():
         write_tokenizer(hf)
         f32 = os.path.join(a.out, fam + ".f32.gguf")
         convert(a.share, hf, f32)
-        for q in TYPES:
+        for q in TYPES + EXTRA_TYPES.get(fam, ()):
             qg = os.path.join(a.out, "%s.%s.gguf" % (fam, q))
             quantize(a.quantize, f32, qg, q)
             f32_experts_like(a.quantize, f32, qg, os.path.join(a.out, "%s.%s-f32exps.gguf" % (fam, q)), q)

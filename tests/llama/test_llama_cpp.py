@@ -52,6 +52,11 @@ from qmoed_harness import BUILD, Daemon, qmoe_bank_path  # noqa: E402
 
 FAMILIES = ["qwen3_moe", "mixtral", "gpt_oss", "deepseek_v2"]
 TYPES = ["q8_0", "q4_0"]
+# Every (family, type) the GGUFs hold (make_ggufs.py): GPT-OSS in MXFP4 too,
+# which imports to the e2m1 code book (docs/BANK_FORMAT.md).
+CASES = [(f, q) for f in FAMILIES for q in TYPES] + [("gpt_oss", "mxfp4_moe")]
+IMPORTED = {"q4_0": "int4 block 32", "q8_0": "int8 block 32",
+            "mxfp4_moe": "e2m1 code book block 32"}
 PROMPT = "the quick brown fox"
 TOKENS = 16
 EPS = 1e-4  # f32 against f32: relative to the largest logit
@@ -128,19 +133,17 @@ def ggufs(tools, tmp_path_factory):
 @pytest.fixture(scope="module")
 def daemon(tools, ggufs, tmp_path_factory):
     """qmoed serving an int8 bank (Q8_0) and an exact int4 bank (Q4_0) per family,
-    each under the GGUF's base name."""
+    and GPT-OSS's MXFP4 as an e2m1 code-book bank, each under the GGUF's base name."""
     d = tmp_path_factory.mktemp("banks")
     models = {}
-    for fam in FAMILIES:
-        for q in TYPES:
-            name = "%s.%s" % (fam, q)
-            bank = str(d / (name + ".bank"))
-            r = subprocess.run([qmoe_bank_path(), "import", "gguf", str(ggufs / (name + ".gguf")),
-                                "--out", bank], capture_output=True, text=True)
-            assert r.returncode == 0, r.stderr
-            want = "int4 block 32" if q == "q4_0" else "int8 block 32"
-            assert "exact repack -> " + want in r.stdout, r.stdout
-            models[name] = bank
+    for fam, q in CASES:
+        name = "%s.%s" % (fam, q)
+        bank = str(d / (name + ".bank"))
+        r = subprocess.run([qmoe_bank_path(), "import", "gguf", str(ggufs / (name + ".gguf")),
+                            "--out", bank], capture_output=True, text=True)
+        assert r.returncode == 0, r.stderr
+        assert "exact repack -> " + IMPORTED[q] in r.stdout, r.stdout
+        models[name] = bank
     dm = Daemon(models=models, args=["--threads", "2"])
     yield dm
     assert dm.stop() == 0, dm.log_text()[-3000:]
@@ -211,8 +214,7 @@ def within_bound(a, b, c):
             "(%.2g of max); |qmoed - llama.cpp| %.3g" % (scale, d_cb, d_ab, d_ab / scale, d_ca))
 
 
-@pytest.mark.parametrize("q", TYPES)
-@pytest.mark.parametrize("fam", FAMILIES)
+@pytest.mark.parametrize("fam,q", CASES)
 def test_first_step_logits_within_activation_quantisation(tools, ggufs, daemon, fam, q, tmp_path):
     a = logits(tools, gguf_of(ggufs, fam, q), tmp_path / "a")
     b = logits(tools, gguf_of(ggufs, fam, q, "-f32exps"), tmp_path / "b")
@@ -223,8 +225,7 @@ def test_first_step_logits_within_activation_quantisation(tools, ggufs, daemon, 
     assert not np.array_equal(a, b), "llama.cpp quantised no activation: the reference measures nothing"
 
 
-@pytest.mark.parametrize("q", TYPES)
-@pytest.mark.parametrize("fam", FAMILIES)
+@pytest.mark.parametrize("fam,q", CASES)
 def test_greedy_tokens(tools, ggufs, daemon, fam, q, tmp_path):
     """qmoed's 16 tokens are llama.cpp's on the same weights in f32; against
     llama.cpp alone they part only where its own activation error decides
@@ -252,8 +253,7 @@ def test_greedy_tokens(tools, ggufs, daemon, fam, q, tmp_path):
         assert same_math and within, figures
 
 
-@pytest.mark.parametrize("q", TYPES)
-@pytest.mark.parametrize("fam", FAMILIES)
+@pytest.mark.parametrize("fam,q", CASES)
 def test_paging_changes_no_bit(tools, ggufs, daemon, fam, q, tmp_path):
     gguf = gguf_of(ggufs, fam, q)
     lru = ("--qmoed-policy", "lru", "--qmoed-budget", "30%")
