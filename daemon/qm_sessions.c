@@ -453,6 +453,17 @@ static int check_create(const qm_sessions *ss, const qm_models *ms, const qm_ses
     if (qm_model_check(m, st) < 0)
         return QM_EINVALID_MODEL;
     const qm_bank_config *cfg = qm_bank_get_config(m->bank);
+    for (uint32_t i = 0; cfg->codebook && i < ss->devices->n; i++) {
+        const qm_device *d = &ss->devices->dev[i];
+        int kind = qm_backend_kind_find(d->info.kind, strlen(d->info.kind));
+        if (kind < 0 || !(qm_backend_kind_caps((size_t)kind) & QM_BACKEND_CAP_CODEBOOK))
+            return qm_status_set_field(st, QM_EUNSUPPORTED, "model",
+                                       "model '%.64s' reads its 4-bit codes through the %s code "
+                                       "book, which device %s (the %s backend) does not compute: "
+                                       "import it with --mxfp4 int8 for this device",
+                                       m->name, qm_codebook_name(cfg->codebook), d->name,
+                                       d->info.kind);
+    }
     if (spec->record_trace) {
         /* The decoder refused '/', "." and ".."; a name ending in .hot would
          * overwrite a model's hotness profile in the same directory, a

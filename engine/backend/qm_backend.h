@@ -122,6 +122,8 @@ enum {
     /* One pager on it may serve several sessions' calls (shared residency,
      * docs/PAGING.md), as its tests show. */
     QM_BACKEND_CAP_SHARED_POOL = 1u << 3,
+    /* It computes code-book banks (qmoe.codebook, docs/BANK_FORMAT.md). */
+    QM_BACKEND_CAP_CODEBOOK = 1u << 4,
 };
 
 /* How to open a device; a kind reads what applies to it. */

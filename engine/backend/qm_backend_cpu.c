@@ -176,6 +176,6 @@ const qm__backend_kind qm__backend_cpu_kind = {
     .version = QM_BACKEND_KIND_VERSION,
     .name = "cpu",
     .summary = "the host's CPU: SIMD kernels on a thread pool, weights read in place",
-    .caps = QM_BACKEND_CAP_HOST | QM_BACKEND_CAP_SHARED_POOL,
+    .caps = QM_BACKEND_CAP_HOST | QM_BACKEND_CAP_SHARED_POOL | QM_BACKEND_CAP_CODEBOOK,
     .open = qm__cpu_open,
 };

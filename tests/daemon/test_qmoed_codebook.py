@@ -73,3 +73,24 @@ def test_code_book_sessions_answer_the_int8_banks_bits(twin_banks):
         assert "laid out for the fast CPU decode" in dm.log_text(), dm.log_text()[-3000:]
     finally:
         assert dm.stop() == 0, dm.log_text()
+
+
+def test_a_device_that_computes_no_code_book_refuses_the_session_naming_the_fix(twin_banks):
+    """On an emulated device (the CUDA backend's stand-in, which computes no
+    code book) session.create is refused at once, naming the field, the
+    device and the import that makes a bank it computes; the int8 twin runs
+    there, and the connection goes on."""
+    cb, twin = twin_banks
+    dm = Daemon(models={"cb": cb, "int8": twin}, args=["--device", "emu:0"])
+    try:
+        c = dm.client()
+        r = c.request("session.create", {"model": "cb"})
+        e = r["error"]
+        assert e["code"] == -32602 and e["data"]["field"] == "model", e
+        reason = e["data"]["reason"]
+        assert "e2m1 code book" in reason and "emu:0" in reason and "--mxfp4 int8" in reason, e
+        sid = c.call("session.create", {"model": "int8"})["session"]
+        x = np.random.default_rng(3).standard_normal((2, H)).astype(np.float32)
+        assert _infer(c, sid, 0, x)
+    finally:
+        assert dm.stop() == 0, dm.log_text()
