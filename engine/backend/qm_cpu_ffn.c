@@ -781,11 +781,12 @@ static int qm__job_geometry(qm__run *R, size_t j, qm__run_size *sz, qm_status *s
         if (job->rows[r] >= b->n_tokens)
             return qm_status_set(st, QM_EINVAL, "job %zu: row %u >= %u tokens", j,
                                  job->rows[r], b->n_tokens);
-    int rc = qm__make_qmat(cfg, lv, QM_T_FC1_WEIGHT, &job->weights, R->N1, R->H, R->cb4, &g->fc1, st);
+    const qm_expert_weights *w = &job->weights;
+    int rc = qm__make_qmat(cfg, lv, QM_T_FC1_WEIGHT, w, R->N1, R->H, R->cb4, &g->fc1, st);
     if (rc == 0)
-        rc = qm__make_qmat(cfg, lv, QM_T_FC2_WEIGHT, &job->weights, R->H, R->I, R->cb4, &g->fc2, st);
+        rc = qm__make_qmat(cfg, lv, QM_T_FC2_WEIGHT, w, R->H, R->I, R->cb4, &g->fc2, st);
     if (rc == 0 && R->has_fc3)
-        rc = qm__make_qmat(cfg, lv, QM_T_FC3_WEIGHT, &job->weights, R->I, R->H, R->cb4, &g->fc3, st);
+        rc = qm__make_qmat(cfg, lv, QM_T_FC3_WEIGHT, w, R->I, R->H, R->cb4, &g->fc3, st);
     if (rc < 0)
         return rc;
     g->b1 = lv->t[QM_T_FC1_BIAS].present ? job->weights.ptr[QM_T_FC1_BIAS] : NULL;

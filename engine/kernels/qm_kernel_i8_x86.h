@@ -684,7 +684,8 @@ QM__I8_AI __m256 qm__v_rows(const qm__qmat *m, const uint8_t *const row[8],
                          _mm256_maddubs_epi16(hi, xh))
 #define QM__V_R8_SUMS(A) _mm256_madd_epi16((A)[0], _mm256_set1_epi16(1))
 #define QM__V_R8_SUMS_N(A, N)                                                                      \
-    ((N) == 2 ? _mm256_add_epi32(QM__V_R8_SUMS(A), _mm256_madd_epi16((A)[1], _mm256_set1_epi16(1))) \
+    ((N) == 2 ? _mm256_add_epi32(QM__V_R8_SUMS(A),                                                 \
+                                 _mm256_madd_epi16((A)[1], _mm256_set1_epi16(1)))                  \
               : QM__V_R8_SUMS(A))
 #endif
 
