@@ -12,7 +12,8 @@ one command, one table, one figure.
 
 Per shape (bench/e2e/checkpoints.py's real-config checkpoint, 8 layers): the
 Q4_0 GGUF made with llama.cpp's converter and llama-quantize, its exact int4
-bank (`qmoe-bank import gguf`), then:
+bank (`qmoe-bank import gguf`) (--quant mxfp4_moe: the experts in MXFP4, as
+GPT-OSS ships, requantised from it, and its e2m1 code-book bank), then:
 
 - the disk, measured in the same run: fio O_DIRECT random reads of the
   bank, one expert unit per read (bytes_per_expert rounded up to 4 KiB), at
@@ -563,15 +564,16 @@ def run_shape(a, shape):
     ckpt = os.path.join(a.work, shape)
     made = []
     try:
-        have_gguf = os.path.exists(os.path.join(a.work, shape + ".q4_0.gguf"))
+        have_gguf = os.path.exists(os.path.join(a.work, "%s.%s.gguf" % (shape, a.quant)))
         if not have_gguf and not os.path.exists(os.path.join(ckpt, "config.json")):
             ex, other = checkpoints.sizes(checkpoints.shape_config(shape, a.layers))
             progress("%s: building the checkpoint (%.1f GB of experts, %.2f GB of the rest, bf16)"
                      % (shape, ex / GB, other / GB))
             checkpoints.build(shape, ckpt, a.layers)
             made.append(ckpt)
-        progress("%s: the Q4_0 GGUF (llama.cpp's converter, llama-quantize)" % shape)
-        gguf = llama_cpp.make_ggufs(a, ckpt, shape)["q4_0"]
+        progress("%s: the %s GGUF (llama.cpp's converter, llama-quantize)"
+                 % (shape, a.quant.upper()))
+        gguf = llama_cpp.make_ggufs(a, ckpt, shape)[a.quant]
         made.append(gguf)
         if not a.keep:  # the GGUF is all the rest needs
             shutil.rmtree(ckpt, ignore_errors=True)
@@ -595,7 +597,8 @@ def run_shape(a, shape):
                  % (shape, gguf_bytes / GB, exp / GB, unit / 1e6, a.iodepth))
         rate, fio_cmd, fio_engine = disk_rate(bank, block, a.iodepth, a.fio_seconds)
         progress("%s: disk %s" % (shape, "%.2f GB/s (%s)" % (rate / GB, fio_engine) if rate else fio_cmd))
-        common = {"layers": layers, "bytes_per_expert": unit, "expert_bytes": exp, "non_expert_bytes": rest,
+        common = {"quant": a.quant, "layers": layers, "bytes_per_expert": unit, "expert_bytes": exp,
+                  "non_expert_bytes": rest,
                   "disk_bytes_per_s": rate, "disk_cmd": fio_cmd, "disk_engine": fio_engine,
                   "iodepth": a.iodepth, "threads": a.threads, "prompt": a.prompt, "decode": a.decode}
         progress("%s: uncapped, %s+ qmoed whole_bank" % (shape, "llama.cpp alone and " if a.alone else ""))
@@ -806,7 +809,8 @@ def figure(rows, path, caption):
     caps = sorted({r["cap_fraction"] for r in rows if r["cap_fraction"]})
     ax.set_xticks(caps + [1.25])
     ax.set_xticklabels([frac_text(c) for c in caps] + ["uncapped"])
-    ax.set_xlabel("memory given (cgroup cap, fraction of the Q4_0 GGUF)")
+    quants = sorted({r.get("quant", "q4_0").upper() for r in rows})
+    ax.set_xlabel("memory given (cgroup cap, fraction of the %s GGUF)" % "/".join(quants))
     ax.set_ylabel("decode tokens/s")
     ax.set_yscale("log")
     ax.grid(True, which="both", alpha=0.3)
@@ -884,6 +888,9 @@ def main(argv=None):
     ap.add_argument("--midrun-tokens", type=int, default=96, help="tokens that run decodes")
     ap.add_argument("--direct-q8", action="store_true",
                     help="convert straight to Q8_0 (no bf16 GGUF on disk); Q4_0 requantised from it")
+    ap.add_argument("--quant", choices=["q4_0", "mxfp4_moe"], default="q4_0",
+                    help="the GGUF's type (mxfp4_moe: the experts in MXFP4, requantised from the "
+                    "Q4_0 or Q8_0 GGUF; its bank the e2m1 code book)")
     ap.add_argument("--build", default=os.path.join(ROOT, "build"), help="qmoed's build tree")
     ap.add_argument("--work", help="where checkpoints, GGUFs and banks go (default: a temp dir in /var/tmp)")
     ap.add_argument("--keep", action="store_true", help="keep the checkpoints, GGUFs and banks")
@@ -913,7 +920,7 @@ def main(argv=None):
         if s not in checkpoints.SHAPES:
             ap.error("unknown shape %r (%s)" % (s, ", ".join(checkpoints.SHAPES)))
     a.llama = os.path.abspath(a.llama)
-    a.quants = ["q4_0"]
+    a.quants = ["q4_0"] if a.quant == "q4_0" else ["q4_0", a.quant]
     os.environ["QMOE_BUILD_DIR"] = os.path.abspath(a.build)
     temp = a.work is None
     a.work = a.work or tempfile.mkdtemp(prefix="qmoe-sweep-", dir="/var/tmp")
