@@ -11,7 +11,8 @@
 #include "qm_backend_impl.h"
 
 static const unsigned known_caps =
-    QM_BACKEND_CAP_HOST | QM_BACKEND_CAP_NUMBERED | QM_BACKEND_CAP_AUTO | QM_BACKEND_CAP_SHARED_POOL;
+    QM_BACKEND_CAP_HOST | QM_BACKEND_CAP_NUMBERED | QM_BACKEND_CAP_AUTO | QM_BACKEND_CAP_SHARED_POOL |
+    QM_BACKEND_CAP_CODEBOOK;
 
 START_TEST(test_every_row_has_a_distinct_name_a_summary_and_known_caps)
 {
