@@ -740,19 +740,19 @@ static int qm__run_begin(qm__cpu_ffn *f, const qm_expert_batch *b, qm__run *R, q
 }
 
 /* 1 when this run reads its code book in 4 bits (qm__qmat.cb): fast mode
- * on a SIMD row that reads 4-bit r8, every job's rows below
- * QM__CB_NATIVE_NX (all of them in that row's GEMV), and every matrix one
- * the r8 layout takes. Otherwise (prefill, exact, the scalar kernel) the
+ * on SIMD rows that read 4-bit r8 at every input count the batch's jobs
+ * have (their GEMV and GEMM look the codes up), and every matrix one the
+ * r8 layout takes. Otherwise (exact, the scalar kernel, other shapes) the
  * kernels read the 8-bit codes of the same weights, a tile at a time: the
  * same bits either way (tests/engine/test_engine_fast.c). */
 static int qm__cb_native(const qm__run *R)
 {
     const qm_expert_batch *b = R->b;
     const qm_bank_config *cfg = b->config;
-    if (!cfg->codebook || !R->i8 || !qm__i8kernel_r8_native(R->i8, 1, 4))
+    if (!cfg->codebook || !R->i8)
         return 0;
     for (size_t j = 0; j < b->n_jobs; j++)
-        if (b->jobs[j].n_rows >= QM__CB_NATIVE_NX)
+        if (b->jobs[j].n_rows && !qm__i8kernel_r8_native(R->i8, b->jobs[j].n_rows, 4))
             return 0;
     return qm__r8_eligible(cfg, b->layer, QM_T_FC1_WEIGHT) &&
            qm__r8_eligible(cfg, b->layer, QM_T_FC2_WEIGHT) &&

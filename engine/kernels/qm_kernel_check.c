@@ -11,8 +11,7 @@
  *          shape's codes in the r8 layout; each at 1, 3 and 9 inputs (the
  *          decode paths, and the GEMM every kernel runs from 8 inputs on);
  *          and where the kernel reads 4-bit r8, that shape as an e2m1 code
- *          book read in 4 bits (qm__qmat.cb) at 1 and 3 inputs (the
- *          decode batches that read it so), against the specification of
+ *          book read in 4 bits (qm__qmat.cb), against the specification of
  *          the int8 matrix of the same weights;
  *   exact: the same three shapes at 1 and 3 inputs (GEMV) and 9 (GEMM).
  * Inputs: deterministic, every sub-block with a different range, some
@@ -187,8 +186,6 @@ static void qm__kc_fast_shape(const qm__kc_shape *sh, qm__kc_case *c, uint32_t n
 {
     qm__qmat rows = c->m; /* the specification reads rows, never r8 */
     uint8_t back[QM__KC_ROWS * QM__KC_MAXK], wide[QM__KC_ROWS * QM__KC_MAXK];
-    if (sh->cb && nx >= QM__CB_NATIVE_NX)
-        return; /* more inputs read the 8-bit codes: the other shapes */
     if (sh->r8) {
         qm__r8_rows(c->m.w, c->m.row_bytes, 0, c->m.n, back);
         rows.w = back;

@@ -217,7 +217,8 @@ static inline uint8_t qm__i8_code_byte(const qm__qmat *m, uint32_t n, size_t o)
 }
 
 /* The u8 panel of sub-blocks [j0, j1) of rows [n0, n0 + nr), from pan
- * (either layout). */
+ * (either layout; a 4-bit code book's codes looked up to QM__CB_ZP +
+ * cb[q], whose zero point the input's zsum carries). */
 static inline void qm__i8_pack_u8_c(const qm__qmat *m, uint32_t n0, uint32_t nr, size_t j0,
                                     size_t j1, uint8_t *pan)
 {
@@ -227,10 +228,12 @@ static inline void qm__i8_pack_u8_c(const qm__qmat *m, uint32_t n0, uint32_t nr,
             for (uint32_t p = 0; p < 32; p++) {
                 uint32_t c = qm__i8_pos_col(m, p);
                 uint8_t v;
-                if (m->bits == 4)
+                if (m->bits == 4) {
                     v = (uint8_t)((qm__i8_code_byte(m, n0 + i, 16 * j + c / 2) >> (4 * (c & 1))) &
                                   15);
-                else
+                    if (m->cb) /* a code book's code, looked up (qm__qmat.cb) */
+                        v = (uint8_t)(QM__CB_ZP + m->cb[v]);
+                } else
                     v = qm__i8_code_byte(m, n0 + i, 32 * j + c);
                 pan[512 * (j - j0) + 64 * (p / 4) + 4 * i + p % 4] = v;
             }

@@ -112,6 +112,28 @@ static qm__mm_fn qm__i8avx2_gemm_q4;
 #undef QM__G_PACK
 #undef QM__G_SB
 
+/* A 4-bit code book (qm__qmat.cb): the u8 panel of its codes looked up to
+ * 12 + cb[q] (0..24), whose vpmaddubsw pairs (at most 2 x 24 x 127) would
+ * wrap in 8 steps of s16 sums: each step's widened at once (vpmaddwd). */
+#define QM__G_FN qm__i8avx2_gemm_q4cb
+#define QM__G_MICRO qm__i8avx2_micro_q4cb
+#define QM__G_G 8
+#define QM__G_S16 0
+#define QM__G_STEP(a, w, x4)                                                                       \
+    _mm256_add_epi32(a, _mm256_madd_epi16(_mm256_maddubs_epi16(w, qm__g256_bcast4(x4)),             \
+                                          _mm256_set1_epi16(1)))
+#define QM__G_FIN(a) (a)
+#define QM__G_PACK(m, n0, nr, j0, j1, pan) qm__x_pack_u8(m, n0, nr, j0, j1, pan)
+static qm__mm_fn qm__i8avx2_gemm_q4cb;
+#include "qm_kernel_i8_gemm.h"
+#undef QM__G_FN
+#undef QM__G_MICRO
+#undef QM__G_G
+#undef QM__G_S16
+#undef QM__G_STEP
+#undef QM__G_FIN
+#undef QM__G_PACK
+
 /* 8-bit: s16 panel of q - zp, vpmaddwd into s32. */
 #define QM__G_FN qm__i8avx2_gemm_q8
 #define QM__G_MICRO qm__i8avx2_micro_q8
@@ -127,8 +149,8 @@ static qm__mm_fn qm__i8avx2_gemm_q8;
 static void qm__i8avx2_gemm(const qm__qmat *m, uint32_t n0, uint32_t n1, const float *xq,
                             size_t ldx, uint32_t nx, float *y, size_t ldy, float *scratch)
 {
-    (m->bits == 4 ? qm__i8avx2_gemm_q4 : qm__i8avx2_gemm_q8)(m, n0, n1, xq, ldx, nx, y, ldy,
-                                                             scratch);
+    (m->bits == 8 ? qm__i8avx2_gemm_q8 : m->cb ? qm__i8avx2_gemm_q4cb : qm__i8avx2_gemm_q4)(
+        m, n0, n1, xq, ldx, nx, y, ldy, scratch);
 }
 
 static void qm__i8mm_avx2(const qm__qmat *m, uint32_t n0, uint32_t n1, const float *xq,

@@ -55,8 +55,22 @@ QM__I8_AI const uint8_t *qm__x_bytes(const qm__qmat *m, const uint8_t *row, size
     return tmp;
 }
 
+/* A 4-bit row's nibbles lo (even columns) and hi (odd) as the u8 panel's
+ * codes: as they are, or looked up to QM__CB_ZP + cb[q] for a code book
+ * (qm__qmat.cb). */
+QM__I8_AI __m256i qm__x_nibbles_u8(const qm__qmat *m, __m128i lo, __m128i hi)
+{
+    if (m->cb) {
+        const __m128i lut = _mm_add_epi8(_mm_loadu_si128((const __m128i *)m->cb),
+                                         _mm_set1_epi8(QM__CB_ZP));
+        lo = _mm_shuffle_epi8(lut, lo);
+        hi = _mm_shuffle_epi8(lut, hi);
+    }
+    return _mm256_inserti128_si256(_mm256_castsi128_si256(lo), hi, 1);
+}
+
 /* Sub-block j of row i (i < nr; else zeros) as 8 dwords of u8 codes in
- * prepared order. */
+ * prepared order (a code book's looked up). */
 QM__I8_AI __m256i qm__x_row_u8(const qm__qmat *m, uint32_t n0, uint32_t nr, uint32_t i, size_t j)
 {
     uint8_t tmp[32];
@@ -78,14 +92,14 @@ QM__I8_AI __m256i qm__x_row_u8(const qm__qmat *m, uint32_t n0, uint32_t nr, uint
         __m128i v = _mm_setr_epi32(d[0], d[1], d[2], d[3]);
         const __m128i lo4 = _mm_set1_epi8(15);
         __m128i lo = _mm_and_si128(v, lo4), hi = _mm_and_si128(_mm_srli_epi16(v, 4), lo4);
-        return _mm256_inserti128_si256(_mm256_castsi128_si256(lo), hi, 1);
+        return qm__x_nibbles_u8(m, lo, hi);
     }
     if (m->bits == 8)
         return _mm256_loadu_si256((const __m256i *)qm__x_bytes(m, row, 32 * j, 32, tmp));
     __m128i v = _mm_loadu_si128((const __m128i *)qm__x_bytes(m, row, 16 * j, 16, tmp));
     const __m128i lo4 = _mm_set1_epi8(15);
     __m128i lo = _mm_and_si128(v, lo4), hi = _mm_and_si128(_mm_srli_epi16(v, 4), lo4);
-    return _mm256_inserti128_si256(_mm256_castsi128_si256(lo), hi, 1);
+    return qm__x_nibbles_u8(m, lo, hi);
 }
 
 /* qm__i8_pack_u8_c on vectors. A whole group of an 8-bit r8 matrix is

@@ -43,19 +43,15 @@ typedef struct qm__qmat {
                            * cb[q] that qm_cpu_ffn.c decodes a tile at a time
                            * into its scratch (qm__cb_rows) for any kernel,
                            * which is handed that tile (cb NULL). bits 4 (fast
-                           * decode, r8 only): the fast GEMV of a SIMD row
-                           * looks each code up itself, as QM__CB_ZP + cb[q]
-                           * against an implicit zero point of QM__CB_ZP
-                           * (qm_kernel_i8_x86.h, qm__v_r8_group) */
+                           * mode, r8 only): a SIMD row's GEMV and its GEMM's
+                           * u8 packer look each code up themselves, as
+                           * QM__CB_ZP + cb[q] against an implicit zero point
+                           * of QM__CB_ZP (qm_kernel_i8_x86.h) */
 } qm__qmat;
 
 /* The implicit zero point of a 4-bit code-book view (qm__qmat.cb): codes
  * are looked up to QM__CB_ZP + cb[q], 0..24 for e2m1's values -12..12. */
 #define QM__CB_ZP 12
-/* Below this many inputs every SIMD fast row runs its GEMV (the smallest
- * GEMM threshold of the fast table, AVX-VNNI's 4): a batch whose jobs all
- * have fewer reads a code book in 4 bits (qm_cpu_ffn.c). */
-#define QM__CB_NATIVE_NX 4u
 
 /* Output rows of one kernel task (fixed: the split never depends on threads). */
 #define QM__TILE_ROWS 16u

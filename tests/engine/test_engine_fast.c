@@ -316,10 +316,9 @@ END_TEST
  * float64 reference; and the decoder's SIMD bytes are the C ones. */
 START_TEST(test_codebook_layer_is_its_int8_layer)
 {
-    /* Blocks of 32 and K % 64 == 0 (case 0; case 3 in r8): the fast GEMV
-     * reads 4 bits below QM__CB_NATIVE_NX rows a job (T = 1, 3), a row
-     * tile laid out in r8 in the scratch first in case 0; the others and
-     * more rows, the 8-bit tiles. */
+    /* Blocks of 32 and K % 64 == 0 (case 0; case 3 in r8): the fast
+     * kernels read 4 bits (a row tile laid out in r8 in the scratch first
+     * in case 0); exact precision and the other cases, 8-bit tiles. */
     static const uint32_t BS[] = {32, 64, 0, 32}, IS[] = {128, 96, 160, 128};
     static const uint32_t TS[] = {1, 3, 9, 41};
     i8_names();
