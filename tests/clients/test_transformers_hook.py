@@ -46,8 +46,11 @@ def table_families():
 # Every family of the table (Mixtral, Qwen3-MoE, GPT-OSS, the engine-routed
 # OLMoE and DeepSeek-V3, whose routing the daemon could not compute from
 # logits alone, and the rest, since they cost little), and GPT-OSS's MXFP4
-# layout.
-FAMILIES = table_families() + ["gpt_oss_mxfp4"]
+# layout, imported at 8 bits like the others and with the import's default
+# (its 4-bit codes through the e2m1 code book, docs/BANK_FORMAT.md).
+FAMILIES = table_families() + ["gpt_oss_mxfp4", "gpt_oss_mxfp4_e2m1"]
+# name -> (fixture, import arguments) where they are not (name, --bits 8).
+IMPORTS = {"gpt_oss_mxfp4_e2m1": ("gpt_oss_mxfp4", [])}
 TOKENS = 32
 # Bank layer -> model layer of the fixtures with dense layers.
 # attach (a fully loaded model) on one family of each experts layout: gate/up
@@ -63,8 +66,9 @@ def served(tmp_path_factory):
     banks = {}
     for name in FAMILIES:
         out = str(d / (name + ".bank"))
-        r = subprocess.run([qmoe_bank_path(), "import", "hf", os.path.join(FIXTURES, name),
-                            "--out", out, "--bits", "8", "--quiet"], capture_output=True, text=True)
+        fixture, args = IMPORTS.get(name, (name, ["--bits", "8"]))
+        r = subprocess.run([qmoe_bank_path(), "import", "hf", os.path.join(FIXTURES, fixture),
+                            "--out", out, "--quiet"] + args, capture_output=True, text=True)
         assert r.returncode == 0, r.stderr
         banks[name] = out
     dm = Daemon(models=banks)
@@ -92,7 +96,7 @@ def report(torchpy, served):
            "--attach-run", "whole_bank", "100%", "--attach-models", ",".join(ATTACH_FAMILIES),
            "--anticipate-run", "whole_bank", "100%"]
     for name in FAMILIES:
-        cmd += ["--case", os.path.join(FIXTURES, name), banks[name], name]
+        cmd += ["--case", os.path.join(FIXTURES, IMPORTS.get(name, (name,))[0]), banks[name], name]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-4000:]
     return json.loads(r.stdout)
