@@ -1,6 +1,7 @@
 /* qm_cuda_device.cuh - what the CUDA backend's kernel files share: the
  * launch seam (the one place the CPU emulation of tests/cuda/emu replaces),
- * loads of f32/f16/bf16 values at any byte offset, zero points and blocks. Included inside an
+ * loads of f32/f16/bf16 values at any byte offset, zero points, the code
+ * book and blocks. Included inside an
  * anonymous namespace by each .cu file. Private to cuda/. */
 #ifndef QM_CUDA_DEVICE_CUH
 #define QM_CUDA_DEVICE_CUH
@@ -80,6 +81,19 @@ __device__ __forceinline__ int qm_zero_point(const uint8_t *zp, const qm__cuda_m
     return (int)((byte >> (idx * BITS)) & MASK);
 }
 
+/* The integer weight of code q before its scale: q - z, or with the code
+ * book (CB; docs/BANK_FORMAT.md, "Code books") e2m1's entry, MXFP4's E2M1
+ * doubled: {0, 1, 2, 3, 4, 6, 8, 12} for q < 8, their negatives for q >= 8,
+ * z unused (a code-book bank has no zero points). No table: a thread's
+ * local array indexed at run time would live in local memory. */
+template <bool CB> __device__ __forceinline__ int qm_code_value(int q, int z)
+{
+    if (!CB) return q - z;
+    const int m = q & 7;
+    const int mag = m < 4 ? m : (2 + (m & 1)) << ((m >> 1) - 1);
+    return (q & 8) ? -mag : mag;
+}
+
 __device__ __forceinline__ uint32_t qm_block_of(const qm__cuda_mat &m, uint32_t c)
 {
     return m.nblk > 1 ? (c >> m.block_shift) : 0u;
@@ -130,7 +144,7 @@ __device__ __forceinline__ void qm_tile_loader_init(qm_tile_loader &ld, const qm
 
 /* Its row i at column k0 + col: the weight of feature n0 + row_base + 8i,
  * dequantized, and the input; 0 outside the matrix or the job's rows. */
-template <int BITS>
+template <int BITS, bool CB>
 __device__ __forceinline__ void qm_tile_load(const qm_tile_loader &ld, const qm__cuda_mat &m,
                                              uint32_t n0, uint32_t k0, int i, float &wv, float &xv)
 {
@@ -142,7 +156,7 @@ __device__ __forceinline__ void qm_tile_load(const qm_tile_loader &ld, const qm_
         const uint32_t b = qm_block_of(m, c);
         int q = (int)((ld.w[(size_t)nn * m.row_bytes + c / PACK] >> ((c % PACK) * BITS)) & MASK);
         float s = qm_load_real(ld.scales, m.scale_dtype, (size_t)nn * m.nblk + b);
-        wv = s * (float)(q - qm_zero_point<BITS>(ld.zp, m, nn, b));
+        wv = s * (float)qm_code_value<CB>(q, qm_zero_point<BITS>(ld.zp, m, nn, b));
     }
     xv = cin && ld.xrow[i] ? ld.xrow[i][c] : 0.0f;
 }

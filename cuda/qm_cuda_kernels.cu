@@ -1,7 +1,8 @@
 /* qm_cuda_kernels.cu - dequantise-matmul and activation kernels of the CUDA
  * backend (../shared/BANK_FORMAT.md semantics).
  *
- * W[n, c] = scale[n, b] * (q[n, c] - zp[n, b]), b = c >> block_shift, then
+ * W[n, c] = scale[n, b] * (q[n, c] - zp[n, b]), b = c >> block_shift (or
+ * scale[n, b] * e2m1[q[n, c]] for a code-book bank, the CB instances), then
  * y = W . x + bias, all in f32. Three implementations of the matmul:
  *   gemv  - one warp per output feature, 16-byte weight loads spread over the
  *           warp's lanes (coalesced), a few token rows per pass (decode);
@@ -19,7 +20,7 @@ namespace
 
 /* ---- naive: one thread per (row, feature) ---- */
 
-template <int BITS>
+template <int BITS, bool CB>
 __global__ void qm_k_naive(const qm__cuda_job *jobs, int mat, qm__cuda_mat m, const float *in,
                            const uint32_t *in_rows, uint32_t in_stride, float *out,
                            uint32_t out_stride)
@@ -37,7 +38,7 @@ __global__ void qm_k_naive(const qm__cuda_job *jobs, int mat, qm__cuda_mat m, co
         uint32_t b = qm_block_of(m, c);
         float s = qm_load_real(job->scales[mat], m.scale_dtype, (size_t)n * m.nblk + b);
         int q = (int)((wrow[c / PACK] >> ((c % PACK) * BITS)) & MASK);
-        float w = s * (float)(q - qm_zero_point<BITS>(job->zp[mat], m, n, b));
+        float w = s * (float)qm_code_value<CB>(q, qm_zero_point<BITS>(job->zp[mat], m, n, b));
         acc = fmaf(w, x[c], acc);
     }
     if (job->bias[mat]) acc += qm_load_real(job->bias[mat], m.bias_dtype, n);
@@ -48,7 +49,7 @@ __global__ void qm_k_naive(const qm__cuda_job *jobs, int mat, qm__cuda_mat m, co
 
 /* Adds the columns [c0, c0 + 4 * PACK) held in `word` (4 packed bytes, one
  * block: blocks are >= 16 columns and words are aligned to their width). */
-template <int BITS, int TT, bool VECX>
+template <int BITS, bool CB, int TT, bool VECX>
 __device__ __forceinline__ void qm_dot_word(uint32_t word, float s, int z, uint32_t c0,
                                             const float *const (&xr)[TT], float (&acc)[TT])
 {
@@ -57,7 +58,7 @@ __device__ __forceinline__ void qm_dot_word(uint32_t word, float s, int z, uint3
     float w[COLS];
 #pragma unroll
     for (int i = 0; i < COLS; i++)
-        w[i] = s * (float)((int)((word >> (i * BITS)) & MASK) - z);
+        w[i] = s * (float)qm_code_value<CB>((int)((word >> (i * BITS)) & MASK), z);
 #pragma unroll
     for (int t = 0; t < TT; t++) {
         if (VECX) {
@@ -79,7 +80,7 @@ __device__ __forceinline__ void qm_dot_word(uint32_t word, float s, int z, uint3
 }
 
 /* One 16-byte chunk of a weight row: 4 words, each inside one block. */
-template <int BITS, int TT>
+template <int BITS, bool CB, int TT>
 __device__ __forceinline__ void qm_dot_chunk(uint4 v, uint32_t chunk, uint32_t n,
                                              const qm__cuda_mat &m, const void *scales,
                                              const uint8_t *zp, float s_row, int z_row,
@@ -93,11 +94,11 @@ __device__ __forceinline__ void qm_dot_chunk(uint4 v, uint32_t chunk, uint32_t n
         float s = s_row;
         int z = z_row;
         qm_block_scale<BITS>(m, scales, zp, n, c0, s, z);
-        qm_dot_word<BITS, TT, true>(words[wi], s, z, c0, xr, acc);
+        qm_dot_word<BITS, CB, TT, true>(words[wi], s, z, c0, xr, acc);
     }
 }
 
-template <int BITS, bool VEC16, int TT>
+template <int BITS, bool CB, bool VEC16, int TT>
 __global__ void __launch_bounds__(256)
     qm_k_gemv(const qm__cuda_job *jobs, int mat, qm__cuda_mat m, uint32_t rows_lo, uint32_t rows_hi,
               const float *in, const uint32_t *in_rows, uint32_t in_stride, float *out,
@@ -139,9 +140,10 @@ __global__ void __launch_bounds__(256)
                 uint4 v0 = __ldg(wv + ch);
                 const bool two = ch + 32 < nchunks;
                 uint4 v1 = two ? __ldg(wv + ch + 32) : make_uint4(0, 0, 0, 0);
-                qm_dot_chunk<BITS, TT>(v0, ch, n, m, scales, zp, s_row, z_row, xr, acc);
+                qm_dot_chunk<BITS, CB, TT>(v0, ch, n, m, scales, zp, s_row, z_row, xr, acc);
                 if (two)
-                    qm_dot_chunk<BITS, TT>(v1, ch + 32, n, m, scales, zp, s_row, z_row, xr, acc);
+                    qm_dot_chunk<BITS, CB, TT>(v1, ch + 32, n, m, scales, zp, s_row, z_row, xr,
+                                               acc);
             }
         } else {
             for (uint32_t byte = lane; byte < m.row_bytes; byte += 32) {
@@ -154,7 +156,7 @@ __global__ void __launch_bounds__(256)
                 for (uint32_t i = 0; i < PACK; i++) {
                     if (PACK > 1 && c0 + i >= m.k)
                         break; /* the last byte of an odd row is half padding */
-                    float w = s * (float)((int)((bits >> (i * BITS)) & MASK) - z);
+                    float w = s * (float)qm_code_value<CB>((int)((bits >> (i * BITS)) & MASK), z);
 #pragma unroll
                     for (int t = 0; t < TT; t++)
                         acc[t] = fmaf(w, xr[t][c0 + i], acc[t]);
@@ -183,7 +185,7 @@ __global__ void __launch_bounds__(256)
 #define QM_GEMM_BN 64
 #define QM_GEMM_BK 32
 
-template <int BITS>
+template <int BITS, bool CB>
 __global__ void __launch_bounds__(256)
     qm_k_gemm(const qm__cuda_job *jobs, int mat, qm__cuda_mat m, uint32_t rows_lo, const float *in,
               const uint32_t *in_rows, uint32_t in_stride, float *out, uint32_t out_stride)
@@ -209,7 +211,7 @@ __global__ void __launch_bounds__(256)
 #pragma unroll
         for (int i = 0; i < 8; i++) {
             const uint32_t r = ld.row_base + 8 * i;
-            qm_tile_load<BITS>(ld, m, n0, k0, i, ws[ld.col][r], xs[ld.col][r]);
+            qm_tile_load<BITS, CB>(ld, m, n0, k0, i, ws[ld.col][r], xs[ld.col][r]);
         }
         __syncthreads();
 #pragma unroll 8
@@ -297,7 +299,7 @@ __global__ void qm_k_activation(qm__cuda_act act, uint32_t n_rows, const float *
  * largest such job. A job's bits never depend on the other jobs of the
  * batch (the path is a function of its own row count, and no kernel mixes
  * rows), which keeps outputs identical across waves and policies. */
-template <int BITS>
+template <int BITS, bool CB>
 cudaError_t qm_launch_gemv(const qm__cuda_job *jobs, uint32_t n_jobs, uint32_t max_rows, int mat,
                            const qm__cuda_mat &m, bool vec16, uint32_t rows_hi, const float *in,
                            const uint32_t *in_rows, uint32_t in_stride, float *out,
@@ -308,20 +310,20 @@ cudaError_t qm_launch_gemv(const qm__cuda_job *jobs, uint32_t n_jobs, uint32_t m
     void (*k)(const qm__cuda_job *, int, qm__cuda_mat, uint32_t, uint32_t, const float *,
               const uint32_t *, uint32_t, float *, uint32_t);
     if (vec16)
-        k = tt == 8   ? qm_k_gemv<BITS, true, 8>
-            : tt == 4 ? qm_k_gemv<BITS, true, 4>
-            : tt == 2 ? qm_k_gemv<BITS, true, 2>
-                      : qm_k_gemv<BITS, true, 1>;
+        k = tt == 8   ? qm_k_gemv<BITS, CB, true, 8>
+            : tt == 4 ? qm_k_gemv<BITS, CB, true, 4>
+            : tt == 2 ? qm_k_gemv<BITS, CB, true, 2>
+                      : qm_k_gemv<BITS, CB, true, 1>;
     else
-        k = tt == 8   ? qm_k_gemv<BITS, false, 8>
-            : tt == 4 ? qm_k_gemv<BITS, false, 4>
-            : tt == 2 ? qm_k_gemv<BITS, false, 2>
-                      : qm_k_gemv<BITS, false, 1>;
+        k = tt == 8   ? qm_k_gemv<BITS, CB, false, 8>
+            : tt == 4 ? qm_k_gemv<BITS, CB, false, 4>
+            : tt == 2 ? qm_k_gemv<BITS, CB, false, 2>
+                      : qm_k_gemv<BITS, CB, false, 1>;
     return qm_launch(k, grid, dim3(256), s, jobs, mat, m, 1u, rows_hi, in, in_rows, in_stride, out,
                      out_stride);
 }
 
-template <int BITS>
+template <int BITS, bool CB>
 cudaError_t qm_launch_bits(const qm__cuda_job *jobs, uint32_t n_jobs, uint32_t min_rows,
                            uint32_t max_rows, int mat, const qm__cuda_mat &m, bool vec16,
                            qm__cuda_path path, uint32_t gemm_min_rows, const float *in,
@@ -331,8 +333,8 @@ cudaError_t qm_launch_bits(const qm__cuda_job *jobs, uint32_t n_jobs, uint32_t m
     if (path == QM__CUDA_PATH_NAIVE) {
         uint64_t total = (uint64_t)max_rows * m.n;
         dim3 grid((unsigned)((total + 255) / 256), n_jobs);
-        return qm_launch(qm_k_naive<BITS>, grid, dim3(256), s, jobs, mat, m, in, in_rows, in_stride,
-                         out, out_stride);
+        return qm_launch(qm_k_naive<BITS, CB>, grid, dim3(256), s, jobs, mat, m, in, in_rows,
+                         in_stride, out, out_stride);
     }
     const int tc = path == QM__CUDA_PATH_AUTO_TC_F16    ? 1
                    : path == QM__CUDA_PATH_AUTO_TC_BF16 ? 2
@@ -342,8 +344,8 @@ cudaError_t qm_launch_bits(const qm__cuda_job *jobs, uint32_t n_jobs, uint32_t m
                                                     : gemm_min_rows;
     if (min_rows < gemm_lo) {
         uint32_t gemv_max = max_rows < gemm_lo ? max_rows : gemm_lo - 1;
-        cudaError_t err = qm_launch_gemv<BITS>(jobs, n_jobs, gemv_max, mat, m, vec16, gemm_lo, in,
-                                               in_rows, in_stride, out, out_stride, s);
+        cudaError_t err = qm_launch_gemv<BITS, CB>(jobs, n_jobs, gemv_max, mat, m, vec16, gemm_lo,
+                                                   in, in_rows, in_stride, out, out_stride, s);
         if (err != cudaSuccess) return err;
     }
     if (max_rows >= gemm_lo && tc)
@@ -352,8 +354,8 @@ cudaError_t qm_launch_bits(const qm__cuda_job *jobs, uint32_t n_jobs, uint32_t m
     if (max_rows >= gemm_lo) {
         dim3 grid((m.n + QM_GEMM_BM - 1) / QM_GEMM_BM, (max_rows + QM_GEMM_BN - 1) / QM_GEMM_BN,
                   n_jobs);
-        return qm_launch(qm_k_gemm<BITS>, grid, dim3(256), s, jobs, mat, m, gemm_lo, in, in_rows,
-                         in_stride, out, out_stride);
+        return qm_launch(qm_k_gemm<BITS, CB>, grid, dim3(256), s, jobs, mat, m, gemm_lo, in,
+                         in_rows, in_stride, out, out_stride);
     }
     return cudaSuccess;
 }
@@ -371,18 +373,25 @@ extern "C" int qm__cuda_launch_matmul(const qm__cuda_job *jobs_dev, uint32_t n_j
     if (gemm_min_rows == 0) gemm_min_rows = 1;
     cudaStream_t s = (cudaStream_t)stream;
     cudaError_t err;
+    if (m->codebook && m->bits != 4) return (int)cudaErrorInvalidValue;
     switch (m->bits) {
     case 2:
-        err = qm_launch_bits<2>(jobs_dev, n_jobs, min_rows, max_rows, mat, *m, vec16 != 0, path,
-                                gemm_min_rows, in, in_rows, in_stride, out, out_stride, s);
+        err = qm_launch_bits<2, false>(jobs_dev, n_jobs, min_rows, max_rows, mat, *m, vec16 != 0,
+                                       path, gemm_min_rows, in, in_rows, in_stride, out, out_stride,
+                                       s);
         break;
     case 4:
-        err = qm_launch_bits<4>(jobs_dev, n_jobs, min_rows, max_rows, mat, *m, vec16 != 0, path,
-                                gemm_min_rows, in, in_rows, in_stride, out, out_stride, s);
+        err = m->codebook ? qm_launch_bits<4, true>(jobs_dev, n_jobs, min_rows, max_rows, mat, *m,
+                                                    vec16 != 0, path, gemm_min_rows, in, in_rows,
+                                                    in_stride, out, out_stride, s)
+                          : qm_launch_bits<4, false>(jobs_dev, n_jobs, min_rows, max_rows, mat, *m,
+                                                     vec16 != 0, path, gemm_min_rows, in, in_rows,
+                                                     in_stride, out, out_stride, s);
         break;
     case 8:
-        err = qm_launch_bits<8>(jobs_dev, n_jobs, min_rows, max_rows, mat, *m, vec16 != 0, path,
-                                gemm_min_rows, in, in_rows, in_stride, out, out_stride, s);
+        err = qm_launch_bits<8, false>(jobs_dev, n_jobs, min_rows, max_rows, mat, *m, vec16 != 0,
+                                       path, gemm_min_rows, in, in_rows, in_stride, out, out_stride,
+                                       s);
         break;
     default:
         err = cudaErrorInvalidValue;

@@ -37,6 +37,7 @@ typedef struct qm__cuda_job {
 typedef struct qm__cuda_mat {
     uint32_t n, k;         /* output features, input columns */
     uint32_t bits;         /* 2, 4 or 8 */
+    uint32_t codebook;     /* 1: 4-bit codes through the e2m1 code book, no zero points */
     uint32_t row_bytes;    /* bytes per packed row: ceil(k * bits / 8) */
     uint32_t nblk;         /* scales per row; 1 = row-wise */
     uint32_t block_shift;  /* log2(block size) when nblk > 1 */

@@ -13,7 +13,7 @@ const qm__backend_kind qm__backend_cuda_kind = {
     .version = QM_BACKEND_KIND_VERSION,
     .name = "cuda",
     .summary = QM__CUDA_SUMMARY,
-    .caps = QM_BACKEND_CAP_NUMBERED | QM_BACKEND_CAP_AUTO,
+    .caps = QM_BACKEND_CAP_NUMBERED | QM_BACKEND_CAP_AUTO | QM_BACKEND_CAP_CODEBOOK,
     .open = qm__cuda_open,
     .probe = qm__cuda_probe,
 };

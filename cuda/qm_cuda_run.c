@@ -75,6 +75,7 @@ static int qm__cuda_describe(const qm_bank_config *cfg, const qm_layer_view *lv,
     m->n = n;
     m->k = k;
     m->bits = cfg->bits;
+    m->codebook = cfg->codebook == QM_CODEBOOK_E2M1;
     m->row_bytes = (k + pack - 1) / pack;
     if (!w->present || !s->present)
         return qm_status_set(st, QM_EINVALID_MODEL, "layer %u lacks %s or its scales", lv->index,
@@ -141,11 +142,9 @@ int qm__cuda_geom_of(const qm_bank_config *cfg, const qm_layer_view *lv, qm__cud
     const uint32_t H = cfg->hidden, I = cfg->inter;
     if (cfg->bits != 2 && cfg->bits != 4 && cfg->bits != 8)
         return qm_status_set(st, QM_EUNSUPPORTED, "run_experts: %u-bit weights", cfg->bits);
-    if (cfg->codebook)
-        return qm_status_set(st, QM_EUNSUPPORTED,
-                             "run_experts: a %s code-book bank (qmoe.codebook) runs on the cpu "
-                             "backend only; import it with --mxfp4 int8 for this device",
-                             qm_codebook_name(cfg->codebook));
+    if (cfg->codebook && (cfg->codebook != QM_CODEBOOK_E2M1 || cfg->bits != 4))
+        return qm_status_set(st, QM_EUNSUPPORTED, "run_experts: the %s code book on %u-bit codes",
+                             qm_codebook_name(cfg->codebook), cfg->bits);
     if (H == 0 || I == 0)
         return qm_status_set(st, QM_EINVALID_MODEL, "run_experts: hidden %u, inter %u", H, I);
     const int swiglu = cfg->activation == QM_ACT_SWIGLU;

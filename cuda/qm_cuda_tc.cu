@@ -3,8 +3,9 @@
  *
  * The same tiling as the f32 shared-memory GEMM of qm_cuda_kernels.cu (64
  * features x 64 rows per block, 32 columns per step): weights are
- * dequantised in f32 (W = scale * (q - zp)) and rounded once to the call's
- * 16-bit type as they go into shared memory, the input rows likewise; eight
+ * dequantised in f32 (W = scale * (q - zp), or scale * e2m1[q] for a
+ * code-book bank) and rounded once to the call's 16-bit type as they go
+ * into shared memory, the input rows likewise; eight
  * warps each own two 16x16 f32 accumulators and issue WMMA on the tile;
  * the bias is added in f32 at the end. Rounding the operands to 16 bits is
  * the precision the caller asked for (its activations are f16/bf16); the
@@ -39,7 +40,7 @@ template <> __device__ __forceinline__ __nv_bfloat16 qm_to16<__nv_bfloat16>(floa
 #define QM_TC_LD (QM_TC_BK + 8) /* 16-bit leading dimension: a multiple of 8 */
 #define QM_TC_LDC (QM_TC_BM + 4) /* f32 leading dimension: a multiple of 4 */
 
-template <int BITS, typename T>
+template <int BITS, bool CB, typename T>
 __global__ void __launch_bounds__(256)
     qm_k_gemm_tc(const qm__cuda_job *jobs, int mat, qm__cuda_mat m, uint32_t rows_lo,
                  const float *in, const uint32_t *in_rows, uint32_t in_stride, float *out,
@@ -69,7 +70,7 @@ __global__ void __launch_bounds__(256)
         for (int i = 0; i < 8; i++) {
             const uint32_t r = ld.row_base + 8 * i;
             float wv, xv;
-            qm_tile_load<BITS>(ld, m, n0, k0, i, wv, xv);
+            qm_tile_load<BITS, CB>(ld, m, n0, k0, i, wv, xv);
             ws[r][ld.col] = qm_to16<T>(wv);
             xs[r][ld.col] = qm_to16<T>(xv);
         }
@@ -104,7 +105,7 @@ __global__ void __launch_bounds__(256)
 #endif /* older devices: never launched (the host checks the compute capability) */
 }
 
-template <int BITS>
+template <int BITS, bool CB>
 cudaError_t qm_launch_tc_bits(const qm__cuda_job *jobs, uint32_t n_jobs, uint32_t max_rows,
                               uint32_t rows_lo, int mat, const qm__cuda_mat &m, int tc,
                               const float *in, const uint32_t *in_rows, uint32_t in_stride,
@@ -112,9 +113,9 @@ cudaError_t qm_launch_tc_bits(const qm__cuda_job *jobs, uint32_t n_jobs, uint32_
 {
     dim3 grid((m.n + QM_TC_BM - 1) / QM_TC_BM, (max_rows + QM_TC_BN - 1) / QM_TC_BN, n_jobs);
     if (tc == 2)
-        return qm_launch(qm_k_gemm_tc<BITS, __nv_bfloat16>, grid, dim3(256), s, jobs, mat, m,
+        return qm_launch(qm_k_gemm_tc<BITS, CB, __nv_bfloat16>, grid, dim3(256), s, jobs, mat, m,
                          rows_lo, in, in_rows, in_stride, out, out_stride);
-    return qm_launch(qm_k_gemm_tc<BITS, __half>, grid, dim3(256), s, jobs, mat, m, rows_lo, in,
+    return qm_launch(qm_k_gemm_tc<BITS, CB, __half>, grid, dim3(256), s, jobs, mat, m, rows_lo, in,
                      in_rows, in_stride, out, out_stride);
 }
 
@@ -128,16 +129,20 @@ extern "C" int qm__cuda_launch_gemm_tc(const qm__cuda_job *jobs, uint32_t n_jobs
 {
     if (n_jobs == 0 || max_rows < rows_lo || m->n == 0) return (int)cudaSuccess;
     cudaStream_t s = (cudaStream_t)stream;
+    if (m->codebook && m->bits != 4) return (int)cudaErrorInvalidValue;
     switch (m->bits) {
     case 2:
-        return (int)qm_launch_tc_bits<2>(jobs, n_jobs, max_rows, rows_lo, mat, *m, tc, in, in_rows,
-                                         in_stride, out, out_stride, s);
+        return (int)qm_launch_tc_bits<2, false>(jobs, n_jobs, max_rows, rows_lo, mat, *m, tc, in,
+                                                in_rows, in_stride, out, out_stride, s);
     case 4:
-        return (int)qm_launch_tc_bits<4>(jobs, n_jobs, max_rows, rows_lo, mat, *m, tc, in, in_rows,
-                                         in_stride, out, out_stride, s);
+        if (m->codebook)
+            return (int)qm_launch_tc_bits<4, true>(jobs, n_jobs, max_rows, rows_lo, mat, *m, tc, in,
+                                                   in_rows, in_stride, out, out_stride, s);
+        return (int)qm_launch_tc_bits<4, false>(jobs, n_jobs, max_rows, rows_lo, mat, *m, tc, in,
+                                                in_rows, in_stride, out, out_stride, s);
     case 8:
-        return (int)qm_launch_tc_bits<8>(jobs, n_jobs, max_rows, rows_lo, mat, *m, tc, in, in_rows,
-                                         in_stride, out, out_stride, s);
+        return (int)qm_launch_tc_bits<8, false>(jobs, n_jobs, max_rows, rows_lo, mat, *m, tc, in,
+                                                in_rows, in_stride, out, out_stride, s);
     default:
         return (int)cudaErrorInvalidValue;
     }

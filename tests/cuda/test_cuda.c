@@ -80,9 +80,10 @@ static double compare_paths(qm_backend *cpu, qm_backend *cuda, dev_layer *D, uin
 
 static void describe(const tl_spec *s, char *buf, size_t n)
 {
-    snprintf(buf, n, "E%u H%u I%u k%u bits%u bs%u %s fusion%u asym%d bias%d scales %s bias %s",
-             s->E, s->H, s->I, s->k, s->bits, s->block_size, qm_activation_name(s->act), s->fusion,
-             s->asym, s->bias, qm_dtype_name(s->scale_dtype), qm_dtype_name(s->bias_dtype));
+    snprintf(buf, n, "E%u H%u I%u k%u bits%u%s bs%u %s fusion%u asym%d bias%d scales %s bias %s",
+             s->E, s->H, s->I, s->k, s->bits, s->codebook ? " e2m1" : "", s->block_size,
+             qm_activation_name(s->act), s->fusion, s->asym, s->bias, qm_dtype_name(s->scale_dtype),
+             qm_dtype_name(s->bias_dtype));
 }
 
 /* ---- tests ---- */
@@ -265,6 +266,9 @@ START_TEST(test_cuda_matches_cpu_over_variant_matrix)
         s.E = ES[(v / 10) % 3];
         s.k = KS[v % 3] < s.E ? KS[v % 3] : s.E;
         if (s.act == QM_ACT_SWIGLU && v % 4 == 0) s.limit = INFINITY;
+        /* Every other symmetric 4-bit variant reads its codes through the
+         * e2m1 code book (no zero points). */
+        if (s.bits == 4 && !s.asym && (v / 2) % 2 == 1) s.codebook = QM_CODEBOOK_E2M1;
         tl_layer L;
         ck_assert_int_eq(tl_layer_build(&s, &L), 0);
         dev_layer D;
@@ -309,9 +313,10 @@ END_TEST
 
 START_TEST(test_cuda_gpt_oss_like_layer_matches_cpu)
 {
-    /* GPT-OSS's layer kind (swiglu interleaved, alpha 1.702, beta 1, limit 7,
-     * int4 block 32) at a size the float64 reference affords; rows are
-     * 16-byte multiples, so the vectorised GEMV runs. */
+    /* GPT-OSS's layer kind (swiglu interleaved, alpha 1.702, beta 1, limit 7;
+     * int4 block 32, int8 block 64, and MXFP4's own: 4-bit codes through the
+     * e2m1 code book, block 32) at a size the float64 reference affords;
+     * rows are 16-byte multiples, so the vectorised GEMV runs. */
 #ifdef QM_TEST_EMULATED
     static const uint32_t TS[] = {1, 4, 20};
     const uint32_t width = 128;
@@ -319,14 +324,24 @@ START_TEST(test_cuda_gpt_oss_like_layer_matches_cpu)
     static const uint32_t TS[] = {1, 4, 16, 130};
     const uint32_t width = 576;
 #endif
+    static const struct {
+        int bits;
+        qm_codebook cb;
+        const char *name;
+    } FORMATS[] = {{4, QM_CODEBOOK_NONE, "int4"},
+                   {8, QM_CODEBOOK_NONE, "int8"},
+                   {4, QM_CODEBOOK_E2M1, "e2m1"}};
     qm_backend *cpu = new_cpu(), *cuda = new_cuda();
-    for (int bits = 4; bits <= 8; bits += 4) {
-        tl_spec s = tl_default_spec(42 + (uint64_t)bits);
+    for (size_t fi = 0; fi < sizeof FORMATS / sizeof FORMATS[0]; fi++) {
+        const int bits = FORMATS[fi].bits;
+        const char *fmt = FORMATS[fi].name;
+        tl_spec s = tl_default_spec(42 + (uint64_t)bits + (FORMATS[fi].cb ? 100u : 0u));
         s.E = 8;
         s.k = 4;
         s.H = width;
         s.I = width;
         s.bits = (uint32_t)bits;
+        s.codebook = FORMATS[fi].cb;
         s.block_size = bits == 4 ? 32 : 64;
         s.act = QM_ACT_SWIGLU;
         s.fusion = 1;
@@ -338,18 +353,88 @@ START_TEST(test_cuda_gpt_oss_like_layer_matches_cpu)
         for (size_t ti = 0; ti < sizeof TS / sizeof TS[0]; ti++) {
             double errs[4], eref, cref;
             double e = compare_paths(cpu, cuda, &D, TS[ti], 500 + ti, errs, &eref, &cref);
-            printf("gpt-oss-like H=I=%u int%d T=%u: vs cpu: auto %.3g gemv %.3g gemm %.3g naive "
+            printf("gpt-oss-like H=I=%u %s T=%u: vs cpu: auto %.3g gemv %.3g gemm %.3g naive "
                    "%.3g; vs float64: cuda %.3g cpu %.3g\n",
-                   width, bits, TS[ti], errs[0], errs[1], errs[2], errs[3], eref, cref);
-            ck_assert_msg(eref <= TOL_F32, "int%d T=%u: rel err vs float64 %.3g", bits, TS[ti],
-                          eref);
-            ck_assert_msg(e <= TOL_F32 || !(cref <= TOL_F32), "int%d T=%u: rel err vs cpu %.3g",
-                          bits, TS[ti], e);
+                   width, fmt, TS[ti], errs[0], errs[1], errs[2], errs[3], eref, cref);
+            ck_assert_msg(eref <= TOL_F32, "%s T=%u: rel err vs float64 %.3g", fmt, TS[ti], eref);
+            ck_assert_msg(e <= TOL_F32 || !(cref <= TOL_F32), "%s T=%u: rel err vs cpu %.3g", fmt,
+                          TS[ti], e);
         }
         dev_layer_free(cuda, &D);
         tl_layer_free(&L);
     }
     qm_backend_free(cpu);
+    qm_backend_free(cuda);
+}
+END_TEST
+
+/* A code-book layer (4-bit codes through e2m1) on the device gives what
+ * its int8 twin gives (codes 128 + e2m1[q], the bank `--mxfp4 int8`
+ * imports from the same MXFP4 weights): the same bits on the naive and
+ * tiled GEMM paths, which see the same dequantised weight in the same
+ * order, and within 1e-6 on the GEMV, whose lanes split a row by bytes. */
+START_TEST(test_cuda_code_book_layer_is_its_int8_twin)
+{
+    enum { T_MAX = 20 };
+    static const uint32_t TS[] = {1, 3, T_MAX};
+    qm_backend *cuda = new_cuda();
+    tl_spec s = tl_default_spec(77);
+    s.E = 8;
+    s.k = 4;
+    s.H = 128;
+    s.I = 96;
+    s.bits = 4;
+    s.block_size = 32;
+    s.act = QM_ACT_SWIGLU;
+    s.fusion = 1;
+    s.bias = 1;
+    s.codebook = QM_CODEBOOK_E2M1;
+    tl_spec s8 = s;
+    s8.bits = 8; /* the same seed and code book: the int8 twin */
+    tl_layer L, L8;
+    ck_assert_int_eq(tl_layer_build(&s, &L), 0);
+    ck_assert_int_eq(tl_layer_build(&s8, &L8), 0);
+    ck_assert_int_eq(L.cfg.codebook, QM_CODEBOOK_E2M1);
+    ck_assert_int_eq(L8.cfg.codebook, QM_CODEBOOK_NONE);
+    ck_assert_uint_eq(L8.cfg.bits, 8);
+    dev_layer D, D8;
+    dev_layer_init(&D, cuda, &L, 1);
+    dev_layer_init(&D8, cuda, &L8, 1);
+    const uint32_t H = s.H;
+    float *x = malloc(sizeof(float) * T_MAX * H), *lg = malloc(sizeof(float) * T_MAX * s.E);
+    float *a = malloc(sizeof(float) * T_MAX * H), *b = malloc(sizeof(float) * T_MAX * H);
+    ck_assert(x && lg && a && b);
+    qm_expert_source src, src8;
+    dev_source(&D, &src);
+    dev_source(&D8, &src8);
+    for (size_t ti = 0; ti < sizeof TS / sizeof TS[0]; ti++) {
+        const uint32_t T = TS[ti];
+        tl_random_inputs(300 + ti, T, H, s.E, x, lg);
+        for (int k = 0; k < 4; k++) {
+            ck_assert_int_eq(qm_backend_cuda_set_kernels(cuda, (qm_cuda_kernels)k, 0), 0);
+            for (size_t i = 0; i < (size_t)T * H; i++)
+                a[i] = b[i] = NAN;
+            ck_assert_int_eq(forward(cuda, &L, &src, QM_DTYPE_F32, T, x, lg, a), 0);
+            ck_assert_int_eq(forward(cuda, &L8, &src8, QM_DTYPE_F32, T, x, lg, b), 0);
+            double e = rel_err(a, b, (size_t)T * H);
+            int same = memcmp(a, b, sizeof(float) * T * H) == 0;
+            printf("e2m1 against its int8 twin, %s T=%u: %s (rel err %.3g)\n", KERNEL_NAMES[k], T,
+                   same ? "the same bits" : "not the same bits", e);
+            if (k == QM_CUDA_KERNELS_GEMM || k == QM_CUDA_KERNELS_NAIVE)
+                ck_assert_msg(same, "%s T=%u: rel err %.3g", KERNEL_NAMES[k], T, e);
+            else
+                ck_assert_msg(e <= 1e-6, "%s T=%u: rel err %.3g", KERNEL_NAMES[k], T, e);
+        }
+    }
+    ck_assert_int_eq(qm_backend_cuda_set_kernels(cuda, QM_CUDA_KERNELS_AUTO, 0), 0);
+    free(x);
+    free(lg);
+    free(a);
+    free(b);
+    dev_layer_free(cuda, &D);
+    dev_layer_free(cuda, &D8);
+    tl_layer_free(&L);
+    tl_layer_free(&L8);
     qm_backend_free(cuda);
 }
 END_TEST
@@ -503,6 +588,7 @@ static Suite *cuda_suite(void)
     tcase_add_test(core, test_cuda_bad_jobs_are_rejected_and_the_backend_survives);
     tcase_add_test(matrix, test_cuda_matches_cpu_over_variant_matrix);
     tcase_add_test(layer, test_cuda_gpt_oss_like_layer_matches_cpu);
+    tcase_add_test(layer, test_cuda_code_book_layer_is_its_int8_twin);
     tcase_add_test(layer, test_cuda_f16_and_bf16_activations_match_cpu);
     tcase_add_test(layer, test_cuda_waves_give_bitwise_identical_outputs);
     suite_add_tcase(s, core);

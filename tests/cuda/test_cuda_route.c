@@ -500,19 +500,21 @@ END_TEST
 START_TEST(test_cuda_f16_bf16_prefill_runs_on_tensor_cores_within_tolerance)
 {
     qm_backend *cpu = new_cpu(), *cuda = new_cuda();
-    for (int di = 0; di < 2; di++) {
-        const qm_dtype dt = di == 0 ? QM_DTYPE_F16 : QM_DTYPE_BF16;
+    /* f16 int4, bf16 int8 with zero points, f16 through the e2m1 code book. */
+    for (int di = 0; di < 3; di++) {
+        const qm_dtype dt = di == 1 ? QM_DTYPE_BF16 : QM_DTYPE_F16;
         tl_spec s = tl_default_spec(950 + (uint64_t)di);
         s.E = 4;
         s.k = 2;
         s.H = 128;
         s.I = 80; /* FC2's K = 80: a partial 32-column step */
-        s.bits = di == 0 ? 4 : 8;
+        s.bits = di == 1 ? 8 : 4;
+        s.codebook = di == 2 ? QM_CODEBOOK_E2M1 : QM_CODEBOOK_NONE;
         s.block_size = 32;
         s.act = QM_ACT_SWIGLU;
         s.fusion = 1;
         s.bias = 1;
-        s.asym = di;
+        s.asym = di == 1;
         s.scale_dtype = dt;
         s.bias_dtype = dt;
         tl_layer L;
@@ -547,10 +549,13 @@ START_TEST(test_cuda_f16_bf16_prefill_runs_on_tensor_cores_within_tolerance)
             for (uint32_t i = 0; i < T * H; i++)
                 fg[i] = dt == QM_DTYPE_F16 ? qm_f16_to_f32(og[i]) : qm_bf16_to_f32(og[i]);
             double e = rel_err(fg, fc, (size_t)T * H);
-            printf("route: %s prefill T=%u, tensor cores %s (%llu launch sets): rel err vs cpu "
-                   "%.3g\n",
-                   qm_dtype_name(dt), T, on ? "on" : "off",
-                   (unsigned long long)(b.tc_batches - a.tc_batches), e);
+            printf("route: %s %s prefill T=%u, tensor cores %s (%llu launch sets): rel err vs "
+                   "cpu %.3g\n",
+                   qm_dtype_name(dt),
+                   s.codebook    ? "e2m1"
+                   : s.bits == 4 ? "int4"
+                                 : "int8",
+                   T, on ? "on" : "off", (unsigned long long)(b.tc_batches - a.tc_batches), e);
             ck_assert_msg(e <= 1e-2, "%s tensor cores %d: rel err %.3g", qm_dtype_name(dt), on, e);
             if (on)
                 ck_assert_uint_gt(b.tc_batches, a.tc_batches);
