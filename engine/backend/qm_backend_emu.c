@@ -273,7 +273,7 @@ const qm__backend_kind qm__backend_emu_kind = {
     .version = QM_BACKEND_KIND_VERSION,
     .name = "emu",
     .summary = "emulated devices in host memory, every expert copied in (tests)",
-    .caps = QM_BACKEND_CAP_NUMBERED | QM_BACKEND_CAP_SHARED_POOL,
+    .caps = QM_BACKEND_CAP_NUMBERED | QM_BACKEND_CAP_SHARED_POOL | QM_BACKEND_CAP_CODEBOOK,
     .open = emu_open,
     .probe = emu_probe,
 };
