@@ -4,6 +4,8 @@
 #include <string.h>
 #include <time.h>
 
+#include <cJSON.h>
+
 #include "qm_name_groups.h"
 #include "qm_protocol.h"
 #include "qmoectl.h"
@@ -78,6 +80,36 @@ static int cmd_status(qm_client *c, const qmoectl_args *a)
     return QMOECTL_OK;
 }
 
+/* The code book each model reads its 4-bit codes through (model.list's
+ * quantisation.codebook, docs/BANK_FORMAT.md "Code books"), or "" for
+ * plain codes: the library's model row has no member for it (adding one
+ * would change the size of an installed struct), so the list's JSON is read
+ * once more here. A failure leaves every entry "". */
+static void models_codebooks(qm_client *c, const qm_client_model *m, size_t n, char (*cb)[16])
+{
+    for (size_t i = 0; i < n; i++)
+        cb[i][0] = '\0';
+    char *out = NULL;
+    qm_client_error err;
+    if (qm_client_call_json(c, "model.list", NULL, 0, &out, &err) < 0)
+        return;
+    cJSON *root = cJSON_Parse(out);
+    qm_client_string_free(out);
+    const cJSON *ms = cJSON_GetObjectItemCaseSensitive(root, "models"), *row;
+    cJSON_ArrayForEach(row, ms)
+    {
+        const cJSON *name = cJSON_GetObjectItemCaseSensitive(row, "name");
+        const cJSON *q = cJSON_GetObjectItemCaseSensitive(row, "quantisation");
+        const cJSON *book = cJSON_GetObjectItemCaseSensitive(q, "codebook");
+        if (!cJSON_IsString(name) || !cJSON_IsString(book))
+            continue;
+        for (size_t i = 0; i < n; i++)
+            if (m[i].name && strcmp(m[i].name, name->valuestring) == 0)
+                snprintf(cb[i], sizeof cb[i], "%s", book->valuestring);
+    }
+    cJSON_Delete(root);
+}
+
 static int cmd_models(qm_client *c, const qmoectl_args *a)
 {
     if (a->json)
@@ -95,6 +127,9 @@ static int cmd_models(qm_client *c, const qmoectl_args *a)
     static const char *const hdr[] = {"NAME",  "LAYERS", "EXPERTS", "K",         "HIDDEN",
                                       "INTER", "BITS",   "ACT",     "PER-EXPERT", "SIZE",
                                       "PATH"};
+    char(*cb)[16] = calloc(n, sizeof *cb);
+    if (cb)
+        models_codebooks(c, m, n, cb);
     qmoectl_table *t = qmoectl_table_new(11, hdr);
     for (size_t i = 0; i < n; i++) {
         char pe[32], sz[32];
@@ -104,8 +139,10 @@ static int cmd_models(qm_client *c, const qmoectl_args *a)
         qmoectl_table_cell(t, "%llu", (unsigned long long)m[i].k);
         qmoectl_table_cell(t, "%llu", (unsigned long long)m[i].hidden_size);
         qmoectl_table_cell(t, "%llu", (unsigned long long)m[i].inter_size);
-        qmoectl_table_cell(t, "%llu/%llu", (unsigned long long)m[i].bits,
-                           (unsigned long long)m[i].block_size);
+        /* BITS/BLOCK, and the code book after them ("4/32 e2m1"). */
+        qmoectl_table_cell(t, "%llu/%llu%s%s", (unsigned long long)m[i].bits,
+                           (unsigned long long)m[i].block_size, cb && cb[i][0] ? " " : "",
+                           cb ? cb[i] : "");
         qmoectl_table_cell(t, "%s", m[i].activation ? m[i].activation : "?");
         qmoectl_table_cell(t, "%s", B(m[i].bytes_per_expert, pe));
         qmoectl_table_cell(t, "%s", B(m[i].bytes_total, sz));
@@ -113,6 +150,7 @@ static int cmd_models(qm_client *c, const qmoectl_args *a)
     }
     qmoectl_table_print(t, stdout);
     qmoectl_table_free(t);
+    free(cb);
     qm_client_models_free(m, n);
     return QMOECTL_OK;
 }

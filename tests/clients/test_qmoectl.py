@@ -9,7 +9,8 @@ import subprocess
 import numpy as np
 import pytest
 
-from conftest import EXPERTS, HIDDEN, LAYERS, QMOE_BANK, QMOECTL, need, run_as_nobody_preexec
+from conftest import (BANK_ARGS, EXPERTS, HIDDEN, LAYERS, QMOE_BANK, QMOECTL, need,
+                      run_as_nobody_preexec)
 
 COMMANDS = ["status", "models", "load", "unload", "sessions", "create", "close", "resize", "plan",
             "telemetry", "trace", "metrics", "infer", "shutdown"]
@@ -113,6 +114,27 @@ def test_models_human_and_json(daemon):
               "bits", "block_size", "bytes_total", "bytes_per_expert"):
         assert k in m, k
     assert m["layers"] == LAYERS and m["experts"] == EXPERTS and m["hidden_size"] == HIDDEN
+
+
+def test_models_names_a_code_book_after_its_bits(daemon, workdir):
+    """A bank that reads its 4-bit codes through the e2m1 code book (an
+    MXFP4 import's default) shows "4/32 e2m1" where a plain int4 bank shows
+    "4/32"; --json carries it as quantisation.codebook."""
+    path = os.path.join(workdir, "mx.qmoe")
+    subprocess.run([need(QMOE_BANK), "create", "--out", path, "--quiet", "--codebook", "e2m1"]
+                   + BANK_ARGS, check=True, stdout=subprocess.DEVNULL)
+    os.chmod(path, 0o644)
+    ctl(daemon, "load", "mx", path)
+    try:
+        head, rows = table(ctl(daemon, "models").stdout, "NAME")
+        bits = head.index("BITS")
+        by_name = {r[0]: r for r in rows}
+        assert by_name["mx"][bits] == "4/32 e2m1", rows
+        assert by_name["demo"][bits] == "4/32", rows
+        m = {x["name"]: x for x in ctl(daemon, "models", json_out=True)["models"]}
+        assert m["mx"]["quantisation"]["codebook"] == "e2m1", m["mx"]
+    finally:
+        ctl(daemon, "unload", "mx")
 
 
 def test_load_unload_and_conflict(daemon):
