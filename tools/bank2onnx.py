@@ -22,9 +22,10 @@ and sets the graph's activation dtype (what the oracle needs). A router weight
 and bias in the bank are stored as initializers `layers.N.router.weight` /
 `.bias` that no node reads: onnxruntime ignores them, onnx2bank.py keeps them.
 
-A bank with a code book (qmoe.codebook, e.g. `import` of MXFP4 by default) is
-refused: QMoE has none. `qmoe-bank import ... --mxfp4 int8` gives the same
-weights as an int8 bank, which converts.
+A bank with a code book (qmoe.codebook, e.g. `import` of MXFP4 by default)
+goes in as its int8 twin: QMoE has no code book, so each 4-bit code q becomes
+the int8 code 128 + value[q], the same weights bit for bit (what `qmoe-bank
+import ... --mxfp4 int8` writes), at twice the bytes.
 """
 
 import os
@@ -134,9 +135,10 @@ def main(argv=None):
 
     cfg, tensors = qmoebank.load_bank(args.bank)
     if cfg.codebook is not None:
-        ap.error(f"{args.bank} has qmoe.codebook = {cfg.codebook}: onnxruntime's QMoE has no "
-                 "code book, so no model can carry it (import the source with "
-                 "`qmoe-bank import ... --mxfp4 int8` for a bank it reads)")
+        print(f"bank2onnx: {args.bank} reads its 4-bit codes through the {cfg.codebook} code "
+              "book, which onnxruntime's QMoE has not: written as int8 codes 128 + "
+              f"{cfg.codebook}[q], the same weights at twice the bytes", file=sys.stderr)
+        cfg, tensors = qmoebank.codebook_as_int8(cfg, tensors)
     if args.layer == "all":
         layers = list(range(cfg.layers))
     else:

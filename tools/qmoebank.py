@@ -296,6 +296,29 @@ def quantize_rows_codebook(w, block_size, codebook="e2m1", scale_dtype=np.float3
     return pack_codes(codes, 4), scale
 
 
+def codebook_as_int8(cfg, tensors):
+    """The int8 bank of a code-book bank's weights, bit for bit: each 4-bit
+    code q becomes the 8-bit code 128 + value[q] (zero point 128), the
+    scales and everything else unchanged (what `qmoe-bank import --mxfp4
+    int8` writes from the same MXFP4 source). Returns (cfg, tensors); a bank
+    without a code book comes back as it is."""
+    if cfg.codebook is None:
+        return cfg, tensors
+    values = np.asarray(CODEBOOKS[cfg.codebook], np.int16)
+    out = {}
+    for name, arr in tensors.items():
+        parts = name.split(".")
+        if len(parts) == 4 and parts[2] in ("fc1", "fc2", "fc3") and parts[3] == "weight":
+            codes = unpack_codes(arr, 4, cfg.dims(parts[2])[1])
+            out[name] = (128 + values[codes]).astype(np.uint8)
+        else:
+            out[name] = arr
+    meta = cfg.to_metadata()
+    meta["qmoe.bits"] = "8"
+    del meta["qmoe.codebook"]
+    return BankConfig.from_metadata(meta), out
+
+
 # ---- the reference forward pass (float64) -----------------------------------------
 
 def route(logits, k):

@@ -25,16 +25,12 @@ def twin_banks(tmp_path_factory):
                    block=32, seed=5, codebook="e2m1")
     cfg, t = qmoebank.load_bank(cb)
     assert cfg.codebook == "e2m1" and cfg.bits == 4
-    out = {}
-    for name, a in t.items():
-        if name.endswith(".weight") and ".fc" in name:
-            q = qmoebank.unpack_codes(a, 4, a.shape[-1] * 2)
-            out[name] = (128 + E2M1[q]).astype(np.uint8)
-        else:
-            out[name] = a
-    cfg.bits, cfg.codebook = 8, None
+    cfg8, t8 = qmoebank.codebook_as_int8(cfg, t)
+    assert cfg8.codebook is None and cfg8.bits == 8
+    name = "layers.0.fc1.weight"
+    assert np.array_equal(t8[name], 128 + E2M1[qmoebank.unpack_codes(t[name], 4, H)])
     twin = str(d / "int8.bank")
-    qmoebank.save_bank(twin, cfg, out)
+    qmoebank.save_bank(twin, cfg8, t8)
     return cb, twin
 
 

@@ -199,6 +199,49 @@ def test_f16_scales_with_f32_activations_match_onnxruntime(tmp_path, bits, bs, a
     assert rel(ours, ref) <= 1e-5, f"seed {SEED}: vs float64 reference {rel(ours, ref):.3g}"
 
 
+@pytest.mark.parametrize("bs,act,shape", [(32, "swiglu", (7, 8, 4)), (16, "silu", (64, 32, 4)),
+                                          (0, "gelu", (1, 8, 2)), (32, "relu", (333, 8, 2))])
+def test_code_book_bank_matches_onnxruntime_through_its_int8_twin(tmp_path, bs, act, shape):
+    """A bank whose 4-bit codes read through the e2m1 code book (MXFP4's own
+    layout), run by `qmoe-bank run`, against onnxruntime on the model
+    bank2onnx.py writes for it (the int8 twin: codes 128 + e2m1[q], the same
+    weights): within 1e-5, and within 1e-5 of the float64 reference, which
+    dequantises through the book itself."""
+    rng = np.random.default_rng([SEED, bs, len(act), shape[0]])
+    t_, e, k = shape
+    h, i = int(rng.choice([64, 96, 160])), int(rng.choice([32, 96, 128]))
+    cfg = qmoebank.BankConfig(layers=1, experts=e, hidden_size=h, inter_size=i, k=k, bits=4,
+                              block_size=bs, activation=act, activation_alpha=1.702,
+                              activation_beta=1.0, swiglu_limit=7.0, codebook="e2m1")
+    tensors = {}
+    for proj in ("fc1", "fc2"):
+        n, kk = cfg.dims(proj)
+        w = rng.standard_normal((e, n, kk)).astype(np.float32) / math.sqrt(kk)
+        packed, scales = qmoebank.quantize_rows_codebook(w, bs, "e2m1", np.float16)
+        tensors[f"layers.0.{proj}.weight"] = packed
+        tensors[f"layers.0.{proj}.scales"] = scales
+        tensors[f"layers.0.{proj}.bias"] = (0.1 * rng.standard_normal((e, n))).astype(np.float32)
+    bank = tmp_path / "cb.qmoe"
+    qmoebank.save_bank(str(bank), cfg, tensors)
+    model = tmp_path / "cb.onnx"
+    # f32 activations beside the f16 scales an import writes (widened exactly).
+    r = subprocess.run([sys.executable, os.path.join(SRC, "tools", "bank2onnx.py"), str(bank),
+                        "--dtype", "f32", "--out", str(model)], capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 0 and "128 + e2m1[q]" in r.stderr, r.stderr
+    x, logits = inputs(rng, t_, h, e)
+    ours = run_ours(tmp_path, bank, x, logits)
+    so = ort.SessionOptions()
+    so.intra_op_num_threads = 1
+    so.log_severity_level = 3
+    sess = ort.InferenceSession(str(model), so, providers=["CPUExecutionProvider"])
+    theirs = sess.run(None, {"input": x, "router_probs": logits})[0]
+    err = rel(ours, theirs)
+    assert err <= 1e-5, f"seed {SEED}: |ours - ort| / |ort| = {err:.3g} (H {h}, I {i})"
+    ref = qmoebank.reference_forward(cfg, qmoebank.layer_tensors(tensors, 0), x, logits)
+    assert rel(ours, ref) <= 1e-5, f"seed {SEED}: vs float64 reference {rel(ours, ref):.3g}"
+
+
 def test_thread_count_does_not_change_bits(tmp_path):
     rng = np.random.default_rng([SEED, 7])
     v = dict(bits=4, bs=32, asym=1, act="swiglu", bias=True, shape=(64, 8, 2))
