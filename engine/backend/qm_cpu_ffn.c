@@ -271,15 +271,14 @@ static void qm__run_matrix(qm__run *R, const qm__qmat *m, int gemm, uint32_t n0,
          * the rest of it the kernel's. In 4 bits, a tile in rows laid out
          * in r8 (the fast GEMV reads a code book from r8 only); in 8 bits,
          * its rows (from either layout) as 8-bit codes. */
-        uint8_t *tile = (uint8_t *)scratch, *rows = tile + (size_t)QM__TILE_ROWS * m->k;
-        size_t es = m->scale_dtype == QM_DTYPE_F32 ? 4 : 2, nb = (size_t)(n1 - n0) * m->row_bytes;
+        uint8_t *tile = (uint8_t *)scratch;
+        size_t es = m->scale_dtype == QM_DTYPE_F32 ? 4 : 2;
         t = *m;
         t.n = n1 - n0;
         t.scales = (const uint8_t *)m->scales + (size_t)n0 * m->nblk * es;
         t.w = m->w + (size_t)n0 * m->row_bytes; /* n0 a tile's start: a group's in r8 */
         if (m->bits == 4) {
-            memcpy(tile, t.w, nb);
-            qm__r8_interleave(tile, t.n, m->row_bytes, rows + nb);
+            qm__r8_interleave_from(t.w, t.n, m->row_bytes, tile, m->n - n1, 0);
             t.r8 = 1;
         } else {
             qm__cb_rows(&t, 0, t.n, tile);

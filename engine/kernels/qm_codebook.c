@@ -21,10 +21,9 @@
 
 size_t qm__cb_tile_floats(const qm__qmat *m)
 {
-    /* The 8-bit tile (k bytes a row), then rows in 4 bits (k / 2) and the
-     * r8 interleave's 8 rows of them. */
-    return ((size_t)QM__TILE_ROWS * m->k + (size_t)(QM__TILE_ROWS + 8) * ((m->k + 1) / 2) + 63) /
-               4 / 16 * 16 + 16;
+    /* The 8-bit tile (k bytes a row), or the 4-bit one laid out in r8
+     * (k / 2 bytes a row, qm__r8_interleave_from) in its first half. */
+    return ((size_t)QM__TILE_ROWS * m->k + 63) / 4 / 16 * 16 + 16;
 }
 
 /* Byte o of row n's codes, in either layout. */

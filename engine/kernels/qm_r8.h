@@ -44,6 +44,16 @@ int qm__r8_eligible(const qm_bank_config *cfg, const qm_layer_view *lv, int wt);
 /* The rows of one matrix (n rows of row_bytes, n a multiple of 8) from row
  * order into r8, in place; tmp holds 8 * row_bytes bytes. */
 void qm__r8_interleave(uint8_t *w, uint32_t n, size_t row_bytes, uint8_t *tmp);
+/* The same layout out of place: rows [0, n) at src (row order, n a
+ * multiple of 8) into r8 at dst (n * row_bytes bytes, not overlapping src).
+ * Each source byte read once and each destination byte written once, two
+ * sub-blocks a step with AVX2 (the kernels' tiles read in rows: one pass
+ * over what a decode call streams from memory), the next 8 rows prefetched
+ * while 8 are transposed, up to pf_rows rows past src's n (the matrix's
+ * rows after them); `isa` 0: the best here, 1: SSE2 or portable C (the
+ * tests run both). */
+void qm__r8_interleave_from(const uint8_t *src, uint32_t n, size_t row_bytes, uint8_t *dst,
+                            uint32_t pf_rows, int isa);
 /* Rows [n0, n1) of an r8 matrix back in row order at out ((n1 - n0) *
  * row_bytes bytes); n0 a multiple of 8, n1 one or the matrix's end. */
 void qm__r8_rows(const uint8_t *w, size_t row_bytes, uint32_t n0, uint32_t n1, uint8_t *out);

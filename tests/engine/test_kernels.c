@@ -841,6 +841,39 @@ END_TEST
  * of that width (8-bit: with codes 0, the -128 of the sign trick, against
  * inputs of +-127, the largest pairs); qm__i8kernel_r8_native answers each
  * row's flags. */
+/* The layout's byte map (qm__r8_offset) on rows of an odd number of
+ * sub-blocks too (the AVX2 transpose takes two a step, the last alone),
+ * in place and out of place on every ISA path. */
+START_TEST(test_r8_interleave_is_its_byte_map)
+{
+    static const size_t RB[] = {16, 48, 80, 1440, 2880};
+    for (size_t ri = 0; ri < sizeof RB / sizeof RB[0]; ri++) {
+        const size_t rb = RB[ri];
+        const uint32_t n = 24;
+        uint8_t *w = malloc(n * rb), *want = malloc(n * rb), *got = malloc(n * rb);
+        uint8_t *tmp = malloc(8 * rb);
+        ck_assert(w && want && got && tmp);
+        for (size_t i = 0; i < n * rb; i++)
+            w[i] = (uint8_t)(i * 131 + i / 251);
+        for (uint32_t r = 0; r < n; r++)
+            for (size_t o = 0; o < rb; o++)
+                want[qm__r8_offset(rb, r, o)] = w[(size_t)r * rb + o];
+        for (int isa = 0; isa < 2; isa++) {
+            memset(got, 0, n * rb);
+            qm__r8_interleave_from(w, n, rb, got, 0, isa);
+            ck_assert_msg(memcmp(got, want, n * rb) == 0, "row_bytes %zu isa %d", rb, isa);
+        }
+        memcpy(got, w, n * rb);
+        qm__r8_interleave(got, n, rb, tmp);
+        ck_assert_msg(memcmp(got, want, n * rb) == 0, "row_bytes %zu in place", rb);
+        free(w);
+        free(want);
+        free(got);
+        free(tmp);
+    }
+}
+END_TEST
+
 START_TEST(test_r8_layout_same_bits)
 {
     static const uint32_t NX[] = {1, 2, 3, 4, 5, 8, 13, 24};
@@ -885,6 +918,14 @@ START_TEST(test_r8_layout_same_bits)
         ck_assert(n == 8 || memcmp(wi, f.w, bytes) != 0);
         qm__r8_rows(wi, m->row_bytes, 0, n, back);
         ck_assert_msg(memcmp(back, f.w, bytes) == 0, "k %u n %u: rows back differ", k, n);
+        /* Out of place (a code-book tile in rows), the best ISA here and
+         * SSE2 / C: the same bytes as in place. */
+        for (int isa = 0; isa < 2; isa++) {
+            memset(back, 0xa5, bytes);
+            qm__r8_interleave_from(f.w, n, m->row_bytes, back, next() % 16, isa);
+            ck_assert_msg(memcmp(back, wi, bytes) == 0, "k %u n %u isa %d: out of place differs", k,
+                          n, isa);
+        }
         uint32_t n0 = 8 * (next() % (n / 8)); /* a tile from a group boundary */
         qm__r8_rows(wi, m->row_bytes, n0, n, back);
         ck_assert(memcmp(back, f.w + (size_t)n0 * m->row_bytes, bytes - n0 * m->row_bytes) == 0);
@@ -1493,6 +1534,7 @@ static Suite *suite(void)
     tcase_add_test(tc, test_cache);
     tcase_add_test(tc, test_fast_kernels_same_bits_as_the_specification);
     tcase_add_test(tc, test_fast_decode_every_chunk_count);
+    tcase_add_test(tc, test_r8_interleave_is_its_byte_map);
     tcase_add_test(tc, test_r8_layout_same_bits);
     tcase_add_test(tc, test_codebook_is_its_int8_matrix);
     tcase_add_test(tc, test_self_check_verifies_this_cpu);
