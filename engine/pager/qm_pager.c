@@ -112,20 +112,17 @@ static int qm__interleave_layer(qm_pager *p, qm__layer *L, qm_status *st)
  * path, cost more than it saved (docs/PAGING.md); here it happens when the
  * caller says its engine is not waiting (qm_pager_tidy, after a call's
  * answer), QM__R8_PIECE_BYTES at a time, for a unit that has been used
- * twice (it is being reused) while the session's recent accesses hit at
- * least QM__R8_SLOT_MIN_HIT_RATE of the time: the layout costs about as
- * much as a dozen of its uses save (2.65 MB units laid out at 9 GB/s, a
- * T = 1 use 1.25x faster in r8; docs/PAGING.md), so it pays for an expert
- * that stays, not one about to be evicted. A tensor laid out in part is
+ * twice (it is being reused), whatever the session's hit rate: gating it
+ * on a recent hit rate of 90% too (the layout's cost against what a use
+ * saves) lost 5-8% of decode at 50% of a GPT-OSS-shaped bank and nothing
+ * at 25% (docs/PAGING.md, "After the answer"). A tensor laid out in part is
  * in r8 up to a row on a tile's edge (qm_expert_weights.r8_part_rows):
  * the kernels take each 16-row tile in its own layout. What a session
  * loads at its creation (pins, the preload, qm_pager_warm: its hottest
  * experts) is laid out there, all at once (qm_pager_interleave_resident).
  * Outputs are the same bits in either layout. */
 #define QM__R8_SLOT_MIN_USES 2
-#define QM__R8_SLOT_MIN_HIT_RATE 0.9
-#define QM__R8_SLOT_DECAY 0.99 /* a call's weight in the hit rate: about the last 100 calls' */
-/* A piece after an answer: about 0.2 ms at 9 GB/s, less than the gap
+/* A piece after an answer: about 0.2 ms at 10-12 GB/s, less than the gap
  * between two layer calls of a decode on the e2e shapes, so the next call
  * seldom waits for it (a whole 14 MB GPT-OSS-20B-shaped unit took 1.5 ms,
  * which the next call waited for: 354 against 163 us beyond compute a
@@ -206,13 +203,6 @@ uint64_t qm_pager_interleave_resident(qm_pager *p)
 static void qm__r8_slot_step(qm_pager *p)
 {
     if (!p->r8_tmp)
-        return;
-    uint64_t h = p->stats.hits - p->r8_hits_seen, m = p->stats.misses - p->r8_misses_seen;
-    p->r8_hits_seen = p->stats.hits;
-    p->r8_misses_seen = p->stats.misses;
-    p->r8_hits_w = p->r8_hits_w * QM__R8_SLOT_DECAY + (double)h;
-    p->r8_access_w = p->r8_access_w * QM__R8_SLOT_DECAY + (double)(h + m);
-    if (!(p->r8_hits_w >= QM__R8_SLOT_MIN_HIT_RATE * p->r8_access_w) || p->r8_access_w == 0)
         return;
     qm__slot *best = NULL;
     for (uint32_t s = 0; s < p->n_slots; s++) {

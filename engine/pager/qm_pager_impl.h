@@ -155,11 +155,8 @@ struct qm_pager {
     size_t route_cap;
 
     /* Slot units in the r8 layout (qm_pager.c, opt.interleave on a paged
-     * session): the layout's scratch (NULL: never), and the recent hit
-     * rate that gates it (decayed counts, the stats' totals last seen). */
+     * session): the layout's scratch (NULL: never). */
     uint8_t *r8_tmp;
-    double r8_hits_w, r8_access_w;
-    uint64_t r8_hits_seen, r8_misses_seen;
 
     /* Prediction and prefetch (qm_pager_prefetch.c) */
     uint16_t *pred_routers; /* the block of the layers' pred_router copies */

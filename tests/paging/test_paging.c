@@ -401,7 +401,7 @@ static void paged_call_same_bits(qm_pager *pg, qm_backend *be, uint32_t l, uint3
 }
 
 /* A fast session's paged units laid out in r8 after they landed, once
- * reused while the session hits (qm_pager_tidy): the same bits before and
+ * reused (qm_pager_tidy): the same bits before and
  * after, through evictions (a unit read again is in rows until laid out
  * again), fast and exact, T = 1 and 3. */
 static void interleaved_slots_same_bits(const char *force, uint32_t piece)
@@ -436,8 +436,8 @@ static void interleaved_slots_same_bits(const char *force, uint32_t piece)
     for (uint32_t e = 0; e < 8; e += 2)
         for (uint32_t l = 0; l < 2; l++)
             paged_call_same_bits(pg, be, l, e, e + 1, 1 + e % 3, e % 4 == 0, &rs, what);
-    /* Back to 0 and 1: read again in rows, then laid out again once the
-     * recent hit rate (about the last 100 calls') is back above its gate. */
+    /* Back to 0 and 1: read again in rows, then laid out again once
+     * reused. */
     for (int i = 0; i < 120; i++)
         paged_call_same_bits(pg, be, 0, 0, 1, 1, i % 2, &rs, what);
     qm_pager_stats_get(pg, &ps);
