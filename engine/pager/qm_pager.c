@@ -111,17 +111,18 @@ static int qm__interleave_layer(qm_pager *p, qm__layer *L, qm_status *st)
  * straight into the slot). Laying a unit out when it landed, on the call's
  * path, cost more than it saved (docs/PAGING.md); here it happens when the
  * caller says its engine is not waiting (qm_pager_tidy, after a call's
- * answer), QM__R8_PIECE_BYTES at a time, for a unit that has been used
- * twice (it is being reused), whatever the session's hit rate: gating it
- * on a recent hit rate of 90% too (the layout's cost against what a use
- * saves) lost 5-8% of decode at 50% of a GPT-OSS-shaped bank and nothing
- * at 25% (docs/PAGING.md, "After the answer"). A tensor laid out in part is
- * in r8 up to a row on a tile's edge (qm_expert_weights.r8_part_rows):
+ * answer), QM__R8_PIECE_BYTES at a time, for a unit a call has used (not
+ * one prefetched and never asked for), the most used first, whatever the
+ * session's hit rate: gating it on a recent hit rate of 90% too (the
+ * layout's cost against what a use saves) lost 5-8% of decode at 50% of a
+ * GPT-OSS-shaped bank, and waiting for a second use 3-4% at 50% and 25%
+ * and nothing at 10% (docs/PAGING.md, "After the answer"). A tensor laid
+ * out in part is in r8 up to a row on a tile's edge (r8_part_rows):
  * the kernels take each 16-row tile in its own layout. What a session
  * loads at its creation (pins, the preload, qm_pager_warm: its hottest
  * experts) is laid out there, all at once (qm_pager_interleave_resident).
  * Outputs are the same bits in either layout. */
-#define QM__R8_SLOT_MIN_USES 2
+#define QM__R8_SLOT_MIN_USES 1
 /* A piece after an answer: about 0.2 ms at 10-12 GB/s, less than the gap
  * between two layer calls of a decode on the e2e shapes, so the next call
  * seldom waits for it (a whole 14 MB GPT-OSS-20B-shaped unit took 1.5 ms,

@@ -297,8 +297,8 @@ void qm_pager_after_forward(qm_pager *pager);
 /* Work that only makes later calls faster, for when the caller's engine is
  * not waiting on it (the daemon: after a ring call's answer): with
  * opt.interleave where this process's fast kernel reads r8, a piece
- * (opt.r8_piece_bytes, 2 MiB: about 0.2 ms) of a landed unit that has
- * been reused laid out in r8 (qm_pager.c). Runs the kept prefetch first. Same
+ * (opt.r8_piece_bytes, 2 MiB: about 0.2 ms) of a landed unit a call has
+ * used laid out in r8 (qm_pager.c). Runs the kept prefetch first. Same
  * thread rules as qm_pager_forward. */
 void qm_pager_tidy(qm_pager *pager);
 

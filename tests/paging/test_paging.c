@@ -401,7 +401,7 @@ static void paged_call_same_bits(qm_pager *pg, qm_backend *be, uint32_t l, uint3
 }
 
 /* A fast session's paged units laid out in r8 after they landed, once
- * reused (qm_pager_tidy): the same bits before and
+ * used (qm_pager_tidy): the same bits before and
  * after, through evictions (a unit read again is in rows until laid out
  * again), fast and exact, T = 1 and 3. */
 static void interleaved_slots_same_bits(const char *force, uint32_t piece)
@@ -437,7 +437,7 @@ static void interleaved_slots_same_bits(const char *force, uint32_t piece)
         for (uint32_t l = 0; l < 2; l++)
             paged_call_same_bits(pg, be, l, e, e + 1, 1 + e % 3, e % 4 == 0, &rs, what);
     /* Back to 0 and 1: read again in rows, then laid out again once
-     * reused. */
+     * used. */
     for (int i = 0; i < 120; i++)
         paged_call_same_bits(pg, be, 0, 0, 1, 1, i % 2, &rs, what);
     qm_pager_stats_get(pg, &ps);
