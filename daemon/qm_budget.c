@@ -16,17 +16,27 @@ static const char *source_name(qm_mem_kind k)
 }
 
 /* "MemAvailable 20.10 GB - reserve 256.0 MB - workspace 16.8 MB", with the
- * session's own bytes when a resize counts them ("+ its own 1.20 GB"). */
+ * session's own bytes when a resize counts them ("+ its own 1.20 GB"); in a
+ * cgroup, the experts qmoed holds in its use and the reserve's part in use
+ * ("cgroup limit 1.45 GB - in use 1.10 GB (qmoed's experts 900.0 MB) -
+ * reserve 400.0 MB + its 200.0 MB in use - workspace 16.8 MB"). */
 static void memory_terms(const qm_mem_bound *b, const qm_budget_ask *ask, uint64_t reserve,
-                         char *out, size_t cap)
+                         uint64_t reserve_free, char *out, size_t cap)
 {
-    char have[160], res[32], ws[32], own[32];
+    char have[160], res[32], ws[32], own[32], held[32], used[32], experts[64] = "";
     qm_mem_describe(b, have, sizeof have);
     qm_mem_bytes_text(reserve, res, sizeof res);
     qm_mem_bytes_text(ask->workspace, ws, sizeof ws);
     qm_mem_bytes_text(ask->credit, own, sizeof own);
-    snprintf(out, cap, "%s%s%s - reserve %s%s%s", have, ask->credit ? " + its own " : "",
-             ask->credit ? own : "", res, ask->workspace ? " - workspace " : "",
+    qm_mem_bytes_text(reserve - reserve_free, used, sizeof used);
+    if (b->kind != QM_MEM_HOST && ask->held) {
+        qm_mem_bytes_text(ask->held < b->usage ? ask->held : b->usage, held, sizeof held);
+        snprintf(experts, sizeof experts, " (qmoed's experts %s)", held);
+    }
+    snprintf(out, cap, "%s%s%s%s - reserve %s%s%s%s%s%s", have, experts,
+             ask->credit ? " + its own " : "", ask->credit ? own : "", res,
+             reserve_free < reserve ? " + its " : "", reserve_free < reserve ? used : "",
+             reserve_free < reserve ? " in use" : "", ask->workspace ? " - workspace " : "",
              ask->workspace ? ws : "");
 }
 
@@ -39,21 +49,56 @@ static void where(const qm_mem_bound *b, char *out, size_t cap)
         snprintf(out, cap, " (%s %.300s)", source_name(b->kind), b->path);
 }
 
+uint64_t qm_budget_reserve_free(const qm_mem_bound *b, uint64_t reserve, uint64_t held)
+{
+    if (b->kind == QM_MEM_HOST) return reserve;
+    uint64_t rest = sat_sub(b->usage, held);
+    return sat_sub(reserve, rest);
+}
+
+/* a - b, clamped to int64_t. */
+static int64_t signed_diff(uint64_t a, uint64_t b)
+{
+    uint64_t d = a >= b ? a - b : b - a;
+    int64_t m = d > (uint64_t)INT64_MAX ? INT64_MAX : (int64_t)d;
+    return a >= b ? m : -m;
+}
+
+int64_t qm_budget_headroom(const qm_mem_state *mem, uint64_t reserve, uint64_t held,
+                           uint32_t *which)
+{
+    int64_t least = INT64_MAX;
+    for (uint32_t i = 0; mem && i < mem->n; i++) {
+        const qm_mem_bound *b = &mem->bounds[i];
+        int64_t room = signed_diff(b->available, qm_budget_reserve_free(b, reserve, held));
+        if (room < least) {
+            least = room;
+            *which = i;
+        }
+    }
+    return least;
+}
+
 int qm_budget_auto_size(const qm_mem_state *mem, uint64_t reserve, const qm_budget_ask *ask,
                         uint64_t *bytes, qm_budget_auto *out, qm_status *st)
 {
     memset(out, 0, sizeof *out);
     out->on = 1;
     out->reserve = reserve;
+    out->reserve_free = reserve;
+    out->experts = ask->held;
     out->workspace = ask->workspace;
-    char terms[320] = "", at[340] = "", text[32], other[32];
+    char terms[400] = "", at[340] = "", text[32], other[32];
     uint64_t by_memory = UINT64_MAX;
+    uint32_t which = 0;
     if (mem && mem->n) {
+        qm_budget_headroom(mem, reserve, ask->held, &which);
         out->has_bound = 1;
-        out->bound = mem->bounds[mem->tightest];
+        out->bound = mem->bounds[which];
+        out->reserve_free = qm_budget_reserve_free(&out->bound, reserve, ask->held);
         by_memory = sat_sub(sat_add(out->bound.available, ask->credit),
-                            sat_add(reserve, ask->workspace));
-        memory_terms(&out->bound, ask, reserve, terms, sizeof terms);
+                            sat_add(out->reserve_free, ask->workspace));
+        memory_terms(&out->bound, ask, reserve, out->reserve_free, terms, sizeof terms);
         where(&out->bound, at, sizeof at);
     }
     uint64_t by_device = sat_sub(ask->device_free, ask->workspace);
@@ -63,17 +108,16 @@ int qm_budget_auto_size(const qm_mem_state *mem, uint64_t reserve, const qm_budg
     if (b == 0)
         return qm_status_set_field(
             st, QM_ERESOURCE_EXHAUSTED, "budget",
-            "budget auto: nothing left for expert weights: %.250s%.100s = 0 bytes (free memory, "
+            "budget auto: nothing left for expert weights: %.400s%.100s = 0 bytes (free memory, "
             "or lower auto_budget_reserve)",
-            out->by == QM_AUTO_BY_MEMORY ? terms : "the devices' free budget less a workspace",
-            at);
+            out->by == QM_AUTO_BY_MEMORY ? terms : "the devices' free budget less a workspace", at);
     qm_mem_bytes_text(b, text, sizeof text);
     qm_mem_bytes_text(by_memory, other, sizeof other);
     if (out->by == QM_AUTO_BY_MEMORY)
-        snprintf(out->why, sizeof out->why, "budget auto: %.31s = %.250s%.100s", text, terms, at);
+        snprintf(out->why, sizeof out->why, "budget auto: %.31s = %.400s%.100s", text, terms, at);
     else if (out->by == QM_AUTO_BY_MODEL && out->has_bound)
         snprintf(out->why, sizeof out->why,
-                 "budget auto: %.31s = the model's expert bytes (memory allows %.31s = %.250s)",
+                 "budget auto: %.31s = the model's expert bytes (memory allows %.31s = %.400s)",
                  text, other, terms);
     else if (out->by == QM_AUTO_BY_MODEL)
         snprintf(out->why, sizeof out->why, "budget auto: %s = the model's expert bytes", text);
@@ -123,6 +167,7 @@ void qm_budget_auto_json(qm_jw *w, const qm_budget_auto *a)
     qm_jw_obj_begin(w);
     qm_jw_member_u64(w, "target_bytes", a->target);
     qm_jw_member_u64(w, "reserve_bytes", a->reserve);
+    qm_jw_member_u64(w, "reserve_free_bytes", a->reserve_free);
     qm_jw_member_str(w, "bound", by[a->by]);
     qm_jw_key(w, "memory");
     if (a->has_bound) {
@@ -131,6 +176,7 @@ void qm_budget_auto_json(qm_jw *w, const qm_budget_auto *a)
         qm_jw_member_str(w, "path", b->path);
         qm_jw_member_u64(w, "limit_bytes", b->limit);
         qm_jw_member_u64(w, "in_use_bytes", b->usage);
+        qm_jw_member_u64(w, "experts_bytes", a->experts);
         qm_jw_member_u64(w, "page_cache_bytes", b->cache);
         qm_jw_member_u64(w, "available_bytes", b->available);
         qm_jw_obj_end(w);

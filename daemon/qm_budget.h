@@ -6,10 +6,15 @@
  *
  * "auto": what the tightest bound on qmoed's memory has available now
  * (qm_memory.h: MemAvailable, every memory cgroup from qmoed's own up),
- * less auto_budget_reserve and the session's workspace, capped by the
- * model's expert bytes and by what the devices' budgets have free. On a
- * device whose memory is not the host's (a GPU) only the device's free
- * budget and the model bound it. Loop thread. */
+ * less what the reserve keeps free and the session's workspace, capped by
+ * the model's expert bytes and by what the devices' budgets have free.
+ * auto_budget_reserve is the share of everything but qmoed's experts: in a
+ * memory cgroup, what that rest uses now (the cgroup's working set less
+ * the experts qmoed's sessions hold) already counts toward it, and only the
+ * part not in use is kept free; against MemAvailable (the whole machine,
+ * whose other processes are not told apart) the whole reserve is kept free.
+ * On a device whose memory is not the host's (a GPU) only the device's
+ * free budget and the model bound it. Loop thread. */
 #ifndef QM_BUDGET_H
 #define QM_BUDGET_H
 
@@ -33,11 +38,13 @@ typedef struct qm_budget_auto {
     int on;
     uint64_t target;  /* the auto size: pressure shrinks from it, quiet grows back to it */
     uint64_t reserve; /* auto_budget_reserve when it was sized */
+    uint64_t reserve_free; /* the part of it kept free (qm_budget_reserve_free) */
+    uint64_t experts;      /* the expert bytes qmoed's sessions held then */
     uint64_t workspace;
     qm_auto_bound by;
     qm_mem_bound bound; /* the tightest memory bound then (kind, limit, in use, available) */
     int has_bound;      /* 0: the device's memory is not the host's */
-    char why[400];      /* "budget auto: 3.10 GB = cgroup limit 4.00 GB - in use ... " */
+    char why[600];      /* "budget auto: 3.10 GB = cgroup limit 4.00 GB - in use ... " */
     /* The watcher's (qm_pressure.c) */
     uint64_t floor;      /* the least a pressure shrink asks for; 0 until known */
     int pending;         /* a resize of the watcher's is queued */
@@ -50,6 +57,7 @@ typedef struct qm_budget_ask {
     uint64_t model_bytes;       /* the model's expert bytes (bytes_total) */
     uint64_t workspace;         /* create: the workspace it will take; resize: 0 */
     uint64_t credit;            /* resize: bytes of its own already counted in use */
+    uint64_t held;              /* the expert bytes all qmoed's sessions hold now (its own too) */
     uint64_t device_free;       /* what the devices' budgets have free for it */
     int host_memory;            /* 1: the devices compute in host memory (the CPU) */
 } qm_budget_ask;
@@ -71,6 +79,18 @@ int qm_budget_auto_size(const qm_mem_state *mem, uint64_t reserve, const qm_budg
  * object (the value, no key). */
 void qm_budget_auto_json(qm_jw *w, const qm_budget_auto *a);
 
+/* The part of `reserve` a bound keeps free: against MemAvailable all of
+ * it; in a cgroup, what the rest (its working set less the `held` expert
+ * bytes, at least 0) does not use yet. */
+uint64_t qm_budget_reserve_free(const qm_mem_bound *b, uint64_t reserve, uint64_t held);
+
+/* The least, over the bounds, of what a bound has available less the
+ * reserve it keeps free (negative: the reserve's free part is being
+ * eaten); *which the bound it is (left alone when there is none: then 0).
+ * What auto sizes from and the watcher steps on. */
+int64_t qm_budget_headroom(const qm_mem_state *mem, uint64_t reserve, uint64_t held,
+                           uint32_t *which);
+
 /* One auto session as the watcher sees it. */
 typedef struct qm_budget_view {
     uint64_t budget; /* in force */
@@ -79,8 +99,8 @@ typedef struct qm_budget_view {
     int pending;     /* a resize of it is queued: left alone this step */
 } qm_budget_view;
 
-/* One step of the watcher, pure. `headroom`: the tightest bound's available
- * bytes less the reserve (negative: the reserve is being eaten). Below
+/* One step of the watcher, pure. `headroom`: qm_budget_headroom's (negative:
+ * the reserve's free part is being eaten). Below
  * -slack: the sessions give back the deficit between them, in proportion
  * to what each holds above its floor. Else a pressure event: each gives
  * back shrink_percent of its budget. Else, when `quiet` (no pressure and

@@ -361,17 +361,23 @@ static void submit_resize(qm_pressure *p, qm_session *s, uint64_t budget)
 
 /* ---- the step ---- */
 
-/* Why this step changes budgets, for the log lines of its jobs. */
-static void step_reason(const qm_pressure *p, const qm_mem_state *mem, int64_t headroom,
-                        uint64_t slack, char *out, size_t cap)
+/* Why this step changes budgets, for the log lines of its jobs: `b` the
+ * bound that set the headroom (NULL: none read), `reserve_free` the part of
+ * the reserve it keeps free. */
+static void step_reason(const qm_pressure *p, const qm_mem_bound *b, uint64_t reserve_free,
+                        int64_t headroom, uint64_t slack, char *out, size_t cap)
 {
-    char have[200] = "", res[32], free_text[32];
-    const qm_mem_bound *b = mem ? &mem->bounds[mem->tightest] : NULL;
+    char have[200] = "", res[32], left[32], free_text[32];
     if (b)
         qm_mem_describe(b, have, sizeof have);
-    qm_mem_bytes_text(p->mx->cfg->auto_budget_reserve, res, sizeof res);
+    uint64_t reserve = p->mx->cfg->auto_budget_reserve;
+    qm_mem_bytes_text(reserve, res, sizeof res);
+    qm_mem_bytes_text(reserve_free, left, sizeof left);
     qm_mem_bytes_text(headroom < 0 ? 0 : (uint64_t)headroom, free_text, sizeof free_text);
-    if (b && headroom < -(int64_t)slack)
+    if (b && headroom < -(int64_t)slack && reserve_free < reserve)
+        snprintf(out, cap, "%s leaves less than the reserve's %s not in use (reserve %s)", have,
+                 left, res);
+    else if (b && headroom < -(int64_t)slack)
         snprintf(out, cap, "%s leaves less than the reserve %s", have, res);
     else if (p->pressure_pending)
         snprintf(out, cap, "memory pressure");
@@ -406,14 +412,6 @@ static size_t auto_sessions(const qm_method_ctx *mx, qm_session **s, qm_budget_v
 
 #define QM__STEP_MAX_SESSIONS 64
 
-/* a - b, clamped to int64_t. */
-static int64_t signed_diff(uint64_t a, uint64_t b)
-{
-    uint64_t d = a >= b ? a - b : b - a;
-    int64_t m = d > (uint64_t)INT64_MAX ? INT64_MAX : (int64_t)d;
-    return a >= b ? m : -m;
-}
-
 size_t qm_pressure_step(qm_pressure *p, uint64_t now)
 {
     const qm_method_ctx *mx = p->mx;
@@ -438,13 +436,21 @@ size_t qm_pressure_step(qm_pressure *p, uint64_t now)
     if (pending) /* the last changes land before the next: no double count */
         return n;
     uint64_t reserve = cfg->auto_budget_reserve;
-    int64_t headroom = have_mem ? signed_diff(qm_mem_available(&mem), reserve) : 0;
+    uint64_t held = qm_sessions_resident_bytes(mx->sessions);
+    uint32_t which = 0;
+    int64_t headroom = have_mem ? qm_budget_headroom(&mem, reserve, held, &which) : 0;
+    const qm_mem_bound *bound = have_mem && mem.n ? &mem.bounds[which] : NULL;
+    /* Half the reserve's free part: a limit lowered by more than that, or
+     * the rest grown into it, is given back; less is absorbed. The kernel
+     * lets a limit down only as far as what is free (and what it can
+     * reclaim), so the band must sit inside that part. */
+    uint64_t reserve_free = bound ? qm_budget_reserve_free(bound, reserve, held) : reserve;
     int pressure = p->pressure_pending && now - p->last_step_us >= check_us(p);
     uint64_t calm_since = p->last_pressure_us > p->last_step_us ? p->last_pressure_us
                                                                  : p->last_step_us;
     int quiet = !p->pressure_pending &&
                 now - calm_since >= (uint64_t)cfg->auto_budget_grow_after_s * 1000000u;
-    uint64_t slack = reserve / 2;
+    uint64_t slack = reserve_free / 2;
     if (qm_budget_step(headroom, slack, pressure, quiet, cfg->auto_budget_shrink_percent, v, n,
                        next) == 0) {
         if (pressure)
@@ -452,7 +458,7 @@ size_t qm_pressure_step(qm_pressure *p, uint64_t now)
         return n;
     }
     char why[200];
-    step_reason(p, have_mem ? &mem : NULL, headroom, slack, why, sizeof why);
+    step_reason(p, bound, reserve_free, headroom, slack, why, sizeof why);
     int shrank = 0;
     for (size_t i = 0; i < n; i++) {
         if (next[i] == v[i].budget)

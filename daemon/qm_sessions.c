@@ -1116,6 +1116,14 @@ int qm_session_auto_budget_json(qm_session *s, qm_jw *w)
     return on;
 }
 
+uint64_t qm_sessions_resident_bytes(const qm_sessions *ss)
+{
+    uint64_t sum = 0;
+    for (const qm_session *it = ss->first; it; it = it->next)
+        sum += it->counters.resident_bytes;
+    return sum;
+}
+
 int qm_sessions_budget(const qm_sessions *ss, const qm_model *m, const qm_session *s,
                        const qm_budget_spec *spec, uint64_t *bytes, qm_budget_auto *autob,
                        qm_status *st)
@@ -1127,6 +1135,7 @@ int qm_sessions_budget(const qm_sessions *ss, const qm_model *m, const qm_sessio
                          .model_bytes = m->bytes_total,
                          .workspace = s ? 0 : ss->cfg->session_workspace_bytes,
                          .credit = s ? s->counters.resident_bytes : 0,
+                         .held = qm_sessions_resident_bytes(ss),
                          .device_free = free_bytes + (s ? s->budget_bytes : 0),
                          .host_memory = qm_devices_host_visible(ss->devices)};
     return qm_budget_resolve(ss->cfg, &ask, bytes, autob, st);

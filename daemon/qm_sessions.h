@@ -139,6 +139,11 @@ void qm_session_unref(qm_session *s); /* accepts NULL */
 int qm_session_resize_reserve(qm_sessions *ss, qm_session *s, uint64_t budget, qm_status *st);
 void qm_session_resize_finish(qm_sessions *ss, qm_session *s, int ok, uint64_t budget);
 
+/* The expert bytes every session holds resident, as of each one's last job
+ * (an auto budget's reserve counts the rest of a cgroup's use apart from
+ * them). */
+uint64_t qm_sessions_resident_bytes(const qm_sessions *ss);
+
 /* The bytes a budget's wire form asks for (qm_budget.h): "N%" of model m,
  * "auto" from the memory bounds now and the devices' free budget, for a
  * creation (s NULL, with a workspace to come) or a resize of s (its

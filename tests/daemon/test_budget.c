@@ -188,14 +188,23 @@ START_TEST(test_auto_is_the_tightest_bound_less_reserve_and_workspace)
     qm_budget_auto a;
     uint64_t bytes = 0;
     qm_status st;
+    /* In a cgroup the 400 MB in use (no experts of qmoed's among them)
+     * count toward the reserve: 100 MB of it is kept free. */
     ck_assert_int_eq(size_auto(4000 * MB, 400 * MB, 500 * MB, ask, &bytes, &a, &st), 0);
-    ck_assert_uint_eq(bytes, 3084 * MB);
+    ck_assert_uint_eq(bytes, 3484 * MB);
     ck_assert_uint_eq(a.target, bytes);
     ck_assert_int_eq(a.on, 1);
     ck_assert_int_eq(a.by, QM_AUTO_BY_MEMORY);
-    ck_assert_str_eq(a.why, "budget auto: 3.08 GB = cgroup limit 4.00 GB - in use 400.0 MB - "
-                            "reserve 500.0 MB - workspace 16.0 MB (cgroup v1 "
+    ck_assert_uint_eq(a.reserve, 500 * MB);
+    ck_assert_uint_eq(a.reserve_free, 100 * MB);
+    ck_assert_str_eq(a.why, "budget auto: 3.48 GB = cgroup limit 4.00 GB - in use 400.0 MB - "
+                            "reserve 500.0 MB + its 400.0 MB in use - workspace 16.0 MB (cgroup v1 "
                             "/sys/fs/cgroup/memory/q)");
+    /* The rest using more than the reserve: nothing more is kept. */
+    ck_assert_int_eq(size_auto(4000 * MB, 700 * MB, 500 * MB, ask, &bytes, &a, &st), 0);
+    ck_assert_uint_eq(bytes, 3284 * MB);
+    ck_assert_uint_eq(a.reserve_free, 0);
+    /* Against MemAvailable the whole reserve is kept free. */
     /* Without a cgroup limit: MemAvailable. */
     m = one_cgroup(UINT64_MAX / 2, 0);
     ask.model_bytes = 30000 * MB;
@@ -229,12 +238,13 @@ START_TEST(test_auto_with_nothing_left_is_refused_with_the_arithmetic)
     qm_budget_auto a;
     uint64_t bytes = 7;
     qm_status st;
-    ck_assert_int_eq(size_auto(1000 * MB, 800 * MB, 256 * MB, ask, &bytes, &a, &st),
+    ck_assert_int_eq(size_auto(1000 * MB, 990 * MB, 256 * MB, ask, &bytes, &a, &st),
                      QM_ERESOURCE_EXHAUSTED);
     ck_assert_uint_eq(bytes, 7);
     ck_assert_str_eq(st.field, "budget");
     ck_assert_str_eq(st.msg, "budget auto: nothing left for expert weights: cgroup limit 1.00 GB "
-                             "- in use 800.0 MB - reserve 256.0 MB - workspace 16.0 MB (cgroup "
+                             "- in use 990.0 MB - reserve 256.0 MB + its 256.0 MB in use - "
+                             "workspace 16.0 MB (cgroup "
                              "v1 /sys/fs/cgroup/memory/q) = 0 bytes (free memory, or lower "
                              "auto_budget_reserve)");
 }
@@ -242,15 +252,49 @@ END_TEST
 
 START_TEST(test_a_resize_to_auto_counts_the_sessions_own_bytes)
 {
-    qm_budget_ask ask = {.model_bytes = 10000 * MB, .credit = 600 * MB};
+    /* 800 MB of the 900 in use are experts: its own 600 and another
+     * session's 200; the other 100 count toward the reserve. */
+    qm_budget_ask ask = {.model_bytes = 10000 * MB, .credit = 600 * MB, .held = 800 * MB};
     qm_budget_auto a;
     uint64_t bytes = 0;
     qm_status st;
     ck_assert_int_eq(size_auto(1000 * MB, 900 * MB, 200 * MB, ask, &bytes, &a, &st), 0);
-    ck_assert_uint_eq(bytes, 500 * MB);
-    ck_assert_str_eq(a.why, "budget auto: 500.0 MB = cgroup limit 1.00 GB - in use 900.0 MB + "
-                            "its own 600.0 MB - reserve 200.0 MB (cgroup v1 "
-                            "/sys/fs/cgroup/memory/q)");
+    ck_assert_uint_eq(bytes, 600 * MB);
+    ck_assert_uint_eq(a.experts, 800 * MB);
+    ck_assert_str_eq(a.why, "budget auto: 600.0 MB = cgroup limit 1.00 GB - in use 900.0 MB "
+                            "(qmoed's experts 800.0 MB) + its own 600.0 MB - reserve 200.0 MB + "
+                            "its 100.0 MB in use (cgroup v1 /sys/fs/cgroup/memory/q)");
+}
+END_TEST
+
+/* What the reserve keeps free, and the bound whose room is least after
+ * it: not always the one with the least available. */
+START_TEST(test_the_reserve_counts_what_the_rest_of_a_cgroup_uses)
+{
+    qm_mem_state m = one_cgroup(2000 * MB, 1500 * MB); /* 500 MB available */
+    /* 1000 MB of the 1500 are qmoed's experts: the rest's 500 MB cover
+     * a 400 MB reserve, which keeps nothing free; the host keeps all of
+     * it (20000 MB available): the cgroup is the tightest. */
+    ck_assert_uint_eq(qm_budget_reserve_free(&m.bounds[1], 400 * MB, 1000 * MB), 0);
+    ck_assert_uint_eq(qm_budget_reserve_free(&m.bounds[0], 400 * MB, 1000 * MB), 400 * MB);
+    uint32_t which = 9;
+    ck_assert_int_eq(qm_budget_headroom(&m, 400 * MB, 1000 * MB, &which), (int64_t)(500 * MB));
+    ck_assert_uint_eq(which, 1);
+    /* With 1400 MB of experts the rest is 100 MB: 300 MB kept free. */
+    ck_assert_uint_eq(qm_budget_reserve_free(&m.bounds[1], 400 * MB, 1400 * MB), 300 * MB);
+    ck_assert_int_eq(qm_budget_headroom(&m, 400 * MB, 1400 * MB, &which), (int64_t)(200 * MB));
+    /* Experts not charged here (more than its use): the rest is 0. */
+    ck_assert_uint_eq(qm_budget_reserve_free(&m.bounds[1], 400 * MB, 9000 * MB), 400 * MB);
+    /* A host with less room after its whole reserve bounds, though the
+     * cgroup has less available; a reserve eaten gives a negative room. */
+    m.bounds[0].available = 700 * MB;
+    ck_assert_int_eq(qm_budget_headroom(&m, 400 * MB, 1000 * MB, &which), (int64_t)(300 * MB));
+    ck_assert_uint_eq(which, 0);
+    ck_assert_int_eq(qm_budget_headroom(&m, 900 * MB, 1000 * MB, &which), -(int64_t)(200 * MB));
+    ck_assert_uint_eq(which, 0);
+    /* No bound: unbounded. */
+    m.n = 0;
+    ck_assert_int_eq(qm_budget_headroom(&m, 400 * MB, 0, &which), INT64_MAX);
 }
 END_TEST
 
@@ -406,6 +450,7 @@ int main(void)
     tcase_add_test(tc, test_auto_is_the_tightest_bound_less_reserve_and_workspace);
     tcase_add_test(tc, test_auto_with_nothing_left_is_refused_with_the_arithmetic);
     tcase_add_test(tc, test_a_resize_to_auto_counts_the_sessions_own_bytes);
+    tcase_add_test(tc, test_the_reserve_counts_what_the_rest_of_a_cgroup_uses);
     tcase_add_test(tc, test_bytes_and_percent_need_no_memory_reading);
     tcase_add_test(tc, test_auto_budget_config_keys_and_their_checks);
     suite_add_tcase(s, tc);

@@ -145,24 +145,34 @@ def test_auto_is_sized_by_the_tightest_of_meminfo_and_the_cgroup_chain(watched):
     c = dm.client()
     total = model_bytes(c)
     x = total // 2
-    # The cgroup: 1 GiB less (usage - inactive page cache) leaves x after the reserve and the workspace.
-    fm.write("memory.usage_in_bytes", (1 << 30) - 10000 - WORKSPACE - x + 3000)
+    # The cgroup: 4000 bytes in use (usage less its inactive page cache), no
+    # experts of qmoed's among them: they count toward the reserve, whose
+    # other 6000 bytes are kept free; a limit that leaves x after them and a
+    # workspace.
+    limit = 10000 + WORKSPACE + x
+    fm.write("memory.limit_in_bytes", limit)
+    fm.write("memory.usage_in_bytes", 4000 + 3000)
     with open(os.path.join(fm.dir, "memory.stat"), "w") as f:
         f.write("total_inactive_file 3000\n")
     r = c.call("session.create", {"model": "small", "policy": "lru", "budget": "auto"})
     assert r["budget_bytes"] == x, r
     a = r["budget_auto"]
     assert a["bound"] == "memory" and a["target_bytes"] == x and a["reserve_bytes"] == 10000
+    assert a["reserve_free_bytes"] == 6000, a
     m = a["memory"]
     assert m["source"] == "cgroup v1" and m["path"] == fm.dir
-    assert m["limit_bytes"] == 1 << 30 and m["page_cache_bytes"] == 3000
-    assert m["available_bytes"] == x + 10000 + WORKSPACE
-    assert re.match(r"budget auto: .* = cgroup limit 1\.07 GB - in use 1\.07 GB - reserve 10\.0 kB "
-                    r"- workspace 4\.1 kB \(cgroup v1 .*/cg\)$", a["reason"]), a["reason"]
+    assert m["limit_bytes"] == limit and m["page_cache_bytes"] == 3000
+    assert m["in_use_bytes"] == 4000 and m["experts_bytes"] == 0
+    assert m["available_bytes"] == x + 6000 + WORKSPACE
+    assert re.match(r"budget auto: .* = cgroup limit .* kB - in use 4\.0 kB - reserve 10\.0 kB "
+                    r"\+ its 4\.0 kB in use - workspace 4\.1 kB \(cgroup v1 .*/cg\)$",
+                    a["reason"]), a["reason"]
     plan = c.call("session.plan", {"session": r["session"]})
     assert plan["budget_auto"] == a
     assert "budget auto: " in dm.log_text()
-    # MemAvailable tighter than the cgroup: it bounds.
+    # MemAvailable tighter than the cgroup: it bounds (and keeps the whole
+    # reserve free).
+    fm.write("memory.limit_in_bytes", 1 << 30)
     fm.write("memory.usage_in_bytes", 0)
     fm.set_meminfo(100 << 30, 10000 + WORKSPACE + total // 4)
     r = c.call("session.create", {"model": "small", "policy": "lru", "budget": "auto"})
@@ -174,9 +184,10 @@ def test_auto_is_sized_by_the_tightest_of_meminfo_and_the_cgroup_chain(watched):
     fm.set_meminfo(100 << 30, 90 << 30)
     r = c.call("session.create", {"model": "small", "policy": "lru", "budget": "auto"})
     assert r["budget_bytes"] == total and r["budget_auto"]["bound"] == "model"
-    # Nothing left: refused with the arithmetic (and within half the reserve
-    # of it: the watcher leaves the sessions above alone).
-    fm.write("memory.usage_in_bytes", (1 << 30) - 6000)
+    # Nothing left: refused with the arithmetic. The rest uses more than the
+    # reserve, which keeps nothing free then: the watcher leaves the
+    # sessions above alone while anything is available.
+    fm.write("memory.usage_in_bytes", (1 << 30) - 3000 + 3000)  # the page cache left out
     e = err(c.request("session.create", {"model": "small", "budget": "auto"}))
     assert e["code"] == -32003 and e["data"]["field"] == "budget", e
     assert "nothing left for expert weights" in e["data"]["reason"]
@@ -191,7 +202,9 @@ def test_auto_on_this_machine_is_within_memavailable(daemon):
     r = c.call("session.create", {"model": "small", "policy": "lru", "budget": "auto"})
     a = r["budget_auto"]
     avail = a["memory"]["available_bytes"]
-    assert r["budget_bytes"] == min(total, avail - a["reserve_bytes"] - (16 << 20))
+    assert r["budget_bytes"] == min(total, avail - a["reserve_free_bytes"] - (16 << 20))
+    if a["memory"]["source"] == "MemAvailable":
+        assert a["reserve_free_bytes"] == a["reserve_bytes"]
     with open("/proc/meminfo") as f:
         now = {l.split(":")[0]: int(l.split()[1]) * 1024 for l in f}
     assert avail <= now["MemTotal"]
@@ -285,21 +298,23 @@ def test_a_lowered_limit_takes_what_is_missing_from_auto_budgets(watched):
     time.sleep(0.3)
     auto = c.call("session.create", {"model": "small", "policy": "lru", "budget": "auto"})["session"]
     assert budget_of(c, auto) == total
-    # Within half the reserve: the reserve absorbs it.
-    fm.write("memory.usage_in_bytes", (1 << 30) - 6000)
+    # This cgroup's usage (0) does not follow the daemon's: nothing of the
+    # rest's in use, the reserve's 10000 bytes are all kept free. A limit
+    # lowered within half of them: the reserve absorbs it.
+    fm.write("memory.limit_in_bytes", 6000)
     time.sleep(0.5)
     assert budget_of(c, auto) == total
     # 6000 bytes of the reserve eaten: that much goes (and again at each
-    # check, since this cgroup's usage does not follow the daemon's).
-    fm.write("memory.usage_in_bytes", (1 << 30) - 4000)
+    # check, since the usage does not follow).
+    fm.write("memory.limit_in_bytes", 4000)
     wait_budget(c, auto, lambda b: b < total, "shrunk")
     first = re.search(r"session %s: auto budget shrank (\S+ \S+) -> (\S+ \S+) \(cgroup limit "
-                      r"1\.07 GB - in use 1\.07 GB leaves less than the reserve 10\.0 kB\)" % auto,
+                      r"4\.0 kB - in use 0 bytes leaves less than the reserve 10\.0 kB\)" % auto,
                       dm.log_text())
     kb = lambda n: "%.1f kB" % (n / 1e3)  # the daemon's units at this size
     assert first and first.groups() == (kb(total), kb(total - 6000)), dm.log_text()[-2000:]
     assert same(outputs(c, auto), ref)
-    fm.write("memory.usage_in_bytes", 0)
+    fm.write("memory.limit_in_bytes", 1 << 30)
     assert wait_budget(c, auto, lambda b: b == total, "grown back", timeout=15) == total
 
 
@@ -317,8 +332,9 @@ def test_resizing_an_auto_session(watched):
         f.write("pressure\n")
     time.sleep(0.5)
     assert budget_of(c, sid) == total // 2
-    # "auto" sizes it again, its own resident bytes counted as its.
-    fm.write("memory.usage_in_bytes", (1 << 30) - 10000 - total // 3)
+    # "auto" sizes it again, its own resident bytes counted as its (the rest
+    # in use covers the reserve: nothing is kept free for it).
+    fm.write("memory.usage_in_bytes", (1 << 30) - total // 3)
     res = next(s for s in c.call("session.list")["sessions"] if s["session"] == sid)["resident_bytes"]
     assert res > 0
     r = c.call("session.resize", {"session": sid, "budget": "auto"})
