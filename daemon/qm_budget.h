@@ -42,7 +42,7 @@ typedef struct qm_budget_auto {
     uint64_t experts;      /* the expert bytes qmoed's sessions held then */
     uint64_t workspace;
     qm_auto_bound by;
-    qm_mem_bound bound; /* the tightest memory bound then (kind, limit, in use, available) */
+    qm_mem_bound bound; /* the bound with the least room then (qm_budget_headroom) */
     int has_bound;      /* 0: the device's memory is not the host's */
     char why[600];      /* "budget auto: 3.10 GB = cgroup limit 4.00 GB - in use ... " */
     /* The watcher's (qm_pressure.c) */
