@@ -51,7 +51,8 @@ static void where(const qm_mem_bound *b, char *out, size_t cap)
 
 uint64_t qm_budget_reserve_free(const qm_mem_bound *b, uint64_t reserve, uint64_t held)
 {
-    if (b->kind == QM_MEM_HOST) return reserve;
+    if (b->kind == QM_MEM_HOST)
+        return reserve;
     uint64_t rest = sat_sub(b->usage, held);
     return sat_sub(reserve, rest);
 }
