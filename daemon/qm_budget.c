@@ -167,6 +167,11 @@ void qm_budget_auto_json(qm_jw *w, const qm_budget_auto *a)
     const qm_mem_bound *b = &a->bound;
     qm_jw_obj_begin(w);
     qm_jw_member_u64(w, "target_bytes", a->target);
+    qm_jw_key(w, "ceiling_bytes"); /* a relapse's, while it holds (qm_budget.h) */
+    if (a->ceiling && a->ceiling < a->target)
+        qm_jw_u64(w, a->ceiling);
+    else
+        qm_jw_null(w);
     qm_jw_member_u64(w, "reserve_bytes", a->reserve);
     qm_jw_member_u64(w, "reserve_free_bytes", a->reserve_free);
     qm_jw_member_str(w, "bound", by[a->by]);
@@ -261,4 +266,28 @@ size_t qm_budget_step(int64_t headroom, uint64_t slack, int pressure, int quiet,
     for (size_t i = 0; i < n; i++)
         changed += next[i] != v[i].budget;
     return changed;
+}
+
+/* ---- relapses ---- */
+
+uint64_t qm_budget_grow_wait_us(uint32_t grow_after_s, uint32_t relapses)
+{
+    uint32_t k = relapses < QM_BUDGET_RELAPSES_MAX ? relapses : QM_BUDGET_RELAPSES_MAX;
+    return ((uint64_t)grow_after_s * 1000000u) << k;
+}
+
+int qm_budget_is_relapse(uint64_t now, uint64_t grew_us, uint32_t grow_after_s)
+{
+    return grew_us && now >= grew_us && now - grew_us < 2 * (uint64_t)grow_after_s * 1000000u;
+}
+
+uint64_t qm_budget_grow_target(qm_budget_auto *a, uint64_t budget, uint64_t now, uint64_t wait_us)
+{
+    if (!a->ceiling || a->ceiling >= a->target)
+        return a->target;
+    if (budget >= a->ceiling && now >= a->ceiling_us && now - a->ceiling_us >= wait_us) {
+        a->ceiling = 0; /* it held there: growth may try the auto size again */
+        return a->target;
+    }
+    return a->ceiling;
 }

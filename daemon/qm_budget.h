@@ -47,6 +47,9 @@ typedef struct qm_budget_auto {
     char why[600];      /* "budget auto: 3.10 GB = cgroup limit 4.00 GB - in use ... " */
     /* The watcher's (qm_pressure.c) */
     uint64_t floor;      /* the least a pressure shrink asks for; 0 until known */
+    /* A relapse's mark (qm_budget_grow_target): quiet growth stops here,
+     * 0 when none; when it was set or last reached. */
+    uint64_t ceiling, ceiling_us;
     int pending;         /* a resize of the watcher's is queued */
     char change_why[200]; /* why the watcher's last resize was asked for (its log line) */
 } qm_budget_auto;
@@ -110,5 +113,32 @@ typedef struct qm_budget_view {
  * many changed. */
 size_t qm_budget_step(int64_t headroom, uint64_t slack, int pressure, int quiet,
                       uint32_t shrink_percent, const qm_budget_view *v, size_t n, uint64_t *next);
+
+/* Relapses: memory pressure that shrinks auto budgets within twice
+ * auto_budget_grow_after_s of the watcher growing them says the growth
+ * brought it back (a reserve set too small, a rest that needs the memory
+ * again). Without a brake the budgets would cycle: shrink, a quiet wait,
+ * grow into the same pressure, and every cycle evicts and reads again
+ * what the growth paged in. So each relapse doubles the quiet wait before
+ * the next growth (up to QM_BUDGET_RELAPSES_MAX doublings) and marks, per
+ * session, the budget the relapse's shrink left (its ceiling): quiet growth
+ * goes that far, and above it only after the budget has held at the
+ * ceiling for a whole wait without pressure; a growth past it that brings
+ * pressure again is the next relapse, whose shrink sets a lower ceiling.
+ * Once every auto budget has been at its auto size for twice
+ * auto_budget_grow_after_s without pressure, the wait is the plain one. */
+#define QM_BUDGET_RELAPSES_MAX 3u
+
+/* The quiet wait before a growth, microseconds, after `relapses` relapses. */
+uint64_t qm_budget_grow_wait_us(uint32_t grow_after_s, uint32_t relapses);
+
+/* Whether a pressure shrink at `now` is a relapse: the watcher last grew
+ * an auto budget at `grew_us` (0: not since the last relapse). */
+int qm_budget_is_relapse(uint64_t now, uint64_t grew_us, uint32_t grow_after_s);
+
+/* The size quiet growth aims for: the auto size, or a's ceiling while it
+ * holds. A budget that has been at its ceiling for `wait_us` lifts it (a
+ * is cleared of it) and aims for the auto size again. */
+uint64_t qm_budget_grow_target(qm_budget_auto *a, uint64_t budget, uint64_t now, uint64_t wait_us);
 
 #endif

@@ -305,8 +305,14 @@ static void auto_resize_finish(qm_job *job)
     }
     count_change(qm_session_counters(s), was, want);
     count_change(mx->counters, was, want);
-    if (want > was) /* the growth's own allocation */
+    if (want > was) { /* the growth's own allocation */
         start_grace(mx->pressure);
+        uint64_t now = qm_now_us();
+        if (mx->pressure)
+            mx->pressure->last_grow_us = now;
+        if (a->ceiling && want >= a->ceiling)
+            a->ceiling_us = now; /* it holds here a whole wait before it goes higher */
+    }
     qm_log(QM_LOG_NOTICE, "session %s: auto budget %s %s -> %s (%s); resident %llu",
            qm_session_id(s), want < was ? "shrank" : "grew", from, to, a->change_why,
            (unsigned long long)qm_session_resident_bytes(s));
@@ -365,7 +371,7 @@ static void submit_resize(qm_pressure *p, qm_session *s, uint64_t budget)
  * bound that set the headroom (NULL: none read), `reserve_free` the part of
  * the reserve it keeps free. */
 static void step_reason(const qm_pressure *p, const qm_mem_bound *b, uint64_t reserve_free,
-                        int64_t headroom, uint64_t slack, char *out, size_t cap)
+                        int64_t headroom, uint64_t slack, uint64_t wait_us, char *out, size_t cap)
 {
     char have[200] = "", res[32], left[32], free_text[32];
     if (b)
@@ -382,17 +388,20 @@ static void step_reason(const qm_pressure *p, const qm_mem_bound *b, uint64_t re
     else if (p->pressure_pending)
         snprintf(out, cap, "memory pressure");
     else
-        snprintf(out, cap, "no memory pressure for %u s and %s free beyond the reserve",
-                 p->mx->cfg->auto_budget_grow_after_s, free_text);
+        snprintf(out, cap, "no memory pressure for %llu s and %s free beyond the reserve",
+                 (unsigned long long)(wait_us / 1000000u), free_text);
 }
 
-/* The open auto sessions: up to `cap` into s[] and their views into v[];
- * *pending when one has a resize of the watcher's queued. */
-static size_t auto_sessions(const qm_method_ctx *mx, qm_session **s, qm_budget_view *v,
-                            size_t cap, int *pending)
+/* The open auto sessions: up to `cap` into s[] and their views into v[]
+ * (the target: where quiet growth goes now, qm_budget_grow_target with the
+ * wait `wait_us`); *pending when one has a resize of the watcher's queued,
+ * *full when every one is at its auto size. */
+static size_t auto_sessions(const qm_method_ctx *mx, uint64_t now, uint64_t wait_us, qm_session **s,
+                            qm_budget_view *v, size_t cap, int *pending, int *full)
 {
     size_t n = 0;
     *pending = 0;
+    *full = 1;
     for (qm_session *it = mx->sessions->first; it; it = qm_session_next(it)) {
         qm_budget_auto *a = qm_session_auto_budget(it);
         if (!a->on || qm_session_closed(it))
@@ -402,15 +411,36 @@ static size_t auto_sessions(const qm_method_ctx *mx, qm_session **s, qm_budget_v
             continue;
         if (!a->floor)
             a->floor = qm_session_min_budget(mx->sessions, it);
+        uint64_t budget = qm_session_budget(it);
+        *full &= budget >= a->target;
         s[n] = it;
-        v[n] = (qm_budget_view){.budget = qm_session_budget(it), .target = a->target,
-                                .floor = a->floor, .pending = a->pending};
+        v[n] = (qm_budget_view){.budget = budget,
+                                .target = qm_budget_grow_target(a, budget, now, wait_us),
+                                .floor = a->floor,
+                                .pending = a->pending};
         n++;
     }
     return n;
 }
 
 #define QM__STEP_MAX_SESSIONS 64
+
+/* A relapse's shrinks were queued (their ceilings set): the next growth
+ * waits longer (qm_budget.h, "Relapses"). */
+static void note_relapse(qm_pressure *p, uint64_t now)
+{
+    uint32_t after_s = p->mx->cfg->auto_budget_grow_after_s;
+    double since = (double)(now - p->last_grow_us) / 1e6;
+    if (p->relapses < QM_BUDGET_RELAPSES_MAX)
+        p->relapses++;
+    p->last_grow_us = 0; /* one relapse a growth */
+    qm_log(QM_LOG_NOTICE,
+           "auto budgets: memory pressure %.1f s after they grew (relapse %u): "
+           "the next growth waits %llu s of quiet and stops at the budget this shrink leaves "
+           "until it held there that long",
+           since, p->relapses,
+           (unsigned long long)(qm_budget_grow_wait_us(after_s, p->relapses) / 1000000u));
+}
 
 size_t qm_pressure_step(qm_pressure *p, uint64_t now)
 {
@@ -421,10 +451,13 @@ size_t qm_pressure_step(qm_pressure *p, uint64_t now)
     qm_session *s[QM__STEP_MAX_SESSIONS];
     qm_budget_view v[QM__STEP_MAX_SESSIONS];
     uint64_t next[QM__STEP_MAX_SESSIONS];
-    int pending;
-    size_t n = auto_sessions(mx, s, v, QM__STEP_MAX_SESSIONS, &pending);
+    int pending, full;
+    uint64_t wait = qm_budget_grow_wait_us(cfg->auto_budget_grow_after_s, p->relapses);
+    size_t n = auto_sessions(mx, now, wait, s, v, QM__STEP_MAX_SESSIONS, &pending, &full);
     if (n == 0) {
         p->pressure_pending = 0;
+        p->relapses = 0;
+        p->last_grow_us = 0;
         disarm_sources(p);
         return 0;
     }
@@ -448,8 +481,16 @@ size_t qm_pressure_step(qm_pressure *p, uint64_t now)
     int pressure = p->pressure_pending && now - p->last_step_us >= check_us(p);
     uint64_t calm_since = p->last_pressure_us > p->last_step_us ? p->last_pressure_us
                                                                  : p->last_step_us;
-    int quiet = !p->pressure_pending &&
-                now - calm_since >= (uint64_t)cfg->auto_budget_grow_after_s * 1000000u;
+    int quiet = !p->pressure_pending && now - calm_since >= wait;
+    uint64_t held_us = qm_budget_grow_wait_us(cfg->auto_budget_grow_after_s, 1);
+    if (p->relapses && full && !p->pressure_pending && now - calm_since >= held_us &&
+        (!p->last_grow_us || now - p->last_grow_us >= held_us)) {
+        p->relapses = 0;
+        qm_log(QM_LOG_INFO,
+               "auto budgets: at their auto size without memory pressure for %u s: "
+               "growth waits %u s again",
+               2 * cfg->auto_budget_grow_after_s, cfg->auto_budget_grow_after_s);
+    }
     uint64_t slack = reserve_free / 2;
     if (qm_budget_step(headroom, slack, pressure, quiet, cfg->auto_budget_shrink_percent, v, n,
                        next) == 0) {
@@ -458,7 +499,10 @@ size_t qm_pressure_step(qm_pressure *p, uint64_t now)
         return n;
     }
     char why[200];
-    step_reason(p, bound, reserve_free, headroom, slack, why, sizeof why);
+    step_reason(p, bound, reserve_free, headroom, slack, wait, why, sizeof why);
+    /* A pressure shrink (not a deficit's) soon after a growth: a relapse. */
+    int relapse = pressure && headroom >= -(int64_t)slack &&
+                  qm_budget_is_relapse(now, p->last_grow_us, cfg->auto_budget_grow_after_s);
     int shrank = 0;
     for (size_t i = 0; i < n; i++) {
         if (next[i] == v[i].budget)
@@ -466,8 +510,16 @@ size_t qm_pressure_step(qm_pressure *p, uint64_t now)
         shrank |= next[i] < v[i].budget;
         qm_budget_auto *a = qm_session_auto_budget(s[i]);
         snprintf(a->change_why, sizeof a->change_why, "%s", why);
+        if (relapse && next[i] < v[i].budget) {
+            a->ceiling = next[i];
+            a->ceiling_us = now;
+            qm_session_counters(s[i])->auto_relapses++;
+            mx->counters->auto_relapses++;
+        }
         submit_resize(p, s[i], next[i]);
     }
+    if (shrank && relapse)
+        note_relapse(p, now);
     if (shrank) {
         p->last_step_us = now;
         p->pressure_pending = 0;

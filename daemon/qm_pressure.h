@@ -19,14 +19,17 @@
  * What a step does is qm_budget_step (qm_budget.h): a limit leaving less
  * than half the reserve shrinks the auto sessions by what is missing; a
  * pressure event by auto_budget_shrink_percent; auto_budget_grow_after_s
- * without either grows them back toward their auto size. Events within
+ * without either grows them back toward their auto size; pressure soon
+ * after a growth is a relapse, which lengthens the wait and stops the next
+ * growth lower (qm_budget.h, "Relapses"). Events within
  * auto_budget_grace_ms of an auto budget's making or growth are counted and
  * not acted on: that allocation (mlocked slots filled from disk) and the
  * engine loading beside it push page cache out of a capped cgroup, which
  * the kernel reports as pressure (measured: docs/OPERATIONS.md, "Under
  * pressure"). One resize per
  * session at a time; each change is logged and counted (auto_shrinks,
- * auto_grows, auto_shrunk_bytes, auto_grown_bytes; memory_pressure_events).
+ * auto_grows, auto_shrunk_bytes, auto_grown_bytes, auto_relapses;
+ * memory_pressure_events).
  * Loop thread only. */
 #ifndef QM_PRESSURE_H
 #define QM_PRESSURE_H
@@ -58,6 +61,11 @@ typedef struct qm_pressure {
     /* Events before this are counted and not acted on: an auto budget was
      * just made or grown (auto_budget_grace_ms). */
     uint64_t grace_until_us;
+    /* Relapses (qm_budget.h): growths pressure followed, 0 to
+     * QM_BUDGET_RELAPSES_MAX (the quiet wait doubles with each); when the
+     * watcher last grew a budget (0: not since the last relapse). */
+    uint32_t relapses;
+    uint64_t last_grow_us;
 } qm_pressure;
 
 /* Starts the timer; the sources are armed at the first step that finds an

@@ -221,6 +221,10 @@ static const metric_def metrics[] = {
      COFF(auto_grown_bytes), NOT_PAGED},
     {"auto_budget_bytes", "Budget bytes in force of the sessions whose budget is auto.", 0,
      COFF(auto_budget_bytes), NOT_PAGED},
+    {"auto_relapses", "Auto budget shrinks for memory pressure within twice "
+     "auto_budget_grow_after_s of the watcher growing it: each doubles the quiet wait before "
+     "the next growth (up to 8 times) and stops that growth at the budget it left.",
+     1, COFF(auto_relapses), NOT_PAGED},
 };
 #define N_METRICS (sizeof metrics / sizeof metrics[0])
 

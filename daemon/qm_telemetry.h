@@ -56,8 +56,10 @@ typedef struct qm_counters {
      * recordings stopped (a file at max_trace_bytes, a failed write). */
     uint64_t routing_trace_tokens, routing_trace_stops;
     /* Auto budgets (qm_budget.h, qm_pressure.h): what the memory watcher
-     * shrank and grew, and the auto budgets in force (a gauge). */
+     * shrank and grew, and the auto budgets in force (a gauge); shrinks
+     * that were relapses (qm_budget.h). */
     uint64_t auto_shrinks, auto_grows, auto_shrunk_bytes, auto_grown_bytes, auto_budget_bytes;
+    uint64_t auto_relapses;
     qm_hist latency; /* session.infer end to end, microseconds */
     /* Daemon-wide only, outside the table: sessions the orphan reclaim
      * closed and maps it unmapped in sessions that lived on (qm_reclaim.h);

@@ -400,6 +400,52 @@ START_TEST(test_quiet_grows_back_toward_the_target_within_the_headroom)
 }
 END_TEST
 
+START_TEST(test_relapses_lengthen_the_wait_and_stop_growth_at_the_ceiling)
+{
+    /* The wait doubles with each relapse, up to 8 times the plain one. */
+    ck_assert_uint_eq(qm_budget_grow_wait_us(30, 0), 30000000u);
+    ck_assert_uint_eq(qm_budget_grow_wait_us(30, 1), 60000000u);
+    ck_assert_uint_eq(qm_budget_grow_wait_us(30, 3), 240000000u);
+    ck_assert_uint_eq(qm_budget_grow_wait_us(30, 9), 240000000u);
+    /* Pressure within twice grow_after_s of a growth is a relapse; later,
+     * or with no growth since the last relapse, it is not. */
+    ck_assert(qm_budget_is_relapse(100000000u, 90000000u, 30));
+    ck_assert(qm_budget_is_relapse(100000000u, 40000001u, 30));
+    ck_assert(!qm_budget_is_relapse(100000000u, 40000000u, 30));
+    ck_assert(!qm_budget_is_relapse(100000000u, 0, 30));
+    ck_assert(!qm_budget_is_relapse(100000000u, 100000001u, 30)); /* a clock behind: no */
+
+    qm_budget_auto a = {.on = 1, .target = 1000};
+    /* No ceiling: growth aims for the auto size. */
+    ck_assert_uint_eq(qm_budget_grow_target(&a, 500, 10, 5), 1000);
+    /* A relapse's shrink left 800: growth stops there... */
+    a.ceiling = 800;
+    a.ceiling_us = 100;
+    ck_assert_uint_eq(qm_budget_grow_target(&a, 640, 200, 50), 800);
+    /* ...and while the budget is at it for less than a whole wait. */
+    ck_assert_uint_eq(qm_budget_grow_target(&a, 800, 149, 50), 800);
+    ck_assert_uint_eq(a.ceiling, 800);
+    /* Below it, time alone lifts nothing. */
+    ck_assert_uint_eq(qm_budget_grow_target(&a, 700, 100000, 50), 800);
+    /* At it for the whole wait: lifted, and the auto size is the aim. */
+    ck_assert_uint_eq(qm_budget_grow_target(&a, 800, 150, 50), 1000);
+    ck_assert_uint_eq(a.ceiling, 0);
+    /* A ceiling at or above the auto size is no ceiling. */
+    a.ceiling = 1200;
+    ck_assert_uint_eq(qm_budget_grow_target(&a, 500, 0, 50), 1000);
+
+    /* Through the step: the view's target is the ceiling, so quiet with
+     * room for all of it grows to 800, not 1000. */
+    a.ceiling = 800;
+    a.ceiling_us = 100;
+    qm_budget_view v = {
+        .budget = 640, .target = qm_budget_grow_target(&a, 640, 1000, 50), .floor = 100};
+    uint64_t next;
+    ck_assert_uint_eq(qm_budget_step(100000, 0, 0, 1, 10, &v, 1, &next), 1);
+    ck_assert_uint_eq(next, 800);
+}
+END_TEST
+
 START_TEST(test_auto_budget_config_keys_and_their_checks)
 {
     qm_config cfg;
@@ -458,6 +504,7 @@ int main(void)
     tcase_add_test(tc, test_a_deficit_is_shared_above_the_floors_and_never_below_them);
     tcase_add_test(tc, test_pressure_shrinks_each_by_its_percent_down_to_its_floor);
     tcase_add_test(tc, test_quiet_grows_back_toward_the_target_within_the_headroom);
+    tcase_add_test(tc, test_relapses_lengthen_the_wait_and_stop_growth_at_the_ceiling);
     suite_add_tcase(s, tc);
     SRunner *sr = srunner_create(s);
     srunner_run_all(sr, CK_NORMAL);

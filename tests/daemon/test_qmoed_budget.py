@@ -243,6 +243,82 @@ def test_pressure_shrinks_auto_sessions_only_and_quiet_grows_them_back(watched):
 
 
 
+def shrunk_by_20(b):
+    """What one pressure step leaves of a budget (auto_budget_shrink_percent 20)."""
+    return b - (b // 100 * 20 + b % 100 * 20 // 100)
+
+
+def test_pressure_after_a_growth_is_a_relapse_that_slows_and_caps_the_next(watched):
+    """Pressure within twice auto_budget_grow_after_s (1 s here) of a growth
+    is a relapse: the next growth waits twice as long, goes first only to
+    the budget the relapse's shrink left (its ceiling, in the plan), and
+    past it after a whole wait held there; at the auto size for two plain
+    waits, the wait is the plain one again. Outputs never change."""
+    dm, fm, fifo = watched
+    c = dm.client()
+    total = model_bytes(c)
+    ref = outputs(c, new_session(c))
+    sid = c.call("session.create", {"model": "small", "policy": "lru", "budget": "auto"})["session"]
+
+    def event():
+        with open(fifo, "w") as f:
+            f.write("pressure\n")
+
+    def relapses():
+        t = c.call("telemetry.get")
+        s = next(x for x in t["sessions"] if x["session"] == sid)
+        return t["daemon"]["auto_relapses"], s["auto_relapses"]
+
+    # Pressure with no growth before it: a plain shrink, back after 1 s.
+    event()
+    one = wait_budget(c, sid, lambda b: b < total, "shrunk")
+    assert one == shrunk_by_20(total)
+    wait_budget(c, sid, lambda b: b == total, "grown back")
+    assert relapses() == (0, 0)
+    # Pressure right after that growth: a relapse. Twice, 0.3 s apart (one
+    # episode, one relapse): the ceiling is what the first shrink left.
+    event()
+    t0 = time.time()
+    wait_budget(c, sid, lambda b: b == one, "shrunk by the relapse")
+    time.sleep(max(0.0, t0 + 0.3 - time.time()))
+    event()
+    two = wait_budget(c, sid, lambda b: b == shrunk_by_20(one), "shrunk again")
+    assert relapses() == (1, 1)
+    assert c.call("session.plan", {"session": sid})["budget_auto"]["ceiling_bytes"] == one
+    assert re.search(r"auto budgets: memory pressure \d+\.\d s after they grew \(relapse 1\): "
+                     r"the next growth waits 2 s of quiet", dm.log_text()), dm.log_text()[-2000:]
+    assert same(outputs(c, sid), ref)
+    # The plain wait (1 s) has passed since the last shrink, and it has not grown.
+    time.sleep(max(0.0, t0 + 0.3 + 1.5 - time.time()))
+    assert budget_of(c, sid) == two
+    # After 2 s: to the ceiling only; after 2 s more held there, past it.
+    wait_budget(c, sid, lambda b: b > two, "grown to the ceiling")
+    t1 = time.time()
+    assert budget_of(c, sid) == one
+    assert re.search(r"session %s: auto budget grew .* \(no memory pressure for 2 s" % sid,
+                     dm.log_text())
+    time.sleep(1.2)
+    assert budget_of(c, sid) == one
+    wait_budget(c, sid, lambda b: b == total, "grown past the ceiling")
+    assert time.time() - t1 >= 1.5
+    assert c.call("session.plan", {"session": sid})["budget_auto"]["ceiling_bytes"] is None
+    assert same(outputs(c, sid), ref)
+    # Held at the auto size for 2 s: the wait is 1 s again, and pressure
+    # then is no relapse.
+    wait_log = r"at their auto size without memory pressure for 2 s: growth waits 1 s again"
+    deadline = time.time() + 10
+    while not re.search(wait_log, dm.log_text()) and time.time() < deadline:
+        time.sleep(0.1)
+    assert re.search(wait_log, dm.log_text()), dm.log_text()[-2000:]
+    event()
+    t2 = time.time()
+    wait_budget(c, sid, lambda b: b < total, "shrunk")
+    wait_budget(c, sid, lambda b: b == total, "grown back")
+    assert time.time() - t2 < 1.9
+    assert relapses() == (1, 1)
+    assert same(outputs(c, sid), ref)
+
+
 def test_pressure_waits_its_grace_after_an_auto_budget_is_made_or_grown(small, tmp_path):
     """Events within auto_budget_grace_ms of an auto session's creation, or
     of the watcher's growing it, are counted and not acted on: that
