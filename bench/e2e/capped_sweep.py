@@ -229,6 +229,7 @@ def per_token(delta, layers):
     row = {"tokens": n, "hit_rate": hits / (hits + misses) if hits + misses else None,
             "misses_per_token": misses / n, "bytes_read_per_token": delta.get("bytes_read_disk", 0) / n,
             "stall_us_per_token": delta.get("stall_us", 0) / n, "auto_shrinks": delta.get("auto_shrinks", 0),
+            "auto_grows": delta.get("auto_grows", 0), "auto_relapses": delta.get("auto_relapses", 0),
             "disk_busy_bytes_per_s": (delta.get("bytes_read_disk", 0) * 1e6 / delta["disk_busy_us"]
                                       if delta.get("disk_busy_us") else None),
             "prefetch_per_token": delta.get("prefetch_issued", 0) / n,
@@ -263,7 +264,8 @@ def base_row(shape, engine, cap, gguf_bytes):
             "hit_rate": None, "bytes_read_per_token": None, "stall_us_per_token": None,
             "misses_per_token": None, "io_bound_tok_s": None, "overlapped_bound_tok_s": None,
             "engine_peak_anon": None, "engine_peak_file": None, "qmoed_peak_rss": None,
-            "oom_kills": None, "auto_shrinks": None, "status": "ok", "note": None}
+            "oom_kills": None, "auto_shrinks": None, "auto_grows": None, "auto_relapses": None,
+            "status": "ok", "note": None}
 
 
 def finish_row(row, pre, dec):
@@ -421,7 +423,7 @@ def with_qmoed(a, shape, gguf, bank, name, gguf_bytes, cap, reserve, layers, var
     pt = per_token(dec.get("delta"), layers)
     if pt:
         for k in ("hit_rate", "misses_per_token", "bytes_read_per_token", "stall_us_per_token",
-                  "auto_shrinks", "prefetch_per_token", "prefetch_useful_per_token", "disk_busy_bytes_per_s",
+                  "auto_shrinks", "auto_grows", "auto_relapses", "prefetch_per_token", "prefetch_useful_per_token", "disk_busy_bytes_per_s",
                   "router_precision"):
             row[k] = pt[k]
         row["prefetch_sources"] = {k: v for k, v in pt.items()
