@@ -695,6 +695,7 @@ int qm_client_session_plan(qm_client *c, const char *session, qm_client_plan *ou
             goto fail_nomem;
         out->budget_auto_target = qm__u64(ba, "target_bytes");
         out->budget_auto_reserve = qm__u64(ba, "reserve_bytes");
+        out->budget_auto_ceiling = qm__u64(ba, "ceiling_bytes"); /* null: 0 */
     }
     const qm_cval *pl = qm_cval_get(r, "placement");
     if (pl && pl->type == QM_CVAL_OBJECT &&

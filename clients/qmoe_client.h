@@ -249,9 +249,12 @@ typedef struct qm_client_plan {
     qm_client_device *devices;
     size_t n_devices;
     /* Budget "auto" (session.plan "budget_auto"): why it is what it is, the
-     * size it grows back to and the reserve; NULL/0 when not auto. */
+     * size it grows back to and the reserve; NULL/0 when not auto. The
+     * ceiling: where growth stops for now after a relapse (memory pressure
+     * soon after the daemon grew it), 0 when none. */
     char *budget_auto;
     uint64_t budget_auto_target, budget_auto_reserve;
+    uint64_t budget_auto_ceiling;
 } qm_client_plan;
 int qm_client_session_plan(qm_client *c, const char *session, qm_client_plan *out,
                            qm_client_error *err);

@@ -147,6 +147,10 @@ int qmoectl_cmd_plan(qm_client *c, const qmoectl_args *a)
         if (p.budget_auto_target && p.budget_bytes < p.budget_auto_target)
             printf("now %s after memory pressure; grows back toward %s when it eases\n",
                    B(p.budget_bytes, b1), B(p.budget_auto_target, b2));
+        if (p.budget_auto_ceiling)
+            printf("pressure came back after it grew: growth stops at %s until the budget has "
+                   "held there a whole wait\n",
+                   B(p.budget_auto_ceiling, b1));
         printf("\n");
     }
     if (placed) {

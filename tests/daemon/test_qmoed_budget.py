@@ -17,7 +17,7 @@ import time
 import numpy as np
 import pytest
 
-from qmoed_harness import Daemon, from_tensor, make_bank, tensor
+from qmoed_harness import BUILD, Daemon, from_tensor, make_bank, tensor
 from qmoed_memcg import MemCgroup
 from qmoed_suite import err, hidden, new_session
 
@@ -285,6 +285,12 @@ def test_pressure_after_a_growth_is_a_relapse_that_slows_and_caps_the_next(watch
     two = wait_budget(c, sid, lambda b: b == shrunk_by_20(one), "shrunk again")
     assert relapses() == (1, 1)
     assert c.call("session.plan", {"session": sid})["budget_auto"]["ceiling_bytes"] == one
+    plan = subprocess.run([os.path.join(BUILD, "clients", "qmoectl"),
+                           "--socket", dm.socket, "plan", sid], capture_output=True, text=True,
+                          timeout=30)
+    assert plan.returncode == 0 and re.search(
+        r"^pressure came back after it grew: growth stops at \S+ \S+ until", plan.stdout,
+        re.M), plan.stdout + plan.stderr
     assert re.search(r"auto budgets: memory pressure \d+\.\d s after they grew \(relapse 1\): "
                      r"the next growth waits 2 s of quiet", dm.log_text()), dm.log_text()[-2000:]
     assert same(outputs(c, sid), ref)
