@@ -7,7 +7,7 @@ one command, one table, one figure.
     $QMOE_TORCH_VENV/bin/python bench/e2e/capped_sweep.py --llama PREFIX
         [--shapes qwen3-30b-a3b,gpt-oss-20b,mixtral-8x7b] [--caps 1/2,1/3,1/4]
         [--prompt 16] [--decode 32] [--rounds N] [--work DIR] [--keep] [--direct-q8]
-        [--variant NAME:KEY=VALUE ...] [--no-alone] [--no-midrun]
+        [--variant NAME:KEY=VALUE ...] [--no-alone] [--no-midrun] [--load-mode MODE]
         [--json OUT.json] [--md OUT.md] [--png docs/capped_sweep.png]
 
 Per shape (bench/e2e/checkpoints.py's real-config checkpoint, 8 layers): the
@@ -35,7 +35,9 @@ GPT-OSS ships, requantised from it, and its e2m1 code-book bank), then:
   pages it touched) plus 128 MiB for qmoed's own memory and the page cache
   the kernel churns (with 64 MiB the 1/4 cap of the GPT-OSS shape shrank
   under pressure and decoded 0.6x; docs/BENCHMARKS.md); or --reserve) and llama.cpp + qmoed with `--qmoed-policy next_use
-  --qmoed-budget auto` in the group too.
+  --qmoed-budget auto` in the group too (--load-mode MODE: its llama-bench
+  loads the weights so, `-lm MODE`; `none` reads them into memory before
+  the session is made, where auto counts them, instead of mapping them).
 
 - the target of issue 38 (unless --no-midrun), at the first cap: the
   cgroup's limit lowered while llama-completion decodes, by half of what the
@@ -399,7 +401,7 @@ def with_qmoed(a, shape, gguf, bank, name, gguf_bytes, cap, reserve, layers, var
         dm = Daemon(models={name: bank}, args=args, workdir=work)
         if g:
             g.add(dm.proc.pid)
-        extra = ["--qmoed", dm.socket]
+        extra = ["--qmoed", dm.socket] + (["-lm", a.load_mode] if a.load_mode else [])
         extra += ["--qmoed-policy", a.policy, "--qmoed-budget", "auto"] if cap else []
         if a.precision:
             extra += ["--qmoed-precision", a.precision]
@@ -432,6 +434,8 @@ def with_qmoed(a, shape, gguf, bank, name, gguf_bytes, cap, reserve, layers, var
     if row["status"] == "ok":
         row["note"] = ("%s, --qmoed-budget auto (reserve %.2f GB), O_DIRECT" % (a.policy, reserve / GB)
                        if cap else "whole_bank, uncapped")
+        if a.load_mode:
+            row["note"] += ", -lm " + a.load_mode
     return row
 
 
@@ -882,6 +886,8 @@ def main(argv=None):
     ap.add_argument("--iodepth", type=int, default=32,
                     help="reads in flight: qmoed's io_depth (its default, 32) and fio's")
     ap.add_argument("--fio-seconds", type=int, default=5)
+    ap.add_argument("--load-mode", help="llama-bench -lm of the llama.cpp + qmoed rows (default: "
+                    "llama.cpp's, which maps the weights)")
     ap.add_argument("--alone-repack", type=int, default=0, choices=(0, 1),
                     help="llama.cpp alone under a cap with its default repacking (1) or --repack 0")
     ap.add_argument("--row-timeout", type=int, default=1800, help="seconds per llama-bench run")
@@ -945,8 +951,10 @@ def main(argv=None):
                                               os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30,
                                               time.strftime("%Y-%m-%d"))
     print(table)
-    print("\n%s; llama-bench -t %d -r 1, prefill %d tokens, decode %d; qmoed %s, %s budget auto"
-          % (machine, a.threads, a.prompt, a.decode, a.precision or "exact", a.policy))
+    print("\n%s; llama-bench -t %d -r 1, prefill %d tokens, decode %d%s; qmoed %s, %s budget auto"
+          % (machine, a.threads, a.prompt, a.decode,
+             ", -lm %s with qmoed" % a.load_mode if getattr(a, "load_mode", None) else "",
+             a.precision or "exact", a.policy))
     print("\n" + "\n".join(targets(rows)))
     if a.md:
         with open(a.md, "w") as f:
