@@ -277,6 +277,14 @@ def test_budget_auto_and_a_bad_budget(tools, ggufs, daemon):
     assert text_of(r) == text_of(generate(tools, gguf, qmoed_args(daemon)))
     assert re.search(r"qmoed: session \S+ of '\S+': policy lru, budget \d+ of \d+ expert bytes "
                      r"\(budget auto: .* = ", r.stderr), r.stderr[-3000:]
+    # Auto counts what is in use when the session is made: the weights are
+    # read in before it unless a load mode was asked for.
+    read_in = "qmoed: --qmoed-budget auto: the weights are read in (load mode none)"
+    assert read_in in r.stderr, r.stderr[-3000:]
+    mapped = generate(tools, gguf, qmoed_args(daemon, "--qmoed-policy", "lru", "--qmoed-budget", "auto",
+                                              "--load-mode", "mmap"))
+    assert text_of(mapped) == text_of(r) and read_in not in mapped.stderr
+    assert read_in not in generate(tools, gguf, qmoed_args(daemon)).stderr
     r = generate(tools, gguf, qmoed_args(daemon, "--qmoed-policy", "lru", "--qmoed-budget", "12.5%"))
     m = re.search(r"budget (\d+) of (\d+) expert bytes", r.stderr)
     assert m and int(m.group(1)) == int(m.group(2)) // 8, r.stderr[-3000:]
