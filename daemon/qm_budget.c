@@ -19,25 +19,29 @@ static const char *source_name(qm_mem_kind k)
  * session's own bytes when a resize counts them ("+ its own 1.20 GB"); in a
  * cgroup, the experts qmoed holds in its use and the reserve's part in use
  * ("cgroup limit 1.45 GB - in use 1.10 GB (qmoed's experts 900.0 MB) -
- * reserve 400.0 MB + its 200.0 MB in use - workspace 16.8 MB"). */
+ * reserve 400.0 MB + its 200.0 MB in use - workspace 16.8 MB"); the
+ * client's pending bytes before the workspace ("- the client's pending
+ * 430.0 MB"). */
 static void memory_terms(const qm_mem_bound *b, const qm_budget_ask *ask, uint64_t reserve,
                          uint64_t reserve_free, char *out, size_t cap)
 {
-    char have[160], res[32], ws[32], own[32], held[32], used[32], experts[64] = "";
+    char have[160], res[32], ws[32], own[32], held[32], used[32], pend[32], experts[64] = "";
     qm_mem_describe(b, have, sizeof have);
     qm_mem_bytes_text(reserve, res, sizeof res);
     qm_mem_bytes_text(ask->workspace, ws, sizeof ws);
+    qm_mem_bytes_text(ask->pending, pend, sizeof pend);
     qm_mem_bytes_text(ask->credit, own, sizeof own);
     qm_mem_bytes_text(reserve - reserve_free, used, sizeof used);
     if (b->kind != QM_MEM_HOST && ask->held) {
         qm_mem_bytes_text(ask->held < b->usage ? ask->held : b->usage, held, sizeof held);
         snprintf(experts, sizeof experts, " (qmoed's experts %s)", held);
     }
-    snprintf(out, cap, "%s%s%s%s - reserve %s%s%s%s%s%s", have, experts,
+    snprintf(out, cap, "%s%s%s%s - reserve %s%s%s%s%s%s%s%s", have, experts,
              ask->credit ? " + its own " : "", ask->credit ? own : "", res,
              reserve_free < reserve ? " + its " : "", reserve_free < reserve ? used : "",
-             reserve_free < reserve ? " in use" : "", ask->workspace ? " - workspace " : "",
-             ask->workspace ? ws : "");
+             reserve_free < reserve ? " in use" : "",
+             ask->pending ? " - the client's pending " : "", ask->pending ? pend : "",
+             ask->workspace ? " - workspace " : "", ask->workspace ? ws : "");
 }
 
 /* " (cgroup /sys/fs/cgroup/memory/x)" for a cgroup bound, else "". */
@@ -89,7 +93,8 @@ int qm_budget_auto_size(const qm_mem_state *mem, uint64_t reserve, const qm_budg
     out->reserve_free = reserve;
     out->experts = ask->held;
     out->workspace = ask->workspace;
-    char terms[400] = "", at[340] = "", text[32], other[32];
+    out->client_pending = ask->pending;
+    char terms[480] = "", at[340] = "", text[32], other[32];
     uint64_t by_memory = UINT64_MAX;
     uint32_t which = 0;
     if (mem && mem->n) {
@@ -97,8 +102,11 @@ int qm_budget_auto_size(const qm_mem_state *mem, uint64_t reserve, const qm_budg
         out->has_bound = 1;
         out->bound = mem->bounds[which];
         out->reserve_free = qm_budget_reserve_free(&out->bound, reserve, ask->held);
+        /* The client's pending bytes are kept free beside the reserve's free
+         * part, not within it: counted within, weights an engine maps had
+         * no room left for the page cache to turn over (docs/OPERATIONS.md). */
         by_memory = sat_sub(sat_add(out->bound.available, ask->credit),
-                            sat_add(out->reserve_free, ask->workspace));
+                            sat_add(sat_add(out->reserve_free, ask->pending), ask->workspace));
         memory_terms(&out->bound, ask, reserve, out->reserve_free, terms, sizeof terms);
         where(&out->bound, at, sizeof at);
     }
@@ -109,16 +117,16 @@ int qm_budget_auto_size(const qm_mem_state *mem, uint64_t reserve, const qm_budg
     if (b == 0)
         return qm_status_set_field(
             st, QM_ERESOURCE_EXHAUSTED, "budget",
-            "budget auto: nothing left for expert weights: %.400s%.100s = 0 bytes (free memory, "
+            "budget auto: nothing left for expert weights: %.480s%.100s = 0 bytes (free memory, "
             "or lower auto_budget_reserve)",
             out->by == QM_AUTO_BY_MEMORY ? terms : "the devices' free budget less a workspace", at);
     qm_mem_bytes_text(b, text, sizeof text);
     qm_mem_bytes_text(by_memory, other, sizeof other);
     if (out->by == QM_AUTO_BY_MEMORY)
-        snprintf(out->why, sizeof out->why, "budget auto: %.31s = %.400s%.100s", text, terms, at);
+        snprintf(out->why, sizeof out->why, "budget auto: %.31s = %.480s%.100s", text, terms, at);
     else if (out->by == QM_AUTO_BY_MODEL && out->has_bound)
         snprintf(out->why, sizeof out->why,
-                 "budget auto: %.31s = the model's expert bytes (memory allows %.31s = %.400s)",
+                 "budget auto: %.31s = the model's expert bytes (memory allows %.31s = %.480s)",
                  text, other, terms);
     else if (out->by == QM_AUTO_BY_MODEL)
         snprintf(out->why, sizeof out->why, "budget auto: %s = the model's expert bytes", text);
@@ -174,6 +182,7 @@ void qm_budget_auto_json(qm_jw *w, const qm_budget_auto *a)
         qm_jw_null(w);
     qm_jw_member_u64(w, "reserve_bytes", a->reserve);
     qm_jw_member_u64(w, "reserve_free_bytes", a->reserve_free);
+    qm_jw_member_u64(w, "client_pending_bytes", a->client_pending);
     qm_jw_member_str(w, "bound", by[a->by]);
     qm_jw_key(w, "memory");
     if (a->has_bound) {

@@ -41,10 +41,11 @@ typedef struct qm_budget_auto {
     uint64_t reserve_free; /* the part of it kept free (qm_budget_reserve_free) */
     uint64_t experts;      /* the expert bytes qmoed's sessions held then */
     uint64_t workspace;
+    uint64_t client_pending; /* the client's pending bytes left free (session.create's) */
     qm_auto_bound by;
     qm_mem_bound bound; /* the bound with the least room then (qm_budget_headroom) */
     int has_bound;      /* 0: the device's memory is not the host's */
-    char why[600];      /* "budget auto: 3.10 GB = cgroup limit 4.00 GB - in use ... " */
+    char why[720];      /* "budget auto: 3.10 GB = cgroup limit 4.00 GB - in use ... " */
     /* The watcher's (qm_pressure.c) */
     uint64_t floor;      /* the least a pressure shrink asks for; 0 until known */
     /* A relapse's mark (qm_budget_grow_target): quiet growth stops here,
@@ -59,6 +60,8 @@ typedef struct qm_budget_ask {
     const qm_budget_spec *spec; /* form NONE: the whole model */
     uint64_t model_bytes;       /* the model's expert bytes (bytes_total) */
     uint64_t workspace;         /* create: the workspace it will take; resize: 0 */
+    uint64_t pending;           /* create: what the client takes after it, left free
+                                 * (client_pending_bytes); resize: 0 */
     uint64_t credit;            /* resize: bytes of its own already counted in use */
     uint64_t held;              /* the expert bytes all qmoed's sessions hold now (its own too) */
     uint64_t device_free;       /* what the devices' budgets have free for it */

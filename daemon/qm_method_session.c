@@ -155,8 +155,8 @@ static int create_admit(qm_job *job, qm_status *st)
     memset(&autob, 0, sizeof autob);
     int rc = 0;
     if (m && p->budget.form != QM_BUDGET_BYTES && p->budget.form != QM_BUDGET_NONE)
-        rc = qm_sessions_budget(job->mx->sessions, m, NULL, &p->budget, &spec.budget_bytes,
-                                &autob, st);
+        rc = qm_sessions_budget(job->mx->sessions, m, NULL, &p->budget, p->client_pending_bytes,
+                                &spec.budget_bytes, &autob, st);
     if (rc < 0)
         return rc;
     spec.auto_budget = autob.on ? &autob : NULL;
@@ -374,7 +374,7 @@ static int resize_admit(qm_job *job, qm_status *st)
     qm_params *p = &job->req.params;
     qm_budget_auto autob;
     int rc = qm_sessions_budget(job->mx->sessions, qm_session_model(job->session), job->session,
-                                &p->budget, &p->budget_bytes, &autob, st);
+                                &p->budget, 0, &p->budget_bytes, &autob, st);
     if (rc == 0 && autob.on) {
         job->budget_auto = qm_malloc(sizeof autob);
         if (!job->budget_auto)

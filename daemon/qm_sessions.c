@@ -1125,8 +1125,8 @@ uint64_t qm_sessions_resident_bytes(const qm_sessions *ss)
 }
 
 int qm_sessions_budget(const qm_sessions *ss, const qm_model *m, const qm_session *s,
-                       const qm_budget_spec *spec, uint64_t *bytes, qm_budget_auto *autob,
-                       qm_status *st)
+                       const qm_budget_spec *spec, uint64_t pending, uint64_t *bytes,
+                       qm_budget_auto *autob, qm_status *st)
 {
     uint64_t free_bytes = 0;
     for (uint32_t i = 0; i < ss->devices->n; i++)
@@ -1134,6 +1134,7 @@ int qm_sessions_budget(const qm_sessions *ss, const qm_model *m, const qm_sessio
     qm_budget_ask ask = {.spec = spec,
                          .model_bytes = m->bytes_total,
                          .workspace = s ? 0 : ss->cfg->session_workspace_bytes,
+                         .pending = pending,
                          .credit = s ? s->counters.resident_bytes : 0,
                          .held = qm_sessions_resident_bytes(ss),
                          .device_free = free_bytes + (s ? s->budget_bytes : 0),

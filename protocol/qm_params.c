@@ -507,6 +507,18 @@ static int qm__check_session_id(const cJSON *v, qm_params *out, qm_status *st)
                QM_SESSION_ID_LEN, clip);
 }
 
+/* client_pending_bytes sizes an auto budget: with any other budget it would
+ * say nothing, so it is refused rather than ignored. */
+static int qm__check_client_pending(const cJSON *v, qm_params *out, qm_status *st)
+{
+    (void)v;
+    if (!out->has_client_pending_bytes || out->budget.form == QM_BUDGET_AUTO)
+        return 0;
+    return bad(st, "client_pending_bytes",
+               "client_pending_bytes is what an auto budget leaves free for the client; it "
+               "needs budget \"auto\"");
+}
+
 /* session.infer's routing supplied by the engine (PROTOCOL.md): topk_ids and
  * topk_weights, both or neither. The ids against the model's E are the
  * daemon's check. */

@@ -84,8 +84,14 @@
       "re-create a session under this id, one session.create gave (after a restart)")              \
     P("", CHECK, 0, 0, 0, NOWHERE, NOWHERE, FN(qm__check_session_id),                              \
       "session: 32 lowercase hex digits")                                                          \
-    P("warm", HOT, 0, 0, QM_HOT_MAX, AT(warm), NOWHERE, FN(qm__decode_warm),                        \
-      "[{layer, experts}]: loaded before the answer (a re-created session's old residency)")
+    P("warm", HOT, 0, 0, QM_HOT_MAX, AT(warm), NOWHERE, FN(qm__decode_warm),                       \
+      "[{layer, experts}]: loaded before the answer (a re-created session's old residency)")       \
+    P("client_pending_bytes", UINT, 0, 0, UINT64_MAX, AT(client_pending_bytes),                    \
+      AT(has_client_pending_bytes), NONE,                                                          \
+      "with budget \"auto\": memory the client takes after this call (its KV cache, buffers, "     \
+      "weights it maps and has not read), left free beside the reserve")                           \
+    P("", CHECK, 0, 0, 0, NOWHERE, NOWHERE, FN(qm__check_client_pending),                          \
+      "client_pending_bytes only with budget \"auto\"")
 
 #define QM_PARAMS_POLICY_PARAMS(P)                                                                 \
     P("prefetch", BOOL, 0, 0, 0, AT(policy_params.prefetch), AT(policy_params.has_prefetch), NONE, \
@@ -250,6 +256,9 @@ typedef struct qm_params {
                               * session.create (an id to re-create a session under) */
     qm_hot_layer *warm;      /* session.create: experts to load first (NULL: none) */
     size_t n_warm;
+    int has_client_pending_bytes;
+    uint64_t client_pending_bytes; /* session.create with budget "auto": what the client takes
+                                    * after the call, left free (daemon/qm_budget.h) */
     uint32_t layer;          /* infer */
     qm_tensor hidden;        /* infer: shape [T, H] */
     int has_router_logits;

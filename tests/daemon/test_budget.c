@@ -267,6 +267,34 @@ START_TEST(test_a_resize_to_auto_counts_the_sessions_own_bytes)
 }
 END_TEST
 
+/* The client's pending bytes are kept free beside what the reserve keeps. */
+START_TEST(test_a_clients_pending_bytes_are_kept_free_beside_the_reserve)
+{
+    qm_budget_spec spec = {.form = QM_BUDGET_AUTO};
+    qm_budget_ask ask = {.spec = &spec, .model_bytes = 10000 * MB, .workspace = 16 * MB,
+                         .device_free = UINT64_MAX, .host_memory = 1, .pending = 430 * MB};
+    qm_budget_auto a;
+    uint64_t bytes = 0;
+    qm_status st;
+    /* 400 MB in use, reserve 500 MB: 100 MB kept free, and the 430 MB. */
+    ck_assert_int_eq(size_auto(4000 * MB, 400 * MB, 500 * MB, ask, &bytes, &a, &st), 0);
+    ck_assert_uint_eq(bytes, 3054 * MB);
+    ck_assert_uint_eq(a.client_pending, 430 * MB);
+    ck_assert_uint_eq(a.target, bytes);
+    ck_assert_str_eq(a.why, "budget auto: 3.05 GB = cgroup limit 4.00 GB - in use 400.0 MB - "
+                            "reserve 500.0 MB + its 400.0 MB in use - the client's pending 430.0 MB "
+                            "- workspace 16.0 MB (cgroup v1 /sys/fs/cgroup/memory/q)");
+    /* The rest already above the reserve: only the pending bytes are kept. */
+    ck_assert_int_eq(size_auto(4000 * MB, 700 * MB, 500 * MB, ask, &bytes, &a, &st), 0);
+    ck_assert_uint_eq(bytes, 2854 * MB);
+    /* More than there is: refused, the arithmetic naming them. */
+    ask.pending = 4000 * MB;
+    ck_assert_int_eq(size_auto(4000 * MB, 400 * MB, 500 * MB, ask, &bytes, &a, &st),
+                     QM_ERESOURCE_EXHAUSTED);
+    ck_assert_msg(strstr(st.msg, "the client's pending 4.00 GB") != NULL, "%s", st.msg);
+}
+END_TEST
+
 /* What the reserve keeps free, and the bound whose room is least after
  * it: not always the one with the least available. */
 START_TEST(test_the_reserve_counts_what_the_rest_of_a_cgroup_uses)
@@ -497,6 +525,7 @@ int main(void)
     tcase_add_test(tc, test_auto_with_nothing_left_is_refused_with_the_arithmetic);
     tcase_add_test(tc, test_a_resize_to_auto_counts_the_sessions_own_bytes);
     tcase_add_test(tc, test_the_reserve_counts_what_the_rest_of_a_cgroup_uses);
+    tcase_add_test(tc, test_a_clients_pending_bytes_are_kept_free_beside_the_reserve);
     tcase_add_test(tc, test_bytes_and_percent_need_no_memory_reading);
     tcase_add_test(tc, test_auto_budget_config_keys_and_their_checks);
     suite_add_tcase(s, tc);

@@ -196,6 +196,53 @@ def test_auto_is_sized_by_the_tightest_of_meminfo_and_the_cgroup_chain(watched):
     assert t["auto_budget_bytes"] == x + by_meminfo + total
 
 
+def test_a_clients_pending_bytes_are_left_free_by_its_auto_budget(watched):
+    """client_pending_bytes (what the engine takes after session.create: its
+    buffers, weights it maps and has not read) is left free beside what the
+    reserve keeps, and shows in budget_auto and its reason; it is refused
+    with any other budget, and a bad value names the field."""
+    dm, fm, fifo = watched
+    c = dm.client()
+    total = model_bytes(c)
+    x = total // 2
+    # 4000 bytes of the rest in use: the reserve (10000) keeps 6000 free.
+    fm.write("memory.limit_in_bytes", 10000 + WORKSPACE + x)
+    fm.write("memory.usage_in_bytes", 4000)
+    pending = x // 3
+    r = c.call("session.create", {"model": "small", "policy": "lru", "budget": "auto",
+                                  "client_pending_bytes": pending})
+    assert r["budget_bytes"] == x - pending, r
+    a = r["budget_auto"]
+    assert a["client_pending_bytes"] == pending and a["target_bytes"] == x - pending, a
+    assert re.search(r"- reserve 10\.0 kB \+ its 4\.0 kB in use - the client's pending [\d.]+ [kMG]?B "
+                     r"- workspace ", a["reason"]), a["reason"]
+    assert c.call("session.plan", {"session": r["session"]})["budget_auto"] == a
+    c.call("session.close", {"session": r["session"]})
+    # Without it, or at 0: the whole room, as before.
+    for extra in ({}, {"client_pending_bytes": 0}):
+        r = c.call("session.create", dict({"model": "small", "policy": "lru", "budget": "auto"}, **extra))
+        assert r["budget_bytes"] == x and r["budget_auto"]["client_pending_bytes"] == 0, r
+        assert "the client's pending" not in r["budget_auto"]["reason"]
+        c.call("session.close", {"session": r["session"]})
+    # More than the room: nothing left, the arithmetic names it.
+    e = err(c.request("session.create", {"model": "small", "budget": "auto",
+                                         "client_pending_bytes": x + 1}))
+    assert e["code"] == -32003 and e["data"]["field"] == "budget", e
+    assert "the client's pending" in e["data"]["reason"], e
+    for budget in (None, "50%", total // 2):
+        p = {"model": "small", "client_pending_bytes": 100}
+        if budget is not None:
+            p["budget"] = budget
+        e = err(c.request("session.create", p))
+        assert e["code"] == -32602 and e["data"]["field"] == "client_pending_bytes", e
+        assert 'needs budget "auto"' in e["data"]["reason"], e
+    for bad in (-1, 1.5, "100", True, None, 2 ** 60):
+        e = err(c.request("session.create", {"model": "small", "budget": "auto",
+                                             "client_pending_bytes": bad}))
+        assert e["code"] == -32602 and e["data"]["field"] == "client_pending_bytes", (bad, e)
+    assert c.call("session.list")["sessions"] == []
+
+
 def test_auto_on_this_machine_is_within_memavailable(daemon):
     c = daemon.client()
     total = model_bytes(c)
