@@ -427,13 +427,21 @@ int qm_client_session_create(qm_client *c, const qm_client_session_params *sp,
     qm_cval_free(pp);
     if (!p)
         return QM__NOMEM(err);
+    /* Kept to re-create the session after a restart (NULL: not kept),
+     * without client_pending_bytes: by then the client has taken them. */
+    char *sent = qm_cval_print(p, 0, NULL);
+    if (sp->client_pending_bytes)
+        p = qm__with_num(p, "client_pending_bytes", (double)sp->client_pending_bytes);
+    if (!p) {
+        qm_free(sent);
+        return QM__NOMEM(err);
+    }
     int rc = qm__client_own_reserve(c, err);
     if (rc < 0) {
+        qm_free(sent);
         qm_cval_free(p);
         return rc;
     }
-    /* Kept to re-create the session after a restart (NULL: not kept). */
-    char *sent = qm_cval_print(p, 0, NULL);
     rc = qm__client_call(c, "session.create", p, &r, err);
     if (rc < 0) {
         qm_free(sent);

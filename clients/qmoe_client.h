@@ -136,6 +136,12 @@ typedef struct qm_client_session_params {
      * daemon sizes it from the memory it may take). Wins over budget_bytes;
      * NULL: budget_bytes when has_budget, else the whole model. */
     const char *budget;
+    /* With budget "auto": memory this client takes after the call (its KV
+     * cache, buffers, weights it maps and has not read yet), which the auto
+     * budget leaves free beside the daemon's reserve (session.create's
+     * client_pending_bytes); 0: none. Not sent again when the session is
+     * re-created after a restart. */
+    uint64_t client_pending_bytes;
 } qm_client_session_params;
 
 typedef struct qm_client_plan_summary {

@@ -180,3 +180,27 @@ def test_a_map_the_daemon_reclaimed_is_passed_again(workdir, bank, caplog):
         c.close()
     finally:
         d.stop()
+
+
+def test_a_session_brought_back_is_not_given_its_pending_bytes_again(fresh_daemon, workdir, bank):
+    """client_pending_bytes is what the client takes after session.create:
+    by a restart it has taken them, so the session re-created with its
+    options leaves nothing free for them again."""
+    c = Client(fresh_daemon.socket, reconnect=20, warm_interval=-1)
+    try:
+        pending = 1 << 20
+        r = c.create_session("demo", policy="lru", budget="auto", client_pending_bytes=pending)
+        sid = r["session"]
+        assert r["budget_auto"]["client_pending_bytes"] == pending, r
+        d = restart(fresh_daemon, workdir, bank)
+        try:
+            with pytest.raises(QmoeError) as gone:
+                c.plan(sid)  # meets the broken connection
+            assert c.restore(sid, gone.value) and c.restores == 1
+            plan = c.plan(sid)
+            assert plan["budget_auto"]["client_pending_bytes"] == 0, plan["budget_auto"]
+        finally:
+            d.stop()
+            fresh_daemon.proc = d.proc
+    finally:
+        c.close()

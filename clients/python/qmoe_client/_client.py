@@ -722,12 +722,15 @@ class Client:
         return self.call("session.list")["sessions"]
 
     def create_session(self, model, policy=None, budget_bytes=None, policy_params=None,
-                       precision=None, budget=None):
+                       precision=None, budget=None, client_pending_bytes=None):
         """precision: "exact" (the daemon's default) or "fast" (int8 activations).
         budget: bytes (an int), "N%" of the model's expert bytes, or "auto"
         (the daemon sizes it from the memory this machine and its cgroup give,
         and shrinks it under memory pressure); budget_bytes is the same as
-        bytes. The result carries "budget_auto" (what auto came to and why)."""
+        bytes. The result carries "budget_auto" (what auto came to and why).
+        client_pending_bytes (with budget "auto"): memory this process takes
+        after the call (a KV cache, buffers), which the auto budget leaves
+        free; not sent again when the session is re-created after a restart."""
         p = {"model": model}
         if policy is not None:
             p["policy"] = policy
@@ -736,6 +739,8 @@ class Client:
             p["policy_params"] = policy_params
         if precision is not None:
             p["precision"] = precision
+        if client_pending_bytes is not None:
+            p["client_pending_bytes"] = client_pending_bytes
         return self.call("session.create", p)
 
     def close_session(self, session):
@@ -898,6 +903,7 @@ class Client:
 
     def _recreate(self, session, kept, state):
         p = dict(kept.params, session=session)
+        p.pop("client_pending_bytes", None)  # taken by the client since
         if kept.warm:
             p["warm"] = kept.warm
         r = self.call("session.create", p)
