@@ -284,6 +284,22 @@ def test_budget_auto_and_a_bad_budget(tools, ggufs, daemon):
     mapped = generate(tools, gguf, qmoed_args(daemon, "--qmoed-policy", "lru", "--qmoed-budget", "auto",
                                               "--load-mode", "mmap"))
     assert text_of(mapped) == text_of(r) and read_in not in mapped.stderr
+    # What the context takes after its session is made goes to the daemon
+    # as pending, which counts toward the reserve: its compute buffers, and
+    # the weights it maps and has not read yet.
+    pending = re.compile(r"the auto budget was told what this context takes next: compute buffers "
+                         r"([\d.]+) MiB, mapped weights ([\d.]+) MiB")
+    skipped = re.search(r"their expert tensors \(([\d.]+) MiB\) are not loaded", r.stderr)
+    assert skipped, r.stderr[-3000:]
+    rest_mib = os.path.getsize(gguf) / 1048576.0 - float(skipped.group(1))  # and the GGUF's header
+    for run, is_mapped in ((r, False), (mapped, True)):
+        m = pending.search(run.stderr)
+        assert m and float(m.group(1)) > 0, run.stderr[-3000:]
+        mapped_mib = float(m.group(2))
+        # (the log's MiB are rounded to 0.01 and 0.1)
+        assert (0 < mapped_mib <= rest_mib + 0.06) if is_mapped else mapped_mib == 0, \
+            (mapped_mib, rest_mib, run.stderr[-3000:])
+        assert "the client's pending " in run.stderr, run.stderr[-3000:]
     assert read_in not in generate(tools, gguf, qmoed_args(daemon)).stderr
     r = generate(tools, gguf, qmoed_args(daemon, "--qmoed-policy", "lru", "--qmoed-budget", "12.5%"))
     m = re.search(r"budget (\d+) of (\d+) expert bytes", r.stderr)

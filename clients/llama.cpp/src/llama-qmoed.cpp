@@ -346,7 +346,7 @@ std::string mismatch(const json & m, const std::string & name, const std::string
 
 } // namespace
 
-std::shared_ptr<const llama_qmoed_model> llama_qmoed_attach(
+std::shared_ptr<llama_qmoed_model> llama_qmoed_attach(
         const llama_qmoed_params & p, const std::string & gguf_path, llm_arch arch,
         const llama_hparams & hp, const llama_model_loader & ml, std::set<std::string> * skip) {
     auto q = std::make_shared<llama_qmoed_model>();
@@ -464,6 +464,7 @@ std::shared_ptr<const llama_qmoed_model> llama_qmoed_attach(
     for (const auto & n : names) {
         skipped += ggml_nbytes(ml.get_tensor_meta(n.c_str()));
     }
+    q->other_bytes = ml.n_bytes > skipped ? ml.n_bytes - skipped : 0;
     skip->insert(names.begin(), names.end());
     LLAMA_LOG_INFO("qmoed: %zu MoE blocks %s served by '%s' at %s; their expert tensors (%.2f MiB) are not loaded\n",
                    blocks.size(), list_str(bank_blocks).c_str(), q->name.c_str(), q->socket.c_str(),
@@ -656,11 +657,19 @@ llama_qmoed_session_ptr llama_qmoed_session_open(std::shared_ptr<const llama_qmo
     for (size_t il = 0; il < model->bank_layer.size(); il++) {
         s->ops[il] = {s.get(), (int) il, model->bank_layer[il]};
     }
+    s->rows_cap = std::max<uint32_t>(1, n_ubatch);
     if (dry_run) {
         s->dry = true;
         s->why = "qmoed: a context that only measures memory computes nothing";
-        return s;
     }
+    return s;
+}
+
+void llama_qmoed_session_connect(llama_qmoed_session * s, uint64_t compute_bytes, uint64_t mapped_bytes) {
+    if (!s || s->dry || s->client) {
+        return;
+    }
+    const std::shared_ptr<const llama_qmoed_model> & model = s->model;
     const std::string & sock = model->socket;
     qm_client_error err;
     if (qm_client_open(&s->client, sock.c_str(), QMOED_TIMEOUT_MS, &err) != 0) {
@@ -683,12 +692,16 @@ llama_qmoed_session_ptr llama_qmoed_session_open(std::shared_ptr<const llama_qmo
     sp.budget = model->budget.empty() ? nullptr : model->budget.c_str();
     sp.policy_params_json = params_json.empty() ? nullptr : params_json.c_str();
     sp.precision = model->precision.empty() ? nullptr : model->precision.c_str();
+    // What this context takes after the session is made: an auto budget leaves it free.
+    const bool auto_budget = model->budget == "auto";
+    if (auto_budget) {
+        sp.client_pending_bytes = compute_bytes + mapped_bytes;
+    }
     qm_client_plan_summary sum;
     if (qm_client_session_create(s->client, &sp, &s->id, &sum, &err) != 0) {
         refuse(format("the daemon at %s refused a session of '%s': %s%s%s", sock.c_str(), model->name.c_str(),
                       err.reason, err.field[0] ? " (field " : "", err.field[0] ? (std::string(err.field) + ")").c_str() : ""));
     }
-    s->rows_cap = std::max<uint32_t>(1, n_ubatch);
     s->k_cap = std::max<uint32_t>(1, model->n_expert_used);
     const uint64_t H = model->n_embd;
     s->off_ids = align64((uint64_t) s->rows_cap * H * sizeof(float));
@@ -715,8 +728,12 @@ llama_qmoed_session_ptr llama_qmoed_session_open(std::shared_ptr<const llama_qmo
                    (unsigned long long) model->bank_bytes, sum.budget_auto ? " (" : "",
                    sum.budget_auto ? (std::string(sum.budget_auto) + ")").c_str() : "", (unsigned long long) bytes,
                    s->rows_cap, s->ring ? "its call ring" : "the socket");
+    if (auto_budget) {
+        LLAMA_LOG_INFO("qmoed: session %s: the auto budget was told what this context takes next: compute "
+                       "buffers %.2f MiB, mapped weights %.2f MiB\n",
+                       s->id, compute_bytes / 1048576.0, mapped_bytes / 1048576.0);
+    }
     qm_client_plan_summary_free(&sum);
-    return s;
 }
 
 bool llama_qmoed_serves(const llama_qmoed_session * s, int il) {

@@ -33,6 +33,8 @@ struct llama_qmoed_model {
     std::string bank;     // --qmoed-bank as an absolute path ("" = none): loaded again by a context
                           // whose session comes back to a restarted daemon that lacks the model
     uint64_t bank_bytes = 0;           // the bank's expert bytes (bytes_total), for the log
+    uint64_t other_bytes = 0;          // the GGUF's tensors but the expert tensors qmoed serves
+    bool weights_mapped = false;       // the loader maps those (set once, after attach)
     uint32_t n_embd = 0;               // hidden size
     uint32_t n_expert_used = 0;        // widest routing (topk_ids columns) of any layer
     std::vector<int32_t> bank_layer;   // per block: the bank layer serving it, -1 for none
@@ -50,15 +52,20 @@ struct llama_qmoed_model {
 // `*skip`, which the loader never allocates, reads or prefetches. Throws
 // std::runtime_error with one sentence naming what does not match; nothing
 // stays loaded in the daemon by this call then.
-std::shared_ptr<const llama_qmoed_model> llama_qmoed_attach(
+std::shared_ptr<llama_qmoed_model> llama_qmoed_attach(
         const llama_qmoed_params & p, const std::string & gguf_path, llm_arch arch,
         const llama_hparams & hp, const llama_model_loader & ml, std::set<std::string> * skip);
 
-// One context's session. Opening creates the session (policy, budget,
-// precision, on_miss) and a map big enough for `n_ubatch` rows; it throws
-// std::runtime_error with the daemon's reason. With `dry_run` (a context
-// that only measures memory: its graphs are built, never computed) nothing
-// is sent to the daemon. Closing (the deleter) logs the session's counters,
+// One context's session. Opening makes the object the graphs' ops point to,
+// before any graph is built; connecting, once the context's buffers are
+// allocated, creates the daemon's session (policy, budget, precision,
+// on_miss) and a map big enough for `n_ubatch` rows, and throws
+// std::runtime_error with the daemon's reason. With budget "auto" it
+// declares `compute_bytes` (the context's compute buffers, reserved and not
+// yet touched) and `mapped_bytes` (weights the loader maps, not yet read) as
+// the client's pending bytes, which the budget leaves free. With `dry_run` (a
+// context that only measures memory: its graphs are built, never computed)
+// nothing is sent to the daemon. Closing (the deleter) logs the session's counters,
 // then closes the map, the session and the connection. Across a daemon
 // restart libqmoe-client brings the session and its map back within its
 // window ($QMOED_RECONNECT_S, default 30 s) and retries the layer call
@@ -71,6 +78,7 @@ using llama_qmoed_session_ptr = std::unique_ptr<llama_qmoed_session, llama_qmoed
 
 llama_qmoed_session_ptr llama_qmoed_session_open(std::shared_ptr<const llama_qmoed_model> model,
                                                  uint32_t n_ubatch, bool dry_run);
+void llama_qmoed_session_connect(llama_qmoed_session * s, uint64_t compute_bytes, uint64_t mapped_bytes);
 
 // Whether block `il`'s routed experts are the daemon's.
 bool llama_qmoed_serves(const llama_qmoed_session * s, int il);
