@@ -895,7 +895,9 @@ def main(argv=None):
                     help="no llama.cpp alone rows (an A/B of qmoed rows with --variant)")
     ap.add_argument("--no-midrun", dest="midrun", action="store_false",
                     help="no run with the first cap lowered mid-run by half of what auto took")
-    ap.add_argument("--midrun-tokens", type=int, default=96, help="tokens that run decodes")
+    ap.add_argument("--midrun-tokens", type=int, default=256,
+                    help="tokens that run decodes (96 was too few for the Qwen3 shape at 35 tok/s: "
+                         "it finished before the limit was half-way down)")
     ap.add_argument("--direct-q8", action="store_true",
                     help="convert straight to Q8_0 (no bf16 GGUF on disk); Q4_0 requantised from it")
     ap.add_argument("--quant", choices=["q4_0", "mxfp4_moe"], default="q4_0",
