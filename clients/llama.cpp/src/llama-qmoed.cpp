@@ -535,8 +535,11 @@ struct llama_qmoed_session {
         const ggml_tensor * x = dst->src[0], * ids = dst->src[1], * w = dst->src[2];
         float * out = (float *) dst->data;
         const int64_t H = x->ne[0], T = x->ne[1], k = ids->ne[0];
-        if (failed || dry) {
+        if (failed || dry || !client) {
             failed = true;
+            if (!dry && !client) {
+                why = "qmoed: the context computed before its session was made (llama_qmoed_session_connect)";
+            }
             memset(out, 0, ggml_nbytes(dst));
             return;
         }
