@@ -931,6 +931,47 @@ START_TEST(test_threads_of_one_handle_each_bring_their_session_back)
 }
 END_TEST
 
+/* client_pending_bytes is what the client takes after session.create: by a
+ * restart it has taken them, so the session the handle brings back is
+ * created without them (the daemon's reason for its auto budget names
+ * them before the restart, not after). */
+START_TEST(test_a_session_brought_back_is_not_given_its_pending_bytes_again)
+{
+    char at[400];
+    pid_t d;
+    qm_client *c = own_daemon(at, sizeof at, "pending", &d);
+    qm_client_error err;
+    qm_client_session_params p = {.model = "demo", .budget = "auto",
+                                  .client_pending_bytes = 1 << 20};
+    char *id = NULL;
+    qm_client_plan_summary sum;
+    ck_assert_msg(qm_client_session_create(c, &p, &id, &sum, &err) == 0, "%s", err.reason);
+    ck_assert_ptr_nonnull(sum.budget_auto);
+    ck_assert_msg(strstr(sum.budget_auto, "the client's pending ") != NULL, "%s", sum.budget_auto);
+    qm_client_plan_summary_free(&sum);
+    float x[TOKENS * HIDDEN];
+    fill_hidden(x, 3);
+    qm_client_tensor h = {.dtype = QM_CLIENT_F32, .ndim = 2, .shape = {TOKENS, HIDDEN},
+                          .data = x, .nbytes = sizeof x};
+    qm_client_infer_result r;
+    ck_assert_int_eq(qm_client_session_infer(c, id, 0, &h, NULL, 0, &r, &err), 0);
+    qm_client_infer_result_free(&r);
+    kill_qmoed(d);
+    d = spawn_qmoed(at, 1);
+    ck_assert_msg(qm_client_session_infer(c, id, 0, &h, NULL, 0, &r, &err) == 0, "%s", err.reason);
+    qm_client_infer_result_free(&r);
+    ck_assert_uint_eq(qm_client_restores(c), 1);
+    qm_client_plan plan;
+    ck_assert_msg(qm_client_session_plan(c, id, &plan, &err) == 0, "%s", err.reason);
+    ck_assert_ptr_nonnull(plan.budget_auto);
+    ck_assert_msg(strstr(plan.budget_auto, "the client's pending") == NULL, "%s", plan.budget_auto);
+    qm_client_plan_free(&plan);
+    qm_client_string_free(id);
+    qm_client_close(c);
+    kill_qmoed(d);
+}
+END_TEST
+
 /* Reconnection off (window 0): the first call after a restart fails as it
  * always did, and the session is not re-created behind the caller. */
 START_TEST(test_reconnection_off_fails_at_once)
@@ -988,6 +1029,7 @@ int main(void)
     tcase_set_timeout(restart, 120);
     tcase_add_test(restart, test_a_session_outlives_a_daemon_restart);
     tcase_add_test(restart, test_reconnection_off_fails_at_once);
+    tcase_add_test(restart, test_a_session_brought_back_is_not_given_its_pending_bytes_again);
     tcase_add_test(restart, test_threads_of_one_handle_each_bring_their_session_back);
     tcase_add_test(restart, test_a_map_the_daemon_reclaimed_is_passed_again);
     suite_add_tcase(s, restart);
