@@ -607,6 +607,21 @@ static int one_token(qm_client *c, const char *id, const qm_client_map *m, uint6
     return qm_client_session_infer_mapped(c, &q, st, err);
 }
 
+/* One call of TOKENS rows through layer 0 with the hidden states of `seed`,
+ * sent in base64 (no map): its return code. */
+static int base64_call(qm_client *c, const char *id, int seed, qm_client_error *err)
+{
+    float x[TOKENS * HIDDEN];
+    fill_hidden(x, seed);
+    qm_client_tensor h = {.dtype = QM_CLIENT_F32, .ndim = 2, .shape = {TOKENS, HIDDEN},
+                          .data = x, .nbytes = sizeof x};
+    qm_client_infer_result r;
+    int rc = qm_client_session_infer(c, id, 0, &h, NULL, 0, &r, err);
+    if (rc == 0)
+        qm_client_infer_result_free(&r);
+    return rc;
+}
+
 /* SIGKILL and restart under a paged session with a map: the next layer call
  * brings the session back under its id (restarted with the model; then
  * without it, the handle loading its bank), warm from its last plan, and
@@ -949,17 +964,10 @@ START_TEST(test_a_session_brought_back_is_not_given_its_pending_bytes_again)
     ck_assert_ptr_nonnull(sum.budget_auto);
     ck_assert_msg(strstr(sum.budget_auto, "the client's pending ") != NULL, "%s", sum.budget_auto);
     qm_client_plan_summary_free(&sum);
-    float x[TOKENS * HIDDEN];
-    fill_hidden(x, 3);
-    qm_client_tensor h = {.dtype = QM_CLIENT_F32, .ndim = 2, .shape = {TOKENS, HIDDEN},
-                          .data = x, .nbytes = sizeof x};
-    qm_client_infer_result r;
-    ck_assert_int_eq(qm_client_session_infer(c, id, 0, &h, NULL, 0, &r, &err), 0);
-    qm_client_infer_result_free(&r);
+    ck_assert_int_eq(base64_call(c, id, 3, &err), 0);
     kill_qmoed(d);
     d = spawn_qmoed(at, 1);
-    ck_assert_msg(qm_client_session_infer(c, id, 0, &h, NULL, 0, &r, &err) == 0, "%s", err.reason);
-    qm_client_infer_result_free(&r);
+    ck_assert_msg(base64_call(c, id, 3, &err) == 0, "%s", err.reason);
     ck_assert_uint_eq(qm_client_restores(c), 1);
     qm_client_plan plan;
     ck_assert_msg(qm_client_session_plan(c, id, &plan, &err) == 0, "%s", err.reason);
@@ -985,18 +993,12 @@ START_TEST(test_reconnection_off_fails_at_once)
     qm_client_session_params p = {.model = "demo"};
     char *id = NULL;
     ck_assert_int_eq(qm_client_session_create(c, &p, &id, NULL, &err), 0);
-    float x[TOKENS * HIDDEN];
-    fill_hidden(x, 1);
-    qm_client_tensor h = {.dtype = QM_CLIENT_F32, .ndim = 2, .shape = {TOKENS, HIDDEN},
-                          .data = x, .nbytes = sizeof x};
-    qm_client_infer_result r;
-    ck_assert_int_eq(qm_client_session_infer(c, id, 0, &h, NULL, 0, &r, &err), 0);
-    qm_client_infer_result_free(&r);
+    ck_assert_int_eq(base64_call(c, id, 1, &err), 0);
     kill_qmoed(d);
     d = spawn_qmoed(at, 1);
-    ck_assert_int_eq(qm_client_session_infer(c, id, 0, &h, NULL, 0, &r, &err), QM_CLIENT_EIO);
+    ck_assert_int_eq(base64_call(c, id, 1, &err), QM_CLIENT_EIO);
     /* The next call reaches the new daemon, which never heard of it. */
-    int rc = qm_client_session_infer(c, id, 0, &h, NULL, 0, &r, &err);
+    int rc = base64_call(c, id, 1, &err);
     ck_assert_msg(rc == -32001, "%d %s", rc, err.reason);
     ck_assert_uint_eq(qm_client_restores(c), 0);
     qm_client_string_free(id);
