@@ -62,6 +62,18 @@ static int read_keyed(const char *path, const char *key, uint64_t *out)
     return rc;
 }
 
+/* A memory.stat value, 0 when absent: v1's total_ form first, which
+ * counts the subtree as its usage does (v2's are hierarchical). */
+static uint64_t stat_value(const char *stat, int v1, const char *key)
+{
+    char total[64];
+    uint64_t v = 0;
+    snprintf(total, sizeof total, "total_%s", key);
+    if (!(v1 && read_keyed(stat, total, &v) == 0) && read_keyed(stat, key, &v) < 0)
+        v = 0;
+    return v;
+}
+
 static void set_available(qm_mem_bound *b)
 {
     b->available = b->limit > b->usage ? b->limit - b->usage : 0;
@@ -98,10 +110,17 @@ static int read_cgroup(const char *dir, qm_mem_kind kind, qm_mem_bound *b)
         return -1;
     char stat[QM_MEM_PATH_MAX + 16];
     snprintf(stat, sizeof stat, "%s/memory.stat", dir);
-    /* v1's total_ counts the subtree, as its usage does; v2's are hierarchical. */
-    if (!(v1 && read_keyed(stat, "total_inactive_file", &b->cache) == 0) &&
-        read_keyed(stat, "inactive_file", &b->cache) < 0)
-        b->cache = 0;
+    /* The page cache no process maps: every inactive file page, and the
+     * active ones beyond the mapped (a mapped page may sit on either list,
+     * so this never counts one as free). An engine that read its weights
+     * in left their pages behind, and the next process that read them
+     * again (llama-bench's decode run after its prefill run) made them
+     * active: counted as in use, they took 90-260 MB of the bench models'
+     * budgets in a cgroup for nothing that was needed. */
+    uint64_t inactive = stat_value(stat, v1, "inactive_file");
+    uint64_t active = stat_value(stat, v1, "active_file");
+    uint64_t mapped = stat_value(stat, v1, v1 ? "mapped_file" : "file_mapped");
+    b->cache = inactive + (active > mapped ? active - mapped : 0);
     if (b->cache > b->usage)
         b->cache = b->usage;
     b->usage -= b->cache;

@@ -4,9 +4,11 @@
  * with a limit from qmoed's own (found through /proc/self/cgroup and
  * /proc/self/mountinfo) up to its hierarchy's root, cgroup v1
  * (memory.limit_in_bytes, memory.usage_in_bytes) or v2 (memory.max,
- * memory.current). A cgroup's memory in use is its usage less its inactive
- * file pages (memory.stat), the page cache the kernel drops first: the
- * working set, as container runtimes count it.
+ * memory.current). A cgroup's memory in use is its usage less the page
+ * cache no process maps (memory.stat: its inactive file pages, and its
+ * active ones beyond the mapped), which the kernel reclaims before it
+ * fails an allocation: container runtimes' working set (usage less the
+ * inactive file pages) less what an earlier reader left active.
  *
  * Plain file reads and no state: each call reads what is true now, so a
  * daemon moved into another cgroup, or whose limit an operator changed, is
@@ -38,7 +40,7 @@ typedef struct qm_mem_bound {
     char path[QM_MEM_PATH_MAX]; /* the cgroup's directory; the meminfo file for the host */
     uint64_t limit;             /* MemTotal; the cgroup's limit */
     uint64_t usage;             /* in use: MemTotal - MemAvailable; the cgroup's working set */
-    uint64_t cache;             /* cgroups: inactive file pages left out of usage */
+    uint64_t cache;             /* cgroups: page cache no process maps, left out of usage */
     uint64_t available;         /* MemAvailable; limit - usage (0 when over) */
 } qm_mem_bound;
 

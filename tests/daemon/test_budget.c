@@ -65,10 +65,14 @@ START_TEST(test_memory_reads_meminfo_and_every_limited_cgroup_up_the_chain)
     /* mid: no limit (the kernel's "unlimited"): not a bound, the walk goes on. */
     write_file(mid, "memory.limit_in_bytes", "9223372036854771712\n");
     write_file(mid, "memory.usage_in_bytes", "1\n");
-    /* leaf: 200 MB, 150 MB in use, 30 MB of it inactive (v1 counts the subtree). */
+    /* leaf: 200 MB, 170 MB in use, 30 MB of it inactive page cache and 50
+     * MB active, 30 MB of which processes map (v1 counts the subtree): the
+     * 20 MB of active pages no one maps are left out as well. */
     write_file(leaf, "memory.limit_in_bytes", "200000000\n");
-    write_file(leaf, "memory.usage_in_bytes", "150000000\n");
-    write_file(leaf, "memory.stat", "inactive_file 1\ntotal_inactive_file 30000000\n");
+    write_file(leaf, "memory.usage_in_bytes", "170000000\n");
+    write_file(leaf, "memory.stat",
+               "inactive_file 1\nactive_file 2\nmapped_file 3\ntotal_inactive_file 30000000\n"
+               "total_active_file 50000000\ntotal_mapped_file 30000000\n");
     setenv("QMOED_TEST_MEMINFO", meminfo, 1);
     setenv("QMOED_TEST_CGROUP", leaf, 1);
     qm_mem_state m;
@@ -82,7 +86,7 @@ START_TEST(test_memory_reads_meminfo_and_every_limited_cgroup_up_the_chain)
     ck_assert_str_eq(m.bounds[1].path, leaf);
     ck_assert_int_eq(m.bounds[1].kind, QM_MEM_CGROUP_V1);
     ck_assert_uint_eq(m.bounds[1].usage, 120 * MB);
-    ck_assert_uint_eq(m.bounds[1].cache, 30 * MB);
+    ck_assert_uint_eq(m.bounds[1].cache, 50 * MB);
     ck_assert_uint_eq(m.bounds[1].available, 80 * MB);
     ck_assert_str_eq(m.bounds[2].path, top);
     ck_assert_uint_eq(m.bounds[2].available, 520 * MB);
@@ -94,6 +98,14 @@ START_TEST(test_memory_reads_meminfo_and_every_limited_cgroup_up_the_chain)
     ck_assert_str_eq(text, "cgroup limit 200.0 MB - in use 120.0 MB");
     qm_mem_describe(&m.bounds[0], text, sizeof text);
     ck_assert_str_eq(text, "MemAvailable 819.2 MB");
+    /* More mapped than active (mapped pages on the inactive list too):
+     * the inactive pages alone are left out, never a mapped one. */
+    write_file(leaf, "memory.stat",
+               "total_inactive_file 30000000\ntotal_active_file 10000000\n"
+               "total_mapped_file 25000000\n");
+    ck_assert_int_eq(qm_mem_read(&m, &st), 0);
+    ck_assert_uint_eq(m.bounds[1].usage, 140 * MB);
+    ck_assert_uint_eq(m.bounds[1].cache, 30 * MB);
     /* Over its limit: nothing available, not a wrapped-around number. */
     write_file(leaf, "memory.usage_in_bytes", "900000000\n");
     ck_assert_int_eq(qm_mem_read(&m, &st), 0);
@@ -113,7 +125,9 @@ START_TEST(test_memory_reads_cgroup_v2_max_and_current)
     write_file(g_root, "memory.current", "5\n");
     write_file(leaf, "memory.max", "4000000000\n");
     write_file(leaf, "memory.current", "500000000\n");
-    write_file(leaf, "memory.stat", "anon 1\ninactive_file 100000000\n");
+    write_file(leaf, "memory.stat",
+               "anon 1\nactive_file 60000000\nfile_mapped 10000000\n"
+               "inactive_file 50000000\n");
     setenv("QMOED_TEST_MEMINFO", "/nonexistent/meminfo", 1);
     setenv("QMOED_TEST_CGROUP", leaf, 1);
     qm_mem_state m;
