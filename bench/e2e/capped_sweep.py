@@ -30,11 +30,8 @@ GPT-OSS ships, requantised from it, and its e2m1 code-book bank), then:
   copies the weights into anonymous memory, which a cap below the GGUF
   OOM-kills, measured after 5.5 minutes of thrashing; --alone-repack 1 runs
   it anyway), then a fresh qmoed moved into the group (paging_source
-  direct, auto_budget_reserve = everything but qmoed's experts: the
-  engine's share measured uncapped (its peak anonymous memory and the GGUF
-  pages it touched) plus 128 MiB for qmoed's own memory and the page cache
-  the kernel churns (with 64 MiB the 1/4 cap of the GPT-OSS shape shrank
-  under pressure and decoded 0.6x; docs/BENCHMARKS.md); or --reserve) and llama.cpp + qmoed with `--qmoed-policy next_use
+  direct, auto_budget_reserve left at qmoed's default, as a user runs it,
+  or --reserve BYTES) and llama.cpp + qmoed with `--qmoed-policy next_use
   --qmoed-budget auto` in the group too (--load-mode MODE: its llama-bench
   loads the weights so, `-lm MODE`; `none` reads them into memory before
   the session is made, where auto counts them, instead of mapping them).
@@ -382,11 +379,21 @@ def alone(a, shape, gguf, gguf_bytes, cap):
     return row
 
 
+# qmoed's auto_budget_reserve when none is set (daemon/qm_config.c): the
+# midrun row's limit steps are a third of it.
+QMOED_DEFAULT_RESERVE = 256 << 20
+
+
+def reserve_args(reserve):
+    """qmoed's arguments for --reserve: none for its default."""
+    return [] if reserve is None else ["--set", "auto_budget_reserve=%d" % reserve]
+
+
 def with_qmoed(a, shape, gguf, bank, name, gguf_bytes, cap, reserve, layers, variant=None):
     from qmoed_harness import Daemon
     row = base_row(shape, "llama.cpp + qmoed" + (", " + variant[0] if variant else ""), cap, gguf_bytes)
     args = ["--threads", str(a.threads), "--log-level", "info", "--set", "paging_source=direct",
-            "--set", "io_depth=%d" % a.iodepth, "--set", "auto_budget_reserve=%d" % reserve]
+            "--set", "io_depth=%d" % a.iodepth] + reserve_args(reserve)
     if variant:
         args += ["--set", variant[1]]
     g = MemCgroup(cap * gguf_bytes, prefix="qmoe-sweep") if cap else None
@@ -432,7 +439,8 @@ def with_qmoed(a, shape, gguf, bank, name, gguf_bytes, cap, reserve, layers, var
                                    if k.startswith("prefetch_") and k.split("_")[1] in
                                    ("router", "history", "lookahead") or k.endswith("_precision")}
     if row["status"] == "ok":
-        row["note"] = ("%s, --qmoed-budget auto (reserve %.2f GB), O_DIRECT" % (a.policy, reserve / GB)
+        row["note"] = ("%s, --qmoed-budget auto (reserve %s), O_DIRECT" % (
+            a.policy, "%.2f GB" % (reserve / GB) if reserve is not None else "qmoed's default")
                        if cap else "whole_bank, uncapped")
         if a.load_mode:
             row["note"] += ", -lm " + a.load_mode
@@ -483,9 +491,8 @@ def midrun(a, shape, gguf, bank, name, gguf_bytes, cap, reserve):
         dm = Daemon(models={name: bank}, args=["--threads", str(a.threads), "--log-level", "info",
                                                "--set", "paging_source=direct", "--set",
                                                "io_depth=%d" % a.iodepth, "--set",
-                                               "auto_budget_reserve=%d" % reserve, "--set",
                                                "auto_budget_check_ms=200", "--set",
-                                               "auto_budget_grow_after_s=3600"])
+                                               "auto_budget_grow_after_s=3600"] + reserve_args(reserve))
         g.add(dm.proc.pid)
         proc, out = completion(a, gguf, ["--qmoed", dm.socket, "--qmoed-policy", a.policy,
                                          "--qmoed-budget", "auto"], g.prefix())
@@ -496,7 +503,8 @@ def midrun(a, shape, gguf, bank, name, gguf_bytes, cap, reserve):
             time.sleep(0.05)
         refused = 0
         if took:
-            goal, step = limit - took // 2, max(reserve // 3, 16 << 20)
+            goal = limit - took // 2
+            step = max((reserve if reserve is not None else QMOED_DEFAULT_RESERVE) // 3, 16 << 20)
             while cur > goal and proc.poll() is None:
                 try:
                     g.set_limit(max(goal, cur - step))
@@ -616,17 +624,13 @@ def run_shape(a, shape):
         # (first, then last) reversed every other round; llama.cpp alone
         # once (the first round).
         refs, alone_rows, runs_of = [], {}, {}
-        reserve = None
+        reserve = a.reserve
         for rnd in range(a.rounds):
             tag = " (round %d of %d)" % (rnd + 1, a.rounds) if a.rounds > 1 else ""
             caps = list(a.caps) if rnd % 2 == 0 else list(reversed(a.caps))
             if rnd % 2 == 0:
-                refs.append(with_qmoed(a, shape, gguf, bank, name, gguf_bytes, None, 0, layers))
+                refs.append(with_qmoed(a, shape, gguf, bank, name, gguf_bytes, None, None, layers))
                 progress("%s: uncapped + qmoed%s, decode %s tok/s" % (shape, tag, fmt(refs[-1]["decode_tok_s"])))
-            if reserve is None:
-                ref0 = refs[0]
-                reserve = a.reserve if a.reserve is not None else int(
-                    (ref0["engine_peak_anon"] or 0) + (ref0["engine_peak_file"] or rest) + (128 << 20))
             this_round = []
             for cap in caps:
                 if a.alone and rnd == 0:
@@ -648,7 +652,7 @@ def run_shape(a, shape):
                         shape, row["status"], " (%s)" % v[0] if v else "",
                         fmt(row["decode_tok_s"]), row["budget_auto"]))
             if rnd % 2 == 1:
-                refs.append(with_qmoed(a, shape, gguf, bank, name, gguf_bytes, None, 0, layers))
+                refs.append(with_qmoed(a, shape, gguf, bank, name, gguf_bytes, None, None, layers))
                 progress("%s: uncapped + qmoed%s, decode %s tok/s" % (shape, tag, fmt(refs[-1]["decode_tok_s"])))
             ref = refs[-1]
             compute_s = 1 / ref["decode_tok_s"] if ref["decode_tok_s"] else None
@@ -881,8 +885,8 @@ def main(argv=None):
                     help="per cap, another llama.cpp + qmoed row with qmoed --set KEY=VALUE "
                     "(e.g. no-trial:prefetch_trial=false), named NAME; repeatable")
     ap.add_argument("--precision", choices=("exact", "fast"), help="of the qmoed rows (default: exact)")
-    ap.add_argument("--reserve", type=int, help="auto_budget_reserve in bytes (default: the engine's "
-                    "share measured uncapped + 128 MiB)")
+    ap.add_argument("--reserve", type=int, help="auto_budget_reserve in bytes (default: qmoed's own, "
+                    "as a user runs it)")
     ap.add_argument("--iodepth", type=int, default=32,
                     help="reads in flight: qmoed's io_depth (its default, 32) and fio's")
     ap.add_argument("--fio-seconds", type=int, default=5)
