@@ -326,6 +326,24 @@ static int budget_text(const char *opt, const char *s, char *out, size_t cap)
                                opt, s);
 }
 
+/* --pending SIZE (session.create's client_pending_bytes) into *out: a size
+ * or bytes, 0 allowed, and only beside --budget auto, as the daemon has it. */
+static int pending_bytes(const qmoectl_args *a, uint64_t *out)
+{
+    const char *s = qmoectl_opt(a, "--pending"), *b = qmoectl_opt(a, "--budget");
+    *out = 0;
+    if (!s)
+        return 0;
+    if (qmoectl_parse_bytes(s, out) < 0 || *out > (1ull << 53))
+        return qmoectl_usage_error("--pending takes bytes or a size (512M, 2GiB) up to 2^53, "
+                                   "not '%.32s'",
+                                   s);
+    if (!b || strcmp(b, "auto") != 0)
+        return qmoectl_usage_error("--pending needs --budget auto: it is memory the auto budget "
+                                   "leaves free for what the engine takes next");
+    return 0;
+}
+
 /* "budget auto: 3.10 GB = cgroup limit ..." after a create or a resize to auto. */
 static void print_budget_auto(const char *why)
 {
@@ -346,6 +364,10 @@ static int cmd_create(qm_client *c, const qmoectl_args *a)
         return rc;
     if (bstr && (rc = budget_text("--budget", bstr, budget, sizeof budget)) != 0)
         return rc;
+    uint64_t pending;
+    if ((rc = pending_bytes(a, &pending)) != 0)
+        return rc;
+    int has_pending = qmoectl_opt(a, "--pending") != NULL;
     if (a->json) {
         char qm[1024], qp[256], params[17000];
         if (qmoectl_json_quote(a->pos[0], qm, sizeof(qm)) < 0 ||
@@ -360,6 +382,9 @@ static int cmd_create(qm_client *c, const qmoectl_args *a)
             n += snprintf(params + n, sizeof(params) - (size_t)n, ",\"policy_params\":%s", pp);
         if (prec)
             n += snprintf(params + n, sizeof(params) - (size_t)n, ",\"precision\":\"%s\"", prec);
+        if (has_pending)
+            n += snprintf(params + n, sizeof(params) - (size_t)n, ",\"client_pending_bytes\":%llu",
+                          (unsigned long long)pending);
         snprintf(params + n, sizeof(params) - (size_t)n, "}");
         return qmoectl_print_json(c, "session.create", params);
     }
@@ -367,7 +392,8 @@ static int cmd_create(qm_client *c, const qmoectl_args *a)
                                    .policy = policy,
                                    .budget = bstr ? budget : NULL,
                                    .policy_params_json = any ? pp : NULL,
-                                   .precision = prec};
+                                   .precision = prec,
+                                   .client_pending_bytes = pending};
     char *id = NULL;
     qm_client_plan_summary sum;
     qm_client_error err;
@@ -650,7 +676,10 @@ static int check_create(const qmoectl_args *a)
         return rc;
     const char *b = qmoectl_opt(a, "--budget");
     char text[32];
-    return b ? budget_text("--budget", b, text, sizeof text) : 0;
+    uint64_t pending;
+    if (b && (rc = budget_text("--budget", b, text, sizeof text)) != 0)
+        return rc;
+    return pending_bytes(a, &pending);
 }
 
 static int check_trace(const qmoectl_args *a)
@@ -691,7 +720,9 @@ const qmoectl_cmd qmoectl_cmds[] = {
      "Refused while sessions use it, unless --force closes them.",
      "--force", 1, 1, cmd_unload, NULL, NULL, NULL},
     {"sessions", "", "List sessions (a non-admin sees only their own).", "", 0, 0, cmd_sessions, NULL, NULL, NULL},
-    {"create", "MODEL [--policy P] [--budget BYTES|SIZE|N%|auto] [--param KEY=VALUE]... [--precision P]",
+    {"create",
+     "MODEL [--policy P] [--budget BYTES|SIZE|N%|auto [--pending SIZE]] [--param KEY=VALUE]... "
+     "[--precision P]",
      "Create a session on MODEL and print its id on the first line.\n"
      "  --policy P        the session's residency policy, one of those below (for a\n"
      "                    paged session, the budget below the model, the one marked\n"
@@ -701,12 +732,15 @@ const qmoectl_cmd qmoectl_cmds[] = {
      "                    auto: what this machine and qmoed's memory cgroup can give,\n"
      "                    less auto_budget_reserve; it shrinks under memory pressure\n"
      "                    and grows back (docs/OPERATIONS.md)\n"
+     "  --pending SIZE    with --budget auto: memory the engine takes after the\n"
+     "                    session is made (buffers, mapped weights not yet read), left\n"
+     "                    free beside the reserve (client_pending_bytes)\n"
      "  --param KEY=VALUE a policy parameter; VALUE is JSON when it reads as JSON\n"
      "                    (prefetch=false, pin_fraction=0.25, hot='[{\"layer\":0,\"experts\":[3,1]}]'),\n"
      "                    else a string; repeatable\n"
      "  --precision P     exact (default: f32, within 1e-5 of onnxruntime) or fast\n"
      "                    (int8 activations, integer dot products)",
-     "--policy= --budget= --param= --precision=", 1, 1, cmd_create, check_create,
+     "--policy= --budget= --pending= --param= --precision=", 1, 1, cmd_create, check_create,
      help_policies, NULL},
     {"close", "SESSION", "Close a session and release its memory (owner or admin).", "", 1, 1,
      cmd_close, NULL, NULL, NULL},

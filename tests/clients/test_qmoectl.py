@@ -234,6 +234,27 @@ def test_budget_auto_create_plan_and_resize(daemon):
     ctl(daemon, "close", sid)
 
 
+def test_create_with_pending_bytes_beside_budget_auto(daemon):
+    # --pending is session.create's client_pending_bytes: the daemon keeps
+    # it free and says so in the reason; the JSON result carries the bytes.
+    p = ctl(daemon, "create", "demo", "--policy", "lru", "--budget", "auto", "--pending", "3MiB")
+    assert re.search(r"^budget auto: .* - the client's pending 3\.1 MB - ", p.stdout, re.M), p.stdout
+    ctl(daemon, "close", p.stdout.split()[0])
+    r = ctl(daemon, "create", "demo", "--budget", "auto", "--pending", "0", json_out=True)
+    assert r["budget_auto"]["client_pending_bytes"] == 0, r
+    ctl(daemon, "close", r["session"])
+    r = ctl(daemon, "create", "demo", "--budget", "auto", "--pending", "4096", json_out=True)
+    assert r["budget_auto"]["client_pending_bytes"] == 4096, r
+    ctl(daemon, "close", r["session"])
+    # Refused before the wire: without auto, or not a size.
+    for args in (("--pending", "1M"), ("--budget", "50%", "--pending", "1M"),
+                 ("--budget", "auto", "--pending", "lots"), ("--budget", "auto", "--pending", "-1")):
+        p = ctl(daemon, "create", "demo", *args, check_rc=2)
+        assert "--pending" in p.stderr, (args, p.stderr)
+    assert "needs --budget auto" in ctl(daemon, "create", "demo", "--pending", "1M",
+                                        check_rc=2).stderr
+
+
 def test_create_with_an_unknown_policy_fails_naming_the_field(daemon):
     p = ctl(daemon, "create", "demo", "--policy", "mru", check_rc=1)
     assert p.stderr.startswith("qmoectl: ") and "invalid_params" in p.stderr and "policy" in p.stderr
