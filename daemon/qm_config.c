@@ -46,6 +46,7 @@ void qm_config_defaults(qm_config *cfg)
     cfg->io_depth = QM_PAGER_IO_DEPTH_DEFAULT;
     cfg->cpu_repack = 1;
     cfg->prefetch_trial = 1;
+    cfg->prefetch_park = 1;
     cfg->warm_from_profile = 1;
     cfg->workers = 2;
     cfg->log_level = QM_LOG_INFO;
@@ -303,6 +304,7 @@ static const key_def keys[] = {
     {"io_depth", K_U32, OFF(io_depth), 0, 1, QM_PAGER_IO_DEPTH_MAX},
     {"cpu_repack", K_BOOL, OFF(cpu_repack), 0, 0, 0},
     {"prefetch_trial", K_BOOL, OFF(prefetch_trial), 0, 0, 0},
+    {"prefetch_park", K_BOOL, OFF(prefetch_park), 0, 0, 0},
     {"record_routing", K_BOOL, OFF(record_routing), 0, 0, 0},
     {"warm_from_profile", K_BOOL, OFF(warm_from_profile), 0, 0, 0},
     {"device", K_DEVICES, 0, 0, 0, 0},
@@ -603,7 +605,8 @@ static void usage(FILE *out)
             "  --version, --help\n"
             "Config keys: socket backend device device_budget emu_copy_mbps\n"
             "  paging_source (%s) io_engine (%s) io_depth\n"
-            "  cpu_repack (true|false) prefetch_trial (true|false) record_routing (true|false)\n"
+            "  cpu_repack (true|false) prefetch_trial (true|false) prefetch_park (true|false)\n"
+            "  record_routing (true|false)\n"
             "  warm_from_profile (true|false) state_dir threads workers admin_group\n"
             "  user allow_root model_dirs (a list; --set model_dirs=DIR:DIR)\n"
             "  log_level max_request_bytes max_nesting max_batch max_connections max_sessions\n"

@@ -60,6 +60,7 @@ typedef struct qm_config {
     int allow_root; /* keep running as root without a warning */
     int cpu_repack; /* fast sessions' whole banks in the CPU decode GEMV's r8 layout (default 1) */
     int prefetch_trial; /* paged sessions time whether prefetch pays (default 1; qm_pager_trial.h) */
+    int prefetch_park;  /* a wrong guess's read stops at the call it was about (default 1) */
     int record_routing; /* every session records its routing to state_dir/routing-ID.qmtr (default 0) */
     int warm_from_profile; /* a new paging session starts from its model's hottest experts (default 1) */
     char *model_dirs; /* model.load only below these (':'-separated); NULL: anywhere */

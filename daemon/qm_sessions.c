@@ -376,6 +376,7 @@ static int make_recipe(const qm_sessions *ss, const qm_model *m, const qm_sessio
         .prefetch = spec->prefetch,
         /* Timed where a prefetch is a disk read (the pager's automatic). */
         .prefetch_trial = ss->cfg->prefetch_trial ? 0 : 2,
+        .keep_unasked_prefetch = !ss->cfg->prefetch_park,
         .on_miss = spec->on_miss,
         /* The prefetch after a call runs where the job says
          * (qm_session_after_forward: a ring's after its answer when the

@@ -183,6 +183,8 @@ static const metric_def metrics[] = {
      COFF(prefetch_lookahead_useful), {POFF(prefetch_lookahead_useful), NO_STAT}},
     {"prefetch_gated", "Forward calls times prediction sources that fetched nothing, switched off (imprecise, or their prefetches evicted unused).", 1,
      COFF(prefetch_gated), {POFF(prefetch_gated), NO_STAT}},
+    {"prefetch_parked", "Prefetch reads stopped part way because the call they guessed for did not ask for their expert.", 1,
+     COFF(prefetch_parked), {POFF(prefetch_parked), NO_STAT}},
     {"prefetch_trial_held", "Forward calls whose predictions were not fetched: the prefetch trial timed the session faster without them.", 1,
      COFF(prefetch_trial_held), {POFF(prefetch_trial_held), NO_STAT}},
     {"prefetch_trial_decisions", "Times the prefetch trial compared the session's speed with prefetch fetched and held.", 1,

@@ -44,6 +44,9 @@ typedef struct qm_counters {
     uint64_t prefetch_router_issued, prefetch_router_useful, prefetch_history_issued,
         prefetch_history_useful, prefetch_lookahead_issued, prefetch_lookahead_useful,
         prefetch_gated;
+    /* Prefetch reads parked part way: the call they guessed for did not
+     * ask for their expert (config prefetch_park). */
+    uint64_t prefetch_parked;
     /* The prefetch trial (engine/pager/qm_pager_trial.h): forward calls
      * whose predictions it held; its decisions, of them to hold. */
     uint64_t prefetch_trial_held, prefetch_trial_decisions, prefetch_trial_decisions_held;

@@ -110,7 +110,8 @@ typedef struct qm_pager_options {
      * the call computes its resident experts while they land. */
     int io_engine;
     /* Reads in flight at most (0 = QM_PAGER_IO_DEPTH_DEFAULT; at most
-     * QM_PAGER_IO_DEPTH_MAX, 64 for the pool); prefetches use at most half. */
+     * QM_PAGER_IO_DEPTH_MAX, 64 for the pool); prefetch reads go out only
+     * while no demand read is queued or in flight, 2 at most. */
     uint32_t io_depth;
     /* 1: qm_pager_forward leaves its prefetch (the next layers' router
      * GEMVs and the reads they issue: 50-90 us of a paged T = 1 call on
@@ -125,6 +126,13 @@ typedef struct qm_pager_options {
      * at least one tile of 16 rows). Tests make it small to walk every
      * partial layout. */
     uint32_t r8_piece_bytes;
+    /* 1: a prefetch read of the disk source's I/O engine reads on when the
+     * next call of its layer does not ask for its expert (the engine before
+     * 2026-12-07). By default (0) it is parked there: nothing more of it is
+     * read unless a call asks for the expert or a prediction names it
+     * again, and an eviction gives its slot back without the rest, so the
+     * disk goes to the call's misses (docs/PAGING.md, "The disk source"). */
+    int keep_unasked_prefetch;
 } qm_pager_options;
 
 enum { QM_PAGER_IO_AUTO = 0, QM_PAGER_IO_URING, QM_PAGER_IO_THREADS, QM_PAGER_IO_SERIAL };
@@ -184,6 +192,9 @@ typedef struct qm_pager_stats {
     uint64_t prefetch_router_issued, prefetch_router_useful;
     uint64_t prefetch_history_issued, prefetch_history_useful;
     uint64_t prefetch_gated; /* forward calls where a source was skipped as imprecise */
+    /* Prefetch reads stopped part way: the next call of their layer did not
+     * ask for their expert (opt.keep_unasked_prefetch). */
+    uint64_t prefetch_parked;
     /* Each source's prediction measured against the call it was about,
      * resident or not (docs/PAGING.md "Prediction, measured"): experts
      * predicted, of which that call used (`correct`), and the experts those

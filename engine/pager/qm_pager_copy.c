@@ -280,14 +280,47 @@ int qm__pager_copy_now(qm_pager *p, void *dst, const void *src, uint64_t n, qm_s
     return rc;
 }
 
+int qm__pager_copy_parked(qm_pager *p, int32_t s)
+{
+    const qm__slot *sl = &p->slots[s];
+    return sl->state == QM__SLOT_LOADING && sl->copy_seq && qm__pager_disk_async(p) &&
+           qm__pager_disk_parked(p, s);
+}
+
+int qm__pager_copy_park(qm_pager *p, int32_t s)
+{
+    const qm__slot *sl = &p->slots[s];
+    return sl->state == QM__SLOT_LOADING && sl->copy_seq && qm__pager_disk_async(p) &&
+           qm__pager_disk_park(p, s);
+}
+
+int qm__pager_copy_resume(qm_pager *p, int32_t s)
+{
+    if (!p->slots[s].parked)
+        return 0;
+    p->slots[s].parked = 0;
+    return qm__pager_copy_parked(p, s) && qm__pager_disk_unpark(p, s);
+}
+
+/* Slot s's parked read: its chunks in flight landed, the rest never read. */
+static void qm__copy_settle_parked(qm_pager *p, int32_t s)
+{
+    qm__pager_disk_settle(p, s);
+    p->slots[s].copy_seq = 0;
+}
+
 void qm__pager_evict(qm_pager *p, int32_t s)
 {
     /* Never hand out a slot a copy may still be writing into. The wait
      * (a prefetch's read of a unit nobody used yet) holds up the call or
-     * the prefetch evicting it: a stall like any other. */
+     * the prefetch evicting it: a stall like any other. A parked read is
+     * not finished, only its chunks in flight waited for. */
     if (p->slots[s].state == QM__SLOT_LOADING) {
         const uint64_t t0 = qm__now_us();
-        (void)qm__pager_copy_wait(p, s, NULL);
+        if (qm__pager_copy_parked(p, s))
+            qm__copy_settle_parked(p, s);
+        else
+            (void)qm__pager_copy_wait(p, s, NULL);
         p->stats.stall_us += qm__now_us() - t0;
     }
     qm__pager_drop(p, s);
@@ -331,6 +364,12 @@ int qm_pager_sync(qm_pager *p, qm_status *st)
     for (uint32_t s = 0; s < p->n_slots; s++) {
         if (p->slots[s].state != QM__SLOT_LOADING)
             continue;
+        if (p->slots[s].refs == 0 && qm__pager_copy_parked(p, (int32_t)s)) {
+            /* A guess no call took up: given back rather than read on. */
+            qm__copy_settle_parked(p, (int32_t)s);
+            qm__pager_drop(p, (int32_t)s);
+            continue;
+        }
         qm_status tmp;
         int r = qm__pager_copy_wait(p, (int32_t)s, &tmp);
         if (r == 0)

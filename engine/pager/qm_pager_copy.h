@@ -24,6 +24,16 @@ int qm__pager_copy_wait(qm_pager *p, int32_t s, qm_status *st);
 /* A prefetch's copy in flight in slot s is needed now: ahead of prefetches
  * (the disk source's I/O engine; the other copy paths keep their order). */
 void qm__pager_copy_promote(qm_pager *p, int32_t s);
+/* 1 while slot s's read (the disk source's I/O engine) is parked: a
+ * prefetch stopped part way (qm__pager_park_unasked). A wait, a promotion
+ * or qm__pager_copy_resume takes it up again; an eviction or a sync gives
+ * the slot back without reading the rest. */
+int qm__pager_copy_parked(qm_pager *p, int32_t s);
+/* Parks slot s's prefetch read (1), or there was nothing to stop (0: not
+ * the I/O engine, not a prefetch, or every chunk issued). */
+int qm__pager_copy_park(qm_pager *p, int32_t s);
+/* Slot s's parked read goes on at prefetch priority (1), or was not parked. */
+int qm__pager_copy_resume(qm_pager *p, int32_t s);
 /* 1 when waiting for slot s's copy would not block (it has landed or
  * failed, or nothing is in flight), 0 while it is in flight. Copies a
  * device fences can only be waited for count as landed. */
@@ -34,7 +44,8 @@ void qm__pager_copy_wait_any(qm_pager *p, const int32_t *slots, size_t n);
 /* Copies n bytes at src (the mapping) to dst now, on the caller's thread
  * (creation's whole banks, without the disk source's I/O engine). */
 int qm__pager_copy_now(qm_pager *p, void *dst, const void *src, uint64_t n, qm_status *st);
-/* Evicts slot s: waits for a copy that may still be writing into it, frees
+/* Evicts slot s: waits for a copy that may still be writing into it (of a
+ * parked read, only its chunks in flight), frees
  * it (qm__pager_drop) and counts the eviction. */
 void qm__pager_evict(qm_pager *p, int32_t s);
 /* Grows slots[] to n entries (the new ones uninitialised) and, with the

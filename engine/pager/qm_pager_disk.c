@@ -456,6 +456,26 @@ void qm__pager_disk_promote(qm_pager *p, int32_t s)
     qm__io_promote(p->disk->io, &p->disk->reqs[s]);
 }
 
+int qm__pager_disk_park(qm_pager *p, int32_t s)
+{
+    return qm__io_park(p->disk->io, &p->disk->reqs[s]);
+}
+
+int qm__pager_disk_unpark(qm_pager *p, int32_t s)
+{
+    return qm__io_unpark(p->disk->io, &p->disk->reqs[s], QM__IO_PREFETCH);
+}
+
+int qm__pager_disk_parked(qm_pager *p, int32_t s)
+{
+    return qm__io_parked(p->disk->io, &p->disk->reqs[s]);
+}
+
+void qm__pager_disk_settle(qm_pager *p, int32_t s)
+{
+    qm__io_settle(p->disk->io, &p->disk->reqs[s]);
+}
+
 int qm__pager_disk_landed(qm_pager *p, int32_t s)
 {
     return qm__io_done(p->disk->io, &p->disk->reqs[s]);

@@ -40,6 +40,16 @@ void qm__pager_disk_arenas(qm_pager *p);
 int qm__pager_disk_submit(qm_pager *p, int32_t s, int prefetch, qm_status *st);
 /* Slot s's read becomes a demand read (a prefetch that a call hit). */
 void qm__pager_disk_promote(qm_pager *p, int32_t s);
+/* Slot s's prefetch read stops where it is (1), or had nothing left to
+ * stop (0): qm__io_park. Its chunks in flight still land. */
+int qm__pager_disk_park(qm_pager *p, int32_t s);
+/* Slot s's parked prefetch goes on as a prefetch (1), or was not parked. */
+int qm__pager_disk_unpark(qm_pager *p, int32_t s);
+/* 1 while slot s's read is parked. */
+int qm__pager_disk_parked(qm_pager *p, int32_t s);
+/* Waits until none of slot s's chunks is in flight (a parked read: then
+ * the slot may be given back without reading the rest). */
+void qm__pager_disk_settle(qm_pager *p, int32_t s);
 /* 1 when slot s's read has finished (landed or failed), without waiting. */
 int qm__pager_disk_landed(qm_pager *p, int32_t s);
 /* Waits for slot s's read (a prefetch becomes a demand read first): 0, or

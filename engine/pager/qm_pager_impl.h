@@ -64,6 +64,10 @@ typedef struct qm__slot {
     uint8_t prefetched; /* prefetched by a QM__PF_* source and not accessed since; 0 = no */
     uint8_t by_prefetch; /* claimed by prefetch: a failed read is read again on demand */
     uint8_t waiting;    /* held by the current acquire round, not handed out yet */
+    /* A prefetch parked part way (qm_pager_source.c): its unit is not
+     * there, so it goes first when a slot must be given back. Cleared when
+     * a call or a prediction takes it up, or the slot is claimed again. */
+    uint8_t parked;
     uint32_t refs;      /* acquired and not yet released */
     uint16_t uses;      /* times handed out to a call since it was claimed (saturates) */
     /* Bit t set: weight tensor t of the unit is in the r8 layout (laid out

@@ -1,7 +1,10 @@
 /* qm_pager_io.c - the disk source's I/O engine: requests of aligned regions
  * cut into chunks of at most QM__IO_CHUNK bytes, up to `depth` chunks in
- * flight, demand chunks issued before prefetch chunks and prefetches held
- * to half the depth (so a demand read never waits behind more than that).
+ * flight, demand chunks issued before prefetch chunks, and prefetch chunks
+ * only while no demand read is queued or in flight, QM__IO_PF_DEPTH at most
+ * (so a demand read never finds more than that ahead of it). A prefetch the
+ * pager no longer wants may be parked: nothing more of it is issued until
+ * it is wanted again.
  *
  * Two ways to run a chunk, chosen when the engine starts:
  *   io_uring (liburing): the caller (or the completion thread) prepares an
@@ -113,7 +116,7 @@ static void qm__io_settle_cursor(qm__io_req *r)
 
 static void qm__io_finish_if_done(qm__io *io, qm__io_req *r)
 {
-    if (!r->queued && r->in_flight == 0 && !r->done) {
+    if (!r->queued && r->in_flight == 0 && !r->done && !r->parked) {
         r->done = 1;
         pthread_cond_broadcast(&io->cv_done);
     }
@@ -154,19 +157,24 @@ static void qm__io_complete(qm__io *io, qm__io_op *op, int64_t res)
     if (io->in_flight == 0) {
         io->busy_us += qm__now_us() - io->busy_since;
         pthread_cond_broadcast(&io->cv_done);
+    } else if (r->parked && r->in_flight == 0) {
+        pthread_cond_broadcast(&io->cv_done); /* qm__io_settle */
     }
     op->next = io->free_ops;
     io->free_ops = op;
     qm__io_finish_if_done(io, r);
 }
 
-/* The request whose chunk goes next: demand first; prefetch while it
- * holds less than its share of the depth. */
+/* The request whose chunk goes next: demand first; prefetch only while the
+ * disk has no demand read (queued or in flight) and fewer than pf_depth
+ * prefetch chunks: on a disk that gives no more with depth, every chunk in
+ * flight ahead of a demand read delays it. */
 static qm__io_req *qm__io_next(qm__io *io)
 {
     if (io->head[QM__IO_DEMAND])
         return io->head[QM__IO_DEMAND];
-    if (io->head[QM__IO_PREFETCH] && io->in_flight_prio[QM__IO_PREFETCH] < io->pf_depth)
+    if (io->head[QM__IO_PREFETCH] && io->in_flight_prio[QM__IO_DEMAND] == 0 &&
+        io->in_flight_prio[QM__IO_PREFETCH] < io->pf_depth)
         return io->head[QM__IO_PREFETCH];
     return NULL;
 }
@@ -539,6 +547,8 @@ int qm__io_new(int fd, int engine, uint32_t depth, qm__io **out, char *why, size
         io->free_ops = &io->ops[i];
     }
     io->pf_depth = io->depth > 1 ? io->depth / 2 : 1;
+    if (io->pf_depth > QM__IO_PF_DEPTH)
+        io->pf_depth = QM__IO_PF_DEPTH;
     *out = io;
     return 0;
 }
@@ -656,6 +666,7 @@ void qm__io_submit(qm__io *io, qm__io_req *req, int prio)
     req->in_flight = 0;
     req->queued = 0;
     req->done = 0;
+    req->parked = 0;
     req->err = req->truncated = 0;
     req->err_off = req->err_len = 0;
     req->prio = prio == QM__IO_PREFETCH ? QM__IO_PREFETCH : QM__IO_DEMAND;
@@ -669,9 +680,24 @@ void qm__io_submit(qm__io *io, qm__io_req *req, int prio)
     pthread_mutex_unlock(&io->mu);
 }
 
+/* A parked request goes on at prio from its cursor (done at once when it
+ * failed, or had nothing left to issue). Lock held. */
+static int qm__io_unpark_locked(qm__io *io, qm__io_req *req, int prio)
+{
+    if (!req->parked)
+        return 0;
+    req->parked = 0;
+    req->prio = prio == QM__IO_PREFETCH ? QM__IO_PREFETCH : QM__IO_DEMAND;
+    if (!req->err && !req->truncated && req->cur_reg < req->n_reg)
+        qm__io_enqueue(io, req);
+    qm__io_finish_if_done(io, req);
+    qm__io_dispatch(io);
+    return 1;
+}
+
 static void qm__io_promote_locked(qm__io *io, qm__io_req *req)
 {
-    if (req->prio == QM__IO_DEMAND)
+    if (qm__io_unpark_locked(io, req, QM__IO_DEMAND) || req->prio == QM__IO_DEMAND)
         return;
     if (req->queued) {
         qm__io_unqueue(io, req);
@@ -687,6 +713,42 @@ void qm__io_promote(qm__io *io, qm__io_req *req)
 {
     pthread_mutex_lock(&io->mu);
     qm__io_promote_locked(io, req);
+    pthread_mutex_unlock(&io->mu);
+}
+
+int qm__io_park(qm__io *io, qm__io_req *req)
+{
+    pthread_mutex_lock(&io->mu);
+    int park = req->queued && req->prio == QM__IO_PREFETCH && !req->done;
+    if (park) {
+        qm__io_unqueue(io, req);
+        req->parked = 1;
+    }
+    pthread_mutex_unlock(&io->mu);
+    return park;
+}
+
+int qm__io_unpark(qm__io *io, qm__io_req *req, int prio)
+{
+    pthread_mutex_lock(&io->mu);
+    int was = qm__io_unpark_locked(io, req, prio);
+    pthread_mutex_unlock(&io->mu);
+    return was;
+}
+
+int qm__io_parked(qm__io *io, const qm__io_req *req)
+{
+    pthread_mutex_lock(&io->mu);
+    int parked = req->parked;
+    pthread_mutex_unlock(&io->mu);
+    return parked;
+}
+
+void qm__io_settle(qm__io *io, qm__io_req *req)
+{
+    pthread_mutex_lock(&io->mu);
+    while (req->in_flight)
+        pthread_cond_wait(&io->cv_done, &io->mu);
     pthread_mutex_unlock(&io->mu);
 }
 
@@ -712,6 +774,8 @@ size_t qm__io_wait_any(qm__io *io, qm__io_req *const *reqs, size_t n)
     if (n == 0)
         return 0;
     pthread_mutex_lock(&io->mu);
+    for (size_t i = 0; i < n; i++)
+        (void)qm__io_unpark_locked(io, reqs[i], QM__IO_DEMAND); /* waited for: wanted */
     for (;;) {
         for (size_t i = 0; i < n; i++) {
             if (reqs[i]->done) {

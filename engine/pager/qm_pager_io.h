@@ -30,6 +30,10 @@
 /* The largest single read: a region longer than this is read in chunks
  * (several in flight), so that a demand read can pass a long prefetch. */
 #define QM__IO_CHUNK (2u << 20)
+/* Prefetch chunks in flight at most: what a demand read that arrives can
+ * find ahead of it on the disk (prefetch chunks are issued only while no
+ * demand read is queued or in flight). */
+#define QM__IO_PF_DEPTH 2u
 /* Worker threads of the preadv pool at most (the depth in force is capped to it). */
 #define QM__IO_MAX_THREADS 64u
 
@@ -55,6 +59,10 @@ typedef struct qm__io_req {
     uint64_t cur_off;
     uint32_t in_flight;      /* chunks issued and not completed */
     uint8_t prio, queued, done;
+    /* A prefetch stopped where it was (qm__io_park): nothing more of it is
+     * issued, and it is not done, until qm__io_unpark, qm__io_promote or a
+     * wait takes it up again. */
+    uint8_t parked;
     /* The first failure: a positive errno, or truncated (the file ended
      * before err_off + err_len); err_off/err_len name the failed read. */
     int err, truncated;
@@ -103,12 +111,25 @@ void qm__io_set_buffers(qm__io *io, uint8_t *const *base, const uint64_t *len, s
 void qm__io_set_hook(qm__io *io, qm_pager_read_cb cb, void *ud);
 
 /* Queues req (QM__IO_DEMAND or QM__IO_PREFETCH) and issues what the depth
- * allows: demand chunks first, prefetch chunks only while prefetches hold
- * less than half of the depth, so a demand read always finds room. */
+ * allows: demand chunks first; prefetch chunks only while no demand read is
+ * queued or in flight, QM__IO_PF_DEPTH of them at most, so a demand read
+ * finds at most that many prefetch chunks ahead of it on the disk. */
 void qm__io_submit(qm__io *io, qm__io_req *req, int prio);
-/* A queued prefetch becomes a demand read (its chunks not yet issued go
- * before every prefetch). */
+/* A queued or parked prefetch becomes a demand read (its chunks not yet
+ * issued go before every prefetch). */
 void qm__io_promote(qm__io *io, qm__io_req *req);
+/* Stops a prefetch with chunks still to issue where it is: 1 when parked
+ * (its chunks in flight still land), 0 when there was nothing to stop (a
+ * demand read, done, or every chunk issued). */
+int qm__io_park(qm__io *io, qm__io_req *req);
+/* A parked request goes on at `prio` from where it stopped; 0 when it was
+ * not parked. */
+int qm__io_unpark(qm__io *io, qm__io_req *req, int prio);
+/* 1 while req is parked. */
+int qm__io_parked(qm__io *io, const qm__io_req *req);
+/* Waits until none of req's chunks is in flight (a parked request: then
+ * its memory may be reused, and the request submitted again). */
+void qm__io_settle(qm__io *io, qm__io_req *req);
 /* 1 when req is done (landed or failed), without waiting. */
 int qm__io_done(qm__io *io, const qm__io_req *req);
 /* Waits for req (promoted to demand first). */

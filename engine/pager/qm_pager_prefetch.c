@@ -266,6 +266,8 @@ static int qm__prefetch(qm_pager *p, uint32_t layer, const uint32_t *experts,
     int issued = 0, rc = 0;
     for (size_t i = 0; i < n; i++) {
         uint32_t e = experts[i];
+        if (e < L->n_experts && L->slot_of[e] >= 0)
+            (void)qm__pager_copy_resume(p, L->slot_of[e]); /* guessed again: reads on */
         if (e >= L->n_experts || L->slot_of[e] >= 0)
             continue; /* out of range, resident, in flight, or a duplicate already issued */
         int32_t s = qm__pager_free_slot(p);

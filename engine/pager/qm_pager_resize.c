@@ -64,6 +64,7 @@ static void qm__move_unit(qm_pager *p, int32_t from, int32_t to)
     b->n_fences = 0;
     b->r8 = b->r8_part_rows = 0; /* re-copied from the bank */
     b->state = QM__SLOT_LOADING;
+    b->parked = 0; /* read whole again */
     p->layers[b->layer].slot_of[b->expert] = to;
     memset(a, 0, sizeof *a);
     a->base = from_base;

@@ -48,6 +48,7 @@ int qm__pager_claim(qm_pager *p, int32_t s, uint32_t layer, uint32_t expert, qm_
     sl->prefetched = how == QM__CLAIM_PREFETCH ? pf_source : QM__PF_NONE;
     sl->by_prefetch = how == QM__CLAIM_PREFETCH;
     sl->waiting = 0;
+    sl->parked = 0;
     sl->uses = 0;
     sl->r8 = sl->r8_part_rows = 0;
     sl->refs = how == QM__CLAIM_DEMAND;
@@ -69,6 +70,7 @@ void qm__pager_drop(qm_pager *p, int32_t s)
     sl->state = QM__SLOT_FREE;
     sl->prefetched = 0;
     sl->waiting = 0;
+    sl->parked = 0;
     sl->refs = 0;
     qm_policy_on_evict(p->policy, (qm_expert_ref){sl->layer, sl->expert});
 }
@@ -81,6 +83,11 @@ int qm__pager_evictable(const qm_pager *p, int32_t s)
 
 int32_t qm__pager_pick_victim(qm_pager *p, size_t n)
 {
+    /* A parked prefetch first: its unit is not there (what a policy ranks
+     * is the expert, not the half-read slot). */
+    for (size_t i = 0; i < n; i++)
+        if (p->slots[p->cand_slots[i]].parked)
+            return p->cand_slots[i];
     for (size_t i = 0; i < n; i++) {
         const qm__slot *sl = &p->slots[p->cand_slots[i]];
         p->cand_refs[i] = (qm_expert_ref){sl->layer, sl->expert};

@@ -41,6 +41,28 @@ static size_t qm__collect_candidates(qm_pager *p, uint32_t layer, const uint32_t
     return n;
 }
 
+/* A prefetch for this call of `layer` still reading an expert the call did
+ * not ask for guessed wrong: it is parked where it is (its chunks in flight
+ * land, nothing more is issued), so the disk goes to this call's misses.
+ * Its slot stays claimed: a later call that asks for the expert, or a
+ * prediction that names it again, reads on from there; an eviction gives
+ * the slot back without the rest (docs/PAGING.md, "The disk source"). */
+static void qm__park_unasked(qm_pager *p, uint32_t layer, const uint32_t *experts, size_t n)
+{
+    if (p->opt.keep_unasked_prefetch)
+        return;
+    for (uint32_t s = 0; s < p->n_slots; s++) {
+        const qm__slot *sl = &p->slots[s];
+        if (sl->state != QM__SLOT_LOADING || !sl->prefetched || sl->layer != layer || sl->refs ||
+            sl->parked || qm__in_list(experts, n, sl->expert))
+            continue;
+        if (qm__pager_copy_park(p, (int32_t)s)) {
+            p->slots[s].parked = 1;
+            p->stats.prefetch_parked++;
+        }
+    }
+}
+
 /* The experts of the round not handed out yet (wave_slots[0..wave_n))
  * leave it: their holds are dropped, and a slot whose copy failed or is
  * still loading is landed first, then given back. */
@@ -110,6 +132,7 @@ static int qm__claim_round(qm_pager *p, uint32_t layer, const uint32_t *experts,
                 qm__pager_prefetch_useful(p, sl->prefetched);
                 sl->prefetched = 0;
             }
+            sl->parked = 0; /* asked for: read on (its promotion below) */
             if (sl->state == QM__SLOT_LOADING)
                 qm__pager_copy_promote(p, s); /* a demand now: ahead of prefetches */
             sl->refs++;
@@ -272,6 +295,7 @@ static int qm__source_acquire_some(void *ctx, uint32_t layer, const uint32_t *ex
         qm__abandon_round(p); /* a call that ended without releasing */
     int started = 0;
     if (p->wave_n == 0 && n > 0) {
+        qm__park_unasked(p, layer, experts, n); /* later rounds: no prefetched slot was asked */
         size_t claimed = 0;
         int rc = qm__claim_round(p, layer, experts, n, &claimed, st);
         if (rc)
@@ -301,6 +325,7 @@ static int qm__source_acquire(void *ctx, uint32_t layer, const uint32_t *experts
     }
     if (p->wave_n)
         qm__abandon_round(p);
+    qm__park_unasked(p, layer, experts, n);
     size_t claimed = 0;
     int rc = qm__claim_round(p, layer, experts, n, &claimed, st);
     uint64_t t_stall = 0;

@@ -235,6 +235,7 @@ void qm_multipager_stats(const qm_multipager *mp, qm_pager_stats *out)
         out->prefetch_lookahead_issued += s.prefetch_lookahead_issued;
         out->prefetch_lookahead_useful += s.prefetch_lookahead_useful;
         out->prefetch_gated += s.prefetch_gated;
+        out->prefetch_parked += s.prefetch_parked;
         out->prefetch_trial_held += s.prefetch_trial_held;
         out->prefetch_trial_decisions += s.prefetch_trial_decisions;
         out->prefetch_trial_decisions_held += s.prefetch_trial_decisions_held;

@@ -7,7 +7,11 @@
  * failed or short read among many fails only the call that needed it,
  * naming the file and the offset, the others land, and the next call reads
  * that expert again; an expert in use is never evicted while prefetches
- * run; whole banks at creation read with many reads in flight.
+ * run; whole banks at creation read with many reads in flight; prefetch
+ * reads only on an idle disk, two at most; a prefetch the call of its
+ * layer did not ask for parked (nothing more read), read on from there
+ * when a call asks for it, given back unread when evicted, and the first
+ * victim when a slot must be given back.
  *
  * A bank file on a filesystem that takes O_DIRECT is needed (see
  * paging_disk_fixture.h); without one the checks are skipped with a note.
@@ -589,6 +593,292 @@ START_TEST(test_the_engine_issues_demand_reads_before_queued_prefetches)
 }
 END_TEST
 
+/* ---- The engine itself: prefetch only on an idle disk, parked prefetches ---------------- */
+
+static uint64_t g_start_us[8];
+static int timed_read(void *ud, uint64_t off, uint64_t len)
+{
+    (void)ud;
+    (void)len;
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    uint64_t b = off / QM__IO_ALIGN;
+    if (b < 8)
+        g_start_us[b] = (uint64_t)t.tv_sec * 1000000u + (uint64_t)t.tv_nsec / 1000u;
+    __atomic_add_fetch(&g_n_order, 1, __ATOMIC_SEQ_CST);
+    usleep(20000);
+    return 0;
+}
+
+/* A file of 8 blocks, block i filled with i, opened O_DIRECT; the aligned
+ * buffer its blocks are read into. */
+typedef struct eight_blocks {
+    char path[600];
+    int fd;
+    uint8_t *raw, *buf;
+} eight_blocks;
+
+static void eight_blocks_open(eight_blocks *e)
+{
+    snprintf(e->path, sizeof e->path, "%s/qm_io_eight_XXXXXX", g_dir);
+    int wfd = mkstemp(e->path);
+    ck_assert_int_ge(wfd, 0);
+    static uint8_t blocks[8 * QM__IO_ALIGN];
+    for (int i = 0; i < 8; i++)
+        memset(blocks + i * QM__IO_ALIGN, i, QM__IO_ALIGN);
+    ck_assert_int_eq(write(wfd, blocks, sizeof blocks), (ssize_t)sizeof blocks);
+    close(wfd);
+    e->fd = open(e->path, O_RDONLY | O_DIRECT);
+    ck_assert_int_ge(e->fd, 0);
+    e->raw = calloc(1, 9 * QM__IO_ALIGN);
+    e->buf = (uint8_t *)(((uintptr_t)e->raw + QM__IO_ALIGN - 1) & ~(uintptr_t)(QM__IO_ALIGN - 1));
+}
+
+static void eight_blocks_close(eight_blocks *e)
+{
+    free(e->raw);
+    close(e->fd);
+    unlink(e->path);
+}
+
+static qm__io_region block_region(const eight_blocks *e, int i)
+{
+    return (qm__io_region){e->buf + i * QM__IO_ALIGN, (uint64_t)i * QM__IO_ALIGN, QM__IO_ALIGN,
+                           QM__IO_ALIGN};
+}
+
+START_TEST(test_prefetch_reads_wait_for_an_idle_disk_two_at_most)
+{
+    if (!g_have_direct)
+        return;
+    eight_blocks e;
+    eight_blocks_open(&e);
+    qm__io *io = NULL;
+    char why[256];
+    qm_status st = {0};
+    /* Depth 8: before, prefetches could hold 4 reads beside the demand's. */
+    ck_assert_int_eq(qm__io_new(e.fd, QM_PAGER_IO_THREADS, 8, &io, why, sizeof why, &st), 0);
+    g_n_order = 0;
+    memset(g_start_us, 0, sizeof g_start_us);
+    qm__io_set_hook(io, timed_read, NULL);
+    qm__io_req req[6];
+    memset(req, 0, sizeof req);
+    for (int i = 0; i < 6; i++)
+        req[i] = (qm__io_req){.n_reg = 1, .reg = {block_region(&e, i)}};
+    qm__io_submit(io, &req[0], QM__IO_DEMAND);
+    for (int i = 1; i < 6; i++)
+        qm__io_submit(io, &req[i], QM__IO_PREFETCH);
+    for (int i = 0; i < 6; i++)
+        qm__io_wait(io, &req[i]);
+    qm__io_stats s;
+    qm__io_stats_get(io, &s, 0);
+    qm__io_free(io);
+    /* No prefetch read started while the demand read (20 ms in its hook)
+     * was in flight, and never more than two prefetch reads at once. */
+    for (int i = 1; i < 6; i++)
+        ck_assert_msg(g_start_us[i] >= g_start_us[0] + 19000,
+                      "prefetch block %d started %lld us after the demand read", i,
+                      (long long)g_start_us[i] - (long long)g_start_us[0]);
+    ck_assert_uint_le(s.peak, 2);
+    ck_assert_uint_eq(s.reads, 6);
+    for (int i = 0; i < 6; i++)
+        ck_assert_uint_eq(e.buf[i * QM__IO_ALIGN + 5], (uint8_t)i);
+    eight_blocks_close(&e);
+}
+END_TEST
+
+START_TEST(test_a_parked_prefetch_reads_nothing_more_until_taken_up)
+{
+    if (!g_have_direct)
+        return;
+    eight_blocks e;
+    eight_blocks_open(&e);
+    qm__io *io = NULL;
+    char why[256];
+    qm_status st = {0};
+    ck_assert_int_eq(qm__io_new(e.fd, QM_PAGER_IO_THREADS, 4, &io, why, sizeof why, &st), 0);
+    g_n_order = 0;
+    qm__io_set_hook(io, timed_read, NULL);
+    /* One prefetch of four one-block regions: two go out, two wait. */
+    qm__io_req r;
+    memset(&r, 0, sizeof r);
+    r.n_reg = 4;
+    for (int i = 0; i < 4; i++)
+        r.reg[i] = block_region(&e, 1 + i);
+    qm__io_submit(io, &r, QM__IO_PREFETCH);
+    ck_assert_int_eq(qm__io_park(io, &r), 1);
+    ck_assert_int_eq(qm__io_park(io, &r), 0); /* nothing queued any more */
+    ck_assert(qm__io_parked(io, &r));
+    qm__io_settle(io, &r);
+    qm__io_stats s;
+    qm__io_stats_get(io, &s, 0);
+    ck_assert_uint_eq(s.reads, 2);
+    ck_assert(!qm__io_done(io, &r));
+    usleep(50000); /* an idle disk: still nothing more of it */
+    qm__io_stats_get(io, &s, 0);
+    ck_assert_uint_eq(s.reads, 2);
+    /* A demand read meanwhile goes, and the drain does not wait for the
+     * parked request. */
+    qm__io_req d;
+    memset(&d, 0, sizeof d);
+    d.n_reg = 1;
+    d.reg[0] = block_region(&e, 6);
+    qm__io_submit(io, &d, QM__IO_DEMAND);
+    qm__io_wait(io, &d);
+    qm__io_drain(io);
+    /* Taken up again: the rest, from where it stopped, each block once. */
+    ck_assert_int_eq(qm__io_unpark(io, &r, QM__IO_PREFETCH), 1);
+    ck_assert_int_eq(qm__io_unpark(io, &r, QM__IO_PREFETCH), 0);
+    qm__io_wait(io, &r);
+    qm__io_stats_get(io, &s, 0);
+    qm__io_free(io);
+    ck_assert(r.done && !r.err && !r.truncated);
+    ck_assert_uint_eq(s.reads, 5);
+    for (int i = 1; i <= 6; i++)
+        if (i != 5) /* blocks 1-4 the prefetch's, 6 the demand's */
+            ck_assert_uint_eq(e.buf[i * QM__IO_ALIGN + 9], (uint8_t)i);
+    eight_blocks_close(&e);
+}
+END_TEST
+
+/* A pager whose prefetch of expert 3 has two reads held in the hook (the
+ * pool: they stay in flight) and the rest of its unit queued. */
+static qm_pager *prefetch_held(dcase *dc, uint64_t budget, qm_policy *pol,
+                               qm_residency_plan **plan, uint32_t R)
+{
+    qm_pager_options o = {.io_engine = QM_PAGER_IO_THREADS, .io_depth = 4, .no_preload = 1};
+    qm_pager *pg = direct_pager_opt(dc->bank, "lru", budget, &o, NULL, pol, plan);
+    hook_reset(0, 100000);
+    qm_pager_set_read_hook(pg, slow_read, NULL);
+    uint32_t e = 3;
+    qm_status st = {0};
+    ck_assert_int_eq(qm_pager_prefetch(pg, 1, &e, 1, &st), 1);
+    while (__atomic_load_n(&g_reads, __ATOMIC_SEQ_CST) < 2)
+        usleep(100);
+    g_sleep_us = 0; /* those two stay asleep; every later read is quick */
+    ck_assert_uint_ge(R, 3);
+    return pg;
+}
+
+START_TEST(test_a_prefetch_the_call_did_not_ask_for_is_parked_and_read_on_when_asked)
+{
+    if (!g_have_direct)
+        return;
+    dcase dc;
+    dcase_open(&dc, g_dir, "park", 0, 0);
+    const uint32_t R = regions_per_unit(1);
+    if (R < 3) {
+        fprintf(stderr, "test_paging_io: %u regions a unit, too few to park a prefetch part way\n", R);
+        dcase_close(&dc);
+        return;
+    }
+    qm_policy pol = {0};
+    qm_residency_plan *plan = NULL;
+    qm_pager *pg = prefetch_held(&dc, qm_bank_expert_bytes_total(dc.bank), &pol, &plan, R);
+    uint32_t other = 5;
+    uint64_t seed = 1;
+    call_experts(pg, &fixture.bank, 1, &other, 1, &seed); /* layer 1's call, without 3 */
+    usleep(150000); /* the prefetch's two reads leave the hook and land */
+    qm_pager_stats s;
+    qm_pager_stats_get(pg, &s);
+    ck_assert_uint_eq(s.prefetch_parked, 1);
+    ck_assert_uint_eq(s.disk_reads, 2 + R); /* the prefetch's two, the miss's unit */
+    /* A call of that layer asking for all of its experts: 3 read on from
+     * where it stopped (each unit read once), the bits of whole_bank. */
+    wide_call w;
+    wide_call_make(&w, dc.bank, 1);
+    qm_moe_stats ms = {0};
+    qm_status st = {0};
+    ck_assert_msg(wide_call_run(&w, pg, &ms, &st) == 0, "%s", st.msg);
+    ck_assert(wide_call_same(&w, dc.bank));
+    qm_pager_stats_get(pg, &s);
+    ck_assert_uint_eq(s.prefetch_useful, 1);
+    ck_assert_uint_eq(s.disk_reads, 8 * R);
+    ck_assert_uint_eq(s.prefetch_parked, 1);
+    free_pager(pg, plan, &pol);
+    dcase_close(&dc);
+}
+END_TEST
+
+START_TEST(test_evicting_a_parked_prefetch_reads_none_of_its_rest)
+{
+    if (!g_have_direct)
+        return;
+    dcase dc;
+    dcase_open(&dc, g_dir, "parkevict", 0, 0);
+    const uint32_t R = regions_per_unit(1);
+    if (R < 3) {
+        fprintf(stderr, "test_paging_io: %u regions a unit, too few to park a prefetch part way\n", R);
+        dcase_close(&dc);
+        return;
+    }
+    qm_policy pol = {0};
+    qm_residency_plan *plan = NULL;
+    /* One slot: the miss can only take the parked prefetch's. */
+    qm_pager *pg = prefetch_held(&dc, unit_bytes(&fixture.bank), &pol, &plan, R);
+    uint32_t other = 5;
+    uint64_t seed = 1;
+    call_experts(pg, &fixture.bank, 1, &other, 1, &seed);
+    qm_pager_stats s;
+    qm_pager_stats_get(pg, &s);
+    ck_assert_uint_eq(s.prefetch_parked, 1);
+    ck_assert_uint_eq(s.evictions, 1);
+    ck_assert_uint_eq(s.misses, 1);
+    ck_assert_uint_eq(s.disk_reads, 2 + R);
+    /* 3 again: a miss read whole, the output right. */
+    uint32_t three = 3;
+    call_experts(pg, &fixture.bank, 1, &three, 1, &seed);
+    qm_pager_stats_get(pg, &s);
+    ck_assert_uint_eq(s.misses, 2);
+    ck_assert_uint_eq(s.disk_reads, 2 + 2 * R);
+    free_pager(pg, plan, &pol);
+    dcase_close(&dc);
+}
+END_TEST
+
+START_TEST(test_a_parked_prefetch_is_the_first_victim)
+{
+    if (!g_have_direct)
+        return;
+    dcase dc;
+    dcase_open(&dc, g_dir, "parkvictim", 0, 0);
+    const uint32_t R = regions_per_unit(1);
+    if (R < 3) {
+        fprintf(stderr, "test_paging_io: %u regions a unit, too few to park a prefetch part way\n", R);
+        dcase_close(&dc);
+        return;
+    }
+    qm_policy pol = {0};
+    qm_residency_plan *plan = NULL;
+    /* Two slots, LRU: expert 1 used, then 3 prefetched (inserted later). */
+    qm_pager_options o = {.io_engine = QM_PAGER_IO_THREADS, .io_depth = 4, .no_preload = 1};
+    qm_pager *pg = direct_pager_opt(dc.bank, "lru", 2 * unit_bytes(&fixture.bank), &o, NULL, &pol,
+                                    &plan);
+    hook_reset(0, 0);
+    qm_pager_set_read_hook(pg, slow_read, NULL);
+    uint32_t one = 1, three = 3, five = 5;
+    uint64_t seed = 1;
+    call_experts(pg, &fixture.bank, 1, &one, 1, &seed);
+    g_sleep_us = 100000;
+    qm_status st = {0};
+    ck_assert_int_eq(qm_pager_prefetch(pg, 1, &three, 1, &st), 1);
+    while (__atomic_load_n(&g_reads, __ATOMIC_SEQ_CST) < (int)R + 2)
+        usleep(100);
+    g_sleep_us = 0;
+    /* 5 parks 3 and takes its slot, though LRU's victim is 1. */
+    call_experts(pg, &fixture.bank, 1, &five, 1, &seed);
+    call_experts(pg, &fixture.bank, 1, &one, 1, &seed);
+    qm_pager_stats s;
+    qm_pager_stats_get(pg, &s);
+    ck_assert_uint_eq(s.prefetch_parked, 1);
+    ck_assert_uint_eq(s.evictions, 1);
+    ck_assert_uint_eq(s.misses, 2);
+    ck_assert_uint_eq(s.hits, 1);
+    free_pager(pg, plan, &pol);
+    dcase_close(&dc);
+}
+END_TEST
+
 static Suite *io_suite(void)
 {
     Suite *s = suite_create("paging_io");
@@ -604,6 +894,11 @@ static Suite *io_suite(void)
     tcase_add_test(tc, test_waiting_for_a_prefetch_in_flight_to_evict_it_counts_as_stall);
     tcase_add_test(tc, test_whole_banks_at_creation_are_read_with_many_reads_in_flight);
     tcase_add_test(tc, test_the_engine_issues_demand_reads_before_queued_prefetches);
+    tcase_add_test(tc, test_prefetch_reads_wait_for_an_idle_disk_two_at_most);
+    tcase_add_test(tc, test_a_parked_prefetch_reads_nothing_more_until_taken_up);
+    tcase_add_test(tc, test_a_prefetch_the_call_did_not_ask_for_is_parked_and_read_on_when_asked);
+    tcase_add_test(tc, test_evicting_a_parked_prefetch_reads_none_of_its_rest);
+    tcase_add_test(tc, test_a_parked_prefetch_is_the_first_victim);
     suite_add_tcase(s, tc);
     return s;
 }
