@@ -88,7 +88,8 @@ moves by 10-20% between runs an hour apart on these hosts, a ratio taken
 within a round much less.
 Every row also records its cgroup's OOM kills. Each --variant NAME:KEY=VALUE
 adds, per cap, a "llama.cpp + qmoed, NAME" row whose qmoed runs with --set
-KEY=VALUE (e.g. no-trial:prefetch_trial=false), the qmoed rows of a cap in
+KEY=VALUE (e.g. no-trial:prefetch_trial=false; several settings separated
+by commas: NAME:K1=V1,K2=V2), the qmoed rows of a cap in
 turns (the order reversed every other cap); --no-alone leaves the
 llama.cpp alone rows out (an A/B of qmoed rows alone).
 
@@ -395,7 +396,8 @@ def with_qmoed(a, shape, gguf, bank, name, gguf_bytes, cap, reserve, layers, var
     args = ["--threads", str(a.threads), "--log-level", "info", "--set", "paging_source=direct",
             "--set", "io_depth=%d" % a.iodepth] + reserve_args(reserve)
     if variant:
-        args += ["--set", variant[1]]
+        for kv in variant[1].split(","):
+            args += ["--set", kv]
     g = MemCgroup(cap * gguf_bytes, prefix="qmoe-sweep") if cap else None
     dm = None
     work = tempfile.mkdtemp(prefix="qmoed-sweep-", dir=a.work)
@@ -883,7 +885,7 @@ def main(argv=None):
     ap.add_argument("--policy", default="next_use", help="of the capped qmoed rows")
     ap.add_argument("--variant", action="append", default=[], metavar="NAME:KEY=VALUE",
                     help="per cap, another llama.cpp + qmoed row with qmoed --set KEY=VALUE "
-                    "(e.g. no-trial:prefetch_trial=false), named NAME; repeatable")
+                    "(e.g. no-trial:prefetch_trial=false; K1=V1,K2=V2 for several), named NAME; repeatable")
     ap.add_argument("--precision", choices=("exact", "fast"), help="of the qmoed rows (default: exact)")
     ap.add_argument("--reserve", type=int, help="auto_budget_reserve in bytes (default: qmoed's own, "
                     "as a user runs it)")
@@ -929,8 +931,8 @@ def main(argv=None):
     a.shapes = a.shapes.split(",")
     for i, v in enumerate(a.variant):
         vname, _, kv = v.partition(":")
-        if not vname or "=" not in kv:
-            ap.error("--variant %r: expected NAME:KEY=VALUE" % v)
+        if not vname or not all("=" in x for x in kv.split(",")):
+            ap.error("--variant %r: expected NAME:KEY=VALUE[,KEY=VALUE...]" % v)
         a.variant[i] = (vname, kv)
     for s in a.shapes:
         if s not in checkpoints.SHAPES:
