@@ -647,42 +647,48 @@ static qm__io_region block_region(const eight_blocks *e, int i)
                            QM__IO_ALIGN};
 }
 
+/* Both engines (io_uring runs the hook under its lock as it issues a read,
+ * the pool on the worker that reads it: either way a read's start is
+ * stamped before the read). */
 START_TEST(test_prefetch_reads_wait_for_an_idle_disk_two_at_most)
 {
     if (!g_have_direct)
         return;
     eight_blocks e;
     eight_blocks_open(&e);
-    qm__io *io = NULL;
-    char why[256];
-    qm_status st = {0};
-    /* Depth 8: before, prefetches could hold 4 reads beside the demand's. */
-    ck_assert_int_eq(qm__io_new(e.fd, QM_PAGER_IO_THREADS, 8, &io, why, sizeof why, &st), 0);
-    g_n_order = 0;
-    memset(g_start_us, 0, sizeof g_start_us);
-    qm__io_set_hook(io, timed_read, NULL);
-    qm__io_req req[6];
-    memset(req, 0, sizeof req);
-    for (int i = 0; i < 6; i++)
-        req[i] = (qm__io_req){.n_reg = 1, .reg = {block_region(&e, i)}};
-    qm__io_submit(io, &req[0], QM__IO_DEMAND);
-    for (int i = 1; i < 6; i++)
-        qm__io_submit(io, &req[i], QM__IO_PREFETCH);
-    for (int i = 0; i < 6; i++)
-        qm__io_wait(io, &req[i]);
-    qm__io_stats s;
-    qm__io_stats_get(io, &s, 0);
-    qm__io_free(io);
-    /* No prefetch read started while the demand read (20 ms in its hook)
-     * was in flight, and never more than two prefetch reads at once. */
-    for (int i = 1; i < 6; i++)
-        ck_assert_msg(g_start_us[i] >= g_start_us[0] + 19000,
-                      "prefetch block %d started %lld us after the demand read", i,
-                      (long long)g_start_us[i] - (long long)g_start_us[0]);
-    ck_assert_uint_le(s.peak, 2);
-    ck_assert_uint_eq(s.reads, 6);
-    for (int i = 0; i < 6; i++)
-        ck_assert_uint_eq(e.buf[i * QM__IO_ALIGN + 5], (uint8_t)i);
+    for (int ei = 0; ei < N_ENGINES; ei++) {
+        memset(e.buf, 0xee, 8 * QM__IO_ALIGN);
+        qm__io *io = NULL;
+        char why[256];
+        qm_status st = {0};
+        /* Depth 8: before, prefetches could hold 4 reads beside the demand's. */
+        ck_assert_int_eq(qm__io_new(e.fd, ENGINES[ei], 8, &io, why, sizeof why, &st), 0);
+        g_n_order = 0;
+        memset(g_start_us, 0, sizeof g_start_us);
+        qm__io_set_hook(io, timed_read, NULL);
+        qm__io_req req[6];
+        memset(req, 0, sizeof req);
+        for (int i = 0; i < 6; i++)
+            req[i] = (qm__io_req){.n_reg = 1, .reg = {block_region(&e, i)}};
+        qm__io_submit(io, &req[0], QM__IO_DEMAND);
+        for (int i = 1; i < 6; i++)
+            qm__io_submit(io, &req[i], QM__IO_PREFETCH);
+        for (int i = 0; i < 6; i++)
+            qm__io_wait(io, &req[i]);
+        qm__io_stats s;
+        qm__io_stats_get(io, &s, 0);
+        qm__io_free(io);
+        /* No prefetch read started while the demand read (20 ms in its hook)
+         * was in flight, and never more than two prefetch reads at once. */
+        for (int i = 1; i < 6; i++)
+            ck_assert_msg(g_start_us[i] >= g_start_us[0] + 19000,
+                          "prefetch block %d started %lld us after the demand read", i,
+                          (long long)g_start_us[i] - (long long)g_start_us[0]);
+        ck_assert_uint_le(s.peak, 2);
+        ck_assert_uint_eq(s.reads, 6);
+        for (int i = 0; i < 6; i++)
+            ck_assert_uint_eq(e.buf[i * QM__IO_ALIGN + 5], (uint8_t)i);
+    }
     eight_blocks_close(&e);
 }
 END_TEST
@@ -693,50 +699,53 @@ START_TEST(test_a_parked_prefetch_reads_nothing_more_until_taken_up)
         return;
     eight_blocks e;
     eight_blocks_open(&e);
-    qm__io *io = NULL;
-    char why[256];
-    qm_status st = {0};
-    ck_assert_int_eq(qm__io_new(e.fd, QM_PAGER_IO_THREADS, 4, &io, why, sizeof why, &st), 0);
-    g_n_order = 0;
-    qm__io_set_hook(io, timed_read, NULL);
-    /* One prefetch of four one-block regions: two go out, two wait. */
-    qm__io_req r;
-    memset(&r, 0, sizeof r);
-    r.n_reg = 4;
-    for (int i = 0; i < 4; i++)
-        r.reg[i] = block_region(&e, 1 + i);
-    qm__io_submit(io, &r, QM__IO_PREFETCH);
-    ck_assert_int_eq(qm__io_park(io, &r), 1);
-    ck_assert_int_eq(qm__io_park(io, &r), 0); /* nothing queued any more */
-    ck_assert(qm__io_parked(io, &r));
-    qm__io_settle(io, &r);
-    qm__io_stats s;
-    qm__io_stats_get(io, &s, 0);
-    ck_assert_uint_eq(s.reads, 2);
-    ck_assert(!qm__io_done(io, &r));
-    usleep(50000); /* an idle disk: still nothing more of it */
-    qm__io_stats_get(io, &s, 0);
-    ck_assert_uint_eq(s.reads, 2);
-    /* A demand read meanwhile goes, and the drain does not wait for the
-     * parked request. */
-    qm__io_req d;
-    memset(&d, 0, sizeof d);
-    d.n_reg = 1;
-    d.reg[0] = block_region(&e, 6);
-    qm__io_submit(io, &d, QM__IO_DEMAND);
-    qm__io_wait(io, &d);
-    qm__io_drain(io);
-    /* Taken up again: the rest, from where it stopped, each block once. */
-    ck_assert_int_eq(qm__io_unpark(io, &r, QM__IO_PREFETCH), 1);
-    ck_assert_int_eq(qm__io_unpark(io, &r, QM__IO_PREFETCH), 0);
-    qm__io_wait(io, &r);
-    qm__io_stats_get(io, &s, 0);
-    qm__io_free(io);
-    ck_assert(r.done && !r.err && !r.truncated);
-    ck_assert_uint_eq(s.reads, 5);
-    for (int i = 1; i <= 6; i++)
-        if (i != 5) /* blocks 1-4 the prefetch's, 6 the demand's */
-            ck_assert_uint_eq(e.buf[i * QM__IO_ALIGN + 9], (uint8_t)i);
+    for (int ei = 0; ei < N_ENGINES; ei++) {
+        memset(e.buf, 0xee, 8 * QM__IO_ALIGN);
+        qm__io *io = NULL;
+        char why[256];
+        qm_status st = {0};
+        ck_assert_int_eq(qm__io_new(e.fd, ENGINES[ei], 4, &io, why, sizeof why, &st), 0);
+        g_n_order = 0;
+        qm__io_set_hook(io, timed_read, NULL);
+        /* One prefetch of four one-block regions: two go out, two wait. */
+        qm__io_req r;
+        memset(&r, 0, sizeof r);
+        r.n_reg = 4;
+        for (int i = 0; i < 4; i++)
+            r.reg[i] = block_region(&e, 1 + i);
+        qm__io_submit(io, &r, QM__IO_PREFETCH);
+        ck_assert_int_eq(qm__io_park(io, &r), 1);
+        ck_assert_int_eq(qm__io_park(io, &r), 0); /* nothing queued any more */
+        ck_assert(qm__io_parked(io, &r));
+        qm__io_settle(io, &r);
+        qm__io_stats s;
+        qm__io_stats_get(io, &s, 0);
+        ck_assert_uint_eq(s.reads, 2);
+        ck_assert(!qm__io_done(io, &r));
+        usleep(50000); /* an idle disk: still nothing more of it */
+        qm__io_stats_get(io, &s, 0);
+        ck_assert_uint_eq(s.reads, 2);
+        /* A demand read meanwhile goes, and the drain does not wait for the
+         * parked request. */
+        qm__io_req d;
+        memset(&d, 0, sizeof d);
+        d.n_reg = 1;
+        d.reg[0] = block_region(&e, 6);
+        qm__io_submit(io, &d, QM__IO_DEMAND);
+        qm__io_wait(io, &d);
+        qm__io_drain(io);
+        /* Taken up again: the rest, from where it stopped, each block once. */
+        ck_assert_int_eq(qm__io_unpark(io, &r, QM__IO_PREFETCH), 1);
+        ck_assert_int_eq(qm__io_unpark(io, &r, QM__IO_PREFETCH), 0);
+        qm__io_wait(io, &r);
+        qm__io_stats_get(io, &s, 0);
+        qm__io_free(io);
+        ck_assert(r.done && !r.err && !r.truncated);
+        ck_assert_uint_eq(s.reads, 5);
+        for (int i = 1; i <= 6; i++)
+            if (i != 5) /* blocks 1-4 the prefetch's, 6 the demand's */
+                ck_assert_uint_eq(e.buf[i * QM__IO_ALIGN + 9], (uint8_t)i);
+    }
     eight_blocks_close(&e);
 }
 END_TEST
