@@ -647,6 +647,21 @@ static qm__io_region block_region(const eight_blocks *e, int i)
                            QM__IO_ALIGN};
 }
 
+/* An engine of `depth` reading e's file, every read stamped and held
+ * 20 ms (timed_read), the buffer cleared. */
+static qm__io *timed_engine(eight_blocks *e, int engine, uint32_t depth)
+{
+    memset(e->buf, 0xee, 8 * QM__IO_ALIGN);
+    qm__io *io = NULL;
+    char why[256];
+    qm_status st = {0};
+    ck_assert_int_eq(qm__io_new(e->fd, engine, depth, &io, why, sizeof why, &st), 0);
+    g_n_order = 0;
+    memset(g_start_us, 0, sizeof g_start_us);
+    qm__io_set_hook(io, timed_read, NULL);
+    return io;
+}
+
 /* Both engines (io_uring runs the hook under its lock as it issues a read,
  * the pool on the worker that reads it: either way a read's start is
  * stamped before the read). */
@@ -657,15 +672,8 @@ START_TEST(test_prefetch_reads_wait_for_an_idle_disk_two_at_most)
     eight_blocks e;
     eight_blocks_open(&e);
     for (int ei = 0; ei < N_ENGINES; ei++) {
-        memset(e.buf, 0xee, 8 * QM__IO_ALIGN);
-        qm__io *io = NULL;
-        char why[256];
-        qm_status st = {0};
         /* Depth 8: before, prefetches could hold 4 reads beside the demand's. */
-        ck_assert_int_eq(qm__io_new(e.fd, ENGINES[ei], 8, &io, why, sizeof why, &st), 0);
-        g_n_order = 0;
-        memset(g_start_us, 0, sizeof g_start_us);
-        qm__io_set_hook(io, timed_read, NULL);
+        qm__io *io = timed_engine(&e, ENGINES[ei], 8);
         qm__io_req req[6];
         memset(req, 0, sizeof req);
         for (int i = 0; i < 6; i++)
@@ -700,13 +708,7 @@ START_TEST(test_a_parked_prefetch_reads_nothing_more_until_taken_up)
     eight_blocks e;
     eight_blocks_open(&e);
     for (int ei = 0; ei < N_ENGINES; ei++) {
-        memset(e.buf, 0xee, 8 * QM__IO_ALIGN);
-        qm__io *io = NULL;
-        char why[256];
-        qm_status st = {0};
-        ck_assert_int_eq(qm__io_new(e.fd, ENGINES[ei], 4, &io, why, sizeof why, &st), 0);
-        g_n_order = 0;
-        qm__io_set_hook(io, timed_read, NULL);
+        qm__io *io = timed_engine(&e, ENGINES[ei], 4);
         /* One prefetch of four one-block regions: two go out, two wait. */
         qm__io_req r;
         memset(&r, 0, sizeof r);
@@ -750,6 +752,20 @@ START_TEST(test_a_parked_prefetch_reads_nothing_more_until_taken_up)
 }
 END_TEST
 
+/* A bank file for a parking test and the regions (reads) of one of its
+ * units: 0 (closed, a note printed) when a unit has too few regions for a
+ * prefetch to be parked part way (two reads go out, the rest wait). */
+static int park_case_open(dcase *dc, const char *name, uint32_t *R)
+{
+    dcase_open(dc, g_dir, name, 0, 0);
+    *R = regions_per_unit(1);
+    if (*R >= 3)
+        return 1;
+    fprintf(stderr, "test_paging_io: %u regions a unit, too few to park a prefetch part way\n", *R);
+    dcase_close(dc);
+    return 0;
+}
+
 /* A pager whose prefetch of expert 3 has two reads held in the hook (the
  * pool: they stay in flight) and the rest of its unit queued. */
 static qm_pager *prefetch_held(dcase *dc, uint64_t budget, qm_policy *pol,
@@ -774,13 +790,9 @@ START_TEST(test_a_prefetch_the_call_did_not_ask_for_is_parked_and_read_on_when_a
     if (!g_have_direct)
         return;
     dcase dc;
-    dcase_open(&dc, g_dir, "park", 0, 0);
-    const uint32_t R = regions_per_unit(1);
-    if (R < 3) {
-        fprintf(stderr, "test_paging_io: %u regions a unit, too few to park a prefetch part way\n", R);
-        dcase_close(&dc);
+    uint32_t R = 0;
+    if (!park_case_open(&dc, "park", &R))
         return;
-    }
     qm_policy pol = {0};
     qm_residency_plan *plan = NULL;
     qm_pager *pg = prefetch_held(&dc, qm_bank_expert_bytes_total(dc.bank), &pol, &plan, R);
@@ -814,13 +826,9 @@ START_TEST(test_evicting_a_parked_prefetch_reads_none_of_its_rest)
     if (!g_have_direct)
         return;
     dcase dc;
-    dcase_open(&dc, g_dir, "parkevict", 0, 0);
-    const uint32_t R = regions_per_unit(1);
-    if (R < 3) {
-        fprintf(stderr, "test_paging_io: %u regions a unit, too few to park a prefetch part way\n", R);
-        dcase_close(&dc);
+    uint32_t R = 0;
+    if (!park_case_open(&dc, "parkevict", &R))
         return;
-    }
     qm_policy pol = {0};
     qm_residency_plan *plan = NULL;
     /* One slot: the miss can only take the parked prefetch's. */
@@ -850,13 +858,9 @@ START_TEST(test_a_parked_prefetch_is_the_first_victim)
     if (!g_have_direct)
         return;
     dcase dc;
-    dcase_open(&dc, g_dir, "parkvictim", 0, 0);
-    const uint32_t R = regions_per_unit(1);
-    if (R < 3) {
-        fprintf(stderr, "test_paging_io: %u regions a unit, too few to park a prefetch part way\n", R);
-        dcase_close(&dc);
+    uint32_t R = 0;
+    if (!park_case_open(&dc, "parkvictim", &R))
         return;
-    }
     qm_policy pol = {0};
     qm_residency_plan *plan = NULL;
     /* Two slots, LRU: expert 1 used, then 3 prefetched (inserted later). */
