@@ -938,6 +938,7 @@ static const qm__field qm__counter_u64s[] = {
     QM__FIELD(qm_client_counters, read_calls),
     QM__FIELD(qm_client_counters, reads_in_flight_sum),
     QM__FIELD(qm_client_counters, reads_in_flight_peak),
+    QM__FIELD(qm_client_counters, prefetch_parked),
 };
 
 static void qm__counters_from(const qm_cval *o, qm_client_counters *k)

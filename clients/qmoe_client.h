@@ -479,9 +479,10 @@ typedef struct qm_client_counters {
     /* Direct disk paging (0 from a daemon without them): bytes read, time
      * waited for units to land, time the disk had reads in flight,
      * inferences with reads in flight and the sum of each one's most in
-     * flight at once, the most at once. */
+     * flight at once, the most at once; prefetch reads parked part way
+     * because the call they guessed for did not ask for their expert. */
     uint64_t bytes_read_disk, stall_us, disk_busy_us, read_calls, reads_in_flight_sum,
-        reads_in_flight_peak;
+        reads_in_flight_peak, prefetch_parked;
 } qm_client_counters;
 
 typedef struct qm_client_session_counters {

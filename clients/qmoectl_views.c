@@ -267,9 +267,9 @@ static void prediction_table(const qm_client_telemetry *tm)
 /* Direct disk paging, added to the rows when any row read from disk: stall
  * per call and per token, bytes read per token, reads in flight (mean of
  * each call's most / the most), the disk's measured rate (bytes read / time
- * with reads in flight). */
+ * with reads in flight), prefetch reads parked part way. */
 static const char *const disk_headers[] = {"STALL/CALL", "STALL/TOKEN", "DISK/TOKEN",
-                                           "IN-FLIGHT", "DISK-RATE"};
+                                           "IN-FLIGHT",  "DISK-RATE",   "PARKED"};
 #define N_DISK_HEADERS (sizeof disk_headers / sizeof *disk_headers)
 
 static void disk_cells(qmoectl_table *t, const qm_client_counters *k)
@@ -289,6 +289,7 @@ static void disk_cells(qmoectl_table *t, const qm_client_counters *k)
             B((uint64_t)((double)k->bytes_read_disk * 1e6 / (double)k->disk_busy_us), rate));
     else
         qmoectl_table_cell(t, "-");
+    qmoectl_table_cell(t, "%llu", (unsigned long long)k->prefetch_parked);
 }
 
 static int any_disk(const qm_client_telemetry *tm)

@@ -188,8 +188,14 @@ def test_io_engines_read_many_at_once_with_the_same_bits(disk_bank):
             out = subprocess.run([os.path.join(BUILD, "clients", "qmoectl"), "telemetry", sid],
                                  env=env, capture_output=True, text=True, timeout=30)
             assert out.returncode == 0, out.stderr
-            for col in ("STALL/CALL", "STALL/TOKEN", "DISK/TOKEN", "IN-FLIGHT", "DISK-RATE"):
+            for col in ("STALL/CALL", "STALL/TOKEN", "DISK/TOKEN", "IN-FLIGHT", "DISK-RATE",
+                        "PARKED"):
                 assert col in out.stdout, out.stdout
+            # PARKED, the last column, is the session's prefetch_parked
+            head, row = out.stdout.splitlines()[:2]
+            assert head.split()[-1] == "PARKED" and row.split()[0] == sid, out.stdout
+            after = c.call("telemetry.get", {"session": sid})["prefetch_parked"]
+            assert row.split()[-1] == str(after), (out.stdout, after)
             text = c.call("telemetry.metrics")["text"]
             for name in ("qmoed_disk_busy_us_total", "qmoed_read_calls_total",
                          "qmoed_reads_in_flight_sum_total", "qmoed_reads_in_flight_peak"):
