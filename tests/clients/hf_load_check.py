@@ -14,8 +14,10 @@ JSON (test_transformers_load.py starts it under the torch environment):
 - refusals, each with every checkpoint read logged and the sessions listed:
   a model the daemon has not loaded, the bank of another model, a daemon
   that died after the client connected (a private qmoed on BANK, killed);
-- at the end it loads DIR once more and exits without closing anything: the
-  test checks that no session is left.
+- client_pending_bytes without budget "auto": refused the same way;
+- at the end it loads DIR once more, with budget "auto" and
+  client_pending_bytes (its session's budget_auto reported), and exits
+  without closing anything: the test checks that no session is left.
 """
 import argparse
 import json
@@ -62,6 +64,9 @@ def checkpoint_bytes(d):
                     else:
                         other += n
     return ex, other
+
+
+PENDING = 48 << 20  # client_pending_bytes declared with budget "auto"
 
 
 def refusal(fn, client_for_sessions):
@@ -149,12 +154,18 @@ def main():
     proc.wait()
     out["daemon_gone"] = refusal(lambda: qt.from_pretrained(a.mid, gone, "gone"), None)
     gone.close()
+    out["pending_without_auto"] = refusal(
+        lambda: qt.from_pretrained(a.mid, client, a.mid_model, budget="50%",
+                                   client_pending_bytes=PENDING), client)
 
-    # Left open on purpose: exiting must close it.
-    m = qt.from_pretrained(a.mid, client, a.mid_model)
+    # Left open on purpose: exiting must close it. Its budget is auto, with
+    # memory this process says it takes next.
+    m = qt.from_pretrained(a.mid, client, a.mid_model, budget="auto",
+                           client_pending_bytes=PENDING)
     with torch.no_grad():
         m.generate(torch.tensor([[1, 2]]), max_new_tokens=1, do_sample=False, pad_token_id=0)
     out["left_open"] = m.qmoe_hook.session
+    out["left_open_budget_auto"] = client.plan(m.qmoe_hook.session).get("budget_auto")
     json.dump(out, sys.stdout)
     sys.stdout.flush()
 

@@ -5,7 +5,9 @@ peak during the load and after generating 4 tokens grows by at most 1.2 x
 the non-expert bytes + 32 MiB (a full load grows by ~390 MB), and exactly
 the non-expert bytes are read; and its refusals, each before one tensor is read and with no
 session left: a model the daemon has not loaded, a bank of another model, a
-daemon that died after the client connected. The helper (hf_load_check.py,
+daemon that died after the client connected, client_pending_bytes without
+budget "auto"; and with budget "auto" the declared client_pending_bytes
+reach the session's plan. The helper (hf_load_check.py,
 in the torch environment) exits with a model it never closed: no session is
 left behind.
 """
@@ -76,21 +78,21 @@ def test_engine_rss_after_load_stays_under_the_bound(report):
     assert m["generated"] == 4 and m["calls"] == 4 * MID_LAYERS, m
 
 
-def test_a_model_the_daemon_has_not_loaded_is_refused_before_reading(report):
-    r = report["no_such_model"]
+def refused_with_value_error(r, *says):
+    """A refusal: ValueError saying each of `says`, nothing read, no session."""
     assert r["error"]["type"] == "ValueError", r
-    msg = r["error"]["message"]
-    assert "no model 'no-such-bank' loaded" in msg and "mid" in msg, msg
+    for s in says:
+        assert s in r["error"]["message"], (s, r["error"]["message"])
     assert r["read"] == 0 and r["sessions"] == 0, r
+
+
+def test_a_model_the_daemon_has_not_loaded_is_refused_before_reading(report):
+    refused_with_value_error(report["no_such_model"], "no model 'no-such-bank' loaded", "mid")
 
 
 def test_a_bank_of_another_model_is_refused_before_reading(report):
-    r = report["another_model"]
-    assert r["error"]["type"] == "ValueError", r
-    msg = r["error"]["message"]
-    assert "model.layers.0.mlp.experts" in msg and "imported from another model" in msg, msg
-    assert "'olmoe'" in msg, msg
-    assert r["read"] == 0 and r["sessions"] == 0, r
+    refused_with_value_error(report["another_model"], "model.layers.0.mlp.experts",
+                             "imported from another model", "'olmoe'")
 
 
 def test_a_daemon_that_is_gone_is_refused_before_reading(report):
@@ -98,6 +100,19 @@ def test_a_daemon_that_is_gone_is_refused_before_reading(report):
     assert r["error"] is not None and r["error"]["qmoe_name"] in ("connection_lost",
                                                                   "not_running"), r
     assert r["read"] == 0, r
+
+
+def test_client_pending_bytes_without_budget_auto_is_refused_before_reading(report):
+    refused_with_value_error(report["pending_without_auto"],
+                             "client_pending_bytes needs budget=\"auto\"", "'50%'")
+
+
+def test_from_pretrained_declares_client_pending_bytes_to_an_auto_budget(report):
+    """The pending bytes reach session.create: the plan's budget_auto carries
+    them and its reason subtracts them."""
+    ba = report["left_open_budget_auto"]
+    assert ba is not None and ba["client_pending_bytes"] == 48 << 20, ba
+    assert "the client's pending 50.3 MB" in ba["reason"], ba["reason"]
 
 
 def test_a_model_left_open_leaves_no_session_at_exit(report, served):

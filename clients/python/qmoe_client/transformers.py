@@ -431,9 +431,19 @@ class Hook:
         self.close()
 
 
-def _create_session(client, summary, model_name, policy, budget, precision, policy_params):
+def _check_pending(budget, client_pending_bytes):
+    """client_pending_bytes goes with budget "auto" only: refused before
+    anything is read or created."""
+    if client_pending_bytes is not None and _wire_budget(budget) != "auto":
+        raise ValueError("client_pending_bytes needs budget=\"auto\" (it is what the auto "
+                         "budget leaves free), got budget=%r" % (budget,))
+
+
+def _create_session(client, summary, model_name, policy, budget, precision, policy_params,
+                    client_pending_bytes):
     r = client.create_session(model_name, policy=policy, budget=_wire_budget(budget),
-                              policy_params=policy_params or None, precision=precision)
+                              policy_params=policy_params or None, precision=precision,
+                              client_pending_bytes=client_pending_bytes)
     return r["session"]
 
 
@@ -470,22 +480,26 @@ def _attach(model, client, model_name, summary, layers, experts, session_args, o
 
 
 def attach(model, client, model_name, policy=None, budget=None, precision=None,
-           policy_params=None):
+           policy_params=None, client_pending_bytes=None):
     """Runs `model`'s routed experts in qmoed's model `model_name` (a bank
     imported from the same checkpoint, loaded with model.load): creates a
     session (policy; budget as bytes, a fraction or "NN%" of the bank's
     expert bytes, or "auto": what this machine and qmoed's memory cgroup can
-    give, shrunk under memory pressure; precision "exact"/"fast"), tags each MoE layer's experts
+    give, shrunk under memory pressure, with client_pending_bytes: memory this
+    process takes after the session is made, such as the KV cache of the
+    longest generation it will run, left free beside the daemon's reserve;
+    precision "exact"/"fast"), tags each MoE layer's experts
     with its bank layer (the bank's qmoe.layer_map) and switches the model to
     the "qmoed" experts implementation. The model keeps its own experts too
     (held twice: from_pretrained holds them once). Returns a Hook;
     hook.detach() restores the model."""
+    _check_pending(budget, client_pending_bytes)
     register()
     summary = _bank_summary(client, model_name)
     experts = _experts_modules(model)
     layers = _bank_layers(summary, experts, model_name)
     return _attach(model, client, model_name, summary, layers, experts,
-                   (policy, budget, precision, policy_params), True)
+                   (policy, budget, precision, policy_params, client_pending_bytes), True)
 
 
 # ---- loading a checkpoint without its experts ----
@@ -585,15 +599,17 @@ def _config_without_mxfp4(path, hf_kwargs):
 
 
 def from_pretrained(path, client, model, *, policy=None, budget=None, precision=None,
-                    policy_params=None, **hf_kwargs):
+                    policy_params=None, client_pending_bytes=None, **hf_kwargs):
     """A transformers model of the checkpoint at `path` whose routed experts
     run in qmoed's model `model` (a bank imported from this checkpoint and
     loaded in the daemon): they are never read from the checkpoint nor
     allocated (their parameters stay on the meta device); every other
     weight, buffer and setting is what AutoModelForCausalLM.from_pretrained
     (path, **hf_kwargs) gives (dtype, device_map, ...). The model is
-    attached to a new session (policy, budget, precision, policy_params as
-    attach takes them); `model.qmoe_hook` is its Hook (stats(), close()).
+    attached to a new session (policy, budget, precision, policy_params,
+    client_pending_bytes as attach takes them: the session is made after
+    the non-expert weights are read, so an auto budget already counts them);
+    `model.qmoe_hook` is its Hook (stats(), close()).
 
     Before anything is read: a daemon that cannot be reached raises
     qmoe_client.QmoeError; a model the daemon has not loaded, or a bank
@@ -601,6 +617,7 @@ def from_pretrained(path, client, model, *, policy=None, budget=None, precision=
     checkpoint's, raise ValueError."""
     import transformers
 
+    _check_pending(budget, client_pending_bytes)
     _torch()
     register()
     summary = _bank_summary(client, model)
@@ -634,7 +651,7 @@ def from_pretrained(path, client, model, *, policy=None, budget=None, precision=
     for name, mod in experts:
         mod._qmoe_name = name
     hook = _attach(m, client, model, summary, found["layers"], experts,
-                   (policy, budget, precision, policy_params), False)
+                   (policy, budget, precision, policy_params, client_pending_bytes), False)
     m.qmoe_hook = hook
     return m
 
