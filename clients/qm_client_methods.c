@@ -495,7 +495,7 @@ static int qm__resize(qm_client *c, const char *session, uint64_t budget_bytes, 
     int rc = qm__client_call(c, "session.resize", p, &r, err);
     if (rc < 0)
         return rc;
-    qm__client_keep_budget(c, session, budget_bytes);
+    qm__client_keep_budget(c, session, budget_bytes, text);
     if (resident_bytes)
         *resident_bytes = qm__u64(r, "resident_bytes");
     if (summary && qm__read_summary(r, summary) < 0)

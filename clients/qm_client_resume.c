@@ -203,7 +203,21 @@ void qm__client_unkeep(qm_client *c, const char *id)
     qm__kept_free(gone);
 }
 
-void qm__client_keep_budget(qm_client *c, const char *id, uint64_t budget_bytes)
+/* Drops every member named `key` of the object `o`. */
+static void drop_member(qm_cval *o, const char *key)
+{
+    size_t n = 0;
+    for (size_t i = 0; i < o->count; i++) {
+        if (o->items[i]->key && strcmp(o->items[i]->key, key) == 0)
+            qm_cval_free(o->items[i]);
+        else
+            o->items[n++] = o->items[i];
+    }
+    o->count = n;
+}
+
+void qm__client_keep_budget(qm_client *c, const char *id, uint64_t budget_bytes,
+                            const char *budget)
 {
     pthread_mutex_lock(&c->lock);
     qm__kept *k = qm__find(c, id);
@@ -212,15 +226,14 @@ void qm__client_keep_budget(qm_client *c, const char *id, uint64_t budget_bytes)
     qm_status st = {0};
     qm_cval *p = NULL;
     char *out = NULL;
-    if (text && qm_cval_parse(text, strlen(text), &p, &st) == 0) {
-        qm_cval *b = (qm_cval *)qm_cval_get(p, "budget_bytes");
-        if (b && b->type == QM_CVAL_NUMBER) {
-            b->number = (double)budget_bytes;
+    if (text && qm_cval_parse(text, strlen(text), &p, &st) == 0 && p->type == QM_CVAL_OBJECT) {
+        /* The creation's budget goes, in whichever member it came: the
+         * daemon takes one of the two, not both. */
+        drop_member(p, "budget");
+        drop_member(p, "budget_bytes");
+        qm_cval *v = budget ? qm_cval_new_string(budget) : qm_cval_new_number((double)budget_bytes);
+        if (v && qm_cval_append(p, budget ? "budget" : "budget_bytes", v) == 0)
             out = qm_cval_print(p, 0, NULL);
-        } else if (!b && qm_cval_append(p, "budget_bytes",
-                                        qm_cval_new_number((double)budget_bytes)) == 0) {
-            out = qm_cval_print(p, 0, NULL);
-        }
     }
     qm_cval_free(p);
     qm_free(text);

@@ -980,6 +980,58 @@ START_TEST(test_a_session_brought_back_is_not_given_its_pending_bytes_again)
 }
 END_TEST
 
+/* The plan of `id` after the daemon restarted and a call brought the
+ * session back (restores: the handle's count then). */
+static void restart_and_plan(qm_client *c, const char *at, pid_t *d, const char *id,
+                             unsigned restores, qm_client_plan *plan)
+{
+    qm_client_error err;
+    kill_qmoed(*d);
+    *d = spawn_qmoed(at, 1);
+    ck_assert_msg(base64_call(c, id, 3, &err) == 0, "%s", err.reason);
+    ck_assert_uint_eq(qm_client_restores(c), restores);
+    ck_assert_msg(qm_client_session_plan(c, id, plan, &err) == 0, "%s", err.reason);
+}
+
+/* A resize sets the budget a restart brings the session back with, as the
+ * resize gave it: bytes as text in place of the creation's "N%" (it used
+ * to be kept as budget_bytes 0 beside "budget", which the daemon refuses:
+ * the session never came back), then "auto" (sized again). */
+START_TEST(test_a_resized_session_comes_back_with_the_budget_in_force)
+{
+    char at[400];
+    pid_t d;
+    qm_client *c = own_daemon(at, sizeof at, "resized", &d);
+    qm_client_error err;
+    qm_client_model *models = NULL;
+    size_t n_models = 0;
+    ck_assert_int_eq(qm_client_model_list(c, &models, &n_models, &err), 0);
+    uint64_t bpe = models[0].bytes_per_expert;
+    qm_client_models_free(models, n_models);
+    qm_client_session_params p = {.model = "demo", .policy = "lru", .budget = "50%"};
+    char *id = NULL;
+    ck_assert_msg(qm_client_session_create(c, &p, &id, NULL, &err) == 0, "%s", err.reason);
+    char text[32];
+    snprintf(text, sizeof text, "%llu", (unsigned long long)(5 * bpe));
+    ck_assert_msg(qm_client_session_resize_to(c, id, text, NULL, NULL, &err) == 0, "%s",
+                  err.reason);
+    qm_client_plan plan;
+    restart_and_plan(c, at, &d, id, 1, &plan);
+    ck_assert_uint_eq(plan.budget_bytes, 5 * bpe);
+    ck_assert_ptr_null(plan.budget_auto);
+    qm_client_plan_free(&plan);
+
+    ck_assert_msg(qm_client_session_resize_to(c, id, "auto", NULL, NULL, &err) == 0, "%s",
+                  err.reason);
+    restart_and_plan(c, at, &d, id, 2, &plan);
+    ck_assert_ptr_nonnull(plan.budget_auto); /* sized again on the new daemon */
+    qm_client_plan_free(&plan);
+    qm_client_string_free(id);
+    qm_client_close(c);
+    kill_qmoed(d);
+}
+END_TEST
+
 /* Reconnection off (window 0): the first call after a restart fails as it
  * always did, and the session is not re-created behind the caller. */
 START_TEST(test_reconnection_off_fails_at_once)
@@ -1032,6 +1084,7 @@ int main(void)
     tcase_add_test(restart, test_a_session_outlives_a_daemon_restart);
     tcase_add_test(restart, test_reconnection_off_fails_at_once);
     tcase_add_test(restart, test_a_session_brought_back_is_not_given_its_pending_bytes_again);
+    tcase_add_test(restart, test_a_resized_session_comes_back_with_the_budget_in_force);
     tcase_add_test(restart, test_threads_of_one_handle_each_bring_their_session_back);
     tcase_add_test(restart, test_a_map_the_daemon_reclaimed_is_passed_again);
     suite_add_tcase(s, restart);
