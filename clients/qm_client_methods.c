@@ -475,10 +475,11 @@ out:
     return rc;
 }
 
-/* session.resize with the budget as bytes (text NULL) or as text. */
+/* session.resize with the budget as bytes (text NULL) or as text, and the
+ * client's pending bytes when `pending` is not NULL (with "auto"). */
 static int qm__resize(qm_client *c, const char *session, uint64_t budget_bytes, const char *text,
-                      uint64_t *resident_bytes, qm_client_plan_summary *summary,
-                      qm_client_error *err)
+                      const uint64_t *pending, uint64_t *resident_bytes,
+                      qm_client_plan_summary *summary, qm_client_error *err)
 {
     qm_cval *r = NULL;
     if (summary)
@@ -490,6 +491,8 @@ static int qm__resize(qm_client *c, const char *session, uint64_t budget_bytes, 
         p = qm__with_str(p, "budget", text);
     else if (p)
         p = qm__with_num(p, "budget_bytes", (double)budget_bytes);
+    if (p && pending)
+        p = qm__with_num(p, "client_pending_bytes", (double)*pending);
     if (!p)
         return QM__NOMEM(err);
     int rc = qm__client_call(c, "session.resize", p, &r, err);
@@ -508,7 +511,7 @@ int qm_client_session_resize(qm_client *c, const char *session, uint64_t budget_
                              uint64_t *resident_bytes, qm_client_plan_summary *summary,
                              qm_client_error *err)
 {
-    return qm__resize(c, session, budget_bytes, NULL, resident_bytes, summary, err);
+    return qm__resize(c, session, budget_bytes, NULL, NULL, resident_bytes, summary, err);
 }
 
 int qm_client_session_resize_to(qm_client *c, const char *session, const char *budget,
@@ -517,7 +520,15 @@ int qm_client_session_resize_to(qm_client *c, const char *session, const char *b
 {
     if (!budget)
         return qm__client_fail(err, QM_CLIENT_EINVAL, "session.resize needs a budget");
-    return qm__resize(c, session, 0, budget, resident_bytes, summary, err);
+    return qm__resize(c, session, 0, budget, NULL, resident_bytes, summary, err);
+}
+
+int qm_client_session_resize_auto(qm_client *c, const char *session,
+                                  uint64_t client_pending_bytes, uint64_t *resident_bytes,
+                                  qm_client_plan_summary *summary, qm_client_error *err)
+{
+    return qm__resize(c, session, 0, "auto", &client_pending_bytes, resident_bytes, summary,
+                      err);
 }
 
 int qm_client_session_close(qm_client *c, const char *session, qm_client_error *err)

@@ -207,6 +207,13 @@ int qm_client_session_resize(qm_client *c, const char *session, uint64_t budget_
 int qm_client_session_resize_to(qm_client *c, const char *session, const char *budget,
                                 uint64_t *resident_bytes, qm_client_plan_summary *summary,
                                 qm_client_error *err);
+/* The same to "auto", leaving `client_pending_bytes` free beside the
+ * daemon's reserve (session.resize's client_pending_bytes): memory this
+ * client takes after the call, a longer context's KV cache say. Not kept
+ * for a re-creation after a restart, as session.create's is not. */
+int qm_client_session_resize_auto(qm_client *c, const char *session,
+                                  uint64_t client_pending_bytes, uint64_t *resident_bytes,
+                                  qm_client_plan_summary *summary, qm_client_error *err);
 
 typedef struct qm_client_session_info {
     char *session, *model, *policy;

@@ -326,11 +326,13 @@ static int budget_text(const char *opt, const char *s, char *out, size_t cap)
                                opt, s);
 }
 
-/* --pending SIZE (session.create's client_pending_bytes) into *out: a size
- * or bytes, 0 allowed, and only beside --budget auto, as the daemon has it. */
-static int pending_bytes(const qmoectl_args *a, uint64_t *out)
+/* --pending SIZE (client_pending_bytes of session.create or session.resize)
+ * into *out: a size or bytes, 0 allowed, and only beside the budget `b`
+ * "auto" (create's --budget, resize's second argument), as the daemon has
+ * it. */
+static int pending_bytes(const qmoectl_args *a, const char *b, const char *what, uint64_t *out)
 {
-    const char *s = qmoectl_opt(a, "--pending"), *b = qmoectl_opt(a, "--budget");
+    const char *s = qmoectl_opt(a, "--pending");
     *out = 0;
     if (!s)
         return 0;
@@ -339,8 +341,9 @@ static int pending_bytes(const qmoectl_args *a, uint64_t *out)
                                    "not '%.32s'",
                                    s);
     if (!b || strcmp(b, "auto") != 0)
-        return qmoectl_usage_error("--pending needs --budget auto: it is memory the auto budget "
-                                   "leaves free for what the engine takes next");
+        return qmoectl_usage_error("--pending needs %s auto: it is memory the auto budget leaves "
+                                   "free for what the engine takes next",
+                                   what);
     return 0;
 }
 
@@ -365,7 +368,7 @@ static int cmd_create(qm_client *c, const qmoectl_args *a)
     if (bstr && (rc = budget_text("--budget", bstr, budget, sizeof budget)) != 0)
         return rc;
     uint64_t pending;
-    if ((rc = pending_bytes(a, &pending)) != 0)
+    if ((rc = pending_bytes(a, bstr, "--budget", &pending)) != 0)
         return rc;
     int has_pending = qmoectl_opt(a, "--pending") != NULL;
     if (a->json) {
@@ -426,16 +429,26 @@ static int cmd_resize(qm_client *c, const qmoectl_args *a)
     int rc = budget_text("the budget", a->pos[1], budget, sizeof budget);
     if (rc != 0)
         return rc;
+    uint64_t pending;
+    if ((rc = pending_bytes(a, budget, "the budget", &pending)) != 0)
+        return rc;
+    int has_pending = qmoectl_opt(a, "--pending") != NULL;
     if (a->json) {
-        char q[1024], params[1200];
+        char q[1024], params[1300];
         if (qmoectl_json_quote(a->pos[0], q, sizeof(q)) < 0)
             return qmoectl_usage_error("session id too long");
-        snprintf(params, sizeof(params), "{\"session\":%s,\"budget\":\"%s\"}", q, budget);
+        int n = snprintf(params, sizeof(params), "{\"session\":%s,\"budget\":\"%s\"", q, budget);
+        if (has_pending)
+            n += snprintf(params + n, sizeof(params) - (size_t)n, ",\"client_pending_bytes\":%llu",
+                          (unsigned long long)pending);
+        snprintf(params + n, sizeof(params) - (size_t)n, "}");
         return qmoectl_print_json(c, "session.resize", params);
     }
     uint64_t resident = 0;
     qm_client_plan_summary sum;
-    if (qm_client_session_resize_to(c, a->pos[0], budget, &resident, &sum, &err) < 0)
+    if ((has_pending ? qm_client_session_resize_auto(c, a->pos[0], pending, &resident, &sum, &err)
+                     : qm_client_session_resize_to(c, a->pos[0], budget, &resident, &sum, &err)) <
+        0)
         return qmoectl_fail(&err);
     char bud[32], res[32];
     printf("resized %s: budget %s, resident %s", a->pos[0], B(sum.budget_bytes, bud),
@@ -679,7 +692,13 @@ static int check_create(const qmoectl_args *a)
     uint64_t pending;
     if (b && (rc = budget_text("--budget", b, text, sizeof text)) != 0)
         return rc;
-    return pending_bytes(a, &pending);
+    return pending_bytes(a, b, "--budget", &pending);
+}
+
+static int check_resize(const qmoectl_args *a)
+{
+    uint64_t pending;
+    return pending_bytes(a, a->pos[1], "the budget", &pending);
 }
 
 static int check_trace(const qmoectl_args *a)
@@ -744,14 +763,17 @@ const qmoectl_cmd qmoectl_cmds[] = {
      help_policies, NULL},
     {"close", "SESSION", "Close a session and release its memory (owner or admin).", "", 1, 1,
      cmd_close, NULL, NULL, NULL},
-    {"resize", "SESSION BYTES|SIZE|N%|auto",
+    {"resize", "SESSION BYTES|SIZE|N%|auto [--pending SIZE]",
      "Change a live session's expert budget (owner or admin).\n"
      "The budget is bytes, a size (512MiB, 2G), a percentage of the model's bytes\n"
      "(40%) or auto (sized again from the memory free now; bytes or a percentage end\n"
      "auto). Shrinking evicts down to it before answering (pins that no longer fit\n"
      "are released, coldest first); growing is admitted against the daemon-wide\n"
-     "budget. Requests queued before it finish under the old budget.",
-     "", 2, 2, cmd_resize, NULL, NULL, NULL},
+     "budget. Requests queued before it finish under the old budget.\n"
+     "  --pending SIZE    with auto: memory the engine takes after the resize (a\n"
+     "                    longer context's KV cache), left free beside the reserve\n"
+     "                    (client_pending_bytes)",
+     "--pending=", 2, 2, cmd_resize, check_resize, NULL, NULL},
     {"plan", "SESSION",
      "Show a session's residency plan, one row per bank.\n"
      "Each row: the bank's decision, the reason a bank stays whole, and counts and\n"

@@ -41,7 +41,8 @@ typedef struct qm_budget_auto {
     uint64_t reserve_free; /* the part of it kept free (qm_budget_reserve_free) */
     uint64_t experts;      /* the expert bytes qmoed's sessions held then */
     uint64_t workspace;
-    uint64_t client_pending; /* the client's pending bytes left free (session.create's) */
+    uint64_t client_pending; /* the client's pending bytes left free (its session.create's
+                              * or session.resize's client_pending_bytes) */
     qm_auto_bound by;
     qm_mem_bound bound; /* the bound with the least room then (qm_budget_headroom) */
     int has_bound;      /* 0: the device's memory is not the host's */
@@ -60,8 +61,8 @@ typedef struct qm_budget_ask {
     const qm_budget_spec *spec; /* form NONE: the whole model */
     uint64_t model_bytes;       /* the model's expert bytes (bytes_total) */
     uint64_t workspace;         /* create: the workspace it will take; resize: 0 */
-    uint64_t pending;           /* create: what the client takes after it, left free
-                                 * (client_pending_bytes); resize: 0 */
+    uint64_t pending;           /* what the client takes after the call, left free
+                                 * (client_pending_bytes of a create or a resize) */
     uint64_t credit;            /* resize: bytes of its own already counted in use */
     uint64_t held;              /* the expert bytes all qmoed's sessions hold now (its own too) */
     uint64_t device_free;       /* what the devices' budgets have free for it */

@@ -374,7 +374,8 @@ static int resize_admit(qm_job *job, qm_status *st)
     qm_params *p = &job->req.params;
     qm_budget_auto autob;
     int rc = qm_sessions_budget(job->mx->sessions, qm_session_model(job->session), job->session,
-                                &p->budget, 0, &p->budget_bytes, &autob, st);
+                                &p->budget, p->client_pending_bytes, &p->budget_bytes, &autob,
+                                st);
     if (rc == 0 && autob.on) {
         job->budget_auto = qm_malloc(sizeof autob);
         if (!job->budget_auto)

@@ -148,8 +148,8 @@ uint64_t qm_sessions_resident_bytes(const qm_sessions *ss);
  * "auto" from the memory bounds now and the devices' free budget, for a
  * creation (s NULL, with a workspace to come) or a resize of s (its
  * resident bytes counted as its own, its admission free for it); for
- * "auto" what it came to in *autob (zeroed otherwise), `pending` (a
- * creation's client_pending_bytes) left free beside the reserve. */
+ * "auto" what it came to in *autob (zeroed otherwise), `pending` (the
+ * call's client_pending_bytes) left free beside the reserve. */
 int qm_sessions_budget(const qm_sessions *ss, const qm_model *m, const qm_session *s,
                        const qm_budget_spec *spec, uint64_t pending, uint64_t *bytes,
                        qm_budget_auto *autob, qm_status *st);

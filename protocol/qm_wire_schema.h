@@ -86,12 +86,7 @@
       "session: 32 lowercase hex digits")                                                          \
     P("warm", HOT, 0, 0, QM_HOT_MAX, AT(warm), NOWHERE, FN(qm__decode_warm),                       \
       "[{layer, experts}]: loaded before the answer (a re-created session's old residency)")       \
-    P("client_pending_bytes", UINT, 0, 0, UINT64_MAX, AT(client_pending_bytes),                    \
-      AT(has_client_pending_bytes), NONE,                                                          \
-      "with budget \"auto\": memory the client takes after this call (its KV cache, buffers, "     \
-      "weights it maps and has not read), left free beside the reserve")                           \
-    P("", CHECK, 0, 0, 0, NOWHERE, NOWHERE, FN(qm__check_client_pending),                          \
-      "client_pending_bytes only with budget \"auto\"")
+    QM_PARAMS_CLIENT_PENDING(P)
 
 #define QM_PARAMS_POLICY_PARAMS(P)                                                                 \
     P("prefetch", BOOL, 0, 0, 0, AT(policy_params.prefetch), AT(policy_params.has_prefetch), NONE, \
@@ -114,7 +109,18 @@
 
 #define QM_PARAMS_SESSION_RESIZE(P)                                                                \
     QM_PARAMS_BY_SESSION(P)                                                                        \
-    QM_PARAMS_BUDGET(P, 1)
+    QM_PARAMS_BUDGET(P, 1)                                                                         \
+    QM_PARAMS_CLIENT_PENDING(P)
+
+/* What an auto budget leaves free for the client (session.create, and
+ * session.resize to "auto"); after the budget's rows, whose form it checks. */
+#define QM_PARAMS_CLIENT_PENDING(P)                                                                \
+    P("client_pending_bytes", UINT, 0, 0, UINT64_MAX, AT(client_pending_bytes),                    \
+      AT(has_client_pending_bytes), NONE,                                                          \
+      "with budget \"auto\": memory the client takes after this call (its KV cache, buffers, "     \
+      "weights it maps and has not read), left free beside the reserve")                           \
+    P("", CHECK, 0, 0, 0, NOWHERE, NOWHERE, FN(qm__check_client_pending),                          \
+      "client_pending_bytes only with budget \"auto\"")
 
 /* A session's budget (session.create: optional, default the model's
  * bytes_total; session.resize: one of the two required). */
@@ -257,8 +263,9 @@ typedef struct qm_params {
     qm_hot_layer *warm;      /* session.create: experts to load first (NULL: none) */
     size_t n_warm;
     int has_client_pending_bytes;
-    uint64_t client_pending_bytes; /* session.create with budget "auto": what the client takes
-                                    * after the call, left free (daemon/qm_budget.h) */
+    uint64_t client_pending_bytes; /* session.create, session.resize with budget "auto": what
+                                    * the client takes after the call, left free
+                                    * (daemon/qm_budget.h) */
     uint32_t layer;          /* infer */
     qm_tensor hidden;        /* infer: shape [T, H] */
     int has_router_logits;

@@ -996,7 +996,8 @@ static void restart_and_plan(qm_client *c, const char *at, pid_t *d, const char 
 /* A resize sets the budget a restart brings the session back with, as the
  * resize gave it: bytes as text in place of the creation's "N%" (it used
  * to be kept as budget_bytes 0 beside "budget", which the daemon refuses:
- * the session never came back), then "auto" (sized again). */
+ * the session never came back), then "auto" with the client's pending
+ * bytes (sized again, without them). */
 START_TEST(test_a_resized_session_comes_back_with_the_budget_in_force)
 {
     char at[400];
@@ -1021,10 +1022,19 @@ START_TEST(test_a_resized_session_comes_back_with_the_budget_in_force)
     ck_assert_ptr_null(plan.budget_auto);
     qm_client_plan_free(&plan);
 
-    ck_assert_msg(qm_client_session_resize_to(c, id, "auto", NULL, NULL, &err) == 0, "%s",
+    /* "auto" leaving 1 MiB for the client: sized again on the new daemon,
+     * without them (taken by then). */
+    qm_client_plan_summary sum;
+    ck_assert_msg(qm_client_session_resize_auto(c, id, 1 << 20, NULL, &sum, &err) == 0, "%s",
                   err.reason);
+    ck_assert_ptr_nonnull(sum.budget_auto);
+    ck_assert_msg(strstr(sum.budget_auto, "the client's pending ") != NULL, "%s",
+                  sum.budget_auto);
+    qm_client_plan_summary_free(&sum);
     restart_and_plan(c, at, &d, id, 2, &plan);
-    ck_assert_ptr_nonnull(plan.budget_auto); /* sized again on the new daemon */
+    ck_assert_ptr_nonnull(plan.budget_auto);
+    ck_assert_msg(strstr(plan.budget_auto, "the client's pending") == NULL, "%s",
+                  plan.budget_auto);
     qm_client_plan_free(&plan);
     qm_client_string_free(id);
     qm_client_close(c);

@@ -136,7 +136,12 @@ def test_budget_as_a_share_or_auto(client):
     r = client.resize_session(a["session"], "40%")
     assert r["budget_bytes"] == int(total * 0.4) and "budget_auto" not in r
     r = client.resize_session(a["session"], budget="auto")
-    assert "budget_auto" in r
+    assert "budget_auto" in r and r["budget_auto"]["client_pending_bytes"] == 0
+    r = client.resize_session(a["session"], budget="auto", client_pending_bytes=1 << 20)
+    assert r["budget_auto"]["client_pending_bytes"] == 1 << 20, r
+    with pytest.raises(QmoeError) as e:
+        client.resize_session(a["session"], "40%", client_pending_bytes=1 << 20)
+    assert e.value.field == "client_pending_bytes" and 'needs budget "auto"' in str(e.value)
     with pytest.raises(QmoeError) as e:
         client.create_session("demo", budget="half")
     assert e.value.field == "budget" and '"auto"' in str(e.value)

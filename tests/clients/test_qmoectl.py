@@ -255,6 +255,27 @@ def test_create_with_pending_bytes_beside_budget_auto(daemon):
                                         check_rc=2).stderr
 
 
+def test_resize_with_pending_bytes_to_budget_auto(daemon):
+    # resize's --pending is session.resize's client_pending_bytes, as create's.
+    sid = ctl(daemon, "create", "demo", "--policy", "lru", "--budget", "auto").stdout.split()[0]
+    p = ctl(daemon, "resize", sid, "auto", "--pending", "3MiB")
+    assert p.stdout.startswith("resized %s: budget " % sid), p.stdout
+    # (last: no workspace after it, as at a creation; the session has one)
+    assert re.search(r"^budget auto: .* - the client's pending 3\.1 MB(\)| \(|$)", p.stdout, re.M), p.stdout
+    assert ctl(daemon, "plan", sid, json_out=True)["budget_auto"]["client_pending_bytes"] == 3 << 20
+    r = ctl(daemon, "resize", sid, "auto", "--pending", "4096", json_out=True)
+    assert r["budget_auto"]["client_pending_bytes"] == 4096, r
+    # Refused before the wire: beside a budget that is not auto, or not a size.
+    for args in (("40%", "--pending", "1M"), ("1MiB", "--pending", "1M"),
+                 ("auto", "--pending", "lots"), ("auto", "--pending", "-1")):
+        p = ctl(daemon, "resize", sid, *args, check_rc=2)
+        assert "--pending" in p.stderr, (args, p.stderr)
+    assert "needs the budget auto" in ctl(daemon, "resize", sid, "40%", "--pending", "1M",
+                                          check_rc=2).stderr
+    assert ctl(daemon, "plan", sid, json_out=True)["budget_auto"]["client_pending_bytes"] == 4096
+    ctl(daemon, "close", sid)
+
+
 def test_create_with_an_unknown_policy_fails_naming_the_field(daemon):
     p = ctl(daemon, "create", "demo", "--policy", "mru", check_rc=1)
     assert p.stderr.startswith("qmoectl: ") and "invalid_params" in p.stderr and "policy" in p.stderr

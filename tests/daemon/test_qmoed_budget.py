@@ -466,6 +466,30 @@ def test_resizing_an_auto_session(watched):
     assert r["budget_bytes"] == min(total, total // 3 + res), (r, res)
     assert "its own" in r["budget_auto"]["reason"]
     assert c.call("session.plan", {"session": sid})["budget_auto"]["target_bytes"] == r["budget_bytes"]
+    # "auto" leaving the client's pending bytes free (a longer context's KV
+    # cache to come), as session.create does; refused beside any other
+    # budget, and a bad value names the field; the session keeps its budget.
+    pending = total // 6
+    r = c.call("session.resize", {"session": sid, "budget": "auto", "client_pending_bytes": pending})
+    assert r["budget_bytes"] == min(total, total // 3 + res - pending), (r, res)
+    assert r["budget_auto"]["client_pending_bytes"] == pending
+    assert "- the client's pending " in r["budget_auto"]["reason"], r["budget_auto"]["reason"]
+    assert c.call("session.plan", {"session": sid})["budget_auto"] == r["budget_auto"]
+    kept = r["budget_bytes"]
+    for budget in ({"budget": "50%"}, {"budget": total // 2}, {"budget_bytes": total // 2}):
+        e = err(c.request("session.resize", dict({"session": sid, "client_pending_bytes": 1},
+                                                 **budget)))
+        assert e["code"] == -32602 and e["data"]["field"] == "client_pending_bytes", (budget, e)
+        assert 'needs budget "auto"' in e["data"]["reason"], e
+    for bad in (-1, 1.5, "100", True, None, 2 ** 60):
+        e = err(c.request("session.resize", {"session": sid, "budget": "auto",
+                                             "client_pending_bytes": bad}))
+        assert e["code"] == -32602 and e["data"]["field"] == "client_pending_bytes", (bad, e)
+    assert budget_of(c, sid) == kept
+    # Without it: the whole room again.
+    r = c.call("session.resize", {"session": sid, "budget": "auto"})
+    assert r["budget_auto"]["client_pending_bytes"] == 0
+    assert r["budget_bytes"] == min(total, total // 3 + res), (r, res)
 
 
 

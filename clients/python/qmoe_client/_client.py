@@ -1004,17 +1004,23 @@ class Client:
                      "%d, retrying the call", self.path, failed_id, session, shm.id)
         return True
 
-    def resize_session(self, session, budget_bytes=None, budget=None):
+    def resize_session(self, session, budget_bytes=None, budget=None,
+                       client_pending_bytes=None):
         """session.resize: the session's new expert budget: bytes (an int),
         "N%" of the model's expert bytes, or "auto" (bytes or "N%" end an
         auto budget; "auto" sizes it again). Requests sent before it finish
         under the old budget, later ones under the new. Returns
-        {budget_bytes, resident_bytes, plan_summary[, budget_auto]}."""
+        {budget_bytes, resident_bytes, plan_summary[, budget_auto]}.
+        client_pending_bytes (with budget "auto"): memory this process takes
+        after the call (a longer context's KV cache), left free beside the
+        daemon's reserve; not kept for a re-creation after a restart."""
         b = budget_bytes if budget is None else budget
         if b is None:
             raise ValueError("resize_session needs a budget")
         p = {"session": session}
         p.update(_budget_member(b))
+        if client_pending_bytes is not None:
+            p["client_pending_bytes"] = client_pending_bytes
         return self.call("session.resize", p)
 
     def infer(self, session, layer, hidden, router_logits=None, return_routing=False,
