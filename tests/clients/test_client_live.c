@@ -994,10 +994,10 @@ static void restart_and_plan(qm_client *c, const char *at, pid_t *d, const char 
 }
 
 /* A resize sets the budget a restart brings the session back with, as the
- * resize gave it: bytes as text in place of the creation's "N%" (it used
- * to be kept as budget_bytes 0 beside "budget", which the daemon refuses:
- * the session never came back), then "auto" with the client's pending
- * bytes (sized again, without them). */
+ * resize gave it, in place of the creation's "N%": bytes (they used to be
+ * kept beside "budget", which the daemon refuses: the session never came
+ * back), bytes as text (kept as budget_bytes 0), then "auto" with the
+ * client's pending bytes (sized again, without them). */
 START_TEST(test_a_resized_session_comes_back_with_the_budget_in_force)
 {
     char at[400];
@@ -1012,12 +1012,18 @@ START_TEST(test_a_resized_session_comes_back_with_the_budget_in_force)
     qm_client_session_params p = {.model = "demo", .policy = "lru", .budget = "50%"};
     char *id = NULL;
     ck_assert_msg(qm_client_session_create(c, &p, &id, NULL, &err) == 0, "%s", err.reason);
+    /* As bytes (it used to be kept beside the creation's "50%"), then as text. */
+    ck_assert_msg(qm_client_session_resize(c, id, 4 * bpe, NULL, NULL, &err) == 0, "%s",
+                  err.reason);
+    qm_client_plan plan;
+    restart_and_plan(c, at, &d, id, 1, &plan);
+    ck_assert_uint_eq(plan.budget_bytes, 4 * bpe);
+    qm_client_plan_free(&plan);
     char text[32];
     snprintf(text, sizeof text, "%llu", (unsigned long long)(5 * bpe));
     ck_assert_msg(qm_client_session_resize_to(c, id, text, NULL, NULL, &err) == 0, "%s",
                   err.reason);
-    qm_client_plan plan;
-    restart_and_plan(c, at, &d, id, 1, &plan);
+    restart_and_plan(c, at, &d, id, 2, &plan);
     ck_assert_uint_eq(plan.budget_bytes, 5 * bpe);
     ck_assert_ptr_null(plan.budget_auto);
     qm_client_plan_free(&plan);
@@ -1031,7 +1037,7 @@ START_TEST(test_a_resized_session_comes_back_with_the_budget_in_force)
     ck_assert_msg(strstr(sum.budget_auto, "the client's pending ") != NULL, "%s",
                   sum.budget_auto);
     qm_client_plan_summary_free(&sum);
-    restart_and_plan(c, at, &d, id, 2, &plan);
+    restart_and_plan(c, at, &d, id, 3, &plan);
     ck_assert_ptr_nonnull(plan.budget_auto);
     ck_assert_msg(strstr(plan.budget_auto, "the client's pending") == NULL, "%s",
                   plan.budget_auto);
