@@ -182,6 +182,15 @@ def test_a_map_the_daemon_reclaimed_is_passed_again(workdir, bank, caplog):
         d.stop()
 
 
+def plan_after_restore(c, sid, restores):
+    """The plan of `sid` once a call has met the restarted daemon's broken
+    connection and the client brought the session back (its restores-th)."""
+    with pytest.raises(QmoeError) as gone:
+        c.plan(sid)  # meets the broken connection
+    assert c.restore(sid, gone.value) and c.restores == restores
+    return c.plan(sid)
+
+
 def test_a_session_brought_back_is_not_given_its_pending_bytes_again(fresh_daemon, workdir, bank):
     """client_pending_bytes is what the client takes after session.create:
     by a restart it has taken them, so the session re-created with its
@@ -194,11 +203,34 @@ def test_a_session_brought_back_is_not_given_its_pending_bytes_again(fresh_daemo
         assert r["budget_auto"]["client_pending_bytes"] == pending, r
         d = restart(fresh_daemon, workdir, bank)
         try:
-            with pytest.raises(QmoeError) as gone:
-                c.plan(sid)  # meets the broken connection
-            assert c.restore(sid, gone.value) and c.restores == 1
-            plan = c.plan(sid)
+            plan = plan_after_restore(c, sid, 1)
             assert plan["budget_auto"]["client_pending_bytes"] == 0, plan["budget_auto"]
+        finally:
+            d.stop()
+            fresh_daemon.proc = d.proc
+    finally:
+        c.close()
+
+
+def test_a_resized_session_comes_back_with_its_resize_as_given(fresh_daemon, workdir, bank):
+    """A resize sets the budget a restart brings the session back with: a
+    resize to "auto" with client_pending_bytes is kept as "auto" (sized
+    again on the new daemon), without the bytes; then bytes in place of
+    the "auto" (the daemon takes one budget member, not two)."""
+    c = Client(fresh_daemon.socket, reconnect=20, warm_interval=-1)
+    try:
+        bpe = c.models()[0]["bytes_per_expert"]
+        sid = c.create_session("demo", policy="lru", budget="50%")["session"]
+        r = c.resize_session(sid, budget="auto", client_pending_bytes=1 << 20)
+        assert r["budget_auto"]["client_pending_bytes"] == 1 << 20, r
+        d = restart(fresh_daemon, workdir, bank)
+        try:
+            plan = plan_after_restore(c, sid, 1)
+            assert plan["budget_auto"]["client_pending_bytes"] == 0, plan["budget_auto"]
+            c.resize_session(sid, 5 * bpe)
+            d = restart(d, workdir, bank)
+            plan = plan_after_restore(c, sid, 2)
+            assert plan["budget_bytes"] == 5 * bpe and "budget_auto" not in plan, plan
         finally:
             d.stop()
             fresh_daemon.proc = d.proc
