@@ -82,6 +82,20 @@ PATH="$san_cc:$PATH" QMOE_HARDENING_SLOW=3 QMOE_HARDENING_RSS_SLACK_MB=640 \
   ASAN_OPTIONS=detect_leaks=1:abort_on_error=1:log_path=$san_logs/asan \
   UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1:log_path=$san_logs/ubsan \
   ctest --test-dir build-asan --output-on-failure -j"$jobs" -LE fuzz || san_rc=$?
+# One line of the sanitizer runtime is not a report: LeakSanitizer's
+# "==T==Unable to get registers from thread P.", printed when its
+# exit-time scan cannot read a thread's registers through ptrace (likely a
+# process killed during the scan: the suites SIGKILL clients and daemons
+# mid-call). Seen once, 2026-12-07, alone in its log, every test passed.
+# A log holding nothing else is shown and not counted; any other line
+# fails the stage, a leak report too.
+for f in "$san_logs"/*; do
+  [ -e "$f" ] || continue
+  if ! grep -qv '^==[0-9]*==Unable to get registers from thread [0-9]*\.$' "$f"; then
+    echo "sanitizer runtime note (not a report): $(cat "$f")" >&2
+    rm -f "$f"
+  fi
+done
 if [ -n "$(ls -A "$san_logs")" ]; then
   echo "sanitizer reports:" >&2; cat "$san_logs"/* >&2; exit 1
 fi
