@@ -77,7 +77,7 @@ else()
     string(APPEND CPACK_DEBIAN_PACKAGE_DEPENDS ", libstdc++6 (>= 12), libgcc-s1 (>= 3.0)")
   endif()
 endif()
-# libqmoe-client.so.0 ships in this package: a shlibs file lets other
+# libqmoe-client.so.1 ships in this package: a shlibs file lets other
 # packages' dpkg-shlibdeps depend on it.
 set(CPACK_DEBIAN_PACKAGE_GENERATE_SHLIBS ON)
 set(CPACK_DEBIAN_PACKAGE_GENERATE_SHLIBS_POLICY ">=")
@@ -103,7 +103,7 @@ endif()
 # Maintainer scripts and the conffiles list (dpkg keeps a locally edited
 # /etc/qmoed/qmoed.json across upgrades and asks before replacing it).
 file(WRITE ${CMAKE_BINARY_DIR}/packaging/conffiles "/etc/qmoed/qmoed.json\n")
-# libqmoe-client.so.0 lands in a linker directory: have dpkg run ldconfig.
+# libqmoe-client.so.1 lands in a linker directory: have dpkg run ldconfig.
 file(WRITE ${CMAKE_BINARY_DIR}/packaging/triggers "activate-noawait ldconfig\n")
 set(CPACK_DEBIAN_PACKAGE_CONTROL_EXTRA
     ${CMAKE_BINARY_DIR}/packaging/conffiles

@@ -11,7 +11,7 @@ if [ "$(id -u)" != 0 ]; then
 fi
 
 pkgs="build-essential cmake pkg-config libuv1-dev libcjson-dev liburing-dev check clang
-      libclang-rt-dev valgrind python3 python3-venv python3-pip redis-server redis-tools fio"
+      libclang-rt-dev valgrind python3 python3-venv python3-pip redis-server redis-tools fio abigail-tools"
 missing=""
 for p in $pkgs; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing="$missing $p"

@@ -47,7 +47,7 @@ def libdir(root):
 def test_files_land_under_the_usual_prefixes(root):
     ld, p = libdir(root), under(root, PREFIX)
     expected = [p / "bin/qmoectl", p / "include/qmoe_client.h", ld / "libqmoe-client.a",
-                ld / "libqmoe-client.so", ld / "libqmoe-client.so.0", ld / "pkgconfig/qmoe-client.pc",
+                ld / "libqmoe-client.so", ld / "libqmoe-client.so.1", ld / "pkgconfig/qmoe-client.pc",
                 p / "share/man/man1/qmoectl.1", p / "share/man/man8/qmoed.8",
                 p / "lib/systemd/system/qmoed.service", p / "lib/systemd/system/qmoed.socket",
                 p / "lib/sysusers.d/qmoed.conf", p / "lib/tmpfiles.d/qmoed.conf",

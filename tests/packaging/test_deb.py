@@ -164,7 +164,7 @@ def test_every_installed_piece_is_in_the_package(pkg):
               for l in p.stdout.splitlines()}
     ld = libdir()
     expected = ["usr/sbin/qmoed", "usr/bin/qmoectl", "usr/bin/qmoe-bank",
-                ld + "/libqmoe-client.so", ld + "/libqmoe-client.so.0", ld + "/libqmoe-client.a",
+                ld + "/libqmoe-client.so", ld + "/libqmoe-client.so.1", ld + "/libqmoe-client.a",
                 ld + "/pkgconfig/qmoe-client.pc", "usr/include/qmoe_client.h",
                 "usr/lib/systemd/system/qmoed.service", "usr/lib/systemd/system/qmoed.socket",
                 "usr/lib/sysusers.d/qmoed.conf", "usr/lib/tmpfiles.d/qmoed.conf",
@@ -188,7 +188,7 @@ def test_maintainer_data(pkg):
         assert os.access(ctl / script, os.X_OK), script
         assert run(["sh", "-n", str(ctl / script)]).returncode == 0, script
     assert "activate-noawait ldconfig" in (ctl / "triggers").read_text()
-    assert re.search(r"^libqmoe-client 0 qmoed \(>= ", (ctl / "shlibs").read_text(), re.M)
+    assert re.search(r"^libqmoe-client 1 qmoed \(>= ", (ctl / "shlibs").read_text(), re.M)
 
 
 def test_unit_points_into_the_package(pkg):
