@@ -86,10 +86,10 @@ void qm__client_resume_free(qm_client *c);
 void qm__client_keep(qm_client *c, const char *id, char *params, const char *model, int paged);
 void qm__client_unkeep(qm_client *c, const char *id); /* closed or detached */
 /* After session.resize: a re-creation takes the budget in force, as the
- * resize gave it: `text` ("N%", "auto", bytes) when not NULL, else
+ * resize gave it: `budget` ("N%", "auto", bytes) when not NULL, else
  * budget_bytes ("auto" sizes it again on the restarted daemon). */
 void qm__client_keep_budget(qm_client *c, const char *id, uint64_t budget_bytes,
-                            const char *text);
+                            const char *budget);
 /* A map of a kept session, and its memfd (duplicated here), to pass again. */
 void qm__client_keep_map(qm_client *c, qm_client_map *m, int fd);
 void qm__client_unkeep_map(qm_client *c, const qm_client_map *m);
